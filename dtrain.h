@@ -1,0 +1,2854 @@
+/* dtrain.h -- train a neural network on one device, then on many.            v0.1
+
+   A single-header C library in the style of stb: the tensor, the kernels, the
+   autograd tape, the models, the optimizer, the data loader, checkpoints and
+   metrics live in this one file, written to be read top to bottom.
+
+   USE
+       In exactly one C file:
+           #define DTRAIN_IMPLEMENTATION
+           #include "dtrain.h"
+       Everywhere else, just #include "dtrain.h".
+
+       Optional, before the include in that one file (the Makefile sets them):
+           DT_HAVE_STB    decode images with stb_image (PNG, JPEG, BMP, ...) and
+                          write PNGs with stb_image_write; link with -lstb.
+                          Without it, PPM/PGM images are read by this header.
+           DT_HAVE_CBLAS  send matrix multiplies to a system BLAS (cblas_sgemm).
+       Build with OpenMP (-fopenmp) to use every core; OMP_NUM_THREADS picks how many.
+
+   WHAT IT TEACHES, SECTION BY SECTION
+        1  errors       every failure says what went wrong and what to do, then exits
+        2  memory       where the bytes go: parameters, gradients, optimizer state,
+                        activations, communication, data -- counted per arena
+        3  tensors      a shape, a pointer to float data and one to its gradient
+        4  kernels      one function per op; the per-element arithmetic is a small
+                        inline function (DT_HD) that a GPU kernel can call too
+        5  autograd     each op appends its backward to a tape; dt_backward() walks
+                        it in reverse. Activations live in a per-step arena
+        6  models       an MLP and a Vision Transformer with PyTorch/timm names
+        7  optimizer    AdamW, SGD with momentum, gradient clipping, warmup + cosine
+        8  data         image folders, CIFAR-10 binaries, shuffling, rank sharding,
+                        augmentation, and a synthetic data set made on first use
+       13  checkpoints  safetensors files written atomically; exact resume
+       14  metrics      JSON-lines logs, progress lines, Chrome traces, benchmarks
+       (Sections 9-12 -- collectives, launching, parallel wrappers and mixed
+       precision -- arrive with the later stages; their numbers are kept so that
+       the header reads in the same order as the course.)
+
+   A FAILURE NEVER CRASHES
+       Bad flags exit with status 2, everything else that goes wrong (a missing
+       folder, a corrupt image, a truncated checkpoint) exits with status 1 after
+       one line that starts with "dtrain: error:" and names the file or flag.
+
+   LICENSE: MIT. Copy this file into your project and change what you like.
+*/
+#ifndef DTRAIN_H
+#define DTRAIN_H
+
+/* The implementation uses POSIX (fsync, open_memstream, posix_memalign). */
+#if defined(DTRAIN_IMPLEMENTATION) && !defined(_POSIX_C_SOURCE) && !defined(_GNU_SOURCE)
+#define _POSIX_C_SOURCE 200809L
+#endif
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* DT_HD marks the per-element arithmetic that the CPU loops and the CUDA kernels
+   share. In plain C it is empty; nvcc sees __host__ __device__. */
+#if defined(__CUDACC__)
+#define DT_HD __host__ __device__
+#else
+#define DT_HD
+#endif
+
+/* ---- 1. errors -------------------------------------------------------------- */
+
+/* Print "dtrain: error: <message>" (prefixed by the rank when there are several)
+   and exit with status 1. Messages name the file or flag at fault. */
+void dt_fail(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2), noreturn))
+#endif
+    ;
+/* A command-line mistake: the error, a short usage line, exit status 2. */
+void dt_usage_error(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2), noreturn))
+#endif
+    ;
+/* Print a warning line to stderr and carry on. */
+void dt_warn(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2)))
+#endif
+    ;
+
+/* ---- 2. devices and memory ------------------------------------------------------ */
+
+typedef enum { DT_CPU = 0, DT_CUDA = 1 } dt_device;
+
+/* Every byte the library allocates is counted in one of these arenas, so the
+   summary can say where the memory went -- the lesson of sharding (stage 04). */
+typedef enum {
+    DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM, DT_ARENA_ACTS,
+    DT_ARENA_COMM, DT_ARENA_DATA, DT_ARENA_COUNT
+} dt_arena;
+
+/* Zeroed, 64-byte aligned memory counted in `arena`. Fails loudly when out of memory. */
+void *dt_alloc(dt_arena arena, size_t bytes);
+/* Give back memory from dt_alloc; `bytes` must be what was asked for. */
+void dt_free(dt_arena arena, void *ptr, size_t bytes);
+/* Bytes held now and at most, per arena. */
+size_t dt_mem_now(dt_arena arena);
+size_t dt_mem_peak(dt_arena arena);
+size_t dt_mem_total_now(void);
+size_t dt_mem_total_peak(void);
+const char *dt_arena_name(dt_arena arena);
+
+/* The per-step arena holds activations and their gradients. It is a bump
+   allocator: one pointer moves forward, and dt_step_arena_reset() moves it back
+   at the start of each step. After the first step it never calls malloc again. */
+void *dt_step_alloc(size_t bytes);
+void dt_step_arena_reset(void);
+
+/* ---- 3. tensors ---------------------------------------------------------------- */
+
+typedef enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 } dt_dtype;
+
+typedef struct dt_tensor {
+    const char *name;          /* parameters only: "blocks.0.attn.qkv.weight" */
+    int ndim;
+    int shape[4];
+    int64_t numel;
+    float *data;
+    float *grad;               /* NULL until a gradient flows into it */
+    int requires_grad;         /* parameters, and anything computed from them */
+    int is_param;
+    int hook_gen, first_use;   /* parameters: where the tape last reads them (grad-ready hook) */
+} dt_tensor;
+
+/* A tensor in the per-step arena (gone at the next reset). Contents are zero. */
+dt_tensor *dt_tensor_new(int ndim, const int *shape);
+dt_tensor *dt_tensor_2d(int rows, int cols);
+/* Rows of a 2-D view: shape[0] x (product of the rest). */
+int64_t dt_tensor_rows(const dt_tensor *t);
+int64_t dt_tensor_cols(const dt_tensor *t);
+/* The gradient buffer of t, allocated (zeroed) on first use. */
+float *dt_grad(dt_tensor *t);
+
+/* ---- 4. kernels ------------------------------------------------------------------ */
+
+/* C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, row-major; op transposes
+   when trans_a / trans_b is set. The one routine every matmul goes through. */
+void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha,
+             const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc);
+
+/* Per-element arithmetic, shared with the GPU kernels. */
+DT_HD static inline float dt_gelu_value(float x);        /* x * Phi(x), exact erf */
+DT_HD static inline float dt_gelu_derivative(float x);
+/* Half types: round to nearest even; inf, NaN and subnormals survive. */
+DT_HD static inline uint16_t dt_f32_to_bf16(float f);
+DT_HD static inline float dt_bf16_to_f32(uint16_t h);
+DT_HD static inline uint16_t dt_f32_to_f16(float f);
+DT_HD static inline float dt_f16_to_f32(uint16_t h);
+
+/* ---- 5. autograd: the ops ------------------------------------------------------ */
+
+/* Each op computes its output now and, when gradients are on and an input
+   requires them, appends its backward to the tape. */
+dt_tensor *dt_linear(dt_tensor *x, dt_tensor *weight, dt_tensor *bias); /* x W^T + b */
+dt_tensor *dt_gelu(dt_tensor *x);
+dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *weight, dt_tensor *bias, float eps);
+dt_tensor *dt_add(dt_tensor *a, dt_tensor *b);
+/* qkv: [B*T, 3*D] laid out as timm's (q | k | v, heads side by side) -> [B*T, D] */
+dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int heads, int causal);
+/* patches [B*P, D] -> tokens [B*(P+1), D]: class token first, position embedding added */
+dt_tensor *dt_vit_tokens(dt_tensor *patches, dt_tensor *cls_token, dt_tensor *pos_embed, int B);
+/* x [B*T, D] -> [B, D]: token `index` of each sequence */
+dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index);
+/* Mean cross-entropy of logits [B, C] against labels; a 1-element tensor. */
+dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels);
+/* images [B, C, H, W] -> [B*(H/p)*(W/p), C*p*p], each row one patch in (c, y, x)
+   order, so a conv with kernel = stride = p is a linear layer on these rows. */
+dt_tensor *dt_patchify(const dt_tensor *images, int patch);
+
+/* Gradients on or off (off for evaluation: no tape, no gradient buffers). */
+void dt_set_grad_enabled(int on);
+/* Walk the tape backwards from a scalar loss, filling every .grad. */
+void dt_backward(dt_tensor *loss);
+/* Called for each parameter once its gradient is final during dt_backward:
+   the hook DDP uses to start all-reducing a bucket while backward goes on. */
+typedef void (*dt_grad_ready_fn)(dt_tensor *param, void *user);
+void dt_set_grad_ready_hook(dt_grad_ready_fn fn, void *user);
+/* Floating-point operations counted by the matmuls since the last reset. */
+double dt_flops_counted(void);
+void dt_flops_reset(void);
+
+/* ---- 6. models --------------------------------------------------------------------- */
+
+typedef enum { DT_MODEL_MLP = 0, DT_MODEL_VIT = 1 } dt_model_kind;
+
+typedef struct dt_model_config {
+    dt_model_kind kind;
+    int channels, image_size, classes;
+    int dim, depth, heads, patch, mlp_hidden;    /* mlp: dim = hidden width, depth = hidden layers */
+} dt_model_config;
+
+typedef struct dt_model {
+    dt_model_config cfg;
+    int nparams;
+    dt_tensor *params;         /* in forward order; data and grad point into the flat buffers */
+    float *flat_data;          /* every parameter, one after another: what DDP and FSDP move */
+    float *flat_grad;
+    int64_t numel;
+} dt_model;
+
+/* Build a model with freshly initialised weights (seeded, so runs repeat). */
+dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed);
+void dt_model_free(dt_model *m);
+/* images [B, C, S, S] scaled to [-1, 1] -> logits [B, classes] */
+dt_tensor *dt_model_forward(dt_model *m, dt_tensor *images);
+dt_tensor *dt_model_param(dt_model *m, const char *name); /* NULL when absent */
+void dt_model_zero_grad(dt_model *m);
+/* Describes the model in one line: "vit dim=192 depth=6 heads=3 patch=4 (5.36M params)". */
+void dt_model_describe(const dt_model *m, char *out, size_t n);
+
+/* ---- 7. optimizer ----------------------------------------------------------------- */
+
+typedef enum { DT_ADAMW = 0, DT_SGD = 1 } dt_optimizer_kind;
+
+typedef struct dt_optimizer {
+    dt_optimizer_kind kind;
+    float beta1, beta2, eps, weight_decay, momentum, clip_norm;
+    int64_t step;              /* optimizer steps taken (AdamW's bias correction uses it) */
+    float *m, *v;              /* AdamW's moments, or SGD's momentum in m */
+    dt_model *model;
+    float last_grad_norm;
+} dt_optimizer;
+
+dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float weight_decay,
+                                  float momentum, float clip_norm);
+void dt_optimizer_free(dt_optimizer *opt);
+/* Clip the gradients (when clip_norm > 0), update every parameter, zero the gradients. */
+void dt_optimizer_step(dt_optimizer *opt, float lr);
+/* Linear warmup from 0 over `warmup` steps, then cosine decay to 0 at `total`. */
+float dt_schedule_lr(float base_lr, int64_t step, int64_t warmup, int64_t total);
+/* The per-element updates (PyTorch's AdamW and SGD), shared with the GPU kernels. */
+DT_HD static inline void dt_adamw_update(float *p, float *m, float *v, float g, float lr,
+                                         float beta1, float beta2, float eps, float wd,
+                                         float bias_correction1, float bias_correction2);
+DT_HD static inline void dt_sgd_update(float *p, float *buf, float g, float lr, float momentum,
+                                       float wd);
+
+/* ---- 8. data ---------------------------------------------------------------------- */
+
+typedef struct dt_dataset {
+    int64_t n;
+    int channels, size, num_classes;
+    uint8_t *pixels;           /* n images, channels first, each channels*size*size bytes */
+    int32_t *labels;
+    char **class_names;        /* num_classes names (folder names, or CIFAR-10's) */
+    char source[512];
+    int64_t capacity;          /* images allocated (n shrinks when the set is sliced) */
+} dt_dataset;
+
+/* Load `split` ("train" or "val") of an image folder (DIR/split/<class>/<file>)
+   or of a CIFAR-10 binary folder, every image resized to size x size RGB. For
+   "val" of an image folder, class names must match `classes_from` (may be NULL). */
+void dt_dataset_load(const char *dir, const char *split, int size,
+                     const dt_dataset *classes_from, dt_dataset *out);
+void dt_dataset_free(dt_dataset *ds);
+/* Keep images [start, end) only: --start-idx/--end-idx. */
+void dt_dataset_slice(dt_dataset *ds, int64_t start, int64_t end);
+
+/* Decode one image file to 8-bit RGB (grey and alpha are converted) and resize
+   it to size x size. Returns NULL and a reason in err when it cannot. */
+uint8_t *dt_image_load_rgb(const char *path, int size, char *err, size_t errlen);
+/* Bilinear resize of channels-first 8-bit planes. */
+void dt_image_resize(const uint8_t *src, int channels, int w, int h, uint8_t *dst, int dw, int dh);
+
+/* The sample order of one epoch for one rank, like PyTorch's DistributedSampler:
+   a permutation seeded by (seed, epoch), padded by wrapping to a multiple of
+   world, then every world-th index starting at rank. Writes ceil(n/world)
+   indices to out and returns that count. */
+int64_t dt_sampler_indices(int64_t n, uint64_t seed, int epoch, int shuffle, int rank, int world,
+                           int64_t *out);
+
+typedef struct dt_batch {
+    dt_tensor *images;         /* [B, C, S, S] in [-1, 1] */
+    int32_t *labels;
+    int size;                  /* B */
+} dt_batch;
+
+typedef struct dt_loader {
+    const dt_dataset *ds;
+    int batch_size, rank, world, shuffle, augment, drop_last;
+    uint64_t seed;
+    int epoch;
+    int64_t *order, count, pos;
+} dt_loader;
+
+dt_loader dt_loader_create(const dt_dataset *ds, int batch_size, uint64_t seed, int shuffle,
+                           int augment, int drop_last, int rank, int world);
+void dt_loader_free(dt_loader *l);
+/* Begin `epoch`, skipping the first `skip_batches` (resume in mid-epoch). */
+void dt_loader_start_epoch(dt_loader *l, int epoch, int64_t skip_batches);
+/* The next batch, in the per-step arena; 0 at the end of the epoch. */
+int dt_loader_next(dt_loader *l, dt_batch *b);
+int64_t dt_loader_batches_per_epoch(const dt_loader *l);
+
+/* Write a learnable 10-class synthetic image set to dir/train and dir/val (PNG
+   with stb, PPM without): coloured shapes on noisy backgrounds. */
+void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint64_t seed);
+
+/* ---- 13. checkpoints (safetensors) ------------------------------------------------ */
+
+/* A safetensors file: 8-byte little-endian header length, a JSON header naming
+   each tensor's dtype, shape and byte range, then the raw data. PyTorch, numpy
+   and Hugging Face read it. Writes go to FILE.tmp, then fsync, then rename:
+   an existing file is replaced whole or not at all. */
+typedef struct dt_named_tensor { const char *name; const float *data; int ndim; int64_t shape[4]; } dt_named_tensor;
+void dt_safetensors_write(const char *path, const dt_named_tensor *tensors, int count,
+                          const char *const *meta_kv, int meta_count);
+
+typedef struct dt_safetensors dt_safetensors;   /* a file read whole and checked */
+dt_safetensors *dt_safetensors_read(const char *path);
+void dt_safetensors_close(dt_safetensors *st);
+/* Copy tensor `name` into dst as f32 (F32, F16, BF16 and F64 are read); returns 0
+   when absent, fails when its shape differs from the expected one. */
+int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndim, const int *shape);
+const char *dt_safetensors_meta(dt_safetensors *st, const char *key); /* NULL when absent */
+
+/* Load a model's weights by name (--init). Extra tensors are ignored; a missing
+   or misshapen one is an error naming it. */
+void dt_model_load_weights(dt_model *m, const char *path);
+
+/* ---- 14. metrics, traces and the shared command line ------------------------------ */
+
+double dt_now_ms(void);
+int dt_threads(void);
+
+typedef struct dt_config {
+    const char *stage;
+    const char *data;            /* NULL: the synthetic set in data/synthetic */
+    int image_size;
+    dt_model_kind model;
+    int dim, depth, heads, patch; /* -1: the model's default */
+    int batch_size, epochs;
+    int64_t steps;               /* stop after this many steps (0: run every epoch) */
+    float lr, weight_decay, momentum, clip;
+    int64_t warmup;              /* -1: 5% of the steps */
+    dt_optimizer_kind optimizer;
+    uint64_t seed;
+    dt_device device;
+    const char *log_path, *trace_path, *save_dir, *resume, *init;
+    int eval_every, log_every, augment;
+    int64_t start_idx, end_idx;  /* end -1: the whole set */
+    int bench;
+    int quiet;
+} dt_config;
+
+/* Parse the shared command line; a wrong flag or value exits with status 2. */
+dt_config dt_parse_args(int argc, char **argv, const char *stage);
+/* The model config the flags describe, for images of this shape. */
+dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int image_size, int classes);
+
+/* The phases of a training step, timed and traced. */
+typedef enum { DT_PHASE_DATA, DT_PHASE_FWD, DT_PHASE_BWD, DT_PHASE_COMM, DT_PHASE_OPT,
+               DT_PHASE_EVAL, DT_PHASE_CKPT, DT_PHASE_COUNT } dt_phase_kind;
+
+/* A training run: the position (epoch, step), the schedule, the logs. */
+typedef struct dt_run {
+    dt_config cfg;
+    dt_model *model;
+    dt_optimizer *opt;
+    dt_loader *loader;
+    const dt_dataset *val;
+    int epoch;
+    int64_t step, total_steps, batches_per_epoch, batch_in_epoch, warmup;
+    double phase_ms[DT_PHASE_COUNT], mark_ms, step_start_ms, start_ms, samples, train_ms;
+    double last_loss, loss_sum;
+    int64_t loss_count;
+    double eval_loss, eval_acc;
+    FILE *log, *trace;
+    int trace_first;
+    int stop;
+} dt_run;
+
+/* Set up a run: --init or --resume, the log and trace files, a header line. */
+void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimizer *opt,
+                  dt_loader *loader, const dt_dataset *val);
+/* Start the next epoch's data order; 0 when every epoch (or --steps) is done. */
+int dt_next_epoch(dt_run *run);
+/* Begin a step (reset the step arena, start the clock) and fetch its batch; 0 at
+   the end of the epoch. */
+int dt_next_batch(dt_run *run, dt_batch *batch);
+/* The learning rate of the step about to run (warmup, then cosine). */
+float dt_run_lr(const dt_run *run);
+/* Called once per training step, right before the batch is fetched. */
+void dt_step_begin(dt_run *run);
+/* Charge the time since the last mark to `phase` (and draw it in the trace). */
+void dt_phase(dt_run *run, dt_phase_kind phase);
+/* After the optimizer: log, print progress, evaluate; returns 1 when --steps is reached. */
+int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size);
+/* At an epoch's end: evaluate and write a checkpoint (when --save-dir is given). */
+void dt_epoch_end(dt_run *run);
+/* The summary line, the summary log record; closes files. Returns the exit status. */
+int dt_run_finish(dt_run *run);
+
+/* Mean loss and accuracy of the model over a data set, without gradients. */
+void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss, double *acc);
+/* Write / read a full training checkpoint: weights, optimizer, position, RNG seed. */
+void dt_checkpoint_save(dt_run *run, const char *path);
+void dt_checkpoint_load(dt_run *run, const char *path);
+
+/* --bench: time training steps of the configured model on in-memory data. */
+int dt_bench(const dt_config *cfg);
+
+/* Load --data (or make the synthetic set), applying --image-size and the slice. */
+void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val);
+
+#ifdef __cplusplus
+}
+#endif
+
+/* ---- per-element arithmetic (declared above; defined here because every file
+        that includes the header, and nvcc, needs the bodies) ------------------ */
+#include <math.h>
+#include <string.h>
+
+DT_HD static inline float dt_gelu_value(float x) {
+    return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+}
+/* d/dx [x Phi(x)] = Phi(x) + x phi(x) */
+DT_HD static inline float dt_gelu_derivative(float x) {
+    float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+    float pdf = 0.39894228040143268f * expf(-0.5f * x * x);
+    return cdf + x * pdf;
+}
+
+DT_HD static inline uint32_t dt_float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+DT_HD static inline float dt_bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* bf16 is the top half of an f32: round the bottom half to nearest even. */
+DT_HD static inline uint16_t dt_f32_to_bf16(float f) {
+    uint32_t x = dt_float_bits(f);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((x >> 16) | 0x40u); /* quiet NaN */
+    x += 0x7FFFu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+DT_HD static inline float dt_bf16_to_f32(uint16_t h) { return dt_bits_float((uint32_t)h << 16); }
+
+/* f16: 5 exponent bits (bias 15), 10 mantissa bits; below 2^-14 the numbers
+   are subnormal (m * 2^-24), above 65504 they round to infinity. */
+DT_HD static inline uint16_t dt_f32_to_f16(float f) {
+    uint32_t x = dt_float_bits(f);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    x &= 0x7FFFFFFFu;
+    if (x >= 0x7F800000u) return (uint16_t)(sign | (x > 0x7F800000u ? 0x7E00u : 0x7C00u));
+    if (x >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);       /* >= 65520: inf */
+    if (x < 0x38800000u) {                                           /* subnormal or zero */
+        if (x <= 0x33000000u) return sign;                           /* <= 2^-25: rounds to 0 */
+        uint32_t e = x >> 23, m = (x & 0x7FFFFFu) | 0x800000u;
+        uint32_t shift = 126u - e;
+        uint32_t half = m >> shift, rem = m & ((1u << shift) - 1u), mid = 1u << (shift - 1u);
+        if (rem > mid || (rem == mid && (half & 1u))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t r = x - 0x38000000u;                                    /* rebias 127 -> 15 */
+    uint32_t half = r >> 13, rem = r & 0x1FFFu;
+    if (rem > 0x1000u || (rem == 0x1000u && (half & 1u))) half++;    /* a carry bumps the exponent */
+    return (uint16_t)(sign | half);
+}
+DT_HD static inline float dt_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu, bits;
+    if (e == 0) {
+        if (m == 0) bits = sign;
+        else {                                                       /* subnormal: normalise */
+            e = 113;
+            while (!(m & 0x400u)) { m <<= 1; e--; }
+            bits = sign | (e << 23) | ((m & 0x3FFu) << 13);
+        }
+    } else if (e == 31) bits = sign | 0x7F800000u | (m << 13);
+    else bits = sign | ((e + 112u) << 23) | (m << 13);
+    return dt_bits_float(bits);
+}
+
+/* AdamW exactly as torch.optim.AdamW: decoupled weight decay, then the moments,
+   then the bias-corrected step. */
+DT_HD static inline void dt_adamw_update(float *p, float *m, float *v, float g, float lr,
+                                         float beta1, float beta2, float eps, float wd,
+                                         float bias_correction1, float bias_correction2) {
+    float pv = *p * (1.0f - lr * wd);
+    float mv = beta1 * *m + (1.0f - beta1) * g;
+    float vv = beta2 * *v + (1.0f - beta2) * g * g;
+    float denom = sqrtf(vv / bias_correction2) + eps;
+    *p = pv - (lr / bias_correction1) * mv / denom;
+    *m = mv;
+    *v = vv;
+}
+/* SGD with momentum as torch.optim.SGD (dampening 0): weight decay joins the
+   gradient, the buffer accumulates it, the parameter follows the buffer. */
+DT_HD static inline void dt_sgd_update(float *p, float *buf, float g, float lr, float momentum,
+                                       float wd) {
+    float gv = g + wd * *p;
+    float b = momentum * *buf + gv;
+    *buf = b;
+    *p -= lr * b;
+}
+
+#endif /* DTRAIN_H */
+
+/* ================================================================================
+   IMPLEMENTATION
+   ================================================================================ */
+#if defined(DTRAIN_IMPLEMENTATION) && !defined(DTRAIN_IMPLEMENTATION_DONE)
+#define DTRAIN_IMPLEMENTATION_DONE
+
+#include <stdarg.h>
+#include <stdlib.h>
+#include <errno.h>
+#include <ctype.h>
+#include <time.h>
+#include <dirent.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+#include <fcntl.h>
+#ifdef _OPENMP
+#include <omp.h>
+#define DT_OMP(x) _Pragma(x)
+#else
+#define DT_OMP(x)
+#endif
+#ifdef DT_HAVE_STB
+#include <stb/stb_image.h>
+#include <stb/stb_image_write.h>
+#endif
+#ifdef DT_HAVE_CBLAS
+#include <cblas.h>
+#endif
+
+/* One context per rank (per process): memory counters, the tape, the step arena.
+   Nothing else in the library is global. */
+typedef struct dt_tape_entry dt_tape_entry;
+typedef void (*dt_backward_fn)(dt_tape_entry *e);
+struct dt_tape_entry {
+    dt_backward_fn backward;
+    dt_tensor *out;
+    dt_tensor *in[4];
+    int iarg[4];
+    float farg[2];
+    void *saved;               /* op-specific buffers, in the step arena */
+};
+
+typedef struct dt_context {
+    int rank, world_size;
+    size_t mem_now[DT_ARENA_COUNT], mem_peak[DT_ARENA_COUNT], mem_total, mem_total_peak;
+    char *step_base;                   /* the step arena: one block ... */
+    size_t step_cap, step_used, step_high;
+    void **step_spill;                 /* ... and blocks malloc'd when it ran out (first step) */
+    size_t *step_spill_bytes;
+    int step_nspill, step_spill_cap;
+    dt_tape_entry *tape;
+    int tape_len, tape_cap;
+    int grad_enabled;
+    dt_grad_ready_fn grad_ready;
+    void *grad_ready_user;
+    double flops;
+    int backward_generation;
+} dt_context;
+
+static dt_context dt_ctx = { 0, 1, {0}, {0}, 0, 0, NULL, 0, 0, 0, NULL, NULL, 0, 0,
+                             NULL, 0, 0, 1, NULL, NULL, 0.0, 0 };
+
+/* ==== 1. errors =================================================================
+   A library for learners fails early and says why. There is no error code to
+   forget to check: the message names the culprit and the program exits. */
+
+static void dt_vmessage(const char *kind, const char *fmt, va_list ap) {
+    fflush(stdout);
+    if (dt_ctx.world_size > 1) fprintf(stderr, "dtrain[rank %d]: %s: ", dt_ctx.rank, kind);
+    else fprintf(stderr, "dtrain: %s: ", kind);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    fflush(stderr);
+}
+void dt_fail(const char *fmt, ...) {
+    va_list ap; va_start(ap, fmt); dt_vmessage("error", fmt, ap); va_end(ap);
+    exit(1);
+}
+void dt_usage_error(const char *fmt, ...) {
+    va_list ap; va_start(ap, fmt); dt_vmessage("error", fmt, ap); va_end(ap);
+    fprintf(stderr, "usage: train [--flag value ...]; run with --help for the flags\n");
+    exit(2);
+}
+/* Paths are built with this: a path that does not fit is an error, never a
+   silently shortened name. */
+static void dt_path(char *out, size_t n, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static void dt_path(char *out, size_t n, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int len = vsnprintf(out, n, fmt, ap);
+    va_end(ap);
+    if (len < 0 || (size_t)len >= n) dt_fail("path too long (over %zu characters): %.60s...", n - 1, out);
+}
+/* Copy a string, shortening it to fit (for labels and messages only). */
+static void dt_copy_str(char *out, size_t n, const char *s) {
+    size_t l = strlen(s);
+    if (l >= n) l = n - 1;
+    memcpy(out, s, l);
+    out[l] = 0;
+}
+void dt_warn(const char *fmt, ...) {
+    va_list ap; va_start(ap, fmt); dt_vmessage("warning", fmt, ap); va_end(ap);
+}
+
+/* ==== 2. devices and memory =====================================================
+   Every allocation names its arena. The counters are how a student sees that
+   Adam's state is twice the parameters, or that activations dominate at large
+   batch sizes. */
+
+static const char *dt_arena_names[DT_ARENA_COUNT] = {
+    "params", "grads", "optimizer", "activations", "comm", "data" };
+const char *dt_arena_name(dt_arena a) { return dt_arena_names[a]; }
+
+static void dt_mem_count(dt_arena a, size_t bytes, int sign) {
+    if (sign > 0) { dt_ctx.mem_now[a] += bytes; dt_ctx.mem_total += bytes; }
+    else { dt_ctx.mem_now[a] -= bytes; dt_ctx.mem_total -= bytes; }
+    if (dt_ctx.mem_now[a] > dt_ctx.mem_peak[a]) dt_ctx.mem_peak[a] = dt_ctx.mem_now[a];
+    if (dt_ctx.mem_total > dt_ctx.mem_total_peak) dt_ctx.mem_total_peak = dt_ctx.mem_total;
+}
+
+void *dt_alloc(dt_arena arena, size_t bytes) {
+    size_t rounded = (bytes + 63) & ~(size_t)63;
+    void *p = NULL;
+    if (rounded == 0) rounded = 64;
+    if (posix_memalign(&p, 64, rounded) != 0 || !p)
+        dt_fail("out of memory allocating %zu bytes for %s", bytes, dt_arena_names[arena]);
+    memset(p, 0, rounded);
+    dt_mem_count(arena, bytes, +1);
+    return p;
+}
+void dt_free(dt_arena arena, void *ptr, size_t bytes) {
+    if (!ptr) return;
+    free(ptr);
+    dt_mem_count(arena, bytes, -1);
+}
+size_t dt_mem_now(dt_arena a) { return dt_ctx.mem_now[a]; }
+size_t dt_mem_peak(dt_arena a) { return dt_ctx.mem_peak[a]; }
+size_t dt_mem_total_now(void) { return dt_ctx.mem_total; }
+size_t dt_mem_total_peak(void) { return dt_ctx.mem_total_peak; }
+
+void *dt_step_alloc(size_t bytes) {
+    bytes = (bytes + 63) & ~(size_t)63;
+    dt_ctx.step_high += bytes;
+    if (dt_ctx.step_used + bytes <= dt_ctx.step_cap) {
+        void *p = dt_ctx.step_base + dt_ctx.step_used;
+        dt_ctx.step_used += bytes;
+        memset(p, 0, bytes);
+        return p;
+    }
+    /* Out of room (only in the first steps): a spill block, merged at the reset. */
+    if (dt_ctx.step_nspill == dt_ctx.step_spill_cap) {
+        dt_ctx.step_spill_cap = dt_ctx.step_spill_cap ? 2 * dt_ctx.step_spill_cap : 64;
+        dt_ctx.step_spill = (void **)realloc(dt_ctx.step_spill, dt_ctx.step_spill_cap * sizeof(void *));
+        dt_ctx.step_spill_bytes = (size_t *)realloc(dt_ctx.step_spill_bytes,
+                                                    dt_ctx.step_spill_cap * sizeof(size_t));
+        if (!dt_ctx.step_spill || !dt_ctx.step_spill_bytes) dt_fail("out of memory (step arena)");
+    }
+    void *p = dt_alloc(DT_ARENA_ACTS, bytes);
+    dt_ctx.step_spill[dt_ctx.step_nspill] = p;
+    dt_ctx.step_spill_bytes[dt_ctx.step_nspill++] = bytes;
+    return p;
+}
+
+void dt_step_arena_reset(void) {
+    if (dt_ctx.step_nspill > 0) {
+        /* Grow the block to the high-water mark so the next step fits in one. */
+        size_t need = dt_ctx.step_high;
+        for (int i = 0; i < dt_ctx.step_nspill; i++)
+            dt_free(DT_ARENA_ACTS, dt_ctx.step_spill[i], dt_ctx.step_spill_bytes[i]);
+        dt_ctx.step_nspill = 0;
+        if (need > dt_ctx.step_cap) {
+            dt_free(DT_ARENA_ACTS, dt_ctx.step_base, dt_ctx.step_cap);
+            dt_ctx.step_cap = need + need / 8;
+            dt_ctx.step_base = (char *)dt_alloc(DT_ARENA_ACTS, dt_ctx.step_cap);
+        }
+    }
+    dt_ctx.step_used = 0;
+    dt_ctx.step_high = 0;
+    dt_ctx.tape_len = 0;
+}
+
+/* ==== 3. tensors ================================================================
+   A tensor is a shape and a pointer. Activations are carved out of the step
+   arena; parameters point into the model's flat buffers. */
+
+dt_tensor *dt_tensor_new(int ndim, const int *shape) {
+    dt_tensor *t = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
+    t->ndim = ndim;
+    t->numel = 1;
+    for (int i = 0; i < ndim; i++) { t->shape[i] = shape[i]; t->numel *= shape[i]; }
+    t->data = (float *)dt_step_alloc((size_t)t->numel * sizeof(float));
+    return t;
+}
+dt_tensor *dt_tensor_2d(int rows, int cols) { int s[2] = { rows, cols }; return dt_tensor_new(2, s); }
+int64_t dt_tensor_rows(const dt_tensor *t) { return t->shape[0]; }
+int64_t dt_tensor_cols(const dt_tensor *t) { return t->numel / t->shape[0]; }
+float *dt_grad(dt_tensor *t) {
+    if (!t->grad) t->grad = (float *)dt_step_alloc((size_t)t->numel * sizeof(float));
+    return t->grad;
+}
+
+/* ==== 4. kernels: matrix multiply ===============================================
+   Nearly all of training's arithmetic is matmul, so this is where speed lives.
+   The classic recipe (Goto and van de Geijn): cut K into KC-deep slabs, copy
+   ("pack") an MC x KC block of A and a KC x NC block of B into contiguous,
+   zero-padded strips, and let a small register-blocked kernel compute an
+   MR x NR tile of C from one A strip and one B strip. Packing makes every
+   load in the inner loop sequential; the MR x NR accumulators stay in vector
+   registers for the whole KC loop. Each C element is owned by one thread and
+   summed in one fixed order, so results do not depend on the thread count. */
+
+#if defined(__GNUC__) && defined(__AVX512F__)
+#define DT_VL 16
+#define DT_MR 8
+#elif defined(__GNUC__) && defined(__AVX__)
+#define DT_VL 8
+#define DT_MR 6
+#else
+#define DT_VL 4
+#define DT_MR 4
+#endif
+#define DT_NR (2 * DT_VL)
+#define DT_KC 256
+#define DT_MC (DT_MR * 16)
+#define DT_NC (DT_NR * 8)
+
+#if defined(__GNUC__)
+typedef float dt_vec __attribute__((vector_size(DT_VL * 4), aligned(4)));
+#endif
+
+/* One MR x NR tile: acc = sum over k of a[k][i] * b[k][j]. */
+static void dt_gemm_micro(int kc, const float *restrict a, const float *restrict b,
+                          float *restrict acc /* MR * NR */) {
+#if defined(__GNUC__)
+    dt_vec c0[DT_MR], c1[DT_MR];
+    for (int i = 0; i < DT_MR; i++) { c0[i] = (dt_vec){0}; c1[i] = (dt_vec){0}; }
+    for (int k = 0; k < kc; k++) {
+        dt_vec b0, b1;
+        memcpy(&b0, b + (size_t)k * DT_NR, sizeof b0);
+        memcpy(&b1, b + (size_t)k * DT_NR + DT_VL, sizeof b1);
+        const float *ak = a + (size_t)k * DT_MR;
+#pragma GCC unroll 16
+        for (int i = 0; i < DT_MR; i++) { c0[i] += ak[i] * b0; c1[i] += ak[i] * b1; }
+    }
+    for (int i = 0; i < DT_MR; i++) {
+        memcpy(acc + i * DT_NR, &c0[i], sizeof c0[i]);
+        memcpy(acc + i * DT_NR + DT_VL, &c1[i], sizeof c1[i]);
+    }
+#else
+    for (int i = 0; i < DT_MR * DT_NR; i++) acc[i] = 0;
+    for (int k = 0; k < kc; k++)
+        for (int i = 0; i < DT_MR; i++)
+            for (int j = 0; j < DT_NR; j++) acc[i * DT_NR + j] += a[k * DT_MR + i] * b[k * DT_NR + j];
+#endif
+}
+
+/* Copy op(A)[i0:i0+mc, k0:k0+kc] into MR-row strips, k-major, zero-padded. */
+static void dt_pack_a(int trans, const float *A, int lda, int i0, int mc, int k0, int kc, float *dst) {
+    for (int s = 0; s < mc; s += DT_MR) {
+        int rows = mc - s < DT_MR ? mc - s : DT_MR;
+        for (int k = 0; k < kc; k++) {
+            for (int i = 0; i < rows; i++) {
+                int r = i0 + s + i, c = k0 + k;
+                dst[i] = trans ? A[(size_t)c * lda + r] : A[(size_t)r * lda + c];
+            }
+            for (int i = rows; i < DT_MR; i++) dst[i] = 0;
+            dst += DT_MR;
+        }
+    }
+}
+/* Copy op(B)[k0:k0+kc, j0:j0+nc] into NR-column strips, k-major, zero-padded. */
+static void dt_pack_b(int trans, const float *B, int ldb, int k0, int kc, int j0, int nc, float *dst) {
+    for (int s = 0; s < nc; s += DT_NR) {
+        int cols = nc - s < DT_NR ? nc - s : DT_NR;
+        if (!trans && cols == DT_NR) {
+            for (int k = 0; k < kc; k++, dst += DT_NR)
+                memcpy(dst, B + (size_t)(k0 + k) * ldb + j0 + s, DT_NR * sizeof(float));
+            continue;
+        }
+        for (int k = 0; k < kc; k++) {
+            for (int j = 0; j < cols; j++) {
+                int r = k0 + k, c = j0 + s + j;
+                dst[j] = trans ? B[(size_t)c * ldb + r] : B[(size_t)r * ldb + c];
+            }
+            for (int j = cols; j < DT_NR; j++) dst[j] = 0;
+            dst += DT_NR;
+        }
+    }
+}
+
+static void dt_gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                            const float *B, int ldb, float beta, float *C, int ldc) {
+    int tiles_m = (M + DT_MC - 1) / DT_MC, tiles_n = (N + DT_NC - 1) / DT_NC;
+    int tiles = tiles_m * tiles_n;
+    for (int k0 = 0; k0 < K; k0 += DT_KC) {
+        int kc = K - k0 < DT_KC ? K - k0 : DT_KC;
+        float b_eff = k0 == 0 ? beta : 1.0f;
+        DT_OMP("omp parallel if(tiles > 1 && (double)M * N * kc > 65536.0)")
+        {
+            float *pa = (float *)malloc(sizeof(float) * DT_MC * DT_KC);
+            float *pb = (float *)malloc(sizeof(float) * DT_KC * DT_NC);
+            float acc[DT_MR * DT_NR];
+            if (!pa || !pb) dt_fail("out of memory in matmul");
+            DT_OMP("omp for schedule(static)")
+            for (int t = 0; t < tiles; t++) {
+                int i0 = (t / tiles_n) * DT_MC, j0 = (t % tiles_n) * DT_NC;
+                int mc = M - i0 < DT_MC ? M - i0 : DT_MC, nc = N - j0 < DT_NC ? N - j0 : DT_NC;
+                dt_pack_a(ta, A, lda, i0, mc, k0, kc, pa);
+                dt_pack_b(tb, B, ldb, k0, kc, j0, nc, pb);
+                for (int js = 0; js < nc; js += DT_NR) {
+                    for (int is = 0; is < mc; is += DT_MR) {
+                        dt_gemm_micro(kc, pa + (size_t)is * kc, pb + (size_t)js * kc, acc);
+                        int rows = mc - is < DT_MR ? mc - is : DT_MR;
+                        int cols = nc - js < DT_NR ? nc - js : DT_NR;
+                        for (int i = 0; i < rows; i++) {
+                            float *c = C + (size_t)(i0 + is + i) * ldc + j0 + js;
+                            const float *r = acc + i * DT_NR;
+                            if (b_eff == 0.0f) for (int j = 0; j < cols; j++) c[j] = alpha * r[j];
+                            else if (b_eff == 1.0f) for (int j = 0; j < cols; j++) c[j] += alpha * r[j];
+                            else for (int j = 0; j < cols; j++) c[j] = b_eff * c[j] + alpha * r[j];
+                        }
+                    }
+                }
+            }
+            free(pa);
+            free(pb);
+        }
+    }
+}
+
+void dt_gemm(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+             const float *B, int ldb, float beta, float *C, int ldc) {
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {                        /* nothing to multiply: C = beta * C */
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) C[(size_t)i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[(size_t)i * ldc + j];
+        return;
+    }
+#ifdef DT_HAVE_CBLAS
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+                M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+#else
+    dt_gemm_builtin(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+#endif
+}
+
+/* ==== 5. autograd ===============================================================
+   Reverse-mode differentiation with a tape. Each op computes its output at once
+   and, if gradients are on and any input needs one, appends an entry: which
+   function computes the input gradients from the output gradient, and what it
+   saved (layernorm's mean and 1/std, attention's probabilities). dt_backward()
+   seeds d(loss)/d(loss) = 1 and calls the entries from last to first. Every
+   backward ADDS into .grad, because a tensor used twice (a residual) receives
+   gradient from both uses. */
+
+void dt_set_grad_enabled(int on) { dt_ctx.grad_enabled = on; }
+void dt_set_grad_ready_hook(dt_grad_ready_fn fn, void *user) { dt_ctx.grad_ready = fn; dt_ctx.grad_ready_user = user; }
+double dt_flops_counted(void) { return dt_ctx.flops; }
+void dt_flops_reset(void) { dt_ctx.flops = 0; }
+
+static int dt_wants_grad(dt_tensor *a, dt_tensor *b, dt_tensor *c) {
+    if (!dt_ctx.grad_enabled) return 0;
+    return (a && a->requires_grad) || (b && b->requires_grad) || (c && c->requires_grad);
+}
+
+static dt_tape_entry *dt_tape_push(dt_backward_fn fn, dt_tensor *out, dt_tensor *a, dt_tensor *b, dt_tensor *c) {
+    if (dt_ctx.tape_len == dt_ctx.tape_cap) {
+        dt_ctx.tape_cap = dt_ctx.tape_cap ? 2 * dt_ctx.tape_cap : 256;
+        dt_ctx.tape = (dt_tape_entry *)realloc(dt_ctx.tape, dt_ctx.tape_cap * sizeof(dt_tape_entry));
+        if (!dt_ctx.tape) dt_fail("out of memory (autograd tape)");
+    }
+    dt_tape_entry *e = &dt_ctx.tape[dt_ctx.tape_len++];
+    memset(e, 0, sizeof *e);
+    e->backward = fn;
+    e->out = out;
+    e->in[0] = a; e->in[1] = b; e->in[2] = c;
+    out->requires_grad = 1;
+    return e;
+}
+
+void dt_backward(dt_tensor *loss) {
+    if (loss->numel != 1) dt_fail("dt_backward needs a scalar loss, got %lld elements", (long long)loss->numel);
+    if (!loss->requires_grad) dt_fail("the loss does not depend on any parameter (were gradients disabled?)");
+    /* Where is each parameter read first? Its gradient is final once the walk
+       has passed that entry -- the moment DDP may start communicating it. */
+    int generation = ++dt_ctx.backward_generation;
+    for (int i = 0; i < dt_ctx.tape_len; i++)
+        for (int j = 0; j < 4; j++) {
+            dt_tensor *p = dt_ctx.tape[i].in[j];
+            if (p && p->is_param && p->hook_gen != generation) { p->hook_gen = generation; p->first_use = i; }
+        }
+    dt_grad(loss)[0] = 1.0f;
+    for (int i = dt_ctx.tape_len - 1; i >= 0; i--) {
+        dt_tape_entry *e = &dt_ctx.tape[i];
+        if (e->out->grad) e->backward(e);
+        if (dt_ctx.grad_ready)
+            for (int j = 0; j < 4; j++) {
+                dt_tensor *p = e->in[j];
+                if (p && p->is_param && p->first_use == i) dt_ctx.grad_ready(p, dt_ctx.grad_ready_user);
+            }
+    }
+    dt_ctx.tape_len = 0;
+}
+
+/* -- linear: y = x W^T + b. The three matmuls of every layer's training step. -- */
+static void dt_linear_backward(dt_tape_entry *e) {
+    dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
+    int N = (int)dt_tensor_rows(x), in = (int)dt_tensor_cols(x), out = (int)dt_tensor_rows(w);
+    const float *dy = y->grad;
+    if (x->requires_grad) {              /* dx = dy W */
+        dt_gemm(0, 0, N, in, out, 1.0f, dy, out, w->data, in, 1.0f, dt_grad(x), in);
+        dt_ctx.flops += 2.0 * N * in * out;
+    }
+    if (w->requires_grad) {              /* dW = dy^T x */
+        dt_gemm(1, 0, out, in, N, 1.0f, dy, out, x->data, in, 1.0f, dt_grad(w), in);
+        dt_ctx.flops += 2.0 * N * in * out;
+    }
+    if (b && b->requires_grad) {         /* db = sum of dy over rows, in row order */
+        float *db = dt_grad(b);
+        for (int i = 0; i < N; i++)
+            for (int j = 0; j < out; j++) db[j] += dy[(size_t)i * out + j];
+    }
+}
+dt_tensor *dt_linear(dt_tensor *x, dt_tensor *w, dt_tensor *b) {
+    int N = (int)dt_tensor_rows(x), in = (int)dt_tensor_cols(x), out = (int)dt_tensor_rows(w);
+    if (dt_tensor_cols(w) != in)
+        dt_fail("linear %s: input has %d features, weight expects %lld", w->name ? w->name : "",
+                in, (long long)dt_tensor_cols(w));
+    dt_tensor *y = dt_tensor_2d(N, out);
+    dt_gemm(0, 1, N, out, in, 1.0f, x->data, in, w->data, in, 0.0f, y->data, out);
+    dt_ctx.flops += 2.0 * N * in * out;
+    if (b) {
+        DT_OMP("omp parallel for if(N * out > 32768)")
+        for (int i = 0; i < N; i++)
+            for (int j = 0; j < out; j++) y->data[(size_t)i * out + j] += b->data[j];
+    }
+    if (dt_wants_grad(x, w, b)) dt_tape_push(dt_linear_backward, y, x, w, b);
+    return y;
+}
+
+/* -- GELU, the exact erf form (as PyTorch's nn.GELU() and timm) -- */
+static void dt_gelu_backward(dt_tape_entry *e) {
+    dt_tensor *x = e->in[0];
+    if (!x->requires_grad) return;
+    float *dx = dt_grad(x);
+    const float *dy = e->out->grad, *xv = x->data;
+    int64_t n = x->numel;
+    DT_OMP("omp parallel for if(n > 65536)")
+    for (int64_t i = 0; i < n; i++) dx[i] += dy[i] * dt_gelu_derivative(xv[i]);
+}
+dt_tensor *dt_gelu(dt_tensor *x) {
+    dt_tensor *y = dt_tensor_new(x->ndim, x->shape);
+    int64_t n = x->numel;
+    const float *xv = x->data;
+    float *yv = y->data;
+    DT_OMP("omp parallel for if(n > 65536)")
+    for (int64_t i = 0; i < n; i++) yv[i] = dt_gelu_value(xv[i]);
+    if (dt_wants_grad(x, NULL, NULL)) dt_tape_push(dt_gelu_backward, y, x, NULL, NULL);
+    return y;
+}
+
+/* -- LayerNorm over the last dimension. Saves mean and 1/std per row. -- */
+static void dt_layernorm_backward(dt_tape_entry *e) {
+    dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
+    int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
+    const float *stats = (const float *)e->saved;      /* mean[N], rstd[N] */
+    const float *dy = y->grad;
+    if (x->requires_grad) {
+        float *dx = dt_grad(x);
+        DT_OMP("omp parallel for if(N * D > 32768)")
+        for (int i = 0; i < N; i++) {
+            const float *xr = x->data + (size_t)i * D, *dyr = dy + (size_t)i * D;
+            float mean = stats[i], rstd = stats[N + i];
+            double sum_g = 0, sum_gx = 0;          /* g = dy * w, the gradient of x-hat */
+            for (int j = 0; j < D; j++) {
+                float g = dyr[j] * (w ? w->data[j] : 1.0f);
+                sum_g += g;
+                sum_gx += g * (xr[j] - mean) * rstd;
+            }
+            float mg = (float)(sum_g / D), mgx = (float)(sum_gx / D);
+            float *dxr = dx + (size_t)i * D;
+            for (int j = 0; j < D; j++) {
+                float g = dyr[j] * (w ? w->data[j] : 1.0f), xhat = (xr[j] - mean) * rstd;
+                dxr[j] += rstd * (g - mg - xhat * mgx);
+            }
+        }
+    }
+    if ((w && w->requires_grad) || (b && b->requires_grad)) {
+        float *dw = w && w->requires_grad ? dt_grad(w) : NULL, *db = b && b->requires_grad ? dt_grad(b) : NULL;
+        for (int i = 0; i < N; i++) {
+            const float *xr = x->data + (size_t)i * D, *dyr = dy + (size_t)i * D;
+            float mean = stats[i], rstd = stats[N + i];
+            if (dw) for (int j = 0; j < D; j++) dw[j] += dyr[j] * (xr[j] - mean) * rstd;
+            if (db) for (int j = 0; j < D; j++) db[j] += dyr[j];
+        }
+    }
+}
+dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *w, dt_tensor *b, float eps) {
+    int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
+    dt_tensor *y = dt_tensor_new(x->ndim, x->shape);
+    float *stats = (float *)dt_step_alloc(sizeof(float) * 2 * (size_t)N);
+    DT_OMP("omp parallel for if(N * D > 32768)")
+    for (int i = 0; i < N; i++) {
+        const float *xr = x->data + (size_t)i * D;
+        float *yr = y->data + (size_t)i * D;
+        float sum = 0, var = 0;
+        for (int j = 0; j < D; j++) sum += xr[j];
+        float mean = sum / D;
+        for (int j = 0; j < D; j++) { float d = xr[j] - mean; var += d * d; }
+        float rstd = 1.0f / sqrtf(var / D + eps);       /* biased variance, as PyTorch */
+        for (int j = 0; j < D; j++)
+            yr[j] = (xr[j] - mean) * rstd * (w ? w->data[j] : 1.0f) + (b ? b->data[j] : 0.0f);
+        stats[i] = mean;
+        stats[N + i] = rstd;
+    }
+    if (dt_wants_grad(x, w, b)) dt_tape_push(dt_layernorm_backward, y, x, w, b)->saved = stats;
+    return y;
+}
+
+/* -- residual addition -- */
+static void dt_add_backward(dt_tape_entry *e) {
+    for (int k = 0; k < 2; k++) {
+        dt_tensor *t = e->in[k];
+        if (!t->requires_grad) continue;
+        float *g = dt_grad(t);
+        const float *dy = e->out->grad;
+        for (int64_t i = 0; i < t->numel; i++) g[i] += dy[i];
+    }
+}
+dt_tensor *dt_add(dt_tensor *a, dt_tensor *b) {
+    if (a->numel != b->numel) dt_fail("add: %lld and %lld elements", (long long)a->numel, (long long)b->numel);
+    dt_tensor *y = dt_tensor_new(a->ndim, a->shape);
+    for (int64_t i = 0; i < a->numel; i++) y->data[i] = a->data[i] + b->data[i];
+    if (dt_wants_grad(a, b, NULL)) dt_tape_push(dt_add_backward, y, a, b, NULL);
+    return y;
+}
+
+/* -- multi-head self-attention: softmax(Q K^T / sqrt(d)) V per (sequence, head).
+      Q, K and V are read in place from the qkv projection (row stride 3D), so
+      no reshuffling copies are needed; the heads run in parallel. -- */
+static void dt_attention_backward(dt_tape_entry *e) {
+    dt_tensor *qkv = e->in[0];
+    if (!qkv->requires_grad) return;
+    int B = e->iarg[0], T = e->iarg[1], H = e->iarg[2], D = (int)dt_tensor_cols(e->out), hd = D / H;
+    float scale = e->farg[0];
+    const float *P = (const float *)e->saved, *dout = e->out->grad;
+    float *dqkv = dt_grad(qkv);
+    float *dP_all = (float *)dt_step_alloc(sizeof(float) * (size_t)B * H * T * T);
+    DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
+    for (int bh = 0; bh < B * H; bh++) {
+        int b = bh / H, h = bh % H;
+        const float *q = qkv->data + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+        float *dq = dqkv + (size_t)b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
+        const float *p = P + (size_t)bh * T * T, *dO = dout + (size_t)b * T * D + h * hd;
+        float *dp = dP_all + (size_t)bh * T * T;
+        dt_gemm(0, 1, T, T, hd, 1.0f, dO, D, v, 3 * D, 0.0f, dp, T);    /* dP = dO V^T */
+        dt_gemm(1, 0, T, hd, T, 1.0f, p, T, dO, D, 1.0f, dv, 3 * D);     /* dV += P^T dO */
+        for (int i = 0; i < T; i++) {                                  /* through the softmax */
+            float *dr = dp + (size_t)i * T;
+            const float *pr = p + (size_t)i * T;
+            float dot = 0;
+            for (int j = 0; j < T; j++) dot += dr[j] * pr[j];
+            for (int j = 0; j < T; j++) dr[j] = pr[j] * (dr[j] - dot) * scale;
+        }
+        dt_gemm(0, 0, T, hd, T, 1.0f, dp, T, k, 3 * D, 1.0f, dq, 3 * D);  /* dQ += dS K */
+        dt_gemm(1, 0, T, hd, T, 1.0f, dp, T, q, 3 * D, 1.0f, dk, 3 * D);  /* dK += dS^T Q */
+    }
+    dt_ctx.flops += 8.0 * B * H * T * T * hd;
+}
+dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
+    int D = (int)dt_tensor_cols(qkv) / 3;
+    if (dt_tensor_cols(qkv) != 3 * D || D % H != 0 || dt_tensor_rows(qkv) != (int64_t)B * T)
+        dt_fail("attention: qkv is [%lld, %lld], expected [%d, 3*D] with D divisible by %d heads",
+                (long long)dt_tensor_rows(qkv), (long long)dt_tensor_cols(qkv), B * T, H);
+    int hd = D / H;
+    float scale = 1.0f / sqrtf((float)hd);
+    dt_tensor *out = dt_tensor_2d(B * T, D);
+    float *P = (float *)dt_step_alloc(sizeof(float) * (size_t)B * H * T * T);
+    DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
+    for (int bh = 0; bh < B * H; bh++) {
+        int b = bh / H, h = bh % H;
+        const float *q = qkv->data + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+        float *p = P + (size_t)bh * T * T;
+        dt_gemm(0, 1, T, T, hd, scale, q, 3 * D, k, 3 * D, 0.0f, p, T);   /* S = Q K^T / sqrt(d) */
+        for (int i = 0; i < T; i++) {                                     /* row softmax */
+            float *r = p + (size_t)i * T;
+            int valid = causal ? i + 1 : T;                               /* causal: no peeking ahead */
+            float mx = r[0], sum = 0;
+            for (int j = 1; j < valid; j++) mx = r[j] > mx ? r[j] : mx;
+            for (int j = 0; j < valid; j++) { r[j] = expf(r[j] - mx); sum += r[j]; }
+            for (int j = 0; j < valid; j++) r[j] /= sum;
+            for (int j = valid; j < T; j++) r[j] = 0.0f;
+        }
+        dt_gemm(0, 0, T, hd, T, 1.0f, p, T, v, 3 * D, 0.0f,                /* O = P V */
+                out->data + (size_t)b * T * D + h * hd, D);
+    }
+    dt_ctx.flops += 4.0 * B * H * T * T * hd;
+    if (dt_wants_grad(qkv, NULL, NULL)) {
+        dt_tape_entry *e = dt_tape_push(dt_attention_backward, out, qkv, NULL, NULL);
+        e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = H; e->farg[0] = scale; e->saved = P;
+    }
+    return out;
+}
+
+/* -- ViT token assembly: [class token; patch embeddings] + position embedding -- */
+static void dt_vit_tokens_backward(dt_tape_entry *e) {
+    dt_tensor *patches = e->in[0], *cls = e->in[1], *pos = e->in[2];
+    int B = e->iarg[0], P = e->iarg[1], D = e->iarg[2], T = P + 1;
+    const float *dy = e->out->grad;
+    float *dpatch = patches->requires_grad ? dt_grad(patches) : NULL;
+    float *dcls = cls->requires_grad ? dt_grad(cls) : NULL, *dpos = pos->requires_grad ? dt_grad(pos) : NULL;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            const float *g = dy + ((size_t)b * T + t) * D;
+            if (dpos) for (int j = 0; j < D; j++) dpos[(size_t)t * D + j] += g[j];
+            if (t == 0) { if (dcls) for (int j = 0; j < D; j++) dcls[j] += g[j]; }
+            else if (dpatch) for (int j = 0; j < D; j++) dpatch[((size_t)b * P + t - 1) * D + j] += g[j];
+        }
+}
+dt_tensor *dt_vit_tokens(dt_tensor *patches, dt_tensor *cls, dt_tensor *pos, int B) {
+    int D = (int)dt_tensor_cols(patches), P = (int)(dt_tensor_rows(patches) / B), T = P + 1;
+    if (pos->numel != (int64_t)T * D || cls->numel != D)
+        dt_fail("vit tokens: %d patches of %d need pos_embed of %d x %d", P, D, T, D);
+    dt_tensor *y = dt_tensor_2d(B * T, D);
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            float *o = y->data + ((size_t)b * T + t) * D;
+            const float *src = t == 0 ? cls->data : patches->data + ((size_t)b * P + t - 1) * D;
+            for (int j = 0; j < D; j++) o[j] = src[j] + pos->data[(size_t)t * D + j];
+        }
+    if (dt_wants_grad(patches, cls, pos)) {
+        dt_tape_entry *e = dt_tape_push(dt_vit_tokens_backward, y, patches, cls, pos);
+        e->iarg[0] = B; e->iarg[1] = P; e->iarg[2] = D;
+    }
+    return y;
+}
+
+/* -- pick one token per sequence (the class token feeds the head) -- */
+static void dt_select_token_backward(dt_tape_entry *e) {
+    dt_tensor *x = e->in[0];
+    if (!x->requires_grad) return;
+    int B = e->iarg[0], T = e->iarg[1], idx = e->iarg[2], D = (int)dt_tensor_cols(x);
+    float *dx = dt_grad(x);
+    for (int b = 0; b < B; b++)
+        for (int j = 0; j < D; j++) dx[((size_t)b * T + idx) * D + j] += e->out->grad[(size_t)b * D + j];
+}
+dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int idx) {
+    int D = (int)dt_tensor_cols(x);
+    dt_tensor *y = dt_tensor_2d(B, D);
+    for (int b = 0; b < B; b++) memcpy(y->data + (size_t)b * D, x->data + ((size_t)b * T + idx) * D, sizeof(float) * D);
+    if (dt_wants_grad(x, NULL, NULL)) {
+        dt_tape_entry *e = dt_tape_push(dt_select_token_backward, y, x, NULL, NULL);
+        e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = idx;
+    }
+    return y;
+}
+
+/* -- softmax cross-entropy, fused: the gradient is simply (p - onehot) / B -- */
+static void dt_cross_entropy_backward(dt_tape_entry *e) {
+    dt_tensor *logits = e->in[0];
+    if (!logits->requires_grad) return;
+    int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits);
+    const float *p = (const float *)e->saved;
+    const int32_t *labels = (const int32_t *)(p + (size_t)B * C);
+    float scale = e->out->grad[0] / B, *dl = dt_grad(logits);
+    for (int i = 0; i < B; i++)
+        for (int j = 0; j < C; j++)
+            dl[(size_t)i * C + j] += (p[(size_t)i * C + j] - (j == labels[i] ? 1.0f : 0.0f)) * scale;
+}
+dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
+    int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits);
+    float *p = (float *)dt_step_alloc(sizeof(float) * (size_t)B * C + sizeof(int32_t) * B);
+    int32_t *saved_labels = (int32_t *)(p + (size_t)B * C);
+    int s1[1] = { 1 };
+    dt_tensor *loss = dt_tensor_new(1, s1);
+    double total = 0;
+    for (int i = 0; i < B; i++) {
+        const float *r = logits->data + (size_t)i * C;
+        float *pr = p + (size_t)i * C;
+        if (labels[i] < 0 || labels[i] >= C) dt_fail("cross entropy: label %d outside [0, %d)", labels[i], C);
+        float mx = r[0];
+        for (int j = 1; j < C; j++) mx = r[j] > mx ? r[j] : mx;
+        double sum = 0;
+        for (int j = 0; j < C; j++) { pr[j] = expf(r[j] - mx); sum += pr[j]; }
+        for (int j = 0; j < C; j++) pr[j] = (float)(pr[j] / sum);
+        total += -(r[labels[i]] - mx - log(sum));
+        saved_labels[i] = labels[i];
+    }
+    loss->data[0] = (float)(total / B);
+    if (dt_wants_grad(logits, NULL, NULL)) dt_tape_push(dt_cross_entropy_backward, loss, logits, NULL, NULL)->saved = p;
+    return loss;
+}
+
+dt_tensor *dt_patchify(const dt_tensor *img, int p) {
+    int B = img->shape[0], C = img->shape[1], H = img->shape[2], W = img->shape[3];
+    int ph = H / p, pw = W / p;
+    dt_tensor *y = dt_tensor_2d(B * ph * pw, C * p * p);
+    for (int b = 0; b < B; b++)
+        for (int py = 0; py < ph; py++)
+            for (int px = 0; px < pw; px++) {
+                float *row = y->data + ((size_t)(b * ph + py) * pw + px) * C * p * p;
+                for (int c = 0; c < C; c++)
+                    for (int ky = 0; ky < p; ky++)
+                        memcpy(row + (c * p + ky) * p,
+                               img->data + (((size_t)b * C + c) * H + py * p + ky) * W + px * p, sizeof(float) * p);
+            }
+    return y;
+}
+
+/* ==== 6. layers and models ======================================================
+   A model is a list of named parameters in forward order plus a forward
+   function. All parameters sit in one flat buffer (and their gradients in
+   another): the optimizer, gradient clipping, DDP's buckets and FSDP's shards
+   are then loops over contiguous memory. Names and shapes are PyTorch's, so a
+   checkpoint opens in PyTorch as a state_dict. */
+
+typedef struct dt_rng { uint64_t s; } dt_rng;
+/* splitmix64: tiny, and good enough for initialisation and shuffling */
+static uint64_t dt_rng_u64(dt_rng *r) {
+    uint64_t z = (r->s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static double dt_rng_uniform(dt_rng *r) { return (dt_rng_u64(r) >> 11) * (1.0 / 9007199254740992.0); }
+static double dt_rng_normal(dt_rng *r) {
+    double u1 = dt_rng_uniform(r), u2 = dt_rng_uniform(r);
+    if (u1 < 1e-300) u1 = 1e-300;
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+static uint64_t dt_hash3(uint64_t a, uint64_t b, uint64_t c) {
+    dt_rng r = { a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull) * 0xD1B54A32D192ED03ull ^ c };
+    dt_rng_u64(&r);
+    return dt_rng_u64(&r);
+}
+
+typedef enum { DT_INIT_ZERO, DT_INIT_ONE, DT_INIT_UNIFORM, DT_INIT_NORMAL } dt_init_kind;
+
+typedef struct dt_model_builder {
+    dt_model *m;
+    int cap;
+    dt_init_kind *init;
+    float *init_scale;
+} dt_model_builder;
+
+static void dt_add_param(dt_model_builder *mb, const char *name, dt_init_kind init, float scale,
+                         int ndim, int s0, int s1, int s2, int s3) {
+    dt_model *m = mb->m;
+    if (m->nparams == mb->cap) {
+        mb->cap = mb->cap ? 2 * mb->cap : 64;
+        m->params = (dt_tensor *)realloc(m->params, mb->cap * sizeof(dt_tensor));
+        mb->init = (dt_init_kind *)realloc(mb->init, mb->cap * sizeof(dt_init_kind));
+        mb->init_scale = (float *)realloc(mb->init_scale, mb->cap * sizeof(float));
+        if (!m->params || !mb->init || !mb->init_scale) dt_fail("out of memory (model)");
+    }
+    dt_tensor *t = &m->params[m->nparams];
+    memset(t, 0, sizeof *t);
+    size_t len = strlen(name) + 1;
+    char *copy = (char *)malloc(len);
+    if (!copy) dt_fail("out of memory (model)");
+    memcpy(copy, name, len);
+    t->name = copy;
+    t->ndim = ndim;
+    int s[4] = { s0, s1, s2, s3 };
+    t->numel = 1;
+    for (int i = 0; i < ndim; i++) { t->shape[i] = s[i]; t->numel *= s[i]; }
+    t->requires_grad = 1;
+    t->is_param = 1;
+    mb->init[m->nparams] = init;
+    mb->init_scale[m->nparams] = scale;
+    m->nparams++;
+}
+
+static void dt_add_linear(dt_model_builder *mb, const char *prefix, int in, int out, dt_init_kind init, float scale) {
+    char name[160];
+    snprintf(name, sizeof name, "%s.weight", prefix);
+    dt_add_param(mb, name, init, scale, 2, out, in, 0, 0);
+    snprintf(name, sizeof name, "%s.bias", prefix);
+    dt_add_param(mb, name, init == DT_INIT_UNIFORM ? DT_INIT_UNIFORM : DT_INIT_ZERO, scale, 1, out, 0, 0, 0);
+}
+static void dt_add_layernorm(dt_model_builder *mb, const char *prefix, int dim) {
+    char name[160];
+    snprintf(name, sizeof name, "%s.weight", prefix);
+    dt_add_param(mb, name, DT_INIT_ONE, 0, 1, dim, 0, 0, 0);
+    snprintf(name, sizeof name, "%s.bias", prefix);
+    dt_add_param(mb, name, DT_INIT_ZERO, 0, 1, dim, 0, 0, 0);
+}
+
+dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
+    dt_model *m = (dt_model *)calloc(1, sizeof(dt_model));
+    if (!m) dt_fail("out of memory (model)");
+    m->cfg = *cfg;
+    dt_model_builder mb = { m, 0, NULL, NULL };
+    int C = cfg->channels, S = cfg->image_size, D = cfg->dim;
+    char name[160];
+    if (cfg->kind == DT_MODEL_MLP) {
+        /* PyTorch's nn.Linear initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) */
+        int in = C * S * S;
+        for (int l = 0; l <= cfg->depth; l++) {
+            int out = l == cfg->depth ? cfg->classes : D;
+            snprintf(name, sizeof name, "fc%d", l + 1);
+            dt_add_linear(&mb, name, in, out, DT_INIT_UNIFORM, 1.0f / sqrtf((float)in));
+            in = out;
+        }
+    } else {
+        /* timm's VisionTransformer: truncated-normal(0.02) linears, zero biases,
+           unit LayerNorms, a near-zero class token, conv-style patch embedding */
+        int p = cfg->patch, P = (S / p) * (S / p), fan = C * p * p;
+        if (S % p) dt_fail("image size %d is not a multiple of the patch size %d", S, p);
+        if (D % cfg->heads) dt_fail("--dim %d is not divisible by --heads %d", D, cfg->heads);
+        dt_add_param(&mb, "cls_token", DT_INIT_NORMAL, 1e-6f, 3, 1, 1, D, 0);
+        dt_add_param(&mb, "pos_embed", DT_INIT_NORMAL, 0.02f, 3, 1, P + 1, D, 0);
+        dt_add_param(&mb, "patch_embed.proj.weight", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 4, D, C, p, p);
+        dt_add_param(&mb, "patch_embed.proj.bias", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 1, D, 0, 0, 0);
+        for (int l = 0; l < cfg->depth; l++) {
+            snprintf(name, sizeof name, "blocks.%d.norm1", l); dt_add_layernorm(&mb, name, D);
+            snprintf(name, sizeof name, "blocks.%d.attn.qkv", l); dt_add_linear(&mb, name, D, 3 * D, DT_INIT_NORMAL, 0.02f);
+            snprintf(name, sizeof name, "blocks.%d.attn.proj", l); dt_add_linear(&mb, name, D, D, DT_INIT_NORMAL, 0.02f);
+            snprintf(name, sizeof name, "blocks.%d.norm2", l); dt_add_layernorm(&mb, name, D);
+            snprintf(name, sizeof name, "blocks.%d.mlp.fc1", l); dt_add_linear(&mb, name, D, cfg->mlp_hidden, DT_INIT_NORMAL, 0.02f);
+            snprintf(name, sizeof name, "blocks.%d.mlp.fc2", l); dt_add_linear(&mb, name, cfg->mlp_hidden, D, DT_INIT_NORMAL, 0.02f);
+        }
+        dt_add_layernorm(&mb, "norm", D);
+        dt_add_linear(&mb, "head", D, cfg->classes, DT_INIT_NORMAL, 0.02f);
+    }
+    for (int i = 0; i < m->nparams; i++) m->numel += m->params[i].numel;
+    m->flat_data = (float *)dt_alloc(DT_ARENA_PARAMS, (size_t)m->numel * sizeof(float));
+    m->flat_grad = (float *)dt_alloc(DT_ARENA_GRADS, (size_t)m->numel * sizeof(float));
+    dt_rng rng = { seed };
+    int64_t off = 0;
+    for (int i = 0; i < m->nparams; i++) {
+        dt_tensor *t = &m->params[i];
+        t->data = m->flat_data + off;
+        t->grad = m->flat_grad + off;
+        off += t->numel;
+        float sc = mb.init_scale[i];
+        for (int64_t j = 0; j < t->numel; j++) {
+            switch (mb.init[i]) {
+            case DT_INIT_ZERO: t->data[j] = 0; break;
+            case DT_INIT_ONE: t->data[j] = 1; break;
+            case DT_INIT_UNIFORM: t->data[j] = (float)((2 * dt_rng_uniform(&rng) - 1) * sc); break;
+            case DT_INIT_NORMAL: {       /* truncated at two standard deviations */
+                double z;
+                do z = dt_rng_normal(&rng); while (z < -2 || z > 2);
+                t->data[j] = (float)(z * sc);
+                break;
+            }
+            }
+        }
+    }
+    free(mb.init);
+    free(mb.init_scale);
+    return m;
+}
+
+void dt_model_free(dt_model *m) {
+    if (!m) return;
+    for (int i = 0; i < m->nparams; i++) free((void *)m->params[i].name);
+    free(m->params);
+    dt_free(DT_ARENA_PARAMS, m->flat_data, (size_t)m->numel * sizeof(float));
+    dt_free(DT_ARENA_GRADS, m->flat_grad, (size_t)m->numel * sizeof(float));
+    free(m);
+}
+
+dt_tensor *dt_model_param(dt_model *m, const char *name) {
+    for (int i = 0; i < m->nparams; i++)
+        if (strcmp(m->params[i].name, name) == 0) return &m->params[i];
+    return NULL;
+}
+
+void dt_model_zero_grad(dt_model *m) { memset(m->flat_grad, 0, (size_t)m->numel * sizeof(float)); }
+
+void dt_model_describe(const dt_model *m, char *out, size_t n) {
+    const dt_model_config *c = &m->cfg;
+    if (c->kind == DT_MODEL_MLP)
+        snprintf(out, n, "mlp %d -> %d x %d hidden -> %d (%.2fM params)", c->channels * c->image_size * c->image_size,
+                 c->depth, c->dim, c->classes, m->numel / 1e6);
+    else
+        snprintf(out, n, "vit dim=%d depth=%d heads=%d patch=%d mlp=%d on %dx%dx%d (%.2fM params)", c->dim, c->depth,
+                 c->heads, c->patch, c->mlp_hidden, c->channels, c->image_size, c->image_size, m->numel / 1e6);
+}
+
+dt_tensor *dt_model_forward(dt_model *m, dt_tensor *images) {
+    const dt_model_config *c = &m->cfg;
+    int B = images->shape[0], pi = 0;
+    dt_tensor *P = m->params;
+#define DT_NEXT (&P[pi++])
+    if (c->kind == DT_MODEL_MLP) {
+        dt_tensor *x = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
+        *x = *images;                                                  /* flatten: a view */
+        x->ndim = 2; x->shape[0] = B; x->shape[1] = (int)(images->numel / B);
+        for (int l = 0; l <= c->depth; l++) {
+            dt_tensor *w = DT_NEXT, *b = DT_NEXT;
+            x = dt_linear(x, w, b);
+            if (l < c->depth) x = dt_gelu(x);
+        }
+        return x;
+    }
+    int T = (c->image_size / c->patch) * (c->image_size / c->patch) + 1;
+    dt_tensor *cls = DT_NEXT, *pos = DT_NEXT, *pw = DT_NEXT, *pb = DT_NEXT;
+    dt_tensor *x = dt_linear(dt_patchify(images, c->patch), pw, pb); /* the conv, as a matmul */
+    x = dt_vit_tokens(x, cls, pos, B);
+    for (int l = 0; l < c->depth; l++) {
+        dt_tensor *n1w = DT_NEXT, *n1b = DT_NEXT, *qkvw = DT_NEXT, *qkvb = DT_NEXT, *pjw = DT_NEXT, *pjb = DT_NEXT;
+        dt_tensor *n2w = DT_NEXT, *n2b = DT_NEXT, *f1w = DT_NEXT, *f1b = DT_NEXT, *f2w = DT_NEXT, *f2b = DT_NEXT;
+        dt_tensor *h = dt_linear(dt_layernorm(x, n1w, n1b, 1e-6f), qkvw, qkvb);
+        h = dt_linear(dt_attention(h, B, T, c->heads, 0), pjw, pjb);
+        x = dt_add(x, h);                                              /* pre-LN residual */
+        h = dt_gelu(dt_linear(dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b));
+        x = dt_add(x, dt_linear(h, f2w, f2b));
+    }
+    dt_tensor *nw = DT_NEXT, *nb = DT_NEXT, *hw = DT_NEXT, *hb = DT_NEXT;
+    /* timm normalises every token, then pools the class token; normalising only
+       the class token gives the same logits for less work. */
+    x = dt_layernorm(dt_select_token(x, B, T, 0), nw, nb, 1e-6f);
+    return dt_linear(x, hw, hb);
+#undef DT_NEXT
+}
+
+/* ==== 7. optimizer ==============================================================
+   The update rules are PyTorch's, element for element, so a step here matches a
+   step there. Biases and norm weights (1-D parameters) get no weight decay. */
+
+dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float weight_decay,
+                                  float momentum, float clip_norm) {
+    dt_optimizer *o = (dt_optimizer *)calloc(1, sizeof(dt_optimizer));
+    if (!o) dt_fail("out of memory (optimizer)");
+    o->kind = kind;
+    o->beta1 = 0.9f; o->beta2 = 0.999f; o->eps = 1e-8f;
+    o->weight_decay = weight_decay; o->momentum = momentum; o->clip_norm = clip_norm;
+    o->model = model;
+    o->m = (float *)dt_alloc(DT_ARENA_OPTIM, (size_t)model->numel * sizeof(float));
+    if (kind == DT_ADAMW) o->v = (float *)dt_alloc(DT_ARENA_OPTIM, (size_t)model->numel * sizeof(float));
+    return o;
+}
+void dt_optimizer_free(dt_optimizer *o) {
+    if (!o) return;
+    dt_free(DT_ARENA_OPTIM, o->m, (size_t)o->model->numel * sizeof(float));
+    if (o->v) dt_free(DT_ARENA_OPTIM, o->v, (size_t)o->model->numel * sizeof(float));
+    free(o);
+}
+
+void dt_optimizer_step(dt_optimizer *o, float lr) {
+    dt_model *m = o->model;
+    int64_t n = m->numel;
+    float *g = m->flat_grad;
+    double sq = 0;                      /* fixed order: the norm is the same on every run */
+    for (int64_t i = 0; i < n; i++) sq += (double)g[i] * g[i];
+    o->last_grad_norm = (float)sqrt(sq);
+    if (o->clip_norm > 0 && o->last_grad_norm > o->clip_norm) {   /* torch.nn.utils.clip_grad_norm_ */
+        float c = o->clip_norm / (o->last_grad_norm + 1e-6f);
+        for (int64_t i = 0; i < n; i++) g[i] *= c;
+    }
+    o->step++;
+    float bc1 = 1.0f - powf(o->beta1, (float)o->step), bc2 = 1.0f - powf(o->beta2, (float)o->step);
+    for (int pi = 0; pi < m->nparams; pi++) {
+        dt_tensor *t = &m->params[pi];
+        int64_t off = t->data - m->flat_data, len = t->numel;
+        float wd = t->ndim >= 2 ? o->weight_decay : 0.0f;
+        float *p = m->flat_data + off, *mm = o->m + off, *gg = g + off;
+        if (o->kind == DT_ADAMW) {
+            float *vv = o->v + off;
+            DT_OMP("omp parallel for simd if(len > 65536)")
+            for (int64_t i = 0; i < len; i++)
+                dt_adamw_update(&p[i], &mm[i], &vv[i], gg[i], lr, o->beta1, o->beta2, o->eps, wd, bc1, bc2);
+        } else {
+            DT_OMP("omp parallel for simd if(len > 65536)")
+            for (int64_t i = 0; i < len; i++) dt_sgd_update(&p[i], &mm[i], gg[i], lr, o->momentum, wd);
+        }
+    }
+    dt_model_zero_grad(m);
+}
+
+float dt_schedule_lr(float base, int64_t step, int64_t warmup, int64_t total) {
+    if (warmup > 0 && step < warmup) return base * (float)(step + 1) / (float)warmup;
+    int64_t span = total - warmup;
+    if (span <= 0) return base;
+    double progress = (double)(step - warmup) / (double)span;
+    if (progress > 1) progress = 1;
+    return (float)(base * 0.5 * (1.0 + cos(3.14159265358979323846 * progress)));
+}
+
+/* ==== 8. data ===================================================================
+   Images are decoded once, resized, and kept in memory as bytes (a 50,000-image
+   32x32 set is 150 MB). Each epoch the sampler deals out a fresh permutation,
+   the same one on every rank, and each rank takes every world-th index: that
+   is all "sharding the data" means. Augmentation draws its randomness from a
+   hash of (seed, epoch, image index), so a resumed run crops and flips exactly
+   as the uninterrupted one would have. */
+
+static int dt_name_cmp(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* Sorted entries of a folder (no hidden files); want_dirs picks folders or files. */
+static char **dt_list_dir(const char *path, int want_dirs, int *count) {
+    DIR *d = opendir(path);
+    if (!d) dt_fail("cannot open folder '%s': %s", path, strerror(errno));
+    char **names = NULL;
+    int n = 0, cap = 0;
+    struct dirent *ent;
+    while ((ent = readdir(d))) {
+        if (ent->d_name[0] == '.') continue;
+        char full[4096];
+        struct stat st;
+        dt_path(full, sizeof full, "%s/%s", path, ent->d_name);
+        if (stat(full, &st) != 0) continue;
+        if (want_dirs != S_ISDIR(st.st_mode)) continue;
+        if (n == cap) {
+            cap = cap ? 2 * cap : 64;
+            names = (char **)realloc(names, cap * sizeof(char *));
+            if (!names) dt_fail("out of memory listing '%s'", path);
+        }
+        names[n] = (char *)malloc(strlen(ent->d_name) + 1);
+        if (!names[n]) dt_fail("out of memory listing '%s'", path);
+        strcpy(names[n++], ent->d_name);
+    }
+    closedir(d);
+    if (n > 1) qsort(names, n, sizeof(char *), dt_name_cmp);
+    *count = n;
+    return names;
+}
+static void dt_free_names(char **names, int n) { for (int i = 0; i < n; i++) free(names[i]); free(names); }
+
+static unsigned char *dt_read_file(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 1 << 16, n = 0;
+    unsigned char *buf = (unsigned char *)malloc(cap);
+    while (buf) {
+        n += fread(buf + n, 1, cap - n, f);
+        if (n < cap) break;
+        unsigned char *bigger = (unsigned char *)realloc(buf, cap * 2);
+        if (!bigger) { free(buf); buf = NULL; break; }
+        buf = bigger;
+        cap *= 2;
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (bad) { free(buf); return NULL; }
+    *len = n;
+    return buf;
+}
+
+void dt_image_resize(const uint8_t *src, int channels, int w, int h, uint8_t *dst, int dw, int dh) {
+    /* bilinear with pixel centres aligned (PyTorch's align_corners=False) */
+    float sx = (float)w / dw, sy = (float)h / dh;
+    for (int c = 0; c < channels; c++)
+        for (int y = 0; y < dh; y++) {
+            float fy = (y + 0.5f) * sy - 0.5f;
+            if (fy < 0) fy = 0;
+            int y0 = (int)fy, y1 = y0 + 1 < h ? y0 + 1 : h - 1;
+            float wy = fy - y0;
+            for (int x = 0; x < dw; x++) {
+                float fx = (x + 0.5f) * sx - 0.5f;
+                if (fx < 0) fx = 0;
+                int x0 = (int)fx, x1 = x0 + 1 < w ? x0 + 1 : w - 1;
+                float wx = fx - x0;
+                const uint8_t *p = src + (size_t)c * w * h;
+                float v = (1 - wy) * ((1 - wx) * p[y0 * w + x0] + wx * p[y0 * w + x1]) +
+                          wy * ((1 - wx) * p[y1 * w + x0] + wx * p[y1 * w + x1]);
+                dst[((size_t)c * dh + y) * dw + x] = (uint8_t)(v + 0.5f);
+            }
+        }
+}
+
+/* PPM (P3, P6) and PGM (P2, P5), read without any library. */
+static uint8_t *dt_decode_pnm(const unsigned char *buf, size_t len, int *w, int *h, char *err, size_t errlen) {
+    size_t pos = 2;
+    if (len < 2 || buf[0] != 'P' || (buf[1] != '2' && buf[1] != '3' && buf[1] != '5' && buf[1] != '6')) {
+#ifdef DT_HAVE_STB
+        snprintf(err, errlen, "not an image");
+#else
+        snprintf(err, errlen, "not a PPM/PGM image (this build reads only PPM/PGM; install libstb-dev "
+                              "and rebuild for PNG, JPEG and BMP)");
+#endif
+        return NULL;
+    }
+    int binary = buf[1] == '5' || buf[1] == '6', chans = (buf[1] == '3' || buf[1] == '6') ? 3 : 1;
+    long vals[3];
+    for (int i = 0; i < 3; i++) {
+        for (;;) {                                     /* whitespace and # comments */
+            while (pos < len && isspace(buf[pos])) pos++;
+            if (pos < len && buf[pos] == '#') { while (pos < len && buf[pos] != '\n') pos++; continue; }
+            break;
+        }
+        if (pos >= len || !isdigit(buf[pos])) { snprintf(err, errlen, "corrupt PPM/PGM header"); return NULL; }
+        long v = 0;
+        while (pos < len && isdigit(buf[pos]) && v < 1000000) v = v * 10 + (buf[pos++] - '0');
+        vals[i] = v;
+    }
+    if (vals[0] <= 0 || vals[1] <= 0 || vals[0] > 32768 || vals[1] > 32768 || vals[2] <= 0 || vals[2] > 65535) {
+        snprintf(err, errlen, "corrupt PPM/PGM header (%ldx%ld, max value %ld)", vals[0], vals[1], vals[2]);
+        return NULL;
+    }
+    *w = (int)vals[0]; *h = (int)vals[1];
+    int maxv = (int)vals[2], bps = maxv > 255 ? 2 : 1;
+    size_t count = (size_t)*w * *h * chans;
+    uint8_t *rgb = (uint8_t *)malloc((size_t)*w * *h * 3);
+    if (!rgb) { snprintf(err, errlen, "out of memory"); return NULL; }
+    if (binary) pos++;                                /* the single whitespace after maxval */
+    if (binary && len - (pos < len ? pos : len) < count * bps) {
+        snprintf(err, errlen, "truncated: %zu bytes of pixels expected, %zu found", count * bps, len > pos ? len - pos : 0);
+        free(rgb);
+        return NULL;
+    }
+    for (size_t i = 0; i < count; i++) {
+        long v = 0;
+        if (binary) {
+            v = bps == 2 ? (buf[pos] << 8 | buf[pos + 1]) : buf[pos];
+            pos += bps;
+        } else {
+            while (pos < len && isspace(buf[pos])) pos++;
+            if (pos >= len || !isdigit(buf[pos])) { snprintf(err, errlen, "truncated or corrupt pixel data"); free(rgb); return NULL; }
+            while (pos < len && isdigit(buf[pos])) v = v * 10 + (buf[pos++] - '0');
+        }
+        uint8_t b = (uint8_t)((v > maxv ? maxv : v) * 255 / maxv);
+        if (chans == 3) rgb[i] = b;
+        else rgb[3 * i] = rgb[3 * i + 1] = rgb[3 * i + 2] = b;     /* grey becomes RGB */
+    }
+    return rgb;
+}
+
+#ifdef DT_HAVE_STB
+/* stb_image decodes what it can of a damaged file and fills the rest with
+   zeros. A training set should not silently hold half-black images, so the
+   containers are checked first: every PNG chunk must fit and the file must
+   end with IEND; a JPEG must end with its end-of-image marker. */
+static int dt_check_container(const unsigned char *b, size_t len, char *err, size_t errlen) {
+    static const unsigned char png_sig[8] = { 137, 80, 78, 71, 13, 10, 26, 10 };
+    if (len >= 8 && memcmp(b, png_sig, 8) == 0) {
+        size_t pos = 8;
+        while (pos + 8 <= len) {
+            size_t clen = (size_t)b[pos] << 24 | (size_t)b[pos + 1] << 16 | (size_t)b[pos + 2] << 8 | b[pos + 3];
+            if (memcmp(b + pos + 4, "IEND", 4) == 0) return 1;
+            if (clen > len || pos + 12 + clen > len) break;
+            pos += 12 + clen;
+        }
+        snprintf(err, errlen, "truncated PNG (the file ends before its IEND chunk)");
+        return 0;
+    }
+    if (len >= 3 && b[0] == 0xFF && b[1] == 0xD8 && b[2] == 0xFF) {
+        size_t end = len;
+        while (end > 2 && (b[end - 1] == 0 || b[end - 1] == '\n' || b[end - 1] == '\r')) end--;
+        if (end < 4 || b[end - 2] != 0xFF || b[end - 1] != 0xD9) {
+            snprintf(err, errlen, "truncated JPEG (no end-of-image marker)");
+            return 0;
+        }
+    }
+    return 1;
+}
+#endif
+
+uint8_t *dt_image_load_rgb(const char *path, int size, char *err, size_t errlen) {
+    size_t len = 0;
+    unsigned char *buf = dt_read_file(path, &len);
+    if (!buf) { snprintf(err, errlen, "cannot read: %s", strerror(errno)); return NULL; }
+    int w = 0, h = 0;
+    uint8_t *rgb = NULL;
+    if (len == 0) snprintf(err, errlen, "empty file");
+    else if (len >= 2 && buf[0] == 'P' && buf[1] >= '1' && buf[1] <= '7') rgb = dt_decode_pnm(buf, len, &w, &h, err, errlen);
+    else {
+#ifdef DT_HAVE_STB
+        int comp = 0;
+        if (dt_check_container(buf, len, err, errlen)) {
+            rgb = stbi_load_from_memory(buf, (int)len, &w, &h, &comp, 3);  /* 3: grey and alpha -> RGB */
+            if (!rgb) snprintf(err, errlen, "%s", stbi_failure_reason());
+        }
+#else
+        rgb = dt_decode_pnm(buf, len, &w, &h, err, errlen);
+#endif
+    }
+    free(buf);
+    if (!rgb) return NULL;
+    uint8_t *planes = (uint8_t *)malloc((size_t)w * h * 3), *out = (uint8_t *)malloc((size_t)size * size * 3);
+    if (!planes || !out) dt_fail("out of memory decoding '%s'", path);
+    for (int i = 0; i < w * h; i++)                            /* interleaved -> channels first */
+        for (int c = 0; c < 3; c++) planes[(size_t)c * w * h + i] = rgb[3 * i + c];
+    free(rgb);
+    if (w == size && h == size) memcpy(out, planes, (size_t)size * size * 3);
+    else dt_image_resize(planes, 3, w, h, out, size, size);
+    free(planes);
+    return out;
+}
+
+static void dt_dataset_alloc(dt_dataset *ds, int64_t n, int size, int classes) {
+    ds->n = n; ds->capacity = n; ds->channels = 3; ds->size = size; ds->num_classes = classes;
+    ds->pixels = (uint8_t *)dt_alloc(DT_ARENA_DATA, (size_t)n * 3 * size * size);
+    ds->labels = (int32_t *)dt_alloc(DT_ARENA_DATA, (size_t)n * sizeof(int32_t));
+    ds->class_names = (char **)calloc(classes, sizeof(char *));
+}
+
+static int dt_is_cifar_dir(const char *dir, char *batches, size_t n) {
+    struct stat st;
+    char p[4096];
+    dt_path(p, sizeof p, "%s/data_batch_1.bin", dir);
+    if (stat(p, &st) == 0) { dt_path(batches, n, "%s", dir); return 1; }
+    dt_path(p, sizeof p, "%s/cifar-10-batches-bin/data_batch_1.bin", dir);
+    if (stat(p, &st) == 0) { dt_path(batches, n, "%s/cifar-10-batches-bin", dir); return 1; }
+    return 0;
+}
+
+/* CIFAR-10 binary: records of 1 label byte + 3072 pixel bytes (R, G, B planes). */
+static void dt_load_cifar(const char *dir, const char *split, int size, dt_dataset *ds) {
+    static const char *names[10] = { "airplane", "automobile", "bird", "cat", "deer",
+                                     "dog", "frog", "horse", "ship", "truck" };
+    const char *files[5] = { "data_batch_1.bin", "data_batch_2.bin", "data_batch_3.bin",
+                             "data_batch_4.bin", "data_batch_5.bin" };
+    const char *test[1] = { "test_batch.bin" };
+    int nfiles = strcmp(split, "train") == 0 ? 5 : 1;
+    const char **list = nfiles == 5 ? files : test;
+    unsigned char *bufs[5] = { 0 };
+    size_t lens[5] = { 0 };
+    int64_t total = 0;
+    for (int i = 0; i < nfiles; i++) {
+        char p[4096];
+        dt_path(p, sizeof p, "%s/%s", dir, list[i]);
+        bufs[i] = dt_read_file(p, &lens[i]);
+        if (!bufs[i]) dt_fail("CIFAR-10: cannot read '%s': %s", p, strerror(errno));
+        if (lens[i] == 0 || lens[i] % 3073 != 0)
+            dt_fail("CIFAR-10: '%s' is truncated or not a CIFAR-10 batch (%zu bytes, not a multiple of 3073)", p, lens[i]);
+        total += lens[i] / 3073;
+    }
+    dt_dataset_alloc(ds, total, size, 10);
+    for (int c = 0; c < 10; c++) { ds->class_names[c] = (char *)malloc(16); strcpy(ds->class_names[c], names[c]); }
+    int64_t k = 0;
+    size_t img = (size_t)3 * size * size;
+    for (int i = 0; i < nfiles; i++) {
+        for (size_t r = 0; r < lens[i] / 3073; r++, k++) {
+            const unsigned char *rec = bufs[i] + r * 3073;
+            if (rec[0] > 9) dt_fail("CIFAR-10: '%s/%s' record %zu has label %d (not 0-9)", dir, list[i], r, rec[0]);
+            ds->labels[k] = rec[0];
+            if (size == 32) memcpy(ds->pixels + k * img, rec + 1, 3072);
+            else dt_image_resize(rec + 1, 3, 32, 32, ds->pixels + k * img, size, size);
+        }
+        free(bufs[i]);
+    }
+    dt_copy_str(ds->source, sizeof ds->source, dir);
+}
+
+void dt_dataset_load(const char *dir, const char *split, int size, const dt_dataset *classes_from, dt_dataset *ds) {
+    struct stat st;
+    memset(ds, 0, sizeof *ds);
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
+        dt_fail("data folder '%s' does not exist (give --data DIR holding train/ and val/ class folders, "
+                "or a CIFAR-10 binary folder; leave --data out to use the synthetic set)", dir);
+    char cifar[4096];
+    if (dt_is_cifar_dir(dir, cifar, sizeof cifar)) { dt_load_cifar(cifar, split, size, ds); return; }
+    char split_dir[4096];
+    dt_path(split_dir, sizeof split_dir, "%s/%s", dir, split);
+    if (stat(split_dir, &st) != 0 || !S_ISDIR(st.st_mode))
+        dt_fail("data folder '%s' has no %s/ folder (expected %s/%s/<class>/<image>)", dir, split, dir, split);
+    int nclass = 0;
+    char **classes = dt_list_dir(split_dir, 1, &nclass);
+    if (nclass == 0) dt_fail("'%s' holds no class folders (expected %s/<class>/<image>)", split_dir, split_dir);
+    if (classes_from) {
+        int same = classes_from->num_classes == nclass;
+        for (int c = 0; same && c < nclass; c++) same = strcmp(classes[c], classes_from->class_names[c]) == 0;
+        if (!same) dt_fail("the class folders of '%s' differ from those of the training set", split_dir);
+    }
+    /* list every file first, so the images can be decoded in parallel */
+    int64_t n = 0, cap = 1024;
+    char **paths = (char **)malloc(cap * sizeof(char *));
+    int32_t *labels = (int32_t *)malloc(cap * sizeof(int32_t));
+    for (int c = 0; c < nclass; c++) {
+        char cdir[4096];
+        int nf = 0;
+        dt_path(cdir, sizeof cdir, "%s/%s", split_dir, classes[c]);
+        char **files = dt_list_dir(cdir, 0, &nf);
+        if (nf == 0) dt_fail("class folder '%s' is empty (every class needs at least one image)", cdir);
+        for (int i = 0; i < nf; i++) {
+            if (n == cap) {
+                cap *= 2;
+                paths = (char **)realloc(paths, cap * sizeof(char *));
+                labels = (int32_t *)realloc(labels, cap * sizeof(int32_t));
+                if (!paths || !labels) dt_fail("out of memory listing '%s'", cdir);
+            }
+            size_t plen = strlen(cdir) + strlen(files[i]) + 2;
+            paths[n] = (char *)malloc(plen);
+            snprintf(paths[n], plen, "%s/%s", cdir, files[i]);
+            labels[n++] = c;
+        }
+        dt_free_names(files, nf);
+    }
+    dt_dataset_alloc(ds, n, size, nclass);
+    for (int c = 0; c < nclass; c++) ds->class_names[c] = classes[c];
+    free(classes);
+    size_t img = (size_t)3 * size * size;
+    int64_t first_bad = -1;
+    char bad_reason[256] = "";
+    DT_OMP("omp parallel for schedule(dynamic, 64)")
+    for (int64_t i = 0; i < n; i++) {
+        char err[256];
+        uint8_t *px = dt_image_load_rgb(paths[i], size, err, sizeof err);
+        if (px) { memcpy(ds->pixels + i * img, px, img); free(px); }
+        else {
+            DT_OMP("omp critical(dt_bad_image)")
+            if (first_bad < 0 || i < first_bad) { first_bad = i; snprintf(bad_reason, sizeof bad_reason, "%s", err); }
+        }
+        ds->labels[i] = labels[i];
+    }
+    if (first_bad >= 0) dt_fail("cannot load image '%s': %s", paths[first_bad], bad_reason);
+    for (int64_t i = 0; i < n; i++) free(paths[i]);
+    free(paths);
+    free(labels);
+    dt_copy_str(ds->source, sizeof ds->source, split_dir);
+}
+
+void dt_dataset_free(dt_dataset *ds) {
+    size_t img = (size_t)ds->channels * ds->size * ds->size;
+    dt_free(DT_ARENA_DATA, ds->pixels, (size_t)ds->capacity * img);
+    dt_free(DT_ARENA_DATA, ds->labels, (size_t)ds->capacity * sizeof(int32_t));
+    for (int c = 0; c < ds->num_classes; c++) free(ds->class_names[c]);
+    free(ds->class_names);
+    memset(ds, 0, sizeof *ds);
+}
+
+void dt_dataset_slice(dt_dataset *ds, int64_t start, int64_t end) {
+    if (end < 0 || end > ds->n) end = ds->n;
+    if (start < 0 || start >= end)
+        dt_usage_error("--start-idx %lld / --end-idx %lld select no images of the %lld in %s", (long long)start,
+                       (long long)end, (long long)ds->n, ds->source);
+    size_t img = (size_t)ds->channels * ds->size * ds->size;
+    memmove(ds->pixels, ds->pixels + start * img, (size_t)(end - start) * img);
+    memmove(ds->labels, ds->labels + start, (size_t)(end - start) * sizeof(int32_t));
+    ds->n = end - start;
+}
+
+int64_t dt_sampler_indices(int64_t n, uint64_t seed, int epoch, int shuffle, int rank, int world, int64_t *out) {
+    int64_t *perm = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
+    if (!perm) dt_fail("out of memory (sampler)");
+    for (int64_t i = 0; i < n; i++) perm[i] = i;
+    if (shuffle) {                                     /* Fisher-Yates, seeded by (seed, epoch) */
+        dt_rng r = { dt_hash3(seed, (uint64_t)epoch, 0x5A4D50u) };
+        for (int64_t i = n - 1; i > 0; i--) {
+            int64_t j = (int64_t)(dt_rng_u64(&r) % (uint64_t)(i + 1));
+            int64_t t = perm[i]; perm[i] = perm[j]; perm[j] = t;
+        }
+    }
+    int64_t per_rank = n == 0 ? 0 : (n + world - 1) / world;
+    for (int64_t i = 0; i < per_rank; i++) out[i] = perm[(rank + i * world) % n];  /* pad by wrapping */
+    free(perm);
+    return per_rank;
+}
+
+dt_loader dt_loader_create(const dt_dataset *ds, int batch_size, uint64_t seed, int shuffle, int augment,
+                           int drop_last, int rank, int world) {
+    dt_loader l;
+    memset(&l, 0, sizeof l);
+    l.ds = ds; l.batch_size = batch_size; l.seed = seed; l.shuffle = shuffle; l.augment = augment;
+    l.drop_last = drop_last; l.rank = rank; l.world = world;
+    l.order = (int64_t *)malloc(sizeof(int64_t) * (size_t)(ds->n / world + 2));
+    if (!l.order) dt_fail("out of memory (loader)");
+    return l;
+}
+void dt_loader_free(dt_loader *l) { free(l->order); l->order = NULL; }
+
+int64_t dt_loader_batches_per_epoch(const dt_loader *l) {
+    int64_t per_rank = (l->ds->n + l->world - 1) / l->world;
+    return l->drop_last ? per_rank / l->batch_size : (per_rank + l->batch_size - 1) / l->batch_size;
+}
+
+void dt_loader_start_epoch(dt_loader *l, int epoch, int64_t skip_batches) {
+    l->epoch = epoch;
+    l->count = dt_sampler_indices(l->ds->n, l->seed, epoch, l->shuffle, l->rank, l->world, l->order);
+    l->pos = skip_batches * l->batch_size;
+}
+
+int dt_loader_next(dt_loader *l, dt_batch *b) {
+    int64_t left = l->count - l->pos;
+    if (left <= 0 || (l->drop_last && left < l->batch_size)) return 0;
+    int B = (int)(left < l->batch_size ? left : l->batch_size);
+    const dt_dataset *ds = l->ds;
+    int C = ds->channels, S = ds->size, pad = S / 8;
+    int shape[4] = { B, C, S, S };
+    b->images = dt_tensor_new(4, shape);
+    b->labels = (int32_t *)dt_step_alloc(sizeof(int32_t) * B);
+    b->size = B;
+    for (int i = 0; i < B; i++) {
+        int64_t idx = l->order[l->pos + i];
+        const uint8_t *src = ds->pixels + (size_t)idx * C * S * S;
+        float *dst = b->images->data + (size_t)i * C * S * S;
+        int flip = 0, dx = 0, dy = 0;
+        if (l->augment) {                   /* random crop (zero padding S/8) + horizontal flip */
+            uint64_t h = dt_hash3(l->seed, (uint64_t)l->epoch, (uint64_t)idx);
+            flip = (int)(h & 1);
+            dx = (int)((h >> 8) % (uint64_t)(2 * pad + 1)) - pad;
+            dy = (int)((h >> 24) % (uint64_t)(2 * pad + 1)) - pad;
+        }
+        for (int c = 0; c < C; c++)
+            for (int y = 0; y < S; y++)
+                for (int x = 0; x < S; x++) {
+                    int sx = (flip ? S - 1 - x : x) + dx, sy = y + dy;
+                    uint8_t v = (sx >= 0 && sx < S && sy >= 0 && sy < S) ? src[((size_t)c * S + sy) * S + sx] : 0;
+                    dst[((size_t)c * S + y) * S + x] = v / 127.5f - 1.0f;
+                }
+        b->labels[i] = ds->labels[idx];
+    }
+    l->pos += B;
+    return 1;
+}
+
+/* -- the synthetic set: ten classes = five shapes x two colour families, drawn
+      at random positions and sizes on noisy backgrounds. Learnable, but not by
+      looking at one pixel: the shape has to be recognised. -- */
+static void dt_hsv_to_rgb(float h, float s, float v, float *rgb) {
+    float c = v * s, hp = fmodf(h, 360.0f) / 60.0f, x = c * (1 - fabsf(fmodf(hp, 2.0f) - 1)), m = v - c;
+    float r = 0, g = 0, b = 0;
+    if (hp < 1) { r = c; g = x; } else if (hp < 2) { r = x; g = c; } else if (hp < 3) { g = c; b = x; }
+    else if (hp < 4) { g = x; b = c; } else if (hp < 5) { r = x; b = c; } else { r = c; b = x; }
+    rgb[0] = r + m; rgb[1] = g + m; rgb[2] = b + m;
+}
+
+static void dt_synthetic_image(int cls, int S, dt_rng *r, uint8_t *hwc) {
+    static const float hue_base[2] = { 10.0f, 200.0f };       /* warm, cool */
+    int shape = cls % 5, family = cls / 5;
+    float bg = 60 + 130 * (float)dt_rng_uniform(r), gx = (float)dt_rng_uniform(r) * 40 - 20;
+    float fg[3];
+    dt_hsv_to_rgb(hue_base[family] + 50 * (float)dt_rng_uniform(r), 0.55f + 0.45f * (float)dt_rng_uniform(r),
+                  0.5f + 0.5f * (float)dt_rng_uniform(r), fg);
+    float cx = S * (0.5f + 0.2f * ((float)dt_rng_uniform(r) - 0.5f)), cy = S * (0.5f + 0.2f * ((float)dt_rng_uniform(r) - 0.5f));
+    float rad = S * (0.22f + 0.12f * (float)dt_rng_uniform(r));
+    for (int y = 0; y < S; y++)
+        for (int x = 0; x < S; x++) {
+            float u = (x + 0.5f - cx) / rad, v = (y + 0.5f - cy) / rad, d2 = u * u + v * v;
+            int in = 0;
+            switch (shape) {
+            case 0: in = d2 <= 1.0f; break;                                       /* disk */
+            case 1: in = fabsf(u) <= 0.8f && fabsf(v) <= 0.8f; break;             /* square */
+            case 2: in = v <= 0.8f && v >= -1.0f && fabsf(u) <= (v + 1.0f) * 0.55f; break;  /* triangle */
+            case 3: in = (fabsf(u) <= 0.3f && fabsf(v) <= 1.0f) || (fabsf(v) <= 0.3f && fabsf(u) <= 1.0f); break;
+            case 4: in = d2 <= 1.0f && d2 >= 0.4f; break;                         /* ring */
+            }
+            for (int c = 0; c < 3; c++) {
+                float noise = 24.0f * ((float)dt_rng_uniform(r) - 0.5f);
+                float val = in ? fg[c] * 255.0f + noise : bg + gx * (x - S / 2.0f) / S + noise;
+                hwc[((size_t)y * S + x) * 3 + c] = (uint8_t)(val < 0 ? 0 : val > 255 ? 255 : val);
+            }
+        }
+}
+
+static void dt_mkdir(const char *path) {
+    if (mkdir(path, 0755) != 0 && errno != EEXIST) dt_fail("cannot create folder '%s': %s", path, strerror(errno));
+}
+
+static void dt_write_image(const char *path_noext, const uint8_t *hwc, int S) {
+    char path[4096];
+#ifdef DT_HAVE_STB
+    dt_path(path, sizeof path, "%s.png", path_noext);
+    if (!stbi_write_png(path, S, S, 3, hwc, S * 3)) dt_fail("cannot write '%s'", path);
+#else
+    dt_path(path, sizeof path, "%s.ppm", path_noext);
+    FILE *f = fopen(path, "wb");
+    if (!f) dt_fail("cannot write '%s': %s", path, strerror(errno));
+    fprintf(f, "P6\n%d %d\n255\n", S, S);
+    if (fwrite(hwc, 1, (size_t)S * S * 3, f) != (size_t)S * S * 3 || fclose(f) != 0) dt_fail("cannot write '%s'", path);
+#endif
+}
+
+void dt_synthetic_write(const char *dir, int n_train, int n_val, int S, uint64_t seed) {
+    static const char *names[10] = { "disk-warm", "square-warm", "triangle-warm", "cross-warm", "ring-warm",
+                                     "disk-cool", "square-cool", "triangle-cool", "cross-cool", "ring-cool" };
+    /* Written beside the target and renamed at the end, so an interrupted run
+       never leaves a half-made set that the next run would trust. */
+    char tmp[4096], path[4096];
+    dt_path(tmp, sizeof tmp, "%s.partial", dir);
+    dt_mkdir(tmp);
+    uint8_t *hwc = (uint8_t *)malloc((size_t)S * S * 3);
+    for (int split = 0; split < 2; split++) {
+        const char *sname = split == 0 ? "train" : "val";
+        int n = split == 0 ? n_train : n_val;
+        dt_path(path, sizeof path, "%s/%s", tmp, sname);
+        dt_mkdir(path);
+        for (int c = 0; c < 10; c++) { dt_path(path, sizeof path, "%s/%s/%s", tmp, sname, names[c]); dt_mkdir(path); }
+        for (int i = 0; i < n; i++) {
+            int cls = i % 10;
+            dt_rng r = { dt_hash3(seed, (uint64_t)split, (uint64_t)i) };
+            dt_synthetic_image(cls, S, &r, hwc);
+            dt_path(path, sizeof path, "%s/%s/%s/%05d", tmp, sname, names[cls], i / 10);
+            dt_write_image(path, hwc, S);
+        }
+    }
+    free(hwc);
+    if (rename(tmp, dir) != 0) dt_fail("cannot rename '%s' to '%s': %s", tmp, dir, strerror(errno));
+}
+
+/* ==== 13. checkpoints ===========================================================
+   A checkpoint is a safetensors file: an 8-byte little-endian header length, a
+   JSON header {"name": {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}
+   and the raw tensors. Model weights keep their PyTorch names, so
+   safetensors.torch.load_file() gives a state_dict; the optimizer's moments are
+   stored beside them as "optimizer.exp_avg.<name>", and the run's position
+   (epoch, step, seed, data range) as metadata. Writing goes to FILE.tmp, is
+   flushed to disk, and is renamed over FILE only when complete: a crash or a
+   full disk can lose the new checkpoint, never the previous one. */
+
+static void dt_json_string(FILE *f, const char *s) {
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+        else if (c < 0x20) fprintf(f, "\\u%04x", c);
+        else fputc(c, f);
+    }
+    fputc('"', f);
+}
+
+void dt_safetensors_write(const char *path, const dt_named_tensor *t, int count, const char *const *meta, int nmeta) {
+    /* the header is built in memory first: its length comes before it */
+    char *hdr = NULL;
+    size_t hlen = 0;
+    FILE *h = open_memstream(&hdr, &hlen);
+    if (!h) dt_fail("out of memory writing '%s'", path);
+    fputc('{', h);
+    if (nmeta > 0) {
+        fputs("\"__metadata__\":{", h);
+        for (int i = 0; i < nmeta; i++) {
+            if (i) fputc(',', h);
+            dt_json_string(h, meta[2 * i]); fputc(':', h); dt_json_string(h, meta[2 * i + 1]);
+        }
+        fputc('}', h);
+    }
+    uint64_t off = 0;
+    for (int i = 0; i < count; i++) {
+        int64_t numel = 1;
+        if (nmeta > 0 || i) fputc(',', h);
+        dt_json_string(h, t[i].name);
+        fputs(":{\"dtype\":\"F32\",\"shape\":[", h);
+        for (int d = 0; d < t[i].ndim; d++) { fprintf(h, d ? ",%lld" : "%lld", (long long)t[i].shape[d]); numel *= t[i].shape[d]; }
+        fprintf(h, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off, (unsigned long long)(off + 4 * numel));
+        off += 4 * (uint64_t)numel;
+    }
+    fputc('}', h);
+    while ((ftell(h) % 8) != 0) fputc(' ', h);       /* the data starts 8-byte aligned */
+    fclose(h);
+
+    char tmp[4096];
+    dt_path(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "wb");
+    if (!f) { free(hdr); dt_fail("cannot write checkpoint '%s': %s", tmp, strerror(errno)); }
+    unsigned char len8[8];
+    for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
+    int ok = fwrite(len8, 1, 8, f) == 8 && fwrite(hdr, 1, hlen, f) == hlen;
+    for (int i = 0; ok && i < count; i++) {
+        int64_t numel = 1;
+        for (int d = 0; d < t[i].ndim; d++) numel *= t[i].shape[d];
+        ok = fwrite(t[i].data, sizeof(float), (size_t)numel, f) == (size_t)numel;   /* little-endian hosts */
+    }
+    ok = ok && fflush(f) == 0 && fsync(fileno(f)) == 0;
+    int saved_errno = errno;
+    ok = (fclose(f) == 0) && ok;
+    free(hdr);
+    if (!ok) {
+        unlink(tmp);
+        dt_fail("could not write checkpoint '%s': %s (nothing was replaced; the previous file, if any, is intact)",
+                path, strerror(saved_errno ? saved_errno : EIO));
+    }
+    if (rename(tmp, path) != 0) {
+        saved_errno = errno;
+        unlink(tmp);
+        dt_fail("could not rename '%s' to '%s': %s", tmp, path, strerror(saved_errno));
+    }
+}
+
+typedef struct dt_st_tensor { char *name; char dtype[8]; int ndim; int64_t shape[8]; uint64_t begin, end; } dt_st_tensor;
+struct dt_safetensors {
+    char path[1024];
+    unsigned char *buf;
+    size_t len, data_start;
+    dt_st_tensor *t;
+    int n, cap;
+    char **meta;                 /* key, value, key, value, ... */
+    int nmeta;
+};
+
+/* A JSON reader just big enough for a safetensors header. */
+typedef struct { const char *s; size_t pos, len; int ok; } dt_json;
+static void dt_json_ws(dt_json *j) { while (j->pos < j->len && isspace((unsigned char)j->s[j->pos])) j->pos++; }
+static int dt_json_peek(dt_json *j) { dt_json_ws(j); return j->pos < j->len ? j->s[j->pos] : -1; }
+static int dt_json_eat(dt_json *j, char c) {
+    if (dt_json_peek(j) == c) { j->pos++; return 1; }
+    j->ok = 0;
+    return 0;
+}
+static char *dt_json_str(dt_json *j) {
+    if (!dt_json_eat(j, '"')) return NULL;
+    char *out = (char *)malloc(j->len - j->pos + 1);
+    size_t n = 0;
+    while (j->pos < j->len && j->s[j->pos] != '"') {
+        char c = j->s[j->pos++];
+        if (c == '\\' && j->pos < j->len) {
+            char e = j->s[j->pos++];
+            switch (e) {
+            case 'n': c = '\n'; break;
+            case 't': c = '\t'; break;
+            case 'r': c = '\r'; break;
+            case 'b': c = '\b'; break;
+            case 'f': c = '\f'; break;
+            case 'u': {
+                unsigned v = 0;
+                for (int k = 0; k < 4 && j->pos < j->len; k++) {
+                    char hx = j->s[j->pos++];
+                    v = v * 16 + (unsigned)(isdigit((unsigned char)hx) ? hx - '0' : (tolower((unsigned char)hx) - 'a' + 10));
+                }
+                c = v < 128 ? (char)v : '?';
+                break;
+            }
+            default: c = e;
+            }
+        }
+        out[n++] = c;
+    }
+    out[n] = 0;
+    if (!dt_json_eat(j, '"')) { free(out); return NULL; }
+    return out;
+}
+static int64_t dt_json_int(dt_json *j) {
+    dt_json_ws(j);
+    int neg = 0;
+    int64_t v = 0;
+    if (j->pos < j->len && j->s[j->pos] == '-') { neg = 1; j->pos++; }
+    if (j->pos >= j->len || !isdigit((unsigned char)j->s[j->pos])) { j->ok = 0; return 0; }
+    while (j->pos < j->len && isdigit((unsigned char)j->s[j->pos])) {
+        if (v > (INT64_MAX - 9) / 10) { j->ok = 0; return 0; }
+        v = v * 10 + (j->s[j->pos++] - '0');
+    }
+    return neg ? -v : v;
+}
+static void dt_json_skip(dt_json *j, int depth) {       /* any value we do not need */
+    int c = dt_json_peek(j);
+    if (depth > 64) { j->ok = 0; return; }
+    if (c == '"') free(dt_json_str(j));
+    else if (c == '{' || c == '[') {
+        char close = c == '{' ? '}' : ']';
+        j->pos++;
+        if (dt_json_peek(j) == close) { j->pos++; return; }
+        while (j->ok) {
+            if (c == '{') { free(dt_json_str(j)); dt_json_eat(j, ':'); }
+            dt_json_skip(j, depth + 1);
+            if (dt_json_peek(j) == ',') { j->pos++; continue; }
+            dt_json_eat(j, close);
+            return;
+        }
+    } else {
+        while (j->pos < j->len && (isalnum((unsigned char)j->s[j->pos]) || strchr("+-.", j->s[j->pos]))) j->pos++;
+    }
+}
+static int dt_json_int_array(dt_json *j, int64_t *out, int max) {
+    int n = 0;
+    if (!dt_json_eat(j, '[')) return 0;
+    if (dt_json_peek(j) == ']') { j->pos++; return 0; }
+    while (j->ok) {
+        int64_t v = dt_json_int(j);
+        if (n < max) out[n] = v; else j->ok = 0;
+        n++;
+        if (dt_json_peek(j) == ',') { j->pos++; continue; }
+        dt_json_eat(j, ']');
+        break;
+    }
+    return n;
+}
+
+static int dt_dtype_size(const char *d) {
+    if (!strcmp(d, "F32")) return 4;
+    if (!strcmp(d, "F16") || !strcmp(d, "BF16")) return 2;
+    if (!strcmp(d, "F64")) return 8;
+    return 0;
+}
+
+dt_safetensors *dt_safetensors_read(const char *path) {
+    size_t len = 0;
+    unsigned char *buf = dt_read_file(path, &len);
+    if (!buf) dt_fail("cannot read '%s': %s", path, strerror(errno));
+    if (len < 8) dt_fail("'%s' is truncated or not a safetensors file (%zu bytes)", path, len);
+    uint64_t hlen = 0;
+    for (int i = 0; i < 8; i++) hlen |= (uint64_t)buf[i] << (8 * i);
+    if (hlen > len - 8)
+        dt_fail("'%s' is truncated or not a safetensors file (its header claims %llu bytes, the file has %zu)",
+                path, (unsigned long long)hlen, len);
+    dt_safetensors *st = (dt_safetensors *)calloc(1, sizeof *st);
+    dt_copy_str(st->path, sizeof st->path, path);
+    st->buf = buf; st->len = len; st->data_start = 8 + hlen;
+    dt_json j = { (const char *)buf + 8, 0, hlen, 1 };
+    dt_json_eat(&j, '{');
+    while (j.ok && dt_json_peek(&j) != '}') {
+        char *key = dt_json_str(&j);
+        dt_json_eat(&j, ':');
+        if (!j.ok) { free(key); break; }
+        if (!strcmp(key, "__metadata__")) {
+            dt_json_eat(&j, '{');
+            while (j.ok && dt_json_peek(&j) != '}') {
+                char *k = dt_json_str(&j);
+                dt_json_eat(&j, ':');
+                char *v = dt_json_peek(&j) == '"' ? dt_json_str(&j) : NULL;
+                if (!v) { free(k); j.ok = 0; break; }
+                st->meta = (char **)realloc(st->meta, sizeof(char *) * 2 * (st->nmeta + 1));
+                st->meta[2 * st->nmeta] = k; st->meta[2 * st->nmeta + 1] = v; st->nmeta++;
+                if (dt_json_peek(&j) == ',') j.pos++;
+            }
+            dt_json_eat(&j, '}');
+            free(key);
+        } else {
+            if (st->n == st->cap) {
+                st->cap = st->cap ? 2 * st->cap : 64;
+                st->t = (dt_st_tensor *)realloc(st->t, sizeof(dt_st_tensor) * st->cap);
+            }
+            dt_st_tensor *t = &st->t[st->n++];
+            memset(t, 0, sizeof *t);
+            t->name = key;
+            int64_t offs[2] = { -1, -1 };
+            int have_dtype = 0, have_offsets = 0;
+            dt_json_eat(&j, '{');
+            while (j.ok && dt_json_peek(&j) != '}') {
+                char *f = dt_json_str(&j);
+                dt_json_eat(&j, ':');
+                if (f && !strcmp(f, "dtype")) {
+                    char *d = dt_json_str(&j);
+                    if (d) { snprintf(t->dtype, sizeof t->dtype, "%s", d); have_dtype = 1; }
+                    free(d);
+                } else if (f && !strcmp(f, "shape")) t->ndim = dt_json_int_array(&j, t->shape, 8);
+                else if (f && !strcmp(f, "data_offsets")) have_offsets = dt_json_int_array(&j, offs, 2) == 2;
+                else dt_json_skip(&j, 0);
+                free(f);
+                if (dt_json_peek(&j) == ',') j.pos++;
+            }
+            dt_json_eat(&j, '}');
+            if (j.ok && (!have_dtype || !have_offsets || offs[0] < 0 || offs[1] < offs[0]))
+                dt_fail("'%s': tensor '%s' has a malformed entry in the safetensors header", path, key);
+            t->begin = (uint64_t)offs[0]; t->end = (uint64_t)offs[1];
+        }
+        if (dt_json_peek(&j) == ',') j.pos++;
+    }
+    dt_json_eat(&j, '}');
+    if (!j.ok) dt_fail("'%s' is not a valid safetensors file (corrupt JSON header near byte %zu)", path, 8 + j.pos);
+    for (int i = 0; i < st->n; i++) {
+        dt_st_tensor *t = &st->t[i];
+        uint64_t numel = 1;
+        for (int d = 0; d < t->ndim; d++) numel *= (uint64_t)t->shape[d];
+        int es = dt_dtype_size(t->dtype);
+        if (es && t->end - t->begin != numel * es)
+            dt_fail("'%s': tensor '%s' claims %llu bytes for %llu %s elements", path, t->name,
+                    (unsigned long long)(t->end - t->begin), (unsigned long long)numel, t->dtype);
+        if (st->data_start + t->end > len)
+            dt_fail("'%s' is truncated: tensor '%s' needs bytes up to %llu, the file has %zu", path, t->name,
+                    (unsigned long long)(st->data_start + t->end), len);
+    }
+    return st;
+}
+
+void dt_safetensors_close(dt_safetensors *st) {
+    if (!st) return;
+    for (int i = 0; i < st->n; i++) free(st->t[i].name);
+    for (int i = 0; i < 2 * st->nmeta; i++) free(st->meta[i]);
+    free(st->t); free(st->meta); free(st->buf); free(st);
+}
+
+const char *dt_safetensors_meta(dt_safetensors *st, const char *key) {
+    for (int i = 0; i < st->nmeta; i++) if (!strcmp(st->meta[2 * i], key)) return st->meta[2 * i + 1];
+    return NULL;
+}
+
+static void dt_shape_str(char *out, size_t n, int ndim, const int64_t *shape) {
+    size_t p = (size_t)snprintf(out, n, "[");
+    for (int d = 0; d < ndim && p < n; d++) p += (size_t)snprintf(out + p, n - p, d ? ", %lld" : "%lld", (long long)shape[d]);
+    if (p < n) snprintf(out + p, n - p, "]");
+}
+
+int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndim, const int *shape) {
+    for (int i = 0; i < st->n; i++) {
+        dt_st_tensor *t = &st->t[i];
+        if (strcmp(t->name, name)) continue;
+        int same = t->ndim == ndim;
+        int64_t want[8];
+        for (int d = 0; d < ndim; d++) { want[d] = shape[d]; if (same && t->shape[d] != shape[d]) same = 0; }
+        if (!same) {
+            char a[128], b[128];
+            dt_shape_str(a, sizeof a, t->ndim, t->shape);
+            dt_shape_str(b, sizeof b, ndim, want);
+            dt_fail("'%s': tensor '%s' has shape %s but the model expects %s (a checkpoint of another model?)",
+                    st->path, name, a, b);
+        }
+        const unsigned char *src = st->buf + st->data_start + t->begin;
+        uint64_t numel = (t->end - t->begin) / (uint64_t)(dt_dtype_size(t->dtype) ? dt_dtype_size(t->dtype) : 1);
+        if (!strcmp(t->dtype, "F32")) memcpy(dst, src, numel * 4);
+        else if (!strcmp(t->dtype, "F64")) for (uint64_t k = 0; k < numel; k++) { double v; memcpy(&v, src + 8 * k, 8); dst[k] = (float)v; }
+        else if (!strcmp(t->dtype, "F16")) for (uint64_t k = 0; k < numel; k++) dst[k] = dt_f16_to_f32((uint16_t)(src[2 * k] | src[2 * k + 1] << 8));
+        else if (!strcmp(t->dtype, "BF16")) for (uint64_t k = 0; k < numel; k++) dst[k] = dt_bf16_to_f32((uint16_t)(src[2 * k] | src[2 * k + 1] << 8));
+        else dt_fail("'%s': tensor '%s' has dtype %s; dtrain reads F32, F16, BF16 and F64", st->path, name, t->dtype);
+        return 1;
+    }
+    return 0;
+}
+
+void dt_model_load_weights(dt_model *m, const char *path) {
+    dt_safetensors *st = dt_safetensors_read(path);
+    for (int i = 0; i < m->nparams; i++) {
+        dt_tensor *p = &m->params[i];
+        if (!dt_safetensors_get(st, p->name, p->data, p->ndim, p->shape))
+            dt_fail("'%s' has no tensor '%s' (it holds %d tensors; is it a checkpoint of this model?)", path,
+                    p->name, st->n);
+    }
+    dt_safetensors_close(st);
+}
+
+/* ==== 14. metrics, traces and the shared command line ===========================
+   Every stage takes the same flags, prints the same progress and summary, and
+   writes the same JSON-lines log, so that runs of different stages can be
+   compared line by line -- and so that the stage files hold only the lesson. */
+
+double dt_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+int dt_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+typedef enum { DT_ARG_INT, DT_ARG_I64, DT_ARG_FLOAT, DT_ARG_STR, DT_ARG_SWITCH, DT_ARG_CHOICE } dt_arg_type;
+typedef struct dt_flag {
+    const char *name, *metavar, *help;
+    dt_arg_type type;
+    size_t offset;               /* where in dt_config the value goes */
+    const char *choices;         /* DT_ARG_CHOICE: "a|b|c", stored as the index */
+} dt_flag;
+
+#define DT_CFG(field) offsetof(dt_config, field)
+static const dt_flag dt_flags[] = {
+    { "--data", "DIR", "image folder (DIR/train/<class>/*, DIR/val/<class>/*) or CIFAR-10 binary folder\n"
+      "                          (default: the synthetic set in data/synthetic, made on first use)", DT_ARG_STR, DT_CFG(data), NULL },
+    { "--image-size", "N", "images are resized to N x N (default 32)", DT_ARG_INT, DT_CFG(image_size), NULL },
+    { "--model", "mlp|vit", "the model (default mlp)", DT_ARG_CHOICE, DT_CFG(model), "mlp|vit" },
+    { "--dim", "N", "mlp: hidden width (1024); vit: embedding width (192)", DT_ARG_INT, DT_CFG(dim), NULL },
+    { "--depth", "N", "mlp: hidden layers (2); vit: transformer blocks (6)", DT_ARG_INT, DT_CFG(depth), NULL },
+    { "--heads", "N", "vit: attention heads (3)", DT_ARG_INT, DT_CFG(heads), NULL },
+    { "--patch", "N", "vit: patch size (4)", DT_ARG_INT, DT_CFG(patch), NULL },
+    { "--batch-size", "N", "images per step (default 128)", DT_ARG_INT, DT_CFG(batch_size), NULL },
+    { "--epochs", "N", "passes over the training set (default 10)", DT_ARG_INT, DT_CFG(epochs), NULL },
+    { "--steps", "N", "stop after N steps in all (default: run every epoch)", DT_ARG_I64, DT_CFG(steps), NULL },
+    { "--lr", "X", "peak learning rate (default 1e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL },
+    { "--optimizer", "adamw|sgd", "the optimizer (default adamw)", DT_ARG_CHOICE, DT_CFG(optimizer), "adamw|sgd" },
+    { "--weight-decay", "X", "decoupled weight decay of 2-D weights (default 0.05)", DT_ARG_FLOAT, DT_CFG(weight_decay), NULL },
+    { "--momentum", "X", "sgd momentum (default 0.9)", DT_ARG_FLOAT, DT_CFG(momentum), NULL },
+    { "--clip", "X", "clip the gradient norm to X, 0 for none (default 1.0)", DT_ARG_FLOAT, DT_CFG(clip), NULL },
+    { "--warmup", "N", "linear warmup steps before the cosine decay (default 5% of the steps)", DT_ARG_I64, DT_CFG(warmup), NULL },
+    { "--augment", "0|1", "random crop + horizontal flip (default 1)", DT_ARG_INT, DT_CFG(augment), NULL },
+    { "--seed", "N", "seed for initialisation, shuffling and augmentation (default 1)", DT_ARG_I64, DT_CFG(seed), NULL },
+    { "--device", "cpu|cuda|auto", "where to train (default auto: cuda when a GPU is visible)", DT_ARG_CHOICE, DT_CFG(device), "cpu|cuda|auto" },
+    { "--log", "FILE", "write one JSON object per step, evaluation and summary", DT_ARG_STR, DT_CFG(log_path), NULL },
+    { "--trace", "FILE", "write a Chrome/Perfetto trace of the step phases", DT_ARG_STR, DT_CFG(trace_path), NULL },
+    { "--save-dir", "DIR", "write a checkpoint at the end of every epoch", DT_ARG_STR, DT_CFG(save_dir), NULL },
+    { "--resume", "FILE", "continue exactly where a checkpoint stopped", DT_ARG_STR, DT_CFG(resume), NULL },
+    { "--init", "FILE", "start from these weights (safetensors, PyTorch/timm names)", DT_ARG_STR, DT_CFG(init), NULL },
+    { "--eval-every", "N", "evaluate every N steps as well as after each epoch (default 0: epochs only)", DT_ARG_INT, DT_CFG(eval_every), NULL },
+    { "--log-every", "N", "print a progress line every N steps (default 50)", DT_ARG_INT, DT_CFG(log_every), NULL },
+    { "--start-idx", "N", "train on images [N, end) of the training set (default 0)", DT_ARG_I64, DT_CFG(start_idx), NULL },
+    { "--end-idx", "N", "... up to image N (default: all)", DT_ARG_I64, DT_CFG(end_idx), NULL },
+    { "--bench", NULL, "time training steps on in-memory data, print one summary line, exit", DT_ARG_SWITCH, DT_CFG(bench), NULL },
+    { "--quiet", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL },
+};
+#undef DT_CFG
+
+static void dt_print_help(const char *stage) {
+    printf("%s: train a model with dtrain\n\nusage: train [flags]\n\n", stage);
+    for (size_t i = 0; i < sizeof dt_flags / sizeof dt_flags[0]; i++) {
+        char left[64];
+        snprintf(left, sizeof left, "%s %s", dt_flags[i].name, dt_flags[i].metavar ? dt_flags[i].metavar : "");
+        printf("  %-24s%s\n", left, dt_flags[i].help);
+    }
+    printf("  %-24s%s\n\nThreads: OMP_NUM_THREADS (default: every core).\n", "--help", "this list");
+}
+
+dt_config dt_parse_args(int argc, char **argv, const char *stage) {
+    dt_config c;
+    memset(&c, 0, sizeof c);
+    c.stage = stage;
+    c.image_size = 32; c.model = DT_MODEL_MLP; c.dim = c.depth = c.heads = c.patch = -1;
+    c.batch_size = 128; c.epochs = 10; c.lr = 1e-3f; c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
+    c.warmup = -1; c.optimizer = DT_ADAMW; c.seed = 1; c.device = (dt_device)2; /* auto */
+    c.log_every = 50; c.augment = 1; c.end_idx = -1;
+    for (int i = 1; i < argc; i++) {
+        const char *arg = argv[i], *val = NULL;
+        char name[64];
+        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) { dt_print_help(stage); exit(0); }
+        const char *eq = strchr(arg, '=');
+        size_t nlen = eq ? (size_t)(eq - arg) : strlen(arg);
+        if (nlen >= sizeof name) nlen = sizeof name - 1;
+        memcpy(name, arg, nlen); name[nlen] = 0;
+        const dt_flag *f = NULL;
+        for (size_t k = 0; k < sizeof dt_flags / sizeof dt_flags[0]; k++)
+            if (!strcmp(dt_flags[k].name, name)) f = &dt_flags[k];
+        if (!f) dt_usage_error("unknown flag '%s' for %s", arg, stage);
+        char *dst = (char *)&c + f->offset;
+        if (f->type == DT_ARG_SWITCH) { if (eq) dt_usage_error("%s takes no value", name); *(int *)dst = 1; continue; }
+        if (eq) val = eq + 1;
+        else if (i + 1 < argc) val = argv[++i];
+        else dt_usage_error("%s needs a value (%s)", name, f->metavar);
+        char *end = NULL;
+        errno = 0;
+        switch (f->type) {
+        case DT_ARG_INT: case DT_ARG_I64: {
+            long long v = strtoll(val, &end, 10);
+            if (!*val || *end || errno) dt_usage_error("%s expects a whole number, got '%s'", name, val);
+            if (f->type == DT_ARG_INT) {
+                if (v < -2147483647LL || v > 2147483647LL) dt_usage_error("%s: %s is out of range", name, val);
+                *(int *)dst = (int)v;
+            } else *(int64_t *)dst = v;
+            break;
+        }
+        case DT_ARG_FLOAT: {
+            double v = strtod(val, &end);
+            if (!*val || *end || errno || !isfinite(v)) dt_usage_error("%s expects a number, got '%s'", name, val);
+            *(float *)dst = (float)v;
+            break;
+        }
+        case DT_ARG_STR: *(const char **)dst = val; break;
+        case DT_ARG_CHOICE: {
+            int idx = 0, found = -1;
+            for (const char *p = f->choices; *p; idx++) {
+                size_t l = strcspn(p, "|");
+                if (strlen(val) == l && !strncmp(p, val, l)) found = idx;
+                p += l + (p[l] == '|');
+            }
+            if (found < 0) dt_usage_error("%s must be one of %s, got '%s'", name, f->choices, val);
+            *(int *)dst = found;
+            break;
+        }
+        case DT_ARG_SWITCH: break;
+        }
+    }
+    /* values that parse but make no sense */
+    if (c.image_size < 4 || c.image_size > 4096) dt_usage_error("--image-size must be between 4 and 4096, got %d", c.image_size);
+    if (c.batch_size < 1) dt_usage_error("--batch-size must be at least 1, got %d", c.batch_size);
+    if (c.epochs < 1) dt_usage_error("--epochs must be at least 1, got %d", c.epochs);
+    if (c.steps < 0) dt_usage_error("--steps must not be negative");
+    if (!(c.lr > 0)) dt_usage_error("--lr must be positive, got %g", c.lr);
+    if (c.weight_decay < 0 || c.momentum < 0 || c.momentum >= 1 || c.clip < 0)
+        dt_usage_error("--weight-decay and --clip must be >= 0, --momentum in [0, 1)");
+    if (c.augment != 0 && c.augment != 1) dt_usage_error("--augment must be 0 or 1, got %d", c.augment);
+    if (c.log_every < 1) dt_usage_error("--log-every must be at least 1, got %d", c.log_every);
+    if (c.eval_every < 0) dt_usage_error("--eval-every must not be negative");
+    if (c.start_idx < 0) dt_usage_error("--start-idx must not be negative");
+    if (c.end_idx >= 0 && c.end_idx <= c.start_idx) dt_usage_error("--end-idx must be greater than --start-idx");
+    if (c.resume && c.init) dt_usage_error("--resume and --init exclude each other (resume restores the weights)");
+    int vit = c.model == DT_MODEL_VIT;
+    if (c.dim < 0) c.dim = vit ? 192 : 1024;
+    if (c.depth < 0) c.depth = vit ? 6 : 2;
+    if (c.heads < 0) c.heads = 3;
+    if (c.patch < 0) c.patch = 4;
+    if (c.dim < 1 || c.depth < (vit ? 1 : 0) || c.heads < 1 || c.patch < 1) dt_usage_error("--dim, --depth, --heads and --patch must be positive");
+    if (vit && c.dim % c.heads) dt_usage_error("--dim %d must be divisible by --heads %d", c.dim, c.heads);
+    if (vit && c.image_size % c.patch) dt_usage_error("--image-size %d must be a multiple of --patch %d", c.image_size, c.patch);
+    if ((int)c.device == 1) dt_fail("--device cuda: this build of dtrain has no CUDA backend yet; use --device cpu");
+    c.device = DT_CPU;             /* auto: no GPU backend in this build */
+    return c;
+}
+
+dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int image_size, int classes) {
+    dt_model_config m;
+    memset(&m, 0, sizeof m);
+    m.kind = cfg->model; m.channels = channels; m.image_size = image_size; m.classes = classes;
+    m.dim = cfg->dim; m.depth = cfg->depth; m.heads = cfg->heads; m.patch = cfg->patch; m.mlp_hidden = 4 * cfg->dim;
+    return m;
+}
+
+static void dt_trace_event(dt_run *r, const char *name, int track, double t0, double t1) {
+    if (!r->trace) return;
+    fprintf(r->trace, "%s{\"name\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.1f,\"dur\":%.1f}\n",
+            r->trace_first ? "" : ",", name, dt_ctx.rank, track, (t0 - r->start_ms) * 1e3, (t1 - t0) * 1e3);
+    r->trace_first = 0;
+}
+
+static const char *dt_phase_names[DT_PHASE_COUNT] = { "data", "forward", "backward", "comm", "optimizer", "eval", "checkpoint" };
+
+void dt_phase(dt_run *r, dt_phase_kind phase) {
+    double now = dt_now_ms();
+    r->phase_ms[phase] += now - r->mark_ms;
+    dt_trace_event(r, dt_phase_names[phase], phase == DT_PHASE_COMM ? 1 : 0, r->mark_ms, now);
+    r->mark_ms = now;
+}
+
+void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss, double *acc) {
+    dt_loader l = dt_loader_create(ds, batch_size, 0, 0, 0, 0, 0, 1);
+    dt_loader_start_epoch(&l, 0, 0);
+    dt_batch b;
+    double total = 0;
+    int64_t correct = 0, seen = 0;
+    dt_set_grad_enabled(0);
+    for (;;) {
+        dt_step_arena_reset();
+        if (!dt_loader_next(&l, &b)) break;
+        dt_tensor *logits = dt_model_forward(m, b.images);
+        total += dt_cross_entropy(logits, b.labels)->data[0] * (double)b.size;
+        int C = (int)dt_tensor_cols(logits);
+        for (int i = 0; i < b.size; i++) {
+            const float *row = logits->data + (size_t)i * C;
+            int best = 0;
+            for (int j = 1; j < C; j++) if (row[j] > row[best]) best = j;
+            correct += best == b.labels[i];
+        }
+        seen += b.size;
+    }
+    dt_set_grad_enabled(1);
+    dt_loader_free(&l);
+    *loss = seen ? total / seen : 0;
+    *acc = seen ? (double)correct / seen : 0;
+}
+
+static void dt_describe_position(const dt_run *r, char *out, size_t n, const char *what) {
+    const char *model = r->cfg.model == DT_MODEL_VIT ? "vit" : "mlp";
+    long long start = (long long)r->cfg.start_idx, end = (long long)(r->cfg.start_idx + r->loader->ds->n);
+    dt_path(out, n, "%s/%s_data%lld-%lld_%s.safetensors", r->cfg.save_dir, model, start, end, what);
+}
+
+void dt_checkpoint_save(dt_run *r, const char *path) {
+    dt_model *m = r->model;
+    dt_optimizer *o = r->opt;
+    int per = o->kind == DT_ADAMW ? 3 : 2;
+    dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * per, sizeof *t);
+    char **names = (char **)calloc((size_t)m->nparams * per, sizeof(char *));
+    int n = 0;
+    for (int k = 0; k < per; k++)
+        for (int i = 0; i < m->nparams; i++) {
+            dt_tensor *p = &m->params[i];
+            int64_t off = p->data - m->flat_data;
+            const char *prefix = k == 0 ? "" : k == 1 ? (o->kind == DT_ADAMW ? "optimizer.exp_avg." : "optimizer.momentum_buffer.")
+                                                      : "optimizer.exp_avg_sq.";
+            names[n] = (char *)malloc(strlen(prefix) + strlen(p->name) + 1);
+            sprintf(names[n], "%s%s", prefix, p->name);
+            t[n].name = names[n];
+            t[n].data = k == 0 ? p->data : k == 1 ? o->m + off : o->v + off;
+            t[n].ndim = p->ndim;
+            for (int d = 0; d < p->ndim; d++) t[n].shape[d] = p->shape[d];
+            n++;
+        }
+    char v[16][64];
+    const dt_model_config *mc = &m->cfg;
+    snprintf(v[0], 64, "%s", mc->kind == DT_MODEL_VIT ? "vit" : "mlp");
+    snprintf(v[1], 64, "%d,%d,%d,%d,%d,%d,%d,%d", mc->channels, mc->image_size, mc->classes, mc->dim, mc->depth,
+             mc->heads, mc->patch, mc->mlp_hidden);
+    snprintf(v[2], 64, "%s", o->kind == DT_ADAMW ? "adamw" : "sgd");
+    snprintf(v[3], 64, "%lld", (long long)o->step);
+    snprintf(v[4], 64, "%lld", (long long)r->step);
+    snprintf(v[5], 64, "%d", r->epoch);
+    snprintf(v[6], 64, "%lld", (long long)r->batch_in_epoch);
+    snprintf(v[7], 64, "%llu", (unsigned long long)r->cfg.seed);
+    snprintf(v[8], 64, "%d", dt_ctx.world_size);
+    snprintf(v[9], 64, "%lld,%lld", (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
+    snprintf(v[10], 64, "%d", r->cfg.batch_size);
+    const char *meta[] = { "format", "dtrain-checkpoint-1", "model", v[0], "model_config", v[1], "optimizer", v[2],
+                           "optimizer_step", v[3], "step", v[4], "epoch", v[5], "batch_in_epoch", v[6], "seed", v[7],
+                           "world_size", v[8], "data_range", v[9], "batch_size", v[10] };
+    dt_safetensors_write(path, t, n, meta, (int)(sizeof meta / sizeof meta[0] / 2));
+    for (int i = 0; i < n; i++) free(names[i]);
+    free(names);
+    free(t);
+}
+
+static const char *dt_meta_required(dt_safetensors *st, const char *path, const char *key) {
+    const char *v = dt_safetensors_meta(st, key);
+    if (!v) dt_fail("'%s' is not a dtrain checkpoint (no '%s' in its metadata; for plain weights use --init)", path, key);
+    return v;
+}
+
+void dt_checkpoint_load(dt_run *r, const char *path) {
+    dt_safetensors *st = dt_safetensors_read(path);
+    dt_model *m = r->model;
+    dt_optimizer *o = r->opt;
+    const dt_model_config *mc = &m->cfg;
+    char want[64], desc[256];
+    dt_meta_required(st, path, "format");
+    snprintf(want, sizeof want, "%d,%d,%d,%d,%d,%d,%d,%d", mc->channels, mc->image_size, mc->classes, mc->dim,
+             mc->depth, mc->heads, mc->patch, mc->mlp_hidden);
+    const char *kind = dt_meta_required(st, path, "model"), *shape = dt_meta_required(st, path, "model_config");
+    dt_model_describe(m, desc, sizeof desc);
+    if (strcmp(kind, mc->kind == DT_MODEL_VIT ? "vit" : "mlp") || strcmp(shape, want))
+        dt_fail("'%s' holds a %s model (channels,size,classes,dim,depth,heads,patch,mlp = %s) but this run builds %s",
+                path, kind, shape, desc);
+    int world = atoi(dt_meta_required(st, path, "world_size"));
+    if (world != dt_ctx.world_size)
+        dt_fail("'%s' was written by %d ranks, this run has %d", path, world, dt_ctx.world_size);
+    if (strcmp(dt_meta_required(st, path, "optimizer"), o->kind == DT_ADAMW ? "adamw" : "sgd"))
+        dt_fail("'%s' holds %s state but this run uses --optimizer %s", path, dt_safetensors_meta(st, "optimizer"),
+                o->kind == DT_ADAMW ? "adamw" : "sgd");
+    for (int i = 0; i < m->nparams; i++) {
+        dt_tensor *p = &m->params[i];
+        int64_t off = p->data - m->flat_data;
+        char name[256];
+        if (!dt_safetensors_get(st, p->name, p->data, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, p->name);
+        snprintf(name, sizeof name, "optimizer.%s.%s", o->kind == DT_ADAMW ? "exp_avg" : "momentum_buffer", p->name);
+        if (!dt_safetensors_get(st, name, o->m + off, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, name);
+        if (o->kind == DT_ADAMW) {
+            snprintf(name, sizeof name, "optimizer.exp_avg_sq.%s", p->name);
+            if (!dt_safetensors_get(st, name, o->v + off, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, name);
+        }
+    }
+    o->step = atoll(dt_meta_required(st, path, "optimizer_step"));
+    r->step = atoll(dt_meta_required(st, path, "step"));
+    r->epoch = atoi(dt_meta_required(st, path, "epoch"));
+    r->batch_in_epoch = atoll(dt_meta_required(st, path, "batch_in_epoch"));
+    r->cfg.seed = strtoull(dt_meta_required(st, path, "seed"), NULL, 10);
+    r->loader->seed = r->cfg.seed;
+    long long s0 = -1, s1 = -1;
+    sscanf(dt_meta_required(st, path, "data_range"), "%lld,%lld", &s0, &s1);
+    if (s0 != (long long)r->cfg.start_idx || s1 != (long long)(r->cfg.start_idx + r->loader->ds->n))
+        dt_warn("'%s' was trained on images [%lld, %lld), this run uses [%lld, %lld): the data order will differ",
+                path, s0, s1, (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
+    if (atoi(dt_meta_required(st, path, "batch_size")) != r->cfg.batch_size)
+        dt_warn("'%s' was trained with --batch-size %s, this run uses %d", path, dt_safetensors_meta(st, "batch_size"),
+                r->cfg.batch_size);
+    dt_safetensors_close(st);
+}
+
+void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer *opt, dt_loader *loader,
+                  const dt_dataset *val) {
+    memset(r, 0, sizeof *r);
+    r->cfg = *cfg; r->model = model; r->opt = opt; r->loader = loader; r->val = val;
+    r->batches_per_epoch = dt_loader_batches_per_epoch(loader);
+    if (r->batches_per_epoch == 0)
+        dt_fail("the training set has %lld images per rank, fewer than one batch of %d (lower --batch-size)",
+                (long long)((loader->ds->n + loader->world - 1) / loader->world), cfg->batch_size);
+    r->total_steps = (int64_t)cfg->epochs * r->batches_per_epoch;
+    if (cfg->steps > 0 && cfg->steps < r->total_steps) r->total_steps = cfg->steps;
+    r->warmup = cfg->warmup >= 0 ? cfg->warmup : r->total_steps / 20;
+    if (cfg->init) dt_model_load_weights(model, cfg->init);
+    if (cfg->resume) dt_checkpoint_load(r, cfg->resume);
+    if (cfg->save_dir) {
+        struct stat st;
+        if (stat(cfg->save_dir, &st) != 0) dt_mkdir(cfg->save_dir);
+        else if (!S_ISDIR(st.st_mode)) dt_fail("--save-dir '%s' exists and is not a folder", cfg->save_dir);
+    }
+    if (cfg->log_path && !(r->log = fopen(cfg->log_path, cfg->resume ? "a" : "w")))
+        dt_fail("cannot open --log '%s': %s", cfg->log_path, strerror(errno));
+    if (cfg->trace_path) {
+        if (!(r->trace = fopen(cfg->trace_path, "w"))) dt_fail("cannot open --trace '%s': %s", cfg->trace_path, strerror(errno));
+        fprintf(r->trace, "[{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":0,\"args\":{\"name\":\"compute\"}},\n"
+                          "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":1,\"args\":{\"name\":\"communication\"}}\n",
+                dt_ctx.rank, dt_ctx.rank);
+    }
+    r->start_ms = r->mark_ms = dt_now_ms();
+    if (!cfg->quiet && dt_ctx.rank == 0) {
+        char desc[256];
+        dt_model_describe(model, desc, sizeof desc);
+        printf("%s: %s\n", cfg->stage, desc);
+        printf("data: %lld training images from %s, %lld validation, %dx%d, %d classes\n",
+               (long long)loader->ds->n, loader->ds->source, val ? (long long)val->n : 0LL, loader->ds->size,
+               loader->ds->size, loader->ds->num_classes);
+        printf("plan: %d epochs x %lld steps of %d images = %lld steps; %s lr %g, warmup %lld; cpu, %d threads\n",
+               cfg->epochs, (long long)r->batches_per_epoch, cfg->batch_size, (long long)r->total_steps,
+               opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)r->warmup, dt_threads());
+        if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, r->epoch + 1, (long long)r->step);
+        fflush(stdout);
+    }
+    if (r->step >= r->total_steps) r->stop = 1;
+}
+
+int dt_next_epoch(dt_run *r) {
+    if (r->stop || r->epoch >= r->cfg.epochs) return 0;
+    dt_loader_start_epoch(r->loader, r->epoch, r->batch_in_epoch);
+    return 1;
+}
+
+int dt_next_batch(dt_run *r, dt_batch *b) {
+    dt_step_begin(r);
+    if (!dt_loader_next(r->loader, b)) return 0;
+    dt_phase(r, DT_PHASE_DATA);
+    return 1;
+}
+
+float dt_run_lr(const dt_run *r) { return dt_schedule_lr(r->cfg.lr, r->step, r->warmup, r->total_steps); }
+
+void dt_step_begin(dt_run *r) {
+    dt_step_arena_reset();
+    for (int i = 0; i < DT_PHASE_COUNT; i++) r->phase_ms[i] = 0;
+    r->step_start_ms = r->mark_ms = dt_now_ms();
+}
+
+static void dt_format_duration(double s, char *out, size_t n) {
+    long t = (long)(s + 0.5);
+    if (t >= 3600) snprintf(out, n, "%ldh%02ldm", t / 3600, (t / 60) % 60);
+    else if (t >= 60) snprintf(out, n, "%ldm%02lds", t / 60, t % 60);
+    else snprintf(out, n, "%lds", t);
+}
+
+static void dt_run_eval(dt_run *r) {
+    if (!r->val || r->val->n == 0) return;
+    double t0 = dt_now_ms();
+    r->mark_ms = t0;
+    dt_evaluate(r->model, r->val, r->cfg.batch_size, &r->eval_loss, &r->eval_acc);
+    dt_phase(r, DT_PHASE_EVAL);
+    if (r->log) {
+        fprintf(r->log, "{\"step\":%lld,\"epoch\":%d,\"eval_loss\":%.6f,\"eval_acc\":%.6f}\n", (long long)r->step,
+                r->epoch + 1, r->eval_loss, r->eval_acc);
+        fflush(r->log);
+    }
+    if (!r->cfg.quiet && dt_ctx.rank == 0) {
+        printf("eval  step %lld: loss %.4f, accuracy %.2f%% (%lld images, %.1f s)\n", (long long)r->step, r->eval_loss,
+               100 * r->eval_acc, (long long)r->val->n, (dt_now_ms() - t0) / 1e3);
+        fflush(stdout);
+    }
+}
+
+int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
+    double now = dt_now_ms(), step_ms = now - r->step_start_ms;
+    float lr = dt_run_lr(r);
+    r->step++;
+    r->batch_in_epoch++;
+    r->samples += batch_size;
+    r->train_ms += step_ms;
+    r->last_loss = loss->data[0];
+    r->loss_sum += loss->data[0];
+    r->loss_count++;
+    if (!isfinite(r->last_loss))
+        dt_fail("the loss became %f at step %lld (try a lower --lr, or --clip)", r->last_loss, (long long)r->step);
+    if (r->log) {
+        fprintf(r->log, "{\"step\":%lld,\"epoch\":%d,\"loss\":%.6f,\"lr\":%.6g,\"samples_per_s\":%.1f,\"step_ms\":%.3f,"
+                        "\"data_ms\":%.3f,\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"comm_ms\":%.3f,\"opt_ms\":%.3f,"
+                        "\"grad_norm\":%.5g,\"mem_bytes\":%zu}\n",
+                (long long)r->step, r->epoch + 1, r->last_loss, lr, batch_size * 1e3 / step_ms, step_ms,
+                r->phase_ms[DT_PHASE_DATA], r->phase_ms[DT_PHASE_FWD], r->phase_ms[DT_PHASE_BWD],
+                r->phase_ms[DT_PHASE_COMM], r->phase_ms[DT_PHASE_OPT], r->opt->last_grad_norm, dt_mem_total_now());
+    }
+    if (!r->cfg.quiet && dt_ctx.rank == 0 && (r->step % r->cfg.log_every == 0 || r->step == 1)) {
+        char eta[32];
+        double rate = r->samples / (r->train_ms / 1e3);
+        dt_format_duration((r->total_steps - r->step) * (r->train_ms / r->samples) * r->cfg.batch_size / 1e3, eta, sizeof eta);
+        printf("step %6lld/%lld  epoch %d/%d  loss %.4f  lr %.2e  %.0f samples/s  eta %s\n", (long long)r->step,
+               (long long)r->total_steps, r->epoch + 1, r->cfg.epochs, r->loss_sum / r->loss_count, lr, rate, eta);
+        fflush(stdout);
+        r->loss_sum = 0;
+        r->loss_count = 0;
+    }
+    if (r->cfg.eval_every > 0 && r->step % r->cfg.eval_every == 0) dt_run_eval(r);
+    if (r->step >= r->total_steps) r->stop = 1;
+    return r->stop;
+}
+
+void dt_epoch_end(dt_run *r) {
+    int finished = r->batch_in_epoch >= r->batches_per_epoch;
+    if (finished) { r->epoch++; r->batch_in_epoch = 0; }
+    if (!(r->cfg.eval_every > 0 && r->step % r->cfg.eval_every == 0)) dt_run_eval(r);
+    if (r->cfg.save_dir && dt_ctx.rank == 0) {
+        char path[4096], what[64];
+        if (finished) snprintf(what, sizeof what, "epoch%d", r->epoch);
+        else snprintf(what, sizeof what, "step%lld", (long long)r->step);
+        dt_describe_position(r, path, sizeof path, what);
+        r->mark_ms = dt_now_ms();
+        dt_checkpoint_save(r, path);
+        dt_phase(r, DT_PHASE_CKPT);
+        if (!r->cfg.quiet) { printf("saved %s\n", path); fflush(stdout); }
+    }
+}
+
+int dt_run_finish(dt_run *r) {
+    double rate = r->train_ms > 0 ? r->samples / (r->train_ms / 1e3) : 0;
+    double final_loss = r->loss_count ? r->loss_sum / r->loss_count : r->last_loss;
+    if (dt_ctx.rank == 0) {
+        printf("done: %lld steps, %.0f samples/s, final loss %.4f, eval loss %.4f, eval accuracy %.2f%%, %.1f s\n",
+               (long long)r->step, rate, final_loss, r->eval_loss, 100 * r->eval_acc, (dt_now_ms() - r->start_ms) / 1e3);
+        printf("peak memory:");
+        for (int a = 0; a < DT_ARENA_COUNT; a++) printf(" %s %.1f MB,", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a) / 1e6);
+        printf(" total %.1f MB\n", dt_mem_total_peak() / 1e6);
+        fflush(stdout);
+    }
+    if (r->log) {
+        fprintf(r->log, "{\"summary\":true,\"steps\":%lld,\"final_loss\":%.6f,\"eval_loss\":%.6f,\"eval_acc\":%.6f,"
+                        "\"samples_per_s\":%.1f,\"peak_mem_bytes\":%zu,\"world_size\":%d",
+                (long long)r->step, final_loss, r->eval_loss, r->eval_acc, rate, dt_mem_total_peak(), dt_ctx.world_size);
+        for (int a = 0; a < DT_ARENA_COUNT; a++) fprintf(r->log, ",\"peak_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a));
+        fprintf(r->log, "}\n");
+        fclose(r->log);
+        r->log = NULL;
+    }
+    if (r->trace) { fprintf(r->trace, "]\n"); fclose(r->trace); r->trace = NULL; }
+    return 0;
+}
+
+void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
+    const char *dir = cfg->data;
+    if (!dir) {
+        dir = "data/synthetic";
+        struct stat st;
+        if (stat(dir, &st) != 0) {
+            if (!cfg->quiet) { printf("first use: writing the synthetic data set to %s (10000 + 2000 images) ...\n", dir); fflush(stdout); }
+            if (stat("data", &st) != 0) dt_mkdir("data");
+            dt_synthetic_write(dir, 10000, 2000, 32, 20261121);
+        }
+    }
+    double t0 = dt_now_ms();
+    dt_dataset_load(dir, "train", cfg->image_size, NULL, train);
+    dt_dataset_load(dir, "val", cfg->image_size, train, val);
+    dt_dataset_slice(train, cfg->start_idx, cfg->end_idx);
+    if (!cfg->quiet && dt_ctx.rank == 0) { printf("loaded %s in %.1f s\n", dir, (dt_now_ms() - t0) / 1e3); fflush(stdout); }
+}
+
+int dt_bench(const dt_config *cfg) {
+    dt_model_config mc = dt_model_config_from(cfg, 3, cfg->image_size, 10);
+    dt_model *m = dt_model_create(&mc, cfg->seed);
+    dt_optimizer *o = dt_optimizer_create(m, cfg->optimizer, cfg->weight_decay, cfg->momentum, cfg->clip);
+    int B = cfg->batch_size, S = cfg->image_size;
+    size_t npix = (size_t)B * 3 * S * S;
+    float *pixels = (float *)dt_alloc(DT_ARENA_DATA, npix * sizeof(float));
+    int32_t *labels = (int32_t *)dt_alloc(DT_ARENA_DATA, (size_t)B * sizeof(int32_t));
+    dt_rng rng = { cfg->seed };
+    for (size_t i = 0; i < npix; i++) pixels[i] = (float)(2 * dt_rng_uniform(&rng) - 1);
+    for (int i = 0; i < B; i++) labels[i] = (int32_t)(dt_rng_u64(&rng) % 10);
+    const char *workload = mc.kind == DT_MODEL_MLP ? (mc.dim == 1024 && mc.depth == 2 && S == 32 ? "mlp" : "mlp-custom")
+                         : (mc.dim == 192 && mc.depth == 6 && mc.heads == 3 && mc.patch == 4 && S == 32 ? "vit-tiny"
+                         : (mc.dim == 768 && mc.depth == 12 && mc.heads == 12 && mc.patch == 16 && S == 224 ? "vit-base" : "vit-custom"));
+    double t0 = 0, flops = 0;
+    int64_t steps = 0, warm = 2;
+    for (int64_t i = 0;; i++) {
+        if (i == warm) { t0 = dt_now_ms(); dt_flops_reset(); }
+        dt_step_arena_reset();
+        int shape[4] = { B, 3, S, S };
+        dt_tensor *x = dt_tensor_new(4, shape);
+        memcpy(x->data, pixels, npix * sizeof(float));
+        dt_tensor *loss = dt_cross_entropy(dt_model_forward(m, x), labels);
+        dt_backward(loss);
+        dt_optimizer_step(o, cfg->lr);
+        if (i >= warm) {
+            steps = i - warm + 1;
+            double el = dt_now_ms() - t0;
+            if (cfg->steps > 0 ? steps >= cfg->steps : (steps >= 3 && el > 3000) || steps >= 200) break;
+        }
+    }
+    double ms = dt_now_ms() - t0;
+    flops = dt_flops_counted();
+    printf("bench: workload=%s stage=%s device=cpu threads=%d batch=%d params=%lld steps=%lld step_ms=%.2f "
+           "samples_per_s=%.1f gflops=%.2f peak_mem_mb=%.1f\n",
+           workload, cfg->stage, dt_threads(), B, (long long)m->numel, (long long)steps, ms / steps,
+           steps * B * 1e3 / ms, flops / (ms / 1e3) / 1e9, dt_mem_total_peak() / 1e6);
+    dt_free(DT_ARENA_DATA, pixels, npix * sizeof(float));
+    dt_free(DT_ARENA_DATA, labels, (size_t)B * sizeof(int32_t));
+    dt_optimizer_free(o);
+    dt_model_free(m);
+    return 0;
+}
+
+#endif /* DTRAIN_IMPLEMENTATION */
