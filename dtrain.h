@@ -182,6 +182,8 @@ dt_tensor *dt_patchify(const dt_tensor *images, int patch);
 void dt_set_grad_enabled(int on);
 /* Walk the tape backwards from a scalar loss, filling every .grad. */
 void dt_backward(dt_tensor *loss);
+/* The same from any tensor, given d(loss)/d(out) (out->numel values). */
+void dt_backward_from(dt_tensor *out, const float *out_grad);
 /* Called for each parameter once its gradient is final during dt_backward:
    the hook DDP uses to start all-reducing a bucket while backward goes on. */
 typedef void (*dt_grad_ready_fn)(dt_tensor *param, void *user);
@@ -371,7 +373,7 @@ typedef struct dt_run {
     dt_loader *loader;
     const dt_dataset *val;
     int epoch;
-    int64_t step, total_steps, batches_per_epoch, batch_in_epoch, warmup;
+    int64_t step, total_steps, stop_step, batches_per_epoch, batch_in_epoch, warmup;
     double phase_ms[DT_PHASE_COUNT], mark_ms, step_start_ms, start_ms, samples, train_ms;
     double last_loss, loss_sum;
     int64_t loss_count;
@@ -521,6 +523,7 @@ DT_HD static inline void dt_sgd_update(float *p, float *buf, float g, float lr, 
 #include <sys/types.h>
 #include <unistd.h>
 #include <fcntl.h>
+#include <signal.h>
 #ifdef _OPENMP
 #include <omp.h>
 #define DT_OMP(x) _Pragma(x)
@@ -589,8 +592,8 @@ void dt_usage_error(const char *fmt, ...) {
     fprintf(stderr, "usage: train [--flag value ...]; run with --help for the flags\n");
     exit(2);
 }
-/* Paths are built with this: a path that does not fit is an error, never a
-   silently shortened name. */
+/* Paths and parameter names are built with this: one that does not fit is an
+   error, never a silently shortened name. */
 static void dt_path(char *out, size_t n, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 3, 4)))
@@ -601,7 +604,7 @@ static void dt_path(char *out, size_t n, const char *fmt, ...) {
     va_start(ap, fmt);
     int len = vsnprintf(out, n, fmt, ap);
     va_end(ap);
-    if (len < 0 || (size_t)len >= n) dt_fail("path too long (over %zu characters): %.60s...", n - 1, out);
+    if (len < 0 || (size_t)len >= n) dt_fail("name or path too long (over %zu characters): %.60s...", n - 1, out);
 }
 /* Copy a string, shortening it to fit (for labels and messages only). */
 static void dt_copy_str(char *out, size_t n, const char *s) {
@@ -891,7 +894,12 @@ static dt_tape_entry *dt_tape_push(dt_backward_fn fn, dt_tensor *out, dt_tensor 
 }
 
 void dt_backward(dt_tensor *loss) {
+    float one = 1.0f;
     if (loss->numel != 1) dt_fail("dt_backward needs a scalar loss, got %lld elements", (long long)loss->numel);
+    dt_backward_from(loss, &one);
+}
+
+void dt_backward_from(dt_tensor *loss, const float *seed) {
     if (!loss->requires_grad) dt_fail("the loss does not depend on any parameter (were gradients disabled?)");
     /* Where is each parameter read first? Its gradient is final once the walk
        has passed that entry -- the moment DDP may start communicating it. */
@@ -901,7 +909,7 @@ void dt_backward(dt_tensor *loss) {
             dt_tensor *p = dt_ctx.tape[i].in[j];
             if (p && p->is_param && p->hook_gen != generation) { p->hook_gen = generation; p->first_use = i; }
         }
-    dt_grad(loss)[0] = 1.0f;
+    memcpy(dt_grad(loss), seed, sizeof(float) * (size_t)loss->numel);
     for (int i = dt_ctx.tape_len - 1; i >= 0; i--) {
         dt_tape_entry *e = &dt_ctx.tape[i];
         if (e->out->grad) e->backward(e);
@@ -1285,16 +1293,16 @@ static void dt_add_param(dt_model_builder *mb, const char *name, dt_init_kind in
 
 static void dt_add_linear(dt_model_builder *mb, const char *prefix, int in, int out, dt_init_kind init, float scale) {
     char name[160];
-    snprintf(name, sizeof name, "%s.weight", prefix);
+    dt_path(name, sizeof name, "%s.weight", prefix);
     dt_add_param(mb, name, init, scale, 2, out, in, 0, 0);
-    snprintf(name, sizeof name, "%s.bias", prefix);
+    dt_path(name, sizeof name, "%s.bias", prefix);
     dt_add_param(mb, name, init == DT_INIT_UNIFORM ? DT_INIT_UNIFORM : DT_INIT_ZERO, scale, 1, out, 0, 0, 0);
 }
 static void dt_add_layernorm(dt_model_builder *mb, const char *prefix, int dim) {
     char name[160];
-    snprintf(name, sizeof name, "%s.weight", prefix);
+    dt_path(name, sizeof name, "%s.weight", prefix);
     dt_add_param(mb, name, DT_INIT_ONE, 0, 1, dim, 0, 0, 0);
-    snprintf(name, sizeof name, "%s.bias", prefix);
+    dt_path(name, sizeof name, "%s.bias", prefix);
     dt_add_param(mb, name, DT_INIT_ZERO, 0, 1, dim, 0, 0, 0);
 }
 
@@ -1674,7 +1682,10 @@ uint8_t *dt_image_load_rgb(const char *path, int size, char *err, size_t errlen)
         int comp = 0;
         if (dt_check_container(buf, len, err, errlen)) {
             rgb = stbi_load_from_memory(buf, (int)len, &w, &h, &comp, 3);  /* 3: grey and alpha -> RGB */
-            if (!rgb) snprintf(err, errlen, "%s", stbi_failure_reason());
+            const char *why = rgb ? NULL : stbi_failure_reason();
+            if (why && !strcmp(why, "unknown image type"))
+                snprintf(err, errlen, "not an image (no format stb_image reads: PNG, JPEG, BMP, GIF, TGA, PNM, ...)");
+            else if (why) snprintf(err, errlen, "corrupt image (stb_image: %s)", why);
         }
 #else
         rgb = dt_decode_pnm(buf, len, &w, &h, err, errlen);
@@ -2046,6 +2057,7 @@ void dt_safetensors_write(const char *path, const dt_named_tensor *t, int count,
 
     char tmp[4096];
     dt_path(tmp, sizeof tmp, "%s.tmp", path);
+    signal(SIGXFSZ, SIG_IGN);    /* over a file-size limit: an error to report, not a kill */
     FILE *f = fopen(tmp, "wb");
     if (!f) { free(hdr); dt_fail("cannot write checkpoint '%s': %s", tmp, strerror(errno)); }
     unsigned char len8[8];
@@ -2443,7 +2455,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         }
     }
     /* values that parse but make no sense */
-    if (c.image_size < 4 || c.image_size > 4096) dt_usage_error("--image-size must be between 4 and 4096, got %d", c.image_size);
+    if (c.image_size < 1 || c.image_size > 4096) dt_usage_error("--image-size must be between 1 and 4096, got %d", c.image_size);
     if (c.batch_size < 1) dt_usage_error("--batch-size must be at least 1, got %d", c.batch_size);
     if (c.epochs < 1) dt_usage_error("--epochs must be at least 1, got %d", c.epochs);
     if (c.steps < 0) dt_usage_error("--steps must not be negative");
@@ -2633,8 +2645,10 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
     if (r->batches_per_epoch == 0)
         dt_fail("the training set has %lld images per rank, fewer than one batch of %d (lower --batch-size)",
                 (long long)((loader->ds->n + loader->world - 1) / loader->world), cfg->batch_size);
+    /* --steps stops early; the schedule still spans every epoch, so a run cut
+       short and resumed follows the same learning rates as one that was not. */
     r->total_steps = (int64_t)cfg->epochs * r->batches_per_epoch;
-    if (cfg->steps > 0 && cfg->steps < r->total_steps) r->total_steps = cfg->steps;
+    r->stop_step = cfg->steps > 0 && cfg->steps < r->total_steps ? cfg->steps : r->total_steps;
     r->warmup = cfg->warmup >= 0 ? cfg->warmup : r->total_steps / 20;
     if (cfg->init) dt_model_load_weights(model, cfg->init);
     if (cfg->resume) dt_checkpoint_load(r, cfg->resume);
@@ -2659,13 +2673,14 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
         printf("data: %lld training images from %s, %lld validation, %dx%d, %d classes\n",
                (long long)loader->ds->n, loader->ds->source, val ? (long long)val->n : 0LL, loader->ds->size,
                loader->ds->size, loader->ds->num_classes);
-        printf("plan: %d epochs x %lld steps of %d images = %lld steps; %s lr %g, warmup %lld; cpu, %d threads\n",
+        printf("plan: %d epochs x %lld steps of %d images = %lld steps%s; %s lr %g, warmup %lld; cpu, %d threads\n",
                cfg->epochs, (long long)r->batches_per_epoch, cfg->batch_size, (long long)r->total_steps,
+               r->stop_step < r->total_steps ? " (stopping early, see --steps)" : "",
                opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)r->warmup, dt_threads());
         if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, r->epoch + 1, (long long)r->step);
         fflush(stdout);
     }
-    if (r->step >= r->total_steps) r->stop = 1;
+    if (r->step >= r->stop_step) r->stop = 1;
 }
 
 int dt_next_epoch(dt_run *r) {
@@ -2737,15 +2752,15 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
     if (!r->cfg.quiet && dt_ctx.rank == 0 && (r->step % r->cfg.log_every == 0 || r->step == 1)) {
         char eta[32];
         double rate = r->samples / (r->train_ms / 1e3);
-        dt_format_duration((r->total_steps - r->step) * (r->train_ms / r->samples) * r->cfg.batch_size / 1e3, eta, sizeof eta);
+        dt_format_duration((r->stop_step - r->step) * (r->train_ms / r->samples) * r->cfg.batch_size / 1e3, eta, sizeof eta);
         printf("step %6lld/%lld  epoch %d/%d  loss %.4f  lr %.2e  %.0f samples/s  eta %s\n", (long long)r->step,
-               (long long)r->total_steps, r->epoch + 1, r->cfg.epochs, r->loss_sum / r->loss_count, lr, rate, eta);
+               (long long)r->stop_step, r->epoch + 1, r->cfg.epochs, r->loss_sum / r->loss_count, lr, rate, eta);
         fflush(stdout);
         r->loss_sum = 0;
         r->loss_count = 0;
     }
     if (r->cfg.eval_every > 0 && r->step % r->cfg.eval_every == 0) dt_run_eval(r);
-    if (r->step >= r->total_steps) r->stop = 1;
+    if (r->step >= r->stop_step) r->stop = 1;
     return r->stop;
 }
 

@@ -1,0 +1,1003 @@
+/* tests/test_dtrain.c -- the test suite of dtrain.h and stage 01.
+
+   usage: tests/test_dtrain [path/to/01-single-gpu/train] [name-filter]
+
+   Each test prints PASS, FAIL (with the checks that failed) or SKIP (with why);
+   the last line is "N passed, N failed" (", N skipped" when some were skipped).
+   Ops are checked against hand-computed values and their backward passes
+   against finite differences; the optimizers against closed-form steps; the
+   command line, data and checkpoint errors by running the stage binary. */
+#define DTRAIN_IMPLEMENTATION
+#include "../dtrain.h"
+#include <signal.h>
+#include <sys/wait.h>
+
+static int t_failed, t_skipped, n_pass, n_fail, n_skip;
+static char t_skip_reason[256];
+static const char *train_bin = "01-single-gpu/train";
+static char tmpdir[256];
+
+#define CHECK(cond) CHECKF(cond, "%s", #cond)
+#define CHECKF(cond, ...)                                                   \
+    do {                                                                    \
+        if (!(cond)) {                                                      \
+            t_failed = 1;                                                   \
+            printf("    line %d: ", __LINE__);                              \
+            printf(__VA_ARGS__);                                            \
+            printf("\n");                                                   \
+        }                                                                   \
+    } while (0)
+#define SKIP(...) do { t_skipped = 1; snprintf(t_skip_reason, sizeof t_skip_reason, __VA_ARGS__); return; } while (0)
+#define CLOSE(a, b, tol) (fabs((double)(a) - (double)(b)) <= (tol) * (1.0 + fabs((double)(b))))
+
+/* ---- helpers --------------------------------------------------------------- */
+
+static double rnd(dt_rng *r) { return 2 * dt_rng_uniform(r) - 1; }
+
+/* A leaf tensor that outlives the step arena, like a parameter. */
+static dt_tensor *leaf(int ndim, const int *shape, dt_rng *r, double scale) {
+    dt_tensor *t = (dt_tensor *)calloc(1, sizeof(dt_tensor));
+    t->ndim = ndim;
+    t->numel = 1;
+    for (int i = 0; i < ndim; i++) { t->shape[i] = shape[i]; t->numel *= shape[i]; }
+    t->data = (float *)calloc((size_t)t->numel, sizeof(float));
+    t->grad = (float *)calloc((size_t)t->numel, sizeof(float));
+    t->requires_grad = 1;
+    for (int64_t i = 0; i < t->numel; i++) t->data[i] = (float)(rnd(r) * scale);
+    return t;
+}
+static dt_tensor *leaf2(int rows, int cols, dt_rng *r, double scale) { int s[2] = { rows, cols }; return leaf(2, s, r, scale); }
+static void leaf_free(dt_tensor *t) { free(t->data); free(t->grad); free(t); }
+
+/* Finite-difference check. forward() builds an output from the leaves; the
+   scalar is L = sum(out * w) with fixed random w, evaluated in double. */
+typedef dt_tensor *(*fd_forward)(dt_tensor **leaves, void *ctx);
+static double fd_loss(fd_forward f, dt_tensor **leaves, void *ctx, const float *w) {
+    dt_step_arena_reset();
+    dt_set_grad_enabled(0);
+    dt_tensor *out = f(leaves, ctx);
+    dt_set_grad_enabled(1);
+    double L = 0;
+    for (int64_t i = 0; i < out->numel; i++) L += (double)out->data[i] * w[i];
+    return L;
+}
+static void fd_check(const char *what, fd_forward f, dt_tensor **leaves, int nleaves, void *ctx, float eps, double tol) {
+    dt_rng r = { 777 };
+    for (int k = 0; k < nleaves; k++) memset(leaves[k]->grad, 0, sizeof(float) * (size_t)leaves[k]->numel);
+    dt_step_arena_reset();
+    dt_tensor *out = f(leaves, ctx);
+    float *w = (float *)malloc(sizeof(float) * (size_t)out->numel);
+    for (int64_t i = 0; i < out->numel; i++) w[i] = (float)rnd(&r);
+    dt_backward_from(out, w);
+    double worst = 0;
+    for (int k = 0; k < nleaves; k++) {
+        dt_tensor *t = leaves[k];
+        if (!t->requires_grad) continue;
+        int probes = t->numel < 24 ? (int)t->numel : 24;
+        for (int p = 0; p < probes; p++) {
+            int64_t i = t->numel <= 24 ? p : (int64_t)(dt_rng_u64(&r) % (uint64_t)t->numel);
+            float keep = t->data[i];
+            t->data[i] = keep + eps;
+            double lp = fd_loss(f, leaves, ctx, w);
+            t->data[i] = keep - eps;
+            double lm = fd_loss(f, leaves, ctx, w);
+            t->data[i] = keep;
+            double num = (lp - lm) / (2.0 * eps), ana = t->grad[i];
+            double err = fabs(num - ana) / (1e-2 + fabs(num) + fabs(ana));
+            if (err > worst) worst = err;
+            CHECKF(err <= tol, "%s: leaf %d element %lld: analytic %.6g, numeric %.6g", what, k, (long long)i, ana, num);
+        }
+    }
+    free(w);
+}
+
+/* Run a shell command; its output (stdout and stderr) into out. Returns the
+   exit status, or 128 + signal. */
+static int run_cmd(char *out, size_t n, const char *fmt, ...) {
+    char cmd[8192], full[8300];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    snprintf(full, sizeof full, "timeout 300 %s 2>&1", cmd);
+    FILE *p = popen(full, "r");
+    size_t len = 0;
+    if (!p) { snprintf(out, n, "popen failed"); return -1; }
+    while (len + 1 < n) {
+        size_t got = fread(out + len, 1, n - 1 - len, p);
+        if (got == 0) break;
+        len += got;
+    }
+    out[len] = 0;
+    char sink[4096];
+    while (fread(sink, 1, sizeof sink, p) > 0) {}
+    int st = pclose(p);
+    if (WIFEXITED(st)) return WEXITSTATUS(st);
+    if (WIFSIGNALED(st)) return 128 + WTERMSIG(st);
+    return -1;
+}
+
+static int count_lines_with(const char *text, const char *needle) {
+    int n = 0;
+    for (const char *p = text; (p = strstr(p, needle)); p += strlen(needle)) n++;
+    return n;
+}
+
+/* The one-line error contract: status as expected, a line "dtrain: error:"
+   naming `names`, and no crash. */
+static void expect_error(const char *out, int status, int want_status, const char *names) {
+    CHECKF(status == want_status, "exit status %d, expected %d; output:\n%s", status, want_status, out);
+    CHECKF(strstr(out, "dtrain: error:") != NULL, "no 'dtrain: error:' line in:\n%s", out);
+    CHECKF(strstr(out, names) != NULL, "the error does not name '%s':\n%s", names, out);
+    CHECKF(!strstr(out, "Sanitizer") && !strstr(out, "runtime error"), "sanitizer report:\n%s", out);
+}
+
+static void write_bytes(const char *path, const void *data, size_t n) {
+    FILE *f = fopen(path, "wb");
+    if (!f) { printf("cannot write %s\n", path); exit(1); }
+    fwrite(data, 1, n, f);
+    fclose(f);
+}
+static unsigned char *read_bytes(const char *path, size_t *n) { return dt_read_file(path, n); }
+
+/* A small synthetic data set for the command-line tests (made once). */
+static const char *small_data(void) {
+    static char dir[512];
+    if (!dir[0]) {
+        snprintf(dir, sizeof dir, "%s/small", tmpdir);
+        dt_synthetic_write(dir, 320, 80, 16, 5);
+    }
+    return dir;
+}
+#define SMALL_FLAGS "--image-size 16 --dim 32 --batch-size 32 --log-every 1000 --quiet"
+
+/* ---- 4. kernels ---------------------------------------------------------------- */
+
+static void naive_gemm(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda, const float *B,
+                       int ldb, float beta, const float *C0, int ldc, double *out) {
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            double s = 0;
+            for (int k = 0; k < K; k++)
+                s += (double)(ta ? A[k * lda + i] : A[i * lda + k]) * (tb ? B[j * ldb + k] : B[k * ldb + j]);
+            out[i * N + j] = alpha * s + (beta == 0 ? 0 : beta * C0[i * ldc + j]);
+        }
+}
+
+static void test_gemm_matches_reference(void) {
+    int sizes[][3] = { { 1, 1, 1 }, { 7, 5, 3 }, { 37, 129, 300 }, { 130, 70, 513 }, { 3, 200, 17 }, { 64, 64, 0 } };
+    float alphas[] = { 1.0f, 0.5f }, betas[] = { 0.0f, 1.0f, 0.3f };
+    dt_rng r = { 1 };
+    for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
+        for (int ta = 0; ta < 2; ta++)
+            for (int tb = 0; tb < 2; tb++)
+                for (int ab = 0; ab < 6; ab++) {
+                    int M = sizes[s][0], N = sizes[s][1], K = sizes[s][2], pad = 3;
+                    float alpha = alphas[ab % 2], beta = betas[ab / 2];
+                    int lda = (ta ? M : K) + pad, ldb = (tb ? K : N) + pad, ldc = N + pad;
+                    int arows = ta ? K : M, brows = tb ? N : K;
+                    float *A = (float *)malloc(sizeof(float) * ((size_t)arows * lda + 1));
+                    float *B = (float *)malloc(sizeof(float) * ((size_t)brows * ldb + 1));
+                    float *C = (float *)malloc(sizeof(float) * (size_t)M * ldc), *C0 = (float *)malloc(sizeof(float) * (size_t)M * ldc);
+                    double *ref = (double *)malloc(sizeof(double) * (size_t)M * N);
+                    for (int i = 0; i < arows * lda; i++) A[i] = (float)rnd(&r);
+                    for (int i = 0; i < brows * ldb; i++) B[i] = (float)rnd(&r);
+                    for (int i = 0; i < M * ldc; i++) C[i] = C0[i] = beta == 0 ? NAN : (float)rnd(&r); /* beta 0 must not read C */
+                    naive_gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C0, ldc, ref);
+                    dt_gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+                    double worst = 0;
+                    for (int i = 0; i < M; i++)
+                        for (int j = 0; j < N; j++) {
+                            double e = fabs(C[i * ldc + j] - ref[i * N + j]) / (1 + fabs(ref[i * N + j]));
+                            if (!(e <= worst)) worst = e;
+                        }
+                    CHECKF(worst < 1e-4, "M=%d N=%d K=%d ta=%d tb=%d alpha=%g beta=%g: error %g", M, N, K, ta, tb, alpha, beta, worst);
+                    int pad_ok = 1;          /* the padding columns of C are untouched */
+                    for (int i = 0; i < M; i++)
+                        for (int j = N; j < ldc; j++)
+                            if (memcmp(&C[i * ldc + j], &C0[i * ldc + j], sizeof(float))) pad_ok = 0;
+                    CHECKF(pad_ok, "gemm wrote outside C (M=%d N=%d)", M, N);
+                    free(A); free(B); free(C); free(C0); free(ref);
+                }
+}
+
+static void test_gemm_same_result_for_any_thread_count(void) {
+#ifndef _OPENMP
+    SKIP("built without OpenMP");
+#else
+    int M = 200, N = 300, K = 700;
+    dt_rng r = { 2 };
+    float *A = (float *)malloc(sizeof(float) * M * K), *B = (float *)malloc(sizeof(float) * K * N);
+    float *C1 = (float *)malloc(sizeof(float) * M * N), *C2 = (float *)malloc(sizeof(float) * M * N);
+    for (int i = 0; i < M * K; i++) A[i] = (float)rnd(&r);
+    for (int i = 0; i < K * N; i++) B[i] = (float)rnd(&r);
+    int keep = omp_get_max_threads();
+    omp_set_num_threads(1);
+    dt_gemm(0, 1, M, N, K, 1, A, K, B, K, 0, C1, N);
+    omp_set_num_threads(keep > 1 ? keep : 2);
+    dt_gemm(0, 1, M, N, K, 1, A, K, B, K, 0, C2, N);
+    omp_set_num_threads(keep);
+    CHECK(memcmp(C1, C2, sizeof(float) * M * N) == 0);
+    free(A); free(B); free(C1); free(C2);
+#endif
+}
+
+/* ---- ops: forward values computed by hand ------------------------------------ */
+
+static void test_ops_forward_hand_values(void) {
+    dt_rng r = { 3 };
+    dt_set_grad_enabled(0);
+    /* linear: [1 2] x [[1 0] [0 1] [1 1]]^T + [0.5 0 -1] = [1.5 2 2] */
+    dt_tensor *x = leaf2(1, 2, &r, 1), *w = leaf2(3, 2, &r, 1), *b = leaf2(1, 3, &r, 1);
+    float xv[] = { 1, 2 }, wv[] = { 1, 0, 0, 1, 1, 1 }, bv[] = { 0.5f, 0, -1 };
+    memcpy(x->data, xv, sizeof xv); memcpy(w->data, wv, sizeof wv); memcpy(b->data, bv, sizeof bv);
+    dt_tensor *y = dt_linear(x, w, b);
+    CHECK(y->data[0] == 1.5f && y->data[1] == 2.0f && y->data[2] == 2.0f);
+    /* GELU: x Phi(x) */
+    CHECK(dt_gelu_value(0) == 0);
+    CHECK(CLOSE(dt_gelu_value(1.0f), 0.8413447460685429, 1e-6));
+    CHECK(CLOSE(dt_gelu_value(-1.0f), -0.15865525393145707, 1e-6));
+    CHECK(CLOSE(dt_gelu_derivative(1.0f), 0.8413447460685429 + 0.24197072451914337, 1e-6));
+    /* layernorm of [1 2 3]: mean 2, variance 2/3 */
+    dt_tensor *ln_in = leaf2(1, 3, &r, 1);
+    float lv[] = { 1, 2, 3 };
+    memcpy(ln_in->data, lv, sizeof lv);
+    dt_tensor *ln = dt_layernorm(ln_in, NULL, NULL, 0.0f);
+    CHECK(CLOSE(ln->data[0], -1.224744871391589, 1e-6) && fabs(ln->data[1]) < 1e-7 && CLOSE(ln->data[2], 1.224744871391589, 1e-6));
+    /* cross-entropy: uniform logits give ln C; logits [0, ln 3] with label 1 give -ln(3/4) */
+    dt_tensor *lg = leaf2(2, 10, &r, 0);
+    int32_t labels[2] = { 3, 7 };
+    CHECK(CLOSE(dt_cross_entropy(lg, labels)->data[0], log(10.0), 1e-6));
+    dt_tensor *lg2 = leaf2(1, 2, &r, 0);
+    lg2->data[1] = (float)log(3.0);
+    int32_t one[1] = { 1 };
+    CHECK(CLOSE(dt_cross_entropy(lg2, one)->data[0], -log(0.75), 1e-6));
+    /* attention: with zero queries every key scores the same -> the mean of V */
+    int T = 2, D = 2;
+    dt_tensor *qkv = leaf2(T, 3 * D, &r, 1);
+    float qv[] = { 0, 0, 5, 1, 1, 2, 0, 0, -3, 2, 3, 4 };      /* rows: q q k k v v */
+    memcpy(qkv->data, qv, sizeof qv);
+    dt_tensor *att = dt_attention(qkv, 1, T, 1, 0);
+    CHECK(CLOSE(att->data[0], 2.0, 1e-6) && CLOSE(att->data[1], 3.0, 1e-6) && CLOSE(att->data[2], 2.0, 1e-6));
+    dt_tensor *causal = dt_attention(qkv, 1, T, 1, 1);         /* token 0 sees only itself */
+    CHECK(CLOSE(causal->data[0], 1.0, 1e-6) && CLOSE(causal->data[1], 2.0, 1e-6));
+    /* patchify: a 4x4 image of 0..15, patch 2: rows are (y, x) patches, (c, ky, kx) columns */
+    int shape[4] = { 1, 1, 4, 4 };
+    dt_tensor *img = dt_tensor_new(4, shape);
+    for (int i = 0; i < 16; i++) img->data[i] = (float)i;
+    dt_tensor *pt = dt_patchify(img, 2);
+    float want[16] = { 0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15 };
+    CHECK(pt->shape[0] == 4 && pt->shape[1] == 4 && memcmp(pt->data, want, sizeof want) == 0);
+    /* ViT tokens: [cls; patches] + pos, then the class token back out */
+    dt_tensor *patches = leaf2(2, 2, &r, 1), *cls = leaf2(1, 2, &r, 1), *pos = leaf2(3, 2, &r, 1);
+    dt_tensor *tok = dt_vit_tokens(patches, cls, pos, 1);
+    CHECK(tok->data[0] == cls->data[0] + pos->data[0] && tok->data[3] == patches->data[1] + pos->data[3]);
+    dt_tensor *sel = dt_select_token(tok, 1, 2, 1);
+    CHECK(sel->data[0] == tok->data[2] && sel->data[1] == tok->data[3]);
+    dt_set_grad_enabled(1);
+    leaf_free(x); leaf_free(w); leaf_free(b); leaf_free(ln_in); leaf_free(lg); leaf_free(lg2); leaf_free(qkv);
+    leaf_free(patches); leaf_free(cls); leaf_free(pos);
+}
+
+/* ---- ops: backward against finite differences -------------------------------- */
+
+static dt_tensor *f_linear(dt_tensor **l, void *c) { (void)c; return dt_linear(l[0], l[1], l[2]); }
+static dt_tensor *f_gelu(dt_tensor **l, void *c) { (void)c; return dt_gelu(l[0]); }
+static dt_tensor *f_layernorm(dt_tensor **l, void *c) { (void)c; return dt_layernorm(l[0], l[1], l[2], 1e-5f); }
+static dt_tensor *f_add(dt_tensor **l, void *c) { (void)c; return dt_add(l[0], l[1]); }
+static dt_tensor *f_attention(dt_tensor **l, void *c) { return dt_attention(l[0], 2, 5, 2, *(int *)c); }
+static dt_tensor *f_tokens(dt_tensor **l, void *c) { (void)c; return dt_vit_tokens(l[0], l[1], l[2], 2); }
+static dt_tensor *f_select(dt_tensor **l, void *c) { (void)c; return dt_select_token(l[0], 2, 3, 1); }
+static dt_tensor *f_xent(dt_tensor **l, void *c) { return dt_cross_entropy(l[0], (const int32_t *)c); }
+
+static void test_backward_matches_finite_differences(void) {
+    dt_rng r = { 4 };
+    dt_tensor *x = leaf2(5, 7, &r, 1), *w = leaf2(4, 7, &r, 1), *b = leaf2(1, 4, &r, 1);
+    dt_tensor *L1[3] = { x, w, b };
+    fd_check("linear", f_linear, L1, 3, NULL, 1e-2f, 2e-3);
+    dt_tensor *g = leaf2(6, 9, &r, 3);
+    fd_check("gelu", f_gelu, &g, 1, NULL, 1e-3f, 2e-3);
+    dt_tensor *lx = leaf2(4, 8, &r, 2), *lw = leaf2(1, 8, &r, 1), *lb = leaf2(1, 8, &r, 1);
+    dt_tensor *L3[3] = { lx, lw, lb };
+    fd_check("layernorm", f_layernorm, L3, 3, NULL, 1e-2f, 3e-3);
+    dt_tensor *a1 = leaf2(3, 4, &r, 1), *a2 = leaf2(3, 4, &r, 1);
+    dt_tensor *L4[2] = { a1, a2 };
+    fd_check("add", f_add, L4, 2, NULL, 1e-2f, 1e-3);
+    dt_tensor *qkv = leaf2(2 * 5, 3 * 6, &r, 1);
+    int causal = 0;
+    fd_check("attention", f_attention, &qkv, 1, &causal, 1e-2f, 3e-3);
+    causal = 1;
+    fd_check("causal attention", f_attention, &qkv, 1, &causal, 1e-2f, 3e-3);
+    dt_tensor *pp = leaf2(4, 3, &r, 1), *pc = leaf2(1, 3, &r, 1), *pe = leaf2(3, 3, &r, 1);
+    dt_tensor *L5[3] = { pp, pc, pe };
+    fd_check("vit tokens", f_tokens, L5, 3, NULL, 1e-2f, 1e-3);
+    dt_tensor *st = leaf2(6, 4, &r, 1);
+    fd_check("select token", f_select, &st, 1, NULL, 1e-2f, 1e-3);
+    dt_tensor *lg = leaf2(5, 6, &r, 2);
+    int32_t labels[5] = { 0, 5, 2, 2, 3 };
+    fd_check("cross entropy", f_xent, &lg, 1, labels, 1e-2f, 2e-3);
+    leaf_free(x); leaf_free(w); leaf_free(b); leaf_free(g); leaf_free(lx); leaf_free(lw); leaf_free(lb);
+    leaf_free(a1); leaf_free(a2); leaf_free(qkv); leaf_free(pp); leaf_free(pc); leaf_free(pe); leaf_free(st); leaf_free(lg);
+}
+
+static void test_causal_attention_ignores_later_tokens(void) {
+    dt_rng r = { 5 };
+    int T = 6, D = 8, H = 2;
+    dt_tensor *qkv = leaf2(T, 3 * D, &r, 1);
+    dt_set_grad_enabled(0);
+    dt_step_arena_reset();
+    float before[6 * 8];
+    memcpy(before, dt_attention(qkv, 1, T, H, 1)->data, sizeof before);
+    for (int j = 0; j < 3 * D; j++) qkv->data[(T - 1) * 3 * D + j] += 3.0f;  /* change the last token */
+    dt_tensor *after = dt_attention(qkv, 1, T, H, 1);
+    CHECK(memcmp(before, after->data, sizeof(float) * (T - 1) * D) == 0);          /* earlier rows: same */
+    CHECK(memcmp(before + (T - 1) * D, after->data + (T - 1) * D, sizeof(float) * D) != 0); /* last: changed */
+    dt_set_grad_enabled(1);
+    leaf_free(qkv);
+}
+
+/* The whole models: the gradient of the loss for parameters sampled across
+   every layer, against finite differences of the loss. */
+typedef struct { dt_model *m; dt_tensor *images; int32_t *labels; } model_ctx;
+static dt_tensor *f_model(dt_tensor **l, void *c) {
+    (void)l;
+    model_ctx *mc = (model_ctx *)c;
+    int shape[4] = { mc->images->shape[0], mc->images->shape[1], mc->images->shape[2], mc->images->shape[3] };
+    dt_tensor *img = dt_tensor_new(4, shape);        /* forward may reshape its input view */
+    memcpy(img->data, mc->images->data, sizeof(float) * (size_t)img->numel);
+    return dt_cross_entropy(dt_model_forward(mc->m, img), mc->labels);
+}
+static void model_fd(dt_model_kind kind) {
+    dt_model_config c = { kind, 3, 8, 5, kind == DT_MODEL_MLP ? 16 : 12, 2, 2, 4, 24 };
+    dt_model *m = dt_model_create(&c, 9);
+    dt_rng r = { 6 };
+    int B = 3;
+    int shape[4] = { B, 3, 8, 8 };
+    dt_tensor *img = leaf(4, shape, &r, 1);
+    img->requires_grad = 0;
+    int32_t labels[3] = { 1, 4, 0 };
+    model_ctx mc = { m, img, labels };
+    dt_tensor **leaves = (dt_tensor **)malloc(sizeof(dt_tensor *) * m->nparams);
+    for (int i = 0; i < m->nparams; i++) leaves[i] = &m->params[i];
+    dt_model_zero_grad(m);
+    fd_check(kind == DT_MODEL_MLP ? "mlp" : "vit", f_model, leaves, m->nparams, &mc, 2e-3f, 2e-2);
+    free(leaves);
+    leaf_free(img);
+    dt_model_free(m);
+}
+static void test_mlp_gradients_match_finite_differences(void) { model_fd(DT_MODEL_MLP); }
+static void test_vit_gradients_match_finite_differences(void) { model_fd(DT_MODEL_VIT); }
+
+static void test_vit_parameter_names_and_shapes_follow_timm(void) {
+    dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768 };
+    dt_model *m = dt_model_create(&c, 1);
+    struct { const char *name; int ndim, s[4]; } want[] = {
+        { "cls_token", 3, { 1, 1, 192 } }, { "pos_embed", 3, { 1, 65, 192 } },
+        { "patch_embed.proj.weight", 4, { 192, 3, 4, 4 } }, { "patch_embed.proj.bias", 1, { 192 } },
+        { "blocks.0.norm1.weight", 1, { 192 } }, { "blocks.0.attn.qkv.weight", 2, { 576, 192 } },
+        { "blocks.0.attn.qkv.bias", 1, { 576 } }, { "blocks.0.attn.proj.weight", 2, { 192, 192 } },
+        { "blocks.5.norm2.bias", 1, { 192 } }, { "blocks.5.mlp.fc1.weight", 2, { 768, 192 } },
+        { "blocks.5.mlp.fc2.weight", 2, { 192, 768 } }, { "norm.weight", 1, { 192 } }, { "head.weight", 2, { 10, 192 } },
+        { "head.bias", 1, { 10 } } };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        dt_tensor *p = dt_model_param(m, want[i].name);
+        CHECKF(p != NULL, "no parameter %s", want[i].name);
+        if (!p) continue;
+        int same = p->ndim == want[i].ndim;
+        for (int d = 0; same && d < p->ndim; d++) same = p->shape[d] == want[i].s[d];
+        CHECKF(same, "%s has the wrong shape", want[i].name);
+    }
+    CHECK(m->nparams == 4 + 6 * 12 + 4);
+    /* per block: qkv 192*576+576, proj 192*192+192, fc1 192*768+768, fc2 768*192+192, norms 4*192
+       = 444,864; six blocks, plus patch embedding 192*48+192, pos 65*192, cls 192, norm 384, head 1,930 */
+    CHECKF(m->numel == 6 * 444864 + 9408 + 12480 + 192 + 384 + 1930, "vit-tiny on 32x32 has %lld parameters",
+           (long long)m->numel);
+    dt_model_free(m);
+}
+
+static int hook_order[64], hook_count;
+static dt_model *hook_model;
+static void record_hook(dt_tensor *p, void *user) { (void)user; hook_order[hook_count++] = (int)(p - hook_model->params); }
+
+static void test_grad_ready_hook_fires_once_per_parameter_in_reverse(void) {
+    dt_model_config c = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0 };
+    dt_model *m = dt_model_create(&c, 2);
+    hook_model = m;
+    hook_count = 0;
+    dt_set_grad_ready_hook(record_hook, NULL);
+    dt_step_arena_reset();
+    int shape[4] = { 2, 3, 4, 4 };
+    dt_tensor *img = dt_tensor_new(4, shape);
+    int32_t labels[2] = { 0, 2 };
+    dt_backward(dt_cross_entropy(dt_model_forward(m, img), labels));
+    dt_set_grad_ready_hook(NULL, NULL);
+    CHECKF(hook_count == m->nparams, "%d calls for %d parameters", hook_count, m->nparams);
+    /* fc3 is the last layer, so its weight and bias are ready first */
+    CHECK(hook_count >= 2 && hook_order[0] >= m->nparams - 2 && hook_order[hook_count - 1] <= 1);
+    dt_model_free(m);
+}
+
+static void test_step_arena_stops_allocating_after_the_first_step(void) {
+    dt_model_config c = { DT_MODEL_VIT, 3, 8, 4, 16, 2, 2, 4, 32 };
+    dt_model *m = dt_model_create(&c, 3);
+    dt_optimizer *o = dt_optimizer_create(m, DT_ADAMW, 0.0f, 0.0f, 0.0f);
+    size_t acts[4];
+    for (int s = 0; s < 4; s++) {
+        dt_step_arena_reset();
+        int shape[4] = { 4, 3, 8, 8 };
+        dt_tensor *img = dt_tensor_new(4, shape);
+        int32_t labels[4] = { 0, 1, 2, 3 };
+        dt_backward(dt_cross_entropy(dt_model_forward(m, img), labels));
+        dt_optimizer_step(o, 1e-3f);
+        acts[s] = dt_mem_now(DT_ARENA_ACTS);
+    }
+    CHECKF(acts[1] == acts[2] && acts[2] == acts[3], "activation bytes %zu %zu %zu", acts[1], acts[2], acts[3]);
+    CHECK(dt_mem_now(DT_ARENA_PARAMS) >= (size_t)m->numel * 4 && dt_mem_now(DT_ARENA_OPTIM) >= (size_t)m->numel * 8);
+    dt_optimizer_free(o);
+    dt_model_free(m);
+}
+
+/* ---- 7. optimizer against closed-form steps --------------------------------- */
+
+static void test_adamw_and_sgd_match_hand_computed_steps(void) {
+    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0 };   /* fc1: weight [1,1], bias [1] */
+    for (int kind = 0; kind < 2; kind++) {
+        dt_model *m = dt_model_create(&c, 1);
+        dt_optimizer *o = dt_optimizer_create(m, kind == 0 ? DT_ADAMW : DT_SGD, 0.1f, 0.9f, 0.0f);
+        m->params[0].data[0] = 1.0f;        /* weight: decayed */
+        m->params[1].data[0] = 1.0f;        /* bias: not decayed */
+        for (int step = 0; step < 2; step++) {
+            m->params[0].grad[0] = 0.5f;
+            m->params[1].grad[0] = 0.5f;
+            dt_optimizer_step(o, 0.1f);
+        }
+        if (kind == 0) {
+            /* step 1: p = 0.99 - 0.1 * (0.05/0.1) / (sqrt(0.00025/0.001) + 1e-8) = 0.89
+               step 2: p = 0.89 * 0.99 - 0.1 * (0.095/0.19) / (sqrt(0.00049975/0.001999) + 1e-8) */
+            double w1 = 0.99 - 0.1 * 0.5 / (0.5 + 1e-8);
+            double m2 = 0.9 * 0.05 + 0.1 * 0.5, v2 = 0.999 * 0.00025 + 0.001 * 0.25;
+            double w2 = w1 * 0.99 - 0.1 * (m2 / 0.19) / (sqrt(v2 / (1 - 0.999 * 0.999)) + 1e-8);
+            double b1 = 1.0 - 0.1 * 0.5 / (0.5 + 1e-8);
+            double b2 = b1 - 0.1 * (m2 / 0.19) / (sqrt(v2 / (1 - 0.999 * 0.999)) + 1e-8);
+            CHECKF(CLOSE(m->params[0].data[0], w2, 1e-6), "adamw weight %.8f, expected %.8f", m->params[0].data[0], w2);
+            CHECKF(CLOSE(m->params[1].data[0], b2, 1e-6), "adamw bias %.8f, expected %.8f", m->params[1].data[0], b2);
+        } else {
+            /* weight: g' = 0.5 + 0.1*1 = 0.6, buf 0.6, p 0.94; g' = 0.5 + 0.094, buf 0.54 + 0.594, p 0.94 - 0.1134 */
+            CHECKF(CLOSE(m->params[0].data[0], 0.8266, 1e-6), "sgd weight %.8f", m->params[0].data[0]);
+            /* bias: buf 0.5, p 0.95; buf 0.95, p 0.855 */
+            CHECKF(CLOSE(m->params[1].data[0], 0.855, 1e-6), "sgd bias %.8f", m->params[1].data[0]);
+        }
+        CHECK(m->params[0].grad[0] == 0.0f);                       /* the step zeroes the gradients */
+        dt_optimizer_free(o);
+        dt_model_free(m);
+    }
+}
+
+static void test_gradient_clipping_scales_to_the_max_norm(void) {
+    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0 };
+    dt_model *m = dt_model_create(&c, 1);
+    dt_optimizer *o = dt_optimizer_create(m, DT_SGD, 0.0f, 0.0f, 1.0f);
+    m->params[0].data[0] = 0; m->params[1].data[0] = 0;
+    m->params[0].grad[0] = 6; m->params[1].grad[0] = 8;        /* norm 10 */
+    dt_optimizer_step(o, 1.0f);
+    CHECK(CLOSE(o->last_grad_norm, 10.0, 1e-6));
+    CHECKF(CLOSE(m->params[0].data[0], -0.6, 1e-5) && CLOSE(m->params[1].data[0], -0.8, 1e-5), "%g %g",
+           m->params[0].data[0], m->params[1].data[0]);
+    dt_optimizer_free(o);
+    dt_model_free(m);
+}
+
+static void test_schedule_warms_up_then_follows_a_cosine(void) {
+    CHECK(CLOSE(dt_schedule_lr(1.0f, 0, 10, 110), 0.1, 1e-6));
+    CHECK(CLOSE(dt_schedule_lr(1.0f, 9, 10, 110), 1.0, 1e-6));
+    CHECK(CLOSE(dt_schedule_lr(1.0f, 10, 10, 110), 1.0, 1e-6));
+    CHECK(CLOSE(dt_schedule_lr(1.0f, 60, 10, 110), 0.5, 1e-6));
+    CHECK(dt_schedule_lr(1.0f, 110, 10, 110) < 1e-6);
+    CHECK(CLOSE(dt_schedule_lr(2.0f, 5, 0, 0), 2.0, 1e-6));
+}
+
+/* ---- half types against hand-made bit patterns ------------------------------- */
+
+static void test_half_conversions_round_to_nearest_even(void) {
+    CHECK(dt_f32_to_bf16(1.0f) == 0x3F80);
+    CHECK(dt_f32_to_bf16(dt_bits_float(0x3F808000u)) == 0x3F80);   /* tie, even below */
+    CHECK(dt_f32_to_bf16(dt_bits_float(0x3F818000u)) == 0x3F82);   /* tie, odd below: up */
+    CHECK(dt_f32_to_bf16(dt_bits_float(0x3F808001u)) == 0x3F81);
+    CHECK(dt_f32_to_bf16(INFINITY) == 0x7F80 && dt_f32_to_bf16(-INFINITY) == 0xFF80);
+    CHECK((dt_f32_to_bf16(NAN) & 0x7FFF) > 0x7F80);
+    CHECK(dt_f32_to_bf16(dt_bits_float(0x00000001u)) == 0x0000);   /* smallest subnormal rounds down */
+    CHECK(dt_f32_to_f16(1.0f) == 0x3C00 && dt_f32_to_f16(-2.0f) == 0xC000);
+    CHECK(dt_f32_to_f16(65504.0f) == 0x7BFF);
+    CHECK(dt_f32_to_f16(65519.0f) == 0x7BFF && dt_f32_to_f16(65520.0f) == 0x7C00);
+    CHECK(dt_f32_to_f16(ldexpf(1, -14)) == 0x0400);                  /* smallest normal */
+    CHECK(dt_f32_to_f16(ldexpf(1, -24)) == 0x0001);                  /* smallest subnormal */
+    CHECK(dt_f32_to_f16(ldexpf(1, -25)) == 0x0000);                  /* tie to even: zero */
+    CHECK(dt_f32_to_f16(ldexpf(1.5f, -25)) == 0x0001);
+    CHECK(dt_f32_to_f16(ldexpf(3, -25)) == 0x0002);                  /* 1.5 ulp: tie, up to even 2 */
+    CHECK(dt_f32_to_f16(1.0f + ldexpf(1, -11)) == 0x3C00);           /* tie, even below */
+    CHECK(dt_f32_to_f16(1.0f + 3 * ldexpf(1, -11)) == 0x3C02);       /* tie, odd below: up */
+    CHECK(dt_f32_to_f16(-0.0f) == 0x8000 && dt_f32_to_f16(INFINITY) == 0x7C00);
+    CHECK((dt_f32_to_f16(NAN) & 0x7C00) == 0x7C00 && (dt_f32_to_f16(NAN) & 0x3FF) != 0);
+    CHECK(dt_f16_to_f32(0x0001) == ldexpf(1, -24) && dt_f16_to_f32(0x03FF) == ldexpf(1023, -24));
+    CHECK(isinf(dt_f16_to_f32(0x7C00)) && isnan(dt_f16_to_f32(0x7E00)));
+    int round_trip = 1;
+    for (uint32_t h = 0; h < 65536; h++) {
+        if ((h & 0x7C00) == 0x7C00 && (h & 0x3FF)) continue;        /* NaN payloads */
+        if (dt_f32_to_f16(dt_f16_to_f32((uint16_t)h)) != h) round_trip = 0;
+        if (dt_f32_to_bf16(dt_bf16_to_f32((uint16_t)h)) != h && !((h & 0x7F80) == 0x7F80 && (h & 0x7F))) round_trip = 0;
+    }
+    CHECK(round_trip);
+}
+
+/* ---- 8. data ----------------------------------------------------------------- */
+
+static void test_sampler_shuffles_shards_and_pads_like_distributed_sampler(void) {
+    int64_t a[16], b[16], c[16];
+    int64_t n = dt_sampler_indices(10, 7, 0, 1, 0, 1, a);
+    int seen[10] = { 0 }, perm_ok = n == 10;
+    for (int i = 0; i < 10; i++) if (a[i] >= 0 && a[i] < 10) seen[a[i]]++;
+    for (int i = 0; i < 10; i++) perm_ok &= seen[i] == 1;
+    CHECK(perm_ok);
+    dt_sampler_indices(10, 7, 0, 1, 0, 1, b);
+    CHECK(memcmp(a, b, sizeof(int64_t) * 10) == 0);              /* same seed and epoch: same order */
+    dt_sampler_indices(10, 7, 1, 1, 0, 1, c);
+    CHECK(memcmp(a, c, sizeof(int64_t) * 10) != 0);              /* next epoch: another order */
+    /* unshuffled, 3 ranks: [0..9] padded with [0 1], rank r takes r, r+3, ... */
+    int64_t want[3][4] = { { 0, 3, 6, 9 }, { 1, 4, 7, 0 }, { 2, 5, 8, 1 } };
+    for (int r = 0; r < 3; r++) {
+        CHECK(dt_sampler_indices(10, 7, 0, 0, r, 3, a) == 4);
+        CHECK(memcmp(a, want[r], sizeof want[r]) == 0);
+    }
+    /* shuffled, 4 ranks: the ranks' shards are the epoch's permutation dealt out */
+    int64_t full[12], shard[3];
+    dt_sampler_indices(12, 3, 2, 1, 0, 1, full);
+    int dealt = 1;
+    for (int r = 0; r < 4; r++) {
+        dt_sampler_indices(12, 3, 2, 1, r, 4, shard);
+        for (int i = 0; i < 3; i++) dealt &= shard[i] == full[r + 4 * i];
+    }
+    CHECK(dealt);
+}
+
+static void test_dataset_slice_and_loader_batches(void) {
+    dt_dataset ds;
+    memset(&ds, 0, sizeof ds);
+    dt_dataset_alloc(&ds, 10, 4, 2);
+    for (int i = 0; i < 10; i++) { ds.labels[i] = i; memset(ds.pixels + i * 48, i * 20, 48); }
+    ds.class_names[0] = strdup("a"); ds.class_names[1] = strdup("b");
+    dt_dataset_slice(&ds, 3, 8);
+    CHECK(ds.n == 5 && ds.labels[0] == 3 && ds.labels[4] == 7 && ds.pixels[0] == 60);
+    dt_loader l = dt_loader_create(&ds, 2, 1, 0, 0, 1, 0, 1);
+    CHECK(dt_loader_batches_per_epoch(&l) == 2);                  /* drop_last: 5 -> 2 batches of 2 */
+    dt_loader_start_epoch(&l, 0, 1);                              /* resume: skip the first batch */
+    dt_batch b;
+    dt_step_arena_reset();
+    CHECK(dt_loader_next(&l, &b) && b.size == 2 && b.labels[0] == 5 && b.labels[1] == 6);
+    CHECK(CLOSE(b.images->data[0], 100 / 127.5 - 1, 1e-6));       /* pixels scaled to [-1, 1] */
+    CHECK(!dt_loader_next(&l, &b));
+    dt_loader_free(&l);
+    /* augmentation depends on (seed, epoch, image), not on the position in the batch */
+    dt_loader a1 = dt_loader_create(&ds, 5, 9, 1, 1, 0, 0, 1), a2 = dt_loader_create(&ds, 1, 9, 1, 1, 0, 0, 1);
+    dt_loader_start_epoch(&a1, 3, 0);
+    dt_loader_start_epoch(&a2, 3, 2);
+    dt_batch big, one;
+    dt_loader_next(&a1, &big);
+    dt_loader_next(&a2, &one);
+    CHECK(one.labels[0] == big.labels[2] && memcmp(one.images->data, big.images->data + 2 * 48, 48 * sizeof(float)) == 0);
+    dt_loader_free(&a1);
+    dt_loader_free(&a2);
+    dt_dataset_free(&ds);
+}
+
+static void test_images_decode_convert_and_resize(void) {
+    char path[600], err[256];
+    /* PPM, 2x2: red, blue / green, white -> channels first */
+    snprintf(path, sizeof path, "%s/four.ppm", tmpdir);
+    const char ppm[] = "P6\n# a comment\n2 2\n255\n\xff\x00\x00\x00\x00\xff\x00\xff\x00\xff\xff\xff";
+    write_bytes(path, ppm, sizeof ppm - 1);
+    uint8_t *px = dt_image_load_rgb(path, 2, err, sizeof err);
+    uint8_t want_ppm[12] = { 255, 0, 0, 255, /* R */ 0, 0, 255, 255, /* G */ 0, 255, 0, 255 /* B */ };
+    CHECKF(px != NULL, "%s", err);
+    if (px) { CHECK(memcmp(px, want_ppm, 12) == 0); free(px); }
+    /* PGM grey becomes three equal channels; 16-bit values are scaled */
+    snprintf(path, sizeof path, "%s/grey.pgm", tmpdir);
+    const char pgm[] = "P5 1 1 65535\n\x80\x00";
+    write_bytes(path, pgm, sizeof pgm - 1);
+    px = dt_image_load_rgb(path, 1, err, sizeof err);
+    CHECKF(px != NULL, "%s", err);
+    if (px) { CHECK(px[0] == 127 && px[1] == 127 && px[2] == 127); free(px); }
+    /* ASCII PPM */
+    snprintf(path, sizeof path, "%s/ascii.ppm", tmpdir);
+    const char p3[] = "P3 1 1 15 15 0 5";
+    write_bytes(path, p3, sizeof p3 - 1);
+    px = dt_image_load_rgb(path, 1, err, sizeof err);
+    CHECKF(px != NULL, "%s", err);
+    if (px) { CHECK(px[0] == 255 && px[1] == 0 && px[2] == 85); free(px); }
+    /* bilinear, pixel centres aligned: [0 255] -> [0 64 191 255] (PyTorch: 0, 63.75, 191.25, 255) */
+    uint8_t src[2] = { 0, 255 }, dst[4];
+    dt_image_resize(src, 1, 2, 1, dst, 4, 1);
+    CHECK(dst[0] == 0 && dst[1] == 64 && dst[2] == 191 && dst[3] == 255);
+    uint8_t flat[3 * 5 * 7], small[3 * 3 * 3];
+    memset(flat, 77, sizeof flat);
+    dt_image_resize(flat, 3, 7, 5, small, 3, 3);
+    int same = 1;
+    for (size_t i = 0; i < sizeof small; i++) same &= small[i] == 77;
+    CHECK(same);
+#ifdef DT_HAVE_STB
+    /* PNG with alpha becomes RGB (alpha dropped); a 4x4 grey PNG is resized to 2x2 */
+    uint8_t rgba[4 * 4] = { 10, 20, 30, 40, 50, 60, 70, 0, 1, 2, 3, 255, 4, 5, 6, 128 };
+    snprintf(path, sizeof path, "%s/rgba.png", tmpdir);
+    stbi_write_png(path, 2, 2, 4, rgba, 8);
+    px = dt_image_load_rgb(path, 2, err, sizeof err);
+    uint8_t want_rgba[12] = { 10, 50, 1, 4, 20, 60, 2, 5, 30, 70, 3, 6 };
+    CHECKF(px != NULL, "%s", err);
+    if (px) { CHECK(memcmp(px, want_rgba, 12) == 0); free(px); }
+    uint8_t grey[16];
+    memset(grey, 200, sizeof grey);
+    snprintf(path, sizeof path, "%s/grey.png", tmpdir);
+    stbi_write_png(path, 4, 4, 1, grey, 4);
+    px = dt_image_load_rgb(path, 2, err, sizeof err);
+    CHECKF(px != NULL, "%s", err);
+    if (px) { CHECK(px[0] == 200 && px[4] == 200 && px[11] == 200); free(px); }
+#endif
+}
+
+static void test_broken_images_are_refused_with_a_reason(void) {
+    char path[600], err[256];
+    snprintf(path, sizeof path, "%s/short.ppm", tmpdir);
+    const char ppm[] = "P6\n4 4\n255\n\x01\x02\x03";
+    write_bytes(path, ppm, sizeof ppm - 1);
+    CHECK(dt_image_load_rgb(path, 4, err, sizeof err) == NULL && strstr(err, "truncated"));
+    snprintf(path, sizeof path, "%s/bad-header.ppm", tmpdir);
+    write_bytes(path, "P6 0 0 255\n", 11);
+    CHECK(dt_image_load_rgb(path, 4, err, sizeof err) == NULL && strstr(err, "corrupt"));
+    snprintf(path, sizeof path, "%s/notes.txt", tmpdir);
+    write_bytes(path, "just some text\n", 15);
+    CHECK(dt_image_load_rgb(path, 4, err, sizeof err) == NULL && strstr(err, "not a"));
+    snprintf(path, sizeof path, "%s/empty.png", tmpdir);
+    write_bytes(path, "", 0);
+    CHECK(dt_image_load_rgb(path, 4, err, sizeof err) == NULL && strstr(err, "empty"));
+#ifdef DT_HAVE_STB
+    uint8_t rgb[3 * 8 * 8];
+    for (size_t i = 0; i < sizeof rgb; i++) rgb[i] = (uint8_t)(i * 37);
+    snprintf(path, sizeof path, "%s/whole.png", tmpdir);
+    stbi_write_png(path, 8, 8, 3, rgb, 24);
+    size_t n = 0;
+    unsigned char *png = read_bytes(path, &n);
+    snprintf(path, sizeof path, "%s/cut.png", tmpdir);
+    write_bytes(path, png, n - 20);                                /* cut inside the data */
+    CHECKF(dt_image_load_rgb(path, 8, err, sizeof err) == NULL, "a truncated PNG was accepted");
+    for (size_t i = 40; i < n - 16; i++) png[i] ^= 0x5A;           /* scramble the compressed data */
+    snprintf(path, sizeof path, "%s/garbled.png", tmpdir);
+    write_bytes(path, png, n);
+    CHECKF(dt_image_load_rgb(path, 8, err, sizeof err) == NULL, "a corrupt PNG was accepted");
+    free(png);
+#endif
+}
+
+/* ---- 13. safetensors and checkpoints -------------------------------------------- */
+
+/* A file written byte by byte, the way the format's spec describes it. */
+static size_t handmade_safetensors(const char *path, const char *dtype_w) {
+    /* fc1.weight [2, 3] (F32 or BF16), fc1.bias [2] F32, plus an unrelated tensor */
+    int half = !strcmp(dtype_w, "BF16");
+    size_t wbytes = half ? 12 : 24;
+    char hdr[512];
+    int hl = snprintf(hdr, sizeof hdr,
+                      "{\"__metadata__\":{\"format\":\"pt\"},\"fc1.weight\":{\"dtype\":\"%s\",\"shape\":[2,3],"
+                      "\"data_offsets\":[0,%zu]},\"fc1.bias\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[%zu,%zu]},"
+                      "\"extra\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[%zu,%zu]}}",
+                      dtype_w, wbytes, wbytes, wbytes + 8, wbytes + 8, wbytes + 12);
+    while (hl % 8) hdr[hl++] = ' ';
+    unsigned char buf[1024];
+    uint64_t L = (uint64_t)hl;
+    for (int i = 0; i < 8; i++) buf[i] = (unsigned char)(L >> (8 * i));
+    memcpy(buf + 8, hdr, hl);
+    size_t p = 8 + hl;
+    float w[6] = { 0.5f, -1.0f, 2.0f, 0.25f, -0.125f, 3.0f }, b[2] = { 1.5f, -2.5f }, extra = 42;
+    for (int i = 0; i < 6; i++) {
+        if (half) { uint16_t h = dt_f32_to_bf16(w[i]); buf[p++] = (unsigned char)h; buf[p++] = (unsigned char)(h >> 8); }
+        else { memcpy(buf + p, &w[i], 4); p += 4; }
+    }
+    memcpy(buf + p, b, 8); p += 8;
+    memcpy(buf + p, &extra, 4); p += 4;
+    write_bytes(path, buf, p);
+    return p;
+}
+
+static void test_safetensors_weights_load_and_write_back(void) {
+    char path[600], out[600];
+    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0 };     /* depth 0: fc1 [2, 3] only */
+    float w[6] = { 0.5f, -1.0f, 2.0f, 0.25f, -0.125f, 3.0f };
+    for (int v = 0; v < 2; v++) {
+        snprintf(path, sizeof path, "%s/hand%d.safetensors", tmpdir, v);
+        handmade_safetensors(path, v ? "BF16" : "F32");
+        dt_model *m = dt_model_create(&c, 1);
+        dt_model_load_weights(m, path);
+        CHECK(memcmp(m->params[0].data, w, sizeof w) == 0);        /* these values are exact in bf16 */
+        CHECK(m->params[1].data[0] == 1.5f && m->params[1].data[1] == -2.5f);
+        /* write the model out and read the bytes back by hand */
+        dt_named_tensor t[2] = { { "fc1.weight", m->params[0].data, 2, { 2, 3 } }, { "fc1.bias", m->params[1].data, 1, { 2 } } };
+        const char *meta[2] = { "note", "a \"quoted\" value" };
+        snprintf(out, sizeof out, "%s/out%d.safetensors", tmpdir, v);
+        dt_safetensors_write(out, t, 2, meta, 1);
+        size_t n = 0;
+        unsigned char *bytes = read_bytes(out, &n);
+        uint64_t hl = 0;
+        for (int i = 0; i < 8; i++) hl |= (uint64_t)bytes[i] << (8 * i);
+        CHECK(hl % 8 == 0 && 8 + hl + 32 == n);
+        char *hdr = (char *)calloc(hl + 1, 1);
+        memcpy(hdr, bytes + 8, hl);
+        CHECK(strstr(hdr, "\"fc1.weight\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,24]}") != NULL);
+        CHECK(strstr(hdr, "\"fc1.bias\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[24,32]}") != NULL);
+        CHECK(strstr(hdr, "\"note\":\"a \\\"quoted\\\" value\"") != NULL);
+        CHECK(memcmp(bytes + 8 + hl, w, 24) == 0);
+        dt_safetensors *st = dt_safetensors_read(out);
+        CHECK(st && !strcmp(dt_safetensors_meta(st, "note"), "a \"quoted\" value"));
+        dt_safetensors_close(st);
+        free(hdr);
+        free(bytes);
+        dt_model_free(m);
+    }
+}
+
+static void test_training_run_log_trace_and_bench(void) {
+    char out[16384], log[600], trace[600];
+    snprintf(log, sizeof log, "%s/run.jsonl", tmpdir);
+    snprintf(trace, sizeof trace, "%s/run.trace.json", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 10 --lr 3e-3 --augment 0 --log %s --trace %s", train_bin,
+                     small_data(), log, trace);
+    CHECKF(st == 0, "exit %d:\n%s", st, out);
+    CHECKF(strstr(out, "done: 100 steps") != NULL, "summary missing:\n%s", out);
+    size_t n = 0;
+    char *text = (char *)read_bytes(log, &n);
+    CHECK(text != NULL);
+    if (text) {
+        text = (char *)realloc(text, n + 1);
+        text[n] = 0;
+        const char *keys[] = { "\"step\":", "\"epoch\":", "\"loss\":", "\"lr\":", "\"samples_per_s\":", "\"step_ms\":",
+                               "\"data_ms\":", "\"fwd_ms\":", "\"bwd_ms\":", "\"comm_ms\":", "\"opt_ms\":", "\"mem_bytes\":" };
+        for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++)
+            CHECKF(count_lines_with(text, keys[k]) >= 100, "fewer than 100 log lines with %s", keys[k]);
+        CHECK(count_lines_with(text, "\"eval_acc\":") == 10 + 1);  /* 10 evaluations + the summary */
+        const char *sum = strstr(text, "\"summary\":true");
+        CHECK(sum && strstr(sum, "\"final_loss\":") && strstr(sum, "\"peak_mem_bytes\":") && strstr(sum, "\"world_size\":1"));
+        double acc = sum && strstr(sum, "\"eval_acc\":") ? atof(strstr(sum, "\"eval_acc\":") + 11) : 0;
+        CHECKF(acc > 0.3, "the small model did not learn: eval accuracy %.3f (chance is 0.1)", acc);
+        free(text);
+    }
+    text = (char *)read_bytes(trace, &n);
+    CHECK(text && n > 2 && text[0] == '[' && text[n - 2] == ']');
+    if (text) { text = (char *)realloc(text, n + 1); text[n] = 0; CHECK(count_lines_with(text, "\"forward\"") == 100); free(text); }
+    st = run_cmd(out, sizeof out, "%s --bench --steps 2 --batch-size 8 --dim 16", train_bin);
+    CHECKF(st == 0 && strstr(out, "bench: workload=mlp-custom") && strstr(out, "samples_per_s=") && strstr(out, "gflops="),
+           "bench output:\n%s", out);
+}
+
+static int files_equal_tensors(const char *a, const char *b) {
+    dt_safetensors *x = dt_safetensors_read(a), *y = dt_safetensors_read(b);
+    int same = x->n == y->n && x->n > 0;
+    for (int i = 0; same && i < x->n; i++) {
+        dt_st_tensor *t = &x->t[i], *u = NULL;
+        for (int j = 0; j < y->n; j++) if (!strcmp(y->t[j].name, t->name)) u = &y->t[j];
+        same = u && t->end - t->begin == u->end - u->begin &&
+               memcmp(x->buf + x->data_start + t->begin, y->buf + y->data_start + u->begin, t->end - t->begin) == 0;
+    }
+    dt_safetensors_close(x);
+    dt_safetensors_close(y);
+    return same;
+}
+
+static void test_resume_continues_exactly(void) {
+    char out[16384], a[600], b[600], c[600], p[700], q[700];
+    snprintf(a, sizeof a, "%s/ckA", tmpdir);
+    snprintf(b, sizeof b, "%s/ckB", tmpdir);
+    snprintf(c, sizeof c, "%s/ckC", tmpdir);
+    const char *d = small_data();
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --save-dir %s", train_bin, d, a);
+    CHECKF(st == 0, "straight run: exit %d\n%s", st, out);
+    /* 1 epoch, saved, resumed for the second */
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch1.safetensors", a);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --resume %s --save-dir %s", train_bin, d, p, b);
+    CHECKF(st == 0, "resumed run: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2.safetensors", a);
+    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.safetensors", b);
+    CHECKF(files_equal_tensors(p, q), "weights or optimizer state differ after resuming at an epoch boundary");
+    /* stopped in mid-epoch (--steps 13 of 20), resumed */
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --steps 13 --save-dir %s", train_bin, d, c);
+    CHECKF(st == 0, "stopped run: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_step13.safetensors", c);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --resume %s --save-dir %s", train_bin, d, p, c);
+    CHECKF(st == 0, "resumed run: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2.safetensors", a);
+    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.safetensors", c);
+    CHECKF(files_equal_tensors(p, q), "weights or optimizer state differ after resuming in mid-epoch");
+}
+
+static void test_init_starts_from_given_weights(void) {
+    char out[16384], path[600], dir[600];
+    snprintf(path, sizeof path, "%s/hand0.safetensors", tmpdir);
+    handmade_safetensors(path, "F32");
+    snprintf(dir, sizeof dir, "%s/init", tmpdir);
+    /* a model with exactly fc1 [2, 3]: 1x1 RGB images, 2 classes */
+    char data[600];
+    snprintf(data, sizeof data, "%s/tiny", tmpdir);
+    for (int s = 0; s < 2; s++)
+        for (int c = 0; c < 2; c++) {
+            char p[700];
+            snprintf(p, sizeof p, "%s/%s", data, s ? "val" : "train");
+            mkdir(data, 0755); mkdir(p, 0755);
+            snprintf(p, sizeof p, "%s/%s/c%d", data, s ? "val" : "train", c);
+            mkdir(p, 0755);
+            snprintf(p, sizeof p, "%s/%s/c%d/a.ppm", data, s ? "val" : "train", c);
+            write_bytes(p, c ? "P6 1 1 255\n\xff\x00\x00" : "P6 1 1 255\n\x00\x00\xff", 14);
+        }
+    int st = run_cmd(out, sizeof out, "%s --data %s --image-size 1 --depth 0 --batch-size 2 --epochs 1 --augment 0 "
+                                      "--lr 1e-9 --init %s --save-dir %s --quiet", train_bin, data, path, dir);
+    CHECKF(st == 0, "exit %d:\n%s", st, out);
+    char ck[700];
+    snprintf(ck, sizeof ck, "%s/mlp_data0-2_epoch1.safetensors", dir);
+    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0 };
+    dt_model *m = dt_model_create(&c, 1);
+    dt_model_load_weights(m, ck);
+    CHECK(fabs(m->params[0].data[2] - 2.0f) < 1e-5 && fabs(m->params[1].data[1] + 2.5f) < 1e-5);
+    dt_model_free(m);
+}
+
+/* ---- bad input: each a one-line error naming the culprit, never a crash ----- */
+
+static void test_bad_flags_exit_2_naming_the_flag(void) {
+    char out[8192];
+    int st = run_cmd(out, sizeof out, "%s --no-such-flag 3", train_bin);
+    expect_error(out, st, 2, "--no-such-flag");
+    st = run_cmd(out, sizeof out, "%s --lr fast", train_bin);
+    expect_error(out, st, 2, "--lr");
+    st = run_cmd(out, sizeof out, "%s --batch-size 12x", train_bin);
+    expect_error(out, st, 2, "--batch-size");
+    st = run_cmd(out, sizeof out, "%s --model resnet", train_bin);
+    expect_error(out, st, 2, "--model");
+    st = run_cmd(out, sizeof out, "%s --epochs", train_bin);
+    expect_error(out, st, 2, "--epochs");
+    st = run_cmd(out, sizeof out, "%s --model vit --dim 100 --heads 3", train_bin);
+    expect_error(out, st, 2, "--heads");
+    st = run_cmd(out, sizeof out, "%s --help", train_bin);
+    CHECK(st == 0 && strstr(out, "--batch-size") && strstr(out, "--resume"));
+}
+
+static void test_bad_data_is_reported_by_name(void) {
+    char out[8192], dir[600], p[2048];
+    int st = run_cmd(out, sizeof out, "%s --data %s/nowhere --quiet", train_bin, tmpdir);
+    expect_error(out, st, 1, "nowhere");
+    /* an empty class folder */
+    snprintf(dir, sizeof dir, "%s/emptyclass", tmpdir);
+    snprintf(p, sizeof p, "cp -r %s %s && rm %s/train/disk-cool/*", small_data(), dir, dir);
+    CHECK(system(p) == 0);
+    st = run_cmd(out, sizeof out, "%s --data %s --quiet", train_bin, dir);
+    expect_error(out, st, 1, "disk-cool");
+    /* a corrupt image, a truncated one, and a file that is no image at all */
+    const char *cases[3] = { "corrupt", "truncated", "text" };
+    for (int k = 0; k < 3; k++) {
+        snprintf(dir, sizeof dir, "%s/bad-%s", tmpdir, cases[k]);
+        snprintf(p, sizeof p, "cp -r %s %s", small_data(), dir);
+        CHECK(system(p) == 0);
+        char victim[900];
+        snprintf(victim, sizeof victim, "%s/train/ring-warm/bad-%s.ppm", dir, cases[k]);
+        if (k == 0) write_bytes(victim, "P6 99999999 -3 255\n", 19);
+        if (k == 1) write_bytes(victim, "P6 16 16 255\n\x01\x02\x03\x04", 17);
+        if (k == 2) { snprintf(victim, sizeof victim, "%s/train/ring-warm/README.txt", dir); write_bytes(victim, "hello\n", 6); }
+        st = run_cmd(out, sizeof out, "%s --data %s --quiet", train_bin, dir);
+        expect_error(out, st, 1, k == 2 ? "README.txt" : cases[k]);
+    }
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --start-idx 500", train_bin, small_data());
+    expect_error(out, st, 2, "--start-idx");
+}
+
+static void test_bad_checkpoints_are_refused(void) {
+    char out[8192], src[700], bad[700], dir[600];
+    snprintf(dir, sizeof dir, "%s/ckA", tmpdir);               /* written by the resume test */
+    snprintf(src, sizeof src, "%s/mlp_data0-320_epoch1.safetensors", dir);
+    struct stat sb;
+    if (stat(src, &sb) != 0) {
+        int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --save-dir %s", train_bin, small_data(), dir);
+        CHECKF(st == 0, "%s", out);
+    }
+    size_t n = 0;
+    unsigned char *bytes = read_bytes(src, &n);
+    CHECK(bytes != NULL);
+    if (!bytes) return;
+    snprintf(bad, sizeof bad, "%s/cut.safetensors", tmpdir);
+    write_bytes(bad, bytes, n / 2);
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s", train_bin, small_data(), bad);
+    expect_error(out, st, 1, "cut.safetensors");
+    CHECK(strstr(out, "truncated") != NULL);
+    write_bytes(bad, bytes, 5);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s", train_bin, small_data(), bad);
+    expect_error(out, st, 1, "cut.safetensors");
+    memset(bytes + 8, '#', 16);                                       /* garble the JSON header */
+    write_bytes(bad, bytes, n);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s", train_bin, small_data(), bad);
+    expect_error(out, st, 1, "cut.safetensors");
+    free(bytes);
+    /* another model shape: --dim 48 instead of 32 */
+    st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --dim 48 --batch-size 32 --quiet --resume %s", train_bin,
+                 small_data(), src);
+    expect_error(out, st, 1, "mlp_data0-320_epoch1.safetensors");
+    CHECK(strstr(out, "model") != NULL);
+    /* --init with weights of another shape names the tensor */
+    st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --dim 48 --batch-size 32 --quiet --init %s", train_bin,
+                 small_data(), src);
+    expect_error(out, st, 1, "fc1.weight");
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s/missing.safetensors", train_bin, small_data(), tmpdir);
+    expect_error(out, st, 1, "missing.safetensors");
+}
+
+static void test_failed_save_keeps_the_previous_checkpoint(void) {
+    char out[16384], dir[600], ck[700], p[800];
+    snprintf(dir, sizeof dir, "%s/keep", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --save-dir %s", train_bin, small_data(), dir);
+    CHECKF(st == 0, "%s", out);
+    snprintf(ck, sizeof ck, "%s/mlp_data0-320_epoch1.safetensors", dir);
+    size_t n0 = 0, n1 = 0;
+    unsigned char *before = read_bytes(ck, &n0);
+    CHECK(before != NULL && n0 > 100000);
+    /* the same run with another seed, under a 100 KB file-size limit: the new
+       checkpoint cannot be written whole */
+    st = run_cmd(out, sizeof out, "sh -c 'ulimit -f 200; exec %s --data %s " SMALL_FLAGS " --epochs 1 --seed 9 --save-dir %s'",
+                 train_bin, small_data(), dir);
+    expect_error(out, st, 1, "mlp_data0-320_epoch1.safetensors");
+    unsigned char *after = read_bytes(ck, &n1);
+    CHECK(after && n0 == n1 && memcmp(before, after, n0) == 0);
+    snprintf(p, sizeof p, "%s.tmp", ck);
+    struct stat sb;
+    CHECKF(stat(p, &sb) != 0, "the partial file %s was left behind", p);
+    free(before);
+    free(after);
+}
+
+/* ---- the runner ----------------------------------------------------------------- */
+
+typedef struct { const char *name; void (*fn)(void); } test_case;
+#define T(f) { #f, f }
+static const test_case tests[] = {
+    T(test_gemm_matches_reference), T(test_gemm_same_result_for_any_thread_count),
+    T(test_ops_forward_hand_values), T(test_backward_matches_finite_differences),
+    T(test_causal_attention_ignores_later_tokens), T(test_mlp_gradients_match_finite_differences),
+    T(test_vit_gradients_match_finite_differences), T(test_vit_parameter_names_and_shapes_follow_timm),
+    T(test_grad_ready_hook_fires_once_per_parameter_in_reverse), T(test_step_arena_stops_allocating_after_the_first_step),
+    T(test_adamw_and_sgd_match_hand_computed_steps), T(test_gradient_clipping_scales_to_the_max_norm),
+    T(test_schedule_warms_up_then_follows_a_cosine), T(test_half_conversions_round_to_nearest_even),
+    T(test_sampler_shuffles_shards_and_pads_like_distributed_sampler), T(test_dataset_slice_and_loader_batches),
+    T(test_images_decode_convert_and_resize), T(test_broken_images_are_refused_with_a_reason),
+    T(test_safetensors_weights_load_and_write_back), T(test_training_run_log_trace_and_bench),
+    T(test_resume_continues_exactly), T(test_init_starts_from_given_weights),
+    T(test_bad_flags_exit_2_naming_the_flag), T(test_bad_data_is_reported_by_name),
+    T(test_bad_checkpoints_are_refused), T(test_failed_save_keeps_the_previous_checkpoint),
+};
+
+int main(int argc, char **argv) {
+    const char *filter = NULL;
+    if (argc > 1) train_bin = argv[1];
+    if (argc > 2) filter = argv[2];
+    struct stat sb;
+    if (stat(train_bin, &sb) != 0) { fprintf(stderr, "test_dtrain: no stage binary at %s (run make first)\n", train_bin); return 1; }
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/dtrain-test-XXXXXX");
+    if (!mkdtemp(tmpdir)) { perror("mkdtemp"); return 1; }
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
+        if (filter && !strstr(tests[i].name, filter)) continue;
+        t_failed = t_skipped = 0;
+        double t0 = dt_now_ms();
+        tests[i].fn();
+        dt_step_arena_reset();
+        const char *name = tests[i].name + 5;
+        if (t_skipped) { n_skip++; printf("SKIP %s (%s)\n", name, t_skip_reason); }
+        else if (t_failed) { n_fail++; printf("FAIL %s\n", name); }
+        else { n_pass++; printf("PASS %s (%.1f s)\n", name, (dt_now_ms() - t0) / 1e3); }
+    }
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmpdir);
+    if (n_skip) printf("%d passed, %d failed, %d skipped\n", n_pass, n_fail, n_skip);
+    else printf("%d passed, %d failed\n", n_pass, n_fail);
+    return n_fail ? 1 : 0;
+}
