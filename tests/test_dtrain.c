@@ -667,6 +667,19 @@ static void test_broken_images_are_refused_with_a_reason(void) {
     snprintf(path, sizeof path, "%s/cut.png", tmpdir);
     write_bytes(path, png, n - 20);                                /* cut inside the data */
     CHECKF(dt_image_load_rgb(path, 8, err, sizeof err) == NULL, "a truncated PNG was accepted");
+    write_bytes(path, png, n - 12);                                /* only the IEND chunk lost */
+    CHECKF(dt_image_load_rgb(path, 8, err, sizeof err) == NULL && strstr(err, "truncated"), "a PNG without IEND was accepted");
+    snprintf(path, sizeof path, "%s/whole.jpg", tmpdir);
+    stbi_write_jpg(path, 8, 8, 3, rgb, 90);
+    size_t jn = 0;
+    unsigned char *jpg = read_bytes(path, &jn);
+    uint8_t *whole = dt_image_load_rgb(path, 8, err, sizeof err);
+    CHECKF(jpg && whole, "a whole JPEG was refused: %s", err);
+    free(whole);
+    snprintf(path, sizeof path, "%s/cut.jpg", tmpdir);
+    write_bytes(path, jpg, jn * 2 / 3);                            /* stb would fill the rest with grey */
+    CHECKF(dt_image_load_rgb(path, 8, err, sizeof err) == NULL && strstr(err, "truncated"), "a truncated JPEG was accepted");
+    free(jpg);
     for (size_t i = 40; i < n - 16; i++) png[i] ^= 0x5A;           /* scramble the compressed data */
     snprintf(path, sizeof path, "%s/garbled.png", tmpdir);
     write_bytes(path, png, n);
