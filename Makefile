@@ -85,7 +85,10 @@ bench: 01-single-gpu/train
 	  OMP_NUM_THREADS=$$t ./01-single-gpu/train --bench --model mlp; \
 	  OMP_NUM_THREADS=$$t ./01-single-gpu/train --bench --model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64; \
 	done
-	@if python3 -c 'import torch' 2>/dev/null; then python3 tools/bench_torch.py; \
+	@py=$$(for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2>/dev/null && echo $$p && break; done); \
+	 if [ -n "$$py" ]; then \
+	   [ -z "$$OPENBLAS_CORETYPE" ] || echo "(OPENBLAS_CORETYPE=$$OPENBLAS_CORETYPE limits PyTorch's OpenBLAS to that core type)"; \
+	   $$py tools/bench_torch.py; \
 	 else echo "(PyTorch not installed: no comparison; Debian: apt-get install python3-torch)"; fi
 
 diff:
