@@ -1552,11 +1552,11 @@ void dt_optimizer_step(dt_optimizer *o, float lr) {
         float *p = m->flat_data + off, *mm = o->m + off, *gg = g + off;
         if (o->kind == DT_ADAMW) {
             float *vv = o->v + off;
-            DT_OMP("omp parallel for simd if(len > 65536)")
+            DT_OMP("omp parallel for if(len > 65536)")
             for (int64_t i = 0; i < len; i++)
                 dt_adamw_update(&p[i], &mm[i], &vv[i], gg[i], lr, o->beta1, o->beta2, o->eps, wd, bc1, bc2);
         } else {
-            DT_OMP("omp parallel for simd if(len > 65536)")
+            DT_OMP("omp parallel for if(len > 65536)")
             for (int64_t i = 0; i < len; i++) dt_sgd_update(&p[i], &mm[i], gg[i], lr, o->momentum, wd);
         }
     }

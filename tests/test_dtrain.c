@@ -623,7 +623,31 @@ static void test_images_decode_convert_and_resize(void) {
     int same = 1;
     for (size_t i = 0; i < sizeof small; i++) same &= small[i] == 77;
     CHECK(same);
-#ifdef DT_HAVE_STB
+}
+
+static void test_broken_images_are_refused_with_a_reason(void) {
+    char path[600], err[256];
+    snprintf(path, sizeof path, "%s/short.ppm", tmpdir);
+    const char ppm[] = "P6\n4 4\n255\n\x01\x02\x03";
+    write_bytes(path, ppm, sizeof ppm - 1);
+    CHECK(dt_image_load_rgb(path, 4, err, sizeof err) == NULL && strstr(err, "truncated"));
+    snprintf(path, sizeof path, "%s/bad-header.ppm", tmpdir);
+    write_bytes(path, "P6 0 0 255\n", 11);
+    CHECK(dt_image_load_rgb(path, 4, err, sizeof err) == NULL && strstr(err, "corrupt"));
+    snprintf(path, sizeof path, "%s/notes.txt", tmpdir);
+    write_bytes(path, "just some text\n", 15);
+    CHECK(dt_image_load_rgb(path, 4, err, sizeof err) == NULL && strstr(err, "not a"));
+    snprintf(path, sizeof path, "%s/empty.png", tmpdir);
+    write_bytes(path, "", 0);
+    CHECK(dt_image_load_rgb(path, 4, err, sizeof err) == NULL && strstr(err, "empty"));
+}
+
+static void test_png_alpha_and_grey_become_rgb(void) {
+#ifndef DT_HAVE_STB
+    SKIP("built without stb_image (libstb-dev): PPM/PGM only");
+#else
+    char path[600], err[256];
+    uint8_t *px;
     /* PNG with alpha becomes RGB (alpha dropped); a 4x4 grey PNG is resized to 2x2 */
     uint8_t rgba[4 * 4] = { 10, 20, 30, 40, 50, 60, 70, 0, 1, 2, 3, 255, 4, 5, 6, 128 };
     snprintf(path, sizeof path, "%s/rgba.png", tmpdir);
@@ -642,22 +666,11 @@ static void test_images_decode_convert_and_resize(void) {
 #endif
 }
 
-static void test_broken_images_are_refused_with_a_reason(void) {
+static void test_truncated_or_garbled_png_and_jpeg_are_refused(void) {
+#ifndef DT_HAVE_STB
+    SKIP("built without stb_image (libstb-dev): PPM/PGM only");
+#else
     char path[600], err[256];
-    snprintf(path, sizeof path, "%s/short.ppm", tmpdir);
-    const char ppm[] = "P6\n4 4\n255\n\x01\x02\x03";
-    write_bytes(path, ppm, sizeof ppm - 1);
-    CHECK(dt_image_load_rgb(path, 4, err, sizeof err) == NULL && strstr(err, "truncated"));
-    snprintf(path, sizeof path, "%s/bad-header.ppm", tmpdir);
-    write_bytes(path, "P6 0 0 255\n", 11);
-    CHECK(dt_image_load_rgb(path, 4, err, sizeof err) == NULL && strstr(err, "corrupt"));
-    snprintf(path, sizeof path, "%s/notes.txt", tmpdir);
-    write_bytes(path, "just some text\n", 15);
-    CHECK(dt_image_load_rgb(path, 4, err, sizeof err) == NULL && strstr(err, "not a"));
-    snprintf(path, sizeof path, "%s/empty.png", tmpdir);
-    write_bytes(path, "", 0);
-    CHECK(dt_image_load_rgb(path, 4, err, sizeof err) == NULL && strstr(err, "empty"));
-#ifdef DT_HAVE_STB
     uint8_t rgb[3 * 8 * 8];
     for (size_t i = 0; i < sizeof rgb; i++) rgb[i] = (uint8_t)(i * 37);
     snprintf(path, sizeof path, "%s/whole.png", tmpdir);
@@ -981,6 +994,7 @@ static const test_case tests[] = {
     T(test_schedule_warms_up_then_follows_a_cosine), T(test_half_conversions_round_to_nearest_even),
     T(test_sampler_shuffles_shards_and_pads_like_distributed_sampler), T(test_dataset_slice_and_loader_batches),
     T(test_images_decode_convert_and_resize), T(test_broken_images_are_refused_with_a_reason),
+    T(test_png_alpha_and_grey_become_rgb), T(test_truncated_or_garbled_png_and_jpeg_are_refused),
     T(test_safetensors_weights_load_and_write_back), T(test_training_run_log_trace_and_bench),
     T(test_resume_continues_exactly), T(test_init_starts_from_given_weights),
     T(test_bad_flags_exit_2_naming_the_flag), T(test_bad_data_is_reported_by_name),
