@@ -1780,7 +1780,7 @@ static void dt_dataset_alloc(dt_dataset *ds, int64_t n, int size, int classes) {
     ds->n = n; ds->capacity = n; ds->channels = 3; ds->size = size; ds->num_classes = classes;
     ds->pixels = (uint8_t *)dt_alloc(DT_ARENA_DATA, (size_t)n * 3 * size * size);
     ds->labels = (int32_t *)dt_alloc(DT_ARENA_DATA, (size_t)n * sizeof(int32_t));
-    ds->class_names = (char **)calloc(classes, sizeof(char *));
+    ds->class_names = (char **)calloc((size_t)(classes > 0 ? classes : 1), sizeof(char *));
 }
 
 static int dt_is_cifar_dir(const char *dir, char *batches, size_t n) {

@@ -701,6 +701,41 @@ static void test_truncated_or_garbled_png_and_jpeg_are_refused(void) {
 #endif
 }
 
+static void test_cifar10_binary_batches_load(void) {
+    char dir[600], p[700];
+    snprintf(dir, sizeof dir, "%s/cifar", tmpdir);
+    mkdir(dir, 0755);
+    /* five training batches of 2 records and a test batch of 1: label byte, then R, G, B planes */
+    unsigned char rec[2 * 3073];
+    for (int f = 0; f <= 5; f++) {
+        int n = f < 5 ? 2 : 1;
+        for (int r = 0; r < n; r++) {
+            rec[r * 3073] = (unsigned char)((f * 2 + r) % 10);
+            for (int i = 0; i < 3072; i++) rec[r * 3073 + 1 + i] = (unsigned char)(i / 1024 * 100 + f);
+        }
+        if (f < 5) snprintf(p, sizeof p, "%s/data_batch_%d.bin", dir, f + 1);
+        else snprintf(p, sizeof p, "%s/test_batch.bin", dir);
+        write_bytes(p, rec, (size_t)n * 3073);
+    }
+    dt_dataset train, val;
+    dt_dataset_load(dir, "train", 32, NULL, &train);
+    dt_dataset_load(dir, "val", 16, &train, &val);
+    CHECK(train.n == 10 && train.num_classes == 10 && !strcmp(train.class_names[3], "cat"));
+    CHECK(train.labels[0] == 0 && train.labels[3] == 3 && train.labels[9] == 9);
+    /* image 4 is file 3 (f = 2): R plane 2, G plane 102, B plane 202 */
+    CHECK(train.pixels[4 * 3072] == 2 && train.pixels[4 * 3072 + 1024] == 102 && train.pixels[4 * 3072 + 2047] == 102 &&
+          train.pixels[4 * 3072 + 3071] == 202);
+    CHECK(val.n == 1 && val.size == 16 && val.pixels[0] == 5 && val.pixels[256] == 105);  /* resized to 16x16 */
+    dt_dataset_free(&train);
+    dt_dataset_free(&val);
+    /* a truncated batch is named */
+    snprintf(p, sizeof p, "%s/data_batch_3.bin", dir);
+    write_bytes(p, rec, 3000);
+    char out[4096];
+    int st = run_cmd(out, sizeof out, "%s --data %s --quiet --batch-size 2", train_bin, dir);
+    expect_error(out, st, 1, "data_batch_3.bin");
+}
+
 /* ---- 13. safetensors and checkpoints -------------------------------------------- */
 
 /* A file written byte by byte, the way the format's spec describes it. */
@@ -994,7 +1029,7 @@ static const test_case tests[] = {
     T(test_schedule_warms_up_then_follows_a_cosine), T(test_half_conversions_round_to_nearest_even),
     T(test_sampler_shuffles_shards_and_pads_like_distributed_sampler), T(test_dataset_slice_and_loader_batches),
     T(test_images_decode_convert_and_resize), T(test_broken_images_are_refused_with_a_reason),
-    T(test_png_alpha_and_grey_become_rgb), T(test_truncated_or_garbled_png_and_jpeg_are_refused),
+    T(test_png_alpha_and_grey_become_rgb), T(test_cifar10_binary_batches_load), T(test_truncated_or_garbled_png_and_jpeg_are_refused),
     T(test_safetensors_weights_load_and_write_back), T(test_training_run_log_trace_and_bench),
     T(test_resume_continues_exactly), T(test_init_starts_from_given_weights),
     T(test_bad_flags_exit_2_naming_the_flag), T(test_bad_data_is_reported_by_name),
