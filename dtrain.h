@@ -661,22 +661,10 @@ size_t dt_mem_total_peak(void) { return dt_ctx.mem_total_peak; }
    skip the zeroing that gradient buffers need. */
 static void *dt_step_alloc_uninit(size_t bytes) {
     bytes = (bytes + 63) & ~(size_t)63;
-    if (dt_ctx.step_used + bytes <= dt_ctx.step_cap) {
-        void *p = dt_ctx.step_base + dt_ctx.step_used;
-        dt_ctx.step_used += bytes;
-        dt_ctx.step_high += bytes;
-        return p;
-    }
-    return dt_step_alloc(bytes);
-}
-
-void *dt_step_alloc(size_t bytes) {
-    bytes = (bytes + 63) & ~(size_t)63;
     dt_ctx.step_high += bytes;
     if (dt_ctx.step_used + bytes <= dt_ctx.step_cap) {
         void *p = dt_ctx.step_base + dt_ctx.step_used;
         dt_ctx.step_used += bytes;
-        memset(p, 0, bytes);
         return p;
     }
     /* Out of room (only in the first steps): a spill block, merged at the reset. */
@@ -690,6 +678,12 @@ void *dt_step_alloc(size_t bytes) {
     void *p = dt_alloc(DT_ARENA_ACTS, bytes);
     dt_ctx.step_spill[dt_ctx.step_nspill] = p;
     dt_ctx.step_spill_bytes[dt_ctx.step_nspill++] = bytes;
+    return p;
+}
+
+void *dt_step_alloc(size_t bytes) {
+    void *p = dt_step_alloc_uninit(bytes);
+    memset(p, 0, bytes);
     return p;
 }
 
@@ -732,15 +726,6 @@ static void dt_flush_subnormals(void) {
    A tensor is a shape and a pointer. Activations are carved out of the step
    arena; parameters point into the model's flat buffers. */
 
-dt_tensor *dt_tensor_new(int ndim, const int *shape) {
-    dt_tensor *t = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
-    t->ndim = ndim;
-    t->numel = 1;
-    for (int i = 0; i < ndim; i++) { t->shape[i] = shape[i]; t->numel *= shape[i]; }
-    t->data = (float *)dt_step_alloc((size_t)t->numel * sizeof(float));
-    return t;
-}
-dt_tensor *dt_tensor_2d(int rows, int cols) { int s[2] = { rows, cols }; return dt_tensor_new(2, s); }
 /* An op's output: every element is written by the op, so it is not zeroed. */
 static dt_tensor *dt_tensor_out(int ndim, const int *shape) {
     dt_tensor *t = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
@@ -751,6 +736,12 @@ static dt_tensor *dt_tensor_out(int ndim, const int *shape) {
     return t;
 }
 static dt_tensor *dt_tensor_out_2d(int rows, int cols) { int s[2] = { rows, cols }; return dt_tensor_out(2, s); }
+dt_tensor *dt_tensor_new(int ndim, const int *shape) {
+    dt_tensor *t = dt_tensor_out(ndim, shape);
+    memset(t->data, 0, (size_t)t->numel * sizeof(float));
+    return t;
+}
+dt_tensor *dt_tensor_2d(int rows, int cols) { int s[2] = { rows, cols }; return dt_tensor_new(2, s); }
 int64_t dt_tensor_rows(const dt_tensor *t) { return t->shape[0]; }
 int64_t dt_tensor_cols(const dt_tensor *t) { return t->numel / t->shape[0]; }
 float *dt_grad(dt_tensor *t) {
