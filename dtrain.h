@@ -379,7 +379,6 @@ typedef struct dt_run {
     int64_t loss_count;
     double eval_loss, eval_acc;
     FILE *log, *trace;
-    int trace_first;
     int stop;
 } dt_run;
 
@@ -2555,9 +2554,9 @@ dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int ima
 
 static void dt_trace_event(dt_run *r, const char *name, int track, double t0, double t1) {
     if (!r->trace) return;
-    fprintf(r->trace, "%s{\"name\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.1f,\"dur\":%.1f}\n",
-            r->trace_first ? "" : ",", name, dt_ctx.rank, track, (t0 - r->start_ms) * 1e3, (t1 - t0) * 1e3);
-    r->trace_first = 0;
+    /* the file opens with two metadata events, so every event follows a comma */
+    fprintf(r->trace, ",{\"name\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.1f,\"dur\":%.1f}\n",
+            name, dt_ctx.rank, track, (t0 - r->start_ms) * 1e3, (t1 - t0) * 1e3);
 }
 
 static const char *dt_phase_names[DT_PHASE_COUNT] = { "data", "forward", "backward", "comm", "optimizer", "eval", "checkpoint" };

@@ -849,30 +849,33 @@ static int files_equal_tensors(const char *a, const char *b) {
     return same;
 }
 
+/* Resume from `from` for the rest of a 2-epoch run, saving into `dir`; the
+   final checkpoint must equal the straight run's in every tensor, bit for bit. */
+static void resume_matches_straight_run(const char *from, const char *dir, const char *straight_dir, const char *what) {
+    char out[16384], p[700], q[700];
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --resume %s --save-dir %s", train_bin,
+                     small_data(), from, dir);
+    CHECKF(st == 0, "resumed run (%s): exit %d\n%s", what, st, out);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2.safetensors", straight_dir);
+    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.safetensors", dir);
+    CHECKF(files_equal_tensors(p, q), "weights or optimizer state differ after resuming %s", what);
+}
+
 static void test_resume_continues_exactly(void) {
-    char out[16384], a[600], b[600], c[600], p[700], q[700];
+    char out[16384], a[600], b[600], c[600], p[700];
     snprintf(a, sizeof a, "%s/ckA", tmpdir);
     snprintf(b, sizeof b, "%s/ckB", tmpdir);
     snprintf(c, sizeof c, "%s/ckC", tmpdir);
-    const char *d = small_data();
-    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --save-dir %s", train_bin, d, a);
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --save-dir %s", train_bin, small_data(), a);
     CHECKF(st == 0, "straight run: exit %d\n%s", st, out);
-    /* 1 epoch, saved, resumed for the second */
-    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch1.safetensors", a);
-    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --resume %s --save-dir %s", train_bin, d, p, b);
-    CHECKF(st == 0, "resumed run: exit %d\n%s", st, out);
-    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2.safetensors", a);
-    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.safetensors", b);
-    CHECKF(files_equal_tensors(p, q), "weights or optimizer state differ after resuming at an epoch boundary");
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch1.safetensors", a);     /* 1 epoch, saved */
+    resume_matches_straight_run(p, b, a, "at an epoch boundary");
     /* stopped in mid-epoch (--steps 13 of 20), resumed */
-    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --steps 13 --save-dir %s", train_bin, d, c);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --steps 13 --save-dir %s", train_bin,
+                 small_data(), c);
     CHECKF(st == 0, "stopped run: exit %d\n%s", st, out);
     snprintf(p, sizeof p, "%s/mlp_data0-320_step13.safetensors", c);
-    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --resume %s --save-dir %s", train_bin, d, p, c);
-    CHECKF(st == 0, "resumed run: exit %d\n%s", st, out);
-    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2.safetensors", a);
-    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.safetensors", c);
-    CHECKF(files_equal_tensors(p, q), "weights or optimizer state differ after resuming in mid-epoch");
+    resume_matches_straight_run(p, c, a, "in mid-epoch");
 }
 
 static void test_init_starts_from_given_weights(void) {
