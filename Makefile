@@ -4,11 +4,13 @@
 #   make run          train stage 01 on the synthetic set (made on first use)
 #   make test         the test suite; ends with "N passed, N failed"
 #   make test-asan    the same under AddressSanitizer + UndefinedBehaviorSanitizer
-#   make bench        time the reference workloads (mlp, vit-tiny) at 1 and 2 threads
+#   make bench        time the reference workloads: on a GPU vit-tiny and vit-base against
+#                     PyTorch; on the CPU mlp and vit-tiny at 1 and 2 threads
 #   make diff         what each stage changes from the one before
 #
 # Knobs: CC, OPT (default -O3 -march=native), BLAS=0 (built-in matmul even when
-# a system BLAS is found), STB=0 (no stb_image: PPM/PGM only), OPENMP=0.
+# a system BLAS is found), STB=0 (no stb_image: PPM/PGM only), OPENMP=0,
+# CUDA=0 (CPU only even when nvcc is found), NVCC, CUDA_ARCH.
 
 CC       ?= cc
 OPT      ?= -O3 -march=native
@@ -44,6 +46,24 @@ ifneq ($(BLAS),0)
   endif
 endif
 
+# CUDA when nvcc is found: the CUDA section of dtrain.h is compiled once by nvcc
+# into build/dtrain_cuda.o and linked into every program, which still runs on
+# the CPU (--device cpu, or auto on a machine with no GPU).
+NVCC     ?= $(or $(shell command -v nvcc 2>/dev/null),$(wildcard /usr/local/cuda/bin/nvcc))
+# SASS for Turing (T4), Ampere (A100, RTX 30xx, also runs on 40xx) and Hopper,
+# plus PTX that newer GPUs compile when the program starts.
+CUDA_ARCH ?= -gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=sm_80 \
+             -gencode arch=compute_90,code=[sm_90,compute_90]
+NVCCFLAGS ?= -O3 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra
+ifneq ($(CUDA),0)
+  ifneq ($(NVCC),)
+    CUDA_HOME := $(patsubst %/bin/nvcc,%,$(realpath $(NVCC)))
+    CUDA_OBJ  := build/dtrain_cuda.o
+    CFLAGS    += -DDT_HAVE_CUDA
+    LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++
+  endif
+endif
+
 STAGES   := $(sort $(dir $(wildcard 0*/train.c)))
 STAGE_BINS := $(addsuffix train,$(STAGES))
 TOOLS    := tools/gen_synthetic
@@ -51,41 +71,50 @@ TEST_BIN := tests/test_dtrain
 
 all: $(STAGE_BINS) $(TOOLS) $(TEST_BIN)
 
-%/train: %/train.c dtrain.h
-	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
+%/train: %/train.c dtrain.h $(CUDA_OBJ)
+	$(CC) $(CFLAGS) -o $@ $< $(CUDA_OBJ) $(LDLIBS)
 
-tools/%: tools/%.c dtrain.h
-	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
+tools/%: tools/%.c dtrain.h $(CUDA_OBJ)
+	$(CC) $(CFLAGS) -o $@ $< $(CUDA_OBJ) $(LDLIBS)
 
-$(TEST_BIN): tests/test_dtrain.c dtrain.h
-	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
+$(TEST_BIN): tests/test_dtrain.c dtrain.h $(CUDA_OBJ)
+	$(CC) $(CFLAGS) -o $@ $< $(CUDA_OBJ) $(LDLIBS)
+
+build/dtrain_cuda.o: dtrain.h
+	@mkdir -p build
+	$(NVCC) -x cu -DDTRAIN_CUDA_IMPLEMENTATION $(NVCCFLAGS) -c dtrain.h -o $@
 
 run: 01-single-gpu/train
 	./01-single-gpu/train
 
 test: $(STAGE_BINS) $(TEST_BIN)
-	@echo "testing with: $(CC) $(CFLAGS)"
+	@echo "testing with: $(CC) $(CFLAGS)$(if $(CUDA_OBJ), + $(CUDA_OBJ) from $(NVCC))"
 	./$(TEST_BIN) 01-single-gpu/train
 
 # The sanitizers build into build/asan so the fast binaries stay as they are.
 ASAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
-build/asan/%/train: %/train.c dtrain.h
+build/asan/%/train: %/train.c dtrain.h $(CUDA_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(filter-out -O3 -O2,$(CFLAGS)) $(ASAN_FLAGS) -o $@ $< $(LDLIBS)
-build/asan/test_dtrain: tests/test_dtrain.c dtrain.h
+	$(CC) $(filter-out -O3 -O2,$(CFLAGS)) $(ASAN_FLAGS) -o $@ $< $(CUDA_OBJ) $(LDLIBS)
+build/asan/test_dtrain: tests/test_dtrain.c dtrain.h $(CUDA_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(filter-out -O3 -O2,$(CFLAGS)) $(ASAN_FLAGS) -o $@ $< $(LDLIBS)
+	$(CC) $(filter-out -O3 -O2,$(CFLAGS)) $(ASAN_FLAGS) -o $@ $< $(CUDA_OBJ) $(LDLIBS)
 
 test-asan: build/asan/01-single-gpu/train build/asan/test_dtrain
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ./build/asan/test_dtrain build/asan/01-single-gpu/train
 
+TORCH_PY = $(shell for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2>/dev/null && echo $$p && break; done)
+
 bench: 01-single-gpu/train
+	@if [ -n "$(CUDA_OBJ)" ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then \
+	  tools/bench_gpu.sh 01-single-gpu/train "$(TORCH_PY)"; \
+	else echo "(no GPU here, or a build without CUDA: CPU benchmarks only)"; fi
 	@for t in 1 2; do \
 	  OMP_NUM_THREADS=$$t ./01-single-gpu/train --bench --model mlp; \
 	  OMP_NUM_THREADS=$$t ./01-single-gpu/train --bench --model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64; \
 	done
-	@py=$$(for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2>/dev/null && echo $$p && break; done); \
+	@py="$(TORCH_PY)"; \
 	 if [ -n "$$py" ]; then \
 	   [ -z "$$OPENBLAS_CORETYPE" ] || echo "(OPENBLAS_CORETYPE=$$OPENBLAS_CORETYPE limits PyTorch's OpenBLAS to that core type)"; \
 	   $$py tools/bench_torch.py; \

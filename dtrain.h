@@ -15,6 +15,10 @@
                           write PNGs with stb_image_write; link with -lstb.
                           Without it, PPM/PGM images are read by this header.
            DT_HAVE_CBLAS  send matrix multiplies to a system BLAS (cblas_sgemm).
+           DT_HAVE_CUDA   this program also has the CUDA backend (--device cuda):
+                          compile this same header once with nvcc,
+                              nvcc -x cu -DDTRAIN_CUDA_IMPLEMENTATION -c dtrain.h -o dtrain_cuda.o
+                          and link dtrain_cuda.o -lcublas -lcudart -lstdc++.
        Build with OpenMP (-fopenmp) to use every core; OMP_NUM_THREADS picks how many.
 
    WHAT IT TEACHES, SECTION BY SECTION
@@ -32,6 +36,8 @@
                         augmentation, and a synthetic data set made on first use
        13  checkpoints  safetensors files written atomically; exact resume
        14  metrics      JSON-lines logs, progress lines, Chrome traces, benchmarks
+       15  CUDA         the GPU bodies of the ops, behind one table (dt_backend):
+                        indexing, reductions and launch shape are all that differ
        (Sections 9-12 -- collectives, launching, parallel wrappers and mixed
        precision -- arrive with the later stages; their numbers are kept so that
        the header reads in the same order as the course.)
@@ -93,6 +99,21 @@ void dt_warn(const char *fmt, ...)
 
 typedef enum { DT_CPU = 0, DT_CUDA = 1 } dt_device;
 
+/* Where tensors, parameters and kernels live from now on (default: the CPU).
+   DT_CUDA needs a build with CUDA (the Makefile does it when nvcc is found) and
+   a visible GPU; without them it is an error that says which is missing.
+   local_rank picks the GPU when a machine has several. */
+void dt_set_device(dt_device device, int local_rank);
+dt_device dt_current_device(void);
+/* 1 when this build has CUDA and a GPU is visible; else 0, and why in `why`. */
+int dt_cuda_available(char *why, size_t n);
+/* Copies between host memory and memory of the current device (a plain
+   memcpy on the CPU). On a GPU they wait for queued kernels to finish. */
+void dt_upload(void *device_dst, const void *host_src, size_t bytes);
+void dt_download(void *host_dst, const void *device_src, size_t bytes);
+/* Wait until every queued kernel has finished (nothing to do on the CPU). */
+void dt_synchronize(void);
+
 /* Every byte the library allocates is counted in one of these arenas, so the
    summary can say where the memory went -- the lesson of sharding (stage 04). */
 typedef enum {
@@ -100,10 +121,13 @@ typedef enum {
     DT_ARENA_COMM, DT_ARENA_DATA, DT_ARENA_COUNT
 } dt_arena;
 
-/* Zeroed, 64-byte aligned memory counted in `arena`. Fails loudly when out of memory. */
+/* Zeroed, 64-byte aligned host memory counted in `arena`. Fails loudly when out of memory. */
 void *dt_alloc(dt_arena arena, size_t bytes);
 /* Give back memory from dt_alloc; `bytes` must be what was asked for. */
 void dt_free(dt_arena arena, void *ptr, size_t bytes);
+/* The same on a given device: GPU memory is counted in the same arenas. */
+void *dt_alloc_on(dt_device device, dt_arena arena, size_t bytes);
+void dt_free_on(dt_device device, dt_arena arena, void *ptr, size_t bytes);
 /* Bytes held now and at most, per arena. */
 size_t dt_mem_now(dt_arena arena);
 size_t dt_mem_peak(dt_arena arena);
@@ -126,8 +150,9 @@ typedef struct dt_tensor {
     int ndim;
     int shape[4];
     int64_t numel;
-    float *data;
+    float *data;               /* on `device`: not readable by the host when that is a GPU */
     float *grad;               /* NULL until a gradient flows into it */
+    dt_device device;
     int requires_grad;         /* parameters, and anything computed from them */
     int is_param;
     int hook_gen, first_use;   /* parameters: where the tape last reads them (grad-ready hook) */
@@ -141,6 +166,13 @@ int64_t dt_tensor_rows(const dt_tensor *t);
 int64_t dt_tensor_cols(const dt_tensor *t);
 /* The gradient buffer of t, allocated (zeroed) on first use. */
 float *dt_grad(dt_tensor *t);
+/* A tensor on the current device holding a copy of n host floats. */
+dt_tensor *dt_tensor_from_host(int ndim, const int *shape, const float *host);
+/* Copy a tensor's values (or its gradient) to host memory of t->numel floats. */
+void dt_tensor_to_host(const dt_tensor *t, float *host);
+void dt_tensor_grad_to_host(const dt_tensor *t, float *host);
+/* The first element, on the host: a loss. */
+float dt_tensor_item(const dt_tensor *t);
 
 /* ---- 4. kernels ------------------------------------------------------------------ */
 
@@ -157,6 +189,8 @@ DT_HD static inline uint16_t dt_f32_to_bf16(float f);
 DT_HD static inline float dt_bf16_to_f32(uint16_t h);
 DT_HD static inline uint16_t dt_f32_to_f16(float f);
 DT_HD static inline float dt_f16_to_f32(uint16_t h);
+/* Convert n values between f32, bf16 and f16 buffers on the current device. */
+void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n);
 
 /* ---- 5. autograd: the ops ------------------------------------------------------ */
 
@@ -209,9 +243,11 @@ typedef struct dt_model {
     float *flat_data;          /* every parameter, one after another: what DDP and FSDP move */
     float *flat_grad;
     int64_t numel;
+    dt_device device;          /* where the flat buffers live */
 } dt_model;
 
-/* Build a model with freshly initialised weights (seeded, so runs repeat). */
+/* Build a model with freshly initialised weights (seeded, so runs repeat) on
+   the current device. The same seed gives the same weights on CPU and GPU. */
 dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed);
 void dt_model_free(dt_model *m);
 /* images [B, C, S, S] scaled to [-1, 1] -> logits [B, classes] */
@@ -354,6 +390,7 @@ typedef struct dt_config {
     int64_t start_idx, end_idx;  /* end -1: the whole set */
     int bench;
     int quiet;
+    float peak_tflops;           /* --bench on a GPU: the peak for MFU (0: look it up by name) */
 } dt_config;
 
 /* Parse the shared command line; a wrong flag or value exits with status 2. */
@@ -504,6 +541,64 @@ DT_HD static inline void dt_sgd_update(float *p, float *buf, float g, float lr, 
     *p -= lr * b;
 }
 
+/* ---- the device backend: what a GPU must provide -------------------------------
+   The ops of section 4 are written once. Each checks where its tensors live and
+   either runs its CPU loop or calls the matching entry of this table, which the
+   CUDA section at the end of this file fills in. So the table is the whole
+   contract between the library and a device: memory, copies, and one body per
+   op. All pointers are device pointers, calls queue in order on one stream,
+   backward bodies ADD into their gradient outputs (as the CPU loops do), and a
+   NULL gradient output means that gradient is not wanted. */
+typedef struct dt_backend {
+    char name[256];                                  /* "NVIDIA H100 80GB HBM3" */
+    void *(*alloc)(size_t bytes);                    /* not zeroed */
+    void (*release)(void *p);
+    void (*zero)(void *p, size_t bytes);
+    void (*upload)(void *dst, const void *host_src, size_t bytes);
+    void (*download)(void *host_dst, const void *src, size_t bytes);
+    void (*synchronize)(void);
+    void (*gemm)(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                 const float *B, int ldb, float beta, float *C, int ldc);
+    void (*add_bias)(float *y, const float *bias, int rows, int cols);
+    void (*sum_rows)(const float *x, float *out, int rows, int cols);   /* out[j] += sum_i x[i,j] */
+    void (*gelu_forward)(const float *x, float *y, int64_t n);
+    void (*gelu_backward)(const float *x, const float *dy, float *dx, int64_t n);
+    void (*layernorm_forward)(const float *x, const float *w, const float *b, float *y, float *stats,
+                              int rows, int cols, float eps);
+    void (*layernorm_backward)(const float *x, const float *w, const float *dy, const float *stats,
+                               float *dx, float *dw, float *db, int rows, int cols);
+    void (*add)(const float *a, const float *b, float *y, int64_t n);
+    void (*accumulate)(float *dst, const float *src, int64_t n);        /* dst += src */
+    /* saved, scratch: DT_ATTENTION_SAVED_FLOATS, DT_ATTENTION_SCRATCH_FLOATS floats */
+    void (*attention_forward)(const float *qkv, float *out, float *saved, int B, int T, int H, int D,
+                              float scale, int causal);
+    void (*attention_backward)(const float *saved, const float *dout, float *dqkv, float *scratch,
+                               int B, int T, int H, int D, float scale);
+    void (*vit_tokens_forward)(const float *patches, const float *cls, const float *pos, float *y,
+                               int B, int P, int D);
+    void (*vit_tokens_backward)(const float *dy, float *dpatches, float *dcls, float *dpos, int B, int P, int D);
+    void (*select_token_forward)(const float *x, float *y, int B, int T, int index, int D);
+    void (*select_token_backward)(const float *dy, float *dx, int B, int T, int index, int D);
+    void (*cross_entropy_forward)(const float *logits, const int32_t *labels, float *probs, float *loss,
+                                  int B, int C);
+    void (*cross_entropy_backward)(const float *probs, const int32_t *labels, const float *dloss,
+                                   float *dlogits, int B, int C);
+    void (*patchify)(const float *images, float *patches, int B, int C, int H, int W, int p);
+    double (*sum_squares)(const float *x, int64_t n);                   /* waits for the result */
+    void (*scale)(float *x, float c, int64_t n);
+    void (*adamw)(float *p, float *m, float *v, const float *g, int64_t n, float lr, float beta1,
+                  float beta2, float eps, float wd, float bias_correction1, float bias_correction2);
+    void (*sgd)(float *p, float *buf, const float *g, int64_t n, float lr, float momentum, float wd);
+    void (*convert)(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n);
+} dt_backend;
+
+/* Attention on a GPU keeps Q, K and V in head-major order ([B*H, T, hd] each,
+   so that one strided-batched matmul covers every head) beside the softmax
+   probabilities P [B*H, T, T], with room for the output in that order; backward
+   needs room for dP, dO and dQ, dK, dV. */
+#define DT_ATTENTION_SAVED_FLOATS(B, T, H, D) ((int64_t)(B) * (H) * (T) * (T) + 4LL * (B) * (T) * (D))   /* P, Q, K, V, O */
+#define DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D) ((int64_t)(B) * (H) * (T) * (T) + 4LL * (B) * (T) * (D)) /* dP, dO, dQ, dK, dV */
+
 #endif /* DTRAIN_H */
 
 /* ================================================================================
@@ -554,14 +649,28 @@ struct dt_tape_entry {
     void *saved;               /* op-specific buffers, in the step arena */
 };
 
+/* The step arena: one block, and blocks allocated when it ran out (first step only). */
+typedef struct dt_step_arena {
+    char *base;
+    size_t cap, used, high;
+    void **spill;
+    size_t *spill_bytes;
+    int nspill, spill_cap;
+} dt_step_arena;
+
+#ifdef DT_HAVE_CUDA
+/* From the CUDA section (section 15): how many GPUs are visible (0, and why, when
+   none), and the backend table of GPU local_rank % count, or NULL and why. */
+int dt_cuda_device_count(char *why, size_t n);
+const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n);
+#endif
+
 typedef struct dt_context {
     int rank, world_size;
+    dt_device device;
+    const dt_backend *gpu;             /* the kernels of the GPU, when device is DT_CUDA */
     size_t mem_now[DT_ARENA_COUNT], mem_peak[DT_ARENA_COUNT], mem_total, mem_total_peak;
-    char *step_base;                   /* the step arena: one block ... */
-    size_t step_cap, step_used, step_high;
-    void **step_spill;                 /* ... and blocks malloc'd when it ran out (first step) */
-    size_t *step_spill_bytes;
-    int step_nspill, step_spill_cap;
+    dt_step_arena step[2];             /* per device: host (tensor headers, host data) and GPU */
     dt_tape_entry *tape;
     int tape_len, tape_cap;
     int grad_enabled;
@@ -571,8 +680,7 @@ typedef struct dt_context {
     int backward_generation;
 } dt_context;
 
-static dt_context dt_ctx = { 0, 1, {0}, {0}, 0, 0, NULL, 0, 0, 0, NULL, NULL, 0, 0,
-                             NULL, 0, 0, 1, NULL, NULL, 0.0, 0 };
+static dt_context dt_ctx = { .world_size = 1, .grad_enabled = 1 };
 
 /* ==== 1. errors =================================================================
    A library for learners fails early and says why. There is no error code to
@@ -656,27 +764,101 @@ size_t dt_mem_peak(dt_arena a) { return dt_ctx.mem_peak[a]; }
 size_t dt_mem_total_now(void) { return dt_ctx.mem_total; }
 size_t dt_mem_total_peak(void) { return dt_ctx.mem_total_peak; }
 
-/* Step-arena memory whose every byte the caller is about to write: op outputs
-   skip the zeroing that gradient buffers need. */
-static void *dt_step_alloc_uninit(size_t bytes) {
+/* The backend of a device: NULL for the CPU, whose bodies are the loops below. */
+static const dt_backend *dt_backend_of(dt_device d) {
+    if (d == DT_CPU) return NULL;
+    if (!dt_ctx.gpu) dt_fail("GPU memory or kernels used before dt_set_device(DT_CUDA, ...)");
+    return dt_ctx.gpu;
+}
+
+void *dt_alloc_on(dt_device device, dt_arena arena, size_t bytes) {
+    const dt_backend *gpu = dt_backend_of(device);
+    if (!gpu) return dt_alloc(arena, bytes);
+    void *p = gpu->alloc(bytes ? bytes : 1);
+    gpu->zero(p, bytes);
+    dt_mem_count(arena, bytes, +1);
+    return p;
+}
+void dt_free_on(dt_device device, dt_arena arena, void *ptr, size_t bytes) {
+    const dt_backend *gpu = dt_backend_of(device);
+    if (!ptr) return;
+    if (!gpu) { dt_free(arena, ptr, bytes); return; }
+    gpu->release(ptr);
+    dt_mem_count(arena, bytes, -1);
+}
+
+int dt_cuda_available(char *why, size_t n) {
+#ifdef DT_HAVE_CUDA
+    if (dt_ctx.gpu) return 1;
+    return dt_cuda_device_count(why, n) > 0;
+#else
+    dt_copy_str(why, n, "this build has no CUDA (nvcc was not found, or make CUDA=0)");
+    return 0;
+#endif
+}
+
+void dt_set_device(dt_device device, int local_rank) {
+    if (device == DT_CUDA && !dt_ctx.gpu) {
+#ifdef DT_HAVE_CUDA
+        char why[256] = "";
+        dt_ctx.gpu = dt_cuda_backend(local_rank, why, sizeof why);
+        if (!dt_ctx.gpu) dt_fail("cannot use the GPU: %s (run with --device cpu)", why);
+#else
+        (void)local_rank;
+        dt_fail("--device cuda: this build has no CUDA (nvcc was not found, or make CUDA=0); use --device cpu");
+#endif
+    }
+    dt_ctx.device = device;
+}
+dt_device dt_current_device(void) { return dt_ctx.device; }
+
+void dt_upload(void *dst, const void *src, size_t bytes) {
+    const dt_backend *gpu = dt_backend_of(dt_ctx.device);
+    if (bytes == 0) return;
+    if (gpu) gpu->upload(dst, src, bytes);
+    else memmove(dst, src, bytes);
+}
+void dt_download(void *dst, const void *src, size_t bytes) {
+    const dt_backend *gpu = dt_backend_of(dt_ctx.device);
+    if (bytes == 0) return;
+    if (gpu) gpu->download(dst, src, bytes);
+    else memmove(dst, src, bytes);
+}
+void dt_synchronize(void) {
+    if (dt_ctx.device == DT_CUDA) dt_backend_of(DT_CUDA)->synchronize();
+}
+
+/* Step-arena memory on `device` whose every byte the caller is about to write:
+   op outputs skip the zeroing that gradient buffers need. */
+static void *dt_step_alloc_on(dt_device device, size_t bytes) {
+    dt_step_arena *a = &dt_ctx.step[device];
     bytes = (bytes + 63) & ~(size_t)63;
-    dt_ctx.step_high += bytes;
-    if (dt_ctx.step_used + bytes <= dt_ctx.step_cap) {
-        void *p = dt_ctx.step_base + dt_ctx.step_used;
-        dt_ctx.step_used += bytes;
+    a->high += bytes;
+    if (a->used + bytes <= a->cap) {
+        void *p = a->base + a->used;
+        a->used += bytes;
         return p;
     }
     /* Out of room (only in the first steps): a spill block, merged at the reset. */
-    if (dt_ctx.step_nspill == dt_ctx.step_spill_cap) {
-        dt_ctx.step_spill_cap = dt_ctx.step_spill_cap ? 2 * dt_ctx.step_spill_cap : 64;
-        dt_ctx.step_spill = (void **)realloc(dt_ctx.step_spill, dt_ctx.step_spill_cap * sizeof(void *));
-        dt_ctx.step_spill_bytes = (size_t *)realloc(dt_ctx.step_spill_bytes,
-                                                    dt_ctx.step_spill_cap * sizeof(size_t));
-        if (!dt_ctx.step_spill || !dt_ctx.step_spill_bytes) dt_fail("out of memory (step arena)");
+    if (a->nspill == a->spill_cap) {
+        a->spill_cap = a->spill_cap ? 2 * a->spill_cap : 64;
+        a->spill = (void **)realloc(a->spill, a->spill_cap * sizeof(void *));
+        a->spill_bytes = (size_t *)realloc(a->spill_bytes, a->spill_cap * sizeof(size_t));
+        if (!a->spill || !a->spill_bytes) dt_fail("out of memory (step arena)");
     }
-    void *p = dt_alloc(DT_ARENA_ACTS, bytes);
-    dt_ctx.step_spill[dt_ctx.step_nspill] = p;
-    dt_ctx.step_spill_bytes[dt_ctx.step_nspill++] = bytes;
+    void *p = dt_alloc_on(device, DT_ARENA_ACTS, bytes);
+    a->spill[a->nspill] = p;
+    a->spill_bytes[a->nspill++] = bytes;
+    return p;
+}
+static void *dt_step_alloc_uninit(size_t bytes) { return dt_step_alloc_on(DT_CPU, bytes); }
+/* Data of activations and their gradients: on the device that runs the ops. */
+static void *dt_step_data(size_t bytes) { return dt_step_alloc_on(dt_ctx.device, bytes); }
+static void *dt_step_data_zeroed(size_t bytes) {
+    void *p = dt_step_data(bytes);
+    const dt_backend *gpu = dt_backend_of(dt_ctx.device);
+    if (gpu) gpu->zero(p, bytes);
+    else memset(p, 0, bytes);
     return p;
 }
 
@@ -687,20 +869,23 @@ void *dt_step_alloc(size_t bytes) {
 }
 
 void dt_step_arena_reset(void) {
-    if (dt_ctx.step_nspill > 0) {
-        /* Grow the block to the high-water mark so the next step fits in one. */
-        size_t need = dt_ctx.step_high;
-        for (int i = 0; i < dt_ctx.step_nspill; i++)
-            dt_free(DT_ARENA_ACTS, dt_ctx.step_spill[i], dt_ctx.step_spill_bytes[i]);
-        dt_ctx.step_nspill = 0;
-        if (need > dt_ctx.step_cap) {
-            dt_free(DT_ARENA_ACTS, dt_ctx.step_base, dt_ctx.step_cap);
-            dt_ctx.step_cap = need + need / 8;
-            dt_ctx.step_base = (char *)dt_alloc(DT_ARENA_ACTS, dt_ctx.step_cap);
+    for (int d = 0; d < 2; d++) {
+        dt_step_arena *a = &dt_ctx.step[d];
+        if (a->nspill > 0) {
+            /* Grow the block to the high-water mark so the next step fits in one:
+               after the first step there is no malloc (or cudaMalloc) at all. */
+            size_t need = a->high;
+            for (int i = 0; i < a->nspill; i++) dt_free_on((dt_device)d, DT_ARENA_ACTS, a->spill[i], a->spill_bytes[i]);
+            a->nspill = 0;
+            if (need > a->cap) {
+                dt_free_on((dt_device)d, DT_ARENA_ACTS, a->base, a->cap);
+                a->cap = need + need / 8;
+                a->base = (char *)dt_alloc_on((dt_device)d, DT_ARENA_ACTS, a->cap);
+            }
         }
+        a->used = 0;
+        a->high = 0;
     }
-    dt_ctx.step_used = 0;
-    dt_ctx.step_high = 0;
     dt_ctx.tape_len = 0;
 }
 
@@ -725,27 +910,65 @@ static void dt_flush_subnormals(void) {
    A tensor is a shape and a pointer. Activations are carved out of the step
    arena; parameters point into the model's flat buffers. */
 
-/* An op's output: every element is written by the op, so it is not zeroed. */
+/* An op's output, on the current device: every element is written by the op,
+   so it is not zeroed. The header always lives on the host. */
 static dt_tensor *dt_tensor_out(int ndim, const int *shape) {
     dt_tensor *t = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
     t->ndim = ndim;
     t->numel = 1;
     for (int i = 0; i < ndim; i++) { t->shape[i] = shape[i]; t->numel *= shape[i]; }
-    t->data = (float *)dt_step_alloc_uninit((size_t)t->numel * sizeof(float));
+    t->device = dt_ctx.device;
+    t->data = (float *)dt_step_data((size_t)t->numel * sizeof(float));
     return t;
 }
 static dt_tensor *dt_tensor_out_2d(int rows, int cols) { int s[2] = { rows, cols }; return dt_tensor_out(2, s); }
 dt_tensor *dt_tensor_new(int ndim, const int *shape) {
     dt_tensor *t = dt_tensor_out(ndim, shape);
-    memset(t->data, 0, (size_t)t->numel * sizeof(float));
+    const dt_backend *gpu = dt_backend_of(t->device);
+    if (gpu) gpu->zero(t->data, (size_t)t->numel * sizeof(float));
+    else memset(t->data, 0, (size_t)t->numel * sizeof(float));
     return t;
 }
 dt_tensor *dt_tensor_2d(int rows, int cols) { int s[2] = { rows, cols }; return dt_tensor_new(2, s); }
+dt_tensor *dt_tensor_from_host(int ndim, const int *shape, const float *host) {
+    dt_tensor *t = dt_tensor_out(ndim, shape);
+    dt_upload(t->data, host, (size_t)t->numel * sizeof(float));
+    return t;
+}
 int64_t dt_tensor_rows(const dt_tensor *t) { return t->shape[0]; }
 int64_t dt_tensor_cols(const dt_tensor *t) { return t->numel / t->shape[0]; }
 float *dt_grad(dt_tensor *t) {
-    if (!t->grad) t->grad = (float *)dt_step_alloc((size_t)t->numel * sizeof(float));
+    if (!t->grad) {
+        dt_device keep = dt_ctx.device;
+        dt_ctx.device = t->device;                 /* a gradient lives beside its tensor */
+        t->grad = (float *)dt_step_data_zeroed((size_t)t->numel * sizeof(float));
+        dt_ctx.device = keep;
+    }
     return t->grad;
+}
+static void dt_copy_to_host(dt_device d, float *host, const float *src, int64_t n) {
+    const dt_backend *gpu = dt_backend_of(d);
+    if (gpu) gpu->download(host, src, (size_t)n * sizeof(float));
+    else memmove(host, src, (size_t)n * sizeof(float));
+}
+void dt_tensor_to_host(const dt_tensor *t, float *host) { dt_copy_to_host(t->device, host, t->data, t->numel); }
+void dt_tensor_grad_to_host(const dt_tensor *t, float *host) {
+    if (!t->grad) { memset(host, 0, (size_t)t->numel * sizeof(float)); return; }
+    dt_copy_to_host(t->device, host, t->grad, t->numel);
+}
+float dt_tensor_item(const dt_tensor *t) {
+    float v;
+    dt_copy_to_host(t->device, &v, t->data, 1);
+    return v;
+}
+
+/* Which body runs an op: the tensor's device must be the one dtrain runs on,
+   and a GPU tensor gets the GPU's kernels (NULL means the CPU loop). */
+static const dt_backend *dt_backend_for(const dt_tensor *t) {
+    if (t->device != dt_ctx.device)
+        dt_fail("tensor %s is on the %s but dtrain runs on the %s now (see dt_set_device)", t->name ? t->name : "",
+                t->device == DT_CUDA ? "GPU" : "CPU", dt_ctx.device == DT_CUDA ? "GPU" : "CPU");
+    return dt_backend_of(t->device);
 }
 
 /* ==== 4. kernels: matrix multiply ===============================================
@@ -967,7 +1190,8 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
             dt_tensor *p = dt_ctx.tape[i].in[j];
             if (p && p->is_param && p->hook_gen != generation) { p->hook_gen = generation; p->first_use = i; }
         }
-    memcpy(dt_grad(loss), seed, sizeof(float) * (size_t)loss->numel);
+    dt_backend_for(loss);
+    dt_upload(dt_grad(loss), seed, sizeof(float) * (size_t)loss->numel);
     for (int i = dt_ctx.tape_len - 1; i >= 0; i--) {
         dt_tape_entry *e = &dt_ctx.tape[i];
         if (e->out->grad) e->backward(e);
@@ -980,23 +1204,33 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
     dt_ctx.tape_len = 0;
 }
 
+/* The matmul of an op: cuBLAS on a GPU, the routine above on the CPU. */
+static void dt_matmul(const dt_backend *gpu, int ta, int tb, int M, int N, int K, float alpha, const float *A,
+                      int lda, const float *B, int ldb, float beta, float *C, int ldc) {
+    if (gpu) gpu->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    else dt_gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
 /* -- linear: y = x W^T + b. The three matmuls of every layer's training step. -- */
 static void dt_linear_backward(dt_tape_entry *e) {
     dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
     int N = (int)dt_tensor_rows(x), in = (int)dt_tensor_cols(x), out = (int)dt_tensor_rows(w);
+    const dt_backend *gpu = dt_backend_for(y);
     const float *dy = y->grad;
     if (x->requires_grad) {              /* dx = dy W */
-        dt_gemm(0, 0, N, in, out, 1.0f, dy, out, w->data, in, 1.0f, dt_grad(x), in);
+        dt_matmul(gpu, 0, 0, N, in, out, 1.0f, dy, out, w->data, in, 1.0f, dt_grad(x), in);
         dt_ctx.flops += 2.0 * N * in * out;
     }
     if (w->requires_grad) {              /* dW = dy^T x */
-        dt_gemm(1, 0, out, in, N, 1.0f, dy, out, x->data, in, 1.0f, dt_grad(w), in);
+        dt_matmul(gpu, 1, 0, out, in, N, 1.0f, dy, out, x->data, in, 1.0f, dt_grad(w), in);
         dt_ctx.flops += 2.0 * N * in * out;
     }
     if (b && b->requires_grad) {         /* db = sum of dy over rows, in row order */
         float *db = dt_grad(b);
-        for (int i = 0; i < N; i++)
-            for (int j = 0; j < out; j++) db[j] += dy[(size_t)i * out + j];
+        if (gpu) gpu->sum_rows(dy, db, N, out);
+        else
+            for (int i = 0; i < N; i++)
+                for (int j = 0; j < out; j++) db[j] += dy[(size_t)i * out + j];
     }
 }
 dt_tensor *dt_linear(dt_tensor *x, dt_tensor *w, dt_tensor *b) {
@@ -1004,10 +1238,13 @@ dt_tensor *dt_linear(dt_tensor *x, dt_tensor *w, dt_tensor *b) {
     if (dt_tensor_cols(w) != in)
         dt_fail("linear %s: input has %d features, weight expects %lld", w->name ? w->name : "",
                 in, (long long)dt_tensor_cols(w));
+    const dt_backend *gpu = dt_backend_for(x);
+    dt_backend_for(w);
     dt_tensor *y = dt_tensor_out_2d(N, out);
-    dt_gemm(0, 1, N, out, in, 1.0f, x->data, in, w->data, in, 0.0f, y->data, out);
+    dt_matmul(gpu, 0, 1, N, out, in, 1.0f, x->data, in, w->data, in, 0.0f, y->data, out);
     dt_ctx.flops += 2.0 * N * in * out;
-    if (b) {
+    if (b && gpu) gpu->add_bias(y->data, b->data, N, out);
+    else if (b) {
         DT_OMP("omp parallel for if(N * out > 32768)")
         for (int i = 0; i < N; i++)
             for (int j = 0; j < out; j++) y->data[(size_t)i * out + j] += b->data[j];
@@ -1023,16 +1260,22 @@ static void dt_gelu_backward(dt_tape_entry *e) {
     float *dx = dt_grad(x);
     const float *dy = e->out->grad, *xv = x->data;
     int64_t n = x->numel;
+    const dt_backend *gpu = dt_backend_for(x);
+    if (gpu) { gpu->gelu_backward(xv, dy, dx, n); return; }
     DT_OMP("omp parallel for if(n > 65536)")
     for (int64_t i = 0; i < n; i++) dx[i] += dy[i] * dt_gelu_derivative(xv[i]);
 }
 dt_tensor *dt_gelu(dt_tensor *x) {
+    const dt_backend *gpu = dt_backend_for(x);
     dt_tensor *y = dt_tensor_out(x->ndim, x->shape);
     int64_t n = x->numel;
     const float *xv = x->data;
     float *yv = y->data;
-    DT_OMP("omp parallel for if(n > 65536)")
-    for (int64_t i = 0; i < n; i++) yv[i] = dt_gelu_value(xv[i]);
+    if (gpu) gpu->gelu_forward(xv, yv, n);
+    else {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) yv[i] = dt_gelu_value(xv[i]);
+    }
     if (dt_wants_grad(x, NULL, NULL)) dt_tape_push(dt_gelu_backward, y, x, NULL, NULL);
     return y;
 }
@@ -1043,6 +1286,13 @@ static void dt_layernorm_backward(dt_tape_entry *e) {
     int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
     const float *stats = (const float *)e->saved;      /* mean[N], rstd[N] */
     const float *dy = y->grad;
+    const dt_backend *gpu = dt_backend_for(x);
+    if (gpu) {
+        gpu->layernorm_backward(x->data, w ? w->data : NULL, dy, stats, x->requires_grad ? dt_grad(x) : NULL,
+                                w && w->requires_grad ? dt_grad(w) : NULL, b && b->requires_grad ? dt_grad(b) : NULL,
+                                N, D);
+        return;
+    }
     if (x->requires_grad) {
         float *dx = dt_grad(x);
         DT_OMP("omp parallel for if(N * D > 32768)")
@@ -1075,21 +1325,25 @@ static void dt_layernorm_backward(dt_tape_entry *e) {
 }
 dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *w, dt_tensor *b, float eps) {
     int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
+    const dt_backend *gpu = dt_backend_for(x);
     dt_tensor *y = dt_tensor_out(x->ndim, x->shape);
-    float *stats = (float *)dt_step_alloc_uninit(sizeof(float) * 2 * (size_t)N);
-    DT_OMP("omp parallel for if(N * D > 32768)")
-    for (int i = 0; i < N; i++) {
-        const float *xr = x->data + (size_t)i * D;
-        float *yr = y->data + (size_t)i * D;
-        float sum = 0, var = 0;
-        for (int j = 0; j < D; j++) sum += xr[j];
-        float mean = sum / D;
-        for (int j = 0; j < D; j++) { float d = xr[j] - mean; var += d * d; }
-        float rstd = 1.0f / sqrtf(var / D + eps);       /* biased variance, as PyTorch */
-        for (int j = 0; j < D; j++)
-            yr[j] = (xr[j] - mean) * rstd * (w ? w->data[j] : 1.0f) + (b ? b->data[j] : 0.0f);
-        stats[i] = mean;
-        stats[N + i] = rstd;
+    float *stats = (float *)dt_step_data(sizeof(float) * 2 * (size_t)N);
+    if (gpu) gpu->layernorm_forward(x->data, w ? w->data : NULL, b ? b->data : NULL, y->data, stats, N, D, eps);
+    else {
+        DT_OMP("omp parallel for if(N * D > 32768)")
+        for (int i = 0; i < N; i++) {
+            const float *xr = x->data + (size_t)i * D;
+            float *yr = y->data + (size_t)i * D;
+            float sum = 0, var = 0;
+            for (int j = 0; j < D; j++) sum += xr[j];
+            float mean = sum / D;
+            for (int j = 0; j < D; j++) { float d = xr[j] - mean; var += d * d; }
+            float rstd = 1.0f / sqrtf(var / D + eps);       /* biased variance, as PyTorch */
+            for (int j = 0; j < D; j++)
+                yr[j] = (xr[j] - mean) * rstd * (w ? w->data[j] : 1.0f) + (b ? b->data[j] : 0.0f);
+            stats[i] = mean;
+            stats[N + i] = rstd;
+        }
     }
     if (dt_wants_grad(x, w, b)) dt_tape_push(dt_layernorm_backward, y, x, w, b)->saved = stats;
     return y;
@@ -1102,20 +1356,30 @@ static void dt_add_backward(dt_tape_entry *e) {
         if (!t->requires_grad) continue;
         float *g = dt_grad(t);
         const float *dy = e->out->grad;
-        for (int64_t i = 0; i < t->numel; i++) g[i] += dy[i];
+        const dt_backend *gpu = dt_backend_for(t);
+        if (gpu) gpu->accumulate(g, dy, t->numel);
+        else
+            for (int64_t i = 0; i < t->numel; i++) g[i] += dy[i];
     }
 }
 dt_tensor *dt_add(dt_tensor *a, dt_tensor *b) {
     if (a->numel != b->numel) dt_fail("add: %lld and %lld elements", (long long)a->numel, (long long)b->numel);
+    const dt_backend *gpu = dt_backend_for(a);
+    dt_backend_for(b);
     dt_tensor *y = dt_tensor_out(a->ndim, a->shape);
-    for (int64_t i = 0; i < a->numel; i++) y->data[i] = a->data[i] + b->data[i];
+    if (gpu) gpu->add(a->data, b->data, y->data, a->numel);
+    else
+        for (int64_t i = 0; i < a->numel; i++) y->data[i] = a->data[i] + b->data[i];
     if (dt_wants_grad(a, b, NULL)) dt_tape_push(dt_add_backward, y, a, b, NULL);
     return y;
 }
 
 /* -- multi-head self-attention: softmax(Q K^T / sqrt(d)) V per (sequence, head).
-      Q, K and V are read in place from the qkv projection (row stride 3D), so
-      no reshuffling copies are needed; the heads run in parallel. -- */
+      On the CPU, Q, K and V are read in place from the qkv projection (row
+      stride 3D), so no reshuffling copies are needed, and the heads run in
+      parallel. A GPU wants the opposite: one big batched matmul over every
+      (sequence, head), so its body first copies Q, K and V into head-major
+      order (see DT_ATTENTION_SAVED_FLOATS). -- */
 static void dt_attention_backward(dt_tape_entry *e) {
     dt_tensor *qkv = e->in[0];
     if (!qkv->requires_grad) return;
@@ -1123,7 +1387,14 @@ static void dt_attention_backward(dt_tape_entry *e) {
     float scale = e->farg[0];
     const float *P = (const float *)e->saved, *dout = e->out->grad;
     float *dqkv = dt_grad(qkv);
-    float *dP_all = (float *)dt_step_alloc_uninit(sizeof(float) * (size_t)B * H * T * T);
+    const dt_backend *gpu = dt_backend_for(qkv);
+    dt_ctx.flops += 8.0 * B * H * T * T * hd;
+    if (gpu) {
+        float *scratch = (float *)dt_step_data(sizeof(float) * (size_t)DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D));
+        gpu->attention_backward(P, dout, dqkv, scratch, B, T, H, D, scale);
+        return;
+    }
+    float *dP_all = (float *)dt_step_data(sizeof(float) * (size_t)B * H * T * T);
     DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
@@ -1143,7 +1414,6 @@ static void dt_attention_backward(dt_tape_entry *e) {
         dt_gemm(0, 0, T, hd, T, 1.0f, dp, T, k, 3 * D, 1.0f, dq, 3 * D);  /* dQ += dS K */
         dt_gemm(1, 0, T, hd, T, 1.0f, dp, T, q, 3 * D, 1.0f, dk, 3 * D);  /* dK += dS^T Q */
     }
-    dt_ctx.flops += 8.0 * B * H * T * T * hd;
 }
 dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
     int D = (int)dt_tensor_cols(qkv) / 3;
@@ -1152,25 +1422,30 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
                 (long long)dt_tensor_rows(qkv), (long long)dt_tensor_cols(qkv), B * T, H);
     int hd = D / H;
     float scale = 1.0f / sqrtf((float)hd);
+    const dt_backend *gpu = dt_backend_for(qkv);
     dt_tensor *out = dt_tensor_out_2d(B * T, D);
-    float *P = (float *)dt_step_alloc_uninit(sizeof(float) * (size_t)B * H * T * T);
-    DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
-    for (int bh = 0; bh < B * H; bh++) {
-        int b = bh / H, h = bh % H;
-        const float *q = qkv->data + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
-        float *p = P + (size_t)bh * T * T;
-        dt_gemm(0, 1, T, T, hd, scale, q, 3 * D, k, 3 * D, 0.0f, p, T);   /* S = Q K^T / sqrt(d) */
-        for (int i = 0; i < T; i++) {                                     /* row softmax */
-            float *r = p + (size_t)i * T;
-            int valid = causal ? i + 1 : T;                               /* causal: no peeking ahead */
-            float mx = r[0], sum = 0;
-            for (int j = 1; j < valid; j++) mx = r[j] > mx ? r[j] : mx;
-            for (int j = 0; j < valid; j++) { r[j] = expf(r[j] - mx); sum += r[j]; }
-            for (int j = 0; j < valid; j++) r[j] /= sum;
-            for (int j = valid; j < T; j++) r[j] = 0.0f;
+    float *P = (float *)dt_step_data(sizeof(float) * (size_t)(gpu ? DT_ATTENTION_SAVED_FLOATS(B, T, H, D)
+                                                                   : (int64_t)B * H * T * T));
+    if (gpu) gpu->attention_forward(qkv->data, out->data, P, B, T, H, D, scale, causal);
+    else {
+        DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
+        for (int bh = 0; bh < B * H; bh++) {
+            int b = bh / H, h = bh % H;
+            const float *q = qkv->data + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+            float *p = P + (size_t)bh * T * T;
+            dt_gemm(0, 1, T, T, hd, scale, q, 3 * D, k, 3 * D, 0.0f, p, T);   /* S = Q K^T / sqrt(d) */
+            for (int i = 0; i < T; i++) {                                     /* row softmax */
+                float *r = p + (size_t)i * T;
+                int valid = causal ? i + 1 : T;                               /* causal: no peeking ahead */
+                float mx = r[0], sum = 0;
+                for (int j = 1; j < valid; j++) mx = r[j] > mx ? r[j] : mx;
+                for (int j = 0; j < valid; j++) { r[j] = expf(r[j] - mx); sum += r[j]; }
+                for (int j = 0; j < valid; j++) r[j] /= sum;
+                for (int j = valid; j < T; j++) r[j] = 0.0f;
+            }
+            dt_gemm(0, 0, T, hd, T, 1.0f, p, T, v, 3 * D, 0.0f,                /* O = P V */
+                    out->data + (size_t)b * T * D + h * hd, D);
         }
-        dt_gemm(0, 0, T, hd, T, 1.0f, p, T, v, 3 * D, 0.0f,                /* O = P V */
-                out->data + (size_t)b * T * D + h * hd, D);
     }
     dt_ctx.flops += 4.0 * B * H * T * T * hd;
     if (dt_wants_grad(qkv, NULL, NULL)) {
@@ -1187,6 +1462,8 @@ static void dt_vit_tokens_backward(dt_tape_entry *e) {
     const float *dy = e->out->grad;
     float *dpatch = patches->requires_grad ? dt_grad(patches) : NULL;
     float *dcls = cls->requires_grad ? dt_grad(cls) : NULL, *dpos = pos->requires_grad ? dt_grad(pos) : NULL;
+    const dt_backend *gpu = dt_backend_for(patches);
+    if (gpu) { gpu->vit_tokens_backward(dy, dpatch, dcls, dpos, B, P, D); return; }
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
             const float *g = dy + ((size_t)b * T + t) * D;
@@ -1199,13 +1476,16 @@ dt_tensor *dt_vit_tokens(dt_tensor *patches, dt_tensor *cls, dt_tensor *pos, int
     int D = (int)dt_tensor_cols(patches), P = (int)(dt_tensor_rows(patches) / B), T = P + 1;
     if (pos->numel != (int64_t)T * D || cls->numel != D)
         dt_fail("vit tokens: %d patches of %d need pos_embed of %d x %d", P, D, T, D);
+    const dt_backend *gpu = dt_backend_for(patches);
     dt_tensor *y = dt_tensor_out_2d(B * T, D);
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++) {
-            float *o = y->data + ((size_t)b * T + t) * D;
-            const float *src = t == 0 ? cls->data : patches->data + ((size_t)b * P + t - 1) * D;
-            for (int j = 0; j < D; j++) o[j] = src[j] + pos->data[(size_t)t * D + j];
-        }
+    if (gpu) gpu->vit_tokens_forward(patches->data, cls->data, pos->data, y->data, B, P, D);
+    else
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++) {
+                float *o = y->data + ((size_t)b * T + t) * D;
+                const float *src = t == 0 ? cls->data : patches->data + ((size_t)b * P + t - 1) * D;
+                for (int j = 0; j < D; j++) o[j] = src[j] + pos->data[(size_t)t * D + j];
+            }
     if (dt_wants_grad(patches, cls, pos)) {
         dt_tape_entry *e = dt_tape_push(dt_vit_tokens_backward, y, patches, cls, pos);
         e->iarg[0] = B; e->iarg[1] = P; e->iarg[2] = D;
@@ -1219,13 +1499,19 @@ static void dt_select_token_backward(dt_tape_entry *e) {
     if (!x->requires_grad) return;
     int B = e->iarg[0], T = e->iarg[1], idx = e->iarg[2], D = (int)dt_tensor_cols(x);
     float *dx = dt_grad(x);
+    const dt_backend *gpu = dt_backend_for(x);
+    if (gpu) { gpu->select_token_backward(e->out->grad, dx, B, T, idx, D); return; }
     for (int b = 0; b < B; b++)
         for (int j = 0; j < D; j++) dx[((size_t)b * T + idx) * D + j] += e->out->grad[(size_t)b * D + j];
 }
 dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int idx) {
     int D = (int)dt_tensor_cols(x);
+    const dt_backend *gpu = dt_backend_for(x);
     dt_tensor *y = dt_tensor_out_2d(B, D);
-    for (int b = 0; b < B; b++) memcpy(y->data + (size_t)b * D, x->data + ((size_t)b * T + idx) * D, sizeof(float) * D);
+    if (gpu) gpu->select_token_forward(x->data, y->data, B, T, idx, D);
+    else
+        for (int b = 0; b < B; b++)
+            memcpy(y->data + (size_t)b * D, x->data + ((size_t)b * T + idx) * D, sizeof(float) * D);
     if (dt_wants_grad(x, NULL, NULL)) {
         dt_tape_entry *e = dt_tape_push(dt_select_token_backward, y, x, NULL, NULL);
         e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = idx;
@@ -1233,38 +1519,50 @@ dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int idx) {
     return y;
 }
 
-/* -- softmax cross-entropy, fused: the gradient is simply (p - onehot) / B -- */
+/* -- softmax cross-entropy, fused: the gradient is simply (p - onehot) / B.
+      Labels arrive in host memory; the op checks them there, then copies
+      them to the device beside the probabilities it saves. -- */
 static void dt_cross_entropy_backward(dt_tape_entry *e) {
     dt_tensor *logits = e->in[0];
     if (!logits->requires_grad) return;
     int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits);
     const float *p = (const float *)e->saved;
     const int32_t *labels = (const int32_t *)(p + (size_t)B * C);
-    float scale = e->out->grad[0] / B, *dl = dt_grad(logits);
+    float *dl = dt_grad(logits);
+    const dt_backend *gpu = dt_backend_for(logits);
+    if (gpu) { gpu->cross_entropy_backward(p, labels, e->out->grad, dl, B, C); return; }
+    float scale = e->out->grad[0] / B;
     for (int i = 0; i < B; i++)
         for (int j = 0; j < C; j++)
             dl[(size_t)i * C + j] += (p[(size_t)i * C + j] - (j == labels[i] ? 1.0f : 0.0f)) * scale;
 }
 dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
     int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits);
-    float *p = (float *)dt_step_alloc(sizeof(float) * (size_t)B * C + sizeof(int32_t) * B);
+    for (int i = 0; i < B; i++)
+        if (labels[i] < 0 || labels[i] >= C) dt_fail("cross entropy: label %d outside [0, %d)", labels[i], C);
+    const dt_backend *gpu = dt_backend_for(logits);
+    float *p = (float *)dt_step_data(sizeof(float) * (size_t)B * C + sizeof(int32_t) * B);
     int32_t *saved_labels = (int32_t *)(p + (size_t)B * C);
     int s1[1] = { 1 };
-    dt_tensor *loss = dt_tensor_new(1, s1);
-    double total = 0;
-    for (int i = 0; i < B; i++) {
-        const float *r = logits->data + (size_t)i * C;
-        float *pr = p + (size_t)i * C;
-        if (labels[i] < 0 || labels[i] >= C) dt_fail("cross entropy: label %d outside [0, %d)", labels[i], C);
-        float mx = r[0];
-        for (int j = 1; j < C; j++) mx = r[j] > mx ? r[j] : mx;
-        double sum = 0;
-        for (int j = 0; j < C; j++) { pr[j] = expf(r[j] - mx); sum += pr[j]; }
-        for (int j = 0; j < C; j++) pr[j] = (float)(pr[j] / sum);
-        total += -(r[labels[i]] - mx - log(sum));
-        saved_labels[i] = labels[i];
+    dt_tensor *loss = dt_tensor_out(1, s1);
+    if (gpu) {
+        gpu->upload(saved_labels, labels, sizeof(int32_t) * B);
+        gpu->cross_entropy_forward(logits->data, saved_labels, p, loss->data, B, C);
+    } else {
+        double total = 0;
+        for (int i = 0; i < B; i++) {
+            const float *r = logits->data + (size_t)i * C;
+            float *pr = p + (size_t)i * C;
+            float mx = r[0];
+            for (int j = 1; j < C; j++) mx = r[j] > mx ? r[j] : mx;
+            double sum = 0;
+            for (int j = 0; j < C; j++) { pr[j] = expf(r[j] - mx); sum += pr[j]; }
+            for (int j = 0; j < C; j++) pr[j] = (float)(pr[j] / sum);
+            total += -(r[labels[i]] - mx - log(sum));
+            saved_labels[i] = labels[i];
+        }
+        loss->data[0] = (float)(total / B);
     }
-    loss->data[0] = (float)(total / B);
     if (dt_wants_grad(logits, NULL, NULL)) dt_tape_push(dt_cross_entropy_backward, loss, logits, NULL, NULL)->saved = p;
     return loss;
 }
@@ -1272,7 +1570,9 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
 dt_tensor *dt_patchify(const dt_tensor *img, int p) {
     int B = img->shape[0], C = img->shape[1], H = img->shape[2], W = img->shape[3];
     int ph = H / p, pw = W / p;
+    const dt_backend *gpu = dt_backend_for(img);
     dt_tensor *y = dt_tensor_out_2d(B * ph * pw, C * p * p);
+    if (gpu) { gpu->patchify(img->data, y->data, B, C, H, W, p); return y; }
     for (int b = 0; b < B; b++)
         for (int py = 0; py < ph; py++)
             for (int px = 0; px < pw; px++) {
@@ -1283,6 +1583,19 @@ dt_tensor *dt_patchify(const dt_tensor *img, int p) {
                                img->data + (((size_t)b * C + c) * H + py * p + ky) * W + px * p, sizeof(float) * p);
             }
     return y;
+}
+
+/* -- precision conversion (the mixed-precision stage stores bf16/f16 copies) -- */
+void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
+    const dt_backend *gpu = dt_backend_of(dt_ctx.device);
+    if (gpu) { gpu->convert(src, from, dst, to, n); return; }
+    const float *f = (const float *)src;
+    const uint16_t *h = (const uint16_t *)src;
+    for (int64_t i = 0; i < n; i++) {
+        float v = from == DT_F32 ? f[i] : from == DT_BF16 ? dt_bf16_to_f32(h[i]) : dt_f16_to_f32(h[i]);
+        if (to == DT_F32) ((float *)dst)[i] = v;
+        else ((uint16_t *)dst)[i] = to == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
+    }
 }
 
 /* ==== 6. layers and models ======================================================
@@ -1402,30 +1715,37 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
         dt_add_linear(&mb, "head", D, cfg->classes, DT_INIT_NORMAL, 0.02f);
     }
     for (int i = 0; i < m->nparams; i++) m->numel += m->params[i].numel;
-    m->flat_data = (float *)dt_alloc(DT_ARENA_PARAMS, (size_t)m->numel * sizeof(float));
-    m->flat_grad = (float *)dt_alloc(DT_ARENA_GRADS, (size_t)m->numel * sizeof(float));
+    size_t bytes = (size_t)m->numel * sizeof(float);
+    m->device = dt_ctx.device;
+    m->flat_data = (float *)dt_alloc_on(m->device, DT_ARENA_PARAMS, bytes);
+    m->flat_grad = (float *)dt_alloc_on(m->device, DT_ARENA_GRADS, bytes);
+    /* Draw the weights on the host (the same numbers on every device), then upload. */
+    float *init = m->device == DT_CPU ? m->flat_data : (float *)malloc(bytes);
+    if (!init) dt_fail("out of memory (model initialisation)");
     dt_rng rng = { seed };
     int64_t off = 0;
     for (int i = 0; i < m->nparams; i++) {
         dt_tensor *t = &m->params[i];
         t->data = m->flat_data + off;
         t->grad = m->flat_grad + off;
+        t->device = m->device;
+        float sc = mb.init_scale[i], *dst = init + off;
         off += t->numel;
-        float sc = mb.init_scale[i];
         for (int64_t j = 0; j < t->numel; j++) {
             switch (mb.init[i]) {
-            case DT_INIT_ZERO: t->data[j] = 0; break;
-            case DT_INIT_ONE: t->data[j] = 1; break;
-            case DT_INIT_UNIFORM: t->data[j] = (float)((2 * dt_rng_uniform(&rng) - 1) * sc); break;
+            case DT_INIT_ZERO: dst[j] = 0; break;
+            case DT_INIT_ONE: dst[j] = 1; break;
+            case DT_INIT_UNIFORM: dst[j] = (float)((2 * dt_rng_uniform(&rng) - 1) * sc); break;
             case DT_INIT_NORMAL: {       /* truncated at two standard deviations */
                 double z;
                 do z = dt_rng_normal(&rng); while (z < -2 || z > 2);
-                t->data[j] = (float)(z * sc);
+                dst[j] = (float)(z * sc);
                 break;
             }
             }
         }
     }
+    if (init != m->flat_data) { dt_upload(m->flat_data, init, bytes); free(init); }
     free(mb.init);
     free(mb.init_scale);
     return m;
@@ -1435,8 +1755,8 @@ void dt_model_free(dt_model *m) {
     if (!m) return;
     for (int i = 0; i < m->nparams; i++) free((void *)m->params[i].name);
     free(m->params);
-    dt_free(DT_ARENA_PARAMS, m->flat_data, (size_t)m->numel * sizeof(float));
-    dt_free(DT_ARENA_GRADS, m->flat_grad, (size_t)m->numel * sizeof(float));
+    dt_free_on(m->device, DT_ARENA_PARAMS, m->flat_data, (size_t)m->numel * sizeof(float));
+    dt_free_on(m->device, DT_ARENA_GRADS, m->flat_grad, (size_t)m->numel * sizeof(float));
     free(m);
 }
 
@@ -1446,7 +1766,11 @@ dt_tensor *dt_model_param(dt_model *m, const char *name) {
     return NULL;
 }
 
-void dt_model_zero_grad(dt_model *m) { memset(m->flat_grad, 0, (size_t)m->numel * sizeof(float)); }
+void dt_model_zero_grad(dt_model *m) {
+    const dt_backend *gpu = dt_backend_of(m->device);
+    if (gpu) gpu->zero(m->flat_grad, (size_t)m->numel * sizeof(float));
+    else memset(m->flat_grad, 0, (size_t)m->numel * sizeof(float));
+}
 
 void dt_model_describe(const dt_model *m, char *out, size_t n) {
     const dt_model_config *c = &m->cfg;
@@ -1507,14 +1831,14 @@ dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float
     o->beta1 = 0.9f; o->beta2 = 0.999f; o->eps = 1e-8f;
     o->weight_decay = weight_decay; o->momentum = momentum; o->clip_norm = clip_norm;
     o->model = model;
-    o->m = (float *)dt_alloc(DT_ARENA_OPTIM, (size_t)model->numel * sizeof(float));
-    if (kind == DT_ADAMW) o->v = (float *)dt_alloc(DT_ARENA_OPTIM, (size_t)model->numel * sizeof(float));
+    o->m = (float *)dt_alloc_on(model->device, DT_ARENA_OPTIM, (size_t)model->numel * sizeof(float));
+    if (kind == DT_ADAMW) o->v = (float *)dt_alloc_on(model->device, DT_ARENA_OPTIM, (size_t)model->numel * sizeof(float));
     return o;
 }
 void dt_optimizer_free(dt_optimizer *o) {
     if (!o) return;
-    dt_free(DT_ARENA_OPTIM, o->m, (size_t)o->model->numel * sizeof(float));
-    if (o->v) dt_free(DT_ARENA_OPTIM, o->v, (size_t)o->model->numel * sizeof(float));
+    dt_free_on(o->model->device, DT_ARENA_OPTIM, o->m, (size_t)o->model->numel * sizeof(float));
+    if (o->v) dt_free_on(o->model->device, DT_ARENA_OPTIM, o->v, (size_t)o->model->numel * sizeof(float));
     free(o);
 }
 
@@ -1522,16 +1846,23 @@ void dt_optimizer_step(dt_optimizer *o, float lr) {
     dt_model *m = o->model;
     int64_t n = m->numel;
     float *g = m->flat_grad;
-    double lane[8] = { 0 }, sq = 0;     /* 8 fixed lanes: vectorizes, and sums in the same order every run */
-    int64_t i8 = n - n % 8;
-    for (int64_t i = 0; i < i8; i += 8)
-        for (int l = 0; l < 8; l++) lane[l] += (double)g[i + l] * g[i + l];
-    for (int64_t i = i8; i < n; i++) lane[i % 8] += (double)g[i] * g[i];
-    for (int l = 0; l < 8; l++) sq += lane[l];
+    const dt_backend *gpu = dt_backend_of(m->device);
+    double sq = 0;
+    if (gpu) sq = gpu->sum_squares(g, n);
+    else {
+        double lane[8] = { 0 };         /* 8 fixed lanes: vectorizes, and sums in the same order every run */
+        int64_t i8 = n - n % 8;
+        for (int64_t i = 0; i < i8; i += 8)
+            for (int l = 0; l < 8; l++) lane[l] += (double)g[i + l] * g[i + l];
+        for (int64_t i = i8; i < n; i++) lane[i % 8] += (double)g[i] * g[i];
+        for (int l = 0; l < 8; l++) sq += lane[l];
+    }
     o->last_grad_norm = (float)sqrt(sq);
     if (o->clip_norm > 0 && o->last_grad_norm > o->clip_norm) {   /* torch.nn.utils.clip_grad_norm_ */
         float c = o->clip_norm / (o->last_grad_norm + 1e-6f);
-        for (int64_t i = 0; i < n; i++) g[i] *= c;
+        if (gpu) gpu->scale(g, c, n);
+        else
+            for (int64_t i = 0; i < n; i++) g[i] *= c;
     }
     o->step++;
     float bc1 = 1.0f - powf(o->beta1, (float)o->step), bc2 = 1.0f - powf(o->beta2, (float)o->step);
@@ -1540,7 +1871,11 @@ void dt_optimizer_step(dt_optimizer *o, float lr) {
         int64_t off = t->data - m->flat_data, len = t->numel;
         float wd = t->ndim >= 2 ? o->weight_decay : 0.0f;
         float *p = m->flat_data + off, *mm = o->m + off, *gg = g + off;
-        if (o->kind == DT_ADAMW) {
+        if (gpu && o->kind == DT_ADAMW)
+            gpu->adamw(p, mm, o->v + off, gg, len, lr, o->beta1, o->beta2, o->eps, wd, bc1, bc2);
+        else if (gpu)
+            gpu->sgd(p, mm, gg, len, lr, o->momentum, wd);
+        else if (o->kind == DT_ADAMW) {
             float *vv = o->v + off;
             DT_OMP("omp parallel for if(len > 65536)")
             for (int64_t i = 0; i < len; i++)
@@ -1959,10 +2294,13 @@ int dt_loader_next(dt_loader *l, dt_batch *b) {
     b->images = dt_tensor_out(4, shape);
     b->labels = (int32_t *)dt_step_alloc(sizeof(int32_t) * B);
     b->size = B;
+    /* The batch is assembled on the host; a GPU gets it in one upload. */
+    size_t bytes = (size_t)b->images->numel * sizeof(float);
+    float *host = b->images->device == DT_CPU ? b->images->data : (float *)dt_step_alloc_uninit(bytes);
     for (int i = 0; i < B; i++) {
         int64_t idx = l->order[l->pos + i];
         const uint8_t *src = ds->pixels + (size_t)idx * C * S * S;
-        float *dst = b->images->data + (size_t)i * C * S * S;
+        float *dst = host + (size_t)i * C * S * S;
         int flip = 0, dx = 0, dy = 0;
         if (l->augment) {                   /* random crop (zero padding S/8) + horizontal flip */
             uint64_t h = dt_hash3(l->seed, (uint64_t)l->epoch, (uint64_t)idx);
@@ -1979,6 +2317,7 @@ int dt_loader_next(dt_loader *l, dt_batch *b) {
                 }
         b->labels[i] = ds->labels[idx];
     }
+    if (host != b->images->data) dt_upload(b->images->data, host, bytes);
     l->pos += B;
     return 1;
 }
@@ -2375,14 +2714,32 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
     return 0;
 }
 
+/* Files are read and written from host memory. A buffer on a GPU is seen
+   through a host copy: downloaded when opened, uploaded when closed if it was
+   written. On the CPU the "copy" is the buffer itself. */
+static float *dt_host_view(dt_device d, float *buf, int64_t n) {
+    if (d == DT_CPU) return buf;
+    float *host = (float *)malloc((size_t)n * sizeof(float) + 1);
+    if (!host) dt_fail("out of memory (%lld floats to copy from the GPU)", (long long)n);
+    dt_copy_to_host(d, host, buf, n);
+    return host;
+}
+static void dt_host_view_close(dt_device d, float *host, float *buf, int64_t n, int written) {
+    if (d == DT_CPU) return;
+    if (written) dt_backend_of(d)->upload(buf, host, (size_t)n * sizeof(float));
+    free(host);
+}
+
 void dt_model_load_weights(dt_model *m, const char *path) {
     dt_safetensors *st = dt_safetensors_read(path);
+    float *host = dt_host_view(m->device, m->flat_data, m->numel);
     for (int i = 0; i < m->nparams; i++) {
         dt_tensor *p = &m->params[i];
-        if (!dt_safetensors_get(st, p->name, p->data, p->ndim, p->shape))
+        if (!dt_safetensors_get(st, p->name, host + (p->data - m->flat_data), p->ndim, p->shape))
             dt_fail("'%s' has no tensor '%s' (it holds %d tensors; is it a checkpoint of this model?)", path,
                     p->name, st->n);
     }
+    dt_host_view_close(m->device, host, m->flat_data, m->numel, 1);
     dt_safetensors_close(st);
 }
 
@@ -2445,6 +2802,7 @@ static const dt_flag dt_flags[] = {
     { "--end-idx", "N", "... up to image N (default: all)", DT_ARG_I64, DT_CFG(end_idx), NULL },
     { "--bench", NULL, "time training steps on in-memory data, print one summary line, exit", DT_ARG_SWITCH, DT_CFG(bench), NULL },
     { "--quiet", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL },
+    { "--peak-tflops", "X", "--bench on a GPU: its fp32 peak for MFU (default: looked up by name)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL },
 };
 #undef DT_CFG
 
@@ -2539,8 +2897,11 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if (c.dim < 1 || c.depth < (vit ? 1 : 0) || c.heads < 1 || c.patch < 1) dt_usage_error("--dim, --depth, --heads and --patch must be positive");
     if (vit && c.dim % c.heads) dt_usage_error("--dim %d must be divisible by --heads %d", c.dim, c.heads);
     if (vit && c.image_size % c.patch) dt_usage_error("--image-size %d must be a multiple of --patch %d", c.image_size, c.patch);
-    if ((int)c.device == 1) dt_fail("--device cuda: this build of dtrain has no CUDA backend yet; use --device cpu");
-    c.device = DT_CPU;             /* auto: no GPU backend in this build */
+    if ((int)c.device == 2) {      /* auto: the GPU when this build has CUDA and one is visible */
+        char why[256];
+        c.device = dt_cuda_available(why, sizeof why) ? DT_CUDA : DT_CPU;
+    }
+    dt_set_device(c.device, 0);
     return c;
 }
 
@@ -2562,6 +2923,9 @@ static void dt_trace_event(dt_run *r, const char *name, int track, double t0, do
 static const char *dt_phase_names[DT_PHASE_COUNT] = { "data", "forward", "backward", "comm", "optimizer", "eval", "checkpoint" };
 
 void dt_phase(dt_run *r, dt_phase_kind phase) {
+    /* A GPU runs its queue of kernels behind the host's back: wait for it, or
+       the time of this phase would show up in a later one. */
+    dt_synchronize();
     double now = dt_now_ms();
     r->phase_ms[phase] += now - r->mark_ms;
     dt_trace_event(r, dt_phase_names[phase], phase == DT_PHASE_COMM ? 1 : 0, r->mark_ms, now);
@@ -2579,10 +2943,12 @@ void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss
         dt_step_arena_reset();
         if (!dt_loader_next(&l, &b)) break;
         dt_tensor *logits = dt_model_forward(m, b.images);
-        total += dt_cross_entropy(logits, b.labels)->data[0] * (double)b.size;
+        total += dt_tensor_item(dt_cross_entropy(logits, b.labels)) * (double)b.size;
         int C = (int)dt_tensor_cols(logits);
+        float *host = (float *)dt_step_alloc_uninit(sizeof(float) * (size_t)logits->numel);
+        dt_tensor_to_host(logits, host);
         for (int i = 0; i < b.size; i++) {
-            const float *row = logits->data + (size_t)i * C;
+            const float *row = host + (size_t)i * C;
             int best = 0;
             for (int j = 1; j < C; j++) if (row[j] > row[best]) best = j;
             correct += best == b.labels[i];
@@ -2605,6 +2971,8 @@ void dt_checkpoint_save(dt_run *r, const char *path) {
     dt_model *m = r->model;
     dt_optimizer *o = r->opt;
     int per = o->kind == DT_ADAMW ? 3 : 2;
+    float *hp = dt_host_view(m->device, m->flat_data, m->numel), *hm = dt_host_view(m->device, o->m, m->numel);
+    float *hv = o->v ? dt_host_view(m->device, o->v, m->numel) : NULL;
     dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * per, sizeof *t);
     char **names = (char **)calloc((size_t)m->nparams * per, sizeof(char *));
     int n = 0;
@@ -2617,7 +2985,7 @@ void dt_checkpoint_save(dt_run *r, const char *path) {
             names[n] = (char *)malloc(strlen(prefix) + strlen(p->name) + 1);
             sprintf(names[n], "%s%s", prefix, p->name);
             t[n].name = names[n];
-            t[n].data = k == 0 ? p->data : k == 1 ? o->m + off : o->v + off;
+            t[n].data = k == 0 ? hp + off : k == 1 ? hm + off : hv + off;
             t[n].ndim = p->ndim;
             for (int d = 0; d < p->ndim; d++) t[n].shape[d] = p->shape[d];
             n++;
@@ -2640,6 +3008,9 @@ void dt_checkpoint_save(dt_run *r, const char *path) {
                            "optimizer_step", v[3], "step", v[4], "epoch", v[5], "batch_in_epoch", v[6], "seed", v[7],
                            "world_size", v[8], "data_range", v[9], "batch_size", v[10] };
     dt_safetensors_write(path, t, n, meta, (int)(sizeof meta / sizeof meta[0] / 2));
+    dt_host_view_close(m->device, hp, m->flat_data, m->numel, 0);
+    dt_host_view_close(m->device, hm, o->m, m->numel, 0);
+    if (hv) dt_host_view_close(m->device, hv, o->v, m->numel, 0);
     for (int i = 0; i < n; i++) free(names[i]);
     free(names);
     free(t);
@@ -2671,18 +3042,23 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     if (strcmp(dt_meta_required(st, path, "optimizer"), o->kind == DT_ADAMW ? "adamw" : "sgd"))
         dt_fail("'%s' holds %s state but this run uses --optimizer %s", path, dt_safetensors_meta(st, "optimizer"),
                 o->kind == DT_ADAMW ? "adamw" : "sgd");
+    float *hp = dt_host_view(m->device, m->flat_data, m->numel), *hm = dt_host_view(m->device, o->m, m->numel);
+    float *hv = o->v ? dt_host_view(m->device, o->v, m->numel) : NULL;
     for (int i = 0; i < m->nparams; i++) {
         dt_tensor *p = &m->params[i];
         int64_t off = p->data - m->flat_data;
         char name[256];
-        if (!dt_safetensors_get(st, p->name, p->data, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, p->name);
+        if (!dt_safetensors_get(st, p->name, hp + off, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, p->name);
         snprintf(name, sizeof name, "optimizer.%s.%s", o->kind == DT_ADAMW ? "exp_avg" : "momentum_buffer", p->name);
-        if (!dt_safetensors_get(st, name, o->m + off, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, name);
+        if (!dt_safetensors_get(st, name, hm + off, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, name);
         if (o->kind == DT_ADAMW) {
             snprintf(name, sizeof name, "optimizer.exp_avg_sq.%s", p->name);
-            if (!dt_safetensors_get(st, name, o->v + off, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, name);
+            if (!dt_safetensors_get(st, name, hv + off, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, name);
         }
     }
+    dt_host_view_close(m->device, hp, m->flat_data, m->numel, 1);
+    dt_host_view_close(m->device, hm, o->m, m->numel, 1);
+    if (hv) dt_host_view_close(m->device, hv, o->v, m->numel, 1);
     o->step = atoll(dt_meta_required(st, path, "optimizer_step"));
     r->step = atoll(dt_meta_required(st, path, "step"));
     r->epoch = atoi(dt_meta_required(st, path, "epoch"));
@@ -2736,10 +3112,13 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
         printf("data: %lld training images from %s, %lld validation, %dx%d, %d classes\n",
                (long long)loader->ds->n, loader->ds->source, val ? (long long)val->n : 0LL, loader->ds->size,
                loader->ds->size, loader->ds->num_classes);
-        printf("plan: %d epochs x %lld steps of %d images = %lld steps%s; %s lr %g, warmup %lld; cpu, %d threads\n",
+        char where[300];
+        if (model->device == DT_CUDA) snprintf(where, sizeof where, "cuda (%s)", dt_ctx.gpu->name);
+        else snprintf(where, sizeof where, "cpu, %d threads", dt_threads());
+        printf("plan: %d epochs x %lld steps of %d images = %lld steps%s; %s lr %g, warmup %lld; %s\n",
                cfg->epochs, (long long)r->batches_per_epoch, cfg->batch_size, (long long)r->total_steps,
                r->stop_step < r->total_steps ? " (stopping early, see --steps)" : "",
-               opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)r->warmup, dt_threads());
+               opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)r->warmup, where);
         if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, r->epoch + 1, (long long)r->step);
         fflush(stdout);
     }
@@ -2799,8 +3178,8 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
     r->batch_in_epoch++;
     r->samples += batch_size;
     r->train_ms += step_ms;
-    r->last_loss = loss->data[0];
-    r->loss_sum += loss->data[0];
+    r->last_loss = dt_tensor_item(loss);
+    r->loss_sum += r->last_loss;
     r->loss_count++;
     if (!isfinite(r->last_loss))
         dt_fail("the loss became %f at step %lld (try a lower --lr, or --clip)", r->last_loss, (long long)r->step);
@@ -2885,6 +3264,19 @@ void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
     if (!cfg->quiet && dt_ctx.rank == 0) { printf("loaded %s in %.1f s\n", dir, (dt_now_ms() - t0) / 1e3); fflush(stdout); }
 }
 
+/* The fp32 peak (no tensor cores: TF32 stays off) of GPUs a course may meet,
+   from their data sheets, in TFLOP/s; --peak-tflops gives any other. */
+static double dt_gpu_peak_tflops(const char *name) {
+    static const struct { const char *match; double tflops; } peaks[] = {
+        { "H200", 66.9 }, { "H100 PCIe", 51.2 }, { "H100 NVL", 60.0 }, { "H100", 66.9 }, { "A100", 19.5 },
+        { "L40S", 91.6 }, { "L40", 90.5 }, { "L4", 30.3 }, { "A10G", 31.2 }, { "A10", 31.2 }, { "T4", 8.1 },
+        { "RTX 4090", 82.6 }, { "RTX 4080", 48.7 }, { "RTX 3090", 35.6 }, { "RTX 3080", 29.8 }, { "A6000", 38.7 },
+    };
+    for (size_t i = 0; i < sizeof peaks / sizeof peaks[0]; i++)
+        if (strstr(name, peaks[i].match)) return peaks[i].tflops;
+    return 0;
+}
+
 int dt_bench(const dt_config *cfg) {
     dt_model_config mc = dt_model_config_from(cfg, 3, cfg->image_size, 10);
     dt_model *m = dt_model_create(&mc, cfg->seed);
@@ -2896,32 +3288,50 @@ int dt_bench(const dt_config *cfg) {
     dt_rng rng = { cfg->seed };
     for (size_t i = 0; i < npix; i++) pixels[i] = (float)(2 * dt_rng_uniform(&rng) - 1);
     for (int i = 0; i < B; i++) labels[i] = (int32_t)(dt_rng_u64(&rng) % 10);
+    /* the batch sits on the device once; every step reads the same images */
+    dt_tensor x;
+    memset(&x, 0, sizeof x);
+    x.ndim = 4; x.shape[0] = B; x.shape[1] = 3; x.shape[2] = x.shape[3] = S; x.numel = (int64_t)npix;
+    x.device = m->device;
+    x.data = m->device == DT_CPU ? pixels : (float *)dt_alloc_on(m->device, DT_ARENA_DATA, npix * sizeof(float));
+    if (x.data != pixels) dt_upload(x.data, pixels, npix * sizeof(float));
     const char *workload = mc.kind == DT_MODEL_MLP ? (mc.dim == 1024 && mc.depth == 2 && S == 32 ? "mlp" : "mlp-custom")
                          : (mc.dim == 192 && mc.depth == 6 && mc.heads == 3 && mc.patch == 4 && S == 32 ? "vit-tiny"
                          : (mc.dim == 768 && mc.depth == 12 && mc.heads == 12 && mc.patch == 16 && S == 224 ? "vit-base" : "vit-custom"));
     double t0 = 0, flops = 0;
     int64_t steps = 0, warm = 2;
     for (int64_t i = 0;; i++) {
-        if (i == warm) { t0 = dt_now_ms(); dt_flops_reset(); }
+        if (i == warm) { dt_synchronize(); t0 = dt_now_ms(); dt_flops_reset(); }
         dt_step_arena_reset();
-        int shape[4] = { B, 3, S, S };
-        dt_tensor *x = dt_tensor_new(4, shape);
-        memcpy(x->data, pixels, npix * sizeof(float));
-        dt_tensor *loss = dt_cross_entropy(dt_model_forward(m, x), labels);
+        dt_tensor *loss = dt_cross_entropy(dt_model_forward(m, &x), labels);
         dt_backward(loss);
-        dt_optimizer_step(o, cfg->lr);
+        dt_optimizer_step(o, cfg->lr);     /* reads the gradient norm back: one sync per step, as training does */
         if (i >= warm) {
             steps = i - warm + 1;
             double el = dt_now_ms() - t0;
             if (cfg->steps > 0 ? steps >= cfg->steps : (steps >= 3 && el > 3000) || steps >= 200) break;
         }
     }
+    dt_synchronize();
     double ms = dt_now_ms() - t0;
     flops = dt_flops_counted();
-    printf("bench: workload=%s stage=%s device=cpu threads=%d batch=%d params=%lld steps=%lld step_ms=%.2f "
+    double gflops = flops / (ms / 1e3) / 1e9;
+    char where[256];
+    if (m->device == DT_CUDA) {
+        char gpu[128];
+        size_t k = 0;
+        for (const char *c = dt_ctx.gpu->name; *c && k + 1 < sizeof gpu; c++) gpu[k++] = *c == ' ' ? '_' : *c;
+        gpu[k] = 0;
+        double peak = cfg->peak_tflops > 0 ? cfg->peak_tflops : dt_gpu_peak_tflops(dt_ctx.gpu->name);
+        if (peak > 0) snprintf(where, sizeof where, "device=cuda gpu=%s tflops=%.2f peak_tflops=%.1f mfu=%.3f", gpu,
+                               gflops / 1e3, peak, gflops / 1e3 / peak);
+        else snprintf(where, sizeof where, "device=cuda gpu=%s tflops=%.2f mfu=unknown(use --peak-tflops)", gpu, gflops / 1e3);
+    } else snprintf(where, sizeof where, "device=cpu threads=%d", dt_threads());
+    printf("bench: workload=%s stage=%s %s batch=%d params=%lld steps=%lld step_ms=%.2f "
            "samples_per_s=%.1f gflops=%.2f peak_mem_mb=%.1f\n",
-           workload, cfg->stage, dt_threads(), B, (long long)m->numel, (long long)steps, ms / steps,
-           steps * B * 1e3 / ms, flops / (ms / 1e3) / 1e9, dt_mem_total_peak() / 1e6);
+           workload, cfg->stage, where, B, (long long)m->numel, (long long)steps, ms / steps,
+           steps * B * 1e3 / ms, gflops, dt_mem_total_peak() / 1e6);
+    if (x.data != pixels) dt_free_on(m->device, DT_ARENA_DATA, x.data, npix * sizeof(float));
     dt_free(DT_ARENA_DATA, pixels, npix * sizeof(float));
     dt_free(DT_ARENA_DATA, labels, (size_t)B * sizeof(int32_t));
     dt_optimizer_free(o);
@@ -2930,3 +3340,536 @@ int dt_bench(const dt_config *cfg) {
 }
 
 #endif /* DTRAIN_IMPLEMENTATION */
+
+/* ================================================================================
+   15. THE CUDA BACKEND
+   Compiled by nvcc from this same file:
+       nvcc -x cu -DDTRAIN_CUDA_IMPLEMENTATION -c dtrain.h -o dtrain_cuda.o
+   and linked beside a C file built with -DDT_HAVE_CUDA (the Makefile does both).
+
+   What it teaches: a GPU body differs from the CPU loop in three things only --
+   indexing (one thread per element, or one warp per row), reductions (threads
+   cooperate through warp shuffles and shared memory, in a fixed order so that
+   every run gives the same bits), and launch shape. The arithmetic per element
+   is the same DT_HD function the CPU calls. Matmuls go to cuBLAS in fp32 (no
+   TF32), attention's per-head matmuls to one strided-batched call.
+   Every CUDA and cuBLAS call is checked: a failure names the call, the file and
+   line, and CUDA's own description, then exits like any other dtrain error.
+   ================================================================================ */
+#if defined(DTRAIN_CUDA_IMPLEMENTATION) && defined(__CUDACC__) && !defined(DTRAIN_CUDA_DONE)
+#define DTRAIN_CUDA_DONE
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+#include <stdio.h>
+
+static struct {
+    int index;
+    cudaStream_t stream;                 /* every kernel, copy and matmul, in order */
+    cublasHandle_t blas;
+    double *partials;                    /* sum_squares: one double per block, then the total */
+    float *scratch;                      /* column sums: partial sums per slab of rows */
+    size_t scratch_floats;
+    dt_backend table;
+} dt_cuda;
+
+static void dt_cuda_check(cudaError_t err, const char *call, const char *file, int line) {
+    if (err != cudaSuccess)
+        dt_fail("%s failed at %s:%d: %s (%s)", call, file, line, cudaGetErrorString(err), cudaGetErrorName(err));
+}
+static void dt_cublas_check(cublasStatus_t st, const char *call, const char *file, int line) {
+    if (st != CUBLAS_STATUS_SUCCESS) dt_fail("%s failed at %s:%d: %s", call, file, line, cublasGetStatusString(st));
+}
+#define DT_CUDA_CHECK(call) dt_cuda_check((call), #call, __FILE__, __LINE__)
+#define DT_CUBLAS_CHECK(call) dt_cublas_check((call), #call, __FILE__, __LINE__)
+/* A launch returns no status; cudaGetLastError() holds a bad launch shape. */
+#define DT_LAUNCH(kernel, blocks, threads, ...)                                          \
+    do {                                                                                 \
+        kernel<<<(blocks), (threads), 0, dt_cuda.stream>>>(__VA_ARGS__);                \
+        dt_cuda_check(cudaGetLastError(), "launching " #kernel, __FILE__, __LINE__);    \
+    } while (0)
+
+#define DT_THREADS 256
+static unsigned dt_blocks_for(int64_t n) {               /* grid-stride loops cover the rest */
+    int64_t b = (n + DT_THREADS - 1) / DT_THREADS;
+    return (unsigned)(b < 1 ? 1 : b > 65535 * 8 ? 65535 * 8 : b);
+}
+static unsigned dt_blocks_for_warps(int64_t rows) {      /* one warp (32 threads) per row */
+    return dt_blocks_for(rows * 32);
+}
+#define DT_FOR_EACH(i, n) \
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
+
+__device__ static inline float dt_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ static inline float dt_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* ---- memory and copies ---- */
+static void *dt_cuda_alloc(size_t bytes) {
+    void *p = NULL;
+    cudaError_t err = cudaMalloc(&p, bytes);
+    if (err != cudaSuccess) {
+        size_t free_b = 0, total_b = 0;
+        cudaGetLastError();
+        cudaMemGetInfo(&free_b, &total_b);
+        dt_fail("cudaMalloc of %.1f MB failed: %s (%.1f MB of %.1f MB free on the GPU; try a smaller --batch-size)",
+                bytes / 1e6, cudaGetErrorString(err), free_b / 1e6, total_b / 1e6);
+    }
+    return p;
+}
+/* Only the first steps free GPU memory (the step arena growing): let queued
+   kernels that may still read it finish first. */
+static void dt_cuda_release(void *p) {
+    DT_CUDA_CHECK(cudaStreamSynchronize(dt_cuda.stream));
+    DT_CUDA_CHECK(cudaFree(p));
+}
+static void dt_cuda_zero(void *p, size_t bytes) { DT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, dt_cuda.stream)); }
+/* Host buffers are ordinary (pageable) memory: wait, so the caller may reuse them at once. */
+static void dt_cuda_upload(void *dst, const void *src, size_t bytes) {
+    DT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, dt_cuda.stream));
+    DT_CUDA_CHECK(cudaStreamSynchronize(dt_cuda.stream));
+}
+static void dt_cuda_download(void *dst, const void *src, size_t bytes) {
+    DT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, dt_cuda.stream));
+    DT_CUDA_CHECK(cudaStreamSynchronize(dt_cuda.stream));
+}
+static void dt_cuda_synchronize(void) { DT_CUDA_CHECK(cudaStreamSynchronize(dt_cuda.stream)); }
+
+/* ---- matmul: cuBLAS is column-major. A row-major matrix is its column-major
+        transpose, so C = op(A) op(B) is computed as C^T = op(B)^T op(A)^T:
+        swap the operands and M with N, keep every leading dimension. ---- */
+static void dt_cuda_gemm(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                         const float *B, int ldb, float beta, float *C, int ldc) {
+    if (M <= 0 || N <= 0) return;
+    DT_CUBLAS_CHECK(cublasSgemm(dt_cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
+                                &alpha, B, ldb, A, lda, &beta, C, ldc));
+}
+static void dt_cuda_gemm_batched(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                                 long long sa, const float *B, int ldb, long long sb, float beta, float *C, int ldc,
+                                 long long sc, int batch) {
+    DT_CUBLAS_CHECK(cublasSgemmStridedBatched(dt_cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                              N, M, K, &alpha, B, ldb, sb, A, lda, sa, &beta, C, ldc, sc, batch));
+}
+
+/* ---- column sums in a fixed order: out[j] += sum over rows of x[i, j] (times
+        LayerNorm's x-hat for its weight gradient). Blocks of 32 columns x 8 row
+        lanes sum one slab of rows each; a second kernel adds the slabs in order.
+        No atomics, so the result is the same every run. ---- */
+__global__ static void dt_k_colsum_partial(const float *dy, const float *x, const float *stats, int rows, int cols,
+                                           int ld, int slab_rows, float *part_db, float *part_dw) {
+    __shared__ float sh_db[8][33], sh_dw[8][33];
+    int tx = threadIdx.x, ty = threadIdx.y, j = blockIdx.x * 32 + tx, slab = blockIdx.y;
+    int r0 = slab * slab_rows, r1 = min(rows, r0 + slab_rows);
+    float db = 0, dw = 0;
+    if (j < cols)
+        for (int i = r0 + ty; i < r1; i += 8) {
+            float g = dy[(size_t)i * ld + j];
+            db += g;
+            if (part_dw) dw += g * (x[(size_t)i * ld + j] - stats[i]) * stats[rows + i];
+        }
+    sh_db[ty][tx] = db;
+    sh_dw[ty][tx] = dw;
+    __syncthreads();
+    if (ty == 0 && j < cols) {
+        float a = 0, b = 0;
+        for (int k = 0; k < 8; k++) { a += sh_db[k][tx]; b += sh_dw[k][tx]; }
+        part_db[(size_t)slab * cols + j] = a;
+        if (part_dw) part_dw[(size_t)slab * cols + j] = b;
+    }
+}
+__global__ static void dt_k_colsum_finish(const float *part, int slabs, int cols, float *out) {
+    DT_FOR_EACH(j, cols) {
+        float s = 0;
+        for (int k = 0; k < slabs; k++) s += part[(size_t)k * cols + j];
+        out[j] += s;
+    }
+}
+static float *dt_cuda_scratch(size_t floats) {
+    if (floats > dt_cuda.scratch_floats) {        /* grows in the first step only */
+        if (dt_cuda.scratch) dt_cuda_release(dt_cuda.scratch);
+        dt_cuda.scratch = (float *)dt_cuda_alloc(floats * sizeof(float));
+        dt_cuda.scratch_floats = floats;
+    }
+    return dt_cuda.scratch;
+}
+/* db[j] += sum_i dy[i*ld + j]; with x and stats also dw[j] += sum_i dy * x-hat. */
+static void dt_cuda_column_sums(const float *dy, const float *x, const float *stats, int rows, int cols, int ld,
+                                float *db, float *dw) {
+    if (rows <= 0 || cols <= 0 || (!db && !dw)) return;
+    int slabs = (rows + 63) / 64;
+    if (slabs > 128) slabs = 128;
+    int slab_rows = (rows + slabs - 1) / slabs;
+    float *part = dt_cuda_scratch((size_t)2 * slabs * cols);
+    dim3 grid((unsigned)((cols + 31) / 32), (unsigned)slabs), block(32, 8);
+    DT_LAUNCH(dt_k_colsum_partial, grid, block, dy, x, stats, rows, cols, ld, slab_rows, part,
+              dw ? part + (size_t)slabs * cols : (float *)NULL);
+    if (db) DT_LAUNCH(dt_k_colsum_finish, dt_blocks_for(cols), DT_THREADS, part, slabs, cols, db);
+    if (dw) DT_LAUNCH(dt_k_colsum_finish, dt_blocks_for(cols), DT_THREADS, part + (size_t)slabs * cols, slabs, cols, dw);
+}
+static void dt_cuda_sum_rows(const float *x, float *out, int rows, int cols) {
+    dt_cuda_column_sums(x, NULL, NULL, rows, cols, cols, out, NULL);
+}
+
+/* ---- element-wise ops: one thread per element, the DT_HD arithmetic ---- */
+__global__ static void dt_k_add_bias(float *y, const float *b, int64_t n, int cols) {
+    DT_FOR_EACH(i, n) y[i] += b[i % cols];
+}
+static void dt_cuda_add_bias(float *y, const float *b, int rows, int cols) {
+    int64_t n = (int64_t)rows * cols;
+    DT_LAUNCH(dt_k_add_bias, dt_blocks_for(n), DT_THREADS, y, b, n, cols);
+}
+__global__ static void dt_k_gelu_forward(const float *x, float *y, int64_t n) {
+    DT_FOR_EACH(i, n) y[i] = dt_gelu_value(x[i]);
+}
+static void dt_cuda_gelu_forward(const float *x, float *y, int64_t n) {
+    DT_LAUNCH(dt_k_gelu_forward, dt_blocks_for(n), DT_THREADS, x, y, n);
+}
+__global__ static void dt_k_gelu_backward(const float *x, const float *dy, float *dx, int64_t n) {
+    DT_FOR_EACH(i, n) dx[i] += dy[i] * dt_gelu_derivative(x[i]);
+}
+static void dt_cuda_gelu_backward(const float *x, const float *dy, float *dx, int64_t n) {
+    DT_LAUNCH(dt_k_gelu_backward, dt_blocks_for(n), DT_THREADS, x, dy, dx, n);
+}
+__global__ static void dt_k_add(const float *a, const float *b, float *y, int64_t n) {
+    DT_FOR_EACH(i, n) y[i] = a[i] + b[i];
+}
+static void dt_cuda_add(const float *a, const float *b, float *y, int64_t n) {
+    DT_LAUNCH(dt_k_add, dt_blocks_for(n), DT_THREADS, a, b, y, n);
+}
+__global__ static void dt_k_accumulate(float *dst, const float *src, int64_t n) {
+    DT_FOR_EACH(i, n) dst[i] += src[i];
+}
+static void dt_cuda_accumulate(float *dst, const float *src, int64_t n) {
+    DT_LAUNCH(dt_k_accumulate, dt_blocks_for(n), DT_THREADS, dst, src, n);
+}
+__global__ static void dt_k_scale(float *x, float c, int64_t n) {
+    DT_FOR_EACH(i, n) x[i] *= c;
+}
+static void dt_cuda_scale(float *x, float c, int64_t n) { DT_LAUNCH(dt_k_scale, dt_blocks_for(n), DT_THREADS, x, c, n); }
+
+/* ---- LayerNorm: one warp per row; the 32 lanes split the row and meet in
+        warp shuffles. Two passes (mean, then variance), as on the CPU. ---- */
+__global__ static void dt_k_layernorm_forward(const float *x, const float *w, const float *b, float *y, float *stats,
+                                              int rows, int D, float eps) {
+    int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= rows) return;                      /* whole warps leave together */
+    const float *xr = x + row * D;
+    float *yr = y + row * D;
+    float sum = 0, var = 0;
+    for (int j = lane; j < D; j += 32) sum += xr[j];
+    float mean = dt_warp_sum(sum) / D;
+    for (int j = lane; j < D; j += 32) { float d = xr[j] - mean; var += d * d; }
+    float rstd = 1.0f / sqrtf(dt_warp_sum(var) / D + eps);
+    for (int j = lane; j < D; j += 32) yr[j] = (xr[j] - mean) * rstd * (w ? w[j] : 1.0f) + (b ? b[j] : 0.0f);
+    if (lane == 0) { stats[row] = mean; stats[rows + row] = rstd; }
+}
+static void dt_cuda_layernorm_forward(const float *x, const float *w, const float *b, float *y, float *stats, int rows,
+                                      int cols, float eps) {
+    DT_LAUNCH(dt_k_layernorm_forward, dt_blocks_for_warps(rows), DT_THREADS, x, w, b, y, stats, rows, cols, eps);
+}
+__global__ static void dt_k_layernorm_backward_dx(const float *x, const float *w, const float *dy, const float *stats,
+                                                  float *dx, int rows, int D) {
+    int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const float *xr = x + row * D, *dyr = dy + row * D;
+    float mean = stats[row], rstd = stats[rows + row], sum_g = 0, sum_gx = 0;
+    for (int j = lane; j < D; j += 32) {
+        float g = dyr[j] * (w ? w[j] : 1.0f);
+        sum_g += g;
+        sum_gx += g * (xr[j] - mean) * rstd;
+    }
+    float mg = dt_warp_sum(sum_g) / D, mgx = dt_warp_sum(sum_gx) / D;
+    for (int j = lane; j < D; j += 32) {
+        float g = dyr[j] * (w ? w[j] : 1.0f), xhat = (xr[j] - mean) * rstd;
+        dx[row * D + j] += rstd * (g - mg - xhat * mgx);
+    }
+}
+static void dt_cuda_layernorm_backward(const float *x, const float *w, const float *dy, const float *stats, float *dx,
+                                       float *dw, float *db, int rows, int cols) {
+    if (dx) DT_LAUNCH(dt_k_layernorm_backward_dx, dt_blocks_for_warps(rows), DT_THREADS, x, w, dy, stats, dx, rows, cols);
+    dt_cuda_column_sums(dy, x, stats, rows, cols, cols, db, dw);
+}
+
+/* ---- attention: reorder Q, K, V to head-major, two strided-batched matmuls
+        around a row softmax, reorder the output back. ---- */
+/* rows [B, T, nsplit, H, hd] <-> heads [nsplit][B, H, T, hd] (nsplit 3: q, k, v) */
+__global__ static void dt_k_split_heads(const float *rows, float *heads, int B, int T, int H, int hd, int nsplit) {
+    int64_t n = (int64_t)B * T * nsplit * H * hd, btd = (int64_t)B * T * H * hd;
+    DT_FOR_EACH(i, n) {
+        int64_t r = i;
+        int d = (int)(r % hd); r /= hd;
+        int h = (int)(r % H); r /= H;
+        int which = (int)(r % nsplit); r /= nsplit;
+        int t = (int)(r % T), b = (int)(r / T);
+        heads[which * btd + (((int64_t)b * H + h) * T + t) * hd + d] = rows[i];
+    }
+}
+__global__ static void dt_k_merge_heads(const float *heads, float *rows, int B, int T, int H, int hd, int nsplit,
+                                        int accumulate) {
+    int64_t n = (int64_t)B * T * nsplit * H * hd, btd = (int64_t)B * T * H * hd;
+    DT_FOR_EACH(i, n) {
+        int64_t r = i;
+        int d = (int)(r % hd); r /= hd;
+        int h = (int)(r % H); r /= H;
+        int which = (int)(r % nsplit); r /= nsplit;
+        int t = (int)(r % T), b = (int)(r / T);
+        float v = heads[which * btd + (((int64_t)b * H + h) * T + t) * hd + d];
+        rows[i] = accumulate ? rows[i] + v : v;
+    }
+}
+__global__ static void dt_k_softmax_rows(float *P, int64_t rows, int T, int causal) {
+    int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    float *r = P + row * T;
+    int valid = causal ? (int)(row % T) + 1 : T;   /* causal: query i sees keys 0..i */
+    float mx = -INFINITY, sum = 0;
+    for (int j = lane; j < valid; j += 32) mx = fmaxf(mx, r[j]);
+    mx = dt_warp_max(mx);
+    for (int j = lane; j < valid; j += 32) { float e = expf(r[j] - mx); r[j] = e; sum += e; }
+    sum = dt_warp_sum(sum);
+    for (int j = lane; j < T; j += 32) r[j] = j < valid ? r[j] / sum : 0.0f;
+}
+__global__ static void dt_k_softmax_backward_rows(const float *P, float *dP, int64_t rows, int T, float scale) {
+    int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const float *p = P + row * T;
+    float *d = dP + row * T, dot = 0;
+    for (int j = lane; j < T; j += 32) dot += d[j] * p[j];
+    dot = dt_warp_sum(dot);
+    for (int j = lane; j < T; j += 32) d[j] = p[j] * (d[j] - dot) * scale;
+}
+static void dt_cuda_attention_forward(const float *qkv, float *out, float *saved, int B, int T, int H, int D,
+                                      float scale, int causal) {
+    int hd = D / H, BH = B * H;
+    int64_t btd = (int64_t)B * T * D, tt = (int64_t)T * T, th = (int64_t)T * hd;
+    float *P = saved, *q = saved + (int64_t)BH * tt, *k = q + btd, *v = k + btd, *o = v + btd;
+    DT_LAUNCH(dt_k_split_heads, dt_blocks_for(3 * btd), DT_THREADS, qkv, q, B, T, H, hd, 3);
+    dt_cuda_gemm_batched(0, 1, T, T, hd, scale, q, hd, th, k, hd, th, 0.0f, P, T, tt, BH);   /* S = Q K^T / sqrt(d) */
+    DT_LAUNCH(dt_k_softmax_rows, dt_blocks_for_warps((int64_t)BH * T), DT_THREADS, P, (int64_t)BH * T, T, causal);
+    dt_cuda_gemm_batched(0, 0, T, hd, T, 1.0f, P, T, tt, v, hd, th, 0.0f, o, hd, th, BH);    /* O = P V */
+    DT_LAUNCH(dt_k_merge_heads, dt_blocks_for(btd), DT_THREADS, o, out, B, T, H, hd, 1, 0);
+}
+static void dt_cuda_attention_backward(const float *saved, const float *dout, float *dqkv, float *scratch, int B,
+                                       int T, int H, int D, float scale) {
+    int hd = D / H, BH = B * H;
+    int64_t btd = (int64_t)B * T * D, tt = (int64_t)T * T, th = (int64_t)T * hd;
+    const float *P = saved, *q = saved + (int64_t)BH * tt, *k = q + btd, *v = k + btd;
+    float *dP = scratch, *dO = scratch + (int64_t)BH * tt, *dq = dO + btd, *dk = dq + btd, *dv = dk + btd;
+    DT_LAUNCH(dt_k_split_heads, dt_blocks_for(btd), DT_THREADS, dout, dO, B, T, H, hd, 1);
+    dt_cuda_gemm_batched(0, 1, T, T, hd, 1.0f, dO, hd, th, v, hd, th, 0.0f, dP, T, tt, BH);   /* dP = dO V^T */
+    dt_cuda_gemm_batched(1, 0, T, hd, T, 1.0f, P, T, tt, dO, hd, th, 0.0f, dv, hd, th, BH);   /* dV = P^T dO */
+    DT_LAUNCH(dt_k_softmax_backward_rows, dt_blocks_for_warps((int64_t)BH * T), DT_THREADS, P, dP, (int64_t)BH * T, T,
+              scale);
+    dt_cuda_gemm_batched(0, 0, T, hd, T, 1.0f, dP, T, tt, k, hd, th, 0.0f, dq, hd, th, BH);   /* dQ = dS K */
+    dt_cuda_gemm_batched(1, 0, T, hd, T, 1.0f, dP, T, tt, q, hd, th, 0.0f, dk, hd, th, BH);   /* dK = dS^T Q */
+    DT_LAUNCH(dt_k_merge_heads, dt_blocks_for(3 * btd), DT_THREADS, dq, dqkv, B, T, H, hd, 3, 1);
+}
+
+/* ---- the ViT's token assembly, the class-token pick, patchify ---- */
+__global__ static void dt_k_vit_tokens(const float *patches, const float *cls, const float *pos, float *y, int B, int P,
+                                       int D) {
+    int T = P + 1;
+    DT_FOR_EACH(i, (int64_t)B * T * D) {
+        int j = (int)(i % D), t = (int)((i / D) % T);
+        int64_t b = i / ((int64_t)T * D);
+        float src = t == 0 ? cls[j] : patches[(b * P + t - 1) * D + j];
+        y[i] = src + pos[(int64_t)t * D + j];
+    }
+}
+static void dt_cuda_vit_tokens_forward(const float *patches, const float *cls, const float *pos, float *y, int B, int P,
+                                       int D) {
+    DT_LAUNCH(dt_k_vit_tokens, dt_blocks_for((int64_t)B * (P + 1) * D), DT_THREADS, patches, cls, pos, y, B, P, D);
+}
+__global__ static void dt_k_vit_tokens_dpatch(const float *dy, float *dpatch, int B, int P, int D) {
+    DT_FOR_EACH(i, (int64_t)B * P * D) {
+        int j = (int)(i % D), t = (int)((i / D) % P);
+        int64_t b = i / ((int64_t)P * D);
+        dpatch[i] += dy[(b * (P + 1) + t + 1) * D + j];
+    }
+}
+static void dt_cuda_vit_tokens_backward(const float *dy, float *dpatch, float *dcls, float *dpos, int B, int P, int D) {
+    int T = P + 1;
+    if (dpatch) DT_LAUNCH(dt_k_vit_tokens_dpatch, dt_blocks_for((int64_t)B * P * D), DT_THREADS, dy, dpatch, B, P, D);
+    dt_cuda_column_sums(dy, NULL, NULL, B, T * D, T * D, dpos, NULL);   /* sum over the batch */
+    dt_cuda_column_sums(dy, NULL, NULL, B, D, T * D, dcls, NULL);       /* token 0 of each sequence */
+}
+__global__ static void dt_k_select_token(const float *x, float *y, int B, int T, int idx, int D, int backward) {
+    DT_FOR_EACH(i, (int64_t)B * D) {
+        int64_t b = i / D, j = i % D, src = (b * T + idx) * D + j;
+        if (backward) y[src] += x[i];             /* here x is dy [B, D] and y is dx */
+        else y[i] = x[src];
+    }
+}
+static void dt_cuda_select_token_forward(const float *x, float *y, int B, int T, int idx, int D) {
+    DT_LAUNCH(dt_k_select_token, dt_blocks_for((int64_t)B * D), DT_THREADS, x, y, B, T, idx, D, 0);
+}
+static void dt_cuda_select_token_backward(const float *dy, float *dx, int B, int T, int idx, int D) {
+    DT_LAUNCH(dt_k_select_token, dt_blocks_for((int64_t)B * D), DT_THREADS, dy, dx, B, T, idx, D, 1);
+}
+__global__ static void dt_k_patchify(const float *img, float *out, int B, int C, int H, int W, int p) {
+    int ph = H / p, pw = W / p, row_len = C * p * p;
+    DT_FOR_EACH(i, (int64_t)B * ph * pw * row_len) {
+        int64_t r = i / row_len;
+        int e = (int)(i % row_len), c = e / (p * p), ky = (e / p) % p, kx = e % p;
+        int px = (int)(r % pw), py = (int)((r / pw) % ph);
+        int64_t b = r / ((int64_t)ph * pw);
+        out[i] = img[((b * C + c) * H + py * p + ky) * W + px * p + kx];
+    }
+}
+static void dt_cuda_patchify(const float *img, float *out, int B, int C, int H, int W, int p) {
+    DT_LAUNCH(dt_k_patchify, dt_blocks_for((int64_t)B * (H / p) * (W / p) * C * p * p), DT_THREADS, img, out, B, C, H,
+              W, p);
+}
+
+/* ---- cross-entropy: one block, one warp per row; the rows' losses are added
+        in a fixed order (warp by warp), so the mean is the same every run. ---- */
+__global__ static void dt_k_cross_entropy(const float *logits, const int32_t *labels, float *probs, float *loss, int B,
+                                          int C) {
+    __shared__ double warp_loss[32];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+    double acc = 0;
+    for (int i = warp; i < B; i += nwarps) {
+        const float *r = logits + (int64_t)i * C;
+        float *pr = probs + (int64_t)i * C, mx = -INFINITY, sum = 0;
+        for (int j = lane; j < C; j += 32) mx = fmaxf(mx, r[j]);
+        mx = dt_warp_max(mx);
+        for (int j = lane; j < C; j += 32) { pr[j] = expf(r[j] - mx); sum += pr[j]; }
+        sum = dt_warp_sum(sum);
+        for (int j = lane; j < C; j += 32) pr[j] /= sum;
+        if (lane == 0) acc += -((double)r[labels[i]] - mx - log((double)sum));
+    }
+    if (lane == 0) warp_loss[warp] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double total = 0;
+        for (int w = 0; w < nwarps; w++) total += warp_loss[w];
+        loss[0] = (float)(total / B);
+    }
+}
+static void dt_cuda_cross_entropy_forward(const float *logits, const int32_t *labels, float *probs, float *loss, int B,
+                                          int C) {
+    DT_LAUNCH(dt_k_cross_entropy, 1, 1024, logits, labels, probs, loss, B, C);
+}
+__global__ static void dt_k_cross_entropy_backward(const float *p, const int32_t *labels, const float *dloss,
+                                                   float *dl, int B, int C) {
+    float scale = dloss[0] / B;
+    DT_FOR_EACH(i, (int64_t)B * C) {
+        int64_t row = i / C;
+        int j = (int)(i % C);
+        dl[i] += (p[i] - (j == labels[row] ? 1.0f : 0.0f)) * scale;
+    }
+}
+static void dt_cuda_cross_entropy_backward(const float *p, const int32_t *labels, const float *dloss, float *dl, int B,
+                                           int C) {
+    DT_LAUNCH(dt_k_cross_entropy_backward, dt_blocks_for((int64_t)B * C), DT_THREADS, p, labels, dloss, dl, B, C);
+}
+
+/* ---- the optimizer: a fixed-shape reduction for the gradient norm, then the
+        same per-element updates as the CPU ---- */
+#define DT_SUMSQ_BLOCKS 256
+__global__ static void dt_k_sum_squares(const float *x, int64_t n, double *partials) {
+    __shared__ double sh[DT_THREADS];
+    double s = 0;
+    DT_FOR_EACH(i, n) s += (double)x[i] * x[i];
+    sh[threadIdx.x] = s;
+    __syncthreads();
+    for (int w = DT_THREADS / 2; w > 0; w >>= 1) {
+        if ((int)threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partials[blockIdx.x] = sh[0];
+}
+__global__ static void dt_k_sum_partials(double *partials, int n) {
+    double s = 0;
+    for (int i = 0; i < n; i++) s += partials[i];
+    partials[n] = s;
+}
+static double dt_cuda_sum_squares(const float *x, int64_t n) {
+    double total = 0;
+    DT_LAUNCH(dt_k_sum_squares, DT_SUMSQ_BLOCKS, DT_THREADS, x, n, dt_cuda.partials);
+    DT_LAUNCH(dt_k_sum_partials, 1, 1, dt_cuda.partials, DT_SUMSQ_BLOCKS);
+    dt_cuda_download(&total, dt_cuda.partials + DT_SUMSQ_BLOCKS, sizeof total);
+    return total;
+}
+__global__ static void dt_k_adamw(float *p, float *m, float *v, const float *g, int64_t n, float lr, float b1, float b2,
+                                  float eps, float wd, float bc1, float bc2) {
+    DT_FOR_EACH(i, n) dt_adamw_update(&p[i], &m[i], &v[i], g[i], lr, b1, b2, eps, wd, bc1, bc2);
+}
+static void dt_cuda_adamw(float *p, float *m, float *v, const float *g, int64_t n, float lr, float b1, float b2,
+                          float eps, float wd, float bc1, float bc2) {
+    DT_LAUNCH(dt_k_adamw, dt_blocks_for(n), DT_THREADS, p, m, v, g, n, lr, b1, b2, eps, wd, bc1, bc2);
+}
+__global__ static void dt_k_sgd(float *p, float *buf, const float *g, int64_t n, float lr, float momentum, float wd) {
+    DT_FOR_EACH(i, n) dt_sgd_update(&p[i], &buf[i], g[i], lr, momentum, wd);
+}
+static void dt_cuda_sgd(float *p, float *buf, const float *g, int64_t n, float lr, float momentum, float wd) {
+    DT_LAUNCH(dt_k_sgd, dt_blocks_for(n), DT_THREADS, p, buf, g, n, lr, momentum, wd);
+}
+__global__ static void dt_k_convert(const void *src, int from, void *dst, int to, int64_t n) {
+    DT_FOR_EACH(i, n) {
+        const uint16_t *h = (const uint16_t *)src;
+        float v = from == DT_F32 ? ((const float *)src)[i] : from == DT_BF16 ? dt_bf16_to_f32(h[i]) : dt_f16_to_f32(h[i]);
+        if (to == DT_F32) ((float *)dst)[i] = v;
+        else ((uint16_t *)dst)[i] = to == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
+    }
+}
+static void dt_cuda_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
+    DT_LAUNCH(dt_k_convert, dt_blocks_for(n), DT_THREADS, src, (int)from, dst, (int)to, n);
+}
+
+/* ---- start-up ---- */
+extern "C" int dt_cuda_device_count(char *why, size_t n) {
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+        int driver = 0, runtime = 0;
+        cudaGetLastError();
+        cudaDriverGetVersion(&driver);
+        cudaRuntimeGetVersion(&runtime);
+        if (driver == 0) snprintf(why, n, "no NVIDIA driver is installed");
+        else snprintf(why, n, "%s (the driver supports CUDA %d.%d, this build needs %d.%d)", cudaGetErrorString(err),
+                      driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);
+        return 0;
+    }
+    if (count == 0) snprintf(why, n, "no GPU is visible");
+    return count;
+}
+
+extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n) {
+    int count = dt_cuda_device_count(why, n);
+    if (count == 0) return NULL;
+    if (dt_cuda.stream) return &dt_cuda.table;
+    dt_cuda.index = local_rank % count;          /* one GPU per rank on this machine */
+    DT_CUDA_CHECK(cudaSetDevice(dt_cuda.index));
+    DT_CUDA_CHECK(cudaStreamCreateWithFlags(&dt_cuda.stream, cudaStreamNonBlocking));
+    DT_CUBLAS_CHECK(cublasCreate(&dt_cuda.blas));
+    DT_CUBLAS_CHECK(cublasSetStream(dt_cuda.blas, dt_cuda.stream));
+    DT_CUBLAS_CHECK(cublasSetMathMode(dt_cuda.blas, CUBLAS_DEFAULT_MATH));   /* fp32, no TF32 */
+    dt_cuda.partials = (double *)dt_cuda_alloc((DT_SUMSQ_BLOCKS + 1) * sizeof(double));
+    cudaDeviceProp prop;
+    DT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dt_cuda.index));
+    dt_backend *t = &dt_cuda.table;
+    snprintf(t->name, sizeof t->name, "%s", prop.name);
+    t->alloc = dt_cuda_alloc; t->release = dt_cuda_release; t->zero = dt_cuda_zero;
+    t->upload = dt_cuda_upload; t->download = dt_cuda_download; t->synchronize = dt_cuda_synchronize;
+    t->gemm = dt_cuda_gemm; t->add_bias = dt_cuda_add_bias; t->sum_rows = dt_cuda_sum_rows;
+    t->gelu_forward = dt_cuda_gelu_forward; t->gelu_backward = dt_cuda_gelu_backward;
+    t->layernorm_forward = dt_cuda_layernorm_forward; t->layernorm_backward = dt_cuda_layernorm_backward;
+    t->add = dt_cuda_add; t->accumulate = dt_cuda_accumulate;
+    t->attention_forward = dt_cuda_attention_forward; t->attention_backward = dt_cuda_attention_backward;
+    t->vit_tokens_forward = dt_cuda_vit_tokens_forward; t->vit_tokens_backward = dt_cuda_vit_tokens_backward;
+    t->select_token_forward = dt_cuda_select_token_forward; t->select_token_backward = dt_cuda_select_token_backward;
+    t->cross_entropy_forward = dt_cuda_cross_entropy_forward; t->cross_entropy_backward = dt_cuda_cross_entropy_backward;
+    t->patchify = dt_cuda_patchify; t->sum_squares = dt_cuda_sum_squares; t->scale = dt_cuda_scale;
+    t->adamw = dt_cuda_adamw; t->sgd = dt_cuda_sgd; t->convert = dt_cuda_convert;
+    return t;
+}
+#endif /* DTRAIN_CUDA_IMPLEMENTATION */

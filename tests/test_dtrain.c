@@ -13,7 +13,7 @@
 #include <sys/wait.h>
 
 static int t_failed, t_skipped, n_pass, n_fail, n_skip;
-static char t_skip_reason[256];
+static char t_skip_reason[320];
 static const char *train_bin = "01-single-gpu/train";
 static char tmpdir[256];
 
@@ -527,6 +527,14 @@ static void test_half_conversions_round_to_nearest_even(void) {
         if (dt_f32_to_bf16(dt_bf16_to_f32((uint16_t)h)) != h && !((h & 0x7F80) == 0x7F80 && (h & 0x7F))) round_trip = 0;
     }
     CHECK(round_trip);
+    float v[5] = { 1.0f, -2.5f, 65520.0f, ldexpf(1.5f, -25), 3.14159f }, back[5];
+    uint16_t h[5];
+    dt_convert(v, DT_F32, h, DT_F16, 5);                 /* the buffer form runs the same functions */
+    CHECK(h[0] == 0x3C00 && h[2] == 0x7C00 && h[3] == 0x0001 && h[4] == dt_f32_to_f16(3.14159f));
+    dt_convert(h, DT_F16, back, DT_F32, 5);
+    CHECK(back[1] == -2.5f && back[4] == dt_f16_to_f32(h[4]));
+    dt_convert(v, DT_F32, h, DT_BF16, 5);
+    CHECK(h[0] == 0x3F80 && h[4] == dt_f32_to_bf16(3.14159f));
 }
 
 /* ---- 8. data ----------------------------------------------------------------- */
@@ -1018,6 +1026,250 @@ static void test_failed_save_keeps_the_previous_checkpoint(void) {
     free(after);
 }
 
+/* ---- the GPU against the CPU (skipped where no GPU is visible) ---------------- */
+
+/* Every GPU test begins here: skip, saying why, when this build or machine has no GPU. */
+#define NEED_GPU()                                                                        \
+    do {                                                                                  \
+        char why_[256] = "";                                                              \
+        if (!dt_cuda_available(why_, sizeof why_)) SKIP("no GPU: %s", why_);             \
+    } while (0)
+
+/* A copy of a CPU leaf in GPU memory, gradient zeroed. */
+static dt_tensor *gpu_leaf(const dt_tensor *c) {
+    dt_tensor *t = (dt_tensor *)calloc(1, sizeof(dt_tensor));
+    *t = *c;
+    t->device = DT_CUDA;
+    t->data = (float *)dt_alloc_on(DT_CUDA, DT_ARENA_ACTS, sizeof(float) * (size_t)c->numel);
+    t->grad = (float *)dt_alloc_on(DT_CUDA, DT_ARENA_ACTS, sizeof(float) * (size_t)c->numel);
+    dt_upload(t->data, c->data, sizeof(float) * (size_t)c->numel);
+    return t;
+}
+static void gpu_leaf_free(dt_tensor *t) {
+    dt_free_on(DT_CUDA, DT_ARENA_ACTS, t->data, sizeof(float) * (size_t)t->numel);
+    dt_free_on(DT_CUDA, DT_ARENA_ACTS, t->grad, sizeof(float) * (size_t)t->numel);
+    free(t);
+}
+/* Largest |gpu - cpu| relative to the largest |cpu|; 0 when both are all zero. */
+static double max_rel_diff(const float *gpu, const float *cpu, int64_t n) {
+    double worst = 0, scale = 1e-30;
+    for (int64_t i = 0; i < n; i++) scale = fmax(scale, fabs(cpu[i]));
+    for (int64_t i = 0; i < n; i++) worst = fmax(worst, fabs((double)gpu[i] - cpu[i]) / scale);
+    return worst;
+}
+
+/* Run an op forward and backward (seeded with the same random d(out)) on the CPU
+   and on the GPU from the same inputs; outputs and every input gradient must
+   agree to `tol`, relative to the largest CPU value. */
+static void gpu_matches_cpu(const char *what, fd_forward f, dt_tensor **leaves, int n, void *ctx, double tol) {
+    dt_rng r = { 99 };
+    dt_set_device(DT_CPU, 0);
+    for (int k = 0; k < n; k++) memset(leaves[k]->grad, 0, sizeof(float) * (size_t)leaves[k]->numel);
+    dt_step_arena_reset();
+    dt_tensor *out = f(leaves, ctx);
+    int64_t on = out->numel;
+    float *w = (float *)malloc(sizeof(float) * (size_t)on), *cpu_out = (float *)malloc(sizeof(float) * (size_t)on);
+    float *got = (float *)malloc(sizeof(float) * (size_t)on);
+    for (int64_t i = 0; i < on; i++) w[i] = (float)rnd(&r);
+    memcpy(cpu_out, out->data, sizeof(float) * (size_t)on);
+    int has_backward = out->requires_grad;
+    if (has_backward) dt_backward_from(out, w);
+
+    dt_set_device(DT_CUDA, 0);
+    dt_tensor *g[4];
+    for (int k = 0; k < n; k++) g[k] = gpu_leaf(leaves[k]);
+    dt_step_arena_reset();
+    dt_tensor *gout = f(g, ctx);
+    CHECKF(gout->device == DT_CUDA && gout->numel == on, "%s: output not on the GPU or misshapen", what);
+    dt_tensor_to_host(gout, got);
+    double d = max_rel_diff(got, cpu_out, on);
+    CHECKF(d <= tol, "%s forward: GPU differs from CPU by %.3g (tolerance %.1g)", what, d, tol);
+    if (has_backward) {
+        dt_backward_from(gout, w);
+        for (int k = 0; k < n; k++) {
+            if (!leaves[k]->requires_grad) continue;
+            float *gg = (float *)malloc(sizeof(float) * (size_t)leaves[k]->numel);
+            dt_tensor_grad_to_host(g[k], gg);
+            d = max_rel_diff(gg, leaves[k]->grad, leaves[k]->numel);
+            CHECKF(d <= tol, "%s backward, input %d: GPU differs from CPU by %.3g (tolerance %.1g)", what, k, d, tol);
+            free(gg);
+        }
+    }
+    dt_step_arena_reset();
+    for (int k = 0; k < n; k++) gpu_leaf_free(g[k]);
+    dt_set_device(DT_CPU, 0);
+    free(w); free(cpu_out); free(got);
+}
+static dt_tensor *f_attention_big(dt_tensor **l, void *c) { return dt_attention(l[0], 3, 37, 3, *(int *)c); }
+static dt_tensor *f_tokens_big(dt_tensor **l, void *c) { (void)c; return dt_vit_tokens(l[0], l[1], l[2], 3); }
+static dt_tensor *f_select_big(dt_tensor **l, void *c) { (void)c; return dt_select_token(l[0], 3, 17, 0); }
+static dt_tensor *f_patchify(dt_tensor **l, void *c) { return dt_patchify(l[0], *(int *)c); }
+
+static void test_gpu_ops_match_the_cpu(void) {
+    NEED_GPU();
+    dt_rng r = { 41 };
+    /* odd sizes, so that no kernel gets away with assuming multiples of 32 */
+    dt_tensor *x = leaf2(67, 129, &r, 1), *w = leaf2(45, 129, &r, 0.2), *b = leaf2(1, 45, &r, 1);
+    dt_tensor *L1[3] = { x, w, b };
+    gpu_matches_cpu("linear", f_linear, L1, 3, NULL, 1e-5);
+    dt_tensor *g = leaf2(33, 301, &r, 4);
+    gpu_matches_cpu("gelu", f_gelu, &g, 1, NULL, 1e-5);
+    dt_tensor *lx = leaf2(70, 200, &r, 2), *lw = leaf2(1, 200, &r, 1), *lb = leaf2(1, 200, &r, 1);
+    dt_tensor *L3[3] = { lx, lw, lb };
+    gpu_matches_cpu("layernorm", f_layernorm, L3, 3, NULL, 1e-5);
+    dt_tensor *a1 = leaf2(31, 40, &r, 1), *a2 = leaf2(31, 40, &r, 1);
+    dt_tensor *L4[2] = { a1, a2 };
+    gpu_matches_cpu("add", f_add, L4, 2, NULL, 1e-6);
+    dt_tensor *qkv = leaf2(3 * 37, 3 * 48, &r, 1);
+    int causal = 0;
+    gpu_matches_cpu("attention", f_attention_big, &qkv, 1, &causal, 1e-5);
+    causal = 1;
+    gpu_matches_cpu("causal attention", f_attention_big, &qkv, 1, &causal, 1e-5);
+    dt_tensor *pp = leaf2(3 * 16, 40, &r, 1), *pc = leaf2(1, 40, &r, 1), *pe = leaf2(17, 40, &r, 1);
+    dt_tensor *L5[3] = { pp, pc, pe };
+    gpu_matches_cpu("vit tokens", f_tokens_big, L5, 3, NULL, 1e-6);
+    dt_tensor *st = leaf2(3 * 17, 40, &r, 1);
+    gpu_matches_cpu("select token", f_select_big, &st, 1, NULL, 1e-6);
+    dt_tensor *lg = leaf2(150, 37, &r, 3);
+    int32_t labels[150];
+    for (int i = 0; i < 150; i++) labels[i] = (int32_t)(dt_rng_u64(&r) % 37);
+    gpu_matches_cpu("cross entropy", f_xent, &lg, 1, labels, 1e-5);
+    int ishape[4] = { 2, 3, 12, 12 }, patch = 4;
+    dt_tensor *img = leaf(4, ishape, &r, 1);
+    img->requires_grad = 0;
+    gpu_matches_cpu("patchify", f_patchify, &img, 1, &patch, 0);
+    leaf_free(x); leaf_free(w); leaf_free(b); leaf_free(g); leaf_free(lx); leaf_free(lw); leaf_free(lb);
+    leaf_free(a1); leaf_free(a2); leaf_free(qkv); leaf_free(pp); leaf_free(pc); leaf_free(pe); leaf_free(st); leaf_free(lg);
+    leaf_free(img);
+}
+
+/* The casts and the optimizer updates are the very same DT_HD functions on both
+   sides: the GPU must give the same bits. */
+static void test_gpu_casts_and_updates_are_bitwise_the_cpu(void) {
+    NEED_GPU();
+    enum { N = 4099 };
+    float *src = (float *)malloc(sizeof(float) * N), *back = (float *)malloc(sizeof(float) * N);
+    uint16_t *cpu_h = (uint16_t *)malloc(2 * N), *gpu_h = (uint16_t *)malloc(2 * N);
+    dt_rng r = { 8 };
+    for (int i = 0; i < N; i++) src[i] = (float)(rnd(&r) * ldexp(1.0, (int)(dt_rng_u64(&r) % 60) - 30));
+    src[0] = INFINITY; src[1] = -0.0f; src[2] = NAN; src[3] = 65520.0f; src[4] = ldexpf(1.5f, -25);
+    for (int to = 1; to <= 2; to++) {
+        dt_set_device(DT_CPU, 0);
+        dt_convert(src, DT_F32, cpu_h, (dt_dtype)to, N);
+        dt_set_device(DT_CUDA, 0);
+        float *ds = (float *)dt_alloc_on(DT_CUDA, DT_ARENA_COMM, sizeof(float) * N);
+        uint16_t *dh = (uint16_t *)dt_alloc_on(DT_CUDA, DT_ARENA_COMM, 2 * N);
+        dt_upload(ds, src, sizeof(float) * N);
+        dt_convert(ds, DT_F32, dh, (dt_dtype)to, N);
+        dt_download(gpu_h, dh, 2 * N);
+        CHECKF(memcmp(cpu_h, gpu_h, 2 * N) == 0, "f32 -> %s differs between CPU and GPU", to == 1 ? "bf16" : "f16");
+        dt_convert(dh, (dt_dtype)to, ds, DT_F32, N);
+        dt_download(back, ds, sizeof(float) * N);
+        int same = 1;
+        for (int i = 0; i < N; i++) {
+            float want = to == 1 ? dt_bf16_to_f32(cpu_h[i]) : dt_f16_to_f32(cpu_h[i]);
+            if (memcmp(&want, &back[i], 4) != 0) same = 0;
+        }
+        CHECKF(same, "%s -> f32 differs between CPU and GPU", to == 1 ? "bf16" : "f16");
+        dt_free_on(DT_CUDA, DT_ARENA_COMM, ds, sizeof(float) * N);
+        dt_free_on(DT_CUDA, DT_ARENA_COMM, dh, 2 * N);
+    }
+    dt_set_device(DT_CPU, 0);
+    free(src); free(back); free(cpu_h); free(gpu_h);
+}
+
+/* One full training step of a model on each device from the same seed. */
+typedef struct { float loss; float *grads, *params; int64_t n; } step_result;
+static step_result one_step(dt_device dev, dt_model_config *c, dt_optimizer_kind kind, const float *pixels,
+                            const int32_t *labels, int B) {
+    dt_set_device(dev, 0);
+    dt_model *m = dt_model_create(c, 17);
+    dt_optimizer *o = dt_optimizer_create(m, kind, 0.05f, 0.9f, 1.0f);
+    step_result res = { 0, (float *)malloc(sizeof(float) * (size_t)m->numel), (float *)malloc(sizeof(float) * (size_t)m->numel),
+                        m->numel };
+    dt_step_arena_reset();
+    int shape[4] = { B, c->channels, c->image_size, c->image_size };
+    dt_tensor *loss = dt_cross_entropy(dt_model_forward(m, dt_tensor_from_host(4, shape, pixels)), labels);
+    dt_backward(loss);
+    res.loss = dt_tensor_item(loss);
+    dt_download(res.grads, m->flat_grad, sizeof(float) * (size_t)m->numel);
+    dt_optimizer_step(o, kind == DT_SGD ? 0.05f : 1e-3f);
+    dt_download(res.params, m->flat_data, sizeof(float) * (size_t)m->numel);
+    dt_step_arena_reset();
+    dt_optimizer_free(o);
+    dt_model_free(m);
+    dt_set_device(DT_CPU, 0);
+    return res;
+}
+static void test_gpu_training_step_matches_the_cpu(void) {
+    NEED_GPU();
+    dt_model_config cfgs[2] = { { DT_MODEL_MLP, 3, 16, 10, 96, 2, 1, 1, 0 }, { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192 } };
+    int B = 24;
+    float *pixels = (float *)malloc(sizeof(float) * B * 3 * 16 * 16);
+    int32_t labels[24];
+    dt_rng r = { 23 };
+    for (int i = 0; i < B * 3 * 16 * 16; i++) pixels[i] = (float)rnd(&r);
+    for (int i = 0; i < B; i++) labels[i] = (int32_t)(dt_rng_u64(&r) % 10);
+    for (int k = 0; k < 2; k++)
+        for (int opt = 0; opt < 2; opt++) {
+            const char *name = k == 0 ? "mlp" : "vit";
+            step_result c = one_step(DT_CPU, &cfgs[k], (dt_optimizer_kind)opt, pixels, labels, B);
+            step_result g = one_step(DT_CUDA, &cfgs[k], (dt_optimizer_kind)opt, pixels, labels, B);
+            double worst = 0;
+            for (int64_t i = 0; i < c.n; i++) worst = fmax(worst, fabs((double)c.params[i] - g.params[i]));
+            /* Tolerances: the loss and the gradients agree to float rounding
+               (1e-5, 1e-4 of the largest gradient: sums run in another order).
+               SGD moves each weight by lr * g, so its parameters agree to 1e-6.
+               AdamW divides g by sqrt(v) ~ |g|: a gradient that is pure rounding
+               noise on both sides still moves its weight by up to lr, so its
+               bound is lr / 10 -- the typical difference is far below. */
+            CHECKF(CLOSE(g.loss, c.loss, 1e-5), "%s: loss GPU %.7f vs CPU %.7f", name, g.loss, c.loss);
+            double dg = max_rel_diff(g.grads, c.grads, c.n);
+            CHECKF(dg <= 1e-4, "%s: gradients differ by %.3g of the largest", name, dg);
+            double bound = opt == DT_SGD ? 1e-6 : 1e-4;
+            CHECKF(worst <= bound, "%s %s: parameters after one step differ by %.3g (bound %.1g)", name,
+                   opt == DT_SGD ? "sgd" : "adamw", worst, bound);
+            free(c.grads); free(c.params); free(g.grads); free(g.params);
+        }
+    free(pixels);
+}
+
+/* The stage binary trains 200 steps on each device: the loss curves must match. */
+static int read_losses(const char *path, double *loss, int max) {
+    size_t n = 0;
+    char *text = (char *)read_bytes(path, &n);
+    int count = 0;
+    if (!text) return 0;
+    text = (char *)realloc(text, n + 1);
+    text[n] = 0;
+    for (char *line = strtok(text, "\n"); line && count < max; line = strtok(NULL, "\n")) {
+        char *p = strstr(line, "\"loss\":");
+        if (p && !strstr(line, "summary")) loss[count++] = atof(p + 7);
+    }
+    free(text);
+    return count;
+}
+static void test_gpu_200_step_loss_curve_matches_the_cpu(void) {
+    NEED_GPU();
+    char out[16384], logc[600], logg[600];
+    double lc[256], lg[256];
+    snprintf(logc, sizeof logc, "%s/curve_cpu.jsonl", tmpdir);
+    snprintf(logg, sizeof logg, "%s/curve_gpu.jsonl", tmpdir);
+    for (int d = 0; d < 2; d++) {
+        int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --model vit --dim 48 --depth 2 --heads 3 --patch 4 "
+                         "--epochs 20 --steps 200 --augment 0 --lr 2e-3 --device %s --log %s", train_bin, small_data(),
+                         d ? "cuda" : "cpu", d ? logg : logc);
+        CHECKF(st == 0, "--device %s: exit %d\n%s", d ? "cuda" : "cpu", st, out);
+    }
+    int nc = read_losses(logc, lc, 256), ng = read_losses(logg, lg, 256);
+    CHECKF(nc == 200 && ng == 200, "expected 200 logged steps, got %d (cpu) and %d (gpu)", nc, ng);
+    double mean = 0, worst = 0;
+    for (int i = 0; i < nc && i < ng; i++) { mean += fabs(lc[i] - lg[i]) / 200; worst = fmax(worst, fabs(lc[i] - lg[i])); }
+    /* rounding differences grow over 200 steps of training, but stay small */
+    CHECKF(mean < 0.02 && worst < 0.1, "loss curves differ: mean |cpu - gpu| %.4f, worst %.4f", mean, worst);
+    CHECKF(nc == 200 && lc[199] < lc[0] - 0.3, "the CPU run did not learn: loss %.3f -> %.3f", lc[0], nc ? lc[nc - 1] : 0);
+}
+
 /* ---- the runner ----------------------------------------------------------------- */
 
 typedef struct { const char *name; void (*fn)(void); } test_case;
@@ -1037,6 +1289,8 @@ static const test_case tests[] = {
     T(test_resume_continues_exactly), T(test_init_starts_from_given_weights),
     T(test_bad_flags_exit_2_naming_the_flag), T(test_bad_data_is_reported_by_name),
     T(test_bad_checkpoints_are_refused), T(test_failed_save_keeps_the_previous_checkpoint),
+    T(test_gpu_ops_match_the_cpu), T(test_gpu_casts_and_updates_are_bitwise_the_cpu),
+    T(test_gpu_training_step_matches_the_cpu), T(test_gpu_200_step_loss_curve_matches_the_cpu),
 };
 
 int main(int argc, char **argv) {

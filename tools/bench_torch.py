@@ -4,7 +4,10 @@ times dtrain: a full training step (forward, backward, AdamW) on in-memory data,
 fp32, after two warm-up steps. Prints one `torch-bench:` line per run, in the
 same key=value form as dtrain's `bench:` lines, so the two can be compared.
 
-usage: python3 tools/bench_torch.py [--threads 1,2] [--seconds 3]
+On a GPU (--device cuda) it times vit-tiny and vit-base in fp32 with TF32 off,
+as dtrain runs them, and prints achieved TFLOP/s from the same FLOP count.
+
+usage: python3 tools/bench_torch.py [--threads 1,2] [--seconds 3] [--device cpu|cuda]
 """
 import argparse
 import math
@@ -62,15 +65,18 @@ class ViT(nn.Module):
         return self.head(self.norm(self.blocks(x))[:, 0])
 
 
-def bench(name, model, batch, threads, seconds):
+def bench(name, model, batch, threads, seconds, size=32, device="cpu"):
     torch.set_num_threads(threads)
     torch.manual_seed(1)
-    x = torch.rand(batch, 3, 32, 32) * 2 - 1
-    y = torch.randint(0, 10, (batch,))
+    model = model.to(device)
+    x = torch.rand(batch, 3, size, size, device=device) * 2 - 1
+    y = torch.randint(0, 10, (batch,), device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
     steps, t0 = 0, 0.0
     for i in range(1000):
         if i == 2:
+            sync()
             t0 = time.perf_counter()
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
@@ -81,9 +87,11 @@ def bench(name, model, batch, threads, seconds):
             steps = i - 1
             if steps >= 3 and time.perf_counter() - t0 > seconds:
                 break
+    sync()
     dt = time.perf_counter() - t0
     params = sum(p.numel() for p in model.parameters())
-    print(f"torch-bench: workload={name} torch={torch.__version__} threads={threads} batch={batch} params={params} "
+    where = f"device=cuda gpu={torch.cuda.get_device_name().replace(' ', '_')}" if device == "cuda" else f"threads={threads}"
+    print(f"torch-bench: workload={name} torch={torch.__version__} {where} batch={batch} params={params} "
           f"steps={steps} step_ms={dt / steps * 1e3:.2f} samples_per_s={steps * batch / dt:.1f}", flush=True)
 
 
@@ -91,8 +99,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.device == "cuda":
+        # dtrain multiplies in plain fp32 on the GPU; so must the comparison.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        bench("vit-tiny", ViT(), 64, 1, a.seconds, 32, "cuda")
+        bench("vit-base", ViT(224, 16, 768, 12, 12), 64, 1, a.seconds, 224, "cuda")
+        return
     if a.one is None:
         # One process per thread count: a BLAS reads its thread count once, when
         # it loads, and OpenBLAS's own threads ignore torch.set_num_threads.
