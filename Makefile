@@ -5,7 +5,8 @@
 #   make test         the test suite; ends with "N passed, N failed"
 #   make test-asan    the same under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make bench        time the reference workloads: on a GPU vit-tiny and vit-base against
-#                     PyTorch; on the CPU mlp and vit-tiny at 1 and 2 threads
+#                     PyTorch; on the CPU mlp and vit-tiny at 1 and 2 threads; the
+#                     all-reduce bus bandwidth of 2 and 4 ranks over shared memory
 #   make diff         what each stage changes from the one before
 #
 # Knobs: CC, OPT (default -O3 -march=native), BLAS=0 (built-in matmul even when
@@ -60,13 +61,14 @@ ifneq ($(CUDA),0)
     CUDA_HOME := $(patsubst %/bin/nvcc,%,$(realpath $(NVCC)))
     CUDA_OBJ  := build/dtrain_cuda.o
     CFLAGS    += -DDT_HAVE_CUDA
-    LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++
+    NCCL_LIB  := $(if $(wildcard $(CUDA_HOME)/lib64/libnccl.so /usr/lib/*/libnccl.so),-lnccl)
+    LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 $(NCCL_LIB) -lcublas -lcudart -lstdc++
   endif
 endif
 
 STAGES   := $(sort $(dir $(wildcard 0*/train.c)))
 STAGE_BINS := $(addsuffix train,$(STAGES))
-TOOLS    := tools/gen_synthetic
+TOOLS    := tools/gen_synthetic tools/collectives
 TEST_BIN := tests/test_dtrain
 
 all: $(STAGE_BINS) $(TOOLS) $(TEST_BIN)
@@ -87,7 +89,7 @@ build/dtrain_cuda.o: dtrain.h
 run: 01-single-gpu/train
 	./01-single-gpu/train
 
-test: $(STAGE_BINS) $(TEST_BIN)
+test: $(STAGE_BINS) $(TOOLS) $(TEST_BIN)
 	@echo "testing with: $(CC) $(CFLAGS)$(if $(CUDA_OBJ), + $(CUDA_OBJ) from $(NVCC))"
 	./$(TEST_BIN) 01-single-gpu/train
 
@@ -100,13 +102,18 @@ build/asan/test_dtrain: tests/test_dtrain.c dtrain.h $(CUDA_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(filter-out -O3 -O2,$(CFLAGS)) $(ASAN_FLAGS) -o $@ $< $(CUDA_OBJ) $(LDLIBS)
 
-test-asan: build/asan/01-single-gpu/train build/asan/test_dtrain
+build/asan/tools/%: tools/%.c dtrain.h $(CUDA_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(filter-out -O3 -O2,$(CFLAGS)) $(ASAN_FLAGS) -o $@ $< $(CUDA_OBJ) $(LDLIBS)
+
+test-asan: build/asan/01-single-gpu/train build/asan/test_dtrain build/asan/tools/collectives
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ./build/asan/test_dtrain build/asan/01-single-gpu/train
 
 TORCH_PY = $(shell for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2>/dev/null && echo $$p && break; done)
 
-bench: 01-single-gpu/train
+bench: 01-single-gpu/train tools/collectives
+	@for n in 2 4; do ./tools/collectives --nproc $$n --bench; done
 	@if [ -n "$(CUDA_OBJ)" ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then \
 	  tools/bench_gpu.sh 01-single-gpu/train "$(TORCH_PY)"; \
 	else echo "(no GPU here, or a build without CUDA: CPU benchmarks only)"; fi

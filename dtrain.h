@@ -345,6 +345,69 @@ int64_t dt_loader_batches_per_epoch(const dt_loader *l);
    with stb, PPM without): coloured shapes on noisy backgrounds. */
 void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint64_t seed);
 
+/* ---- 9. collectives ---------------------------------------------------------------- */
+
+/* A communicator joins the ranks of one job. Backends: shared memory for host
+   buffers (ranks that are threads of one process, or processes of one machine;
+   the same algorithm, summing in rank order, so results never depend on timing)
+   and NCCL for GPU buffers. Every call is collective: each rank makes the same
+   calls in the same order. */
+typedef struct dt_comm dt_comm;
+typedef struct dt_comm_group dt_comm_group;     /* the shared state of thread ranks */
+typedef enum { DT_COMM_SHM = 0, DT_COMM_NCCL = 1 } dt_comm_kind;
+typedef enum { DT_SUM = 0, DT_AVG = 1 } dt_reduce_op;
+typedef int64_t dt_comm_handle;                 /* what an asynchronous call returns */
+
+/* Processes: join the job the environment describes (see dt_rank_from_env) with a
+   TCP rendezvous at MASTER_ADDR:MASTER_PORT. A rank that does not arrive, or dies
+   later, stops the others within timeout_s seconds with a message naming it. */
+dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s);
+/* Threads of one process (stage 02 on the CPU): one group, then one join per thread. */
+dt_comm_group *dt_comm_group_create(int world, double timeout_s);
+dt_comm *dt_comm_join(dt_comm_group *group, int rank);
+void dt_comm_group_free(dt_comm_group *group);   /* after every member is freed */
+void dt_comm_free(dt_comm *c);
+int dt_comm_rank(const dt_comm *c);
+int dt_comm_size(const dt_comm *c);
+
+/* Asynchronous collectives run in order on a communication thread (shared memory)
+   or stream (NCCL); dt_comm_wait() returns when the call behind a handle is done.
+   count is in elements of dtype; send and recv may be the same buffer. */
+dt_comm_handle dt_all_reduce_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype,
+                                   dt_reduce_op op);
+/* send holds world * count elements; recv gets this rank's count of the reduction. */
+dt_comm_handle dt_reduce_scatter_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype,
+                                       dt_reduce_op op);
+/* send holds count elements; recv gets world * count, rank after rank. */
+dt_comm_handle dt_all_gather_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype);
+dt_comm_handle dt_broadcast_async(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int root);
+dt_comm_handle dt_reduce_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype,
+                               dt_reduce_op op, int root);
+void dt_comm_wait(dt_comm *c, dt_comm_handle h);
+/* The same, waiting for the result. */
+void dt_all_reduce(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op);
+void dt_reduce_scatter(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op);
+void dt_all_gather(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype);
+void dt_broadcast(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int root);
+void dt_reduce(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op, int root);
+void dt_barrier(dt_comm *c);
+/* Start-up check: every rank must hold the same value of `what` (a flag, a model
+   shape); otherwise every rank stops with a message naming the ranks and values. */
+void dt_comm_check_agree(dt_comm *c, const char *what, const char *value);
+
+/* ---- 10. launching ranks --------------------------------------------------------- */
+
+/* --nproc N: fork N copies of this program on this machine, before any device or
+   thread is started, each with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+   MASTER_PORT set as torchrun would. Returns in each child; the parent waits and
+   exits with the first failing rank's status. Does nothing when nproc <= 1 or
+   when this process is already a launched rank. */
+void dt_launch(int nproc, double timeout_s);
+/* This process's place in the job, from torchrun's (RANK, WORLD_SIZE,
+   LOCAL_RANK), SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) or Open MPI's
+   (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK) variables; 0, 1, 0 without them. */
+void dt_rank_from_env(int *rank, int *world, int *local_rank);
+
 /* ---- 13. checkpoints (safetensors) ------------------------------------------------ */
 
 /* A safetensors file: 8-byte little-endian header length, a JSON header naming
@@ -391,6 +454,9 @@ typedef struct dt_config {
     int bench;
     int quiet;
     float peak_tflops;           /* --bench on a GPU: the peak for MFU (0: look it up by name) */
+    int nproc;                   /* --nproc: ranks to start on this machine (stages 02-05) */
+    float timeout;               /* --timeout: seconds before a missing rank stops the job */
+    int rank, world_size, local_rank;   /* this process's place in the job (from the environment) */
 } dt_config;
 
 /* Parse the shared command line; a wrong flag or value exits with status 2. */
@@ -694,8 +760,10 @@ static void dt_vmessage(const char *kind, const char *fmt, va_list ap) {
     fputc('\n', stderr);
     fflush(stderr);
 }
+static void dt_comm_on_fail(void);
 void dt_fail(const char *fmt, ...) {
     va_list ap; va_start(ap, fmt); dt_vmessage("error", fmt, ap); va_end(ap);
+    dt_comm_on_fail();                       /* the other ranks must not wait for us */
     exit(1);
 }
 void dt_usage_error(const char *fmt, ...) {
@@ -2406,6 +2474,637 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int S, uint64_t
     if (rename(tmp, dir) != 0) dt_fail("cannot rename '%s' to '%s': %s", tmp, dir, strerror(errno));
 }
 
+/* ==== 9. collectives ===========================================================
+   Data parallel training needs a handful of collective operations: every rank
+   contributes a buffer and gets back the sum (all-reduce), its share of the sum
+   (reduce-scatter), everybody's pieces (all-gather), or rank root's buffer
+   (broadcast). On GPUs NCCL does them (section 15). On the CPU they go through
+   shared memory: each rank copies its piece into its own slot, waits at a
+   barrier, then each rank sums one stripe of every slot IN RANK ORDER and
+   writes the result where all can read it. Summing in a fixed order is what
+   makes runs repeat bit for bit: float addition is not associative, and a
+   timing-dependent order would give different bits every run.
+
+   Barriers are where a dead rank would make the others wait forever, so every
+   wait looks, now and then, at the other ranks: one that failed (it wrote its
+   rank into the shared header), one whose process is gone, or one that has not
+   arrived within --timeout, stops the waiting rank with a message naming it. */
+
+#include <pthread.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <poll.h>
+
+#define DT_MAX_RANKS 64
+#define DT_SLOT_BYTES ((size_t)2 << 20)     /* each rank's staging slot: collectives go in 2 MiB pieces */
+#define DT_COMM_QUEUE 256
+
+typedef struct dt_shm_header {
+    uint64_t magic;
+    int world, abort_rank;                  /* abort_rank: 1 + a rank that failed, else 0 */
+    int pid[DT_MAX_RANKS];
+    uint64_t arrived[DT_MAX_RANKS];         /* barriers each rank has reached */
+} dt_shm_header;
+#define DT_SHM_MAGIC 0x647472616e316d73ull
+#define DT_SHM_HEADER_BYTES ((sizeof(dt_shm_header) + 4095) & ~(size_t)4095)
+static size_t dt_shm_bytes(int world) { return DT_SHM_HEADER_BYTES + (size_t)(world + 1) * DT_SLOT_BYTES; }
+
+typedef enum { DT_COLL_ALL_REDUCE, DT_COLL_REDUCE_SCATTER, DT_COLL_ALL_GATHER, DT_COLL_BROADCAST, DT_COLL_REDUCE,
+               DT_COLL_BARRIER } dt_coll;
+static const char *dt_coll_names[] = { "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier" };
+typedef struct dt_comm_op {
+    dt_coll kind;
+    const void *send;
+    void *recv;
+    int64_t count;
+    dt_dtype dtype;
+    dt_reduce_op op;
+    int root;
+} dt_comm_op;
+
+struct dt_comm_group { dt_shm_header *hdr; int world, joined; double timeout_s; };
+
+struct dt_comm {
+    dt_comm_kind kind;
+    int rank, world, local_rank;
+    double timeout_s;
+    dt_shm_header *hdr;                     /* shared memory: header, world slots, a result area */
+    char *slots, *result;
+    size_t map_bytes;                       /* > 0: a mapping of our own to undo */
+    uint64_t barriers;
+    void *nccl;                             /* NCCL's state (section 15) */
+    pthread_t worker;                       /* the communication thread and its queue */
+    pthread_mutex_t mu;
+    pthread_cond_t wake, done;
+    dt_comm_op queue[DT_COMM_QUEUE];
+    int64_t submitted, completed;
+    int stop;
+};
+
+#ifdef DT_HAVE_CUDA
+int dt_nccl_unique_id(unsigned char *out, size_t n);
+void *dt_nccl_init(const unsigned char *id, int rank, int world, int local_rank);
+void dt_nccl_run(void *nccl, int kind, const void *send, void *recv, int64_t count, int dtype, int op, int root);
+void dt_nccl_wait(void *nccl, double timeout_s);
+void dt_nccl_free(void *nccl);
+#endif
+
+static dt_comm *dt_active_comm;             /* for dt_fail: tell the other ranks we are going */
+
+static size_t dt_dtype_bytes(dt_dtype t) { return t == DT_F32 ? 4 : 2; }
+static float dt_load_as_f32(const void *p, int64_t i, dt_dtype t) {
+    return t == DT_F32 ? ((const float *)p)[i] : t == DT_BF16 ? dt_bf16_to_f32(((const uint16_t *)p)[i])
+                                                              : dt_f16_to_f32(((const uint16_t *)p)[i]);
+}
+static void dt_store_from_f32(void *p, int64_t i, dt_dtype t, float v) {
+    if (t == DT_F32) ((float *)p)[i] = v;
+    else ((uint16_t *)p)[i] = t == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
+}
+
+/* Is process `pid` gone (or a zombie nobody has reaped yet)? */
+static int dt_process_gone(int pid) {
+    if (pid <= 0 || pid == getpid()) return 0;
+    if (kill(pid, 0) != 0 && errno == ESRCH) return 1;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *close_paren = strrchr(buf, ')');
+    return close_paren && close_paren[1] == ' ' && close_paren[2] == 'Z';
+}
+
+/* Tell every rank that `culprit` ended the job; the first cause recorded wins. */
+static void dt_comm_abort_others_because(dt_comm *c, int culprit) {
+    int none = 0;
+    if (c && c->hdr) __atomic_compare_exchange_n(&c->hdr->abort_rank, &none, culprit + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+}
+static void dt_comm_abort_others(dt_comm *c) { if (c) dt_comm_abort_others_because(c, c->rank); }
+
+/* Why rank j has not arrived, if we can tell; dt_fail when the job must stop. */
+static void dt_check_peer(dt_comm *c, int j, double waited_ms, const char *what) {
+    int failed = __atomic_load_n(&c->hdr->abort_rank, __ATOMIC_ACQUIRE);
+    if (failed) {
+        dt_active_comm = NULL;              /* it told us; no need to tell it back */
+        dt_fail("rank %d failed or died (see above), so %s cannot finish; stopping", failed - 1, what);
+    }
+    int pid = __atomic_load_n(&c->hdr->pid[j], __ATOMIC_ACQUIRE);
+    if (dt_process_gone(pid)) {
+        dt_comm_abort_others_because(c, j);
+        dt_fail("rank %d (pid %d) died during %s; stopping", j, pid, what);
+    }
+    if (waited_ms > c->timeout_s * 1e3)
+        dt_fail("rank %d has not reached %s after %.0f s (--timeout): it hangs or died; stopping", j, what,
+                c->timeout_s);
+}
+
+/* Every rank counts its barriers; a barrier is done when every count has caught
+   up. Spin a little, then yield, then sleep: ranks may outnumber cores. */
+static void dt_shm_barrier(dt_comm *c, const char *what) {
+    uint64_t target = ++c->barriers;
+    __atomic_store_n(&c->hdr->arrived[c->rank], target, __ATOMIC_RELEASE);
+    double t0 = 0;
+    for (int j = 0; j < c->world; j++) {
+        for (long spins = 0; __atomic_load_n(&c->hdr->arrived[j], __ATOMIC_ACQUIRE) < target; spins++) {
+            if (spins < 100) continue;
+            if (spins < 1000) { sched_yield(); continue; }
+            struct timespec ts = { 0, 20000 };
+            nanosleep(&ts, NULL);
+            if (spins % 256 == 0) {
+                if (t0 == 0) t0 = dt_now_ms();
+                dt_check_peer(c, j, dt_now_ms() - t0, what);
+            }
+        }
+    }
+}
+
+/* Test hook (fault tests): DT_TEST_DIE_RANK=r makes rank r kill itself in the
+   middle of its first all-reduce, after the others have started it. */
+static void dt_test_die_here(const dt_comm *c) {
+    const char *die = getenv("DT_TEST_DIE_RANK");
+    if (die && atoi(die) == c->rank && c->world > 1) raise(SIGKILL);
+}
+
+/* out[i] = in_0[i] + in_1[i] + ... in rank order, for i in [lo, hi) of the slots. */
+static void dt_sum_slots(const dt_comm *c, int64_t slot_off, int64_t lo, int64_t hi, dt_dtype t, dt_reduce_op op,
+                         void *out, int64_t out_off) {
+    for (int64_t i = lo; i < hi; i++) {
+        float acc = dt_load_as_f32(c->slots, slot_off + i, t);
+        for (int r = 1; r < c->world; r++)
+            acc += dt_load_as_f32(c->slots + (size_t)r * DT_SLOT_BYTES, slot_off + i, t);
+        if (op == DT_AVG) acc /= (float)c->world;
+        dt_store_from_f32(out, out_off + i, t, acc);
+    }
+}
+
+static void dt_shm_run(dt_comm *c, const dt_comm_op *o) {
+    size_t es = dt_dtype_bytes(o->dtype);
+    int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), W = c->world, me = c->rank;
+    char *mine = c->slots + (size_t)me * DT_SLOT_BYTES;
+    const char *send = (const char *)o->send;
+    char *recv = (char *)o->recv;
+    const char *what = dt_coll_names[o->kind];
+    switch (o->kind) {
+    case DT_COLL_BARRIER: dt_shm_barrier(c, what); break;
+    case DT_COLL_ALL_REDUCE:
+    case DT_COLL_REDUCE:
+        for (int64_t off = 0; off < o->count; off += per_slot) {
+            int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
+            memcpy(mine, send + off * es, (size_t)n * es);
+            dt_shm_barrier(c, what);
+            if (o->kind == DT_COLL_ALL_REDUCE && off == 0) dt_test_die_here(c);
+            dt_sum_slots(c, 0, n * me / W, n * (me + 1) / W, o->dtype, o->op, c->result, 0);   /* my stripe */
+            dt_shm_barrier(c, what);
+            if (o->kind == DT_COLL_ALL_REDUCE || me == o->root) memcpy(recv + off * es, c->result, (size_t)n * es);
+            dt_shm_barrier(c, what);
+        }
+        break;
+    case DT_COLL_REDUCE_SCATTER:          /* slot layout: W pieces of n, piece d for rank d */
+        for (int64_t off = 0; off < o->count; off += per_slot / W) {
+            int64_t n = o->count - off < per_slot / W ? o->count - off : per_slot / W;
+            for (int64_t d = 0; d < W; d++) memcpy(mine + d * n * es, send + (d * o->count + off) * es, (size_t)n * es);
+            dt_shm_barrier(c, what);
+            dt_sum_slots(c, me * n, 0, n, o->dtype, o->op, recv + off * es, 0);
+            dt_shm_barrier(c, what);
+        }
+        break;
+    case DT_COLL_ALL_GATHER:
+        for (int64_t off = 0; off < o->count; off += per_slot) {
+            int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
+            memcpy(mine, send + off * es, (size_t)n * es);
+            dt_shm_barrier(c, what);
+            for (int64_t r = 0; r < W; r++)
+                memcpy(recv + (r * o->count + off) * es, c->slots + (size_t)r * DT_SLOT_BYTES, (size_t)n * es);
+            dt_shm_barrier(c, what);
+        }
+        break;
+    case DT_COLL_BROADCAST:
+        for (int64_t off = 0; off < o->count; off += per_slot) {
+            int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
+            char *root_slot = c->slots + (size_t)o->root * DT_SLOT_BYTES;
+            if (me == o->root) memcpy(root_slot, recv + off * es, (size_t)n * es);
+            dt_shm_barrier(c, what);
+            if (me != o->root) memcpy(recv + off * es, root_slot, (size_t)n * es);
+            dt_shm_barrier(c, what);
+        }
+        break;
+    }
+}
+
+/* The communication thread: runs queued collectives one after another, so the
+   caller can go on computing (DDP overlaps the all-reduce with backward). */
+static void *dt_comm_worker(void *arg) {
+    dt_comm *c = (dt_comm *)arg;
+    dt_flush_subnormals();
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        while (!c->stop && c->completed == c->submitted) pthread_cond_wait(&c->wake, &c->mu);
+        if (c->completed == c->submitted) break;
+        dt_comm_op o = c->queue[c->completed % DT_COMM_QUEUE];
+        pthread_mutex_unlock(&c->mu);
+#ifdef DT_HAVE_CUDA
+        if (c->kind == DT_COMM_NCCL) dt_nccl_run(c->nccl, (int)o.kind, o.send, o.recv, o.count, (int)o.dtype, (int)o.op, o.root);
+        else
+#endif
+            dt_shm_run(c, &o);
+        pthread_mutex_lock(&c->mu);
+        c->completed++;
+        pthread_cond_broadcast(&c->done);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+static dt_comm_handle dt_comm_submit(dt_comm *c, dt_comm_op o) {
+    if (o.count < 0) dt_fail("%s of %lld elements", dt_coll_names[o.kind], (long long)o.count);
+    if (o.root < 0 || o.root >= c->world) dt_fail("%s: root %d is not a rank (world size %d)", dt_coll_names[o.kind], o.root, c->world);
+    pthread_mutex_lock(&c->mu);
+    while (c->submitted - c->completed >= DT_COMM_QUEUE) pthread_cond_wait(&c->done, &c->mu);
+    c->queue[c->submitted % DT_COMM_QUEUE] = o;
+    dt_comm_handle h = ++c->submitted;
+    pthread_cond_signal(&c->wake);
+    pthread_mutex_unlock(&c->mu);
+    return h;
+}
+void dt_comm_wait(dt_comm *c, dt_comm_handle h) {
+    pthread_mutex_lock(&c->mu);
+    while (c->completed < h) pthread_cond_wait(&c->done, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+#ifdef DT_HAVE_CUDA
+    if (c->kind == DT_COMM_NCCL) dt_nccl_wait(c->nccl, c->timeout_s);   /* queued on NCCL's stream: wait for it */
+#endif
+}
+
+dt_comm_handle dt_all_reduce_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
+    dt_comm_op o = { DT_COLL_ALL_REDUCE, send, recv, count, dtype, op, 0 };
+    return dt_comm_submit(c, o);
+}
+dt_comm_handle dt_reduce_scatter_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
+    dt_comm_op o = { DT_COLL_REDUCE_SCATTER, send, recv, count, dtype, op, 0 };
+    return dt_comm_submit(c, o);
+}
+dt_comm_handle dt_all_gather_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype) {
+    dt_comm_op o = { DT_COLL_ALL_GATHER, send, recv, count, dtype, DT_SUM, 0 };
+    return dt_comm_submit(c, o);
+}
+dt_comm_handle dt_broadcast_async(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int root) {
+    dt_comm_op o = { DT_COLL_BROADCAST, buf, buf, count, dtype, DT_SUM, root };
+    return dt_comm_submit(c, o);
+}
+dt_comm_handle dt_reduce_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op, int root) {
+    dt_comm_op o = { DT_COLL_REDUCE, send, recv, count, dtype, op, root };
+    return dt_comm_submit(c, o);
+}
+void dt_all_reduce(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
+    dt_comm_wait(c, dt_all_reduce_async(c, send, recv, count, dtype, op));
+}
+void dt_reduce_scatter(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
+    dt_comm_wait(c, dt_reduce_scatter_async(c, send, recv, count, dtype, op));
+}
+void dt_all_gather(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype) {
+    dt_comm_wait(c, dt_all_gather_async(c, send, recv, count, dtype));
+}
+void dt_broadcast(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int root) {
+    dt_comm_wait(c, dt_broadcast_async(c, buf, count, dtype, root));
+}
+void dt_reduce(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op, int root) {
+    dt_comm_wait(c, dt_reduce_async(c, send, recv, count, dtype, op, root));
+}
+void dt_barrier(dt_comm *c) {
+    dt_comm_op o = { DT_COLL_BARRIER, NULL, NULL, 0, DT_F32, DT_SUM, 0 };
+    dt_comm_wait(c, dt_comm_submit(c, o));
+}
+int dt_comm_rank(const dt_comm *c) { return c->rank; }
+int dt_comm_size(const dt_comm *c) { return c->world; }
+
+void dt_comm_check_agree(dt_comm *c, const char *what, const char *value) {
+    enum { LEN = 64 };
+    char mine[LEN] = { 0 };
+    char *all = (char *)calloc((size_t)c->world, LEN);
+    if (!all) dt_fail("out of memory (start-up check)");
+    dt_copy_str(mine, LEN, value);
+    dt_all_gather(c, mine, all, LEN / 4, DT_F32);          /* bytes travel as they are */
+    for (int r = 1; r < c->world; r++)
+        if (strncmp(all, all + (size_t)r * LEN, LEN) != 0)
+            dt_fail("the ranks disagree on %s: rank 0 has '%s', rank %d has '%s' (every rank needs the same flags)",
+                    what, all, r, all + (size_t)r * LEN);
+    free(all);
+}
+
+static dt_comm *dt_comm_new(dt_comm_kind kind, int rank, int world, double timeout_s) {
+    dt_comm *c = (dt_comm *)calloc(1, sizeof(dt_comm));
+    if (!c) dt_fail("out of memory (communicator)");
+    c->kind = kind; c->rank = rank; c->world = world; c->timeout_s = timeout_s > 0 ? timeout_s : 60;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->wake, NULL);
+    pthread_cond_init(&c->done, NULL);
+    return c;
+}
+static void dt_comm_start(dt_comm *c, dt_shm_header *hdr) {
+    c->hdr = hdr;
+    c->slots = (char *)hdr + DT_SHM_HEADER_BYTES;
+    c->result = c->slots + (size_t)c->world * DT_SLOT_BYTES;
+    __atomic_store_n(&hdr->pid[c->rank], (int)getpid(), __ATOMIC_RELEASE);
+    if (pthread_create(&c->worker, NULL, dt_comm_worker, c) != 0) dt_fail("cannot start the communication thread");
+    dt_active_comm = c;
+}
+
+dt_comm_group *dt_comm_group_create(int world, double timeout_s) {
+    if (world < 1 || world > DT_MAX_RANKS) dt_fail("a group of %d ranks (1 to %d)", world, DT_MAX_RANKS);
+    dt_comm_group *g = (dt_comm_group *)calloc(1, sizeof *g);
+    void *mem = NULL;
+    if (!g || posix_memalign(&mem, 4096, dt_shm_bytes(world)) != 0) dt_fail("out of memory (thread group)");
+    memset(mem, 0, DT_SHM_HEADER_BYTES);
+    g->hdr = (dt_shm_header *)mem;
+    g->hdr->magic = DT_SHM_MAGIC;
+    g->hdr->world = g->world = world;
+    g->timeout_s = timeout_s;
+    dt_mem_count(DT_ARENA_COMM, dt_shm_bytes(world), +1);
+    return g;
+}
+dt_comm *dt_comm_join(dt_comm_group *g, int rank) {
+    if (rank < 0 || rank >= g->world) dt_fail("rank %d outside a group of %d", rank, g->world);
+    dt_comm *c = dt_comm_new(DT_COMM_SHM, rank, g->world, g->timeout_s);
+    c->local_rank = rank;
+    dt_comm_start(c, g->hdr);
+    return c;
+}
+void dt_comm_group_free(dt_comm_group *g) {
+    if (!g) return;
+    dt_mem_count(DT_ARENA_COMM, dt_shm_bytes(g->world), -1);
+    free(g->hdr);
+    free(g);
+}
+
+void dt_comm_free(dt_comm *c) {
+    if (!c) return;
+    pthread_mutex_lock(&c->mu);
+    c->stop = 1;
+    pthread_cond_signal(&c->wake);
+    pthread_mutex_unlock(&c->mu);
+    pthread_join(c->worker, NULL);
+    if (dt_active_comm == c) dt_active_comm = NULL;
+#ifdef DT_HAVE_CUDA
+    if (c->nccl) dt_nccl_free(c->nccl);
+#endif
+    if (c->map_bytes) { munmap(c->hdr, c->map_bytes); dt_mem_count(DT_ARENA_COMM, c->map_bytes, -1); }
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->wake);
+    pthread_cond_destroy(&c->done);
+    free(c);
+}
+
+static void dt_comm_on_fail(void) { dt_comm_abort_others(dt_active_comm); }
+
+/* ==== 10. launching ranks and the rendezvous ====================================
+   A job is N copies of one program. Something starts them -- `--nproc N` here,
+   or torchrun, srun, mpirun -- and tells each its rank through environment
+   variables. The ranks then meet: rank 0 listens on MASTER_ADDR:MASTER_PORT,
+   the others connect, and rank 0 hands out what they must share: the name of
+   the shared-memory segment, and NCCL's unique id. Once every rank has mapped
+   the segment, rank 0 removes its name, so nothing is left in /dev/shm however
+   the job ends -- even when a rank is killed. */
+
+static int dt_env_int(const char *name, int fallback) {
+    const char *v = getenv(name);
+    if (!v || !*v) return fallback;
+    char *end;
+    long x = strtol(v, &end, 10);
+    if (*end || x < 0 || x > 1000000) dt_fail("environment variable %s='%s' is not a rank or a count", name, v);
+    return (int)x;
+}
+
+void dt_rank_from_env(int *rank, int *world, int *local_rank) {
+    static const char *vars[3][3] = { { "RANK", "WORLD_SIZE", "LOCAL_RANK" },
+                                      { "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID" },
+                                      { "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK" } };
+    *rank = 0; *world = 1; *local_rank = 0;
+    for (int k = 0; k < 3; k++) {
+        if (!getenv(vars[k][0]) || !getenv(vars[k][1])) continue;
+        *rank = dt_env_int(vars[k][0], 0);
+        *world = dt_env_int(vars[k][1], 1);
+        *local_rank = dt_env_int(vars[k][2], *rank);
+        if (*world < 1 || *rank >= *world)
+            dt_fail("%s=%d but %s=%d: the rank must be below the world size", vars[k][0], *rank, vars[k][1], *world);
+        if (*world > DT_MAX_RANKS) dt_fail("%s=%d: at most %d ranks", vars[k][1], *world, DT_MAX_RANKS);
+        return;
+    }
+}
+
+static int dt_free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0), port = 29500;
+    struct sockaddr_in a;
+    socklen_t len = sizeof a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+        port = ntohs(a.sin_port);
+    if (fd >= 0) close(fd);
+    return port;
+}
+
+void dt_launch(int nproc, double timeout_s) {
+    if (nproc <= 1 || getenv("DT_LAUNCHED_RANK")) return;
+    if (nproc > DT_MAX_RANKS) dt_usage_error("--nproc %d: at most %d ranks", nproc, DT_MAX_RANKS);
+    char port[16], cores[24];
+    snprintf(port, sizeof port, "%d", dt_free_port());
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    snprintf(cores, sizeof cores, "%ld", ncpu / nproc > 1 ? ncpu / nproc : 1);   /* the cores shared out */
+    pid_t pids[DT_MAX_RANKS];
+    fflush(stdout);
+    fflush(stderr);
+    for (int r = 0; r < nproc; r++) {
+        pids[r] = fork();
+        if (pids[r] < 0) dt_fail("cannot start rank %d: %s", r, strerror(errno));
+        if (pids[r] == 0) {
+            char v[16];
+            snprintf(v, sizeof v, "%d", r);
+            setenv("RANK", v, 1); setenv("LOCAL_RANK", v, 1); setenv("DT_LAUNCHED_RANK", v, 1);
+            snprintf(v, sizeof v, "%d", nproc);
+            setenv("WORLD_SIZE", v, 1);
+            setenv("MASTER_ADDR", "127.0.0.1", 1);
+            setenv("MASTER_PORT", port, 1);
+            setenv("OMP_NUM_THREADS", cores, 0);
+            return;
+        }
+    }
+    /* The parent: wait for every rank. After the first failure the others get
+       the timeout to notice and stop on their own, then they are killed. */
+    int status = 0, left = nproc;
+    double deadline = 0;
+    while (left > 0) {
+        int st;
+        pid_t p = waitpid(-1, &st, deadline ? WNOHANG : 0);
+        if (p > 0) {
+            left--;
+            int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + (WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+            if (code != 0 && status == 0) {
+                status = code;
+                int r = 0;
+                while (r < nproc && pids[r] != p) r++;
+                if (WIFSIGNALED(st)) fprintf(stderr, "dtrain: rank %d was killed by signal %d\n", r, WTERMSIG(st));
+                deadline = dt_now_ms() + (timeout_s > 0 ? timeout_s : 60) * 1e3 + 10e3;
+            }
+        } else if (p == 0) {
+            if (dt_now_ms() > deadline) {
+                fprintf(stderr, "dtrain: ranks still running %.0f s after a rank failed; killing them\n",
+                        (timeout_s > 0 ? timeout_s : 60) + 10);
+                for (int r = 0; r < nproc; r++) kill(pids[r], SIGKILL);
+                deadline = dt_now_ms() + 1e9;
+            }
+            struct timespec ts = { 0, 20000000 };
+            nanosleep(&ts, NULL);
+        } else if (errno != EINTR) break;
+    }
+    exit(status);
+}
+
+/* -- the TCP rendezvous: small fixed-size messages, every wait bounded -- */
+typedef struct dt_hello { int32_t rank, world, pid; } dt_hello;
+typedef struct dt_welcome { char shm_name[64]; unsigned char nccl_id[128]; int32_t world, ok; } dt_welcome;
+
+static void dt_io_all(int fd, void *buf, size_t n, int writing, double deadline, const char *what) {
+    char *p = (char *)buf;
+    while (n > 0) {
+        struct pollfd pfd = { fd, (short)(writing ? POLLOUT : POLLIN), 0 };
+        int wait = (int)(deadline - dt_now_ms());
+        if (wait <= 0 || poll(&pfd, 1, wait) <= 0) dt_fail("rendezvous: timed out %s", what);
+        ssize_t k = writing ? send(fd, p, n, MSG_NOSIGNAL) : recv(fd, p, n, 0);
+        if (k <= 0) dt_fail("rendezvous: connection lost %s", what);
+        p += k;
+        n -= (size_t)k;
+    }
+}
+
+static int dt_tcp_socket(const char *host, int port, int listening, double deadline) {
+    char ports[16];
+    struct addrinfo hints, *res = NULL;
+    snprintf(ports, sizeof ports, "%d", port);
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    int err = getaddrinfo(listening ? NULL : host, ports, &hints, &res);
+    if (err) dt_fail("rendezvous: cannot resolve MASTER_ADDR '%s': %s", host, gai_strerror(err));
+    int fd = -1;
+    for (;;) {
+        fd = socket(AF_INET, SOCK_STREAM, 0);
+        if (fd < 0) dt_fail("rendezvous: socket: %s", strerror(errno));
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (listening) {
+            if (bind(fd, res->ai_addr, res->ai_addrlen) == 0 && listen(fd, DT_MAX_RANKS) == 0) break;
+            dt_fail("rendezvous: rank 0 cannot listen on port %d: %s (set MASTER_PORT to a free port)", port, strerror(errno));
+        }
+        if (connect(fd, res->ai_addr, res->ai_addrlen) == 0) break;
+        close(fd);
+        if (dt_now_ms() > deadline)
+            dt_fail("rendezvous: rank 0 did not answer at %s:%d within the timeout (is it running? is MASTER_ADDR right?)",
+                    host, port);
+        struct timespec ts = { 0, 50000000 };
+        nanosleep(&ts, NULL);
+    }
+    freeaddrinfo(res);
+    return fd;
+}
+
+dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
+    int rank, world, local;
+    dt_rank_from_env(&rank, &world, &local);
+    dt_comm *c = dt_comm_new(kind, rank, world, timeout_s);
+    c->local_rank = local;
+    dt_ctx.rank = rank;
+    dt_ctx.world_size = world;
+    const char *host = getenv("MASTER_ADDR") ? getenv("MASTER_ADDR") : "127.0.0.1";
+    int port = dt_env_int("MASTER_PORT", 29500);
+    double deadline = dt_now_ms() + c->timeout_s * 1e3;
+    dt_welcome w;
+    memset(&w, 0, sizeof w);
+    w.world = world;
+    w.ok = 1;
+    static int serial;
+    dt_path(w.shm_name, sizeof w.shm_name, "/dtrain-%d-%d-%d", (int)getuid(), (int)getpid(), serial++);
+#ifdef DT_HAVE_CUDA
+    if (kind == DT_COMM_NCCL && rank == 0 && !dt_nccl_unique_id(w.nccl_id, sizeof w.nccl_id))
+        dt_fail("NCCL could not make its unique id");
+#else
+    if (kind == DT_COMM_NCCL) dt_fail("NCCL needs a build with CUDA (nvcc was not found, or make CUDA=0)");
+#endif
+    int shm_fd = -1, fds[DT_MAX_RANKS];
+    size_t bytes = dt_shm_bytes(world);
+    if (rank == 0) {
+        shm_fd = shm_open(w.shm_name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (shm_fd < 0 || ftruncate(shm_fd, (off_t)bytes) != 0)
+            dt_fail("cannot create shared memory %s of %.1f MB: %s (is /dev/shm full?)", w.shm_name, bytes / 1e6, strerror(errno));
+    }
+    if (world > 1 && rank == 0) {
+        int lfd = dt_tcp_socket(host, port, 1, deadline), joined[DT_MAX_RANKS] = { 0 };
+        for (int k = 1; k < world; k++) {
+            struct pollfd pfd = { lfd, POLLIN, 0 };
+            int wait = (int)(deadline - dt_now_ms());
+            if (wait <= 0 || poll(&pfd, 1, wait) <= 0) {
+                char missing[256] = "";
+                for (int r = 1; r < world; r++)
+                    if (!joined[r]) snprintf(missing + strlen(missing), sizeof missing - strlen(missing), " %d", r);
+                shm_unlink(w.shm_name);
+                dt_fail("rendezvous: rank(s)%s did not join within %.0f s (--timeout)", missing, c->timeout_s);
+            }
+            int fd = accept(lfd, NULL, NULL);
+            if (fd < 0) { k--; continue; }
+            dt_hello h;
+            dt_io_all(fd, &h, sizeof h, 0, deadline, "reading a rank's hello");
+            if (h.rank <= 0 || h.rank >= world || joined[h.rank] || h.world != world) {
+                shm_unlink(w.shm_name);
+                dt_fail("rendezvous: a process says it is rank %d of %d, but this job has %d ranks%s", h.rank, h.world,
+                        world, h.rank > 0 && h.rank < world && joined[h.rank] ? " and that rank has joined already" : "");
+            }
+            joined[h.rank] = 1;
+            fds[h.rank] = fd;
+        }
+        close(lfd);
+        for (int r = 1; r < world; r++) dt_io_all(fds[r], &w, sizeof w, 1, deadline, "sending the welcome");
+    } else if (world > 1) {
+        int fd = dt_tcp_socket(host, port, 0, deadline);
+        dt_hello h = { rank, world, (int32_t)getpid() };
+        dt_io_all(fd, &h, sizeof h, 1, deadline, "saying hello to rank 0");
+        dt_io_all(fd, &w, sizeof w, 0, deadline, "waiting for rank 0's welcome");
+        shm_fd = shm_open(w.shm_name, O_RDWR, 0600);
+        if (shm_fd < 0) dt_fail("cannot open rank 0's shared memory %s: %s (are all ranks on one machine?)", w.shm_name, strerror(errno));
+        fds[0] = fd;
+    }
+    void *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, shm_fd, 0);
+    if (map == MAP_FAILED) dt_fail("cannot map shared memory %s: %s", w.shm_name, strerror(errno));
+    close(shm_fd);
+    c->map_bytes = bytes;
+    dt_mem_count(DT_ARENA_COMM, bytes, +1);
+    dt_shm_header *hdr = (dt_shm_header *)map;
+    if (rank == 0) { hdr->magic = DT_SHM_MAGIC; hdr->world = world; }
+    __atomic_store_n(&hdr->pid[rank], (int)getpid(), __ATOMIC_RELEASE);
+    /* Every rank has mapped the segment when it has answered: then its name can go. */
+    char ack = 1;
+    if (world > 1 && rank == 0) {
+        for (int r = 1; r < world; r++) { dt_io_all(fds[r], &ack, 1, 0, deadline, "waiting for the ranks to map"); close(fds[r]); }
+    } else if (world > 1) {
+        dt_io_all(fds[0], &ack, 1, 1, deadline, "telling rank 0 the memory is mapped");
+        close(fds[0]);
+    }
+    if (rank == 0) shm_unlink(w.shm_name);
+#ifdef DT_HAVE_CUDA
+    if (kind == DT_COMM_NCCL) c->nccl = dt_nccl_init(w.nccl_id, rank, world, local);
+#endif
+    dt_comm_start(c, hdr);
+    dt_barrier(c);                          /* everyone is in, and the header is set */
+    return c;
+}
+
 /* ==== 13. checkpoints ===========================================================
    A checkpoint is a safetensors file: an 8-byte little-endian header length, a
    JSON header {"name": {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}
@@ -2803,6 +3502,8 @@ static const dt_flag dt_flags[] = {
     { "--bench", NULL, "time training steps on in-memory data, print one summary line, exit", DT_ARG_SWITCH, DT_CFG(bench), NULL },
     { "--quiet", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL },
     { "--peak-tflops", "X", "--bench on a GPU: its fp32 peak for MFU (default: looked up by name)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL },
+    { "--nproc", "N", "start N ranks on this machine (stages 02-05; default 1)", DT_ARG_INT, DT_CFG(nproc), NULL },
+    { "--timeout", "S", "stop when a rank has not answered for S seconds (default 60)", DT_ARG_FLOAT, DT_CFG(timeout), NULL },
 };
 #undef DT_CFG
 
@@ -2820,7 +3521,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     dt_config c;
     memset(&c, 0, sizeof c);
     c.stage = stage;
-    dt_flush_subnormals();
+    c.nproc = 1; c.timeout = 60;
     c.image_size = 32; c.model = DT_MODEL_MLP; c.dim = c.depth = c.heads = c.patch = -1;
     c.batch_size = 128; c.epochs = 10; c.lr = 1e-3f; c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
     c.warmup = -1; c.optimizer = DT_ADAMW; c.seed = 1; c.device = (dt_device)2; /* auto */
@@ -2901,7 +3602,14 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         char why[256];
         c.device = dt_cuda_available(why, sizeof why) ? DT_CUDA : DT_CPU;
     }
-    dt_set_device(c.device, 0);
+    if (c.nproc < 1) dt_usage_error("--nproc %d: at least 1", c.nproc);
+    if (!(c.timeout > 0)) dt_usage_error("--timeout %g: seconds, more than 0", c.timeout);
+    dt_launch(c.nproc, c.timeout);             /* before any thread or device exists */
+    dt_flush_subnormals();
+    dt_rank_from_env(&c.rank, &c.world_size, &c.local_rank);
+    dt_ctx.rank = c.rank;                      /* error lines name their rank from here on */
+    dt_ctx.world_size = c.world_size;
+    dt_set_device(c.device, c.local_rank);
     return c;
 }
 
@@ -3872,4 +4580,105 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     t->adamw = dt_cuda_adamw; t->sgd = dt_cuda_sgd; t->convert = dt_cuda_convert;
     return t;
 }
+/* ---- NCCL: the collectives of section 9 for GPU buffers. Each rank's
+        communicator runs on a stream of its own; a collective first waits for
+        the kernels queued so far (its input is their output), and a wait polls
+        for NCCL's asynchronous errors so a dead peer ends in a message and an
+        aborted communicator rather than a hang. ---- */
+#if __has_include(<nccl.h>)
+#include <nccl.h>
+typedef struct dt_nccl_state {
+    ncclComm_t comm;
+    cudaStream_t stream;
+    cudaEvent_t inputs_ready;
+    float *one;                          /* a 1-element buffer: a barrier is an all-reduce of it */
+} dt_nccl_state;
+static void dt_nccl_check(ncclResult_t r, const char *call, const char *file, int line) {
+    if (r != ncclSuccess && r != ncclInProgress) dt_fail("%s failed at %s:%d: %s", call, file, line, ncclGetErrorString(r));
+}
+#define DT_NCCL_CHECK(call) dt_nccl_check((call), #call, __FILE__, __LINE__)
+
+extern "C" int dt_nccl_unique_id(unsigned char *out, size_t n) {
+    ncclUniqueId id;
+    if (n < sizeof id) return 0;
+    DT_NCCL_CHECK(ncclGetUniqueId(&id));
+    memcpy(out, &id, sizeof id);
+    return 1;
+}
+extern "C" void *dt_nccl_init(const unsigned char *id_bytes, int rank, int world, int local_rank) {
+    char why[256] = "";
+    if (!dt_cuda_backend(local_rank, why, sizeof why)) dt_fail("NCCL needs a GPU: %s", why);
+    dt_nccl_state *s = (dt_nccl_state *)calloc(1, sizeof *s);
+    if (!s) dt_fail("out of memory (NCCL)");
+    ncclUniqueId id;
+    memcpy(&id, id_bytes, sizeof id);
+    DT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
+    DT_CUDA_CHECK(cudaEventCreateWithFlags(&s->inputs_ready, cudaEventDisableTiming));
+    s->one = (float *)dt_cuda_alloc(sizeof(float));
+    DT_NCCL_CHECK(ncclCommInitRank(&s->comm, world, id, rank));
+    return s;
+}
+extern "C" void dt_nccl_run(void *state, int kind, const void *send, void *recv, int64_t count, int dtype, int op,
+                            int root) {
+    dt_nccl_state *s = (dt_nccl_state *)state;
+    ncclDataType_t t = dtype == DT_F32 ? ncclFloat32 : dtype == DT_BF16 ? ncclBfloat16 : ncclFloat16;
+    ncclRedOp_t red = op == DT_AVG ? ncclAvg : ncclSum;
+    size_t n = (size_t)count;
+    DT_CUDA_CHECK(cudaSetDevice(dt_cuda.index));           /* the current GPU is per thread */
+    DT_CUDA_CHECK(cudaEventRecord(s->inputs_ready, dt_cuda.stream));
+    DT_CUDA_CHECK(cudaStreamWaitEvent(s->stream, s->inputs_ready, 0));
+    switch (kind) {
+    case 0: DT_NCCL_CHECK(ncclAllReduce(send, recv, n, t, red, s->comm, s->stream)); break;
+    case 1: DT_NCCL_CHECK(ncclReduceScatter(send, recv, n, t, red, s->comm, s->stream)); break;
+    case 2: DT_NCCL_CHECK(ncclAllGather(send, recv, n, t, s->comm, s->stream)); break;
+    case 3: DT_NCCL_CHECK(ncclBroadcast(send, recv, n, t, root, s->comm, s->stream)); break;
+    case 4: DT_NCCL_CHECK(ncclReduce(send, recv, n, t, red, root, s->comm, s->stream)); break;
+    default: DT_NCCL_CHECK(ncclAllReduce(s->one, s->one, 1, ncclFloat32, ncclSum, s->comm, s->stream)); break;
+    }
+}
+extern "C" void dt_nccl_wait(void *state, double timeout_s) {
+    dt_nccl_state *s = (dt_nccl_state *)state;
+    struct timespec t0, now;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        cudaError_t q = cudaStreamQuery(s->stream);
+        if (q == cudaSuccess) return;
+        if (q != cudaErrorNotReady) dt_cuda_check(q, "cudaStreamQuery(NCCL stream)", __FILE__, __LINE__);
+        ncclResult_t async = ncclSuccess;
+        DT_NCCL_CHECK(ncclCommGetAsyncError(s->comm, &async));
+        if (async != ncclSuccess && async != ncclInProgress) {
+            ncclCommAbort(s->comm);
+            dt_fail("NCCL reported an error during a collective: %s (a rank may have died); communicator aborted",
+                    ncclGetErrorString(async));
+        }
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if ((now.tv_sec - t0.tv_sec) + (now.tv_nsec - t0.tv_nsec) / 1e9 > timeout_s) {
+            ncclCommAbort(s->comm);
+            dt_fail("an NCCL collective has not finished after %.0f s (--timeout): a rank died or hangs; communicator "
+                    "aborted", timeout_s);
+        }
+        struct timespec ts = { 0, 100000 };
+        nanosleep(&ts, NULL);
+    }
+}
+extern "C" void dt_nccl_free(void *state) {
+    dt_nccl_state *s = (dt_nccl_state *)state;
+    DT_NCCL_CHECK(ncclCommDestroy(s->comm));
+    DT_CUDA_CHECK(cudaEventDestroy(s->inputs_ready));
+    DT_CUDA_CHECK(cudaStreamDestroy(s->stream));
+    dt_cuda_release(s->one);
+    free(s);
+}
+#else
+extern "C" int dt_nccl_unique_id(unsigned char *out, size_t n) { (void)out; (void)n; return 0; }
+extern "C" void *dt_nccl_init(const unsigned char *id, int rank, int world, int local_rank) {
+    (void)id; (void)rank; (void)world; (void)local_rank;
+    dt_fail("this build of dtrain's CUDA backend has no NCCL (nccl.h was not found)");
+}
+extern "C" void dt_nccl_run(void *s, int kind, const void *send, void *recv, int64_t count, int dtype, int op, int root) {
+    (void)s; (void)kind; (void)send; (void)recv; (void)count; (void)dtype; (void)op; (void)root;
+}
+extern "C" void dt_nccl_wait(void *s, double timeout_s) { (void)s; (void)timeout_s; }
+extern "C" void dt_nccl_free(void *s) { (void)s; }
+#endif
 #endif /* DTRAIN_CUDA_IMPLEMENTATION */

@@ -127,7 +127,7 @@ static int count_lines_with(const char *text, const char *needle) {
    naming `names`, and no crash. */
 static void expect_error(const char *out, int status, int want_status, const char *names) {
     CHECKF(status == want_status, "exit status %d, expected %d; output:\n%s", status, want_status, out);
-    CHECKF(strstr(out, "dtrain: error:") != NULL, "no 'dtrain: error:' line in:\n%s", out);
+    CHECKF(strstr(out, "dtrain: error:") || strstr(out, "dtrain[rank "), "no 'dtrain: error:' line in:\n%s", out);
     CHECKF(strstr(out, names) != NULL, "the error does not name '%s':\n%s", names, out);
     CHECKF(!strstr(out, "Sanitizer") && !strstr(out, "runtime error"), "sanitizer report:\n%s", out);
 }
@@ -1026,6 +1026,74 @@ static void test_failed_save_keeps_the_previous_checkpoint(void) {
     free(after);
 }
 
+/* ---- 9, 10. collectives and launching ranks ----------------------------------- */
+
+/* tools/collectives beside the stage binary under test (build/asan/... for ASan). */
+static const char *collectives_bin(void) {
+    static char path[600];
+    char copy[512];
+    dt_copy_str(copy, sizeof copy, train_bin);
+    char *slash = strrchr(copy, '/');
+    if (slash) *slash = 0;
+    slash = strrchr(copy, '/');
+    if (slash) { *slash = 0; snprintf(path, sizeof path, "%s/tools/collectives", copy); }
+    else snprintf(path, sizeof path, "tools/collectives");
+    return path;
+}
+static int count_shm_segments(void) {
+    int n = 0;
+    DIR *d = opendir("/dev/shm");
+    struct dirent *e;
+    while (d && (e = readdir(d))) n += strncmp(e->d_name, "dtrain-", 7) == 0;
+    if (d) closedir(d);
+    return n;
+}
+
+static void collectives_match(const char *mode) {
+    char out[16384];
+    for (int w = 1; w <= 4; w++) {
+        int st = run_cmd(out, sizeof out, "%s --%s %d --check --timeout 30", collectives_bin(), mode, w);
+        CHECKF(st == 0 && count_lines_with(out, "match the serial reference bit for bit") == w,
+               "%s %d: exit %d\n%s", mode, w, st, out);
+    }
+}
+static void test_collectives_over_threads_match_a_serial_reference(void) { collectives_match("threads"); }
+static void test_collectives_over_processes_match_a_serial_reference(void) { collectives_match("nproc"); }
+
+static void test_a_killed_rank_stops_the_others_with_its_name(void) {
+    char out[16384];
+    int before = count_shm_segments();
+    double t0 = dt_now_ms();
+    int st = run_cmd(out, sizeof out, "env DT_TEST_DIE_RANK=1 %s --nproc 3 --check --timeout 10", collectives_bin());
+    double s = (dt_now_ms() - t0) / 1e3;
+    CHECKF(st != 0, "the job exited 0 although rank 1 was killed:\n%s", out);
+    CHECKF(s < 10, "the others took %.1f s to stop (timeout 10 s)", s);
+    CHECKF(strstr(out, "rank 1 (pid") && strstr(out, "died during all_reduce"), "no rank named the dead rank 1:\n%s", out);
+    CHECKF(count_lines_with(out, "dtrain[rank ") >= 2, "not every surviving rank reported:\n%s", out);
+    CHECKF(count_shm_segments() == before, "a /dev/shm/dtrain-* segment was left behind");
+}
+
+static void test_ranks_launch_from_torchrun_variables_and_check_their_flags(void) {
+    char out[16384];
+    int port = dt_free_port();
+    const char *bin = collectives_bin();
+    /* two processes started as torchrun starts them: nothing but environment variables */
+    int st = run_cmd(out, sizeof out, "sh -c 'RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=%d %s --check & p=$!; "
+                     "RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=%d %s --check; a=$?; wait $p; exit $((a | $?))'",
+                     port, bin, port, bin);
+    CHECKF(st == 0 && count_lines_with(out, "match the serial reference") == 2, "env launch: exit %d\n%s", st, out);
+    port = dt_free_port();
+    st = run_cmd(out, sizeof out, "sh -c 'OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2 MASTER_PORT=%d %s --agree b & p=$!; "
+                 "OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=2 MASTER_PORT=%d %s --agree a; a=$?; wait $p; b=$?; "
+                 "[ $a -ne 0 ] && [ $b -ne 0 ]'", port, bin, port, bin);
+    CHECKF(st == 0 && count_lines_with(out, "disagree on --agree: rank 0 has 'a', rank 1 has 'b'") == 2,
+           "a flag mismatch must stop both ranks with a message:\n%s", out);
+    st = run_cmd(out, sizeof out, "env SLURM_PROCID=1 SLURM_NTASKS=2 MASTER_PORT=%d %s --check --timeout 1", dt_free_port(), bin);
+    expect_error(out, st, 1, "rank 0 did not answer");
+    st = run_cmd(out, sizeof out, "env RANK=3 WORLD_SIZE=2 %s --check", bin);
+    expect_error(out, st, 1, "RANK=3 but WORLD_SIZE=2");
+}
+
 /* ---- the GPU against the CPU (skipped where no GPU is visible) ---------------- */
 
 /* Every GPU test begins here: skip, saying why, when this build or machine has no GPU. */
@@ -1289,6 +1357,8 @@ static const test_case tests[] = {
     T(test_resume_continues_exactly), T(test_init_starts_from_given_weights),
     T(test_bad_flags_exit_2_naming_the_flag), T(test_bad_data_is_reported_by_name),
     T(test_bad_checkpoints_are_refused), T(test_failed_save_keeps_the_previous_checkpoint),
+    T(test_collectives_over_threads_match_a_serial_reference), T(test_collectives_over_processes_match_a_serial_reference),
+    T(test_a_killed_rank_stops_the_others_with_its_name), T(test_ranks_launch_from_torchrun_variables_and_check_their_flags),
     T(test_gpu_ops_match_the_cpu), T(test_gpu_casts_and_updates_are_bitwise_the_cpu),
     T(test_gpu_training_step_matches_the_cpu), T(test_gpu_200_step_loss_curve_matches_the_cpu),
 };

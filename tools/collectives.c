@@ -1,0 +1,149 @@
+/* tools/collectives -- check and time dtrain's collectives.
+
+   usage: tools/collectives [--nproc N | --threads N] [--timeout S] [--check | --bench] [--agree VALUE]
+
+   Ranks are processes (--nproc N, or started by torchrun / srun / mpirun through
+   their environment variables) or threads of this process (--threads N).
+     --check   every collective, f32/bf16/f16, lengths 0, 1, 7 and 1,000,003: each
+               rank's result must equal a serial reference bit for bit
+     --bench   all-reduce bus bandwidth from 1 KB to 256 MB (nccl-tests' busbw)
+     --agree   every rank must pass the same VALUE (the start-up mismatch check) */
+#define DTRAIN_IMPLEMENTATION
+#include "../dtrain.h"
+
+static const int64_t lengths[] = { 0, 1, 7, 1000003 };
+static const char *dtype_names[] = { "f32", "bf16", "f16" };
+
+/* Rank r's input: values already rounded to the dtype, the same on every rank. */
+static void fill(void *buf, int64_t n, dt_dtype t, int r, int64_t salt) {
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t h = dt_hash3((uint64_t)r, (uint64_t)i, (uint64_t)salt);
+        dt_store_from_f32(buf, i, t, (float)((h >> 11) * (1.0 / 9007199254740992.0) * 4 - 2));
+    }
+}
+/* The serial reference: element i of each rank's buffer at `off`, summed in rank order. */
+static void reference_sum(void *out, int64_t n, dt_dtype t, int world, int64_t per_rank, int64_t off, int avg, int64_t salt) {
+    size_t es = dt_dtype_bytes(t);
+    char *in = (char *)malloc((size_t)per_rank * es + 1);
+    float *acc = (float *)calloc((size_t)n + 1, sizeof(float));
+    for (int r = 0; r < world; r++) {
+        fill(in, per_rank, t, r, salt);
+        for (int64_t i = 0; i < n; i++) acc[i] = r == 0 ? dt_load_as_f32(in, off + i, t) : acc[i] + dt_load_as_f32(in, off + i, t);
+    }
+    for (int64_t i = 0; i < n; i++) dt_store_from_f32(out, i, t, avg ? acc[i] / (float)world : acc[i]);
+    free(in);
+    free(acc);
+}
+
+static int check(dt_comm *c) {
+    int me = dt_comm_rank(c), W = dt_comm_size(c), bad = 0, cases = 0;
+    for (int t = 0; t < 3; t++)
+        for (size_t li = 0; li < sizeof lengths / sizeof lengths[0]; li++) {
+            dt_dtype dt = (dt_dtype)t;
+            int64_t n = lengths[li], salt = 1000 * t + (int64_t)li;
+            size_t es = dt_dtype_bytes(dt), bytes = (size_t)n * es;
+            char *send = (char *)malloc((size_t)W * bytes + 2), *recv = (char *)malloc((size_t)W * bytes + 2);
+            char *want = (char *)malloc((size_t)W * bytes + 2);
+            for (int op = 0; op < 2; op++) {
+                fill(send, n, dt, me, salt);
+                dt_all_reduce(c, send, recv, n, dt, (dt_reduce_op)op);
+                reference_sum(want, n, dt, W, n, 0, op, salt);
+                if (memcmp(recv, want, bytes)) { bad++; printf("rank %d: all_reduce %s %s n=%lld differs\n", me, op ? "avg" : "sum", dtype_names[t], (long long)n); }
+                fill(send, n, dt, me, salt);                  /* in place */
+                dt_all_reduce(c, send, send, n, dt, (dt_reduce_op)op);
+                if (memcmp(send, want, bytes)) { bad++; printf("rank %d: in-place all_reduce %s n=%lld differs\n", me, dtype_names[t], (long long)n); }
+                fill(send, W * n, dt, me, salt);
+                dt_reduce_scatter(c, send, recv, n, dt, (dt_reduce_op)op);
+                reference_sum(want, n, dt, W, W * n, me * n, op, salt);
+                if (memcmp(recv, want, bytes)) { bad++; printf("rank %d: reduce_scatter %s n=%lld differs\n", me, dtype_names[t], (long long)n); }
+                fill(send, n, dt, me, salt);
+                memset(recv, 0x55, bytes);
+                dt_reduce(c, send, recv, n, dt, (dt_reduce_op)op, 0);
+                reference_sum(want, n, dt, W, n, 0, op, salt);
+                if (me == 0 && memcmp(recv, want, bytes)) { bad++; printf("rank 0: reduce %s n=%lld differs\n", dtype_names[t], (long long)n); }
+                cases += 4;
+            }
+            fill(send, n, dt, me, salt);
+            dt_all_gather(c, send, recv, n, dt);
+            for (int r = 0; r < W; r++) fill(want + (size_t)r * bytes, n, dt, r, salt);
+            if (memcmp(recv, want, (size_t)W * bytes)) { bad++; printf("rank %d: all_gather %s n=%lld differs\n", me, dtype_names[t], (long long)n); }
+            fill(recv, n, dt, me, salt);
+            dt_broadcast(c, recv, n, dt, W - 1);
+            fill(want, n, dt, W - 1, salt);
+            if (memcmp(recv, want, bytes)) { bad++; printf("rank %d: broadcast %s n=%lld differs\n", me, dtype_names[t], (long long)n); }
+            dt_barrier(c);
+            cases += 3;
+            free(send); free(recv); free(want);
+        }
+    printf("rank %d of %d: %d collectives %s\n", me, W, cases, bad ? "FAILED" : "match the serial reference bit for bit");
+    fflush(stdout);
+    return bad ? 1 : 0;
+}
+
+static int bench(dt_comm *c) {
+    int me = dt_comm_rank(c), W = dt_comm_size(c);
+    size_t max_bytes = (size_t)256 << 20;
+    float *buf = (float *)dt_alloc(DT_ARENA_COMM, max_bytes);
+    if (me == 0) printf("all_reduce, f32, %d ranks (shared memory); busbw = algbw * 2(n-1)/n as nccl-tests\n%12s %10s %12s %12s\n",
+                        W, "bytes", "time_us", "algbw_GB/s", "busbw_GB/s");
+    for (size_t bytes = 1024; bytes <= max_bytes; bytes *= 4) {
+        int64_t n = (int64_t)(bytes / 4);
+        int iters = bytes <= ((size_t)1 << 20) ? 50 : bytes <= ((size_t)16 << 20) ? 10 : 3;
+        dt_all_reduce(c, buf, buf, n, DT_F32, DT_SUM);          /* warm-up */
+        dt_barrier(c);
+        double t0 = dt_now_ms();
+        for (int i = 0; i < iters; i++) dt_all_reduce(c, buf, buf, n, DT_F32, DT_SUM);
+        double us = (dt_now_ms() - t0) * 1e3 / iters, algbw = bytes / us / 1e3;
+        if (me == 0) printf("%12zu %10.1f %12.3f %12.3f\n", bytes, us, algbw, algbw * 2.0 * (W - 1) / W);
+        fflush(stdout);
+    }
+    dt_free(DT_ARENA_COMM, buf, max_bytes);
+    return 0;
+}
+
+typedef struct { dt_comm_group *g; int rank, status, do_bench; } thread_arg;
+static void *thread_main(void *p) {
+    thread_arg *a = (thread_arg *)p;
+    dt_comm *c = dt_comm_join(a->g, a->rank);
+    a->status = a->do_bench ? bench(c) : check(c);
+    dt_comm_free(c);
+    return NULL;
+}
+
+int main(int argc, char **argv) {
+    int nproc = 1, threads = 0, do_check = 0, do_bench = 0;
+    double timeout = 60;
+    const char *agree = NULL;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--check")) do_check = 1;
+        else if (!strcmp(a, "--bench")) do_bench = 1;
+        else if (!strcmp(a, "--nproc") && v) { nproc = atoi(v); i++; }
+        else if (!strcmp(a, "--threads") && v) { threads = atoi(v); i++; }
+        else if (!strcmp(a, "--timeout") && v) { timeout = atof(v); i++; }
+        else if (!strcmp(a, "--agree") && v) { agree = v; i++; }
+        else dt_usage_error("unknown flag or missing value: %s (see the top of tools/collectives.c)", a);
+    }
+    if (nproc < 1 || threads < 0 || !(timeout > 0)) dt_usage_error("--nproc, --threads and --timeout take positive numbers");
+    if (threads > 0) {
+        dt_comm_group *g = dt_comm_group_create(threads, timeout);
+        pthread_t th[64];
+        thread_arg args[64];
+        int status = 0;
+        for (int r = 0; r < threads; r++) {
+            args[r] = (thread_arg){ g, r, 0, do_bench };
+            pthread_create(&th[r], NULL, thread_main, &args[r]);
+        }
+        for (int r = 0; r < threads; r++) { pthread_join(th[r], NULL); status |= args[r].status; }
+        dt_comm_group_free(g);
+        return status;
+    }
+    dt_launch(nproc, timeout);
+    dt_comm *c = dt_comm_init(DT_COMM_SHM, timeout);
+    int status = 0;
+    if (agree) dt_comm_check_agree(c, "--agree", agree);
+    if (do_check) status = check(c);
+    if (do_bench) status |= bench(c);
+    dt_comm_free(c);
+    return status;
+}
