@@ -38,9 +38,12 @@
        14  metrics      JSON-lines logs, progress lines, Chrome traces, benchmarks
        15  CUDA         the GPU bodies of the ops, behind one table (dt_backend):
                         indexing, reductions and launch shape are all that differ
-       (Sections 9-12 -- collectives, launching, parallel wrappers and mixed
-       precision -- arrive with the later stages; their numbers are kept so that
-       the header reads in the same order as the course.)
+        9  collectives  all-reduce, reduce-scatter, all-gather, broadcast over shared
+                        memory (threads or processes, sums in rank order) or NCCL
+       10  launching    --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous,
+                        and a job that stops, naming the rank, when one rank dies
+       (Sections 11-12 -- parallel wrappers and mixed precision -- arrive with the
+       later stages; their numbers are kept so the header reads as the course.)
 
    A FAILURE NEVER CRASHES
        Bad flags exit with status 2, everything else that goes wrong (a missing
