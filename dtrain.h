@@ -842,11 +842,18 @@ static const dt_backend *dt_backend_of(dt_device d) {
     return dt_ctx.gpu;
 }
 
+/* Zero memory on a device; a GPU does it in its queue. */
+static void dt_zero_on(dt_device d, void *p, size_t bytes) {
+    const dt_backend *gpu = dt_backend_of(d);
+    if (gpu) gpu->zero(p, bytes);
+    else memset(p, 0, bytes);
+}
+
 void *dt_alloc_on(dt_device device, dt_arena arena, size_t bytes) {
     const dt_backend *gpu = dt_backend_of(device);
     if (!gpu) return dt_alloc(arena, bytes);
     void *p = gpu->alloc(bytes ? bytes : 1);
-    gpu->zero(p, bytes);
+    dt_zero_on(device, p, bytes);
     dt_mem_count(arena, bytes, +1);
     return p;
 }
@@ -883,18 +890,20 @@ void dt_set_device(dt_device device, int local_rank) {
 }
 dt_device dt_current_device(void) { return dt_ctx.device; }
 
+static void dt_download_from(dt_device d, void *dst, const void *src, size_t bytes) {
+    const dt_backend *gpu = dt_backend_of(d);
+    if (bytes == 0) return;
+    if (gpu) gpu->download(dst, src, bytes);
+    else memmove(dst, src, bytes);
+}
+
 void dt_upload(void *dst, const void *src, size_t bytes) {
     const dt_backend *gpu = dt_backend_of(dt_ctx.device);
     if (bytes == 0) return;
     if (gpu) gpu->upload(dst, src, bytes);
     else memmove(dst, src, bytes);
 }
-void dt_download(void *dst, const void *src, size_t bytes) {
-    const dt_backend *gpu = dt_backend_of(dt_ctx.device);
-    if (bytes == 0) return;
-    if (gpu) gpu->download(dst, src, bytes);
-    else memmove(dst, src, bytes);
-}
+void dt_download(void *dst, const void *src, size_t bytes) { dt_download_from(dt_ctx.device, dst, src, bytes); }
 void dt_synchronize(void) {
     if (dt_ctx.device == DT_CUDA) dt_backend_of(DT_CUDA)->synchronize();
 }
@@ -925,13 +934,6 @@ static void *dt_step_alloc_on(dt_device device, size_t bytes) {
 static void *dt_step_alloc_uninit(size_t bytes) { return dt_step_alloc_on(DT_CPU, bytes); }
 /* Data of activations and their gradients: on the device that runs the ops. */
 static void *dt_step_data(size_t bytes) { return dt_step_alloc_on(dt_ctx.device, bytes); }
-static void *dt_step_data_zeroed(size_t bytes) {
-    void *p = dt_step_data(bytes);
-    const dt_backend *gpu = dt_backend_of(dt_ctx.device);
-    if (gpu) gpu->zero(p, bytes);
-    else memset(p, 0, bytes);
-    return p;
-}
 
 void *dt_step_alloc(size_t bytes) {
     void *p = dt_step_alloc_uninit(bytes);
@@ -995,9 +997,7 @@ static dt_tensor *dt_tensor_out(int ndim, const int *shape) {
 static dt_tensor *dt_tensor_out_2d(int rows, int cols) { int s[2] = { rows, cols }; return dt_tensor_out(2, s); }
 dt_tensor *dt_tensor_new(int ndim, const int *shape) {
     dt_tensor *t = dt_tensor_out(ndim, shape);
-    const dt_backend *gpu = dt_backend_of(t->device);
-    if (gpu) gpu->zero(t->data, (size_t)t->numel * sizeof(float));
-    else memset(t->data, 0, (size_t)t->numel * sizeof(float));
+    dt_zero_on(t->device, t->data, (size_t)t->numel * sizeof(float));
     return t;
 }
 dt_tensor *dt_tensor_2d(int rows, int cols) { int s[2] = { rows, cols }; return dt_tensor_new(2, s); }
@@ -1009,27 +1009,22 @@ dt_tensor *dt_tensor_from_host(int ndim, const int *shape, const float *host) {
 int64_t dt_tensor_rows(const dt_tensor *t) { return t->shape[0]; }
 int64_t dt_tensor_cols(const dt_tensor *t) { return t->numel / t->shape[0]; }
 float *dt_grad(dt_tensor *t) {
-    if (!t->grad) {
-        dt_device keep = dt_ctx.device;
-        dt_ctx.device = t->device;                 /* a gradient lives beside its tensor */
-        t->grad = (float *)dt_step_data_zeroed((size_t)t->numel * sizeof(float));
-        dt_ctx.device = keep;
+    if (!t->grad) {                                /* a gradient lives beside its tensor */
+        t->grad = (float *)dt_step_alloc_on(t->device, (size_t)t->numel * sizeof(float));
+        dt_zero_on(t->device, t->grad, (size_t)t->numel * sizeof(float));
     }
     return t->grad;
 }
-static void dt_copy_to_host(dt_device d, float *host, const float *src, int64_t n) {
-    const dt_backend *gpu = dt_backend_of(d);
-    if (gpu) gpu->download(host, src, (size_t)n * sizeof(float));
-    else memmove(host, src, (size_t)n * sizeof(float));
+void dt_tensor_to_host(const dt_tensor *t, float *host) {
+    dt_download_from(t->device, host, t->data, (size_t)t->numel * sizeof(float));
 }
-void dt_tensor_to_host(const dt_tensor *t, float *host) { dt_copy_to_host(t->device, host, t->data, t->numel); }
 void dt_tensor_grad_to_host(const dt_tensor *t, float *host) {
     if (!t->grad) { memset(host, 0, (size_t)t->numel * sizeof(float)); return; }
-    dt_copy_to_host(t->device, host, t->grad, t->numel);
+    dt_download_from(t->device, host, t->grad, (size_t)t->numel * sizeof(float));
 }
 float dt_tensor_item(const dt_tensor *t) {
     float v;
-    dt_copy_to_host(t->device, &v, t->data, 1);
+    dt_download_from(t->device, &v, t->data, sizeof v);
     return v;
 }
 
@@ -1837,11 +1832,7 @@ dt_tensor *dt_model_param(dt_model *m, const char *name) {
     return NULL;
 }
 
-void dt_model_zero_grad(dt_model *m) {
-    const dt_backend *gpu = dt_backend_of(m->device);
-    if (gpu) gpu->zero(m->flat_grad, (size_t)m->numel * sizeof(float));
-    else memset(m->flat_grad, 0, (size_t)m->numel * sizeof(float));
-}
+void dt_model_zero_grad(dt_model *m) { dt_zero_on(m->device, m->flat_grad, (size_t)m->numel * sizeof(float)); }
 
 void dt_model_describe(const dt_model *m, char *out, size_t n) {
     const dt_model_config *c = &m->cfg;
@@ -2531,11 +2522,12 @@ typedef struct dt_comm_op {
     int root;
 } dt_comm_op;
 
-struct dt_comm_group { dt_shm_header *hdr; int world, joined; double timeout_s; };
+struct dt_comm_group { dt_shm_header *hdr; int world; double timeout_s; };
 
 struct dt_comm {
     dt_comm_kind kind;
-    int rank, world, local_rank;
+    int rank, world;
+    int die_in_all_reduce;                  /* test hook, see dt_comm_start */
     double timeout_s;
     dt_shm_header *hdr;                     /* shared memory: header, world slots, a result area */
     char *slots, *result;
@@ -2629,13 +2621,6 @@ static void dt_shm_barrier(dt_comm *c, const char *what) {
     }
 }
 
-/* Test hook (fault tests): DT_TEST_DIE_RANK=r makes rank r kill itself in the
-   middle of its first all-reduce, after the others have started it. */
-static void dt_test_die_here(const dt_comm *c) {
-    const char *die = getenv("DT_TEST_DIE_RANK");
-    if (die && atoi(die) == c->rank && c->world > 1) raise(SIGKILL);
-}
-
 /* out[i] = in_0[i] + in_1[i] + ... in rank order, for i in [lo, hi) of the slots. */
 static void dt_sum_slots(const dt_comm *c, int64_t slot_off, int64_t lo, int64_t hi, dt_dtype t, dt_reduce_op op,
                          void *out, int64_t out_off) {
@@ -2663,7 +2648,7 @@ static void dt_shm_run(dt_comm *c, const dt_comm_op *o) {
             int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
             memcpy(mine, send + off * es, (size_t)n * es);
             dt_shm_barrier(c, what);
-            if (o->kind == DT_COLL_ALL_REDUCE && off == 0) dt_test_die_here(c);
+            if (c->die_in_all_reduce && o->kind == DT_COLL_ALL_REDUCE) raise(SIGKILL);
             dt_sum_slots(c, 0, n * me / W, n * (me + 1) / W, o->dtype, o->op, c->result, 0);   /* my stripe */
             dt_shm_barrier(c, what);
             if (o->kind == DT_COLL_ALL_REDUCE || me == o->root) memcpy(recv + off * es, c->result, (size_t)n * es);
@@ -2816,6 +2801,10 @@ static void dt_comm_start(dt_comm *c, dt_shm_header *hdr) {
     c->slots = (char *)hdr + DT_SHM_HEADER_BYTES;
     c->result = c->slots + (size_t)c->world * DT_SLOT_BYTES;
     __atomic_store_n(&hdr->pid[c->rank], (int)getpid(), __ATOMIC_RELEASE);
+    /* Fault tests: DT_TEST_DIE_RANK=r makes rank r kill itself in the middle of
+       its first all-reduce, after the others have started it. */
+    const char *die = getenv("DT_TEST_DIE_RANK");
+    c->die_in_all_reduce = die && atoi(die) == c->rank && c->world > 1;
     if (pthread_create(&c->worker, NULL, dt_comm_worker, c) != 0) dt_fail("cannot start the communication thread");
     dt_active_comm = c;
 }
@@ -2836,7 +2825,6 @@ dt_comm_group *dt_comm_group_create(int world, double timeout_s) {
 dt_comm *dt_comm_join(dt_comm_group *g, int rank) {
     if (rank < 0 || rank >= g->world) dt_fail("rank %d outside a group of %d", rank, g->world);
     dt_comm *c = dt_comm_new(DT_COMM_SHM, rank, g->world, g->timeout_s);
-    c->local_rank = rank;
     dt_comm_start(c, g->hdr);
     return c;
 }
@@ -2973,7 +2961,7 @@ void dt_launch(int nproc, double timeout_s) {
 
 /* -- the TCP rendezvous: small fixed-size messages, every wait bounded -- */
 typedef struct dt_hello { int32_t rank, world, pid; } dt_hello;
-typedef struct dt_welcome { char shm_name[64]; unsigned char nccl_id[128]; int32_t world, ok; } dt_welcome;
+typedef struct dt_welcome { char shm_name[64]; unsigned char nccl_id[128]; } dt_welcome;
 
 static void dt_io_all(int fd, void *buf, size_t n, int writing, double deadline, const char *what) {
     char *p = (char *)buf;
@@ -3023,7 +3011,6 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     int rank, world, local;
     dt_rank_from_env(&rank, &world, &local);
     dt_comm *c = dt_comm_new(kind, rank, world, timeout_s);
-    c->local_rank = local;
     dt_ctx.rank = rank;
     dt_ctx.world_size = world;
     const char *host = getenv("MASTER_ADDR") ? getenv("MASTER_ADDR") : "127.0.0.1";
@@ -3031,8 +3018,6 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     double deadline = dt_now_ms() + c->timeout_s * 1e3;
     dt_welcome w;
     memset(&w, 0, sizeof w);
-    w.world = world;
-    w.ok = 1;
     static int serial;
     dt_path(w.shm_name, sizeof w.shm_name, "/dtrain-%d-%d-%d", (int)getuid(), (int)getpid(), serial++);
 #ifdef DT_HAVE_CUDA
@@ -3423,7 +3408,7 @@ static float *dt_host_view(dt_device d, float *buf, int64_t n) {
     if (d == DT_CPU) return buf;
     float *host = (float *)malloc((size_t)n * sizeof(float) + 1);
     if (!host) dt_fail("out of memory (%lld floats to copy from the GPU)", (long long)n);
-    dt_copy_to_host(d, host, buf, n);
+    dt_download_from(d, host, buf, (size_t)n * sizeof(float));
     return host;
 }
 static void dt_host_view_close(dt_device d, float *host, float *buf, int64_t n, int written) {
@@ -4309,28 +4294,23 @@ static void dt_cuda_layernorm_backward(const float *x, const float *w, const flo
 
 /* ---- attention: reorder Q, K, V to head-major, two strided-batched matmuls
         around a row softmax, reorder the output back. ---- */
-/* rows [B, T, nsplit, H, hd] <-> heads [nsplit][B, H, T, hd] (nsplit 3: q, k, v) */
+/* rows [B, T, nsplit, H, hd] <-> heads [nsplit][B, H, T, hd] (nsplit 3: q, k, v):
+   where element i of the rows sits among the heads. */
+__device__ static inline int64_t dt_head_index(int64_t i, int B, int T, int H, int hd, int nsplit) {
+    int64_t r = i;
+    int d = (int)(r % hd); r /= hd;
+    int h = (int)(r % H); r /= H;
+    int which = (int)(r % nsplit); r /= nsplit;
+    int t = (int)(r % T), b = (int)(r / T);
+    return which * ((int64_t)B * T * H * hd) + (((int64_t)b * H + h) * T + t) * hd + d;
+}
 __global__ static void dt_k_split_heads(const float *rows, float *heads, int B, int T, int H, int hd, int nsplit) {
-    int64_t n = (int64_t)B * T * nsplit * H * hd, btd = (int64_t)B * T * H * hd;
-    DT_FOR_EACH(i, n) {
-        int64_t r = i;
-        int d = (int)(r % hd); r /= hd;
-        int h = (int)(r % H); r /= H;
-        int which = (int)(r % nsplit); r /= nsplit;
-        int t = (int)(r % T), b = (int)(r / T);
-        heads[which * btd + (((int64_t)b * H + h) * T + t) * hd + d] = rows[i];
-    }
+    DT_FOR_EACH(i, (int64_t)B * T * nsplit * H * hd) heads[dt_head_index(i, B, T, H, hd, nsplit)] = rows[i];
 }
 __global__ static void dt_k_merge_heads(const float *heads, float *rows, int B, int T, int H, int hd, int nsplit,
                                         int accumulate) {
-    int64_t n = (int64_t)B * T * nsplit * H * hd, btd = (int64_t)B * T * H * hd;
-    DT_FOR_EACH(i, n) {
-        int64_t r = i;
-        int d = (int)(r % hd); r /= hd;
-        int h = (int)(r % H); r /= H;
-        int which = (int)(r % nsplit); r /= nsplit;
-        int t = (int)(r % T), b = (int)(r / T);
-        float v = heads[which * btd + (((int64_t)b * H + h) * T + t) * hd + d];
+    DT_FOR_EACH(i, (int64_t)B * T * nsplit * H * hd) {
+        float v = heads[dt_head_index(i, B, T, H, hd, nsplit)];
         rows[i] = accumulate ? rows[i] + v : v;
     }
 }
