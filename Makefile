@@ -5,9 +5,11 @@
 #   make test         the test suite; ends with "N passed, N failed"
 #   make test-asan    the same under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make bench        time the reference workloads: on a GPU vit-tiny and vit-base against
-#                     PyTorch; on the CPU mlp and vit-tiny at 1 and 2 threads; the
+#                     PyTorch; on the CPU mlp and vit-tiny in every stage at 1, 2 and 4
+#                     ranks (speedup, efficiency, compute and communication time); the
 #                     all-reduce bus bandwidth of 2 and 4 ranks over shared memory
-#   make diff         what each stage changes from the one before
+#   make diff         what each stage changes from the one before, and how many lines
+#                     (the target: at most 40 between neighbours)
 #
 # Knobs: CC, OPT (default -O3 -march=native), BLAS=0 (built-in matmul even when
 # a system BLAS is found), STB=0 (no stb_image: PPM/PGM only), OPENMP=0,
@@ -106,21 +108,28 @@ build/asan/tools/%: tools/%.c dtrain.h $(CUDA_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(filter-out -O3 -O2,$(CFLAGS)) $(ASAN_FLAGS) -o $@ $< $(CUDA_OBJ) $(LDLIBS)
 
-test-asan: build/asan/01-single-gpu/train build/asan/test_dtrain build/asan/tools/collectives
+test-asan: $(addprefix build/asan/,$(STAGE_BINS)) build/asan/test_dtrain build/asan/tools/collectives
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ./build/asan/test_dtrain build/asan/01-single-gpu/train
 
 TORCH_PY = $(shell for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2>/dev/null && echo $$p && break; done)
 
-bench: 01-single-gpu/train tools/collectives
+# The scaling table: each stage's own --bench at 1, 2 and 4 ranks (devices in
+# 02), speedup and efficiency against the same stage at 1. On a CPU the ranks
+# share the cores one rank already uses, so this measures what data
+# parallelism costs, not what it gains; on more devices than cores it is
+# oversubscribed, and the table says so.
+WORKLOADS := "mlp|--model mlp" "vit-tiny|--model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64"
+bench: $(STAGE_BINS) tools/collectives
 	@for n in 2 4; do ./tools/collectives --nproc $$n --bench; done
 	@if [ -n "$(CUDA_OBJ)" ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then \
-	  tools/bench_gpu.sh 01-single-gpu/train "$(TORCH_PY)"; \
+	  tools/bench_gpu.sh 01-single-gpu/train "$(TORCH_PY)" 03-ddp/train; \
 	else echo "(no GPU here, or a build without CUDA: CPU benchmarks only)"; fi
-	@for t in 1 2; do \
-	  OMP_NUM_THREADS=$$t ./01-single-gpu/train --bench --model mlp; \
-	  OMP_NUM_THREADS=$$t ./01-single-gpu/train --bench --model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64; \
-	done
+	@for w in $(WORKLOADS); do flags=$${w#*|}; \
+	  OMP_NUM_THREADS=1 ./01-single-gpu/train --bench $$flags; \
+	  for s in 01-single-gpu 02-dp 03-ddp; do for n in 1 2 4; do \
+	    [ $$s = 01-single-gpu ] && [ $$n -gt 1 ] && continue; ./$$s/train --bench --nproc $$n $$flags; \
+	  done; done; done | tools/bench_table.awk -v cores=$$(nproc)
 	@py="$(TORCH_PY)"; \
 	 if [ -n "$$py" ]; then \
 	   [ -z "$$OPENBLAS_CORETYPE" ] || echo "(OPENBLAS_CORETYPE=$$OPENBLAS_CORETYPE limits PyTorch's OpenBLAS to that core type)"; \
@@ -128,9 +137,15 @@ bench: 01-single-gpu/train tools/collectives
 	 else echo "(PyTorch not installed: no comparison; Debian: apt-get install python3-torch)"; fi
 
 diff:
-	@prev=""; for s in $(STAGES); do \
+	@prev=""; for s in $(STAGES); do s=$${s%/}; \
 	  if [ -n "$$prev" ]; then echo "==== $$prev -> $$s"; diff -u $$prev/train.c $$s/train.c; fi; prev=$$s; \
-	done; if [ -z "$$prev" ] || [ "$(words $(STAGES))" = 1 ]; then echo "(only one stage so far: nothing to compare)"; fi; true
+	done; prev=""; for s in $(STAGES); do s=$${s%/}; \
+	  if [ -n "$$prev" ]; then \
+	    d=$$(diff $$prev/train.c $$s/train.c); \
+	    printf '%-32s %3d lines changed (%d removed, %d added)\n' "$$prev -> $$s:" \
+	      $$(printf '%s\n' "$$d" | grep -c '^[<>]') $$(printf '%s\n' "$$d" | grep -c '^<') $$(printf '%s\n' "$$d" | grep -c '^>'); \
+	  fi; prev=$$s; \
+	done; if [ "$(words $(STAGES))" -lt 2 ]; then echo "(only one stage so far: nothing to compare)"; fi; true
 
 clean:
 	rm -rf $(STAGE_BINS) $(TOOLS) $(TEST_BIN) build

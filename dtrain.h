@@ -34,16 +34,19 @@
         7  optimizer    AdamW, SGD with momentum, gradient clipping, warmup + cosine
         8  data         image folders, CIFAR-10 binaries, shuffling, rank sharding,
                         augmentation, and a synthetic data set made on first use
-       13  checkpoints  safetensors files written atomically; exact resume
-       14  metrics      JSON-lines logs, progress lines, Chrome traces, benchmarks
-       15  CUDA         the GPU bodies of the ops, behind one table (dt_backend):
-                        indexing, reductions and launch shape are all that differ
         9  collectives  all-reduce, reduce-scatter, all-gather, broadcast over shared
                         memory (threads or processes, sums in rank order) or NCCL
        10  launching    --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous,
                         and a job that stops, naming the rank, when one rank dies
-       (Sections 11-12 -- parallel wrappers and mixed precision -- arrive with the
-       later stages; their numbers are kept so the header reads as the course.)
+       11  parallel     DataParallel (one process, N devices, device 0 in charge) and
+                        DistributedDataParallel (a replica per process, gradients
+                        averaged in buckets while backward runs)
+       13  checkpoints  safetensors files written atomically; exact resume
+       14  metrics      JSON-lines logs, progress lines, Chrome traces, benchmarks
+       15  CUDA         the GPU bodies of the ops, behind one table (dt_backend):
+                        indexing, reductions and launch shape are all that differ
+       (Section 12 -- mixed precision -- arrives with a later stage; its number is
+       kept so the header reads as the course.)
 
    A FAILURE NEVER CRASHES
        Bad flags exit with status 2, everything else that goes wrong (a missing
@@ -411,6 +414,47 @@ void dt_launch(int nproc, double timeout_s);
    (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK) variables; 0, 1, 0 without them. */
 void dt_rank_from_env(int *rank, int *world, int *local_rank);
 
+/* ---- 11. parallel wrappers ------------------------------------------------------- */
+
+/* DataParallel (stage 02): one process drives N devices. Device 0 holds the
+   model and the optimizer; every other device holds a replica, run by a thread
+   of its own. Each step: replicate (device 0's parameters broadcast to every
+   replica), scatter (each device takes its slice of the batch), forward on
+   every device at once, gather (the logits back to device 0, where the loss is
+   computed). Backward runs on every device, then the gradients are summed onto
+   device 0 (reduce), which steps alone. Device 0 does more than the others:
+   that is DataParallel's bottleneck, and the reason for DDP. */
+typedef struct dt_dp dt_dp;
+/* Start devices-1 replica threads (devices <= 1: none, the model runs alone). */
+dt_dp *dt_dp_create(dt_model *model, int devices, double timeout_s);
+/* Replicate, scatter images [N*B, ...] in N slices, run every device's
+   forward, gather the logits [N*B, classes] on device 0. The gather is on the
+   tape: its backward hands each device its slice of the gradient and starts
+   that device's backward while device 0 goes on with its own. */
+dt_tensor *dt_dp_forward(dt_dp *dp, dt_tensor *images);
+/* Wait for every device's backward, then sum their gradients into device 0's. */
+void dt_dp_reduce_grads(dt_dp *dp);
+int dt_dp_devices(const dt_dp *dp);
+/* Stop the replicas; prints each device's peak memory unless quiet. */
+void dt_dp_free(dt_dp *dp, int quiet);
+
+/* DistributedDataParallel (stages 03-05): one process per device, each with a
+   whole replica and its own optimizer; only gradients travel. They travel in
+   buckets: runs of parameters taken in reverse order (the order backward
+   finishes them), about bucket_mb each (the first one 1 MB, so communication
+   starts early). A bucket's all-reduce (average) starts the moment its last
+   gradient is final, on the communication thread or stream, while backward
+   goes on. bucket_mb 0: one all-reduce of everything after backward, the
+   no-overlap baseline (same bits: the sums run in rank order either way). */
+typedef struct dt_ddp dt_ddp;
+/* Broadcast rank 0's parameters (every replica starts equal) and plan the buckets. */
+dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb);
+/* After backward: start what has not started, wait for every bucket. Every
+   rank then holds the average gradient. */
+void dt_ddp_sync_grads(dt_ddp *ddp);
+int dt_ddp_buckets(const dt_ddp *ddp);
+void dt_ddp_free(dt_ddp *ddp);
+
 /* ---- 13. checkpoints (safetensors) ------------------------------------------------ */
 
 /* A safetensors file: 8-byte little-endian header length, a JSON header naming
@@ -457,7 +501,8 @@ typedef struct dt_config {
     int bench;
     int quiet;
     float peak_tflops;           /* --bench on a GPU: the peak for MFU (0: look it up by name) */
-    int nproc;                   /* --nproc: ranks to start on this machine (stages 02-05) */
+    int nproc;                   /* --nproc: devices of stage 02, or ranks to start on this machine (03-05) */
+    float bucket_mb;             /* --bucket-mb: DDP's gradient buckets (0: one all-reduce after backward) */
     float timeout;               /* --timeout: seconds before a missing rank stops the job */
     int rank, world_size, local_rank;   /* this process's place in the job (from the environment) */
 } dt_config;
@@ -482,13 +527,18 @@ typedef struct dt_run {
     int64_t step, total_steps, stop_step, batches_per_epoch, batch_in_epoch, warmup;
     double phase_ms[DT_PHASE_COUNT], mark_ms, step_start_ms, start_ms, samples, train_ms;
     double last_loss, loss_sum;
-    int64_t loss_count;
+    int64_t loss_count, steps_run;
     double eval_loss, eval_acc;
     FILE *log, *trace;
     int stop;
+    /* --bench: the timed steps (after two warm-up steps) and what they spent */
+    int64_t bench_first;
+    double bench_t0, bench_phase_ms[DT_PHASE_COUNT], bench_comm_ms, bench_hidden_ms;
 } dt_run;
 
-/* Set up a run: --init or --resume, the log and trace files, a header line. */
+/* Set up a run: --init or --resume, the log and trace files, a header line. In
+   a job of several ranks (dt_comm_init), the ranks first check that they agree
+   on the flags that must match. */
 void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimizer *opt,
                   dt_loader *loader, const dt_dataset *val);
 /* Start the next epoch's data order; 0 when every epoch (or --steps) is done. */
@@ -502,23 +552,26 @@ float dt_run_lr(const dt_run *run);
 void dt_step_begin(dt_run *run);
 /* Charge the time since the last mark to `phase` (and draw it in the trace). */
 void dt_phase(dt_run *run, dt_phase_kind phase);
-/* After the optimizer: log, print progress, evaluate; returns 1 when --steps is reached. */
+/* After the optimizer: log, print progress, evaluate; returns 1 when --steps is
+   reached. In a job the logged loss is the mean over every rank's batch. */
 int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size);
 /* At an epoch's end: evaluate and write a checkpoint (when --save-dir is given). */
 void dt_epoch_end(dt_run *run);
-/* The summary line, the summary log record; closes files. Returns the exit status. */
+/* The summary line, the summary log record; closes files. Returns the exit status.
+   With --bench it prints the one "bench:" line instead. */
 int dt_run_finish(dt_run *run);
 
-/* Mean loss and accuracy of the model over a data set, without gradients. */
+/* Mean loss and accuracy of the model over a data set, without gradients. In a
+   job every rank evaluates its share and the sums are all-reduced. */
 void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss, double *acc);
 /* Write / read a full training checkpoint: weights, optimizer, position, RNG seed. */
 void dt_checkpoint_save(dt_run *run, const char *path);
 void dt_checkpoint_load(dt_run *run, const char *path);
 
-/* --bench: time training steps of the configured model on in-memory data. */
-int dt_bench(const dt_config *cfg);
-
-/* Load --data (or make the synthetic set), applying --image-size and the slice. */
+/* Load --data (or make the synthetic set), applying --image-size and the slice.
+   With --bench: random images in memory instead, enough for a few batches; the
+   stage's own loop then times its steps (two warm-up steps, then about three
+   seconds, or --steps) and dt_run_finish prints one "bench:" line. */
 void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val);
 
 #ifdef __cplusplus
@@ -705,8 +758,15 @@ typedef struct dt_backend {
 #include <cblas.h>
 #endif
 
-/* One context per rank (per process): memory counters, the tape, the step arena.
-   Nothing else in the library is global. */
+/* One context per rank: memory counters, the tape, the step arena. A rank is
+   usually a process; in stage 02 every device is a thread of one process, so
+   the context is per thread, and each device counts its own memory and keeps
+   its own tape. Nothing else in the library is global. */
+#if defined(__cplusplus)
+#define DT_THREAD_LOCAL thread_local
+#else
+#define DT_THREAD_LOCAL _Thread_local
+#endif
 typedef struct dt_tape_entry dt_tape_entry;
 typedef void (*dt_backward_fn)(dt_tape_entry *e);
 struct dt_tape_entry {
@@ -747,9 +807,17 @@ typedef struct dt_context {
     void *grad_ready_user;
     double flops;
     int backward_generation;
+    dt_comm *job;                      /* the communicator of a job of processes (dt_comm_init) */
+    int devices;                       /* > 1: this thread drives that many devices (stage 02) */
+    /* What the parallel wrappers communicated during this step, for the step's
+       log line and the trace: total time, the part hidden behind backward, and
+       each collective's interval on the communication track. */
+    double comm_ms, comm_hidden_ms;
+    struct { char name[32]; double t0, t1; } comm_events[64];
+    int ncomm_events;
 } dt_context;
 
-static dt_context dt_ctx = { .world_size = 1, .grad_enabled = 1 };
+static DT_THREAD_LOCAL dt_context dt_ctx = { .world_size = 1, .grad_enabled = 1 };
 
 /* ==== 1. errors =================================================================
    A library for learners fails early and says why. There is no error code to
@@ -967,16 +1035,16 @@ void dt_step_arena_reset(void) {
    have become tiny. GPUs flush them to zero in their fast paths; so do we, in
    every thread of a training process (the control register is per thread).
    The effect on results is below anything a float can tell apart in training. */
-static void dt_flush_subnormals(void) {
+static void dt_flush_subnormals_here(void) {          /* this thread only */
 #if defined(__x86_64__) || defined(__SSE2__)
-    DT_OMP("omp parallel")
-    {
-        _MM_SET_FLUSH_ZERO_MODE(_MM_FLUSH_ZERO_ON);
-        _MM_SET_DENORMALS_ZERO_MODE(_MM_DENORMALS_ZERO_ON);
-    }
     _MM_SET_FLUSH_ZERO_MODE(_MM_FLUSH_ZERO_ON);
     _MM_SET_DENORMALS_ZERO_MODE(_MM_DENORMALS_ZERO_ON);
 #endif
+}
+static void dt_flush_subnormals(void) {               /* this thread and its OpenMP team */
+    DT_OMP("omp parallel")
+    dt_flush_subnormals_here();
+    dt_flush_subnormals_here();
 }
 
 /* ==== 3. tensors ================================================================
@@ -1136,11 +1204,6 @@ static void dt_pack_b(int trans, const float *B, int ldb, int k0, int kc, int j0
 /* Packing space, one buffer per thread, kept between calls: attention makes
    thousands of small matmuls per step, and a fresh allocation for each costs
    more (the kernel zeroing new pages) than the arithmetic. */
-#if defined(__cplusplus)
-#define DT_THREAD_LOCAL thread_local
-#else
-#define DT_THREAD_LOCAL _Thread_local
-#endif
 static DT_THREAD_LOCAL float *dt_pack_buffer;
 static DT_THREAD_LOCAL size_t dt_pack_floats;
 static float *dt_pack_space(size_t floats) {
@@ -2527,7 +2590,7 @@ struct dt_comm_group { dt_shm_header *hdr; int world; double timeout_s; };
 struct dt_comm {
     dt_comm_kind kind;
     int rank, world;
-    int die_in_all_reduce;                  /* test hook, see dt_comm_start */
+    int die_in_all_reduce;                  /* test hook, see dt_comm_start: die in this all-reduce (from 1) */
     double timeout_s;
     dt_shm_header *hdr;                     /* shared memory: header, world slots, a result area */
     char *slots, *result;
@@ -2538,6 +2601,7 @@ struct dt_comm {
     pthread_mutex_t mu;
     pthread_cond_t wake, done;
     dt_comm_op queue[DT_COMM_QUEUE];
+    double started_ms[DT_COMM_QUEUE], finished_ms[DT_COMM_QUEUE];   /* when the thread ran each call */
     int64_t submitted, completed;
     int stop;
 };
@@ -2640,6 +2704,10 @@ static void dt_shm_run(dt_comm *c, const dt_comm_op *o) {
     const char *send = (const char *)o->send;
     char *recv = (char *)o->recv;
     const char *what = dt_coll_names[o->kind];
+    if (W == 1) {                         /* alone: every collective is a copy (or nothing) */
+        if (o->kind != DT_COLL_BARRIER && recv != send) memmove(recv, send, (size_t)o->count * es);
+        return;
+    }
     switch (o->kind) {
     case DT_COLL_BARRIER: dt_shm_barrier(c, what); break;
     case DT_COLL_ALL_REDUCE:
@@ -2648,7 +2716,7 @@ static void dt_shm_run(dt_comm *c, const dt_comm_op *o) {
             int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
             memcpy(mine, send + off * es, (size_t)n * es);
             dt_shm_barrier(c, what);
-            if (c->die_in_all_reduce && o->kind == DT_COLL_ALL_REDUCE) raise(SIGKILL);
+            if (o->kind == DT_COLL_ALL_REDUCE && c->die_in_all_reduce > 0 && --c->die_in_all_reduce == 0) raise(SIGKILL);
             dt_sum_slots(c, 0, n * me / W, n * (me + 1) / W, o->dtype, o->op, c->result, 0);   /* my stripe */
             dt_shm_barrier(c, what);
             if (o->kind == DT_COLL_ALL_REDUCE || me == o->root) memcpy(recv + off * es, c->result, (size_t)n * es);
@@ -2691,19 +2759,25 @@ static void dt_shm_run(dt_comm *c, const dt_comm_op *o) {
    caller can go on computing (DDP overlaps the all-reduce with backward). */
 static void *dt_comm_worker(void *arg) {
     dt_comm *c = (dt_comm *)arg;
-    dt_flush_subnormals();
+    dt_flush_subnormals_here();             /* no OpenMP team of its own: it only copies and adds */
+    dt_ctx.rank = c->rank;                  /* its error lines name the rank too */
+    dt_ctx.world_size = c->world;
     pthread_mutex_lock(&c->mu);
     for (;;) {
         while (!c->stop && c->completed == c->submitted) pthread_cond_wait(&c->wake, &c->mu);
         if (c->completed == c->submitted) break;
         dt_comm_op o = c->queue[c->completed % DT_COMM_QUEUE];
         pthread_mutex_unlock(&c->mu);
+        double t0 = dt_now_ms();
 #ifdef DT_HAVE_CUDA
         if (c->kind == DT_COMM_NCCL) dt_nccl_run(c->nccl, (int)o.kind, o.send, o.recv, o.count, (int)o.dtype, (int)o.op, o.root);
         else
 #endif
             dt_shm_run(c, &o);
+        double t1 = dt_now_ms();
         pthread_mutex_lock(&c->mu);
+        c->started_ms[c->completed % DT_COMM_QUEUE] = t0;
+        c->finished_ms[c->completed % DT_COMM_QUEUE] = t1;
         c->completed++;
         pthread_cond_broadcast(&c->done);
     }
@@ -2771,6 +2845,13 @@ void dt_barrier(dt_comm *c) {
     dt_comm_wait(c, dt_comm_submit(c, o));
 }
 int dt_comm_rank(const dt_comm *c) { return c->rank; }
+/* When the communication thread started and finished the call behind h (after
+   dt_comm_wait; kept for the last DT_COMM_QUEUE calls). With NCCL, "finished"
+   means queued on its stream. */
+static void dt_comm_interval(const dt_comm *c, dt_comm_handle h, double *t0, double *t1) {
+    *t0 = c->started_ms[(h - 1) % DT_COMM_QUEUE];
+    *t1 = c->finished_ms[(h - 1) % DT_COMM_QUEUE];
+}
 int dt_comm_size(const dt_comm *c) { return c->world; }
 
 void dt_comm_check_agree(dt_comm *c, const char *what, const char *value) {
@@ -2802,11 +2883,13 @@ static void dt_comm_start(dt_comm *c, dt_shm_header *hdr) {
     c->result = c->slots + (size_t)c->world * DT_SLOT_BYTES;
     __atomic_store_n(&hdr->pid[c->rank], (int)getpid(), __ATOMIC_RELEASE);
     /* Fault tests: DT_TEST_DIE_RANK=r makes rank r kill itself in the middle of
-       its first all-reduce, after the others have started it. */
-    const char *die = getenv("DT_TEST_DIE_RANK");
-    c->die_in_all_reduce = die && atoi(die) == c->rank && c->world > 1;
+       its first all-reduce (or its DT_TEST_DIE_CALL-th), after the others have
+       started it. */
+    const char *die = getenv("DT_TEST_DIE_RANK"), *call = getenv("DT_TEST_DIE_CALL");
+    c->die_in_all_reduce = die && atoi(die) == c->rank && c->world > 1 ? (call ? atoi(call) : 1) : 0;
     if (pthread_create(&c->worker, NULL, dt_comm_worker, c) != 0) dt_fail("cannot start the communication thread");
-    dt_active_comm = c;
+    dt_comm *none = NULL;                   /* the first communicator speaks for the job when we fail */
+    __atomic_compare_exchange_n(&dt_active_comm, &none, c, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
 }
 
 dt_comm_group *dt_comm_group_create(int world, double timeout_s) {
@@ -2842,7 +2925,9 @@ void dt_comm_free(dt_comm *c) {
     pthread_cond_signal(&c->wake);
     pthread_mutex_unlock(&c->mu);
     pthread_join(c->worker, NULL);
-    if (dt_active_comm == c) dt_active_comm = NULL;
+    dt_comm *self = c;
+    __atomic_compare_exchange_n(&dt_active_comm, &self, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    if (dt_ctx.job == c) dt_ctx.job = NULL;
 #ifdef DT_HAVE_CUDA
     if (c->nccl) dt_nccl_free(c->nccl);
 #endif
@@ -2924,7 +3009,12 @@ void dt_launch(int nproc, double timeout_s) {
             setenv("WORLD_SIZE", v, 1);
             setenv("MASTER_ADDR", "127.0.0.1", 1);
             setenv("MASTER_PORT", port, 1);
-            setenv("OMP_NUM_THREADS", cores, 0);
+            if (!getenv("OMP_NUM_THREADS")) {
+                setenv("OMP_NUM_THREADS", cores, 1);
+#ifdef _OPENMP
+                omp_set_num_threads(atoi(cores));   /* the runtime read the variable at start-up, before the fork */
+#endif
+            }
             return;
         }
     }
@@ -3090,7 +3180,334 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
 #endif
     dt_comm_start(c, hdr);
     dt_barrier(c);                          /* everyone is in, and the header is set */
+    dt_ctx.job = c;                         /* the run's logs, evaluation and checks use it */
     return c;
+}
+
+/* ==== 11. parallel wrappers =====================================================
+   Data parallel training in two shapes. DataParallel (stage 02): one process,
+   N devices, device 0 in charge -- replicate, scatter, forward, gather, loss,
+   backward, reduce, step, all through device 0. DistributedDataParallel
+   (stage 03): N processes, each a full replica with its own optimizer; the only
+   traffic is the average of the gradients, and it overlaps with backward. The
+   model, autograd and the optimizer are the ones stage 01 uses: the wrappers
+   only decide where copies of them live and what crosses between the copies. */
+
+/* What the wrappers communicated, for this step's log line and trace. `hidden`
+   is the part of [t0, t1] that ran while backward was still computing. */
+static void dt_record_comm(const char *name, double t0, double t1, double hidden) {
+    dt_ctx.comm_ms += t1 - t0;
+    dt_ctx.comm_hidden_ms += hidden;
+    if (dt_ctx.ncomm_events < (int)(sizeof dt_ctx.comm_events / sizeof dt_ctx.comm_events[0])) {
+        int k = dt_ctx.ncomm_events++;
+        dt_copy_str(dt_ctx.comm_events[k].name, sizeof dt_ctx.comm_events[k].name, name);
+        dt_ctx.comm_events[k].t0 = t0;
+        dt_ctx.comm_events[k].t1 = t1;
+    }
+}
+
+/* A thread that ran ops gives back what its context holds before it ends. */
+static void dt_context_release(void) {
+    for (int d = 0; d < 2; d++) {
+        dt_step_arena *a = &dt_ctx.step[d];
+        for (int i = 0; i < a->nspill; i++) dt_free_on((dt_device)d, DT_ARENA_ACTS, a->spill[i], a->spill_bytes[i]);
+        if (a->base) dt_free_on((dt_device)d, DT_ARENA_ACTS, a->base, a->cap);
+        free(a->spill);
+        free(a->spill_bytes);
+        memset(a, 0, sizeof *a);
+    }
+    free(dt_ctx.tape);
+    dt_ctx.tape = NULL;
+    dt_ctx.tape_len = dt_ctx.tape_cap = 0;
+    DT_OMP("omp parallel")
+    {
+        free(dt_pack_buffer);               /* each thread of this device's team frees its own */
+        dt_pack_buffer = NULL;
+        dt_pack_floats = 0;
+    }
+}
+
+/* -- DataParallel -- */
+typedef enum { DT_DP_FORWARD = 1, DT_DP_BACKWARD, DT_DP_REDUCE, DT_DP_QUIT } dt_dp_job;
+
+typedef struct dt_dp_device {
+    struct dt_dp *dp;
+    int index;
+    pthread_t thread;
+    dt_model *model;            /* device 0: the model itself; the others: replicas */
+    dt_comm *comm;
+    dt_tensor *logits;          /* this device's output, in its own step arena */
+    const float *dlogits;       /* its slice of the gradient of the gathered logits */
+    double flops;               /* counted by its thread this step */
+    size_t mem_peak;
+    dt_dp_job job;
+    int64_t posted, finished;
+} dt_dp_device;
+
+struct dt_dp {
+    dt_model *model;
+    int devices, threads_per_device;
+    dt_tensor *images;          /* the batch being scattered, and its rows per device */
+    int rows;
+    dt_comm_group *group;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    dt_dp_device dev[DT_MAX_RANKS];
+};
+
+/* Replicate, scatter, forward: the same on every device, device 0 included.
+   Returns when the replicate started and ended. */
+static void dt_dp_device_forward(dt_dp *dp, dt_dp_device *d, double *t0, double *t1) {
+    dt_model *m = d->model;
+    *t0 = dt_now_ms();
+    dt_broadcast(d->comm, m->flat_data, m->numel, DT_F32, 0);          /* device 0's weights, every step */
+    *t1 = dt_now_ms();
+    const dt_tensor *all = dp->images;
+    int shape[4] = { dp->rows, all->shape[1], all->shape[2], all->shape[3] };
+    size_t per_image = (size_t)(all->numel / all->shape[0]);
+    dt_tensor *mine = dt_tensor_out(all->ndim, shape);
+    memcpy(mine->data, all->data + (size_t)d->index * dp->rows * per_image,      /* scatter: a copy to this device */
+           (size_t)dp->rows * per_image * sizeof(float));
+    d->logits = dt_model_forward(m, mine);
+}
+
+static void dt_dp_post(dt_dp *dp, dt_dp_job job) {
+    pthread_mutex_lock(&dp->mu);
+    for (int i = 1; i < dp->devices; i++) { dp->dev[i].job = job; dp->dev[i].posted++; }
+    pthread_cond_broadcast(&dp->cv);
+    pthread_mutex_unlock(&dp->mu);
+}
+static void dt_dp_wait(dt_dp *dp) {
+    pthread_mutex_lock(&dp->mu);
+    for (int i = 1; i < dp->devices; i++)
+        while (dp->dev[i].finished != dp->dev[i].posted) pthread_cond_wait(&dp->cv, &dp->mu);
+    pthread_mutex_unlock(&dp->mu);
+}
+
+/* A replica's thread: a context of its own (tape, step arena, memory counts),
+   a share of the cores, and a loop doing what device 0 asks. */
+static void *dt_dp_worker(void *arg) {
+    dt_dp_device *d = (dt_dp_device *)arg;
+    dt_dp *dp = d->dp;
+    dt_flush_subnormals();
+#ifdef _OPENMP
+    omp_set_num_threads(dp->threads_per_device);
+#endif
+    d->model = dt_model_create(&dp->model->cfg, 0);     /* its weights arrive with the first broadcast */
+    d->comm = dt_comm_join(dp->group, d->index);
+    for (;;) {
+        pthread_mutex_lock(&dp->mu);
+        while (d->posted == d->finished) pthread_cond_wait(&dp->cv, &dp->mu);
+        dt_dp_job job = d->job;
+        pthread_mutex_unlock(&dp->mu);
+        if (job == DT_DP_QUIT) break;
+        if (job == DT_DP_FORWARD) {
+            double t0, t1;
+            dt_step_arena_reset();
+            dt_flops_reset();
+            dt_dp_device_forward(dp, d, &t0, &t1);
+        }
+        if (job == DT_DP_BACKWARD) dt_backward_from(d->logits, d->dlogits);
+        if (job == DT_DP_REDUCE) {
+            dt_model *m = d->model;
+            dt_reduce(d->comm, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_SUM, 0);
+            dt_model_zero_grad(m);
+            d->flops = dt_flops_counted();
+        }
+        d->mem_peak = dt_mem_total_peak();
+        pthread_mutex_lock(&dp->mu);
+        d->finished = d->posted;
+        pthread_cond_broadcast(&dp->cv);
+        pthread_mutex_unlock(&dp->mu);
+    }
+    dt_comm_free(d->comm);
+    dt_model_free(d->model);
+    dt_context_release();
+    return NULL;
+}
+
+dt_dp *dt_dp_create(dt_model *model, int devices, double timeout_s) {
+    if (devices < 1 || devices > DT_MAX_RANKS) dt_fail("DataParallel over %d devices (1 to %d)", devices, DT_MAX_RANKS);
+    if (devices > 1 && model->device != DT_CPU)
+        dt_fail("02-dp on %d GPUs: driving several GPUs from one process needs a CUDA stream, a cuBLAS handle and an "
+                "NCCL communicator per GPU, and this version keeps one per process. Use --nproc 1 here, or 03-ddp "
+                "(one process per GPU)", devices);
+    dt_dp *dp = (dt_dp *)calloc(1, sizeof *dp);
+    if (!dp) dt_fail("out of memory (DataParallel)");
+    dp->model = model;
+    dp->devices = devices;
+    dp->threads_per_device = dt_threads() / devices > 1 ? dt_threads() / devices : 1;
+    dt_ctx.devices = devices;
+    if (devices == 1) return dp;
+    pthread_mutex_init(&dp->mu, NULL);
+    pthread_cond_init(&dp->cv, NULL);
+    dp->group = dt_comm_group_create(devices, timeout_s);
+#ifdef _OPENMP
+    omp_set_num_threads(dp->threads_per_device);      /* the cores shared out among the devices */
+#endif
+    dp->dev[0].dp = dp;
+    dp->dev[0].model = model;
+    dp->dev[0].comm = dt_comm_join(dp->group, 0);
+    for (int i = 1; i < devices; i++) {
+        dp->dev[i].dp = dp;
+        dp->dev[i].index = i;
+        if (pthread_create(&dp->dev[i].thread, NULL, dt_dp_worker, &dp->dev[i]) != 0)
+            dt_fail("cannot start the thread of device %d", i);
+    }
+    return dp;
+}
+int dt_dp_devices(const dt_dp *dp) { return dp->devices; }
+
+/* The gather's backward: each device gets its slice of d(loss)/d(logits) and
+   starts its own backward; device 0's slice flows on through device 0's tape. */
+static void dt_dp_gather_backward(dt_tape_entry *e) {
+    dt_dp *dp = (dt_dp *)e->saved;
+    int64_t per = (int64_t)dp->rows * dt_tensor_cols(e->out);
+    for (int i = 1; i < dp->devices; i++) dp->dev[i].dlogits = e->out->grad + i * per;
+    dt_dp_post(dp, DT_DP_BACKWARD);
+    float *g = dt_grad(e->in[0]);
+    for (int64_t k = 0; k < per; k++) g[k] += e->out->grad[k];
+}
+
+dt_tensor *dt_dp_forward(dt_dp *dp, dt_tensor *images) {
+    if (dp->devices == 1) return dt_model_forward(dp->model, images);
+    int N = dp->devices, B = images->shape[0];
+    if (B % N) dt_fail("DataParallel: a batch of %d images does not split evenly over %d devices", B, N);
+    dp->images = images;
+    dp->rows = B / N;
+    double t0, t1;
+    dt_dp_post(dp, DT_DP_FORWARD);
+    dt_dp_device_forward(dp, &dp->dev[0], &t0, &t1);
+    dt_dp_wait(dp);
+    dt_record_comm("broadcast parameters", t0, t1, 0);
+    /* gather: every device's logits, in device order, on device 0 */
+    dt_tensor *mine = dp->dev[0].logits;
+    int C = (int)dt_tensor_cols(mine);
+    dt_tensor *out = dt_tensor_out_2d(B, C);
+    for (int i = 0; i < N; i++)
+        memcpy(out->data + (size_t)i * dp->rows * C, dp->dev[i].logits->data, sizeof(float) * (size_t)dp->rows * C);
+    if (dt_wants_grad(mine, NULL, NULL)) dt_tape_push(dt_dp_gather_backward, out, mine, NULL, NULL)->saved = dp;
+    return out;
+}
+
+void dt_dp_reduce_grads(dt_dp *dp) {
+    if (dp->devices == 1) return;
+    dt_dp_wait(dp);                                    /* every device's backward has finished */
+    double t0 = dt_now_ms();
+    dt_dp_post(dp, DT_DP_REDUCE);
+    dt_model *m = dp->model;
+    dt_reduce(dp->dev[0].comm, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_SUM, 0);
+    dt_dp_wait(dp);
+    dt_record_comm("reduce gradients", t0, dt_now_ms(), 0);
+    for (int i = 1; i < dp->devices; i++) dt_ctx.flops += dp->dev[i].flops;   /* the work of every device */
+}
+
+void dt_dp_free(dt_dp *dp, int quiet) {
+    if (!dp) return;
+    if (dp->devices > 1) {
+        dt_dp_post(dp, DT_DP_QUIT);
+        for (int i = 1; i < dp->devices; i++) pthread_join(dp->dev[i].thread, NULL);
+        if (!quiet) {
+            printf("peak memory per device: 0: %.1f MB (model, optimizer, gathered logits)", dt_mem_total_peak() / 1e6);
+            for (int i = 1; i < dp->devices; i++) printf(", %d: %.1f MB", i, dp->dev[i].mem_peak / 1e6);
+            printf("\n");
+            fflush(stdout);
+        }
+        dt_comm_free(dp->dev[0].comm);
+        dt_comm_group_free(dp->group);
+        pthread_mutex_destroy(&dp->mu);
+        pthread_cond_destroy(&dp->cv);
+    }
+    free(dp);
+}
+
+/* -- DistributedDataParallel -- */
+typedef struct dt_ddp_bucket {
+    int first, last;            /* parameters first..last: one run of the flat gradient */
+    int64_t offset, count;
+    int pending;                /* gradients of this bucket not final yet in this backward */
+    dt_comm_handle handle;
+} dt_ddp_bucket;
+
+struct dt_ddp {
+    dt_model *model;
+    dt_comm *comm;
+    int nbuckets, launched;     /* buckets start in order: 0, 1, ... */
+    dt_ddp_bucket *buckets;
+    int *bucket_of;             /* parameter -> bucket */
+};
+
+/* Start every bucket that is complete and whose predecessors have started:
+   all ranks must issue the collectives in the same order. */
+static void dt_ddp_launch(dt_ddp *d, int all) {
+    while (d->launched < d->nbuckets && (all || d->buckets[d->launched].pending == 0)) {
+        dt_ddp_bucket *b = &d->buckets[d->launched++];
+        float *g = d->model->flat_grad + b->offset;
+        b->handle = dt_all_reduce_async(d->comm, g, g, b->count, DT_F32, DT_AVG);
+    }
+}
+static void dt_ddp_grad_ready(dt_tensor *p, void *user) {
+    dt_ddp *d = (dt_ddp *)user;
+    int64_t i = p - d->model->params;
+    if (i < 0 || i >= d->model->nparams) return;      /* not this model's */
+    dt_ddp_bucket *b = &d->buckets[d->bucket_of[i]];
+    if (b->pending > 0) b->pending--;
+    dt_ddp_launch(d, 0);
+}
+
+dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
+    dt_ddp *d = (dt_ddp *)calloc(1, sizeof *d);
+    int n = model->nparams;
+    if (!d || !(d->buckets = (dt_ddp_bucket *)calloc((size_t)n, sizeof(dt_ddp_bucket))) ||
+        !(d->bucket_of = (int *)calloc((size_t)n, sizeof(int))))
+        dt_fail("out of memory (DDP)");
+    d->model = model;
+    d->comm = comm;
+    dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);   /* every replica starts from rank 0's */
+    /* Buckets, from the last parameter back: ~bucket_mb each, the first 1 MB. */
+    double cap = bucket_mb > 0 ? bucket_mb * 1048576.0 : 1e300, first_cap = cap < 1048576.0 ? cap : 1048576.0;
+    double bytes = 0;
+    for (int i = n - 1; i >= 0; i--) {
+        dt_ddp_bucket *b = &d->buckets[d->nbuckets];
+        if (bytes == 0) b->last = i;
+        bytes += 4.0 * model->params[i].numel;
+        d->bucket_of[i] = d->nbuckets;
+        if (bytes >= (d->nbuckets == 0 ? first_cap : cap) || i == 0) {
+            b->first = i;
+            b->offset = model->params[i].data - model->flat_data;
+            b->count = model->params[b->last].data + model->params[b->last].numel - model->params[i].data;
+            b->pending = b->last - b->first + 1;
+            d->nbuckets++;
+            bytes = 0;
+        }
+    }
+    if (bucket_mb > 0) dt_set_grad_ready_hook(dt_ddp_grad_ready, d);
+    return d;
+}
+int dt_ddp_buckets(const dt_ddp *d) { return d->nbuckets; }
+
+void dt_ddp_sync_grads(dt_ddp *d) {
+    double backward_end = dt_now_ms();
+    dt_ddp_launch(d, 1);
+    for (int k = 0; k < d->nbuckets; k++) {
+        dt_ddp_bucket *b = &d->buckets[k];
+        double t0, t1;
+        char name[32];
+        dt_comm_wait(d->comm, b->handle);
+        dt_comm_interval(d->comm, b->handle, &t0, &t1);
+        snprintf(name, sizeof name, "all_reduce bucket %d", k);
+        dt_record_comm(name, t0, t1, t0 < backward_end ? (t1 < backward_end ? t1 : backward_end) - t0 : 0);
+        b->pending = b->last - b->first + 1;
+    }
+    d->launched = 0;
+}
+
+void dt_ddp_free(dt_ddp *d) {
+    if (!d) return;
+    if (dt_ctx.grad_ready_user == d) dt_set_grad_ready_hook(NULL, NULL);
+    free(d->buckets);
+    free(d->bucket_of);
+    free(d);
 }
 
 /* ==== 13. checkpoints ===========================================================
@@ -3487,10 +3904,12 @@ static const dt_flag dt_flags[] = {
     { "--log-every", "N", "print a progress line every N steps (default 50)", DT_ARG_INT, DT_CFG(log_every), NULL },
     { "--start-idx", "N", "train on images [N, end) of the training set (default 0)", DT_ARG_I64, DT_CFG(start_idx), NULL },
     { "--end-idx", "N", "... up to image N (default: all)", DT_ARG_I64, DT_CFG(end_idx), NULL },
-    { "--bench", NULL, "time training steps on in-memory data, print one summary line, exit", DT_ARG_SWITCH, DT_CFG(bench), NULL },
+    { "--bench", NULL, "time this stage's training steps on random in-memory data, print one line, exit", DT_ARG_SWITCH, DT_CFG(bench), NULL },
     { "--quiet", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL },
     { "--peak-tflops", "X", "--bench on a GPU: its fp32 peak for MFU (default: looked up by name)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL },
-    { "--nproc", "N", "start N ranks on this machine (stages 02-05; default 1)", DT_ARG_INT, DT_CFG(nproc), NULL },
+    { "--nproc", "N", "02: devices driven by this one process; 03-05: ranks started on this machine (default 1)", DT_ARG_INT, DT_CFG(nproc), NULL },
+    { "--bucket-mb", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
+      DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL },
     { "--timeout", "S", "stop when a rank has not answered for S seconds (default 60)", DT_ARG_FLOAT, DT_CFG(timeout), NULL },
 };
 #undef DT_CFG
@@ -3509,7 +3928,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     dt_config c;
     memset(&c, 0, sizeof c);
     c.stage = stage;
-    c.nproc = 1; c.timeout = 60;
+    c.nproc = 1; c.timeout = 60; c.bucket_mb = 25;
     c.image_size = 32; c.model = DT_MODEL_MLP; c.dim = c.depth = c.heads = c.patch = -1;
     c.batch_size = 128; c.epochs = 10; c.lr = 1e-3f; c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
     c.warmup = -1; c.optimizer = DT_ADAMW; c.seed = 1; c.device = (dt_device)2; /* auto */
@@ -3592,7 +4011,12 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     }
     if (c.nproc < 1) dt_usage_error("--nproc %d: at least 1", c.nproc);
     if (!(c.timeout > 0)) dt_usage_error("--timeout %g: seconds, more than 0", c.timeout);
-    dt_launch(c.nproc, c.timeout);             /* before any thread or device exists */
+    if (c.bucket_mb < 0) dt_usage_error("--bucket-mb %g: megabytes, 0 or more", c.bucket_mb);
+    /* --nproc means one thing per stage: 01 has one device; 02 drives N devices
+       from this one process (threads); from 03 on, N processes are started. */
+    if (!strncmp(stage, "01", 2) && c.nproc > 1)
+        dt_usage_error("--nproc %d: stage 01 trains on one device (data parallel training starts in 02-dp)", c.nproc);
+    if (strncmp(stage, "02", 2)) dt_launch(c.nproc, c.timeout);   /* before any thread or device exists */
     dt_flush_subnormals();
     dt_rank_from_env(&c.rank, &c.world_size, &c.local_rank);
     dt_ctx.rank = c.rank;                      /* error lines name their rank from here on */
@@ -3609,14 +4033,34 @@ dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int ima
     return m;
 }
 
+/* The trace has one track per phase, so that forward, backward, waiting for
+   communication and the optimizer line up in rows, and one for the
+   communication thread (or stream), where each collective -- each DDP bucket --
+   shows when it really ran: overlap with backward is visible at a glance. */
+enum { DT_TRACK_COMM = DT_PHASE_COUNT };
+static const char *dt_phase_names[DT_PHASE_COUNT] = { "data", "forward", "backward", "comm wait", "optimizer", "eval", "checkpoint" };
+
 static void dt_trace_event(dt_run *r, const char *name, int track, double t0, double t1) {
     if (!r->trace) return;
-    /* the file opens with two metadata events, so every event follows a comma */
+    /* the file opens with metadata events, so every event follows a comma */
     fprintf(r->trace, ",{\"name\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.1f,\"dur\":%.1f}\n",
             name, dt_ctx.rank, track, (t0 - r->start_ms) * 1e3, (t1 - t0) * 1e3);
 }
 
-static const char *dt_phase_names[DT_PHASE_COUNT] = { "data", "forward", "backward", "comm", "optimizer", "eval", "checkpoint" };
+static void dt_trace_open(dt_run *r, const char *path) {
+    char mine[4096];
+    const char *dot = strrchr(path, '.');
+    if (dt_ctx.world_size == 1) dt_path(mine, sizeof mine, "%s", path);
+    else if (dot && !strcmp(dot, ".json"))          /* one file per rank: run.json -> run.rank1.json */
+        dt_path(mine, sizeof mine, "%.*s.rank%d.json", (int)(dot - path), path, dt_ctx.rank);
+    else dt_path(mine, sizeof mine, "%s.rank%d", path, dt_ctx.rank);
+    if (!(r->trace = fopen(mine, "w"))) dt_fail("cannot open --trace '%s': %s", mine, strerror(errno));
+    fprintf(r->trace, "[{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":\"rank %d\"}}\n",
+            dt_ctx.rank, dt_ctx.rank);
+    for (int t = 0; t <= DT_TRACK_COMM; t++)
+        fprintf(r->trace, ",{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"%s\"}}\n",
+                dt_ctx.rank, t, t == DT_TRACK_COMM ? "communication" : dt_phase_names[t]);
+}
 
 void dt_phase(dt_run *r, dt_phase_kind phase) {
     /* A GPU runs its queue of kernels behind the host's back: wait for it, or
@@ -3624,12 +4068,22 @@ void dt_phase(dt_run *r, dt_phase_kind phase) {
     dt_synchronize();
     double now = dt_now_ms();
     r->phase_ms[phase] += now - r->mark_ms;
-    dt_trace_event(r, dt_phase_names[phase], phase == DT_PHASE_COMM ? 1 : 0, r->mark_ms, now);
+    dt_trace_event(r, dt_phase_names[phase], phase == DT_PHASE_CKPT ? DT_PHASE_EVAL : phase, r->mark_ms, now);
     r->mark_ms = now;
 }
 
+/* Sum n floats over the ranks of the job, through device memory (NCCL reads nothing else). */
+static void dt_job_sum(float *host, int n) {
+    if (!dt_ctx.job || dt_ctx.world_size == 1) return;
+    float *buf = (float *)dt_step_data(sizeof(float) * (size_t)n);
+    dt_upload(buf, host, sizeof(float) * (size_t)n);
+    dt_all_reduce(dt_ctx.job, buf, buf, n, DT_F32, DT_SUM);
+    dt_download(host, buf, sizeof(float) * (size_t)n);
+}
+
 void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss, double *acc) {
-    dt_loader l = dt_loader_create(ds, batch_size, 0, 0, 0, 0, 0, 1);
+    int rank = dt_ctx.job ? dt_ctx.rank : 0, world = dt_ctx.job ? dt_ctx.world_size : 1;
+    dt_loader l = dt_loader_create(ds, batch_size, 0, 0, 0, 0, rank, world);
     dt_loader_start_epoch(&l, 0, 0);
     dt_batch b;
     double total = 0;
@@ -3637,24 +4091,32 @@ void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss
     dt_set_grad_enabled(0);
     for (;;) {
         dt_step_arena_reset();
+        int64_t first = l.pos;
         if (!dt_loader_next(&l, &b)) break;
         dt_tensor *logits = dt_model_forward(m, b.images);
-        total += dt_tensor_item(dt_cross_entropy(logits, b.labels)) * (double)b.size;
         int C = (int)dt_tensor_cols(logits);
         float *host = (float *)dt_step_alloc_uninit(sizeof(float) * (size_t)logits->numel);
         dt_tensor_to_host(logits, host);
         for (int i = 0; i < b.size; i++) {
+            if (rank + (first + i) * world >= ds->n) continue;   /* the sampler's padding: counted by its owner */
             const float *row = host + (size_t)i * C;
             int best = 0;
+            float mx = row[0], sum = 0;
             for (int j = 1; j < C; j++) if (row[j] > row[best]) best = j;
+            mx = row[best];
+            for (int j = 0; j < C; j++) sum += expf(row[j] - mx);
+            total += (double)(logf(sum) + mx - row[b.labels[i]]);
             correct += best == b.labels[i];
+            seen++;
         }
-        seen += b.size;
     }
     dt_set_grad_enabled(1);
     dt_loader_free(&l);
-    *loss = seen ? total / seen : 0;
-    *acc = seen ? (double)correct / seen : 0;
+    float sums[3] = { (float)total, (float)correct, (float)seen };
+    dt_step_arena_reset();
+    dt_job_sum(sums, 3);
+    *loss = sums[2] > 0 ? sums[0] / sums[2] : 0;
+    *acc = sums[2] > 0 ? sums[1] / sums[2] : 0;
 }
 
 static void dt_describe_position(const dt_run *r, char *out, size_t n, const char *what) {
@@ -3662,6 +4124,9 @@ static void dt_describe_position(const dt_run *r, char *out, size_t n, const cha
     long long start = (long long)r->cfg.start_idx, end = (long long)(r->cfg.start_idx + r->loader->ds->n);
     dt_path(out, n, "%s/%s_data%lld-%lld_%s.safetensors", r->cfg.save_dir, model, start, end, what);
 }
+
+/* How many replicas share each step's batch: ranks, or devices of stage 02. */
+static int dt_data_parallel_width(void) { return dt_ctx.world_size * (dt_ctx.devices > 1 ? dt_ctx.devices : 1); }
 
 void dt_checkpoint_save(dt_run *r, const char *path) {
     dt_model *m = r->model;
@@ -3697,7 +4162,7 @@ void dt_checkpoint_save(dt_run *r, const char *path) {
     snprintf(v[5], 64, "%d", r->epoch);
     snprintf(v[6], 64, "%lld", (long long)r->batch_in_epoch);
     snprintf(v[7], 64, "%llu", (unsigned long long)r->cfg.seed);
-    snprintf(v[8], 64, "%d", dt_ctx.world_size);
+    snprintf(v[8], 64, "%d", dt_data_parallel_width());
     snprintf(v[9], 64, "%lld,%lld", (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
     snprintf(v[10], 64, "%d", r->cfg.batch_size);
     const char *meta[] = { "format", "dtrain-checkpoint-1", "model", v[0], "model_config", v[1], "optimizer", v[2],
@@ -3733,8 +4198,9 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
         dt_fail("'%s' holds a %s model (channels,size,classes,dim,depth,heads,patch,mlp = %s) but this run builds %s",
                 path, kind, shape, desc);
     int world = atoi(dt_meta_required(st, path, "world_size"));
-    if (world != dt_ctx.world_size)
-        dt_fail("'%s' was written by %d ranks, this run has %d", path, world, dt_ctx.world_size);
+    if (world != dt_data_parallel_width())    /* the data order and the batch depend on it */
+        dt_fail("'%s' was written by %d ranks, this run has %d (resume with --nproc %d)", path, world,
+                dt_data_parallel_width(), world);
     if (strcmp(dt_meta_required(st, path, "optimizer"), o->kind == DT_ADAMW ? "adamw" : "sgd"))
         dt_fail("'%s' holds %s state but this run uses --optimizer %s", path, dt_safetensors_meta(st, "optimizer"),
                 o->kind == DT_ADAMW ? "adamw" : "sgd");
@@ -3776,6 +4242,23 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
                   const dt_dataset *val) {
     memset(r, 0, sizeof *r);
     r->cfg = *cfg; r->model = model; r->opt = opt; r->loader = loader; r->val = val;
+    if (cfg->bench) {               /* time steps, nothing else: no header, no evaluation, no checkpoints */
+        r->cfg.quiet = 1; r->cfg.epochs = 1 << 30; r->cfg.warmup = 0; r->cfg.save_dir = NULL;
+        r->cfg.eval_every = 0; r->val = NULL;
+        cfg = &r->cfg;
+    }
+    if (dt_ctx.job && dt_ctx.world_size > 1) {      /* flags that must be equal on every rank */
+        char v[256];
+        dt_model_describe(model, v, sizeof v);
+        dt_comm_check_agree(dt_ctx.job, "the model", v);
+        snprintf(v, sizeof v, "%d %d %lld %g %d %llu", cfg->batch_size, cfg->epochs, (long long)cfg->steps, cfg->lr,
+                 (int)cfg->optimizer, (unsigned long long)cfg->seed);
+        dt_comm_check_agree(dt_ctx.job, "--batch-size --epochs --steps --lr --optimizer --seed", v);
+        snprintf(v, sizeof v, "%lld %lld %lld %g %d", (long long)loader->ds->n, (long long)cfg->start_idx,
+                 (long long)cfg->warmup, cfg->bucket_mb, cfg->bench);
+        dt_comm_check_agree(dt_ctx.job, "the training images, --start-idx --warmup --bucket-mb --bench", v);
+        dt_comm_check_agree(dt_ctx.job, "--resume", cfg->resume ? cfg->resume : "(none)");
+    }
     r->batches_per_epoch = dt_loader_batches_per_epoch(loader);
     if (r->batches_per_epoch == 0)
         dt_fail("the training set has %lld images per rank, fewer than one batch of %d (lower --batch-size)",
@@ -3792,14 +4275,9 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
         if (stat(cfg->save_dir, &st) != 0) dt_mkdir(cfg->save_dir);
         else if (!S_ISDIR(st.st_mode)) dt_fail("--save-dir '%s' exists and is not a folder", cfg->save_dir);
     }
-    if (cfg->log_path && !(r->log = fopen(cfg->log_path, cfg->resume ? "a" : "w")))
+    if (cfg->log_path && dt_ctx.rank == 0 && !(r->log = fopen(cfg->log_path, cfg->resume ? "a" : "w")))
         dt_fail("cannot open --log '%s': %s", cfg->log_path, strerror(errno));
-    if (cfg->trace_path) {
-        if (!(r->trace = fopen(cfg->trace_path, "w"))) dt_fail("cannot open --trace '%s': %s", cfg->trace_path, strerror(errno));
-        fprintf(r->trace, "[{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":0,\"args\":{\"name\":\"compute\"}},\n"
-                          "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":1,\"args\":{\"name\":\"communication\"}}\n",
-                dt_ctx.rank, dt_ctx.rank);
-    }
+    if (cfg->trace_path) dt_trace_open(r, cfg->trace_path);
     r->start_ms = r->mark_ms = dt_now_ms();
     if (!cfg->quiet && dt_ctx.rank == 0) {
         char desc[256];
@@ -3811,13 +4289,17 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
         char where[300];
         if (model->device == DT_CUDA) snprintf(where, sizeof where, "cuda (%s)", dt_ctx.gpu->name);
         else snprintf(where, sizeof where, "cpu, %d threads", dt_threads());
+        if (dt_ctx.world_size > 1)
+            snprintf(where + strlen(where), sizeof where - strlen(where), " per rank, %d ranks", dt_ctx.world_size);
         printf("plan: %d epochs x %lld steps of %d images = %lld steps%s; %s lr %g, warmup %lld; %s\n",
-               cfg->epochs, (long long)r->batches_per_epoch, cfg->batch_size, (long long)r->total_steps,
+               cfg->epochs, (long long)r->batches_per_epoch, loader->batch_size, (long long)r->total_steps,
                r->stop_step < r->total_steps ? " (stopping early, see --steps)" : "",
                opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)r->warmup, where);
         if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, r->epoch + 1, (long long)r->step);
         fflush(stdout);
     }
+    if (cfg->bench) r->stop_step = r->step + 2 + (cfg->steps > 0 ? cfg->steps : 3);   /* refined after a timed step */
+    r->bench_first = r->step + 2;
     if (r->step >= r->stop_step) r->stop = 1;
 }
 
@@ -3839,6 +4321,13 @@ float dt_run_lr(const dt_run *r) { return dt_schedule_lr(r->cfg.lr, r->step, r->
 void dt_step_begin(dt_run *r) {
     dt_step_arena_reset();
     for (int i = 0; i < DT_PHASE_COUNT; i++) r->phase_ms[i] = 0;
+    dt_ctx.comm_ms = dt_ctx.comm_hidden_ms = 0;
+    dt_ctx.ncomm_events = 0;
+    if (r->cfg.bench && r->step == r->bench_first) {     /* the warm-up is over: the clock starts */
+        dt_synchronize();
+        dt_flops_reset();
+        r->bench_t0 = dt_now_ms();
+    }
     r->step_start_ms = r->mark_ms = dt_now_ms();
 }
 
@@ -3868,29 +4357,48 @@ static void dt_run_eval(dt_run *r) {
 }
 
 int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
+    /* the loss of the whole job's batch: the mean of the ranks' means */
+    if (dt_ctx.job && dt_ctx.world_size > 1) dt_all_reduce(dt_ctx.job, loss->data, loss->data, 1, DT_F32, DT_AVG);
     double now = dt_now_ms(), step_ms = now - r->step_start_ms;
     float lr = dt_run_lr(r);
     r->step++;
+    r->steps_run++;
     r->batch_in_epoch++;
-    r->samples += batch_size;
+    r->samples += (double)batch_size * dt_ctx.world_size;
     r->train_ms += step_ms;
     r->last_loss = dt_tensor_item(loss);
     r->loss_sum += r->last_loss;
     r->loss_count++;
     if (!isfinite(r->last_loss))
         dt_fail("the loss became %f at step %lld (try a lower --lr, or --clip)", r->last_loss, (long long)r->step);
+    for (int k = 0; k < dt_ctx.ncomm_events; k++)
+        dt_trace_event(r, dt_ctx.comm_events[k].name, DT_TRACK_COMM, dt_ctx.comm_events[k].t0, dt_ctx.comm_events[k].t1);
     if (r->log) {
         fprintf(r->log, "{\"step\":%lld,\"epoch\":%d,\"loss\":%.6f,\"lr\":%.6g,\"samples_per_s\":%.1f,\"step_ms\":%.3f,"
-                        "\"data_ms\":%.3f,\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"comm_ms\":%.3f,\"opt_ms\":%.3f,"
-                        "\"grad_norm\":%.5g,\"mem_bytes\":%zu}\n",
-                (long long)r->step, r->epoch + 1, r->last_loss, lr, batch_size * 1e3 / step_ms, step_ms,
-                r->phase_ms[DT_PHASE_DATA], r->phase_ms[DT_PHASE_FWD], r->phase_ms[DT_PHASE_BWD],
-                r->phase_ms[DT_PHASE_COMM], r->phase_ms[DT_PHASE_OPT], r->opt->last_grad_norm, dt_mem_total_now());
+                        "\"data_ms\":%.3f,\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"comm_ms\":%.3f,\"comm_hidden_ms\":%.3f,"
+                        "\"comm_wait_ms\":%.3f,\"opt_ms\":%.3f,\"grad_norm\":%.5g,\"mem_bytes\":%zu}\n",
+                (long long)r->step, r->epoch + 1, r->last_loss, lr, batch_size * dt_ctx.world_size * 1e3 / step_ms, step_ms,
+                r->phase_ms[DT_PHASE_DATA], r->phase_ms[DT_PHASE_FWD], r->phase_ms[DT_PHASE_BWD], dt_ctx.comm_ms,
+                dt_ctx.comm_hidden_ms, r->phase_ms[DT_PHASE_COMM], r->phase_ms[DT_PHASE_OPT], r->opt->last_grad_norm,
+                dt_mem_total_now());
+    }
+    if (r->cfg.bench && r->step > r->bench_first) {
+        for (int i = 0; i < DT_PHASE_COUNT; i++) r->bench_phase_ms[i] += r->phase_ms[i];
+        r->bench_comm_ms += dt_ctx.comm_ms;
+        r->bench_hidden_ms += dt_ctx.comm_hidden_ms;
+        if (r->step == r->bench_first + 1 && r->cfg.steps == 0) {
+            /* about three seconds of steps (3 to 200); rank 0 decides for every rank */
+            float n = (float)(3000.0 / (step_ms > 1e-3 ? step_ms : 1e-3));
+            n = n < 3 ? 3 : n > 200 ? 200 : (float)(int)n;
+            if (dt_ctx.rank != 0) n = 0;
+            dt_job_sum(&n, 1);
+            r->stop_step = r->bench_first + (int64_t)n;
+        }
     }
     if (!r->cfg.quiet && dt_ctx.rank == 0 && (r->step % r->cfg.log_every == 0 || r->step == 1)) {
         char eta[32];
         double rate = r->samples / (r->train_ms / 1e3);
-        dt_format_duration((r->stop_step - r->step) * (r->train_ms / r->samples) * r->cfg.batch_size / 1e3, eta, sizeof eta);
+        dt_format_duration((r->stop_step - r->step) * (r->train_ms / r->steps_run) / 1e3, eta, sizeof eta);
         printf("step %6lld/%lld  epoch %d/%d  loss %.4f  lr %.2e  %.0f samples/s  eta %s\n", (long long)r->step,
                (long long)r->stop_step, r->epoch + 1, r->cfg.epochs, r->loss_sum / r->loss_count, lr, rate, eta);
         fflush(stdout);
@@ -3918,10 +4426,12 @@ void dt_epoch_end(dt_run *r) {
     }
 }
 
+static void dt_bench_report(dt_run *r);
 int dt_run_finish(dt_run *r) {
+    if (r->cfg.bench) dt_bench_report(r);
     double rate = r->train_ms > 0 ? r->samples / (r->train_ms / 1e3) : 0;
     double final_loss = r->loss_count ? r->loss_sum / r->loss_count : r->last_loss;
-    if (dt_ctx.rank == 0) {
+    if (dt_ctx.rank == 0 && !r->cfg.bench) {
         printf("done: %lld steps, %.0f samples/s, final loss %.4f, eval loss %.4f, eval accuracy %.2f%%, %.1f s\n",
                (long long)r->step, rate, final_loss, r->eval_loss, 100 * r->eval_acc, (dt_now_ms() - r->start_ms) / 1e3);
         printf("peak memory:");
@@ -3942,7 +4452,26 @@ int dt_run_finish(dt_run *r) {
     return 0;
 }
 
+/* --bench: random pixels and labels, a few batches' worth for every rank or device. */
+static void dt_bench_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
+    int ranks = cfg->nproc > cfg->world_size ? cfg->nproc : cfg->world_size;
+    int64_t n = (int64_t)cfg->batch_size * ranks * 4;
+    dt_dataset_alloc(train, n, cfg->image_size, 10);
+    dt_rng rng = { cfg->seed };
+    size_t bytes = (size_t)n * 3 * cfg->image_size * cfg->image_size;
+    for (size_t i = 0; i < bytes; i++) train->pixels[i] = (uint8_t)(dt_rng_u64(&rng) >> 56);
+    for (int64_t i = 0; i < n; i++) train->labels[i] = (int32_t)(dt_rng_u64(&rng) % 10);
+    for (int c = 0; c < 10; c++) {
+        char name[16];
+        snprintf(name, sizeof name, "class%d", c);
+        train->class_names[c] = strdup(name);
+    }
+    dt_copy_str(train->source, sizeof train->source, "random images in memory (--bench)");
+    memset(val, 0, sizeof *val);
+}
+
 void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
+    if (cfg->bench) { dt_bench_data(cfg, train, val); return; }
     const char *dir = cfg->data;
     if (!dir) {
         dir = "data/synthetic";
@@ -3973,66 +4502,54 @@ static double dt_gpu_peak_tflops(const char *name) {
     return 0;
 }
 
-int dt_bench(const dt_config *cfg) {
-    dt_model_config mc = dt_model_config_from(cfg, 3, cfg->image_size, 10);
-    dt_model *m = dt_model_create(&mc, cfg->seed);
-    dt_optimizer *o = dt_optimizer_create(m, cfg->optimizer, cfg->weight_decay, cfg->momentum, cfg->clip);
-    int B = cfg->batch_size, S = cfg->image_size;
-    size_t npix = (size_t)B * 3 * S * S;
-    float *pixels = (float *)dt_alloc(DT_ARENA_DATA, npix * sizeof(float));
-    int32_t *labels = (int32_t *)dt_alloc(DT_ARENA_DATA, (size_t)B * sizeof(int32_t));
-    dt_rng rng = { cfg->seed };
-    for (size_t i = 0; i < npix; i++) pixels[i] = (float)(2 * dt_rng_uniform(&rng) - 1);
-    for (int i = 0; i < B; i++) labels[i] = (int32_t)(dt_rng_u64(&rng) % 10);
-    /* the batch sits on the device once; every step reads the same images */
-    dt_tensor x;
-    memset(&x, 0, sizeof x);
-    x.ndim = 4; x.shape[0] = B; x.shape[1] = 3; x.shape[2] = x.shape[3] = S; x.numel = (int64_t)npix;
-    x.device = m->device;
-    x.data = m->device == DT_CPU ? pixels : (float *)dt_alloc_on(m->device, DT_ARENA_DATA, npix * sizeof(float));
-    if (x.data != pixels) dt_upload(x.data, pixels, npix * sizeof(float));
-    const char *workload = mc.kind == DT_MODEL_MLP ? (mc.dim == 1024 && mc.depth == 2 && S == 32 ? "mlp" : "mlp-custom")
-                         : (mc.dim == 192 && mc.depth == 6 && mc.heads == 3 && mc.patch == 4 && S == 32 ? "vit-tiny"
-                         : (mc.dim == 768 && mc.depth == 12 && mc.heads == 12 && mc.patch == 16 && S == 224 ? "vit-base" : "vit-custom"));
-    double t0 = 0, flops = 0;
-    int64_t steps = 0, warm = 2;
-    for (int64_t i = 0;; i++) {
-        if (i == warm) { dt_synchronize(); t0 = dt_now_ms(); dt_flops_reset(); }
-        dt_step_arena_reset();
-        dt_tensor *loss = dt_cross_entropy(dt_model_forward(m, &x), labels);
-        dt_backward(loss);
-        dt_optimizer_step(o, cfg->lr);     /* reads the gradient norm back: one sync per step, as training does */
-        if (i >= warm) {
-            steps = i - warm + 1;
-            double el = dt_now_ms() - t0;
-            if (cfg->steps > 0 ? steps >= cfg->steps : (steps >= 3 && el > 3000) || steps >= 200) break;
+/* The "bench:" line: what the timed steps of this stage did, in key=value
+   pairs (tools and the Makefile read them). Throughput leaves out the data
+   phase, so that it compares with a framework fed from a tensor in memory;
+   data_ms says what loading cost. Rates and FLOP/s are for the whole job. */
+static void dt_bench_report(dt_run *r) {
+    const dt_config *cfg = &r->cfg;
+    const dt_model_config *mc = &r->model->cfg;
+    int64_t steps = r->step - r->bench_first;
+    dt_synchronize();
+    double wall = dt_now_ms() - r->bench_t0;
+    double ms = wall - r->bench_phase_ms[DT_PHASE_DATA];
+    if (steps <= 0 || ms <= 0) dt_fail("--bench: no step was timed");
+    int devices = dt_ctx.devices > 1 ? dt_ctx.devices : 1;              /* stage 02: devices of one process */
+    int world = dt_ctx.world_size, per_rank = r->loader->batch_size / devices, S = mc->image_size;
+    double flops = dt_flops_counted() * world, gflops = flops / (ms / 1e3) / 1e9;
+    float peak_mem = (float)dt_mem_total_peak();
+    if (dt_ctx.job && world > 1) {                       /* the largest rank's peak */
+        float mine = peak_mem;
+        for (int k = 0; k < world; k++) {
+            float v = k == dt_ctx.rank ? mine : 0;
+            dt_job_sum(&v, 1);
+            if (v > peak_mem) peak_mem = v;
         }
     }
-    dt_synchronize();
-    double ms = dt_now_ms() - t0;
-    flops = dt_flops_counted();
-    double gflops = flops / (ms / 1e3) / 1e9;
+    if (dt_ctx.rank != 0) return;
+    const char *workload = mc->kind == DT_MODEL_MLP ? (mc->dim == 1024 && mc->depth == 2 && S == 32 ? "mlp" : "mlp-custom")
+                         : (mc->dim == 192 && mc->depth == 6 && mc->heads == 3 && mc->patch == 4 && S == 32 ? "vit-tiny"
+                         : (mc->dim == 768 && mc->depth == 12 && mc->heads == 12 && mc->patch == 16 && S == 224 ? "vit-base" : "vit-custom"));
     char where[256];
-    if (m->device == DT_CUDA) {
+    if (r->model->device == DT_CUDA) {
         char gpu[128];
         size_t k = 0;
         for (const char *c = dt_ctx.gpu->name; *c && k + 1 < sizeof gpu; c++) gpu[k++] = *c == ' ' ? '_' : *c;
         gpu[k] = 0;
         double peak = cfg->peak_tflops > 0 ? cfg->peak_tflops : dt_gpu_peak_tflops(dt_ctx.gpu->name);
         if (peak > 0) snprintf(where, sizeof where, "device=cuda gpu=%s tflops=%.2f peak_tflops=%.1f mfu=%.3f", gpu,
-                               gflops / 1e3, peak, gflops / 1e3 / peak);
+                               gflops / 1e3, peak, gflops / 1e3 / world / peak);
         else snprintf(where, sizeof where, "device=cuda gpu=%s tflops=%.2f mfu=unknown(use --peak-tflops)", gpu, gflops / 1e3);
     } else snprintf(where, sizeof where, "device=cpu threads=%d", dt_threads());
-    printf("bench: workload=%s stage=%s %s batch=%d params=%lld steps=%lld step_ms=%.2f "
-           "samples_per_s=%.1f gflops=%.2f peak_mem_mb=%.1f\n",
-           workload, cfg->stage, where, B, (long long)m->numel, (long long)steps, ms / steps,
-           steps * B * 1e3 / ms, gflops, dt_mem_total_peak() / 1e6);
-    if (x.data != pixels) dt_free_on(m->device, DT_ARENA_DATA, x.data, npix * sizeof(float));
-    dt_free(DT_ARENA_DATA, pixels, npix * sizeof(float));
-    dt_free(DT_ARENA_DATA, labels, (size_t)B * sizeof(int32_t));
-    dt_optimizer_free(o);
-    dt_model_free(m);
-    return 0;
+    const double *p = r->bench_phase_ms;
+    printf("bench: workload=%s stage=%s %s ranks=%d batch=%d params=%lld steps=%lld step_ms=%.2f samples_per_s=%.1f "
+           "gflops=%.2f data_ms=%.2f fwd_ms=%.2f bwd_ms=%.2f comm_ms=%.2f comm_hidden_ms=%.2f comm_wait_ms=%.2f "
+           "opt_ms=%.2f peak_mem_mb=%.1f\n",
+           workload, cfg->stage, where, world * devices, per_rank, (long long)r->model->numel, (long long)steps, ms / steps,
+           steps * (double)per_rank * devices * world * 1e3 / ms, gflops, p[DT_PHASE_DATA] / steps, p[DT_PHASE_FWD] / steps,
+           p[DT_PHASE_BWD] / steps, r->bench_comm_ms / steps, r->bench_hidden_ms / steps, p[DT_PHASE_COMM] / steps,
+           p[DT_PHASE_OPT] / steps, peak_mem / 1e6);
+    fflush(stdout);
 }
 
 #endif /* DTRAIN_IMPLEMENTATION */

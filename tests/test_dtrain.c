@@ -837,7 +837,7 @@ static void test_training_run_log_trace_and_bench(void) {
     }
     text = (char *)read_bytes(trace, &n);
     CHECK(text && n > 2 && text[0] == '[' && text[n - 2] == ']');
-    if (text) { text = (char *)realloc(text, n + 1); text[n] = 0; CHECK(count_lines_with(text, "\"forward\"") == 100); free(text); }
+    if (text) { text = (char *)realloc(text, n + 1); text[n] = 0; CHECK(count_lines_with(text, "\"name\":\"forward\",\"ph\":\"X\"") == 100); free(text); }
     st = run_cmd(out, sizeof out, "%s --bench --steps 2 --batch-size 8 --dim 16", train_bin);
     CHECKF(st == 0 && strstr(out, "bench: workload=mlp-custom") && strstr(out, "samples_per_s=") && strstr(out, "gflops="),
            "bench output:\n%s", out);
@@ -918,6 +918,7 @@ static void test_init_starts_from_given_weights(void) {
 
 /* ---- bad input: each a one-line error naming the culprit, never a crash ----- */
 
+static const char *stage_bin(const char *stage);
 static void test_bad_flags_exit_2_naming_the_flag(void) {
     char out[8192];
     int st = run_cmd(out, sizeof out, "%s --no-such-flag 3", train_bin);
@@ -932,6 +933,10 @@ static void test_bad_flags_exit_2_naming_the_flag(void) {
     expect_error(out, st, 2, "--epochs");
     st = run_cmd(out, sizeof out, "%s --model vit --dim 100 --heads 3", train_bin);
     expect_error(out, st, 2, "--heads");
+    st = run_cmd(out, sizeof out, "%s --nproc 2", train_bin);
+    expect_error(out, st, 2, "stage 01 trains on one device");
+    st = run_cmd(out, sizeof out, "%s --bucket-mb -1", stage_bin("03-ddp"));
+    expect_error(out, st, 2, "--bucket-mb");
     st = run_cmd(out, sizeof out, "%s --help", train_bin);
     CHECK(st == 0 && strstr(out, "--batch-size") && strstr(out, "--resume"));
 }
@@ -1092,6 +1097,225 @@ static void test_ranks_launch_from_torchrun_variables_and_check_their_flags(void
     expect_error(out, st, 1, "rank 0 did not answer");
     st = run_cmd(out, sizeof out, "env RANK=3 WORLD_SIZE=2 %s --check", bin);
     expect_error(out, st, 1, "RANK=3 but WORLD_SIZE=2");
+}
+
+/* The losses of a --log file, step by step. */
+static int read_losses(const char *path, double *loss, int max) {
+    size_t n = 0;
+    char *text = (char *)read_bytes(path, &n);
+    int count = 0;
+    if (!text) return 0;
+    text = (char *)realloc(text, n + 1);
+    text[n] = 0;
+    for (char *line = strtok(text, "\n"); line && count < max; line = strtok(NULL, "\n")) {
+        char *p = strstr(line, "\"loss\":");
+        if (p && !strstr(line, "summary")) loss[count++] = atof(p + 7);
+    }
+    free(text);
+    return count;
+}
+/* ---- 11. stages 02 and 03: data parallel = one device with N times the batch ---- */
+
+/* The binary of another stage, next to stage 01's (plain or sanitizer build). */
+static const char *stage_bin(const char *stage) {
+    static char path[4][600];
+    static int next;
+    char *p = path[next++ % 4];
+    char copy[512];
+    dt_copy_str(copy, sizeof copy, train_bin);
+    char *slash = strrchr(copy, '/');
+    if (slash) *slash = 0;
+    slash = strrchr(copy, '/');
+    if (slash) { slash[1] = 0; snprintf(p, 600, "%s%s/train", copy, stage); }
+    else snprintf(p, 600, "%s/train", stage);
+    return p;
+}
+
+/* Largest |a - b| over every tensor of two checkpoints (-1 when they do not pair up). */
+static double max_tensor_diff(const char *a, const char *b) {
+    dt_safetensors *x = dt_safetensors_read(a), *y = dt_safetensors_read(b);
+    double worst = x->n == y->n && x->n > 0 ? 0 : -1;
+    for (int i = 0; worst >= 0 && i < x->n; i++) {
+        dt_st_tensor *t = &x->t[i], *u = NULL;
+        for (int j = 0; j < y->n; j++) if (!strcmp(y->t[j].name, t->name)) u = &y->t[j];
+        if (!u || t->end - t->begin != u->end - u->begin || strcmp(t->dtype, "F32")) { worst = -1; break; }
+        const float *p = (const float *)(x->buf + x->data_start + t->begin), *q = (const float *)(y->buf + y->data_start + u->begin);
+        for (size_t k = 0; k < (t->end - t->begin) / 4; k++) worst = fmax(worst, fabs((double)p[k] - q[k]));
+    }
+    dt_safetensors_close(x);
+    dt_safetensors_close(y);
+    return worst;
+}
+
+#define PAR_FLAGS "--image-size 16 --dim 32 --log-every 1000 --quiet --epochs 2"
+
+/* 20 steps (2 epochs of 320 images in batches of 32) of stage 01, and of 02 and
+   03 over N = 2 and 4 devices or ranks with batches of 32/N each: the same
+   images make each step, so only the order of the sums differs. Tolerances:
+   losses within 1e-5, every parameter and optimizer moment within 2e-5 (the
+   learning rate is 1e-3; measured differences are 1e-7 for the MLP, 4e-6 for
+   the ViT). */
+static void equivalence(const char *model_flags, const char *model) {
+    char out[16384], dir[600], log[700], ref_dir[600], ref_log[600], p[700], q[700];
+    double ref[64], got[64];
+    snprintf(ref_dir, sizeof ref_dir, "%s/eq-%s-01", tmpdir, model);
+    snprintf(ref_log, sizeof ref_log, "%s/eq-%s-01.jsonl", tmpdir, model);
+    int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size 32 --save-dir %s --log %s", train_bin,
+                     small_data(), model_flags, ref_dir, ref_log);
+    CHECKF(st == 0, "01: exit %d\n%s", st, out);
+    int nref = read_losses(ref_log, ref, 64);
+    CHECKF(nref == 20, "01 logged %d steps, expected 20", nref);
+    snprintf(p, sizeof p, "%s/%s_data0-320_epoch2.safetensors", ref_dir, model);
+    const char *stages[2] = { "02-dp", "03-ddp" };
+    for (int s = 0; s < 2; s++)
+        for (int n = 2; n <= 4; n += 2) {
+            snprintf(dir, sizeof dir, "%s/eq-%s-%s-%d", tmpdir, model, stages[s], n);
+            snprintf(log, sizeof log, "%s.jsonl", dir);
+            st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size %d --nproc %d --save-dir %s --log %s",
+                         stage_bin(stages[s]), small_data(), model_flags, 32 / n, n, dir, log);
+            CHECKF(st == 0, "%s --nproc %d: exit %d\n%s", stages[s], n, st, out);
+            int ngot = read_losses(log, got, 64);
+            double worst_loss = ngot == nref ? 0 : 1e9;
+            for (int i = 0; i < ngot && i < nref; i++) worst_loss = fmax(worst_loss, fabs(got[i] - ref[i]));
+            CHECKF(worst_loss <= 1e-5, "%s %s N=%d: %d logged losses, worst difference from 01 %.3g", model, stages[s], n,
+                   ngot, worst_loss);
+            snprintf(q, sizeof q, "%s/%s_data0-320_epoch2.safetensors", dir, model);
+            double d = max_tensor_diff(p, q);
+            CHECKF(d >= 0 && d <= 2e-5, "%s %s N=%d: parameters or optimizer state differ from 01 by %.3g", model,
+                   stages[s], n, d);
+        }
+}
+static void test_dp_and_ddp_equal_one_device_with_n_times_the_batch(void) {
+    equivalence("", "mlp");
+    equivalence("--model vit --depth 2 --heads 2 --patch 4", "vit");
+}
+
+static void test_dp_and_ddp_runs_repeat_bit_for_bit(void) {
+    char out[16384], a[600], b[600], p[700], q[700];
+    const char *stages[2] = { "02-dp", "03-ddp" };
+    for (int s = 0; s < 2; s++) {
+        for (int k = 0; k < 2; k++) {
+            snprintf(k ? b : a, 600, "%s/rep-%s-%d", tmpdir, stages[s], k);
+            int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model vit --depth 1 --heads 2 --batch-size 16 "
+                             "--nproc 2 --bucket-mb 0.02 --save-dir %s", stage_bin(stages[s]), small_data(), k ? b : a);
+            CHECKF(st == 0, "%s: exit %d\n%s", stages[s], st, out);
+        }
+        snprintf(p, sizeof p, "%s/vit_data0-320_epoch2.safetensors", a);
+        snprintf(q, sizeof q, "%s/vit_data0-320_epoch2.safetensors", b);
+        CHECKF(files_equal_tensors(p, q), "%s: two runs of the same command differ", stages[s]);
+    }
+}
+
+/* With buckets, the first bucket's all-reduce starts while backward still runs
+   (read from the per-rank trace, and from comm_hidden_ms in the log); with
+   --bucket-mb 0 nothing overlaps, and the weights come out bit for bit equal. */
+static void test_ddp_buckets_overlap_backward_and_change_no_bits(void) {
+    char out[16384], dir[2][600], log[2][600], trace[600], p[700], q[700];
+    for (int k = 0; k < 2; k++) {
+        snprintf(dir[k], 600, "%s/ov%d", tmpdir, k);
+        snprintf(log[k], 600, "%s/ov%d.jsonl", tmpdir, k);
+        snprintf(trace, sizeof trace, "%s/ov%d.json", tmpdir, k);
+        int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model vit --depth 3 --heads 2 --batch-size 16 --nproc 2 "
+                         "--bucket-mb %s --save-dir %s --log %s --trace %s", stage_bin("03-ddp"), small_data(),
+                         k ? "0" : "0.02", dir[k], log[k], trace);
+        CHECKF(st == 0, "exit %d\n%s", st, out);
+    }
+    /* the trace of rank 0: each step's backward, then its buckets */
+    snprintf(trace, sizeof trace, "%s/ov0.rank0.json", tmpdir);
+    size_t n = 0;
+    char *text = (char *)read_bytes(trace, &n);
+    int steps = 0, early = 0, buckets = 0;
+    double bwd_end = -1;
+    CHECKF(text != NULL, "no per-rank trace %s", trace);
+    if (text) {
+        text = (char *)realloc(text, n + 1);
+        text[n] = 0;
+        for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
+            double ts = 0, dur = 0;
+            char *t = strstr(line, "\"ts\":"), *d = strstr(line, "\"dur\":");
+            if (!t || !d) continue;
+            ts = atof(t + 5);
+            dur = atof(d + 6);
+            if (strstr(line, "\"name\":\"backward\"")) { bwd_end = ts + dur; steps++; }
+            if (strstr(line, "\"name\":\"all_reduce bucket ")) buckets++;
+            if (strstr(line, "\"name\":\"all_reduce bucket 0\"") && bwd_end >= 0 && ts < bwd_end) early++;
+        }
+        free(text);
+    }
+    CHECKF(steps == 20 && buckets >= 3 * steps, "trace: %d backward events, %d bucket all-reduces", steps, buckets);
+    CHECKF(early >= 1, "in no step of %d did the first all-reduce start before backward ended", steps);
+    /* the log says the same: communication hidden behind backward, and none without buckets */
+    double hidden[2] = { 0, 0 };
+    for (int k = 0; k < 2; k++) {
+        text = (char *)read_bytes(log[k], &n);
+        if (!text) continue;
+        text = (char *)realloc(text, n + 1);
+        text[n] = 0;
+        for (char *h = text; (h = strstr(h, "\"comm_hidden_ms\":")); h++) hidden[k] += atof(h + 17);
+        free(text);
+    }
+    CHECKF(hidden[0] > 0 && hidden[1] == 0, "comm_hidden_ms summed %.3f with buckets, %.3f without", hidden[0], hidden[1]);
+    snprintf(p, sizeof p, "%s/vit_data0-320_epoch2.safetensors", dir[0]);
+    snprintf(q, sizeof q, "%s/vit_data0-320_epoch2.safetensors", dir[1]);
+    CHECKF(files_equal_tensors(p, q), "bucketed and unbucketed all-reduce give different weights");
+}
+
+static void test_ddp_by_nproc_and_by_torchrun_variables_agree(void) {
+    char out[16384], a[600], b[600], p[700], q[700];
+    snprintf(a, sizeof a, "%s/launch-nproc", tmpdir);
+    snprintf(b, sizeof b, "%s/launch-env", tmpdir);
+    const char *bin = stage_bin("03-ddp");
+    int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --batch-size 16 --nproc 2 --save-dir %s", bin, small_data(), a);
+    CHECKF(st == 0, "--nproc 2: exit %d\n%s", st, out);
+    int port = dt_free_port();
+    st = run_cmd(out, sizeof out, "sh -c 'export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=%d; "
+                 "RANK=1 LOCAL_RANK=1 %s --data %s " PAR_FLAGS " --batch-size 16 --save-dir %s & p=$!; "
+                 "RANK=0 LOCAL_RANK=0 %s --data %s " PAR_FLAGS " --batch-size 16 --save-dir %s; a=$?; wait $p; exit $((a | $?))'",
+                 port, bin, small_data(), b, bin, small_data(), b);
+    CHECKF(st == 0, "torchrun-style launch: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2.safetensors", a);
+    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.safetensors", b);
+    CHECKF(files_equal_tensors(p, q), "--nproc 2 and a torchrun-style launch give different weights");
+    /* a rank with another --lr: both stop, naming the flag */
+    port = dt_free_port();
+    st = run_cmd(out, sizeof out, "sh -c 'export WORLD_SIZE=2 MASTER_PORT=%d; RANK=1 %s --data %s " PAR_FLAGS " --lr 0.1 & p=$!; "
+                 "RANK=0 %s --data %s " PAR_FLAGS "; a=$?; wait $p; b=$?; [ $a -ne 0 ] && [ $b -ne 0 ]'",
+                 port, bin, small_data(), bin, small_data());
+    CHECKF(st == 0 && count_lines_with(out, "disagree on --batch-size --epochs --steps --lr") == 2,
+           "ranks with different --lr must both stop with a message:\n%s", out);
+}
+
+/* Rank 1 is killed in the middle of epoch 2 of 3 (its 30th all-reduce: two per
+   step -- one bucket, the logged loss -- and one per evaluation). Rank 0 stops
+   within the timeout naming it; the epoch-1 checkpoint is intact, and resuming
+   from it with 2 ranks ends bit for bit where an uninterrupted run ends. */
+static void test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly(void) {
+    char out[16384], straight[600], killed[600], p[700], q[700];
+    const char *bin = stage_bin("03-ddp");
+    snprintf(straight, sizeof straight, "%s/kill-straight", tmpdir);
+    snprintf(killed, sizeof killed, "%s/kill-dead", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --epochs 3 --batch-size 16 --nproc 2 --save-dir %s", bin,
+                     small_data(), straight);
+    CHECKF(st == 0, "straight run: exit %d\n%s", st, out);
+    double t0 = dt_now_ms();
+    st = run_cmd(out, sizeof out, "env DT_TEST_DIE_RANK=1 DT_TEST_DIE_CALL=30 %s --data %s " PAR_FLAGS " --epochs 3 "
+                 "--batch-size 16 --nproc 2 --timeout 10 --save-dir %s", bin, small_data(), killed);
+    double s = (dt_now_ms() - t0) / 1e3;
+    CHECKF(st != 0 && s < 10, "exit %d after %.1f s (timeout 10 s):\n%s", st, s, out);
+    CHECKF(strstr(out, "rank 1 (pid") && strstr(out, "died during all_reduce"), "rank 0 did not name rank 1:\n%s", out);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch1.safetensors", killed);
+    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.safetensors", killed);
+    struct stat sb;
+    CHECKF(stat(p, &sb) == 0 && stat(q, &sb) != 0, "expected the epoch-1 checkpoint and no epoch-2 one");
+    st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --epochs 3 --batch-size 16 --nproc 2 --resume %s --save-dir %s",
+                 bin, small_data(), p, killed);
+    CHECKF(st == 0, "resume: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch3.safetensors", straight);
+    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch3.safetensors", killed);
+    CHECKF(files_equal_tensors(p, q), "the resumed run does not end where the uninterrupted run ends");
+    st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --epochs 3 --batch-size 8 --nproc 4 --resume %s", bin,
+                 small_data(), p);
+    expect_error(out, st, 1, "written by 2 ranks, this run has 4");
 }
 
 /* ---- the GPU against the CPU (skipped where no GPU is visible) ---------------- */
@@ -1302,21 +1526,6 @@ static void test_gpu_training_step_matches_the_cpu(void) {
     free(pixels);
 }
 
-/* The stage binary trains 200 steps on each device: the loss curves must match. */
-static int read_losses(const char *path, double *loss, int max) {
-    size_t n = 0;
-    char *text = (char *)read_bytes(path, &n);
-    int count = 0;
-    if (!text) return 0;
-    text = (char *)realloc(text, n + 1);
-    text[n] = 0;
-    for (char *line = strtok(text, "\n"); line && count < max; line = strtok(NULL, "\n")) {
-        char *p = strstr(line, "\"loss\":");
-        if (p && !strstr(line, "summary")) loss[count++] = atof(p + 7);
-    }
-    free(text);
-    return count;
-}
 static void test_gpu_200_step_loss_curve_matches_the_cpu(void) {
     NEED_GPU();
     char out[16384], logc[600], logg[600];
@@ -1359,6 +1568,9 @@ static const test_case tests[] = {
     T(test_bad_checkpoints_are_refused), T(test_failed_save_keeps_the_previous_checkpoint),
     T(test_collectives_over_threads_match_a_serial_reference), T(test_collectives_over_processes_match_a_serial_reference),
     T(test_a_killed_rank_stops_the_others_with_its_name), T(test_ranks_launch_from_torchrun_variables_and_check_their_flags),
+    T(test_dp_and_ddp_equal_one_device_with_n_times_the_batch), T(test_dp_and_ddp_runs_repeat_bit_for_bit),
+    T(test_ddp_buckets_overlap_backward_and_change_no_bits), T(test_ddp_by_nproc_and_by_torchrun_variables_agree),
+    T(test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly),
     T(test_gpu_ops_match_the_cpu), T(test_gpu_casts_and_updates_are_bitwise_the_cpu),
     T(test_gpu_training_step_matches_the_cpu), T(test_gpu_200_step_loss_curve_matches_the_cpu),
 };
