@@ -249,7 +249,14 @@ typedef struct dt_model {
     float *flat_data;          /* every parameter, one after another: what DDP and FSDP move */
     float *flat_grad;
     int64_t numel;
+    int64_t *offsets;          /* where each parameter starts in the flat buffers */
     dt_device device;          /* where the flat buffers live */
+    /* Units: the pieces FSDP gathers one at a time -- a linear layer of the MLP;
+       the embedding, each block, and the norm + head of the ViT. Unit u holds
+       parameters unit_first[u] .. unit_first[u + 1] - 1. */
+    int nunits;
+    int *unit_first;
+    struct dt_fsdp *fsdp;      /* set while FSDP shards this model (stage 04) */
 } dt_model;
 
 /* Build a model with freshly initialised weights (seeded, so runs repeat) on
@@ -274,6 +281,14 @@ typedef struct dt_optimizer {
     float *m, *v;              /* AdamW's moments, or SGD's momentum in m */
     dt_model *model;
     float last_grad_norm;
+    /* What it updates: flat buffers of numel values, cut into slices that share
+       a weight decay -- one per parameter, or, when FSDP shards the model, one
+       per part of a parameter that lies in this rank's shard. */
+    float *params, *grads;
+    int64_t numel;
+    int nslices;
+    struct dt_param_slice { int64_t offset, length; int decay; } *slices;
+    struct dt_comm *norm_comm; /* sharded: the gradient norm is summed over the ranks */
 } dt_optimizer;
 
 dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float weight_decay,
@@ -455,6 +470,32 @@ void dt_ddp_sync_grads(dt_ddp *ddp);
 int dt_ddp_buckets(const dt_ddp *ddp);
 void dt_ddp_free(dt_ddp *ddp);
 
+/* Fully sharded data parallel (stages 04-05): like DDP, but no rank keeps the
+   whole model. Each unit's parameters are one flat buffer padded to a multiple
+   of N; rank r keeps elements [r, r + 1) * size/N of it -- its shard -- and the
+   optimizer state of that shard only. The mode chooses what is sharded, as the
+   ZeRO paper's stages do:
+     DT_SHARD_OPTIMIZER  optimizer state (ZeRO-1): gradients reduce-scattered
+                         after backward, each rank steps its shard, the new
+                         parameters are all-gathered
+     DT_SHARD_GRADS      + gradients (ZeRO-2): each unit's gradients are
+                         reduce-scattered as soon as its backward is done
+     DT_SHARD_FULL       + parameters (ZeRO-3): a unit is all-gathered just
+                         before its forward, freed after it, gathered again
+                         just before its backward */
+typedef enum { DT_SHARD_OPTIMIZER = 0, DT_SHARD_GRADS = 1, DT_SHARD_FULL = 2 } dt_shard_mode;
+typedef struct dt_fsdp dt_fsdp;
+/* Broadcast rank 0's parameters, keep this rank's shards, free the rest. Create
+   the optimizer after this: it then holds the shard's state only. */
+dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode);
+/* After backward: DT_SHARD_OPTIMIZER reduce-scatters every gradient now (the
+   other modes did it unit by unit during backward). */
+void dt_fsdp_sync_grads(dt_fsdp *fsdp);
+/* After the optimizer: DT_SHARD_OPTIMIZER and _GRADS all-gather the updated
+   parameters (DT_SHARD_FULL gathers each unit when it is next used). */
+void dt_fsdp_after_step(dt_fsdp *fsdp);
+void dt_fsdp_free(dt_fsdp *fsdp);
+
 /* ---- 13. checkpoints (safetensors) ------------------------------------------------ */
 
 /* A safetensors file: 8-byte little-endian header length, a JSON header naming
@@ -503,6 +544,7 @@ typedef struct dt_config {
     float peak_tflops;           /* --bench on a GPU: the peak for MFU (0: look it up by name) */
     int nproc;                   /* --nproc: devices of stage 02, or ranks to start on this machine (03-05) */
     float bucket_mb;             /* --bucket-mb: DDP's gradient buckets (0: one all-reduce after backward) */
+    int shard;                   /* --shard: what FSDP shards (a dt_shard_mode; default full) */
     float timeout;               /* --timeout: seconds before a missing rank stops the job */
     int rank, world_size, local_rank;   /* this process's place in the job (from the environment) */
 } dt_config;
@@ -976,6 +1018,22 @@ void dt_synchronize(void) {
     if (dt_ctx.device == DT_CUDA) dt_backend_of(DT_CUDA)->synchronize();
 }
 
+/* Files are read and written from host memory. A buffer on a GPU is seen
+   through a host copy: downloaded when opened, uploaded when closed if it was
+   written. On the CPU the "copy" is the buffer itself. */
+static float *dt_host_view(dt_device d, float *buf, int64_t n) {
+    if (d == DT_CPU) return buf;
+    float *host = (float *)malloc((size_t)n * sizeof(float) + 1);
+    if (!host) dt_fail("out of memory (%lld floats to copy from the GPU)", (long long)n);
+    dt_download_from(d, host, buf, (size_t)n * sizeof(float));
+    return host;
+}
+static void dt_host_view_close(dt_device d, float *host, float *buf, int64_t n, int written) {
+    if (d == DT_CPU) return;
+    if (written) dt_backend_of(d)->upload(buf, host, (size_t)n * sizeof(float));
+    free(host);
+}
+
 /* Step-arena memory on `device` whose every byte the caller is about to write:
    op outputs skip the zeroing that gradient buffers need. */
 static void *dt_step_alloc_on(dt_device device, size_t bytes) {
@@ -1303,6 +1361,22 @@ static dt_tape_entry *dt_tape_push(dt_backward_fn fn, dt_tensor *out, dt_tensor 
     return e;
 }
 
+/* A mark on the tape with no tensor: its function runs when backward reaches
+   it. FSDP uses two per unit, to gather before the unit's backward and to
+   reduce-scatter after it. */
+static void dt_tape_mark(dt_backward_fn fn, void *user, int arg) {
+    if (dt_ctx.tape_len == dt_ctx.tape_cap) {
+        dt_ctx.tape_cap = dt_ctx.tape_cap ? 2 * dt_ctx.tape_cap : 256;
+        dt_ctx.tape = (dt_tape_entry *)realloc(dt_ctx.tape, dt_ctx.tape_cap * sizeof(dt_tape_entry));
+        if (!dt_ctx.tape) dt_fail("out of memory (autograd tape)");
+    }
+    dt_tape_entry *e = &dt_ctx.tape[dt_ctx.tape_len++];
+    memset(e, 0, sizeof *e);
+    e->backward = fn;
+    e->saved = user;
+    e->iarg[0] = arg;
+}
+
 void dt_backward(dt_tensor *loss) {
     float one = 1.0f;
     if (loss->numel != 1) dt_fail("dt_backward needs a scalar loss, got %lld elements", (long long)loss->numel);
@@ -1323,7 +1397,7 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
     dt_upload(dt_grad(loss), seed, sizeof(float) * (size_t)loss->numel);
     for (int i = dt_ctx.tape_len - 1; i >= 0; i--) {
         dt_tape_entry *e = &dt_ctx.tape[i];
-        if (e->out->grad) e->backward(e);
+        if (!e->out || e->out->grad) e->backward(e);
         if (dt_ctx.grad_ready)
             for (int j = 0; j < 4; j++) {
                 dt_tensor *p = e->in[j];
@@ -1763,6 +1837,8 @@ typedef struct dt_model_builder {
     float *init_scale;
 } dt_model_builder;
 
+static void dt_unit_starts_here(dt_model_builder *mb) { mb->m->unit_first[mb->m->nunits++] = mb->m->nparams; }
+
 static void dt_add_param(dt_model_builder *mb, const char *name, dt_init_kind init, float scale,
                          int ndim, int s0, int s1, int s2, int s3) {
     dt_model *m = mb->m;
@@ -1810,6 +1886,8 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
     dt_model *m = (dt_model *)calloc(1, sizeof(dt_model));
     if (!m) dt_fail("out of memory (model)");
     m->cfg = *cfg;
+    m->unit_first = (int *)calloc((size_t)cfg->depth + 3, sizeof(int));
+    if (!m->unit_first) dt_fail("out of memory (model)");
     dt_model_builder mb = { m, 0, NULL, NULL };
     int C = cfg->channels, S = cfg->image_size, D = cfg->dim;
     char name[160];
@@ -1818,6 +1896,7 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
         int in = C * S * S;
         for (int l = 0; l <= cfg->depth; l++) {
             int out = l == cfg->depth ? cfg->classes : D;
+            dt_unit_starts_here(&mb);
             snprintf(name, sizeof name, "fc%d", l + 1);
             dt_add_linear(&mb, name, in, out, DT_INIT_UNIFORM, 1.0f / sqrtf((float)in));
             in = out;
@@ -1828,11 +1907,13 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
         int p = cfg->patch, P = (S / p) * (S / p), fan = C * p * p;
         if (S % p) dt_fail("image size %d is not a multiple of the patch size %d", S, p);
         if (D % cfg->heads) dt_fail("--dim %d is not divisible by --heads %d", D, cfg->heads);
+        dt_unit_starts_here(&mb);
         dt_add_param(&mb, "cls_token", DT_INIT_NORMAL, 1e-6f, 3, 1, 1, D, 0);
         dt_add_param(&mb, "pos_embed", DT_INIT_NORMAL, 0.02f, 3, 1, P + 1, D, 0);
         dt_add_param(&mb, "patch_embed.proj.weight", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 4, D, C, p, p);
         dt_add_param(&mb, "patch_embed.proj.bias", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 1, D, 0, 0, 0);
         for (int l = 0; l < cfg->depth; l++) {
+            dt_unit_starts_here(&mb);
             snprintf(name, sizeof name, "blocks.%d.norm1", l); dt_add_layernorm(&mb, name, D);
             snprintf(name, sizeof name, "blocks.%d.attn.qkv", l); dt_add_linear(&mb, name, D, 3 * D, DT_INIT_NORMAL, 0.02f);
             snprintf(name, sizeof name, "blocks.%d.attn.proj", l); dt_add_linear(&mb, name, D, D, DT_INIT_NORMAL, 0.02f);
@@ -1840,10 +1921,14 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
             snprintf(name, sizeof name, "blocks.%d.mlp.fc1", l); dt_add_linear(&mb, name, D, cfg->mlp_hidden, DT_INIT_NORMAL, 0.02f);
             snprintf(name, sizeof name, "blocks.%d.mlp.fc2", l); dt_add_linear(&mb, name, cfg->mlp_hidden, D, DT_INIT_NORMAL, 0.02f);
         }
+        dt_unit_starts_here(&mb);
         dt_add_layernorm(&mb, "norm", D);
         dt_add_linear(&mb, "head", D, cfg->classes, DT_INIT_NORMAL, 0.02f);
     }
-    for (int i = 0; i < m->nparams; i++) m->numel += m->params[i].numel;
+    m->unit_first[m->nunits] = m->nparams;
+    m->offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(m->nparams + 1));
+    if (!m->offsets) dt_fail("out of memory (model)");
+    for (int i = 0; i < m->nparams; i++) { m->offsets[i] = m->numel; m->numel += m->params[i].numel; }
     size_t bytes = (size_t)m->numel * sizeof(float);
     m->device = dt_ctx.device;
     m->flat_data = (float *)dt_alloc_on(m->device, DT_ARENA_PARAMS, bytes);
@@ -1884,6 +1969,8 @@ void dt_model_free(dt_model *m) {
     if (!m) return;
     for (int i = 0; i < m->nparams; i++) free((void *)m->params[i].name);
     free(m->params);
+    free(m->offsets);
+    free(m->unit_first);
     dt_free_on(m->device, DT_ARENA_PARAMS, m->flat_data, (size_t)m->numel * sizeof(float));
     dt_free_on(m->device, DT_ARENA_GRADS, m->flat_grad, (size_t)m->numel * sizeof(float));
     free(m);
@@ -1907,6 +1994,13 @@ void dt_model_describe(const dt_model *m, char *out, size_t n) {
                  c->heads, c->patch, c->mlp_hidden, c->channels, c->image_size, c->image_size, m->numel / 1e6);
 }
 
+/* Where a unit's forward begins and ends: FSDP gathers its parameters there,
+   and leaves marks on the tape for the same moments of backward. */
+static void dt_fsdp_unit_boundary(struct dt_fsdp *f, int unit, int begin);
+static void dt_unit_boundary(dt_model *m, int unit, int begin) {
+    if (m->fsdp) dt_fsdp_unit_boundary(m->fsdp, unit, begin);
+}
+
 dt_tensor *dt_model_forward(dt_model *m, dt_tensor *images) {
     const dt_model_config *c = &m->cfg;
     int B = images->shape[0], pi = 0;
@@ -1917,17 +2011,22 @@ dt_tensor *dt_model_forward(dt_model *m, dt_tensor *images) {
         *x = *images;                                                  /* flatten: a view */
         x->ndim = 2; x->shape[0] = B; x->shape[1] = (int)(images->numel / B);
         for (int l = 0; l <= c->depth; l++) {
+            dt_unit_boundary(m, l, 1);
             dt_tensor *w = DT_NEXT, *b = DT_NEXT;
             x = dt_linear(x, w, b);
+            dt_unit_boundary(m, l, 0);
             if (l < c->depth) x = dt_gelu(x);
         }
         return x;
     }
     int T = (c->image_size / c->patch) * (c->image_size / c->patch) + 1;
+    dt_unit_boundary(m, 0, 1);
     dt_tensor *cls = DT_NEXT, *pos = DT_NEXT, *pw = DT_NEXT, *pb = DT_NEXT;
     dt_tensor *x = dt_linear(dt_patchify(images, c->patch), pw, pb); /* the conv, as a matmul */
     x = dt_vit_tokens(x, cls, pos, B);
+    dt_unit_boundary(m, 0, 0);
     for (int l = 0; l < c->depth; l++) {
+        dt_unit_boundary(m, 1 + l, 1);
         dt_tensor *n1w = DT_NEXT, *n1b = DT_NEXT, *qkvw = DT_NEXT, *qkvb = DT_NEXT, *pjw = DT_NEXT, *pjb = DT_NEXT;
         dt_tensor *n2w = DT_NEXT, *n2b = DT_NEXT, *f1w = DT_NEXT, *f1b = DT_NEXT, *f2w = DT_NEXT, *f2b = DT_NEXT;
         dt_tensor *h = dt_linear(dt_layernorm(x, n1w, n1b, 1e-6f), qkvw, qkvb);
@@ -1935,18 +2034,24 @@ dt_tensor *dt_model_forward(dt_model *m, dt_tensor *images) {
         x = dt_add(x, h);                                              /* pre-LN residual */
         h = dt_gelu(dt_linear(dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b));
         x = dt_add(x, dt_linear(h, f2w, f2b));
+        dt_unit_boundary(m, 1 + l, 0);
     }
+    dt_unit_boundary(m, 1 + c->depth, 1);
     dt_tensor *nw = DT_NEXT, *nb = DT_NEXT, *hw = DT_NEXT, *hb = DT_NEXT;
     /* timm normalises every token, then pools the class token; normalising only
        the class token gives the same logits for less work. */
     x = dt_layernorm(dt_select_token(x, B, T, 0), nw, nb, 1e-6f);
-    return dt_linear(x, hw, hb);
+    x = dt_linear(x, hw, hb);
+    dt_unit_boundary(m, 1 + c->depth, 0);
+    return x;
 #undef DT_NEXT
 }
 
 /* ==== 7. optimizer ==============================================================
    The update rules are PyTorch's, element for element, so a step here matches a
    step there. Biases and norm weights (1-D parameters) get no weight decay. */
+
+static void dt_fsdp_optimizer_view(struct dt_fsdp *f, dt_optimizer *o);
 
 dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float weight_decay,
                                   float momentum, float clip_norm) {
@@ -1956,22 +2061,34 @@ dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float
     o->beta1 = 0.9f; o->beta2 = 0.999f; o->eps = 1e-8f;
     o->weight_decay = weight_decay; o->momentum = momentum; o->clip_norm = clip_norm;
     o->model = model;
-    o->m = (float *)dt_alloc_on(model->device, DT_ARENA_OPTIM, (size_t)model->numel * sizeof(float));
-    if (kind == DT_ADAMW) o->v = (float *)dt_alloc_on(model->device, DT_ARENA_OPTIM, (size_t)model->numel * sizeof(float));
+    if (model->fsdp) dt_fsdp_optimizer_view(model->fsdp, o);      /* this rank's shard only */
+    else {
+        o->params = model->flat_data; o->grads = model->flat_grad; o->numel = model->numel;
+        o->nslices = model->nparams;
+        o->slices = (struct dt_param_slice *)calloc((size_t)model->nparams, sizeof *o->slices);
+        if (!o->slices) dt_fail("out of memory (optimizer)");
+        for (int i = 0; i < model->nparams; i++) {
+            o->slices[i].offset = model->offsets[i];
+            o->slices[i].length = model->params[i].numel;
+            o->slices[i].decay = model->params[i].ndim >= 2;
+        }
+    }
+    o->m = (float *)dt_alloc_on(model->device, DT_ARENA_OPTIM, (size_t)o->numel * sizeof(float));
+    if (kind == DT_ADAMW) o->v = (float *)dt_alloc_on(model->device, DT_ARENA_OPTIM, (size_t)o->numel * sizeof(float));
     return o;
 }
 void dt_optimizer_free(dt_optimizer *o) {
     if (!o) return;
-    dt_free_on(o->model->device, DT_ARENA_OPTIM, o->m, (size_t)o->model->numel * sizeof(float));
-    if (o->v) dt_free_on(o->model->device, DT_ARENA_OPTIM, o->v, (size_t)o->model->numel * sizeof(float));
+    dt_free_on(o->model->device, DT_ARENA_OPTIM, o->m, (size_t)o->numel * sizeof(float));
+    if (o->v) dt_free_on(o->model->device, DT_ARENA_OPTIM, o->v, (size_t)o->numel * sizeof(float));
+    free(o->slices);
     free(o);
 }
 
 void dt_optimizer_step(dt_optimizer *o, float lr) {
-    dt_model *m = o->model;
-    int64_t n = m->numel;
-    float *g = m->flat_grad;
-    const dt_backend *gpu = dt_backend_of(m->device);
+    int64_t n = o->numel;
+    float *g = o->grads;
+    const dt_backend *gpu = dt_backend_of(o->model->device);
     double sq = 0;
     if (gpu) sq = gpu->sum_squares(g, n);
     else {
@@ -1982,6 +2099,13 @@ void dt_optimizer_step(dt_optimizer *o, float lr) {
         for (int64_t i = i8; i < n; i++) lane[i % 8] += (double)g[i] * g[i];
         for (int l = 0; l < 8; l++) sq += lane[l];
     }
+    if (o->norm_comm) {                  /* each rank holds a part: the norm is of the whole */
+        float part = (float)sq, *buf = (float *)dt_step_data(sizeof(float));
+        dt_upload(buf, &part, sizeof part);
+        dt_all_reduce(o->norm_comm, buf, buf, 1, DT_F32, DT_SUM);
+        dt_download(&part, buf, sizeof part);
+        sq = part;
+    }
     o->last_grad_norm = (float)sqrt(sq);
     if (o->clip_norm > 0 && o->last_grad_norm > o->clip_norm) {   /* torch.nn.utils.clip_grad_norm_ */
         float c = o->clip_norm / (o->last_grad_norm + 1e-6f);
@@ -1991,11 +2115,10 @@ void dt_optimizer_step(dt_optimizer *o, float lr) {
     }
     o->step++;
     float bc1 = 1.0f - powf(o->beta1, (float)o->step), bc2 = 1.0f - powf(o->beta2, (float)o->step);
-    for (int pi = 0; pi < m->nparams; pi++) {
-        dt_tensor *t = &m->params[pi];
-        int64_t off = t->data - m->flat_data, len = t->numel;
-        float wd = t->ndim >= 2 ? o->weight_decay : 0.0f;
-        float *p = m->flat_data + off, *mm = o->m + off, *gg = g + off;
+    for (int si = 0; si < o->nslices; si++) {
+        int64_t off = o->slices[si].offset, len = o->slices[si].length;
+        float wd = o->slices[si].decay ? o->weight_decay : 0.0f;
+        float *p = o->params + off, *mm = o->m + off, *gg = g + off;
         if (gpu && o->kind == DT_ADAMW)
             gpu->adamw(p, mm, o->v + off, gg, len, lr, o->beta1, o->beta2, o->eps, wd, bc1, bc2);
         else if (gpu)
@@ -2010,7 +2133,7 @@ void dt_optimizer_step(dt_optimizer *o, float lr) {
             for (int64_t i = 0; i < len; i++) dt_sgd_update(&p[i], &mm[i], gg[i], lr, o->momentum, wd);
         }
     }
-    dt_model_zero_grad(m);
+    dt_zero_on(o->model->device, g, (size_t)n * sizeof(float));
 }
 
 float dt_schedule_lr(float base, int64_t step, int64_t warmup, int64_t total) {
@@ -3510,6 +3633,230 @@ void dt_ddp_free(dt_ddp *d) {
     free(d);
 }
 
+/* -- Fully sharded data parallel -- */
+typedef struct dt_fsdp_unit {
+    int first, end;             /* its parameters: first .. end - 1 */
+    int64_t offset, numel;      /* where it sits in the model's parameter order */
+    int64_t shard;              /* elements per rank: numel rounded up to a multiple of world, / world */
+    int64_t shard_offset;       /* where its shard starts in this rank's flat shard buffers */
+    float *full, *full_grad;    /* [shard * world]: gathered parameters, and their gradients */
+} dt_fsdp_unit;
+
+struct dt_fsdp {
+    dt_model *model;
+    dt_comm *comm;
+    dt_shard_mode mode;
+    int rank, world, nunits;
+    dt_fsdp_unit *units;
+    float *shard_params, *shard_grads;   /* this rank's slice of every unit, one after another */
+    int64_t shard_numel;
+};
+
+static size_t dt_fsdp_full_bytes(const dt_fsdp *f, const dt_fsdp_unit *u) { return (size_t)(u->shard * f->world) * sizeof(float); }
+
+/* Point the unit's parameters (or their gradients) into a gathered buffer, or nowhere. */
+static void dt_fsdp_point(dt_fsdp *f, dt_fsdp_unit *u, int grads, float *buf) {
+    for (int i = u->first; i < u->end; i++) {
+        float *p = buf ? buf + (f->model->offsets[i] - u->offset) : NULL;
+        if (grads) f->model->params[i].grad = p;
+        else f->model->params[i].data = p;
+    }
+}
+
+/* All-gather: every rank's shard of the unit, side by side, is the unit. */
+static void dt_fsdp_gather_unit(dt_fsdp *f, int k) {
+    dt_fsdp_unit *u = &f->units[k];
+    dt_device dev = f->model->device;
+    if (f->mode == DT_SHARD_FULL) u->full = (float *)dt_alloc_on(dev, DT_ARENA_PARAMS, dt_fsdp_full_bytes(f, u));
+    double t0 = dt_now_ms();
+    dt_all_gather(f->comm, f->shard_params + u->shard_offset, u->full, u->shard, DT_F32);
+    dt_record_comm("all_gather unit", t0, dt_now_ms(), 0);
+    dt_fsdp_point(f, u, 0, u->full);
+}
+static void dt_fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only our slice */
+    dt_fsdp_unit *u = &f->units[k];
+    if (f->mode != DT_SHARD_FULL) return;
+    dt_free_on(f->model->device, DT_ARENA_PARAMS, u->full, dt_fsdp_full_bytes(f, u));
+    u->full = NULL;
+    dt_fsdp_point(f, u, 0, NULL);
+}
+/* Reduce-scatter: the average of every rank's gradient of the unit, of which
+   this rank keeps its slice (added to what it holds: accumulation needs it). */
+static void dt_fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
+    dt_fsdp_unit *u = &f->units[k];
+    dt_device dev = f->model->device;
+    float *mine = (float *)dt_step_alloc_on(dev, (size_t)u->shard * sizeof(float)), *dst = f->shard_grads + u->shard_offset;
+    double t0 = dt_now_ms();
+    dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
+    dt_record_comm("reduce_scatter unit", t0, dt_now_ms(), 0);
+    const dt_backend *gpu = dt_backend_of(dev);
+    if (gpu) gpu->accumulate(dst, mine, u->shard);
+    else
+        for (int64_t i = 0; i < u->shard; i++) dst[i] += mine[i];
+}
+
+/* The two marks a unit leaves on the tape; backward meets them in reverse. */
+static void dt_fsdp_before_unit_backward(dt_tape_entry *e) {
+    dt_fsdp *f = (dt_fsdp *)e->saved;
+    dt_fsdp_unit *u = &f->units[e->iarg[0]];
+    if (f->mode == DT_SHARD_FULL) dt_fsdp_gather_unit(f, e->iarg[0]);          /* gathered again */
+    if (f->mode != DT_SHARD_OPTIMIZER) {
+        u->full_grad = (float *)dt_alloc_on(f->model->device, DT_ARENA_GRADS, dt_fsdp_full_bytes(f, u));
+        dt_fsdp_point(f, u, 1, u->full_grad);
+    }
+}
+static void dt_fsdp_after_unit_backward(dt_tape_entry *e) {
+    dt_fsdp *f = (dt_fsdp *)e->saved;
+    dt_fsdp_unit *u = &f->units[e->iarg[0]];
+    if (f->mode == DT_SHARD_OPTIMIZER) return;                                  /* all at once, after backward */
+    dt_fsdp_reduce_scatter_unit(f, e->iarg[0]);
+    dt_free_on(f->model->device, DT_ARENA_GRADS, u->full_grad, dt_fsdp_full_bytes(f, u));
+    u->full_grad = NULL;
+    dt_fsdp_point(f, u, 1, NULL);
+    dt_fsdp_release_unit(f, e->iarg[0]);
+}
+
+static void dt_fsdp_unit_boundary(dt_fsdp *f, int unit, int begin) {
+    int training = dt_ctx.grad_enabled;
+    if (begin) {
+        if (f->mode == DT_SHARD_FULL) dt_fsdp_gather_unit(f, unit);
+        if (training) dt_tape_mark(dt_fsdp_after_unit_backward, f, unit);
+    } else {
+        dt_fsdp_release_unit(f, unit);                                         /* reshard after forward */
+        if (training) dt_tape_mark(dt_fsdp_before_unit_backward, f, unit);
+    }
+}
+
+dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode) {
+    dt_fsdp *f = (dt_fsdp *)calloc(1, sizeof *f);
+    if (!f || !(f->units = (dt_fsdp_unit *)calloc((size_t)model->nunits, sizeof(dt_fsdp_unit))))
+        dt_fail("out of memory (FSDP)");
+    f->model = model; f->comm = comm; f->mode = mode;
+    f->rank = dt_comm_rank(comm); f->world = dt_comm_size(comm); f->nunits = model->nunits;
+    dt_device dev = model->device;
+    dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);     /* every rank starts from rank 0's */
+    for (int k = 0; k < f->nunits; k++) {
+        dt_fsdp_unit *u = &f->units[k];
+        u->first = model->unit_first[k];
+        u->end = model->unit_first[k + 1];
+        u->offset = model->offsets[u->first];
+        u->numel = (u->end < model->nparams ? model->offsets[u->end] : model->numel) - u->offset;
+        u->shard = (u->numel + f->world - 1) / f->world;
+        u->shard_offset = f->shard_numel;
+        f->shard_numel += u->shard;
+    }
+    f->shard_params = (float *)dt_alloc_on(dev, DT_ARENA_PARAMS, (size_t)f->shard_numel * sizeof(float));
+    f->shard_grads = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, (size_t)f->shard_numel * sizeof(float));
+    /* Cut the model into shards: this rank keeps elements [rank * shard, (rank + 1) * shard) of each unit. */
+    float *host = dt_host_view(dev, model->flat_data, model->numel);
+    for (int k = 0; k < f->nunits; k++) {
+        dt_fsdp_unit *u = &f->units[k];
+        int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
+        if (hi > lo) dt_upload(f->shard_params + u->shard_offset, host + u->offset + lo, (size_t)(hi - lo) * sizeof(float));
+        if (mode != DT_SHARD_FULL) {             /* ZeRO-1 and -2 keep every parameter, in per-unit buffers */
+            u->full = (float *)dt_alloc_on(dev, DT_ARENA_PARAMS, dt_fsdp_full_bytes(f, u));
+            dt_upload(u->full, host + u->offset, (size_t)u->numel * sizeof(float));
+            dt_fsdp_point(f, u, 0, u->full);
+        }
+        if (mode == DT_SHARD_OPTIMIZER) {        /* ZeRO-1 keeps every gradient too */
+            u->full_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, dt_fsdp_full_bytes(f, u));
+            dt_fsdp_point(f, u, 1, u->full_grad);
+        }
+        if (mode == DT_SHARD_FULL) dt_fsdp_point(f, u, 0, NULL);
+        if (mode != DT_SHARD_OPTIMIZER) dt_fsdp_point(f, u, 1, NULL);
+    }
+    dt_host_view_close(dev, host, model->flat_data, model->numel, 0);
+    dt_free_on(dev, DT_ARENA_PARAMS, model->flat_data, (size_t)model->numel * sizeof(float));
+    dt_free_on(dev, DT_ARENA_GRADS, model->flat_grad, (size_t)model->numel * sizeof(float));
+    model->flat_data = model->flat_grad = NULL;
+    model->fsdp = f;
+    return f;
+}
+
+/* The optimizer of a sharded model steps this rank's shard: one slice per
+   part of a parameter inside it (the padding belongs to no parameter). */
+static void dt_fsdp_optimizer_view(dt_fsdp *f, dt_optimizer *o) {
+    dt_model *m = f->model;
+    o->params = f->shard_params; o->grads = f->shard_grads; o->numel = f->shard_numel;
+    o->norm_comm = f->comm;
+    o->slices = (struct dt_param_slice *)calloc((size_t)m->nparams, sizeof *o->slices);
+    if (!o->slices) dt_fail("out of memory (optimizer)");
+    for (int k = 0; k < f->nunits; k++) {
+        dt_fsdp_unit *u = &f->units[k];
+        int64_t lo = f->rank * u->shard, hi = lo + u->shard;
+        for (int i = u->first; i < u->end; i++) {
+            int64_t a = m->offsets[i] - u->offset, b = a + m->params[i].numel;
+            if (a < lo) a = lo;
+            if (b > hi) b = hi;
+            if (b <= a) continue;
+            struct dt_param_slice *s = &o->slices[o->nslices++];
+            s->offset = u->shard_offset + (a - lo);
+            s->length = b - a;
+            s->decay = m->params[i].ndim >= 2;
+        }
+    }
+}
+
+void dt_fsdp_sync_grads(dt_fsdp *f) {
+    if (f->mode != DT_SHARD_OPTIMIZER) return;         /* reduce-scattered unit by unit during backward */
+    for (int k = f->nunits - 1; k >= 0; k--) {
+        dt_fsdp_unit *u = &f->units[k];
+        dt_fsdp_reduce_scatter_unit(f, k);
+        dt_zero_on(f->model->device, u->full_grad, dt_fsdp_full_bytes(f, u));
+    }
+}
+
+void dt_fsdp_after_step(dt_fsdp *f) {
+    if (f->mode == DT_SHARD_FULL) return;              /* gathered when next needed */
+    for (int k = 0; k < f->nunits; k++) {
+        dt_fsdp_unit *u = &f->units[k];
+        double t0 = dt_now_ms();
+        dt_all_gather(f->comm, f->shard_params + u->shard_offset, u->full, u->shard, DT_F32);
+        dt_record_comm("all_gather parameters", t0, dt_now_ms(), 0);
+    }
+}
+
+/* Checkpoints see a sharded model whole: every rank's shards gathered into one
+   host array in parameter order (a collective), or written back into them. */
+static float *dt_fsdp_state_gather(dt_fsdp *f, const float *shards) {
+    dt_device dev = f->model->device;
+    float *host = (float *)malloc((size_t)f->model->numel * sizeof(float) + 1);
+    if (!host) dt_fail("out of memory (gathering a sharded checkpoint)");
+    for (int k = 0; k < f->nunits; k++) {
+        dt_fsdp_unit *u = &f->units[k];
+        float *full = (float *)dt_alloc_on(dev, DT_ARENA_COMM, dt_fsdp_full_bytes(f, u));
+        dt_all_gather(f->comm, shards + u->shard_offset, full, u->shard, DT_F32);
+        dt_download_from(dev, host + u->offset, full, (size_t)u->numel * sizeof(float));
+        dt_free_on(dev, DT_ARENA_COMM, full, dt_fsdp_full_bytes(f, u));
+    }
+    return host;
+}
+static void dt_fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards, int parameters) {
+    for (int k = 0; k < f->nunits; k++) {
+        dt_fsdp_unit *u = &f->units[k];
+        int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
+        if (hi > lo) dt_upload(shards + u->shard_offset, host + u->offset + lo, (size_t)(hi - lo) * sizeof(float));
+        if (parameters && u->full) dt_upload(u->full, host + u->offset, (size_t)u->numel * sizeof(float));
+    }
+}
+
+void dt_fsdp_free(dt_fsdp *f) {
+    if (!f) return;
+    dt_model *m = f->model;
+    for (int k = 0; k < f->nunits; k++) {
+        dt_fsdp_unit *u = &f->units[k];
+        dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt_fsdp_full_bytes(f, u));
+        dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt_fsdp_full_bytes(f, u));
+        dt_fsdp_point(f, u, 0, NULL);
+        dt_fsdp_point(f, u, 1, NULL);
+    }
+    dt_free_on(m->device, DT_ARENA_PARAMS, f->shard_params, (size_t)f->shard_numel * sizeof(float));
+    dt_free_on(m->device, DT_ARENA_GRADS, f->shard_grads, (size_t)f->shard_numel * sizeof(float));
+    m->fsdp = NULL;
+    free(f->units);
+    free(f);
+}
+
 /* ==== 13. checkpoints ===========================================================
    A checkpoint is a safetensors file: an 8-byte little-endian header length, a
    JSON header {"name": {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}
@@ -3818,32 +4165,34 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
     return 0;
 }
 
-/* Files are read and written from host memory. A buffer on a GPU is seen
-   through a host copy: downloaded when opened, uploaded when closed if it was
-   written. On the CPU the "copy" is the buffer itself. */
-static float *dt_host_view(dt_device d, float *buf, int64_t n) {
-    if (d == DT_CPU) return buf;
-    float *host = (float *)malloc((size_t)n * sizeof(float) + 1);
-    if (!host) dt_fail("out of memory (%lld floats to copy from the GPU)", (long long)n);
-    dt_download_from(d, host, buf, (size_t)n * sizeof(float));
-    return host;
+/* The whole training state as host arrays in parameter order (m->offsets):
+   the parameters (which 0) or the optimizer's moments (1, 2). A view of the
+   flat buffers, or, for a sharded model, every rank's shards gathered -- a
+   collective, so every rank opens and closes them together. */
+static float *dt_state_open(dt_model *m, dt_optimizer *o, int which) {
+    if (m->fsdp) return dt_fsdp_state_gather(m->fsdp, which == 0 ? m->fsdp->shard_params : which == 1 ? o->m : o->v);
+    return dt_host_view(m->device, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel);
 }
-static void dt_host_view_close(dt_device d, float *host, float *buf, int64_t n, int written) {
-    if (d == DT_CPU) return;
-    if (written) dt_backend_of(d)->upload(buf, host, (size_t)n * sizeof(float));
+static void dt_state_close(dt_model *m, dt_optimizer *o, int which, float *host, int written) {
+    if (!host) return;
+    if (!m->fsdp) {
+        dt_host_view_close(m->device, host, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel, written);
+        return;
+    }
+    if (written) dt_fsdp_state_scatter(m->fsdp, host, which == 0 ? m->fsdp->shard_params : which == 1 ? o->m : o->v, which == 0);
     free(host);
 }
 
 void dt_model_load_weights(dt_model *m, const char *path) {
     dt_safetensors *st = dt_safetensors_read(path);
-    float *host = dt_host_view(m->device, m->flat_data, m->numel);
+    float *host = dt_state_open(m, NULL, 0);
     for (int i = 0; i < m->nparams; i++) {
         dt_tensor *p = &m->params[i];
-        if (!dt_safetensors_get(st, p->name, host + (p->data - m->flat_data), p->ndim, p->shape))
+        if (!dt_safetensors_get(st, p->name, host + m->offsets[i], p->ndim, p->shape))
             dt_fail("'%s' has no tensor '%s' (it holds %d tensors; is it a checkpoint of this model?)", path,
                     p->name, st->n);
     }
-    dt_host_view_close(m->device, host, m->flat_data, m->numel, 1);
+    dt_state_close(m, NULL, 0, host, 1);
     dt_safetensors_close(st);
 }
 
@@ -3908,6 +4257,8 @@ static const dt_flag dt_flags[] = {
     { "--quiet", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL },
     { "--peak-tflops", "X", "--bench on a GPU: its fp32 peak for MFU (default: looked up by name)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL },
     { "--nproc", "N", "02: devices driven by this one process; 03-05: ranks started on this machine (default 1)", DT_ARG_INT, DT_CFG(nproc), NULL },
+    { "--shard", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default)",
+      DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full" },
     { "--bucket-mb", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL },
     { "--timeout", "S", "stop when a rank has not answered for S seconds (default 60)", DT_ARG_FLOAT, DT_CFG(timeout), NULL },
@@ -3928,7 +4279,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     dt_config c;
     memset(&c, 0, sizeof c);
     c.stage = stage;
-    c.nproc = 1; c.timeout = 60; c.bucket_mb = 25;
+    c.nproc = 1; c.timeout = 60; c.bucket_mb = 25; c.shard = 2;
     c.image_size = 32; c.model = DT_MODEL_MLP; c.dim = c.depth = c.heads = c.patch = -1;
     c.batch_size = 128; c.epochs = 10; c.lr = 1e-3f; c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
     c.warmup = -1; c.optimizer = DT_ADAMW; c.seed = 1; c.device = (dt_device)2; /* auto */
@@ -4132,15 +4483,18 @@ void dt_checkpoint_save(dt_run *r, const char *path) {
     dt_model *m = r->model;
     dt_optimizer *o = r->opt;
     int per = o->kind == DT_ADAMW ? 3 : 2;
-    float *hp = dt_host_view(m->device, m->flat_data, m->numel), *hm = dt_host_view(m->device, o->m, m->numel);
-    float *hv = o->v ? dt_host_view(m->device, o->v, m->numel) : NULL;
+    float *hp = dt_state_open(m, o, 0), *hm = dt_state_open(m, o, 1), *hv = o->v ? dt_state_open(m, o, 2) : NULL;
+    if (dt_ctx.rank != 0) {                /* sharded: every rank helped gather; rank 0 writes */
+        dt_state_close(m, o, 0, hp, 0); dt_state_close(m, o, 1, hm, 0); dt_state_close(m, o, 2, hv, 0);
+        return;
+    }
     dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * per, sizeof *t);
     char **names = (char **)calloc((size_t)m->nparams * per, sizeof(char *));
     int n = 0;
     for (int k = 0; k < per; k++)
         for (int i = 0; i < m->nparams; i++) {
             dt_tensor *p = &m->params[i];
-            int64_t off = p->data - m->flat_data;
+            int64_t off = m->offsets[i];
             const char *prefix = k == 0 ? "" : k == 1 ? (o->kind == DT_ADAMW ? "optimizer.exp_avg." : "optimizer.momentum_buffer.")
                                                       : "optimizer.exp_avg_sq.";
             names[n] = (char *)malloc(strlen(prefix) + strlen(p->name) + 1);
@@ -4169,9 +4523,9 @@ void dt_checkpoint_save(dt_run *r, const char *path) {
                            "optimizer_step", v[3], "step", v[4], "epoch", v[5], "batch_in_epoch", v[6], "seed", v[7],
                            "world_size", v[8], "data_range", v[9], "batch_size", v[10] };
     dt_safetensors_write(path, t, n, meta, (int)(sizeof meta / sizeof meta[0] / 2));
-    dt_host_view_close(m->device, hp, m->flat_data, m->numel, 0);
-    dt_host_view_close(m->device, hm, o->m, m->numel, 0);
-    if (hv) dt_host_view_close(m->device, hv, o->v, m->numel, 0);
+    dt_state_close(m, o, 0, hp, 0);
+    dt_state_close(m, o, 1, hm, 0);
+    dt_state_close(m, o, 2, hv, 0);
     for (int i = 0; i < n; i++) free(names[i]);
     free(names);
     free(t);
@@ -4204,11 +4558,10 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     if (strcmp(dt_meta_required(st, path, "optimizer"), o->kind == DT_ADAMW ? "adamw" : "sgd"))
         dt_fail("'%s' holds %s state but this run uses --optimizer %s", path, dt_safetensors_meta(st, "optimizer"),
                 o->kind == DT_ADAMW ? "adamw" : "sgd");
-    float *hp = dt_host_view(m->device, m->flat_data, m->numel), *hm = dt_host_view(m->device, o->m, m->numel);
-    float *hv = o->v ? dt_host_view(m->device, o->v, m->numel) : NULL;
+    float *hp = dt_state_open(m, o, 0), *hm = dt_state_open(m, o, 1), *hv = o->v ? dt_state_open(m, o, 2) : NULL;
     for (int i = 0; i < m->nparams; i++) {
         dt_tensor *p = &m->params[i];
-        int64_t off = p->data - m->flat_data;
+        int64_t off = m->offsets[i];
         char name[256];
         if (!dt_safetensors_get(st, p->name, hp + off, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, p->name);
         snprintf(name, sizeof name, "optimizer.%s.%s", o->kind == DT_ADAMW ? "exp_avg" : "momentum_buffer", p->name);
@@ -4218,9 +4571,9 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
             if (!dt_safetensors_get(st, name, hv + off, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, name);
         }
     }
-    dt_host_view_close(m->device, hp, m->flat_data, m->numel, 1);
-    dt_host_view_close(m->device, hm, o->m, m->numel, 1);
-    if (hv) dt_host_view_close(m->device, hv, o->v, m->numel, 1);
+    dt_state_close(m, o, 0, hp, 1);
+    dt_state_close(m, o, 1, hm, 1);
+    dt_state_close(m, o, 2, hv, 1);
     o->step = atoll(dt_meta_required(st, path, "optimizer_step"));
     r->step = atoll(dt_meta_required(st, path, "step"));
     r->epoch = atoi(dt_meta_required(st, path, "epoch"));
@@ -4254,9 +4607,9 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
         snprintf(v, sizeof v, "%d %d %lld %g %d %llu", cfg->batch_size, cfg->epochs, (long long)cfg->steps, cfg->lr,
                  (int)cfg->optimizer, (unsigned long long)cfg->seed);
         dt_comm_check_agree(dt_ctx.job, "--batch-size --epochs --steps --lr --optimizer --seed", v);
-        snprintf(v, sizeof v, "%lld %lld %lld %g %d", (long long)loader->ds->n, (long long)cfg->start_idx,
-                 (long long)cfg->warmup, cfg->bucket_mb, cfg->bench);
-        dt_comm_check_agree(dt_ctx.job, "the training images, --start-idx --warmup --bucket-mb --bench", v);
+        snprintf(v, sizeof v, "%lld %lld %lld %g %d %d", (long long)loader->ds->n, (long long)cfg->start_idx,
+                 (long long)cfg->warmup, cfg->bucket_mb, cfg->shard, cfg->bench);
+        dt_comm_check_agree(dt_ctx.job, "the training images, --start-idx --warmup --bucket-mb --shard --bench", v);
         dt_comm_check_agree(dt_ctx.job, "--resume", cfg->resume ? cfg->resume : "(none)");
     }
     r->batches_per_epoch = dt_loader_batches_per_epoch(loader);
@@ -4414,7 +4767,7 @@ void dt_epoch_end(dt_run *r) {
     int finished = r->batch_in_epoch >= r->batches_per_epoch;
     if (finished) { r->epoch++; r->batch_in_epoch = 0; }
     if (!(r->cfg.eval_every > 0 && r->step % r->cfg.eval_every == 0)) dt_run_eval(r);
-    if (r->cfg.save_dir && dt_ctx.rank == 0) {
+    if (r->cfg.save_dir && (dt_ctx.rank == 0 || r->model->fsdp)) {   /* sharded: every rank gathers */
         char path[4096], what[64];
         if (finished) snprintf(what, sizeof what, "epoch%d", r->epoch);
         else snprintf(what, sizeof what, "step%lld", (long long)r->step);
@@ -4422,7 +4775,7 @@ void dt_epoch_end(dt_run *r) {
         r->mark_ms = dt_now_ms();
         dt_checkpoint_save(r, path);
         dt_phase(r, DT_PHASE_CKPT);
-        if (!r->cfg.quiet) { printf("saved %s\n", path); fflush(stdout); }
+        if (!r->cfg.quiet && dt_ctx.rank == 0) { printf("saved %s\n", path); fflush(stdout); }
     }
 }
 
