@@ -1318,6 +1318,41 @@ static void test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly(void
     expect_error(out, st, 1, "written by 2 ranks, this run has 4");
 }
 
+/* ---- stage 04: FSDP = DDP ------------------------------------------------------ */
+
+/* 04 with each --shard mode against 03 at the same N, 20 steps of a 2-block
+   vit. With --clip 0 the results are bit for bit DDP's: the reduce-scatter
+   sums each element in rank order, as the all-reduce does, and the optimizer
+   does the same arithmetic on each element. With clipping the gradient norm is
+   summed per shard, then over ranks: a different order, so a tolerance of 2e-5
+   (measured: 3.5e-6). */
+static void test_fsdp_equals_ddp_in_every_shard_mode(void) {
+    char out[16384], ref[600], dir[600], p[700], q[700];
+    const char *modes[3] = { "optimizer", "grads", "full" };
+    for (int clip = 0; clip < 2; clip++)
+        for (int n = 2; n <= 4; n += 2) {
+            snprintf(ref, sizeof ref, "%s/fsdp-ref-%d-%d", tmpdir, clip, n);
+            int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model vit --depth 2 --heads 2 --batch-size %d "
+                             "--nproc %d --clip %s --save-dir %s", stage_bin("03-ddp"), small_data(), 32 / n, n,
+                             clip ? "1" : "0", ref);
+            CHECKF(st == 0, "03 --nproc %d: exit %d\n%s", n, st, out);
+            snprintf(p, sizeof p, "%s/vit_data0-320_epoch2.safetensors", ref);
+            for (int k = 0; k < 3; k++) {
+                snprintf(dir, sizeof dir, "%s/fsdp-%s-%d-%d", tmpdir, modes[k], clip, n);
+                st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model vit --depth 2 --heads 2 --batch-size %d "
+                             "--nproc %d --clip %s --shard %s --save-dir %s", stage_bin("04-fsdp"), small_data(), 32 / n, n,
+                             clip ? "1" : "0", modes[k], dir);
+                CHECKF(st == 0, "04 --shard %s --nproc %d: exit %d\n%s", modes[k], n, st, out);
+                snprintf(q, sizeof q, "%s/vit_data0-320_epoch2.safetensors", dir);
+                if (!clip) CHECKF(files_equal_tensors(p, q), "--shard %s N=%d --clip 0: not bit for bit DDP's", modes[k], n);
+                else {
+                    double d = max_tensor_diff(p, q);
+                    CHECKF(d >= 0 && d <= 2e-5, "--shard %s N=%d: differs from DDP by %.3g", modes[k], n, d);
+                }
+            }
+        }
+}
+
 /* ---- the GPU against the CPU (skipped where no GPU is visible) ---------------- */
 
 /* Every GPU test begins here: skip, saying why, when this build or machine has no GPU. */
@@ -1571,6 +1606,7 @@ static const test_case tests[] = {
     T(test_dp_and_ddp_equal_one_device_with_n_times_the_batch), T(test_dp_and_ddp_runs_repeat_bit_for_bit),
     T(test_ddp_buckets_overlap_backward_and_change_no_bits), T(test_ddp_by_nproc_and_by_torchrun_variables_agree),
     T(test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly),
+    T(test_fsdp_equals_ddp_in_every_shard_mode),
     T(test_gpu_ops_match_the_cpu), T(test_gpu_casts_and_updates_are_bitwise_the_cpu),
     T(test_gpu_training_step_matches_the_cpu), T(test_gpu_200_step_loss_curve_matches_the_cpu),
 };
