@@ -139,6 +139,15 @@ size_t dt_mem_now(dt_arena arena);
 size_t dt_mem_peak(dt_arena arena);
 size_t dt_mem_total_now(void);
 size_t dt_mem_total_peak(void);
+/* Host memory that holds what was moved off the device (FSDP's --cpu-offload),
+   counted apart from the device's so that the move shows. */
+void *dt_alloc_host(dt_arena arena, size_t bytes);
+void dt_free_host(dt_arena arena, void *ptr, size_t bytes);
+size_t dt_mem_host_now(dt_arena arena);
+size_t dt_mem_host_peak(dt_arena arena);
+/* Forget the peaks (set them to what is held now): the run does it once set up,
+   so that peaks are those of training, not of building the model. */
+void dt_mem_reset_peaks(void);
 const char *dt_arena_name(dt_arena arena);
 
 /* The per-step arena holds activations and their gradients. It is a bump
@@ -289,6 +298,8 @@ typedef struct dt_optimizer {
     int nslices;
     struct dt_param_slice { int64_t offset, length; int decay; } *slices;
     struct dt_comm *norm_comm; /* sharded: the gradient norm is summed over the ranks */
+    dt_device device;          /* where its buffers are and it computes */
+    int offloaded;             /* its buffers are host memory (FSDP's --cpu-offload) */
 } dt_optimizer;
 
 dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float weight_decay,
@@ -486,8 +497,11 @@ void dt_ddp_free(dt_ddp *ddp);
 typedef enum { DT_SHARD_OPTIMIZER = 0, DT_SHARD_GRADS = 1, DT_SHARD_FULL = 2 } dt_shard_mode;
 typedef struct dt_fsdp dt_fsdp;
 /* Broadcast rank 0's parameters, keep this rank's shards, free the rest. Create
-   the optimizer after this: it then holds the shard's state only. */
-dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode);
+   the optimizer after this: it then holds the shard's state only. cpu_offload:
+   the shards and the optimizer state live in host memory, the optimizer steps
+   on the CPU, and a unit's shard is copied to the device just before its
+   all-gather (on a CPU-only run, between the device and host arenas). */
+dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload);
 /* After backward: DT_SHARD_OPTIMIZER reduce-scatters every gradient now (the
    other modes did it unit by unit during backward). */
 void dt_fsdp_sync_grads(dt_fsdp *fsdp);
@@ -545,6 +559,7 @@ typedef struct dt_config {
     int nproc;                   /* --nproc: devices of stage 02, or ranks to start on this machine (03-05) */
     float bucket_mb;             /* --bucket-mb: DDP's gradient buckets (0: one all-reduce after backward) */
     int shard;                   /* --shard: what FSDP shards (a dt_shard_mode; default full) */
+    int cpu_offload;             /* --cpu-offload: FSDP's shards and optimizer in host memory */
     float timeout;               /* --timeout: seconds before a missing rank stops the job */
     int rank, world_size, local_rank;   /* this process's place in the job (from the environment) */
 } dt_config;
@@ -841,6 +856,7 @@ typedef struct dt_context {
     dt_device device;
     const dt_backend *gpu;             /* the kernels of the GPU, when device is DT_CUDA */
     size_t mem_now[DT_ARENA_COUNT], mem_peak[DT_ARENA_COUNT], mem_total, mem_total_peak;
+    size_t host_now[DT_ARENA_COUNT], host_peak[DT_ARENA_COUNT];     /* offloaded (dt_alloc_host) */
     dt_step_arena step[2];             /* per device: host (tensor headers, host data) and GPU */
     dt_tape_entry *tape;
     int tape_len, tape_cap;
@@ -925,13 +941,17 @@ static void dt_mem_count(dt_arena a, size_t bytes, int sign) {
     if (dt_ctx.mem_total > dt_ctx.mem_total_peak) dt_ctx.mem_total_peak = dt_ctx.mem_total;
 }
 
-void *dt_alloc(dt_arena arena, size_t bytes) {
+static void *dt_alloc_uncounted(dt_arena arena, size_t bytes) {
     size_t rounded = (bytes + 63) & ~(size_t)63;
     void *p = NULL;
     if (rounded == 0) rounded = 64;
     if (posix_memalign(&p, 64, rounded) != 0 || !p)
         dt_fail("out of memory allocating %zu bytes for %s", bytes, dt_arena_names[arena]);
     memset(p, 0, rounded);
+    return p;
+}
+void *dt_alloc(dt_arena arena, size_t bytes) {
+    void *p = dt_alloc_uncounted(arena, bytes);
     dt_mem_count(arena, bytes, +1);
     return p;
 }
@@ -939,6 +959,23 @@ void dt_free(dt_arena arena, void *ptr, size_t bytes) {
     if (!ptr) return;
     free(ptr);
     dt_mem_count(arena, bytes, -1);
+}
+void *dt_alloc_host(dt_arena arena, size_t bytes) {
+    void *p = dt_alloc_uncounted(arena, bytes);
+    dt_ctx.host_now[arena] += bytes;
+    if (dt_ctx.host_now[arena] > dt_ctx.host_peak[arena]) dt_ctx.host_peak[arena] = dt_ctx.host_now[arena];
+    return p;
+}
+void dt_free_host(dt_arena arena, void *ptr, size_t bytes) {
+    if (!ptr) return;
+    free(ptr);
+    dt_ctx.host_now[arena] -= bytes;
+}
+size_t dt_mem_host_now(dt_arena a) { return dt_ctx.host_now[a]; }
+size_t dt_mem_host_peak(dt_arena a) { return dt_ctx.host_peak[a]; }
+void dt_mem_reset_peaks(void) {
+    for (int a = 0; a < DT_ARENA_COUNT; a++) { dt_ctx.mem_peak[a] = dt_ctx.mem_now[a]; dt_ctx.host_peak[a] = dt_ctx.host_now[a]; }
+    dt_ctx.mem_total_peak = dt_ctx.mem_total;
 }
 size_t dt_mem_now(dt_arena a) { return dt_ctx.mem_now[a]; }
 size_t dt_mem_peak(dt_arena a) { return dt_ctx.mem_peak[a]; }
@@ -2061,6 +2098,7 @@ dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float
     o->beta1 = 0.9f; o->beta2 = 0.999f; o->eps = 1e-8f;
     o->weight_decay = weight_decay; o->momentum = momentum; o->clip_norm = clip_norm;
     o->model = model;
+    o->device = model->device;
     if (model->fsdp) dt_fsdp_optimizer_view(model->fsdp, o);      /* this rank's shard only */
     else {
         o->params = model->flat_data; o->grads = model->flat_grad; o->numel = model->numel;
@@ -2073,14 +2111,17 @@ dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float
             o->slices[i].decay = model->params[i].ndim >= 2;
         }
     }
-    o->m = (float *)dt_alloc_on(model->device, DT_ARENA_OPTIM, (size_t)o->numel * sizeof(float));
-    if (kind == DT_ADAMW) o->v = (float *)dt_alloc_on(model->device, DT_ARENA_OPTIM, (size_t)o->numel * sizeof(float));
+    size_t bytes = (size_t)o->numel * sizeof(float);
+    o->m = (float *)(o->offloaded ? dt_alloc_host(DT_ARENA_OPTIM, bytes) : dt_alloc_on(o->device, DT_ARENA_OPTIM, bytes));
+    if (kind == DT_ADAMW)
+        o->v = (float *)(o->offloaded ? dt_alloc_host(DT_ARENA_OPTIM, bytes) : dt_alloc_on(o->device, DT_ARENA_OPTIM, bytes));
     return o;
 }
 void dt_optimizer_free(dt_optimizer *o) {
     if (!o) return;
-    dt_free_on(o->model->device, DT_ARENA_OPTIM, o->m, (size_t)o->numel * sizeof(float));
-    if (o->v) dt_free_on(o->model->device, DT_ARENA_OPTIM, o->v, (size_t)o->numel * sizeof(float));
+    size_t bytes = (size_t)o->numel * sizeof(float);
+    if (o->offloaded) { dt_free_host(DT_ARENA_OPTIM, o->m, bytes); dt_free_host(DT_ARENA_OPTIM, o->v, bytes); }
+    else { dt_free_on(o->device, DT_ARENA_OPTIM, o->m, bytes); dt_free_on(o->device, DT_ARENA_OPTIM, o->v, bytes); }
     free(o->slices);
     free(o);
 }
@@ -2088,7 +2129,7 @@ void dt_optimizer_free(dt_optimizer *o) {
 void dt_optimizer_step(dt_optimizer *o, float lr) {
     int64_t n = o->numel;
     float *g = o->grads;
-    const dt_backend *gpu = dt_backend_of(o->model->device);
+    const dt_backend *gpu = dt_backend_of(o->device);
     double sq = 0;
     if (gpu) sq = gpu->sum_squares(g, n);
     else {
@@ -2133,7 +2174,7 @@ void dt_optimizer_step(dt_optimizer *o, float lr) {
             for (int64_t i = 0; i < len; i++) dt_sgd_update(&p[i], &mm[i], gg[i], lr, o->momentum, wd);
         }
     }
-    dt_zero_on(o->model->device, g, (size_t)n * sizeof(float));
+    dt_zero_on(o->device, g, (size_t)n * sizeof(float));
 }
 
 float dt_schedule_lr(float base, int64_t step, int64_t warmup, int64_t total) {
@@ -3646,6 +3687,7 @@ struct dt_fsdp {
     dt_model *model;
     dt_comm *comm;
     dt_shard_mode mode;
+    int offload;                /* shards and optimizer state in host memory */
     int rank, world, nunits;
     dt_fsdp_unit *units;
     float *shard_params, *shard_grads;   /* this rank's slice of every unit, one after another */
@@ -3653,6 +3695,24 @@ struct dt_fsdp {
 };
 
 static size_t dt_fsdp_full_bytes(const dt_fsdp *f, const dt_fsdp_unit *u) { return (size_t)(u->shard * f->world) * sizeof(float); }
+
+/* A unit's slice of a shard buffer where the collectives can read it: the
+   buffer itself, or, offloaded, a copy uploaded just now (freed by _done). */
+static float *dt_fsdp_shard_on_device(dt_fsdp *f, const float *shards, const dt_fsdp_unit *u) {
+    if (!f->offload) return (float *)shards + u->shard_offset;
+    float *d = (float *)dt_alloc_on(f->model->device, DT_ARENA_COMM, (size_t)u->shard * sizeof(float));
+    dt_upload(d, shards + u->shard_offset, (size_t)u->shard * sizeof(float));
+    return d;
+}
+static void dt_fsdp_shard_done(dt_fsdp *f, const dt_fsdp_unit *u, float *d) {
+    if (f->offload) dt_free_on(f->model->device, DT_ARENA_COMM, d, (size_t)u->shard * sizeof(float));
+}
+/* Host values into a shard buffer: a copy when offloaded, else an upload. */
+static void dt_fsdp_put(dt_fsdp *f, float *dst, const float *host, int64_t n) {
+    if (n <= 0) return;
+    if (f->offload) memcpy(dst, host, (size_t)n * sizeof(float));
+    else dt_upload(dst, host, (size_t)n * sizeof(float));
+}
 
 /* Point the unit's parameters (or their gradients) into a gathered buffer, or nowhere. */
 static void dt_fsdp_point(dt_fsdp *f, dt_fsdp_unit *u, int grads, float *buf) {
@@ -3669,7 +3729,9 @@ static void dt_fsdp_gather_unit(dt_fsdp *f, int k) {
     dt_device dev = f->model->device;
     if (f->mode == DT_SHARD_FULL) u->full = (float *)dt_alloc_on(dev, DT_ARENA_PARAMS, dt_fsdp_full_bytes(f, u));
     double t0 = dt_now_ms();
-    dt_all_gather(f->comm, f->shard_params + u->shard_offset, u->full, u->shard, DT_F32);
+    float *mine = dt_fsdp_shard_on_device(f, f->shard_params, u);
+    dt_all_gather(f->comm, mine, u->full, u->shard, DT_F32);
+    dt_fsdp_shard_done(f, u, mine);
     dt_record_comm("all_gather unit", t0, dt_now_ms(), 0);
     dt_fsdp_point(f, u, 0, u->full);
 }
@@ -3685,14 +3747,19 @@ static void dt_fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only 
 static void dt_fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
     dt_fsdp_unit *u = &f->units[k];
     dt_device dev = f->model->device;
-    float *mine = (float *)dt_step_alloc_on(dev, (size_t)u->shard * sizeof(float)), *dst = f->shard_grads + u->shard_offset;
+    size_t bytes = (size_t)u->shard * sizeof(float);
+    float *mine = (float *)dt_alloc_on(dev, DT_ARENA_COMM, bytes), *dst = f->shard_grads + u->shard_offset;
     double t0 = dt_now_ms();
     dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
     dt_record_comm("reduce_scatter unit", t0, dt_now_ms(), 0);
-    const dt_backend *gpu = dt_backend_of(dev);
+    const dt_backend *gpu = f->offload ? NULL : dt_backend_of(dev);
     if (gpu) gpu->accumulate(dst, mine, u->shard);
-    else
-        for (int64_t i = 0; i < u->shard; i++) dst[i] += mine[i];
+    else {                                          /* offloaded: to the host, added there */
+        float *host = dt_host_view(dev, mine, u->shard);
+        for (int64_t i = 0; i < u->shard; i++) dst[i] += host[i];
+        dt_host_view_close(dev, host, mine, u->shard, 0);
+    }
+    dt_free_on(dev, DT_ARENA_COMM, mine, bytes);
 }
 
 /* The two marks a unit leaves on the tape; backward meets them in reverse. */
@@ -3727,11 +3794,11 @@ static void dt_fsdp_unit_boundary(dt_fsdp *f, int unit, int begin) {
     }
 }
 
-dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode) {
+dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload) {
     dt_fsdp *f = (dt_fsdp *)calloc(1, sizeof *f);
     if (!f || !(f->units = (dt_fsdp_unit *)calloc((size_t)model->nunits, sizeof(dt_fsdp_unit))))
         dt_fail("out of memory (FSDP)");
-    f->model = model; f->comm = comm; f->mode = mode;
+    f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
     f->rank = dt_comm_rank(comm); f->world = dt_comm_size(comm); f->nunits = model->nunits;
     dt_device dev = model->device;
     dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);     /* every rank starts from rank 0's */
@@ -3745,14 +3812,15 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode) {
         u->shard_offset = f->shard_numel;
         f->shard_numel += u->shard;
     }
-    f->shard_params = (float *)dt_alloc_on(dev, DT_ARENA_PARAMS, (size_t)f->shard_numel * sizeof(float));
-    f->shard_grads = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, (size_t)f->shard_numel * sizeof(float));
+    size_t shard_bytes = (size_t)f->shard_numel * sizeof(float);
+    f->shard_params = (float *)(f->offload ? dt_alloc_host(DT_ARENA_PARAMS, shard_bytes) : dt_alloc_on(dev, DT_ARENA_PARAMS, shard_bytes));
+    f->shard_grads = (float *)(f->offload ? dt_alloc_host(DT_ARENA_GRADS, shard_bytes) : dt_alloc_on(dev, DT_ARENA_GRADS, shard_bytes));
     /* Cut the model into shards: this rank keeps elements [rank * shard, (rank + 1) * shard) of each unit. */
     float *host = dt_host_view(dev, model->flat_data, model->numel);
     for (int k = 0; k < f->nunits; k++) {
         dt_fsdp_unit *u = &f->units[k];
         int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
-        if (hi > lo) dt_upload(f->shard_params + u->shard_offset, host + u->offset + lo, (size_t)(hi - lo) * sizeof(float));
+        dt_fsdp_put(f, f->shard_params + u->shard_offset, host + u->offset + lo, hi - lo);
         if (mode != DT_SHARD_FULL) {             /* ZeRO-1 and -2 keep every parameter, in per-unit buffers */
             u->full = (float *)dt_alloc_on(dev, DT_ARENA_PARAMS, dt_fsdp_full_bytes(f, u));
             dt_upload(u->full, host + u->offset, (size_t)u->numel * sizeof(float));
@@ -3779,6 +3847,7 @@ static void dt_fsdp_optimizer_view(dt_fsdp *f, dt_optimizer *o) {
     dt_model *m = f->model;
     o->params = f->shard_params; o->grads = f->shard_grads; o->numel = f->shard_numel;
     o->norm_comm = f->comm;
+    if (f->offload) { o->device = DT_CPU; o->offloaded = 1; }     /* the optimizer steps on the CPU */
     o->slices = (struct dt_param_slice *)calloc((size_t)m->nparams, sizeof *o->slices);
     if (!o->slices) dt_fail("out of memory (optimizer)");
     for (int k = 0; k < f->nunits; k++) {
@@ -3811,7 +3880,9 @@ void dt_fsdp_after_step(dt_fsdp *f) {
     for (int k = 0; k < f->nunits; k++) {
         dt_fsdp_unit *u = &f->units[k];
         double t0 = dt_now_ms();
-        dt_all_gather(f->comm, f->shard_params + u->shard_offset, u->full, u->shard, DT_F32);
+        float *mine = dt_fsdp_shard_on_device(f, f->shard_params, u);
+        dt_all_gather(f->comm, mine, u->full, u->shard, DT_F32);
+        dt_fsdp_shard_done(f, u, mine);
         dt_record_comm("all_gather parameters", t0, dt_now_ms(), 0);
     }
 }
@@ -3825,7 +3896,9 @@ static float *dt_fsdp_state_gather(dt_fsdp *f, const float *shards) {
     for (int k = 0; k < f->nunits; k++) {
         dt_fsdp_unit *u = &f->units[k];
         float *full = (float *)dt_alloc_on(dev, DT_ARENA_COMM, dt_fsdp_full_bytes(f, u));
-        dt_all_gather(f->comm, shards + u->shard_offset, full, u->shard, DT_F32);
+        float *mine = dt_fsdp_shard_on_device(f, shards, u);
+        dt_all_gather(f->comm, mine, full, u->shard, DT_F32);
+        dt_fsdp_shard_done(f, u, mine);
         dt_download_from(dev, host + u->offset, full, (size_t)u->numel * sizeof(float));
         dt_free_on(dev, DT_ARENA_COMM, full, dt_fsdp_full_bytes(f, u));
     }
@@ -3835,9 +3908,33 @@ static void dt_fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards, 
     for (int k = 0; k < f->nunits; k++) {
         dt_fsdp_unit *u = &f->units[k];
         int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
-        if (hi > lo) dt_upload(shards + u->shard_offset, host + u->offset + lo, (size_t)(hi - lo) * sizeof(float));
+        dt_fsdp_put(f, shards + u->shard_offset, host + u->offset + lo, hi - lo);
         if (parameters && u->full) dt_upload(u->full, host + u->offset, (size_t)u->numel * sizeof(float));
     }
+}
+
+/* What each rank holds, against what DDP would hold: the ZeRO paper's
+   formulas with P, G, O the bytes of parameters, gradients and optimizer state
+   (O = 2P for AdamW, P for SGD's momentum), N ranks. */
+static void dt_fsdp_memory_table(const dt_fsdp *f, const dt_optimizer *o) {
+    static const char *formulas[3][3] = { { "P", "G", "O/N" }, { "P", "G/N", "O/N" }, { "P/N", "G/N", "O/N" } };
+    static const char *names[3] = { "optimizer (ZeRO-1)", "grads (ZeRO-2)", "full (ZeRO-3)" };
+    double P = 4.0 * f->model->numel, ddp[3] = { P, P, o->v ? 2 * P : P };
+    dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
+    const char *rows[3] = { "parameters", "gradients", "optimizer state" };
+    size_t largest = 0;
+    for (int k = 0; k < f->nunits; k++) {
+        size_t b = dt_fsdp_full_bytes(f, &f->units[k]);
+        if (b > largest) largest = b;
+    }
+    printf("memory per rank, --shard %s%s, %d ranks (MB):\n", names[f->mode], f->offload ? " --cpu-offload" : "", f->world);
+    printf("  %-16s %8s %8s %8s   %s\n", "", "device", "host", "DDP", "formula");
+    for (int i = 0; i < 3; i++)
+        printf("  %-16s %8.2f %8.2f %8.2f   %s\n", rows[i], dt_mem_now(arenas[i]) / 1e6, dt_mem_host_now(arenas[i]) / 1e6,
+               ddp[i] / 1e6, formulas[f->mode][i]);
+    printf("  while a unit computes it is gathered whole: up to %.2f MB of parameters%s (the largest unit)\n",
+           largest / 1e6, f->mode == DT_SHARD_OPTIMIZER ? "" : ", and as much of gradients in its backward");
+    fflush(stdout);
 }
 
 void dt_fsdp_free(dt_fsdp *f) {
@@ -3850,8 +3947,9 @@ void dt_fsdp_free(dt_fsdp *f) {
         dt_fsdp_point(f, u, 0, NULL);
         dt_fsdp_point(f, u, 1, NULL);
     }
-    dt_free_on(m->device, DT_ARENA_PARAMS, f->shard_params, (size_t)f->shard_numel * sizeof(float));
-    dt_free_on(m->device, DT_ARENA_GRADS, f->shard_grads, (size_t)f->shard_numel * sizeof(float));
+    size_t shard_bytes = (size_t)f->shard_numel * sizeof(float);
+    if (f->offload) { dt_free_host(DT_ARENA_PARAMS, f->shard_params, shard_bytes); dt_free_host(DT_ARENA_GRADS, f->shard_grads, shard_bytes); }
+    else { dt_free_on(m->device, DT_ARENA_PARAMS, f->shard_params, shard_bytes); dt_free_on(m->device, DT_ARENA_GRADS, f->shard_grads, shard_bytes); }
     m->fsdp = NULL;
     free(f->units);
     free(f);
@@ -4259,6 +4357,8 @@ static const dt_flag dt_flags[] = {
     { "--nproc", "N", "02: devices driven by this one process; 03-05: ranks started on this machine (default 1)", DT_ARG_INT, DT_CFG(nproc), NULL },
     { "--shard", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default)",
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full" },
+    { "--cpu-offload", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
+      DT_CFG(cpu_offload), NULL },
     { "--bucket-mb", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL },
     { "--timeout", "S", "stop when a rank has not answered for S seconds (default 60)", DT_ARG_FLOAT, DT_CFG(timeout), NULL },
@@ -4608,8 +4708,8 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
                  (int)cfg->optimizer, (unsigned long long)cfg->seed);
         dt_comm_check_agree(dt_ctx.job, "--batch-size --epochs --steps --lr --optimizer --seed", v);
         snprintf(v, sizeof v, "%lld %lld %lld %g %d %d", (long long)loader->ds->n, (long long)cfg->start_idx,
-                 (long long)cfg->warmup, cfg->bucket_mb, cfg->shard, cfg->bench);
-        dt_comm_check_agree(dt_ctx.job, "the training images, --start-idx --warmup --bucket-mb --shard --bench", v);
+                 (long long)cfg->warmup, cfg->bucket_mb, cfg->shard * 2 + cfg->cpu_offload, cfg->bench);
+        dt_comm_check_agree(dt_ctx.job, "the training images, --start-idx --warmup --bucket-mb --shard --cpu-offload --bench", v);
         dt_comm_check_agree(dt_ctx.job, "--resume", cfg->resume ? cfg->resume : "(none)");
     }
     r->batches_per_epoch = dt_loader_batches_per_epoch(loader);
@@ -4623,6 +4723,7 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
     r->warmup = cfg->warmup >= 0 ? cfg->warmup : r->total_steps / 20;
     if (cfg->init) dt_model_load_weights(model, cfg->init);
     if (cfg->resume) dt_checkpoint_load(r, cfg->resume);
+    dt_mem_reset_peaks();                  /* from here on, the peaks are those of training */
     if (cfg->save_dir) {
         struct stat st;
         if (stat(cfg->save_dir, &st) != 0) dt_mkdir(cfg->save_dir);
@@ -4649,6 +4750,7 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
                r->stop_step < r->total_steps ? " (stopping early, see --steps)" : "",
                opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)r->warmup, where);
         if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, r->epoch + 1, (long long)r->step);
+        if (model->fsdp) dt_fsdp_memory_table(model->fsdp, opt);
         fflush(stdout);
     }
     if (cfg->bench) r->stop_step = r->step + 2 + (cfg->steps > 0 ? cfg->steps : 3);   /* refined after a timed step */
@@ -4790,6 +4892,14 @@ int dt_run_finish(dt_run *r) {
         printf("peak memory:");
         for (int a = 0; a < DT_ARENA_COUNT; a++) printf(" %s %.1f MB,", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a) / 1e6);
         printf(" total %.1f MB\n", dt_mem_total_peak() / 1e6);
+        size_t host = 0;
+        for (int a = 0; a < DT_ARENA_COUNT; a++) host += dt_mem_host_peak((dt_arena)a);
+        if (host) {
+            printf("peak host memory (offloaded):");
+            for (int a = 0; a < DT_ARENA_COUNT; a++)
+                if (dt_mem_host_peak((dt_arena)a)) printf(" %s %.1f MB", dt_arena_name((dt_arena)a), dt_mem_host_peak((dt_arena)a) / 1e6);
+            printf("\n");
+        }
         fflush(stdout);
     }
     if (r->log) {
@@ -4797,6 +4907,8 @@ int dt_run_finish(dt_run *r) {
                         "\"samples_per_s\":%.1f,\"peak_mem_bytes\":%zu,\"world_size\":%d",
                 (long long)r->step, final_loss, r->eval_loss, r->eval_acc, rate, dt_mem_total_peak(), dt_ctx.world_size);
         for (int a = 0; a < DT_ARENA_COUNT; a++) fprintf(r->log, ",\"peak_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a));
+        for (int a = 0; a < DT_ARENA_COUNT; a++)
+            fprintf(r->log, ",\"peak_host_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_host_peak((dt_arena)a));
         fprintf(r->log, "}\n");
         fclose(r->log);
         r->log = NULL;
