@@ -4941,11 +4941,13 @@ void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
     if (!dir) {
         dir = "data/synthetic";
         struct stat st;
-        if (stat(dir, &st) != 0) {
+        /* In a job, one rank per machine writes it while the others wait. */
+        if (cfg->local_rank == 0 && stat(dir, &st) != 0) {
             if (!cfg->quiet) { printf("first use: writing the synthetic data set to %s (10000 + 2000 images) ...\n", dir); fflush(stdout); }
             if (stat("data", &st) != 0) dt_mkdir("data");
             dt_synthetic_write(dir, 10000, 2000, 32, 20261121);
         }
+        if (dt_ctx.job && dt_ctx.world_size > 1) dt_barrier(dt_ctx.job);
     }
     double t0 = dt_now_ms();
     dt_dataset_load(dir, "train", cfg->image_size, NULL, train);

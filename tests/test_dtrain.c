@@ -1318,6 +1318,17 @@ static void test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly(void
     expect_error(out, st, 1, "written by 2 ranks, this run has 4");
 }
 
+/* On first use every rank needs the synthetic set; one writes it, the others wait. */
+static void test_ddp_ranks_share_the_first_use_of_the_synthetic_set(void) {
+    char out[16384], dir[600], cwd[2048], bin[3000];
+    snprintf(dir, sizeof dir, "%s/first-use", tmpdir);
+    dt_mkdir(dir);
+    const char *rel = stage_bin("03-ddp");
+    CHECK(getcwd(cwd, sizeof cwd) != NULL);
+    snprintf(bin, sizeof bin, "%s%s%s", rel[0] == '/' ? "" : cwd, rel[0] == '/' ? "" : "/", rel);
+    int st = run_cmd(out, sizeof out, "sh -c 'cd %s && %s --nproc 3 --steps 1 --epochs 1 --log-every 1000'", dir, bin);
+    CHECKF(st == 0 && count_lines_with(out, "first use: writing the synthetic data set") == 1,
+           "exit %d; expected one rank to write the data set:\n%s", st, out);
 /* ---- stage 04: FSDP = DDP ------------------------------------------------------ */
 
 /* 04 with each --shard mode against 03 at the same N, 20 steps of a 2-block
@@ -1606,6 +1617,7 @@ static const test_case tests[] = {
     T(test_dp_and_ddp_equal_one_device_with_n_times_the_batch), T(test_dp_and_ddp_runs_repeat_bit_for_bit),
     T(test_ddp_buckets_overlap_backward_and_change_no_bits), T(test_ddp_by_nproc_and_by_torchrun_variables_agree),
     T(test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly),
+    T(test_ddp_ranks_share_the_first_use_of_the_synthetic_set),
     T(test_fsdp_equals_ddp_in_every_shard_mode),
     T(test_gpu_ops_match_the_cpu), T(test_gpu_casts_and_updates_are_bitwise_the_cpu),
     T(test_gpu_training_step_matches_the_cpu), T(test_gpu_200_step_loss_curve_matches_the_cpu),
