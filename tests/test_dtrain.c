@@ -1329,6 +1329,8 @@ static void test_ddp_ranks_share_the_first_use_of_the_synthetic_set(void) {
     int st = run_cmd(out, sizeof out, "sh -c 'cd %s && %s --nproc 3 --steps 1 --epochs 1 --log-every 1000'", dir, bin);
     CHECKF(st == 0 && count_lines_with(out, "first use: writing the synthetic data set") == 1,
            "exit %d; expected one rank to write the data set:\n%s", st, out);
+}
+
 /* ---- stage 04: FSDP = DDP ------------------------------------------------------ */
 
 /* 04 with each --shard mode against 03 at the same N, 20 steps of a 2-block
