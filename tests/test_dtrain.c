@@ -1366,6 +1366,59 @@ static void test_fsdp_equals_ddp_in_every_shard_mode(void) {
         }
 }
 
+/* A number from the summary line of a --log file. */
+static double summary_value(const char *log, const char *key) {
+    size_t n = 0;
+    char *text = (char *)read_bytes(log, &n), pat[96];
+    double v = -1;
+    if (!text) return v;
+    text = (char *)realloc(text, n + 1);
+    text[n] = 0;
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *sum = strstr(text, "\"summary\":true"), *p = sum ? strstr(sum, pat) : NULL;
+    if (p) v = atof(p + strlen(pat));
+    free(text);
+    return v;
+}
+
+/* With --shard full, each rank's peak device bytes of parameters and of
+   gradients stay within its shards (1/N, plus padding) and one gathered unit;
+   the optimizer state within its shard; with --cpu-offload the device holds no
+   optimizer state at all, and the host holds the shards. */
+static void test_fsdp_keeps_one_nth_plus_one_unit_per_rank(void) {
+    char out[16384], log[600];
+    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128 };
+    dt_model *m = dt_model_create(&mc, 1);
+    for (int n = 2; n <= 4; n += 2) {
+        double shards = 0, largest = 0;
+        for (int u = 0; u < m->nunits; u++) {
+            int end = m->unit_first[u + 1];
+            int64_t numel = (end < m->nparams ? m->offsets[end] : m->numel) - m->offsets[m->unit_first[u]];
+            int64_t shard = (numel + n - 1) / n;
+            shards += 4.0 * shard;
+            largest = fmax(largest, 4.0 * shard * n);
+        }
+        for (int offload = 0; offload < 2; offload++) {
+            snprintf(log, sizeof log, "%s/mem-%d-%d.jsonl", tmpdir, n, offload);
+            int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model vit --depth 2 --heads 2 --batch-size 8 "
+                             "--nproc %d --shard full %s --log %s", stage_bin("04-fsdp"), small_data(), n,
+                             offload ? "--cpu-offload" : "", log);
+            CHECKF(st == 0, "exit %d\n%s", st, out);
+            double params = summary_value(log, "peak_params_bytes"), grads = summary_value(log, "peak_grads_bytes");
+            double optim = summary_value(log, "peak_optimizer_bytes"), host = summary_value(log, "peak_host_optimizer_bytes");
+            double ddp = 4.0 * m->numel;
+            CHECKF(params > 0 && params <= (offload ? 0 : shards) + largest, "N=%d offload=%d: parameters peak %.0f bytes, "
+                   "bound %.0f (DDP holds %.0f)", n, offload, params, (offload ? 0 : shards) + largest, ddp);
+            CHECKF(grads > 0 && grads <= (offload ? 0 : shards) + largest, "N=%d offload=%d: gradients peak %.0f, bound %.0f",
+                   n, offload, grads, (offload ? 0 : shards) + largest);
+            if (offload) CHECKF(optim == 0 && host >= 2 * shards, "offload: optimizer %.0f bytes on the device, %.0f on the host",
+                                optim, host);
+            else CHECKF(optim > 0 && optim <= 2 * shards, "N=%d: optimizer peak %.0f, bound %.0f", n, optim, 2 * shards);
+        }
+    }
+    dt_model_free(m);
+}
+
 /* ---- the GPU against the CPU (skipped where no GPU is visible) ---------------- */
 
 /* Every GPU test begins here: skip, saying why, when this build or machine has no GPU. */
@@ -1620,7 +1673,7 @@ static const test_case tests[] = {
     T(test_ddp_buckets_overlap_backward_and_change_no_bits), T(test_ddp_by_nproc_and_by_torchrun_variables_agree),
     T(test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly),
     T(test_ddp_ranks_share_the_first_use_of_the_synthetic_set),
-    T(test_fsdp_equals_ddp_in_every_shard_mode),
+    T(test_fsdp_equals_ddp_in_every_shard_mode), T(test_fsdp_keeps_one_nth_plus_one_unit_per_rank),
     T(test_gpu_ops_match_the_cpu), T(test_gpu_casts_and_updates_are_bitwise_the_cpu),
     T(test_gpu_training_step_matches_the_cpu), T(test_gpu_200_step_loss_curve_matches_the_cpu),
 };
