@@ -3372,9 +3372,9 @@ static void dt_record_comm(const char *name, double t0, double t1, double hidden
 
 /* A thread that ran ops gives back what its context holds before it ends. */
 static void dt_context_release(void) {
+    dt_step_arena_reset();                  /* spill blocks back, the tape emptied */
     for (int d = 0; d < 2; d++) {
         dt_step_arena *a = &dt_ctx.step[d];
-        for (int i = 0; i < a->nspill; i++) dt_free_on((dt_device)d, DT_ARENA_ACTS, a->spill[i], a->spill_bytes[i]);
         if (a->base) dt_free_on((dt_device)d, DT_ARENA_ACTS, a->base, a->cap);
         free(a->spill);
         free(a->spill_bytes);
@@ -3382,7 +3382,7 @@ static void dt_context_release(void) {
     }
     free(dt_ctx.tape);
     dt_ctx.tape = NULL;
-    dt_ctx.tape_len = dt_ctx.tape_cap = 0;
+    dt_ctx.tape_cap = 0;
     DT_OMP("omp parallel")
     {
         free(dt_pack_buffer);               /* each thread of this device's team frees its own */
@@ -4531,6 +4531,19 @@ static void dt_job_sum(float *host, int n) {
     dt_all_reduce(dt_ctx.job, buf, buf, n, DT_F32, DT_SUM);
     dt_download(host, buf, sizeof(float) * (size_t)n);
 }
+/* The largest of every rank's value. */
+static float dt_job_max(float mine) {
+    if (!dt_ctx.job || dt_ctx.world_size == 1) return mine;
+    int W = dt_ctx.world_size;
+    float *buf = (float *)dt_step_data(sizeof(float) * (size_t)(W + 1)), *all = (float *)malloc(sizeof(float) * (size_t)W);
+    if (!all) dt_fail("out of memory");
+    dt_upload(buf + W, &mine, sizeof mine);
+    dt_all_gather(dt_ctx.job, buf + W, buf, 1, DT_F32);
+    dt_download(all, buf, sizeof(float) * (size_t)W);
+    for (int r = 0; r < W; r++) if (all[r] > mine) mine = all[r];
+    free(all);
+    return mine;
+}
 
 void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss, double *acc) {
     int rank = dt_ctx.job ? dt_ctx.rank : 0, world = dt_ctx.job ? dt_ctx.world_size : 1;
@@ -4563,6 +4576,9 @@ void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss
     }
     dt_set_grad_enabled(1);
     dt_loader_free(&l);
+    /* The sampler pads by wrapping, so every rank runs the same number of
+       batches; the padding is not counted, so each sample is scored here, row
+       by row, rather than through the batch mean dt_cross_entropy gives. */
     float sums[3] = { (float)total, (float)correct, (float)seen };
     dt_step_arena_reset();
     dt_job_sum(sums, 3);
@@ -4984,15 +5000,7 @@ static void dt_bench_report(dt_run *r) {
     int devices = dt_ctx.devices > 1 ? dt_ctx.devices : 1;              /* stage 02: devices of one process */
     int world = dt_ctx.world_size, per_rank = r->loader->batch_size / devices, S = mc->image_size;
     double flops = dt_flops_counted() * world, gflops = flops / (ms / 1e3) / 1e9;
-    float peak_mem = (float)dt_mem_total_peak();
-    if (dt_ctx.job && world > 1) {                       /* the largest rank's peak */
-        float mine = peak_mem;
-        for (int k = 0; k < world; k++) {
-            float v = k == dt_ctx.rank ? mine : 0;
-            dt_job_sum(&v, 1);
-            if (v > peak_mem) peak_mem = v;
-        }
-    }
+    float peak_mem = dt_job_max((float)dt_mem_total_peak());    /* the largest rank's peak */
     if (dt_ctx.rank != 0) return;
     const char *workload = mc->kind == DT_MODEL_MLP ? (mc->dim == 1024 && mc->depth == 2 && S == 32 ? "mlp" : "mlp-custom")
                          : (mc->dim == 192 && mc->depth == 6 && mc->heads == 3 && mc->patch == 4 && S == 32 ? "vit-tiny"

@@ -140,6 +140,22 @@ static void write_bytes(const char *path, const void *data, size_t n) {
 }
 static unsigned char *read_bytes(const char *path, size_t *n) { return dt_read_file(path, n); }
 
+/* A program of this build, by its path from the project root: the tests run
+   either build (plain, or build/asan), found from stage 01's path. */
+static const char *build_path(const char *rel) {
+    static char paths[4][700];
+    static int next;
+    char *p = paths[next++ % 4], root[512];
+    dt_copy_str(root, sizeof root, train_bin);
+    for (int up = 0; up < 2; up++) {             /* <root>/01-single-gpu/train -> <root> */
+        char *slash = strrchr(root, '/');
+        if (slash) *slash = 0;
+        else root[0] = 0;
+    }
+    snprintf(p, 700, "%s%s%s", root, root[0] ? "/" : "", rel);
+    return p;
+}
+
 /* A small synthetic data set for the command-line tests (made once). */
 static const char *small_data(void) {
     static char dir[512];
@@ -920,23 +936,22 @@ static void test_init_starts_from_given_weights(void) {
 
 static const char *stage_bin(const char *stage);
 static void test_bad_flags_exit_2_naming_the_flag(void) {
+    static const struct { const char *stage, *args, *named; } bad[] = {
+        { "01-single-gpu", "--no-such-flag 3", "--no-such-flag" },
+        { "01-single-gpu", "--lr fast", "--lr" },
+        { "01-single-gpu", "--batch-size 12x", "--batch-size" },
+        { "01-single-gpu", "--model resnet", "--model" },
+        { "01-single-gpu", "--epochs", "--epochs" },
+        { "01-single-gpu", "--model vit --dim 100 --heads 3", "--heads" },
+        { "01-single-gpu", "--nproc 2", "stage 01 trains on one device" },
+        { "03-ddp", "--bucket-mb -1", "--bucket-mb" },
+    };
     char out[8192];
-    int st = run_cmd(out, sizeof out, "%s --no-such-flag 3", train_bin);
-    expect_error(out, st, 2, "--no-such-flag");
-    st = run_cmd(out, sizeof out, "%s --lr fast", train_bin);
-    expect_error(out, st, 2, "--lr");
-    st = run_cmd(out, sizeof out, "%s --batch-size 12x", train_bin);
-    expect_error(out, st, 2, "--batch-size");
-    st = run_cmd(out, sizeof out, "%s --model resnet", train_bin);
-    expect_error(out, st, 2, "--model");
-    st = run_cmd(out, sizeof out, "%s --epochs", train_bin);
-    expect_error(out, st, 2, "--epochs");
-    st = run_cmd(out, sizeof out, "%s --model vit --dim 100 --heads 3", train_bin);
-    expect_error(out, st, 2, "--heads");
-    st = run_cmd(out, sizeof out, "%s --nproc 2", train_bin);
-    expect_error(out, st, 2, "stage 01 trains on one device");
-    st = run_cmd(out, sizeof out, "%s --bucket-mb -1", stage_bin("03-ddp"));
-    expect_error(out, st, 2, "--bucket-mb");
+    int st;
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        st = run_cmd(out, sizeof out, "%s %s", stage_bin(bad[i].stage), bad[i].args);
+        expect_error(out, st, 2, bad[i].named);
+    }
     st = run_cmd(out, sizeof out, "%s --help", train_bin);
     CHECK(st == 0 && strstr(out, "--batch-size") && strstr(out, "--resume"));
 }
@@ -1034,17 +1049,7 @@ static void test_failed_save_keeps_the_previous_checkpoint(void) {
 /* ---- 9, 10. collectives and launching ranks ----------------------------------- */
 
 /* tools/collectives beside the stage binary under test (build/asan/... for ASan). */
-static const char *collectives_bin(void) {
-    static char path[600];
-    char copy[512];
-    dt_copy_str(copy, sizeof copy, train_bin);
-    char *slash = strrchr(copy, '/');
-    if (slash) *slash = 0;
-    slash = strrchr(copy, '/');
-    if (slash) { *slash = 0; snprintf(path, sizeof path, "%s/tools/collectives", copy); }
-    else snprintf(path, sizeof path, "tools/collectives");
-    return path;
-}
+static const char *collectives_bin(void) { return build_path("tools/collectives"); }
 static int count_shm_segments(void) {
     int n = 0;
     DIR *d = opendir("/dev/shm");
@@ -1116,19 +1121,11 @@ static int read_losses(const char *path, double *loss, int max) {
 }
 /* ---- 11. stages 02 and 03: data parallel = one device with N times the batch ---- */
 
-/* The binary of another stage, next to stage 01's (plain or sanitizer build). */
+/* The binary of another stage, beside stage 01's (plain or sanitizer build). */
 static const char *stage_bin(const char *stage) {
-    static char path[4][600];
-    static int next;
-    char *p = path[next++ % 4];
-    char copy[512];
-    dt_copy_str(copy, sizeof copy, train_bin);
-    char *slash = strrchr(copy, '/');
-    if (slash) *slash = 0;
-    slash = strrchr(copy, '/');
-    if (slash) { slash[1] = 0; snprintf(p, 600, "%s%s/train", copy, stage); }
-    else snprintf(p, 600, "%s/train", stage);
-    return p;
+    char rel[300];
+    snprintf(rel, sizeof rel, "%s/train", stage);
+    return build_path(rel);
 }
 
 /* Largest |a - b| over every tensor of two checkpoints (-1 when they do not pair up). */
