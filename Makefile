@@ -70,7 +70,7 @@ endif
 
 STAGES   := $(sort $(dir $(wildcard 0*/train.c)))
 STAGE_BINS := $(addsuffix train,$(STAGES))
-TOOLS    := tools/gen_synthetic tools/collectives
+TOOLS    := tools/gen_synthetic tools/collectives tools/consolidate
 TEST_BIN := tests/test_dtrain
 
 all: $(STAGE_BINS) $(TOOLS) $(TEST_BIN)
@@ -108,7 +108,8 @@ build/asan/tools/%: tools/%.c dtrain.h $(CUDA_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(filter-out -O3 -O2,$(CFLAGS)) $(ASAN_FLAGS) -o $@ $< $(CUDA_OBJ) $(LDLIBS)
 
-test-asan: $(addprefix build/asan/,$(STAGE_BINS)) build/asan/test_dtrain build/asan/tools/collectives
+test-asan: $(addprefix build/asan/,$(STAGE_BINS)) build/asan/test_dtrain build/asan/tools/collectives \
+           build/asan/tools/consolidate
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ./build/asan/test_dtrain build/asan/01-single-gpu/train
 

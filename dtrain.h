@@ -528,9 +528,17 @@ void dt_safetensors_close(dt_safetensors *st);
 int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndim, const int *shape);
 const char *dt_safetensors_meta(dt_safetensors *st, const char *key); /* NULL when absent */
 
-/* Load a model's weights by name (--init). Extra tensors are ignored; a missing
-   or misshapen one is an error naming it. */
+/* Load a model's weights by name (--init), from a full checkpoint, any
+   safetensors file, or a sharded checkpoint's index. Extra tensors are ignored;
+   a missing or misshapen one is an error naming it. */
 void dt_model_load_weights(dt_model *m, const char *path);
+
+/* Sharded checkpoints (stage 04): each rank writes its own shard file,
+   "<name>.shard<r>-of-<N>.safetensors", and rank 0 then writes the index at
+   the checkpoint's own path. --resume and --init take the index. This turns
+   one into a full checkpoint that every stage resumes from and PyTorch reads
+   (tools/consolidate). */
+void dt_checkpoint_consolidate(const char *index_path, const char *out_path);
 
 /* ---- 14. metrics, traces and the shared command line ------------------------------ */
 
@@ -788,6 +796,7 @@ typedef struct dt_backend {
 
 #include <stdarg.h>
 #include <stdlib.h>
+#include <limits.h>
 #include <errno.h>
 #include <ctype.h>
 #include <time.h>
@@ -882,11 +891,14 @@ static DT_THREAD_LOCAL dt_context dt_ctx = { .world_size = 1, .grad_enabled = 1 
    forget to check: the message names the culprit and the program exits. */
 
 static void dt_vmessage(const char *kind, const char *fmt, va_list ap) {
+    char line[2048];             /* one write per message: ranks failing together do not interleave */
+    int n;
     fflush(stdout);
-    if (dt_ctx.world_size > 1) fprintf(stderr, "dtrain[rank %d]: %s: ", dt_ctx.rank, kind);
-    else fprintf(stderr, "dtrain: %s: ", kind);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    if (dt_ctx.world_size > 1) n = snprintf(line, sizeof line, "dtrain[rank %d]: %s: ", dt_ctx.rank, kind);
+    else n = snprintf(line, sizeof line, "dtrain: %s: ", kind);
+    vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
+    strcat(line, "\n");
+    fputs(line, stderr);
     fflush(stderr);
 }
 static void dt_comm_on_fail(void);
@@ -3681,6 +3693,8 @@ typedef struct dt_fsdp_unit {
     int64_t shard;              /* elements per rank: numel rounded up to a multiple of world, / world */
     int64_t shard_offset;       /* where its shard starts in this rank's flat shard buffers */
     float *full, *full_grad;    /* [shard * world]: gathered parameters, and their gradients */
+    dt_comm_handle gathering;   /* an all-gather in flight (a prefetch), or 0 */
+    float *gather_src;          /* what it sends, when that is an upload of an offloaded shard */
 } dt_fsdp_unit;
 
 struct dt_fsdp {
@@ -3723,16 +3737,31 @@ static void dt_fsdp_point(dt_fsdp *f, dt_fsdp_unit *u, int grads, float *buf) {
     }
 }
 
-/* All-gather: every rank's shard of the unit, side by side, is the unit. */
-static void dt_fsdp_gather_unit(dt_fsdp *f, int k) {
+/* All-gather: every rank's shard of the unit, side by side, is the unit. It is
+   started ahead of need -- the next unit's while this one computes -- and
+   finished when the unit is about to run. Every rank starts and finishes them
+   in the same order, so the collectives pair up. */
+static void dt_fsdp_gather_start(dt_fsdp *f, int k) {
     dt_fsdp_unit *u = &f->units[k];
-    dt_device dev = f->model->device;
-    if (f->mode == DT_SHARD_FULL) u->full = (float *)dt_alloc_on(dev, DT_ARENA_PARAMS, dt_fsdp_full_bytes(f, u));
-    double t0 = dt_now_ms();
-    float *mine = dt_fsdp_shard_on_device(f, f->shard_params, u);
-    dt_all_gather(f->comm, mine, u->full, u->shard, DT_F32);
-    dt_fsdp_shard_done(f, u, mine);
-    dt_record_comm("all_gather unit", t0, dt_now_ms(), 0);
+    if (f->mode != DT_SHARD_FULL || u->full || u->gathering) return;        /* there already, or on its way */
+    u->full = (float *)dt_alloc_on(f->model->device, DT_ARENA_PARAMS, dt_fsdp_full_bytes(f, u));
+    u->gather_src = dt_fsdp_shard_on_device(f, f->shard_params, u);
+    u->gathering = dt_all_gather_async(f->comm, u->gather_src, u->full, u->shard, DT_F32);
+}
+static void dt_fsdp_gather_unit(dt_fsdp *f, int k, int next) {
+    dt_fsdp_unit *u = &f->units[k];
+    if (f->mode != DT_SHARD_FULL) return;
+    dt_fsdp_gather_start(f, k);
+    if (next >= 0 && next < f->nunits) dt_fsdp_gather_start(f, next);      /* prefetch */
+    if (!u->gathering) return;
+    double wait_from = dt_now_ms(), t0, t1;
+    dt_comm_wait(f->comm, u->gathering);
+    dt_comm_interval(f->comm, u->gathering, &t0, &t1);
+    double hidden = (t1 < wait_from ? t1 : wait_from) - t0;
+    dt_record_comm("all_gather unit", t0, t1, hidden > 0 ? hidden : 0);
+    dt_fsdp_shard_done(f, u, u->gather_src);
+    u->gathering = 0;
+    u->gather_src = NULL;
     dt_fsdp_point(f, u, 0, u->full);
 }
 static void dt_fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only our slice */
@@ -3766,7 +3795,7 @@ static void dt_fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
 static void dt_fsdp_before_unit_backward(dt_tape_entry *e) {
     dt_fsdp *f = (dt_fsdp *)e->saved;
     dt_fsdp_unit *u = &f->units[e->iarg[0]];
-    if (f->mode == DT_SHARD_FULL) dt_fsdp_gather_unit(f, e->iarg[0]);          /* gathered again */
+    dt_fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1);             /* gathered again; the one before on its way */
     if (f->mode != DT_SHARD_OPTIMIZER) {
         u->full_grad = (float *)dt_alloc_on(f->model->device, DT_ARENA_GRADS, dt_fsdp_full_bytes(f, u));
         dt_fsdp_point(f, u, 1, u->full_grad);
@@ -3786,10 +3815,12 @@ static void dt_fsdp_after_unit_backward(dt_tape_entry *e) {
 static void dt_fsdp_unit_boundary(dt_fsdp *f, int unit, int begin) {
     int training = dt_ctx.grad_enabled;
     if (begin) {
-        if (f->mode == DT_SHARD_FULL) dt_fsdp_gather_unit(f, unit);
+        dt_fsdp_gather_unit(f, unit, unit + 1);                           /* and the next one on its way */
         if (training) dt_tape_mark(dt_fsdp_after_unit_backward, f, unit);
     } else {
-        dt_fsdp_release_unit(f, unit);                                         /* reshard after forward */
+        /* reshard after forward -- but the last unit is the first that backward
+           needs, so in training it stays gathered (one all-gather saved) */
+        if (!(training && unit == f->nunits - 1)) dt_fsdp_release_unit(f, unit);
         if (training) dt_tape_mark(dt_fsdp_before_unit_backward, f, unit);
     }
 }
@@ -3922,18 +3953,23 @@ static void dt_fsdp_memory_table(const dt_fsdp *f, const dt_optimizer *o) {
     double P = 4.0 * f->model->numel, ddp[3] = { P, P, o->v ? 2 * P : P };
     dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
     const char *rows[3] = { "parameters", "gradients", "optimizer state" };
-    size_t largest = 0;
+    size_t largest = 0, pair = 0;
     for (int k = 0; k < f->nunits; k++) {
-        size_t b = dt_fsdp_full_bytes(f, &f->units[k]);
+        size_t b = dt_fsdp_full_bytes(f, &f->units[k]), b2 = k + 1 < f->nunits ? b + dt_fsdp_full_bytes(f, &f->units[k + 1]) : b;
         if (b > largest) largest = b;
+        if (b2 > pair) pair = b2;
     }
     printf("memory per rank, --shard %s%s, %d ranks (MB):\n", names[f->mode], f->offload ? " --cpu-offload" : "", f->world);
     printf("  %-16s %8s %8s %8s   %s\n", "", "device", "host", "DDP", "formula");
     for (int i = 0; i < 3; i++)
         printf("  %-16s %8.2f %8.2f %8.2f   %s\n", rows[i], dt_mem_now(arenas[i]) / 1e6, dt_mem_host_now(arenas[i]) / 1e6,
                ddp[i] / 1e6, formulas[f->mode][i]);
-    printf("  while a unit computes it is gathered whole: up to %.2f MB of parameters%s (the largest unit)\n",
-           largest / 1e6, f->mode == DT_SHARD_OPTIMIZER ? "" : ", and as much of gradients in its backward");
+    if (f->mode == DT_SHARD_FULL)
+        printf("  while a unit computes it is gathered whole, and the next one is on its way: up to %.2f MB of\n"
+               "  parameters (two neighbouring units), and %.2f MB of gradients in a unit's backward (the largest)\n",
+               pair / 1e6, largest / 1e6);
+    else if (f->mode == DT_SHARD_GRADS)
+        printf("  in a unit's backward its gradients are whole: up to %.2f MB (the largest unit)\n", largest / 1e6);
     fflush(stdout);
 }
 
@@ -3942,6 +3978,7 @@ void dt_fsdp_free(dt_fsdp *f) {
     dt_model *m = f->model;
     for (int k = 0; k < f->nunits; k++) {
         dt_fsdp_unit *u = &f->units[k];
+        if (u->gathering) dt_fsdp_gather_unit(f, k, -1);      /* a prefetch nobody used: let it land */
         dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt_fsdp_full_bytes(f, u));
         dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt_fsdp_full_bytes(f, u));
         dt_fsdp_point(f, u, 0, NULL);
@@ -4281,16 +4318,227 @@ static void dt_state_close(dt_model *m, dt_optimizer *o, int which, float *host,
     free(host);
 }
 
+/* -- the names in a full checkpoint --
+   The weights under their own names, then the optimizer's moments under
+   "optimizer.<moment>.<name>": what PyTorch's state_dict and optimizer call them.
+   state[0..2] are host arrays in parameter order: weights, first moment
+   (AdamW's exp_avg, SGD's momentum_buffer), AdamW's exp_avg_sq (or NULL). */
+static const char *dt_moment_name(int adamw, int k) {
+    return k == 1 ? (adamw ? "exp_avg" : "momentum_buffer") : "exp_avg_sq";
+}
+static int dt_checkpoint_named(const dt_model *m, int adamw, float *const state[3], dt_named_tensor *t, char **names) {
+    int n = 0;
+    for (int k = 0; k < 3; k++) {
+        if (!state[k]) continue;
+        for (int i = 0; i < m->nparams; i++) {
+            const dt_tensor *p = &m->params[i];
+            size_t len = strlen(p->name) + 32;
+            names[n] = (char *)malloc(len);
+            if (k == 0) snprintf(names[n], len, "%s", p->name);
+            else snprintf(names[n], len, "optimizer.%s.%s", dt_moment_name(adamw, k), p->name);
+            t[n].name = names[n];
+            t[n].data = state[k] + m->offsets[i];
+            t[n].ndim = p->ndim;
+            for (int d = 0; d < p->ndim; d++) t[n].shape[d] = p->shape[d];
+            n++;
+        }
+    }
+    return n;
+}
+
+/* Metadata as it is built: key, value, key, value, ... for dt_safetensors_write. */
+typedef struct { char **kv; int n; } dt_meta_list;
+static void dt_meta_add(dt_meta_list *l, const char *key, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static void dt_meta_add(dt_meta_list *l, const char *key, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int len = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    l->kv = (char **)realloc(l->kv, sizeof(char *) * 2 * (size_t)(l->n + 1));
+    char *v = (char *)malloc((size_t)len + 1);
+    if (!l->kv || !v) dt_fail("out of memory (checkpoint metadata)");
+    va_start(ap, fmt);
+    vsnprintf(v, (size_t)len + 1, fmt, ap);
+    va_end(ap);
+    l->kv[2 * l->n] = strdup(key);
+    l->kv[2 * l->n + 1] = v;
+    l->n++;
+}
+static void dt_meta_free(dt_meta_list *l) {
+    for (int i = 0; i < 2 * l->n; i++) free(l->kv[i]);
+    free(l->kv);
+    l->kv = NULL; l->n = 0;
+}
+
+/* -- sharded checkpoints --
+   FSDP saves without gathering: each rank writes what it holds, its slice of
+   every unit of the weights and of the optimizer's moments (1-D tensors
+   "params", "optimizer.exp_avg", ..., the padding included), to its own file
+   <name>.shard<r>-of-<N>.safetensors. When every shard is on disk, rank 0
+   writes the index at <name>.safetensors: a safetensors file with no tensors,
+   whose metadata is a full checkpoint's plus the layout (the ranks, each
+   unit's size) and each shard file's name and size. The index goes last, so it
+   never names a shard that is not complete. */
+static void dt_shard_path(char *out, size_t n, const char *index_path, int rank, int world) {
+    size_t len = strlen(index_path), ext = strlen(".safetensors");
+    int stem = (int)(len > ext && !strcmp(index_path + len - ext, ".safetensors") ? len - ext : len);
+    dt_path(out, n, "%.*s.shard%d-of-%d.safetensors", stem, index_path, rank, world);
+}
+static int dt_is_sharded(dt_safetensors *st) { return dt_safetensors_meta(st, "shards") != NULL; }
+
+/* Each unit's size, as the index recorded it, checked against the model's. */
+static int dt_sharded_layout(dt_safetensors *index, const char *path, const dt_model *m, int64_t *unit_numel) {
+    const char *s = dt_safetensors_meta(index, "unit_numel");
+    int world = atoi(dt_safetensors_meta(index, "shards")), n = 0;
+    if (world < 1 || !s) dt_fail("'%s': a sharded checkpoint's index without a valid 'shards' and 'unit_numel'", path);
+    for (char *end; *s && n <= m->nunits; s = *end ? end + 1 : end, n++) {
+        int64_t v = strtoll(s, &end, 10);
+        if (n < m->nunits) unit_numel[n] = v;
+        if (end == s) break;
+    }
+    int same = n == m->nunits;
+    for (int k = 0; same && k < n; k++) {
+        int64_t end = m->unit_first[k + 1] < m->nparams ? m->offsets[m->unit_first[k + 1]] : m->numel;
+        same = unit_numel[k] == end - m->offsets[m->unit_first[k]];
+    }
+    if (!same) dt_fail("'%s' was sharded by units that are not this model's (a checkpoint of another model?)", path);
+    return world;
+}
+
+static int dt_sharded_layout_is(dt_safetensors *index, const char *path, const struct dt_fsdp *f) {
+    int64_t *unit_numel = (int64_t *)calloc((size_t)f->model->nunits + 1, sizeof(int64_t));
+    int world = dt_sharded_layout(index, path, f->model, unit_numel);
+    free(unit_numel);
+    return world == f->world;
+}
+
+/* Is rank r's shard file there, and as long as the index says? Every rank
+   checks every file before reading any, so all of them name the one at fault. */
+static void dt_shard_check(dt_safetensors *index, const char *path, int rank, int world, char *file, size_t n) {
+    char key[32];
+    struct stat s;
+    dt_shard_path(file, n, path, rank, world);
+    snprintf(key, sizeof key, "shard.%d.bytes", rank);
+    const char *bytes = dt_safetensors_meta(index, key);
+    if (!bytes) dt_fail("'%s': the index has no entry for shard %d of %d", path, rank, world);
+    if (stat(file, &s) != 0)
+        dt_fail("sharded checkpoint '%s': shard %d of %d, '%s', is missing: %s", path, rank, world, file, strerror(errno));
+    if ((long long)s.st_size != atoll(bytes))
+        dt_fail("sharded checkpoint '%s': shard %d of %d, '%s', has %lld bytes but the index recorded %s "
+                "(truncated, or written by another save)", path, rank, world, file, (long long)s.st_size, bytes);
+}
+
+/* Rank r's shard file, after checking it is there, whole, and of this save. */
+static dt_safetensors *dt_shard_open(dt_safetensors *index, const char *path, int rank, int world) {
+    char file[4096];
+    dt_shard_check(index, path, rank, world, file, sizeof file);
+    dt_safetensors *sh = dt_safetensors_read(file);
+    const char *step = dt_safetensors_meta(sh, "step"), *want = dt_safetensors_meta(index, "step");
+    const char *who = dt_safetensors_meta(sh, "rank");
+    if (!step || !want || strcmp(step, want) || !who || atoi(who) != rank)
+        dt_fail("'%s' is not shard %d of checkpoint '%s' at step %s (it says rank %s, step %s)", file, rank, path,
+                want ? want : "?", who ? who : "?", step ? step : "?");
+    return sh;
+}
+
+/* One tensor of a shard file into dst (shard_numel floats), or an error naming the file. */
+static void dt_shard_get(dt_safetensors *sh, int adamw, int k, float *dst, int64_t shard_numel) {
+    char name[64];
+    int len = (int)shard_numel;
+    if (k == 0) snprintf(name, sizeof name, "params");
+    else snprintf(name, sizeof name, "optimizer.%s", dt_moment_name(adamw, k));
+    if (shard_numel > INT_MAX || !dt_safetensors_get(sh, name, dst, 1, &len))
+        dt_fail("'%s' has no tensor '%s' of %lld elements", sh->path, name, (long long)shard_numel);
+}
+
+/* Every rank's shard put back together in parameter order, whatever the world
+   size reading it: rank r held elements [r * s, (r + 1) * s) of each unit, s =
+   the unit's size / N rounded up; what lies past the unit's end is padding. */
+static void dt_sharded_assemble(dt_safetensors *index, const char *path, const dt_model *m, int adamw, float *state[3]) {
+    int64_t *unit_numel = (int64_t *)calloc((size_t)m->nunits + 1, sizeof(int64_t)), shard_numel = 0;
+    int world = dt_sharded_layout(index, path, m, unit_numel);
+    char file[4096];
+    for (int r = 0; r < world; r++) dt_shard_check(index, path, r, world, file, sizeof file);
+    for (int k = 0; k < m->nunits; k++) shard_numel += (unit_numel[k] + world - 1) / world;
+    float *buf = (float *)malloc((size_t)shard_numel * sizeof(float) + 1);
+    if (!buf) dt_fail("out of memory (reading '%s')", path);
+    for (int r = 0; r < world; r++) {
+        dt_safetensors *sh = dt_shard_open(index, path, r, world);
+        for (int k = 0; k < 3; k++) {
+            if (!state[k]) continue;
+            dt_shard_get(sh, adamw, k, buf, shard_numel);
+            int64_t at = 0;
+            for (int u = 0; u < m->nunits; u++) {
+                int64_t s = (unit_numel[u] + world - 1) / world, lo = r * s, hi = lo + s < unit_numel[u] ? lo + s : unit_numel[u];
+                if (hi > lo) memcpy(state[k] + m->offsets[m->unit_first[u]] + lo, buf + at, (size_t)(hi - lo) * sizeof(float));
+                at += s;
+            }
+        }
+        dt_safetensors_close(sh);
+    }
+    free(buf);
+    free(unit_numel);
+}
+
 void dt_model_load_weights(dt_model *m, const char *path) {
     dt_safetensors *st = dt_safetensors_read(path);
     float *host = dt_state_open(m, NULL, 0);
-    for (int i = 0; i < m->nparams; i++) {
-        dt_tensor *p = &m->params[i];
-        if (!dt_safetensors_get(st, p->name, host + m->offsets[i], p->ndim, p->shape))
-            dt_fail("'%s' has no tensor '%s' (it holds %d tensors; is it a checkpoint of this model?)", path,
-                    p->name, st->n);
-    }
+    if (dt_is_sharded(st)) {
+        float *state[3] = { host, NULL, NULL };
+        dt_sharded_assemble(st, path, m, 0, state);
+    } else
+        for (int i = 0; i < m->nparams; i++) {
+            dt_tensor *p = &m->params[i];
+            if (!dt_safetensors_get(st, p->name, host + m->offsets[i], p->ndim, p->shape))
+                dt_fail("'%s' has no tensor '%s' (it holds %d tensors; is it a checkpoint of this model?)", path,
+                        p->name, st->n);
+        }
     dt_state_close(m, NULL, 0, host, 1);
+    dt_safetensors_close(st);
+}
+
+static int dt_model_config_parse(dt_safetensors *st, dt_model_config *mc) {
+    const char *kind = dt_safetensors_meta(st, "model"), *shape = dt_safetensors_meta(st, "model_config");
+    memset(mc, 0, sizeof *mc);
+    if (!kind || !shape || (strcmp(kind, "mlp") && strcmp(kind, "vit"))) return 0;
+    mc->kind = strcmp(kind, "vit") ? DT_MODEL_MLP : DT_MODEL_VIT;
+    return sscanf(shape, "%d,%d,%d,%d,%d,%d,%d,%d", &mc->channels, &mc->image_size, &mc->classes, &mc->dim, &mc->depth,
+                  &mc->heads, &mc->patch, &mc->mlp_hidden) == 8;
+}
+
+void dt_checkpoint_consolidate(const char *index_path, const char *out_path) {
+    dt_safetensors *st = dt_safetensors_read(index_path);
+    dt_model_config mc;
+    if (!dt_is_sharded(st))
+        dt_fail("'%s' is not the index of a sharded checkpoint (no 'shards' in its metadata): it is whole already", index_path);
+    if (!dt_model_config_parse(st, &mc)) dt_fail("'%s' does not say which model it holds ('model', 'model_config')", index_path);
+    const char *opt = dt_safetensors_meta(st, "optimizer");
+    int adamw = opt && !strcmp(opt, "adamw");
+    dt_model *m = dt_model_create(&mc, 0);            /* for the names, shapes and units only */
+    float *state[3] = { NULL, NULL, NULL };
+    for (int k = 0; k < (adamw ? 3 : 2); k++)
+        if (!(state[k] = (float *)malloc((size_t)m->numel * sizeof(float)))) dt_fail("out of memory (consolidating)");
+    dt_sharded_assemble(st, index_path, m, adamw, state);
+    dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * 3, sizeof *t);
+    char **names = (char **)calloc((size_t)m->nparams * 3, sizeof(char *));
+    int n = dt_checkpoint_named(m, adamw, state, t, names);
+    dt_meta_list meta = { NULL, 0 };                  /* the index's, less the layout of the shards */
+    dt_meta_add(&meta, "format", "dtrain-checkpoint-1");
+    for (int i = 0; i < st->nmeta; i++) {
+        const char *key = st->meta[2 * i];
+        if (strcmp(key, "format") && strcmp(key, "shards") && strcmp(key, "unit_numel") && strncmp(key, "shard.", 6))
+            dt_meta_add(&meta, key, "%s", st->meta[2 * i + 1]);
+    }
+    dt_safetensors_write(out_path, t, n, (const char *const *)meta.kv, meta.n);
+    for (int i = 0; i < n; i++) free(names[i]);
+    for (int k = 0; k < 3; k++) free(state[k]);
+    free(names); free(t);
+    dt_meta_free(&meta);
+    dt_model_free(m);
     dt_safetensors_close(st);
 }
 
@@ -4595,53 +4843,83 @@ static void dt_describe_position(const dt_run *r, char *out, size_t n, const cha
 /* How many replicas share each step's batch: ranks, or devices of stage 02. */
 static int dt_data_parallel_width(void) { return dt_ctx.world_size * (dt_ctx.devices > 1 ? dt_ctx.devices : 1); }
 
+/* What a checkpoint says about the run, beside its tensors. */
+static void dt_checkpoint_meta(const dt_run *r, dt_meta_list *l, const char *format) {
+    const dt_model_config *mc = &r->model->cfg;
+    dt_meta_add(l, "format", "%s", format);
+    dt_meta_add(l, "model", "%s", mc->kind == DT_MODEL_VIT ? "vit" : "mlp");
+    dt_meta_add(l, "model_config", "%d,%d,%d,%d,%d,%d,%d,%d", mc->channels, mc->image_size, mc->classes, mc->dim,
+                mc->depth, mc->heads, mc->patch, mc->mlp_hidden);
+    dt_meta_add(l, "optimizer", "%s", r->opt->kind == DT_ADAMW ? "adamw" : "sgd");
+    dt_meta_add(l, "optimizer_step", "%lld", (long long)r->opt->step);
+    dt_meta_add(l, "step", "%lld", (long long)r->step);
+    dt_meta_add(l, "epoch", "%d", r->epoch);
+    dt_meta_add(l, "batch_in_epoch", "%lld", (long long)r->batch_in_epoch);
+    dt_meta_add(l, "seed", "%llu", (unsigned long long)r->cfg.seed);
+    dt_meta_add(l, "world_size", "%d", dt_data_parallel_width());
+    dt_meta_add(l, "data_range", "%lld,%lld", (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
+    dt_meta_add(l, "batch_size", "%d", r->cfg.batch_size);
+}
+
+/* FSDP: every rank writes its shard; then, once all are on disk, rank 0 the index. */
+static void dt_checkpoint_save_sharded(dt_run *r, const char *path) {
+    dt_fsdp *f = r->model->fsdp;
+    dt_optimizer *o = r->opt;
+    dt_device where = f->offload ? DT_CPU : f->model->device;
+    float *own[3] = { f->shard_params, o->m, o->v }, *state[3] = { NULL, NULL, NULL };
+    const char *names[3] = { "params", o->kind == DT_ADAMW ? "optimizer.exp_avg" : "optimizer.momentum_buffer",
+                             "optimizer.exp_avg_sq" };
+    dt_named_tensor t[3];
+    int n = 0;
+    for (int k = 0; k < 3; k++) {
+        if (!own[k]) continue;
+        state[k] = dt_host_view(where, own[k], f->shard_numel);
+        t[n].name = names[k]; t[n].data = state[k]; t[n].ndim = 1; t[n].shape[0] = f->shard_numel;
+        n++;
+    }
+    char file[4096];
+    dt_meta_list meta = { NULL, 0 };
+    dt_shard_path(file, sizeof file, path, f->rank, f->world);
+    dt_meta_add(&meta, "format", "dtrain-shard-1");
+    dt_meta_add(&meta, "rank", "%d", f->rank);
+    dt_meta_add(&meta, "shards", "%d", f->world);
+    dt_meta_add(&meta, "step", "%lld", (long long)r->step);
+    dt_safetensors_write(file, t, n, (const char *const *)meta.kv, meta.n);
+    dt_meta_free(&meta);
+    for (int k = 0; k < 3; k++) if (state[k]) dt_host_view_close(where, state[k], own[k], f->shard_numel, 0);
+    dt_barrier(f->comm);                     /* every shard is on disk before the index names it */
+    if (f->rank != 0) return;
+    dt_checkpoint_meta(r, &meta, "dtrain-sharded-checkpoint-1");
+    dt_meta_add(&meta, "shards", "%d", f->world);
+    char *units = (char *)malloc((size_t)f->nunits * 24 + 1), *p = units;
+    for (int k = 0; k < f->nunits; k++) p += sprintf(p, k ? ",%lld" : "%lld", (long long)f->units[k].numel);
+    dt_meta_add(&meta, "unit_numel", "%s", units);
+    free(units);
+    for (int k = 0; k < f->world; k++) {
+        char key[32];
+        struct stat s;
+        dt_shard_path(file, sizeof file, path, k, f->world);
+        if (stat(file, &s) != 0) dt_fail("shard %d of '%s', '%s', is not there after the save: %s", k, path, file, strerror(errno));
+        snprintf(key, sizeof key, "shard.%d.bytes", k);
+        dt_meta_add(&meta, key, "%lld", (long long)s.st_size);
+    }
+    dt_safetensors_write(path, NULL, 0, (const char *const *)meta.kv, meta.n);
+    dt_meta_free(&meta);
+}
+
 void dt_checkpoint_save(dt_run *r, const char *path) {
     dt_model *m = r->model;
     dt_optimizer *o = r->opt;
-    int per = o->kind == DT_ADAMW ? 3 : 2;
-    float *hp = dt_state_open(m, o, 0), *hm = dt_state_open(m, o, 1), *hv = o->v ? dt_state_open(m, o, 2) : NULL;
-    if (dt_ctx.rank != 0) {                /* sharded: every rank helped gather; rank 0 writes */
-        dt_state_close(m, o, 0, hp, 0); dt_state_close(m, o, 1, hm, 0); dt_state_close(m, o, 2, hv, 0);
-        return;
-    }
-    dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * per, sizeof *t);
-    char **names = (char **)calloc((size_t)m->nparams * per, sizeof(char *));
-    int n = 0;
-    for (int k = 0; k < per; k++)
-        for (int i = 0; i < m->nparams; i++) {
-            dt_tensor *p = &m->params[i];
-            int64_t off = m->offsets[i];
-            const char *prefix = k == 0 ? "" : k == 1 ? (o->kind == DT_ADAMW ? "optimizer.exp_avg." : "optimizer.momentum_buffer.")
-                                                      : "optimizer.exp_avg_sq.";
-            names[n] = (char *)malloc(strlen(prefix) + strlen(p->name) + 1);
-            sprintf(names[n], "%s%s", prefix, p->name);
-            t[n].name = names[n];
-            t[n].data = k == 0 ? hp + off : k == 1 ? hm + off : hv + off;
-            t[n].ndim = p->ndim;
-            for (int d = 0; d < p->ndim; d++) t[n].shape[d] = p->shape[d];
-            n++;
-        }
-    char v[16][64];
-    const dt_model_config *mc = &m->cfg;
-    snprintf(v[0], 64, "%s", mc->kind == DT_MODEL_VIT ? "vit" : "mlp");
-    snprintf(v[1], 64, "%d,%d,%d,%d,%d,%d,%d,%d", mc->channels, mc->image_size, mc->classes, mc->dim, mc->depth,
-             mc->heads, mc->patch, mc->mlp_hidden);
-    snprintf(v[2], 64, "%s", o->kind == DT_ADAMW ? "adamw" : "sgd");
-    snprintf(v[3], 64, "%lld", (long long)o->step);
-    snprintf(v[4], 64, "%lld", (long long)r->step);
-    snprintf(v[5], 64, "%d", r->epoch);
-    snprintf(v[6], 64, "%lld", (long long)r->batch_in_epoch);
-    snprintf(v[7], 64, "%llu", (unsigned long long)r->cfg.seed);
-    snprintf(v[8], 64, "%d", dt_data_parallel_width());
-    snprintf(v[9], 64, "%lld,%lld", (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
-    snprintf(v[10], 64, "%d", r->cfg.batch_size);
-    const char *meta[] = { "format", "dtrain-checkpoint-1", "model", v[0], "model_config", v[1], "optimizer", v[2],
-                           "optimizer_step", v[3], "step", v[4], "epoch", v[5], "batch_in_epoch", v[6], "seed", v[7],
-                           "world_size", v[8], "data_range", v[9], "batch_size", v[10] };
-    dt_safetensors_write(path, t, n, meta, (int)(sizeof meta / sizeof meta[0] / 2));
-    dt_state_close(m, o, 0, hp, 0);
-    dt_state_close(m, o, 1, hm, 0);
-    dt_state_close(m, o, 2, hv, 0);
+    if (m->fsdp) { dt_checkpoint_save_sharded(r, path); return; }
+    float *state[3] = { dt_state_open(m, o, 0), dt_state_open(m, o, 1), o->v ? dt_state_open(m, o, 2) : NULL };
+    dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * 3, sizeof *t);
+    char **names = (char **)calloc((size_t)m->nparams * 3, sizeof(char *));
+    int n = dt_checkpoint_named(m, o->kind == DT_ADAMW, state, t, names);
+    dt_meta_list meta = { NULL, 0 };
+    dt_checkpoint_meta(r, &meta, "dtrain-checkpoint-1");
+    dt_safetensors_write(path, t, n, (const char *const *)meta.kv, meta.n);
+    dt_meta_free(&meta);
+    for (int k = 0; k < 3; k++) dt_state_close(m, o, k, state[k], 0);
     for (int i = 0; i < n; i++) free(names[i]);
     free(names);
     free(t);
@@ -4667,29 +4945,56 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     if (strcmp(kind, mc->kind == DT_MODEL_VIT ? "vit" : "mlp") || strcmp(shape, want))
         dt_fail("'%s' holds a %s model (channels,size,classes,dim,depth,heads,patch,mlp = %s) but this run builds %s",
                 path, kind, shape, desc);
-    int world = atoi(dt_meta_required(st, path, "world_size"));
-    if (world != dt_data_parallel_width())    /* the data order and the batch depend on it */
-        dt_fail("'%s' was written by %d ranks, this run has %d (resume with --nproc %d)", path, world,
-                dt_data_parallel_width(), world);
+    /* Rank r takes samples r, r + N, r + 2N, ... of the epoch's order, so a step
+       of N ranks x B images takes the same N*B samples at any N: a run may
+       resume at another world size when the samples per step stay the same. */
+    int world = atoi(dt_meta_required(st, path, "world_size")), batch = atoi(dt_meta_required(st, path, "batch_size"));
+    int now = dt_data_parallel_width();
+    if ((int64_t)world * batch != (int64_t)now * r->cfg.batch_size) {
+        int other = world * batch % now == 0 ? world * batch / now : 0;
+        char hint[96] = "";
+        if (other > 0) snprintf(hint, sizeof hint, " --batch-size %d at this world size, or", other);
+        dt_fail("'%s' was written by %d ranks, this run has %d: it took %d x %d = %d samples a step, this run %d x %d = %d; "
+                "to continue its data order and schedule resume with%s --nproc %d --batch-size %d (--init takes the "
+                "weights alone)", path, world, now, world, batch, world * batch, now, r->cfg.batch_size,
+                now * r->cfg.batch_size, hint, world, batch);
+    }
     if (strcmp(dt_meta_required(st, path, "optimizer"), o->kind == DT_ADAMW ? "adamw" : "sgd"))
         dt_fail("'%s' holds %s state but this run uses --optimizer %s", path, dt_safetensors_meta(st, "optimizer"),
                 o->kind == DT_ADAMW ? "adamw" : "sgd");
-    float *hp = dt_state_open(m, o, 0), *hm = dt_state_open(m, o, 1), *hv = o->v ? dt_state_open(m, o, 2) : NULL;
-    for (int i = 0; i < m->nparams; i++) {
-        dt_tensor *p = &m->params[i];
-        int64_t off = m->offsets[i];
-        char name[256];
-        if (!dt_safetensors_get(st, p->name, hp + off, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, p->name);
-        snprintf(name, sizeof name, "optimizer.%s.%s", o->kind == DT_ADAMW ? "exp_avg" : "momentum_buffer", p->name);
-        if (!dt_safetensors_get(st, name, hm + off, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, name);
-        if (o->kind == DT_ADAMW) {
-            snprintf(name, sizeof name, "optimizer.exp_avg_sq.%s", p->name);
-            if (!dt_safetensors_get(st, name, hv + off, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, name);
+    int adamw = o->kind == DT_ADAMW;
+    if (dt_is_sharded(st) && m->fsdp && dt_sharded_layout_is(st, path, m->fsdp)) {
+        /* the same shards: each rank reads its own file, and only that */
+        dt_fsdp *f = m->fsdp;
+        dt_device where = f->offload ? DT_CPU : m->device;
+        float *own[3] = { f->shard_params, o->m, o->v };
+        char file[4096];
+        for (int k = 0; k < f->world; k++) dt_shard_check(st, path, k, f->world, file, sizeof file);
+        dt_safetensors *sh = dt_shard_open(st, path, f->rank, f->world);
+        for (int k = 0; k < 3; k++) {
+            if (!own[k]) continue;
+            float *host = dt_host_view(where, own[k], f->shard_numel);
+            dt_shard_get(sh, adamw, k, host, f->shard_numel);
+            dt_host_view_close(where, host, own[k], f->shard_numel, 1);
         }
+        dt_safetensors_close(sh);
+        dt_fsdp_after_step(f);               /* ZeRO-1, -2: every rank's whole copy from the new shards */
+    } else {
+        float *state[3] = { dt_state_open(m, o, 0), dt_state_open(m, o, 1), o->v ? dt_state_open(m, o, 2) : NULL };
+        if (dt_is_sharded(st)) dt_sharded_assemble(st, path, m, adamw, state);
+        else
+            for (int i = 0; i < m->nparams; i++)
+                for (int k = 0; k < 3; k++) {
+                    dt_tensor *p = &m->params[i];
+                    char name[256];
+                    if (!state[k]) continue;
+                    if (k == 0) snprintf(name, sizeof name, "%s", p->name);
+                    else snprintf(name, sizeof name, "optimizer.%s.%s", dt_moment_name(adamw, k), p->name);
+                    if (!dt_safetensors_get(st, name, state[k] + m->offsets[i], p->ndim, p->shape))
+                        dt_fail("'%s' has no tensor '%s'", path, name);
+                }
+        for (int k = 0; k < 3; k++) dt_state_close(m, o, k, state[k], 1);
     }
-    dt_state_close(m, o, 0, hp, 1);
-    dt_state_close(m, o, 1, hm, 1);
-    dt_state_close(m, o, 2, hv, 1);
     o->step = atoll(dt_meta_required(st, path, "optimizer_step"));
     r->step = atoll(dt_meta_required(st, path, "step"));
     r->epoch = atoi(dt_meta_required(st, path, "epoch"));
@@ -4701,9 +5006,9 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     if (s0 != (long long)r->cfg.start_idx || s1 != (long long)(r->cfg.start_idx + r->loader->ds->n))
         dt_warn("'%s' was trained on images [%lld, %lld), this run uses [%lld, %lld): the data order will differ",
                 path, s0, s1, (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
-    if (atoi(dt_meta_required(st, path, "batch_size")) != r->cfg.batch_size)
-        dt_warn("'%s' was trained with --batch-size %s, this run uses %d", path, dt_safetensors_meta(st, "batch_size"),
-                r->cfg.batch_size);
+    if (batch != r->cfg.batch_size && !r->cfg.quiet && dt_ctx.rank == 0)
+        printf("resuming '%s' (%d ranks x %d) as %d ranks x %d: the same samples each step\n", path, world, batch, now,
+               r->cfg.batch_size);
     dt_safetensors_close(st);
 }
 
@@ -4900,6 +5205,10 @@ void dt_epoch_end(dt_run *r) {
 static void dt_bench_report(dt_run *r);
 int dt_run_finish(dt_run *r) {
     if (r->cfg.bench) dt_bench_report(r);
+    else if (r->steps_run == 0 && r->val && r->eval_loss == 0) {   /* --resume at its last epoch: evaluate it */
+        if (!r->cfg.quiet && dt_ctx.rank == 0) printf("nothing left to train (epoch %d of %d): evaluating\n", r->epoch, r->cfg.epochs);
+        dt_run_eval(r);
+    }
     double rate = r->train_ms > 0 ? r->samples / (r->train_ms / 1e3) : 0;
     double final_loss = r->loss_count ? r->loss_sum / r->loss_count : r->last_loss;
     if (dt_ctx.rank == 0 && !r->cfg.bench) {
