@@ -120,6 +120,9 @@ TORCH_PY = $(shell for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2
 # share the cores one rank already uses, so this measures what data
 # parallelism costs, not what it gains; on more devices than cores it is
 # oversubscribed, and the table says so.
+# Stage 04 runs once per --shard mode, and with --cpu-offload.
+BENCH_STAGES := "01-single-gpu|" "02-dp|" "03-ddp|" "04-fsdp|--shard optimizer" "04-fsdp|--shard grads" \
+                "04-fsdp|--shard full" "04-fsdp|--shard full --cpu-offload"
 WORKLOADS := "mlp|--model mlp" "vit-tiny|--model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64"
 bench: $(STAGE_BINS) tools/collectives
 	@for n in 2 4; do ./tools/collectives --nproc $$n --bench; done
@@ -128,8 +131,9 @@ bench: $(STAGE_BINS) tools/collectives
 	else echo "(no GPU here, or a build without CUDA: CPU benchmarks only)"; fi
 	@for w in $(WORKLOADS); do flags=$${w#*|}; \
 	  OMP_NUM_THREADS=1 ./01-single-gpu/train --bench $$flags; \
-	  for s in 01-single-gpu 02-dp 03-ddp; do for n in 1 2 4; do \
-	    [ $$s = 01-single-gpu ] && [ $$n -gt 1 ] && continue; ./$$s/train --bench --nproc $$n $$flags; \
+	  for s in $(BENCH_STAGES); do for n in 1 2 4; do \
+	    [ $${s%%|*} = 01-single-gpu ] && [ $$n -gt 1 ] && continue; \
+	    ./$${s%%|*}/train --bench --nproc $$n $$flags $${s#*|}; \
 	  done; done; done | tools/bench_table.awk -v cores=$$(nproc)
 	@py="$(TORCH_PY)"; \
 	 if [ -n "$$py" ]; then \

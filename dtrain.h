@@ -5310,6 +5310,9 @@ static void dt_bench_report(dt_run *r) {
     int world = dt_ctx.world_size, per_rank = r->loader->batch_size / devices, S = mc->image_size;
     double flops = dt_flops_counted() * world, gflops = flops / (ms / 1e3) / 1e9;
     float peak_mem = dt_job_max((float)dt_mem_total_peak());    /* the largest rank's peak */
+    size_t host_bytes = 0;                                       /* and of offloaded (host) memory */
+    for (int a = 0; a < DT_ARENA_COUNT; a++) host_bytes += dt_mem_host_peak((dt_arena)a);
+    float peak_host = dt_job_max((float)host_bytes);
     if (dt_ctx.rank != 0) return;
     const char *workload = mc->kind == DT_MODEL_MLP ? (mc->dim == 1024 && mc->depth == 2 && S == 32 ? "mlp" : "mlp-custom")
                          : (mc->dim == 192 && mc->depth == 6 && mc->heads == 3 && mc->patch == 4 && S == 32 ? "vit-tiny"
@@ -5326,13 +5329,18 @@ static void dt_bench_report(dt_run *r) {
         else snprintf(where, sizeof where, "device=cuda gpu=%s tflops=%.2f mfu=unknown(use --peak-tflops)", gpu, gflops / 1e3);
     } else snprintf(where, sizeof where, "device=cpu threads=%d", dt_threads());
     const double *p = r->bench_phase_ms;
+    char stage[128];                     /* 04: which --shard, and whether offloaded */
+    if (r->model->fsdp) {
+        static const char *modes[3] = { "optimizer", "grads", "full" };
+        snprintf(stage, sizeof stage, "%s/%s%s", cfg->stage, modes[r->model->fsdp->mode], r->model->fsdp->offload ? "+offload" : "");
+    } else snprintf(stage, sizeof stage, "%s", cfg->stage);
     printf("bench: workload=%s stage=%s %s ranks=%d batch=%d params=%lld steps=%lld step_ms=%.2f samples_per_s=%.1f "
            "gflops=%.2f data_ms=%.2f fwd_ms=%.2f bwd_ms=%.2f comm_ms=%.2f comm_hidden_ms=%.2f comm_wait_ms=%.2f "
-           "opt_ms=%.2f peak_mem_mb=%.1f\n",
-           workload, cfg->stage, where, world * devices, per_rank, (long long)r->model->numel, (long long)steps, ms / steps,
+           "opt_ms=%.2f peak_mem_mb=%.1f peak_host_mb=%.1f\n",
+           workload, stage, where, world * devices, per_rank, (long long)r->model->numel, (long long)steps, ms / steps,
            steps * (double)per_rank * devices * world * 1e3 / ms, gflops, p[DT_PHASE_DATA] / steps, p[DT_PHASE_FWD] / steps,
            p[DT_PHASE_BWD] / steps, r->bench_comm_ms / steps, r->bench_hidden_ms / steps, p[DT_PHASE_COMM] / steps,
-           p[DT_PHASE_OPT] / steps, peak_mem / 1e6);
+           p[DT_PHASE_OPT] / steps, peak_mem / 1e6, peak_host / 1e6);
     fflush(stdout);
 }
 
