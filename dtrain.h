@@ -38,10 +38,14 @@
                         memory (threads or processes, sums in rank order) or NCCL
        10  launching    --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous,
                         and a job that stops, naming the rank, when one rank dies
-       11  parallel     DataParallel (one process, N devices, device 0 in charge) and
+       11  parallel     DataParallel (one process, N devices, device 0 in charge),
                         DistributedDataParallel (a replica per process, gradients
-                        averaged in buckets while backward runs)
-       13  checkpoints  safetensors files written atomically; exact resume
+                        averaged in buckets while backward runs) and Fully Sharded
+                        Data Parallel (each rank keeps 1/N of every unit: gathered
+                        to compute, gradients reduce-scattered; ZeRO-1/2/3 side by
+                        side; CPU offload)
+       13  checkpoints  safetensors files written atomically; exact resume; sharded
+                        (a file per rank and an index), consolidated, resharded
        14  metrics      JSON-lines logs, progress lines, Chrome traces, benchmarks
        15  CUDA         the GPU bodies of the ops, behind one table (dt_backend):
                         indexing, reductions and launch shape are all that differ
@@ -493,7 +497,11 @@ void dt_ddp_free(dt_ddp *ddp);
                          reduce-scattered as soon as its backward is done
      DT_SHARD_FULL       + parameters (ZeRO-3): a unit is all-gathered just
                          before its forward, freed after it, gathered again
-                         just before its backward */
+                         just before its backward; the next unit's all-gather
+                         is started while one computes (prefetch), and the
+                         last unit stays gathered from its forward into its
+                         backward, which needs it first
+   Checkpoints of a sharded model are sharded too (section 13). */
 typedef enum { DT_SHARD_OPTIMIZER = 0, DT_SHARD_GRADS = 1, DT_SHARD_FULL = 2 } dt_shard_mode;
 typedef struct dt_fsdp dt_fsdp;
 /* Broadcast rank 0's parameters, keep this rank's shards, free the rest. Create
@@ -3361,13 +3369,17 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
 }
 
 /* ==== 11. parallel wrappers =====================================================
-   Data parallel training in two shapes. DataParallel (stage 02): one process,
-   N devices, device 0 in charge -- replicate, scatter, forward, gather, loss,
-   backward, reduce, step, all through device 0. DistributedDataParallel
-   (stage 03): N processes, each a full replica with its own optimizer; the only
-   traffic is the average of the gradients, and it overlaps with backward. The
-   model, autograd and the optimizer are the ones stage 01 uses: the wrappers
-   only decide where copies of them live and what crosses between the copies. */
+   Data parallel training in three shapes. DataParallel (stage 02): one
+   process, N devices, device 0 in charge -- replicate, scatter, forward,
+   gather, loss, backward, reduce, step, all through device 0.
+   DistributedDataParallel (stage 03): N processes, each a full replica with its
+   own optimizer; the only traffic is the average of the gradients, and it
+   overlaps with backward. Fully sharded (stage 04): N processes that each keep
+   1/N of the model and of its optimizer state; a unit is gathered whole only
+   while it computes, the next one's gather already on its way, and each rank
+   receives the average gradient of its own part only. The model, autograd and
+   the optimizer are the ones stage 01 uses: the wrappers only decide where
+   copies (or pieces) of them live and what crosses between them. */
 
 /* What the wrappers communicated, for this step's log line and trace. `hidden`
    is the part of [t0, t1] that ran while backward was still computing. */
@@ -3694,7 +3706,6 @@ typedef struct dt_fsdp_unit {
     int64_t shard_offset;       /* where its shard starts in this rank's flat shard buffers */
     float *full, *full_grad;    /* [shard * world]: gathered parameters, and their gradients */
     dt_comm_handle gathering;   /* an all-gather in flight (a prefetch), or 0 */
-    float *gather_src;          /* what it sends, when that is an upload of an offloaded shard */
 } dt_fsdp_unit;
 
 struct dt_fsdp {
@@ -3706,20 +3717,26 @@ struct dt_fsdp {
     dt_fsdp_unit *units;
     float *shard_params, *shard_grads;   /* this rank's slice of every unit, one after another */
     int64_t shard_numel;
+    /* Buffers made once and reused by every unit: a malloc per unit per step
+       costs page faults on a CPU, and a cudaFree synchronises the whole GPU.
+       At most two neighbouring units are gathered at once, so two parameter
+       buffers serve all of them (unit k takes buffer k % 2), and one gradient
+       buffer, as backward does one unit at a time. Offloaded shards are
+       uploaded into staging buffers, by the same rule. */
+    float *gathered[2], *gathered_grad, *staged[2], *scattered;
+    size_t largest, largest_shard;       /* bytes: the largest unit, gathered, and its shard */
+    int64_t prefetched;                  /* units that were already on their way when needed */
 };
 
 static size_t dt_fsdp_full_bytes(const dt_fsdp *f, const dt_fsdp_unit *u) { return (size_t)(u->shard * f->world) * sizeof(float); }
 
-/* A unit's slice of a shard buffer where the collectives can read it: the
-   buffer itself, or, offloaded, a copy uploaded just now (freed by _done). */
-static float *dt_fsdp_shard_on_device(dt_fsdp *f, const float *shards, const dt_fsdp_unit *u) {
+/* Unit k's slice of a shard buffer where the collectives can read it: the
+   buffer itself, or, offloaded, a copy uploaded into staging buffer k % 2. */
+static float *dt_fsdp_shard_on_device(dt_fsdp *f, const float *shards, int k) {
+    const dt_fsdp_unit *u = &f->units[k];
     if (!f->offload) return (float *)shards + u->shard_offset;
-    float *d = (float *)dt_alloc_on(f->model->device, DT_ARENA_COMM, (size_t)u->shard * sizeof(float));
-    dt_upload(d, shards + u->shard_offset, (size_t)u->shard * sizeof(float));
-    return d;
-}
-static void dt_fsdp_shard_done(dt_fsdp *f, const dt_fsdp_unit *u, float *d) {
-    if (f->offload) dt_free_on(f->model->device, DT_ARENA_COMM, d, (size_t)u->shard * sizeof(float));
+    dt_upload(f->staged[k % 2], shards + u->shard_offset, (size_t)u->shard * sizeof(float));
+    return f->staged[k % 2];
 }
 /* Host values into a shard buffer: a copy when offloaded, else an upload. */
 static void dt_fsdp_put(dt_fsdp *f, float *dst, const float *host, int64_t n) {
@@ -3744,30 +3761,30 @@ static void dt_fsdp_point(dt_fsdp *f, dt_fsdp_unit *u, int grads, float *buf) {
 static void dt_fsdp_gather_start(dt_fsdp *f, int k) {
     dt_fsdp_unit *u = &f->units[k];
     if (f->mode != DT_SHARD_FULL || u->full || u->gathering) return;        /* there already, or on its way */
-    u->full = (float *)dt_alloc_on(f->model->device, DT_ARENA_PARAMS, dt_fsdp_full_bytes(f, u));
-    u->gather_src = dt_fsdp_shard_on_device(f, f->shard_params, u);
-    u->gathering = dt_all_gather_async(f->comm, u->gather_src, u->full, u->shard, DT_F32);
+    for (int j = 0; j < f->nunits; j++)
+        if (j != k && j % 2 == k % 2 && f->units[j].full == f->gathered[k % 2])
+            dt_fail("internal: FSDP gathers unit %d while unit %d still holds its buffer", k, j);
+    u->full = f->gathered[k % 2];
+    u->gathering = dt_all_gather_async(f->comm, dt_fsdp_shard_on_device(f, f->shard_params, k), u->full, u->shard, DT_F32);
 }
 static void dt_fsdp_gather_unit(dt_fsdp *f, int k, int next) {
     dt_fsdp_unit *u = &f->units[k];
     if (f->mode != DT_SHARD_FULL) return;
+    double wait_from = dt_now_ms(), t0, t1;
+    f->prefetched += u->gathering != 0;
     dt_fsdp_gather_start(f, k);
     if (next >= 0 && next < f->nunits) dt_fsdp_gather_start(f, next);      /* prefetch */
     if (!u->gathering) return;
-    double wait_from = dt_now_ms(), t0, t1;
     dt_comm_wait(f->comm, u->gathering);
     dt_comm_interval(f->comm, u->gathering, &t0, &t1);
     double hidden = (t1 < wait_from ? t1 : wait_from) - t0;
     dt_record_comm("all_gather unit", t0, t1, hidden > 0 ? hidden : 0);
-    dt_fsdp_shard_done(f, u, u->gather_src);
     u->gathering = 0;
-    u->gather_src = NULL;
     dt_fsdp_point(f, u, 0, u->full);
 }
 static void dt_fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only our slice */
     dt_fsdp_unit *u = &f->units[k];
     if (f->mode != DT_SHARD_FULL) return;
-    dt_free_on(f->model->device, DT_ARENA_PARAMS, u->full, dt_fsdp_full_bytes(f, u));
     u->full = NULL;
     dt_fsdp_point(f, u, 0, NULL);
 }
@@ -3776,8 +3793,7 @@ static void dt_fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only 
 static void dt_fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
     dt_fsdp_unit *u = &f->units[k];
     dt_device dev = f->model->device;
-    size_t bytes = (size_t)u->shard * sizeof(float);
-    float *mine = (float *)dt_alloc_on(dev, DT_ARENA_COMM, bytes), *dst = f->shard_grads + u->shard_offset;
+    float *mine = f->scattered, *dst = f->shard_grads + u->shard_offset;
     double t0 = dt_now_ms();
     dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
     dt_record_comm("reduce_scatter unit", t0, dt_now_ms(), 0);
@@ -3788,7 +3804,6 @@ static void dt_fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
         for (int64_t i = 0; i < u->shard; i++) dst[i] += host[i];
         dt_host_view_close(dev, host, mine, u->shard, 0);
     }
-    dt_free_on(dev, DT_ARENA_COMM, mine, bytes);
 }
 
 /* The two marks a unit leaves on the tape; backward meets them in reverse. */
@@ -3796,8 +3811,9 @@ static void dt_fsdp_before_unit_backward(dt_tape_entry *e) {
     dt_fsdp *f = (dt_fsdp *)e->saved;
     dt_fsdp_unit *u = &f->units[e->iarg[0]];
     dt_fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1);             /* gathered again; the one before on its way */
-    if (f->mode != DT_SHARD_OPTIMIZER) {
-        u->full_grad = (float *)dt_alloc_on(f->model->device, DT_ARENA_GRADS, dt_fsdp_full_bytes(f, u));
+    if (f->mode != DT_SHARD_OPTIMIZER) {                             /* backward adds into it: zeroed */
+        u->full_grad = f->gathered_grad;
+        dt_zero_on(f->model->device, u->full_grad, dt_fsdp_full_bytes(f, u));
         dt_fsdp_point(f, u, 1, u->full_grad);
     }
 }
@@ -3806,7 +3822,6 @@ static void dt_fsdp_after_unit_backward(dt_tape_entry *e) {
     dt_fsdp_unit *u = &f->units[e->iarg[0]];
     if (f->mode == DT_SHARD_OPTIMIZER) return;                                  /* all at once, after backward */
     dt_fsdp_reduce_scatter_unit(f, e->iarg[0]);
-    dt_free_on(f->model->device, DT_ARENA_GRADS, u->full_grad, dt_fsdp_full_bytes(f, u));
     u->full_grad = NULL;
     dt_fsdp_point(f, u, 1, NULL);
     dt_fsdp_release_unit(f, e->iarg[0]);
@@ -3842,7 +3857,16 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
         u->shard = (u->numel + f->world - 1) / f->world;
         u->shard_offset = f->shard_numel;
         f->shard_numel += u->shard;
+        if (dt_fsdp_full_bytes(f, u) > f->largest) f->largest = dt_fsdp_full_bytes(f, u);
     }
+    f->largest_shard = f->largest / (size_t)f->world;
+    int two = f->nunits > 1;
+    if (mode == DT_SHARD_FULL)
+        for (int b = 0; b <= two; b++) f->gathered[b] = (float *)dt_alloc_on(dev, DT_ARENA_PARAMS, f->largest);
+    if (mode != DT_SHARD_OPTIMIZER) f->gathered_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, f->largest);
+    if (cpu_offload)
+        for (int b = 0; b <= two; b++) f->staged[b] = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard);
+    f->scattered = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard);
     size_t shard_bytes = (size_t)f->shard_numel * sizeof(float);
     f->shard_params = (float *)(f->offload ? dt_alloc_host(DT_ARENA_PARAMS, shard_bytes) : dt_alloc_on(dev, DT_ARENA_PARAMS, shard_bytes));
     f->shard_grads = (float *)(f->offload ? dt_alloc_host(DT_ARENA_GRADS, shard_bytes) : dt_alloc_on(dev, DT_ARENA_GRADS, shard_bytes));
@@ -3911,9 +3935,7 @@ void dt_fsdp_after_step(dt_fsdp *f) {
     for (int k = 0; k < f->nunits; k++) {
         dt_fsdp_unit *u = &f->units[k];
         double t0 = dt_now_ms();
-        float *mine = dt_fsdp_shard_on_device(f, f->shard_params, u);
-        dt_all_gather(f->comm, mine, u->full, u->shard, DT_F32);
-        dt_fsdp_shard_done(f, u, mine);
+        dt_all_gather(f->comm, dt_fsdp_shard_on_device(f, f->shard_params, k), u->full, u->shard, DT_F32);
         dt_record_comm("all_gather parameters", t0, dt_now_ms(), 0);
     }
 }
@@ -3927,9 +3949,7 @@ static float *dt_fsdp_state_gather(dt_fsdp *f, const float *shards) {
     for (int k = 0; k < f->nunits; k++) {
         dt_fsdp_unit *u = &f->units[k];
         float *full = (float *)dt_alloc_on(dev, DT_ARENA_COMM, dt_fsdp_full_bytes(f, u));
-        float *mine = dt_fsdp_shard_on_device(f, shards, u);
-        dt_all_gather(f->comm, mine, full, u->shard, DT_F32);
-        dt_fsdp_shard_done(f, u, mine);
+        dt_all_gather(f->comm, dt_fsdp_shard_on_device(f, shards, k), full, u->shard, DT_F32);
         dt_download_from(dev, host + u->offset, full, (size_t)u->numel * sizeof(float));
         dt_free_on(dev, DT_ARENA_COMM, full, dt_fsdp_full_bytes(f, u));
     }
@@ -3946,30 +3966,26 @@ static void dt_fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards, 
 
 /* What each rank holds, against what DDP would hold: the ZeRO paper's
    formulas with P, G, O the bytes of parameters, gradients and optimizer state
-   (O = 2P for AdamW, P for SGD's momentum), N ranks. */
+   (O = 2P for AdamW, P for SGD's momentum), N ranks. The buffers that a unit
+   is gathered into are shown apart: they are the price of sharding. */
 static void dt_fsdp_memory_table(const dt_fsdp *f, const dt_optimizer *o) {
-    static const char *formulas[3][3] = { { "P", "G", "O/N" }, { "P", "G/N", "O/N" }, { "P/N", "G/N", "O/N" } };
+    /* ZeRO-1 and -2 here keep the shard the optimizer steps apart from the whole
+       copy, P/N more than the paper's P (which steps a slice of the copy) */
+    static const char *formulas[3][3] = { { "P + P/N", "G", "O/N" }, { "P + P/N", "G/N", "O/N" }, { "P/N", "G/N", "O/N" } };
     static const char *names[3] = { "optimizer (ZeRO-1)", "grads (ZeRO-2)", "full (ZeRO-3)" };
     double P = 4.0 * f->model->numel, ddp[3] = { P, P, o->v ? 2 * P : P };
     dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
     const char *rows[3] = { "parameters", "gradients", "optimizer state" };
-    size_t largest = 0, pair = 0;
-    for (int k = 0; k < f->nunits; k++) {
-        size_t b = dt_fsdp_full_bytes(f, &f->units[k]), b2 = k + 1 < f->nunits ? b + dt_fsdp_full_bytes(f, &f->units[k + 1]) : b;
-        if (b > largest) largest = b;
-        if (b2 > pair) pair = b2;
-    }
+    double buffers[3] = { (f->gathered[0] ? 1.0 : 0.0) + (f->gathered[1] ? 1.0 : 0.0), f->gathered_grad ? 1.0 : 0.0, 0 };
     printf("memory per rank, --shard %s%s, %d ranks (MB):\n", names[f->mode], f->offload ? " --cpu-offload" : "", f->world);
     printf("  %-16s %8s %8s %8s   %s\n", "", "device", "host", "DDP", "formula");
     for (int i = 0; i < 3; i++)
-        printf("  %-16s %8.2f %8.2f %8.2f   %s\n", rows[i], dt_mem_now(arenas[i]) / 1e6, dt_mem_host_now(arenas[i]) / 1e6,
-               ddp[i] / 1e6, formulas[f->mode][i]);
-    if (f->mode == DT_SHARD_FULL)
-        printf("  while a unit computes it is gathered whole, and the next one is on its way: up to %.2f MB of\n"
-               "  parameters (two neighbouring units), and %.2f MB of gradients in a unit's backward (the largest)\n",
-               pair / 1e6, largest / 1e6);
-    else if (f->mode == DT_SHARD_GRADS)
-        printf("  in a unit's backward its gradients are whole: up to %.2f MB (the largest unit)\n", largest / 1e6);
+        printf("  %-16s %8.2f %8.2f %8.2f   %s\n", rows[i], (dt_mem_now(arenas[i]) - buffers[i] * f->largest) / 1e6,
+               dt_mem_host_now(arenas[i]) / 1e6, ddp[i] / 1e6, formulas[f->mode][i]);
+    if (buffers[0] + buffers[1] > 0)
+        printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1]) * f->largest / 1e6, "", "",
+               f->mode == DT_SHARD_FULL ? "2 units of parameters (one computes, the next arrives) + 1 of gradients"
+                                        : "1 unit of gradients (whole during its backward)");
     fflush(stdout);
 }
 
@@ -3979,11 +3995,17 @@ void dt_fsdp_free(dt_fsdp *f) {
     for (int k = 0; k < f->nunits; k++) {
         dt_fsdp_unit *u = &f->units[k];
         if (u->gathering) dt_fsdp_gather_unit(f, k, -1);      /* a prefetch nobody used: let it land */
-        dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt_fsdp_full_bytes(f, u));
-        dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt_fsdp_full_bytes(f, u));
+        if (f->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt_fsdp_full_bytes(f, u));
+        if (f->mode == DT_SHARD_OPTIMIZER) dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt_fsdp_full_bytes(f, u));
         dt_fsdp_point(f, u, 0, NULL);
         dt_fsdp_point(f, u, 1, NULL);
     }
+    for (int b = 0; b < 2; b++) {
+        dt_free_on(m->device, DT_ARENA_PARAMS, f->gathered[b], f->largest);
+        dt_free_on(m->device, DT_ARENA_COMM, f->staged[b], f->largest_shard);
+    }
+    dt_free_on(m->device, DT_ARENA_GRADS, f->gathered_grad, f->largest);
+    dt_free_on(m->device, DT_ARENA_COMM, f->scattered, f->largest_shard);
     size_t shard_bytes = (size_t)f->shard_numel * sizeof(float);
     if (f->offload) { dt_free_host(DT_ARENA_PARAMS, f->shard_params, shard_bytes); dt_free_host(DT_ARENA_GRADS, f->shard_grads, shard_bytes); }
     else { dt_free_on(m->device, DT_ARENA_PARAMS, f->shard_params, shard_bytes); dt_free_on(m->device, DT_ARENA_GRADS, f->shard_grads, shard_bytes); }
@@ -4000,7 +4022,12 @@ void dt_fsdp_free(dt_fsdp *f) {
    stored beside them as "optimizer.exp_avg.<name>", and the run's position
    (epoch, step, seed, data range) as metadata. Writing goes to FILE.tmp, is
    flushed to disk, and is renamed over FILE only when complete: a crash or a
-   full disk can lose the new checkpoint, never the previous one. */
+   full disk can lose the new checkpoint, never the previous one.
+   A sharded model (FSDP) saves without gathering anything: each rank writes the
+   shard it holds, and an index ties the shards together. Loading at the same
+   world size reads one file per rank; at another, or into an unsharded model,
+   the shards are put back together first -- and tools/consolidate does that
+   once, into a full checkpoint. */
 
 static void dt_json_string(FILE *f, const char *s) {
     fputc('"', f);
@@ -5313,6 +5340,8 @@ static void dt_bench_report(dt_run *r) {
     size_t host_bytes = 0;                                       /* and of offloaded (host) memory */
     for (int a = 0; a < DT_ARENA_COUNT; a++) host_bytes += dt_mem_host_peak((dt_arena)a);
     float peak_host = dt_job_max((float)host_bytes);
+    /* what FSDP shards: parameters, gradients and optimizer state (the sum of their peaks) */
+    float peak_state = dt_job_max((float)(dt_mem_peak(DT_ARENA_PARAMS) + dt_mem_peak(DT_ARENA_GRADS) + dt_mem_peak(DT_ARENA_OPTIM)));
     if (dt_ctx.rank != 0) return;
     const char *workload = mc->kind == DT_MODEL_MLP ? (mc->dim == 1024 && mc->depth == 2 && S == 32 ? "mlp" : "mlp-custom")
                          : (mc->dim == 192 && mc->depth == 6 && mc->heads == 3 && mc->patch == 4 && S == 32 ? "vit-tiny"
@@ -5336,11 +5365,11 @@ static void dt_bench_report(dt_run *r) {
     } else snprintf(stage, sizeof stage, "%s", cfg->stage);
     printf("bench: workload=%s stage=%s %s ranks=%d batch=%d params=%lld steps=%lld step_ms=%.2f samples_per_s=%.1f "
            "gflops=%.2f data_ms=%.2f fwd_ms=%.2f bwd_ms=%.2f comm_ms=%.2f comm_hidden_ms=%.2f comm_wait_ms=%.2f "
-           "opt_ms=%.2f peak_mem_mb=%.1f peak_host_mb=%.1f\n",
+           "opt_ms=%.2f peak_mem_mb=%.1f peak_state_mb=%.2f peak_host_mb=%.2f\n",
            workload, stage, where, world * devices, per_rank, (long long)r->model->numel, (long long)steps, ms / steps,
            steps * (double)per_rank * devices * world * 1e3 / ms, gflops, p[DT_PHASE_DATA] / steps, p[DT_PHASE_FWD] / steps,
            p[DT_PHASE_BWD] / steps, r->bench_comm_ms / steps, r->bench_hidden_ms / steps, p[DT_PHASE_COMM] / steps,
-           p[DT_PHASE_OPT] / steps, peak_mem / 1e6, peak_host / 1e6);
+           p[DT_PHASE_OPT] / steps, peak_mem / 1e6, peak_state / 1e6, peak_host / 1e6);
     fflush(stdout);
 }
 

@@ -1330,15 +1330,15 @@ static void test_ddp_ranks_share_the_first_use_of_the_synthetic_set(void) {
 
 /* ---- stage 04: FSDP = DDP ------------------------------------------------------ */
 
-/* 04 with each --shard mode against 03 at the same N, 20 steps of a 2-block
-   vit. With --clip 0 the results are bit for bit DDP's: the reduce-scatter
+/* 04 with each --shard mode, and with --cpu-offload, against 03 at the same
+   N, 20 steps of a 2-block vit. With --clip 0 the results are bit for bit DDP's: the reduce-scatter
    sums each element in rank order, as the all-reduce does, and the optimizer
    does the same arithmetic on each element. With clipping the gradient norm is
    summed per shard, then over ranks: a different order, so a tolerance of 2e-5
    (measured: 3.5e-6). */
 static void test_fsdp_equals_ddp_in_every_shard_mode(void) {
     char out[16384], ref[600], dir[600], p[700], q[700];
-    const char *modes[3] = { "optimizer", "grads", "full" };
+    const char *modes[4] = { "optimizer", "grads", "full", "full --cpu-offload" };
     for (int clip = 0; clip < 2; clip++)
         for (int n = 2; n <= 4; n += 2) {
             snprintf(ref, sizeof ref, "%s/fsdp-ref-%d-%d", tmpdir, clip, n);
@@ -1347,8 +1347,8 @@ static void test_fsdp_equals_ddp_in_every_shard_mode(void) {
                              clip ? "1" : "0", ref);
             CHECKF(st == 0, "03 --nproc %d: exit %d\n%s", n, st, out);
             snprintf(p, sizeof p, "%s/vit_data0-320_epoch2.safetensors", ref);
-            for (int k = 0; k < 3; k++) {
-                snprintf(dir, sizeof dir, "%s/fsdp-%s-%d-%d", tmpdir, modes[k], clip, n);
+            for (int k = 0; k < 4; k++) {
+                snprintf(dir, sizeof dir, "%s/fsdp-%d-%d-%d", tmpdir, k, clip, n);
                 st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model vit --depth 2 --heads 2 --batch-size %d "
                              "--nproc %d --clip %s --shard %s --save-dir %s", stage_bin("04-fsdp"), small_data(), 32 / n, n,
                              clip ? "1" : "0", modes[k], dir);
@@ -1380,25 +1380,24 @@ static double summary_value(const char *log, const char *key) {
     return v;
 }
 
-/* With --shard full, each rank's peak device bytes of parameters stay within
-   its shards (1/N, plus padding) and two neighbouring gathered units (the one
-   computing and the next, prefetched); of gradients, within its shards and one
-   gathered unit; the optimizer state within its shard. With --cpu-offload the
-   device holds no optimizer state at all, and the host holds the shards. */
+/* With --shard full, each rank's peak device bytes of parameters are exactly
+   its shards (1/N, plus padding) and two buffers the size of the largest unit
+   (the unit computing and the next, prefetched); of gradients, its shards and
+   one such buffer; the optimizer state stays within its shard. With
+   --cpu-offload the shards leave the device, which holds no optimizer state
+   at all; the host holds them. */
 static void test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank(void) {
     char out[16384], log[600];
     dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128 };
     dt_model *m = dt_model_create(&mc, 1);
     for (int n = 2; n <= 4; n += 2) {
-        double shards = 0, largest = 0, pair = 0, before = 0;
+        double shards = 0, largest = 0;
         for (int u = 0; u < m->nunits; u++) {
             int end = m->unit_first[u + 1];
             int64_t numel = (end < m->nparams ? m->offsets[end] : m->numel) - m->offsets[m->unit_first[u]];
             int64_t shard = (numel + n - 1) / n;
             shards += 4.0 * shard;
             largest = fmax(largest, 4.0 * shard * n);
-            pair = fmax(pair, before + 4.0 * shard * n);
-            before = 4.0 * shard * n;
         }
         for (int offload = 0; offload < 2; offload++) {
             snprintf(log, sizeof log, "%s/mem-%d-%d.jsonl", tmpdir, n, offload);
@@ -1409,18 +1408,46 @@ static void test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank(void) {
             double params = summary_value(log, "peak_params_bytes"), grads = summary_value(log, "peak_grads_bytes");
             double optim = summary_value(log, "peak_optimizer_bytes"), host = summary_value(log, "peak_host_optimizer_bytes");
             double ddp = 4.0 * m->numel;
-            CHECKF(params > 0 && params <= (offload ? 0 : shards) + pair, "N=%d offload=%d: parameters peak %.0f bytes, "
-                   "bound %.0f (DDP holds %.0f)", n, offload, params, (offload ? 0 : shards) + pair, ddp);
-            CHECKF(params >= (offload ? 0 : shards) + pair, "N=%d offload=%d: parameters peak %.0f bytes: the next unit "
-                   "was not gathered while one computed (%.0f with a prefetch)", n, offload, params, (offload ? 0 : shards) + pair);
-            CHECKF(grads > 0 && grads <= (offload ? 0 : shards) + largest, "N=%d offload=%d: gradients peak %.0f, bound %.0f",
-                   n, offload, grads, (offload ? 0 : shards) + largest);
+            double here = offload ? 0 : shards;
+            CHECKF(params == here + 2 * largest, "N=%d offload=%d: parameters peak %.0f bytes, expected %.0f: shards %.0f "
+                   "+ 2 gather buffers of %.0f (DDP holds %.0f)", n, offload, params, here + 2 * largest, here, largest, ddp);
+            CHECKF(grads == here + largest, "N=%d offload=%d: gradients peak %.0f, expected %.0f", n, offload, grads,
+                   here + largest);
             if (offload) CHECKF(optim == 0 && host >= 2 * shards, "offload: optimizer %.0f bytes on the device, %.0f on the host",
                                 optim, host);
             else CHECKF(optim > 0 && optim <= 2 * shards, "N=%d: optimizer peak %.0f, bound %.0f", n, optim, 2 * shards);
         }
     }
     dt_model_free(m);
+}
+
+/* The prefetch, in one process with a world of 1: in a training step every
+   unit but the first is already on its way when forward reaches it, and
+   every unit but the last (kept gathered from its forward) when backward
+   does; evaluation prefetches as forward does. */
+static void test_fsdp_prefetches_the_next_unit(void) {
+    dt_model_config mc = { DT_MODEL_VIT, 3, 8, 10, 16, 3, 2, 4, 32 };
+    dt_model *m = dt_model_create(&mc, 3);
+    dt_comm_group *g = dt_comm_group_create(1, 30);
+    dt_comm *c = dt_comm_join(g, 0);
+    dt_fsdp *f = dt_fsdp_create(m, c, DT_SHARD_FULL, 0);
+    int shape[4] = { 2, 3, 8, 8 }, n = m->nunits;
+    int32_t labels[2] = { 1, 7 };
+    dt_tensor *x = dt_tensor_new(4, shape);
+    dt_tensor *loss = dt_cross_entropy(dt_model_forward(m, x), labels);
+    CHECKF(f->prefetched == n - 1, "forward: %lld of %d units were prefetched", (long long)f->prefetched, n - 1);
+    dt_backward(loss);
+    CHECKF(f->prefetched == 2 * (n - 1), "backward: %lld prefetched in all, expected %d", (long long)f->prefetched, 2 * (n - 1));
+    for (int k = 0; k < n; k++) CHECKF(!f->units[k].full && !f->units[k].gathering, "unit %d still gathered after backward", k);
+    dt_set_grad_enabled(0);
+    dt_model_forward(m, x);
+    dt_set_grad_enabled(1);
+    CHECKF(f->prefetched == 3 * (n - 1), "evaluation: %lld prefetched in all, expected %d", (long long)f->prefetched, 3 * (n - 1));
+    dt_step_arena_reset();
+    dt_fsdp_free(f);
+    dt_model_free(m);
+    dt_comm_free(c);
+    dt_comm_group_free(g);
 }
 
 /* Sharded checkpoints. Saved at N=4 after one epoch, resumed at N=4: the final
@@ -1751,7 +1778,7 @@ static const test_case tests[] = {
     T(test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly),
     T(test_ddp_ranks_share_the_first_use_of_the_synthetic_set),
     T(test_fsdp_equals_ddp_in_every_shard_mode), T(test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank),
-    T(test_fsdp_sharded_checkpoints_resume_consolidate_and_reshard),
+    T(test_fsdp_prefetches_the_next_unit), T(test_fsdp_sharded_checkpoints_resume_consolidate_and_reshard),
     T(test_gpu_ops_match_the_cpu), T(test_gpu_casts_and_updates_are_bitwise_the_cpu),
     T(test_gpu_training_step_matches_the_cpu), T(test_gpu_200_step_loss_curve_matches_the_cpu),
 };
