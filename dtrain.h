@@ -3969,9 +3969,10 @@ static void dt_fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards, 
    (O = 2P for AdamW, P for SGD's momentum), N ranks. The buffers that a unit
    is gathered into are shown apart: they are the price of sharding. */
 static void dt_fsdp_memory_table(const dt_fsdp *f, const dt_optimizer *o) {
-    /* ZeRO-1 and -2 here keep the shard the optimizer steps apart from the whole
-       copy, P/N more than the paper's P (which steps a slice of the copy) */
-    static const char *formulas[3][3] = { { "P + P/N", "G", "O/N" }, { "P + P/N", "G/N", "O/N" }, { "P/N", "G/N", "O/N" } };
+    /* ZeRO-1 and -2 here keep the shards the optimizer steps apart from the
+       whole copies: P/N (and for ZeRO-1 G/N) more than the paper, which steps
+       a slice of the copy in place */
+    static const char *formulas[3][3] = { { "P + P/N", "G + G/N", "O/N" }, { "P + P/N", "G/N", "O/N" }, { "P/N", "G/N", "O/N" } };
     static const char *names[3] = { "optimizer (ZeRO-1)", "grads (ZeRO-2)", "full (ZeRO-3)" };
     double P = 4.0 * f->model->numel, ddp[3] = { P, P, o->v ? 2 * P : P };
     dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
@@ -4415,7 +4416,14 @@ static void dt_shard_path(char *out, size_t n, const char *index_path, int rank,
     int stem = (int)(len > ext && !strcmp(index_path + len - ext, ".safetensors") ? len - ext : len);
     dt_path(out, n, "%.*s.shard%d-of-%d.safetensors", stem, index_path, rank, world);
 }
-static int dt_is_sharded(dt_safetensors *st) { return dt_safetensors_meta(st, "shards") != NULL; }
+/* Is this the index of a sharded checkpoint? (One of its shards is refused: it is not the whole.) */
+static int dt_is_sharded(dt_safetensors *st) {
+    const char *format = dt_safetensors_meta(st, "format");
+    if (format && !strcmp(format, "dtrain-shard-1"))
+        dt_fail("'%s' is one rank's shard of a sharded checkpoint: give the checkpoint's index instead (the same "
+                "name without '.shard<r>-of-<N>')", st->path);
+    return dt_safetensors_meta(st, "shards") != NULL;
+}
 
 /* Each unit's size, as the index recorded it, checked against the model's. */
 static int dt_sharded_layout(dt_safetensors *index, const char *path, const dt_model *m, int64_t *unit_numel) {
@@ -4965,6 +4973,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     const dt_model_config *mc = &m->cfg;
     char want[64], desc[256];
     dt_meta_required(st, path, "format");
+    dt_is_sharded(st);                        /* one shard alone is refused here */
     snprintf(want, sizeof want, "%d,%d,%d,%d,%d,%d,%d,%d", mc->channels, mc->image_size, mc->classes, mc->dim,
              mc->depth, mc->heads, mc->patch, mc->mlp_hidden);
     const char *kind = dt_meta_required(st, path, "model"), *shape = dt_meta_required(st, path, "model_config");

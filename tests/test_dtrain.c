@@ -1504,6 +1504,9 @@ static void test_fsdp_sharded_checkpoints_resume_consolidate_and_reshard(void) {
     CHECKF(d >= 0 && d <= 2e-5, "resumed at N=2: differs from the straight N=4 run by %.3g", d);
     st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --batch-size 8 --nproc 2 --resume %s", bin, small_data(), flags, p);
     expect_error(out, st, 1, "written by 4 ranks, this run has 2");
+    snprintf(q, sizeof q, "%s/vit_data0-320_epoch1.shard0-of-4.safetensors", a);
+    st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --batch-size 32 --resume %s", train_bin, small_data(), flags, q);
+    expect_error(out, st, 1, "one rank's shard of a sharded checkpoint");
 
     snprintf(q, sizeof q, "%s/vit_data0-320_epoch1.shard3-of-4.safetensors", a);
     snprintf(moved, sizeof moved, "%s.away", q);
