@@ -70,7 +70,7 @@ endif
 
 STAGES   := $(sort $(dir $(wildcard 0*/train.c)))
 STAGE_BINS := $(addsuffix train,$(STAGES))
-TOOLS    := tools/gen_synthetic tools/collectives
+TOOLS    := tools/gen_synthetic tools/collectives tools/consolidate
 TEST_BIN := tests/test_dtrain
 
 all: $(STAGE_BINS) $(TOOLS) $(TEST_BIN)
@@ -108,7 +108,8 @@ build/asan/tools/%: tools/%.c dtrain.h $(CUDA_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(filter-out -O3 -O2,$(CFLAGS)) $(ASAN_FLAGS) -o $@ $< $(CUDA_OBJ) $(LDLIBS)
 
-test-asan: $(addprefix build/asan/,$(STAGE_BINS)) build/asan/test_dtrain build/asan/tools/collectives
+test-asan: $(addprefix build/asan/,$(STAGE_BINS)) build/asan/test_dtrain build/asan/tools/collectives \
+           build/asan/tools/consolidate
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ./build/asan/test_dtrain build/asan/01-single-gpu/train
 
@@ -119,6 +120,9 @@ TORCH_PY = $(shell for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2
 # share the cores one rank already uses, so this measures what data
 # parallelism costs, not what it gains; on more devices than cores it is
 # oversubscribed, and the table says so.
+# Stage 04 runs once per --shard mode, and with --cpu-offload.
+BENCH_STAGES := "01-single-gpu|" "02-dp|" "03-ddp|" "04-fsdp|--shard optimizer" "04-fsdp|--shard grads" \
+                "04-fsdp|--shard full" "04-fsdp|--shard full --cpu-offload"
 WORKLOADS := "mlp|--model mlp" "vit-tiny|--model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64"
 bench: $(STAGE_BINS) tools/collectives
 	@for n in 2 4; do ./tools/collectives --nproc $$n --bench; done
@@ -127,8 +131,9 @@ bench: $(STAGE_BINS) tools/collectives
 	else echo "(no GPU here, or a build without CUDA: CPU benchmarks only)"; fi
 	@for w in $(WORKLOADS); do flags=$${w#*|}; \
 	  OMP_NUM_THREADS=1 ./01-single-gpu/train --bench $$flags; \
-	  for s in 01-single-gpu 02-dp 03-ddp; do for n in 1 2 4; do \
-	    [ $$s = 01-single-gpu ] && [ $$n -gt 1 ] && continue; ./$$s/train --bench --nproc $$n $$flags; \
+	  for s in $(BENCH_STAGES); do for n in 1 2 4; do \
+	    [ $${s%%|*} = 01-single-gpu ] && [ $$n -gt 1 ] && continue; \
+	    ./$${s%%|*}/train --bench --nproc $$n $$flags $${s#*|}; \
 	  done; done; done | tools/bench_table.awk -v cores=$$(nproc)
 	@py="$(TORCH_PY)"; \
 	 if [ -n "$$py" ]; then \

@@ -38,10 +38,14 @@
                         memory (threads or processes, sums in rank order) or NCCL
        10  launching    --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous,
                         and a job that stops, naming the rank, when one rank dies
-       11  parallel     DataParallel (one process, N devices, device 0 in charge) and
+       11  parallel     DataParallel (one process, N devices, device 0 in charge),
                         DistributedDataParallel (a replica per process, gradients
-                        averaged in buckets while backward runs)
-       13  checkpoints  safetensors files written atomically; exact resume
+                        averaged in buckets while backward runs) and Fully Sharded
+                        Data Parallel (each rank keeps 1/N of every unit: gathered
+                        to compute, gradients reduce-scattered; ZeRO-1/2/3 side by
+                        side; CPU offload)
+       13  checkpoints  safetensors files written atomically; exact resume; sharded
+                        (a file per rank and an index), consolidated, resharded
        14  metrics      JSON-lines logs, progress lines, Chrome traces, benchmarks
        15  CUDA         the GPU bodies of the ops, behind one table (dt_backend):
                         indexing, reductions and launch shape are all that differ
@@ -139,6 +143,15 @@ size_t dt_mem_now(dt_arena arena);
 size_t dt_mem_peak(dt_arena arena);
 size_t dt_mem_total_now(void);
 size_t dt_mem_total_peak(void);
+/* Host memory that holds what was moved off the device (FSDP's --cpu-offload),
+   counted apart from the device's so that the move shows. */
+void *dt_alloc_host(dt_arena arena, size_t bytes);
+void dt_free_host(dt_arena arena, void *ptr, size_t bytes);
+size_t dt_mem_host_now(dt_arena arena);
+size_t dt_mem_host_peak(dt_arena arena);
+/* Forget the peaks (set them to what is held now): the run does it once set up,
+   so that peaks are those of training, not of building the model. */
+void dt_mem_reset_peaks(void);
 const char *dt_arena_name(dt_arena arena);
 
 /* The per-step arena holds activations and their gradients. It is a bump
@@ -249,7 +262,14 @@ typedef struct dt_model {
     float *flat_data;          /* every parameter, one after another: what DDP and FSDP move */
     float *flat_grad;
     int64_t numel;
+    int64_t *offsets;          /* where each parameter starts in the flat buffers */
     dt_device device;          /* where the flat buffers live */
+    /* Units: the pieces FSDP gathers one at a time -- a linear layer of the MLP;
+       the embedding, each block, and the norm + head of the ViT. Unit u holds
+       parameters unit_first[u] .. unit_first[u + 1] - 1. */
+    int nunits;
+    int *unit_first;
+    struct dt_fsdp *fsdp;      /* set while FSDP shards this model (stage 04) */
 } dt_model;
 
 /* Build a model with freshly initialised weights (seeded, so runs repeat) on
@@ -274,6 +294,16 @@ typedef struct dt_optimizer {
     float *m, *v;              /* AdamW's moments, or SGD's momentum in m */
     dt_model *model;
     float last_grad_norm;
+    /* What it updates: flat buffers of numel values, cut into slices that share
+       a weight decay -- one per parameter, or, when FSDP shards the model, one
+       per part of a parameter that lies in this rank's shard. */
+    float *params, *grads;
+    int64_t numel;
+    int nslices;
+    struct dt_param_slice { int64_t offset, length; int decay; } *slices;
+    struct dt_comm *norm_comm; /* sharded: the gradient norm is summed over the ranks */
+    dt_device device;          /* where its buffers are and it computes */
+    int offloaded;             /* its buffers are host memory (FSDP's --cpu-offload) */
 } dt_optimizer;
 
 dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float weight_decay,
@@ -455,6 +485,39 @@ void dt_ddp_sync_grads(dt_ddp *ddp);
 int dt_ddp_buckets(const dt_ddp *ddp);
 void dt_ddp_free(dt_ddp *ddp);
 
+/* Fully sharded data parallel (stages 04-05): like DDP, but no rank keeps the
+   whole model. Each unit's parameters are one flat buffer padded to a multiple
+   of N; rank r keeps elements [r, r + 1) * size/N of it -- its shard -- and the
+   optimizer state of that shard only. The mode chooses what is sharded, as the
+   ZeRO paper's stages do:
+     DT_SHARD_OPTIMIZER  optimizer state (ZeRO-1): gradients reduce-scattered
+                         after backward, each rank steps its shard, the new
+                         parameters are all-gathered
+     DT_SHARD_GRADS      + gradients (ZeRO-2): each unit's gradients are
+                         reduce-scattered as soon as its backward is done
+     DT_SHARD_FULL       + parameters (ZeRO-3): a unit is all-gathered just
+                         before its forward, freed after it, gathered again
+                         just before its backward; the next unit's all-gather
+                         is started while one computes (prefetch), and the
+                         last unit stays gathered from its forward into its
+                         backward, which needs it first
+   Checkpoints of a sharded model are sharded too (section 13). */
+typedef enum { DT_SHARD_OPTIMIZER = 0, DT_SHARD_GRADS = 1, DT_SHARD_FULL = 2 } dt_shard_mode;
+typedef struct dt_fsdp dt_fsdp;
+/* Broadcast rank 0's parameters, keep this rank's shards, free the rest. Create
+   the optimizer after this: it then holds the shard's state only. cpu_offload:
+   the shards and the optimizer state live in host memory, the optimizer steps
+   on the CPU, and a unit's shard is copied to the device just before its
+   all-gather (on a CPU-only run, between the device and host arenas). */
+dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload);
+/* After backward: DT_SHARD_OPTIMIZER reduce-scatters every gradient now (the
+   other modes did it unit by unit during backward). */
+void dt_fsdp_sync_grads(dt_fsdp *fsdp);
+/* After the optimizer: DT_SHARD_OPTIMIZER and _GRADS all-gather the updated
+   parameters (DT_SHARD_FULL gathers each unit when it is next used). */
+void dt_fsdp_after_step(dt_fsdp *fsdp);
+void dt_fsdp_free(dt_fsdp *fsdp);
+
 /* ---- 13. checkpoints (safetensors) ------------------------------------------------ */
 
 /* A safetensors file: 8-byte little-endian header length, a JSON header naming
@@ -473,9 +536,17 @@ void dt_safetensors_close(dt_safetensors *st);
 int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndim, const int *shape);
 const char *dt_safetensors_meta(dt_safetensors *st, const char *key); /* NULL when absent */
 
-/* Load a model's weights by name (--init). Extra tensors are ignored; a missing
-   or misshapen one is an error naming it. */
+/* Load a model's weights by name (--init), from a full checkpoint, any
+   safetensors file, or a sharded checkpoint's index. Extra tensors are ignored;
+   a missing or misshapen one is an error naming it. */
 void dt_model_load_weights(dt_model *m, const char *path);
+
+/* Sharded checkpoints (stage 04): each rank writes its own shard file,
+   "<name>.shard<r>-of-<N>.safetensors", and rank 0 then writes the index at
+   the checkpoint's own path. --resume and --init take the index. This turns
+   one into a full checkpoint that every stage resumes from and PyTorch reads
+   (tools/consolidate). */
+void dt_checkpoint_consolidate(const char *index_path, const char *out_path);
 
 /* ---- 14. metrics, traces and the shared command line ------------------------------ */
 
@@ -503,6 +574,8 @@ typedef struct dt_config {
     float peak_tflops;           /* --bench on a GPU: the peak for MFU (0: look it up by name) */
     int nproc;                   /* --nproc: devices of stage 02, or ranks to start on this machine (03-05) */
     float bucket_mb;             /* --bucket-mb: DDP's gradient buckets (0: one all-reduce after backward) */
+    int shard;                   /* --shard: what FSDP shards (a dt_shard_mode; default full) */
+    int cpu_offload;             /* --cpu-offload: FSDP's shards and optimizer in host memory */
     float timeout;               /* --timeout: seconds before a missing rank stops the job */
     int rank, world_size, local_rank;   /* this process's place in the job (from the environment) */
 } dt_config;
@@ -731,6 +804,7 @@ typedef struct dt_backend {
 
 #include <stdarg.h>
 #include <stdlib.h>
+#include <limits.h>
 #include <errno.h>
 #include <ctype.h>
 #include <time.h>
@@ -799,6 +873,7 @@ typedef struct dt_context {
     dt_device device;
     const dt_backend *gpu;             /* the kernels of the GPU, when device is DT_CUDA */
     size_t mem_now[DT_ARENA_COUNT], mem_peak[DT_ARENA_COUNT], mem_total, mem_total_peak;
+    size_t host_now[DT_ARENA_COUNT], host_peak[DT_ARENA_COUNT];     /* offloaded (dt_alloc_host) */
     dt_step_arena step[2];             /* per device: host (tensor headers, host data) and GPU */
     dt_tape_entry *tape;
     int tape_len, tape_cap;
@@ -824,11 +899,14 @@ static DT_THREAD_LOCAL dt_context dt_ctx = { .world_size = 1, .grad_enabled = 1 
    forget to check: the message names the culprit and the program exits. */
 
 static void dt_vmessage(const char *kind, const char *fmt, va_list ap) {
+    char line[2048];             /* one write per message: ranks failing together do not interleave */
+    int n;
     fflush(stdout);
-    if (dt_ctx.world_size > 1) fprintf(stderr, "dtrain[rank %d]: %s: ", dt_ctx.rank, kind);
-    else fprintf(stderr, "dtrain: %s: ", kind);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    if (dt_ctx.world_size > 1) n = snprintf(line, sizeof line, "dtrain[rank %d]: %s: ", dt_ctx.rank, kind);
+    else n = snprintf(line, sizeof line, "dtrain: %s: ", kind);
+    vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
+    strcat(line, "\n");
+    fputs(line, stderr);
     fflush(stderr);
 }
 static void dt_comm_on_fail(void);
@@ -883,13 +961,17 @@ static void dt_mem_count(dt_arena a, size_t bytes, int sign) {
     if (dt_ctx.mem_total > dt_ctx.mem_total_peak) dt_ctx.mem_total_peak = dt_ctx.mem_total;
 }
 
-void *dt_alloc(dt_arena arena, size_t bytes) {
+static void *dt_alloc_uncounted(dt_arena arena, size_t bytes) {
     size_t rounded = (bytes + 63) & ~(size_t)63;
     void *p = NULL;
     if (rounded == 0) rounded = 64;
     if (posix_memalign(&p, 64, rounded) != 0 || !p)
         dt_fail("out of memory allocating %zu bytes for %s", bytes, dt_arena_names[arena]);
     memset(p, 0, rounded);
+    return p;
+}
+void *dt_alloc(dt_arena arena, size_t bytes) {
+    void *p = dt_alloc_uncounted(arena, bytes);
     dt_mem_count(arena, bytes, +1);
     return p;
 }
@@ -897,6 +979,23 @@ void dt_free(dt_arena arena, void *ptr, size_t bytes) {
     if (!ptr) return;
     free(ptr);
     dt_mem_count(arena, bytes, -1);
+}
+void *dt_alloc_host(dt_arena arena, size_t bytes) {
+    void *p = dt_alloc_uncounted(arena, bytes);
+    dt_ctx.host_now[arena] += bytes;
+    if (dt_ctx.host_now[arena] > dt_ctx.host_peak[arena]) dt_ctx.host_peak[arena] = dt_ctx.host_now[arena];
+    return p;
+}
+void dt_free_host(dt_arena arena, void *ptr, size_t bytes) {
+    if (!ptr) return;
+    free(ptr);
+    dt_ctx.host_now[arena] -= bytes;
+}
+size_t dt_mem_host_now(dt_arena a) { return dt_ctx.host_now[a]; }
+size_t dt_mem_host_peak(dt_arena a) { return dt_ctx.host_peak[a]; }
+void dt_mem_reset_peaks(void) {
+    for (int a = 0; a < DT_ARENA_COUNT; a++) { dt_ctx.mem_peak[a] = dt_ctx.mem_now[a]; dt_ctx.host_peak[a] = dt_ctx.host_now[a]; }
+    dt_ctx.mem_total_peak = dt_ctx.mem_total;
 }
 size_t dt_mem_now(dt_arena a) { return dt_ctx.mem_now[a]; }
 size_t dt_mem_peak(dt_arena a) { return dt_ctx.mem_peak[a]; }
@@ -974,6 +1073,22 @@ void dt_upload(void *dst, const void *src, size_t bytes) {
 void dt_download(void *dst, const void *src, size_t bytes) { dt_download_from(dt_ctx.device, dst, src, bytes); }
 void dt_synchronize(void) {
     if (dt_ctx.device == DT_CUDA) dt_backend_of(DT_CUDA)->synchronize();
+}
+
+/* Files are read and written from host memory. A buffer on a GPU is seen
+   through a host copy: downloaded when opened, uploaded when closed if it was
+   written. On the CPU the "copy" is the buffer itself. */
+static float *dt_host_view(dt_device d, float *buf, int64_t n) {
+    if (d == DT_CPU) return buf;
+    float *host = (float *)malloc((size_t)n * sizeof(float) + 1);
+    if (!host) dt_fail("out of memory (%lld floats to copy from the GPU)", (long long)n);
+    dt_download_from(d, host, buf, (size_t)n * sizeof(float));
+    return host;
+}
+static void dt_host_view_close(dt_device d, float *host, float *buf, int64_t n, int written) {
+    if (d == DT_CPU) return;
+    if (written) dt_backend_of(d)->upload(buf, host, (size_t)n * sizeof(float));
+    free(host);
 }
 
 /* Step-arena memory on `device` whose every byte the caller is about to write:
@@ -1303,6 +1418,22 @@ static dt_tape_entry *dt_tape_push(dt_backward_fn fn, dt_tensor *out, dt_tensor 
     return e;
 }
 
+/* A mark on the tape with no tensor: its function runs when backward reaches
+   it. FSDP uses two per unit, to gather before the unit's backward and to
+   reduce-scatter after it. */
+static void dt_tape_mark(dt_backward_fn fn, void *user, int arg) {
+    if (dt_ctx.tape_len == dt_ctx.tape_cap) {
+        dt_ctx.tape_cap = dt_ctx.tape_cap ? 2 * dt_ctx.tape_cap : 256;
+        dt_ctx.tape = (dt_tape_entry *)realloc(dt_ctx.tape, dt_ctx.tape_cap * sizeof(dt_tape_entry));
+        if (!dt_ctx.tape) dt_fail("out of memory (autograd tape)");
+    }
+    dt_tape_entry *e = &dt_ctx.tape[dt_ctx.tape_len++];
+    memset(e, 0, sizeof *e);
+    e->backward = fn;
+    e->saved = user;
+    e->iarg[0] = arg;
+}
+
 void dt_backward(dt_tensor *loss) {
     float one = 1.0f;
     if (loss->numel != 1) dt_fail("dt_backward needs a scalar loss, got %lld elements", (long long)loss->numel);
@@ -1323,7 +1454,7 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
     dt_upload(dt_grad(loss), seed, sizeof(float) * (size_t)loss->numel);
     for (int i = dt_ctx.tape_len - 1; i >= 0; i--) {
         dt_tape_entry *e = &dt_ctx.tape[i];
-        if (e->out->grad) e->backward(e);
+        if (!e->out || e->out->grad) e->backward(e);
         if (dt_ctx.grad_ready)
             for (int j = 0; j < 4; j++) {
                 dt_tensor *p = e->in[j];
@@ -1763,6 +1894,8 @@ typedef struct dt_model_builder {
     float *init_scale;
 } dt_model_builder;
 
+static void dt_unit_starts_here(dt_model_builder *mb) { mb->m->unit_first[mb->m->nunits++] = mb->m->nparams; }
+
 static void dt_add_param(dt_model_builder *mb, const char *name, dt_init_kind init, float scale,
                          int ndim, int s0, int s1, int s2, int s3) {
     dt_model *m = mb->m;
@@ -1810,6 +1943,8 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
     dt_model *m = (dt_model *)calloc(1, sizeof(dt_model));
     if (!m) dt_fail("out of memory (model)");
     m->cfg = *cfg;
+    m->unit_first = (int *)calloc((size_t)cfg->depth + 3, sizeof(int));
+    if (!m->unit_first) dt_fail("out of memory (model)");
     dt_model_builder mb = { m, 0, NULL, NULL };
     int C = cfg->channels, S = cfg->image_size, D = cfg->dim;
     char name[160];
@@ -1818,6 +1953,7 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
         int in = C * S * S;
         for (int l = 0; l <= cfg->depth; l++) {
             int out = l == cfg->depth ? cfg->classes : D;
+            dt_unit_starts_here(&mb);
             snprintf(name, sizeof name, "fc%d", l + 1);
             dt_add_linear(&mb, name, in, out, DT_INIT_UNIFORM, 1.0f / sqrtf((float)in));
             in = out;
@@ -1828,11 +1964,13 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
         int p = cfg->patch, P = (S / p) * (S / p), fan = C * p * p;
         if (S % p) dt_fail("image size %d is not a multiple of the patch size %d", S, p);
         if (D % cfg->heads) dt_fail("--dim %d is not divisible by --heads %d", D, cfg->heads);
+        dt_unit_starts_here(&mb);
         dt_add_param(&mb, "cls_token", DT_INIT_NORMAL, 1e-6f, 3, 1, 1, D, 0);
         dt_add_param(&mb, "pos_embed", DT_INIT_NORMAL, 0.02f, 3, 1, P + 1, D, 0);
         dt_add_param(&mb, "patch_embed.proj.weight", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 4, D, C, p, p);
         dt_add_param(&mb, "patch_embed.proj.bias", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 1, D, 0, 0, 0);
         for (int l = 0; l < cfg->depth; l++) {
+            dt_unit_starts_here(&mb);
             snprintf(name, sizeof name, "blocks.%d.norm1", l); dt_add_layernorm(&mb, name, D);
             snprintf(name, sizeof name, "blocks.%d.attn.qkv", l); dt_add_linear(&mb, name, D, 3 * D, DT_INIT_NORMAL, 0.02f);
             snprintf(name, sizeof name, "blocks.%d.attn.proj", l); dt_add_linear(&mb, name, D, D, DT_INIT_NORMAL, 0.02f);
@@ -1840,10 +1978,14 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
             snprintf(name, sizeof name, "blocks.%d.mlp.fc1", l); dt_add_linear(&mb, name, D, cfg->mlp_hidden, DT_INIT_NORMAL, 0.02f);
             snprintf(name, sizeof name, "blocks.%d.mlp.fc2", l); dt_add_linear(&mb, name, cfg->mlp_hidden, D, DT_INIT_NORMAL, 0.02f);
         }
+        dt_unit_starts_here(&mb);
         dt_add_layernorm(&mb, "norm", D);
         dt_add_linear(&mb, "head", D, cfg->classes, DT_INIT_NORMAL, 0.02f);
     }
-    for (int i = 0; i < m->nparams; i++) m->numel += m->params[i].numel;
+    m->unit_first[m->nunits] = m->nparams;
+    m->offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(m->nparams + 1));
+    if (!m->offsets) dt_fail("out of memory (model)");
+    for (int i = 0; i < m->nparams; i++) { m->offsets[i] = m->numel; m->numel += m->params[i].numel; }
     size_t bytes = (size_t)m->numel * sizeof(float);
     m->device = dt_ctx.device;
     m->flat_data = (float *)dt_alloc_on(m->device, DT_ARENA_PARAMS, bytes);
@@ -1884,6 +2026,8 @@ void dt_model_free(dt_model *m) {
     if (!m) return;
     for (int i = 0; i < m->nparams; i++) free((void *)m->params[i].name);
     free(m->params);
+    free(m->offsets);
+    free(m->unit_first);
     dt_free_on(m->device, DT_ARENA_PARAMS, m->flat_data, (size_t)m->numel * sizeof(float));
     dt_free_on(m->device, DT_ARENA_GRADS, m->flat_grad, (size_t)m->numel * sizeof(float));
     free(m);
@@ -1907,6 +2051,13 @@ void dt_model_describe(const dt_model *m, char *out, size_t n) {
                  c->heads, c->patch, c->mlp_hidden, c->channels, c->image_size, c->image_size, m->numel / 1e6);
 }
 
+/* Where a unit's forward begins and ends: FSDP gathers its parameters there,
+   and leaves marks on the tape for the same moments of backward. */
+static void dt_fsdp_unit_boundary(struct dt_fsdp *f, int unit, int begin);
+static void dt_unit_boundary(dt_model *m, int unit, int begin) {
+    if (m->fsdp) dt_fsdp_unit_boundary(m->fsdp, unit, begin);
+}
+
 dt_tensor *dt_model_forward(dt_model *m, dt_tensor *images) {
     const dt_model_config *c = &m->cfg;
     int B = images->shape[0], pi = 0;
@@ -1917,17 +2068,22 @@ dt_tensor *dt_model_forward(dt_model *m, dt_tensor *images) {
         *x = *images;                                                  /* flatten: a view */
         x->ndim = 2; x->shape[0] = B; x->shape[1] = (int)(images->numel / B);
         for (int l = 0; l <= c->depth; l++) {
+            dt_unit_boundary(m, l, 1);
             dt_tensor *w = DT_NEXT, *b = DT_NEXT;
             x = dt_linear(x, w, b);
+            dt_unit_boundary(m, l, 0);
             if (l < c->depth) x = dt_gelu(x);
         }
         return x;
     }
     int T = (c->image_size / c->patch) * (c->image_size / c->patch) + 1;
+    dt_unit_boundary(m, 0, 1);
     dt_tensor *cls = DT_NEXT, *pos = DT_NEXT, *pw = DT_NEXT, *pb = DT_NEXT;
     dt_tensor *x = dt_linear(dt_patchify(images, c->patch), pw, pb); /* the conv, as a matmul */
     x = dt_vit_tokens(x, cls, pos, B);
+    dt_unit_boundary(m, 0, 0);
     for (int l = 0; l < c->depth; l++) {
+        dt_unit_boundary(m, 1 + l, 1);
         dt_tensor *n1w = DT_NEXT, *n1b = DT_NEXT, *qkvw = DT_NEXT, *qkvb = DT_NEXT, *pjw = DT_NEXT, *pjb = DT_NEXT;
         dt_tensor *n2w = DT_NEXT, *n2b = DT_NEXT, *f1w = DT_NEXT, *f1b = DT_NEXT, *f2w = DT_NEXT, *f2b = DT_NEXT;
         dt_tensor *h = dt_linear(dt_layernorm(x, n1w, n1b, 1e-6f), qkvw, qkvb);
@@ -1935,18 +2091,24 @@ dt_tensor *dt_model_forward(dt_model *m, dt_tensor *images) {
         x = dt_add(x, h);                                              /* pre-LN residual */
         h = dt_gelu(dt_linear(dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b));
         x = dt_add(x, dt_linear(h, f2w, f2b));
+        dt_unit_boundary(m, 1 + l, 0);
     }
+    dt_unit_boundary(m, 1 + c->depth, 1);
     dt_tensor *nw = DT_NEXT, *nb = DT_NEXT, *hw = DT_NEXT, *hb = DT_NEXT;
     /* timm normalises every token, then pools the class token; normalising only
        the class token gives the same logits for less work. */
     x = dt_layernorm(dt_select_token(x, B, T, 0), nw, nb, 1e-6f);
-    return dt_linear(x, hw, hb);
+    x = dt_linear(x, hw, hb);
+    dt_unit_boundary(m, 1 + c->depth, 0);
+    return x;
 #undef DT_NEXT
 }
 
 /* ==== 7. optimizer ==============================================================
    The update rules are PyTorch's, element for element, so a step here matches a
    step there. Biases and norm weights (1-D parameters) get no weight decay. */
+
+static void dt_fsdp_optimizer_view(struct dt_fsdp *f, dt_optimizer *o);
 
 dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float weight_decay,
                                   float momentum, float clip_norm) {
@@ -1956,22 +2118,38 @@ dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float
     o->beta1 = 0.9f; o->beta2 = 0.999f; o->eps = 1e-8f;
     o->weight_decay = weight_decay; o->momentum = momentum; o->clip_norm = clip_norm;
     o->model = model;
-    o->m = (float *)dt_alloc_on(model->device, DT_ARENA_OPTIM, (size_t)model->numel * sizeof(float));
-    if (kind == DT_ADAMW) o->v = (float *)dt_alloc_on(model->device, DT_ARENA_OPTIM, (size_t)model->numel * sizeof(float));
+    o->device = model->device;
+    if (model->fsdp) dt_fsdp_optimizer_view(model->fsdp, o);      /* this rank's shard only */
+    else {
+        o->params = model->flat_data; o->grads = model->flat_grad; o->numel = model->numel;
+        o->nslices = model->nparams;
+        o->slices = (struct dt_param_slice *)calloc((size_t)model->nparams, sizeof *o->slices);
+        if (!o->slices) dt_fail("out of memory (optimizer)");
+        for (int i = 0; i < model->nparams; i++) {
+            o->slices[i].offset = model->offsets[i];
+            o->slices[i].length = model->params[i].numel;
+            o->slices[i].decay = model->params[i].ndim >= 2;
+        }
+    }
+    size_t bytes = (size_t)o->numel * sizeof(float);
+    o->m = (float *)(o->offloaded ? dt_alloc_host(DT_ARENA_OPTIM, bytes) : dt_alloc_on(o->device, DT_ARENA_OPTIM, bytes));
+    if (kind == DT_ADAMW)
+        o->v = (float *)(o->offloaded ? dt_alloc_host(DT_ARENA_OPTIM, bytes) : dt_alloc_on(o->device, DT_ARENA_OPTIM, bytes));
     return o;
 }
 void dt_optimizer_free(dt_optimizer *o) {
     if (!o) return;
-    dt_free_on(o->model->device, DT_ARENA_OPTIM, o->m, (size_t)o->model->numel * sizeof(float));
-    if (o->v) dt_free_on(o->model->device, DT_ARENA_OPTIM, o->v, (size_t)o->model->numel * sizeof(float));
+    size_t bytes = (size_t)o->numel * sizeof(float);
+    if (o->offloaded) { dt_free_host(DT_ARENA_OPTIM, o->m, bytes); dt_free_host(DT_ARENA_OPTIM, o->v, bytes); }
+    else { dt_free_on(o->device, DT_ARENA_OPTIM, o->m, bytes); dt_free_on(o->device, DT_ARENA_OPTIM, o->v, bytes); }
+    free(o->slices);
     free(o);
 }
 
 void dt_optimizer_step(dt_optimizer *o, float lr) {
-    dt_model *m = o->model;
-    int64_t n = m->numel;
-    float *g = m->flat_grad;
-    const dt_backend *gpu = dt_backend_of(m->device);
+    int64_t n = o->numel;
+    float *g = o->grads;
+    const dt_backend *gpu = dt_backend_of(o->device);
     double sq = 0;
     if (gpu) sq = gpu->sum_squares(g, n);
     else {
@@ -1982,6 +2160,13 @@ void dt_optimizer_step(dt_optimizer *o, float lr) {
         for (int64_t i = i8; i < n; i++) lane[i % 8] += (double)g[i] * g[i];
         for (int l = 0; l < 8; l++) sq += lane[l];
     }
+    if (o->norm_comm) {                  /* each rank holds a part: the norm is of the whole */
+        float part = (float)sq, *buf = (float *)dt_step_data(sizeof(float));
+        dt_upload(buf, &part, sizeof part);
+        dt_all_reduce(o->norm_comm, buf, buf, 1, DT_F32, DT_SUM);
+        dt_download(&part, buf, sizeof part);
+        sq = part;
+    }
     o->last_grad_norm = (float)sqrt(sq);
     if (o->clip_norm > 0 && o->last_grad_norm > o->clip_norm) {   /* torch.nn.utils.clip_grad_norm_ */
         float c = o->clip_norm / (o->last_grad_norm + 1e-6f);
@@ -1991,11 +2176,10 @@ void dt_optimizer_step(dt_optimizer *o, float lr) {
     }
     o->step++;
     float bc1 = 1.0f - powf(o->beta1, (float)o->step), bc2 = 1.0f - powf(o->beta2, (float)o->step);
-    for (int pi = 0; pi < m->nparams; pi++) {
-        dt_tensor *t = &m->params[pi];
-        int64_t off = t->data - m->flat_data, len = t->numel;
-        float wd = t->ndim >= 2 ? o->weight_decay : 0.0f;
-        float *p = m->flat_data + off, *mm = o->m + off, *gg = g + off;
+    for (int si = 0; si < o->nslices; si++) {
+        int64_t off = o->slices[si].offset, len = o->slices[si].length;
+        float wd = o->slices[si].decay ? o->weight_decay : 0.0f;
+        float *p = o->params + off, *mm = o->m + off, *gg = g + off;
         if (gpu && o->kind == DT_ADAMW)
             gpu->adamw(p, mm, o->v + off, gg, len, lr, o->beta1, o->beta2, o->eps, wd, bc1, bc2);
         else if (gpu)
@@ -2010,7 +2194,7 @@ void dt_optimizer_step(dt_optimizer *o, float lr) {
             for (int64_t i = 0; i < len; i++) dt_sgd_update(&p[i], &mm[i], gg[i], lr, o->momentum, wd);
         }
     }
-    dt_model_zero_grad(m);
+    dt_zero_on(o->device, g, (size_t)n * sizeof(float));
 }
 
 float dt_schedule_lr(float base, int64_t step, int64_t warmup, int64_t total) {
@@ -3185,13 +3369,17 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
 }
 
 /* ==== 11. parallel wrappers =====================================================
-   Data parallel training in two shapes. DataParallel (stage 02): one process,
-   N devices, device 0 in charge -- replicate, scatter, forward, gather, loss,
-   backward, reduce, step, all through device 0. DistributedDataParallel
-   (stage 03): N processes, each a full replica with its own optimizer; the only
-   traffic is the average of the gradients, and it overlaps with backward. The
-   model, autograd and the optimizer are the ones stage 01 uses: the wrappers
-   only decide where copies of them live and what crosses between the copies. */
+   Data parallel training in three shapes. DataParallel (stage 02): one
+   process, N devices, device 0 in charge -- replicate, scatter, forward,
+   gather, loss, backward, reduce, step, all through device 0.
+   DistributedDataParallel (stage 03): N processes, each a full replica with its
+   own optimizer; the only traffic is the average of the gradients, and it
+   overlaps with backward. Fully sharded (stage 04): N processes that each keep
+   1/N of the model and of its optimizer state; a unit is gathered whole only
+   while it computes, the next one's gather already on its way, and each rank
+   receives the average gradient of its own part only. The model, autograd and
+   the optimizer are the ones stage 01 uses: the wrappers only decide where
+   copies (or pieces) of them live and what crosses between them. */
 
 /* What the wrappers communicated, for this step's log line and trace. `hidden`
    is the part of [t0, t1] that ran while backward was still computing. */
@@ -3510,6 +3698,323 @@ void dt_ddp_free(dt_ddp *d) {
     free(d);
 }
 
+/* -- Fully sharded data parallel -- */
+typedef struct dt_fsdp_unit {
+    int first, end;             /* its parameters: first .. end - 1 */
+    int64_t offset, numel;      /* where it sits in the model's parameter order */
+    int64_t shard;              /* elements per rank: numel rounded up to a multiple of world, / world */
+    int64_t shard_offset;       /* where its shard starts in this rank's flat shard buffers */
+    float *full, *full_grad;    /* [shard * world]: gathered parameters, and their gradients */
+    dt_comm_handle gathering;   /* an all-gather in flight (a prefetch), or 0 */
+} dt_fsdp_unit;
+
+struct dt_fsdp {
+    dt_model *model;
+    dt_comm *comm;
+    dt_shard_mode mode;
+    int offload;                /* shards and optimizer state in host memory */
+    int rank, world, nunits;
+    dt_fsdp_unit *units;
+    float *shard_params, *shard_grads;   /* this rank's slice of every unit, one after another */
+    int64_t shard_numel;
+    /* Buffers made once and reused by every unit: a malloc per unit per step
+       costs page faults on a CPU, and a cudaFree synchronises the whole GPU.
+       At most two neighbouring units are gathered at once, so two parameter
+       buffers serve all of them (unit k takes buffer k % 2), and one gradient
+       buffer, as backward does one unit at a time. Offloaded shards are
+       uploaded into staging buffers, by the same rule. */
+    float *gathered[2], *gathered_grad, *staged[2], *scattered;
+    size_t largest, largest_shard;       /* bytes: the largest unit, gathered, and its shard */
+    int64_t prefetched;                  /* units that were already on their way when needed */
+};
+
+static size_t dt_fsdp_full_bytes(const dt_fsdp *f, const dt_fsdp_unit *u) { return (size_t)(u->shard * f->world) * sizeof(float); }
+
+/* Unit k's slice of a shard buffer where the collectives can read it: the
+   buffer itself, or, offloaded, a copy uploaded into staging buffer k % 2. */
+static float *dt_fsdp_shard_on_device(dt_fsdp *f, const float *shards, int k) {
+    const dt_fsdp_unit *u = &f->units[k];
+    if (!f->offload) return (float *)shards + u->shard_offset;
+    dt_upload(f->staged[k % 2], shards + u->shard_offset, (size_t)u->shard * sizeof(float));
+    return f->staged[k % 2];
+}
+/* Host values into a shard buffer: a copy when offloaded, else an upload. */
+static void dt_fsdp_put(dt_fsdp *f, float *dst, const float *host, int64_t n) {
+    if (n <= 0) return;
+    if (f->offload) memcpy(dst, host, (size_t)n * sizeof(float));
+    else dt_upload(dst, host, (size_t)n * sizeof(float));
+}
+
+/* Point the unit's parameters (or their gradients) into a gathered buffer, or nowhere. */
+static void dt_fsdp_point(dt_fsdp *f, dt_fsdp_unit *u, int grads, float *buf) {
+    for (int i = u->first; i < u->end; i++) {
+        float *p = buf ? buf + (f->model->offsets[i] - u->offset) : NULL;
+        if (grads) f->model->params[i].grad = p;
+        else f->model->params[i].data = p;
+    }
+}
+
+/* All-gather: every rank's shard of the unit, side by side, is the unit. It is
+   started ahead of need -- the next unit's while this one computes -- and
+   finished when the unit is about to run. Every rank starts and finishes them
+   in the same order, so the collectives pair up. */
+static void dt_fsdp_gather_start(dt_fsdp *f, int k) {
+    dt_fsdp_unit *u = &f->units[k];
+    if (f->mode != DT_SHARD_FULL || u->full || u->gathering) return;        /* there already, or on its way */
+    for (int j = 0; j < f->nunits; j++)
+        if (j != k && j % 2 == k % 2 && f->units[j].full == f->gathered[k % 2])
+            dt_fail("internal: FSDP gathers unit %d while unit %d still holds its buffer", k, j);
+    u->full = f->gathered[k % 2];
+    u->gathering = dt_all_gather_async(f->comm, dt_fsdp_shard_on_device(f, f->shard_params, k), u->full, u->shard, DT_F32);
+}
+static void dt_fsdp_gather_unit(dt_fsdp *f, int k, int next) {
+    dt_fsdp_unit *u = &f->units[k];
+    if (f->mode != DT_SHARD_FULL) return;
+    double wait_from = dt_now_ms(), t0, t1;
+    f->prefetched += u->gathering != 0;
+    dt_fsdp_gather_start(f, k);
+    if (next >= 0 && next < f->nunits) dt_fsdp_gather_start(f, next);      /* prefetch */
+    if (!u->gathering) return;
+    dt_comm_wait(f->comm, u->gathering);
+    dt_comm_interval(f->comm, u->gathering, &t0, &t1);
+    double hidden = (t1 < wait_from ? t1 : wait_from) - t0;
+    dt_record_comm("all_gather unit", t0, t1, hidden > 0 ? hidden : 0);
+    u->gathering = 0;
+    dt_fsdp_point(f, u, 0, u->full);
+}
+static void dt_fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only our slice */
+    dt_fsdp_unit *u = &f->units[k];
+    if (f->mode != DT_SHARD_FULL) return;
+    u->full = NULL;
+    dt_fsdp_point(f, u, 0, NULL);
+}
+/* Reduce-scatter: the average of every rank's gradient of the unit, of which
+   this rank keeps its slice (added to what it holds: accumulation needs it). */
+static void dt_fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
+    dt_fsdp_unit *u = &f->units[k];
+    dt_device dev = f->model->device;
+    float *mine = f->scattered, *dst = f->shard_grads + u->shard_offset;
+    double t0 = dt_now_ms();
+    dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
+    dt_record_comm("reduce_scatter unit", t0, dt_now_ms(), 0);
+    const dt_backend *gpu = f->offload ? NULL : dt_backend_of(dev);
+    if (gpu) gpu->accumulate(dst, mine, u->shard);
+    else {                                          /* offloaded: to the host, added there */
+        float *host = dt_host_view(dev, mine, u->shard);
+        for (int64_t i = 0; i < u->shard; i++) dst[i] += host[i];
+        dt_host_view_close(dev, host, mine, u->shard, 0);
+    }
+}
+
+/* The two marks a unit leaves on the tape; backward meets them in reverse. */
+static void dt_fsdp_before_unit_backward(dt_tape_entry *e) {
+    dt_fsdp *f = (dt_fsdp *)e->saved;
+    dt_fsdp_unit *u = &f->units[e->iarg[0]];
+    dt_fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1);             /* gathered again; the one before on its way */
+    if (f->mode != DT_SHARD_OPTIMIZER) {                             /* backward adds into it: zeroed */
+        u->full_grad = f->gathered_grad;
+        dt_zero_on(f->model->device, u->full_grad, dt_fsdp_full_bytes(f, u));
+        dt_fsdp_point(f, u, 1, u->full_grad);
+    }
+}
+static void dt_fsdp_after_unit_backward(dt_tape_entry *e) {
+    dt_fsdp *f = (dt_fsdp *)e->saved;
+    dt_fsdp_unit *u = &f->units[e->iarg[0]];
+    if (f->mode == DT_SHARD_OPTIMIZER) return;                                  /* all at once, after backward */
+    dt_fsdp_reduce_scatter_unit(f, e->iarg[0]);
+    u->full_grad = NULL;
+    dt_fsdp_point(f, u, 1, NULL);
+    dt_fsdp_release_unit(f, e->iarg[0]);
+}
+
+static void dt_fsdp_unit_boundary(dt_fsdp *f, int unit, int begin) {
+    int training = dt_ctx.grad_enabled;
+    if (begin) {
+        dt_fsdp_gather_unit(f, unit, unit + 1);                           /* and the next one on its way */
+        if (training) dt_tape_mark(dt_fsdp_after_unit_backward, f, unit);
+    } else {
+        /* reshard after forward -- but the last unit is the first that backward
+           needs, so in training it stays gathered (one all-gather saved) */
+        if (!(training && unit == f->nunits - 1)) dt_fsdp_release_unit(f, unit);
+        if (training) dt_tape_mark(dt_fsdp_before_unit_backward, f, unit);
+    }
+}
+
+dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload) {
+    dt_fsdp *f = (dt_fsdp *)calloc(1, sizeof *f);
+    if (!f || !(f->units = (dt_fsdp_unit *)calloc((size_t)model->nunits, sizeof(dt_fsdp_unit))))
+        dt_fail("out of memory (FSDP)");
+    f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
+    f->rank = dt_comm_rank(comm); f->world = dt_comm_size(comm); f->nunits = model->nunits;
+    dt_device dev = model->device;
+    dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);     /* every rank starts from rank 0's */
+    for (int k = 0; k < f->nunits; k++) {
+        dt_fsdp_unit *u = &f->units[k];
+        u->first = model->unit_first[k];
+        u->end = model->unit_first[k + 1];
+        u->offset = model->offsets[u->first];
+        u->numel = (u->end < model->nparams ? model->offsets[u->end] : model->numel) - u->offset;
+        u->shard = (u->numel + f->world - 1) / f->world;
+        u->shard_offset = f->shard_numel;
+        f->shard_numel += u->shard;
+        if (dt_fsdp_full_bytes(f, u) > f->largest) f->largest = dt_fsdp_full_bytes(f, u);
+    }
+    f->largest_shard = f->largest / (size_t)f->world;
+    int two = f->nunits > 1;
+    if (mode == DT_SHARD_FULL)
+        for (int b = 0; b <= two; b++) f->gathered[b] = (float *)dt_alloc_on(dev, DT_ARENA_PARAMS, f->largest);
+    if (mode != DT_SHARD_OPTIMIZER) f->gathered_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, f->largest);
+    if (cpu_offload)
+        for (int b = 0; b <= two; b++) f->staged[b] = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard);
+    f->scattered = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard);
+    size_t shard_bytes = (size_t)f->shard_numel * sizeof(float);
+    f->shard_params = (float *)(f->offload ? dt_alloc_host(DT_ARENA_PARAMS, shard_bytes) : dt_alloc_on(dev, DT_ARENA_PARAMS, shard_bytes));
+    f->shard_grads = (float *)(f->offload ? dt_alloc_host(DT_ARENA_GRADS, shard_bytes) : dt_alloc_on(dev, DT_ARENA_GRADS, shard_bytes));
+    /* Cut the model into shards: this rank keeps elements [rank * shard, (rank + 1) * shard) of each unit. */
+    float *host = dt_host_view(dev, model->flat_data, model->numel);
+    for (int k = 0; k < f->nunits; k++) {
+        dt_fsdp_unit *u = &f->units[k];
+        int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
+        dt_fsdp_put(f, f->shard_params + u->shard_offset, host + u->offset + lo, hi - lo);
+        if (mode != DT_SHARD_FULL) {             /* ZeRO-1 and -2 keep every parameter, in per-unit buffers */
+            u->full = (float *)dt_alloc_on(dev, DT_ARENA_PARAMS, dt_fsdp_full_bytes(f, u));
+            dt_upload(u->full, host + u->offset, (size_t)u->numel * sizeof(float));
+            dt_fsdp_point(f, u, 0, u->full);
+        }
+        if (mode == DT_SHARD_OPTIMIZER) {        /* ZeRO-1 keeps every gradient too */
+            u->full_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, dt_fsdp_full_bytes(f, u));
+            dt_fsdp_point(f, u, 1, u->full_grad);
+        }
+        if (mode == DT_SHARD_FULL) dt_fsdp_point(f, u, 0, NULL);
+        if (mode != DT_SHARD_OPTIMIZER) dt_fsdp_point(f, u, 1, NULL);
+    }
+    dt_host_view_close(dev, host, model->flat_data, model->numel, 0);
+    dt_free_on(dev, DT_ARENA_PARAMS, model->flat_data, (size_t)model->numel * sizeof(float));
+    dt_free_on(dev, DT_ARENA_GRADS, model->flat_grad, (size_t)model->numel * sizeof(float));
+    model->flat_data = model->flat_grad = NULL;
+    model->fsdp = f;
+    return f;
+}
+
+/* The optimizer of a sharded model steps this rank's shard: one slice per
+   part of a parameter inside it (the padding belongs to no parameter). */
+static void dt_fsdp_optimizer_view(dt_fsdp *f, dt_optimizer *o) {
+    dt_model *m = f->model;
+    o->params = f->shard_params; o->grads = f->shard_grads; o->numel = f->shard_numel;
+    o->norm_comm = f->comm;
+    if (f->offload) { o->device = DT_CPU; o->offloaded = 1; }     /* the optimizer steps on the CPU */
+    o->slices = (struct dt_param_slice *)calloc((size_t)m->nparams, sizeof *o->slices);
+    if (!o->slices) dt_fail("out of memory (optimizer)");
+    for (int k = 0; k < f->nunits; k++) {
+        dt_fsdp_unit *u = &f->units[k];
+        int64_t lo = f->rank * u->shard, hi = lo + u->shard;
+        for (int i = u->first; i < u->end; i++) {
+            int64_t a = m->offsets[i] - u->offset, b = a + m->params[i].numel;
+            if (a < lo) a = lo;
+            if (b > hi) b = hi;
+            if (b <= a) continue;
+            struct dt_param_slice *s = &o->slices[o->nslices++];
+            s->offset = u->shard_offset + (a - lo);
+            s->length = b - a;
+            s->decay = m->params[i].ndim >= 2;
+        }
+    }
+}
+
+void dt_fsdp_sync_grads(dt_fsdp *f) {
+    if (f->mode != DT_SHARD_OPTIMIZER) return;         /* reduce-scattered unit by unit during backward */
+    for (int k = f->nunits - 1; k >= 0; k--) {
+        dt_fsdp_unit *u = &f->units[k];
+        dt_fsdp_reduce_scatter_unit(f, k);
+        dt_zero_on(f->model->device, u->full_grad, dt_fsdp_full_bytes(f, u));
+    }
+}
+
+void dt_fsdp_after_step(dt_fsdp *f) {
+    if (f->mode == DT_SHARD_FULL) return;              /* gathered when next needed */
+    for (int k = 0; k < f->nunits; k++) {
+        dt_fsdp_unit *u = &f->units[k];
+        double t0 = dt_now_ms();
+        dt_all_gather(f->comm, dt_fsdp_shard_on_device(f, f->shard_params, k), u->full, u->shard, DT_F32);
+        dt_record_comm("all_gather parameters", t0, dt_now_ms(), 0);
+    }
+}
+
+/* Checkpoints see a sharded model whole: every rank's shards gathered into one
+   host array in parameter order (a collective), or written back into them. */
+static float *dt_fsdp_state_gather(dt_fsdp *f, const float *shards) {
+    dt_device dev = f->model->device;
+    float *host = (float *)malloc((size_t)f->model->numel * sizeof(float) + 1);
+    if (!host) dt_fail("out of memory (gathering a sharded checkpoint)");
+    for (int k = 0; k < f->nunits; k++) {
+        dt_fsdp_unit *u = &f->units[k];
+        float *full = (float *)dt_alloc_on(dev, DT_ARENA_COMM, dt_fsdp_full_bytes(f, u));
+        dt_all_gather(f->comm, dt_fsdp_shard_on_device(f, shards, k), full, u->shard, DT_F32);
+        dt_download_from(dev, host + u->offset, full, (size_t)u->numel * sizeof(float));
+        dt_free_on(dev, DT_ARENA_COMM, full, dt_fsdp_full_bytes(f, u));
+    }
+    return host;
+}
+static void dt_fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards, int parameters) {
+    for (int k = 0; k < f->nunits; k++) {
+        dt_fsdp_unit *u = &f->units[k];
+        int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
+        dt_fsdp_put(f, shards + u->shard_offset, host + u->offset + lo, hi - lo);
+        if (parameters && u->full) dt_upload(u->full, host + u->offset, (size_t)u->numel * sizeof(float));
+    }
+}
+
+/* What each rank holds, against what DDP would hold: the ZeRO paper's
+   formulas with P, G, O the bytes of parameters, gradients and optimizer state
+   (O = 2P for AdamW, P for SGD's momentum), N ranks. The buffers that a unit
+   is gathered into are shown apart: they are the price of sharding. */
+static void dt_fsdp_memory_table(const dt_fsdp *f, const dt_optimizer *o) {
+    /* ZeRO-1 and -2 here keep the shards the optimizer steps apart from the
+       whole copies: P/N (and for ZeRO-1 G/N) more than the paper, which steps
+       a slice of the copy in place */
+    static const char *formulas[3][3] = { { "P + P/N", "G + G/N", "O/N" }, { "P + P/N", "G/N", "O/N" }, { "P/N", "G/N", "O/N" } };
+    static const char *names[3] = { "optimizer (ZeRO-1)", "grads (ZeRO-2)", "full (ZeRO-3)" };
+    double P = 4.0 * f->model->numel, ddp[3] = { P, P, o->v ? 2 * P : P };
+    dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
+    const char *rows[3] = { "parameters", "gradients", "optimizer state" };
+    double buffers[3] = { (f->gathered[0] ? 1.0 : 0.0) + (f->gathered[1] ? 1.0 : 0.0), f->gathered_grad ? 1.0 : 0.0, 0 };
+    printf("memory per rank, --shard %s%s, %d ranks (MB):\n", names[f->mode], f->offload ? " --cpu-offload" : "", f->world);
+    printf("  %-16s %8s %8s %8s   %s\n", "", "device", "host", "DDP", "formula");
+    for (int i = 0; i < 3; i++)
+        printf("  %-16s %8.2f %8.2f %8.2f   %s\n", rows[i], (dt_mem_now(arenas[i]) - buffers[i] * f->largest) / 1e6,
+               dt_mem_host_now(arenas[i]) / 1e6, ddp[i] / 1e6, formulas[f->mode][i]);
+    if (buffers[0] + buffers[1] > 0)
+        printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1]) * f->largest / 1e6, "", "",
+               f->mode == DT_SHARD_FULL ? "2 units of parameters (one computes, the next arrives) + 1 of gradients"
+                                        : "1 unit of gradients (whole during its backward)");
+    fflush(stdout);
+}
+
+void dt_fsdp_free(dt_fsdp *f) {
+    if (!f) return;
+    dt_model *m = f->model;
+    for (int k = 0; k < f->nunits; k++) {
+        dt_fsdp_unit *u = &f->units[k];
+        if (u->gathering) dt_fsdp_gather_unit(f, k, -1);      /* a prefetch nobody used: let it land */
+        if (f->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt_fsdp_full_bytes(f, u));
+        if (f->mode == DT_SHARD_OPTIMIZER) dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt_fsdp_full_bytes(f, u));
+        dt_fsdp_point(f, u, 0, NULL);
+        dt_fsdp_point(f, u, 1, NULL);
+    }
+    for (int b = 0; b < 2; b++) {
+        dt_free_on(m->device, DT_ARENA_PARAMS, f->gathered[b], f->largest);
+        dt_free_on(m->device, DT_ARENA_COMM, f->staged[b], f->largest_shard);
+    }
+    dt_free_on(m->device, DT_ARENA_GRADS, f->gathered_grad, f->largest);
+    dt_free_on(m->device, DT_ARENA_COMM, f->scattered, f->largest_shard);
+    size_t shard_bytes = (size_t)f->shard_numel * sizeof(float);
+    if (f->offload) { dt_free_host(DT_ARENA_PARAMS, f->shard_params, shard_bytes); dt_free_host(DT_ARENA_GRADS, f->shard_grads, shard_bytes); }
+    else { dt_free_on(m->device, DT_ARENA_PARAMS, f->shard_params, shard_bytes); dt_free_on(m->device, DT_ARENA_GRADS, f->shard_grads, shard_bytes); }
+    m->fsdp = NULL;
+    free(f->units);
+    free(f);
+}
+
 /* ==== 13. checkpoints ===========================================================
    A checkpoint is a safetensors file: an 8-byte little-endian header length, a
    JSON header {"name": {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}
@@ -3518,7 +4023,12 @@ void dt_ddp_free(dt_ddp *d) {
    stored beside them as "optimizer.exp_avg.<name>", and the run's position
    (epoch, step, seed, data range) as metadata. Writing goes to FILE.tmp, is
    flushed to disk, and is renamed over FILE only when complete: a crash or a
-   full disk can lose the new checkpoint, never the previous one. */
+   full disk can lose the new checkpoint, never the previous one.
+   A sharded model (FSDP) saves without gathering anything: each rank writes the
+   shard it holds, and an index ties the shards together. Loading at the same
+   world size reads one file per rank; at another, or into an unsharded model,
+   the shards are put back together first -- and tools/consolidate does that
+   once, into a full checkpoint. */
 
 static void dt_json_string(FILE *f, const char *s) {
     fputc('"', f);
@@ -3818,32 +4328,252 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
     return 0;
 }
 
-/* Files are read and written from host memory. A buffer on a GPU is seen
-   through a host copy: downloaded when opened, uploaded when closed if it was
-   written. On the CPU the "copy" is the buffer itself. */
-static float *dt_host_view(dt_device d, float *buf, int64_t n) {
-    if (d == DT_CPU) return buf;
-    float *host = (float *)malloc((size_t)n * sizeof(float) + 1);
-    if (!host) dt_fail("out of memory (%lld floats to copy from the GPU)", (long long)n);
-    dt_download_from(d, host, buf, (size_t)n * sizeof(float));
-    return host;
+/* The whole training state as host arrays in parameter order (m->offsets):
+   the parameters (which 0) or the optimizer's moments (1, 2). A view of the
+   flat buffers, or, for a sharded model, every rank's shards gathered -- a
+   collective, so every rank opens and closes them together. */
+static float *dt_state_open(dt_model *m, dt_optimizer *o, int which) {
+    if (m->fsdp) return dt_fsdp_state_gather(m->fsdp, which == 0 ? m->fsdp->shard_params : which == 1 ? o->m : o->v);
+    return dt_host_view(m->device, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel);
 }
-static void dt_host_view_close(dt_device d, float *host, float *buf, int64_t n, int written) {
-    if (d == DT_CPU) return;
-    if (written) dt_backend_of(d)->upload(buf, host, (size_t)n * sizeof(float));
+static void dt_state_close(dt_model *m, dt_optimizer *o, int which, float *host, int written) {
+    if (!host) return;
+    if (!m->fsdp) {
+        dt_host_view_close(m->device, host, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel, written);
+        return;
+    }
+    if (written) dt_fsdp_state_scatter(m->fsdp, host, which == 0 ? m->fsdp->shard_params : which == 1 ? o->m : o->v, which == 0);
     free(host);
+}
+
+/* -- the names in a full checkpoint --
+   The weights under their own names, then the optimizer's moments under
+   "optimizer.<moment>.<name>": what PyTorch's state_dict and optimizer call them.
+   state[0..2] are host arrays in parameter order: weights, first moment
+   (AdamW's exp_avg, SGD's momentum_buffer), AdamW's exp_avg_sq (or NULL). */
+static const char *dt_moment_name(int adamw, int k) {
+    return k == 1 ? (adamw ? "exp_avg" : "momentum_buffer") : "exp_avg_sq";
+}
+static int dt_checkpoint_named(const dt_model *m, int adamw, float *const state[3], dt_named_tensor *t, char **names) {
+    int n = 0;
+    for (int k = 0; k < 3; k++) {
+        if (!state[k]) continue;
+        for (int i = 0; i < m->nparams; i++) {
+            const dt_tensor *p = &m->params[i];
+            size_t len = strlen(p->name) + 32;
+            names[n] = (char *)malloc(len);
+            if (k == 0) snprintf(names[n], len, "%s", p->name);
+            else snprintf(names[n], len, "optimizer.%s.%s", dt_moment_name(adamw, k), p->name);
+            t[n].name = names[n];
+            t[n].data = state[k] + m->offsets[i];
+            t[n].ndim = p->ndim;
+            for (int d = 0; d < p->ndim; d++) t[n].shape[d] = p->shape[d];
+            n++;
+        }
+    }
+    return n;
+}
+
+/* Metadata as it is built: key, value, key, value, ... for dt_safetensors_write. */
+typedef struct { char **kv; int n; } dt_meta_list;
+static void dt_meta_add(dt_meta_list *l, const char *key, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static void dt_meta_add(dt_meta_list *l, const char *key, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int len = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    l->kv = (char **)realloc(l->kv, sizeof(char *) * 2 * (size_t)(l->n + 1));
+    char *v = (char *)malloc((size_t)len + 1);
+    if (!l->kv || !v) dt_fail("out of memory (checkpoint metadata)");
+    va_start(ap, fmt);
+    vsnprintf(v, (size_t)len + 1, fmt, ap);
+    va_end(ap);
+    l->kv[2 * l->n] = strdup(key);
+    l->kv[2 * l->n + 1] = v;
+    l->n++;
+}
+static void dt_meta_free(dt_meta_list *l) {
+    for (int i = 0; i < 2 * l->n; i++) free(l->kv[i]);
+    free(l->kv);
+    l->kv = NULL; l->n = 0;
+}
+
+/* -- sharded checkpoints --
+   FSDP saves without gathering: each rank writes what it holds, its slice of
+   every unit of the weights and of the optimizer's moments (1-D tensors
+   "params", "optimizer.exp_avg", ..., the padding included), to its own file
+   <name>.shard<r>-of-<N>.safetensors. When every shard is on disk, rank 0
+   writes the index at <name>.safetensors: a safetensors file with no tensors,
+   whose metadata is a full checkpoint's plus the layout (the ranks, each
+   unit's size) and each shard file's name and size. The index goes last, so it
+   never names a shard that is not complete. */
+static void dt_shard_path(char *out, size_t n, const char *index_path, int rank, int world) {
+    size_t len = strlen(index_path), ext = strlen(".safetensors");
+    int stem = (int)(len > ext && !strcmp(index_path + len - ext, ".safetensors") ? len - ext : len);
+    dt_path(out, n, "%.*s.shard%d-of-%d.safetensors", stem, index_path, rank, world);
+}
+/* Is this the index of a sharded checkpoint? (One of its shards is refused: it is not the whole.) */
+static int dt_is_sharded(dt_safetensors *st) {
+    const char *format = dt_safetensors_meta(st, "format");
+    if (format && !strcmp(format, "dtrain-shard-1"))
+        dt_fail("'%s' is one rank's shard of a sharded checkpoint: give the checkpoint's index instead (the same "
+                "name without '.shard<r>-of-<N>')", st->path);
+    return dt_safetensors_meta(st, "shards") != NULL;
+}
+
+/* Each unit's size, as the index recorded it, checked against the model's. */
+static int dt_sharded_layout(dt_safetensors *index, const char *path, const dt_model *m, int64_t *unit_numel) {
+    const char *s = dt_safetensors_meta(index, "unit_numel");
+    int world = atoi(dt_safetensors_meta(index, "shards")), n = 0;
+    if (world < 1 || !s) dt_fail("'%s': a sharded checkpoint's index without a valid 'shards' and 'unit_numel'", path);
+    for (char *end; *s && n <= m->nunits; s = *end ? end + 1 : end, n++) {
+        int64_t v = strtoll(s, &end, 10);
+        if (n < m->nunits) unit_numel[n] = v;
+        if (end == s) break;
+    }
+    int same = n == m->nunits;
+    for (int k = 0; same && k < n; k++) {
+        int64_t end = m->unit_first[k + 1] < m->nparams ? m->offsets[m->unit_first[k + 1]] : m->numel;
+        same = unit_numel[k] == end - m->offsets[m->unit_first[k]];
+    }
+    if (!same) dt_fail("'%s' was sharded by units that are not this model's (a checkpoint of another model?)", path);
+    return world;
+}
+
+static int dt_sharded_layout_is(dt_safetensors *index, const char *path, const struct dt_fsdp *f) {
+    int64_t *unit_numel = (int64_t *)calloc((size_t)f->model->nunits + 1, sizeof(int64_t));
+    int world = dt_sharded_layout(index, path, f->model, unit_numel);
+    free(unit_numel);
+    return world == f->world;
+}
+
+/* Is rank r's shard file there, and as long as the index says? Every rank
+   checks every file before reading any, so all of them name the one at fault. */
+static void dt_shard_check(dt_safetensors *index, const char *path, int rank, int world, char *file, size_t n) {
+    char key[32];
+    struct stat s;
+    dt_shard_path(file, n, path, rank, world);
+    snprintf(key, sizeof key, "shard.%d.bytes", rank);
+    const char *bytes = dt_safetensors_meta(index, key);
+    if (!bytes) dt_fail("'%s': the index has no entry for shard %d of %d", path, rank, world);
+    if (stat(file, &s) != 0)
+        dt_fail("sharded checkpoint '%s': shard %d of %d, '%s', is missing: %s", path, rank, world, file, strerror(errno));
+    if ((long long)s.st_size != atoll(bytes))
+        dt_fail("sharded checkpoint '%s': shard %d of %d, '%s', has %lld bytes but the index recorded %s "
+                "(truncated, or written by another save)", path, rank, world, file, (long long)s.st_size, bytes);
+}
+
+/* Rank r's shard file, after checking it is there, whole, and of this save. */
+static dt_safetensors *dt_shard_open(dt_safetensors *index, const char *path, int rank, int world) {
+    char file[4096];
+    dt_shard_check(index, path, rank, world, file, sizeof file);
+    dt_safetensors *sh = dt_safetensors_read(file);
+    const char *step = dt_safetensors_meta(sh, "step"), *want = dt_safetensors_meta(index, "step");
+    const char *who = dt_safetensors_meta(sh, "rank");
+    if (!step || !want || strcmp(step, want) || !who || atoi(who) != rank)
+        dt_fail("'%s' is not shard %d of checkpoint '%s' at step %s (it says rank %s, step %s)", file, rank, path,
+                want ? want : "?", who ? who : "?", step ? step : "?");
+    return sh;
+}
+
+/* One tensor of a shard file into dst (shard_numel floats), or an error naming the file. */
+static void dt_shard_get(dt_safetensors *sh, int adamw, int k, float *dst, int64_t shard_numel) {
+    char name[64];
+    int len = (int)shard_numel;
+    if (k == 0) snprintf(name, sizeof name, "params");
+    else snprintf(name, sizeof name, "optimizer.%s", dt_moment_name(adamw, k));
+    if (shard_numel > INT_MAX || !dt_safetensors_get(sh, name, dst, 1, &len))
+        dt_fail("'%s' has no tensor '%s' of %lld elements", sh->path, name, (long long)shard_numel);
+}
+
+/* Every rank's shard put back together in parameter order, whatever the world
+   size reading it: rank r held elements [r * s, (r + 1) * s) of each unit, s =
+   the unit's size / N rounded up; what lies past the unit's end is padding. */
+static void dt_sharded_assemble(dt_safetensors *index, const char *path, const dt_model *m, int adamw, float *state[3]) {
+    int64_t *unit_numel = (int64_t *)calloc((size_t)m->nunits + 1, sizeof(int64_t)), shard_numel = 0;
+    int world = dt_sharded_layout(index, path, m, unit_numel);
+    char file[4096];
+    for (int r = 0; r < world; r++) dt_shard_check(index, path, r, world, file, sizeof file);
+    for (int k = 0; k < m->nunits; k++) shard_numel += (unit_numel[k] + world - 1) / world;
+    float *buf = (float *)malloc((size_t)shard_numel * sizeof(float) + 1);
+    if (!buf) dt_fail("out of memory (reading '%s')", path);
+    for (int r = 0; r < world; r++) {
+        dt_safetensors *sh = dt_shard_open(index, path, r, world);
+        for (int k = 0; k < 3; k++) {
+            if (!state[k]) continue;
+            dt_shard_get(sh, adamw, k, buf, shard_numel);
+            int64_t at = 0;
+            for (int u = 0; u < m->nunits; u++) {
+                int64_t s = (unit_numel[u] + world - 1) / world, lo = r * s, hi = lo + s < unit_numel[u] ? lo + s : unit_numel[u];
+                if (hi > lo) memcpy(state[k] + m->offsets[m->unit_first[u]] + lo, buf + at, (size_t)(hi - lo) * sizeof(float));
+                at += s;
+            }
+        }
+        dt_safetensors_close(sh);
+    }
+    free(buf);
+    free(unit_numel);
 }
 
 void dt_model_load_weights(dt_model *m, const char *path) {
     dt_safetensors *st = dt_safetensors_read(path);
-    float *host = dt_host_view(m->device, m->flat_data, m->numel);
-    for (int i = 0; i < m->nparams; i++) {
-        dt_tensor *p = &m->params[i];
-        if (!dt_safetensors_get(st, p->name, host + (p->data - m->flat_data), p->ndim, p->shape))
-            dt_fail("'%s' has no tensor '%s' (it holds %d tensors; is it a checkpoint of this model?)", path,
-                    p->name, st->n);
+    float *host = dt_state_open(m, NULL, 0);
+    if (dt_is_sharded(st)) {
+        float *state[3] = { host, NULL, NULL };
+        dt_sharded_assemble(st, path, m, 0, state);
+    } else
+        for (int i = 0; i < m->nparams; i++) {
+            dt_tensor *p = &m->params[i];
+            if (!dt_safetensors_get(st, p->name, host + m->offsets[i], p->ndim, p->shape))
+                dt_fail("'%s' has no tensor '%s' (it holds %d tensors; is it a checkpoint of this model?)", path,
+                        p->name, st->n);
+        }
+    dt_state_close(m, NULL, 0, host, 1);
+    dt_safetensors_close(st);
+}
+
+static int dt_model_config_parse(dt_safetensors *st, dt_model_config *mc) {
+    const char *kind = dt_safetensors_meta(st, "model"), *shape = dt_safetensors_meta(st, "model_config");
+    memset(mc, 0, sizeof *mc);
+    if (!kind || !shape || (strcmp(kind, "mlp") && strcmp(kind, "vit"))) return 0;
+    mc->kind = strcmp(kind, "vit") ? DT_MODEL_MLP : DT_MODEL_VIT;
+    return sscanf(shape, "%d,%d,%d,%d,%d,%d,%d,%d", &mc->channels, &mc->image_size, &mc->classes, &mc->dim, &mc->depth,
+                  &mc->heads, &mc->patch, &mc->mlp_hidden) == 8;
+}
+
+void dt_checkpoint_consolidate(const char *index_path, const char *out_path) {
+    dt_safetensors *st = dt_safetensors_read(index_path);
+    dt_model_config mc;
+    if (!dt_is_sharded(st))
+        dt_fail("'%s' is not the index of a sharded checkpoint (no 'shards' in its metadata): it is whole already", index_path);
+    if (!dt_model_config_parse(st, &mc)) dt_fail("'%s' does not say which model it holds ('model', 'model_config')", index_path);
+    const char *opt = dt_safetensors_meta(st, "optimizer");
+    int adamw = opt && !strcmp(opt, "adamw");
+    dt_model *m = dt_model_create(&mc, 0);            /* for the names, shapes and units only */
+    float *state[3] = { NULL, NULL, NULL };
+    for (int k = 0; k < (adamw ? 3 : 2); k++)
+        if (!(state[k] = (float *)malloc((size_t)m->numel * sizeof(float)))) dt_fail("out of memory (consolidating)");
+    dt_sharded_assemble(st, index_path, m, adamw, state);
+    dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * 3, sizeof *t);
+    char **names = (char **)calloc((size_t)m->nparams * 3, sizeof(char *));
+    int n = dt_checkpoint_named(m, adamw, state, t, names);
+    dt_meta_list meta = { NULL, 0 };                  /* the index's, less the layout of the shards */
+    dt_meta_add(&meta, "format", "dtrain-checkpoint-1");
+    for (int i = 0; i < st->nmeta; i++) {
+        const char *key = st->meta[2 * i];
+        if (strcmp(key, "format") && strcmp(key, "shards") && strcmp(key, "unit_numel") && strncmp(key, "shard.", 6))
+            dt_meta_add(&meta, key, "%s", st->meta[2 * i + 1]);
     }
-    dt_host_view_close(m->device, host, m->flat_data, m->numel, 1);
+    dt_safetensors_write(out_path, t, n, (const char *const *)meta.kv, meta.n);
+    for (int i = 0; i < n; i++) free(names[i]);
+    for (int k = 0; k < 3; k++) free(state[k]);
+    free(names); free(t);
+    dt_meta_free(&meta);
+    dt_model_free(m);
     dt_safetensors_close(st);
 }
 
@@ -3908,6 +4638,10 @@ static const dt_flag dt_flags[] = {
     { "--quiet", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL },
     { "--peak-tflops", "X", "--bench on a GPU: its fp32 peak for MFU (default: looked up by name)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL },
     { "--nproc", "N", "02: devices driven by this one process; 03-05: ranks started on this machine (default 1)", DT_ARG_INT, DT_CFG(nproc), NULL },
+    { "--shard", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default)",
+      DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full" },
+    { "--cpu-offload", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
+      DT_CFG(cpu_offload), NULL },
     { "--bucket-mb", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL },
     { "--timeout", "S", "stop when a rank has not answered for S seconds (default 60)", DT_ARG_FLOAT, DT_CFG(timeout), NULL },
@@ -3928,7 +4662,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     dt_config c;
     memset(&c, 0, sizeof c);
     c.stage = stage;
-    c.nproc = 1; c.timeout = 60; c.bucket_mb = 25;
+    c.nproc = 1; c.timeout = 60; c.bucket_mb = 25; c.shard = 2;
     c.image_size = 32; c.model = DT_MODEL_MLP; c.dim = c.depth = c.heads = c.patch = -1;
     c.batch_size = 128; c.epochs = 10; c.lr = 1e-3f; c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
     c.warmup = -1; c.optimizer = DT_ADAMW; c.seed = 1; c.device = (dt_device)2; /* auto */
@@ -4144,50 +4878,83 @@ static void dt_describe_position(const dt_run *r, char *out, size_t n, const cha
 /* How many replicas share each step's batch: ranks, or devices of stage 02. */
 static int dt_data_parallel_width(void) { return dt_ctx.world_size * (dt_ctx.devices > 1 ? dt_ctx.devices : 1); }
 
+/* What a checkpoint says about the run, beside its tensors. */
+static void dt_checkpoint_meta(const dt_run *r, dt_meta_list *l, const char *format) {
+    const dt_model_config *mc = &r->model->cfg;
+    dt_meta_add(l, "format", "%s", format);
+    dt_meta_add(l, "model", "%s", mc->kind == DT_MODEL_VIT ? "vit" : "mlp");
+    dt_meta_add(l, "model_config", "%d,%d,%d,%d,%d,%d,%d,%d", mc->channels, mc->image_size, mc->classes, mc->dim,
+                mc->depth, mc->heads, mc->patch, mc->mlp_hidden);
+    dt_meta_add(l, "optimizer", "%s", r->opt->kind == DT_ADAMW ? "adamw" : "sgd");
+    dt_meta_add(l, "optimizer_step", "%lld", (long long)r->opt->step);
+    dt_meta_add(l, "step", "%lld", (long long)r->step);
+    dt_meta_add(l, "epoch", "%d", r->epoch);
+    dt_meta_add(l, "batch_in_epoch", "%lld", (long long)r->batch_in_epoch);
+    dt_meta_add(l, "seed", "%llu", (unsigned long long)r->cfg.seed);
+    dt_meta_add(l, "world_size", "%d", dt_data_parallel_width());
+    dt_meta_add(l, "data_range", "%lld,%lld", (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
+    dt_meta_add(l, "batch_size", "%d", r->cfg.batch_size);
+}
+
+/* FSDP: every rank writes its shard; then, once all are on disk, rank 0 the index. */
+static void dt_checkpoint_save_sharded(dt_run *r, const char *path) {
+    dt_fsdp *f = r->model->fsdp;
+    dt_optimizer *o = r->opt;
+    dt_device where = f->offload ? DT_CPU : f->model->device;
+    float *own[3] = { f->shard_params, o->m, o->v }, *state[3] = { NULL, NULL, NULL };
+    const char *names[3] = { "params", o->kind == DT_ADAMW ? "optimizer.exp_avg" : "optimizer.momentum_buffer",
+                             "optimizer.exp_avg_sq" };
+    dt_named_tensor t[3];
+    int n = 0;
+    for (int k = 0; k < 3; k++) {
+        if (!own[k]) continue;
+        state[k] = dt_host_view(where, own[k], f->shard_numel);
+        t[n].name = names[k]; t[n].data = state[k]; t[n].ndim = 1; t[n].shape[0] = f->shard_numel;
+        n++;
+    }
+    char file[4096];
+    dt_meta_list meta = { NULL, 0 };
+    dt_shard_path(file, sizeof file, path, f->rank, f->world);
+    dt_meta_add(&meta, "format", "dtrain-shard-1");
+    dt_meta_add(&meta, "rank", "%d", f->rank);
+    dt_meta_add(&meta, "shards", "%d", f->world);
+    dt_meta_add(&meta, "step", "%lld", (long long)r->step);
+    dt_safetensors_write(file, t, n, (const char *const *)meta.kv, meta.n);
+    dt_meta_free(&meta);
+    for (int k = 0; k < 3; k++) if (state[k]) dt_host_view_close(where, state[k], own[k], f->shard_numel, 0);
+    dt_barrier(f->comm);                     /* every shard is on disk before the index names it */
+    if (f->rank != 0) return;
+    dt_checkpoint_meta(r, &meta, "dtrain-sharded-checkpoint-1");
+    dt_meta_add(&meta, "shards", "%d", f->world);
+    char *units = (char *)malloc((size_t)f->nunits * 24 + 1), *p = units;
+    for (int k = 0; k < f->nunits; k++) p += sprintf(p, k ? ",%lld" : "%lld", (long long)f->units[k].numel);
+    dt_meta_add(&meta, "unit_numel", "%s", units);
+    free(units);
+    for (int k = 0; k < f->world; k++) {
+        char key[32];
+        struct stat s;
+        dt_shard_path(file, sizeof file, path, k, f->world);
+        if (stat(file, &s) != 0) dt_fail("shard %d of '%s', '%s', is not there after the save: %s", k, path, file, strerror(errno));
+        snprintf(key, sizeof key, "shard.%d.bytes", k);
+        dt_meta_add(&meta, key, "%lld", (long long)s.st_size);
+    }
+    dt_safetensors_write(path, NULL, 0, (const char *const *)meta.kv, meta.n);
+    dt_meta_free(&meta);
+}
+
 void dt_checkpoint_save(dt_run *r, const char *path) {
     dt_model *m = r->model;
     dt_optimizer *o = r->opt;
-    int per = o->kind == DT_ADAMW ? 3 : 2;
-    float *hp = dt_host_view(m->device, m->flat_data, m->numel), *hm = dt_host_view(m->device, o->m, m->numel);
-    float *hv = o->v ? dt_host_view(m->device, o->v, m->numel) : NULL;
-    dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * per, sizeof *t);
-    char **names = (char **)calloc((size_t)m->nparams * per, sizeof(char *));
-    int n = 0;
-    for (int k = 0; k < per; k++)
-        for (int i = 0; i < m->nparams; i++) {
-            dt_tensor *p = &m->params[i];
-            int64_t off = p->data - m->flat_data;
-            const char *prefix = k == 0 ? "" : k == 1 ? (o->kind == DT_ADAMW ? "optimizer.exp_avg." : "optimizer.momentum_buffer.")
-                                                      : "optimizer.exp_avg_sq.";
-            names[n] = (char *)malloc(strlen(prefix) + strlen(p->name) + 1);
-            sprintf(names[n], "%s%s", prefix, p->name);
-            t[n].name = names[n];
-            t[n].data = k == 0 ? hp + off : k == 1 ? hm + off : hv + off;
-            t[n].ndim = p->ndim;
-            for (int d = 0; d < p->ndim; d++) t[n].shape[d] = p->shape[d];
-            n++;
-        }
-    char v[16][64];
-    const dt_model_config *mc = &m->cfg;
-    snprintf(v[0], 64, "%s", mc->kind == DT_MODEL_VIT ? "vit" : "mlp");
-    snprintf(v[1], 64, "%d,%d,%d,%d,%d,%d,%d,%d", mc->channels, mc->image_size, mc->classes, mc->dim, mc->depth,
-             mc->heads, mc->patch, mc->mlp_hidden);
-    snprintf(v[2], 64, "%s", o->kind == DT_ADAMW ? "adamw" : "sgd");
-    snprintf(v[3], 64, "%lld", (long long)o->step);
-    snprintf(v[4], 64, "%lld", (long long)r->step);
-    snprintf(v[5], 64, "%d", r->epoch);
-    snprintf(v[6], 64, "%lld", (long long)r->batch_in_epoch);
-    snprintf(v[7], 64, "%llu", (unsigned long long)r->cfg.seed);
-    snprintf(v[8], 64, "%d", dt_data_parallel_width());
-    snprintf(v[9], 64, "%lld,%lld", (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
-    snprintf(v[10], 64, "%d", r->cfg.batch_size);
-    const char *meta[] = { "format", "dtrain-checkpoint-1", "model", v[0], "model_config", v[1], "optimizer", v[2],
-                           "optimizer_step", v[3], "step", v[4], "epoch", v[5], "batch_in_epoch", v[6], "seed", v[7],
-                           "world_size", v[8], "data_range", v[9], "batch_size", v[10] };
-    dt_safetensors_write(path, t, n, meta, (int)(sizeof meta / sizeof meta[0] / 2));
-    dt_host_view_close(m->device, hp, m->flat_data, m->numel, 0);
-    dt_host_view_close(m->device, hm, o->m, m->numel, 0);
-    if (hv) dt_host_view_close(m->device, hv, o->v, m->numel, 0);
+    if (m->fsdp) { dt_checkpoint_save_sharded(r, path); return; }
+    float *state[3] = { dt_state_open(m, o, 0), dt_state_open(m, o, 1), o->v ? dt_state_open(m, o, 2) : NULL };
+    dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * 3, sizeof *t);
+    char **names = (char **)calloc((size_t)m->nparams * 3, sizeof(char *));
+    int n = dt_checkpoint_named(m, o->kind == DT_ADAMW, state, t, names);
+    dt_meta_list meta = { NULL, 0 };
+    dt_checkpoint_meta(r, &meta, "dtrain-checkpoint-1");
+    dt_safetensors_write(path, t, n, (const char *const *)meta.kv, meta.n);
+    dt_meta_free(&meta);
+    for (int k = 0; k < 3; k++) dt_state_close(m, o, k, state[k], 0);
     for (int i = 0; i < n; i++) free(names[i]);
     free(names);
     free(t);
@@ -4206,6 +4973,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     const dt_model_config *mc = &m->cfg;
     char want[64], desc[256];
     dt_meta_required(st, path, "format");
+    dt_is_sharded(st);                        /* one shard alone is refused here */
     snprintf(want, sizeof want, "%d,%d,%d,%d,%d,%d,%d,%d", mc->channels, mc->image_size, mc->classes, mc->dim,
              mc->depth, mc->heads, mc->patch, mc->mlp_hidden);
     const char *kind = dt_meta_required(st, path, "model"), *shape = dt_meta_required(st, path, "model_config");
@@ -4213,30 +4981,56 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     if (strcmp(kind, mc->kind == DT_MODEL_VIT ? "vit" : "mlp") || strcmp(shape, want))
         dt_fail("'%s' holds a %s model (channels,size,classes,dim,depth,heads,patch,mlp = %s) but this run builds %s",
                 path, kind, shape, desc);
-    int world = atoi(dt_meta_required(st, path, "world_size"));
-    if (world != dt_data_parallel_width())    /* the data order and the batch depend on it */
-        dt_fail("'%s' was written by %d ranks, this run has %d (resume with --nproc %d)", path, world,
-                dt_data_parallel_width(), world);
+    /* Rank r takes samples r, r + N, r + 2N, ... of the epoch's order, so a step
+       of N ranks x B images takes the same N*B samples at any N: a run may
+       resume at another world size when the samples per step stay the same. */
+    int world = atoi(dt_meta_required(st, path, "world_size")), batch = atoi(dt_meta_required(st, path, "batch_size"));
+    int now = dt_data_parallel_width();
+    if ((int64_t)world * batch != (int64_t)now * r->cfg.batch_size) {
+        int other = world * batch % now == 0 ? world * batch / now : 0;
+        char hint[96] = "";
+        if (other > 0) snprintf(hint, sizeof hint, " --batch-size %d at this world size, or", other);
+        dt_fail("'%s' was written by %d ranks, this run has %d: it took %d x %d = %d samples a step, this run %d x %d = %d; "
+                "to continue its data order and schedule resume with%s --nproc %d --batch-size %d (--init takes the "
+                "weights alone)", path, world, now, world, batch, world * batch, now, r->cfg.batch_size,
+                now * r->cfg.batch_size, hint, world, batch);
+    }
     if (strcmp(dt_meta_required(st, path, "optimizer"), o->kind == DT_ADAMW ? "adamw" : "sgd"))
         dt_fail("'%s' holds %s state but this run uses --optimizer %s", path, dt_safetensors_meta(st, "optimizer"),
                 o->kind == DT_ADAMW ? "adamw" : "sgd");
-    float *hp = dt_host_view(m->device, m->flat_data, m->numel), *hm = dt_host_view(m->device, o->m, m->numel);
-    float *hv = o->v ? dt_host_view(m->device, o->v, m->numel) : NULL;
-    for (int i = 0; i < m->nparams; i++) {
-        dt_tensor *p = &m->params[i];
-        int64_t off = p->data - m->flat_data;
-        char name[256];
-        if (!dt_safetensors_get(st, p->name, hp + off, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, p->name);
-        snprintf(name, sizeof name, "optimizer.%s.%s", o->kind == DT_ADAMW ? "exp_avg" : "momentum_buffer", p->name);
-        if (!dt_safetensors_get(st, name, hm + off, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, name);
-        if (o->kind == DT_ADAMW) {
-            snprintf(name, sizeof name, "optimizer.exp_avg_sq.%s", p->name);
-            if (!dt_safetensors_get(st, name, hv + off, p->ndim, p->shape)) dt_fail("'%s' has no tensor '%s'", path, name);
+    int adamw = o->kind == DT_ADAMW;
+    if (dt_is_sharded(st) && m->fsdp && dt_sharded_layout_is(st, path, m->fsdp)) {
+        /* the same shards: each rank reads its own file, and only that */
+        dt_fsdp *f = m->fsdp;
+        dt_device where = f->offload ? DT_CPU : m->device;
+        float *own[3] = { f->shard_params, o->m, o->v };
+        char file[4096];
+        for (int k = 0; k < f->world; k++) dt_shard_check(st, path, k, f->world, file, sizeof file);
+        dt_safetensors *sh = dt_shard_open(st, path, f->rank, f->world);
+        for (int k = 0; k < 3; k++) {
+            if (!own[k]) continue;
+            float *host = dt_host_view(where, own[k], f->shard_numel);
+            dt_shard_get(sh, adamw, k, host, f->shard_numel);
+            dt_host_view_close(where, host, own[k], f->shard_numel, 1);
         }
+        dt_safetensors_close(sh);
+        dt_fsdp_after_step(f);               /* ZeRO-1, -2: every rank's whole copy from the new shards */
+    } else {
+        float *state[3] = { dt_state_open(m, o, 0), dt_state_open(m, o, 1), o->v ? dt_state_open(m, o, 2) : NULL };
+        if (dt_is_sharded(st)) dt_sharded_assemble(st, path, m, adamw, state);
+        else
+            for (int i = 0; i < m->nparams; i++)
+                for (int k = 0; k < 3; k++) {
+                    dt_tensor *p = &m->params[i];
+                    char name[256];
+                    if (!state[k]) continue;
+                    if (k == 0) snprintf(name, sizeof name, "%s", p->name);
+                    else snprintf(name, sizeof name, "optimizer.%s.%s", dt_moment_name(adamw, k), p->name);
+                    if (!dt_safetensors_get(st, name, state[k] + m->offsets[i], p->ndim, p->shape))
+                        dt_fail("'%s' has no tensor '%s'", path, name);
+                }
+        for (int k = 0; k < 3; k++) dt_state_close(m, o, k, state[k], 1);
     }
-    dt_host_view_close(m->device, hp, m->flat_data, m->numel, 1);
-    dt_host_view_close(m->device, hm, o->m, m->numel, 1);
-    if (hv) dt_host_view_close(m->device, hv, o->v, m->numel, 1);
     o->step = atoll(dt_meta_required(st, path, "optimizer_step"));
     r->step = atoll(dt_meta_required(st, path, "step"));
     r->epoch = atoi(dt_meta_required(st, path, "epoch"));
@@ -4248,9 +5042,9 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     if (s0 != (long long)r->cfg.start_idx || s1 != (long long)(r->cfg.start_idx + r->loader->ds->n))
         dt_warn("'%s' was trained on images [%lld, %lld), this run uses [%lld, %lld): the data order will differ",
                 path, s0, s1, (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
-    if (atoi(dt_meta_required(st, path, "batch_size")) != r->cfg.batch_size)
-        dt_warn("'%s' was trained with --batch-size %s, this run uses %d", path, dt_safetensors_meta(st, "batch_size"),
-                r->cfg.batch_size);
+    if (batch != r->cfg.batch_size && !r->cfg.quiet && dt_ctx.rank == 0)
+        printf("resuming '%s' (%d ranks x %d) as %d ranks x %d: the same samples each step\n", path, world, batch, now,
+               r->cfg.batch_size);
     dt_safetensors_close(st);
 }
 
@@ -4270,9 +5064,9 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
         snprintf(v, sizeof v, "%d %d %lld %g %d %llu", cfg->batch_size, cfg->epochs, (long long)cfg->steps, cfg->lr,
                  (int)cfg->optimizer, (unsigned long long)cfg->seed);
         dt_comm_check_agree(dt_ctx.job, "--batch-size --epochs --steps --lr --optimizer --seed", v);
-        snprintf(v, sizeof v, "%lld %lld %lld %g %d", (long long)loader->ds->n, (long long)cfg->start_idx,
-                 (long long)cfg->warmup, cfg->bucket_mb, cfg->bench);
-        dt_comm_check_agree(dt_ctx.job, "the training images, --start-idx --warmup --bucket-mb --bench", v);
+        snprintf(v, sizeof v, "%lld %lld %lld %g %d %d", (long long)loader->ds->n, (long long)cfg->start_idx,
+                 (long long)cfg->warmup, cfg->bucket_mb, cfg->shard * 2 + cfg->cpu_offload, cfg->bench);
+        dt_comm_check_agree(dt_ctx.job, "the training images, --start-idx --warmup --bucket-mb --shard --cpu-offload --bench", v);
         dt_comm_check_agree(dt_ctx.job, "--resume", cfg->resume ? cfg->resume : "(none)");
     }
     r->batches_per_epoch = dt_loader_batches_per_epoch(loader);
@@ -4286,6 +5080,7 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
     r->warmup = cfg->warmup >= 0 ? cfg->warmup : r->total_steps / 20;
     if (cfg->init) dt_model_load_weights(model, cfg->init);
     if (cfg->resume) dt_checkpoint_load(r, cfg->resume);
+    dt_mem_reset_peaks();                  /* from here on, the peaks are those of training */
     if (cfg->save_dir) {
         struct stat st;
         if (stat(cfg->save_dir, &st) != 0) dt_mkdir(cfg->save_dir);
@@ -4312,6 +5107,7 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
                r->stop_step < r->total_steps ? " (stopping early, see --steps)" : "",
                opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)r->warmup, where);
         if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, r->epoch + 1, (long long)r->step);
+        if (model->fsdp) dt_fsdp_memory_table(model->fsdp, opt);
         fflush(stdout);
     }
     if (cfg->bench) r->stop_step = r->step + 2 + (cfg->steps > 0 ? cfg->steps : 3);   /* refined after a timed step */
@@ -4430,7 +5226,7 @@ void dt_epoch_end(dt_run *r) {
     int finished = r->batch_in_epoch >= r->batches_per_epoch;
     if (finished) { r->epoch++; r->batch_in_epoch = 0; }
     if (!(r->cfg.eval_every > 0 && r->step % r->cfg.eval_every == 0)) dt_run_eval(r);
-    if (r->cfg.save_dir && dt_ctx.rank == 0) {
+    if (r->cfg.save_dir && (dt_ctx.rank == 0 || r->model->fsdp)) {   /* sharded: every rank gathers */
         char path[4096], what[64];
         if (finished) snprintf(what, sizeof what, "epoch%d", r->epoch);
         else snprintf(what, sizeof what, "step%lld", (long long)r->step);
@@ -4438,13 +5234,17 @@ void dt_epoch_end(dt_run *r) {
         r->mark_ms = dt_now_ms();
         dt_checkpoint_save(r, path);
         dt_phase(r, DT_PHASE_CKPT);
-        if (!r->cfg.quiet) { printf("saved %s\n", path); fflush(stdout); }
+        if (!r->cfg.quiet && dt_ctx.rank == 0) { printf("saved %s\n", path); fflush(stdout); }
     }
 }
 
 static void dt_bench_report(dt_run *r);
 int dt_run_finish(dt_run *r) {
     if (r->cfg.bench) dt_bench_report(r);
+    else if (r->steps_run == 0 && r->val && r->eval_loss == 0) {   /* --resume at its last epoch: evaluate it */
+        if (!r->cfg.quiet && dt_ctx.rank == 0) printf("nothing left to train (epoch %d of %d): evaluating\n", r->epoch, r->cfg.epochs);
+        dt_run_eval(r);
+    }
     double rate = r->train_ms > 0 ? r->samples / (r->train_ms / 1e3) : 0;
     double final_loss = r->loss_count ? r->loss_sum / r->loss_count : r->last_loss;
     if (dt_ctx.rank == 0 && !r->cfg.bench) {
@@ -4453,6 +5253,14 @@ int dt_run_finish(dt_run *r) {
         printf("peak memory:");
         for (int a = 0; a < DT_ARENA_COUNT; a++) printf(" %s %.1f MB,", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a) / 1e6);
         printf(" total %.1f MB\n", dt_mem_total_peak() / 1e6);
+        size_t host = 0;
+        for (int a = 0; a < DT_ARENA_COUNT; a++) host += dt_mem_host_peak((dt_arena)a);
+        if (host) {
+            printf("peak host memory (offloaded):");
+            for (int a = 0; a < DT_ARENA_COUNT; a++)
+                if (dt_mem_host_peak((dt_arena)a)) printf(" %s %.1f MB", dt_arena_name((dt_arena)a), dt_mem_host_peak((dt_arena)a) / 1e6);
+            printf("\n");
+        }
         fflush(stdout);
     }
     if (r->log) {
@@ -4460,6 +5268,8 @@ int dt_run_finish(dt_run *r) {
                         "\"samples_per_s\":%.1f,\"peak_mem_bytes\":%zu,\"world_size\":%d",
                 (long long)r->step, final_loss, r->eval_loss, r->eval_acc, rate, dt_mem_total_peak(), dt_ctx.world_size);
         for (int a = 0; a < DT_ARENA_COUNT; a++) fprintf(r->log, ",\"peak_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a));
+        for (int a = 0; a < DT_ARENA_COUNT; a++)
+            fprintf(r->log, ",\"peak_host_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_host_peak((dt_arena)a));
         fprintf(r->log, "}\n");
         fclose(r->log);
         r->log = NULL;
@@ -4536,6 +5346,11 @@ static void dt_bench_report(dt_run *r) {
     int world = dt_ctx.world_size, per_rank = r->loader->batch_size / devices, S = mc->image_size;
     double flops = dt_flops_counted() * world, gflops = flops / (ms / 1e3) / 1e9;
     float peak_mem = dt_job_max((float)dt_mem_total_peak());    /* the largest rank's peak */
+    size_t host_bytes = 0;                                       /* and of offloaded (host) memory */
+    for (int a = 0; a < DT_ARENA_COUNT; a++) host_bytes += dt_mem_host_peak((dt_arena)a);
+    float peak_host = dt_job_max((float)host_bytes);
+    /* what FSDP shards: parameters, gradients and optimizer state (the sum of their peaks) */
+    float peak_state = dt_job_max((float)(dt_mem_peak(DT_ARENA_PARAMS) + dt_mem_peak(DT_ARENA_GRADS) + dt_mem_peak(DT_ARENA_OPTIM)));
     if (dt_ctx.rank != 0) return;
     const char *workload = mc->kind == DT_MODEL_MLP ? (mc->dim == 1024 && mc->depth == 2 && S == 32 ? "mlp" : "mlp-custom")
                          : (mc->dim == 192 && mc->depth == 6 && mc->heads == 3 && mc->patch == 4 && S == 32 ? "vit-tiny"
@@ -4552,13 +5367,18 @@ static void dt_bench_report(dt_run *r) {
         else snprintf(where, sizeof where, "device=cuda gpu=%s tflops=%.2f mfu=unknown(use --peak-tflops)", gpu, gflops / 1e3);
     } else snprintf(where, sizeof where, "device=cpu threads=%d", dt_threads());
     const double *p = r->bench_phase_ms;
+    char stage[128];                     /* 04: which --shard, and whether offloaded */
+    if (r->model->fsdp) {
+        static const char *modes[3] = { "optimizer", "grads", "full" };
+        snprintf(stage, sizeof stage, "%s/%s%s", cfg->stage, modes[r->model->fsdp->mode], r->model->fsdp->offload ? "+offload" : "");
+    } else snprintf(stage, sizeof stage, "%s", cfg->stage);
     printf("bench: workload=%s stage=%s %s ranks=%d batch=%d params=%lld steps=%lld step_ms=%.2f samples_per_s=%.1f "
            "gflops=%.2f data_ms=%.2f fwd_ms=%.2f bwd_ms=%.2f comm_ms=%.2f comm_hidden_ms=%.2f comm_wait_ms=%.2f "
-           "opt_ms=%.2f peak_mem_mb=%.1f\n",
-           workload, cfg->stage, where, world * devices, per_rank, (long long)r->model->numel, (long long)steps, ms / steps,
+           "opt_ms=%.2f peak_mem_mb=%.1f peak_state_mb=%.2f peak_host_mb=%.2f\n",
+           workload, stage, where, world * devices, per_rank, (long long)r->model->numel, (long long)steps, ms / steps,
            steps * (double)per_rank * devices * world * 1e3 / ms, gflops, p[DT_PHASE_DATA] / steps, p[DT_PHASE_FWD] / steps,
            p[DT_PHASE_BWD] / steps, r->bench_comm_ms / steps, r->bench_hidden_ms / steps, p[DT_PHASE_COMM] / steps,
-           p[DT_PHASE_OPT] / steps, peak_mem / 1e6);
+           p[DT_PHASE_OPT] / steps, peak_mem / 1e6, peak_state / 1e6, peak_host / 1e6);
     fflush(stdout);
 }
 

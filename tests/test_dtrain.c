@@ -1310,8 +1310,8 @@ static void test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly(void
     snprintf(p, sizeof p, "%s/mlp_data0-320_epoch3.safetensors", straight);
     snprintf(q, sizeof q, "%s/mlp_data0-320_epoch3.safetensors", killed);
     CHECKF(files_equal_tensors(p, q), "the resumed run does not end where the uninterrupted run ends");
-    st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --epochs 3 --batch-size 8 --nproc 4 --resume %s", bin,
-                 small_data(), p);
+    st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --epochs 3 --batch-size 16 --nproc 4 --resume %s", bin,
+                 small_data(), p);                        /* 64 samples a step where it took 32 */
     expect_error(out, st, 1, "written by 2 ranks, this run has 4");
 }
 
@@ -1326,6 +1326,204 @@ static void test_ddp_ranks_share_the_first_use_of_the_synthetic_set(void) {
     int st = run_cmd(out, sizeof out, "sh -c 'cd %s && %s --nproc 3 --steps 1 --epochs 1 --log-every 1000'", dir, bin);
     CHECKF(st == 0 && count_lines_with(out, "first use: writing the synthetic data set") == 1,
            "exit %d; expected one rank to write the data set:\n%s", st, out);
+}
+
+/* ---- stage 04: FSDP = DDP ------------------------------------------------------ */
+
+/* 04 with each --shard mode, and with --cpu-offload, against 03 at the same
+   N, 20 steps of a 2-block vit. With --clip 0 the results are bit for bit DDP's: the reduce-scatter
+   sums each element in rank order, as the all-reduce does, and the optimizer
+   does the same arithmetic on each element. With clipping the gradient norm is
+   summed per shard, then over ranks: a different order, so a tolerance of 2e-5
+   (measured: 3.5e-6). */
+static void test_fsdp_equals_ddp_in_every_shard_mode(void) {
+    char out[16384], ref[600], dir[600], p[700], q[700];
+    const char *modes[4] = { "optimizer", "grads", "full", "full --cpu-offload" };
+    for (int clip = 0; clip < 2; clip++)
+        for (int n = 2; n <= 4; n += 2) {
+            snprintf(ref, sizeof ref, "%s/fsdp-ref-%d-%d", tmpdir, clip, n);
+            int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model vit --depth 2 --heads 2 --batch-size %d "
+                             "--nproc %d --clip %s --save-dir %s", stage_bin("03-ddp"), small_data(), 32 / n, n,
+                             clip ? "1" : "0", ref);
+            CHECKF(st == 0, "03 --nproc %d: exit %d\n%s", n, st, out);
+            snprintf(p, sizeof p, "%s/vit_data0-320_epoch2.safetensors", ref);
+            for (int k = 0; k < 4; k++) {
+                snprintf(dir, sizeof dir, "%s/fsdp-%d-%d-%d", tmpdir, k, clip, n);
+                st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model vit --depth 2 --heads 2 --batch-size %d "
+                             "--nproc %d --clip %s --shard %s --save-dir %s", stage_bin("04-fsdp"), small_data(), 32 / n, n,
+                             clip ? "1" : "0", modes[k], dir);
+                CHECKF(st == 0, "04 --shard %s --nproc %d: exit %d\n%s", modes[k], n, st, out);
+                snprintf(q, sizeof q, "%s/full.safetensors", dir);      /* 04 saves shards: put them together */
+                st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2.safetensors %s", build_path("tools/consolidate"), dir, q);
+                CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
+                if (!clip) CHECKF(files_equal_tensors(p, q), "--shard %s N=%d --clip 0: not bit for bit DDP's", modes[k], n);
+                else {
+                    double d = max_tensor_diff(p, q);
+                    CHECKF(d >= 0 && d <= 2e-5, "--shard %s N=%d: differs from DDP by %.3g", modes[k], n, d);
+                }
+            }
+        }
+}
+
+/* A number from the summary line of a --log file. */
+static double summary_value(const char *log, const char *key) {
+    size_t n = 0;
+    char *text = (char *)read_bytes(log, &n), pat[96];
+    double v = -1;
+    if (!text) return v;
+    text = (char *)realloc(text, n + 1);
+    text[n] = 0;
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *sum = strstr(text, "\"summary\":true"), *p = sum ? strstr(sum, pat) : NULL;
+    if (p) v = atof(p + strlen(pat));
+    free(text);
+    return v;
+}
+
+/* With --shard full, each rank's peak device bytes of parameters are exactly
+   its shards (1/N, plus padding) and two buffers the size of the largest unit
+   (the unit computing and the next, prefetched); of gradients, its shards and
+   one such buffer; the optimizer state stays within its shard. With
+   --cpu-offload the shards leave the device, which holds no optimizer state
+   at all; the host holds them. */
+static void test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank(void) {
+    char out[16384], log[600];
+    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128 };
+    dt_model *m = dt_model_create(&mc, 1);
+    for (int n = 2; n <= 4; n += 2) {
+        double shards = 0, largest = 0;
+        for (int u = 0; u < m->nunits; u++) {
+            int end = m->unit_first[u + 1];
+            int64_t numel = (end < m->nparams ? m->offsets[end] : m->numel) - m->offsets[m->unit_first[u]];
+            int64_t shard = (numel + n - 1) / n;
+            shards += 4.0 * shard;
+            largest = fmax(largest, 4.0 * shard * n);
+        }
+        for (int offload = 0; offload < 2; offload++) {
+            snprintf(log, sizeof log, "%s/mem-%d-%d.jsonl", tmpdir, n, offload);
+            int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model vit --depth 2 --heads 2 --batch-size 8 "
+                             "--nproc %d --shard full %s --log %s", stage_bin("04-fsdp"), small_data(), n,
+                             offload ? "--cpu-offload" : "", log);
+            CHECKF(st == 0, "exit %d\n%s", st, out);
+            double params = summary_value(log, "peak_params_bytes"), grads = summary_value(log, "peak_grads_bytes");
+            double optim = summary_value(log, "peak_optimizer_bytes"), host = summary_value(log, "peak_host_optimizer_bytes");
+            double ddp = 4.0 * m->numel;
+            double here = offload ? 0 : shards;
+            CHECKF(params == here + 2 * largest, "N=%d offload=%d: parameters peak %.0f bytes, expected %.0f: shards %.0f "
+                   "+ 2 gather buffers of %.0f (DDP holds %.0f)", n, offload, params, here + 2 * largest, here, largest, ddp);
+            CHECKF(grads == here + largest, "N=%d offload=%d: gradients peak %.0f, expected %.0f", n, offload, grads,
+                   here + largest);
+            if (offload) CHECKF(optim == 0 && host >= 2 * shards, "offload: optimizer %.0f bytes on the device, %.0f on the host",
+                                optim, host);
+            else CHECKF(optim > 0 && optim <= 2 * shards, "N=%d: optimizer peak %.0f, bound %.0f", n, optim, 2 * shards);
+        }
+    }
+    dt_model_free(m);
+}
+
+/* The prefetch, in one process with a world of 1: in a training step every
+   unit but the first is already on its way when forward reaches it, and
+   every unit but the last (kept gathered from its forward) when backward
+   does; evaluation prefetches as forward does. */
+static void test_fsdp_prefetches_the_next_unit(void) {
+    dt_model_config mc = { DT_MODEL_VIT, 3, 8, 10, 16, 3, 2, 4, 32 };
+    dt_model *m = dt_model_create(&mc, 3);
+    dt_comm_group *g = dt_comm_group_create(1, 30);
+    dt_comm *c = dt_comm_join(g, 0);
+    dt_fsdp *f = dt_fsdp_create(m, c, DT_SHARD_FULL, 0);
+    int shape[4] = { 2, 3, 8, 8 }, n = m->nunits;
+    int32_t labels[2] = { 1, 7 };
+    dt_tensor *x = dt_tensor_new(4, shape);
+    dt_tensor *loss = dt_cross_entropy(dt_model_forward(m, x), labels);
+    CHECKF(f->prefetched == n - 1, "forward: %lld of %d units were prefetched", (long long)f->prefetched, n - 1);
+    dt_backward(loss);
+    CHECKF(f->prefetched == 2 * (n - 1), "backward: %lld prefetched in all, expected %d", (long long)f->prefetched, 2 * (n - 1));
+    for (int k = 0; k < n; k++) CHECKF(!f->units[k].full && !f->units[k].gathering, "unit %d still gathered after backward", k);
+    dt_set_grad_enabled(0);
+    dt_model_forward(m, x);
+    dt_set_grad_enabled(1);
+    CHECKF(f->prefetched == 3 * (n - 1), "evaluation: %lld prefetched in all, expected %d", (long long)f->prefetched, 3 * (n - 1));
+    dt_step_arena_reset();
+    dt_fsdp_free(f);
+    dt_model_free(m);
+    dt_comm_free(c);
+    dt_comm_group_free(g);
+}
+
+/* Sharded checkpoints. Saved at N=4 after one epoch, resumed at N=4: the final
+   shards are bit for bit those of a straight run. Consolidated into one file,
+   stage 01 evaluates it to the loss 04 measured (within 1e-5: the per-sample
+   losses are summed in another order). Resumed at N=2 with twice the batch --
+   the same samples each step -- it ends within 2e-5 of the straight run.
+   Refused at N=2 with the same per-rank batch; a missing or a truncated shard
+   is an error naming the file. */
+static void test_fsdp_sharded_checkpoints_resume_consolidate_and_reshard(void) {
+    char out[16384], a[600], b[600], c[600], p[800], q[800], full[700], log4[700], log1[700], moved[810];
+    const char *bin = stage_bin("04-fsdp"), *consolidate = build_path("tools/consolidate");
+    const char *flags = "--image-size 16 --dim 32 --log-every 1000 --quiet --model vit --depth 2 --heads 2";
+    snprintf(a, sizeof a, "%s/shardA", tmpdir);
+    snprintf(b, sizeof b, "%s/shardB", tmpdir);
+    snprintf(c, sizeof c, "%s/shardC", tmpdir);
+    snprintf(log4, sizeof log4, "%s/shardA.jsonl", tmpdir);
+    snprintf(log1, sizeof log1, "%s/shard01.jsonl", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --batch-size 8 --nproc 4 --save-dir %s", bin, small_data(), flags, b);
+    CHECKF(st == 0, "straight run: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --steps 10 --batch-size 8 --nproc 4 --save-dir %s --log %s", bin,
+                 small_data(), flags, a, log4);
+    CHECKF(st == 0, "first epoch: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/vit_data0-320_epoch1.safetensors", a);
+    st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --batch-size 8 --nproc 4 --resume %s --save-dir %s", bin,
+                 small_data(), flags, p, a);
+    CHECKF(st == 0, "resume at N=4: exit %d\n%s", st, out);
+    for (int r = 0; r < 4; r++) {
+        snprintf(p, sizeof p, "%s/vit_data0-320_epoch2.shard%d-of-4.safetensors", a, r);
+        snprintf(q, sizeof q, "%s/vit_data0-320_epoch2.shard%d-of-4.safetensors", b, r);
+        CHECKF(files_equal_tensors(p, q), "shard %d after resuming at N=4 differs from the straight run's", r);
+    }
+
+    snprintf(p, sizeof p, "%s/vit_data0-320_epoch1.safetensors", a);
+    snprintf(full, sizeof full, "%s/shardA-full.safetensors", tmpdir);
+    st = run_cmd(out, sizeof out, "%s %s %s", consolidate, p, full);
+    CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 1 --batch-size 32 --resume %s --log %s", train_bin, small_data(),
+                 flags, full, log1);
+    CHECKF(st == 0, "01 --resume of the consolidated checkpoint: exit %d\n%s", st, out);
+    double e4 = summary_value(log4, "eval_loss"), e1 = summary_value(log1, "eval_loss");
+    CHECKF(e4 > 0 && fabs(e4 - e1) <= 1e-5, "eval loss: 04 measured %.6f, 01 on the consolidated file %.6f", e4, e1);
+
+    st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --batch-size 16 --nproc 2 --resume %s --save-dir %s", bin,
+                 small_data(), flags, p, c);
+    CHECKF(st == 0, "resume at N=2: exit %d\n%s", st, out);
+    char fb[800], fc[800];
+    snprintf(fb, sizeof fb, "%s/b-full.safetensors", tmpdir);
+    snprintf(fc, sizeof fc, "%s/c-full.safetensors", tmpdir);
+    st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2.safetensors %s && %s %s/vit_data0-320_epoch2.safetensors %s",
+                 consolidate, b, fb, consolidate, c, fc);
+    CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
+    double d = max_tensor_diff(fb, fc);
+    CHECKF(d >= 0 && d <= 2e-5, "resumed at N=2: differs from the straight N=4 run by %.3g", d);
+    st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --batch-size 8 --nproc 2 --resume %s", bin, small_data(), flags, p);
+    expect_error(out, st, 1, "written by 4 ranks, this run has 2");
+    snprintf(q, sizeof q, "%s/vit_data0-320_epoch1.shard0-of-4.safetensors", a);
+    st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --batch-size 32 --resume %s", train_bin, small_data(), flags, q);
+    expect_error(out, st, 1, "one rank's shard of a sharded checkpoint");
+
+    snprintf(q, sizeof q, "%s/vit_data0-320_epoch1.shard3-of-4.safetensors", a);
+    snprintf(moved, sizeof moved, "%s.away", q);
+    CHECK(rename(q, moved) == 0);
+    st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --batch-size 8 --nproc 4 --resume %s", bin, small_data(), flags, p);
+    expect_error(out, st, 1, "shard3-of-4.safetensors', is missing");
+    CHECK(rename(moved, q) == 0);
+    size_t n = 0;
+    snprintf(q, sizeof q, "%s/vit_data0-320_epoch1.shard1-of-4.safetensors", a);
+    unsigned char *bytes = read_bytes(q, &n);
+    CHECK(bytes && n > 100);
+    if (bytes) write_bytes(q, bytes, n / 2);
+    free(bytes);
+    st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --batch-size 16 --nproc 2 --resume %s", bin, small_data(), flags, p);
+    expect_error(out, st, 1, "shard1-of-4.safetensors', has");
+    st = run_cmd(out, sizeof out, "%s %s %s/never.safetensors", consolidate, p, tmpdir);
+    expect_error(out, st, 1, "shard1-of-4.safetensors', has");
 }
 
 /* ---- the GPU against the CPU (skipped where no GPU is visible) ---------------- */
@@ -1582,6 +1780,8 @@ static const test_case tests[] = {
     T(test_ddp_buckets_overlap_backward_and_change_no_bits), T(test_ddp_by_nproc_and_by_torchrun_variables_agree),
     T(test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly),
     T(test_ddp_ranks_share_the_first_use_of_the_synthetic_set),
+    T(test_fsdp_equals_ddp_in_every_shard_mode), T(test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank),
+    T(test_fsdp_prefetches_the_next_unit), T(test_fsdp_sharded_checkpoints_resume_consolidate_and_reshard),
     T(test_gpu_ops_match_the_cpu), T(test_gpu_casts_and_updates_are_bitwise_the_cpu),
     T(test_gpu_training_step_matches_the_cpu), T(test_gpu_200_step_loss_curve_matches_the_cpu),
 };
