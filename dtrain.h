@@ -1403,7 +1403,8 @@ static int dt_wants_grad(dt_tensor *a, dt_tensor *b, dt_tensor *c) {
     return (a && a->requires_grad) || (b && b->requires_grad) || (c && c->requires_grad);
 }
 
-static dt_tape_entry *dt_tape_push(dt_backward_fn fn, dt_tensor *out, dt_tensor *a, dt_tensor *b, dt_tensor *c) {
+/* A new, zeroed entry at the end of the tape. */
+static dt_tape_entry *dt_tape_append(dt_backward_fn fn) {
     if (dt_ctx.tape_len == dt_ctx.tape_cap) {
         dt_ctx.tape_cap = dt_ctx.tape_cap ? 2 * dt_ctx.tape_cap : 256;
         dt_ctx.tape = (dt_tape_entry *)realloc(dt_ctx.tape, dt_ctx.tape_cap * sizeof(dt_tape_entry));
@@ -1412,6 +1413,11 @@ static dt_tape_entry *dt_tape_push(dt_backward_fn fn, dt_tensor *out, dt_tensor 
     dt_tape_entry *e = &dt_ctx.tape[dt_ctx.tape_len++];
     memset(e, 0, sizeof *e);
     e->backward = fn;
+    return e;
+}
+
+static dt_tape_entry *dt_tape_push(dt_backward_fn fn, dt_tensor *out, dt_tensor *a, dt_tensor *b, dt_tensor *c) {
+    dt_tape_entry *e = dt_tape_append(fn);
     e->out = out;
     e->in[0] = a; e->in[1] = b; e->in[2] = c;
     out->requires_grad = 1;
@@ -1422,14 +1428,7 @@ static dt_tape_entry *dt_tape_push(dt_backward_fn fn, dt_tensor *out, dt_tensor 
    it. FSDP uses two per unit, to gather before the unit's backward and to
    reduce-scatter after it. */
 static void dt_tape_mark(dt_backward_fn fn, void *user, int arg) {
-    if (dt_ctx.tape_len == dt_ctx.tape_cap) {
-        dt_ctx.tape_cap = dt_ctx.tape_cap ? 2 * dt_ctx.tape_cap : 256;
-        dt_ctx.tape = (dt_tape_entry *)realloc(dt_ctx.tape, dt_ctx.tape_cap * sizeof(dt_tape_entry));
-        if (!dt_ctx.tape) dt_fail("out of memory (autograd tape)");
-    }
-    dt_tape_entry *e = &dt_ctx.tape[dt_ctx.tape_len++];
-    memset(e, 0, sizeof *e);
-    e->backward = fn;
+    dt_tape_entry *e = dt_tape_append(fn);
     e->saved = user;
     e->iarg[0] = arg;
 }
