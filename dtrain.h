@@ -3723,6 +3723,7 @@ struct dt_fsdp {
        buffer, as backward does one unit at a time. Offloaded shards are
        uploaded into staging buffers, by the same rule. */
     float *gathered[2], *gathered_grad, *staged[2], *scattered;
+    int holder[2];                       /* the unit in each parameter buffer, or -1 */
     size_t largest, largest_shard;       /* bytes: the largest unit, gathered, and its shard */
     int64_t prefetched;                  /* units that were already on their way when needed */
 };
@@ -3760,9 +3761,9 @@ static void dt_fsdp_point(dt_fsdp *f, dt_fsdp_unit *u, int grads, float *buf) {
 static void dt_fsdp_gather_start(dt_fsdp *f, int k) {
     dt_fsdp_unit *u = &f->units[k];
     if (f->mode != DT_SHARD_FULL || u->full || u->gathering) return;        /* there already, or on its way */
-    for (int j = 0; j < f->nunits; j++)
-        if (j != k && j % 2 == k % 2 && f->units[j].full == f->gathered[k % 2])
-            dt_fail("internal: FSDP gathers unit %d while unit %d still holds its buffer", k, j);
+    if (f->holder[k % 2] >= 0)
+        dt_fail("internal: FSDP gathers unit %d while unit %d still holds its buffer", k, f->holder[k % 2]);
+    f->holder[k % 2] = k;
     u->full = f->gathered[k % 2];
     u->gathering = dt_all_gather_async(f->comm, dt_fsdp_shard_on_device(f, f->shard_params, k), u->full, u->shard, DT_F32);
 }
@@ -3784,6 +3785,7 @@ static void dt_fsdp_gather_unit(dt_fsdp *f, int k, int next) {
 static void dt_fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only our slice */
     dt_fsdp_unit *u = &f->units[k];
     if (f->mode != DT_SHARD_FULL) return;
+    if (u->full) f->holder[k % 2] = -1;
     u->full = NULL;
     dt_fsdp_point(f, u, 0, NULL);
 }
@@ -3860,6 +3862,7 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
     }
     f->largest_shard = f->largest / (size_t)f->world;
     int two = f->nunits > 1;
+    f->holder[0] = f->holder[1] = -1;
     if (mode == DT_SHARD_FULL)
         for (int b = 0; b <= two; b++) f->gathered[b] = (float *)dt_alloc_on(dev, DT_ARENA_PARAMS, f->largest);
     if (mode != DT_SHARD_OPTIMIZER) f->gathered_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, f->largest);
@@ -5240,7 +5243,7 @@ void dt_epoch_end(dt_run *r) {
 static void dt_bench_report(dt_run *r);
 int dt_run_finish(dt_run *r) {
     if (r->cfg.bench) dt_bench_report(r);
-    else if (r->steps_run == 0 && r->val && r->eval_loss == 0) {   /* --resume at its last epoch: evaluate it */
+    else if (r->steps_run == 0 && r->val) {        /* --resume of a finished run: evaluate it */
         if (!r->cfg.quiet && dt_ctx.rank == 0) printf("nothing left to train (epoch %d of %d): evaluating\n", r->epoch, r->cfg.epochs);
         dt_run_eval(r);
     }
