@@ -169,15 +169,20 @@ typedef struct dt_tensor {
     int ndim;
     int shape[4];
     int64_t numel;
-    float *data;               /* on `device`: not readable by the host when that is a GPU */
-    float *grad;               /* NULL until a gradient flows into it */
+    /* The bits of `data`: f32, or -- activations under mixed precision, see
+       section 12 -- bf16 or f16, read and written through data16 then. */
+    dt_dtype dtype;
+    union { float *data; uint16_t *data16; };  /* on `device`: not readable by the host when that is a GPU */
+    /* NULL until a gradient flows into it. An activation's gradient has the
+       activation's dtype; a parameter's is always f32 (the master gradient). */
+    union { float *grad; uint16_t *grad16; };
     dt_device device;
     int requires_grad;         /* parameters, and anything computed from them */
     int is_param;
     int hook_gen, first_use;   /* parameters: where the tape last reads them (grad-ready hook) */
 } dt_tensor;
 
-/* A tensor in the per-step arena (gone at the next reset). Contents are zero. */
+/* A tensor of f32 in the per-step arena (gone at the next reset). Contents are zero. */
 dt_tensor *dt_tensor_new(int ndim, const int *shape);
 dt_tensor *dt_tensor_2d(int rows, int cols);
 /* Rows of a 2-D view: shape[0] x (product of the rest). */
@@ -192,6 +197,9 @@ void dt_tensor_to_host(const dt_tensor *t, float *host);
 void dt_tensor_grad_to_host(const dt_tensor *t, float *host);
 /* The first element, on the host: a loss. */
 float dt_tensor_item(const dt_tensor *t);
+/* Bytes per element (4 or 2), and "fp32", "bf16", "fp16". */
+size_t dt_dtype_size(dt_dtype d);
+const char *dt_dtype_name(dt_dtype d);
 
 /* ---- 4. kernels ------------------------------------------------------------------ */
 
@@ -754,6 +762,9 @@ typedef struct dt_backend {
     void (*synchronize)(void);
     void (*gemm)(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                  const float *B, int ldb, float beta, float *C, int ldc);
+    /* mixed precision: A and B in 16 bits (`dtype`), C in f32, products summed in f32 */
+    void (*gemm_half)(dt_dtype dtype, int ta, int tb, int M, int N, int K, const void *A, int lda,
+                      const void *B, int ldb, float beta, float *C, int ldc);
     void (*add_bias)(float *y, const float *bias, int rows, int cols);
     void (*sum_rows)(const float *x, float *out, int rows, int cols);   /* out[j] += sum_i x[i,j] */
     void (*gelu_forward)(const float *x, float *y, int64_t n);
@@ -875,6 +886,8 @@ typedef struct dt_context {
     size_t mem_now[DT_ARENA_COUNT], mem_peak[DT_ARENA_COUNT], mem_total, mem_total_peak;
     size_t host_now[DT_ARENA_COUNT], host_peak[DT_ARENA_COUNT];     /* offloaded (dt_alloc_host) */
     dt_step_arena step[2];             /* per device: host (tensor headers, host data) and GPU */
+    dt_step_arena scratch[2];          /* per device: f32 working copies that live for one op */
+    dt_dtype compute_dtype;            /* activations and matmul inputs (section 12); f32 by default */
     dt_tape_entry *tape;
     int tape_len, tape_cap;
     int grad_enabled;
@@ -1093,8 +1106,7 @@ static void dt_host_view_close(dt_device d, float *host, float *buf, int64_t n, 
 
 /* Step-arena memory on `device` whose every byte the caller is about to write:
    op outputs skip the zeroing that gradient buffers need. */
-static void *dt_step_alloc_on(dt_device device, size_t bytes) {
-    dt_step_arena *a = &dt_ctx.step[device];
+static void *dt_arena_take(dt_step_arena *a, dt_device device, size_t bytes) {
     bytes = (bytes + 63) & ~(size_t)63;
     a->high += bytes;
     if (a->used + bytes <= a->cap) {
@@ -1114,6 +1126,7 @@ static void *dt_step_alloc_on(dt_device device, size_t bytes) {
     a->spill_bytes[a->nspill++] = bytes;
     return p;
 }
+static void *dt_step_alloc_on(dt_device device, size_t bytes) { return dt_arena_take(&dt_ctx.step[device], device, bytes); }
 static void *dt_step_alloc_uninit(size_t bytes) { return dt_step_alloc_on(DT_CPU, bytes); }
 /* Data of activations and their gradients: on the device that runs the ops. */
 static void *dt_step_data(size_t bytes) { return dt_step_alloc_on(dt_ctx.device, bytes); }
@@ -1124,25 +1137,34 @@ void *dt_step_alloc(size_t bytes) {
     return p;
 }
 
-void dt_step_arena_reset(void) {
-    for (int d = 0; d < 2; d++) {
-        dt_step_arena *a = &dt_ctx.step[d];
-        if (a->nspill > 0) {
-            /* Grow the block to the high-water mark so the next step fits in one:
-               after the first step there is no malloc (or cudaMalloc) at all. */
-            size_t need = a->high;
-            for (int i = 0; i < a->nspill; i++) dt_free_on((dt_device)d, DT_ARENA_ACTS, a->spill[i], a->spill_bytes[i]);
-            a->nspill = 0;
-            if (need > a->cap) {
-                dt_free_on((dt_device)d, DT_ARENA_ACTS, a->base, a->cap);
-                a->cap = need + need / 8;
-                a->base = (char *)dt_alloc_on((dt_device)d, DT_ARENA_ACTS, a->cap);
-            }
+static void dt_arena_rewind(dt_step_arena *a, dt_device d) {
+    if (a->nspill > 0) {
+        /* Grow the block to the high-water mark so the next step fits in one:
+           after the first step there is no malloc (or cudaMalloc) at all. */
+        size_t need = a->high;
+        for (int i = 0; i < a->nspill; i++) dt_free_on(d, DT_ARENA_ACTS, a->spill[i], a->spill_bytes[i]);
+        a->nspill = 0;
+        if (need > a->cap) {
+            dt_free_on(d, DT_ARENA_ACTS, a->base, a->cap);
+            a->cap = need + need / 8;
+            a->base = (char *)dt_alloc_on(d, DT_ARENA_ACTS, a->cap);
         }
-        a->used = 0;
-        a->high = 0;
     }
+    a->used = 0;
+    a->high = 0;
+}
+void dt_step_arena_reset(void) {
+    for (int d = 0; d < 2; d++) dt_arena_rewind(&dt_ctx.step[d], (dt_device)d);
     dt_ctx.tape_len = 0;
+}
+
+/* The scratch arena works the same way but lives for one op only: under mixed
+   precision (section 12) an op reads its 16-bit inputs into f32 copies here,
+   computes, and stores its output in 16 bits; the copies are gone at the next
+   op, so only the 16-bit tensors stay for backward. */
+static void *dt_scratch_on(dt_device device, size_t bytes) { return dt_arena_take(&dt_ctx.scratch[device], device, bytes); }
+static void dt_scratch_reset(void) {
+    for (int d = 0; d < 2; d++) dt_arena_rewind(&dt_ctx.scratch[d], (dt_device)d);
 }
 
 /* Numbers below 1.2e-38 ("subnormals") cost x86 cores up to a hundred times the
@@ -1168,46 +1190,65 @@ static void dt_flush_subnormals(void) {               /* this thread and its Ope
 
 /* An op's output, on the current device: every element is written by the op,
    so it is not zeroed. The header always lives on the host. */
-static dt_tensor *dt_tensor_out(int ndim, const int *shape) {
+size_t dt_dtype_size(dt_dtype d) { return d == DT_F32 ? 4 : 2; }
+const char *dt_dtype_name(dt_dtype d) { return d == DT_F32 ? "fp32" : d == DT_BF16 ? "bf16" : "fp16"; }
+
+/* A tensor in the step arena, on the current device, its data not zeroed. */
+static dt_tensor *dt_tensor_alloc(int ndim, const int *shape, dt_dtype dtype) {
     dt_tensor *t = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
     t->ndim = ndim;
     t->numel = 1;
     for (int i = 0; i < ndim; i++) { t->shape[i] = shape[i]; t->numel *= shape[i]; }
     t->device = dt_ctx.device;
-    t->data = (float *)dt_step_data((size_t)t->numel * sizeof(float));
+    t->dtype = dtype;
+    t->data = (float *)dt_step_data((size_t)t->numel * dt_dtype_size(dtype));
     return t;
 }
+/* An op's output: every element is written by the op, so it is not zeroed.
+   It is stored in the compute dtype (f32, or bf16/f16 under mixed precision). */
+static dt_tensor *dt_tensor_out(int ndim, const int *shape) { return dt_tensor_alloc(ndim, shape, dt_ctx.compute_dtype); }
 static dt_tensor *dt_tensor_out_2d(int rows, int cols) { int s[2] = { rows, cols }; return dt_tensor_out(2, s); }
 dt_tensor *dt_tensor_new(int ndim, const int *shape) {
-    dt_tensor *t = dt_tensor_out(ndim, shape);
+    dt_tensor *t = dt_tensor_alloc(ndim, shape, DT_F32);
     dt_zero_on(t->device, t->data, (size_t)t->numel * sizeof(float));
     return t;
 }
 dt_tensor *dt_tensor_2d(int rows, int cols) { int s[2] = { rows, cols }; return dt_tensor_new(2, s); }
 dt_tensor *dt_tensor_from_host(int ndim, const int *shape, const float *host) {
-    dt_tensor *t = dt_tensor_out(ndim, shape);
+    dt_tensor *t = dt_tensor_alloc(ndim, shape, DT_F32);
     dt_upload(t->data, host, (size_t)t->numel * sizeof(float));
     return t;
 }
 int64_t dt_tensor_rows(const dt_tensor *t) { return t->shape[0]; }
 int64_t dt_tensor_cols(const dt_tensor *t) { return t->numel / t->shape[0]; }
+/* A parameter's gradient is f32 whatever its data holds: the optimizer and the
+   collectives read it. An activation's has the activation's dtype. */
+static dt_dtype dt_grad_dtype(const dt_tensor *t) { return t->is_param ? DT_F32 : t->dtype; }
 float *dt_grad(dt_tensor *t) {
     if (!t->grad) {                                /* a gradient lives beside its tensor */
-        t->grad = (float *)dt_step_alloc_on(t->device, (size_t)t->numel * sizeof(float));
-        dt_zero_on(t->device, t->grad, (size_t)t->numel * sizeof(float));
+        size_t bytes = (size_t)t->numel * dt_dtype_size(dt_grad_dtype(t));
+        t->grad = (float *)dt_step_alloc_on(t->device, bytes);
+        dt_zero_on(t->device, t->grad, bytes);
     }
     return t->grad;
 }
-void dt_tensor_to_host(const dt_tensor *t, float *host) {
-    dt_download_from(t->device, host, t->data, (size_t)t->numel * sizeof(float));
+/* n values of any dtype on device d, as f32 on the host. */
+static void dt_download_as_f32(dt_device d, float *host, const void *src, dt_dtype dtype, int64_t n) {
+    if (dtype == DT_F32) { dt_download_from(d, host, src, (size_t)n * sizeof(float)); return; }
+    uint16_t *h = (uint16_t *)malloc((size_t)n * 2 + 1);
+    if (!h) dt_fail("out of memory");
+    dt_download_from(d, h, src, (size_t)n * 2);
+    for (int64_t i = 0; i < n; i++) host[i] = dtype == DT_BF16 ? dt_bf16_to_f32(h[i]) : dt_f16_to_f32(h[i]);
+    free(h);
 }
+void dt_tensor_to_host(const dt_tensor *t, float *host) { dt_download_as_f32(t->device, host, t->data, t->dtype, t->numel); }
 void dt_tensor_grad_to_host(const dt_tensor *t, float *host) {
     if (!t->grad) { memset(host, 0, (size_t)t->numel * sizeof(float)); return; }
-    dt_download_from(t->device, host, t->grad, (size_t)t->numel * sizeof(float));
+    dt_download_as_f32(t->device, host, t->grad, dt_grad_dtype(t), t->numel);
 }
 float dt_tensor_item(const dt_tensor *t) {
     float v;
-    dt_download_from(t->device, &v, t->data, sizeof v);
+    dt_download_as_f32(t->device, &v, t->data, t->dtype, 1);
     return v;
 }
 
@@ -1453,6 +1494,7 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
     dt_upload(dt_grad(loss), seed, sizeof(float) * (size_t)loss->numel);
     for (int i = dt_ctx.tape_len - 1; i >= 0; i--) {
         dt_tape_entry *e = &dt_ctx.tape[i];
+        dt_scratch_reset();
         if (!e->out || e->out->grad) e->backward(e);
         if (dt_ctx.grad_ready)
             for (int j = 0; j < 4; j++) {
@@ -1463,11 +1505,94 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
     dt_ctx.tape_len = 0;
 }
 
+/* -- how an op sees its tensors. Ops compute in f32. With f32 everywhere the
+      views below are the tensors' own buffers and cost nothing. Under mixed
+      precision (section 12) an op reads every input as f32 values rounded to
+      the compute dtype -- a 16-bit activation widened, or an f32 master weight
+      narrowed, the cast PyTorch's autocast makes -- into the scratch arena,
+      and stores its output narrowed to 16 bits. Gradients travel the same way:
+      an activation's in its own dtype, a parameter's added to its f32 master
+      gradient after rounding, as a 16-bit copy's gradient would have been. -- */
+static int dt_mixed(void) { return dt_ctx.compute_dtype != DT_F32; }
+
+/* n values of dtype `from` at src as f32 in the scratch arena; f32 values are
+   rounded to the compute dtype on the way (a 16-bit copy, widened again). */
+static float *dt_scratch_f32(const void *src, dt_dtype from, int64_t n) {
+    float *f = (float *)dt_scratch_on(dt_ctx.device, (size_t)n * sizeof(float));
+    if (from == DT_F32 && dt_mixed()) {
+        void *half = dt_scratch_on(dt_ctx.device, (size_t)n * 2);
+        dt_convert(src, DT_F32, half, dt_ctx.compute_dtype, n);
+        src = half;
+        from = dt_ctx.compute_dtype;
+    }
+    dt_convert(src, from, f, DT_F32, n);
+    return f;
+}
+static const float *dt_in(const dt_tensor *t) {
+    if (t->dtype == DT_F32 && !dt_mixed()) return t->data;
+    return dt_scratch_f32(t->data, t->dtype, t->numel);
+}
+/* d(loss)/d(out) of an op's output, as f32. */
+static const float *dt_grad_in(const dt_tensor *t) {
+    dt_dtype g = dt_grad_dtype(t);
+    if (g == DT_F32) return t->grad;
+    return dt_scratch_f32(t->grad, g, t->numel);
+}
+/* Where an op writes its output as f32, and the store into the output's dtype. */
+static float *dt_out(dt_tensor *y) {
+    return y->dtype == DT_F32 ? y->data : (float *)dt_scratch_on(y->device, (size_t)y->numel * sizeof(float));
+}
+static void dt_out_done(dt_tensor *y, float *v) {
+    if (v != y->data) dt_convert(v, DT_F32, y->data, y->dtype, y->numel);
+}
+/* Where a backward ADDS d(loss)/d(t) as f32, and the store after. */
+static float *dt_grad_acc(dt_tensor *t) {
+    dt_dtype g = dt_grad_dtype(t);
+    float *grad = dt_grad(t);
+    if (g == DT_F32 && !(t->is_param && dt_mixed())) return grad;
+    float *f = (float *)dt_scratch_on(t->device, (size_t)t->numel * sizeof(float));
+    if (g == DT_F32) dt_zero_on(t->device, f, (size_t)t->numel * sizeof(float));   /* a parameter's share */
+    else dt_convert(grad, g, f, DT_F32, t->numel);
+    return f;
+}
+static void dt_grad_acc_done(dt_tensor *t, float *f) {
+    if (f == t->grad) return;
+    if (dt_grad_dtype(t) != DT_F32) { dt_convert(f, DT_F32, t->grad, t->dtype, t->numel); return; }
+    /* a parameter: its 16-bit gradient, added to the f32 master gradient */
+    float *rounded = dt_scratch_f32(f, DT_F32, t->numel);
+    const dt_backend *gpu = dt_backend_of(t->device);
+    if (gpu) gpu->accumulate(t->grad, rounded, t->numel);
+    else
+        for (int64_t i = 0; i < t->numel; i++) t->grad[i] += rounded[i];
+}
+
 /* The matmul of an op: cuBLAS on a GPU, the routine above on the CPU. */
 static void dt_matmul(const dt_backend *gpu, int ta, int tb, int M, int N, int K, float alpha, const float *A,
                       int lda, const float *B, int ldb, float beta, float *C, int ldc) {
     if (gpu) gpu->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     else dt_gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+/* A matmul operand in the compute dtype: a tensor's data (or gradient), or a
+   16-bit copy of it in the scratch arena. */
+static const void *dt_operand(const dt_tensor *t, int grad) {
+    dt_dtype have = grad ? dt_grad_dtype(t) : t->dtype;
+    const void *src = grad ? (const void *)t->grad : (const void *)t->data;
+    if (have == dt_ctx.compute_dtype) return src;
+    void *half = dt_scratch_on(t->device, (size_t)t->numel * 2);
+    dt_convert(src, have, half, dt_ctx.compute_dtype, t->numel);
+    return half;
+}
+/* The matmuls of linear layers, on operands in the compute dtype. A GPU
+   multiplies 16-bit operands on its tensor cores, summing in f32; the CPU
+   widens them to f32 first -- products of 16-bit numbers are exact in f32, so
+   both sum the same products. */
+static void dt_matmul_op(const dt_backend *gpu, int ta, int tb, int M, int N, int K, const void *A, int lda,
+                         const void *B, int ldb, float beta, float *C, int ldc) {
+    dt_dtype dt = dt_ctx.compute_dtype;
+    if (dt == DT_F32) { dt_matmul(gpu, ta, tb, M, N, K, 1.0f, (const float *)A, lda, (const float *)B, ldb, beta, C, ldc); return; }
+    if (gpu) { gpu->gemm_half(dt, ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc); return; }
+    const float *a = dt_scratch_f32(A, dt, (int64_t)(ta ? K : M) * lda), *b = dt_scratch_f32(B, dt, (int64_t)(tb ? N : K) * ldb);
+    dt_gemm(ta, tb, M, N, K, 1.0f, a, lda, b, ldb, beta, C, ldc);
 }
 
 /* -- linear: y = x W^T + b. The three matmuls of every layer's training step. -- */
@@ -1475,21 +1600,27 @@ static void dt_linear_backward(dt_tape_entry *e) {
     dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
     int N = (int)dt_tensor_rows(x), in = (int)dt_tensor_cols(x), out = (int)dt_tensor_rows(w);
     const dt_backend *gpu = dt_backend_for(y);
-    const float *dy = y->grad;
+    const void *dy = dt_operand(y, 1);
     if (x->requires_grad) {              /* dx = dy W */
-        dt_matmul(gpu, 0, 0, N, in, out, 1.0f, dy, out, w->data, in, 1.0f, dt_grad(x), in);
+        float *dx = dt_grad_acc(x);
+        dt_matmul_op(gpu, 0, 0, N, in, out, dy, out, dt_operand(w, 0), in, 1.0f, dx, in);
+        dt_grad_acc_done(x, dx);
         dt_ctx.flops += 2.0 * N * in * out;
     }
     if (w->requires_grad) {              /* dW = dy^T x */
-        dt_matmul(gpu, 1, 0, out, in, N, 1.0f, dy, out, x->data, in, 1.0f, dt_grad(w), in);
+        float *dw = dt_grad_acc(w);
+        dt_matmul_op(gpu, 1, 0, out, in, N, dy, out, dt_operand(x, 0), in, 1.0f, dw, in);
+        dt_grad_acc_done(w, dw);
         dt_ctx.flops += 2.0 * N * in * out;
     }
     if (b && b->requires_grad) {         /* db = sum of dy over rows, in row order */
-        float *db = dt_grad(b);
-        if (gpu) gpu->sum_rows(dy, db, N, out);
+        float *db = dt_grad_acc(b);
+        const float *dyf = dt_grad_in(y);
+        if (gpu) gpu->sum_rows(dyf, db, N, out);
         else
             for (int i = 0; i < N; i++)
-                for (int j = 0; j < out; j++) db[j] += dy[(size_t)i * out + j];
+                for (int j = 0; j < out; j++) db[j] += dyf[(size_t)i * out + j];
+        dt_grad_acc_done(b, db);
     }
 }
 dt_tensor *dt_linear(dt_tensor *x, dt_tensor *w, dt_tensor *b) {
@@ -1499,15 +1630,19 @@ dt_tensor *dt_linear(dt_tensor *x, dt_tensor *w, dt_tensor *b) {
                 in, (long long)dt_tensor_cols(w));
     const dt_backend *gpu = dt_backend_for(x);
     dt_backend_for(w);
+    dt_scratch_reset();
     dt_tensor *y = dt_tensor_out_2d(N, out);
-    dt_matmul(gpu, 0, 1, N, out, in, 1.0f, x->data, in, w->data, in, 0.0f, y->data, out);
+    float *yv = dt_out(y);
+    dt_matmul_op(gpu, 0, 1, N, out, in, dt_operand(x, 0), in, dt_operand(w, 0), in, 0.0f, yv, out);
     dt_ctx.flops += 2.0 * N * in * out;
-    if (b && gpu) gpu->add_bias(y->data, b->data, N, out);
+    const float *bv = b ? dt_in(b) : NULL;
+    if (b && gpu) gpu->add_bias(yv, bv, N, out);
     else if (b) {
         DT_OMP("omp parallel for if(N * out > 32768)")
         for (int i = 0; i < N; i++)
-            for (int j = 0; j < out; j++) y->data[(size_t)i * out + j] += b->data[j];
+            for (int j = 0; j < out; j++) yv[(size_t)i * out + j] += bv[j];
     }
+    dt_out_done(y, yv);
     if (dt_wants_grad(x, w, b)) dt_tape_push(dt_linear_backward, y, x, w, b);
     return y;
 }
@@ -1516,25 +1651,30 @@ dt_tensor *dt_linear(dt_tensor *x, dt_tensor *w, dt_tensor *b) {
 static void dt_gelu_backward(dt_tape_entry *e) {
     dt_tensor *x = e->in[0];
     if (!x->requires_grad) return;
-    float *dx = dt_grad(x);
-    const float *dy = e->out->grad, *xv = x->data;
+    float *dx = dt_grad_acc(x);
+    const float *dy = dt_grad_in(e->out), *xv = dt_in(x);
     int64_t n = x->numel;
     const dt_backend *gpu = dt_backend_for(x);
-    if (gpu) { gpu->gelu_backward(xv, dy, dx, n); return; }
-    DT_OMP("omp parallel for if(n > 65536)")
-    for (int64_t i = 0; i < n; i++) dx[i] += dy[i] * dt_gelu_derivative(xv[i]);
+    if (gpu) gpu->gelu_backward(xv, dy, dx, n);
+    else {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) dx[i] += dy[i] * dt_gelu_derivative(xv[i]);
+    }
+    dt_grad_acc_done(x, dx);
 }
 dt_tensor *dt_gelu(dt_tensor *x) {
     const dt_backend *gpu = dt_backend_for(x);
+    dt_scratch_reset();
     dt_tensor *y = dt_tensor_out(x->ndim, x->shape);
     int64_t n = x->numel;
-    const float *xv = x->data;
-    float *yv = y->data;
+    const float *xv = dt_in(x);
+    float *yv = dt_out(y);
     if (gpu) gpu->gelu_forward(xv, yv, n);
     else {
         DT_OMP("omp parallel for if(n > 65536)")
         for (int64_t i = 0; i < n; i++) yv[i] = dt_gelu_value(xv[i]);
     }
+    dt_out_done(y, yv);
     if (dt_wants_grad(x, NULL, NULL)) dt_tape_push(dt_gelu_backward, y, x, NULL, NULL);
     return y;
 }
@@ -1544,91 +1684,100 @@ static void dt_layernorm_backward(dt_tape_entry *e) {
     dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
     int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
     const float *stats = (const float *)e->saved;      /* mean[N], rstd[N] */
-    const float *dy = y->grad;
+    const float *dy = dt_grad_in(y), *xv = dt_in(x), *wv = w ? dt_in(w) : NULL;
+    float *dx = x->requires_grad ? dt_grad_acc(x) : NULL;
+    float *dw = w && w->requires_grad ? dt_grad_acc(w) : NULL, *db = b && b->requires_grad ? dt_grad_acc(b) : NULL;
     const dt_backend *gpu = dt_backend_for(x);
-    if (gpu) {
-        gpu->layernorm_backward(x->data, w ? w->data : NULL, dy, stats, x->requires_grad ? dt_grad(x) : NULL,
-                                w && w->requires_grad ? dt_grad(w) : NULL, b && b->requires_grad ? dt_grad(b) : NULL,
-                                N, D);
-        return;
-    }
-    if (x->requires_grad) {
-        float *dx = dt_grad(x);
+    if (gpu) gpu->layernorm_backward(xv, wv, dy, stats, dx, dw, db, N, D);
+    if (!gpu && dx) {
         DT_OMP("omp parallel for if(N * D > 32768)")
         for (int i = 0; i < N; i++) {
-            const float *xr = x->data + (size_t)i * D, *dyr = dy + (size_t)i * D;
+            const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
             float mean = stats[i], rstd = stats[N + i];
             double sum_g = 0, sum_gx = 0;          /* g = dy * w, the gradient of x-hat */
             for (int j = 0; j < D; j++) {
-                float g = dyr[j] * (w ? w->data[j] : 1.0f);
+                float g = dyr[j] * (wv ? wv[j] : 1.0f);
                 sum_g += g;
                 sum_gx += g * (xr[j] - mean) * rstd;
             }
             float mg = (float)(sum_g / D), mgx = (float)(sum_gx / D);
             float *dxr = dx + (size_t)i * D;
             for (int j = 0; j < D; j++) {
-                float g = dyr[j] * (w ? w->data[j] : 1.0f), xhat = (xr[j] - mean) * rstd;
+                float g = dyr[j] * (wv ? wv[j] : 1.0f), xhat = (xr[j] - mean) * rstd;
                 dxr[j] += rstd * (g - mg - xhat * mgx);
             }
         }
     }
-    if ((w && w->requires_grad) || (b && b->requires_grad)) {
-        float *dw = w && w->requires_grad ? dt_grad(w) : NULL, *db = b && b->requires_grad ? dt_grad(b) : NULL;
+    if (!gpu && (dw || db)) {
         for (int i = 0; i < N; i++) {
-            const float *xr = x->data + (size_t)i * D, *dyr = dy + (size_t)i * D;
+            const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
             float mean = stats[i], rstd = stats[N + i];
             if (dw) for (int j = 0; j < D; j++) dw[j] += dyr[j] * (xr[j] - mean) * rstd;
             if (db) for (int j = 0; j < D; j++) db[j] += dyr[j];
         }
     }
+    if (dx) dt_grad_acc_done(x, dx);
+    if (dw) dt_grad_acc_done(w, dw);
+    if (db) dt_grad_acc_done(b, db);
 }
+/* Under mixed precision the statistics are computed in f32 from the 16-bit
+   input, and the normalised output is stored in 16 bits. */
 dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *w, dt_tensor *b, float eps) {
     int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
     const dt_backend *gpu = dt_backend_for(x);
+    dt_scratch_reset();
     dt_tensor *y = dt_tensor_out(x->ndim, x->shape);
     float *stats = (float *)dt_step_data(sizeof(float) * 2 * (size_t)N);
-    if (gpu) gpu->layernorm_forward(x->data, w ? w->data : NULL, b ? b->data : NULL, y->data, stats, N, D, eps);
+    const float *xv = dt_in(x), *wv = w ? dt_in(w) : NULL, *bv = b ? dt_in(b) : NULL;
+    float *yv = dt_out(y);
+    if (gpu) gpu->layernorm_forward(xv, wv, bv, yv, stats, N, D, eps);
     else {
         DT_OMP("omp parallel for if(N * D > 32768)")
         for (int i = 0; i < N; i++) {
-            const float *xr = x->data + (size_t)i * D;
-            float *yr = y->data + (size_t)i * D;
+            const float *xr = xv + (size_t)i * D;
+            float *yr = yv + (size_t)i * D;
             float sum = 0, var = 0;
             for (int j = 0; j < D; j++) sum += xr[j];
             float mean = sum / D;
             for (int j = 0; j < D; j++) { float d = xr[j] - mean; var += d * d; }
             float rstd = 1.0f / sqrtf(var / D + eps);       /* biased variance, as PyTorch */
             for (int j = 0; j < D; j++)
-                yr[j] = (xr[j] - mean) * rstd * (w ? w->data[j] : 1.0f) + (b ? b->data[j] : 0.0f);
+                yr[j] = (xr[j] - mean) * rstd * (wv ? wv[j] : 1.0f) + (bv ? bv[j] : 0.0f);
             stats[i] = mean;
             stats[N + i] = rstd;
         }
     }
+    dt_out_done(y, yv);
     if (dt_wants_grad(x, w, b)) dt_tape_push(dt_layernorm_backward, y, x, w, b)->saved = stats;
     return y;
 }
 
 /* -- residual addition -- */
 static void dt_add_backward(dt_tape_entry *e) {
+    const float *dy = dt_grad_in(e->out);
     for (int k = 0; k < 2; k++) {
         dt_tensor *t = e->in[k];
         if (!t->requires_grad) continue;
-        float *g = dt_grad(t);
-        const float *dy = e->out->grad;
+        float *g = dt_grad_acc(t);
         const dt_backend *gpu = dt_backend_for(t);
         if (gpu) gpu->accumulate(g, dy, t->numel);
         else
             for (int64_t i = 0; i < t->numel; i++) g[i] += dy[i];
+        dt_grad_acc_done(t, g);
     }
 }
 dt_tensor *dt_add(dt_tensor *a, dt_tensor *b) {
     if (a->numel != b->numel) dt_fail("add: %lld and %lld elements", (long long)a->numel, (long long)b->numel);
     const dt_backend *gpu = dt_backend_for(a);
     dt_backend_for(b);
+    dt_scratch_reset();
     dt_tensor *y = dt_tensor_out(a->ndim, a->shape);
-    if (gpu) gpu->add(a->data, b->data, y->data, a->numel);
+    const float *av = dt_in(a), *bv = dt_in(b);
+    float *yv = dt_out(y);
+    if (gpu) gpu->add(av, bv, yv, a->numel);
     else
-        for (int64_t i = 0; i < a->numel; i++) y->data[i] = a->data[i] + b->data[i];
+        for (int64_t i = 0; i < a->numel; i++) yv[i] = av[i] + bv[i];
+    dt_out_done(y, yv);
     if (dt_wants_grad(a, b, NULL)) dt_tape_push(dt_add_backward, y, a, b, NULL);
     return y;
 }
@@ -1644,20 +1793,21 @@ static void dt_attention_backward(dt_tape_entry *e) {
     if (!qkv->requires_grad) return;
     int B = e->iarg[0], T = e->iarg[1], H = e->iarg[2], D = (int)dt_tensor_cols(e->out), hd = D / H;
     float scale = e->farg[0];
-    const float *P = (const float *)e->saved, *dout = e->out->grad;
-    float *dqkv = dt_grad(qkv);
+    const float *P = (const float *)e->saved, *dout = dt_grad_in(e->out), *qkvv = dt_in(qkv);
+    float *dqkv = dt_grad_acc(qkv);
     const dt_backend *gpu = dt_backend_for(qkv);
     dt_ctx.flops += 8.0 * B * H * T * T * hd;
     if (gpu) {
-        float *scratch = (float *)dt_step_data(sizeof(float) * (size_t)DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D));
+        float *scratch = (float *)dt_scratch_on(qkv->device, sizeof(float) * (size_t)DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D));
         gpu->attention_backward(P, dout, dqkv, scratch, B, T, H, D, scale);
+        dt_grad_acc_done(qkv, dqkv);
         return;
     }
-    float *dP_all = (float *)dt_step_data(sizeof(float) * (size_t)B * H * T * T);
+    float *dP_all = (float *)dt_scratch_on(qkv->device, sizeof(float) * (size_t)B * H * T * T);
     DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
-        const float *q = qkv->data + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
         float *dq = dqkv + (size_t)b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
         const float *p = P + (size_t)bh * T * T, *dO = dout + (size_t)b * T * D + h * hd;
         float *dp = dP_all + (size_t)bh * T * T;
@@ -1673,6 +1823,7 @@ static void dt_attention_backward(dt_tape_entry *e) {
         dt_gemm(0, 0, T, hd, T, 1.0f, dp, T, k, 3 * D, 1.0f, dq, 3 * D);  /* dQ += dS K */
         dt_gemm(1, 0, T, hd, T, 1.0f, dp, T, q, 3 * D, 1.0f, dk, 3 * D);  /* dK += dS^T Q */
     }
+    dt_grad_acc_done(qkv, dqkv);
 }
 dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
     int D = (int)dt_tensor_cols(qkv) / 3;
@@ -1682,15 +1833,19 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
     int hd = D / H;
     float scale = 1.0f / sqrtf((float)hd);
     const dt_backend *gpu = dt_backend_for(qkv);
+    dt_scratch_reset();
     dt_tensor *out = dt_tensor_out_2d(B * T, D);
+    /* the probabilities stay f32 (softmax in f32 under mixed precision too) */
     float *P = (float *)dt_step_data(sizeof(float) * (size_t)(gpu ? DT_ATTENTION_SAVED_FLOATS(B, T, H, D)
                                                                    : (int64_t)B * H * T * T));
-    if (gpu) gpu->attention_forward(qkv->data, out->data, P, B, T, H, D, scale, causal);
+    const float *qkvv = dt_in(qkv);
+    float *outv = dt_out(out);
+    if (gpu) gpu->attention_forward(qkvv, outv, P, B, T, H, D, scale, causal);
     else {
         DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
         for (int bh = 0; bh < B * H; bh++) {
             int b = bh / H, h = bh % H;
-            const float *q = qkv->data + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+            const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
             float *p = P + (size_t)bh * T * T;
             dt_gemm(0, 1, T, T, hd, scale, q, 3 * D, k, 3 * D, 0.0f, p, T);   /* S = Q K^T / sqrt(d) */
             for (int i = 0; i < T; i++) {                                     /* row softmax */
@@ -1703,9 +1858,10 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
                 for (int j = valid; j < T; j++) r[j] = 0.0f;
             }
             dt_gemm(0, 0, T, hd, T, 1.0f, p, T, v, 3 * D, 0.0f,                /* O = P V */
-                    out->data + (size_t)b * T * D + h * hd, D);
+                    outv + (size_t)b * T * D + h * hd, D);
         }
     }
+    dt_out_done(out, outv);
     dt_ctx.flops += 4.0 * B * H * T * T * hd;
     if (dt_wants_grad(qkv, NULL, NULL)) {
         dt_tape_entry *e = dt_tape_push(dt_attention_backward, out, qkv, NULL, NULL);
@@ -1718,33 +1874,41 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
 static void dt_vit_tokens_backward(dt_tape_entry *e) {
     dt_tensor *patches = e->in[0], *cls = e->in[1], *pos = e->in[2];
     int B = e->iarg[0], P = e->iarg[1], D = e->iarg[2], T = P + 1;
-    const float *dy = e->out->grad;
-    float *dpatch = patches->requires_grad ? dt_grad(patches) : NULL;
-    float *dcls = cls->requires_grad ? dt_grad(cls) : NULL, *dpos = pos->requires_grad ? dt_grad(pos) : NULL;
+    const float *dy = dt_grad_in(e->out);
+    float *dpatch = patches->requires_grad ? dt_grad_acc(patches) : NULL;
+    float *dcls = cls->requires_grad ? dt_grad_acc(cls) : NULL, *dpos = pos->requires_grad ? dt_grad_acc(pos) : NULL;
     const dt_backend *gpu = dt_backend_for(patches);
-    if (gpu) { gpu->vit_tokens_backward(dy, dpatch, dcls, dpos, B, P, D); return; }
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++) {
-            const float *g = dy + ((size_t)b * T + t) * D;
-            if (dpos) for (int j = 0; j < D; j++) dpos[(size_t)t * D + j] += g[j];
-            if (t == 0) { if (dcls) for (int j = 0; j < D; j++) dcls[j] += g[j]; }
-            else if (dpatch) for (int j = 0; j < D; j++) dpatch[((size_t)b * P + t - 1) * D + j] += g[j];
-        }
+    if (gpu) gpu->vit_tokens_backward(dy, dpatch, dcls, dpos, B, P, D);
+    else
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++) {
+                const float *g = dy + ((size_t)b * T + t) * D;
+                if (dpos) for (int j = 0; j < D; j++) dpos[(size_t)t * D + j] += g[j];
+                if (t == 0) { if (dcls) for (int j = 0; j < D; j++) dcls[j] += g[j]; }
+                else if (dpatch) for (int j = 0; j < D; j++) dpatch[((size_t)b * P + t - 1) * D + j] += g[j];
+            }
+    if (dpatch) dt_grad_acc_done(patches, dpatch);
+    if (dcls) dt_grad_acc_done(cls, dcls);
+    if (dpos) dt_grad_acc_done(pos, dpos);
 }
 dt_tensor *dt_vit_tokens(dt_tensor *patches, dt_tensor *cls, dt_tensor *pos, int B) {
     int D = (int)dt_tensor_cols(patches), P = (int)(dt_tensor_rows(patches) / B), T = P + 1;
     if (pos->numel != (int64_t)T * D || cls->numel != D)
         dt_fail("vit tokens: %d patches of %d need pos_embed of %d x %d", P, D, T, D);
     const dt_backend *gpu = dt_backend_for(patches);
+    dt_scratch_reset();
     dt_tensor *y = dt_tensor_out_2d(B * T, D);
-    if (gpu) gpu->vit_tokens_forward(patches->data, cls->data, pos->data, y->data, B, P, D);
+    const float *pv = dt_in(patches), *cv = dt_in(cls), *posv = dt_in(pos);
+    float *yv = dt_out(y);
+    if (gpu) gpu->vit_tokens_forward(pv, cv, posv, yv, B, P, D);
     else
         for (int b = 0; b < B; b++)
             for (int t = 0; t < T; t++) {
-                float *o = y->data + ((size_t)b * T + t) * D;
-                const float *src = t == 0 ? cls->data : patches->data + ((size_t)b * P + t - 1) * D;
-                for (int j = 0; j < D; j++) o[j] = src[j] + pos->data[(size_t)t * D + j];
+                float *o = yv + ((size_t)b * T + t) * D;
+                const float *src = t == 0 ? cv : pv + ((size_t)b * P + t - 1) * D;
+                for (int j = 0; j < D; j++) o[j] = src[j] + posv[(size_t)t * D + j];
             }
+    dt_out_done(y, yv);
     if (dt_wants_grad(patches, cls, pos)) {
         dt_tape_entry *e = dt_tape_push(dt_vit_tokens_backward, y, patches, cls, pos);
         e->iarg[0] = B; e->iarg[1] = P; e->iarg[2] = D;
@@ -1757,20 +1921,27 @@ static void dt_select_token_backward(dt_tape_entry *e) {
     dt_tensor *x = e->in[0];
     if (!x->requires_grad) return;
     int B = e->iarg[0], T = e->iarg[1], idx = e->iarg[2], D = (int)dt_tensor_cols(x);
-    float *dx = dt_grad(x);
+    float *dx = dt_grad_acc(x);
+    const float *dy = dt_grad_in(e->out);
     const dt_backend *gpu = dt_backend_for(x);
-    if (gpu) { gpu->select_token_backward(e->out->grad, dx, B, T, idx, D); return; }
-    for (int b = 0; b < B; b++)
-        for (int j = 0; j < D; j++) dx[((size_t)b * T + idx) * D + j] += e->out->grad[(size_t)b * D + j];
+    if (gpu) gpu->select_token_backward(dy, dx, B, T, idx, D);
+    else
+        for (int b = 0; b < B; b++)
+            for (int j = 0; j < D; j++) dx[((size_t)b * T + idx) * D + j] += dy[(size_t)b * D + j];
+    dt_grad_acc_done(x, dx);
 }
 dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int idx) {
     int D = (int)dt_tensor_cols(x);
     const dt_backend *gpu = dt_backend_for(x);
+    dt_scratch_reset();
     dt_tensor *y = dt_tensor_out_2d(B, D);
-    if (gpu) gpu->select_token_forward(x->data, y->data, B, T, idx, D);
+    const float *xv = dt_in(x);
+    float *yv = dt_out(y);
+    if (gpu) gpu->select_token_forward(xv, yv, B, T, idx, D);
     else
         for (int b = 0; b < B; b++)
-            memcpy(y->data + (size_t)b * D, x->data + ((size_t)b * T + idx) * D, sizeof(float) * D);
+            memcpy(yv + (size_t)b * D, xv + ((size_t)b * T + idx) * D, sizeof(float) * D);
+    dt_out_done(y, yv);
     if (dt_wants_grad(x, NULL, NULL)) {
         dt_tape_entry *e = dt_tape_push(dt_select_token_backward, y, x, NULL, NULL);
         e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = idx;
@@ -1787,30 +1958,35 @@ static void dt_cross_entropy_backward(dt_tape_entry *e) {
     int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits);
     const float *p = (const float *)e->saved;
     const int32_t *labels = (const int32_t *)(p + (size_t)B * C);
-    float *dl = dt_grad(logits);
+    float *dl = dt_grad_acc(logits);
     const dt_backend *gpu = dt_backend_for(logits);
-    if (gpu) { gpu->cross_entropy_backward(p, labels, e->out->grad, dl, B, C); return; }
-    float scale = e->out->grad[0] / B;
-    for (int i = 0; i < B; i++)
-        for (int j = 0; j < C; j++)
-            dl[(size_t)i * C + j] += (p[(size_t)i * C + j] - (j == labels[i] ? 1.0f : 0.0f)) * scale;
+    if (gpu) gpu->cross_entropy_backward(p, labels, e->out->grad, dl, B, C);
+    else {
+        float scale = e->out->grad[0] / B;
+        for (int i = 0; i < B; i++)
+            for (int j = 0; j < C; j++)
+                dl[(size_t)i * C + j] += (p[(size_t)i * C + j] - (j == labels[i] ? 1.0f : 0.0f)) * scale;
+    }
+    dt_grad_acc_done(logits, dl);
 }
 dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
     int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits);
     for (int i = 0; i < B; i++)
         if (labels[i] < 0 || labels[i] >= C) dt_fail("cross entropy: label %d outside [0, %d)", labels[i], C);
     const dt_backend *gpu = dt_backend_for(logits);
+    dt_scratch_reset();
     float *p = (float *)dt_step_data(sizeof(float) * (size_t)B * C + sizeof(int32_t) * B);
     int32_t *saved_labels = (int32_t *)(p + (size_t)B * C);
     int s1[1] = { 1 };
-    dt_tensor *loss = dt_tensor_out(1, s1);
+    dt_tensor *loss = dt_tensor_alloc(1, s1, DT_F32);        /* the loss is f32, always */
+    const float *lv = dt_in(logits);
     if (gpu) {
         gpu->upload(saved_labels, labels, sizeof(int32_t) * B);
-        gpu->cross_entropy_forward(logits->data, saved_labels, p, loss->data, B, C);
+        gpu->cross_entropy_forward(lv, saved_labels, p, loss->data, B, C);
     } else {
         double total = 0;
         for (int i = 0; i < B; i++) {
-            const float *r = logits->data + (size_t)i * C;
+            const float *r = lv + (size_t)i * C;
             float *pr = p + (size_t)i * C;
             float mx = r[0];
             for (int j = 1; j < C; j++) mx = r[j] > mx ? r[j] : mx;
@@ -1830,17 +2006,22 @@ dt_tensor *dt_patchify(const dt_tensor *img, int p) {
     int B = img->shape[0], C = img->shape[1], H = img->shape[2], W = img->shape[3];
     int ph = H / p, pw = W / p;
     const dt_backend *gpu = dt_backend_for(img);
+    dt_scratch_reset();
     dt_tensor *y = dt_tensor_out_2d(B * ph * pw, C * p * p);
-    if (gpu) { gpu->patchify(img->data, y->data, B, C, H, W, p); return y; }
-    for (int b = 0; b < B; b++)
-        for (int py = 0; py < ph; py++)
-            for (int px = 0; px < pw; px++) {
-                float *row = y->data + ((size_t)(b * ph + py) * pw + px) * C * p * p;
-                for (int c = 0; c < C; c++)
-                    for (int ky = 0; ky < p; ky++)
-                        memcpy(row + (c * p + ky) * p,
-                               img->data + (((size_t)b * C + c) * H + py * p + ky) * W + px * p, sizeof(float) * p);
-            }
+    const float *iv = dt_in(img);
+    float *yv = dt_out(y);
+    if (gpu) gpu->patchify(iv, yv, B, C, H, W, p);
+    else
+        for (int b = 0; b < B; b++)
+            for (int py = 0; py < ph; py++)
+                for (int px = 0; px < pw; px++) {
+                    float *row = yv + ((size_t)(b * ph + py) * pw + px) * C * p * p;
+                    for (int c = 0; c < C; c++)
+                        for (int ky = 0; ky < p; ky++)
+                            memcpy(row + (c * p + ky) * p,
+                                   iv + (((size_t)b * C + c) * H + py * p + ky) * W + px * p, sizeof(float) * p);
+                }
+    dt_out_done(y, yv);
     return y;
 }
 
@@ -2599,7 +2780,7 @@ int dt_loader_next(dt_loader *l, dt_batch *b) {
     const dt_dataset *ds = l->ds;
     int C = ds->channels, S = ds->size, pad = S / 8;
     int shape[4] = { B, C, S, S };
-    b->images = dt_tensor_out(4, shape);
+    b->images = dt_tensor_alloc(4, shape, DT_F32);
     b->labels = (int32_t *)dt_step_alloc(sizeof(int32_t) * B);
     b->size = B;
     /* The batch is assembled on the host; a GPU gets it in one upload. */
@@ -3396,9 +3577,10 @@ static void dt_record_comm(const char *name, double t0, double t1, double hidden
 /* A thread that ran ops gives back what its context holds before it ends. */
 static void dt_context_release(void) {
     dt_step_arena_reset();                  /* spill blocks back, the tape emptied */
-    for (int d = 0; d < 2; d++) {
-        dt_step_arena *a = &dt_ctx.step[d];
-        if (a->base) dt_free_on((dt_device)d, DT_ARENA_ACTS, a->base, a->cap);
+    dt_scratch_reset();
+    for (int d = 0; d < 4; d++) {
+        dt_step_arena *a = d < 2 ? &dt_ctx.step[d] : &dt_ctx.scratch[d - 2];
+        if (a->base) dt_free_on((dt_device)(d % 2), DT_ARENA_ACTS, a->base, a->cap);
         free(a->spill);
         free(a->spill_bytes);
         memset(a, 0, sizeof *a);
@@ -3452,7 +3634,7 @@ static void dt_dp_device_forward(dt_dp *dp, dt_dp_device *d, double *t0, double 
     const dt_tensor *all = dp->images;
     int shape[4] = { dp->rows, all->shape[1], all->shape[2], all->shape[3] };
     size_t per_image = (size_t)(all->numel / all->shape[0]);
-    dt_tensor *mine = dt_tensor_out(all->ndim, shape);
+    dt_tensor *mine = dt_tensor_alloc(all->ndim, shape, DT_F32);
     memcpy(mine->data, all->data + (size_t)d->index * dp->rows * per_image,      /* scatter: a copy to this device */
            (size_t)dp->rows * per_image * sizeof(float));
     d->logits = dt_model_forward(m, mine);
@@ -4199,7 +4381,7 @@ static int dt_json_int_array(dt_json *j, int64_t *out, int max) {
     return n;
 }
 
-static int dt_dtype_size(const char *d) {
+static int dt_safetensors_dtype_size(const char *d) {
     if (!strcmp(d, "F32")) return 4;
     if (!strcmp(d, "F16") || !strcmp(d, "BF16")) return 2;
     if (!strcmp(d, "F64")) return 8;
@@ -4275,7 +4457,7 @@ dt_safetensors *dt_safetensors_read(const char *path) {
         dt_st_tensor *t = &st->t[i];
         uint64_t numel = 1;
         for (int d = 0; d < t->ndim; d++) numel *= (uint64_t)t->shape[d];
-        int es = dt_dtype_size(t->dtype);
+        int es = dt_safetensors_dtype_size(t->dtype);
         if (es && t->end - t->begin != numel * es)
             dt_fail("'%s': tensor '%s' claims %llu bytes for %llu %s elements", path, t->name,
                     (unsigned long long)(t->end - t->begin), (unsigned long long)numel, t->dtype);
@@ -4319,7 +4501,7 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
                     st->path, name, a, b);
         }
         const unsigned char *src = st->buf + st->data_start + t->begin;
-        uint64_t numel = (t->end - t->begin) / (uint64_t)(dt_dtype_size(t->dtype) ? dt_dtype_size(t->dtype) : 1);
+        uint64_t numel = (t->end - t->begin) / (uint64_t)(dt_safetensors_dtype_size(t->dtype) ? dt_safetensors_dtype_size(t->dtype) : 1);
         if (!strcmp(t->dtype, "F32")) memcpy(dst, src, numel * 4);
         else if (!strcmp(t->dtype, "F64")) for (uint64_t k = 0; k < numel; k++) { double v; memcpy(&v, src + 8 * k, 8); dst[k] = (float)v; }
         else if (!strcmp(t->dtype, "F16")) for (uint64_t k = 0; k < numel; k++) dst[k] = dt_f16_to_f32((uint16_t)(src[2 * k] | src[2 * k + 1] << 8));
@@ -5493,6 +5675,17 @@ static void dt_cuda_gemm(int ta, int tb, int M, int N, int K, float alpha, const
     DT_CUBLAS_CHECK(cublasSgemm(dt_cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
                                 &alpha, B, ldb, A, lda, &beta, C, ldc));
 }
+/* Mixed precision: 16-bit operands on the tensor cores, products summed in f32
+   (CUBLAS_COMPUTE_32F), an f32 result. This is where bf16 earns its speed. */
+static void dt_cuda_gemm_half(dt_dtype dtype, int ta, int tb, int M, int N, int K, const void *A, int lda,
+                              const void *B, int ldb, float beta, float *C, int ldc) {
+    if (M <= 0 || N <= 0) return;
+    float alpha = 1.0f;
+    cudaDataType_t t = dtype == DT_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+    DT_CUBLAS_CHECK(cublasGemmEx(dt_cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
+                                 &alpha, B, t, ldb, A, t, lda, &beta, C, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
+                                 CUBLAS_GEMM_DEFAULT));
+}
 static void dt_cuda_gemm_batched(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                                  long long sa, const float *B, int ldb, long long sb, float beta, float *C, int ldc,
                                  long long sc, int batch) {
@@ -5900,7 +6093,7 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     snprintf(t->name, sizeof t->name, "%s", prop.name);
     t->alloc = dt_cuda_alloc; t->release = dt_cuda_release; t->zero = dt_cuda_zero;
     t->upload = dt_cuda_upload; t->download = dt_cuda_download; t->synchronize = dt_cuda_synchronize;
-    t->gemm = dt_cuda_gemm; t->add_bias = dt_cuda_add_bias; t->sum_rows = dt_cuda_sum_rows;
+    t->gemm = dt_cuda_gemm; t->gemm_half = dt_cuda_gemm_half; t->add_bias = dt_cuda_add_bias; t->sum_rows = dt_cuda_sum_rows;
     t->gelu_forward = dt_cuda_gelu_forward; t->gelu_backward = dt_cuda_gelu_backward;
     t->layernorm_forward = dt_cuda_layernorm_forward; t->layernorm_backward = dt_cuda_layernorm_backward;
     t->add = dt_cuda_add; t->accumulate = dt_cuda_accumulate;
