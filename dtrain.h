@@ -491,6 +491,12 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb);
    rank then holds the average gradient. */
 void dt_ddp_sync_grads(dt_ddp *ddp);
 int dt_ddp_buckets(const dt_ddp *ddp);
+/* Gradient accumulation (stage 05): with sync 0 the backward passes that follow
+   leave their gradients to add up locally and communicate nothing (PyTorch's
+   no_sync()); the backward after dt_ddp_set_sync(ddp, 1) all-reduces the sum. */
+void dt_ddp_set_sync(dt_ddp *ddp, int sync);
+/* All-reduce gradients in this dtype (default f32): bf16 halves the bytes. */
+void dt_ddp_set_reduce_dtype(dt_ddp *ddp, dt_dtype dtype);
 void dt_ddp_free(dt_ddp *ddp);
 
 /* Fully sharded data parallel (stages 04-05): like DDP, but no rank keeps the
@@ -524,7 +530,51 @@ void dt_fsdp_sync_grads(dt_fsdp *fsdp);
 /* After the optimizer: DT_SHARD_OPTIMIZER and _GRADS all-gather the updated
    parameters (DT_SHARD_FULL gathers each unit when it is next used). */
 void dt_fsdp_after_step(dt_fsdp *fsdp);
+/* Gradient accumulation (stage 05), as dt_ddp_set_sync: with sync 0 no unit is
+   reduce-scattered, and each unit's whole gradient adds up in a buffer of the
+   model's size (PyTorch's FSDP no_sync() keeps unsharded gradients too: fewer
+   collectives, paid for in memory); the next synchronised backward
+   reduce-scatters the sums. */
+void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync);
+/* Reduce-scatter gradients in this dtype (default f32), as PyTorch's
+   MixedPrecision(reduce_dtype=...). Parameters are gathered in the compute
+   dtype that was set when dt_fsdp_create ran (section 12). */
+void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype);
 void dt_fsdp_free(dt_fsdp *fsdp);
+
+/* ---- 12. mixed precision ------------------------------------------------------------ */
+
+/* The dtype activations are stored in and matmuls read (default DT_F32). With
+   DT_BF16 or DT_F16, parameters, their gradients and the optimizer state stay
+   f32 -- the master weights -- and every op reads its inputs rounded to 16 bits
+   and stores its output in 16 bits; layernorm statistics, softmax, the loss and
+   every sum inside a matmul stay f32. Set it before dt_fsdp_create. */
+void dt_set_compute_dtype(dt_dtype dtype);
+dt_dtype dt_compute_dtype(void);
+
+/* Dynamic loss scaling, for fp16: its smallest number is 6e-8 (2^-24), and
+   gradients of activations fall below it and become 0. Multiplying the loss by
+   `scale` lifts every gradient by the same factor; the optimizer sees them
+   divided again. Too large a scale makes some gradient inf: that step is
+   skipped and the scale halved. After growth_interval good steps in a row it
+   doubles. bf16 has f32's exponent range and needs none (enabled 0, scale 1). */
+typedef struct dt_loss_scaler {
+    int enabled;
+    float scale;               /* starts at 65536 */
+    int growth_interval;       /* 2000 */
+    int64_t good_steps;        /* since the last skip or growth */
+    int64_t skipped;           /* steps skipped so far */
+    int last_skipped;          /* the last step was skipped */
+} dt_loss_scaler;
+dt_loss_scaler dt_loss_scaler_create(dt_dtype dtype);
+/* Backward of loss * scale / accum_steps: each of accum_steps micro-batches
+   adds its share, so their sum is the gradient of the mean over all of them. */
+void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *scaler, int accum_steps);
+/* After the gradients are synchronised, before the optimizer: returns 1 with
+   the gradients divided by the scale; or, when any gradient on any rank is inf
+   or NaN, 0 with the gradients zeroed, the scale halved and the step to be
+   skipped -- every rank decides alike, as the check is summed over them. */
+int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt);
 
 /* ---- 13. checkpoints (safetensors) ------------------------------------------------ */
 
@@ -584,6 +634,8 @@ typedef struct dt_config {
     float bucket_mb;             /* --bucket-mb: DDP's gradient buckets (0: one all-reduce after backward) */
     int shard;                   /* --shard: what FSDP shards (a dt_shard_mode; default full) */
     int cpu_offload;             /* --cpu-offload: FSDP's shards and optimizer in host memory */
+    int accum_steps;             /* --accum-steps: micro-batches per optimizer step (05) */
+    int dtype, reduce_dtype;     /* --dtype, --reduce-dtype: a dt_dtype each (05) */
     float timeout;               /* --timeout: seconds before a missing rank stops the job */
     int rank, world_size, local_rank;   /* this process's place in the job (from the environment) */
 } dt_config;
@@ -610,6 +662,9 @@ typedef struct dt_run {
     double last_loss, loss_sum;
     int64_t loss_count, steps_run;
     double eval_loss, eval_acc;
+    int micro;                 /* micro-batches of this step done so far (--accum-steps) */
+    double micro_loss;         /* and the sum of their losses */
+    dt_loss_scaler scaler;     /* --dtype fp16's loss scale (disabled otherwise) */
     FILE *log, *trace;
     int stop;
     /* --bench: the timed steps (after two warm-up steps) and what they spent */
@@ -625,8 +680,14 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
 /* Start the next epoch's data order; 0 when every epoch (or --steps) is done. */
 int dt_next_epoch(dt_run *run);
 /* Begin a step (reset the step arena, start the clock) and fetch its batch; 0 at
-   the end of the epoch. */
+   the end of the epoch. With --accum-steps K a step takes K batches (micro-
+   batches): each call fetches the next, and a step begins with every K-th. */
 int dt_next_batch(dt_run *run, dt_batch *batch);
+/* 1 when the batch just fetched is the last of its step: the one whose backward
+   communicates (always, when --accum-steps is 1). */
+int dt_last_micro_batch(const dt_run *run);
+/* After the backward of a micro-batch that is not the last: count its loss. */
+void dt_micro_batch_end(dt_run *run, dt_tensor *loss);
 /* The learning rate of the step about to run (warmup, then cosine). */
 float dt_run_lr(const dt_run *run);
 /* Called once per training step, right before the batch is fetched. */
@@ -634,7 +695,8 @@ void dt_step_begin(dt_run *run);
 /* Charge the time since the last mark to `phase` (and draw it in the trace). */
 void dt_phase(dt_run *run, dt_phase_kind phase);
 /* After the optimizer: log, print progress, evaluate; returns 1 when --steps is
-   reached. In a job the logged loss is the mean over every rank's batch. */
+   reached. In a job the logged loss is the mean over every rank's batch (and
+   over the step's micro-batches). */
 int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size);
 /* At an epoch's end: evaluate and write a checkpoint (when --save-dir is given). */
 void dt_epoch_end(dt_run *run);
@@ -835,6 +897,9 @@ typedef struct dt_backend {
 #include <xmmintrin.h>
 #include <pmmintrin.h>
 #endif
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#endif
 #ifdef DT_HAVE_STB
 #include <stb/stb_image.h>
 #include <stb/stb_image_write.h>
@@ -903,6 +968,7 @@ typedef struct dt_context {
     double comm_ms, comm_hidden_ms;
     struct { char name[32]; double t0, t1; } comm_events[64];
     int ncomm_events;
+    int64_t grad_collectives;          /* gradient all-reduces and reduce-scatters issued this step */
 } dt_context;
 
 static DT_THREAD_LOCAL dt_context dt_ctx = { .world_size = 1, .grad_enabled = 1 };
@@ -1505,6 +1571,61 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
     dt_ctx.tape_len = 0;
 }
 
+/* -- precision conversion: mixed precision converts every activation twice, so
+      the CPU loops are written one per direction, where the compiler turns
+      them into vector code; x86's F16C instructions convert f16 eight at a
+      time, rounding to nearest even as dt_f32_to_f16 does (a test holds them
+      to it, bit for bit). -- */
+static void dt_f32_to_half_cpu(const float *x, uint16_t *h, dt_dtype to, int64_t n) {
+    int64_t i = 0;
+    if (to == DT_BF16) {
+        for (; i < n; i++) h[i] = dt_f32_to_bf16(x[i]);
+        return;
+    }
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) h[i] = dt_f32_to_f16(x[i]);
+}
+static void dt_half_to_f32_cpu(const uint16_t *h, float *x, dt_dtype from, int64_t n) {
+    int64_t i = 0;
+    if (from == DT_BF16) {
+        for (; i < n; i++) x[i] = dt_bf16_to_f32(h[i]);
+        return;
+    }
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) x[i] = dt_f16_to_f32(h[i]);
+}
+/* Round f32 values to a 16-bit type and widen them again, in one pass. */
+static void dt_round_f32_cpu(const float *x, float *y, dt_dtype to, int64_t n) {
+    uint16_t h[256];
+    for (int64_t i = 0; i < n; i += 256) {
+        int64_t c = n - i < 256 ? n - i : 256;
+        dt_f32_to_half_cpu(x + i, h, to, c);
+        dt_half_to_f32_cpu(h, y + i, to, c);
+    }
+}
+void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
+    const dt_backend *gpu = dt_backend_of(dt_ctx.device);
+    if (gpu) { gpu->convert(src, from, dst, to, n); return; }
+    const int64_t chunk = 16384;              /* cores share the work when there is enough */
+    DT_OMP("omp parallel for schedule(static) if(n > 4 * chunk)")
+    for (int64_t i = 0; i < n; i += chunk) {
+        int64_t c = n - i < chunk ? n - i : chunk;
+        if (from == to) memcpy((char *)dst + i * dt_dtype_size(to), (const char *)src + i * dt_dtype_size(to), (size_t)c * dt_dtype_size(to));
+        else if (from == DT_F32) dt_f32_to_half_cpu((const float *)src + i, (uint16_t *)dst + i, to, c);
+        else if (to == DT_F32) dt_half_to_f32_cpu((const uint16_t *)src + i, (float *)dst + i, from, c);
+        else
+            for (int64_t k = i; k < i + c; k++) {       /* bf16 <-> f16, through f32 */
+                float v = from == DT_BF16 ? dt_bf16_to_f32(((const uint16_t *)src)[k]) : dt_f16_to_f32(((const uint16_t *)src)[k]);
+                ((uint16_t *)dst)[k] = to == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
+            }
+    }
+}
+
 /* -- how an op sees its tensors. Ops compute in f32. With f32 everywhere the
       views below are the tensors' own buffers and cost nothing. Under mixed
       precision (section 12) an op reads every input as f32 values rounded to
@@ -1519,6 +1640,14 @@ static int dt_mixed(void) { return dt_ctx.compute_dtype != DT_F32; }
    rounded to the compute dtype on the way (a 16-bit copy, widened again). */
 static float *dt_scratch_f32(const void *src, dt_dtype from, int64_t n) {
     float *f = (float *)dt_scratch_on(dt_ctx.device, (size_t)n * sizeof(float));
+    if (from == DT_F32 && dt_mixed() && dt_ctx.device == DT_CPU) {      /* the same, in one pass */
+        const int64_t chunk = 16384;
+        dt_dtype to = dt_ctx.compute_dtype;      /* read here: the context is per thread */
+        DT_OMP("omp parallel for schedule(static) if(n > 4 * chunk)")
+        for (int64_t i = 0; i < n; i += chunk)
+            dt_round_f32_cpu((const float *)src + i, f + i, to, n - i < chunk ? n - i : chunk);
+        return f;
+    }
     if (from == DT_F32 && dt_mixed()) {
         void *half = dt_scratch_on(dt_ctx.device, (size_t)n * 2);
         dt_convert(src, DT_F32, half, dt_ctx.compute_dtype, n);
@@ -2025,19 +2154,6 @@ dt_tensor *dt_patchify(const dt_tensor *img, int p) {
     return y;
 }
 
-/* -- precision conversion (the mixed-precision stage stores bf16/f16 copies) -- */
-void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
-    const dt_backend *gpu = dt_backend_of(dt_ctx.device);
-    if (gpu) { gpu->convert(src, from, dst, to, n); return; }
-    const float *f = (const float *)src;
-    const uint16_t *h = (const uint16_t *)src;
-    for (int64_t i = 0; i < n; i++) {
-        float v = from == DT_F32 ? f[i] : from == DT_BF16 ? dt_bf16_to_f32(h[i]) : dt_f16_to_f32(h[i]);
-        if (to == DT_F32) ((float *)dst)[i] = v;
-        else ((uint16_t *)dst)[i] = to == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
-    }
-}
-
 /* ==== 6. layers and models ======================================================
    A model is a list of named parameters in forward order plus a forward
    function. All parameters sit in one flat buffer (and their gradients in
@@ -2326,9 +2442,11 @@ void dt_optimizer_free(dt_optimizer *o) {
     free(o);
 }
 
-void dt_optimizer_step(dt_optimizer *o, float lr) {
+/* The squared norm of every gradient the optimizer steps -- of the whole
+   model: a sharded optimizer sums its ranks' parts. */
+static double dt_optimizer_grad_sum_squares(dt_optimizer *o) {
     int64_t n = o->numel;
-    float *g = o->grads;
+    const float *g = o->grads;
     const dt_backend *gpu = dt_backend_of(o->device);
     double sq = 0;
     if (gpu) sq = gpu->sum_squares(g, n);
@@ -2347,7 +2465,13 @@ void dt_optimizer_step(dt_optimizer *o, float lr) {
         dt_download(&part, buf, sizeof part);
         sq = part;
     }
-    o->last_grad_norm = (float)sqrt(sq);
+    return sq;
+}
+void dt_optimizer_step(dt_optimizer *o, float lr) {
+    int64_t n = o->numel;
+    float *g = o->grads;
+    const dt_backend *gpu = dt_backend_of(o->device);
+    o->last_grad_norm = (float)sqrt(dt_optimizer_grad_sum_squares(o));
     if (o->clip_norm > 0 && o->last_grad_norm > o->clip_norm) {   /* torch.nn.utils.clip_grad_norm_ */
         float c = o->clip_norm / (o->last_grad_norm + 1e-6f);
         if (gpu) gpu->scale(g, c, n);
@@ -3804,6 +3928,9 @@ struct dt_ddp {
     int nbuckets, launched;     /* buckets start in order: 0, 1, ... */
     dt_ddp_bucket *buckets;
     int *bucket_of;             /* parameter -> bucket */
+    int sync;                   /* 0: accumulate locally (no-sync), communicate nothing */
+    dt_dtype reduce_dtype;      /* what travels: f32, or 16-bit copies in `reduced` */
+    void *reduced;
 };
 
 /* Start every bucket that is complete and whose predecessors have started:
@@ -3812,11 +3939,18 @@ static void dt_ddp_launch(dt_ddp *d, int all) {
     while (d->launched < d->nbuckets && (all || d->buckets[d->launched].pending == 0)) {
         dt_ddp_bucket *b = &d->buckets[d->launched++];
         float *g = d->model->flat_grad + b->offset;
-        b->handle = dt_all_reduce_async(d->comm, g, g, b->count, DT_F32, DT_AVG);
+        void *buf = g;
+        if (d->reduce_dtype != DT_F32) {       /* a 16-bit copy travels, half the bytes */
+            buf = (uint16_t *)d->reduced + b->offset;
+            dt_convert(g, DT_F32, buf, d->reduce_dtype, b->count);
+        }
+        b->handle = dt_all_reduce_async(d->comm, buf, buf, b->count, d->reduce_dtype, DT_AVG);
+        dt_ctx.grad_collectives++;
     }
 }
 static void dt_ddp_grad_ready(dt_tensor *p, void *user) {
     dt_ddp *d = (dt_ddp *)user;
+    if (!d->sync) return;                             /* no-sync: the gradient stays here */
     int64_t i = p - d->model->params;
     if (i < 0 || i >= d->model->nparams) return;      /* not this model's */
     dt_ddp_bucket *b = &d->buckets[d->bucket_of[i]];
@@ -3832,6 +3966,8 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
         dt_fail("out of memory (DDP)");
     d->model = model;
     d->comm = comm;
+    d->sync = 1;
+    d->reduce_dtype = DT_F32;
     dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);   /* every replica starts from rank 0's */
     /* Buckets, from the last parameter back: ~bucket_mb each, the first 1 MB. */
     double cap = bucket_mb > 0 ? bucket_mb * 1048576.0 : 1e300, first_cap = cap < 1048576.0 ? cap : 1048576.0;
@@ -3854,8 +3990,17 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
     return d;
 }
 int dt_ddp_buckets(const dt_ddp *d) { return d->nbuckets; }
+void dt_ddp_set_sync(dt_ddp *d, int sync) { d->sync = sync; }
+void dt_ddp_set_reduce_dtype(dt_ddp *d, dt_dtype dtype) {
+    dt_device dev = d->model->device;
+    if (d->reduced) dt_free_on(dev, DT_ARENA_COMM, d->reduced, (size_t)d->model->numel * 2);
+    d->reduced = NULL;
+    d->reduce_dtype = dtype;
+    if (dtype != DT_F32) d->reduced = dt_alloc_on(dev, DT_ARENA_COMM, (size_t)d->model->numel * 2);
+}
 
 void dt_ddp_sync_grads(dt_ddp *d) {
+    if (!d->sync) return;                             /* accumulating: nothing leaves this rank */
     double backward_end = dt_now_ms();
     dt_ddp_launch(d, 1);
     for (int k = 0; k < d->nbuckets; k++) {
@@ -3866,6 +4011,8 @@ void dt_ddp_sync_grads(dt_ddp *d) {
         dt_comm_interval(d->comm, b->handle, &t0, &t1);
         snprintf(name, sizeof name, "all_reduce bucket %d", k);
         dt_record_comm(name, t0, t1, t0 < backward_end ? (t1 < backward_end ? t1 : backward_end) - t0 : 0);
+        if (d->reduce_dtype != DT_F32)
+            dt_convert((uint16_t *)d->reduced + b->offset, d->reduce_dtype, d->model->flat_grad + b->offset, DT_F32, b->count);
         b->pending = b->last - b->first + 1;
     }
     d->launched = 0;
@@ -3874,6 +4021,7 @@ void dt_ddp_sync_grads(dt_ddp *d) {
 void dt_ddp_free(dt_ddp *d) {
     if (!d) return;
     if (dt_ctx.grad_ready_user == d) dt_set_grad_ready_hook(NULL, NULL);
+    dt_ddp_set_reduce_dtype(d, DT_F32);
     free(d->buckets);
     free(d->bucket_of);
     free(d);
@@ -3885,7 +4033,9 @@ typedef struct dt_fsdp_unit {
     int64_t offset, numel;      /* where it sits in the model's parameter order */
     int64_t shard;              /* elements per rank: numel rounded up to a multiple of world, / world */
     int64_t shard_offset;       /* where its shard starts in this rank's flat shard buffers */
-    float *full, *full_grad;    /* [shard * world]: gathered parameters, and their gradients */
+    int64_t accum_offset;       /* where its whole gradient adds up while accumulating (no-sync) */
+    void *full;                 /* [shard * world] gathered parameters, in the compute dtype */
+    float *full_grad;           /* [shard * world] their gradients, f32 */
     dt_comm_handle gathering;   /* an all-gather in flight (a prefetch), or 0 */
 } dt_fsdp_unit;
 
@@ -3904,13 +4054,28 @@ struct dt_fsdp {
        buffers serve all of them (unit k takes buffer k % 2), and one gradient
        buffer, as backward does one unit at a time. Offloaded shards are
        uploaded into staging buffers, by the same rule. */
-    float *gathered[2], *gathered_grad, *staged[2], *scattered;
+    void *gathered[2];
+    float *gathered_grad, *staged[2], *scattered;
     int holder[2];                       /* the unit in each parameter buffer, or -1 */
-    size_t largest, largest_shard;       /* bytes: the largest unit, gathered, and its shard */
+    size_t largest, largest_shard;       /* f32 bytes: the largest unit, gathered, and its shard */
     int64_t prefetched;                  /* units that were already on their way when needed */
+    /* Stage 05. Mixed precision: parameters are gathered in param_dtype (the
+       compute dtype), each rank first narrowing its f32 shard into send16;
+       gradients are reduce-scattered in reduce_dtype through grad16 and
+       scattered16. Accumulation: with sync 0 nothing is reduce-scattered and
+       the units' whole gradients add up in `accum`. */
+    dt_dtype param_dtype, reduce_dtype;
+    void *send16[2], *grad16, *scattered16;
+    int sync;
+    float *accum;
+    int64_t accum_numel;
 };
 
 static size_t dt_fsdp_full_bytes(const dt_fsdp *f, const dt_fsdp_unit *u) { return (size_t)(u->shard * f->world) * sizeof(float); }
+static size_t dt_fsdp_param_bytes(const dt_fsdp *f, const dt_fsdp_unit *u) {
+    return (size_t)(u->shard * f->world) * dt_dtype_size(f->param_dtype);
+}
+static size_t dt_fsdp_largest_params(const dt_fsdp *f) { return f->largest / sizeof(float) * dt_dtype_size(f->param_dtype); }
 
 /* Unit k's slice of a shard buffer where the collectives can read it: the
    buffer itself, or, offloaded, a copy uploaded into staging buffer k % 2. */
@@ -3920,6 +4085,23 @@ static float *dt_fsdp_shard_on_device(dt_fsdp *f, const float *shards, int k) {
     dt_upload(f->staged[k % 2], shards + u->shard_offset, (size_t)u->shard * sizeof(float));
     return f->staged[k % 2];
 }
+/* Unit k's shard as the all-gather sends it: in the compute dtype, which under
+   mixed precision is a 16-bit copy (send16, one per neighbouring unit). */
+static const void *dt_fsdp_send_buffer(dt_fsdp *f, int k) {
+    float *mine = dt_fsdp_shard_on_device(f, f->shard_params, k);
+    if (f->param_dtype == DT_F32) return mine;
+    dt_convert(mine, DT_F32, f->send16[k % 2], f->param_dtype, f->units[k].shard);
+    return f->send16[k % 2];
+}
+/* A unit's whole parameters from f32 host values, in the compute dtype. */
+static void dt_fsdp_fill_params(dt_fsdp *f, dt_fsdp_unit *u, const float *host) {
+    if (f->param_dtype == DT_F32) { dt_upload(u->full, host, (size_t)u->numel * sizeof(float)); return; }
+    uint16_t *h = (uint16_t *)malloc((size_t)u->numel * 2 + 1);
+    if (!h) dt_fail("out of memory");
+    for (int64_t i = 0; i < u->numel; i++) h[i] = f->param_dtype == DT_BF16 ? dt_f32_to_bf16(host[i]) : dt_f32_to_f16(host[i]);
+    dt_upload(u->full, h, (size_t)u->numel * 2);
+    free(h);
+}
 /* Host values into a shard buffer: a copy when offloaded, else an upload. */
 static void dt_fsdp_put(dt_fsdp *f, float *dst, const float *host, int64_t n) {
     if (n <= 0) return;
@@ -3927,12 +4109,17 @@ static void dt_fsdp_put(dt_fsdp *f, float *dst, const float *host, int64_t n) {
     else dt_upload(dst, host, (size_t)n * sizeof(float));
 }
 
-/* Point the unit's parameters (or their gradients) into a gathered buffer, or nowhere. */
-static void dt_fsdp_point(dt_fsdp *f, dt_fsdp_unit *u, int grads, float *buf) {
+/* Point the unit's parameters (or their f32 gradients) into a gathered buffer,
+   or nowhere. Gathered parameters are in the compute dtype. */
+static void dt_fsdp_point(dt_fsdp *f, dt_fsdp_unit *u, int grads, void *buf) {
     for (int i = u->first; i < u->end; i++) {
-        float *p = buf ? buf + (f->model->offsets[i] - u->offset) : NULL;
-        if (grads) f->model->params[i].grad = p;
-        else f->model->params[i].data = p;
+        dt_tensor *p = &f->model->params[i];
+        int64_t at = f->model->offsets[i] - u->offset;
+        if (grads) p->grad = buf ? (float *)buf + at : NULL;
+        else {
+            p->dtype = f->param_dtype;
+            p->data = buf ? (float *)((char *)buf + at * dt_dtype_size(f->param_dtype)) : NULL;
+        }
     }
 }
 
@@ -3947,7 +4134,7 @@ static void dt_fsdp_gather_start(dt_fsdp *f, int k) {
         dt_fail("internal: FSDP gathers unit %d while unit %d still holds its buffer", k, f->holder[k % 2]);
     f->holder[k % 2] = k;
     u->full = f->gathered[k % 2];
-    u->gathering = dt_all_gather_async(f->comm, dt_fsdp_shard_on_device(f, f->shard_params, k), u->full, u->shard, DT_F32);
+    u->gathering = dt_all_gather_async(f->comm, dt_fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
 }
 static void dt_fsdp_gather_unit(dt_fsdp *f, int k, int next) {
     dt_fsdp_unit *u = &f->units[k];
@@ -3978,7 +4165,13 @@ static void dt_fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
     dt_device dev = f->model->device;
     float *mine = f->scattered, *dst = f->shard_grads + u->shard_offset;
     double t0 = dt_now_ms();
-    dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
+    if (f->reduce_dtype == DT_F32) dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
+    else {                                          /* 16-bit copies travel */
+        dt_convert(u->full_grad, DT_F32, f->grad16, f->reduce_dtype, u->shard * f->world);
+        dt_reduce_scatter(f->comm, f->grad16, f->scattered16, u->shard, f->reduce_dtype, DT_AVG);
+        dt_convert(f->scattered16, f->reduce_dtype, mine, DT_F32, u->shard);
+    }
+    dt_ctx.grad_collectives++;
     dt_record_comm("reduce_scatter unit", t0, dt_now_ms(), 0);
     const dt_backend *gpu = f->offload ? NULL : dt_backend_of(dev);
     if (gpu) gpu->accumulate(dst, mine, u->shard);
@@ -3994,9 +4187,12 @@ static void dt_fsdp_before_unit_backward(dt_tape_entry *e) {
     dt_fsdp *f = (dt_fsdp *)e->saved;
     dt_fsdp_unit *u = &f->units[e->iarg[0]];
     dt_fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1);             /* gathered again; the one before on its way */
-    if (f->mode != DT_SHARD_OPTIMIZER) {                             /* backward adds into it: zeroed */
-        u->full_grad = f->gathered_grad;
-        dt_zero_on(f->model->device, u->full_grad, dt_fsdp_full_bytes(f, u));
+    if (f->mode != DT_SHARD_OPTIMIZER) {
+        if (f->accum) u->full_grad = f->accum + u->accum_offset;     /* adds to the micro-batches before */
+        else {                                                       /* backward adds into it: zeroed */
+            u->full_grad = f->gathered_grad;
+            dt_zero_on(f->model->device, u->full_grad, dt_fsdp_full_bytes(f, u));
+        }
         dt_fsdp_point(f, u, 1, u->full_grad);
     }
 }
@@ -4004,7 +4200,10 @@ static void dt_fsdp_after_unit_backward(dt_tape_entry *e) {
     dt_fsdp *f = (dt_fsdp *)e->saved;
     dt_fsdp_unit *u = &f->units[e->iarg[0]];
     if (f->mode == DT_SHARD_OPTIMIZER) return;                                  /* all at once, after backward */
-    dt_fsdp_reduce_scatter_unit(f, e->iarg[0]);
+    if (f->sync) {                                                              /* no-sync: it stays in accum */
+        dt_fsdp_reduce_scatter_unit(f, e->iarg[0]);
+        if (f->accum) dt_zero_on(f->model->device, u->full_grad, dt_fsdp_full_bytes(f, u));
+    }
     u->full_grad = NULL;
     dt_fsdp_point(f, u, 1, NULL);
     dt_fsdp_release_unit(f, e->iarg[0]);
@@ -4028,6 +4227,7 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
     if (!f || !(f->units = (dt_fsdp_unit *)calloc((size_t)model->nunits, sizeof(dt_fsdp_unit))))
         dt_fail("out of memory (FSDP)");
     f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
+    f->param_dtype = dt_ctx.compute_dtype; f->reduce_dtype = DT_F32; f->sync = 1;
     f->rank = dt_comm_rank(comm); f->world = dt_comm_size(comm); f->nunits = model->nunits;
     dt_device dev = model->device;
     dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);     /* every rank starts from rank 0's */
@@ -4040,13 +4240,17 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
         u->shard = (u->numel + f->world - 1) / f->world;
         u->shard_offset = f->shard_numel;
         f->shard_numel += u->shard;
+        u->accum_offset = f->accum_numel;
+        f->accum_numel += u->shard * f->world;
         if (dt_fsdp_full_bytes(f, u) > f->largest) f->largest = dt_fsdp_full_bytes(f, u);
     }
     f->largest_shard = f->largest / (size_t)f->world;
     int two = f->nunits > 1;
     f->holder[0] = f->holder[1] = -1;
     if (mode == DT_SHARD_FULL)
-        for (int b = 0; b <= two; b++) f->gathered[b] = (float *)dt_alloc_on(dev, DT_ARENA_PARAMS, f->largest);
+        for (int b = 0; b <= two; b++) f->gathered[b] = dt_alloc_on(dev, DT_ARENA_PARAMS, dt_fsdp_largest_params(f));
+    if (f->param_dtype != DT_F32)
+        for (int b = 0; b <= two; b++) f->send16[b] = dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard / 2);
     if (mode != DT_SHARD_OPTIMIZER) f->gathered_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, f->largest);
     if (cpu_offload)
         for (int b = 0; b <= two; b++) f->staged[b] = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard);
@@ -4061,8 +4265,8 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
         int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
         dt_fsdp_put(f, f->shard_params + u->shard_offset, host + u->offset + lo, hi - lo);
         if (mode != DT_SHARD_FULL) {             /* ZeRO-1 and -2 keep every parameter, in per-unit buffers */
-            u->full = (float *)dt_alloc_on(dev, DT_ARENA_PARAMS, dt_fsdp_full_bytes(f, u));
-            dt_upload(u->full, host + u->offset, (size_t)u->numel * sizeof(float));
+            u->full = dt_alloc_on(dev, DT_ARENA_PARAMS, dt_fsdp_param_bytes(f, u));
+            dt_fsdp_fill_params(f, u, host + u->offset);
             dt_fsdp_point(f, u, 0, u->full);
         }
         if (mode == DT_SHARD_OPTIMIZER) {        /* ZeRO-1 keeps every gradient too */
@@ -4105,8 +4309,26 @@ static void dt_fsdp_optimizer_view(dt_fsdp *f, dt_optimizer *o) {
     }
 }
 
+void dt_fsdp_set_sync(dt_fsdp *f, int sync) {
+    f->sync = sync;
+    if (!sync && !f->accum && f->mode != DT_SHARD_OPTIMIZER) {     /* ZeRO-1 keeps whole gradients anyway */
+        f->accum = (float *)dt_alloc_on(f->model->device, DT_ARENA_GRADS, (size_t)f->accum_numel * sizeof(float));
+        dt_zero_on(f->model->device, f->accum, (size_t)f->accum_numel * sizeof(float));
+    }
+}
+void dt_fsdp_set_reduce_dtype(dt_fsdp *f, dt_dtype dtype) {
+    dt_device dev = f->model->device;
+    dt_free_on(dev, DT_ARENA_COMM, f->grad16, f->largest / 2);
+    dt_free_on(dev, DT_ARENA_COMM, f->scattered16, f->largest_shard / 2);
+    f->grad16 = f->scattered16 = NULL;
+    f->reduce_dtype = dtype;
+    if (dtype == DT_F32) return;
+    f->grad16 = dt_alloc_on(dev, DT_ARENA_COMM, f->largest / 2);
+    f->scattered16 = dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard / 2);
+}
+
 void dt_fsdp_sync_grads(dt_fsdp *f) {
-    if (f->mode != DT_SHARD_OPTIMIZER) return;         /* reduce-scattered unit by unit during backward */
+    if (f->mode != DT_SHARD_OPTIMIZER || !f->sync) return;   /* reduce-scattered during backward, or accumulating */
     for (int k = f->nunits - 1; k >= 0; k--) {
         dt_fsdp_unit *u = &f->units[k];
         dt_fsdp_reduce_scatter_unit(f, k);
@@ -4119,7 +4341,7 @@ void dt_fsdp_after_step(dt_fsdp *f) {
     for (int k = 0; k < f->nunits; k++) {
         dt_fsdp_unit *u = &f->units[k];
         double t0 = dt_now_ms();
-        dt_all_gather(f->comm, dt_fsdp_shard_on_device(f, f->shard_params, k), u->full, u->shard, DT_F32);
+        dt_all_gather(f->comm, dt_fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
         dt_record_comm("all_gather parameters", t0, dt_now_ms(), 0);
     }
 }
@@ -4144,7 +4366,7 @@ static void dt_fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards, 
         dt_fsdp_unit *u = &f->units[k];
         int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
         dt_fsdp_put(f, shards + u->shard_offset, host + u->offset + lo, hi - lo);
-        if (parameters && u->full) dt_upload(u->full, host + u->offset, (size_t)u->numel * sizeof(float));
+        if (parameters && u->full) dt_fsdp_fill_params(f, u, host + u->offset);
     }
 }
 
@@ -4161,14 +4383,17 @@ static void dt_fsdp_memory_table(const dt_fsdp *f, const dt_optimizer *o) {
     double P = 4.0 * f->model->numel, ddp[3] = { P, P, o->v ? 2 * P : P };
     dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
     const char *rows[3] = { "parameters", "gradients", "optimizer state" };
-    double buffers[3] = { (f->gathered[0] ? 1.0 : 0.0) + (f->gathered[1] ? 1.0 : 0.0), f->gathered_grad ? 1.0 : 0.0, 0 };
+    double buffers[3] = { ((f->gathered[0] ? 1.0 : 0.0) + (f->gathered[1] ? 1.0 : 0.0)) * dt_fsdp_largest_params(f),
+                          f->gathered_grad ? (double)f->largest : 0.0, 0 };
     printf("memory per rank, --shard %s%s, %d ranks (MB):\n", names[f->mode], f->offload ? " --cpu-offload" : "", f->world);
     printf("  %-16s %8s %8s %8s   %s\n", "", "device", "host", "DDP", "formula");
     for (int i = 0; i < 3; i++)
-        printf("  %-16s %8.2f %8.2f %8.2f   %s\n", rows[i], (dt_mem_now(arenas[i]) - buffers[i] * f->largest) / 1e6,
+        printf("  %-16s %8.2f %8.2f %8.2f   %s\n", rows[i], (dt_mem_now(arenas[i]) - buffers[i]) / 1e6,
                dt_mem_host_now(arenas[i]) / 1e6, ddp[i] / 1e6, formulas[f->mode][i]);
+    if (f->param_dtype != DT_F32)
+        printf("  (f32 shards and optimizer; parameters gathered in %s, 2 bytes each)\n", dt_dtype_name(f->param_dtype));
     if (buffers[0] + buffers[1] > 0)
-        printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1]) * f->largest / 1e6, "", "",
+        printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1]) / 1e6, "", "",
                f->mode == DT_SHARD_FULL ? "2 units of parameters (one computes, the next arrives) + 1 of gradients"
                                         : "1 unit of gradients (whole during its backward)");
     fflush(stdout);
@@ -4180,15 +4405,19 @@ void dt_fsdp_free(dt_fsdp *f) {
     for (int k = 0; k < f->nunits; k++) {
         dt_fsdp_unit *u = &f->units[k];
         if (u->gathering) dt_fsdp_gather_unit(f, k, -1);      /* a prefetch nobody used: let it land */
-        if (f->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt_fsdp_full_bytes(f, u));
+        if (f->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt_fsdp_param_bytes(f, u));
         if (f->mode == DT_SHARD_OPTIMIZER) dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt_fsdp_full_bytes(f, u));
         dt_fsdp_point(f, u, 0, NULL);
         dt_fsdp_point(f, u, 1, NULL);
     }
     for (int b = 0; b < 2; b++) {
-        dt_free_on(m->device, DT_ARENA_PARAMS, f->gathered[b], f->largest);
+        dt_free_on(m->device, DT_ARENA_PARAMS, f->gathered[b], dt_fsdp_largest_params(f));
         dt_free_on(m->device, DT_ARENA_COMM, f->staged[b], f->largest_shard);
+        dt_free_on(m->device, DT_ARENA_COMM, f->send16[b], f->largest_shard / 2);
     }
+    dt_fsdp_set_reduce_dtype(f, DT_F32);
+    dt_free_on(m->device, DT_ARENA_GRADS, f->accum, (size_t)f->accum_numel * sizeof(float));
+    for (int i = 0; i < m->nparams; i++) m->params[i].dtype = DT_F32;
     dt_free_on(m->device, DT_ARENA_GRADS, f->gathered_grad, f->largest);
     dt_free_on(m->device, DT_ARENA_COMM, f->scattered, f->largest_shard);
     size_t shard_bytes = (size_t)f->shard_numel * sizeof(float);
@@ -4197,6 +4426,56 @@ void dt_fsdp_free(dt_fsdp *f) {
     m->fsdp = NULL;
     free(f->units);
     free(f);
+}
+
+/* ==== 12. mixed precision =======================================================
+   Half the bytes: activations, the matmuls' operands and what the collectives
+   carry in 16 bits, while everything that adds up many small numbers stays in
+   f32 -- the master weights and the optimizer (an update of 1e-4 on a weight
+   of 1 vanishes in bf16, whose 8 bits of mantissa see 1/256), the sums inside
+   matmuls, the layernorm statistics, the softmax, the loss. The ops do it
+   through the views of section 5; this section sets the dtype and scales the
+   loss for fp16, whose range (6e-8 to 65504) is too narrow for gradients. */
+
+void dt_set_compute_dtype(dt_dtype dtype) { dt_ctx.compute_dtype = dtype; }
+dt_dtype dt_compute_dtype(void) { return dt_ctx.compute_dtype; }
+
+dt_loss_scaler dt_loss_scaler_create(dt_dtype dtype) {
+    dt_loss_scaler s;
+    memset(&s, 0, sizeof s);
+    s.scale = 1.0f;
+    s.growth_interval = 2000;
+    if (dtype == DT_F16) { s.enabled = 1; s.scale = 65536.0f; }
+    return s;
+}
+
+void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *s, int accum_steps) {
+    float seed = s->scale / (float)(accum_steps > 0 ? accum_steps : 1);
+    if (loss->numel != 1) dt_fail("dt_backward_scaled needs a scalar loss, got %lld elements", (long long)loss->numel);
+    dt_backward_from(loss, &seed);
+}
+
+int dt_loss_scaler_unscale(dt_loss_scaler *s, dt_optimizer *o) {
+    s->last_skipped = 0;
+    if (!s->enabled) return 1;
+    size_t bytes = (size_t)o->numel * sizeof(float);
+    /* one number says it all: a sum with an inf or a NaN in it is not finite;
+       a sharded optimizer sums over the ranks, so they all see the same */
+    if (!isfinite(dt_optimizer_grad_sum_squares(o))) {
+        dt_zero_on(o->device, o->grads, bytes);
+        s->scale *= 0.5f;
+        s->good_steps = 0;
+        s->skipped++;
+        s->last_skipped = 1;
+        return 0;
+    }
+    float inv = 1.0f / s->scale;                /* a power of two: exact */
+    const dt_backend *gpu = dt_backend_of(o->device);
+    if (gpu) gpu->scale(o->grads, inv, o->numel);
+    else
+        for (int64_t i = 0; i < o->numel; i++) o->grads[i] *= inv;
+    if (++s->good_steps >= s->growth_interval) { s->scale *= 2.0f; s->good_steps = 0; }
+    return 1;
 }
 
 /* ==== 13. checkpoints ===========================================================
@@ -4826,6 +5105,12 @@ static const dt_flag dt_flags[] = {
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full" },
     { "--cpu-offload", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
       DT_CFG(cpu_offload), NULL },
+    { "--accum-steps", "N", "05: micro-batches of --batch-size per optimizer step; gradients add up locally (default 1)",
+      DT_ARG_INT, DT_CFG(accum_steps), NULL },
+    { "--dtype", "fp32|bf16|fp16", "05: activations and matmuls in this type, f32 master weights (default fp32)",
+      DT_ARG_CHOICE, DT_CFG(dtype), "fp32|bf16|fp16" },
+    { "--reduce-dtype", "fp32|bf16|fp16", "05: the type gradients are reduce-scattered in (default fp32)",
+      DT_ARG_CHOICE, DT_CFG(reduce_dtype), "fp32|bf16|fp16" },
     { "--bucket-mb", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL },
     { "--timeout", "S", "stop when a rank has not answered for S seconds (default 60)", DT_ARG_FLOAT, DT_CFG(timeout), NULL },
@@ -4846,7 +5131,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     dt_config c;
     memset(&c, 0, sizeof c);
     c.stage = stage;
-    c.nproc = 1; c.timeout = 60; c.bucket_mb = 25; c.shard = 2;
+    c.nproc = 1; c.timeout = 60; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1;
     c.image_size = 32; c.model = DT_MODEL_MLP; c.dim = c.depth = c.heads = c.patch = -1;
     c.batch_size = 128; c.epochs = 10; c.lr = 1e-3f; c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
     c.warmup = -1; c.optimizer = DT_ADAMW; c.seed = 1; c.device = (dt_device)2; /* auto */
@@ -4934,6 +5219,9 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
        from this one process (threads); from 03 on, N processes are started. */
     if (!strncmp(stage, "01", 2) && c.nproc > 1)
         dt_usage_error("--nproc %d: stage 01 trains on one device (data parallel training starts in 02-dp)", c.nproc);
+    if (c.accum_steps < 1) dt_usage_error("--accum-steps %d: at least 1", c.accum_steps);
+    if (strncmp(stage, "05", 2) && (c.accum_steps != 1 || c.dtype != DT_F32 || c.reduce_dtype != DT_F32))
+        dt_usage_error("--accum-steps, --dtype and --reduce-dtype arrive in stage 05-accum-mixed-precision, not %s", stage);
     if (strncmp(stage, "02", 2)) dt_launch(c.nproc, c.timeout);   /* before any thread or device exists */
     dt_flush_subnormals();
     dt_rank_from_env(&c.rank, &c.world_size, &c.local_rank);
@@ -5078,6 +5366,12 @@ static void dt_checkpoint_meta(const dt_run *r, dt_meta_list *l, const char *for
     dt_meta_add(l, "world_size", "%d", dt_data_parallel_width());
     dt_meta_add(l, "data_range", "%lld,%lld", (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
     dt_meta_add(l, "batch_size", "%d", r->cfg.batch_size);
+    dt_meta_add(l, "accum_steps", "%d", r->cfg.accum_steps);
+    if (r->scaler.enabled) {
+        dt_meta_add(l, "loss_scale", "%.9g", r->scaler.scale);
+        dt_meta_add(l, "loss_scale_good_steps", "%lld", (long long)r->scaler.good_steps);
+        dt_meta_add(l, "skipped_steps", "%lld", (long long)r->scaler.skipped);
+    }
 }
 
 /* FSDP: every rank writes its shard; then, once all are on disk, rank 0 the index. */
@@ -5168,16 +5462,21 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     /* Rank r takes samples r, r + N, r + 2N, ... of the epoch's order, so a step
        of N ranks x B images takes the same N*B samples at any N: a run may
        resume at another world size when the samples per step stay the same. */
+    /* Micro-batches (--accum-steps) follow the same rule: a step is K batches. */
     int world = atoi(dt_meta_required(st, path, "world_size")), batch = atoi(dt_meta_required(st, path, "batch_size"));
-    int now = dt_data_parallel_width();
-    if ((int64_t)world * batch != (int64_t)now * r->cfg.batch_size) {
-        int other = world * batch % now == 0 ? world * batch / now : 0;
-        char hint[96] = "";
+    const char *accum_meta = dt_safetensors_meta(st, "accum_steps");
+    int accum = accum_meta ? atoi(accum_meta) : 1, K = r->cfg.accum_steps, now = dt_data_parallel_width();
+    if ((int64_t)world * batch * accum != (int64_t)now * r->cfg.batch_size * K) {
+        int samples = world * batch * accum, other = samples % (now * K) == 0 ? samples / (now * K) : 0;
+        char hint[96] = "", had_k[32] = "", now_k[32] = "", flag_k[32] = "";
         if (other > 0) snprintf(hint, sizeof hint, " --batch-size %d at this world size, or", other);
-        dt_fail("'%s' was written by %d ranks, this run has %d: it took %d x %d = %d samples a step, this run %d x %d = %d; "
-                "to continue its data order and schedule resume with%s --nproc %d --batch-size %d (--init takes the "
-                "weights alone)", path, world, now, world, batch, world * batch, now, r->cfg.batch_size,
-                now * r->cfg.batch_size, hint, world, batch);
+        if (accum > 1) snprintf(had_k, sizeof had_k, " x %d micro-batches", accum);
+        if (K > 1) snprintf(now_k, sizeof now_k, " x %d micro-batches", K);
+        if (accum > 1 || K > 1) snprintf(flag_k, sizeof flag_k, " --accum-steps %d", accum);
+        dt_fail("'%s' was written by %d ranks, this run has %d: it took %d x %d%s = %d samples a step, this run "
+                "%d x %d%s = %d; to continue its data order and schedule resume with%s --nproc %d --batch-size %d%s "
+                "(--init takes the weights alone)", path, world, now, world, batch, had_k, samples, now,
+                r->cfg.batch_size, now_k, now * r->cfg.batch_size * K, hint, world, batch, flag_k);
     }
     if (strcmp(dt_meta_required(st, path, "optimizer"), o->kind == DT_ADAMW ? "adamw" : "sgd"))
         dt_fail("'%s' holds %s state but this run uses --optimizer %s", path, dt_safetensors_meta(st, "optimizer"),
@@ -5221,14 +5520,20 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     r->batch_in_epoch = atoll(dt_meta_required(st, path, "batch_in_epoch"));
     r->cfg.seed = strtoull(dt_meta_required(st, path, "seed"), NULL, 10);
     r->loader->seed = r->cfg.seed;
+    const char *scale = dt_safetensors_meta(st, "loss_scale");
+    if (scale && r->scaler.enabled) {        /* fp16 goes on with the scale it had found */
+        r->scaler.scale = strtof(scale, NULL);
+        r->scaler.good_steps = atoll(dt_meta_required(st, path, "loss_scale_good_steps"));
+        r->scaler.skipped = atoll(dt_meta_required(st, path, "skipped_steps"));
+    }
     long long s0 = -1, s1 = -1;
     sscanf(dt_meta_required(st, path, "data_range"), "%lld,%lld", &s0, &s1);
     if (s0 != (long long)r->cfg.start_idx || s1 != (long long)(r->cfg.start_idx + r->loader->ds->n))
         dt_warn("'%s' was trained on images [%lld, %lld), this run uses [%lld, %lld): the data order will differ",
                 path, s0, s1, (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
-    if (batch != r->cfg.batch_size && !r->cfg.quiet && dt_ctx.rank == 0)
-        printf("resuming '%s' (%d ranks x %d) as %d ranks x %d: the same samples each step\n", path, world, batch, now,
-               r->cfg.batch_size);
+    if ((batch != r->cfg.batch_size || accum != K) && !r->cfg.quiet && dt_ctx.rank == 0)
+        printf("resuming '%s' (%d ranks x %d x %d micro-batches) as %d ranks x %d x %d: the same samples each step\n",
+               path, world, batch, accum, now, r->cfg.batch_size, K);
     dt_safetensors_close(st);
 }
 
@@ -5251,12 +5556,16 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
         snprintf(v, sizeof v, "%lld %lld %lld %g %d %d", (long long)loader->ds->n, (long long)cfg->start_idx,
                  (long long)cfg->warmup, cfg->bucket_mb, cfg->shard * 2 + cfg->cpu_offload, cfg->bench);
         dt_comm_check_agree(dt_ctx.job, "the training images, --start-idx --warmup --bucket-mb --shard --cpu-offload --bench", v);
+        snprintf(v, sizeof v, "%d %d %d", cfg->accum_steps, cfg->dtype, cfg->reduce_dtype);
+        dt_comm_check_agree(dt_ctx.job, "--accum-steps --dtype --reduce-dtype", v);
         dt_comm_check_agree(dt_ctx.job, "--resume", cfg->resume ? cfg->resume : "(none)");
     }
-    r->batches_per_epoch = dt_loader_batches_per_epoch(loader);
+    r->scaler = dt_loss_scaler_create((dt_dtype)cfg->dtype);
+    r->batches_per_epoch = dt_loader_batches_per_epoch(loader) / cfg->accum_steps;   /* optimizer steps */
     if (r->batches_per_epoch == 0)
-        dt_fail("the training set has %lld images per rank, fewer than one batch of %d (lower --batch-size)",
-                (long long)((loader->ds->n + loader->world - 1) / loader->world), cfg->batch_size);
+        dt_fail("the training set has %lld images per rank, fewer than one step of %d x %d (lower --batch-size%s)",
+                (long long)((loader->ds->n + loader->world - 1) / loader->world), cfg->accum_steps, cfg->batch_size,
+                cfg->accum_steps > 1 ? " or --accum-steps" : "");
     /* --steps stops early; the schedule still spans every epoch, so a run cut
        short and resumed follows the same learning rates as one that was not. */
     r->total_steps = (int64_t)cfg->epochs * r->batches_per_epoch;
@@ -5286,10 +5595,17 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
         else snprintf(where, sizeof where, "cpu, %d threads", dt_threads());
         if (dt_ctx.world_size > 1)
             snprintf(where + strlen(where), sizeof where - strlen(where), " per rank, %d ranks", dt_ctx.world_size);
-        printf("plan: %d epochs x %lld steps of %d images = %lld steps%s; %s lr %g, warmup %lld; %s\n",
-               cfg->epochs, (long long)r->batches_per_epoch, loader->batch_size, (long long)r->total_steps,
+        char images[64], precision[96] = "";
+        if (cfg->accum_steps > 1) snprintf(images, sizeof images, "%d micro-batches of %d", cfg->accum_steps, loader->batch_size);
+        else snprintf(images, sizeof images, "%d", loader->batch_size);
+        if (cfg->dtype != DT_F32)
+            snprintf(precision, sizeof precision, "; %s compute, f32 master weights, gradients reduced in %s%s",
+                     dt_dtype_name((dt_dtype)cfg->dtype), dt_dtype_name((dt_dtype)cfg->reduce_dtype),
+                     r->scaler.enabled ? ", dynamic loss scaling" : "");
+        printf("plan: %d epochs x %lld steps of %s images = %lld steps%s; %s lr %g, warmup %lld; %s%s\n",
+               cfg->epochs, (long long)r->batches_per_epoch, images, (long long)r->total_steps,
                r->stop_step < r->total_steps ? " (stopping early, see --steps)" : "",
-               opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)r->warmup, where);
+               opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)r->warmup, where, precision);
         if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, r->epoch + 1, (long long)r->step);
         if (model->fsdp) dt_fsdp_memory_table(model->fsdp, opt);
         fflush(stdout);
@@ -5301,15 +5617,23 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
 
 int dt_next_epoch(dt_run *r) {
     if (r->stop || r->epoch >= r->cfg.epochs) return 0;
-    dt_loader_start_epoch(r->loader, r->epoch, r->batch_in_epoch);
+    dt_loader_start_epoch(r->loader, r->epoch, r->batch_in_epoch * r->cfg.accum_steps);
     return 1;
 }
 
 int dt_next_batch(dt_run *r, dt_batch *b) {
-    dt_step_begin(r);
+    if (r->micro == 0) {
+        if (r->batch_in_epoch >= r->batches_per_epoch) return 0;   /* the rest is less than a step */
+        dt_step_begin(r);
+    } else dt_step_arena_reset();     /* the gradients so far are in the parameters' buffers */
     if (!dt_loader_next(r->loader, b)) return 0;
     dt_phase(r, DT_PHASE_DATA);
     return 1;
+}
+int dt_last_micro_batch(const dt_run *r) { return r->micro == r->cfg.accum_steps - 1; }
+void dt_micro_batch_end(dt_run *r, dt_tensor *loss) {
+    r->micro_loss += dt_tensor_item(loss);
+    r->micro++;
 }
 
 float dt_run_lr(const dt_run *r) { return dt_schedule_lr(r->cfg.lr, r->step, r->warmup, r->total_steps); }
@@ -5319,6 +5643,7 @@ void dt_step_begin(dt_run *r) {
     for (int i = 0; i < DT_PHASE_COUNT; i++) r->phase_ms[i] = 0;
     dt_ctx.comm_ms = dt_ctx.comm_hidden_ms = 0;
     dt_ctx.ncomm_events = 0;
+    dt_ctx.grad_collectives = 0;
     if (r->cfg.bench && r->step == r->bench_first) {     /* the warm-up is over: the clock starts */
         dt_synchronize();
         dt_flops_reset();
@@ -5353,10 +5678,17 @@ static void dt_run_eval(dt_run *r) {
 }
 
 int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
+    if (r->micro > 0) {            /* the mean of the step's micro-batches */
+        float mean = (float)((r->micro_loss + dt_tensor_item(loss)) / (r->micro + 1));
+        dt_upload(loss->data, &mean, sizeof mean);
+    }
+    r->micro = 0;
+    r->micro_loss = 0;
     /* the loss of the whole job's batch: the mean of the ranks' means */
     if (dt_ctx.job && dt_ctx.world_size > 1) dt_all_reduce(dt_ctx.job, loss->data, loss->data, 1, DT_F32, DT_AVG);
     double now = dt_now_ms(), step_ms = now - r->step_start_ms;
     float lr = dt_run_lr(r);
+    batch_size *= r->cfg.accum_steps;                     /* the samples of one step, per rank */
     r->step++;
     r->steps_run++;
     r->batch_in_epoch++;
@@ -5372,11 +5704,16 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
     if (r->log) {
         fprintf(r->log, "{\"step\":%lld,\"epoch\":%d,\"loss\":%.6f,\"lr\":%.6g,\"samples_per_s\":%.1f,\"step_ms\":%.3f,"
                         "\"data_ms\":%.3f,\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"comm_ms\":%.3f,\"comm_hidden_ms\":%.3f,"
-                        "\"comm_wait_ms\":%.3f,\"opt_ms\":%.3f,\"grad_norm\":%.5g,\"mem_bytes\":%zu}\n",
+                        "\"comm_wait_ms\":%.3f,\"opt_ms\":%.3f,\"grad_norm\":%.5g,\"mem_bytes\":%zu,"
+                        "\"grad_collectives\":%lld",
                 (long long)r->step, r->epoch + 1, r->last_loss, lr, batch_size * dt_ctx.world_size * 1e3 / step_ms, step_ms,
                 r->phase_ms[DT_PHASE_DATA], r->phase_ms[DT_PHASE_FWD], r->phase_ms[DT_PHASE_BWD], dt_ctx.comm_ms,
                 dt_ctx.comm_hidden_ms, r->phase_ms[DT_PHASE_COMM], r->phase_ms[DT_PHASE_OPT], r->opt->last_grad_norm,
-                dt_mem_total_now());
+                dt_mem_total_now(), (long long)dt_ctx.grad_collectives);
+        if (r->scaler.enabled)
+            fprintf(r->log, ",\"loss_scale\":%g,\"skipped\":%d,\"skipped_steps\":%lld", r->scaler.scale,
+                    r->scaler.last_skipped, (long long)r->scaler.skipped);
+        fprintf(r->log, "}\n");
     }
     if (r->cfg.bench && r->step > r->bench_first) {
         for (int i = 0; i < DT_PHASE_COUNT; i++) r->bench_phase_ms[i] += r->phase_ms[i];
@@ -5395,8 +5732,11 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
         char eta[32];
         double rate = r->samples / (r->train_ms / 1e3);
         dt_format_duration((r->stop_step - r->step) * (r->train_ms / r->steps_run) / 1e3, eta, sizeof eta);
-        printf("step %6lld/%lld  epoch %d/%d  loss %.4f  lr %.2e  %.0f samples/s  eta %s\n", (long long)r->step,
-               (long long)r->stop_step, r->epoch + 1, r->cfg.epochs, r->loss_sum / r->loss_count, lr, rate, eta);
+        char scale[64] = "";
+        if (r->scaler.enabled)
+            snprintf(scale, sizeof scale, "  scale %g (%lld skipped)", r->scaler.scale, (long long)r->scaler.skipped);
+        printf("step %6lld/%lld  epoch %d/%d  loss %.4f  lr %.2e  %.0f samples/s  eta %s%s\n", (long long)r->step,
+               (long long)r->stop_step, r->epoch + 1, r->cfg.epochs, r->loss_sum / r->loss_count, lr, rate, eta, scale);
         fflush(stdout);
         r->loss_sum = 0;
         r->loss_count = 0;
@@ -5437,6 +5777,9 @@ int dt_run_finish(dt_run *r) {
         printf("peak memory:");
         for (int a = 0; a < DT_ARENA_COUNT; a++) printf(" %s %.1f MB,", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a) / 1e6);
         printf(" total %.1f MB\n", dt_mem_total_peak() / 1e6);
+        if (r->scaler.enabled)
+            printf("fp16 loss scale: %g at the end, %lld of %lld steps skipped\n", r->scaler.scale,
+                   (long long)r->scaler.skipped, (long long)r->steps_run);
         size_t host = 0;
         for (int a = 0; a < DT_ARENA_COUNT; a++) host += dt_mem_host_peak((dt_arena)a);
         if (host) {
@@ -5451,6 +5794,7 @@ int dt_run_finish(dt_run *r) {
         fprintf(r->log, "{\"summary\":true,\"steps\":%lld,\"final_loss\":%.6f,\"eval_loss\":%.6f,\"eval_acc\":%.6f,"
                         "\"samples_per_s\":%.1f,\"peak_mem_bytes\":%zu,\"world_size\":%d",
                 (long long)r->step, final_loss, r->eval_loss, r->eval_acc, rate, dt_mem_total_peak(), dt_ctx.world_size);
+        if (r->scaler.enabled) fprintf(r->log, ",\"loss_scale\":%g,\"skipped_steps\":%lld", r->scaler.scale, (long long)r->scaler.skipped);
         for (int a = 0; a < DT_ARENA_COUNT; a++) fprintf(r->log, ",\"peak_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a));
         for (int a = 0; a < DT_ARENA_COUNT; a++)
             fprintf(r->log, ",\"peak_host_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_host_peak((dt_arena)a));
@@ -5527,7 +5871,7 @@ static void dt_bench_report(dt_run *r) {
     double ms = wall - r->bench_phase_ms[DT_PHASE_DATA];
     if (steps <= 0 || ms <= 0) dt_fail("--bench: no step was timed");
     int devices = dt_ctx.devices > 1 ? dt_ctx.devices : 1;              /* stage 02: devices of one process */
-    int world = dt_ctx.world_size, per_rank = r->loader->batch_size / devices, S = mc->image_size;
+    int world = dt_ctx.world_size, per_rank = r->loader->batch_size / devices * cfg->accum_steps, S = mc->image_size;
     double flops = dt_flops_counted() * world, gflops = flops / (ms / 1e3) / 1e9;
     float peak_mem = dt_job_max((float)dt_mem_total_peak());    /* the largest rank's peak */
     size_t host_bytes = 0;                                       /* and of offloaded (host) memory */
@@ -5556,6 +5900,9 @@ static void dt_bench_report(dt_run *r) {
         static const char *modes[3] = { "optimizer", "grads", "full" };
         snprintf(stage, sizeof stage, "%s/%s%s", cfg->stage, modes[r->model->fsdp->mode], r->model->fsdp->offload ? "+offload" : "");
     } else snprintf(stage, sizeof stage, "%s", cfg->stage);
+    if (cfg->dtype != DT_F32 || cfg->accum_steps > 1)     /* 05: the precision, and micro-batches */
+        snprintf(stage + strlen(stage), sizeof stage - strlen(stage), "/%s%s", dt_dtype_name((dt_dtype)cfg->dtype),
+                 cfg->accum_steps > 1 ? "+accum" : "");
     printf("bench: workload=%s stage=%s %s ranks=%d batch=%d params=%lld steps=%lld step_ms=%.2f samples_per_s=%.1f "
            "gflops=%.2f data_ms=%.2f fwd_ms=%.2f bwd_ms=%.2f comm_ms=%.2f comm_hidden_ms=%.2f comm_wait_ms=%.2f "
            "opt_ms=%.2f peak_mem_mb=%.1f peak_state_mb=%.2f peak_host_mb=%.2f\n",
