@@ -1688,11 +1688,18 @@ static void dt_grad_acc_done(dt_tensor *t, float *f) {
     if (f == t->grad) return;
     if (dt_grad_dtype(t) != DT_F32) { dt_convert(f, DT_F32, t->grad, t->dtype, t->numel); return; }
     /* a parameter: its 16-bit gradient, added to the f32 master gradient */
-    float *rounded = dt_scratch_f32(f, DT_F32, t->numel);
     const dt_backend *gpu = dt_backend_of(t->device);
-    if (gpu) gpu->accumulate(t->grad, rounded, t->numel);
-    else
-        for (int64_t i = 0; i < t->numel; i++) t->grad[i] += rounded[i];
+    if (gpu) { gpu->accumulate(t->grad, dt_scratch_f32(f, DT_F32, t->numel), t->numel); return; }
+    int64_t n = t->numel;
+    const int64_t chunk = 16384;
+    dt_dtype to = dt_ctx.compute_dtype;                /* read here: the context is per thread */
+    float *g = t->grad;
+    DT_OMP("omp parallel for schedule(static) if(n > 4 * chunk)")
+    for (int64_t i = 0; i < n; i += chunk) {
+        int64_t c = n - i < chunk ? n - i : chunk;
+        dt_round_f32_cpu(f + i, f + i, to, c);          /* in place: no second copy of a big weight */
+        for (int64_t k = i; k < i + c; k++) g[k] += f[k];
+    }
 }
 
 /* The matmul of an op: cuBLAS on a GPU, the routine above on the CPU. */
@@ -1701,27 +1708,33 @@ static void dt_matmul(const dt_backend *gpu, int ta, int tb, int M, int N, int K
     if (gpu) gpu->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     else dt_gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
-/* A matmul operand in the compute dtype: a tensor's data (or gradient), or a
-   16-bit copy of it in the scratch arena. */
-static const void *dt_operand(const dt_tensor *t, int grad) {
-    dt_dtype have = grad ? dt_grad_dtype(t) : t->dtype;
-    const void *src = grad ? (const void *)t->grad : (const void *)t->data;
+/* A matmul operand: a 2-D tensor's data (or gradient), row-major. */
+typedef struct dt_operand { const dt_tensor *t; int grad; } dt_operand;
+static dt_operand dt_op_data(const dt_tensor *t) { dt_operand o = { t, 0 }; return o; }
+static dt_operand dt_op_grad(const dt_tensor *t) { dt_operand o = { t, 1 }; return o; }
+/* Its values in the compute dtype: the tensor's own buffer, or a 16-bit copy
+   in the scratch arena (what a GPU's tensor cores read). */
+static const void *dt_operand_half(dt_operand o) {
+    dt_dtype have = o.grad ? dt_grad_dtype(o.t) : o.t->dtype;
+    const void *src = o.grad ? (const void *)o.t->grad : (const void *)o.t->data;
     if (have == dt_ctx.compute_dtype) return src;
-    void *half = dt_scratch_on(t->device, (size_t)t->numel * 2);
-    dt_convert(src, have, half, dt_ctx.compute_dtype, t->numel);
+    void *half = dt_scratch_on(o.t->device, (size_t)o.t->numel * 2);
+    dt_convert(src, have, half, dt_ctx.compute_dtype, o.t->numel);
     return half;
 }
-/* The matmuls of linear layers, on operands in the compute dtype. A GPU
-   multiplies 16-bit operands on its tensor cores, summing in f32; the CPU
-   widens them to f32 first -- products of 16-bit numbers are exact in f32, so
-   both sum the same products. */
-static void dt_matmul_op(const dt_backend *gpu, int ta, int tb, int M, int N, int K, const void *A, int lda,
-                         const void *B, int ldb, float beta, float *C, int ldc) {
-    dt_dtype dt = dt_ctx.compute_dtype;
-    if (dt == DT_F32) { dt_matmul(gpu, ta, tb, M, N, K, 1.0f, (const float *)A, lda, (const float *)B, ldb, beta, C, ldc); return; }
-    if (gpu) { gpu->gemm_half(dt, ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc); return; }
-    const float *a = dt_scratch_f32(A, dt, (int64_t)(ta ? K : M) * lda), *b = dt_scratch_f32(B, dt, (int64_t)(tb ? N : K) * ldb);
-    dt_gemm(ta, tb, M, N, K, 1.0f, a, lda, b, ldb, beta, C, ldc);
+/* The matmuls of linear layers: C[M,N] (+)= op(A) op(B), A and B seen in the
+   compute dtype. A GPU multiplies 16-bit operands on its tensor cores,
+   summing in f32; the CPU widens them to f32 first (dt_in and dt_grad_in) --
+   products of 16-bit numbers are exact in f32, so both sum the same products. */
+static void dt_matmul_op(const dt_backend *gpu, int ta, int tb, int M, int N, int K, dt_operand A, dt_operand B,
+                         float beta, float *C, int ldc) {
+    int lda = (int)dt_tensor_cols(A.t), ldb = (int)dt_tensor_cols(B.t);
+    if (gpu && dt_mixed()) {
+        gpu->gemm_half(dt_ctx.compute_dtype, ta, tb, M, N, K, dt_operand_half(A), lda, dt_operand_half(B), ldb, beta, C, ldc);
+        return;
+    }
+    const float *a = A.grad ? dt_grad_in(A.t) : dt_in(A.t), *b = B.grad ? dt_grad_in(B.t) : dt_in(B.t);
+    dt_matmul(gpu, ta, tb, M, N, K, 1.0f, a, lda, b, ldb, beta, C, ldc);
 }
 
 /* -- linear: y = x W^T + b. The three matmuls of every layer's training step. -- */
@@ -1729,16 +1742,15 @@ static void dt_linear_backward(dt_tape_entry *e) {
     dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
     int N = (int)dt_tensor_rows(x), in = (int)dt_tensor_cols(x), out = (int)dt_tensor_rows(w);
     const dt_backend *gpu = dt_backend_for(y);
-    const void *dy = dt_operand(y, 1);
     if (x->requires_grad) {              /* dx = dy W */
         float *dx = dt_grad_acc(x);
-        dt_matmul_op(gpu, 0, 0, N, in, out, dy, out, dt_operand(w, 0), in, 1.0f, dx, in);
+        dt_matmul_op(gpu, 0, 0, N, in, out, dt_op_grad(y), dt_op_data(w), 1.0f, dx, in);
         dt_grad_acc_done(x, dx);
         dt_ctx.flops += 2.0 * N * in * out;
     }
     if (w->requires_grad) {              /* dW = dy^T x */
         float *dw = dt_grad_acc(w);
-        dt_matmul_op(gpu, 1, 0, out, in, N, dy, out, dt_operand(x, 0), in, 1.0f, dw, in);
+        dt_matmul_op(gpu, 1, 0, out, in, N, dt_op_grad(y), dt_op_data(x), 1.0f, dw, in);
         dt_grad_acc_done(w, dw);
         dt_ctx.flops += 2.0 * N * in * out;
     }
@@ -1762,7 +1774,7 @@ dt_tensor *dt_linear(dt_tensor *x, dt_tensor *w, dt_tensor *b) {
     dt_scratch_reset();
     dt_tensor *y = dt_tensor_out_2d(N, out);
     float *yv = dt_out(y);
-    dt_matmul_op(gpu, 0, 1, N, out, in, dt_operand(x, 0), in, dt_operand(w, 0), in, 0.0f, yv, out);
+    dt_matmul_op(gpu, 0, 1, N, out, in, dt_op_data(x), dt_op_data(w), 0.0f, yv, out);
     dt_ctx.flops += 2.0 * N * in * out;
     const float *bv = b ? dt_in(b) : NULL;
     if (b && gpu) gpu->add_bias(yv, bv, N, out);
