@@ -1720,6 +1720,63 @@ static int log_series(const char *log, const char *key, double *out, int max) {
     return count;
 }
 
+/* Checkpoints of stage 05: 4 micro-batches at fp16, stopped after epoch 1 and
+   resumed, end bit for bit where a straight run ends, with the same loss
+   scale at every step; a step of 2 x 4 x 4 samples resumes as 2 x 16 x 1 and
+   not as 2 x 4 x 2, which the error explains. */
+static void test_accumulation_and_fp16_resume_exactly(void) {
+    char out[16384], dir[2][600], log[2][700], f[2][700], ck[700], rescaled[700];
+    for (int k = 0; k < 2; k++) {
+        snprintf(dir[k], sizeof dir[k], "%s/acc16-%d", tmpdir, k);
+        snprintf(log[k], sizeof log[k], "%s/acc16-%d.jsonl", tmpdir, k);
+    }
+    const char *flags = "--image-size 16 --dim 32 --log-every 1000 --quiet --model vit --depth 2 --heads 2 --nproc 2 "
+                        "--batch-size 4 --accum-steps 4 --dtype fp16";
+    const char *bin = stage_bin("05-accum-mixed-precision");
+    int st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --save-dir %s --log %s", bin, small_data(), flags, dir[0], log[0]);
+    CHECKF(st == 0, "straight run: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --steps 10 --save-dir %s --log %s", bin, small_data(), flags,
+                 dir[1], log[1]);
+    CHECKF(st == 0, "first epoch: exit %d\n%s", st, out);
+    snprintf(ck, sizeof ck, "%s/vit_data0-320_epoch1.safetensors", dir[1]);
+    st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --save-dir %s --log %s --resume %s", bin, small_data(), flags,
+                 dir[1], log[1], ck);
+    CHECKF(st == 0, "resumed: exit %d\n%s", st, out);
+    for (int k = 0; k < 2; k++) {
+        snprintf(f[k], sizeof f[k], "%s/full-%d.safetensors", tmpdir, k);
+        st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2.safetensors %s", build_path("tools/consolidate"), dir[k], f[k]);
+        CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
+    }
+    CHECKF(files_equal_tensors(f[0], f[1]), "fp16 with 4 micro-batches: the resumed run does not end bit for bit as the straight one");
+    double a[40], b[40];
+    int na = log_series(log[0], "loss_scale", a, 40), nb = log_series(log[1], "loss_scale", b, 40);
+    CHECKF(na == 20 && nb == 20, "loss scales logged: %d and %d, expected 20 steps each", na, nb);
+    for (int i = 0; i < 20 && na == nb; i++) CHECKF(a[i] == b[i], "step %d: loss scale %g straight, %g resumed", i + 1, a[i], b[i]);
+    /* No step overflowed above, so the scale never moved: give the index another
+       scale (its metadata rewritten) and see the resumed run go on from it. */
+    dt_safetensors *idx = dt_safetensors_read(ck);
+    const char *meta[64];
+    int nm = 0;
+    for (int i = 0; i < idx->nmeta && nm < 64; i++) {
+        meta[nm++] = idx->meta[2 * i];
+        meta[nm++] = strcmp(idx->meta[2 * i], "loss_scale") ? idx->meta[2 * i + 1] : "1024";
+    }
+    CHECK(dt_safetensors_meta(idx, "loss_scale") && dt_safetensors_meta(idx, "skipped_steps"));
+    dt_safetensors_write(ck, NULL, 0, meta, nm / 2);
+    dt_safetensors_close(idx);
+    st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --steps 11 --log %s/rescaled.jsonl --resume %s", bin,
+                 small_data(), flags, tmpdir, ck);
+
+    snprintf(rescaled, sizeof rescaled, "%s/rescaled.jsonl", tmpdir);
+    CHECKF(st == 0 && log_series(rescaled, "loss_scale", a, 40) == 1 && a[0] == 1024,
+           "resumed from a checkpoint at scale 1024: exit %d, first scale %g\n%s", st, a[0], out);
+    st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --dim 32 --quiet --model vit --depth 2 --heads 2 --nproc 2 "
+                 "--batch-size 16 --dtype fp16 --epochs 2 --resume %s", bin, small_data(), ck);
+    CHECKF(st == 0, "2 x 16 x 1 from a 2 x 4 x 4 checkpoint: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "%s --data %s %s --accum-steps 2 --epochs 2 --resume %s", bin, small_data(), flags, ck);
+    expect_error(out, st, 1, "--accum-steps 4");
+}
+
 static void test_bf16_and_fp16_track_the_fp32_loss_curve(void) {
     static const char *types[3] = { "fp32", "bf16", "fp16" };
     char out[16384], log[3][600];
@@ -2163,6 +2220,7 @@ static const test_case tests[] = {
     T(test_fsdp_prefetches_the_next_unit), T(test_fsdp_sharded_checkpoints_resume_consolidate_and_reshard),
     T(test_accumulation_equals_a_k_times_larger_batch), T(test_bf16_and_fp16_track_the_fp32_loss_curve),
     T(test_fp16_overflow_skips_that_step_and_halves_the_scale), T(test_mixed_precision_is_the_same_on_any_thread_count),
+    T(test_accumulation_and_fp16_resume_exactly),
     T(test_gpu_ops_match_the_cpu), T(test_gpu_casts_and_updates_are_bitwise_the_cpu),
     T(test_gpu_training_step_matches_the_cpu), T(test_gpu_200_step_loss_curve_matches_the_cpu),
     T(test_gpu_mixed_precision_step_matches_the_cpu),
