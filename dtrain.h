@@ -25,7 +25,8 @@
         1  errors       every failure says what went wrong and what to do, then exits
         2  memory       where the bytes go: parameters, gradients, optimizer state,
                         activations, communication, data -- counted per arena
-        3  tensors      a shape, a pointer to float data and one to its gradient
+        3  tensors      a shape, a dtype, a pointer to the data and one to its
+                        gradient
         4  kernels      one function per op; the per-element arithmetic is a small
                         inline function (DT_HD) that a GPU kernel can call too
         5  autograd     each op appends its backward to a tape; dt_backward() walks
@@ -43,14 +44,14 @@
                         averaged in buckets while backward runs) and Fully Sharded
                         Data Parallel (each rank keeps 1/N of every unit: gathered
                         to compute, gradients reduce-scattered; ZeRO-1/2/3 side by
-                        side; CPU offload)
+                        side; CPU offload); no-sync for gradient accumulation
+       12  precision    bf16/fp16 activations and matmul operands, f32 master
+                        weights and sums, dynamic loss scaling for fp16
        13  checkpoints  safetensors files written atomically; exact resume; sharded
                         (a file per rank and an index), consolidated, resharded
        14  metrics      JSON-lines logs, progress lines, Chrome traces, benchmarks
        15  CUDA         the GPU bodies of the ops, behind one table (dt_backend):
                         indexing, reductions and launch shape are all that differ
-       (Section 12 -- mixed precision -- arrives with a later stage; its number is
-       kept so the header reads as the course.)
 
    A FAILURE NEVER CRASHES
        Bad flags exit with status 2, everything else that goes wrong (a missing
@@ -1251,8 +1252,9 @@ static void dt_flush_subnormals(void) {               /* this thread and its Ope
 }
 
 /* ==== 3. tensors ================================================================
-   A tensor is a shape and a pointer. Activations are carved out of the step
-   arena; parameters point into the model's flat buffers. */
+   A tensor is a shape, a dtype and a pointer. Activations are carved out of
+   the step arena; parameters point into the model's flat buffers. Data is f32
+   unless mixed precision (section 12) stores activations in 16 bits. */
 
 /* An op's output, on the current device: every element is written by the op,
    so it is not zeroed. The header always lives on the host. */
@@ -5912,8 +5914,9 @@ static void dt_bench_report(dt_run *r) {
         static const char *modes[3] = { "optimizer", "grads", "full" };
         snprintf(stage, sizeof stage, "%s/%s%s", cfg->stage, modes[r->model->fsdp->mode], r->model->fsdp->offload ? "+offload" : "");
     } else snprintf(stage, sizeof stage, "%s", cfg->stage);
-    if (cfg->dtype != DT_F32 || cfg->accum_steps > 1)     /* 05: the precision, and micro-batches */
-        snprintf(stage + strlen(stage), sizeof stage - strlen(stage), "/%s%s", dt_dtype_name((dt_dtype)cfg->dtype),
+    if (cfg->dtype != DT_F32 || cfg->reduce_dtype != DT_F32 || cfg->accum_steps > 1)   /* 05: precision, micro-batches */
+        snprintf(stage + strlen(stage), sizeof stage - strlen(stage), "/%s%s%s%s", dt_dtype_name((dt_dtype)cfg->dtype),
+                 cfg->reduce_dtype != DT_F32 ? "+reduce-" : "", cfg->reduce_dtype != DT_F32 ? dt_dtype_name((dt_dtype)cfg->reduce_dtype) : "",
                  cfg->accum_steps > 1 ? "+accum" : "");
     printf("bench: workload=%s stage=%s %s ranks=%d batch=%d params=%lld steps=%lld step_ms=%.2f samples_per_s=%.1f "
            "gflops=%.2f data_ms=%.2f fwd_ms=%.2f bwd_ms=%.2f comm_ms=%.2f comm_hidden_ms=%.2f comm_wait_ms=%.2f "

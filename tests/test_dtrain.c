@@ -1691,6 +1691,21 @@ static void test_accumulation_equals_a_k_times_larger_batch(void) {
                "FSDP N=%d: not 4 reduce-scatters in each of the 10 steps (K=1: %d lines, K=4: %d lines)", n,
                log_lines_with_value(la, "grad_collectives", 4), log_lines_with_value(lb, "grad_collectives", 4));
     }
+    /* with --accum-steps 1 --dtype fp32, stage 05 is stage 04, bit for bit */
+    for (int k = 0; k < 2; k++) {
+        snprintf(k ? b : a, 600, "%s/same-%d", tmpdir, k);
+        int st = run_cmd(out, sizeof out, "%s --data %s " ACC_FLAGS " --nproc 2 --batch-size 16 --save-dir %s",
+                         stage_bin(k ? "05-accum-mixed-precision" : "04-fsdp"), small_data(), k ? b : a);
+        CHECKF(st == 0, "%s: exit %d\n%s", k ? "05" : "04", st, out);
+    }
+    for (int r = 0; r < 2; r++) {
+        snprintf(pa, sizeof pa, "%s/vit_data0-320_epoch1.shard%d-of-2.safetensors", a, r);
+        snprintf(pb, sizeof pb, "%s/vit_data0-320_epoch1.shard%d-of-2.safetensors", b, r);
+        size_t na = 0, nb = 0;
+        unsigned char *x = read_bytes(pa, &na), *y = read_bytes(pb, &nb);
+        CHECKF(x && y && na == nb && !memcmp(x, y, na), "shard %d of 05 with its defaults is not 04's, byte for byte", r);
+        free(x); free(y);
+    }
 }
 
 /* A bigger synthetic set, so that 200 steps learn something and the eval
