@@ -1667,16 +1667,19 @@ static void test_accumulation_equals_a_k_times_larger_batch(void) {
     free(want); free(got);
     dt_model_free(m);
 
-    /* FSDP (stage 05) at 1 and 2 ranks: K = 4 against K = 1 with 4x the batch */
+    /* FSDP (stage 05) at 1 rank, and at 2 in every --shard mode: K = 4 against
+       K = 1 with 4x the batch */
     char out[16384], a[600], b[600], pa[700], pb[700], la[700], lb[700];
-    for (int n = 1; n <= 2; n++) {
+    static const char *modes[5] = { "full", "full", "optimizer", "grads", "full --cpu-offload" };
+    for (int run = 0; run < 5; run++) {
+        int n = run ? 2 : 1;
         for (int k = 0; k < 2; k++) {
             char *dir = k ? b : a, *log = k ? lb : la;
-            snprintf(dir, 600, "%s/accum-%d-%d", tmpdir, n, k);
-            snprintf(log, 700, "%s/accum-%d-%d.jsonl", tmpdir, n, k);
+            snprintf(dir, 600, "%s/accum-%d-%d", tmpdir, run, k);
+            snprintf(log, 700, "%s/accum-%d-%d.jsonl", tmpdir, run, k);
             int st = run_cmd(out, sizeof out, "%s --data %s " ACC_FLAGS " --nproc %d --batch-size %d --accum-steps %d "
-                             "--save-dir %s --log %s", stage_bin("05-accum-mixed-precision"), small_data(), n,
-                             k ? 8 / n : 32 / n, k ? 4 : 1, dir, log);
+                             "--shard %s --save-dir %s --log %s", stage_bin("05-accum-mixed-precision"), small_data(), n,
+                             k ? 8 / n : 32 / n, k ? 4 : 1, modes[run], dir, log);
             CHECKF(st == 0, "05 --nproc %d --accum-steps %d: exit %d\n%s", n, k ? 4 : 1, st, out);
             char *full = k ? pb : pa;
             snprintf(full, 700, "%s/full.safetensors", dir);
@@ -1684,11 +1687,11 @@ static void test_accumulation_equals_a_k_times_larger_batch(void) {
             CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
         }
         double d2 = max_tensor_diff(pa, pb);
-        CHECKF(d2 >= 0 && d2 <= 1e-5, "FSDP N=%d: 4 micro-batches of %d vs one batch of %d differ by %.3g after 10 steps",
-               n, 8 / n, 32 / n, d2);
+        CHECKF(d2 >= 0 && d2 <= 1e-5, "FSDP N=%d --shard %s: 4 micro-batches of %d vs one batch of %d differ by %.3g "
+               "after 10 steps", n, modes[run], 8 / n, 32 / n, d2);
         /* 4 units (embedding, 2 blocks, head): one reduce-scatter each per optimizer step, whatever K */
         CHECKF(log_lines_with_value(la, "grad_collectives", 4) == 10 && log_lines_with_value(lb, "grad_collectives", 4) == 10,
-               "FSDP N=%d: not 4 reduce-scatters in each of the 10 steps (K=1: %d lines, K=4: %d lines)", n,
+               "FSDP N=%d --shard %s: not 4 reduce-scatters in each of the 10 steps (K=1: %d lines, K=4: %d lines)", n, modes[run],
                log_lines_with_value(la, "grad_collectives", 4), log_lines_with_value(lb, "grad_collectives", 4));
     }
     /* with --accum-steps 1 --dtype fp32, stage 05 is stage 04, bit for bit */
