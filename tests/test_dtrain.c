@@ -157,14 +157,15 @@ static const char *build_path(const char *rel) {
 }
 
 /* A small synthetic data set for the command-line tests (made once). */
-static const char *small_data(void) {
-    static char dir[512];
+/* A synthetic set of 16x16 images in tmpdir/name, written on first use into dir. */
+static const char *synthetic_set(char *dir, size_t n, const char *name, int train, int val, uint64_t seed) {
     if (!dir[0]) {
-        snprintf(dir, sizeof dir, "%s/small", tmpdir);
-        dt_synthetic_write(dir, 320, 80, 16, 5);
+        snprintf(dir, n, "%s/%s", tmpdir, name);
+        dt_synthetic_write(dir, train, val, 16, seed);
     }
     return dir;
 }
+static const char *small_data(void) { static char dir[512]; return synthetic_set(dir, sizeof dir, "small", 320, 80, 5); }
 #define SMALL_FLAGS "--image-size 16 --dim 32 --batch-size 32 --log-every 1000 --quiet"
 
 /* ---- 4. kernels ---------------------------------------------------------------- */
@@ -1713,14 +1714,7 @@ static void test_accumulation_equals_a_k_times_larger_batch(void) {
 
 /* A bigger synthetic set, so that 200 steps learn something and the eval
    accuracy is measured to a tenth of a point. */
-static const char *mp_data(void) {
-    static char dir[512];
-    if (!dir[0]) {
-        snprintf(dir, sizeof dir, "%s/mp", tmpdir);
-        dt_synthetic_write(dir, 3200, 1000, 16, 9);
-    }
-    return dir;
-}
+static const char *mp_data(void) { static char dir[512]; return synthetic_set(dir, sizeof dir, "mp", 3200, 1000, 9); }
 /* The "key" values of a log's training lines, in order. */
 static int log_series(const char *log, const char *key, double *out, int max) {
     size_t n = 0;
@@ -1911,8 +1905,22 @@ static void test_fp16_overflow_skips_that_step_and_halves_the_scale(void) {
         CHECKF(a->opt_steps == 2, "rank %d: the optimizer took %lld steps, expected 2", r, (long long)a->opt_steps);
         CHECKF(a->unchanged, "rank %d: a skipped step changed the parameters, or a taken one did not", r);
     }
-    dt_loss_scaler s = dt_loss_scaler_create(DT_F16);                /* growth: after 2000 good steps it doubles */
-    CHECK(s.enabled && s.scale == 65536 && s.growth_interval == 2000 && !dt_loss_scaler_create(DT_BF16).enabled);
+    /* growth: the scale doubles after 2000 good steps in a row, not before */
+    dt_loss_scaler s = dt_loss_scaler_create(DT_F16);
+    CHECK(s.enabled && s.scale == 65536 && !dt_loss_scaler_create(DT_BF16).enabled && dt_loss_scaler_create(DT_BF16).scale == 1);
+    dt_model_config mc = accum_model();
+    dt_model *m = dt_model_create(&mc, 5);
+    dt_optimizer *o = dt_optimizer_create(m, DT_SGD, 0, 0, 0);
+    int ok = 1;
+    for (int i = 1; i <= 2000; i++) {
+        m->flat_grad[i] = 1.0f;
+        ok &= dt_loss_scaler_unscale(&s, o);
+        if (i == 1999) CHECKF(s.scale == 65536, "after 1999 good steps the scale is %g", s.scale);
+    }
+    CHECKF(ok && s.scale == 131072 && s.good_steps == 0 && s.skipped == 0, "after 2000 good steps: scale %g, %lld skipped",
+           s.scale, (long long)s.skipped);
+    dt_optimizer_free(o);
+    dt_model_free(m);
 }
 
 /* Mixed-precision results do not depend on the number of threads (each
@@ -2125,15 +2133,20 @@ static step_result one_step(dt_device dev, dt_model_config *c, dt_optimizer_kind
     dt_set_device(DT_CPU, 0);
     return res;
 }
+/* B random 3x16x16 images in [-1, 1] (to free) and labels. */
+static float *random_images(int B, int32_t *labels, uint64_t seed) {
+    float *pixels = (float *)malloc(sizeof(float) * B * 3 * 16 * 16);
+    dt_rng r = { seed };
+    for (int i = 0; i < B * 3 * 16 * 16; i++) pixels[i] = (float)rnd(&r);
+    for (int i = 0; i < B; i++) labels[i] = (int32_t)(dt_rng_u64(&r) % 10);
+    return pixels;
+}
 static void test_gpu_training_step_matches_the_cpu(void) {
     NEED_GPU();
     dt_model_config cfgs[2] = { { DT_MODEL_MLP, 3, 16, 10, 96, 2, 1, 1, 0 }, { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192 } };
     int B = 24;
-    float *pixels = (float *)malloc(sizeof(float) * B * 3 * 16 * 16);
     int32_t labels[24];
-    dt_rng r = { 23 };
-    for (int i = 0; i < B * 3 * 16 * 16; i++) pixels[i] = (float)rnd(&r);
-    for (int i = 0; i < B; i++) labels[i] = (int32_t)(dt_rng_u64(&r) % 10);
+    float *pixels = random_images(B, labels, 23);
     for (int k = 0; k < 2; k++)
         for (int opt = 0; opt < 2; opt++) {
             const char *name = k == 0 ? "mlp" : "vit";
@@ -2168,11 +2181,8 @@ static void test_gpu_mixed_precision_step_matches_the_cpu(void) {
     NEED_GPU();
     dt_model_config cfg = { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192 };
     int B = 24;
-    float *pixels = (float *)malloc(sizeof(float) * B * 3 * 16 * 16);
     int32_t labels[24];
-    dt_rng r = { 29 };
-    for (int i = 0; i < B * 3 * 16 * 16; i++) pixels[i] = (float)rnd(&r);
-    for (int i = 0; i < B; i++) labels[i] = (int32_t)(dt_rng_u64(&r) % 10);
+    float *pixels = random_images(B, labels, 29);
     for (int t = 1; t <= 2; t++) {
         dt_set_compute_dtype((dt_dtype)t);
         step_result c = one_step(DT_CPU, &cfg, DT_ADAMW, pixels, labels, B);
