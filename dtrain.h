@@ -3839,6 +3839,8 @@ dt_dp *dt_dp_create(dt_model *model, int devices, double timeout_s) {
         dt_fail("02-dp on %d GPUs: driving several GPUs from one process needs a CUDA stream, a cuBLAS handle and an "
                 "NCCL communicator per GPU, and this version keeps one per process. Use --nproc 1 here, or 03-ddp "
                 "(one process per GPU)", devices);
+    if (dt_ctx.compute_dtype != DT_F32)
+        dt_fail("DataParallel (stage 02) runs in fp32 only; mixed precision comes with DDP and FSDP (stage 05)");
     dt_dp *dp = (dt_dp *)calloc(1, sizeof *dp);
     if (!dp) dt_fail("out of memory (DataParallel)");
     dp->model = model;
@@ -5113,7 +5115,7 @@ static const dt_flag dt_flags[] = {
     { "--end-idx", "N", "... up to image N (default: all)", DT_ARG_I64, DT_CFG(end_idx), NULL },
     { "--bench", NULL, "time this stage's training steps on random in-memory data, print one line, exit", DT_ARG_SWITCH, DT_CFG(bench), NULL },
     { "--quiet", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL },
-    { "--peak-tflops", "X", "--bench on a GPU: its fp32 peak for MFU (default: looked up by name)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL },
+    { "--peak-tflops", "X", "--bench on a GPU: its peak for MFU (default: the fp32 peak, looked up by name; give the 16-bit one with --dtype)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL },
     { "--nproc", "N", "02: devices driven by this one process; 03-05: ranks started on this machine (default 1)", DT_ARG_INT, DT_CFG(nproc), NULL },
     { "--shard", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default)",
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full" },
@@ -5903,7 +5905,8 @@ static void dt_bench_report(dt_run *r) {
         size_t k = 0;
         for (const char *c = dt_ctx.gpu->name; *c && k + 1 < sizeof gpu; c++) gpu[k++] = *c == ' ' ? '_' : *c;
         gpu[k] = 0;
-        double peak = cfg->peak_tflops > 0 ? cfg->peak_tflops : dt_gpu_peak_tflops(dt_ctx.gpu->name);
+        /* the table holds fp32 peaks: a 16-bit run's peak must be given */
+        double peak = cfg->peak_tflops > 0 ? cfg->peak_tflops : cfg->dtype == DT_F32 ? dt_gpu_peak_tflops(dt_ctx.gpu->name) : 0;
         if (peak > 0) snprintf(where, sizeof where, "device=cuda gpu=%s tflops=%.2f peak_tflops=%.1f mfu=%.3f", gpu,
                                gflops / 1e3, peak, gflops / 1e3 / world / peak);
         else snprintf(where, sizeof where, "device=cuda gpu=%s tflops=%.2f mfu=unknown(use --peak-tflops)", gpu, gflops / 1e3);
