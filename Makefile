@@ -120,14 +120,16 @@ TORCH_PY = $(shell for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2
 # share the cores one rank already uses, so this measures what data
 # parallelism costs, not what it gains; on more devices than cores it is
 # oversubscribed, and the table says so.
-# Stage 04 runs once per --shard mode, and with --cpu-offload.
+# Stage 04 runs once per --shard mode, and with --cpu-offload; stage 05 once
+# per --dtype, and with 4 micro-batches of a quarter of the batch.
 BENCH_STAGES := "01-single-gpu|" "02-dp|" "03-ddp|" "04-fsdp|--shard optimizer" "04-fsdp|--shard grads" \
-                "04-fsdp|--shard full" "04-fsdp|--shard full --cpu-offload"
+                "04-fsdp|--shard full" "04-fsdp|--shard full --cpu-offload" "05-accum-mixed-precision|--dtype fp32" \
+                "05-accum-mixed-precision|--dtype bf16" "05-accum-mixed-precision|--dtype fp16"
 WORKLOADS := "mlp|--model mlp" "vit-tiny|--model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64"
 bench: $(STAGE_BINS) tools/collectives
 	@for n in 2 4; do ./tools/collectives --nproc $$n --bench; done
 	@if [ -n "$(CUDA_OBJ)" ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then \
-	  tools/bench_gpu.sh 01-single-gpu/train "$(TORCH_PY)" 03-ddp/train; \
+	  tools/bench_gpu.sh 01-single-gpu/train "$(TORCH_PY)" 03-ddp/train 05-accum-mixed-precision/train; \
 	else echo "(no GPU here, or a build without CUDA: CPU benchmarks only)"; fi
 	@for w in $(WORKLOADS); do flags=$${w#*|}; \
 	  OMP_NUM_THREADS=1 ./01-single-gpu/train --bench $$flags; \

@@ -25,7 +25,8 @@
         1  errors       every failure says what went wrong and what to do, then exits
         2  memory       where the bytes go: parameters, gradients, optimizer state,
                         activations, communication, data -- counted per arena
-        3  tensors      a shape, a pointer to float data and one to its gradient
+        3  tensors      a shape, a dtype, a pointer to the data and one to its
+                        gradient
         4  kernels      one function per op; the per-element arithmetic is a small
                         inline function (DT_HD) that a GPU kernel can call too
         5  autograd     each op appends its backward to a tape; dt_backward() walks
@@ -43,14 +44,14 @@
                         averaged in buckets while backward runs) and Fully Sharded
                         Data Parallel (each rank keeps 1/N of every unit: gathered
                         to compute, gradients reduce-scattered; ZeRO-1/2/3 side by
-                        side; CPU offload)
+                        side; CPU offload); no-sync for gradient accumulation
+       12  precision    bf16/fp16 activations and matmul operands, f32 master
+                        weights and sums, dynamic loss scaling for fp16
        13  checkpoints  safetensors files written atomically; exact resume; sharded
                         (a file per rank and an index), consolidated, resharded
        14  metrics      JSON-lines logs, progress lines, Chrome traces, benchmarks
        15  CUDA         the GPU bodies of the ops, behind one table (dt_backend):
                         indexing, reductions and launch shape are all that differ
-       (Section 12 -- mixed precision -- arrives with a later stage; its number is
-       kept so the header reads as the course.)
 
    A FAILURE NEVER CRASHES
        Bad flags exit with status 2, everything else that goes wrong (a missing
@@ -169,15 +170,20 @@ typedef struct dt_tensor {
     int ndim;
     int shape[4];
     int64_t numel;
-    float *data;               /* on `device`: not readable by the host when that is a GPU */
-    float *grad;               /* NULL until a gradient flows into it */
+    /* The bits of `data`: f32, or -- activations under mixed precision, see
+       section 12 -- bf16 or f16, read and written through data16 then. */
+    dt_dtype dtype;
+    union { float *data; uint16_t *data16; };  /* on `device`: not readable by the host when that is a GPU */
+    /* NULL until a gradient flows into it. An activation's gradient has the
+       activation's dtype; a parameter's is always f32 (the master gradient). */
+    union { float *grad; uint16_t *grad16; };
     dt_device device;
     int requires_grad;         /* parameters, and anything computed from them */
     int is_param;
     int hook_gen, first_use;   /* parameters: where the tape last reads them (grad-ready hook) */
 } dt_tensor;
 
-/* A tensor in the per-step arena (gone at the next reset). Contents are zero. */
+/* A tensor of f32 in the per-step arena (gone at the next reset). Contents are zero. */
 dt_tensor *dt_tensor_new(int ndim, const int *shape);
 dt_tensor *dt_tensor_2d(int rows, int cols);
 /* Rows of a 2-D view: shape[0] x (product of the rest). */
@@ -192,6 +198,9 @@ void dt_tensor_to_host(const dt_tensor *t, float *host);
 void dt_tensor_grad_to_host(const dt_tensor *t, float *host);
 /* The first element, on the host: a loss. */
 float dt_tensor_item(const dt_tensor *t);
+/* Bytes per element (4 or 2), and "fp32", "bf16", "fp16". */
+size_t dt_dtype_size(dt_dtype d);
+const char *dt_dtype_name(dt_dtype d);
 
 /* ---- 4. kernels ------------------------------------------------------------------ */
 
@@ -483,6 +492,12 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb);
    rank then holds the average gradient. */
 void dt_ddp_sync_grads(dt_ddp *ddp);
 int dt_ddp_buckets(const dt_ddp *ddp);
+/* Gradient accumulation (stage 05): with sync 0 the backward passes that follow
+   leave their gradients to add up locally and communicate nothing (PyTorch's
+   no_sync()); the backward after dt_ddp_set_sync(ddp, 1) all-reduces the sum. */
+void dt_ddp_set_sync(dt_ddp *ddp, int sync);
+/* All-reduce gradients in this dtype (default f32): bf16 halves the bytes. */
+void dt_ddp_set_reduce_dtype(dt_ddp *ddp, dt_dtype dtype);
 void dt_ddp_free(dt_ddp *ddp);
 
 /* Fully sharded data parallel (stages 04-05): like DDP, but no rank keeps the
@@ -516,7 +531,51 @@ void dt_fsdp_sync_grads(dt_fsdp *fsdp);
 /* After the optimizer: DT_SHARD_OPTIMIZER and _GRADS all-gather the updated
    parameters (DT_SHARD_FULL gathers each unit when it is next used). */
 void dt_fsdp_after_step(dt_fsdp *fsdp);
+/* Gradient accumulation (stage 05), as dt_ddp_set_sync: with sync 0 no unit is
+   reduce-scattered, and each unit's whole gradient adds up in a buffer of the
+   model's size (PyTorch's FSDP no_sync() keeps unsharded gradients too: fewer
+   collectives, paid for in memory); the next synchronised backward
+   reduce-scatters the sums. */
+void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync);
+/* Reduce-scatter gradients in this dtype (default f32), as PyTorch's
+   MixedPrecision(reduce_dtype=...). Parameters are gathered in the compute
+   dtype that was set when dt_fsdp_create ran (section 12). */
+void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype);
 void dt_fsdp_free(dt_fsdp *fsdp);
+
+/* ---- 12. mixed precision ------------------------------------------------------------ */
+
+/* The dtype activations are stored in and matmuls read (default DT_F32). With
+   DT_BF16 or DT_F16, parameters, their gradients and the optimizer state stay
+   f32 -- the master weights -- and every op reads its inputs rounded to 16 bits
+   and stores its output in 16 bits; layernorm statistics, softmax, the loss and
+   every sum inside a matmul stay f32. Set it before dt_fsdp_create. */
+void dt_set_compute_dtype(dt_dtype dtype);
+dt_dtype dt_compute_dtype(void);
+
+/* Dynamic loss scaling, for fp16: its smallest number is 6e-8 (2^-24), and
+   gradients of activations fall below it and become 0. Multiplying the loss by
+   `scale` lifts every gradient by the same factor; the optimizer sees them
+   divided again. Too large a scale makes some gradient inf: that step is
+   skipped and the scale halved. After growth_interval good steps in a row it
+   doubles. bf16 has f32's exponent range and needs none (enabled 0, scale 1). */
+typedef struct dt_loss_scaler {
+    int enabled;
+    float scale;               /* starts at 65536 */
+    int growth_interval;       /* 2000 */
+    int64_t good_steps;        /* since the last skip or growth */
+    int64_t skipped;           /* steps skipped so far */
+    int last_skipped;          /* the last step was skipped */
+} dt_loss_scaler;
+dt_loss_scaler dt_loss_scaler_create(dt_dtype dtype);
+/* Backward of loss * scale / accum_steps: each of accum_steps micro-batches
+   adds its share, so their sum is the gradient of the mean over all of them. */
+void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *scaler, int accum_steps);
+/* After the gradients are synchronised, before the optimizer: returns 1 with
+   the gradients divided by the scale; or, when any gradient on any rank is inf
+   or NaN, 0 with the gradients zeroed, the scale halved and the step to be
+   skipped -- every rank decides alike, as the check is summed over them. */
+int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt);
 
 /* ---- 13. checkpoints (safetensors) ------------------------------------------------ */
 
@@ -576,6 +635,8 @@ typedef struct dt_config {
     float bucket_mb;             /* --bucket-mb: DDP's gradient buckets (0: one all-reduce after backward) */
     int shard;                   /* --shard: what FSDP shards (a dt_shard_mode; default full) */
     int cpu_offload;             /* --cpu-offload: FSDP's shards and optimizer in host memory */
+    int accum_steps;             /* --accum-steps: micro-batches per optimizer step (05) */
+    int dtype, reduce_dtype;     /* --dtype, --reduce-dtype: a dt_dtype each (05) */
     float timeout;               /* --timeout: seconds before a missing rank stops the job */
     int rank, world_size, local_rank;   /* this process's place in the job (from the environment) */
 } dt_config;
@@ -602,6 +663,9 @@ typedef struct dt_run {
     double last_loss, loss_sum;
     int64_t loss_count, steps_run;
     double eval_loss, eval_acc;
+    int micro;                 /* micro-batches of this step done so far (--accum-steps) */
+    double micro_loss;         /* and the sum of their losses */
+    dt_loss_scaler scaler;     /* --dtype fp16's loss scale (disabled otherwise) */
     FILE *log, *trace;
     int stop;
     /* --bench: the timed steps (after two warm-up steps) and what they spent */
@@ -617,8 +681,14 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
 /* Start the next epoch's data order; 0 when every epoch (or --steps) is done. */
 int dt_next_epoch(dt_run *run);
 /* Begin a step (reset the step arena, start the clock) and fetch its batch; 0 at
-   the end of the epoch. */
+   the end of the epoch. With --accum-steps K a step takes K batches (micro-
+   batches): each call fetches the next, and a step begins with every K-th. */
 int dt_next_batch(dt_run *run, dt_batch *batch);
+/* 1 when the batch just fetched is the last of its step: the one whose backward
+   communicates (always, when --accum-steps is 1). */
+int dt_last_micro_batch(const dt_run *run);
+/* After the backward of a micro-batch that is not the last: count its loss. */
+void dt_micro_batch_end(dt_run *run, dt_tensor *loss);
 /* The learning rate of the step about to run (warmup, then cosine). */
 float dt_run_lr(const dt_run *run);
 /* Called once per training step, right before the batch is fetched. */
@@ -626,7 +696,8 @@ void dt_step_begin(dt_run *run);
 /* Charge the time since the last mark to `phase` (and draw it in the trace). */
 void dt_phase(dt_run *run, dt_phase_kind phase);
 /* After the optimizer: log, print progress, evaluate; returns 1 when --steps is
-   reached. In a job the logged loss is the mean over every rank's batch. */
+   reached. In a job the logged loss is the mean over every rank's batch (and
+   over the step's micro-batches). */
 int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size);
 /* At an epoch's end: evaluate and write a checkpoint (when --save-dir is given). */
 void dt_epoch_end(dt_run *run);
@@ -754,6 +825,9 @@ typedef struct dt_backend {
     void (*synchronize)(void);
     void (*gemm)(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                  const float *B, int ldb, float beta, float *C, int ldc);
+    /* mixed precision: A and B in 16 bits (`dtype`), C in f32, products summed in f32 */
+    void (*gemm_half)(dt_dtype dtype, int ta, int tb, int M, int N, int K, const void *A, int lda,
+                      const void *B, int ldb, float beta, float *C, int ldc);
     void (*add_bias)(float *y, const float *bias, int rows, int cols);
     void (*sum_rows)(const float *x, float *out, int rows, int cols);   /* out[j] += sum_i x[i,j] */
     void (*gelu_forward)(const float *x, float *y, int64_t n);
@@ -824,6 +898,9 @@ typedef struct dt_backend {
 #include <xmmintrin.h>
 #include <pmmintrin.h>
 #endif
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#endif
 #ifdef DT_HAVE_STB
 #include <stb/stb_image.h>
 #include <stb/stb_image_write.h>
@@ -875,6 +952,8 @@ typedef struct dt_context {
     size_t mem_now[DT_ARENA_COUNT], mem_peak[DT_ARENA_COUNT], mem_total, mem_total_peak;
     size_t host_now[DT_ARENA_COUNT], host_peak[DT_ARENA_COUNT];     /* offloaded (dt_alloc_host) */
     dt_step_arena step[2];             /* per device: host (tensor headers, host data) and GPU */
+    dt_step_arena scratch[2];          /* per device: f32 working copies that live for one op */
+    dt_dtype compute_dtype;            /* activations and matmul inputs (section 12); f32 by default */
     dt_tape_entry *tape;
     int tape_len, tape_cap;
     int grad_enabled;
@@ -890,6 +969,7 @@ typedef struct dt_context {
     double comm_ms, comm_hidden_ms;
     struct { char name[32]; double t0, t1; } comm_events[64];
     int ncomm_events;
+    int64_t grad_collectives;          /* gradient all-reduces and reduce-scatters issued this step */
 } dt_context;
 
 static DT_THREAD_LOCAL dt_context dt_ctx = { .world_size = 1, .grad_enabled = 1 };
@@ -1093,8 +1173,7 @@ static void dt_host_view_close(dt_device d, float *host, float *buf, int64_t n, 
 
 /* Step-arena memory on `device` whose every byte the caller is about to write:
    op outputs skip the zeroing that gradient buffers need. */
-static void *dt_step_alloc_on(dt_device device, size_t bytes) {
-    dt_step_arena *a = &dt_ctx.step[device];
+static void *dt_arena_take(dt_step_arena *a, dt_device device, size_t bytes) {
     bytes = (bytes + 63) & ~(size_t)63;
     a->high += bytes;
     if (a->used + bytes <= a->cap) {
@@ -1114,6 +1193,7 @@ static void *dt_step_alloc_on(dt_device device, size_t bytes) {
     a->spill_bytes[a->nspill++] = bytes;
     return p;
 }
+static void *dt_step_alloc_on(dt_device device, size_t bytes) { return dt_arena_take(&dt_ctx.step[device], device, bytes); }
 static void *dt_step_alloc_uninit(size_t bytes) { return dt_step_alloc_on(DT_CPU, bytes); }
 /* Data of activations and their gradients: on the device that runs the ops. */
 static void *dt_step_data(size_t bytes) { return dt_step_alloc_on(dt_ctx.device, bytes); }
@@ -1124,25 +1204,34 @@ void *dt_step_alloc(size_t bytes) {
     return p;
 }
 
-void dt_step_arena_reset(void) {
-    for (int d = 0; d < 2; d++) {
-        dt_step_arena *a = &dt_ctx.step[d];
-        if (a->nspill > 0) {
-            /* Grow the block to the high-water mark so the next step fits in one:
-               after the first step there is no malloc (or cudaMalloc) at all. */
-            size_t need = a->high;
-            for (int i = 0; i < a->nspill; i++) dt_free_on((dt_device)d, DT_ARENA_ACTS, a->spill[i], a->spill_bytes[i]);
-            a->nspill = 0;
-            if (need > a->cap) {
-                dt_free_on((dt_device)d, DT_ARENA_ACTS, a->base, a->cap);
-                a->cap = need + need / 8;
-                a->base = (char *)dt_alloc_on((dt_device)d, DT_ARENA_ACTS, a->cap);
-            }
+static void dt_arena_rewind(dt_step_arena *a, dt_device d) {
+    if (a->nspill > 0) {
+        /* Grow the block to the high-water mark so the next step fits in one:
+           after the first step there is no malloc (or cudaMalloc) at all. */
+        size_t need = a->high;
+        for (int i = 0; i < a->nspill; i++) dt_free_on(d, DT_ARENA_ACTS, a->spill[i], a->spill_bytes[i]);
+        a->nspill = 0;
+        if (need > a->cap) {
+            dt_free_on(d, DT_ARENA_ACTS, a->base, a->cap);
+            a->cap = need + need / 8;
+            a->base = (char *)dt_alloc_on(d, DT_ARENA_ACTS, a->cap);
         }
-        a->used = 0;
-        a->high = 0;
     }
+    a->used = 0;
+    a->high = 0;
+}
+void dt_step_arena_reset(void) {
+    for (int d = 0; d < 2; d++) dt_arena_rewind(&dt_ctx.step[d], (dt_device)d);
     dt_ctx.tape_len = 0;
+}
+
+/* The scratch arena works the same way but lives for one op only: under mixed
+   precision (section 12) an op reads its 16-bit inputs into f32 copies here,
+   computes, and stores its output in 16 bits; the copies are gone at the next
+   op, so only the 16-bit tensors stay for backward. */
+static void *dt_scratch_on(dt_device device, size_t bytes) { return dt_arena_take(&dt_ctx.scratch[device], device, bytes); }
+static void dt_scratch_reset(void) {
+    for (int d = 0; d < 2; d++) dt_arena_rewind(&dt_ctx.scratch[d], (dt_device)d);
 }
 
 /* Numbers below 1.2e-38 ("subnormals") cost x86 cores up to a hundred times the
@@ -1163,51 +1252,71 @@ static void dt_flush_subnormals(void) {               /* this thread and its Ope
 }
 
 /* ==== 3. tensors ================================================================
-   A tensor is a shape and a pointer. Activations are carved out of the step
-   arena; parameters point into the model's flat buffers. */
+   A tensor is a shape, a dtype and a pointer. Activations are carved out of
+   the step arena; parameters point into the model's flat buffers. Data is f32
+   unless mixed precision (section 12) stores activations in 16 bits. */
 
 /* An op's output, on the current device: every element is written by the op,
    so it is not zeroed. The header always lives on the host. */
-static dt_tensor *dt_tensor_out(int ndim, const int *shape) {
+size_t dt_dtype_size(dt_dtype d) { return d == DT_F32 ? 4 : 2; }
+const char *dt_dtype_name(dt_dtype d) { return d == DT_F32 ? "fp32" : d == DT_BF16 ? "bf16" : "fp16"; }
+
+/* A tensor in the step arena, on the current device, its data not zeroed. */
+static dt_tensor *dt_tensor_alloc(int ndim, const int *shape, dt_dtype dtype) {
     dt_tensor *t = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
     t->ndim = ndim;
     t->numel = 1;
     for (int i = 0; i < ndim; i++) { t->shape[i] = shape[i]; t->numel *= shape[i]; }
     t->device = dt_ctx.device;
-    t->data = (float *)dt_step_data((size_t)t->numel * sizeof(float));
+    t->dtype = dtype;
+    t->data = (float *)dt_step_data((size_t)t->numel * dt_dtype_size(dtype));
     return t;
 }
+/* An op's output: every element is written by the op, so it is not zeroed.
+   It is stored in the compute dtype (f32, or bf16/f16 under mixed precision). */
+static dt_tensor *dt_tensor_out(int ndim, const int *shape) { return dt_tensor_alloc(ndim, shape, dt_ctx.compute_dtype); }
 static dt_tensor *dt_tensor_out_2d(int rows, int cols) { int s[2] = { rows, cols }; return dt_tensor_out(2, s); }
 dt_tensor *dt_tensor_new(int ndim, const int *shape) {
-    dt_tensor *t = dt_tensor_out(ndim, shape);
+    dt_tensor *t = dt_tensor_alloc(ndim, shape, DT_F32);
     dt_zero_on(t->device, t->data, (size_t)t->numel * sizeof(float));
     return t;
 }
 dt_tensor *dt_tensor_2d(int rows, int cols) { int s[2] = { rows, cols }; return dt_tensor_new(2, s); }
 dt_tensor *dt_tensor_from_host(int ndim, const int *shape, const float *host) {
-    dt_tensor *t = dt_tensor_out(ndim, shape);
+    dt_tensor *t = dt_tensor_alloc(ndim, shape, DT_F32);
     dt_upload(t->data, host, (size_t)t->numel * sizeof(float));
     return t;
 }
 int64_t dt_tensor_rows(const dt_tensor *t) { return t->shape[0]; }
 int64_t dt_tensor_cols(const dt_tensor *t) { return t->numel / t->shape[0]; }
+/* A parameter's gradient is f32 whatever its data holds: the optimizer and the
+   collectives read it. An activation's has the activation's dtype. */
+static dt_dtype dt_grad_dtype(const dt_tensor *t) { return t->is_param ? DT_F32 : t->dtype; }
 float *dt_grad(dt_tensor *t) {
     if (!t->grad) {                                /* a gradient lives beside its tensor */
-        t->grad = (float *)dt_step_alloc_on(t->device, (size_t)t->numel * sizeof(float));
-        dt_zero_on(t->device, t->grad, (size_t)t->numel * sizeof(float));
+        size_t bytes = (size_t)t->numel * dt_dtype_size(dt_grad_dtype(t));
+        t->grad = (float *)dt_step_alloc_on(t->device, bytes);
+        dt_zero_on(t->device, t->grad, bytes);
     }
     return t->grad;
 }
-void dt_tensor_to_host(const dt_tensor *t, float *host) {
-    dt_download_from(t->device, host, t->data, (size_t)t->numel * sizeof(float));
+/* n values of any dtype on device d, as f32 on the host. */
+static void dt_download_as_f32(dt_device d, float *host, const void *src, dt_dtype dtype, int64_t n) {
+    if (dtype == DT_F32) { dt_download_from(d, host, src, (size_t)n * sizeof(float)); return; }
+    uint16_t *h = (uint16_t *)malloc((size_t)n * 2 + 1);
+    if (!h) dt_fail("out of memory");
+    dt_download_from(d, h, src, (size_t)n * 2);
+    for (int64_t i = 0; i < n; i++) host[i] = dtype == DT_BF16 ? dt_bf16_to_f32(h[i]) : dt_f16_to_f32(h[i]);
+    free(h);
 }
+void dt_tensor_to_host(const dt_tensor *t, float *host) { dt_download_as_f32(t->device, host, t->data, t->dtype, t->numel); }
 void dt_tensor_grad_to_host(const dt_tensor *t, float *host) {
     if (!t->grad) { memset(host, 0, (size_t)t->numel * sizeof(float)); return; }
-    dt_download_from(t->device, host, t->grad, (size_t)t->numel * sizeof(float));
+    dt_download_as_f32(t->device, host, t->grad, dt_grad_dtype(t), t->numel);
 }
 float dt_tensor_item(const dt_tensor *t) {
     float v;
-    dt_download_from(t->device, &v, t->data, sizeof v);
+    dt_download_as_f32(t->device, &v, t->data, t->dtype, 1);
     return v;
 }
 
@@ -1453,6 +1562,7 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
     dt_upload(dt_grad(loss), seed, sizeof(float) * (size_t)loss->numel);
     for (int i = dt_ctx.tape_len - 1; i >= 0; i--) {
         dt_tape_entry *e = &dt_ctx.tape[i];
+        dt_scratch_reset();
         if (!e->out || e->out->grad) e->backward(e);
         if (dt_ctx.grad_ready)
             for (int j = 0; j < 4; j++) {
@@ -1463,11 +1573,170 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
     dt_ctx.tape_len = 0;
 }
 
+/* -- precision conversion: mixed precision converts every activation twice, so
+      the CPU loops are written one per direction, where the compiler turns
+      them into vector code; x86's F16C instructions convert f16 eight at a
+      time, rounding to nearest even as dt_f32_to_f16 does (a test holds them
+      to it, bit for bit). -- */
+static void dt_f32_to_half_cpu(const float *x, uint16_t *h, dt_dtype to, int64_t n) {
+    int64_t i = 0;
+    if (to == DT_BF16) {
+        for (; i < n; i++) h[i] = dt_f32_to_bf16(x[i]);
+        return;
+    }
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) h[i] = dt_f32_to_f16(x[i]);
+}
+static void dt_half_to_f32_cpu(const uint16_t *h, float *x, dt_dtype from, int64_t n) {
+    int64_t i = 0;
+    if (from == DT_BF16) {
+        for (; i < n; i++) x[i] = dt_bf16_to_f32(h[i]);
+        return;
+    }
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) x[i] = dt_f16_to_f32(h[i]);
+}
+/* Round f32 values to a 16-bit type and widen them again, in one pass. */
+static void dt_round_f32_cpu(const float *x, float *y, dt_dtype to, int64_t n) {
+    uint16_t h[256];
+    for (int64_t i = 0; i < n; i += 256) {
+        int64_t c = n - i < 256 ? n - i : 256;
+        dt_f32_to_half_cpu(x + i, h, to, c);
+        dt_half_to_f32_cpu(h, y + i, to, c);
+    }
+}
+void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
+    const dt_backend *gpu = dt_backend_of(dt_ctx.device);
+    if (gpu) { gpu->convert(src, from, dst, to, n); return; }
+    const int64_t chunk = 16384;              /* cores share the work when there is enough */
+    DT_OMP("omp parallel for schedule(static) if(n > 4 * chunk)")
+    for (int64_t i = 0; i < n; i += chunk) {
+        int64_t c = n - i < chunk ? n - i : chunk;
+        if (from == to) memcpy((char *)dst + i * dt_dtype_size(to), (const char *)src + i * dt_dtype_size(to), (size_t)c * dt_dtype_size(to));
+        else if (from == DT_F32) dt_f32_to_half_cpu((const float *)src + i, (uint16_t *)dst + i, to, c);
+        else if (to == DT_F32) dt_half_to_f32_cpu((const uint16_t *)src + i, (float *)dst + i, from, c);
+        else
+            for (int64_t k = i; k < i + c; k++) {       /* bf16 <-> f16, through f32 */
+                float v = from == DT_BF16 ? dt_bf16_to_f32(((const uint16_t *)src)[k]) : dt_f16_to_f32(((const uint16_t *)src)[k]);
+                ((uint16_t *)dst)[k] = to == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
+            }
+    }
+}
+
+/* -- how an op sees its tensors. Ops compute in f32. With f32 everywhere the
+      views below are the tensors' own buffers and cost nothing. Under mixed
+      precision (section 12) an op reads every input as f32 values rounded to
+      the compute dtype -- a 16-bit activation widened, or an f32 master weight
+      narrowed, the cast PyTorch's autocast makes -- into the scratch arena,
+      and stores its output narrowed to 16 bits. Gradients travel the same way:
+      an activation's in its own dtype, a parameter's added to its f32 master
+      gradient after rounding, as a 16-bit copy's gradient would have been. -- */
+static int dt_mixed(void) { return dt_ctx.compute_dtype != DT_F32; }
+
+/* n values of dtype `from` at src as f32 in the scratch arena; f32 values are
+   rounded to the compute dtype on the way (a 16-bit copy, widened again). */
+static float *dt_scratch_f32(const void *src, dt_dtype from, int64_t n) {
+    float *f = (float *)dt_scratch_on(dt_ctx.device, (size_t)n * sizeof(float));
+    if (from == DT_F32 && dt_mixed() && dt_ctx.device == DT_CPU) {      /* the same, in one pass */
+        const int64_t chunk = 16384;
+        dt_dtype to = dt_ctx.compute_dtype;      /* read here: the context is per thread */
+        DT_OMP("omp parallel for schedule(static) if(n > 4 * chunk)")
+        for (int64_t i = 0; i < n; i += chunk)
+            dt_round_f32_cpu((const float *)src + i, f + i, to, n - i < chunk ? n - i : chunk);
+        return f;
+    }
+    if (from == DT_F32 && dt_mixed()) {
+        void *half = dt_scratch_on(dt_ctx.device, (size_t)n * 2);
+        dt_convert(src, DT_F32, half, dt_ctx.compute_dtype, n);
+        src = half;
+        from = dt_ctx.compute_dtype;
+    }
+    dt_convert(src, from, f, DT_F32, n);
+    return f;
+}
+static const float *dt_in(const dt_tensor *t) {
+    if (t->dtype == DT_F32 && !dt_mixed()) return t->data;
+    return dt_scratch_f32(t->data, t->dtype, t->numel);
+}
+/* d(loss)/d(out) of an op's output, as f32. */
+static const float *dt_grad_in(const dt_tensor *t) {
+    dt_dtype g = dt_grad_dtype(t);
+    if (g == DT_F32) return t->grad;
+    return dt_scratch_f32(t->grad, g, t->numel);
+}
+/* Where an op writes its output as f32, and the store into the output's dtype. */
+static float *dt_out(dt_tensor *y) {
+    return y->dtype == DT_F32 ? y->data : (float *)dt_scratch_on(y->device, (size_t)y->numel * sizeof(float));
+}
+static void dt_out_done(dt_tensor *y, float *v) {
+    if (v != y->data) dt_convert(v, DT_F32, y->data, y->dtype, y->numel);
+}
+/* Where a backward ADDS d(loss)/d(t) as f32, and the store after. */
+static float *dt_grad_acc(dt_tensor *t) {
+    dt_dtype g = dt_grad_dtype(t);
+    float *grad = dt_grad(t);
+    if (g == DT_F32 && !(t->is_param && dt_mixed())) return grad;
+    float *f = (float *)dt_scratch_on(t->device, (size_t)t->numel * sizeof(float));
+    if (g == DT_F32) dt_zero_on(t->device, f, (size_t)t->numel * sizeof(float));   /* a parameter's share */
+    else dt_convert(grad, g, f, DT_F32, t->numel);
+    return f;
+}
+static void dt_grad_acc_done(dt_tensor *t, float *f) {
+    if (f == t->grad) return;
+    if (dt_grad_dtype(t) != DT_F32) { dt_convert(f, DT_F32, t->grad, t->dtype, t->numel); return; }
+    /* a parameter: its 16-bit gradient, added to the f32 master gradient */
+    const dt_backend *gpu = dt_backend_of(t->device);
+    if (gpu) { gpu->accumulate(t->grad, dt_scratch_f32(f, DT_F32, t->numel), t->numel); return; }
+    int64_t n = t->numel;
+    const int64_t chunk = 16384;
+    dt_dtype to = dt_ctx.compute_dtype;                /* read here: the context is per thread */
+    float *g = t->grad;
+    DT_OMP("omp parallel for schedule(static) if(n > 4 * chunk)")
+    for (int64_t i = 0; i < n; i += chunk) {
+        int64_t c = n - i < chunk ? n - i : chunk;
+        dt_round_f32_cpu(f + i, f + i, to, c);          /* in place: no second copy of a big weight */
+        for (int64_t k = i; k < i + c; k++) g[k] += f[k];
+    }
+}
+
 /* The matmul of an op: cuBLAS on a GPU, the routine above on the CPU. */
 static void dt_matmul(const dt_backend *gpu, int ta, int tb, int M, int N, int K, float alpha, const float *A,
                       int lda, const float *B, int ldb, float beta, float *C, int ldc) {
     if (gpu) gpu->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     else dt_gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+/* A matmul operand: a 2-D tensor's data (or gradient), row-major. */
+typedef struct dt_operand { const dt_tensor *t; int grad; } dt_operand;
+static dt_operand dt_op_data(const dt_tensor *t) { dt_operand o = { t, 0 }; return o; }
+static dt_operand dt_op_grad(const dt_tensor *t) { dt_operand o = { t, 1 }; return o; }
+/* Its values in the compute dtype: the tensor's own buffer, or a 16-bit copy
+   in the scratch arena (what a GPU's tensor cores read). */
+static const void *dt_operand_half(dt_operand o) {
+    dt_dtype have = o.grad ? dt_grad_dtype(o.t) : o.t->dtype;
+    const void *src = o.grad ? (const void *)o.t->grad : (const void *)o.t->data;
+    if (have == dt_ctx.compute_dtype) return src;
+    void *half = dt_scratch_on(o.t->device, (size_t)o.t->numel * 2);
+    dt_convert(src, have, half, dt_ctx.compute_dtype, o.t->numel);
+    return half;
+}
+/* The matmuls of linear layers: C[M,N] (+)= op(A) op(B), A and B seen in the
+   compute dtype. A GPU multiplies 16-bit operands on its tensor cores,
+   summing in f32; the CPU widens them to f32 first (dt_in and dt_grad_in) --
+   products of 16-bit numbers are exact in f32, so both sum the same products. */
+static void dt_matmul_op(const dt_backend *gpu, int ta, int tb, int M, int N, int K, dt_operand A, dt_operand B,
+                         float beta, float *C, int ldc) {
+    int lda = (int)dt_tensor_cols(A.t), ldb = (int)dt_tensor_cols(B.t);
+    if (gpu && dt_mixed()) {
+        gpu->gemm_half(dt_ctx.compute_dtype, ta, tb, M, N, K, dt_operand_half(A), lda, dt_operand_half(B), ldb, beta, C, ldc);
+        return;
+    }
+    const float *a = A.grad ? dt_grad_in(A.t) : dt_in(A.t), *b = B.grad ? dt_grad_in(B.t) : dt_in(B.t);
+    dt_matmul(gpu, ta, tb, M, N, K, 1.0f, a, lda, b, ldb, beta, C, ldc);
 }
 
 /* -- linear: y = x W^T + b. The three matmuls of every layer's training step. -- */
@@ -1475,21 +1744,26 @@ static void dt_linear_backward(dt_tape_entry *e) {
     dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
     int N = (int)dt_tensor_rows(x), in = (int)dt_tensor_cols(x), out = (int)dt_tensor_rows(w);
     const dt_backend *gpu = dt_backend_for(y);
-    const float *dy = y->grad;
     if (x->requires_grad) {              /* dx = dy W */
-        dt_matmul(gpu, 0, 0, N, in, out, 1.0f, dy, out, w->data, in, 1.0f, dt_grad(x), in);
+        float *dx = dt_grad_acc(x);
+        dt_matmul_op(gpu, 0, 0, N, in, out, dt_op_grad(y), dt_op_data(w), 1.0f, dx, in);
+        dt_grad_acc_done(x, dx);
         dt_ctx.flops += 2.0 * N * in * out;
     }
     if (w->requires_grad) {              /* dW = dy^T x */
-        dt_matmul(gpu, 1, 0, out, in, N, 1.0f, dy, out, x->data, in, 1.0f, dt_grad(w), in);
+        float *dw = dt_grad_acc(w);
+        dt_matmul_op(gpu, 1, 0, out, in, N, dt_op_grad(y), dt_op_data(x), 1.0f, dw, in);
+        dt_grad_acc_done(w, dw);
         dt_ctx.flops += 2.0 * N * in * out;
     }
     if (b && b->requires_grad) {         /* db = sum of dy over rows, in row order */
-        float *db = dt_grad(b);
-        if (gpu) gpu->sum_rows(dy, db, N, out);
+        float *db = dt_grad_acc(b);
+        const float *dyf = dt_grad_in(y);
+        if (gpu) gpu->sum_rows(dyf, db, N, out);
         else
             for (int i = 0; i < N; i++)
-                for (int j = 0; j < out; j++) db[j] += dy[(size_t)i * out + j];
+                for (int j = 0; j < out; j++) db[j] += dyf[(size_t)i * out + j];
+        dt_grad_acc_done(b, db);
     }
 }
 dt_tensor *dt_linear(dt_tensor *x, dt_tensor *w, dt_tensor *b) {
@@ -1499,15 +1773,19 @@ dt_tensor *dt_linear(dt_tensor *x, dt_tensor *w, dt_tensor *b) {
                 in, (long long)dt_tensor_cols(w));
     const dt_backend *gpu = dt_backend_for(x);
     dt_backend_for(w);
+    dt_scratch_reset();
     dt_tensor *y = dt_tensor_out_2d(N, out);
-    dt_matmul(gpu, 0, 1, N, out, in, 1.0f, x->data, in, w->data, in, 0.0f, y->data, out);
+    float *yv = dt_out(y);
+    dt_matmul_op(gpu, 0, 1, N, out, in, dt_op_data(x), dt_op_data(w), 0.0f, yv, out);
     dt_ctx.flops += 2.0 * N * in * out;
-    if (b && gpu) gpu->add_bias(y->data, b->data, N, out);
+    const float *bv = b ? dt_in(b) : NULL;
+    if (b && gpu) gpu->add_bias(yv, bv, N, out);
     else if (b) {
         DT_OMP("omp parallel for if(N * out > 32768)")
         for (int i = 0; i < N; i++)
-            for (int j = 0; j < out; j++) y->data[(size_t)i * out + j] += b->data[j];
+            for (int j = 0; j < out; j++) yv[(size_t)i * out + j] += bv[j];
     }
+    dt_out_done(y, yv);
     if (dt_wants_grad(x, w, b)) dt_tape_push(dt_linear_backward, y, x, w, b);
     return y;
 }
@@ -1516,25 +1794,30 @@ dt_tensor *dt_linear(dt_tensor *x, dt_tensor *w, dt_tensor *b) {
 static void dt_gelu_backward(dt_tape_entry *e) {
     dt_tensor *x = e->in[0];
     if (!x->requires_grad) return;
-    float *dx = dt_grad(x);
-    const float *dy = e->out->grad, *xv = x->data;
+    float *dx = dt_grad_acc(x);
+    const float *dy = dt_grad_in(e->out), *xv = dt_in(x);
     int64_t n = x->numel;
     const dt_backend *gpu = dt_backend_for(x);
-    if (gpu) { gpu->gelu_backward(xv, dy, dx, n); return; }
-    DT_OMP("omp parallel for if(n > 65536)")
-    for (int64_t i = 0; i < n; i++) dx[i] += dy[i] * dt_gelu_derivative(xv[i]);
+    if (gpu) gpu->gelu_backward(xv, dy, dx, n);
+    else {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) dx[i] += dy[i] * dt_gelu_derivative(xv[i]);
+    }
+    dt_grad_acc_done(x, dx);
 }
 dt_tensor *dt_gelu(dt_tensor *x) {
     const dt_backend *gpu = dt_backend_for(x);
+    dt_scratch_reset();
     dt_tensor *y = dt_tensor_out(x->ndim, x->shape);
     int64_t n = x->numel;
-    const float *xv = x->data;
-    float *yv = y->data;
+    const float *xv = dt_in(x);
+    float *yv = dt_out(y);
     if (gpu) gpu->gelu_forward(xv, yv, n);
     else {
         DT_OMP("omp parallel for if(n > 65536)")
         for (int64_t i = 0; i < n; i++) yv[i] = dt_gelu_value(xv[i]);
     }
+    dt_out_done(y, yv);
     if (dt_wants_grad(x, NULL, NULL)) dt_tape_push(dt_gelu_backward, y, x, NULL, NULL);
     return y;
 }
@@ -1544,91 +1827,100 @@ static void dt_layernorm_backward(dt_tape_entry *e) {
     dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
     int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
     const float *stats = (const float *)e->saved;      /* mean[N], rstd[N] */
-    const float *dy = y->grad;
+    const float *dy = dt_grad_in(y), *xv = dt_in(x), *wv = w ? dt_in(w) : NULL;
+    float *dx = x->requires_grad ? dt_grad_acc(x) : NULL;
+    float *dw = w && w->requires_grad ? dt_grad_acc(w) : NULL, *db = b && b->requires_grad ? dt_grad_acc(b) : NULL;
     const dt_backend *gpu = dt_backend_for(x);
-    if (gpu) {
-        gpu->layernorm_backward(x->data, w ? w->data : NULL, dy, stats, x->requires_grad ? dt_grad(x) : NULL,
-                                w && w->requires_grad ? dt_grad(w) : NULL, b && b->requires_grad ? dt_grad(b) : NULL,
-                                N, D);
-        return;
-    }
-    if (x->requires_grad) {
-        float *dx = dt_grad(x);
+    if (gpu) gpu->layernorm_backward(xv, wv, dy, stats, dx, dw, db, N, D);
+    if (!gpu && dx) {
         DT_OMP("omp parallel for if(N * D > 32768)")
         for (int i = 0; i < N; i++) {
-            const float *xr = x->data + (size_t)i * D, *dyr = dy + (size_t)i * D;
+            const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
             float mean = stats[i], rstd = stats[N + i];
             double sum_g = 0, sum_gx = 0;          /* g = dy * w, the gradient of x-hat */
             for (int j = 0; j < D; j++) {
-                float g = dyr[j] * (w ? w->data[j] : 1.0f);
+                float g = dyr[j] * (wv ? wv[j] : 1.0f);
                 sum_g += g;
                 sum_gx += g * (xr[j] - mean) * rstd;
             }
             float mg = (float)(sum_g / D), mgx = (float)(sum_gx / D);
             float *dxr = dx + (size_t)i * D;
             for (int j = 0; j < D; j++) {
-                float g = dyr[j] * (w ? w->data[j] : 1.0f), xhat = (xr[j] - mean) * rstd;
+                float g = dyr[j] * (wv ? wv[j] : 1.0f), xhat = (xr[j] - mean) * rstd;
                 dxr[j] += rstd * (g - mg - xhat * mgx);
             }
         }
     }
-    if ((w && w->requires_grad) || (b && b->requires_grad)) {
-        float *dw = w && w->requires_grad ? dt_grad(w) : NULL, *db = b && b->requires_grad ? dt_grad(b) : NULL;
+    if (!gpu && (dw || db)) {
         for (int i = 0; i < N; i++) {
-            const float *xr = x->data + (size_t)i * D, *dyr = dy + (size_t)i * D;
+            const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
             float mean = stats[i], rstd = stats[N + i];
             if (dw) for (int j = 0; j < D; j++) dw[j] += dyr[j] * (xr[j] - mean) * rstd;
             if (db) for (int j = 0; j < D; j++) db[j] += dyr[j];
         }
     }
+    if (dx) dt_grad_acc_done(x, dx);
+    if (dw) dt_grad_acc_done(w, dw);
+    if (db) dt_grad_acc_done(b, db);
 }
+/* Under mixed precision the statistics are computed in f32 from the 16-bit
+   input, and the normalised output is stored in 16 bits. */
 dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *w, dt_tensor *b, float eps) {
     int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
     const dt_backend *gpu = dt_backend_for(x);
+    dt_scratch_reset();
     dt_tensor *y = dt_tensor_out(x->ndim, x->shape);
     float *stats = (float *)dt_step_data(sizeof(float) * 2 * (size_t)N);
-    if (gpu) gpu->layernorm_forward(x->data, w ? w->data : NULL, b ? b->data : NULL, y->data, stats, N, D, eps);
+    const float *xv = dt_in(x), *wv = w ? dt_in(w) : NULL, *bv = b ? dt_in(b) : NULL;
+    float *yv = dt_out(y);
+    if (gpu) gpu->layernorm_forward(xv, wv, bv, yv, stats, N, D, eps);
     else {
         DT_OMP("omp parallel for if(N * D > 32768)")
         for (int i = 0; i < N; i++) {
-            const float *xr = x->data + (size_t)i * D;
-            float *yr = y->data + (size_t)i * D;
+            const float *xr = xv + (size_t)i * D;
+            float *yr = yv + (size_t)i * D;
             float sum = 0, var = 0;
             for (int j = 0; j < D; j++) sum += xr[j];
             float mean = sum / D;
             for (int j = 0; j < D; j++) { float d = xr[j] - mean; var += d * d; }
             float rstd = 1.0f / sqrtf(var / D + eps);       /* biased variance, as PyTorch */
             for (int j = 0; j < D; j++)
-                yr[j] = (xr[j] - mean) * rstd * (w ? w->data[j] : 1.0f) + (b ? b->data[j] : 0.0f);
+                yr[j] = (xr[j] - mean) * rstd * (wv ? wv[j] : 1.0f) + (bv ? bv[j] : 0.0f);
             stats[i] = mean;
             stats[N + i] = rstd;
         }
     }
+    dt_out_done(y, yv);
     if (dt_wants_grad(x, w, b)) dt_tape_push(dt_layernorm_backward, y, x, w, b)->saved = stats;
     return y;
 }
 
 /* -- residual addition -- */
 static void dt_add_backward(dt_tape_entry *e) {
+    const float *dy = dt_grad_in(e->out);
     for (int k = 0; k < 2; k++) {
         dt_tensor *t = e->in[k];
         if (!t->requires_grad) continue;
-        float *g = dt_grad(t);
-        const float *dy = e->out->grad;
+        float *g = dt_grad_acc(t);
         const dt_backend *gpu = dt_backend_for(t);
         if (gpu) gpu->accumulate(g, dy, t->numel);
         else
             for (int64_t i = 0; i < t->numel; i++) g[i] += dy[i];
+        dt_grad_acc_done(t, g);
     }
 }
 dt_tensor *dt_add(dt_tensor *a, dt_tensor *b) {
     if (a->numel != b->numel) dt_fail("add: %lld and %lld elements", (long long)a->numel, (long long)b->numel);
     const dt_backend *gpu = dt_backend_for(a);
     dt_backend_for(b);
+    dt_scratch_reset();
     dt_tensor *y = dt_tensor_out(a->ndim, a->shape);
-    if (gpu) gpu->add(a->data, b->data, y->data, a->numel);
+    const float *av = dt_in(a), *bv = dt_in(b);
+    float *yv = dt_out(y);
+    if (gpu) gpu->add(av, bv, yv, a->numel);
     else
-        for (int64_t i = 0; i < a->numel; i++) y->data[i] = a->data[i] + b->data[i];
+        for (int64_t i = 0; i < a->numel; i++) yv[i] = av[i] + bv[i];
+    dt_out_done(y, yv);
     if (dt_wants_grad(a, b, NULL)) dt_tape_push(dt_add_backward, y, a, b, NULL);
     return y;
 }
@@ -1644,20 +1936,21 @@ static void dt_attention_backward(dt_tape_entry *e) {
     if (!qkv->requires_grad) return;
     int B = e->iarg[0], T = e->iarg[1], H = e->iarg[2], D = (int)dt_tensor_cols(e->out), hd = D / H;
     float scale = e->farg[0];
-    const float *P = (const float *)e->saved, *dout = e->out->grad;
-    float *dqkv = dt_grad(qkv);
+    const float *P = (const float *)e->saved, *dout = dt_grad_in(e->out), *qkvv = dt_in(qkv);
+    float *dqkv = dt_grad_acc(qkv);
     const dt_backend *gpu = dt_backend_for(qkv);
     dt_ctx.flops += 8.0 * B * H * T * T * hd;
     if (gpu) {
-        float *scratch = (float *)dt_step_data(sizeof(float) * (size_t)DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D));
+        float *scratch = (float *)dt_scratch_on(qkv->device, sizeof(float) * (size_t)DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D));
         gpu->attention_backward(P, dout, dqkv, scratch, B, T, H, D, scale);
+        dt_grad_acc_done(qkv, dqkv);
         return;
     }
-    float *dP_all = (float *)dt_step_data(sizeof(float) * (size_t)B * H * T * T);
+    float *dP_all = (float *)dt_scratch_on(qkv->device, sizeof(float) * (size_t)B * H * T * T);
     DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
-        const float *q = qkv->data + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
         float *dq = dqkv + (size_t)b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
         const float *p = P + (size_t)bh * T * T, *dO = dout + (size_t)b * T * D + h * hd;
         float *dp = dP_all + (size_t)bh * T * T;
@@ -1673,6 +1966,7 @@ static void dt_attention_backward(dt_tape_entry *e) {
         dt_gemm(0, 0, T, hd, T, 1.0f, dp, T, k, 3 * D, 1.0f, dq, 3 * D);  /* dQ += dS K */
         dt_gemm(1, 0, T, hd, T, 1.0f, dp, T, q, 3 * D, 1.0f, dk, 3 * D);  /* dK += dS^T Q */
     }
+    dt_grad_acc_done(qkv, dqkv);
 }
 dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
     int D = (int)dt_tensor_cols(qkv) / 3;
@@ -1682,15 +1976,19 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
     int hd = D / H;
     float scale = 1.0f / sqrtf((float)hd);
     const dt_backend *gpu = dt_backend_for(qkv);
+    dt_scratch_reset();
     dt_tensor *out = dt_tensor_out_2d(B * T, D);
+    /* the probabilities stay f32 (softmax in f32 under mixed precision too) */
     float *P = (float *)dt_step_data(sizeof(float) * (size_t)(gpu ? DT_ATTENTION_SAVED_FLOATS(B, T, H, D)
                                                                    : (int64_t)B * H * T * T));
-    if (gpu) gpu->attention_forward(qkv->data, out->data, P, B, T, H, D, scale, causal);
+    const float *qkvv = dt_in(qkv);
+    float *outv = dt_out(out);
+    if (gpu) gpu->attention_forward(qkvv, outv, P, B, T, H, D, scale, causal);
     else {
         DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
         for (int bh = 0; bh < B * H; bh++) {
             int b = bh / H, h = bh % H;
-            const float *q = qkv->data + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+            const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
             float *p = P + (size_t)bh * T * T;
             dt_gemm(0, 1, T, T, hd, scale, q, 3 * D, k, 3 * D, 0.0f, p, T);   /* S = Q K^T / sqrt(d) */
             for (int i = 0; i < T; i++) {                                     /* row softmax */
@@ -1703,9 +2001,10 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
                 for (int j = valid; j < T; j++) r[j] = 0.0f;
             }
             dt_gemm(0, 0, T, hd, T, 1.0f, p, T, v, 3 * D, 0.0f,                /* O = P V */
-                    out->data + (size_t)b * T * D + h * hd, D);
+                    outv + (size_t)b * T * D + h * hd, D);
         }
     }
+    dt_out_done(out, outv);
     dt_ctx.flops += 4.0 * B * H * T * T * hd;
     if (dt_wants_grad(qkv, NULL, NULL)) {
         dt_tape_entry *e = dt_tape_push(dt_attention_backward, out, qkv, NULL, NULL);
@@ -1718,33 +2017,41 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
 static void dt_vit_tokens_backward(dt_tape_entry *e) {
     dt_tensor *patches = e->in[0], *cls = e->in[1], *pos = e->in[2];
     int B = e->iarg[0], P = e->iarg[1], D = e->iarg[2], T = P + 1;
-    const float *dy = e->out->grad;
-    float *dpatch = patches->requires_grad ? dt_grad(patches) : NULL;
-    float *dcls = cls->requires_grad ? dt_grad(cls) : NULL, *dpos = pos->requires_grad ? dt_grad(pos) : NULL;
+    const float *dy = dt_grad_in(e->out);
+    float *dpatch = patches->requires_grad ? dt_grad_acc(patches) : NULL;
+    float *dcls = cls->requires_grad ? dt_grad_acc(cls) : NULL, *dpos = pos->requires_grad ? dt_grad_acc(pos) : NULL;
     const dt_backend *gpu = dt_backend_for(patches);
-    if (gpu) { gpu->vit_tokens_backward(dy, dpatch, dcls, dpos, B, P, D); return; }
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++) {
-            const float *g = dy + ((size_t)b * T + t) * D;
-            if (dpos) for (int j = 0; j < D; j++) dpos[(size_t)t * D + j] += g[j];
-            if (t == 0) { if (dcls) for (int j = 0; j < D; j++) dcls[j] += g[j]; }
-            else if (dpatch) for (int j = 0; j < D; j++) dpatch[((size_t)b * P + t - 1) * D + j] += g[j];
-        }
+    if (gpu) gpu->vit_tokens_backward(dy, dpatch, dcls, dpos, B, P, D);
+    else
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++) {
+                const float *g = dy + ((size_t)b * T + t) * D;
+                if (dpos) for (int j = 0; j < D; j++) dpos[(size_t)t * D + j] += g[j];
+                if (t == 0) { if (dcls) for (int j = 0; j < D; j++) dcls[j] += g[j]; }
+                else if (dpatch) for (int j = 0; j < D; j++) dpatch[((size_t)b * P + t - 1) * D + j] += g[j];
+            }
+    if (dpatch) dt_grad_acc_done(patches, dpatch);
+    if (dcls) dt_grad_acc_done(cls, dcls);
+    if (dpos) dt_grad_acc_done(pos, dpos);
 }
 dt_tensor *dt_vit_tokens(dt_tensor *patches, dt_tensor *cls, dt_tensor *pos, int B) {
     int D = (int)dt_tensor_cols(patches), P = (int)(dt_tensor_rows(patches) / B), T = P + 1;
     if (pos->numel != (int64_t)T * D || cls->numel != D)
         dt_fail("vit tokens: %d patches of %d need pos_embed of %d x %d", P, D, T, D);
     const dt_backend *gpu = dt_backend_for(patches);
+    dt_scratch_reset();
     dt_tensor *y = dt_tensor_out_2d(B * T, D);
-    if (gpu) gpu->vit_tokens_forward(patches->data, cls->data, pos->data, y->data, B, P, D);
+    const float *pv = dt_in(patches), *cv = dt_in(cls), *posv = dt_in(pos);
+    float *yv = dt_out(y);
+    if (gpu) gpu->vit_tokens_forward(pv, cv, posv, yv, B, P, D);
     else
         for (int b = 0; b < B; b++)
             for (int t = 0; t < T; t++) {
-                float *o = y->data + ((size_t)b * T + t) * D;
-                const float *src = t == 0 ? cls->data : patches->data + ((size_t)b * P + t - 1) * D;
-                for (int j = 0; j < D; j++) o[j] = src[j] + pos->data[(size_t)t * D + j];
+                float *o = yv + ((size_t)b * T + t) * D;
+                const float *src = t == 0 ? cv : pv + ((size_t)b * P + t - 1) * D;
+                for (int j = 0; j < D; j++) o[j] = src[j] + posv[(size_t)t * D + j];
             }
+    dt_out_done(y, yv);
     if (dt_wants_grad(patches, cls, pos)) {
         dt_tape_entry *e = dt_tape_push(dt_vit_tokens_backward, y, patches, cls, pos);
         e->iarg[0] = B; e->iarg[1] = P; e->iarg[2] = D;
@@ -1757,20 +2064,27 @@ static void dt_select_token_backward(dt_tape_entry *e) {
     dt_tensor *x = e->in[0];
     if (!x->requires_grad) return;
     int B = e->iarg[0], T = e->iarg[1], idx = e->iarg[2], D = (int)dt_tensor_cols(x);
-    float *dx = dt_grad(x);
+    float *dx = dt_grad_acc(x);
+    const float *dy = dt_grad_in(e->out);
     const dt_backend *gpu = dt_backend_for(x);
-    if (gpu) { gpu->select_token_backward(e->out->grad, dx, B, T, idx, D); return; }
-    for (int b = 0; b < B; b++)
-        for (int j = 0; j < D; j++) dx[((size_t)b * T + idx) * D + j] += e->out->grad[(size_t)b * D + j];
+    if (gpu) gpu->select_token_backward(dy, dx, B, T, idx, D);
+    else
+        for (int b = 0; b < B; b++)
+            for (int j = 0; j < D; j++) dx[((size_t)b * T + idx) * D + j] += dy[(size_t)b * D + j];
+    dt_grad_acc_done(x, dx);
 }
 dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int idx) {
     int D = (int)dt_tensor_cols(x);
     const dt_backend *gpu = dt_backend_for(x);
+    dt_scratch_reset();
     dt_tensor *y = dt_tensor_out_2d(B, D);
-    if (gpu) gpu->select_token_forward(x->data, y->data, B, T, idx, D);
+    const float *xv = dt_in(x);
+    float *yv = dt_out(y);
+    if (gpu) gpu->select_token_forward(xv, yv, B, T, idx, D);
     else
         for (int b = 0; b < B; b++)
-            memcpy(y->data + (size_t)b * D, x->data + ((size_t)b * T + idx) * D, sizeof(float) * D);
+            memcpy(yv + (size_t)b * D, xv + ((size_t)b * T + idx) * D, sizeof(float) * D);
+    dt_out_done(y, yv);
     if (dt_wants_grad(x, NULL, NULL)) {
         dt_tape_entry *e = dt_tape_push(dt_select_token_backward, y, x, NULL, NULL);
         e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = idx;
@@ -1787,30 +2101,35 @@ static void dt_cross_entropy_backward(dt_tape_entry *e) {
     int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits);
     const float *p = (const float *)e->saved;
     const int32_t *labels = (const int32_t *)(p + (size_t)B * C);
-    float *dl = dt_grad(logits);
+    float *dl = dt_grad_acc(logits);
     const dt_backend *gpu = dt_backend_for(logits);
-    if (gpu) { gpu->cross_entropy_backward(p, labels, e->out->grad, dl, B, C); return; }
-    float scale = e->out->grad[0] / B;
-    for (int i = 0; i < B; i++)
-        for (int j = 0; j < C; j++)
-            dl[(size_t)i * C + j] += (p[(size_t)i * C + j] - (j == labels[i] ? 1.0f : 0.0f)) * scale;
+    if (gpu) gpu->cross_entropy_backward(p, labels, e->out->grad, dl, B, C);
+    else {
+        float scale = e->out->grad[0] / B;
+        for (int i = 0; i < B; i++)
+            for (int j = 0; j < C; j++)
+                dl[(size_t)i * C + j] += (p[(size_t)i * C + j] - (j == labels[i] ? 1.0f : 0.0f)) * scale;
+    }
+    dt_grad_acc_done(logits, dl);
 }
 dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
     int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits);
     for (int i = 0; i < B; i++)
         if (labels[i] < 0 || labels[i] >= C) dt_fail("cross entropy: label %d outside [0, %d)", labels[i], C);
     const dt_backend *gpu = dt_backend_for(logits);
+    dt_scratch_reset();
     float *p = (float *)dt_step_data(sizeof(float) * (size_t)B * C + sizeof(int32_t) * B);
     int32_t *saved_labels = (int32_t *)(p + (size_t)B * C);
     int s1[1] = { 1 };
-    dt_tensor *loss = dt_tensor_out(1, s1);
+    dt_tensor *loss = dt_tensor_alloc(1, s1, DT_F32);        /* the loss is f32, always */
+    const float *lv = dt_in(logits);
     if (gpu) {
         gpu->upload(saved_labels, labels, sizeof(int32_t) * B);
-        gpu->cross_entropy_forward(logits->data, saved_labels, p, loss->data, B, C);
+        gpu->cross_entropy_forward(lv, saved_labels, p, loss->data, B, C);
     } else {
         double total = 0;
         for (int i = 0; i < B; i++) {
-            const float *r = logits->data + (size_t)i * C;
+            const float *r = lv + (size_t)i * C;
             float *pr = p + (size_t)i * C;
             float mx = r[0];
             for (int j = 1; j < C; j++) mx = r[j] > mx ? r[j] : mx;
@@ -1830,31 +2149,23 @@ dt_tensor *dt_patchify(const dt_tensor *img, int p) {
     int B = img->shape[0], C = img->shape[1], H = img->shape[2], W = img->shape[3];
     int ph = H / p, pw = W / p;
     const dt_backend *gpu = dt_backend_for(img);
+    dt_scratch_reset();
     dt_tensor *y = dt_tensor_out_2d(B * ph * pw, C * p * p);
-    if (gpu) { gpu->patchify(img->data, y->data, B, C, H, W, p); return y; }
-    for (int b = 0; b < B; b++)
-        for (int py = 0; py < ph; py++)
-            for (int px = 0; px < pw; px++) {
-                float *row = y->data + ((size_t)(b * ph + py) * pw + px) * C * p * p;
-                for (int c = 0; c < C; c++)
-                    for (int ky = 0; ky < p; ky++)
-                        memcpy(row + (c * p + ky) * p,
-                               img->data + (((size_t)b * C + c) * H + py * p + ky) * W + px * p, sizeof(float) * p);
-            }
+    const float *iv = dt_in(img);
+    float *yv = dt_out(y);
+    if (gpu) gpu->patchify(iv, yv, B, C, H, W, p);
+    else
+        for (int b = 0; b < B; b++)
+            for (int py = 0; py < ph; py++)
+                for (int px = 0; px < pw; px++) {
+                    float *row = yv + ((size_t)(b * ph + py) * pw + px) * C * p * p;
+                    for (int c = 0; c < C; c++)
+                        for (int ky = 0; ky < p; ky++)
+                            memcpy(row + (c * p + ky) * p,
+                                   iv + (((size_t)b * C + c) * H + py * p + ky) * W + px * p, sizeof(float) * p);
+                }
+    dt_out_done(y, yv);
     return y;
-}
-
-/* -- precision conversion (the mixed-precision stage stores bf16/f16 copies) -- */
-void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
-    const dt_backend *gpu = dt_backend_of(dt_ctx.device);
-    if (gpu) { gpu->convert(src, from, dst, to, n); return; }
-    const float *f = (const float *)src;
-    const uint16_t *h = (const uint16_t *)src;
-    for (int64_t i = 0; i < n; i++) {
-        float v = from == DT_F32 ? f[i] : from == DT_BF16 ? dt_bf16_to_f32(h[i]) : dt_f16_to_f32(h[i]);
-        if (to == DT_F32) ((float *)dst)[i] = v;
-        else ((uint16_t *)dst)[i] = to == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
-    }
 }
 
 /* ==== 6. layers and models ======================================================
@@ -2145,9 +2456,11 @@ void dt_optimizer_free(dt_optimizer *o) {
     free(o);
 }
 
-void dt_optimizer_step(dt_optimizer *o, float lr) {
+/* The squared norm of every gradient the optimizer steps -- of the whole
+   model: a sharded optimizer sums its ranks' parts. */
+static double dt_optimizer_grad_sum_squares(dt_optimizer *o) {
     int64_t n = o->numel;
-    float *g = o->grads;
+    const float *g = o->grads;
     const dt_backend *gpu = dt_backend_of(o->device);
     double sq = 0;
     if (gpu) sq = gpu->sum_squares(g, n);
@@ -2166,7 +2479,13 @@ void dt_optimizer_step(dt_optimizer *o, float lr) {
         dt_download(&part, buf, sizeof part);
         sq = part;
     }
-    o->last_grad_norm = (float)sqrt(sq);
+    return sq;
+}
+void dt_optimizer_step(dt_optimizer *o, float lr) {
+    int64_t n = o->numel;
+    float *g = o->grads;
+    const dt_backend *gpu = dt_backend_of(o->device);
+    o->last_grad_norm = (float)sqrt(dt_optimizer_grad_sum_squares(o));
     if (o->clip_norm > 0 && o->last_grad_norm > o->clip_norm) {   /* torch.nn.utils.clip_grad_norm_ */
         float c = o->clip_norm / (o->last_grad_norm + 1e-6f);
         if (gpu) gpu->scale(g, c, n);
@@ -2599,7 +2918,7 @@ int dt_loader_next(dt_loader *l, dt_batch *b) {
     const dt_dataset *ds = l->ds;
     int C = ds->channels, S = ds->size, pad = S / 8;
     int shape[4] = { B, C, S, S };
-    b->images = dt_tensor_out(4, shape);
+    b->images = dt_tensor_alloc(4, shape, DT_F32);
     b->labels = (int32_t *)dt_step_alloc(sizeof(int32_t) * B);
     b->size = B;
     /* The batch is assembled on the host; a GPU gets it in one upload. */
@@ -3396,9 +3715,10 @@ static void dt_record_comm(const char *name, double t0, double t1, double hidden
 /* A thread that ran ops gives back what its context holds before it ends. */
 static void dt_context_release(void) {
     dt_step_arena_reset();                  /* spill blocks back, the tape emptied */
-    for (int d = 0; d < 2; d++) {
-        dt_step_arena *a = &dt_ctx.step[d];
-        if (a->base) dt_free_on((dt_device)d, DT_ARENA_ACTS, a->base, a->cap);
+    dt_scratch_reset();
+    for (int d = 0; d < 4; d++) {
+        dt_step_arena *a = d < 2 ? &dt_ctx.step[d] : &dt_ctx.scratch[d - 2];
+        if (a->base) dt_free_on((dt_device)(d % 2), DT_ARENA_ACTS, a->base, a->cap);
         free(a->spill);
         free(a->spill_bytes);
         memset(a, 0, sizeof *a);
@@ -3452,7 +3772,7 @@ static void dt_dp_device_forward(dt_dp *dp, dt_dp_device *d, double *t0, double 
     const dt_tensor *all = dp->images;
     int shape[4] = { dp->rows, all->shape[1], all->shape[2], all->shape[3] };
     size_t per_image = (size_t)(all->numel / all->shape[0]);
-    dt_tensor *mine = dt_tensor_out(all->ndim, shape);
+    dt_tensor *mine = dt_tensor_alloc(all->ndim, shape, DT_F32);
     memcpy(mine->data, all->data + (size_t)d->index * dp->rows * per_image,      /* scatter: a copy to this device */
            (size_t)dp->rows * per_image * sizeof(float));
     d->logits = dt_model_forward(m, mine);
@@ -3519,6 +3839,8 @@ dt_dp *dt_dp_create(dt_model *model, int devices, double timeout_s) {
         dt_fail("02-dp on %d GPUs: driving several GPUs from one process needs a CUDA stream, a cuBLAS handle and an "
                 "NCCL communicator per GPU, and this version keeps one per process. Use --nproc 1 here, or 03-ddp "
                 "(one process per GPU)", devices);
+    if (dt_ctx.compute_dtype != DT_F32)
+        dt_fail("DataParallel (stage 02) runs in fp32 only; mixed precision comes with DDP and FSDP (stage 05)");
     dt_dp *dp = (dt_dp *)calloc(1, sizeof *dp);
     if (!dp) dt_fail("out of memory (DataParallel)");
     dp->model = model;
@@ -3622,6 +3944,9 @@ struct dt_ddp {
     int nbuckets, launched;     /* buckets start in order: 0, 1, ... */
     dt_ddp_bucket *buckets;
     int *bucket_of;             /* parameter -> bucket */
+    int sync;                   /* 0: accumulate locally (no-sync), communicate nothing */
+    dt_dtype reduce_dtype;      /* what travels: f32, or 16-bit copies in `reduced` */
+    void *reduced;
 };
 
 /* Start every bucket that is complete and whose predecessors have started:
@@ -3630,11 +3955,18 @@ static void dt_ddp_launch(dt_ddp *d, int all) {
     while (d->launched < d->nbuckets && (all || d->buckets[d->launched].pending == 0)) {
         dt_ddp_bucket *b = &d->buckets[d->launched++];
         float *g = d->model->flat_grad + b->offset;
-        b->handle = dt_all_reduce_async(d->comm, g, g, b->count, DT_F32, DT_AVG);
+        void *buf = g;
+        if (d->reduce_dtype != DT_F32) {       /* a 16-bit copy travels, half the bytes */
+            buf = (uint16_t *)d->reduced + b->offset;
+            dt_convert(g, DT_F32, buf, d->reduce_dtype, b->count);
+        }
+        b->handle = dt_all_reduce_async(d->comm, buf, buf, b->count, d->reduce_dtype, DT_AVG);
+        dt_ctx.grad_collectives++;
     }
 }
 static void dt_ddp_grad_ready(dt_tensor *p, void *user) {
     dt_ddp *d = (dt_ddp *)user;
+    if (!d->sync) return;                             /* no-sync: the gradient stays here */
     int64_t i = p - d->model->params;
     if (i < 0 || i >= d->model->nparams) return;      /* not this model's */
     dt_ddp_bucket *b = &d->buckets[d->bucket_of[i]];
@@ -3650,6 +3982,8 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
         dt_fail("out of memory (DDP)");
     d->model = model;
     d->comm = comm;
+    d->sync = 1;
+    d->reduce_dtype = DT_F32;
     dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);   /* every replica starts from rank 0's */
     /* Buckets, from the last parameter back: ~bucket_mb each, the first 1 MB. */
     double cap = bucket_mb > 0 ? bucket_mb * 1048576.0 : 1e300, first_cap = cap < 1048576.0 ? cap : 1048576.0;
@@ -3672,8 +4006,17 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
     return d;
 }
 int dt_ddp_buckets(const dt_ddp *d) { return d->nbuckets; }
+void dt_ddp_set_sync(dt_ddp *d, int sync) { d->sync = sync; }
+void dt_ddp_set_reduce_dtype(dt_ddp *d, dt_dtype dtype) {
+    dt_device dev = d->model->device;
+    if (d->reduced) dt_free_on(dev, DT_ARENA_COMM, d->reduced, (size_t)d->model->numel * 2);
+    d->reduced = NULL;
+    d->reduce_dtype = dtype;
+    if (dtype != DT_F32) d->reduced = dt_alloc_on(dev, DT_ARENA_COMM, (size_t)d->model->numel * 2);
+}
 
 void dt_ddp_sync_grads(dt_ddp *d) {
+    if (!d->sync) return;                             /* accumulating: nothing leaves this rank */
     double backward_end = dt_now_ms();
     dt_ddp_launch(d, 1);
     for (int k = 0; k < d->nbuckets; k++) {
@@ -3684,6 +4027,8 @@ void dt_ddp_sync_grads(dt_ddp *d) {
         dt_comm_interval(d->comm, b->handle, &t0, &t1);
         snprintf(name, sizeof name, "all_reduce bucket %d", k);
         dt_record_comm(name, t0, t1, t0 < backward_end ? (t1 < backward_end ? t1 : backward_end) - t0 : 0);
+        if (d->reduce_dtype != DT_F32)
+            dt_convert((uint16_t *)d->reduced + b->offset, d->reduce_dtype, d->model->flat_grad + b->offset, DT_F32, b->count);
         b->pending = b->last - b->first + 1;
     }
     d->launched = 0;
@@ -3692,6 +4037,7 @@ void dt_ddp_sync_grads(dt_ddp *d) {
 void dt_ddp_free(dt_ddp *d) {
     if (!d) return;
     if (dt_ctx.grad_ready_user == d) dt_set_grad_ready_hook(NULL, NULL);
+    dt_ddp_set_reduce_dtype(d, DT_F32);
     free(d->buckets);
     free(d->bucket_of);
     free(d);
@@ -3703,7 +4049,9 @@ typedef struct dt_fsdp_unit {
     int64_t offset, numel;      /* where it sits in the model's parameter order */
     int64_t shard;              /* elements per rank: numel rounded up to a multiple of world, / world */
     int64_t shard_offset;       /* where its shard starts in this rank's flat shard buffers */
-    float *full, *full_grad;    /* [shard * world]: gathered parameters, and their gradients */
+    int64_t accum_offset;       /* where its whole gradient adds up while accumulating (no-sync) */
+    void *full;                 /* [shard * world] gathered parameters, in the compute dtype */
+    float *full_grad;           /* [shard * world] their gradients, f32 */
     dt_comm_handle gathering;   /* an all-gather in flight (a prefetch), or 0 */
 } dt_fsdp_unit;
 
@@ -3722,13 +4070,28 @@ struct dt_fsdp {
        buffers serve all of them (unit k takes buffer k % 2), and one gradient
        buffer, as backward does one unit at a time. Offloaded shards are
        uploaded into staging buffers, by the same rule. */
-    float *gathered[2], *gathered_grad, *staged[2], *scattered;
+    void *gathered[2];
+    float *gathered_grad, *staged[2], *scattered;
     int holder[2];                       /* the unit in each parameter buffer, or -1 */
-    size_t largest, largest_shard;       /* bytes: the largest unit, gathered, and its shard */
+    size_t largest, largest_shard;       /* f32 bytes: the largest unit, gathered, and its shard */
     int64_t prefetched;                  /* units that were already on their way when needed */
+    /* Stage 05. Mixed precision: parameters are gathered in param_dtype (the
+       compute dtype), each rank first narrowing its f32 shard into send16;
+       gradients are reduce-scattered in reduce_dtype through grad16 and
+       scattered16. Accumulation: with sync 0 nothing is reduce-scattered and
+       the units' whole gradients add up in `accum`. */
+    dt_dtype param_dtype, reduce_dtype;
+    void *send16[2], *grad16, *scattered16;
+    int sync;
+    float *accum;
+    int64_t accum_numel;
 };
 
 static size_t dt_fsdp_full_bytes(const dt_fsdp *f, const dt_fsdp_unit *u) { return (size_t)(u->shard * f->world) * sizeof(float); }
+static size_t dt_fsdp_param_bytes(const dt_fsdp *f, const dt_fsdp_unit *u) {
+    return (size_t)(u->shard * f->world) * dt_dtype_size(f->param_dtype);
+}
+static size_t dt_fsdp_largest_params(const dt_fsdp *f) { return f->largest / sizeof(float) * dt_dtype_size(f->param_dtype); }
 
 /* Unit k's slice of a shard buffer where the collectives can read it: the
    buffer itself, or, offloaded, a copy uploaded into staging buffer k % 2. */
@@ -3738,6 +4101,23 @@ static float *dt_fsdp_shard_on_device(dt_fsdp *f, const float *shards, int k) {
     dt_upload(f->staged[k % 2], shards + u->shard_offset, (size_t)u->shard * sizeof(float));
     return f->staged[k % 2];
 }
+/* Unit k's shard as the all-gather sends it: in the compute dtype, which under
+   mixed precision is a 16-bit copy (send16, one per neighbouring unit). */
+static const void *dt_fsdp_send_buffer(dt_fsdp *f, int k) {
+    float *mine = dt_fsdp_shard_on_device(f, f->shard_params, k);
+    if (f->param_dtype == DT_F32) return mine;
+    dt_convert(mine, DT_F32, f->send16[k % 2], f->param_dtype, f->units[k].shard);
+    return f->send16[k % 2];
+}
+/* A unit's whole parameters from f32 host values, in the compute dtype. */
+static void dt_fsdp_fill_params(dt_fsdp *f, dt_fsdp_unit *u, const float *host) {
+    if (f->param_dtype == DT_F32) { dt_upload(u->full, host, (size_t)u->numel * sizeof(float)); return; }
+    uint16_t *h = (uint16_t *)malloc((size_t)u->numel * 2 + 1);
+    if (!h) dt_fail("out of memory");
+    for (int64_t i = 0; i < u->numel; i++) h[i] = f->param_dtype == DT_BF16 ? dt_f32_to_bf16(host[i]) : dt_f32_to_f16(host[i]);
+    dt_upload(u->full, h, (size_t)u->numel * 2);
+    free(h);
+}
 /* Host values into a shard buffer: a copy when offloaded, else an upload. */
 static void dt_fsdp_put(dt_fsdp *f, float *dst, const float *host, int64_t n) {
     if (n <= 0) return;
@@ -3745,12 +4125,17 @@ static void dt_fsdp_put(dt_fsdp *f, float *dst, const float *host, int64_t n) {
     else dt_upload(dst, host, (size_t)n * sizeof(float));
 }
 
-/* Point the unit's parameters (or their gradients) into a gathered buffer, or nowhere. */
-static void dt_fsdp_point(dt_fsdp *f, dt_fsdp_unit *u, int grads, float *buf) {
+/* Point the unit's parameters (or their f32 gradients) into a gathered buffer,
+   or nowhere. Gathered parameters are in the compute dtype. */
+static void dt_fsdp_point(dt_fsdp *f, dt_fsdp_unit *u, int grads, void *buf) {
     for (int i = u->first; i < u->end; i++) {
-        float *p = buf ? buf + (f->model->offsets[i] - u->offset) : NULL;
-        if (grads) f->model->params[i].grad = p;
-        else f->model->params[i].data = p;
+        dt_tensor *p = &f->model->params[i];
+        int64_t at = f->model->offsets[i] - u->offset;
+        if (grads) p->grad = buf ? (float *)buf + at : NULL;
+        else {
+            p->dtype = f->param_dtype;
+            p->data = buf ? (float *)((char *)buf + at * dt_dtype_size(f->param_dtype)) : NULL;
+        }
     }
 }
 
@@ -3765,7 +4150,7 @@ static void dt_fsdp_gather_start(dt_fsdp *f, int k) {
         dt_fail("internal: FSDP gathers unit %d while unit %d still holds its buffer", k, f->holder[k % 2]);
     f->holder[k % 2] = k;
     u->full = f->gathered[k % 2];
-    u->gathering = dt_all_gather_async(f->comm, dt_fsdp_shard_on_device(f, f->shard_params, k), u->full, u->shard, DT_F32);
+    u->gathering = dt_all_gather_async(f->comm, dt_fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
 }
 static void dt_fsdp_gather_unit(dt_fsdp *f, int k, int next) {
     dt_fsdp_unit *u = &f->units[k];
@@ -3796,7 +4181,13 @@ static void dt_fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
     dt_device dev = f->model->device;
     float *mine = f->scattered, *dst = f->shard_grads + u->shard_offset;
     double t0 = dt_now_ms();
-    dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
+    if (f->reduce_dtype == DT_F32) dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
+    else {                                          /* 16-bit copies travel */
+        dt_convert(u->full_grad, DT_F32, f->grad16, f->reduce_dtype, u->shard * f->world);
+        dt_reduce_scatter(f->comm, f->grad16, f->scattered16, u->shard, f->reduce_dtype, DT_AVG);
+        dt_convert(f->scattered16, f->reduce_dtype, mine, DT_F32, u->shard);
+    }
+    dt_ctx.grad_collectives++;
     dt_record_comm("reduce_scatter unit", t0, dt_now_ms(), 0);
     const dt_backend *gpu = f->offload ? NULL : dt_backend_of(dev);
     if (gpu) gpu->accumulate(dst, mine, u->shard);
@@ -3812,9 +4203,12 @@ static void dt_fsdp_before_unit_backward(dt_tape_entry *e) {
     dt_fsdp *f = (dt_fsdp *)e->saved;
     dt_fsdp_unit *u = &f->units[e->iarg[0]];
     dt_fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1);             /* gathered again; the one before on its way */
-    if (f->mode != DT_SHARD_OPTIMIZER) {                             /* backward adds into it: zeroed */
-        u->full_grad = f->gathered_grad;
-        dt_zero_on(f->model->device, u->full_grad, dt_fsdp_full_bytes(f, u));
+    if (f->mode != DT_SHARD_OPTIMIZER) {
+        if (f->accum) u->full_grad = f->accum + u->accum_offset;     /* adds to the micro-batches before */
+        else {                                                       /* backward adds into it: zeroed */
+            u->full_grad = f->gathered_grad;
+            dt_zero_on(f->model->device, u->full_grad, dt_fsdp_full_bytes(f, u));
+        }
         dt_fsdp_point(f, u, 1, u->full_grad);
     }
 }
@@ -3822,7 +4216,10 @@ static void dt_fsdp_after_unit_backward(dt_tape_entry *e) {
     dt_fsdp *f = (dt_fsdp *)e->saved;
     dt_fsdp_unit *u = &f->units[e->iarg[0]];
     if (f->mode == DT_SHARD_OPTIMIZER) return;                                  /* all at once, after backward */
-    dt_fsdp_reduce_scatter_unit(f, e->iarg[0]);
+    if (f->sync) {                                                              /* no-sync: it stays in accum */
+        dt_fsdp_reduce_scatter_unit(f, e->iarg[0]);
+        if (f->accum) dt_zero_on(f->model->device, u->full_grad, dt_fsdp_full_bytes(f, u));
+    }
     u->full_grad = NULL;
     dt_fsdp_point(f, u, 1, NULL);
     dt_fsdp_release_unit(f, e->iarg[0]);
@@ -3846,6 +4243,7 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
     if (!f || !(f->units = (dt_fsdp_unit *)calloc((size_t)model->nunits, sizeof(dt_fsdp_unit))))
         dt_fail("out of memory (FSDP)");
     f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
+    f->param_dtype = dt_ctx.compute_dtype; f->reduce_dtype = DT_F32; f->sync = 1;
     f->rank = dt_comm_rank(comm); f->world = dt_comm_size(comm); f->nunits = model->nunits;
     dt_device dev = model->device;
     dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);     /* every rank starts from rank 0's */
@@ -3858,13 +4256,17 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
         u->shard = (u->numel + f->world - 1) / f->world;
         u->shard_offset = f->shard_numel;
         f->shard_numel += u->shard;
+        u->accum_offset = f->accum_numel;
+        f->accum_numel += u->shard * f->world;
         if (dt_fsdp_full_bytes(f, u) > f->largest) f->largest = dt_fsdp_full_bytes(f, u);
     }
     f->largest_shard = f->largest / (size_t)f->world;
     int two = f->nunits > 1;
     f->holder[0] = f->holder[1] = -1;
     if (mode == DT_SHARD_FULL)
-        for (int b = 0; b <= two; b++) f->gathered[b] = (float *)dt_alloc_on(dev, DT_ARENA_PARAMS, f->largest);
+        for (int b = 0; b <= two; b++) f->gathered[b] = dt_alloc_on(dev, DT_ARENA_PARAMS, dt_fsdp_largest_params(f));
+    if (f->param_dtype != DT_F32)
+        for (int b = 0; b <= two; b++) f->send16[b] = dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard / 2);
     if (mode != DT_SHARD_OPTIMIZER) f->gathered_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, f->largest);
     if (cpu_offload)
         for (int b = 0; b <= two; b++) f->staged[b] = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard);
@@ -3879,8 +4281,8 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
         int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
         dt_fsdp_put(f, f->shard_params + u->shard_offset, host + u->offset + lo, hi - lo);
         if (mode != DT_SHARD_FULL) {             /* ZeRO-1 and -2 keep every parameter, in per-unit buffers */
-            u->full = (float *)dt_alloc_on(dev, DT_ARENA_PARAMS, dt_fsdp_full_bytes(f, u));
-            dt_upload(u->full, host + u->offset, (size_t)u->numel * sizeof(float));
+            u->full = dt_alloc_on(dev, DT_ARENA_PARAMS, dt_fsdp_param_bytes(f, u));
+            dt_fsdp_fill_params(f, u, host + u->offset);
             dt_fsdp_point(f, u, 0, u->full);
         }
         if (mode == DT_SHARD_OPTIMIZER) {        /* ZeRO-1 keeps every gradient too */
@@ -3923,8 +4325,26 @@ static void dt_fsdp_optimizer_view(dt_fsdp *f, dt_optimizer *o) {
     }
 }
 
+void dt_fsdp_set_sync(dt_fsdp *f, int sync) {
+    f->sync = sync;
+    if (!sync && !f->accum && f->mode != DT_SHARD_OPTIMIZER) {     /* ZeRO-1 keeps whole gradients anyway */
+        f->accum = (float *)dt_alloc_on(f->model->device, DT_ARENA_GRADS, (size_t)f->accum_numel * sizeof(float));
+        dt_zero_on(f->model->device, f->accum, (size_t)f->accum_numel * sizeof(float));
+    }
+}
+void dt_fsdp_set_reduce_dtype(dt_fsdp *f, dt_dtype dtype) {
+    dt_device dev = f->model->device;
+    dt_free_on(dev, DT_ARENA_COMM, f->grad16, f->largest / 2);
+    dt_free_on(dev, DT_ARENA_COMM, f->scattered16, f->largest_shard / 2);
+    f->grad16 = f->scattered16 = NULL;
+    f->reduce_dtype = dtype;
+    if (dtype == DT_F32) return;
+    f->grad16 = dt_alloc_on(dev, DT_ARENA_COMM, f->largest / 2);
+    f->scattered16 = dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard / 2);
+}
+
 void dt_fsdp_sync_grads(dt_fsdp *f) {
-    if (f->mode != DT_SHARD_OPTIMIZER) return;         /* reduce-scattered unit by unit during backward */
+    if (f->mode != DT_SHARD_OPTIMIZER || !f->sync) return;   /* reduce-scattered during backward, or accumulating */
     for (int k = f->nunits - 1; k >= 0; k--) {
         dt_fsdp_unit *u = &f->units[k];
         dt_fsdp_reduce_scatter_unit(f, k);
@@ -3937,7 +4357,7 @@ void dt_fsdp_after_step(dt_fsdp *f) {
     for (int k = 0; k < f->nunits; k++) {
         dt_fsdp_unit *u = &f->units[k];
         double t0 = dt_now_ms();
-        dt_all_gather(f->comm, dt_fsdp_shard_on_device(f, f->shard_params, k), u->full, u->shard, DT_F32);
+        dt_all_gather(f->comm, dt_fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
         dt_record_comm("all_gather parameters", t0, dt_now_ms(), 0);
     }
 }
@@ -3962,7 +4382,7 @@ static void dt_fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards, 
         dt_fsdp_unit *u = &f->units[k];
         int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
         dt_fsdp_put(f, shards + u->shard_offset, host + u->offset + lo, hi - lo);
-        if (parameters && u->full) dt_upload(u->full, host + u->offset, (size_t)u->numel * sizeof(float));
+        if (parameters && u->full) dt_fsdp_fill_params(f, u, host + u->offset);
     }
 }
 
@@ -3979,14 +4399,17 @@ static void dt_fsdp_memory_table(const dt_fsdp *f, const dt_optimizer *o) {
     double P = 4.0 * f->model->numel, ddp[3] = { P, P, o->v ? 2 * P : P };
     dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
     const char *rows[3] = { "parameters", "gradients", "optimizer state" };
-    double buffers[3] = { (f->gathered[0] ? 1.0 : 0.0) + (f->gathered[1] ? 1.0 : 0.0), f->gathered_grad ? 1.0 : 0.0, 0 };
+    double buffers[3] = { ((f->gathered[0] ? 1.0 : 0.0) + (f->gathered[1] ? 1.0 : 0.0)) * dt_fsdp_largest_params(f),
+                          f->gathered_grad ? (double)f->largest : 0.0, 0 };
     printf("memory per rank, --shard %s%s, %d ranks (MB):\n", names[f->mode], f->offload ? " --cpu-offload" : "", f->world);
     printf("  %-16s %8s %8s %8s   %s\n", "", "device", "host", "DDP", "formula");
     for (int i = 0; i < 3; i++)
-        printf("  %-16s %8.2f %8.2f %8.2f   %s\n", rows[i], (dt_mem_now(arenas[i]) - buffers[i] * f->largest) / 1e6,
+        printf("  %-16s %8.2f %8.2f %8.2f   %s\n", rows[i], (dt_mem_now(arenas[i]) - buffers[i]) / 1e6,
                dt_mem_host_now(arenas[i]) / 1e6, ddp[i] / 1e6, formulas[f->mode][i]);
+    if (f->param_dtype != DT_F32)
+        printf("  (f32 shards and optimizer; parameters gathered in %s, 2 bytes each)\n", dt_dtype_name(f->param_dtype));
     if (buffers[0] + buffers[1] > 0)
-        printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1]) * f->largest / 1e6, "", "",
+        printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1]) / 1e6, "", "",
                f->mode == DT_SHARD_FULL ? "2 units of parameters (one computes, the next arrives) + 1 of gradients"
                                         : "1 unit of gradients (whole during its backward)");
     fflush(stdout);
@@ -3998,15 +4421,19 @@ void dt_fsdp_free(dt_fsdp *f) {
     for (int k = 0; k < f->nunits; k++) {
         dt_fsdp_unit *u = &f->units[k];
         if (u->gathering) dt_fsdp_gather_unit(f, k, -1);      /* a prefetch nobody used: let it land */
-        if (f->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt_fsdp_full_bytes(f, u));
+        if (f->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt_fsdp_param_bytes(f, u));
         if (f->mode == DT_SHARD_OPTIMIZER) dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt_fsdp_full_bytes(f, u));
         dt_fsdp_point(f, u, 0, NULL);
         dt_fsdp_point(f, u, 1, NULL);
     }
     for (int b = 0; b < 2; b++) {
-        dt_free_on(m->device, DT_ARENA_PARAMS, f->gathered[b], f->largest);
+        dt_free_on(m->device, DT_ARENA_PARAMS, f->gathered[b], dt_fsdp_largest_params(f));
         dt_free_on(m->device, DT_ARENA_COMM, f->staged[b], f->largest_shard);
+        dt_free_on(m->device, DT_ARENA_COMM, f->send16[b], f->largest_shard / 2);
     }
+    dt_fsdp_set_reduce_dtype(f, DT_F32);
+    dt_free_on(m->device, DT_ARENA_GRADS, f->accum, (size_t)f->accum_numel * sizeof(float));
+    for (int i = 0; i < m->nparams; i++) m->params[i].dtype = DT_F32;
     dt_free_on(m->device, DT_ARENA_GRADS, f->gathered_grad, f->largest);
     dt_free_on(m->device, DT_ARENA_COMM, f->scattered, f->largest_shard);
     size_t shard_bytes = (size_t)f->shard_numel * sizeof(float);
@@ -4015,6 +4442,56 @@ void dt_fsdp_free(dt_fsdp *f) {
     m->fsdp = NULL;
     free(f->units);
     free(f);
+}
+
+/* ==== 12. mixed precision =======================================================
+   Half the bytes: activations, the matmuls' operands and what the collectives
+   carry in 16 bits, while everything that adds up many small numbers stays in
+   f32 -- the master weights and the optimizer (an update of 1e-4 on a weight
+   of 1 vanishes in bf16, whose 8 bits of mantissa see 1/256), the sums inside
+   matmuls, the layernorm statistics, the softmax, the loss. The ops do it
+   through the views of section 5; this section sets the dtype and scales the
+   loss for fp16, whose range (6e-8 to 65504) is too narrow for gradients. */
+
+void dt_set_compute_dtype(dt_dtype dtype) { dt_ctx.compute_dtype = dtype; }
+dt_dtype dt_compute_dtype(void) { return dt_ctx.compute_dtype; }
+
+dt_loss_scaler dt_loss_scaler_create(dt_dtype dtype) {
+    dt_loss_scaler s;
+    memset(&s, 0, sizeof s);
+    s.scale = 1.0f;
+    s.growth_interval = 2000;
+    if (dtype == DT_F16) { s.enabled = 1; s.scale = 65536.0f; }
+    return s;
+}
+
+void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *s, int accum_steps) {
+    float seed = s->scale / (float)(accum_steps > 0 ? accum_steps : 1);
+    if (loss->numel != 1) dt_fail("dt_backward_scaled needs a scalar loss, got %lld elements", (long long)loss->numel);
+    dt_backward_from(loss, &seed);
+}
+
+int dt_loss_scaler_unscale(dt_loss_scaler *s, dt_optimizer *o) {
+    s->last_skipped = 0;
+    if (!s->enabled) return 1;
+    size_t bytes = (size_t)o->numel * sizeof(float);
+    /* one number says it all: a sum with an inf or a NaN in it is not finite;
+       a sharded optimizer sums over the ranks, so they all see the same */
+    if (!isfinite(dt_optimizer_grad_sum_squares(o))) {
+        dt_zero_on(o->device, o->grads, bytes);
+        s->scale *= 0.5f;
+        s->good_steps = 0;
+        s->skipped++;
+        s->last_skipped = 1;
+        return 0;
+    }
+    float inv = 1.0f / s->scale;                /* a power of two: exact */
+    const dt_backend *gpu = dt_backend_of(o->device);
+    if (gpu) gpu->scale(o->grads, inv, o->numel);
+    else
+        for (int64_t i = 0; i < o->numel; i++) o->grads[i] *= inv;
+    if (++s->good_steps >= s->growth_interval) { s->scale *= 2.0f; s->good_steps = 0; }
+    return 1;
 }
 
 /* ==== 13. checkpoints ===========================================================
@@ -4199,7 +4676,7 @@ static int dt_json_int_array(dt_json *j, int64_t *out, int max) {
     return n;
 }
 
-static int dt_dtype_size(const char *d) {
+static int dt_safetensors_dtype_size(const char *d) {
     if (!strcmp(d, "F32")) return 4;
     if (!strcmp(d, "F16") || !strcmp(d, "BF16")) return 2;
     if (!strcmp(d, "F64")) return 8;
@@ -4275,7 +4752,7 @@ dt_safetensors *dt_safetensors_read(const char *path) {
         dt_st_tensor *t = &st->t[i];
         uint64_t numel = 1;
         for (int d = 0; d < t->ndim; d++) numel *= (uint64_t)t->shape[d];
-        int es = dt_dtype_size(t->dtype);
+        int es = dt_safetensors_dtype_size(t->dtype);
         if (es && t->end - t->begin != numel * es)
             dt_fail("'%s': tensor '%s' claims %llu bytes for %llu %s elements", path, t->name,
                     (unsigned long long)(t->end - t->begin), (unsigned long long)numel, t->dtype);
@@ -4319,7 +4796,7 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
                     st->path, name, a, b);
         }
         const unsigned char *src = st->buf + st->data_start + t->begin;
-        uint64_t numel = (t->end - t->begin) / (uint64_t)(dt_dtype_size(t->dtype) ? dt_dtype_size(t->dtype) : 1);
+        uint64_t numel = (t->end - t->begin) / (uint64_t)(dt_safetensors_dtype_size(t->dtype) ? dt_safetensors_dtype_size(t->dtype) : 1);
         if (!strcmp(t->dtype, "F32")) memcpy(dst, src, numel * 4);
         else if (!strcmp(t->dtype, "F64")) for (uint64_t k = 0; k < numel; k++) { double v; memcpy(&v, src + 8 * k, 8); dst[k] = (float)v; }
         else if (!strcmp(t->dtype, "F16")) for (uint64_t k = 0; k < numel; k++) dst[k] = dt_f16_to_f32((uint16_t)(src[2 * k] | src[2 * k + 1] << 8));
@@ -4638,12 +5115,18 @@ static const dt_flag dt_flags[] = {
     { "--end-idx", "N", "... up to image N (default: all)", DT_ARG_I64, DT_CFG(end_idx), NULL },
     { "--bench", NULL, "time this stage's training steps on random in-memory data, print one line, exit", DT_ARG_SWITCH, DT_CFG(bench), NULL },
     { "--quiet", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL },
-    { "--peak-tflops", "X", "--bench on a GPU: its fp32 peak for MFU (default: looked up by name)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL },
+    { "--peak-tflops", "X", "--bench on a GPU: its peak for MFU (default: the fp32 peak, looked up by name; give the 16-bit one with --dtype)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL },
     { "--nproc", "N", "02: devices driven by this one process; 03-05: ranks started on this machine (default 1)", DT_ARG_INT, DT_CFG(nproc), NULL },
     { "--shard", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default)",
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full" },
     { "--cpu-offload", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
       DT_CFG(cpu_offload), NULL },
+    { "--accum-steps", "N", "05: micro-batches of --batch-size per optimizer step; gradients add up locally (default 1)",
+      DT_ARG_INT, DT_CFG(accum_steps), NULL },
+    { "--dtype", "fp32|bf16|fp16", "05: activations and matmuls in this type, f32 master weights (default fp32)",
+      DT_ARG_CHOICE, DT_CFG(dtype), "fp32|bf16|fp16" },
+    { "--reduce-dtype", "fp32|bf16|fp16", "05: the type gradients are reduce-scattered in (default fp32)",
+      DT_ARG_CHOICE, DT_CFG(reduce_dtype), "fp32|bf16|fp16" },
     { "--bucket-mb", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL },
     { "--timeout", "S", "stop when a rank has not answered for S seconds (default 60)", DT_ARG_FLOAT, DT_CFG(timeout), NULL },
@@ -4664,7 +5147,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     dt_config c;
     memset(&c, 0, sizeof c);
     c.stage = stage;
-    c.nproc = 1; c.timeout = 60; c.bucket_mb = 25; c.shard = 2;
+    c.nproc = 1; c.timeout = 60; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1;
     c.image_size = 32; c.model = DT_MODEL_MLP; c.dim = c.depth = c.heads = c.patch = -1;
     c.batch_size = 128; c.epochs = 10; c.lr = 1e-3f; c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
     c.warmup = -1; c.optimizer = DT_ADAMW; c.seed = 1; c.device = (dt_device)2; /* auto */
@@ -4752,6 +5235,9 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
        from this one process (threads); from 03 on, N processes are started. */
     if (!strncmp(stage, "01", 2) && c.nproc > 1)
         dt_usage_error("--nproc %d: stage 01 trains on one device (data parallel training starts in 02-dp)", c.nproc);
+    if (c.accum_steps < 1) dt_usage_error("--accum-steps %d: at least 1", c.accum_steps);
+    if (strncmp(stage, "05", 2) && (c.accum_steps != 1 || c.dtype != DT_F32 || c.reduce_dtype != DT_F32))
+        dt_usage_error("--accum-steps, --dtype and --reduce-dtype arrive in stage 05-accum-mixed-precision, not %s", stage);
     if (strncmp(stage, "02", 2)) dt_launch(c.nproc, c.timeout);   /* before any thread or device exists */
     dt_flush_subnormals();
     dt_rank_from_env(&c.rank, &c.world_size, &c.local_rank);
@@ -4896,6 +5382,12 @@ static void dt_checkpoint_meta(const dt_run *r, dt_meta_list *l, const char *for
     dt_meta_add(l, "world_size", "%d", dt_data_parallel_width());
     dt_meta_add(l, "data_range", "%lld,%lld", (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
     dt_meta_add(l, "batch_size", "%d", r->cfg.batch_size);
+    dt_meta_add(l, "accum_steps", "%d", r->cfg.accum_steps);
+    if (r->scaler.enabled) {
+        dt_meta_add(l, "loss_scale", "%.9g", r->scaler.scale);
+        dt_meta_add(l, "loss_scale_good_steps", "%lld", (long long)r->scaler.good_steps);
+        dt_meta_add(l, "skipped_steps", "%lld", (long long)r->scaler.skipped);
+    }
 }
 
 /* FSDP: every rank writes its shard; then, once all are on disk, rank 0 the index. */
@@ -4986,16 +5478,21 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     /* Rank r takes samples r, r + N, r + 2N, ... of the epoch's order, so a step
        of N ranks x B images takes the same N*B samples at any N: a run may
        resume at another world size when the samples per step stay the same. */
+    /* Micro-batches (--accum-steps) follow the same rule: a step is K batches. */
     int world = atoi(dt_meta_required(st, path, "world_size")), batch = atoi(dt_meta_required(st, path, "batch_size"));
-    int now = dt_data_parallel_width();
-    if ((int64_t)world * batch != (int64_t)now * r->cfg.batch_size) {
-        int other = world * batch % now == 0 ? world * batch / now : 0;
-        char hint[96] = "";
+    const char *accum_meta = dt_safetensors_meta(st, "accum_steps");
+    int accum = accum_meta ? atoi(accum_meta) : 1, K = r->cfg.accum_steps, now = dt_data_parallel_width();
+    if ((int64_t)world * batch * accum != (int64_t)now * r->cfg.batch_size * K) {
+        int samples = world * batch * accum, other = samples % (now * K) == 0 ? samples / (now * K) : 0;
+        char hint[96] = "", had_k[32] = "", now_k[32] = "", flag_k[32] = "";
         if (other > 0) snprintf(hint, sizeof hint, " --batch-size %d at this world size, or", other);
-        dt_fail("'%s' was written by %d ranks, this run has %d: it took %d x %d = %d samples a step, this run %d x %d = %d; "
-                "to continue its data order and schedule resume with%s --nproc %d --batch-size %d (--init takes the "
-                "weights alone)", path, world, now, world, batch, world * batch, now, r->cfg.batch_size,
-                now * r->cfg.batch_size, hint, world, batch);
+        if (accum > 1) snprintf(had_k, sizeof had_k, " x %d micro-batches", accum);
+        if (K > 1) snprintf(now_k, sizeof now_k, " x %d micro-batches", K);
+        if (accum > 1 || K > 1) snprintf(flag_k, sizeof flag_k, " --accum-steps %d", accum);
+        dt_fail("'%s' was written by %d ranks, this run has %d: it took %d x %d%s = %d samples a step, this run "
+                "%d x %d%s = %d; to continue its data order and schedule resume with%s --nproc %d --batch-size %d%s "
+                "(--init takes the weights alone)", path, world, now, world, batch, had_k, samples, now,
+                r->cfg.batch_size, now_k, now * r->cfg.batch_size * K, hint, world, batch, flag_k);
     }
     if (strcmp(dt_meta_required(st, path, "optimizer"), o->kind == DT_ADAMW ? "adamw" : "sgd"))
         dt_fail("'%s' holds %s state but this run uses --optimizer %s", path, dt_safetensors_meta(st, "optimizer"),
@@ -5039,14 +5536,20 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     r->batch_in_epoch = atoll(dt_meta_required(st, path, "batch_in_epoch"));
     r->cfg.seed = strtoull(dt_meta_required(st, path, "seed"), NULL, 10);
     r->loader->seed = r->cfg.seed;
+    const char *scale = dt_safetensors_meta(st, "loss_scale");
+    if (scale && r->scaler.enabled) {        /* fp16 goes on with the scale it had found */
+        r->scaler.scale = strtof(scale, NULL);
+        r->scaler.good_steps = atoll(dt_meta_required(st, path, "loss_scale_good_steps"));
+        r->scaler.skipped = atoll(dt_meta_required(st, path, "skipped_steps"));
+    }
     long long s0 = -1, s1 = -1;
     sscanf(dt_meta_required(st, path, "data_range"), "%lld,%lld", &s0, &s1);
     if (s0 != (long long)r->cfg.start_idx || s1 != (long long)(r->cfg.start_idx + r->loader->ds->n))
         dt_warn("'%s' was trained on images [%lld, %lld), this run uses [%lld, %lld): the data order will differ",
                 path, s0, s1, (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
-    if (batch != r->cfg.batch_size && !r->cfg.quiet && dt_ctx.rank == 0)
-        printf("resuming '%s' (%d ranks x %d) as %d ranks x %d: the same samples each step\n", path, world, batch, now,
-               r->cfg.batch_size);
+    if ((batch != r->cfg.batch_size || accum != K) && !r->cfg.quiet && dt_ctx.rank == 0)
+        printf("resuming '%s' (%d ranks x %d x %d micro-batches) as %d ranks x %d x %d: the same samples each step\n",
+               path, world, batch, accum, now, r->cfg.batch_size, K);
     dt_safetensors_close(st);
 }
 
@@ -5069,12 +5572,16 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
         snprintf(v, sizeof v, "%lld %lld %lld %g %d %d", (long long)loader->ds->n, (long long)cfg->start_idx,
                  (long long)cfg->warmup, cfg->bucket_mb, cfg->shard * 2 + cfg->cpu_offload, cfg->bench);
         dt_comm_check_agree(dt_ctx.job, "the training images, --start-idx --warmup --bucket-mb --shard --cpu-offload --bench", v);
+        snprintf(v, sizeof v, "%d %d %d", cfg->accum_steps, cfg->dtype, cfg->reduce_dtype);
+        dt_comm_check_agree(dt_ctx.job, "--accum-steps --dtype --reduce-dtype", v);
         dt_comm_check_agree(dt_ctx.job, "--resume", cfg->resume ? cfg->resume : "(none)");
     }
-    r->batches_per_epoch = dt_loader_batches_per_epoch(loader);
+    r->scaler = dt_loss_scaler_create((dt_dtype)cfg->dtype);
+    r->batches_per_epoch = dt_loader_batches_per_epoch(loader) / cfg->accum_steps;   /* optimizer steps */
     if (r->batches_per_epoch == 0)
-        dt_fail("the training set has %lld images per rank, fewer than one batch of %d (lower --batch-size)",
-                (long long)((loader->ds->n + loader->world - 1) / loader->world), cfg->batch_size);
+        dt_fail("the training set has %lld images per rank, fewer than one step of %d x %d (lower --batch-size%s)",
+                (long long)((loader->ds->n + loader->world - 1) / loader->world), cfg->accum_steps, cfg->batch_size,
+                cfg->accum_steps > 1 ? " or --accum-steps" : "");
     /* --steps stops early; the schedule still spans every epoch, so a run cut
        short and resumed follows the same learning rates as one that was not. */
     r->total_steps = (int64_t)cfg->epochs * r->batches_per_epoch;
@@ -5104,10 +5611,17 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
         else snprintf(where, sizeof where, "cpu, %d threads", dt_threads());
         if (dt_ctx.world_size > 1)
             snprintf(where + strlen(where), sizeof where - strlen(where), " per rank, %d ranks", dt_ctx.world_size);
-        printf("plan: %d epochs x %lld steps of %d images = %lld steps%s; %s lr %g, warmup %lld; %s\n",
-               cfg->epochs, (long long)r->batches_per_epoch, loader->batch_size, (long long)r->total_steps,
+        char images[64], precision[96] = "";
+        if (cfg->accum_steps > 1) snprintf(images, sizeof images, "%d micro-batches of %d", cfg->accum_steps, loader->batch_size);
+        else snprintf(images, sizeof images, "%d", loader->batch_size);
+        if (cfg->dtype != DT_F32)
+            snprintf(precision, sizeof precision, "; %s compute, f32 master weights, gradients reduced in %s%s",
+                     dt_dtype_name((dt_dtype)cfg->dtype), dt_dtype_name((dt_dtype)cfg->reduce_dtype),
+                     r->scaler.enabled ? ", dynamic loss scaling" : "");
+        printf("plan: %d epochs x %lld steps of %s images = %lld steps%s; %s lr %g, warmup %lld; %s%s\n",
+               cfg->epochs, (long long)r->batches_per_epoch, images, (long long)r->total_steps,
                r->stop_step < r->total_steps ? " (stopping early, see --steps)" : "",
-               opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)r->warmup, where);
+               opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)r->warmup, where, precision);
         if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, r->epoch + 1, (long long)r->step);
         if (model->fsdp) dt_fsdp_memory_table(model->fsdp, opt);
         fflush(stdout);
@@ -5119,15 +5633,23 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
 
 int dt_next_epoch(dt_run *r) {
     if (r->stop || r->epoch >= r->cfg.epochs) return 0;
-    dt_loader_start_epoch(r->loader, r->epoch, r->batch_in_epoch);
+    dt_loader_start_epoch(r->loader, r->epoch, r->batch_in_epoch * r->cfg.accum_steps);
     return 1;
 }
 
 int dt_next_batch(dt_run *r, dt_batch *b) {
-    dt_step_begin(r);
+    if (r->micro == 0) {
+        if (r->batch_in_epoch >= r->batches_per_epoch) return 0;   /* the rest is less than a step */
+        dt_step_begin(r);
+    } else dt_step_arena_reset();     /* the gradients so far are in the parameters' buffers */
     if (!dt_loader_next(r->loader, b)) return 0;
     dt_phase(r, DT_PHASE_DATA);
     return 1;
+}
+int dt_last_micro_batch(const dt_run *r) { return r->micro == r->cfg.accum_steps - 1; }
+void dt_micro_batch_end(dt_run *r, dt_tensor *loss) {
+    r->micro_loss += dt_tensor_item(loss);
+    r->micro++;
 }
 
 float dt_run_lr(const dt_run *r) { return dt_schedule_lr(r->cfg.lr, r->step, r->warmup, r->total_steps); }
@@ -5137,6 +5659,7 @@ void dt_step_begin(dt_run *r) {
     for (int i = 0; i < DT_PHASE_COUNT; i++) r->phase_ms[i] = 0;
     dt_ctx.comm_ms = dt_ctx.comm_hidden_ms = 0;
     dt_ctx.ncomm_events = 0;
+    dt_ctx.grad_collectives = 0;
     if (r->cfg.bench && r->step == r->bench_first) {     /* the warm-up is over: the clock starts */
         dt_synchronize();
         dt_flops_reset();
@@ -5171,10 +5694,17 @@ static void dt_run_eval(dt_run *r) {
 }
 
 int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
+    if (r->micro > 0) {            /* the mean of the step's micro-batches */
+        float mean = (float)((r->micro_loss + dt_tensor_item(loss)) / (r->micro + 1));
+        dt_upload(loss->data, &mean, sizeof mean);
+    }
+    r->micro = 0;
+    r->micro_loss = 0;
     /* the loss of the whole job's batch: the mean of the ranks' means */
     if (dt_ctx.job && dt_ctx.world_size > 1) dt_all_reduce(dt_ctx.job, loss->data, loss->data, 1, DT_F32, DT_AVG);
     double now = dt_now_ms(), step_ms = now - r->step_start_ms;
     float lr = dt_run_lr(r);
+    batch_size *= r->cfg.accum_steps;                     /* the samples of one step, per rank */
     r->step++;
     r->steps_run++;
     r->batch_in_epoch++;
@@ -5190,11 +5720,16 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
     if (r->log) {
         fprintf(r->log, "{\"step\":%lld,\"epoch\":%d,\"loss\":%.6f,\"lr\":%.6g,\"samples_per_s\":%.1f,\"step_ms\":%.3f,"
                         "\"data_ms\":%.3f,\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"comm_ms\":%.3f,\"comm_hidden_ms\":%.3f,"
-                        "\"comm_wait_ms\":%.3f,\"opt_ms\":%.3f,\"grad_norm\":%.5g,\"mem_bytes\":%zu}\n",
+                        "\"comm_wait_ms\":%.3f,\"opt_ms\":%.3f,\"grad_norm\":%.5g,\"mem_bytes\":%zu,"
+                        "\"grad_collectives\":%lld",
                 (long long)r->step, r->epoch + 1, r->last_loss, lr, batch_size * dt_ctx.world_size * 1e3 / step_ms, step_ms,
                 r->phase_ms[DT_PHASE_DATA], r->phase_ms[DT_PHASE_FWD], r->phase_ms[DT_PHASE_BWD], dt_ctx.comm_ms,
                 dt_ctx.comm_hidden_ms, r->phase_ms[DT_PHASE_COMM], r->phase_ms[DT_PHASE_OPT], r->opt->last_grad_norm,
-                dt_mem_total_now());
+                dt_mem_total_now(), (long long)dt_ctx.grad_collectives);
+        if (r->scaler.enabled)
+            fprintf(r->log, ",\"loss_scale\":%g,\"skipped\":%d,\"skipped_steps\":%lld", r->scaler.scale,
+                    r->scaler.last_skipped, (long long)r->scaler.skipped);
+        fprintf(r->log, "}\n");
     }
     if (r->cfg.bench && r->step > r->bench_first) {
         for (int i = 0; i < DT_PHASE_COUNT; i++) r->bench_phase_ms[i] += r->phase_ms[i];
@@ -5213,8 +5748,11 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
         char eta[32];
         double rate = r->samples / (r->train_ms / 1e3);
         dt_format_duration((r->stop_step - r->step) * (r->train_ms / r->steps_run) / 1e3, eta, sizeof eta);
-        printf("step %6lld/%lld  epoch %d/%d  loss %.4f  lr %.2e  %.0f samples/s  eta %s\n", (long long)r->step,
-               (long long)r->stop_step, r->epoch + 1, r->cfg.epochs, r->loss_sum / r->loss_count, lr, rate, eta);
+        char scale[64] = "";
+        if (r->scaler.enabled)
+            snprintf(scale, sizeof scale, "  scale %g (%lld skipped)", r->scaler.scale, (long long)r->scaler.skipped);
+        printf("step %6lld/%lld  epoch %d/%d  loss %.4f  lr %.2e  %.0f samples/s  eta %s%s\n", (long long)r->step,
+               (long long)r->stop_step, r->epoch + 1, r->cfg.epochs, r->loss_sum / r->loss_count, lr, rate, eta, scale);
         fflush(stdout);
         r->loss_sum = 0;
         r->loss_count = 0;
@@ -5255,6 +5793,9 @@ int dt_run_finish(dt_run *r) {
         printf("peak memory:");
         for (int a = 0; a < DT_ARENA_COUNT; a++) printf(" %s %.1f MB,", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a) / 1e6);
         printf(" total %.1f MB\n", dt_mem_total_peak() / 1e6);
+        if (r->scaler.enabled)
+            printf("fp16 loss scale: %g at the end, %lld of %lld steps skipped\n", r->scaler.scale,
+                   (long long)r->scaler.skipped, (long long)r->steps_run);
         size_t host = 0;
         for (int a = 0; a < DT_ARENA_COUNT; a++) host += dt_mem_host_peak((dt_arena)a);
         if (host) {
@@ -5269,6 +5810,7 @@ int dt_run_finish(dt_run *r) {
         fprintf(r->log, "{\"summary\":true,\"steps\":%lld,\"final_loss\":%.6f,\"eval_loss\":%.6f,\"eval_acc\":%.6f,"
                         "\"samples_per_s\":%.1f,\"peak_mem_bytes\":%zu,\"world_size\":%d",
                 (long long)r->step, final_loss, r->eval_loss, r->eval_acc, rate, dt_mem_total_peak(), dt_ctx.world_size);
+        if (r->scaler.enabled) fprintf(r->log, ",\"loss_scale\":%g,\"skipped_steps\":%lld", r->scaler.scale, (long long)r->scaler.skipped);
         for (int a = 0; a < DT_ARENA_COUNT; a++) fprintf(r->log, ",\"peak_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a));
         for (int a = 0; a < DT_ARENA_COUNT; a++)
             fprintf(r->log, ",\"peak_host_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_host_peak((dt_arena)a));
@@ -5345,7 +5887,7 @@ static void dt_bench_report(dt_run *r) {
     double ms = wall - r->bench_phase_ms[DT_PHASE_DATA];
     if (steps <= 0 || ms <= 0) dt_fail("--bench: no step was timed");
     int devices = dt_ctx.devices > 1 ? dt_ctx.devices : 1;              /* stage 02: devices of one process */
-    int world = dt_ctx.world_size, per_rank = r->loader->batch_size / devices, S = mc->image_size;
+    int world = dt_ctx.world_size, per_rank = r->loader->batch_size / devices * cfg->accum_steps, S = mc->image_size;
     double flops = dt_flops_counted() * world, gflops = flops / (ms / 1e3) / 1e9;
     float peak_mem = dt_job_max((float)dt_mem_total_peak());    /* the largest rank's peak */
     size_t host_bytes = 0;                                       /* and of offloaded (host) memory */
@@ -5363,7 +5905,8 @@ static void dt_bench_report(dt_run *r) {
         size_t k = 0;
         for (const char *c = dt_ctx.gpu->name; *c && k + 1 < sizeof gpu; c++) gpu[k++] = *c == ' ' ? '_' : *c;
         gpu[k] = 0;
-        double peak = cfg->peak_tflops > 0 ? cfg->peak_tflops : dt_gpu_peak_tflops(dt_ctx.gpu->name);
+        /* the table holds fp32 peaks: a 16-bit run's peak must be given */
+        double peak = cfg->peak_tflops > 0 ? cfg->peak_tflops : cfg->dtype == DT_F32 ? dt_gpu_peak_tflops(dt_ctx.gpu->name) : 0;
         if (peak > 0) snprintf(where, sizeof where, "device=cuda gpu=%s tflops=%.2f peak_tflops=%.1f mfu=%.3f", gpu,
                                gflops / 1e3, peak, gflops / 1e3 / world / peak);
         else snprintf(where, sizeof where, "device=cuda gpu=%s tflops=%.2f mfu=unknown(use --peak-tflops)", gpu, gflops / 1e3);
@@ -5374,6 +5917,10 @@ static void dt_bench_report(dt_run *r) {
         static const char *modes[3] = { "optimizer", "grads", "full" };
         snprintf(stage, sizeof stage, "%s/%s%s", cfg->stage, modes[r->model->fsdp->mode], r->model->fsdp->offload ? "+offload" : "");
     } else snprintf(stage, sizeof stage, "%s", cfg->stage);
+    if (cfg->dtype != DT_F32 || cfg->reduce_dtype != DT_F32 || cfg->accum_steps > 1)   /* 05: precision, micro-batches */
+        snprintf(stage + strlen(stage), sizeof stage - strlen(stage), "/%s%s%s%s", dt_dtype_name((dt_dtype)cfg->dtype),
+                 cfg->reduce_dtype != DT_F32 ? "+reduce-" : "", cfg->reduce_dtype != DT_F32 ? dt_dtype_name((dt_dtype)cfg->reduce_dtype) : "",
+                 cfg->accum_steps > 1 ? "+accum" : "");
     printf("bench: workload=%s stage=%s %s ranks=%d batch=%d params=%lld steps=%lld step_ms=%.2f samples_per_s=%.1f "
            "gflops=%.2f data_ms=%.2f fwd_ms=%.2f bwd_ms=%.2f comm_ms=%.2f comm_hidden_ms=%.2f comm_wait_ms=%.2f "
            "opt_ms=%.2f peak_mem_mb=%.1f peak_state_mb=%.2f peak_host_mb=%.2f\n",
@@ -5492,6 +6039,17 @@ static void dt_cuda_gemm(int ta, int tb, int M, int N, int K, float alpha, const
     if (M <= 0 || N <= 0) return;
     DT_CUBLAS_CHECK(cublasSgemm(dt_cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
                                 &alpha, B, ldb, A, lda, &beta, C, ldc));
+}
+/* Mixed precision: 16-bit operands on the tensor cores, products summed in f32
+   (CUBLAS_COMPUTE_32F), an f32 result. This is where bf16 earns its speed. */
+static void dt_cuda_gemm_half(dt_dtype dtype, int ta, int tb, int M, int N, int K, const void *A, int lda,
+                              const void *B, int ldb, float beta, float *C, int ldc) {
+    if (M <= 0 || N <= 0) return;
+    float alpha = 1.0f;
+    cudaDataType_t t = dtype == DT_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+    DT_CUBLAS_CHECK(cublasGemmEx(dt_cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
+                                 &alpha, B, t, ldb, A, t, lda, &beta, C, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
+                                 CUBLAS_GEMM_DEFAULT));
 }
 static void dt_cuda_gemm_batched(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                                  long long sa, const float *B, int ldb, long long sb, float beta, float *C, int ldc,
@@ -5900,7 +6458,7 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     snprintf(t->name, sizeof t->name, "%s", prop.name);
     t->alloc = dt_cuda_alloc; t->release = dt_cuda_release; t->zero = dt_cuda_zero;
     t->upload = dt_cuda_upload; t->download = dt_cuda_download; t->synchronize = dt_cuda_synchronize;
-    t->gemm = dt_cuda_gemm; t->add_bias = dt_cuda_add_bias; t->sum_rows = dt_cuda_sum_rows;
+    t->gemm = dt_cuda_gemm; t->gemm_half = dt_cuda_gemm_half; t->add_bias = dt_cuda_add_bias; t->sum_rows = dt_cuda_sum_rows;
     t->gelu_forward = dt_cuda_gelu_forward; t->gelu_backward = dt_cuda_gelu_backward;
     t->layernorm_forward = dt_cuda_layernorm_forward; t->layernorm_backward = dt_cuda_layernorm_backward;
     t->add = dt_cuda_add; t->accumulate = dt_cuda_accumulate;

@@ -22,7 +22,7 @@ function val(key,   i, kv) {
 }
 { print }
 END {
-    printf "\n%-22s %-9s %5s %7s %10s %8s %10s %10s %8s %7s %8s %8s %8s  %s\n", "stage", "workload", "ranks", "threads",
+    printf "\n%-34s %-9s %5s %7s %10s %8s %10s %10s %8s %7s %8s %8s %8s  %s\n", "stage", "workload", "ranks", "threads",
            "samples/s", "speedup", "efficiency", "compute ms", "comm ms", "hidden", "peak MB", "state MB", "host MB", "note"
     for (i = 1; i <= rows; i++) {
         base = 0
@@ -31,7 +31,7 @@ END {
                 base = rate[j]
         sp = base > 0 ? rate[i] / base : 0
         note = ranks[i] * threads[i] > cores ? "oversubscribed: " ranks[i] " x " threads[i] " threads on " cores " cores" : ""
-        printf "%-22s %-9s %5d %7d %10.1f %7.2fx %9.0f%% %10.1f %8.1f %7.1f %8.1f %8.1f %8.1f  %s\n", stage[i], work[i], ranks[i],
+        printf "%-34s %-9s %5d %7d %10.1f %7.2fx %9.0f%% %10.1f %8.1f %7.1f %8.1f %8.1f %8.1f  %s\n", stage[i], work[i], ranks[i],
                threads[i], rate[i], sp, 100 * sp / ranks[i], compute[i], comm[i], hidden[i], peak[i], state[i], host[i], note
     }
 }
