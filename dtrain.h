@@ -741,7 +741,7 @@ double dt_cost_all_gather_ms(const dt_link *link, int n, double bytes);      /* 
 typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3 } dt_parallelism;
 typedef struct dt_cost_input {
     dt_parallelism kind;
-    double compute_ms;         /* one rank's forward + backward + optimizer for one micro-batch, on its own device */
+    double compute_ms;         /* one rank's forward + backward for one micro-batch, on its own device */
     double contention;         /* how much slower that compute runs when N ranks share the device(s): 1 on
                                   GPUs of their own; on a CPU about N (the ranks share its cores) */
     double backward_share;     /* the part of compute that is backward, which DDP's buckets hide behind (~2/3) */
@@ -750,10 +750,11 @@ typedef struct dt_cost_input {
     double reduce_bytes;       /* bytes per gradient reduced (4, or 2 with --reduce-dtype bf16) */
     int accum_steps;           /* micro-batches per optimizer step */
     int messages;              /* collectives per step on the critical path: DDP's buckets, FSDP's units */
+    double optimizer_ms;       /* the optimizer's step, on its own device: sharded (ZeRO), each rank does 1/N */
 } dt_cost_input;
 typedef struct dt_cost_prediction {
     int ranks;
-    double compute_ms;         /* per optimizer step, on one rank */
+    double compute_ms;         /* per optimizer step, on one rank: forward, backward and optimizer */
     double comm_ms;            /* communication per optimizer step */
     double exposed_ms;         /* the part of it compute does not hide */
     double step_ms, speedup, efficiency;   /* speedup: samples/s against one rank with the same batch */
@@ -6019,11 +6020,13 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
     dt_cost_prediction p;
     memset(&p, 0, sizeof p);
     int K = in->accum_steps > 0 ? in->accum_steps : 1, msgs = in->messages > 0 ? in->messages : 1;
-    double c = in->compute_ms * (n > 1 && in->contention > 0 ? in->contention : 1.0);   /* one micro-batch */
+    double slow = n > 1 && in->contention > 0 ? in->contention : 1.0;
+    double c = in->compute_ms * slow;                                      /* one micro-batch */
+    int sharded = in->kind == DT_PAR_ZERO1 || in->kind == DT_PAR_ZERO2 || in->kind == DT_PAR_ZERO3;
     double G = in->params * in->reduce_bytes, W = in->params * in->gather_bytes, lat = l->latency_us / 1e3;
     double share = n > 1 ? (double)(n - 1) / n : 0;
     p.ranks = n;
-    p.compute_ms = K * c;
+    p.compute_ms = K * c + in->optimizer_ms * slow / (sharded ? n : 1);
     if (n > 1) switch (in->kind) {
     case DT_PAR_NONE: break;
     case DT_PAR_DDP:            /* one all-reduce per bucket, once per step, behind the last backward */
@@ -6051,7 +6054,7 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
     }
     }
     p.step_ms = p.compute_ms + p.exposed_ms;
-    p.speedup = p.step_ms > 0 ? n * (K * in->compute_ms) / p.step_ms : 0;
+    p.speedup = p.step_ms > 0 ? n * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
     p.efficiency = p.speedup / n;
     return p;
 }

@@ -1578,7 +1578,7 @@ static void test_cost_model_matches_hand_computed_cases(void) {
        nothing hidden: 125 ms a step, 80% efficiency; hidden behind half of
        compute (50 ms): 100% */
     dt_link fast = { "no latency", 0, 10 };
-    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1 };
+    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0 };
     dt_cost_prediction p = dt_cost_predict(&in, &fast, 2);
     CHECKF(CLOSE(p.comm_ms, 25, 1e-12) && CLOSE(p.step_ms, 125, 1e-12) && CLOSE(p.efficiency, 0.8, 1e-12),
            "DDP: comm %.4f, step %.4f, efficiency %.4f", p.comm_ms, p.step_ms, p.efficiency);
@@ -1603,6 +1603,12 @@ static void test_cost_model_matches_hand_computed_cases(void) {
                "N=%d: FSDP %.4g bytes, %.4f ms; DDP %.4g bytes, %.4f ms", n, f.bytes, f.comm_ms, d.bytes, d.comm_ms);
         CHECKF(CLOSE(o.bytes, d.bytes, 1e-12), "N=%d: ZeRO-1 %.4g bytes, DDP %.4g", n, o.bytes, d.bytes);
     }
+    /* ZeRO-1 with a 20 ms optimizer: each of 2 ranks steps half (10 ms); a
+       reduce-scatter and an all-gather of 2.5e8 bytes, 12.5 ms each: 2 x 120 / 135 */
+    z1.optimizer_ms = 20;
+    p = dt_cost_predict(&z1, &fast, 2);
+    CHECKF(CLOSE(p.step_ms, 135, 1e-12) && CLOSE(p.speedup, 240.0 / 135, 1e-12), "ZeRO-1: step %.4f, speedup %.4f",
+           p.step_ms, p.speedup);
     /* bf16 halves FSDP's bytes; a unit's gathers hide behind the compute of the others */
     z3.gather_bytes = z3.reduce_bytes = 2; z3.messages = 4;
     p = dt_cost_predict(&z3, &fast, 2);    /* 2 gathers of 6.25 ms hide behind 75 ms; the 6.25 ms reduce-scatter shows */
