@@ -637,6 +637,8 @@ typedef struct dt_config {
     int cpu_offload;             /* --cpu-offload: FSDP's shards and optimizer in host memory */
     int accum_steps;             /* --accum-steps: micro-batches per optimizer step (05) */
     int dtype, reduce_dtype;     /* --dtype, --reduce-dtype: a dt_dtype each (05) */
+    int explain;                 /* --explain: the cost model's prediction for this run, after 3 steps */
+    int link;                    /* --link: the link the prediction assumes (-1: shm on a CPU, nvlink on GPUs) */
     float timeout;               /* --timeout: seconds before a missing rank stops the job */
     int rank, world_size, local_rank;   /* this process's place in the job (from the environment) */
 } dt_config;
@@ -5180,6 +5182,10 @@ static const dt_flag dt_flags[] = {
       DT_ARG_CHOICE, DT_CFG(dtype), "fp32|bf16|fp16" },
     { "--reduce-dtype", "fp32|bf16|fp16", "05: the type gradients are reduce-scattered in (default fp32)",
       DT_ARG_CHOICE, DT_CFG(reduce_dtype), "fp32|bf16|fp16" },
+    { "--explain", NULL, "after 3 steps, print the cost model's prediction for this run: speedup, compute : "
+      "communication,\n                          and what would change it", DT_ARG_SWITCH, DT_CFG(explain), NULL },
+    { "--link", "shm|pcie|nvlink|infiniband", "--explain: the link between ranks (default: shm on a CPU, nvlink on GPUs)",
+      DT_ARG_CHOICE, DT_CFG(link), "shm|pcie|nvlink|infiniband" },
     { "--bucket-mb", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL },
     { "--timeout", "S", "stop when a rank has not answered for S seconds (default 60)", DT_ARG_FLOAT, DT_CFG(timeout), NULL },
@@ -5200,7 +5206,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     dt_config c;
     memset(&c, 0, sizeof c);
     c.stage = stage;
-    c.nproc = 1; c.timeout = 60; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1;
+    c.nproc = 1; c.timeout = 60; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1;
     c.image_size = 32; c.model = DT_MODEL_MLP; c.dim = c.depth = c.heads = c.patch = -1;
     c.batch_size = 128; c.epochs = 10; c.lr = 1e-3f; c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
     c.warmup = -1; c.optimizer = DT_ADAMW; c.seed = 1; c.device = (dt_device)2; /* auto */
@@ -5721,6 +5727,39 @@ void dt_step_begin(dt_run *r) {
     r->step_start_ms = r->mark_ms = dt_now_ms();
 }
 
+/* --explain: the cost model on this run, with the compute it just measured. */
+static void dt_run_explain(dt_run *r) {
+    static const char *links[] = { "shm", "pcie", "nvlink", "infiniband" };
+    const dt_config *c = &r->cfg;
+    dt_link link;
+    dt_link_preset(c->link >= 0 ? links[c->link] : r->model->device == DT_CUDA ? "nvlink" : "shm", &link);
+    dt_cost_input in;
+    memset(&in, 0, sizeof in);
+    int n = dt_data_parallel_width(), alone = !strncmp(c->stage, "01", 2);
+    in.kind = alone || !strncmp(c->stage, "03", 2) ? DT_PAR_DDP : !strncmp(c->stage, "02", 2) ? DT_PAR_DP
+            : c->shard == DT_SHARD_OPTIMIZER ? DT_PAR_ZERO1 : c->shard == DT_SHARD_GRADS ? DT_PAR_ZERO2 : DT_PAR_ZERO3;
+    in.compute_ms = (r->phase_ms[DT_PHASE_FWD] + r->phase_ms[DT_PHASE_BWD]) / c->accum_steps;
+    in.optimizer_ms = r->phase_ms[DT_PHASE_OPT];
+    in.contention = 1;                /* the compute above was measured as this run shares its device(s) */
+    in.backward_share = in.compute_ms > 0 ? r->phase_ms[DT_PHASE_BWD] / c->accum_steps / in.compute_ms : 0.66;
+    in.params = (double)r->model->numel;
+    in.gather_bytes = (double)dt_dtype_size((dt_dtype)c->dtype);
+    in.reduce_bytes = (double)dt_dtype_size((dt_dtype)c->reduce_dtype);
+    in.accum_steps = c->accum_steps;
+    in.messages = in.kind == DT_PAR_DDP ? 1 + (int)ceil(fmax(0, 4 * in.params - 1048576) / (c->bucket_mb * 1048576.0 + 1))
+                                        : r->model->nunits;
+    printf("--explain, measured on step %lld: compute %.1f ms, communication %.1f ms (%.1f hidden)\n",
+           (long long)r->step, in.compute_ms * c->accum_steps + in.optimizer_ms, dt_ctx.comm_ms, dt_ctx.comm_hidden_ms);
+    if (alone) printf("(stage 01 trains alone: here is what DDP, stage 03, would do with it)\n");
+    dt_cost_explain(stdout, &in, &link, n > 1 ? n : 2);
+    printf("  predicted speedup at");
+    for (int k = 2; k <= 8; k *= 2) printf(" %d ranks: %.2fx%s", k, dt_cost_predict(&in, &link, k).speedup, k < 8 ? "," : "\n");
+    if (r->model->device == DT_CPU)
+        printf("  (on a CPU the ranks share its cores: each rank's compute above already carries that; the speedups\n"
+               "   assume more ranks would each bring cores of their own, which one machine cannot)\n");
+    fflush(stdout);
+}
+
 static void dt_format_duration(double s, char *out, size_t n) {
     long t = (long)(s + 0.5);
     if (t >= 3600) snprintf(out, n, "%ldh%02ldm", t / 3600, (t / 60) % 60);
@@ -5810,6 +5849,7 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
         r->loss_sum = 0;
         r->loss_count = 0;
     }
+    if (r->cfg.explain && r->steps_run == 3 && dt_ctx.rank == 0) dt_run_explain(r);
     if (r->cfg.eval_every > 0 && r->step % r->cfg.eval_every == 0) dt_run_eval(r);
     if (r->step >= r->stop_step) r->stop = 1;
     return r->stop;
@@ -5995,8 +6035,9 @@ static void dt_bench_report(dt_run *r) {
 int dt_link_preset(const char *name, dt_link *out) {
     static const struct { const char *name; double us, gbs; } presets[] = {
         { "shm", 15, 5 }, { "pcie", 10, 16 }, { "nvlink", 10, 400 }, { "infiniband", 8, 24 } };
+    size_t len = strlen(name);
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++)
-        if (!strcmp(name, presets[i].name)) {
+        if (strlen(presets[i].name) == len && !memcmp(name, presets[i].name, len)) {
             dt_copy_str(out->name, sizeof out->name, name);
             out->latency_us = presets[i].us;
             out->bandwidth_gbs = presets[i].gbs;
@@ -6082,7 +6123,9 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
     fprintf(out, "    4x --accum-steps:                %.0f%% (gradients travel once per 4 micro-batches)\n", 100 * pa.efficiency);
     if (in->reduce_bytes > 2 || (in->kind == DT_PAR_ZERO3 && in->gather_bytes > 2))
         fprintf(out, "    bf16 communication:              %.0f%% (half the bytes)\n", 100 * ph.efficiency);
-    fprintf(out, "    %d ranks instead of %d:           %.0f%% (%.2fx speedup)\n", pf.ranks, n, 100 * pf.efficiency, pf.speedup);
+    char fewer[64];
+    snprintf(fewer, sizeof fewer, "%d rank%s instead of %d:", pf.ranks, pf.ranks > 1 ? "s" : "", n);
+    fprintf(out, "    %-33s%.0f%% (%.2fx speedup)\n", fewer, 100 * pf.efficiency, pf.speedup);
 }
 
 #endif /* DTRAIN_IMPLEMENTATION */

@@ -984,6 +984,7 @@ static void test_bad_flags_exit_2_naming_the_flag(void) {
         { "05-accum-mixed-precision", "--accum-steps 0", "--accum-steps" },
         { "05-accum-mixed-precision", "--dtype fp8", "--dtype" },
         { "05-accum-mixed-precision", "--reduce-dtype int8", "--reduce-dtype" },
+        { "03-ddp", "--explain --link carrier-pigeon", "--link" },
     };
     char out[8192];
     int st;
@@ -1616,6 +1617,12 @@ static void test_cost_model_matches_hand_computed_cases(void) {
            p.comm_ms, p.exposed_ms);
     dt_link nv;
     CHECK(dt_link_preset("nvlink", &nv) && nv.bandwidth_gbs > 100 && !dt_link_preset("carrier-pigeon", &nv));
+    /* --explain on a real run: the prediction, the ratio and the levers, after 3 steps */
+    char out[16384];
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --steps 4 --explain --link pcie", stage_bin("03-ddp"),
+                     small_data());
+    CHECKF(st == 0 && strstr(out, "cost model: DDP on 2 ranks over pcie") && strstr(out, "compute : communication") &&
+           strstr(out, "4x --accum-steps") && strstr(out, "predicted speedup at 2 ranks"), "--explain: exit %d\n%s", st, out);
 }
 
 /* ---- 12. gradient accumulation and mixed precision (stage 05) ------------- */

@@ -215,6 +215,46 @@ static void draw_memory(const char *path, row *rows, int nrows, int max_ranks) {
     fclose(f);
 }
 
+/* --predict: vit-base (86M parameters, batch 64 per GPU) on 1 to 8 GPUs, by the
+   cost model alone: no GPU has run dtrain yet. Compute per step is the FLOP
+   count (forward + backward = 3x forward: 2 FLOPs per multiply-add in every
+   linear layer, plus attention's QK^T and PV) at an assumed sustained rate. */
+static void predict_vit_base(void) {
+    const double T = 197, D = 768, depth = 12, B = 64, P = 86.6e6;
+    double forward = depth * (24 * T * D * D + 4 * T * T * D) + 2 * 196 * 768 * D;    /* per image */
+    double flops = 3 * forward * B;
+    static const struct { const char *dtype; double tflops, bytes; } rates[] = {
+        { "fp32 (TF32 off)", 40, 4 },     /* ~60% of an H100 SXM's 67 TFLOP/s fp32 */
+        { "bf16", 400, 2 },               /* ~40% of its 989 TFLOP/s dense bf16 */
+    };
+    printf("vit-base, batch 64 per GPU: %.2f TFLOP a step. PREDICTIONS of the cost model (dtrain.h), not measurements:\n",
+           flops / 1e12);
+    printf("%-18s %-11s %-10s %10s %8s %8s %8s %8s\n", "dtype", "link", "parallel", "compute ms", "1 GPU", "2", "4", "8");
+    for (int d = 0; d < 2; d++)
+        for (int li = 0; li < 2; li++)
+            for (int k = 0; k < 2; k++) {
+                dt_link l;
+                dt_link_preset(li ? "pcie" : "nvlink", &l);
+                dt_cost_input in;
+                memset(&in, 0, sizeof in);
+                in.kind = k ? DT_PAR_ZERO3 : DT_PAR_DDP;
+                in.compute_ms = flops / (rates[d].tflops * 1e12) * 1e3;
+                in.contention = 1;
+                in.backward_share = 2.0 / 3;
+                in.params = P;
+                in.gather_bytes = rates[d].bytes;
+                in.reduce_bytes = rates[d].bytes;       /* bf16 runs reduce in bf16 too here */
+                in.accum_steps = 1;
+                in.messages = k ? 14 : 5;               /* FSDP: 12 blocks + 2; DDP: 346 MB in 25 MB buckets... ~5 on the path */
+                printf("%-18s %-11s %-10s %10.1f", rates[d].dtype, l.name, k ? "FSDP full" : "DDP", in.compute_ms);
+                for (int n = 1; n <= 8; n *= 2) {
+                    dt_cost_prediction p = dt_cost_predict(&in, &l, n);
+                    printf(" %5.2fx%s", p.speedup, n == 8 ? "" : " ");
+                }
+                printf("   (8 GPUs: %.0f%% efficiency)\n", 100 * dt_cost_predict(&in, &l, 8).efficiency);
+            }
+}
+
 int main(int argc, char **argv) {
     const char *outdir = "bench";
     int max_ranks = 4, quick = 0;
@@ -224,8 +264,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
         else if (!strcmp(argv[i], "--max-ranks") && i + 1 < argc) max_ranks = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--quick")) quick = 1;
+        else if (!strcmp(argv[i], "--predict")) { predict_vit_base(); return 0; }
         else {
-            fprintf(stderr, "usage: %s [--out DIR] [--max-ranks 1|2|4] [--quick] [--only WORD]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--out DIR] [--max-ranks 1|2|4] [--quick] [--only WORD] | --predict\n", argv[0]);
             return 2;
         }
     }
