@@ -49,7 +49,8 @@
                         weights and sums, dynamic loss scaling for fp16
        13  checkpoints  safetensors files written atomically; exact resume; sharded
                         (a file per rank and an index), consolidated, resharded
-       14  metrics      JSON-lines logs, progress lines, Chrome traces, benchmarks
+       14  metrics      JSON-lines logs, progress lines, Chrome traces, benchmarks,
+                        and a cost model that predicts how a stage scales (--explain)
        15  CUDA         the GPU bodies of the ops, behind one table (dt_backend):
                         indexing, reductions and launch shape are all that differ
 
@@ -6024,7 +6025,10 @@ static void dt_bench_report(dt_run *r) {
     fflush(stdout);
 }
 
-/* -- the cost model (declared with section 14) -- */
+/* -- the cost model (declared with section 14): why a stage scales as it does.
+      It is deliberately small -- a link of two numbers, ring collectives, and
+      what each wrapper sends and can hide -- so that a student can check it by
+      hand (tests/test_dtrain.c does) and see which lever moves the answer. -- */
 
 /* Rough figures, to be replaced by measured ones (tools/collectives --bench
    measures "shm"; nccl-tests measures a GPU link). Bus bandwidth per rank:

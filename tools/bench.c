@@ -9,7 +9,10 @@
    and the cost model's prediction (dtrain.h, section 14) next to it. The
    link the model uses is measured first: tools/collectives --bench at 2 and 4
    ranks. Writes DIR/results.csv, DIR/scaling.svg and DIR/memory.svg (default
-   DIR: bench). --quick: fewer timed steps, for a first look. */
+   DIR: bench). --quick: fewer timed steps, for a first look. --only WORD: the
+   stages or workloads whose name holds WORD. --redraw DIR: the charts again
+   from DIR/results.csv. --predict: the cost model alone, for vit-base on 1 to
+   8 GPUs over NVLink and PCIe. */
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
 
@@ -34,7 +37,7 @@ static const stage stages[] = {
 enum { NSTAGES = sizeof stages / sizeof stages[0], NWORK = sizeof workloads / sizeof workloads[0] };
 
 typedef struct {
-    int ok, stage, work, ranks, threads, oversubscribed;
+    int ok, stage, work, ranks, threads, oversubscribed, one_thread;
     char device[16], dtype[8];
     double samples, step_ms, fwd, bwd, opt, comm, hidden, peak, state, host, params;
     double speedup, efficiency, predicted, predicted_eff;
@@ -99,7 +102,7 @@ static const char *colors[] = { "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#94
 
 /* scaling.svg: speedup against ranks, a panel per workload; measured solid,
    predicted dashed, and the machine's limit. */
-static void draw_scaling(const char *path, row *rows, int nrows, int max_ranks, int cores) {
+static void draw_scaling(const char *path, row *rows, int nrows, int max_ranks, int cores, int gpus) {
     FILE *f = fopen(path, "w");
     if (!f) dt_fail("cannot write '%s': %s", path, strerror(errno));
     int W = 460, H = 360, L = 60, T = 50, PW = 360, PH = 250;
@@ -109,8 +112,8 @@ static void draw_scaling(const char *path, row *rows, int nrows, int max_ranks, 
     fprintf(f, "<svg xmlns='http://www.w3.org/2000/svg' width='%d' height='%d' font-family='sans-serif' font-size='12'>\n",
             W * NWORK + 200, H + 20);
     fprintf(f, "<rect width='100%%' height='100%%' fill='white'/>\n");
-    fprintf(f, "<text x='10' y='20' font-size='15' font-weight='bold'>Speedup over 1 rank (samples/s), %d cores: "
-               "measured (solid) and predicted by the cost model (dashed)</text>\n", cores);
+    fprintf(f, "<text x='10' y='20' font-size='15' font-weight='bold'>Speedup over 1 rank (samples/s), %d cores, %d GPUs: "
+               "measured (solid) and predicted by the cost model (dashed)</text>\n", cores, gpus);
     int nticks = max_ranks >= 4 ? 3 : 2;
     for (int w = 0; w < NWORK; w++) {
         int ox = w * W + L;
@@ -127,21 +130,25 @@ static void draw_scaling(const char *path, row *rows, int nrows, int max_ranks, 
             fprintf(f, "<text x='%.1f' y='%d' text-anchor='middle'>%d</text>\n", X(r), T + PH + 16, r);
         }
         fprintf(f, "<text x='%d' y='%d' text-anchor='middle'>ranks</text>\n", ox + PW / 2, T + PH + 34);
-        /* ideal N x, and what this machine allows: ranks beyond the cores share them */
+        /* ideal N x, and what this machine allows: on a CPU one rank already has
+           every core, so N ranks share them (1.0x); GPUs allow up to their count */
         fprintf(f, "<polyline fill='none' stroke='#999' stroke-dasharray='2,3' points='%.1f,%.1f %.1f,%.1f'/>\n", X(1), Y(1),
                 X(max_ranks), Y(max_ranks));
         fprintf(f, "<text x='%.1f' y='%.1f' fill='#777' text-anchor='end'>N x (a device per rank)</text>\n", X(max_ranks) - 4,
                 Y(max_ranks) + 14);
-        fprintf(f, "<polyline fill='none' stroke='#999' stroke-width='2' stroke-dasharray='6,3' points='%.1f,%.1f %.1f,%.1f'/>\n",
-                X(1), Y(1), X(max_ranks), Y(1));
-        fprintf(f, "<text x='%.1f' y='%d' fill='#777' text-anchor='end'>grey dashes at 1.0x: ranks sharing the cores one rank used</text>\n",
-                X(max_ranks) - 4, T + PH - 8);
+        fprintf(f, "<polyline fill='none' stroke='#999' stroke-width='2' stroke-dasharray='6,3' points='");
+        for (int r = 1; r <= max_ranks; r *= 2) fprintf(f, "%.1f,%.1f ", X(r), Y(gpus > 0 ? (r < gpus ? r : gpus) : 1));
+        fprintf(f, "'/>\n<text x='%d' y='%d' fill='#777' text-anchor='end'>thick grey dashes: the most this machine allows</text>\n",
+                ox + PW - 6, T + PH - (gpus == 0 ? 24 : 8));
+        if (gpus == 0)
+            fprintf(f, "<text x='%d' y='%d' fill='#777' text-anchor='end'>(1.0x: its ranks share the cores one rank used)</text>\n",
+                    ox + PW - 6, T + PH - 8);
         for (int s = 0; s < NSTAGES; s++)
             for (int pred = 0; pred < 2; pred++) {
                 char pts[512] = "";
                 int n = 0;
                 for (int i = 0; i < nrows; i++)
-                    if (rows[i].ok && rows[i].stage == s && rows[i].work == w && rows[i].threads * rows[i].ranks >= cores) {
+                    if (rows[i].ok && rows[i].stage == s && rows[i].work == w && !rows[i].one_thread) {
                         if (pred && stages[s].kind == DT_PAR_NONE) continue;
                         double v = pred ? rows[i].predicted : rows[i].speedup;
                         snprintf(pts + strlen(pts), sizeof pts - strlen(pts), "%.1f,%.1f ", X(rows[i].ranks), Y(v));
@@ -174,7 +181,7 @@ static void draw_memory(const char *path, row *rows, int nrows, int max_ranks) {
     if (!f) dt_fail("cannot write '%s': %s", path, strerror(errno));
     int L = 70, T = 50, PW = 620, PH = 230, H = PH + 150, nr = max_ranks >= 4 ? 3 : max_ranks >= 2 ? 2 : 1;
     fprintf(f, "<svg xmlns='http://www.w3.org/2000/svg' width='%d' height='%d' font-family='sans-serif' font-size='12'>\n",
-            PW + L + 120, H * NWORK + 40);
+            PW + L + 200, H * NWORK + 40);
     fprintf(f, "<rect width='100%%' height='100%%' fill='white'/>\n");
     fprintf(f, "<text x='10' y='20' font-size='15' font-weight='bold'>Peak memory per rank, MB: every arena (light); "
                "parameters + gradients + optimizer state (dark)</text>\n");
@@ -255,23 +262,64 @@ static void predict_vit_base(void) {
             }
 }
 
+/* --redraw DIR: the charts again from DIR/results.csv, without running anything. */
+static int redraw(const char *dir, int cores, int gpus) {
+    char path[1024], line[1024];
+    dt_path(path, sizeof path, "%s/results.csv", dir);
+    FILE *f = fopen(path, "r");
+    if (!f) dt_fail("cannot read '%s': %s (run tools/bench first)", path, strerror(errno));
+    row *rows = (row *)calloc(256, sizeof(row));
+    int n = 0, max_ranks = 1;
+    if (!fgets(line, sizeof line, f)) dt_fail("'%s' is empty", path);
+    while (n < 256 && fgets(line, sizeof line, f)) {
+        char label[64], work[32];
+        row *r = &rows[n];
+        if (sscanf(line, "%63[^,],%31[^,],%d,%d,%15[^,],%7[^,],%lf,%lf,%lf,%lf,%lf,%*f,%*f,%*f,%lf,%lf", label, work, &r->ranks,
+                   &r->threads, r->device, r->dtype, &r->samples, &r->speedup, &r->efficiency, &r->predicted,
+                   &r->predicted_eff, &r->peak, &r->state) != 13) dt_fail("'%s': cannot read the line '%s'", path, line);
+        r->stage = r->work = -1;
+        for (int s = 0; s < NSTAGES; s++) if (!strcmp(label, stages[s].label)) r->stage = s;
+        for (int w = 0; w < NWORK; w++) if (!strcmp(work, workloads[w].name)) r->work = w;
+        if (r->stage < 0 || r->work < 0) dt_fail("'%s': unknown stage or workload in '%s'", path, line);
+        r->ok = 1;
+        r->one_thread = r->stage == 0 && n > 0 && rows[n - 1].stage == 0 && rows[n - 1].work == r->work;
+        if (r->ranks > max_ranks) max_ranks = r->ranks;
+        n++;
+    }
+    fclose(f);
+    dt_path(path, sizeof path, "%s/scaling.svg", dir);
+    draw_scaling(path, rows, n, max_ranks, cores, gpus);
+    dt_path(path, sizeof path, "%s/memory.svg", dir);
+    draw_memory(path, rows, n, max_ranks);
+    printf("redrew %s/scaling.svg and %s/memory.svg from %d rows\n", dir, dir, n);
+    free(rows);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const char *outdir = "bench";
     int max_ranks = 4, quick = 0;
-    const char *only = NULL;
+    const char *only = NULL, *redraw_dir = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--out") && i + 1 < argc) outdir = argv[++i];
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
         else if (!strcmp(argv[i], "--max-ranks") && i + 1 < argc) max_ranks = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--quick")) quick = 1;
         else if (!strcmp(argv[i], "--predict")) { predict_vit_base(); return 0; }
+        else if (!strcmp(argv[i], "--redraw") && i + 1 < argc) redraw_dir = argv[++i];
         else {
-            fprintf(stderr, "usage: %s [--out DIR] [--max-ranks 1|2|4] [--quick] [--only WORD] | --predict\n", argv[0]);
+            fprintf(stderr, "usage: %s [--out DIR] [--max-ranks 1|2|4] [--quick] [--only WORD] | --predict | --redraw DIR\n",
+                    argv[0]);
             return 2;
         }
     }
     if (max_ranks != 1 && max_ranks != 2 && max_ranks != 4) dt_usage_error("--max-ranks must be 1, 2 or 4, got %d", max_ranks);
-    int cores = dt_threads();
+    int cores = dt_threads(), gpus = 0;
+#ifdef DT_HAVE_CUDA
+    char why[256];
+    gpus = dt_cuda_device_count(why, sizeof why);      /* the stages pick a GPU when there is one */
+#endif
+    if (redraw_dir) return redraw(redraw_dir, cores, gpus);
     struct stat sb;
     if (stat(outdir, &sb) != 0) dt_mkdir(outdir);
     dt_link links[5];
@@ -298,7 +346,7 @@ int main(int argc, char **argv) {
                 double t0 = dt_now_ms();
                 int st = run(cmd, "bench:", line, sizeof line);
                 row *r = &rows[nrows++];
-                r->stage = s; r->work = w; r->ranks = ranks;
+                r->stage = s; r->work = w; r->ranks = ranks; r->one_thread = one_thread;
                 r->ok = st == 0 && line[0];
                 printf("[%2d/%d] %-22s %-9s %d rank%s%s ", nrows, total, stages[s].label, workloads[w].name, ranks,
                        ranks > 1 ? "s" : " ", one_thread ? ", 1 thread" : "");
@@ -311,7 +359,7 @@ int main(int argc, char **argv) {
                 r->comm = field(line, "comm_ms"); r->hidden = field(line, "comm_hidden_ms");
                 r->peak = field(line, "peak_mem_mb"); r->state = field(line, "peak_state_mb"); r->host = field(line, "peak_host_mb");
                 r->params = field(line, "params");
-                r->oversubscribed = ranks * r->threads > cores;
+                r->oversubscribed = strcmp(r->device, "cpu") ? ranks > gpus : ranks * r->threads > cores;
                 if (s == 0 && !one_thread) c_all = r->fwd + r->bwd + r->opt;
                 if (one_thread) c_one = r->fwd + r->bwd + r->opt;
                 printf("%9.1f samples/s  (%.1f s)\n", r->samples, (dt_now_ms() - t0) / 1e3);
@@ -350,7 +398,8 @@ int main(int argc, char **argv) {
             double eff_all = c_one > 0 && c_all > 0 ? c_one / (cores * c_all) : 1;      /* parallel efficiency */
             double eff_T = cores > 1 ? 1 + (eff_all - 1) * (T - 1) / (cores - 1) : 1;
             double c_T = c_one > 0 ? c_one / (T * eff_T) : c_all * r->ranks;
-            in.contention = strcmp(r->device, "cpu") ? 1 : (c_all > 0 ? c_T / c_all : r->ranks) * fmax(1, (double)r->ranks * T / cores);
+            if (strcmp(r->device, "cpu")) in.contention = gpus > 0 ? fmax(1, (double)r->ranks / gpus) : 1;   /* GPUs shared beyond their count */
+            else in.contention = (c_all > 0 ? c_T / c_all : r->ranks) * fmax(1, (double)r->ranks * T / cores);
             dt_cost_prediction p = dt_cost_predict(&in, &links[r->ranks], r->ranks);
             r->predicted = p.speedup;
             r->predicted_eff = p.efficiency;
@@ -365,7 +414,7 @@ int main(int argc, char **argv) {
         printf("%-22s %-9s %5d %7d %10.1f %7.2fx %7.2fx %9.0f%% %10.1f %8.1f %7.1f %8.1f %8.1f  %s\n", stages[r->stage].label,
                workloads[r->work].name, r->ranks, r->threads, r->samples, r->speedup, r->predicted, 100 * r->efficiency,
                r->fwd + r->bwd + r->opt, r->comm, r->hidden, r->peak, r->state,
-               r->oversubscribed ? "oversubscribed: more ranks x threads than cores" : "");
+               r->oversubscribed ? (strcmp(r->device, "cpu") ? "oversubscribed: more ranks than GPUs" : "oversubscribed: more ranks x threads than cores") : "");
     }
     char path[1024];
     dt_path(path, sizeof path, "%s/results.csv", outdir);
@@ -385,7 +434,7 @@ int main(int argc, char **argv) {
     fclose(csv);
     printf("\nwrote %s", path);
     dt_path(path, sizeof path, "%s/scaling.svg", outdir);
-    draw_scaling(path, rows, nrows, max_ranks, cores);
+    draw_scaling(path, rows, nrows, max_ranks, cores, gpus);
     printf(", %s", path);
     dt_path(path, sizeof path, "%s/memory.svg", outdir);
     draw_memory(path, rows, nrows, max_ranks);
