@@ -4,10 +4,11 @@
 #   make run          train stage 01 on the synthetic set (made on first use)
 #   make test         the test suite; ends with "N passed, N failed"
 #   make test-asan    the same under AddressSanitizer + UndefinedBehaviorSanitizer
-#   make bench        time the reference workloads: on a GPU vit-tiny and vit-base against
-#                     PyTorch; on the CPU mlp and vit-tiny in every stage at 1, 2 and 4
-#                     ranks (speedup, efficiency, compute and communication time); the
-#                     all-reduce bus bandwidth of 2 and 4 ranks over shared memory
+#   make bench        the scaling study (tools/bench): mlp and vit-tiny in every stage at
+#                     1, 2 and 4 ranks -- speedup and efficiency measured and predicted by
+#                     the cost model, compute and communication time, memory -- written to
+#                     bench/results.csv, bench/scaling.svg, bench/memory.svg; on a GPU
+#                     first vit-tiny and vit-base against PyTorch
 #   make diff         what each stage changes from the one before, and how many lines
 #                     (the target: at most 40 between neighbours)
 #
@@ -70,7 +71,7 @@ endif
 
 STAGES   := $(sort $(dir $(wildcard 0*/train.c)))
 STAGE_BINS := $(addsuffix train,$(STAGES))
-TOOLS    := tools/gen_synthetic tools/collectives tools/consolidate
+TOOLS    := tools/gen_synthetic tools/collectives tools/consolidate tools/bench
 TEST_BIN := tests/test_dtrain
 
 all: $(STAGE_BINS) $(TOOLS) $(TEST_BIN)
@@ -115,28 +116,20 @@ test-asan: $(addprefix build/asan/,$(STAGE_BINS)) build/asan/test_dtrain build/a
 
 TORCH_PY = $(shell for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2>/dev/null && echo $$p && break; done)
 
-# The scaling table: each stage's own --bench at 1, 2 and 4 ranks (devices in
-# 02), speedup and efficiency against the same stage at 1. On a CPU the ranks
-# share the cores one rank already uses, so this measures what data
-# parallelism costs, not what it gains; on more devices than cores it is
-# oversubscribed, and the table says so.
-# Stage 04 runs once per --shard mode, and with --cpu-offload; stage 05 once
-# per --dtype, and with 4 micro-batches of a quarter of the batch.
-BENCH_STAGES := "01-single-gpu|" "02-dp|" "03-ddp|" "04-fsdp|--shard optimizer" "04-fsdp|--shard grads" \
-                "04-fsdp|--shard full" "04-fsdp|--shard full --cpu-offload" "05-accum-mixed-precision|--dtype fp32" \
-                "05-accum-mixed-precision|--dtype bf16" "05-accum-mixed-precision|--dtype fp16"
-WORKLOADS := "mlp|--model mlp" "vit-tiny|--model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64"
-bench: $(STAGE_BINS) tools/collectives
-	@for n in 2 4; do ./tools/collectives --nproc $$n --bench; done
+# The scaling study (tools/bench.c): each stage's own --bench at 1, 2 and 4
+# ranks (devices in 02) on mlp and vit-tiny, speedup and efficiency against the
+# same stage at 1 rank next to the cost model's prediction, with the link
+# measured by tools/collectives; bench/results.csv, bench/scaling.svg and
+# bench/memory.svg. On a CPU the ranks share the cores one rank already uses,
+# so this measures what data parallelism costs, not what it gains; runs with
+# more ranks x threads than cores are marked oversubscribed. On a GPU it first
+# runs tools/bench_gpu.sh (dtrain against PyTorch, DDP's overhead, stage 05's
+# dtypes on vit-base); then PyTorch on the CPU when it is installed.
+bench: $(STAGE_BINS) tools/collectives tools/bench
 	@if [ -n "$(CUDA_OBJ)" ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then \
 	  tools/bench_gpu.sh 01-single-gpu/train "$(TORCH_PY)" 03-ddp/train 05-accum-mixed-precision/train; \
 	else echo "(no GPU here, or a build without CUDA: CPU benchmarks only)"; fi
-	@for w in $(WORKLOADS); do flags=$${w#*|}; \
-	  OMP_NUM_THREADS=1 ./01-single-gpu/train --bench $$flags; \
-	  for s in $(BENCH_STAGES); do for n in 1 2 4; do \
-	    [ $${s%%|*} = 01-single-gpu ] && [ $$n -gt 1 ] && continue; \
-	    ./$${s%%|*}/train --bench --nproc $$n $$flags $${s#*|}; \
-	  done; done; done | tools/bench_table.awk -v cores=$$(nproc)
+	./tools/bench --out bench
 	@py="$(TORCH_PY)"; \
 	 if [ -n "$$py" ]; then \
 	   [ -z "$$OPENBLAS_CORETYPE" ] || echo "(OPENBLAS_CORETYPE=$$OPENBLAS_CORETYPE limits PyTorch's OpenBLAS to that core type)"; \

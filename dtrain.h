@@ -49,7 +49,8 @@
                         weights and sums, dynamic loss scaling for fp16
        13  checkpoints  safetensors files written atomically; exact resume; sharded
                         (a file per rank and an index), consolidated, resharded
-       14  metrics      JSON-lines logs, progress lines, Chrome traces, benchmarks
+       14  metrics      JSON-lines logs, progress lines, Chrome traces, benchmarks,
+                        and a cost model that predicts how a stage scales (--explain)
        15  CUDA         the GPU bodies of the ops, behind one table (dt_backend):
                         indexing, reductions and launch shape are all that differ
 
@@ -637,6 +638,8 @@ typedef struct dt_config {
     int cpu_offload;             /* --cpu-offload: FSDP's shards and optimizer in host memory */
     int accum_steps;             /* --accum-steps: micro-batches per optimizer step (05) */
     int dtype, reduce_dtype;     /* --dtype, --reduce-dtype: a dt_dtype each (05) */
+    int explain;                 /* --explain: the cost model's prediction for this run, after 3 steps */
+    int link;                    /* --link: the link the prediction assumes (-1: shm on a CPU, nvlink on GPUs) */
     float timeout;               /* --timeout: seconds before a missing rank stops the job */
     int rank, world_size, local_rank;   /* this process's place in the job (from the environment) */
 } dt_config;
@@ -717,6 +720,59 @@ void dt_checkpoint_load(dt_run *run, const char *path);
    stage's own loop then times its steps (two warm-up steps, then about three
    seconds, or --steps) and dt_run_finish prints one "bench:" line. */
 void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val);
+
+/* The cost model: does it scale, and why not? A step of N ranks costs its
+   compute plus the communication that compute could not hide. Communication
+   follows the alpha-beta model of a link -- a message of b bytes takes
+   latency + b / bandwidth -- on a ring, where each of N ranks sends and
+   receives (N-1)/N of the buffer per all-gather or reduce-scatter, twice
+   that per all-reduce (a reduce-scatter and then an all-gather). */
+typedef struct dt_link {
+    char name[64];
+    double latency_us;         /* per message hop */
+    double bandwidth_gbs;      /* bus bandwidth, GB/s, as nccl-tests reports it */
+} dt_link;
+/* "shm" (shared memory on this machine, as tools/collectives measured it),
+   "pcie", "nvlink", "infiniband": rough figures of common links (see the
+   definitions). Returns 0 for an unknown name. */
+int dt_link_preset(const char *name, dt_link *out);
+/* Milliseconds of one ring collective over n ranks, of a buffer of `bytes`
+   (the whole buffer: what each rank holds after an all-gather). */
+double dt_cost_all_reduce_ms(const dt_link *link, int n, double bytes);
+double dt_cost_all_gather_ms(const dt_link *link, int n, double bytes);      /* = reduce-scatter */
+
+typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3 } dt_parallelism;
+typedef struct dt_cost_input {
+    dt_parallelism kind;
+    double compute_ms;         /* one rank's forward + backward for one micro-batch, on its own device */
+    double contention;         /* how much slower that compute runs when N ranks share the device(s): 1 on
+                                  GPUs of their own; on a CPU about N (the ranks share its cores) */
+    double backward_share;     /* the part of compute that is backward, which DDP's buckets hide behind (~2/3) */
+    double params;             /* parameter count */
+    double gather_bytes;       /* bytes per parameter gathered (FSDP: 4, or 2 in bf16/fp16) */
+    double reduce_bytes;       /* bytes per gradient reduced (4, or 2 with --reduce-dtype bf16) */
+    int accum_steps;           /* micro-batches per optimizer step */
+    int messages;              /* collectives per step on the critical path: DDP's buckets, FSDP's units */
+    double optimizer_ms;       /* the optimizer's step, on its own device: sharded (ZeRO), each rank does 1/N */
+} dt_cost_input;
+typedef struct dt_cost_prediction {
+    int ranks;
+    double compute_ms;         /* per optimizer step, on one rank: forward, backward and optimizer */
+    double comm_ms;            /* communication per optimizer step */
+    double exposed_ms;         /* the part of it compute does not hide */
+    double step_ms, speedup, efficiency;   /* speedup: samples/s against one rank with the same batch */
+    double bytes;              /* bytes each rank sends per step */
+} dt_cost_prediction;
+/* Predict a step of `ranks` ranks: DDP all-reduces the gradients once per
+   step behind backward; DP (02) also broadcasts the parameters, hiding
+   nothing; ZeRO-1 and -2 reduce-scatter the gradients and all-gather the
+   parameters (the same bytes as DDP, not hidden here); ZeRO-3 all-gathers the
+   parameters twice per micro-batch, prefetched behind compute, and
+   reduce-scatters the gradients: 1.5x DDP's bytes. */
+dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *link, int ranks);
+/* Print the prediction, the compute-to-communication ratio, and what bigger
+   batches, accumulation, bf16 communication or fewer ranks would change. */
+void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *link, int ranks);
 
 #ifdef __cplusplus
 }
@@ -5127,6 +5183,10 @@ static const dt_flag dt_flags[] = {
       DT_ARG_CHOICE, DT_CFG(dtype), "fp32|bf16|fp16" },
     { "--reduce-dtype", "fp32|bf16|fp16", "05: the type gradients are reduce-scattered in (default fp32)",
       DT_ARG_CHOICE, DT_CFG(reduce_dtype), "fp32|bf16|fp16" },
+    { "--explain", NULL, "after 3 steps, print the cost model's prediction for this run: speedup, compute : "
+      "communication,\n                          and what would change it", DT_ARG_SWITCH, DT_CFG(explain), NULL },
+    { "--link", "shm|pcie|nvlink|infiniband", "--explain: the link between ranks (default: shm on a CPU, nvlink on GPUs)",
+      DT_ARG_CHOICE, DT_CFG(link), "shm|pcie|nvlink|infiniband" },
     { "--bucket-mb", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL },
     { "--timeout", "S", "stop when a rank has not answered for S seconds (default 60)", DT_ARG_FLOAT, DT_CFG(timeout), NULL },
@@ -5147,7 +5207,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     dt_config c;
     memset(&c, 0, sizeof c);
     c.stage = stage;
-    c.nproc = 1; c.timeout = 60; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1;
+    c.nproc = 1; c.timeout = 60; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1;
     c.image_size = 32; c.model = DT_MODEL_MLP; c.dim = c.depth = c.heads = c.patch = -1;
     c.batch_size = 128; c.epochs = 10; c.lr = 1e-3f; c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
     c.warmup = -1; c.optimizer = DT_ADAMW; c.seed = 1; c.device = (dt_device)2; /* auto */
@@ -5668,6 +5728,39 @@ void dt_step_begin(dt_run *r) {
     r->step_start_ms = r->mark_ms = dt_now_ms();
 }
 
+/* --explain: the cost model on this run, with the compute it just measured. */
+static void dt_run_explain(dt_run *r) {
+    static const char *links[] = { "shm", "pcie", "nvlink", "infiniband" };
+    const dt_config *c = &r->cfg;
+    dt_link link;
+    dt_link_preset(c->link >= 0 ? links[c->link] : r->model->device == DT_CUDA ? "nvlink" : "shm", &link);
+    dt_cost_input in;
+    memset(&in, 0, sizeof in);
+    int n = dt_data_parallel_width(), alone = !strncmp(c->stage, "01", 2);
+    in.kind = alone || !strncmp(c->stage, "03", 2) ? DT_PAR_DDP : !strncmp(c->stage, "02", 2) ? DT_PAR_DP
+            : c->shard == DT_SHARD_OPTIMIZER ? DT_PAR_ZERO1 : c->shard == DT_SHARD_GRADS ? DT_PAR_ZERO2 : DT_PAR_ZERO3;
+    in.compute_ms = (r->phase_ms[DT_PHASE_FWD] + r->phase_ms[DT_PHASE_BWD]) / c->accum_steps;
+    in.optimizer_ms = r->phase_ms[DT_PHASE_OPT];
+    in.contention = 1;                /* the compute above was measured as this run shares its device(s) */
+    in.backward_share = in.compute_ms > 0 ? r->phase_ms[DT_PHASE_BWD] / c->accum_steps / in.compute_ms : 0.66;
+    in.params = (double)r->model->numel;
+    in.gather_bytes = (double)dt_dtype_size((dt_dtype)c->dtype);
+    in.reduce_bytes = (double)dt_dtype_size((dt_dtype)c->reduce_dtype);
+    in.accum_steps = c->accum_steps;
+    in.messages = in.kind == DT_PAR_DDP ? 1 + (int)ceil(fmax(0, 4 * in.params - 1048576) / (c->bucket_mb * 1048576.0 + 1))
+                                        : r->model->nunits;
+    printf("--explain, measured on step %lld: compute %.1f ms, communication %.1f ms (%.1f hidden)\n",
+           (long long)r->step, in.compute_ms * c->accum_steps + in.optimizer_ms, dt_ctx.comm_ms, dt_ctx.comm_hidden_ms);
+    if (alone) printf("(stage 01 trains alone: here is what DDP, stage 03, would do with it)\n");
+    dt_cost_explain(stdout, &in, &link, n > 1 ? n : 2);
+    printf("  predicted speedup at");
+    for (int k = 2; k <= 8; k *= 2) printf(" %d ranks: %.2fx%s", k, dt_cost_predict(&in, &link, k).speedup, k < 8 ? "," : "\n");
+    if (r->model->device == DT_CPU)
+        printf("  (on a CPU the ranks share its cores: each rank's compute above already carries that; the speedups\n"
+               "   assume more ranks would each bring cores of their own, which one machine cannot)\n");
+    fflush(stdout);
+}
+
 static void dt_format_duration(double s, char *out, size_t n) {
     long t = (long)(s + 0.5);
     if (t >= 3600) snprintf(out, n, "%ldh%02ldm", t / 3600, (t / 60) % 60);
@@ -5757,6 +5850,7 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
         r->loss_sum = 0;
         r->loss_count = 0;
     }
+    if (r->cfg.explain && r->steps_run == 3 && dt_ctx.rank == 0) dt_run_explain(r);
     if (r->cfg.eval_every > 0 && r->step % r->cfg.eval_every == 0) dt_run_eval(r);
     if (r->step >= r->stop_step) r->stop = 1;
     return r->stop;
@@ -5929,6 +6023,113 @@ static void dt_bench_report(dt_run *r) {
            p[DT_PHASE_BWD] / steps, r->bench_comm_ms / steps, r->bench_hidden_ms / steps, p[DT_PHASE_COMM] / steps,
            p[DT_PHASE_OPT] / steps, peak_mem / 1e6, peak_state / 1e6, peak_host / 1e6);
     fflush(stdout);
+}
+
+/* -- the cost model (declared with section 14): why a stage scales as it does.
+      It is deliberately small -- a link of two numbers, ring collectives, and
+      what each wrapper sends and can hide -- so that a student can check it by
+      hand (tests/test_dtrain.c does) and see which lever moves the answer. -- */
+
+/* Rough figures, to be replaced by measured ones (tools/collectives --bench
+   measures "shm"; nccl-tests measures a GPU link). Bus bandwidth per rank:
+   - shm: this project's shared-memory ring on a 2-core machine (2 ranks, 2026-11-21);
+   - pcie: GPUs talking through PCIe 4.0 x16 and the host, no NVLink;
+   - nvlink: 8 H100 SXM GPUs on NVLink 4 and NVSwitch, as nccl-tests all-reduce reaches;
+   - infiniband: one HDR 200 Gb/s NIC per GPU, between machines. */
+int dt_link_preset(const char *name, dt_link *out) {
+    static const struct { const char *name; double us, gbs; } presets[] = {
+        { "shm", 15, 5 }, { "pcie", 10, 16 }, { "nvlink", 10, 400 }, { "infiniband", 8, 24 } };
+    size_t len = strlen(name);
+    for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++)
+        if (strlen(presets[i].name) == len && !memcmp(name, presets[i].name, len)) {
+            dt_copy_str(out->name, sizeof out->name, name);
+            out->latency_us = presets[i].us;
+            out->bandwidth_gbs = presets[i].gbs;
+            return 1;
+        }
+    return 0;
+}
+
+/* A ring all-reduce is a reduce-scatter then an all-gather: 2(N-1) hops, each
+   moving 1/N of the buffer. */
+double dt_cost_all_reduce_ms(const dt_link *l, int n, double bytes) {
+    if (n <= 1) return 0;
+    return 2.0 * (n - 1) * l->latency_us / 1e3 + 2.0 * (n - 1) / n * bytes / (l->bandwidth_gbs * 1e9) * 1e3;
+}
+double dt_cost_all_gather_ms(const dt_link *l, int n, double bytes) {
+    if (n <= 1) return 0;
+    return (double)(n - 1) * l->latency_us / 1e3 + (double)(n - 1) / n * bytes / (l->bandwidth_gbs * 1e9) * 1e3;
+}
+
+dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, int n) {
+    dt_cost_prediction p;
+    memset(&p, 0, sizeof p);
+    int K = in->accum_steps > 0 ? in->accum_steps : 1, msgs = in->messages > 0 ? in->messages : 1;
+    double slow = n > 1 && in->contention > 0 ? in->contention : 1.0;
+    double c = in->compute_ms * slow;                                      /* one micro-batch */
+    int sharded = in->kind == DT_PAR_ZERO1 || in->kind == DT_PAR_ZERO2 || in->kind == DT_PAR_ZERO3;
+    double G = in->params * in->reduce_bytes, W = in->params * in->gather_bytes, lat = l->latency_us / 1e3;
+    double share = n > 1 ? (double)(n - 1) / n : 0;
+    p.ranks = n;
+    p.compute_ms = K * c + in->optimizer_ms * slow / (sharded ? n : 1);
+    if (n > 1) switch (in->kind) {
+    case DT_PAR_NONE: break;
+    case DT_PAR_DDP:            /* one all-reduce per bucket, once per step, behind the last backward */
+        p.comm_ms = dt_cost_all_reduce_ms(l, n, G) + (msgs - 1) * 2.0 * (n - 1) * lat;
+        p.exposed_ms = fmax(0, p.comm_ms - in->backward_share * c);
+        p.bytes = 2 * share * G;
+        break;
+    case DT_PAR_DP:             /* parameters out to every device, gradients back: device 0 waits for both */
+        p.comm_ms = dt_cost_all_reduce_ms(l, n, 4 * in->params);
+        p.exposed_ms = p.comm_ms;
+        p.bytes = 2 * share * 4 * in->params;
+        break;
+    case DT_PAR_ZERO1: case DT_PAR_ZERO2:   /* reduce-scatter the gradients, all-gather the new parameters */
+        p.comm_ms = dt_cost_all_gather_ms(l, n, G) + dt_cost_all_gather_ms(l, n, W) + (msgs - 1) * 2.0 * (n - 1) * lat;
+        p.exposed_ms = p.comm_ms;
+        p.bytes = share * (G + W);
+        break;
+    case DT_PAR_ZERO3: {        /* every micro-batch gathers twice, prefetched behind compute; one reduce-scatter */
+        double gathers = 2 * (dt_cost_all_gather_ms(l, n, W) + (msgs - 1) * (n - 1) * lat);
+        double scatter = dt_cost_all_gather_ms(l, n, G) + (msgs - 1) * (n - 1) * lat;
+        p.comm_ms = K * gathers + scatter;
+        p.exposed_ms = K * fmax(0, gathers - c * (msgs - 1) / msgs) + scatter;
+        p.bytes = share * (2 * K * W + G);
+        break;
+    }
+    }
+    p.step_ms = p.compute_ms + p.exposed_ms;
+    p.speedup = p.step_ms > 0 ? n * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
+    p.efficiency = p.speedup / n;
+    return p;
+}
+
+void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n) {
+    static const char *kinds[] = { "one rank", "DataParallel", "DDP", "FSDP ZeRO-1", "FSDP ZeRO-2", "FSDP ZeRO-3" };
+    dt_cost_prediction p = dt_cost_predict(in, l, n);
+    fprintf(out, "cost model: %s on %d ranks over %s (%.0f GB/s, %.0f us), %.2fM parameters\n", kinds[in->kind], n,
+            l->name, l->bandwidth_gbs, l->latency_us, in->params / 1e6);
+    fprintf(out, "  compute %.2f ms a step per rank; communication %.2f ms (%.1f MB sent per rank), %.2f ms of it not "
+            "hidden\n", p.compute_ms, p.comm_ms, p.bytes / 1e6, p.exposed_ms);
+    if (p.comm_ms > 0) fprintf(out, "  compute : communication = %.1f : 1", p.compute_ms / p.comm_ms);
+    else fprintf(out, "  no communication");
+    fprintf(out, "  ->  predicted speedup %.2fx over one rank, efficiency %.0f%%\n", p.speedup, 100 * p.efficiency);
+    if (n <= 1 || in->kind == DT_PAR_NONE) return;
+    /* what would change it: each lever alone */
+    dt_cost_input big = *in, acc = *in, half = *in;
+    big.compute_ms *= 2;
+    acc.accum_steps = (in->accum_steps > 0 ? in->accum_steps : 1) * 4;
+    half.reduce_bytes = half.gather_bytes = 2;
+    dt_cost_prediction pb = dt_cost_predict(&big, l, n), pa = dt_cost_predict(&acc, l, n), ph = dt_cost_predict(&half, l, n);
+    dt_cost_prediction pf = dt_cost_predict(in, l, n / 2 > 1 ? n / 2 : 1);
+    fprintf(out, "  what would change it (efficiency now %.0f%%):\n", 100 * p.efficiency);
+    fprintf(out, "    twice the batch per rank:        %.0f%% (compute doubles, communication does not)\n", 100 * pb.efficiency);
+    fprintf(out, "    4x --accum-steps:                %.0f%% (gradients travel once per 4 micro-batches)\n", 100 * pa.efficiency);
+    if (in->reduce_bytes > 2 || (in->kind == DT_PAR_ZERO3 && in->gather_bytes > 2))
+        fprintf(out, "    bf16 communication:              %.0f%% (half the bytes)\n", 100 * ph.efficiency);
+    char fewer[64];
+    snprintf(fewer, sizeof fewer, "%d rank%s instead of %d:", pf.ranks, pf.ranks > 1 ? "s" : "", n);
+    fprintf(out, "    %-33s%.0f%% (%.2fx speedup)\n", fewer, 100 * pf.efficiency, pf.speedup);
 }
 
 #endif /* DTRAIN_IMPLEMENTATION */

@@ -984,6 +984,7 @@ static void test_bad_flags_exit_2_naming_the_flag(void) {
         { "05-accum-mixed-precision", "--accum-steps 0", "--accum-steps" },
         { "05-accum-mixed-precision", "--dtype fp8", "--dtype" },
         { "05-accum-mixed-precision", "--reduce-dtype int8", "--reduce-dtype" },
+        { "03-ddp", "--explain --link carrier-pigeon", "--link" },
     };
     char out[8192];
     int st;
@@ -1563,6 +1564,65 @@ static void test_fsdp_sharded_checkpoints_resume_consolidate_and_reshard(void) {
     expect_error(out, st, 1, "shard1-of-4.safetensors', has");
     st = run_cmd(out, sizeof out, "%s %s %s/never.safetensors", consolidate, p, tmpdir);
     expect_error(out, st, 1, "shard1-of-4.safetensors', has");
+}
+
+/* ---- 14. the cost model ------------------------------------------------------ */
+
+static void test_cost_model_matches_hand_computed_cases(void) {
+    dt_link l = { "test", 10, 10 };                                  /* 10 us, 10 GB/s */
+    /* ring all-reduce of 1 GB: 2(N-1) hops of 10 us, 2(N-1)/N of the bytes at 10 GB/s */
+    CHECK(dt_cost_all_reduce_ms(&l, 1, 1e9) == 0);
+    CHECKF(CLOSE(dt_cost_all_reduce_ms(&l, 2, 1e9), 100.02, 1e-12), "N=2: %.6f ms", dt_cost_all_reduce_ms(&l, 2, 1e9));
+    CHECKF(CLOSE(dt_cost_all_reduce_ms(&l, 8, 1e9), 175.14, 1e-12), "N=8: %.6f ms", dt_cost_all_reduce_ms(&l, 8, 1e9));
+    CHECKF(CLOSE(dt_cost_all_gather_ms(&l, 8, 1e9), 87.57, 1e-12), "all-gather N=8: %.6f ms", dt_cost_all_gather_ms(&l, 8, 1e9));
+    /* DDP, 100 ms of compute, 25 ms of all-reduce (2.5e8 bytes at N=2, no latency):
+       nothing hidden: 125 ms a step, 80% efficiency; hidden behind half of
+       compute (50 ms): 100% */
+    dt_link fast = { "no latency", 0, 10 };
+    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0 };
+    dt_cost_prediction p = dt_cost_predict(&in, &fast, 2);
+    CHECKF(CLOSE(p.comm_ms, 25, 1e-12) && CLOSE(p.step_ms, 125, 1e-12) && CLOSE(p.efficiency, 0.8, 1e-12),
+           "DDP: comm %.4f, step %.4f, efficiency %.4f", p.comm_ms, p.step_ms, p.efficiency);
+    in.backward_share = 0.5;
+    p = dt_cost_predict(&in, &fast, 2);
+    CHECKF(p.exposed_ms == 0 && CLOSE(p.speedup, 2, 1e-12), "DDP hidden: exposed %.4f, speedup %.4f", p.exposed_ms, p.speedup);
+    /* accumulation: 4 micro-batches, one all-reduce: 400 / 425 */
+    in.backward_share = 0; in.accum_steps = 4;
+    p = dt_cost_predict(&in, &fast, 2);
+    CHECKF(CLOSE(p.efficiency, 400.0 / 425, 1e-12), "DDP K=4: efficiency %.4f", p.efficiency);
+    /* on a CPU two ranks share the cores (contention 2): 200 ms of compute + 25 */
+    in.accum_steps = 1; in.contention = 2;
+    p = dt_cost_predict(&in, &fast, 2);
+    CHECKF(CLOSE(p.speedup, 2 * 100.0 / 225, 1e-12), "DDP contended: speedup %.4f", p.speedup);
+    /* FSDP (ZeRO-3) moves 1.5x DDP's bytes: parameters gathered twice, gradients reduce-scattered once */
+    in.contention = 1;
+    dt_cost_input z3 = in, z1 = in;
+    z3.kind = DT_PAR_ZERO3; z1.kind = DT_PAR_ZERO1;
+    for (int n = 2; n <= 8; n *= 2) {
+        dt_cost_prediction d = dt_cost_predict(&in, &fast, n), f = dt_cost_predict(&z3, &fast, n), o = dt_cost_predict(&z1, &fast, n);
+        CHECKF(CLOSE(f.bytes, 1.5 * d.bytes, 1e-12) && CLOSE(f.comm_ms, 1.5 * d.comm_ms, 1e-12),
+               "N=%d: FSDP %.4g bytes, %.4f ms; DDP %.4g bytes, %.4f ms", n, f.bytes, f.comm_ms, d.bytes, d.comm_ms);
+        CHECKF(CLOSE(o.bytes, d.bytes, 1e-12), "N=%d: ZeRO-1 %.4g bytes, DDP %.4g", n, o.bytes, d.bytes);
+    }
+    /* ZeRO-1 with a 20 ms optimizer: each of 2 ranks steps half (10 ms); a
+       reduce-scatter and an all-gather of 2.5e8 bytes, 12.5 ms each: 2 x 120 / 135 */
+    z1.optimizer_ms = 20;
+    p = dt_cost_predict(&z1, &fast, 2);
+    CHECKF(CLOSE(p.step_ms, 135, 1e-12) && CLOSE(p.speedup, 240.0 / 135, 1e-12), "ZeRO-1: step %.4f, speedup %.4f",
+           p.step_ms, p.speedup);
+    /* bf16 halves FSDP's bytes; a unit's gathers hide behind the compute of the others */
+    z3.gather_bytes = z3.reduce_bytes = 2; z3.messages = 4;
+    p = dt_cost_predict(&z3, &fast, 2);    /* 2 gathers of 6.25 ms hide behind 75 ms; the 6.25 ms reduce-scatter shows */
+    CHECKF(CLOSE(p.comm_ms, 18.75, 1e-12) && CLOSE(p.exposed_ms, 6.25, 1e-12), "FSDP bf16: comm %.4f, exposed %.4f",
+           p.comm_ms, p.exposed_ms);
+    dt_link nv;
+    CHECK(dt_link_preset("nvlink", &nv) && nv.bandwidth_gbs > 100 && !dt_link_preset("carrier-pigeon", &nv));
+    /* --explain on a real run: the prediction, the ratio and the levers, after 3 steps */
+    char out[16384];
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --steps 4 --explain --link pcie", stage_bin("03-ddp"),
+                     small_data());
+    CHECKF(st == 0 && strstr(out, "cost model: DDP on 2 ranks over pcie") && strstr(out, "compute : communication") &&
+           strstr(out, "4x --accum-steps") && strstr(out, "predicted speedup at 2 ranks"), "--explain: exit %d\n%s", st, out);
 }
 
 /* ---- 12. gradient accumulation and mixed precision (stage 05) ------------- */
@@ -2248,7 +2308,7 @@ static const test_case tests[] = {
     T(test_fsdp_prefetches_the_next_unit), T(test_fsdp_sharded_checkpoints_resume_consolidate_and_reshard),
     T(test_accumulation_equals_a_k_times_larger_batch), T(test_bf16_and_fp16_track_the_fp32_loss_curve),
     T(test_fp16_overflow_skips_that_step_and_halves_the_scale), T(test_mixed_precision_is_the_same_on_any_thread_count),
-    T(test_accumulation_and_fp16_resume_exactly),
+    T(test_accumulation_and_fp16_resume_exactly), T(test_cost_model_matches_hand_computed_cases),
     T(test_gpu_ops_match_the_cpu), T(test_gpu_casts_and_updates_are_bitwise_the_cpu),
     T(test_gpu_training_step_matches_the_cpu), T(test_gpu_200_step_loss_curve_matches_the_cpu),
     T(test_gpu_mixed_precision_step_matches_the_cpu),

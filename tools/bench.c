@@ -1,0 +1,447 @@
+/* tools/bench -- the scaling study behind `make bench`: did more ranks make
+   training faster on this machine, and why or why not?
+
+   usage: tools/bench [--out DIR] [--max-ranks N] [--quick]
+
+   For each reference workload (mlp; vit-tiny) and each stage, at 1, 2 and 4
+   ranks, it runs the stage's own --bench and reads its "bench:" line. Each
+   row gets its speedup and efficiency against the same stage at one rank,
+   and the cost model's prediction (dtrain.h, section 14) next to it. The
+   link the model uses is measured first: tools/collectives --bench at 2 and 4
+   ranks. Writes DIR/results.csv, DIR/scaling.svg and DIR/memory.svg (default
+   DIR: bench). --quick: fewer timed steps, for a first look. --only WORD: the
+   stages or workloads whose name holds WORD. --redraw DIR: the charts again
+   from DIR/results.csv. --predict: the cost model alone, for vit-base on 1 to
+   8 GPUs over NVLink and PCIe. */
+#define DTRAIN_IMPLEMENTATION
+#include "../dtrain.h"
+
+typedef struct { const char *name, *flags; } workload;
+static const workload workloads[] = {
+    { "mlp", "--model mlp" },
+    { "vit-tiny", "--model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64" },
+};
+/* label, binary, flags, the parallelism the cost model sees, 16-bit gathers */
+typedef struct { const char *label, *bin, *flags; dt_parallelism kind; int half; } stage;
+static const stage stages[] = {
+    { "01-single-gpu", "01-single-gpu/train", "", DT_PAR_NONE, 0 },
+    { "02-dp", "02-dp/train", "", DT_PAR_DP, 0 },
+    { "03-ddp", "03-ddp/train", "", DT_PAR_DDP, 0 },
+    { "04-fsdp/optimizer", "04-fsdp/train", "--shard optimizer", DT_PAR_ZERO1, 0 },
+    { "04-fsdp/grads", "04-fsdp/train", "--shard grads", DT_PAR_ZERO2, 0 },
+    { "04-fsdp/full", "04-fsdp/train", "--shard full", DT_PAR_ZERO3, 0 },
+    { "04-fsdp/full+offload", "04-fsdp/train", "--shard full --cpu-offload", DT_PAR_ZERO3, 0 },
+    { "05/fp32", "05-accum-mixed-precision/train", "--dtype fp32", DT_PAR_ZERO3, 0 },
+    { "05/bf16", "05-accum-mixed-precision/train", "--dtype bf16", DT_PAR_ZERO3, 1 },
+};
+enum { NSTAGES = sizeof stages / sizeof stages[0], NWORK = sizeof workloads / sizeof workloads[0] };
+
+typedef struct {
+    int ok, stage, work, ranks, threads, oversubscribed, one_thread;
+    char device[16], dtype[8];
+    double samples, step_ms, fwd, bwd, opt, comm, hidden, peak, state, host, params;
+    double speedup, efficiency, predicted, predicted_eff;
+} row;
+
+static double field(const char *line, const char *key) {
+    char pat[64];
+    snprintf(pat, sizeof pat, " %s=", key);
+    const char *p = strstr(line, pat);
+    return p ? atof(p + strlen(pat)) : 0;
+}
+static void field_str(const char *line, const char *key, char *out, size_t n) {
+    char pat[64];
+    snprintf(pat, sizeof pat, " %s=", key);
+    const char *p = strstr(line, pat);
+    out[0] = 0;
+    if (!p) return;
+    p += strlen(pat);
+    size_t k = strcspn(p, " \n");
+    snprintf(out, n, "%.*s", (int)(k < n ? k : n - 1), p);
+}
+
+/* Run a command; the first line starting with `prefix` (or all of stdout when
+   prefix is NULL) goes to out. Returns the exit status. */
+static int run(const char *cmd, const char *prefix, char *out, size_t n) {
+    FILE *p = popen(cmd, "r");
+    if (!p) dt_fail("cannot run '%s': %s", cmd, strerror(errno));
+    char line[4096];
+    size_t used = 0;
+    out[0] = 0;
+    while (fgets(line, sizeof line, p)) {
+        if (prefix && !strncmp(line, prefix, strlen(prefix)) && !out[0]) snprintf(out, n, "%s", line);
+        if (!prefix && used + strlen(line) < n) { memcpy(out + used, line, strlen(line) + 1); used += strlen(line); }
+    }
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 1;
+}
+
+/* The shared-memory link, from tools/collectives: bus bandwidth of the largest
+   all-reduce, latency from the smallest (2(N-1) hops). */
+static dt_link measure_link(int n) {
+    dt_link l;
+    dt_link_preset("shm", &l);
+    char cmd[256], out[8192];
+    snprintf(cmd, sizeof cmd, "./tools/collectives --nproc %d --bench 2>/dev/null", n);
+    if (run(cmd, NULL, out, sizeof out) != 0) { printf("(tools/collectives failed: the shm preset stands in)\n"); return l; }
+    double first_us = 0, bus = 0, bytes, us, alg, b;
+    for (char *s = strtok(out, "\n"); s; s = strtok(NULL, "\n"))
+        if (sscanf(s, "%lf %lf %lf %lf", &bytes, &us, &alg, &b) == 4) {
+            if (first_us == 0) first_us = us;
+            bus = b;
+        }
+    if (bus > 0) {
+        snprintf(l.name, sizeof l.name, "shm, measured at %d ranks", n);
+        l.bandwidth_gbs = bus;
+        l.latency_us = first_us / (2.0 * (n - 1));
+    }
+    return l;
+}
+
+static const char *colors[] = { "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf" };
+
+/* scaling.svg: speedup against ranks, a panel per workload; measured solid,
+   predicted dashed, and the machine's limit. */
+static void draw_scaling(const char *path, row *rows, int nrows, int max_ranks, int cores, int gpus) {
+    FILE *f = fopen(path, "w");
+    if (!f) dt_fail("cannot write '%s': %s", path, strerror(errno));
+    int W = 460, H = 360, L = 60, T = 50, PW = 360, PH = 250;
+    double ymax = 2.0;
+    for (int i = 0; i < nrows; i++) if (rows[i].ok) ymax = fmax(ymax, fmax(rows[i].speedup, rows[i].predicted) * 1.1);
+    if (max_ranks > ymax) ymax = max_ranks;
+    fprintf(f, "<svg xmlns='http://www.w3.org/2000/svg' width='%d' height='%d' font-family='sans-serif' font-size='12'>\n",
+            W * NWORK + 200, H + 20);
+    fprintf(f, "<rect width='100%%' height='100%%' fill='white'/>\n");
+    fprintf(f, "<text x='10' y='20' font-size='15' font-weight='bold'>Speedup over 1 rank (samples/s), %d cores, %d GPUs: "
+               "measured (solid) and predicted by the cost model (dashed)</text>\n", cores, gpus);
+    int nticks = max_ranks >= 4 ? 3 : 2;
+    for (int w = 0; w < NWORK; w++) {
+        int ox = w * W + L;
+        #define X(r) (ox + PW * (log2((double)(r)) / log2((double)(max_ranks > 1 ? max_ranks : 2))))
+        #define Y(v) (T + PH - PH * (v) / ymax)
+        fprintf(f, "<text x='%d' y='%d' font-size='13' font-weight='bold'>%s</text>\n", ox, T - 10, workloads[w].name);
+        fprintf(f, "<rect x='%d' y='%d' width='%d' height='%d' fill='none' stroke='#444'/>\n", ox, T, PW, PH);
+        for (double v = 0; v <= ymax + 1e-9; v += ymax > 6 ? 2 : 0.5) {
+            fprintf(f, "<line x1='%d' x2='%d' y1='%.1f' y2='%.1f' stroke='#ddd'/>", ox, ox + PW, Y(v), Y(v));
+            fprintf(f, "<text x='%d' y='%.1f' text-anchor='end'>%.1fx</text>\n", ox - 5, Y(v) + 4, v);
+        }
+        for (int k = 0; k < nticks; k++) {
+            int r = 1 << k;
+            fprintf(f, "<text x='%.1f' y='%d' text-anchor='middle'>%d</text>\n", X(r), T + PH + 16, r);
+        }
+        fprintf(f, "<text x='%d' y='%d' text-anchor='middle'>ranks</text>\n", ox + PW / 2, T + PH + 34);
+        /* ideal N x, and what this machine allows: on a CPU one rank already has
+           every core, so N ranks share them (1.0x); GPUs allow up to their count */
+        fprintf(f, "<polyline fill='none' stroke='#999' stroke-dasharray='2,3' points='%.1f,%.1f %.1f,%.1f'/>\n", X(1), Y(1),
+                X(max_ranks), Y(max_ranks));
+        fprintf(f, "<text x='%.1f' y='%.1f' fill='#777' text-anchor='end'>N x (a device per rank)</text>\n", X(max_ranks) - 4,
+                Y(max_ranks) + 14);
+        fprintf(f, "<polyline fill='none' stroke='#999' stroke-width='2' stroke-dasharray='6,3' points='");
+        for (int r = 1; r <= max_ranks; r *= 2) fprintf(f, "%.1f,%.1f ", X(r), Y(gpus > 0 ? (r < gpus ? r : gpus) : 1));
+        fprintf(f, "'/>\n<text x='%d' y='%d' fill='#777' text-anchor='end'>thick grey dashes: the most this machine allows</text>\n",
+                ox + PW - 6, T + PH - (gpus == 0 ? 24 : 8));
+        if (gpus == 0)
+            fprintf(f, "<text x='%d' y='%d' fill='#777' text-anchor='end'>(1.0x: its ranks share the cores one rank used)</text>\n",
+                    ox + PW - 6, T + PH - 8);
+        for (int s = 0; s < NSTAGES; s++)
+            for (int pred = 0; pred < 2; pred++) {
+                char pts[512] = "";
+                int n = 0;
+                for (int i = 0; i < nrows; i++)
+                    if (rows[i].ok && rows[i].stage == s && rows[i].work == w && !rows[i].one_thread) {
+                        if (pred && stages[s].kind == DT_PAR_NONE) continue;
+                        double v = pred ? rows[i].predicted : rows[i].speedup;
+                        snprintf(pts + strlen(pts), sizeof pts - strlen(pts), "%.1f,%.1f ", X(rows[i].ranks), Y(v));
+                        if (!pred) fprintf(f, "<circle cx='%.1f' cy='%.1f' r='3' fill='%s'/>", X(rows[i].ranks), Y(v), colors[s]);
+                        n++;
+                    }
+                if (n > 1)
+                    fprintf(f, "<polyline fill='none' stroke='%s' stroke-width='%s' %s points='%s'/>\n", colors[s],
+                            pred ? "1" : "2", pred ? "stroke-dasharray='5,4'" : "", pts);
+            }
+        #undef X
+        #undef Y
+    }
+    for (int s = 0; s < NSTAGES; s++) {       /* the legend */
+        int y = T + 14 + 18 * s, x = NWORK * W + 10;
+        fprintf(f, "<line x1='%d' x2='%d' y1='%d' y2='%d' stroke='%s' stroke-width='2'/>", x, x + 20, y - 4, y - 4, colors[s]);
+        fprintf(f, "<text x='%d' y='%d'>%s</text>\n", x + 26, y, stages[s].label);
+    }
+    fprintf(f, "<line x1='%d' x2='%d' y1='%d' y2='%d' stroke='#333' stroke-dasharray='5,4'/><text x='%d' y='%d'>predicted</text>\n",
+            NWORK * W + 10, NWORK * W + 30, T + 14 + 18 * NSTAGES + 6, T + 14 + 18 * NSTAGES + 6, NWORK * W + 36,
+            T + 18 + 18 * NSTAGES + 6);
+    fprintf(f, "</svg>\n");
+    fclose(f);
+}
+
+/* memory.svg: the largest rank's peak device memory, a group of bars per
+   stage (one bar per rank count), the sharded state darker inside it. */
+static void draw_memory(const char *path, row *rows, int nrows, int max_ranks) {
+    FILE *f = fopen(path, "w");
+    if (!f) dt_fail("cannot write '%s': %s", path, strerror(errno));
+    int L = 70, T = 50, PW = 620, PH = 230, H = PH + 150, nr = max_ranks >= 4 ? 3 : max_ranks >= 2 ? 2 : 1;
+    fprintf(f, "<svg xmlns='http://www.w3.org/2000/svg' width='%d' height='%d' font-family='sans-serif' font-size='12'>\n",
+            PW + L + 200, H * NWORK + 40);
+    fprintf(f, "<rect width='100%%' height='100%%' fill='white'/>\n");
+    fprintf(f, "<text x='10' y='20' font-size='15' font-weight='bold'>Peak memory per rank, MB: every arena (light); "
+               "parameters + gradients + optimizer state (dark)</text>\n");
+    static const char *shades[3][2] = { { "#aec7e8", "#1f77b4" }, { "#ffbb78", "#ff7f0e" }, { "#98df8a", "#2ca02c" } };
+    for (int w = 0; w < NWORK; w++) {
+        int oy = T + w * H;
+        double ymax = 1;
+        for (int i = 0; i < nrows; i++) if (rows[i].ok && rows[i].work == w) ymax = fmax(ymax, rows[i].peak * 1.1);
+        #define Y(v) (oy + PH - PH * (v) / ymax)
+        fprintf(f, "<text x='%d' y='%d' font-size='13' font-weight='bold'>%s</text>\n", L, oy - 8, workloads[w].name);
+        fprintf(f, "<rect x='%d' y='%d' width='%d' height='%d' fill='none' stroke='#444'/>\n", L, oy, PW, PH);
+        double step = ymax > 500 ? 200 : ymax > 200 ? 50 : ymax > 50 ? 20 : 5;
+        for (double v = 0; v <= ymax; v += step) {
+            fprintf(f, "<line x1='%d' x2='%d' y1='%.1f' y2='%.1f' stroke='#ddd'/>", L, L + PW, Y(v), Y(v));
+            fprintf(f, "<text x='%d' y='%.1f' text-anchor='end'>%.0f</text>\n", L - 5, Y(v) + 4, v);
+        }
+        double gw = (double)PW / NSTAGES, bw = gw * 0.8 / nr;
+        for (int s = 0; s < NSTAGES; s++) {
+            for (int i = 0; i < nrows; i++) {
+                row *r = &rows[i];
+                if (!r->ok || r->work != w || r->stage != s) continue;
+                int k = r->ranks == 1 ? 0 : r->ranks == 2 ? 1 : 2;
+                double x = L + s * gw + gw * 0.1 + k * bw;
+                fprintf(f, "<rect x='%.1f' y='%.1f' width='%.1f' height='%.1f' fill='%s'/>", x, Y(r->peak), bw - 1,
+                        PH * r->peak / ymax, shades[k][0]);
+                fprintf(f, "<rect x='%.1f' y='%.1f' width='%.1f' height='%.1f' fill='%s'/>\n", x, Y(r->state), bw - 1,
+                        PH * r->state / ymax, shades[k][1]);
+            }
+            fprintf(f, "<text transform='translate(%.1f,%d) rotate(35)' font-size='11'>%s</text>\n", L + s * gw + gw * 0.3,
+                    oy + PH + 14, stages[s].label);
+        }
+        #undef Y
+    }
+    for (int k = 0; k < nr; k++)
+        fprintf(f, "<rect x='%d' y='%d' width='14' height='10' fill='%s'/><text x='%d' y='%d'>%d rank%s</text>\n",
+                L + PW - 240 + 80 * k, 28, shades[k][1], L + PW - 222 + 80 * k, 37, 1 << k, k ? "s" : "");
+    fprintf(f, "</svg>\n");
+    fclose(f);
+}
+
+/* --predict: vit-base (86M parameters, batch 64 per GPU) on 1 to 8 GPUs, by the
+   cost model alone: no GPU has run dtrain yet. Compute per step is the FLOP
+   count (forward + backward = 3x forward: 2 FLOPs per multiply-add in every
+   linear layer, plus attention's QK^T and PV) at an assumed sustained rate. */
+static void predict_vit_base(void) {
+    const double T = 197, D = 768, depth = 12, B = 64, P = 86.6e6;
+    double forward = depth * (24 * T * D * D + 4 * T * T * D) + 2 * 196 * 768 * D;    /* per image */
+    double flops = 3 * forward * B;
+    static const struct { const char *dtype; double tflops, bytes; } rates[] = {
+        { "fp32 (TF32 off)", 40, 4 },     /* ~60% of an H100 SXM's 67 TFLOP/s fp32 */
+        { "bf16", 400, 2 },               /* ~40% of its 989 TFLOP/s dense bf16 */
+    };
+    printf("vit-base, batch 64 per GPU: %.2f TFLOP a step. PREDICTIONS of the cost model (dtrain.h), not measurements:\n",
+           flops / 1e12);
+    printf("%-18s %-11s %-10s %10s %8s %8s %8s %8s\n", "dtype", "link", "parallel", "compute ms", "1 GPU", "2", "4", "8");
+    for (int d = 0; d < 2; d++)
+        for (int li = 0; li < 2; li++)
+            for (int k = 0; k < 2; k++) {
+                dt_link l;
+                dt_link_preset(li ? "pcie" : "nvlink", &l);
+                dt_cost_input in;
+                memset(&in, 0, sizeof in);
+                in.kind = k ? DT_PAR_ZERO3 : DT_PAR_DDP;
+                in.compute_ms = flops / (rates[d].tflops * 1e12) * 1e3;
+                in.contention = 1;
+                in.backward_share = 2.0 / 3;
+                in.params = P;
+                in.gather_bytes = rates[d].bytes;
+                in.reduce_bytes = rates[d].bytes;       /* bf16 runs reduce in bf16 too here */
+                in.accum_steps = 1;
+                in.messages = k ? 14 : 5;               /* FSDP: 12 blocks + 2; DDP: 346 MB in 25 MB buckets... ~5 on the path */
+                printf("%-18s %-11s %-10s %10.1f", rates[d].dtype, l.name, k ? "FSDP full" : "DDP", in.compute_ms);
+                for (int n = 1; n <= 8; n *= 2) {
+                    dt_cost_prediction p = dt_cost_predict(&in, &l, n);
+                    printf(" %5.2fx%s", p.speedup, n == 8 ? "" : " ");
+                }
+                printf("   (8 GPUs: %.0f%% efficiency)\n", 100 * dt_cost_predict(&in, &l, 8).efficiency);
+            }
+}
+
+/* --redraw DIR: the charts again from DIR/results.csv, without running anything. */
+static int redraw(const char *dir, int cores, int gpus) {
+    char path[1024], line[1024];
+    dt_path(path, sizeof path, "%s/results.csv", dir);
+    FILE *f = fopen(path, "r");
+    if (!f) dt_fail("cannot read '%s': %s (run tools/bench first)", path, strerror(errno));
+    row *rows = (row *)calloc(256, sizeof(row));
+    int n = 0, max_ranks = 1;
+    if (!fgets(line, sizeof line, f)) dt_fail("'%s' is empty", path);
+    while (n < 256 && fgets(line, sizeof line, f)) {
+        char label[64], work[32];
+        row *r = &rows[n];
+        if (sscanf(line, "%63[^,],%31[^,],%d,%d,%15[^,],%7[^,],%lf,%lf,%lf,%lf,%lf,%*f,%*f,%*f,%lf,%lf", label, work, &r->ranks,
+                   &r->threads, r->device, r->dtype, &r->samples, &r->speedup, &r->efficiency, &r->predicted,
+                   &r->predicted_eff, &r->peak, &r->state) != 13) dt_fail("'%s': cannot read the line '%s'", path, line);
+        r->stage = r->work = -1;
+        for (int s = 0; s < NSTAGES; s++) if (!strcmp(label, stages[s].label)) r->stage = s;
+        for (int w = 0; w < NWORK; w++) if (!strcmp(work, workloads[w].name)) r->work = w;
+        if (r->stage < 0 || r->work < 0) dt_fail("'%s': unknown stage or workload in '%s'", path, line);
+        r->ok = 1;
+        r->one_thread = r->stage == 0 && n > 0 && rows[n - 1].stage == 0 && rows[n - 1].work == r->work;
+        if (r->ranks > max_ranks) max_ranks = r->ranks;
+        n++;
+    }
+    fclose(f);
+    dt_path(path, sizeof path, "%s/scaling.svg", dir);
+    draw_scaling(path, rows, n, max_ranks, cores, gpus);
+    dt_path(path, sizeof path, "%s/memory.svg", dir);
+    draw_memory(path, rows, n, max_ranks);
+    printf("redrew %s/scaling.svg and %s/memory.svg from %d rows\n", dir, dir, n);
+    free(rows);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    const char *outdir = "bench";
+    int max_ranks = 4, quick = 0;
+    const char *only = NULL, *redraw_dir = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--out") && i + 1 < argc) outdir = argv[++i];
+        else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+        else if (!strcmp(argv[i], "--max-ranks") && i + 1 < argc) max_ranks = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--quick")) quick = 1;
+        else if (!strcmp(argv[i], "--predict")) { predict_vit_base(); return 0; }
+        else if (!strcmp(argv[i], "--redraw") && i + 1 < argc) redraw_dir = argv[++i];
+        else {
+            fprintf(stderr, "usage: %s [--out DIR] [--max-ranks 1|2|4] [--quick] [--only WORD] | --predict | --redraw DIR\n",
+                    argv[0]);
+            return 2;
+        }
+    }
+    if (max_ranks != 1 && max_ranks != 2 && max_ranks != 4) dt_usage_error("--max-ranks must be 1, 2 or 4, got %d", max_ranks);
+    int cores = dt_threads(), gpus = 0;
+#ifdef DT_HAVE_CUDA
+    char why[256];
+    gpus = dt_cuda_device_count(why, sizeof why);      /* the stages pick a GPU when there is one */
+#endif
+    if (redraw_dir) return redraw(redraw_dir, cores, gpus);
+    struct stat sb;
+    if (stat(outdir, &sb) != 0) dt_mkdir(outdir);
+    dt_link links[5];
+    for (int n = 2; n <= max_ranks; n *= 2) {
+        links[n] = measure_link(n);
+        printf("link: %s: %.2f GB/s bus bandwidth, %.1f us per hop\n", links[n].name, links[n].bandwidth_gbs, links[n].latency_us);
+    }
+    int total = 0;
+    for (int s = 0; s < NSTAGES; s++) total += s == 0 ? 2 : (max_ranks >= 4 ? 3 : max_ranks >= 2 ? 2 : 1);
+    total *= NWORK;
+    row *rows = (row *)calloc((size_t)total, sizeof(row));
+    int nrows = 0;
+    double t_start = dt_now_ms();
+    for (int w = 0; w < NWORK; w++) {
+        double c_all = 0, c_one = 0;          /* stage 01's compute with every core, and with one */
+        for (int s = 0; s < NSTAGES; s++)
+            for (int n = 1; n <= (s == 0 ? 2 : max_ranks); n *= 2) {
+                if (only && s > 0 && !strstr(stages[s].label, only) && !strstr(workloads[w].name, only)) { total--; continue; }
+                /* stage 01 runs at 1 thread too (its "n = 2" slot): how compute scales with cores */
+                int one_thread = s == 0 && n == 2, ranks = s == 0 ? 1 : n;
+                char cmd[1024], line[4096];
+                snprintf(cmd, sizeof cmd, "%s./%s --bench --nproc %d %s %s%s 2>&1", one_thread ? "OMP_NUM_THREADS=1 " : "",
+                         stages[s].bin, ranks, workloads[w].flags, stages[s].flags, quick ? " --steps 3" : "");
+                double t0 = dt_now_ms();
+                int st = run(cmd, "bench:", line, sizeof line);
+                row *r = &rows[nrows++];
+                r->stage = s; r->work = w; r->ranks = ranks; r->one_thread = one_thread;
+                r->ok = st == 0 && line[0];
+                printf("[%2d/%d] %-22s %-9s %d rank%s%s ", nrows, total, stages[s].label, workloads[w].name, ranks,
+                       ranks > 1 ? "s" : " ", one_thread ? ", 1 thread" : "");
+                if (!r->ok) { printf("FAILED (exit %d): %s\n", st, cmd); continue; }
+                r->threads = (int)field(line, "threads");
+                field_str(line, "device", r->device, sizeof r->device);
+                dt_copy_str(r->dtype, sizeof r->dtype, strstr(line, "/bf16") ? "bf16" : strstr(line, "/fp16") ? "fp16" : "fp32");
+                r->samples = field(line, "samples_per_s"); r->step_ms = field(line, "step_ms");
+                r->fwd = field(line, "fwd_ms"); r->bwd = field(line, "bwd_ms"); r->opt = field(line, "opt_ms");
+                r->comm = field(line, "comm_ms"); r->hidden = field(line, "comm_hidden_ms");
+                r->peak = field(line, "peak_mem_mb"); r->state = field(line, "peak_state_mb"); r->host = field(line, "peak_host_mb");
+                r->params = field(line, "params");
+                r->oversubscribed = strcmp(r->device, "cpu") ? ranks > gpus : ranks * r->threads > cores;
+                if (s == 0 && !one_thread) c_all = r->fwd + r->bwd + r->opt;
+                if (one_thread) c_one = r->fwd + r->bwd + r->opt;
+                printf("%9.1f samples/s  (%.1f s)\n", r->samples, (dt_now_ms() - t0) / 1e3);
+                fflush(stdout);
+            }
+        /* speedups, and the model's prediction, against the same stage at 1 rank */
+        for (int i = 0; i < nrows; i++) {
+            row *r = &rows[i], *base = NULL;
+            if (r->work != w || !r->ok) continue;
+            for (int j = 0; j < nrows; j++)
+                if (rows[j].ok && rows[j].work == w && rows[j].stage == r->stage && rows[j].ranks == 1 &&
+                    (r->ranks > 1 || rows[j].threads == r->threads)) { base = &rows[j]; break; }
+            if (!base) continue;
+            r->speedup = r->samples / base->samples;
+            r->efficiency = r->speedup / r->ranks;
+            if (r->ranks == 1) { r->predicted = 1; r->predicted_eff = 1; continue; }
+            const stage *sg = &stages[r->stage];
+            double compute = base->fwd + base->bwd;
+            dt_cost_input in;
+            memset(&in, 0, sizeof in);
+            in.kind = sg->kind;
+            in.compute_ms = compute;
+            in.optimizer_ms = base->opt;
+            in.backward_share = compute > 0 ? base->bwd / compute : 0.66;
+            in.params = r->params;
+            in.gather_bytes = sg->half ? 2 : 4;
+            in.reduce_bytes = 4;
+            in.accum_steps = 1;
+            /* DDP's buckets (25 MB, the first 1 MB); FSDP's units */
+            in.messages = sg->kind == DT_PAR_DDP ? 1 + (int)ceil(fmax(0, r->params * 4 - 1048576) / (25 * 1048576.0))
+                        : w == 0 ? 3 : 8;
+            /* On a CPU the ranks share its cores: with T = cores / N threads each,
+               a rank computes at the speed 01 measured with T threads (from its
+               1- and all-core runs), and ranks beyond the cores take turns. */
+            int T = cores / r->ranks > 1 ? cores / r->ranks : 1;
+            double eff_all = c_one > 0 && c_all > 0 ? c_one / (cores * c_all) : 1;      /* parallel efficiency */
+            double eff_T = cores > 1 ? 1 + (eff_all - 1) * (T - 1) / (cores - 1) : 1;
+            double c_T = c_one > 0 ? c_one / (T * eff_T) : c_all * r->ranks;
+            if (strcmp(r->device, "cpu")) in.contention = gpus > 0 ? fmax(1, (double)r->ranks / gpus) : 1;   /* GPUs shared beyond their count */
+            else in.contention = (c_all > 0 ? c_T / c_all : r->ranks) * fmax(1, (double)r->ranks * T / cores);
+            dt_cost_prediction p = dt_cost_predict(&in, &links[r->ranks], r->ranks);
+            r->predicted = p.speedup;
+            r->predicted_eff = p.efficiency;
+        }
+    }
+    /* the table */
+    printf("\n%-22s %-9s %5s %7s %10s %8s %8s %10s %10s %8s %7s %8s %8s  %s\n", "stage", "workload", "ranks", "threads",
+           "samples/s", "speedup", "predict", "efficiency", "compute ms", "comm ms", "hidden", "peak MB", "state MB", "note");
+    for (int i = 0; i < nrows; i++) {
+        row *r = &rows[i];
+        if (!r->ok) continue;
+        printf("%-22s %-9s %5d %7d %10.1f %7.2fx %7.2fx %9.0f%% %10.1f %8.1f %7.1f %8.1f %8.1f  %s\n", stages[r->stage].label,
+               workloads[r->work].name, r->ranks, r->threads, r->samples, r->speedup, r->predicted, 100 * r->efficiency,
+               r->fwd + r->bwd + r->opt, r->comm, r->hidden, r->peak, r->state,
+               r->oversubscribed ? (strcmp(r->device, "cpu") ? "oversubscribed: more ranks than GPUs" : "oversubscribed: more ranks x threads than cores") : "");
+    }
+    char path[1024];
+    dt_path(path, sizeof path, "%s/results.csv", outdir);
+    FILE *csv = fopen(path, "w");
+    if (!csv) dt_fail("cannot write '%s': %s", path, strerror(errno));
+    fprintf(csv, "stage,workload,ranks,threads,device,dtype,samples_per_s,speedup,efficiency,predicted_speedup,"
+                 "predicted_efficiency,compute_ms,comm_ms,hidden_comm_ms,peak_mem_mb_per_rank,state_mb_per_rank,"
+                 "host_mb_per_rank,oversubscribed\n");
+    for (int i = 0; i < nrows; i++) {
+        row *r = &rows[i];
+        if (!r->ok) continue;
+        fprintf(csv, "%s,%s,%d,%d,%s,%s,%.1f,%.3f,%.3f,%.3f,%.3f,%.2f,%.2f,%.2f,%.1f,%.2f,%.2f,%d\n", stages[r->stage].label,
+                workloads[r->work].name, r->ranks, r->threads, r->device, r->dtype, r->samples, r->speedup, r->efficiency,
+                r->predicted, r->predicted_eff, r->fwd + r->bwd + r->opt, r->comm, r->hidden, r->peak, r->state, r->host,
+                r->oversubscribed);
+    }
+    fclose(csv);
+    printf("\nwrote %s", path);
+    dt_path(path, sizeof path, "%s/scaling.svg", outdir);
+    draw_scaling(path, rows, nrows, max_ranks, cores, gpus);
+    printf(", %s", path);
+    dt_path(path, sizeof path, "%s/memory.svg", outdir);
+    draw_memory(path, rows, nrows, max_ranks);
+    printf(", %s (%.0f s in all)\n", path, (dt_now_ms() - t_start) / 1e3);
+    int failed = 0;
+    for (int i = 0; i < nrows; i++) failed += !rows[i].ok;
+    free(rows);
+    if (failed) { fprintf(stderr, "tools/bench: %d run%s failed (see above)\n", failed, failed > 1 ? "s" : ""); return 1; }
+    return 0;
+}
