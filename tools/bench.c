@@ -39,7 +39,7 @@ enum { NSTAGES = sizeof stages / sizeof stages[0], NWORK = sizeof workloads / si
 typedef struct {
     int ok, stage, work, ranks, threads, oversubscribed, one_thread;
     char device[16], dtype[8];
-    double samples, step_ms, fwd, bwd, opt, comm, hidden, peak, state, host, params;
+    double samples, gflops, step_ms, fwd, bwd, opt, comm, hidden, peak, state, host, params;
     double speedup, efficiency, predicted, predicted_eff;
 } row;
 
@@ -308,9 +308,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--predict")) { predict_vit_base(); return 0; }
         else if (!strcmp(argv[i], "--redraw") && i + 1 < argc) redraw_dir = argv[++i];
         else {
-            fprintf(stderr, "usage: %s [--out DIR] [--max-ranks 1|2|4] [--quick] [--only WORD] | --predict | --redraw DIR\n",
-                    argv[0]);
-            return 2;
+            int help = !strcmp(argv[i], "--help") || !strcmp(argv[i], "-h");
+            fprintf(help ? stdout : stderr, "usage: %s [--out DIR] [--max-ranks 1|2|4] [--quick] [--only WORD] | --predict | "
+                    "--redraw DIR\n", argv[0]);
+            return help ? 0 : 2;
         }
     }
     if (max_ranks != 1 && max_ranks != 2 && max_ranks != 4) dt_usage_error("--max-ranks must be 1, 2 or 4, got %d", max_ranks);
@@ -355,6 +356,7 @@ int main(int argc, char **argv) {
                 field_str(line, "device", r->device, sizeof r->device);
                 dt_copy_str(r->dtype, sizeof r->dtype, strstr(line, "/bf16") ? "bf16" : strstr(line, "/fp16") ? "fp16" : "fp32");
                 r->samples = field(line, "samples_per_s"); r->step_ms = field(line, "step_ms");
+                r->gflops = field(line, "gflops");
                 r->fwd = field(line, "fwd_ms"); r->bwd = field(line, "bwd_ms"); r->opt = field(line, "opt_ms");
                 r->comm = field(line, "comm_ms"); r->hidden = field(line, "comm_hidden_ms");
                 r->peak = field(line, "peak_mem_mb"); r->state = field(line, "peak_state_mb"); r->host = field(line, "peak_host_mb");
@@ -362,7 +364,7 @@ int main(int argc, char **argv) {
                 r->oversubscribed = strcmp(r->device, "cpu") ? ranks > gpus : ranks * r->threads > cores;
                 if (s == 0 && !one_thread) c_all = r->fwd + r->bwd + r->opt;
                 if (one_thread) c_one = r->fwd + r->bwd + r->opt;
-                printf("%9.1f samples/s  (%.1f s)\n", r->samples, (dt_now_ms() - t0) / 1e3);
+                printf("%9.1f samples/s %7.1f GFLOP/s  (%.1f s)\n", r->samples, r->gflops, (dt_now_ms() - t0) / 1e3);
                 fflush(stdout);
             }
         /* speedups, and the model's prediction, against the same stage at 1 rank */
