@@ -424,14 +424,14 @@ int main(int argc, char **argv) {
     if (!csv) dt_fail("cannot write '%s': %s", path, strerror(errno));
     fprintf(csv, "stage,workload,ranks,threads,device,dtype,samples_per_s,speedup,efficiency,predicted_speedup,"
                  "predicted_efficiency,compute_ms,comm_ms,hidden_comm_ms,peak_mem_mb_per_rank,state_mb_per_rank,"
-                 "host_mb_per_rank,oversubscribed\n");
+                 "host_mb_per_rank,oversubscribed,gflops\n");
     for (int i = 0; i < nrows; i++) {
         row *r = &rows[i];
         if (!r->ok) continue;
-        fprintf(csv, "%s,%s,%d,%d,%s,%s,%.1f,%.3f,%.3f,%.3f,%.3f,%.2f,%.2f,%.2f,%.1f,%.2f,%.2f,%d\n", stages[r->stage].label,
+        fprintf(csv, "%s,%s,%d,%d,%s,%s,%.1f,%.3f,%.3f,%.3f,%.3f,%.2f,%.2f,%.2f,%.1f,%.2f,%.2f,%d,%.2f\n", stages[r->stage].label,
                 workloads[r->work].name, r->ranks, r->threads, r->device, r->dtype, r->samples, r->speedup, r->efficiency,
                 r->predicted, r->predicted_eff, r->fwd + r->bwd + r->opt, r->comm, r->hidden, r->peak, r->state, r->host,
-                r->oversubscribed);
+                r->oversubscribed, r->gflops);
     }
     fclose(csv);
     printf("\nwrote %s", path);
