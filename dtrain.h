@@ -4504,10 +4504,11 @@ void dt_fsdp_free(dt_fsdp *f) {
    Half the bytes: activations, the matmuls' operands and what the collectives
    carry in 16 bits, while everything that adds up many small numbers stays in
    f32 -- the master weights and the optimizer (an update of 1e-4 on a weight
-   of 1 vanishes in bf16, whose 8 bits of mantissa see 1/256), the sums inside
-   matmuls, the layernorm statistics, the softmax, the loss. The ops do it
-   through the views of section 5; this section sets the dtype and scales the
-   loss for fp16, whose range (6e-8 to 65504) is too narrow for gradients. */
+   of 1 vanishes in bf16, whose 8 significant bits move it in steps of 1/128),
+   the sums inside matmuls, the layernorm statistics, the softmax, the loss.
+   The ops do it through the views of section 5; this section sets the dtype
+   and scales the loss for fp16, whose range (6e-8 to 65504) is too narrow for
+   gradients. */
 
 void dt_set_compute_dtype(dt_dtype dtype) { dt_ctx.compute_dtype = dtype; }
 dt_dtype dt_compute_dtype(void) { return dt_ctx.compute_dtype; }
