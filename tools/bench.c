@@ -16,10 +16,11 @@
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
 
-typedef struct { const char *name, *flags; } workload;
+typedef struct { const char *name, *flags; int units; } workload;   /* units: what FSDP gathers one at a time */
 static const workload workloads[] = {
-    { "mlp", "--model mlp" },
-    { "vit-tiny", "--model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64" },
+    { "mlp", "--model mlp", 3 },
+    { "vit-tiny", "--model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64", 8 },
+    { "vit-base", "--model vit --image-size 224 --dim 768 --depth 12 --heads 12 --patch 16 --batch-size 64", 14 },  /* GPUs only */
 };
 /* label, binary, flags, the parallelism the cost model sees, 16-bit gathers */
 typedef struct { const char *label, *bin, *flags; dt_parallelism kind; int half; } stage;
@@ -34,7 +35,8 @@ static const stage stages[] = {
     { "05/fp32", "05-accum-mixed-precision/train", "--dtype fp32", DT_PAR_ZERO3, 0 },
     { "05/bf16", "05-accum-mixed-precision/train", "--dtype bf16", DT_PAR_ZERO3, 1 },
 };
-enum { NSTAGES = sizeof stages / sizeof stages[0], NWORK = sizeof workloads / sizeof workloads[0] };
+enum { NSTAGES = sizeof stages / sizeof stages[0] };
+static int NWORK = 2;                    /* vit-base joins when there is a GPU */
 
 typedef struct {
     int ok, stage, work, ranks, threads, oversubscribed, one_thread;
@@ -299,7 +301,7 @@ static int redraw(const char *dir, int cores, int gpus) {
 int main(int argc, char **argv) {
     const char *outdir = "bench";
     int max_ranks = 4, quick = 0;
-    const char *only = NULL, *redraw_dir = NULL;
+    const char *only = NULL, *redraw_dir = NULL, *link_name = "nvlink";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--out") && i + 1 < argc) outdir = argv[++i];
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
@@ -307,10 +309,15 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--quick")) quick = 1;
         else if (!strcmp(argv[i], "--predict")) { predict_vit_base(); return 0; }
         else if (!strcmp(argv[i], "--redraw") && i + 1 < argc) redraw_dir = argv[++i];
+        else if (!strcmp(argv[i], "--link") && i + 1 < argc) {
+            link_name = argv[++i];
+            dt_link probe;
+            if (!dt_link_preset(link_name, &probe)) dt_usage_error("--link must be shm, pcie, nvlink or infiniband, got '%s'", link_name);
+        }
         else {
             int help = !strcmp(argv[i], "--help") || !strcmp(argv[i], "-h");
-            fprintf(help ? stdout : stderr, "usage: %s [--out DIR] [--max-ranks 1|2|4] [--quick] [--only WORD] | --predict | "
-                    "--redraw DIR\n", argv[0]);
+            fprintf(help ? stdout : stderr, "usage: %s [--out DIR] [--max-ranks 1|2|4] [--quick] [--only WORD] "
+                    "[--link pcie|nvlink|infiniband (GPUs)] | --predict | --redraw DIR\n", argv[0]);
             return help ? 0 : 2;
         }
     }
@@ -320,12 +327,19 @@ int main(int argc, char **argv) {
     char why[256];
     gpus = dt_cuda_device_count(why, sizeof why);      /* the stages pick a GPU when there is one */
 #endif
+    if (gpus > 0) {
+        NWORK = 3;
+        while (max_ranks > gpus) max_ranks /= 2;  /* NCCL takes one rank per GPU */
+        printf("%d GPU%s: ranks up to %d, and vit-base too\n", gpus, gpus > 1 ? "s" : "", max_ranks);
+    }
     if (redraw_dir) return redraw(redraw_dir, cores, gpus);
     struct stat sb;
     if (stat(outdir, &sb) != 0) dt_mkdir(outdir);
     dt_link links[5];
     for (int n = 2; n <= max_ranks; n *= 2) {
-        links[n] = measure_link(n);
+        /* GPUs talk over NCCL, whose link tools/collectives does not measure: the preset stands in */
+        if (gpus > 0) dt_link_preset(link_name, &links[n]);
+        else links[n] = measure_link(n);
         printf("link: %s: %.2f GB/s bus bandwidth, %.1f us per hop\n", links[n].name, links[n].bandwidth_gbs, links[n].latency_us);
     }
     int total = 0;
@@ -339,6 +353,10 @@ int main(int argc, char **argv) {
         for (int s = 0; s < NSTAGES; s++)
             for (int n = 1; n <= (s == 0 ? 2 : max_ranks); n *= 2) {
                 if (only && s > 0 && !strstr(stages[s].label, only) && !strstr(workloads[w].name, only)) { total--; continue; }
+                if (gpus > 0 && s == 1 && n > 1) {   /* 02 drives one GPU per process in this version */
+                    total--;
+                    continue;
+                }
                 /* stage 01 runs at 1 thread too (its "n = 2" slot): how compute scales with cores */
                 int one_thread = s == 0 && n == 2, ranks = s == 0 ? 1 : n;
                 char cmd[1024], line[4096];
@@ -392,7 +410,7 @@ int main(int argc, char **argv) {
             in.accum_steps = 1;
             /* DDP's buckets (25 MB, the first 1 MB); FSDP's units */
             in.messages = sg->kind == DT_PAR_DDP ? 1 + (int)ceil(fmax(0, r->params * 4 - 1048576) / (25 * 1048576.0))
-                        : w == 0 ? 3 : 8;
+                        : workloads[w].units;
             /* On a CPU the ranks share its cores: with T = cores / N threads each,
                a rank computes at the speed 01 measured with T threads (from its
                1- and all-core runs), and ranks beyond the cores take turns. */
