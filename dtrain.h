@@ -740,6 +740,8 @@ int dt_link_preset(const char *name, dt_link *out);
    (the whole buffer: what each rank holds after an all-gather). */
 double dt_cost_all_reduce_ms(const dt_link *link, int n, double bytes);
 double dt_cost_all_gather_ms(const dt_link *link, int n, double bytes);      /* = reduce-scatter */
+/* How many buckets DDP makes of `params` f32 gradients (the first 1 MB, then bucket_mb). */
+int dt_cost_ddp_buckets(double params, double bucket_mb);
 
 typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3 } dt_parallelism;
 typedef struct dt_cost_input {
@@ -1312,12 +1314,11 @@ static void dt_flush_subnormals(void) {               /* this thread and its Ope
    the step arena; parameters point into the model's flat buffers. Data is f32
    unless mixed precision (section 12) stores activations in 16 bits. */
 
-/* An op's output, on the current device: every element is written by the op,
-   so it is not zeroed. The header always lives on the host. */
 size_t dt_dtype_size(dt_dtype d) { return d == DT_F32 ? 4 : 2; }
 const char *dt_dtype_name(dt_dtype d) { return d == DT_F32 ? "fp32" : d == DT_BF16 ? "bf16" : "fp16"; }
 
-/* A tensor in the step arena, on the current device, its data not zeroed. */
+/* A tensor in the step arena, on the current device, its data not zeroed. The
+   header always lives on the host. */
 static dt_tensor *dt_tensor_alloc(int ndim, const int *shape, dt_dtype dtype) {
     dt_tensor *t = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
     t->ndim = ndim;
@@ -1356,13 +1357,14 @@ float *dt_grad(dt_tensor *t) {
     }
     return t->grad;
 }
+static void dt_half_to_f32_cpu(const uint16_t *h, float *x, dt_dtype from, int64_t n);   /* section 5 */
 /* n values of any dtype on device d, as f32 on the host. */
 static void dt_download_as_f32(dt_device d, float *host, const void *src, dt_dtype dtype, int64_t n) {
     if (dtype == DT_F32) { dt_download_from(d, host, src, (size_t)n * sizeof(float)); return; }
     uint16_t *h = (uint16_t *)malloc((size_t)n * 2 + 1);
     if (!h) dt_fail("out of memory");
     dt_download_from(d, h, src, (size_t)n * 2);
-    for (int64_t i = 0; i < n; i++) host[i] = dtype == DT_BF16 ? dt_bf16_to_f32(h[i]) : dt_f16_to_f32(h[i]);
+    dt_half_to_f32_cpu(h, host, dtype, n);
     free(h);
 }
 void dt_tensor_to_host(const dt_tensor *t, float *host) { dt_download_as_f32(t->device, host, t->data, t->dtype, t->numel); }
@@ -1598,11 +1600,13 @@ static void dt_tape_mark(dt_backward_fn fn, void *user, int arg) {
     e->iarg[0] = arg;
 }
 
-void dt_backward(dt_tensor *loss) {
-    float one = 1.0f;
-    if (loss->numel != 1) dt_fail("dt_backward needs a scalar loss, got %lld elements", (long long)loss->numel);
-    dt_backward_from(loss, &one);
+/* Backward from a scalar loss, seeded with d(loss)/d(loss) = seed: 1, or a
+   loss scale (section 12). */
+static void dt_backward_seeded(dt_tensor *loss, float seed) {
+    if (loss->numel != 1) dt_fail("backward needs a scalar loss, got %lld elements", (long long)loss->numel);
+    dt_backward_from(loss, &seed);
 }
+void dt_backward(dt_tensor *loss) { dt_backward_seeded(loss, 1.0f); }
 
 void dt_backward_from(dt_tensor *loss, const float *seed) {
     if (!loss->requires_grad) dt_fail("the loss does not depend on any parameter (were gradients disabled?)");
@@ -1694,16 +1698,20 @@ void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t 
       gradient after rounding, as a 16-bit copy's gradient would have been. -- */
 static int dt_mixed(void) { return dt_ctx.compute_dtype != DT_F32; }
 
+/* On the CPU: n f32 values rounded to the compute dtype (y may be x), the
+   cores sharing the work. */
+static void dt_round_to_compute_cpu(const float *x, float *y, int64_t n) {
+    const int64_t chunk = 16384;
+    dt_dtype to = dt_ctx.compute_dtype;          /* read here: the context is per thread */
+    DT_OMP("omp parallel for schedule(static) if(n > 4 * chunk)")
+    for (int64_t i = 0; i < n; i += chunk) dt_round_f32_cpu(x + i, y + i, to, n - i < chunk ? n - i : chunk);
+}
 /* n values of dtype `from` at src as f32 in the scratch arena; f32 values are
    rounded to the compute dtype on the way (a 16-bit copy, widened again). */
 static float *dt_scratch_f32(const void *src, dt_dtype from, int64_t n) {
     float *f = (float *)dt_scratch_on(dt_ctx.device, (size_t)n * sizeof(float));
     if (from == DT_F32 && dt_mixed() && dt_ctx.device == DT_CPU) {      /* the same, in one pass */
-        const int64_t chunk = 16384;
-        dt_dtype to = dt_ctx.compute_dtype;      /* read here: the context is per thread */
-        DT_OMP("omp parallel for schedule(static) if(n > 4 * chunk)")
-        for (int64_t i = 0; i < n; i += chunk)
-            dt_round_f32_cpu((const float *)src + i, f + i, to, n - i < chunk ? n - i : chunk);
+        dt_round_to_compute_cpu((const float *)src, f, n);
         return f;
     }
     if (from == DT_F32 && dt_mixed()) {
@@ -1749,15 +1757,10 @@ static void dt_grad_acc_done(dt_tensor *t, float *f) {
     const dt_backend *gpu = dt_backend_of(t->device);
     if (gpu) { gpu->accumulate(t->grad, dt_scratch_f32(f, DT_F32, t->numel), t->numel); return; }
     int64_t n = t->numel;
-    const int64_t chunk = 16384;
-    dt_dtype to = dt_ctx.compute_dtype;                /* read here: the context is per thread */
     float *g = t->grad;
-    DT_OMP("omp parallel for schedule(static) if(n > 4 * chunk)")
-    for (int64_t i = 0; i < n; i += chunk) {
-        int64_t c = n - i < chunk ? n - i : chunk;
-        dt_round_f32_cpu(f + i, f + i, to, c);          /* in place: no second copy of a big weight */
-        for (int64_t k = i; k < i + c; k++) g[k] += f[k];
-    }
+    dt_round_to_compute_cpu(f, f, n);                  /* in place: no second copy of a big weight */
+    DT_OMP("omp parallel for if(n > 65536)")
+    for (int64_t i = 0; i < n; i++) g[i] += f[i];
 }
 
 /* The matmul of an op: cuBLAS on a GPU, the routine above on the CPU. */
@@ -3174,7 +3177,6 @@ void dt_nccl_free(void *nccl);
 
 static dt_comm *dt_active_comm;             /* for dt_fail: tell the other ranks we are going */
 
-static size_t dt_dtype_bytes(dt_dtype t) { return t == DT_F32 ? 4 : 2; }
 static float dt_load_as_f32(const void *p, int64_t i, dt_dtype t) {
     return t == DT_F32 ? ((const float *)p)[i] : t == DT_BF16 ? dt_bf16_to_f32(((const uint16_t *)p)[i])
                                                               : dt_f16_to_f32(((const uint16_t *)p)[i]);
@@ -3256,7 +3258,7 @@ static void dt_sum_slots(const dt_comm *c, int64_t slot_off, int64_t lo, int64_t
 }
 
 static void dt_shm_run(dt_comm *c, const dt_comm_op *o) {
-    size_t es = dt_dtype_bytes(o->dtype);
+    size_t es = dt_dtype_size(o->dtype);
     int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), W = c->world, me = c->rank;
     char *mine = c->slots + (size_t)me * DT_SLOT_BYTES;
     const char *send = (const char *)o->send;
@@ -4170,7 +4172,7 @@ static void dt_fsdp_fill_params(dt_fsdp *f, dt_fsdp_unit *u, const float *host) 
     if (f->param_dtype == DT_F32) { dt_upload(u->full, host, (size_t)u->numel * sizeof(float)); return; }
     uint16_t *h = (uint16_t *)malloc((size_t)u->numel * 2 + 1);
     if (!h) dt_fail("out of memory");
-    for (int64_t i = 0; i < u->numel; i++) h[i] = f->param_dtype == DT_BF16 ? dt_f32_to_bf16(host[i]) : dt_f32_to_f16(host[i]);
+    dt_f32_to_half_cpu(host, h, f->param_dtype, u->numel);
     dt_upload(u->full, h, (size_t)u->numel * 2);
     free(h);
 }
@@ -4386,6 +4388,8 @@ void dt_fsdp_set_sync(dt_fsdp *f, int sync) {
     if (!sync && !f->accum && f->mode != DT_SHARD_OPTIMIZER) {     /* ZeRO-1 keeps whole gradients anyway */
         f->accum = (float *)dt_alloc_on(f->model->device, DT_ARENA_GRADS, (size_t)f->accum_numel * sizeof(float));
         dt_zero_on(f->model->device, f->accum, (size_t)f->accum_numel * sizeof(float));
+        dt_free_on(f->model->device, DT_ARENA_GRADS, f->gathered_grad, f->largest);   /* each unit has its slice now */
+        f->gathered_grad = NULL;
     }
 }
 void dt_fsdp_set_reduce_dtype(dt_fsdp *f, dt_dtype dtype) {
@@ -4523,9 +4527,7 @@ dt_loss_scaler dt_loss_scaler_create(dt_dtype dtype) {
 }
 
 void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *s, int accum_steps) {
-    float seed = s->scale / (float)(accum_steps > 0 ? accum_steps : 1);
-    if (loss->numel != 1) dt_fail("dt_backward_scaled needs a scalar loss, got %lld elements", (long long)loss->numel);
-    dt_backward_from(loss, &seed);
+    dt_backward_seeded(loss, s->scale / (float)(accum_steps > 0 ? accum_steps : 1));
 }
 
 int dt_loss_scaler_unscale(dt_loss_scaler *s, dt_optimizer *o) {
@@ -5748,8 +5750,7 @@ static void dt_run_explain(dt_run *r) {
     in.gather_bytes = (double)dt_dtype_size((dt_dtype)c->dtype);
     in.reduce_bytes = (double)dt_dtype_size((dt_dtype)c->reduce_dtype);
     in.accum_steps = c->accum_steps;
-    in.messages = in.kind == DT_PAR_DDP ? 1 + (int)ceil(fmax(0, 4 * in.params - 1048576) / (c->bucket_mb * 1048576.0 + 1))
-                                        : r->model->nunits;
+    in.messages = in.kind == DT_PAR_DDP ? dt_cost_ddp_buckets(in.params, c->bucket_mb) : r->model->nunits;
     printf("--explain, measured on step %lld: compute %.1f ms, communication %.1f ms (%.1f hidden)\n",
            (long long)r->step, in.compute_ms * c->accum_steps + in.optimizer_ms, dt_ctx.comm_ms, dt_ctx.comm_hidden_ms);
     if (alone) printf("(stage 01 trains alone: here is what DDP, stage 03, would do with it)\n");
@@ -6060,6 +6061,11 @@ double dt_cost_all_reduce_ms(const dt_link *l, int n, double bytes) {
 double dt_cost_all_gather_ms(const dt_link *l, int n, double bytes) {
     if (n <= 1) return 0;
     return (double)(n - 1) * l->latency_us / 1e3 + (double)(n - 1) / n * bytes / (l->bandwidth_gbs * 1e9) * 1e3;
+}
+
+int dt_cost_ddp_buckets(double params, double bucket_mb) {
+    if (bucket_mb <= 0) return 1;
+    return 1 + (int)ceil(fmax(0, 4 * params - 1048576) / (bucket_mb * 1048576.0));
 }
 
 dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, int n) {

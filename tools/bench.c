@@ -254,7 +254,7 @@ static void predict_vit_base(void) {
                 in.gather_bytes = rates[d].bytes;
                 in.reduce_bytes = rates[d].bytes;       /* bf16 runs reduce in bf16 too here */
                 in.accum_steps = 1;
-                in.messages = k ? 14 : 5;               /* FSDP: 12 blocks + 2; DDP: 346 MB in 25 MB buckets... ~5 on the path */
+                in.messages = k ? 14 : dt_cost_ddp_buckets(P, 25);   /* FSDP: 12 blocks + embedding + head */
                 printf("%-18s %-11s %-10s %10.1f", rates[d].dtype, l.name, k ? "FSDP full" : "DDP", in.compute_ms);
                 for (int n = 1; n <= 8; n *= 2) {
                     dt_cost_prediction p = dt_cost_predict(&in, &l, n);
@@ -409,8 +409,7 @@ int main(int argc, char **argv) {
             in.reduce_bytes = 4;
             in.accum_steps = 1;
             /* DDP's buckets (25 MB, the first 1 MB); FSDP's units */
-            in.messages = sg->kind == DT_PAR_DDP ? 1 + (int)ceil(fmax(0, r->params * 4 - 1048576) / (25 * 1048576.0))
-                        : workloads[w].units;
+            in.messages = sg->kind == DT_PAR_DDP ? dt_cost_ddp_buckets(r->params, 25) : workloads[w].units;
             /* On a CPU the ranks share its cores: with T = cores / N threads each,
                a rank computes at the speed 01 measured with T threads (from its
                1- and all-core runs), and ranks beyond the cores take turns. */

@@ -23,7 +23,7 @@ static void fill(void *buf, int64_t n, dt_dtype t, int r, int64_t salt) {
 }
 /* The serial reference: element i of each rank's buffer at `off`, summed in rank order. */
 static void reference_sum(void *out, int64_t n, dt_dtype t, int world, int64_t per_rank, int64_t off, int avg, int64_t salt) {
-    size_t es = dt_dtype_bytes(t);
+    size_t es = dt_dtype_size(t);
     char *in = (char *)malloc((size_t)per_rank * es + 1);
     float *acc = (float *)calloc((size_t)n + 1, sizeof(float));
     for (int r = 0; r < world; r++) {
@@ -41,7 +41,7 @@ static int check(dt_comm *c) {
         for (size_t li = 0; li < sizeof lengths / sizeof lengths[0]; li++) {
             dt_dtype dt = (dt_dtype)t;
             int64_t n = lengths[li], salt = 1000 * t + (int64_t)li;
-            size_t es = dt_dtype_bytes(dt), bytes = (size_t)n * es;
+            size_t es = dt_dtype_size(dt), bytes = (size_t)n * es;
             char *send = (char *)malloc((size_t)W * bytes + 2), *recv = (char *)malloc((size_t)W * bytes + 2);
             char *want = (char *)malloc((size_t)W * bytes + 2);
             for (int op = 0; op < 2; op++) {
