@@ -5624,9 +5624,9 @@ static const dt_flag dt_flags[] = {
     { "--vocab", "N", "gpt: vocabulary (default: 256 for bytes, the largest id + 1 for --tokens)", DT_ARG_INT, DT_CFG(vocab), NULL },
     { "--sample", "N", "gpt: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT, DT_CFG(sample), NULL },
     { "--batch-size", "N", "images (gpt: sequences) per step (default 128; gpt 32)", DT_ARG_INT, DT_CFG(batch_size), NULL },
-    { "--epochs", "N", "passes over the training set (default 10; gpt 1)", DT_ARG_INT, DT_CFG(epochs), NULL },
+    { "--epochs", "N", "passes over the training set (default 10; gpt 2)", DT_ARG_INT, DT_CFG(epochs), NULL },
     { "--steps", "N", "stop after N steps in all (default: run every epoch)", DT_ARG_I64, DT_CFG(steps), NULL },
-    { "--lr", "X", "peak learning rate (default 1e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL },
+    { "--lr", "X", "peak learning rate (default 1e-3; gpt 3e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL },
     { "--optimizer", "adamw|sgd", "the optimizer (default adamw)", DT_ARG_CHOICE, DT_CFG(optimizer), "adamw|sgd" },
     { "--weight-decay", "X", "decoupled weight decay of 2-D weights (default 0.05)", DT_ARG_FLOAT, DT_CFG(weight_decay), NULL },
     { "--momentum", "X", "sgd momentum (default 0.9)", DT_ARG_FLOAT, DT_CFG(momentum), NULL },
@@ -5684,7 +5684,8 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     c.stage = stage;
     c.nproc = 1; c.timeout = 60; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1;
     c.image_size = 32; c.model = DT_MODEL_MLP; c.dim = c.depth = c.heads = c.patch = c.seq_len = c.vocab = -1;
-    c.batch_size = c.epochs = -1; c.lr = 1e-3f; c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
+    c.batch_size = c.epochs = -1; c.lr = NAN;     /* -1, NaN: not given (a flag's value is always finite) */
+    c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
     c.warmup = -1; c.optimizer = DT_ADAMW; c.seed = 1; c.device = (dt_device)2; /* auto */
     c.log_every = 50; c.augment = 1; c.end_idx = -1;
     for (int i = 1; i < argc; i++) {
@@ -5739,7 +5740,8 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     }
     int vit = c.model == DT_MODEL_VIT, gpt = c.model == DT_MODEL_GPT;
     if (c.batch_size == -1) c.batch_size = gpt ? 32 : 128;
-    if (c.epochs == -1) c.epochs = gpt ? 1 : 10;
+    if (c.epochs == -1) c.epochs = gpt ? 2 : 10;
+    if (isnan(c.lr)) c.lr = gpt ? 3e-3f : 1e-3f;
     /* values that parse but make no sense */
     if (!gpt && (c.seq_len != -1 || c.vocab != -1 || c.tokens || c.sample))
         dt_usage_error("--seq-len, --vocab, --tokens and --sample are for --model gpt");
@@ -6107,7 +6109,7 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
     r->cfg = *cfg; r->model = model; r->opt = opt; r->loader = loader; r->val = val;
     if (cfg->bench) {               /* time steps, nothing else: no header, no evaluation, no checkpoints */
         r->cfg.quiet = 1; r->cfg.epochs = 1 << 30; r->cfg.warmup = 0; r->cfg.save_dir = NULL;
-        r->cfg.eval_every = 0; r->val = NULL;
+        r->cfg.eval_every = 0; r->cfg.sample = 0; r->val = NULL;
         cfg = &r->cfg;
     }
     if (dt_ctx.job && dt_ctx.world_size > 1) {      /* flags that must be equal on every rank */

@@ -2479,6 +2479,13 @@ static dt_tensor *f_tokens_big(dt_tensor **l, void *c) { (void)c; return dt_vit_
 static dt_tensor *f_select_big(dt_tensor **l, void *c) { (void)c; return dt_select_token(l[0], 3, 17, 0); }
 static dt_tensor *f_patchify(dt_tensor **l, void *c) { return dt_patchify(l[0], *(int *)c); }
 
+static dt_tensor *f_embed_big(dt_tensor **l, void *c) {   /* 3 sequences of 37 ids from a vocabulary of 50 */
+    float ids[3 * 37];
+    int s[2] = { 3, 37 };
+    (void)c;
+    for (int i = 0; i < 3 * 37; i++) ids[i] = (float)((i * 7 + i / 5) % 50);
+    return dt_token_embedding(dt_tensor_from_host(2, s, ids), l[0], l[1]);
+}
 static void test_gpu_ops_match_the_cpu(void) {
     NEED_GPU();
     dt_rng r = { 41 };
@@ -2512,6 +2519,15 @@ static void test_gpu_ops_match_the_cpu(void) {
     dt_tensor *img = leaf(4, ishape, &r, 1);
     img->requires_grad = 0;
     gpu_matches_cpu("patchify", f_patchify, &img, 1, &patch, 0);
+    /* GPT-2's: [in, out] weights, the tanh GELU, the token embedding (ids repeat: the GPU's rows add up too) */
+    dt_tensor *ix = leaf2(67, 129, &r, 1), *iw = leaf2(129, 45, &r, 0.2), *ib = leaf2(1, 45, &r, 1);
+    dt_tensor *L6[3] = { ix, iw, ib };
+    gpu_matches_cpu("linear [in, out]", f_linear_io, L6, 3, NULL, 1e-5);
+    gpu_matches_cpu("gelu tanh", f_gelu_tanh, &g, 1, NULL, 1e-5);
+    dt_tensor *te = leaf2(50, 40, &r, 1), *tp = leaf2(40, 40, &r, 1);
+    dt_tensor *L7[2] = { te, tp };
+    gpu_matches_cpu("token embedding", f_embed_big, L7, 2, NULL, 1e-6);
+    leaf_free(ix); leaf_free(iw); leaf_free(ib); leaf_free(te); leaf_free(tp);
     leaf_free(x); leaf_free(w); leaf_free(b); leaf_free(g); leaf_free(lx); leaf_free(lw); leaf_free(lb);
     leaf_free(a1); leaf_free(a2); leaf_free(qkv); leaf_free(pp); leaf_free(pc); leaf_free(pe); leaf_free(st); leaf_free(lg);
     leaf_free(img);
