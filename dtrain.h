@@ -31,10 +31,12 @@
                         inline function (DT_HD) that a GPU kernel can call too
         5  autograd     each op appends its backward to a tape; dt_backward() walks
                         it in reverse. Activations live in a per-step arena
-        6  models       an MLP and a Vision Transformer with PyTorch/timm names
+        6  models       an MLP and a Vision Transformer with PyTorch/timm names, and a
+                        GPT (causal language model) with Hugging Face's GPT-2 names
         7  optimizer    AdamW, SGD with momentum, gradient clipping, warmup + cosine
-        8  data         image folders, CIFAR-10 binaries, shuffling, rank sharding,
-                        augmentation, and a synthetic data set made on first use
+        8  data         image folders, CIFAR-10 binaries, text (bytes or token ids),
+                        shuffling, rank sharding, augmentation, and synthetic
+                        images and text made on first use
         9  collectives  all-reduce, reduce-scatter, all-gather, broadcast over shared
                         memory (threads or processes, sums in rank order) or NCCL
        10  launching    --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous,
@@ -213,6 +215,9 @@ void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha,
 /* Per-element arithmetic, shared with the GPU kernels. */
 DT_HD static inline float dt_gelu_value(float x);        /* x * Phi(x), exact erf */
 DT_HD static inline float dt_gelu_derivative(float x);
+/* GPT-2's GELU: the tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+DT_HD static inline float dt_gelu_tanh_value(float x);
+DT_HD static inline float dt_gelu_tanh_derivative(float x);
 /* Half types: round to nearest even; inf, NaN and subnormals survive. */
 DT_HD static inline uint16_t dt_f32_to_bf16(float f);
 DT_HD static inline float dt_bf16_to_f32(uint16_t h);
@@ -226,16 +231,23 @@ void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t 
 /* Each op computes its output now and, when gradients are on and an input
    requires them, appends its backward to the tape. */
 dt_tensor *dt_linear(dt_tensor *x, dt_tensor *weight, dt_tensor *bias); /* x W^T + b */
+/* x W + b with W stored [in, out]: the layout of GPT-2's Conv1D layers */
+dt_tensor *dt_linear_in_out(dt_tensor *x, dt_tensor *weight, dt_tensor *bias);
 dt_tensor *dt_gelu(dt_tensor *x);
+dt_tensor *dt_gelu_tanh(dt_tensor *x);                                    /* GPT-2's GELU */
 dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *weight, dt_tensor *bias, float eps);
 dt_tensor *dt_add(dt_tensor *a, dt_tensor *b);
 /* qkv: [B*T, 3*D] laid out as timm's (q | k | v, heads side by side) -> [B*T, D] */
 dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int heads, int causal);
+/* token ids [B, T] (whole numbers held as f32) -> [B*T, D]: row (b, t) is
+   wte[token] + wpe[t], the token's embedding plus its position's */
+dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe);
 /* patches [B*P, D] -> tokens [B*(P+1), D]: class token first, position embedding added */
 dt_tensor *dt_vit_tokens(dt_tensor *patches, dt_tensor *cls_token, dt_tensor *pos_embed, int B);
 /* x [B*T, D] -> [B, D]: token `index` of each sequence */
 dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index);
-/* Mean cross-entropy of logits [B, C] against labels; a 1-element tensor. */
+/* Mean cross-entropy of logits [B, C] against labels; a 1-element tensor. A
+   language model's logits [B*T, vocab] take a label per row: the next token. */
 dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels);
 /* images [B, C, H, W] -> [B*(H/p)*(W/p), C*p*p], each row one patch in (c, y, x)
    order, so a conv with kernel = stride = p is a linear layer on these rows. */
@@ -257,12 +269,13 @@ void dt_flops_reset(void);
 
 /* ---- 6. models --------------------------------------------------------------------- */
 
-typedef enum { DT_MODEL_MLP = 0, DT_MODEL_VIT = 1 } dt_model_kind;
+typedef enum { DT_MODEL_MLP = 0, DT_MODEL_VIT = 1, DT_MODEL_GPT = 2 } dt_model_kind;
 
 typedef struct dt_model_config {
     dt_model_kind kind;
-    int channels, image_size, classes;
+    int channels, image_size, classes;           /* gpt: classes is the vocabulary */
     int dim, depth, heads, patch, mlp_hidden;    /* mlp: dim = hidden width, depth = hidden layers */
+    int seq_len;                                 /* gpt: the context, in tokens */
 } dt_model_config;
 
 typedef struct dt_model {
@@ -279,6 +292,11 @@ typedef struct dt_model {
        parameters unit_first[u] .. unit_first[u + 1] - 1. */
     int nunits;
     int *unit_first;
+    /* -1, or the unit whose forward begins before every other unit's and ends
+       after them: the GPT's embeddings and final norm, because its head reads
+       the token embedding again (tied weights). FSDP keeps it gathered for the
+       whole step, as PyTorch's FSDP does with its root unit. */
+    int outer_unit;
     struct dt_fsdp *fsdp;      /* set while FSDP shards this model (stage 04) */
 } dt_model;
 
@@ -286,8 +304,18 @@ typedef struct dt_model {
    the current device. The same seed gives the same weights on CPU and GPU. */
 dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed);
 void dt_model_free(dt_model *m);
-/* images [B, C, S, S] scaled to [-1, 1] -> logits [B, classes] */
-dt_tensor *dt_model_forward(dt_model *m, dt_tensor *images);
+/* images [B, C, S, S] scaled to [-1, 1] -> logits [B, classes];
+   gpt: token ids [B, T] -> logits [B*T, vocab], row (b, t) predicting token t + 1 */
+dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs);
+/* gpt: continue `prompt` (n_prompt token ids) by n_new tokens into out, each
+   drawn from the softmax of the last position's logits / temperature, seeded.
+   Collective under FSDP: every rank calls it alike; rank 0's draws count. */
+void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, float temperature, uint64_t seed,
+                 int32_t *out);
+/* Model FLOPs of one token's training step (forward and backward): 6 per
+   parameter that multiplies (every one but the position embeddings), plus the
+   attention's 12 x depth x dim x context. Tokens/s times this is what MFU uses. */
+double dt_model_flops_per_token(const dt_model *m);
 dt_tensor *dt_model_param(dt_model *m, const char *name); /* NULL when absent */
 void dt_model_zero_grad(dt_model *m);
 /* Describes the model in one line: "vit dim=192 depth=6 heads=3 patch=4 (5.36M params)". */
@@ -333,13 +361,19 @@ DT_HD static inline void dt_sgd_update(float *p, float *buf, float g, float lr, 
 /* ---- 8. data ---------------------------------------------------------------------- */
 
 typedef struct dt_dataset {
-    int64_t n;
+    int64_t n;                 /* images, or text sequences */
     int channels, size, num_classes;
     uint8_t *pixels;           /* n images, channels first, each channels*size*size bytes */
     int32_t *labels;
     char **class_names;        /* num_classes names (folder names, or CIFAR-10's) */
     char source[512];
     int64_t capacity;          /* images allocated (n shrinks when the set is sliced) */
+    /* Text: a run of token ids (num_classes is the vocabulary). Sequence i is
+       tokens [i*seq_len, (i+1)*seq_len]: seq_len inputs, and the same shifted
+       by one as the labels, so neighbours share one token. */
+    uint16_t *tokens;
+    int64_t ntokens, tokens_capacity;
+    int seq_len;
 } dt_dataset;
 
 /* Load `split` ("train" or "val") of an image folder (DIR/split/<class>/<file>)
@@ -348,7 +382,19 @@ typedef struct dt_dataset {
 void dt_dataset_load(const char *dir, const char *split, int size,
                      const dt_dataset *classes_from, dt_dataset *out);
 void dt_dataset_free(dt_dataset *ds);
-/* Keep images [start, end) only: --start-idx/--end-idx. */
+/* Text: a .txt file, or a folder of them joined in name order, read as bytes
+   (vocabulary 256); or, is_tokens, a file of little-endian uint16 token ids
+   (vocab 0: the largest id + 1). The last val_fraction of the tokens, by
+   position, is the validation set. */
+void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, double val_fraction, dt_dataset *train,
+                  dt_dataset *val);
+/* Write `bytes` of English-like generated text (sentences from a small grammar
+   over a few hundred words) to path: the built-in text of --model gpt. */
+void dt_synthetic_text_write(const char *path, int64_t bytes, uint64_t seed);
+/* The loss to beat, in nats per token: the cross-entropy of `eval`'s tokens
+   under the token frequencies of `train` (a model that ignores context). */
+double dt_unigram_loss(const dt_dataset *train, const dt_dataset *eval);
+/* Keep images (or sequences) [start, end) only: --start-idx/--end-idx. */
 void dt_dataset_slice(dt_dataset *ds, int64_t start, int64_t end);
 
 /* Decode one image file to 8-bit RGB (grey and alpha are converted) and resize
@@ -365,8 +411,8 @@ int64_t dt_sampler_indices(int64_t n, uint64_t seed, int epoch, int shuffle, int
                            int64_t *out);
 
 typedef struct dt_batch {
-    dt_tensor *images;         /* [B, C, S, S] in [-1, 1] */
-    int32_t *labels;
+    dt_tensor *inputs;         /* images [B, C, S, S] in [-1, 1], or token ids [B, T] */
+    int32_t *labels;           /* [B] classes, or [B*T] next tokens */
     int size;                  /* B */
 } dt_batch;
 
@@ -615,10 +661,13 @@ int dt_threads(void);
 
 typedef struct dt_config {
     const char *stage;
-    const char *data;            /* NULL: the synthetic set in data/synthetic */
+    const char *data;            /* NULL: the synthetic set in data/synthetic (gpt: data/synthetic.txt) */
+    const char *tokens;          /* --tokens: a file of uint16 token ids instead of text */
     int image_size;
     dt_model_kind model;
     int dim, depth, heads, patch; /* -1: the model's default */
+    int seq_len, vocab;          /* gpt: context in tokens; vocabulary (-1: from the data) */
+    int sample;                  /* --sample N: gpt prints N generated tokens at each evaluation */
     int batch_size, epochs;
     int64_t steps;               /* stop after this many steps (0: run every epoch) */
     float lr, weight_decay, momentum, clip;
@@ -666,6 +715,7 @@ typedef struct dt_run {
     double last_loss, loss_sum;
     int64_t loss_count, steps_run;
     double eval_loss, eval_acc;
+    double unigram_loss;       /* gpt: the validation loss of a model that ignores context */
     int micro;                 /* micro-batches of this step done so far (--accum-steps) */
     double micro_loss;         /* and the sum of their losses */
     dt_loss_scaler scaler;     /* --dtype fp16's loss scale (disabled otherwise) */
@@ -794,6 +844,15 @@ DT_HD static inline float dt_gelu_derivative(float x) {
     float pdf = 0.39894228040143268f * expf(-0.5f * x * x);
     return cdf + x * pdf;
 }
+DT_HD static inline float dt_gelu_tanh_value(float x) {
+    float u = 0.79788456080286536f * (x + 0.044715f * x * x * x);      /* sqrt(2/pi) (x + 0.044715 x^3) */
+    return 0.5f * x * (1.0f + tanhf(u));
+}
+DT_HD static inline float dt_gelu_tanh_derivative(float x) {
+    float u = 0.79788456080286536f * (x + 0.044715f * x * x * x), t = tanhf(u);
+    float du = 0.79788456080286536f * (1.0f + 3.0f * 0.044715f * x * x);
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
+}
 
 DT_HD static inline uint32_t dt_float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 DT_HD static inline float dt_bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -888,8 +947,8 @@ typedef struct dt_backend {
                       const void *B, int ldb, float beta, float *C, int ldc);
     void (*add_bias)(float *y, const float *bias, int rows, int cols);
     void (*sum_rows)(const float *x, float *out, int rows, int cols);   /* out[j] += sum_i x[i,j] */
-    void (*gelu_forward)(const float *x, float *y, int64_t n);
-    void (*gelu_backward)(const float *x, const float *dy, float *dx, int64_t n);
+    void (*gelu_forward)(const float *x, float *y, int64_t n, int tanh_form);
+    void (*gelu_backward)(const float *x, const float *dy, float *dx, int64_t n, int tanh_form);
     void (*layernorm_forward)(const float *x, const float *w, const float *b, float *y, float *stats,
                               int rows, int cols, float eps);
     void (*layernorm_backward)(const float *x, const float *w, const float *dy, const float *stats,
@@ -901,6 +960,9 @@ typedef struct dt_backend {
                               float scale, int causal);
     void (*attention_backward)(const float *saved, const float *dout, float *dqkv, float *scratch,
                                int B, int T, int H, int D, float scale);
+    /* tokens: ids as f32; dwte, dwpe may be NULL */
+    void (*token_embedding_forward)(const float *tokens, const float *wte, const float *wpe, float *y, int BT, int T, int D);
+    void (*token_embedding_backward)(const float *tokens, const float *dy, float *dwte, float *dwpe, int BT, int T, int D);
     void (*vit_tokens_forward)(const float *patches, const float *cls, const float *pos, float *y,
                                int B, int P, int D);
     void (*vit_tokens_backward)(const float *dy, float *dpatches, float *dcls, float *dpos, int B, int P, int D);
@@ -1798,20 +1860,24 @@ static void dt_matmul_op(const dt_backend *gpu, int ta, int tb, int M, int N, in
     dt_matmul(gpu, ta, tb, M, N, K, 1.0f, a, lda, b, ldb, beta, C, ldc);
 }
 
-/* -- linear: y = x W^T + b. The three matmuls of every layer's training step. -- */
+/* -- linear: y = x W^T + b. The three matmuls of every layer's training step.
+      GPT-2 stores its weights the other way round, [in, out] (in_out, in
+      iarg[0]): the same matmuls with the weight's transposes flipped. -- */
 static void dt_linear_backward(dt_tape_entry *e) {
     dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
-    int N = (int)dt_tensor_rows(x), in = (int)dt_tensor_cols(x), out = (int)dt_tensor_rows(w);
+    int in_out = e->iarg[0];
+    int N = (int)dt_tensor_rows(x), in = (int)dt_tensor_cols(x), out = (int)dt_tensor_cols(y);
     const dt_backend *gpu = dt_backend_for(y);
-    if (x->requires_grad) {              /* dx = dy W */
+    if (x->requires_grad) {              /* dx = dy W (in_out: dy W^T) */
         float *dx = dt_grad_acc(x);
-        dt_matmul_op(gpu, 0, 0, N, in, out, dt_op_grad(y), dt_op_data(w), 1.0f, dx, in);
+        dt_matmul_op(gpu, 0, in_out, N, in, out, dt_op_grad(y), dt_op_data(w), 1.0f, dx, in);
         dt_grad_acc_done(x, dx);
         dt_ctx.flops += 2.0 * N * in * out;
     }
-    if (w->requires_grad) {              /* dW = dy^T x */
+    if (w->requires_grad) {              /* dW = dy^T x (in_out: x^T dy) */
         float *dw = dt_grad_acc(w);
-        dt_matmul_op(gpu, 1, 0, out, in, N, dt_op_grad(y), dt_op_data(x), 1.0f, dw, in);
+        if (in_out) dt_matmul_op(gpu, 1, 0, in, out, N, dt_op_data(x), dt_op_grad(y), 1.0f, dw, out);
+        else dt_matmul_op(gpu, 1, 0, out, in, N, dt_op_grad(y), dt_op_data(x), 1.0f, dw, in);
         dt_grad_acc_done(w, dw);
         dt_ctx.flops += 2.0 * N * in * out;
     }
@@ -1825,17 +1891,17 @@ static void dt_linear_backward(dt_tape_entry *e) {
         dt_grad_acc_done(b, db);
     }
 }
-dt_tensor *dt_linear(dt_tensor *x, dt_tensor *w, dt_tensor *b) {
-    int N = (int)dt_tensor_rows(x), in = (int)dt_tensor_cols(x), out = (int)dt_tensor_rows(w);
-    if (dt_tensor_cols(w) != in)
-        dt_fail("linear %s: input has %d features, weight expects %lld", w->name ? w->name : "",
-                in, (long long)dt_tensor_cols(w));
+static dt_tensor *dt_linear_layout(dt_tensor *x, dt_tensor *w, dt_tensor *b, int in_out) {
+    int N = (int)dt_tensor_rows(x), in = (int)dt_tensor_cols(x);
+    int out = (int)(in_out ? dt_tensor_cols(w) : dt_tensor_rows(w)), w_in = (int)(in_out ? dt_tensor_rows(w) : dt_tensor_cols(w));
+    if (w_in != in)
+        dt_fail("linear %s: input has %d features, weight expects %d", w->name ? w->name : "", in, w_in);
     const dt_backend *gpu = dt_backend_for(x);
     dt_backend_for(w);
     dt_scratch_reset();
     dt_tensor *y = dt_tensor_out_2d(N, out);
     float *yv = dt_out(y);
-    dt_matmul_op(gpu, 0, 1, N, out, in, dt_op_data(x), dt_op_data(w), 0.0f, yv, out);
+    dt_matmul_op(gpu, 0, !in_out, N, out, in, dt_op_data(x), dt_op_data(w), 0.0f, yv, out);
     dt_ctx.flops += 2.0 * N * in * out;
     const float *bv = b ? dt_in(b) : NULL;
     if (b && gpu) gpu->add_bias(yv, bv, N, out);
@@ -1845,41 +1911,48 @@ dt_tensor *dt_linear(dt_tensor *x, dt_tensor *w, dt_tensor *b) {
             for (int j = 0; j < out; j++) yv[(size_t)i * out + j] += bv[j];
     }
     dt_out_done(y, yv);
-    if (dt_wants_grad(x, w, b)) dt_tape_push(dt_linear_backward, y, x, w, b);
+    if (dt_wants_grad(x, w, b)) dt_tape_push(dt_linear_backward, y, x, w, b)->iarg[0] = in_out;
     return y;
 }
+dt_tensor *dt_linear(dt_tensor *x, dt_tensor *w, dt_tensor *b) { return dt_linear_layout(x, w, b, 0); }
+dt_tensor *dt_linear_in_out(dt_tensor *x, dt_tensor *w, dt_tensor *b) { return dt_linear_layout(x, w, b, 1); }
 
-/* -- GELU, the exact erf form (as PyTorch's nn.GELU() and timm) -- */
+/* -- GELU: the exact erf form (PyTorch's nn.GELU() and timm), or the tanh
+      approximation GPT-2 was trained with (tanh_form, in iarg[0]) -- */
 static void dt_gelu_backward(dt_tape_entry *e) {
     dt_tensor *x = e->in[0];
     if (!x->requires_grad) return;
     float *dx = dt_grad_acc(x);
     const float *dy = dt_grad_in(e->out), *xv = dt_in(x);
     int64_t n = x->numel;
+    int tanh_form = e->iarg[0];
     const dt_backend *gpu = dt_backend_for(x);
-    if (gpu) gpu->gelu_backward(xv, dy, dx, n);
+    if (gpu) gpu->gelu_backward(xv, dy, dx, n, tanh_form);
     else {
         DT_OMP("omp parallel for if(n > 65536)")
-        for (int64_t i = 0; i < n; i++) dx[i] += dy[i] * dt_gelu_derivative(xv[i]);
+        for (int64_t i = 0; i < n; i++)
+            dx[i] += dy[i] * (tanh_form ? dt_gelu_tanh_derivative(xv[i]) : dt_gelu_derivative(xv[i]));
     }
     dt_grad_acc_done(x, dx);
 }
-dt_tensor *dt_gelu(dt_tensor *x) {
+static dt_tensor *dt_gelu_form(dt_tensor *x, int tanh_form) {
     const dt_backend *gpu = dt_backend_for(x);
     dt_scratch_reset();
     dt_tensor *y = dt_tensor_out(x->ndim, x->shape);
     int64_t n = x->numel;
     const float *xv = dt_in(x);
     float *yv = dt_out(y);
-    if (gpu) gpu->gelu_forward(xv, yv, n);
+    if (gpu) gpu->gelu_forward(xv, yv, n, tanh_form);
     else {
         DT_OMP("omp parallel for if(n > 65536)")
-        for (int64_t i = 0; i < n; i++) yv[i] = dt_gelu_value(xv[i]);
+        for (int64_t i = 0; i < n; i++) yv[i] = tanh_form ? dt_gelu_tanh_value(xv[i]) : dt_gelu_value(xv[i]);
     }
     dt_out_done(y, yv);
-    if (dt_wants_grad(x, NULL, NULL)) dt_tape_push(dt_gelu_backward, y, x, NULL, NULL);
+    if (dt_wants_grad(x, NULL, NULL)) dt_tape_push(dt_gelu_backward, y, x, NULL, NULL)->iarg[0] = tanh_form;
     return y;
 }
+dt_tensor *dt_gelu(dt_tensor *x) { return dt_gelu_form(x, 0); }
+dt_tensor *dt_gelu_tanh(dt_tensor *x) { return dt_gelu_form(x, 1); }
 
 /* -- LayerNorm over the last dimension. Saves mean and 1/std per row. -- */
 static void dt_layernorm_backward(dt_tape_entry *e) {
@@ -2070,6 +2143,65 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
         e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = H; e->farg[0] = scale; e->saved = P;
     }
     return out;
+}
+
+/* -- token embedding: a language model's input. A lookup, not a matmul: row
+      (b, t) copies the token's row of wte and adds position t's row of wpe.
+      Its backward adds each row's gradient back into the token's row, so a
+      token seen twice collects both; the CPU walks the rows in order, and
+      each thread owns a band of columns, so sums never race. -- */
+static int dt_token_id(float v, int vocab) {
+    int id = (int)v;
+    if (!(v >= 0) || id >= vocab || (float)id != v) dt_fail("token id %g is outside the vocabulary [0, %d)", v, vocab);
+    return id;
+}
+static void dt_token_embedding_backward(dt_tape_entry *e) {
+    const dt_tensor *tokens = (const dt_tensor *)e->saved;
+    dt_tensor *wte = e->in[0], *wpe = e->in[1];
+    int BT = (int)dt_tensor_rows(e->out), D = (int)dt_tensor_cols(e->out), T = e->iarg[0], V = (int)dt_tensor_rows(wte);
+    const float *dy = dt_grad_in(e->out);
+    float *dwte = wte->requires_grad ? dt_grad_acc(wte) : NULL, *dwpe = wpe->requires_grad ? dt_grad_acc(wpe) : NULL;
+    const dt_backend *gpu = dt_backend_for(e->out);
+    if (gpu) gpu->token_embedding_backward(tokens->data, dy, dwte, dwpe, BT, T, D);
+    else {
+        DT_OMP("omp parallel for schedule(static) if(BT * D > 65536)")
+        for (int j0 = 0; j0 < D; j0 += 16) {
+            int j1 = j0 + 16 < D ? j0 + 16 : D;
+            for (int r = 0; r < BT; r++) {
+                const float *g = dy + (size_t)r * D;
+                if (dwte) { float *w = dwte + (size_t)dt_token_id(tokens->data[r], V) * D; for (int j = j0; j < j1; j++) w[j] += g[j]; }
+                if (dwpe) { float *p = dwpe + (size_t)(r % T) * D; for (int j = j0; j < j1; j++) p[j] += g[j]; }
+            }
+        }
+    }
+    if (dwte) dt_grad_acc_done(wte, dwte);
+    if (dwpe) dt_grad_acc_done(wpe, dwpe);
+}
+dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe) {
+    int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), D = (int)dt_tensor_cols(wte), V = (int)dt_tensor_rows(wte);
+    if (tokens->dtype != DT_F32) dt_fail("token embedding: the token ids must be f32 whole numbers");
+    if (dt_tensor_cols(wpe) != D || dt_tensor_rows(wpe) < T)
+        dt_fail("token embedding: %d positions of width %d need %s of at least [%d, %d], it is [%lld, %lld]", T, D,
+                wpe->name ? wpe->name : "the position embedding", T, D, (long long)dt_tensor_rows(wpe),
+                (long long)dt_tensor_cols(wpe));
+    const dt_backend *gpu = dt_backend_for(wte);
+    dt_scratch_reset();
+    dt_tensor *y = dt_tensor_out_2d(B * T, D);
+    const float *wv = dt_in(wte), *pv = dt_in(wpe);
+    float *yv = dt_out(y);
+    if (gpu) gpu->token_embedding_forward(tokens->data, wv, pv, yv, B * T, T, D);
+    else
+        for (int r = 0; r < B * T; r++) {
+            const float *w = wv + (size_t)dt_token_id(tokens->data[r], V) * D, *p = pv + (size_t)(r % T) * D;
+            for (int j = 0; j < D; j++) yv[(size_t)r * D + j] = w[j] + p[j];
+        }
+    dt_out_done(y, yv);
+    if (dt_wants_grad(wte, wpe, NULL)) {
+        dt_tape_entry *e = dt_tape_push(dt_token_embedding_backward, y, wte, wpe, NULL);
+        e->iarg[0] = T;
+        e->saved = (void *)tokens;
+    }
+    return y;
 }
 
 /* -- ViT token assembly: [class token; patch embeddings] + position embedding -- */
@@ -2300,6 +2432,14 @@ static void dt_add_linear(dt_model_builder *mb, const char *prefix, int in, int 
     dt_path(name, sizeof name, "%s.bias", prefix);
     dt_add_param(mb, name, init == DT_INIT_UNIFORM ? DT_INIT_UNIFORM : DT_INIT_ZERO, scale, 1, out, 0, 0, 0);
 }
+/* GPT-2's Conv1D: a linear layer whose weight is stored [in, out] */
+static void dt_add_conv1d(dt_model_builder *mb, const char *prefix, int in, int out, float scale) {
+    char name[160];
+    dt_path(name, sizeof name, "%s.weight", prefix);
+    dt_add_param(mb, name, DT_INIT_NORMAL, scale, 2, in, out, 0, 0);
+    dt_path(name, sizeof name, "%s.bias", prefix);
+    dt_add_param(mb, name, DT_INIT_ZERO, 0, 1, out, 0, 0, 0);
+}
 static void dt_add_layernorm(dt_model_builder *mb, const char *prefix, int dim) {
     char name[160];
     dt_path(name, sizeof name, "%s.weight", prefix);
@@ -2317,7 +2457,29 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
     dt_model_builder mb = { m, 0, NULL, NULL };
     int C = cfg->channels, S = cfg->image_size, D = cfg->dim;
     char name[160];
-    if (cfg->kind == DT_MODEL_MLP) {
+    m->outer_unit = -1;
+    if (cfg->kind == DT_MODEL_GPT) {
+        /* Hugging Face's GPT-2: normal(0.02) weights, zero biases, unit
+           LayerNorms; the projections that feed the residual stream shrink by
+           1/sqrt(2 x depth), so the sum of 2 x depth of them keeps its size.
+           The outer unit comes first: wte and wpe, and ln_f, whose head is wte. */
+        if (D % cfg->heads) dt_fail("--dim %d is not divisible by --heads %d", D, cfg->heads);
+        float proj = 0.02f / sqrtf(2.0f * (cfg->depth > 0 ? cfg->depth : 1));
+        m->outer_unit = 0;
+        dt_unit_starts_here(&mb);
+        dt_add_param(&mb, "wte.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->classes, D, 0, 0);
+        dt_add_param(&mb, "wpe.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->seq_len, D, 0, 0);
+        dt_add_layernorm(&mb, "ln_f", D);
+        for (int l = 0; l < cfg->depth; l++) {
+            dt_unit_starts_here(&mb);
+            snprintf(name, sizeof name, "h.%d.ln_1", l); dt_add_layernorm(&mb, name, D);
+            snprintf(name, sizeof name, "h.%d.attn.c_attn", l); dt_add_conv1d(&mb, name, D, 3 * D, 0.02f);
+            snprintf(name, sizeof name, "h.%d.attn.c_proj", l); dt_add_conv1d(&mb, name, D, D, proj);
+            snprintf(name, sizeof name, "h.%d.ln_2", l); dt_add_layernorm(&mb, name, D);
+            snprintf(name, sizeof name, "h.%d.mlp.c_fc", l); dt_add_conv1d(&mb, name, D, cfg->mlp_hidden, 0.02f);
+            snprintf(name, sizeof name, "h.%d.mlp.c_proj", l); dt_add_conv1d(&mb, name, cfg->mlp_hidden, D, proj);
+        }
+    } else if (cfg->kind == DT_MODEL_MLP) {
         /* PyTorch's nn.Linear initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) */
         int in = C * S * S;
         for (int l = 0; l <= cfg->depth; l++) {
@@ -2415,9 +2577,27 @@ void dt_model_describe(const dt_model *m, char *out, size_t n) {
     if (c->kind == DT_MODEL_MLP)
         snprintf(out, n, "mlp %d -> %d x %d hidden -> %d (%.2fM params)", c->channels * c->image_size * c->image_size,
                  c->depth, c->dim, c->classes, m->numel / 1e6);
+    else if (c->kind == DT_MODEL_GPT)
+        snprintf(out, n, "gpt dim=%d depth=%d heads=%d mlp=%d context=%d vocab=%d (%.2fM params)", c->dim, c->depth,
+                 c->heads, c->mlp_hidden, c->seq_len, c->classes, m->numel / 1e6);
     else
         snprintf(out, n, "vit dim=%d depth=%d heads=%d patch=%d mlp=%d on %dx%dx%d (%.2fM params)", c->dim, c->depth,
                  c->heads, c->patch, c->mlp_hidden, c->channels, c->image_size, c->image_size, m->numel / 1e6);
+}
+
+/* How checkpoints name a model and its shape (their "model" and "model_config"). */
+static const char *dt_model_kind_name(dt_model_kind k) { return k == DT_MODEL_GPT ? "gpt" : k == DT_MODEL_VIT ? "vit" : "mlp"; }
+static void dt_model_config_string(const dt_model_config *mc, char *out, size_t n) {
+    int k = snprintf(out, n, "%d,%d,%d,%d,%d,%d,%d,%d", mc->channels, mc->image_size, mc->classes, mc->dim, mc->depth,
+                     mc->heads, mc->patch, mc->mlp_hidden);
+    if (mc->kind == DT_MODEL_GPT && k > 0 && (size_t)k < n) snprintf(out + k, n - (size_t)k, ",%d", mc->seq_len);
+}
+
+double dt_model_flops_per_token(const dt_model *m) {
+    const dt_model_config *c = &m->cfg;
+    if (c->kind != DT_MODEL_GPT) return 0;
+    double multiplying = (double)m->numel - (double)c->seq_len * c->dim;     /* all but wpe */
+    return 6.0 * multiplying + 12.0 * c->depth * c->dim * c->seq_len;
 }
 
 /* Where a unit's forward begins and ends: FSDP gathers its parameters there,
@@ -2427,8 +2607,37 @@ static void dt_unit_boundary(dt_model *m, int unit, int begin) {
     if (m->fsdp) dt_fsdp_unit_boundary(m->fsdp, unit, begin);
 }
 
+/* GPT-2: pre-LN blocks of causal self-attention and an MLP; the head is the
+   token embedding again (x wte^T), so input and output share one table. */
+static dt_tensor *dt_gpt_forward(dt_model *m, dt_tensor *tokens) {
+    const dt_model_config *c = &m->cfg;
+    int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), pi = 0;
+    dt_tensor *P = m->params;
+    if (T > c->seq_len) dt_fail("gpt: %d tokens do not fit a context of %d (--seq-len)", T, c->seq_len);
+#define DT_NEXT (&P[pi++])
+    dt_unit_boundary(m, 0, 1);                                         /* the outer unit, until the head */
+    dt_tensor *wte = DT_NEXT, *wpe = DT_NEXT, *nfw = DT_NEXT, *nfb = DT_NEXT;
+    dt_tensor *x = dt_token_embedding(tokens, wte, wpe);
+    for (int l = 0; l < c->depth; l++) {
+        dt_unit_boundary(m, 1 + l, 1);
+        dt_tensor *n1w = DT_NEXT, *n1b = DT_NEXT, *aw = DT_NEXT, *ab = DT_NEXT, *pw = DT_NEXT, *pb = DT_NEXT;
+        dt_tensor *n2w = DT_NEXT, *n2b = DT_NEXT, *fw = DT_NEXT, *fb = DT_NEXT, *mw = DT_NEXT, *mb = DT_NEXT;
+        dt_tensor *h = dt_linear_in_out(dt_layernorm(x, n1w, n1b, 1e-5f), aw, ab);
+        h = dt_linear_in_out(dt_attention(h, B, T, c->heads, /*causal*/ 1), pw, pb);
+        x = dt_add(x, h);
+        h = dt_gelu_tanh(dt_linear_in_out(dt_layernorm(x, n2w, n2b, 1e-5f), fw, fb));
+        x = dt_add(x, dt_linear_in_out(h, mw, mb));
+        dt_unit_boundary(m, 1 + l, 0);
+    }
+    x = dt_linear(dt_layernorm(x, nfw, nfb, 1e-5f), wte, NULL);       /* tied head: logits = x wte^T */
+    dt_unit_boundary(m, 0, 0);
+    return x;
+#undef DT_NEXT
+}
+
 dt_tensor *dt_model_forward(dt_model *m, dt_tensor *images) {
     const dt_model_config *c = &m->cfg;
+    if (c->kind == DT_MODEL_GPT) return dt_gpt_forward(m, images);
     int B = images->shape[0], pi = 0;
     dt_tensor *P = m->params;
 #define DT_NEXT (&P[pi++])
@@ -2471,6 +2680,50 @@ dt_tensor *dt_model_forward(dt_model *m, dt_tensor *images) {
     dt_unit_boundary(m, 1 + c->depth, 0);
     return x;
 #undef DT_NEXT
+}
+
+static void dt_job_sum(float *host, int n);
+
+/* Sampling, one token at a time: the whole window runs again for each new
+   token (no key/value cache -- slower, but nothing new to learn). */
+void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, float temperature, uint64_t seed,
+                 int32_t *out) {
+    int T = m->cfg.seq_len, V = m->cfg.classes, len = n_prompt;
+    if (m->cfg.kind != DT_MODEL_GPT) dt_fail("generation needs --model gpt");
+    if (n_prompt < 1) dt_fail("generation needs a prompt of at least one token");
+    int32_t *seq = (int32_t *)malloc(sizeof(int32_t) * (size_t)(n_prompt + n_new));
+    float *window = (float *)malloc(sizeof(float) * (size_t)T), *logits = (float *)malloc(sizeof(float) * (size_t)T * V);
+    if (!seq || !window || !logits) dt_fail("out of memory (generation)");
+    memcpy(seq, prompt, sizeof(int32_t) * (size_t)n_prompt);
+    int grad = dt_ctx.grad_enabled;
+    dt_set_grad_enabled(0);
+    dt_rng rng = { dt_hash3(seed, 0x47454Eu, 0) };
+    for (int i = 0; i < n_new; i++, len++) {
+        int from = len > T ? len - T : 0, L = len - from;
+        for (int t = 0; t < L; t++) window[t] = (float)seq[from + t];
+        dt_step_arena_reset();
+        int shape[2] = { 1, L };
+        dt_tensor *y = dt_model_forward(m, dt_tensor_from_host(2, shape, window));
+        dt_tensor_to_host(y, logits);
+        const float *last = logits + (size_t)(L - 1) * V;
+        float mx = last[0];
+        for (int j = 1; j < V; j++) mx = last[j] > mx ? last[j] : mx;
+        double total = 0;
+        for (int j = 0; j < V; j++) total += exp((last[j] - mx) / temperature);
+        double u = dt_rng_uniform(&rng) * total;
+        float pick = (float)(V - 1);
+        for (int j = 0; j < V; j++) {
+            u -= exp((last[j] - mx) / temperature);
+            if (u <= 0) { pick = (float)j; break; }
+        }
+        if (dt_ctx.rank != 0) pick = 0;                  /* rank 0 decides for every rank */
+        dt_job_sum(&pick, 1);
+        seq[len] = (int32_t)pick;
+    }
+    dt_set_grad_enabled(grad);
+    dt_step_arena_reset();
+    memcpy(out, seq + n_prompt, sizeof(int32_t) * (size_t)n_new);
+    free(seq); free(window); free(logits);
 }
 
 /* ==== 7. optimizer ==============================================================
@@ -2914,7 +3167,8 @@ void dt_dataset_free(dt_dataset *ds) {
     size_t img = (size_t)ds->channels * ds->size * ds->size;
     dt_free(DT_ARENA_DATA, ds->pixels, (size_t)ds->capacity * img);
     dt_free(DT_ARENA_DATA, ds->labels, (size_t)ds->capacity * sizeof(int32_t));
-    for (int c = 0; c < ds->num_classes; c++) free(ds->class_names[c]);
+    dt_free(DT_ARENA_DATA, ds->tokens, (size_t)ds->tokens_capacity * sizeof(uint16_t));
+    for (int c = 0; ds->class_names && c < ds->num_classes; c++) free(ds->class_names[c]);
     free(ds->class_names);
     memset(ds, 0, sizeof *ds);
 }
@@ -2922,8 +3176,15 @@ void dt_dataset_free(dt_dataset *ds) {
 void dt_dataset_slice(dt_dataset *ds, int64_t start, int64_t end) {
     if (end < 0 || end > ds->n) end = ds->n;
     if (start < 0 || start >= end)
-        dt_usage_error("--start-idx %lld / --end-idx %lld select no images of the %lld in %s", (long long)start,
-                       (long long)end, (long long)ds->n, ds->source);
+        dt_usage_error("--start-idx %lld / --end-idx %lld select no %s of the %lld in %s", (long long)start,
+                       (long long)end, ds->tokens ? "sequences" : "images", (long long)ds->n, ds->source);
+    if (ds->tokens) {                      /* sequences [start, end): their tokens and the one after */
+        int64_t T = ds->seq_len;
+        memmove(ds->tokens, ds->tokens + start * T, (size_t)((end - start) * T + 1) * sizeof(uint16_t));
+        ds->ntokens = (end - start) * T + 1;
+        ds->n = end - start;
+        return;
+    }
     size_t img = (size_t)ds->channels * ds->size * ds->size;
     memmove(ds->pixels, ds->pixels + start * img, (size_t)(end - start) * img);
     memmove(ds->labels, ds->labels + start, (size_t)(end - start) * sizeof(int32_t));
@@ -2970,19 +3231,42 @@ void dt_loader_start_epoch(dt_loader *l, int epoch, int64_t skip_batches) {
     l->pos = skip_batches * l->batch_size;
 }
 
+/* A batch of text: B sequences of T token ids, and the T tokens that follow each. */
+static void dt_loader_text(dt_loader *l, dt_batch *b, int B) {
+    const dt_dataset *ds = l->ds;
+    int T = ds->seq_len, shape[2] = { B, T };
+    b->inputs = dt_tensor_alloc(2, shape, DT_F32);
+    b->labels = (int32_t *)dt_step_alloc(sizeof(int32_t) * (size_t)B * T);
+    size_t bytes = (size_t)B * T * sizeof(float);
+    float *host = b->inputs->device == DT_CPU ? b->inputs->data : (float *)dt_step_alloc_uninit(bytes);
+    for (int i = 0; i < B; i++) {
+        const uint16_t *src = ds->tokens + l->order[l->pos + i] * T;
+        for (int t = 0; t < T; t++) {
+            host[(size_t)i * T + t] = (float)src[t];
+            b->labels[(size_t)i * T + t] = src[t + 1];
+        }
+    }
+    if (host != b->inputs->data) dt_upload(b->inputs->data, host, bytes);
+}
+
 int dt_loader_next(dt_loader *l, dt_batch *b) {
     int64_t left = l->count - l->pos;
     if (left <= 0 || (l->drop_last && left < l->batch_size)) return 0;
     int B = (int)(left < l->batch_size ? left : l->batch_size);
     const dt_dataset *ds = l->ds;
+    b->size = B;
+    if (ds->tokens) {
+        dt_loader_text(l, b, B);
+        l->pos += B;
+        return 1;
+    }
     int C = ds->channels, S = ds->size, pad = S / 8;
     int shape[4] = { B, C, S, S };
-    b->images = dt_tensor_alloc(4, shape, DT_F32);
+    b->inputs = dt_tensor_alloc(4, shape, DT_F32);
     b->labels = (int32_t *)dt_step_alloc(sizeof(int32_t) * B);
-    b->size = B;
     /* The batch is assembled on the host; a GPU gets it in one upload. */
-    size_t bytes = (size_t)b->images->numel * sizeof(float);
-    float *host = b->images->device == DT_CPU ? b->images->data : (float *)dt_step_alloc_uninit(bytes);
+    size_t bytes = (size_t)b->inputs->numel * sizeof(float);
+    float *host = b->inputs->device == DT_CPU ? b->inputs->data : (float *)dt_step_alloc_uninit(bytes);
     for (int i = 0; i < B; i++) {
         int64_t idx = l->order[l->pos + i];
         const uint8_t *src = ds->pixels + (size_t)idx * C * S * S;
@@ -3003,10 +3287,159 @@ int dt_loader_next(dt_loader *l, dt_batch *b) {
                 }
         b->labels[i] = ds->labels[idx];
     }
-    if (host != b->images->data) dt_upload(b->images->data, host, bytes);
+    if (host != b->inputs->data) dt_upload(b->inputs->data, host, bytes);
     l->pos += B;
     return 1;
 }
+
+/* -- text. A language model learns to predict each token from the ones before
+      it, so a text is one long run of tokens: every position is a training
+      example. Bytes are the simplest tokens (256 of them, nothing to
+      download); a tokenizer's ids come pre-made in a file. -- */
+static void dt_text_split(const uint16_t *tok, int64_t n, int vocab, int seq_len, const char *source, dt_dataset *ds) {
+    memset(ds, 0, sizeof *ds);
+    ds->tokens = (uint16_t *)dt_alloc(DT_ARENA_DATA, (size_t)n * sizeof(uint16_t));
+    memcpy(ds->tokens, tok, (size_t)n * sizeof(uint16_t));
+    ds->ntokens = ds->tokens_capacity = n;
+    ds->seq_len = seq_len;
+    ds->n = (n - 1) / seq_len;
+    ds->num_classes = vocab;
+    dt_copy_str(ds->source, sizeof ds->source, source);
+}
+
+void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, double val_fraction, dt_dataset *train,
+                  dt_dataset *val) {
+    struct stat st;
+    if (stat(path, &st) != 0) dt_fail("cannot open '%s': %s", path, strerror(errno));
+    unsigned char *bytes = NULL;
+    size_t len = 0;
+    if (S_ISDIR(st.st_mode)) {                       /* every .txt file, in name order, one after another */
+        if (is_tokens) dt_fail("--tokens '%s' is a folder; it takes one file of uint16 token ids", path);
+        int count = 0, used = 0;
+        char **names = dt_list_dir(path, 0, &count);
+        for (int i = 0; i < count; i++) {
+            size_t l = strlen(names[i]), flen = 0;
+            if (l < 4 || strcmp(names[i] + l - 4, ".txt")) continue;
+            char full[4096];
+            dt_path(full, sizeof full, "%s/%s", path, names[i]);
+            unsigned char *part = dt_read_file(full, &flen);
+            if (!part) dt_fail("cannot read '%s': %s", full, strerror(errno));
+            unsigned char *grown = (unsigned char *)realloc(bytes, len + flen + 1);
+            if (!grown) dt_fail("out of memory reading '%s'", full);
+            bytes = grown;
+            memcpy(bytes + len, part, flen);
+            len += flen;
+            free(part);
+            used++;
+        }
+        dt_free_names(names, count);
+        if (!used) dt_fail("'%s' holds no .txt file", path);
+    } else if (!(bytes = dt_read_file(path, &len))) dt_fail("cannot read '%s': %s", path, strerror(errno));
+    int64_t n = is_tokens ? (int64_t)(len / 2) : (int64_t)len;
+    if (is_tokens && len % 2)
+        dt_fail("'%s' has %zu bytes, an odd number: a file of uint16 token ids has 2 bytes per token (truncated?)", path, len);
+    uint16_t *tok = (uint16_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof(uint16_t));
+    if (!tok) dt_fail("out of memory reading '%s'", path);
+    int largest = 0;
+    for (int64_t i = 0; i < n; i++) {
+        tok[i] = is_tokens ? (uint16_t)(bytes[2 * i] | bytes[2 * i + 1] << 8) : bytes[i];
+        if (tok[i] > largest) largest = tok[i];
+    }
+    free(bytes);
+    if (!is_tokens && vocab <= 0) vocab = 256;
+    if (!is_tokens && vocab < 256) dt_usage_error("--vocab %d: text read as bytes needs a vocabulary of at least 256", vocab);
+    if (vocab <= 0) vocab = largest + 1;
+    if (largest >= vocab) {
+        int64_t at = 0;
+        while (tok[at] < vocab) at++;
+        dt_fail("'%s': token %lld is id %d, outside --vocab %d", path, (long long)at, tok[at], vocab);
+    }
+    int64_t nval = (int64_t)(n * val_fraction), ntrain = n - nval;
+    if (ntrain < seq_len + 1 || (val_fraction > 0 && nval < seq_len + 1))
+        dt_fail("'%s' has %lld tokens: too few for sequences of --seq-len %d (training and validation need %d each; "
+                "the last %.0f%% is validation)", path, (long long)n, seq_len, seq_len + 1, 100 * val_fraction);
+    char source[512];
+    snprintf(source, sizeof source, "%s (%s)", path, is_tokens ? "uint16 token ids" : "bytes");
+    dt_text_split(tok, ntrain, vocab, seq_len, source, train);
+    if (val) dt_text_split(tok + ntrain, nval, vocab, seq_len, source, val);
+    free(tok);
+}
+
+double dt_unigram_loss(const dt_dataset *train, const dt_dataset *eval) {
+    int V = train->num_classes;
+    double *count = (double *)calloc((size_t)V, sizeof(double)), total = V, loss = 0;
+    if (!count) dt_fail("out of memory");
+    for (int64_t i = 1; i < train->ntokens; i++) count[train->tokens[i]] += 1;   /* the tokens predicted */
+    for (int64_t i = 1; i < train->ntokens; i++) total += 1;
+    for (int64_t i = 1; i < eval->ntokens; i++) loss -= log((count[eval->tokens[i]] + 1) / total);  /* add-one */
+    free(count);
+    return eval->ntokens > 1 ? loss / (double)(eval->ntokens - 1) : 0;
+}
+
+/* -- the built-in text: sentences from a small grammar. Enough structure to
+      learn in minutes on a laptop (spelling, word order, punctuation), enough
+      variety that a model must generalise rather than memorise. -- */
+static const char *dt_pick(dt_rng *r, const char *const *words, int n) { return words[dt_rng_u64(r) % (uint64_t)n]; }
+#define DT_PICK(r, list) dt_pick(r, list, (int)(sizeof list / sizeof list[0]))
+
+void dt_synthetic_text_write(const char *path, int64_t bytes, uint64_t seed) {
+    static const char *const people[] = { "the farmer", "the old woman", "a young sailor", "the miller", "my brother",
+        "the teacher", "a tired soldier", "the baker", "her father", "the little girl", "the doctor", "a stranger",
+        "the king", "the shepherd", "his mother", "the captain", "a merchant", "the children", "our neighbour", "the cook" };
+    static const char *const animals[] = { "the grey cat", "a brown dog", "the old horse", "a small bird", "the fox",
+        "the white goose", "a black crow", "the lazy pig", "the goat", "a field mouse" };
+    static const char *const things[] = { "the bread", "a letter", "the lamp", "an apple", "the basket", "a red coat",
+        "the key", "the boat", "a loaf of bread", "the garden gate", "a cup of tea", "the map", "an old book",
+        "the candle", "a bag of flour", "the wooden box", "the bell", "a pair of boots" };
+    static const char *const places[] = { "the market", "the river", "the village", "the forest", "the mill",
+        "the harbour", "the church", "the hill", "the kitchen", "the barn", "the town square", "the bridge",
+        "the school", "the road to the sea", "the orchard" };
+    static const char *const carry[] = { "carried", "found", "lost", "opened", "mended", "sold", "bought", "hid",
+        "painted", "washed", "cleaned", "dropped", "brought", "borrowed", "wanted" };
+    static const char *const move[] = { "walked to", "ran to", "went down to", "came back from", "hurried to",
+        "looked at", "waited by", "slept near", "sang near", "played by" };
+    static const char *const when[] = { "in the morning", "at night", "after dinner", "before the rain",
+        "on Sunday", "every day", "in the spring", "at noon", "late in the evening", "once again" };
+    static const char *const feel[] = { "happy", "tired", "hungry", "afraid", "angry", "quiet", "sad", "glad",
+        "cold", "proud" };
+    static const char *const said[] = { "said", "asked", "cried", "whispered", "answered", "shouted" };
+    static const char *const lines[] = { "where is the key", "the bread is warm", "it is going to rain",
+        "we must go home now", "who has seen my dog", "the boat is ready", "I am not afraid",
+        "the market is closed today", "bring me the lamp", "look at the sky" };
+    FILE *f = fopen(path, "wb");
+    if (!f) dt_fail("cannot write '%s': %s", path, strerror(errno));
+    dt_rng r = { seed };
+    char sentence[512];
+    int64_t written = 0;
+    int in_paragraph = 0;
+    while (written < bytes) {
+        const char *who = dt_rng_uniform(&r) < 0.75 ? DT_PICK(&r, people) : DT_PICK(&r, animals);
+        switch ((int)(dt_rng_u64(&r) % 6)) {
+        case 0: snprintf(sentence, sizeof sentence, "%s %s %s %s.", who, DT_PICK(&r, carry), DT_PICK(&r, things), DT_PICK(&r, when)); break;
+        case 1: snprintf(sentence, sizeof sentence, "%s %s %s.", who, DT_PICK(&r, move), DT_PICK(&r, places)); break;
+        case 2: snprintf(sentence, sizeof sentence, "%s was %s, so %s %s %s.", who, DT_PICK(&r, feel), DT_PICK(&r, people),
+                         DT_PICK(&r, move), DT_PICK(&r, places)); break;
+        case 3: {
+            const char *line = DT_PICK(&r, lines);
+            snprintf(sentence, sizeof sentence, "\"%c%s,\" %s %s.", line[0] == 'I' ? 'I' : line[0] - 'a' + 'A', line + 1,
+                     DT_PICK(&r, said), who);
+            break;
+        }
+        case 4: snprintf(sentence, sizeof sentence, "%s %s %s in %s, but %s %s it %s.", who, DT_PICK(&r, carry),
+                         DT_PICK(&r, things), DT_PICK(&r, places), DT_PICK(&r, people), DT_PICK(&r, carry), DT_PICK(&r, when)); break;
+        default: snprintf(sentence, sizeof sentence, "%s %s %s, and %s %s %s.", who, DT_PICK(&r, move), DT_PICK(&r, places),
+                          DT_PICK(&r, animals), DT_PICK(&r, move), DT_PICK(&r, places)); break;
+        }
+        int64_t len = (int64_t)strlen(sentence);
+        if (len > 0 && sentence[0] >= 'a' && sentence[0] <= 'z') sentence[0] = (char)(sentence[0] - 'a' + 'A');
+        in_paragraph++;
+        const char *sep = in_paragraph >= 3 + (int)(dt_rng_u64(&r) % 4) ? (in_paragraph = 0, "\n\n") : " ";
+        if (fputs(sentence, f) < 0 || fputs(sep, f) < 0) dt_fail("cannot write '%s': %s", path, strerror(errno));
+        written += len + (int64_t)strlen(sep);
+    }
+    if (fclose(f) != 0) dt_fail("cannot write '%s': %s", path, strerror(errno));
+}
+#undef DT_PICK
 
 /* -- the synthetic set: ten classes = five shapes x two colour families, drawn
       at random positions and sizes on noisy backgrounds. Learnable, but not by
@@ -3814,6 +4247,7 @@ struct dt_dp {
     int devices, threads_per_device;
     dt_tensor *images;          /* the batch being scattered, and its rows per device */
     int rows;
+    int out_rows;               /* rows of each device's output (a language model's: rows x tokens) */
     dt_comm_group *group;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -3929,7 +4363,7 @@ int dt_dp_devices(const dt_dp *dp) { return dp->devices; }
    starts its own backward; device 0's slice flows on through device 0's tape. */
 static void dt_dp_gather_backward(dt_tape_entry *e) {
     dt_dp *dp = (dt_dp *)e->saved;
-    int64_t per = (int64_t)dp->rows * dt_tensor_cols(e->out);
+    int64_t per = (int64_t)dp->out_rows * dt_tensor_cols(e->out);
     for (int i = 1; i < dp->devices; i++) dp->dev[i].dlogits = e->out->grad + i * per;
     dt_dp_post(dp, DT_DP_BACKWARD);
     float *g = dt_grad(e->in[0]);
@@ -3939,7 +4373,7 @@ static void dt_dp_gather_backward(dt_tape_entry *e) {
 dt_tensor *dt_dp_forward(dt_dp *dp, dt_tensor *images) {
     if (dp->devices == 1) return dt_model_forward(dp->model, images);
     int N = dp->devices, B = images->shape[0];
-    if (B % N) dt_fail("DataParallel: a batch of %d images does not split evenly over %d devices", B, N);
+    if (B % N) dt_fail("DataParallel: a batch of %d samples does not split evenly over %d devices", B, N);
     dp->images = images;
     dp->rows = B / N;
     double t0, t1;
@@ -3949,10 +4383,10 @@ dt_tensor *dt_dp_forward(dt_dp *dp, dt_tensor *images) {
     dt_record_comm("broadcast parameters", t0, t1, 0);
     /* gather: every device's logits, in device order, on device 0 */
     dt_tensor *mine = dp->dev[0].logits;
-    int C = (int)dt_tensor_cols(mine);
-    dt_tensor *out = dt_tensor_out_2d(B, C);
+    int C = (int)dt_tensor_cols(mine), R = dp->out_rows = (int)dt_tensor_rows(mine);
+    dt_tensor *out = dt_tensor_out_2d(N * R, C);
     for (int i = 0; i < N; i++)
-        memcpy(out->data + (size_t)i * dp->rows * C, dp->dev[i].logits->data, sizeof(float) * (size_t)dp->rows * C);
+        memcpy(out->data + (size_t)i * R * C, dp->dev[i].logits->data, sizeof(float) * (size_t)R * C);
     if (dt_wants_grad(mine, NULL, NULL)) dt_tape_push(dt_dp_gather_backward, out, mine, NULL, NULL)->saved = dp;
     return out;
 }
@@ -4127,10 +4561,12 @@ struct dt_fsdp {
        At most two neighbouring units are gathered at once, so two parameter
        buffers serve all of them (unit k takes buffer k % 2), and one gradient
        buffer, as backward does one unit at a time. Offloaded shards are
-       uploaded into staging buffers, by the same rule. */
-    void *gathered[2];
-    float *gathered_grad, *staged[2], *scattered;
-    int holder[2];                       /* the unit in each parameter buffer, or -1 */
+       uploaded into staging buffers, by the same rule. The model's outer unit
+       (dt_model.outer_unit), gathered from the start of forward to the end of
+       backward, has buffers of its own: slot 2, and outer_grad. */
+    void *gathered[3];
+    float *gathered_grad, *outer_grad, *staged[3], *scattered;
+    int holder[3];                       /* the unit in each parameter buffer, or -1 */
     size_t largest, largest_shard;       /* f32 bytes: the largest unit, gathered, and its shard */
     int64_t prefetched;                  /* units that were already on their way when needed */
     /* Stage 05. Mixed precision: parameters are gathered in param_dtype (the
@@ -4139,7 +4575,7 @@ struct dt_fsdp {
        scattered16. Accumulation: with sync 0 nothing is reduce-scattered and
        the units' whole gradients add up in `accum`. */
     dt_dtype param_dtype, reduce_dtype;
-    void *send16[2], *grad16, *scattered16;
+    void *send16[3], *grad16, *scattered16;
     int sync;
     float *accum;
     int64_t accum_numel;
@@ -4150,22 +4586,24 @@ static size_t dt_fsdp_param_bytes(const dt_fsdp *f, const dt_fsdp_unit *u) {
     return (size_t)(u->shard * f->world) * dt_dtype_size(f->param_dtype);
 }
 static size_t dt_fsdp_largest_params(const dt_fsdp *f) { return f->largest / sizeof(float) * dt_dtype_size(f->param_dtype); }
+/* Which of the reused buffers unit k takes: neighbours alternate, the outer unit has its own. */
+static int dt_fsdp_slot(const dt_fsdp *f, int k) { return k == f->model->outer_unit ? 2 : k % 2; }
 
 /* Unit k's slice of a shard buffer where the collectives can read it: the
    buffer itself, or, offloaded, a copy uploaded into staging buffer k % 2. */
 static float *dt_fsdp_shard_on_device(dt_fsdp *f, const float *shards, int k) {
     const dt_fsdp_unit *u = &f->units[k];
     if (!f->offload) return (float *)shards + u->shard_offset;
-    dt_upload(f->staged[k % 2], shards + u->shard_offset, (size_t)u->shard * sizeof(float));
-    return f->staged[k % 2];
+    dt_upload(f->staged[dt_fsdp_slot(f, k)], shards + u->shard_offset, (size_t)u->shard * sizeof(float));
+    return f->staged[dt_fsdp_slot(f, k)];
 }
 /* Unit k's shard as the all-gather sends it: in the compute dtype, which under
    mixed precision is a 16-bit copy (send16, one per neighbouring unit). */
 static const void *dt_fsdp_send_buffer(dt_fsdp *f, int k) {
     float *mine = dt_fsdp_shard_on_device(f, f->shard_params, k);
     if (f->param_dtype == DT_F32) return mine;
-    dt_convert(mine, DT_F32, f->send16[k % 2], f->param_dtype, f->units[k].shard);
-    return f->send16[k % 2];
+    dt_convert(mine, DT_F32, f->send16[dt_fsdp_slot(f, k)], f->param_dtype, f->units[k].shard);
+    return f->send16[dt_fsdp_slot(f, k)];
 }
 /* A unit's whole parameters from f32 host values, in the compute dtype. */
 static void dt_fsdp_fill_params(dt_fsdp *f, dt_fsdp_unit *u, const float *host) {
@@ -4204,10 +4642,11 @@ static void dt_fsdp_point(dt_fsdp *f, dt_fsdp_unit *u, int grads, void *buf) {
 static void dt_fsdp_gather_start(dt_fsdp *f, int k) {
     dt_fsdp_unit *u = &f->units[k];
     if (f->mode != DT_SHARD_FULL || u->full || u->gathering) return;        /* there already, or on its way */
-    if (f->holder[k % 2] >= 0)
-        dt_fail("internal: FSDP gathers unit %d while unit %d still holds its buffer", k, f->holder[k % 2]);
-    f->holder[k % 2] = k;
-    u->full = f->gathered[k % 2];
+    int slot = dt_fsdp_slot(f, k);
+    if (f->holder[slot] >= 0)
+        dt_fail("internal: FSDP gathers unit %d while unit %d still holds its buffer", k, f->holder[slot]);
+    f->holder[slot] = k;
+    u->full = f->gathered[slot];
     u->gathering = dt_all_gather_async(f->comm, dt_fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
 }
 static void dt_fsdp_gather_unit(dt_fsdp *f, int k, int next) {
@@ -4228,7 +4667,7 @@ static void dt_fsdp_gather_unit(dt_fsdp *f, int k, int next) {
 static void dt_fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only our slice */
     dt_fsdp_unit *u = &f->units[k];
     if (f->mode != DT_SHARD_FULL) return;
-    if (u->full) f->holder[k % 2] = -1;
+    if (u->full) f->holder[dt_fsdp_slot(f, k)] = -1;
     u->full = NULL;
     dt_fsdp_point(f, u, 0, NULL);
 }
@@ -4264,7 +4703,7 @@ static void dt_fsdp_before_unit_backward(dt_tape_entry *e) {
     if (f->mode != DT_SHARD_OPTIMIZER) {
         if (f->accum) u->full_grad = f->accum + u->accum_offset;     /* adds to the micro-batches before */
         else {                                                       /* backward adds into it: zeroed */
-            u->full_grad = f->gathered_grad;
+            u->full_grad = e->iarg[0] == f->model->outer_unit ? f->outer_grad : f->gathered_grad;
             dt_zero_on(f->model->device, u->full_grad, dt_fsdp_full_bytes(f, u));
         }
         dt_fsdp_point(f, u, 1, u->full_grad);
@@ -4290,8 +4729,9 @@ static void dt_fsdp_unit_boundary(dt_fsdp *f, int unit, int begin) {
         if (training) dt_tape_mark(dt_fsdp_after_unit_backward, f, unit);
     } else {
         /* reshard after forward -- but the last unit is the first that backward
-           needs, so in training it stays gathered (one all-gather saved) */
-        if (!(training && unit == f->nunits - 1)) dt_fsdp_release_unit(f, unit);
+           needs, so in training it stays gathered (one all-gather saved); so
+           does the outer unit, whose backward ends the step */
+        if (!(training && (unit == f->nunits - 1 || unit == f->model->outer_unit))) dt_fsdp_release_unit(f, unit);
         if (training) dt_tape_mark(dt_fsdp_before_unit_backward, f, unit);
     }
 }
@@ -4319,15 +4759,17 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
         if (dt_fsdp_full_bytes(f, u) > f->largest) f->largest = dt_fsdp_full_bytes(f, u);
     }
     f->largest_shard = f->largest / (size_t)f->world;
-    int two = f->nunits > 1;
-    f->holder[0] = f->holder[1] = -1;
-    if (mode == DT_SHARD_FULL)
-        for (int b = 0; b <= two; b++) f->gathered[b] = dt_alloc_on(dev, DT_ARENA_PARAMS, dt_fsdp_largest_params(f));
-    if (f->param_dtype != DT_F32)
-        for (int b = 0; b <= two; b++) f->send16[b] = dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard / 2);
+    int outer = model->outer_unit, used[3] = { 0, 0, 0 };                   /* the slots some unit takes */
+    for (int k = 0; k < f->nunits; k++) used[dt_fsdp_slot(f, k)] = 1;
+    f->holder[0] = f->holder[1] = f->holder[2] = -1;
+    for (int b = 0; b < 3; b++) {
+        if (!used[b]) continue;
+        if (mode == DT_SHARD_FULL) f->gathered[b] = dt_alloc_on(dev, DT_ARENA_PARAMS, dt_fsdp_largest_params(f));
+        if (f->param_dtype != DT_F32) f->send16[b] = dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard / 2);
+        if (cpu_offload) f->staged[b] = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard);
+    }
     if (mode != DT_SHARD_OPTIMIZER) f->gathered_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, f->largest);
-    if (cpu_offload)
-        for (int b = 0; b <= two; b++) f->staged[b] = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard);
+    if (mode != DT_SHARD_OPTIMIZER && outer >= 0) f->outer_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, f->largest);
     f->scattered = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard);
     size_t shard_bytes = (size_t)f->shard_numel * sizeof(float);
     f->shard_params = (float *)(f->offload ? dt_alloc_host(DT_ARENA_PARAMS, shard_bytes) : dt_alloc_on(dev, DT_ARENA_PARAMS, shard_bytes));
@@ -4389,7 +4831,8 @@ void dt_fsdp_set_sync(dt_fsdp *f, int sync) {
         f->accum = (float *)dt_alloc_on(f->model->device, DT_ARENA_GRADS, (size_t)f->accum_numel * sizeof(float));
         dt_zero_on(f->model->device, f->accum, (size_t)f->accum_numel * sizeof(float));
         dt_free_on(f->model->device, DT_ARENA_GRADS, f->gathered_grad, f->largest);   /* each unit has its slice now */
-        f->gathered_grad = NULL;
+        dt_free_on(f->model->device, DT_ARENA_GRADS, f->outer_grad, f->largest);
+        f->gathered_grad = f->outer_grad = NULL;
     }
 }
 void dt_fsdp_set_reduce_dtype(dt_fsdp *f, dt_dtype dtype) {
@@ -4459,8 +4902,9 @@ static void dt_fsdp_memory_table(const dt_fsdp *f, const dt_optimizer *o) {
     double P = 4.0 * f->model->numel, ddp[3] = { P, P, o->v ? 2 * P : P };
     dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
     const char *rows[3] = { "parameters", "gradients", "optimizer state" };
-    double buffers[3] = { ((f->gathered[0] ? 1.0 : 0.0) + (f->gathered[1] ? 1.0 : 0.0)) * dt_fsdp_largest_params(f),
-                          f->gathered_grad ? (double)f->largest : 0.0, 0 };
+    double buffers[3] = { ((f->gathered[0] ? 1.0 : 0.0) + (f->gathered[1] ? 1.0 : 0.0) + (f->gathered[2] ? 1.0 : 0.0)) *
+                          dt_fsdp_largest_params(f),
+                          ((f->gathered_grad ? 1.0 : 0.0) + (f->outer_grad ? 1.0 : 0.0)) * (double)f->largest, 0 };
     printf("memory per rank, --shard %s%s, %d ranks (MB):\n", names[f->mode], f->offload ? " --cpu-offload" : "", f->world);
     printf("  %-16s %8s %8s %8s   %s\n", "", "device", "host", "DDP", "formula");
     for (int i = 0; i < 3; i++)
@@ -4472,6 +4916,8 @@ static void dt_fsdp_memory_table(const dt_fsdp *f, const dt_optimizer *o) {
         printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1]) / 1e6, "", "",
                f->mode == DT_SHARD_FULL ? "2 units of parameters (one computes, the next arrives) + 1 of gradients"
                                         : "1 unit of gradients (whole during its backward)");
+    if (f->model->outer_unit >= 0 && buffers[0] + buffers[1] > 0)
+        printf("  %-16s %8s %8s %8s   %s\n", "", "", "", "", "+ the outer unit's (embeddings, shared with the head), whole all step");
     fflush(stdout);
 }
 
@@ -4486,7 +4932,7 @@ void dt_fsdp_free(dt_fsdp *f) {
         dt_fsdp_point(f, u, 0, NULL);
         dt_fsdp_point(f, u, 1, NULL);
     }
-    for (int b = 0; b < 2; b++) {
+    for (int b = 0; b < 3; b++) {
         dt_free_on(m->device, DT_ARENA_PARAMS, f->gathered[b], dt_fsdp_largest_params(f));
         dt_free_on(m->device, DT_ARENA_COMM, f->staged[b], f->largest_shard);
         dt_free_on(m->device, DT_ARENA_COMM, f->send16[b], f->largest_shard / 2);
@@ -4495,6 +4941,7 @@ void dt_fsdp_free(dt_fsdp *f) {
     dt_free_on(m->device, DT_ARENA_GRADS, f->accum, (size_t)f->accum_numel * sizeof(float));
     for (int i = 0; i < m->nparams; i++) m->params[i].dtype = DT_F32;
     dt_free_on(m->device, DT_ARENA_GRADS, f->gathered_grad, f->largest);
+    dt_free_on(m->device, DT_ARENA_GRADS, f->outer_grad, f->largest);
     dt_free_on(m->device, DT_ARENA_COMM, f->scattered, f->largest_shard);
     size_t shard_bytes = (size_t)f->shard_numel * sizeof(float);
     if (f->offload) { dt_free_host(DT_ARENA_PARAMS, f->shard_params, shard_bytes); dt_free_host(DT_ARENA_GRADS, f->shard_grads, shard_bytes); }
@@ -4840,13 +5287,18 @@ static void dt_shape_str(char *out, size_t n, int ndim, const int64_t *shape) {
     if (p < n) snprintf(out + p, n - p, "]");
 }
 
-int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndim, const int *shape) {
+/* more_rows: a file's tensor may have more rows than wanted, and the first
+   ones are read (a GPT-2 position table longer than --seq-len). */
+static int dt_safetensors_get_rows(dt_safetensors *st, const char *name, float *dst, int ndim, const int *shape, int more_rows) {
     for (int i = 0; i < st->n; i++) {
         dt_st_tensor *t = &st->t[i];
         if (strcmp(t->name, name)) continue;
         int same = t->ndim == ndim;
         int64_t want[8];
-        for (int d = 0; d < ndim; d++) { want[d] = shape[d]; if (same && t->shape[d] != shape[d]) same = 0; }
+        for (int d = 0; d < ndim; d++) {
+            want[d] = shape[d];
+            if (same && t->shape[d] != shape[d] && !(d == 0 && more_rows && t->shape[0] > shape[0])) same = 0;
+        }
         if (!same) {
             char a[128], b[128];
             dt_shape_str(a, sizeof a, t->ndim, t->shape);
@@ -4856,6 +5308,7 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
         }
         const unsigned char *src = st->buf + st->data_start + t->begin;
         uint64_t numel = (t->end - t->begin) / (uint64_t)(dt_safetensors_dtype_size(t->dtype) ? dt_safetensors_dtype_size(t->dtype) : 1);
+        if (ndim > 0 && t->shape[0] > shape[0]) numel = numel / (uint64_t)t->shape[0] * (uint64_t)shape[0];   /* the first rows */
         if (!strcmp(t->dtype, "F32")) memcpy(dst, src, numel * 4);
         else if (!strcmp(t->dtype, "F64")) for (uint64_t k = 0; k < numel; k++) { double v; memcpy(&v, src + 8 * k, 8); dst[k] = (float)v; }
         else if (!strcmp(t->dtype, "F16")) for (uint64_t k = 0; k < numel; k++) dst[k] = dt_f16_to_f32((uint16_t)(src[2 * k] | src[2 * k + 1] << 8));
@@ -4864,6 +5317,9 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
         return 1;
     }
     return 0;
+}
+int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndim, const int *shape) {
+    return dt_safetensors_get_rows(st, name, dst, ndim, shape, 0);
 }
 
 /* The whole training state as host arrays in parameter order (m->offsets):
@@ -5065,8 +5521,15 @@ void dt_model_load_weights(dt_model *m, const char *path) {
         dt_sharded_assemble(st, path, m, 0, state);
     } else
         for (int i = 0; i < m->nparams; i++) {
+            /* Hugging Face's files name GPT-2's tensors with or without "transformer."
+               (GPT2LMHeadModel or GPT2Model), and hold 1024 positions: the first
+               --seq-len of them are taken. */
             dt_tensor *p = &m->params[i];
-            if (!dt_safetensors_get(st, p->name, host + m->offsets[i], p->ndim, p->shape))
+            int gpt = m->cfg.kind == DT_MODEL_GPT, more_rows = gpt && !strcmp(p->name, "wpe.weight");
+            char prefixed[200];
+            snprintf(prefixed, sizeof prefixed, "transformer.%s", p->name);
+            if (!dt_safetensors_get_rows(st, p->name, host + m->offsets[i], p->ndim, p->shape, more_rows) &&
+                !(gpt && dt_safetensors_get_rows(st, prefixed, host + m->offsets[i], p->ndim, p->shape, more_rows)))
                 dt_fail("'%s' has no tensor '%s' (it holds %d tensors; is it a checkpoint of this model?)", path,
                         p->name, st->n);
         }
@@ -5077,10 +5540,14 @@ void dt_model_load_weights(dt_model *m, const char *path) {
 static int dt_model_config_parse(dt_safetensors *st, dt_model_config *mc) {
     const char *kind = dt_safetensors_meta(st, "model"), *shape = dt_safetensors_meta(st, "model_config");
     memset(mc, 0, sizeof *mc);
-    if (!kind || !shape || (strcmp(kind, "mlp") && strcmp(kind, "vit"))) return 0;
-    mc->kind = strcmp(kind, "vit") ? DT_MODEL_MLP : DT_MODEL_VIT;
-    return sscanf(shape, "%d,%d,%d,%d,%d,%d,%d,%d", &mc->channels, &mc->image_size, &mc->classes, &mc->dim, &mc->depth,
-                  &mc->heads, &mc->patch, &mc->mlp_hidden) == 8;
+    if (!kind || !shape) return 0;
+    if (!strcmp(kind, "gpt")) mc->kind = DT_MODEL_GPT;
+    else if (!strcmp(kind, "vit")) mc->kind = DT_MODEL_VIT;
+    else if (!strcmp(kind, "mlp")) mc->kind = DT_MODEL_MLP;
+    else return 0;
+    int got = sscanf(shape, "%d,%d,%d,%d,%d,%d,%d,%d,%d", &mc->channels, &mc->image_size, &mc->classes, &mc->dim,
+                     &mc->depth, &mc->heads, &mc->patch, &mc->mlp_hidden, &mc->seq_len);
+    return got == (mc->kind == DT_MODEL_GPT ? 9 : 8);
 }
 
 void dt_checkpoint_consolidate(const char *index_path, const char *out_path) {
@@ -5143,18 +5610,23 @@ typedef struct dt_flag {
 
 #define DT_CFG(field) offsetof(dt_config, field)
 static const dt_flag dt_flags[] = {
-    { "--data", "DIR", "image folder (DIR/train/<class>/*, DIR/val/<class>/*) or CIFAR-10 binary folder\n"
-      "                          (default: the synthetic set in data/synthetic, made on first use)", DT_ARG_STR, DT_CFG(data), NULL },
+    { "--data", "DIR", "image folder (DIR/train/<class>/*, DIR/val/<class>/*) or CIFAR-10 binary folder; gpt: a .txt\n"
+      "                          file or a folder of them, read as bytes (default: the synthetic set in data/synthetic,\n"
+      "                          gpt: the text data/synthetic.txt, made on first use)", DT_ARG_STR, DT_CFG(data), NULL },
+    { "--tokens", "FILE", "gpt: train on a file of little-endian uint16 token ids instead of bytes", DT_ARG_STR, DT_CFG(tokens), NULL },
     { "--image-size", "N", "images are resized to N x N (default 32)", DT_ARG_INT, DT_CFG(image_size), NULL },
-    { "--model", "mlp|vit", "the model (default mlp)", DT_ARG_CHOICE, DT_CFG(model), "mlp|vit" },
-    { "--dim", "N", "mlp: hidden width (1024); vit: embedding width (192)", DT_ARG_INT, DT_CFG(dim), NULL },
-    { "--depth", "N", "mlp: hidden layers (2); vit: transformer blocks (6)", DT_ARG_INT, DT_CFG(depth), NULL },
-    { "--heads", "N", "vit: attention heads (3)", DT_ARG_INT, DT_CFG(heads), NULL },
+    { "--model", "mlp|vit|gpt", "the model (default mlp); gpt: a causal language model on text", DT_ARG_CHOICE, DT_CFG(model), "mlp|vit|gpt" },
+    { "--dim", "N", "mlp: hidden width (1024); vit: embedding width (192); gpt: (128)", DT_ARG_INT, DT_CFG(dim), NULL },
+    { "--depth", "N", "mlp: hidden layers (2); vit: transformer blocks (6); gpt: (4)", DT_ARG_INT, DT_CFG(depth), NULL },
+    { "--heads", "N", "vit: attention heads (3); gpt: (4)", DT_ARG_INT, DT_CFG(heads), NULL },
     { "--patch", "N", "vit: patch size (4)", DT_ARG_INT, DT_CFG(patch), NULL },
-    { "--batch-size", "N", "images per step (default 128)", DT_ARG_INT, DT_CFG(batch_size), NULL },
-    { "--epochs", "N", "passes over the training set (default 10)", DT_ARG_INT, DT_CFG(epochs), NULL },
+    { "--seq-len", "N", "gpt: tokens per sequence, the context (default 64)", DT_ARG_INT, DT_CFG(seq_len), NULL },
+    { "--vocab", "N", "gpt: vocabulary (default: 256 for bytes, the largest id + 1 for --tokens)", DT_ARG_INT, DT_CFG(vocab), NULL },
+    { "--sample", "N", "gpt: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT, DT_CFG(sample), NULL },
+    { "--batch-size", "N", "images (gpt: sequences) per step (default 128; gpt 32)", DT_ARG_INT, DT_CFG(batch_size), NULL },
+    { "--epochs", "N", "passes over the training set (default 10; gpt 2)", DT_ARG_INT, DT_CFG(epochs), NULL },
     { "--steps", "N", "stop after N steps in all (default: run every epoch)", DT_ARG_I64, DT_CFG(steps), NULL },
-    { "--lr", "X", "peak learning rate (default 1e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL },
+    { "--lr", "X", "peak learning rate (default 1e-3; gpt 3e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL },
     { "--optimizer", "adamw|sgd", "the optimizer (default adamw)", DT_ARG_CHOICE, DT_CFG(optimizer), "adamw|sgd" },
     { "--weight-decay", "X", "decoupled weight decay of 2-D weights (default 0.05)", DT_ARG_FLOAT, DT_CFG(weight_decay), NULL },
     { "--momentum", "X", "sgd momentum (default 0.9)", DT_ARG_FLOAT, DT_CFG(momentum), NULL },
@@ -5211,8 +5683,9 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     memset(&c, 0, sizeof c);
     c.stage = stage;
     c.nproc = 1; c.timeout = 60; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1;
-    c.image_size = 32; c.model = DT_MODEL_MLP; c.dim = c.depth = c.heads = c.patch = -1;
-    c.batch_size = 128; c.epochs = 10; c.lr = 1e-3f; c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
+    c.image_size = 32; c.model = DT_MODEL_MLP; c.dim = c.depth = c.heads = c.patch = c.seq_len = c.vocab = -1;
+    c.batch_size = c.epochs = -1; c.lr = NAN;     /* -1, NaN: not given (a flag's value is always finite) */
+    c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
     c.warmup = -1; c.optimizer = DT_ADAMW; c.seed = 1; c.device = (dt_device)2; /* auto */
     c.log_every = 50; c.augment = 1; c.end_idx = -1;
     for (int i = 1; i < argc; i++) {
@@ -5265,7 +5738,19 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         case DT_ARG_SWITCH: break;
         }
     }
+    int vit = c.model == DT_MODEL_VIT, gpt = c.model == DT_MODEL_GPT;
+    if (c.batch_size == -1) c.batch_size = gpt ? 32 : 128;
+    if (c.epochs == -1) c.epochs = gpt ? 2 : 10;
+    if (isnan(c.lr)) c.lr = gpt ? 3e-3f : 1e-3f;
     /* values that parse but make no sense */
+    if (!gpt && (c.seq_len != -1 || c.vocab != -1 || c.tokens || c.sample))
+        dt_usage_error("--seq-len, --vocab, --tokens and --sample are for --model gpt");
+    if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
+    if (c.seq_len == -1) c.seq_len = 64;
+    if (c.seq_len < 1 || c.seq_len > 65536) dt_usage_error("--seq-len must be between 1 and 65536, got %d", c.seq_len);
+    if (c.vocab != -1 && (c.vocab < 1 || c.vocab > 65536))
+        dt_usage_error("--vocab must be between 1 and 65536 (token ids are uint16), got %d", c.vocab);
+    if (c.sample < 0) dt_usage_error("--sample must not be negative");
     if (c.image_size < 1 || c.image_size > 4096) dt_usage_error("--image-size must be between 1 and 4096, got %d", c.image_size);
     if (c.batch_size < 1) dt_usage_error("--batch-size must be at least 1, got %d", c.batch_size);
     if (c.epochs < 1) dt_usage_error("--epochs must be at least 1, got %d", c.epochs);
@@ -5279,13 +5764,12 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if (c.start_idx < 0) dt_usage_error("--start-idx must not be negative");
     if (c.end_idx >= 0 && c.end_idx <= c.start_idx) dt_usage_error("--end-idx must be greater than --start-idx");
     if (c.resume && c.init) dt_usage_error("--resume and --init exclude each other (resume restores the weights)");
-    int vit = c.model == DT_MODEL_VIT;
-    if (c.dim < 0) c.dim = vit ? 192 : 1024;
-    if (c.depth < 0) c.depth = vit ? 6 : 2;
-    if (c.heads < 0) c.heads = 3;
+    if (c.dim < 0) c.dim = vit ? 192 : gpt ? 128 : 1024;
+    if (c.depth < 0) c.depth = vit ? 6 : gpt ? 4 : 2;
+    if (c.heads < 0) c.heads = gpt ? 4 : 3;
     if (c.patch < 0) c.patch = 4;
-    if (c.dim < 1 || c.depth < (vit ? 1 : 0) || c.heads < 1 || c.patch < 1) dt_usage_error("--dim, --depth, --heads and --patch must be positive");
-    if (vit && c.dim % c.heads) dt_usage_error("--dim %d must be divisible by --heads %d", c.dim, c.heads);
+    if (c.dim < 1 || c.depth < (vit || gpt ? 1 : 0) || c.heads < 1 || c.patch < 1) dt_usage_error("--dim, --depth, --heads and --patch must be positive");
+    if ((vit || gpt) && c.dim % c.heads) dt_usage_error("--dim %d must be divisible by --heads %d", c.dim, c.heads);
     if (vit && c.image_size % c.patch) dt_usage_error("--image-size %d must be a multiple of --patch %d", c.image_size, c.patch);
     if ((int)c.device == 2) {      /* auto: the GPU when this build has CUDA and one is visible */
         char why[256];
@@ -5315,6 +5799,7 @@ dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int ima
     memset(&m, 0, sizeof m);
     m.kind = cfg->model; m.channels = channels; m.image_size = image_size; m.classes = classes;
     m.dim = cfg->dim; m.depth = cfg->depth; m.heads = cfg->heads; m.patch = cfg->patch; m.mlp_hidden = 4 * cfg->dim;
+    if (cfg->model == DT_MODEL_GPT) { m.seq_len = cfg->seq_len; m.channels = m.image_size = m.patch = 0; }
     return m;
 }
 
@@ -5391,21 +5876,23 @@ void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss
         dt_step_arena_reset();
         int64_t first = l.pos;
         if (!dt_loader_next(&l, &b)) break;
-        dt_tensor *logits = dt_model_forward(m, b.images);
-        int C = (int)dt_tensor_cols(logits);
+        dt_tensor *logits = dt_model_forward(m, b.inputs);
+        int C = (int)dt_tensor_cols(logits), R = (int)(dt_tensor_rows(logits) / b.size);   /* rows per sample: gpt's T */
         float *host = (float *)dt_step_alloc_uninit(sizeof(float) * (size_t)logits->numel);
         dt_tensor_to_host(logits, host);
         for (int i = 0; i < b.size; i++) {
             if (rank + (first + i) * world >= ds->n) continue;   /* the sampler's padding: counted by its owner */
-            const float *row = host + (size_t)i * C;
-            int best = 0;
-            float mx = row[0], sum = 0;
-            for (int j = 1; j < C; j++) if (row[j] > row[best]) best = j;
-            mx = row[best];
-            for (int j = 0; j < C; j++) sum += expf(row[j] - mx);
-            total += (double)(logf(sum) + mx - row[b.labels[i]]);
-            correct += best == b.labels[i];
-            seen++;
+            for (int k = i * R; k < (i + 1) * R; k++) {
+                const float *row = host + (size_t)k * C;
+                int best = 0;
+                float mx = row[0], sum = 0;
+                for (int j = 1; j < C; j++) if (row[j] > row[best]) best = j;
+                mx = row[best];
+                for (int j = 0; j < C; j++) sum += expf(row[j] - mx);
+                total += (double)(logf(sum) + mx - row[b.labels[k]]);
+                correct += best == b.labels[k];
+                seen++;
+            }
         }
     }
     dt_set_grad_enabled(1);
@@ -5421,7 +5908,7 @@ void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss
 }
 
 static void dt_describe_position(const dt_run *r, char *out, size_t n, const char *what) {
-    const char *model = r->cfg.model == DT_MODEL_VIT ? "vit" : "mlp";
+    const char *model = dt_model_kind_name(r->model->cfg.kind);
     long long start = (long long)r->cfg.start_idx, end = (long long)(r->cfg.start_idx + r->loader->ds->n);
     dt_path(out, n, "%s/%s_data%lld-%lld_%s.safetensors", r->cfg.save_dir, model, start, end, what);
 }
@@ -5433,9 +5920,10 @@ static int dt_data_parallel_width(void) { return dt_ctx.world_size * (dt_ctx.dev
 static void dt_checkpoint_meta(const dt_run *r, dt_meta_list *l, const char *format) {
     const dt_model_config *mc = &r->model->cfg;
     dt_meta_add(l, "format", "%s", format);
-    dt_meta_add(l, "model", "%s", mc->kind == DT_MODEL_VIT ? "vit" : "mlp");
-    dt_meta_add(l, "model_config", "%d,%d,%d,%d,%d,%d,%d,%d", mc->channels, mc->image_size, mc->classes, mc->dim,
-                mc->depth, mc->heads, mc->patch, mc->mlp_hidden);
+    char shape[96];
+    dt_model_config_string(mc, shape, sizeof shape);
+    dt_meta_add(l, "model", "%s", dt_model_kind_name(mc->kind));
+    dt_meta_add(l, "model_config", "%s", shape);
     dt_meta_add(l, "optimizer", "%s", r->opt->kind == DT_ADAMW ? "adamw" : "sgd");
     dt_meta_add(l, "optimizer_step", "%lld", (long long)r->opt->step);
     dt_meta_add(l, "step", "%lld", (long long)r->step);
@@ -5528,16 +6016,15 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     dt_model *m = r->model;
     dt_optimizer *o = r->opt;
     const dt_model_config *mc = &m->cfg;
-    char want[64], desc[256];
+    char want[96], desc[256];
     dt_meta_required(st, path, "format");
     dt_is_sharded(st);                        /* one shard alone is refused here */
-    snprintf(want, sizeof want, "%d,%d,%d,%d,%d,%d,%d,%d", mc->channels, mc->image_size, mc->classes, mc->dim,
-             mc->depth, mc->heads, mc->patch, mc->mlp_hidden);
+    dt_model_config_string(mc, want, sizeof want);
     const char *kind = dt_meta_required(st, path, "model"), *shape = dt_meta_required(st, path, "model_config");
     dt_model_describe(m, desc, sizeof desc);
-    if (strcmp(kind, mc->kind == DT_MODEL_VIT ? "vit" : "mlp") || strcmp(shape, want))
-        dt_fail("'%s' holds a %s model (channels,size,classes,dim,depth,heads,patch,mlp = %s) but this run builds %s",
-                path, kind, shape, desc);
+    if (strcmp(kind, dt_model_kind_name(mc->kind)) || strcmp(shape, want))
+        dt_fail("'%s' holds a %s model (channels,size,classes,dim,depth,heads,patch,mlp%s = %s) but this run builds %s",
+                path, kind, strcmp(kind, "gpt") ? "" : ",context", shape, desc);
     /* Rank r takes samples r, r + N, r + 2N, ... of the epoch's order, so a step
        of N ranks x B images takes the same N*B samples at any N: a run may
        resume at another world size when the samples per step stay the same. */
@@ -5622,7 +6109,7 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
     r->cfg = *cfg; r->model = model; r->opt = opt; r->loader = loader; r->val = val;
     if (cfg->bench) {               /* time steps, nothing else: no header, no evaluation, no checkpoints */
         r->cfg.quiet = 1; r->cfg.epochs = 1 << 30; r->cfg.warmup = 0; r->cfg.save_dir = NULL;
-        r->cfg.eval_every = 0; r->val = NULL;
+        r->cfg.eval_every = 0; r->cfg.sample = 0; r->val = NULL;
         cfg = &r->cfg;
     }
     if (dt_ctx.job && dt_ctx.world_size > 1) {      /* flags that must be equal on every rank */
@@ -5634,12 +6121,13 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
         dt_comm_check_agree(dt_ctx.job, "--batch-size --epochs --steps --lr --optimizer --seed", v);
         snprintf(v, sizeof v, "%lld %lld %lld %g %d %d", (long long)loader->ds->n, (long long)cfg->start_idx,
                  (long long)cfg->warmup, cfg->bucket_mb, cfg->shard * 2 + cfg->cpu_offload, cfg->bench);
-        dt_comm_check_agree(dt_ctx.job, "the training images, --start-idx --warmup --bucket-mb --shard --cpu-offload --bench", v);
+        dt_comm_check_agree(dt_ctx.job, "the training set, --start-idx --warmup --bucket-mb --shard --cpu-offload --bench", v);
         snprintf(v, sizeof v, "%d %d %d", cfg->accum_steps, cfg->dtype, cfg->reduce_dtype);
         dt_comm_check_agree(dt_ctx.job, "--accum-steps --dtype --reduce-dtype", v);
         dt_comm_check_agree(dt_ctx.job, "--resume", cfg->resume ? cfg->resume : "(none)");
     }
     r->scaler = dt_loss_scaler_create((dt_dtype)cfg->dtype);
+    if (loader->ds->tokens && r->val && r->val->tokens) r->unigram_loss = dt_unigram_loss(loader->ds, r->val);
     r->batches_per_epoch = dt_loader_batches_per_epoch(loader) / cfg->accum_steps;   /* optimizer steps */
     if (r->batches_per_epoch == 0)
         dt_fail("the training set has %lld images per rank, fewer than one step of %d x %d (lower --batch-size%s)",
@@ -5666,22 +6154,31 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
         char desc[256];
         dt_model_describe(model, desc, sizeof desc);
         printf("%s: %s\n", cfg->stage, desc);
-        printf("data: %lld training images from %s, %lld validation, %dx%d, %d classes\n",
-               (long long)loader->ds->n, loader->ds->source, val ? (long long)val->n : 0LL, loader->ds->size,
-               loader->ds->size, loader->ds->num_classes);
+        if (loader->ds->tokens) {
+            printf("data: %lld training sequences of %d tokens from %s, %lld validation; vocabulary %d\n",
+                   (long long)loader->ds->n, loader->ds->seq_len, loader->ds->source, val ? (long long)val->n : 0LL,
+                   loader->ds->num_classes);
+            if (val && val->tokens)
+                printf("baseline: a model that ignores context (token frequencies alone) scores validation loss %.4f\n",
+                       r->unigram_loss);
+        } else
+            printf("data: %lld training images from %s, %lld validation, %dx%d, %d classes\n",
+                   (long long)loader->ds->n, loader->ds->source, val ? (long long)val->n : 0LL, loader->ds->size,
+                   loader->ds->size, loader->ds->num_classes);
         char where[300];
         if (model->device == DT_CUDA) snprintf(where, sizeof where, "cuda (%s)", dt_ctx.gpu->name);
         else snprintf(where, sizeof where, "cpu, %d threads", dt_threads());
         if (dt_ctx.world_size > 1)
             snprintf(where + strlen(where), sizeof where - strlen(where), " per rank, %d ranks", dt_ctx.world_size);
         char images[64], precision[96] = "";
-        if (cfg->accum_steps > 1) snprintf(images, sizeof images, "%d micro-batches of %d", cfg->accum_steps, loader->batch_size);
-        else snprintf(images, sizeof images, "%d", loader->batch_size);
+        const char *unit = loader->ds->tokens ? "sequences" : "images";
+        if (cfg->accum_steps > 1) snprintf(images, sizeof images, "%d micro-batches of %d %s", cfg->accum_steps, loader->batch_size, unit);
+        else snprintf(images, sizeof images, "%d %s", loader->batch_size, unit);
         if (cfg->dtype != DT_F32)
             snprintf(precision, sizeof precision, "; %s compute, f32 master weights, gradients reduced in %s%s",
                      dt_dtype_name((dt_dtype)cfg->dtype), dt_dtype_name((dt_dtype)cfg->reduce_dtype),
                      r->scaler.enabled ? ", dynamic loss scaling" : "");
-        printf("plan: %d epochs x %lld steps of %s images = %lld steps%s; %s lr %g, warmup %lld; %s%s\n",
+        printf("plan: %d epochs x %lld steps of %s = %lld steps%s; %s lr %g, warmup %lld; %s%s\n",
                cfg->epochs, (long long)r->batches_per_epoch, images, (long long)r->total_steps,
                r->stop_step < r->total_steps ? " (stopping early, see --steps)" : "",
                opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)r->warmup, where, precision);
@@ -5770,10 +6267,39 @@ static void dt_format_duration(double s, char *out, size_t n) {
     else snprintf(out, n, "%lds", t);
 }
 
+/* --sample N: the model continues the first tokens of the validation text. */
+static void dt_run_sample(dt_run *r) {
+    const dt_dataset *src = r->val && r->val->tokens ? r->val : r->loader->ds;
+    int n = r->cfg.sample, np = src->seq_len / 2 < 16 ? src->seq_len / 2 : 16;
+    if (np < 1) np = 1;
+    int32_t prompt[16], *out = (int32_t *)malloc(sizeof(int32_t) * (size_t)n);
+    if (!out) dt_fail("out of memory (--sample)");
+    for (int i = 0; i < np; i++) prompt[i] = src->tokens[i];
+    dt_generate(r->model, prompt, np, n, 0.8f, r->cfg.seed + (uint64_t)r->step, out);
+    if (!r->cfg.quiet && dt_ctx.rank == 0) {
+        int bytes = !r->cfg.tokens;
+        printf("sample step %lld (temperature 0.8, after the prompt in [ ]):\n  [", (long long)r->step);
+        for (int i = 0; i < np + n; i++) {
+            int t = i < np ? prompt[i] : out[i - np];
+            if (!bytes) printf("%s%d", i ? " " : "", t);
+            else if (t == '\n') printf("\n  ");
+            else putchar(t >= 32 && t < 127 ? t : '?');
+            if (i == np - 1) putchar(']');
+        }
+        printf("\n");
+        fflush(stdout);
+    }
+    free(out);
+}
+
 static void dt_run_eval(dt_run *r) {
-    if (!r->val || r->val->n == 0) return;
+    int sample = r->cfg.sample > 0 && r->model->cfg.kind == DT_MODEL_GPT;
     double t0 = dt_now_ms();
     r->mark_ms = t0;
+    if (!r->val || r->val->n == 0) {
+        if (sample) { dt_run_sample(r); dt_phase(r, DT_PHASE_EVAL); }
+        return;
+    }
     dt_evaluate(r->model, r->val, r->cfg.batch_size, &r->eval_loss, &r->eval_acc);
     dt_phase(r, DT_PHASE_EVAL);
     if (r->log) {
@@ -5782,11 +6308,20 @@ static void dt_run_eval(dt_run *r) {
         fflush(r->log);
     }
     if (!r->cfg.quiet && dt_ctx.rank == 0) {
-        printf("eval  step %lld: loss %.4f, accuracy %.2f%% (%lld images, %.1f s)\n", (long long)r->step, r->eval_loss,
-               100 * r->eval_acc, (long long)r->val->n, (dt_now_ms() - t0) / 1e3);
+        if (r->val->tokens)
+            printf("eval  step %lld: loss %.4f (context-free baseline %.4f), next-token accuracy %.2f%% (%lld tokens, %.1f s)\n",
+                   (long long)r->step, r->eval_loss, r->unigram_loss, 100 * r->eval_acc, (long long)r->val->n * r->val->seq_len,
+                   (dt_now_ms() - t0) / 1e3);
+        else
+            printf("eval  step %lld: loss %.4f, accuracy %.2f%% (%lld images, %.1f s)\n", (long long)r->step, r->eval_loss,
+                   100 * r->eval_acc, (long long)r->val->n, (dt_now_ms() - t0) / 1e3);
         fflush(stdout);
     }
+    if (sample) { dt_run_sample(r); dt_phase(r, DT_PHASE_EVAL); }
 }
+
+/* A language model's rates are in tokens: a sequence is seq_len of them. */
+static int dt_tokens_per_sample(const dt_run *r) { return r->model->cfg.kind == DT_MODEL_GPT ? r->model->cfg.seq_len : 0; }
 
 int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
     if (r->micro > 0) {            /* the mean of the step's micro-batches */
@@ -5813,7 +6348,7 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
     for (int k = 0; k < dt_ctx.ncomm_events; k++)
         dt_trace_event(r, dt_ctx.comm_events[k].name, DT_TRACK_COMM, dt_ctx.comm_events[k].t0, dt_ctx.comm_events[k].t1);
     if (r->log) {
-        fprintf(r->log, "{\"step\":%lld,\"epoch\":%d,\"loss\":%.6f,\"lr\":%.6g,\"samples_per_s\":%.1f,\"step_ms\":%.3f,"
+        fprintf(r->log, "{\"step\":%lld,\"epoch\":%d,\"loss\":%.8g,\"lr\":%.6g,\"samples_per_s\":%.1f,\"step_ms\":%.3f,"
                         "\"data_ms\":%.3f,\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"comm_ms\":%.3f,\"comm_hidden_ms\":%.3f,"
                         "\"comm_wait_ms\":%.3f,\"opt_ms\":%.3f,\"grad_norm\":%.5g,\"mem_bytes\":%zu,"
                         "\"grad_collectives\":%lld",
@@ -5824,6 +6359,8 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
         if (r->scaler.enabled)
             fprintf(r->log, ",\"loss_scale\":%g,\"skipped\":%d,\"skipped_steps\":%lld", r->scaler.scale,
                     r->scaler.last_skipped, (long long)r->scaler.skipped);
+        if (dt_tokens_per_sample(r))
+            fprintf(r->log, ",\"tokens_per_s\":%.1f", (double)batch_size * dt_ctx.world_size * dt_tokens_per_sample(r) * 1e3 / step_ms);
         fprintf(r->log, "}\n");
     }
     if (r->cfg.bench && r->step > r->bench_first) {
@@ -5846,8 +6383,10 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
         char scale[64] = "";
         if (r->scaler.enabled)
             snprintf(scale, sizeof scale, "  scale %g (%lld skipped)", r->scaler.scale, (long long)r->scaler.skipped);
-        printf("step %6lld/%lld  epoch %d/%d  loss %.4f  lr %.2e  %.0f samples/s  eta %s%s\n", (long long)r->step,
-               (long long)r->stop_step, r->epoch + 1, r->cfg.epochs, r->loss_sum / r->loss_count, lr, rate, eta, scale);
+        int tok = dt_tokens_per_sample(r);
+        printf("step %6lld/%lld  epoch %d/%d  loss %.4f  lr %.2e  %.0f %s/s  eta %s%s\n", (long long)r->step,
+               (long long)r->stop_step, r->epoch + 1, r->cfg.epochs, r->loss_sum / r->loss_count, lr,
+               tok ? rate * tok : rate, tok ? "tokens" : "samples", eta, scale);
         fflush(stdout);
         r->loss_sum = 0;
         r->loss_count = 0;
@@ -5884,8 +6423,13 @@ int dt_run_finish(dt_run *r) {
     double rate = r->train_ms > 0 ? r->samples / (r->train_ms / 1e3) : 0;
     double final_loss = r->loss_count ? r->loss_sum / r->loss_count : r->last_loss;
     if (dt_ctx.rank == 0 && !r->cfg.bench) {
-        printf("done: %lld steps, %.0f samples/s, final loss %.4f, eval loss %.4f, eval accuracy %.2f%%, %.1f s\n",
-               (long long)r->step, rate, final_loss, r->eval_loss, 100 * r->eval_acc, (dt_now_ms() - r->start_ms) / 1e3);
+        int tok = dt_tokens_per_sample(r);
+        printf("done: %lld steps, %.0f %s/s, final loss %.4f, eval loss %.4f, eval accuracy %.2f%%, %.1f s\n",
+               (long long)r->step, tok ? rate * tok : rate, tok ? "tokens" : "samples", final_loss, r->eval_loss,
+               100 * r->eval_acc, (dt_now_ms() - r->start_ms) / 1e3);
+        if (r->unigram_loss > 0 && r->steps_run > 0)
+            printf("eval loss %.4f against %.4f for token frequencies alone: %s\n", r->eval_loss, r->unigram_loss,
+                   r->eval_loss < r->unigram_loss ? "the model uses the context" : "not yet better than ignoring the context");
         printf("peak memory:");
         for (int a = 0; a < DT_ARENA_COUNT; a++) printf(" %s %.1f MB,", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a) / 1e6);
         printf(" total %.1f MB\n", dt_mem_total_peak() / 1e6);
@@ -5906,6 +6450,8 @@ int dt_run_finish(dt_run *r) {
         fprintf(r->log, "{\"summary\":true,\"steps\":%lld,\"final_loss\":%.6f,\"eval_loss\":%.6f,\"eval_acc\":%.6f,"
                         "\"samples_per_s\":%.1f,\"peak_mem_bytes\":%zu,\"world_size\":%d",
                 (long long)r->step, final_loss, r->eval_loss, r->eval_acc, rate, dt_mem_total_peak(), dt_ctx.world_size);
+        if (dt_tokens_per_sample(r))
+            fprintf(r->log, ",\"tokens_per_s\":%.1f,\"unigram_loss\":%.6f", rate * dt_tokens_per_sample(r), r->unigram_loss);
         if (r->scaler.enabled) fprintf(r->log, ",\"loss_scale\":%g,\"skipped_steps\":%lld", r->scaler.scale, (long long)r->scaler.skipped);
         for (int a = 0; a < DT_ARENA_COUNT; a++) fprintf(r->log, ",\"peak_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a));
         for (int a = 0; a < DT_ARENA_COUNT; a++)
@@ -5936,7 +6482,40 @@ static void dt_bench_data(const dt_config *cfg, dt_dataset *train, dt_dataset *v
     memset(val, 0, sizeof *val);
 }
 
+/* --model gpt: text, from --data or --tokens, or the built-in text; --bench: random tokens. */
+static void dt_load_text(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
+    if (cfg->bench) {
+        int ranks = cfg->nproc > cfg->world_size ? cfg->nproc : cfg->world_size, V = cfg->vocab > 0 ? cfg->vocab : 256;
+        int64_t n = (int64_t)cfg->batch_size * ranks * 4 * cfg->seq_len + 1;
+        uint16_t *tok = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)n);
+        if (!tok) dt_fail("out of memory (--bench)");
+        dt_rng rng = { cfg->seed };
+        for (int64_t i = 0; i < n; i++) tok[i] = (uint16_t)(dt_rng_u64(&rng) % (uint64_t)V);
+        dt_text_split(tok, n, V, cfg->seq_len, "random tokens in memory (--bench)", train);
+        free(tok);
+        memset(val, 0, sizeof *val);
+        return;
+    }
+    const char *path = cfg->tokens ? cfg->tokens : cfg->data;
+    if (!path) {
+        path = "data/synthetic.txt";
+        struct stat st;
+        if (cfg->local_rank == 0 && stat(path, &st) != 0) {   /* one rank per machine writes it */
+            if (!cfg->quiet) { printf("first use: writing the built-in text to %s (1 MB of generated sentences) ...\n", path); fflush(stdout); }
+            if (stat("data", &st) != 0) dt_mkdir("data");
+            char tmp[256];
+            snprintf(tmp, sizeof tmp, "%s.partial", path);
+            dt_synthetic_text_write(tmp, 1000000, 20261121);
+            if (rename(tmp, path) != 0) dt_fail("cannot rename '%s' to '%s': %s", tmp, path, strerror(errno));
+        }
+        if (dt_ctx.job && dt_ctx.world_size > 1) dt_barrier(dt_ctx.job);
+    }
+    dt_text_load(path, cfg->tokens != NULL, cfg->vocab, cfg->seq_len, 0.1, train, val);
+    dt_dataset_slice(train, cfg->start_idx, cfg->end_idx);
+}
+
 void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
+    if (cfg->model == DT_MODEL_GPT) { dt_load_text(cfg, train, val); return; }
     if (cfg->bench) { dt_bench_data(cfg, train, val); return; }
     const char *dir = cfg->data;
     if (!dir) {
@@ -5992,7 +6571,13 @@ static void dt_bench_report(dt_run *r) {
     /* what FSDP shards: parameters, gradients and optimizer state (the sum of their peaks) */
     float peak_state = dt_job_max((float)(dt_mem_peak(DT_ARENA_PARAMS) + dt_mem_peak(DT_ARENA_GRADS) + dt_mem_peak(DT_ARENA_OPTIM)));
     if (dt_ctx.rank != 0) return;
-    const char *workload = mc->kind == DT_MODEL_MLP ? (mc->dim == 1024 && mc->depth == 2 && S == 32 ? "mlp" : "mlp-custom")
+    /* a language model's MFU counts the model's FLOPs per token (6N + attention), as papers do */
+    double tokens_per_s = steps * (double)per_rank * devices * world * mc->seq_len * 1e3 / ms;
+    if (mc->kind == DT_MODEL_GPT) gflops = tokens_per_s * dt_model_flops_per_token(r->model) / 1e9;
+    const char *workload = mc->kind == DT_MODEL_GPT
+                         ? (mc->dim == 128 && mc->depth == 4 && mc->heads == 4 && mc->seq_len == 64 && mc->classes == 256 ? "gpt-char"
+                         : (mc->dim == 768 && mc->depth == 12 && mc->heads == 12 && mc->seq_len == 1024 && mc->classes == 50257 ? "gpt2-124m" : "gpt-custom"))
+                         : mc->kind == DT_MODEL_MLP ? (mc->dim == 1024 && mc->depth == 2 && S == 32 ? "mlp" : "mlp-custom")
                          : (mc->dim == 192 && mc->depth == 6 && mc->heads == 3 && mc->patch == 4 && S == 32 ? "vit-tiny"
                          : (mc->dim == 768 && mc->depth == 12 && mc->heads == 12 && mc->patch == 16 && S == 224 ? "vit-base" : "vit-custom"));
     char where[256];
@@ -6019,11 +6604,14 @@ static void dt_bench_report(dt_run *r) {
                  cfg->accum_steps > 1 ? "+accum" : "");
     printf("bench: workload=%s stage=%s %s ranks=%d batch=%d params=%lld steps=%lld step_ms=%.2f samples_per_s=%.1f "
            "gflops=%.2f data_ms=%.2f fwd_ms=%.2f bwd_ms=%.2f comm_ms=%.2f comm_hidden_ms=%.2f comm_wait_ms=%.2f "
-           "opt_ms=%.2f peak_mem_mb=%.1f peak_state_mb=%.2f peak_host_mb=%.2f\n",
+           "opt_ms=%.2f peak_mem_mb=%.1f peak_state_mb=%.2f peak_host_mb=%.2f",
            workload, stage, where, world * devices, per_rank, (long long)r->model->numel, (long long)steps, ms / steps,
            steps * (double)per_rank * devices * world * 1e3 / ms, gflops, p[DT_PHASE_DATA] / steps, p[DT_PHASE_FWD] / steps,
            p[DT_PHASE_BWD] / steps, r->bench_comm_ms / steps, r->bench_hidden_ms / steps, p[DT_PHASE_COMM] / steps,
            p[DT_PHASE_OPT] / steps, peak_mem / 1e6, peak_state / 1e6, peak_host / 1e6);
+    if (mc->kind == DT_MODEL_GPT)       /* gflops is then tokens/s x flops per token */
+        printf(" tokens_per_s=%.1f flops_per_token=%.4g", tokens_per_s, dt_model_flops_per_token(r->model));
+    printf("\n");
     fflush(stdout);
 }
 
@@ -6333,17 +6921,17 @@ static void dt_cuda_add_bias(float *y, const float *b, int rows, int cols) {
     int64_t n = (int64_t)rows * cols;
     DT_LAUNCH(dt_k_add_bias, dt_blocks_for(n), DT_THREADS, y, b, n, cols);
 }
-__global__ static void dt_k_gelu_forward(const float *x, float *y, int64_t n) {
-    DT_FOR_EACH(i, n) y[i] = dt_gelu_value(x[i]);
+__global__ static void dt_k_gelu_forward(const float *x, float *y, int64_t n, int tanh_form) {
+    DT_FOR_EACH(i, n) y[i] = tanh_form ? dt_gelu_tanh_value(x[i]) : dt_gelu_value(x[i]);
 }
-static void dt_cuda_gelu_forward(const float *x, float *y, int64_t n) {
-    DT_LAUNCH(dt_k_gelu_forward, dt_blocks_for(n), DT_THREADS, x, y, n);
+static void dt_cuda_gelu_forward(const float *x, float *y, int64_t n, int tanh_form) {
+    DT_LAUNCH(dt_k_gelu_forward, dt_blocks_for(n), DT_THREADS, x, y, n, tanh_form);
 }
-__global__ static void dt_k_gelu_backward(const float *x, const float *dy, float *dx, int64_t n) {
-    DT_FOR_EACH(i, n) dx[i] += dy[i] * dt_gelu_derivative(x[i]);
+__global__ static void dt_k_gelu_backward(const float *x, const float *dy, float *dx, int64_t n, int tanh_form) {
+    DT_FOR_EACH(i, n) dx[i] += dy[i] * (tanh_form ? dt_gelu_tanh_derivative(x[i]) : dt_gelu_derivative(x[i]));
 }
-static void dt_cuda_gelu_backward(const float *x, const float *dy, float *dx, int64_t n) {
-    DT_LAUNCH(dt_k_gelu_backward, dt_blocks_for(n), DT_THREADS, x, dy, dx, n);
+static void dt_cuda_gelu_backward(const float *x, const float *dy, float *dx, int64_t n, int tanh_form) {
+    DT_LAUNCH(dt_k_gelu_backward, dt_blocks_for(n), DT_THREADS, x, dy, dx, n, tanh_form);
 }
 __global__ static void dt_k_add(const float *a, const float *b, float *y, int64_t n) {
     DT_FOR_EACH(i, n) y[i] = a[i] + b[i];
@@ -6489,6 +7077,26 @@ __global__ static void dt_k_vit_tokens(const float *patches, const float *cls, c
         float src = t == 0 ? cls[j] : patches[(b * P + t - 1) * D + j];
         y[i] = src + pos[(int64_t)t * D + j];
     }
+}
+/* Token embedding: ids arrive as f32 (validated on the host when the data
+   was read). The backward adds rows of dy into wte's rows with atomicAdd: a
+   token that appears twice gets both, in an order that may vary from run to
+   run -- the one GPU sum here that is not bit-for-bit repeatable. */
+__global__ static void dt_k_token_embedding(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D) {
+    DT_FOR_EACH(i, (int64_t)BT * D) {
+        int64_t r = i / D, j = i % D;
+        y[i] = wte[(int64_t)tok[r] * D + j] + wpe[(r % T) * D + j];
+    }
+}
+static void dt_cuda_token_embedding_forward(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D) {
+    DT_LAUNCH(dt_k_token_embedding, dt_blocks_for((int64_t)BT * D), DT_THREADS, tok, wte, wpe, y, BT, T, D);
+}
+__global__ static void dt_k_token_embedding_dwte(const float *tok, const float *dy, float *dwte, int BT, int D) {
+    DT_FOR_EACH(i, (int64_t)BT * D) atomicAdd(&dwte[(int64_t)tok[i / D] * D + i % D], dy[i]);
+}
+static void dt_cuda_token_embedding_backward(const float *tok, const float *dy, float *dwte, float *dwpe, int BT, int T, int D) {
+    if (dwte) DT_LAUNCH(dt_k_token_embedding_dwte, dt_blocks_for((int64_t)BT * D), DT_THREADS, tok, dy, dwte, BT, D);
+    dt_cuda_column_sums(dy, NULL, NULL, BT / T, T * D, T * D, dwpe, NULL);   /* sum over the batch */
 }
 static void dt_cuda_vit_tokens_forward(const float *patches, const float *cls, const float *pos, float *y, int B, int P,
                                        int D) {
@@ -6672,6 +7280,8 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     t->add = dt_cuda_add; t->accumulate = dt_cuda_accumulate;
     t->attention_forward = dt_cuda_attention_forward; t->attention_backward = dt_cuda_attention_backward;
     t->vit_tokens_forward = dt_cuda_vit_tokens_forward; t->vit_tokens_backward = dt_cuda_vit_tokens_backward;
+    t->token_embedding_forward = dt_cuda_token_embedding_forward;
+    t->token_embedding_backward = dt_cuda_token_embedding_backward;
     t->select_token_forward = dt_cuda_select_token_forward; t->select_token_backward = dt_cuda_select_token_backward;
     t->cross_entropy_forward = dt_cuda_cross_entropy_forward; t->cross_entropy_backward = dt_cuda_cross_entropy_backward;
     t->patchify = dt_cuda_patchify; t->sum_squares = dt_cuda_sum_squares; t->scale = dt_cuda_scale;

@@ -27,7 +27,7 @@ int main(int argc, char **argv) {
     while (dt_next_epoch(&run)) {
         dt_batch batch;
         while (dt_next_batch(&run, &batch)) {                 /* data: a shuffled, augmented batch */
-            dt_tensor *logits = dt_dp_forward(dp, batch.images); /* replicate, scatter, forward, gather */
+            dt_tensor *logits = dt_dp_forward(dp, batch.inputs); /* replicate, scatter, forward, gather */
             dt_tensor *loss = dt_cross_entropy(logits, batch.labels);   /* on device 0 */
             dt_phase(&run, DT_PHASE_FWD);
             dt_backward(loss);                                /* every device's backward */

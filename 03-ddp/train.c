@@ -27,7 +27,7 @@ int main(int argc, char **argv) {
     while (dt_next_epoch(&run)) {
         dt_batch batch;
         while (dt_next_batch(&run, &batch)) {                 /* data: a shuffled, augmented batch */
-            dt_tensor *logits = dt_model_forward(model, batch.images);
+            dt_tensor *logits = dt_model_forward(model, batch.inputs);
             dt_tensor *loss = dt_cross_entropy(logits, batch.labels);
             dt_phase(&run, DT_PHASE_FWD);
             dt_backward(loss);                                /* buckets all-reduce as they fill */

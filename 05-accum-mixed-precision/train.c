@@ -34,7 +34,7 @@ int main(int argc, char **argv) {
         while (dt_next_batch(&run, &batch)) {                 /* one micro-batch of --batch-size */
             int sync = dt_last_micro_batch(&run);             /* the K-th: communicate */
             dt_fsdp_set_sync(fsdp, sync);                     /* the others: no-sync, add up here */
-            dt_tensor *logits = dt_model_forward(model, batch.images);
+            dt_tensor *logits = dt_model_forward(model, batch.inputs);
             dt_tensor *loss = dt_cross_entropy(logits, batch.labels);
             dt_phase(&run, DT_PHASE_FWD);
             dt_backward_scaled(loss, &run.scaler, cfg.accum_steps);  /* of loss * scale / K */

@@ -291,7 +291,21 @@ static void test_ops_forward_hand_values(void) {
     CHECK(tok->data[0] == cls->data[0] + pos->data[0] && tok->data[3] == patches->data[1] + pos->data[3]);
     dt_tensor *sel = dt_select_token(tok, 1, 2, 1);
     CHECK(sel->data[0] == tok->data[2] && sel->data[1] == tok->data[3]);
+    /* GPT-2's pieces: the tanh GELU; a Conv1D weight [in, out] ([[1 1 0] [0 1 1]]: [1 2] -> [1 3 2]); token + position */
+    CHECK(CLOSE(dt_gelu_tanh_value(1.0f), 0.8411919906082768, 1e-6) && CLOSE(dt_gelu_tanh_value(-2.0f), -0.04540230591222494, 1e-5));
+    dt_tensor *w_io = leaf2(2, 3, &r, 1);
+    float wio[] = { 1, 1, 0, 0, 1, 1 };
+    memcpy(w_io->data, wio, sizeof wio);
+    dt_tensor *yio = dt_linear_in_out(x, w_io, NULL);
+    CHECK(yio->shape[1] == 3 && yio->data[0] == 1.0f && yio->data[1] == 3.0f && yio->data[2] == 2.0f);
+    dt_tensor *wte = leaf2(5, 2, &r, 1), *wpe = leaf2(3, 2, &r, 1);
+    int ts[2] = { 1, 3 };
+    float ids[3] = { 4, 0, 4 };
+    dt_tensor *emb = dt_token_embedding(dt_tensor_from_host(2, ts, ids), wte, wpe);
+    CHECK(emb->shape[0] == 3 && emb->data[0] == wte->data[8] + wpe->data[0] && emb->data[3] == wte->data[1] + wpe->data[3] &&
+          emb->data[4] == wte->data[8] + wpe->data[4]);
     dt_set_grad_enabled(1);
+    leaf_free(w_io); leaf_free(wte); leaf_free(wpe);
     leaf_free(x); leaf_free(w); leaf_free(b); leaf_free(ln_in); leaf_free(lg); leaf_free(lg2); leaf_free(qkv);
     leaf_free(patches); leaf_free(cls); leaf_free(pos);
 }
@@ -306,6 +320,14 @@ static dt_tensor *f_attention(dt_tensor **l, void *c) { return dt_attention(l[0]
 static dt_tensor *f_tokens(dt_tensor **l, void *c) { (void)c; return dt_vit_tokens(l[0], l[1], l[2], 2); }
 static dt_tensor *f_select(dt_tensor **l, void *c) { (void)c; return dt_select_token(l[0], 2, 3, 1); }
 static dt_tensor *f_xent(dt_tensor **l, void *c) { return dt_cross_entropy(l[0], (const int32_t *)c); }
+static dt_tensor *f_linear_io(dt_tensor **l, void *c) { (void)c; return dt_linear_in_out(l[0], l[1], l[2]); }
+static dt_tensor *f_gelu_tanh(dt_tensor **l, void *c) { (void)c; return dt_gelu_tanh(l[0]); }
+static dt_tensor *f_embed(dt_tensor **l, void *c) {       /* 2 sequences of 4 ids, some repeated: their rows add up */
+    static const float ids[8] = { 3, 1, 3, 0, 2, 3, 1, 1 };
+    int s[2] = { 2, 4 };
+    (void)c;
+    return dt_token_embedding(dt_tensor_from_host(2, s, ids), l[0], l[1]);
+}
 
 static void test_backward_matches_finite_differences(void) {
     dt_rng r = { 4 };
@@ -333,6 +355,15 @@ static void test_backward_matches_finite_differences(void) {
     dt_tensor *lg = leaf2(5, 6, &r, 2);
     int32_t labels[5] = { 0, 5, 2, 2, 3 };
     fd_check("cross entropy", f_xent, &lg, 1, labels, 1e-2f, 2e-3);
+    dt_tensor *ix = leaf2(5, 7, &r, 1), *iw = leaf2(7, 4, &r, 1), *ib = leaf2(1, 4, &r, 1);
+    dt_tensor *L6[3] = { ix, iw, ib };
+    fd_check("linear [in, out]", f_linear_io, L6, 3, NULL, 1e-2f, 2e-3);
+    dt_tensor *gt = leaf2(6, 9, &r, 3);
+    fd_check("gelu tanh", f_gelu_tanh, &gt, 1, NULL, 1e-3f, 2e-3);
+    dt_tensor *te = leaf2(4, 3, &r, 1), *tp = leaf2(5, 3, &r, 1);    /* a vocabulary of 4; 5 positions, 4 used */
+    dt_tensor *L7[2] = { te, tp };
+    fd_check("token embedding", f_embed, L7, 2, NULL, 1e-2f, 1e-3);
+    leaf_free(ix); leaf_free(iw); leaf_free(ib); leaf_free(gt); leaf_free(te); leaf_free(tp);
     leaf_free(x); leaf_free(w); leaf_free(b); leaf_free(g); leaf_free(lx); leaf_free(lw); leaf_free(lb);
     leaf_free(a1); leaf_free(a2); leaf_free(qkv); leaf_free(pp); leaf_free(pc); leaf_free(pe); leaf_free(st); leaf_free(lg);
 }
@@ -365,7 +396,7 @@ static dt_tensor *f_model(dt_tensor **l, void *c) {
     return dt_cross_entropy(dt_model_forward(mc->m, img), mc->labels);
 }
 static void model_fd(dt_model_kind kind) {
-    dt_model_config c = { kind, 3, 8, 5, kind == DT_MODEL_MLP ? 16 : 12, 2, 2, 4, 24 };
+    dt_model_config c = { kind, 3, 8, 5, kind == DT_MODEL_MLP ? 16 : 12, 2, 2, 4, 24, 0 };
     dt_model *m = dt_model_create(&c, 9);
     dt_rng r = { 6 };
     int B = 3;
@@ -386,7 +417,7 @@ static void test_mlp_gradients_match_finite_differences(void) { model_fd(DT_MODE
 static void test_vit_gradients_match_finite_differences(void) { model_fd(DT_MODEL_VIT); }
 
 static void test_vit_parameter_names_and_shapes_follow_timm(void) {
-    dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768 };
+    dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768, 0 };
     dt_model *m = dt_model_create(&c, 1);
     struct { const char *name; int ndim, s[4]; } want[] = {
         { "cls_token", 3, { 1, 1, 192 } }, { "pos_embed", 3, { 1, 65, 192 } },
@@ -412,12 +443,77 @@ static void test_vit_parameter_names_and_shapes_follow_timm(void) {
     dt_model_free(m);
 }
 
+/* ---- the GPT ---------------------------------------------------------------- */
+
+static dt_model_config tiny_gpt(void) {                /* vocab 11, dim 12, depth 2, heads 2, mlp 48, context 6 */
+    dt_model_config c = { DT_MODEL_GPT, 0, 0, 11, 12, 2, 2, 0, 48, 6 };
+    return c;
+}
+typedef struct { dt_model *m; const float *ids; int B, T; const int32_t *labels; } gpt_ctx;
+static dt_tensor *gpt_logits(gpt_ctx *g) {
+    int s[2] = { g->B, g->T };
+    return dt_model_forward(g->m, dt_tensor_from_host(2, s, g->ids));
+}
+static dt_tensor *f_gpt(dt_tensor **l, void *c) { (void)l; return dt_cross_entropy(gpt_logits((gpt_ctx *)c), ((gpt_ctx *)c)->labels); }
+
+static void test_gpt_gradients_match_finite_differences(void) {
+    dt_model_config c = tiny_gpt();
+    dt_model *m = dt_model_create(&c, 9);
+    for (int64_t i = 0; i < m->numel; i++) m->flat_data[i] *= 3;     /* larger weights: every path matters */
+    float ids[10] = { 1, 7, 7, 3, 10, 0, 5, 1, 1, 9 };                  /* 2 sequences of 5 (shorter than the context) */
+    int32_t labels[10] = { 7, 7, 3, 10, 2, 5, 1, 1, 9, 4 };
+    gpt_ctx g = { m, ids, 2, 5, labels };
+    dt_tensor **leaves = (dt_tensor **)malloc(sizeof(dt_tensor *) * m->nparams);
+    for (int i = 0; i < m->nparams; i++) leaves[i] = &m->params[i];
+    dt_model_zero_grad(m);
+    fd_check("gpt", f_gpt, leaves, m->nparams, &g, 2e-3f, 2e-2);
+    free(leaves);
+    dt_model_free(m);
+}
+
+/* Names and shapes are GPT-2's (Conv1D weights [in, out], no lm_head: it is
+   wte); a later token never changes an earlier position's logits. */
+static void test_gpt_is_causal_and_named_like_gpt2(void) {
+    dt_model_config c = tiny_gpt();
+    dt_model *m = dt_model_create(&c, 3);
+    struct { const char *name; int ndim, s[2]; } want[] = {
+        { "wte.weight", 2, { 11, 12 } }, { "wpe.weight", 2, { 6, 12 } }, { "ln_f.weight", 1, { 12 } }, { "ln_f.bias", 1, { 12 } },
+        { "h.0.ln_1.weight", 1, { 12 } }, { "h.0.attn.c_attn.weight", 2, { 12, 36 } }, { "h.0.attn.c_attn.bias", 1, { 36 } },
+        { "h.0.attn.c_proj.weight", 2, { 12, 12 } }, { "h.0.ln_2.bias", 1, { 12 } }, { "h.1.mlp.c_fc.weight", 2, { 12, 48 } },
+        { "h.1.mlp.c_fc.bias", 1, { 48 } }, { "h.1.mlp.c_proj.weight", 2, { 48, 12 } }, { "h.1.mlp.c_proj.bias", 1, { 12 } } };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        dt_tensor *p = dt_model_param(m, want[i].name);
+        CHECKF(p && p->ndim == want[i].ndim && p->shape[0] == want[i].s[0] && (p->ndim < 2 || p->shape[1] == want[i].s[1]),
+               "%s is missing or misshapen", want[i].name);
+    }
+    CHECK(m->nparams == 4 + 2 * 12 && !dt_model_param(m, "lm_head.weight"));
+    CHECK(m->nunits == 3 && m->outer_unit == 0);
+    /* per block: 4*12 norms + 12*36+36 + 12*12+12 + 12*48+48 + 48*12+12 = 1,884; wte 132, wpe 72, ln_f 24 */
+    CHECKF(m->numel == 2 * 1884 + 132 + 72 + 24, "%lld parameters", (long long)m->numel);
+    CHECK(dt_model_flops_per_token(m) == 6.0 * (m->numel - 72) + 12.0 * 2 * 12 * 6);
+    float ids[6] = { 1, 2, 3, 4, 5, 6 }, before[66], after[66];
+    gpt_ctx g = { m, ids, 1, 6, NULL };
+    dt_set_grad_enabled(0);
+    dt_step_arena_reset();
+    dt_tensor_to_host(gpt_logits(&g), before);
+    ids[5] = 9;                                                          /* a different last token */
+    dt_tensor_to_host(gpt_logits(&g), after);
+    CHECK(memcmp(before, after, sizeof(float) * 5 * 11) == 0);           /* positions 0-4: the same bits */
+    CHECK(memcmp(before + 55, after + 55, sizeof(float) * 11) != 0);     /* position 5: changed */
+    ids[5] = 6; ids[2] = 0;                                              /* an earlier token reaches every later one */
+    dt_tensor_to_host(gpt_logits(&g), after);
+    CHECK(memcmp(before, after, sizeof(float) * 2 * 11) == 0);
+    for (int t = 2; t < 6; t++) CHECKF(memcmp(before + t * 11, after + t * 11, sizeof(float) * 11) != 0, "position %d", t);
+    dt_set_grad_enabled(1);
+    dt_model_free(m);
+}
+
 static int hook_order[64], hook_count;
 static dt_model *hook_model;
 static void record_hook(dt_tensor *p, void *user) { (void)user; hook_order[hook_count++] = (int)(p - hook_model->params); }
 
 static void test_grad_ready_hook_fires_once_per_parameter_in_reverse(void) {
-    dt_model_config c = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0 };
+    dt_model_config c = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0, 0 };
     dt_model *m = dt_model_create(&c, 2);
     hook_model = m;
     hook_count = 0;
@@ -435,7 +531,7 @@ static void test_grad_ready_hook_fires_once_per_parameter_in_reverse(void) {
 }
 
 static void test_step_arena_stops_allocating_after_the_first_step(void) {
-    dt_model_config c = { DT_MODEL_VIT, 3, 8, 4, 16, 2, 2, 4, 32 };
+    dt_model_config c = { DT_MODEL_VIT, 3, 8, 4, 16, 2, 2, 4, 32, 0 };
     dt_model *m = dt_model_create(&c, 3);
     dt_optimizer *o = dt_optimizer_create(m, DT_ADAMW, 0.0f, 0.0f, 0.0f);
     size_t acts[4];
@@ -457,7 +553,7 @@ static void test_step_arena_stops_allocating_after_the_first_step(void) {
 /* ---- 7. optimizer against closed-form steps --------------------------------- */
 
 static void test_adamw_and_sgd_match_hand_computed_steps(void) {
-    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0 };   /* fc1: weight [1,1], bias [1] */
+    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0 };   /* fc1: weight [1,1], bias [1] */
     for (int kind = 0; kind < 2; kind++) {
         dt_model *m = dt_model_create(&c, 1);
         dt_optimizer *o = dt_optimizer_create(m, kind == 0 ? DT_ADAMW : DT_SGD, 0.1f, 0.9f, 0.0f);
@@ -491,7 +587,7 @@ static void test_adamw_and_sgd_match_hand_computed_steps(void) {
 }
 
 static void test_gradient_clipping_scales_to_the_max_norm(void) {
-    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0 };
+    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0 };
     dt_model *m = dt_model_create(&c, 1);
     dt_optimizer *o = dt_optimizer_create(m, DT_SGD, 0.0f, 0.0f, 1.0f);
     m->params[0].data[0] = 0; m->params[1].data[0] = 0;
@@ -631,7 +727,7 @@ static void test_dataset_slice_and_loader_batches(void) {
     dt_batch b;
     dt_step_arena_reset();
     CHECK(dt_loader_next(&l, &b) && b.size == 2 && b.labels[0] == 5 && b.labels[1] == 6);
-    CHECK(CLOSE(b.images->data[0], 100 / 127.5 - 1, 1e-6));       /* pixels scaled to [-1, 1] */
+    CHECK(CLOSE(b.inputs->data[0], 100 / 127.5 - 1, 1e-6));       /* pixels scaled to [-1, 1] */
     CHECK(!dt_loader_next(&l, &b));
     dt_loader_free(&l);
     /* augmentation depends on (seed, epoch, image), not on the position in the batch */
@@ -641,7 +737,7 @@ static void test_dataset_slice_and_loader_batches(void) {
     dt_batch big, one;
     dt_loader_next(&a1, &big);
     dt_loader_next(&a2, &one);
-    CHECK(one.labels[0] == big.labels[2] && memcmp(one.images->data, big.images->data + 2 * 48, 48 * sizeof(float)) == 0);
+    CHECK(one.labels[0] == big.labels[2] && memcmp(one.inputs->data, big.inputs->data + 2 * 48, 48 * sizeof(float)) == 0);
     dt_loader_free(&a1);
     dt_loader_free(&a2);
     dt_dataset_free(&ds);
@@ -826,7 +922,7 @@ static size_t handmade_safetensors(const char *path, const char *dtype_w) {
 
 static void test_safetensors_weights_load_and_write_back(void) {
     char path[600], out[600];
-    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0 };     /* depth 0: fc1 [2, 3] only */
+    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0 };     /* depth 0: fc1 [2, 3] only */
     float w[6] = { 0.5f, -1.0f, 2.0f, 0.25f, -0.125f, 3.0f };
     for (int v = 0; v < 2; v++) {
         snprintf(path, sizeof path, "%s/hand%d.safetensors", tmpdir, v);
@@ -959,7 +1055,7 @@ static void test_init_starts_from_given_weights(void) {
     CHECKF(st == 0, "exit %d:\n%s", st, out);
     char ck[700];
     snprintf(ck, sizeof ck, "%s/mlp_data0-2_epoch1.safetensors", dir);
-    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0 };
+    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0 };
     dt_model *m = dt_model_create(&c, 1);
     dt_model_load_weights(m, ck);
     CHECK(fabs(m->params[0].data[2] - 2.0f) < 1e-5 && fabs(m->params[1].data[1] + 2.5f) < 1e-5);
@@ -1192,39 +1288,39 @@ static double max_tensor_diff(const char *a, const char *b) {
    losses within 1e-5, every parameter and optimizer moment within 2e-5 (the
    learning rate is 1e-3; measured differences are 1e-7 for the MLP, 4e-6 for
    the ViT). */
-static void equivalence(const char *model_flags, const char *model) {
+static void equivalence(const char *data, int samples, const char *model_flags, const char *model) {
     char out[16384], dir[600], log[700], ref_dir[600], ref_log[600], p[700], q[700];
     double ref[64], got[64];
     snprintf(ref_dir, sizeof ref_dir, "%s/eq-%s-01", tmpdir, model);
     snprintf(ref_log, sizeof ref_log, "%s/eq-%s-01.jsonl", tmpdir, model);
     int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size 32 --save-dir %s --log %s", train_bin,
-                     small_data(), model_flags, ref_dir, ref_log);
+                     data, model_flags, ref_dir, ref_log);
     CHECKF(st == 0, "01: exit %d\n%s", st, out);
     int nref = read_losses(ref_log, ref, 64);
     CHECKF(nref == 20, "01 logged %d steps, expected 20", nref);
-    snprintf(p, sizeof p, "%s/%s_data0-320_epoch2.safetensors", ref_dir, model);
+    snprintf(p, sizeof p, "%s/%s_data0-%d_epoch2.safetensors", ref_dir, model, samples);
     const char *stages[2] = { "02-dp", "03-ddp" };
     for (int s = 0; s < 2; s++)
         for (int n = 2; n <= 4; n += 2) {
             snprintf(dir, sizeof dir, "%s/eq-%s-%s-%d", tmpdir, model, stages[s], n);
             snprintf(log, sizeof log, "%s.jsonl", dir);
             st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size %d --nproc %d --save-dir %s --log %s",
-                         stage_bin(stages[s]), small_data(), model_flags, 32 / n, n, dir, log);
+                         stage_bin(stages[s]), data, model_flags, 32 / n, n, dir, log);
             CHECKF(st == 0, "%s --nproc %d: exit %d\n%s", stages[s], n, st, out);
             int ngot = read_losses(log, got, 64);
             double worst_loss = ngot == nref ? 0 : 1e9;
             for (int i = 0; i < ngot && i < nref; i++) worst_loss = fmax(worst_loss, fabs(got[i] - ref[i]));
             CHECKF(worst_loss <= 1e-5, "%s %s N=%d: %d logged losses, worst difference from 01 %.3g", model, stages[s], n,
                    ngot, worst_loss);
-            snprintf(q, sizeof q, "%s/%s_data0-320_epoch2.safetensors", dir, model);
+            snprintf(q, sizeof q, "%s/%s_data0-%d_epoch2.safetensors", dir, model, samples);
             double d = max_tensor_diff(p, q);
             CHECKF(d >= 0 && d <= 2e-5, "%s %s N=%d: parameters or optimizer state differ from 01 by %.3g", model,
                    stages[s], n, d);
         }
 }
 static void test_dp_and_ddp_equal_one_device_with_n_times_the_batch(void) {
-    equivalence("", "mlp");
-    equivalence("--model vit --depth 2 --heads 2 --patch 4", "vit");
+    equivalence(small_data(), 320, "", "mlp");
+    equivalence(small_data(), 320, "--model vit --depth 2 --heads 2 --patch 4", "vit");
 }
 
 static void test_dp_and_ddp_runs_repeat_bit_for_bit(void) {
@@ -1428,7 +1524,7 @@ static double summary_value(const char *log, const char *key) {
    at all; the host holds them. */
 static void test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank(void) {
     char out[16384], log[600];
-    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128 };
+    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0 };
     dt_model *m = dt_model_create(&mc, 1);
     for (int n = 2; n <= 4; n += 2) {
         double shards = 0, largest = 0;
@@ -1466,7 +1562,7 @@ static void test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank(void) {
    every unit but the last (kept gathered from its forward) when backward
    does; evaluation prefetches as forward does. */
 static void test_fsdp_prefetches_the_next_unit(void) {
-    dt_model_config mc = { DT_MODEL_VIT, 3, 8, 10, 16, 3, 2, 4, 32 };
+    dt_model_config mc = { DT_MODEL_VIT, 3, 8, 10, 16, 3, 2, 4, 32, 0 };
     dt_model *m = dt_model_create(&mc, 3);
     dt_comm_group *g = dt_comm_group_create(1, 30);
     dt_comm *c = dt_comm_join(g, 0);
@@ -1653,7 +1749,7 @@ typedef struct {
     int64_t collectives[10];
     float *params;                 /* rank 0's final parameters */
 } accum_rank;
-static dt_model_config accum_model(void) { dt_model_config mc = { DT_MODEL_MLP, 3, 8, 10, 32, 2, 0, 0, 0 }; return mc; }
+static dt_model_config accum_model(void) { dt_model_config mc = { DT_MODEL_MLP, 3, 8, 10, 32, 2, 0, 0, 0, 0 }; return mc; }
 static void accum_batch(int64_t first, int B, dt_tensor **x, int32_t *labels) {
     int shape[4] = { B, 3, 8, 8 };
     float *img = (float *)malloc(sizeof(float) * (size_t)B * 192);
@@ -1993,7 +2089,7 @@ static void test_mixed_precision_is_the_same_on_any_thread_count(void) {
             omp_set_num_threads(th ? 2 : 1);
 #endif
             dt_set_compute_dtype(t ? DT_F16 : DT_BF16);
-            dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128 };
+            dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0 };
             dt_model *m = dt_model_create(&mc, 3);
             dt_step_arena_reset();
             int32_t labels[128];                     /* big enough for the conversions to go parallel */
@@ -2016,6 +2112,292 @@ static void test_mixed_precision_is_the_same_on_any_thread_count(void) {
 #endif
     for (int t = 0; t < 2; t++)
         CHECKF(sums[t][0] == sums[t][1], "%s: 1 thread %.9g, 2 threads %.9g", t ? "fp16" : "bf16", sums[t][0], sums[t][1]);
+}
+
+/* ---- the GPT in every stage: text data, GPT-2 weights, the equivalences -------- */
+
+/* A small generated text: 5,700 bytes, of which the first 5,130 are training
+   (320 sequences of 16) and the rest validation. */
+#define GPT_FLAGS "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --log-every 1000 --quiet"
+static const char *gpt_text(void) {
+    static char path[512];
+    if (!path[0]) {
+        snprintf(path, sizeof path, "%s/small.txt", tmpdir);
+        dt_synthetic_text_write(path, 5700, 11);
+        FILE *f = fopen(path, "r+b");            /* exactly 5,700 bytes: the generator stops after a sentence */
+        if (f) { CHECK(ftruncate(fileno(f), 5700) == 0); fclose(f); }
+    }
+    return path;
+}
+
+static void test_text_data_splits_by_position_and_refuses_bad_files(void) {
+    char path[700], dir[600], out[16384];
+    /* bytes: 100 tokens, the last 10 are validation; sequences of 8 overlap by one token */
+    unsigned char text[100];
+    for (int i = 0; i < 100; i++) text[i] = (unsigned char)('a' + i % 26);
+    snprintf(path, sizeof path, "%s/t.txt", tmpdir);
+    write_bytes(path, text, 100);
+    dt_dataset tr, va;
+    dt_text_load(path, 0, 0, 8, 0.1, &tr, &va);
+    CHECK(tr.ntokens == 90 && va.ntokens == 10 && tr.n == 11 && va.n == 1 && tr.num_classes == 256);
+    CHECK(tr.tokens[0] == 'a' && va.tokens[0] == text[90]);
+    dt_loader l = dt_loader_create(&tr, 2, 0, 0, 0, 1, 1, 2);         /* rank 1 of 2: sequences 1, 3, ... */
+    dt_loader_start_epoch(&l, 0, 0);
+    dt_batch b;
+    dt_step_arena_reset();
+    CHECK(dt_loader_next(&l, &b) && b.inputs->shape[0] == 2 && b.inputs->shape[1] == 8);
+    CHECK(b.inputs->data[0] == text[8] && b.labels[0] == text[9] && b.labels[7] == text[16] && b.inputs->data[8] == text[24]);
+    dt_loader_free(&l);
+    dt_dataset_slice(&tr, 2, 5);                                       /* --start-idx 2 --end-idx 5 */
+    CHECK(tr.n == 3 && tr.ntokens == 25 && tr.tokens[0] == text[16] && tr.tokens[24] == text[40]);
+    /* the unigram baseline: train predicts "ab" -> p(a) = (1+1)/(2+2), p(b) = 2/4; eval "xab" scores -ln(1/2) */
+    dt_dataset u1, u2;
+    memset(&u1, 0, sizeof u1); memset(&u2, 0, sizeof u2);
+    uint16_t t1[3] = { 2, 0, 1 }, t2[3] = { 1, 0, 1 };
+    u1.tokens = t1; u1.ntokens = 3; u1.num_classes = 2;
+    u2.tokens = t2; u2.ntokens = 3; u2.num_classes = 2;
+    CHECK(CLOSE(dt_unigram_loss(&u1, &u2), log(2.0), 1e-12));
+    dt_dataset_free(&tr); dt_dataset_free(&va);
+    /* a folder of .txt files joins them in name order; other files are left out */
+    snprintf(dir, sizeof dir, "%s/texts", tmpdir);
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/b.txt", dir); write_bytes(path, text + 50, 50);
+    snprintf(path, sizeof path, "%s/a.txt", dir); write_bytes(path, text, 50);
+    snprintf(path, sizeof path, "%s/notes.md", dir); write_bytes(path, "zzzz", 4);
+    dt_text_load(dir, 0, 0, 8, 0.1, &tr, &va);
+    CHECK(tr.ntokens == 90 && tr.tokens[49] == text[49] && tr.tokens[50] == text[50] && va.tokens[9] == text[99]);
+    dt_dataset_free(&tr); dt_dataset_free(&va);
+    /* token ids: uint16 little-endian; the vocabulary is the largest + 1 unless given */
+    uint16_t ids[300];
+    for (int i = 0; i < 300; i++) ids[i] = (uint16_t)(i * 37 % 1000);
+    snprintf(path, sizeof path, "%s/ids.bin", tmpdir);
+    write_bytes(path, ids, sizeof ids);
+    dt_text_load(path, 1, 0, 16, 0.1, &tr, &va);
+    CHECK(tr.num_classes == 999 + 1 && tr.ntokens == 270 && tr.tokens[1] == 37 && va.tokens[0] == ids[270]);
+    dt_dataset_free(&tr); dt_dataset_free(&va);
+    int st = run_cmd(out, sizeof out, "%s " GPT_FLAGS " --tokens %s --vocab 1200 --batch-size 4 --steps 2", train_bin, path);
+    CHECKF(st == 0 && strstr(out, "done: 2 steps"), "--tokens: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "%s " GPT_FLAGS " --tokens %s --vocab 500 --batch-size 4 --steps 2", train_bin, path);
+    expect_error(out, st, 1, "outside --vocab 500");
+    write_bytes(path, ids, 7);                                         /* half a token at the end */
+    st = run_cmd(out, sizeof out, "%s " GPT_FLAGS " --tokens %s", train_bin, path);
+    expect_error(out, st, 1, "odd number");
+    snprintf(path, sizeof path, "%s/short.txt", tmpdir);
+    write_bytes(path, "too short", 9);
+    st = run_cmd(out, sizeof out, "%s " GPT_FLAGS " --data %s", train_bin, path);
+    expect_error(out, st, 1, "too few for sequences of --seq-len 16");
+    st = run_cmd(out, sizeof out, "%s --model vit --seq-len 16", train_bin);
+    expect_error(out, st, 2, "--seq-len");
+    st = run_cmd(out, sizeof out, "%s " GPT_FLAGS " --data %s --tokens %s", train_bin, gpt_text(), path);
+    expect_error(out, st, 2, "--tokens");
+    st = run_cmd(out, sizeof out, "%s " GPT_FLAGS " --data %s --vocab 100", train_bin, gpt_text());
+    expect_error(out, st, 2, "--vocab 100");
+    st = run_cmd(out, sizeof out, "%s " GPT_FLAGS " --dim 30 --heads 4", train_bin);
+    expect_error(out, st, 2, "--heads 4");
+}
+
+/* GPT-2's forward pass, written out plainly in double precision: what the
+   first step's loss must be for weights read from a GPT-2-named file. */
+static double gelu_tanh_ref(double x) { return 0.5 * x * (1 + tanh(sqrt(2 / 3.14159265358979323846) * (x + 0.044715 * x * x * x))); }
+static void layernorm_ref(const double *x, const float *w, const float *b, double *y, int D) {
+    double mean = 0, var = 0;
+    for (int j = 0; j < D; j++) mean += x[j] / D;
+    for (int j = 0; j < D; j++) var += (x[j] - mean) * (x[j] - mean) / D;
+    for (int j = 0; j < D; j++) y[j] = (x[j] - mean) / sqrt(var + 1e-5) * w[j] + b[j];
+}
+typedef struct { const float *wte, *wpe, *lnf_w, *lnf_b, *blk[2][12]; } gpt2_ref_weights;
+/* mean next-token loss of one sequence of T + 1 tokens, D = 8, 2 heads, 2 blocks, mlp 32, vocab 256 */
+static double gpt2_ref_sequence_loss(const gpt2_ref_weights *W, const unsigned char *tok, int T) {
+    enum { D = 8, H = 2, HD = 4, M = 32, V = 256, MAXT = 16 };
+    double x[MAXT][D], h[MAXT][D], qkv[MAXT][3 * D], att[MAXT][D], f[MAXT][M], loss = 0;
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < D; j++) x[t][j] = W->wte[tok[t] * D + j] + W->wpe[t * D + j];
+    for (int l = 0; l < 2; l++) {
+        const float *const *B = W->blk[l];   /* ln_1 w b, c_attn w b, c_proj w b, ln_2 w b, c_fc w b, c_proj w b */
+        for (int t = 0; t < T; t++) {
+            layernorm_ref(x[t], B[0], B[1], h[t], D);
+            for (int o = 0; o < 3 * D; o++) { qkv[t][o] = B[3][o]; for (int i = 0; i < D; i++) qkv[t][o] += h[t][i] * B[2][i * 3 * D + o]; }
+        }
+        for (int hh = 0; hh < H; hh++)
+            for (int t = 0; t < T; t++) {
+                double s[MAXT], mx = -1e300, sum = 0;
+                for (int u = 0; u <= t; u++) {
+                    s[u] = 0;
+                    for (int d = 0; d < HD; d++) s[u] += qkv[t][hh * HD + d] * qkv[u][D + hh * HD + d] / sqrt((double)HD);
+                    if (s[u] > mx) mx = s[u];
+                }
+                for (int u = 0; u <= t; u++) sum += exp(s[u] - mx);
+                for (int d = 0; d < HD; d++) {
+                    att[t][hh * HD + d] = 0;
+                    for (int u = 0; u <= t; u++) att[t][hh * HD + d] += exp(s[u] - mx) / sum * qkv[u][2 * D + hh * HD + d];
+                }
+            }
+        for (int t = 0; t < T; t++) {
+            for (int o = 0; o < D; o++) { double v = B[5][o]; for (int i = 0; i < D; i++) v += att[t][i] * B[4][i * D + o]; x[t][o] += v; }
+            layernorm_ref(x[t], B[6], B[7], h[t], D);
+            for (int o = 0; o < M; o++) { double v = B[9][o]; for (int i = 0; i < D; i++) v += h[t][i] * B[8][i * M + o]; f[t][o] = gelu_tanh_ref(v); }
+            for (int o = 0; o < D; o++) { double v = B[11][o]; for (int i = 0; i < M; i++) v += f[t][i] * B[10][i * D + o]; x[t][o] += v; }
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        double y[D], logit[V], mx = -1e300, sum = 0;
+        layernorm_ref(x[t], W->lnf_w, W->lnf_b, y, D);
+        for (int v = 0; v < V; v++) {
+            logit[v] = 0;
+            for (int j = 0; j < D; j++) logit[v] += y[j] * W->wte[v * D + j];
+            if (logit[v] > mx) mx = logit[v];
+        }
+        for (int v = 0; v < V; v++) sum += exp(logit[v] - mx);
+        loss += log(sum) + mx - logit[tok[t + 1]];
+    }
+    return loss / T;
+}
+
+/* A GPT-2-named file made here -- random weights in GPT-2's layout for a tiny
+   config, a position table longer than the context, the causal-mask buffers
+   old GPT-2 files carry, "transformer." names for one block -- loads with
+   --init; stage 01's first logged loss is the plain forward pass above. */
+static void test_gpt2_safetensors_load_with_init_and_give_the_expected_first_loss(void) {
+    enum { D = 8, T = 16, M = 32, V = 256, POS = 40 };
+    static const char *suffix[12] = { "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+                                      "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+                                      "mlp.c_proj.weight", "mlp.c_proj.bias" };
+    static const int64_t shapes[12][2] = { { D, 0 }, { D, 0 }, { D, 3 * D }, { 3 * D, 0 }, { D, D }, { D, 0 }, { D, 0 }, { D, 0 },
+                                           { D, M }, { M, 0 }, { M, D }, { D, 0 } };
+    dt_named_tensor t[4 + 24 + 2];
+    char names[30][64];
+    float *bufs[30];
+    int n = 0;
+    dt_rng r = { 2024 };
+    gpt2_ref_weights W;
+    for (int k = 0; k < 4 + 24 + 2; k++) {
+        int64_t s0, s1;
+        if (k < 4) {
+            static const char *top[4] = { "wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias" };
+            snprintf(names[k], 64, "%s", top[k]);
+            s0 = k == 0 ? V : k == 1 ? POS : D; s1 = k < 2 ? D : 0;
+        } else if (k < 28) {
+            int l = (k - 4) / 12, j = (k - 4) % 12;
+            snprintf(names[k], 64, "%sh.%d.%s", l == 1 ? "transformer." : "", l, suffix[j]);
+            s0 = shapes[j][0]; s1 = shapes[j][1];
+        } else {
+            snprintf(names[k], 64, "h.%d.attn.bias", k - 28);               /* GPT-2's mask buffer: ignored */
+            s0 = T; s1 = T;
+        }
+        int64_t numel = s0 * (s1 ? s1 : 1);
+        bufs[k] = (float *)malloc(sizeof(float) * (size_t)numel);
+        int is_norm_w = strstr(names[k], "ln_") && strstr(names[k], "weight");
+        /* the MLP's GELU sees -3 .. 3, and its output moves the logits: the loss tells the GELUs apart */
+        double scale = strstr(names[k], "mlp.c_") || !strcmp(names[k], "wte.weight") ? 1.0 : 0.3;
+        for (int64_t i = 0; i < numel; i++) bufs[k][i] = (float)(is_norm_w ? 1 + 0.2 * rnd(&r) : scale * rnd(&r));
+        dt_named_tensor nt = { names[k], bufs[k], s1 ? 2 : 1, { s0, s1, 0, 0 } };
+        t[n++] = nt;
+        if (k == 0) W.wte = bufs[k];
+        else if (k == 1) W.wpe = bufs[k];
+        else if (k == 2) W.lnf_w = bufs[k];
+        else if (k == 3) W.lnf_b = bufs[k];
+        else if (k < 28) W.blk[(k - 4) / 12][(k - 4) % 12] = bufs[k];
+    }
+    char file[600], text[600], log[600], out[16384];
+    snprintf(file, sizeof file, "%s/gpt2-tiny.safetensors", tmpdir);
+    dt_safetensors_write(file, t, n, NULL, 0);
+    /* 178 bytes: the first 161 are training, 10 sequences of 16, one batch */
+    unsigned char bytes[178];
+    for (int i = 0; i < 178; i++) bytes[i] = (unsigned char)("The miller ran to the bridge at noon. "[i % 38]);
+    snprintf(text, sizeof text, "%s/gpt2.txt", tmpdir);
+    write_bytes(text, bytes, sizeof bytes);
+    snprintf(log, sizeof log, "%s/gpt2.jsonl", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --model gpt --dim 8 --depth 2 --heads 2 --seq-len 16 --data %s --batch-size 10 "
+                     "--steps 1 --init %s --log %s --quiet", train_bin, text, file, log);
+    CHECKF(st == 0, "exit %d\n%s", st, out);
+    double got[4], want = 0;
+    int k = read_losses(log, got, 4);
+    for (int s = 0; s < 10; s++) want += gpt2_ref_sequence_loss(&W, bytes + s * T, T) / 10;
+    CHECKF(k == 1 && fabs(got[0] - want) < 2e-6, "first loss %.7f (%d logged), the plain GPT-2 forward gives %.7f", got[0], k, want);
+    CHECK(want > 3 && want < 12);                                       /* a real loss, not a constant */
+    /* a file of another shape is refused, naming the tensor */
+    st = run_cmd(out, sizeof out, "%s --model gpt --dim 16 --depth 2 --heads 2 --seq-len 16 --data %s --batch-size 10 --steps 1 --init %s",
+                 train_bin, text, file);
+    expect_error(out, st, 1, "wte.weight");
+    for (int i = 0; i < n; i++) free(bufs[i]);
+}
+
+/* The equivalence tests of stages 02-05, with the GPT on text. */
+static void equivalence(const char *data, int samples, const char *model_flags, const char *model);
+static void test_gpt_trains_alike_in_every_stage(void) {
+    char out[16384], ref[600], dir[600], p[700], q[700], la[700], lb[700];
+    /* DataParallel and DDP, N = 2 and 4, against stage 01 */
+    equivalence(gpt_text(), 320, "--model gpt --depth 2 --heads 2 --seq-len 16", "gpt");
+    /* FSDP in every shard mode: DDP's bits (no clipping: its norm sums in another order) */
+    static const char *modes[4] = { "optimizer", "grads", "full", "full --cpu-offload" };
+    for (int n = 2; n <= 4; n += 2) {
+        snprintf(ref, sizeof ref, "%s/gpt-fsdp-ref-%d", tmpdir, n);
+        int st = run_cmd(out, sizeof out, "%s --data %s " GPT_FLAGS " --epochs 1 --batch-size %d --nproc %d --clip 0 --save-dir %s",
+                         stage_bin("03-ddp"), gpt_text(), 32 / n, n, ref);
+        CHECKF(st == 0, "03 --nproc %d: exit %d\n%s", n, st, out);
+        snprintf(p, sizeof p, "%s/gpt_data0-320_epoch1.safetensors", ref);
+        for (int k = 0; k < 4; k++) {
+            snprintf(dir, sizeof dir, "%s/gpt-fsdp-%d-%d", tmpdir, k, n);
+            st = run_cmd(out, sizeof out, "%s --data %s " GPT_FLAGS " --epochs 1 --batch-size %d --nproc %d --clip 0 --shard %s "
+                         "--save-dir %s", stage_bin("04-fsdp"), gpt_text(), 32 / n, n, modes[k], dir);
+            CHECKF(st == 0, "04 --shard %s --nproc %d: exit %d\n%s", modes[k], n, st, out);
+            snprintf(q, sizeof q, "%s/full.safetensors", dir);
+            st = run_cmd(out, sizeof out, "%s %s/gpt_data0-320_epoch1.safetensors %s", build_path("tools/consolidate"), dir, q);
+            CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
+            CHECKF(files_equal_tensors(p, q), "gpt --shard %s N=%d: not bit for bit DDP's", modes[k], n);
+        }
+    }
+    /* accumulation (stage 05): 4 micro-batches = one batch 4x as big; the
+       outer unit and 2 blocks make 3 reduce-scatters per optimizer step */
+    static const char *acc_modes[3] = { "full", "full", "optimizer" };
+    for (int run = 0; run < 3; run++) {
+        int n = run ? 2 : 1;
+        for (int k = 0; k < 2; k++) {
+            snprintf(dir, sizeof dir, "%s/gpt-acc-%d-%d", tmpdir, run, k);
+            snprintf(k ? lb : la, 700, "%s.jsonl", dir);
+            int st = run_cmd(out, sizeof out, "%s --data %s " GPT_FLAGS " --epochs 1 --nproc %d --batch-size %d --accum-steps %d "
+                             "--shard %s --save-dir %s --log %s", stage_bin("05-accum-mixed-precision"), gpt_text(), n,
+                             k ? 8 / n : 32 / n, k ? 4 : 1, acc_modes[run], dir, k ? lb : la);
+            CHECKF(st == 0, "05 --nproc %d --accum-steps %d: exit %d\n%s", n, k ? 4 : 1, st, out);
+            snprintf(k ? q : p, 700, "%s/full%d.safetensors", tmpdir, k);
+            st = run_cmd(out, sizeof out, "%s %s/gpt_data0-320_epoch1.safetensors %s", build_path("tools/consolidate"), dir, k ? q : p);
+            CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
+        }
+        double d = max_tensor_diff(p, q);
+        CHECKF(d >= 0 && d <= 1e-5, "gpt FSDP N=%d --shard %s: 4 micro-batches vs one batch differ by %.3g", n, acc_modes[run], d);
+        if (run != 2)
+            CHECKF(log_lines_with_value(la, "grad_collectives", 3) == 10 && log_lines_with_value(lb, "grad_collectives", 3) == 10,
+                   "gpt N=%d: not 3 reduce-scatters in each of the 10 steps", n);
+    }
+    /* mixed precision: bf16 and fp16 follow fp32's losses; --sample generates text on every rank */
+    double curve[3][16];
+    for (int k = 0; k < 3; k++) {
+        static const char *dt[3] = { "fp32", "bf16", "fp16" };
+        snprintf(la, sizeof la, "%s/gpt-mp-%d.jsonl", tmpdir, k);
+        int st = run_cmd(out, sizeof out, "%s --data %s " GPT_FLAGS " --epochs 1 --nproc 2 --batch-size 16 --dtype %s --log %s "
+                         "--lr 3e-3", stage_bin("05-accum-mixed-precision"), gpt_text(), dt[k], la);
+        CHECKF(st == 0, "05 --dtype %s: exit %d\n%s", dt[k], st, out);
+        CHECKF(read_losses(la, curve[k], 16) == 10, "05 --dtype %s: not 10 steps", dt[k]);
+        for (int s = 0; k && s < 10; s++)
+            CHECKF(fabs(curve[k][s] - curve[0][s]) < 0.05, "gpt %s step %d: loss %.4f, fp32 %.4f", dt[k], s + 1, curve[k][s], curve[0][s]);
+    }
+    CHECK(curve[0][9] < curve[0][0] - 0.5);
+    int st = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --epochs 1 --nproc 2 "
+                     "--batch-size 16 --sample 40", stage_bin("04-fsdp"), gpt_text());
+    const char *s = strstr(out, "sample step 10");
+    CHECKF(st == 0 && s && count_lines_with(out, "sample step") == 1, "04 --sample: exit %d\n%s", st, out);
+    CHECKF(strstr(out, "tokens/s") && strstr(out, "baseline"), "no tokens/s or baseline in:\n%s", out);
+}
+
+/* Stage 01 on text learns what a model without context cannot: in 150 steps
+   the validation loss falls well below the unigram baseline. */
+static void test_gpt_beats_the_unigram_baseline_on_text(void) {
+    char out[16384], log[600];
+    snprintf(log, sizeof log, "%s/gpt-learn.jsonl", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " GPT_FLAGS " --epochs 15 --lr 3e-3 --log %s", train_bin, gpt_text(), log);
+    CHECKF(st == 0, "exit %d\n%s", st, out);
+    double eval = summary_value(log, "eval_loss"), base = summary_value(log, "unigram_loss");
+    CHECKF(base > 2.5 && eval < base - 0.5, "eval loss %.4f, unigram baseline %.4f", eval, base);
 }
 
 /* ---- the GPU against the CPU (skipped where no GPU is visible) ---------------- */
@@ -2097,6 +2479,13 @@ static dt_tensor *f_tokens_big(dt_tensor **l, void *c) { (void)c; return dt_vit_
 static dt_tensor *f_select_big(dt_tensor **l, void *c) { (void)c; return dt_select_token(l[0], 3, 17, 0); }
 static dt_tensor *f_patchify(dt_tensor **l, void *c) { return dt_patchify(l[0], *(int *)c); }
 
+static dt_tensor *f_embed_big(dt_tensor **l, void *c) {   /* 3 sequences of 37 ids from a vocabulary of 50 */
+    float ids[3 * 37];
+    int s[2] = { 3, 37 };
+    (void)c;
+    for (int i = 0; i < 3 * 37; i++) ids[i] = (float)((i * 7 + i / 5) % 50);
+    return dt_token_embedding(dt_tensor_from_host(2, s, ids), l[0], l[1]);
+}
 static void test_gpu_ops_match_the_cpu(void) {
     NEED_GPU();
     dt_rng r = { 41 };
@@ -2130,6 +2519,15 @@ static void test_gpu_ops_match_the_cpu(void) {
     dt_tensor *img = leaf(4, ishape, &r, 1);
     img->requires_grad = 0;
     gpu_matches_cpu("patchify", f_patchify, &img, 1, &patch, 0);
+    /* GPT-2's: [in, out] weights, the tanh GELU, the token embedding (ids repeat: the GPU's rows add up too) */
+    dt_tensor *ix = leaf2(67, 129, &r, 1), *iw = leaf2(129, 45, &r, 0.2), *ib = leaf2(1, 45, &r, 1);
+    dt_tensor *L6[3] = { ix, iw, ib };
+    gpu_matches_cpu("linear [in, out]", f_linear_io, L6, 3, NULL, 1e-5);
+    gpu_matches_cpu("gelu tanh", f_gelu_tanh, &g, 1, NULL, 1e-5);
+    dt_tensor *te = leaf2(50, 40, &r, 1), *tp = leaf2(40, 40, &r, 1);
+    dt_tensor *L7[2] = { te, tp };
+    gpu_matches_cpu("token embedding", f_embed_big, L7, 2, NULL, 1e-6);
+    leaf_free(ix); leaf_free(iw); leaf_free(ib); leaf_free(te); leaf_free(tp);
     leaf_free(x); leaf_free(w); leaf_free(b); leaf_free(g); leaf_free(lx); leaf_free(lw); leaf_free(lb);
     leaf_free(a1); leaf_free(a2); leaf_free(qkv); leaf_free(pp); leaf_free(pc); leaf_free(pe); leaf_free(st); leaf_free(lg);
     leaf_free(img);
@@ -2203,7 +2601,7 @@ static float *random_images(int B, int32_t *labels, uint64_t seed) {
 }
 static void test_gpu_training_step_matches_the_cpu(void) {
     NEED_GPU();
-    dt_model_config cfgs[2] = { { DT_MODEL_MLP, 3, 16, 10, 96, 2, 1, 1, 0 }, { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192 } };
+    dt_model_config cfgs[2] = { { DT_MODEL_MLP, 3, 16, 10, 96, 2, 1, 1, 0, 0 }, { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0 } };
     int B = 24;
     int32_t labels[24];
     float *pixels = random_images(B, labels, 23);
@@ -2239,7 +2637,7 @@ static void test_gpu_training_step_matches_the_cpu(void) {
    this test was written (see the 05 README). */
 static void test_gpu_mixed_precision_step_matches_the_cpu(void) {
     NEED_GPU();
-    dt_model_config cfg = { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192 };
+    dt_model_config cfg = { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0 };
     int B = 24;
     int32_t labels[24];
     float *pixels = random_images(B, labels, 29);
@@ -2309,6 +2707,10 @@ static const test_case tests[] = {
     T(test_accumulation_equals_a_k_times_larger_batch), T(test_bf16_and_fp16_track_the_fp32_loss_curve),
     T(test_fp16_overflow_skips_that_step_and_halves_the_scale), T(test_mixed_precision_is_the_same_on_any_thread_count),
     T(test_accumulation_and_fp16_resume_exactly), T(test_cost_model_matches_hand_computed_cases),
+    T(test_gpt_gradients_match_finite_differences), T(test_gpt_is_causal_and_named_like_gpt2),
+    T(test_text_data_splits_by_position_and_refuses_bad_files),
+    T(test_gpt2_safetensors_load_with_init_and_give_the_expected_first_loss), T(test_gpt_trains_alike_in_every_stage),
+    T(test_gpt_beats_the_unigram_baseline_on_text),
     T(test_gpu_ops_match_the_cpu), T(test_gpu_casts_and_updates_are_bitwise_the_cpu),
     T(test_gpu_training_step_matches_the_cpu), T(test_gpu_200_step_loss_curve_matches_the_cpu),
     T(test_gpu_mixed_precision_step_matches_the_cpu),
