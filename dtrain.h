@@ -513,11 +513,12 @@ void dt_rank_from_env(int *rank, int *world, int *local_rank);
 typedef struct dt_dp dt_dp;
 /* Start devices-1 replica threads (devices <= 1: none, the model runs alone). */
 dt_dp *dt_dp_create(dt_model *model, int devices, double timeout_s);
-/* Replicate, scatter images [N*B, ...] in N slices, run every device's
-   forward, gather the logits [N*B, classes] on device 0. The gather is on the
-   tape: its backward hands each device its slice of the gradient and starts
-   that device's backward while device 0 goes on with its own. */
-dt_tensor *dt_dp_forward(dt_dp *dp, dt_tensor *images);
+/* Replicate, scatter the inputs [N*B, ...] in N slices, run every device's
+   forward, gather the logits on device 0, device after device ([N*B, classes],
+   or a language model's [N*B*T, vocab]). The gather is on the tape: its
+   backward hands each device its slice of the gradient and starts that
+   device's backward while device 0 goes on with its own. */
+dt_tensor *dt_dp_forward(dt_dp *dp, dt_tensor *inputs);
 /* Wait for every device's backward, then sum their gradients into device 0's. */
 void dt_dp_reduce_grads(dt_dp *dp);
 int dt_dp_devices(const dt_dp *dp);
@@ -2148,8 +2149,9 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
 /* -- token embedding: a language model's input. A lookup, not a matmul: row
       (b, t) copies the token's row of wte and adds position t's row of wpe.
       Its backward adds each row's gradient back into the token's row, so a
-      token seen twice collects both; the CPU walks the rows in order, and
-      each thread owns a band of columns, so sums never race. -- */
+      token seen twice collects both; it walks the rows in order, and each
+      thread owns a band of columns, so sums never race and always run in the
+      same order (the GPU's body too). The forward checked every id. -- */
 static int dt_token_id(float v, int vocab) {
     int id = (int)v;
     if (!(v >= 0) || id >= vocab || (float)id != v) dt_fail("token id %g is outside the vocabulary [0, %d)", v, vocab);
@@ -2158,7 +2160,7 @@ static int dt_token_id(float v, int vocab) {
 static void dt_token_embedding_backward(dt_tape_entry *e) {
     const dt_tensor *tokens = (const dt_tensor *)e->saved;
     dt_tensor *wte = e->in[0], *wpe = e->in[1];
-    int BT = (int)dt_tensor_rows(e->out), D = (int)dt_tensor_cols(e->out), T = e->iarg[0], V = (int)dt_tensor_rows(wte);
+    int BT = (int)dt_tensor_rows(e->out), D = (int)dt_tensor_cols(e->out), T = e->iarg[0];
     const float *dy = dt_grad_in(e->out);
     float *dwte = wte->requires_grad ? dt_grad_acc(wte) : NULL, *dwpe = wpe->requires_grad ? dt_grad_acc(wpe) : NULL;
     const dt_backend *gpu = dt_backend_for(e->out);
@@ -2169,7 +2171,7 @@ static void dt_token_embedding_backward(dt_tape_entry *e) {
             int j1 = j0 + 16 < D ? j0 + 16 : D;
             for (int r = 0; r < BT; r++) {
                 const float *g = dy + (size_t)r * D;
-                if (dwte) { float *w = dwte + (size_t)dt_token_id(tokens->data[r], V) * D; for (int j = j0; j < j1; j++) w[j] += g[j]; }
+                if (dwte) { float *w = dwte + (size_t)tokens->data[r] * D; for (int j = j0; j < j1; j++) w[j] += g[j]; }
                 if (dwpe) { float *p = dwpe + (size_t)(r % T) * D; for (int j = j0; j < j1; j++) p[j] += g[j]; }
             }
         }
@@ -2635,9 +2637,10 @@ static dt_tensor *dt_gpt_forward(dt_model *m, dt_tensor *tokens) {
 #undef DT_NEXT
 }
 
-dt_tensor *dt_model_forward(dt_model *m, dt_tensor *images) {
+dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs) {
     const dt_model_config *c = &m->cfg;
-    if (c->kind == DT_MODEL_GPT) return dt_gpt_forward(m, images);
+    if (c->kind == DT_MODEL_GPT) return dt_gpt_forward(m, inputs);
+    dt_tensor *images = inputs;
     int B = images->shape[0], pi = 0;
     dt_tensor *P = m->params;
 #define DT_NEXT (&P[pi++])
@@ -2705,17 +2708,14 @@ void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, fl
         int shape[2] = { 1, L };
         dt_tensor *y = dt_model_forward(m, dt_tensor_from_host(2, shape, window));
         dt_tensor_to_host(y, logits);
-        const float *last = logits + (size_t)(L - 1) * V;
-        float mx = last[0];
-        for (int j = 1; j < V; j++) mx = last[j] > mx ? last[j] : mx;
+        float *weight = logits + (size_t)(L - 1) * V, mx = weight[0];     /* the last position's, in place */
+        for (int j = 1; j < V; j++) mx = weight[j] > mx ? weight[j] : mx;
         double total = 0;
-        for (int j = 0; j < V; j++) total += exp((last[j] - mx) / temperature);
+        for (int j = 0; j < V; j++) total += weight[j] = expf((weight[j] - mx) / temperature);
         double u = dt_rng_uniform(&rng) * total;
         float pick = (float)(V - 1);
-        for (int j = 0; j < V; j++) {
-            u -= exp((last[j] - mx) / temperature);
-            if (u <= 0) { pick = (float)j; break; }
-        }
+        for (int j = 0; j < V; j++)
+            if ((u -= weight[j]) <= 0) { pick = (float)j; break; }
         if (dt_ctx.rank != 0) pick = 0;                  /* rank 0 decides for every rank */
         dt_job_sum(&pick, 1);
         seq[len] = (int32_t)pick;
@@ -3367,11 +3367,11 @@ void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, doubl
 
 double dt_unigram_loss(const dt_dataset *train, const dt_dataset *eval) {
     int V = train->num_classes;
-    double *count = (double *)calloc((size_t)V, sizeof(double)), total = V, loss = 0;
+    double *count = (double *)calloc((size_t)V, sizeof(double)), loss = 0;
     if (!count) dt_fail("out of memory");
     for (int64_t i = 1; i < train->ntokens; i++) count[train->tokens[i]] += 1;   /* the tokens predicted */
-    for (int64_t i = 1; i < train->ntokens; i++) total += 1;
-    for (int64_t i = 1; i < eval->ntokens; i++) loss -= log((count[eval->tokens[i]] + 1) / total);  /* add-one */
+    double total = (double)V + (double)(train->ntokens - 1);                     /* add-one smoothing */
+    for (int64_t i = 1; i < eval->ntokens; i++) loss -= log((count[eval->tokens[i]] + 1) / total);
     free(count);
     return eval->ntokens > 1 ? loss / (double)(eval->ntokens - 1) : 0;
 }
@@ -4245,7 +4245,7 @@ typedef struct dt_dp_device {
 struct dt_dp {
     dt_model *model;
     int devices, threads_per_device;
-    dt_tensor *images;          /* the batch being scattered, and its rows per device */
+    dt_tensor *inputs;          /* the batch being scattered, and its rows per device */
     int rows;
     int out_rows;               /* rows of each device's output (a language model's: rows x tokens) */
     dt_comm_group *group;
@@ -4261,7 +4261,7 @@ static void dt_dp_device_forward(dt_dp *dp, dt_dp_device *d, double *t0, double 
     *t0 = dt_now_ms();
     dt_broadcast(d->comm, m->flat_data, m->numel, DT_F32, 0);          /* device 0's weights, every step */
     *t1 = dt_now_ms();
-    const dt_tensor *all = dp->images;
+    const dt_tensor *all = dp->inputs;
     int shape[4] = { dp->rows, all->shape[1], all->shape[2], all->shape[3] };
     size_t per_image = (size_t)(all->numel / all->shape[0]);
     dt_tensor *mine = dt_tensor_alloc(all->ndim, shape, DT_F32);
@@ -4370,11 +4370,11 @@ static void dt_dp_gather_backward(dt_tape_entry *e) {
     for (int64_t k = 0; k < per; k++) g[k] += e->out->grad[k];
 }
 
-dt_tensor *dt_dp_forward(dt_dp *dp, dt_tensor *images) {
-    if (dp->devices == 1) return dt_model_forward(dp->model, images);
-    int N = dp->devices, B = images->shape[0];
+dt_tensor *dt_dp_forward(dt_dp *dp, dt_tensor *inputs) {
+    if (dp->devices == 1) return dt_model_forward(dp->model, inputs);
+    int N = dp->devices, B = inputs->shape[0];
     if (B % N) dt_fail("DataParallel: a batch of %d samples does not split evenly over %d devices", B, N);
-    dp->images = images;
+    dp->inputs = inputs;
     dp->rows = B / N;
     double t0, t1;
     dt_dp_post(dp, DT_DP_FORWARD);
@@ -4590,7 +4590,7 @@ static size_t dt_fsdp_largest_params(const dt_fsdp *f) { return f->largest / siz
 static int dt_fsdp_slot(const dt_fsdp *f, int k) { return k == f->model->outer_unit ? 2 : k % 2; }
 
 /* Unit k's slice of a shard buffer where the collectives can read it: the
-   buffer itself, or, offloaded, a copy uploaded into staging buffer k % 2. */
+   buffer itself, or, offloaded, a copy uploaded into the staging buffer of its slot. */
 static float *dt_fsdp_shard_on_device(dt_fsdp *f, const float *shards, int k) {
     const dt_fsdp_unit *u = &f->units[k];
     if (!f->offload) return (float *)shards + u->shard_offset;
@@ -7079,9 +7079,9 @@ __global__ static void dt_k_vit_tokens(const float *patches, const float *cls, c
     }
 }
 /* Token embedding: ids arrive as f32 (validated on the host when the data
-   was read). The backward adds rows of dy into wte's rows with atomicAdd: a
-   token that appears twice gets both, in an order that may vary from run to
-   run -- the one GPU sum here that is not bit-for-bit repeatable. */
+   was read). The backward gives each thread one column and walks the rows in
+   order, as the CPU loop does: a token that appears twice gets both rows,
+   summed in a fixed order, with no atomics. */
 __global__ static void dt_k_token_embedding(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D) {
     DT_FOR_EACH(i, (int64_t)BT * D) {
         int64_t r = i / D, j = i % D;
@@ -7091,12 +7091,16 @@ __global__ static void dt_k_token_embedding(const float *tok, const float *wte, 
 static void dt_cuda_token_embedding_forward(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D) {
     DT_LAUNCH(dt_k_token_embedding, dt_blocks_for((int64_t)BT * D), DT_THREADS, tok, wte, wpe, y, BT, T, D);
 }
-__global__ static void dt_k_token_embedding_dwte(const float *tok, const float *dy, float *dwte, int BT, int D) {
-    DT_FOR_EACH(i, (int64_t)BT * D) atomicAdd(&dwte[(int64_t)tok[i / D] * D + i % D], dy[i]);
+__global__ static void dt_k_token_embedding_backward(const float *tok, const float *dy, float *dwte, float *dwpe, int BT,
+                                                     int T, int D) {
+    DT_FOR_EACH(j, (int64_t)D)
+        for (int64_t r = 0; r < BT; r++) {
+            if (dwte) dwte[(int64_t)tok[r] * D + j] += dy[r * D + j];
+            if (dwpe) dwpe[(r % T) * D + j] += dy[r * D + j];
+        }
 }
 static void dt_cuda_token_embedding_backward(const float *tok, const float *dy, float *dwte, float *dwpe, int BT, int T, int D) {
-    if (dwte) DT_LAUNCH(dt_k_token_embedding_dwte, dt_blocks_for((int64_t)BT * D), DT_THREADS, tok, dy, dwte, BT, D);
-    dt_cuda_column_sums(dy, NULL, NULL, BT / T, T * D, T * D, dwpe, NULL);   /* sum over the batch */
+    if (dwte || dwpe) DT_LAUNCH(dt_k_token_embedding_backward, dt_blocks_for(D), DT_THREADS, tok, dy, dwte, dwpe, BT, T, D);
 }
 static void dt_cuda_vit_tokens_forward(const float *patches, const float *cls, const float *pos, float *y, int B, int P,
                                        int D) {

@@ -508,6 +508,30 @@ static void test_gpt_is_causal_and_named_like_gpt2(void) {
     dt_model_free(m);
 }
 
+/* At a temperature near 0, sampling is the model's own argmax, token after
+   token, past the end of the context (the window slides). */
+static void test_gpt_generation_follows_the_model(void) {
+    dt_model_config c = tiny_gpt();
+    dt_model *m = dt_model_create(&c, 5);
+    for (int64_t i = 0; i < m->numel; i++) m->flat_data[i] *= 30;      /* sharp logits: no near ties */
+    int32_t prompt[2] = { 3, 8 }, out[7];
+    dt_generate(m, prompt, 2, 7, 1e-4f, 1, out);
+    float seq[9] = { 3, 8 }, logits[6 * 11];
+    dt_set_grad_enabled(0);
+    for (int n = 2; n < 9; n++) {
+        int from = n > 6 ? n - 6 : 0, L = n - from;
+        gpt_ctx g = { m, seq + from, 1, L, NULL };
+        dt_step_arena_reset();
+        dt_tensor_to_host(gpt_logits(&g), logits);
+        int best = 0;
+        for (int j = 1; j < 11; j++) if (logits[(L - 1) * 11 + j] > logits[(L - 1) * 11 + best]) best = j;
+        CHECKF(out[n - 2] == best, "token %d: generated %d, the model's argmax is %d", n, out[n - 2], best);
+        seq[n] = (float)best;
+    }
+    dt_set_grad_enabled(1);
+    dt_model_free(m);
+}
+
 static int hook_order[64], hook_count;
 static dt_model *hook_model;
 static void record_hook(dt_tensor *p, void *user) { (void)user; hook_order[hook_count++] = (int)(p - hook_model->params); }
@@ -2708,6 +2732,7 @@ static const test_case tests[] = {
     T(test_fp16_overflow_skips_that_step_and_halves_the_scale), T(test_mixed_precision_is_the_same_on_any_thread_count),
     T(test_accumulation_and_fp16_resume_exactly), T(test_cost_model_matches_hand_computed_cases),
     T(test_gpt_gradients_match_finite_differences), T(test_gpt_is_causal_and_named_like_gpt2),
+    T(test_gpt_generation_follows_the_model),
     T(test_text_data_splits_by_position_and_refuses_bad_files),
     T(test_gpt2_safetensors_load_with_init_and_give_the_expected_first_loss), T(test_gpt_trains_alike_in_every_stage),
     T(test_gpt_beats_the_unigram_baseline_on_text),
