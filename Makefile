@@ -11,10 +11,15 @@
 #                     first vit-tiny and vit-base against PyTorch
 #   make diff         what each stage changes from the one before, and how many lines
 #                     (the target: at most 40 between neighbours)
+#   make gpu-check    on a machine with an NVIDIA GPU: every GPU path checked and
+#                     measured in one go, a report in GPU_CHECK_OUT (default
+#                     gpu-check/); without a GPU it says so and exits 0
+#   make print-nccl   which NCCL the build found (or why none)
 #
 # Knobs: CC, OPT (default -O3 -march=native), BLAS=0 (built-in matmul even when
 # a system BLAS is found), STB=0 (no stb_image: PPM/PGM only), OPENMP=0,
-# CUDA=0 (CPU only even when nvcc is found), NVCC, CUDA_ARCH.
+# CUDA=0 (CPU only even when nvcc is found), NVCC, CUDA_ARCH, NCCL_HOME=DIR
+# (NCCL's include/ and lib/ there), NCCL=0 (no NCCL: one GPU per job).
 
 CC       ?= cc
 OPT      ?= -O3 -march=native
@@ -58,15 +63,50 @@ NVCC     ?= $(or $(shell command -v nvcc 2>/dev/null),$(wildcard /usr/local/cuda
 # plus PTX that newer GPUs compile when the program starts.
 CUDA_ARCH ?= -gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=sm_80 \
              -gencode arch=compute_90,code=[sm_90,compute_90]
-NVCCFLAGS ?= -O3 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra
+# --fmad=false: nvcc would fuse a * b + c into one rounding where gcc (with
+# -std=c11) rounds twice, so the DT_HD arithmetic the CPU and the GPU share
+# (casts, AdamW, SGD, sums) gives the same bits on both; the kernels it
+# touches are memory-bound, and cuBLAS is not affected.
+NVCCFLAGS ?= -O3 $(CUDA_ARCH) --fmad=false -Xcompiler -Wall,-Wextra
 ifneq ($(CUDA),0)
   ifneq ($(NVCC),)
     CUDA_HOME := $(patsubst %/bin/nvcc,%,$(realpath $(NVCC)))
     CUDA_OBJ  := build/dtrain_cuda.o
     CFLAGS    += -DDT_HAVE_CUDA
-    NCCL_LIB  := $(if $(wildcard $(CUDA_HOME)/lib64/libnccl.so /usr/lib/*/libnccl.so),-lnccl)
-    LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 $(NCCL_LIB) -lcublas -lcudart -lstdc++
+    LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64
   endif
+endif
+
+# NCCL, found once for both compilers: in NCCL_HOME when it is given, else the
+# first of NCCL_CANDIDATES -- the CUDA toolkit, /usr, and the Python wheel
+# nvidia-nccl-cu13 (site-packages/nvidia/nccl, which ships libnccl.so.2 only)
+# -- that has include/nccl.h and a libnccl.so or libnccl.so.2. The -I, -L and
+# -rpath then all point at the same place.
+ifneq ($(CUDA_OBJ),)
+ifneq ($(NCCL),0)
+  nccl_lib_in = $(firstword $(wildcard $(addprefix $(1)/,lib64/libnccl.so lib/libnccl.so lib/*/libnccl.so \
+                  lib64/libnccl.so.2 lib/libnccl.so.2 lib/*/libnccl.so.2)))
+  nccl_found_in = $(if $(and $(wildcard $(1)/include/nccl.h),$(call nccl_lib_in,$(1))),$(1))
+  NCCL_WHEEL = $(shell python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)
+  NCCL_CANDIDATES ?= $(CUDA_HOME) /usr $(NCCL_WHEEL)
+  ifneq ($(NCCL_HOME),)
+    NCCL_DIR := $(call nccl_found_in,$(NCCL_HOME))
+    ifeq ($(NCCL_DIR),)
+      $(error NCCL_HOME=$(NCCL_HOME): no include/nccl.h with a lib/libnccl.so (or .so.2) there)
+    endif
+  else
+    NCCL_DIR := $(firstword $(foreach d,$(NCCL_CANDIDATES),$(call nccl_found_in,$(d))))
+  endif
+  ifneq ($(NCCL_DIR),)
+    NCCL_SO     := $(call nccl_lib_in,$(NCCL_DIR))
+    NCCL_CFLAGS := -DDT_HAVE_NCCL -I$(NCCL_DIR)/include
+    NCCL_LIBS   := -L$(dir $(NCCL_SO)) -Wl,-rpath,$(patsubst %/,%,$(dir $(NCCL_SO))) \
+                   $(if $(filter %.so,$(NCCL_SO)),-lnccl,-l:libnccl.so.2)
+  endif
+endif
+endif
+ifneq ($(CUDA_OBJ),)
+  LDLIBS += $(NCCL_LIBS) -lcublas -lcudart -lstdc++
 endif
 
 STAGES   := $(sort $(dir $(wildcard 0*/train.c)))
@@ -85,9 +125,25 @@ tools/%: tools/%.c dtrain.h $(CUDA_OBJ)
 $(TEST_BIN): tests/test_dtrain.c dtrain.h $(CUDA_OBJ)
 	$(CC) $(CFLAGS) -o $@ $< $(CUDA_OBJ) $(LDLIBS)
 
-build/dtrain_cuda.o: dtrain.h
+# The object is rebuilt when its flags change (another NCCL_HOME, NCCL=0, ...).
+CUDA_FLAGS := $(NVCC) $(NVCCFLAGS) $(NCCL_CFLAGS)
+ifneq ($(CUDA_OBJ),)
+  $(shell mkdir -p build; [ "$$(cat build/cuda.flags 2>/dev/null)" = '$(CUDA_FLAGS)' ] || echo '$(CUDA_FLAGS)' > build/cuda.flags)
+endif
+build/dtrain_cuda.o: dtrain.h build/cuda.flags
 	@mkdir -p build
-	$(NVCC) -x cu -DDTRAIN_CUDA_IMPLEMENTATION $(NVCCFLAGS) -c dtrain.h -o $@
+	$(NVCC) -x cu -DDTRAIN_CUDA_IMPLEMENTATION $(NVCCFLAGS) $(NCCL_CFLAGS) -c dtrain.h -o $@
+
+print-nccl:
+	@if [ -z "$(CUDA_OBJ)" ]; then echo "NCCL_FOUND=0 (a build without CUDA)"; \
+	 elif [ "$(NCCL)" = 0 ]; then echo "NCCL_FOUND=0 (NCCL=0)"; \
+	 elif [ -z "$(NCCL_DIR)" ]; then echo "NCCL_FOUND=0 (looked in: $(or $(NCCL_HOME),$(NCCL_CANDIDATES)))"; \
+	 else echo "NCCL_FOUND=1"; echo "NCCL_INCLUDE=$(NCCL_DIR)/include"; echo "NCCL_LIB=$(NCCL_SO)"; \
+	   echo "NCCL_LIBS=$(NCCL_LIBS)"; \
+	   echo "NCCL_VERSION=$$(awk '/^#define NCCL_(MAJOR|MINOR|PATCH) /{v=v (v?".":"") $$3} END{print v}' $(NCCL_DIR)/include/nccl.h)"; fi
+
+gpu-check: all
+	GPU_CHECK_OUT="$(or $(GPU_CHECK_OUT),gpu-check)" tools/gpu_check.sh
 
 run: 01-single-gpu/train
 	./01-single-gpu/train
@@ -150,4 +206,4 @@ diff:
 clean:
 	rm -rf $(STAGE_BINS) $(TOOLS) $(TEST_BIN) build
 
-.PHONY: all run test test-asan bench diff clean
+.PHONY: all run test test-asan bench diff clean print-nccl gpu-check

@@ -499,6 +499,13 @@ void dt_launch(int nproc, double timeout_s);
    LOCAL_RANK), SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) or Open MPI's
    (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK) variables; 0, 1, 0 without them. */
 void dt_rank_from_env(int *rank, int *world, int *local_rank);
+/* How many ranks run on this machine, from LOCAL_WORLD_SIZE (torchrun, --nproc),
+   OMPI_COMM_WORLD_LOCAL_SIZE or SLURM_NTASKS_PER_NODE; 0 when none says. */
+int dt_local_ranks_from_env(void);
+/* The GPU of local rank `local_rank` of `local_ranks` on a machine with `gpus`
+   visible: local_rank % gpus. More ranks than GPUs is refused (returns -1 and
+   says why, naming both counts) unless ranks_per_gpu lets that many share one. */
+int dt_gpu_for_rank(int local_rank, int local_ranks, int gpus, int ranks_per_gpu, char *why, size_t n);
 
 /* ---- 11. parallel wrappers ------------------------------------------------------- */
 
@@ -691,7 +698,9 @@ typedef struct dt_config {
     int explain;                 /* --explain: the cost model's prediction for this run, after 3 steps */
     int link;                    /* --link: the link the prediction assumes (-1: shm on a CPU, nvlink on GPUs) */
     float timeout;               /* --timeout: seconds before a missing rank stops the job */
+    int ranks_per_gpu;           /* --ranks-per-gpu: how many ranks may share one GPU (default 1) */
     int rank, world_size, local_rank;   /* this process's place in the job (from the environment) */
+    int local_ranks;             /* ranks on this machine (0: the launcher did not say) */
 } dt_config;
 
 /* Parse the shared command line; a wrong flag or value exits with status 2. */
@@ -902,6 +911,21 @@ DT_HD static inline float dt_f16_to_f32(uint16_t h) {
     return dt_bits_float(bits);
 }
 
+/* GPU launch shape, here so that a CPU test can check it: a grid is capped
+   (DT_MAX_BLOCKS blocks of DT_THREADS), so every kernel loops -- thread i
+   takes items i, i + stride, ...; a warp-per-row kernel takes rows w, w +
+   warps, ... -- and no item is left out however large the tensor. */
+#define DT_THREADS 256
+#define DT_MAX_BLOCKS (65535 * 8)
+DT_HD static inline unsigned dt_blocks_for(int64_t threads) {
+    int64_t b = (threads + DT_THREADS - 1) / DT_THREADS;
+    return (unsigned)(b < 1 ? 1 : b > DT_MAX_BLOCKS ? DT_MAX_BLOCKS : b);
+}
+DT_HD static inline int64_t dt_grid_first(unsigned block, unsigned block_dim, unsigned thread) {
+    return (int64_t)block * block_dim + thread;
+}
+DT_HD static inline int64_t dt_grid_stride(unsigned grid_dim, unsigned block_dim) { return (int64_t)grid_dim * block_dim; }
+
 /* AdamW exactly as torch.optim.AdamW: decoupled weight decay, then the moments,
    then the bias-corrected step. */
 DT_HD static inline void dt_adamw_update(float *p, float *m, float *v, float g, float lr,
@@ -961,9 +985,12 @@ typedef struct dt_backend {
                               float scale, int causal);
     void (*attention_backward)(const float *saved, const float *dout, float *dqkv, float *scratch,
                                int B, int T, int H, int D, float scale);
-    /* tokens: ids as f32; dwte, dwpe may be NULL */
+    /* tokens: ids as f32. Backward: dwte, dwpe may be NULL; by_token lists the
+       rows grouped by token: order[BT] (each group's rows ascending), then
+       start[groups + 1] into it, then the token of each group, token[groups] */
     void (*token_embedding_forward)(const float *tokens, const float *wte, const float *wpe, float *y, int BT, int T, int D);
-    void (*token_embedding_backward)(const float *tokens, const float *dy, float *dwte, float *dwpe, int BT, int T, int D);
+    void (*token_embedding_backward)(const int32_t *by_token, int groups, const float *dy, float *dwte, float *dwpe, int BT,
+                                     int T, int D);
     void (*vit_tokens_forward)(const float *patches, const float *cls, const float *pos, float *y,
                                int B, int P, int D);
     void (*vit_tokens_backward)(const float *dy, float *dpatches, float *dcls, float *dpos, int B, int P, int D);
@@ -980,6 +1007,7 @@ typedef struct dt_backend {
                   float beta2, float eps, float wd, float bias_correction1, float bias_correction2);
     void (*sgd)(float *p, float *buf, const float *g, int64_t n, float lr, float momentum, float wd);
     void (*convert)(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n);
+    int (*owns)(const void *p);                      /* 1 when p is memory of this device */
 } dt_backend;
 
 /* Attention on a GPU keeps Q, K and V in head-major order ([B*H, T, hd] each,
@@ -988,6 +1016,47 @@ typedef struct dt_backend {
    needs room for dP, dO and dQ, dK, dV. */
 #define DT_ATTENTION_SAVED_FLOATS(B, T, H, D) ((int64_t)(B) * (H) * (T) * (T) + 4LL * (B) * (T) * (D))   /* P, Q, K, V, O */
 #define DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D) ((int64_t)(B) * (H) * (T) * (T) + 4LL * (B) * (T) * (D)) /* dP, dO, dQ, dK, dV */
+
+/* ---- the GPU collectives: what section 9 asks of NCCL (section 15) -----------
+   Section 9 owns the queue, the communication thread and the watchdog; NCCL
+   only issues calls and answers questions, so a dead peer or a timeout is
+   noticed by the same loop on CPUs and GPUs. The communicator is non-blocking:
+   any call may leave it "in progress", and dt_nccl_progress says when it is
+   ready for the next one. Every buffer is device memory. */
+typedef enum { DT_COLL_ALL_REDUCE, DT_COLL_REDUCE_SCATTER, DT_COLL_ALL_GATHER, DT_COLL_BROADCAST, DT_COLL_REDUCE,
+               DT_COLL_BARRIER } dt_coll;
+#define DT_COMM_QUEUE 256                 /* collectives in flight per communicator, at most */
+#ifdef __cplusplus
+extern "C" {
+#endif
+typedef struct dt_nccl dt_nccl;
+/* 1 when this build has NCCL; else 0, and what to install in `why`. */
+int dt_nccl_available(char *why, size_t n);
+/* NCCL's version as a number (2.30.3 is 23003); 0 without NCCL. */
+int dt_nccl_version(void);
+int dt_nccl_unique_id(unsigned char *out, size_t n);
+/* Start joining the communicator (non-blocking); poll dt_nccl_progress until it is ready. */
+dt_nccl *dt_nccl_create(const unsigned char *id, int rank, int world);
+/* 1: ready for the next call; 0: still in progress; -1: failed, and why. */
+int dt_nccl_progress(dt_nccl *s, char *why, size_t n);
+/* The caller's thread, at submission: collective `slot` may start once the
+   kernels queued so far on the compute stream are done (its input is theirs). */
+void dt_nccl_mark_inputs(dt_nccl *s, int slot);
+/* The communication thread: issue collective `slot` on NCCL's stream, then,
+   once dt_nccl_progress says ready, record its done-event. */
+void dt_nccl_issue(dt_nccl *s, int slot, dt_coll kind, const void *send, void *recv, int64_t count, dt_dtype dtype,
+                   dt_reduce_op op, int root);
+void dt_nccl_mark_done(dt_nccl *s, int slot);
+int dt_nccl_finished(dt_nccl *s, int slot);           /* 1 when its done-event has fired */
+/* The caller's thread: kernels queued from now on wait for collective `slot`. */
+void dt_nccl_stream_wait(dt_nccl *s, int slot);
+void dt_nccl_abort(dt_nccl *s);                       /* only from the thread that issues its calls */
+/* Closing: finalize (poll dt_nccl_progress until ready), then free. */
+void dt_nccl_finalize(dt_nccl *s);
+void dt_nccl_free(dt_nccl *s);
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* DTRAIN_H */
 
@@ -1233,9 +1302,15 @@ void dt_free_on(dt_device device, dt_arena arena, void *ptr, size_t bytes) {
     dt_mem_count(arena, bytes, -1);
 }
 
+/* Set once this process has asked CUDA anything. A CUDA context does not
+   survive fork(), so dt_launch refuses to fork after it (the launcher process
+   never touches CUDA: each rank decides its device after the fork). */
+static int dt_cuda_touched;
+
 int dt_cuda_available(char *why, size_t n) {
 #ifdef DT_HAVE_CUDA
     if (dt_ctx.gpu) return 1;
+    dt_cuda_touched = 1;
     return dt_cuda_device_count(why, n) > 0;
 #else
     dt_copy_str(why, n, "this build has no CUDA (nvcc was not found, or make CUDA=0)");
@@ -1247,6 +1322,7 @@ void dt_set_device(dt_device device, int local_rank) {
     if (device == DT_CUDA && !dt_ctx.gpu) {
 #ifdef DT_HAVE_CUDA
         char why[256] = "";
+        dt_cuda_touched = 1;
         dt_ctx.gpu = dt_cuda_backend(local_rank, why, sizeof why);
         if (!dt_ctx.gpu) dt_fail("cannot use the GPU: %s (run with --device cpu)", why);
 #else
@@ -1265,12 +1341,13 @@ static void dt_download_from(dt_device d, void *dst, const void *src, size_t byt
     else memmove(dst, src, bytes);
 }
 
-void dt_upload(void *dst, const void *src, size_t bytes) {
-    const dt_backend *gpu = dt_backend_of(dt_ctx.device);
+static void dt_upload_to(dt_device d, void *dst, const void *src, size_t bytes) {
+    const dt_backend *gpu = dt_backend_of(d);
     if (bytes == 0) return;
     if (gpu) gpu->upload(dst, src, bytes);
     else memmove(dst, src, bytes);
 }
+void dt_upload(void *dst, const void *src, size_t bytes) { dt_upload_to(dt_ctx.device, dst, src, bytes); }
 void dt_download(void *dst, const void *src, size_t bytes) { dt_download_from(dt_ctx.device, dst, src, bytes); }
 void dt_synchronize(void) {
     if (dt_ctx.device == DT_CUDA) dt_backend_of(DT_CUDA)->synchronize();
@@ -2157,6 +2234,33 @@ static int dt_token_id(float v, int vocab) {
     if (!(v >= 0) || id >= vocab || (float)id != v) dt_fail("token id %g is outside the vocabulary [0, %d)", v, vocab);
     return id;
 }
+/* The GPU adds up a token's rows without atomics (which would sum in a
+   different order every run): the host, which can read the ids, groups the
+   rows by token with a counting sort -- stable, so each group keeps its rows in
+   the CPU's order -- and the GPU gives a thread to each (token, column). The
+   list goes to the device in the step arena (see the backend's comment). */
+static const int32_t *dt_rows_by_token(const dt_tensor *tokens, int vocab, int *groups) {
+    int BT = (int)tokens->numel, G = 0;
+    float *ids = (float *)dt_step_alloc_uninit(sizeof(float) * (size_t)BT);
+    int32_t *first = (int32_t *)dt_step_alloc(sizeof(int32_t) * ((size_t)vocab + 1));
+    int32_t *list = (int32_t *)dt_step_alloc_uninit(sizeof(int32_t) * (3 * (size_t)BT + 1));
+    dt_tensor_to_host(tokens, ids);
+    for (int r = 0; r < BT; r++) first[dt_token_id(ids[r], vocab) + 1]++;
+    for (int v = 0; v < vocab; v++) {
+        if (first[v + 1]) G++;
+        first[v + 1] += first[v];               /* where token v's rows begin */
+    }
+    int32_t *order = list, *start = list + BT, *token = start + G + 1;
+    for (int v = 0, g = 0; v < vocab; v++)
+        if (first[v + 1] > first[v]) { start[g] = first[v]; token[g++] = v; }
+    start[G] = BT;
+    for (int r = 0; r < BT; r++) order[first[(int)ids[r]]++] = r;
+    size_t bytes = sizeof(int32_t) * ((size_t)BT + 2 * (size_t)G + 1);
+    int32_t *dev = (int32_t *)dt_step_alloc_on(tokens->device, bytes);
+    dt_upload_to(tokens->device, dev, list, bytes);
+    *groups = G;
+    return dev;
+}
 static void dt_token_embedding_backward(dt_tape_entry *e) {
     const dt_tensor *tokens = (const dt_tensor *)e->saved;
     dt_tensor *wte = e->in[0], *wpe = e->in[1];
@@ -2164,8 +2268,11 @@ static void dt_token_embedding_backward(dt_tape_entry *e) {
     const float *dy = dt_grad_in(e->out);
     float *dwte = wte->requires_grad ? dt_grad_acc(wte) : NULL, *dwpe = wpe->requires_grad ? dt_grad_acc(wpe) : NULL;
     const dt_backend *gpu = dt_backend_for(e->out);
-    if (gpu) gpu->token_embedding_backward(tokens->data, dy, dwte, dwpe, BT, T, D);
-    else {
+    if (gpu) {
+        int groups = 0;
+        const int32_t *by_token = dt_rows_by_token(tokens, (int)dt_tensor_rows(wte), &groups);
+        gpu->token_embedding_backward(by_token, groups, dy, dwte, dwpe, BT, T, D);
+    } else {
         DT_OMP("omp parallel for schedule(static) if(BT * D > 65536)")
         for (int j0 = 0; j0 < D; j0 += 16) {
             int j1 = j0 + 16 < D ? j0 + 16 : D;
@@ -2770,6 +2877,7 @@ void dt_optimizer_free(dt_optimizer *o) {
 
 /* The squared norm of every gradient the optimizer steps -- of the whole
    model: a sharded optimizer sums its ranks' parts. */
+static void dt_comm_all_reduce_host(dt_comm *c, float *values, int n, dt_reduce_op op);   /* section 9 */
 static double dt_optimizer_grad_sum_squares(dt_optimizer *o) {
     int64_t n = o->numel;
     const float *g = o->grads;
@@ -2785,10 +2893,8 @@ static double dt_optimizer_grad_sum_squares(dt_optimizer *o) {
         for (int l = 0; l < 8; l++) sq += lane[l];
     }
     if (o->norm_comm) {                  /* each rank holds a part: the norm is of the whole */
-        float part = (float)sq, *buf = (float *)dt_step_data(sizeof(float));
-        dt_upload(buf, &part, sizeof part);
-        dt_all_reduce(o->norm_comm, buf, buf, 1, DT_F32, DT_SUM);
-        dt_download(&part, buf, sizeof part);
+        float part = (float)sq;
+        dt_comm_all_reduce_host(o->norm_comm, &part, 1, DT_SUM);
         sq = part;
     }
     return sq;
@@ -3554,7 +3660,6 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int S, uint64_t
 
 #define DT_MAX_RANKS 64
 #define DT_SLOT_BYTES ((size_t)2 << 20)     /* each rank's staging slot: collectives go in 2 MiB pieces */
-#define DT_COMM_QUEUE 256
 
 typedef struct dt_shm_header {
     uint64_t magic;
@@ -3566,8 +3671,6 @@ typedef struct dt_shm_header {
 #define DT_SHM_HEADER_BYTES ((sizeof(dt_shm_header) + 4095) & ~(size_t)4095)
 static size_t dt_shm_bytes(int world) { return DT_SHM_HEADER_BYTES + (size_t)(world + 1) * DT_SLOT_BYTES; }
 
-typedef enum { DT_COLL_ALL_REDUCE, DT_COLL_REDUCE_SCATTER, DT_COLL_ALL_GATHER, DT_COLL_BROADCAST, DT_COLL_REDUCE,
-               DT_COLL_BARRIER } dt_coll;
 static const char *dt_coll_names[] = { "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier" };
 typedef struct dt_comm_op {
     dt_coll kind;
@@ -3581,8 +3684,24 @@ typedef struct dt_comm_op {
 
 struct dt_comm_group { dt_shm_header *hdr; int world; double timeout_s; };
 
+/* What varies between shared memory and NCCL, as one table. A collective is
+   queued by the caller, started and finished by the communication thread, and
+   waited for by the caller: on shared memory the thread does the whole work in
+   `start`; on a GPU `start` only puts it on NCCL's stream, `finish` watches it
+   to the end, and `wait` makes the caller's later kernels wait for it on the
+   GPU, so the host never blocks on communication. */
+typedef struct dt_comm_backend {
+    const char *name;
+    dt_device memory;                                          /* where the buffers of its collectives live */
+    void (*submitted)(dt_comm *c, int64_t h);                  /* caller: call h is queued (NULL: nothing to do) */
+    void (*start)(dt_comm *c, int64_t h, const dt_comm_op *o); /* communication thread */
+    void (*finish)(dt_comm *c, int64_t h);                     /* communication thread, after start (may be NULL) */
+    void (*wait)(dt_comm *c, int64_t h);                       /* caller, lock held: h started, not yet finished */
+} dt_comm_backend;
+
 struct dt_comm {
     dt_comm_kind kind;
+    const dt_comm_backend *backend;
     int rank, world;
     int die_in_all_reduce;                  /* test hook, see dt_comm_start: die in this all-reduce (from 1) */
     double timeout_s;
@@ -3590,23 +3709,16 @@ struct dt_comm {
     char *slots, *result;
     size_t map_bytes;                       /* > 0: a mapping of our own to undo */
     uint64_t barriers;
-    void *nccl;                             /* NCCL's state (section 15) */
+    dt_nccl *nccl;                          /* NCCL's state (section 15) */
     pthread_t worker;                       /* the communication thread and its queue */
     pthread_mutex_t mu;
     pthread_cond_t wake, done;
     dt_comm_op queue[DT_COMM_QUEUE];
     double started_ms[DT_COMM_QUEUE], finished_ms[DT_COMM_QUEUE];   /* when the thread ran each call */
-    int64_t submitted, completed;
+    int64_t submitted, started, completed;  /* calls queued, started by the thread, finished */
     int stop;
 };
 
-#ifdef DT_HAVE_CUDA
-int dt_nccl_unique_id(unsigned char *out, size_t n);
-void *dt_nccl_init(const unsigned char *id, int rank, int world, int local_rank);
-void dt_nccl_run(void *nccl, int kind, const void *send, void *recv, int64_t count, int dtype, int op, int root);
-void dt_nccl_wait(void *nccl, double timeout_s);
-void dt_nccl_free(void *nccl);
-#endif
 
 static dt_comm *dt_active_comm;             /* for dt_fail: tell the other ranks we are going */
 
@@ -3641,21 +3753,33 @@ static void dt_comm_abort_others_because(dt_comm *c, int culprit) {
 }
 static void dt_comm_abort_others(dt_comm *c) { if (c) dt_comm_abort_others_because(c, c->rank); }
 
-/* Why rank j has not arrived, if we can tell; dt_fail when the job must stop. */
-static void dt_check_peer(dt_comm *c, int j, double waited_ms, const char *what) {
+/* Why the job cannot go on, if it cannot: a rank failed (it wrote its rank
+   into the shared header), a peer's process is gone, or we have waited past
+   --timeout for rank j (j < 0: for any peer). Fills `why` and returns 1; the
+   shared-memory barrier and the NCCL watchdog both ask this. */
+static int dt_job_trouble(dt_comm *c, int j, double waited_ms, const char *what, char *why, size_t n) {
     int failed = __atomic_load_n(&c->hdr->abort_rank, __ATOMIC_ACQUIRE);
     if (failed) {
         dt_active_comm = NULL;              /* it told us; no need to tell it back */
-        dt_fail("rank %d failed or died (see above), so %s cannot finish; stopping", failed - 1, what);
+        snprintf(why, n, "rank %d failed or died (see above), so %s cannot finish; stopping", failed - 1, what);
+        return 1;
     }
-    int pid = __atomic_load_n(&c->hdr->pid[j], __ATOMIC_ACQUIRE);
-    if (dt_process_gone(pid)) {
-        dt_comm_abort_others_because(c, j);
-        dt_fail("rank %d (pid %d) died during %s; stopping", j, pid, what);
+    for (int r = j < 0 ? 0 : j; r < (j < 0 ? c->world : j + 1); r++) {
+        int pid = __atomic_load_n(&c->hdr->pid[r], __ATOMIC_ACQUIRE);
+        if (r != c->rank && dt_process_gone(pid)) {
+            dt_comm_abort_others_because(c, r);
+            snprintf(why, n, "rank %d (pid %d) died during %s; stopping", r, pid, what);
+            return 1;
+        }
     }
-    if (waited_ms > c->timeout_s * 1e3)
-        dt_fail("rank %d has not reached %s after %.0f s (--timeout): it hangs or died; stopping", j, what,
-                c->timeout_s);
+    if (waited_ms <= c->timeout_s * 1e3) return 0;
+    if (j >= 0) snprintf(why, n, "rank %d has not reached %s after %.0f s (--timeout): it hangs or died; stopping", j, what, c->timeout_s);
+    else snprintf(why, n, "%s has not finished after %.0f s (--timeout): a rank hangs or died; stopping", what, c->timeout_s);
+    return 1;
+}
+static void dt_check_peer(dt_comm *c, int j, double waited_ms, const char *what) {
+    char why[320];
+    if (dt_job_trouble(c, j, waited_ms, what, why, sizeof why)) dt_fail("%s", why);
 }
 
 /* Every rank counts its barriers; a barrier is done when every count has caught
@@ -3748,6 +3872,55 @@ static void dt_shm_run(dt_comm *c, const dt_comm_op *o) {
     }
 }
 
+/* Shared memory: the communication thread does the whole collective in
+   start(); the caller waits on the host until it is done. */
+static void dt_shm_start(dt_comm *c, int64_t h, const dt_comm_op *o) { (void)h; dt_shm_run(c, o); }
+static void dt_host_wait(dt_comm *c, int64_t h) {
+    while (c->completed < h) pthread_cond_wait(&c->done, &c->mu);
+}
+static const dt_comm_backend dt_comm_shm_backend = { "shared memory", DT_CPU, NULL, dt_shm_start, NULL, dt_host_wait };
+
+#ifdef DT_HAVE_CUDA
+/* NCCL: wait until the communicator is ready for its next call (slot < 0) or
+   collective `slot` has finished on the GPU, watching the job as the
+   shared-memory barrier does -- a failed or vanished rank, or --timeout. It
+   runs on the thread that issues the communicator's calls, the only one that
+   may abort it. */
+static void dt_nccl_watch(dt_comm *c, int slot, const char *what) {
+    char why[320];
+    double t0 = dt_now_ms();
+    for (long spins = 0;; spins++) {
+        int ready = dt_nccl_progress(c->nccl, why, sizeof why);
+        if (ready > 0 && (slot < 0 || dt_nccl_finished(c->nccl, slot))) return;
+        if (ready < 0) {
+            dt_nccl_abort(c->nccl);
+            dt_fail("NCCL failed during %s: %s (a rank may have died); communicator aborted", what, why);
+        }
+        if (spins < 200) continue;
+        if (spins % 64 == 0 && dt_job_trouble(c, -1, dt_now_ms() - t0, what, why, sizeof why)) {
+            dt_nccl_abort(c->nccl);
+            dt_fail("%s (NCCL communicator aborted)", why);
+        }
+        struct timespec ts = { 0, 20000 };
+        nanosleep(&ts, NULL);
+    }
+}
+static void dt_nccl_submitted(dt_comm *c, int64_t h) { dt_nccl_mark_inputs(c->nccl, (int)((h - 1) % DT_COMM_QUEUE)); }
+static void dt_nccl_start(dt_comm *c, int64_t h, const dt_comm_op *o) {
+    int slot = (int)((h - 1) % DT_COMM_QUEUE);
+    dt_nccl_issue(c->nccl, slot, o->kind, o->send, o->recv, o->count, o->dtype, o->op, o->root);
+    dt_nccl_watch(c, -1, dt_coll_names[o->kind]);         /* a non-blocking call may still be in progress */
+    dt_nccl_mark_done(c->nccl, slot);
+    if (o->kind == DT_COLL_ALL_REDUCE && c->die_in_all_reduce > 0 && --c->die_in_all_reduce == 0) raise(SIGKILL);
+}
+static void dt_nccl_finish(dt_comm *c, int64_t h) {
+    dt_nccl_watch(c, (int)((h - 1) % DT_COMM_QUEUE), dt_coll_names[c->queue[(h - 1) % DT_COMM_QUEUE].kind]);
+}
+static void dt_nccl_wait_on_gpu(dt_comm *c, int64_t h) { dt_nccl_stream_wait(c->nccl, (int)((h - 1) % DT_COMM_QUEUE)); }
+static const dt_comm_backend dt_comm_nccl_backend = { "NCCL", DT_CUDA, dt_nccl_submitted, dt_nccl_start, dt_nccl_finish,
+                                                      dt_nccl_wait_on_gpu };
+#endif
+
 /* The communication thread: runs queued collectives one after another, so the
    caller can go on computing (DDP overlaps the all-reduce with backward). */
 static void *dt_comm_worker(void *arg) {
@@ -3759,43 +3932,55 @@ static void *dt_comm_worker(void *arg) {
     for (;;) {
         while (!c->stop && c->completed == c->submitted) pthread_cond_wait(&c->wake, &c->mu);
         if (c->completed == c->submitted) break;
-        dt_comm_op o = c->queue[c->completed % DT_COMM_QUEUE];
+        int64_t h = c->completed + 1, slot = c->completed % DT_COMM_QUEUE;
+        dt_comm_op o = c->queue[slot];
         pthread_mutex_unlock(&c->mu);
-        double t0 = dt_now_ms();
-#ifdef DT_HAVE_CUDA
-        if (c->kind == DT_COMM_NCCL) dt_nccl_run(c->nccl, (int)o.kind, o.send, o.recv, o.count, (int)o.dtype, (int)o.op, o.root);
-        else
-#endif
-            dt_shm_run(c, &o);
-        double t1 = dt_now_ms();
+        c->started_ms[slot] = dt_now_ms();
+        c->backend->start(c, h, &o);
         pthread_mutex_lock(&c->mu);
-        c->started_ms[c->completed % DT_COMM_QUEUE] = t0;
-        c->finished_ms[c->completed % DT_COMM_QUEUE] = t1;
-        c->completed++;
+        c->started = h;                      /* a caller may now wait for it (on the GPU: behind it) */
+        pthread_cond_broadcast(&c->done);
+        pthread_mutex_unlock(&c->mu);
+        if (c->backend->finish) c->backend->finish(c, h);
+        pthread_mutex_lock(&c->mu);
+        c->finished_ms[slot] = dt_now_ms();
+        c->completed = h;
         pthread_cond_broadcast(&c->done);
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
 }
 
+/* A buffer of the wrong kind is caught here, before any transport sees it:
+   NCCL takes device memory only, shared memory host memory only. */
+static void dt_comm_check_buffer(const dt_comm *c, const dt_comm_op *o, const void *p) {
+    if (!p || o->count == 0) return;
+    int on_gpu = dt_ctx.gpu && dt_ctx.gpu->owns(p);
+    if (on_gpu != (c->backend->memory == DT_CUDA))
+        dt_fail("%s over %s: a buffer is %s memory, but %s takes %s memory only", dt_coll_names[o->kind], c->backend->name,
+                on_gpu ? "GPU" : "host", c->backend->name, c->backend->memory == DT_CUDA ? "GPU" : "host");
+}
+
 static dt_comm_handle dt_comm_submit(dt_comm *c, dt_comm_op o) {
     if (o.count < 0) dt_fail("%s of %lld elements", dt_coll_names[o.kind], (long long)o.count);
     if (o.root < 0 || o.root >= c->world) dt_fail("%s: root %d is not a rank (world size %d)", dt_coll_names[o.kind], o.root, c->world);
+    dt_comm_check_buffer(c, &o, o.send);
+    dt_comm_check_buffer(c, &o, o.recv);
     pthread_mutex_lock(&c->mu);
     while (c->submitted - c->completed >= DT_COMM_QUEUE) pthread_cond_wait(&c->done, &c->mu);
     c->queue[c->submitted % DT_COMM_QUEUE] = o;
     dt_comm_handle h = ++c->submitted;
+    if (c->backend->submitted) c->backend->submitted(c, h);
     pthread_cond_signal(&c->wake);
     pthread_mutex_unlock(&c->mu);
     return h;
 }
+/* Under the lock, so that call h's slot cannot be reused while we look at it. */
 void dt_comm_wait(dt_comm *c, dt_comm_handle h) {
     pthread_mutex_lock(&c->mu);
-    while (c->completed < h) pthread_cond_wait(&c->done, &c->mu);
+    while (c->started < h) pthread_cond_wait(&c->done, &c->mu);
+    if (c->completed < h) c->backend->wait(c, h);
     pthread_mutex_unlock(&c->mu);
-#ifdef DT_HAVE_CUDA
-    if (c->kind == DT_COMM_NCCL) dt_nccl_wait(c->nccl, c->timeout_s);   /* queued on NCCL's stream: wait for it */
-#endif
 }
 
 dt_comm_handle dt_all_reduce_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
@@ -3839,13 +4024,36 @@ void dt_barrier(dt_comm *c) {
 }
 int dt_comm_rank(const dt_comm *c) { return c->rank; }
 /* When the communication thread started and finished the call behind h (after
-   dt_comm_wait; kept for the last DT_COMM_QUEUE calls). With NCCL, "finished"
-   means queued on its stream. */
-static void dt_comm_interval(const dt_comm *c, dt_comm_handle h, double *t0, double *t1) {
+   dt_comm_wait; kept for the last DT_COMM_QUEUE calls). On a GPU the wait
+   returns before the call has finished: then "finished" is "now". */
+static void dt_comm_interval(dt_comm *c, dt_comm_handle h, double *t0, double *t1) {
+    pthread_mutex_lock(&c->mu);
     *t0 = c->started_ms[(h - 1) % DT_COMM_QUEUE];
-    *t1 = c->finished_ms[(h - 1) % DT_COMM_QUEUE];
+    *t1 = c->completed >= h ? c->finished_ms[(h - 1) % DT_COMM_QUEUE] : dt_now_ms();   /* a GPU may still be on it */
+    pthread_mutex_unlock(&c->mu);
 }
 int dt_comm_size(const dt_comm *c) { return c->world; }
+
+/* Host values into and out of a collective: they travel through memory of
+   the kind the communicator takes (NCCL reads device memory only), in the
+   step arena. */
+static void *dt_comm_stage(dt_comm *c, const void *host, size_t bytes) {
+    void *buf = dt_step_alloc_on(c->backend->memory, bytes);
+    if (host) dt_upload_to(c->backend->memory, buf, host, bytes);
+    return buf;
+}
+static void dt_comm_all_reduce_host(dt_comm *c, float *values, int n, dt_reduce_op op) {
+    size_t bytes = sizeof(float) * (size_t)n;
+    float *buf = (float *)dt_comm_stage(c, values, bytes);
+    dt_all_reduce(c, buf, buf, n, DT_F32, op);
+    dt_download_from(c->backend->memory, values, buf, bytes);
+}
+/* Every rank's `bytes` (a multiple of 4) into all, rank after rank. */
+static void dt_comm_all_gather_host(dt_comm *c, const void *mine, void *all, size_t bytes) {
+    void *send = dt_comm_stage(c, mine, bytes), *recv = dt_comm_stage(c, NULL, bytes * (size_t)c->world);
+    dt_all_gather(c, send, recv, (int64_t)(bytes / 4), DT_F32);     /* bytes travel as they are */
+    dt_download_from(c->backend->memory, all, recv, bytes * (size_t)c->world);
+}
 
 void dt_comm_check_agree(dt_comm *c, const char *what, const char *value) {
     enum { LEN = 64 };
@@ -3853,7 +4061,7 @@ void dt_comm_check_agree(dt_comm *c, const char *what, const char *value) {
     char *all = (char *)calloc((size_t)c->world, LEN);
     if (!all) dt_fail("out of memory (start-up check)");
     dt_copy_str(mine, LEN, value);
-    dt_all_gather(c, mine, all, LEN / 4, DT_F32);          /* bytes travel as they are */
+    dt_comm_all_gather_host(c, mine, all, LEN);
     for (int r = 1; r < c->world; r++)
         if (strncmp(all, all + (size_t)r * LEN, LEN) != 0)
             dt_fail("the ranks disagree on %s: rank 0 has '%s', rank %d has '%s' (every rank needs the same flags)",
@@ -3865,6 +4073,7 @@ static dt_comm *dt_comm_new(dt_comm_kind kind, int rank, int world, double timeo
     dt_comm *c = (dt_comm *)calloc(1, sizeof(dt_comm));
     if (!c) dt_fail("out of memory (communicator)");
     c->kind = kind; c->rank = rank; c->world = world; c->timeout_s = timeout_s > 0 ? timeout_s : 60;
+    c->backend = &dt_comm_shm_backend;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->wake, NULL);
     pthread_cond_init(&c->done, NULL);
@@ -3922,7 +4131,11 @@ void dt_comm_free(dt_comm *c) {
     __atomic_compare_exchange_n(&dt_active_comm, &self, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
     if (dt_ctx.job == c) dt_ctx.job = NULL;
 #ifdef DT_HAVE_CUDA
-    if (c->nccl) dt_nccl_free(c->nccl);
+    if (c->nccl) {                          /* the thread is gone: this one owns the communicator now */
+        dt_nccl_finalize(c->nccl);
+        dt_nccl_watch(c, -1, "closing NCCL");
+        dt_nccl_free(c->nccl);
+    }
 #endif
     if (c->map_bytes) { munmap(c->hdr, c->map_bytes); dt_mem_count(DT_ARENA_COMM, c->map_bytes, -1); }
     pthread_mutex_destroy(&c->mu);
@@ -3968,6 +4181,62 @@ void dt_rank_from_env(int *rank, int *world, int *local_rank) {
     }
 }
 
+int dt_local_ranks_from_env(void) {
+    static const char *vars[3] = { "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE" };
+    for (int k = 0; k < 3; k++) {
+        const char *v = getenv(vars[k]);
+        if (v && *v) return atoi(v) > 0 ? atoi(v) : 0;     /* SLURM may say "2(x3)": the first number */
+    }
+    return 0;
+}
+
+int dt_gpu_for_rank(int local_rank, int local_ranks, int gpus, int ranks_per_gpu, char *why, size_t n) {
+    if (gpus < 1) { snprintf(why, n, "no GPU is visible"); return -1; }
+    if (local_ranks <= local_rank) local_ranks = local_rank + 1;    /* unknown: at least this many */
+    if (ranks_per_gpu < 1) ranks_per_gpu = 1;
+    if (local_ranks > (int64_t)gpus * ranks_per_gpu) {
+        snprintf(why, n, "%d ranks on this machine but %d GPU%s visible: give each rank a GPU (fewer ranks, or more "
+                 "GPUs in CUDA_VISIBLE_DEVICES), or let ranks share one with --ranks-per-gpu %d", local_ranks, gpus,
+                 gpus == 1 ? "" : "s", (local_ranks + gpus - 1) / gpus);
+        return -1;
+    }
+    return local_rank % gpus;
+}
+
+#ifndef DT_HAVE_CUDA
+int dt_nccl_available(char *why, size_t n) {
+    dt_copy_str(why, n, "this build has no CUDA, so no NCCL (install the CUDA toolkit and NCCL, then make)");
+    return 0;
+}
+int dt_nccl_version(void) { return 0; }
+#endif
+
+/* Two ranks on one GPU (--ranks-per-gpu): NCCL 2.30 and later allow it when
+   asked (NCCL_MULTI_RANK_GPU_ENABLE=1); older NCCL refuses a GPU twice in one
+   communicator, unless each rank says it is a host of its own (NCCL_HOSTID),
+   which sends the traffic through sockets over the loopback interface. Set
+   before NCCL starts; a variable the user set is kept. Says which, once. */
+#ifdef DT_HAVE_CUDA
+static void dt_share_gpus(int rank, int local_ranks, int gpus) {
+    int v = dt_nccl_version(), major = v >= 10000 ? v / 10000 : v / 1000, minor = v >= 10000 ? v / 100 % 100 : v / 100 % 10;
+    char how[160];
+    if (v >= 23000) {
+        setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 0);
+        snprintf(how, sizeof how, "NCCL %d.%d.%d with NCCL_MULTI_RANK_GPU_ENABLE=1", major, minor, v % 100);
+    } else {
+        char id[48];
+        snprintf(id, sizeof id, "dtrain-rank-%d", rank);
+        setenv("NCCL_HOSTID", id, 0);
+        setenv("NCCL_SOCKET_IFNAME", "lo", 0);
+        setenv("NCCL_IB_DISABLE", "1", 0);
+        snprintf(how, sizeof how, "NCCL %d.%d.%d (before 2.30): a NCCL_HOSTID per rank, sockets over the loopback "
+                 "interface", major, minor, v % 100);
+    }
+    if (rank == 0) printf("dtrain: sharing %d GPU%s among %d ranks on this machine: %s\n", gpus, gpus == 1 ? "" : "s",
+                          local_ranks, how);
+}
+#endif
+
 static int dt_free_port(void) {
     int fd = socket(AF_INET, SOCK_STREAM, 0), port = 29500;
     struct sockaddr_in a;
@@ -3984,6 +4253,8 @@ static int dt_free_port(void) {
 void dt_launch(int nproc, double timeout_s) {
     if (nproc <= 1 || getenv("DT_LAUNCHED_RANK")) return;
     if (nproc > DT_MAX_RANKS) dt_usage_error("--nproc %d: at most %d ranks", nproc, DT_MAX_RANKS);
+    if (dt_cuda_touched) dt_fail("internal error: CUDA was used before the ranks were started (a CUDA context does not "
+                                 "survive fork); decide the device in each rank");
     char port[16], cores[24];
     snprintf(port, sizeof port, "%d", dt_free_port());
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
@@ -3999,7 +4270,7 @@ void dt_launch(int nproc, double timeout_s) {
             snprintf(v, sizeof v, "%d", r);
             setenv("RANK", v, 1); setenv("LOCAL_RANK", v, 1); setenv("DT_LAUNCHED_RANK", v, 1);
             snprintf(v, sizeof v, "%d", nproc);
-            setenv("WORLD_SIZE", v, 1);
+            setenv("WORLD_SIZE", v, 1); setenv("LOCAL_WORLD_SIZE", v, 1);
             setenv("MASTER_ADDR", "127.0.0.1", 1);
             setenv("MASTER_PORT", port, 1);
             if (!getenv("OMP_NUM_THREADS")) {
@@ -4103,11 +4374,11 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     memset(&w, 0, sizeof w);
     static int serial;
     dt_path(w.shm_name, sizeof w.shm_name, "/dtrain-%d-%d-%d", (int)getuid(), (int)getpid(), serial++);
+    char why[256];
+    if (kind == DT_COMM_NCCL && !dt_nccl_available(why, sizeof why)) dt_fail("a job on GPUs needs NCCL: %s", why);
 #ifdef DT_HAVE_CUDA
     if (kind == DT_COMM_NCCL && rank == 0 && !dt_nccl_unique_id(w.nccl_id, sizeof w.nccl_id))
         dt_fail("NCCL could not make its unique id");
-#else
-    if (kind == DT_COMM_NCCL) dt_fail("NCCL needs a build with CUDA (nvcc was not found, or make CUDA=0)");
 #endif
     int shm_fd = -1, fds[DT_MAX_RANKS];
     size_t bytes = dt_shm_bytes(world);
@@ -4169,8 +4440,14 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     }
     if (rank == 0) shm_unlink(w.shm_name);
 #ifdef DT_HAVE_CUDA
-    if (kind == DT_COMM_NCCL) c->nccl = dt_nccl_init(w.nccl_id, rank, world, local);
+    if (kind == DT_COMM_NCCL) {             /* joined here, then handed to the communication thread */
+        c->hdr = hdr;                       /* the watchdog looks at the ranks through it */
+        c->backend = &dt_comm_nccl_backend;
+        c->nccl = dt_nccl_create(w.nccl_id, rank, world);
+        dt_nccl_watch(c, -1, "NCCL's start-up");
+    }
 #endif
+    (void)local;
     dt_comm_start(c, hdr);
     dt_barrier(c);                          /* everyone is in, and the header is set */
     dt_ctx.job = c;                         /* the run's logs, evaluation and checks use it */
@@ -5665,6 +5942,7 @@ static const dt_flag dt_flags[] = {
     { "--bucket-mb", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL },
     { "--timeout", "S", "stop when a rank has not answered for S seconds (default 60)", DT_ARG_FLOAT, DT_CFG(timeout), NULL },
+    { "--ranks-per-gpu", "N", "let N ranks share one GPU (default 1: a GPU per rank; NCCL 2.30+ does it best)", DT_ARG_INT, DT_CFG(ranks_per_gpu), NULL },
 };
 #undef DT_CFG
 
@@ -5682,7 +5960,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     dt_config c;
     memset(&c, 0, sizeof c);
     c.stage = stage;
-    c.nproc = 1; c.timeout = 60; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1;
+    c.nproc = 1; c.timeout = 60; c.ranks_per_gpu = 1; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1;
     c.image_size = 32; c.model = DT_MODEL_MLP; c.dim = c.depth = c.heads = c.patch = c.seq_len = c.vocab = -1;
     c.batch_size = c.epochs = -1; c.lr = NAN;     /* -1, NaN: not given (a flag's value is always finite) */
     c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
@@ -5771,10 +6049,6 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if (c.dim < 1 || c.depth < (vit || gpt ? 1 : 0) || c.heads < 1 || c.patch < 1) dt_usage_error("--dim, --depth, --heads and --patch must be positive");
     if ((vit || gpt) && c.dim % c.heads) dt_usage_error("--dim %d must be divisible by --heads %d", c.dim, c.heads);
     if (vit && c.image_size % c.patch) dt_usage_error("--image-size %d must be a multiple of --patch %d", c.image_size, c.patch);
-    if ((int)c.device == 2) {      /* auto: the GPU when this build has CUDA and one is visible */
-        char why[256];
-        c.device = dt_cuda_available(why, sizeof why) ? DT_CUDA : DT_CPU;
-    }
     if (c.nproc < 1) dt_usage_error("--nproc %d: at least 1", c.nproc);
     if (!(c.timeout > 0)) dt_usage_error("--timeout %g: seconds, more than 0", c.timeout);
     if (c.bucket_mb < 0) dt_usage_error("--bucket-mb %g: megabytes, 0 or more", c.bucket_mb);
@@ -5785,11 +6059,30 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if (c.accum_steps < 1) dt_usage_error("--accum-steps %d: at least 1", c.accum_steps);
     if (strncmp(stage, "05", 2) && (c.accum_steps != 1 || c.dtype != DT_F32 || c.reduce_dtype != DT_F32))
         dt_usage_error("--accum-steps, --dtype and --reduce-dtype arrive in stage 05-accum-mixed-precision, not %s", stage);
+    if (c.ranks_per_gpu < 1) dt_usage_error("--ranks-per-gpu %d: at least 1", c.ranks_per_gpu);
+    char why[256];
+    int ranks = strncmp(stage, "02", 2) ? c.nproc : 1;
+    if (c.device == DT_CUDA && ranks > 1 && !dt_nccl_available(why, sizeof why))
+        dt_usage_error("--device cuda --nproc %d: ranks on GPUs talk through NCCL, and %s", c.nproc, why);
     if (strncmp(stage, "02", 2)) dt_launch(c.nproc, c.timeout);   /* before any thread or device exists */
     dt_flush_subnormals();
     dt_rank_from_env(&c.rank, &c.world_size, &c.local_rank);
+    c.local_ranks = dt_local_ranks_from_env();
     dt_ctx.rank = c.rank;                      /* error lines name their rank from here on */
     dt_ctx.world_size = c.world_size;
+    if ((int)c.device == 2)                    /* auto, decided by each rank after the fork */
+        c.device = dt_cuda_available(why, sizeof why) ? DT_CUDA : DT_CPU;
+    if (c.device == DT_CUDA && c.world_size > 1 && !dt_nccl_available(why, sizeof why))
+        dt_fail("%d ranks on GPUs talk through NCCL, and %s", c.world_size, why);
+#ifdef DT_HAVE_CUDA
+    if (c.device == DT_CUDA) {
+        int gpus = dt_cuda_device_count(why, sizeof why);
+        if (gpus == 0) dt_fail("cannot use the GPU: %s (run with --device cpu)", why);
+        if (dt_gpu_for_rank(c.local_rank, c.local_ranks, gpus, c.ranks_per_gpu, why, sizeof why) < 0) dt_fail("%s", why);
+        int local = c.local_ranks > c.local_rank ? c.local_ranks : c.local_rank + 1;
+        if (local > gpus && c.world_size > 1) dt_share_gpus(c.rank, local, gpus);
+    }
+#endif
     dt_set_device(c.device, c.local_rank);
     return c;
 }
@@ -5842,23 +6135,18 @@ void dt_phase(dt_run *r, dt_phase_kind phase) {
     r->mark_ms = now;
 }
 
-/* Sum n floats over the ranks of the job, through device memory (NCCL reads nothing else). */
+/* Sum n host floats over the ranks of the job. */
 static void dt_job_sum(float *host, int n) {
     if (!dt_ctx.job || dt_ctx.world_size == 1) return;
-    float *buf = (float *)dt_step_data(sizeof(float) * (size_t)n);
-    dt_upload(buf, host, sizeof(float) * (size_t)n);
-    dt_all_reduce(dt_ctx.job, buf, buf, n, DT_F32, DT_SUM);
-    dt_download(host, buf, sizeof(float) * (size_t)n);
+    dt_comm_all_reduce_host(dt_ctx.job, host, n, DT_SUM);
 }
 /* The largest of every rank's value. */
 static float dt_job_max(float mine) {
     if (!dt_ctx.job || dt_ctx.world_size == 1) return mine;
     int W = dt_ctx.world_size;
-    float *buf = (float *)dt_step_data(sizeof(float) * (size_t)(W + 1)), *all = (float *)malloc(sizeof(float) * (size_t)W);
+    float *all = (float *)malloc(sizeof(float) * (size_t)W);
     if (!all) dt_fail("out of memory");
-    dt_upload(buf + W, &mine, sizeof mine);
-    dt_all_gather(dt_ctx.job, buf + W, buf, 1, DT_F32);
-    dt_download(all, buf, sizeof(float) * (size_t)W);
+    dt_comm_all_gather_host(dt_ctx.job, &mine, all, sizeof mine);
     for (int r = 0; r < W; r++) if (all[r] > mine) mine = all[r];
     free(all);
     return mine;
@@ -6757,6 +7045,8 @@ static struct {
     double *partials;                    /* sum_squares: one double per block, then the total */
     float *scratch;                      /* column sums: partial sums per slab of rows */
     size_t scratch_floats;
+    void *row_loss;                      /* cross-entropy: each row's loss, summed in order after */
+    size_t row_loss_bytes;
     dt_backend table;
 } dt_cuda;
 
@@ -6776,16 +7066,17 @@ static void dt_cublas_check(cublasStatus_t st, const char *call, const char *fil
         dt_cuda_check(cudaGetLastError(), "launching " #kernel, __FILE__, __LINE__);    \
     } while (0)
 
-#define DT_THREADS 256
-static unsigned dt_blocks_for(int64_t n) {               /* grid-stride loops cover the rest */
-    int64_t b = (n + DT_THREADS - 1) / DT_THREADS;
-    return (unsigned)(b < 1 ? 1 : b > 65535 * 8 ? 65535 * 8 : b);
-}
 static unsigned dt_blocks_for_warps(int64_t rows) {      /* one warp (32 threads) per row */
     return dt_blocks_for(rows * 32);
 }
-#define DT_FOR_EACH(i, n) \
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
+#define DT_FOR_EACH(i, n)                                                                          \
+    for (int64_t i = dt_grid_first(blockIdx.x, blockDim.x, threadIdx.x); i < (n);                  \
+         i += dt_grid_stride(gridDim.x, blockDim.x))
+/* One warp per row; `lane` is the thread's place in it. Whole warps move on
+   together, so the shuffles inside see all 32 lanes. */
+#define DT_FOR_EACH_ROW(row, rows)                                                                 \
+    for (int64_t row = dt_grid_first(blockIdx.x, blockDim.x, threadIdx.x) / 32; row < (rows);      \
+         row += dt_grid_stride(gridDim.x, blockDim.x) / 32)
 
 __device__ static inline float dt_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -6826,6 +7117,13 @@ static void dt_cuda_download(void *dst, const void *src, size_t bytes) {
     DT_CUDA_CHECK(cudaStreamSynchronize(dt_cuda.stream));
 }
 static void dt_cuda_synchronize(void) { DT_CUDA_CHECK(cudaStreamSynchronize(dt_cuda.stream)); }
+/* Is p memory of a GPU (or managed)? Host memory, and pointers CUDA has never
+   seen, are not. */
+static int dt_cuda_owns(const void *p) {
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) { cudaGetLastError(); return 0; }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
 
 /* ---- matmul: cuBLAS is column-major. A row-major matrix is its column-major
         transpose, so C = op(A) op(B) is computed as C^T = op(B)^T op(A)^T:
@@ -6886,6 +7184,15 @@ __global__ static void dt_k_colsum_finish(const float *part, int slabs, int cols
         for (int k = 0; k < slabs; k++) s += part[(size_t)k * cols + j];
         out[j] += s;
     }
+}
+/* A buffer that grows to the largest size asked (in the first step only). */
+static void *dt_cuda_grow(void **buf, size_t *cap, size_t bytes) {
+    if (bytes > *cap) {
+        if (*buf) dt_cuda_release(*buf);
+        *buf = dt_cuda_alloc(bytes);
+        *cap = bytes;
+    }
+    return *buf;
 }
 static float *dt_cuda_scratch(size_t floats) {
     if (floats > dt_cuda.scratch_floats) {        /* grows in the first step only */
@@ -6954,18 +7261,18 @@ static void dt_cuda_scale(float *x, float c, int64_t n) { DT_LAUNCH(dt_k_scale, 
         warp shuffles. Two passes (mean, then variance), as on the CPU. ---- */
 __global__ static void dt_k_layernorm_forward(const float *x, const float *w, const float *b, float *y, float *stats,
                                               int rows, int D, float eps) {
-    int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     int lane = threadIdx.x % 32;
-    if (row >= rows) return;                      /* whole warps leave together */
-    const float *xr = x + row * D;
-    float *yr = y + row * D;
-    float sum = 0, var = 0;
-    for (int j = lane; j < D; j += 32) sum += xr[j];
-    float mean = dt_warp_sum(sum) / D;
-    for (int j = lane; j < D; j += 32) { float d = xr[j] - mean; var += d * d; }
-    float rstd = 1.0f / sqrtf(dt_warp_sum(var) / D + eps);
-    for (int j = lane; j < D; j += 32) yr[j] = (xr[j] - mean) * rstd * (w ? w[j] : 1.0f) + (b ? b[j] : 0.0f);
-    if (lane == 0) { stats[row] = mean; stats[rows + row] = rstd; }
+    DT_FOR_EACH_ROW(row, rows) {
+        const float *xr = x + row * D;
+        float *yr = y + row * D;
+        float sum = 0, var = 0;
+        for (int j = lane; j < D; j += 32) sum += xr[j];
+        float mean = dt_warp_sum(sum) / D;
+        for (int j = lane; j < D; j += 32) { float d = xr[j] - mean; var += d * d; }
+        float rstd = 1.0f / sqrtf(dt_warp_sum(var) / D + eps);
+        for (int j = lane; j < D; j += 32) yr[j] = (xr[j] - mean) * rstd * (w ? w[j] : 1.0f) + (b ? b[j] : 0.0f);
+        if (lane == 0) { stats[row] = mean; stats[rows + row] = rstd; }
+    }
 }
 static void dt_cuda_layernorm_forward(const float *x, const float *w, const float *b, float *y, float *stats, int rows,
                                       int cols, float eps) {
@@ -6973,20 +7280,20 @@ static void dt_cuda_layernorm_forward(const float *x, const float *w, const floa
 }
 __global__ static void dt_k_layernorm_backward_dx(const float *x, const float *w, const float *dy, const float *stats,
                                                   float *dx, int rows, int D) {
-    int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     int lane = threadIdx.x % 32;
-    if (row >= rows) return;
-    const float *xr = x + row * D, *dyr = dy + row * D;
-    float mean = stats[row], rstd = stats[rows + row], sum_g = 0, sum_gx = 0;
-    for (int j = lane; j < D; j += 32) {
-        float g = dyr[j] * (w ? w[j] : 1.0f);
-        sum_g += g;
-        sum_gx += g * (xr[j] - mean) * rstd;
-    }
-    float mg = dt_warp_sum(sum_g) / D, mgx = dt_warp_sum(sum_gx) / D;
-    for (int j = lane; j < D; j += 32) {
-        float g = dyr[j] * (w ? w[j] : 1.0f), xhat = (xr[j] - mean) * rstd;
-        dx[row * D + j] += rstd * (g - mg - xhat * mgx);
+    DT_FOR_EACH_ROW(row, rows) {
+        const float *xr = x + row * D, *dyr = dy + row * D;
+        float mean = stats[row], rstd = stats[rows + row], sum_g = 0, sum_gx = 0;
+        for (int j = lane; j < D; j += 32) {
+            float g = dyr[j] * (w ? w[j] : 1.0f);
+            sum_g += g;
+            sum_gx += g * (xr[j] - mean) * rstd;
+        }
+        float mg = dt_warp_sum(sum_g) / D, mgx = dt_warp_sum(sum_gx) / D;
+        for (int j = lane; j < D; j += 32) {
+            float g = dyr[j] * (w ? w[j] : 1.0f), xhat = (xr[j] - mean) * rstd;
+            dx[row * D + j] += rstd * (g - mg - xhat * mgx);
+        }
     }
 }
 static void dt_cuda_layernorm_backward(const float *x, const float *w, const float *dy, const float *stats, float *dx,
@@ -7018,27 +7325,27 @@ __global__ static void dt_k_merge_heads(const float *heads, float *rows, int B, 
     }
 }
 __global__ static void dt_k_softmax_rows(float *P, int64_t rows, int T, int causal) {
-    int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     int lane = threadIdx.x % 32;
-    if (row >= rows) return;
-    float *r = P + row * T;
-    int valid = causal ? (int)(row % T) + 1 : T;   /* causal: query i sees keys 0..i */
-    float mx = -INFINITY, sum = 0;
-    for (int j = lane; j < valid; j += 32) mx = fmaxf(mx, r[j]);
-    mx = dt_warp_max(mx);
-    for (int j = lane; j < valid; j += 32) { float e = expf(r[j] - mx); r[j] = e; sum += e; }
-    sum = dt_warp_sum(sum);
-    for (int j = lane; j < T; j += 32) r[j] = j < valid ? r[j] / sum : 0.0f;
+    DT_FOR_EACH_ROW(row, rows) {
+        float *r = P + row * T;
+        int valid = causal ? (int)(row % T) + 1 : T;   /* causal: query i sees keys 0..i */
+        float mx = -INFINITY, sum = 0;
+        for (int j = lane; j < valid; j += 32) mx = fmaxf(mx, r[j]);
+        mx = dt_warp_max(mx);
+        for (int j = lane; j < valid; j += 32) { float e = expf(r[j] - mx); r[j] = e; sum += e; }
+        sum = dt_warp_sum(sum);
+        for (int j = lane; j < T; j += 32) r[j] = j < valid ? r[j] / sum : 0.0f;
+    }
 }
 __global__ static void dt_k_softmax_backward_rows(const float *P, float *dP, int64_t rows, int T, float scale) {
-    int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     int lane = threadIdx.x % 32;
-    if (row >= rows) return;
-    const float *p = P + row * T;
-    float *d = dP + row * T, dot = 0;
-    for (int j = lane; j < T; j += 32) dot += d[j] * p[j];
-    dot = dt_warp_sum(dot);
-    for (int j = lane; j < T; j += 32) d[j] = p[j] * (d[j] - dot) * scale;
+    DT_FOR_EACH_ROW(row, rows) {
+        const float *p = P + row * T;
+        float *d = dP + row * T, dot = 0;
+        for (int j = lane; j < T; j += 32) dot += d[j] * p[j];
+        dot = dt_warp_sum(dot);
+        for (int j = lane; j < T; j += 32) d[j] = p[j] * (d[j] - dot) * scale;
+    }
 }
 static void dt_cuda_attention_forward(const float *qkv, float *out, float *saved, int B, int T, int H, int D,
                                       float scale, int causal) {
@@ -7079,9 +7386,7 @@ __global__ static void dt_k_vit_tokens(const float *patches, const float *cls, c
     }
 }
 /* Token embedding: ids arrive as f32 (validated on the host when the data
-   was read). The backward gives each thread one column and walks the rows in
-   order, as the CPU loop does: a token that appears twice gets both rows,
-   summed in a fixed order, with no atomics. */
+   was read). */
 __global__ static void dt_k_token_embedding(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D) {
     DT_FOR_EACH(i, (int64_t)BT * D) {
         int64_t r = i / D, j = i % D;
@@ -7091,16 +7396,31 @@ __global__ static void dt_k_token_embedding(const float *tok, const float *wte, 
 static void dt_cuda_token_embedding_forward(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D) {
     DT_LAUNCH(dt_k_token_embedding, dt_blocks_for((int64_t)BT * D), DT_THREADS, tok, wte, wpe, y, BT, T, D);
 }
-__global__ static void dt_k_token_embedding_backward(const float *tok, const float *dy, float *dwte, float *dwpe, int BT,
-                                                     int T, int D) {
-    DT_FOR_EACH(j, (int64_t)D)
-        for (int64_t r = 0; r < BT; r++) {
-            if (dwte) dwte[(int64_t)tok[r] * D + j] += dy[r * D + j];
-            if (dwpe) dwpe[(r % T) * D + j] += dy[r * D + j];
-        }
+/* One thread per (token, column) walks that token's rows in order, and one
+   per (position, column) walks the batch: the CPU's order, no atomics. */
+__global__ static void dt_k_token_embedding_backward_wte(const int32_t *order, const int32_t *start, const int32_t *token,
+                                                         int groups, const float *dy, float *dwte, int D) {
+    DT_FOR_EACH(i, (int64_t)groups * D) {
+        int64_t g = i / D, j = i % D;
+        float acc = dwte[(int64_t)token[g] * D + j];
+        for (int k = start[g]; k < start[g + 1]; k++) acc += dy[(int64_t)order[k] * D + j];
+        dwte[(int64_t)token[g] * D + j] = acc;
+    }
 }
-static void dt_cuda_token_embedding_backward(const float *tok, const float *dy, float *dwte, float *dwpe, int BT, int T, int D) {
-    if (dwte || dwpe) DT_LAUNCH(dt_k_token_embedding_backward, dt_blocks_for(D), DT_THREADS, tok, dy, dwte, dwpe, BT, T, D);
+__global__ static void dt_k_token_embedding_backward_wpe(const float *dy, float *dwpe, int BT, int T, int D) {
+    DT_FOR_EACH(i, (int64_t)T * D) {
+        int64_t t = i / D, j = i % D;
+        float acc = dwpe[i];
+        for (int64_t r = t; r < BT; r += T) acc += dy[r * D + j];
+        dwpe[i] = acc;
+    }
+}
+static void dt_cuda_token_embedding_backward(const int32_t *by_token, int groups, const float *dy, float *dwte, float *dwpe,
+                                             int BT, int T, int D) {
+    const int32_t *start = by_token + BT, *token = start + groups + 1;
+    if (dwte) DT_LAUNCH(dt_k_token_embedding_backward_wte, dt_blocks_for((int64_t)groups * D), DT_THREADS, by_token, start,
+                        token, groups, dy, dwte, D);
+    if (dwpe) DT_LAUNCH(dt_k_token_embedding_backward_wpe, dt_blocks_for((int64_t)T * D), DT_THREADS, dy, dwpe, BT, T, D);
 }
 static void dt_cuda_vit_tokens_forward(const float *patches, const float *cls, const float *pos, float *y, int B, int P,
                                        int D) {
@@ -7147,34 +7467,41 @@ static void dt_cuda_patchify(const float *img, float *out, int B, int C, int H, 
               W, p);
 }
 
-/* ---- cross-entropy: one block, one warp per row; the rows' losses are added
-        in a fixed order (warp by warp), so the mean is the same every run. ---- */
-__global__ static void dt_k_cross_entropy(const float *logits, const int32_t *labels, float *probs, float *loss, int B,
-                                          int C) {
-    __shared__ double warp_loss[32];
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
-    double acc = 0;
-    for (int i = warp; i < B; i += nwarps) {
-        const float *r = logits + (int64_t)i * C;
-        float *pr = probs + (int64_t)i * C, mx = -INFINITY, sum = 0;
+/* ---- cross-entropy: one warp per row, as many blocks as the rows need;
+        each row's loss goes to a buffer, and one block then adds the rows in
+        a fixed order (thread t takes rows t, t + 256, ..., then a fixed tree),
+        so the mean is the same every run. ---- */
+__global__ static void dt_k_cross_entropy_rows(const float *logits, const int32_t *labels, float *probs, double *row_loss,
+                                               int B, int C) {
+    int lane = threadIdx.x % 32;
+    DT_FOR_EACH_ROW(i, B) {
+        const float *r = logits + i * C;
+        float *pr = probs + i * C, mx = -INFINITY, sum = 0;
         for (int j = lane; j < C; j += 32) mx = fmaxf(mx, r[j]);
         mx = dt_warp_max(mx);
         for (int j = lane; j < C; j += 32) { pr[j] = expf(r[j] - mx); sum += pr[j]; }
         sum = dt_warp_sum(sum);
         for (int j = lane; j < C; j += 32) pr[j] /= sum;
-        if (lane == 0) acc += -((double)r[labels[i]] - mx - log((double)sum));
+        if (lane == 0) row_loss[i] = -((double)r[labels[i]] - mx - log((double)sum));
     }
-    if (lane == 0) warp_loss[warp] = acc;
+}
+__global__ static void dt_k_mean_of_rows(const double *row_loss, int B, float *loss) {
+    __shared__ double sh[DT_THREADS];
+    double s = 0;
+    for (int i = threadIdx.x; i < B; i += DT_THREADS) s += row_loss[i];
+    sh[threadIdx.x] = s;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        double total = 0;
-        for (int w = 0; w < nwarps; w++) total += warp_loss[w];
-        loss[0] = (float)(total / B);
+    for (int w = DT_THREADS / 2; w > 0; w >>= 1) {
+        if ((int)threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+        __syncthreads();
     }
+    if (threadIdx.x == 0) loss[0] = (float)(sh[0] / B);
 }
 static void dt_cuda_cross_entropy_forward(const float *logits, const int32_t *labels, float *probs, float *loss, int B,
                                           int C) {
-    DT_LAUNCH(dt_k_cross_entropy, 1, 1024, logits, labels, probs, loss, B, C);
+    double *row_loss = (double *)dt_cuda_grow(&dt_cuda.row_loss, &dt_cuda.row_loss_bytes, sizeof(double) * (size_t)B);
+    DT_LAUNCH(dt_k_cross_entropy_rows, dt_blocks_for_warps(B), DT_THREADS, logits, labels, probs, row_loss, B, C);
+    DT_LAUNCH(dt_k_mean_of_rows, 1, DT_THREADS, row_loss, B, loss);
 }
 __global__ static void dt_k_cross_entropy_backward(const float *p, const int32_t *labels, const float *dloss,
                                                    float *dl, int B, int C) {
@@ -7289,27 +7616,36 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     t->select_token_forward = dt_cuda_select_token_forward; t->select_token_backward = dt_cuda_select_token_backward;
     t->cross_entropy_forward = dt_cuda_cross_entropy_forward; t->cross_entropy_backward = dt_cuda_cross_entropy_backward;
     t->patchify = dt_cuda_patchify; t->sum_squares = dt_cuda_sum_squares; t->scale = dt_cuda_scale;
-    t->adamw = dt_cuda_adamw; t->sgd = dt_cuda_sgd; t->convert = dt_cuda_convert;
+    t->adamw = dt_cuda_adamw; t->sgd = dt_cuda_sgd; t->convert = dt_cuda_convert; t->owns = dt_cuda_owns;
     return t;
 }
-/* ---- NCCL: the collectives of section 9 for GPU buffers. Each rank's
-        communicator runs on a stream of its own; a collective first waits for
-        the kernels queued so far (its input is their output), and a wait polls
-        for NCCL's asynchronous errors so a dead peer ends in a message and an
-        aborted communicator rather than a hang. ---- */
-#if __has_include(<nccl.h>)
+/* ---- NCCL: the collectives of section 9 for GPU buffers (the contract is
+        beside dt_backend at the top). The communicator is non-blocking, so no
+        call can hang the thread that makes it: section 9's watchdog polls
+        dt_nccl_progress, and aborts when a rank dies or --timeout passes. Each
+        collective has two events: `inputs`, recorded on the compute stream
+        when it is queued (its input is the output of the kernels before it),
+        and `done`, recorded on NCCL's stream after it; the compute stream
+        waits for `done` -- for that collective only, so the next one (FSDP's
+        prefetch) still overlaps the compute. ---- */
+#ifdef DT_HAVE_NCCL
 #include <nccl.h>
-typedef struct dt_nccl_state {
+struct dt_nccl {
     ncclComm_t comm;
     cudaStream_t stream;
-    cudaEvent_t inputs_ready;
+    cudaEvent_t inputs[DT_COMM_QUEUE], done[DT_COMM_QUEUE];
     float *one;                          /* a 1-element buffer: a barrier is an all-reduce of it */
-} dt_nccl_state;
+};
 static void dt_nccl_check(ncclResult_t r, const char *call, const char *file, int line) {
     if (r != ncclSuccess && r != ncclInProgress) dt_fail("%s failed at %s:%d: %s", call, file, line, ncclGetErrorString(r));
 }
 #define DT_NCCL_CHECK(call) dt_nccl_check((call), #call, __FILE__, __LINE__)
 
+extern "C" int dt_nccl_available(char *why, size_t n) { (void)why; (void)n; return 1; }
+extern "C" int dt_nccl_version(void) {
+    int v = 0;
+    return ncclGetVersion(&v) == ncclSuccess ? v : 0;
+}
 extern "C" int dt_nccl_unique_id(unsigned char *out, size_t n) {
     ncclUniqueId id;
     if (n < sizeof id) return 0;
@@ -7317,80 +7653,95 @@ extern "C" int dt_nccl_unique_id(unsigned char *out, size_t n) {
     memcpy(out, &id, sizeof id);
     return 1;
 }
-extern "C" void *dt_nccl_init(const unsigned char *id_bytes, int rank, int world, int local_rank) {
-    char why[256] = "";
-    if (!dt_cuda_backend(local_rank, why, sizeof why)) dt_fail("NCCL needs a GPU: %s", why);
-    dt_nccl_state *s = (dt_nccl_state *)calloc(1, sizeof *s);
+extern "C" dt_nccl *dt_nccl_create(const unsigned char *id_bytes, int rank, int world) {
+    if (!dt_cuda.stream) dt_fail("internal error: NCCL started before the GPU was chosen (dt_set_device)");
+    dt_nccl *s = (dt_nccl *)calloc(1, sizeof *s);
     if (!s) dt_fail("out of memory (NCCL)");
     ncclUniqueId id;
     memcpy(&id, id_bytes, sizeof id);
     DT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
-    DT_CUDA_CHECK(cudaEventCreateWithFlags(&s->inputs_ready, cudaEventDisableTiming));
+    for (int k = 0; k < DT_COMM_QUEUE; k++) {
+        DT_CUDA_CHECK(cudaEventCreateWithFlags(&s->inputs[k], cudaEventDisableTiming));
+        DT_CUDA_CHECK(cudaEventCreateWithFlags(&s->done[k], cudaEventDisableTiming));
+    }
     s->one = (float *)dt_cuda_alloc(sizeof(float));
-    DT_NCCL_CHECK(ncclCommInitRank(&s->comm, world, id, rank));
+    DT_CUDA_CHECK(cudaMemsetAsync(s->one, 0, sizeof(float), dt_cuda.stream));
+    DT_CUDA_CHECK(cudaStreamSynchronize(dt_cuda.stream));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;                 /* every call returns at once; section 9 polls */
+    DT_NCCL_CHECK(ncclCommInitRankConfig(&s->comm, world, id, rank, &config));
     return s;
 }
-extern "C" void dt_nccl_run(void *state, int kind, const void *send, void *recv, int64_t count, int dtype, int op,
-                            int root) {
-    dt_nccl_state *s = (dt_nccl_state *)state;
+extern "C" int dt_nccl_progress(dt_nccl *s, char *why, size_t n) {
+    ncclResult_t state = ncclSuccess, r = ncclCommGetAsyncError(s->comm, &state);
+    if (r != ncclSuccess) state = r;
+    if (state == ncclSuccess) return 1;
+    if (state == ncclInProgress) return 0;
+    snprintf(why, n, "%s (%s)", ncclGetErrorString(state), ncclGetLastError(s->comm));
+    return -1;
+}
+extern "C" void dt_nccl_mark_inputs(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaEventRecord(s->inputs[slot], dt_cuda.stream)); }
+extern "C" void dt_nccl_issue(dt_nccl *s, int slot, dt_coll kind, const void *send, void *recv, int64_t count,
+                              dt_dtype dtype, dt_reduce_op op, int root) {
     ncclDataType_t t = dtype == DT_F32 ? ncclFloat32 : dtype == DT_BF16 ? ncclBfloat16 : ncclFloat16;
     ncclRedOp_t red = op == DT_AVG ? ncclAvg : ncclSum;
     size_t n = (size_t)count;
     DT_CUDA_CHECK(cudaSetDevice(dt_cuda.index));           /* the current GPU is per thread */
-    DT_CUDA_CHECK(cudaEventRecord(s->inputs_ready, dt_cuda.stream));
-    DT_CUDA_CHECK(cudaStreamWaitEvent(s->stream, s->inputs_ready, 0));
+    DT_CUDA_CHECK(cudaStreamWaitEvent(s->stream, s->inputs[slot], 0));
     switch (kind) {
-    case 0: DT_NCCL_CHECK(ncclAllReduce(send, recv, n, t, red, s->comm, s->stream)); break;
-    case 1: DT_NCCL_CHECK(ncclReduceScatter(send, recv, n, t, red, s->comm, s->stream)); break;
-    case 2: DT_NCCL_CHECK(ncclAllGather(send, recv, n, t, s->comm, s->stream)); break;
-    case 3: DT_NCCL_CHECK(ncclBroadcast(send, recv, n, t, root, s->comm, s->stream)); break;
-    case 4: DT_NCCL_CHECK(ncclReduce(send, recv, n, t, red, root, s->comm, s->stream)); break;
-    default: DT_NCCL_CHECK(ncclAllReduce(s->one, s->one, 1, ncclFloat32, ncclSum, s->comm, s->stream)); break;
+    case DT_COLL_ALL_REDUCE: DT_NCCL_CHECK(ncclAllReduce(send, recv, n, t, red, s->comm, s->stream)); break;
+    case DT_COLL_REDUCE_SCATTER: DT_NCCL_CHECK(ncclReduceScatter(send, recv, n, t, red, s->comm, s->stream)); break;
+    case DT_COLL_ALL_GATHER: DT_NCCL_CHECK(ncclAllGather(send, recv, n, t, s->comm, s->stream)); break;
+    case DT_COLL_BROADCAST: DT_NCCL_CHECK(ncclBroadcast(send, recv, n, t, root, s->comm, s->stream)); break;
+    case DT_COLL_REDUCE: DT_NCCL_CHECK(ncclReduce(send, recv, n, t, red, root, s->comm, s->stream)); break;
+    case DT_COLL_BARRIER: DT_NCCL_CHECK(ncclAllReduce(s->one, s->one, 1, ncclFloat32, ncclSum, s->comm, s->stream)); break;
     }
 }
-extern "C" void dt_nccl_wait(void *state, double timeout_s) {
-    dt_nccl_state *s = (dt_nccl_state *)state;
-    struct timespec t0, now;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (;;) {
-        cudaError_t q = cudaStreamQuery(s->stream);
-        if (q == cudaSuccess) return;
-        if (q != cudaErrorNotReady) dt_cuda_check(q, "cudaStreamQuery(NCCL stream)", __FILE__, __LINE__);
-        ncclResult_t async = ncclSuccess;
-        DT_NCCL_CHECK(ncclCommGetAsyncError(s->comm, &async));
-        if (async != ncclSuccess && async != ncclInProgress) {
-            ncclCommAbort(s->comm);
-            dt_fail("NCCL reported an error during a collective: %s (a rank may have died); communicator aborted",
-                    ncclGetErrorString(async));
-        }
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        if ((now.tv_sec - t0.tv_sec) + (now.tv_nsec - t0.tv_nsec) / 1e9 > timeout_s) {
-            ncclCommAbort(s->comm);
-            dt_fail("an NCCL collective has not finished after %.0f s (--timeout): a rank died or hangs; communicator "
-                    "aborted", timeout_s);
-        }
-        struct timespec ts = { 0, 100000 };
-        nanosleep(&ts, NULL);
-    }
+extern "C" void dt_nccl_mark_done(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaEventRecord(s->done[slot], s->stream)); }
+extern "C" int dt_nccl_finished(dt_nccl *s, int slot) {
+    cudaError_t q = cudaEventQuery(s->done[slot]);
+    if (q == cudaErrorNotReady) return 0;
+    DT_CUDA_CHECK(q);
+    return 1;
 }
-extern "C" void dt_nccl_free(void *state) {
-    dt_nccl_state *s = (dt_nccl_state *)state;
-    DT_NCCL_CHECK(ncclCommDestroy(s->comm));
-    DT_CUDA_CHECK(cudaEventDestroy(s->inputs_ready));
+extern "C" void dt_nccl_stream_wait(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaStreamWaitEvent(dt_cuda.stream, s->done[slot], 0)); }
+extern "C" void dt_nccl_abort(dt_nccl *s) { ncclCommAbort(s->comm); s->comm = NULL; }
+extern "C" void dt_nccl_finalize(dt_nccl *s) { if (s->comm) DT_NCCL_CHECK(ncclCommFinalize(s->comm)); }
+extern "C" void dt_nccl_free(dt_nccl *s) {
+    if (s->comm) DT_NCCL_CHECK(ncclCommDestroy(s->comm));
+    for (int k = 0; k < DT_COMM_QUEUE; k++) {
+        DT_CUDA_CHECK(cudaEventDestroy(s->inputs[k]));
+        DT_CUDA_CHECK(cudaEventDestroy(s->done[k]));
+    }
     DT_CUDA_CHECK(cudaStreamDestroy(s->stream));
     dt_cuda_release(s->one);
     free(s);
 }
 #else
-extern "C" int dt_nccl_unique_id(unsigned char *out, size_t n) { (void)out; (void)n; return 0; }
-extern "C" void *dt_nccl_init(const unsigned char *id, int rank, int world, int local_rank) {
-    (void)id; (void)rank; (void)world; (void)local_rank;
-    dt_fail("this build of dtrain's CUDA backend has no NCCL (nccl.h was not found)");
+/* A CUDA build without NCCL: one GPU per job works; a job of several ranks
+   on GPUs is refused at start (dt_parse_args asks dt_nccl_available). */
+extern "C" int dt_nccl_available(char *why, size_t n) {
+    snprintf(why, n, "this build has no NCCL: install it (Debian: libnccl-dev; or pip install nvidia-nccl-cu13, "
+             "found by the Makefile; or NCCL_HOME=DIR), then make clean all");
+    return 0;
 }
-extern "C" void dt_nccl_run(void *s, int kind, const void *send, void *recv, int64_t count, int dtype, int op, int root) {
-    (void)s; (void)kind; (void)send; (void)recv; (void)count; (void)dtype; (void)op; (void)root;
+extern "C" int dt_nccl_version(void) { return 0; }
+static void dt_no_nccl(void) { dt_fail("internal error: NCCL used in a build without it"); }
+extern "C" int dt_nccl_unique_id(unsigned char *out, size_t n) { (void)out; (void)n; dt_no_nccl(); return 0; }
+extern "C" dt_nccl *dt_nccl_create(const unsigned char *id, int rank, int world) {
+    (void)id; (void)rank; (void)world; dt_no_nccl(); return NULL;
 }
-extern "C" void dt_nccl_wait(void *s, double timeout_s) { (void)s; (void)timeout_s; }
-extern "C" void dt_nccl_free(void *s) { (void)s; }
+extern "C" int dt_nccl_progress(dt_nccl *s, char *why, size_t n) { (void)s; (void)why; (void)n; dt_no_nccl(); return -1; }
+extern "C" void dt_nccl_mark_inputs(dt_nccl *s, int slot) { (void)s; (void)slot; dt_no_nccl(); }
+extern "C" void dt_nccl_issue(dt_nccl *s, int slot, dt_coll kind, const void *send, void *recv, int64_t count,
+                              dt_dtype dtype, dt_reduce_op op, int root) {
+    (void)s; (void)slot; (void)kind; (void)send; (void)recv; (void)count; (void)dtype; (void)op; (void)root; dt_no_nccl();
+}
+extern "C" void dt_nccl_mark_done(dt_nccl *s, int slot) { (void)s; (void)slot; dt_no_nccl(); }
+extern "C" int dt_nccl_finished(dt_nccl *s, int slot) { (void)s; (void)slot; dt_no_nccl(); return 0; }
+extern "C" void dt_nccl_stream_wait(dt_nccl *s, int slot) { (void)s; (void)slot; dt_no_nccl(); }
+extern "C" void dt_nccl_abort(dt_nccl *s) { (void)s; }
+extern "C" void dt_nccl_finalize(dt_nccl *s) { (void)s; }
+extern "C" void dt_nccl_free(dt_nccl *s) { (void)s; }
 #endif
 #endif /* DTRAIN_CUDA_IMPLEMENTATION */
