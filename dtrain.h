@@ -6803,6 +6803,8 @@ static void dt_load_text(const dt_config *cfg, dt_dataset *train, dt_dataset *va
 }
 
 void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
+    memset(train, 0, sizeof *train);     /* the caller's sets start empty: no field is read before it is written */
+    memset(val, 0, sizeof *val);
     if (cfg->model == DT_MODEL_GPT) { dt_load_text(cfg, train, val); return; }
     if (cfg->bench) { dt_bench_data(cfg, train, val); return; }
     const char *dir = cfg->data;
