@@ -463,8 +463,11 @@ int dt_comm_rank(const dt_comm *c);
 int dt_comm_size(const dt_comm *c);
 
 /* Asynchronous collectives run in order on a communication thread (shared memory)
-   or stream (NCCL); dt_comm_wait() returns when the call behind a handle is done.
-   count is in elements of dtype; send and recv may be the same buffer. */
+   or stream (NCCL); dt_comm_wait() returns when the call behind a handle is done
+   -- on GPUs, when the GPU's later work waits for it (the host does not), so
+   its result is read through the device's stream, as every copy is.
+   dt_barrier holds the host on both. count is in elements of dtype; send and
+   recv may be the same buffer. */
 dt_comm_handle dt_all_reduce_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype,
                                    dt_reduce_op op);
 /* send holds world * count elements; recv gets this rank's count of the reduction. */
@@ -4018,9 +4021,15 @@ void dt_broadcast(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int root
 void dt_reduce(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op, int root) {
     dt_comm_wait(c, dt_reduce_async(c, send, recv, count, dtype, op, root));
 }
+/* A barrier holds the host, on a GPU too (whose dt_comm_wait would only hold
+   the GPU): what follows it -- reading a file another rank wrote -- happens on
+   the host. Its finishing means every rank has reached it. */
 void dt_barrier(dt_comm *c) {
     dt_comm_op o = { DT_COLL_BARRIER, NULL, NULL, 0, DT_F32, DT_SUM, 0 };
-    dt_comm_wait(c, dt_comm_submit(c, o));
+    dt_comm_handle h = dt_comm_submit(c, o);
+    pthread_mutex_lock(&c->mu);
+    dt_host_wait(c, h);
+    pthread_mutex_unlock(&c->mu);
 }
 int dt_comm_rank(const dt_comm *c) { return c->rank; }
 /* When the communication thread started and finished the call behind h (after
@@ -4127,9 +4136,6 @@ void dt_comm_free(dt_comm *c) {
     pthread_cond_signal(&c->wake);
     pthread_mutex_unlock(&c->mu);
     pthread_join(c->worker, NULL);
-    dt_comm *self = c;
-    __atomic_compare_exchange_n(&dt_active_comm, &self, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-    if (dt_ctx.job == c) dt_ctx.job = NULL;
 #ifdef DT_HAVE_CUDA
     if (c->nccl) {                          /* the thread is gone: this one owns the communicator now */
         dt_nccl_finalize(c->nccl);
@@ -4137,6 +4143,9 @@ void dt_comm_free(dt_comm *c) {
         dt_nccl_free(c->nccl);
     }
 #endif
+    dt_comm *self = c;                      /* until here it still tells the others when we fail */
+    __atomic_compare_exchange_n(&dt_active_comm, &self, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    if (dt_ctx.job == c) dt_ctx.job = NULL;
     if (c->map_bytes) { munmap(c->hdr, c->map_bytes); dt_mem_count(DT_ARENA_COMM, c->map_bytes, -1); }
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->wake);
@@ -4219,7 +4228,7 @@ int dt_nccl_version(void) { return 0; }
 #ifdef DT_HAVE_CUDA
 static void dt_share_gpus(int rank, int local_ranks, int gpus) {
     int v = dt_nccl_version(), major = v >= 10000 ? v / 10000 : v / 1000, minor = v >= 10000 ? v / 100 % 100 : v / 100 % 10;
-    char how[160];
+    char how[256];
     if (v >= 23000) {
         setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 0);
         snprintf(how, sizeof how, "NCCL %d.%d.%d with NCCL_MULTI_RANK_GPU_ENABLE=1", major, minor, v % 100);
@@ -4230,7 +4239,7 @@ static void dt_share_gpus(int rank, int local_ranks, int gpus) {
         setenv("NCCL_SOCKET_IFNAME", "lo", 0);
         setenv("NCCL_IB_DISABLE", "1", 0);
         snprintf(how, sizeof how, "NCCL %d.%d.%d (before 2.30): a NCCL_HOSTID per rank, sockets over the loopback "
-                 "interface", major, minor, v % 100);
+                 "interface -- a workaround NCCL does not support, for tests only", major, minor, v % 100);
     }
     if (rank == 0) printf("dtrain: sharing %d GPU%s among %d ranks on this machine: %s\n", gpus, gpus == 1 ? "" : "s",
                           local_ranks, how);
@@ -5951,7 +5960,8 @@ static void dt_print_help(const char *stage) {
     for (size_t i = 0; i < sizeof dt_flags / sizeof dt_flags[0]; i++) {
         char left[64];
         snprintf(left, sizeof left, "%s %s", dt_flags[i].name, dt_flags[i].metavar ? dt_flags[i].metavar : "");
-        printf("  %-24s%s\n", left, dt_flags[i].help);
+        if (strlen(left) < 24) printf("  %-24s%s\n", left, dt_flags[i].help);
+        else printf("  %s\n  %-24s%s\n", left, "", dt_flags[i].help);   /* a long one on a line of its own */
     }
     printf("  %-24s%s\n\nThreads: OMP_NUM_THREADS (default: every core).\n", "--help", "this list");
 }
@@ -7123,7 +7133,9 @@ static void dt_cuda_synchronize(void) { DT_CUDA_CHECK(cudaStreamSynchronize(dt_c
    seen, are not. */
 static int dt_cuda_owns(const void *p) {
     cudaPointerAttributes a;
-    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) { cudaGetLastError(); return 0; }
+    cudaError_t err = cudaPointerGetAttributes(&a, p);
+    if (err == cudaErrorInvalidValue) { cudaGetLastError(); return 0; }    /* a pointer CUDA does not know */
+    DT_CUDA_CHECK(err);                                                    /* anything else is a real error */
     return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
 }
 
@@ -7702,7 +7714,7 @@ extern "C" void dt_nccl_issue(dt_nccl *s, int slot, dt_coll kind, const void *se
 extern "C" void dt_nccl_mark_done(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaEventRecord(s->done[slot], s->stream)); }
 extern "C" int dt_nccl_finished(dt_nccl *s, int slot) {
     cudaError_t q = cudaEventQuery(s->done[slot]);
-    if (q == cudaErrorNotReady) return 0;
+    if (q == cudaErrorNotReady) { cudaGetLastError(); return 0; }     /* not an error: leave none behind */
     DT_CUDA_CHECK(q);
     return 1;
 }
