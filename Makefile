@@ -100,7 +100,8 @@ ifneq ($(NCCL),0)
   ifneq ($(NCCL_DIR),)
     NCCL_SO     := $(call nccl_lib_in,$(NCCL_DIR))
     NCCL_CFLAGS := -DDT_HAVE_NCCL -I$(NCCL_DIR)/include
-    NCCL_LIBS   := -L$(dir $(NCCL_SO)) -Wl,-rpath,$(patsubst %/,%,$(dir $(NCCL_SO))) \
+    NCCL_LIB_DIR := $(patsubst %/,%,$(dir $(NCCL_SO)))
+    NCCL_LIBS   := -L$(NCCL_LIB_DIR) -Wl,-rpath,$(NCCL_LIB_DIR) \
                    $(if $(filter %.so,$(NCCL_SO)),-lnccl,-l:libnccl.so.2)
   endif
 endif
