@@ -3692,7 +3692,8 @@ struct dt_comm_group { dt_shm_header *hdr; int world; double timeout_s; };
    waited for by the caller: on shared memory the thread does the whole work in
    `start`; on a GPU `start` only puts it on NCCL's stream, `finish` watches it
    to the end, and `wait` makes the caller's later kernels wait for it on the
-   GPU, so the host never blocks on communication. */
+   GPU: the host waits only until the call is on NCCL's stream, never for its
+   result. */
 typedef struct dt_comm_backend {
     const char *name;
     dt_device memory;                                          /* where the buffers of its collectives live */
@@ -3703,7 +3704,6 @@ typedef struct dt_comm_backend {
 } dt_comm_backend;
 
 struct dt_comm {
-    dt_comm_kind kind;
     const dt_comm_backend *backend;
     int rank, world;
     int die_in_all_reduce;                  /* test hook, see dt_comm_start: die in this all-reduce (from 1) */
@@ -3875,6 +3875,9 @@ static void dt_shm_run(dt_comm *c, const dt_comm_op *o) {
     }
 }
 
+/* Where call h keeps its state in the ring of DT_COMM_QUEUE (h counts from 1). */
+static int dt_comm_slot(int64_t h) { return (int)((h - 1) % DT_COMM_QUEUE); }
+
 /* Shared memory: the communication thread does the whole collective in
    start(); the caller waits on the host until it is done. */
 static void dt_shm_start(dt_comm *c, int64_t h, const dt_comm_op *o) { (void)h; dt_shm_run(c, o); }
@@ -3908,18 +3911,18 @@ static void dt_nccl_watch(dt_comm *c, int slot, const char *what) {
         nanosleep(&ts, NULL);
     }
 }
-static void dt_nccl_submitted(dt_comm *c, int64_t h) { dt_nccl_mark_inputs(c->nccl, (int)((h - 1) % DT_COMM_QUEUE)); }
+static void dt_nccl_submitted(dt_comm *c, int64_t h) { dt_nccl_mark_inputs(c->nccl, dt_comm_slot(h)); }
 static void dt_nccl_start(dt_comm *c, int64_t h, const dt_comm_op *o) {
-    int slot = (int)((h - 1) % DT_COMM_QUEUE);
+    int slot = dt_comm_slot(h);
     dt_nccl_issue(c->nccl, slot, o->kind, o->send, o->recv, o->count, o->dtype, o->op, o->root);
     dt_nccl_watch(c, -1, dt_coll_names[o->kind]);         /* a non-blocking call may still be in progress */
     dt_nccl_mark_done(c->nccl, slot);
     if (o->kind == DT_COLL_ALL_REDUCE && c->die_in_all_reduce > 0 && --c->die_in_all_reduce == 0) raise(SIGKILL);
 }
 static void dt_nccl_finish(dt_comm *c, int64_t h) {
-    dt_nccl_watch(c, (int)((h - 1) % DT_COMM_QUEUE), dt_coll_names[c->queue[(h - 1) % DT_COMM_QUEUE].kind]);
+    dt_nccl_watch(c, dt_comm_slot(h), dt_coll_names[c->queue[dt_comm_slot(h)].kind]);
 }
-static void dt_nccl_wait_on_gpu(dt_comm *c, int64_t h) { dt_nccl_stream_wait(c->nccl, (int)((h - 1) % DT_COMM_QUEUE)); }
+static void dt_nccl_wait_on_gpu(dt_comm *c, int64_t h) { dt_nccl_stream_wait(c->nccl, dt_comm_slot(h)); }
 static const dt_comm_backend dt_comm_nccl_backend = { "NCCL", DT_CUDA, dt_nccl_submitted, dt_nccl_start, dt_nccl_finish,
                                                       dt_nccl_wait_on_gpu };
 #endif
@@ -3935,7 +3938,8 @@ static void *dt_comm_worker(void *arg) {
     for (;;) {
         while (!c->stop && c->completed == c->submitted) pthread_cond_wait(&c->wake, &c->mu);
         if (c->completed == c->submitted) break;
-        int64_t h = c->completed + 1, slot = c->completed % DT_COMM_QUEUE;
+        int64_t h = c->completed + 1;
+        int slot = dt_comm_slot(h);
         dt_comm_op o = c->queue[slot];
         pthread_mutex_unlock(&c->mu);
         c->started_ms[slot] = dt_now_ms();
@@ -3971,8 +3975,8 @@ static dt_comm_handle dt_comm_submit(dt_comm *c, dt_comm_op o) {
     dt_comm_check_buffer(c, &o, o.recv);
     pthread_mutex_lock(&c->mu);
     while (c->submitted - c->completed >= DT_COMM_QUEUE) pthread_cond_wait(&c->done, &c->mu);
-    c->queue[c->submitted % DT_COMM_QUEUE] = o;
     dt_comm_handle h = ++c->submitted;
+    c->queue[dt_comm_slot(h)] = o;
     if (c->backend->submitted) c->backend->submitted(c, h);
     pthread_cond_signal(&c->wake);
     pthread_mutex_unlock(&c->mu);
@@ -4037,8 +4041,8 @@ int dt_comm_rank(const dt_comm *c) { return c->rank; }
    returns before the call has finished: then "finished" is "now". */
 static void dt_comm_interval(dt_comm *c, dt_comm_handle h, double *t0, double *t1) {
     pthread_mutex_lock(&c->mu);
-    *t0 = c->started_ms[(h - 1) % DT_COMM_QUEUE];
-    *t1 = c->completed >= h ? c->finished_ms[(h - 1) % DT_COMM_QUEUE] : dt_now_ms();   /* a GPU may still be on it */
+    *t0 = c->started_ms[dt_comm_slot(h)];
+    *t1 = c->completed >= h ? c->finished_ms[dt_comm_slot(h)] : dt_now_ms();   /* a GPU may still be on it */
     pthread_mutex_unlock(&c->mu);
 }
 int dt_comm_size(const dt_comm *c) { return c->world; }
@@ -4078,10 +4082,10 @@ void dt_comm_check_agree(dt_comm *c, const char *what, const char *value) {
     free(all);
 }
 
-static dt_comm *dt_comm_new(dt_comm_kind kind, int rank, int world, double timeout_s) {
+static dt_comm *dt_comm_new(int rank, int world, double timeout_s) {
     dt_comm *c = (dt_comm *)calloc(1, sizeof(dt_comm));
     if (!c) dt_fail("out of memory (communicator)");
-    c->kind = kind; c->rank = rank; c->world = world; c->timeout_s = timeout_s > 0 ? timeout_s : 60;
+    c->rank = rank; c->world = world; c->timeout_s = timeout_s > 0 ? timeout_s : 60;
     c->backend = &dt_comm_shm_backend;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->wake, NULL);
@@ -4118,7 +4122,7 @@ dt_comm_group *dt_comm_group_create(int world, double timeout_s) {
 }
 dt_comm *dt_comm_join(dt_comm_group *g, int rank) {
     if (rank < 0 || rank >= g->world) dt_fail("rank %d outside a group of %d", rank, g->world);
-    dt_comm *c = dt_comm_new(DT_COMM_SHM, rank, g->world, g->timeout_s);
+    dt_comm *c = dt_comm_new(rank, g->world, g->timeout_s);
     dt_comm_start(c, g->hdr);
     return c;
 }
@@ -4373,7 +4377,7 @@ static int dt_tcp_socket(const char *host, int port, int listening, double deadl
 dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     int rank, world, local;
     dt_rank_from_env(&rank, &world, &local);
-    dt_comm *c = dt_comm_new(kind, rank, world, timeout_s);
+    dt_comm *c = dt_comm_new(rank, world, timeout_s);
     dt_ctx.rank = rank;
     dt_ctx.world_size = world;
     const char *host = getenv("MASTER_ADDR") ? getenv("MASTER_ADDR") : "127.0.0.1";

@@ -1286,13 +1286,14 @@ static int read_losses(const char *path, double *loss, int max) {
 }
 /* ---- 11. stages 02 and 03: data parallel = one device with N times the batch ---- */
 
-/* The command of another stage, beside stage 01's (plain or sanitizer build),
-   on the CPU, as train_cpu is. */
-static const char *stage_bin(const char *stage) {
+/* The command of a stage, beside stage 01's (plain or sanitizer build), with --device `device`. */
+static const char *stage_on(const char *stage, const char *device) {
     char rel[300];
-    snprintf(rel, sizeof rel, "%s/train --device cpu", stage);
+    snprintf(rel, sizeof rel, "%s/train --device %s", stage, device);
     return build_path(rel);
 }
+/* On the CPU, as train_cpu is. */
+static const char *stage_bin(const char *stage) { return stage_on(stage, "cpu"); }
 
 /* Largest |a - b| over every tensor of two checkpoints (-1 when they do not pair up). */
 static double max_tensor_diff(const char *a, const char *b) {
@@ -2538,11 +2539,9 @@ static void test_device_is_chosen_in_each_rank_after_the_fork(void) {
 #ifndef DT_HAVE_CUDA
     SKIP("this build has no CUDA: nothing to ask before the fork");
 #else
-    char out[16384], bin[700];
-    dt_copy_str(bin, sizeof bin, stage_bin("03-ddp"));
-    *strstr(bin, " --device cpu") = 0;
-    int st = run_cmd(out, sizeof out, "env CUDA_VISIBLE_DEVICES= %s --data %s " SMALL_FLAGS " --device auto --nproc 2 "
-                     "--steps 2 --epochs 1", bin, small_data());
+    char out[16384];
+    int st = run_cmd(out, sizeof out, "env CUDA_VISIBLE_DEVICES= %s --data %s " SMALL_FLAGS " --nproc 2 --steps 2 --epochs 1",
+                     stage_on("03-ddp", "auto"), small_data());
     CHECKF(st == 0 && !strstr(out, "error"), "--device auto --nproc 2: exit %d\n%s", st, out);
 #endif
 }
@@ -2577,10 +2576,7 @@ static void test_more_ranks_than_gpus_is_refused_naming_both_counts(void) {
 #ifdef DT_HAVE_CUDA
     gpus = dt_cuda_device_count(why, sizeof why);
 #endif
-    char bin[700];
-    dt_copy_str(bin, sizeof bin, stage_bin("03-ddp"));
-    *strstr(bin, " --device cpu") = 0;
-    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --device cuda --nproc %d --steps 1 --timeout 20", bin,
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --nproc %d --steps 1 --timeout 20", stage_on("03-ddp", "cuda"),
                  small_data(), gpus + 1);
     if (!dt_nccl_available(why, sizeof why)) expect_error(out, st, 2, "NCCL");
     else if (gpus == 0) expect_error(out, st, 1, "cannot use the GPU");
@@ -2996,15 +2992,7 @@ static void test_gpu_200_step_vit_loss_curve_tracks_the_cpu(void) {
 
 /* ---- whole runs on the GPU: the stages over NCCL, checkpoints, the GPT ---------- */
 
-/* A stage on the GPU: its path, then --device cuda. */
-static const char *stage_cuda(const char *stage) {
-    static char cmds[4][800];
-    static int next;
-    char *c = cmds[next++ % 4], rel[300];
-    snprintf(rel, sizeof rel, "%s/train --device cuda", stage);
-    dt_copy_str(c, 800, build_path(rel));
-    return c;
-}
+static const char *stage_cuda(const char *stage) { return stage_on(stage, "cuda"); }
 /* The largest |a - b| over two logs' losses (1e9 when their lengths differ). */
 static double worst_loss_gap(const char *log_a, const char *log_b, int *n) {
     double a[256], b[256], worst = 0;
@@ -3075,10 +3063,8 @@ static void test_gpu_gpt_with_its_tied_head_trains_and_samples_like_the_cpu(void
     char out[32768], logs[2][600];
     for (int d = 0; d < 2; d++) {
         snprintf(logs[d], sizeof logs[d], "%s/gpu-gpt-%d.jsonl", tmpdir, d);
-        char rel[300];
-        snprintf(rel, sizeof rel, "01-single-gpu/train --device %s", d ? "cuda" : "cpu");
         int st = run_cmd(out, sizeof out, "%s --data %s " GPT_FLAGS " --epochs 4 --lr 3e-3 --sample 30 --log %s",
-                         build_path(rel), gpt_text(), logs[d]);
+                         stage_on("01-single-gpu", d ? "cuda" : "cpu"), gpt_text(), logs[d]);
         CHECKF(st == 0 && strstr(out, "sample step"), "--device %s: exit %d, or no sample printed\n%s", d ? "cuda" : "cpu",
                st, out);
     }
