@@ -772,6 +772,48 @@ static void test_dataset_slice_and_loader_batches(void) {
     dt_dataset_free(&ds);
 }
 
+/* What the header fills in for a caller starts empty, whatever the caller's
+   memory held. --bench built its images in a dt_dataset that main() declared
+   and never initialised, then read its tokens field: at -O2 a stale value
+   sent the images to the text loader ("input has 0 features"). Each struct
+   here is first filled with 0xA5, as a used stack might be. */
+static void poison(void *p, size_t n) { memset(p, 0xA5, n); }
+static void test_filled_structs_start_empty_whatever_the_caller_held(void) {
+    const char *models[2] = { "mlp", "gpt" };
+    for (int k = 0; k < 2; k++) {
+        char *argv[] = { "train", "--bench", "--model", (char *)models[k], "--device", "cpu", "--batch-size", "4", "--quiet" };
+        dt_config cfg = dt_parse_args((int)(sizeof argv / sizeof argv[0]), argv, "01-single-gpu");
+        dt_dataset train, val;
+        poison(&train, sizeof train);
+        poison(&val, sizeof val);
+        dt_load_data(&cfg, &train, &val);
+        int filled = k ? train.pixels == NULL && train.tokens && train.n == 16 && train.num_classes == 256
+                       : train.tokens == NULL && train.pixels && train.n == 16 && train.channels == 3 && train.size == 32;
+        CHECKF(filled, "--bench --model %s: n %lld, tokens %p, pixels %p", models[k], (long long)train.n,
+               (void *)train.tokens, (void *)train.pixels);
+        CHECKF(val.n == 0 && !val.pixels && !val.labels && !val.tokens && !val.class_names && !val.source[0],
+               "--bench --model %s: the validation set is not empty", models[k]);
+        if (!filled) continue;               /* its stale pointers cannot be freed or read */
+        dt_loader l;
+        poison(&l, sizeof l);
+        l = dt_loader_create(&train, 4, 1, 1, 0, 1, 0, 1);
+        dt_loader_start_epoch(&l, 0, 0);
+        dt_batch b;
+        poison(&b, sizeof b);
+        dt_step_arena_reset();
+        CHECK(dt_loader_next(&l, &b) && b.size == 4 && b.inputs->shape[0] == 4);
+        /* what the model is given: 3 x 32 x 32 = 3072 features an image, or 64 tokens a row */
+        CHECKF(b.inputs->numel == (k ? 4 * 64 : 4 * 3072), "--model %s: a batch of %lld numbers", models[k],
+               (long long)b.inputs->numel);
+        dt_loader_free(&l);
+        dt_dataset_free(&train);
+        dt_dataset_free(&val);
+    }
+    dt_link link;
+    poison(&link, sizeof link);
+    CHECK(!dt_link_preset("carrier-pigeon", &link) && !link.name[0] && link.bandwidth_gbs == 0 && link.latency_us == 0);
+}
+
 static void test_images_decode_convert_and_resize(void) {
     char path[600], err[256];
     /* PPM, 2x2: red, blue / green, white -> channels first */
@@ -2571,13 +2613,18 @@ static void test_more_ranks_than_gpus_is_refused_naming_both_counts(void) {
     char out[16384];
     int st;
     /* a job on GPUs that cannot run stops at start, whatever is missing here:
-       NCCL in this build (exit 2), a GPU (exit 1), or a GPU per rank (exit 1) */
+       CUDA in this build (exit 1), NCCL in this build (exit 2), a GPU (exit 1),
+       or a GPU per rank (exit 1) */
     int gpus = 0;
 #ifdef DT_HAVE_CUDA
     gpus = dt_cuda_device_count(why, sizeof why);
 #endif
     st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --nproc %d --steps 1 --timeout 20", stage_on("03-ddp", "cuda"),
                  small_data(), gpus + 1);
+#ifndef DT_HAVE_CUDA
+    expect_error(out, st, 1, "this build has no CUDA");
+    return;
+#endif
     if (!dt_nccl_available(why, sizeof why)) expect_error(out, st, 2, "NCCL");
     else if (gpus == 0) expect_error(out, st, 1, "cannot use the GPU");
     else expect_error(out, st, 1, "GPU");
@@ -3113,6 +3160,7 @@ static const test_case tests[] = {
     T(test_adamw_and_sgd_match_hand_computed_steps), T(test_gradient_clipping_scales_to_the_max_norm),
     T(test_schedule_warms_up_then_follows_a_cosine), T(test_half_conversions_round_to_nearest_even),
     T(test_sampler_shuffles_shards_and_pads_like_distributed_sampler), T(test_dataset_slice_and_loader_batches),
+    T(test_filled_structs_start_empty_whatever_the_caller_held),
     T(test_images_decode_convert_and_resize), T(test_broken_images_are_refused_with_a_reason),
     T(test_png_alpha_and_grey_become_rgb), T(test_cifar10_binary_batches_load), T(test_truncated_or_garbled_png_and_jpeg_are_refused),
     T(test_safetensors_weights_load_and_write_back), T(test_training_run_log_trace_and_bench),
