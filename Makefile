@@ -5,11 +5,14 @@
 #   make test         the test suite; ends with "N passed, N failed"
 #   make test-asan    the same under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make test-msan    the same under MemorySanitizer (clang): reads of uninitialised memory
+#   make test-builds  make CUDA=0 at -O0, -O2 and -O3 (LEVELS=...), each in build/cpu-O*/:
+#                     the suite, every stage's --bench, make bench --quick
 #   make bench        the scaling study (tools/bench): mlp and vit-tiny in every stage at
 #                     1, 2 and 4 ranks -- speedup and efficiency measured and predicted by
 #                     the cost model, compute and communication time, memory -- written to
 #                     bench/results.csv, bench/scaling.svg, bench/memory.svg; on a GPU
-#                     first vit-tiny and vit-base against PyTorch
+#                     first vit-tiny and vit-base against PyTorch; BENCH_FLAGS=--quick
+#                     for fewer timed steps
 #   make diff         what each stage changes from the one before, and how many lines
 #                     (the target: at most 40 between neighbours)
 #   make gpu-check    on a machine with an NVIDIA GPU: every GPU path checked and
@@ -186,8 +189,17 @@ MSAN_CC    ?= clang
 MSAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=memory -fsanitize-memory-track-origins=2 \
               -fno-sanitize-recover=memory -std=c11 $(WARN)
 $(eval $(call sanitized,msan,$(MSAN_CC) $(MSAN_FLAGS),,-lm))
+$(call SANITIZED,msan): | msan-toolchain
+msan-toolchain:
+	@printf 'int main(void){return 0;}\n' | $(MSAN_CC) -fsanitize=memory -x c - -o /dev/null 2>/dev/null || \
+	  { echo "make test-msan: '$(MSAN_CC) -fsanitize=memory' cannot build a program here" \
+	         "(Debian: apt-get install clang libclang-rt-dev; or MSAN_CC=another clang)" >&2; exit 1; }
 test-msan: $(call SANITIZED,msan)
 	MSAN_OPTIONS=halt_on_error=1:exitcode=86 ./build/msan/test_dtrain build/msan/01-single-gpu/train
+
+# The CPU-only build at other optimisation levels (tools/check_builds.sh).
+test-builds:
+	LEVELS="$(or $(LEVELS),-O0 -O2 -O3)" tools/check_builds.sh
 
 TORCH_PY = $(shell for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2>/dev/null && echo $$p && break; done)
 
@@ -204,7 +216,7 @@ bench: $(STAGE_BINS) tools/collectives tools/bench
 	@if [ -n "$(CUDA_OBJ)" ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then \
 	  tools/bench_gpu.sh 01-single-gpu/train "$(TORCH_PY)" 03-ddp/train 05-accum-mixed-precision/train; \
 	else echo "(no GPU here, or a build without CUDA: CPU benchmarks only)"; fi
-	./tools/bench --out bench
+	./tools/bench --out bench $(BENCH_FLAGS)
 	@py="$(TORCH_PY)"; \
 	 if [ -n "$$py" ]; then \
 	   [ -z "$$OPENBLAS_CORETYPE" ] || echo "(OPENBLAS_CORETYPE=$$OPENBLAS_CORETYPE limits PyTorch's OpenBLAS to that core type)"; \
@@ -225,4 +237,4 @@ diff:
 clean:
 	rm -rf $(STAGE_BINS) $(TOOLS) $(TEST_BIN) build
 
-.PHONY: all run test test-asan test-msan bench diff clean print-nccl gpu-check
+.PHONY: all run test test-asan test-msan msan-toolchain test-builds bench diff clean print-nccl gpu-check

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# make test-builds: the build a laptop without nvcc makes (make CUDA=0) at each
+# optimisation level in LEVELS (default -O0 -O2 -O3, plain: no -march=native),
+# each in a copy of the sources under build/cpu<level>/ so the fast binaries
+# stay as they are. In each: the test suite, every stage's --bench on every
+# model, and make bench with BENCH_FLAGS (default --quick --only mlp: every
+# stage at 1, 2 and 4 ranks, the charts and the cost model, on the workload
+# that takes seconds; the stage runs above cover vit and gpt).
+#
+# Why: undefined behaviour changes with the optimiser. A field read before it
+# was written held zero at -O3 -march=native and garbage at -O2, so the default
+# build passed everything while a student's `make CUDA=0 OPT=-O2` failed.
+# Exits non-zero when any level fails, naming it and the step.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+levels=${LEVELS:-"-O0 -O2 -O3"}
+bench_flags=${BENCH_FLAGS:-"--quick --only mlp"}
+failed=()
+lap() { echo "  ($1: $((SECONDS - t0)) s)"; t0=$SECONDS; }
+
+# The sources only: a copied binary would be newer than its source and never rebuilt.
+copy_sources() {
+  local dst=$1
+  rm -rf "$dst"
+  mkdir -p "$dst"
+  cp Makefile dtrain.h "$dst/"
+  for d in 0*/ tools/ tests/; do
+    mkdir -p "$dst/$d"
+    find "$d" -maxdepth 1 -type f \( -name '*.c' -o -name '*.h' -o -name '*.sh' -o -name '*.py' \) \
+      -exec cp -p {} "$dst/$d" \;
+  done
+}
+
+# Every stage's --bench with every model: a few steps, a small batch, the
+# parallel stages with two ranks, stage 05 with bf16 and accumulation.
+stage_benches() {
+  local s m extra out
+  for s in 0*/; do
+    s=${s%/}
+    case $s in
+      01-*) extra="" ;;
+      05-*) extra="--nproc 2 --dtype bf16 --accum-steps 2" ;;
+      *) extra="--nproc 2" ;;
+    esac
+    for m in mlp vit gpt; do
+      if ! out=$("./$s/train" --bench --device cpu --model "$m" --batch-size 8 --steps 2 --timeout 120 $extra 2>&1); then
+        printf '%s\n' "$out" | tail -5
+        echo "FAILED: $s/train --bench --model $m $extra"
+        return 1
+      fi
+      printf '%s\n' "$out" | grep '^bench:' | cut -c1-110
+    done
+  done
+}
+
+for level in $levels; do
+  dir="build/cpu$level"
+  echo "==== make CUDA=0 OPT=$level (in $dir)"
+  copy_sources "$dir"
+  t0=$SECONDS; start=$SECONDS
+  if ! make -C "$dir" -s CUDA=0 OPT="$level" all >"$dir/build.log" 2>&1; then
+    cat "$dir/build.log"; failed+=("$level: build"); continue
+  fi
+  if grep -q 'warning:' "$dir/build.log"; then cat "$dir/build.log"; failed+=("$level: compiler warnings"); fi
+  lap build
+  if ! make -C "$dir" -s CUDA=0 OPT="$level" test >"$dir/test.log" 2>&1; then
+    grep -v '^PASS' "$dir/test.log" | tail -40; failed+=("$level: make test")
+  else tail -1 "$dir/test.log"; fi
+  lap "make test"
+  if ! (cd "$dir" && stage_benches); then failed+=("$level: a stage's --bench"); fi
+  lap "every stage's --bench"
+  if ! make -C "$dir" -s CUDA=0 OPT="$level" bench BENCH_FLAGS="$bench_flags" >"$dir/bench.log" 2>&1; then
+    tail -20 "$dir/bench.log"; failed+=("$level: make bench")
+  else echo "make bench $bench_flags: $(grep -c '' "$dir/bench/results.csv") lines in $dir/bench/results.csv"; fi
+  lap "make bench"
+  echo "($level took $((SECONDS - start)) s)"
+done
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "test-builds: FAILED at ${failed[*]}"
+  exit 1
+fi
+echo "test-builds: every level passed ($levels)"
