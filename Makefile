@@ -6,7 +6,7 @@
 #   make test-asan    the same under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make test-msan    the same under MemorySanitizer (clang): reads of uninitialised memory
 #   make test-builds  make CUDA=0 at -O0, -O2 and -O3 (LEVELS=...), each in build/cpu-O*/:
-#                     the suite, every stage's --bench, make bench --quick
+#                     the suite, every stage's --bench, make bench --quick --only mlp
 #   make bench        the scaling study (tools/bench): mlp and vit-tiny in every stage at
 #                     1, 2 and 4 ranks -- speedup and efficiency measured and predicted by
 #                     the cost model, compute and communication time, memory -- written to

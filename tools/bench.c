@@ -344,16 +344,16 @@ int main(int argc, char **argv) {
         printf("link: %s: %.2f GB/s bus bandwidth, %.1f us per hop\n", links[n].name, links[n].bandwidth_gbs, links[n].latency_us);
     }
     /* --only naming a workload leaves the others out whole, their stage 01 baseline too */
-    int total = 0, only_a_workload = 0, kept = 0;
+    int total = 0, only_a_workload = 0, kept = 0, keep[sizeof workloads / sizeof workloads[0]];
     for (int w = 0; w < NWORK; w++) only_a_workload |= only && strstr(workloads[w].name, only);
-    for (int w = 0; w < NWORK; w++) kept += !only_a_workload || strstr(workloads[w].name, only);
+    for (int w = 0; w < NWORK; w++) kept += keep[w] = !only_a_workload || strstr(workloads[w].name, only);
     for (int s = 0; s < NSTAGES; s++) total += s == 0 ? 2 : (max_ranks >= 4 ? 3 : max_ranks >= 2 ? 2 : 1);
     total *= kept;
     row *rows = (row *)calloc((size_t)total, sizeof(row));
     int nrows = 0;
     double t_start = dt_now_ms();
     for (int w = 0; w < NWORK; w++) {
-        if (only_a_workload && !strstr(workloads[w].name, only)) continue;
+        if (!keep[w]) continue;
         double c_all = 0, c_one = 0;          /* stage 01's compute with every core, and with one */
         for (int s = 0; s < NSTAGES; s++)
             for (int n = 1; n <= (s == 0 ? 2 : max_ranks); n *= 2) {
