@@ -743,6 +743,8 @@ typedef struct dt_run {
     dt_loss_scaler scaler;     /* --dtype fp16's loss scale (disabled otherwise) */
     FILE *log, *trace;
     int stop;
+    int stopped_by;            /* the signal every rank agreed to stop on (SIGTERM, SIGUSR1, SIGINT), or 0 */
+    char resume_path[4096];    /* --resume auto: the newest complete checkpoint in --save-dir */
     /* --bench: the timed steps (after two warm-up steps) and what they spent */
     int64_t bench_first;
     double bench_t0, bench_phase_ms[DT_PHASE_COUNT], bench_comm_ms, bench_hidden_ms;
@@ -1191,9 +1193,33 @@ static void dt_vmessage(const char *kind, const char *fmt, va_list ap) {
     fputs(line, stderr);
     fflush(stderr);
 }
+/* What to remove if the program stops early: a shared-memory segment whose
+   name has not yet been shared out, a checkpoint's .tmp file. dt_fail and a
+   second Ctrl-C remove them, so a job stopped at any moment leaves nothing
+   behind. unlink() is safe inside a signal handler, hence plain paths. */
+#define DT_CLEANUP_SLOTS 8
+static void dt_copy_str(char *out, size_t n, const char *s);
+static char dt_cleanup_paths[DT_CLEANUP_SLOTS][4096];
+static volatile sig_atomic_t dt_cleanup_used[DT_CLEANUP_SLOTS];
+static int dt_cleanup_add(const char *path) {
+    for (int i = 0; i < DT_CLEANUP_SLOTS; i++)
+        if (!dt_cleanup_used[i]) {
+            dt_copy_str(dt_cleanup_paths[i], sizeof dt_cleanup_paths[i], path);
+            dt_cleanup_used[i] = 1;
+            return i;
+        }
+    return -1;                               /* full: that file is merely not cleaned up */
+}
+static void dt_cleanup_done(int slot) { if (slot >= 0) dt_cleanup_used[slot] = 0; }
+static void dt_cleanup_run(void) {
+    for (int i = 0; i < DT_CLEANUP_SLOTS; i++)
+        if (dt_cleanup_used[i]) { unlink(dt_cleanup_paths[i]); dt_cleanup_used[i] = 0; }
+}
+
 static void dt_comm_on_fail(void);
 void dt_fail(const char *fmt, ...) {
     va_list ap; va_start(ap, fmt); dt_vmessage("error", fmt, ap); va_end(ap);
+    dt_cleanup_run();
     dt_comm_on_fail();                       /* the other ranks must not wait for us */
     exit(1);
 }
@@ -3673,6 +3699,9 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int S, uint64_t
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <poll.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 
 #define DT_MAX_RANKS 64
 #define DT_SLOT_BYTES ((size_t)2 << 20)     /* each rank's staging slot: collectives go in 2 MiB pieces */
@@ -4276,16 +4305,62 @@ static int dt_free_port(void) {
     return port;
 }
 
+/* -- stopping on a signal --
+   Ctrl-C (SIGINT), SIGTERM (what SLURM and Kubernetes send before they kill a
+   job) and SIGUSR1 (srun --signal=USR1@60) ask the run to stop: every rank
+   finishes the step it is in, the ranks agree on it, save a checkpoint together
+   and exit -- 75 after SIGTERM or SIGUSR1 (EX_TEMPFAIL: preempted, run it
+   again with --resume auto), 130 after Ctrl-C. A second SIGINT or SIGTERM
+   stops at once, removing what dt_cleanup_add registered. */
+static volatile sig_atomic_t dt_stop_signal, dt_stop_catching;
+static void dt_on_stop_signal(int sig) {
+    if (dt_stop_signal && sig != SIGUSR1) {
+        static const char msg[] = "dtrain: a second signal: stopping at once\n";
+        dt_cleanup_run();
+        ssize_t ignored = write(2, msg, sizeof msg - 1);
+        (void)ignored;
+        _exit(128 + sig);
+    }
+    dt_stop_signal = sig;
+}
+static void dt_set_stop_handler(void (*handler)(int), int restart) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = handler;
+    sa.sa_flags = restart ? SA_RESTART : 0;  /* a rank's reads and writes go on; a waiting launcher wakes */
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGUSR1, &sa, NULL);
+}
+static void dt_catch_stop_signals(void) { dt_set_stop_handler(dt_on_stop_signal, 1); dt_stop_catching = 1; }
+static const char *dt_signal_name(int sig) {
+    return sig == SIGINT ? "SIGINT (Ctrl-C)" : sig == SIGTERM ? "SIGTERM" : sig == SIGUSR1 ? "SIGUSR1" : "a signal";
+}
+static void dt_check_stop(const char *during) {
+    if (dt_stop_signal) dt_fail("stopped by %s %s", dt_signal_name(dt_stop_signal), during);
+}
+
+/* -- the launcher (--nproc N) --
+   It forks the ranks, gives each its own process group (so a Ctrl-C at the
+   terminal reaches the launcher alone, which passes it on once), and waits.
+   A rank whose launcher dies gets SIGTERM from the kernel (PR_SET_PDEATHSIG):
+   it saves and stops as if preempted, never trains on alone. */
+static volatile sig_atomic_t dt_launcher_signal;
+static void dt_on_launcher_signal(int sig) { dt_launcher_signal = sig; }
+
 void dt_launch(int nproc, double timeout_s) {
     if (nproc <= 1 || getenv("DT_LAUNCHED_RANK")) return;
     if (nproc > DT_MAX_RANKS) dt_usage_error("--nproc %d: at most %d ranks", nproc, DT_MAX_RANKS);
     if (dt_cuda_touched) dt_fail("internal error: CUDA was used before the ranks were started (a CUDA context does not "
                                  "survive fork); decide the device in each rank");
-    char port[16], cores[24];
+    char port[16], cores[24], job[96];
     snprintf(port, sizeof port, "%d", dt_free_port());
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     snprintf(cores, sizeof cores, "%ld", ncpu / nproc > 1 ? ncpu / nproc : 1);   /* the cores shared out */
-    pid_t pids[DT_MAX_RANKS];
+    snprintf(job, sizeof job, "nproc-%ld-%.0f", (long)getpid(), dt_now_ms());  /* the ranks' proof they belong */
+    pid_t pids[DT_MAX_RANKS], launcher = getpid();
+    dt_set_stop_handler(dt_on_launcher_signal, 0);   /* before the fork: no signal slips between */
     fflush(stdout);
     fflush(stderr);
     for (int r = 0; r < nproc; r++) {
@@ -4293,12 +4368,19 @@ void dt_launch(int nproc, double timeout_s) {
         if (pids[r] < 0) dt_fail("cannot start rank %d: %s", r, strerror(errno));
         if (pids[r] == 0) {
             char v[16];
+            setpgid(0, 0);
+#ifdef __linux__
+            prctl(PR_SET_PDEATHSIG, SIGTERM);
+            if (getppid() != launcher) dt_fail("rank %d: the launcher exited before this rank started", r);
+#endif
+            signal(SIGINT, SIG_DFL); signal(SIGTERM, SIG_DFL); signal(SIGUSR1, SIG_DFL);
             snprintf(v, sizeof v, "%d", r);
             setenv("RANK", v, 1); setenv("LOCAL_RANK", v, 1); setenv("DT_LAUNCHED_RANK", v, 1);
             snprintf(v, sizeof v, "%d", nproc);
             setenv("WORLD_SIZE", v, 1); setenv("LOCAL_WORLD_SIZE", v, 1);
             setenv("MASTER_ADDR", "127.0.0.1", 1);
             setenv("MASTER_PORT", port, 1);
+            setenv("DT_JOB_ID", job, 1);
             if (!getenv("OMP_NUM_THREADS")) {
                 setenv("OMP_NUM_THREADS", cores, 1);
 #ifdef _OPENMP
@@ -4308,55 +4390,107 @@ void dt_launch(int nproc, double timeout_s) {
             return;
         }
     }
-    /* The parent: wait for every rank. After the first failure the others get
-       the timeout to notice and stop on their own, then they are killed. */
+    /* The parent: pass signals on and wait for every rank. After the first
+       failure the others get the timeout to notice and stop on their own, then
+       they are killed. */
     int status = 0, left = nproc;
     double deadline = 0;
     while (left > 0) {
         int st;
-        pid_t p = waitpid(-1, &st, deadline ? WNOHANG : 0);
+        pid_t p = waitpid(-1, &st, WNOHANG);
         if (p > 0) {
             left--;
+            int r = 0;
+            while (r < nproc && pids[r] != p) r++;
+            if (r < nproc) pids[r] = 0;
             int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + (WIFSIGNALED(st) ? WTERMSIG(st) : 0);
             if (code != 0 && status == 0) {
                 status = code;
-                int r = 0;
-                while (r < nproc && pids[r] != p) r++;
                 if (WIFSIGNALED(st)) fprintf(stderr, "dtrain: rank %d was killed by signal %d\n", r, WTERMSIG(st));
                 deadline = dt_now_ms() + (timeout_s > 0 ? timeout_s : 60) * 1e3 + 10e3;
             }
-        } else if (p == 0) {
-            if (dt_now_ms() > deadline) {
+        } else if (p == 0 || errno == EINTR) {
+            int sig = dt_launcher_signal;
+            if (sig) {
+                dt_launcher_signal = 0;
+                for (int r = 0; r < nproc; r++) if (pids[r] > 0) kill(pids[r], sig);
+            }
+            if (deadline && dt_now_ms() > deadline) {
                 fprintf(stderr, "dtrain: ranks still running %.0f s after a rank failed; killing them\n",
                         (timeout_s > 0 ? timeout_s : 60) + 10);
-                for (int r = 0; r < nproc; r++) kill(pids[r], SIGKILL);
+                for (int r = 0; r < nproc; r++) if (pids[r] > 0) kill(pids[r], SIGKILL);
                 deadline = dt_now_ms() + 1e9;
             }
             struct timespec ts = { 0, 20000000 };
             nanosleep(&ts, NULL);
-        } else if (errno != EINTR) break;
+        } else break;
     }
     exit(status);
 }
 
-/* -- the TCP rendezvous: small fixed-size messages, every wait bounded -- */
-typedef struct dt_hello { int32_t rank, world, pid; } dt_hello;
-typedef struct dt_welcome { char shm_name[64]; unsigned char nccl_id[128]; } dt_welcome;
+/* -- which job a rank belongs to --
+   The launcher's own id: torchrun's run id and attempt, SLURM's job and step,
+   Open MPI's job, or the one --nproc makes. Ranks started by hand with none of
+   these have none, and meet only each other. */
+static void dt_job_id(char *out, size_t n) {
+    static const char *vars[] = { "DT_JOB_ID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID",
+                                  "SLURM_STEP_ID", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE" };
+    out[0] = 0;
+    for (size_t k = 0; k < sizeof vars / sizeof vars[0]; k++) {
+        const char *v = getenv(vars[k]);
+        size_t used = strlen(out);
+        if (v && *v) snprintf(out + used, n - used, "%s%s=%s", used ? " " : "", vars[k], v);
+    }
+}
 
-static void dt_io_all(int fd, void *buf, size_t n, int writing, double deadline, const char *what) {
+/* Where rank 0 listens. Under torchrun's default (static) rendezvous, and
+   under any launcher that says TORCHELASTIC_USE_AGENT_STORE=True, torchrun's
+   own key-value store already holds MASTER_PORT; dtrain does not speak that
+   store's protocol (it changes between PyTorch versions) and takes the next
+   port. DT_MASTER_PORT overrides both. */
+static int dt_rendezvous_port(char *why, size_t n) {
+    const char *own = getenv("DT_MASTER_PORT"), *agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
+    int port = dt_env_int(own ? "DT_MASTER_PORT" : "MASTER_PORT", 29500);
+    if (port < 1 || port > 65535) dt_fail("%s=%d is not a TCP port (1-65535)", own ? "DT_MASTER_PORT" : "MASTER_PORT", port);
+    snprintf(why, n, own ? "DT_MASTER_PORT" : "MASTER_PORT");
+    if (!own && agent && (!strcmp(agent, "True") || !strcmp(agent, "true") || !strcmp(agent, "1")) && port < 65535) {
+        snprintf(why, n, "MASTER_PORT + 1: torchrun's store holds MASTER_PORT");
+        port++;
+    }
+    return port;
+}
+
+/* -- the TCP rendezvous: small fixed-size messages, every wait bounded --
+   A hello opens with a magic string and the job's id, so that a port scan, a
+   rank of another job on the same port, or a leftover rank of an earlier
+   attempt is turned away -- and logged -- instead of joining this job or
+   killing it. */
+#define DT_RDZV_MAGIC "dtrain-2"
+typedef struct dt_hello { char magic[8]; char job[192]; int32_t rank, world, pid; } dt_hello;
+typedef struct dt_welcome { char magic[8]; char refused[256]; char shm_name[64]; unsigned char nccl_id[128]; } dt_welcome;
+
+/* 1 when all n bytes moved before the deadline; 0 when the peer went away or was silent. */
+static int dt_io_try(int fd, void *buf, size_t n, int writing, double deadline, const char *what) {
     char *p = (char *)buf;
     while (n > 0) {
         struct pollfd pfd = { fd, (short)(writing ? POLLOUT : POLLIN), 0 };
         int wait = (int)(deadline - dt_now_ms());
-        if (wait <= 0 || poll(&pfd, 1, wait) <= 0) dt_fail("rendezvous: timed out %s", what);
+        if (wait <= 0) return 0;
+        dt_check_stop(what);
+        if (poll(&pfd, 1, wait < 200 ? wait : 200) <= 0) continue;     /* a slice, then look at the signals */
         ssize_t k = writing ? send(fd, p, n, MSG_NOSIGNAL) : recv(fd, p, n, 0);
-        if (k <= 0) dt_fail("rendezvous: connection lost %s", what);
+        if (k <= 0) return 0;
         p += k;
         n -= (size_t)k;
     }
+    return 1;
+}
+static void dt_io_all(int fd, void *buf, size_t n, int writing, double deadline, const char *what) {
+    if (!dt_io_try(fd, buf, n, writing, deadline, what))
+        dt_fail("rendezvous: %s %s", dt_now_ms() >= deadline ? "timed out" : "connection lost", what);
 }
 
-static int dt_tcp_socket(const char *host, int port, int listening, double deadline) {
+static int dt_tcp_socket(const char *host, int port, const char *port_from, int listening, double deadline) {
     char ports[16];
     struct addrinfo hints, *res = NULL;
     snprintf(ports, sizeof ports, "%d", port);
@@ -4373,18 +4507,52 @@ static int dt_tcp_socket(const char *host, int port, int listening, double deadl
         setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
         if (listening) {
             if (bind(fd, res->ai_addr, res->ai_addrlen) == 0 && listen(fd, DT_MAX_RANKS) == 0) break;
-            dt_fail("rendezvous: rank 0 cannot listen on port %d: %s (set MASTER_PORT to a free port)", port, strerror(errno));
+            dt_fail("rendezvous: rank 0 cannot listen on port %d (%s): %s -- another job or program holds it; give "
+                    "this job a port of its own (MASTER_PORT, or DT_MASTER_PORT under torchrun)", port, port_from,
+                    strerror(errno));
         }
         if (connect(fd, res->ai_addr, res->ai_addrlen) == 0) break;
         close(fd);
         if (dt_now_ms() > deadline)
-            dt_fail("rendezvous: rank 0 did not answer at %s:%d within the timeout (is it running? is MASTER_ADDR right?)",
-                    host, port);
+            dt_fail("rendezvous: rank 0 did not answer at %s:%d (%s) within the timeout (is it running? is MASTER_ADDR "
+                    "right?)", host, port, port_from);
+        dt_check_stop("while waiting for rank 0");
         struct timespec ts = { 0, 50000000 };
         nanosleep(&ts, NULL);
     }
     freeaddrinfo(res);
     return fd;
+}
+
+/* Rank 0: one hello from whoever connected. Returns the rank it brings, or -1
+   when the connection was turned away (the caller closes it either way). */
+static int dt_rendezvous_admit(int fd, const struct sockaddr_in *from, const char *job, int world, const int *joined,
+                               double deadline) {
+    dt_hello h;
+    dt_welcome no;
+    char who[64], why[256] = "";
+    memset(&h, 0, sizeof h);
+    memset(&no, 0, sizeof no);
+    snprintf(who, sizeof who, "%s:%d", inet_ntoa(from->sin_addr), ntohs(from->sin_port));
+    double hello_by = dt_now_ms() + 5e3 < deadline ? dt_now_ms() + 5e3 : deadline;   /* a silent peer waits 5 s at most */
+    if (!dt_io_try(fd, &h, sizeof h, 0, hello_by, "while waiting for the ranks to join") ||
+        memcmp(h.magic, DT_RDZV_MAGIC, 8)) {
+        dt_warn("rendezvous: turned away a connection from %s: it did not say hello as a dtrain rank", who);
+        return -1;
+    }
+    h.job[sizeof h.job - 1] = 0;
+    if (strcmp(h.job, job))
+        snprintf(why, sizeof why, "it belongs to another job ('%.80s'; this job is '%.80s')", h.job[0] ? h.job : "no job id",
+                 job[0] ? job : "no job id");
+    else if (h.world != world) snprintf(why, sizeof why, "it says the job has %d ranks; this job has %d", h.world, world);
+    else if (h.rank <= 0 || h.rank >= world) snprintf(why, sizeof why, "rank %d is not one of 1..%d", h.rank, world - 1);
+    else if (joined[h.rank]) snprintf(why, sizeof why, "rank %d has joined already", h.rank);
+    if (!why[0]) return h.rank;
+    dt_warn("rendezvous: turned away rank %d (pid %d) from %s: %s", h.rank, h.pid, who, why);
+    memcpy(no.magic, DT_RDZV_MAGIC, 8);
+    dt_copy_str(no.refused, sizeof no.refused, why);
+    dt_io_try(fd, &no, sizeof no, 1, hello_by, "while turning a stranger away");
+    return -1;
 }
 
 dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
@@ -4393,11 +4561,16 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     dt_comm *c = dt_comm_new(rank, world, timeout_s);
     dt_ctx.rank = rank;
     dt_ctx.world_size = world;
+    int catching = dt_stop_catching;         /* a run catches them for good; a tool only while the ranks meet */
+    if (!catching) dt_set_stop_handler(dt_on_stop_signal, 1);
     const char *host = getenv("MASTER_ADDR") ? getenv("MASTER_ADDR") : "127.0.0.1";
-    int port = dt_env_int("MASTER_PORT", 29500);
+    char port_from[96], job[192];
+    int port = world > 1 ? dt_rendezvous_port(port_from, sizeof port_from) : 0;
+    dt_job_id(job, sizeof job);
     double deadline = dt_now_ms() + c->timeout_s * 1e3;
     dt_welcome w;
     memset(&w, 0, sizeof w);
+    memcpy(w.magic, DT_RDZV_MAGIC, 8);
     static int serial;
     dt_path(w.shm_name, sizeof w.shm_name, "/dtrain-%d-%d-%d", (int)getuid(), (int)getpid(), serial++);
     char why[256];
@@ -4406,44 +4579,58 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     if (kind == DT_COMM_NCCL && rank == 0 && !dt_nccl_unique_id(w.nccl_id, sizeof w.nccl_id))
         dt_fail("NCCL could not make its unique id");
 #endif
-    int shm_fd = -1, fds[DT_MAX_RANKS];
+    int shm_fd = -1, fds[DT_MAX_RANKS], cleanup = -1;
     size_t bytes = dt_shm_bytes(world);
-    if (rank == 0) {
-        shm_fd = shm_open(w.shm_name, O_CREAT | O_EXCL | O_RDWR, 0600);
-        if (shm_fd < 0 || ftruncate(shm_fd, (off_t)bytes) != 0)
-            dt_fail("cannot create shared memory %s of %.1f MB: %s (is /dev/shm full?)", w.shm_name, bytes / 1e6, strerror(errno));
-    }
     if (world > 1 && rank == 0) {
-        int lfd = dt_tcp_socket(host, port, 1, deadline), joined[DT_MAX_RANKS] = { 0 };
-        for (int k = 1; k < world; k++) {
+        int lfd = dt_tcp_socket(host, port, port_from, 1, deadline), joined[DT_MAX_RANKS] = { 0 }, njoined = 0, away = 0;
+        while (njoined < world - 1) {
             struct pollfd pfd = { lfd, POLLIN, 0 };
             int wait = (int)(deadline - dt_now_ms());
-            if (wait <= 0 || poll(&pfd, 1, wait) <= 0) {
+            if (wait <= 0) {
                 char missing[256] = "";
                 for (int r = 1; r < world; r++)
                     if (!joined[r]) snprintf(missing + strlen(missing), sizeof missing - strlen(missing), " %d", r);
-                shm_unlink(w.shm_name);
-                dt_fail("rendezvous: rank(s)%s did not join within %.0f s (--timeout)", missing, c->timeout_s);
+                dt_fail("rendezvous: rank(s)%s did not join within %.0f s (--timeout)%s", missing, c->timeout_s,
+                        away ? "; connections that were not of this job were turned away (see above)" : "");
             }
-            int fd = accept(lfd, NULL, NULL);
-            if (fd < 0) { k--; continue; }
-            dt_hello h;
-            dt_io_all(fd, &h, sizeof h, 0, deadline, "reading a rank's hello");
-            if (h.rank <= 0 || h.rank >= world || joined[h.rank] || h.world != world) {
-                shm_unlink(w.shm_name);
-                dt_fail("rendezvous: a process says it is rank %d of %d, but this job has %d ranks%s", h.rank, h.world,
-                        world, h.rank > 0 && h.rank < world && joined[h.rank] ? " and that rank has joined already" : "");
-            }
-            joined[h.rank] = 1;
-            fds[h.rank] = fd;
+            dt_check_stop("while waiting for the ranks to join");
+            if (poll(&pfd, 1, wait < 200 ? wait : 200) <= 0) continue;
+            struct sockaddr_in from;
+            socklen_t from_len = sizeof from;
+            int fd = accept(lfd, (struct sockaddr *)&from, &from_len);
+            if (fd < 0) continue;
+            int r = dt_rendezvous_admit(fd, &from, job, world, joined, deadline);
+            if (r < 0) { close(fd); away++; continue; }
+            joined[r] = 1;
+            fds[r] = fd;
+            njoined++;
         }
         close(lfd);
+    }
+    if (rank == 0) {       /* made once every rank is here: a failed rendezvous leaves nothing in /dev/shm */
+        char file[128];
+        snprintf(file, sizeof file, "/dev/shm%s", w.shm_name);
+        shm_fd = shm_open(w.shm_name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (shm_fd >= 0) cleanup = dt_cleanup_add(file);
+        if (shm_fd < 0 || ftruncate(shm_fd, (off_t)bytes) != 0)
+            dt_fail("cannot create shared memory %s of %.1f MB: %s (is /dev/shm full?)", w.shm_name, bytes / 1e6, strerror(errno));
         for (int r = 1; r < world; r++) dt_io_all(fds[r], &w, sizeof w, 1, deadline, "sending the welcome");
     } else if (world > 1) {
-        int fd = dt_tcp_socket(host, port, 0, deadline);
-        dt_hello h = { rank, world, (int32_t)getpid() };
+        int fd = dt_tcp_socket(host, port, port_from, 0, deadline);
+        dt_hello h;
+        memset(&h, 0, sizeof h);
+        memcpy(h.magic, DT_RDZV_MAGIC, 8);
+        dt_copy_str(h.job, sizeof h.job, job);
+        h.rank = rank; h.world = world; h.pid = (int32_t)getpid();
         dt_io_all(fd, &h, sizeof h, 1, deadline, "saying hello to rank 0");
-        dt_io_all(fd, &w, sizeof w, 0, deadline, "waiting for rank 0's welcome");
+        if (!dt_io_try(fd, &w, sizeof w, 0, deadline, "while waiting for rank 0's welcome"))
+            dt_fail("rendezvous: no welcome from %s:%d (%s) %s (is a dtrain rank 0 of this job listening there?)", host,
+                    port, port_from, dt_now_ms() >= deadline ? "within the timeout" : "before it closed the connection");
+        if (memcmp(w.magic, DT_RDZV_MAGIC, 8))
+            dt_fail("rendezvous: %s:%d (%s) answered, but not as a dtrain rank 0 (another program holds that port?)",
+                    host, port, port_from);
+        w.refused[sizeof w.refused - 1] = 0;
+        if (w.refused[0]) dt_fail("rendezvous: rank 0 at %s:%d turned this rank away: %s", host, port, w.refused);
         shm_fd = shm_open(w.shm_name, O_RDWR, 0600);
         if (shm_fd < 0) dt_fail("cannot open rank 0's shared memory %s: %s (are all ranks on one machine?)", w.shm_name, strerror(errno));
         fds[0] = fd;
@@ -4464,7 +4651,8 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
         dt_io_all(fds[0], &ack, 1, 1, deadline, "telling rank 0 the memory is mapped");
         close(fds[0]);
     }
-    if (rank == 0) shm_unlink(w.shm_name);
+    if (rank == 0) { shm_unlink(w.shm_name); dt_cleanup_done(cleanup); }
+    if (!catching) { signal(SIGINT, SIG_DFL); signal(SIGTERM, SIG_DFL); signal(SIGUSR1, SIG_DFL); }
 #ifdef DT_HAVE_CUDA
     if (kind == DT_COMM_NCCL) {             /* joined here, then handed to the communication thread */
         c->hdr = hdr;                       /* the watchdog looks at the ranks through it */
@@ -5363,6 +5551,7 @@ void dt_safetensors_write(const char *path, const dt_named_tensor *t, int count,
     signal(SIGXFSZ, SIG_IGN);    /* over a file-size limit: an error to report, not a kill */
     FILE *f = fopen(tmp, "wb");
     if (!f) { free(hdr); dt_fail("cannot write checkpoint '%s': %s", tmp, strerror(errno)); }
+    int cleanup = dt_cleanup_add(tmp);       /* removed if the program is stopped while writing */
     unsigned char len8[8];
     for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
     int ok = fwrite(len8, 1, 8, f) == 8 && fwrite(hdr, 1, hlen, f) == hlen;
@@ -5385,6 +5574,7 @@ void dt_safetensors_write(const char *path, const dt_named_tensor *t, int count,
         unlink(tmp);
         dt_fail("could not rename '%s' to '%s': %s", tmp, path, strerror(saved_errno));
     }
+    dt_cleanup_done(cleanup);
 }
 
 typedef struct dt_st_tensor { char *name; char dtype[8]; int ndim; int64_t shape[8]; uint64_t begin, end; } dt_st_tensor;
@@ -5492,14 +5682,13 @@ static int dt_safetensors_dtype_size(const char *d) {
     return 0;
 }
 
-dt_safetensors *dt_safetensors_read(const char *path) {
-    size_t len = 0;
-    unsigned char *buf = dt_read_file(path, &len);
-    if (!buf) dt_fail("cannot read '%s': %s", path, strerror(errno));
-    if (len < 8) dt_fail("'%s' is truncated or not a safetensors file (%zu bytes)", path, len);
+/* buf holds the file's first `have` bytes (all of it, or its header alone);
+   `len` is the file's length, which every tensor's byte range must fit. */
+static dt_safetensors *dt_safetensors_parse(const char *path, unsigned char *buf, size_t have, size_t len) {
+    if (have < 8) dt_fail("'%s' is truncated or not a safetensors file (%zu bytes)", path, len);
     uint64_t hlen = 0;
     for (int i = 0; i < 8; i++) hlen |= (uint64_t)buf[i] << (8 * i);
-    if (hlen > len - 8)
+    if (hlen > have - 8)
         dt_fail("'%s' is truncated or not a safetensors file (its header claims %llu bytes, the file has %zu)",
                 path, (unsigned long long)hlen, len);
     dt_safetensors *st = (dt_safetensors *)calloc(1, sizeof *st);
@@ -5570,6 +5759,32 @@ dt_safetensors *dt_safetensors_read(const char *path) {
                     (unsigned long long)(st->data_start + t->end), len);
     }
     return st;
+}
+
+dt_safetensors *dt_safetensors_read(const char *path) {
+    size_t len = 0;
+    unsigned char *buf = dt_read_file(path, &len);
+    if (!buf) dt_fail("cannot read '%s': %s", path, strerror(errno));
+    return dt_safetensors_parse(path, buf, len, len);
+}
+
+/* The header alone (metadata and the tensor list, no data): what a look over a
+   folder of checkpoints needs, without reading gigabytes. */
+static dt_safetensors *dt_safetensors_read_header(const char *path) {
+    FILE *f = fopen(path, "rb");
+    unsigned char len8[8];
+    struct stat s;
+    if (!f || fstat(fileno(f), &s) != 0) dt_fail("cannot read '%s': %s", path, strerror(errno));
+    size_t have = fread(len8, 1, 8, f);
+    uint64_t hlen = 0;
+    for (size_t i = 0; i < have; i++) hlen |= (uint64_t)len8[i] << (8 * i);
+    if (have == 8 && hlen > (uint64_t)s.st_size - 8) hlen = 0;      /* the parser names the lie */
+    unsigned char *buf = (unsigned char *)malloc(8 + (size_t)hlen + 1);
+    if (!buf) dt_fail("out of memory reading '%s'", path);
+    memcpy(buf, len8, have);
+    if (have == 8) have += fread(buf + 8, 1, (size_t)hlen, f);
+    fclose(f);
+    return dt_safetensors_parse(path, buf, have, (size_t)s.st_size);
 }
 
 void dt_safetensors_close(dt_safetensors *st) {
@@ -6418,10 +6633,62 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     dt_safetensors_close(st);
 }
 
+/* --resume auto: the checkpoint of the most steps in --save-dir, or NULL to
+   start fresh -- what a requeued job runs, unchanged, after preemption. Every
+   file there is whole: a checkpoint is renamed into place once written, and a
+   sharded one's index is written after its shards. Ties go to the later name,
+   so every rank picks the same file. */
+static const char *dt_newest_checkpoint(const char *dir, char *out, size_t n) {
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    long long best = -1;
+    out[0] = 0;
+    while (d && (e = readdir(d))) {
+        size_t len = strlen(e->d_name), ext = strlen(".safetensors");
+        if (len <= ext || strcmp(e->d_name + len - ext, ".safetensors") || strstr(e->d_name, ".shard")) continue;
+        char path[4096];
+        dt_path(path, sizeof path, "%s/%s", dir, e->d_name);
+        dt_safetensors *st = dt_safetensors_read_header(path);
+        const char *format = dt_safetensors_meta(st, "format"), *step = dt_safetensors_meta(st, "step");
+        long long k = step ? atoll(step) : -1;
+        if (format && strstr(format, "checkpoint") && step && (k > best || (k == best && strcmp(path, out) > 0))) {
+            best = k;
+            dt_copy_str(out, n, path);
+        }
+        dt_safetensors_close(st);
+    }
+    if (d) closedir(d);
+    return out[0] ? out : NULL;
+}
+
+/* The stop signal as the job sees it: the largest any rank caught, so that
+   every rank stops after the same step. */
+static int dt_job_stop_signal(void) {
+    if (getenv("DT_TEST_STOP_AT_STEP") && dt_ctx.rank == 0 && !dt_stop_signal) {
+        /* Preemption tests: at step N rank 0 sends SIGTERM to its launcher (or to itself) and waits until the
+           signal comes back to it, so the job stops at that step however busy the machine is. */
+        static int64_t calls;
+        if (++calls == atoll(getenv("DT_TEST_STOP_AT_STEP"))) {
+            kill(getenv("DT_LAUNCHED_RANK") ? getppid() : getpid(), SIGTERM);
+            for (int i = 0; i < 5000 && !dt_stop_signal; i++) { struct timespec ts = { 0, 1000000 }; nanosleep(&ts, NULL); }
+        }
+    }
+    if (!dt_ctx.job || dt_ctx.world_size == 1) return dt_stop_signal;
+    return (int)dt_job_max((float)dt_stop_signal);
+}
+
 void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer *opt, dt_loader *loader,
                   const dt_dataset *val) {
     memset(r, 0, sizeof *r);
     r->cfg = *cfg; r->model = model; r->opt = opt; r->loader = loader; r->val = val;
+    if (cfg->resume && !strcmp(cfg->resume, "auto")) {
+        if (!cfg->save_dir) dt_usage_error("--resume auto resumes from the newest checkpoint in --save-dir: give --save-dir");
+        r->cfg.resume = dt_newest_checkpoint(cfg->save_dir, r->resume_path, sizeof r->resume_path);
+        if (!r->cfg.resume && !cfg->quiet && dt_ctx.rank == 0)
+            printf("--resume auto: no checkpoint in %s yet, starting fresh\n", cfg->save_dir);
+        cfg = &r->cfg;
+    }
+    if (!cfg->bench) dt_catch_stop_signals();   /* from here on a signal stops the run after a step, saved */
     if (cfg->bench) {               /* time steps, nothing else: no header, no evaluation, no checkpoints */
         r->cfg.quiet = 1; r->cfg.epochs = 1 << 30; r->cfg.warmup = 0; r->cfg.save_dir = NULL;
         r->cfg.eval_every = 0; r->cfg.sample = 0; r->val = NULL;
@@ -6707,7 +6974,8 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
         r->loss_count = 0;
     }
     if (r->cfg.explain && r->steps_run == 3 && dt_ctx.rank == 0) dt_run_explain(r);
-    if (r->cfg.eval_every > 0 && r->step % r->cfg.eval_every == 0) dt_run_eval(r);
+    if (!r->cfg.bench && r->step < r->stop_step && (r->stopped_by = dt_job_stop_signal())) r->stop = 1;
+    if (r->cfg.eval_every > 0 && r->step % r->cfg.eval_every == 0 && !r->stopped_by) dt_run_eval(r);
     if (r->step >= r->stop_step) r->stop = 1;
     return r->stop;
 }
@@ -6715,7 +6983,10 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
 void dt_epoch_end(dt_run *r) {
     int finished = r->batch_in_epoch >= r->batches_per_epoch;
     if (finished) { r->epoch++; r->batch_in_epoch = 0; }
-    if (!(r->cfg.eval_every > 0 && r->step % r->cfg.eval_every == 0)) dt_run_eval(r);
+    if (!r->stopped_by && !(r->cfg.eval_every > 0 && r->step % r->cfg.eval_every == 0)) dt_run_eval(r);
+    if (r->stopped_by && !r->cfg.save_dir && dt_ctx.rank == 0)
+        dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt_signal_name(r->stopped_by),
+                (long long)r->steps_run);
     if (r->cfg.save_dir && (dt_ctx.rank == 0 || r->model->fsdp)) {   /* sharded: every rank gathers */
         char path[4096], what[64];
         if (finished) snprintf(what, sizeof what, "epoch%d", r->epoch);
@@ -6776,7 +7047,13 @@ int dt_run_finish(dt_run *r) {
         r->log = NULL;
     }
     if (r->trace) { fprintf(r->trace, "]\n"); fclose(r->trace); r->trace = NULL; }
-    return 0;
+    if (!r->stopped_by) return 0;
+    if (dt_ctx.rank == 0) {
+        printf("stopped by %s after step %lld of %lld%s\n", dt_signal_name(r->stopped_by), (long long)r->step,
+               (long long)r->stop_step, r->cfg.save_dir ? ": the same command with --resume auto continues from here" : "");
+        fflush(stdout);
+    }
+    return r->stopped_by == SIGINT ? 130 : 75;       /* 75, EX_TEMPFAIL: preempted, to be run again */
 }
 
 /* --bench: random pixels and labels, a few batches' worth for every rank or device (and no
