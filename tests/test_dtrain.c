@@ -1466,6 +1466,205 @@ static void test_ddp_buckets_overlap_backward_and_change_no_bits(void) {
     CHECKF(files_equal_tensors(p, q), "bucketed and unbucketed all-reduce give different weights");
 }
 
+/* ---- 10. launching: real launchers, signals, strangers, nothing left behind ---- */
+
+/* The /dev/shm segments a process made (their names carry its pid). */
+static int shm_segments_of(long pid) {
+    char prefix[64];
+    int n = 0;
+    snprintf(prefix, sizeof prefix, "dtrain-%d-%ld-", (int)getuid(), pid);
+    DIR *d = opendir("/dev/shm");
+    struct dirent *e;
+    while (d && (e = readdir(d))) n += strncmp(e->d_name, prefix, strlen(prefix)) == 0;
+    if (d) closedir(d);
+    return n;
+}
+/* The pids a shell script printed as "pid=N". */
+static int pids_in(const char *out, long *pids, int max) {
+    int n = 0;
+    for (const char *p = out; n < max && (p = strstr(p, "pid=")); p += 4) pids[n++] = atol(p + 4);
+    return n;
+}
+
+/* torchrun, as found: Debian 12's (PyTorch 1.13 on Python 3.11) fails to start
+   anything unless its output is redirected (a PyTorch bug fixed in 2.0:
+   Std.from_str misses values under Python 3.11), so there it gets
+   --redirects 1 --tee 1. Empty when there is no torchrun. */
+static const char *torchrun_cmd(char *why, size_t n) {
+    static char cmd[700], reason[2200];
+    static int probed;
+    char out[16384];
+    if (!probed) {
+        probed = 1;
+        if (run_cmd(out, sizeof out, "sh -c 'command -v torchrun'") != 0)
+            snprintf(reason, sizeof reason, "torchrun is not installed (Debian: python3-torch)");
+        else if (run_cmd(out, sizeof out, "torchrun --standalone --nproc_per_node 1 --no_python true") == 0)
+            snprintf(cmd, sizeof cmd, "torchrun");
+        else if (strstr(out, "'NoneType' object has no attribute 'get'"))
+            snprintf(cmd, sizeof cmd, "torchrun --redirects 1 --tee 1 --log_dir %s/torchrun-logs", tmpdir);
+        else snprintf(reason, sizeof reason, "torchrun does not start a program here:\n%.2000s", out);
+    }
+    snprintf(why, n, "%s", reason);
+    return cmd;
+}
+
+/* The README's torchrun lines, in torchrun's three rendezvous modes: the
+   default (static: torchrun's own store listens on MASTER_PORT), --standalone
+   and a c10d endpoint. Each trains as --nproc 2 does, bit for bit. */
+static void test_torchrun_launches_stages_in_every_rendezvous_mode(void) {
+    char out[16384], why[2200] = "", ref[600], dir[600], p[700], q[700];
+    const char *tr = torchrun_cmd(why, sizeof why);
+    if (!tr[0]) SKIP("%s", why);
+    const char *stages[2] = { "03-ddp", "04-fsdp" };
+    for (int s = 0; s < 2; s++) {
+        const char *bin = stage_bin(stages[s]);
+        snprintf(ref, sizeof ref, "%s/torchrun-ref-%d", tmpdir, s);
+        int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --batch-size 16 --nproc 2 --save-dir %s", bin, small_data(), ref);
+        CHECKF(st == 0, "%s --nproc 2: exit %d\n%s", stages[s], st, out);
+        snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2%s.safetensors", ref, s ? ".shard1-of-2" : "");
+        for (int mode = 0; mode < (s ? 1 : 3); mode++) {
+            char how[128];
+            int port = dt_free_port();
+            if (mode == 0) snprintf(how, sizeof how, "--master_port %d", port);
+            else if (mode == 1) snprintf(how, sizeof how, "--standalone");
+            else snprintf(how, sizeof how, "--rdzv_backend c10d --rdzv_endpoint 127.0.0.1:%d", port);
+            snprintf(dir, sizeof dir, "%s/torchrun-%d-%d", tmpdir, s, mode);
+            st = run_cmd(out, sizeof out, "%s %s --nproc_per_node 2 --no_python %s --data %s " PAR_FLAGS " --batch-size 16 --save-dir %s",
+                         tr, how, bin, small_data(), dir);
+            CHECKF(st == 0, "torchrun %s %s: exit %d\n%s", how, stages[s], st, out);
+            snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2%s.safetensors", dir, s ? ".shard1-of-2" : "");
+            CHECKF(st != 0 || files_equal_tensors(p, q), "torchrun %s %s: weights differ from --nproc 2's", how, stages[s]);
+        }
+    }
+}
+
+/* mpirun (Open MPI) starts the ranks; MASTER_PORT is the only thing to add. */
+static void test_mpirun_launches_a_stage_like_nproc(void) {
+    char out[16384], ref[600], dir[600], p[700], q[700];
+    if (run_cmd(out, sizeof out, "sh -c 'command -v mpirun'") != 0) SKIP("mpirun is not installed (Debian: openmpi-bin)");
+    const char *bin = stage_bin("03-ddp");
+    snprintf(ref, sizeof ref, "%s/mpirun-ref", tmpdir);
+    snprintf(dir, sizeof dir, "%s/mpirun", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --batch-size 16 --nproc 2 --save-dir %s", bin, small_data(), ref);
+    CHECKF(st == 0, "--nproc 2: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "mpirun %s--oversubscribe -np 2 -x MASTER_PORT=%d %s --data %s " PAR_FLAGS " --batch-size 16 --save-dir %s",
+                 geteuid() == 0 ? "--allow-run-as-root " : "", dt_free_port(), bin, small_data(), dir);
+    CHECKF(st == 0, "mpirun: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2.safetensors", ref);
+    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.safetensors", dir);
+    CHECKF(st != 0 || files_equal_tensors(p, q), "mpirun and --nproc 2 give different weights");
+}
+
+/* A job of --nproc 2 is stopped through its launcher, as a user would: SIGTERM
+   and Ctrl-C reach the ranks, which save and stop (75, 130); a launcher killed
+   outright takes its ranks with it (they save too). No rank trains on. */
+static void test_stopping_the_launcher_stops_its_ranks(void) {
+    static const struct { const char *sig; int status; const char *says; } cases[3] = {
+        { "TERM", 75, "stopped by SIGTERM" }, { "INT", 130, "stopped by SIGINT" }, { "KILL", 137, NULL } };
+    const char *bin = stage_bin("03-ddp");
+    for (int k = 0; k < 3; k++) {
+        char out[16384], dir[600], log[600], files[2][4096];
+        snprintf(dir, sizeof dir, "%s/stop-%s", tmpdir, cases[k].sig);
+        snprintf(log, sizeof log, "%s/stop-%s.jsonl", tmpdir, cases[k].sig);
+        /* 2,000 steps; the signal goes to the launcher alone once steps are logged */
+        int st = run_cmd(out, sizeof out, "sh -c '%s --data %s --image-size 16 --dim 32 --quiet --epochs 200 --batch-size 16 "
+                         "--nproc 2 --save-dir %s --log %s & p=$!; i=0; while [ $i -lt 600 ] && ! grep -q step %s 2>/dev/null; "
+                         "do sleep 0.05; i=$((i+1)); done; kids=$(pgrep -P $p); for k in $kids; do echo pid=$k; done; "
+                         "kill -%s $p; wait $p; echo launcher-exit=$?; ls %s | tr \"\\n\" \" \"; echo'",
+                         bin, small_data(), dir, log, log, cases[k].sig, dir);
+        long pids[8];
+        int n = pids_in(out, pids, 8);
+        CHECKF(st == 0 && n == 2, "expected two ranks under the launcher:\n%s", out);
+        char want[64];
+        snprintf(want, sizeof want, "launcher-exit=%d", cases[k].status);
+        CHECKF(strstr(out, want), "SIG%s to the launcher: expected %s:\n%s", cases[k].sig, want, out);
+        if (cases[k].says) CHECKF(strstr(out, cases[k].says), "no '%s' line:\n%s", cases[k].says, out);
+        int alive = 1;
+        for (int t = 0; t < 200 && alive; t++) {       /* a killed launcher: its ranks save and go within seconds */
+            alive = 0;
+            for (int i = 0; i < n; i++) alive |= kill((pid_t)pids[i], 0) == 0;
+            if (alive) { struct timespec ts = { 0, 50000000 }; nanosleep(&ts, NULL); }
+        }
+        CHECKF(!alive, "SIG%s to the launcher: its ranks are still running 10 s later", cases[k].sig);
+        for (int i = 0; i < n; i++) kill((pid_t)pids[i], SIGKILL);
+        /* nothing more is written once the ranks are gone, and a checkpoint of where they stopped is there */
+        for (int t = 0; t < 2; t++) {
+            run_cmd(files[t], sizeof files[t], "ls %s", dir);
+            if (!t) { struct timespec ts = { 0, 500000000 }; nanosleep(&ts, NULL); }
+        }
+        CHECKF(!strcmp(files[0], files[1]), "files appeared after the job stopped:\n%s\nthen\n%s", files[0], files[1]);
+        CHECKF(strstr(files[1], "_step") || strstr(files[1], "_epoch"), "no checkpoint saved on SIG%s:\n%s", cases[k].sig, files[1]);
+        CHECKF(!strstr(files[1], ".tmp"), "a .tmp file was left: %s", files[1]);
+        for (int i = 0; i < n; i++) CHECKF(shm_segments_of(pids[i]) == 0, "rank pid %ld left a /dev/shm segment", pids[i]);
+    }
+}
+
+/* Two jobs on one port: a stray connection (a port scan, a browser) and a rank
+   of another job reach job A's rank 0 while it waits. Both are turned away and
+   logged; the stranger is told why and stops; job A goes on and completes. */
+static void test_a_stranger_at_the_rendezvous_is_turned_away_not_fatal(void) {
+    char out[16384];
+    int port = dt_free_port();
+    const char *bin = collectives_bin();
+    int st = run_cmd(out, sizeof out, "bash -c 'export MASTER_PORT=%d WORLD_SIZE=2; SLURM_JOB_ID=111 RANK=0 %s --check --timeout 30 & a=$!; "
+                     "sleep 0.5; exec 3<>/dev/tcp/127.0.0.1/%d && echo junk >&3; exec 3>&-; exec 3<>/dev/tcp/127.0.0.1/%d; exec 3>&-; "
+                     "SLURM_JOB_ID=222 RANK=1 %s --check --timeout 10; echo stranger-exit=$?; "
+                     "SLURM_JOB_ID=111 RANK=1 %s --check; echo member-exit=$?; wait $a; echo rank0-exit=$?'",
+                     port, bin, port, port, bin, bin);
+    CHECKF(st == 0 && strstr(out, "rank0-exit=0") && strstr(out, "member-exit=0"), "job A did not complete:\n%s", out);
+    CHECKF(count_lines_with(out, "match the serial reference") == 2, "job A's collectives:\n%s", out);
+    CHECKF(strstr(out, "stranger-exit=1") && strstr(out, "turned this rank away: it belongs to another job ('SLURM_JOB_ID=222'"),
+           "the other job's rank must be told why and stop:\n%s", out);
+    CHECKF(count_lines_with(out, "did not say hello as a dtrain rank") == 2, "the stray connections must be logged:\n%s", out);
+}
+
+/* A rendezvous that fails -- port taken, or Ctrl-C while rank 0 waits -- leaves
+   no shared-memory segment (it is made only once every rank has joined). */
+static void test_a_failed_rendezvous_leaves_nothing_in_dev_shm(void) {
+    char out[16384];
+    int port = dt_free_port();
+    const char *bin = collectives_bin();
+    int st = run_cmd(out, sizeof out, "sh -c 'export MASTER_PORT=%d WORLD_SIZE=2 RANK=0; %s --check --timeout 20 & a=$!; echo pid=$a; "
+                     "sleep 0.5; %s --check --timeout 5 & b=$!; echo pid=$b; wait $b; echo second-exit=$?; "
+                     "kill -INT $a; wait $a; echo first-exit=$?'", port, bin, bin);
+    long pids[2] = { 0, 0 };
+    CHECKF(st == 0 && pids_in(out, pids, 2) == 2, "%s", out);
+    CHECKF(strstr(out, "second-exit=1") && strstr(out, "cannot listen on port"), "the port was taken:\n%s", out);
+    CHECKF(strstr(out, "first-exit=1") && strstr(out, "stopped by SIGINT (Ctrl-C) while waiting for the ranks to join"),
+           "Ctrl-C on a waiting rank 0:\n%s", out);
+    for (int i = 0; i < 2; i++) CHECKF(shm_segments_of(pids[i]) == 0, "pid %ld left a /dev/shm segment", pids[i]);
+}
+
+/* Preemption: SIGTERM reaches a 2-rank FSDP job in the middle of epoch 2 (step
+   50 of 80; the test hook makes rank 0 send it to the launcher then). The ranks
+   finish that step, save it together and exit 75; the same command run again
+   (--resume auto) ends bit for bit where an uninterrupted run ends. */
+static void test_sigterm_preempts_fsdp_and_resume_auto_ends_bit_for_bit(void) {
+    char out[16384], a[600], b[600], p[700], q[700], cmd[2400];
+    const char *bin = stage_bin("04-fsdp");
+    snprintf(a, sizeof a, "%s/preempt-straight", tmpdir);
+    snprintf(b, sizeof b, "%s/preempt", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --batch-size 4 --nproc 2 --save-dir %s", bin, small_data(), a);
+    CHECKF(st == 0, "straight run: exit %d\n%s", st, out);
+    snprintf(cmd, sizeof cmd, "%s --data %s " PAR_FLAGS " --batch-size 4 --nproc 2 --save-dir %s --resume auto", bin, small_data(), b);
+    st = run_cmd(out, sizeof out, "env DT_TEST_STOP_AT_STEP=50 %s", cmd);
+    CHECKF(st == 75 && strstr(out, "stopped by SIGTERM after step 50 of 80"), "preempted run: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_step50.safetensors", b);
+    CHECKF(access(p, F_OK) == 0, "no checkpoint of step 50 in %s", b);
+    st = run_cmd(out, sizeof out, "ls -a %s", b);
+    CHECKF(!strstr(out, ".tmp"), "a .tmp file was left:\n%s", out);
+    st = run_cmd(out, sizeof out, "%s", cmd);
+    CHECKF(st == 0, "resumed run: exit %d\n%s", st, out);
+    for (int r = 0; r < 2; r++) {
+        snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2.shard%d-of-2.safetensors", a, r);
+        snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.shard%d-of-2.safetensors", b, r);
+        CHECKF(files_equal_tensors(p, q), "shard %d: preempted and resumed differs from the straight run", r);
+    }
+    /* --resume auto with an empty --save-dir starts fresh; without --save-dir it is a usage error */
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --resume auto", train_cpu, small_data());
+    expect_error(out, st, 2, "--resume auto");
+}
+
 static void test_ddp_by_nproc_and_by_torchrun_variables_agree(void) {
     char out[16384], a[600], b[600], p[700], q[700];
     snprintf(a, sizeof a, "%s/launch-nproc", tmpdir);
@@ -3169,6 +3368,9 @@ static const test_case tests[] = {
     T(test_bad_checkpoints_are_refused), T(test_failed_save_keeps_the_previous_checkpoint),
     T(test_collectives_over_threads_match_a_serial_reference), T(test_collectives_over_processes_match_a_serial_reference),
     T(test_a_killed_rank_stops_the_others_with_its_name), T(test_ranks_launch_from_torchrun_variables_and_check_their_flags),
+    T(test_torchrun_launches_stages_in_every_rendezvous_mode), T(test_mpirun_launches_a_stage_like_nproc),
+    T(test_stopping_the_launcher_stops_its_ranks), T(test_a_stranger_at_the_rendezvous_is_turned_away_not_fatal),
+    T(test_a_failed_rendezvous_leaves_nothing_in_dev_shm), T(test_sigterm_preempts_fsdp_and_resume_auto_ends_bit_for_bit),
     T(test_dp_and_ddp_equal_one_device_with_n_times_the_batch), T(test_dp_and_ddp_runs_repeat_bit_for_bit),
     T(test_ddp_buckets_overlap_backward_and_change_no_bits), T(test_ddp_by_nproc_and_by_torchrun_variables_agree),
     T(test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly),
