@@ -696,7 +696,8 @@ typedef struct dt_config {
     uint64_t seed;
     dt_device device;
     const char *log_path, *trace_path, *save_dir, *resume, *init;
-    int eval_every, log_every, augment;
+    int eval_every, augment;
+    int log_every;               /* a progress line every N steps (0: about every 3 s, and at each epoch's end) */
     int64_t start_idx, end_idx;  /* end -1: the whole set */
     int bench;
     int quiet;
@@ -742,6 +743,9 @@ typedef struct dt_run {
     double micro_loss;         /* and the sum of their losses */
     dt_loss_scaler scaler;     /* --dtype fp16's loss scale (disabled otherwise) */
     FILE *log, *trace;
+    char trace_path[4096];     /* this rank's trace file (run.rank1.json), for the errors that name it */
+    double step_ms_avg;        /* the recent time of a step, for the ETA (dt_eta_update) */
+    double line_ms;            /* when the last progress line was printed */
     int stop;
     int stopped_by;            /* the signal every rank agreed to stop on (SIGTERM, SIGUSR1, SIGINT), or 0 */
     char resume_path[4096];    /* --resume auto: the newest complete checkpoint in --save-dir */
@@ -774,11 +778,14 @@ void dt_step_begin(dt_run *run);
 void dt_phase(dt_run *run, dt_phase_kind phase);
 /* After the optimizer: log, print progress, evaluate; returns 1 when --steps is
    reached. In a job the logged loss is the mean over every rank's batch (and
-   over the step's micro-batches). */
+   over the step's micro-batches). Progress prints about every 3 s and at each
+   epoch's last step (--log-every N: every N-th step instead). A write to --log
+   or --trace that fails, here or anywhere, is an error naming the file. */
 int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size);
 /* At an epoch's end: evaluate and write a checkpoint (when --save-dir is given). */
 void dt_epoch_end(dt_run *run);
-/* The summary line, the summary log record; closes files. Returns the exit status.
+/* The summary line, the summary log record; closes files (and fails if their
+   last writes did). Returns the exit status.
    With --bench it prints the one "bench:" line instead. */
 int dt_run_finish(dt_run *run);
 
@@ -1251,6 +1258,24 @@ static void dt_copy_str(char *out, size_t n, const char *s) {
 }
 void dt_warn(const char *fmt, ...) {
     va_list ap; va_start(ap, fmt); dt_vmessage("warning", fmt, ap); va_end(ap);
+}
+/* A file cut short by a full disk or a quota must stop the program, or a log
+   that ends early reads as a run that ended early. stdio reports a failed
+   write late -- at the flush the buffer's filling causes, or at fclose -- and
+   keeps the error in the stream, so one look after each record finds it.
+   `flag` names the option the path came from ("--log"), or is NULL. */
+static void dt_write_failed(const char *flag, const char *path, int err) {
+    if (!err) err = EIO;            /* ferror without an errno: say something true */
+    if (flag) dt_fail("cannot write %s '%s': %s", flag, path, strerror(err));
+    dt_fail("cannot write '%s': %s", path, strerror(err));
+}
+static void dt_file_check(FILE *f, const char *flag, const char *path) {
+    if (ferror(f)) dt_write_failed(flag, path, errno);
+}
+static void dt_file_close(FILE *f, const char *flag, const char *path) {
+    int failed = fflush(f) != 0 || ferror(f), err = errno;
+    if (fclose(f) != 0 && !failed) { failed = 1; err = errno; }
+    if (failed) dt_write_failed(flag, path, err);
 }
 
 /* ==== 2. devices and memory =====================================================
@@ -3582,10 +3607,10 @@ void dt_synthetic_text_write(const char *path, int64_t bytes, uint64_t seed) {
         if (len > 0 && sentence[0] >= 'a' && sentence[0] <= 'z') sentence[0] = (char)(sentence[0] - 'a' + 'A');
         in_paragraph++;
         const char *sep = in_paragraph >= 3 + (int)(dt_rng_u64(&r) % 4) ? (in_paragraph = 0, "\n\n") : " ";
-        if (fputs(sentence, f) < 0 || fputs(sep, f) < 0) dt_fail("cannot write '%s': %s", path, strerror(errno));
+        if (fputs(sentence, f) < 0 || fputs(sep, f) < 0) dt_write_failed(NULL, path, errno);
         written += len + (int64_t)strlen(sep);
     }
-    if (fclose(f) != 0) dt_fail("cannot write '%s': %s", path, strerror(errno));
+    dt_file_close(f, NULL, path);
 }
 #undef DT_PICK
 
@@ -3632,18 +3657,28 @@ static void dt_mkdir(const char *path) {
     if (mkdir(path, 0755) != 0 && errno != EEXIST) dt_fail("cannot create folder '%s': %s", path, strerror(errno));
 }
 
+#ifdef DT_HAVE_STB
+/* stbi_write_png ignores what its fwrite returns, so a full disk would leave a
+   cut-off PNG; through this callback the writes land in a FILE we check. */
+static void dt_png_to_file(void *f, void *data, int size) { fwrite(data, 1, (size_t)size, (FILE *)f); }
+#endif
+
 static void dt_write_image(const char *path_noext, const uint8_t *hwc, int S) {
     char path[4096];
 #ifdef DT_HAVE_STB
     dt_path(path, sizeof path, "%s.png", path_noext);
-    if (!stbi_write_png(path, S, S, 3, hwc, S * 3)) dt_fail("cannot write '%s'", path);
 #else
     dt_path(path, sizeof path, "%s.ppm", path_noext);
+#endif
     FILE *f = fopen(path, "wb");
     if (!f) dt_fail("cannot write '%s': %s", path, strerror(errno));
-    fprintf(f, "P6\n%d %d\n255\n", S, S);
-    if (fwrite(hwc, 1, (size_t)S * S * 3, f) != (size_t)S * S * 3 || fclose(f) != 0) dt_fail("cannot write '%s'", path);
+#ifdef DT_HAVE_STB
+    if (!stbi_write_png_to_func(dt_png_to_file, f, S, S, 3, hwc, S * 3)) dt_fail("cannot encode '%s' as PNG", path);
+#else
+    fprintf(f, "P6\n%d %d\n255\n", S, S);             /* a failure stays in f for dt_file_close */
+    fwrite(hwc, 1, (size_t)S * S * 3, f);
 #endif
+    dt_file_close(f, NULL, path);
 }
 
 void dt_synthetic_write(const char *dir, int n_train, int n_val, int S, uint64_t seed) {
@@ -3655,6 +3690,7 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int S, uint64_t
     dt_path(tmp, sizeof tmp, "%s.partial", dir);
     dt_mkdir(tmp);
     uint8_t *hwc = (uint8_t *)malloc((size_t)S * S * 3);
+    if (!hwc) dt_fail("out of memory (an image of %d x %d)", S, S);
     for (int split = 0; split < 2; split++) {
         const char *sname = split == 0 ? "train" : "val";
         int n = split == 0 ? n_train : n_val;
@@ -5544,7 +5580,8 @@ void dt_safetensors_write(const char *path, const dt_named_tensor *t, int count,
     }
     fputc('}', h);
     while ((ftell(h) % 8) != 0) fputc(' ', h);       /* the data starts 8-byte aligned */
-    fclose(h);
+    int hdr_failed = ferror(h);                        /* a memory stream fails only when memory runs out */
+    if (fclose(h) != 0 || hdr_failed || !hdr) dt_fail("out of memory writing '%s'", path);
 
     char tmp[4096];
     dt_path(tmp, sizeof tmp, "%s.tmp", path);
@@ -5562,7 +5599,7 @@ void dt_safetensors_write(const char *path, const dt_named_tensor *t, int count,
     }
     ok = ok && fflush(f) == 0 && fsync(fileno(f)) == 0;
     int saved_errno = errno;
-    ok = (fclose(f) == 0) && ok;
+    if (fclose(f) != 0 && ok) { ok = 0; saved_errno = errno; }   /* the last of the data may fail only here */
     free(hdr);
     if (!ok) {
         unlink(tmp);
@@ -6159,7 +6196,8 @@ static const dt_flag dt_flags[] = {
     { "--resume", "FILE", "continue exactly where a checkpoint stopped", DT_ARG_STR, DT_CFG(resume), NULL },
     { "--init", "FILE", "start from these weights (safetensors, PyTorch/timm names)", DT_ARG_STR, DT_CFG(init), NULL },
     { "--eval-every", "N", "evaluate every N steps as well as after each epoch (default 0: epochs only)", DT_ARG_INT, DT_CFG(eval_every), NULL },
-    { "--log-every", "N", "print a progress line every N steps (default 50)", DT_ARG_INT, DT_CFG(log_every), NULL },
+    { "--log-every", "N", "print a progress line every N steps (default: about every 3 s, and each epoch's last step)",
+      DT_ARG_INT, DT_CFG(log_every), NULL },
     { "--start-idx", "N", "train on images [N, end) of the training set (default 0)", DT_ARG_I64, DT_CFG(start_idx), NULL },
     { "--end-idx", "N", "... up to image N (default: all)", DT_ARG_I64, DT_CFG(end_idx), NULL },
     { "--bench", NULL, "time this stage's training steps on random in-memory data, print one line, exit", DT_ARG_SWITCH, DT_CFG(bench), NULL },
@@ -6207,7 +6245,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     c.batch_size = c.epochs = -1; c.lr = NAN;     /* -1, NaN: not given (a flag's value is always finite) */
     c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
     c.warmup = -1; c.optimizer = DT_ADAMW; c.seed = 1; c.device = (dt_device)2; /* auto */
-    c.log_every = 50; c.augment = 1; c.end_idx = -1;
+    c.log_every = INT_MIN; c.augment = 1; c.end_idx = -1;   /* INT_MIN: not given (no value parses to it) */
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i], *val = NULL;
         char name[64];
@@ -6279,7 +6317,8 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if (c.weight_decay < 0 || c.momentum < 0 || c.momentum >= 1 || c.clip < 0)
         dt_usage_error("--weight-decay and --clip must be >= 0, --momentum in [0, 1)");
     if (c.augment != 0 && c.augment != 1) dt_usage_error("--augment must be 0 or 1, got %d", c.augment);
-    if (c.log_every < 1) dt_usage_error("--log-every must be at least 1, got %d", c.log_every);
+    if (c.log_every == INT_MIN) c.log_every = 0;            /* 0: progress by time */
+    else if (c.log_every < 1) dt_usage_error("--log-every must be at least 1, got %d", c.log_every);
     if (c.eval_every < 0) dt_usage_error("--eval-every must not be negative");
     if (c.start_idx < 0) dt_usage_error("--start-idx must not be negative");
     if (c.end_idx >= 0 && c.end_idx <= c.start_idx) dt_usage_error("--end-idx must be greater than --start-idx");
@@ -6350,21 +6389,24 @@ static void dt_trace_event(dt_run *r, const char *name, int track, double t0, do
     /* the file opens with metadata events, so every event follows a comma */
     fprintf(r->trace, ",{\"name\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.1f,\"dur\":%.1f}\n",
             name, dt_ctx.rank, track, (t0 - r->start_ms) * 1e3, (t1 - t0) * 1e3);
+    dt_file_check(r->trace, "--trace", r->trace_path);
 }
 
 static void dt_trace_open(dt_run *r, const char *path) {
-    char mine[4096];
+    char *mine = r->trace_path;
+    size_t size = sizeof r->trace_path;
     const char *dot = strrchr(path, '.');
-    if (dt_ctx.world_size == 1) dt_path(mine, sizeof mine, "%s", path);
+    if (dt_ctx.world_size == 1) dt_path(mine, size, "%s", path);
     else if (dot && !strcmp(dot, ".json"))          /* one file per rank: run.json -> run.rank1.json */
-        dt_path(mine, sizeof mine, "%.*s.rank%d.json", (int)(dot - path), path, dt_ctx.rank);
-    else dt_path(mine, sizeof mine, "%s.rank%d", path, dt_ctx.rank);
+        dt_path(mine, size, "%.*s.rank%d.json", (int)(dot - path), path, dt_ctx.rank);
+    else dt_path(mine, size, "%s.rank%d", path, dt_ctx.rank);
     if (!(r->trace = fopen(mine, "w"))) dt_fail("cannot open --trace '%s': %s", mine, strerror(errno));
     fprintf(r->trace, "[{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":\"rank %d\"}}\n",
             dt_ctx.rank, dt_ctx.rank);
     for (int t = 0; t <= DT_TRACK_COMM; t++)
         fprintf(r->trace, ",{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"%s\"}}\n",
                 dt_ctx.rank, t, t == DT_TRACK_COMM ? "communication" : dt_phase_names[t]);
+    dt_file_check(r->trace, "--trace", mine);
 }
 
 void dt_phase(dt_run *r, dt_phase_kind phase) {
@@ -6882,12 +6924,19 @@ static void dt_run_eval(dt_run *r) {
         if (sample) { dt_run_sample(r); dt_phase(r, DT_PHASE_EVAL); }
         return;
     }
+    if (!r->cfg.quiet && dt_ctx.rank == 0) {     /* said before the wait, which on a big set is long */
+        if (r->val->tokens) printf("eval  step %lld: evaluating %lld tokens ...\n", (long long)r->step,
+                                   (long long)r->val->n * r->val->seq_len);
+        else printf("eval  step %lld: evaluating %lld images ...\n", (long long)r->step, (long long)r->val->n);
+        fflush(stdout);
+    }
     dt_evaluate(r->model, r->val, r->cfg.batch_size, &r->eval_loss, &r->eval_acc);
     dt_phase(r, DT_PHASE_EVAL);
     if (r->log) {
         fprintf(r->log, "{\"step\":%lld,\"epoch\":%d,\"eval_loss\":%.6f,\"eval_acc\":%.6f}\n", (long long)r->step,
                 r->epoch + 1, r->eval_loss, r->eval_acc);
         fflush(r->log);
+        dt_file_check(r->log, "--log", r->cfg.log_path);
     }
     if (!r->cfg.quiet && dt_ctx.rank == 0) {
         if (r->val->tokens)
@@ -6900,6 +6949,29 @@ static void dt_run_eval(dt_run *r) {
         fflush(stdout);
     }
     if (sample) { dt_run_sample(r); dt_phase(r, DT_PHASE_EVAL); }
+}
+
+/* The time of a step, as the ETA and the progress line's rate assume it: a
+   moving average that forgets old steps (weight 0.1: about the last 20), so
+   that it follows a run that speeds up or slows down. The first step is not
+   kept -- the second replaces it -- as it is warm-up (arenas allocated, cold
+   caches, on a GPU cuBLAS's set-up), often several times slower than the
+   rest. `step` counts this process's steps, 1 for the first. */
+#define DT_ETA_WEIGHT 0.1
+static double dt_eta_update(double avg_ms, double step_ms, int64_t step) {
+    if (step <= 2) return step_ms;
+    return avg_ms + DT_ETA_WEIGHT * (step_ms - avg_ms);
+}
+
+/* Whether step `step` prints a progress line. --log-every N: every N-th step
+   (and the first). Otherwise by the clock, so a slow run is not silent for a
+   minute and a fast one does not flood the terminal: the first step, then
+   whenever DT_PROGRESS_MS have passed since the last line, and the last step
+   of each epoch, so every epoch ends with its loss. */
+#define DT_PROGRESS_MS 3000.0
+static int dt_progress_due(int64_t step, int log_every, int last_of_epoch, double now_ms, double last_line_ms) {
+    if (log_every > 0) return step % log_every == 0 || step == 1;
+    return step == 1 || last_of_epoch || now_ms - last_line_ms >= DT_PROGRESS_MS;
 }
 
 /* A language model's rates are in tokens: a sequence is seq_len of them. */
@@ -6944,6 +7016,7 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
         if (dt_tokens_per_sample(r))
             fprintf(r->log, ",\"tokens_per_s\":%.1f", (double)batch_size * dt_ctx.world_size * dt_tokens_per_sample(r) * 1e3 / step_ms);
         fprintf(r->log, "}\n");
+        dt_file_check(r->log, "--log", r->cfg.log_path);
     }
     if (r->cfg.bench && r->step > r->bench_first) {
         for (int i = 0; i < DT_PHASE_COUNT; i++) r->bench_phase_ms[i] += r->phase_ms[i];
@@ -6958,10 +7031,13 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
             r->stop_step = r->bench_first + (int64_t)n;
         }
     }
-    if (!r->cfg.quiet && dt_ctx.rank == 0 && (r->step % r->cfg.log_every == 0 || r->step == 1)) {
+    r->step_ms_avg = dt_eta_update(r->step_ms_avg, step_ms, r->steps_run);
+    int last_of_epoch = r->batch_in_epoch == r->batches_per_epoch || r->step == r->stop_step;
+    if (!r->cfg.quiet && dt_ctx.rank == 0 && dt_progress_due(r->step, r->cfg.log_every, last_of_epoch, now, r->line_ms)) {
         char eta[32];
-        double rate = r->samples / (r->train_ms / 1e3);
-        dt_format_duration((r->stop_step - r->step) * (r->train_ms / r->steps_run) / 1e3, eta, sizeof eta);
+        double rate = r->step_ms_avg > 0 ? batch_size * dt_ctx.world_size * 1e3 / r->step_ms_avg : 0;
+        dt_format_duration((r->stop_step - r->step) * r->step_ms_avg / 1e3, eta, sizeof eta);
+        r->line_ms = now;
         char scale[64] = "";
         if (r->scaler.enabled)
             snprintf(scale, sizeof scale, "  scale %g (%lld skipped)", r->scaler.scale, (long long)r->scaler.skipped);
@@ -7042,11 +7118,18 @@ int dt_run_finish(dt_run *r) {
         for (int a = 0; a < DT_ARENA_COUNT; a++) fprintf(r->log, ",\"peak_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a));
         for (int a = 0; a < DT_ARENA_COUNT; a++)
             fprintf(r->log, ",\"peak_host_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_host_peak((dt_arena)a));
+        if (r->stopped_by) fprintf(r->log, ",\"stopped_by\":\"%s\"", r->stopped_by == SIGINT ? "SIGINT" : r->stopped_by == SIGTERM ? "SIGTERM" : "SIGUSR1");
         fprintf(r->log, "}\n");
-        fclose(r->log);
+        FILE *log = r->log;
         r->log = NULL;
+        dt_file_close(log, "--log", r->cfg.log_path);
     }
-    if (r->trace) { fprintf(r->trace, "]\n"); fclose(r->trace); r->trace = NULL; }
+    if (r->trace) {
+        FILE *trace = r->trace;
+        r->trace = NULL;
+        fprintf(trace, "]\n");
+        dt_file_close(trace, "--trace", r->trace_path);
+    }
     if (!r->stopped_by) return 0;
     if (dt_ctx.rank == 0) {
         printf("stopped by %s after step %lld of %lld%s\n", dt_signal_name(r->stopped_by), (long long)r->step,
@@ -7067,7 +7150,7 @@ static void dt_bench_data(const dt_config *cfg, dt_dataset *train) {
     for (size_t i = 0; i < bytes; i++) train->pixels[i] = (uint8_t)(dt_rng_u64(&rng) >> 56);
     for (int64_t i = 0; i < n; i++) train->labels[i] = (int32_t)(dt_rng_u64(&rng) % 10);
     for (int c = 0; c < 10; c++) {
-        char name[16];
+        char name[24];
         snprintf(name, sizeof name, "class%d", c);
         train->class_names[c] = strdup(name);
     }

@@ -1060,6 +1060,85 @@ static void test_training_run_log_trace_and_bench(void) {
            "bench output:\n%s", out);
 }
 
+/* The lines of `text` that begin with `prefix`, and whether one begins with `line`. */
+static int count_line_starts(const char *text, const char *prefix) {
+    int n = 0;
+    for (const char *p = text; p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) n += !strncmp(p, prefix, strlen(prefix));
+    return n;
+}
+static const char *find_line(const char *text, const char *line) {
+    for (const char *p = text; p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+        if (!strncmp(p, line, strlen(line))) return p;
+    return NULL;
+}
+
+/* Progress is printed by the clock: 3 epochs of 40 steps of a few milliseconds
+   give the first step, each epoch's last and a few timed lines, not 120. With
+   --log-every N, every N-th step and no other. */
+static void test_progress_lines_come_by_time_and_at_each_epochs_end(void) {
+    char out[32768], want[64];
+    const char *flags = "--image-size 16 --dim 32 --batch-size 8 --epochs 3";
+    double t0 = dt_now_ms();
+    int st = run_cmd(out, sizeof out, "%s --data %s %s", train_cpu, small_data(), flags);
+    double s = (dt_now_ms() - t0) / 1e3;
+    CHECKF(st == 0, "exit %d\n%s", st, out);
+    int lines = count_line_starts(out, "step ");
+    /* 4 lines (steps 1, 40, 80, 120), and one more per 3 s the run took */
+    CHECKF(lines >= 4 && lines <= 60 && lines <= 4 + (int)(s / 3) + 1, "%d progress lines for 120 steps in %.1f s:\n%s", lines, s, out);
+    CHECKF(find_line(out, "step      1/120  epoch 1/3"), "no line for the first step:\n%s", out);
+    for (int e = 1; e <= 3; e++) {
+        snprintf(want, sizeof want, "step %6d/120  epoch %d/3", 40 * e, e);
+        CHECKF(find_line(out, want), "no progress line at the end of epoch %d ('%s'):\n%s", e, want, out);
+    }
+    st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 1 --log-every 7", train_cpu, small_data(), "--image-size 16 --dim 32 --batch-size 8");
+    CHECKF(st == 0 && count_line_starts(out, "step ") == 6 && find_line(out, "step     35/40") && !find_line(out, "step     40/40"),
+           "--log-every 7 over 40 steps: expected steps 1, 7, ..., 35 (exit %d):\n%s", st, out);
+    st = run_cmd(out, sizeof out, "%s --data %s --log-every 0", train_cpu, small_data());
+    expect_error(out, st, 2, "--log-every");
+}
+
+/* The evaluation says what it is about to do before it does it (a long
+   evaluation is otherwise a silent minute), then prints its result. */
+static void test_evaluation_announces_itself_before_its_result(void) {
+    char out[32768];
+    int st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --dim 32 --batch-size 32 --epochs 1", train_cpu, small_data());
+    CHECKF(st == 0, "exit %d\n%s", st, out);
+    const char *before = find_line(out, "eval  step 10: evaluating 80 images ..."), *result = find_line(out, "eval  step 10: loss ");
+    CHECKF(before && result && before < result, "no 'evaluating 80 images' line before the result:\n%s", out);
+}
+
+/* The ETA's step time follows the recent steps: after a slow warm-up it comes
+   down to the fast steps' time, and it follows a slowdown up again, where a
+   mean since the start would lag behind both. */
+static void test_eta_follows_the_recent_step_time(void) {
+    double avg = 0, mean = 0;
+    int64_t n = 0;
+    for (int i = 0; i < 60; i++) {          /* 5 steps of 1 s (warm-up), then 55 of 100 ms */
+        double ms = i < 5 ? 1000 : 100;
+        avg = dt_eta_update(avg, ms, ++n);
+        mean += (ms - mean) / (double)n;
+    }
+    CHECKF(fabs(avg - 100) < 5, "after the warm-up: %.1f ms a step, the steps take 100 (the mean since the start: %.1f)", avg, mean);
+    for (int i = 0; i < 40; i++) avg = dt_eta_update(avg, 300, ++n);
+    CHECKF(fabs(avg - 300) < 10, "after slowing down to 300 ms a step: %.1f ms", avg);
+    /* the very first step says little: the second replaces it */
+    avg = dt_eta_update(0, 5000, 1);
+    CHECK(avg == 5000);
+    CHECK(dt_eta_update(avg, 10, 2) == 10);
+    CHECK(dt_eta_update(10, 20, 3) > 10 && dt_eta_update(10, 20, 3) < 20);
+}
+
+/* Which steps print a line, with the clock passed in. */
+static void test_progress_is_due_by_time_epoch_end_or_log_every(void) {
+    CHECK(dt_progress_due(1, 0, 0, 0, 0));                    /* the first step */
+    CHECK(!dt_progress_due(2, 0, 0, 1000, 0));                /* 1 s later: not yet */
+    CHECK(!dt_progress_due(50, 0, 0, 2999, 0));               /* the old every-50 is gone */
+    CHECK(dt_progress_due(51, 0, 0, 3000, 0));                /* 3 s: a line */
+    CHECK(dt_progress_due(7, 0, 1, 10, 0));                   /* an epoch's last step */
+    CHECK(dt_progress_due(10, 10, 0, 0, 0) && dt_progress_due(1, 10, 0, 0, 0));   /* --log-every 10 */
+    CHECK(!dt_progress_due(11, 10, 0, 1e6, 0) && !dt_progress_due(12, 10, 1, 0, 0));  /* and nothing else */
+}
+
 static int files_equal_tensors(const char *a, const char *b) {
     dt_safetensors *x = dt_safetensors_read(a), *y = dt_safetensors_read(b);
     int same = x->n == y->n && x->n > 0;
@@ -1251,6 +1330,66 @@ static void test_failed_save_keeps_the_previous_checkpoint(void) {
     CHECKF(stat(p, &sb) != 0, "the partial file %s was left behind", p);
     free(before);
     free(after);
+}
+
+/* /dev/full takes no write (ENOSPC): a full disk. Where the program picks the
+   name itself (a checkpoint's .tmp, a rank's trace), a link of that name
+   points there. */
+#define FULL_DISK "No space left on device"
+static void test_a_full_disk_under_log_trace_or_checkpoint_stops_the_run(void) {
+    char out[16384], dir[600], p[800], q[900];
+    struct stat sb;
+    if (stat("/dev/full", &sb) != 0 || !S_ISCHR(sb.st_mode)) SKIP("no /dev/full on this machine");
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --log /dev/full", train_cpu, small_data());
+    expect_error(out, st, 1, "cannot write --log '/dev/full': " FULL_DISK);
+    /* found when a write fails (the log at the evaluation's flush, the trace once
+       stdio's 4 KB buffer fills), not only when the file is closed */
+    CHECKF(!strstr(out, "done:"), "the run went on to its end after its log failed:\n%s", out);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 3 --trace /dev/full", train_cpu, small_data());
+    expect_error(out, st, 1, "cannot write --trace '/dev/full': " FULL_DISK);
+    CHECKF(!strstr(out, "done:"), "the run went on to its end after its trace failed:\n%s", out);
+    /* one step: the log's only records are still in stdio's buffer when the run ends */
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --steps 1 --log /dev/full --trace /dev/full", train_cpu, small_data());
+    expect_error(out, st, 1, "/dev/full': " FULL_DISK);
+
+    snprintf(dir, sizeof dir, "%s/full-ckpt", tmpdir);
+    dt_mkdir(dir);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch1.safetensors", dir);
+    snprintf(q, sizeof q, "%s.tmp", p);
+    CHECK(symlink("/dev/full", q) == 0);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --save-dir %s", train_cpu, small_data(), dir);
+    expect_error(out, st, 1, "mlp_data0-320_epoch1.safetensors");
+    CHECKF(strstr(out, FULL_DISK) != NULL, "the checkpoint's error does not say why:\n%s", out);
+    CHECKF(lstat(q, &sb) != 0, "%s was left behind", q);
+    CHECKF(stat(p, &sb) != 0, "%s was written although its data was not", p);
+
+    /* the synthetic set, made on first use in the current folder, one image of it on the full disk */
+    snprintf(dir, sizeof dir, "%s/full-data", tmpdir);
+    st = run_cmd(out, sizeof out, "sh -c 'mkdir -p %s/data/synthetic.partial/train/disk-warm && cd %s && "
+                 "ln -s /dev/full data/synthetic.partial/train/disk-warm/00003.ppm && "
+                 "ln -s /dev/full data/synthetic.partial/train/disk-warm/00003.png'", dir, dir);
+    CHECKF(st == 0, "%s", out);
+    char cwd[2048], bin[3000];
+    CHECK(getcwd(cwd, sizeof cwd) != NULL);
+    snprintf(bin, sizeof bin, "%s%s%s", train_cpu[0] == '/' ? "" : cwd, train_cpu[0] == '/' ? "" : "/", train_cpu);
+    st = run_cmd(out, sizeof out, "sh -c 'cd %s && %s --steps 1 --quiet'", dir, bin);
+    expect_error(out, st, 1, "disk-warm/00003.p");
+    CHECKF(strstr(out, FULL_DISK) != NULL, "the image's error does not say why:\n%s", out);
+
+    /* rank 1's trace on the full disk: rank 1 stops, and so does rank 0, soon, naming it */
+    snprintf(dir, sizeof dir, "%s/full-trace", tmpdir);
+    dt_mkdir(dir);
+    snprintf(p, sizeof p, "%s/run.rank1.json", dir);
+    CHECK(symlink("/dev/full", p) == 0);
+    double t0 = dt_now_ms();
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --batch-size 16 --epochs 3 --nproc 2 --timeout 30 "
+                 "--trace %s/run.json", stage_bin("03-ddp"), small_data(), dir);
+    double s = (dt_now_ms() - t0) / 1e3;
+    expect_error(out, st, 1, "cannot write --trace '");
+    CHECKF(strstr(out, "dtrain[rank 1]: error: cannot write --trace '") && strstr(out, "run.rank1.json': " FULL_DISK),
+           "rank 1 did not name its trace file:\n%s", out);
+    CHECKF(strstr(out, "dtrain[rank 0]: error: rank 1 failed"), "rank 0 was not stopped in mid-run, naming rank 1:\n%s", out);
+    CHECKF(s < 30, "the job took %.1f s to stop (--timeout 30): rank 0 waited for the rank that failed", s);
 }
 
 /* ---- 9, 10. collectives and launching ranks ----------------------------------- */
@@ -3363,9 +3502,12 @@ static const test_case tests[] = {
     T(test_images_decode_convert_and_resize), T(test_broken_images_are_refused_with_a_reason),
     T(test_png_alpha_and_grey_become_rgb), T(test_cifar10_binary_batches_load), T(test_truncated_or_garbled_png_and_jpeg_are_refused),
     T(test_safetensors_weights_load_and_write_back), T(test_training_run_log_trace_and_bench),
+    T(test_progress_lines_come_by_time_and_at_each_epochs_end), T(test_evaluation_announces_itself_before_its_result),
+    T(test_eta_follows_the_recent_step_time), T(test_progress_is_due_by_time_epoch_end_or_log_every),
     T(test_resume_continues_exactly), T(test_init_starts_from_given_weights),
     T(test_bad_flags_exit_2_naming_the_flag), T(test_bad_data_is_reported_by_name),
     T(test_bad_checkpoints_are_refused), T(test_failed_save_keeps_the_previous_checkpoint),
+    T(test_a_full_disk_under_log_trace_or_checkpoint_stops_the_run),
     T(test_collectives_over_threads_match_a_serial_reference), T(test_collectives_over_processes_match_a_serial_reference),
     T(test_a_killed_rank_stops_the_others_with_its_name), T(test_ranks_launch_from_torchrun_variables_and_check_their_flags),
     T(test_torchrun_launches_stages_in_every_rendezvous_mode), T(test_mpirun_launches_a_stage_like_nproc),
