@@ -685,7 +685,7 @@ typedef struct dt_config {
     const char *tokens;          /* --tokens: a file of uint16 token ids instead of text */
     int image_size;
     dt_model_kind model;
-    int dim, depth, heads, patch; /* -1: the model's default */
+    int dim, depth, heads, patch;
     int seq_len, vocab;          /* gpt: context in tokens; vocabulary (-1: from the data) */
     int sample;                  /* --sample N: gpt prints N generated tokens at each evaluation */
     int batch_size, epochs;
@@ -716,7 +716,8 @@ typedef struct dt_config {
     int local_ranks;             /* ranks on this machine (0: the launcher did not say) */
 } dt_config;
 
-/* Parse the shared command line; a wrong flag or value exits with status 2. */
+/* Parse the shared command line; a wrong flag, a value out of its range or a
+   flag of another stage exits with status 2. */
 dt_config dt_parse_args(int argc, char **argv, const char *stage);
 /* The model config the flags describe, for images of this shape. */
 dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int image_size, int classes);
@@ -5951,6 +5952,57 @@ static void dt_meta_free(dt_meta_list *l) {
     l->kv = NULL; l->n = 0;
 }
 
+/* -- reading the metadata back --
+   Every number is read whole and checked against the values it can take: atoi
+   would read "-5" as -5 and "abc" as 0, and a run would resume at a position no
+   run ever reached. */
+static const char *dt_meta_required(dt_safetensors *st, const char *path, const char *key) {
+    const char *v = dt_safetensors_meta(st, key);
+    if (!v) dt_fail("'%s' is not a dtrain checkpoint (no '%s' in its metadata; for plain weights use --init)", path, key);
+    return v;
+}
+/* Digits only (no sign, no space, nothing after), lo <= value <= hi. */
+static int dt_whole_number(const char *s, uint64_t lo, uint64_t hi, uint64_t *v) {
+    char *end;
+    if (!isdigit((unsigned char)*s)) return 0;
+    errno = 0;
+    unsigned long long x = strtoull(s, &end, 10);
+    if (*end || errno || x < lo || x > hi) return 0;
+    *v = x;
+    return 1;
+}
+/* "a,b,c" into v[0..max): how many, or -1 when it is anything else. */
+static int dt_whole_numbers(const char *s, uint64_t *v, int max) {
+    for (int n = 0;; n++) {
+        char part[32];
+        size_t len = strcspn(s, ",");
+        if (n == max || len >= sizeof part) return -1;
+        memcpy(part, s, len);
+        part[len] = 0;
+        if (!dt_whole_number(part, 0, UINT64_MAX, &v[n])) return -1;
+        if (!s[len]) return n + 1;
+        s += len + 1;
+    }
+}
+static uint64_t dt_meta_whole(dt_safetensors *st, const char *path, const char *key, uint64_t lo, uint64_t hi) {
+    const char *s = dt_meta_required(st, path, key);
+    uint64_t v = 0;
+    if (!dt_whole_number(s, lo, hi, &v)) {
+        char range[64];
+        if (hi >= (uint64_t)INT64_MAX) snprintf(range, sizeof range, ">= %llu", (unsigned long long)lo);
+        else snprintf(range, sizeof range, "from %llu to %llu", (unsigned long long)lo, (unsigned long long)hi);
+        dt_fail("'%s': metadata '%s' is '%s', not a whole number %s", path, key, s, range);
+    }
+    return v;
+}
+static float dt_meta_positive(dt_safetensors *st, const char *path, const char *key) {
+    const char *s = dt_meta_required(st, path, key);
+    char *end;
+    float v = strtof(s, &end);
+    if (end == s || *end || !isfinite(v) || !(v > 0)) dt_fail("'%s': metadata '%s' is '%s', not a positive number", path, key, s);
+    return v;
+}
+
 /* -- sharded checkpoints --
    FSDP saves without gathering: each rank writes what it holds, its slice of
    every unit of the weights and of the optimizer's moments (1-D tensors
@@ -5976,14 +6028,14 @@ static int dt_is_sharded(dt_safetensors *st) {
 
 /* Each unit's size, as the index recorded it, checked against the model's. */
 static int dt_sharded_layout(dt_safetensors *index, const char *path, const dt_model *m, int64_t *unit_numel) {
-    const char *s = dt_safetensors_meta(index, "unit_numel");
-    int world = atoi(dt_safetensors_meta(index, "shards")), n = 0;
-    if (world < 1 || !s) dt_fail("'%s': a sharded checkpoint's index without a valid 'shards' and 'unit_numel'", path);
-    for (char *end; *s && n <= m->nunits; s = *end ? end + 1 : end, n++) {
-        int64_t v = strtoll(s, &end, 10);
-        if (n < m->nunits) unit_numel[n] = v;
-        if (end == s) break;
-    }
+    int world = (int)dt_meta_whole(index, path, "shards", 1, DT_MAX_RANKS);
+    const char *s = dt_meta_required(index, path, "unit_numel");
+    uint64_t *v = (uint64_t *)malloc(sizeof(uint64_t) * ((size_t)m->nunits + 1));
+    if (!v) dt_fail("out of memory (reading '%s')", path);
+    int n = dt_whole_numbers(s, v, m->nunits + 1);
+    if (n < 0) dt_fail("'%s': metadata 'unit_numel' is '%s', not whole numbers separated by commas", path, s);
+    for (int k = 0; k < n && k < m->nunits; k++) unit_numel[k] = v[k] > (uint64_t)INT64_MAX ? -1 : (int64_t)v[k];
+    free(v);
     int same = n == m->nunits;
     for (int k = 0; same && k < n; k++) {
         int64_t end = m->unit_first[k + 1] < m->nparams ? m->offsets[m->unit_first[k + 1]] : m->numel;
@@ -6007,13 +6059,14 @@ static void dt_shard_check(dt_safetensors *index, const char *path, int rank, in
     struct stat s;
     dt_shard_path(file, n, path, rank, world);
     snprintf(key, sizeof key, "shard.%d.bytes", rank);
-    const char *bytes = dt_safetensors_meta(index, key);
-    if (!bytes) dt_fail("'%s': the index has no entry for shard %d of %d", path, rank, world);
+    if (!dt_safetensors_meta(index, key)) dt_fail("'%s': the index has no entry for shard %d of %d", path, rank, world);
+    uint64_t bytes = dt_meta_whole(index, path, key, 0, INT64_MAX);
     if (stat(file, &s) != 0)
         dt_fail("sharded checkpoint '%s': shard %d of %d, '%s', is missing: %s", path, rank, world, file, strerror(errno));
-    if ((long long)s.st_size != atoll(bytes))
-        dt_fail("sharded checkpoint '%s': shard %d of %d, '%s', has %lld bytes but the index recorded %s "
-                "(truncated, or written by another save)", path, rank, world, file, (long long)s.st_size, bytes);
+    if ((uint64_t)s.st_size != bytes)
+        dt_fail("sharded checkpoint '%s': shard %d of %d, '%s', has %lld bytes but the index recorded %llu "
+                "(truncated, or written by another save)", path, rank, world, file, (long long)s.st_size,
+                (unsigned long long)bytes);
 }
 
 /* Rank r's shard file, after checking it is there, whole, and of this save. */
@@ -6023,7 +6076,7 @@ static dt_safetensors *dt_shard_open(dt_safetensors *index, const char *path, in
     dt_safetensors *sh = dt_safetensors_read(file);
     const char *step = dt_safetensors_meta(sh, "step"), *want = dt_safetensors_meta(index, "step");
     const char *who = dt_safetensors_meta(sh, "rank");
-    if (!step || !want || strcmp(step, want) || !who || atoi(who) != rank)
+    if (!step || !want || strcmp(step, want) || !who || dt_meta_whole(sh, file, "rank", 0, DT_MAX_RANKS - 1) != (uint64_t)rank)
         dt_fail("'%s' is not shard %d of checkpoint '%s' at step %s (it says rank %s, step %s)", file, rank, path,
                 want ? want : "?", who ? who : "?", step ? step : "?");
     return sh;
@@ -6088,11 +6141,16 @@ void dt_model_load_weights(dt_model *m, const char *path) {
                 dt_fail("'%s' has no tensor '%s' (it holds %d tensors; is it a checkpoint of this model?)", path,
                         p->name, st->n);
         }
+    /* A NaN here would first show as a NaN loss, and that blames --lr. */
+    for (int i = 0; i < m->nparams; i++)
+        for (int64_t k = 0; k < m->params[i].numel; k++)
+            if (!isfinite(host[m->offsets[i] + k]))
+                dt_fail("'%s': tensor '%s' holds NaN/Inf at index %lld", path, m->params[i].name, (long long)k);
     dt_state_close(m, NULL, 0, host, 1);
     dt_safetensors_close(st);
 }
 
-static int dt_model_config_parse(dt_safetensors *st, dt_model_config *mc) {
+static int dt_model_config_parse(dt_safetensors *st, const char *path, dt_model_config *mc) {
     const char *kind = dt_safetensors_meta(st, "model"), *shape = dt_safetensors_meta(st, "model_config");
     memset(mc, 0, sizeof *mc);
     if (!kind || !shape) return 0;
@@ -6100,9 +6158,16 @@ static int dt_model_config_parse(dt_safetensors *st, dt_model_config *mc) {
     else if (!strcmp(kind, "vit")) mc->kind = DT_MODEL_VIT;
     else if (!strcmp(kind, "mlp")) mc->kind = DT_MODEL_MLP;
     else return 0;
-    int got = sscanf(shape, "%d,%d,%d,%d,%d,%d,%d,%d,%d", &mc->channels, &mc->image_size, &mc->classes, &mc->dim,
-                     &mc->depth, &mc->heads, &mc->patch, &mc->mlp_hidden, &mc->seq_len);
-    return got == (mc->kind == DT_MODEL_GPT ? 9 : 8);
+    uint64_t v[9];
+    int want = mc->kind == DT_MODEL_GPT ? 9 : 8, got = dt_whole_numbers(shape, v, 9);
+    for (int k = 0; k < got; k++) if (v[k] > INT_MAX) got = -1;
+    if (got != want)
+        dt_fail("'%s': metadata 'model_config' is '%s', not %d whole numbers separated by commas (channels,size,classes,"
+                "dim,depth,heads,patch,mlp%s)", path, shape, want, want == 9 ? ",context" : "");
+    int *field[9] = { &mc->channels, &mc->image_size, &mc->classes, &mc->dim, &mc->depth, &mc->heads, &mc->patch,
+                      &mc->mlp_hidden, &mc->seq_len };
+    for (int k = 0; k < got; k++) *field[k] = (int)v[k];
+    return 1;
 }
 
 void dt_checkpoint_consolidate(const char *index_path, const char *out_path) {
@@ -6110,7 +6175,7 @@ void dt_checkpoint_consolidate(const char *index_path, const char *out_path) {
     dt_model_config mc;
     if (!dt_is_sharded(st))
         dt_fail("'%s' is not the index of a sharded checkpoint (no 'shards' in its metadata): it is whole already", index_path);
-    if (!dt_model_config_parse(st, &mc)) dt_fail("'%s' does not say which model it holds ('model', 'model_config')", index_path);
+    if (!dt_model_config_parse(st, index_path, &mc)) dt_fail("'%s' does not say which model it holds ('model', 'model_config')", index_path);
     const char *opt = dt_safetensors_meta(st, "optimizer");
     int adamw = opt && !strcmp(opt, "adamw");
     dt_model *m = dt_model_create(&mc, 0);            /* for the names, shapes and units only */
@@ -6138,9 +6203,11 @@ void dt_checkpoint_consolidate(const char *index_path, const char *out_path) {
 }
 
 /* ==== 14. metrics, traces and the shared command line ===========================
-   Every stage takes the same flags, prints the same progress and summary, and
-   writes the same JSON-lines log, so that runs of different stages can be
-   compared line by line -- and so that the stage files hold only the lesson. */
+   Every stage takes the same flags (and those of its own lesson: one table,
+   dt_flags, says which stage takes which), prints the same progress and
+   summary, and writes the same JSON-lines log, so that runs of different
+   stages can be compared line by line -- and so that the stage files hold only
+   the lesson. */
 
 double dt_now_ms(void) {
     struct timespec ts;
@@ -6156,79 +6223,119 @@ int dt_threads(void) {
 }
 
 typedef enum { DT_ARG_INT, DT_ARG_I64, DT_ARG_FLOAT, DT_ARG_STR, DT_ARG_SWITCH, DT_ARG_CHOICE } dt_arg_type;
+enum { DT_LO_OPEN = 1, DT_HI_OPEN = 2 };
 typedef struct dt_flag {
-    const char *name, *metavar, *help;
+    const char *name;
+    const char *stages;          /* the stages that take it, by number: "45" is 04-fsdp and 05 */
+    const char *metavar, *help;
     dt_arg_type type;
     size_t offset;               /* where in dt_config the value goes */
     const char *choices;         /* DT_ARG_CHOICE: "a|b|c", stored as the index */
+    double lo, hi;               /* a number: the values it may take (DT_LO_OPEN, DT_HI_OPEN: the bound itself not) */
+    int open;
 } dt_flag;
 
+/* The stages, numbered as in the stages column. A program of another name (a
+   tool, a test) takes every flag. */
+static const char *const dt_stage_names[] = { "01-single-gpu", "02-dp", "03-ddp", "04-fsdp", "05-accum-mixed-precision" };
+static char dt_stage_digit(const char *stage) {
+    for (int i = 0; i < (int)(sizeof dt_stage_names / sizeof dt_stage_names[0]); i++)
+        if (!strcmp(stage, dt_stage_names[i])) return (char)('1' + i);
+    return 0;
+}
+
 #define DT_CFG(field) offsetof(dt_config, field)
+#define DT_MIN(lo) lo, HUGE_VAL, 0               /* lo or more */
+#define DT_ABOVE(lo) lo, HUGE_VAL, DT_LO_OPEN    /* more than lo */
+#define DT_RANGE(lo, hi) lo, hi, 0
+#define DT_NOT_A_NUMBER 0, 0, 0
 static const dt_flag dt_flags[] = {
-    { "--data", "DIR", "image folder (DIR/train/<class>/*, DIR/val/<class>/*) or CIFAR-10 binary folder; gpt: a .txt\n"
+    { "--data", "12345", "DIR", "image folder (DIR/train/<class>/*, DIR/val/<class>/*) or CIFAR-10 binary folder; gpt: a .txt\n"
       "                          file or a folder of them, read as bytes (default: the synthetic set in data/synthetic,\n"
-      "                          gpt: the text data/synthetic.txt, made on first use)", DT_ARG_STR, DT_CFG(data), NULL },
-    { "--tokens", "FILE", "gpt: train on a file of little-endian uint16 token ids instead of bytes", DT_ARG_STR, DT_CFG(tokens), NULL },
-    { "--image-size", "N", "images are resized to N x N (default 32)", DT_ARG_INT, DT_CFG(image_size), NULL },
-    { "--model", "mlp|vit|gpt", "the model (default mlp); gpt: a causal language model on text", DT_ARG_CHOICE, DT_CFG(model), "mlp|vit|gpt" },
-    { "--dim", "N", "mlp: hidden width (1024); vit: embedding width (192); gpt: (128)", DT_ARG_INT, DT_CFG(dim), NULL },
-    { "--depth", "N", "mlp: hidden layers (2); vit: transformer blocks (6); gpt: (4)", DT_ARG_INT, DT_CFG(depth), NULL },
-    { "--heads", "N", "vit: attention heads (3); gpt: (4)", DT_ARG_INT, DT_CFG(heads), NULL },
-    { "--patch", "N", "vit: patch size (4)", DT_ARG_INT, DT_CFG(patch), NULL },
-    { "--seq-len", "N", "gpt: tokens per sequence, the context (default 64)", DT_ARG_INT, DT_CFG(seq_len), NULL },
-    { "--vocab", "N", "gpt: vocabulary (default: 256 for bytes, the largest id + 1 for --tokens)", DT_ARG_INT, DT_CFG(vocab), NULL },
-    { "--sample", "N", "gpt: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT, DT_CFG(sample), NULL },
-    { "--batch-size", "N", "images (gpt: sequences) per step (default 128; gpt 32)", DT_ARG_INT, DT_CFG(batch_size), NULL },
-    { "--epochs", "N", "passes over the training set (default 10; gpt 2)", DT_ARG_INT, DT_CFG(epochs), NULL },
-    { "--steps", "N", "stop after N steps in all (default: run every epoch)", DT_ARG_I64, DT_CFG(steps), NULL },
-    { "--lr", "X", "peak learning rate (default 1e-3; gpt 3e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL },
-    { "--optimizer", "adamw|sgd", "the optimizer (default adamw)", DT_ARG_CHOICE, DT_CFG(optimizer), "adamw|sgd" },
-    { "--weight-decay", "X", "decoupled weight decay of 2-D weights (default 0.05)", DT_ARG_FLOAT, DT_CFG(weight_decay), NULL },
-    { "--momentum", "X", "sgd momentum (default 0.9)", DT_ARG_FLOAT, DT_CFG(momentum), NULL },
-    { "--clip", "X", "clip the gradient norm to X, 0 for none (default 1.0)", DT_ARG_FLOAT, DT_CFG(clip), NULL },
-    { "--warmup", "N", "linear warmup steps before the cosine decay (default 5% of the steps)", DT_ARG_I64, DT_CFG(warmup), NULL },
-    { "--augment", "0|1", "random crop + horizontal flip (default 1)", DT_ARG_INT, DT_CFG(augment), NULL },
-    { "--seed", "N", "seed for initialisation, shuffling and augmentation (default 1)", DT_ARG_I64, DT_CFG(seed), NULL },
-    { "--device", "cpu|cuda|auto", "where to train (default auto: cuda when a GPU is visible)", DT_ARG_CHOICE, DT_CFG(device), "cpu|cuda|auto" },
-    { "--log", "FILE", "write one JSON object per step, evaluation and summary", DT_ARG_STR, DT_CFG(log_path), NULL },
-    { "--trace", "FILE", "write a Chrome/Perfetto trace of the step phases", DT_ARG_STR, DT_CFG(trace_path), NULL },
-    { "--save-dir", "DIR", "write a checkpoint at the end of every epoch", DT_ARG_STR, DT_CFG(save_dir), NULL },
-    { "--resume", "FILE", "continue exactly where a checkpoint stopped", DT_ARG_STR, DT_CFG(resume), NULL },
-    { "--init", "FILE", "start from these weights (safetensors, PyTorch/timm names)", DT_ARG_STR, DT_CFG(init), NULL },
-    { "--eval-every", "N", "evaluate every N steps as well as after each epoch (default 0: epochs only)", DT_ARG_INT, DT_CFG(eval_every), NULL },
-    { "--log-every", "N", "print a progress line every N steps (default: about every 3 s, and each epoch's last step)",
-      DT_ARG_INT, DT_CFG(log_every), NULL },
-    { "--start-idx", "N", "train on images [N, end) of the training set (default 0)", DT_ARG_I64, DT_CFG(start_idx), NULL },
-    { "--end-idx", "N", "... up to image N (default: all)", DT_ARG_I64, DT_CFG(end_idx), NULL },
-    { "--bench", NULL, "time this stage's training steps on random in-memory data, print one line, exit", DT_ARG_SWITCH, DT_CFG(bench), NULL },
-    { "--quiet", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL },
-    { "--peak-tflops", "X", "--bench on a GPU: its peak for MFU (default: the fp32 peak, looked up by name; give the 16-bit one with --dtype)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL },
-    { "--nproc", "N", "02: devices driven by this one process; 03-05: ranks started on this machine (default 1)", DT_ARG_INT, DT_CFG(nproc), NULL },
-    { "--shard", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default)",
-      DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full" },
-    { "--cpu-offload", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
-      DT_CFG(cpu_offload), NULL },
-    { "--accum-steps", "N", "05: micro-batches of --batch-size per optimizer step; gradients add up locally (default 1)",
-      DT_ARG_INT, DT_CFG(accum_steps), NULL },
-    { "--dtype", "fp32|bf16|fp16", "05: activations and matmuls in this type, f32 master weights (default fp32)",
-      DT_ARG_CHOICE, DT_CFG(dtype), "fp32|bf16|fp16" },
-    { "--reduce-dtype", "fp32|bf16|fp16", "05: the type gradients are reduce-scattered in (default fp32)",
-      DT_ARG_CHOICE, DT_CFG(reduce_dtype), "fp32|bf16|fp16" },
-    { "--explain", NULL, "after 3 steps, print the cost model's prediction for this run: speedup, compute : "
-      "communication,\n                          and what would change it", DT_ARG_SWITCH, DT_CFG(explain), NULL },
-    { "--link", "shm|pcie|nvlink|infiniband", "--explain: the link between ranks (default: shm on a CPU, nvlink on GPUs)",
-      DT_ARG_CHOICE, DT_CFG(link), "shm|pcie|nvlink|infiniband" },
-    { "--bucket-mb", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
-      DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL },
-    { "--timeout", "S", "stop when a rank has not answered for S seconds (default 60)", DT_ARG_FLOAT, DT_CFG(timeout), NULL },
-    { "--ranks-per-gpu", "N", "let N ranks share one GPU (default 1: a GPU per rank; NCCL 2.30+ does it best)", DT_ARG_INT, DT_CFG(ranks_per_gpu), NULL },
+      "                          gpt: the text data/synthetic.txt, made on first use)", DT_ARG_STR, DT_CFG(data), NULL, DT_NOT_A_NUMBER },
+    { "--tokens", "12345", "FILE", "gpt: train on a file of little-endian uint16 token ids instead of bytes", DT_ARG_STR,
+      DT_CFG(tokens), NULL, DT_NOT_A_NUMBER },
+    { "--image-size", "12345", "N", "images are resized to N x N (default 32)", DT_ARG_INT, DT_CFG(image_size), NULL, DT_RANGE(1, 4096) },
+    { "--model", "12345", "mlp|vit|gpt", "the model (default mlp); gpt: a causal language model on text", DT_ARG_CHOICE,
+      DT_CFG(model), "mlp|vit|gpt", DT_NOT_A_NUMBER },
+    { "--dim", "12345", "N", "mlp: hidden width (1024); vit: embedding width (192); gpt: (128)", DT_ARG_INT, DT_CFG(dim), NULL, DT_MIN(1) },
+    { "--depth", "12345", "N", "mlp: hidden layers (2); vit: transformer blocks (6); gpt: (4)", DT_ARG_INT, DT_CFG(depth), NULL, DT_MIN(0) },
+    { "--heads", "12345", "N", "vit: attention heads (3); gpt: (4)", DT_ARG_INT, DT_CFG(heads), NULL, DT_MIN(1) },
+    { "--patch", "12345", "N", "vit: patch size (4)", DT_ARG_INT, DT_CFG(patch), NULL, DT_MIN(1) },
+    { "--seq-len", "12345", "N", "gpt: tokens per sequence, the context (default 64)", DT_ARG_INT, DT_CFG(seq_len), NULL, DT_RANGE(1, 65536) },
+    { "--vocab", "12345", "N", "gpt: vocabulary (default: 256 for bytes, the largest id + 1 for --tokens)", DT_ARG_INT,
+      DT_CFG(vocab), NULL, DT_RANGE(1, 65536) },                /* token ids are uint16 */
+    { "--sample", "12345", "N", "gpt: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT,
+      DT_CFG(sample), NULL, DT_MIN(0) },
+    { "--batch-size", "12345", "N", "images (gpt: sequences) per step (default 128; gpt 32)", DT_ARG_INT, DT_CFG(batch_size), NULL, DT_MIN(1) },
+    { "--epochs", "12345", "N", "passes over the training set (default 10; gpt 2)", DT_ARG_INT, DT_CFG(epochs), NULL, DT_MIN(1) },
+    { "--steps", "12345", "N", "stop after N steps in all (default: run every epoch)", DT_ARG_I64, DT_CFG(steps), NULL, DT_MIN(0) },
+    { "--lr", "12345", "X", "peak learning rate (default 1e-3; gpt 3e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL, DT_ABOVE(0) },
+    { "--optimizer", "12345", "adamw|sgd", "the optimizer (default adamw)", DT_ARG_CHOICE, DT_CFG(optimizer), "adamw|sgd", DT_NOT_A_NUMBER },
+    { "--weight-decay", "12345", "X", "decoupled weight decay of 2-D weights (default 0.05)", DT_ARG_FLOAT, DT_CFG(weight_decay),
+      NULL, DT_MIN(0) },
+    { "--momentum", "12345", "X", "sgd momentum (default 0.9)", DT_ARG_FLOAT, DT_CFG(momentum), NULL, 0, 1, DT_HI_OPEN },
+    { "--clip", "12345", "X", "clip the gradient norm to X, 0 for none (default 1.0)", DT_ARG_FLOAT, DT_CFG(clip), NULL, DT_MIN(0) },
+    { "--warmup", "12345", "N", "linear warmup steps before the cosine decay (default 5% of the steps)", DT_ARG_I64, DT_CFG(warmup),
+      NULL, DT_MIN(0) },
+    { "--augment", "12345", "0|1", "random crop + horizontal flip (default 1)", DT_ARG_INT, DT_CFG(augment), NULL, DT_RANGE(0, 1) },
+    { "--seed", "12345", "N", "seed for initialisation, shuffling and augmentation (default 1)", DT_ARG_I64, DT_CFG(seed), NULL, DT_MIN(0) },
+    { "--device", "12345", "cpu|cuda|auto", "where to train (default auto: cuda when a GPU is visible)", DT_ARG_CHOICE, DT_CFG(device),
+      "cpu|cuda|auto", DT_NOT_A_NUMBER },
+    { "--log", "12345", "FILE", "write one JSON object per step, evaluation and summary", DT_ARG_STR, DT_CFG(log_path), NULL, DT_NOT_A_NUMBER },
+    { "--trace", "12345", "FILE", "write a Chrome/Perfetto trace of the step phases", DT_ARG_STR, DT_CFG(trace_path), NULL, DT_NOT_A_NUMBER },
+    { "--save-dir", "12345", "DIR", "write a checkpoint at the end of every epoch", DT_ARG_STR, DT_CFG(save_dir), NULL, DT_NOT_A_NUMBER },
+    { "--resume", "12345", "FILE|auto", "continue exactly where a checkpoint stopped; auto: the newest in --save-dir (none: start\n"
+      "                          fresh), what a requeued job runs after preemption", DT_ARG_STR, DT_CFG(resume), NULL, DT_NOT_A_NUMBER },
+    { "--init", "12345", "FILE", "start from these weights (safetensors, PyTorch/timm names)", DT_ARG_STR, DT_CFG(init), NULL, DT_NOT_A_NUMBER },
+    { "--eval-every", "12345", "N", "evaluate every N steps as well as after each epoch (default 0: epochs only)", DT_ARG_INT,
+      DT_CFG(eval_every), NULL, DT_MIN(0) },
+    { "--log-every", "12345", "N", "print a progress line every N steps (default: about every 3 s, and each epoch's last step)",
+      DT_ARG_INT, DT_CFG(log_every), NULL, DT_MIN(1) },
+    { "--start-idx", "12345", "N", "train on images [N, end) of the training set (default 0)", DT_ARG_I64, DT_CFG(start_idx), NULL, DT_MIN(0) },
+    { "--end-idx", "12345", "N", "... up to image N (default: all)", DT_ARG_I64, DT_CFG(end_idx), NULL, DT_MIN(1) },
+    { "--bench", "12345", NULL, "time this stage's training steps on random in-memory data, print one line, exit", DT_ARG_SWITCH,
+      DT_CFG(bench), NULL, DT_NOT_A_NUMBER },
+    { "--quiet", "12345", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL, DT_NOT_A_NUMBER },
+    { "--peak-tflops", "12345", "X", "--bench on a GPU: its peak for MFU (default: the fp32 peak, looked up by name; 05 with --dtype:\n"
+      "                          give the 16-bit one)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL, DT_ABOVE(0) },
+    { "--nproc", "2345", "N", "02: devices driven by this one process; 03-05: ranks started on this machine (default 1)", DT_ARG_INT,
+      DT_CFG(nproc), NULL, DT_RANGE(1, DT_MAX_RANKS) },
+    { "--shard", "45", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default)",
+      DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full", DT_NOT_A_NUMBER },
+    { "--cpu-offload", "45", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
+      DT_CFG(cpu_offload), NULL, DT_NOT_A_NUMBER },
+    { "--accum-steps", "5", "N", "micro-batches of --batch-size per optimizer step; gradients add up locally (default 1)",
+      DT_ARG_INT, DT_CFG(accum_steps), NULL, DT_MIN(1) },
+    { "--dtype", "5", "fp32|bf16|fp16", "activations and matmuls in this type, f32 master weights (default fp32)",
+      DT_ARG_CHOICE, DT_CFG(dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
+    { "--reduce-dtype", "5", "fp32|bf16|fp16", "the type gradients are reduce-scattered in (default fp32)",
+      DT_ARG_CHOICE, DT_CFG(reduce_dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
+    { "--explain", "12345", NULL, "after 3 steps, print the cost model's prediction for this run: speedup, compute : "
+      "communication,\n                          and what would change it", DT_ARG_SWITCH, DT_CFG(explain), NULL, DT_NOT_A_NUMBER },
+    { "--link", "12345", "shm|pcie|nvlink|infiniband", "--explain: the link between ranks (default: shm on a CPU, nvlink on GPUs)",
+      DT_ARG_CHOICE, DT_CFG(link), "shm|pcie|nvlink|infiniband", DT_NOT_A_NUMBER },
+    { "--bucket-mb", "3", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
+      DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL, DT_MIN(0) },
+    { "--timeout", "2345", "S", "stop when a rank (02: a device) has not answered for S seconds (default 60)", DT_ARG_FLOAT,
+      DT_CFG(timeout), NULL, DT_ABOVE(0) },
+    { "--ranks-per-gpu", "345", "N", "let N ranks share one GPU (default 1: a GPU per rank; NCCL 2.30+ does it best)", DT_ARG_INT,
+      DT_CFG(ranks_per_gpu), NULL, DT_MIN(1) },
 };
 #undef DT_CFG
+#undef DT_MIN
+#undef DT_ABOVE
+#undef DT_RANGE
+#undef DT_NOT_A_NUMBER
+enum { DT_NFLAGS = sizeof dt_flags / sizeof dt_flags[0] };
+
+static int dt_flag_of_stage(const dt_flag *f, char stage) { return !stage || strchr(f->stages, stage); }
 
 static void dt_print_help(const char *stage) {
     printf("%s: train a model with dtrain\n\nusage: train [flags]\n\n", stage);
-    for (size_t i = 0; i < sizeof dt_flags / sizeof dt_flags[0]; i++) {
+    for (int i = 0; i < DT_NFLAGS; i++) {
         char left[64];
+        if (!dt_flag_of_stage(&dt_flags[i], dt_stage_digit(stage))) continue;
         snprintf(left, sizeof left, "%s %s", dt_flags[i].name, dt_flags[i].metavar ? dt_flags[i].metavar : "");
         if (strlen(left) < 24) printf("  %-24s%s\n", left, dt_flags[i].help);
         else printf("  %s\n  %-24s%s\n", left, "", dt_flags[i].help);   /* a long one on a line of its own */
@@ -6236,16 +6343,45 @@ static void dt_print_help(const char *stage) {
     printf("  %-24s%s\n\nThreads: OMP_NUM_THREADS (default: every core).\n", "--help", "this list");
 }
 
+/* "--shard is a flag of 04-fsdp and 05-accum-mixed-precision, not 01-single-gpu" */
+static void dt_flag_of_other_stages(const dt_flag *f, const char *stage) {
+    char list[256] = "";
+    size_t n = strlen(f->stages);
+    for (size_t i = 0; i < n; i++)
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i == 0 ? "" : i + 1 < n ? ", " : " and ",
+                 dt_stage_names[f->stages[i] - '1']);
+    dt_usage_error("%s is a flag of %s, not %s", f->name, list, stage);
+}
+
+static void dt_flag_check_range(const dt_flag *f, double v, const char *val) {
+    int lo_ok = f->open & DT_LO_OPEN ? v > f->lo : v >= f->lo, hi_ok = f->open & DT_HI_OPEN ? v < f->hi : v <= f->hi;
+    if (lo_ok && hi_ok) return;
+    char range[96];
+    int n = snprintf(range, sizeof range, "%s %.10g", f->open & DT_LO_OPEN ? "more than" : "at least", f->lo);
+    if (isfinite(f->hi) && !f->open) snprintf(range, sizeof range, "between %.10g and %.10g", f->lo, f->hi);
+    else if (isfinite(f->hi))
+        snprintf(range + n, sizeof range - (size_t)n, " and %s %.10g", f->open & DT_HI_OPEN ? "less than" : "at most", f->hi);
+    dt_usage_error("%s must be %s, got %s", f->name, range, val);
+}
+
+/* Was this flag on the command line? (What a flag not given means is decided
+   after all are read: a default may depend on --model.) */
+static int dt_given(const unsigned char *given, const char *name) {
+    for (int k = 0; k < DT_NFLAGS; k++) if (!strcmp(dt_flags[k].name, name)) return given[k];
+    dt_fail("internal error: no flag '%s' in dt_flags", name);
+}
+
 dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     dt_config c;
+    unsigned char given[DT_NFLAGS];
     memset(&c, 0, sizeof c);
+    memset(given, 0, sizeof given);
     c.stage = stage;
     c.nproc = 1; c.timeout = 60; c.ranks_per_gpu = 1; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1;
-    c.image_size = 32; c.model = DT_MODEL_MLP; c.dim = c.depth = c.heads = c.patch = c.seq_len = c.vocab = -1;
-    c.batch_size = c.epochs = -1; c.lr = NAN;     /* -1, NaN: not given (a flag's value is always finite) */
+    c.image_size = 32; c.model = DT_MODEL_MLP; c.vocab = -1; c.seq_len = 64;
     c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
     c.warmup = -1; c.optimizer = DT_ADAMW; c.seed = 1; c.device = (dt_device)2; /* auto */
-    c.log_every = INT_MIN; c.augment = 1; c.end_idx = -1;   /* INT_MIN: not given (no value parses to it) */
+    c.log_every = 0; c.augment = 1; c.end_idx = -1;        /* --log-every 0: progress by the clock */
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i], *val = NULL;
         char name[64];
@@ -6255,9 +6391,11 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         if (nlen >= sizeof name) nlen = sizeof name - 1;
         memcpy(name, arg, nlen); name[nlen] = 0;
         const dt_flag *f = NULL;
-        for (size_t k = 0; k < sizeof dt_flags / sizeof dt_flags[0]; k++)
-            if (!strcmp(dt_flags[k].name, name)) f = &dt_flags[k];
+        for (int k = 0; k < DT_NFLAGS; k++)
+            if (!strcmp(dt_flags[k].name, name)) { f = &dt_flags[k]; given[k] = 1; }
         if (!f) dt_usage_error("unknown flag '%s' for %s", arg, stage);
+        /* taken in silence, a flag of another stage would leave its user believing it did something */
+        if (!dt_flag_of_stage(f, dt_stage_digit(stage))) dt_flag_of_other_stages(f, stage);
         char *dst = (char *)&c + f->offset;
         if (f->type == DT_ARG_SWITCH) { if (eq) dt_usage_error("%s takes no value", name); *(int *)dst = 1; continue; }
         if (eq) val = eq + 1;
@@ -6269,6 +6407,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         case DT_ARG_INT: case DT_ARG_I64: {
             long long v = strtoll(val, &end, 10);
             if (!*val || *end || errno) dt_usage_error("%s expects a whole number, got '%s'", name, val);
+            dt_flag_check_range(f, (double)v, val);
             if (f->type == DT_ARG_INT) {
                 if (v < -2147483647LL || v > 2147483647LL) dt_usage_error("%s: %s is out of range", name, val);
                 *(int *)dst = (int)v;
@@ -6278,6 +6417,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         case DT_ARG_FLOAT: {
             double v = strtod(val, &end);
             if (!*val || *end || errno || !isfinite(v)) dt_usage_error("%s expects a number, got '%s'", name, val);
+            dt_flag_check_range(f, v, val);
             *(float *)dst = (float)v;
             break;
         }
@@ -6297,50 +6437,24 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         }
     }
     int vit = c.model == DT_MODEL_VIT, gpt = c.model == DT_MODEL_GPT;
-    if (c.batch_size == -1) c.batch_size = gpt ? 32 : 128;
-    if (c.epochs == -1) c.epochs = gpt ? 2 : 10;
-    if (isnan(c.lr)) c.lr = gpt ? 3e-3f : 1e-3f;
-    /* values that parse but make no sense */
-    if (!gpt && (c.seq_len != -1 || c.vocab != -1 || c.tokens || c.sample))
+    /* the defaults that depend on the model */
+    if (!dt_given(given, "--batch-size")) c.batch_size = gpt ? 32 : 128;
+    if (!dt_given(given, "--epochs")) c.epochs = gpt ? 2 : 10;
+    if (!dt_given(given, "--lr")) c.lr = gpt ? 3e-3f : 1e-3f;
+    if (!dt_given(given, "--dim")) c.dim = vit ? 192 : gpt ? 128 : 1024;
+    if (!dt_given(given, "--depth")) c.depth = vit ? 6 : gpt ? 4 : 2;
+    if (!dt_given(given, "--heads")) c.heads = gpt ? 4 : 3;
+    if (!dt_given(given, "--patch")) c.patch = 4;
+    /* values in range that make no sense together */
+    if (!gpt && (dt_given(given, "--seq-len") || dt_given(given, "--vocab") || c.tokens || dt_given(given, "--sample")))
         dt_usage_error("--seq-len, --vocab, --tokens and --sample are for --model gpt");
     if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
-    if (c.seq_len == -1) c.seq_len = 64;
-    if (c.seq_len < 1 || c.seq_len > 65536) dt_usage_error("--seq-len must be between 1 and 65536, got %d", c.seq_len);
-    if (c.vocab != -1 && (c.vocab < 1 || c.vocab > 65536))
-        dt_usage_error("--vocab must be between 1 and 65536 (token ids are uint16), got %d", c.vocab);
-    if (c.sample < 0) dt_usage_error("--sample must not be negative");
-    if (c.image_size < 1 || c.image_size > 4096) dt_usage_error("--image-size must be between 1 and 4096, got %d", c.image_size);
-    if (c.batch_size < 1) dt_usage_error("--batch-size must be at least 1, got %d", c.batch_size);
-    if (c.epochs < 1) dt_usage_error("--epochs must be at least 1, got %d", c.epochs);
-    if (c.steps < 0) dt_usage_error("--steps must not be negative");
-    if (!(c.lr > 0)) dt_usage_error("--lr must be positive, got %g", c.lr);
-    if (c.weight_decay < 0 || c.momentum < 0 || c.momentum >= 1 || c.clip < 0)
-        dt_usage_error("--weight-decay and --clip must be >= 0, --momentum in [0, 1)");
-    if (c.augment != 0 && c.augment != 1) dt_usage_error("--augment must be 0 or 1, got %d", c.augment);
-    if (c.log_every == INT_MIN) c.log_every = 0;            /* 0: progress by time */
-    else if (c.log_every < 1) dt_usage_error("--log-every must be at least 1, got %d", c.log_every);
-    if (c.eval_every < 0) dt_usage_error("--eval-every must not be negative");
-    if (c.start_idx < 0) dt_usage_error("--start-idx must not be negative");
     if (c.end_idx >= 0 && c.end_idx <= c.start_idx) dt_usage_error("--end-idx must be greater than --start-idx");
     if (c.resume && c.init) dt_usage_error("--resume and --init exclude each other (resume restores the weights)");
-    if (c.dim < 0) c.dim = vit ? 192 : gpt ? 128 : 1024;
-    if (c.depth < 0) c.depth = vit ? 6 : gpt ? 4 : 2;
-    if (c.heads < 0) c.heads = gpt ? 4 : 3;
-    if (c.patch < 0) c.patch = 4;
-    if (c.dim < 1 || c.depth < (vit || gpt ? 1 : 0) || c.heads < 1 || c.patch < 1) dt_usage_error("--dim, --depth, --heads and --patch must be positive");
+    if ((vit || gpt) && c.depth < 1) dt_usage_error("--depth must be at least 1 for --model %s, got %d", vit ? "vit" : "gpt", c.depth);
     if ((vit || gpt) && c.dim % c.heads) dt_usage_error("--dim %d must be divisible by --heads %d", c.dim, c.heads);
     if (vit && c.image_size % c.patch) dt_usage_error("--image-size %d must be a multiple of --patch %d", c.image_size, c.patch);
-    if (c.nproc < 1) dt_usage_error("--nproc %d: at least 1", c.nproc);
-    if (!(c.timeout > 0)) dt_usage_error("--timeout %g: seconds, more than 0", c.timeout);
-    if (c.bucket_mb < 0) dt_usage_error("--bucket-mb %g: megabytes, 0 or more", c.bucket_mb);
-    /* --nproc means one thing per stage: 01 has one device; 02 drives N devices
-       from this one process (threads); from 03 on, N processes are started. */
-    if (!strncmp(stage, "01", 2) && c.nproc > 1)
-        dt_usage_error("--nproc %d: stage 01 trains on one device (data parallel training starts in 02-dp)", c.nproc);
-    if (c.accum_steps < 1) dt_usage_error("--accum-steps %d: at least 1", c.accum_steps);
-    if (strncmp(stage, "05", 2) && (c.accum_steps != 1 || c.dtype != DT_F32 || c.reduce_dtype != DT_F32))
-        dt_usage_error("--accum-steps, --dtype and --reduce-dtype arrive in stage 05-accum-mixed-precision, not %s", stage);
-    if (c.ranks_per_gpu < 1) dt_usage_error("--ranks-per-gpu %d: at least 1", c.ranks_per_gpu);
+    /* --nproc N: stage 02 drives N devices from this one process (threads); from 03 on, N processes start here */
     char why[256];
     int ranks = strncmp(stage, "02", 2) ? c.nproc : 1;
     if (c.device == DT_CUDA && ranks > 1 && !dt_nccl_available(why, sizeof why))
@@ -6577,12 +6691,6 @@ void dt_checkpoint_save(dt_run *r, const char *path) {
     free(t);
 }
 
-static const char *dt_meta_required(dt_safetensors *st, const char *path, const char *key) {
-    const char *v = dt_safetensors_meta(st, key);
-    if (!v) dt_fail("'%s' is not a dtrain checkpoint (no '%s' in its metadata; for plain weights use --init)", path, key);
-    return v;
-}
-
 void dt_checkpoint_load(dt_run *r, const char *path) {
     dt_safetensors *st = dt_safetensors_read(path);
     dt_model *m = r->model;
@@ -6601,24 +6709,47 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
        of N ranks x B images takes the same N*B samples at any N: a run may
        resume at another world size when the samples per step stay the same. */
     /* Micro-batches (--accum-steps) follow the same rule: a step is K batches. */
-    int world = atoi(dt_meta_required(st, path, "world_size")), batch = atoi(dt_meta_required(st, path, "batch_size"));
-    const char *accum_meta = dt_safetensors_meta(st, "accum_steps");
-    int accum = accum_meta ? atoi(accum_meta) : 1, K = r->cfg.accum_steps, now = dt_data_parallel_width();
-    if ((int64_t)world * batch * accum != (int64_t)now * r->cfg.batch_size * K) {
-        int samples = world * batch * accum, other = samples % (now * K) == 0 ? samples / (now * K) : 0;
+    /* ranks times stage 02's devices; bounded so that a step's samples fit in 64 bits */
+    int world = (int)dt_meta_whole(st, path, "world_size", 1, DT_MAX_RANKS * DT_MAX_RANKS);
+    int batch = (int)dt_meta_whole(st, path, "batch_size", 1, INT_MAX);
+    int accum = dt_safetensors_meta(st, "accum_steps") ? (int)dt_meta_whole(st, path, "accum_steps", 1, 1 << 20) : 1;
+    int K = r->cfg.accum_steps, now = dt_data_parallel_width();
+    long long samples = (long long)world * batch * accum, samples_now = (long long)now * r->cfg.batch_size * K;
+    if (samples != samples_now) {
+        long long per = (long long)now * K, other = samples % per == 0 ? samples / per : 0;
         char hint[96] = "", had_k[32] = "", now_k[32] = "", flag_k[32] = "";
-        if (other > 0) snprintf(hint, sizeof hint, " --batch-size %d at this world size, or", other);
+        if (other > 0 && other <= INT_MAX) snprintf(hint, sizeof hint, " --batch-size %lld at this world size, or", other);
         if (accum > 1) snprintf(had_k, sizeof had_k, " x %d micro-batches", accum);
         if (K > 1) snprintf(now_k, sizeof now_k, " x %d micro-batches", K);
         if (accum > 1 || K > 1) snprintf(flag_k, sizeof flag_k, " --accum-steps %d", accum);
-        dt_fail("'%s' was written by %d ranks, this run has %d: it took %d x %d%s = %d samples a step, this run "
-                "%d x %d%s = %d; to continue its data order and schedule resume with%s --nproc %d --batch-size %d%s "
+        dt_fail("'%s' was written by %d ranks, this run has %d: it took %d x %d%s = %lld samples a step, this run "
+                "%d x %d%s = %lld; to continue its data order and schedule resume with%s --nproc %d --batch-size %d%s "
                 "(--init takes the weights alone)", path, world, now, world, batch, had_k, samples, now,
-                r->cfg.batch_size, now_k, now * r->cfg.batch_size * K, hint, world, batch, flag_k);
+                r->cfg.batch_size, now_k, samples_now, hint, world, batch, flag_k);
     }
     if (strcmp(dt_meta_required(st, path, "optimizer"), o->kind == DT_ADAMW ? "adamw" : "sgd"))
         dt_fail("'%s' holds %s state but this run uses --optimizer %s", path, dt_safetensors_meta(st, "optimizer"),
                 o->kind == DT_ADAMW ? "adamw" : "sgd");
+    /* The position. A finished epoch took a step at least, so epoch <= step;
+       an epoch's count of steps starts over when it ends, so a checkpoint of a
+       run of this shape (the same data, ranks, batch and micro-batches) is
+       never past the last step of an epoch. */
+    uint64_t s0 = 0, s1 = 0, range[2];
+    const char *data_range = dt_meta_required(st, path, "data_range");
+    if (dt_whole_numbers(data_range, range, 2) != 2 || (s0 = range[0]) >= (s1 = range[1]) || s1 > (uint64_t)INT64_MAX)
+        dt_fail("'%s': metadata 'data_range' is '%s', not FIRST,END: two whole numbers, FIRST < END", path, data_range);
+    int same_data = s0 == (uint64_t)r->cfg.start_idx && s1 == (uint64_t)(r->cfg.start_idx + r->loader->ds->n);
+    int same_steps = same_data && world == now && batch == r->cfg.batch_size && accum == K;
+    int64_t step = (int64_t)dt_meta_whole(st, path, "step", 0, INT64_MAX);
+    int64_t optimizer_step = (int64_t)dt_meta_whole(st, path, "optimizer_step", 0, (uint64_t)step);
+    int epoch = (int)dt_meta_whole(st, path, "epoch", 0, (uint64_t)(step < INT_MAX ? step : INT_MAX));
+    int64_t batch_in_epoch = (int64_t)dt_meta_whole(st, path, "batch_in_epoch", 0,
+                                                    (uint64_t)(same_steps ? r->batches_per_epoch - 1 : step));
+    uint64_t seed = dt_meta_whole(st, path, "seed", 0, UINT64_MAX);
+    int fp16 = dt_safetensors_meta(st, "loss_scale") && r->scaler.enabled;   /* fp16 goes on with the scale it had found */
+    float scale = fp16 ? dt_meta_positive(st, path, "loss_scale") : 0;
+    int64_t good_steps = fp16 ? (int64_t)dt_meta_whole(st, path, "loss_scale_good_steps", 0, (uint64_t)step) : 0;
+    int64_t skipped = fp16 ? (int64_t)dt_meta_whole(st, path, "skipped_steps", 0, (uint64_t)step) : 0;
     int adamw = o->kind == DT_ADAMW;
     if (dt_is_sharded(st) && m->fsdp && dt_sharded_layout_is(st, path, m->fsdp)) {
         /* the same shards: each rank reads its own file, and only that */
@@ -6652,23 +6783,21 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
                 }
         for (int k = 0; k < 3; k++) dt_state_close(m, o, k, state[k], 1);
     }
-    o->step = atoll(dt_meta_required(st, path, "optimizer_step"));
-    r->step = atoll(dt_meta_required(st, path, "step"));
-    r->epoch = atoi(dt_meta_required(st, path, "epoch"));
-    r->batch_in_epoch = atoll(dt_meta_required(st, path, "batch_in_epoch"));
-    r->cfg.seed = strtoull(dt_meta_required(st, path, "seed"), NULL, 10);
+    o->step = optimizer_step;
+    r->step = step;
+    r->epoch = epoch;
+    r->batch_in_epoch = batch_in_epoch;
+    r->cfg.seed = seed;
     r->loader->seed = r->cfg.seed;
-    const char *scale = dt_safetensors_meta(st, "loss_scale");
-    if (scale && r->scaler.enabled) {        /* fp16 goes on with the scale it had found */
-        r->scaler.scale = strtof(scale, NULL);
-        r->scaler.good_steps = atoll(dt_meta_required(st, path, "loss_scale_good_steps"));
-        r->scaler.skipped = atoll(dt_meta_required(st, path, "skipped_steps"));
+    if (fp16) {
+        r->scaler.scale = scale;
+        r->scaler.good_steps = good_steps;
+        r->scaler.skipped = skipped;
     }
-    long long s0 = -1, s1 = -1;
-    sscanf(dt_meta_required(st, path, "data_range"), "%lld,%lld", &s0, &s1);
-    if (s0 != (long long)r->cfg.start_idx || s1 != (long long)(r->cfg.start_idx + r->loader->ds->n))
-        dt_warn("'%s' was trained on images [%lld, %lld), this run uses [%lld, %lld): the data order will differ",
-                path, s0, s1, (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
+    if (!same_data)
+        dt_warn("'%s' was trained on images [%llu, %llu), this run uses [%lld, %lld): the data order will differ",
+                path, (unsigned long long)s0, (unsigned long long)s1, (long long)r->cfg.start_idx,
+                (long long)(r->cfg.start_idx + r->loader->ds->n));
     if ((batch != r->cfg.batch_size || accum != K) && !r->cfg.quiet && dt_ctx.rank == 0)
         printf("resuming '%s' (%d ranks x %d x %d micro-batches) as %d ranks x %d x %d: the same samples each step\n",
                path, world, batch, accum, now, r->cfg.batch_size, K);

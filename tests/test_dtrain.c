@@ -137,6 +137,15 @@ static void expect_error(const char *out, int status, int want_status, const cha
     CHECKF(!strstr(out, "Sanitizer") && !strstr(out, "runtime error"), "sanitizer report:\n%s", out);
 }
 
+/* expect_error for one case of many: a failure says which. */
+static void expect_error_in(const char *which, const char *out, int status, int want_status, const char *names) {
+    int before = t_failed;
+    t_failed = 0;
+    expect_error(out, status, want_status, names);
+    if (t_failed) printf("    (that was: %s)\n", which);
+    t_failed |= before;
+}
+
 static void write_bytes(const char *path, const void *data, size_t n) {
     FILE *f = fopen(path, "wb");
     if (!f) { printf("cannot write %s\n", path); exit(1); }
@@ -1223,10 +1232,10 @@ static void test_bad_flags_exit_2_naming_the_flag(void) {
         { "01-single-gpu", "--model resnet", "--model" },
         { "01-single-gpu", "--epochs", "--epochs" },
         { "01-single-gpu", "--model vit --dim 100 --heads 3", "--heads" },
-        { "01-single-gpu", "--nproc 2", "stage 01 trains on one device" },
+        { "01-single-gpu", "--nproc 2", "--nproc is a flag of 02-dp" },
         { "03-ddp", "--bucket-mb -1", "--bucket-mb" },
-        { "01-single-gpu", "--dtype bf16", "stage 05" },
-        { "04-fsdp", "--accum-steps 4", "stage 05" },
+        { "01-single-gpu", "--dtype bf16", "05-accum-mixed-precision, not 01" },
+        { "04-fsdp", "--accum-steps 4", "05-accum-mixed-precision, not 04" },
         { "05-accum-mixed-precision", "--accum-steps 0", "--accum-steps" },
         { "05-accum-mixed-precision", "--dtype fp8", "--dtype" },
         { "05-accum-mixed-precision", "--reduce-dtype int8", "--reduce-dtype" },
@@ -1392,6 +1401,204 @@ static void test_a_full_disk_under_log_trace_or_checkpoint_stops_the_run(void) {
     CHECKF(s < 30, "the job took %.1f s to stop (--timeout 30): rank 0 waited for the rank that failed", s);
 }
 
+/* Every number a flag takes has a range, and a value outside it exits 2 naming
+   the flag. -1 used to mean "not given" for some of them, so --batch-size -1 or
+   --warmup -1 trained with the default in silence. Each run would start on
+   random data (--bench) if the value were taken, so a miss fails fast. */
+static void test_out_of_range_values_exit_2_naming_the_flag(void) {
+    static const struct { const char *stage, *args, *named; } bad[] = {
+        { "01-single-gpu", "--batch-size -1", "--batch-size" }, { "01-single-gpu", "--epochs -1", "--epochs" },
+        { "01-single-gpu", "--epochs 0", "--epochs" }, { "01-single-gpu", "--dim -1", "--dim" },
+        { "01-single-gpu", "--depth -1", "--depth" }, { "01-single-gpu", "--model vit --heads -1", "--heads" },
+        { "01-single-gpu", "--model vit --heads 2 --patch -1", "--patch" },
+        { "01-single-gpu", "--model vit --heads 2 --depth 0", "--depth" },
+        { "01-single-gpu", "--model gpt --seq-len -1", "--seq-len" }, { "01-single-gpu", "--model gpt --vocab -1", "--vocab" },
+        { "01-single-gpu", "--model gpt --vocab 65537", "--vocab" }, { "01-single-gpu", "--model gpt --sample -1", "--sample" },
+        { "01-single-gpu", "--image-size 0", "--image-size" }, { "01-single-gpu", "--steps -1", "--steps" },
+        { "01-single-gpu", "--lr 0", "--lr" }, { "01-single-gpu", "--lr -1e-3", "--lr" },
+        { "01-single-gpu", "--weight-decay -1", "--weight-decay" }, { "01-single-gpu", "--momentum 1", "--momentum" },
+        { "01-single-gpu", "--clip -1", "--clip" }, { "01-single-gpu", "--warmup -1", "--warmup" },
+        { "01-single-gpu", "--augment 2", "--augment" }, { "01-single-gpu", "--seed -1", "--seed" },
+        { "01-single-gpu", "--eval-every -1", "--eval-every" }, { "01-single-gpu", "--log-every 0", "--log-every" },
+        { "01-single-gpu", "--start-idx -1", "--start-idx" }, { "01-single-gpu", "--end-idx -1", "--end-idx" },
+        { "01-single-gpu", "--end-idx 0", "--end-idx" }, { "01-single-gpu", "--peak-tflops -1", "--peak-tflops" },
+        { "02-dp", "--nproc 0", "--nproc" }, { "02-dp", "--nproc 65", "--nproc" }, { "02-dp", "--timeout 0", "--timeout" },
+        { "03-ddp", "--bucket-mb -1", "--bucket-mb" }, { "03-ddp", "--ranks-per-gpu 0", "--ranks-per-gpu" },
+        { "05-accum-mixed-precision", "--accum-steps 0", "--accum-steps" },
+    };
+    char out[8192];
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int st = run_cmd(out, sizeof out, "%s --bench --steps 1 --image-size 16 --dim 32 --batch-size 4 --quiet %s",
+                         stage_bin(bad[i].stage), bad[i].args);
+        expect_error_in(bad[i].args, out, st, 2, bad[i].named);
+    }
+}
+
+/* One flag table says which stages take each flag: a flag of another stage is
+   an error naming the stages that have it, and --help lists a stage's own. */
+static void test_a_flag_of_another_stage_exits_2_naming_its_stages(void) {
+    static const struct { const char *stage, *args, *named; } bad[] = {
+        { "01-single-gpu", "--shard full", "--shard is a flag of 04-fsdp and 05-accum-mixed-precision, not 01-single-gpu" },
+        { "02-dp", "--cpu-offload", "--cpu-offload is a flag of 04-fsdp and 05-accum-mixed-precision, not 02-dp" },
+        { "03-ddp", "--shard grads", "--shard is a flag of 04-fsdp and 05-accum-mixed-precision, not 03-ddp" },
+        { "01-single-gpu", "--bucket-mb 25", "--bucket-mb is a flag of 03-ddp, not 01-single-gpu" },
+        { "04-fsdp", "--bucket-mb 0", "--bucket-mb is a flag of 03-ddp, not 04-fsdp" },
+        { "05-accum-mixed-precision", "--bucket-mb 1", "--bucket-mb is a flag of 03-ddp, not 05-accum-mixed-precision" },
+        { "01-single-gpu", "--nproc 1",
+          "--nproc is a flag of 02-dp, 03-ddp, 04-fsdp and 05-accum-mixed-precision, not 01-single-gpu" },
+        { "01-single-gpu", "--timeout 10", "--timeout is a flag of 02-dp, 03-ddp, 04-fsdp and 05-accum-mixed-precision" },
+        { "04-fsdp", "--accum-steps 1", "--accum-steps is a flag of 05-accum-mixed-precision, not 04-fsdp" },
+        { "03-ddp", "--dtype fp32", "--dtype is a flag of 05-accum-mixed-precision, not 03-ddp" },
+        { "02-dp", "--reduce-dtype fp32", "--reduce-dtype is a flag of 05-accum-mixed-precision, not 02-dp" },
+        { "02-dp", "--ranks-per-gpu 1", "--ranks-per-gpu is a flag of 03-ddp, 04-fsdp and 05-accum-mixed-precision, not 02-dp" },
+    };
+    char out[16384];
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int st = run_cmd(out, sizeof out, "%s --bench --steps 1 --image-size 16 --dim 32 --batch-size 4 --quiet %s",
+                         stage_bin(bad[i].stage), bad[i].args);
+        expect_error_in(bad[i].args, out, st, 2, bad[i].named);
+    }
+    /* --help: a line "  --flag" for each of the stage's own flags, none for the others' */
+    static const struct { const char *stage, *has, *lacks; } help[] = {
+        { "01-single-gpu", "--batch-size --explain --link --peak-tflops",
+          "--nproc --timeout --bucket-mb --shard --cpu-offload --accum-steps --dtype --reduce-dtype --ranks-per-gpu" },
+        { "02-dp", "--nproc --timeout --explain", "--bucket-mb --shard --cpu-offload --accum-steps --dtype --ranks-per-gpu" },
+        { "03-ddp", "--nproc --timeout --bucket-mb --ranks-per-gpu", "--shard --cpu-offload --accum-steps --dtype" },
+        { "04-fsdp", "--nproc --shard --cpu-offload --ranks-per-gpu", "--bucket-mb --accum-steps --dtype --reduce-dtype" },
+        { "05-accum-mixed-precision", "--shard --cpu-offload --accum-steps --dtype --reduce-dtype", "--bucket-mb" },
+    };
+    for (size_t i = 0; i < sizeof help / sizeof help[0]; i++) {
+        int st = run_cmd(out, sizeof out, "%s --help", stage_bin(help[i].stage));
+        CHECKF(st == 0, "%s --help: exit %d\n%s", help[i].stage, st, out);
+        for (int want = 1; want >= 0; want--) {
+            char list[256], line[64];
+            dt_copy_str(list, sizeof list, want ? help[i].has : help[i].lacks);
+            for (char *f = strtok(list, " "); f; f = strtok(NULL, " ")) {
+                snprintf(line, sizeof line, "\n  %s ", f);
+                CHECKF(!strstr(out, line) == !want, "%s --help %s %s", help[i].stage, want ? "does not list" : "lists", f);
+            }
+        }
+    }
+}
+
+/* A copy of checkpoint src at dst, its metadata `key` set to `value` (key NULL:
+   as it was) and, when nan_in names a tensor, a NaN at its element 12. Returns
+   whether the key was there. */
+static int rewrite_checkpoint(const char *src, const char *dst, const char *key, const char *value, const char *nan_in) {
+    dt_safetensors *st = dt_safetensors_read(src);
+    const char **meta = (const char **)calloc(2 * (size_t)st->nmeta + 1, sizeof *meta);
+    int found = 0;
+    for (int i = 0; i < st->nmeta; i++) {
+        int hit = key && !strcmp(st->meta[2 * i], key);
+        found |= hit;
+        meta[2 * i] = st->meta[2 * i];
+        meta[2 * i + 1] = hit ? value : st->meta[2 * i + 1];
+    }
+    dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)st->n + 1, sizeof *t);
+    float **data = (float **)calloc((size_t)st->n + 1, sizeof *data);
+    for (int i = 0; i < st->n; i++) {
+        dt_st_tensor *s = &st->t[i];
+        size_t n = (size_t)(s->end - s->begin) / 4;
+        data[i] = (float *)malloc(n * 4 + 64);
+        memcpy(data[i], st->buf + st->data_start + s->begin, n * 4);
+        if (nan_in && !strcmp(s->name, nan_in) && n > 12) data[i][12] = NAN;
+        t[i].name = s->name; t[i].data = data[i]; t[i].ndim = s->ndim;
+        for (int d = 0; d < s->ndim && d < 4; d++) t[i].shape[d] = s->shape[d];
+    }
+    dt_safetensors_write(dst, t, st->n, meta, st->nmeta);
+    for (int i = 0; i < st->n; i++) free(data[i]);
+    free(data); free(t); free(meta);
+    dt_safetensors_close(st);
+    return found;
+}
+
+/* A checkpoint 3 steps into a 2-epoch run of stage 01 (10 steps an epoch), made once. */
+static const char *short_checkpoint(void) {
+    static char path[700];
+    char out[8192], dir[600];
+    snprintf(dir, sizeof dir, "%s/short", tmpdir);
+    snprintf(path, sizeof path, "%s/mlp_data0-320_step3.safetensors", dir);
+    struct stat sb;
+    if (stat(path, &sb) != 0) {
+        int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --steps 3 --save-dir %s", train_cpu,
+                         small_data(), dir);
+        CHECKF(st == 0, "the short run: exit %d\n%s", st, out);
+    }
+    return path;
+}
+
+/* Every number in a checkpoint's metadata is read whole and in range, or the
+   resume stops naming the file and the field: atoi took "-5" and "abc" (as 0)
+   and resumed from a position that never was. */
+static void test_corrupt_checkpoint_metadata_is_refused_naming_the_field(void) {
+    char out[16384], bad[700], want[1024], which[128];
+    const char *ck = short_checkpoint();
+    snprintf(bad, sizeof bad, "%s/meta.safetensors", tmpdir);
+    CHECK(rewrite_checkpoint(ck, bad, NULL, NULL, NULL) == 0);
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --resume %s", train_cpu, small_data(), bad);
+    CHECKF(st == 0, "the checkpoint as it was, rewritten: exit %d\n%s", st, out);
+    static const struct { const char *key, *value; } cases[] = {
+        { "epoch", "-5" }, { "epoch", "4" }, { "epoch", "" }, { "step", "abc" }, { "step", "3.5" }, { "step", " 3" },
+        { "step", "99999999999999999999" }, { "optimizer_step", "-1" }, { "optimizer_step", "99" },
+        { "batch_in_epoch", "10" }, { "batch_in_epoch", "x" }, { "world_size", "0" }, { "batch_size", "-32" },
+        { "batch_size", "32abc" }, { "accum_steps", "0" }, { "seed", "-1" }, { "seed", "1e3" },
+        { "data_range", "0,abc" }, { "data_range", "320" }, { "data_range", "320,0" },
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        CHECKF(rewrite_checkpoint(ck, bad, cases[i].key, cases[i].value, NULL), "no '%s' in %s", cases[i].key, ck);
+        st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --resume %s", train_cpu, small_data(), bad);
+        snprintf(want, sizeof want, "'%s': metadata '%s' is '%s', not ", bad, cases[i].key, cases[i].value);
+        snprintf(which, sizeof which, "%s '%s'", cases[i].key, cases[i].value);
+        expect_error_in(which, out, st, 1, want);
+    }
+    /* fp16's loss scale and a sharded checkpoint's layout: stage 05, one rank */
+    char dir[600], index[700], shard[700];
+    const char *flags05 = "--image-size 16 --dim 32 --batch-size 32 --log-every 1000 --quiet --dtype fp16 --epochs 2";
+    snprintf(dir, sizeof dir, "%s/short05", tmpdir);
+    st = run_cmd(out, sizeof out, "%s --data %s %s --steps 2 --save-dir %s", stage_bin("05-accum-mixed-precision"),
+                 small_data(), flags05, dir);
+    CHECKF(st == 0, "05 --dtype fp16: exit %d\n%s", st, out);
+    snprintf(index, sizeof index, "%s/mlp_data0-320_step2.safetensors", dir);
+    snprintf(shard, sizeof shard, "%s/mlp_data0-320_step2.shard0-of-1.safetensors", dir);
+    static const struct { const char *key, *value; int in_shard; } sharded[] = {
+        { "loss_scale", "-1", 0 }, { "loss_scale", "nan", 0 }, { "loss_scale", "big", 0 },
+        { "loss_scale_good_steps", "-2", 0 }, { "skipped_steps", "x", 0 }, { "skipped_steps", "3", 0 },
+        { "shards", "abc", 0 }, { "shards", "0", 0 }, { "shard.0.bytes", "12abc", 0 }, { "rank", "x", 1 },
+    };
+    for (size_t i = 0; i < sizeof sharded / sizeof sharded[0]; i++) {
+        const char *file = sharded[i].in_shard ? shard : index;
+        char keep[720];
+        snprintf(keep, sizeof keep, "%s.keep", file);
+        CHECK(rename(file, keep) == 0);
+        CHECKF(rewrite_checkpoint(keep, file, sharded[i].key, sharded[i].value, NULL), "no '%s' in %s", sharded[i].key, file);
+        st = run_cmd(out, sizeof out, "%s --data %s %s --resume %s", stage_bin("05-accum-mixed-precision"), small_data(),
+                     flags05, index);
+        snprintf(want, sizeof want, "'%s': metadata '%s' is '%s', not ", file, sharded[i].key, sharded[i].value);
+        snprintf(which, sizeof which, "%s '%s'", sharded[i].key, sharded[i].value);
+        expect_error_in(which, out, st, 1, want);
+        CHECK(rename(keep, file) == 0);
+    }
+    /* tools/consolidate builds the model the index describes */
+    char keep[720];
+    snprintf(keep, sizeof keep, "%s.keep", index);
+    CHECK(rename(index, keep) == 0);
+    CHECK(rewrite_checkpoint(keep, index, "model_config", "3,16,x,32,2,3,4,128", NULL));
+    st = run_cmd(out, sizeof out, "%s %s %s/never.safetensors", build_path("tools/consolidate"), index, tmpdir);
+    expect_error(out, st, 1, "metadata 'model_config' is '3,16,x,32,2,3,4,128', not 8 whole numbers");
+    CHECK(rename(keep, index) == 0);
+}
+
+/* A NaN in the --init weights is named where it is, not left to surface as a
+   NaN loss that blames --lr. */
+static void test_init_weights_holding_nan_are_refused_naming_the_tensor(void) {
+    char out[16384], w[700];
+    snprintf(w, sizeof w, "%s/nan.safetensors", tmpdir);
+    CHECK(rewrite_checkpoint(short_checkpoint(), w, NULL, NULL, "fc3.weight") == 0);
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 2 --init %s", train_cpu, small_data(), w);
+    expect_error(out, st, 1, "tensor 'fc3.weight' holds NaN/Inf at index 12");
+    CHECKF(strstr(out, w) != NULL, "the error does not name the file:\n%s", out);
+}
+
 /* ---- 9, 10. collectives and launching ranks ----------------------------------- */
 
 /* tools/collectives beside the stage binary under test (build/asan/... for ASan). */
@@ -1537,12 +1744,12 @@ static void test_dp_and_ddp_equal_one_device_with_n_times_the_batch(void) {
 
 static void test_dp_and_ddp_runs_repeat_bit_for_bit(void) {
     char out[16384], a[600], b[600], p[700], q[700];
-    const char *stages[2] = { "02-dp", "03-ddp" };
+    const char *stages[2] = { "02-dp", "03-ddp" }, *flags[2] = { "", "--bucket-mb 0.02" };   /* DDP: many buckets */
     for (int s = 0; s < 2; s++) {
         for (int k = 0; k < 2; k++) {
             snprintf(k ? b : a, 600, "%s/rep-%s-%d", tmpdir, stages[s], k);
             int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model vit --depth 1 --heads 2 --batch-size 16 "
-                             "--nproc 2 --bucket-mb 0.02 --save-dir %s", stage_bin(stages[s]), small_data(), k ? b : a);
+                             "--nproc 2 %s --save-dir %s", stage_bin(stages[s]), small_data(), flags[s], k ? b : a);
             CHECKF(st == 0, "%s: exit %d\n%s", stages[s], st, out);
         }
         snprintf(p, sizeof p, "%s/vit_data0-320_epoch2.safetensors", a);
@@ -3508,6 +3715,9 @@ static const test_case tests[] = {
     T(test_bad_flags_exit_2_naming_the_flag), T(test_bad_data_is_reported_by_name),
     T(test_bad_checkpoints_are_refused), T(test_failed_save_keeps_the_previous_checkpoint),
     T(test_a_full_disk_under_log_trace_or_checkpoint_stops_the_run),
+    T(test_out_of_range_values_exit_2_naming_the_flag), T(test_a_flag_of_another_stage_exits_2_naming_its_stages),
+    T(test_corrupt_checkpoint_metadata_is_refused_naming_the_field),
+    T(test_init_weights_holding_nan_are_refused_naming_the_tensor),
     T(test_collectives_over_threads_match_a_serial_reference), T(test_collectives_over_processes_match_a_serial_reference),
     T(test_a_killed_rank_stops_the_others_with_its_name), T(test_ranks_launch_from_torchrun_variables_and_check_their_flags),
     T(test_torchrun_launches_stages_in_every_rendezvous_mode), T(test_mpirun_launches_a_stage_like_nproc),

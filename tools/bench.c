@@ -364,9 +364,10 @@ int main(int argc, char **argv) {
                 }
                 /* stage 01 runs at 1 thread too (its "n = 2" slot): how compute scales with cores */
                 int one_thread = s == 0 && n == 2, ranks = s == 0 ? 1 : n;
-                char cmd[1024], line[4096];
-                snprintf(cmd, sizeof cmd, "%s./%s --bench --nproc %d %s %s%s 2>&1", one_thread ? "OMP_NUM_THREADS=1 " : "",
-                         stages[s].bin, ranks, workloads[w].flags, stages[s].flags, quick ? " --steps 3" : "");
+                char cmd[1024], line[4096], nproc[32] = "";
+                if (stages[s].kind != DT_PAR_NONE) snprintf(nproc, sizeof nproc, " --nproc %d", ranks);   /* 01 takes no --nproc */
+                snprintf(cmd, sizeof cmd, "%s./%s --bench%s %s %s%s 2>&1", one_thread ? "OMP_NUM_THREADS=1 " : "",
+                         stages[s].bin, nproc, workloads[w].flags, stages[s].flags, quick ? " --steps 3" : "");
                 double t0 = dt_now_ms();
                 int st = run(cmd, "bench:", line, sizeof line);
                 row *r = &rows[nrows++];

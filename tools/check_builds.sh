@@ -33,18 +33,19 @@ copy_sources() {
 }
 
 # Every stage's --bench with every model: a few steps, a small batch, the
-# parallel stages with two ranks, stage 05 with bf16 and accumulation.
+# parallel stages with two ranks, stage 05 with bf16 and accumulation (a stage
+# refuses the flags of others, so each gets its own).
 stage_benches() {
   local s m extra out
   for s in 0*/; do
     s=${s%/}
     case $s in
       01-*) extra="" ;;
-      05-*) extra="--nproc 2 --dtype bf16 --accum-steps 2" ;;
-      *) extra="--nproc 2" ;;
+      05-*) extra="--nproc 2 --timeout 120 --dtype bf16 --accum-steps 2" ;;
+      *) extra="--nproc 2 --timeout 120" ;;
     esac
     for m in mlp vit gpt; do
-      if ! out=$("./$s/train" --bench --device cpu --model "$m" --batch-size 8 --steps 2 --timeout 120 $extra 2>&1); then
+      if ! out=$("./$s/train" --bench --device cpu --model "$m" --batch-size 8 --steps 2 $extra 2>&1); then
         printf '%s\n' "$out" | tail -5
         echo "FAILED: $s/train --bench --model $m $extra"
         return 1
