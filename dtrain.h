@@ -1213,6 +1213,7 @@ static int dt_cleanup_add(const char *path) {
     for (int i = 0; i < DT_CLEANUP_SLOTS; i++)
         if (!dt_cleanup_used[i]) {
             dt_copy_str(dt_cleanup_paths[i], sizeof dt_cleanup_paths[i], path);
+            __atomic_signal_fence(__ATOMIC_RELEASE);     /* the path is whole before a handler may read it */
             dt_cleanup_used[i] = 1;
             return i;
         }
@@ -4152,7 +4153,13 @@ void dt_comm_check_agree(dt_comm *c, const char *what, const char *value) {
     char mine[LEN] = { 0 };
     char *all = (char *)calloc((size_t)c->world, LEN);
     if (!all) dt_fail("out of memory (start-up check)");
-    dt_copy_str(mine, LEN, value);
+    size_t len = strlen(value);
+    if (len < LEN) dt_copy_str(mine, LEN, value);
+    else {                                   /* a long one (a path): a hash of it all, and its end */
+        uint32_t h = 2166136261u;
+        for (size_t i = 0; i < len; i++) h = (h ^ (unsigned char)value[i]) * 16777619u;
+        snprintf(mine, LEN, "#%08x ...%s", (unsigned)h, value + len - (LEN - 15));
+    }
     dt_comm_all_gather_host(c, mine, all, LEN);
     for (int r = 1; r < c->world; r++)
         if (strncmp(all, all + (size_t)r * LEN, LEN) != 0)
@@ -4347,17 +4354,24 @@ static int dt_free_port(void) {
    job) and SIGUSR1 (srun --signal=USR1@60) ask the run to stop: every rank
    finishes the step it is in, the ranks agree on it, save a checkpoint together
    and exit -- 75 after SIGTERM or SIGUSR1 (EX_TEMPFAIL: preempted, run it
-   again with --resume auto), 130 after Ctrl-C. A second SIGINT or SIGTERM
-   stops at once, removing what dt_cleanup_add registered. */
+   again with --resume auto), 130 after Ctrl-C. A second SIGINT or SIGTERM,
+   two seconds or more after the first, stops at once, removing what
+   dt_cleanup_add registered. */
 static volatile sig_atomic_t dt_stop_signal, dt_stop_catching;
+static struct timespec dt_stop_first;
 static void dt_on_stop_signal(int sig) {
-    if (dt_stop_signal && sig != SIGUSR1) {
+    /* One signal often arrives twice: SLURM or systemd signal every process of the job, and a launcher passes
+       on the one it got. A second one counts only when it comes later, from someone who means it. */
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if (dt_stop_signal && sig != SIGUSR1 && now.tv_sec - dt_stop_first.tv_sec >= 2) {
         static const char msg[] = "dtrain: a second signal: stopping at once\n";
         dt_cleanup_run();
         ssize_t ignored = write(2, msg, sizeof msg - 1);
         (void)ignored;
         _exit(128 + sig);
     }
+    if (!dt_stop_signal) dt_stop_first = now;
     dt_stop_signal = sig;
 }
 static void dt_set_stop_handler(void (*handler)(int), int restart) {
@@ -4397,12 +4411,18 @@ void dt_launch(int nproc, double timeout_s) {
     snprintf(cores, sizeof cores, "%ld", ncpu / nproc > 1 ? ncpu / nproc : 1);   /* the cores shared out */
     snprintf(job, sizeof job, "nproc-%ld-%.0f", (long)getpid(), dt_now_ms());  /* the ranks' proof they belong */
     pid_t pids[DT_MAX_RANKS], launcher = getpid();
-    dt_set_stop_handler(dt_on_launcher_signal, 0);   /* before the fork: no signal slips between */
+    sigset_t stops, before;
+    sigemptyset(&stops);
+    sigaddset(&stops, SIGINT); sigaddset(&stops, SIGTERM); sigaddset(&stops, SIGUSR1);
+    sigprocmask(SIG_BLOCK, &stops, &before);         /* held until each side has its own handlers */
+    dt_set_stop_handler(dt_on_launcher_signal, 0);
+    signal(SIGCHLD, SIG_DFL);                        /* an inherited SIG_IGN would hide the ranks' exits */
     fflush(stdout);
     fflush(stderr);
     for (int r = 0; r < nproc; r++) {
         pids[r] = fork();
         if (pids[r] < 0) dt_fail("cannot start rank %d: %s", r, strerror(errno));
+        if (pids[r] > 0) setpgid(pids[r], pids[r]);  /* from both sides: whichever runs first */
         if (pids[r] == 0) {
             char v[16];
             setpgid(0, 0);
@@ -4411,6 +4431,8 @@ void dt_launch(int nproc, double timeout_s) {
             if (getppid() != launcher) dt_fail("rank %d: the launcher exited before this rank started", r);
 #endif
             signal(SIGINT, SIG_DFL); signal(SIGTERM, SIG_DFL); signal(SIGUSR1, SIG_DFL);
+            sigprocmask(SIG_SETMASK, &before, NULL);
+            unsetenv("DT_MASTER_PORT");              /* the launcher's free port is the job's */
             snprintf(v, sizeof v, "%d", r);
             setenv("RANK", v, 1); setenv("LOCAL_RANK", v, 1); setenv("DT_LAUNCHED_RANK", v, 1);
             snprintf(v, sizeof v, "%d", nproc);
@@ -4429,7 +4451,9 @@ void dt_launch(int nproc, double timeout_s) {
     }
     /* The parent: pass signals on and wait for every rank. After the first
        failure the others get the timeout to notice and stop on their own, then
-       they are killed. */
+       they are killed. Ranks stopped by a signal (75, 130) are not a failure:
+       the others are saving; and the job's status is the worst a rank had. */
+    sigprocmask(SIG_SETMASK, &before, NULL);
     int status = 0, left = nproc;
     double deadline = 0;
     while (left > 0) {
@@ -4441,18 +4465,17 @@ void dt_launch(int nproc, double timeout_s) {
             while (r < nproc && pids[r] != p) r++;
             if (r < nproc) pids[r] = 0;
             int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + (WIFSIGNALED(st) ? WTERMSIG(st) : 0);
-            if (code != 0 && status == 0) {
-                status = code;
-                if (WIFSIGNALED(st)) fprintf(stderr, "dtrain: rank %d was killed by signal %d\n", r, WTERMSIG(st));
-                deadline = dt_now_ms() + (timeout_s > 0 ? timeout_s : 60) * 1e3 + 10e3;
-            }
+            int stopped = code == 75 || code == 130, failed = code != 0 && !stopped;
+            if (failed && WIFSIGNALED(st)) fprintf(stderr, "dtrain: rank %d was killed by signal %d\n", r, WTERMSIG(st));
+            if (failed && !deadline) deadline = dt_now_ms() + (timeout_s > 0 ? timeout_s : 60) * 1e3 + 10e3;
+            if ((failed && (status == 0 || status == 75 || status == 130)) || (stopped && status == 0)) status = code;
         } else if (p == 0 || errno == EINTR) {
             int sig = dt_launcher_signal;
             if (sig) {
                 dt_launcher_signal = 0;
                 for (int r = 0; r < nproc; r++) if (pids[r] > 0) kill(pids[r], sig);
             }
-            if (deadline && dt_now_ms() > deadline) {
+            if (deadline > 0 && dt_now_ms() > deadline) {
                 fprintf(stderr, "dtrain: ranks still running %.0f s after a rank failed; killing them\n",
                         (timeout_s > 0 ? timeout_s : 60) + 10);
                 for (int r = 0; r < nproc; r++) if (pids[r] > 0) kill(pids[r], SIGKILL);
@@ -4534,6 +4557,7 @@ static int dt_tcp_socket(const char *host, int port, const char *port_from, int 
     memset(&hints, 0, sizeof hints);
     hints.ai_family = AF_INET;
     hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = listening ? AI_PASSIVE : 0;   /* every interface: MASTER_ADDR is the host's name, not loopback */
     int err = getaddrinfo(listening ? NULL : host, ports, &hints, &res);
     if (err) dt_fail("rendezvous: cannot resolve MASTER_ADDR '%s': %s", host, gai_strerror(err));
     int fd = -1;
@@ -5587,9 +5611,9 @@ void dt_safetensors_write(const char *path, const dt_named_tensor *t, int count,
     char tmp[4096];
     dt_path(tmp, sizeof tmp, "%s.tmp", path);
     signal(SIGXFSZ, SIG_IGN);    /* over a file-size limit: an error to report, not a kill */
+    int cleanup = dt_cleanup_add(tmp);       /* removed if the program is stopped while writing */
     FILE *f = fopen(tmp, "wb");
     if (!f) { free(hdr); dt_fail("cannot write checkpoint '%s': %s", tmp, strerror(errno)); }
-    int cleanup = dt_cleanup_add(tmp);       /* removed if the program is stopped while writing */
     unsigned char len8[8];
     for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
     int ok = fwrite(len8, 1, 8, f) == 8 && fwrite(hdr, 1, hlen, f) == hlen;
@@ -6450,7 +6474,8 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         dt_usage_error("--seq-len, --vocab, --tokens and --sample are for --model gpt");
     if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
     if (c.end_idx >= 0 && c.end_idx <= c.start_idx) dt_usage_error("--end-idx must be greater than --start-idx");
-    if (c.resume && c.init) dt_usage_error("--resume and --init exclude each other (resume restores the weights)");
+    if (c.resume && c.init && strcmp(c.resume, "auto"))     /* auto: --init when there is no checkpoint yet */
+        dt_usage_error("--resume and --init exclude each other (resume restores the weights)");
     if ((vit || gpt) && c.depth < 1) dt_usage_error("--depth must be at least 1 for --model %s, got %d", vit ? "vit" : "gpt", c.depth);
     if ((vit || gpt) && c.dim % c.heads) dt_usage_error("--dim %d must be divisible by --heads %d", c.dim, c.heads);
     if (vit && c.image_size % c.patch) dt_usage_error("--image-size %d must be a multiple of --patch %d", c.image_size, c.patch);
@@ -6460,6 +6485,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if (c.device == DT_CUDA && ranks > 1 && !dt_nccl_available(why, sizeof why))
         dt_usage_error("--device cuda --nproc %d: ranks on GPUs talk through NCCL, and %s", c.nproc, why);
     if (strncmp(stage, "02", 2)) dt_launch(c.nproc, c.timeout);   /* before any thread or device exists */
+    if (!c.bench) dt_catch_stop_signals();     /* from here a signal stops the run after a step, saved */
     dt_flush_subnormals();
     dt_rank_from_env(&c.rank, &c.world_size, &c.local_rank);
     c.local_ranks = dt_local_ranks_from_env();
@@ -6832,9 +6858,8 @@ static const char *dt_newest_checkpoint(const char *dir, char *out, size_t n) {
     return out[0] ? out : NULL;
 }
 
-/* The stop signal as the job sees it: the largest any rank caught, so that
-   every rank stops after the same step. */
-static int dt_job_stop_signal(void) {
+/* The stop signal this rank caught, if any. */
+static int dt_local_stop_signal(void) {
     if (getenv("DT_TEST_STOP_AT_STEP") && dt_ctx.rank == 0 && !dt_stop_signal) {
         /* Preemption tests: at step N rank 0 sends SIGTERM to its launcher (or to itself) and waits until the
            signal comes back to it, so the job stops at that step however busy the machine is. */
@@ -6844,8 +6869,24 @@ static int dt_job_stop_signal(void) {
             for (int i = 0; i < 5000 && !dt_stop_signal; i++) { struct timespec ts = { 0, 1000000 }; nanosleep(&ts, NULL); }
         }
     }
-    if (!dt_ctx.job || dt_ctx.world_size == 1) return dt_stop_signal;
-    return (int)dt_job_max((float)dt_stop_signal);
+    return dt_stop_signal;
+}
+
+/* The loss of the whole job's batch -- the mean of the ranks' means -- and
+   whether any rank was asked to stop, in one all-reduce: the signal rides
+   beside the loss (its mean is not 0 when any rank caught one), so every rank
+   stops after the same step and agreeing costs no collective of its own. A
+   rank that caught nothing stops as if told SIGTERM. */
+static int dt_job_mean_loss(dt_tensor *loss, int stop) {
+    if (!dt_ctx.job || dt_ctx.world_size == 1) return stop;
+    float host[2], *both = (float *)dt_step_alloc_on(dt_ctx.device, sizeof host);
+    dt_download(host, loss->data, sizeof(float));
+    host[1] = (float)stop;
+    dt_upload(both, host, sizeof host);
+    dt_all_reduce(dt_ctx.job, both, both, 2, DT_F32, DT_AVG);
+    dt_download(host, both, sizeof host);
+    dt_upload(loss->data, host, sizeof(float));
+    return host[1] == 0 ? 0 : stop ? stop : SIGTERM;
 }
 
 void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer *opt, dt_loader *loader,
@@ -6855,11 +6896,11 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
     if (cfg->resume && !strcmp(cfg->resume, "auto")) {
         if (!cfg->save_dir) dt_usage_error("--resume auto resumes from the newest checkpoint in --save-dir: give --save-dir");
         r->cfg.resume = dt_newest_checkpoint(cfg->save_dir, r->resume_path, sizeof r->resume_path);
-        if (!r->cfg.resume && !cfg->quiet && dt_ctx.rank == 0)
-            printf("--resume auto: no checkpoint in %s yet, starting fresh\n", cfg->save_dir);
+        if (r->cfg.resume) r->cfg.init = NULL;             /* the checkpoint holds the weights since */
+        else if (!cfg->quiet && dt_ctx.rank == 0)
+            printf("--resume auto: no checkpoint in %s yet, starting %s\n", cfg->save_dir, cfg->init ? "from --init" : "fresh");
         cfg = &r->cfg;
     }
-    if (!cfg->bench) dt_catch_stop_signals();   /* from here on a signal stops the run after a step, saved */
     if (cfg->bench) {               /* time steps, nothing else: no header, no evaluation, no checkpoints */
         r->cfg.quiet = 1; r->cfg.epochs = 1 << 30; r->cfg.warmup = 0; r->cfg.save_dir = NULL;
         r->cfg.eval_every = 0; r->cfg.sample = 0; r->val = NULL;
@@ -7114,7 +7155,7 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
     r->micro = 0;
     r->micro_loss = 0;
     /* the loss of the whole job's batch: the mean of the ranks' means */
-    if (dt_ctx.job && dt_ctx.world_size > 1) dt_all_reduce(dt_ctx.job, loss->data, loss->data, 1, DT_F32, DT_AVG);
+    int stop = dt_job_mean_loss(loss, r->cfg.bench || r->step + 1 >= r->stop_step ? 0 : dt_local_stop_signal());
     double now = dt_now_ms(), step_ms = now - r->step_start_ms;
     float lr = dt_run_lr(r);
     batch_size *= r->cfg.accum_steps;                     /* the samples of one step, per rank */
@@ -7179,7 +7220,7 @@ int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
         r->loss_count = 0;
     }
     if (r->cfg.explain && r->steps_run == 3 && dt_ctx.rank == 0) dt_run_explain(r);
-    if (!r->cfg.bench && r->step < r->stop_step && (r->stopped_by = dt_job_stop_signal())) r->stop = 1;
+    if (stop) { r->stopped_by = stop; r->stop = 1; }
     if (r->cfg.eval_every > 0 && r->step % r->cfg.eval_every == 0 && !r->stopped_by) dt_run_eval(r);
     if (r->step >= r->stop_step) r->stop = 1;
     return r->stop;

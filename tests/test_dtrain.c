@@ -1901,62 +1901,72 @@ static void test_mpirun_launches_a_stage_like_nproc(void) {
     CHECKF(st != 0 || files_equal_tensors(p, q), "mpirun and --nproc 2 give different weights");
 }
 
-/* A job of --nproc 2 is stopped through its launcher, as a user would: SIGTERM
-   and Ctrl-C reach the ranks, which save and stop (75, 130); a launcher killed
-   outright takes its ranks with it (they save too). No rank trains on. */
+/* A job of --nproc 2 is stopped through its launcher, as a user would: SIGTERM,
+   SIGUSR1 and Ctrl-C reach the ranks, which save and stop (75, 75, 130); a
+   SIGTERM sent to the launcher and to the ranks at once (SLURM signals every
+   process of a job) is one request, not two; a launcher killed outright takes
+   its ranks with it (they are sent SIGTERM, so they save too). No rank trains
+   on, nothing is written after, nothing is left in /dev/shm. */
 static void test_stopping_the_launcher_stops_its_ranks(void) {
-    static const struct { const char *sig; int status; const char *says; } cases[3] = {
-        { "TERM", 75, "stopped by SIGTERM" }, { "INT", 130, "stopped by SIGINT" }, { "KILL", 137, NULL } };
+    static const struct { const char *sig, *to; int status; const char *says; } cases[5] = {
+        { "TERM", "$p", 75, "stopped by SIGTERM" }, { "USR1", "$p", 75, "stopped by SIGUSR1" },
+        { "INT", "$p", 130, "stopped by SIGINT" }, { "TERM", "$p $kids", 75, "stopped by SIGTERM" }, { "KILL", "$p", 137, NULL } };
     const char *bin = stage_bin("03-ddp");
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < 5; k++) {
         char out[16384], dir[600], log[600], files[2][4096];
-        snprintf(dir, sizeof dir, "%s/stop-%s", tmpdir, cases[k].sig);
-        snprintf(log, sizeof log, "%s/stop-%s.jsonl", tmpdir, cases[k].sig);
-        /* 2,000 steps; the signal goes to the launcher alone once steps are logged */
-        int st = run_cmd(out, sizeof out, "sh -c '%s --data %s --image-size 16 --dim 32 --quiet --epochs 200 --batch-size 16 "
+        snprintf(dir, sizeof dir, "%s/stop-%d", tmpdir, k);
+        snprintf(log, sizeof log, "%s/stop-%d.jsonl", tmpdir, k);
+        /* 20,000 steps, far longer than the test waits; the signal goes once steps are logged */
+        int st = run_cmd(out, sizeof out, "sh -c '%s --data %s --image-size 16 --dim 32 --quiet --epochs 2000 --batch-size 16 "
                          "--nproc 2 --save-dir %s --log %s & p=$!; i=0; while [ $i -lt 600 ] && ! grep -q step %s 2>/dev/null; "
                          "do sleep 0.05; i=$((i+1)); done; kids=$(pgrep -P $p); for k in $kids; do echo pid=$k; done; "
-                         "kill -%s $p; wait $p; echo launcher-exit=$?; ls %s | tr \"\\n\" \" \"; echo'",
-                         bin, small_data(), dir, log, log, cases[k].sig, dir);
+                         "kill -%s %s; wait $p; echo launcher-exit=$?'", bin, small_data(), dir, log, log, cases[k].sig, cases[k].to);
         long pids[8];
         int n = pids_in(out, pids, 8);
         CHECKF(st == 0 && n == 2, "expected two ranks under the launcher:\n%s", out);
         char want[64];
         snprintf(want, sizeof want, "launcher-exit=%d", cases[k].status);
-        CHECKF(strstr(out, want), "SIG%s to the launcher: expected %s:\n%s", cases[k].sig, want, out);
-        if (cases[k].says) CHECKF(strstr(out, cases[k].says), "no '%s' line:\n%s", cases[k].says, out);
+        CHECKF(strstr(out, want), "SIG%s to %s: expected %s:\n%s", cases[k].sig, cases[k].to, want, out);
+        if (cases[k].says) CHECKF(strstr(out, cases[k].says), "SIG%s to %s: no '%s' line:\n%s", cases[k].sig, cases[k].to, cases[k].says, out);
+        CHECKF(!strstr(out, "stopping at once"), "SIG%s to %s was taken as a second signal:\n%s", cases[k].sig, cases[k].to, out);
         int alive = 1;
         for (int t = 0; t < 200 && alive; t++) {       /* a killed launcher: its ranks save and go within seconds */
             alive = 0;
             for (int i = 0; i < n; i++) alive |= kill((pid_t)pids[i], 0) == 0;
             if (alive) { struct timespec ts = { 0, 50000000 }; nanosleep(&ts, NULL); }
         }
-        CHECKF(!alive, "SIG%s to the launcher: its ranks are still running 10 s later", cases[k].sig);
-        for (int i = 0; i < n; i++) kill((pid_t)pids[i], SIGKILL);
-        /* nothing more is written once the ranks are gone, and a checkpoint of where they stopped is there */
+        CHECKF(!alive, "SIG%s to %s: the ranks are still running 10 s later", cases[k].sig, cases[k].to);
+        /* nothing more is written once the ranks are gone; the log says why they stopped */
         for (int t = 0; t < 2; t++) {
-            run_cmd(files[t], sizeof files[t], "ls %s", dir);
+            run_cmd(files[t], sizeof files[t], "sh -c 'ls %s; grep -o stopped_by...SIG[A-Z0-9]* %s'", dir, log);
             if (!t) { struct timespec ts = { 0, 500000000 }; nanosleep(&ts, NULL); }
         }
         CHECKF(!strcmp(files[0], files[1]), "files appeared after the job stopped:\n%s\nthen\n%s", files[0], files[1]);
         CHECKF(strstr(files[1], "_step") || strstr(files[1], "_epoch"), "no checkpoint saved on SIG%s:\n%s", cases[k].sig, files[1]);
+        CHECKF(strstr(files[1], k == 1 ? "stopped_by\":\"SIGUSR1" : k == 2 ? "stopped_by\":\"SIGINT" : "stopped_by\":\"SIGTERM"),
+               "SIG%s to %s: the log's summary does not say what stopped the run:\n%s", cases[k].sig, cases[k].to, files[1]);
         CHECKF(!strstr(files[1], ".tmp"), "a .tmp file was left: %s", files[1]);
         for (int i = 0; i < n; i++) CHECKF(shm_segments_of(pids[i]) == 0, "rank pid %ld left a /dev/shm segment", pids[i]);
     }
 }
 
+/* Waits (in a shell script) until something listens on TCP port $P, without connecting to it. */
+#define WAIT_LISTEN "i=0; until grep -qi \":$(printf %%04X $P) 00000000:0000 0A\" /proc/net/tcp || [ $i -ge 200 ]; do sleep 0.05; i=$((i+1)); done; "
+
 /* Two jobs on one port: a stray connection (a port scan, a browser) and a rank
    of another job reach job A's rank 0 while it waits. Both are turned away and
-   logged; the stranger is told why and stops; job A goes on and completes. */
+   logged; the stranger is told why and stops; job A goes on and completes --
+   its rank 1 reaching rank 0 by another of the host's addresses than 127.0.0.1,
+   as a host name does. */
 static void test_a_stranger_at_the_rendezvous_is_turned_away_not_fatal(void) {
     char out[16384];
     int port = dt_free_port();
     const char *bin = collectives_bin();
-    int st = run_cmd(out, sizeof out, "bash -c 'export MASTER_PORT=%d WORLD_SIZE=2; SLURM_JOB_ID=111 RANK=0 %s --check --timeout 30 & a=$!; "
-                     "sleep 0.5; exec 3<>/dev/tcp/127.0.0.1/%d && echo junk >&3; exec 3>&-; exec 3<>/dev/tcp/127.0.0.1/%d; exec 3>&-; "
+    int st = run_cmd(out, sizeof out, "bash -c 'P=%d; export MASTER_PORT=$P WORLD_SIZE=2; SLURM_JOB_ID=111 RANK=0 %s --check --timeout 30 & a=$!; "
+                     WAIT_LISTEN "exec 3<>/dev/tcp/127.0.0.1/$P && echo junk >&3; exec 3>&-; exec 3<>/dev/tcp/127.0.0.1/$P; exec 3>&-; "
                      "SLURM_JOB_ID=222 RANK=1 %s --check --timeout 10; echo stranger-exit=$?; "
-                     "SLURM_JOB_ID=111 RANK=1 %s --check; echo member-exit=$?; wait $a; echo rank0-exit=$?'",
-                     port, bin, port, port, bin, bin);
+                     "SLURM_JOB_ID=111 RANK=1 MASTER_ADDR=127.0.1.1 %s --check; echo member-exit=$?; wait $a; echo rank0-exit=$?'",
+                     port, bin, bin, bin);
     CHECKF(st == 0 && strstr(out, "rank0-exit=0") && strstr(out, "member-exit=0"), "job A did not complete:\n%s", out);
     CHECKF(count_lines_with(out, "match the serial reference") == 2, "job A's collectives:\n%s", out);
     CHECKF(strstr(out, "stranger-exit=1") && strstr(out, "turned this rank away: it belongs to another job ('SLURM_JOB_ID=222'"),
@@ -1970,8 +1980,8 @@ static void test_a_failed_rendezvous_leaves_nothing_in_dev_shm(void) {
     char out[16384];
     int port = dt_free_port();
     const char *bin = collectives_bin();
-    int st = run_cmd(out, sizeof out, "sh -c 'export MASTER_PORT=%d WORLD_SIZE=2 RANK=0; %s --check --timeout 20 & a=$!; echo pid=$a; "
-                     "sleep 0.5; %s --check --timeout 5 & b=$!; echo pid=$b; wait $b; echo second-exit=$?; "
+    int st = run_cmd(out, sizeof out, "bash -c 'P=%d; export MASTER_PORT=$P WORLD_SIZE=2 RANK=0; %s --check --timeout 20 & a=$!; echo pid=$a; "
+                     WAIT_LISTEN "%s --check --timeout 5 & b=$!; echo pid=$b; wait $b; echo second-exit=$?; "
                      "kill -INT $a; wait $a; echo first-exit=$?'", port, bin, bin);
     long pids[2] = { 0, 0 };
     CHECKF(st == 0 && pids_in(out, pids, 2) == 2, "%s", out);
