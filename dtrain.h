@@ -39,8 +39,10 @@
                         images and text made on first use
         9  collectives  all-reduce, reduce-scatter, all-gather, broadcast over shared
                         memory (threads or processes, sums in rank order) or NCCL
-       10  launching    --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous,
-                        and a job that stops, naming the rank, when one rank dies
+       10  launching    --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous
+                        that turns strangers away, a job that stops, naming the
+                        rank, when one rank dies, and signals (SIGTERM: preempted)
+                        that stop every rank after the same step, saved
        11  parallel     DataParallel (one process, N devices, device 0 in charge),
                         DistributedDataParallel (a replica per process, gradients
                         averaged in buckets while backward runs) and Fully Sharded
@@ -58,8 +60,10 @@
 
    A FAILURE NEVER CRASHES
        Bad flags exit with status 2, everything else that goes wrong (a missing
-       folder, a corrupt image, a truncated checkpoint) exits with status 1 after
-       one line that starts with "dtrain: error:" and names the file or flag.
+       folder, a corrupt image, a truncated checkpoint, a full disk) exits with
+       status 1 after one line that starts with "dtrain: error:" and names the
+       file or flag. A run stopped by SIGTERM or SIGUSR1 saves and exits with 75
+       (preempted: run it again with --resume auto), by Ctrl-C with 130.
 
    STRUCTS YOU GET BACK
        A function that returns a struct or fills one in for you (dt_parse_args,
@@ -503,9 +507,10 @@ void dt_comm_check_agree(dt_comm *c, const char *what, const char *value);
 
 /* --nproc N: fork N copies of this program on this machine, before any device or
    thread is started, each with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-   MASTER_PORT set as torchrun would. Returns in each child; the parent waits and
-   exits with the first failing rank's status. Does nothing when nproc <= 1 or
-   when this process is already a launched rank. */
+   MASTER_PORT set as torchrun would, and a job id. Returns in each child; the
+   parent passes SIGINT, SIGTERM and SIGUSR1 on to the ranks, waits, and exits
+   with the worst status a rank had. Does nothing when nproc <= 1 or when this
+   process is already a launched rank. */
 void dt_launch(int nproc, double timeout_s);
 /* This process's place in the job, from torchrun's (RANK, WORLD_SIZE,
    LOCAL_RANK), SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) or Open MPI's
@@ -4248,11 +4253,13 @@ static void dt_comm_on_fail(void) { dt_comm_abort_others(dt_active_comm); }
 /* ==== 10. launching ranks and the rendezvous ====================================
    A job is N copies of one program. Something starts them -- `--nproc N` here,
    or torchrun, srun, mpirun -- and tells each its rank through environment
-   variables. The ranks then meet: rank 0 listens on MASTER_ADDR:MASTER_PORT,
-   the others connect, and rank 0 hands out what they must share: the name of
-   the shared-memory segment, and NCCL's unique id. Once every rank has mapped
-   the segment, rank 0 removes its name, so nothing is left in /dev/shm however
-   the job ends -- even when a rank is killed. */
+   variables. The ranks then meet: rank 0 listens on MASTER_PORT, the others
+   connect to MASTER_ADDR:MASTER_PORT and prove they belong to the job, and
+   rank 0 hands out what they must share: the name of the shared-memory
+   segment, and NCCL's unique id. The segment is made once all have joined and
+   its name removed once all have mapped it, so nothing is left in /dev/shm
+   however the job ends -- even when a rank is killed. A job ends well when it
+   is told to: SIGTERM and Ctrl-C stop it after a step, saved. */
 
 static int dt_env_int(const char *name, int fallback) {
     const char *v = getenv(name);
