@@ -1837,7 +1837,7 @@ static int pids_in(const char *out, long *pids, int max) {
    Std.from_str misses values under Python 3.11), so there it gets
    --redirects 1 --tee 1. Empty when there is no torchrun. */
 static const char *torchrun_cmd(char *why, size_t n) {
-    static char cmd[700], reason[2200];
+    static char cmd[700], reason[300];
     static int probed;
     char out[16384];
     if (!probed) {
@@ -1848,7 +1848,7 @@ static const char *torchrun_cmd(char *why, size_t n) {
             snprintf(cmd, sizeof cmd, "torchrun");
         else if (strstr(out, "'NoneType' object has no attribute 'get'"))
             snprintf(cmd, sizeof cmd, "torchrun --redirects 1 --tee 1 --log_dir %s/torchrun-logs", tmpdir);
-        else snprintf(reason, sizeof reason, "torchrun does not start a program here:\n%.2000s", out);
+        else snprintf(reason, sizeof reason, "torchrun does not start a program here:\n%.200s", out);
     }
     snprintf(why, n, "%s", reason);
     return cmd;
@@ -1858,7 +1858,7 @@ static const char *torchrun_cmd(char *why, size_t n) {
    default (static: torchrun's own store listens on MASTER_PORT), --standalone
    and a c10d endpoint. Each trains as --nproc 2 does, bit for bit. */
 static void test_torchrun_launches_stages_in_every_rendezvous_mode(void) {
-    char out[16384], why[2200] = "", ref[600], dir[600], p[700], q[700];
+    char out[16384], why[300] = "", ref[600], dir[600], p[700], q[700];
     const char *tr = torchrun_cmd(why, sizeof why);
     if (!tr[0]) SKIP("%s", why);
     const char *stages[2] = { "03-ddp", "04-fsdp" };
