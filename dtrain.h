@@ -6880,20 +6880,25 @@ static int dt_local_stop_signal(void) {
 }
 
 /* The loss of the whole job's batch -- the mean of the ranks' means -- and
-   whether any rank was asked to stop, in one all-reduce: the signal rides
-   beside the loss (its mean is not 0 when any rank caught one), so every rank
-   stops after the same step and agreeing costs no collective of its own. A
-   rank that caught nothing stops as if told SIGTERM. */
+   the stop signals the ranks caught, in one all-reduce: they ride beside the
+   loss, so every rank stops after the same step and agreeing costs no
+   collective of its own. Each kind of signal is counted in its own digit of
+   base W + 1, which the mean keeps exact, so every rank reads back the same
+   answer: preempted (SIGTERM, then SIGUSR1) before Ctrl-C, and a rank that
+   caught nothing yet stops on that one too. */
 static int dt_job_mean_loss(dt_tensor *loss, int stop) {
     if (!dt_ctx.job || dt_ctx.world_size == 1) return stop;
+    int W = dt_ctx.world_size;
+    long base = W + 1;
     float host[2], *both = (float *)dt_step_alloc_on(dt_ctx.device, sizeof host);
     dt_download(host, loss->data, sizeof(float));
-    host[1] = (float)stop;
+    host[1] = (float)(stop == SIGINT ? 1 : stop == SIGUSR1 ? base : stop == SIGTERM ? base * base : 0);
     dt_upload(both, host, sizeof host);
     dt_all_reduce(dt_ctx.job, both, both, 2, DT_F32, DT_AVG);
     dt_download(host, both, sizeof host);
     dt_upload(loss->data, host, sizeof(float));
-    return host[1] == 0 ? 0 : stop ? stop : SIGTERM;
+    long caught = lround((double)host[1] * W);
+    return caught / (base * base) ? SIGTERM : caught / base % base ? SIGUSR1 : caught % base ? SIGINT : 0;
 }
 
 void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer *opt, dt_loader *loader,

@@ -1908,11 +1908,12 @@ static void test_mpirun_launches_a_stage_like_nproc(void) {
    its ranks with it (they are sent SIGTERM, so they save too). No rank trains
    on, nothing is written after, nothing is left in /dev/shm. */
 static void test_stopping_the_launcher_stops_its_ranks(void) {
-    static const struct { const char *sig, *to; int status; const char *says; } cases[5] = {
+    static const struct { const char *sig, *to; int status; const char *says; } cases[6] = {
         { "TERM", "$p", 75, "stopped by SIGTERM" }, { "USR1", "$p", 75, "stopped by SIGUSR1" },
-        { "INT", "$p", 130, "stopped by SIGINT" }, { "TERM", "$p $kids", 75, "stopped by SIGTERM" }, { "KILL", "$p", 137, NULL } };
+        { "INT", "$p", 130, "stopped by SIGINT" }, { "TERM", "$p $kids", 75, "stopped by SIGTERM" }, { "KILL", "$p", 137, NULL },
+        { "INT", "${kids##*[!0-9]}", 130, "stopped by SIGINT" } };   /* one rank alone: the others stop on its signal */
     const char *bin = stage_bin("03-ddp");
-    for (int k = 0; k < 5; k++) {
+    for (int k = 0; k < 6; k++) {
         char out[16384], dir[600], log[600], files[2][4096];
         snprintf(dir, sizeof dir, "%s/stop-%d", tmpdir, k);
         snprintf(log, sizeof log, "%s/stop-%d.jsonl", tmpdir, k);
@@ -1943,7 +1944,7 @@ static void test_stopping_the_launcher_stops_its_ranks(void) {
         }
         CHECKF(!strcmp(files[0], files[1]), "files appeared after the job stopped:\n%s\nthen\n%s", files[0], files[1]);
         CHECKF(strstr(files[1], "_step") || strstr(files[1], "_epoch"), "no checkpoint saved on SIG%s:\n%s", cases[k].sig, files[1]);
-        CHECKF(strstr(files[1], k == 1 ? "stopped_by\":\"SIGUSR1" : k == 2 ? "stopped_by\":\"SIGINT" : "stopped_by\":\"SIGTERM"),
+        CHECKF(strstr(files[1], k == 1 ? "stopped_by\":\"SIGUSR1" : k == 2 || k == 5 ? "stopped_by\":\"SIGINT" : "stopped_by\":\"SIGTERM"),
                "SIG%s to %s: the log's summary does not say what stopped the run:\n%s", cases[k].sig, cases[k].to, files[1]);
         CHECKF(!strstr(files[1], ".tmp"), "a .tmp file was left: %s", files[1]);
         for (int i = 0; i < n; i++) CHECKF(shm_segments_of(pids[i]) == 0, "rank pid %ld left a /dev/shm segment", pids[i]);
