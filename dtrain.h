@@ -196,7 +196,8 @@ typedef struct dt_tensor {
     dt_device device;
     int requires_grad;         /* parameters, and anything computed from them */
     int is_param;
-    int hook_gen, first_use;   /* parameters: where the tape last reads them (grad-ready hook) */
+    int hook_gen, first_use;   /* parameters: where the tape last reads them (grad ready) */
+    struct dt_parallel *parallel;   /* parameters: the wrapper their model is in (section 5), or NULL */
 } dt_tensor;
 
 /* A tensor of f32 in the per-step arena (gone at the next reset). Contents are zero. */
@@ -272,10 +273,36 @@ void dt_set_grad_enabled(int on);
 void dt_backward(dt_tensor *loss);
 /* The same from any tensor, given d(loss)/d(out) (out->numel values). */
 void dt_backward_from(dt_tensor *out, const float *out_grad);
-/* Called for each parameter once its gradient is final during dt_backward:
-   the hook DDP uses to start all-reducing a bucket while backward goes on. */
-typedef void (*dt_grad_ready_fn)(dt_tensor *param, void *user);
-void dt_set_grad_ready_hook(dt_grad_ready_fn fn, void *user);
+
+/* A parallel wrapper (section 11: DataParallel, DDP, FSDP) is this one set of
+   callbacks. Each is called by the code that owns its moment of a step: the
+   model's forward (a unit begins, ends), the tape (a parameter's gradient is
+   final: DDP starts all-reducing its bucket while backward goes on), the
+   wrapper's own sync function (backward is done), the optimizer (which
+   parameters it steps, when it is created; the step is done). A NULL
+   callback: nothing to do at that moment -- DDP has no units, DataParallel
+   no hooks at all. A wrapper attaches itself with dt_model_set_parallel
+   (section 6): the model and each of its parameters then point to it, so
+   nothing is looked up in global state. */
+typedef struct dt_parallel dt_parallel;
+struct dt_optimizer;
+struct dt_parallel {
+    /* The wrapper's public functions, which the order mistakes name:
+       "dt_fsdp_create", "dt_fsdp_sync_grads", "dt_fsdp_free". */
+    const char *create_fn, *sync_fn, *free_fn;
+    void (*unit_begin)(dt_parallel *par, int unit);
+    void (*unit_end)(dt_parallel *par, int unit);
+    void (*grad_ready)(dt_parallel *par, dt_tensor *param);
+    void (*backward_done)(dt_parallel *par);
+    void (*step_done)(dt_parallel *par);
+    void (*optimizer_view)(dt_parallel *par, struct dt_optimizer *opt);
+    /* Kept by the library: a backward ran since backward_done did, so the
+       gradients are this rank's own, not yet the average the optimizer needs. */
+    int grads_pending;
+};
+/* backward_done, called by each wrapper's sync function (dt_ddp_sync_grads,
+   ...): fails unless a backward has run since the last one. */
+void dt_parallel_backward_done(dt_parallel *par);
 /* Floating-point operations counted by the matmuls since the last reset. */
 double dt_flops_counted(void);
 void dt_flops_reset(void);
@@ -310,13 +337,20 @@ typedef struct dt_model {
        the token embedding again (tied weights). FSDP keeps it gathered for the
        whole step, as PyTorch's FSDP does with its root unit. */
     int outer_unit;
-    struct dt_fsdp *fsdp;      /* set while FSDP shards this model (stage 04) */
+    dt_parallel *parallel;     /* the wrapper this model is in (section 11), or NULL */
+    int optimizers;            /* optimizers created on it and not freed yet */
 } dt_model;
 
 /* Build a model with freshly initialised weights (seeded, so runs repeat) on
    the current device. The same seed gives the same weights on CPU and GPU. */
 dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed);
+/* Fails while a wrapper or an optimizer still holds the model: free those first. */
 void dt_model_free(dt_model *m);
+/* A parallel wrapper attaches itself (its create function calls this) and
+   detaches (NULL, from its free function). A wrapper comes before the
+   optimizer, which steps the parameters the wrapper gives it, and goes after
+   it: the other orders are errors that say what to call first. */
+void dt_model_set_parallel(dt_model *m, dt_parallel *par);
 /* images [B, C, S, S] scaled to [-1, 1] -> logits [B, classes];
    gpt: token ids [B, T] -> logits [B*T, vocab], row (b, t) predicting token t + 1 */
 dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs);
@@ -357,10 +391,15 @@ typedef struct dt_optimizer {
     int offloaded;             /* its buffers are host memory (FSDP's --cpu-offload) */
 } dt_optimizer;
 
+/* It steps what the model's parallel wrapper gives it (FSDP: this rank's
+   shard), so a wrapper must exist before it or not at all. */
 dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float weight_decay,
                                   float momentum, float clip_norm);
 void dt_optimizer_free(dt_optimizer *opt);
-/* Clip the gradients (when clip_norm > 0), update every parameter, zero the gradients. */
+/* Clip the gradients (when clip_norm > 0), update every parameter, zero the
+   gradients, then tell the wrapper the step is done (FSDP's ZeRO-1 and -2
+   gather the new parameters). Fails while the wrapper has not synchronised
+   the gradients of the last backward. */
 void dt_optimizer_step(dt_optimizer *opt, float lr);
 /* Linear warmup from 0 over `warmup` steps, then cosine decay to 0 at `total`. */
 float dt_schedule_lr(float base_lr, int64_t step, int64_t warmup, int64_t total);
@@ -568,8 +607,6 @@ int dt_ddp_buckets(const dt_ddp *ddp);
    leave their gradients to add up locally and communicate nothing (PyTorch's
    no_sync()); the backward after dt_ddp_set_sync(ddp, 1) all-reduces the sum. */
 void dt_ddp_set_sync(dt_ddp *ddp, int sync);
-/* All-reduce gradients in this dtype (default f32): bf16 halves the bytes. */
-void dt_ddp_set_reduce_dtype(dt_ddp *ddp, dt_dtype dtype);
 void dt_ddp_free(dt_ddp *ddp);
 
 /* Fully sharded data parallel (stages 04-05): like DDP, but no rank keeps the
@@ -591,8 +628,8 @@ void dt_ddp_free(dt_ddp *ddp);
    Checkpoints of a sharded model are sharded too (section 13). */
 typedef enum { DT_SHARD_OPTIMIZER = 0, DT_SHARD_GRADS = 1, DT_SHARD_FULL = 2 } dt_shard_mode;
 typedef struct dt_fsdp dt_fsdp;
-/* Broadcast rank 0's parameters, keep this rank's shards, free the rest. Create
-   the optimizer after this: it then holds the shard's state only. cpu_offload:
+/* Broadcast rank 0's parameters, keep this rank's shards, free the rest. The
+   optimizer, created after this, holds the shard's state only. cpu_offload:
    the shards and the optimizer state live in host memory, the optimizer steps
    on the CPU, and a unit's shard is copied to the device just before its
    all-gather (on a CPU-only run, between the device and host arenas). */
@@ -600,9 +637,6 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
 /* After backward: DT_SHARD_OPTIMIZER reduce-scatters every gradient now (the
    other modes did it unit by unit during backward). */
 void dt_fsdp_sync_grads(dt_fsdp *fsdp);
-/* After the optimizer: DT_SHARD_OPTIMIZER and _GRADS all-gather the updated
-   parameters (DT_SHARD_FULL gathers each unit when it is next used). */
-void dt_fsdp_after_step(dt_fsdp *fsdp);
 /* Gradient accumulation (stage 05), as dt_ddp_set_sync: with sync 0 no unit is
    reduce-scattered, and each unit's whole gradient adds up in a buffer of the
    model's size (PyTorch's FSDP no_sync() keeps unsharded gradients too: fewer
@@ -621,7 +655,8 @@ void dt_fsdp_free(dt_fsdp *fsdp);
    DT_BF16 or DT_F16, parameters, their gradients and the optimizer state stay
    f32 -- the master weights -- and every op reads its inputs rounded to 16 bits
    and stores its output in 16 bits; layernorm statistics, softmax, the loss and
-   every sum inside a matmul stay f32. Set it before dt_fsdp_create. */
+   every sum inside a matmul stay f32. A parallel wrapper fixes its buffers
+   to it when created, so changing it while one exists is an error. */
 void dt_set_compute_dtype(dt_dtype dtype);
 dt_dtype dt_compute_dtype(void);
 
@@ -1174,8 +1209,7 @@ typedef struct dt_context {
     dt_tape_entry *tape;
     int tape_len, tape_cap;
     int grad_enabled;
-    dt_grad_ready_fn grad_ready;
-    void *grad_ready_user;
+    int wrappers;                      /* parallel wrappers attached to models (dt_model_set_parallel) */
     double flops;
     int backward_generation;
     dt_comm *job;                      /* the communicator of a job of processes (dt_comm_init) */
@@ -1771,7 +1805,6 @@ void dt_gemm(int ta, int tb, int M, int N, int K, float alpha, const float *A, i
    gradient from both uses. */
 
 void dt_set_grad_enabled(int on) { dt_ctx.grad_enabled = on; }
-void dt_set_grad_ready_hook(dt_grad_ready_fn fn, void *user) { dt_ctx.grad_ready = fn; dt_ctx.grad_ready_user = user; }
 double dt_flops_counted(void) { return dt_ctx.flops; }
 void dt_flops_reset(void) { dt_ctx.flops = 0; }
 
@@ -1827,6 +1860,7 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
         for (int j = 0; j < 4; j++) {
             dt_tensor *p = dt_ctx.tape[i].in[j];
             if (p && p->is_param && p->hook_gen != generation) { p->hook_gen = generation; p->first_use = i; }
+            if (p && p->parallel) p->parallel->grads_pending = 1;
         }
     dt_backend_for(loss);
     dt_upload(dt_grad(loss), seed, sizeof(float) * (size_t)loss->numel);
@@ -1834,13 +1868,21 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
         dt_tape_entry *e = &dt_ctx.tape[i];
         dt_scratch_reset();
         if (!e->out || e->out->grad) e->backward(e);
-        if (dt_ctx.grad_ready)
-            for (int j = 0; j < 4; j++) {
-                dt_tensor *p = e->in[j];
-                if (p && p->is_param && p->first_use == i) dt_ctx.grad_ready(p, dt_ctx.grad_ready_user);
-            }
+        for (int j = 0; j < 4; j++) {
+            dt_tensor *p = e->in[j];
+            if (p && p->is_param && p->first_use == i && p->parallel && p->parallel->grad_ready)
+                p->parallel->grad_ready(p->parallel, p);
+        }
     }
     dt_ctx.tape_len = 0;
+}
+
+void dt_parallel_backward_done(dt_parallel *par) {
+    if (!par->grads_pending)
+        dt_fail("%s: no backward has run since the gradients were last synchronised; call it after dt_backward",
+                par->sync_fn);
+    if (par->backward_done) par->backward_done(par);
+    par->grads_pending = 0;
 }
 
 /* -- precision conversion: mixed precision converts every activation twice, so
@@ -2734,6 +2776,9 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
 
 void dt_model_free(dt_model *m) {
     if (!m) return;
+    if (m->optimizers) dt_fail("dt_model_free: its optimizer still steps this model; call dt_optimizer_free first");
+    if (m->parallel)
+        dt_fail("dt_model_free: %s still wraps this model; call %s first", m->parallel->create_fn, m->parallel->free_fn);
     for (int i = 0; i < m->nparams; i++) free((void *)m->params[i].name);
     free(m->params);
     free(m->offsets);
@@ -2741,6 +2786,22 @@ void dt_model_free(dt_model *m) {
     dt_free_on(m->device, DT_ARENA_PARAMS, m->flat_data, (size_t)m->numel * sizeof(float));
     dt_free_on(m->device, DT_ARENA_GRADS, m->flat_grad, (size_t)m->numel * sizeof(float));
     free(m);
+}
+
+void dt_model_set_parallel(dt_model *m, dt_parallel *par) {
+    dt_parallel *now = par ? par : m->parallel;
+    if (!now) return;
+    if (par && m->parallel)
+        dt_fail("%s: this model is already wrapped (%s); one wrapper per model, or call %s first", par->create_fn,
+                m->parallel->create_fn, m->parallel->free_fn);
+    if (par && m->optimizers)
+        dt_fail("%s: this model already has an optimizer; create the optimizer after %s, which decides what it steps",
+                par->create_fn, par->create_fn);
+    if (!par && m->optimizers)
+        dt_fail("%s: the optimizer still steps what this wrapper gave it; call dt_optimizer_free first", now->free_fn);
+    m->parallel = par;
+    for (int i = 0; i < m->nparams; i++) m->params[i].parallel = par;
+    dt_ctx.wrappers += par ? 1 : -1;
 }
 
 dt_tensor *dt_model_param(dt_model *m, const char *name) {
@@ -2781,9 +2842,10 @@ double dt_model_flops_per_token(const dt_model *m) {
 
 /* Where a unit's forward begins and ends: FSDP gathers its parameters there,
    and leaves marks on the tape for the same moments of backward. */
-static void dt_fsdp_unit_boundary(struct dt_fsdp *f, int unit, int begin);
 static void dt_unit_boundary(dt_model *m, int unit, int begin) {
-    if (m->fsdp) dt_fsdp_unit_boundary(m->fsdp, unit, begin);
+    dt_parallel *par = m->parallel;
+    if (par && begin && par->unit_begin) par->unit_begin(par, unit);
+    if (par && !begin && par->unit_end) par->unit_end(par, unit);
 }
 
 /* GPT-2: pre-LN blocks of causal self-attention and an MLP; the head is the
@@ -2907,8 +2969,6 @@ void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, fl
    The update rules are PyTorch's, element for element, so a step here matches a
    step there. Biases and norm weights (1-D parameters) get no weight decay. */
 
-static void dt_fsdp_optimizer_view(struct dt_fsdp *f, dt_optimizer *o);
-
 dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float weight_decay,
                                   float momentum, float clip_norm) {
     dt_optimizer *o = (dt_optimizer *)calloc(1, sizeof(dt_optimizer));
@@ -2918,7 +2978,8 @@ dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float
     o->weight_decay = weight_decay; o->momentum = momentum; o->clip_norm = clip_norm;
     o->model = model;
     o->device = model->device;
-    if (model->fsdp) dt_fsdp_optimizer_view(model->fsdp, o);      /* this rank's shard only */
+    model->optimizers++;
+    if (model->parallel && model->parallel->optimizer_view) model->parallel->optimizer_view(model->parallel, o);
     else {
         o->params = model->flat_data; o->grads = model->flat_grad; o->numel = model->numel;
         o->nslices = model->nparams;
@@ -2942,7 +3003,17 @@ void dt_optimizer_free(dt_optimizer *o) {
     if (o->offloaded) { dt_free_host(DT_ARENA_OPTIM, o->m, bytes); dt_free_host(DT_ARENA_OPTIM, o->v, bytes); }
     else { dt_free_on(o->device, DT_ARENA_OPTIM, o->m, bytes); dt_free_on(o->device, DT_ARENA_OPTIM, o->v, bytes); }
     free(o->slices);
+    o->model->optimizers--;
     free(o);
+}
+
+/* The optimizer needs the average gradient: a backward whose gradients the
+   wrapper has not synchronised yet is an order mistake, named. */
+static void dt_optimizer_check_synced(const dt_optimizer *o, const char *caller) {
+    const dt_parallel *par = o->model->parallel;
+    if (par && par->grads_pending)
+        dt_fail("%s: the gradients of the last backward are not synchronised across the ranks yet; call %s first",
+                caller, par->sync_fn);
 }
 
 /* The squared norm of every gradient the optimizer steps -- of the whole
@@ -2970,6 +3041,7 @@ static double dt_optimizer_grad_sum_squares(dt_optimizer *o) {
     return sq;
 }
 void dt_optimizer_step(dt_optimizer *o, float lr) {
+    dt_optimizer_check_synced(o, "dt_optimizer_step");
     int64_t n = o->numel;
     float *g = o->grads;
     const dt_backend *gpu = dt_backend_of(o->device);
@@ -3001,6 +3073,8 @@ void dt_optimizer_step(dt_optimizer *o, float lr) {
         }
     }
     dt_zero_on(o->device, g, (size_t)n * sizeof(float));
+    dt_parallel *par = o->model->parallel;
+    if (par && par->step_done) par->step_done(par);
 }
 
 float dt_schedule_lr(float base, int64_t step, int64_t warmup, int64_t total) {
@@ -4802,6 +4876,7 @@ typedef struct dt_dp_device {
 } dt_dp_device;
 
 struct dt_dp {
+    dt_parallel par;            /* first: the model's dt_parallel * is this dt_dp */
     dt_model *model;
     int devices, threads_per_device;
     dt_tensor *inputs;          /* the batch being scattered, and its rows per device */
@@ -4884,6 +4959,20 @@ static void *dt_dp_worker(void *arg) {
     return NULL;
 }
 
+static void dt_dp_backward_done(dt_parallel *par) {
+    dt_dp *dp = (dt_dp *)par;
+    if (dp->devices == 1) return;
+    dt_dp_wait(dp);                                    /* every device's backward has finished */
+    double t0 = dt_now_ms();
+    dt_dp_post(dp, DT_DP_REDUCE);
+    dt_model *m = dp->model;
+    dt_reduce(dp->dev[0].comm, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_SUM, 0);
+    dt_dp_wait(dp);
+    dt_record_comm("reduce gradients", t0, dt_now_ms(), 0);
+    for (int i = 1; i < dp->devices; i++) dt_ctx.flops += dp->dev[i].flops;   /* the work of every device */
+}
+void dt_dp_reduce_grads(dt_dp *dp) { dt_parallel_backward_done(&dp->par); }
+
 dt_dp *dt_dp_create(dt_model *model, int devices, double timeout_s) {
     if (devices < 1 || devices > DT_MAX_RANKS) dt_fail("DataParallel over %d devices (1 to %d)", devices, DT_MAX_RANKS);
     if (devices > 1 && model->device != DT_CPU)
@@ -4894,6 +4983,9 @@ dt_dp *dt_dp_create(dt_model *model, int devices, double timeout_s) {
         dt_fail("DataParallel (stage 02) runs in fp32 only; mixed precision comes with DDP and FSDP (stage 05)");
     dt_dp *dp = (dt_dp *)calloc(1, sizeof *dp);
     if (!dp) dt_fail("out of memory (DataParallel)");
+    dp->par = (dt_parallel){ .create_fn = "dt_dp_create", .sync_fn = "dt_dp_reduce_grads", .free_fn = "dt_dp_free",
+                             .backward_done = dt_dp_backward_done };
+    dt_model_set_parallel(model, &dp->par);
     dp->model = model;
     dp->devices = devices;
     dp->threads_per_device = dt_threads() / devices > 1 ? dt_threads() / devices : 1;
@@ -4950,20 +5042,9 @@ dt_tensor *dt_dp_forward(dt_dp *dp, dt_tensor *inputs) {
     return out;
 }
 
-void dt_dp_reduce_grads(dt_dp *dp) {
-    if (dp->devices == 1) return;
-    dt_dp_wait(dp);                                    /* every device's backward has finished */
-    double t0 = dt_now_ms();
-    dt_dp_post(dp, DT_DP_REDUCE);
-    dt_model *m = dp->model;
-    dt_reduce(dp->dev[0].comm, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_SUM, 0);
-    dt_dp_wait(dp);
-    dt_record_comm("reduce gradients", t0, dt_now_ms(), 0);
-    for (int i = 1; i < dp->devices; i++) dt_ctx.flops += dp->dev[i].flops;   /* the work of every device */
-}
-
 void dt_dp_free(dt_dp *dp, int quiet) {
     if (!dp) return;
+    dt_model_set_parallel(dp->model, NULL);
     if (dp->devices > 1) {
         dt_dp_post(dp, DT_DP_QUIT);
         for (int i = 1; i < dp->devices; i++) pthread_join(dp->dev[i].thread, NULL);
@@ -4990,14 +5071,13 @@ typedef struct dt_ddp_bucket {
 } dt_ddp_bucket;
 
 struct dt_ddp {
+    dt_parallel par;            /* first: the model's dt_parallel * is this dt_ddp */
     dt_model *model;
     dt_comm *comm;
     int nbuckets, launched;     /* buckets start in order: 0, 1, ... */
     dt_ddp_bucket *buckets;
     int *bucket_of;             /* parameter -> bucket */
     int sync;                   /* 0: accumulate locally (no-sync), communicate nothing */
-    dt_dtype reduce_dtype;      /* what travels: f32, or 16-bit copies in `reduced` */
-    void *reduced;
 };
 
 /* Start every bucket that is complete and whose predecessors have started:
@@ -5006,24 +5086,38 @@ static void dt_ddp_launch(dt_ddp *d, int all) {
     while (d->launched < d->nbuckets && (all || d->buckets[d->launched].pending == 0)) {
         dt_ddp_bucket *b = &d->buckets[d->launched++];
         float *g = d->model->flat_grad + b->offset;
-        void *buf = g;
-        if (d->reduce_dtype != DT_F32) {       /* a 16-bit copy travels, half the bytes */
-            buf = (uint16_t *)d->reduced + b->offset;
-            dt_convert(g, DT_F32, buf, d->reduce_dtype, b->count);
-        }
-        b->handle = dt_all_reduce_async(d->comm, buf, buf, b->count, d->reduce_dtype, DT_AVG);
+        b->handle = dt_all_reduce_async(d->comm, g, g, b->count, DT_F32, DT_AVG);
         dt_ctx.grad_collectives++;
     }
 }
-static void dt_ddp_grad_ready(dt_tensor *p, void *user) {
-    dt_ddp *d = (dt_ddp *)user;
+static void dt_ddp_grad_ready(dt_parallel *par, dt_tensor *p) {
+    dt_ddp *d = (dt_ddp *)par;
     if (!d->sync) return;                             /* no-sync: the gradient stays here */
     int64_t i = p - d->model->params;
-    if (i < 0 || i >= d->model->nparams) return;      /* not this model's */
     dt_ddp_bucket *b = &d->buckets[d->bucket_of[i]];
     if (b->pending > 0) b->pending--;
     dt_ddp_launch(d, 0);
 }
+
+/* After backward: start what has not started, wait for every bucket. */
+static void dt_ddp_backward_done(dt_parallel *par) {
+    dt_ddp *d = (dt_ddp *)par;
+    if (!d->sync) return;                             /* accumulating: nothing leaves this rank */
+    double backward_end = dt_now_ms();
+    dt_ddp_launch(d, 1);
+    for (int k = 0; k < d->nbuckets; k++) {
+        dt_ddp_bucket *b = &d->buckets[k];
+        double t0, t1;
+        char name[32];
+        dt_comm_wait(d->comm, b->handle);
+        dt_comm_interval(d->comm, b->handle, &t0, &t1);
+        snprintf(name, sizeof name, "all_reduce bucket %d", k);
+        dt_record_comm(name, t0, t1, t0 < backward_end ? (t1 < backward_end ? t1 : backward_end) - t0 : 0);
+        b->pending = b->last - b->first + 1;
+    }
+    d->launched = 0;
+}
+void dt_ddp_sync_grads(dt_ddp *d) { dt_parallel_backward_done(&d->par); }
 
 dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
     dt_ddp *d = (dt_ddp *)calloc(1, sizeof *d);
@@ -5031,10 +5125,13 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
     if (!d || !(d->buckets = (dt_ddp_bucket *)calloc((size_t)n, sizeof(dt_ddp_bucket))) ||
         !(d->bucket_of = (int *)calloc((size_t)n, sizeof(int))))
         dt_fail("out of memory (DDP)");
+    d->par = (dt_parallel){ .create_fn = "dt_ddp_create", .sync_fn = "dt_ddp_sync_grads", .free_fn = "dt_ddp_free",
+                            .grad_ready = bucket_mb > 0 ? dt_ddp_grad_ready : NULL,
+                            .backward_done = dt_ddp_backward_done };
+    dt_model_set_parallel(model, &d->par);
     d->model = model;
     d->comm = comm;
     d->sync = 1;
-    d->reduce_dtype = DT_F32;
     dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);   /* every replica starts from rank 0's */
     /* Buckets, from the last parameter back: ~bucket_mb each, the first 1 MB. */
     double cap = bucket_mb > 0 ? bucket_mb * 1048576.0 : 1e300, first_cap = cap < 1048576.0 ? cap : 1048576.0;
@@ -5053,42 +5150,15 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
             bytes = 0;
         }
     }
-    if (bucket_mb > 0) dt_set_grad_ready_hook(dt_ddp_grad_ready, d);
     return d;
 }
 int dt_ddp_buckets(const dt_ddp *d) { return d->nbuckets; }
 void dt_ddp_set_sync(dt_ddp *d, int sync) { d->sync = sync; }
-void dt_ddp_set_reduce_dtype(dt_ddp *d, dt_dtype dtype) {
-    dt_device dev = d->model->device;
-    if (d->reduced) dt_free_on(dev, DT_ARENA_COMM, d->reduced, (size_t)d->model->numel * 2);
-    d->reduced = NULL;
-    d->reduce_dtype = dtype;
-    if (dtype != DT_F32) d->reduced = dt_alloc_on(dev, DT_ARENA_COMM, (size_t)d->model->numel * 2);
-}
 
-void dt_ddp_sync_grads(dt_ddp *d) {
-    if (!d->sync) return;                             /* accumulating: nothing leaves this rank */
-    double backward_end = dt_now_ms();
-    dt_ddp_launch(d, 1);
-    for (int k = 0; k < d->nbuckets; k++) {
-        dt_ddp_bucket *b = &d->buckets[k];
-        double t0, t1;
-        char name[32];
-        dt_comm_wait(d->comm, b->handle);
-        dt_comm_interval(d->comm, b->handle, &t0, &t1);
-        snprintf(name, sizeof name, "all_reduce bucket %d", k);
-        dt_record_comm(name, t0, t1, t0 < backward_end ? (t1 < backward_end ? t1 : backward_end) - t0 : 0);
-        if (d->reduce_dtype != DT_F32)
-            dt_convert((uint16_t *)d->reduced + b->offset, d->reduce_dtype, d->model->flat_grad + b->offset, DT_F32, b->count);
-        b->pending = b->last - b->first + 1;
-    }
-    d->launched = 0;
-}
 
 void dt_ddp_free(dt_ddp *d) {
     if (!d) return;
-    if (dt_ctx.grad_ready_user == d) dt_set_grad_ready_hook(NULL, NULL);
-    dt_ddp_set_reduce_dtype(d, DT_F32);
+    dt_model_set_parallel(d->model, NULL);
     free(d->buckets);
     free(d->bucket_of);
     free(d);
@@ -5107,6 +5177,7 @@ typedef struct dt_fsdp_unit {
 } dt_fsdp_unit;
 
 struct dt_fsdp {
+    dt_parallel par;            /* first: the model's dt_parallel * is this dt_fsdp */
     dt_model *model;
     dt_comm *comm;
     dt_shard_mode mode;
@@ -5281,24 +5352,33 @@ static void dt_fsdp_after_unit_backward(dt_tape_entry *e) {
     dt_fsdp_release_unit(f, e->iarg[0]);
 }
 
-static void dt_fsdp_unit_boundary(dt_fsdp *f, int unit, int begin) {
-    int training = dt_ctx.grad_enabled;
-    if (begin) {
-        dt_fsdp_gather_unit(f, unit, unit + 1);                           /* and the next one on its way */
-        if (training) dt_tape_mark(dt_fsdp_after_unit_backward, f, unit);
-    } else {
-        /* reshard after forward -- but the last unit is the first that backward
-           needs, so in training it stays gathered (one all-gather saved); so
-           does the outer unit, whose backward ends the step */
-        if (!(training && (unit == f->nunits - 1 || unit == f->model->outer_unit))) dt_fsdp_release_unit(f, unit);
-        if (training) dt_tape_mark(dt_fsdp_before_unit_backward, f, unit);
-    }
+static void dt_fsdp_unit_begin(dt_parallel *par, int unit) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    dt_fsdp_gather_unit(f, unit, unit + 1);                               /* and the next one on its way */
+    if (dt_ctx.grad_enabled) dt_tape_mark(dt_fsdp_after_unit_backward, f, unit);
 }
+static void dt_fsdp_unit_end(dt_parallel *par, int unit) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    int training = dt_ctx.grad_enabled;
+    /* reshard after forward -- but the last unit is the first that backward
+       needs, so in training it stays gathered (one all-gather saved); so
+       does the outer unit, whose backward ends the step */
+    if (!(training && (unit == f->nunits - 1 || unit == f->model->outer_unit))) dt_fsdp_release_unit(f, unit);
+    if (training) dt_tape_mark(dt_fsdp_before_unit_backward, f, unit);
+}
+static void dt_fsdp_backward_done(dt_parallel *par);
+static void dt_fsdp_step_done(dt_parallel *par);
+static void dt_fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o);
 
 dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload) {
     dt_fsdp *f = (dt_fsdp *)calloc(1, sizeof *f);
     if (!f || !(f->units = (dt_fsdp_unit *)calloc((size_t)model->nunits, sizeof(dt_fsdp_unit))))
         dt_fail("out of memory (FSDP)");
+    f->par = (dt_parallel){ .create_fn = "dt_fsdp_create", .sync_fn = "dt_fsdp_sync_grads", .free_fn = "dt_fsdp_free",
+                            .unit_begin = dt_fsdp_unit_begin, .unit_end = dt_fsdp_unit_end,
+                            .backward_done = dt_fsdp_backward_done, .step_done = dt_fsdp_step_done,
+                            .optimizer_view = dt_fsdp_optimizer_view };
+    dt_model_set_parallel(model, &f->par);
     f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
     f->param_dtype = dt_ctx.compute_dtype; f->reduce_dtype = DT_F32; f->sync = 1;
     f->rank = dt_comm_rank(comm); f->world = dt_comm_size(comm); f->nunits = model->nunits;
@@ -5355,13 +5435,13 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
     dt_free_on(dev, DT_ARENA_PARAMS, model->flat_data, (size_t)model->numel * sizeof(float));
     dt_free_on(dev, DT_ARENA_GRADS, model->flat_grad, (size_t)model->numel * sizeof(float));
     model->flat_data = model->flat_grad = NULL;
-    model->fsdp = f;
     return f;
 }
 
 /* The optimizer of a sharded model steps this rank's shard: one slice per
    part of a parameter inside it (the padding belongs to no parameter). */
-static void dt_fsdp_optimizer_view(dt_fsdp *f, dt_optimizer *o) {
+static void dt_fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
+    dt_fsdp *f = (dt_fsdp *)par;
     dt_model *m = f->model;
     o->params = f->shard_params; o->grads = f->shard_grads; o->numel = f->shard_numel;
     o->norm_comm = f->comm;
@@ -5405,7 +5485,8 @@ void dt_fsdp_set_reduce_dtype(dt_fsdp *f, dt_dtype dtype) {
     f->scattered16 = dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard / 2);
 }
 
-void dt_fsdp_sync_grads(dt_fsdp *f) {
+static void dt_fsdp_backward_done(dt_parallel *par) {
+    dt_fsdp *f = (dt_fsdp *)par;
     if (f->mode != DT_SHARD_OPTIMIZER || !f->sync) return;   /* reduce-scattered during backward, or accumulating */
     for (int k = f->nunits - 1; k >= 0; k--) {
         dt_fsdp_unit *u = &f->units[k];
@@ -5414,7 +5495,12 @@ void dt_fsdp_sync_grads(dt_fsdp *f) {
     }
 }
 
-void dt_fsdp_after_step(dt_fsdp *f) {
+void dt_fsdp_sync_grads(dt_fsdp *f) { dt_parallel_backward_done(&f->par); }
+
+/* After the optimizer: DT_SHARD_OPTIMIZER and _GRADS all-gather the updated
+   parameters (DT_SHARD_FULL gathers each unit when it is next used). */
+static void dt_fsdp_step_done(dt_parallel *par) {
+    dt_fsdp *f = (dt_fsdp *)par;
     if (f->mode == DT_SHARD_FULL) return;              /* gathered when next needed */
     for (int k = 0; k < f->nunits; k++) {
         dt_fsdp_unit *u = &f->units[k];
@@ -5480,9 +5566,16 @@ static void dt_fsdp_memory_table(const dt_fsdp *f, const dt_optimizer *o) {
     fflush(stdout);
 }
 
+/* The FSDP wrapper of a model, or NULL: for the checkpoints and reports that
+   need its shards. */
+static dt_fsdp *dt_fsdp_of(const dt_model *m) {
+    return m->parallel && m->parallel->step_done == dt_fsdp_step_done ? (dt_fsdp *)m->parallel : NULL;
+}
+
 void dt_fsdp_free(dt_fsdp *f) {
     if (!f) return;
     dt_model *m = f->model;
+    dt_model_set_parallel(m, NULL);
     for (int k = 0; k < f->nunits; k++) {
         dt_fsdp_unit *u = &f->units[k];
         if (u->gathering) dt_fsdp_gather_unit(f, k, -1);      /* a prefetch nobody used: let it land */
@@ -5505,7 +5598,6 @@ void dt_fsdp_free(dt_fsdp *f) {
     size_t shard_bytes = (size_t)f->shard_numel * sizeof(float);
     if (f->offload) { dt_free_host(DT_ARENA_PARAMS, f->shard_params, shard_bytes); dt_free_host(DT_ARENA_GRADS, f->shard_grads, shard_bytes); }
     else { dt_free_on(m->device, DT_ARENA_PARAMS, f->shard_params, shard_bytes); dt_free_on(m->device, DT_ARENA_GRADS, f->shard_grads, shard_bytes); }
-    m->fsdp = NULL;
     free(f->units);
     free(f);
 }
@@ -5520,7 +5612,12 @@ void dt_fsdp_free(dt_fsdp *f) {
    and scales the loss for fp16, whose range (6e-8 to 65504) is too narrow for
    gradients. */
 
-void dt_set_compute_dtype(dt_dtype dtype) { dt_ctx.compute_dtype = dtype; }
+void dt_set_compute_dtype(dt_dtype dtype) {
+    if (dtype != dt_ctx.compute_dtype && dt_ctx.wrappers)
+        dt_fail("dt_set_compute_dtype: a parallel wrapper already exists and gathers in %s; call dt_set_compute_dtype "
+                "before dt_dp_create, dt_ddp_create or dt_fsdp_create", dt_dtype_name(dt_ctx.compute_dtype));
+    dt_ctx.compute_dtype = dtype;
+}
 dt_dtype dt_compute_dtype(void) { return dt_ctx.compute_dtype; }
 
 dt_loss_scaler dt_loss_scaler_create(dt_dtype dtype) {
@@ -5537,6 +5634,7 @@ void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *s, int accum_step
 }
 
 int dt_loss_scaler_unscale(dt_loss_scaler *s, dt_optimizer *o) {
+    dt_optimizer_check_synced(o, "dt_loss_scaler_unscale");
     s->last_skipped = 0;
     if (!s->enabled) return 1;
     size_t bytes = (size_t)o->numel * sizeof(float);
@@ -5914,16 +6012,18 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
    flat buffers, or, for a sharded model, every rank's shards gathered -- a
    collective, so every rank opens and closes them together. */
 static float *dt_state_open(dt_model *m, dt_optimizer *o, int which) {
-    if (m->fsdp) return dt_fsdp_state_gather(m->fsdp, which == 0 ? m->fsdp->shard_params : which == 1 ? o->m : o->v);
+    dt_fsdp *f = dt_fsdp_of(m);
+    if (f) return dt_fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
     return dt_host_view(m->device, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel);
 }
 static void dt_state_close(dt_model *m, dt_optimizer *o, int which, float *host, int written) {
     if (!host) return;
-    if (!m->fsdp) {
+    dt_fsdp *f = dt_fsdp_of(m);
+    if (!f) {
         dt_host_view_close(m->device, host, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel, written);
         return;
     }
-    if (written) dt_fsdp_state_scatter(m->fsdp, host, which == 0 ? m->fsdp->shard_params : which == 1 ? o->m : o->v, which == 0);
+    if (written) dt_fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
     free(host);
 }
 
@@ -6662,7 +6762,7 @@ static void dt_checkpoint_meta(const dt_run *r, dt_meta_list *l, const char *for
 
 /* FSDP: every rank writes its shard; then, once all are on disk, rank 0 the index. */
 static void dt_checkpoint_save_sharded(dt_run *r, const char *path) {
-    dt_fsdp *f = r->model->fsdp;
+    dt_fsdp *f = dt_fsdp_of(r->model);
     dt_optimizer *o = r->opt;
     dt_device where = f->offload ? DT_CPU : f->model->device;
     float *own[3] = { f->shard_params, o->m, o->v }, *state[3] = { NULL, NULL, NULL };
@@ -6709,7 +6809,7 @@ static void dt_checkpoint_save_sharded(dt_run *r, const char *path) {
 void dt_checkpoint_save(dt_run *r, const char *path) {
     dt_model *m = r->model;
     dt_optimizer *o = r->opt;
-    if (m->fsdp) { dt_checkpoint_save_sharded(r, path); return; }
+    if (dt_fsdp_of(m)) { dt_checkpoint_save_sharded(r, path); return; }
     float *state[3] = { dt_state_open(m, o, 0), dt_state_open(m, o, 1), o->v ? dt_state_open(m, o, 2) : NULL };
     dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * 3, sizeof *t);
     char **names = (char **)calloc((size_t)m->nparams * 3, sizeof(char *));
@@ -6784,9 +6884,9 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     int64_t good_steps = fp16 ? (int64_t)dt_meta_whole(st, path, "loss_scale_good_steps", 0, (uint64_t)step) : 0;
     int64_t skipped = fp16 ? (int64_t)dt_meta_whole(st, path, "skipped_steps", 0, (uint64_t)step) : 0;
     int adamw = o->kind == DT_ADAMW;
-    if (dt_is_sharded(st) && m->fsdp && dt_sharded_layout_is(st, path, m->fsdp)) {
+    dt_fsdp *f = dt_fsdp_of(m);
+    if (dt_is_sharded(st) && f && dt_sharded_layout_is(st, path, f)) {
         /* the same shards: each rank reads its own file, and only that */
-        dt_fsdp *f = m->fsdp;
         dt_device where = f->offload ? DT_CPU : m->device;
         float *own[3] = { f->shard_params, o->m, o->v };
         char file[4096];
@@ -6799,7 +6899,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
             dt_host_view_close(where, host, own[k], f->shard_numel, 1);
         }
         dt_safetensors_close(sh);
-        dt_fsdp_after_step(f);               /* ZeRO-1, -2: every rank's whole copy from the new shards */
+        dt_fsdp_step_done(&f->par);          /* ZeRO-1, -2: every rank's whole copy from the new shards */
     } else {
         float *state[3] = { dt_state_open(m, o, 0), dt_state_open(m, o, 1), o->v ? dt_state_open(m, o, 2) : NULL };
         if (dt_is_sharded(st)) dt_sharded_assemble(st, path, m, adamw, state);
@@ -6989,7 +7089,7 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
                r->stop_step < r->total_steps ? " (stopping early, see --steps)" : "",
                opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)r->warmup, where, precision);
         if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, r->epoch + 1, (long long)r->step);
-        if (model->fsdp) dt_fsdp_memory_table(model->fsdp, opt);
+        if (dt_fsdp_of(model)) dt_fsdp_memory_table(dt_fsdp_of(model), opt);
         fflush(stdout);
     }
     if (cfg->bench) r->stop_step = r->step + 2 + (cfg->steps > 0 ? cfg->steps : 3);   /* refined after a timed step */
@@ -7245,7 +7345,7 @@ void dt_epoch_end(dt_run *r) {
     if (r->stopped_by && !r->cfg.save_dir && dt_ctx.rank == 0)
         dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt_signal_name(r->stopped_by),
                 (long long)r->steps_run);
-    if (r->cfg.save_dir && (dt_ctx.rank == 0 || r->model->fsdp)) {   /* sharded: every rank gathers */
+    if (r->cfg.save_dir && (dt_ctx.rank == 0 || dt_fsdp_of(r->model))) {   /* sharded: every rank gathers */
         char path[4096], what[64];
         if (finished) snprintf(what, sizeof what, "epoch%d", r->epoch);
         else snprintf(what, sizeof what, "step%lld", (long long)r->step);
@@ -7452,9 +7552,10 @@ static void dt_bench_report(dt_run *r) {
     } else snprintf(where, sizeof where, "device=cpu threads=%d", dt_threads());
     const double *p = r->bench_phase_ms;
     char stage[128];                     /* 04: which --shard, and whether offloaded */
-    if (r->model->fsdp) {
+    const dt_fsdp *f = dt_fsdp_of(r->model);
+    if (f) {
         static const char *modes[3] = { "optimizer", "grads", "full" };
-        snprintf(stage, sizeof stage, "%s/%s%s", cfg->stage, modes[r->model->fsdp->mode], r->model->fsdp->offload ? "+offload" : "");
+        snprintf(stage, sizeof stage, "%s/%s%s", cfg->stage, modes[f->mode], f->offload ? "+offload" : "");
     } else snprintf(stage, sizeof stage, "%s", cfg->stage);
     if (cfg->dtype != DT_F32 || cfg->reduce_dtype != DT_F32 || cfg->accum_steps > 1)   /* 05: precision, micro-batches */
         snprintf(stage + strlen(stage), sizeof stage - strlen(stage), "/%s%s%s%s", dt_dtype_name((dt_dtype)cfg->dtype),

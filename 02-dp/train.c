@@ -42,9 +42,9 @@ int main(int argc, char **argv) {
     }
 
     int status = dt_run_finish(&run);
-    dt_dp_free(dp, cfg.quiet || cfg.bench);
     dt_loader_free(&loader);
     dt_optimizer_free(opt);
+    dt_dp_free(dp, cfg.quiet || cfg.bench);
     dt_model_free(model);
     dt_dataset_free(&train);
     dt_dataset_free(&val);

@@ -36,8 +36,7 @@ int main(int argc, char **argv) {
             dt_phase(&run, DT_PHASE_BWD);
             dt_fsdp_sync_grads(fsdp);                         /* this rank's shard of the mean gradient */
             dt_phase(&run, DT_PHASE_COMM);
-            dt_optimizer_step(opt, dt_run_lr(&run));          /* each rank steps its own shard */
-            dt_fsdp_after_step(fsdp);                         /* ZeRO-1, -2: gather the new parameters */
+            dt_optimizer_step(opt, dt_run_lr(&run));          /* each rank its own shard; ZeRO-1, -2 gather */
             dt_phase(&run, DT_PHASE_OPT);
             if (dt_step_end(&run, loss, batch.size)) break;   /* log, progress; --steps reached */
         }
@@ -45,9 +44,9 @@ int main(int argc, char **argv) {
     }
 
     int status = dt_run_finish(&run);
-    dt_fsdp_free(fsdp);
     dt_loader_free(&loader);
     dt_optimizer_free(opt);
+    dt_fsdp_free(fsdp);
     dt_model_free(model);
     dt_dataset_free(&train);
     dt_dataset_free(&val);

@@ -43,8 +43,7 @@ int main(int argc, char **argv) {
             dt_fsdp_sync_grads(fsdp);                         /* this rank's shard of the mean gradient */
             dt_phase(&run, DT_PHASE_COMM);
             if (dt_loss_scaler_unscale(&run.scaler, opt))     /* fp16: inf anywhere skips the step */
-                dt_optimizer_step(opt, dt_run_lr(&run));      /* each rank steps its own f32 shard */
-            dt_fsdp_after_step(fsdp);                         /* ZeRO-1, -2: gather the new parameters */
+                dt_optimizer_step(opt, dt_run_lr(&run));      /* each rank its own f32 shard; ZeRO-1, -2 gather */
             dt_phase(&run, DT_PHASE_OPT);
             if (dt_step_end(&run, loss, batch.size)) break;   /* log, progress; --steps reached */
         }
@@ -52,9 +51,9 @@ int main(int argc, char **argv) {
     }
 
     int status = dt_run_finish(&run);
-    dt_fsdp_free(fsdp);
     dt_loader_free(&loader);
     dt_optimizer_free(opt);
+    dt_fsdp_free(fsdp);
     dt_model_free(model);
     dt_dataset_free(&train);
     dt_dataset_free(&val);

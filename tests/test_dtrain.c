@@ -548,20 +548,21 @@ static void test_gpt_generation_follows_the_model(void) {
 
 static int hook_order[64], hook_count;
 static dt_model *hook_model;
-static void record_hook(dt_tensor *p, void *user) { (void)user; hook_order[hook_count++] = (int)(p - hook_model->params); }
+static void record_hook(dt_parallel *par, dt_tensor *p) { (void)par; hook_order[hook_count++] = (int)(p - hook_model->params); }
 
 static void test_grad_ready_hook_fires_once_per_parameter_in_reverse(void) {
     dt_model_config c = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0, 0 };
     dt_model *m = dt_model_create(&c, 2);
     hook_model = m;
     hook_count = 0;
-    dt_set_grad_ready_hook(record_hook, NULL);
+    dt_parallel recorder = { .create_fn = "recorder", .sync_fn = "recorder", .free_fn = "recorder", .grad_ready = record_hook };
+    dt_model_set_parallel(m, &recorder);
     dt_step_arena_reset();
     int shape[4] = { 2, 3, 4, 4 };
     dt_tensor *img = dt_tensor_new(4, shape);
     int32_t labels[2] = { 0, 2 };
     dt_backward(dt_cross_entropy(dt_model_forward(m, img), labels));
-    dt_set_grad_ready_hook(NULL, NULL);
+    dt_model_set_parallel(m, NULL);
     CHECKF(hook_count == m->nparams, "%d calls for %d parameters", hook_count, m->nparams);
     /* fc3 is the last layer, so its weight and bias are ready first */
     CHECK(hook_count >= 2 && hook_order[0] >= m->nparams - 2 && hook_order[hook_count - 1] <= 1);
@@ -1249,6 +1250,80 @@ static void test_bad_flags_exit_2_naming_the_flag(void) {
     }
     st = run_cmd(out, sizeof out, "%s --help", train_cpu);
     CHECK(st == 0 && strstr(out, "--batch-size") && strstr(out, "--resume"));
+}
+
+/* Order mistakes: a stage file with one line moved -- a wrapper created after
+   the optimizer, gradients used before they are synchronised, things freed
+   before what holds them -- still compiles, and must stop with the message
+   that says what to call first, never crash. Each copy is built as the
+   Makefile builds a stage (one C file that includes ../dtrain.h), CPU only. */
+typedef struct { const char *stage, *move, *after, *names; } order_mistake;
+static const order_mistake order_mistakes[] = {
+    { "01-single-gpu", "dt_optimizer_free(", "dt_model_free(", "call dt_optimizer_free first" },
+    { "02-dp", "dt_dp_create(", "dt_optimizer_create(", "create the optimizer after dt_dp_create" },
+    { "02-dp", "dt_dp_reduce_grads(", "dt_optimizer_step(", "call dt_dp_reduce_grads first" },
+    { "02-dp", "dt_optimizer_free(", "dt_dp_free(", "dt_dp_free: the optimizer still steps" },
+    { "02-dp", "dt_dp_free(", "dt_model_free(", "dt_model_free: dt_dp_create still wraps this model; call dt_dp_free" },
+    { "03-ddp", "dt_ddp_create(", "dt_optimizer_create(", "create the optimizer after dt_ddp_create" },
+    { "03-ddp", "dt_backward(", "dt_ddp_sync_grads(", "dt_ddp_sync_grads: no backward has run" },
+    { "03-ddp", "dt_ddp_sync_grads(", "dt_optimizer_step(", "call dt_ddp_sync_grads first" },
+    { "03-ddp", "dt_optimizer_free(", "dt_ddp_free(", "call dt_optimizer_free first" },
+    { "03-ddp", "dt_ddp_free(", "dt_model_free(", "call dt_ddp_free first" },
+    { "04-fsdp", "dt_fsdp_create(", "dt_optimizer_create(", "create the optimizer after dt_fsdp_create" },
+    { "04-fsdp", "dt_backward(", "dt_fsdp_sync_grads(", "dt_fsdp_sync_grads: no backward has run" },
+    { "04-fsdp", "dt_fsdp_sync_grads(", "dt_optimizer_step(", "call dt_fsdp_sync_grads first" },
+    { "04-fsdp", "dt_optimizer_free(", "dt_fsdp_free(", "dt_fsdp_free: the optimizer still steps" },
+    { "04-fsdp", "dt_fsdp_free(", "dt_model_free(", "call dt_fsdp_free first" },
+    { "05-accum-mixed-precision", "dt_set_compute_dtype(", "dt_fsdp_create(", "call dt_set_compute_dtype before" },
+    { "05-accum-mixed-precision", "dt_optimizer_create(", "dt_model_create(", "create the optimizer after dt_fsdp_create" },
+    { "05-accum-mixed-precision", "dt_fsdp_sync_grads(", "dt_optimizer_step(", "dt_loss_scaler_unscale: the gradients" },
+    { "05-accum-mixed-precision", "dt_optimizer_free(", "dt_fsdp_free(", "call dt_optimizer_free first" },
+    { "05-accum-mixed-precision", "dt_fsdp_free(", "dt_model_free(", "call dt_fsdp_free first" },
+};
+
+/* Copy src to dst with the line containing `move` taken out and put back just
+   after the line containing `after`; 0 when either is not found once. */
+static int move_line(const char *src, const char *dst, const char *move, const char *after) {
+    char lines[256][512], *held = NULL;
+    int n = 0, moved = 0, placed = 0;
+    FILE *in = fopen(src, "r"), *out = NULL;
+    if (!in) return 0;
+    while (n < 256 && fgets(lines[n], sizeof lines[n], in)) n++;
+    fclose(in);
+    for (int i = 0; i < n; i++) if (strstr(lines[i], move)) { held = lines[i]; moved++; }
+    if (moved != 1 || !(out = fopen(dst, "w"))) return 0;
+    for (int i = 0; i < n; i++) {
+        if (lines[i] != held) fputs(lines[i], out);
+        if (strstr(lines[i], after) && lines[i] != held) { fputs(held, out); placed++; }
+    }
+    fclose(out);
+    return placed == 1;
+}
+
+static void test_order_mistakes_in_each_stage_are_named_errors(void) {
+    char root[512], out[8192], dir[1024], src[1200], dst[1200], bin[1200];
+    if (!getcwd(root, sizeof root)) SKIP("no working directory");
+    snprintf(src, sizeof src, "%s/dtrain.h", root);
+    if (access(src, R_OK) != 0) SKIP("run from the repository root: the stage files are compiled from there");
+    const char *cc = getenv("CC") ? getenv("CC") : "cc";
+    for (size_t i = 0; i < sizeof order_mistakes / sizeof order_mistakes[0]; i++) {
+        const order_mistake *m = &order_mistakes[i];
+        char which[256];
+        snprintf(which, sizeof which, "%s with the line of %s moved after %s", m->stage, m->move, m->after);
+        snprintf(dir, sizeof dir, "%s/order%zu", tmpdir, i);
+        snprintf(src, sizeof src, "%s/%s/train.c", root, m->stage);
+        snprintf(dst, sizeof dst, "%s/train.c", dir);
+        snprintf(bin, sizeof bin, "%s/train", dir);
+        mkdir(dir, 0755);
+        CHECKF(move_line(src, dst, m->move, m->after), "%s: those lines are not in the stage file", which);
+        /* "../dtrain.h" is looked up next to the copy, then from each -I folder */
+        int st = run_cmd(out, sizeof out, "%s -std=c11 -O0 -I%s/tests %s -o %s -lm -lpthread", cc, root, dst, bin);
+        CHECKF(st == 0, "%s does not compile:\n%s", which, out);
+        if (st != 0) continue;
+        st = run_cmd(out, sizeof out, "%s --bench --steps 2 --batch-size 8 --dim 16 --quiet%s", bin,
+                     strncmp(m->stage, "05", 2) ? "" : " --dtype bf16");     /* a dtype that differs from the default */
+        expect_error_in(which, out, st, 1, m->names);
+    }
 }
 
 static void test_bad_data_is_reported_by_name(void) {
@@ -2653,7 +2728,6 @@ static void *overflow_rank_main(void *arg) {
         memcpy(before, f->shard_params, (size_t)f->shard_numel * sizeof(float));
         a->stepped[s] = dt_loss_scaler_unscale(&scaler, o);
         if (a->stepped[s]) dt_optimizer_step(o, 1e-3f);
-        dt_fsdp_after_step(f);
         a->scale[s] = scaler.scale;
         int same = !memcmp(before, f->shard_params, (size_t)f->shard_numel * sizeof(float));
         if (same != !a->stepped[s]) a->unchanged = 0;        /* a skipped step changes nothing, a taken one does */
@@ -3723,7 +3797,8 @@ static const test_case tests[] = {
     T(test_progress_lines_come_by_time_and_at_each_epochs_end), T(test_evaluation_announces_itself_before_its_result),
     T(test_eta_follows_the_recent_step_time), T(test_progress_is_due_by_time_epoch_end_or_log_every),
     T(test_resume_continues_exactly), T(test_init_starts_from_given_weights),
-    T(test_bad_flags_exit_2_naming_the_flag), T(test_bad_data_is_reported_by_name),
+    T(test_bad_flags_exit_2_naming_the_flag), T(test_order_mistakes_in_each_stage_are_named_errors),
+    T(test_bad_data_is_reported_by_name),
     T(test_bad_checkpoints_are_refused), T(test_failed_save_keeps_the_previous_checkpoint),
     T(test_a_full_disk_under_log_trace_or_checkpoint_stops_the_run),
     T(test_out_of_range_values_exit_2_naming_the_flag), T(test_a_flag_of_another_stage_exits_2_naming_its_stages),
