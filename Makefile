@@ -2,9 +2,11 @@
 #
 #   make              every stage, the tools and the tests
 #   make run          train stage 01 on the synthetic set (made on first use)
-#   make test         the test suite; ends with "N passed, N failed"
-#   make test-asan    the same under AddressSanitizer + UndefinedBehaviorSanitizer
-#   make test-msan    the same under MemorySanitizer (clang): reads of uninitialised memory
+#   make test         the test suite; ends with "N passed, N failed"; T=PART runs only
+#                     the tests with PART in their name (none: an error, exit 2)
+#   make test-list    the tests' names (T=PART: those with PART in them)
+#   make test-asan    the same under AddressSanitizer + UndefinedBehaviorSanitizer (T=PART too)
+#   make test-msan    the same under MemorySanitizer (clang): reads of uninitialised memory (T=PART too)
 #   make test-builds  make CUDA=0 at -O0, -O2 and -O3 (LEVELS=...), each in build/cpu-O*/:
 #                     the suite, every stage's --bench, make bench --quick --only mlp
 #   make bench        the scaling study (tools/bench): mlp and vit-tiny in every stage at
@@ -14,7 +16,9 @@
 #                     first vit-tiny and vit-base against PyTorch; BENCH_FLAGS=--quick
 #                     for fewer timed steps
 #   make diff         what each stage changes from the one before, and how many lines
-#                     (the target: at most 40 between neighbours)
+#                     (the target: at most 40 between neighbours); after each diff, the
+#                     functions and types of dtrain.h its added lines use, with the lines
+#                     that declare and define them (tools/read_next.awk)
 #   make gpu-check    on a machine with an NVIDIA GPU: every GPU path checked and
 #                     measured in one go, a report in GPU_CHECK_OUT (default
 #                     gpu-check/); without a GPU it says so and exits 0
@@ -153,9 +157,15 @@ gpu-check: all
 run: 01-single-gpu/train
 	./01-single-gpu/train
 
+# T=PART: only the tests with PART in their name (the runner's second argument).
+TEST_FILTER = $(if $(T),'$(T)')
+
 test: $(STAGE_BINS) $(TOOLS) $(TEST_BIN)
 	@echo "testing with: $(CC) $(CFLAGS)$(if $(CUDA_OBJ), + $(CUDA_OBJ) from $(NVCC))"
-	./$(TEST_BIN) 01-single-gpu/train
+	./$(TEST_BIN) 01-single-gpu/train $(TEST_FILTER)
+
+test-list: $(TEST_BIN)
+	@./$(TEST_BIN) --list $(TEST_FILTER)
 
 # The sanitizers build into build/NAME/ so the fast binaries stay as they are:
 # $(call sanitized,NAME,COMPILER AND FLAGS,OBJECTS,LIBRARIES) adds the rules for
@@ -178,7 +188,7 @@ ASAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-s
 $(eval $(call sanitized,asan,$(CC) $(filter-out -O3 -O2,$(CFLAGS)) $(ASAN_FLAGS),$(CUDA_OBJ),$(LDLIBS)))
 test-asan: $(call SANITIZED,asan)
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
-	  ./build/asan/test_dtrain build/asan/01-single-gpu/train
+	  ./build/asan/test_dtrain build/asan/01-single-gpu/train $(TEST_FILTER)
 
 # MemorySanitizer: a value read before anything wrote it (which ASan and UBSan
 # do not see, and which -O3's lucky zeros on the stack hide). clang only, and
@@ -195,7 +205,7 @@ msan-toolchain:
 	  { echo "make test-msan: '$(MSAN_CC) -fsanitize=memory' cannot build a program here" \
 	         "(Debian: apt-get install clang libclang-rt-dev; or MSAN_CC=another clang)" >&2; exit 1; }
 test-msan: $(call SANITIZED,msan)
-	MSAN_OPTIONS=halt_on_error=1:exitcode=86 ./build/msan/test_dtrain build/msan/01-single-gpu/train
+	MSAN_OPTIONS=halt_on_error=1:exitcode=86 ./build/msan/test_dtrain build/msan/01-single-gpu/train $(TEST_FILTER)
 
 # The CPU-only build at other optimisation levels (tools/check_builds.sh).
 test-builds:
@@ -225,7 +235,8 @@ bench: $(STAGE_BINS) tools/collectives tools/bench
 
 diff:
 	@prev=""; for s in $(STAGES); do s=$${s%/}; \
-	  if [ -n "$$prev" ]; then echo "==== $$prev -> $$s"; diff -u $$prev/train.c $$s/train.c; fi; prev=$$s; \
+	  if [ -n "$$prev" ]; then echo "==== $$prev -> $$s"; diff -u $$prev/train.c $$s/train.c; \
+	    diff $$prev/train.c $$s/train.c | awk -f tools/read_next.awk dtrain.h $$prev/train.c $$s/train.c -; fi; prev=$$s; \
 	done; prev=""; for s in $(STAGES); do s=$${s%/}; \
 	  if [ -n "$$prev" ]; then \
 	    d=$$(diff $$prev/train.c $$s/train.c); \
@@ -237,4 +248,4 @@ diff:
 clean:
 	rm -rf $(STAGE_BINS) $(TOOLS) $(TEST_BIN) build
 
-.PHONY: all run test test-asan test-msan msan-toolchain test-builds bench diff clean print-nccl gpu-check
+.PHONY: all run test test-list test-asan test-msan msan-toolchain test-builds bench diff clean print-nccl gpu-check

@@ -3335,6 +3335,51 @@ static void test_make_finds_nccl_in_a_wheel_layout(void) {
     CHECKF(st != 0 && strstr(out, "NCCL_HOME="), "NCCL_HOME pointing nowhere: exit %d\n%s", st, out);
 }
 
+/* make diff ends each diff with the header lines to read next: for 03 -> 04,
+   dt_fsdp_create where dtrain.h declares and defines it today (found here
+   from the header itself, so an edit that moves it moves what is expected).
+   And a test filter that names no test (make test T=typo) is an error that
+   says so, not a green run of nothing. */
+static void test_make_diff_names_the_header_lines_and_an_empty_filter_fails(void) {
+    static char out[65536];
+    char path[800], line[4096], want[128], want_def[128];
+    const char *root = repo_root();
+    int decl = 0, def = 0;
+    snprintf(path, sizeof path, "%s/dtrain.h", root);
+    FILE *h = fopen(path, "r");
+    CHECKF(h != NULL, "cannot read %s", path);
+    if (!h) return;
+    for (int n = 1; fgets(line, sizeof line, h); n++) {
+        if (strncmp(line, "dt_fsdp *dt_fsdp_create(", 24) != 0) continue;
+        size_t len = strcspn(line, "\n");
+        while (len && line[len - 1] == ' ') len--;
+        if (len && line[len - 1] == ';' && !decl) decl = n;
+        if (len && line[len - 1] == '{' && !def) def = n;
+    }
+    fclose(h);
+    CHECKF(decl && def, "dtrain.h no longer declares and defines dt_fsdp_create as this test expects (%d, %d)", decl, def);
+    int st = run_cmd(out, sizeof out, "env -u MAKEFLAGS -u MAKELEVEL make -s -C %s diff", root);
+    const char *from = strstr(out, "---- 03-ddp -> 04-fsdp: read next in dtrain.h");
+    const char *to = from ? strstr(from + 1, "\n---- ") : NULL;
+    const char *hit = from ? strstr(from, "\n    dt_fsdp_create ") : NULL;
+    snprintf(want, sizeof want, "dtrain.h:%d (declared)", decl);
+    snprintf(want_def, sizeof want_def, "dtrain.h:%d (defined)", def);
+    size_t hit_len = hit ? strcspn(hit + 1, "\n") : 0;
+    CHECKF(st == 0 && hit && (!to || hit < to), "make diff (exit %d) lists no dt_fsdp_create after 03 -> 04:\n%.3000s", st, from ? from : out);
+    if (hit) {
+        char row[512];
+        snprintf(row, sizeof row, "%.*s", (int)hit_len, hit + 1);
+        CHECKF(strstr(row, want) && strstr(row, want_def), "make diff says \"%s\"; dtrain.h has %s and %s", row, want, want_def);
+    }
+    CHECKF(strstr(out, "03-ddp -> 04-fsdp:") && strstr(out, "lines changed"), "make diff lost its count of changed lines:\n%.2000s", out);
+    st = run_cmd(out, sizeof out, "%s %s no_test_has_this_in_its_name", self_bin, train_bin);
+    CHECKF(st == 2 && strstr(out, "no test name contains \"no_test_has_this_in_its_name\""), "a filter matching nothing: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "%s --list make_diff", self_bin);
+    CHECKF(st == 0 && !strcmp(out, "make_diff_names_the_header_lines_and_an_empty_filter_fails\n"), "--list make_diff: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "env -u MAKEFLAGS -u MAKELEVEL make -n -s -C %s test T=some_part", root);
+    CHECKF(strstr(out, "01-single-gpu/train 'some_part'"), "make test T=some_part does not hand the filter on:\n%.2000s", out);
+}
+
 /* ---- the GPU against the CPU (skipped where no GPU is visible) ---------------- */
 
 /* Is an NVIDIA GPU on this machine, whatever this build can do with it?
@@ -3825,7 +3870,8 @@ static const test_case tests[] = {
     T(test_gpt_beats_the_unigram_baseline_on_text),
     T(test_start_up_checks_hand_collectives_only_the_memory_they_take), T(test_device_is_chosen_in_each_rank_after_the_fork),
     T(test_more_ranks_than_gpus_is_refused_naming_both_counts), T(test_launch_shapes_cover_every_row_past_the_grid_cap),
-    T(test_make_finds_nccl_in_a_wheel_layout), T(test_a_gpu_test_fails_instead_of_skipping_where_a_gpu_is_visible),
+    T(test_make_finds_nccl_in_a_wheel_layout), T(test_make_diff_names_the_header_lines_and_an_empty_filter_fails),
+    T(test_a_gpu_test_fails_instead_of_skipping_where_a_gpu_is_visible),
     T(test_gpu_ops_forward_and_backward_match_the_cpu_within_1e5), T(test_gpu_casts_adamw_and_sgd_are_bitwise_the_cpu),
     T(test_gpu_fp32_step_loss_grads_and_params_match_the_cpu), T(test_gpu_200_step_vit_loss_curve_tracks_the_cpu),
     T(test_gpu_bf16_and_fp16_step_loss_grads_and_params_match_the_cpu),
@@ -3833,12 +3879,34 @@ static const test_case tests[] = {
     T(test_gpu_gpt_with_its_tied_head_trains_and_samples_like_the_cpu), T(test_gpu_a_killed_rank_stops_the_nccl_job_naming_it),
 };
 
+/* The tests whose name has the filter in it (all with none): how many; with
+   `print`, their names too, as the runner reports them. */
+static int select_tests(const char *filter, int print) {
+    int n = 0;
+    for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++)
+        if (!filter || strstr(tests[i].name, filter)) {
+            n++;
+            if (print) printf("%s\n", tests[i].name + 5);
+        }
+    return n;
+}
+
+/* test_dtrain STAGE_BINARY [FILTER], or test_dtrain --list [FILTER]. A filter
+   that names no test is a mistake (a typo would otherwise pass, having run
+   nothing), so it stops the run with exit status 2. */
 int main(int argc, char **argv) {
     const char *filter = NULL;
     self_bin = argv[0];
     if (argc > 1 && !strcmp(argv[1], "--selftest-wrong-memory")) return selftest_wrong_memory();
-    if (argc > 1) train_bin = argv[1];
-    if (argc > 2) filter = argv[2];
+    int list = argc > 1 && !strcmp(argv[1], "--list");
+    if (argc > 1 && !list) train_bin = argv[1];
+    if (argc > 2 && *argv[2]) filter = argv[2];
+    if (!select_tests(filter, 0)) {
+        fprintf(stderr, "test_dtrain: no test name contains \"%s\" (%s --list names them all;"
+                " make test T=PART runs those with PART in their name)\n", filter, argv[0]);
+        return 2;
+    }
+    if (list) { select_tests(filter, 1); return 0; }
     struct stat sb;
     if (stat(train_bin, &sb) != 0) { fprintf(stderr, "test_dtrain: no stage binary at %s (run make first)\n", train_bin); return 1; }
     snprintf(train_cpu, sizeof train_cpu, "%s --device cpu", train_bin);

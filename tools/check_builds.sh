@@ -27,7 +27,7 @@ copy_sources() {
   cp Makefile dtrain.h "$dst/"
   for d in 0*/ tools/ tests/; do
     mkdir -p "$dst/$d"
-    find "$d" -maxdepth 1 -type f \( -name '*.c' -o -name '*.h' -o -name '*.sh' -o -name '*.py' \) \
+    find "$d" -maxdepth 1 -type f \( -name '*.c' -o -name '*.h' -o -name '*.sh' -o -name '*.py' -o -name '*.awk' \) \
       -exec cp -p {} "$dst/$d" \;
   done
 }
