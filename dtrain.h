@@ -37,8 +37,10 @@
         8  data         image folders, CIFAR-10 binaries, text (bytes or token ids),
                         shuffling, rank sharding, augmentation, and synthetic
                         images and text made on first use
-        9  collectives  all-reduce, reduce-scatter, all-gather, broadcast over shared
-                        memory (threads or processes, sums in rank order) or NCCL
+        9  collectives  all-reduce, reduce-scatter, all-gather, broadcast, send and
+                        recv over shared memory (threads or processes, sums in
+                        rank order) or NCCL, behind one table (dt_comm_backend);
+                        groups (dt_comm_split) and a mesh of named dimensions
        10  launching    --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous
                         that turns strangers away, a job that stops, naming the
                         rank, when one rank dies, and signals (SIGTERM: preempted)
@@ -3794,10 +3796,17 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int S, uint64_t
    makes runs repeat bit for bit: float addition is not associative, and a
    timing-dependent order would give different bits every run.
 
+   Tensor and pipeline parallelism (the stages after 05) need two more things.
+   Groups: a communicator of some of the ranks (dt_comm_split), with shared
+   memory and a communication thread of its own, so that the pairs of a mesh
+   all-reduce side by side. And messages between two ranks (dt_send, dt_recv),
+   which pass through the sender's slot a piece at a time.
+
    Barriers are where a dead rank would make the others wait forever, so every
    wait looks, now and then, at the other ranks: one that failed (it wrote its
-   rank into the shared header), one whose process is gone, or one that has not
-   arrived within --timeout, stops the waiting rank with a message naming it. */
+   rank into the job's shared header, which every group watches), one whose
+   process is gone, or one that has not arrived within --timeout, stops the
+   waiting rank with a message naming it by its rank in the job. */
 
 #include <pthread.h>
 #include <sched.h>
