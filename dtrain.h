@@ -4419,6 +4419,18 @@ void dt_comm_group_free(dt_comm_group *g) {
    first rank of each group makes its shared memory; the name follows from the
    maker's pid and serial, so one exchange is enough. */
 typedef struct { int32_t color, key, pid, serial; } dt_split_entry;
+/* Every rank's entry, through memory of the kind the transport takes, given
+   back at once: not the step arena, which a thread rank that splits and then
+   ends would leave behind. */
+static void dt_split_gather(dt_comm *comm, const dt_split_entry *mine, dt_split_entry *all) {
+    dt_device memory = comm->backend->memory;
+    size_t one = sizeof *mine, bytes = one * (size_t)(comm->world + 1);
+    char *buf = (char *)dt_alloc_on(memory, DT_ARENA_COMM, bytes);
+    dt_upload_to(memory, buf, mine, one);
+    dt_all_gather(comm, buf, buf + one, (int64_t)(one / 4), DT_F32);      /* bytes travel as they are */
+    dt_download_from(memory, all, buf + one, bytes - one);
+    dt_free_on(memory, DT_ARENA_COMM, buf, bytes);
+}
 static int dt_split_before(const dt_split_entry *all, int a, int b) {
     return all[a].key != all[b].key ? all[a].key < all[b].key : a < b;
 }
@@ -4427,7 +4439,7 @@ dt_comm *dt_comm_split(dt_comm *comm, int color, int key) {
     dt_split_entry mine = { color, key, (int32_t)getpid(), __atomic_fetch_add(&dt_shm_serial, 1, __ATOMIC_RELAXED) };
     dt_split_entry *all = (dt_split_entry *)calloc((size_t)comm->world, sizeof *all);
     if (!all) dt_fail("out of memory (dt_comm_split)");
-    dt_comm_all_gather_host(comm, &mine, all, sizeof mine);
+    dt_split_gather(comm, &mine, all);
     int members[DT_MAX_RANKS], n = 0, rank = 0;
     for (int r = 0; r < comm->world; r++) {           /* insertion sort by (key, rank) */
         if (all[r].color != color) continue;
