@@ -522,16 +522,16 @@ dt_comm_handle dt_recv_async(dt_comm *c, void *buf, int64_t count, dt_dtype dtyp
 void dt_send(dt_comm *c, const void *buf, int64_t count, dt_dtype dtype, int peer);
 void dt_recv(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer);
 
-/* Groups: collective over c; the ranks that pass the same color (>= 0) form a
-   new communicator, ranked by (key, rank in c). It has its own queue and, on
+/* Groups: collective over comm; the ranks that pass the same color (>= 0) form a
+   new communicator, ranked by (key, rank in comm). It has its own queue and, on
    the CPU, its own shared memory, so groups run side by side; a rank that dies
-   still stops the whole job. Free it with dt_comm_free before c. */
+   still stops the whole job. Free it with dt_comm_free before comm. */
 dt_comm *dt_comm_split(dt_comm *comm, int color, int key);
 
-/* A mesh: the ranks of c as a grid of named dimensions, the last varying
+/* A mesh: the ranks of comm as a grid of named dimensions, the last varying
    fastest (a 2 x 2 "dp" x "tp" mesh: ranks 0, 1 are one tensor-parallel pair,
    ranks 0, 2 one data-parallel pair). Each dimension gets a communicator of the
-   ranks that differ only along it. The sizes must multiply to c's size. */
+   ranks that differ only along it. The sizes must multiply to comm's size. */
 typedef struct dt_mesh dt_mesh;
 #define DT_MESH_MAX_DIMS 4
 dt_mesh *dt_mesh_create(dt_comm *comm, int ndims, const int *sizes, const char *const *names);
