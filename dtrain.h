@@ -37,8 +37,10 @@
         8  data         image folders, CIFAR-10 binaries, text (bytes or token ids),
                         shuffling, rank sharding, augmentation, and synthetic
                         images and text made on first use
-        9  collectives  all-reduce, reduce-scatter, all-gather, broadcast over shared
-                        memory (threads or processes, sums in rank order) or NCCL
+        9  collectives  all-reduce, reduce-scatter, all-gather, broadcast, send and
+                        recv over shared memory (threads or processes, sums in
+                        rank order) or NCCL, behind one table (dt_comm_backend);
+                        groups (dt_comm_split) and a mesh of named dimensions
        10  launching    --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous
                         that turns strangers away, a job that stops, naming the
                         rank, when one rank dies, and signals (SIGTERM: preempted)
@@ -503,12 +505,20 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint6
    buffers (ranks that are threads of one process, or processes of one machine;
    the same algorithm, summing in rank order, so results never depend on timing)
    and NCCL for GPU buffers. Every call is collective: each rank makes the same
-   calls in the same order. */
+   calls in the same order -- except dt_send and dt_recv, which only the two
+   ranks of a pair make. A communicator splits into groups (dt_comm_split, and
+   a mesh of named dimensions, dt_mesh_create): tensor parallelism all-reduces
+   within a group of ranks, pipeline parallelism sends activations from one
+   rank to the next. */
 typedef struct dt_comm dt_comm;
 typedef struct dt_comm_group dt_comm_group;     /* the shared state of thread ranks */
 typedef enum { DT_COMM_SHM = 0, DT_COMM_NCCL = 1 } dt_comm_kind;
 typedef enum { DT_SUM = 0, DT_AVG = 1 } dt_reduce_op;
 typedef int64_t dt_comm_handle;                 /* what an asynchronous call returns */
+/* Every call a communicator queues, the same for every backend (section 19's
+   NCCL code switches on it too). */
+typedef enum { DT_COLL_ALL_REDUCE, DT_COLL_REDUCE_SCATTER, DT_COLL_ALL_GATHER, DT_COLL_BROADCAST, DT_COLL_REDUCE,
+               DT_COLL_BARRIER, DT_COLL_SEND, DT_COLL_RECV } dt_coll;
 
 /* Processes: join the job the environment describes (see dt_rank_from_env) with a
    TCP rendezvous at MASTER_ADDR:MASTER_PORT. A rank that does not arrive, or dies
@@ -549,6 +559,32 @@ void dt_barrier(dt_comm *c);
 /* Start-up check: every rank must hold the same value of `what` (a flag, a model
    shape); otherwise every rank stops with a message naming the ranks and values. */
 void dt_comm_check_agree(dt_comm *c, const char *what, const char *value);
+
+/* Point-to-point: only `peer` and this rank take part. A send finishes when its
+   peer has received it (as NCCL's do, unless grouped), so two ranks that both
+   send first wait for each other: one of them must receive first. The two
+   sides must agree on count and dtype; shared memory checks that they do. */
+dt_comm_handle dt_send_async(dt_comm *c, const void *buf, int64_t count, dt_dtype dtype, int peer);
+dt_comm_handle dt_recv_async(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer);
+void dt_send(dt_comm *c, const void *buf, int64_t count, dt_dtype dtype, int peer);
+void dt_recv(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer);
+
+/* Groups: collective over comm; the ranks that pass the same color (>= 0) form a
+   new communicator, ranked by (key, rank in comm). It has its own queue and, on
+   the CPU, its own shared memory, so groups run side by side; a rank that dies
+   still stops the whole job. Free it with dt_comm_free before comm. */
+dt_comm *dt_comm_split(dt_comm *comm, int color, int key);
+
+/* A mesh: the ranks of comm as a grid of named dimensions, the last varying
+   fastest (a 2 x 2 "dp" x "tp" mesh: ranks 0, 1 are one tensor-parallel pair,
+   ranks 0, 2 one data-parallel pair). Each dimension gets a communicator of the
+   ranks that differ only along it. The sizes must multiply to comm's size. */
+typedef struct dt_mesh dt_mesh;
+#define DT_MESH_MAX_DIMS 4
+dt_mesh *dt_mesh_create(dt_comm *comm, int ndims, const int *sizes, const char *const *names);
+dt_comm *dt_mesh_comm(const dt_mesh *mesh, const char *name);   /* the group along `name` */
+int dt_mesh_coord(const dt_mesh *mesh, const char *name);       /* this rank's place along it */
+void dt_mesh_free(dt_mesh *mesh);                               /* frees its communicators */
 
 /* ---- 10. launching ranks --------------------------------------------------------- */
 
@@ -1101,14 +1137,44 @@ typedef struct dt_backend {
 #define DT_ATTENTION_SAVED_FLOATS(B, T, H, D) ((int64_t)(B) * (H) * (T) * (T) + 4LL * (B) * (T) * (D))   /* P, Q, K, V, O */
 #define DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D) ((int64_t)(B) * (H) * (T) * (T) + 4LL * (B) * (T) * (D)) /* dP, dO, dQ, dK, dV */
 
+/* ---- the collective backend: what a transport must provide --------------------
+   Section 9 owns the queue and the communication thread; a backend moves the
+   bytes. Every backend fills in every entry, and the shared code only calls
+   through the table, so a third transport (MPI) is one more table. A call is
+   queued by the caller, started and finished by the communication thread, and
+   waited for by the caller: on shared memory the thread does the whole work in
+   `start`; on a GPU `start` only puts it on NCCL's stream, `finish` watches it
+   to the end, and `wait` makes the caller's later kernels wait for it on the
+   GPU: the host waits only until the call is on NCCL's stream, never for its
+   result. `memory` is the one kind of buffer it takes: section 9 refuses any
+   other before the call is queued. */
+typedef struct dt_comm_op {
+    dt_coll kind;
+    const void *send;
+    void *recv;
+    int64_t count;
+    dt_dtype dtype;
+    dt_reduce_op op;
+    int root;                                                  /* the root; for send and recv the peer */
+} dt_comm_op;
+typedef struct dt_comm_backend {
+    const char *name;
+    dt_device memory;                                          /* where the buffers of its calls live */
+    void (*submitted)(dt_comm *c, int64_t h);                  /* caller: call h is queued */
+    void (*start)(dt_comm *c, int64_t h, const dt_comm_op *o); /* communication thread */
+    void (*finish)(dt_comm *c, int64_t h);                     /* communication thread, after start */
+    void (*wait)(dt_comm *c, int64_t h);                       /* caller, lock held: h started, not yet finished */
+    /* caller, parent idle: make child's transport, collectively over parent */
+    void (*split)(dt_comm *parent, dt_comm *child, int color, int key);
+    void (*close)(dt_comm *c);                                 /* caller, after the thread has stopped */
+} dt_comm_backend;
+
 /* ---- the GPU collectives: what section 9 asks of NCCL (section 19) -----------
    Section 9 owns the queue, the communication thread and the watchdog; NCCL
    only issues calls and answers questions, so a dead peer or a timeout is
    noticed by the same loop on CPUs and GPUs. The communicator is non-blocking:
    any call may leave it "in progress", and dt_nccl_progress says when it is
    ready for the next one. Every buffer is device memory. */
-typedef enum { DT_COLL_ALL_REDUCE, DT_COLL_REDUCE_SCATTER, DT_COLL_ALL_GATHER, DT_COLL_BROADCAST, DT_COLL_REDUCE,
-               DT_COLL_BARRIER } dt_coll;
 #define DT_COMM_QUEUE 256                 /* collectives in flight per communicator, at most */
 #ifdef __cplusplus
 extern "C" {
@@ -1121,15 +1187,16 @@ int dt_nccl_version(void);
 int dt_nccl_unique_id(unsigned char *out, size_t n);
 /* Start joining the communicator (non-blocking); poll dt_nccl_progress until it is ready. */
 dt_nccl *dt_nccl_create(const unsigned char *id, int rank, int world);
+/* The same for the group of `color` (ncclCommSplit), collectively over parent. */
+dt_nccl *dt_nccl_split(dt_nccl *parent, int color, int key);
 /* 1: ready for the next call; 0: still in progress; -1: failed, and why. */
 int dt_nccl_progress(dt_nccl *s, char *why, size_t n);
 /* The caller's thread, at submission: collective `slot` may start once the
    kernels queued so far on the compute stream are done (its input is theirs). */
 void dt_nccl_mark_inputs(dt_nccl *s, int slot);
-/* The communication thread: issue collective `slot` on NCCL's stream, then,
-   once dt_nccl_progress says ready, record its done-event. */
-void dt_nccl_issue(dt_nccl *s, int slot, dt_coll kind, const void *send, void *recv, int64_t count, dt_dtype dtype,
-                   dt_reduce_op op, int root);
+/* The communication thread: issue call `slot` on NCCL's stream, then, once
+   dt_nccl_progress says ready, record its done-event. */
+void dt_nccl_issue(dt_nccl *s, int slot, const dt_comm_op *o);
 void dt_nccl_mark_done(dt_nccl *s, int slot);
 int dt_nccl_finished(dt_nccl *s, int slot);           /* 1 when its done-event has fired */
 /* The caller's thread: kernels queued from now on wait for collective `slot`. */
@@ -1271,19 +1338,21 @@ static void dt_copy_str(char *out, size_t n, const char *s);
 static char dt_cleanup_paths[DT_CLEANUP_SLOTS][4096];
 static volatile sig_atomic_t dt_cleanup_used[DT_CLEANUP_SLOTS];
 static int dt_cleanup_add(const char *path) {
-    for (int i = 0; i < DT_CLEANUP_SLOTS; i++)
-        if (!dt_cleanup_used[i]) {
+    for (int i = 0; i < DT_CLEANUP_SLOTS; i++) {
+        sig_atomic_t unused = 0;             /* 2: taken by a thread that is writing its path */
+        if (__atomic_compare_exchange_n(&dt_cleanup_used[i], &unused, 2, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
             dt_copy_str(dt_cleanup_paths[i], sizeof dt_cleanup_paths[i], path);
             __atomic_signal_fence(__ATOMIC_RELEASE);     /* the path is whole before a handler may read it */
             dt_cleanup_used[i] = 1;
             return i;
         }
+    }
     return -1;                               /* full: that file is merely not cleaned up */
 }
 static void dt_cleanup_done(int slot) { if (slot >= 0) dt_cleanup_used[slot] = 0; }
 static void dt_cleanup_run(void) {
     for (int i = 0; i < DT_CLEANUP_SLOTS; i++)
-        if (dt_cleanup_used[i]) { unlink(dt_cleanup_paths[i]); dt_cleanup_used[i] = 0; }
+        if (dt_cleanup_used[i] == 1) { unlink(dt_cleanup_paths[i]); dt_cleanup_used[i] = 0; }
 }
 
 static void dt_comm_on_fail(void);
@@ -3797,10 +3866,17 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int S, uint64_t
    makes runs repeat bit for bit: float addition is not associative, and a
    timing-dependent order would give different bits every run.
 
+   Tensor and pipeline parallelism (the stages after 05) need two more things.
+   Groups: a communicator of some of the ranks (dt_comm_split), with shared
+   memory and a communication thread of its own, so that the pairs of a mesh
+   all-reduce side by side. And messages between two ranks (dt_send, dt_recv),
+   which pass through the sender's slot a piece at a time.
+
    Barriers are where a dead rank would make the others wait forever, so every
    wait looks, now and then, at the other ranks: one that failed (it wrote its
-   rank into the shared header), one whose process is gone, or one that has not
-   arrived within --timeout, stops the waiting rank with a message naming it. */
+   rank into the job's shared header, which every group watches), one whose
+   process is gone, or one that has not arrived within --timeout, stops the
+   waiting rank with a message naming it by its rank in the job. */
 
 #include <pthread.h>
 #include <sched.h>
@@ -3819,48 +3895,40 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int S, uint64_t
 #define DT_MAX_RANKS 64
 #define DT_SLOT_BYTES ((size_t)2 << 20)     /* each rank's staging slot: collectives go in 2 MiB pieces */
 
+/* Point-to-point from rank s to rank d: the sender publishes pieces (`sent`),
+   the receiver counts those it has copied out (`taken`); the size of the
+   message rides along so that the receiver can check it expects the same. */
+typedef struct dt_shm_pair {
+    uint64_t sent, taken;
+    int64_t count;
+    int32_t dtype, unused;
+} dt_shm_pair;
 typedef struct dt_shm_header {
     uint64_t magic;
     int world, abort_rank;                  /* abort_rank: 1 + a rank that failed, else 0 */
     int pid[DT_MAX_RANKS];
     uint64_t arrived[DT_MAX_RANKS];         /* barriers each rank has reached */
+    /* then world x world dt_shm_pair, [sender][receiver] */
 } dt_shm_header;
 #define DT_SHM_MAGIC 0x647472616e316d73ull
-#define DT_SHM_HEADER_BYTES ((sizeof(dt_shm_header) + 4095) & ~(size_t)4095)
-static size_t dt_shm_bytes(int world) { return DT_SHM_HEADER_BYTES + (size_t)(world + 1) * DT_SLOT_BYTES; }
+static size_t dt_shm_header_bytes(int world) {
+    return (sizeof(dt_shm_header) + (size_t)world * (size_t)world * sizeof(dt_shm_pair) + 4095) & ~(size_t)4095;
+}
+static size_t dt_shm_bytes(int world) { return dt_shm_header_bytes(world) + (size_t)(world + 1) * DT_SLOT_BYTES; }
 
-static const char *dt_coll_names[] = { "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier" };
-typedef struct dt_comm_op {
-    dt_coll kind;
-    const void *send;
-    void *recv;
-    int64_t count;
-    dt_dtype dtype;
-    dt_reduce_op op;
-    int root;
-} dt_comm_op;
+static const char *dt_coll_names[] = { "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier",
+                                       "send", "recv" };
 
 struct dt_comm_group { dt_shm_header *hdr; int world; double timeout_s; };
-
-/* What varies between shared memory and NCCL, as one table. A collective is
-   queued by the caller, started and finished by the communication thread, and
-   waited for by the caller: on shared memory the thread does the whole work in
-   `start`; on a GPU `start` only puts it on NCCL's stream, `finish` watches it
-   to the end, and `wait` makes the caller's later kernels wait for it on the
-   GPU: the host waits only until the call is on NCCL's stream, never for its
-   result. */
-typedef struct dt_comm_backend {
-    const char *name;
-    dt_device memory;                                          /* where the buffers of its collectives live */
-    void (*submitted)(dt_comm *c, int64_t h);                  /* caller: call h is queued (NULL: nothing to do) */
-    void (*start)(dt_comm *c, int64_t h, const dt_comm_op *o); /* communication thread */
-    void (*finish)(dt_comm *c, int64_t h);                     /* communication thread, after start (may be NULL) */
-    void (*wait)(dt_comm *c, int64_t h);                       /* caller, lock held: h started, not yet finished */
-} dt_comm_backend;
 
 struct dt_comm {
     const dt_comm_backend *backend;
     int rank, world;
+    /* A group (dt_comm_split) answers to the job's communicator, `top`: a
+       failure is recorded there, and messages name ranks as the job does. */
+    dt_comm *top, *parent;
+    int children;                           /* groups split from it and not yet freed */
+    int job_rank[DT_MAX_RANKS];             /* rank in top of each of our ranks */
     int die_in_all_reduce;                  /* test hook, see dt_comm_start: die in this all-reduce (from 1) */
     double timeout_s;
     dt_shm_header *hdr;                     /* shared memory: header, world slots, a result area */
@@ -3903,10 +3971,13 @@ static int dt_process_gone(int pid) {
     return close_paren && close_paren[1] == ' ' && close_paren[2] == 'Z';
 }
 
-/* Tell every rank that `culprit` ended the job; the first cause recorded wins. */
+/* Tell every rank that `culprit` (a rank of c) ended the job; the first cause
+   recorded wins. It goes to the job's header, which every group watches. */
 static void dt_comm_abort_others_because(dt_comm *c, int culprit) {
     int none = 0;
-    if (c && c->hdr) __atomic_compare_exchange_n(&c->hdr->abort_rank, &none, culprit + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    if (c && c->top->hdr)
+        __atomic_compare_exchange_n(&c->top->hdr->abort_rank, &none, c->job_rank[culprit] + 1, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE);
 }
 static void dt_comm_abort_others(dt_comm *c) { if (c) dt_comm_abort_others_because(c, c->rank); }
 
@@ -3915,7 +3986,7 @@ static void dt_comm_abort_others(dt_comm *c) { if (c) dt_comm_abort_others_becau
    --timeout for rank j (j < 0: for any peer). Fills `why` and returns 1; the
    shared-memory barrier and the NCCL watchdog both ask this. */
 static int dt_job_trouble(dt_comm *c, int j, double waited_ms, const char *what, char *why, size_t n) {
-    int failed = __atomic_load_n(&c->hdr->abort_rank, __ATOMIC_ACQUIRE);
+    int failed = __atomic_load_n(&c->top->hdr->abort_rank, __ATOMIC_ACQUIRE);
     if (failed) {
         dt_active_comm = NULL;              /* it told us; no need to tell it back */
         snprintf(why, n, "rank %d failed or died (see above), so %s cannot finish; stopping", failed - 1, what);
@@ -3925,12 +3996,14 @@ static int dt_job_trouble(dt_comm *c, int j, double waited_ms, const char *what,
         int pid = __atomic_load_n(&c->hdr->pid[r], __ATOMIC_ACQUIRE);
         if (r != c->rank && dt_process_gone(pid)) {
             dt_comm_abort_others_because(c, r);
-            snprintf(why, n, "rank %d (pid %d) died during %s; stopping", r, pid, what);
+            snprintf(why, n, "rank %d (pid %d) died during %s; stopping", c->job_rank[r], pid, what);
             return 1;
         }
     }
     if (waited_ms <= c->timeout_s * 1e3) return 0;
-    if (j >= 0) snprintf(why, n, "rank %d has not reached %s after %.0f s (--timeout): it hangs or died; stopping", j, what, c->timeout_s);
+    if (j >= 0)
+        snprintf(why, n, "rank %d has not reached %s after %.0f s (--timeout): it hangs or died; stopping", c->job_rank[j],
+                 what, c->timeout_s);
     else snprintf(why, n, "%s has not finished after %.0f s (--timeout): a rank hangs or died; stopping", what, c->timeout_s);
     return 1;
 }
@@ -3939,24 +4012,74 @@ static void dt_check_peer(dt_comm *c, int j, double waited_ms, const char *what)
     if (dt_job_trouble(c, j, waited_ms, what, why, sizeof why)) dt_fail("%s", why);
 }
 
-/* Every rank counts its barriers; a barrier is done when every count has caught
-   up. Spin a little, then yield, then sleep: ranks may outnumber cores. */
+/* Wait until rank j has moved `*counter` to `target`. Spin a little, then
+   yield, then sleep: ranks may outnumber cores. *t0 is when the waiting began
+   (0: not yet), kept across the peers of one barrier. */
+static void dt_shm_wait_for(dt_comm *c, const uint64_t *counter, uint64_t target, int j, const char *what, double *t0) {
+    for (long spins = 0; __atomic_load_n(counter, __ATOMIC_ACQUIRE) < target; spins++) {
+        if (spins < 100) continue;
+        if (spins < 1000) { sched_yield(); continue; }
+        struct timespec ts = { 0, 20000 };
+        nanosleep(&ts, NULL);
+        if (spins % 256 == 0) {
+            if (*t0 == 0) *t0 = dt_now_ms();
+            dt_check_peer(c, j, dt_now_ms() - *t0, what);
+        }
+    }
+}
+/* Every rank counts its barriers; a barrier is done when every count has caught up. */
 static void dt_shm_barrier(dt_comm *c, const char *what) {
     uint64_t target = ++c->barriers;
     __atomic_store_n(&c->hdr->arrived[c->rank], target, __ATOMIC_RELEASE);
     double t0 = 0;
-    for (int j = 0; j < c->world; j++) {
-        for (long spins = 0; __atomic_load_n(&c->hdr->arrived[j], __ATOMIC_ACQUIRE) < target; spins++) {
-            if (spins < 100) continue;
-            if (spins < 1000) { sched_yield(); continue; }
-            struct timespec ts = { 0, 20000 };
-            nanosleep(&ts, NULL);
-            if (spins % 256 == 0) {
-                if (t0 == 0) t0 = dt_now_ms();
-                dt_check_peer(c, j, dt_now_ms() - t0, what);
-            }
-        }
-    }
+    for (int j = 0; j < c->world; j++) dt_shm_wait_for(c, &c->hdr->arrived[j], target, j, what, &t0);
+}
+
+/* Point-to-point through the sender's slot, a piece at a time: the sender
+   copies a piece in and publishes it, the receiver copies it out and says so.
+   So a send finishes when its peer has received it. A zero-length message
+   still makes one exchange, so that its size is checked too. */
+static dt_shm_pair *dt_shm_pair_of(const dt_comm *c, int from, int to) {
+    return (dt_shm_pair *)(c->hdr + 1) + (size_t)from * (size_t)c->world + (size_t)to;
+}
+static void dt_shm_send(dt_comm *c, const dt_comm_op *o) {
+    dt_shm_pair *p = dt_shm_pair_of(c, c->rank, o->root);
+    size_t es = dt_dtype_size(o->dtype);
+    int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), off = 0;
+    char *mine = c->slots + (size_t)c->rank * DT_SLOT_BYTES, what[64];
+    snprintf(what, sizeof what, "the recv matching rank %d's send", c->job_rank[c->rank]);
+    p->count = o->count;                    /* published with the first piece */
+    p->dtype = (int32_t)o->dtype;
+    double t0 = 0;
+    do {
+        int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
+        memcpy(mine, (const char *)o->send + off * (int64_t)es, (size_t)n * es);
+        uint64_t target = p->sent + 1;      /* only this rank writes `sent` */
+        __atomic_store_n(&p->sent, target, __ATOMIC_RELEASE);
+        dt_shm_wait_for(c, &p->taken, target, o->root, what, &t0);
+        off += n;
+    } while (off < o->count);
+}
+static void dt_shm_recv(dt_comm *c, const dt_comm_op *o) {
+    dt_shm_pair *p = dt_shm_pair_of(c, o->root, c->rank);
+    size_t es = dt_dtype_size(o->dtype);
+    int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), off = 0;
+    const char *theirs = c->slots + (size_t)o->root * DT_SLOT_BYTES;
+    char what[64];
+    snprintf(what, sizeof what, "the send matching rank %d's recv", c->job_rank[c->rank]);
+    double t0 = 0;
+    do {
+        uint64_t target = p->taken + 1;     /* only this rank writes `taken` */
+        dt_shm_wait_for(c, &p->sent, target, o->root, what, &t0);
+        if (off == 0 && (p->count != o->count || p->dtype != (int32_t)o->dtype))
+            dt_fail("rank %d sends %lld elements of %s, but rank %d receives %lld of %s: a send and its recv must "
+                    "agree on count and dtype", c->job_rank[o->root], (long long)p->count, dt_dtype_name((dt_dtype)p->dtype),
+                    c->job_rank[c->rank], (long long)o->count, dt_dtype_name(o->dtype));
+        int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
+        memcpy((char *)o->recv + off * (int64_t)es, theirs, (size_t)n * es);
+        __atomic_store_n(&p->taken, target, __ATOMIC_RELEASE);
+        off += n;
+    } while (off < o->count);
 }
 
 /* out[i] = in_0[i] + in_1[i] + ... in rank order, for i in [lo, hi) of the slots. */
@@ -3978,12 +4101,14 @@ static void dt_shm_run(dt_comm *c, const dt_comm_op *o) {
     const char *send = (const char *)o->send;
     char *recv = (char *)o->recv;
     const char *what = dt_coll_names[o->kind];
-    if (W == 1) {                         /* alone: every collective is a copy (or nothing) */
+    if (W == 1) {                         /* alone: every collective is a copy (or nothing); no peer to send to */
         if (o->kind != DT_COLL_BARRIER && recv != send) memmove(recv, send, (size_t)o->count * es);
         return;
     }
     switch (o->kind) {
     case DT_COLL_BARRIER: dt_shm_barrier(c, what); break;
+    case DT_COLL_SEND: dt_shm_send(c, o); break;
+    case DT_COLL_RECV: dt_shm_recv(c, o); break;
     case DT_COLL_ALL_REDUCE:
     case DT_COLL_REDUCE:
         for (int64_t off = 0; off < o->count; off += per_slot) {
@@ -4033,12 +4158,19 @@ static void dt_shm_run(dt_comm *c, const dt_comm_op *o) {
 static int dt_comm_slot(int64_t h) { return (int)((h - 1) % DT_COMM_QUEUE); }
 
 /* Shared memory: the communication thread does the whole collective in
-   start(); the caller waits on the host until it is done. */
+   start(); the caller waits on the host until it is done. A group's shared
+   memory is made by dt_comm_split for every backend (the watchdog reads it),
+   so there is nothing more to split or close. */
+static void dt_shm_submitted(dt_comm *c, int64_t h) { (void)c; (void)h; }
 static void dt_shm_start(dt_comm *c, int64_t h, const dt_comm_op *o) { (void)h; dt_shm_run(c, o); }
+static void dt_shm_finish(dt_comm *c, int64_t h) { (void)c; (void)h; }
 static void dt_host_wait(dt_comm *c, int64_t h) {
     while (c->completed < h) pthread_cond_wait(&c->done, &c->mu);
 }
-static const dt_comm_backend dt_comm_shm_backend = { "shared memory", DT_CPU, NULL, dt_shm_start, NULL, dt_host_wait };
+static void dt_shm_split(dt_comm *parent, dt_comm *child, int color, int key) { (void)parent; (void)child; (void)color; (void)key; }
+static void dt_shm_close(dt_comm *c) { (void)c; }
+static const dt_comm_backend dt_comm_shm_backend = { "shared memory", DT_CPU, dt_shm_submitted, dt_shm_start, dt_shm_finish,
+                                                     dt_host_wait, dt_shm_split, dt_shm_close };
 
 #ifdef DT_HAVE_CUDA
 /* NCCL: wait until the communicator is ready for its next call (slot < 0) or
@@ -4068,7 +4200,7 @@ static void dt_nccl_watch(dt_comm *c, int slot, const char *what) {
 static void dt_nccl_submitted(dt_comm *c, int64_t h) { dt_nccl_mark_inputs(c->nccl, dt_comm_slot(h)); }
 static void dt_nccl_start(dt_comm *c, int64_t h, const dt_comm_op *o) {
     int slot = dt_comm_slot(h);
-    dt_nccl_issue(c->nccl, slot, o->kind, o->send, o->recv, o->count, o->dtype, o->op, o->root);
+    dt_nccl_issue(c->nccl, slot, o);
     dt_nccl_watch(c, -1, dt_coll_names[o->kind]);         /* a non-blocking call may still be in progress */
     dt_nccl_mark_done(c->nccl, slot);
     if (o->kind == DT_COLL_ALL_REDUCE && c->die_in_all_reduce > 0 && --c->die_in_all_reduce == 0) raise(SIGKILL);
@@ -4077,8 +4209,21 @@ static void dt_nccl_finish(dt_comm *c, int64_t h) {
     dt_nccl_watch(c, dt_comm_slot(h), dt_coll_names[c->queue[dt_comm_slot(h)].kind]);
 }
 static void dt_nccl_wait_on_gpu(dt_comm *c, int64_t h) { dt_nccl_stream_wait(c->nccl, dt_comm_slot(h)); }
+/* The parent's thread is idle (dt_comm_split waited for it), so this thread
+   may make calls on the parent's NCCL communicator. Untested: no GPU in CI. */
+static void dt_nccl_split_comm(dt_comm *parent, dt_comm *child, int color, int key) {
+    child->nccl = dt_nccl_split(parent->nccl, color, key);
+    dt_nccl_watch(parent, -1, "NCCL's split");
+    dt_nccl_watch(child, -1, "NCCL's split");
+}
+/* The thread is gone: this one owns the communicator now. */
+static void dt_nccl_close(dt_comm *c) {
+    dt_nccl_finalize(c->nccl);
+    dt_nccl_watch(c, -1, "closing NCCL");
+    dt_nccl_free(c->nccl);
+}
 static const dt_comm_backend dt_comm_nccl_backend = { "NCCL", DT_CUDA, dt_nccl_submitted, dt_nccl_start, dt_nccl_finish,
-                                                      dt_nccl_wait_on_gpu };
+                                                      dt_nccl_wait_on_gpu, dt_nccl_split_comm, dt_nccl_close };
 #endif
 
 /* The communication thread: runs queued collectives one after another, so the
@@ -4086,8 +4231,8 @@ static const dt_comm_backend dt_comm_nccl_backend = { "NCCL", DT_CUDA, dt_nccl_s
 static void *dt_comm_worker(void *arg) {
     dt_comm *c = (dt_comm *)arg;
     dt_flush_subnormals_here();             /* no OpenMP team of its own: it only copies and adds */
-    dt_ctx.rank = c->rank;                  /* its error lines name the rank too */
-    dt_ctx.world_size = c->world;
+    dt_ctx.rank = c->job_rank[c->rank];     /* its error lines name the rank too, as the job does */
+    dt_ctx.world_size = c->top->world;
     pthread_mutex_lock(&c->mu);
     for (;;) {
         while (!c->stop && c->completed == c->submitted) pthread_cond_wait(&c->wake, &c->mu);
@@ -4102,7 +4247,7 @@ static void *dt_comm_worker(void *arg) {
         c->started = h;                      /* a caller may now wait for it (on the GPU: behind it) */
         pthread_cond_broadcast(&c->done);
         pthread_mutex_unlock(&c->mu);
-        if (c->backend->finish) c->backend->finish(c, h);
+        c->backend->finish(c, h);
         pthread_mutex_lock(&c->mu);
         c->finished_ms[slot] = dt_now_ms();
         c->completed = h;
@@ -4123,15 +4268,21 @@ static void dt_comm_check_buffer(const dt_comm *c, const dt_comm_op *o, const vo
 }
 
 static dt_comm_handle dt_comm_submit(dt_comm *c, dt_comm_op o) {
+    int p2p = o.kind == DT_COLL_SEND || o.kind == DT_COLL_RECV;
     if (o.count < 0) dt_fail("%s of %lld elements", dt_coll_names[o.kind], (long long)o.count);
-    if (o.root < 0 || o.root >= c->world) dt_fail("%s: root %d is not a rank (world size %d)", dt_coll_names[o.kind], o.root, c->world);
+    if (o.root < 0 || o.root >= c->world)
+        dt_fail("%s: %s %d is not a rank (the communicator has %d)", dt_coll_names[o.kind], p2p ? "peer" : "root", o.root,
+                c->world);
+    if (p2p && o.root == c->rank)
+        dt_fail("%s: the peer is this rank (%d); a message goes to another rank of the communicator", dt_coll_names[o.kind],
+                o.root);
     dt_comm_check_buffer(c, &o, o.send);
     dt_comm_check_buffer(c, &o, o.recv);
     pthread_mutex_lock(&c->mu);
     while (c->submitted - c->completed >= DT_COMM_QUEUE) pthread_cond_wait(&c->done, &c->mu);
     dt_comm_handle h = ++c->submitted;
     c->queue[dt_comm_slot(h)] = o;
-    if (c->backend->submitted) c->backend->submitted(c, h);
+    c->backend->submitted(c, h);
     pthread_cond_signal(&c->wake);
     pthread_mutex_unlock(&c->mu);
     return h;
@@ -4164,6 +4315,14 @@ dt_comm_handle dt_reduce_async(dt_comm *c, const void *send, void *recv, int64_t
     dt_comm_op o = { DT_COLL_REDUCE, send, recv, count, dtype, op, root };
     return dt_comm_submit(c, o);
 }
+dt_comm_handle dt_send_async(dt_comm *c, const void *buf, int64_t count, dt_dtype dtype, int peer) {
+    dt_comm_op o = { DT_COLL_SEND, buf, NULL, count, dtype, DT_SUM, peer };
+    return dt_comm_submit(c, o);
+}
+dt_comm_handle dt_recv_async(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer) {
+    dt_comm_op o = { DT_COLL_RECV, NULL, buf, count, dtype, DT_SUM, peer };
+    return dt_comm_submit(c, o);
+}
 void dt_all_reduce(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
     dt_comm_wait(c, dt_all_reduce_async(c, send, recv, count, dtype, op));
 }
@@ -4178,6 +4337,12 @@ void dt_broadcast(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int root
 }
 void dt_reduce(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op, int root) {
     dt_comm_wait(c, dt_reduce_async(c, send, recv, count, dtype, op, root));
+}
+void dt_send(dt_comm *c, const void *buf, int64_t count, dt_dtype dtype, int peer) {
+    dt_comm_wait(c, dt_send_async(c, buf, count, dtype, peer));
+}
+void dt_recv(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer) {
+    dt_comm_wait(c, dt_recv_async(c, buf, count, dtype, peer));
 }
 /* A barrier holds the host, on a GPU too (whose dt_comm_wait would only hold
    the GPU): what follows it -- reading a file another rank wrote -- happens on
@@ -4247,6 +4412,8 @@ static dt_comm *dt_comm_new(int rank, int world, double timeout_s) {
     if (!c) dt_fail("out of memory (communicator)");
     c->rank = rank; c->world = world; c->timeout_s = timeout_s > 0 ? timeout_s : 60;
     c->backend = &dt_comm_shm_backend;
+    c->top = c;
+    for (int r = 0; r < world; r++) c->job_rank[r] = r;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->wake, NULL);
     pthread_cond_init(&c->done, NULL);
@@ -4254,17 +4421,41 @@ static dt_comm *dt_comm_new(int rank, int world, double timeout_s) {
 }
 static void dt_comm_start(dt_comm *c, dt_shm_header *hdr) {
     c->hdr = hdr;
-    c->slots = (char *)hdr + DT_SHM_HEADER_BYTES;
+    c->slots = (char *)hdr + dt_shm_header_bytes(c->world);
     c->result = c->slots + (size_t)c->world * DT_SLOT_BYTES;
     __atomic_store_n(&hdr->pid[c->rank], (int)getpid(), __ATOMIC_RELEASE);
-    /* Fault tests: DT_TEST_DIE_RANK=r makes rank r kill itself in the middle of
-       its first all-reduce (or its DT_TEST_DIE_CALL-th), after the others have
-       started it. */
+    /* Fault tests: DT_TEST_DIE_RANK=r makes rank r of the job kill itself in the
+       middle of its first all-reduce (or its DT_TEST_DIE_CALL-th) on a
+       communicator, after the others have started it. */
     const char *die = getenv("DT_TEST_DIE_RANK"), *call = getenv("DT_TEST_DIE_CALL");
-    c->die_in_all_reduce = die && atoi(die) == c->rank && c->world > 1 ? (call ? atoi(call) : 1) : 0;
+    c->die_in_all_reduce = die && atoi(die) == c->job_rank[c->rank] && c->world > 1 ? (call ? atoi(call) : 1) : 0;
     if (pthread_create(&c->worker, NULL, dt_comm_worker, c) != 0) dt_fail("cannot start the communication thread");
     dt_comm *none = NULL;                   /* the first communicator speaks for the job when we fail */
-    __atomic_compare_exchange_n(&dt_active_comm, &none, c, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    if (!c->parent) __atomic_compare_exchange_n(&dt_active_comm, &none, c, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+}
+
+/* A named shared-memory segment of `bytes`, made (create: its name goes on
+   the list of files dt_fail removes, slot in *cleanup) or opened, and mapped. */
+static int dt_shm_serial;                   /* names this process's segments apart */
+static dt_shm_header *dt_shm_map(const char *name, size_t bytes, int create, int *cleanup) {
+    int fd;
+    if (create) {
+        char file[128];
+        snprintf(file, sizeof file, "/dev/shm%s", name);
+        fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd >= 0) *cleanup = dt_cleanup_add(file);
+        if (fd < 0 || ftruncate(fd, (off_t)bytes) != 0)
+            dt_fail("cannot create shared memory %s of %.1f MB: %s (is /dev/shm full?)", name, bytes / 1e6, strerror(errno));
+    } else {
+        fd = shm_open(name, O_RDWR, 0600);
+        if (fd < 0) dt_fail("cannot open the shared memory %s another rank made: %s (are all ranks on one machine?)", name,
+                            strerror(errno));
+    }
+    void *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED) dt_fail("cannot map shared memory %s: %s", name, strerror(errno));
+    close(fd);
+    dt_mem_count(DT_ARENA_COMM, bytes, +1);
+    return (dt_shm_header *)map;
 }
 
 dt_comm_group *dt_comm_group_create(int world, double timeout_s) {
@@ -4272,7 +4463,7 @@ dt_comm_group *dt_comm_group_create(int world, double timeout_s) {
     dt_comm_group *g = (dt_comm_group *)calloc(1, sizeof *g);
     void *mem = NULL;
     if (!g || posix_memalign(&mem, 4096, dt_shm_bytes(world)) != 0) dt_fail("out of memory (thread group)");
-    memset(mem, 0, DT_SHM_HEADER_BYTES);
+    memset(mem, 0, dt_shm_header_bytes(world));
     g->hdr = (dt_shm_header *)mem;
     g->hdr->magic = DT_SHM_MAGIC;
     g->hdr->world = g->world = world;
@@ -4293,23 +4484,79 @@ void dt_comm_group_free(dt_comm_group *g) {
     free(g);
 }
 
+/* Groups: what each rank tells the others when a communicator splits. The
+   first rank of each group makes its shared memory; the name follows from the
+   maker's pid and serial, so one exchange is enough. */
+typedef struct { int32_t color, key, pid, serial; } dt_split_entry;
+/* Every rank's entry, through memory of the kind the transport takes, given
+   back at once: not the step arena, which a thread rank that splits and then
+   ends would leave behind. */
+static void dt_split_gather(dt_comm *comm, const dt_split_entry *mine, dt_split_entry *all) {
+    dt_device memory = comm->backend->memory;
+    size_t one = sizeof *mine, bytes = one * (size_t)(comm->world + 1);
+    char *buf = (char *)dt_alloc_on(memory, DT_ARENA_COMM, bytes);
+    dt_upload_to(memory, buf, mine, one);
+    dt_all_gather(comm, buf, buf + one, (int64_t)(one / 4), DT_F32);      /* bytes travel as they are */
+    dt_download_from(memory, all, buf + one, bytes - one);
+    dt_free_on(memory, DT_ARENA_COMM, buf, bytes);
+}
+static int dt_split_before(const dt_split_entry *all, int a, int b) {
+    return all[a].key != all[b].key ? all[a].key < all[b].key : a < b;
+}
+dt_comm *dt_comm_split(dt_comm *comm, int color, int key) {
+    if (color < 0) dt_fail("dt_comm_split: color %d; a color is a number >= 0 naming the group to join", color);
+    dt_split_entry mine = { color, key, (int32_t)getpid(), __atomic_fetch_add(&dt_shm_serial, 1, __ATOMIC_RELAXED) };
+    dt_split_entry *all = (dt_split_entry *)calloc((size_t)comm->world, sizeof *all);
+    if (!all) dt_fail("out of memory (dt_comm_split)");
+    dt_split_gather(comm, &mine, all);
+    int members[DT_MAX_RANKS], n = 0, rank = 0;
+    for (int r = 0; r < comm->world; r++) {           /* insertion sort by (key, rank) */
+        if (all[r].color != color) continue;
+        int i = n++;
+        for (; i > 0 && dt_split_before(all, r, members[i - 1]); i--) members[i] = members[i - 1];
+        members[i] = r;
+    }
+    dt_comm *child = dt_comm_new(0, n, comm->timeout_s);
+    for (int i = 0; i < n; i++) {
+        if (members[i] == comm->rank) rank = i;
+        child->job_rank[i] = comm->job_rank[members[i]];
+    }
+    child->rank = rank; child->backend = comm->backend; child->top = comm->top; child->parent = comm;
+    char name[96];
+    dt_path(name, sizeof name, "/dtrain-%d-%d-%d", (int)getuid(), all[members[0]].pid, all[members[0]].serial);
+    child->map_bytes = dt_shm_bytes(n);
+    int cleanup = -1;
+    if (rank == 0) {
+        child->hdr = dt_shm_map(name, child->map_bytes, 1, &cleanup);
+        child->hdr->magic = DT_SHM_MAGIC;
+        child->hdr->world = n;
+    }
+    dt_barrier(comm);                        /* every group's memory is made: open it */
+    if (rank != 0) child->hdr = dt_shm_map(name, child->map_bytes, 0, NULL);
+    dt_barrier(comm);                        /* every rank has mapped it: its name can go */
+    if (rank == 0) { shm_unlink(name); dt_cleanup_done(cleanup); }
+    free(all);
+    comm->backend->split(comm, child, color, key);
+    comm->children++;
+    dt_comm_start(child, child->hdr);
+    return child;
+}
+
 void dt_comm_free(dt_comm *c) {
     if (!c) return;
+    if (c->children)
+        dt_fail("dt_comm_free: %d group(s) split from this communicator are still open; free them first "
+                "(dt_comm_free or dt_mesh_free)", c->children);
     pthread_mutex_lock(&c->mu);
     c->stop = 1;
     pthread_cond_signal(&c->wake);
     pthread_mutex_unlock(&c->mu);
     pthread_join(c->worker, NULL);
-#ifdef DT_HAVE_CUDA
-    if (c->nccl) {                          /* the thread is gone: this one owns the communicator now */
-        dt_nccl_finalize(c->nccl);
-        dt_nccl_watch(c, -1, "closing NCCL");
-        dt_nccl_free(c->nccl);
-    }
-#endif
+    c->backend->close(c);
     dt_comm *self = c;                      /* until here it still tells the others when we fail */
     __atomic_compare_exchange_n(&dt_active_comm, &self, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
     if (dt_ctx.job == c) dt_ctx.job = NULL;
+    if (c->parent) c->parent->children--;
     if (c->map_bytes) { munmap(c->hdr, c->map_bytes); dt_mem_count(DT_ARENA_COMM, c->map_bytes, -1); }
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->wake);
@@ -4318,6 +4565,66 @@ void dt_comm_free(dt_comm *c) {
 }
 
 static void dt_comm_on_fail(void) { dt_comm_abort_others(dt_active_comm); }
+
+/* ---- a mesh: ranks as a grid of named dimensions ---- */
+struct dt_mesh {
+    int ndims, size[DT_MESH_MAX_DIMS], coord[DT_MESH_MAX_DIMS];
+    char name[DT_MESH_MAX_DIMS][16];
+    dt_comm *comm[DT_MESH_MAX_DIMS];
+};
+/* "dp=2 x tp=2", for messages. */
+static void dt_mesh_describe(const dt_mesh *m, char *out, size_t n) {
+    out[0] = 0;
+    for (int d = 0; d < m->ndims; d++)
+        snprintf(out + strlen(out), n - strlen(out), "%s%s=%d", d ? " x " : "", m->name[d], m->size[d]);
+}
+dt_mesh *dt_mesh_create(dt_comm *comm, int ndims, const int *sizes, const char *const *names) {
+    if (ndims < 1 || ndims > DT_MESH_MAX_DIMS) dt_fail("dt_mesh_create: %d dimensions (1 to %d)", ndims, DT_MESH_MAX_DIMS);
+    dt_mesh *m = (dt_mesh *)calloc(1, sizeof *m);
+    if (!m) dt_fail("out of memory (mesh)");
+    int64_t ranks = 1;
+    for (int d = 0; d < ndims; d++) {
+        if (sizes[d] < 1 || !names[d] || !names[d][0] || strlen(names[d]) >= sizeof m->name[d])
+            dt_fail("dt_mesh_create: dimension %d has size %d and name '%s'; it needs a size >= 1 and a name of 1 to %zu "
+                    "characters", d, sizes[d], names[d] ? names[d] : "(null)", sizeof m->name[d] - 1);
+        for (int e = 0; e < d; e++)
+            if (!strcmp(m->name[e], names[d])) dt_fail("dt_mesh_create: two dimensions are named '%s'", names[d]);
+        dt_copy_str(m->name[d], sizeof m->name[d], names[d]);
+        m->size[d] = sizes[d];
+        m->ndims = d + 1;
+        ranks *= sizes[d];
+        if (ranks > DT_MAX_RANKS) break;
+    }
+    char shape[128];
+    dt_mesh_describe(m, shape, sizeof shape);
+    if (ranks != comm->world)
+        dt_fail("dt_mesh_create: a %s mesh has %lld%s ranks, but the communicator has %d: the sizes must multiply to "
+                "its size", shape, (long long)ranks, ranks > DT_MAX_RANKS ? " or more" : "", comm->world);
+    int stride[DT_MESH_MAX_DIMS];
+    for (int d = ndims - 1; d >= 0; d--) {
+        stride[d] = d == ndims - 1 ? 1 : stride[d + 1] * m->size[d + 1];
+        m->coord[d] = comm->rank / stride[d] % m->size[d];
+    }
+    /* Along d, the ranks that share every other coordinate: the same rank
+       once its own coordinate is set to 0. The same order on every rank, as
+       each split is collective. */
+    for (int d = 0; d < ndims; d++) m->comm[d] = dt_comm_split(comm, comm->rank - m->coord[d] * stride[d], m->coord[d]);
+    return m;
+}
+static int dt_mesh_dim(const dt_mesh *m, const char *name) {
+    for (int d = 0; d < m->ndims; d++)
+        if (!strcmp(m->name[d], name)) return d;
+    char shape[128];
+    dt_mesh_describe(m, shape, sizeof shape);
+    dt_fail("dt_mesh: no dimension named '%s' in this %s mesh", name, shape);
+}
+dt_comm *dt_mesh_comm(const dt_mesh *mesh, const char *name) { return mesh->comm[dt_mesh_dim(mesh, name)]; }
+int dt_mesh_coord(const dt_mesh *mesh, const char *name) { return mesh->coord[dt_mesh_dim(mesh, name)]; }
+void dt_mesh_free(dt_mesh *mesh) {
+    if (!mesh) return;
+    for (int d = mesh->ndims - 1; d >= 0; d--) dt_comm_free(mesh->comm[d]);
+    free(mesh);
+}
 
 /* ==== 10. launching ranks and the rendezvous ====================================
    A job is N copies of one program. Something starts them -- `--nproc N` here,
@@ -4708,16 +5015,17 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     dt_welcome w;
     memset(&w, 0, sizeof w);
     memcpy(w.magic, DT_RDZV_MAGIC, 8);
-    static int serial;
-    dt_path(w.shm_name, sizeof w.shm_name, "/dtrain-%d-%d-%d", (int)getuid(), (int)getpid(), serial++);
+    dt_path(w.shm_name, sizeof w.shm_name, "/dtrain-%d-%d-%d", (int)getuid(), (int)getpid(),
+            __atomic_fetch_add(&dt_shm_serial, 1, __ATOMIC_RELAXED));
     char why[256];
     if (kind == DT_COMM_NCCL && !dt_nccl_available(why, sizeof why)) dt_fail("a job on GPUs needs NCCL: %s", why);
 #ifdef DT_HAVE_CUDA
     if (kind == DT_COMM_NCCL && rank == 0 && !dt_nccl_unique_id(w.nccl_id, sizeof w.nccl_id))
         dt_fail("NCCL could not make its unique id");
 #endif
-    int shm_fd = -1, fds[DT_MAX_RANKS], cleanup = -1;
+    int fds[DT_MAX_RANKS], cleanup = -1;
     size_t bytes = dt_shm_bytes(world);
+    dt_shm_header *hdr = NULL;
     if (world > 1 && rank == 0) {
         int lfd = dt_tcp_socket(host, port, port_from, 1, deadline), joined[DT_MAX_RANKS] = { 0 }, njoined = 0, away = 0;
         while (njoined < world - 1) {
@@ -4745,12 +5053,7 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
         close(lfd);
     }
     if (rank == 0) {       /* made once every rank is here: a failed rendezvous leaves nothing in /dev/shm */
-        char file[128];
-        snprintf(file, sizeof file, "/dev/shm%s", w.shm_name);
-        shm_fd = shm_open(w.shm_name, O_CREAT | O_EXCL | O_RDWR, 0600);
-        if (shm_fd >= 0) cleanup = dt_cleanup_add(file);
-        if (shm_fd < 0 || ftruncate(shm_fd, (off_t)bytes) != 0)
-            dt_fail("cannot create shared memory %s of %.1f MB: %s (is /dev/shm full?)", w.shm_name, bytes / 1e6, strerror(errno));
+        hdr = dt_shm_map(w.shm_name, bytes, 1, &cleanup);
         for (int r = 1; r < world; r++) dt_io_all(fds[r], &w, sizeof w, 1, deadline, "sending the welcome");
     } else if (world > 1) {
         int fd = dt_tcp_socket(host, port, port_from, 0, deadline);
@@ -4768,16 +5071,10 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
                     host, port, port_from);
         w.refused[sizeof w.refused - 1] = 0;
         if (w.refused[0]) dt_fail("rendezvous: rank 0 at %s:%d turned this rank away: %s", host, port, w.refused);
-        shm_fd = shm_open(w.shm_name, O_RDWR, 0600);
-        if (shm_fd < 0) dt_fail("cannot open rank 0's shared memory %s: %s (are all ranks on one machine?)", w.shm_name, strerror(errno));
+        hdr = dt_shm_map(w.shm_name, bytes, 0, NULL);
         fds[0] = fd;
     }
-    void *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, shm_fd, 0);
-    if (map == MAP_FAILED) dt_fail("cannot map shared memory %s: %s", w.shm_name, strerror(errno));
-    close(shm_fd);
     c->map_bytes = bytes;
-    dt_mem_count(DT_ARENA_COMM, bytes, +1);
-    dt_shm_header *hdr = (dt_shm_header *)map;
     if (rank == 0) { hdr->magic = DT_SHM_MAGIC; hdr->world = world; }
     __atomic_store_n(&hdr->pid[rank], (int)getpid(), __ATOMIC_RELEASE);
     /* Every rank has mapped the segment when it has answered: then its name can go. */
@@ -8368,12 +8665,11 @@ extern "C" int dt_nccl_unique_id(unsigned char *out, size_t n) {
     memcpy(out, &id, sizeof id);
     return 1;
 }
-extern "C" dt_nccl *dt_nccl_create(const unsigned char *id_bytes, int rank, int world) {
+/* A communicator's stream, events and barrier word; its ncclComm_t comes next. */
+static dt_nccl *dt_nccl_new(void) {
     if (!dt_cuda.stream) dt_fail("internal error: NCCL started before the GPU was chosen (dt_set_device)");
     dt_nccl *s = (dt_nccl *)calloc(1, sizeof *s);
     if (!s) dt_fail("out of memory (NCCL)");
-    ncclUniqueId id;
-    memcpy(&id, id_bytes, sizeof id);
     DT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
     for (int k = 0; k < DT_COMM_QUEUE; k++) {
         DT_CUDA_CHECK(cudaEventCreateWithFlags(&s->inputs[k], cudaEventDisableTiming));
@@ -8382,9 +8678,23 @@ extern "C" dt_nccl *dt_nccl_create(const unsigned char *id_bytes, int rank, int 
     s->one = (float *)dt_cuda_alloc(sizeof(float));
     DT_CUDA_CHECK(cudaMemsetAsync(s->one, 0, sizeof(float), dt_cuda.stream));
     DT_CUDA_CHECK(cudaStreamSynchronize(dt_cuda.stream));
+    return s;
+}
+extern "C" dt_nccl *dt_nccl_create(const unsigned char *id_bytes, int rank, int world) {
+    dt_nccl *s = dt_nccl_new();
+    ncclUniqueId id;
+    memcpy(&id, id_bytes, sizeof id);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;                 /* every call returns at once; section 9 polls */
     DT_NCCL_CHECK(ncclCommInitRankConfig(&s->comm, world, id, rank, &config));
+    return s;
+}
+extern "C" dt_nccl *dt_nccl_split(dt_nccl *parent, int color, int key) {
+    dt_nccl *s = dt_nccl_new();
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    DT_CUDA_CHECK(cudaSetDevice(dt_cuda.index));
+    DT_NCCL_CHECK(ncclCommSplit(parent->comm, color, key, &s->comm, &config));
     return s;
 }
 extern "C" int dt_nccl_progress(dt_nccl *s, char *why, size_t n) {
@@ -8396,20 +8706,25 @@ extern "C" int dt_nccl_progress(dt_nccl *s, char *why, size_t n) {
     return -1;
 }
 extern "C" void dt_nccl_mark_inputs(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaEventRecord(s->inputs[slot], dt_cuda.stream)); }
-extern "C" void dt_nccl_issue(dt_nccl *s, int slot, dt_coll kind, const void *send, void *recv, int64_t count,
-                              dt_dtype dtype, dt_reduce_op op, int root) {
-    ncclDataType_t t = dtype == DT_F32 ? ncclFloat32 : dtype == DT_BF16 ? ncclBfloat16 : ncclFloat16;
-    ncclRedOp_t red = op == DT_AVG ? ncclAvg : ncclSum;
-    size_t n = (size_t)count;
+extern "C" void dt_nccl_issue(dt_nccl *s, int slot, const dt_comm_op *o) {
+    ncclDataType_t t = o->dtype == DT_F32 ? ncclFloat32 : o->dtype == DT_BF16 ? ncclBfloat16 : ncclFloat16;
+    ncclRedOp_t red = o->op == DT_AVG ? ncclAvg : ncclSum;
+    size_t n = (size_t)o->count;
+    const void *send = o->send;
+    void *recv = o->recv;
+    ncclComm_t comm = s->comm;
+    cudaStream_t st = s->stream;
     DT_CUDA_CHECK(cudaSetDevice(dt_cuda.index));           /* the current GPU is per thread */
-    DT_CUDA_CHECK(cudaStreamWaitEvent(s->stream, s->inputs[slot], 0));
-    switch (kind) {
-    case DT_COLL_ALL_REDUCE: DT_NCCL_CHECK(ncclAllReduce(send, recv, n, t, red, s->comm, s->stream)); break;
-    case DT_COLL_REDUCE_SCATTER: DT_NCCL_CHECK(ncclReduceScatter(send, recv, n, t, red, s->comm, s->stream)); break;
-    case DT_COLL_ALL_GATHER: DT_NCCL_CHECK(ncclAllGather(send, recv, n, t, s->comm, s->stream)); break;
-    case DT_COLL_BROADCAST: DT_NCCL_CHECK(ncclBroadcast(send, recv, n, t, root, s->comm, s->stream)); break;
-    case DT_COLL_REDUCE: DT_NCCL_CHECK(ncclReduce(send, recv, n, t, red, root, s->comm, s->stream)); break;
-    case DT_COLL_BARRIER: DT_NCCL_CHECK(ncclAllReduce(s->one, s->one, 1, ncclFloat32, ncclSum, s->comm, s->stream)); break;
+    DT_CUDA_CHECK(cudaStreamWaitEvent(st, s->inputs[slot], 0));
+    switch (o->kind) {
+    case DT_COLL_ALL_REDUCE: DT_NCCL_CHECK(ncclAllReduce(send, recv, n, t, red, comm, st)); break;
+    case DT_COLL_REDUCE_SCATTER: DT_NCCL_CHECK(ncclReduceScatter(send, recv, n, t, red, comm, st)); break;
+    case DT_COLL_ALL_GATHER: DT_NCCL_CHECK(ncclAllGather(send, recv, n, t, comm, st)); break;
+    case DT_COLL_BROADCAST: DT_NCCL_CHECK(ncclBroadcast(send, recv, n, t, o->root, comm, st)); break;
+    case DT_COLL_REDUCE: DT_NCCL_CHECK(ncclReduce(send, recv, n, t, red, o->root, comm, st)); break;
+    case DT_COLL_BARRIER: DT_NCCL_CHECK(ncclAllReduce(s->one, s->one, 1, ncclFloat32, ncclSum, comm, st)); break;
+    case DT_COLL_SEND: DT_NCCL_CHECK(ncclSend(send, n, t, o->root, comm, st)); break;
+    case DT_COLL_RECV: DT_NCCL_CHECK(ncclRecv(recv, n, t, o->root, comm, st)); break;
     }
 }
 extern "C" void dt_nccl_mark_done(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaEventRecord(s->done[slot], s->stream)); }
@@ -8448,10 +8763,10 @@ extern "C" dt_nccl *dt_nccl_create(const unsigned char *id, int rank, int world)
 }
 extern "C" int dt_nccl_progress(dt_nccl *s, char *why, size_t n) { (void)s; (void)why; (void)n; dt_no_nccl(); return -1; }
 extern "C" void dt_nccl_mark_inputs(dt_nccl *s, int slot) { (void)s; (void)slot; dt_no_nccl(); }
-extern "C" void dt_nccl_issue(dt_nccl *s, int slot, dt_coll kind, const void *send, void *recv, int64_t count,
-                              dt_dtype dtype, dt_reduce_op op, int root) {
-    (void)s; (void)slot; (void)kind; (void)send; (void)recv; (void)count; (void)dtype; (void)op; (void)root; dt_no_nccl();
+extern "C" dt_nccl *dt_nccl_split(dt_nccl *parent, int color, int key) {
+    (void)parent; (void)color; (void)key; dt_no_nccl(); return NULL;
 }
+extern "C" void dt_nccl_issue(dt_nccl *s, int slot, const dt_comm_op *o) { (void)s; (void)slot; (void)o; dt_no_nccl(); }
 extern "C" void dt_nccl_mark_done(dt_nccl *s, int slot) { (void)s; (void)slot; dt_no_nccl(); }
 extern "C" int dt_nccl_finished(dt_nccl *s, int slot) { (void)s; (void)slot; dt_no_nccl(); return 0; }
 extern "C" void dt_nccl_stream_wait(dt_nccl *s, int slot) { (void)s; (void)slot; dt_no_nccl(); }

@@ -1698,6 +1698,90 @@ static void collectives_match(const char *mode) {
 static void test_collectives_over_threads_match_a_serial_reference(void) { collectives_match("threads"); }
 static void test_collectives_over_processes_match_a_serial_reference(void) { collectives_match("nproc"); }
 
+/* The same check on each group of a mesh of four ranks: 2 x 2 (pairs side by
+   side) and 1 x 4 (a group of one and a group of all), every collective and
+   send/recv against a reference that knows which ranks a group must hold. */
+static void mesh_collectives_match(const char *mode) {
+    static const char *meshes[] = { "2x2", "1x4" };
+    char out[16384];
+    for (int i = 0; i < 2; i++) {
+        int st = run_cmd(out, sizeof out, "%s --%s 4 --check --mesh %s --timeout 30", collectives_bin(), mode, meshes[i]);
+        CHECKF(st == 0 && count_lines_with(out, "match the serial reference bit for bit") == 8 &&
+               count_lines_with(out, " in the dp group (job rank ") == 4 && count_lines_with(out, " in the tp group (job rank ") == 4,
+               "%s 4, mesh %s: exit %d\n%s", mode, meshes[i], st, out);
+    }
+}
+static void test_groups_of_a_mesh_over_threads_match_a_serial_reference(void) { mesh_collectives_match("threads"); }
+static void test_groups_of_a_mesh_over_processes_match_a_serial_reference(void) { mesh_collectives_match("nproc"); }
+
+/* `test_dtrain --selftest-comm-misuse N`: one mistake with groups, meshes or
+   messages, which must stop the program with its message. */
+typedef struct { dt_comm_group *group; int rank; } misuse_arg;
+static void *mismatched_message_thread(void *arg) {
+    misuse_arg *a = (misuse_arg *)arg;
+    dt_comm *c = dt_comm_join(a->group, a->rank);
+    float buf[4] = { 0 };
+    if (a->rank == 0) dt_send(c, buf, 3, DT_F32, 1);
+    else dt_recv(c, buf, 4, DT_F32, 0);
+    return NULL;
+}
+static int selftest_comm_misuse(int which) {
+    static const int sizes[2] = { 1, 1 }, too_many[2] = { 3, 2 };
+    static const char *names[2] = { "dp", "tp" };
+    float v = 0;
+    dt_comm *c = dt_comm_join(dt_comm_group_create(which == 0 ? 4 : which == 3 ? 2 : 1, 10), 0);
+    if (which == 0) dt_mesh_create(c, 2, too_many, names);
+    if (which == 1) dt_mesh_comm(dt_mesh_create(c, 2, sizes, names), "pp");
+    if (which == 2) { dt_comm_split(c, 0, 0); dt_comm_free(c); }
+    if (which == 3) dt_send(c, &v, 1, DT_F32, 0);
+    if (which == 4) dt_comm_split(c, -1, 0);
+    if (which == 5) {
+        dt_comm_group *g = dt_comm_group_create(2, 10);
+        pthread_t th[2];
+        misuse_arg args[2] = { { g, 0 }, { g, 1 } };
+        for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, mismatched_message_thread, &args[r]);
+        for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    }
+    return 0;
+}
+static void test_mesh_split_and_message_mistakes_are_clear_errors(void) {
+    static const char *want[] = {
+        "dt_mesh_create: a dp=3 x tp=2 mesh has 6 ranks, but the communicator has 4: the sizes must multiply to its size",
+        "dt_mesh: no dimension named 'pp' in this dp=1 x tp=1 mesh",
+        "dt_comm_free: 1 group(s) split from this communicator are still open; free them first",
+        "send: the peer is this rank (0); a message goes to another rank of the communicator",
+        "dt_comm_split: color -1; a color is a number >= 0",
+        "rank 0 sends 3 elements of fp32, but rank 1 receives 4 of fp32: a send and its recv must agree",
+    };
+    char out[4096];
+    for (int i = 0; i < (int)(sizeof want / sizeof want[0]); i++) {
+        int st = run_cmd(out, sizeof out, "%s --selftest-comm-misuse %d", self_bin, i);
+        CHECKF(st == 1 && strstr(out, "dtrain") && strstr(out, "error: ") && strstr(out, want[i]),
+               "mistake %d: exit %d, expected \"%s\":\n%s", i, st, want[i], out);
+    }
+}
+
+/* A rank that dies inside a group stops the job: its group partner names it
+   (by its rank in the job, not in the group), and the other group hears of it. */
+static void test_a_rank_killed_in_a_group_stops_the_others_with_its_name(void) {
+    char out[16384];
+    int before = count_shm_segments();
+    double t0 = dt_now_ms();
+    int st = run_cmd(out, sizeof out, "env DT_TEST_DIE_RANK=1 %s --nproc 4 --check --mesh 2x2 --timeout 10", collectives_bin());
+    double s = (dt_now_ms() - t0) / 1e3;
+    CHECKF(st != 0, "the job exited 0 although rank 1 was killed:\n%s", out);
+    CHECKF(s < 10, "the others took %.1f s to stop (timeout 10 s)", s);
+    CHECKF(strstr(out, "rank 1 (pid") && strstr(out, "died during all_reduce"), "no rank named the dead rank 1:\n%s", out);
+    CHECKF(count_lines_with(out, "dtrain[rank ") >= 2, "not every surviving rank reported:\n%s", out);
+    for (int r = 0; r < 4; r++) {            /* the first cause, recorded for the whole job, is the only one named */
+        char died[64], failed[64];
+        snprintf(died, sizeof died, "rank %d (pid", r);
+        snprintf(failed, sizeof failed, "rank %d failed", r);
+        CHECKF(r == 1 || (!strstr(out, died) && !strstr(out, failed)), "a rank blamed rank %d, not the dead rank 1:\n%s", r, out);
+    }
+    CHECKF(count_shm_segments() == before, "a /dev/shm/dtrain-* segment was left behind");
+}
+
 static void test_a_killed_rank_stops_the_others_with_its_name(void) {
     char out[16384];
     int before = count_shm_segments();
@@ -3850,6 +3934,10 @@ static const test_case tests[] = {
     T(test_corrupt_checkpoint_metadata_is_refused_naming_the_field),
     T(test_init_weights_holding_nan_are_refused_naming_the_tensor),
     T(test_collectives_over_threads_match_a_serial_reference), T(test_collectives_over_processes_match_a_serial_reference),
+    T(test_groups_of_a_mesh_over_threads_match_a_serial_reference),
+    T(test_groups_of_a_mesh_over_processes_match_a_serial_reference),
+    T(test_mesh_split_and_message_mistakes_are_clear_errors),
+    T(test_a_rank_killed_in_a_group_stops_the_others_with_its_name),
     T(test_a_killed_rank_stops_the_others_with_its_name), T(test_ranks_launch_from_torchrun_variables_and_check_their_flags),
     T(test_torchrun_launches_stages_in_every_rendezvous_mode), T(test_mpirun_launches_a_stage_like_nproc),
     T(test_stopping_the_launcher_stops_its_ranks), T(test_a_stranger_at_the_rendezvous_is_turned_away_not_fatal),
@@ -3898,6 +3986,7 @@ int main(int argc, char **argv) {
     const char *filter = NULL;
     self_bin = argv[0];
     if (argc > 1 && !strcmp(argv[1], "--selftest-wrong-memory")) return selftest_wrong_memory();
+    if (argc > 2 && !strcmp(argv[1], "--selftest-comm-misuse")) return selftest_comm_misuse(atoi(argv[2]));
     int list = argc > 1 && !strcmp(argv[1], "--list");
     if (argc > 1 && !list) train_bin = argv[1];
     if (argc > 2 && *argv[2]) filter = argv[2];

@@ -1,17 +1,24 @@
 /* tools/collectives -- check and time dtrain's collectives.
 
    usage: tools/collectives [--nproc N | --threads N] [--timeout S] [--check | --bench] [--agree VALUE]
+                            [--mesh AxB]
 
    Ranks are processes (--nproc N, or started by torchrun / srun / mpirun through
    their environment variables) or threads of this process (--threads N).
-     --check   every collective, f32/bf16/f16, lengths 0, 1, 7 and 1,000,003: each
-               rank's result must equal a serial reference bit for bit
+     --check   every collective and send/recv (a ring), f32/bf16/f16, lengths 0, 1,
+               7 and 1,000,003: each rank's result must equal a serial reference
+               bit for bit
+     --mesh    with --check: the same on each group of an A x B ("dp" x "tp") mesh
+               of the ranks (A * B of them), the groups side by side (the longest
+               length 600,001)
      --bench   all-reduce bus bandwidth from 1 KB to 256 MB (nccl-tests' busbw)
      --agree   every rank must pass the same VALUE (the start-up mismatch check) */
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
 
-static const int64_t lengths[] = { 0, 1, 7, 1000003 };
+/* The longest crosses a shared-memory slot (2 MiB) in every dtype; on the
+   groups of a mesh (--mesh) a shorter one, still longer than a slot in f32. */
+static int64_t lengths[] = { 0, 1, 7, 1000003 };
 static const char *dtype_names[] = { "f32", "bf16", "f16" };
 
 /* Rank r's input: values already rounded to the dtype, the same on every rank. */
@@ -21,13 +28,16 @@ static void fill(void *buf, int64_t n, dt_dtype t, int r, int64_t salt) {
         dt_store_from_f32(buf, i, t, (float)((h >> 11) * (1.0 / 9007199254740992.0) * 4 - 2));
     }
 }
-/* The serial reference: element i of each rank's buffer at `off`, summed in rank order. */
-static void reference_sum(void *out, int64_t n, dt_dtype t, int world, int64_t per_rank, int64_t off, int avg, int64_t salt) {
+/* The serial reference: element i of each rank's buffer at `off`, summed in
+   rank order. Rank r of the communicator is rank ids[r] of the job, whose
+   input it holds: a group made of the wrong ranks sums the wrong inputs. */
+static void reference_sum(void *out, int64_t n, dt_dtype t, const int *ids, int world, int64_t per_rank, int64_t off,
+                          int avg, int64_t salt) {
     size_t es = dt_dtype_size(t);
     char *in = (char *)malloc((size_t)per_rank * es + 1);
     float *acc = (float *)calloc((size_t)n + 1, sizeof(float));
     for (int r = 0; r < world; r++) {
-        fill(in, per_rank, t, r, salt);
+        fill(in, per_rank, t, ids[r], salt);
         for (int64_t i = 0; i < n; i++) acc[i] = r == 0 ? dt_load_as_f32(in, off + i, t) : acc[i] + dt_load_as_f32(in, off + i, t);
     }
     for (int64_t i = 0; i < n; i++) dt_store_from_f32(out, i, t, avg ? acc[i] / (float)world : acc[i]);
@@ -35,7 +45,22 @@ static void reference_sum(void *out, int64_t n, dt_dtype t, int world, int64_t p
     free(acc);
 }
 
-static int check(dt_comm *c) {
+/* Send to the next rank, receive from the one before, around the ring. A
+   send finishes when it is received, so rank 0 sends first and the others
+   receive first (with the asynchronous calls, to test them too). */
+static void ring(dt_comm *c, const void *send, void *recv, int64_t n, dt_dtype dt) {
+    int me = dt_comm_rank(c), W = dt_comm_size(c), next = (me + 1) % W, prev = (me + W - 1) % W;
+    if (me == 0) {
+        dt_send(c, send, n, dt, next);
+        dt_recv(c, recv, n, dt, prev);
+        return;
+    }
+    dt_comm_handle r = dt_recv_async(c, recv, n, dt, prev), s = dt_send_async(c, send, n, dt, next);
+    dt_comm_wait(c, r);
+    dt_comm_wait(c, s);
+}
+
+static int check(dt_comm *c, const int *ids, const char *label) {
     int me = dt_comm_rank(c), W = dt_comm_size(c), bad = 0, cases = 0;
     for (int t = 0; t < 3; t++)
         for (size_t li = 0; li < sizeof lengths / sizeof lengths[0]; li++) {
@@ -45,37 +70,45 @@ static int check(dt_comm *c) {
             char *send = (char *)malloc((size_t)W * bytes + 2), *recv = (char *)malloc((size_t)W * bytes + 2);
             char *want = (char *)malloc((size_t)W * bytes + 2);
             for (int op = 0; op < 2; op++) {
-                fill(send, n, dt, me, salt);
+                fill(send, n, dt, ids[me], salt);
                 dt_all_reduce(c, send, recv, n, dt, (dt_reduce_op)op);
-                reference_sum(want, n, dt, W, n, 0, op, salt);
+                reference_sum(want, n, dt, ids, W, n, 0, op, salt);
                 if (memcmp(recv, want, bytes)) { bad++; printf("rank %d: all_reduce %s %s n=%lld differs\n", me, op ? "avg" : "sum", dtype_names[t], (long long)n); }
-                fill(send, n, dt, me, salt);                  /* in place */
+                fill(send, n, dt, ids[me], salt);                  /* in place */
                 dt_all_reduce(c, send, send, n, dt, (dt_reduce_op)op);
                 if (memcmp(send, want, bytes)) { bad++; printf("rank %d: in-place all_reduce %s n=%lld differs\n", me, dtype_names[t], (long long)n); }
-                fill(send, W * n, dt, me, salt);
+                fill(send, W * n, dt, ids[me], salt);
                 dt_reduce_scatter(c, send, recv, n, dt, (dt_reduce_op)op);
-                reference_sum(want, n, dt, W, W * n, me * n, op, salt);
+                reference_sum(want, n, dt, ids, W, W * n, me * n, op, salt);
                 if (memcmp(recv, want, bytes)) { bad++; printf("rank %d: reduce_scatter %s n=%lld differs\n", me, dtype_names[t], (long long)n); }
-                fill(send, n, dt, me, salt);
+                fill(send, n, dt, ids[me], salt);
                 memset(recv, 0x55, bytes);
                 dt_reduce(c, send, recv, n, dt, (dt_reduce_op)op, 0);
-                reference_sum(want, n, dt, W, n, 0, op, salt);
+                reference_sum(want, n, dt, ids, W, n, 0, op, salt);
                 if (me == 0 && memcmp(recv, want, bytes)) { bad++; printf("rank 0: reduce %s n=%lld differs\n", dtype_names[t], (long long)n); }
                 cases += 4;
             }
-            fill(send, n, dt, me, salt);
+            fill(send, n, dt, ids[me], salt);
             dt_all_gather(c, send, recv, n, dt);
-            for (int r = 0; r < W; r++) fill(want + (size_t)r * bytes, n, dt, r, salt);
+            for (int r = 0; r < W; r++) fill(want + (size_t)r * bytes, n, dt, ids[r], salt);
             if (memcmp(recv, want, (size_t)W * bytes)) { bad++; printf("rank %d: all_gather %s n=%lld differs\n", me, dtype_names[t], (long long)n); }
-            fill(recv, n, dt, me, salt);
+            fill(recv, n, dt, ids[me], salt);
             dt_broadcast(c, recv, n, dt, W - 1);
-            fill(want, n, dt, W - 1, salt);
+            fill(want, n, dt, ids[W - 1], salt);
             if (memcmp(recv, want, bytes)) { bad++; printf("rank %d: broadcast %s n=%lld differs\n", me, dtype_names[t], (long long)n); }
+            if (W > 1) {
+                fill(send, n, dt, ids[me], salt);
+                memset(recv, 0x55, bytes);
+                ring(c, send, recv, n, dt);
+                fill(want, n, dt, ids[(me + W - 1) % W], salt);
+                if (memcmp(recv, want, bytes)) { bad++; printf("rank %d: send/recv %s n=%lld differs\n", me, dtype_names[t], (long long)n); }
+                cases++;
+            }
             dt_barrier(c);
             cases += 3;
             free(send); free(recv); free(want);
         }
-    printf("rank %d of %d: %d collectives %s\n", me, W, cases, bad ? "FAILED" : "match the serial reference bit for bit");
+    printf("rank %d of %d%s: %d collectives %s\n", me, W, label, cases, bad ? "FAILED" : "match the serial reference bit for bit");
     fflush(stdout);
     return bad ? 1 : 0;
 }
@@ -101,17 +134,47 @@ static int bench(dt_comm *c) {
     return 0;
 }
 
-typedef struct { dt_comm_group *g; int rank, status, do_bench; } thread_arg;
+/* Each group of an A x B mesh, against a reference that knows, without asking
+   the library, which ranks of the job a group holds: along "tp" the ranks
+   that share rank / B, along "dp" those that share rank % B. */
+static int check_mesh(dt_comm *c, const int *mesh) {
+    static const char *names[] = { "dp", "tp" };
+    int me = dt_comm_rank(c), coord[2] = { me / mesh[1], me % mesh[1] }, stride[2] = { mesh[1], 1 }, status = 0;
+    dt_mesh *m = dt_mesh_create(c, 2, mesh, names);
+    for (int d = 0; d < 2; d++) {
+        dt_comm *g = dt_mesh_comm(m, names[d]);
+        int ids[64];
+        char label[96];
+        for (int i = 0; i < mesh[d]; i++) ids[i] = me + (i - coord[d]) * stride[d];
+        snprintf(label, sizeof label, " in the %s group (job rank %d)", names[d], me);
+        if (dt_comm_size(g) != mesh[d] || dt_comm_rank(g) != coord[d] || dt_mesh_coord(m, names[d]) != coord[d]) {
+            printf("rank %d: the %s group has %d ranks, this one is %d (coordinate %d); expected %d, %d\n", me, names[d],
+                   dt_comm_size(g), dt_comm_rank(g), dt_mesh_coord(m, names[d]), mesh[d], coord[d]);
+            status = 1;
+        }
+        status |= check(g, ids, label);
+    }
+    dt_mesh_free(m);
+    return status;
+}
+static int run_check(dt_comm *c, const int *mesh) {
+    if (mesh[0]) return check_mesh(c, mesh);
+    int ids[64];
+    for (int r = 0; r < 64; r++) ids[r] = r;
+    return check(c, ids, "");
+}
+
+typedef struct { dt_comm_group *g; int rank, status, do_bench; const int *mesh; } thread_arg;
 static void *thread_main(void *p) {
     thread_arg *a = (thread_arg *)p;
     dt_comm *c = dt_comm_join(a->g, a->rank);
-    a->status = a->do_bench ? bench(c) : check(c);
+    a->status = a->do_bench ? bench(c) : run_check(c, a->mesh);
     dt_comm_free(c);
     return NULL;
 }
 
 int main(int argc, char **argv) {
-    int nproc = 1, threads = 0, do_check = 0, do_bench = 0;
+    int nproc = 1, threads = 0, do_check = 0, do_bench = 0, mesh[2] = { 0, 0 };
     double timeout = 60;
     const char *agree = NULL;
     for (int i = 1; i < argc; i++) {
@@ -122,16 +185,18 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--threads") && v) { threads = atoi(v); i++; }
         else if (!strcmp(a, "--timeout") && v) { timeout = atof(v); i++; }
         else if (!strcmp(a, "--agree") && v) { agree = v; i++; }
+        else if (!strcmp(a, "--mesh") && v && sscanf(v, "%dx%d", &mesh[0], &mesh[1]) == 2 && mesh[0] > 0 && mesh[1] > 0) i++;
         else dt_usage_error("unknown flag or missing value: %s (see the top of tools/collectives.c)", a);
     }
     if (nproc < 1 || threads < 0 || !(timeout > 0)) dt_usage_error("--nproc, --threads and --timeout take positive numbers");
+    if (mesh[0]) lengths[3] = 600001;
     if (threads > 0) {
         dt_comm_group *g = dt_comm_group_create(threads, timeout);
         pthread_t th[64];
         thread_arg args[64];
         int status = 0;
         for (int r = 0; r < threads; r++) {
-            args[r] = (thread_arg){ g, r, 0, do_bench };
+            args[r] = (thread_arg){ g, r, 0, do_bench, mesh };
             pthread_create(&th[r], NULL, thread_main, &args[r]);
         }
         for (int r = 0; r < threads; r++) { pthread_join(th[r], NULL); status |= args[r].status; }
@@ -142,7 +207,7 @@ int main(int argc, char **argv) {
     dt_comm *c = dt_comm_init(DT_COMM_SHM, timeout);
     int status = 0;
     if (agree) dt_comm_check_agree(c, "--agree", agree);
-    if (do_check) status = check(c);
+    if (do_check) status = run_check(c, mesh);
     if (do_bench) status |= bench(c);
     dt_comm_free(c);
     return status;
