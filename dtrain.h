@@ -263,13 +263,13 @@ dt_tensor *dt_gelu(dt_tensor *x);
 dt_tensor *dt_gelu_tanh(dt_tensor *x);                                    /* GPT-2's GELU */
 dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *weight, dt_tensor *bias, float eps);
 dt_tensor *dt_add(dt_tensor *a, dt_tensor *b);
-/* qkv: [B*T, 3*D] laid out as timm's (q | k | v, heads side by side) -> [B*T, D] */
-dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int heads, int causal);
+/* qkv: [B*T, 3*D] laid out as timm's (q | k | v, the H heads side by side) -> [B*T, D] */
+dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal);
 /* token ids [B, T] (whole numbers held as f32) -> [B*T, D]: row (b, t) is
    wte[token] + wpe[t], the token's embedding plus its position's */
 dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe);
 /* patches [B*P, D] -> tokens [B*(P+1), D]: class token first, position embedding added */
-dt_tensor *dt_vit_tokens(dt_tensor *patches, dt_tensor *cls_token, dt_tensor *pos_embed, int B);
+dt_tensor *dt_vit_tokens(dt_tensor *patches, dt_tensor *cls, dt_tensor *pos, int B);
 /* x [B*T, D] -> [B, D]: token `index` of each sequence */
 dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index);
 /* Mean cross-entropy of logits [B, C] against labels; a 1-element tensor. A
@@ -283,8 +283,8 @@ dt_tensor *dt_patchify(const dt_tensor *images, int patch);
 void dt_set_grad_enabled(int on);
 /* Walk the tape backwards from a scalar loss, filling every .grad. */
 void dt_backward(dt_tensor *loss);
-/* The same from any tensor, given d(loss)/d(out) (out->numel values). */
-void dt_backward_from(dt_tensor *out, const float *out_grad);
+/* The same from any tensor `loss`, given `seed`: d(objective)/d(loss), loss->numel values. */
+void dt_backward_from(dt_tensor *loss, const float *seed);
 
 /* A parallel wrapper (section 11: DataParallel, DDP, FSDP) is this one set of
    callbacks. Each is called by the code that owns its moment of a step: the
@@ -442,7 +442,7 @@ typedef struct dt_dataset {
    or of a CIFAR-10 binary folder, every image resized to size x size RGB. For
    "val" of an image folder, class names must match `classes_from` (may be NULL). */
 void dt_dataset_load(const char *dir, const char *split, int size,
-                     const dt_dataset *classes_from, dt_dataset *out);
+                     const dt_dataset *classes_from, dt_dataset *ds);
 void dt_dataset_free(dt_dataset *ds);
 /* Text: a .txt file, or a folder of them joined in name order, read as bytes
    (vocabulary 256); or, is_tokens, a file of little-endian uint16 token ids
@@ -526,7 +526,7 @@ typedef enum { DT_COLL_ALL_REDUCE, DT_COLL_REDUCE_SCATTER, DT_COLL_ALL_GATHER, D
 dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s);
 /* Threads of one process (stage 02 on the CPU): one group, then one join per thread. */
 dt_comm_group *dt_comm_group_create(int world, double timeout_s);
-dt_comm *dt_comm_join(dt_comm_group *group, int rank);
+dt_comm *dt_comm_join(dt_comm_group *g, int rank);
 void dt_comm_group_free(dt_comm_group *group);   /* after every member is freed */
 void dt_comm_free(dt_comm *c);
 int dt_comm_rank(const dt_comm *c);
@@ -762,7 +762,7 @@ void dt_checkpoint_consolidate(const char *index_path, const char *out_path);
    state, position, RNG seed. */
 typedef struct dt_run dt_run;
 void dt_checkpoint_save(dt_run *run, const char *path);
-void dt_checkpoint_load(dt_run *run, const char *path);
+void dt_checkpoint_load(dt_run *r, const char *path);
 
 /* ---- 14. evaluation --------------------------------------------------------- */
 
@@ -836,10 +836,10 @@ typedef struct dt_cost_prediction {
    parameters (the same bytes as DDP, not hidden here); ZeRO-3 all-gathers the
    parameters twice per micro-batch, prefetched behind compute, and
    reduce-scatters the gradients: 1.5x DDP's bytes. */
-dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *link, int ranks);
+dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, int n);
 /* Print the prediction, the compute-to-communication ratio, and what bigger
    batches, accumulation, bf16 communication or fewer ranks would change. */
-void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *link, int ranks);
+void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n);
 
 /* ---- 17. the command line --------------------------------------------------- */
 
@@ -1355,11 +1355,14 @@ static void dt_cleanup_run(void) {
         if (dt_cleanup_used[i] == 1) { unlink(dt_cleanup_paths[i]); dt_cleanup_used[i] = 0; }
 }
 
-static void dt_comm_on_fail(void);
+/* Who must hear of a failure before this process exits: the collectives
+   (section 9) put a function here once a communicator is open, so that the
+   other ranks stop at once instead of waiting for their timeout. */
+static void (*dt_on_fail)(void);
 void dt_fail(const char *fmt, ...) {
     va_list ap; va_start(ap, fmt); dt_vmessage("error", fmt, ap); va_end(ap);
     dt_cleanup_run();
-    dt_comm_on_fail();                       /* the other ranks must not wait for us */
+    if (dt_on_fail) dt_on_fail();            /* the other ranks must not wait for us */
     exit(1);
 }
 void dt_usage_error(const char *fmt, ...) {
@@ -1432,7 +1435,7 @@ int dt_threads(void) {
 
 static const char *dt_arena_names[DT_ARENA_COUNT] = {
     "params", "grads", "optimizer", "activations", "comm", "data" };
-const char *dt_arena_name(dt_arena a) { return dt_arena_names[a]; }
+const char *dt_arena_name(dt_arena arena) { return dt_arena_names[arena]; }
 
 static void dt_mem_count(dt_arena a, size_t bytes, int sign) {
     if (sign > 0) { dt_ctx.mem_now[a] += bytes; dt_ctx.mem_total += bytes; }
@@ -1471,14 +1474,14 @@ void dt_free_host(dt_arena arena, void *ptr, size_t bytes) {
     free(ptr);
     dt_ctx.host_now[arena] -= bytes;
 }
-size_t dt_mem_host_now(dt_arena a) { return dt_ctx.host_now[a]; }
-size_t dt_mem_host_peak(dt_arena a) { return dt_ctx.host_peak[a]; }
+size_t dt_mem_host_now(dt_arena arena) { return dt_ctx.host_now[arena]; }
+size_t dt_mem_host_peak(dt_arena arena) { return dt_ctx.host_peak[arena]; }
 void dt_mem_reset_peaks(void) {
     for (int a = 0; a < DT_ARENA_COUNT; a++) { dt_ctx.mem_peak[a] = dt_ctx.mem_now[a]; dt_ctx.host_peak[a] = dt_ctx.host_now[a]; }
     dt_ctx.mem_total_peak = dt_ctx.mem_total;
 }
-size_t dt_mem_now(dt_arena a) { return dt_ctx.mem_now[a]; }
-size_t dt_mem_peak(dt_arena a) { return dt_ctx.mem_peak[a]; }
+size_t dt_mem_now(dt_arena arena) { return dt_ctx.mem_now[arena]; }
+size_t dt_mem_peak(dt_arena arena) { return dt_ctx.mem_peak[arena]; }
 size_t dt_mem_total_now(void) { return dt_ctx.mem_total; }
 size_t dt_mem_total_peak(void) { return dt_ctx.mem_total_peak; }
 
@@ -1557,8 +1560,8 @@ static void dt_upload_to(dt_device d, void *dst, const void *src, size_t bytes) 
     if (gpu) gpu->upload(dst, src, bytes);
     else memmove(dst, src, bytes);
 }
-void dt_upload(void *dst, const void *src, size_t bytes) { dt_upload_to(dt_ctx.device, dst, src, bytes); }
-void dt_download(void *dst, const void *src, size_t bytes) { dt_download_from(dt_ctx.device, dst, src, bytes); }
+void dt_upload(void *device_dst, const void *host_src, size_t bytes) { dt_upload_to(dt_ctx.device, device_dst, host_src, bytes); }
+void dt_download(void *host_dst, const void *device_src, size_t bytes) { dt_download_from(dt_ctx.device, host_dst, device_src, bytes); }
 void dt_synchronize(void) {
     if (dt_ctx.device == DT_CUDA) dt_backend_of(DT_CUDA)->synchronize();
 }
@@ -1912,7 +1915,7 @@ static void dt_gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, co
     }
 }
 
-void dt_gemm(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
              const float *B, int ldb, float beta, float *C, int ldc) {
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {                        /* nothing to multiply: C = beta * C */
@@ -1921,10 +1924,10 @@ void dt_gemm(int ta, int tb, int M, int N, int K, float alpha, const float *A, i
         return;
     }
 #ifdef DT_HAVE_CBLAS
-    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
                 M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 #else
-    dt_gemm_builtin(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    dt_gemm_builtin(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 #endif
 }
 
@@ -2209,8 +2212,8 @@ static dt_tensor *dt_linear_layout(dt_tensor *x, dt_tensor *w, dt_tensor *b, int
     if (dt_wants_grad(x, w, b)) dt_tape_push(dt_linear_backward, y, x, w, b)->iarg[0] = in_out;
     return y;
 }
-dt_tensor *dt_linear(dt_tensor *x, dt_tensor *w, dt_tensor *b) { return dt_linear_layout(x, w, b, 0); }
-dt_tensor *dt_linear_in_out(dt_tensor *x, dt_tensor *w, dt_tensor *b) { return dt_linear_layout(x, w, b, 1); }
+dt_tensor *dt_linear(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) { return dt_linear_layout(x, weight, bias, 0); }
+dt_tensor *dt_linear_in_out(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) { return dt_linear_layout(x, weight, bias, 1); }
 
 /* -- GELU: the exact erf form (PyTorch's nn.GELU() and timm), or the tanh
       approximation GPT-2 was trained with (tanh_form, in iarg[0]) -- */
@@ -2292,13 +2295,13 @@ static void dt_layernorm_backward(dt_tape_entry *e) {
 }
 /* Under mixed precision the statistics are computed in f32 from the 16-bit
    input, and the normalised output is stored in 16 bits. */
-dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *w, dt_tensor *b, float eps) {
+dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *weight, dt_tensor *bias, float eps) {
     int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
     const dt_backend *gpu = dt_backend_for(x);
     dt_scratch_reset();
     dt_tensor *y = dt_tensor_out(x->ndim, x->shape);
     float *stats = (float *)dt_step_data(sizeof(float) * 2 * (size_t)N);
-    const float *xv = dt_in(x), *wv = w ? dt_in(w) : NULL, *bv = b ? dt_in(b) : NULL;
+    const float *xv = dt_in(x), *wv = weight ? dt_in(weight) : NULL, *bv = bias ? dt_in(bias) : NULL;
     float *yv = dt_out(y);
     if (gpu) gpu->layernorm_forward(xv, wv, bv, yv, stats, N, D, eps);
     else {
@@ -2318,7 +2321,7 @@ dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *w, dt_tensor *b, float eps) {
         }
     }
     dt_out_done(y, yv);
-    if (dt_wants_grad(x, w, b)) dt_tape_push(dt_layernorm_backward, y, x, w, b)->saved = stats;
+    if (dt_wants_grad(x, weight, bias)) dt_tape_push(dt_layernorm_backward, y, x, weight, bias)->saved = stats;
     return y;
 }
 
@@ -2590,21 +2593,21 @@ static void dt_select_token_backward(dt_tape_entry *e) {
             for (int j = 0; j < D; j++) dx[((size_t)b * T + idx) * D + j] += dy[(size_t)b * D + j];
     dt_grad_acc_done(x, dx);
 }
-dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int idx) {
+dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index) {
     int D = (int)dt_tensor_cols(x);
     const dt_backend *gpu = dt_backend_for(x);
     dt_scratch_reset();
     dt_tensor *y = dt_tensor_out_2d(B, D);
     const float *xv = dt_in(x);
     float *yv = dt_out(y);
-    if (gpu) gpu->select_token_forward(xv, yv, B, T, idx, D);
+    if (gpu) gpu->select_token_forward(xv, yv, B, T, index, D);
     else
         for (int b = 0; b < B; b++)
-            memcpy(yv + (size_t)b * D, xv + ((size_t)b * T + idx) * D, sizeof(float) * D);
+            memcpy(yv + (size_t)b * D, xv + ((size_t)b * T + index) * D, sizeof(float) * D);
     dt_out_done(y, yv);
     if (dt_wants_grad(x, NULL, NULL)) {
         dt_tape_entry *e = dt_tape_push(dt_select_token_backward, y, x, NULL, NULL);
-        e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = idx;
+        e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = index;
     }
     return y;
 }
@@ -2662,24 +2665,24 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
     return loss;
 }
 
-dt_tensor *dt_patchify(const dt_tensor *img, int p) {
-    int B = img->shape[0], C = img->shape[1], H = img->shape[2], W = img->shape[3];
-    int ph = H / p, pw = W / p;
-    const dt_backend *gpu = dt_backend_for(img);
+dt_tensor *dt_patchify(const dt_tensor *images, int patch) {
+    int B = images->shape[0], C = images->shape[1], H = images->shape[2], W = images->shape[3];
+    int ph = H / patch, pw = W / patch;
+    const dt_backend *gpu = dt_backend_for(images);
     dt_scratch_reset();
-    dt_tensor *y = dt_tensor_out_2d(B * ph * pw, C * p * p);
-    const float *iv = dt_in(img);
+    dt_tensor *y = dt_tensor_out_2d(B * ph * pw, C * patch * patch);
+    const float *iv = dt_in(images);
     float *yv = dt_out(y);
-    if (gpu) gpu->patchify(iv, yv, B, C, H, W, p);
+    if (gpu) gpu->patchify(iv, yv, B, C, H, W, patch);
     else
         for (int b = 0; b < B; b++)
             for (int py = 0; py < ph; py++)
                 for (int px = 0; px < pw; px++) {
-                    float *row = yv + ((size_t)(b * ph + py) * pw + px) * C * p * p;
+                    float *row = yv + ((size_t)(b * ph + py) * pw + px) * C * patch * patch;
                     for (int c = 0; c < C; c++)
-                        for (int ky = 0; ky < p; ky++)
-                            memcpy(row + (c * p + ky) * p,
-                                   iv + (((size_t)b * C + c) * H + py * p + ky) * W + px * p, sizeof(float) * p);
+                        for (int ky = 0; ky < patch; ky++)
+                            memcpy(row + (c * patch + ky) * patch,
+                                   iv + (((size_t)b * C + c) * H + py * patch + ky) * W + px * patch, sizeof(float) * patch);
                 }
     dt_out_done(y, yv);
     return y;
@@ -3063,14 +3066,14 @@ dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float
         o->v = (float *)(o->offloaded ? dt_alloc_host(DT_ARENA_OPTIM, bytes) : dt_alloc_on(o->device, DT_ARENA_OPTIM, bytes));
     return o;
 }
-void dt_optimizer_free(dt_optimizer *o) {
-    if (!o) return;
-    size_t bytes = (size_t)o->numel * sizeof(float);
-    if (o->offloaded) { dt_free_host(DT_ARENA_OPTIM, o->m, bytes); dt_free_host(DT_ARENA_OPTIM, o->v, bytes); }
-    else { dt_free_on(o->device, DT_ARENA_OPTIM, o->m, bytes); dt_free_on(o->device, DT_ARENA_OPTIM, o->v, bytes); }
-    free(o->slices);
-    o->model->optimizers--;
-    free(o);
+void dt_optimizer_free(dt_optimizer *opt) {
+    if (!opt) return;
+    size_t bytes = (size_t)opt->numel * sizeof(float);
+    if (opt->offloaded) { dt_free_host(DT_ARENA_OPTIM, opt->m, bytes); dt_free_host(DT_ARENA_OPTIM, opt->v, bytes); }
+    else { dt_free_on(opt->device, DT_ARENA_OPTIM, opt->m, bytes); dt_free_on(opt->device, DT_ARENA_OPTIM, opt->v, bytes); }
+    free(opt->slices);
+    opt->model->optimizers--;
+    free(opt);
 }
 
 /* The optimizer needs the average gradient: a backward whose gradients the
@@ -3105,50 +3108,50 @@ static double dt_optimizer_grad_sum_squares(dt_optimizer *o) {
     }
     return sq;
 }
-void dt_optimizer_step(dt_optimizer *o, float lr) {
-    dt_optimizer_check_synced(o, "dt_optimizer_step");
-    int64_t n = o->numel;
-    float *g = o->grads;
-    const dt_backend *gpu = dt_backend_of(o->device);
-    o->last_grad_norm = (float)sqrt(dt_optimizer_grad_sum_squares(o));
-    if (o->clip_norm > 0 && o->last_grad_norm > o->clip_norm) {   /* torch.nn.utils.clip_grad_norm_ */
-        float c = o->clip_norm / (o->last_grad_norm + 1e-6f);
+void dt_optimizer_step(dt_optimizer *opt, float lr) {
+    dt_optimizer_check_synced(opt, "dt_optimizer_step");
+    int64_t n = opt->numel;
+    float *g = opt->grads;
+    const dt_backend *gpu = dt_backend_of(opt->device);
+    opt->last_grad_norm = (float)sqrt(dt_optimizer_grad_sum_squares(opt));
+    if (opt->clip_norm > 0 && opt->last_grad_norm > opt->clip_norm) {   /* torch.nn.utils.clip_grad_norm_ */
+        float c = opt->clip_norm / (opt->last_grad_norm + 1e-6f);
         if (gpu) gpu->scale(g, c, n);
         else
             for (int64_t i = 0; i < n; i++) g[i] *= c;
     }
-    o->step++;
-    float bc1 = 1.0f - powf(o->beta1, (float)o->step), bc2 = 1.0f - powf(o->beta2, (float)o->step);
-    for (int si = 0; si < o->nslices; si++) {
-        int64_t off = o->slices[si].offset, len = o->slices[si].length;
-        float wd = o->slices[si].decay ? o->weight_decay : 0.0f;
-        float *p = o->params + off, *mm = o->m + off, *gg = g + off;
-        if (gpu && o->kind == DT_ADAMW)
-            gpu->adamw(p, mm, o->v + off, gg, len, lr, o->beta1, o->beta2, o->eps, wd, bc1, bc2);
+    opt->step++;
+    float bc1 = 1.0f - powf(opt->beta1, (float)opt->step), bc2 = 1.0f - powf(opt->beta2, (float)opt->step);
+    for (int si = 0; si < opt->nslices; si++) {
+        int64_t off = opt->slices[si].offset, len = opt->slices[si].length;
+        float wd = opt->slices[si].decay ? opt->weight_decay : 0.0f;
+        float *p = opt->params + off, *mm = opt->m + off, *gg = g + off;
+        if (gpu && opt->kind == DT_ADAMW)
+            gpu->adamw(p, mm, opt->v + off, gg, len, lr, opt->beta1, opt->beta2, opt->eps, wd, bc1, bc2);
         else if (gpu)
-            gpu->sgd(p, mm, gg, len, lr, o->momentum, wd);
-        else if (o->kind == DT_ADAMW) {
-            float *vv = o->v + off;
+            gpu->sgd(p, mm, gg, len, lr, opt->momentum, wd);
+        else if (opt->kind == DT_ADAMW) {
+            float *vv = opt->v + off;
             DT_OMP("omp parallel for if(len > 65536)")
             for (int64_t i = 0; i < len; i++)
-                dt_adamw_update(&p[i], &mm[i], &vv[i], gg[i], lr, o->beta1, o->beta2, o->eps, wd, bc1, bc2);
+                dt_adamw_update(&p[i], &mm[i], &vv[i], gg[i], lr, opt->beta1, opt->beta2, opt->eps, wd, bc1, bc2);
         } else {
             DT_OMP("omp parallel for if(len > 65536)")
-            for (int64_t i = 0; i < len; i++) dt_sgd_update(&p[i], &mm[i], gg[i], lr, o->momentum, wd);
+            for (int64_t i = 0; i < len; i++) dt_sgd_update(&p[i], &mm[i], gg[i], lr, opt->momentum, wd);
         }
     }
-    dt_zero_on(o->device, g, (size_t)n * sizeof(float));
-    dt_parallel *par = o->model->parallel;
+    dt_zero_on(opt->device, g, (size_t)n * sizeof(float));
+    dt_parallel *par = opt->model->parallel;
     if (par && par->step_done) par->step_done(par);
 }
 
-float dt_schedule_lr(float base, int64_t step, int64_t warmup, int64_t total) {
-    if (warmup > 0 && step < warmup) return base * (float)(step + 1) / (float)warmup;
+float dt_schedule_lr(float base_lr, int64_t step, int64_t warmup, int64_t total) {
+    if (warmup > 0 && step < warmup) return base_lr * (float)(step + 1) / (float)warmup;
     int64_t span = total - warmup;
-    if (span <= 0) return base;
+    if (span <= 0) return base_lr;
     double progress = (double)(step - warmup) / (double)span;
     if (progress > 1) progress = 1;
-    return (float)(base * 0.5 * (1.0 + cos(3.14159265358979323846 * progress)));
+    return (float)(base_lr * 0.5 * (1.0 + cos(3.14159265358979323846 * progress)));
 }
 
 /* ==== 8. data ===================================================================
@@ -3827,7 +3830,7 @@ static void dt_write_image(const char *path_noext, const uint8_t *hwc, int S) {
     dt_file_close(f, NULL, path);
 }
 
-void dt_synthetic_write(const char *dir, int n_train, int n_val, int S, uint64_t seed) {
+void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint64_t seed) {
     static const char *names[10] = { "disk-warm", "square-warm", "triangle-warm", "cross-warm", "ring-warm",
                                      "disk-cool", "square-cool", "triangle-cool", "cross-cool", "ring-cool" };
     /* Written beside the target and renamed at the end, so an interrupted run
@@ -3835,8 +3838,8 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int S, uint64_t
     char tmp[4096], path[4096];
     dt_path(tmp, sizeof tmp, "%s.partial", dir);
     dt_mkdir(tmp);
-    uint8_t *hwc = (uint8_t *)malloc((size_t)S * S * 3);
-    if (!hwc) dt_fail("out of memory (an image of %d x %d)", S, S);
+    uint8_t *hwc = (uint8_t *)malloc((size_t)size * size * 3);
+    if (!hwc) dt_fail("out of memory (an image of %d x %d)", size, size);
     for (int split = 0; split < 2; split++) {
         const char *sname = split == 0 ? "train" : "val";
         int n = split == 0 ? n_train : n_val;
@@ -3846,9 +3849,9 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int S, uint64_t
         for (int i = 0; i < n; i++) {
             int cls = i % 10;
             dt_rng r = { dt_hash3(seed, (uint64_t)split, (uint64_t)i) };
-            dt_synthetic_image(cls, S, &r, hwc);
+            dt_synthetic_image(cls, size, &r, hwc);
             dt_path(path, sizeof path, "%s/%s/%s/%05d", tmp, sname, names[cls], i / 10);
-            dt_write_image(path, hwc, S);
+            dt_write_image(path, hwc, size);
         }
     }
     free(hwc);
@@ -3980,6 +3983,7 @@ static void dt_comm_abort_others_because(dt_comm *c, int culprit) {
                                     __ATOMIC_ACQUIRE);
 }
 static void dt_comm_abort_others(dt_comm *c) { if (c) dt_comm_abort_others_because(c, c->rank); }
+static void dt_comm_on_fail(void) { dt_comm_abort_others(dt_active_comm); }
 
 /* Why the job cannot go on, if it cannot: a rank failed (it wrote its rank
    into the shared header), a peer's process is gone, or we have waited past
@@ -4432,6 +4436,7 @@ static void dt_comm_start(dt_comm *c, dt_shm_header *hdr) {
     if (pthread_create(&c->worker, NULL, dt_comm_worker, c) != 0) dt_fail("cannot start the communication thread");
     dt_comm *none = NULL;                   /* the first communicator speaks for the job when we fail */
     if (!c->parent) __atomic_compare_exchange_n(&dt_active_comm, &none, c, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    dt_on_fail = dt_comm_on_fail;
 }
 
 /* A named shared-memory segment of `bytes`, made (create: its name goes on
@@ -4477,11 +4482,11 @@ dt_comm *dt_comm_join(dt_comm_group *g, int rank) {
     dt_comm_start(c, g->hdr);
     return c;
 }
-void dt_comm_group_free(dt_comm_group *g) {
-    if (!g) return;
-    dt_mem_count(DT_ARENA_COMM, dt_shm_bytes(g->world), -1);
-    free(g->hdr);
-    free(g);
+void dt_comm_group_free(dt_comm_group *group) {
+    if (!group) return;
+    dt_mem_count(DT_ARENA_COMM, dt_shm_bytes(group->world), -1);
+    free(group->hdr);
+    free(group);
 }
 
 /* Groups: what each rank tells the others when a communicator splits. The
@@ -4564,7 +4569,6 @@ void dt_comm_free(dt_comm *c) {
     free(c);
 }
 
-static void dt_comm_on_fail(void) { dt_comm_abort_others(dt_active_comm); }
 
 /* ---- a mesh: ranks as a grid of named dimensions ---- */
 struct dt_mesh {
@@ -5409,7 +5413,7 @@ static void dt_ddp_backward_done(dt_parallel *par) {
     }
     d->launched = 0;
 }
-void dt_ddp_sync_grads(dt_ddp *d) { dt_parallel_backward_done(&d->par); }
+void dt_ddp_sync_grads(dt_ddp *ddp) { dt_parallel_backward_done(&ddp->par); }
 
 dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
     dt_ddp *d = (dt_ddp *)calloc(1, sizeof *d);
@@ -5444,15 +5448,15 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
     }
     return d;
 }
-int dt_ddp_buckets(const dt_ddp *d) { return d->nbuckets; }
-void dt_ddp_set_sync(dt_ddp *d, int sync) { d->sync = sync; }
+int dt_ddp_buckets(const dt_ddp *ddp) { return ddp->nbuckets; }
+void dt_ddp_set_sync(dt_ddp *ddp, int sync) { ddp->sync = sync; }
 
-void dt_ddp_free(dt_ddp *d) {
-    if (!d) return;
-    dt_model_set_parallel(d->model, NULL);
-    free(d->buckets);
-    free(d->bucket_of);
-    free(d);
+void dt_ddp_free(dt_ddp *ddp) {
+    if (!ddp) return;
+    dt_model_set_parallel(ddp->model, NULL);
+    free(ddp->buckets);
+    free(ddp->bucket_of);
+    free(ddp);
 }
 
 /* -- Fully sharded data parallel -- */
@@ -5758,25 +5762,25 @@ static void dt_fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
     }
 }
 
-void dt_fsdp_set_sync(dt_fsdp *f, int sync) {
-    f->sync = sync;
-    if (!sync && !f->accum && f->mode != DT_SHARD_OPTIMIZER) {     /* ZeRO-1 keeps whole gradients anyway */
-        f->accum = (float *)dt_alloc_on(f->model->device, DT_ARENA_GRADS, (size_t)f->accum_numel * sizeof(float));
-        dt_zero_on(f->model->device, f->accum, (size_t)f->accum_numel * sizeof(float));
-        dt_free_on(f->model->device, DT_ARENA_GRADS, f->gathered_grad, f->largest);   /* each unit has its slice now */
-        dt_free_on(f->model->device, DT_ARENA_GRADS, f->outer_grad, f->largest);
-        f->gathered_grad = f->outer_grad = NULL;
+void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync) {
+    fsdp->sync = sync;
+    if (!sync && !fsdp->accum && fsdp->mode != DT_SHARD_OPTIMIZER) {     /* ZeRO-1 keeps whole gradients anyway */
+        fsdp->accum = (float *)dt_alloc_on(fsdp->model->device, DT_ARENA_GRADS, (size_t)fsdp->accum_numel * sizeof(float));
+        dt_zero_on(fsdp->model->device, fsdp->accum, (size_t)fsdp->accum_numel * sizeof(float));
+        dt_free_on(fsdp->model->device, DT_ARENA_GRADS, fsdp->gathered_grad, fsdp->largest);   /* each unit has its slice now */
+        dt_free_on(fsdp->model->device, DT_ARENA_GRADS, fsdp->outer_grad, fsdp->largest);
+        fsdp->gathered_grad = fsdp->outer_grad = NULL;
     }
 }
-void dt_fsdp_set_reduce_dtype(dt_fsdp *f, dt_dtype dtype) {
-    dt_device dev = f->model->device;
-    dt_free_on(dev, DT_ARENA_COMM, f->grad16, f->largest / 2);
-    dt_free_on(dev, DT_ARENA_COMM, f->scattered16, f->largest_shard / 2);
-    f->grad16 = f->scattered16 = NULL;
-    f->reduce_dtype = dtype;
+void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype) {
+    dt_device dev = fsdp->model->device;
+    dt_free_on(dev, DT_ARENA_COMM, fsdp->grad16, fsdp->largest / 2);
+    dt_free_on(dev, DT_ARENA_COMM, fsdp->scattered16, fsdp->largest_shard / 2);
+    fsdp->grad16 = fsdp->scattered16 = NULL;
+    fsdp->reduce_dtype = dtype;
     if (dtype == DT_F32) return;
-    f->grad16 = dt_alloc_on(dev, DT_ARENA_COMM, f->largest / 2);
-    f->scattered16 = dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard / 2);
+    fsdp->grad16 = dt_alloc_on(dev, DT_ARENA_COMM, fsdp->largest / 2);
+    fsdp->scattered16 = dt_alloc_on(dev, DT_ARENA_COMM, fsdp->largest_shard / 2);
 }
 
 static void dt_fsdp_backward_done(dt_parallel *par) {
@@ -5789,7 +5793,7 @@ static void dt_fsdp_backward_done(dt_parallel *par) {
     }
 }
 
-void dt_fsdp_sync_grads(dt_fsdp *f) { dt_parallel_backward_done(&f->par); }
+void dt_fsdp_sync_grads(dt_fsdp *fsdp) { dt_parallel_backward_done(&fsdp->par); }
 
 /* After the optimizer: DT_SHARD_OPTIMIZER and _GRADS all-gather the updated
    parameters (DT_SHARD_FULL gathers each unit when it is next used). */
@@ -5866,34 +5870,34 @@ static dt_fsdp *dt_fsdp_of(const dt_model *m) {
     return m->parallel && m->parallel->step_done == dt_fsdp_step_done ? (dt_fsdp *)m->parallel : NULL;
 }
 
-void dt_fsdp_free(dt_fsdp *f) {
-    if (!f) return;
-    dt_model *m = f->model;
+void dt_fsdp_free(dt_fsdp *fsdp) {
+    if (!fsdp) return;
+    dt_model *m = fsdp->model;
     dt_model_set_parallel(m, NULL);
-    for (int k = 0; k < f->nunits; k++) {
-        dt_fsdp_unit *u = &f->units[k];
-        if (u->gathering) dt_fsdp_gather_unit(f, k, -1);      /* a prefetch nobody used: let it land */
-        if (f->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt_fsdp_param_bytes(f, u));
-        if (f->mode == DT_SHARD_OPTIMIZER) dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt_fsdp_full_bytes(f, u));
-        dt_fsdp_point(f, u, 0, NULL);
-        dt_fsdp_point(f, u, 1, NULL);
+    for (int k = 0; k < fsdp->nunits; k++) {
+        dt_fsdp_unit *u = &fsdp->units[k];
+        if (u->gathering) dt_fsdp_gather_unit(fsdp, k, -1);      /* a prefetch nobody used: let it land */
+        if (fsdp->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt_fsdp_param_bytes(fsdp, u));
+        if (fsdp->mode == DT_SHARD_OPTIMIZER) dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt_fsdp_full_bytes(fsdp, u));
+        dt_fsdp_point(fsdp, u, 0, NULL);
+        dt_fsdp_point(fsdp, u, 1, NULL);
     }
     for (int b = 0; b < 3; b++) {
-        dt_free_on(m->device, DT_ARENA_PARAMS, f->gathered[b], dt_fsdp_largest_params(f));
-        dt_free_on(m->device, DT_ARENA_COMM, f->staged[b], f->largest_shard);
-        dt_free_on(m->device, DT_ARENA_COMM, f->send16[b], f->largest_shard / 2);
+        dt_free_on(m->device, DT_ARENA_PARAMS, fsdp->gathered[b], dt_fsdp_largest_params(fsdp));
+        dt_free_on(m->device, DT_ARENA_COMM, fsdp->staged[b], fsdp->largest_shard);
+        dt_free_on(m->device, DT_ARENA_COMM, fsdp->send16[b], fsdp->largest_shard / 2);
     }
-    dt_fsdp_set_reduce_dtype(f, DT_F32);
-    dt_free_on(m->device, DT_ARENA_GRADS, f->accum, (size_t)f->accum_numel * sizeof(float));
+    dt_fsdp_set_reduce_dtype(fsdp, DT_F32);
+    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->accum, (size_t)fsdp->accum_numel * sizeof(float));
     for (int i = 0; i < m->nparams; i++) m->params[i].dtype = DT_F32;
-    dt_free_on(m->device, DT_ARENA_GRADS, f->gathered_grad, f->largest);
-    dt_free_on(m->device, DT_ARENA_GRADS, f->outer_grad, f->largest);
-    dt_free_on(m->device, DT_ARENA_COMM, f->scattered, f->largest_shard);
-    size_t shard_bytes = (size_t)f->shard_numel * sizeof(float);
-    if (f->offload) { dt_free_host(DT_ARENA_PARAMS, f->shard_params, shard_bytes); dt_free_host(DT_ARENA_GRADS, f->shard_grads, shard_bytes); }
-    else { dt_free_on(m->device, DT_ARENA_PARAMS, f->shard_params, shard_bytes); dt_free_on(m->device, DT_ARENA_GRADS, f->shard_grads, shard_bytes); }
-    free(f->units);
-    free(f);
+    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->gathered_grad, fsdp->largest);
+    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->outer_grad, fsdp->largest);
+    dt_free_on(m->device, DT_ARENA_COMM, fsdp->scattered, fsdp->largest_shard);
+    size_t shard_bytes = (size_t)fsdp->shard_numel * sizeof(float);
+    if (fsdp->offload) { dt_free_host(DT_ARENA_PARAMS, fsdp->shard_params, shard_bytes); dt_free_host(DT_ARENA_GRADS, fsdp->shard_grads, shard_bytes); }
+    else { dt_free_on(m->device, DT_ARENA_PARAMS, fsdp->shard_params, shard_bytes); dt_free_on(m->device, DT_ARENA_GRADS, fsdp->shard_grads, shard_bytes); }
+    free(fsdp->units);
+    free(fsdp);
 }
 
 /* ==== 12. mixed precision =======================================================
@@ -5923,31 +5927,31 @@ dt_loss_scaler dt_loss_scaler_create(dt_dtype dtype) {
     return s;
 }
 
-void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *s, int accum_steps) {
-    dt_backward_seeded(loss, s->scale / (float)(accum_steps > 0 ? accum_steps : 1));
+void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *scaler, int accum_steps) {
+    dt_backward_seeded(loss, scaler->scale / (float)(accum_steps > 0 ? accum_steps : 1));
 }
 
-int dt_loss_scaler_unscale(dt_loss_scaler *s, dt_optimizer *o) {
-    dt_optimizer_check_synced(o, "dt_loss_scaler_unscale");
-    s->last_skipped = 0;
-    if (!s->enabled) return 1;
-    size_t bytes = (size_t)o->numel * sizeof(float);
+int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt) {
+    dt_optimizer_check_synced(opt, "dt_loss_scaler_unscale");
+    scaler->last_skipped = 0;
+    if (!scaler->enabled) return 1;
+    size_t bytes = (size_t)opt->numel * sizeof(float);
     /* one number says it all: a sum with an inf or a NaN in it is not finite;
        a sharded optimizer sums over the ranks, so they all see the same */
-    if (!isfinite(dt_optimizer_grad_sum_squares(o))) {
-        dt_zero_on(o->device, o->grads, bytes);
-        s->scale *= 0.5f;
-        s->good_steps = 0;
-        s->skipped++;
-        s->last_skipped = 1;
+    if (!isfinite(dt_optimizer_grad_sum_squares(opt))) {
+        dt_zero_on(opt->device, opt->grads, bytes);
+        scaler->scale *= 0.5f;
+        scaler->good_steps = 0;
+        scaler->skipped++;
+        scaler->last_skipped = 1;
         return 0;
     }
-    float inv = 1.0f / s->scale;                /* a power of two: exact */
-    const dt_backend *gpu = dt_backend_of(o->device);
-    if (gpu) gpu->scale(o->grads, inv, o->numel);
+    float inv = 1.0f / scaler->scale;                /* a power of two: exact */
+    const dt_backend *gpu = dt_backend_of(opt->device);
+    if (gpu) gpu->scale(opt->grads, inv, opt->numel);
     else
-        for (int64_t i = 0; i < o->numel; i++) o->grads[i] *= inv;
-    if (++s->good_steps >= s->growth_interval) { s->scale *= 2.0f; s->good_steps = 0; }
+        for (int64_t i = 0; i < opt->numel; i++) opt->grads[i] *= inv;
+    if (++scaler->good_steps >= scaler->growth_interval) { scaler->scale *= 2.0f; scaler->good_steps = 0; }
     return 1;
 }
 
@@ -5977,28 +5981,28 @@ static void dt_json_string(FILE *f, const char *s) {
     fputc('"', f);
 }
 
-void dt_safetensors_write(const char *path, const dt_named_tensor *t, int count, const char *const *meta, int nmeta) {
+void dt_safetensors_write(const char *path, const dt_named_tensor *tensors, int count, const char *const *meta_kv, int meta_count) {
     /* the header is built in memory first: its length comes before it */
     char *hdr = NULL;
     size_t hlen = 0;
     FILE *h = open_memstream(&hdr, &hlen);
     if (!h) dt_fail("out of memory writing '%s'", path);
     fputc('{', h);
-    if (nmeta > 0) {
+    if (meta_count > 0) {
         fputs("\"__metadata__\":{", h);
-        for (int i = 0; i < nmeta; i++) {
+        for (int i = 0; i < meta_count; i++) {
             if (i) fputc(',', h);
-            dt_json_string(h, meta[2 * i]); fputc(':', h); dt_json_string(h, meta[2 * i + 1]);
+            dt_json_string(h, meta_kv[2 * i]); fputc(':', h); dt_json_string(h, meta_kv[2 * i + 1]);
         }
         fputc('}', h);
     }
     uint64_t off = 0;
     for (int i = 0; i < count; i++) {
         int64_t numel = 1;
-        if (nmeta > 0 || i) fputc(',', h);
-        dt_json_string(h, t[i].name);
+        if (meta_count > 0 || i) fputc(',', h);
+        dt_json_string(h, tensors[i].name);
         fputs(":{\"dtype\":\"F32\",\"shape\":[", h);
-        for (int d = 0; d < t[i].ndim; d++) { fprintf(h, d ? ",%lld" : "%lld", (long long)t[i].shape[d]); numel *= t[i].shape[d]; }
+        for (int d = 0; d < tensors[i].ndim; d++) { fprintf(h, d ? ",%lld" : "%lld", (long long)tensors[i].shape[d]); numel *= tensors[i].shape[d]; }
         fprintf(h, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off, (unsigned long long)(off + 4 * numel));
         off += 4 * (uint64_t)numel;
     }
@@ -6018,8 +6022,8 @@ void dt_safetensors_write(const char *path, const dt_named_tensor *t, int count,
     int ok = fwrite(len8, 1, 8, f) == 8 && fwrite(hdr, 1, hlen, f) == hlen;
     for (int i = 0; ok && i < count; i++) {
         int64_t numel = 1;
-        for (int d = 0; d < t[i].ndim; d++) numel *= t[i].shape[d];
-        ok = fwrite(t[i].data, sizeof(float), (size_t)numel, f) == (size_t)numel;   /* little-endian hosts */
+        for (int d = 0; d < tensors[i].ndim; d++) numel *= tensors[i].shape[d];
+        ok = fwrite(tensors[i].data, sizeof(float), (size_t)numel, f) == (size_t)numel;   /* little-endian hosts */
     }
     ok = ok && fflush(f) == 0 && fsync(fileno(f)) == 0;
     int saved_errno = errno;
@@ -6710,16 +6714,16 @@ static void dt_checkpoint_save_sharded(dt_run *r, const char *path) {
     dt_meta_free(&meta);
 }
 
-void dt_checkpoint_save(dt_run *r, const char *path) {
-    dt_model *m = r->model;
-    dt_optimizer *o = r->opt;
-    if (dt_fsdp_of(m)) { dt_checkpoint_save_sharded(r, path); return; }
+void dt_checkpoint_save(dt_run *run, const char *path) {
+    dt_model *m = run->model;
+    dt_optimizer *o = run->opt;
+    if (dt_fsdp_of(m)) { dt_checkpoint_save_sharded(run, path); return; }
     float *state[3] = { dt_state_open(m, o, 0), dt_state_open(m, o, 1), o->v ? dt_state_open(m, o, 2) : NULL };
     dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * 3, sizeof *t);
     char **names = (char **)calloc((size_t)m->nparams * 3, sizeof(char *));
     int n = dt_checkpoint_named(m, o->kind == DT_ADAMW, state, t, names);
     dt_meta_list meta = { NULL, 0 };
-    dt_checkpoint_meta(r, &meta, "dtrain-checkpoint-1");
+    dt_checkpoint_meta(run, &meta, "dtrain-checkpoint-1");
     dt_safetensors_write(path, t, n, (const char *const *)meta.kv, meta.n);
     dt_meta_free(&meta);
     for (int k = 0; k < 3; k++) dt_state_close(m, o, k, state[k], 0);
@@ -7010,14 +7014,14 @@ static void dt_trace_open(dt_run *r, const char *path) {
     dt_file_check(r->trace, "--trace", mine);
 }
 
-void dt_phase(dt_run *r, dt_phase_kind phase) {
+void dt_phase(dt_run *run, dt_phase_kind phase) {
     /* A GPU runs its queue of kernels behind the host's back: wait for it, or
        the time of this phase would show up in a later one. */
     dt_synchronize();
     double now = dt_now_ms();
-    r->phase_ms[phase] += now - r->mark_ms;
-    dt_trace_event(r, dt_phase_names[phase], phase == DT_PHASE_CKPT ? DT_PHASE_EVAL : phase, r->mark_ms, now);
-    r->mark_ms = now;
+    run->phase_ms[phase] += now - run->mark_ms;
+    dt_trace_event(run, dt_phase_names[phase], phase == DT_PHASE_CKPT ? DT_PHASE_EVAL : phase, run->mark_ms, now);
+    run->mark_ms = now;
 }
 
 static void dt_format_duration(double s, char *out, size_t n) {
@@ -7162,13 +7166,13 @@ int dt_link_preset(const char *name, dt_link *out) {
 
 /* A ring all-reduce is a reduce-scatter then an all-gather: 2(N-1) hops, each
    moving 1/N of the buffer. */
-double dt_cost_all_reduce_ms(const dt_link *l, int n, double bytes) {
+double dt_cost_all_reduce_ms(const dt_link *link, int n, double bytes) {
     if (n <= 1) return 0;
-    return 2.0 * (n - 1) * l->latency_us / 1e3 + 2.0 * (n - 1) / n * bytes / (l->bandwidth_gbs * 1e9) * 1e3;
+    return 2.0 * (n - 1) * link->latency_us / 1e3 + 2.0 * (n - 1) / n * bytes / (link->bandwidth_gbs * 1e9) * 1e3;
 }
-double dt_cost_all_gather_ms(const dt_link *l, int n, double bytes) {
+double dt_cost_all_gather_ms(const dt_link *link, int n, double bytes) {
     if (n <= 1) return 0;
-    return (double)(n - 1) * l->latency_us / 1e3 + (double)(n - 1) / n * bytes / (l->bandwidth_gbs * 1e9) * 1e3;
+    return (double)(n - 1) * link->latency_us / 1e3 + (double)(n - 1) / n * bytes / (link->bandwidth_gbs * 1e9) * 1e3;
 }
 
 int dt_cost_ddp_buckets(double params, double bucket_mb) {
@@ -7639,22 +7643,22 @@ static int dt_job_mean_loss(dt_tensor *loss, int stop) {
     return caught / (base * base) ? SIGTERM : caught / base % base ? SIGUSR1 : caught % base ? SIGINT : 0;
 }
 
-void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer *opt, dt_loader *loader,
+void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimizer *opt, dt_loader *loader,
                   const dt_dataset *val) {
-    memset(r, 0, sizeof *r);
-    r->cfg = *cfg; r->model = model; r->opt = opt; r->loader = loader; r->val = val;
+    memset(run, 0, sizeof *run);
+    run->cfg = *cfg; run->model = model; run->opt = opt; run->loader = loader; run->val = val;
     if (cfg->resume && !strcmp(cfg->resume, "auto")) {
         if (!cfg->save_dir) dt_usage_error("--resume auto resumes from the newest checkpoint in --save-dir: give --save-dir");
-        r->cfg.resume = dt_newest_checkpoint(cfg->save_dir, r->resume_path, sizeof r->resume_path);
-        if (r->cfg.resume) r->cfg.init = NULL;             /* the checkpoint holds the weights since */
+        run->cfg.resume = dt_newest_checkpoint(cfg->save_dir, run->resume_path, sizeof run->resume_path);
+        if (run->cfg.resume) run->cfg.init = NULL;             /* the checkpoint holds the weights since */
         else if (!cfg->quiet && dt_ctx.rank == 0)
             printf("--resume auto: no checkpoint in %s yet, starting %s\n", cfg->save_dir, cfg->init ? "from --init" : "fresh");
-        cfg = &r->cfg;
+        cfg = &run->cfg;
     }
     if (cfg->bench) {               /* time steps, nothing else: no header, no evaluation, no checkpoints */
-        r->cfg.quiet = 1; r->cfg.epochs = 1 << 30; r->cfg.warmup = 0; r->cfg.save_dir = NULL;
-        r->cfg.eval_every = 0; r->cfg.sample = 0; r->val = NULL;
-        cfg = &r->cfg;
+        run->cfg.quiet = 1; run->cfg.epochs = 1 << 30; run->cfg.warmup = 0; run->cfg.save_dir = NULL;
+        run->cfg.eval_every = 0; run->cfg.sample = 0; run->val = NULL;
+        cfg = &run->cfg;
     }
     if (dt_ctx.job && dt_ctx.world_size > 1) {      /* flags that must be equal on every rank */
         char v[256];
@@ -7670,30 +7674,30 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
         dt_comm_check_agree(dt_ctx.job, "--accum-steps --dtype --reduce-dtype", v);
         dt_comm_check_agree(dt_ctx.job, "--resume", cfg->resume ? cfg->resume : "(none)");
     }
-    r->scaler = dt_loss_scaler_create((dt_dtype)cfg->dtype);
-    if (loader->ds->tokens && r->val && r->val->tokens) r->unigram_loss = dt_unigram_loss(loader->ds, r->val);
-    r->batches_per_epoch = dt_loader_batches_per_epoch(loader) / cfg->accum_steps;   /* optimizer steps */
-    if (r->batches_per_epoch == 0)
+    run->scaler = dt_loss_scaler_create((dt_dtype)cfg->dtype);
+    if (loader->ds->tokens && run->val && run->val->tokens) run->unigram_loss = dt_unigram_loss(loader->ds, run->val);
+    run->batches_per_epoch = dt_loader_batches_per_epoch(loader) / cfg->accum_steps;   /* optimizer steps */
+    if (run->batches_per_epoch == 0)
         dt_fail("the training set has %lld images per rank, fewer than one step of %d x %d (lower --batch-size%s)",
                 (long long)((loader->ds->n + loader->world - 1) / loader->world), cfg->accum_steps, cfg->batch_size,
                 cfg->accum_steps > 1 ? " or --accum-steps" : "");
     /* --steps stops early; the schedule still spans every epoch, so a run cut
        short and resumed follows the same learning rates as one that was not. */
-    r->total_steps = (int64_t)cfg->epochs * r->batches_per_epoch;
-    r->stop_step = cfg->steps > 0 && cfg->steps < r->total_steps ? cfg->steps : r->total_steps;
-    r->warmup = cfg->warmup >= 0 ? cfg->warmup : r->total_steps / 20;
+    run->total_steps = (int64_t)cfg->epochs * run->batches_per_epoch;
+    run->stop_step = cfg->steps > 0 && cfg->steps < run->total_steps ? cfg->steps : run->total_steps;
+    run->warmup = cfg->warmup >= 0 ? cfg->warmup : run->total_steps / 20;
     if (cfg->init) dt_model_load_weights(model, cfg->init);
-    if (cfg->resume) dt_checkpoint_load(r, cfg->resume);
+    if (cfg->resume) dt_checkpoint_load(run, cfg->resume);
     dt_mem_reset_peaks();                  /* from here on, the peaks are those of training */
     if (cfg->save_dir) {
         struct stat st;
         if (stat(cfg->save_dir, &st) != 0) dt_mkdir(cfg->save_dir);
         else if (!S_ISDIR(st.st_mode)) dt_fail("--save-dir '%s' exists and is not a folder", cfg->save_dir);
     }
-    if (cfg->log_path && dt_ctx.rank == 0 && !(r->log = fopen(cfg->log_path, cfg->resume ? "a" : "w")))
+    if (cfg->log_path && dt_ctx.rank == 0 && !(run->log = fopen(cfg->log_path, cfg->resume ? "a" : "w")))
         dt_fail("cannot open --log '%s': %s", cfg->log_path, strerror(errno));
-    if (cfg->trace_path) dt_trace_open(r, cfg->trace_path);
-    r->start_ms = r->mark_ms = dt_now_ms();
+    if (cfg->trace_path) dt_trace_open(run, cfg->trace_path);
+    run->start_ms = run->mark_ms = dt_now_ms();
     if (!cfg->quiet && dt_ctx.rank == 0) {
         char desc[256];
         dt_model_describe(model, desc, sizeof desc);
@@ -7704,7 +7708,7 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
                    loader->ds->num_classes);
             if (val && val->tokens)
                 printf("baseline: a model that ignores context (token frequencies alone) scores validation loss %.4f\n",
-                       r->unigram_loss);
+                       run->unigram_loss);
         } else
             printf("data: %lld training images from %s, %lld validation, %dx%d, %d classes\n",
                    (long long)loader->ds->n, loader->ds->source, val ? (long long)val->n : 0LL, loader->ds->size,
@@ -7721,55 +7725,55 @@ void dt_run_start(dt_run *r, const dt_config *cfg, dt_model *model, dt_optimizer
         if (cfg->dtype != DT_F32)
             snprintf(precision, sizeof precision, "; %s compute, f32 master weights, gradients reduced in %s%s",
                      dt_dtype_name((dt_dtype)cfg->dtype), dt_dtype_name((dt_dtype)cfg->reduce_dtype),
-                     r->scaler.enabled ? ", dynamic loss scaling" : "");
+                     run->scaler.enabled ? ", dynamic loss scaling" : "");
         printf("plan: %d epochs x %lld steps of %s = %lld steps%s; %s lr %g, warmup %lld; %s%s\n",
-               cfg->epochs, (long long)r->batches_per_epoch, images, (long long)r->total_steps,
-               r->stop_step < r->total_steps ? " (stopping early, see --steps)" : "",
-               opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)r->warmup, where, precision);
-        if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, r->epoch + 1, (long long)r->step);
+               cfg->epochs, (long long)run->batches_per_epoch, images, (long long)run->total_steps,
+               run->stop_step < run->total_steps ? " (stopping early, see --steps)" : "",
+               opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)run->warmup, where, precision);
+        if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, run->epoch + 1, (long long)run->step);
         if (dt_fsdp_of(model)) dt_fsdp_memory_table(dt_fsdp_of(model), opt);
         fflush(stdout);
     }
-    if (cfg->bench) r->stop_step = r->step + 2 + (cfg->steps > 0 ? cfg->steps : 3);   /* refined after a timed step */
-    r->bench_first = r->step + 2;
-    if (r->step >= r->stop_step) r->stop = 1;
+    if (cfg->bench) run->stop_step = run->step + 2 + (cfg->steps > 0 ? cfg->steps : 3);   /* refined after a timed step */
+    run->bench_first = run->step + 2;
+    if (run->step >= run->stop_step) run->stop = 1;
 }
 
-int dt_next_epoch(dt_run *r) {
-    if (r->stop || r->epoch >= r->cfg.epochs) return 0;
-    dt_loader_start_epoch(r->loader, r->epoch, r->batch_in_epoch * r->cfg.accum_steps);
+int dt_next_epoch(dt_run *run) {
+    if (run->stop || run->epoch >= run->cfg.epochs) return 0;
+    dt_loader_start_epoch(run->loader, run->epoch, run->batch_in_epoch * run->cfg.accum_steps);
     return 1;
 }
 
-int dt_next_batch(dt_run *r, dt_batch *b) {
-    if (r->micro == 0) {
-        if (r->batch_in_epoch >= r->batches_per_epoch) return 0;   /* the rest is less than a step */
-        dt_step_begin(r);
+int dt_next_batch(dt_run *run, dt_batch *batch) {
+    if (run->micro == 0) {
+        if (run->batch_in_epoch >= run->batches_per_epoch) return 0;   /* the rest is less than a step */
+        dt_step_begin(run);
     } else dt_step_arena_reset();     /* the gradients so far are in the parameters' buffers */
-    if (!dt_loader_next(r->loader, b)) return 0;
-    dt_phase(r, DT_PHASE_DATA);
+    if (!dt_loader_next(run->loader, batch)) return 0;
+    dt_phase(run, DT_PHASE_DATA);
     return 1;
 }
-int dt_last_micro_batch(const dt_run *r) { return r->micro == r->cfg.accum_steps - 1; }
-void dt_micro_batch_end(dt_run *r, dt_tensor *loss) {
-    r->micro_loss += dt_tensor_item(loss);
-    r->micro++;
+int dt_last_micro_batch(const dt_run *run) { return run->micro == run->cfg.accum_steps - 1; }
+void dt_micro_batch_end(dt_run *run, dt_tensor *loss) {
+    run->micro_loss += dt_tensor_item(loss);
+    run->micro++;
 }
 
-float dt_run_lr(const dt_run *r) { return dt_schedule_lr(r->cfg.lr, r->step, r->warmup, r->total_steps); }
+float dt_run_lr(const dt_run *run) { return dt_schedule_lr(run->cfg.lr, run->step, run->warmup, run->total_steps); }
 
-void dt_step_begin(dt_run *r) {
+void dt_step_begin(dt_run *run) {
     dt_step_arena_reset();
-    for (int i = 0; i < DT_PHASE_COUNT; i++) r->phase_ms[i] = 0;
+    for (int i = 0; i < DT_PHASE_COUNT; i++) run->phase_ms[i] = 0;
     dt_ctx.comm_ms = dt_ctx.comm_hidden_ms = 0;
     dt_ctx.ncomm_events = 0;
     dt_ctx.grad_collectives = 0;
-    if (r->cfg.bench && r->step == r->bench_first) {     /* the warm-up is over: the clock starts */
+    if (run->cfg.bench && run->step == run->bench_first) {     /* the warm-up is over: the clock starts */
         dt_synchronize();
         dt_flops_reset();
-        r->bench_t0 = dt_now_ms();
+        run->bench_t0 = dt_now_ms();
     }
-    r->step_start_ms = r->mark_ms = dt_now_ms();
+    run->step_start_ms = run->mark_ms = dt_now_ms();
 }
 
 /* --explain: the cost model on this run, with the compute it just measured. */
@@ -7864,126 +7868,126 @@ static void dt_run_eval(dt_run *r) {
     if (sample) { dt_run_sample(r); dt_phase(r, DT_PHASE_EVAL); }
 }
 
-int dt_step_end(dt_run *r, dt_tensor *loss, int batch_size) {
-    if (r->micro > 0) {            /* the mean of the step's micro-batches */
-        float mean = (float)((r->micro_loss + dt_tensor_item(loss)) / (r->micro + 1));
+int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
+    if (run->micro > 0) {            /* the mean of the step's micro-batches */
+        float mean = (float)((run->micro_loss + dt_tensor_item(loss)) / (run->micro + 1));
         dt_upload(loss->data, &mean, sizeof mean);
     }
-    r->micro = 0;
-    r->micro_loss = 0;
+    run->micro = 0;
+    run->micro_loss = 0;
     /* the loss of the whole job's batch: the mean of the ranks' means */
-    int stop = dt_job_mean_loss(loss, r->cfg.bench || r->step + 1 >= r->stop_step ? 0 : dt_local_stop_signal());
-    double now = dt_now_ms(), step_ms = now - r->step_start_ms;
-    float lr = dt_run_lr(r);
-    batch_size *= r->cfg.accum_steps;                     /* the samples of one step, per rank */
-    r->step++;
-    r->steps_run++;
-    r->batch_in_epoch++;
-    r->samples += (double)batch_size * dt_ctx.world_size;
-    r->train_ms += step_ms;
-    r->last_loss = dt_tensor_item(loss);
-    r->loss_sum += r->last_loss;
-    r->loss_count++;
-    if (!isfinite(r->last_loss))
-        dt_fail("the loss became %f at step %lld (try a lower --lr, or --clip)", r->last_loss, (long long)r->step);
+    int stop = dt_job_mean_loss(loss, run->cfg.bench || run->step + 1 >= run->stop_step ? 0 : dt_local_stop_signal());
+    double now = dt_now_ms(), step_ms = now - run->step_start_ms;
+    float lr = dt_run_lr(run);
+    batch_size *= run->cfg.accum_steps;                     /* the samples of one step, per rank */
+    run->step++;
+    run->steps_run++;
+    run->batch_in_epoch++;
+    run->samples += (double)batch_size * dt_ctx.world_size;
+    run->train_ms += step_ms;
+    run->last_loss = dt_tensor_item(loss);
+    run->loss_sum += run->last_loss;
+    run->loss_count++;
+    if (!isfinite(run->last_loss))
+        dt_fail("the loss became %f at step %lld (try a lower --lr, or --clip)", run->last_loss, (long long)run->step);
     for (int k = 0; k < dt_ctx.ncomm_events; k++)
-        dt_trace_event(r, dt_ctx.comm_events[k].name, DT_TRACK_COMM, dt_ctx.comm_events[k].t0, dt_ctx.comm_events[k].t1);
-    if (r->log) {
-        fprintf(r->log, "{\"step\":%lld,\"epoch\":%d,\"loss\":%.8g,\"lr\":%.6g,\"samples_per_s\":%.1f,\"step_ms\":%.3f,"
+        dt_trace_event(run, dt_ctx.comm_events[k].name, DT_TRACK_COMM, dt_ctx.comm_events[k].t0, dt_ctx.comm_events[k].t1);
+    if (run->log) {
+        fprintf(run->log, "{\"step\":%lld,\"epoch\":%d,\"loss\":%.8g,\"lr\":%.6g,\"samples_per_s\":%.1f,\"step_ms\":%.3f,"
                         "\"data_ms\":%.3f,\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"comm_ms\":%.3f,\"comm_hidden_ms\":%.3f,"
                         "\"comm_wait_ms\":%.3f,\"opt_ms\":%.3f,\"grad_norm\":%.5g,\"mem_bytes\":%zu,"
                         "\"grad_collectives\":%lld",
-                (long long)r->step, r->epoch + 1, r->last_loss, lr, batch_size * dt_ctx.world_size * 1e3 / step_ms, step_ms,
-                r->phase_ms[DT_PHASE_DATA], r->phase_ms[DT_PHASE_FWD], r->phase_ms[DT_PHASE_BWD], dt_ctx.comm_ms,
-                dt_ctx.comm_hidden_ms, r->phase_ms[DT_PHASE_COMM], r->phase_ms[DT_PHASE_OPT], r->opt->last_grad_norm,
+                (long long)run->step, run->epoch + 1, run->last_loss, lr, batch_size * dt_ctx.world_size * 1e3 / step_ms, step_ms,
+                run->phase_ms[DT_PHASE_DATA], run->phase_ms[DT_PHASE_FWD], run->phase_ms[DT_PHASE_BWD], dt_ctx.comm_ms,
+                dt_ctx.comm_hidden_ms, run->phase_ms[DT_PHASE_COMM], run->phase_ms[DT_PHASE_OPT], run->opt->last_grad_norm,
                 dt_mem_total_now(), (long long)dt_ctx.grad_collectives);
-        if (r->scaler.enabled)
-            fprintf(r->log, ",\"loss_scale\":%g,\"skipped\":%d,\"skipped_steps\":%lld", r->scaler.scale,
-                    r->scaler.last_skipped, (long long)r->scaler.skipped);
-        if (dt_tokens_per_sample(r))
-            fprintf(r->log, ",\"tokens_per_s\":%.1f", (double)batch_size * dt_ctx.world_size * dt_tokens_per_sample(r) * 1e3 / step_ms);
-        fprintf(r->log, "}\n");
-        dt_file_check(r->log, "--log", r->cfg.log_path);
+        if (run->scaler.enabled)
+            fprintf(run->log, ",\"loss_scale\":%g,\"skipped\":%d,\"skipped_steps\":%lld", run->scaler.scale,
+                    run->scaler.last_skipped, (long long)run->scaler.skipped);
+        if (dt_tokens_per_sample(run))
+            fprintf(run->log, ",\"tokens_per_s\":%.1f", (double)batch_size * dt_ctx.world_size * dt_tokens_per_sample(run) * 1e3 / step_ms);
+        fprintf(run->log, "}\n");
+        dt_file_check(run->log, "--log", run->cfg.log_path);
     }
-    if (r->cfg.bench && r->step > r->bench_first) {
-        for (int i = 0; i < DT_PHASE_COUNT; i++) r->bench_phase_ms[i] += r->phase_ms[i];
-        r->bench_comm_ms += dt_ctx.comm_ms;
-        r->bench_hidden_ms += dt_ctx.comm_hidden_ms;
-        if (r->step == r->bench_first + 1 && r->cfg.steps == 0) {
+    if (run->cfg.bench && run->step > run->bench_first) {
+        for (int i = 0; i < DT_PHASE_COUNT; i++) run->bench_phase_ms[i] += run->phase_ms[i];
+        run->bench_comm_ms += dt_ctx.comm_ms;
+        run->bench_hidden_ms += dt_ctx.comm_hidden_ms;
+        if (run->step == run->bench_first + 1 && run->cfg.steps == 0) {
             /* about three seconds of steps (3 to 200); rank 0 decides for every rank */
             float n = (float)(3000.0 / (step_ms > 1e-3 ? step_ms : 1e-3));
             n = n < 3 ? 3 : n > 200 ? 200 : (float)(int)n;
             if (dt_ctx.rank != 0) n = 0;
             dt_job_sum(&n, 1);
-            r->stop_step = r->bench_first + (int64_t)n;
+            run->stop_step = run->bench_first + (int64_t)n;
         }
     }
-    r->step_ms_avg = dt_eta_update(r->step_ms_avg, step_ms, r->steps_run);
-    int last_of_epoch = r->batch_in_epoch == r->batches_per_epoch || r->step == r->stop_step;
-    if (!r->cfg.quiet && dt_ctx.rank == 0 && dt_progress_due(r->step, r->cfg.log_every, last_of_epoch, now, r->line_ms)) {
+    run->step_ms_avg = dt_eta_update(run->step_ms_avg, step_ms, run->steps_run);
+    int last_of_epoch = run->batch_in_epoch == run->batches_per_epoch || run->step == run->stop_step;
+    if (!run->cfg.quiet && dt_ctx.rank == 0 && dt_progress_due(run->step, run->cfg.log_every, last_of_epoch, now, run->line_ms)) {
         char eta[32];
-        double rate = r->step_ms_avg > 0 ? batch_size * dt_ctx.world_size * 1e3 / r->step_ms_avg : 0;
-        dt_format_duration((r->stop_step - r->step) * r->step_ms_avg / 1e3, eta, sizeof eta);
-        r->line_ms = now;
+        double rate = run->step_ms_avg > 0 ? batch_size * dt_ctx.world_size * 1e3 / run->step_ms_avg : 0;
+        dt_format_duration((run->stop_step - run->step) * run->step_ms_avg / 1e3, eta, sizeof eta);
+        run->line_ms = now;
         char scale[64] = "";
-        if (r->scaler.enabled)
-            snprintf(scale, sizeof scale, "  scale %g (%lld skipped)", r->scaler.scale, (long long)r->scaler.skipped);
-        int tok = dt_tokens_per_sample(r);
-        printf("step %6lld/%lld  epoch %d/%d  loss %.4f  lr %.2e  %.0f %s/s  eta %s%s\n", (long long)r->step,
-               (long long)r->stop_step, r->epoch + 1, r->cfg.epochs, r->loss_sum / r->loss_count, lr,
+        if (run->scaler.enabled)
+            snprintf(scale, sizeof scale, "  scale %g (%lld skipped)", run->scaler.scale, (long long)run->scaler.skipped);
+        int tok = dt_tokens_per_sample(run);
+        printf("step %6lld/%lld  epoch %d/%d  loss %.4f  lr %.2e  %.0f %s/s  eta %s%s\n", (long long)run->step,
+               (long long)run->stop_step, run->epoch + 1, run->cfg.epochs, run->loss_sum / run->loss_count, lr,
                tok ? rate * tok : rate, tok ? "tokens" : "samples", eta, scale);
         fflush(stdout);
-        r->loss_sum = 0;
-        r->loss_count = 0;
+        run->loss_sum = 0;
+        run->loss_count = 0;
     }
-    if (r->cfg.explain && r->steps_run == 3 && dt_ctx.rank == 0) dt_run_explain(r);
-    if (stop) { r->stopped_by = stop; r->stop = 1; }
-    if (r->cfg.eval_every > 0 && r->step % r->cfg.eval_every == 0 && !r->stopped_by) dt_run_eval(r);
-    if (r->step >= r->stop_step) r->stop = 1;
-    return r->stop;
+    if (run->cfg.explain && run->steps_run == 3 && dt_ctx.rank == 0) dt_run_explain(run);
+    if (stop) { run->stopped_by = stop; run->stop = 1; }
+    if (run->cfg.eval_every > 0 && run->step % run->cfg.eval_every == 0 && !run->stopped_by) dt_run_eval(run);
+    if (run->step >= run->stop_step) run->stop = 1;
+    return run->stop;
 }
 
-void dt_epoch_end(dt_run *r) {
-    int finished = r->batch_in_epoch >= r->batches_per_epoch;
-    if (finished) { r->epoch++; r->batch_in_epoch = 0; }
-    if (!r->stopped_by && !(r->cfg.eval_every > 0 && r->step % r->cfg.eval_every == 0)) dt_run_eval(r);
-    if (r->stopped_by && !r->cfg.save_dir && dt_ctx.rank == 0)
-        dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt_signal_name(r->stopped_by),
-                (long long)r->steps_run);
-    if (r->cfg.save_dir && (dt_ctx.rank == 0 || dt_fsdp_of(r->model))) {   /* sharded: every rank gathers */
+void dt_epoch_end(dt_run *run) {
+    int finished = run->batch_in_epoch >= run->batches_per_epoch;
+    if (finished) { run->epoch++; run->batch_in_epoch = 0; }
+    if (!run->stopped_by && !(run->cfg.eval_every > 0 && run->step % run->cfg.eval_every == 0)) dt_run_eval(run);
+    if (run->stopped_by && !run->cfg.save_dir && dt_ctx.rank == 0)
+        dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt_signal_name(run->stopped_by),
+                (long long)run->steps_run);
+    if (run->cfg.save_dir && (dt_ctx.rank == 0 || dt_fsdp_of(run->model))) {   /* sharded: every rank gathers */
         char path[4096], what[64];
-        if (finished) snprintf(what, sizeof what, "epoch%d", r->epoch);
-        else snprintf(what, sizeof what, "step%lld", (long long)r->step);
-        dt_describe_position(r, path, sizeof path, what);
-        r->mark_ms = dt_now_ms();
-        dt_checkpoint_save(r, path);
-        dt_phase(r, DT_PHASE_CKPT);
-        if (!r->cfg.quiet && dt_ctx.rank == 0) { printf("saved %s\n", path); fflush(stdout); }
+        if (finished) snprintf(what, sizeof what, "epoch%d", run->epoch);
+        else snprintf(what, sizeof what, "step%lld", (long long)run->step);
+        dt_describe_position(run, path, sizeof path, what);
+        run->mark_ms = dt_now_ms();
+        dt_checkpoint_save(run, path);
+        dt_phase(run, DT_PHASE_CKPT);
+        if (!run->cfg.quiet && dt_ctx.rank == 0) { printf("saved %s\n", path); fflush(stdout); }
     }
 }
 
-int dt_run_finish(dt_run *r) {
-    if (r->cfg.bench) dt_bench_report(r);
-    else if (r->steps_run == 0 && r->val) {        /* --resume of a finished run: evaluate it */
-        if (!r->cfg.quiet && dt_ctx.rank == 0) printf("nothing left to train (epoch %d of %d): evaluating\n", r->epoch, r->cfg.epochs);
-        dt_run_eval(r);
+int dt_run_finish(dt_run *run) {
+    if (run->cfg.bench) dt_bench_report(run);
+    else if (run->steps_run == 0 && run->val) {        /* --resume of a finished run: evaluate it */
+        if (!run->cfg.quiet && dt_ctx.rank == 0) printf("nothing left to train (epoch %d of %d): evaluating\n", run->epoch, run->cfg.epochs);
+        dt_run_eval(run);
     }
-    double rate = r->train_ms > 0 ? r->samples / (r->train_ms / 1e3) : 0;
-    double final_loss = r->loss_count ? r->loss_sum / r->loss_count : r->last_loss;
-    if (dt_ctx.rank == 0 && !r->cfg.bench) {
-        int tok = dt_tokens_per_sample(r);
+    double rate = run->train_ms > 0 ? run->samples / (run->train_ms / 1e3) : 0;
+    double final_loss = run->loss_count ? run->loss_sum / run->loss_count : run->last_loss;
+    if (dt_ctx.rank == 0 && !run->cfg.bench) {
+        int tok = dt_tokens_per_sample(run);
         printf("done: %lld steps, %.0f %s/s, final loss %.4f, eval loss %.4f, eval accuracy %.2f%%, %.1f s\n",
-               (long long)r->step, tok ? rate * tok : rate, tok ? "tokens" : "samples", final_loss, r->eval_loss,
-               100 * r->eval_acc, (dt_now_ms() - r->start_ms) / 1e3);
-        if (r->unigram_loss > 0 && r->steps_run > 0)
-            printf("eval loss %.4f against %.4f for token frequencies alone: %s\n", r->eval_loss, r->unigram_loss,
-                   r->eval_loss < r->unigram_loss ? "the model uses the context" : "not yet better than ignoring the context");
+               (long long)run->step, tok ? rate * tok : rate, tok ? "tokens" : "samples", final_loss, run->eval_loss,
+               100 * run->eval_acc, (dt_now_ms() - run->start_ms) / 1e3);
+        if (run->unigram_loss > 0 && run->steps_run > 0)
+            printf("eval loss %.4f against %.4f for token frequencies alone: %s\n", run->eval_loss, run->unigram_loss,
+                   run->eval_loss < run->unigram_loss ? "the model uses the context" : "not yet better than ignoring the context");
         printf("peak memory:");
         for (int a = 0; a < DT_ARENA_COUNT; a++) printf(" %s %.1f MB,", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a) / 1e6);
         printf(" total %.1f MB\n", dt_mem_total_peak() / 1e6);
-        if (r->scaler.enabled)
-            printf("fp16 loss scale: %g at the end, %lld of %lld steps skipped\n", r->scaler.scale,
-                   (long long)r->scaler.skipped, (long long)r->steps_run);
+        if (run->scaler.enabled)
+            printf("fp16 loss scale: %g at the end, %lld of %lld steps skipped\n", run->scaler.scale,
+                   (long long)run->scaler.skipped, (long long)run->steps_run);
         size_t host = 0;
         for (int a = 0; a < DT_ARENA_COUNT; a++) host += dt_mem_host_peak((dt_arena)a);
         if (host) {
@@ -7994,35 +7998,35 @@ int dt_run_finish(dt_run *r) {
         }
         fflush(stdout);
     }
-    if (r->log) {
-        fprintf(r->log, "{\"summary\":true,\"steps\":%lld,\"final_loss\":%.6f,\"eval_loss\":%.6f,\"eval_acc\":%.6f,"
+    if (run->log) {
+        fprintf(run->log, "{\"summary\":true,\"steps\":%lld,\"final_loss\":%.6f,\"eval_loss\":%.6f,\"eval_acc\":%.6f,"
                         "\"samples_per_s\":%.1f,\"peak_mem_bytes\":%zu,\"world_size\":%d",
-                (long long)r->step, final_loss, r->eval_loss, r->eval_acc, rate, dt_mem_total_peak(), dt_ctx.world_size);
-        if (dt_tokens_per_sample(r))
-            fprintf(r->log, ",\"tokens_per_s\":%.1f,\"unigram_loss\":%.6f", rate * dt_tokens_per_sample(r), r->unigram_loss);
-        if (r->scaler.enabled) fprintf(r->log, ",\"loss_scale\":%g,\"skipped_steps\":%lld", r->scaler.scale, (long long)r->scaler.skipped);
-        for (int a = 0; a < DT_ARENA_COUNT; a++) fprintf(r->log, ",\"peak_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a));
+                (long long)run->step, final_loss, run->eval_loss, run->eval_acc, rate, dt_mem_total_peak(), dt_ctx.world_size);
+        if (dt_tokens_per_sample(run))
+            fprintf(run->log, ",\"tokens_per_s\":%.1f,\"unigram_loss\":%.6f", rate * dt_tokens_per_sample(run), run->unigram_loss);
+        if (run->scaler.enabled) fprintf(run->log, ",\"loss_scale\":%g,\"skipped_steps\":%lld", run->scaler.scale, (long long)run->scaler.skipped);
+        for (int a = 0; a < DT_ARENA_COUNT; a++) fprintf(run->log, ",\"peak_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a));
         for (int a = 0; a < DT_ARENA_COUNT; a++)
-            fprintf(r->log, ",\"peak_host_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_host_peak((dt_arena)a));
-        if (r->stopped_by) fprintf(r->log, ",\"stopped_by\":\"%s\"", r->stopped_by == SIGINT ? "SIGINT" : r->stopped_by == SIGTERM ? "SIGTERM" : "SIGUSR1");
-        fprintf(r->log, "}\n");
-        FILE *log = r->log;
-        r->log = NULL;
-        dt_file_close(log, "--log", r->cfg.log_path);
+            fprintf(run->log, ",\"peak_host_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_host_peak((dt_arena)a));
+        if (run->stopped_by) fprintf(run->log, ",\"stopped_by\":\"%s\"", run->stopped_by == SIGINT ? "SIGINT" : run->stopped_by == SIGTERM ? "SIGTERM" : "SIGUSR1");
+        fprintf(run->log, "}\n");
+        FILE *log = run->log;
+        run->log = NULL;
+        dt_file_close(log, "--log", run->cfg.log_path);
     }
-    if (r->trace) {
-        FILE *trace = r->trace;
-        r->trace = NULL;
+    if (run->trace) {
+        FILE *trace = run->trace;
+        run->trace = NULL;
         fprintf(trace, "]\n");
-        dt_file_close(trace, "--trace", r->trace_path);
+        dt_file_close(trace, "--trace", run->trace_path);
     }
-    if (!r->stopped_by) return 0;
+    if (!run->stopped_by) return 0;
     if (dt_ctx.rank == 0) {
-        printf("stopped by %s after step %lld of %lld%s\n", dt_signal_name(r->stopped_by), (long long)r->step,
-               (long long)r->stop_step, r->cfg.save_dir ? ": the same command with --resume auto continues from here" : "");
+        printf("stopped by %s after step %lld of %lld%s\n", dt_signal_name(run->stopped_by), (long long)run->step,
+               (long long)run->stop_step, run->cfg.save_dir ? ": the same command with --resume auto continues from here" : "");
         fflush(stdout);
     }
-    return r->stopped_by == SIGINT ? 130 : 75;       /* 75, EX_TEMPFAIL: preempted, to be run again */
+    return run->stopped_by == SIGINT ? 130 : 75;       /* 75, EX_TEMPFAIL: preempted, to be run again */
 }
 
 #endif /* DTRAIN_IMPLEMENTATION */
