@@ -151,7 +151,7 @@ print-nccl:
 	   echo "NCCL_LIBS=$(NCCL_LIBS)"; \
 	   echo "NCCL_VERSION=$$(awk '/^#define NCCL_(MAJOR|MINOR|PATCH) /{v=v (v?".":"") $$3} END{print v}' $(NCCL_DIR)/include/nccl.h)"; fi
 
-gpu-check: all
+gpu-check: all $(TESTING_BINS)
 	GPU_CHECK_OUT="$(or $(GPU_CHECK_OUT),gpu-check)" tools/gpu_check.sh
 
 run: 01-single-gpu/train
@@ -160,9 +160,14 @@ run: 01-single-gpu/train
 # T=PART: only the tests with PART in their name (the runner's second argument).
 TEST_FILTER = $(if $(T),'$(T)')
 
-test: $(STAGE_BINS) $(TOOLS) $(TEST_BIN)
-	@echo "testing with: $(CC) $(CFLAGS)$(if $(CUDA_OBJ), + $(CUDA_OBJ) from $(NVCC))"
-	./$(TEST_BIN) 01-single-gpu/train $(TEST_FILTER)
+# The suite runs the stages built into build/test/ with -DDT_TESTING, which
+# compiles in dtrain.h's test hooks (a rank that dies on cue, a signal at a
+# given step); the binaries `make` builds, and any program that copies the
+# header, have none.
+TESTING_BINS := $(addprefix build/test/,$(STAGE_BINS) tools/collectives tools/consolidate)
+test: $(STAGE_BINS) $(TOOLS) $(TEST_BIN) $(TESTING_BINS)
+	@echo "testing with: $(CC) $(CFLAGS) -DDT_TESTING$(if $(CUDA_OBJ), + $(CUDA_OBJ) from $(NVCC))"
+	./$(TEST_BIN) build/test/01-single-gpu/train $(TEST_FILTER)
 
 test-list: $(TEST_BIN)
 	@./$(TEST_BIN) --list $(TEST_FILTER)
@@ -183,8 +188,10 @@ build/$(1)/test_dtrain: tests/test_dtrain.c dtrain.h $(3)
 endef
 SANITIZED = $(addprefix build/$(1)/,$(STAGE_BINS) tools/collectives tools/consolidate test_dtrain)
 
+$(eval $(call sanitized,test,$(CC) $(CFLAGS) -DDT_TESTING,$(CUDA_OBJ),$(LDLIBS)))
+
 # AddressSanitizer + UBSan: out-of-bounds, use after free, leaks, overflow.
-ASAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
+ASAN_FLAGS := -DDT_TESTING -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 $(eval $(call sanitized,asan,$(CC) $(filter-out -O3 -O2,$(CFLAGS)) $(ASAN_FLAGS),$(CUDA_OBJ),$(LDLIBS)))
 test-asan: $(call SANITIZED,asan)
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
@@ -196,7 +203,7 @@ test-asan: $(call SANITIZED,asan)
 # has no OpenMP, stb_image, BLAS or CUDA (their libraries are not instrumented
 # and would be reported falsely); the tests that need those skip, saying why.
 MSAN_CC    ?= clang
-MSAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=memory -fsanitize-memory-track-origins=2 \
+MSAN_FLAGS := -DDT_TESTING -O1 -g -fno-omit-frame-pointer -fsanitize=memory -fsanitize-memory-track-origins=2 \
               -fno-sanitize-recover=memory -std=c11 $(WARN)
 $(eval $(call sanitized,msan,$(MSAN_CC) $(MSAN_FLAGS),,-lm))
 $(call SANITIZED,msan): | msan-toolchain

@@ -3932,7 +3932,9 @@ struct dt_comm {
     dt_comm *top, *parent;
     int children;                           /* groups split from it and not yet freed */
     int job_rank[DT_MAX_RANKS];             /* rank in top of each of our ranks */
+#ifdef DT_TESTING
     int die_in_all_reduce;                  /* test hook, see dt_comm_start: die in this all-reduce (from 1) */
+#endif
     double timeout_s;
     dt_shm_header *hdr;                     /* shared memory: header, world slots, a result area */
     char *slots, *result;
@@ -3949,6 +3951,15 @@ struct dt_comm {
 };
 
 static dt_comm *dt_active_comm;             /* for dt_fail: tell the other ranks we are going */
+
+/* The test suite's hooks (a rank that dies on cue) exist only in its own
+   builds, made with -DDT_TESTING; in any other build they are nothing. */
+#ifdef DT_TESTING
+#define DT_TEST_DIE_IN(c, o) \
+    do { if ((o)->kind == DT_COLL_ALL_REDUCE && (c)->die_in_all_reduce > 0 && --(c)->die_in_all_reduce == 0) raise(SIGKILL); } while (0)
+#else
+#define DT_TEST_DIE_IN(c, o) ((void)0)
+#endif
 
 static float dt_load_as_f32(const void *p, int64_t i, dt_dtype t) {
     return t == DT_F32 ? ((const float *)p)[i] : t == DT_BF16 ? dt_bf16_to_f32(((const uint16_t *)p)[i])
@@ -4119,7 +4130,7 @@ static void dt_shm_run(dt_comm *c, const dt_comm_op *o) {
             int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
             memcpy(mine, send + off * es, (size_t)n * es);
             dt_shm_barrier(c, what);
-            if (o->kind == DT_COLL_ALL_REDUCE && c->die_in_all_reduce > 0 && --c->die_in_all_reduce == 0) raise(SIGKILL);
+            DT_TEST_DIE_IN(c, o);
             dt_sum_slots(c, 0, n * me / W, n * (me + 1) / W, o->dtype, o->op, c->result, 0);   /* my stripe */
             dt_shm_barrier(c, what);
             if (o->kind == DT_COLL_ALL_REDUCE || me == o->root) memcpy(recv + off * es, c->result, (size_t)n * es);
@@ -4207,7 +4218,7 @@ static void dt_nccl_start(dt_comm *c, int64_t h, const dt_comm_op *o) {
     dt_nccl_issue(c->nccl, slot, o);
     dt_nccl_watch(c, -1, dt_coll_names[o->kind]);         /* a non-blocking call may still be in progress */
     dt_nccl_mark_done(c->nccl, slot);
-    if (o->kind == DT_COLL_ALL_REDUCE && c->die_in_all_reduce > 0 && --c->die_in_all_reduce == 0) raise(SIGKILL);
+    DT_TEST_DIE_IN(c, o);
 }
 static void dt_nccl_finish(dt_comm *c, int64_t h) {
     dt_nccl_watch(c, dt_comm_slot(h), dt_coll_names[c->queue[dt_comm_slot(h)].kind]);
@@ -4428,11 +4439,13 @@ static void dt_comm_start(dt_comm *c, dt_shm_header *hdr) {
     c->slots = (char *)hdr + dt_shm_header_bytes(c->world);
     c->result = c->slots + (size_t)c->world * DT_SLOT_BYTES;
     __atomic_store_n(&hdr->pid[c->rank], (int)getpid(), __ATOMIC_RELEASE);
+#ifdef DT_TESTING
     /* Fault tests: DT_TEST_DIE_RANK=r makes rank r of the job kill itself in the
        middle of its first all-reduce (or its DT_TEST_DIE_CALL-th) on a
        communicator, after the others have started it. */
     const char *die = getenv("DT_TEST_DIE_RANK"), *call = getenv("DT_TEST_DIE_CALL");
     c->die_in_all_reduce = die && atoi(die) == c->job_rank[c->rank] && c->world > 1 ? (call ? atoi(call) : 1) : 0;
+#endif
     if (pthread_create(&c->worker, NULL, dt_comm_worker, c) != 0) dt_fail("cannot start the communication thread");
     dt_comm *none = NULL;                   /* the first communicator speaks for the job when we fail */
     if (!c->parent) __atomic_compare_exchange_n(&dt_active_comm, &none, c, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
@@ -7609,6 +7622,7 @@ void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
 
 /* The stop signal this rank caught, if any. */
 static int dt_local_stop_signal(void) {
+#ifdef DT_TESTING
     if (getenv("DT_TEST_STOP_AT_STEP") && dt_ctx.rank == 0 && !dt_stop_signal) {
         /* Preemption tests: at step N rank 0 sends SIGTERM to its launcher (or to itself) and waits until the
            signal comes back to it, so the job stops at that step however busy the machine is. */
@@ -7618,6 +7632,7 @@ static int dt_local_stop_signal(void) {
             for (int i = 0; i < 5000 && !dt_stop_signal; i++) { struct timespec ts = { 0, 1000000 }; nanosleep(&ts, NULL); }
         }
     }
+#endif
     return dt_stop_signal;
 }
 

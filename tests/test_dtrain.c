@@ -170,6 +170,22 @@ static const char *build_path(const char *rel) {
     return p;
 }
 
+/* The repository root (for make), beside this build's programs. */
+static const char *repo_root(void) {
+    static char root[700];
+    char probe[800];
+    dt_copy_str(root, sizeof root, build_path(""));
+    for (int up = 0; up < 3; up++) {              /* build/asan/ -> the root */
+        snprintf(probe, sizeof probe, "%s%sMakefile", root, root[0] ? "/" : "");
+        struct stat sb;
+        if (stat(probe, &sb) == 0) return root[0] ? root : ".";
+        char *slash = strrchr(root, '/');
+        if (!slash) { root[0] = 0; continue; }
+        *slash = 0;
+    }
+    return ".";
+}
+
 /* A small synthetic data set for the command-line tests (made once). */
 /* A synthetic set of 16x16 images in tmpdir/name, written on first use into dir. */
 static const char *synthetic_set(char *dir, size_t n, const char *name, int train, int val, uint64_t seed) {
@@ -1795,6 +1811,27 @@ static void test_a_killed_rank_stops_the_others_with_its_name(void) {
     CHECKF(count_shm_segments() == before, "a /dev/shm/dtrain-* segment was left behind");
 }
 
+/* The hooks the tests above use are compiled in only with -DDT_TESTING (the
+   suite's own builds): the tools/collectives `make` builds ignores them. */
+static const char *plain_collectives_bin(void) {
+    static char path[800];
+    snprintf(path, sizeof path, "%s/tools/collectives", repo_root());
+    return path;
+}
+static void test_test_hooks_exist_only_in_testing_builds(void) {
+    char out[16384];
+    const char *plain = plain_collectives_bin();
+    struct stat sb;
+    if (stat(plain, &sb) != 0) SKIP("no tools/collectives at the root (make all builds it)");
+    if (!strcmp(plain, collectives_bin())) SKIP("the suite runs the plain build itself");
+    int st = run_cmd(out, sizeof out, "env DT_TEST_DIE_RANK=1 %s --nproc 2 --check --timeout 30", plain);
+    CHECKF(st == 0, "the build without DT_TESTING obeyed DT_TEST_DIE_RANK (exit %d):\n%s", st, out);
+    st = run_cmd(out, sizeof out, "grep -c DT_TEST_DIE_RANK %s", plain);
+    CHECKF(st != 0, "the build without DT_TESTING holds the hook's name");
+    st = run_cmd(out, sizeof out, "grep -c DT_TEST_DIE_RANK %s", collectives_bin());
+    CHECKF(st == 0, "the suite's build %s has no DT_TEST_DIE_RANK hook", collectives_bin());
+}
+
 static void test_ranks_launch_from_torchrun_variables_and_check_their_flags(void) {
     char out[16384];
     int port = dt_free_port();
@@ -3190,21 +3227,6 @@ static void test_gpt_beats_the_unigram_baseline_on_text(void) {
 
 /* ---- start-up on a GPU machine, checked on the CPU ---------------------------- */
 
-/* The repository root (for make), beside this build's programs. */
-static const char *repo_root(void) {
-    static char root[700];
-    char probe[800];
-    dt_copy_str(root, sizeof root, build_path(""));
-    for (int up = 0; up < 3; up++) {              /* build/asan/ -> the root */
-        snprintf(probe, sizeof probe, "%s%sMakefile", root, root[0] ? "/" : "");
-        struct stat sb;
-        if (stat(probe, &sb) == 0) return root[0] ? root : ".";
-        char *slash = strrchr(root, '/');
-        if (!slash) { root[0] = 0; continue; }
-        *slash = 0;
-    }
-    return ".";
-}
 
 /* A device made of host memory that knows its own allocations: enough for a
    communicator to believe it has a GPU, so that a CPU test can see which kind
@@ -3938,7 +3960,7 @@ static const test_case tests[] = {
     T(test_groups_of_a_mesh_over_processes_match_a_serial_reference),
     T(test_mesh_split_and_message_mistakes_are_clear_errors),
     T(test_a_rank_killed_in_a_group_stops_the_others_with_its_name),
-    T(test_a_killed_rank_stops_the_others_with_its_name), T(test_ranks_launch_from_torchrun_variables_and_check_their_flags),
+    T(test_a_killed_rank_stops_the_others_with_its_name), T(test_test_hooks_exist_only_in_testing_builds), T(test_ranks_launch_from_torchrun_variables_and_check_their_flags),
     T(test_torchrun_launches_stages_in_every_rendezvous_mode), T(test_mpirun_launches_a_stage_like_nproc),
     T(test_stopping_the_launcher_stops_its_ranks), T(test_a_stranger_at_the_rendezvous_is_turned_away_not_fatal),
     T(test_a_failed_rendezvous_leaves_nothing_in_dev_shm), T(test_sigterm_preempts_fsdp_and_resume_auto_ends_bit_for_bit),

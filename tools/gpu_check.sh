@@ -499,11 +499,12 @@ two_rank_runs "two ranks on one GPU" "$RPG"
 if [ "$N_GPUS" -ge 2 ] && [ "$DRY" = 0 ]; then two_rank_runs "two GPUs" ""; fi
 
 # ---- a killed rank stops the job ----------------------------------------------------
-# DT_TEST_DIE_RANK=1: rank 1 SIGKILLs itself in its first all-reduce. Rank 0 must
+# DT_TEST_DIE_RANK=1 (a hook only build/test/, made with -DDT_TESTING, has): rank 1
+# SIGKILLs itself in its first all-reduce. Rank 0 must
 # notice, name it and stop the job, well within --timeout 20 (+15 s of grace).
 if begin "killed rank stops the job"; then
     # shellcheck disable=SC2086
-    run_step "$CUR" 60 env DT_TEST_DIE_RANK=1 ./03-ddp/train --device "$DEV" --nproc 2 $RPG --timeout 20 \
+    run_step "$CUR" 60 env DT_TEST_DIE_RANK=1 build/test/03-ddp/train --device "$DEV" --nproc 2 $RPG --timeout 20 \
         "${VIT[@]}" --batch-size 16 --epochs 1 "${COMMON[@]}" --steps 20 --log "$RUNS/killed.jsonl"
     named=$(grep -v '^====' "$OUT/$CUR_LOG" | grep -m1 -E 'rank 1\b.*(killed|died|signal)' | cut -c1-160)
     if [ "$STEP_TIMED_OUT" = 1 ]; then
