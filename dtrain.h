@@ -83,6 +83,13 @@
        `make test-msan` (MemorySanitizer) checks that nothing reads a byte
        before something wrote it.
 
+   NAMES
+       dt_ names are the API: everything declared above the IMPLEMENTATION
+       line. dt__ names (two underscores, as stb_image's stbi__) are the
+       implementation's own and may change. The test suite builds with
+       -DDT_TESTING, which compiles in hooks (a rank that dies on cue, a
+       signal at a given step) that no other build has.
+
    LICENSE: MIT. Copy this file into your project and change what you like.
 */
 #ifndef DTRAIN_H
@@ -1259,10 +1266,10 @@ void dt_nccl_free(dt_nccl *s);
 #else
 #define DT_THREAD_LOCAL _Thread_local
 #endif
-typedef struct dt_tape_entry dt_tape_entry;
-typedef void (*dt_backward_fn)(dt_tape_entry *e);
-struct dt_tape_entry {
-    dt_backward_fn backward;
+typedef struct dt__tape_entry dt__tape_entry;
+typedef void (*dt__backward_fn)(dt__tape_entry *e);
+struct dt__tape_entry {
+    dt__backward_fn backward;
     dt_tensor *out;
     dt_tensor *in[4];
     int iarg[4];
@@ -1271,31 +1278,31 @@ struct dt_tape_entry {
 };
 
 /* The step arena: one block, and blocks allocated when it ran out (first step only). */
-typedef struct dt_step_arena {
+typedef struct dt__step_arena {
     char *base;
     size_t cap, used, high;
     void **spill;
     size_t *spill_bytes;
     int nspill, spill_cap;
-} dt_step_arena;
+} dt__step_arena;
 
 #ifdef DT_HAVE_CUDA
 /* From the CUDA section (section 19): how many GPUs are visible (0, and why, when
    none), and the backend table of GPU local_rank % count, or NULL and why. */
-int dt_cuda_device_count(char *why, size_t n);
-const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n);
+int dt__cuda_device_count(char *why, size_t n);
+const dt_backend *dt__cuda_backend(int local_rank, char *why, size_t n);
 #endif
 
-typedef struct dt_context {
+typedef struct dt__context {
     int rank, world_size;
     dt_device device;
     const dt_backend *gpu;             /* the kernels of the GPU, when device is DT_CUDA */
     size_t mem_now[DT_ARENA_COUNT], mem_peak[DT_ARENA_COUNT], mem_total, mem_total_peak;
     size_t host_now[DT_ARENA_COUNT], host_peak[DT_ARENA_COUNT];     /* offloaded (dt_alloc_host) */
-    dt_step_arena step[2];             /* per device: host (tensor headers, host data) and GPU */
-    dt_step_arena scratch[2];          /* per device: f32 working copies that live for one op */
+    dt__step_arena step[2];             /* per device: host (tensor headers, host data) and GPU */
+    dt__step_arena scratch[2];          /* per device: f32 working copies that live for one op */
     dt_dtype compute_dtype;            /* activations and matmul inputs (section 12); f32 by default */
-    dt_tape_entry *tape;
+    dt__tape_entry *tape;
     int tape_len, tape_cap;
     int grad_enabled;
     int wrappers;                      /* parallel wrappers attached to models (dt_model_set_parallel) */
@@ -1310,19 +1317,19 @@ typedef struct dt_context {
     struct { char name[32]; double t0, t1; } comm_events[64];
     int ncomm_events;
     int64_t grad_collectives;          /* gradient all-reduces and reduce-scatters issued this step */
-} dt_context;
+} dt__context;
 
-static DT_THREAD_LOCAL dt_context dt_ctx = { .world_size = 1, .grad_enabled = 1 };
+static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1 };
 
 /* ==== 1. errors =================================================================
    A library for learners fails early and says why. There is no error code to
    forget to check: the message names the culprit and the program exits. */
 
-static void dt_vmessage(const char *kind, const char *fmt, va_list ap) {
+static void dt__vmessage(const char *kind, const char *fmt, va_list ap) {
     char line[2048];             /* one write per message: ranks failing together do not interleave */
     int n;
     fflush(stdout);
-    if (dt_ctx.world_size > 1) n = snprintf(line, sizeof line, "dtrain[rank %d]: %s: ", dt_ctx.rank, kind);
+    if (dt__ctx.world_size > 1) n = snprintf(line, sizeof line, "dtrain[rank %d]: %s: ", dt__ctx.rank, kind);
     else n = snprintf(line, sizeof line, "dtrain: %s: ", kind);
     vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
     strcat(line, "\n");
@@ -1334,50 +1341,50 @@ static void dt_vmessage(const char *kind, const char *fmt, va_list ap) {
    second Ctrl-C remove them, so a job stopped at any moment leaves nothing
    behind. unlink() is safe inside a signal handler, hence plain paths. */
 #define DT_CLEANUP_SLOTS 8
-static void dt_copy_str(char *out, size_t n, const char *s);
-static char dt_cleanup_paths[DT_CLEANUP_SLOTS][4096];
-static volatile sig_atomic_t dt_cleanup_used[DT_CLEANUP_SLOTS];
-static int dt_cleanup_add(const char *path) {
+static void dt__copy_str(char *out, size_t n, const char *s);
+static char dt__cleanup_paths[DT_CLEANUP_SLOTS][4096];
+static volatile sig_atomic_t dt__cleanup_used[DT_CLEANUP_SLOTS];
+static int dt__cleanup_add(const char *path) {
     for (int i = 0; i < DT_CLEANUP_SLOTS; i++) {
         sig_atomic_t unused = 0;             /* 2: taken by a thread that is writing its path */
-        if (__atomic_compare_exchange_n(&dt_cleanup_used[i], &unused, 2, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-            dt_copy_str(dt_cleanup_paths[i], sizeof dt_cleanup_paths[i], path);
+        if (__atomic_compare_exchange_n(&dt__cleanup_used[i], &unused, 2, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            dt__copy_str(dt__cleanup_paths[i], sizeof dt__cleanup_paths[i], path);
             __atomic_signal_fence(__ATOMIC_RELEASE);     /* the path is whole before a handler may read it */
-            dt_cleanup_used[i] = 1;
+            dt__cleanup_used[i] = 1;
             return i;
         }
     }
     return -1;                               /* full: that file is merely not cleaned up */
 }
-static void dt_cleanup_done(int slot) { if (slot >= 0) dt_cleanup_used[slot] = 0; }
-static void dt_cleanup_run(void) {
+static void dt__cleanup_done(int slot) { if (slot >= 0) dt__cleanup_used[slot] = 0; }
+static void dt__cleanup_run(void) {
     for (int i = 0; i < DT_CLEANUP_SLOTS; i++)
-        if (dt_cleanup_used[i] == 1) { unlink(dt_cleanup_paths[i]); dt_cleanup_used[i] = 0; }
+        if (dt__cleanup_used[i] == 1) { unlink(dt__cleanup_paths[i]); dt__cleanup_used[i] = 0; }
 }
 
 /* Who must hear of a failure before this process exits: the collectives
    (section 9) put a function here once a communicator is open, so that the
    other ranks stop at once instead of waiting for their timeout. */
-static void (*dt_on_fail)(void);
+static void (*dt__on_fail)(void);
 void dt_fail(const char *fmt, ...) {
-    va_list ap; va_start(ap, fmt); dt_vmessage("error", fmt, ap); va_end(ap);
-    dt_cleanup_run();
-    if (dt_on_fail) dt_on_fail();            /* the other ranks must not wait for us */
+    va_list ap; va_start(ap, fmt); dt__vmessage("error", fmt, ap); va_end(ap);
+    dt__cleanup_run();
+    if (dt__on_fail) dt__on_fail();            /* the other ranks must not wait for us */
     exit(1);
 }
 void dt_usage_error(const char *fmt, ...) {
-    va_list ap; va_start(ap, fmt); dt_vmessage("error", fmt, ap); va_end(ap);
+    va_list ap; va_start(ap, fmt); dt__vmessage("error", fmt, ap); va_end(ap);
     fprintf(stderr, "usage: train [--flag value ...]; run with --help for the flags\n");
     exit(2);
 }
 /* Paths and parameter names are built with this: one that does not fit is an
    error, never a silently shortened name. */
-static void dt_path(char *out, size_t n, const char *fmt, ...)
+static void dt__path(char *out, size_t n, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 3, 4)))
 #endif
     ;
-static void dt_path(char *out, size_t n, const char *fmt, ...) {
+static void dt__path(char *out, size_t n, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     int len = vsnprintf(out, n, fmt, ap);
@@ -1385,32 +1392,32 @@ static void dt_path(char *out, size_t n, const char *fmt, ...) {
     if (len < 0 || (size_t)len >= n) dt_fail("name or path too long (over %zu characters): %.60s...", n - 1, out);
 }
 /* Copy a string, shortening it to fit (for labels and messages only). */
-static void dt_copy_str(char *out, size_t n, const char *s) {
+static void dt__copy_str(char *out, size_t n, const char *s) {
     size_t l = strlen(s);
     if (l >= n) l = n - 1;
     memcpy(out, s, l);
     out[l] = 0;
 }
 void dt_warn(const char *fmt, ...) {
-    va_list ap; va_start(ap, fmt); dt_vmessage("warning", fmt, ap); va_end(ap);
+    va_list ap; va_start(ap, fmt); dt__vmessage("warning", fmt, ap); va_end(ap);
 }
 /* A file cut short by a full disk or a quota must stop the program, or a log
    that ends early reads as a run that ended early. stdio reports a failed
    write late -- at the flush the buffer's filling causes, or at fclose -- and
    keeps the error in the stream, so one look after each record finds it.
    `flag` names the option the path came from ("--log"), or is NULL. */
-static void dt_write_failed(const char *flag, const char *path, int err) {
+static void dt__write_failed(const char *flag, const char *path, int err) {
     if (!err) err = EIO;            /* ferror without an errno: say something true */
     if (flag) dt_fail("cannot write %s '%s': %s", flag, path, strerror(err));
     dt_fail("cannot write '%s': %s", path, strerror(err));
 }
-static void dt_file_check(FILE *f, const char *flag, const char *path) {
-    if (ferror(f)) dt_write_failed(flag, path, errno);
+static void dt__file_check(FILE *f, const char *flag, const char *path) {
+    if (ferror(f)) dt__write_failed(flag, path, errno);
 }
-static void dt_file_close(FILE *f, const char *flag, const char *path) {
+static void dt__file_close(FILE *f, const char *flag, const char *path) {
     int failed = fflush(f) != 0 || ferror(f), err = errno;
     if (fclose(f) != 0 && !failed) { failed = 1; err = errno; }
-    if (failed) dt_write_failed(flag, path, err);
+    if (failed) dt__write_failed(flag, path, err);
 }
 
 /* ==== 2. devices and memory =====================================================
@@ -1433,158 +1440,158 @@ int dt_threads(void) {
 #endif
 }
 
-static const char *dt_arena_names[DT_ARENA_COUNT] = {
+static const char *dt__arena_names[DT_ARENA_COUNT] = {
     "params", "grads", "optimizer", "activations", "comm", "data" };
-const char *dt_arena_name(dt_arena arena) { return dt_arena_names[arena]; }
+const char *dt_arena_name(dt_arena arena) { return dt__arena_names[arena]; }
 
-static void dt_mem_count(dt_arena a, size_t bytes, int sign) {
-    if (sign > 0) { dt_ctx.mem_now[a] += bytes; dt_ctx.mem_total += bytes; }
-    else { dt_ctx.mem_now[a] -= bytes; dt_ctx.mem_total -= bytes; }
-    if (dt_ctx.mem_now[a] > dt_ctx.mem_peak[a]) dt_ctx.mem_peak[a] = dt_ctx.mem_now[a];
-    if (dt_ctx.mem_total > dt_ctx.mem_total_peak) dt_ctx.mem_total_peak = dt_ctx.mem_total;
+static void dt__mem_count(dt_arena a, size_t bytes, int sign) {
+    if (sign > 0) { dt__ctx.mem_now[a] += bytes; dt__ctx.mem_total += bytes; }
+    else { dt__ctx.mem_now[a] -= bytes; dt__ctx.mem_total -= bytes; }
+    if (dt__ctx.mem_now[a] > dt__ctx.mem_peak[a]) dt__ctx.mem_peak[a] = dt__ctx.mem_now[a];
+    if (dt__ctx.mem_total > dt__ctx.mem_total_peak) dt__ctx.mem_total_peak = dt__ctx.mem_total;
 }
 
-static void *dt_alloc_uncounted(dt_arena arena, size_t bytes) {
+static void *dt__alloc_uncounted(dt_arena arena, size_t bytes) {
     size_t rounded = (bytes + 63) & ~(size_t)63;
     void *p = NULL;
     if (rounded == 0) rounded = 64;
     if (posix_memalign(&p, 64, rounded) != 0 || !p)
-        dt_fail("out of memory allocating %zu bytes for %s", bytes, dt_arena_names[arena]);
+        dt_fail("out of memory allocating %zu bytes for %s", bytes, dt__arena_names[arena]);
     memset(p, 0, rounded);
     return p;
 }
 void *dt_alloc(dt_arena arena, size_t bytes) {
-    void *p = dt_alloc_uncounted(arena, bytes);
-    dt_mem_count(arena, bytes, +1);
+    void *p = dt__alloc_uncounted(arena, bytes);
+    dt__mem_count(arena, bytes, +1);
     return p;
 }
 void dt_free(dt_arena arena, void *ptr, size_t bytes) {
     if (!ptr) return;
     free(ptr);
-    dt_mem_count(arena, bytes, -1);
+    dt__mem_count(arena, bytes, -1);
 }
 void *dt_alloc_host(dt_arena arena, size_t bytes) {
-    void *p = dt_alloc_uncounted(arena, bytes);
-    dt_ctx.host_now[arena] += bytes;
-    if (dt_ctx.host_now[arena] > dt_ctx.host_peak[arena]) dt_ctx.host_peak[arena] = dt_ctx.host_now[arena];
+    void *p = dt__alloc_uncounted(arena, bytes);
+    dt__ctx.host_now[arena] += bytes;
+    if (dt__ctx.host_now[arena] > dt__ctx.host_peak[arena]) dt__ctx.host_peak[arena] = dt__ctx.host_now[arena];
     return p;
 }
 void dt_free_host(dt_arena arena, void *ptr, size_t bytes) {
     if (!ptr) return;
     free(ptr);
-    dt_ctx.host_now[arena] -= bytes;
+    dt__ctx.host_now[arena] -= bytes;
 }
-size_t dt_mem_host_now(dt_arena arena) { return dt_ctx.host_now[arena]; }
-size_t dt_mem_host_peak(dt_arena arena) { return dt_ctx.host_peak[arena]; }
+size_t dt_mem_host_now(dt_arena arena) { return dt__ctx.host_now[arena]; }
+size_t dt_mem_host_peak(dt_arena arena) { return dt__ctx.host_peak[arena]; }
 void dt_mem_reset_peaks(void) {
-    for (int a = 0; a < DT_ARENA_COUNT; a++) { dt_ctx.mem_peak[a] = dt_ctx.mem_now[a]; dt_ctx.host_peak[a] = dt_ctx.host_now[a]; }
-    dt_ctx.mem_total_peak = dt_ctx.mem_total;
+    for (int a = 0; a < DT_ARENA_COUNT; a++) { dt__ctx.mem_peak[a] = dt__ctx.mem_now[a]; dt__ctx.host_peak[a] = dt__ctx.host_now[a]; }
+    dt__ctx.mem_total_peak = dt__ctx.mem_total;
 }
-size_t dt_mem_now(dt_arena arena) { return dt_ctx.mem_now[arena]; }
-size_t dt_mem_peak(dt_arena arena) { return dt_ctx.mem_peak[arena]; }
-size_t dt_mem_total_now(void) { return dt_ctx.mem_total; }
-size_t dt_mem_total_peak(void) { return dt_ctx.mem_total_peak; }
+size_t dt_mem_now(dt_arena arena) { return dt__ctx.mem_now[arena]; }
+size_t dt_mem_peak(dt_arena arena) { return dt__ctx.mem_peak[arena]; }
+size_t dt_mem_total_now(void) { return dt__ctx.mem_total; }
+size_t dt_mem_total_peak(void) { return dt__ctx.mem_total_peak; }
 
 /* The backend of a device: NULL for the CPU, whose bodies are the loops below. */
-static const dt_backend *dt_backend_of(dt_device d) {
+static const dt_backend *dt__backend_of(dt_device d) {
     if (d == DT_CPU) return NULL;
-    if (!dt_ctx.gpu) dt_fail("GPU memory or kernels used before dt_set_device(DT_CUDA, ...)");
-    return dt_ctx.gpu;
+    if (!dt__ctx.gpu) dt_fail("GPU memory or kernels used before dt_set_device(DT_CUDA, ...)");
+    return dt__ctx.gpu;
 }
 
 /* Zero memory on a device; a GPU does it in its queue. */
-static void dt_zero_on(dt_device d, void *p, size_t bytes) {
-    const dt_backend *gpu = dt_backend_of(d);
+static void dt__zero_on(dt_device d, void *p, size_t bytes) {
+    const dt_backend *gpu = dt__backend_of(d);
     if (gpu) gpu->zero(p, bytes);
     else memset(p, 0, bytes);
 }
 
 void *dt_alloc_on(dt_device device, dt_arena arena, size_t bytes) {
-    const dt_backend *gpu = dt_backend_of(device);
+    const dt_backend *gpu = dt__backend_of(device);
     if (!gpu) return dt_alloc(arena, bytes);
     void *p = gpu->alloc(bytes ? bytes : 1);
-    dt_zero_on(device, p, bytes);
-    dt_mem_count(arena, bytes, +1);
+    dt__zero_on(device, p, bytes);
+    dt__mem_count(arena, bytes, +1);
     return p;
 }
 void dt_free_on(dt_device device, dt_arena arena, void *ptr, size_t bytes) {
-    const dt_backend *gpu = dt_backend_of(device);
+    const dt_backend *gpu = dt__backend_of(device);
     if (!ptr) return;
     if (!gpu) { dt_free(arena, ptr, bytes); return; }
     gpu->release(ptr);
-    dt_mem_count(arena, bytes, -1);
+    dt__mem_count(arena, bytes, -1);
 }
 
 /* Set once this process has asked CUDA anything. A CUDA context does not
    survive fork(), so dt_launch refuses to fork after it (the launcher process
    never touches CUDA: each rank decides its device after the fork). */
-static int dt_cuda_touched;
+static int dt__cuda_touched;
 
 int dt_cuda_available(char *why, size_t n) {
 #ifdef DT_HAVE_CUDA
-    if (dt_ctx.gpu) return 1;
-    dt_cuda_touched = 1;
-    return dt_cuda_device_count(why, n) > 0;
+    if (dt__ctx.gpu) return 1;
+    dt__cuda_touched = 1;
+    return dt__cuda_device_count(why, n) > 0;
 #else
-    dt_copy_str(why, n, "this build has no CUDA (nvcc was not found, or make CUDA=0)");
+    dt__copy_str(why, n, "this build has no CUDA (nvcc was not found, or make CUDA=0)");
     return 0;
 #endif
 }
 
 void dt_set_device(dt_device device, int local_rank) {
-    if (device == DT_CUDA && !dt_ctx.gpu) {
+    if (device == DT_CUDA && !dt__ctx.gpu) {
 #ifdef DT_HAVE_CUDA
         char why[256] = "";
-        dt_cuda_touched = 1;
-        dt_ctx.gpu = dt_cuda_backend(local_rank, why, sizeof why);
-        if (!dt_ctx.gpu) dt_fail("cannot use the GPU: %s (run with --device cpu)", why);
+        dt__cuda_touched = 1;
+        dt__ctx.gpu = dt__cuda_backend(local_rank, why, sizeof why);
+        if (!dt__ctx.gpu) dt_fail("cannot use the GPU: %s (run with --device cpu)", why);
 #else
         (void)local_rank;
         dt_fail("--device cuda: this build has no CUDA (nvcc was not found, or make CUDA=0); use --device cpu");
 #endif
     }
-    dt_ctx.device = device;
+    dt__ctx.device = device;
 }
-dt_device dt_current_device(void) { return dt_ctx.device; }
+dt_device dt_current_device(void) { return dt__ctx.device; }
 
-static void dt_download_from(dt_device d, void *dst, const void *src, size_t bytes) {
-    const dt_backend *gpu = dt_backend_of(d);
+static void dt__download_from(dt_device d, void *dst, const void *src, size_t bytes) {
+    const dt_backend *gpu = dt__backend_of(d);
     if (bytes == 0) return;
     if (gpu) gpu->download(dst, src, bytes);
     else memmove(dst, src, bytes);
 }
 
-static void dt_upload_to(dt_device d, void *dst, const void *src, size_t bytes) {
-    const dt_backend *gpu = dt_backend_of(d);
+static void dt__upload_to(dt_device d, void *dst, const void *src, size_t bytes) {
+    const dt_backend *gpu = dt__backend_of(d);
     if (bytes == 0) return;
     if (gpu) gpu->upload(dst, src, bytes);
     else memmove(dst, src, bytes);
 }
-void dt_upload(void *device_dst, const void *host_src, size_t bytes) { dt_upload_to(dt_ctx.device, device_dst, host_src, bytes); }
-void dt_download(void *host_dst, const void *device_src, size_t bytes) { dt_download_from(dt_ctx.device, host_dst, device_src, bytes); }
+void dt_upload(void *device_dst, const void *host_src, size_t bytes) { dt__upload_to(dt__ctx.device, device_dst, host_src, bytes); }
+void dt_download(void *host_dst, const void *device_src, size_t bytes) { dt__download_from(dt__ctx.device, host_dst, device_src, bytes); }
 void dt_synchronize(void) {
-    if (dt_ctx.device == DT_CUDA) dt_backend_of(DT_CUDA)->synchronize();
+    if (dt__ctx.device == DT_CUDA) dt__backend_of(DT_CUDA)->synchronize();
 }
 
 /* Files are read and written from host memory. A buffer on a GPU is seen
    through a host copy: downloaded when opened, uploaded when closed if it was
    written. On the CPU the "copy" is the buffer itself. */
-static float *dt_host_view(dt_device d, float *buf, int64_t n) {
+static float *dt__host_view(dt_device d, float *buf, int64_t n) {
     if (d == DT_CPU) return buf;
     float *host = (float *)malloc((size_t)n * sizeof(float) + 1);
     if (!host) dt_fail("out of memory (%lld floats to copy from the GPU)", (long long)n);
-    dt_download_from(d, host, buf, (size_t)n * sizeof(float));
+    dt__download_from(d, host, buf, (size_t)n * sizeof(float));
     return host;
 }
-static void dt_host_view_close(dt_device d, float *host, float *buf, int64_t n, int written) {
+static void dt__host_view_close(dt_device d, float *host, float *buf, int64_t n, int written) {
     if (d == DT_CPU) return;
-    if (written) dt_backend_of(d)->upload(buf, host, (size_t)n * sizeof(float));
+    if (written) dt__backend_of(d)->upload(buf, host, (size_t)n * sizeof(float));
     free(host);
 }
 
 /* Step-arena memory on `device` whose every byte the caller is about to write:
    op outputs skip the zeroing that gradient buffers need. */
-static void *dt_arena_take(dt_step_arena *a, dt_device device, size_t bytes) {
+static void *dt__arena_take(dt__step_arena *a, dt_device device, size_t bytes) {
     bytes = (bytes + 63) & ~(size_t)63;
     a->high += bytes;
     if (a->used + bytes <= a->cap) {
@@ -1604,18 +1611,18 @@ static void *dt_arena_take(dt_step_arena *a, dt_device device, size_t bytes) {
     a->spill_bytes[a->nspill++] = bytes;
     return p;
 }
-static void *dt_step_alloc_on(dt_device device, size_t bytes) { return dt_arena_take(&dt_ctx.step[device], device, bytes); }
-static void *dt_step_alloc_uninit(size_t bytes) { return dt_step_alloc_on(DT_CPU, bytes); }
+static void *dt__step_alloc_on(dt_device device, size_t bytes) { return dt__arena_take(&dt__ctx.step[device], device, bytes); }
+static void *dt__step_alloc_uninit(size_t bytes) { return dt__step_alloc_on(DT_CPU, bytes); }
 /* Data of activations and their gradients: on the device that runs the ops. */
-static void *dt_step_data(size_t bytes) { return dt_step_alloc_on(dt_ctx.device, bytes); }
+static void *dt__step_data(size_t bytes) { return dt__step_alloc_on(dt__ctx.device, bytes); }
 
 void *dt_step_alloc(size_t bytes) {
-    void *p = dt_step_alloc_uninit(bytes);
+    void *p = dt__step_alloc_uninit(bytes);
     memset(p, 0, bytes);
     return p;
 }
 
-static void dt_arena_rewind(dt_step_arena *a, dt_device d) {
+static void dt__arena_rewind(dt__step_arena *a, dt_device d) {
     if (a->nspill > 0) {
         /* Grow the block to the high-water mark so the next step fits in one:
            after the first step there is no malloc (or cudaMalloc) at all. */
@@ -1632,17 +1639,17 @@ static void dt_arena_rewind(dt_step_arena *a, dt_device d) {
     a->high = 0;
 }
 void dt_step_arena_reset(void) {
-    for (int d = 0; d < 2; d++) dt_arena_rewind(&dt_ctx.step[d], (dt_device)d);
-    dt_ctx.tape_len = 0;
+    for (int d = 0; d < 2; d++) dt__arena_rewind(&dt__ctx.step[d], (dt_device)d);
+    dt__ctx.tape_len = 0;
 }
 
 /* The scratch arena works the same way but lives for one op only: under mixed
    precision (section 12) an op reads its 16-bit inputs into f32 copies here,
    computes, and stores its output in 16 bits; the copies are gone at the next
    op, so only the 16-bit tensors stay for backward. */
-static void *dt_scratch_on(dt_device device, size_t bytes) { return dt_arena_take(&dt_ctx.scratch[device], device, bytes); }
-static void dt_scratch_reset(void) {
-    for (int d = 0; d < 2; d++) dt_arena_rewind(&dt_ctx.scratch[d], (dt_device)d);
+static void *dt__scratch_on(dt_device device, size_t bytes) { return dt__arena_take(&dt__ctx.scratch[device], device, bytes); }
+static void dt__scratch_reset(void) {
+    for (int d = 0; d < 2; d++) dt__arena_rewind(&dt__ctx.scratch[d], (dt_device)d);
 }
 
 /* Numbers below 1.2e-38 ("subnormals") cost x86 cores up to a hundred times the
@@ -1650,16 +1657,16 @@ static void dt_scratch_reset(void) {
    have become tiny. GPUs flush them to zero in their fast paths; so do we, in
    every thread of a training process (the control register is per thread).
    The effect on results is below anything a float can tell apart in training. */
-static void dt_flush_subnormals_here(void) {          /* this thread only */
+static void dt__flush_subnormals_here(void) {          /* this thread only */
 #if defined(__x86_64__) || defined(__SSE2__)
     _MM_SET_FLUSH_ZERO_MODE(_MM_FLUSH_ZERO_ON);
     _MM_SET_DENORMALS_ZERO_MODE(_MM_DENORMALS_ZERO_ON);
 #endif
 }
-static void dt_flush_subnormals(void) {               /* this thread and its OpenMP team */
+static void dt__flush_subnormals(void) {               /* this thread and its OpenMP team */
     DT_OMP("omp parallel")
-    dt_flush_subnormals_here();
-    dt_flush_subnormals_here();
+    dt__flush_subnormals_here();
+    dt__flush_subnormals_here();
 }
 
 /* ==== 3. tensors ================================================================
@@ -1672,28 +1679,28 @@ const char *dt_dtype_name(dt_dtype d) { return d == DT_F32 ? "fp32" : d == DT_BF
 
 /* A tensor in the step arena, on the current device, its data not zeroed. The
    header always lives on the host. */
-static dt_tensor *dt_tensor_alloc(int ndim, const int *shape, dt_dtype dtype) {
+static dt_tensor *dt__tensor_alloc(int ndim, const int *shape, dt_dtype dtype) {
     dt_tensor *t = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
     t->ndim = ndim;
     t->numel = 1;
     for (int i = 0; i < ndim; i++) { t->shape[i] = shape[i]; t->numel *= shape[i]; }
-    t->device = dt_ctx.device;
+    t->device = dt__ctx.device;
     t->dtype = dtype;
-    t->data = (float *)dt_step_data((size_t)t->numel * dt_dtype_size(dtype));
+    t->data = (float *)dt__step_data((size_t)t->numel * dt_dtype_size(dtype));
     return t;
 }
 /* An op's output: every element is written by the op, so it is not zeroed.
    It is stored in the compute dtype (f32, or bf16/f16 under mixed precision). */
-static dt_tensor *dt_tensor_out(int ndim, const int *shape) { return dt_tensor_alloc(ndim, shape, dt_ctx.compute_dtype); }
-static dt_tensor *dt_tensor_out_2d(int rows, int cols) { int s[2] = { rows, cols }; return dt_tensor_out(2, s); }
+static dt_tensor *dt__tensor_out(int ndim, const int *shape) { return dt__tensor_alloc(ndim, shape, dt__ctx.compute_dtype); }
+static dt_tensor *dt__tensor_out_2d(int rows, int cols) { int s[2] = { rows, cols }; return dt__tensor_out(2, s); }
 dt_tensor *dt_tensor_new(int ndim, const int *shape) {
-    dt_tensor *t = dt_tensor_alloc(ndim, shape, DT_F32);
-    dt_zero_on(t->device, t->data, (size_t)t->numel * sizeof(float));
+    dt_tensor *t = dt__tensor_alloc(ndim, shape, DT_F32);
+    dt__zero_on(t->device, t->data, (size_t)t->numel * sizeof(float));
     return t;
 }
 dt_tensor *dt_tensor_2d(int rows, int cols) { int s[2] = { rows, cols }; return dt_tensor_new(2, s); }
 dt_tensor *dt_tensor_from_host(int ndim, const int *shape, const float *host) {
-    dt_tensor *t = dt_tensor_alloc(ndim, shape, DT_F32);
+    dt_tensor *t = dt__tensor_alloc(ndim, shape, DT_F32);
     dt_upload(t->data, host, (size_t)t->numel * sizeof(float));
     return t;
 }
@@ -1701,12 +1708,12 @@ int64_t dt_tensor_rows(const dt_tensor *t) { return t->shape[0]; }
 int64_t dt_tensor_cols(const dt_tensor *t) { return t->numel / t->shape[0]; }
 /* A parameter's gradient is f32 whatever its data holds: the optimizer and the
    collectives read it. An activation's has the activation's dtype. */
-static dt_dtype dt_grad_dtype(const dt_tensor *t) { return t->is_param ? DT_F32 : t->dtype; }
+static dt_dtype dt__grad_dtype(const dt_tensor *t) { return t->is_param ? DT_F32 : t->dtype; }
 float *dt_grad(dt_tensor *t) {
     if (!t->grad) {                                /* a gradient lives beside its tensor */
-        size_t bytes = (size_t)t->numel * dt_dtype_size(dt_grad_dtype(t));
-        t->grad = (float *)dt_step_alloc_on(t->device, bytes);
-        dt_zero_on(t->device, t->grad, bytes);
+        size_t bytes = (size_t)t->numel * dt_dtype_size(dt__grad_dtype(t));
+        t->grad = (float *)dt__step_alloc_on(t->device, bytes);
+        dt__zero_on(t->device, t->grad, bytes);
     }
     return t->grad;
 }
@@ -1715,7 +1722,7 @@ float *dt_grad(dt_tensor *t) {
       them into vector code; x86's F16C instructions convert f16 eight at a
       time, rounding to nearest even as dt_f32_to_f16 does (a test holds them
       to it, bit for bit). -- */
-static void dt_f32_to_half_cpu(const float *x, uint16_t *h, dt_dtype to, int64_t n) {
+static void dt__f32_to_half_cpu(const float *x, uint16_t *h, dt_dtype to, int64_t n) {
     int64_t i = 0;
     if (to == DT_BF16) {
         for (; i < n; i++) h[i] = dt_f32_to_bf16(x[i]);
@@ -1727,7 +1734,7 @@ static void dt_f32_to_half_cpu(const float *x, uint16_t *h, dt_dtype to, int64_t
 #endif
     for (; i < n; i++) h[i] = dt_f32_to_f16(x[i]);
 }
-static void dt_half_to_f32_cpu(const uint16_t *h, float *x, dt_dtype from, int64_t n) {
+static void dt__half_to_f32_cpu(const uint16_t *h, float *x, dt_dtype from, int64_t n) {
     int64_t i = 0;
     if (from == DT_BF16) {
         for (; i < n; i++) x[i] = dt_bf16_to_f32(h[i]);
@@ -1739,32 +1746,32 @@ static void dt_half_to_f32_cpu(const uint16_t *h, float *x, dt_dtype from, int64
     for (; i < n; i++) x[i] = dt_f16_to_f32(h[i]);
 }
 /* n values of any dtype on device d, as f32 on the host. */
-static void dt_download_as_f32(dt_device d, float *host, const void *src, dt_dtype dtype, int64_t n) {
-    if (dtype == DT_F32) { dt_download_from(d, host, src, (size_t)n * sizeof(float)); return; }
+static void dt__download_as_f32(dt_device d, float *host, const void *src, dt_dtype dtype, int64_t n) {
+    if (dtype == DT_F32) { dt__download_from(d, host, src, (size_t)n * sizeof(float)); return; }
     uint16_t *h = (uint16_t *)malloc((size_t)n * 2 + 1);
     if (!h) dt_fail("out of memory");
-    dt_download_from(d, h, src, (size_t)n * 2);
-    dt_half_to_f32_cpu(h, host, dtype, n);
+    dt__download_from(d, h, src, (size_t)n * 2);
+    dt__half_to_f32_cpu(h, host, dtype, n);
     free(h);
 }
-void dt_tensor_to_host(const dt_tensor *t, float *host) { dt_download_as_f32(t->device, host, t->data, t->dtype, t->numel); }
+void dt_tensor_to_host(const dt_tensor *t, float *host) { dt__download_as_f32(t->device, host, t->data, t->dtype, t->numel); }
 void dt_tensor_grad_to_host(const dt_tensor *t, float *host) {
     if (!t->grad) { memset(host, 0, (size_t)t->numel * sizeof(float)); return; }
-    dt_download_as_f32(t->device, host, t->grad, dt_grad_dtype(t), t->numel);
+    dt__download_as_f32(t->device, host, t->grad, dt__grad_dtype(t), t->numel);
 }
 float dt_tensor_item(const dt_tensor *t) {
     float v;
-    dt_download_as_f32(t->device, &v, t->data, t->dtype, 1);
+    dt__download_as_f32(t->device, &v, t->data, t->dtype, 1);
     return v;
 }
 
 /* Which body runs an op: the tensor's device must be the one dtrain runs on,
    and a GPU tensor gets the GPU's kernels (NULL means the CPU loop). */
-static const dt_backend *dt_backend_for(const dt_tensor *t) {
-    if (t->device != dt_ctx.device)
+static const dt_backend *dt__backend_for(const dt_tensor *t) {
+    if (t->device != dt__ctx.device)
         dt_fail("tensor %s is on the %s but dtrain runs on the %s now (see dt_set_device)", t->name ? t->name : "",
-                t->device == DT_CUDA ? "GPU" : "CPU", dt_ctx.device == DT_CUDA ? "GPU" : "CPU");
-    return dt_backend_of(t->device);
+                t->device == DT_CUDA ? "GPU" : "CPU", dt__ctx.device == DT_CUDA ? "GPU" : "CPU");
+    return dt__backend_of(t->device);
 }
 
 /* ==== 4. kernels: matrix multiply ===============================================
@@ -1793,17 +1800,17 @@ static const dt_backend *dt_backend_for(const dt_tensor *t) {
 #define DT_NC (DT_NR * 8)
 
 #if defined(__GNUC__)
-typedef float dt_vec __attribute__((vector_size(DT_VL * 4), aligned(4)));
+typedef float dt__vec __attribute__((vector_size(DT_VL * 4), aligned(4)));
 #endif
 
 /* One MR x NR tile: acc = sum over k of a[k][i] * b[k][j]. */
-static void dt_gemm_micro(int kc, const float *restrict a, const float *restrict b,
+static void dt__gemm_micro(int kc, const float *restrict a, const float *restrict b,
                           float *restrict acc /* MR * NR */) {
 #if defined(__GNUC__)
-    dt_vec c0[DT_MR], c1[DT_MR];
-    for (int i = 0; i < DT_MR; i++) { c0[i] = (dt_vec){0}; c1[i] = (dt_vec){0}; }
+    dt__vec c0[DT_MR], c1[DT_MR];
+    for (int i = 0; i < DT_MR; i++) { c0[i] = (dt__vec){0}; c1[i] = (dt__vec){0}; }
     for (int k = 0; k < kc; k++) {
-        dt_vec b0, b1;
+        dt__vec b0, b1;
         memcpy(&b0, b + (size_t)k * DT_NR, sizeof b0);
         memcpy(&b1, b + (size_t)k * DT_NR + DT_VL, sizeof b1);
         const float *ak = a + (size_t)k * DT_MR;
@@ -1824,7 +1831,7 @@ static void dt_gemm_micro(int kc, const float *restrict a, const float *restrict
 
 /* Copy op(A)[i0:i0+mc, k0:k0+kc] into MR-row strips, k-major, zero-padded.
    The loops run along memory: rows of A when it is not transposed. */
-static void dt_pack_a(int trans, const float *A, int lda, int i0, int mc, int k0, int kc, float *dst) {
+static void dt__pack_a(int trans, const float *A, int lda, int i0, int mc, int k0, int kc, float *dst) {
     for (int s = 0; s < mc; s += DT_MR, dst += (size_t)DT_MR * kc) {
         int rows = mc - s < DT_MR ? mc - s : DT_MR;
         if (trans) {
@@ -1844,7 +1851,7 @@ static void dt_pack_a(int trans, const float *A, int lda, int i0, int mc, int k0
 }
 /* Copy op(B)[k0:k0+kc, j0:j0+nc] into NR-column strips, k-major, zero-padded.
    A transposed B (the weight in x W^T) is read a row at a time. */
-static void dt_pack_b(int trans, const float *B, int ldb, int k0, int kc, int j0, int nc, float *dst) {
+static void dt__pack_b(int trans, const float *B, int ldb, int k0, int kc, int j0, int nc, float *dst) {
     for (int s = 0; s < nc; s += DT_NR, dst += (size_t)DT_NR * kc) {
         int cols = nc - s < DT_NR ? nc - s : DT_NR;
         if (trans) {
@@ -1866,19 +1873,19 @@ static void dt_pack_b(int trans, const float *B, int ldb, int k0, int kc, int j0
 /* Packing space, one buffer per thread, kept between calls: attention makes
    thousands of small matmuls per step, and a fresh allocation for each costs
    more (the kernel zeroing new pages) than the arithmetic. */
-static DT_THREAD_LOCAL float *dt_pack_buffer;
-static DT_THREAD_LOCAL size_t dt_pack_floats;
-static float *dt_pack_space(size_t floats) {
-    if (floats > dt_pack_floats) {
-        free(dt_pack_buffer);
-        dt_pack_buffer = (float *)malloc(floats * sizeof(float));
-        if (!dt_pack_buffer) dt_fail("out of memory in matmul");
-        dt_pack_floats = floats;
+static DT_THREAD_LOCAL float *dt__pack_buffer;
+static DT_THREAD_LOCAL size_t dt__pack_floats;
+static float *dt__pack_space(size_t floats) {
+    if (floats > dt__pack_floats) {
+        free(dt__pack_buffer);
+        dt__pack_buffer = (float *)malloc(floats * sizeof(float));
+        if (!dt__pack_buffer) dt_fail("out of memory in matmul");
+        dt__pack_floats = floats;
     }
-    return dt_pack_buffer;
+    return dt__pack_buffer;
 }
 
-static void dt_gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                             const float *B, int ldb, float beta, float *C, int ldc) {
     int tiles_m = (M + DT_MC - 1) / DT_MC, tiles_n = (N + DT_NC - 1) / DT_NC;
     int tiles = tiles_m * tiles_n;
@@ -1887,18 +1894,18 @@ static void dt_gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, co
         float b_eff = k0 == 0 ? beta : 1.0f;
         DT_OMP("omp parallel if(tiles > 1 && (double)M * N * kc > 65536.0)")
         {
-            float *pa = dt_pack_space((size_t)DT_MC * DT_KC + (size_t)DT_KC * DT_NC);
+            float *pa = dt__pack_space((size_t)DT_MC * DT_KC + (size_t)DT_KC * DT_NC);
             float *pb = pa + (size_t)DT_MC * DT_KC;
             float acc[DT_MR * DT_NR];
             DT_OMP("omp for schedule(static)")
             for (int t = 0; t < tiles; t++) {
                 int i0 = (t / tiles_n) * DT_MC, j0 = (t % tiles_n) * DT_NC;
                 int mc = M - i0 < DT_MC ? M - i0 : DT_MC, nc = N - j0 < DT_NC ? N - j0 : DT_NC;
-                dt_pack_a(ta, A, lda, i0, mc, k0, kc, pa);
-                dt_pack_b(tb, B, ldb, k0, kc, j0, nc, pb);
+                dt__pack_a(ta, A, lda, i0, mc, k0, kc, pa);
+                dt__pack_b(tb, B, ldb, k0, kc, j0, nc, pb);
                 for (int js = 0; js < nc; js += DT_NR) {
                     for (int is = 0; is < mc; is += DT_MR) {
-                        dt_gemm_micro(kc, pa + (size_t)is * kc, pb + (size_t)js * kc, acc);
+                        dt__gemm_micro(kc, pa + (size_t)is * kc, pb + (size_t)js * kc, acc);
                         int rows = mc - is < DT_MR ? mc - is : DT_MR;
                         int cols = nc - js < DT_NR ? nc - js : DT_NR;
                         for (int i = 0; i < rows; i++) {
@@ -1927,7 +1934,7 @@ void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha, const f
     cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
                 M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 #else
-    dt_gemm_builtin(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    dt__gemm_builtin(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 #endif
 }
 
@@ -1940,30 +1947,30 @@ void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha, const f
    backward ADDS into .grad, because a tensor used twice (a residual) receives
    gradient from both uses. */
 
-void dt_set_grad_enabled(int on) { dt_ctx.grad_enabled = on; }
-double dt_flops_counted(void) { return dt_ctx.flops; }
-void dt_flops_reset(void) { dt_ctx.flops = 0; }
+void dt_set_grad_enabled(int on) { dt__ctx.grad_enabled = on; }
+double dt_flops_counted(void) { return dt__ctx.flops; }
+void dt_flops_reset(void) { dt__ctx.flops = 0; }
 
-static int dt_wants_grad(dt_tensor *a, dt_tensor *b, dt_tensor *c) {
-    if (!dt_ctx.grad_enabled) return 0;
+static int dt__wants_grad(dt_tensor *a, dt_tensor *b, dt_tensor *c) {
+    if (!dt__ctx.grad_enabled) return 0;
     return (a && a->requires_grad) || (b && b->requires_grad) || (c && c->requires_grad);
 }
 
 /* A new, zeroed entry at the end of the tape. */
-static dt_tape_entry *dt_tape_append(dt_backward_fn fn) {
-    if (dt_ctx.tape_len == dt_ctx.tape_cap) {
-        dt_ctx.tape_cap = dt_ctx.tape_cap ? 2 * dt_ctx.tape_cap : 256;
-        dt_ctx.tape = (dt_tape_entry *)realloc(dt_ctx.tape, dt_ctx.tape_cap * sizeof(dt_tape_entry));
-        if (!dt_ctx.tape) dt_fail("out of memory (autograd tape)");
+static dt__tape_entry *dt__tape_append(dt__backward_fn fn) {
+    if (dt__ctx.tape_len == dt__ctx.tape_cap) {
+        dt__ctx.tape_cap = dt__ctx.tape_cap ? 2 * dt__ctx.tape_cap : 256;
+        dt__ctx.tape = (dt__tape_entry *)realloc(dt__ctx.tape, dt__ctx.tape_cap * sizeof(dt__tape_entry));
+        if (!dt__ctx.tape) dt_fail("out of memory (autograd tape)");
     }
-    dt_tape_entry *e = &dt_ctx.tape[dt_ctx.tape_len++];
+    dt__tape_entry *e = &dt__ctx.tape[dt__ctx.tape_len++];
     memset(e, 0, sizeof *e);
     e->backward = fn;
     return e;
 }
 
-static dt_tape_entry *dt_tape_push(dt_backward_fn fn, dt_tensor *out, dt_tensor *a, dt_tensor *b, dt_tensor *c) {
-    dt_tape_entry *e = dt_tape_append(fn);
+static dt__tape_entry *dt__tape_push(dt__backward_fn fn, dt_tensor *out, dt_tensor *a, dt_tensor *b, dt_tensor *c) {
+    dt__tape_entry *e = dt__tape_append(fn);
     e->out = out;
     e->in[0] = a; e->in[1] = b; e->in[2] = c;
     out->requires_grad = 1;
@@ -1973,36 +1980,36 @@ static dt_tape_entry *dt_tape_push(dt_backward_fn fn, dt_tensor *out, dt_tensor 
 /* A mark on the tape with no tensor: its function runs when backward reaches
    it. FSDP uses two per unit, to gather before the unit's backward and to
    reduce-scatter after it. */
-static void dt_tape_mark(dt_backward_fn fn, void *user, int arg) {
-    dt_tape_entry *e = dt_tape_append(fn);
+static void dt__tape_mark(dt__backward_fn fn, void *user, int arg) {
+    dt__tape_entry *e = dt__tape_append(fn);
     e->saved = user;
     e->iarg[0] = arg;
 }
 
 /* Backward from a scalar loss, seeded with d(loss)/d(loss) = seed: 1, or a
    loss scale (section 12). */
-static void dt_backward_seeded(dt_tensor *loss, float seed) {
+static void dt__backward_seeded(dt_tensor *loss, float seed) {
     if (loss->numel != 1) dt_fail("backward needs a scalar loss, got %lld elements", (long long)loss->numel);
     dt_backward_from(loss, &seed);
 }
-void dt_backward(dt_tensor *loss) { dt_backward_seeded(loss, 1.0f); }
+void dt_backward(dt_tensor *loss) { dt__backward_seeded(loss, 1.0f); }
 
 void dt_backward_from(dt_tensor *loss, const float *seed) {
     if (!loss->requires_grad) dt_fail("the loss does not depend on any parameter (were gradients disabled?)");
     /* Where is each parameter read first? Its gradient is final once the walk
        has passed that entry -- the moment DDP may start communicating it. */
-    int generation = ++dt_ctx.backward_generation;
-    for (int i = 0; i < dt_ctx.tape_len; i++)
+    int generation = ++dt__ctx.backward_generation;
+    for (int i = 0; i < dt__ctx.tape_len; i++)
         for (int j = 0; j < 4; j++) {
-            dt_tensor *p = dt_ctx.tape[i].in[j];
+            dt_tensor *p = dt__ctx.tape[i].in[j];
             if (p && p->is_param && p->hook_gen != generation) { p->hook_gen = generation; p->first_use = i; }
             if (p && p->parallel) p->parallel->grads_pending = 1;
         }
-    dt_backend_for(loss);
+    dt__backend_for(loss);
     dt_upload(dt_grad(loss), seed, sizeof(float) * (size_t)loss->numel);
-    for (int i = dt_ctx.tape_len - 1; i >= 0; i--) {
-        dt_tape_entry *e = &dt_ctx.tape[i];
-        dt_scratch_reset();
+    for (int i = dt__ctx.tape_len - 1; i >= 0; i--) {
+        dt__tape_entry *e = &dt__ctx.tape[i];
+        dt__scratch_reset();
         if (!e->out || e->out->grad) e->backward(e);
         for (int j = 0; j < 4; j++) {
             dt_tensor *p = e->in[j];
@@ -2010,7 +2017,7 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
                 p->parallel->grad_ready(p->parallel, p);
         }
     }
-    dt_ctx.tape_len = 0;
+    dt__ctx.tape_len = 0;
 }
 
 void dt_parallel_backward_done(dt_parallel *par) {
@@ -2022,24 +2029,24 @@ void dt_parallel_backward_done(dt_parallel *par) {
 }
 
 /* Round f32 values to a 16-bit type and widen them again, in one pass. */
-static void dt_round_f32_cpu(const float *x, float *y, dt_dtype to, int64_t n) {
+static void dt__round_f32_cpu(const float *x, float *y, dt_dtype to, int64_t n) {
     uint16_t h[256];
     for (int64_t i = 0; i < n; i += 256) {
         int64_t c = n - i < 256 ? n - i : 256;
-        dt_f32_to_half_cpu(x + i, h, to, c);
-        dt_half_to_f32_cpu(h, y + i, to, c);
+        dt__f32_to_half_cpu(x + i, h, to, c);
+        dt__half_to_f32_cpu(h, y + i, to, c);
     }
 }
 void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
-    const dt_backend *gpu = dt_backend_of(dt_ctx.device);
+    const dt_backend *gpu = dt__backend_of(dt__ctx.device);
     if (gpu) { gpu->convert(src, from, dst, to, n); return; }
     const int64_t chunk = 16384;              /* cores share the work when there is enough */
     DT_OMP("omp parallel for schedule(static) if(n > 4 * chunk)")
     for (int64_t i = 0; i < n; i += chunk) {
         int64_t c = n - i < chunk ? n - i : chunk;
         if (from == to) memcpy((char *)dst + i * dt_dtype_size(to), (const char *)src + i * dt_dtype_size(to), (size_t)c * dt_dtype_size(to));
-        else if (from == DT_F32) dt_f32_to_half_cpu((const float *)src + i, (uint16_t *)dst + i, to, c);
-        else if (to == DT_F32) dt_half_to_f32_cpu((const uint16_t *)src + i, (float *)dst + i, from, c);
+        else if (from == DT_F32) dt__f32_to_half_cpu((const float *)src + i, (uint16_t *)dst + i, to, c);
+        else if (to == DT_F32) dt__half_to_f32_cpu((const uint16_t *)src + i, (float *)dst + i, from, c);
         else
             for (int64_t k = i; k < i + c; k++) {       /* bf16 <-> f16, through f32 */
                 float v = from == DT_BF16 ? dt_bf16_to_f32(((const uint16_t *)src)[k]) : dt_f16_to_f32(((const uint16_t *)src)[k]);
@@ -2056,211 +2063,211 @@ void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t 
       and stores its output narrowed to 16 bits. Gradients travel the same way:
       an activation's in its own dtype, a parameter's added to its f32 master
       gradient after rounding, as a 16-bit copy's gradient would have been. -- */
-static int dt_mixed(void) { return dt_ctx.compute_dtype != DT_F32; }
+static int dt__mixed(void) { return dt__ctx.compute_dtype != DT_F32; }
 
 /* On the CPU: n f32 values rounded to the compute dtype (y may be x), the
    cores sharing the work. */
-static void dt_round_to_compute_cpu(const float *x, float *y, int64_t n) {
+static void dt__round_to_compute_cpu(const float *x, float *y, int64_t n) {
     const int64_t chunk = 16384;
-    dt_dtype to = dt_ctx.compute_dtype;          /* read here: the context is per thread */
+    dt_dtype to = dt__ctx.compute_dtype;          /* read here: the context is per thread */
     DT_OMP("omp parallel for schedule(static) if(n > 4 * chunk)")
-    for (int64_t i = 0; i < n; i += chunk) dt_round_f32_cpu(x + i, y + i, to, n - i < chunk ? n - i : chunk);
+    for (int64_t i = 0; i < n; i += chunk) dt__round_f32_cpu(x + i, y + i, to, n - i < chunk ? n - i : chunk);
 }
 /* n values of dtype `from` at src as f32 in the scratch arena; f32 values are
    rounded to the compute dtype on the way (a 16-bit copy, widened again). */
-static float *dt_scratch_f32(const void *src, dt_dtype from, int64_t n) {
-    float *f = (float *)dt_scratch_on(dt_ctx.device, (size_t)n * sizeof(float));
-    if (from == DT_F32 && dt_mixed() && dt_ctx.device == DT_CPU) {      /* the same, in one pass */
-        dt_round_to_compute_cpu((const float *)src, f, n);
+static float *dt__scratch_f32(const void *src, dt_dtype from, int64_t n) {
+    float *f = (float *)dt__scratch_on(dt__ctx.device, (size_t)n * sizeof(float));
+    if (from == DT_F32 && dt__mixed() && dt__ctx.device == DT_CPU) {      /* the same, in one pass */
+        dt__round_to_compute_cpu((const float *)src, f, n);
         return f;
     }
-    if (from == DT_F32 && dt_mixed()) {
-        void *half = dt_scratch_on(dt_ctx.device, (size_t)n * 2);
-        dt_convert(src, DT_F32, half, dt_ctx.compute_dtype, n);
+    if (from == DT_F32 && dt__mixed()) {
+        void *half = dt__scratch_on(dt__ctx.device, (size_t)n * 2);
+        dt_convert(src, DT_F32, half, dt__ctx.compute_dtype, n);
         src = half;
-        from = dt_ctx.compute_dtype;
+        from = dt__ctx.compute_dtype;
     }
     dt_convert(src, from, f, DT_F32, n);
     return f;
 }
-static const float *dt_in(const dt_tensor *t) {
-    if (t->dtype == DT_F32 && !dt_mixed()) return t->data;
-    return dt_scratch_f32(t->data, t->dtype, t->numel);
+static const float *dt__in(const dt_tensor *t) {
+    if (t->dtype == DT_F32 && !dt__mixed()) return t->data;
+    return dt__scratch_f32(t->data, t->dtype, t->numel);
 }
 /* d(loss)/d(out) of an op's output, as f32. */
-static const float *dt_grad_in(const dt_tensor *t) {
-    dt_dtype g = dt_grad_dtype(t);
+static const float *dt__grad_in(const dt_tensor *t) {
+    dt_dtype g = dt__grad_dtype(t);
     if (g == DT_F32) return t->grad;
-    return dt_scratch_f32(t->grad, g, t->numel);
+    return dt__scratch_f32(t->grad, g, t->numel);
 }
 /* Where an op writes its output as f32, and the store into the output's dtype. */
-static float *dt_out(dt_tensor *y) {
-    return y->dtype == DT_F32 ? y->data : (float *)dt_scratch_on(y->device, (size_t)y->numel * sizeof(float));
+static float *dt__out(dt_tensor *y) {
+    return y->dtype == DT_F32 ? y->data : (float *)dt__scratch_on(y->device, (size_t)y->numel * sizeof(float));
 }
-static void dt_out_done(dt_tensor *y, float *v) {
+static void dt__out_done(dt_tensor *y, float *v) {
     if (v != y->data) dt_convert(v, DT_F32, y->data, y->dtype, y->numel);
 }
 /* Where a backward ADDS d(loss)/d(t) as f32, and the store after. */
-static float *dt_grad_acc(dt_tensor *t) {
-    dt_dtype g = dt_grad_dtype(t);
+static float *dt__grad_acc(dt_tensor *t) {
+    dt_dtype g = dt__grad_dtype(t);
     float *grad = dt_grad(t);
-    if (g == DT_F32 && !(t->is_param && dt_mixed())) return grad;
-    float *f = (float *)dt_scratch_on(t->device, (size_t)t->numel * sizeof(float));
-    if (g == DT_F32) dt_zero_on(t->device, f, (size_t)t->numel * sizeof(float));   /* a parameter's share */
+    if (g == DT_F32 && !(t->is_param && dt__mixed())) return grad;
+    float *f = (float *)dt__scratch_on(t->device, (size_t)t->numel * sizeof(float));
+    if (g == DT_F32) dt__zero_on(t->device, f, (size_t)t->numel * sizeof(float));   /* a parameter's share */
     else dt_convert(grad, g, f, DT_F32, t->numel);
     return f;
 }
-static void dt_grad_acc_done(dt_tensor *t, float *f) {
+static void dt__grad_acc_done(dt_tensor *t, float *f) {
     if (f == t->grad) return;
-    if (dt_grad_dtype(t) != DT_F32) { dt_convert(f, DT_F32, t->grad, t->dtype, t->numel); return; }
+    if (dt__grad_dtype(t) != DT_F32) { dt_convert(f, DT_F32, t->grad, t->dtype, t->numel); return; }
     /* a parameter: its 16-bit gradient, added to the f32 master gradient */
-    const dt_backend *gpu = dt_backend_of(t->device);
-    if (gpu) { gpu->accumulate(t->grad, dt_scratch_f32(f, DT_F32, t->numel), t->numel); return; }
+    const dt_backend *gpu = dt__backend_of(t->device);
+    if (gpu) { gpu->accumulate(t->grad, dt__scratch_f32(f, DT_F32, t->numel), t->numel); return; }
     int64_t n = t->numel;
     float *g = t->grad;
-    dt_round_to_compute_cpu(f, f, n);                  /* in place: no second copy of a big weight */
+    dt__round_to_compute_cpu(f, f, n);                  /* in place: no second copy of a big weight */
     DT_OMP("omp parallel for if(n > 65536)")
     for (int64_t i = 0; i < n; i++) g[i] += f[i];
 }
 
 /* The matmul of an op: cuBLAS on a GPU, the routine above on the CPU. */
-static void dt_matmul(const dt_backend *gpu, int ta, int tb, int M, int N, int K, float alpha, const float *A,
+static void dt__matmul(const dt_backend *gpu, int ta, int tb, int M, int N, int K, float alpha, const float *A,
                       int lda, const float *B, int ldb, float beta, float *C, int ldc) {
     if (gpu) gpu->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     else dt_gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 /* A matmul operand: a 2-D tensor's data (or gradient), row-major. */
-typedef struct dt_operand { const dt_tensor *t; int grad; } dt_operand;
-static dt_operand dt_op_data(const dt_tensor *t) { dt_operand o = { t, 0 }; return o; }
-static dt_operand dt_op_grad(const dt_tensor *t) { dt_operand o = { t, 1 }; return o; }
+typedef struct dt__operand { const dt_tensor *t; int grad; } dt__operand;
+static dt__operand dt__op_data(const dt_tensor *t) { dt__operand o = { t, 0 }; return o; }
+static dt__operand dt__op_grad(const dt_tensor *t) { dt__operand o = { t, 1 }; return o; }
 /* Its values in the compute dtype: the tensor's own buffer, or a 16-bit copy
    in the scratch arena (what a GPU's tensor cores read). */
-static const void *dt_operand_half(dt_operand o) {
-    dt_dtype have = o.grad ? dt_grad_dtype(o.t) : o.t->dtype;
+static const void *dt__operand_half(dt__operand o) {
+    dt_dtype have = o.grad ? dt__grad_dtype(o.t) : o.t->dtype;
     const void *src = o.grad ? (const void *)o.t->grad : (const void *)o.t->data;
-    if (have == dt_ctx.compute_dtype) return src;
-    void *half = dt_scratch_on(o.t->device, (size_t)o.t->numel * 2);
-    dt_convert(src, have, half, dt_ctx.compute_dtype, o.t->numel);
+    if (have == dt__ctx.compute_dtype) return src;
+    void *half = dt__scratch_on(o.t->device, (size_t)o.t->numel * 2);
+    dt_convert(src, have, half, dt__ctx.compute_dtype, o.t->numel);
     return half;
 }
 /* The matmuls of linear layers: C[M,N] (+)= op(A) op(B), A and B seen in the
    compute dtype. A GPU multiplies 16-bit operands on its tensor cores,
-   summing in f32; the CPU widens them to f32 first (dt_in and dt_grad_in) --
+   summing in f32; the CPU widens them to f32 first (dt__in and dt__grad_in) --
    products of 16-bit numbers are exact in f32, so both sum the same products. */
-static void dt_matmul_op(const dt_backend *gpu, int ta, int tb, int M, int N, int K, dt_operand A, dt_operand B,
+static void dt__matmul_op(const dt_backend *gpu, int ta, int tb, int M, int N, int K, dt__operand A, dt__operand B,
                          float beta, float *C, int ldc) {
     int lda = (int)dt_tensor_cols(A.t), ldb = (int)dt_tensor_cols(B.t);
-    if (gpu && dt_mixed()) {
-        gpu->gemm_half(dt_ctx.compute_dtype, ta, tb, M, N, K, dt_operand_half(A), lda, dt_operand_half(B), ldb, beta, C, ldc);
+    if (gpu && dt__mixed()) {
+        gpu->gemm_half(dt__ctx.compute_dtype, ta, tb, M, N, K, dt__operand_half(A), lda, dt__operand_half(B), ldb, beta, C, ldc);
         return;
     }
-    const float *a = A.grad ? dt_grad_in(A.t) : dt_in(A.t), *b = B.grad ? dt_grad_in(B.t) : dt_in(B.t);
-    dt_matmul(gpu, ta, tb, M, N, K, 1.0f, a, lda, b, ldb, beta, C, ldc);
+    const float *a = A.grad ? dt__grad_in(A.t) : dt__in(A.t), *b = B.grad ? dt__grad_in(B.t) : dt__in(B.t);
+    dt__matmul(gpu, ta, tb, M, N, K, 1.0f, a, lda, b, ldb, beta, C, ldc);
 }
 
 /* -- linear: y = x W^T + b. The three matmuls of every layer's training step.
       GPT-2 stores its weights the other way round, [in, out] (in_out, in
       iarg[0]): the same matmuls with the weight's transposes flipped. -- */
-static void dt_linear_backward(dt_tape_entry *e) {
+static void dt__linear_backward(dt__tape_entry *e) {
     dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
     int in_out = e->iarg[0];
     int N = (int)dt_tensor_rows(x), in = (int)dt_tensor_cols(x), out = (int)dt_tensor_cols(y);
-    const dt_backend *gpu = dt_backend_for(y);
+    const dt_backend *gpu = dt__backend_for(y);
     if (x->requires_grad) {              /* dx = dy W (in_out: dy W^T) */
-        float *dx = dt_grad_acc(x);
-        dt_matmul_op(gpu, 0, in_out, N, in, out, dt_op_grad(y), dt_op_data(w), 1.0f, dx, in);
-        dt_grad_acc_done(x, dx);
-        dt_ctx.flops += 2.0 * N * in * out;
+        float *dx = dt__grad_acc(x);
+        dt__matmul_op(gpu, 0, in_out, N, in, out, dt__op_grad(y), dt__op_data(w), 1.0f, dx, in);
+        dt__grad_acc_done(x, dx);
+        dt__ctx.flops += 2.0 * N * in * out;
     }
     if (w->requires_grad) {              /* dW = dy^T x (in_out: x^T dy) */
-        float *dw = dt_grad_acc(w);
-        if (in_out) dt_matmul_op(gpu, 1, 0, in, out, N, dt_op_data(x), dt_op_grad(y), 1.0f, dw, out);
-        else dt_matmul_op(gpu, 1, 0, out, in, N, dt_op_grad(y), dt_op_data(x), 1.0f, dw, in);
-        dt_grad_acc_done(w, dw);
-        dt_ctx.flops += 2.0 * N * in * out;
+        float *dw = dt__grad_acc(w);
+        if (in_out) dt__matmul_op(gpu, 1, 0, in, out, N, dt__op_data(x), dt__op_grad(y), 1.0f, dw, out);
+        else dt__matmul_op(gpu, 1, 0, out, in, N, dt__op_grad(y), dt__op_data(x), 1.0f, dw, in);
+        dt__grad_acc_done(w, dw);
+        dt__ctx.flops += 2.0 * N * in * out;
     }
     if (b && b->requires_grad) {         /* db = sum of dy over rows, in row order */
-        float *db = dt_grad_acc(b);
-        const float *dyf = dt_grad_in(y);
+        float *db = dt__grad_acc(b);
+        const float *dyf = dt__grad_in(y);
         if (gpu) gpu->sum_rows(dyf, db, N, out);
         else
             for (int i = 0; i < N; i++)
                 for (int j = 0; j < out; j++) db[j] += dyf[(size_t)i * out + j];
-        dt_grad_acc_done(b, db);
+        dt__grad_acc_done(b, db);
     }
 }
-static dt_tensor *dt_linear_layout(dt_tensor *x, dt_tensor *w, dt_tensor *b, int in_out) {
+static dt_tensor *dt__linear_layout(dt_tensor *x, dt_tensor *w, dt_tensor *b, int in_out) {
     int N = (int)dt_tensor_rows(x), in = (int)dt_tensor_cols(x);
     int out = (int)(in_out ? dt_tensor_cols(w) : dt_tensor_rows(w)), w_in = (int)(in_out ? dt_tensor_rows(w) : dt_tensor_cols(w));
     if (w_in != in)
         dt_fail("linear %s: input has %d features, weight expects %d", w->name ? w->name : "", in, w_in);
-    const dt_backend *gpu = dt_backend_for(x);
-    dt_backend_for(w);
-    dt_scratch_reset();
-    dt_tensor *y = dt_tensor_out_2d(N, out);
-    float *yv = dt_out(y);
-    dt_matmul_op(gpu, 0, !in_out, N, out, in, dt_op_data(x), dt_op_data(w), 0.0f, yv, out);
-    dt_ctx.flops += 2.0 * N * in * out;
-    const float *bv = b ? dt_in(b) : NULL;
+    const dt_backend *gpu = dt__backend_for(x);
+    dt__backend_for(w);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out_2d(N, out);
+    float *yv = dt__out(y);
+    dt__matmul_op(gpu, 0, !in_out, N, out, in, dt__op_data(x), dt__op_data(w), 0.0f, yv, out);
+    dt__ctx.flops += 2.0 * N * in * out;
+    const float *bv = b ? dt__in(b) : NULL;
     if (b && gpu) gpu->add_bias(yv, bv, N, out);
     else if (b) {
         DT_OMP("omp parallel for if(N * out > 32768)")
         for (int i = 0; i < N; i++)
             for (int j = 0; j < out; j++) yv[(size_t)i * out + j] += bv[j];
     }
-    dt_out_done(y, yv);
-    if (dt_wants_grad(x, w, b)) dt_tape_push(dt_linear_backward, y, x, w, b)->iarg[0] = in_out;
+    dt__out_done(y, yv);
+    if (dt__wants_grad(x, w, b)) dt__tape_push(dt__linear_backward, y, x, w, b)->iarg[0] = in_out;
     return y;
 }
-dt_tensor *dt_linear(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) { return dt_linear_layout(x, weight, bias, 0); }
-dt_tensor *dt_linear_in_out(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) { return dt_linear_layout(x, weight, bias, 1); }
+dt_tensor *dt_linear(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) { return dt__linear_layout(x, weight, bias, 0); }
+dt_tensor *dt_linear_in_out(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) { return dt__linear_layout(x, weight, bias, 1); }
 
 /* -- GELU: the exact erf form (PyTorch's nn.GELU() and timm), or the tanh
       approximation GPT-2 was trained with (tanh_form, in iarg[0]) -- */
-static void dt_gelu_backward(dt_tape_entry *e) {
+static void dt__gelu_backward(dt__tape_entry *e) {
     dt_tensor *x = e->in[0];
     if (!x->requires_grad) return;
-    float *dx = dt_grad_acc(x);
-    const float *dy = dt_grad_in(e->out), *xv = dt_in(x);
+    float *dx = dt__grad_acc(x);
+    const float *dy = dt__grad_in(e->out), *xv = dt__in(x);
     int64_t n = x->numel;
     int tanh_form = e->iarg[0];
-    const dt_backend *gpu = dt_backend_for(x);
+    const dt_backend *gpu = dt__backend_for(x);
     if (gpu) gpu->gelu_backward(xv, dy, dx, n, tanh_form);
     else {
         DT_OMP("omp parallel for if(n > 65536)")
         for (int64_t i = 0; i < n; i++)
             dx[i] += dy[i] * (tanh_form ? dt_gelu_tanh_derivative(xv[i]) : dt_gelu_derivative(xv[i]));
     }
-    dt_grad_acc_done(x, dx);
+    dt__grad_acc_done(x, dx);
 }
-static dt_tensor *dt_gelu_form(dt_tensor *x, int tanh_form) {
-    const dt_backend *gpu = dt_backend_for(x);
-    dt_scratch_reset();
-    dt_tensor *y = dt_tensor_out(x->ndim, x->shape);
+static dt_tensor *dt__gelu_form(dt_tensor *x, int tanh_form) {
+    const dt_backend *gpu = dt__backend_for(x);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out(x->ndim, x->shape);
     int64_t n = x->numel;
-    const float *xv = dt_in(x);
-    float *yv = dt_out(y);
+    const float *xv = dt__in(x);
+    float *yv = dt__out(y);
     if (gpu) gpu->gelu_forward(xv, yv, n, tanh_form);
     else {
         DT_OMP("omp parallel for if(n > 65536)")
         for (int64_t i = 0; i < n; i++) yv[i] = tanh_form ? dt_gelu_tanh_value(xv[i]) : dt_gelu_value(xv[i]);
     }
-    dt_out_done(y, yv);
-    if (dt_wants_grad(x, NULL, NULL)) dt_tape_push(dt_gelu_backward, y, x, NULL, NULL)->iarg[0] = tanh_form;
+    dt__out_done(y, yv);
+    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__gelu_backward, y, x, NULL, NULL)->iarg[0] = tanh_form;
     return y;
 }
-dt_tensor *dt_gelu(dt_tensor *x) { return dt_gelu_form(x, 0); }
-dt_tensor *dt_gelu_tanh(dt_tensor *x) { return dt_gelu_form(x, 1); }
+dt_tensor *dt_gelu(dt_tensor *x) { return dt__gelu_form(x, 0); }
+dt_tensor *dt_gelu_tanh(dt_tensor *x) { return dt__gelu_form(x, 1); }
 
 /* -- LayerNorm over the last dimension. Saves mean and 1/std per row. -- */
-static void dt_layernorm_backward(dt_tape_entry *e) {
+static void dt__layernorm_backward(dt__tape_entry *e) {
     dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
     int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
     const float *stats = (const float *)e->saved;      /* mean[N], rstd[N] */
-    const float *dy = dt_grad_in(y), *xv = dt_in(x), *wv = w ? dt_in(w) : NULL;
-    float *dx = x->requires_grad ? dt_grad_acc(x) : NULL;
-    float *dw = w && w->requires_grad ? dt_grad_acc(w) : NULL, *db = b && b->requires_grad ? dt_grad_acc(b) : NULL;
-    const dt_backend *gpu = dt_backend_for(x);
+    const float *dy = dt__grad_in(y), *xv = dt__in(x), *wv = w ? dt__in(w) : NULL;
+    float *dx = x->requires_grad ? dt__grad_acc(x) : NULL;
+    float *dw = w && w->requires_grad ? dt__grad_acc(w) : NULL, *db = b && b->requires_grad ? dt__grad_acc(b) : NULL;
+    const dt_backend *gpu = dt__backend_for(x);
     if (gpu) gpu->layernorm_backward(xv, wv, dy, stats, dx, dw, db, N, D);
     if (!gpu && dx) {
         DT_OMP("omp parallel for if(N * D > 32768)")
@@ -2289,20 +2296,20 @@ static void dt_layernorm_backward(dt_tape_entry *e) {
             if (db) for (int j = 0; j < D; j++) db[j] += dyr[j];
         }
     }
-    if (dx) dt_grad_acc_done(x, dx);
-    if (dw) dt_grad_acc_done(w, dw);
-    if (db) dt_grad_acc_done(b, db);
+    if (dx) dt__grad_acc_done(x, dx);
+    if (dw) dt__grad_acc_done(w, dw);
+    if (db) dt__grad_acc_done(b, db);
 }
 /* Under mixed precision the statistics are computed in f32 from the 16-bit
    input, and the normalised output is stored in 16 bits. */
 dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *weight, dt_tensor *bias, float eps) {
     int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
-    const dt_backend *gpu = dt_backend_for(x);
-    dt_scratch_reset();
-    dt_tensor *y = dt_tensor_out(x->ndim, x->shape);
-    float *stats = (float *)dt_step_data(sizeof(float) * 2 * (size_t)N);
-    const float *xv = dt_in(x), *wv = weight ? dt_in(weight) : NULL, *bv = bias ? dt_in(bias) : NULL;
-    float *yv = dt_out(y);
+    const dt_backend *gpu = dt__backend_for(x);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out(x->ndim, x->shape);
+    float *stats = (float *)dt__step_data(sizeof(float) * 2 * (size_t)N);
+    const float *xv = dt__in(x), *wv = weight ? dt__in(weight) : NULL, *bv = bias ? dt__in(bias) : NULL;
+    float *yv = dt__out(y);
     if (gpu) gpu->layernorm_forward(xv, wv, bv, yv, stats, N, D, eps);
     else {
         DT_OMP("omp parallel for if(N * D > 32768)")
@@ -2320,38 +2327,38 @@ dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *weight, dt_tensor *bias, float 
             stats[N + i] = rstd;
         }
     }
-    dt_out_done(y, yv);
-    if (dt_wants_grad(x, weight, bias)) dt_tape_push(dt_layernorm_backward, y, x, weight, bias)->saved = stats;
+    dt__out_done(y, yv);
+    if (dt__wants_grad(x, weight, bias)) dt__tape_push(dt__layernorm_backward, y, x, weight, bias)->saved = stats;
     return y;
 }
 
 /* -- residual addition -- */
-static void dt_add_backward(dt_tape_entry *e) {
-    const float *dy = dt_grad_in(e->out);
+static void dt__add_backward(dt__tape_entry *e) {
+    const float *dy = dt__grad_in(e->out);
     for (int k = 0; k < 2; k++) {
         dt_tensor *t = e->in[k];
         if (!t->requires_grad) continue;
-        float *g = dt_grad_acc(t);
-        const dt_backend *gpu = dt_backend_for(t);
+        float *g = dt__grad_acc(t);
+        const dt_backend *gpu = dt__backend_for(t);
         if (gpu) gpu->accumulate(g, dy, t->numel);
         else
             for (int64_t i = 0; i < t->numel; i++) g[i] += dy[i];
-        dt_grad_acc_done(t, g);
+        dt__grad_acc_done(t, g);
     }
 }
 dt_tensor *dt_add(dt_tensor *a, dt_tensor *b) {
     if (a->numel != b->numel) dt_fail("add: %lld and %lld elements", (long long)a->numel, (long long)b->numel);
-    const dt_backend *gpu = dt_backend_for(a);
-    dt_backend_for(b);
-    dt_scratch_reset();
-    dt_tensor *y = dt_tensor_out(a->ndim, a->shape);
-    const float *av = dt_in(a), *bv = dt_in(b);
-    float *yv = dt_out(y);
+    const dt_backend *gpu = dt__backend_for(a);
+    dt__backend_for(b);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out(a->ndim, a->shape);
+    const float *av = dt__in(a), *bv = dt__in(b);
+    float *yv = dt__out(y);
     if (gpu) gpu->add(av, bv, yv, a->numel);
     else
         for (int64_t i = 0; i < a->numel; i++) yv[i] = av[i] + bv[i];
-    dt_out_done(y, yv);
-    if (dt_wants_grad(a, b, NULL)) dt_tape_push(dt_add_backward, y, a, b, NULL);
+    dt__out_done(y, yv);
+    if (dt__wants_grad(a, b, NULL)) dt__tape_push(dt__add_backward, y, a, b, NULL);
     return y;
 }
 
@@ -2361,22 +2368,22 @@ dt_tensor *dt_add(dt_tensor *a, dt_tensor *b) {
       parallel. A GPU wants the opposite: one big batched matmul over every
       (sequence, head), so its body first copies Q, K and V into head-major
       order (see DT_ATTENTION_SAVED_FLOATS). -- */
-static void dt_attention_backward(dt_tape_entry *e) {
+static void dt__attention_backward(dt__tape_entry *e) {
     dt_tensor *qkv = e->in[0];
     if (!qkv->requires_grad) return;
     int B = e->iarg[0], T = e->iarg[1], H = e->iarg[2], D = (int)dt_tensor_cols(e->out), hd = D / H;
     float scale = e->farg[0];
-    const float *P = (const float *)e->saved, *dout = dt_grad_in(e->out), *qkvv = dt_in(qkv);
-    float *dqkv = dt_grad_acc(qkv);
-    const dt_backend *gpu = dt_backend_for(qkv);
-    dt_ctx.flops += 8.0 * B * H * T * T * hd;
+    const float *P = (const float *)e->saved, *dout = dt__grad_in(e->out), *qkvv = dt__in(qkv);
+    float *dqkv = dt__grad_acc(qkv);
+    const dt_backend *gpu = dt__backend_for(qkv);
+    dt__ctx.flops += 8.0 * B * H * T * T * hd;
     if (gpu) {
-        float *scratch = (float *)dt_scratch_on(qkv->device, sizeof(float) * (size_t)DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D));
+        float *scratch = (float *)dt__scratch_on(qkv->device, sizeof(float) * (size_t)DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D));
         gpu->attention_backward(P, dout, dqkv, scratch, B, T, H, D, scale);
-        dt_grad_acc_done(qkv, dqkv);
+        dt__grad_acc_done(qkv, dqkv);
         return;
     }
-    float *dP_all = (float *)dt_scratch_on(qkv->device, sizeof(float) * (size_t)B * H * T * T);
+    float *dP_all = (float *)dt__scratch_on(qkv->device, sizeof(float) * (size_t)B * H * T * T);
     DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
@@ -2396,7 +2403,7 @@ static void dt_attention_backward(dt_tape_entry *e) {
         dt_gemm(0, 0, T, hd, T, 1.0f, dp, T, k, 3 * D, 1.0f, dq, 3 * D);  /* dQ += dS K */
         dt_gemm(1, 0, T, hd, T, 1.0f, dp, T, q, 3 * D, 1.0f, dk, 3 * D);  /* dK += dS^T Q */
     }
-    dt_grad_acc_done(qkv, dqkv);
+    dt__grad_acc_done(qkv, dqkv);
 }
 dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
     int D = (int)dt_tensor_cols(qkv) / 3;
@@ -2405,14 +2412,14 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
                 (long long)dt_tensor_rows(qkv), (long long)dt_tensor_cols(qkv), B * T, H);
     int hd = D / H;
     float scale = 1.0f / sqrtf((float)hd);
-    const dt_backend *gpu = dt_backend_for(qkv);
-    dt_scratch_reset();
-    dt_tensor *out = dt_tensor_out_2d(B * T, D);
+    const dt_backend *gpu = dt__backend_for(qkv);
+    dt__scratch_reset();
+    dt_tensor *out = dt__tensor_out_2d(B * T, D);
     /* the probabilities stay f32 (softmax in f32 under mixed precision too) */
-    float *P = (float *)dt_step_data(sizeof(float) * (size_t)(gpu ? DT_ATTENTION_SAVED_FLOATS(B, T, H, D)
+    float *P = (float *)dt__step_data(sizeof(float) * (size_t)(gpu ? DT_ATTENTION_SAVED_FLOATS(B, T, H, D)
                                                                    : (int64_t)B * H * T * T));
-    const float *qkvv = dt_in(qkv);
-    float *outv = dt_out(out);
+    const float *qkvv = dt__in(qkv);
+    float *outv = dt__out(out);
     if (gpu) gpu->attention_forward(qkvv, outv, P, B, T, H, D, scale, causal);
     else {
         DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
@@ -2434,10 +2441,10 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
                     outv + (size_t)b * T * D + h * hd, D);
         }
     }
-    dt_out_done(out, outv);
-    dt_ctx.flops += 4.0 * B * H * T * T * hd;
-    if (dt_wants_grad(qkv, NULL, NULL)) {
-        dt_tape_entry *e = dt_tape_push(dt_attention_backward, out, qkv, NULL, NULL);
+    dt__out_done(out, outv);
+    dt__ctx.flops += 4.0 * B * H * T * T * hd;
+    if (dt__wants_grad(qkv, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__attention_backward, out, qkv, NULL, NULL);
         e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = H; e->farg[0] = scale; e->saved = P;
     }
     return out;
@@ -2449,7 +2456,7 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
       token seen twice collects both; it walks the rows in order, and each
       thread owns a band of columns, so sums never race and always run in the
       same order (the GPU's body too). The forward checked every id. -- */
-static int dt_token_id(float v, int vocab) {
+static int dt__token_id(float v, int vocab) {
     int id = (int)v;
     if (!(v >= 0) || id >= vocab || (float)id != v) dt_fail("token id %g is outside the vocabulary [0, %d)", v, vocab);
     return id;
@@ -2459,13 +2466,13 @@ static int dt_token_id(float v, int vocab) {
    rows by token with a counting sort -- stable, so each group keeps its rows in
    the CPU's order -- and the GPU gives a thread to each (token, column). The
    list goes to the device in the step arena (see the backend's comment). */
-static const int32_t *dt_rows_by_token(const dt_tensor *tokens, int vocab, int *groups) {
+static const int32_t *dt__rows_by_token(const dt_tensor *tokens, int vocab, int *groups) {
     int BT = (int)tokens->numel, G = 0;
-    float *ids = (float *)dt_step_alloc_uninit(sizeof(float) * (size_t)BT);
+    float *ids = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)BT);
     int32_t *first = (int32_t *)dt_step_alloc(sizeof(int32_t) * ((size_t)vocab + 1));
-    int32_t *list = (int32_t *)dt_step_alloc_uninit(sizeof(int32_t) * (3 * (size_t)BT + 1));
+    int32_t *list = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (3 * (size_t)BT + 1));
     dt_tensor_to_host(tokens, ids);
-    for (int r = 0; r < BT; r++) first[dt_token_id(ids[r], vocab) + 1]++;
+    for (int r = 0; r < BT; r++) first[dt__token_id(ids[r], vocab) + 1]++;
     for (int v = 0; v < vocab; v++) {
         if (first[v + 1]) G++;
         first[v + 1] += first[v];               /* where token v's rows begin */
@@ -2476,21 +2483,21 @@ static const int32_t *dt_rows_by_token(const dt_tensor *tokens, int vocab, int *
     start[G] = BT;
     for (int r = 0; r < BT; r++) order[first[(int)ids[r]]++] = r;
     size_t bytes = sizeof(int32_t) * ((size_t)BT + 2 * (size_t)G + 1);
-    int32_t *dev = (int32_t *)dt_step_alloc_on(tokens->device, bytes);
-    dt_upload_to(tokens->device, dev, list, bytes);
+    int32_t *dev = (int32_t *)dt__step_alloc_on(tokens->device, bytes);
+    dt__upload_to(tokens->device, dev, list, bytes);
     *groups = G;
     return dev;
 }
-static void dt_token_embedding_backward(dt_tape_entry *e) {
+static void dt__token_embedding_backward(dt__tape_entry *e) {
     const dt_tensor *tokens = (const dt_tensor *)e->saved;
     dt_tensor *wte = e->in[0], *wpe = e->in[1];
     int BT = (int)dt_tensor_rows(e->out), D = (int)dt_tensor_cols(e->out), T = e->iarg[0];
-    const float *dy = dt_grad_in(e->out);
-    float *dwte = wte->requires_grad ? dt_grad_acc(wte) : NULL, *dwpe = wpe->requires_grad ? dt_grad_acc(wpe) : NULL;
-    const dt_backend *gpu = dt_backend_for(e->out);
+    const float *dy = dt__grad_in(e->out);
+    float *dwte = wte->requires_grad ? dt__grad_acc(wte) : NULL, *dwpe = wpe->requires_grad ? dt__grad_acc(wpe) : NULL;
+    const dt_backend *gpu = dt__backend_for(e->out);
     if (gpu) {
         int groups = 0;
-        const int32_t *by_token = dt_rows_by_token(tokens, (int)dt_tensor_rows(wte), &groups);
+        const int32_t *by_token = dt__rows_by_token(tokens, (int)dt_tensor_rows(wte), &groups);
         gpu->token_embedding_backward(by_token, groups, dy, dwte, dwpe, BT, T, D);
     } else {
         DT_OMP("omp parallel for schedule(static) if(BT * D > 65536)")
@@ -2503,8 +2510,8 @@ static void dt_token_embedding_backward(dt_tape_entry *e) {
             }
         }
     }
-    if (dwte) dt_grad_acc_done(wte, dwte);
-    if (dwpe) dt_grad_acc_done(wpe, dwpe);
+    if (dwte) dt__grad_acc_done(wte, dwte);
+    if (dwpe) dt__grad_acc_done(wpe, dwpe);
 }
 dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe) {
     int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), D = (int)dt_tensor_cols(wte), V = (int)dt_tensor_rows(wte);
@@ -2513,20 +2520,20 @@ dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor
         dt_fail("token embedding: %d positions of width %d need %s of at least [%d, %d], it is [%lld, %lld]", T, D,
                 wpe->name ? wpe->name : "the position embedding", T, D, (long long)dt_tensor_rows(wpe),
                 (long long)dt_tensor_cols(wpe));
-    const dt_backend *gpu = dt_backend_for(wte);
-    dt_scratch_reset();
-    dt_tensor *y = dt_tensor_out_2d(B * T, D);
-    const float *wv = dt_in(wte), *pv = dt_in(wpe);
-    float *yv = dt_out(y);
+    const dt_backend *gpu = dt__backend_for(wte);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out_2d(B * T, D);
+    const float *wv = dt__in(wte), *pv = dt__in(wpe);
+    float *yv = dt__out(y);
     if (gpu) gpu->token_embedding_forward(tokens->data, wv, pv, yv, B * T, T, D);
     else
         for (int r = 0; r < B * T; r++) {
-            const float *w = wv + (size_t)dt_token_id(tokens->data[r], V) * D, *p = pv + (size_t)(r % T) * D;
+            const float *w = wv + (size_t)dt__token_id(tokens->data[r], V) * D, *p = pv + (size_t)(r % T) * D;
             for (int j = 0; j < D; j++) yv[(size_t)r * D + j] = w[j] + p[j];
         }
-    dt_out_done(y, yv);
-    if (dt_wants_grad(wte, wpe, NULL)) {
-        dt_tape_entry *e = dt_tape_push(dt_token_embedding_backward, y, wte, wpe, NULL);
+    dt__out_done(y, yv);
+    if (dt__wants_grad(wte, wpe, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__token_embedding_backward, y, wte, wpe, NULL);
         e->iarg[0] = T;
         e->saved = (void *)tokens;
     }
@@ -2534,13 +2541,13 @@ dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor
 }
 
 /* -- ViT token assembly: [class token; patch embeddings] + position embedding -- */
-static void dt_vit_tokens_backward(dt_tape_entry *e) {
+static void dt__vit_tokens_backward(dt__tape_entry *e) {
     dt_tensor *patches = e->in[0], *cls = e->in[1], *pos = e->in[2];
     int B = e->iarg[0], P = e->iarg[1], D = e->iarg[2], T = P + 1;
-    const float *dy = dt_grad_in(e->out);
-    float *dpatch = patches->requires_grad ? dt_grad_acc(patches) : NULL;
-    float *dcls = cls->requires_grad ? dt_grad_acc(cls) : NULL, *dpos = pos->requires_grad ? dt_grad_acc(pos) : NULL;
-    const dt_backend *gpu = dt_backend_for(patches);
+    const float *dy = dt__grad_in(e->out);
+    float *dpatch = patches->requires_grad ? dt__grad_acc(patches) : NULL;
+    float *dcls = cls->requires_grad ? dt__grad_acc(cls) : NULL, *dpos = pos->requires_grad ? dt__grad_acc(pos) : NULL;
+    const dt_backend *gpu = dt__backend_for(patches);
     if (gpu) gpu->vit_tokens_backward(dy, dpatch, dcls, dpos, B, P, D);
     else
         for (int b = 0; b < B; b++)
@@ -2550,19 +2557,19 @@ static void dt_vit_tokens_backward(dt_tape_entry *e) {
                 if (t == 0) { if (dcls) for (int j = 0; j < D; j++) dcls[j] += g[j]; }
                 else if (dpatch) for (int j = 0; j < D; j++) dpatch[((size_t)b * P + t - 1) * D + j] += g[j];
             }
-    if (dpatch) dt_grad_acc_done(patches, dpatch);
-    if (dcls) dt_grad_acc_done(cls, dcls);
-    if (dpos) dt_grad_acc_done(pos, dpos);
+    if (dpatch) dt__grad_acc_done(patches, dpatch);
+    if (dcls) dt__grad_acc_done(cls, dcls);
+    if (dpos) dt__grad_acc_done(pos, dpos);
 }
 dt_tensor *dt_vit_tokens(dt_tensor *patches, dt_tensor *cls, dt_tensor *pos, int B) {
     int D = (int)dt_tensor_cols(patches), P = (int)(dt_tensor_rows(patches) / B), T = P + 1;
     if (pos->numel != (int64_t)T * D || cls->numel != D)
         dt_fail("vit tokens: %d patches of %d need pos_embed of %d x %d", P, D, T, D);
-    const dt_backend *gpu = dt_backend_for(patches);
-    dt_scratch_reset();
-    dt_tensor *y = dt_tensor_out_2d(B * T, D);
-    const float *pv = dt_in(patches), *cv = dt_in(cls), *posv = dt_in(pos);
-    float *yv = dt_out(y);
+    const dt_backend *gpu = dt__backend_for(patches);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out_2d(B * T, D);
+    const float *pv = dt__in(patches), *cv = dt__in(cls), *posv = dt__in(pos);
+    float *yv = dt__out(y);
     if (gpu) gpu->vit_tokens_forward(pv, cv, posv, yv, B, P, D);
     else
         for (int b = 0; b < B; b++)
@@ -2571,42 +2578,42 @@ dt_tensor *dt_vit_tokens(dt_tensor *patches, dt_tensor *cls, dt_tensor *pos, int
                 const float *src = t == 0 ? cv : pv + ((size_t)b * P + t - 1) * D;
                 for (int j = 0; j < D; j++) o[j] = src[j] + posv[(size_t)t * D + j];
             }
-    dt_out_done(y, yv);
-    if (dt_wants_grad(patches, cls, pos)) {
-        dt_tape_entry *e = dt_tape_push(dt_vit_tokens_backward, y, patches, cls, pos);
+    dt__out_done(y, yv);
+    if (dt__wants_grad(patches, cls, pos)) {
+        dt__tape_entry *e = dt__tape_push(dt__vit_tokens_backward, y, patches, cls, pos);
         e->iarg[0] = B; e->iarg[1] = P; e->iarg[2] = D;
     }
     return y;
 }
 
 /* -- pick one token per sequence (the class token feeds the head) -- */
-static void dt_select_token_backward(dt_tape_entry *e) {
+static void dt__select_token_backward(dt__tape_entry *e) {
     dt_tensor *x = e->in[0];
     if (!x->requires_grad) return;
     int B = e->iarg[0], T = e->iarg[1], idx = e->iarg[2], D = (int)dt_tensor_cols(x);
-    float *dx = dt_grad_acc(x);
-    const float *dy = dt_grad_in(e->out);
-    const dt_backend *gpu = dt_backend_for(x);
+    float *dx = dt__grad_acc(x);
+    const float *dy = dt__grad_in(e->out);
+    const dt_backend *gpu = dt__backend_for(x);
     if (gpu) gpu->select_token_backward(dy, dx, B, T, idx, D);
     else
         for (int b = 0; b < B; b++)
             for (int j = 0; j < D; j++) dx[((size_t)b * T + idx) * D + j] += dy[(size_t)b * D + j];
-    dt_grad_acc_done(x, dx);
+    dt__grad_acc_done(x, dx);
 }
 dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index) {
     int D = (int)dt_tensor_cols(x);
-    const dt_backend *gpu = dt_backend_for(x);
-    dt_scratch_reset();
-    dt_tensor *y = dt_tensor_out_2d(B, D);
-    const float *xv = dt_in(x);
-    float *yv = dt_out(y);
+    const dt_backend *gpu = dt__backend_for(x);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out_2d(B, D);
+    const float *xv = dt__in(x);
+    float *yv = dt__out(y);
     if (gpu) gpu->select_token_forward(xv, yv, B, T, index, D);
     else
         for (int b = 0; b < B; b++)
             memcpy(yv + (size_t)b * D, xv + ((size_t)b * T + index) * D, sizeof(float) * D);
-    dt_out_done(y, yv);
-    if (dt_wants_grad(x, NULL, NULL)) {
-        dt_tape_entry *e = dt_tape_push(dt_select_token_backward, y, x, NULL, NULL);
+    dt__out_done(y, yv);
+    if (dt__wants_grad(x, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__select_token_backward, y, x, NULL, NULL);
         e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = index;
     }
     return y;
@@ -2615,14 +2622,14 @@ dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index) {
 /* -- softmax cross-entropy, fused: the gradient is simply (p - onehot) / B.
       Labels arrive in host memory; the op checks them there, then copies
       them to the device beside the probabilities it saves. -- */
-static void dt_cross_entropy_backward(dt_tape_entry *e) {
+static void dt__cross_entropy_backward(dt__tape_entry *e) {
     dt_tensor *logits = e->in[0];
     if (!logits->requires_grad) return;
     int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits);
     const float *p = (const float *)e->saved;
     const int32_t *labels = (const int32_t *)(p + (size_t)B * C);
-    float *dl = dt_grad_acc(logits);
-    const dt_backend *gpu = dt_backend_for(logits);
+    float *dl = dt__grad_acc(logits);
+    const dt_backend *gpu = dt__backend_for(logits);
     if (gpu) gpu->cross_entropy_backward(p, labels, e->out->grad, dl, B, C);
     else {
         float scale = e->out->grad[0] / B;
@@ -2630,19 +2637,19 @@ static void dt_cross_entropy_backward(dt_tape_entry *e) {
             for (int j = 0; j < C; j++)
                 dl[(size_t)i * C + j] += (p[(size_t)i * C + j] - (j == labels[i] ? 1.0f : 0.0f)) * scale;
     }
-    dt_grad_acc_done(logits, dl);
+    dt__grad_acc_done(logits, dl);
 }
 dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
     int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits);
     for (int i = 0; i < B; i++)
         if (labels[i] < 0 || labels[i] >= C) dt_fail("cross entropy: label %d outside [0, %d)", labels[i], C);
-    const dt_backend *gpu = dt_backend_for(logits);
-    dt_scratch_reset();
-    float *p = (float *)dt_step_data(sizeof(float) * (size_t)B * C + sizeof(int32_t) * B);
+    const dt_backend *gpu = dt__backend_for(logits);
+    dt__scratch_reset();
+    float *p = (float *)dt__step_data(sizeof(float) * (size_t)B * C + sizeof(int32_t) * B);
     int32_t *saved_labels = (int32_t *)(p + (size_t)B * C);
     int s1[1] = { 1 };
-    dt_tensor *loss = dt_tensor_alloc(1, s1, DT_F32);        /* the loss is f32, always */
-    const float *lv = dt_in(logits);
+    dt_tensor *loss = dt__tensor_alloc(1, s1, DT_F32);        /* the loss is f32, always */
+    const float *lv = dt__in(logits);
     if (gpu) {
         gpu->upload(saved_labels, labels, sizeof(int32_t) * B);
         gpu->cross_entropy_forward(lv, saved_labels, p, loss->data, B, C);
@@ -2661,18 +2668,18 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
         }
         loss->data[0] = (float)(total / B);
     }
-    if (dt_wants_grad(logits, NULL, NULL)) dt_tape_push(dt_cross_entropy_backward, loss, logits, NULL, NULL)->saved = p;
+    if (dt__wants_grad(logits, NULL, NULL)) dt__tape_push(dt__cross_entropy_backward, loss, logits, NULL, NULL)->saved = p;
     return loss;
 }
 
 dt_tensor *dt_patchify(const dt_tensor *images, int patch) {
     int B = images->shape[0], C = images->shape[1], H = images->shape[2], W = images->shape[3];
     int ph = H / patch, pw = W / patch;
-    const dt_backend *gpu = dt_backend_for(images);
-    dt_scratch_reset();
-    dt_tensor *y = dt_tensor_out_2d(B * ph * pw, C * patch * patch);
-    const float *iv = dt_in(images);
-    float *yv = dt_out(y);
+    const dt_backend *gpu = dt__backend_for(images);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out_2d(B * ph * pw, C * patch * patch);
+    const float *iv = dt__in(images);
+    float *yv = dt__out(y);
     if (gpu) gpu->patchify(iv, yv, B, C, H, W, patch);
     else
         for (int b = 0; b < B; b++)
@@ -2684,7 +2691,7 @@ dt_tensor *dt_patchify(const dt_tensor *images, int patch) {
                             memcpy(row + (c * patch + ky) * patch,
                                    iv + (((size_t)b * C + c) * H + py * patch + ky) * W + px * patch, sizeof(float) * patch);
                 }
-    dt_out_done(y, yv);
+    dt__out_done(y, yv);
     return y;
 }
 
@@ -2695,44 +2702,44 @@ dt_tensor *dt_patchify(const dt_tensor *images, int patch) {
    are then loops over contiguous memory. Names and shapes are PyTorch's, so a
    checkpoint opens in PyTorch as a state_dict. */
 
-typedef struct dt_rng { uint64_t s; } dt_rng;
+typedef struct dt__rng { uint64_t s; } dt__rng;
 /* splitmix64: tiny, and good enough for initialisation and shuffling */
-static uint64_t dt_rng_u64(dt_rng *r) {
+static uint64_t dt__rng_u64(dt__rng *r) {
     uint64_t z = (r->s += 0x9E3779B97F4A7C15ull);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
 }
-static double dt_rng_uniform(dt_rng *r) { return (dt_rng_u64(r) >> 11) * (1.0 / 9007199254740992.0); }
-static double dt_rng_normal(dt_rng *r) {
-    double u1 = dt_rng_uniform(r), u2 = dt_rng_uniform(r);
+static double dt__rng_uniform(dt__rng *r) { return (dt__rng_u64(r) >> 11) * (1.0 / 9007199254740992.0); }
+static double dt__rng_normal(dt__rng *r) {
+    double u1 = dt__rng_uniform(r), u2 = dt__rng_uniform(r);
     if (u1 < 1e-300) u1 = 1e-300;
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
-static uint64_t dt_hash3(uint64_t a, uint64_t b, uint64_t c) {
-    dt_rng r = { a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull) * 0xD1B54A32D192ED03ull ^ c };
-    dt_rng_u64(&r);
-    return dt_rng_u64(&r);
+static uint64_t dt__hash3(uint64_t a, uint64_t b, uint64_t c) {
+    dt__rng r = { a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull) * 0xD1B54A32D192ED03ull ^ c };
+    dt__rng_u64(&r);
+    return dt__rng_u64(&r);
 }
 
-typedef enum { DT_INIT_ZERO, DT_INIT_ONE, DT_INIT_UNIFORM, DT_INIT_NORMAL } dt_init_kind;
+typedef enum { DT_INIT_ZERO, DT_INIT_ONE, DT_INIT_UNIFORM, DT_INIT_NORMAL } dt__init_kind;
 
-typedef struct dt_model_builder {
+typedef struct dt__model_builder {
     dt_model *m;
     int cap;
-    dt_init_kind *init;
+    dt__init_kind *init;
     float *init_scale;
-} dt_model_builder;
+} dt__model_builder;
 
-static void dt_unit_starts_here(dt_model_builder *mb) { mb->m->unit_first[mb->m->nunits++] = mb->m->nparams; }
+static void dt__unit_starts_here(dt__model_builder *mb) { mb->m->unit_first[mb->m->nunits++] = mb->m->nparams; }
 
-static void dt_add_param(dt_model_builder *mb, const char *name, dt_init_kind init, float scale,
+static void dt__add_param(dt__model_builder *mb, const char *name, dt__init_kind init, float scale,
                          int ndim, int s0, int s1, int s2, int s3) {
     dt_model *m = mb->m;
     if (m->nparams == mb->cap) {
         mb->cap = mb->cap ? 2 * mb->cap : 64;
         m->params = (dt_tensor *)realloc(m->params, mb->cap * sizeof(dt_tensor));
-        mb->init = (dt_init_kind *)realloc(mb->init, mb->cap * sizeof(dt_init_kind));
+        mb->init = (dt__init_kind *)realloc(mb->init, mb->cap * sizeof(dt__init_kind));
         mb->init_scale = (float *)realloc(mb->init_scale, mb->cap * sizeof(float));
         if (!m->params || !mb->init || !mb->init_scale) dt_fail("out of memory (model)");
     }
@@ -2754,27 +2761,27 @@ static void dt_add_param(dt_model_builder *mb, const char *name, dt_init_kind in
     m->nparams++;
 }
 
-static void dt_add_linear(dt_model_builder *mb, const char *prefix, int in, int out, dt_init_kind init, float scale) {
+static void dt__add_linear(dt__model_builder *mb, const char *prefix, int in, int out, dt__init_kind init, float scale) {
     char name[160];
-    dt_path(name, sizeof name, "%s.weight", prefix);
-    dt_add_param(mb, name, init, scale, 2, out, in, 0, 0);
-    dt_path(name, sizeof name, "%s.bias", prefix);
-    dt_add_param(mb, name, init == DT_INIT_UNIFORM ? DT_INIT_UNIFORM : DT_INIT_ZERO, scale, 1, out, 0, 0, 0);
+    dt__path(name, sizeof name, "%s.weight", prefix);
+    dt__add_param(mb, name, init, scale, 2, out, in, 0, 0);
+    dt__path(name, sizeof name, "%s.bias", prefix);
+    dt__add_param(mb, name, init == DT_INIT_UNIFORM ? DT_INIT_UNIFORM : DT_INIT_ZERO, scale, 1, out, 0, 0, 0);
 }
 /* GPT-2's Conv1D: a linear layer whose weight is stored [in, out] */
-static void dt_add_conv1d(dt_model_builder *mb, const char *prefix, int in, int out, float scale) {
+static void dt__add_conv1d(dt__model_builder *mb, const char *prefix, int in, int out, float scale) {
     char name[160];
-    dt_path(name, sizeof name, "%s.weight", prefix);
-    dt_add_param(mb, name, DT_INIT_NORMAL, scale, 2, in, out, 0, 0);
-    dt_path(name, sizeof name, "%s.bias", prefix);
-    dt_add_param(mb, name, DT_INIT_ZERO, 0, 1, out, 0, 0, 0);
+    dt__path(name, sizeof name, "%s.weight", prefix);
+    dt__add_param(mb, name, DT_INIT_NORMAL, scale, 2, in, out, 0, 0);
+    dt__path(name, sizeof name, "%s.bias", prefix);
+    dt__add_param(mb, name, DT_INIT_ZERO, 0, 1, out, 0, 0, 0);
 }
-static void dt_add_layernorm(dt_model_builder *mb, const char *prefix, int dim) {
+static void dt__add_layernorm(dt__model_builder *mb, const char *prefix, int dim) {
     char name[160];
-    dt_path(name, sizeof name, "%s.weight", prefix);
-    dt_add_param(mb, name, DT_INIT_ONE, 0, 1, dim, 0, 0, 0);
-    dt_path(name, sizeof name, "%s.bias", prefix);
-    dt_add_param(mb, name, DT_INIT_ZERO, 0, 1, dim, 0, 0, 0);
+    dt__path(name, sizeof name, "%s.weight", prefix);
+    dt__add_param(mb, name, DT_INIT_ONE, 0, 1, dim, 0, 0, 0);
+    dt__path(name, sizeof name, "%s.bias", prefix);
+    dt__add_param(mb, name, DT_INIT_ZERO, 0, 1, dim, 0, 0, 0);
 }
 
 dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
@@ -2783,7 +2790,7 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
     m->cfg = *cfg;
     m->unit_first = (int *)calloc((size_t)cfg->depth + 3, sizeof(int));
     if (!m->unit_first) dt_fail("out of memory (model)");
-    dt_model_builder mb = { m, 0, NULL, NULL };
+    dt__model_builder mb = { m, 0, NULL, NULL };
     int C = cfg->channels, S = cfg->image_size, D = cfg->dim;
     char name[160];
     m->outer_unit = -1;
@@ -2795,27 +2802,27 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
         if (D % cfg->heads) dt_fail("--dim %d is not divisible by --heads %d", D, cfg->heads);
         float proj = 0.02f / sqrtf(2.0f * (cfg->depth > 0 ? cfg->depth : 1));
         m->outer_unit = 0;
-        dt_unit_starts_here(&mb);
-        dt_add_param(&mb, "wte.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->classes, D, 0, 0);
-        dt_add_param(&mb, "wpe.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->seq_len, D, 0, 0);
-        dt_add_layernorm(&mb, "ln_f", D);
+        dt__unit_starts_here(&mb);
+        dt__add_param(&mb, "wte.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->classes, D, 0, 0);
+        dt__add_param(&mb, "wpe.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->seq_len, D, 0, 0);
+        dt__add_layernorm(&mb, "ln_f", D);
         for (int l = 0; l < cfg->depth; l++) {
-            dt_unit_starts_here(&mb);
-            snprintf(name, sizeof name, "h.%d.ln_1", l); dt_add_layernorm(&mb, name, D);
-            snprintf(name, sizeof name, "h.%d.attn.c_attn", l); dt_add_conv1d(&mb, name, D, 3 * D, 0.02f);
-            snprintf(name, sizeof name, "h.%d.attn.c_proj", l); dt_add_conv1d(&mb, name, D, D, proj);
-            snprintf(name, sizeof name, "h.%d.ln_2", l); dt_add_layernorm(&mb, name, D);
-            snprintf(name, sizeof name, "h.%d.mlp.c_fc", l); dt_add_conv1d(&mb, name, D, cfg->mlp_hidden, 0.02f);
-            snprintf(name, sizeof name, "h.%d.mlp.c_proj", l); dt_add_conv1d(&mb, name, cfg->mlp_hidden, D, proj);
+            dt__unit_starts_here(&mb);
+            snprintf(name, sizeof name, "h.%d.ln_1", l); dt__add_layernorm(&mb, name, D);
+            snprintf(name, sizeof name, "h.%d.attn.c_attn", l); dt__add_conv1d(&mb, name, D, 3 * D, 0.02f);
+            snprintf(name, sizeof name, "h.%d.attn.c_proj", l); dt__add_conv1d(&mb, name, D, D, proj);
+            snprintf(name, sizeof name, "h.%d.ln_2", l); dt__add_layernorm(&mb, name, D);
+            snprintf(name, sizeof name, "h.%d.mlp.c_fc", l); dt__add_conv1d(&mb, name, D, cfg->mlp_hidden, 0.02f);
+            snprintf(name, sizeof name, "h.%d.mlp.c_proj", l); dt__add_conv1d(&mb, name, cfg->mlp_hidden, D, proj);
         }
     } else if (cfg->kind == DT_MODEL_MLP) {
         /* PyTorch's nn.Linear initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) */
         int in = C * S * S;
         for (int l = 0; l <= cfg->depth; l++) {
             int out = l == cfg->depth ? cfg->classes : D;
-            dt_unit_starts_here(&mb);
+            dt__unit_starts_here(&mb);
             snprintf(name, sizeof name, "fc%d", l + 1);
-            dt_add_linear(&mb, name, in, out, DT_INIT_UNIFORM, 1.0f / sqrtf((float)in));
+            dt__add_linear(&mb, name, in, out, DT_INIT_UNIFORM, 1.0f / sqrtf((float)in));
             in = out;
         }
     } else {
@@ -2824,36 +2831,36 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
         int p = cfg->patch, P = (S / p) * (S / p), fan = C * p * p;
         if (S % p) dt_fail("image size %d is not a multiple of the patch size %d", S, p);
         if (D % cfg->heads) dt_fail("--dim %d is not divisible by --heads %d", D, cfg->heads);
-        dt_unit_starts_here(&mb);
-        dt_add_param(&mb, "cls_token", DT_INIT_NORMAL, 1e-6f, 3, 1, 1, D, 0);
-        dt_add_param(&mb, "pos_embed", DT_INIT_NORMAL, 0.02f, 3, 1, P + 1, D, 0);
-        dt_add_param(&mb, "patch_embed.proj.weight", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 4, D, C, p, p);
-        dt_add_param(&mb, "patch_embed.proj.bias", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 1, D, 0, 0, 0);
+        dt__unit_starts_here(&mb);
+        dt__add_param(&mb, "cls_token", DT_INIT_NORMAL, 1e-6f, 3, 1, 1, D, 0);
+        dt__add_param(&mb, "pos_embed", DT_INIT_NORMAL, 0.02f, 3, 1, P + 1, D, 0);
+        dt__add_param(&mb, "patch_embed.proj.weight", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 4, D, C, p, p);
+        dt__add_param(&mb, "patch_embed.proj.bias", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 1, D, 0, 0, 0);
         for (int l = 0; l < cfg->depth; l++) {
-            dt_unit_starts_here(&mb);
-            snprintf(name, sizeof name, "blocks.%d.norm1", l); dt_add_layernorm(&mb, name, D);
-            snprintf(name, sizeof name, "blocks.%d.attn.qkv", l); dt_add_linear(&mb, name, D, 3 * D, DT_INIT_NORMAL, 0.02f);
-            snprintf(name, sizeof name, "blocks.%d.attn.proj", l); dt_add_linear(&mb, name, D, D, DT_INIT_NORMAL, 0.02f);
-            snprintf(name, sizeof name, "blocks.%d.norm2", l); dt_add_layernorm(&mb, name, D);
-            snprintf(name, sizeof name, "blocks.%d.mlp.fc1", l); dt_add_linear(&mb, name, D, cfg->mlp_hidden, DT_INIT_NORMAL, 0.02f);
-            snprintf(name, sizeof name, "blocks.%d.mlp.fc2", l); dt_add_linear(&mb, name, cfg->mlp_hidden, D, DT_INIT_NORMAL, 0.02f);
+            dt__unit_starts_here(&mb);
+            snprintf(name, sizeof name, "blocks.%d.norm1", l); dt__add_layernorm(&mb, name, D);
+            snprintf(name, sizeof name, "blocks.%d.attn.qkv", l); dt__add_linear(&mb, name, D, 3 * D, DT_INIT_NORMAL, 0.02f);
+            snprintf(name, sizeof name, "blocks.%d.attn.proj", l); dt__add_linear(&mb, name, D, D, DT_INIT_NORMAL, 0.02f);
+            snprintf(name, sizeof name, "blocks.%d.norm2", l); dt__add_layernorm(&mb, name, D);
+            snprintf(name, sizeof name, "blocks.%d.mlp.fc1", l); dt__add_linear(&mb, name, D, cfg->mlp_hidden, DT_INIT_NORMAL, 0.02f);
+            snprintf(name, sizeof name, "blocks.%d.mlp.fc2", l); dt__add_linear(&mb, name, cfg->mlp_hidden, D, DT_INIT_NORMAL, 0.02f);
         }
-        dt_unit_starts_here(&mb);
-        dt_add_layernorm(&mb, "norm", D);
-        dt_add_linear(&mb, "head", D, cfg->classes, DT_INIT_NORMAL, 0.02f);
+        dt__unit_starts_here(&mb);
+        dt__add_layernorm(&mb, "norm", D);
+        dt__add_linear(&mb, "head", D, cfg->classes, DT_INIT_NORMAL, 0.02f);
     }
     m->unit_first[m->nunits] = m->nparams;
     m->offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(m->nparams + 1));
     if (!m->offsets) dt_fail("out of memory (model)");
     for (int i = 0; i < m->nparams; i++) { m->offsets[i] = m->numel; m->numel += m->params[i].numel; }
     size_t bytes = (size_t)m->numel * sizeof(float);
-    m->device = dt_ctx.device;
+    m->device = dt__ctx.device;
     m->flat_data = (float *)dt_alloc_on(m->device, DT_ARENA_PARAMS, bytes);
     m->flat_grad = (float *)dt_alloc_on(m->device, DT_ARENA_GRADS, bytes);
     /* Draw the weights on the host (the same numbers on every device), then upload. */
     float *init = m->device == DT_CPU ? m->flat_data : (float *)malloc(bytes);
     if (!init) dt_fail("out of memory (model initialisation)");
-    dt_rng rng = { seed };
+    dt__rng rng = { seed };
     int64_t off = 0;
     for (int i = 0; i < m->nparams; i++) {
         dt_tensor *t = &m->params[i];
@@ -2866,10 +2873,10 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
             switch (mb.init[i]) {
             case DT_INIT_ZERO: dst[j] = 0; break;
             case DT_INIT_ONE: dst[j] = 1; break;
-            case DT_INIT_UNIFORM: dst[j] = (float)((2 * dt_rng_uniform(&rng) - 1) * sc); break;
+            case DT_INIT_UNIFORM: dst[j] = (float)((2 * dt__rng_uniform(&rng) - 1) * sc); break;
             case DT_INIT_NORMAL: {       /* truncated at two standard deviations */
                 double z;
-                do z = dt_rng_normal(&rng); while (z < -2 || z > 2);
+                do z = dt__rng_normal(&rng); while (z < -2 || z > 2);
                 dst[j] = (float)(z * sc);
                 break;
             }
@@ -2909,7 +2916,7 @@ void dt_model_set_parallel(dt_model *m, dt_parallel *par) {
         dt_fail("%s: the optimizer still steps what this wrapper gave it; call dt_optimizer_free first", now->free_fn);
     m->parallel = par;
     for (int i = 0; i < m->nparams; i++) m->params[i].parallel = par;
-    dt_ctx.wrappers += par ? 1 : -1;
+    dt__ctx.wrappers += par ? 1 : -1;
 }
 
 dt_tensor *dt_model_param(dt_model *m, const char *name) {
@@ -2918,7 +2925,7 @@ dt_tensor *dt_model_param(dt_model *m, const char *name) {
     return NULL;
 }
 
-void dt_model_zero_grad(dt_model *m) { dt_zero_on(m->device, m->flat_grad, (size_t)m->numel * sizeof(float)); }
+void dt_model_zero_grad(dt_model *m) { dt__zero_on(m->device, m->flat_grad, (size_t)m->numel * sizeof(float)); }
 
 void dt_model_describe(const dt_model *m, char *out, size_t n) {
     const dt_model_config *c = &m->cfg;
@@ -2934,8 +2941,8 @@ void dt_model_describe(const dt_model *m, char *out, size_t n) {
 }
 
 /* How checkpoints name a model and its shape (their "model" and "model_config"). */
-static const char *dt_model_kind_name(dt_model_kind k) { return k == DT_MODEL_GPT ? "gpt" : k == DT_MODEL_VIT ? "vit" : "mlp"; }
-static void dt_model_config_string(const dt_model_config *mc, char *out, size_t n) {
+static const char *dt__model_kind_name(dt_model_kind k) { return k == DT_MODEL_GPT ? "gpt" : k == DT_MODEL_VIT ? "vit" : "mlp"; }
+static void dt__model_config_string(const dt_model_config *mc, char *out, size_t n) {
     int k = snprintf(out, n, "%d,%d,%d,%d,%d,%d,%d,%d", mc->channels, mc->image_size, mc->classes, mc->dim, mc->depth,
                      mc->heads, mc->patch, mc->mlp_hidden);
     if (mc->kind == DT_MODEL_GPT && k > 0 && (size_t)k < n) snprintf(out + k, n - (size_t)k, ",%d", mc->seq_len);
@@ -2950,7 +2957,7 @@ double dt_model_flops_per_token(const dt_model *m) {
 
 /* Where a unit's forward begins and ends: FSDP gathers its parameters there,
    and leaves marks on the tape for the same moments of backward. */
-static void dt_unit_boundary(dt_model *m, int unit, int begin) {
+static void dt__unit_boundary(dt_model *m, int unit, int begin) {
     dt_parallel *par = m->parallel;
     if (par && begin && par->unit_begin) par->unit_begin(par, unit);
     if (par && !begin && par->unit_end) par->unit_end(par, unit);
@@ -2958,17 +2965,17 @@ static void dt_unit_boundary(dt_model *m, int unit, int begin) {
 
 /* GPT-2: pre-LN blocks of causal self-attention and an MLP; the head is the
    token embedding again (x wte^T), so input and output share one table. */
-static dt_tensor *dt_gpt_forward(dt_model *m, dt_tensor *tokens) {
+static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens) {
     const dt_model_config *c = &m->cfg;
     int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), pi = 0;
     dt_tensor *P = m->params;
     if (T > c->seq_len) dt_fail("gpt: %d tokens do not fit a context of %d (--seq-len)", T, c->seq_len);
 #define DT_NEXT (&P[pi++])
-    dt_unit_boundary(m, 0, 1);                                         /* the outer unit, until the head */
+    dt__unit_boundary(m, 0, 1);                                         /* the outer unit, until the head */
     dt_tensor *wte = DT_NEXT, *wpe = DT_NEXT, *nfw = DT_NEXT, *nfb = DT_NEXT;
     dt_tensor *x = dt_token_embedding(tokens, wte, wpe);
     for (int l = 0; l < c->depth; l++) {
-        dt_unit_boundary(m, 1 + l, 1);
+        dt__unit_boundary(m, 1 + l, 1);
         dt_tensor *n1w = DT_NEXT, *n1b = DT_NEXT, *aw = DT_NEXT, *ab = DT_NEXT, *pw = DT_NEXT, *pb = DT_NEXT;
         dt_tensor *n2w = DT_NEXT, *n2b = DT_NEXT, *fw = DT_NEXT, *fb = DT_NEXT, *mw = DT_NEXT, *mb = DT_NEXT;
         dt_tensor *h = dt_linear_in_out(dt_layernorm(x, n1w, n1b, 1e-5f), aw, ab);
@@ -2976,17 +2983,17 @@ static dt_tensor *dt_gpt_forward(dt_model *m, dt_tensor *tokens) {
         x = dt_add(x, h);
         h = dt_gelu_tanh(dt_linear_in_out(dt_layernorm(x, n2w, n2b, 1e-5f), fw, fb));
         x = dt_add(x, dt_linear_in_out(h, mw, mb));
-        dt_unit_boundary(m, 1 + l, 0);
+        dt__unit_boundary(m, 1 + l, 0);
     }
     x = dt_linear(dt_layernorm(x, nfw, nfb, 1e-5f), wte, NULL);       /* tied head: logits = x wte^T */
-    dt_unit_boundary(m, 0, 0);
+    dt__unit_boundary(m, 0, 0);
     return x;
 #undef DT_NEXT
 }
 
 dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs) {
     const dt_model_config *c = &m->cfg;
-    if (c->kind == DT_MODEL_GPT) return dt_gpt_forward(m, inputs);
+    if (c->kind == DT_MODEL_GPT) return dt__gpt_forward(m, inputs);
     dt_tensor *images = inputs;
     int B = images->shape[0], pi = 0;
     dt_tensor *P = m->params;
@@ -2996,22 +3003,22 @@ dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs) {
         *x = *images;                                                  /* flatten: a view */
         x->ndim = 2; x->shape[0] = B; x->shape[1] = (int)(images->numel / B);
         for (int l = 0; l <= c->depth; l++) {
-            dt_unit_boundary(m, l, 1);
+            dt__unit_boundary(m, l, 1);
             dt_tensor *w = DT_NEXT, *b = DT_NEXT;
             x = dt_linear(x, w, b);
-            dt_unit_boundary(m, l, 0);
+            dt__unit_boundary(m, l, 0);
             if (l < c->depth) x = dt_gelu(x);
         }
         return x;
     }
     int T = (c->image_size / c->patch) * (c->image_size / c->patch) + 1;
-    dt_unit_boundary(m, 0, 1);
+    dt__unit_boundary(m, 0, 1);
     dt_tensor *cls = DT_NEXT, *pos = DT_NEXT, *pw = DT_NEXT, *pb = DT_NEXT;
     dt_tensor *x = dt_linear(dt_patchify(images, c->patch), pw, pb); /* the conv, as a matmul */
     x = dt_vit_tokens(x, cls, pos, B);
-    dt_unit_boundary(m, 0, 0);
+    dt__unit_boundary(m, 0, 0);
     for (int l = 0; l < c->depth; l++) {
-        dt_unit_boundary(m, 1 + l, 1);
+        dt__unit_boundary(m, 1 + l, 1);
         dt_tensor *n1w = DT_NEXT, *n1b = DT_NEXT, *qkvw = DT_NEXT, *qkvb = DT_NEXT, *pjw = DT_NEXT, *pjb = DT_NEXT;
         dt_tensor *n2w = DT_NEXT, *n2b = DT_NEXT, *f1w = DT_NEXT, *f1b = DT_NEXT, *f2w = DT_NEXT, *f2b = DT_NEXT;
         dt_tensor *h = dt_linear(dt_layernorm(x, n1w, n1b, 1e-6f), qkvw, qkvb);
@@ -3019,15 +3026,15 @@ dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs) {
         x = dt_add(x, h);                                              /* pre-LN residual */
         h = dt_gelu(dt_linear(dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b));
         x = dt_add(x, dt_linear(h, f2w, f2b));
-        dt_unit_boundary(m, 1 + l, 0);
+        dt__unit_boundary(m, 1 + l, 0);
     }
-    dt_unit_boundary(m, 1 + c->depth, 1);
+    dt__unit_boundary(m, 1 + c->depth, 1);
     dt_tensor *nw = DT_NEXT, *nb = DT_NEXT, *hw = DT_NEXT, *hb = DT_NEXT;
     /* timm normalises every token, then pools the class token; normalising only
        the class token gives the same logits for less work. */
     x = dt_layernorm(dt_select_token(x, B, T, 0), nw, nb, 1e-6f);
     x = dt_linear(x, hw, hb);
-    dt_unit_boundary(m, 1 + c->depth, 0);
+    dt__unit_boundary(m, 1 + c->depth, 0);
     return x;
 #undef DT_NEXT
 }
@@ -3078,7 +3085,7 @@ void dt_optimizer_free(dt_optimizer *opt) {
 
 /* The optimizer needs the average gradient: a backward whose gradients the
    wrapper has not synchronised yet is an order mistake, named. */
-static void dt_optimizer_check_synced(const dt_optimizer *o, const char *caller) {
+static void dt__optimizer_check_synced(const dt_optimizer *o, const char *caller) {
     const dt_parallel *par = o->model->parallel;
     if (par && par->grads_pending)
         dt_fail("%s: the gradients of the last backward are not synchronised across the ranks yet; call %s first",
@@ -3087,10 +3094,10 @@ static void dt_optimizer_check_synced(const dt_optimizer *o, const char *caller)
 
 /* The squared norm of every gradient the optimizer steps -- of the whole
    model: a sharded optimizer sums its ranks' parts. */
-static double dt_optimizer_grad_sum_squares(dt_optimizer *o) {
+static double dt__optimizer_grad_sum_squares(dt_optimizer *o) {
     int64_t n = o->numel;
     const float *g = o->grads;
-    const dt_backend *gpu = dt_backend_of(o->device);
+    const dt_backend *gpu = dt__backend_of(o->device);
     double sq = 0;
     if (gpu) sq = gpu->sum_squares(g, n);
     else {
@@ -3109,11 +3116,11 @@ static double dt_optimizer_grad_sum_squares(dt_optimizer *o) {
     return sq;
 }
 void dt_optimizer_step(dt_optimizer *opt, float lr) {
-    dt_optimizer_check_synced(opt, "dt_optimizer_step");
+    dt__optimizer_check_synced(opt, "dt_optimizer_step");
     int64_t n = opt->numel;
     float *g = opt->grads;
-    const dt_backend *gpu = dt_backend_of(opt->device);
-    opt->last_grad_norm = (float)sqrt(dt_optimizer_grad_sum_squares(opt));
+    const dt_backend *gpu = dt__backend_of(opt->device);
+    opt->last_grad_norm = (float)sqrt(dt__optimizer_grad_sum_squares(opt));
     if (opt->clip_norm > 0 && opt->last_grad_norm > opt->clip_norm) {   /* torch.nn.utils.clip_grad_norm_ */
         float c = opt->clip_norm / (opt->last_grad_norm + 1e-6f);
         if (gpu) gpu->scale(g, c, n);
@@ -3140,7 +3147,7 @@ void dt_optimizer_step(dt_optimizer *opt, float lr) {
             for (int64_t i = 0; i < len; i++) dt_sgd_update(&p[i], &mm[i], gg[i], lr, opt->momentum, wd);
         }
     }
-    dt_zero_on(opt->device, g, (size_t)n * sizeof(float));
+    dt__zero_on(opt->device, g, (size_t)n * sizeof(float));
     dt_parallel *par = opt->model->parallel;
     if (par && par->step_done) par->step_done(par);
 }
@@ -3162,10 +3169,10 @@ float dt_schedule_lr(float base_lr, int64_t step, int64_t warmup, int64_t total)
    hash of (seed, epoch, image index), so a resumed run crops and flips exactly
    as the uninterrupted one would have. */
 
-static int dt_name_cmp(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+static int dt__name_cmp(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
 /* Sorted entries of a folder (no hidden files); want_dirs picks folders or files. */
-static char **dt_list_dir(const char *path, int want_dirs, int *count) {
+static char **dt__list_dir(const char *path, int want_dirs, int *count) {
     DIR *d = opendir(path);
     if (!d) dt_fail("cannot open folder '%s': %s", path, strerror(errno));
     char **names = NULL;
@@ -3175,7 +3182,7 @@ static char **dt_list_dir(const char *path, int want_dirs, int *count) {
         if (ent->d_name[0] == '.') continue;
         char full[4096];
         struct stat st;
-        dt_path(full, sizeof full, "%s/%s", path, ent->d_name);
+        dt__path(full, sizeof full, "%s/%s", path, ent->d_name);
         if (stat(full, &st) != 0) continue;
         if (want_dirs != S_ISDIR(st.st_mode)) continue;
         if (n == cap) {
@@ -3188,13 +3195,13 @@ static char **dt_list_dir(const char *path, int want_dirs, int *count) {
         strcpy(names[n++], ent->d_name);
     }
     closedir(d);
-    if (n > 1) qsort(names, n, sizeof(char *), dt_name_cmp);
+    if (n > 1) qsort(names, n, sizeof(char *), dt__name_cmp);
     *count = n;
     return names;
 }
-static void dt_free_names(char **names, int n) { for (int i = 0; i < n; i++) free(names[i]); free(names); }
+static void dt__free_names(char **names, int n) { for (int i = 0; i < n; i++) free(names[i]); free(names); }
 
-static unsigned char *dt_read_file(const char *path, size_t *len) {
+static unsigned char *dt__read_file(const char *path, size_t *len) {
     FILE *f = fopen(path, "rb");
     if (!f) return NULL;
     size_t cap = 1 << 16, n = 0;
@@ -3237,7 +3244,7 @@ void dt_image_resize(const uint8_t *src, int channels, int w, int h, uint8_t *ds
 }
 
 /* PPM (P3, P6) and PGM (P2, P5), read without any library. */
-static uint8_t *dt_decode_pnm(const unsigned char *buf, size_t len, int *w, int *h, char *err, size_t errlen) {
+static uint8_t *dt__decode_pnm(const unsigned char *buf, size_t len, int *w, int *h, char *err, size_t errlen) {
     size_t pos = 2;
     if (len < 2 || buf[0] != 'P' || (buf[1] != '2' && buf[1] != '3' && buf[1] != '5' && buf[1] != '6')) {
 #ifdef DT_HAVE_STB
@@ -3298,7 +3305,7 @@ static uint8_t *dt_decode_pnm(const unsigned char *buf, size_t len, int *w, int 
    zeros. A training set should not silently hold half-black images, so the
    containers are checked first: every PNG chunk must fit and the file must
    end with IEND; a JPEG must end with its end-of-image marker. */
-static int dt_check_container(const unsigned char *b, size_t len, char *err, size_t errlen) {
+static int dt__check_container(const unsigned char *b, size_t len, char *err, size_t errlen) {
     static const unsigned char png_sig[8] = { 137, 80, 78, 71, 13, 10, 26, 10 };
     if (len >= 8 && memcmp(b, png_sig, 8) == 0) {
         size_t pos = 8;
@@ -3325,16 +3332,16 @@ static int dt_check_container(const unsigned char *b, size_t len, char *err, siz
 
 uint8_t *dt_image_load_rgb(const char *path, int size, char *err, size_t errlen) {
     size_t len = 0;
-    unsigned char *buf = dt_read_file(path, &len);
+    unsigned char *buf = dt__read_file(path, &len);
     if (!buf) { snprintf(err, errlen, "cannot read: %s", strerror(errno)); return NULL; }
     int w = 0, h = 0;
     uint8_t *rgb = NULL;
     if (len == 0) snprintf(err, errlen, "empty file");
-    else if (len >= 2 && buf[0] == 'P' && buf[1] >= '1' && buf[1] <= '7') rgb = dt_decode_pnm(buf, len, &w, &h, err, errlen);
+    else if (len >= 2 && buf[0] == 'P' && buf[1] >= '1' && buf[1] <= '7') rgb = dt__decode_pnm(buf, len, &w, &h, err, errlen);
     else {
 #ifdef DT_HAVE_STB
         int comp = 0;
-        if (dt_check_container(buf, len, err, errlen)) {
+        if (dt__check_container(buf, len, err, errlen)) {
             rgb = stbi_load_from_memory(buf, (int)len, &w, &h, &comp, 3);  /* 3: grey and alpha -> RGB */
             const char *why = rgb ? NULL : stbi_failure_reason();
             if (why && !strcmp(why, "unknown image type"))
@@ -3342,7 +3349,7 @@ uint8_t *dt_image_load_rgb(const char *path, int size, char *err, size_t errlen)
             else if (why) snprintf(err, errlen, "corrupt image (stb_image: %s)", why);
         }
 #else
-        rgb = dt_decode_pnm(buf, len, &w, &h, err, errlen);
+        rgb = dt__decode_pnm(buf, len, &w, &h, err, errlen);
 #endif
     }
     free(buf);
@@ -3358,10 +3365,10 @@ uint8_t *dt_image_load_rgb(const char *path, int size, char *err, size_t errlen)
     return out;
 }
 
-/* The one constructor of an image set (dt_text_split is text's): every field
+/* The one constructor of an image set (dt__text_split is text's): every field
    starts at zero, so one that no loader writes (tokens, for images) reads as
    empty, never as whatever the caller's stack held. */
-static void dt_dataset_alloc(dt_dataset *ds, int64_t n, int size, int classes) {
+static void dt__dataset_alloc(dt_dataset *ds, int64_t n, int size, int classes) {
     memset(ds, 0, sizeof *ds);
     ds->n = n; ds->capacity = n; ds->channels = 3; ds->size = size; ds->num_classes = classes;
     ds->pixels = (uint8_t *)dt_alloc(DT_ARENA_DATA, (size_t)n * 3 * size * size);
@@ -3369,18 +3376,18 @@ static void dt_dataset_alloc(dt_dataset *ds, int64_t n, int size, int classes) {
     ds->class_names = (char **)calloc((size_t)(classes > 0 ? classes : 1), sizeof(char *));
 }
 
-static int dt_is_cifar_dir(const char *dir, char *batches, size_t n) {
+static int dt__is_cifar_dir(const char *dir, char *batches, size_t n) {
     struct stat st;
     char p[4096];
-    dt_path(p, sizeof p, "%s/data_batch_1.bin", dir);
-    if (stat(p, &st) == 0) { dt_path(batches, n, "%s", dir); return 1; }
-    dt_path(p, sizeof p, "%s/cifar-10-batches-bin/data_batch_1.bin", dir);
-    if (stat(p, &st) == 0) { dt_path(batches, n, "%s/cifar-10-batches-bin", dir); return 1; }
+    dt__path(p, sizeof p, "%s/data_batch_1.bin", dir);
+    if (stat(p, &st) == 0) { dt__path(batches, n, "%s", dir); return 1; }
+    dt__path(p, sizeof p, "%s/cifar-10-batches-bin/data_batch_1.bin", dir);
+    if (stat(p, &st) == 0) { dt__path(batches, n, "%s/cifar-10-batches-bin", dir); return 1; }
     return 0;
 }
 
 /* CIFAR-10 binary: records of 1 label byte + 3072 pixel bytes (R, G, B planes). */
-static void dt_load_cifar(const char *dir, const char *split, int size, dt_dataset *ds) {
+static void dt__load_cifar(const char *dir, const char *split, int size, dt_dataset *ds) {
     static const char *names[10] = { "airplane", "automobile", "bird", "cat", "deer",
                                      "dog", "frog", "horse", "ship", "truck" };
     const char *files[5] = { "data_batch_1.bin", "data_batch_2.bin", "data_batch_3.bin",
@@ -3393,14 +3400,14 @@ static void dt_load_cifar(const char *dir, const char *split, int size, dt_datas
     int64_t total = 0;
     for (int i = 0; i < nfiles; i++) {
         char p[4096];
-        dt_path(p, sizeof p, "%s/%s", dir, list[i]);
-        bufs[i] = dt_read_file(p, &lens[i]);
+        dt__path(p, sizeof p, "%s/%s", dir, list[i]);
+        bufs[i] = dt__read_file(p, &lens[i]);
         if (!bufs[i]) dt_fail("CIFAR-10: cannot read '%s': %s", p, strerror(errno));
         if (lens[i] == 0 || lens[i] % 3073 != 0)
             dt_fail("CIFAR-10: '%s' is truncated or not a CIFAR-10 batch (%zu bytes, not a multiple of 3073)", p, lens[i]);
         total += lens[i] / 3073;
     }
-    dt_dataset_alloc(ds, total, size, 10);
+    dt__dataset_alloc(ds, total, size, 10);
     for (int c = 0; c < 10; c++) { ds->class_names[c] = (char *)malloc(16); strcpy(ds->class_names[c], names[c]); }
     int64_t k = 0;
     size_t img = (size_t)3 * size * size;
@@ -3414,7 +3421,7 @@ static void dt_load_cifar(const char *dir, const char *split, int size, dt_datas
         }
         free(bufs[i]);
     }
-    dt_copy_str(ds->source, sizeof ds->source, dir);
+    dt__copy_str(ds->source, sizeof ds->source, dir);
 }
 
 void dt_dataset_load(const char *dir, const char *split, int size, const dt_dataset *classes_from, dt_dataset *ds) {
@@ -3423,13 +3430,13 @@ void dt_dataset_load(const char *dir, const char *split, int size, const dt_data
         dt_fail("data folder '%s' does not exist (give --data DIR holding train/ and val/ class folders, "
                 "or a CIFAR-10 binary folder; leave --data out to use the synthetic set)", dir);
     char cifar[4096];
-    if (dt_is_cifar_dir(dir, cifar, sizeof cifar)) { dt_load_cifar(cifar, split, size, ds); return; }
+    if (dt__is_cifar_dir(dir, cifar, sizeof cifar)) { dt__load_cifar(cifar, split, size, ds); return; }
     char split_dir[4096];
-    dt_path(split_dir, sizeof split_dir, "%s/%s", dir, split);
+    dt__path(split_dir, sizeof split_dir, "%s/%s", dir, split);
     if (stat(split_dir, &st) != 0 || !S_ISDIR(st.st_mode))
         dt_fail("data folder '%s' has no %s/ folder (expected %s/%s/<class>/<image>)", dir, split, dir, split);
     int nclass = 0;
-    char **classes = dt_list_dir(split_dir, 1, &nclass);
+    char **classes = dt__list_dir(split_dir, 1, &nclass);
     if (nclass == 0) dt_fail("'%s' holds no class folders (expected %s/<class>/<image>)", split_dir, split_dir);
     if (classes_from) {
         int same = classes_from->num_classes == nclass;
@@ -3443,8 +3450,8 @@ void dt_dataset_load(const char *dir, const char *split, int size, const dt_data
     for (int c = 0; c < nclass; c++) {
         char cdir[4096];
         int nf = 0;
-        dt_path(cdir, sizeof cdir, "%s/%s", split_dir, classes[c]);
-        char **files = dt_list_dir(cdir, 0, &nf);
+        dt__path(cdir, sizeof cdir, "%s/%s", split_dir, classes[c]);
+        char **files = dt__list_dir(cdir, 0, &nf);
         if (nf == 0) dt_fail("class folder '%s' is empty (every class needs at least one image)", cdir);
         for (int i = 0; i < nf; i++) {
             if (n == cap) {
@@ -3458,9 +3465,9 @@ void dt_dataset_load(const char *dir, const char *split, int size, const dt_data
             snprintf(paths[n], plen, "%s/%s", cdir, files[i]);
             labels[n++] = c;
         }
-        dt_free_names(files, nf);
+        dt__free_names(files, nf);
     }
-    dt_dataset_alloc(ds, n, size, nclass);
+    dt__dataset_alloc(ds, n, size, nclass);
     for (int c = 0; c < nclass; c++) ds->class_names[c] = classes[c];
     free(classes);
     size_t img = (size_t)3 * size * size;
@@ -3472,7 +3479,7 @@ void dt_dataset_load(const char *dir, const char *split, int size, const dt_data
         uint8_t *px = dt_image_load_rgb(paths[i], size, err, sizeof err);
         if (px) { memcpy(ds->pixels + i * img, px, img); free(px); }
         else {
-            DT_OMP("omp critical(dt_bad_image)")
+            DT_OMP("omp critical(dt__bad_image)")
             if (first_bad < 0 || i < first_bad) { first_bad = i; snprintf(bad_reason, sizeof bad_reason, "%s", err); }
         }
         ds->labels[i] = labels[i];
@@ -3481,7 +3488,7 @@ void dt_dataset_load(const char *dir, const char *split, int size, const dt_data
     for (int64_t i = 0; i < n; i++) free(paths[i]);
     free(paths);
     free(labels);
-    dt_copy_str(ds->source, sizeof ds->source, split_dir);
+    dt__copy_str(ds->source, sizeof ds->source, split_dir);
 }
 
 void dt_dataset_free(dt_dataset *ds) {
@@ -3517,9 +3524,9 @@ int64_t dt_sampler_indices(int64_t n, uint64_t seed, int epoch, int shuffle, int
     if (!perm) dt_fail("out of memory (sampler)");
     for (int64_t i = 0; i < n; i++) perm[i] = i;
     if (shuffle) {                                     /* Fisher-Yates, seeded by (seed, epoch) */
-        dt_rng r = { dt_hash3(seed, (uint64_t)epoch, 0x5A4D50u) };
+        dt__rng r = { dt__hash3(seed, (uint64_t)epoch, 0x5A4D50u) };
         for (int64_t i = n - 1; i > 0; i--) {
-            int64_t j = (int64_t)(dt_rng_u64(&r) % (uint64_t)(i + 1));
+            int64_t j = (int64_t)(dt__rng_u64(&r) % (uint64_t)(i + 1));
             int64_t t = perm[i]; perm[i] = perm[j]; perm[j] = t;
         }
     }
@@ -3553,13 +3560,13 @@ void dt_loader_start_epoch(dt_loader *l, int epoch, int64_t skip_batches) {
 }
 
 /* A batch of text: B sequences of T token ids, and the T tokens that follow each. */
-static void dt_loader_text(dt_loader *l, dt_batch *b, int B) {
+static void dt__loader_text(dt_loader *l, dt_batch *b, int B) {
     const dt_dataset *ds = l->ds;
     int T = ds->seq_len, shape[2] = { B, T };
-    b->inputs = dt_tensor_alloc(2, shape, DT_F32);
+    b->inputs = dt__tensor_alloc(2, shape, DT_F32);
     b->labels = (int32_t *)dt_step_alloc(sizeof(int32_t) * (size_t)B * T);
     size_t bytes = (size_t)B * T * sizeof(float);
-    float *host = b->inputs->device == DT_CPU ? b->inputs->data : (float *)dt_step_alloc_uninit(bytes);
+    float *host = b->inputs->device == DT_CPU ? b->inputs->data : (float *)dt__step_alloc_uninit(bytes);
     for (int i = 0; i < B; i++) {
         const uint16_t *src = ds->tokens + l->order[l->pos + i] * T;
         for (int t = 0; t < T; t++) {
@@ -3578,24 +3585,24 @@ int dt_loader_next(dt_loader *l, dt_batch *b) {
     memset(b, 0, sizeof *b);
     b->size = B;
     if (ds->tokens) {
-        dt_loader_text(l, b, B);
+        dt__loader_text(l, b, B);
         l->pos += B;
         return 1;
     }
     int C = ds->channels, S = ds->size, pad = S / 8;
     int shape[4] = { B, C, S, S };
-    b->inputs = dt_tensor_alloc(4, shape, DT_F32);
+    b->inputs = dt__tensor_alloc(4, shape, DT_F32);
     b->labels = (int32_t *)dt_step_alloc(sizeof(int32_t) * B);
     /* The batch is assembled on the host; a GPU gets it in one upload. */
     size_t bytes = (size_t)b->inputs->numel * sizeof(float);
-    float *host = b->inputs->device == DT_CPU ? b->inputs->data : (float *)dt_step_alloc_uninit(bytes);
+    float *host = b->inputs->device == DT_CPU ? b->inputs->data : (float *)dt__step_alloc_uninit(bytes);
     for (int i = 0; i < B; i++) {
         int64_t idx = l->order[l->pos + i];
         const uint8_t *src = ds->pixels + (size_t)idx * C * S * S;
         float *dst = host + (size_t)i * C * S * S;
         int flip = 0, dx = 0, dy = 0;
         if (l->augment) {                   /* random crop (zero padding S/8) + horizontal flip */
-            uint64_t h = dt_hash3(l->seed, (uint64_t)l->epoch, (uint64_t)idx);
+            uint64_t h = dt__hash3(l->seed, (uint64_t)l->epoch, (uint64_t)idx);
             flip = (int)(h & 1);
             dx = (int)((h >> 8) % (uint64_t)(2 * pad + 1)) - pad;
             dy = (int)((h >> 24) % (uint64_t)(2 * pad + 1)) - pad;
@@ -3618,7 +3625,7 @@ int dt_loader_next(dt_loader *l, dt_batch *b) {
       it, so a text is one long run of tokens: every position is a training
       example. Bytes are the simplest tokens (256 of them, nothing to
       download); a tokenizer's ids come pre-made in a file. -- */
-static void dt_text_split(const uint16_t *tok, int64_t n, int vocab, int seq_len, const char *source, dt_dataset *ds) {
+static void dt__text_split(const uint16_t *tok, int64_t n, int vocab, int seq_len, const char *source, dt_dataset *ds) {
     memset(ds, 0, sizeof *ds);
     ds->tokens = (uint16_t *)dt_alloc(DT_ARENA_DATA, (size_t)n * sizeof(uint16_t));
     memcpy(ds->tokens, tok, (size_t)n * sizeof(uint16_t));
@@ -3626,7 +3633,7 @@ static void dt_text_split(const uint16_t *tok, int64_t n, int vocab, int seq_len
     ds->seq_len = seq_len;
     ds->n = (n - 1) / seq_len;
     ds->num_classes = vocab;
-    dt_copy_str(ds->source, sizeof ds->source, source);
+    dt__copy_str(ds->source, sizeof ds->source, source);
 }
 
 void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, double val_fraction, dt_dataset *train,
@@ -3638,13 +3645,13 @@ void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, doubl
     if (S_ISDIR(st.st_mode)) {                       /* every .txt file, in name order, one after another */
         if (is_tokens) dt_fail("--tokens '%s' is a folder; it takes one file of uint16 token ids", path);
         int count = 0, used = 0;
-        char **names = dt_list_dir(path, 0, &count);
+        char **names = dt__list_dir(path, 0, &count);
         for (int i = 0; i < count; i++) {
             size_t l = strlen(names[i]), flen = 0;
             if (l < 4 || strcmp(names[i] + l - 4, ".txt")) continue;
             char full[4096];
-            dt_path(full, sizeof full, "%s/%s", path, names[i]);
-            unsigned char *part = dt_read_file(full, &flen);
+            dt__path(full, sizeof full, "%s/%s", path, names[i]);
+            unsigned char *part = dt__read_file(full, &flen);
             if (!part) dt_fail("cannot read '%s': %s", full, strerror(errno));
             unsigned char *grown = (unsigned char *)realloc(bytes, len + flen + 1);
             if (!grown) dt_fail("out of memory reading '%s'", full);
@@ -3654,9 +3661,9 @@ void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, doubl
             free(part);
             used++;
         }
-        dt_free_names(names, count);
+        dt__free_names(names, count);
         if (!used) dt_fail("'%s' holds no .txt file", path);
-    } else if (!(bytes = dt_read_file(path, &len))) dt_fail("cannot read '%s': %s", path, strerror(errno));
+    } else if (!(bytes = dt__read_file(path, &len))) dt_fail("cannot read '%s': %s", path, strerror(errno));
     int64_t n = is_tokens ? (int64_t)(len / 2) : (int64_t)len;
     if (is_tokens && len % 2)
         dt_fail("'%s' has %zu bytes, an odd number: a file of uint16 token ids has 2 bytes per token (truncated?)", path, len);
@@ -3682,8 +3689,8 @@ void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, doubl
                 "the last %.0f%% is validation)", path, (long long)n, seq_len, seq_len + 1, 100 * val_fraction);
     char source[512];
     snprintf(source, sizeof source, "%s (%s)", path, is_tokens ? "uint16 token ids" : "bytes");
-    dt_text_split(tok, ntrain, vocab, seq_len, source, train);
-    if (val) dt_text_split(tok + ntrain, nval, vocab, seq_len, source, val);
+    dt__text_split(tok, ntrain, vocab, seq_len, source, train);
+    if (val) dt__text_split(tok + ntrain, nval, vocab, seq_len, source, val);
     free(tok);
 }
 
@@ -3701,8 +3708,8 @@ double dt_unigram_loss(const dt_dataset *train, const dt_dataset *eval) {
 /* -- the built-in text: sentences from a small grammar. Enough structure to
       learn in minutes on a laptop (spelling, word order, punctuation), enough
       variety that a model must generalise rather than memorise. -- */
-static const char *dt_pick(dt_rng *r, const char *const *words, int n) { return words[dt_rng_u64(r) % (uint64_t)n]; }
-#define DT_PICK(r, list) dt_pick(r, list, (int)(sizeof list / sizeof list[0]))
+static const char *dt__pick(dt__rng *r, const char *const *words, int n) { return words[dt__rng_u64(r) % (uint64_t)n]; }
+#define DT_PICK(r, list) dt__pick(r, list, (int)(sizeof list / sizeof list[0]))
 
 void dt_synthetic_text_write(const char *path, int64_t bytes, uint64_t seed) {
     static const char *const people[] = { "the farmer", "the old woman", "a young sailor", "the miller", "my brother",
@@ -3730,13 +3737,13 @@ void dt_synthetic_text_write(const char *path, int64_t bytes, uint64_t seed) {
         "the market is closed today", "bring me the lamp", "look at the sky" };
     FILE *f = fopen(path, "wb");
     if (!f) dt_fail("cannot write '%s': %s", path, strerror(errno));
-    dt_rng r = { seed };
+    dt__rng r = { seed };
     char sentence[512];
     int64_t written = 0;
     int in_paragraph = 0;
     while (written < bytes) {
-        const char *who = dt_rng_uniform(&r) < 0.75 ? DT_PICK(&r, people) : DT_PICK(&r, animals);
-        switch ((int)(dt_rng_u64(&r) % 6)) {
+        const char *who = dt__rng_uniform(&r) < 0.75 ? DT_PICK(&r, people) : DT_PICK(&r, animals);
+        switch ((int)(dt__rng_u64(&r) % 6)) {
         case 0: snprintf(sentence, sizeof sentence, "%s %s %s %s.", who, DT_PICK(&r, carry), DT_PICK(&r, things), DT_PICK(&r, when)); break;
         case 1: snprintf(sentence, sizeof sentence, "%s %s %s.", who, DT_PICK(&r, move), DT_PICK(&r, places)); break;
         case 2: snprintf(sentence, sizeof sentence, "%s was %s, so %s %s %s.", who, DT_PICK(&r, feel), DT_PICK(&r, people),
@@ -3755,18 +3762,18 @@ void dt_synthetic_text_write(const char *path, int64_t bytes, uint64_t seed) {
         int64_t len = (int64_t)strlen(sentence);
         if (len > 0 && sentence[0] >= 'a' && sentence[0] <= 'z') sentence[0] = (char)(sentence[0] - 'a' + 'A');
         in_paragraph++;
-        const char *sep = in_paragraph >= 3 + (int)(dt_rng_u64(&r) % 4) ? (in_paragraph = 0, "\n\n") : " ";
-        if (fputs(sentence, f) < 0 || fputs(sep, f) < 0) dt_write_failed(NULL, path, errno);
+        const char *sep = in_paragraph >= 3 + (int)(dt__rng_u64(&r) % 4) ? (in_paragraph = 0, "\n\n") : " ";
+        if (fputs(sentence, f) < 0 || fputs(sep, f) < 0) dt__write_failed(NULL, path, errno);
         written += len + (int64_t)strlen(sep);
     }
-    dt_file_close(f, NULL, path);
+    dt__file_close(f, NULL, path);
 }
 #undef DT_PICK
 
 /* -- the synthetic set: ten classes = five shapes x two colour families, drawn
       at random positions and sizes on noisy backgrounds. Learnable, but not by
       looking at one pixel: the shape has to be recognised. -- */
-static void dt_hsv_to_rgb(float h, float s, float v, float *rgb) {
+static void dt__hsv_to_rgb(float h, float s, float v, float *rgb) {
     float c = v * s, hp = fmodf(h, 360.0f) / 60.0f, x = c * (1 - fabsf(fmodf(hp, 2.0f) - 1)), m = v - c;
     float r = 0, g = 0, b = 0;
     if (hp < 1) { r = c; g = x; } else if (hp < 2) { r = x; g = c; } else if (hp < 3) { g = c; b = x; }
@@ -3774,15 +3781,15 @@ static void dt_hsv_to_rgb(float h, float s, float v, float *rgb) {
     rgb[0] = r + m; rgb[1] = g + m; rgb[2] = b + m;
 }
 
-static void dt_synthetic_image(int cls, int S, dt_rng *r, uint8_t *hwc) {
+static void dt__synthetic_image(int cls, int S, dt__rng *r, uint8_t *hwc) {
     static const float hue_base[2] = { 10.0f, 200.0f };       /* warm, cool */
     int shape = cls % 5, family = cls / 5;
-    float bg = 60 + 130 * (float)dt_rng_uniform(r), gx = (float)dt_rng_uniform(r) * 40 - 20;
+    float bg = 60 + 130 * (float)dt__rng_uniform(r), gx = (float)dt__rng_uniform(r) * 40 - 20;
     float fg[3];
-    dt_hsv_to_rgb(hue_base[family] + 50 * (float)dt_rng_uniform(r), 0.55f + 0.45f * (float)dt_rng_uniform(r),
-                  0.5f + 0.5f * (float)dt_rng_uniform(r), fg);
-    float cx = S * (0.5f + 0.2f * ((float)dt_rng_uniform(r) - 0.5f)), cy = S * (0.5f + 0.2f * ((float)dt_rng_uniform(r) - 0.5f));
-    float rad = S * (0.22f + 0.12f * (float)dt_rng_uniform(r));
+    dt__hsv_to_rgb(hue_base[family] + 50 * (float)dt__rng_uniform(r), 0.55f + 0.45f * (float)dt__rng_uniform(r),
+                  0.5f + 0.5f * (float)dt__rng_uniform(r), fg);
+    float cx = S * (0.5f + 0.2f * ((float)dt__rng_uniform(r) - 0.5f)), cy = S * (0.5f + 0.2f * ((float)dt__rng_uniform(r) - 0.5f));
+    float rad = S * (0.22f + 0.12f * (float)dt__rng_uniform(r));
     for (int y = 0; y < S; y++)
         for (int x = 0; x < S; x++) {
             float u = (x + 0.5f - cx) / rad, v = (y + 0.5f - cy) / rad, d2 = u * u + v * v;
@@ -3795,39 +3802,39 @@ static void dt_synthetic_image(int cls, int S, dt_rng *r, uint8_t *hwc) {
             case 4: in = d2 <= 1.0f && d2 >= 0.4f; break;                         /* ring */
             }
             for (int c = 0; c < 3; c++) {
-                float noise = 24.0f * ((float)dt_rng_uniform(r) - 0.5f);
+                float noise = 24.0f * ((float)dt__rng_uniform(r) - 0.5f);
                 float val = in ? fg[c] * 255.0f + noise : bg + gx * (x - S / 2.0f) / S + noise;
                 hwc[((size_t)y * S + x) * 3 + c] = (uint8_t)(val < 0 ? 0 : val > 255 ? 255 : val);
             }
         }
 }
 
-static void dt_mkdir(const char *path) {
+static void dt__mkdir(const char *path) {
     if (mkdir(path, 0755) != 0 && errno != EEXIST) dt_fail("cannot create folder '%s': %s", path, strerror(errno));
 }
 
 #ifdef DT_HAVE_STB
 /* stbi_write_png ignores what its fwrite returns, so a full disk would leave a
    cut-off PNG; through this callback the writes land in a FILE we check. */
-static void dt_png_to_file(void *f, void *data, int size) { fwrite(data, 1, (size_t)size, (FILE *)f); }
+static void dt__png_to_file(void *f, void *data, int size) { fwrite(data, 1, (size_t)size, (FILE *)f); }
 #endif
 
-static void dt_write_image(const char *path_noext, const uint8_t *hwc, int S) {
+static void dt__write_image(const char *path_noext, const uint8_t *hwc, int S) {
     char path[4096];
 #ifdef DT_HAVE_STB
-    dt_path(path, sizeof path, "%s.png", path_noext);
+    dt__path(path, sizeof path, "%s.png", path_noext);
 #else
-    dt_path(path, sizeof path, "%s.ppm", path_noext);
+    dt__path(path, sizeof path, "%s.ppm", path_noext);
 #endif
     FILE *f = fopen(path, "wb");
     if (!f) dt_fail("cannot write '%s': %s", path, strerror(errno));
 #ifdef DT_HAVE_STB
-    if (!stbi_write_png_to_func(dt_png_to_file, f, S, S, 3, hwc, S * 3)) dt_fail("cannot encode '%s' as PNG", path);
+    if (!stbi_write_png_to_func(dt__png_to_file, f, S, S, 3, hwc, S * 3)) dt_fail("cannot encode '%s' as PNG", path);
 #else
-    fprintf(f, "P6\n%d %d\n255\n", S, S);             /* a failure stays in f for dt_file_close */
+    fprintf(f, "P6\n%d %d\n255\n", S, S);             /* a failure stays in f for dt__file_close */
     fwrite(hwc, 1, (size_t)S * S * 3, f);
 #endif
-    dt_file_close(f, NULL, path);
+    dt__file_close(f, NULL, path);
 }
 
 void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint64_t seed) {
@@ -3836,22 +3843,22 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint6
     /* Written beside the target and renamed at the end, so an interrupted run
        never leaves a half-made set that the next run would trust. */
     char tmp[4096], path[4096];
-    dt_path(tmp, sizeof tmp, "%s.partial", dir);
-    dt_mkdir(tmp);
+    dt__path(tmp, sizeof tmp, "%s.partial", dir);
+    dt__mkdir(tmp);
     uint8_t *hwc = (uint8_t *)malloc((size_t)size * size * 3);
     if (!hwc) dt_fail("out of memory (an image of %d x %d)", size, size);
     for (int split = 0; split < 2; split++) {
         const char *sname = split == 0 ? "train" : "val";
         int n = split == 0 ? n_train : n_val;
-        dt_path(path, sizeof path, "%s/%s", tmp, sname);
-        dt_mkdir(path);
-        for (int c = 0; c < 10; c++) { dt_path(path, sizeof path, "%s/%s/%s", tmp, sname, names[c]); dt_mkdir(path); }
+        dt__path(path, sizeof path, "%s/%s", tmp, sname);
+        dt__mkdir(path);
+        for (int c = 0; c < 10; c++) { dt__path(path, sizeof path, "%s/%s/%s", tmp, sname, names[c]); dt__mkdir(path); }
         for (int i = 0; i < n; i++) {
             int cls = i % 10;
-            dt_rng r = { dt_hash3(seed, (uint64_t)split, (uint64_t)i) };
-            dt_synthetic_image(cls, size, &r, hwc);
-            dt_path(path, sizeof path, "%s/%s/%s/%05d", tmp, sname, names[cls], i / 10);
-            dt_write_image(path, hwc, size);
+            dt__rng r = { dt__hash3(seed, (uint64_t)split, (uint64_t)i) };
+            dt__synthetic_image(cls, size, &r, hwc);
+            dt__path(path, sizeof path, "%s/%s/%s/%05d", tmp, sname, names[cls], i / 10);
+            dt__write_image(path, hwc, size);
         }
     }
     free(hwc);
@@ -3901,28 +3908,28 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint6
 /* Point-to-point from rank s to rank d: the sender publishes pieces (`sent`),
    the receiver counts those it has copied out (`taken`); the size of the
    message rides along so that the receiver can check it expects the same. */
-typedef struct dt_shm_pair {
+typedef struct dt__shm_pair {
     uint64_t sent, taken;
     int64_t count;
     int32_t dtype, unused;
-} dt_shm_pair;
-typedef struct dt_shm_header {
+} dt__shm_pair;
+typedef struct dt__shm_header {
     uint64_t magic;
     int world, abort_rank;                  /* abort_rank: 1 + a rank that failed, else 0 */
     int pid[DT_MAX_RANKS];
     uint64_t arrived[DT_MAX_RANKS];         /* barriers each rank has reached */
-    /* then world x world dt_shm_pair, [sender][receiver] */
-} dt_shm_header;
+    /* then world x world dt__shm_pair, [sender][receiver] */
+} dt__shm_header;
 #define DT_SHM_MAGIC 0x647472616e316d73ull
-static size_t dt_shm_header_bytes(int world) {
-    return (sizeof(dt_shm_header) + (size_t)world * (size_t)world * sizeof(dt_shm_pair) + 4095) & ~(size_t)4095;
+static size_t dt__shm_header_bytes(int world) {
+    return (sizeof(dt__shm_header) + (size_t)world * (size_t)world * sizeof(dt__shm_pair) + 4095) & ~(size_t)4095;
 }
-static size_t dt_shm_bytes(int world) { return dt_shm_header_bytes(world) + (size_t)(world + 1) * DT_SLOT_BYTES; }
+static size_t dt__shm_bytes(int world) { return dt__shm_header_bytes(world) + (size_t)(world + 1) * DT_SLOT_BYTES; }
 
-static const char *dt_coll_names[] = { "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier",
+static const char *dt__coll_names[] = { "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier",
                                        "send", "recv" };
 
-struct dt_comm_group { dt_shm_header *hdr; int world; double timeout_s; };
+struct dt_comm_group { dt__shm_header *hdr; int world; double timeout_s; };
 
 struct dt_comm {
     const dt_comm_backend *backend;
@@ -3933,10 +3940,10 @@ struct dt_comm {
     int children;                           /* groups split from it and not yet freed */
     int job_rank[DT_MAX_RANKS];             /* rank in top of each of our ranks */
 #ifdef DT_TESTING
-    int die_in_all_reduce;                  /* test hook, see dt_comm_start: die in this all-reduce (from 1) */
+    int die_in_all_reduce;                  /* test hook, see dt__comm_start: die in this all-reduce (from 1) */
 #endif
     double timeout_s;
-    dt_shm_header *hdr;                     /* shared memory: header, world slots, a result area */
+    dt__shm_header *hdr;                     /* shared memory: header, world slots, a result area */
     char *slots, *result;
     size_t map_bytes;                       /* > 0: a mapping of our own to undo */
     uint64_t barriers;
@@ -3950,7 +3957,7 @@ struct dt_comm {
     int stop;
 };
 
-static dt_comm *dt_active_comm;             /* for dt_fail: tell the other ranks we are going */
+static dt_comm *dt__active_comm;             /* for dt_fail: tell the other ranks we are going */
 
 /* The test suite's hooks (a rank that dies on cue) exist only in its own
    builds, made with -DDT_TESTING; in any other build they are nothing. */
@@ -3961,17 +3968,17 @@ static dt_comm *dt_active_comm;             /* for dt_fail: tell the other ranks
 #define DT_TEST_DIE_IN(c, o) ((void)0)
 #endif
 
-static float dt_load_as_f32(const void *p, int64_t i, dt_dtype t) {
+static float dt__load_as_f32(const void *p, int64_t i, dt_dtype t) {
     return t == DT_F32 ? ((const float *)p)[i] : t == DT_BF16 ? dt_bf16_to_f32(((const uint16_t *)p)[i])
                                                               : dt_f16_to_f32(((const uint16_t *)p)[i]);
 }
-static void dt_store_from_f32(void *p, int64_t i, dt_dtype t, float v) {
+static void dt__store_from_f32(void *p, int64_t i, dt_dtype t, float v) {
     if (t == DT_F32) ((float *)p)[i] = v;
     else ((uint16_t *)p)[i] = t == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
 }
 
 /* Is process `pid` gone (or a zombie nobody has reaped yet)? */
-static int dt_process_gone(int pid) {
+static int dt__process_gone(int pid) {
     if (pid <= 0 || pid == getpid()) return 0;
     if (kill(pid, 0) != 0 && errno == ESRCH) return 1;
     char path[64], buf[256];
@@ -3987,30 +3994,30 @@ static int dt_process_gone(int pid) {
 
 /* Tell every rank that `culprit` (a rank of c) ended the job; the first cause
    recorded wins. It goes to the job's header, which every group watches. */
-static void dt_comm_abort_others_because(dt_comm *c, int culprit) {
+static void dt__comm_abort_others_because(dt_comm *c, int culprit) {
     int none = 0;
     if (c && c->top->hdr)
         __atomic_compare_exchange_n(&c->top->hdr->abort_rank, &none, c->job_rank[culprit] + 1, 0, __ATOMIC_ACQ_REL,
                                     __ATOMIC_ACQUIRE);
 }
-static void dt_comm_abort_others(dt_comm *c) { if (c) dt_comm_abort_others_because(c, c->rank); }
-static void dt_comm_on_fail(void) { dt_comm_abort_others(dt_active_comm); }
+static void dt__comm_abort_others(dt_comm *c) { if (c) dt__comm_abort_others_because(c, c->rank); }
+static void dt__comm_on_fail(void) { dt__comm_abort_others(dt__active_comm); }
 
 /* Why the job cannot go on, if it cannot: a rank failed (it wrote its rank
    into the shared header), a peer's process is gone, or we have waited past
    --timeout for rank j (j < 0: for any peer). Fills `why` and returns 1; the
    shared-memory barrier and the NCCL watchdog both ask this. */
-static int dt_job_trouble(dt_comm *c, int j, double waited_ms, const char *what, char *why, size_t n) {
+static int dt__job_trouble(dt_comm *c, int j, double waited_ms, const char *what, char *why, size_t n) {
     int failed = __atomic_load_n(&c->top->hdr->abort_rank, __ATOMIC_ACQUIRE);
     if (failed) {
-        dt_active_comm = NULL;              /* it told us; no need to tell it back */
+        dt__active_comm = NULL;              /* it told us; no need to tell it back */
         snprintf(why, n, "rank %d failed or died (see above), so %s cannot finish; stopping", failed - 1, what);
         return 1;
     }
     for (int r = j < 0 ? 0 : j; r < (j < 0 ? c->world : j + 1); r++) {
         int pid = __atomic_load_n(&c->hdr->pid[r], __ATOMIC_ACQUIRE);
-        if (r != c->rank && dt_process_gone(pid)) {
-            dt_comm_abort_others_because(c, r);
+        if (r != c->rank && dt__process_gone(pid)) {
+            dt__comm_abort_others_because(c, r);
             snprintf(why, n, "rank %d (pid %d) died during %s; stopping", c->job_rank[r], pid, what);
             return 1;
         }
@@ -4022,15 +4029,15 @@ static int dt_job_trouble(dt_comm *c, int j, double waited_ms, const char *what,
     else snprintf(why, n, "%s has not finished after %.0f s (--timeout): a rank hangs or died; stopping", what, c->timeout_s);
     return 1;
 }
-static void dt_check_peer(dt_comm *c, int j, double waited_ms, const char *what) {
+static void dt__check_peer(dt_comm *c, int j, double waited_ms, const char *what) {
     char why[320];
-    if (dt_job_trouble(c, j, waited_ms, what, why, sizeof why)) dt_fail("%s", why);
+    if (dt__job_trouble(c, j, waited_ms, what, why, sizeof why)) dt_fail("%s", why);
 }
 
 /* Wait until rank j has moved `*counter` to `target`. Spin a little, then
    yield, then sleep: ranks may outnumber cores. *t0 is when the waiting began
    (0: not yet), kept across the peers of one barrier. */
-static void dt_shm_wait_for(dt_comm *c, const uint64_t *counter, uint64_t target, int j, const char *what, double *t0) {
+static void dt__shm_wait_for(dt_comm *c, const uint64_t *counter, uint64_t target, int j, const char *what, double *t0) {
     for (long spins = 0; __atomic_load_n(counter, __ATOMIC_ACQUIRE) < target; spins++) {
         if (spins < 100) continue;
         if (spins < 1000) { sched_yield(); continue; }
@@ -4038,27 +4045,27 @@ static void dt_shm_wait_for(dt_comm *c, const uint64_t *counter, uint64_t target
         nanosleep(&ts, NULL);
         if (spins % 256 == 0) {
             if (*t0 == 0) *t0 = dt_now_ms();
-            dt_check_peer(c, j, dt_now_ms() - *t0, what);
+            dt__check_peer(c, j, dt_now_ms() - *t0, what);
         }
     }
 }
 /* Every rank counts its barriers; a barrier is done when every count has caught up. */
-static void dt_shm_barrier(dt_comm *c, const char *what) {
+static void dt__shm_barrier(dt_comm *c, const char *what) {
     uint64_t target = ++c->barriers;
     __atomic_store_n(&c->hdr->arrived[c->rank], target, __ATOMIC_RELEASE);
     double t0 = 0;
-    for (int j = 0; j < c->world; j++) dt_shm_wait_for(c, &c->hdr->arrived[j], target, j, what, &t0);
+    for (int j = 0; j < c->world; j++) dt__shm_wait_for(c, &c->hdr->arrived[j], target, j, what, &t0);
 }
 
 /* Point-to-point through the sender's slot, a piece at a time: the sender
    copies a piece in and publishes it, the receiver copies it out and says so.
    So a send finishes when its peer has received it. A zero-length message
    still makes one exchange, so that its size is checked too. */
-static dt_shm_pair *dt_shm_pair_of(const dt_comm *c, int from, int to) {
-    return (dt_shm_pair *)(c->hdr + 1) + (size_t)from * (size_t)c->world + (size_t)to;
+static dt__shm_pair *dt__shm_pair_of(const dt_comm *c, int from, int to) {
+    return (dt__shm_pair *)(c->hdr + 1) + (size_t)from * (size_t)c->world + (size_t)to;
 }
-static void dt_shm_send(dt_comm *c, const dt_comm_op *o) {
-    dt_shm_pair *p = dt_shm_pair_of(c, c->rank, o->root);
+static void dt__shm_send(dt_comm *c, const dt_comm_op *o) {
+    dt__shm_pair *p = dt__shm_pair_of(c, c->rank, o->root);
     size_t es = dt_dtype_size(o->dtype);
     int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), off = 0;
     char *mine = c->slots + (size_t)c->rank * DT_SLOT_BYTES, what[64];
@@ -4071,12 +4078,12 @@ static void dt_shm_send(dt_comm *c, const dt_comm_op *o) {
         memcpy(mine, (const char *)o->send + off * (int64_t)es, (size_t)n * es);
         uint64_t target = p->sent + 1;      /* only this rank writes `sent` */
         __atomic_store_n(&p->sent, target, __ATOMIC_RELEASE);
-        dt_shm_wait_for(c, &p->taken, target, o->root, what, &t0);
+        dt__shm_wait_for(c, &p->taken, target, o->root, what, &t0);
         off += n;
     } while (off < o->count);
 }
-static void dt_shm_recv(dt_comm *c, const dt_comm_op *o) {
-    dt_shm_pair *p = dt_shm_pair_of(c, o->root, c->rank);
+static void dt__shm_recv(dt_comm *c, const dt_comm_op *o) {
+    dt__shm_pair *p = dt__shm_pair_of(c, o->root, c->rank);
     size_t es = dt_dtype_size(o->dtype);
     int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), off = 0;
     const char *theirs = c->slots + (size_t)o->root * DT_SLOT_BYTES;
@@ -4085,7 +4092,7 @@ static void dt_shm_recv(dt_comm *c, const dt_comm_op *o) {
     double t0 = 0;
     do {
         uint64_t target = p->taken + 1;     /* only this rank writes `taken` */
-        dt_shm_wait_for(c, &p->sent, target, o->root, what, &t0);
+        dt__shm_wait_for(c, &p->sent, target, o->root, what, &t0);
         if (off == 0 && (p->count != o->count || p->dtype != (int32_t)o->dtype))
             dt_fail("rank %d sends %lld elements of %s, but rank %d receives %lld of %s: a send and its recv must "
                     "agree on count and dtype", c->job_rank[o->root], (long long)p->count, dt_dtype_name((dt_dtype)p->dtype),
@@ -4098,62 +4105,62 @@ static void dt_shm_recv(dt_comm *c, const dt_comm_op *o) {
 }
 
 /* out[i] = in_0[i] + in_1[i] + ... in rank order, for i in [lo, hi) of the slots. */
-static void dt_sum_slots(const dt_comm *c, int64_t slot_off, int64_t lo, int64_t hi, dt_dtype t, dt_reduce_op op,
+static void dt__sum_slots(const dt_comm *c, int64_t slot_off, int64_t lo, int64_t hi, dt_dtype t, dt_reduce_op op,
                          void *out, int64_t out_off) {
     for (int64_t i = lo; i < hi; i++) {
-        float acc = dt_load_as_f32(c->slots, slot_off + i, t);
+        float acc = dt__load_as_f32(c->slots, slot_off + i, t);
         for (int r = 1; r < c->world; r++)
-            acc += dt_load_as_f32(c->slots + (size_t)r * DT_SLOT_BYTES, slot_off + i, t);
+            acc += dt__load_as_f32(c->slots + (size_t)r * DT_SLOT_BYTES, slot_off + i, t);
         if (op == DT_AVG) acc /= (float)c->world;
-        dt_store_from_f32(out, out_off + i, t, acc);
+        dt__store_from_f32(out, out_off + i, t, acc);
     }
 }
 
-static void dt_shm_run(dt_comm *c, const dt_comm_op *o) {
+static void dt__shm_run(dt_comm *c, const dt_comm_op *o) {
     size_t es = dt_dtype_size(o->dtype);
     int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), W = c->world, me = c->rank;
     char *mine = c->slots + (size_t)me * DT_SLOT_BYTES;
     const char *send = (const char *)o->send;
     char *recv = (char *)o->recv;
-    const char *what = dt_coll_names[o->kind];
+    const char *what = dt__coll_names[o->kind];
     if (W == 1) {                         /* alone: every collective is a copy (or nothing); no peer to send to */
         if (o->kind != DT_COLL_BARRIER && recv != send) memmove(recv, send, (size_t)o->count * es);
         return;
     }
     switch (o->kind) {
-    case DT_COLL_BARRIER: dt_shm_barrier(c, what); break;
-    case DT_COLL_SEND: dt_shm_send(c, o); break;
-    case DT_COLL_RECV: dt_shm_recv(c, o); break;
+    case DT_COLL_BARRIER: dt__shm_barrier(c, what); break;
+    case DT_COLL_SEND: dt__shm_send(c, o); break;
+    case DT_COLL_RECV: dt__shm_recv(c, o); break;
     case DT_COLL_ALL_REDUCE:
     case DT_COLL_REDUCE:
         for (int64_t off = 0; off < o->count; off += per_slot) {
             int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
             memcpy(mine, send + off * es, (size_t)n * es);
-            dt_shm_barrier(c, what);
+            dt__shm_barrier(c, what);
             DT_TEST_DIE_IN(c, o);
-            dt_sum_slots(c, 0, n * me / W, n * (me + 1) / W, o->dtype, o->op, c->result, 0);   /* my stripe */
-            dt_shm_barrier(c, what);
+            dt__sum_slots(c, 0, n * me / W, n * (me + 1) / W, o->dtype, o->op, c->result, 0);   /* my stripe */
+            dt__shm_barrier(c, what);
             if (o->kind == DT_COLL_ALL_REDUCE || me == o->root) memcpy(recv + off * es, c->result, (size_t)n * es);
-            dt_shm_barrier(c, what);
+            dt__shm_barrier(c, what);
         }
         break;
     case DT_COLL_REDUCE_SCATTER:          /* slot layout: W pieces of n, piece d for rank d */
         for (int64_t off = 0; off < o->count; off += per_slot / W) {
             int64_t n = o->count - off < per_slot / W ? o->count - off : per_slot / W;
             for (int64_t d = 0; d < W; d++) memcpy(mine + d * n * es, send + (d * o->count + off) * es, (size_t)n * es);
-            dt_shm_barrier(c, what);
-            dt_sum_slots(c, me * n, 0, n, o->dtype, o->op, recv + off * es, 0);
-            dt_shm_barrier(c, what);
+            dt__shm_barrier(c, what);
+            dt__sum_slots(c, me * n, 0, n, o->dtype, o->op, recv + off * es, 0);
+            dt__shm_barrier(c, what);
         }
         break;
     case DT_COLL_ALL_GATHER:
         for (int64_t off = 0; off < o->count; off += per_slot) {
             int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
             memcpy(mine, send + off * es, (size_t)n * es);
-            dt_shm_barrier(c, what);
+            dt__shm_barrier(c, what);
             for (int64_t r = 0; r < W; r++)
                 memcpy(recv + (r * o->count + off) * es, c->slots + (size_t)r * DT_SLOT_BYTES, (size_t)n * es);
-            dt_shm_barrier(c, what);
+            dt__shm_barrier(c, what);
         }
         break;
     case DT_COLL_BROADCAST:
@@ -4161,31 +4168,31 @@ static void dt_shm_run(dt_comm *c, const dt_comm_op *o) {
             int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
             char *root_slot = c->slots + (size_t)o->root * DT_SLOT_BYTES;
             if (me == o->root) memcpy(root_slot, recv + off * es, (size_t)n * es);
-            dt_shm_barrier(c, what);
+            dt__shm_barrier(c, what);
             if (me != o->root) memcpy(recv + off * es, root_slot, (size_t)n * es);
-            dt_shm_barrier(c, what);
+            dt__shm_barrier(c, what);
         }
         break;
     }
 }
 
 /* Where call h keeps its state in the ring of DT_COMM_QUEUE (h counts from 1). */
-static int dt_comm_slot(int64_t h) { return (int)((h - 1) % DT_COMM_QUEUE); }
+static int dt__comm_slot(int64_t h) { return (int)((h - 1) % DT_COMM_QUEUE); }
 
 /* Shared memory: the communication thread does the whole collective in
    start(); the caller waits on the host until it is done. A group's shared
    memory is made by dt_comm_split for every backend (the watchdog reads it),
    so there is nothing more to split or close. */
-static void dt_shm_submitted(dt_comm *c, int64_t h) { (void)c; (void)h; }
-static void dt_shm_start(dt_comm *c, int64_t h, const dt_comm_op *o) { (void)h; dt_shm_run(c, o); }
-static void dt_shm_finish(dt_comm *c, int64_t h) { (void)c; (void)h; }
-static void dt_host_wait(dt_comm *c, int64_t h) {
+static void dt__shm_submitted(dt_comm *c, int64_t h) { (void)c; (void)h; }
+static void dt__shm_start(dt_comm *c, int64_t h, const dt_comm_op *o) { (void)h; dt__shm_run(c, o); }
+static void dt__shm_finish(dt_comm *c, int64_t h) { (void)c; (void)h; }
+static void dt__host_wait(dt_comm *c, int64_t h) {
     while (c->completed < h) pthread_cond_wait(&c->done, &c->mu);
 }
-static void dt_shm_split(dt_comm *parent, dt_comm *child, int color, int key) { (void)parent; (void)child; (void)color; (void)key; }
-static void dt_shm_close(dt_comm *c) { (void)c; }
-static const dt_comm_backend dt_comm_shm_backend = { "shared memory", DT_CPU, dt_shm_submitted, dt_shm_start, dt_shm_finish,
-                                                     dt_host_wait, dt_shm_split, dt_shm_close };
+static void dt__shm_split(dt_comm *parent, dt_comm *child, int color, int key) { (void)parent; (void)child; (void)color; (void)key; }
+static void dt__shm_close(dt_comm *c) { (void)c; }
+static const dt_comm_backend dt__comm_shm_backend = { "shared memory", DT_CPU, dt__shm_submitted, dt__shm_start, dt__shm_finish,
+                                                     dt__host_wait, dt__shm_split, dt__shm_close };
 
 #ifdef DT_HAVE_CUDA
 /* NCCL: wait until the communicator is ready for its next call (slot < 0) or
@@ -4193,7 +4200,7 @@ static const dt_comm_backend dt_comm_shm_backend = { "shared memory", DT_CPU, dt
    shared-memory barrier does -- a failed or vanished rank, or --timeout. It
    runs on the thread that issues the communicator's calls, the only one that
    may abort it. */
-static void dt_nccl_watch(dt_comm *c, int slot, const char *what) {
+static void dt__nccl_watch(dt_comm *c, int slot, const char *what) {
     char why[320];
     double t0 = dt_now_ms();
     for (long spins = 0;; spins++) {
@@ -4204,7 +4211,7 @@ static void dt_nccl_watch(dt_comm *c, int slot, const char *what) {
             dt_fail("NCCL failed during %s: %s (a rank may have died); communicator aborted", what, why);
         }
         if (spins < 200) continue;
-        if (spins % 64 == 0 && dt_job_trouble(c, -1, dt_now_ms() - t0, what, why, sizeof why)) {
+        if (spins % 64 == 0 && dt__job_trouble(c, -1, dt_now_ms() - t0, what, why, sizeof why)) {
             dt_nccl_abort(c->nccl);
             dt_fail("%s (NCCL communicator aborted)", why);
         }
@@ -4212,48 +4219,48 @@ static void dt_nccl_watch(dt_comm *c, int slot, const char *what) {
         nanosleep(&ts, NULL);
     }
 }
-static void dt_nccl_submitted(dt_comm *c, int64_t h) { dt_nccl_mark_inputs(c->nccl, dt_comm_slot(h)); }
-static void dt_nccl_start(dt_comm *c, int64_t h, const dt_comm_op *o) {
-    int slot = dt_comm_slot(h);
+static void dt__nccl_submitted(dt_comm *c, int64_t h) { dt_nccl_mark_inputs(c->nccl, dt__comm_slot(h)); }
+static void dt__nccl_start(dt_comm *c, int64_t h, const dt_comm_op *o) {
+    int slot = dt__comm_slot(h);
     dt_nccl_issue(c->nccl, slot, o);
-    dt_nccl_watch(c, -1, dt_coll_names[o->kind]);         /* a non-blocking call may still be in progress */
+    dt__nccl_watch(c, -1, dt__coll_names[o->kind]);         /* a non-blocking call may still be in progress */
     dt_nccl_mark_done(c->nccl, slot);
     DT_TEST_DIE_IN(c, o);
 }
-static void dt_nccl_finish(dt_comm *c, int64_t h) {
-    dt_nccl_watch(c, dt_comm_slot(h), dt_coll_names[c->queue[dt_comm_slot(h)].kind]);
+static void dt__nccl_finish(dt_comm *c, int64_t h) {
+    dt__nccl_watch(c, dt__comm_slot(h), dt__coll_names[c->queue[dt__comm_slot(h)].kind]);
 }
-static void dt_nccl_wait_on_gpu(dt_comm *c, int64_t h) { dt_nccl_stream_wait(c->nccl, dt_comm_slot(h)); }
+static void dt__nccl_wait_on_gpu(dt_comm *c, int64_t h) { dt_nccl_stream_wait(c->nccl, dt__comm_slot(h)); }
 /* The parent's thread is idle (dt_comm_split waited for it), so this thread
    may make calls on the parent's NCCL communicator. Untested: no GPU in CI. */
-static void dt_nccl_split_comm(dt_comm *parent, dt_comm *child, int color, int key) {
+static void dt__nccl_split_comm(dt_comm *parent, dt_comm *child, int color, int key) {
     child->nccl = dt_nccl_split(parent->nccl, color, key);
-    dt_nccl_watch(parent, -1, "NCCL's split");
-    dt_nccl_watch(child, -1, "NCCL's split");
+    dt__nccl_watch(parent, -1, "NCCL's split");
+    dt__nccl_watch(child, -1, "NCCL's split");
 }
 /* The thread is gone: this one owns the communicator now. */
-static void dt_nccl_close(dt_comm *c) {
+static void dt__nccl_close(dt_comm *c) {
     dt_nccl_finalize(c->nccl);
-    dt_nccl_watch(c, -1, "closing NCCL");
+    dt__nccl_watch(c, -1, "closing NCCL");
     dt_nccl_free(c->nccl);
 }
-static const dt_comm_backend dt_comm_nccl_backend = { "NCCL", DT_CUDA, dt_nccl_submitted, dt_nccl_start, dt_nccl_finish,
-                                                      dt_nccl_wait_on_gpu, dt_nccl_split_comm, dt_nccl_close };
+static const dt_comm_backend dt__comm_nccl_backend = { "NCCL", DT_CUDA, dt__nccl_submitted, dt__nccl_start, dt__nccl_finish,
+                                                      dt__nccl_wait_on_gpu, dt__nccl_split_comm, dt__nccl_close };
 #endif
 
 /* The communication thread: runs queued collectives one after another, so the
    caller can go on computing (DDP overlaps the all-reduce with backward). */
-static void *dt_comm_worker(void *arg) {
+static void *dt__comm_worker(void *arg) {
     dt_comm *c = (dt_comm *)arg;
-    dt_flush_subnormals_here();             /* no OpenMP team of its own: it only copies and adds */
-    dt_ctx.rank = c->job_rank[c->rank];     /* its error lines name the rank too, as the job does */
-    dt_ctx.world_size = c->top->world;
+    dt__flush_subnormals_here();             /* no OpenMP team of its own: it only copies and adds */
+    dt__ctx.rank = c->job_rank[c->rank];     /* its error lines name the rank too, as the job does */
+    dt__ctx.world_size = c->top->world;
     pthread_mutex_lock(&c->mu);
     for (;;) {
         while (!c->stop && c->completed == c->submitted) pthread_cond_wait(&c->wake, &c->mu);
         if (c->completed == c->submitted) break;
         int64_t h = c->completed + 1;
-        int slot = dt_comm_slot(h);
+        int slot = dt__comm_slot(h);
         dt_comm_op o = c->queue[slot];
         pthread_mutex_unlock(&c->mu);
         c->started_ms[slot] = dt_now_ms();
@@ -4274,29 +4281,29 @@ static void *dt_comm_worker(void *arg) {
 
 /* A buffer of the wrong kind is caught here, before any transport sees it:
    NCCL takes device memory only, shared memory host memory only. */
-static void dt_comm_check_buffer(const dt_comm *c, const dt_comm_op *o, const void *p) {
+static void dt__comm_check_buffer(const dt_comm *c, const dt_comm_op *o, const void *p) {
     if (!p || o->count == 0) return;
-    int on_gpu = dt_ctx.gpu && dt_ctx.gpu->owns(p);
+    int on_gpu = dt__ctx.gpu && dt__ctx.gpu->owns(p);
     if (on_gpu != (c->backend->memory == DT_CUDA))
-        dt_fail("%s over %s: a buffer is %s memory, but %s takes %s memory only", dt_coll_names[o->kind], c->backend->name,
+        dt_fail("%s over %s: a buffer is %s memory, but %s takes %s memory only", dt__coll_names[o->kind], c->backend->name,
                 on_gpu ? "GPU" : "host", c->backend->name, c->backend->memory == DT_CUDA ? "GPU" : "host");
 }
 
-static dt_comm_handle dt_comm_submit(dt_comm *c, dt_comm_op o) {
+static dt_comm_handle dt__comm_submit(dt_comm *c, dt_comm_op o) {
     int p2p = o.kind == DT_COLL_SEND || o.kind == DT_COLL_RECV;
-    if (o.count < 0) dt_fail("%s of %lld elements", dt_coll_names[o.kind], (long long)o.count);
+    if (o.count < 0) dt_fail("%s of %lld elements", dt__coll_names[o.kind], (long long)o.count);
     if (o.root < 0 || o.root >= c->world)
-        dt_fail("%s: %s %d is not a rank (the communicator has %d)", dt_coll_names[o.kind], p2p ? "peer" : "root", o.root,
+        dt_fail("%s: %s %d is not a rank (the communicator has %d)", dt__coll_names[o.kind], p2p ? "peer" : "root", o.root,
                 c->world);
     if (p2p && o.root == c->rank)
-        dt_fail("%s: the peer is this rank (%d); a message goes to another rank of the communicator", dt_coll_names[o.kind],
+        dt_fail("%s: the peer is this rank (%d); a message goes to another rank of the communicator", dt__coll_names[o.kind],
                 o.root);
-    dt_comm_check_buffer(c, &o, o.send);
-    dt_comm_check_buffer(c, &o, o.recv);
+    dt__comm_check_buffer(c, &o, o.send);
+    dt__comm_check_buffer(c, &o, o.recv);
     pthread_mutex_lock(&c->mu);
     while (c->submitted - c->completed >= DT_COMM_QUEUE) pthread_cond_wait(&c->done, &c->mu);
     dt_comm_handle h = ++c->submitted;
-    c->queue[dt_comm_slot(h)] = o;
+    c->queue[dt__comm_slot(h)] = o;
     c->backend->submitted(c, h);
     pthread_cond_signal(&c->wake);
     pthread_mutex_unlock(&c->mu);
@@ -4312,31 +4319,31 @@ void dt_comm_wait(dt_comm *c, dt_comm_handle h) {
 
 dt_comm_handle dt_all_reduce_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
     dt_comm_op o = { DT_COLL_ALL_REDUCE, send, recv, count, dtype, op, 0 };
-    return dt_comm_submit(c, o);
+    return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_reduce_scatter_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
     dt_comm_op o = { DT_COLL_REDUCE_SCATTER, send, recv, count, dtype, op, 0 };
-    return dt_comm_submit(c, o);
+    return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_all_gather_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype) {
     dt_comm_op o = { DT_COLL_ALL_GATHER, send, recv, count, dtype, DT_SUM, 0 };
-    return dt_comm_submit(c, o);
+    return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_broadcast_async(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int root) {
     dt_comm_op o = { DT_COLL_BROADCAST, buf, buf, count, dtype, DT_SUM, root };
-    return dt_comm_submit(c, o);
+    return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_reduce_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op, int root) {
     dt_comm_op o = { DT_COLL_REDUCE, send, recv, count, dtype, op, root };
-    return dt_comm_submit(c, o);
+    return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_send_async(dt_comm *c, const void *buf, int64_t count, dt_dtype dtype, int peer) {
     dt_comm_op o = { DT_COLL_SEND, buf, NULL, count, dtype, DT_SUM, peer };
-    return dt_comm_submit(c, o);
+    return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_recv_async(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer) {
     dt_comm_op o = { DT_COLL_RECV, NULL, buf, count, dtype, DT_SUM, peer };
-    return dt_comm_submit(c, o);
+    return dt__comm_submit(c, o);
 }
 void dt_all_reduce(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
     dt_comm_wait(c, dt_all_reduce_async(c, send, recv, count, dtype, op));
@@ -4364,19 +4371,19 @@ void dt_recv(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer) {
    the host. Its finishing means every rank has reached it. */
 void dt_barrier(dt_comm *c) {
     dt_comm_op o = { DT_COLL_BARRIER, NULL, NULL, 0, DT_F32, DT_SUM, 0 };
-    dt_comm_handle h = dt_comm_submit(c, o);
+    dt_comm_handle h = dt__comm_submit(c, o);
     pthread_mutex_lock(&c->mu);
-    dt_host_wait(c, h);
+    dt__host_wait(c, h);
     pthread_mutex_unlock(&c->mu);
 }
 int dt_comm_rank(const dt_comm *c) { return c->rank; }
 /* When the communication thread started and finished the call behind h (after
    dt_comm_wait; kept for the last DT_COMM_QUEUE calls). On a GPU the wait
    returns before the call has finished: then "finished" is "now". */
-static void dt_comm_interval(dt_comm *c, dt_comm_handle h, double *t0, double *t1) {
+static void dt__comm_interval(dt_comm *c, dt_comm_handle h, double *t0, double *t1) {
     pthread_mutex_lock(&c->mu);
-    *t0 = c->started_ms[dt_comm_slot(h)];
-    *t1 = c->completed >= h ? c->finished_ms[dt_comm_slot(h)] : dt_now_ms();   /* a GPU may still be on it */
+    *t0 = c->started_ms[dt__comm_slot(h)];
+    *t1 = c->completed >= h ? c->finished_ms[dt__comm_slot(h)] : dt_now_ms();   /* a GPU may still be on it */
     pthread_mutex_unlock(&c->mu);
 }
 int dt_comm_size(const dt_comm *c) { return c->world; }
@@ -4384,22 +4391,22 @@ int dt_comm_size(const dt_comm *c) { return c->world; }
 /* Host values into and out of a collective: they travel through memory of
    the kind the communicator takes (NCCL reads device memory only), in the
    step arena. */
-static void *dt_comm_stage(dt_comm *c, const void *host, size_t bytes) {
-    void *buf = dt_step_alloc_on(c->backend->memory, bytes);
-    if (host) dt_upload_to(c->backend->memory, buf, host, bytes);
+static void *dt__comm_stage(dt_comm *c, const void *host, size_t bytes) {
+    void *buf = dt__step_alloc_on(c->backend->memory, bytes);
+    if (host) dt__upload_to(c->backend->memory, buf, host, bytes);
     return buf;
 }
-static void dt_comm_all_reduce_host(dt_comm *c, float *values, int n, dt_reduce_op op) {
+static void dt__comm_all_reduce_host(dt_comm *c, float *values, int n, dt_reduce_op op) {
     size_t bytes = sizeof(float) * (size_t)n;
-    float *buf = (float *)dt_comm_stage(c, values, bytes);
+    float *buf = (float *)dt__comm_stage(c, values, bytes);
     dt_all_reduce(c, buf, buf, n, DT_F32, op);
-    dt_download_from(c->backend->memory, values, buf, bytes);
+    dt__download_from(c->backend->memory, values, buf, bytes);
 }
 /* Every rank's `bytes` (a multiple of 4) into all, rank after rank. */
-static void dt_comm_all_gather_host(dt_comm *c, const void *mine, void *all, size_t bytes) {
-    void *send = dt_comm_stage(c, mine, bytes), *recv = dt_comm_stage(c, NULL, bytes * (size_t)c->world);
+static void dt__comm_all_gather_host(dt_comm *c, const void *mine, void *all, size_t bytes) {
+    void *send = dt__comm_stage(c, mine, bytes), *recv = dt__comm_stage(c, NULL, bytes * (size_t)c->world);
     dt_all_gather(c, send, recv, (int64_t)(bytes / 4), DT_F32);     /* bytes travel as they are */
-    dt_download_from(c->backend->memory, all, recv, bytes * (size_t)c->world);
+    dt__download_from(c->backend->memory, all, recv, bytes * (size_t)c->world);
 }
 
 void dt_comm_check_agree(dt_comm *c, const char *what, const char *value) {
@@ -4408,13 +4415,13 @@ void dt_comm_check_agree(dt_comm *c, const char *what, const char *value) {
     char *all = (char *)calloc((size_t)c->world, LEN);
     if (!all) dt_fail("out of memory (start-up check)");
     size_t len = strlen(value);
-    if (len < LEN) dt_copy_str(mine, LEN, value);
+    if (len < LEN) dt__copy_str(mine, LEN, value);
     else {                                   /* a long one (a path): a hash of it all, and its end */
         uint32_t h = 2166136261u;
         for (size_t i = 0; i < len; i++) h = (h ^ (unsigned char)value[i]) * 16777619u;
         snprintf(mine, LEN, "#%08x ...%s", (unsigned)h, value + len - (LEN - 15));
     }
-    dt_comm_all_gather_host(c, mine, all, LEN);
+    dt__comm_all_gather_host(c, mine, all, LEN);
     for (int r = 1; r < c->world; r++)
         if (strncmp(all, all + (size_t)r * LEN, LEN) != 0)
             dt_fail("the ranks disagree on %s: rank 0 has '%s', rank %d has '%s' (every rank needs the same flags)",
@@ -4422,11 +4429,11 @@ void dt_comm_check_agree(dt_comm *c, const char *what, const char *value) {
     free(all);
 }
 
-static dt_comm *dt_comm_new(int rank, int world, double timeout_s) {
+static dt_comm *dt__comm_new(int rank, int world, double timeout_s) {
     dt_comm *c = (dt_comm *)calloc(1, sizeof(dt_comm));
     if (!c) dt_fail("out of memory (communicator)");
     c->rank = rank; c->world = world; c->timeout_s = timeout_s > 0 ? timeout_s : 60;
-    c->backend = &dt_comm_shm_backend;
+    c->backend = &dt__comm_shm_backend;
     c->top = c;
     for (int r = 0; r < world; r++) c->job_rank[r] = r;
     pthread_mutex_init(&c->mu, NULL);
@@ -4434,9 +4441,9 @@ static dt_comm *dt_comm_new(int rank, int world, double timeout_s) {
     pthread_cond_init(&c->done, NULL);
     return c;
 }
-static void dt_comm_start(dt_comm *c, dt_shm_header *hdr) {
+static void dt__comm_start(dt_comm *c, dt__shm_header *hdr) {
     c->hdr = hdr;
-    c->slots = (char *)hdr + dt_shm_header_bytes(c->world);
+    c->slots = (char *)hdr + dt__shm_header_bytes(c->world);
     c->result = c->slots + (size_t)c->world * DT_SLOT_BYTES;
     __atomic_store_n(&hdr->pid[c->rank], (int)getpid(), __ATOMIC_RELEASE);
 #ifdef DT_TESTING
@@ -4446,22 +4453,22 @@ static void dt_comm_start(dt_comm *c, dt_shm_header *hdr) {
     const char *die = getenv("DT_TEST_DIE_RANK"), *call = getenv("DT_TEST_DIE_CALL");
     c->die_in_all_reduce = die && atoi(die) == c->job_rank[c->rank] && c->world > 1 ? (call ? atoi(call) : 1) : 0;
 #endif
-    if (pthread_create(&c->worker, NULL, dt_comm_worker, c) != 0) dt_fail("cannot start the communication thread");
+    if (pthread_create(&c->worker, NULL, dt__comm_worker, c) != 0) dt_fail("cannot start the communication thread");
     dt_comm *none = NULL;                   /* the first communicator speaks for the job when we fail */
-    if (!c->parent) __atomic_compare_exchange_n(&dt_active_comm, &none, c, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-    dt_on_fail = dt_comm_on_fail;
+    if (!c->parent) __atomic_compare_exchange_n(&dt__active_comm, &none, c, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    dt__on_fail = dt__comm_on_fail;
 }
 
 /* A named shared-memory segment of `bytes`, made (create: its name goes on
    the list of files dt_fail removes, slot in *cleanup) or opened, and mapped. */
-static int dt_shm_serial;                   /* names this process's segments apart */
-static dt_shm_header *dt_shm_map(const char *name, size_t bytes, int create, int *cleanup) {
+static int dt__shm_serial;                   /* names this process's segments apart */
+static dt__shm_header *dt__shm_map(const char *name, size_t bytes, int create, int *cleanup) {
     int fd;
     if (create) {
         char file[128];
         snprintf(file, sizeof file, "/dev/shm%s", name);
         fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
-        if (fd >= 0) *cleanup = dt_cleanup_add(file);
+        if (fd >= 0) *cleanup = dt__cleanup_add(file);
         if (fd < 0 || ftruncate(fd, (off_t)bytes) != 0)
             dt_fail("cannot create shared memory %s of %.1f MB: %s (is /dev/shm full?)", name, bytes / 1e6, strerror(errno));
     } else {
@@ -4472,32 +4479,32 @@ static dt_shm_header *dt_shm_map(const char *name, size_t bytes, int create, int
     void *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (map == MAP_FAILED) dt_fail("cannot map shared memory %s: %s", name, strerror(errno));
     close(fd);
-    dt_mem_count(DT_ARENA_COMM, bytes, +1);
-    return (dt_shm_header *)map;
+    dt__mem_count(DT_ARENA_COMM, bytes, +1);
+    return (dt__shm_header *)map;
 }
 
 dt_comm_group *dt_comm_group_create(int world, double timeout_s) {
     if (world < 1 || world > DT_MAX_RANKS) dt_fail("a group of %d ranks (1 to %d)", world, DT_MAX_RANKS);
     dt_comm_group *g = (dt_comm_group *)calloc(1, sizeof *g);
     void *mem = NULL;
-    if (!g || posix_memalign(&mem, 4096, dt_shm_bytes(world)) != 0) dt_fail("out of memory (thread group)");
-    memset(mem, 0, dt_shm_header_bytes(world));
-    g->hdr = (dt_shm_header *)mem;
+    if (!g || posix_memalign(&mem, 4096, dt__shm_bytes(world)) != 0) dt_fail("out of memory (thread group)");
+    memset(mem, 0, dt__shm_header_bytes(world));
+    g->hdr = (dt__shm_header *)mem;
     g->hdr->magic = DT_SHM_MAGIC;
     g->hdr->world = g->world = world;
     g->timeout_s = timeout_s;
-    dt_mem_count(DT_ARENA_COMM, dt_shm_bytes(world), +1);
+    dt__mem_count(DT_ARENA_COMM, dt__shm_bytes(world), +1);
     return g;
 }
 dt_comm *dt_comm_join(dt_comm_group *g, int rank) {
     if (rank < 0 || rank >= g->world) dt_fail("rank %d outside a group of %d", rank, g->world);
-    dt_comm *c = dt_comm_new(rank, g->world, g->timeout_s);
-    dt_comm_start(c, g->hdr);
+    dt_comm *c = dt__comm_new(rank, g->world, g->timeout_s);
+    dt__comm_start(c, g->hdr);
     return c;
 }
 void dt_comm_group_free(dt_comm_group *group) {
     if (!group) return;
-    dt_mem_count(DT_ARENA_COMM, dt_shm_bytes(group->world), -1);
+    dt__mem_count(DT_ARENA_COMM, dt__shm_bytes(group->world), -1);
     free(group->hdr);
     free(group);
 }
@@ -4505,58 +4512,58 @@ void dt_comm_group_free(dt_comm_group *group) {
 /* Groups: what each rank tells the others when a communicator splits. The
    first rank of each group makes its shared memory; the name follows from the
    maker's pid and serial, so one exchange is enough. */
-typedef struct { int32_t color, key, pid, serial; } dt_split_entry;
+typedef struct { int32_t color, key, pid, serial; } dt__split_entry;
 /* Every rank's entry, through memory of the kind the transport takes, given
    back at once: not the step arena, which a thread rank that splits and then
    ends would leave behind. */
-static void dt_split_gather(dt_comm *comm, const dt_split_entry *mine, dt_split_entry *all) {
+static void dt__split_gather(dt_comm *comm, const dt__split_entry *mine, dt__split_entry *all) {
     dt_device memory = comm->backend->memory;
     size_t one = sizeof *mine, bytes = one * (size_t)(comm->world + 1);
     char *buf = (char *)dt_alloc_on(memory, DT_ARENA_COMM, bytes);
-    dt_upload_to(memory, buf, mine, one);
+    dt__upload_to(memory, buf, mine, one);
     dt_all_gather(comm, buf, buf + one, (int64_t)(one / 4), DT_F32);      /* bytes travel as they are */
-    dt_download_from(memory, all, buf + one, bytes - one);
+    dt__download_from(memory, all, buf + one, bytes - one);
     dt_free_on(memory, DT_ARENA_COMM, buf, bytes);
 }
-static int dt_split_before(const dt_split_entry *all, int a, int b) {
+static int dt__split_before(const dt__split_entry *all, int a, int b) {
     return all[a].key != all[b].key ? all[a].key < all[b].key : a < b;
 }
 dt_comm *dt_comm_split(dt_comm *comm, int color, int key) {
     if (color < 0) dt_fail("dt_comm_split: color %d; a color is a number >= 0 naming the group to join", color);
-    dt_split_entry mine = { color, key, (int32_t)getpid(), __atomic_fetch_add(&dt_shm_serial, 1, __ATOMIC_RELAXED) };
-    dt_split_entry *all = (dt_split_entry *)calloc((size_t)comm->world, sizeof *all);
+    dt__split_entry mine = { color, key, (int32_t)getpid(), __atomic_fetch_add(&dt__shm_serial, 1, __ATOMIC_RELAXED) };
+    dt__split_entry *all = (dt__split_entry *)calloc((size_t)comm->world, sizeof *all);
     if (!all) dt_fail("out of memory (dt_comm_split)");
-    dt_split_gather(comm, &mine, all);
+    dt__split_gather(comm, &mine, all);
     int members[DT_MAX_RANKS], n = 0, rank = 0;
     for (int r = 0; r < comm->world; r++) {           /* insertion sort by (key, rank) */
         if (all[r].color != color) continue;
         int i = n++;
-        for (; i > 0 && dt_split_before(all, r, members[i - 1]); i--) members[i] = members[i - 1];
+        for (; i > 0 && dt__split_before(all, r, members[i - 1]); i--) members[i] = members[i - 1];
         members[i] = r;
     }
-    dt_comm *child = dt_comm_new(0, n, comm->timeout_s);
+    dt_comm *child = dt__comm_new(0, n, comm->timeout_s);
     for (int i = 0; i < n; i++) {
         if (members[i] == comm->rank) rank = i;
         child->job_rank[i] = comm->job_rank[members[i]];
     }
     child->rank = rank; child->backend = comm->backend; child->top = comm->top; child->parent = comm;
     char name[96];
-    dt_path(name, sizeof name, "/dtrain-%d-%d-%d", (int)getuid(), all[members[0]].pid, all[members[0]].serial);
-    child->map_bytes = dt_shm_bytes(n);
+    dt__path(name, sizeof name, "/dtrain-%d-%d-%d", (int)getuid(), all[members[0]].pid, all[members[0]].serial);
+    child->map_bytes = dt__shm_bytes(n);
     int cleanup = -1;
     if (rank == 0) {
-        child->hdr = dt_shm_map(name, child->map_bytes, 1, &cleanup);
+        child->hdr = dt__shm_map(name, child->map_bytes, 1, &cleanup);
         child->hdr->magic = DT_SHM_MAGIC;
         child->hdr->world = n;
     }
     dt_barrier(comm);                        /* every group's memory is made: open it */
-    if (rank != 0) child->hdr = dt_shm_map(name, child->map_bytes, 0, NULL);
+    if (rank != 0) child->hdr = dt__shm_map(name, child->map_bytes, 0, NULL);
     dt_barrier(comm);                        /* every rank has mapped it: its name can go */
-    if (rank == 0) { shm_unlink(name); dt_cleanup_done(cleanup); }
+    if (rank == 0) { shm_unlink(name); dt__cleanup_done(cleanup); }
     free(all);
     comm->backend->split(comm, child, color, key);
     comm->children++;
-    dt_comm_start(child, child->hdr);
+    dt__comm_start(child, child->hdr);
     return child;
 }
 
@@ -4572,10 +4579,10 @@ void dt_comm_free(dt_comm *c) {
     pthread_join(c->worker, NULL);
     c->backend->close(c);
     dt_comm *self = c;                      /* until here it still tells the others when we fail */
-    __atomic_compare_exchange_n(&dt_active_comm, &self, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-    if (dt_ctx.job == c) dt_ctx.job = NULL;
+    __atomic_compare_exchange_n(&dt__active_comm, &self, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    if (dt__ctx.job == c) dt__ctx.job = NULL;
     if (c->parent) c->parent->children--;
-    if (c->map_bytes) { munmap(c->hdr, c->map_bytes); dt_mem_count(DT_ARENA_COMM, c->map_bytes, -1); }
+    if (c->map_bytes) { munmap(c->hdr, c->map_bytes); dt__mem_count(DT_ARENA_COMM, c->map_bytes, -1); }
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->wake);
     pthread_cond_destroy(&c->done);
@@ -4590,7 +4597,7 @@ struct dt_mesh {
     dt_comm *comm[DT_MESH_MAX_DIMS];
 };
 /* "dp=2 x tp=2", for messages. */
-static void dt_mesh_describe(const dt_mesh *m, char *out, size_t n) {
+static void dt__mesh_describe(const dt_mesh *m, char *out, size_t n) {
     out[0] = 0;
     for (int d = 0; d < m->ndims; d++)
         snprintf(out + strlen(out), n - strlen(out), "%s%s=%d", d ? " x " : "", m->name[d], m->size[d]);
@@ -4606,14 +4613,14 @@ dt_mesh *dt_mesh_create(dt_comm *comm, int ndims, const int *sizes, const char *
                     "characters", d, sizes[d], names[d] ? names[d] : "(null)", sizeof m->name[d] - 1);
         for (int e = 0; e < d; e++)
             if (!strcmp(m->name[e], names[d])) dt_fail("dt_mesh_create: two dimensions are named '%s'", names[d]);
-        dt_copy_str(m->name[d], sizeof m->name[d], names[d]);
+        dt__copy_str(m->name[d], sizeof m->name[d], names[d]);
         m->size[d] = sizes[d];
         m->ndims = d + 1;
         ranks *= sizes[d];
         if (ranks > DT_MAX_RANKS) break;
     }
     char shape[128];
-    dt_mesh_describe(m, shape, sizeof shape);
+    dt__mesh_describe(m, shape, sizeof shape);
     if (ranks != comm->world)
         dt_fail("dt_mesh_create: a %s mesh has %lld%s ranks, but the communicator has %d: the sizes must multiply to "
                 "its size", shape, (long long)ranks, ranks > DT_MAX_RANKS ? " or more" : "", comm->world);
@@ -4628,15 +4635,15 @@ dt_mesh *dt_mesh_create(dt_comm *comm, int ndims, const int *sizes, const char *
     for (int d = 0; d < ndims; d++) m->comm[d] = dt_comm_split(comm, comm->rank - m->coord[d] * stride[d], m->coord[d]);
     return m;
 }
-static int dt_mesh_dim(const dt_mesh *m, const char *name) {
+static int dt__mesh_dim(const dt_mesh *m, const char *name) {
     for (int d = 0; d < m->ndims; d++)
         if (!strcmp(m->name[d], name)) return d;
     char shape[128];
-    dt_mesh_describe(m, shape, sizeof shape);
+    dt__mesh_describe(m, shape, sizeof shape);
     dt_fail("dt_mesh: no dimension named '%s' in this %s mesh", name, shape);
 }
-dt_comm *dt_mesh_comm(const dt_mesh *mesh, const char *name) { return mesh->comm[dt_mesh_dim(mesh, name)]; }
-int dt_mesh_coord(const dt_mesh *mesh, const char *name) { return mesh->coord[dt_mesh_dim(mesh, name)]; }
+dt_comm *dt_mesh_comm(const dt_mesh *mesh, const char *name) { return mesh->comm[dt__mesh_dim(mesh, name)]; }
+int dt_mesh_coord(const dt_mesh *mesh, const char *name) { return mesh->coord[dt__mesh_dim(mesh, name)]; }
 void dt_mesh_free(dt_mesh *mesh) {
     if (!mesh) return;
     for (int d = mesh->ndims - 1; d >= 0; d--) dt_comm_free(mesh->comm[d]);
@@ -4654,7 +4661,7 @@ void dt_mesh_free(dt_mesh *mesh) {
    however the job ends -- even when a rank is killed. A job ends well when it
    is told to: SIGTERM and Ctrl-C stop it after a step, saved. */
 
-static int dt_env_int(const char *name, int fallback) {
+static int dt__env_int(const char *name, int fallback) {
     const char *v = getenv(name);
     if (!v || !*v) return fallback;
     char *end;
@@ -4670,9 +4677,9 @@ void dt_rank_from_env(int *rank, int *world, int *local_rank) {
     *rank = 0; *world = 1; *local_rank = 0;
     for (int k = 0; k < 3; k++) {
         if (!getenv(vars[k][0]) || !getenv(vars[k][1])) continue;
-        *rank = dt_env_int(vars[k][0], 0);
-        *world = dt_env_int(vars[k][1], 1);
-        *local_rank = dt_env_int(vars[k][2], *rank);
+        *rank = dt__env_int(vars[k][0], 0);
+        *world = dt__env_int(vars[k][1], 1);
+        *local_rank = dt__env_int(vars[k][2], *rank);
         if (*world < 1 || *rank >= *world)
             dt_fail("%s=%d but %s=%d: the rank must be below the world size", vars[k][0], *rank, vars[k][1], *world);
         if (*world > DT_MAX_RANKS) dt_fail("%s=%d: at most %d ranks", vars[k][1], *world, DT_MAX_RANKS);
@@ -4704,7 +4711,7 @@ int dt_gpu_for_rank(int local_rank, int local_ranks, int gpus, int ranks_per_gpu
 
 #ifndef DT_HAVE_CUDA
 int dt_nccl_available(char *why, size_t n) {
-    dt_copy_str(why, n, "this build has no CUDA, so no NCCL (install the CUDA toolkit and NCCL, then make)");
+    dt__copy_str(why, n, "this build has no CUDA, so no NCCL (install the CUDA toolkit and NCCL, then make)");
     return 0;
 }
 int dt_nccl_version(void) { return 0; }
@@ -4716,7 +4723,7 @@ int dt_nccl_version(void) { return 0; }
    which sends the traffic through sockets over the loopback interface. Set
    before NCCL starts; a variable the user set is kept. Says which, once. */
 #ifdef DT_HAVE_CUDA
-static void dt_share_gpus(int rank, int local_ranks, int gpus) {
+static void dt__share_gpus(int rank, int local_ranks, int gpus) {
     int v = dt_nccl_version(), major = v >= 10000 ? v / 10000 : v / 1000, minor = v >= 10000 ? v / 100 % 100 : v / 100 % 10;
     char how[256];
     if (v >= 23000) {
@@ -4736,7 +4743,7 @@ static void dt_share_gpus(int rank, int local_ranks, int gpus) {
 }
 #endif
 
-static int dt_free_port(void) {
+static int dt__free_port(void) {
     int fd = socket(AF_INET, SOCK_STREAM, 0), port = 29500;
     struct sockaddr_in a;
     socklen_t len = sizeof a;
@@ -4756,25 +4763,25 @@ static int dt_free_port(void) {
    and exit -- 75 after SIGTERM or SIGUSR1 (EX_TEMPFAIL: preempted, run it
    again with --resume auto), 130 after Ctrl-C. A second SIGINT or SIGTERM,
    two seconds or more after the first, stops at once, removing what
-   dt_cleanup_add registered. */
-static volatile sig_atomic_t dt_stop_signal, dt_stop_catching;
-static struct timespec dt_stop_first;
-static void dt_on_stop_signal(int sig) {
+   dt__cleanup_add registered. */
+static volatile sig_atomic_t dt__stop_signal, dt__stop_catching;
+static struct timespec dt__stop_first;
+static void dt__on_stop_signal(int sig) {
     /* One signal often arrives twice: SLURM or systemd signal every process of the job, and a launcher passes
        on the one it got. A second one counts only when it comes later, from someone who means it. */
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
-    if (dt_stop_signal && sig != SIGUSR1 && now.tv_sec - dt_stop_first.tv_sec >= 2) {
+    if (dt__stop_signal && sig != SIGUSR1 && now.tv_sec - dt__stop_first.tv_sec >= 2) {
         static const char msg[] = "dtrain: a second signal: stopping at once\n";
-        dt_cleanup_run();
+        dt__cleanup_run();
         ssize_t ignored = write(2, msg, sizeof msg - 1);
         (void)ignored;
         _exit(128 + sig);
     }
-    if (!dt_stop_signal) dt_stop_first = now;
-    dt_stop_signal = sig;
+    if (!dt__stop_signal) dt__stop_first = now;
+    dt__stop_signal = sig;
 }
-static void dt_set_stop_handler(void (*handler)(int), int restart) {
+static void dt__set_stop_handler(void (*handler)(int), int restart) {
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = handler;
@@ -4784,12 +4791,12 @@ static void dt_set_stop_handler(void (*handler)(int), int restart) {
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGUSR1, &sa, NULL);
 }
-static void dt_catch_stop_signals(void) { dt_set_stop_handler(dt_on_stop_signal, 1); dt_stop_catching = 1; }
-static const char *dt_signal_name(int sig) {
+static void dt__catch_stop_signals(void) { dt__set_stop_handler(dt__on_stop_signal, 1); dt__stop_catching = 1; }
+static const char *dt__signal_name(int sig) {
     return sig == SIGINT ? "SIGINT (Ctrl-C)" : sig == SIGTERM ? "SIGTERM" : sig == SIGUSR1 ? "SIGUSR1" : "a signal";
 }
-static void dt_check_stop(const char *during) {
-    if (dt_stop_signal) dt_fail("stopped by %s %s", dt_signal_name(dt_stop_signal), during);
+static void dt__check_stop(const char *during) {
+    if (dt__stop_signal) dt_fail("stopped by %s %s", dt__signal_name(dt__stop_signal), during);
 }
 
 /* -- the launcher (--nproc N) --
@@ -4797,16 +4804,16 @@ static void dt_check_stop(const char *during) {
    terminal reaches the launcher alone, which passes it on once), and waits.
    A rank whose launcher dies gets SIGTERM from the kernel (PR_SET_PDEATHSIG):
    it saves and stops as if preempted, never trains on alone. */
-static volatile sig_atomic_t dt_launcher_signal;
-static void dt_on_launcher_signal(int sig) { dt_launcher_signal = sig; }
+static volatile sig_atomic_t dt__launcher_signal;
+static void dt__on_launcher_signal(int sig) { dt__launcher_signal = sig; }
 
 void dt_launch(int nproc, double timeout_s) {
     if (nproc <= 1 || getenv("DT_LAUNCHED_RANK")) return;
     if (nproc > DT_MAX_RANKS) dt_usage_error("--nproc %d: at most %d ranks", nproc, DT_MAX_RANKS);
-    if (dt_cuda_touched) dt_fail("internal error: CUDA was used before the ranks were started (a CUDA context does not "
+    if (dt__cuda_touched) dt_fail("internal error: CUDA was used before the ranks were started (a CUDA context does not "
                                  "survive fork); decide the device in each rank");
     char port[16], cores[24], job[96];
-    snprintf(port, sizeof port, "%d", dt_free_port());
+    snprintf(port, sizeof port, "%d", dt__free_port());
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     snprintf(cores, sizeof cores, "%ld", ncpu / nproc > 1 ? ncpu / nproc : 1);   /* the cores shared out */
     snprintf(job, sizeof job, "nproc-%ld-%.0f", (long)getpid(), dt_now_ms());  /* the ranks' proof they belong */
@@ -4815,7 +4822,7 @@ void dt_launch(int nproc, double timeout_s) {
     sigemptyset(&stops);
     sigaddset(&stops, SIGINT); sigaddset(&stops, SIGTERM); sigaddset(&stops, SIGUSR1);
     sigprocmask(SIG_BLOCK, &stops, &before);         /* held until each side has its own handlers */
-    dt_set_stop_handler(dt_on_launcher_signal, 0);
+    dt__set_stop_handler(dt__on_launcher_signal, 0);
     signal(SIGCHLD, SIG_DFL);                        /* an inherited SIG_IGN would hide the ranks' exits */
     fflush(stdout);
     fflush(stderr);
@@ -4870,9 +4877,9 @@ void dt_launch(int nproc, double timeout_s) {
             if (failed && !deadline) deadline = dt_now_ms() + (timeout_s > 0 ? timeout_s : 60) * 1e3 + 10e3;
             if ((failed && (status == 0 || status == 75 || status == 130)) || (stopped && status == 0)) status = code;
         } else if (p == 0 || errno == EINTR) {
-            int sig = dt_launcher_signal;
+            int sig = dt__launcher_signal;
             if (sig) {
-                dt_launcher_signal = 0;
+                dt__launcher_signal = 0;
                 for (int r = 0; r < nproc; r++) if (pids[r] > 0) kill(pids[r], sig);
             }
             if (deadline > 0 && dt_now_ms() > deadline) {
@@ -4892,7 +4899,7 @@ void dt_launch(int nproc, double timeout_s) {
    The launcher's own id: torchrun's run id and attempt, SLURM's job and step,
    Open MPI's job, or the one --nproc makes. Ranks started by hand with none of
    these have none, and meet only each other. */
-static void dt_job_id(char *out, size_t n) {
+static void dt__job_id(char *out, size_t n) {
     static const char *vars[] = { "DT_JOB_ID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID",
                                   "SLURM_STEP_ID", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE" };
     out[0] = 0;
@@ -4908,9 +4915,9 @@ static void dt_job_id(char *out, size_t n) {
    own key-value store already holds MASTER_PORT; dtrain does not speak that
    store's protocol (it changes between PyTorch versions) and takes the next
    port. DT_MASTER_PORT overrides both. */
-static int dt_rendezvous_port(char *why, size_t n) {
+static int dt__rendezvous_port(char *why, size_t n) {
     const char *own = getenv("DT_MASTER_PORT"), *agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
-    int port = dt_env_int(own ? "DT_MASTER_PORT" : "MASTER_PORT", 29500);
+    int port = dt__env_int(own ? "DT_MASTER_PORT" : "MASTER_PORT", 29500);
     if (port < 1 || port > 65535) dt_fail("%s=%d is not a TCP port (1-65535)", own ? "DT_MASTER_PORT" : "MASTER_PORT", port);
     snprintf(why, n, own ? "DT_MASTER_PORT" : "MASTER_PORT");
     if (!own && agent && (!strcmp(agent, "True") || !strcmp(agent, "true") || !strcmp(agent, "1")) && port < 65535) {
@@ -4926,17 +4933,17 @@ static int dt_rendezvous_port(char *why, size_t n) {
    attempt is turned away -- and logged -- instead of joining this job or
    killing it. */
 #define DT_RDZV_MAGIC "dtrain-2"
-typedef struct dt_hello { char magic[8]; char job[192]; int32_t rank, world, pid; } dt_hello;
-typedef struct dt_welcome { char magic[8]; char refused[256]; char shm_name[64]; unsigned char nccl_id[128]; } dt_welcome;
+typedef struct dt__hello { char magic[8]; char job[192]; int32_t rank, world, pid; } dt__hello;
+typedef struct dt__welcome { char magic[8]; char refused[256]; char shm_name[64]; unsigned char nccl_id[128]; } dt__welcome;
 
 /* 1 when all n bytes moved before the deadline; 0 when the peer went away or was silent. */
-static int dt_io_try(int fd, void *buf, size_t n, int writing, double deadline, const char *what) {
+static int dt__io_try(int fd, void *buf, size_t n, int writing, double deadline, const char *what) {
     char *p = (char *)buf;
     while (n > 0) {
         struct pollfd pfd = { fd, (short)(writing ? POLLOUT : POLLIN), 0 };
         int wait = (int)(deadline - dt_now_ms());
         if (wait <= 0) return 0;
-        dt_check_stop(what);
+        dt__check_stop(what);
         if (poll(&pfd, 1, wait < 200 ? wait : 200) <= 0) continue;     /* a slice, then look at the signals */
         ssize_t k = writing ? send(fd, p, n, MSG_NOSIGNAL) : recv(fd, p, n, 0);
         if (k <= 0) return 0;
@@ -4945,12 +4952,12 @@ static int dt_io_try(int fd, void *buf, size_t n, int writing, double deadline, 
     }
     return 1;
 }
-static void dt_io_all(int fd, void *buf, size_t n, int writing, double deadline, const char *what) {
-    if (!dt_io_try(fd, buf, n, writing, deadline, what))
+static void dt__io_all(int fd, void *buf, size_t n, int writing, double deadline, const char *what) {
+    if (!dt__io_try(fd, buf, n, writing, deadline, what))
         dt_fail("rendezvous: %s %s", dt_now_ms() >= deadline ? "timed out" : "connection lost", what);
 }
 
-static int dt_tcp_socket(const char *host, int port, const char *port_from, int listening, double deadline) {
+static int dt__tcp_socket(const char *host, int port, const char *port_from, int listening, double deadline) {
     char ports[16];
     struct addrinfo hints, *res = NULL;
     snprintf(ports, sizeof ports, "%d", port);
@@ -4977,7 +4984,7 @@ static int dt_tcp_socket(const char *host, int port, const char *port_from, int 
         if (dt_now_ms() > deadline)
             dt_fail("rendezvous: rank 0 did not answer at %s:%d (%s) within the timeout (is it running? is MASTER_ADDR "
                     "right?)", host, port, port_from);
-        dt_check_stop("while waiting for rank 0");
+        dt__check_stop("while waiting for rank 0");
         struct timespec ts = { 0, 50000000 };
         nanosleep(&ts, NULL);
     }
@@ -4987,16 +4994,16 @@ static int dt_tcp_socket(const char *host, int port, const char *port_from, int 
 
 /* Rank 0: one hello from whoever connected. Returns the rank it brings, or -1
    when the connection was turned away (the caller closes it either way). */
-static int dt_rendezvous_admit(int fd, const struct sockaddr_in *from, const char *job, int world, const int *joined,
+static int dt__rendezvous_admit(int fd, const struct sockaddr_in *from, const char *job, int world, const int *joined,
                                double deadline) {
-    dt_hello h;
-    dt_welcome no;
+    dt__hello h;
+    dt__welcome no;
     char who[64], why[256] = "";
     memset(&h, 0, sizeof h);
     memset(&no, 0, sizeof no);
     snprintf(who, sizeof who, "%s:%d", inet_ntoa(from->sin_addr), ntohs(from->sin_port));
     double hello_by = dt_now_ms() + 5e3 < deadline ? dt_now_ms() + 5e3 : deadline;   /* a silent peer waits 5 s at most */
-    if (!dt_io_try(fd, &h, sizeof h, 0, hello_by, "while waiting for the ranks to join") ||
+    if (!dt__io_try(fd, &h, sizeof h, 0, hello_by, "while waiting for the ranks to join") ||
         memcmp(h.magic, DT_RDZV_MAGIC, 8)) {
         dt_warn("rendezvous: turned away a connection from %s: it did not say hello as a dtrain rank", who);
         return -1;
@@ -5011,29 +5018,29 @@ static int dt_rendezvous_admit(int fd, const struct sockaddr_in *from, const cha
     if (!why[0]) return h.rank;
     dt_warn("rendezvous: turned away rank %d (pid %d) from %s: %s", h.rank, h.pid, who, why);
     memcpy(no.magic, DT_RDZV_MAGIC, 8);
-    dt_copy_str(no.refused, sizeof no.refused, why);
-    dt_io_try(fd, &no, sizeof no, 1, hello_by, "while turning a stranger away");
+    dt__copy_str(no.refused, sizeof no.refused, why);
+    dt__io_try(fd, &no, sizeof no, 1, hello_by, "while turning a stranger away");
     return -1;
 }
 
 dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     int rank, world, local;
     dt_rank_from_env(&rank, &world, &local);
-    dt_comm *c = dt_comm_new(rank, world, timeout_s);
-    dt_ctx.rank = rank;
-    dt_ctx.world_size = world;
-    int catching = dt_stop_catching;         /* a run catches them for good; a tool only while the ranks meet */
-    if (!catching) dt_set_stop_handler(dt_on_stop_signal, 1);
+    dt_comm *c = dt__comm_new(rank, world, timeout_s);
+    dt__ctx.rank = rank;
+    dt__ctx.world_size = world;
+    int catching = dt__stop_catching;         /* a run catches them for good; a tool only while the ranks meet */
+    if (!catching) dt__set_stop_handler(dt__on_stop_signal, 1);
     const char *host = getenv("MASTER_ADDR") ? getenv("MASTER_ADDR") : "127.0.0.1";
     char port_from[96], job[192];
-    int port = world > 1 ? dt_rendezvous_port(port_from, sizeof port_from) : 0;
-    dt_job_id(job, sizeof job);
+    int port = world > 1 ? dt__rendezvous_port(port_from, sizeof port_from) : 0;
+    dt__job_id(job, sizeof job);
     double deadline = dt_now_ms() + c->timeout_s * 1e3;
-    dt_welcome w;
+    dt__welcome w;
     memset(&w, 0, sizeof w);
     memcpy(w.magic, DT_RDZV_MAGIC, 8);
-    dt_path(w.shm_name, sizeof w.shm_name, "/dtrain-%d-%d-%d", (int)getuid(), (int)getpid(),
-            __atomic_fetch_add(&dt_shm_serial, 1, __ATOMIC_RELAXED));
+    dt__path(w.shm_name, sizeof w.shm_name, "/dtrain-%d-%d-%d", (int)getuid(), (int)getpid(),
+            __atomic_fetch_add(&dt__shm_serial, 1, __ATOMIC_RELAXED));
     char why[256];
     if (kind == DT_COMM_NCCL && !dt_nccl_available(why, sizeof why)) dt_fail("a job on GPUs needs NCCL: %s", why);
 #ifdef DT_HAVE_CUDA
@@ -5041,10 +5048,10 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
         dt_fail("NCCL could not make its unique id");
 #endif
     int fds[DT_MAX_RANKS], cleanup = -1;
-    size_t bytes = dt_shm_bytes(world);
-    dt_shm_header *hdr = NULL;
+    size_t bytes = dt__shm_bytes(world);
+    dt__shm_header *hdr = NULL;
     if (world > 1 && rank == 0) {
-        int lfd = dt_tcp_socket(host, port, port_from, 1, deadline), joined[DT_MAX_RANKS] = { 0 }, njoined = 0, away = 0;
+        int lfd = dt__tcp_socket(host, port, port_from, 1, deadline), joined[DT_MAX_RANKS] = { 0 }, njoined = 0, away = 0;
         while (njoined < world - 1) {
             struct pollfd pfd = { lfd, POLLIN, 0 };
             int wait = (int)(deadline - dt_now_ms());
@@ -5055,13 +5062,13 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
                 dt_fail("rendezvous: rank(s)%s did not join within %.0f s (--timeout)%s", missing, c->timeout_s,
                         away ? "; connections that were not of this job were turned away (see above)" : "");
             }
-            dt_check_stop("while waiting for the ranks to join");
+            dt__check_stop("while waiting for the ranks to join");
             if (poll(&pfd, 1, wait < 200 ? wait : 200) <= 0) continue;
             struct sockaddr_in from;
             socklen_t from_len = sizeof from;
             int fd = accept(lfd, (struct sockaddr *)&from, &from_len);
             if (fd < 0) continue;
-            int r = dt_rendezvous_admit(fd, &from, job, world, joined, deadline);
+            int r = dt__rendezvous_admit(fd, &from, job, world, joined, deadline);
             if (r < 0) { close(fd); away++; continue; }
             joined[r] = 1;
             fds[r] = fd;
@@ -5070,17 +5077,17 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
         close(lfd);
     }
     if (rank == 0) {       /* made once every rank is here: a failed rendezvous leaves nothing in /dev/shm */
-        hdr = dt_shm_map(w.shm_name, bytes, 1, &cleanup);
-        for (int r = 1; r < world; r++) dt_io_all(fds[r], &w, sizeof w, 1, deadline, "sending the welcome");
+        hdr = dt__shm_map(w.shm_name, bytes, 1, &cleanup);
+        for (int r = 1; r < world; r++) dt__io_all(fds[r], &w, sizeof w, 1, deadline, "sending the welcome");
     } else if (world > 1) {
-        int fd = dt_tcp_socket(host, port, port_from, 0, deadline);
-        dt_hello h;
+        int fd = dt__tcp_socket(host, port, port_from, 0, deadline);
+        dt__hello h;
         memset(&h, 0, sizeof h);
         memcpy(h.magic, DT_RDZV_MAGIC, 8);
-        dt_copy_str(h.job, sizeof h.job, job);
+        dt__copy_str(h.job, sizeof h.job, job);
         h.rank = rank; h.world = world; h.pid = (int32_t)getpid();
-        dt_io_all(fd, &h, sizeof h, 1, deadline, "saying hello to rank 0");
-        if (!dt_io_try(fd, &w, sizeof w, 0, deadline, "while waiting for rank 0's welcome"))
+        dt__io_all(fd, &h, sizeof h, 1, deadline, "saying hello to rank 0");
+        if (!dt__io_try(fd, &w, sizeof w, 0, deadline, "while waiting for rank 0's welcome"))
             dt_fail("rendezvous: no welcome from %s:%d (%s) %s (is a dtrain rank 0 of this job listening there?)", host,
                     port, port_from, dt_now_ms() >= deadline ? "within the timeout" : "before it closed the connection");
         if (memcmp(w.magic, DT_RDZV_MAGIC, 8))
@@ -5088,7 +5095,7 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
                     host, port, port_from);
         w.refused[sizeof w.refused - 1] = 0;
         if (w.refused[0]) dt_fail("rendezvous: rank 0 at %s:%d turned this rank away: %s", host, port, w.refused);
-        hdr = dt_shm_map(w.shm_name, bytes, 0, NULL);
+        hdr = dt__shm_map(w.shm_name, bytes, 0, NULL);
         fds[0] = fd;
     }
     c->map_bytes = bytes;
@@ -5097,25 +5104,25 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     /* Every rank has mapped the segment when it has answered: then its name can go. */
     char ack = 1;
     if (world > 1 && rank == 0) {
-        for (int r = 1; r < world; r++) { dt_io_all(fds[r], &ack, 1, 0, deadline, "waiting for the ranks to map"); close(fds[r]); }
+        for (int r = 1; r < world; r++) { dt__io_all(fds[r], &ack, 1, 0, deadline, "waiting for the ranks to map"); close(fds[r]); }
     } else if (world > 1) {
-        dt_io_all(fds[0], &ack, 1, 1, deadline, "telling rank 0 the memory is mapped");
+        dt__io_all(fds[0], &ack, 1, 1, deadline, "telling rank 0 the memory is mapped");
         close(fds[0]);
     }
-    if (rank == 0) { shm_unlink(w.shm_name); dt_cleanup_done(cleanup); }
+    if (rank == 0) { shm_unlink(w.shm_name); dt__cleanup_done(cleanup); }
     if (!catching) { signal(SIGINT, SIG_DFL); signal(SIGTERM, SIG_DFL); signal(SIGUSR1, SIG_DFL); }
 #ifdef DT_HAVE_CUDA
     if (kind == DT_COMM_NCCL) {             /* joined here, then handed to the communication thread */
         c->hdr = hdr;                       /* the watchdog looks at the ranks through it */
-        c->backend = &dt_comm_nccl_backend;
+        c->backend = &dt__comm_nccl_backend;
         c->nccl = dt_nccl_create(w.nccl_id, rank, world);
-        dt_nccl_watch(c, -1, "NCCL's start-up");
+        dt__nccl_watch(c, -1, "NCCL's start-up");
     }
 #endif
     (void)local;
-    dt_comm_start(c, hdr);
+    dt__comm_start(c, hdr);
     dt_barrier(c);                          /* everyone is in, and the header is set */
-    dt_ctx.job = c;                         /* the run's logs, evaluation and checks use it */
+    dt__ctx.job = c;                         /* the run's logs, evaluation and checks use it */
     return c;
 }
 
@@ -5134,43 +5141,43 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
 
 /* What the wrappers communicated, for this step's log line and trace. `hidden`
    is the part of [t0, t1] that ran while backward was still computing. */
-static void dt_record_comm(const char *name, double t0, double t1, double hidden) {
-    dt_ctx.comm_ms += t1 - t0;
-    dt_ctx.comm_hidden_ms += hidden;
-    if (dt_ctx.ncomm_events < (int)(sizeof dt_ctx.comm_events / sizeof dt_ctx.comm_events[0])) {
-        int k = dt_ctx.ncomm_events++;
-        dt_copy_str(dt_ctx.comm_events[k].name, sizeof dt_ctx.comm_events[k].name, name);
-        dt_ctx.comm_events[k].t0 = t0;
-        dt_ctx.comm_events[k].t1 = t1;
+static void dt__record_comm(const char *name, double t0, double t1, double hidden) {
+    dt__ctx.comm_ms += t1 - t0;
+    dt__ctx.comm_hidden_ms += hidden;
+    if (dt__ctx.ncomm_events < (int)(sizeof dt__ctx.comm_events / sizeof dt__ctx.comm_events[0])) {
+        int k = dt__ctx.ncomm_events++;
+        dt__copy_str(dt__ctx.comm_events[k].name, sizeof dt__ctx.comm_events[k].name, name);
+        dt__ctx.comm_events[k].t0 = t0;
+        dt__ctx.comm_events[k].t1 = t1;
     }
 }
 
 /* A thread that ran ops gives back what its context holds before it ends. */
-static void dt_context_release(void) {
+static void dt__context_release(void) {
     dt_step_arena_reset();                  /* spill blocks back, the tape emptied */
-    dt_scratch_reset();
+    dt__scratch_reset();
     for (int d = 0; d < 4; d++) {
-        dt_step_arena *a = d < 2 ? &dt_ctx.step[d] : &dt_ctx.scratch[d - 2];
+        dt__step_arena *a = d < 2 ? &dt__ctx.step[d] : &dt__ctx.scratch[d - 2];
         if (a->base) dt_free_on((dt_device)(d % 2), DT_ARENA_ACTS, a->base, a->cap);
         free(a->spill);
         free(a->spill_bytes);
         memset(a, 0, sizeof *a);
     }
-    free(dt_ctx.tape);
-    dt_ctx.tape = NULL;
-    dt_ctx.tape_cap = 0;
+    free(dt__ctx.tape);
+    dt__ctx.tape = NULL;
+    dt__ctx.tape_cap = 0;
     DT_OMP("omp parallel")
     {
-        free(dt_pack_buffer);               /* each thread of this device's team frees its own */
-        dt_pack_buffer = NULL;
-        dt_pack_floats = 0;
+        free(dt__pack_buffer);               /* each thread of this device's team frees its own */
+        dt__pack_buffer = NULL;
+        dt__pack_floats = 0;
     }
 }
 
 /* -- DataParallel -- */
-typedef enum { DT_DP_FORWARD = 1, DT_DP_BACKWARD, DT_DP_REDUCE, DT_DP_QUIT } dt_dp_job;
+typedef enum { DT_DP_FORWARD = 1, DT_DP_BACKWARD, DT_DP_REDUCE, DT_DP_QUIT } dt__dp_job;
 
-typedef struct dt_dp_device {
+typedef struct dt__dp_device {
     struct dt_dp *dp;
     int index;
     pthread_t thread;
@@ -5180,9 +5187,9 @@ typedef struct dt_dp_device {
     const float *dlogits;       /* its slice of the gradient of the gathered logits */
     double flops;               /* counted by its thread this step */
     size_t mem_peak;
-    dt_dp_job job;
+    dt__dp_job job;
     int64_t posted, finished;
-} dt_dp_device;
+} dt__dp_device;
 
 struct dt_dp {
     dt_parallel par;            /* first: the model's dt_parallel * is this dt_dp */
@@ -5194,12 +5201,12 @@ struct dt_dp {
     dt_comm_group *group;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    dt_dp_device dev[DT_MAX_RANKS];
+    dt__dp_device dev[DT_MAX_RANKS];
 };
 
 /* Replicate, scatter, forward: the same on every device, device 0 included.
    Returns when the replicate started and ended. */
-static void dt_dp_device_forward(dt_dp *dp, dt_dp_device *d, double *t0, double *t1) {
+static void dt__dp_device_forward(dt_dp *dp, dt__dp_device *d, double *t0, double *t1) {
     dt_model *m = d->model;
     *t0 = dt_now_ms();
     dt_broadcast(d->comm, m->flat_data, m->numel, DT_F32, 0);          /* device 0's weights, every step */
@@ -5207,19 +5214,19 @@ static void dt_dp_device_forward(dt_dp *dp, dt_dp_device *d, double *t0, double 
     const dt_tensor *all = dp->inputs;
     int shape[4] = { dp->rows, all->shape[1], all->shape[2], all->shape[3] };
     size_t per_image = (size_t)(all->numel / all->shape[0]);
-    dt_tensor *mine = dt_tensor_alloc(all->ndim, shape, DT_F32);
+    dt_tensor *mine = dt__tensor_alloc(all->ndim, shape, DT_F32);
     memcpy(mine->data, all->data + (size_t)d->index * dp->rows * per_image,      /* scatter: a copy to this device */
            (size_t)dp->rows * per_image * sizeof(float));
     d->logits = dt_model_forward(m, mine);
 }
 
-static void dt_dp_post(dt_dp *dp, dt_dp_job job) {
+static void dt__dp_post(dt_dp *dp, dt__dp_job job) {
     pthread_mutex_lock(&dp->mu);
     for (int i = 1; i < dp->devices; i++) { dp->dev[i].job = job; dp->dev[i].posted++; }
     pthread_cond_broadcast(&dp->cv);
     pthread_mutex_unlock(&dp->mu);
 }
-static void dt_dp_wait(dt_dp *dp) {
+static void dt__dp_wait(dt_dp *dp) {
     pthread_mutex_lock(&dp->mu);
     for (int i = 1; i < dp->devices; i++)
         while (dp->dev[i].finished != dp->dev[i].posted) pthread_cond_wait(&dp->cv, &dp->mu);
@@ -5228,10 +5235,10 @@ static void dt_dp_wait(dt_dp *dp) {
 
 /* A replica's thread: a context of its own (tape, step arena, memory counts),
    a share of the cores, and a loop doing what device 0 asks. */
-static void *dt_dp_worker(void *arg) {
-    dt_dp_device *d = (dt_dp_device *)arg;
+static void *dt__dp_worker(void *arg) {
+    dt__dp_device *d = (dt__dp_device *)arg;
     dt_dp *dp = d->dp;
-    dt_flush_subnormals();
+    dt__flush_subnormals();
 #ifdef _OPENMP
     omp_set_num_threads(dp->threads_per_device);
 #endif
@@ -5240,14 +5247,14 @@ static void *dt_dp_worker(void *arg) {
     for (;;) {
         pthread_mutex_lock(&dp->mu);
         while (d->posted == d->finished) pthread_cond_wait(&dp->cv, &dp->mu);
-        dt_dp_job job = d->job;
+        dt__dp_job job = d->job;
         pthread_mutex_unlock(&dp->mu);
         if (job == DT_DP_QUIT) break;
         if (job == DT_DP_FORWARD) {
             double t0, t1;
             dt_step_arena_reset();
             dt_flops_reset();
-            dt_dp_device_forward(dp, d, &t0, &t1);
+            dt__dp_device_forward(dp, d, &t0, &t1);
         }
         if (job == DT_DP_BACKWARD) dt_backward_from(d->logits, d->dlogits);
         if (job == DT_DP_REDUCE) {
@@ -5264,21 +5271,21 @@ static void *dt_dp_worker(void *arg) {
     }
     dt_comm_free(d->comm);
     dt_model_free(d->model);
-    dt_context_release();
+    dt__context_release();
     return NULL;
 }
 
-static void dt_dp_backward_done(dt_parallel *par) {
+static void dt__dp_backward_done(dt_parallel *par) {
     dt_dp *dp = (dt_dp *)par;
     if (dp->devices == 1) return;
-    dt_dp_wait(dp);                                    /* every device's backward has finished */
+    dt__dp_wait(dp);                                    /* every device's backward has finished */
     double t0 = dt_now_ms();
-    dt_dp_post(dp, DT_DP_REDUCE);
+    dt__dp_post(dp, DT_DP_REDUCE);
     dt_model *m = dp->model;
     dt_reduce(dp->dev[0].comm, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_SUM, 0);
-    dt_dp_wait(dp);
-    dt_record_comm("reduce gradients", t0, dt_now_ms(), 0);
-    for (int i = 1; i < dp->devices; i++) dt_ctx.flops += dp->dev[i].flops;   /* the work of every device */
+    dt__dp_wait(dp);
+    dt__record_comm("reduce gradients", t0, dt_now_ms(), 0);
+    for (int i = 1; i < dp->devices; i++) dt__ctx.flops += dp->dev[i].flops;   /* the work of every device */
 }
 void dt_dp_reduce_grads(dt_dp *dp) { dt_parallel_backward_done(&dp->par); }
 
@@ -5288,17 +5295,17 @@ dt_dp *dt_dp_create(dt_model *model, int devices, double timeout_s) {
         dt_fail("02-dp on %d GPUs: driving several GPUs from one process needs a CUDA stream, a cuBLAS handle and an "
                 "NCCL communicator per GPU, and this version keeps one per process. Use --nproc 1 here, or 03-ddp "
                 "(one process per GPU)", devices);
-    if (dt_ctx.compute_dtype != DT_F32)
+    if (dt__ctx.compute_dtype != DT_F32)
         dt_fail("DataParallel (stage 02) runs in fp32 only; mixed precision comes with DDP and FSDP (stage 05)");
     dt_dp *dp = (dt_dp *)calloc(1, sizeof *dp);
     if (!dp) dt_fail("out of memory (DataParallel)");
     dp->par = (dt_parallel){ .create_fn = "dt_dp_create", .sync_fn = "dt_dp_reduce_grads", .free_fn = "dt_dp_free",
-                             .backward_done = dt_dp_backward_done };
+                             .backward_done = dt__dp_backward_done };
     dt_model_set_parallel(model, &dp->par);
     dp->model = model;
     dp->devices = devices;
     dp->threads_per_device = dt_threads() / devices > 1 ? dt_threads() / devices : 1;
-    dt_ctx.devices = devices;
+    dt__ctx.devices = devices;
     if (devices == 1) return dp;
     pthread_mutex_init(&dp->mu, NULL);
     pthread_cond_init(&dp->cv, NULL);
@@ -5312,7 +5319,7 @@ dt_dp *dt_dp_create(dt_model *model, int devices, double timeout_s) {
     for (int i = 1; i < devices; i++) {
         dp->dev[i].dp = dp;
         dp->dev[i].index = i;
-        if (pthread_create(&dp->dev[i].thread, NULL, dt_dp_worker, &dp->dev[i]) != 0)
+        if (pthread_create(&dp->dev[i].thread, NULL, dt__dp_worker, &dp->dev[i]) != 0)
             dt_fail("cannot start the thread of device %d", i);
     }
     return dp;
@@ -5321,11 +5328,11 @@ int dt_dp_devices(const dt_dp *dp) { return dp->devices; }
 
 /* The gather's backward: each device gets its slice of d(loss)/d(logits) and
    starts its own backward; device 0's slice flows on through device 0's tape. */
-static void dt_dp_gather_backward(dt_tape_entry *e) {
+static void dt__dp_gather_backward(dt__tape_entry *e) {
     dt_dp *dp = (dt_dp *)e->saved;
     int64_t per = (int64_t)dp->out_rows * dt_tensor_cols(e->out);
     for (int i = 1; i < dp->devices; i++) dp->dev[i].dlogits = e->out->grad + i * per;
-    dt_dp_post(dp, DT_DP_BACKWARD);
+    dt__dp_post(dp, DT_DP_BACKWARD);
     float *g = dt_grad(e->in[0]);
     for (int64_t k = 0; k < per; k++) g[k] += e->out->grad[k];
 }
@@ -5337,17 +5344,17 @@ dt_tensor *dt_dp_forward(dt_dp *dp, dt_tensor *inputs) {
     dp->inputs = inputs;
     dp->rows = B / N;
     double t0, t1;
-    dt_dp_post(dp, DT_DP_FORWARD);
-    dt_dp_device_forward(dp, &dp->dev[0], &t0, &t1);
-    dt_dp_wait(dp);
-    dt_record_comm("broadcast parameters", t0, t1, 0);
+    dt__dp_post(dp, DT_DP_FORWARD);
+    dt__dp_device_forward(dp, &dp->dev[0], &t0, &t1);
+    dt__dp_wait(dp);
+    dt__record_comm("broadcast parameters", t0, t1, 0);
     /* gather: every device's logits, in device order, on device 0 */
     dt_tensor *mine = dp->dev[0].logits;
     int C = (int)dt_tensor_cols(mine), R = dp->out_rows = (int)dt_tensor_rows(mine);
-    dt_tensor *out = dt_tensor_out_2d(N * R, C);
+    dt_tensor *out = dt__tensor_out_2d(N * R, C);
     for (int i = 0; i < N; i++)
         memcpy(out->data + (size_t)i * R * C, dp->dev[i].logits->data, sizeof(float) * (size_t)R * C);
-    if (dt_wants_grad(mine, NULL, NULL)) dt_tape_push(dt_dp_gather_backward, out, mine, NULL, NULL)->saved = dp;
+    if (dt__wants_grad(mine, NULL, NULL)) dt__tape_push(dt__dp_gather_backward, out, mine, NULL, NULL)->saved = dp;
     return out;
 }
 
@@ -5355,7 +5362,7 @@ void dt_dp_free(dt_dp *dp, int quiet) {
     if (!dp) return;
     dt_model_set_parallel(dp->model, NULL);
     if (dp->devices > 1) {
-        dt_dp_post(dp, DT_DP_QUIT);
+        dt__dp_post(dp, DT_DP_QUIT);
         for (int i = 1; i < dp->devices; i++) pthread_join(dp->dev[i].thread, NULL);
         if (!quiet) {
             printf("peak memory per device: 0: %.1f MB (model, optimizer, gathered logits)", dt_mem_total_peak() / 1e6);
@@ -5372,56 +5379,56 @@ void dt_dp_free(dt_dp *dp, int quiet) {
 }
 
 /* -- DistributedDataParallel -- */
-typedef struct dt_ddp_bucket {
+typedef struct dt__ddp_bucket {
     int first, last;            /* parameters first..last: one run of the flat gradient */
     int64_t offset, count;
     int pending;                /* gradients of this bucket not final yet in this backward */
     dt_comm_handle handle;
-} dt_ddp_bucket;
+} dt__ddp_bucket;
 
 struct dt_ddp {
     dt_parallel par;            /* first: the model's dt_parallel * is this dt_ddp */
     dt_model *model;
     dt_comm *comm;
     int nbuckets, launched;     /* buckets start in order: 0, 1, ... */
-    dt_ddp_bucket *buckets;
+    dt__ddp_bucket *buckets;
     int *bucket_of;             /* parameter -> bucket */
     int sync;                   /* 0: accumulate locally (no-sync), communicate nothing */
 };
 
 /* Start every bucket that is complete and whose predecessors have started:
    all ranks must issue the collectives in the same order. */
-static void dt_ddp_launch(dt_ddp *d, int all) {
+static void dt__ddp_launch(dt_ddp *d, int all) {
     while (d->launched < d->nbuckets && (all || d->buckets[d->launched].pending == 0)) {
-        dt_ddp_bucket *b = &d->buckets[d->launched++];
+        dt__ddp_bucket *b = &d->buckets[d->launched++];
         float *g = d->model->flat_grad + b->offset;
         b->handle = dt_all_reduce_async(d->comm, g, g, b->count, DT_F32, DT_AVG);
-        dt_ctx.grad_collectives++;
+        dt__ctx.grad_collectives++;
     }
 }
-static void dt_ddp_grad_ready(dt_parallel *par, dt_tensor *p) {
+static void dt__ddp_grad_ready(dt_parallel *par, dt_tensor *p) {
     dt_ddp *d = (dt_ddp *)par;
     if (!d->sync) return;                             /* no-sync: the gradient stays here */
     int64_t i = p - d->model->params;
-    dt_ddp_bucket *b = &d->buckets[d->bucket_of[i]];
+    dt__ddp_bucket *b = &d->buckets[d->bucket_of[i]];
     if (b->pending > 0) b->pending--;
-    dt_ddp_launch(d, 0);
+    dt__ddp_launch(d, 0);
 }
 
 /* After backward: start what has not started, wait for every bucket. */
-static void dt_ddp_backward_done(dt_parallel *par) {
+static void dt__ddp_backward_done(dt_parallel *par) {
     dt_ddp *d = (dt_ddp *)par;
     if (!d->sync) return;                             /* accumulating: nothing leaves this rank */
     double backward_end = dt_now_ms();
-    dt_ddp_launch(d, 1);
+    dt__ddp_launch(d, 1);
     for (int k = 0; k < d->nbuckets; k++) {
-        dt_ddp_bucket *b = &d->buckets[k];
+        dt__ddp_bucket *b = &d->buckets[k];
         double t0, t1;
         char name[32];
         dt_comm_wait(d->comm, b->handle);
-        dt_comm_interval(d->comm, b->handle, &t0, &t1);
+        dt__comm_interval(d->comm, b->handle, &t0, &t1);
         snprintf(name, sizeof name, "all_reduce bucket %d", k);
-        dt_record_comm(name, t0, t1, t0 < backward_end ? (t1 < backward_end ? t1 : backward_end) - t0 : 0);
+        dt__record_comm(name, t0, t1, t0 < backward_end ? (t1 < backward_end ? t1 : backward_end) - t0 : 0);
         b->pending = b->last - b->first + 1;
     }
     d->launched = 0;
@@ -5431,12 +5438,12 @@ void dt_ddp_sync_grads(dt_ddp *ddp) { dt_parallel_backward_done(&ddp->par); }
 dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
     dt_ddp *d = (dt_ddp *)calloc(1, sizeof *d);
     int n = model->nparams;
-    if (!d || !(d->buckets = (dt_ddp_bucket *)calloc((size_t)n, sizeof(dt_ddp_bucket))) ||
+    if (!d || !(d->buckets = (dt__ddp_bucket *)calloc((size_t)n, sizeof(dt__ddp_bucket))) ||
         !(d->bucket_of = (int *)calloc((size_t)n, sizeof(int))))
         dt_fail("out of memory (DDP)");
     d->par = (dt_parallel){ .create_fn = "dt_ddp_create", .sync_fn = "dt_ddp_sync_grads", .free_fn = "dt_ddp_free",
-                            .grad_ready = bucket_mb > 0 ? dt_ddp_grad_ready : NULL,
-                            .backward_done = dt_ddp_backward_done };
+                            .grad_ready = bucket_mb > 0 ? dt__ddp_grad_ready : NULL,
+                            .backward_done = dt__ddp_backward_done };
     dt_model_set_parallel(model, &d->par);
     d->model = model;
     d->comm = comm;
@@ -5446,7 +5453,7 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
     double cap = bucket_mb > 0 ? bucket_mb * 1048576.0 : 1e300, first_cap = cap < 1048576.0 ? cap : 1048576.0;
     double bytes = 0;
     for (int i = n - 1; i >= 0; i--) {
-        dt_ddp_bucket *b = &d->buckets[d->nbuckets];
+        dt__ddp_bucket *b = &d->buckets[d->nbuckets];
         if (bytes == 0) b->last = i;
         bytes += 4.0 * model->params[i].numel;
         d->bucket_of[i] = d->nbuckets;
@@ -5473,7 +5480,7 @@ void dt_ddp_free(dt_ddp *ddp) {
 }
 
 /* -- Fully sharded data parallel -- */
-typedef struct dt_fsdp_unit {
+typedef struct dt__fsdp_unit {
     int first, end;             /* its parameters: first .. end - 1 */
     int64_t offset, numel;      /* where it sits in the model's parameter order */
     int64_t shard;              /* elements per rank: numel rounded up to a multiple of world, / world */
@@ -5482,7 +5489,7 @@ typedef struct dt_fsdp_unit {
     void *full;                 /* [shard * world] gathered parameters, in the compute dtype */
     float *full_grad;           /* [shard * world] their gradients, f32 */
     dt_comm_handle gathering;   /* an all-gather in flight (a prefetch), or 0 */
-} dt_fsdp_unit;
+} dt__fsdp_unit;
 
 struct dt_fsdp {
     dt_parallel par;            /* first: the model's dt_parallel * is this dt_fsdp */
@@ -5491,7 +5498,7 @@ struct dt_fsdp {
     dt_shard_mode mode;
     int offload;                /* shards and optimizer state in host memory */
     int rank, world, nunits;
-    dt_fsdp_unit *units;
+    dt__fsdp_unit *units;
     float *shard_params, *shard_grads;   /* this rank's slice of every unit, one after another */
     int64_t shard_numel;
     /* Buffers made once and reused by every unit: a malloc per unit per step
@@ -5519,41 +5526,41 @@ struct dt_fsdp {
     int64_t accum_numel;
 };
 
-static size_t dt_fsdp_full_bytes(const dt_fsdp *f, const dt_fsdp_unit *u) { return (size_t)(u->shard * f->world) * sizeof(float); }
-static size_t dt_fsdp_param_bytes(const dt_fsdp *f, const dt_fsdp_unit *u) {
+static size_t dt__fsdp_full_bytes(const dt_fsdp *f, const dt__fsdp_unit *u) { return (size_t)(u->shard * f->world) * sizeof(float); }
+static size_t dt__fsdp_param_bytes(const dt_fsdp *f, const dt__fsdp_unit *u) {
     return (size_t)(u->shard * f->world) * dt_dtype_size(f->param_dtype);
 }
-static size_t dt_fsdp_largest_params(const dt_fsdp *f) { return f->largest / sizeof(float) * dt_dtype_size(f->param_dtype); }
+static size_t dt__fsdp_largest_params(const dt_fsdp *f) { return f->largest / sizeof(float) * dt_dtype_size(f->param_dtype); }
 /* Which of the reused buffers unit k takes: neighbours alternate, the outer unit has its own. */
-static int dt_fsdp_slot(const dt_fsdp *f, int k) { return k == f->model->outer_unit ? 2 : k % 2; }
+static int dt__fsdp_slot(const dt_fsdp *f, int k) { return k == f->model->outer_unit ? 2 : k % 2; }
 
 /* Unit k's slice of a shard buffer where the collectives can read it: the
    buffer itself, or, offloaded, a copy uploaded into the staging buffer of its slot. */
-static float *dt_fsdp_shard_on_device(dt_fsdp *f, const float *shards, int k) {
-    const dt_fsdp_unit *u = &f->units[k];
+static float *dt__fsdp_shard_on_device(dt_fsdp *f, const float *shards, int k) {
+    const dt__fsdp_unit *u = &f->units[k];
     if (!f->offload) return (float *)shards + u->shard_offset;
-    dt_upload(f->staged[dt_fsdp_slot(f, k)], shards + u->shard_offset, (size_t)u->shard * sizeof(float));
-    return f->staged[dt_fsdp_slot(f, k)];
+    dt_upload(f->staged[dt__fsdp_slot(f, k)], shards + u->shard_offset, (size_t)u->shard * sizeof(float));
+    return f->staged[dt__fsdp_slot(f, k)];
 }
 /* Unit k's shard as the all-gather sends it: in the compute dtype, which under
    mixed precision is a 16-bit copy (send16, one per neighbouring unit). */
-static const void *dt_fsdp_send_buffer(dt_fsdp *f, int k) {
-    float *mine = dt_fsdp_shard_on_device(f, f->shard_params, k);
+static const void *dt__fsdp_send_buffer(dt_fsdp *f, int k) {
+    float *mine = dt__fsdp_shard_on_device(f, f->shard_params, k);
     if (f->param_dtype == DT_F32) return mine;
-    dt_convert(mine, DT_F32, f->send16[dt_fsdp_slot(f, k)], f->param_dtype, f->units[k].shard);
-    return f->send16[dt_fsdp_slot(f, k)];
+    dt_convert(mine, DT_F32, f->send16[dt__fsdp_slot(f, k)], f->param_dtype, f->units[k].shard);
+    return f->send16[dt__fsdp_slot(f, k)];
 }
 /* A unit's whole parameters from f32 host values, in the compute dtype. */
-static void dt_fsdp_fill_params(dt_fsdp *f, dt_fsdp_unit *u, const float *host) {
+static void dt__fsdp_fill_params(dt_fsdp *f, dt__fsdp_unit *u, const float *host) {
     if (f->param_dtype == DT_F32) { dt_upload(u->full, host, (size_t)u->numel * sizeof(float)); return; }
     uint16_t *h = (uint16_t *)malloc((size_t)u->numel * 2 + 1);
     if (!h) dt_fail("out of memory");
-    dt_f32_to_half_cpu(host, h, f->param_dtype, u->numel);
+    dt__f32_to_half_cpu(host, h, f->param_dtype, u->numel);
     dt_upload(u->full, h, (size_t)u->numel * 2);
     free(h);
 }
 /* Host values into a shard buffer: a copy when offloaded, else an upload. */
-static void dt_fsdp_put(dt_fsdp *f, float *dst, const float *host, int64_t n) {
+static void dt__fsdp_put(dt_fsdp *f, float *dst, const float *host, int64_t n) {
     if (n <= 0) return;
     if (f->offload) memcpy(dst, host, (size_t)n * sizeof(float));
     else dt_upload(dst, host, (size_t)n * sizeof(float));
@@ -5561,7 +5568,7 @@ static void dt_fsdp_put(dt_fsdp *f, float *dst, const float *host, int64_t n) {
 
 /* Point the unit's parameters (or their f32 gradients) into a gathered buffer,
    or nowhere. Gathered parameters are in the compute dtype. */
-static void dt_fsdp_point(dt_fsdp *f, dt_fsdp_unit *u, int grads, void *buf) {
+static void dt__fsdp_point(dt_fsdp *f, dt__fsdp_unit *u, int grads, void *buf) {
     for (int i = u->first; i < u->end; i++) {
         dt_tensor *p = &f->model->params[i];
         int64_t at = f->model->offsets[i] - u->offset;
@@ -5577,42 +5584,42 @@ static void dt_fsdp_point(dt_fsdp *f, dt_fsdp_unit *u, int grads, void *buf) {
    started ahead of need -- the next unit's while this one computes -- and
    finished when the unit is about to run. Every rank starts and finishes them
    in the same order, so the collectives pair up. */
-static void dt_fsdp_gather_start(dt_fsdp *f, int k) {
-    dt_fsdp_unit *u = &f->units[k];
+static void dt__fsdp_gather_start(dt_fsdp *f, int k) {
+    dt__fsdp_unit *u = &f->units[k];
     if (f->mode != DT_SHARD_FULL || u->full || u->gathering) return;        /* there already, or on its way */
-    int slot = dt_fsdp_slot(f, k);
+    int slot = dt__fsdp_slot(f, k);
     if (f->holder[slot] >= 0)
         dt_fail("internal: FSDP gathers unit %d while unit %d still holds its buffer", k, f->holder[slot]);
     f->holder[slot] = k;
     u->full = f->gathered[slot];
-    u->gathering = dt_all_gather_async(f->comm, dt_fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
+    u->gathering = dt_all_gather_async(f->comm, dt__fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
 }
-static void dt_fsdp_gather_unit(dt_fsdp *f, int k, int next) {
-    dt_fsdp_unit *u = &f->units[k];
+static void dt__fsdp_gather_unit(dt_fsdp *f, int k, int next) {
+    dt__fsdp_unit *u = &f->units[k];
     if (f->mode != DT_SHARD_FULL) return;
     double wait_from = dt_now_ms(), t0, t1;
     f->prefetched += u->gathering != 0;
-    dt_fsdp_gather_start(f, k);
-    if (next >= 0 && next < f->nunits) dt_fsdp_gather_start(f, next);      /* prefetch */
+    dt__fsdp_gather_start(f, k);
+    if (next >= 0 && next < f->nunits) dt__fsdp_gather_start(f, next);      /* prefetch */
     if (!u->gathering) return;
     dt_comm_wait(f->comm, u->gathering);
-    dt_comm_interval(f->comm, u->gathering, &t0, &t1);
+    dt__comm_interval(f->comm, u->gathering, &t0, &t1);
     double hidden = (t1 < wait_from ? t1 : wait_from) - t0;
-    dt_record_comm("all_gather unit", t0, t1, hidden > 0 ? hidden : 0);
+    dt__record_comm("all_gather unit", t0, t1, hidden > 0 ? hidden : 0);
     u->gathering = 0;
-    dt_fsdp_point(f, u, 0, u->full);
+    dt__fsdp_point(f, u, 0, u->full);
 }
-static void dt_fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only our slice */
-    dt_fsdp_unit *u = &f->units[k];
+static void dt__fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only our slice */
+    dt__fsdp_unit *u = &f->units[k];
     if (f->mode != DT_SHARD_FULL) return;
-    if (u->full) f->holder[dt_fsdp_slot(f, k)] = -1;
+    if (u->full) f->holder[dt__fsdp_slot(f, k)] = -1;
     u->full = NULL;
-    dt_fsdp_point(f, u, 0, NULL);
+    dt__fsdp_point(f, u, 0, NULL);
 }
 /* Reduce-scatter: the average of every rank's gradient of the unit, of which
    this rank keeps its slice (added to what it holds: accumulation needs it). */
-static void dt_fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
-    dt_fsdp_unit *u = &f->units[k];
+static void dt__fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
+    dt__fsdp_unit *u = &f->units[k];
     dt_device dev = f->model->device;
     float *mine = f->scattered, *dst = f->shard_grads + u->shard_offset;
     double t0 = dt_now_ms();
@@ -5622,81 +5629,81 @@ static void dt_fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
         dt_reduce_scatter(f->comm, f->grad16, f->scattered16, u->shard, f->reduce_dtype, DT_AVG);
         dt_convert(f->scattered16, f->reduce_dtype, mine, DT_F32, u->shard);
     }
-    dt_ctx.grad_collectives++;
-    dt_record_comm("reduce_scatter unit", t0, dt_now_ms(), 0);
-    const dt_backend *gpu = f->offload ? NULL : dt_backend_of(dev);
+    dt__ctx.grad_collectives++;
+    dt__record_comm("reduce_scatter unit", t0, dt_now_ms(), 0);
+    const dt_backend *gpu = f->offload ? NULL : dt__backend_of(dev);
     if (gpu) gpu->accumulate(dst, mine, u->shard);
     else {                                          /* offloaded: to the host, added there */
-        float *host = dt_host_view(dev, mine, u->shard);
+        float *host = dt__host_view(dev, mine, u->shard);
         for (int64_t i = 0; i < u->shard; i++) dst[i] += host[i];
-        dt_host_view_close(dev, host, mine, u->shard, 0);
+        dt__host_view_close(dev, host, mine, u->shard, 0);
     }
 }
 
 /* The two marks a unit leaves on the tape; backward meets them in reverse. */
-static void dt_fsdp_before_unit_backward(dt_tape_entry *e) {
+static void dt__fsdp_before_unit_backward(dt__tape_entry *e) {
     dt_fsdp *f = (dt_fsdp *)e->saved;
-    dt_fsdp_unit *u = &f->units[e->iarg[0]];
-    dt_fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1);             /* gathered again; the one before on its way */
+    dt__fsdp_unit *u = &f->units[e->iarg[0]];
+    dt__fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1);             /* gathered again; the one before on its way */
     if (f->mode != DT_SHARD_OPTIMIZER) {
         if (f->accum) u->full_grad = f->accum + u->accum_offset;     /* adds to the micro-batches before */
         else {                                                       /* backward adds into it: zeroed */
             u->full_grad = e->iarg[0] == f->model->outer_unit ? f->outer_grad : f->gathered_grad;
-            dt_zero_on(f->model->device, u->full_grad, dt_fsdp_full_bytes(f, u));
+            dt__zero_on(f->model->device, u->full_grad, dt__fsdp_full_bytes(f, u));
         }
-        dt_fsdp_point(f, u, 1, u->full_grad);
+        dt__fsdp_point(f, u, 1, u->full_grad);
     }
 }
-static void dt_fsdp_after_unit_backward(dt_tape_entry *e) {
+static void dt__fsdp_after_unit_backward(dt__tape_entry *e) {
     dt_fsdp *f = (dt_fsdp *)e->saved;
-    dt_fsdp_unit *u = &f->units[e->iarg[0]];
+    dt__fsdp_unit *u = &f->units[e->iarg[0]];
     if (f->mode == DT_SHARD_OPTIMIZER) return;                                  /* all at once, after backward */
     if (f->sync) {                                                              /* no-sync: it stays in accum */
-        dt_fsdp_reduce_scatter_unit(f, e->iarg[0]);
-        if (f->accum) dt_zero_on(f->model->device, u->full_grad, dt_fsdp_full_bytes(f, u));
+        dt__fsdp_reduce_scatter_unit(f, e->iarg[0]);
+        if (f->accum) dt__zero_on(f->model->device, u->full_grad, dt__fsdp_full_bytes(f, u));
     }
     u->full_grad = NULL;
-    dt_fsdp_point(f, u, 1, NULL);
-    dt_fsdp_release_unit(f, e->iarg[0]);
+    dt__fsdp_point(f, u, 1, NULL);
+    dt__fsdp_release_unit(f, e->iarg[0]);
 }
 
-static void dt_fsdp_unit_begin(dt_parallel *par, int unit) {
+static void dt__fsdp_unit_begin(dt_parallel *par, int unit) {
     dt_fsdp *f = (dt_fsdp *)par;
-    dt_fsdp_gather_unit(f, unit, unit + 1);                               /* and the next one on its way */
-    if (dt_ctx.grad_enabled) dt_tape_mark(dt_fsdp_after_unit_backward, f, unit);
+    dt__fsdp_gather_unit(f, unit, unit + 1);                               /* and the next one on its way */
+    if (dt__ctx.grad_enabled) dt__tape_mark(dt__fsdp_after_unit_backward, f, unit);
 }
-static void dt_fsdp_unit_end(dt_parallel *par, int unit) {
+static void dt__fsdp_unit_end(dt_parallel *par, int unit) {
     dt_fsdp *f = (dt_fsdp *)par;
-    int training = dt_ctx.grad_enabled;
+    int training = dt__ctx.grad_enabled;
     /* reshard after forward -- but the last unit is the first that backward
        needs, so in training it stays gathered (one all-gather saved); so
        does the outer unit, whose backward ends the step */
-    if (!(training && (unit == f->nunits - 1 || unit == f->model->outer_unit))) dt_fsdp_release_unit(f, unit);
-    if (training) dt_tape_mark(dt_fsdp_before_unit_backward, f, unit);
+    if (!(training && (unit == f->nunits - 1 || unit == f->model->outer_unit))) dt__fsdp_release_unit(f, unit);
+    if (training) dt__tape_mark(dt__fsdp_before_unit_backward, f, unit);
 }
-static void dt_fsdp_backward_done(dt_parallel *par);
-static void dt_fsdp_step_done(dt_parallel *par);
-static void dt_fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o);
-static void dt_fsdp_sum_over_ranks(dt_parallel *par, float *values, int n) {
-    dt_comm_all_reduce_host(((dt_fsdp *)par)->comm, values, n, DT_SUM);
+static void dt__fsdp_backward_done(dt_parallel *par);
+static void dt__fsdp_step_done(dt_parallel *par);
+static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o);
+static void dt__fsdp_sum_over_ranks(dt_parallel *par, float *values, int n) {
+    dt__comm_all_reduce_host(((dt_fsdp *)par)->comm, values, n, DT_SUM);
 }
 
 dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload) {
     dt_fsdp *f = (dt_fsdp *)calloc(1, sizeof *f);
-    if (!f || !(f->units = (dt_fsdp_unit *)calloc((size_t)model->nunits, sizeof(dt_fsdp_unit))))
+    if (!f || !(f->units = (dt__fsdp_unit *)calloc((size_t)model->nunits, sizeof(dt__fsdp_unit))))
         dt_fail("out of memory (FSDP)");
     f->par = (dt_parallel){ .create_fn = "dt_fsdp_create", .sync_fn = "dt_fsdp_sync_grads", .free_fn = "dt_fsdp_free",
-                            .unit_begin = dt_fsdp_unit_begin, .unit_end = dt_fsdp_unit_end,
-                            .backward_done = dt_fsdp_backward_done, .step_done = dt_fsdp_step_done,
-                            .optimizer_view = dt_fsdp_optimizer_view, .sum_over_ranks = dt_fsdp_sum_over_ranks };
+                            .unit_begin = dt__fsdp_unit_begin, .unit_end = dt__fsdp_unit_end,
+                            .backward_done = dt__fsdp_backward_done, .step_done = dt__fsdp_step_done,
+                            .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks };
     dt_model_set_parallel(model, &f->par);
     f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
-    f->param_dtype = dt_ctx.compute_dtype; f->reduce_dtype = DT_F32; f->sync = 1;
+    f->param_dtype = dt__ctx.compute_dtype; f->reduce_dtype = DT_F32; f->sync = 1;
     f->rank = dt_comm_rank(comm); f->world = dt_comm_size(comm); f->nunits = model->nunits;
     dt_device dev = model->device;
     dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);     /* every rank starts from rank 0's */
     for (int k = 0; k < f->nunits; k++) {
-        dt_fsdp_unit *u = &f->units[k];
+        dt__fsdp_unit *u = &f->units[k];
         u->first = model->unit_first[k];
         u->end = model->unit_first[k + 1];
         u->offset = model->offsets[u->first];
@@ -5706,15 +5713,15 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
         f->shard_numel += u->shard;
         u->accum_offset = f->accum_numel;
         f->accum_numel += u->shard * f->world;
-        if (dt_fsdp_full_bytes(f, u) > f->largest) f->largest = dt_fsdp_full_bytes(f, u);
+        if (dt__fsdp_full_bytes(f, u) > f->largest) f->largest = dt__fsdp_full_bytes(f, u);
     }
     f->largest_shard = f->largest / (size_t)f->world;
     int outer = model->outer_unit, used[3] = { 0, 0, 0 };                   /* the slots some unit takes */
-    for (int k = 0; k < f->nunits; k++) used[dt_fsdp_slot(f, k)] = 1;
+    for (int k = 0; k < f->nunits; k++) used[dt__fsdp_slot(f, k)] = 1;
     f->holder[0] = f->holder[1] = f->holder[2] = -1;
     for (int b = 0; b < 3; b++) {
         if (!used[b]) continue;
-        if (mode == DT_SHARD_FULL) f->gathered[b] = dt_alloc_on(dev, DT_ARENA_PARAMS, dt_fsdp_largest_params(f));
+        if (mode == DT_SHARD_FULL) f->gathered[b] = dt_alloc_on(dev, DT_ARENA_PARAMS, dt__fsdp_largest_params(f));
         if (f->param_dtype != DT_F32) f->send16[b] = dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard / 2);
         if (cpu_offload) f->staged[b] = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard);
     }
@@ -5725,24 +5732,24 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
     f->shard_params = (float *)(f->offload ? dt_alloc_host(DT_ARENA_PARAMS, shard_bytes) : dt_alloc_on(dev, DT_ARENA_PARAMS, shard_bytes));
     f->shard_grads = (float *)(f->offload ? dt_alloc_host(DT_ARENA_GRADS, shard_bytes) : dt_alloc_on(dev, DT_ARENA_GRADS, shard_bytes));
     /* Cut the model into shards: this rank keeps elements [rank * shard, (rank + 1) * shard) of each unit. */
-    float *host = dt_host_view(dev, model->flat_data, model->numel);
+    float *host = dt__host_view(dev, model->flat_data, model->numel);
     for (int k = 0; k < f->nunits; k++) {
-        dt_fsdp_unit *u = &f->units[k];
+        dt__fsdp_unit *u = &f->units[k];
         int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
-        dt_fsdp_put(f, f->shard_params + u->shard_offset, host + u->offset + lo, hi - lo);
+        dt__fsdp_put(f, f->shard_params + u->shard_offset, host + u->offset + lo, hi - lo);
         if (mode != DT_SHARD_FULL) {             /* ZeRO-1 and -2 keep every parameter, in per-unit buffers */
-            u->full = dt_alloc_on(dev, DT_ARENA_PARAMS, dt_fsdp_param_bytes(f, u));
-            dt_fsdp_fill_params(f, u, host + u->offset);
-            dt_fsdp_point(f, u, 0, u->full);
+            u->full = dt_alloc_on(dev, DT_ARENA_PARAMS, dt__fsdp_param_bytes(f, u));
+            dt__fsdp_fill_params(f, u, host + u->offset);
+            dt__fsdp_point(f, u, 0, u->full);
         }
         if (mode == DT_SHARD_OPTIMIZER) {        /* ZeRO-1 keeps every gradient too */
-            u->full_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, dt_fsdp_full_bytes(f, u));
-            dt_fsdp_point(f, u, 1, u->full_grad);
+            u->full_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, dt__fsdp_full_bytes(f, u));
+            dt__fsdp_point(f, u, 1, u->full_grad);
         }
-        if (mode == DT_SHARD_FULL) dt_fsdp_point(f, u, 0, NULL);
-        if (mode != DT_SHARD_OPTIMIZER) dt_fsdp_point(f, u, 1, NULL);
+        if (mode == DT_SHARD_FULL) dt__fsdp_point(f, u, 0, NULL);
+        if (mode != DT_SHARD_OPTIMIZER) dt__fsdp_point(f, u, 1, NULL);
     }
-    dt_host_view_close(dev, host, model->flat_data, model->numel, 0);
+    dt__host_view_close(dev, host, model->flat_data, model->numel, 0);
     dt_free_on(dev, DT_ARENA_PARAMS, model->flat_data, (size_t)model->numel * sizeof(float));
     dt_free_on(dev, DT_ARENA_GRADS, model->flat_grad, (size_t)model->numel * sizeof(float));
     model->flat_data = model->flat_grad = NULL;
@@ -5751,7 +5758,7 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
 
 /* The optimizer of a sharded model steps this rank's shard: one slice per
    part of a parameter inside it (the padding belongs to no parameter). */
-static void dt_fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
+static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
     dt_fsdp *f = (dt_fsdp *)par;
     dt_model *m = f->model;
     o->params = f->shard_params; o->grads = f->shard_grads; o->numel = f->shard_numel;
@@ -5760,7 +5767,7 @@ static void dt_fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
     o->slices = (struct dt_param_slice *)calloc((size_t)m->nparams, sizeof *o->slices);
     if (!o->slices) dt_fail("out of memory (optimizer)");
     for (int k = 0; k < f->nunits; k++) {
-        dt_fsdp_unit *u = &f->units[k];
+        dt__fsdp_unit *u = &f->units[k];
         int64_t lo = f->rank * u->shard, hi = lo + u->shard;
         for (int i = u->first; i < u->end; i++) {
             int64_t a = m->offsets[i] - u->offset, b = a + m->params[i].numel;
@@ -5779,7 +5786,7 @@ void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync) {
     fsdp->sync = sync;
     if (!sync && !fsdp->accum && fsdp->mode != DT_SHARD_OPTIMIZER) {     /* ZeRO-1 keeps whole gradients anyway */
         fsdp->accum = (float *)dt_alloc_on(fsdp->model->device, DT_ARENA_GRADS, (size_t)fsdp->accum_numel * sizeof(float));
-        dt_zero_on(fsdp->model->device, fsdp->accum, (size_t)fsdp->accum_numel * sizeof(float));
+        dt__zero_on(fsdp->model->device, fsdp->accum, (size_t)fsdp->accum_numel * sizeof(float));
         dt_free_on(fsdp->model->device, DT_ARENA_GRADS, fsdp->gathered_grad, fsdp->largest);   /* each unit has its slice now */
         dt_free_on(fsdp->model->device, DT_ARENA_GRADS, fsdp->outer_grad, fsdp->largest);
         fsdp->gathered_grad = fsdp->outer_grad = NULL;
@@ -5796,13 +5803,13 @@ void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype) {
     fsdp->scattered16 = dt_alloc_on(dev, DT_ARENA_COMM, fsdp->largest_shard / 2);
 }
 
-static void dt_fsdp_backward_done(dt_parallel *par) {
+static void dt__fsdp_backward_done(dt_parallel *par) {
     dt_fsdp *f = (dt_fsdp *)par;
     if (f->mode != DT_SHARD_OPTIMIZER || !f->sync) return;   /* reduce-scattered during backward, or accumulating */
     for (int k = f->nunits - 1; k >= 0; k--) {
-        dt_fsdp_unit *u = &f->units[k];
-        dt_fsdp_reduce_scatter_unit(f, k);
-        dt_zero_on(f->model->device, u->full_grad, dt_fsdp_full_bytes(f, u));
+        dt__fsdp_unit *u = &f->units[k];
+        dt__fsdp_reduce_scatter_unit(f, k);
+        dt__zero_on(f->model->device, u->full_grad, dt__fsdp_full_bytes(f, u));
     }
 }
 
@@ -5810,38 +5817,38 @@ void dt_fsdp_sync_grads(dt_fsdp *fsdp) { dt_parallel_backward_done(&fsdp->par); 
 
 /* After the optimizer: DT_SHARD_OPTIMIZER and _GRADS all-gather the updated
    parameters (DT_SHARD_FULL gathers each unit when it is next used). */
-static void dt_fsdp_step_done(dt_parallel *par) {
+static void dt__fsdp_step_done(dt_parallel *par) {
     dt_fsdp *f = (dt_fsdp *)par;
     if (f->mode == DT_SHARD_FULL) return;              /* gathered when next needed */
     for (int k = 0; k < f->nunits; k++) {
-        dt_fsdp_unit *u = &f->units[k];
+        dt__fsdp_unit *u = &f->units[k];
         double t0 = dt_now_ms();
-        dt_all_gather(f->comm, dt_fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
-        dt_record_comm("all_gather parameters", t0, dt_now_ms(), 0);
+        dt_all_gather(f->comm, dt__fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
+        dt__record_comm("all_gather parameters", t0, dt_now_ms(), 0);
     }
 }
 
 /* Checkpoints see a sharded model whole: every rank's shards gathered into one
    host array in parameter order (a collective), or written back into them. */
-static float *dt_fsdp_state_gather(dt_fsdp *f, const float *shards) {
+static float *dt__fsdp_state_gather(dt_fsdp *f, const float *shards) {
     dt_device dev = f->model->device;
     float *host = (float *)malloc((size_t)f->model->numel * sizeof(float) + 1);
     if (!host) dt_fail("out of memory (gathering a sharded checkpoint)");
     for (int k = 0; k < f->nunits; k++) {
-        dt_fsdp_unit *u = &f->units[k];
-        float *full = (float *)dt_alloc_on(dev, DT_ARENA_COMM, dt_fsdp_full_bytes(f, u));
-        dt_all_gather(f->comm, dt_fsdp_shard_on_device(f, shards, k), full, u->shard, DT_F32);
-        dt_download_from(dev, host + u->offset, full, (size_t)u->numel * sizeof(float));
-        dt_free_on(dev, DT_ARENA_COMM, full, dt_fsdp_full_bytes(f, u));
+        dt__fsdp_unit *u = &f->units[k];
+        float *full = (float *)dt_alloc_on(dev, DT_ARENA_COMM, dt__fsdp_full_bytes(f, u));
+        dt_all_gather(f->comm, dt__fsdp_shard_on_device(f, shards, k), full, u->shard, DT_F32);
+        dt__download_from(dev, host + u->offset, full, (size_t)u->numel * sizeof(float));
+        dt_free_on(dev, DT_ARENA_COMM, full, dt__fsdp_full_bytes(f, u));
     }
     return host;
 }
-static void dt_fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards, int parameters) {
+static void dt__fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards, int parameters) {
     for (int k = 0; k < f->nunits; k++) {
-        dt_fsdp_unit *u = &f->units[k];
+        dt__fsdp_unit *u = &f->units[k];
         int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
-        dt_fsdp_put(f, shards + u->shard_offset, host + u->offset + lo, hi - lo);
-        if (parameters && u->full) dt_fsdp_fill_params(f, u, host + u->offset);
+        dt__fsdp_put(f, shards + u->shard_offset, host + u->offset + lo, hi - lo);
+        if (parameters && u->full) dt__fsdp_fill_params(f, u, host + u->offset);
     }
 }
 
@@ -5849,7 +5856,7 @@ static void dt_fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards, 
    formulas with P, G, O the bytes of parameters, gradients and optimizer state
    (O = 2P for AdamW, P for SGD's momentum), N ranks. The buffers that a unit
    is gathered into are shown apart: they are the price of sharding. */
-static void dt_fsdp_memory_table(const dt_fsdp *f, const dt_optimizer *o) {
+static void dt__fsdp_memory_table(const dt_fsdp *f, const dt_optimizer *o) {
     /* ZeRO-1 and -2 here keep the shards the optimizer steps apart from the
        whole copies: P/N (and for ZeRO-1 G/N) more than the paper, which steps
        a slice of the copy in place */
@@ -5859,7 +5866,7 @@ static void dt_fsdp_memory_table(const dt_fsdp *f, const dt_optimizer *o) {
     dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
     const char *rows[3] = { "parameters", "gradients", "optimizer state" };
     double buffers[3] = { ((f->gathered[0] ? 1.0 : 0.0) + (f->gathered[1] ? 1.0 : 0.0) + (f->gathered[2] ? 1.0 : 0.0)) *
-                          dt_fsdp_largest_params(f),
+                          dt__fsdp_largest_params(f),
                           ((f->gathered_grad ? 1.0 : 0.0) + (f->outer_grad ? 1.0 : 0.0)) * (double)f->largest, 0 };
     printf("memory per rank, --shard %s%s, %d ranks (MB):\n", names[f->mode], f->offload ? " --cpu-offload" : "", f->world);
     printf("  %-16s %8s %8s %8s   %s\n", "", "device", "host", "DDP", "formula");
@@ -5879,8 +5886,8 @@ static void dt_fsdp_memory_table(const dt_fsdp *f, const dt_optimizer *o) {
 
 /* The FSDP wrapper of a model, or NULL: for the checkpoints and reports that
    need its shards. */
-static dt_fsdp *dt_fsdp_of(const dt_model *m) {
-    return m->parallel && m->parallel->step_done == dt_fsdp_step_done ? (dt_fsdp *)m->parallel : NULL;
+static dt_fsdp *dt__fsdp_of(const dt_model *m) {
+    return m->parallel && m->parallel->step_done == dt__fsdp_step_done ? (dt_fsdp *)m->parallel : NULL;
 }
 
 void dt_fsdp_free(dt_fsdp *fsdp) {
@@ -5888,15 +5895,15 @@ void dt_fsdp_free(dt_fsdp *fsdp) {
     dt_model *m = fsdp->model;
     dt_model_set_parallel(m, NULL);
     for (int k = 0; k < fsdp->nunits; k++) {
-        dt_fsdp_unit *u = &fsdp->units[k];
-        if (u->gathering) dt_fsdp_gather_unit(fsdp, k, -1);      /* a prefetch nobody used: let it land */
-        if (fsdp->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt_fsdp_param_bytes(fsdp, u));
-        if (fsdp->mode == DT_SHARD_OPTIMIZER) dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt_fsdp_full_bytes(fsdp, u));
-        dt_fsdp_point(fsdp, u, 0, NULL);
-        dt_fsdp_point(fsdp, u, 1, NULL);
+        dt__fsdp_unit *u = &fsdp->units[k];
+        if (u->gathering) dt__fsdp_gather_unit(fsdp, k, -1);      /* a prefetch nobody used: let it land */
+        if (fsdp->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt__fsdp_param_bytes(fsdp, u));
+        if (fsdp->mode == DT_SHARD_OPTIMIZER) dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt__fsdp_full_bytes(fsdp, u));
+        dt__fsdp_point(fsdp, u, 0, NULL);
+        dt__fsdp_point(fsdp, u, 1, NULL);
     }
     for (int b = 0; b < 3; b++) {
-        dt_free_on(m->device, DT_ARENA_PARAMS, fsdp->gathered[b], dt_fsdp_largest_params(fsdp));
+        dt_free_on(m->device, DT_ARENA_PARAMS, fsdp->gathered[b], dt__fsdp_largest_params(fsdp));
         dt_free_on(m->device, DT_ARENA_COMM, fsdp->staged[b], fsdp->largest_shard);
         dt_free_on(m->device, DT_ARENA_COMM, fsdp->send16[b], fsdp->largest_shard / 2);
     }
@@ -5924,12 +5931,12 @@ void dt_fsdp_free(dt_fsdp *fsdp) {
    gradients. */
 
 void dt_set_compute_dtype(dt_dtype dtype) {
-    if (dtype != dt_ctx.compute_dtype && dt_ctx.wrappers)
+    if (dtype != dt__ctx.compute_dtype && dt__ctx.wrappers)
         dt_fail("dt_set_compute_dtype: a parallel wrapper already exists and gathers in %s; call dt_set_compute_dtype "
-                "before dt_dp_create, dt_ddp_create or dt_fsdp_create", dt_dtype_name(dt_ctx.compute_dtype));
-    dt_ctx.compute_dtype = dtype;
+                "before dt_dp_create, dt_ddp_create or dt_fsdp_create", dt_dtype_name(dt__ctx.compute_dtype));
+    dt__ctx.compute_dtype = dtype;
 }
-dt_dtype dt_compute_dtype(void) { return dt_ctx.compute_dtype; }
+dt_dtype dt_compute_dtype(void) { return dt__ctx.compute_dtype; }
 
 dt_loss_scaler dt_loss_scaler_create(dt_dtype dtype) {
     dt_loss_scaler s;
@@ -5941,18 +5948,18 @@ dt_loss_scaler dt_loss_scaler_create(dt_dtype dtype) {
 }
 
 void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *scaler, int accum_steps) {
-    dt_backward_seeded(loss, scaler->scale / (float)(accum_steps > 0 ? accum_steps : 1));
+    dt__backward_seeded(loss, scaler->scale / (float)(accum_steps > 0 ? accum_steps : 1));
 }
 
 int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt) {
-    dt_optimizer_check_synced(opt, "dt_loss_scaler_unscale");
+    dt__optimizer_check_synced(opt, "dt_loss_scaler_unscale");
     scaler->last_skipped = 0;
     if (!scaler->enabled) return 1;
     size_t bytes = (size_t)opt->numel * sizeof(float);
     /* one number says it all: a sum with an inf or a NaN in it is not finite;
        a sharded optimizer sums over the ranks, so they all see the same */
-    if (!isfinite(dt_optimizer_grad_sum_squares(opt))) {
-        dt_zero_on(opt->device, opt->grads, bytes);
+    if (!isfinite(dt__optimizer_grad_sum_squares(opt))) {
+        dt__zero_on(opt->device, opt->grads, bytes);
         scaler->scale *= 0.5f;
         scaler->good_steps = 0;
         scaler->skipped++;
@@ -5960,7 +5967,7 @@ int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt) {
         return 0;
     }
     float inv = 1.0f / scaler->scale;                /* a power of two: exact */
-    const dt_backend *gpu = dt_backend_of(opt->device);
+    const dt_backend *gpu = dt__backend_of(opt->device);
     if (gpu) gpu->scale(opt->grads, inv, opt->numel);
     else
         for (int64_t i = 0; i < opt->numel; i++) opt->grads[i] *= inv;
@@ -5983,7 +5990,7 @@ int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt) {
    the shards are put back together first -- and tools/consolidate does that
    once, into a full checkpoint. */
 
-static void dt_json_string(FILE *f, const char *s) {
+static void dt__json_string(FILE *f, const char *s) {
     fputc('"', f);
     for (; *s; s++) {
         unsigned char c = (unsigned char)*s;
@@ -6005,7 +6012,7 @@ void dt_safetensors_write(const char *path, const dt_named_tensor *tensors, int 
         fputs("\"__metadata__\":{", h);
         for (int i = 0; i < meta_count; i++) {
             if (i) fputc(',', h);
-            dt_json_string(h, meta_kv[2 * i]); fputc(':', h); dt_json_string(h, meta_kv[2 * i + 1]);
+            dt__json_string(h, meta_kv[2 * i]); fputc(':', h); dt__json_string(h, meta_kv[2 * i + 1]);
         }
         fputc('}', h);
     }
@@ -6013,7 +6020,7 @@ void dt_safetensors_write(const char *path, const dt_named_tensor *tensors, int 
     for (int i = 0; i < count; i++) {
         int64_t numel = 1;
         if (meta_count > 0 || i) fputc(',', h);
-        dt_json_string(h, tensors[i].name);
+        dt__json_string(h, tensors[i].name);
         fputs(":{\"dtype\":\"F32\",\"shape\":[", h);
         for (int d = 0; d < tensors[i].ndim; d++) { fprintf(h, d ? ",%lld" : "%lld", (long long)tensors[i].shape[d]); numel *= tensors[i].shape[d]; }
         fprintf(h, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off, (unsigned long long)(off + 4 * numel));
@@ -6025,9 +6032,9 @@ void dt_safetensors_write(const char *path, const dt_named_tensor *tensors, int 
     if (fclose(h) != 0 || hdr_failed || !hdr) dt_fail("out of memory writing '%s'", path);
 
     char tmp[4096];
-    dt_path(tmp, sizeof tmp, "%s.tmp", path);
+    dt__path(tmp, sizeof tmp, "%s.tmp", path);
     signal(SIGXFSZ, SIG_IGN);    /* over a file-size limit: an error to report, not a kill */
-    int cleanup = dt_cleanup_add(tmp);       /* removed if the program is stopped while writing */
+    int cleanup = dt__cleanup_add(tmp);       /* removed if the program is stopped while writing */
     FILE *f = fopen(tmp, "wb");
     if (!f) { free(hdr); dt_fail("cannot write checkpoint '%s': %s", tmp, strerror(errno)); }
     unsigned char len8[8];
@@ -6052,31 +6059,31 @@ void dt_safetensors_write(const char *path, const dt_named_tensor *tensors, int 
         unlink(tmp);
         dt_fail("could not rename '%s' to '%s': %s", tmp, path, strerror(saved_errno));
     }
-    dt_cleanup_done(cleanup);
+    dt__cleanup_done(cleanup);
 }
 
-typedef struct dt_st_tensor { char *name; char dtype[8]; int ndim; int64_t shape[8]; uint64_t begin, end; } dt_st_tensor;
+typedef struct dt__st_tensor { char *name; char dtype[8]; int ndim; int64_t shape[8]; uint64_t begin, end; } dt__st_tensor;
 struct dt_safetensors {
     char path[1024];
     unsigned char *buf;
     size_t len, data_start;
-    dt_st_tensor *t;
+    dt__st_tensor *t;
     int n, cap;
     char **meta;                 /* key, value, key, value, ... */
     int nmeta;
 };
 
 /* A JSON reader just big enough for a safetensors header. */
-typedef struct { const char *s; size_t pos, len; int ok; } dt_json;
-static void dt_json_ws(dt_json *j) { while (j->pos < j->len && isspace((unsigned char)j->s[j->pos])) j->pos++; }
-static int dt_json_peek(dt_json *j) { dt_json_ws(j); return j->pos < j->len ? j->s[j->pos] : -1; }
-static int dt_json_eat(dt_json *j, char c) {
-    if (dt_json_peek(j) == c) { j->pos++; return 1; }
+typedef struct { const char *s; size_t pos, len; int ok; } dt__json;
+static void dt__json_ws(dt__json *j) { while (j->pos < j->len && isspace((unsigned char)j->s[j->pos])) j->pos++; }
+static int dt__json_peek(dt__json *j) { dt__json_ws(j); return j->pos < j->len ? j->s[j->pos] : -1; }
+static int dt__json_eat(dt__json *j, char c) {
+    if (dt__json_peek(j) == c) { j->pos++; return 1; }
     j->ok = 0;
     return 0;
 }
-static char *dt_json_str(dt_json *j) {
-    if (!dt_json_eat(j, '"')) return NULL;
+static char *dt__json_str(dt__json *j) {
+    if (!dt__json_eat(j, '"')) return NULL;
     char *out = (char *)malloc(j->len - j->pos + 1);
     size_t n = 0;
     while (j->pos < j->len && j->s[j->pos] != '"') {
@@ -6104,11 +6111,11 @@ static char *dt_json_str(dt_json *j) {
         out[n++] = c;
     }
     out[n] = 0;
-    if (!dt_json_eat(j, '"')) { free(out); return NULL; }
+    if (!dt__json_eat(j, '"')) { free(out); return NULL; }
     return out;
 }
-static int64_t dt_json_int(dt_json *j) {
-    dt_json_ws(j);
+static int64_t dt__json_int(dt__json *j) {
+    dt__json_ws(j);
     int neg = 0;
     int64_t v = 0;
     if (j->pos < j->len && j->s[j->pos] == '-') { neg = 1; j->pos++; }
@@ -6119,41 +6126,41 @@ static int64_t dt_json_int(dt_json *j) {
     }
     return neg ? -v : v;
 }
-static void dt_json_skip(dt_json *j, int depth) {       /* any value we do not need */
-    int c = dt_json_peek(j);
+static void dt__json_skip(dt__json *j, int depth) {       /* any value we do not need */
+    int c = dt__json_peek(j);
     if (depth > 64) { j->ok = 0; return; }
-    if (c == '"') free(dt_json_str(j));
+    if (c == '"') free(dt__json_str(j));
     else if (c == '{' || c == '[') {
         char close = c == '{' ? '}' : ']';
         j->pos++;
-        if (dt_json_peek(j) == close) { j->pos++; return; }
+        if (dt__json_peek(j) == close) { j->pos++; return; }
         while (j->ok) {
-            if (c == '{') { free(dt_json_str(j)); dt_json_eat(j, ':'); }
-            dt_json_skip(j, depth + 1);
-            if (dt_json_peek(j) == ',') { j->pos++; continue; }
-            dt_json_eat(j, close);
+            if (c == '{') { free(dt__json_str(j)); dt__json_eat(j, ':'); }
+            dt__json_skip(j, depth + 1);
+            if (dt__json_peek(j) == ',') { j->pos++; continue; }
+            dt__json_eat(j, close);
             return;
         }
     } else {
         while (j->pos < j->len && (isalnum((unsigned char)j->s[j->pos]) || strchr("+-.", j->s[j->pos]))) j->pos++;
     }
 }
-static int dt_json_int_array(dt_json *j, int64_t *out, int max) {
+static int dt__json_int_array(dt__json *j, int64_t *out, int max) {
     int n = 0;
-    if (!dt_json_eat(j, '[')) return 0;
-    if (dt_json_peek(j) == ']') { j->pos++; return 0; }
+    if (!dt__json_eat(j, '[')) return 0;
+    if (dt__json_peek(j) == ']') { j->pos++; return 0; }
     while (j->ok) {
-        int64_t v = dt_json_int(j);
+        int64_t v = dt__json_int(j);
         if (n < max) out[n] = v; else j->ok = 0;
         n++;
-        if (dt_json_peek(j) == ',') { j->pos++; continue; }
-        dt_json_eat(j, ']');
+        if (dt__json_peek(j) == ',') { j->pos++; continue; }
+        dt__json_eat(j, ']');
         break;
     }
     return n;
 }
 
-static int dt_safetensors_dtype_size(const char *d) {
+static int dt__safetensors_dtype_size(const char *d) {
     if (!strcmp(d, "F32")) return 4;
     if (!strcmp(d, "F16") || !strcmp(d, "BF16")) return 2;
     if (!strcmp(d, "F64")) return 8;
@@ -6162,7 +6169,7 @@ static int dt_safetensors_dtype_size(const char *d) {
 
 /* buf holds the file's first `have` bytes (all of it, or its header alone);
    `len` is the file's length, which every tensor's byte range must fit. */
-static dt_safetensors *dt_safetensors_parse(const char *path, unsigned char *buf, size_t have, size_t len) {
+static dt_safetensors *dt__safetensors_parse(const char *path, unsigned char *buf, size_t have, size_t len) {
     if (have < 8) dt_fail("'%s' is truncated or not a safetensors file (%zu bytes)", path, len);
     uint64_t hlen = 0;
     for (int i = 0; i < 8; i++) hlen |= (uint64_t)buf[i] << (8 * i);
@@ -6170,65 +6177,65 @@ static dt_safetensors *dt_safetensors_parse(const char *path, unsigned char *buf
         dt_fail("'%s' is truncated or not a safetensors file (its header claims %llu bytes, the file has %zu)",
                 path, (unsigned long long)hlen, len);
     dt_safetensors *st = (dt_safetensors *)calloc(1, sizeof *st);
-    dt_copy_str(st->path, sizeof st->path, path);
+    dt__copy_str(st->path, sizeof st->path, path);
     st->buf = buf; st->len = len; st->data_start = 8 + hlen;
-    dt_json j = { (const char *)buf + 8, 0, hlen, 1 };
-    dt_json_eat(&j, '{');
-    while (j.ok && dt_json_peek(&j) != '}') {
-        char *key = dt_json_str(&j);
-        dt_json_eat(&j, ':');
+    dt__json j = { (const char *)buf + 8, 0, hlen, 1 };
+    dt__json_eat(&j, '{');
+    while (j.ok && dt__json_peek(&j) != '}') {
+        char *key = dt__json_str(&j);
+        dt__json_eat(&j, ':');
         if (!j.ok) { free(key); break; }
         if (!strcmp(key, "__metadata__")) {
-            dt_json_eat(&j, '{');
-            while (j.ok && dt_json_peek(&j) != '}') {
-                char *k = dt_json_str(&j);
-                dt_json_eat(&j, ':');
-                char *v = dt_json_peek(&j) == '"' ? dt_json_str(&j) : NULL;
+            dt__json_eat(&j, '{');
+            while (j.ok && dt__json_peek(&j) != '}') {
+                char *k = dt__json_str(&j);
+                dt__json_eat(&j, ':');
+                char *v = dt__json_peek(&j) == '"' ? dt__json_str(&j) : NULL;
                 if (!v) { free(k); j.ok = 0; break; }
                 st->meta = (char **)realloc(st->meta, sizeof(char *) * 2 * (st->nmeta + 1));
                 st->meta[2 * st->nmeta] = k; st->meta[2 * st->nmeta + 1] = v; st->nmeta++;
-                if (dt_json_peek(&j) == ',') j.pos++;
+                if (dt__json_peek(&j) == ',') j.pos++;
             }
-            dt_json_eat(&j, '}');
+            dt__json_eat(&j, '}');
             free(key);
         } else {
             if (st->n == st->cap) {
                 st->cap = st->cap ? 2 * st->cap : 64;
-                st->t = (dt_st_tensor *)realloc(st->t, sizeof(dt_st_tensor) * st->cap);
+                st->t = (dt__st_tensor *)realloc(st->t, sizeof(dt__st_tensor) * st->cap);
             }
-            dt_st_tensor *t = &st->t[st->n++];
+            dt__st_tensor *t = &st->t[st->n++];
             memset(t, 0, sizeof *t);
             t->name = key;
             int64_t offs[2] = { -1, -1 };
             int have_dtype = 0, have_offsets = 0;
-            dt_json_eat(&j, '{');
-            while (j.ok && dt_json_peek(&j) != '}') {
-                char *f = dt_json_str(&j);
-                dt_json_eat(&j, ':');
+            dt__json_eat(&j, '{');
+            while (j.ok && dt__json_peek(&j) != '}') {
+                char *f = dt__json_str(&j);
+                dt__json_eat(&j, ':');
                 if (f && !strcmp(f, "dtype")) {
-                    char *d = dt_json_str(&j);
+                    char *d = dt__json_str(&j);
                     if (d) { snprintf(t->dtype, sizeof t->dtype, "%s", d); have_dtype = 1; }
                     free(d);
-                } else if (f && !strcmp(f, "shape")) t->ndim = dt_json_int_array(&j, t->shape, 8);
-                else if (f && !strcmp(f, "data_offsets")) have_offsets = dt_json_int_array(&j, offs, 2) == 2;
-                else dt_json_skip(&j, 0);
+                } else if (f && !strcmp(f, "shape")) t->ndim = dt__json_int_array(&j, t->shape, 8);
+                else if (f && !strcmp(f, "data_offsets")) have_offsets = dt__json_int_array(&j, offs, 2) == 2;
+                else dt__json_skip(&j, 0);
                 free(f);
-                if (dt_json_peek(&j) == ',') j.pos++;
+                if (dt__json_peek(&j) == ',') j.pos++;
             }
-            dt_json_eat(&j, '}');
+            dt__json_eat(&j, '}');
             if (j.ok && (!have_dtype || !have_offsets || offs[0] < 0 || offs[1] < offs[0]))
                 dt_fail("'%s': tensor '%s' has a malformed entry in the safetensors header", path, key);
             t->begin = (uint64_t)offs[0]; t->end = (uint64_t)offs[1];
         }
-        if (dt_json_peek(&j) == ',') j.pos++;
+        if (dt__json_peek(&j) == ',') j.pos++;
     }
-    dt_json_eat(&j, '}');
+    dt__json_eat(&j, '}');
     if (!j.ok) dt_fail("'%s' is not a valid safetensors file (corrupt JSON header near byte %zu)", path, 8 + j.pos);
     for (int i = 0; i < st->n; i++) {
-        dt_st_tensor *t = &st->t[i];
+        dt__st_tensor *t = &st->t[i];
         uint64_t numel = 1;
         for (int d = 0; d < t->ndim; d++) numel *= (uint64_t)t->shape[d];
-        int es = dt_safetensors_dtype_size(t->dtype);
+        int es = dt__safetensors_dtype_size(t->dtype);
         if (es && t->end - t->begin != numel * es)
             dt_fail("'%s': tensor '%s' claims %llu bytes for %llu %s elements", path, t->name,
                     (unsigned long long)(t->end - t->begin), (unsigned long long)numel, t->dtype);
@@ -6241,14 +6248,14 @@ static dt_safetensors *dt_safetensors_parse(const char *path, unsigned char *buf
 
 dt_safetensors *dt_safetensors_read(const char *path) {
     size_t len = 0;
-    unsigned char *buf = dt_read_file(path, &len);
+    unsigned char *buf = dt__read_file(path, &len);
     if (!buf) dt_fail("cannot read '%s': %s", path, strerror(errno));
-    return dt_safetensors_parse(path, buf, len, len);
+    return dt__safetensors_parse(path, buf, len, len);
 }
 
 /* The header alone (metadata and the tensor list, no data): what a look over a
    folder of checkpoints needs, without reading gigabytes. */
-static dt_safetensors *dt_safetensors_read_header(const char *path) {
+static dt_safetensors *dt__safetensors_read_header(const char *path) {
     FILE *f = fopen(path, "rb");
     unsigned char len8[8];
     struct stat s;
@@ -6262,7 +6269,7 @@ static dt_safetensors *dt_safetensors_read_header(const char *path) {
     memcpy(buf, len8, have);
     if (have == 8) have += fread(buf + 8, 1, (size_t)hlen, f);
     fclose(f);
-    return dt_safetensors_parse(path, buf, have, (size_t)s.st_size);
+    return dt__safetensors_parse(path, buf, have, (size_t)s.st_size);
 }
 
 void dt_safetensors_close(dt_safetensors *st) {
@@ -6277,7 +6284,7 @@ const char *dt_safetensors_meta(dt_safetensors *st, const char *key) {
     return NULL;
 }
 
-static void dt_shape_str(char *out, size_t n, int ndim, const int64_t *shape) {
+static void dt__shape_str(char *out, size_t n, int ndim, const int64_t *shape) {
     size_t p = (size_t)snprintf(out, n, "[");
     for (int d = 0; d < ndim && p < n; d++) p += (size_t)snprintf(out + p, n - p, d ? ", %lld" : "%lld", (long long)shape[d]);
     if (p < n) snprintf(out + p, n - p, "]");
@@ -6285,9 +6292,9 @@ static void dt_shape_str(char *out, size_t n, int ndim, const int64_t *shape) {
 
 /* more_rows: a file's tensor may have more rows than wanted, and the first
    ones are read (a GPT-2 position table longer than --seq-len). */
-static int dt_safetensors_get_rows(dt_safetensors *st, const char *name, float *dst, int ndim, const int *shape, int more_rows) {
+static int dt__safetensors_get_rows(dt_safetensors *st, const char *name, float *dst, int ndim, const int *shape, int more_rows) {
     for (int i = 0; i < st->n; i++) {
-        dt_st_tensor *t = &st->t[i];
+        dt__st_tensor *t = &st->t[i];
         if (strcmp(t->name, name)) continue;
         int same = t->ndim == ndim;
         int64_t want[8];
@@ -6297,13 +6304,13 @@ static int dt_safetensors_get_rows(dt_safetensors *st, const char *name, float *
         }
         if (!same) {
             char a[128], b[128];
-            dt_shape_str(a, sizeof a, t->ndim, t->shape);
-            dt_shape_str(b, sizeof b, ndim, want);
+            dt__shape_str(a, sizeof a, t->ndim, t->shape);
+            dt__shape_str(b, sizeof b, ndim, want);
             dt_fail("'%s': tensor '%s' has shape %s but the model expects %s (a checkpoint of another model?)",
                     st->path, name, a, b);
         }
         const unsigned char *src = st->buf + st->data_start + t->begin;
-        uint64_t numel = (t->end - t->begin) / (uint64_t)(dt_safetensors_dtype_size(t->dtype) ? dt_safetensors_dtype_size(t->dtype) : 1);
+        uint64_t numel = (t->end - t->begin) / (uint64_t)(dt__safetensors_dtype_size(t->dtype) ? dt__safetensors_dtype_size(t->dtype) : 1);
         if (ndim > 0 && t->shape[0] > shape[0]) numel = numel / (uint64_t)t->shape[0] * (uint64_t)shape[0];   /* the first rows */
         if (!strcmp(t->dtype, "F32")) memcpy(dst, src, numel * 4);
         else if (!strcmp(t->dtype, "F64")) for (uint64_t k = 0; k < numel; k++) { double v; memcpy(&v, src + 8 * k, 8); dst[k] = (float)v; }
@@ -6315,26 +6322,26 @@ static int dt_safetensors_get_rows(dt_safetensors *st, const char *name, float *
     return 0;
 }
 int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndim, const int *shape) {
-    return dt_safetensors_get_rows(st, name, dst, ndim, shape, 0);
+    return dt__safetensors_get_rows(st, name, dst, ndim, shape, 0);
 }
 
 /* The whole training state as host arrays in parameter order (m->offsets):
    the parameters (which 0) or the optimizer's moments (1, 2). A view of the
    flat buffers, or, for a sharded model, every rank's shards gathered -- a
    collective, so every rank opens and closes them together. */
-static float *dt_state_open(dt_model *m, dt_optimizer *o, int which) {
-    dt_fsdp *f = dt_fsdp_of(m);
-    if (f) return dt_fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
-    return dt_host_view(m->device, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel);
+static float *dt__state_open(dt_model *m, dt_optimizer *o, int which) {
+    dt_fsdp *f = dt__fsdp_of(m);
+    if (f) return dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
+    return dt__host_view(m->device, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel);
 }
-static void dt_state_close(dt_model *m, dt_optimizer *o, int which, float *host, int written) {
+static void dt__state_close(dt_model *m, dt_optimizer *o, int which, float *host, int written) {
     if (!host) return;
-    dt_fsdp *f = dt_fsdp_of(m);
+    dt_fsdp *f = dt__fsdp_of(m);
     if (!f) {
-        dt_host_view_close(m->device, host, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel, written);
+        dt__host_view_close(m->device, host, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel, written);
         return;
     }
-    if (written) dt_fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
+    if (written) dt__fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
     free(host);
 }
 
@@ -6343,10 +6350,10 @@ static void dt_state_close(dt_model *m, dt_optimizer *o, int which, float *host,
    "optimizer.<moment>.<name>": what PyTorch's state_dict and optimizer call them.
    state[0..2] are host arrays in parameter order: weights, first moment
    (AdamW's exp_avg, SGD's momentum_buffer), AdamW's exp_avg_sq (or NULL). */
-static const char *dt_moment_name(int adamw, int k) {
+static const char *dt__moment_name(int adamw, int k) {
     return k == 1 ? (adamw ? "exp_avg" : "momentum_buffer") : "exp_avg_sq";
 }
-static int dt_checkpoint_named(const dt_model *m, int adamw, float *const state[3], dt_named_tensor *t, char **names) {
+static int dt__checkpoint_named(const dt_model *m, int adamw, float *const state[3], dt_named_tensor *t, char **names) {
     int n = 0;
     for (int k = 0; k < 3; k++) {
         if (!state[k]) continue;
@@ -6355,7 +6362,7 @@ static int dt_checkpoint_named(const dt_model *m, int adamw, float *const state[
             size_t len = strlen(p->name) + 32;
             names[n] = (char *)malloc(len);
             if (k == 0) snprintf(names[n], len, "%s", p->name);
-            else snprintf(names[n], len, "optimizer.%s.%s", dt_moment_name(adamw, k), p->name);
+            else snprintf(names[n], len, "optimizer.%s.%s", dt__moment_name(adamw, k), p->name);
             t[n].name = names[n];
             t[n].data = state[k] + m->offsets[i];
             t[n].ndim = p->ndim;
@@ -6367,13 +6374,13 @@ static int dt_checkpoint_named(const dt_model *m, int adamw, float *const state[
 }
 
 /* Metadata as it is built: key, value, key, value, ... for dt_safetensors_write. */
-typedef struct { char **kv; int n; } dt_meta_list;
-static void dt_meta_add(dt_meta_list *l, const char *key, const char *fmt, ...)
+typedef struct { char **kv; int n; } dt__meta_list;
+static void dt__meta_add(dt__meta_list *l, const char *key, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 3, 4)))
 #endif
     ;
-static void dt_meta_add(dt_meta_list *l, const char *key, const char *fmt, ...) {
+static void dt__meta_add(dt__meta_list *l, const char *key, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     int len = vsnprintf(NULL, 0, fmt, ap);
@@ -6388,7 +6395,7 @@ static void dt_meta_add(dt_meta_list *l, const char *key, const char *fmt, ...) 
     l->kv[2 * l->n + 1] = v;
     l->n++;
 }
-static void dt_meta_free(dt_meta_list *l) {
+static void dt__meta_free(dt__meta_list *l) {
     for (int i = 0; i < 2 * l->n; i++) free(l->kv[i]);
     free(l->kv);
     l->kv = NULL; l->n = 0;
@@ -6398,13 +6405,13 @@ static void dt_meta_free(dt_meta_list *l) {
    Every number is read whole and checked against the values it can take: atoi
    would read "-5" as -5 and "abc" as 0, and a run would resume at a position no
    run ever reached. */
-static const char *dt_meta_required(dt_safetensors *st, const char *path, const char *key) {
+static const char *dt__meta_required(dt_safetensors *st, const char *path, const char *key) {
     const char *v = dt_safetensors_meta(st, key);
     if (!v) dt_fail("'%s' is not a dtrain checkpoint (no '%s' in its metadata; for plain weights use --init)", path, key);
     return v;
 }
 /* Digits only (no sign, no space, nothing after), lo <= value <= hi. */
-static int dt_whole_number(const char *s, uint64_t lo, uint64_t hi, uint64_t *v) {
+static int dt__whole_number(const char *s, uint64_t lo, uint64_t hi, uint64_t *v) {
     char *end;
     if (!isdigit((unsigned char)*s)) return 0;
     errno = 0;
@@ -6414,22 +6421,22 @@ static int dt_whole_number(const char *s, uint64_t lo, uint64_t hi, uint64_t *v)
     return 1;
 }
 /* "a,b,c" into v[0..max): how many, or -1 when it is anything else. */
-static int dt_whole_numbers(const char *s, uint64_t *v, int max) {
+static int dt__whole_numbers(const char *s, uint64_t *v, int max) {
     for (int n = 0;; n++) {
         char part[32];
         size_t len = strcspn(s, ",");
         if (n == max || len >= sizeof part) return -1;
         memcpy(part, s, len);
         part[len] = 0;
-        if (!dt_whole_number(part, 0, UINT64_MAX, &v[n])) return -1;
+        if (!dt__whole_number(part, 0, UINT64_MAX, &v[n])) return -1;
         if (!s[len]) return n + 1;
         s += len + 1;
     }
 }
-static uint64_t dt_meta_whole(dt_safetensors *st, const char *path, const char *key, uint64_t lo, uint64_t hi) {
-    const char *s = dt_meta_required(st, path, key);
+static uint64_t dt__meta_whole(dt_safetensors *st, const char *path, const char *key, uint64_t lo, uint64_t hi) {
+    const char *s = dt__meta_required(st, path, key);
     uint64_t v = 0;
-    if (!dt_whole_number(s, lo, hi, &v)) {
+    if (!dt__whole_number(s, lo, hi, &v)) {
         char range[64];
         if (hi >= (uint64_t)INT64_MAX) snprintf(range, sizeof range, ">= %llu", (unsigned long long)lo);
         else snprintf(range, sizeof range, "from %llu to %llu", (unsigned long long)lo, (unsigned long long)hi);
@@ -6437,8 +6444,8 @@ static uint64_t dt_meta_whole(dt_safetensors *st, const char *path, const char *
     }
     return v;
 }
-static float dt_meta_positive(dt_safetensors *st, const char *path, const char *key) {
-    const char *s = dt_meta_required(st, path, key);
+static float dt__meta_positive(dt_safetensors *st, const char *path, const char *key) {
+    const char *s = dt__meta_required(st, path, key);
     char *end;
     float v = strtof(s, &end);
     if (end == s || *end || !isfinite(v) || !(v > 0)) dt_fail("'%s': metadata '%s' is '%s', not a positive number", path, key, s);
@@ -6454,13 +6461,13 @@ static float dt_meta_positive(dt_safetensors *st, const char *path, const char *
    whose metadata is a full checkpoint's plus the layout (the ranks, each
    unit's size) and each shard file's name and size. The index goes last, so it
    never names a shard that is not complete. */
-static void dt_shard_path(char *out, size_t n, const char *index_path, int rank, int world) {
+static void dt__shard_path(char *out, size_t n, const char *index_path, int rank, int world) {
     size_t len = strlen(index_path), ext = strlen(".safetensors");
     int stem = (int)(len > ext && !strcmp(index_path + len - ext, ".safetensors") ? len - ext : len);
-    dt_path(out, n, "%.*s.shard%d-of-%d.safetensors", stem, index_path, rank, world);
+    dt__path(out, n, "%.*s.shard%d-of-%d.safetensors", stem, index_path, rank, world);
 }
 /* Is this the index of a sharded checkpoint? (One of its shards is refused: it is not the whole.) */
-static int dt_is_sharded(dt_safetensors *st) {
+static int dt__is_sharded(dt_safetensors *st) {
     const char *format = dt_safetensors_meta(st, "format");
     if (format && !strcmp(format, "dtrain-shard-1"))
         dt_fail("'%s' is one rank's shard of a sharded checkpoint: give the checkpoint's index instead (the same "
@@ -6469,12 +6476,12 @@ static int dt_is_sharded(dt_safetensors *st) {
 }
 
 /* Each unit's size, as the index recorded it, checked against the model's. */
-static int dt_sharded_layout(dt_safetensors *index, const char *path, const dt_model *m, int64_t *unit_numel) {
-    int world = (int)dt_meta_whole(index, path, "shards", 1, DT_MAX_RANKS);
-    const char *s = dt_meta_required(index, path, "unit_numel");
+static int dt__sharded_layout(dt_safetensors *index, const char *path, const dt_model *m, int64_t *unit_numel) {
+    int world = (int)dt__meta_whole(index, path, "shards", 1, DT_MAX_RANKS);
+    const char *s = dt__meta_required(index, path, "unit_numel");
     uint64_t *v = (uint64_t *)malloc(sizeof(uint64_t) * ((size_t)m->nunits + 1));
     if (!v) dt_fail("out of memory (reading '%s')", path);
-    int n = dt_whole_numbers(s, v, m->nunits + 1);
+    int n = dt__whole_numbers(s, v, m->nunits + 1);
     if (n < 0) dt_fail("'%s': metadata 'unit_numel' is '%s', not whole numbers separated by commas", path, s);
     for (int k = 0; k < n && k < m->nunits; k++) unit_numel[k] = v[k] > (uint64_t)INT64_MAX ? -1 : (int64_t)v[k];
     free(v);
@@ -6487,22 +6494,22 @@ static int dt_sharded_layout(dt_safetensors *index, const char *path, const dt_m
     return world;
 }
 
-static int dt_sharded_layout_is(dt_safetensors *index, const char *path, const struct dt_fsdp *f) {
+static int dt__sharded_layout_is(dt_safetensors *index, const char *path, const struct dt_fsdp *f) {
     int64_t *unit_numel = (int64_t *)calloc((size_t)f->model->nunits + 1, sizeof(int64_t));
-    int world = dt_sharded_layout(index, path, f->model, unit_numel);
+    int world = dt__sharded_layout(index, path, f->model, unit_numel);
     free(unit_numel);
     return world == f->world;
 }
 
 /* Is rank r's shard file there, and as long as the index says? Every rank
    checks every file before reading any, so all of them name the one at fault. */
-static void dt_shard_check(dt_safetensors *index, const char *path, int rank, int world, char *file, size_t n) {
+static void dt__shard_check(dt_safetensors *index, const char *path, int rank, int world, char *file, size_t n) {
     char key[32];
     struct stat s;
-    dt_shard_path(file, n, path, rank, world);
+    dt__shard_path(file, n, path, rank, world);
     snprintf(key, sizeof key, "shard.%d.bytes", rank);
     if (!dt_safetensors_meta(index, key)) dt_fail("'%s': the index has no entry for shard %d of %d", path, rank, world);
-    uint64_t bytes = dt_meta_whole(index, path, key, 0, INT64_MAX);
+    uint64_t bytes = dt__meta_whole(index, path, key, 0, INT64_MAX);
     if (stat(file, &s) != 0)
         dt_fail("sharded checkpoint '%s': shard %d of %d, '%s', is missing: %s", path, rank, world, file, strerror(errno));
     if ((uint64_t)s.st_size != bytes)
@@ -6512,24 +6519,24 @@ static void dt_shard_check(dt_safetensors *index, const char *path, int rank, in
 }
 
 /* Rank r's shard file, after checking it is there, whole, and of this save. */
-static dt_safetensors *dt_shard_open(dt_safetensors *index, const char *path, int rank, int world) {
+static dt_safetensors *dt__shard_open(dt_safetensors *index, const char *path, int rank, int world) {
     char file[4096];
-    dt_shard_check(index, path, rank, world, file, sizeof file);
+    dt__shard_check(index, path, rank, world, file, sizeof file);
     dt_safetensors *sh = dt_safetensors_read(file);
     const char *step = dt_safetensors_meta(sh, "step"), *want = dt_safetensors_meta(index, "step");
     const char *who = dt_safetensors_meta(sh, "rank");
-    if (!step || !want || strcmp(step, want) || !who || dt_meta_whole(sh, file, "rank", 0, DT_MAX_RANKS - 1) != (uint64_t)rank)
+    if (!step || !want || strcmp(step, want) || !who || dt__meta_whole(sh, file, "rank", 0, DT_MAX_RANKS - 1) != (uint64_t)rank)
         dt_fail("'%s' is not shard %d of checkpoint '%s' at step %s (it says rank %s, step %s)", file, rank, path,
                 want ? want : "?", who ? who : "?", step ? step : "?");
     return sh;
 }
 
 /* One tensor of a shard file into dst (shard_numel floats), or an error naming the file. */
-static void dt_shard_get(dt_safetensors *sh, int adamw, int k, float *dst, int64_t shard_numel) {
+static void dt__shard_get(dt_safetensors *sh, int adamw, int k, float *dst, int64_t shard_numel) {
     char name[64];
     int len = (int)shard_numel;
     if (k == 0) snprintf(name, sizeof name, "params");
-    else snprintf(name, sizeof name, "optimizer.%s", dt_moment_name(adamw, k));
+    else snprintf(name, sizeof name, "optimizer.%s", dt__moment_name(adamw, k));
     if (shard_numel > INT_MAX || !dt_safetensors_get(sh, name, dst, 1, &len))
         dt_fail("'%s' has no tensor '%s' of %lld elements", sh->path, name, (long long)shard_numel);
 }
@@ -6537,19 +6544,19 @@ static void dt_shard_get(dt_safetensors *sh, int adamw, int k, float *dst, int64
 /* Every rank's shard put back together in parameter order, whatever the world
    size reading it: rank r held elements [r * s, (r + 1) * s) of each unit, s =
    the unit's size / N rounded up; what lies past the unit's end is padding. */
-static void dt_sharded_assemble(dt_safetensors *index, const char *path, const dt_model *m, int adamw, float *state[3]) {
+static void dt__sharded_assemble(dt_safetensors *index, const char *path, const dt_model *m, int adamw, float *state[3]) {
     int64_t *unit_numel = (int64_t *)calloc((size_t)m->nunits + 1, sizeof(int64_t)), shard_numel = 0;
-    int world = dt_sharded_layout(index, path, m, unit_numel);
+    int world = dt__sharded_layout(index, path, m, unit_numel);
     char file[4096];
-    for (int r = 0; r < world; r++) dt_shard_check(index, path, r, world, file, sizeof file);
+    for (int r = 0; r < world; r++) dt__shard_check(index, path, r, world, file, sizeof file);
     for (int k = 0; k < m->nunits; k++) shard_numel += (unit_numel[k] + world - 1) / world;
     float *buf = (float *)malloc((size_t)shard_numel * sizeof(float) + 1);
     if (!buf) dt_fail("out of memory (reading '%s')", path);
     for (int r = 0; r < world; r++) {
-        dt_safetensors *sh = dt_shard_open(index, path, r, world);
+        dt_safetensors *sh = dt__shard_open(index, path, r, world);
         for (int k = 0; k < 3; k++) {
             if (!state[k]) continue;
-            dt_shard_get(sh, adamw, k, buf, shard_numel);
+            dt__shard_get(sh, adamw, k, buf, shard_numel);
             int64_t at = 0;
             for (int u = 0; u < m->nunits; u++) {
                 int64_t s = (unit_numel[u] + world - 1) / world, lo = r * s, hi = lo + s < unit_numel[u] ? lo + s : unit_numel[u];
@@ -6565,10 +6572,10 @@ static void dt_sharded_assemble(dt_safetensors *index, const char *path, const d
 
 void dt_model_load_weights(dt_model *m, const char *path) {
     dt_safetensors *st = dt_safetensors_read(path);
-    float *host = dt_state_open(m, NULL, 0);
-    if (dt_is_sharded(st)) {
+    float *host = dt__state_open(m, NULL, 0);
+    if (dt__is_sharded(st)) {
         float *state[3] = { host, NULL, NULL };
-        dt_sharded_assemble(st, path, m, 0, state);
+        dt__sharded_assemble(st, path, m, 0, state);
     } else
         for (int i = 0; i < m->nparams; i++) {
             /* Hugging Face's files name GPT-2's tensors with or without "transformer."
@@ -6578,8 +6585,8 @@ void dt_model_load_weights(dt_model *m, const char *path) {
             int gpt = m->cfg.kind == DT_MODEL_GPT, more_rows = gpt && !strcmp(p->name, "wpe.weight");
             char prefixed[200];
             snprintf(prefixed, sizeof prefixed, "transformer.%s", p->name);
-            if (!dt_safetensors_get_rows(st, p->name, host + m->offsets[i], p->ndim, p->shape, more_rows) &&
-                !(gpt && dt_safetensors_get_rows(st, prefixed, host + m->offsets[i], p->ndim, p->shape, more_rows)))
+            if (!dt__safetensors_get_rows(st, p->name, host + m->offsets[i], p->ndim, p->shape, more_rows) &&
+                !(gpt && dt__safetensors_get_rows(st, prefixed, host + m->offsets[i], p->ndim, p->shape, more_rows)))
                 dt_fail("'%s' has no tensor '%s' (it holds %d tensors; is it a checkpoint of this model?)", path,
                         p->name, st->n);
         }
@@ -6588,11 +6595,11 @@ void dt_model_load_weights(dt_model *m, const char *path) {
         for (int64_t k = 0; k < m->params[i].numel; k++)
             if (!isfinite(host[m->offsets[i] + k]))
                 dt_fail("'%s': tensor '%s' holds NaN/Inf at index %lld", path, m->params[i].name, (long long)k);
-    dt_state_close(m, NULL, 0, host, 1);
+    dt__state_close(m, NULL, 0, host, 1);
     dt_safetensors_close(st);
 }
 
-static int dt_model_config_parse(dt_safetensors *st, const char *path, dt_model_config *mc) {
+static int dt__model_config_parse(dt_safetensors *st, const char *path, dt_model_config *mc) {
     const char *kind = dt_safetensors_meta(st, "model"), *shape = dt_safetensors_meta(st, "model_config");
     memset(mc, 0, sizeof *mc);
     if (!kind || !shape) return 0;
@@ -6601,7 +6608,7 @@ static int dt_model_config_parse(dt_safetensors *st, const char *path, dt_model_
     else if (!strcmp(kind, "mlp")) mc->kind = DT_MODEL_MLP;
     else return 0;
     uint64_t v[9];
-    int want = mc->kind == DT_MODEL_GPT ? 9 : 8, got = dt_whole_numbers(shape, v, 9);
+    int want = mc->kind == DT_MODEL_GPT ? 9 : 8, got = dt__whole_numbers(shape, v, 9);
     for (int k = 0; k < got; k++) if (v[k] > INT_MAX) got = -1;
     if (got != want)
         dt_fail("'%s': metadata 'model_config' is '%s', not %d whole numbers separated by commas (channels,size,classes,"
@@ -6615,31 +6622,31 @@ static int dt_model_config_parse(dt_safetensors *st, const char *path, dt_model_
 void dt_checkpoint_consolidate(const char *index_path, const char *out_path) {
     dt_safetensors *st = dt_safetensors_read(index_path);
     dt_model_config mc;
-    if (!dt_is_sharded(st))
+    if (!dt__is_sharded(st))
         dt_fail("'%s' is not the index of a sharded checkpoint (no 'shards' in its metadata): it is whole already", index_path);
-    if (!dt_model_config_parse(st, index_path, &mc)) dt_fail("'%s' does not say which model it holds ('model', 'model_config')", index_path);
+    if (!dt__model_config_parse(st, index_path, &mc)) dt_fail("'%s' does not say which model it holds ('model', 'model_config')", index_path);
     const char *opt = dt_safetensors_meta(st, "optimizer");
     int adamw = opt && !strcmp(opt, "adamw");
     dt_model *m = dt_model_create(&mc, 0);            /* for the names, shapes and units only */
     float *state[3] = { NULL, NULL, NULL };
     for (int k = 0; k < (adamw ? 3 : 2); k++)
         if (!(state[k] = (float *)malloc((size_t)m->numel * sizeof(float)))) dt_fail("out of memory (consolidating)");
-    dt_sharded_assemble(st, index_path, m, adamw, state);
+    dt__sharded_assemble(st, index_path, m, adamw, state);
     dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * 3, sizeof *t);
     char **names = (char **)calloc((size_t)m->nparams * 3, sizeof(char *));
-    int n = dt_checkpoint_named(m, adamw, state, t, names);
-    dt_meta_list meta = { NULL, 0 };                  /* the index's, less the layout of the shards */
-    dt_meta_add(&meta, "format", "dtrain-checkpoint-1");
+    int n = dt__checkpoint_named(m, adamw, state, t, names);
+    dt__meta_list meta = { NULL, 0 };                  /* the index's, less the layout of the shards */
+    dt__meta_add(&meta, "format", "dtrain-checkpoint-1");
     for (int i = 0; i < st->nmeta; i++) {
         const char *key = st->meta[2 * i];
         if (strcmp(key, "format") && strcmp(key, "shards") && strcmp(key, "unit_numel") && strncmp(key, "shard.", 6))
-            dt_meta_add(&meta, key, "%s", st->meta[2 * i + 1]);
+            dt__meta_add(&meta, key, "%s", st->meta[2 * i + 1]);
     }
     dt_safetensors_write(out_path, t, n, (const char *const *)meta.kv, meta.n);
     for (int i = 0; i < n; i++) free(names[i]);
     for (int k = 0; k < 3; k++) free(state[k]);
     free(names); free(t);
-    dt_meta_free(&meta);
+    dt__meta_free(&meta);
     dt_model_free(m);
     dt_safetensors_close(st);
 }
@@ -6647,43 +6654,43 @@ void dt_checkpoint_consolidate(const char *index_path, const char *out_path) {
 /* -- the checkpoint of a training run: weights, optimizer state and the run's
       position, in one file per rank or one for all (stage 04 shards it) -- */
 
-static void dt_describe_position(const dt_run *r, char *out, size_t n, const char *what) {
-    const char *model = dt_model_kind_name(r->model->cfg.kind);
+static void dt__describe_position(const dt_run *r, char *out, size_t n, const char *what) {
+    const char *model = dt__model_kind_name(r->model->cfg.kind);
     long long start = (long long)r->cfg.start_idx, end = (long long)(r->cfg.start_idx + r->loader->ds->n);
-    dt_path(out, n, "%s/%s_data%lld-%lld_%s.safetensors", r->cfg.save_dir, model, start, end, what);
+    dt__path(out, n, "%s/%s_data%lld-%lld_%s.safetensors", r->cfg.save_dir, model, start, end, what);
 }
 
 /* How many replicas share each step's batch: ranks, or devices of stage 02. */
-static int dt_data_parallel_width(void) { return dt_ctx.world_size * (dt_ctx.devices > 1 ? dt_ctx.devices : 1); }
+static int dt__data_parallel_width(void) { return dt__ctx.world_size * (dt__ctx.devices > 1 ? dt__ctx.devices : 1); }
 
 /* What a checkpoint says about the run, beside its tensors. */
-static void dt_checkpoint_meta(const dt_run *r, dt_meta_list *l, const char *format) {
+static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *format) {
     const dt_model_config *mc = &r->model->cfg;
-    dt_meta_add(l, "format", "%s", format);
+    dt__meta_add(l, "format", "%s", format);
     char shape[96];
-    dt_model_config_string(mc, shape, sizeof shape);
-    dt_meta_add(l, "model", "%s", dt_model_kind_name(mc->kind));
-    dt_meta_add(l, "model_config", "%s", shape);
-    dt_meta_add(l, "optimizer", "%s", r->opt->kind == DT_ADAMW ? "adamw" : "sgd");
-    dt_meta_add(l, "optimizer_step", "%lld", (long long)r->opt->step);
-    dt_meta_add(l, "step", "%lld", (long long)r->step);
-    dt_meta_add(l, "epoch", "%d", r->epoch);
-    dt_meta_add(l, "batch_in_epoch", "%lld", (long long)r->batch_in_epoch);
-    dt_meta_add(l, "seed", "%llu", (unsigned long long)r->cfg.seed);
-    dt_meta_add(l, "world_size", "%d", dt_data_parallel_width());
-    dt_meta_add(l, "data_range", "%lld,%lld", (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
-    dt_meta_add(l, "batch_size", "%d", r->cfg.batch_size);
-    dt_meta_add(l, "accum_steps", "%d", r->cfg.accum_steps);
+    dt__model_config_string(mc, shape, sizeof shape);
+    dt__meta_add(l, "model", "%s", dt__model_kind_name(mc->kind));
+    dt__meta_add(l, "model_config", "%s", shape);
+    dt__meta_add(l, "optimizer", "%s", r->opt->kind == DT_ADAMW ? "adamw" : "sgd");
+    dt__meta_add(l, "optimizer_step", "%lld", (long long)r->opt->step);
+    dt__meta_add(l, "step", "%lld", (long long)r->step);
+    dt__meta_add(l, "epoch", "%d", r->epoch);
+    dt__meta_add(l, "batch_in_epoch", "%lld", (long long)r->batch_in_epoch);
+    dt__meta_add(l, "seed", "%llu", (unsigned long long)r->cfg.seed);
+    dt__meta_add(l, "world_size", "%d", dt__data_parallel_width());
+    dt__meta_add(l, "data_range", "%lld,%lld", (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
+    dt__meta_add(l, "batch_size", "%d", r->cfg.batch_size);
+    dt__meta_add(l, "accum_steps", "%d", r->cfg.accum_steps);
     if (r->scaler.enabled) {
-        dt_meta_add(l, "loss_scale", "%.9g", r->scaler.scale);
-        dt_meta_add(l, "loss_scale_good_steps", "%lld", (long long)r->scaler.good_steps);
-        dt_meta_add(l, "skipped_steps", "%lld", (long long)r->scaler.skipped);
+        dt__meta_add(l, "loss_scale", "%.9g", r->scaler.scale);
+        dt__meta_add(l, "loss_scale_good_steps", "%lld", (long long)r->scaler.good_steps);
+        dt__meta_add(l, "skipped_steps", "%lld", (long long)r->scaler.skipped);
     }
 }
 
 /* FSDP: every rank writes its shard; then, once all are on disk, rank 0 the index. */
-static void dt_checkpoint_save_sharded(dt_run *r, const char *path) {
-    dt_fsdp *f = dt_fsdp_of(r->model);
+static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
+    dt_fsdp *f = dt__fsdp_of(r->model);
     dt_optimizer *o = r->opt;
     dt_device where = f->offload ? DT_CPU : f->model->device;
     float *own[3] = { f->shard_params, o->m, o->v }, *state[3] = { NULL, NULL, NULL };
@@ -6693,53 +6700,53 @@ static void dt_checkpoint_save_sharded(dt_run *r, const char *path) {
     int n = 0;
     for (int k = 0; k < 3; k++) {
         if (!own[k]) continue;
-        state[k] = dt_host_view(where, own[k], f->shard_numel);
+        state[k] = dt__host_view(where, own[k], f->shard_numel);
         t[n].name = names[k]; t[n].data = state[k]; t[n].ndim = 1; t[n].shape[0] = f->shard_numel;
         n++;
     }
     char file[4096];
-    dt_meta_list meta = { NULL, 0 };
-    dt_shard_path(file, sizeof file, path, f->rank, f->world);
-    dt_meta_add(&meta, "format", "dtrain-shard-1");
-    dt_meta_add(&meta, "rank", "%d", f->rank);
-    dt_meta_add(&meta, "shards", "%d", f->world);
-    dt_meta_add(&meta, "step", "%lld", (long long)r->step);
+    dt__meta_list meta = { NULL, 0 };
+    dt__shard_path(file, sizeof file, path, f->rank, f->world);
+    dt__meta_add(&meta, "format", "dtrain-shard-1");
+    dt__meta_add(&meta, "rank", "%d", f->rank);
+    dt__meta_add(&meta, "shards", "%d", f->world);
+    dt__meta_add(&meta, "step", "%lld", (long long)r->step);
     dt_safetensors_write(file, t, n, (const char *const *)meta.kv, meta.n);
-    dt_meta_free(&meta);
-    for (int k = 0; k < 3; k++) if (state[k]) dt_host_view_close(where, state[k], own[k], f->shard_numel, 0);
+    dt__meta_free(&meta);
+    for (int k = 0; k < 3; k++) if (state[k]) dt__host_view_close(where, state[k], own[k], f->shard_numel, 0);
     dt_barrier(f->comm);                     /* every shard is on disk before the index names it */
     if (f->rank != 0) return;
-    dt_checkpoint_meta(r, &meta, "dtrain-sharded-checkpoint-1");
-    dt_meta_add(&meta, "shards", "%d", f->world);
+    dt__checkpoint_meta(r, &meta, "dtrain-sharded-checkpoint-1");
+    dt__meta_add(&meta, "shards", "%d", f->world);
     char *units = (char *)malloc((size_t)f->nunits * 24 + 1), *p = units;
     for (int k = 0; k < f->nunits; k++) p += sprintf(p, k ? ",%lld" : "%lld", (long long)f->units[k].numel);
-    dt_meta_add(&meta, "unit_numel", "%s", units);
+    dt__meta_add(&meta, "unit_numel", "%s", units);
     free(units);
     for (int k = 0; k < f->world; k++) {
         char key[32];
         struct stat s;
-        dt_shard_path(file, sizeof file, path, k, f->world);
+        dt__shard_path(file, sizeof file, path, k, f->world);
         if (stat(file, &s) != 0) dt_fail("shard %d of '%s', '%s', is not there after the save: %s", k, path, file, strerror(errno));
         snprintf(key, sizeof key, "shard.%d.bytes", k);
-        dt_meta_add(&meta, key, "%lld", (long long)s.st_size);
+        dt__meta_add(&meta, key, "%lld", (long long)s.st_size);
     }
     dt_safetensors_write(path, NULL, 0, (const char *const *)meta.kv, meta.n);
-    dt_meta_free(&meta);
+    dt__meta_free(&meta);
 }
 
 void dt_checkpoint_save(dt_run *run, const char *path) {
     dt_model *m = run->model;
     dt_optimizer *o = run->opt;
-    if (dt_fsdp_of(m)) { dt_checkpoint_save_sharded(run, path); return; }
-    float *state[3] = { dt_state_open(m, o, 0), dt_state_open(m, o, 1), o->v ? dt_state_open(m, o, 2) : NULL };
+    if (dt__fsdp_of(m)) { dt__checkpoint_save_sharded(run, path); return; }
+    float *state[3] = { dt__state_open(m, o, 0), dt__state_open(m, o, 1), o->v ? dt__state_open(m, o, 2) : NULL };
     dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * 3, sizeof *t);
     char **names = (char **)calloc((size_t)m->nparams * 3, sizeof(char *));
-    int n = dt_checkpoint_named(m, o->kind == DT_ADAMW, state, t, names);
-    dt_meta_list meta = { NULL, 0 };
-    dt_checkpoint_meta(run, &meta, "dtrain-checkpoint-1");
+    int n = dt__checkpoint_named(m, o->kind == DT_ADAMW, state, t, names);
+    dt__meta_list meta = { NULL, 0 };
+    dt__checkpoint_meta(run, &meta, "dtrain-checkpoint-1");
     dt_safetensors_write(path, t, n, (const char *const *)meta.kv, meta.n);
-    dt_meta_free(&meta);
-    for (int k = 0; k < 3; k++) dt_state_close(m, o, k, state[k], 0);
+    dt__meta_free(&meta);
+    for (int k = 0; k < 3; k++) dt__state_close(m, o, k, state[k], 0);
     for (int i = 0; i < n; i++) free(names[i]);
     free(names);
     free(t);
@@ -6751,12 +6758,12 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     dt_optimizer *o = r->opt;
     const dt_model_config *mc = &m->cfg;
     char want[96], desc[256];
-    dt_meta_required(st, path, "format");
-    dt_is_sharded(st);                        /* one shard alone is refused here */
-    dt_model_config_string(mc, want, sizeof want);
-    const char *kind = dt_meta_required(st, path, "model"), *shape = dt_meta_required(st, path, "model_config");
+    dt__meta_required(st, path, "format");
+    dt__is_sharded(st);                        /* one shard alone is refused here */
+    dt__model_config_string(mc, want, sizeof want);
+    const char *kind = dt__meta_required(st, path, "model"), *shape = dt__meta_required(st, path, "model_config");
     dt_model_describe(m, desc, sizeof desc);
-    if (strcmp(kind, dt_model_kind_name(mc->kind)) || strcmp(shape, want))
+    if (strcmp(kind, dt__model_kind_name(mc->kind)) || strcmp(shape, want))
         dt_fail("'%s' holds a %s model (channels,size,classes,dim,depth,heads,patch,mlp%s = %s) but this run builds %s",
                 path, kind, strcmp(kind, "gpt") ? "" : ",context", shape, desc);
     /* Rank r takes samples r, r + N, r + 2N, ... of the epoch's order, so a step
@@ -6764,10 +6771,10 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
        resume at another world size when the samples per step stay the same. */
     /* Micro-batches (--accum-steps) follow the same rule: a step is K batches. */
     /* ranks times stage 02's devices; bounded so that a step's samples fit in 64 bits */
-    int world = (int)dt_meta_whole(st, path, "world_size", 1, DT_MAX_RANKS * DT_MAX_RANKS);
-    int batch = (int)dt_meta_whole(st, path, "batch_size", 1, INT_MAX);
-    int accum = dt_safetensors_meta(st, "accum_steps") ? (int)dt_meta_whole(st, path, "accum_steps", 1, 1 << 20) : 1;
-    int K = r->cfg.accum_steps, now = dt_data_parallel_width();
+    int world = (int)dt__meta_whole(st, path, "world_size", 1, DT_MAX_RANKS * DT_MAX_RANKS);
+    int batch = (int)dt__meta_whole(st, path, "batch_size", 1, INT_MAX);
+    int accum = dt_safetensors_meta(st, "accum_steps") ? (int)dt__meta_whole(st, path, "accum_steps", 1, 1 << 20) : 1;
+    int K = r->cfg.accum_steps, now = dt__data_parallel_width();
     long long samples = (long long)world * batch * accum, samples_now = (long long)now * r->cfg.batch_size * K;
     if (samples != samples_now) {
         long long per = (long long)now * K, other = samples % per == 0 ? samples / per : 0;
@@ -6781,7 +6788,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
                 "(--init takes the weights alone)", path, world, now, world, batch, had_k, samples, now,
                 r->cfg.batch_size, now_k, samples_now, hint, world, batch, flag_k);
     }
-    if (strcmp(dt_meta_required(st, path, "optimizer"), o->kind == DT_ADAMW ? "adamw" : "sgd"))
+    if (strcmp(dt__meta_required(st, path, "optimizer"), o->kind == DT_ADAMW ? "adamw" : "sgd"))
         dt_fail("'%s' holds %s state but this run uses --optimizer %s", path, dt_safetensors_meta(st, "optimizer"),
                 o->kind == DT_ADAMW ? "adamw" : "sgd");
     /* The position. A finished epoch took a step at least, so epoch <= step;
@@ -6789,41 +6796,41 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
        run of this shape (the same data, ranks, batch and micro-batches) is
        never past the last step of an epoch. */
     uint64_t s0 = 0, s1 = 0, range[2];
-    const char *data_range = dt_meta_required(st, path, "data_range");
-    if (dt_whole_numbers(data_range, range, 2) != 2 || (s0 = range[0]) >= (s1 = range[1]) || s1 > (uint64_t)INT64_MAX)
+    const char *data_range = dt__meta_required(st, path, "data_range");
+    if (dt__whole_numbers(data_range, range, 2) != 2 || (s0 = range[0]) >= (s1 = range[1]) || s1 > (uint64_t)INT64_MAX)
         dt_fail("'%s': metadata 'data_range' is '%s', not FIRST,END: two whole numbers, FIRST < END", path, data_range);
     int same_data = s0 == (uint64_t)r->cfg.start_idx && s1 == (uint64_t)(r->cfg.start_idx + r->loader->ds->n);
     int same_steps = same_data && world == now && batch == r->cfg.batch_size && accum == K;
-    int64_t step = (int64_t)dt_meta_whole(st, path, "step", 0, INT64_MAX);
-    int64_t optimizer_step = (int64_t)dt_meta_whole(st, path, "optimizer_step", 0, (uint64_t)step);
-    int epoch = (int)dt_meta_whole(st, path, "epoch", 0, (uint64_t)(step < INT_MAX ? step : INT_MAX));
-    int64_t batch_in_epoch = (int64_t)dt_meta_whole(st, path, "batch_in_epoch", 0,
+    int64_t step = (int64_t)dt__meta_whole(st, path, "step", 0, INT64_MAX);
+    int64_t optimizer_step = (int64_t)dt__meta_whole(st, path, "optimizer_step", 0, (uint64_t)step);
+    int epoch = (int)dt__meta_whole(st, path, "epoch", 0, (uint64_t)(step < INT_MAX ? step : INT_MAX));
+    int64_t batch_in_epoch = (int64_t)dt__meta_whole(st, path, "batch_in_epoch", 0,
                                                     (uint64_t)(same_steps ? r->batches_per_epoch - 1 : step));
-    uint64_t seed = dt_meta_whole(st, path, "seed", 0, UINT64_MAX);
+    uint64_t seed = dt__meta_whole(st, path, "seed", 0, UINT64_MAX);
     int fp16 = dt_safetensors_meta(st, "loss_scale") && r->scaler.enabled;   /* fp16 goes on with the scale it had found */
-    float scale = fp16 ? dt_meta_positive(st, path, "loss_scale") : 0;
-    int64_t good_steps = fp16 ? (int64_t)dt_meta_whole(st, path, "loss_scale_good_steps", 0, (uint64_t)step) : 0;
-    int64_t skipped = fp16 ? (int64_t)dt_meta_whole(st, path, "skipped_steps", 0, (uint64_t)step) : 0;
+    float scale = fp16 ? dt__meta_positive(st, path, "loss_scale") : 0;
+    int64_t good_steps = fp16 ? (int64_t)dt__meta_whole(st, path, "loss_scale_good_steps", 0, (uint64_t)step) : 0;
+    int64_t skipped = fp16 ? (int64_t)dt__meta_whole(st, path, "skipped_steps", 0, (uint64_t)step) : 0;
     int adamw = o->kind == DT_ADAMW;
-    dt_fsdp *f = dt_fsdp_of(m);
-    if (dt_is_sharded(st) && f && dt_sharded_layout_is(st, path, f)) {
+    dt_fsdp *f = dt__fsdp_of(m);
+    if (dt__is_sharded(st) && f && dt__sharded_layout_is(st, path, f)) {
         /* the same shards: each rank reads its own file, and only that */
         dt_device where = f->offload ? DT_CPU : m->device;
         float *own[3] = { f->shard_params, o->m, o->v };
         char file[4096];
-        for (int k = 0; k < f->world; k++) dt_shard_check(st, path, k, f->world, file, sizeof file);
-        dt_safetensors *sh = dt_shard_open(st, path, f->rank, f->world);
+        for (int k = 0; k < f->world; k++) dt__shard_check(st, path, k, f->world, file, sizeof file);
+        dt_safetensors *sh = dt__shard_open(st, path, f->rank, f->world);
         for (int k = 0; k < 3; k++) {
             if (!own[k]) continue;
-            float *host = dt_host_view(where, own[k], f->shard_numel);
-            dt_shard_get(sh, adamw, k, host, f->shard_numel);
-            dt_host_view_close(where, host, own[k], f->shard_numel, 1);
+            float *host = dt__host_view(where, own[k], f->shard_numel);
+            dt__shard_get(sh, adamw, k, host, f->shard_numel);
+            dt__host_view_close(where, host, own[k], f->shard_numel, 1);
         }
         dt_safetensors_close(sh);
-        dt_fsdp_step_done(&f->par);          /* ZeRO-1, -2: every rank's whole copy from the new shards */
+        dt__fsdp_step_done(&f->par);          /* ZeRO-1, -2: every rank's whole copy from the new shards */
     } else {
-        float *state[3] = { dt_state_open(m, o, 0), dt_state_open(m, o, 1), o->v ? dt_state_open(m, o, 2) : NULL };
-        if (dt_is_sharded(st)) dt_sharded_assemble(st, path, m, adamw, state);
+        float *state[3] = { dt__state_open(m, o, 0), dt__state_open(m, o, 1), o->v ? dt__state_open(m, o, 2) : NULL };
+        if (dt__is_sharded(st)) dt__sharded_assemble(st, path, m, adamw, state);
         else
             for (int i = 0; i < m->nparams; i++)
                 for (int k = 0; k < 3; k++) {
@@ -6831,11 +6838,11 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
                     char name[256];
                     if (!state[k]) continue;
                     if (k == 0) snprintf(name, sizeof name, "%s", p->name);
-                    else snprintf(name, sizeof name, "optimizer.%s.%s", dt_moment_name(adamw, k), p->name);
+                    else snprintf(name, sizeof name, "optimizer.%s.%s", dt__moment_name(adamw, k), p->name);
                     if (!dt_safetensors_get(st, name, state[k] + m->offsets[i], p->ndim, p->shape))
                         dt_fail("'%s' has no tensor '%s'", path, name);
                 }
-        for (int k = 0; k < 3; k++) dt_state_close(m, o, k, state[k], 1);
+        for (int k = 0; k < 3; k++) dt__state_close(m, o, k, state[k], 1);
     }
     o->step = optimizer_step;
     r->step = step;
@@ -6852,7 +6859,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
         dt_warn("'%s' was trained on images [%llu, %llu), this run uses [%lld, %lld): the data order will differ",
                 path, (unsigned long long)s0, (unsigned long long)s1, (long long)r->cfg.start_idx,
                 (long long)(r->cfg.start_idx + r->loader->ds->n));
-    if ((batch != r->cfg.batch_size || accum != K) && !r->cfg.quiet && dt_ctx.rank == 0)
+    if ((batch != r->cfg.batch_size || accum != K) && !r->cfg.quiet && dt__ctx.rank == 0)
         printf("resuming '%s' (%d ranks x %d x %d micro-batches) as %d ranks x %d x %d: the same samples each step\n",
                path, world, batch, accum, now, r->cfg.batch_size, K);
     dt_safetensors_close(st);
@@ -6863,7 +6870,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
    file there is whole: a checkpoint is renamed into place once written, and a
    sharded one's index is written after its shards. Ties go to the later name,
    so every rank picks the same file. */
-static const char *dt_newest_checkpoint(const char *dir, char *out, size_t n) {
+static const char *dt__newest_checkpoint(const char *dir, char *out, size_t n) {
     DIR *d = opendir(dir);
     struct dirent *e;
     long long best = -1;
@@ -6872,13 +6879,13 @@ static const char *dt_newest_checkpoint(const char *dir, char *out, size_t n) {
         size_t len = strlen(e->d_name), ext = strlen(".safetensors");
         if (len <= ext || strcmp(e->d_name + len - ext, ".safetensors") || strstr(e->d_name, ".shard")) continue;
         char path[4096];
-        dt_path(path, sizeof path, "%s/%s", dir, e->d_name);
-        dt_safetensors *st = dt_safetensors_read_header(path);
+        dt__path(path, sizeof path, "%s/%s", dir, e->d_name);
+        dt_safetensors *st = dt__safetensors_read_header(path);
         const char *format = dt_safetensors_meta(st, "format"), *step = dt_safetensors_meta(st, "step");
         long long k = step ? atoll(step) : -1;
         if (format && strstr(format, "checkpoint") && step && (k > best || (k == best && strcmp(path, out) > 0))) {
             best = k;
-            dt_copy_str(out, n, path);
+            dt__copy_str(out, n, path);
         }
         dt_safetensors_close(st);
     }
@@ -6892,24 +6899,24 @@ static const char *dt_newest_checkpoint(const char *dir, char *out, size_t n) {
    all-reduce, so the numbers are those of the whole set on every rank. */
 
 /* Sum n host floats over the ranks of the job. */
-static void dt_job_sum(float *host, int n) {
-    if (!dt_ctx.job || dt_ctx.world_size == 1) return;
-    dt_comm_all_reduce_host(dt_ctx.job, host, n, DT_SUM);
+static void dt__job_sum(float *host, int n) {
+    if (!dt__ctx.job || dt__ctx.world_size == 1) return;
+    dt__comm_all_reduce_host(dt__ctx.job, host, n, DT_SUM);
 }
 /* The largest of every rank's value. */
-static float dt_job_max(float mine) {
-    if (!dt_ctx.job || dt_ctx.world_size == 1) return mine;
-    int W = dt_ctx.world_size;
+static float dt__job_max(float mine) {
+    if (!dt__ctx.job || dt__ctx.world_size == 1) return mine;
+    int W = dt__ctx.world_size;
     float *all = (float *)malloc(sizeof(float) * (size_t)W);
     if (!all) dt_fail("out of memory");
-    dt_comm_all_gather_host(dt_ctx.job, &mine, all, sizeof mine);
+    dt__comm_all_gather_host(dt__ctx.job, &mine, all, sizeof mine);
     for (int r = 0; r < W; r++) if (all[r] > mine) mine = all[r];
     free(all);
     return mine;
 }
 
 void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss, double *acc) {
-    int rank = dt_ctx.job ? dt_ctx.rank : 0, world = dt_ctx.job ? dt_ctx.world_size : 1;
+    int rank = dt__ctx.job ? dt__ctx.rank : 0, world = dt__ctx.job ? dt__ctx.world_size : 1;
     dt_loader l = dt_loader_create(ds, batch_size, 0, 0, 0, 0, rank, world);
     dt_loader_start_epoch(&l, 0, 0);
     dt_batch b;
@@ -6922,7 +6929,7 @@ void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss
         if (!dt_loader_next(&l, &b)) break;
         dt_tensor *logits = dt_model_forward(m, b.inputs);
         int C = (int)dt_tensor_cols(logits), R = (int)(dt_tensor_rows(logits) / b.size);   /* rows per sample: gpt's T */
-        float *host = (float *)dt_step_alloc_uninit(sizeof(float) * (size_t)logits->numel);
+        float *host = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)logits->numel);
         dt_tensor_to_host(logits, host);
         for (int i = 0; i < b.size; i++) {
             if (rank + (first + i) * world >= ds->n) continue;   /* the sampler's padding: counted by its owner */
@@ -6946,7 +6953,7 @@ void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss
        by row, rather than through the batch mean dt_cross_entropy gives. */
     float sums[3] = { (float)total, (float)correct, (float)seen };
     dt_step_arena_reset();
-    dt_job_sum(sums, 3);
+    dt__job_sum(sums, 3);
     *loss = sums[2] > 0 ? sums[0] / sums[2] : 0;
     *acc = sums[2] > 0 ? sums[1] / sums[2] : 0;
 }
@@ -6962,9 +6969,9 @@ void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, fl
     float *window = (float *)malloc(sizeof(float) * (size_t)T), *logits = (float *)malloc(sizeof(float) * (size_t)T * V);
     if (!seq || !window || !logits) dt_fail("out of memory (generation)");
     memcpy(seq, prompt, sizeof(int32_t) * (size_t)n_prompt);
-    int grad = dt_ctx.grad_enabled;
+    int grad = dt__ctx.grad_enabled;
     dt_set_grad_enabled(0);
-    dt_rng rng = { dt_hash3(seed, 0x47454Eu, 0) };
+    dt__rng rng = { dt__hash3(seed, 0x47454Eu, 0) };
     for (int i = 0; i < n_new; i++, len++) {
         int from = len > T ? len - T : 0, L = len - from;
         for (int t = 0; t < L; t++) window[t] = (float)seq[from + t];
@@ -6976,12 +6983,12 @@ void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, fl
         for (int j = 1; j < V; j++) mx = weight[j] > mx ? weight[j] : mx;
         double total = 0;
         for (int j = 0; j < V; j++) total += weight[j] = expf((weight[j] - mx) / temperature);
-        double u = dt_rng_uniform(&rng) * total;
+        double u = dt__rng_uniform(&rng) * total;
         float pick = (float)(V - 1);
         for (int j = 0; j < V; j++)
             if ((u -= weight[j]) <= 0) { pick = (float)j; break; }
-        if (dt_ctx.rank != 0) pick = 0;                  /* rank 0 decides for every rank */
-        dt_job_sum(&pick, 1);
+        if (dt__ctx.rank != 0) pick = 0;                  /* rank 0 decides for every rank */
+        dt__job_sum(&pick, 1);
         seq[len] = (int32_t)pick;
     }
     dt_set_grad_enabled(grad);
@@ -7000,31 +7007,31 @@ void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, fl
    communication thread (or stream), where each collective -- each DDP bucket --
    shows when it really ran: overlap with backward is visible at a glance. */
 enum { DT_TRACK_COMM = DT_PHASE_COUNT };
-static const char *dt_phase_names[DT_PHASE_COUNT] = { "data", "forward", "backward", "comm wait", "optimizer", "eval", "checkpoint" };
+static const char *dt__phase_names[DT_PHASE_COUNT] = { "data", "forward", "backward", "comm wait", "optimizer", "eval", "checkpoint" };
 
-static void dt_trace_event(dt_run *r, const char *name, int track, double t0, double t1) {
+static void dt__trace_event(dt_run *r, const char *name, int track, double t0, double t1) {
     if (!r->trace) return;
     /* the file opens with metadata events, so every event follows a comma */
     fprintf(r->trace, ",{\"name\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.1f,\"dur\":%.1f}\n",
-            name, dt_ctx.rank, track, (t0 - r->start_ms) * 1e3, (t1 - t0) * 1e3);
-    dt_file_check(r->trace, "--trace", r->trace_path);
+            name, dt__ctx.rank, track, (t0 - r->start_ms) * 1e3, (t1 - t0) * 1e3);
+    dt__file_check(r->trace, "--trace", r->trace_path);
 }
 
-static void dt_trace_open(dt_run *r, const char *path) {
+static void dt__trace_open(dt_run *r, const char *path) {
     char *mine = r->trace_path;
     size_t size = sizeof r->trace_path;
     const char *dot = strrchr(path, '.');
-    if (dt_ctx.world_size == 1) dt_path(mine, size, "%s", path);
+    if (dt__ctx.world_size == 1) dt__path(mine, size, "%s", path);
     else if (dot && !strcmp(dot, ".json"))          /* one file per rank: run.json -> run.rank1.json */
-        dt_path(mine, size, "%.*s.rank%d.json", (int)(dot - path), path, dt_ctx.rank);
-    else dt_path(mine, size, "%s.rank%d", path, dt_ctx.rank);
+        dt__path(mine, size, "%.*s.rank%d.json", (int)(dot - path), path, dt__ctx.rank);
+    else dt__path(mine, size, "%s.rank%d", path, dt__ctx.rank);
     if (!(r->trace = fopen(mine, "w"))) dt_fail("cannot open --trace '%s': %s", mine, strerror(errno));
     fprintf(r->trace, "[{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":\"rank %d\"}}\n",
-            dt_ctx.rank, dt_ctx.rank);
+            dt__ctx.rank, dt__ctx.rank);
     for (int t = 0; t <= DT_TRACK_COMM; t++)
         fprintf(r->trace, ",{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"%s\"}}\n",
-                dt_ctx.rank, t, t == DT_TRACK_COMM ? "communication" : dt_phase_names[t]);
-    dt_file_check(r->trace, "--trace", mine);
+                dt__ctx.rank, t, t == DT_TRACK_COMM ? "communication" : dt__phase_names[t]);
+    dt__file_check(r->trace, "--trace", mine);
 }
 
 void dt_phase(dt_run *run, dt_phase_kind phase) {
@@ -7033,11 +7040,11 @@ void dt_phase(dt_run *run, dt_phase_kind phase) {
     dt_synchronize();
     double now = dt_now_ms();
     run->phase_ms[phase] += now - run->mark_ms;
-    dt_trace_event(run, dt_phase_names[phase], phase == DT_PHASE_CKPT ? DT_PHASE_EVAL : phase, run->mark_ms, now);
+    dt__trace_event(run, dt__phase_names[phase], phase == DT_PHASE_CKPT ? DT_PHASE_EVAL : phase, run->mark_ms, now);
     run->mark_ms = now;
 }
 
-static void dt_format_duration(double s, char *out, size_t n) {
+static void dt__format_duration(double s, char *out, size_t n) {
     long t = (long)(s + 0.5);
     if (t >= 3600) snprintf(out, n, "%ldh%02ldm", t / 3600, (t / 60) % 60);
     else if (t >= 60) snprintf(out, n, "%ldm%02lds", t / 60, t % 60);
@@ -7062,17 +7069,17 @@ static double dt_eta_update(double avg_ms, double step_ms, int64_t step) {
    whenever DT_PROGRESS_MS have passed since the last line, and the last step
    of each epoch, so every epoch ends with its loss. */
 #define DT_PROGRESS_MS 3000.0
-static int dt_progress_due(int64_t step, int log_every, int last_of_epoch, double now_ms, double last_line_ms) {
+static int dt__progress_due(int64_t step, int log_every, int last_of_epoch, double now_ms, double last_line_ms) {
     if (log_every > 0) return step % log_every == 0 || step == 1;
     return step == 1 || last_of_epoch || now_ms - last_line_ms >= DT_PROGRESS_MS;
 }
 
 /* A language model's rates are in tokens: a sequence is seq_len of them. */
-static int dt_tokens_per_sample(const dt_run *r) { return r->model->cfg.kind == DT_MODEL_GPT ? r->model->cfg.seq_len : 0; }
+static int dt__tokens_per_sample(const dt_run *r) { return r->model->cfg.kind == DT_MODEL_GPT ? r->model->cfg.seq_len : 0; }
 
 /* The fp32 peak (no tensor cores: TF32 stays off) of GPUs a course may meet,
    from their data sheets, in TFLOP/s; --peak-tflops gives any other. */
-static double dt_gpu_peak_tflops(const char *name) {
+static double dt__gpu_peak_tflops(const char *name) {
     static const struct { const char *match; double tflops; } peaks[] = {
         { "H200", 66.9 }, { "H100 PCIe", 51.2 }, { "H100 NVL", 60.0 }, { "H100", 66.9 }, { "A100", 19.5 },
         { "L40S", 91.6 }, { "L40", 90.5 }, { "L4", 30.3 }, { "A10G", 31.2 }, { "A10", 31.2 }, { "T4", 8.1 },
@@ -7087,7 +7094,7 @@ static double dt_gpu_peak_tflops(const char *name) {
    pairs (tools and the Makefile read them). Throughput leaves out the data
    phase, so that it compares with a framework fed from a tensor in memory;
    data_ms says what loading cost. Rates and FLOP/s are for the whole job. */
-static void dt_bench_report(dt_run *r) {
+static void dt__bench_report(dt_run *r) {
     const dt_config *cfg = &r->cfg;
     const dt_model_config *mc = &r->model->cfg;
     int64_t steps = r->step - r->bench_first;
@@ -7095,16 +7102,16 @@ static void dt_bench_report(dt_run *r) {
     double wall = dt_now_ms() - r->bench_t0;
     double ms = wall - r->bench_phase_ms[DT_PHASE_DATA];
     if (steps <= 0 || ms <= 0) dt_fail("--bench: no step was timed");
-    int devices = dt_ctx.devices > 1 ? dt_ctx.devices : 1;              /* stage 02: devices of one process */
-    int world = dt_ctx.world_size, per_rank = r->loader->batch_size / devices * cfg->accum_steps, S = mc->image_size;
+    int devices = dt__ctx.devices > 1 ? dt__ctx.devices : 1;              /* stage 02: devices of one process */
+    int world = dt__ctx.world_size, per_rank = r->loader->batch_size / devices * cfg->accum_steps, S = mc->image_size;
     double flops = dt_flops_counted() * world, gflops = flops / (ms / 1e3) / 1e9;
-    float peak_mem = dt_job_max((float)dt_mem_total_peak());    /* the largest rank's peak */
+    float peak_mem = dt__job_max((float)dt_mem_total_peak());    /* the largest rank's peak */
     size_t host_bytes = 0;                                       /* and of offloaded (host) memory */
     for (int a = 0; a < DT_ARENA_COUNT; a++) host_bytes += dt_mem_host_peak((dt_arena)a);
-    float peak_host = dt_job_max((float)host_bytes);
+    float peak_host = dt__job_max((float)host_bytes);
     /* what FSDP shards: parameters, gradients and optimizer state (the sum of their peaks) */
-    float peak_state = dt_job_max((float)(dt_mem_peak(DT_ARENA_PARAMS) + dt_mem_peak(DT_ARENA_GRADS) + dt_mem_peak(DT_ARENA_OPTIM)));
-    if (dt_ctx.rank != 0) return;
+    float peak_state = dt__job_max((float)(dt_mem_peak(DT_ARENA_PARAMS) + dt_mem_peak(DT_ARENA_GRADS) + dt_mem_peak(DT_ARENA_OPTIM)));
+    if (dt__ctx.rank != 0) return;
     /* a language model's MFU counts the model's FLOPs per token (6N + attention), as papers do */
     double tokens_per_s = steps * (double)per_rank * devices * world * mc->seq_len * 1e3 / ms;
     if (mc->kind == DT_MODEL_GPT) gflops = tokens_per_s * dt_model_flops_per_token(r->model) / 1e9;
@@ -7118,17 +7125,17 @@ static void dt_bench_report(dt_run *r) {
     if (r->model->device == DT_CUDA) {
         char gpu[128];
         size_t k = 0;
-        for (const char *c = dt_ctx.gpu->name; *c && k + 1 < sizeof gpu; c++) gpu[k++] = *c == ' ' ? '_' : *c;
+        for (const char *c = dt__ctx.gpu->name; *c && k + 1 < sizeof gpu; c++) gpu[k++] = *c == ' ' ? '_' : *c;
         gpu[k] = 0;
         /* the table holds fp32 peaks: a 16-bit run's peak must be given */
-        double peak = cfg->peak_tflops > 0 ? cfg->peak_tflops : cfg->dtype == DT_F32 ? dt_gpu_peak_tflops(dt_ctx.gpu->name) : 0;
+        double peak = cfg->peak_tflops > 0 ? cfg->peak_tflops : cfg->dtype == DT_F32 ? dt__gpu_peak_tflops(dt__ctx.gpu->name) : 0;
         if (peak > 0) snprintf(where, sizeof where, "device=cuda gpu=%s tflops=%.2f peak_tflops=%.1f mfu=%.3f", gpu,
                                gflops / 1e3, peak, gflops / 1e3 / world / peak);
         else snprintf(where, sizeof where, "device=cuda gpu=%s tflops=%.2f mfu=unknown(use --peak-tflops)", gpu, gflops / 1e3);
     } else snprintf(where, sizeof where, "device=cpu threads=%d", dt_threads());
     const double *p = r->bench_phase_ms;
     char stage[128];                     /* 04: which --shard, and whether offloaded */
-    const dt_fsdp *f = dt_fsdp_of(r->model);
+    const dt_fsdp *f = dt__fsdp_of(r->model);
     if (f) {
         static const char *modes[3] = { "optimizer", "grads", "full" };
         snprintf(stage, sizeof stage, "%s/%s%s", cfg->stage, modes[f->mode], f->offload ? "+offload" : "");
@@ -7169,7 +7176,7 @@ int dt_link_preset(const char *name, dt_link *out) {
     memset(out, 0, sizeof *out);         /* an unknown name leaves an empty link, not the caller's garbage */
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++)
         if (strlen(presets[i].name) == len && !memcmp(name, presets[i].name, len)) {
-            dt_copy_str(out->name, sizeof out->name, name);
+            dt__copy_str(out->name, sizeof out->name, name);
             out->latency_us = presets[i].us;
             out->bandwidth_gbs = presets[i].gbs;
             return 1;
@@ -7266,29 +7273,29 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
 
 /* ==== 17. the command line ======================================================
    Every stage takes the same flags (and those of its own lesson: one table,
-   dt_flags, says which stage takes which), so that runs of different stages
+   dt__flags, says which stage takes which), so that runs of different stages
    can be compared line by line -- and so that the stage files hold only the
    lesson. The flags also say what data to load (dt_load_data). */
 
-typedef enum { DT_ARG_INT, DT_ARG_I64, DT_ARG_FLOAT, DT_ARG_STR, DT_ARG_SWITCH, DT_ARG_CHOICE } dt_arg_type;
+typedef enum { DT_ARG_INT, DT_ARG_I64, DT_ARG_FLOAT, DT_ARG_STR, DT_ARG_SWITCH, DT_ARG_CHOICE } dt__arg_type;
 enum { DT_LO_OPEN = 1, DT_HI_OPEN = 2 };
-typedef struct dt_flag {
+typedef struct dt__flag {
     const char *name;
     const char *stages;          /* the stages that take it, by number: "45" is 04-fsdp and 05 */
     const char *metavar, *help;
-    dt_arg_type type;
+    dt__arg_type type;
     size_t offset;               /* where in dt_config the value goes */
     const char *choices;         /* DT_ARG_CHOICE: "a|b|c", stored as the index */
     double lo, hi;               /* a number: the values it may take (DT_LO_OPEN, DT_HI_OPEN: the bound itself not) */
     int open;
-} dt_flag;
+} dt__flag;
 
 /* The stages, numbered as in the stages column. A program of another name (a
    tool, a test) takes every flag. */
-static const char *const dt_stage_names[] = { "01-single-gpu", "02-dp", "03-ddp", "04-fsdp", "05-accum-mixed-precision" };
-static char dt_stage_digit(const char *stage) {
-    for (int i = 0; i < (int)(sizeof dt_stage_names / sizeof dt_stage_names[0]); i++)
-        if (!strcmp(stage, dt_stage_names[i])) return (char)('1' + i);
+static const char *const dt__stage_names[] = { "01-single-gpu", "02-dp", "03-ddp", "04-fsdp", "05-accum-mixed-precision" };
+static char dt__stage_digit(const char *stage) {
+    for (int i = 0; i < (int)(sizeof dt__stage_names / sizeof dt__stage_names[0]); i++)
+        if (!strcmp(stage, dt__stage_names[i])) return (char)('1' + i);
     return 0;
 }
 
@@ -7297,7 +7304,7 @@ static char dt_stage_digit(const char *stage) {
 #define DT_ABOVE(lo) lo, HUGE_VAL, DT_LO_OPEN    /* more than lo */
 #define DT_RANGE(lo, hi) lo, hi, 0
 #define DT_NOT_A_NUMBER 0, 0, 0
-static const dt_flag dt_flags[] = {
+static const dt__flag dt__flags[] = {
     { "--data", "12345", "DIR", "image folder (DIR/train/<class>/*, DIR/val/<class>/*) or CIFAR-10 binary folder; gpt: a .txt\n"
       "                          file or a folder of them, read as bytes (default: the synthetic set in data/synthetic,\n"
       "                          gpt: the text data/synthetic.txt, made on first use)", DT_ARG_STR, DT_CFG(data), NULL, DT_NOT_A_NUMBER },
@@ -7375,33 +7382,33 @@ static const dt_flag dt_flags[] = {
 #undef DT_ABOVE
 #undef DT_RANGE
 #undef DT_NOT_A_NUMBER
-enum { DT_NFLAGS = sizeof dt_flags / sizeof dt_flags[0] };
+enum { DT_NFLAGS = sizeof dt__flags / sizeof dt__flags[0] };
 
-static int dt_flag_of_stage(const dt_flag *f, char stage) { return !stage || strchr(f->stages, stage); }
+static int dt__flag_of_stage(const dt__flag *f, char stage) { return !stage || strchr(f->stages, stage); }
 
-static void dt_print_help(const char *stage) {
+static void dt__print_help(const char *stage) {
     printf("%s: train a model with dtrain\n\nusage: train [flags]\n\n", stage);
     for (int i = 0; i < DT_NFLAGS; i++) {
         char left[64];
-        if (!dt_flag_of_stage(&dt_flags[i], dt_stage_digit(stage))) continue;
-        snprintf(left, sizeof left, "%s %s", dt_flags[i].name, dt_flags[i].metavar ? dt_flags[i].metavar : "");
-        if (strlen(left) < 24) printf("  %-24s%s\n", left, dt_flags[i].help);
-        else printf("  %s\n  %-24s%s\n", left, "", dt_flags[i].help);   /* a long one on a line of its own */
+        if (!dt__flag_of_stage(&dt__flags[i], dt__stage_digit(stage))) continue;
+        snprintf(left, sizeof left, "%s %s", dt__flags[i].name, dt__flags[i].metavar ? dt__flags[i].metavar : "");
+        if (strlen(left) < 24) printf("  %-24s%s\n", left, dt__flags[i].help);
+        else printf("  %s\n  %-24s%s\n", left, "", dt__flags[i].help);   /* a long one on a line of its own */
     }
     printf("  %-24s%s\n\nThreads: OMP_NUM_THREADS (default: every core).\n", "--help", "this list");
 }
 
 /* "--shard is a flag of 04-fsdp and 05-accum-mixed-precision, not 01-single-gpu" */
-static void dt_flag_of_other_stages(const dt_flag *f, const char *stage) {
+static void dt__flag_of_other_stages(const dt__flag *f, const char *stage) {
     char list[256] = "";
     size_t n = strlen(f->stages);
     for (size_t i = 0; i < n; i++)
         snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i == 0 ? "" : i + 1 < n ? ", " : " and ",
-                 dt_stage_names[f->stages[i] - '1']);
+                 dt__stage_names[f->stages[i] - '1']);
     dt_usage_error("%s is a flag of %s, not %s", f->name, list, stage);
 }
 
-static void dt_flag_check_range(const dt_flag *f, double v, const char *val) {
+static void dt__flag_check_range(const dt__flag *f, double v, const char *val) {
     int lo_ok = f->open & DT_LO_OPEN ? v > f->lo : v >= f->lo, hi_ok = f->open & DT_HI_OPEN ? v < f->hi : v <= f->hi;
     if (lo_ok && hi_ok) return;
     char range[96];
@@ -7414,9 +7421,9 @@ static void dt_flag_check_range(const dt_flag *f, double v, const char *val) {
 
 /* Was this flag on the command line? (What a flag not given means is decided
    after all are read: a default may depend on --model.) */
-static int dt_given(const unsigned char *given, const char *name) {
-    for (int k = 0; k < DT_NFLAGS; k++) if (!strcmp(dt_flags[k].name, name)) return given[k];
-    dt_fail("internal error: no flag '%s' in dt_flags", name);
+static int dt__given(const unsigned char *given, const char *name) {
+    for (int k = 0; k < DT_NFLAGS; k++) if (!strcmp(dt__flags[k].name, name)) return given[k];
+    dt_fail("internal error: no flag '%s' in dt__flags", name);
 }
 
 dt_config dt_parse_args(int argc, char **argv, const char *stage) {
@@ -7433,17 +7440,17 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i], *val = NULL;
         char name[64];
-        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) { dt_print_help(stage); exit(0); }
+        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) { dt__print_help(stage); exit(0); }
         const char *eq = strchr(arg, '=');
         size_t nlen = eq ? (size_t)(eq - arg) : strlen(arg);
         if (nlen >= sizeof name) nlen = sizeof name - 1;
         memcpy(name, arg, nlen); name[nlen] = 0;
-        const dt_flag *f = NULL;
+        const dt__flag *f = NULL;
         for (int k = 0; k < DT_NFLAGS; k++)
-            if (!strcmp(dt_flags[k].name, name)) { f = &dt_flags[k]; given[k] = 1; }
+            if (!strcmp(dt__flags[k].name, name)) { f = &dt__flags[k]; given[k] = 1; }
         if (!f) dt_usage_error("unknown flag '%s' for %s", arg, stage);
         /* taken in silence, a flag of another stage would leave its user believing it did something */
-        if (!dt_flag_of_stage(f, dt_stage_digit(stage))) dt_flag_of_other_stages(f, stage);
+        if (!dt__flag_of_stage(f, dt__stage_digit(stage))) dt__flag_of_other_stages(f, stage);
         char *dst = (char *)&c + f->offset;
         if (f->type == DT_ARG_SWITCH) { if (eq) dt_usage_error("%s takes no value", name); *(int *)dst = 1; continue; }
         if (eq) val = eq + 1;
@@ -7455,7 +7462,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         case DT_ARG_INT: case DT_ARG_I64: {
             long long v = strtoll(val, &end, 10);
             if (!*val || *end || errno) dt_usage_error("%s expects a whole number, got '%s'", name, val);
-            dt_flag_check_range(f, (double)v, val);
+            dt__flag_check_range(f, (double)v, val);
             if (f->type == DT_ARG_INT) {
                 if (v < -2147483647LL || v > 2147483647LL) dt_usage_error("%s: %s is out of range", name, val);
                 *(int *)dst = (int)v;
@@ -7465,7 +7472,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         case DT_ARG_FLOAT: {
             double v = strtod(val, &end);
             if (!*val || *end || errno || !isfinite(v)) dt_usage_error("%s expects a number, got '%s'", name, val);
-            dt_flag_check_range(f, v, val);
+            dt__flag_check_range(f, v, val);
             *(float *)dst = (float)v;
             break;
         }
@@ -7486,15 +7493,15 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     }
     int vit = c.model == DT_MODEL_VIT, gpt = c.model == DT_MODEL_GPT;
     /* the defaults that depend on the model */
-    if (!dt_given(given, "--batch-size")) c.batch_size = gpt ? 32 : 128;
-    if (!dt_given(given, "--epochs")) c.epochs = gpt ? 2 : 10;
-    if (!dt_given(given, "--lr")) c.lr = gpt ? 3e-3f : 1e-3f;
-    if (!dt_given(given, "--dim")) c.dim = vit ? 192 : gpt ? 128 : 1024;
-    if (!dt_given(given, "--depth")) c.depth = vit ? 6 : gpt ? 4 : 2;
-    if (!dt_given(given, "--heads")) c.heads = gpt ? 4 : 3;
-    if (!dt_given(given, "--patch")) c.patch = 4;
+    if (!dt__given(given, "--batch-size")) c.batch_size = gpt ? 32 : 128;
+    if (!dt__given(given, "--epochs")) c.epochs = gpt ? 2 : 10;
+    if (!dt__given(given, "--lr")) c.lr = gpt ? 3e-3f : 1e-3f;
+    if (!dt__given(given, "--dim")) c.dim = vit ? 192 : gpt ? 128 : 1024;
+    if (!dt__given(given, "--depth")) c.depth = vit ? 6 : gpt ? 4 : 2;
+    if (!dt__given(given, "--heads")) c.heads = gpt ? 4 : 3;
+    if (!dt__given(given, "--patch")) c.patch = 4;
     /* values in range that make no sense together */
-    if (!gpt && (dt_given(given, "--seq-len") || dt_given(given, "--vocab") || c.tokens || dt_given(given, "--sample")))
+    if (!gpt && (dt__given(given, "--seq-len") || dt__given(given, "--vocab") || c.tokens || dt__given(given, "--sample")))
         dt_usage_error("--seq-len, --vocab, --tokens and --sample are for --model gpt");
     if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
     if (c.end_idx >= 0 && c.end_idx <= c.start_idx) dt_usage_error("--end-idx must be greater than --start-idx");
@@ -7509,23 +7516,23 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if (c.device == DT_CUDA && ranks > 1 && !dt_nccl_available(why, sizeof why))
         dt_usage_error("--device cuda --nproc %d: ranks on GPUs talk through NCCL, and %s", c.nproc, why);
     if (strncmp(stage, "02", 2)) dt_launch(c.nproc, c.timeout);   /* before any thread or device exists */
-    if (!c.bench) dt_catch_stop_signals();     /* from here a signal stops the run after a step, saved */
-    dt_flush_subnormals();
+    if (!c.bench) dt__catch_stop_signals();     /* from here a signal stops the run after a step, saved */
+    dt__flush_subnormals();
     dt_rank_from_env(&c.rank, &c.world_size, &c.local_rank);
     c.local_ranks = dt_local_ranks_from_env();
-    dt_ctx.rank = c.rank;                      /* error lines name their rank from here on */
-    dt_ctx.world_size = c.world_size;
+    dt__ctx.rank = c.rank;                      /* error lines name their rank from here on */
+    dt__ctx.world_size = c.world_size;
     if ((int)c.device == 2)                    /* auto, decided by each rank after the fork */
         c.device = dt_cuda_available(why, sizeof why) ? DT_CUDA : DT_CPU;
     if (c.device == DT_CUDA && c.world_size > 1 && !dt_nccl_available(why, sizeof why))
         dt_fail("%d ranks on GPUs talk through NCCL, and %s", c.world_size, why);
 #ifdef DT_HAVE_CUDA
     if (c.device == DT_CUDA) {
-        int gpus = dt_cuda_device_count(why, sizeof why);
+        int gpus = dt__cuda_device_count(why, sizeof why);
         if (gpus == 0) dt_fail("cannot use the GPU: %s (run with --device cpu)", why);
         if (dt_gpu_for_rank(c.local_rank, c.local_ranks, gpus, c.ranks_per_gpu, why, sizeof why) < 0) dt_fail("%s", why);
         int local = c.local_ranks > c.local_rank ? c.local_ranks : c.local_rank + 1;
-        if (local > gpus && c.world_size > 1) dt_share_gpus(c.rank, local, gpus);
+        if (local > gpus && c.world_size > 1) dt__share_gpus(c.rank, local, gpus);
     }
 #endif
     dt_set_device(c.device, c.local_rank);
@@ -7543,32 +7550,32 @@ dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int ima
 
 /* --bench: random pixels and labels, a few batches' worth for every rank or device (and no
    validation set: dt_load_data leaves it empty). */
-static void dt_bench_data(const dt_config *cfg, dt_dataset *train) {
+static void dt__bench_data(const dt_config *cfg, dt_dataset *train) {
     int ranks = cfg->nproc > cfg->world_size ? cfg->nproc : cfg->world_size;
     int64_t n = (int64_t)cfg->batch_size * ranks * 4;
-    dt_dataset_alloc(train, n, cfg->image_size, 10);
-    dt_rng rng = { cfg->seed };
+    dt__dataset_alloc(train, n, cfg->image_size, 10);
+    dt__rng rng = { cfg->seed };
     size_t bytes = (size_t)n * 3 * cfg->image_size * cfg->image_size;
-    for (size_t i = 0; i < bytes; i++) train->pixels[i] = (uint8_t)(dt_rng_u64(&rng) >> 56);
-    for (int64_t i = 0; i < n; i++) train->labels[i] = (int32_t)(dt_rng_u64(&rng) % 10);
+    for (size_t i = 0; i < bytes; i++) train->pixels[i] = (uint8_t)(dt__rng_u64(&rng) >> 56);
+    for (int64_t i = 0; i < n; i++) train->labels[i] = (int32_t)(dt__rng_u64(&rng) % 10);
     for (int c = 0; c < 10; c++) {
         char name[24];
         snprintf(name, sizeof name, "class%d", c);
         train->class_names[c] = strdup(name);
     }
-    dt_copy_str(train->source, sizeof train->source, "random images in memory (--bench)");
+    dt__copy_str(train->source, sizeof train->source, "random images in memory (--bench)");
 }
 
 /* --model gpt: text, from --data or --tokens, or the built-in text; --bench: random tokens. */
-static void dt_load_text(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
+static void dt__load_text(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
     if (cfg->bench) {
         int ranks = cfg->nproc > cfg->world_size ? cfg->nproc : cfg->world_size, V = cfg->vocab > 0 ? cfg->vocab : 256;
         int64_t n = (int64_t)cfg->batch_size * ranks * 4 * cfg->seq_len + 1;
         uint16_t *tok = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)n);
         if (!tok) dt_fail("out of memory (--bench)");
-        dt_rng rng = { cfg->seed };
-        for (int64_t i = 0; i < n; i++) tok[i] = (uint16_t)(dt_rng_u64(&rng) % (uint64_t)V);
-        dt_text_split(tok, n, V, cfg->seq_len, "random tokens in memory (--bench)", train);
+        dt__rng rng = { cfg->seed };
+        for (int64_t i = 0; i < n; i++) tok[i] = (uint16_t)(dt__rng_u64(&rng) % (uint64_t)V);
+        dt__text_split(tok, n, V, cfg->seq_len, "random tokens in memory (--bench)", train);
         free(tok);
         return;                          /* no validation set: dt_load_data left it empty */
     }
@@ -7578,13 +7585,13 @@ static void dt_load_text(const dt_config *cfg, dt_dataset *train, dt_dataset *va
         struct stat st;
         if (cfg->local_rank == 0 && stat(path, &st) != 0) {   /* one rank per machine writes it */
             if (!cfg->quiet) { printf("first use: writing the built-in text to %s (1 MB of generated sentences) ...\n", path); fflush(stdout); }
-            if (stat("data", &st) != 0) dt_mkdir("data");
+            if (stat("data", &st) != 0) dt__mkdir("data");
             char tmp[256];
             snprintf(tmp, sizeof tmp, "%s.partial", path);
             dt_synthetic_text_write(tmp, 1000000, 20261121);
             if (rename(tmp, path) != 0) dt_fail("cannot rename '%s' to '%s': %s", tmp, path, strerror(errno));
         }
-        if (dt_ctx.job && dt_ctx.world_size > 1) dt_barrier(dt_ctx.job);
+        if (dt__ctx.job && dt__ctx.world_size > 1) dt_barrier(dt__ctx.job);
     }
     dt_text_load(path, cfg->tokens != NULL, cfg->vocab, cfg->seq_len, 0.1, train, val);
     dt_dataset_slice(train, cfg->start_idx, cfg->end_idx);
@@ -7593,8 +7600,8 @@ static void dt_load_text(const dt_config *cfg, dt_dataset *train, dt_dataset *va
 void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
     memset(train, 0, sizeof *train);     /* the caller's sets start empty, whichever path fills them */
     memset(val, 0, sizeof *val);
-    if (cfg->model == DT_MODEL_GPT) { dt_load_text(cfg, train, val); return; }
-    if (cfg->bench) { dt_bench_data(cfg, train); return; }
+    if (cfg->model == DT_MODEL_GPT) { dt__load_text(cfg, train, val); return; }
+    if (cfg->bench) { dt__bench_data(cfg, train); return; }
     const char *dir = cfg->data;
     if (!dir) {
         dir = "data/synthetic";
@@ -7602,16 +7609,16 @@ void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
         /* In a job, one rank per machine writes it while the others wait. */
         if (cfg->local_rank == 0 && stat(dir, &st) != 0) {
             if (!cfg->quiet) { printf("first use: writing the synthetic data set to %s (10000 + 2000 images) ...\n", dir); fflush(stdout); }
-            if (stat("data", &st) != 0) dt_mkdir("data");
+            if (stat("data", &st) != 0) dt__mkdir("data");
             dt_synthetic_write(dir, 10000, 2000, 32, 20261121);
         }
-        if (dt_ctx.job && dt_ctx.world_size > 1) dt_barrier(dt_ctx.job);
+        if (dt__ctx.job && dt__ctx.world_size > 1) dt_barrier(dt__ctx.job);
     }
     double t0 = dt_now_ms();
     dt_dataset_load(dir, "train", cfg->image_size, NULL, train);
     dt_dataset_load(dir, "val", cfg->image_size, train, val);
     dt_dataset_slice(train, cfg->start_idx, cfg->end_idx);
-    if (!cfg->quiet && dt_ctx.rank == 0) { printf("loaded %s in %.1f s\n", dir, (dt_now_ms() - t0) / 1e3); fflush(stdout); }
+    if (!cfg->quiet && dt__ctx.rank == 0) { printf("loaded %s in %.1f s\n", dir, (dt_now_ms() - t0) / 1e3); fflush(stdout); }
 }
 
 /* ==== 18. the run driver ========================================================
@@ -7621,19 +7628,19 @@ void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
    and finish with the summary. It calls every section above and none calls it. */
 
 /* The stop signal this rank caught, if any. */
-static int dt_local_stop_signal(void) {
+static int dt__local_stop_signal(void) {
 #ifdef DT_TESTING
-    if (getenv("DT_TEST_STOP_AT_STEP") && dt_ctx.rank == 0 && !dt_stop_signal) {
+    if (getenv("DT_TEST_STOP_AT_STEP") && dt__ctx.rank == 0 && !dt__stop_signal) {
         /* Preemption tests: at step N rank 0 sends SIGTERM to its launcher (or to itself) and waits until the
            signal comes back to it, so the job stops at that step however busy the machine is. */
         static int64_t calls;
         if (++calls == atoll(getenv("DT_TEST_STOP_AT_STEP"))) {
             kill(getenv("DT_LAUNCHED_RANK") ? getppid() : getpid(), SIGTERM);
-            for (int i = 0; i < 5000 && !dt_stop_signal; i++) { struct timespec ts = { 0, 1000000 }; nanosleep(&ts, NULL); }
+            for (int i = 0; i < 5000 && !dt__stop_signal; i++) { struct timespec ts = { 0, 1000000 }; nanosleep(&ts, NULL); }
         }
     }
 #endif
-    return dt_stop_signal;
+    return dt__stop_signal;
 }
 
 /* The loss of the whole job's batch -- the mean of the ranks' means -- and
@@ -7643,15 +7650,15 @@ static int dt_local_stop_signal(void) {
    base W + 1, which the mean keeps exact, so every rank reads back the same
    answer: preempted (SIGTERM, then SIGUSR1) before Ctrl-C, and a rank that
    caught nothing yet stops on that one too. */
-static int dt_job_mean_loss(dt_tensor *loss, int stop) {
-    if (!dt_ctx.job || dt_ctx.world_size == 1) return stop;
-    int W = dt_ctx.world_size;
+static int dt__job_mean_loss(dt_tensor *loss, int stop) {
+    if (!dt__ctx.job || dt__ctx.world_size == 1) return stop;
+    int W = dt__ctx.world_size;
     long base = W + 1;
-    float host[2], *both = (float *)dt_step_alloc_on(dt_ctx.device, sizeof host);
+    float host[2], *both = (float *)dt__step_alloc_on(dt__ctx.device, sizeof host);
     dt_download(host, loss->data, sizeof(float));
     host[1] = (float)(stop == SIGINT ? 1 : stop == SIGUSR1 ? base : stop == SIGTERM ? base * base : 0);
     dt_upload(both, host, sizeof host);
-    dt_all_reduce(dt_ctx.job, both, both, 2, DT_F32, DT_AVG);
+    dt_all_reduce(dt__ctx.job, both, both, 2, DT_F32, DT_AVG);
     dt_download(host, both, sizeof host);
     dt_upload(loss->data, host, sizeof(float));
     long caught = lround((double)host[1] * W);
@@ -7664,9 +7671,9 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
     run->cfg = *cfg; run->model = model; run->opt = opt; run->loader = loader; run->val = val;
     if (cfg->resume && !strcmp(cfg->resume, "auto")) {
         if (!cfg->save_dir) dt_usage_error("--resume auto resumes from the newest checkpoint in --save-dir: give --save-dir");
-        run->cfg.resume = dt_newest_checkpoint(cfg->save_dir, run->resume_path, sizeof run->resume_path);
+        run->cfg.resume = dt__newest_checkpoint(cfg->save_dir, run->resume_path, sizeof run->resume_path);
         if (run->cfg.resume) run->cfg.init = NULL;             /* the checkpoint holds the weights since */
-        else if (!cfg->quiet && dt_ctx.rank == 0)
+        else if (!cfg->quiet && dt__ctx.rank == 0)
             printf("--resume auto: no checkpoint in %s yet, starting %s\n", cfg->save_dir, cfg->init ? "from --init" : "fresh");
         cfg = &run->cfg;
     }
@@ -7675,19 +7682,19 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
         run->cfg.eval_every = 0; run->cfg.sample = 0; run->val = NULL;
         cfg = &run->cfg;
     }
-    if (dt_ctx.job && dt_ctx.world_size > 1) {      /* flags that must be equal on every rank */
+    if (dt__ctx.job && dt__ctx.world_size > 1) {      /* flags that must be equal on every rank */
         char v[256];
         dt_model_describe(model, v, sizeof v);
-        dt_comm_check_agree(dt_ctx.job, "the model", v);
+        dt_comm_check_agree(dt__ctx.job, "the model", v);
         snprintf(v, sizeof v, "%d %d %lld %g %d %llu", cfg->batch_size, cfg->epochs, (long long)cfg->steps, cfg->lr,
                  (int)cfg->optimizer, (unsigned long long)cfg->seed);
-        dt_comm_check_agree(dt_ctx.job, "--batch-size --epochs --steps --lr --optimizer --seed", v);
+        dt_comm_check_agree(dt__ctx.job, "--batch-size --epochs --steps --lr --optimizer --seed", v);
         snprintf(v, sizeof v, "%lld %lld %lld %g %d %d", (long long)loader->ds->n, (long long)cfg->start_idx,
                  (long long)cfg->warmup, cfg->bucket_mb, cfg->shard * 2 + cfg->cpu_offload, cfg->bench);
-        dt_comm_check_agree(dt_ctx.job, "the training set, --start-idx --warmup --bucket-mb --shard --cpu-offload --bench", v);
+        dt_comm_check_agree(dt__ctx.job, "the training set, --start-idx --warmup --bucket-mb --shard --cpu-offload --bench", v);
         snprintf(v, sizeof v, "%d %d %d", cfg->accum_steps, cfg->dtype, cfg->reduce_dtype);
-        dt_comm_check_agree(dt_ctx.job, "--accum-steps --dtype --reduce-dtype", v);
-        dt_comm_check_agree(dt_ctx.job, "--resume", cfg->resume ? cfg->resume : "(none)");
+        dt_comm_check_agree(dt__ctx.job, "--accum-steps --dtype --reduce-dtype", v);
+        dt_comm_check_agree(dt__ctx.job, "--resume", cfg->resume ? cfg->resume : "(none)");
     }
     run->scaler = dt_loss_scaler_create((dt_dtype)cfg->dtype);
     if (loader->ds->tokens && run->val && run->val->tokens) run->unigram_loss = dt_unigram_loss(loader->ds, run->val);
@@ -7706,14 +7713,14 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
     dt_mem_reset_peaks();                  /* from here on, the peaks are those of training */
     if (cfg->save_dir) {
         struct stat st;
-        if (stat(cfg->save_dir, &st) != 0) dt_mkdir(cfg->save_dir);
+        if (stat(cfg->save_dir, &st) != 0) dt__mkdir(cfg->save_dir);
         else if (!S_ISDIR(st.st_mode)) dt_fail("--save-dir '%s' exists and is not a folder", cfg->save_dir);
     }
-    if (cfg->log_path && dt_ctx.rank == 0 && !(run->log = fopen(cfg->log_path, cfg->resume ? "a" : "w")))
+    if (cfg->log_path && dt__ctx.rank == 0 && !(run->log = fopen(cfg->log_path, cfg->resume ? "a" : "w")))
         dt_fail("cannot open --log '%s': %s", cfg->log_path, strerror(errno));
-    if (cfg->trace_path) dt_trace_open(run, cfg->trace_path);
+    if (cfg->trace_path) dt__trace_open(run, cfg->trace_path);
     run->start_ms = run->mark_ms = dt_now_ms();
-    if (!cfg->quiet && dt_ctx.rank == 0) {
+    if (!cfg->quiet && dt__ctx.rank == 0) {
         char desc[256];
         dt_model_describe(model, desc, sizeof desc);
         printf("%s: %s\n", cfg->stage, desc);
@@ -7729,10 +7736,10 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
                    (long long)loader->ds->n, loader->ds->source, val ? (long long)val->n : 0LL, loader->ds->size,
                    loader->ds->size, loader->ds->num_classes);
         char where[300];
-        if (model->device == DT_CUDA) snprintf(where, sizeof where, "cuda (%s)", dt_ctx.gpu->name);
+        if (model->device == DT_CUDA) snprintf(where, sizeof where, "cuda (%s)", dt__ctx.gpu->name);
         else snprintf(where, sizeof where, "cpu, %d threads", dt_threads());
-        if (dt_ctx.world_size > 1)
-            snprintf(where + strlen(where), sizeof where - strlen(where), " per rank, %d ranks", dt_ctx.world_size);
+        if (dt__ctx.world_size > 1)
+            snprintf(where + strlen(where), sizeof where - strlen(where), " per rank, %d ranks", dt__ctx.world_size);
         char images[64], precision[96] = "";
         const char *unit = loader->ds->tokens ? "sequences" : "images";
         if (cfg->accum_steps > 1) snprintf(images, sizeof images, "%d micro-batches of %d %s", cfg->accum_steps, loader->batch_size, unit);
@@ -7746,7 +7753,7 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
                run->stop_step < run->total_steps ? " (stopping early, see --steps)" : "",
                opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)run->warmup, where, precision);
         if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, run->epoch + 1, (long long)run->step);
-        if (dt_fsdp_of(model)) dt_fsdp_memory_table(dt_fsdp_of(model), opt);
+        if (dt__fsdp_of(model)) dt__fsdp_memory_table(dt__fsdp_of(model), opt);
         fflush(stdout);
     }
     if (cfg->bench) run->stop_step = run->step + 2 + (cfg->steps > 0 ? cfg->steps : 3);   /* refined after a timed step */
@@ -7780,9 +7787,9 @@ float dt_run_lr(const dt_run *run) { return dt_schedule_lr(run->cfg.lr, run->ste
 void dt_step_begin(dt_run *run) {
     dt_step_arena_reset();
     for (int i = 0; i < DT_PHASE_COUNT; i++) run->phase_ms[i] = 0;
-    dt_ctx.comm_ms = dt_ctx.comm_hidden_ms = 0;
-    dt_ctx.ncomm_events = 0;
-    dt_ctx.grad_collectives = 0;
+    dt__ctx.comm_ms = dt__ctx.comm_hidden_ms = 0;
+    dt__ctx.ncomm_events = 0;
+    dt__ctx.grad_collectives = 0;
     if (run->cfg.bench && run->step == run->bench_first) {     /* the warm-up is over: the clock starts */
         dt_synchronize();
         dt_flops_reset();
@@ -7792,14 +7799,14 @@ void dt_step_begin(dt_run *run) {
 }
 
 /* --explain: the cost model on this run, with the compute it just measured. */
-static void dt_run_explain(dt_run *r) {
+static void dt__run_explain(dt_run *r) {
     static const char *links[] = { "shm", "pcie", "nvlink", "infiniband" };
     const dt_config *c = &r->cfg;
     dt_link link;
     dt_link_preset(c->link >= 0 ? links[c->link] : r->model->device == DT_CUDA ? "nvlink" : "shm", &link);
     dt_cost_input in;
     memset(&in, 0, sizeof in);
-    int n = dt_data_parallel_width(), alone = !strncmp(c->stage, "01", 2);
+    int n = dt__data_parallel_width(), alone = !strncmp(c->stage, "01", 2);
     in.kind = alone || !strncmp(c->stage, "03", 2) ? DT_PAR_DDP : !strncmp(c->stage, "02", 2) ? DT_PAR_DP
             : c->shard == DT_SHARD_OPTIMIZER ? DT_PAR_ZERO1 : c->shard == DT_SHARD_GRADS ? DT_PAR_ZERO2 : DT_PAR_ZERO3;
     in.compute_ms = (r->phase_ms[DT_PHASE_FWD] + r->phase_ms[DT_PHASE_BWD]) / c->accum_steps;
@@ -7812,7 +7819,7 @@ static void dt_run_explain(dt_run *r) {
     in.accum_steps = c->accum_steps;
     in.messages = in.kind == DT_PAR_DDP ? dt_cost_ddp_buckets(in.params, c->bucket_mb) : r->model->nunits;
     printf("--explain, measured on step %lld: compute %.1f ms, communication %.1f ms (%.1f hidden)\n",
-           (long long)r->step, in.compute_ms * c->accum_steps + in.optimizer_ms, dt_ctx.comm_ms, dt_ctx.comm_hidden_ms);
+           (long long)r->step, in.compute_ms * c->accum_steps + in.optimizer_ms, dt__ctx.comm_ms, dt__ctx.comm_hidden_ms);
     if (alone) printf("(stage 01 trains alone: here is what DDP, stage 03, would do with it)\n");
     dt_cost_explain(stdout, &in, &link, n > 1 ? n : 2);
     printf("  predicted speedup at");
@@ -7824,7 +7831,7 @@ static void dt_run_explain(dt_run *r) {
 }
 
 /* --sample N: the model continues the first tokens of the validation text. */
-static void dt_run_sample(dt_run *r) {
+static void dt__run_sample(dt_run *r) {
     const dt_dataset *src = r->val && r->val->tokens ? r->val : r->loader->ds;
     int n = r->cfg.sample, np = src->seq_len / 2 < 16 ? src->seq_len / 2 : 16;
     if (np < 1) np = 1;
@@ -7832,7 +7839,7 @@ static void dt_run_sample(dt_run *r) {
     if (!out) dt_fail("out of memory (--sample)");
     for (int i = 0; i < np; i++) prompt[i] = src->tokens[i];
     dt_generate(r->model, prompt, np, n, 0.8f, r->cfg.seed + (uint64_t)r->step, out);
-    if (!r->cfg.quiet && dt_ctx.rank == 0) {
+    if (!r->cfg.quiet && dt__ctx.rank == 0) {
         int bytes = !r->cfg.tokens;
         printf("sample step %lld (temperature 0.8, after the prompt in [ ]):\n  [", (long long)r->step);
         for (int i = 0; i < np + n; i++) {
@@ -7848,15 +7855,15 @@ static void dt_run_sample(dt_run *r) {
     free(out);
 }
 
-static void dt_run_eval(dt_run *r) {
+static void dt__run_eval(dt_run *r) {
     int sample = r->cfg.sample > 0 && r->model->cfg.kind == DT_MODEL_GPT;
     double t0 = dt_now_ms();
     r->mark_ms = t0;
     if (!r->val || r->val->n == 0) {
-        if (sample) { dt_run_sample(r); dt_phase(r, DT_PHASE_EVAL); }
+        if (sample) { dt__run_sample(r); dt_phase(r, DT_PHASE_EVAL); }
         return;
     }
-    if (!r->cfg.quiet && dt_ctx.rank == 0) {     /* said before the wait, which on a big set is long */
+    if (!r->cfg.quiet && dt__ctx.rank == 0) {     /* said before the wait, which on a big set is long */
         if (r->val->tokens) printf("eval  step %lld: evaluating %lld tokens ...\n", (long long)r->step,
                                    (long long)r->val->n * r->val->seq_len);
         else printf("eval  step %lld: evaluating %lld images ...\n", (long long)r->step, (long long)r->val->n);
@@ -7868,9 +7875,9 @@ static void dt_run_eval(dt_run *r) {
         fprintf(r->log, "{\"step\":%lld,\"epoch\":%d,\"eval_loss\":%.6f,\"eval_acc\":%.6f}\n", (long long)r->step,
                 r->epoch + 1, r->eval_loss, r->eval_acc);
         fflush(r->log);
-        dt_file_check(r->log, "--log", r->cfg.log_path);
+        dt__file_check(r->log, "--log", r->cfg.log_path);
     }
-    if (!r->cfg.quiet && dt_ctx.rank == 0) {
+    if (!r->cfg.quiet && dt__ctx.rank == 0) {
         if (r->val->tokens)
             printf("eval  step %lld: loss %.4f (context-free baseline %.4f), next-token accuracy %.2f%% (%lld tokens, %.1f s)\n",
                    (long long)r->step, r->eval_loss, r->unigram_loss, 100 * r->eval_acc, (long long)r->val->n * r->val->seq_len,
@@ -7880,7 +7887,7 @@ static void dt_run_eval(dt_run *r) {
                    100 * r->eval_acc, (long long)r->val->n, (dt_now_ms() - t0) / 1e3);
         fflush(stdout);
     }
-    if (sample) { dt_run_sample(r); dt_phase(r, DT_PHASE_EVAL); }
+    if (sample) { dt__run_sample(r); dt_phase(r, DT_PHASE_EVAL); }
 }
 
 int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
@@ -7891,63 +7898,63 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     run->micro = 0;
     run->micro_loss = 0;
     /* the loss of the whole job's batch: the mean of the ranks' means */
-    int stop = dt_job_mean_loss(loss, run->cfg.bench || run->step + 1 >= run->stop_step ? 0 : dt_local_stop_signal());
+    int stop = dt__job_mean_loss(loss, run->cfg.bench || run->step + 1 >= run->stop_step ? 0 : dt__local_stop_signal());
     double now = dt_now_ms(), step_ms = now - run->step_start_ms;
     float lr = dt_run_lr(run);
     batch_size *= run->cfg.accum_steps;                     /* the samples of one step, per rank */
     run->step++;
     run->steps_run++;
     run->batch_in_epoch++;
-    run->samples += (double)batch_size * dt_ctx.world_size;
+    run->samples += (double)batch_size * dt__ctx.world_size;
     run->train_ms += step_ms;
     run->last_loss = dt_tensor_item(loss);
     run->loss_sum += run->last_loss;
     run->loss_count++;
     if (!isfinite(run->last_loss))
         dt_fail("the loss became %f at step %lld (try a lower --lr, or --clip)", run->last_loss, (long long)run->step);
-    for (int k = 0; k < dt_ctx.ncomm_events; k++)
-        dt_trace_event(run, dt_ctx.comm_events[k].name, DT_TRACK_COMM, dt_ctx.comm_events[k].t0, dt_ctx.comm_events[k].t1);
+    for (int k = 0; k < dt__ctx.ncomm_events; k++)
+        dt__trace_event(run, dt__ctx.comm_events[k].name, DT_TRACK_COMM, dt__ctx.comm_events[k].t0, dt__ctx.comm_events[k].t1);
     if (run->log) {
         fprintf(run->log, "{\"step\":%lld,\"epoch\":%d,\"loss\":%.8g,\"lr\":%.6g,\"samples_per_s\":%.1f,\"step_ms\":%.3f,"
                         "\"data_ms\":%.3f,\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"comm_ms\":%.3f,\"comm_hidden_ms\":%.3f,"
                         "\"comm_wait_ms\":%.3f,\"opt_ms\":%.3f,\"grad_norm\":%.5g,\"mem_bytes\":%zu,"
                         "\"grad_collectives\":%lld",
-                (long long)run->step, run->epoch + 1, run->last_loss, lr, batch_size * dt_ctx.world_size * 1e3 / step_ms, step_ms,
-                run->phase_ms[DT_PHASE_DATA], run->phase_ms[DT_PHASE_FWD], run->phase_ms[DT_PHASE_BWD], dt_ctx.comm_ms,
-                dt_ctx.comm_hidden_ms, run->phase_ms[DT_PHASE_COMM], run->phase_ms[DT_PHASE_OPT], run->opt->last_grad_norm,
-                dt_mem_total_now(), (long long)dt_ctx.grad_collectives);
+                (long long)run->step, run->epoch + 1, run->last_loss, lr, batch_size * dt__ctx.world_size * 1e3 / step_ms, step_ms,
+                run->phase_ms[DT_PHASE_DATA], run->phase_ms[DT_PHASE_FWD], run->phase_ms[DT_PHASE_BWD], dt__ctx.comm_ms,
+                dt__ctx.comm_hidden_ms, run->phase_ms[DT_PHASE_COMM], run->phase_ms[DT_PHASE_OPT], run->opt->last_grad_norm,
+                dt_mem_total_now(), (long long)dt__ctx.grad_collectives);
         if (run->scaler.enabled)
             fprintf(run->log, ",\"loss_scale\":%g,\"skipped\":%d,\"skipped_steps\":%lld", run->scaler.scale,
                     run->scaler.last_skipped, (long long)run->scaler.skipped);
-        if (dt_tokens_per_sample(run))
-            fprintf(run->log, ",\"tokens_per_s\":%.1f", (double)batch_size * dt_ctx.world_size * dt_tokens_per_sample(run) * 1e3 / step_ms);
+        if (dt__tokens_per_sample(run))
+            fprintf(run->log, ",\"tokens_per_s\":%.1f", (double)batch_size * dt__ctx.world_size * dt__tokens_per_sample(run) * 1e3 / step_ms);
         fprintf(run->log, "}\n");
-        dt_file_check(run->log, "--log", run->cfg.log_path);
+        dt__file_check(run->log, "--log", run->cfg.log_path);
     }
     if (run->cfg.bench && run->step > run->bench_first) {
         for (int i = 0; i < DT_PHASE_COUNT; i++) run->bench_phase_ms[i] += run->phase_ms[i];
-        run->bench_comm_ms += dt_ctx.comm_ms;
-        run->bench_hidden_ms += dt_ctx.comm_hidden_ms;
+        run->bench_comm_ms += dt__ctx.comm_ms;
+        run->bench_hidden_ms += dt__ctx.comm_hidden_ms;
         if (run->step == run->bench_first + 1 && run->cfg.steps == 0) {
             /* about three seconds of steps (3 to 200); rank 0 decides for every rank */
             float n = (float)(3000.0 / (step_ms > 1e-3 ? step_ms : 1e-3));
             n = n < 3 ? 3 : n > 200 ? 200 : (float)(int)n;
-            if (dt_ctx.rank != 0) n = 0;
-            dt_job_sum(&n, 1);
+            if (dt__ctx.rank != 0) n = 0;
+            dt__job_sum(&n, 1);
             run->stop_step = run->bench_first + (int64_t)n;
         }
     }
     run->step_ms_avg = dt_eta_update(run->step_ms_avg, step_ms, run->steps_run);
     int last_of_epoch = run->batch_in_epoch == run->batches_per_epoch || run->step == run->stop_step;
-    if (!run->cfg.quiet && dt_ctx.rank == 0 && dt_progress_due(run->step, run->cfg.log_every, last_of_epoch, now, run->line_ms)) {
+    if (!run->cfg.quiet && dt__ctx.rank == 0 && dt__progress_due(run->step, run->cfg.log_every, last_of_epoch, now, run->line_ms)) {
         char eta[32];
-        double rate = run->step_ms_avg > 0 ? batch_size * dt_ctx.world_size * 1e3 / run->step_ms_avg : 0;
-        dt_format_duration((run->stop_step - run->step) * run->step_ms_avg / 1e3, eta, sizeof eta);
+        double rate = run->step_ms_avg > 0 ? batch_size * dt__ctx.world_size * 1e3 / run->step_ms_avg : 0;
+        dt__format_duration((run->stop_step - run->step) * run->step_ms_avg / 1e3, eta, sizeof eta);
         run->line_ms = now;
         char scale[64] = "";
         if (run->scaler.enabled)
             snprintf(scale, sizeof scale, "  scale %g (%lld skipped)", run->scaler.scale, (long long)run->scaler.skipped);
-        int tok = dt_tokens_per_sample(run);
+        int tok = dt__tokens_per_sample(run);
         printf("step %6lld/%lld  epoch %d/%d  loss %.4f  lr %.2e  %.0f %s/s  eta %s%s\n", (long long)run->step,
                (long long)run->stop_step, run->epoch + 1, run->cfg.epochs, run->loss_sum / run->loss_count, lr,
                tok ? rate * tok : rate, tok ? "tokens" : "samples", eta, scale);
@@ -7955,9 +7962,9 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
         run->loss_sum = 0;
         run->loss_count = 0;
     }
-    if (run->cfg.explain && run->steps_run == 3 && dt_ctx.rank == 0) dt_run_explain(run);
+    if (run->cfg.explain && run->steps_run == 3 && dt__ctx.rank == 0) dt__run_explain(run);
     if (stop) { run->stopped_by = stop; run->stop = 1; }
-    if (run->cfg.eval_every > 0 && run->step % run->cfg.eval_every == 0 && !run->stopped_by) dt_run_eval(run);
+    if (run->cfg.eval_every > 0 && run->step % run->cfg.eval_every == 0 && !run->stopped_by) dt__run_eval(run);
     if (run->step >= run->stop_step) run->stop = 1;
     return run->stop;
 }
@@ -7965,32 +7972,32 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
 void dt_epoch_end(dt_run *run) {
     int finished = run->batch_in_epoch >= run->batches_per_epoch;
     if (finished) { run->epoch++; run->batch_in_epoch = 0; }
-    if (!run->stopped_by && !(run->cfg.eval_every > 0 && run->step % run->cfg.eval_every == 0)) dt_run_eval(run);
-    if (run->stopped_by && !run->cfg.save_dir && dt_ctx.rank == 0)
-        dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt_signal_name(run->stopped_by),
+    if (!run->stopped_by && !(run->cfg.eval_every > 0 && run->step % run->cfg.eval_every == 0)) dt__run_eval(run);
+    if (run->stopped_by && !run->cfg.save_dir && dt__ctx.rank == 0)
+        dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt__signal_name(run->stopped_by),
                 (long long)run->steps_run);
-    if (run->cfg.save_dir && (dt_ctx.rank == 0 || dt_fsdp_of(run->model))) {   /* sharded: every rank gathers */
+    if (run->cfg.save_dir && (dt__ctx.rank == 0 || dt__fsdp_of(run->model))) {   /* sharded: every rank gathers */
         char path[4096], what[64];
         if (finished) snprintf(what, sizeof what, "epoch%d", run->epoch);
         else snprintf(what, sizeof what, "step%lld", (long long)run->step);
-        dt_describe_position(run, path, sizeof path, what);
+        dt__describe_position(run, path, sizeof path, what);
         run->mark_ms = dt_now_ms();
         dt_checkpoint_save(run, path);
         dt_phase(run, DT_PHASE_CKPT);
-        if (!run->cfg.quiet && dt_ctx.rank == 0) { printf("saved %s\n", path); fflush(stdout); }
+        if (!run->cfg.quiet && dt__ctx.rank == 0) { printf("saved %s\n", path); fflush(stdout); }
     }
 }
 
 int dt_run_finish(dt_run *run) {
-    if (run->cfg.bench) dt_bench_report(run);
+    if (run->cfg.bench) dt__bench_report(run);
     else if (run->steps_run == 0 && run->val) {        /* --resume of a finished run: evaluate it */
-        if (!run->cfg.quiet && dt_ctx.rank == 0) printf("nothing left to train (epoch %d of %d): evaluating\n", run->epoch, run->cfg.epochs);
-        dt_run_eval(run);
+        if (!run->cfg.quiet && dt__ctx.rank == 0) printf("nothing left to train (epoch %d of %d): evaluating\n", run->epoch, run->cfg.epochs);
+        dt__run_eval(run);
     }
     double rate = run->train_ms > 0 ? run->samples / (run->train_ms / 1e3) : 0;
     double final_loss = run->loss_count ? run->loss_sum / run->loss_count : run->last_loss;
-    if (dt_ctx.rank == 0 && !run->cfg.bench) {
-        int tok = dt_tokens_per_sample(run);
+    if (dt__ctx.rank == 0 && !run->cfg.bench) {
+        int tok = dt__tokens_per_sample(run);
         printf("done: %lld steps, %.0f %s/s, final loss %.4f, eval loss %.4f, eval accuracy %.2f%%, %.1f s\n",
                (long long)run->step, tok ? rate * tok : rate, tok ? "tokens" : "samples", final_loss, run->eval_loss,
                100 * run->eval_acc, (dt_now_ms() - run->start_ms) / 1e3);
@@ -8016,9 +8023,9 @@ int dt_run_finish(dt_run *run) {
     if (run->log) {
         fprintf(run->log, "{\"summary\":true,\"steps\":%lld,\"final_loss\":%.6f,\"eval_loss\":%.6f,\"eval_acc\":%.6f,"
                         "\"samples_per_s\":%.1f,\"peak_mem_bytes\":%zu,\"world_size\":%d",
-                (long long)run->step, final_loss, run->eval_loss, run->eval_acc, rate, dt_mem_total_peak(), dt_ctx.world_size);
-        if (dt_tokens_per_sample(run))
-            fprintf(run->log, ",\"tokens_per_s\":%.1f,\"unigram_loss\":%.6f", rate * dt_tokens_per_sample(run), run->unigram_loss);
+                (long long)run->step, final_loss, run->eval_loss, run->eval_acc, rate, dt_mem_total_peak(), dt__ctx.world_size);
+        if (dt__tokens_per_sample(run))
+            fprintf(run->log, ",\"tokens_per_s\":%.1f,\"unigram_loss\":%.6f", rate * dt__tokens_per_sample(run), run->unigram_loss);
         if (run->scaler.enabled) fprintf(run->log, ",\"loss_scale\":%g,\"skipped_steps\":%lld", run->scaler.scale, (long long)run->scaler.skipped);
         for (int a = 0; a < DT_ARENA_COUNT; a++) fprintf(run->log, ",\"peak_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a));
         for (int a = 0; a < DT_ARENA_COUNT; a++)
@@ -8027,17 +8034,17 @@ int dt_run_finish(dt_run *run) {
         fprintf(run->log, "}\n");
         FILE *log = run->log;
         run->log = NULL;
-        dt_file_close(log, "--log", run->cfg.log_path);
+        dt__file_close(log, "--log", run->cfg.log_path);
     }
     if (run->trace) {
         FILE *trace = run->trace;
         run->trace = NULL;
         fprintf(trace, "]\n");
-        dt_file_close(trace, "--trace", run->trace_path);
+        dt__file_close(trace, "--trace", run->trace_path);
     }
     if (!run->stopped_by) return 0;
-    if (dt_ctx.rank == 0) {
-        printf("stopped by %s after step %lld of %lld%s\n", dt_signal_name(run->stopped_by), (long long)run->step,
+    if (dt__ctx.rank == 0) {
+        printf("stopped by %s after step %lld of %lld%s\n", dt__signal_name(run->stopped_by), (long long)run->step,
                (long long)run->stop_step, run->cfg.save_dir ? ": the same command with --resume auto continues from here" : "");
         fflush(stdout);
     }
@@ -8077,25 +8084,25 @@ static struct {
     void *row_loss;                      /* cross-entropy: each row's loss, summed in order after */
     size_t row_loss_bytes;
     dt_backend table;
-} dt_cuda;
+} dt__cuda;
 
-static void dt_cuda_check(cudaError_t err, const char *call, const char *file, int line) {
+static void dt__cuda_check(cudaError_t err, const char *call, const char *file, int line) {
     if (err != cudaSuccess)
         dt_fail("%s failed at %s:%d: %s (%s)", call, file, line, cudaGetErrorString(err), cudaGetErrorName(err));
 }
-static void dt_cublas_check(cublasStatus_t st, const char *call, const char *file, int line) {
+static void dt__cublas_check(cublasStatus_t st, const char *call, const char *file, int line) {
     if (st != CUBLAS_STATUS_SUCCESS) dt_fail("%s failed at %s:%d: %s", call, file, line, cublasGetStatusString(st));
 }
-#define DT_CUDA_CHECK(call) dt_cuda_check((call), #call, __FILE__, __LINE__)
-#define DT_CUBLAS_CHECK(call) dt_cublas_check((call), #call, __FILE__, __LINE__)
+#define DT_CUDA_CHECK(call) dt__cuda_check((call), #call, __FILE__, __LINE__)
+#define DT_CUBLAS_CHECK(call) dt__cublas_check((call), #call, __FILE__, __LINE__)
 /* A launch returns no status; cudaGetLastError() holds a bad launch shape. */
 #define DT_LAUNCH(kernel, blocks, threads, ...)                                          \
     do {                                                                                 \
-        kernel<<<(blocks), (threads), 0, dt_cuda.stream>>>(__VA_ARGS__);                \
-        dt_cuda_check(cudaGetLastError(), "launching " #kernel, __FILE__, __LINE__);    \
+        kernel<<<(blocks), (threads), 0, dt__cuda.stream>>>(__VA_ARGS__);                \
+        dt__cuda_check(cudaGetLastError(), "launching " #kernel, __FILE__, __LINE__);    \
     } while (0)
 
-static unsigned dt_blocks_for_warps(int64_t rows) {      /* one warp (32 threads) per row */
+static unsigned dt__blocks_for_warps(int64_t rows) {      /* one warp (32 threads) per row */
     return dt_blocks_for(rows * 32);
 }
 #define DT_FOR_EACH(i, n)                                                                          \
@@ -8107,17 +8114,17 @@ static unsigned dt_blocks_for_warps(int64_t rows) {      /* one warp (32 threads
     for (int64_t row = dt_grid_first(blockIdx.x, blockDim.x, threadIdx.x) / 32; row < (rows);      \
          row += dt_grid_stride(gridDim.x, blockDim.x) / 32)
 
-__device__ static inline float dt_warp_sum(float v) {
+__device__ static inline float dt__warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
-__device__ static inline float dt_warp_max(float v) {
+__device__ static inline float dt__warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
 /* ---- memory and copies ---- */
-static void *dt_cuda_alloc(size_t bytes) {
+static void *dt__cuda_alloc(size_t bytes) {
     void *p = NULL;
     cudaError_t err = cudaMalloc(&p, bytes);
     if (err != cudaSuccess) {
@@ -8131,24 +8138,24 @@ static void *dt_cuda_alloc(size_t bytes) {
 }
 /* Only the first steps free GPU memory (the step arena growing): let queued
    kernels that may still read it finish first. */
-static void dt_cuda_release(void *p) {
-    DT_CUDA_CHECK(cudaStreamSynchronize(dt_cuda.stream));
+static void dt__cuda_release(void *p) {
+    DT_CUDA_CHECK(cudaStreamSynchronize(dt__cuda.stream));
     DT_CUDA_CHECK(cudaFree(p));
 }
-static void dt_cuda_zero(void *p, size_t bytes) { DT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, dt_cuda.stream)); }
+static void dt__cuda_zero(void *p, size_t bytes) { DT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, dt__cuda.stream)); }
 /* Host buffers are ordinary (pageable) memory: wait, so the caller may reuse them at once. */
-static void dt_cuda_upload(void *dst, const void *src, size_t bytes) {
-    DT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, dt_cuda.stream));
-    DT_CUDA_CHECK(cudaStreamSynchronize(dt_cuda.stream));
+static void dt__cuda_upload(void *dst, const void *src, size_t bytes) {
+    DT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, dt__cuda.stream));
+    DT_CUDA_CHECK(cudaStreamSynchronize(dt__cuda.stream));
 }
-static void dt_cuda_download(void *dst, const void *src, size_t bytes) {
-    DT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, dt_cuda.stream));
-    DT_CUDA_CHECK(cudaStreamSynchronize(dt_cuda.stream));
+static void dt__cuda_download(void *dst, const void *src, size_t bytes) {
+    DT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, dt__cuda.stream));
+    DT_CUDA_CHECK(cudaStreamSynchronize(dt__cuda.stream));
 }
-static void dt_cuda_synchronize(void) { DT_CUDA_CHECK(cudaStreamSynchronize(dt_cuda.stream)); }
+static void dt__cuda_synchronize(void) { DT_CUDA_CHECK(cudaStreamSynchronize(dt__cuda.stream)); }
 /* Is p memory of a GPU (or managed)? Host memory, and pointers CUDA has never
    seen, are not. */
-static int dt_cuda_owns(const void *p) {
+static int dt__cuda_owns(const void *p) {
     cudaPointerAttributes a;
     cudaError_t err = cudaPointerGetAttributes(&a, p);
     if (err == cudaErrorInvalidValue) { cudaGetLastError(); return 0; }    /* a pointer CUDA does not know */
@@ -8159,27 +8166,27 @@ static int dt_cuda_owns(const void *p) {
 /* ---- matmul: cuBLAS is column-major. A row-major matrix is its column-major
         transpose, so C = op(A) op(B) is computed as C^T = op(B)^T op(A)^T:
         swap the operands and M with N, keep every leading dimension. ---- */
-static void dt_cuda_gemm(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+static void dt__cuda_gemm(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                          const float *B, int ldb, float beta, float *C, int ldc) {
     if (M <= 0 || N <= 0) return;
-    DT_CUBLAS_CHECK(cublasSgemm(dt_cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
+    DT_CUBLAS_CHECK(cublasSgemm(dt__cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
                                 &alpha, B, ldb, A, lda, &beta, C, ldc));
 }
 /* Mixed precision: 16-bit operands on the tensor cores, products summed in f32
    (CUBLAS_COMPUTE_32F), an f32 result. This is where bf16 earns its speed. */
-static void dt_cuda_gemm_half(dt_dtype dtype, int ta, int tb, int M, int N, int K, const void *A, int lda,
+static void dt__cuda_gemm_half(dt_dtype dtype, int ta, int tb, int M, int N, int K, const void *A, int lda,
                               const void *B, int ldb, float beta, float *C, int ldc) {
     if (M <= 0 || N <= 0) return;
     float alpha = 1.0f;
     cudaDataType_t t = dtype == DT_BF16 ? CUDA_R_16BF : CUDA_R_16F;
-    DT_CUBLAS_CHECK(cublasGemmEx(dt_cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
+    DT_CUBLAS_CHECK(cublasGemmEx(dt__cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
                                  &alpha, B, t, ldb, A, t, lda, &beta, C, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
                                  CUBLAS_GEMM_DEFAULT));
 }
-static void dt_cuda_gemm_batched(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+static void dt__cuda_gemm_batched(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                                  long long sa, const float *B, int ldb, long long sb, float beta, float *C, int ldc,
                                  long long sc, int batch) {
-    DT_CUBLAS_CHECK(cublasSgemmStridedBatched(dt_cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+    DT_CUBLAS_CHECK(cublasSgemmStridedBatched(dt__cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
                                               N, M, K, &alpha, B, ldb, sb, A, lda, sa, &beta, C, ldc, sc, batch));
 }
 
@@ -8187,7 +8194,7 @@ static void dt_cuda_gemm_batched(int ta, int tb, int M, int N, int K, float alph
         LayerNorm's x-hat for its weight gradient). Blocks of 32 columns x 8 row
         lanes sum one slab of rows each; a second kernel adds the slabs in order.
         No atomics, so the result is the same every run. ---- */
-__global__ static void dt_k_colsum_partial(const float *dy, const float *x, const float *stats, int rows, int cols,
+__global__ static void dt__k_colsum_partial(const float *dy, const float *x, const float *stats, int rows, int cols,
                                            int ld, int slab_rows, float *part_db, float *part_dw) {
     __shared__ float sh_db[8][33], sh_dw[8][33];
     int tx = threadIdx.x, ty = threadIdx.y, j = blockIdx.x * 32 + tx, slab = blockIdx.y;
@@ -8209,7 +8216,7 @@ __global__ static void dt_k_colsum_partial(const float *dy, const float *x, cons
         if (part_dw) part_dw[(size_t)slab * cols + j] = b;
     }
 }
-__global__ static void dt_k_colsum_finish(const float *part, int slabs, int cols, float *out) {
+__global__ static void dt__k_colsum_finish(const float *part, int slabs, int cols, float *out) {
     DT_FOR_EACH(j, cols) {
         float s = 0;
         for (int k = 0; k < slabs; k++) s += part[(size_t)k * cols + j];
@@ -8217,80 +8224,80 @@ __global__ static void dt_k_colsum_finish(const float *part, int slabs, int cols
     }
 }
 /* A buffer that grows to the largest size asked (in the first step only). */
-static void *dt_cuda_grow(void **buf, size_t *cap, size_t bytes) {
+static void *dt__cuda_grow(void **buf, size_t *cap, size_t bytes) {
     if (bytes > *cap) {
-        if (*buf) dt_cuda_release(*buf);
-        *buf = dt_cuda_alloc(bytes);
+        if (*buf) dt__cuda_release(*buf);
+        *buf = dt__cuda_alloc(bytes);
         *cap = bytes;
     }
     return *buf;
 }
-static float *dt_cuda_scratch(size_t floats) {
-    if (floats > dt_cuda.scratch_floats) {        /* grows in the first step only */
-        if (dt_cuda.scratch) dt_cuda_release(dt_cuda.scratch);
-        dt_cuda.scratch = (float *)dt_cuda_alloc(floats * sizeof(float));
-        dt_cuda.scratch_floats = floats;
+static float *dt__cuda_scratch(size_t floats) {
+    if (floats > dt__cuda.scratch_floats) {        /* grows in the first step only */
+        if (dt__cuda.scratch) dt__cuda_release(dt__cuda.scratch);
+        dt__cuda.scratch = (float *)dt__cuda_alloc(floats * sizeof(float));
+        dt__cuda.scratch_floats = floats;
     }
-    return dt_cuda.scratch;
+    return dt__cuda.scratch;
 }
 /* db[j] += sum_i dy[i*ld + j]; with x and stats also dw[j] += sum_i dy * x-hat. */
-static void dt_cuda_column_sums(const float *dy, const float *x, const float *stats, int rows, int cols, int ld,
+static void dt__cuda_column_sums(const float *dy, const float *x, const float *stats, int rows, int cols, int ld,
                                 float *db, float *dw) {
     if (rows <= 0 || cols <= 0 || (!db && !dw)) return;
     int slabs = (rows + 63) / 64;
     if (slabs > 128) slabs = 128;
     int slab_rows = (rows + slabs - 1) / slabs;
-    float *part = dt_cuda_scratch((size_t)2 * slabs * cols);
+    float *part = dt__cuda_scratch((size_t)2 * slabs * cols);
     dim3 grid((unsigned)((cols + 31) / 32), (unsigned)slabs), block(32, 8);
-    DT_LAUNCH(dt_k_colsum_partial, grid, block, dy, x, stats, rows, cols, ld, slab_rows, part,
+    DT_LAUNCH(dt__k_colsum_partial, grid, block, dy, x, stats, rows, cols, ld, slab_rows, part,
               dw ? part + (size_t)slabs * cols : (float *)NULL);
-    if (db) DT_LAUNCH(dt_k_colsum_finish, dt_blocks_for(cols), DT_THREADS, part, slabs, cols, db);
-    if (dw) DT_LAUNCH(dt_k_colsum_finish, dt_blocks_for(cols), DT_THREADS, part + (size_t)slabs * cols, slabs, cols, dw);
+    if (db) DT_LAUNCH(dt__k_colsum_finish, dt_blocks_for(cols), DT_THREADS, part, slabs, cols, db);
+    if (dw) DT_LAUNCH(dt__k_colsum_finish, dt_blocks_for(cols), DT_THREADS, part + (size_t)slabs * cols, slabs, cols, dw);
 }
-static void dt_cuda_sum_rows(const float *x, float *out, int rows, int cols) {
-    dt_cuda_column_sums(x, NULL, NULL, rows, cols, cols, out, NULL);
+static void dt__cuda_sum_rows(const float *x, float *out, int rows, int cols) {
+    dt__cuda_column_sums(x, NULL, NULL, rows, cols, cols, out, NULL);
 }
 
 /* ---- element-wise ops: one thread per element, the DT_HD arithmetic ---- */
-__global__ static void dt_k_add_bias(float *y, const float *b, int64_t n, int cols) {
+__global__ static void dt__k_add_bias(float *y, const float *b, int64_t n, int cols) {
     DT_FOR_EACH(i, n) y[i] += b[i % cols];
 }
-static void dt_cuda_add_bias(float *y, const float *b, int rows, int cols) {
+static void dt__cuda_add_bias(float *y, const float *b, int rows, int cols) {
     int64_t n = (int64_t)rows * cols;
-    DT_LAUNCH(dt_k_add_bias, dt_blocks_for(n), DT_THREADS, y, b, n, cols);
+    DT_LAUNCH(dt__k_add_bias, dt_blocks_for(n), DT_THREADS, y, b, n, cols);
 }
-__global__ static void dt_k_gelu_forward(const float *x, float *y, int64_t n, int tanh_form) {
+__global__ static void dt__k_gelu_forward(const float *x, float *y, int64_t n, int tanh_form) {
     DT_FOR_EACH(i, n) y[i] = tanh_form ? dt_gelu_tanh_value(x[i]) : dt_gelu_value(x[i]);
 }
-static void dt_cuda_gelu_forward(const float *x, float *y, int64_t n, int tanh_form) {
-    DT_LAUNCH(dt_k_gelu_forward, dt_blocks_for(n), DT_THREADS, x, y, n, tanh_form);
+static void dt__cuda_gelu_forward(const float *x, float *y, int64_t n, int tanh_form) {
+    DT_LAUNCH(dt__k_gelu_forward, dt_blocks_for(n), DT_THREADS, x, y, n, tanh_form);
 }
-__global__ static void dt_k_gelu_backward(const float *x, const float *dy, float *dx, int64_t n, int tanh_form) {
+__global__ static void dt__k_gelu_backward(const float *x, const float *dy, float *dx, int64_t n, int tanh_form) {
     DT_FOR_EACH(i, n) dx[i] += dy[i] * (tanh_form ? dt_gelu_tanh_derivative(x[i]) : dt_gelu_derivative(x[i]));
 }
-static void dt_cuda_gelu_backward(const float *x, const float *dy, float *dx, int64_t n, int tanh_form) {
-    DT_LAUNCH(dt_k_gelu_backward, dt_blocks_for(n), DT_THREADS, x, dy, dx, n, tanh_form);
+static void dt__cuda_gelu_backward(const float *x, const float *dy, float *dx, int64_t n, int tanh_form) {
+    DT_LAUNCH(dt__k_gelu_backward, dt_blocks_for(n), DT_THREADS, x, dy, dx, n, tanh_form);
 }
-__global__ static void dt_k_add(const float *a, const float *b, float *y, int64_t n) {
+__global__ static void dt__k_add(const float *a, const float *b, float *y, int64_t n) {
     DT_FOR_EACH(i, n) y[i] = a[i] + b[i];
 }
-static void dt_cuda_add(const float *a, const float *b, float *y, int64_t n) {
-    DT_LAUNCH(dt_k_add, dt_blocks_for(n), DT_THREADS, a, b, y, n);
+static void dt__cuda_add(const float *a, const float *b, float *y, int64_t n) {
+    DT_LAUNCH(dt__k_add, dt_blocks_for(n), DT_THREADS, a, b, y, n);
 }
-__global__ static void dt_k_accumulate(float *dst, const float *src, int64_t n) {
+__global__ static void dt__k_accumulate(float *dst, const float *src, int64_t n) {
     DT_FOR_EACH(i, n) dst[i] += src[i];
 }
-static void dt_cuda_accumulate(float *dst, const float *src, int64_t n) {
-    DT_LAUNCH(dt_k_accumulate, dt_blocks_for(n), DT_THREADS, dst, src, n);
+static void dt__cuda_accumulate(float *dst, const float *src, int64_t n) {
+    DT_LAUNCH(dt__k_accumulate, dt_blocks_for(n), DT_THREADS, dst, src, n);
 }
-__global__ static void dt_k_scale(float *x, float c, int64_t n) {
+__global__ static void dt__k_scale(float *x, float c, int64_t n) {
     DT_FOR_EACH(i, n) x[i] *= c;
 }
-static void dt_cuda_scale(float *x, float c, int64_t n) { DT_LAUNCH(dt_k_scale, dt_blocks_for(n), DT_THREADS, x, c, n); }
+static void dt__cuda_scale(float *x, float c, int64_t n) { DT_LAUNCH(dt__k_scale, dt_blocks_for(n), DT_THREADS, x, c, n); }
 
 /* ---- LayerNorm: one warp per row; the 32 lanes split the row and meet in
         warp shuffles. Two passes (mean, then variance), as on the CPU. ---- */
-__global__ static void dt_k_layernorm_forward(const float *x, const float *w, const float *b, float *y, float *stats,
+__global__ static void dt__k_layernorm_forward(const float *x, const float *w, const float *b, float *y, float *stats,
                                               int rows, int D, float eps) {
     int lane = threadIdx.x % 32;
     DT_FOR_EACH_ROW(row, rows) {
@@ -8298,18 +8305,18 @@ __global__ static void dt_k_layernorm_forward(const float *x, const float *w, co
         float *yr = y + row * D;
         float sum = 0, var = 0;
         for (int j = lane; j < D; j += 32) sum += xr[j];
-        float mean = dt_warp_sum(sum) / D;
+        float mean = dt__warp_sum(sum) / D;
         for (int j = lane; j < D; j += 32) { float d = xr[j] - mean; var += d * d; }
-        float rstd = 1.0f / sqrtf(dt_warp_sum(var) / D + eps);
+        float rstd = 1.0f / sqrtf(dt__warp_sum(var) / D + eps);
         for (int j = lane; j < D; j += 32) yr[j] = (xr[j] - mean) * rstd * (w ? w[j] : 1.0f) + (b ? b[j] : 0.0f);
         if (lane == 0) { stats[row] = mean; stats[rows + row] = rstd; }
     }
 }
-static void dt_cuda_layernorm_forward(const float *x, const float *w, const float *b, float *y, float *stats, int rows,
+static void dt__cuda_layernorm_forward(const float *x, const float *w, const float *b, float *y, float *stats, int rows,
                                       int cols, float eps) {
-    DT_LAUNCH(dt_k_layernorm_forward, dt_blocks_for_warps(rows), DT_THREADS, x, w, b, y, stats, rows, cols, eps);
+    DT_LAUNCH(dt__k_layernorm_forward, dt__blocks_for_warps(rows), DT_THREADS, x, w, b, y, stats, rows, cols, eps);
 }
-__global__ static void dt_k_layernorm_backward_dx(const float *x, const float *w, const float *dy, const float *stats,
+__global__ static void dt__k_layernorm_backward_dx(const float *x, const float *w, const float *dy, const float *stats,
                                                   float *dx, int rows, int D) {
     int lane = threadIdx.x % 32;
     DT_FOR_EACH_ROW(row, rows) {
@@ -8320,24 +8327,24 @@ __global__ static void dt_k_layernorm_backward_dx(const float *x, const float *w
             sum_g += g;
             sum_gx += g * (xr[j] - mean) * rstd;
         }
-        float mg = dt_warp_sum(sum_g) / D, mgx = dt_warp_sum(sum_gx) / D;
+        float mg = dt__warp_sum(sum_g) / D, mgx = dt__warp_sum(sum_gx) / D;
         for (int j = lane; j < D; j += 32) {
             float g = dyr[j] * (w ? w[j] : 1.0f), xhat = (xr[j] - mean) * rstd;
             dx[row * D + j] += rstd * (g - mg - xhat * mgx);
         }
     }
 }
-static void dt_cuda_layernorm_backward(const float *x, const float *w, const float *dy, const float *stats, float *dx,
+static void dt__cuda_layernorm_backward(const float *x, const float *w, const float *dy, const float *stats, float *dx,
                                        float *dw, float *db, int rows, int cols) {
-    if (dx) DT_LAUNCH(dt_k_layernorm_backward_dx, dt_blocks_for_warps(rows), DT_THREADS, x, w, dy, stats, dx, rows, cols);
-    dt_cuda_column_sums(dy, x, stats, rows, cols, cols, db, dw);
+    if (dx) DT_LAUNCH(dt__k_layernorm_backward_dx, dt__blocks_for_warps(rows), DT_THREADS, x, w, dy, stats, dx, rows, cols);
+    dt__cuda_column_sums(dy, x, stats, rows, cols, cols, db, dw);
 }
 
 /* ---- attention: reorder Q, K, V to head-major, two strided-batched matmuls
         around a row softmax, reorder the output back. ---- */
 /* rows [B, T, nsplit, H, hd] <-> heads [nsplit][B, H, T, hd] (nsplit 3: q, k, v):
    where element i of the rows sits among the heads. */
-__device__ static inline int64_t dt_head_index(int64_t i, int B, int T, int H, int hd, int nsplit) {
+__device__ static inline int64_t dt__head_index(int64_t i, int B, int T, int H, int hd, int nsplit) {
     int64_t r = i;
     int d = (int)(r % hd); r /= hd;
     int h = (int)(r % H); r /= H;
@@ -8345,68 +8352,68 @@ __device__ static inline int64_t dt_head_index(int64_t i, int B, int T, int H, i
     int t = (int)(r % T), b = (int)(r / T);
     return which * ((int64_t)B * T * H * hd) + (((int64_t)b * H + h) * T + t) * hd + d;
 }
-__global__ static void dt_k_split_heads(const float *rows, float *heads, int B, int T, int H, int hd, int nsplit) {
-    DT_FOR_EACH(i, (int64_t)B * T * nsplit * H * hd) heads[dt_head_index(i, B, T, H, hd, nsplit)] = rows[i];
+__global__ static void dt__k_split_heads(const float *rows, float *heads, int B, int T, int H, int hd, int nsplit) {
+    DT_FOR_EACH(i, (int64_t)B * T * nsplit * H * hd) heads[dt__head_index(i, B, T, H, hd, nsplit)] = rows[i];
 }
-__global__ static void dt_k_merge_heads(const float *heads, float *rows, int B, int T, int H, int hd, int nsplit,
+__global__ static void dt__k_merge_heads(const float *heads, float *rows, int B, int T, int H, int hd, int nsplit,
                                         int accumulate) {
     DT_FOR_EACH(i, (int64_t)B * T * nsplit * H * hd) {
-        float v = heads[dt_head_index(i, B, T, H, hd, nsplit)];
+        float v = heads[dt__head_index(i, B, T, H, hd, nsplit)];
         rows[i] = accumulate ? rows[i] + v : v;
     }
 }
-__global__ static void dt_k_softmax_rows(float *P, int64_t rows, int T, int causal) {
+__global__ static void dt__k_softmax_rows(float *P, int64_t rows, int T, int causal) {
     int lane = threadIdx.x % 32;
     DT_FOR_EACH_ROW(row, rows) {
         float *r = P + row * T;
         int valid = causal ? (int)(row % T) + 1 : T;   /* causal: query i sees keys 0..i */
         float mx = -INFINITY, sum = 0;
         for (int j = lane; j < valid; j += 32) mx = fmaxf(mx, r[j]);
-        mx = dt_warp_max(mx);
+        mx = dt__warp_max(mx);
         for (int j = lane; j < valid; j += 32) { float e = expf(r[j] - mx); r[j] = e; sum += e; }
-        sum = dt_warp_sum(sum);
+        sum = dt__warp_sum(sum);
         for (int j = lane; j < T; j += 32) r[j] = j < valid ? r[j] / sum : 0.0f;
     }
 }
-__global__ static void dt_k_softmax_backward_rows(const float *P, float *dP, int64_t rows, int T, float scale) {
+__global__ static void dt__k_softmax_backward_rows(const float *P, float *dP, int64_t rows, int T, float scale) {
     int lane = threadIdx.x % 32;
     DT_FOR_EACH_ROW(row, rows) {
         const float *p = P + row * T;
         float *d = dP + row * T, dot = 0;
         for (int j = lane; j < T; j += 32) dot += d[j] * p[j];
-        dot = dt_warp_sum(dot);
+        dot = dt__warp_sum(dot);
         for (int j = lane; j < T; j += 32) d[j] = p[j] * (d[j] - dot) * scale;
     }
 }
-static void dt_cuda_attention_forward(const float *qkv, float *out, float *saved, int B, int T, int H, int D,
+static void dt__cuda_attention_forward(const float *qkv, float *out, float *saved, int B, int T, int H, int D,
                                       float scale, int causal) {
     int hd = D / H, BH = B * H;
     int64_t btd = (int64_t)B * T * D, tt = (int64_t)T * T, th = (int64_t)T * hd;
     float *P = saved, *q = saved + (int64_t)BH * tt, *k = q + btd, *v = k + btd, *o = v + btd;
-    DT_LAUNCH(dt_k_split_heads, dt_blocks_for(3 * btd), DT_THREADS, qkv, q, B, T, H, hd, 3);
-    dt_cuda_gemm_batched(0, 1, T, T, hd, scale, q, hd, th, k, hd, th, 0.0f, P, T, tt, BH);   /* S = Q K^T / sqrt(d) */
-    DT_LAUNCH(dt_k_softmax_rows, dt_blocks_for_warps((int64_t)BH * T), DT_THREADS, P, (int64_t)BH * T, T, causal);
-    dt_cuda_gemm_batched(0, 0, T, hd, T, 1.0f, P, T, tt, v, hd, th, 0.0f, o, hd, th, BH);    /* O = P V */
-    DT_LAUNCH(dt_k_merge_heads, dt_blocks_for(btd), DT_THREADS, o, out, B, T, H, hd, 1, 0);
+    DT_LAUNCH(dt__k_split_heads, dt_blocks_for(3 * btd), DT_THREADS, qkv, q, B, T, H, hd, 3);
+    dt__cuda_gemm_batched(0, 1, T, T, hd, scale, q, hd, th, k, hd, th, 0.0f, P, T, tt, BH);   /* S = Q K^T / sqrt(d) */
+    DT_LAUNCH(dt__k_softmax_rows, dt__blocks_for_warps((int64_t)BH * T), DT_THREADS, P, (int64_t)BH * T, T, causal);
+    dt__cuda_gemm_batched(0, 0, T, hd, T, 1.0f, P, T, tt, v, hd, th, 0.0f, o, hd, th, BH);    /* O = P V */
+    DT_LAUNCH(dt__k_merge_heads, dt_blocks_for(btd), DT_THREADS, o, out, B, T, H, hd, 1, 0);
 }
-static void dt_cuda_attention_backward(const float *saved, const float *dout, float *dqkv, float *scratch, int B,
+static void dt__cuda_attention_backward(const float *saved, const float *dout, float *dqkv, float *scratch, int B,
                                        int T, int H, int D, float scale) {
     int hd = D / H, BH = B * H;
     int64_t btd = (int64_t)B * T * D, tt = (int64_t)T * T, th = (int64_t)T * hd;
     const float *P = saved, *q = saved + (int64_t)BH * tt, *k = q + btd, *v = k + btd;
     float *dP = scratch, *dO = scratch + (int64_t)BH * tt, *dq = dO + btd, *dk = dq + btd, *dv = dk + btd;
-    DT_LAUNCH(dt_k_split_heads, dt_blocks_for(btd), DT_THREADS, dout, dO, B, T, H, hd, 1);
-    dt_cuda_gemm_batched(0, 1, T, T, hd, 1.0f, dO, hd, th, v, hd, th, 0.0f, dP, T, tt, BH);   /* dP = dO V^T */
-    dt_cuda_gemm_batched(1, 0, T, hd, T, 1.0f, P, T, tt, dO, hd, th, 0.0f, dv, hd, th, BH);   /* dV = P^T dO */
-    DT_LAUNCH(dt_k_softmax_backward_rows, dt_blocks_for_warps((int64_t)BH * T), DT_THREADS, P, dP, (int64_t)BH * T, T,
+    DT_LAUNCH(dt__k_split_heads, dt_blocks_for(btd), DT_THREADS, dout, dO, B, T, H, hd, 1);
+    dt__cuda_gemm_batched(0, 1, T, T, hd, 1.0f, dO, hd, th, v, hd, th, 0.0f, dP, T, tt, BH);   /* dP = dO V^T */
+    dt__cuda_gemm_batched(1, 0, T, hd, T, 1.0f, P, T, tt, dO, hd, th, 0.0f, dv, hd, th, BH);   /* dV = P^T dO */
+    DT_LAUNCH(dt__k_softmax_backward_rows, dt__blocks_for_warps((int64_t)BH * T), DT_THREADS, P, dP, (int64_t)BH * T, T,
               scale);
-    dt_cuda_gemm_batched(0, 0, T, hd, T, 1.0f, dP, T, tt, k, hd, th, 0.0f, dq, hd, th, BH);   /* dQ = dS K */
-    dt_cuda_gemm_batched(1, 0, T, hd, T, 1.0f, dP, T, tt, q, hd, th, 0.0f, dk, hd, th, BH);   /* dK = dS^T Q */
-    DT_LAUNCH(dt_k_merge_heads, dt_blocks_for(3 * btd), DT_THREADS, dq, dqkv, B, T, H, hd, 3, 1);
+    dt__cuda_gemm_batched(0, 0, T, hd, T, 1.0f, dP, T, tt, k, hd, th, 0.0f, dq, hd, th, BH);   /* dQ = dS K */
+    dt__cuda_gemm_batched(1, 0, T, hd, T, 1.0f, dP, T, tt, q, hd, th, 0.0f, dk, hd, th, BH);   /* dK = dS^T Q */
+    DT_LAUNCH(dt__k_merge_heads, dt_blocks_for(3 * btd), DT_THREADS, dq, dqkv, B, T, H, hd, 3, 1);
 }
 
 /* ---- the ViT's token assembly, the class-token pick, patchify ---- */
-__global__ static void dt_k_vit_tokens(const float *patches, const float *cls, const float *pos, float *y, int B, int P,
+__global__ static void dt__k_vit_tokens(const float *patches, const float *cls, const float *pos, float *y, int B, int P,
                                        int D) {
     int T = P + 1;
     DT_FOR_EACH(i, (int64_t)B * T * D) {
@@ -8418,18 +8425,18 @@ __global__ static void dt_k_vit_tokens(const float *patches, const float *cls, c
 }
 /* Token embedding: ids arrive as f32 (validated on the host when the data
    was read). */
-__global__ static void dt_k_token_embedding(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D) {
+__global__ static void dt__k_token_embedding(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D) {
     DT_FOR_EACH(i, (int64_t)BT * D) {
         int64_t r = i / D, j = i % D;
         y[i] = wte[(int64_t)tok[r] * D + j] + wpe[(r % T) * D + j];
     }
 }
-static void dt_cuda_token_embedding_forward(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D) {
-    DT_LAUNCH(dt_k_token_embedding, dt_blocks_for((int64_t)BT * D), DT_THREADS, tok, wte, wpe, y, BT, T, D);
+static void dt__cuda_token_embedding_forward(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D) {
+    DT_LAUNCH(dt__k_token_embedding, dt_blocks_for((int64_t)BT * D), DT_THREADS, tok, wte, wpe, y, BT, T, D);
 }
 /* One thread per (token, column) walks that token's rows in order, and one
    per (position, column) walks the batch: the CPU's order, no atomics. */
-__global__ static void dt_k_token_embedding_backward_wte(const int32_t *order, const int32_t *start, const int32_t *token,
+__global__ static void dt__k_token_embedding_backward_wte(const int32_t *order, const int32_t *start, const int32_t *token,
                                                          int groups, const float *dy, float *dwte, int D) {
     DT_FOR_EACH(i, (int64_t)groups * D) {
         int64_t g = i / D, j = i % D;
@@ -8438,7 +8445,7 @@ __global__ static void dt_k_token_embedding_backward_wte(const int32_t *order, c
         dwte[(int64_t)token[g] * D + j] = acc;
     }
 }
-__global__ static void dt_k_token_embedding_backward_wpe(const float *dy, float *dwpe, int BT, int T, int D) {
+__global__ static void dt__k_token_embedding_backward_wpe(const float *dy, float *dwpe, int BT, int T, int D) {
     DT_FOR_EACH(i, (int64_t)T * D) {
         int64_t t = i / D, j = i % D;
         float acc = dwpe[i];
@@ -8446,44 +8453,44 @@ __global__ static void dt_k_token_embedding_backward_wpe(const float *dy, float 
         dwpe[i] = acc;
     }
 }
-static void dt_cuda_token_embedding_backward(const int32_t *by_token, int groups, const float *dy, float *dwte, float *dwpe,
+static void dt__cuda_token_embedding_backward(const int32_t *by_token, int groups, const float *dy, float *dwte, float *dwpe,
                                              int BT, int T, int D) {
     const int32_t *start = by_token + BT, *token = start + groups + 1;
-    if (dwte) DT_LAUNCH(dt_k_token_embedding_backward_wte, dt_blocks_for((int64_t)groups * D), DT_THREADS, by_token, start,
+    if (dwte) DT_LAUNCH(dt__k_token_embedding_backward_wte, dt_blocks_for((int64_t)groups * D), DT_THREADS, by_token, start,
                         token, groups, dy, dwte, D);
-    if (dwpe) DT_LAUNCH(dt_k_token_embedding_backward_wpe, dt_blocks_for((int64_t)T * D), DT_THREADS, dy, dwpe, BT, T, D);
+    if (dwpe) DT_LAUNCH(dt__k_token_embedding_backward_wpe, dt_blocks_for((int64_t)T * D), DT_THREADS, dy, dwpe, BT, T, D);
 }
-static void dt_cuda_vit_tokens_forward(const float *patches, const float *cls, const float *pos, float *y, int B, int P,
+static void dt__cuda_vit_tokens_forward(const float *patches, const float *cls, const float *pos, float *y, int B, int P,
                                        int D) {
-    DT_LAUNCH(dt_k_vit_tokens, dt_blocks_for((int64_t)B * (P + 1) * D), DT_THREADS, patches, cls, pos, y, B, P, D);
+    DT_LAUNCH(dt__k_vit_tokens, dt_blocks_for((int64_t)B * (P + 1) * D), DT_THREADS, patches, cls, pos, y, B, P, D);
 }
-__global__ static void dt_k_vit_tokens_dpatch(const float *dy, float *dpatch, int B, int P, int D) {
+__global__ static void dt__k_vit_tokens_dpatch(const float *dy, float *dpatch, int B, int P, int D) {
     DT_FOR_EACH(i, (int64_t)B * P * D) {
         int j = (int)(i % D), t = (int)((i / D) % P);
         int64_t b = i / ((int64_t)P * D);
         dpatch[i] += dy[(b * (P + 1) + t + 1) * D + j];
     }
 }
-static void dt_cuda_vit_tokens_backward(const float *dy, float *dpatch, float *dcls, float *dpos, int B, int P, int D) {
+static void dt__cuda_vit_tokens_backward(const float *dy, float *dpatch, float *dcls, float *dpos, int B, int P, int D) {
     int T = P + 1;
-    if (dpatch) DT_LAUNCH(dt_k_vit_tokens_dpatch, dt_blocks_for((int64_t)B * P * D), DT_THREADS, dy, dpatch, B, P, D);
-    dt_cuda_column_sums(dy, NULL, NULL, B, T * D, T * D, dpos, NULL);   /* sum over the batch */
-    dt_cuda_column_sums(dy, NULL, NULL, B, D, T * D, dcls, NULL);       /* token 0 of each sequence */
+    if (dpatch) DT_LAUNCH(dt__k_vit_tokens_dpatch, dt_blocks_for((int64_t)B * P * D), DT_THREADS, dy, dpatch, B, P, D);
+    dt__cuda_column_sums(dy, NULL, NULL, B, T * D, T * D, dpos, NULL);   /* sum over the batch */
+    dt__cuda_column_sums(dy, NULL, NULL, B, D, T * D, dcls, NULL);       /* token 0 of each sequence */
 }
-__global__ static void dt_k_select_token(const float *x, float *y, int B, int T, int idx, int D, int backward) {
+__global__ static void dt__k_select_token(const float *x, float *y, int B, int T, int idx, int D, int backward) {
     DT_FOR_EACH(i, (int64_t)B * D) {
         int64_t b = i / D, j = i % D, src = (b * T + idx) * D + j;
         if (backward) y[src] += x[i];             /* here x is dy [B, D] and y is dx */
         else y[i] = x[src];
     }
 }
-static void dt_cuda_select_token_forward(const float *x, float *y, int B, int T, int idx, int D) {
-    DT_LAUNCH(dt_k_select_token, dt_blocks_for((int64_t)B * D), DT_THREADS, x, y, B, T, idx, D, 0);
+static void dt__cuda_select_token_forward(const float *x, float *y, int B, int T, int idx, int D) {
+    DT_LAUNCH(dt__k_select_token, dt_blocks_for((int64_t)B * D), DT_THREADS, x, y, B, T, idx, D, 0);
 }
-static void dt_cuda_select_token_backward(const float *dy, float *dx, int B, int T, int idx, int D) {
-    DT_LAUNCH(dt_k_select_token, dt_blocks_for((int64_t)B * D), DT_THREADS, dy, dx, B, T, idx, D, 1);
+static void dt__cuda_select_token_backward(const float *dy, float *dx, int B, int T, int idx, int D) {
+    DT_LAUNCH(dt__k_select_token, dt_blocks_for((int64_t)B * D), DT_THREADS, dy, dx, B, T, idx, D, 1);
 }
-__global__ static void dt_k_patchify(const float *img, float *out, int B, int C, int H, int W, int p) {
+__global__ static void dt__k_patchify(const float *img, float *out, int B, int C, int H, int W, int p) {
     int ph = H / p, pw = W / p, row_len = C * p * p;
     DT_FOR_EACH(i, (int64_t)B * ph * pw * row_len) {
         int64_t r = i / row_len;
@@ -8493,8 +8500,8 @@ __global__ static void dt_k_patchify(const float *img, float *out, int B, int C,
         out[i] = img[((b * C + c) * H + py * p + ky) * W + px * p + kx];
     }
 }
-static void dt_cuda_patchify(const float *img, float *out, int B, int C, int H, int W, int p) {
-    DT_LAUNCH(dt_k_patchify, dt_blocks_for((int64_t)B * (H / p) * (W / p) * C * p * p), DT_THREADS, img, out, B, C, H,
+static void dt__cuda_patchify(const float *img, float *out, int B, int C, int H, int W, int p) {
+    DT_LAUNCH(dt__k_patchify, dt_blocks_for((int64_t)B * (H / p) * (W / p) * C * p * p), DT_THREADS, img, out, B, C, H,
               W, p);
 }
 
@@ -8502,21 +8509,21 @@ static void dt_cuda_patchify(const float *img, float *out, int B, int C, int H, 
         each row's loss goes to a buffer, and one block then adds the rows in
         a fixed order (thread t takes rows t, t + 256, ..., then a fixed tree),
         so the mean is the same every run. ---- */
-__global__ static void dt_k_cross_entropy_rows(const float *logits, const int32_t *labels, float *probs, double *row_loss,
+__global__ static void dt__k_cross_entropy_rows(const float *logits, const int32_t *labels, float *probs, double *row_loss,
                                                int B, int C) {
     int lane = threadIdx.x % 32;
     DT_FOR_EACH_ROW(i, B) {
         const float *r = logits + i * C;
         float *pr = probs + i * C, mx = -INFINITY, sum = 0;
         for (int j = lane; j < C; j += 32) mx = fmaxf(mx, r[j]);
-        mx = dt_warp_max(mx);
+        mx = dt__warp_max(mx);
         for (int j = lane; j < C; j += 32) { pr[j] = expf(r[j] - mx); sum += pr[j]; }
-        sum = dt_warp_sum(sum);
+        sum = dt__warp_sum(sum);
         for (int j = lane; j < C; j += 32) pr[j] /= sum;
         if (lane == 0) row_loss[i] = -((double)r[labels[i]] - mx - log((double)sum));
     }
 }
-__global__ static void dt_k_mean_of_rows(const double *row_loss, int B, float *loss) {
+__global__ static void dt__k_mean_of_rows(const double *row_loss, int B, float *loss) {
     __shared__ double sh[DT_THREADS];
     double s = 0;
     for (int i = threadIdx.x; i < B; i += DT_THREADS) s += row_loss[i];
@@ -8528,13 +8535,13 @@ __global__ static void dt_k_mean_of_rows(const double *row_loss, int B, float *l
     }
     if (threadIdx.x == 0) loss[0] = (float)(sh[0] / B);
 }
-static void dt_cuda_cross_entropy_forward(const float *logits, const int32_t *labels, float *probs, float *loss, int B,
+static void dt__cuda_cross_entropy_forward(const float *logits, const int32_t *labels, float *probs, float *loss, int B,
                                           int C) {
-    double *row_loss = (double *)dt_cuda_grow(&dt_cuda.row_loss, &dt_cuda.row_loss_bytes, sizeof(double) * (size_t)B);
-    DT_LAUNCH(dt_k_cross_entropy_rows, dt_blocks_for_warps(B), DT_THREADS, logits, labels, probs, row_loss, B, C);
-    DT_LAUNCH(dt_k_mean_of_rows, 1, DT_THREADS, row_loss, B, loss);
+    double *row_loss = (double *)dt__cuda_grow(&dt__cuda.row_loss, &dt__cuda.row_loss_bytes, sizeof(double) * (size_t)B);
+    DT_LAUNCH(dt__k_cross_entropy_rows, dt__blocks_for_warps(B), DT_THREADS, logits, labels, probs, row_loss, B, C);
+    DT_LAUNCH(dt__k_mean_of_rows, 1, DT_THREADS, row_loss, B, loss);
 }
-__global__ static void dt_k_cross_entropy_backward(const float *p, const int32_t *labels, const float *dloss,
+__global__ static void dt__k_cross_entropy_backward(const float *p, const int32_t *labels, const float *dloss,
                                                    float *dl, int B, int C) {
     float scale = dloss[0] / B;
     DT_FOR_EACH(i, (int64_t)B * C) {
@@ -8543,15 +8550,15 @@ __global__ static void dt_k_cross_entropy_backward(const float *p, const int32_t
         dl[i] += (p[i] - (j == labels[row] ? 1.0f : 0.0f)) * scale;
     }
 }
-static void dt_cuda_cross_entropy_backward(const float *p, const int32_t *labels, const float *dloss, float *dl, int B,
+static void dt__cuda_cross_entropy_backward(const float *p, const int32_t *labels, const float *dloss, float *dl, int B,
                                            int C) {
-    DT_LAUNCH(dt_k_cross_entropy_backward, dt_blocks_for((int64_t)B * C), DT_THREADS, p, labels, dloss, dl, B, C);
+    DT_LAUNCH(dt__k_cross_entropy_backward, dt_blocks_for((int64_t)B * C), DT_THREADS, p, labels, dloss, dl, B, C);
 }
 
 /* ---- the optimizer: a fixed-shape reduction for the gradient norm, then the
         same per-element updates as the CPU ---- */
 #define DT_SUMSQ_BLOCKS 256
-__global__ static void dt_k_sum_squares(const float *x, int64_t n, double *partials) {
+__global__ static void dt__k_sum_squares(const float *x, int64_t n, double *partials) {
     __shared__ double sh[DT_THREADS];
     double s = 0;
     DT_FOR_EACH(i, n) s += (double)x[i] * x[i];
@@ -8563,33 +8570,33 @@ __global__ static void dt_k_sum_squares(const float *x, int64_t n, double *parti
     }
     if (threadIdx.x == 0) partials[blockIdx.x] = sh[0];
 }
-__global__ static void dt_k_sum_partials(double *partials, int n) {
+__global__ static void dt__k_sum_partials(double *partials, int n) {
     double s = 0;
     for (int i = 0; i < n; i++) s += partials[i];
     partials[n] = s;
 }
-static double dt_cuda_sum_squares(const float *x, int64_t n) {
+static double dt__cuda_sum_squares(const float *x, int64_t n) {
     double total = 0;
-    DT_LAUNCH(dt_k_sum_squares, DT_SUMSQ_BLOCKS, DT_THREADS, x, n, dt_cuda.partials);
-    DT_LAUNCH(dt_k_sum_partials, 1, 1, dt_cuda.partials, DT_SUMSQ_BLOCKS);
-    dt_cuda_download(&total, dt_cuda.partials + DT_SUMSQ_BLOCKS, sizeof total);
+    DT_LAUNCH(dt__k_sum_squares, DT_SUMSQ_BLOCKS, DT_THREADS, x, n, dt__cuda.partials);
+    DT_LAUNCH(dt__k_sum_partials, 1, 1, dt__cuda.partials, DT_SUMSQ_BLOCKS);
+    dt__cuda_download(&total, dt__cuda.partials + DT_SUMSQ_BLOCKS, sizeof total);
     return total;
 }
-__global__ static void dt_k_adamw(float *p, float *m, float *v, const float *g, int64_t n, float lr, float b1, float b2,
+__global__ static void dt__k_adamw(float *p, float *m, float *v, const float *g, int64_t n, float lr, float b1, float b2,
                                   float eps, float wd, float bc1, float bc2) {
     DT_FOR_EACH(i, n) dt_adamw_update(&p[i], &m[i], &v[i], g[i], lr, b1, b2, eps, wd, bc1, bc2);
 }
-static void dt_cuda_adamw(float *p, float *m, float *v, const float *g, int64_t n, float lr, float b1, float b2,
+static void dt__cuda_adamw(float *p, float *m, float *v, const float *g, int64_t n, float lr, float b1, float b2,
                           float eps, float wd, float bc1, float bc2) {
-    DT_LAUNCH(dt_k_adamw, dt_blocks_for(n), DT_THREADS, p, m, v, g, n, lr, b1, b2, eps, wd, bc1, bc2);
+    DT_LAUNCH(dt__k_adamw, dt_blocks_for(n), DT_THREADS, p, m, v, g, n, lr, b1, b2, eps, wd, bc1, bc2);
 }
-__global__ static void dt_k_sgd(float *p, float *buf, const float *g, int64_t n, float lr, float momentum, float wd) {
+__global__ static void dt__k_sgd(float *p, float *buf, const float *g, int64_t n, float lr, float momentum, float wd) {
     DT_FOR_EACH(i, n) dt_sgd_update(&p[i], &buf[i], g[i], lr, momentum, wd);
 }
-static void dt_cuda_sgd(float *p, float *buf, const float *g, int64_t n, float lr, float momentum, float wd) {
-    DT_LAUNCH(dt_k_sgd, dt_blocks_for(n), DT_THREADS, p, buf, g, n, lr, momentum, wd);
+static void dt__cuda_sgd(float *p, float *buf, const float *g, int64_t n, float lr, float momentum, float wd) {
+    DT_LAUNCH(dt__k_sgd, dt_blocks_for(n), DT_THREADS, p, buf, g, n, lr, momentum, wd);
 }
-__global__ static void dt_k_convert(const void *src, int from, void *dst, int to, int64_t n) {
+__global__ static void dt__k_convert(const void *src, int from, void *dst, int to, int64_t n) {
     DT_FOR_EACH(i, n) {
         const uint16_t *h = (const uint16_t *)src;
         float v = from == DT_F32 ? ((const float *)src)[i] : from == DT_BF16 ? dt_bf16_to_f32(h[i]) : dt_f16_to_f32(h[i]);
@@ -8597,12 +8604,12 @@ __global__ static void dt_k_convert(const void *src, int from, void *dst, int to
         else ((uint16_t *)dst)[i] = to == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
     }
 }
-static void dt_cuda_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
-    DT_LAUNCH(dt_k_convert, dt_blocks_for(n), DT_THREADS, src, (int)from, dst, (int)to, n);
+static void dt__cuda_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
+    DT_LAUNCH(dt__k_convert, dt_blocks_for(n), DT_THREADS, src, (int)from, dst, (int)to, n);
 }
 
 /* ---- start-up ---- */
-extern "C" int dt_cuda_device_count(char *why, size_t n) {
+extern "C" int dt__cuda_device_count(char *why, size_t n) {
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
     if (err != cudaSuccess) {
@@ -8619,35 +8626,35 @@ extern "C" int dt_cuda_device_count(char *why, size_t n) {
     return count;
 }
 
-extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n) {
-    int count = dt_cuda_device_count(why, n);
+extern "C" const dt_backend *dt__cuda_backend(int local_rank, char *why, size_t n) {
+    int count = dt__cuda_device_count(why, n);
     if (count == 0) return NULL;
-    if (dt_cuda.stream) return &dt_cuda.table;
-    dt_cuda.index = local_rank % count;          /* one GPU per rank on this machine */
-    DT_CUDA_CHECK(cudaSetDevice(dt_cuda.index));
-    DT_CUDA_CHECK(cudaStreamCreateWithFlags(&dt_cuda.stream, cudaStreamNonBlocking));
-    DT_CUBLAS_CHECK(cublasCreate(&dt_cuda.blas));
-    DT_CUBLAS_CHECK(cublasSetStream(dt_cuda.blas, dt_cuda.stream));
-    DT_CUBLAS_CHECK(cublasSetMathMode(dt_cuda.blas, CUBLAS_DEFAULT_MATH));   /* fp32, no TF32 */
-    dt_cuda.partials = (double *)dt_cuda_alloc((DT_SUMSQ_BLOCKS + 1) * sizeof(double));
+    if (dt__cuda.stream) return &dt__cuda.table;
+    dt__cuda.index = local_rank % count;          /* one GPU per rank on this machine */
+    DT_CUDA_CHECK(cudaSetDevice(dt__cuda.index));
+    DT_CUDA_CHECK(cudaStreamCreateWithFlags(&dt__cuda.stream, cudaStreamNonBlocking));
+    DT_CUBLAS_CHECK(cublasCreate(&dt__cuda.blas));
+    DT_CUBLAS_CHECK(cublasSetStream(dt__cuda.blas, dt__cuda.stream));
+    DT_CUBLAS_CHECK(cublasSetMathMode(dt__cuda.blas, CUBLAS_DEFAULT_MATH));   /* fp32, no TF32 */
+    dt__cuda.partials = (double *)dt__cuda_alloc((DT_SUMSQ_BLOCKS + 1) * sizeof(double));
     cudaDeviceProp prop;
-    DT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dt_cuda.index));
-    dt_backend *t = &dt_cuda.table;
+    DT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dt__cuda.index));
+    dt_backend *t = &dt__cuda.table;
     snprintf(t->name, sizeof t->name, "%s", prop.name);
-    t->alloc = dt_cuda_alloc; t->release = dt_cuda_release; t->zero = dt_cuda_zero;
-    t->upload = dt_cuda_upload; t->download = dt_cuda_download; t->synchronize = dt_cuda_synchronize;
-    t->gemm = dt_cuda_gemm; t->gemm_half = dt_cuda_gemm_half; t->add_bias = dt_cuda_add_bias; t->sum_rows = dt_cuda_sum_rows;
-    t->gelu_forward = dt_cuda_gelu_forward; t->gelu_backward = dt_cuda_gelu_backward;
-    t->layernorm_forward = dt_cuda_layernorm_forward; t->layernorm_backward = dt_cuda_layernorm_backward;
-    t->add = dt_cuda_add; t->accumulate = dt_cuda_accumulate;
-    t->attention_forward = dt_cuda_attention_forward; t->attention_backward = dt_cuda_attention_backward;
-    t->vit_tokens_forward = dt_cuda_vit_tokens_forward; t->vit_tokens_backward = dt_cuda_vit_tokens_backward;
-    t->token_embedding_forward = dt_cuda_token_embedding_forward;
-    t->token_embedding_backward = dt_cuda_token_embedding_backward;
-    t->select_token_forward = dt_cuda_select_token_forward; t->select_token_backward = dt_cuda_select_token_backward;
-    t->cross_entropy_forward = dt_cuda_cross_entropy_forward; t->cross_entropy_backward = dt_cuda_cross_entropy_backward;
-    t->patchify = dt_cuda_patchify; t->sum_squares = dt_cuda_sum_squares; t->scale = dt_cuda_scale;
-    t->adamw = dt_cuda_adamw; t->sgd = dt_cuda_sgd; t->convert = dt_cuda_convert; t->owns = dt_cuda_owns;
+    t->alloc = dt__cuda_alloc; t->release = dt__cuda_release; t->zero = dt__cuda_zero;
+    t->upload = dt__cuda_upload; t->download = dt__cuda_download; t->synchronize = dt__cuda_synchronize;
+    t->gemm = dt__cuda_gemm; t->gemm_half = dt__cuda_gemm_half; t->add_bias = dt__cuda_add_bias; t->sum_rows = dt__cuda_sum_rows;
+    t->gelu_forward = dt__cuda_gelu_forward; t->gelu_backward = dt__cuda_gelu_backward;
+    t->layernorm_forward = dt__cuda_layernorm_forward; t->layernorm_backward = dt__cuda_layernorm_backward;
+    t->add = dt__cuda_add; t->accumulate = dt__cuda_accumulate;
+    t->attention_forward = dt__cuda_attention_forward; t->attention_backward = dt__cuda_attention_backward;
+    t->vit_tokens_forward = dt__cuda_vit_tokens_forward; t->vit_tokens_backward = dt__cuda_vit_tokens_backward;
+    t->token_embedding_forward = dt__cuda_token_embedding_forward;
+    t->token_embedding_backward = dt__cuda_token_embedding_backward;
+    t->select_token_forward = dt__cuda_select_token_forward; t->select_token_backward = dt__cuda_select_token_backward;
+    t->cross_entropy_forward = dt__cuda_cross_entropy_forward; t->cross_entropy_backward = dt__cuda_cross_entropy_backward;
+    t->patchify = dt__cuda_patchify; t->sum_squares = dt__cuda_sum_squares; t->scale = dt__cuda_scale;
+    t->adamw = dt__cuda_adamw; t->sgd = dt__cuda_sgd; t->convert = dt__cuda_convert; t->owns = dt__cuda_owns;
     return t;
 }
 /* ---- NCCL: the collectives of section 9 for GPU buffers (the contract is
@@ -8667,10 +8674,10 @@ struct dt_nccl {
     cudaEvent_t inputs[DT_COMM_QUEUE], done[DT_COMM_QUEUE];
     float *one;                          /* a 1-element buffer: a barrier is an all-reduce of it */
 };
-static void dt_nccl_check(ncclResult_t r, const char *call, const char *file, int line) {
+static void dt__nccl_check(ncclResult_t r, const char *call, const char *file, int line) {
     if (r != ncclSuccess && r != ncclInProgress) dt_fail("%s failed at %s:%d: %s", call, file, line, ncclGetErrorString(r));
 }
-#define DT_NCCL_CHECK(call) dt_nccl_check((call), #call, __FILE__, __LINE__)
+#define DT_NCCL_CHECK(call) dt__nccl_check((call), #call, __FILE__, __LINE__)
 
 extern "C" int dt_nccl_available(char *why, size_t n) { (void)why; (void)n; return 1; }
 extern "C" int dt_nccl_version(void) {
@@ -8685,8 +8692,8 @@ extern "C" int dt_nccl_unique_id(unsigned char *out, size_t n) {
     return 1;
 }
 /* A communicator's stream, events and barrier word; its ncclComm_t comes next. */
-static dt_nccl *dt_nccl_new(void) {
-    if (!dt_cuda.stream) dt_fail("internal error: NCCL started before the GPU was chosen (dt_set_device)");
+static dt_nccl *dt__nccl_new(void) {
+    if (!dt__cuda.stream) dt_fail("internal error: NCCL started before the GPU was chosen (dt_set_device)");
     dt_nccl *s = (dt_nccl *)calloc(1, sizeof *s);
     if (!s) dt_fail("out of memory (NCCL)");
     DT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
@@ -8694,13 +8701,13 @@ static dt_nccl *dt_nccl_new(void) {
         DT_CUDA_CHECK(cudaEventCreateWithFlags(&s->inputs[k], cudaEventDisableTiming));
         DT_CUDA_CHECK(cudaEventCreateWithFlags(&s->done[k], cudaEventDisableTiming));
     }
-    s->one = (float *)dt_cuda_alloc(sizeof(float));
-    DT_CUDA_CHECK(cudaMemsetAsync(s->one, 0, sizeof(float), dt_cuda.stream));
-    DT_CUDA_CHECK(cudaStreamSynchronize(dt_cuda.stream));
+    s->one = (float *)dt__cuda_alloc(sizeof(float));
+    DT_CUDA_CHECK(cudaMemsetAsync(s->one, 0, sizeof(float), dt__cuda.stream));
+    DT_CUDA_CHECK(cudaStreamSynchronize(dt__cuda.stream));
     return s;
 }
 extern "C" dt_nccl *dt_nccl_create(const unsigned char *id_bytes, int rank, int world) {
-    dt_nccl *s = dt_nccl_new();
+    dt_nccl *s = dt__nccl_new();
     ncclUniqueId id;
     memcpy(&id, id_bytes, sizeof id);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -8709,10 +8716,10 @@ extern "C" dt_nccl *dt_nccl_create(const unsigned char *id_bytes, int rank, int 
     return s;
 }
 extern "C" dt_nccl *dt_nccl_split(dt_nccl *parent, int color, int key) {
-    dt_nccl *s = dt_nccl_new();
+    dt_nccl *s = dt__nccl_new();
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    DT_CUDA_CHECK(cudaSetDevice(dt_cuda.index));
+    DT_CUDA_CHECK(cudaSetDevice(dt__cuda.index));
     DT_NCCL_CHECK(ncclCommSplit(parent->comm, color, key, &s->comm, &config));
     return s;
 }
@@ -8724,7 +8731,7 @@ extern "C" int dt_nccl_progress(dt_nccl *s, char *why, size_t n) {
     snprintf(why, n, "%s (%s)", ncclGetErrorString(state), ncclGetLastError(s->comm));
     return -1;
 }
-extern "C" void dt_nccl_mark_inputs(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaEventRecord(s->inputs[slot], dt_cuda.stream)); }
+extern "C" void dt_nccl_mark_inputs(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaEventRecord(s->inputs[slot], dt__cuda.stream)); }
 extern "C" void dt_nccl_issue(dt_nccl *s, int slot, const dt_comm_op *o) {
     ncclDataType_t t = o->dtype == DT_F32 ? ncclFloat32 : o->dtype == DT_BF16 ? ncclBfloat16 : ncclFloat16;
     ncclRedOp_t red = o->op == DT_AVG ? ncclAvg : ncclSum;
@@ -8733,7 +8740,7 @@ extern "C" void dt_nccl_issue(dt_nccl *s, int slot, const dt_comm_op *o) {
     void *recv = o->recv;
     ncclComm_t comm = s->comm;
     cudaStream_t st = s->stream;
-    DT_CUDA_CHECK(cudaSetDevice(dt_cuda.index));           /* the current GPU is per thread */
+    DT_CUDA_CHECK(cudaSetDevice(dt__cuda.index));           /* the current GPU is per thread */
     DT_CUDA_CHECK(cudaStreamWaitEvent(st, s->inputs[slot], 0));
     switch (o->kind) {
     case DT_COLL_ALL_REDUCE: DT_NCCL_CHECK(ncclAllReduce(send, recv, n, t, red, comm, st)); break;
@@ -8753,7 +8760,7 @@ extern "C" int dt_nccl_finished(dt_nccl *s, int slot) {
     DT_CUDA_CHECK(q);
     return 1;
 }
-extern "C" void dt_nccl_stream_wait(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaStreamWaitEvent(dt_cuda.stream, s->done[slot], 0)); }
+extern "C" void dt_nccl_stream_wait(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaStreamWaitEvent(dt__cuda.stream, s->done[slot], 0)); }
 extern "C" void dt_nccl_abort(dt_nccl *s) { ncclCommAbort(s->comm); s->comm = NULL; }
 extern "C" void dt_nccl_finalize(dt_nccl *s) { if (s->comm) DT_NCCL_CHECK(ncclCommFinalize(s->comm)); }
 extern "C" void dt_nccl_free(dt_nccl *s) {
@@ -8763,7 +8770,7 @@ extern "C" void dt_nccl_free(dt_nccl *s) {
         DT_CUDA_CHECK(cudaEventDestroy(s->done[k]));
     }
     DT_CUDA_CHECK(cudaStreamDestroy(s->stream));
-    dt_cuda_release(s->one);
+    dt__cuda_release(s->one);
     free(s);
 }
 #else
@@ -8775,20 +8782,20 @@ extern "C" int dt_nccl_available(char *why, size_t n) {
     return 0;
 }
 extern "C" int dt_nccl_version(void) { return 0; }
-static void dt_no_nccl(void) { dt_fail("internal error: NCCL used in a build without it"); }
-extern "C" int dt_nccl_unique_id(unsigned char *out, size_t n) { (void)out; (void)n; dt_no_nccl(); return 0; }
+static void dt__no_nccl(void) { dt_fail("internal error: NCCL used in a build without it"); }
+extern "C" int dt_nccl_unique_id(unsigned char *out, size_t n) { (void)out; (void)n; dt__no_nccl(); return 0; }
 extern "C" dt_nccl *dt_nccl_create(const unsigned char *id, int rank, int world) {
-    (void)id; (void)rank; (void)world; dt_no_nccl(); return NULL;
+    (void)id; (void)rank; (void)world; dt__no_nccl(); return NULL;
 }
-extern "C" int dt_nccl_progress(dt_nccl *s, char *why, size_t n) { (void)s; (void)why; (void)n; dt_no_nccl(); return -1; }
-extern "C" void dt_nccl_mark_inputs(dt_nccl *s, int slot) { (void)s; (void)slot; dt_no_nccl(); }
+extern "C" int dt_nccl_progress(dt_nccl *s, char *why, size_t n) { (void)s; (void)why; (void)n; dt__no_nccl(); return -1; }
+extern "C" void dt_nccl_mark_inputs(dt_nccl *s, int slot) { (void)s; (void)slot; dt__no_nccl(); }
 extern "C" dt_nccl *dt_nccl_split(dt_nccl *parent, int color, int key) {
-    (void)parent; (void)color; (void)key; dt_no_nccl(); return NULL;
+    (void)parent; (void)color; (void)key; dt__no_nccl(); return NULL;
 }
-extern "C" void dt_nccl_issue(dt_nccl *s, int slot, const dt_comm_op *o) { (void)s; (void)slot; (void)o; dt_no_nccl(); }
-extern "C" void dt_nccl_mark_done(dt_nccl *s, int slot) { (void)s; (void)slot; dt_no_nccl(); }
-extern "C" int dt_nccl_finished(dt_nccl *s, int slot) { (void)s; (void)slot; dt_no_nccl(); return 0; }
-extern "C" void dt_nccl_stream_wait(dt_nccl *s, int slot) { (void)s; (void)slot; dt_no_nccl(); }
+extern "C" void dt_nccl_issue(dt_nccl *s, int slot, const dt_comm_op *o) { (void)s; (void)slot; (void)o; dt__no_nccl(); }
+extern "C" void dt_nccl_mark_done(dt_nccl *s, int slot) { (void)s; (void)slot; dt__no_nccl(); }
+extern "C" int dt_nccl_finished(dt_nccl *s, int slot) { (void)s; (void)slot; dt__no_nccl(); return 0; }
+extern "C" void dt_nccl_stream_wait(dt_nccl *s, int slot) { (void)s; (void)slot; dt__no_nccl(); }
 extern "C" void dt_nccl_abort(dt_nccl *s) { (void)s; }
 extern "C" void dt_nccl_finalize(dt_nccl *s) { (void)s; }
 extern "C" void dt_nccl_free(dt_nccl *s) { (void)s; }

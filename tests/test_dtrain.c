@@ -37,10 +37,10 @@ static char tmpdir[256];
 
 /* ---- helpers --------------------------------------------------------------- */
 
-static double rnd(dt_rng *r) { return 2 * dt_rng_uniform(r) - 1; }
+static double rnd(dt__rng *r) { return 2 * dt__rng_uniform(r) - 1; }
 
 /* A leaf tensor that outlives the step arena, like a parameter. */
-static dt_tensor *leaf(int ndim, const int *shape, dt_rng *r, double scale) {
+static dt_tensor *leaf(int ndim, const int *shape, dt__rng *r, double scale) {
     dt_tensor *t = (dt_tensor *)calloc(1, sizeof(dt_tensor));
     t->ndim = ndim;
     t->numel = 1;
@@ -51,7 +51,7 @@ static dt_tensor *leaf(int ndim, const int *shape, dt_rng *r, double scale) {
     for (int64_t i = 0; i < t->numel; i++) t->data[i] = (float)(rnd(r) * scale);
     return t;
 }
-static dt_tensor *leaf2(int rows, int cols, dt_rng *r, double scale) { int s[2] = { rows, cols }; return leaf(2, s, r, scale); }
+static dt_tensor *leaf2(int rows, int cols, dt__rng *r, double scale) { int s[2] = { rows, cols }; return leaf(2, s, r, scale); }
 static void leaf_free(dt_tensor *t) { free(t->data); free(t->grad); free(t); }
 
 /* Finite-difference check. forward() builds an output from the leaves; the
@@ -67,7 +67,7 @@ static double fd_loss(fd_forward f, dt_tensor **leaves, void *ctx, const float *
     return L;
 }
 static void fd_check(const char *what, fd_forward f, dt_tensor **leaves, int nleaves, void *ctx, float eps, double tol) {
-    dt_rng r = { 777 };
+    dt__rng r = { 777 };
     for (int k = 0; k < nleaves; k++) memset(leaves[k]->grad, 0, sizeof(float) * (size_t)leaves[k]->numel);
     dt_step_arena_reset();
     dt_tensor *out = f(leaves, ctx);
@@ -80,7 +80,7 @@ static void fd_check(const char *what, fd_forward f, dt_tensor **leaves, int nle
         if (!t->requires_grad) continue;
         int probes = t->numel < 24 ? (int)t->numel : 24;
         for (int p = 0; p < probes; p++) {
-            int64_t i = t->numel <= 24 ? p : (int64_t)(dt_rng_u64(&r) % (uint64_t)t->numel);
+            int64_t i = t->numel <= 24 ? p : (int64_t)(dt__rng_u64(&r) % (uint64_t)t->numel);
             float keep = t->data[i];
             t->data[i] = keep + eps;
             double lp = fd_loss(f, leaves, ctx, w);
@@ -152,7 +152,7 @@ static void write_bytes(const char *path, const void *data, size_t n) {
     fwrite(data, 1, n, f);
     fclose(f);
 }
-static unsigned char *read_bytes(const char *path, size_t *n) { return dt_read_file(path, n); }
+static unsigned char *read_bytes(const char *path, size_t *n) { return dt__read_file(path, n); }
 
 /* A program of this build, by its path from the project root: the tests run
    either build (plain, or build/asan), found from stage 01's path. */
@@ -160,7 +160,7 @@ static const char *build_path(const char *rel) {
     static char paths[4][700];
     static int next;
     char *p = paths[next++ % 4], root[512];
-    dt_copy_str(root, sizeof root, train_bin);
+    dt__copy_str(root, sizeof root, train_bin);
     for (int up = 0; up < 2; up++) {             /* <root>/01-single-gpu/train -> <root> */
         char *slash = strrchr(root, '/');
         if (slash) *slash = 0;
@@ -174,7 +174,7 @@ static const char *build_path(const char *rel) {
 static const char *repo_root(void) {
     static char root[700];
     char probe[800];
-    dt_copy_str(root, sizeof root, build_path(""));
+    dt__copy_str(root, sizeof root, build_path(""));
     for (int up = 0; up < 3; up++) {              /* build/asan/ -> the root */
         snprintf(probe, sizeof probe, "%s%sMakefile", root, root[0] ? "/" : "");
         struct stat sb;
@@ -214,7 +214,7 @@ static void naive_gemm(int ta, int tb, int M, int N, int K, float alpha, const f
 static void test_gemm_matches_reference(void) {
     int sizes[][3] = { { 1, 1, 1 }, { 7, 5, 3 }, { 37, 129, 300 }, { 130, 70, 513 }, { 3, 200, 17 }, { 64, 64, 0 } };
     float alphas[] = { 1.0f, 0.5f }, betas[] = { 0.0f, 1.0f, 0.3f };
-    dt_rng r = { 1 };
+    dt__rng r = { 1 };
     for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
         for (int ta = 0; ta < 2; ta++)
             for (int tb = 0; tb < 2; tb++)
@@ -253,7 +253,7 @@ static void test_gemm_same_result_for_any_thread_count(void) {
     SKIP("built without OpenMP");
 #else
     int M = 200, N = 300, K = 700;
-    dt_rng r = { 2 };
+    dt__rng r = { 2 };
     float *A = (float *)malloc(sizeof(float) * M * K), *B = (float *)malloc(sizeof(float) * K * N);
     float *C1 = (float *)malloc(sizeof(float) * M * N), *C2 = (float *)malloc(sizeof(float) * M * N);
     for (int i = 0; i < M * K; i++) A[i] = (float)rnd(&r);
@@ -272,7 +272,7 @@ static void test_gemm_same_result_for_any_thread_count(void) {
 /* ---- ops: forward values computed by hand ------------------------------------ */
 
 static void test_ops_forward_hand_values(void) {
-    dt_rng r = { 3 };
+    dt__rng r = { 3 };
     dt_set_grad_enabled(0);
     /* linear: [1 2] x [[1 0] [0 1] [1 1]]^T + [0.5 0 -1] = [1.5 2 2] */
     dt_tensor *x = leaf2(1, 2, &r, 1), *w = leaf2(3, 2, &r, 1), *b = leaf2(1, 3, &r, 1);
@@ -360,7 +360,7 @@ static dt_tensor *f_embed(dt_tensor **l, void *c) {       /* 2 sequences of 4 id
 }
 
 static void test_backward_matches_finite_differences(void) {
-    dt_rng r = { 4 };
+    dt__rng r = { 4 };
     dt_tensor *x = leaf2(5, 7, &r, 1), *w = leaf2(4, 7, &r, 1), *b = leaf2(1, 4, &r, 1);
     dt_tensor *L1[3] = { x, w, b };
     fd_check("linear", f_linear, L1, 3, NULL, 1e-2f, 2e-3);
@@ -399,7 +399,7 @@ static void test_backward_matches_finite_differences(void) {
 }
 
 static void test_causal_attention_ignores_later_tokens(void) {
-    dt_rng r = { 5 };
+    dt__rng r = { 5 };
     int T = 6, D = 8, H = 2;
     dt_tensor *qkv = leaf2(T, 3 * D, &r, 1);
     dt_set_grad_enabled(0);
@@ -428,7 +428,7 @@ static dt_tensor *f_model(dt_tensor **l, void *c) {
 static void model_fd(dt_model_kind kind) {
     dt_model_config c = { kind, 3, 8, 5, kind == DT_MODEL_MLP ? 16 : 12, 2, 2, 4, 24, 0 };
     dt_model *m = dt_model_create(&c, 9);
-    dt_rng r = { 6 };
+    dt__rng r = { 6 };
     int B = 3;
     int shape[4] = { B, 3, 8, 8 };
     dt_tensor *img = leaf(4, shape, &r, 1);
@@ -727,8 +727,8 @@ static void test_half_conversions_round_to_nearest_even(void) {
             float want = d == DT_BF16 ? dt_bf16_to_f32((uint16_t)i) : dt_f16_to_f32((uint16_t)i);
             if (!isnan(want) && dt_float_bits(f[i]) != dt_float_bits(want)) bad++;
         }
-        dt_rng r = { 11 };
-        for (int i = 0; i < NF; i++) f[i] = dt_bits_float((uint32_t)(dt_rng_u64(&r) >> 32));
+        dt__rng r = { 11 };
+        for (int i = 0; i < NF; i++) f[i] = dt_bits_float((uint32_t)(dt__rng_u64(&r) >> 32));
         f[0] = ldexpf(2047, -25); f[1] = 65520.0f; f[2] = dt_bits_float(0x00018000u); f[3] = -0.0f;
         dt_convert(f, DT_F32, h16, d, NF);
         for (int i = 0; i < NF; i++)
@@ -771,7 +771,7 @@ static void test_sampler_shuffles_shards_and_pads_like_distributed_sampler(void)
 static void test_dataset_slice_and_loader_batches(void) {
     dt_dataset ds;
     memset(&ds, 0, sizeof ds);
-    dt_dataset_alloc(&ds, 10, 4, 2);
+    dt__dataset_alloc(&ds, 10, 4, 2);
     for (int i = 0; i < 10; i++) { ds.labels[i] = i; memset(ds.pixels + i * 48, i * 20, 48); }
     ds.class_names[0] = strdup("a"); ds.class_names[1] = strdup("b");
     dt_dataset_slice(&ds, 3, 8);
@@ -1156,20 +1156,20 @@ static void test_eta_follows_the_recent_step_time(void) {
 
 /* Which steps print a line, with the clock passed in. */
 static void test_progress_is_due_by_time_epoch_end_or_log_every(void) {
-    CHECK(dt_progress_due(1, 0, 0, 0, 0));                    /* the first step */
-    CHECK(!dt_progress_due(2, 0, 0, 1000, 0));                /* 1 s later: not yet */
-    CHECK(!dt_progress_due(50, 0, 0, 2999, 0));               /* the old every-50 is gone */
-    CHECK(dt_progress_due(51, 0, 0, 3000, 0));                /* 3 s: a line */
-    CHECK(dt_progress_due(7, 0, 1, 10, 0));                   /* an epoch's last step */
-    CHECK(dt_progress_due(10, 10, 0, 0, 0) && dt_progress_due(1, 10, 0, 0, 0));   /* --log-every 10 */
-    CHECK(!dt_progress_due(11, 10, 0, 1e6, 0) && !dt_progress_due(12, 10, 1, 0, 0));  /* and nothing else */
+    CHECK(dt__progress_due(1, 0, 0, 0, 0));                    /* the first step */
+    CHECK(!dt__progress_due(2, 0, 0, 1000, 0));                /* 1 s later: not yet */
+    CHECK(!dt__progress_due(50, 0, 0, 2999, 0));               /* the old every-50 is gone */
+    CHECK(dt__progress_due(51, 0, 0, 3000, 0));                /* 3 s: a line */
+    CHECK(dt__progress_due(7, 0, 1, 10, 0));                   /* an epoch's last step */
+    CHECK(dt__progress_due(10, 10, 0, 0, 0) && dt__progress_due(1, 10, 0, 0, 0));   /* --log-every 10 */
+    CHECK(!dt__progress_due(11, 10, 0, 1e6, 0) && !dt__progress_due(12, 10, 1, 0, 0));  /* and nothing else */
 }
 
 static int files_equal_tensors(const char *a, const char *b) {
     dt_safetensors *x = dt_safetensors_read(a), *y = dt_safetensors_read(b);
     int same = x->n == y->n && x->n > 0;
     for (int i = 0; same && i < x->n; i++) {
-        dt_st_tensor *t = &x->t[i], *u = NULL;
+        dt__st_tensor *t = &x->t[i], *u = NULL;
         for (int j = 0; j < y->n; j++) if (!strcmp(y->t[j].name, t->name)) u = &y->t[j];
         same = u && t->end - t->begin == u->end - u->begin &&
                memcmp(x->buf + x->data_start + t->begin, y->buf + y->data_start + u->begin, t->end - t->begin) == 0;
@@ -1453,7 +1453,7 @@ static void test_a_full_disk_under_log_trace_or_checkpoint_stops_the_run(void) {
     expect_error(out, st, 1, "/dev/full': " FULL_DISK);
 
     snprintf(dir, sizeof dir, "%s/full-ckpt", tmpdir);
-    dt_mkdir(dir);
+    dt__mkdir(dir);
     snprintf(p, sizeof p, "%s/mlp_data0-320_epoch1.safetensors", dir);
     snprintf(q, sizeof q, "%s.tmp", p);
     CHECK(symlink("/dev/full", q) == 0);
@@ -1478,7 +1478,7 @@ static void test_a_full_disk_under_log_trace_or_checkpoint_stops_the_run(void) {
 
     /* rank 1's trace on the full disk: rank 1 stops, and so does rank 0, soon, naming it */
     snprintf(dir, sizeof dir, "%s/full-trace", tmpdir);
-    dt_mkdir(dir);
+    dt__mkdir(dir);
     snprintf(p, sizeof p, "%s/run.rank1.json", dir);
     CHECK(symlink("/dev/full", p) == 0);
     double t0 = dt_now_ms();
@@ -1563,7 +1563,7 @@ static void test_a_flag_of_another_stage_exits_2_naming_its_stages(void) {
         CHECKF(st == 0, "%s --help: exit %d\n%s", help[i].stage, st, out);
         for (int want = 1; want >= 0; want--) {
             char list[256], line[64];
-            dt_copy_str(list, sizeof list, want ? help[i].has : help[i].lacks);
+            dt__copy_str(list, sizeof list, want ? help[i].has : help[i].lacks);
             for (char *f = strtok(list, " "); f; f = strtok(NULL, " ")) {
                 snprintf(line, sizeof line, "\n  %s ", f);
                 CHECKF(!strstr(out, line) == !want, "%s --help %s %s", help[i].stage, want ? "does not list" : "lists", f);
@@ -1588,7 +1588,7 @@ static int rewrite_checkpoint(const char *src, const char *dst, const char *key,
     dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)st->n + 1, sizeof *t);
     float **data = (float **)calloc((size_t)st->n + 1, sizeof *data);
     for (int i = 0; i < st->n; i++) {
-        dt_st_tensor *s = &st->t[i];
+        dt__st_tensor *s = &st->t[i];
         size_t n = (size_t)(s->end - s->begin) / 4;
         data[i] = (float *)malloc(n * 4 + 64);
         memcpy(data[i], st->buf + st->data_start + s->begin, n * 4);
@@ -1834,20 +1834,20 @@ static void test_test_hooks_exist_only_in_testing_builds(void) {
 
 static void test_ranks_launch_from_torchrun_variables_and_check_their_flags(void) {
     char out[16384];
-    int port = dt_free_port();
+    int port = dt__free_port();
     const char *bin = collectives_bin();
     /* two processes started as torchrun starts them: nothing but environment variables */
     int st = run_cmd(out, sizeof out, "sh -c 'RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=%d %s --check & p=$!; "
                      "RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=%d %s --check; a=$?; wait $p; exit $((a | $?))'",
                      port, bin, port, bin);
     CHECKF(st == 0 && count_lines_with(out, "match the serial reference") == 2, "env launch: exit %d\n%s", st, out);
-    port = dt_free_port();
+    port = dt__free_port();
     st = run_cmd(out, sizeof out, "sh -c 'OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2 MASTER_PORT=%d %s --agree b & p=$!; "
                  "OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=2 MASTER_PORT=%d %s --agree a; a=$?; wait $p; b=$?; "
                  "[ $a -ne 0 ] && [ $b -ne 0 ]'", port, bin, port, bin);
     CHECKF(st == 0 && count_lines_with(out, "disagree on --agree: rank 0 has 'a', rank 1 has 'b'") == 2,
            "a flag mismatch must stop both ranks with a message:\n%s", out);
-    st = run_cmd(out, sizeof out, "env SLURM_PROCID=1 SLURM_NTASKS=2 MASTER_PORT=%d %s --check --timeout 1", dt_free_port(), bin);
+    st = run_cmd(out, sizeof out, "env SLURM_PROCID=1 SLURM_NTASKS=2 MASTER_PORT=%d %s --check --timeout 1", dt__free_port(), bin);
     expect_error(out, st, 1, "rank 0 did not answer");
     st = run_cmd(out, sizeof out, "env RANK=3 WORLD_SIZE=2 %s --check", bin);
     expect_error(out, st, 1, "RANK=3 but WORLD_SIZE=2");
@@ -1884,7 +1884,7 @@ static double max_tensor_diff(const char *a, const char *b) {
     dt_safetensors *x = dt_safetensors_read(a), *y = dt_safetensors_read(b);
     double worst = x->n == y->n && x->n > 0 ? 0 : -1;
     for (int i = 0; worst >= 0 && i < x->n; i++) {
-        dt_st_tensor *t = &x->t[i], *u = NULL;
+        dt__st_tensor *t = &x->t[i], *u = NULL;
         for (int j = 0; j < y->n; j++) if (!strcmp(y->t[j].name, t->name)) u = &y->t[j];
         if (!u || t->end - t->begin != u->end - u->begin || strcmp(t->dtype, "F32")) { worst = -1; break; }
         const float *p = (const float *)(x->buf + x->data_start + t->begin), *q = (const float *)(y->buf + y->data_start + u->begin);
@@ -2066,7 +2066,7 @@ static void test_torchrun_launches_stages_in_every_rendezvous_mode(void) {
         snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2%s.safetensors", ref, s ? ".shard1-of-2" : "");
         for (int mode = 0; mode < (s ? 1 : 3); mode++) {
             char how[128];
-            int port = dt_free_port();
+            int port = dt__free_port();
             if (mode == 0) snprintf(how, sizeof how, "--master_port %d", port);
             else if (mode == 1) snprintf(how, sizeof how, "--standalone");
             else snprintf(how, sizeof how, "--rdzv_backend c10d --rdzv_endpoint 127.0.0.1:%d", port);
@@ -2090,7 +2090,7 @@ static void test_mpirun_launches_a_stage_like_nproc(void) {
     int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --batch-size 16 --nproc 2 --save-dir %s", bin, small_data(), ref);
     CHECKF(st == 0, "--nproc 2: exit %d\n%s", st, out);
     st = run_cmd(out, sizeof out, "mpirun %s--oversubscribe -np 2 -x MASTER_PORT=%d %s --data %s " PAR_FLAGS " --batch-size 16 --save-dir %s",
-                 geteuid() == 0 ? "--allow-run-as-root " : "", dt_free_port(), bin, small_data(), dir);
+                 geteuid() == 0 ? "--allow-run-as-root " : "", dt__free_port(), bin, small_data(), dir);
     CHECKF(st == 0, "mpirun: exit %d\n%s", st, out);
     snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2.safetensors", ref);
     snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.safetensors", dir);
@@ -2157,7 +2157,7 @@ static void test_stopping_the_launcher_stops_its_ranks(void) {
    as a host name does. */
 static void test_a_stranger_at_the_rendezvous_is_turned_away_not_fatal(void) {
     char out[16384];
-    int port = dt_free_port();
+    int port = dt__free_port();
     const char *bin = collectives_bin();
     int st = run_cmd(out, sizeof out, "bash -c 'P=%d; export MASTER_PORT=$P WORLD_SIZE=2; SLURM_JOB_ID=111 RANK=0 %s --check --timeout 30 & a=$!; "
                      WAIT_LISTEN "exec 3<>/dev/tcp/127.0.0.1/$P && echo junk >&3; exec 3>&-; exec 3<>/dev/tcp/127.0.0.1/$P; exec 3>&-; "
@@ -2175,7 +2175,7 @@ static void test_a_stranger_at_the_rendezvous_is_turned_away_not_fatal(void) {
    no shared-memory segment (it is made only once every rank has joined). */
 static void test_a_failed_rendezvous_leaves_nothing_in_dev_shm(void) {
     char out[16384];
-    int port = dt_free_port();
+    int port = dt__free_port();
     const char *bin = collectives_bin();
     int st = run_cmd(out, sizeof out, "bash -c 'P=%d; export MASTER_PORT=$P WORLD_SIZE=2 RANK=0; %s --check --timeout 20 & a=$!; echo pid=$a; "
                      WAIT_LISTEN "%s --check --timeout 5 & b=$!; echo pid=$b; wait $b; echo second-exit=$?; "
@@ -2225,7 +2225,7 @@ static void test_ddp_by_nproc_and_by_torchrun_variables_agree(void) {
     const char *bin = stage_bin("03-ddp");
     int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --batch-size 16 --nproc 2 --save-dir %s", bin, small_data(), a);
     CHECKF(st == 0, "--nproc 2: exit %d\n%s", st, out);
-    int port = dt_free_port();
+    int port = dt__free_port();
     st = run_cmd(out, sizeof out, "sh -c 'export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=%d; "
                  "RANK=1 LOCAL_RANK=1 %s --data %s " PAR_FLAGS " --batch-size 16 --save-dir %s & p=$!; "
                  "RANK=0 LOCAL_RANK=0 %s --data %s " PAR_FLAGS " --batch-size 16 --save-dir %s; a=$?; wait $p; exit $((a | $?))'",
@@ -2235,7 +2235,7 @@ static void test_ddp_by_nproc_and_by_torchrun_variables_agree(void) {
     snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.safetensors", b);
     CHECKF(files_equal_tensors(p, q), "--nproc 2 and a torchrun-style launch give different weights");
     /* a rank with another --lr: both stop, naming the flag */
-    port = dt_free_port();
+    port = dt__free_port();
     st = run_cmd(out, sizeof out, "sh -c 'export WORLD_SIZE=2 MASTER_PORT=%d; RANK=1 %s --data %s " PAR_FLAGS " --lr 0.1 & p=$!; "
                  "RANK=0 %s --data %s " PAR_FLAGS "; a=$?; wait $p; b=$?; [ $a -ne 0 ] && [ $b -ne 0 ]'",
                  port, bin, small_data(), bin, small_data());
@@ -2280,7 +2280,7 @@ static void test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly(void
 static void test_ddp_ranks_share_the_first_use_of_the_synthetic_set(void) {
     char out[16384], dir[600], cwd[2048], bin[3000];
     snprintf(dir, sizeof dir, "%s/first-use", tmpdir);
-    dt_mkdir(dir);
+    dt__mkdir(dir);
     const char *rel = stage_bin("03-ddp");
     CHECK(getcwd(cwd, sizeof cwd) != NULL);
     snprintf(bin, sizeof bin, "%s%s%s", rel[0] == '/' ? "" : cwd, rel[0] == '/' ? "" : "/", rel);
@@ -2591,7 +2591,7 @@ static void accum_train(accum_rank *a, dt_model *m, dt_ddp *d) {
     dt_loss_scaler scaler = dt_loss_scaler_create(DT_F32);
     int32_t labels[64];
     for (int s = 0; s < a->steps; s++) {
-        dt_ctx.grad_collectives = 0;
+        dt__ctx.grad_collectives = 0;
         for (int j = 0; j < a->K; j++) {
             dt_step_arena_reset();
             if (d) dt_ddp_set_sync(d, j == a->K - 1);          /* no-sync but for the last */
@@ -2600,7 +2600,7 @@ static void accum_train(accum_rank *a, dt_model *m, dt_ddp *d) {
             dt_backward_scaled(dt_cross_entropy(dt_model_forward(m, x), labels), &scaler, a->K);
         }
         if (d) dt_ddp_sync_grads(d);
-        a->collectives[s] = dt_ctx.grad_collectives;
+        a->collectives[s] = dt__ctx.grad_collectives;
         dt_optimizer_step(o, 3e-3f);
     }
     if (a->rank == 0) memcpy(a->params, m->flat_data, (size_t)m->numel * sizeof(float));
@@ -2617,7 +2617,7 @@ static void *accum_ddp_rank(void *arg) {
     dt_ddp_free(d);
     dt_comm_free(c);
     dt_model_free(m);
-    dt_context_release();
+    dt__context_release();
     return NULL;
 }
 
@@ -2860,7 +2860,7 @@ static void *overflow_rank_main(void *arg) {
     dt_fsdp_free(f);
     dt_comm_free(c);
     dt_model_free(m);
-    dt_context_release();
+    dt__context_release();
     return NULL;
 }
 static void test_fp16_overflow_skips_that_step_and_halves_the_scale(void) {
@@ -3092,7 +3092,7 @@ static void test_gpt2_safetensors_load_with_init_and_give_the_expected_first_los
     char names[30][64];
     float *bufs[30];
     int n = 0;
-    dt_rng r = { 2024 };
+    dt__rng r = { 2024 };
     gpt2_ref_weights W;
     for (int k = 0; k < 4 + 24 + 2; k++) {
         int64_t s0, s1;
@@ -3256,15 +3256,15 @@ static dt_comm_backend fake_nccl;
 typedef struct { dt_comm_group *group; int rank; } agree_arg;
 static void *agree_thread(void *arg) {
     agree_arg *a = (agree_arg *)arg;
-    dt_ctx.gpu = &fake_gpu;
+    dt__ctx.gpu = &fake_gpu;
     dt_comm *c = dt_comm_join(a->group, a->rank);
     c->backend = &fake_nccl;
     dt_comm_check_agree(c, "the test value", "same on every rank");
     float v[3] = { 1.0f + a->rank, 2, 3 };
-    dt_comm_all_reduce_host(c, v, 3, DT_SUM);
+    dt__comm_all_reduce_host(c, v, 3, DT_SUM);
     if (v[0] != 3.0f || v[2] != 6.0f) dt_fail("the staged all-reduce gave %g and %g", v[0], v[2]);
     float mine = (float)a->rank, all[2];
-    dt_comm_all_gather_host(c, &mine, all, sizeof mine);
+    dt__comm_all_gather_host(c, &mine, all, sizeof mine);
     if (all[0] != 0.0f || all[1] != 1.0f) dt_fail("the staged all-gather gave %g, %g", all[0], all[1]);
     dt_comm_free(c);
     return NULL;
@@ -3272,14 +3272,14 @@ static void *agree_thread(void *arg) {
 static void fake_devices_on(void) {
     fake_gpu.alloc = fake_alloc; fake_gpu.release = fake_release; fake_gpu.zero = fake_zero;
     fake_gpu.upload = fake_copy; fake_gpu.download = fake_copy; fake_gpu.owns = fake_owns;
-    fake_nccl = dt_comm_shm_backend;
+    fake_nccl = dt__comm_shm_backend;
     fake_nccl.name = "a GPU-only transport (test)";
     fake_nccl.memory = DT_CUDA;
 }
 /* `test_dtrain --selftest-wrong-memory`: hand host memory to the GPU-only transport. */
 static int selftest_wrong_memory(void) {
     fake_devices_on();
-    dt_ctx.gpu = &fake_gpu;
+    dt__ctx.gpu = &fake_gpu;
     dt_comm *c = dt_comm_join(dt_comm_group_create(1, 10), 0);
     c->backend = &fake_nccl;
     float v = 1;
@@ -3353,7 +3353,7 @@ static void test_more_ranks_than_gpus_is_refused_naming_both_counts(void) {
        or a GPU per rank (exit 1) */
     int gpus = 0;
 #ifdef DT_HAVE_CUDA
-    gpus = dt_cuda_device_count(why, sizeof why);
+    gpus = dt__cuda_device_count(why, sizeof why);
 #endif
     st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --nproc %d --steps 1 --timeout 20", stage_on("03-ddp", "cuda"),
                  small_data(), gpus + 1);
@@ -3539,7 +3539,7 @@ static double max_rel_diff(const float *gpu, const float *cpu, int64_t n) {
    and on the GPU from the same inputs; outputs and every input gradient must
    agree to `tol`, relative to the largest CPU value. */
 static void gpu_matches_cpu(const char *what, fd_forward f, dt_tensor **leaves, int n, void *ctx, double tol) {
-    dt_rng r = { 99 };
+    dt__rng r = { 99 };
     dt_set_device(DT_CPU, 0);
     for (int k = 0; k < n; k++) memset(leaves[k]->grad, 0, sizeof(float) * (size_t)leaves[k]->numel);
     dt_step_arena_reset();
@@ -3591,7 +3591,7 @@ static dt_tensor *f_embed_big(dt_tensor **l, void *c) {   /* 3 sequences of 37 i
 }
 static void test_gpu_ops_forward_and_backward_match_the_cpu_within_1e5(void) {
     NEED_GPU();
-    dt_rng r = { 41 };
+    dt__rng r = { 41 };
     /* odd sizes, so that no kernel gets away with assuming multiples of 32 */
     dt_tensor *x = leaf2(67, 129, &r, 1), *w = leaf2(45, 129, &r, 0.2), *b = leaf2(1, 45, &r, 1);
     dt_tensor *L1[3] = { x, w, b };
@@ -3616,7 +3616,7 @@ static void test_gpu_ops_forward_and_backward_match_the_cpu_within_1e5(void) {
     gpu_matches_cpu("select token", f_select_big, &st, 1, NULL, 1e-6);
     dt_tensor *lg = leaf2(150, 37, &r, 3);
     int32_t labels[150];
-    for (int i = 0; i < 150; i++) labels[i] = (int32_t)(dt_rng_u64(&r) % 37);
+    for (int i = 0; i < 150; i++) labels[i] = (int32_t)(dt__rng_u64(&r) % 37);
     gpu_matches_cpu("cross entropy", f_xent, &lg, 1, labels, 1e-5);
     int ishape[4] = { 2, 3, 12, 12 }, patch = 4;
     dt_tensor *img = leaf(4, ishape, &r, 1);
@@ -3651,8 +3651,8 @@ static void test_gpu_casts_adamw_and_sgd_are_bitwise_the_cpu(void) {
     enum { N = 4099 };
     float *src = (float *)malloc(sizeof(float) * N), *back = (float *)malloc(sizeof(float) * N);
     uint16_t *cpu_h = (uint16_t *)malloc(2 * N), *gpu_h = (uint16_t *)malloc(2 * N);
-    dt_rng r = { 8 };
-    for (int i = 0; i < N; i++) src[i] = (float)(rnd(&r) * ldexp(1.0, (int)(dt_rng_u64(&r) % 60) - 30));
+    dt__rng r = { 8 };
+    for (int i = 0; i < N; i++) src[i] = (float)(rnd(&r) * ldexp(1.0, (int)(dt__rng_u64(&r) % 60) - 30));
     src[0] = INFINITY; src[1] = -0.0f; src[2] = NAN; src[3] = 65520.0f; src[4] = ldexpf(1.5f, -25);
     for (int to = 1; to <= 2; to++) {
         dt_set_device(DT_CPU, 0);
@@ -3686,7 +3686,7 @@ static void test_gpu_casts_adamw_and_sgd_are_bitwise_the_cpu(void) {
         dt_set_device(DT_CUDA, 0);
         dt_upload(dp, p, sizeof(float) * 3 * N);
         dt_upload(dv, v, sizeof(float) * N);
-        const dt_backend *gpu = dt_ctx.gpu;
+        const dt_backend *gpu = dt__ctx.gpu;
         if (k == 0) gpu->adamw(dp, dp + N, dv, dp + 2 * N, N, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.05f, 0.19f, 0.0297f);
         else gpu->sgd(dp, dp + N, dp + 2 * N, N, 0.05f, 0.9f, 0.05f);
         dt_download(host, dp, sizeof(float) * 2 * N);
@@ -3730,9 +3730,9 @@ static step_result one_step(dt_device dev, dt_model_config *c, dt_optimizer_kind
 /* B random 3x16x16 images in [-1, 1] (to free) and labels. */
 static float *random_images(int B, int32_t *labels, uint64_t seed) {
     float *pixels = (float *)malloc(sizeof(float) * B * 3 * 16 * 16);
-    dt_rng r = { seed };
+    dt__rng r = { seed };
     for (int i = 0; i < B * 3 * 16 * 16; i++) pixels[i] = (float)rnd(&r);
-    for (int i = 0; i < B; i++) labels[i] = (int32_t)(dt_rng_u64(&r) % 10);
+    for (int i = 0; i < B; i++) labels[i] = (int32_t)(dt__rng_u64(&r) % 10);
     return pixels;
 }
 static void test_gpu_fp32_step_loss_grads_and_params_match_the_cpu(void) {

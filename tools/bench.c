@@ -268,7 +268,7 @@ static void predict_vit_base(void) {
 /* --redraw DIR: the charts again from DIR/results.csv, without running anything. */
 static int redraw(const char *dir, int cores, int gpus) {
     char path[1024], line[1024];
-    dt_path(path, sizeof path, "%s/results.csv", dir);
+    dt__path(path, sizeof path, "%s/results.csv", dir);
     FILE *f = fopen(path, "r");
     if (!f) dt_fail("cannot read '%s': %s (run tools/bench first)", path, strerror(errno));
     row *rows = (row *)calloc(256, sizeof(row));
@@ -290,9 +290,9 @@ static int redraw(const char *dir, int cores, int gpus) {
         n++;
     }
     fclose(f);
-    dt_path(path, sizeof path, "%s/scaling.svg", dir);
+    dt__path(path, sizeof path, "%s/scaling.svg", dir);
     draw_scaling(path, rows, n, max_ranks, cores, gpus);
-    dt_path(path, sizeof path, "%s/memory.svg", dir);
+    dt__path(path, sizeof path, "%s/memory.svg", dir);
     draw_memory(path, rows, n, max_ranks);
     printf("redrew %s/scaling.svg and %s/memory.svg from %d rows\n", dir, dir, n);
     free(rows);
@@ -326,7 +326,7 @@ int main(int argc, char **argv) {
     int cores = dt_threads(), gpus = 0;
 #ifdef DT_HAVE_CUDA
     char why[256];
-    gpus = dt_cuda_device_count(why, sizeof why);      /* the stages pick a GPU when there is one */
+    gpus = dt__cuda_device_count(why, sizeof why);      /* the stages pick a GPU when there is one */
 #endif
     if (gpus > 0) {
         NWORK = 3;
@@ -335,7 +335,7 @@ int main(int argc, char **argv) {
     }
     if (redraw_dir) return redraw(redraw_dir, cores, gpus);
     struct stat sb;
-    if (stat(outdir, &sb) != 0) dt_mkdir(outdir);
+    if (stat(outdir, &sb) != 0) dt__mkdir(outdir);
     dt_link links[5];
     for (int n = 2; n <= max_ranks; n *= 2) {
         /* GPUs talk over NCCL, whose link tools/collectives does not measure: the preset stands in */
@@ -378,7 +378,7 @@ int main(int argc, char **argv) {
                 if (!r->ok) { printf("FAILED (exit %d): %s\n", st, cmd); continue; }
                 r->threads = (int)field(line, "threads");
                 field_str(line, "device", r->device, sizeof r->device);
-                dt_copy_str(r->dtype, sizeof r->dtype, strstr(line, "/bf16") ? "bf16" : strstr(line, "/fp16") ? "fp16" : "fp32");
+                dt__copy_str(r->dtype, sizeof r->dtype, strstr(line, "/bf16") ? "bf16" : strstr(line, "/fp16") ? "fp16" : "fp32");
                 r->samples = field(line, "samples_per_s"); r->step_ms = field(line, "step_ms");
                 r->gflops = field(line, "gflops");
                 r->fwd = field(line, "fwd_ms"); r->bwd = field(line, "bwd_ms"); r->opt = field(line, "opt_ms");
@@ -442,7 +442,7 @@ int main(int argc, char **argv) {
                r->oversubscribed ? (strcmp(r->device, "cpu") ? "oversubscribed: more ranks than GPUs" : "oversubscribed: more ranks x threads than cores") : "");
     }
     char path[1024];
-    dt_path(path, sizeof path, "%s/results.csv", outdir);
+    dt__path(path, sizeof path, "%s/results.csv", outdir);
     FILE *csv = fopen(path, "w");
     if (!csv) dt_fail("cannot write '%s': %s", path, strerror(errno));
     fprintf(csv, "stage,workload,ranks,threads,device,dtype,samples_per_s,speedup,efficiency,predicted_speedup,"
@@ -458,10 +458,10 @@ int main(int argc, char **argv) {
     }
     fclose(csv);
     printf("\nwrote %s", path);
-    dt_path(path, sizeof path, "%s/scaling.svg", outdir);
+    dt__path(path, sizeof path, "%s/scaling.svg", outdir);
     draw_scaling(path, rows, nrows, max_ranks, cores, gpus);
     printf(", %s", path);
-    dt_path(path, sizeof path, "%s/memory.svg", outdir);
+    dt__path(path, sizeof path, "%s/memory.svg", outdir);
     draw_memory(path, rows, nrows, max_ranks);
     printf(", %s (%.0f s in all)\n", path, (dt_now_ms() - t_start) / 1e3);
     int failed = 0;

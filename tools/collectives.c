@@ -24,8 +24,8 @@ static const char *dtype_names[] = { "f32", "bf16", "f16" };
 /* Rank r's input: values already rounded to the dtype, the same on every rank. */
 static void fill(void *buf, int64_t n, dt_dtype t, int r, int64_t salt) {
     for (int64_t i = 0; i < n; i++) {
-        uint64_t h = dt_hash3((uint64_t)r, (uint64_t)i, (uint64_t)salt);
-        dt_store_from_f32(buf, i, t, (float)((h >> 11) * (1.0 / 9007199254740992.0) * 4 - 2));
+        uint64_t h = dt__hash3((uint64_t)r, (uint64_t)i, (uint64_t)salt);
+        dt__store_from_f32(buf, i, t, (float)((h >> 11) * (1.0 / 9007199254740992.0) * 4 - 2));
     }
 }
 /* The serial reference: element i of each rank's buffer at `off`, summed in
@@ -38,9 +38,9 @@ static void reference_sum(void *out, int64_t n, dt_dtype t, const int *ids, int 
     float *acc = (float *)calloc((size_t)n + 1, sizeof(float));
     for (int r = 0; r < world; r++) {
         fill(in, per_rank, t, ids[r], salt);
-        for (int64_t i = 0; i < n; i++) acc[i] = r == 0 ? dt_load_as_f32(in, off + i, t) : acc[i] + dt_load_as_f32(in, off + i, t);
+        for (int64_t i = 0; i < n; i++) acc[i] = r == 0 ? dt__load_as_f32(in, off + i, t) : acc[i] + dt__load_as_f32(in, off + i, t);
     }
-    for (int64_t i = 0; i < n; i++) dt_store_from_f32(out, i, t, avg ? acc[i] / (float)world : acc[i]);
+    for (int64_t i = 0; i < n; i++) dt__store_from_f32(out, i, t, avg ? acc[i] / (float)world : acc[i]);
     free(in);
     free(acc);
 }
