@@ -30,7 +30,8 @@
         4  kernels      one function per op; the per-element arithmetic is a small
                         inline function (DT_HD) that a GPU kernel can call too
         5  autograd     each op appends its backward to a tape; dt_backward() walks
-                        it in reverse. Activations live in a per-step arena
+                        it in reverse. Activations live in a per-step arena. The
+                        callbacks a parallel wrapper implements (dt_parallel)
         6  models       an MLP and a Vision Transformer with PyTorch/timm names, and a
                         GPT (causal language model) with Hugging Face's GPT-2 names
         7  optimizer    AdamW, SGD with momentum, gradient clipping, warmup + cosine
@@ -50,7 +51,9 @@
                         averaged in buckets while backward runs) and Fully Sharded
                         Data Parallel (each rank keeps 1/N of every unit: gathered
                         to compute, gradients reduce-scattered; ZeRO-1/2/3 side by
-                        side; CPU offload); no-sync for gradient accumulation
+                        side; CPU offload); no-sync for gradient accumulation.
+                        Each is one dt_parallel; calls in the wrong order are
+                        errors that say what to call first
        12  precision    bf16/fp16 activations and matmul operands, f32 master
                         weights and sums, dynamic loss scaling for fp16
        13  checkpoints  safetensors files written atomically; exact resume; sharded
@@ -534,7 +537,7 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s);
 /* Threads of one process (stage 02 on the CPU): one group, then one join per thread. */
 dt_comm_group *dt_comm_group_create(int world, double timeout_s);
 dt_comm *dt_comm_join(dt_comm_group *g, int rank);
-void dt_comm_group_free(dt_comm_group *group);   /* after every member is freed */
+void dt_comm_group_free(dt_comm_group *group);   /* after every member is freed: else an error */
 void dt_comm_free(dt_comm *c);
 int dt_comm_rank(const dt_comm *c);
 int dt_comm_size(const dt_comm *c);
@@ -3929,7 +3932,7 @@ static size_t dt__shm_bytes(int world) { return dt__shm_header_bytes(world) + (s
 static const char *dt__coll_names[] = { "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier",
                                        "send", "recv" };
 
-struct dt_comm_group { dt__shm_header *hdr; int world; double timeout_s; };
+struct dt_comm_group { dt__shm_header *hdr; int world; double timeout_s; int members; /* joined, not yet freed */ };
 
 struct dt_comm {
     const dt_comm_backend *backend;
@@ -3938,6 +3941,9 @@ struct dt_comm {
        failure is recorded there, and messages name ranks as the job does. */
     dt_comm *top, *parent;
     int children;                           /* groups split from it and not yet freed */
+    dt_comm_group *joined;                  /* thread ranks: the group it joined */
+    int users;                              /* parallel wrappers that use it (dt__comm_hold) */
+    const char *user_free_fn;               /* and what frees the last of them */
     int job_rank[DT_MAX_RANKS];             /* rank in top of each of our ranks */
 #ifdef DT_TESTING
     int die_in_all_reduce;                  /* test hook, see dt__comm_start: die in this all-reduce (from 1) */
@@ -4500,10 +4506,14 @@ dt_comm *dt_comm_join(dt_comm_group *g, int rank) {
     if (rank < 0 || rank >= g->world) dt_fail("rank %d outside a group of %d", rank, g->world);
     dt_comm *c = dt__comm_new(rank, g->world, g->timeout_s);
     dt__comm_start(c, g->hdr);
+    c->joined = g;
+    __atomic_add_fetch(&g->members, 1, __ATOMIC_ACQ_REL);
     return c;
 }
 void dt_comm_group_free(dt_comm_group *group) {
     if (!group) return;
+    int open = __atomic_load_n(&group->members, __ATOMIC_ACQUIRE);
+    if (open) dt_fail("dt_comm_group_free: %d rank(s) that joined it are still open; call dt_comm_free on each first", open);
     dt__mem_count(DT_ARENA_COMM, dt__shm_bytes(group->world), -1);
     free(group->hdr);
     free(group);
@@ -4567,11 +4577,18 @@ dt_comm *dt_comm_split(dt_comm *comm, int color, int key) {
     return child;
 }
 
+/* A parallel wrapper holds its communicator until it is freed, so that
+   freeing the communicator first is an error naming the wrapper's free. */
+static void dt__comm_hold(dt_comm *c, const char *free_fn) { c->users++; c->user_free_fn = free_fn; }
+static void dt__comm_release(dt_comm *c) { if (c) c->users--; }
+
 void dt_comm_free(dt_comm *c) {
     if (!c) return;
     if (c->children)
         dt_fail("dt_comm_free: %d group(s) split from this communicator are still open; free them first "
                 "(dt_comm_free or dt_mesh_free)", c->children);
+    if (c->users) dt_fail("dt_comm_free: a parallel wrapper still uses this communicator; call %s first", c->user_free_fn);
+    if (c->joined) __atomic_sub_fetch(&c->joined->members, 1, __ATOMIC_ACQ_REL);
     pthread_mutex_lock(&c->mu);
     c->stop = 1;
     pthread_cond_signal(&c->wake);
@@ -5445,6 +5462,7 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
                             .grad_ready = bucket_mb > 0 ? dt__ddp_grad_ready : NULL,
                             .backward_done = dt__ddp_backward_done };
     dt_model_set_parallel(model, &d->par);
+    dt__comm_hold(comm, "dt_ddp_free");
     d->model = model;
     d->comm = comm;
     d->sync = 1;
@@ -5474,6 +5492,7 @@ void dt_ddp_set_sync(dt_ddp *ddp, int sync) { ddp->sync = sync; }
 void dt_ddp_free(dt_ddp *ddp) {
     if (!ddp) return;
     dt_model_set_parallel(ddp->model, NULL);
+    dt__comm_release(ddp->comm);
     free(ddp->buckets);
     free(ddp->bucket_of);
     free(ddp);
@@ -5697,6 +5716,7 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
                             .backward_done = dt__fsdp_backward_done, .step_done = dt__fsdp_step_done,
                             .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks };
     dt_model_set_parallel(model, &f->par);
+    dt__comm_hold(comm, "dt_fsdp_free");
     f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
     f->param_dtype = dt__ctx.compute_dtype; f->reduce_dtype = DT_F32; f->sync = 1;
     f->rank = dt_comm_rank(comm); f->world = dt_comm_size(comm); f->nunits = model->nunits;
@@ -5894,6 +5914,7 @@ void dt_fsdp_free(dt_fsdp *fsdp) {
     if (!fsdp) return;
     dt_model *m = fsdp->model;
     dt_model_set_parallel(m, NULL);
+    dt__comm_release(fsdp->comm);
     for (int k = 0; k < fsdp->nunits; k++) {
         dt__fsdp_unit *u = &fsdp->units[k];
         if (u->gathering) dt__fsdp_gather_unit(fsdp, k, -1);      /* a prefetch nobody used: let it land */
