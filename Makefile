@@ -166,7 +166,7 @@ TEST_FILTER = $(if $(T),'$(T)')
 # header, have none.
 TESTING_BINS := $(addprefix build/test/,$(STAGE_BINS) tools/collectives tools/consolidate)
 test: $(STAGE_BINS) $(TOOLS) $(TEST_BIN) $(TESTING_BINS)
-	@echo "testing with: $(CC) $(CFLAGS) -DDT_TESTING$(if $(CUDA_OBJ), + $(CUDA_OBJ) from $(NVCC))"
+	@echo "testing with: $(CC) $(CFLAGS)$(if $(CUDA_OBJ), + $(CUDA_OBJ) from $(NVCC)); the stages and tools under test with -DDT_TESTING"
 	./$(TEST_BIN) build/test/01-single-gpu/train $(TEST_FILTER)
 
 test-list: $(TEST_BIN)

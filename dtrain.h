@@ -23,13 +23,15 @@
 
    WHAT IT TEACHES, SECTION BY SECTION
         1  errors       every failure says what went wrong and what to do, then exits
-        2  memory       where the bytes go: parameters, gradients, optimizer state,
-                        activations, communication, data -- counted per arena
+        2  memory       the device (CPU or GPU), and where the bytes go: parameters,
+                        gradients, optimizer state, activations, communication,
+                        data -- counted per arena; a clock and the core count
         3  tensors      a shape, a dtype, a pointer to the data and one to its
                         gradient
-        4  kernels      one function per op; the per-element arithmetic is a small
-                        inline function (DT_HD) that a GPU kernel can call too
-        5  autograd     each op appends its backward to a tape; dt_backward() walks
+        4  kernels      the matmul every linear layer goes through; the per-element
+                        arithmetic is a small inline function (DT_HD) that a GPU
+                        kernel can call too
+        5  autograd     the ops: each appends its backward to a tape; dt_backward() walks
                         it in reverse. Activations live in a per-step arena. The
                         callbacks a parallel wrapper implements (dt_parallel)
         6  models       an MLP and a Vision Transformer with PyTorch/timm names, and a
@@ -68,7 +70,9 @@
                         job's mean loss, JSON-lines logs, evaluation and checkpoints
                         at each epoch's end, stopping every rank alike on a signal
        19  CUDA         the GPU bodies of the ops, behind one table (dt_backend):
-                        indexing, reductions and launch shape are all that differ
+                        indexing, reductions and launch shape are all that differ.
+                        The one section earlier ones reach, and only through its
+                        tables (dt_backend, dt_comm_backend) and two entry points
 
    A FAILURE NEVER CRASHES
        Bad flags exit with status 2, everything else that goes wrong (a missing
@@ -89,7 +93,7 @@
    NAMES
        dt_ names are the API: everything declared above the IMPLEMENTATION
        line. dt__ names (two underscores, as stb_image's stbi__) are the
-       implementation's own and may change. The test suite builds with
+       implementation's own and may change. Macros keep DT_ either way. The test suite builds with
        -DDT_TESTING, which compiles in hooks (a rank that dies on cue, a
        signal at a given step) that no other build has.
 
@@ -259,8 +263,6 @@ DT_HD static inline uint16_t dt_f32_to_bf16(float f);
 DT_HD static inline float dt_bf16_to_f32(uint16_t h);
 DT_HD static inline uint16_t dt_f32_to_f16(float f);
 DT_HD static inline float dt_f16_to_f32(uint16_t h);
-/* Convert n values between f32, bf16 and f16 buffers on the current device. */
-void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n);
 
 /* ---- 5. autograd: the ops ------------------------------------------------------ */
 
@@ -289,6 +291,8 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels);
    order, so a conv with kernel = stride = p is a linear layer on these rows. */
 dt_tensor *dt_patchify(const dt_tensor *images, int patch);
 
+/* Convert n values between f32, bf16 and f16 buffers on the current device. */
+void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n);
 /* Gradients on or off (off for evaluation: no tape, no gradient buffers). */
 void dt_set_grad_enabled(int on);
 /* Walk the tape backwards from a scalar loss, filling every .grad. */
@@ -303,7 +307,7 @@ void dt_backward_from(dt_tensor *loss, const float *seed);
    wrapper's own sync function (backward is done), the optimizer (which
    parameters it steps, when it is created; the step is done). A NULL
    callback: nothing to do at that moment -- DDP has no units, DataParallel
-   no hooks at all. A wrapper attaches itself with dt_model_set_parallel
+   only sums gradients when backward is done. A wrapper attaches itself with dt_model_set_parallel
    (section 6): the model and each of its parameters then point to it, so
    nothing is looked up in global state. */
 typedef struct dt_parallel dt_parallel;
@@ -530,10 +534,6 @@ typedef int64_t dt_comm_handle;                 /* what an asynchronous call ret
 typedef enum { DT_COLL_ALL_REDUCE, DT_COLL_REDUCE_SCATTER, DT_COLL_ALL_GATHER, DT_COLL_BROADCAST, DT_COLL_REDUCE,
                DT_COLL_BARRIER, DT_COLL_SEND, DT_COLL_RECV } dt_coll;
 
-/* Processes: join the job the environment describes (see dt_rank_from_env) with a
-   TCP rendezvous at MASTER_ADDR:MASTER_PORT. A rank that does not arrive, or dies
-   later, stops the others within timeout_s seconds with a message naming it. */
-dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s);
 /* Threads of one process (stage 02 on the CPU): one group, then one join per thread. */
 dt_comm_group *dt_comm_group_create(int world, double timeout_s);
 dt_comm *dt_comm_join(dt_comm_group *g, int rank);
@@ -605,6 +605,10 @@ void dt_mesh_free(dt_mesh *mesh);                               /* frees its com
    with the worst status a rank had. Does nothing when nproc <= 1 or when this
    process is already a launched rank. */
 void dt_launch(int nproc, double timeout_s);
+/* Each rank of a job of processes: join the job the environment describes (see dt_rank_from_env) with a
+   TCP rendezvous at MASTER_ADDR:MASTER_PORT. A rank that does not arrive, or dies
+   later, stops the others within timeout_s seconds with a message naming it. */
+dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s);
 /* This process's place in the job, from torchrun's (RANK, WORLD_SIZE,
    LOCAL_RANK), SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) or Open MPI's
    (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK) variables; 0, 1, 0 without them. */
@@ -923,7 +927,7 @@ struct dt_run {
     dt_loss_scaler scaler;     /* --dtype fp16's loss scale (disabled otherwise) */
     FILE *log, *trace;
     char trace_path[4096];     /* this rank's trace file (run.rank1.json), for the errors that name it */
-    double step_ms_avg;        /* the recent time of a step, for the ETA (dt_eta_update) */
+    double step_ms_avg;        /* the recent time of a step, for the ETA (dt__eta_update) */
     double line_ms;            /* when the last progress line was printed */
     int stop;
     int stopped_by;            /* the signal every rank agreed to stop on (SIGTERM, SIGUSR1, SIGINT), or 0 */
@@ -1080,7 +1084,7 @@ DT_HD static inline void dt_sgd_update(float *p, float *buf, float g, float lr, 
 }
 
 /* ---- the device backend: what a GPU must provide -------------------------------
-   The ops of section 4 are written once. Each checks where its tensors live and
+   The ops of section 5 are written once. Each checks where its tensors live and
    either runs its CPU loop or calls the matching entry of this table, which the
    CUDA section at the end of this file fills in. So the table is the whole
    contract between the library and a device: memory, copies, and one body per
@@ -1189,6 +1193,12 @@ typedef struct dt_comm_backend {
 #ifdef __cplusplus
 extern "C" {
 #endif
+/* The CUDA section's two entry points (section 19; only in a build with
+   CUDA): how many GPUs are visible (0, and why, when none), and the backend
+   table of GPU local_rank % count, or NULL and why. */
+int dt_cuda_device_count(char *why, size_t n);
+const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n);
+
 typedef struct dt_nccl dt_nccl;
 /* 1 when this build has NCCL; else 0, and what to install in `why`. */
 int dt_nccl_available(char *why, size_t n);
@@ -1196,7 +1206,7 @@ int dt_nccl_available(char *why, size_t n);
 int dt_nccl_version(void);
 int dt_nccl_unique_id(unsigned char *out, size_t n);
 /* Start joining the communicator (non-blocking); poll dt_nccl_progress until it is ready. */
-dt_nccl *dt_nccl_create(const unsigned char *id, int rank, int world);
+dt_nccl *dt_nccl_create(const unsigned char *id_bytes, int rank, int world);
 /* The same for the group of `color` (ncclCommSplit), collectively over parent. */
 dt_nccl *dt_nccl_split(dt_nccl *parent, int color, int key);
 /* 1: ready for the next call; 0: still in progress; -1: failed, and why. */
@@ -1263,7 +1273,10 @@ void dt_nccl_free(dt_nccl *s);
 /* One context per rank: memory counters, the tape, the step arena. A rank is
    usually a process; in stage 02 every device is a thread of one process, so
    the context is per thread, and each device counts its own memory and keeps
-   its own tape. Nothing else in the library is global. */
+   its own tape. What else is global is per process and says so where it is
+   declared: the files to remove on failure (section 1), the communicator that
+   tells the others when this process fails (section 9), the signals caught
+   (section 10). */
 #if defined(__cplusplus)
 #define DT_THREAD_LOCAL thread_local
 #else
@@ -1289,13 +1302,6 @@ typedef struct dt__step_arena {
     int nspill, spill_cap;
 } dt__step_arena;
 
-#ifdef DT_HAVE_CUDA
-/* From the CUDA section (section 19): how many GPUs are visible (0, and why, when
-   none), and the backend table of GPU local_rank % count, or NULL and why. */
-int dt__cuda_device_count(char *why, size_t n);
-const dt_backend *dt__cuda_backend(int local_rank, char *why, size_t n);
-#endif
-
 typedef struct dt__context {
     int rank, world_size;
     dt_device device;
@@ -1320,6 +1326,7 @@ typedef struct dt__context {
     struct { char name[32]; double t0, t1; } comm_events[64];
     int ncomm_events;
     int64_t grad_collectives;          /* gradient all-reduces and reduce-scatters issued this step */
+    int grads_scaled;                  /* gradients still hold the fp16 loss scale (section 12) */
 } dt__context;
 
 static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1 };
@@ -1372,7 +1379,8 @@ static void (*dt__on_fail)(void);
 void dt_fail(const char *fmt, ...) {
     va_list ap; va_start(ap, fmt); dt__vmessage("error", fmt, ap); va_end(ap);
     dt__cleanup_run();
-    if (dt__on_fail) dt__on_fail();            /* the other ranks must not wait for us */
+    void (*tell)(void) = __atomic_load_n(&dt__on_fail, __ATOMIC_ACQUIRE);
+    if (tell) tell();            /* the other ranks must not wait for us */
     exit(1);
 }
 void dt_usage_error(const char *fmt, ...) {
@@ -1534,7 +1542,7 @@ int dt_cuda_available(char *why, size_t n) {
 #ifdef DT_HAVE_CUDA
     if (dt__ctx.gpu) return 1;
     dt__cuda_touched = 1;
-    return dt__cuda_device_count(why, n) > 0;
+    return dt_cuda_device_count(why, n) > 0;
 #else
     dt__copy_str(why, n, "this build has no CUDA (nvcc was not found, or make CUDA=0)");
     return 0;
@@ -1546,7 +1554,7 @@ void dt_set_device(dt_device device, int local_rank) {
 #ifdef DT_HAVE_CUDA
         char why[256] = "";
         dt__cuda_touched = 1;
-        dt__ctx.gpu = dt__cuda_backend(local_rank, why, sizeof why);
+        dt__ctx.gpu = dt_cuda_backend(local_rank, why, sizeof why);
         if (!dt__ctx.gpu) dt_fail("cannot use the GPU: %s (run with --device cpu)", why);
 #else
         (void)local_rank;
@@ -2909,6 +2917,8 @@ void dt_model_free(dt_model *m) {
 void dt_model_set_parallel(dt_model *m, dt_parallel *par) {
     dt_parallel *now = par ? par : m->parallel;
     if (!now) return;
+    if (par && (!par->create_fn || !par->sync_fn || !par->free_fn))
+        dt_fail("dt_model_set_parallel: a dt_parallel must name its create, sync and free functions (for the errors)");
     if (par && m->parallel)
         dt_fail("%s: this model is already wrapped (%s); one wrapper per model, or call %s first", par->create_fn,
                 m->parallel->create_fn, m->parallel->free_fn);
@@ -2995,6 +3005,9 @@ static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens) {
 }
 
 dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs) {
+    if (!m->flat_data && !m->parallel)
+        dt_fail("dt_model_forward: this model's parameters went with dt_fsdp_free (each rank kept only its shard); "
+                "call dt_fsdp_free after the last forward");
     const dt_model_config *c = &m->cfg;
     if (c->kind == DT_MODEL_GPT) return dt__gpt_forward(m, inputs);
     dt_tensor *images = inputs;
@@ -3058,8 +3071,12 @@ dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float
     o->model = model;
     o->device = model->device;
     model->optimizers++;
-    if (model->parallel && model->parallel->optimizer_view) model->parallel->optimizer_view(model->parallel, o);
-    else {
+    if (model->parallel && model->parallel->optimizer_view) {
+        model->parallel->optimizer_view(model->parallel, o);
+        if (o->sharded_by && !o->sharded_by->sum_over_ranks)
+            dt_fail("%s: its optimizer view shards the optimizer but gives no sum_over_ranks for the gradient norm",
+                    o->sharded_by->create_fn);
+    } else {
         o->params = model->flat_data; o->grads = model->flat_grad; o->numel = model->numel;
         o->nslices = model->nparams;
         o->slices = (struct dt_param_slice *)calloc((size_t)model->nparams, sizeof *o->slices);
@@ -3120,6 +3137,8 @@ static double dt__optimizer_grad_sum_squares(dt_optimizer *o) {
 }
 void dt_optimizer_step(dt_optimizer *opt, float lr) {
     dt__optimizer_check_synced(opt, "dt_optimizer_step");
+    if (dt__ctx.grads_scaled)
+        dt_fail("dt_optimizer_step: the gradients are still multiplied by the loss scale; call dt_loss_scaler_unscale first");
     int64_t n = opt->numel;
     float *g = opt->grads;
     const dt_backend *gpu = dt__backend_of(opt->device);
@@ -3944,6 +3963,7 @@ struct dt_comm {
     dt_comm_group *joined;                  /* thread ranks: the group it joined */
     int users;                              /* parallel wrappers that use it (dt__comm_hold) */
     const char *user_free_fn;               /* and what frees the last of them */
+    int in_mesh;                            /* a mesh's: dt_mesh_free frees it */
     int job_rank[DT_MAX_RANKS];             /* rank in top of each of our ranks */
 #ifdef DT_TESTING
     int die_in_all_reduce;                  /* test hook, see dt__comm_start: die in this all-reduce (from 1) */
@@ -4462,7 +4482,7 @@ static void dt__comm_start(dt_comm *c, dt__shm_header *hdr) {
     if (pthread_create(&c->worker, NULL, dt__comm_worker, c) != 0) dt_fail("cannot start the communication thread");
     dt_comm *none = NULL;                   /* the first communicator speaks for the job when we fail */
     if (!c->parent) __atomic_compare_exchange_n(&dt__active_comm, &none, c, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-    dt__on_fail = dt__comm_on_fail;
+    __atomic_store_n(&dt__on_fail, dt__comm_on_fail, __ATOMIC_RELEASE);
 }
 
 /* A named shared-memory segment of `bytes`, made (create: its name goes on
@@ -4587,8 +4607,8 @@ void dt_comm_free(dt_comm *c) {
     if (c->children)
         dt_fail("dt_comm_free: %d group(s) split from this communicator are still open; free them first "
                 "(dt_comm_free or dt_mesh_free)", c->children);
+    if (c->in_mesh) dt_fail("dt_comm_free: this communicator belongs to a mesh (dt_mesh_comm); dt_mesh_free frees it");
     if (c->users) dt_fail("dt_comm_free: a parallel wrapper still uses this communicator; call %s first", c->user_free_fn);
-    if (c->joined) __atomic_sub_fetch(&c->joined->members, 1, __ATOMIC_ACQ_REL);
     pthread_mutex_lock(&c->mu);
     c->stop = 1;
     pthread_cond_signal(&c->wake);
@@ -4603,7 +4623,9 @@ void dt_comm_free(dt_comm *c) {
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->wake);
     pthread_cond_destroy(&c->done);
+    dt_comm_group *joined = c->joined;
     free(c);
+    if (joined) __atomic_sub_fetch(&joined->members, 1, __ATOMIC_ACQ_REL);   /* last: the group may go now */
 }
 
 
@@ -4649,7 +4671,10 @@ dt_mesh *dt_mesh_create(dt_comm *comm, int ndims, const int *sizes, const char *
     /* Along d, the ranks that share every other coordinate: the same rank
        once its own coordinate is set to 0. The same order on every rank, as
        each split is collective. */
-    for (int d = 0; d < ndims; d++) m->comm[d] = dt_comm_split(comm, comm->rank - m->coord[d] * stride[d], m->coord[d]);
+    for (int d = 0; d < ndims; d++) {
+        m->comm[d] = dt_comm_split(comm, comm->rank - m->coord[d] * stride[d], m->coord[d]);
+        m->comm[d]->in_mesh = 1;
+    }
     return m;
 }
 static int dt__mesh_dim(const dt_mesh *m, const char *name) {
@@ -4663,7 +4688,10 @@ dt_comm *dt_mesh_comm(const dt_mesh *mesh, const char *name) { return mesh->comm
 int dt_mesh_coord(const dt_mesh *mesh, const char *name) { return mesh->coord[dt__mesh_dim(mesh, name)]; }
 void dt_mesh_free(dt_mesh *mesh) {
     if (!mesh) return;
-    for (int d = mesh->ndims - 1; d >= 0; d--) dt_comm_free(mesh->comm[d]);
+    for (int d = mesh->ndims - 1; d >= 0; d--) {
+        mesh->comm[d]->in_mesh = 0;
+        dt_comm_free(mesh->comm[d]);
+    }
     free(mesh);
 }
 
@@ -4827,8 +4855,11 @@ static void dt__on_launcher_signal(int sig) { dt__launcher_signal = sig; }
 void dt_launch(int nproc, double timeout_s) {
     if (nproc <= 1 || getenv("DT_LAUNCHED_RANK")) return;
     if (nproc > DT_MAX_RANKS) dt_usage_error("--nproc %d: at most %d ranks", nproc, DT_MAX_RANKS);
-    if (dt__cuda_touched) dt_fail("internal error: CUDA was used before the ranks were started (a CUDA context does not "
-                                 "survive fork); decide the device in each rank");
+    if (dt__cuda_touched) dt_fail("dt_launch: the GPU was used before the ranks were started (a CUDA context does not "
+                                 "survive fork); call dt_launch (dt_parse_args does) before dt_set_device");
+    if (__atomic_load_n(&dt__active_comm, __ATOMIC_ACQUIRE))
+        dt_fail("dt_launch: a communicator and its thread already run (threads do not survive fork); call dt_launch "
+                "(dt_parse_args does) before dt_comm_init or dt_comm_group_create");
     char port[16], cores[24], job[96];
     snprintf(port, sizeof port, "%d", dt__free_port());
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
@@ -5914,7 +5945,6 @@ void dt_fsdp_free(dt_fsdp *fsdp) {
     if (!fsdp) return;
     dt_model *m = fsdp->model;
     dt_model_set_parallel(m, NULL);
-    dt__comm_release(fsdp->comm);
     for (int k = 0; k < fsdp->nunits; k++) {
         dt__fsdp_unit *u = &fsdp->units[k];
         if (u->gathering) dt__fsdp_gather_unit(fsdp, k, -1);      /* a prefetch nobody used: let it land */
@@ -5928,6 +5958,7 @@ void dt_fsdp_free(dt_fsdp *fsdp) {
         dt_free_on(m->device, DT_ARENA_COMM, fsdp->staged[b], fsdp->largest_shard);
         dt_free_on(m->device, DT_ARENA_COMM, fsdp->send16[b], fsdp->largest_shard / 2);
     }
+    dt__comm_release(fsdp->comm);            /* after the last prefetch has landed */
     dt_fsdp_set_reduce_dtype(fsdp, DT_F32);
     dt_free_on(m->device, DT_ARENA_GRADS, fsdp->accum, (size_t)fsdp->accum_numel * sizeof(float));
     for (int i = 0; i < m->nparams; i++) m->params[i].dtype = DT_F32;
@@ -5970,11 +6001,13 @@ dt_loss_scaler dt_loss_scaler_create(dt_dtype dtype) {
 
 void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *scaler, int accum_steps) {
     dt__backward_seeded(loss, scaler->scale / (float)(accum_steps > 0 ? accum_steps : 1));
+    if (scaler->enabled) dt__ctx.grads_scaled = 1;    /* the optimizer must not see them so */
 }
 
 int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt) {
     dt__optimizer_check_synced(opt, "dt_loss_scaler_unscale");
     scaler->last_skipped = 0;
+    dt__ctx.grads_scaled = 0;          /* divided below, or zeroed and the step skipped */
     if (!scaler->enabled) return 1;
     size_t bytes = (size_t)opt->numel * sizeof(float);
     /* one number says it all: a sum with an inf or a NaN in it is not finite;
@@ -7079,7 +7112,7 @@ static void dt__format_duration(double s, char *out, size_t n) {
    caches, on a GPU cuBLAS's set-up), often several times slower than the
    rest. `step` counts this process's steps, 1 for the first. */
 #define DT_ETA_WEIGHT 0.1
-static double dt_eta_update(double avg_ms, double step_ms, int64_t step) {
+static double dt__eta_update(double avg_ms, double step_ms, int64_t step) {
     if (step <= 2) return step_ms;
     return avg_ms + DT_ETA_WEIGHT * (step_ms - avg_ms);
 }
@@ -7549,7 +7582,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         dt_fail("%d ranks on GPUs talk through NCCL, and %s", c.world_size, why);
 #ifdef DT_HAVE_CUDA
     if (c.device == DT_CUDA) {
-        int gpus = dt__cuda_device_count(why, sizeof why);
+        int gpus = dt_cuda_device_count(why, sizeof why);
         if (gpus == 0) dt_fail("cannot use the GPU: %s (run with --device cpu)", why);
         if (dt_gpu_for_rank(c.local_rank, c.local_ranks, gpus, c.ranks_per_gpu, why, sizeof why) < 0) dt_fail("%s", why);
         int local = c.local_ranks > c.local_rank ? c.local_ranks : c.local_rank + 1;
@@ -7799,6 +7832,9 @@ int dt_next_batch(dt_run *run, dt_batch *batch) {
 }
 int dt_last_micro_batch(const dt_run *run) { return run->micro == run->cfg.accum_steps - 1; }
 void dt_micro_batch_end(dt_run *run, dt_tensor *loss) {
+    if (dt_last_micro_batch(run))
+        dt_fail("dt_micro_batch_end: this is the step's last micro-batch, whose gradients must be synchronised and "
+                "stepped; call dt_step_end after the optimizer instead");
     run->micro_loss += dt_tensor_item(loss);
     run->micro++;
 }
@@ -7965,7 +8001,7 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
             run->stop_step = run->bench_first + (int64_t)n;
         }
     }
-    run->step_ms_avg = dt_eta_update(run->step_ms_avg, step_ms, run->steps_run);
+    run->step_ms_avg = dt__eta_update(run->step_ms_avg, step_ms, run->steps_run);
     int last_of_epoch = run->batch_in_epoch == run->batches_per_epoch || run->step == run->stop_step;
     if (!run->cfg.quiet && dt__ctx.rank == 0 && dt__progress_due(run->step, run->cfg.log_every, last_of_epoch, now, run->line_ms)) {
         char eta[32];
@@ -8630,7 +8666,7 @@ static void dt__cuda_convert(const void *src, dt_dtype from, void *dst, dt_dtype
 }
 
 /* ---- start-up ---- */
-extern "C" int dt__cuda_device_count(char *why, size_t n) {
+extern "C" int dt_cuda_device_count(char *why, size_t n) {
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
     if (err != cudaSuccess) {
@@ -8647,8 +8683,8 @@ extern "C" int dt__cuda_device_count(char *why, size_t n) {
     return count;
 }
 
-extern "C" const dt_backend *dt__cuda_backend(int local_rank, char *why, size_t n) {
-    int count = dt__cuda_device_count(why, n);
+extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n) {
+    int count = dt_cuda_device_count(why, n);
     if (count == 0) return NULL;
     if (dt__cuda.stream) return &dt__cuda.table;
     dt__cuda.index = local_rank % count;          /* one GPU per rank on this machine */
@@ -8805,8 +8841,8 @@ extern "C" int dt_nccl_available(char *why, size_t n) {
 extern "C" int dt_nccl_version(void) { return 0; }
 static void dt__no_nccl(void) { dt_fail("internal error: NCCL used in a build without it"); }
 extern "C" int dt_nccl_unique_id(unsigned char *out, size_t n) { (void)out; (void)n; dt__no_nccl(); return 0; }
-extern "C" dt_nccl *dt_nccl_create(const unsigned char *id, int rank, int world) {
-    (void)id; (void)rank; (void)world; dt__no_nccl(); return NULL;
+extern "C" dt_nccl *dt_nccl_create(const unsigned char *id_bytes, int rank, int world) {
+    (void)id_bytes; (void)rank; (void)world; dt__no_nccl(); return NULL;
 }
 extern "C" int dt_nccl_progress(dt_nccl *s, char *why, size_t n) { (void)s; (void)why; (void)n; dt__no_nccl(); return -1; }
 extern "C" void dt_nccl_mark_inputs(dt_nccl *s, int slot) { (void)s; (void)slot; dt__no_nccl(); }

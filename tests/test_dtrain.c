@@ -1220,12 +1220,18 @@ static int selftest_comm_misuse(int which) {
     static const int sizes[2] = { 1, 1 }, too_many[2] = { 3, 2 };
     static const char *names[2] = { "dp", "tp" };
     float v = 0;
-    dt_comm *c = dt_comm_join(dt_comm_group_create(which == 0 ? 4 : which == 3 ? 2 : 1, 10), 0);
+    dt_comm_group *group = dt_comm_group_create(which == 0 ? 4 : which == 3 ? 2 : 1, 10);
+    dt_comm *c = dt_comm_join(group, 0);
     if (which == 0) dt_mesh_create(c, 2, too_many, names);
     if (which == 1) dt_mesh_comm(dt_mesh_create(c, 2, sizes, names), "pp");
     if (which == 2) { dt_comm_split(c, 0, 0); dt_comm_free(c); }
     if (which == 3) dt_send(c, &v, 1, DT_F32, 0);
     if (which == 4) dt_comm_split(c, -1, 0);
+    if (which == 6) {                     /* the mesh frees its own communicators */
+        dt_mesh *m = dt_mesh_create(c, 2, sizes, names);
+        dt_comm_free(dt_mesh_comm(m, "tp"));
+    }
+    if (which == 7) dt_comm_group_free(group);             /* while c, its member, is open */
     if (which == 5) {
         dt_comm_group *g = dt_comm_group_create(2, 10);
         pthread_t th[2];
@@ -1243,6 +1249,8 @@ static void test_mesh_split_and_message_mistakes_are_clear_errors(void) {
         "send: the peer is this rank (0); a message goes to another rank of the communicator",
         "dt_comm_split: color -1; a color is a number >= 0",
         "rank 0 sends 3 elements of fp32, but rank 1 receives 4 of fp32: a send and its recv must agree",
+        "dt_comm_free: this communicator belongs to a mesh (dt_mesh_comm); dt_mesh_free frees it",
+        "dt_comm_group_free: 1 rank(s) that joined it are still open; call dt_comm_free on each first",
     };
     char out[4096];
     for (int i = 0; i < (int)(sizeof want / sizeof want[0]); i++) {
@@ -1632,7 +1640,7 @@ static void test_more_ranks_than_gpus_is_refused_naming_both_counts(void) {
        or a GPU per rank (exit 1) */
     int gpus = 0;
 #ifdef DT_HAVE_CUDA
-    gpus = dt__cuda_device_count(why, sizeof why);
+    gpus = dt_cuda_device_count(why, sizeof why);
 #endif
     st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --nproc %d --steps 1 --timeout 20", stage_on("03-ddp", "cuda"),
                  small_data(), gpus + 1);
@@ -1975,6 +1983,7 @@ static const order_mistake order_mistakes[] = {
     { "05-accum-mixed-precision", "dt_set_compute_dtype(", "dt_fsdp_create(", "call dt_set_compute_dtype before" },
     { "05-accum-mixed-precision", "dt_optimizer_create(", "dt_model_create(", "create the optimizer after dt_fsdp_create" },
     { "05-accum-mixed-precision", "dt_fsdp_sync_grads(", "dt_optimizer_step(", "dt_loss_scaler_unscale: the gradients" },
+    { "05-accum-mixed-precision", "dt_loss_scaler_unscale(", "dt_optimizer_step(", "dt_optimizer_step: the gradients are still multiplied by the loss scale; call dt_loss_scaler_unscale first" },
     { "05-accum-mixed-precision", "dt_optimizer_free(", "dt_fsdp_free(", "call dt_optimizer_free first" },
     { "05-accum-mixed-precision", "dt_fsdp_free(", "dt_model_free(", "call dt_fsdp_free first" },
 };
@@ -2019,7 +2028,7 @@ static void test_order_mistakes_in_each_stage_are_named_errors(void) {
         CHECKF(st == 0, "%s does not compile:\n%s", which, out);
         if (st != 0) continue;
         st = run_cmd(out, sizeof out, "%s --bench --steps 2 --batch-size 8 --dim 16 --quiet%s", bin,
-                     strncmp(m->stage, "05", 2) ? "" : " --dtype bf16");     /* a dtype that differs from the default */
+                     strncmp(m->stage, "05", 2) ? "" : " --dtype fp16");     /* not the default, and loss-scaled */
         expect_error_in(which, out, st, 1, m->names);
     }
 }
@@ -3106,17 +3115,17 @@ static void test_eta_follows_the_recent_step_time(void) {
     int64_t n = 0;
     for (int i = 0; i < 60; i++) {          /* 5 steps of 1 s (warm-up), then 55 of 100 ms */
         double ms = i < 5 ? 1000 : 100;
-        avg = dt_eta_update(avg, ms, ++n);
+        avg = dt__eta_update(avg, ms, ++n);
         mean += (ms - mean) / (double)n;
     }
     CHECKF(fabs(avg - 100) < 5, "after the warm-up: %.1f ms a step, the steps take 100 (the mean since the start: %.1f)", avg, mean);
-    for (int i = 0; i < 40; i++) avg = dt_eta_update(avg, 300, ++n);
+    for (int i = 0; i < 40; i++) avg = dt__eta_update(avg, 300, ++n);
     CHECKF(fabs(avg - 300) < 10, "after slowing down to 300 ms a step: %.1f ms", avg);
     /* the very first step says little: the second replaces it */
-    avg = dt_eta_update(0, 5000, 1);
+    avg = dt__eta_update(0, 5000, 1);
     CHECK(avg == 5000);
-    CHECK(dt_eta_update(avg, 10, 2) == 10);
-    CHECK(dt_eta_update(10, 20, 3) > 10 && dt_eta_update(10, 20, 3) < 20);
+    CHECK(dt__eta_update(avg, 10, 2) == 10);
+    CHECK(dt__eta_update(10, 20, 3) > 10 && dt__eta_update(10, 20, 3) < 20);
 }
 
 /* Which steps print a line, with the clock passed in. */

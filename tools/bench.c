@@ -326,7 +326,7 @@ int main(int argc, char **argv) {
     int cores = dt_threads(), gpus = 0;
 #ifdef DT_HAVE_CUDA
     char why[256];
-    gpus = dt__cuda_device_count(why, sizeof why);      /* the stages pick a GPU when there is one */
+    gpus = dt_cuda_device_count(why, sizeof why);      /* the stages pick a GPU when there is one */
 #endif
     if (gpus > 0) {
         NWORK = 3;
