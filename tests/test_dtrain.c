@@ -3924,8 +3924,13 @@ static void test_the_registry_lists_every_test_in_file_order(void) {
     char path[800];
     snprintf(path, sizeof path, "%s/tests/test_dtrain.c", repo_root());
     size_t n = 0;
-    char *src = (char *)read_bytes(path, &n);
-    if (!src) SKIP("no tests/test_dtrain.c beside this build");
+    unsigned char *raw = read_bytes(path, &n);
+    if (!raw) SKIP("no tests/test_dtrain.c beside this build");
+    char *src = (char *)malloc(n + 1);         /* a string: read_bytes gives bytes, not NUL-terminated */
+    if (!src) { free(raw); SKIP("out of memory"); }
+    memcpy(src, raw, n);
+    src[n] = 0;
+    free(raw);
     static char defined[200][96], listed[200][96];
     int nd = 0, nl = 0;
     const char *reg = strstr(src, "\nstatic const test_case tests[] = {");
