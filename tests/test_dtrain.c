@@ -1262,36 +1262,33 @@ static void test_mesh_split_and_message_mistakes_are_clear_errors(void) {
 
 /* A rank that dies inside a group stops the job: its group partner names it
    (by its rank in the job, not in the group), and the other group hears of it. */
-static void test_a_rank_killed_in_a_group_stops_the_others_with_its_name(void) {
-    char out[16384];
+/* tools/collectives with rank 1 killed in its first all-reduce: the job fails
+   within the timeout, the others name rank 1, and /dev/shm stays clean. */
+static void run_with_rank_1_killed(const char *flags, char *out, size_t n) {
     int before = count_shm_segments();
     double t0 = dt_now_ms();
-    int st = run_cmd(out, sizeof out, "env DT_TEST_DIE_RANK=1 %s --nproc 4 --check --mesh 2x2 --timeout 10", collectives_bin());
+    int st = run_cmd(out, n, "env DT_TEST_DIE_RANK=1 %s %s --check --timeout 10", collectives_bin(), flags);
     double s = (dt_now_ms() - t0) / 1e3;
     CHECKF(st != 0, "the job exited 0 although rank 1 was killed:\n%s", out);
     CHECKF(s < 10, "the others took %.1f s to stop (timeout 10 s)", s);
     CHECKF(strstr(out, "rank 1 (pid") && strstr(out, "died during all_reduce"), "no rank named the dead rank 1:\n%s", out);
     CHECKF(count_lines_with(out, "dtrain[rank ") >= 2, "not every surviving rank reported:\n%s", out);
+    CHECKF(count_shm_segments() == before, "a /dev/shm/dtrain-* segment was left behind");
+}
+static void test_a_rank_killed_in_a_group_stops_the_others_with_its_name(void) {
+    char out[16384];
+    run_with_rank_1_killed("--nproc 4 --mesh 2x2", out, sizeof out);
     for (int r = 0; r < 4; r++) {            /* the first cause, recorded for the whole job, is the only one named */
         char died[64], failed[64];
         snprintf(died, sizeof died, "rank %d (pid", r);
         snprintf(failed, sizeof failed, "rank %d failed", r);
         CHECKF(r == 1 || (!strstr(out, died) && !strstr(out, failed)), "a rank blamed rank %d, not the dead rank 1:\n%s", r, out);
     }
-    CHECKF(count_shm_segments() == before, "a /dev/shm/dtrain-* segment was left behind");
 }
 
 static void test_a_killed_rank_stops_the_others_with_its_name(void) {
     char out[16384];
-    int before = count_shm_segments();
-    double t0 = dt_now_ms();
-    int st = run_cmd(out, sizeof out, "env DT_TEST_DIE_RANK=1 %s --nproc 3 --check --timeout 10", collectives_bin());
-    double s = (dt_now_ms() - t0) / 1e3;
-    CHECKF(st != 0, "the job exited 0 although rank 1 was killed:\n%s", out);
-    CHECKF(s < 10, "the others took %.1f s to stop (timeout 10 s)", s);
-    CHECKF(strstr(out, "rank 1 (pid") && strstr(out, "died during all_reduce"), "no rank named the dead rank 1:\n%s", out);
-    CHECKF(count_lines_with(out, "dtrain[rank ") >= 2, "not every surviving rank reported:\n%s", out);
-    CHECKF(count_shm_segments() == before, "a /dev/shm/dtrain-* segment was left behind");
+    run_with_rank_1_killed("--nproc 3", out, sizeof out);
 }
 
 /* The hooks the tests above use are compiled in only with -DDT_TESTING (the
