@@ -606,6 +606,38 @@ static void test_causal_attention_ignores_later_tokens(void) {
     leaf_free(qkv);
 }
 
+/* LayerNorm's weight and bias gradients sum over every row: over 4 million
+   rows they must still be the sums (a double reference here), not what a
+   running float sum keeps of them (8e-5 off, found on the first GPU run). */
+static void test_layernorm_weight_and_bias_gradients_stay_exact_over_millions_of_rows(void) {
+    dt__rng r = { 12 };
+    int N = 4194304 + 77, D = 4;
+    dt_tensor *x = leaf2(N, D, &r, 1), *w = leaf2(1, D, &r, 1), *b = leaf2(1, D, &r, 1);
+    float *seed = (float *)malloc(sizeof(float) * (size_t)N * D);
+    for (int64_t i = 0; i < (int64_t)N * D; i++) seed[i] = (float)rnd(&r);
+    dt_step_arena_reset();
+    dt_backward_from(dt_layernorm(x, w, b, 1e-5f), seed);
+    double dw[4] = { 0 }, db[4] = { 0 }, scale_w = 0, scale_b = 0, err_w = 0, err_b = 0;
+    for (int i = 0; i < N; i++) {
+        const float *xr = x->data + (size_t)i * D;
+        double mean = 0, var = 0;
+        for (int j = 0; j < D; j++) mean += xr[j] / (double)D;
+        for (int j = 0; j < D; j++) var += (xr[j] - mean) * (xr[j] - mean) / D;
+        for (int j = 0; j < D; j++) {
+            dw[j] += seed[(size_t)i * D + j] * (xr[j] - mean) / sqrt(var + 1e-5);
+            db[j] += seed[(size_t)i * D + j];
+        }
+    }
+    for (int j = 0; j < D; j++) {
+        scale_w = fmax(scale_w, fabs(dw[j])); scale_b = fmax(scale_b, fabs(db[j]));
+        err_w = fmax(err_w, fabs(w->grad[j] - dw[j])); err_b = fmax(err_b, fabs(b->grad[j] - db[j]));
+    }
+    CHECKF(err_w <= 1e-6 * scale_w, "weight gradient off by %.3g of its largest (%.4g)", err_w / scale_w, scale_w);
+    CHECKF(err_b <= 1e-6 * scale_b, "bias gradient off by %.3g of its largest (%.4g)", err_b / scale_b, scale_b);
+    dt_step_arena_reset();
+    free(seed); leaf_free(x); leaf_free(w); leaf_free(b);
+}
+
 static int hook_order[64], hook_count;
 static dt_model *hook_model;
 static void record_hook(dt_parallel *par, dt_tensor *p) { (void)par; hook_order[hook_count++] = (int)(p - hook_model->params); }
@@ -2257,8 +2289,15 @@ static void test_bf16_and_fp16_track_the_fp32_loss_curve(void) {
         }
         CHECKF(worst <= 0.08, "--dtype %s: a 20-step mean loss is %.4f from fp32's (band 0.08)", types[t], worst);
         CHECKF(differ > 0, "--dtype %s: the loss curve is fp32's, bit for bit (nothing was rounded)", types[t]);
-        CHECKF(fabs(acc[t] - acc[0]) <= 0.02, "--dtype %s: eval accuracy %.3f, fp32 %.3f (2 points allowed)", types[t],
-               acc[t], acc[0]);
+        /* Accuracy on 1,000 images of two runs that parted ways: each is one draw
+           of a binomial, so their difference has a standard error of
+           sqrt(2 p (1 - p) / 1000), 2.2 points at p = 0.5. Three of those are
+           allowed (the bound was 2 points, until a rounding change in LayerNorm's
+           CPU backward moved fp16 to 3.2 points above fp32); a run that stopped
+           learning is 25 points down. */
+        double se = sqrt(2 * acc[0] * (1 - acc[0]) / 1000);
+        CHECKF(fabs(acc[t] - acc[0]) <= 3 * se, "--dtype %s: eval accuracy %.3f, fp32 %.3f (%.1f points allowed)", types[t],
+               acc[t], acc[0], 300 * se);
         CHECKF(acts[t] > 0 && acts[t] < 0.8 * acts[0], "--dtype %s: activations peak at %.0f bytes, fp32 at %.0f",
                types[t], acts[t], acts[0]);
     }
@@ -3670,12 +3709,30 @@ static void test_gpu_fp32_step_loss_grads_and_params_match_the_cpu(void) {
     free(pixels);
 }
 
+/* The parameters one CPU AdamW step (as one_step takes it) makes from given
+   gradients, to free: what the GPU's step should have made from its own. */
+static float *cpu_adamw_step_from(dt_model_config *c, const float *grads) {
+    dt_set_device(DT_CPU, 0);
+    dt_model *m = dt_model_create(c, 17);
+    dt_optimizer *o = dt_optimizer_create(m, DT_ADAMW, 0.05f, 0.9f, 1.0f);
+    memcpy(m->flat_grad, grads, sizeof(float) * (size_t)m->numel);
+    dt_optimizer_step(o, 1e-3f);
+    float *p = (float *)malloc(sizeof(float) * (size_t)m->numel);
+    memcpy(p, m->flat_data, sizeof(float) * (size_t)m->numel);
+    dt_optimizer_free(o);
+    dt_model_free(m);
+    return p;
+}
 /* Mixed precision on the GPU: 16-bit operands on the tensor cores against the
    CPU, which widens the same 16-bit values to f32. Both sum exact products in
    f32, but in another order, and an output that lands near a rounding
    boundary of bf16 (8 bits) or fp16 (11 bits) may round the other way: the
-   bounds are a few 16-bit ulps. NOT YET CALIBRATED: no GPU was lent while
-   this test was written (see the 05 README). */
+   bounds are a few 16-bit ulps. The parameters after the step are not
+   compared with the CPU's: AdamW's first step moves a weight by about lr
+   times the sign of its gradient, so a gradient that is rounding noise on
+   both sides puts them up to 2 lr apart (the first GPU run, 2026-11-24: fp16
+   1.9e-3 at lr 1e-3). The step is checked instead against the CPU's AdamW
+   fed the GPU's own gradients. */
 static void test_gpu_bf16_and_fp16_step_loss_grads_and_params_match_the_cpu(void) {
     NEED_GPU();
     dt_model_config cfg = { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0 };
@@ -3691,15 +3748,40 @@ static void test_gpu_bf16_and_fp16_step_loss_grads_and_params_match_the_cpu(void
         CHECKF(CLOSE(g.loss, c.loss, 4 * ulp), "%s: loss GPU %.7f vs CPU %.7f", dt_dtype_name((dt_dtype)t), g.loss, c.loss);
         double dg = max_rel_diff(g.grads, c.grads, c.n);
         CHECKF(dg <= 16 * ulp, "%s: gradients differ by %.3g of the largest", dt_dtype_name((dt_dtype)t), dg);
-        /* the master weights are f32 and AdamW moves each by at most ~lr: lr / 10, as in the f32 test */
+        /* the f32 master weights: the GPU's step from its gradients is the CPU's from
+           the same ones (the clipping norm sums in another order: 1e-6) */
+        float *want = cpu_adamw_step_from(&cfg, g.grads);
         double worst = 0;
-        for (int64_t i = 0; i < c.n; i++) worst = fmax(worst, fabs((double)c.params[i] - g.params[i]));
-        CHECKF(worst <= 1e-4, "%s: parameters after the step differ by %.3g", dt_dtype_name((dt_dtype)t), worst);
-        free(c.grads); free(c.params); free(g.grads); free(g.params);
+        for (int64_t i = 0; i < c.n; i++) worst = fmax(worst, fabs((double)want[i] - g.params[i]));
+        CHECKF(worst <= 1e-6, "%s: the GPU's step from its gradients differs from the CPU's AdamW on them by %.3g",
+               dt_dtype_name((dt_dtype)t), worst);
+        free(want); free(c.grads); free(c.params); free(g.grads); free(g.params);
     }
     dt_set_compute_dtype(DT_F32);
     dt_set_device(DT_CPU, 0);
     free(pixels);
+}
+/* How closely a GPU loss curve tracks the CPU's. Before rounding differences
+   have had time to grow, a correct run sits within 1e-6 of the CPU's (the
+   first GPU run, 2026-11-24), and a wrong update shows at once: the first 10
+   steps must be within 1e-4. Later, training amplifies rounding until the two
+   are two runs of one training, a few hundredths apart step by step (the
+   first GPU run logged a mean of 0.035 and a worst step of 0.36 here, over 200
+   steps); so the rest is compared as a plot shows it, by 20-step means. */
+typedef struct { double early, windows, per_step; } curve_gap;
+static curve_gap compare_curves(const double *a, const double *b, int n) {
+    curve_gap g = { 0, 0, 0 };
+    double sa = 0, sb = 0;
+    int windows = 0;
+    for (int i = 0; i < n; i++) {
+        double d = fabs(a[i] - b[i]);
+        if (i < 10) g.early = fmax(g.early, d);
+        g.per_step += d / n;
+        sa += a[i]; sb += b[i];
+        if ((i + 1) % 20 == 0) { g.windows += fabs(sa - sb) / 20; windows++; sa = sb = 0; }
+    }
+    if (windows) g.windows /= windows;
+    return g;
 }
 static void test_gpu_200_step_vit_loss_curve_tracks_the_cpu(void) {
     NEED_GPU();
@@ -3715,10 +3797,9 @@ static void test_gpu_200_step_vit_loss_curve_tracks_the_cpu(void) {
     }
     int nc = read_losses(logc, lc, 256), ng = read_losses(logg, lg, 256);
     CHECKF(nc == 200 && ng == 200, "expected 200 logged steps, got %d (cpu) and %d (gpu)", nc, ng);
-    double mean = 0, worst = 0;
-    for (int i = 0; i < nc && i < ng; i++) { mean += fabs(lc[i] - lg[i]) / 200; worst = fmax(worst, fabs(lc[i] - lg[i])); }
-    /* rounding differences grow over 200 steps of training, but stay small */
-    CHECKF(mean < 0.02 && worst < 0.1, "loss curves differ: mean |cpu - gpu| %.4f, worst %.4f", mean, worst);
+    curve_gap g = compare_curves(lc, lg, nc < ng ? nc : ng);
+    CHECKF(g.early <= 1e-4 && g.windows < 0.02, "loss curves: first 10 steps within %.3g (limit 1e-4), mean difference "
+           "%.4f at 20-step resolution (limit 0.02; per step %.4f)", g.early, g.windows, g.per_step);
     CHECKF(nc == 200 && lc[199] < lc[0] - 0.3, "the CPU run did not learn: loss %.3f -> %.3f", lc[0], nc ? lc[nc - 1] : 0);
 }
 
@@ -3787,22 +3868,26 @@ static void test_gpu_checkpoints_resume_bit_for_bit(void) {
     }
 }
 /* The GPT end to end on the GPU: embeddings, causal attention, the tied head
-   (whose gradient comes from two places), generation; its curve tracks the CPU's. */
+   (whose gradient comes from two places), generation; its curve tracks the CPU's.
+   150 steps, as the CPU's test_gpt_beats_the_unigram_baseline_on_text: at 40
+   (--epochs 4, the first GPU run, 2026-11-24) neither device had learnt yet,
+   and both logged eval loss 3.2041 against a baseline of 3.0140. */
 static void test_gpu_gpt_with_its_tied_head_trains_and_samples_like_the_cpu(void) {
     NEED_GPU();
     char out[32768], logs[2][600];
     for (int d = 0; d < 2; d++) {
         snprintf(logs[d], sizeof logs[d], "%s/gpu-gpt-%d.jsonl", tmpdir, d);
-        int st = run_cmd(out, sizeof out, "%s --data %s " GPT_FLAGS " --epochs 4 --lr 3e-3 --sample 30 --log %s",
+        int st = run_cmd(out, sizeof out, "%s --data %s " GPT_FLAGS " --epochs 15 --lr 3e-3 --sample 30 --log %s",
                          stage_on("01-single-gpu", d ? "cuda" : "cpu"), gpt_text(), logs[d]);
         CHECKF(st == 0 && strstr(out, "sample step"), "--device %s: exit %d, or no sample printed\n%s", d ? "cuda" : "cpu",
                st, out);
     }
     double a[256], b[256];
     int na = read_losses(logs[0], a, 256), nb = read_losses(logs[1], b, 256);
-    double mean = 0;
-    for (int i = 0; i < na && i < nb; i++) mean += fabs(a[i] - b[i]) / na;
-    CHECKF(na == nb && na > 10 && mean < 0.02, "%d cpu and %d gpu losses, mean gap %.4f", na, nb, mean);
+    CHECKF(na == nb && na > 10, "%d cpu and %d gpu losses", na, nb);
+    curve_gap g = compare_curves(a, b, na < nb ? na : nb);
+    CHECKF(g.early <= 1e-4 && g.windows < 0.02, "loss curves: first 10 steps within %.3g (limit 1e-4), mean difference "
+           "%.4f at 20-step resolution (limit 0.02)", g.early, g.windows);
     double eval = summary_value(logs[1], "eval_loss"), base = summary_value(logs[1], "unigram_loss");
     CHECKF(eval < base - 0.3, "the GPU's GPT did not learn: eval loss %.3f, unigram baseline %.3f", eval, base);
 }
@@ -3819,6 +3904,51 @@ static void test_gpu_a_killed_rank_stops_the_nccl_job_naming_it(void) {
     CHECKF(secs < 20 + 15, "the job took %.0f s to stop (--timeout 20)", secs);
 }
 /* ---- the build and the tools: make finds NCCL, make diff, make test T= ------ */
+
+/* The header compiles without a warning (-Wall -Wextra -Werror) in each build a
+   user may make of it: plain, with OpenMP, with a system BLAS, with stb_image,
+   and the host side of a CUDA build. The BLAS build once warned (an unused
+   matmul routine) and no test compiled it: the first GPU machine had OpenBLAS.
+   A stand-in cblas.h (the prototype only) serves where OpenBLAS is not installed. */
+static void test_the_header_compiles_without_warnings_in_every_configuration(void) {
+    char root[512], out[8192], dir[700], src[800];
+    if (!getcwd(root, sizeof root)) SKIP("no working directory");
+    snprintf(src, sizeof src, "%s/dtrain.h", root);
+    if (access(src, R_OK) != 0) SKIP("run from the repository root: the header is compiled from there");
+    const char *cc = getenv("CC") ? getenv("CC") : "cc";
+    snprintf(dir, sizeof dir, "%s/configs", tmpdir);
+    mkdir(dir, 0755);
+    snprintf(src, sizeof src, "%s/cblas.h", dir);
+    FILE *f = fopen(src, "w");
+    CHECKF(f != NULL, "cannot write %s", src);
+    if (!f) return;
+    fputs("enum CBLAS_ORDER { CblasRowMajor = 101 };\nenum CBLAS_TRANSPOSE { CblasNoTrans = 111, CblasTrans = 112 };\n"
+          "void cblas_sgemm(enum CBLAS_ORDER, enum CBLAS_TRANSPOSE, enum CBLAS_TRANSPOSE, int, int, int, float, const float *,\n"
+          "                 int, const float *, int, float, float *, int);\n", f);
+    fclose(f);
+    snprintf(src, sizeof src, "%s/prog.c", dir);
+    f = fopen(src, "w");
+    CHECKF(f != NULL, "cannot write %s", src);
+    if (!f) return;
+    fputs("#define DTRAIN_IMPLEMENTATION\n#include \"dtrain.h\"\nint main(void) { return 0; }\n", f);
+    fclose(f);
+    /* -O0 is enough for unused code and takes a second; one build at -O2 adds
+       the warnings that need the optimiser's analysis (uninitialised values) */
+    static const struct { const char *name, *flags; int needs_stb; } configs[] = {
+        { "plain", "-O0", 0 }, { "OpenMP", "-O0 -fopenmp", 0 }, { "a system BLAS", "-O0 -DDT_HAVE_CBLAS -I%s", 0 },
+        { "stb_image", "-O0 -DDT_HAVE_STB", 1 }, { "the host side of CUDA", "-O0 -DDT_HAVE_CUDA", 0 },
+        { "everything", "-O2 -fopenmp -DDT_HAVE_CBLAS -I%s -DDT_HAVE_STB -DDT_HAVE_CUDA", 1 },
+    };
+    int have_stb = access("/usr/include/stb/stb_image.h", R_OK) == 0;
+    for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++) {
+        if (configs[i].needs_stb && !have_stb) continue;
+        char flags[1024];
+        snprintf(flags, sizeof flags, configs[i].flags, dir, dir);
+        int st = run_cmd(out, sizeof out, "%s -std=c11 -Wall -Wextra -Werror %s -I%s -c %s -o %s/prog.o", cc, flags, root,
+                         src, dir);
+        CHECKF(st == 0, "with %s (%s): warnings or errors\n%s", configs[i].name, flags, out);
+    }
+}
 
 /* NCCL is found once, by the Makefile, for both compilers -- also where it
    comes as the Python wheel nvidia-nccl-cu13 (site-packages/nvidia/nccl, with
@@ -3959,7 +4089,8 @@ static const test_case tests[] = {
     T(test_half_conversions_round_to_nearest_even), T(test_launch_shapes_cover_every_row_past_the_grid_cap),
     /* 5. autograd */
     T(test_ops_forward_hand_values), T(test_backward_matches_finite_differences),
-    T(test_causal_attention_ignores_later_tokens), T(test_grad_ready_hook_fires_once_per_parameter_in_reverse),
+    T(test_causal_attention_ignores_later_tokens), T(test_layernorm_weight_and_bias_gradients_stay_exact_over_millions_of_rows),
+    T(test_grad_ready_hook_fires_once_per_parameter_in_reverse),
     /* 6. models */
     T(test_mlp_gradients_match_finite_differences), T(test_vit_gradients_match_finite_differences),
     T(test_vit_parameter_names_and_shapes_follow_timm), T(test_gpt_gradients_match_finite_differences),
@@ -4031,7 +4162,8 @@ static const test_case tests[] = {
     T(test_gpu_gpt_with_its_tied_head_trains_and_samples_like_the_cpu),
     T(test_gpu_a_killed_rank_stops_the_nccl_job_naming_it),
     /* the build and the tools */
-    T(test_make_finds_nccl_in_a_wheel_layout), T(test_make_diff_names_the_header_lines_and_an_empty_filter_fails), T(test_the_registry_lists_every_test_in_file_order),
+    T(test_the_header_compiles_without_warnings_in_every_configuration), T(test_make_finds_nccl_in_a_wheel_layout),
+    T(test_make_diff_names_the_header_lines_and_an_empty_filter_fails), T(test_the_registry_lists_every_test_in_file_order),
 };
 
 /* The tests whose name has the filter in it (all with none): how many; with

@@ -5,9 +5,14 @@ fp32, after two warm-up steps. Prints one `torch-bench:` line per run, in the
 same key=value form as dtrain's `bench:` lines, so the two can be compared.
 
 On a GPU (--device cuda) it times vit-tiny and vit-base in fp32 with TF32 off,
-as dtrain runs them, and prints achieved TFLOP/s from the same FLOP count.
+as dtrain runs them. --workloads picks others: vit-base-tf32 (TF32 on),
+vit-base-bf16 (autocast to bf16) and gpt2-124m-bf16 (GPT-2 small at context
+1024, vocabulary 50257, tied head, bf16 autocast, PyTorch's fused attention);
+--compile runs each through torch.compile as well. Every line carries the
+peak GPU memory PyTorch allocated.
 
 usage: python3 tools/bench_torch.py [--threads 1,2] [--seconds 3] [--device cpu|cuda]
+                                    [--workloads vit-tiny,vit-base,...] [--batch N] [--compile]
 """
 import argparse
 import math
@@ -65,20 +70,65 @@ class ViT(nn.Module):
         return self.head(self.norm(self.blocks(x))[:, 0])
 
 
-def bench(name, model, batch, threads, seconds, size=32, device="cpu"):
+class GPTBlock(nn.Module):
+    """GPT-2's block: pre-LN, causal attention (PyTorch's fused kernel where it has one), tanh GELU."""
+
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).reshape(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        if hasattr(F, "scaled_dot_product_attention"):      # PyTorch 2: the fused kernel
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:                                               # PyTorch 1.13 (Debian's): by hand
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(D // self.heads)
+            att = att.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+            y = att.softmax(dim=-1) @ v
+        y = y.transpose(1, 2).reshape(B, T, D)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=50257, ctx=1024, dim=768, depth=12, heads=12):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(ctx, dim)
+        self.blocks = nn.Sequential(*[GPTBlock(dim, heads) for _ in range(depth)])
+        self.ln = nn.LayerNorm(dim)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        return self.ln(self.blocks(x)) @ self.wte.weight.t()      # the tied head
+
+
+def bench(name, model, batch, threads, seconds, size=32, device="cpu", dtype=None, tokens=None, compile_=False):
     torch.set_num_threads(threads)
     torch.manual_seed(1)
     model = model.to(device)
-    x = torch.rand(batch, 3, size, size, device=device) * 2 - 1
-    y = torch.randint(0, 10, (batch,), device=device)
+    if tokens:                      # a language model: ids in, next ids as labels
+        x = torch.randint(0, tokens[1], (batch, tokens[0]), device=device)
+        y = torch.randint(0, tokens[1], (batch * tokens[0],), device=device)
+    else:
+        x = torch.rand(batch, 3, size, size, device=device) * 2 - 1
+        y = torch.randint(0, 10, (batch,), device=device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    fwd = torch.compile(model) if compile_ else model
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     steps, t0 = 0, 0.0
     for i in range(1000):
         if i == 2:
             sync()
             t0 = time.perf_counter()
-        loss = F.cross_entropy(model(x), y)
+        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+            out = fwd(x)
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -91,8 +141,25 @@ def bench(name, model, batch, threads, seconds, size=32, device="cpu"):
     dt = time.perf_counter() - t0
     params = sum(p.numel() for p in model.parameters())
     where = f"device=cuda gpu={torch.cuda.get_device_name().replace(' ', '_')}" if device == "cuda" else f"threads={threads}"
-    print(f"torch-bench: workload={name} torch={torch.__version__} {where} batch={batch} params={params} "
-          f"steps={steps} step_ms={dt / steps * 1e3:.2f} samples_per_s={steps * batch / dt:.1f}", flush=True)
+    extra = f" peak_mem_mb={torch.cuda.max_memory_allocated() / 2**20:.1f}" if device == "cuda" else ""
+    if tokens:
+        extra += f" tokens_per_s={steps * batch * tokens[0] / dt:.1f}"
+    print(f"torch-bench: workload={name} torch={torch.__version__}{' compiled=1' if compile_ else ''} {where} "
+          f"batch={batch} params={params} steps={steps} step_ms={dt / steps * 1e3:.2f} "
+          f"samples_per_s={steps * batch / dt:.1f}{extra}", flush=True)
+    del model, opt, fwd
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+# The GPU workloads: (model, default batch, image size, autocast dtype, TF32, (context, vocabulary) for a language model)
+GPU_WORKLOADS = {
+    "vit-tiny": (lambda: ViT(), 64, 32, None, False, None),
+    "vit-base": (lambda: ViT(224, 16, 768, 12, 12), 64, 224, None, False, None),
+    "vit-base-tf32": (lambda: ViT(224, 16, 768, 12, 12), 64, 224, None, True, None),
+    "vit-base-bf16": (lambda: ViT(224, 16, 768, 12, 12), 64, 224, torch.bfloat16, False, None),
+    "gpt2-124m-bf16": (lambda: GPT(), 8, 0, torch.bfloat16, False, (1024, 50257)),
+}
 
 
 def main():
@@ -100,14 +167,21 @@ def main():
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--workloads", default="vit-tiny,vit-base", help="GPU: " + ",".join(GPU_WORKLOADS))
+    ap.add_argument("--batch", type=int, help="GPU: the batch of every workload (default: each its own)")
+    ap.add_argument("--compile", action="store_true", help="GPU: each workload eager, then through torch.compile")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.device == "cuda":
-        # dtrain multiplies in plain fp32 on the GPU; so must the comparison.
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        bench("vit-tiny", ViT(), 64, 1, a.seconds, 32, "cuda")
-        bench("vit-base", ViT(224, 16, 768, 12, 12), 64, 1, a.seconds, 224, "cuda")
+        for name in a.workloads.split(","):
+            if name not in GPU_WORKLOADS:
+                sys.exit(f"bench_torch.py: --workloads: no workload '{name}' (known: {', '.join(GPU_WORKLOADS)})")
+            make, batch, size, dtype, tf32, tokens = GPU_WORKLOADS[name]
+            # dtrain multiplies in plain fp32 on the GPU unless told otherwise; so must the comparison.
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.backends.cudnn.allow_tf32 = tf32
+            for c in ([False, True] if a.compile else [False]):
+                bench(name, make(), a.batch or batch, 1, a.seconds, size, "cuda", dtype, tokens, c)
         return
     if a.one is None:
         # One process per thread count: a BLAS reads its thread count once, when

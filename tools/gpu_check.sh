@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make gpu-check`: everything dtrain claims about GPUs, checked on a machine that
-# has one, in under 15 minutes, with one report line per check.
+# has one, in about 20 minutes, with one report line per check.
 #
 #   tools/gpu_check.sh                      run from anywhere; works in the repository root
 #   GPU_CHECK_OUT=DIR tools/gpu_check.sh    where the report goes (default gpu-check/,
@@ -17,7 +17,7 @@
 # check failed, else 0. With no GPU visible it prints one line and exits 0.
 #
 # Every command runs under `timeout`, so a hang is a FAIL, not a stuck script, and
-# no step may run past the time budget (GPU_CHECK_BUDGET_S, default 870 s): when it
+# no step may run past the time budget (GPU_CHECK_BUDGET_S, default 1200 s): when it
 # is spent, the checks still to come are reported NOT RUN.
 #
 # Dry run, for developers on a machine without a GPU:
@@ -35,8 +35,12 @@ DRY=${DT_GPU_CHECK_FORCE:-0}
 [ "$DRY" = 1 ] || DRY=0
 OUT=${GPU_CHECK_OUT:-gpu-check}
 OUT=${OUT%/}
-BUDGET=${GPU_CHECK_BUDGET_S:-870}
+BUDGET=${GPU_CHECK_BUDGET_S:-1200}
 CORES=$(nproc 2>/dev/null || echo 1)
+# These models are small: with 16 threads the GPT below ran at 3,900 tokens/s on
+# a 16-core H100 host (2026-11-24), where one thread of a 2-core laptop-class
+# machine runs 22,600; the CPU references use at most 4.
+CPU_THREADS=$(( CORES < 4 ? CORES : 4 ))
 
 # ---- is there a GPU at all? -------------------------------------------------------
 GPU_LIST=""
@@ -181,6 +185,16 @@ window_diff() {
         END { printf "%.4f %d\n", w, differ == 0 }'
 }
 
+# curve_gap A B N -> "mean worst": the two curves at 20-step resolution, as a
+# plot shows them: the mean and the largest |difference| of their 20-step means
+# over the first N losses.
+curve_gap() {
+    paste -d' ' <(losses "$1" | head -n "$3") <(losses "$2" | head -n "$3") | awk '
+        { a += $1; b += $2
+          if (NR % 20 == 0) { d = (a - b) / 20; if (d < 0) d = -d; s += d; n++; if (d > w) w = d; a = b = 0 } }
+        END { printf "%.4g %.4g\n", n ? s / n : 0, w }'
+}
+
 # same_by_step FULL PART -> "matched differing first_difference": PART's losses
 # against FULL's at the same step numbers, compared as written.
 same_by_step() {
@@ -271,7 +285,7 @@ EOF
     say "  PyTorch:           $TORCH_INFO"
     say "  compute-sanitizer: ${SANITIZER:-not found (PATH, \$CUDA_HOME/bin)}"
     say "  --ranks-per-gpu:   $([ "$RPG_KNOWN" = 1 ] && echo "known to 03-ddp/train" || echo "not in 03-ddp/train --help (yet)")"
-    say "  time budget $BUDGET s; CPU runs with OMP_NUM_THREADS=$CORES; report in $REPORT"
+    say "  time budget $BUDGET s; CPU runs with OMP_NUM_THREADS=$CPU_THREADS; report in $REPORT"
     say ""
 }
 header
@@ -279,19 +293,20 @@ header
 # ---- the shapes every check trains ------------------------------------------------
 # Images: 1600 training and 200 validation images of 16x16, 50 steps an epoch at 32.
 IMG=$OUT/data/img-1600-200-16
-MLP=(--model mlp --data "$IMG" --image-size 16 --dim 48 --depth 2 --batch-size 32 --epochs 2)
+MLP=(--model mlp --data "$IMG" --image-size 16 --dim 48 --depth 2 --batch-size 32 --epochs 4)
 VIT=(--model vit --data "$IMG" --image-size 16 --dim 48 --depth 2 --heads 3 --patch 4 --lr 2e-3)
-# GPT on the built-in text (data/synthetic.txt, written on first use)
+# GPT on the built-in text (data/synthetic.txt, written on first use; 878 steps an epoch)
 GPT=(--model gpt --dim 64 --depth 2 --heads 4 --seq-len 64 --batch-size 16 --epochs 1)
 COMMON=(--seed 1 --augment 0 --log-every 25)
-STEPS=100
+STEPS=100           # the repeat and resume checks
+CURVE_STEPS=200     # the curves: the issue's "mean difference under 0.02 over 200 steps"
 stage_bin() { first_file "$1"-*/train; }                       # "03" -> 03-ddp/train
 
 # ---- build ------------------------------------------------------------------------
 if begin "build"; then
     missing=""
     for b in 01-single-gpu/train 02-dp/train 03-ddp/train 04-fsdp/train 05-accum-mixed-precision/train \
-             tests/test_dtrain tools/gen_synthetic; do
+             tests/test_dtrain tools/gen_synthetic build/test/01-single-gpu/train build/test/03-ddp/train; do
         [ -x "$b" ] || missing="$missing $b"
     done
     ls -l build/ 01-single-gpu/train >>"$OUT/$CUR_LOG" 2>&1
@@ -307,8 +322,10 @@ if begin "build"; then
 fi
 
 # ---- the GPU tests of the suite ---------------------------------------------------
+# On the stages built with -DDT_TESTING, as `make test` runs them: the killed-rank
+# test needs their DT_TEST_DIE_RANK hook.
 if begin "gpu tests"; then
-    run_step "gpu tests" 300 ./tests/test_dtrain 01-single-gpu/train gpu_
+    run_step "gpu tests" 300 ./tests/test_dtrain build/test/01-single-gpu/train gpu_
     last=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$OUT/$CUR_LOG" | tail -1)
     read -r np _ nf _ ns _ <<<"${last//,/}"
     failed=$(grep '^FAIL ' "$OUT/$CUR_LOG" | cut -d' ' -f2 | tr '\n' ' ')
@@ -339,39 +356,99 @@ if begin "data"; then
 fi
 
 # ---- loss curves: every stage and model, GPU against CPU --------------------------
-for s in 01 02 03 04 05; do
+# One CPU reference per model (stage 01: the CPU suite holds every stage to
+# stage 01 with --nproc 1), then each stage on the GPU against it, two ways:
+#  - the first 10 steps within 1e-4 of the CPU's: before rounding differences
+#    have had time to grow, a correct GPU run sits within 1e-6 (2026-11-24: every
+#    stage's mlp, vit and gpt), and a wrong update shows at once (04's gpt was
+#    1.7e-4 off at step 2, 1e-3 at step 4);
+#  - over 200 steps, the curves' mean difference under 0.02, taken at 20-step
+#    resolution (the mean |difference| of their 20-step means). Training
+#    amplifies rounding: after some 30 steps the two are two runs of the same
+#    training, a few hundredths apart step by step -- on the CPU alone, stage 04's
+#    vit (whose clipping norm sums in another order) is 0.018 from stage 01's
+#    step by step and 0.010 at 20-step resolution -- so no per-step bound is
+#    asked there; the per-step mean is printed beside.
+# 04's gpt also runs in every --shard mode: the tied head's outer unit is what
+# 04 and 05 do differently on the GPU (see docs/gpu-status.md).
+if begin "curve references (cpu)"; then
+    refs=""
     for m in mlp vit gpt; do
-        begin "curve $s $m" || continue
-        bin=$(stage_bin "$s")
-        extra=()
-        [ "$s" = 01 ] || extra=(--nproc 1)
-        case $m in mlp) model=("${MLP[@]}") ;; vit) model=("${VIT[@]}" --batch-size 32 --epochs 2) ;; gpt) model=("${GPT[@]}") ;; esac
-        ok=1
-        for side in gpu cpu; do             # the GPU run (--device $DEV), then the CPU reference
-            d=$DEV
-            [ "$side" = gpu ] || d=cpu
-            if ! run_step "$CUR" 120 env OMP_NUM_THREADS="$CORES" "$bin" --device "$d" "${extra[@]}" "${model[@]}" \
-                    "${COMMON[@]}" --steps "$STEPS" --log "$RUNS/curve-$s-$m-$side.jsonl"; then
-                fail "--device $d: $STEP_WHY"
-                ok=0
-                break
-            fi
-        done
-        [ "$ok" = 1 ] || continue
-        a=$RUNS/curve-$s-$m-gpu.jsonl b=$RUNS/curve-$s-$m-cpu.jsonl
-        na=$(count_losses "$a") nb=$(count_losses "$b")
-        if [ "$na" != "$STEPS" ] || [ "$nb" != "$STEPS" ]; then
-            fail "logged $na ($DEV) and $nb (cpu) steps, expected $STEPS"
-            continue
-        fi
-        read -r mean worst first lastl <<<"$(curve_diff "$a" "$b" "$STEPS")"
-        if less "$mean" 0.02 && less "$worst" 0.1; then
-            pass "$STEPS steps: mean |cpu-$DEV| $mean, worst $worst (limits 0.02, 0.1); loss $first -> $lastl"
+        case $m in mlp) model=("${MLP[@]}") ;; vit) model=("${VIT[@]}" --batch-size 32 --epochs 4) ;; gpt) model=("${GPT[@]}") ;; esac
+        if run_step "$CUR" 150 env OMP_NUM_THREADS="$CPU_THREADS" ./01-single-gpu/train --device cpu "${model[@]}" \
+                "${COMMON[@]}" --steps "$CURVE_STEPS" --log "$RUNS/curve-ref-$m.jsonl"; then
+            refs="$refs, $m $STEP_SECS s"
         else
-            fail "$STEPS steps: mean |cpu-$DEV| $mean, worst $worst (limits 0.02, 0.1)"
+            refs="$refs, $m: $STEP_WHY"
         fi
     done
+    n_ok=0
+    for m in mlp vit gpt; do [ "$(count_losses "$RUNS/curve-ref-$m.jsonl")" = "$CURVE_STEPS" ] && n_ok=$((n_ok + 1)); done
+    if [ "$n_ok" = 3 ]; then pass "01 --device cpu, $CURVE_STEPS steps each:${refs#,}"; else fail "${refs#, }"; fi
+fi
+# curve NAME STAGE MODEL [FLAGS...]: one GPU run against the model's CPU reference.
+curve() {
+    local name=$1 s=$2 m=$3 bin extra model a b na
+    shift 3
+    begin "$name" || return
+    bin=$(stage_bin "$s")
+    extra=()
+    [ "$s" = 01 ] || extra=(--nproc 1)
+    case $m in mlp) model=("${MLP[@]}") ;; vit) model=("${VIT[@]}" --batch-size 32 --epochs 4) ;; gpt) model=("${GPT[@]}") ;; esac
+    a=$RUNS/$(slug "$name").jsonl b=$RUNS/curve-ref-$m.jsonl
+    if [ "$(count_losses "$b")" != "$CURVE_STEPS" ]; then fail "no CPU reference: see curve references (cpu)"; return; fi
+    if ! run_step "$CUR" 120 "$bin" --device "$DEV" "${extra[@]}" "${model[@]}" "${COMMON[@]}" --steps "$CURVE_STEPS" \
+            "$@" --log "$a"; then
+        fail "--device $DEV: $STEP_WHY"
+        return
+    fi
+    na=$(count_losses "$a")
+    if [ "$na" != "$CURVE_STEPS" ]; then fail "logged $na steps, expected $CURVE_STEPS"; return; fi
+    read -r _ early_worst _ _ <<<"$(curve_diff "$a" "$b" 10)"
+    read -r step_mean _ first lastl <<<"$(curve_diff "$a" "$b" "$CURVE_STEPS")"
+    read -r gap gap_worst <<<"$(curve_gap "$a" "$b" "$CURVE_STEPS")"
+    local figures="first 10 steps within $early_worst, mean difference $gap at 20-step resolution (limits 1e-4, 0.02; worst window $gap_worst, per step $step_mean)"
+    if less "$early_worst" 1.0000001e-4 && less "$gap" 0.02; then pass "$figures; loss $first -> $lastl"
+    else
+        read -r _ _ diff1 <<<"$(same_by_step "$b" "$a")"
+        fail "$figures; first difference $diff1"
+    fi
+}
+for s in 01 02 03 04 05; do
+    for m in mlp vit gpt; do curve "curve $s $m" "$s" "$m"; done
 done
+for mode in optimizer grads "full --cpu-offload"; do
+    # shellcheck disable=SC2086  # the mode is one or two words
+    curve "curve 04 gpt --shard $mode" 04 gpt --shard $mode
+done
+
+# ---- 04's GPT after one step, tensor by tensor ----------------------------------------
+# The first GPU run found 04's (and 05's) GPT 1.7e-4 off the CPU from step 2 on,
+# where 01-03 are within 2e-7: one step's parameters and AdamW moments (m is
+# 0.1 x the gradient), GPU against CPU, name the tensors whose update differs.
+if begin "04 gpt one step, tensor by tensor"; then
+    ok=1
+    for side in gpu cpu; do
+        d=$DEV
+        [ "$side" = gpu ] || d=cpu
+        rm -rf "$RUNS/one-step-$side"
+        run_step "$CUR" 120 env OMP_NUM_THREADS="$CPU_THREADS" ./04-fsdp/train --device "$d" --nproc 1 "${GPT[@]}" \
+            "${COMMON[@]}" --steps 1 --save-dir "$RUNS/one-step-$side" || { ok=0; break; }
+        index=$(first_file "$RUNS/one-step-$side"/*_step1.safetensors)
+        run_step "$CUR" 60 ./tools/consolidate "$index" "$RUNS/one-step-$side.safetensors" || { ok=0; break; }
+    done
+    if [ "$ok" = 0 ]; then
+        fail "$STEP_WHY"
+    elif run_step "$CUR" 60 python3 tools/tensor_diff.py "$RUNS/one-step-gpu.safetensors" "$RUNS/one-step-cpu.safetensors" \
+            --above 1e-5 --top 8; then
+        diffs=$(grep -v '^====' "$OUT/$CUR_LOG" | sed -n '/tensors differ by more than/,$p')
+        first=$(head -1 <<<"$diffs")
+        if [[ $first == "0 of "* ]]; then pass "$first"; else fail "$first"; fi
+        while IFS= read -r line; do [ -z "$line" ] || note "$line"; done <<<"$(tail -n +2 <<<"$diffs")"
+    else
+        fail "tools/tensor_diff.py: $STEP_WHY"
+    fi
+fi
 
 # ---- stage 01 repeats bit for bit ---------------------------------------------------
 if begin "01 repeats bit for bit"; then
@@ -537,8 +614,8 @@ if [ "$DRY" = 1 ]; then
 elif [ -z "$SANITIZER" ]; then
     for c in "${SAN_CHECKS[@]}"; do notrun "$c" "compute-sanitizer not found"; done
 else
-    sanitize "memcheck" memcheck ./tests/test_dtrain 01-single-gpu/train gpu_ops
-    sanitize "racecheck" racecheck ./tests/test_dtrain 01-single-gpu/train gpu_ops
+    sanitize "memcheck" memcheck ./tests/test_dtrain build/test/01-single-gpu/train gpu_ops
+    sanitize "racecheck" racecheck ./tests/test_dtrain build/test/01-single-gpu/train gpu_ops
     sanitize "memcheck train" memcheck ./01-single-gpu/train --device cuda --model vit --steps 5 --epochs 1 --quiet \
         --image-size 16 --dim 48 --depth 2 --heads 3 --batch-size 16 --data "$IMG"
 fi
@@ -551,7 +628,7 @@ elif [ -z "$TORCH_PY" ]; then
 elif [ "$TORCH_CUDA" != 1 ]; then
     notrun "bench vs PyTorch" "PyTorch sees no GPU (a CPU-only build?)"
 elif begin "bench vs PyTorch"; then
-    run_step "$CUR" 360 tools/bench_gpu.sh 01-single-gpu/train "$TORCH_PY" 03-ddp/train 05-accum-mixed-precision/train
+    run_step "$CUR" 600 tools/bench_gpu.sh 01-single-gpu/train "$TORCH_PY" 03-ddp/train 05-accum-mixed-precision/train
     table=$(grep -v '^====' "$OUT/$CUR_LOG" | sed -n '/^workload /,$p')
     ratios=$(awk '$1 ~ /^vit-(tiny|base)$/ { printf "%s%s %sx torch", n++ ? ", " : "", $1, $6 }' <<<"$table")
     if [ "$STEP_RC" != 0 ]; then fail "$STEP_WHY"
