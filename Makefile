@@ -228,17 +228,17 @@ TORCH_PY = $(shell for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2
 # so this measures what data parallelism costs, not what it gains; runs with
 # more ranks x threads than cores are marked oversubscribed. On a GPU it first
 # runs tools/bench_gpu.sh (dtrain against PyTorch, DDP's overhead, stage 05's
-# dtypes on vit-base); then PyTorch on the CPU when it is installed.
+# dtypes on vit-base); then tools/bench_cpu.sh, stage 01 against PyTorch on
+# the CPU (when it is installed) at 1 and 2 threads, medians of 3 alternating
+# runs (BENCH_CPU=0 skips it; REPEATS, THREADS, BIG=0 are its knobs).
 bench: $(STAGE_BINS) tools/collectives tools/bench
 	@if [ -n "$(CUDA_OBJ)" ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then \
 	  tools/bench_gpu.sh 01-single-gpu/train "$(TORCH_PY)" 03-ddp/train 05-accum-mixed-precision/train; \
 	else echo "(no GPU here, or a build without CUDA: CPU benchmarks only)"; fi
 	./tools/bench --out bench $(BENCH_FLAGS)
-	@py="$(TORCH_PY)"; \
-	 if [ -n "$$py" ]; then \
+	@if [ "$(BENCH_CPU)" != 0 ]; then \
 	   [ -z "$$OPENBLAS_CORETYPE" ] || echo "(OPENBLAS_CORETYPE=$$OPENBLAS_CORETYPE limits PyTorch's OpenBLAS to that core type)"; \
-	   $$py tools/bench_torch.py; \
-	 else echo "(PyTorch not installed: no comparison; Debian: apt-get install python3-torch)"; fi
+	   tools/bench_cpu.sh 01-single-gpu/train "$(TORCH_PY)"; fi
 
 diff:
 	@prev=""; for s in $(STAGES); do s=$${s%/}; \

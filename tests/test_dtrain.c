@@ -463,6 +463,26 @@ static void test_launch_shapes_cover_every_row_past_the_grid_cap(void) {
     for (int64_t i = dt_grid_first(blocks - 1, DT_THREADS, DT_THREADS - 1); i < n; i += dt_grid_stride(blocks, DT_THREADS)) covered++;
     CHECKF(covered == 3 || covered == 4, "the last thread of a capped grid takes %lld items", (long long)covered);
 }
+/* dtrain's own exp, tanh and erf (vectorisable; the GELUs use them) against
+   libm in double, over a dense grid: the accuracy the header states. */
+static void test_exp_tanh_and_erf_match_libm_over_a_dense_grid(void) {
+    double worst_exp = 0, worst_tanh = 0, worst_erf = 0, at_exp = 0, at_tanh = 0, at_erf = 0;
+    for (double x = -30; x <= 30; x += 1.0 / 4096) {
+        float f = (float)x;
+        double e = exp((double)f), de = fabs(dt_exp_value(f) - e) / e;
+        double dt = fabs(dt_tanh_value(f) - tanh((double)f)), de2 = fabs(dt_erf_value(f) - erf((double)f));
+        if (de > worst_exp) { worst_exp = de; at_exp = f; }
+        if (dt > worst_tanh) { worst_tanh = dt; at_tanh = f; }
+        if (de2 > worst_erf) { worst_erf = de2; at_erf = f; }
+    }
+    CHECKF(worst_exp <= 5e-7, "exp: relative error %.3g at %g", worst_exp, at_exp);
+    CHECKF(worst_tanh <= 5e-7, "tanh: error %.3g at %g", worst_tanh, at_tanh);
+    CHECKF(worst_erf <= 5e-7, "erf: error %.3g at %g", worst_erf, at_erf);
+    CHECK(dt_exp_value(0) == 1.0f && dt_exp_value(-100) == 0.0f && dt_exp_value(80) > 5e34f && dt_exp_value(1000) < INFINITY);
+    CHECK(dt_tanh_value(0) == 0.0f && dt_tanh_value(30) == 1.0f && dt_tanh_value(-30) == -1.0f);
+    CHECK(dt_erf_value(9) == 1.0f && dt_erf_value(-9) == -1.0f && dt_erf_value(-0.3f) == -dt_erf_value(0.3f));
+}
+
 /* ---- 5. autograd: ops by hand, backward against finite differences, the grad-ready callback ---- */
 
 static void test_ops_forward_hand_values(void) {
@@ -2103,8 +2123,13 @@ static void test_gpt_trains_alike_in_every_stage(void) {
             st = run_cmd(out, sizeof out, "%s %s/gpt_data0-320_epoch1.safetensors %s", build_path("tools/consolidate"), dir, k ? q : p);
             CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
         }
+        /* Not bit for bit: the four micro-batches' weight gradients are summed
+           apart and then added, one batch's in one matmul. 1e-5 held with the
+           matmul's multiplies and adds rounded apart; with them fused (one
+           rounding, issue 22) the same runs differ by 1.1e-5. A micro-batch
+           scaled wrong or dropped moves every weight's update instead. */
         double d = max_tensor_diff(p, q);
-        CHECKF(d >= 0 && d <= 1e-5, "gpt FSDP N=%d --shard %s: 4 micro-batches vs one batch differ by %.3g", n, acc_modes[run], d);
+        CHECKF(d >= 0 && d <= 2e-5, "gpt FSDP N=%d --shard %s: 4 micro-batches vs one batch differ by %.3g", n, acc_modes[run], d);
         if (run != 2)
             CHECKF(log_lines_with_value(la, "grad_collectives", 3) == 10 && log_lines_with_value(lb, "grad_collectives", 3) == 10,
                    "gpt N=%d: not 3 reduce-scatters in each of the 10 steps", n);
@@ -4087,6 +4112,7 @@ static const test_case tests[] = {
     /* 4. kernels */
     T(test_gemm_matches_reference), T(test_gemm_same_result_for_any_thread_count),
     T(test_half_conversions_round_to_nearest_even), T(test_launch_shapes_cover_every_row_past_the_grid_cap),
+    T(test_exp_tanh_and_erf_match_libm_over_a_dense_grid),
     /* 5. autograd */
     T(test_ops_forward_hand_values), T(test_backward_matches_finite_differences),
     T(test_causal_attention_ignores_later_tokens), T(test_layernorm_weight_and_bias_gradients_stay_exact_over_millions_of_rows),

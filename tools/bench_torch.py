@@ -160,6 +160,14 @@ GPU_WORKLOADS = {
     "vit-base-bf16": (lambda: ViT(224, 16, 768, 12, 12), 64, 224, torch.bfloat16, False, None),
     "gpt2-124m-bf16": (lambda: GPT(), 8, 0, torch.bfloat16, False, (1024, 50257)),
 }
+# The CPU workloads: (model, batch, image size, (context, vocabulary) for a language model).
+# gpt-char is dtrain's --model gpt default; gpt2-124m-ctx256 is GPT-2 small's shape at context 256.
+CPU_WORKLOADS = {
+    "mlp": (lambda: mlp(), 128, 32, None),
+    "vit-tiny": (lambda: ViT(), 64, 32, None),
+    "gpt-char": (lambda: GPT(256, 64, 128, 4, 4), 32, 0, (64, 256)),
+    "gpt2-124m-ctx256": (lambda: GPT(50257, 256), 4, 0, (256, 50257)),
+}
 
 
 def main():
@@ -167,15 +175,19 @@ def main():
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--workloads", default="vit-tiny,vit-base", help="GPU: " + ",".join(GPU_WORKLOADS))
+    ap.add_argument("--workloads", help="GPU (default vit-tiny,vit-base): " + ",".join(GPU_WORKLOADS)
+                    + "; CPU (default mlp,vit-tiny): " + ",".join(CPU_WORKLOADS))
     ap.add_argument("--batch", type=int, help="GPU: the batch of every workload (default: each its own)")
     ap.add_argument("--compile", action="store_true", help="GPU: each workload eager, then through torch.compile")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    known = GPU_WORKLOADS if a.device == "cuda" else CPU_WORKLOADS
+    a.workloads = a.workloads or ("vit-tiny,vit-base" if a.device == "cuda" else "mlp,vit-tiny")
+    for name in a.workloads.split(","):
+        if name not in known:
+            sys.exit(f"bench_torch.py: --workloads: no {a.device} workload '{name}' (known: {', '.join(known)})")
     if a.device == "cuda":
         for name in a.workloads.split(","):
-            if name not in GPU_WORKLOADS:
-                sys.exit(f"bench_torch.py: --workloads: no workload '{name}' (known: {', '.join(GPU_WORKLOADS)})")
             make, batch, size, dtype, tf32, tokens = GPU_WORKLOADS[name]
             # dtrain multiplies in plain fp32 on the GPU unless told otherwise; so must the comparison.
             torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -186,13 +198,19 @@ def main():
     if a.one is None:
         # One process per thread count: a BLAS reads its thread count once, when
         # it loads, and OpenBLAS's own threads ignore torch.set_num_threads.
+        # OMP_WAIT_POLICY=PASSIVE: PyTorch's two thread pools otherwise spin
+        # against each other, and on 2 cores that halves its speed at 2 threads;
+        # the comparison is with PyTorch at its best.
         for t in [int(s) for s in a.threads.split(",")]:
             env = dict(os.environ, OMP_NUM_THREADS=str(t), OPENBLAS_NUM_THREADS=str(t), MKL_NUM_THREADS=str(t))
-            subprocess.run([sys.executable, __file__, "--one", str(t), "--seconds", str(a.seconds)], env=env, check=True)
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            subprocess.run([sys.executable, __file__, "--one", str(t), "--seconds", str(a.seconds),
+                            "--workloads", a.workloads], env=env, check=True)
         return
     torch.set_flush_denormal(True)   # as dtrain does: subnormals cost x86 cores dearly
-    bench("mlp", mlp(), 128, a.one, a.seconds)
-    bench("vit-tiny", ViT(), 64, a.one, a.seconds)
+    for name in a.workloads.split(","):
+        make, batch, size, tokens = CPU_WORKLOADS[name]
+        bench(name, make(), batch, a.one, a.seconds, size, tokens=tokens)
 
 
 if __name__ == "__main__":

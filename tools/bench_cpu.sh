@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# `make bench` on the CPU: dtrain's stage 01 against PyTorch on the same
+# workloads, a full fp32 training step with AdamW, at 1 and 2 threads.
+# Runs alternate (dtrain, PyTorch, dtrain, ...) and each cell is the median of
+# REPEATS runs (default 3) with their spread: this machine is noisy, and a
+# single run is not a figure. PyTorch runs with OMP_WAIT_POLICY=PASSIVE (see
+# tools/bench_torch.py). Then GPT-2 small's shape at context 256, once per
+# thread count (a step takes seconds).
+#
+# usage: tools/bench_cpu.sh [stage-01 binary] [python with torch, or ""]
+#   REPEATS=N  THREADS="1 2"  SECONDS_PER_RUN=3  BIG=0 (skip GPT-2's shape)
+set -uo pipefail
+bin=${1:-01-single-gpu/train}
+py=${2:-}
+repeats=${REPEATS:-3}
+threads=${THREADS:-"1 2"}
+secs=${SECONDS_PER_RUN:-3}
+big=${BIG:-1}
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
+
+declare -A flags=(
+  [mlp]="--model mlp --batch-size 128"
+  [vit-tiny]="--model vit --batch-size 64"
+  [gpt-char]="--model gpt --batch-size 32"
+  [gpt2-124m-ctx256]="--model gpt --dim 768 --depth 12 --heads 12 --seq-len 256 --vocab 50257 --batch-size 4 --steps 3"
+)
+# one run: WORKLOAD THREADS -> "dtrain|torch WORKLOAD THREADS RATE" lines in $out
+run_dtrain() {
+  local line rate
+  # shellcheck disable=SC2086  # the flags are words
+  line=$(OMP_NUM_THREADS=$2 "$bin" --bench --device cpu ${flags[$1]} 2>&1 | grep -m1 '^bench:')
+  rate=$(tr ' ' '\n' <<<"$line" | sed -n 's/^tokens_per_s=//p')
+  [ -n "$rate" ] || rate=$(tr ' ' '\n' <<<"$line" | sed -n 's/^samples_per_s=//p')
+  if [ -z "$rate" ]; then echo "bench_cpu.sh: $bin --bench ${flags[$1]} at $2 threads printed no bench line" >&2; return 1; fi
+  echo "dtrain $1 $2 $rate" | tee -a "$out"
+}
+run_torch() {
+  local line rate
+  [ -n "$py" ] || return 0
+  line=$("$py" tools/bench_torch.py --threads "$2" --workloads "$1" --seconds "$secs" 2>&1 | grep -m1 '^torch-bench:')
+  rate=$(tr ' ' '\n' <<<"$line" | sed -n 's/^tokens_per_s=//p')
+  [ -n "$rate" ] || rate=$(tr ' ' '\n' <<<"$line" | sed -n 's/^samples_per_s=//p')
+  if [ -z "$rate" ]; then echo "bench_cpu.sh: tools/bench_torch.py --workloads $1 at $2 threads printed no torch-bench line" >&2; return 1; fi
+  echo "torch $1 $2 $rate" | tee -a "$out"
+}
+
+# PyTorch's speed rests on the BLAS that libblas.so.3 points to: Debian's
+# reference BLAS (the default without libopenblas0) is ~30x slower than OpenBLAS.
+if [ -n "$py" ]; then
+  gf=$(OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$py" -c '
+import time, torch
+torch.set_num_threads(1)
+a, b = torch.randn(512, 512), torch.randn(512, 512)
+for _ in range(3): a @ b
+t = time.perf_counter()
+for _ in range(20): a @ b
+print(round(20 * 2 * 512**3 / (time.perf_counter() - t) / 1e9, 1))' 2>/dev/null)
+  echo "PyTorch $("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null): a 512x512 matmul at one thread runs at ${gf:-?} GFLOP/s"
+  if awk -v g="${gf:-0}" 'BEGIN { exit !(g < 20) }'; then
+    echo "  (that is a reference BLAS: install an optimised one, e.g. Debian's libopenblas0, or the comparison is unfair to PyTorch)"
+  fi
+fi
+
+status=0
+for r in $(seq 1 "$repeats"); do
+  echo "== round $r of $repeats"
+  for w in mlp vit-tiny gpt-char; do
+    for t in $threads; do run_dtrain "$w" "$t" || status=1; run_torch "$w" "$t" || status=1; done
+  done
+done
+if [ "$big" = 1 ]; then
+  echo "== GPT-2 124M's shape at context 256, batch 4 (one run each)"
+  for t in $threads; do run_dtrain gpt2-124m-ctx256 "$t" || status=1; run_torch gpt2-124m-ctx256 "$t" || status=1; done
+fi
+[ -n "$py" ] || echo "(PyTorch not installed: dtrain alone; Debian: apt-get install python3-torch)"
+
+awk -v repeats="$repeats" '
+  { key = $2 " " $3; n[$1, key]++; v[$1, key, n[$1, key]] = $4; if (!(key in seen)) { seen[key] = 1; order[++k] = key } }
+  function med(who, key,   m, i, j, t, a) {
+    m = n[who, key]; if (!m) return ""
+    for (i = 1; i <= m; i++) a[i] = v[who, key, i]
+    for (i = 1; i <= m; i++) for (j = i + 1; j <= m; j++) if (a[j] < a[i]) { t = a[i]; a[i] = a[j]; a[j] = t }
+    lo[who] = a[1]; hi[who] = a[m]
+    return m % 2 ? a[(m + 1) / 2] : (a[m / 2] + a[m / 2 + 1]) / 2
+  }
+  END {
+    printf "\nA full fp32 training step with AdamW, median of %d alternating runs [lowest-highest]; rate = samples/s (tokens/s for gpt)\n", repeats
+    printf "%-18s %7s %26s %26s %8s\n", "workload", "threads", "dtrain", "PyTorch", "ratio"
+    for (i = 1; i <= k; i++) {
+      key = order[i]; split(key, kt, " ")
+      d = med("dtrain", key); dl = lo["dtrain"]; dh = hi["dtrain"]
+      t = med("torch", key); tl = lo["torch"]; th = hi["torch"]
+      printf "%-18s %7s %26s %26s %8s\n", kt[1], kt[2], sprintf("%.1f [%.1f-%.1f]", d, dl, dh),
+             t == "" ? "-" : sprintf("%.1f [%.1f-%.1f]", t, tl, th), t > 0 ? sprintf("%.2fx", d / t) : "-"
+    }
+  }' "$out"
+exit $status
