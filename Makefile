@@ -33,7 +33,10 @@ CC       ?= cc
 OPT      ?= -O3 -march=native
 WARN     := -Wall -Wextra
 CFLAGS   ?= $(OPT)
-CFLAGS   += -std=c11 $(WARN)
+# -fno-math-errno: dtrain never reads errno after a math call, and with it set
+# every sqrtf carries a branch to a library call (for errno), which keeps
+# loops such as AdamW's from vectorising. No result changes.
+CFLAGS   += -std=c11 $(WARN) -fno-math-errno
 LDLIBS   := -lm
 SHELL    := /bin/bash
 

@@ -91,8 +91,9 @@ awk -v repeats="$repeats" '
       key = order[i]; split(key, kt, " ")
       d = med("dtrain", key); dl = lo["dtrain"]; dh = hi["dtrain"]
       t = med("torch", key); tl = lo["torch"]; th = hi["torch"]
-      printf "%-18s %7s %26s %26s %8s\n", kt[1], kt[2], sprintf("%.1f [%.1f-%.1f]", d, dl, dh),
-             t == "" ? "-" : sprintf("%.1f [%.1f-%.1f]", t, tl, th), t > 0 ? sprintf("%.2fx", d / t) : "-"
+      tcell = (t == "") ? "-" : sprintf("%.1f [%.1f-%.1f]", t, tl, th)
+      ratio = (t > 0) ? sprintf("%.2fx", d / t) : "-"
+      printf "%-18s %7s %26s %26s %8s\n", kt[1], kt[2], sprintf("%.1f [%.1f-%.1f]", d, dl, dh), tcell, ratio
     }
-  }' "$out"
+  }' "$out" || status=1
 exit $status
