@@ -994,21 +994,23 @@ int dt_run_finish(dt_run *run);
    above 88 it is exp(88) (the callers here only ask for exp of -x^2 and of 18
    at most). */
 DT_HD static inline float dt_exp_value(float x) {
-    x = x < -87.3f ? -87.3f : x > 88.0f ? 88.0f : x;
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;    /* round to nearest: 1.5 x 2^23 */
-    float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+    float c = x < -87.3f ? -87.3f : x > 88.0f ? 88.0f : x;
+    c = c == c ? c : 0.0f;                      /* NaN: worked as 0 (no undefined cast), returned as NaN */
+    float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;    /* round to nearest: 1.5 x 2^23 */
+    float r = (c - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
     float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.66666672e-1f + r * (4.16666679e-2f + r * (8.33333377e-3f
                   + r * 1.38888892e-3f)))));
     uint32_t scale = (uint32_t)((int32_t)n + 127) << 23;
     float two_n;
     memcpy(&two_n, &scale, 4);
-    return x <= -87.3f ? 0.0f : p * two_n;
+    float e = c <= -87.3f ? 0.0f : p * two_n;
+    return x == x ? e : x;
 }
 /* tanh(x) = 1 - 2 / (exp(2|x|) + 1), with x's sign; 1 in float beyond |x| = 10. */
 DT_HD static inline float dt_tanh_value(float x) {
     float a = fabsf(x) < 10.0f ? fabsf(x) : 10.0f;
     float t = 1.0f - 2.0f / (dt_exp_value(2.0f * a) + 1.0f);
-    return x < 0 ? -t : t;
+    return x == x ? (x < 0 ? -t : t) : x;                        /* NaN stays NaN */
 }
 /* Abramowitz and Stegun 7.1.26: erf(x) = 1 - t (a1 + t (a2 + ...)) exp(-x^2),
    t = 1 / (1 + p |x|), within 1.5e-7 of erf, with x's sign. */
@@ -1017,7 +1019,7 @@ DT_HD static inline float dt_erf_value(float x) {
     float t = 1.0f / (1.0f + 0.3275911f * a);
     float poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
     float e = 1.0f - poly * dt_exp_value(-a * a);
-    return x < 0 ? -e : e;
+    return x == x ? (x < 0 ? -e : e) : x;                        /* NaN stays NaN */
 }
 DT_HD static inline float dt_gelu_value(float x) {
     return 0.5f * x * (1.0f + dt_erf_value(x * 0.70710678118654752f));

@@ -78,6 +78,7 @@ fi
 awk -v repeats="$repeats" '
   { key = $2 " " $3; n[$1, key]++; v[$1, key, n[$1, key]] = $4; if (!(key in seen)) { seen[key] = 1; order[++k] = key } }
   function med(who, key,   m, i, j, t, a) {
+    lo[who] = hi[who] = ""
     m = n[who, key]; if (!m) return ""
     for (i = 1; i <= m; i++) a[i] = v[who, key, i]
     for (i = 1; i <= m; i++) for (j = i + 1; j <= m; j++) if (a[j] < a[i]) { t = a[i]; a[i] = a[j]; a[j] = t }
@@ -93,7 +94,9 @@ awk -v repeats="$repeats" '
       t = med("torch", key); tl = lo["torch"]; th = hi["torch"]
       tcell = (t == "") ? "-" : sprintf("%.1f [%.1f-%.1f]", t, tl, th)
       ratio = (t > 0) ? sprintf("%.2fx", d / t) : "-"
-      printf "%-18s %7s %26s %26s %8s\n", kt[1], kt[2], sprintf("%.1f [%.1f-%.1f]", d, dl, dh), tcell, ratio
+      dcell = (d == "") ? "-" : sprintf("%.1f [%.1f-%.1f]", d, dl, dh)
+      ratio = (d != "" && t > 0) ? sprintf("%.2fx", d / t) : "-"
+      printf "%-18s %7s %26s %26s %8s\n", kt[1], kt[2], dcell, tcell, ratio
     }
   }' "$out" || status=1
 exit $status

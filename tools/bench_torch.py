@@ -141,7 +141,8 @@ def bench(name, model, batch, threads, seconds, size=32, device="cpu", dtype=Non
     dt = time.perf_counter() - t0
     params = sum(p.numel() for p in model.parameters())
     where = f"device=cuda gpu={torch.cuda.get_device_name().replace(' ', '_')}" if device == "cuda" else f"threads={threads}"
-    extra = f" peak_mem_mb={torch.cuda.max_memory_allocated() / 2**20:.1f}" if device == "cuda" else ""
+    # MB of 10^6 bytes, as dtrain's bench line counts them
+    extra = f" peak_mem_mb={torch.cuda.max_memory_allocated() / 1e6:.1f}" if device == "cuda" else ""
     if tokens:
         extra += f" tokens_per_s={steps * batch * tokens[0] / dt:.1f}"
     print(f"torch-bench: workload={name} torch={torch.__version__}{' compiled=1' if compile_ else ''} {where} "
