@@ -991,7 +991,7 @@ int dt_run_finish(dt_run *run);
    parts (Cody and Waite) keeps r exact, a degree-6 Taylor polynomial gives
    exp(r), and n goes straight into the exponent bits. Below -87.3 the result
    would be subnormal: 0, as the flushed arithmetic everywhere else makes it;
-   above 88 it is exp(88) (the callers here only ask for exp of -x^2 and of 18
+   above 88 it is exp(88) (the callers here only ask for exp of -x^2 and of 20
    at most). */
 DT_HD static inline float dt_exp_value(float x) {
     float c = x < -87.3f ? -87.3f : x > 88.0f ? 88.0f : x;
@@ -1851,7 +1851,10 @@ static const dt_backend *dt__backend_for(const dt_tensor *t) {
 #define DT_KC 256
 #define DT_MC (DT_MR * 16)
 #define DT_NC (DT_NR * 8)
-/* Packing space, one buffer per thread (freed with the device's arenas). */
+/* Packing space, one buffer per thread, kept between calls (and freed with the
+   device's arenas): attention makes thousands of small matmuls per step, and a
+   fresh allocation for each costs more (the kernel zeroing new pages) than the
+   arithmetic. Declared outside the built-in routine: the arenas free it in any build. */
 static DT_THREAD_LOCAL float *dt__pack_buffer;
 static DT_THREAD_LOCAL size_t dt__pack_floats;
 
@@ -1942,9 +1945,6 @@ static void dt__pack_b(int trans, const float *B, int ldb, int k0, int kc, int j
     }
 }
 
-/* Packing space, one buffer per thread, kept between calls: attention makes
-   thousands of small matmuls per step, and a fresh allocation for each costs
-   more (the kernel zeroing new pages) than the arithmetic. */
 static float *dt__pack_space(size_t floats) {
     if (floats > dt__pack_floats) {
         free(dt__pack_buffer);
