@@ -1829,13 +1829,22 @@ static const dt_backend *dt__backend_for(const dt_tensor *t) {
 
 /* ==== 4. kernels: matrix multiply ===============================================
    Nearly all of training's arithmetic is matmul, so this is where speed lives.
-   The classic recipe (Goto and van de Geijn): cut K into KC-deep slabs, copy
-   ("pack") an MC x KC block of A and a KC x NC block of B into contiguous,
-   zero-padded strips, and let a small register-blocked kernel compute an
-   MR x NR tile of C from one A strip and one B strip. Packing makes every
-   load in the inner loop sequential; the MR x NR accumulators stay in vector
-   registers for the whole KC loop. Each C element is owned by one thread and
-   summed in one fixed order, so results do not depend on the thread count. */
+   The classic recipe (Goto and van de Geijn): cut K into KC-deep slabs and N
+   into NC-wide panels, copy ("pack") each KC x NC panel of B once into
+   NR-column strips, k-major and zero-padded, and let a small register-blocked
+   kernel compute an MR x NR tile of C from MR rows of A and one B strip. The
+   MR x NR accumulators stay in vector registers for the whole KC loop; the
+   kernel broadcasts one A value per row and multiplies it into a B row.
+   A is read where it lies whenever it can be: the kernel only needs A's rows
+   (or columns) to step by a fixed stride, so the common x W^T case packs
+   nothing but B, which every block of rows shares. Copying costs as much as a
+   few multiply-adds per value, and an activation's rows are read only N / NR
+   times: packing A too, as the recipe does, cost up to a third of the time on
+   this project's skinny shapes (N = 192). A transposed A (the weight gradient
+   dY^T X) and the last few rows are copied into a small block per thread.
+   Each C element is owned by one thread and summed in one fixed order (k
+   within a slab, then slab after slab), so the bits do not depend on the
+   thread count or on how the rows are cut into blocks. */
 
 #if defined(__GNUC__) && defined(__AVX512F__)
 #define DT_VL 16
@@ -1849,12 +1858,13 @@ static const dt_backend *dt__backend_for(const dt_tensor *t) {
 #endif
 #define DT_NR (2 * DT_VL)
 #define DT_KC 256
-#define DT_MC (DT_MR * 16)
-#define DT_NC (DT_NR * 8)
-/* Packing space, one buffer per thread, kept between calls (and freed with the
-   device's arenas): attention makes thousands of small matmuls per step, and a
-   fresh allocation for each costs more (the kernel zeroing new pages) than the
-   arithmetic. Declared outside the built-in routine: the arenas free it in any build. */
+#define DT_MC (DT_MR * 8)
+#define DT_NC 1024
+/* Packing space, one buffer per calling thread, kept between calls (and freed
+   with the device's arenas): attention makes thousands of small matmuls per
+   step, and a fresh allocation for each costs more (the kernel zeroing new
+   pages) than the arithmetic. Declared outside the built-in routine: the
+   arenas free it in any build. */
 static DT_THREAD_LOCAL float *dt__pack_buffer;
 static DT_THREAD_LOCAL size_t dt__pack_floats;
 
@@ -1862,6 +1872,9 @@ static DT_THREAD_LOCAL size_t dt__pack_floats;
 #ifndef DT_HAVE_CBLAS
 #if defined(__GNUC__)
 typedef float dt__vec __attribute__((vector_size(DT_VL * 4), aligned(4)));
+#define DT__INLINE static inline __attribute__((always_inline))
+#else
+#define DT__INLINE static inline
 #endif
 /* c + s * b in one rounding (a fused multiply-add) where the processor has it:
    one instruction instead of two, so the kernel does twice the arithmetic per
@@ -1878,9 +1891,15 @@ typedef float dt__vec __attribute__((vector_size(DT_VL * 4), aligned(4)));
 #define DT__MADD(c, s, b) ((c) + (s) * (b))
 #endif
 
-/* One MR x NR tile: acc = sum over k of a[k][i] * b[k][j]. */
-static void dt__gemm_micro(int kc, const float *restrict a, const float *restrict b,
-                          float *restrict acc /* MR * NR */) {
+/* One MR x NR tile of C = alpha * (sum over k of a(i, k) b[k][j]) + beta * C,
+   where a(i, k) = a[i * row_step + k * k_step]: A's rows in place (k_step 1),
+   or a transposed or packed block (row_step 1). Inlined at each call, so the
+   strides that are constants there cost nothing. Only the first rows x cols
+   of the tile are written. */
+DT__INLINE void dt__gemm_micro(int kc, const float *restrict a, ptrdiff_t row_step, ptrdiff_t k_step,
+                               const float *restrict b, float alpha, float beta, float *restrict C, int ldc,
+                               int rows, int cols) {
+    float acc[DT_MR * DT_NR];
 #if defined(__GNUC__)
     dt__vec c0[DT_MR], c1[DT_MR];
     for (int i = 0; i < DT_MR; i++) { c0[i] = (dt__vec){0}; c1[i] = (dt__vec){0}; }
@@ -1888,9 +1907,28 @@ static void dt__gemm_micro(int kc, const float *restrict a, const float *restric
         dt__vec b0, b1;
         memcpy(&b0, b + (size_t)k * DT_NR, sizeof b0);
         memcpy(&b1, b + (size_t)k * DT_NR + DT_VL, sizeof b1);
-        const float *ak = a + (size_t)k * DT_MR;
 #pragma GCC unroll 16
-        for (int i = 0; i < DT_MR; i++) { c0[i] = DT__MADD(c0[i], ak[i], b0); c1[i] = DT__MADD(c1[i], ak[i], b1); }
+        for (int i = 0; i < DT_MR; i++) {
+            float s = a[i * row_step + k * k_step];
+            c0[i] = DT__MADD(c0[i], s, b0);
+            c1[i] = DT__MADD(c1[i], s, b1);
+        }
+    }
+    if (rows == DT_MR && cols == DT_NR) {            /* a whole tile: C in vectors */
+        for (int i = 0; i < DT_MR; i++) {
+            float *c = C + (size_t)i * ldc;
+            dt__vec o0, o1;
+            if (beta == 0.0f) { o0 = alpha * c0[i]; o1 = alpha * c1[i]; }
+            else {
+                memcpy(&o0, c, sizeof o0);
+                memcpy(&o1, c + DT_VL, sizeof o1);
+                if (beta == 1.0f) { o0 += alpha * c0[i]; o1 += alpha * c1[i]; }
+                else { o0 = beta * o0 + alpha * c0[i]; o1 = beta * o1 + alpha * c1[i]; }
+            }
+            memcpy(c, &o0, sizeof o0);
+            memcpy(c + DT_VL, &o1, sizeof o1);
+        }
+        return;
     }
     for (int i = 0; i < DT_MR; i++) {
         memcpy(acc + i * DT_NR, &c0[i], sizeof c0[i]);
@@ -1900,48 +1938,48 @@ static void dt__gemm_micro(int kc, const float *restrict a, const float *restric
     for (int i = 0; i < DT_MR * DT_NR; i++) acc[i] = 0;
     for (int k = 0; k < kc; k++)
         for (int i = 0; i < DT_MR; i++)
-            for (int j = 0; j < DT_NR; j++) acc[i * DT_NR + j] += a[k * DT_MR + i] * b[k * DT_NR + j];
+            for (int j = 0; j < DT_NR; j++) acc[i * DT_NR + j] += a[i * row_step + k * k_step] * b[k * DT_NR + j];
 #endif
-}
-
-/* Copy op(A)[i0:i0+mc, k0:k0+kc] into MR-row strips, k-major, zero-padded.
-   The loops run along memory: rows of A when it is not transposed. */
-static void dt__pack_a(int trans, const float *A, int lda, int i0, int mc, int k0, int kc, float *dst) {
-    for (int s = 0; s < mc; s += DT_MR, dst += (size_t)DT_MR * kc) {
-        int rows = mc - s < DT_MR ? mc - s : DT_MR;
-        if (trans) {
-            for (int k = 0; k < kc; k++) {
-                const float *src = A + (size_t)(k0 + k) * lda + i0 + s;
-                for (int i = 0; i < rows; i++) dst[k * DT_MR + i] = src[i];
-                for (int i = rows; i < DT_MR; i++) dst[k * DT_MR + i] = 0;
-            }
-        } else {
-            for (int i = 0; i < DT_MR; i++) {
-                const float *src = A + (size_t)(i0 + s + i) * lda + k0;
-                if (i < rows) for (int k = 0; k < kc; k++) dst[k * DT_MR + i] = src[k];
-                else for (int k = 0; k < kc; k++) dst[k * DT_MR + i] = 0;
-            }
-        }
+    for (int i = 0; i < rows; i++) {                 /* the edge of C, or no vectors */
+        float *c = C + (size_t)i * ldc;
+        const float *r = acc + i * DT_NR;
+        if (beta == 0.0f) for (int j = 0; j < cols; j++) c[j] = alpha * r[j];
+        else if (beta == 1.0f) for (int j = 0; j < cols; j++) c[j] += alpha * r[j];
+        else for (int j = 0; j < cols; j++) c[j] = beta * c[j] + alpha * r[j];
     }
 }
-/* Copy op(B)[k0:k0+kc, j0:j0+nc] into NR-column strips, k-major, zero-padded.
-   A transposed B (the weight in x W^T) is read a row at a time. */
-static void dt__pack_b(int trans, const float *B, int ldb, int k0, int kc, int j0, int nc, float *dst) {
-    for (int s = 0; s < nc; s += DT_NR, dst += (size_t)DT_NR * kc) {
-        int cols = nc - s < DT_NR ? nc - s : DT_NR;
+
+/* Copy op(A)[i0:i0+rows, k0:k0+kc] into one MR-row strip, k-major, zero-padded
+   (what dt__gemm_micro reads with row_step 1, k_step MR). */
+static void dt__pack_a(int trans, const float *A, int lda, int i0, int rows, int k0, int kc, float *dst) {
+    for (int k = 0; k < kc; k++) {
+        float *d = dst + (size_t)k * DT_MR;
         if (trans) {
-            for (int j = 0; j < DT_NR; j++) {
-                const float *src = B + (size_t)(j0 + s + j) * ldb + k0;
-                if (j < cols) for (int k = 0; k < kc; k++) dst[k * DT_NR + j] = src[k];
-                else for (int k = 0; k < kc; k++) dst[k * DT_NR + j] = 0;
-            }
-        } else {
-            for (int k = 0; k < kc; k++) {
-                const float *src = B + (size_t)(k0 + k) * ldb + j0 + s;
-                for (int j = 0; j < cols; j++) dst[k * DT_NR + j] = src[j];
-                for (int j = cols; j < DT_NR; j++) dst[k * DT_NR + j] = 0;
-            }
+            const float *src = A + (size_t)(k0 + k) * lda + i0;
+            if (rows == DT_MR) { memcpy(d, src, DT_MR * sizeof(float)); continue; }
+            for (int i = 0; i < rows; i++) d[i] = src[i];
+        } else
+            for (int i = 0; i < rows; i++) d[i] = A[(size_t)(i0 + i) * lda + k0 + k];
+        for (int i = rows; i < DT_MR; i++) d[i] = 0;
+    }
+}
+/* Copy op(B)[k0:k0+kc, j0:j0+cols] into one NR-column strip, k-major,
+   zero-padded. A transposed B (the weight in x W^T) is read a row at a time. */
+static void dt__pack_b(int trans, const float *B, int ldb, int k0, int kc, int j0, int cols, float *dst) {
+    if (trans) {
+        for (int j = 0; j < DT_NR; j++) {
+            const float *src = B + (size_t)(j0 + j) * ldb + k0;
+            if (j < cols) for (int k = 0; k < kc; k++) dst[k * DT_NR + j] = src[k];
+            else for (int k = 0; k < kc; k++) dst[k * DT_NR + j] = 0;
         }
+        return;
+    }
+    for (int k = 0; k < kc; k++) {
+        const float *src = B + (size_t)(k0 + k) * ldb + j0;
+        float *d = dst + (size_t)k * DT_NR;
+        if (cols == DT_NR) { memcpy(d, src, DT_NR * sizeof(float)); continue; }
+        for (int j = 0; j < cols; j++) d[j] = src[j];
+        for (int j = cols; j < DT_NR; j++) d[j] = 0;
     }
 }
 
@@ -1955,35 +1993,53 @@ static float *dt__pack_space(size_t floats) {
     return dt__pack_buffer;
 }
 
+/* Rows per block: blocks of at most MC rows, as many as a multiple of the
+   thread count, so that two threads get the same work on 192 rows too. */
+static int dt__gemm_block_rows(int M, int threads) {
+    int per_thread = (M + threads * DT_MC - 1) / (threads * DT_MC);
+    int blocks = threads * per_thread, rows = (M + blocks - 1) / blocks;
+    return (rows + DT_MR - 1) / DT_MR * DT_MR;
+}
+
 static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                             const float *B, int ldb, float beta, float *C, int ldc) {
-    int tiles_m = (M + DT_MC - 1) / DT_MC, tiles_n = (N + DT_NC - 1) / DT_NC;
-    int tiles = tiles_m * tiles_n;
+    int threads = dt_threads();
+    float *space = dt__pack_space((size_t)DT_KC * DT_NC + (size_t)threads * DT_MC * DT_KC);
+    float *panel = space;                              /* B's panel: shared by the threads */
+    int mc_max = dt__gemm_block_rows(M, threads), blocks_m = (M + mc_max - 1) / mc_max;
     for (int k0 = 0; k0 < K; k0 += DT_KC) {
         int kc = K - k0 < DT_KC ? K - k0 : DT_KC;
-        float b_eff = k0 == 0 ? beta : 1.0f;
-        DT_OMP("omp parallel if(tiles > 1 && (double)M * N * kc > 65536.0)")
-        {
-            float *pa = dt__pack_space((size_t)DT_MC * DT_KC + (size_t)DT_KC * DT_NC);
-            float *pb = pa + (size_t)DT_MC * DT_KC;
-            float acc[DT_MR * DT_NR];
-            DT_OMP("omp for schedule(static)")
-            for (int t = 0; t < tiles; t++) {
-                int i0 = (t / tiles_n) * DT_MC, j0 = (t % tiles_n) * DT_NC;
-                int mc = M - i0 < DT_MC ? M - i0 : DT_MC, nc = N - j0 < DT_NC ? N - j0 : DT_NC;
-                dt__pack_a(ta, A, lda, i0, mc, k0, kc, pa);
-                dt__pack_b(tb, B, ldb, k0, kc, j0, nc, pb);
-                for (int js = 0; js < nc; js += DT_NR) {
-                    for (int is = 0; is < mc; is += DT_MR) {
-                        dt__gemm_micro(kc, pa + (size_t)is * kc, pb + (size_t)js * kc, acc);
-                        int rows = mc - is < DT_MR ? mc - is : DT_MR;
-                        int cols = nc - js < DT_NR ? nc - js : DT_NR;
-                        for (int i = 0; i < rows; i++) {
-                            float *c = C + (size_t)(i0 + is + i) * ldc + j0 + js;
-                            const float *r = acc + i * DT_NR;
-                            if (b_eff == 0.0f) for (int j = 0; j < cols; j++) c[j] = alpha * r[j];
-                            else if (b_eff == 1.0f) for (int j = 0; j < cols; j++) c[j] += alpha * r[j];
-                            else for (int j = 0; j < cols; j++) c[j] = b_eff * c[j] + alpha * r[j];
+        float b_eff = k0 == 0 ? beta : 1.0f;            /* later slabs add to the first */
+        for (int j0 = 0; j0 < N; j0 += DT_NC) {
+            int nc = N - j0 < DT_NC ? N - j0 : DT_NC, strips = (nc + DT_NR - 1) / DT_NR;
+            DT_OMP("omp parallel if(blocks_m > 1 && (double)M * nc * kc > 65536.0)")
+            {
+                DT_OMP("omp for schedule(static)")
+                for (int s = 0; s < strips; s++) {
+                    int cols = nc - s * DT_NR < DT_NR ? nc - s * DT_NR : DT_NR;
+                    dt__pack_b(tb, B, ldb, k0, kc, j0 + s * DT_NR, cols, panel + (size_t)s * DT_NR * kc);
+                }
+#ifdef _OPENMP
+                float *block = space + (size_t)DT_KC * DT_NC + (size_t)omp_get_thread_num() * DT_MC * DT_KC;
+#else
+                float *block = space + (size_t)DT_KC * DT_NC;
+#endif
+                DT_OMP("omp for schedule(static)")
+                for (int bm = 0; bm < blocks_m; bm++) {
+                    int i0 = bm * mc_max, mc = M - i0 < mc_max ? M - i0 : mc_max;
+                    int in_place = ta ? 0 : mc / DT_MR * DT_MR;  /* A's rows read where they lie */
+                    for (int is = in_place; is < mc; is += DT_MR)
+                        dt__pack_a(ta, A, lda, i0 + is, mc - is < DT_MR ? mc - is : DT_MR, k0, kc, block + (size_t)is * kc);
+                    for (int s = 0; s < strips; s++) {
+                        int js = s * DT_NR, cols = nc - js < DT_NR ? nc - js : DT_NR;
+                        const float *b = panel + (size_t)s * DT_NR * kc;
+                        for (int is = 0; is < mc; is += DT_MR) {
+                            int rows = mc - is < DT_MR ? mc - is : DT_MR;
+                            float *c = C + (size_t)(i0 + is) * ldc + j0 + js;
+                            if (is < in_place)
+                                dt__gemm_micro(kc, A + (size_t)(i0 + is) * lda + k0, lda, 1, b, alpha, b_eff, c, ldc, rows, cols);
+                            else
+                                dt__gemm_micro(kc, block + (size_t)is * kc, 1, DT_MR, b, alpha, b_eff, c, ldc, rows, cols);
                         }
                     }
                 }
@@ -2200,6 +2256,20 @@ static void dt__grad_acc_done(dt_tensor *t, float *f) {
     DT_OMP("omp parallel for if(n > 65536)")
     for (int64_t i = 0; i < n; i++) g[i] += f[i];
 }
+/* The same, for a backward that can write its share instead of adding it: an
+   activation's gradient that no op has touched yet comes unzeroed, *first is
+   1, and the caller must write every element. On the CPU the element-wise
+   ops are bound by memory, not arithmetic: zeroing a buffer and then reading
+   it back to add cost a third of GELU's and the residual's backward, and a
+   memset of every activation's gradient besides. A GPU's kernels only add
+   (the backend table has no overwriting form), so there *first is 0. */
+static float *dt__grad_acc_first(dt_tensor *t, int *first) {
+    *first = !t->grad && !t->is_param && !dt__backend_of(t->device);
+    if (!*first) return dt__grad_acc(t);
+    t->grad = (float *)dt__step_alloc_on(t->device, (size_t)t->numel * dt_dtype_size(dt__grad_dtype(t)));
+    if (dt__grad_dtype(t) == DT_F32) return t->grad;
+    return (float *)dt__scratch_on(t->device, (size_t)t->numel * sizeof(float));  /* converted by _done */
+}
 
 /* The matmul of an op: cuBLAS on a GPU, the routine above on the CPU. */
 static void dt__matmul(const dt_backend *gpu, int ta, int tb, int M, int N, int K, float alpha, const float *A,
@@ -2245,8 +2315,9 @@ static void dt__linear_backward(dt__tape_entry *e) {
     int N = (int)dt_tensor_rows(x), in = (int)dt_tensor_cols(x), out = (int)dt_tensor_cols(y);
     const dt_backend *gpu = dt__backend_for(y);
     if (x->requires_grad) {              /* dx = dy W (in_out: dy W^T) */
-        float *dx = dt__grad_acc(x);
-        dt__matmul_op(gpu, 0, in_out, N, in, out, dt__op_grad(y), dt__op_data(w), 1.0f, dx, in);
+        int first;
+        float *dx = dt__grad_acc_first(x, &first);
+        dt__matmul_op(gpu, 0, in_out, N, in, out, dt__op_grad(y), dt__op_data(w), first ? 0.0f : 1.0f, dx, in);
         dt__grad_acc_done(x, dx);
         dt__ctx.flops += 2.0 * N * in * out;
     }
@@ -2298,17 +2369,25 @@ dt_tensor *dt_linear_in_out(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) { 
 static void dt__gelu_backward(dt__tape_entry *e) {
     dt_tensor *x = e->in[0];
     if (!x->requires_grad) return;
-    float *dx = dt__grad_acc(x);
+    int first;
+    float *dx = dt__grad_acc_first(x, &first);
     const float *dy = dt__grad_in(e->out), *xv = dt__in(x);
     int64_t n = x->numel;
     int tanh_form = e->iarg[0];
     const dt_backend *gpu = dt__backend_for(x);
     if (gpu) gpu->gelu_backward(xv, dy, dx, n, tanh_form);
     else {
-        /* one loop per form: a choice inside would keep the compiler from vectorising */
-        if (tanh_form) {
+        /* one loop per form, and per write or add: a choice inside would keep
+           the compiler from vectorising */
+        if (tanh_form && first) {
+            DT_OMP("omp parallel for if(n > 65536)")
+            for (int64_t i = 0; i < n; i++) dx[i] = dy[i] * dt_gelu_tanh_derivative(xv[i]);
+        } else if (tanh_form) {
             DT_OMP("omp parallel for if(n > 65536)")
             for (int64_t i = 0; i < n; i++) dx[i] += dy[i] * dt_gelu_tanh_derivative(xv[i]);
+        } else if (first) {
+            DT_OMP("omp parallel for if(n > 65536)")
+            for (int64_t i = 0; i < n; i++) dx[i] = dy[i] * dt_gelu_derivative(xv[i]);
         } else {
             DT_OMP("omp parallel for if(n > 65536)")
             for (int64_t i = 0; i < n; i++) dx[i] += dy[i] * dt_gelu_derivative(xv[i]);
@@ -2340,13 +2419,32 @@ static dt_tensor *dt__gelu_form(dt_tensor *x, int tanh_form) {
 dt_tensor *dt_gelu(dt_tensor *x) { return dt__gelu_form(x, 0); }
 dt_tensor *dt_gelu_tanh(dt_tensor *x) { return dt__gelu_form(x, 1); }
 
-/* -- LayerNorm over the last dimension. Saves mean and 1/std per row. -- */
+/* -- LayerNorm over the last dimension. Saves mean and 1/std per row.
+      A row's sums run in DT_LANES interleaved partial sums, added up in a
+      fixed order at the end: one running sum is a chain the compiler may not
+      reorder, so it could not use vector instructions, and the row loops are
+      most of LayerNorm's time. -- */
+#define DT_LANES 16
+/* sum of f(j) for j < D as DT_LANES partial sums; `acc` must start at zero */
+#define DT__LANE_SUM(acc, D, j, expr)                                          \
+    do {                                                                       \
+        int j##_0 = 0;                                                         \
+        for (; j##_0 + DT_LANES <= (D); j##_0 += DT_LANES)                     \
+            for (int l_ = 0; l_ < DT_LANES; l_++) { int j = j##_0 + l_; acc[l_] += (expr); } \
+        for (int j = j##_0; j < (D); j++) acc[j % DT_LANES] += (expr);         \
+    } while (0)
+static float dt__lanes_total(const float *acc) {
+    float s = 0;
+    for (int l = 0; l < DT_LANES; l++) s += acc[l];
+    return s;
+}
 static void dt__layernorm_backward(dt__tape_entry *e) {
     dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
     int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
     const float *stats = (const float *)e->saved;      /* mean[N], rstd[N] */
     const float *dy = dt__grad_in(y), *xv = dt__in(x), *wv = w ? dt__in(w) : NULL;
-    float *dx = x->requires_grad ? dt__grad_acc(x) : NULL;
+    int first = 0;
+    float *dx = x->requires_grad ? dt__grad_acc_first(x, &first) : NULL;
     float *dw = w && w->requires_grad ? dt__grad_acc(w) : NULL, *db = b && b->requires_grad ? dt__grad_acc(b) : NULL;
     const dt_backend *gpu = dt__backend_for(x);
     if (gpu) gpu->layernorm_backward(xv, wv, dy, stats, dx, dw, db, N, D);
@@ -2355,17 +2453,20 @@ static void dt__layernorm_backward(dt__tape_entry *e) {
         for (int i = 0; i < N; i++) {
             const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
             float mean = stats[i], rstd = stats[N + i];
-            double sum_g = 0, sum_gx = 0;          /* g = dy * w, the gradient of x-hat */
-            for (int j = 0; j < D; j++) {
-                float g = dyr[j] * (wv ? wv[j] : 1.0f);
-                sum_g += g;
-                sum_gx += g * (xr[j] - mean) * rstd;
+            float acc_g[DT_LANES] = { 0 }, acc_gx[DT_LANES] = { 0 };  /* g = dy * w, the gradient of x-hat */
+            if (wv) {
+                DT__LANE_SUM(acc_g, D, j, dyr[j] * wv[j]);
+                DT__LANE_SUM(acc_gx, D, j, dyr[j] * wv[j] * ((xr[j] - mean) * rstd));
+            } else {
+                DT__LANE_SUM(acc_g, D, j, dyr[j]);
+                DT__LANE_SUM(acc_gx, D, j, dyr[j] * ((xr[j] - mean) * rstd));
             }
-            float mg = (float)(sum_g / D), mgx = (float)(sum_gx / D);
+            float mg = dt__lanes_total(acc_g) / D, mgx = dt__lanes_total(acc_gx) / D;
             float *dxr = dx + (size_t)i * D;
             for (int j = 0; j < D; j++) {
                 float g = dyr[j] * (wv ? wv[j] : 1.0f), xhat = (xr[j] - mean) * rstd;
-                dxr[j] += rstd * (g - mg - xhat * mgx);
+                float d = rstd * (g - mg - xhat * mgx);
+                dxr[j] = first ? d : dxr[j] + d;
             }
         }
     }
@@ -2409,11 +2510,11 @@ dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *weight, dt_tensor *bias, float 
         for (int i = 0; i < N; i++) {
             const float *xr = xv + (size_t)i * D;
             float *yr = yv + (size_t)i * D;
-            float sum = 0, var = 0;
-            for (int j = 0; j < D; j++) sum += xr[j];
-            float mean = sum / D;
-            for (int j = 0; j < D; j++) { float d = xr[j] - mean; var += d * d; }
-            float rstd = 1.0f / sqrtf(var / D + eps);       /* biased variance, as PyTorch */
+            float acc_x[DT_LANES] = { 0 }, acc_d2[DT_LANES] = { 0 };
+            DT__LANE_SUM(acc_x, D, j, xr[j]);
+            float mean = dt__lanes_total(acc_x) / D;
+            DT__LANE_SUM(acc_d2, D, j, (xr[j] - mean) * (xr[j] - mean));
+            float rstd = 1.0f / sqrtf(dt__lanes_total(acc_d2) / D + eps);   /* biased variance, as PyTorch */
             for (int j = 0; j < D; j++)
                 yr[j] = (xr[j] - mean) * rstd * (wv ? wv[j] : 1.0f) + (bv ? bv[j] : 0.0f);
             stats[i] = mean;
@@ -2431,9 +2532,11 @@ static void dt__add_backward(dt__tape_entry *e) {
     for (int k = 0; k < 2; k++) {
         dt_tensor *t = e->in[k];
         if (!t->requires_grad) continue;
-        float *g = dt__grad_acc(t);
+        int first;
+        float *g = dt__grad_acc_first(t, &first);
         const dt_backend *gpu = dt__backend_for(t);
         if (gpu) gpu->accumulate(g, dy, t->numel);
+        else if (first) memcpy(g, dy, (size_t)t->numel * sizeof(float));
         else
             for (int64_t i = 0; i < t->numel; i++) g[i] += dy[i];
         dt__grad_acc_done(t, g);
@@ -2467,8 +2570,10 @@ static void dt__attention_backward(dt__tape_entry *e) {
     int B = e->iarg[0], T = e->iarg[1], H = e->iarg[2], D = (int)dt_tensor_cols(e->out), hd = D / H;
     float scale = e->farg[0];
     const float *P = (const float *)e->saved, *dout = dt__grad_in(e->out), *qkvv = dt__in(qkv);
-    float *dqkv = dt__grad_acc(qkv);
+    int first;
+    float *dqkv = dt__grad_acc_first(qkv, &first);
     const dt_backend *gpu = dt__backend_for(qkv);
+    float add = first ? 0.0f : 1.0f;              /* each element is one matmul's */
     dt__ctx.flops += 8.0 * B * H * T * T * hd;
     if (gpu) {
         float *scratch = (float *)dt__scratch_on(qkv->device, sizeof(float) * (size_t)DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D));
@@ -2485,16 +2590,17 @@ static void dt__attention_backward(dt__tape_entry *e) {
         const float *p = P + (size_t)bh * T * T, *dO = dout + (size_t)b * T * D + h * hd;
         float *dp = dP_all + (size_t)bh * T * T;
         dt_gemm(0, 1, T, T, hd, 1.0f, dO, D, v, 3 * D, 0.0f, dp, T);    /* dP = dO V^T */
-        dt_gemm(1, 0, T, hd, T, 1.0f, p, T, dO, D, 1.0f, dv, 3 * D);     /* dV += P^T dO */
+        dt_gemm(1, 0, T, hd, T, 1.0f, p, T, dO, D, add, dv, 3 * D);      /* dV += P^T dO */
         for (int i = 0; i < T; i++) {                                  /* through the softmax */
             float *dr = dp + (size_t)i * T;
             const float *pr = p + (size_t)i * T;
-            float dot = 0;
-            for (int j = 0; j < T; j++) dot += dr[j] * pr[j];
+            float lanes[DT_LANES] = { 0 };
+            DT__LANE_SUM(lanes, T, j, dr[j] * pr[j]);
+            float dot = dt__lanes_total(lanes);
             for (int j = 0; j < T; j++) dr[j] = pr[j] * (dr[j] - dot) * scale;
         }
-        dt_gemm(0, 0, T, hd, T, 1.0f, dp, T, k, 3 * D, 1.0f, dq, 3 * D);  /* dQ += dS K */
-        dt_gemm(1, 0, T, hd, T, 1.0f, dp, T, q, 3 * D, 1.0f, dk, 3 * D);  /* dK += dS^T Q */
+        dt_gemm(0, 0, T, hd, T, 1.0f, dp, T, k, 3 * D, add, dq, 3 * D);   /* dQ += dS K */
+        dt_gemm(1, 0, T, hd, T, 1.0f, dp, T, q, 3 * D, add, dk, 3 * D);   /* dK += dS^T Q */
     }
     dt__grad_acc_done(qkv, dqkv);
 }
@@ -2521,12 +2627,19 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
             const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
             float *p = P + (size_t)bh * T * T;
             dt_gemm(0, 1, T, T, hd, scale, q, 3 * D, k, 3 * D, 0.0f, p, T);   /* S = Q K^T / sqrt(d) */
-            for (int i = 0; i < T; i++) {                                     /* row softmax */
+            for (int i = 0; i < T; i++) {          /* row softmax, in lanes as LayerNorm's sums */
                 float *r = p + (size_t)i * T;
                 int valid = causal ? i + 1 : T;                               /* causal: no peeking ahead */
-                float mx = r[0], sum = 0;
-                for (int j = 1; j < valid; j++) mx = r[j] > mx ? r[j] : mx;
-                for (int j = 0; j < valid; j++) { r[j] = expf(r[j] - mx); sum += r[j]; }
+                float top[DT_LANES], acc[DT_LANES] = { 0 }, mx = r[0];
+                for (int l = 0; l < DT_LANES; l++) top[l] = r[0];
+                int j0 = 0;
+                for (; j0 + DT_LANES <= valid; j0 += DT_LANES)
+                    for (int l = 0; l < DT_LANES; l++) top[l] = r[j0 + l] > top[l] ? r[j0 + l] : top[l];
+                for (int j = j0; j < valid; j++) mx = r[j] > mx ? r[j] : mx;
+                for (int l = 0; l < DT_LANES; l++) mx = top[l] > mx ? top[l] : mx;
+                for (int j = 0; j < valid; j++) r[j] = dt_exp_value(r[j] - mx);
+                DT__LANE_SUM(acc, valid, j, r[j]);
+                float sum = dt__lanes_total(acc);
                 for (int j = 0; j < valid; j++) r[j] /= sum;
                 for (int j = valid; j < T; j++) r[j] = 0.0f;
             }

@@ -66,34 +66,44 @@ static double fd_loss(fd_forward f, dt_tensor **leaves, void *ctx, const float *
     for (int64_t i = 0; i < out->numel; i++) L += (double)out->data[i] * w[i];
     return L;
 }
+/* Each op's backward is checked twice: with its inputs the leaves, whose
+   gradients exist and hold 0.5 (the op adds its share), and with each input coming out of
+   another op (x + 0), whose gradient the op writes first (see
+   dt__grad_acc_first). */
 static void fd_check(const char *what, fd_forward f, dt_tensor **leaves, int nleaves, void *ctx, float eps, double tol) {
-    dt__rng r = { 777 };
-    for (int k = 0; k < nleaves; k++) memset(leaves[k]->grad, 0, sizeof(float) * (size_t)leaves[k]->numel);
-    dt_step_arena_reset();
-    dt_tensor *out = f(leaves, ctx);
-    float *w = (float *)malloc(sizeof(float) * (size_t)out->numel);
-    for (int64_t i = 0; i < out->numel; i++) w[i] = (float)rnd(&r);
-    dt_backward_from(out, w);
-    double worst = 0;
-    for (int k = 0; k < nleaves; k++) {
-        dt_tensor *t = leaves[k];
-        if (!t->requires_grad) continue;
-        int probes = t->numel < 24 ? (int)t->numel : 24;
-        for (int p = 0; p < probes; p++) {
-            int64_t i = t->numel <= 24 ? p : (int64_t)(dt__rng_u64(&r) % (uint64_t)t->numel);
-            float keep = t->data[i];
-            t->data[i] = keep + eps;
-            double lp = fd_loss(f, leaves, ctx, w);
-            t->data[i] = keep - eps;
-            double lm = fd_loss(f, leaves, ctx, w);
-            t->data[i] = keep;
-            double num = (lp - lm) / (2.0 * eps), ana = t->grad[i];
-            double err = fabs(num - ana) / (1e-2 + fabs(num) + fabs(ana));
-            if (err > worst) worst = err;
-            CHECKF(err <= tol, "%s: leaf %d element %lld: analytic %.6g, numeric %.6g", what, k, (long long)i, ana, num);
+    for (int through = 0; through < 2; through++) {
+        dt__rng r = { 777 };
+        for (int k = 0; k < nleaves; k++)    /* a gradient already there: the op must add to it */
+            for (int64_t i = 0; i < leaves[k]->numel; i++) leaves[k]->grad[i] = 0.5f;
+        dt_step_arena_reset();
+        dt_tensor *in[8];
+        for (int k = 0; k < nleaves && k < 8; k++)
+            in[k] = through && leaves[k]->requires_grad ? dt_add(leaves[k], dt_tensor_new(leaves[k]->ndim, leaves[k]->shape))
+                                                        : leaves[k];
+        dt_tensor *out = f(in, ctx);
+        float *w = (float *)malloc(sizeof(float) * (size_t)out->numel);
+        for (int64_t i = 0; i < out->numel; i++) w[i] = (float)rnd(&r);
+        dt_backward_from(out, w);
+        for (int k = 0; k < nleaves; k++) {
+            dt_tensor *t = leaves[k];
+            if (!t->requires_grad) continue;
+            int probes = t->numel < 24 ? (int)t->numel : 24;
+            for (int p = 0; p < probes; p++) {
+                int64_t i = t->numel <= 24 ? p : (int64_t)(dt__rng_u64(&r) % (uint64_t)t->numel);
+                float keep = t->data[i];
+                t->data[i] = keep + eps;
+                double lp = fd_loss(f, leaves, ctx, w);
+                t->data[i] = keep - eps;
+                double lm = fd_loss(f, leaves, ctx, w);
+                t->data[i] = keep;
+                double num = (lp - lm) / (2.0 * eps), ana = t->grad[i] - 0.5;
+                double err = fabs(num - ana) / (1e-2 + fabs(num) + fabs(ana));
+                CHECKF(err <= tol, "%s%s: leaf %d element %lld: analytic %.6g, numeric %.6g", what,
+                       through ? " (input from another op)" : "", k, (long long)i, ana, num);
+            }
         }
+        free(w);
     }
-    free(w);
 }
 
 /* Run a shell command; its output (stdout and stderr) into out. Returns the
@@ -310,7 +320,8 @@ static void naive_gemm(int ta, int tb, int M, int N, int K, float alpha, const f
 }
 
 static void test_gemm_matches_reference(void) {
-    int sizes[][3] = { { 1, 1, 1 }, { 7, 5, 3 }, { 37, 129, 300 }, { 130, 70, 513 }, { 3, 200, 17 }, { 64, 64, 0 } };
+    int sizes[][3] = { { 1, 1, 1 }, { 7, 5, 3 }, { 37, 129, 300 }, { 130, 70, 513 }, { 3, 200, 17 }, { 64, 64, 0 },
+                      { 21, 1100, 40 } };   /* the last: B in two panels */
     float alphas[] = { 1.0f, 0.5f }, betas[] = { 0.0f, 1.0f, 0.3f };
     dt__rng r = { 1 };
     for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
@@ -357,12 +368,16 @@ static void test_gemm_same_result_for_any_thread_count(void) {
     for (int i = 0; i < M * K; i++) A[i] = (float)rnd(&r);
     for (int i = 0; i < K * N; i++) B[i] = (float)rnd(&r);
     int keep = omp_get_max_threads();
-    omp_set_num_threads(1);
-    dt_gemm(0, 1, M, N, K, 1, A, K, B, K, 0, C1, N);
-    omp_set_num_threads(keep > 1 ? keep : 2);
-    dt_gemm(0, 1, M, N, K, 1, A, K, B, K, 0, C2, N);
+    for (int ta = 0; ta < 2; ta++) {      /* 1, 2 and 3 threads cut the rows into different blocks */
+        omp_set_num_threads(1);
+        dt_gemm(ta, 1, M, N, K, 1, A, ta ? M : K, B, K, 0, C1, N);
+        for (int t = 2; t <= 3; t++) {
+            omp_set_num_threads(t);
+            dt_gemm(ta, 1, M, N, K, 1, A, ta ? M : K, B, K, 0, C2, N);
+            CHECKF(memcmp(C1, C2, sizeof(float) * M * N) == 0, "ta=%d: 1 and %d threads differ", ta, t);
+        }
+    }
     omp_set_num_threads(keep);
-    CHECK(memcmp(C1, C2, sizeof(float) * M * N) == 0);
     free(A); free(B); free(C1); free(C2);
 #endif
 }
