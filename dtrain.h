@@ -2001,9 +2001,19 @@ static int dt__gemm_block_rows(int M, int threads) {
     return (rows + DT_MR - 1) / DT_MR * DT_MR;
 }
 
+/* The threads the routine's parallel region will have: one when it is called
+   from inside another parallel region (attention's loop over heads) and
+   OpenMP runs no nested teams, as by default. */
+static int dt__gemm_threads(void) {
+#ifdef _OPENMP
+    if (omp_get_active_level() >= omp_get_max_active_levels()) return 1;
+#endif
+    return dt_threads();
+}
+
 static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                             const float *B, int ldb, float beta, float *C, int ldc) {
-    int threads = dt_threads();
+    int threads = dt__gemm_threads();
     float *space = dt__pack_space((size_t)DT_KC * DT_NC + (size_t)threads * DT_MC * DT_KC);
     float *panel = space;                              /* B's panel: shared by the threads */
     int mc_max = dt__gemm_block_rows(M, threads), blocks_m = (M + mc_max - 1) / mc_max;
@@ -2012,7 +2022,7 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
         float b_eff = k0 == 0 ? beta : 1.0f;            /* later slabs add to the first */
         for (int j0 = 0; j0 < N; j0 += DT_NC) {
             int nc = N - j0 < DT_NC ? N - j0 : DT_NC, strips = (nc + DT_NR - 1) / DT_NR;
-            DT_OMP("omp parallel if(blocks_m > 1 && (double)M * nc * kc > 65536.0)")
+            DT_OMP("omp parallel num_threads(threads) if(blocks_m > 1 && (double)M * nc * kc > 65536.0)")
             {
                 DT_OMP("omp for schedule(static)")
                 for (int s = 0; s < strips; s++) {
@@ -2267,8 +2277,14 @@ static float *dt__grad_acc_first(dt_tensor *t, int *first) {
     *first = !t->grad && !t->is_param && !dt__backend_of(t->device);
     if (!*first) return dt__grad_acc(t);
     t->grad = (float *)dt__step_alloc_on(t->device, (size_t)t->numel * dt_dtype_size(dt__grad_dtype(t)));
-    if (dt__grad_dtype(t) == DT_F32) return t->grad;
-    return (float *)dt__scratch_on(t->device, (size_t)t->numel * sizeof(float));  /* converted by _done */
+    float *f = dt__grad_dtype(t) == DT_F32 ? t->grad
+                                            : (float *)dt__scratch_on(t->device, (size_t)t->numel * sizeof(float));
+#ifdef DT_TESTING
+    /* The arena hands back last step's memory, which no sanitizer sees as
+       unwritten: in the tests' builds an element the caller forgets is NaN. */
+    for (int64_t i = 0; i < t->numel; i++) f[i] = NAN;
+#endif
+    return f;                                      /* a 16-bit gradient: converted by _done */
 }
 
 /* The matmul of an op: cuBLAS on a GPU, the routine above on the CPU. */
@@ -2423,7 +2439,9 @@ dt_tensor *dt_gelu_tanh(dt_tensor *x) { return dt__gelu_form(x, 1); }
       A row's sums run in DT_LANES interleaved partial sums, added up in a
       fixed order at the end: one running sum is a chain the compiler may not
       reorder, so it could not use vector instructions, and the row loops are
-      most of LayerNorm's time. -- */
+      most of LayerNorm's time. Sums in float: rows of up to a few thousand
+   values lose nothing a test sees; the weight's gradient, summed over
+   millions of rows, stays in double below. -- */
 #define DT_LANES 16
 /* sum of f(j) for j < D as DT_LANES partial sums; `acc` must start at zero */
 #define DT__LANE_SUM(acc, D, j, expr)                                          \

@@ -76,11 +76,14 @@ static void fd_check(const char *what, fd_forward f, dt_tensor **leaves, int nle
         for (int k = 0; k < nleaves; k++)    /* a gradient already there: the op must add to it */
             for (int64_t i = 0; i < leaves[k]->numel; i++) leaves[k]->grad[i] = 0.5f;
         dt_step_arena_reset();
-        dt_tensor *in[8];
-        for (int k = 0; k < nleaves && k < 8; k++)
-            in[k] = through && leaves[k]->requires_grad ? dt_add(leaves[k], dt_tensor_new(leaves[k]->ndim, leaves[k]->shape))
-                                                        : leaves[k];
-        dt_tensor *out = f(in, ctx);
+        dt_tensor *in[8], **args = leaves;   /* a whole model's leaves (more than 8): its own first writers */
+        if (through && nleaves <= 8) {
+            for (int k = 0; k < nleaves; k++)
+                in[k] = leaves[k]->requires_grad ? dt_add(leaves[k], dt_tensor_new(leaves[k]->ndim, leaves[k]->shape))
+                                                 : leaves[k];
+            args = in;
+        }
+        dt_tensor *out = f(args, ctx);
         float *w = (float *)malloc(sizeof(float) * (size_t)out->numel);
         for (int64_t i = 0; i < out->numel; i++) w[i] = (float)rnd(&r);
         dt_backward_from(out, w);
@@ -361,20 +364,21 @@ static void test_gemm_same_result_for_any_thread_count(void) {
 #ifndef _OPENMP
     SKIP("built without OpenMP");
 #else
-    int M = 200, N = 300, K = 700;
+    int M = 203, N = 300, K = 700;     /* 203: a last block of rows that is not whole */
     dt__rng r = { 2 };
     float *A = (float *)malloc(sizeof(float) * M * K), *B = (float *)malloc(sizeof(float) * K * N);
     float *C1 = (float *)malloc(sizeof(float) * M * N), *C2 = (float *)malloc(sizeof(float) * M * N);
     for (int i = 0; i < M * K; i++) A[i] = (float)rnd(&r);
     for (int i = 0; i < K * N; i++) B[i] = (float)rnd(&r);
     int keep = omp_get_max_threads();
-    for (int ta = 0; ta < 2; ta++) {      /* 1, 2 and 3 threads cut the rows into different blocks */
+    for (int tab = 0; tab < 4; tab++) {   /* 1, 2 and 3 threads cut the rows into different blocks */
+        int ta = tab / 2, tb = tab % 2;
         omp_set_num_threads(1);
-        dt_gemm(ta, 1, M, N, K, 1, A, ta ? M : K, B, K, 0, C1, N);
+        dt_gemm(ta, tb, M, N, K, 1, A, ta ? M : K, B, tb ? K : N, 0, C1, N);
         for (int t = 2; t <= 3; t++) {
             omp_set_num_threads(t);
-            dt_gemm(ta, 1, M, N, K, 1, A, ta ? M : K, B, K, 0, C2, N);
-            CHECKF(memcmp(C1, C2, sizeof(float) * M * N) == 0, "ta=%d: 1 and %d threads differ", ta, t);
+            dt_gemm(ta, tb, M, N, K, 1, A, ta ? M : K, B, tb ? K : N, 0, C2, N);
+            CHECKF(memcmp(C1, C2, sizeof(float) * M * N) == 0, "ta=%d tb=%d: 1 and %d threads differ", ta, tb, t);
         }
     }
     omp_set_num_threads(keep);
@@ -576,6 +580,7 @@ static dt_tensor *f_gelu(dt_tensor **l, void *c) { (void)c; return dt_gelu(l[0])
 static dt_tensor *f_layernorm(dt_tensor **l, void *c) { (void)c; return dt_layernorm(l[0], l[1], l[2], 1e-5f); }
 static dt_tensor *f_add(dt_tensor **l, void *c) { (void)c; return dt_add(l[0], l[1]); }
 static dt_tensor *f_attention(dt_tensor **l, void *c) { return dt_attention(l[0], 2, 5, 2, *(int *)c); }
+static dt_tensor *f_attention_37(dt_tensor **l, void *c) { return dt_attention(l[0], 1, 37, 2, *(int *)c); }
 static dt_tensor *f_tokens(dt_tensor **l, void *c) { (void)c; return dt_vit_tokens(l[0], l[1], l[2], 2); }
 static dt_tensor *f_select(dt_tensor **l, void *c) { (void)c; return dt_select_token(l[0], 2, 3, 1); }
 static dt_tensor *f_xent(dt_tensor **l, void *c) { return dt_cross_entropy(l[0], (const int32_t *)c); }
@@ -606,6 +611,14 @@ static void test_backward_matches_finite_differences(void) {
     fd_check("attention", f_attention, &qkv, 1, &causal, 1e-2f, 3e-3);
     causal = 1;
     fd_check("causal attention", f_attention, &qkv, 1, &causal, 1e-2f, 3e-3);
+    /* rows longer than the 16 lanes of LayerNorm's and the softmax's sums */
+    dt_tensor *wx = leaf2(3, 40, &r, 2), *ww = leaf2(1, 40, &r, 1), *wb = leaf2(1, 40, &r, 1);
+    dt_tensor *L3w[3] = { wx, ww, wb };
+    fd_check("layernorm, 40 wide", f_layernorm, L3w, 3, NULL, 1e-2f, 3e-3);
+    dt_tensor *qkv37 = leaf2(37, 3 * 16, &r, 1);
+    for (causal = 0; causal < 2; causal++)
+        fd_check(causal ? "causal attention, 37 tokens" : "attention, 37 tokens", f_attention_37, &qkv37, 1, &causal, 1e-2f, 3e-3);
+    leaf_free(wx); leaf_free(ww); leaf_free(wb); leaf_free(qkv37);
     dt_tensor *pp = leaf2(4, 3, &r, 1), *pc = leaf2(1, 3, &r, 1), *pe = leaf2(3, 3, &r, 1);
     dt_tensor *L5[3] = { pp, pc, pe };
     fd_check("vit tokens", f_tokens, L5, 3, NULL, 1e-2f, 1e-3);

@@ -17,6 +17,7 @@ threads=${THREADS:-"1 2"}
 secs=${SECONDS_PER_RUN:-3}
 big=${BIG:-1}
 out=$(mktemp)
+torch_coretype=""   # the OpenBLAS core type PyTorch runs with (below); dtrain's runs never see it
 trap 'rm -f "$out"' EXIT
 
 declare -A flags=(
@@ -38,7 +39,7 @@ run_dtrain() {
 run_torch() {
   local line rate
   [ -n "$py" ] || return 0
-  line=$("$py" tools/bench_torch.py --threads "$2" --workloads "$1" --seconds "$secs" 2>&1 | grep -m1 '^torch-bench:')
+  line=$(env ${torch_coretype:+OPENBLAS_CORETYPE=$torch_coretype} "$py" tools/bench_torch.py --threads "$2" --workloads "$1" --seconds "$secs" 2>&1 | grep -m1 '^torch-bench:')
   rate=$(tr ' ' '\n' <<<"$line" | sed -n 's/^tokens_per_s=//p')
   [ -n "$rate" ] || rate=$(tr ' ' '\n' <<<"$line" | sed -n 's/^samples_per_s=//p')
   if [ -z "$rate" ]; then echo "bench_cpu.sh: tools/bench_torch.py --workloads $1 at $2 threads printed no torch-bench line" >&2; return 1; fi
@@ -52,7 +53,8 @@ run_torch() {
 # generic SSE3 kernels, 5x slower (27 against 145 GFLOP/s on this project's CI
 # machine, OpenBLAS 0.3.21). PyTorch is compared at its best, so unless
 # OPENBLAS_CORETYPE is set, each core type the processor's flags allow is tried
-# on a 512x512 matmul and the fastest is kept for every PyTorch run.
+# on a 512x512 matmul and the fastest is kept for every PyTorch run (only
+# theirs: a dtrain built against OpenBLAS, -DDT_HAVE_CBLAS, keeps its own).
 matmul_gflops() {  # OPENBLAS_CORETYPE value ("" = OpenBLAS's own choice) -> GFLOP/s at one thread
   env ${1:+OPENBLAS_CORETYPE=$1} OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$py" -c '
 import time, torch
@@ -80,7 +82,7 @@ if [ -n "$py" ]; then
       echo "  OpenBLAS core type ${c:-(its own choice)}: ${g:-?} GFLOP/s"
       if awk -v g="${g:-0}" -v b="$gf" 'BEGIN { exit !(g > b) }'; then gf=$g; best=$c; fi
     done
-    if [ -n "$best" ]; then export OPENBLAS_CORETYPE=$best; pick="OPENBLAS_CORETYPE=$best (the fastest)"; else pick="OpenBLAS's own core type (the fastest)"; fi
+    if [ -n "$best" ]; then torch_coretype=$best; pick="OPENBLAS_CORETYPE=$best (the fastest)"; else pick="OpenBLAS's own core type (the fastest)"; fi
   fi
   echo "PyTorch $("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null) runs with $pick: a 512x512 matmul at one thread at ${gf:-?} GFLOP/s"
   if awk -v g="${gf:-0}" 'BEGIN { exit !(g < 20) }'; then
