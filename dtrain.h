@@ -2440,8 +2440,8 @@ dt_tensor *dt_gelu_tanh(dt_tensor *x) { return dt__gelu_form(x, 1); }
       fixed order at the end: one running sum is a chain the compiler may not
       reorder, so it could not use vector instructions, and the row loops are
       most of LayerNorm's time. Sums in float: rows of up to a few thousand
-   values lose nothing a test sees; the weight's gradient, summed over
-   millions of rows, stays in double below. -- */
+      values lose nothing a test sees; the weight's gradient, summed over
+      millions of rows, stays in double below. -- */
 #define DT_LANES 16
 /* sum of f(j) for j < D as DT_LANES partial sums; `acc` must start at zero */
 #define DT__LANE_SUM(acc, D, j, expr)                                          \
