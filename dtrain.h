@@ -1868,8 +1868,8 @@ static const dt_backend *dt__backend_for(const dt_tensor *t) {
 static DT_THREAD_LOCAL float *dt__pack_buffer;
 static DT_THREAD_LOCAL size_t dt__pack_floats;
 
-/* With a system BLAS (DT_HAVE_CBLAS) none of the routine below is compiled. */
-#ifndef DT_HAVE_CBLAS
+/* The vector type, and the kernels' multiply-add, which attention (section 6)
+   uses in every build. */
 #if defined(__GNUC__)
 typedef float dt__vec __attribute__((vector_size(DT_VL * 4), aligned(4)));
 #define DT__INLINE static inline __attribute__((always_inline))
@@ -1890,6 +1890,9 @@ typedef float dt__vec __attribute__((vector_size(DT_VL * 4), aligned(4)));
 #else
 #define DT__MADD(c, s, b) ((c) + (s) * (b))
 #endif
+
+/* With a system BLAS (DT_HAVE_CBLAS) none of the routine below is compiled. */
+#ifndef DT_HAVE_CBLAS
 
 /* One MR x NR tile of C = alpha * (sum over k of a(i, k) b[k][j]) + beta * C,
    where a(i, k) = a[i * row_step + k * k_step]: A's rows in place (k_step 1),
@@ -2582,24 +2585,55 @@ dt_tensor *dt_add(dt_tensor *a, dt_tensor *b) {
       parallel. A GPU wants the opposite: one big batched matmul over every
       (sequence, head), so its body first copies Q, K and V into head-major
       order (see DT_ATTENTION_SAVED_FLOATS). -- */
-static void dt__attention_backward(dt__tape_entry *e) {
-    dt_tensor *qkv = e->in[0];
-    if (!qkv->requires_grad) return;
-    int B = e->iarg[0], T = e->iarg[1], H = e->iarg[2], D = (int)dt_tensor_cols(e->out), hd = D / H;
-    float scale = e->farg[0];
-    const float *P = (const float *)e->saved, *dout = dt__grad_in(e->out), *qkvv = dt__in(qkv);
-    int first;
-    float *dqkv = dt__grad_acc_first(qkv, &first);
-    const dt_backend *gpu = dt__backend_for(qkv);
-    float add = first ? 0.0f : 1.0f;              /* each element is one matmul's */
-    dt__ctx.flops += 8.0 * B * H * T * T * hd;
-    if (gpu) {
-        float *scratch = (float *)dt__scratch_on(qkv->device, sizeof(float) * (size_t)DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D));
-        gpu->attention_backward(P, dout, dqkv, scratch, B, T, H, D, scale);
-        dt__grad_acc_done(qkv, dqkv);
-        return;
+
+/* One row of the softmax, in lanes as LayerNorm's sums; a causal row sees
+   only its first `valid` keys and is 0 after them. */
+static void dt__softmax_row(float *r, int valid, int T) {
+    float top[DT_LANES], acc[DT_LANES] = { 0 }, mx = r[0];
+    for (int l = 0; l < DT_LANES; l++) top[l] = r[0];
+    int j0 = 0;
+    for (; j0 + DT_LANES <= valid; j0 += DT_LANES)
+        for (int l = 0; l < DT_LANES; l++) top[l] = r[j0 + l] > top[l] ? r[j0 + l] : top[l];
+    for (int j = j0; j < valid; j++) mx = r[j] > mx ? r[j] : mx;
+    for (int l = 0; l < DT_LANES; l++) mx = top[l] > mx ? top[l] : mx;
+    for (int j = 0; j < valid; j++) r[j] = dt_exp_value(r[j] - mx);
+    DT__LANE_SUM(acc, valid, j, r[j]);
+    float sum = dt__lanes_total(acc);
+    for (int j = 0; j < valid; j++) r[j] /= sum;
+    for (int j = valid; j < T; j++) r[j] = 0.0f;
+}
+/* Back through a softmax row: ds = p (dp - <dp, p>) scale. */
+static void dt__softmax_row_backward(float *dr, const float *pr, int T, float scale) {
+    float lanes[DT_LANES] = { 0 };
+    DT__LANE_SUM(lanes, T, j, dr[j] * pr[j]);
+    float dot = dt__lanes_total(lanes);
+    for (int j = 0; j < T; j++) dr[j] = pr[j] * (dr[j] - dot) * scale;
+}
+
+/* Tests set this to run the straightforward body wherever the fast one would. */
+static int dt__attention_by_gemm;
+
+/* The straightforward body: per (sequence, head), two matmuls forward and four
+   backward, each through dt_gemm. The fast body below gives the same bits;
+   this one runs where it cannot (a head width that is not a whole number of
+   vectors) and is what the tests hold the fast one to. */
+static void dt__attention_forward_gemm(const float *qkvv, float *outv, float *P, int B, int T, int H, int D,
+                                       float scale, int causal) {
+    int hd = D / H;
+    DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
+    for (int bh = 0; bh < B * H; bh++) {
+        int b = bh / H, h = bh % H;
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+        float *p = P + (size_t)bh * T * T;
+        dt_gemm(0, 1, T, T, hd, scale, q, 3 * D, k, 3 * D, 0.0f, p, T);   /* S = Q K^T / sqrt(d) */
+        for (int i = 0; i < T; i++) dt__softmax_row(p + (size_t)i * T, causal ? i + 1 : T, T);
+        dt_gemm(0, 0, T, hd, T, 1.0f, p, T, v, 3 * D, 0.0f, outv + (size_t)b * T * D + h * hd, D);   /* O = P V */
     }
-    float *dP_all = (float *)dt__scratch_on(qkv->device, sizeof(float) * (size_t)B * H * T * T);
+}
+static void dt__attention_backward_gemm(const float *qkvv, const float *P, const float *dout, float *dqkv, float add,
+                                        int B, int T, int H, int D, float scale) {
+    int hd = D / H;
+    float *dP_all = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)B * H * T * T);
     DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
@@ -2609,17 +2643,180 @@ static void dt__attention_backward(dt__tape_entry *e) {
         float *dp = dP_all + (size_t)bh * T * T;
         dt_gemm(0, 1, T, T, hd, 1.0f, dO, D, v, 3 * D, 0.0f, dp, T);    /* dP = dO V^T */
         dt_gemm(1, 0, T, hd, T, 1.0f, p, T, dO, D, add, dv, 3 * D);      /* dV += P^T dO */
-        for (int i = 0; i < T; i++) {                                  /* through the softmax */
-            float *dr = dp + (size_t)i * T;
-            const float *pr = p + (size_t)i * T;
-            float lanes[DT_LANES] = { 0 };
-            DT__LANE_SUM(lanes, T, j, dr[j] * pr[j]);
-            float dot = dt__lanes_total(lanes);
-            for (int j = 0; j < T; j++) dr[j] = pr[j] * (dr[j] - dot) * scale;
-        }
+        for (int i = 0; i < T; i++) dt__softmax_row_backward(dp + (size_t)i * T, p + (size_t)i * T, T, scale);
         dt_gemm(0, 0, T, hd, T, 1.0f, dp, T, k, 3 * D, add, dq, 3 * D);   /* dQ += dS K */
         dt_gemm(1, 0, T, hd, T, 1.0f, dp, T, q, 3 * D, add, dk, 3 * D);   /* dK += dS^T Q */
     }
+}
+
+/* The fast body. A head's matmuls are small (65 x 65 x 64 in vit-tiny), and
+   through the general matmul a third of their time went to its fixed costs:
+   packing, edge tiles (65 columns fill three 32-wide strips), a call per
+   product. Here each (sequence, head) runs in tiles of DT__ATT_ROWS query
+   rows: the tile's scores are made, softmaxed and multiplied into V while
+   they are in the cache, with one register-blocked loop (dt__att_tile) for
+   all six products, whose operands are read in place but for K^T and V^T
+   (copied once per head, rows padded to whole vectors). Causal rows skip the
+   keys they cannot see. Each output is still one sum in the general
+   matmul's order (see DT_KC: one slab up to T = 256), so the bits are the
+   same as the body above. */
+#define DT__ATT_ROWS (DT_VL == 16 ? 6 : 3)   /* rows x 4 accumulators + 4 operands fit the registers */
+#define DT__ATT_VECS 4
+
+/* c[r][x] (+)= alpha * sum over k < kc of a[r * row_step + k * k_step] * b[k * b_step + x]
+   for r < rows and x < NV vectors: rows x NV accumulators in registers. Rows
+   from `rows` to DT__ATT_ROWS repeat the last row's reads (nothing past the
+   operands is touched) and are not stored. */
+DT__INLINE void dt__att_tile(int NV, int kc, const float *a, ptrdiff_t row_step, ptrdiff_t k_step, const float *b,
+                             ptrdiff_t b_step, float alpha, int add, float *c, ptrdiff_t ldc, int rows) {
+    const float *ar[DT__ATT_ROWS];
+    for (int r = 0; r < DT__ATT_ROWS; r++) ar[r] = a + (r < rows ? r : rows - 1) * row_step;
+#if defined(__GNUC__)
+    dt__vec acc[DT__ATT_ROWS][DT__ATT_VECS];   /* in registers: every index below is a constant */
+#pragma GCC unroll 8
+    for (int r = 0; r < DT__ATT_ROWS; r++)
+#pragma GCC unroll 4
+        for (int x = 0; x < NV; x++) acc[r][x] = (dt__vec){ 0 };
+    for (int k = 0; k < kc; k++) {
+        dt__vec bv[DT__ATT_VECS];
+#pragma GCC unroll 4
+        for (int x = 0; x < NV; x++) memcpy(&bv[x], b + k * b_step + x * DT_VL, sizeof bv[x]);
+#pragma GCC unroll 8
+        for (int r = 0; r < DT__ATT_ROWS; r++) {
+            float s = ar[r][k * k_step];
+#pragma GCC unroll 4
+            for (int x = 0; x < NV; x++) acc[r][x] = DT__MADD(acc[r][x], s, bv[x]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < DT__ATT_ROWS; r++)
+#pragma GCC unroll 4
+        for (int x = 0; x < NV; x++) {
+            if (r >= rows) continue;
+            float *cp = c + r * ldc + x * DT_VL;
+            dt__vec o = alpha * acc[r][x];
+            if (add) {
+                dt__vec old;
+                memcpy(&old, cp, sizeof old);
+                o = old + o;
+            }
+            memcpy(cp, &o, sizeof o);
+        }
+#else
+    for (int r = 0; r < rows; r++)
+        for (int x = 0; x < NV * DT_VL; x++) {
+            float s = 0;
+            for (int k = 0; k < kc; k++) s += ar[r][k * k_step] * b[k * b_step + x];
+            c[r * ldc + x] = add ? c[r * ldc + x] + alpha * s : alpha * s;
+        }
+#endif
+}
+/* The same over `vecs` vectors of columns, DT__ATT_VECS at a time. */
+static void dt__att_product(int vecs, int kc, const float *a, ptrdiff_t row_step, ptrdiff_t k_step, const float *b,
+                            ptrdiff_t b_step, float alpha, int add, float *c, ptrdiff_t ldc, int rows) {
+    for (int x0 = 0; x0 < vecs; x0 += DT__ATT_VECS) {
+        const float *bx = b + x0 * DT_VL;
+        float *cx = c + x0 * DT_VL;
+        switch (vecs - x0 < DT__ATT_VECS ? vecs - x0 : DT__ATT_VECS) {
+        case 1: dt__att_tile(1, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+        case 2: dt__att_tile(2, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+        case 3: dt__att_tile(3, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+        default: dt__att_tile(4, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+        }
+    }
+}
+static int dt__att_padded(int T) { return (T + DT_VL - 1) / DT_VL * DT_VL; }
+/* dst[d][j] = src[j * ld + d] for d < hd, j < T, rows of Tp with zeros after T */
+static void dt__att_transpose(const float *src, ptrdiff_t ld, int T, int hd, float *dst, int Tp) {
+    for (int j = 0; j < T; j++)
+        for (int d = 0; d < hd; d++) dst[(size_t)d * Tp + j] = src[(size_t)j * ld + d];
+    for (int d = 0; d < hd; d++)
+        for (int j = T; j < Tp; j++) dst[(size_t)d * Tp + j] = 0.0f;
+}
+static int dt__att_thread(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+static void dt__attention_forward_tiles(const float *qkvv, float *outv, float *P, int B, int T, int H, int D,
+                                        float scale, int causal) {
+    int hd = D / H, Tp = dt__att_padded(T), R = DT__ATT_ROWS;
+    size_t per_thread = (size_t)hd * Tp + (size_t)R * Tp;
+    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * per_thread * (size_t)dt_threads());
+    DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
+    for (int bh = 0; bh < B * H; bh++) {
+        int b = bh / H, h = bh % H;
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+        float *kt = space + per_thread * (size_t)dt__att_thread(), *tile = kt + (size_t)hd * Tp;
+        float *p = P + (size_t)bh * T * T, *o = outv + (size_t)b * T * D + h * hd;
+        dt__att_transpose(k, 3 * D, T, hd, kt, Tp);
+        for (int i0 = 0; i0 < T; i0 += R) {
+            int rows = T - i0 < R ? T - i0 : R, keys = causal && i0 + rows < T ? i0 + rows : T;
+            dt__att_product((keys + DT_VL - 1) / DT_VL, hd, q + (size_t)i0 * 3 * D, 3 * D, 1, kt, Tp, scale, 0,
+                            tile, Tp, rows);                                      /* S = Q K^T / sqrt(d) */
+            for (int r = 0; r < rows; r++) {
+                dt__softmax_row(tile + (size_t)r * Tp, causal ? i0 + r + 1 : T, T);
+                memcpy(p + (size_t)(i0 + r) * T, tile + (size_t)r * Tp, sizeof(float) * (size_t)T);
+            }
+            dt__att_product(hd / DT_VL, keys, tile, Tp, 1, v, 3 * D, 1.0f, 0, o + (size_t)i0 * D, D, rows);  /* O = P V */
+        }
+    }
+}
+static void dt__attention_backward_tiles(const float *qkvv, const float *P, const float *dout, float *dqkv, int add,
+                                         int B, int T, int H, int D, float scale, int causal) {
+    int hd = D / H, Tp = dt__att_padded(T), R = DT__ATT_ROWS;
+    size_t per_thread = (size_t)hd * Tp + (size_t)T * Tp;
+    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * per_thread * (size_t)dt_threads());
+    DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
+    for (int bh = 0; bh < B * H; bh++) {
+        int b = bh / H, h = bh % H;
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+        float *dq = dqkv + (size_t)b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
+        const float *p = P + (size_t)bh * T * T, *dO = dout + (size_t)b * T * D + h * hd;
+        float *vt = space + per_thread * (size_t)dt__att_thread(), *ds = vt + (size_t)hd * Tp;
+        dt__att_transpose(v, 3 * D, T, hd, vt, Tp);
+        for (int i0 = 0; i0 < T; i0 += R) {           /* by query rows: dS, then dQ */
+            int rows = T - i0 < R ? T - i0 : R, keys = causal && i0 + rows < T ? i0 + rows : T;
+            float *dsi = ds + (size_t)i0 * Tp;
+            dt__att_product((keys + DT_VL - 1) / DT_VL, hd, dO + (size_t)i0 * D, D, 1, vt, Tp, 1.0f, 0, dsi, Tp,
+                            rows);                                                /* dP = dO V^T */
+            for (int r = 0; r < rows; r++) {
+                float *dr = dsi + (size_t)r * Tp;
+                for (int j = keys; j < T; j++) dr[j] = 0.0f;  /* unseen keys: p = 0 there */
+                dt__softmax_row_backward(dr, p + (size_t)(i0 + r) * T, T, scale);
+            }
+            dt__att_product(hd / DT_VL, keys, dsi, Tp, 1, k, 3 * D, 1.0f, add, dq + (size_t)i0 * 3 * D, 3 * D,
+                            rows);                                                /* dQ += dS K */
+        }
+        for (int j0 = 0; j0 < T; j0 += R) {           /* by key rows: dV and dK (causal: from query j0 on) */
+            int rows = T - j0 < R ? T - j0 : R, from = causal ? j0 : 0;
+            dt__att_product(hd / DT_VL, T - from, p + (size_t)from * T + j0, 1, T, dO + (size_t)from * D, D, 1.0f,
+                            add, dv + (size_t)j0 * 3 * D, 3 * D, rows);          /* dV += P^T dO */
+            dt__att_product(hd / DT_VL, T - from, ds + (size_t)from * Tp + j0, 1, Tp, q + (size_t)from * 3 * D,
+                            3 * D, 1.0f, add, dk + (size_t)j0 * 3 * D, 3 * D, rows);   /* dK += dS^T Q */
+        }
+    }
+}
+
+static void dt__attention_backward(dt__tape_entry *e) {
+    dt_tensor *qkv = e->in[0];
+    if (!qkv->requires_grad) return;
+    int B = e->iarg[0], T = e->iarg[1], H = e->iarg[2], causal = e->iarg[3], D = (int)dt_tensor_cols(e->out);
+    float scale = e->farg[0];
+    const float *P = (const float *)e->saved, *dout = dt__grad_in(e->out), *qkvv = dt__in(qkv);
+    int first;
+    float *dqkv = dt__grad_acc_first(qkv, &first);
+    const dt_backend *gpu = dt__backend_for(qkv);
+    dt__ctx.flops += 8.0 * B * H * T * T * (D / H);
+    if (gpu) {
+        float *scratch = (float *)dt__scratch_on(qkv->device, sizeof(float) * (size_t)DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D));
+        gpu->attention_backward(P, dout, dqkv, scratch, B, T, H, D, scale);
+    } else if ((D / H) % DT_VL == 0 && !dt__attention_by_gemm)   /* each element is one product's: */
+        dt__attention_backward_tiles(qkvv, P, dout, dqkv, !first, B, T, H, D, scale, causal);   /* written first */
+    else
+        dt__attention_backward_gemm(qkvv, P, dout, dqkv, first ? 0.0f : 1.0f, B, T, H, D, scale);
     dt__grad_acc_done(qkv, dqkv);
 }
 dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
@@ -2638,38 +2835,13 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
     const float *qkvv = dt__in(qkv);
     float *outv = dt__out(out);
     if (gpu) gpu->attention_forward(qkvv, outv, P, B, T, H, D, scale, causal);
-    else {
-        DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
-        for (int bh = 0; bh < B * H; bh++) {
-            int b = bh / H, h = bh % H;
-            const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
-            float *p = P + (size_t)bh * T * T;
-            dt_gemm(0, 1, T, T, hd, scale, q, 3 * D, k, 3 * D, 0.0f, p, T);   /* S = Q K^T / sqrt(d) */
-            for (int i = 0; i < T; i++) {          /* row softmax, in lanes as LayerNorm's sums */
-                float *r = p + (size_t)i * T;
-                int valid = causal ? i + 1 : T;                               /* causal: no peeking ahead */
-                float top[DT_LANES], acc[DT_LANES] = { 0 }, mx = r[0];
-                for (int l = 0; l < DT_LANES; l++) top[l] = r[0];
-                int j0 = 0;
-                for (; j0 + DT_LANES <= valid; j0 += DT_LANES)
-                    for (int l = 0; l < DT_LANES; l++) top[l] = r[j0 + l] > top[l] ? r[j0 + l] : top[l];
-                for (int j = j0; j < valid; j++) mx = r[j] > mx ? r[j] : mx;
-                for (int l = 0; l < DT_LANES; l++) mx = top[l] > mx ? top[l] : mx;
-                for (int j = 0; j < valid; j++) r[j] = dt_exp_value(r[j] - mx);
-                DT__LANE_SUM(acc, valid, j, r[j]);
-                float sum = dt__lanes_total(acc);
-                for (int j = 0; j < valid; j++) r[j] /= sum;
-                for (int j = valid; j < T; j++) r[j] = 0.0f;
-            }
-            dt_gemm(0, 0, T, hd, T, 1.0f, p, T, v, 3 * D, 0.0f,                /* O = P V */
-                    outv + (size_t)b * T * D + h * hd, D);
-        }
-    }
+    else if (hd % DT_VL == 0 && !dt__attention_by_gemm) dt__attention_forward_tiles(qkvv, outv, P, B, T, H, D, scale, causal);
+    else dt__attention_forward_gemm(qkvv, outv, P, B, T, H, D, scale, causal);
     dt__out_done(out, outv);
     dt__ctx.flops += 4.0 * B * H * T * T * hd;
     if (dt__wants_grad(qkv, NULL, NULL)) {
         dt__tape_entry *e = dt__tape_push(dt__attention_backward, out, qkv, NULL, NULL);
-        e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = H; e->farg[0] = scale; e->saved = P;
+        e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = H; e->iarg[3] = causal; e->farg[0] = scale; e->saved = P;
     }
     return out;
 }

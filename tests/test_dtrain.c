@@ -581,6 +581,7 @@ static dt_tensor *f_layernorm(dt_tensor **l, void *c) { (void)c; return dt_layer
 static dt_tensor *f_add(dt_tensor **l, void *c) { (void)c; return dt_add(l[0], l[1]); }
 static dt_tensor *f_attention(dt_tensor **l, void *c) { return dt_attention(l[0], 2, 5, 2, *(int *)c); }
 static dt_tensor *f_attention_37(dt_tensor **l, void *c) { return dt_attention(l[0], 1, 37, 2, *(int *)c); }
+static dt_tensor *f_attention_wide(dt_tensor **l, void *c) { return dt_attention(l[0], 2, 19, 2, *(int *)c); }
 static dt_tensor *f_tokens(dt_tensor **l, void *c) { (void)c; return dt_vit_tokens(l[0], l[1], l[2], 2); }
 static dt_tensor *f_select(dt_tensor **l, void *c) { (void)c; return dt_select_token(l[0], 2, 3, 1); }
 static dt_tensor *f_xent(dt_tensor **l, void *c) { return dt_cross_entropy(l[0], (const int32_t *)c); }
@@ -618,7 +619,12 @@ static void test_backward_matches_finite_differences(void) {
     dt_tensor *qkv37 = leaf2(37, 3 * 16, &r, 1);
     for (causal = 0; causal < 2; causal++)
         fd_check(causal ? "causal attention, 37 tokens" : "attention, 37 tokens", f_attention_37, &qkv37, 1, &causal, 1e-2f, 3e-3);
-    leaf_free(wx); leaf_free(ww); leaf_free(wb); leaf_free(qkv37);
+    /* heads 32 wide: a whole number of vectors, so the CPU's tiled body runs
+       (19 tokens: three row tiles, the last one short) */
+    dt_tensor *qkvw = leaf2(2 * 19, 3 * 64, &r, 1);
+    for (causal = 0; causal < 2; causal++)
+        fd_check(causal ? "causal attention, heads of 32" : "attention, heads of 32", f_attention_wide, &qkvw, 1, &causal, 1e-2f, 3e-3);
+    leaf_free(wx); leaf_free(ww); leaf_free(wb); leaf_free(qkv37); leaf_free(qkvw);
     dt_tensor *pp = leaf2(4, 3, &r, 1), *pc = leaf2(1, 3, &r, 1), *pe = leaf2(3, 3, &r, 1);
     dt_tensor *L5[3] = { pp, pc, pe };
     fd_check("vit tokens", f_tokens, L5, 3, NULL, 1e-2f, 1e-3);
@@ -654,6 +660,45 @@ static void test_causal_attention_ignores_later_tokens(void) {
     CHECK(memcmp(before + (T - 1) * D, after->data + (T - 1) * D, sizeof(float) * D) != 0); /* last: changed */
     dt_set_grad_enabled(1);
     leaf_free(qkv);
+}
+
+/* The CPU's tiled attention promises the bits of the straightforward body
+   (three matmuls through dt_gemm per head): the same sums in the same order.
+   Checked on vit-tiny's and the GPT's shapes, a sequence shorter than one row
+   tile, and one token; forward, and backward both adding to a gradient and
+   writing it first. */
+static void test_tiled_attention_gives_the_bits_of_the_matmul_body(void) {
+    static const int shapes[][4] = { { 2, 65, 3, 192 }, { 2, 64, 4, 128 }, { 3, 5, 2, 64 }, { 2, 1, 1, 32 }, { 1, 130, 2, 128 } };
+    dt__rng r = { 6 };
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int causal = 0; causal < 2; causal++)
+            for (int through = 0; through < 2; through++) {
+                int B = shapes[s][0], T = shapes[s][1], H = shapes[s][2], D = shapes[s][3];
+                size_t n_out = (size_t)B * T * D, n_in = (size_t)B * T * 3 * D;
+                dt_tensor *qkv = leaf2(B * T, 3 * D, &r, 2);
+                float *seed = (float *)malloc(sizeof(float) * n_out), *out[2], *grad[2];
+                for (size_t i = 0; i < n_out; i++) seed[i] = (float)rnd(&r);
+                for (int by_gemm = 0; by_gemm < 2; by_gemm++) {
+                    dt__attention_by_gemm = by_gemm;
+                    for (size_t i = 0; i < n_in; i++) qkv->grad[i] = 0.25f;
+                    dt_step_arena_reset();
+                    dt_tensor *in = through ? dt_add(qkv, dt_tensor_new(qkv->ndim, qkv->shape)) : qkv;
+                    dt_tensor *o = dt_attention(in, B, T, H, causal);
+                    out[by_gemm] = (float *)malloc(sizeof(float) * n_out);
+                    memcpy(out[by_gemm], o->data, sizeof(float) * n_out);
+                    dt_backward_from(o, seed);
+                    grad[by_gemm] = (float *)malloc(sizeof(float) * n_in);
+                    memcpy(grad[by_gemm], qkv->grad, sizeof(float) * n_in);
+                }
+                dt__attention_by_gemm = 0;
+                CHECKF(memcmp(out[0], out[1], sizeof(float) * n_out) == 0,
+                       "attention B=%d T=%d H=%d D=%d causal=%d: the tiled forward differs from the matmul body", B, T, H, D, causal);
+                CHECKF(memcmp(grad[0], grad[1], sizeof(float) * n_in) == 0,
+                       "attention B=%d T=%d H=%d D=%d causal=%d%s: the tiled backward differs from the matmul body", B, T, H, D,
+                       causal, through ? " (gradient written first)" : " (adding)");
+                free(seed); free(out[0]); free(out[1]); free(grad[0]); free(grad[1]);
+                leaf_free(qkv);
+            }
 }
 
 /* LayerNorm's weight and bias gradients sum over every row: over 4 million
@@ -4145,7 +4190,8 @@ static const test_case tests[] = {
     T(test_exp_tanh_and_erf_match_libm_over_a_dense_grid),
     /* 5. autograd */
     T(test_ops_forward_hand_values), T(test_backward_matches_finite_differences),
-    T(test_causal_attention_ignores_later_tokens), T(test_layernorm_weight_and_bias_gradients_stay_exact_over_millions_of_rows),
+    T(test_causal_attention_ignores_later_tokens), T(test_tiled_attention_gives_the_bits_of_the_matmul_body),
+    T(test_layernorm_weight_and_bias_gradients_stay_exact_over_millions_of_rows),
     T(test_grad_ready_hook_fires_once_per_parameter_in_reverse),
     /* 6. models */
     T(test_mlp_gradients_match_finite_differences), T(test_vit_gradients_match_finite_differences),
