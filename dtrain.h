@@ -281,6 +281,10 @@ dt_tensor *dt_linear(dt_tensor *x, dt_tensor *weight, dt_tensor *bias); /* x W^T
 dt_tensor *dt_linear_in_out(dt_tensor *x, dt_tensor *weight, dt_tensor *bias);
 dt_tensor *dt_gelu(dt_tensor *x);
 dt_tensor *dt_gelu_tanh(dt_tensor *x);                                    /* GPT-2's GELU */
+/* dt_gelu(dt_linear(...)) and dt_gelu_tanh(dt_linear_in_out(...)) in one
+   pass (the same results and tape) */
+dt_tensor *dt_linear_gelu(dt_tensor *x, dt_tensor *weight, dt_tensor *bias);
+dt_tensor *dt_linear_in_out_gelu_tanh(dt_tensor *x, dt_tensor *weight, dt_tensor *bias);
 dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *weight, dt_tensor *bias, float eps);
 dt_tensor *dt_add(dt_tensor *a, dt_tensor *b);
 /* qkv: [B*T, 3*D] laid out as timm's (q | k | v, the H heads side by side) -> [B*T, D] */
@@ -1891,6 +1895,21 @@ typedef float dt__vec __attribute__((vector_size(DT_VL * 4), aligned(4)));
 #define DT__MADD(c, s, b) ((c) + (s) * (b))
 #endif
 
+/* What a linear layer's matmul does to C as it stores it: add a bias to
+   every row, then, where `gelu` is set, write GELU of the result into a
+   second matrix laid out as C. The built-in routine does both on each tile
+   while it is in registers or the L1 cache, which saves the passes over the
+   output that separate ops would make. */
+typedef struct dt__epilogue { const float *bias; float *gelu; int tanh_form; } dt__epilogue;
+static void dt__gelu_rows(const float *restrict x, float *restrict y, ptrdiff_t ld, int rows, int cols, int tanh_form) {
+    for (int i = 0; i < rows; i++) {                 /* a loop per form: each vectorises */
+        const float *xr = x + i * ld;
+        float *yr = y + i * ld;
+        if (tanh_form) for (int j = 0; j < cols; j++) yr[j] = dt_gelu_tanh_value(xr[j]);
+        else for (int j = 0; j < cols; j++) yr[j] = dt_gelu_value(xr[j]);
+    }
+}
+
 /* With a system BLAS (DT_HAVE_CBLAS) none of the routine below is compiled. */
 #ifndef DT_HAVE_CBLAS
 
@@ -1898,10 +1917,12 @@ typedef float dt__vec __attribute__((vector_size(DT_VL * 4), aligned(4)));
    where a(i, k) = a[i * row_step + k * k_step]: A's rows in place (k_step 1),
    or a transposed or packed block (row_step 1). Inlined at each call, so the
    strides that are constants there cost nothing. Only the first rows x cols
-   of the tile are written. */
+   of the tile are written. A bias (the tile's columns of it; NULL for none)
+   is added to each row as the tile is stored: on the last slab, after the
+   sum, so its bits are those of adding it afterwards. */
 DT__INLINE void dt__gemm_micro(int kc, const float *restrict a, ptrdiff_t row_step, ptrdiff_t k_step,
                                const float *restrict b, float alpha, float beta, float *restrict C, int ldc,
-                               int rows, int cols) {
+                               int rows, int cols, const float *restrict bias) {
     float acc[DT_MR * DT_NR];
 #if defined(__GNUC__)
     dt__vec c0[DT_MR], c1[DT_MR];
@@ -1918,6 +1939,8 @@ DT__INLINE void dt__gemm_micro(int kc, const float *restrict a, ptrdiff_t row_st
         }
     }
     if (rows == DT_MR && cols == DT_NR) {            /* a whole tile: C in vectors */
+        dt__vec bias0 = { 0 }, bias1 = { 0 };
+        if (bias) { memcpy(&bias0, bias, sizeof bias0); memcpy(&bias1, bias + DT_VL, sizeof bias1); }
         for (int i = 0; i < DT_MR; i++) {
             float *c = C + (size_t)i * ldc;
             dt__vec o0, o1;
@@ -1928,6 +1951,7 @@ DT__INLINE void dt__gemm_micro(int kc, const float *restrict a, ptrdiff_t row_st
                 if (beta == 1.0f) { o0 += alpha * c0[i]; o1 += alpha * c1[i]; }
                 else { o0 = beta * o0 + alpha * c0[i]; o1 = beta * o1 + alpha * c1[i]; }
             }
+            if (bias) { o0 += bias0; o1 += bias1; }
             memcpy(c, &o0, sizeof o0);
             memcpy(c + DT_VL, &o1, sizeof o1);
         }
@@ -1949,6 +1973,7 @@ DT__INLINE void dt__gemm_micro(int kc, const float *restrict a, ptrdiff_t row_st
         if (beta == 0.0f) for (int j = 0; j < cols; j++) c[j] = alpha * r[j];
         else if (beta == 1.0f) for (int j = 0; j < cols; j++) c[j] += alpha * r[j];
         else for (int j = 0; j < cols; j++) c[j] = beta * c[j] + alpha * r[j];
+        if (bias) for (int j = 0; j < cols; j++) c[j] += bias[j];
     }
 }
 
@@ -2015,7 +2040,7 @@ static int dt__gemm_threads(void) {
 }
 
 static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
-                            const float *B, int ldb, float beta, float *C, int ldc) {
+                            const float *B, int ldb, float beta, float *C, int ldc, const dt__epilogue *ep) {
     int threads = dt__gemm_threads();
     float *space = dt__pack_space((size_t)DT_KC * DT_NC + (size_t)threads * DT_MC * DT_KC);
     float *panel = space;                              /* B's panel: shared by the threads */
@@ -2023,6 +2048,8 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
     for (int k0 = 0; k0 < K; k0 += DT_KC) {
         int kc = K - k0 < DT_KC ? K - k0 : DT_KC;
         float b_eff = k0 == 0 ? beta : 1.0f;            /* later slabs add to the first */
+        const float *bias_now = ep && k0 + kc == K ? ep->bias : NULL;   /* the epilogue: on the last slab */
+        float *gelu_now = ep && k0 + kc == K ? ep->gelu : NULL;
         for (int j0 = 0; j0 < N; j0 += DT_NC) {
             int nc = N - j0 < DT_NC ? N - j0 : DT_NC, strips = (nc + DT_NR - 1) / DT_NR;
             DT_OMP("omp parallel num_threads(threads) if(blocks_m > 1 && (double)M * nc * kc > 65536.0)")
@@ -2050,9 +2077,13 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
                             int rows = mc - is < DT_MR ? mc - is : DT_MR;
                             float *c = C + (size_t)(i0 + is) * ldc + j0 + js;
                             if (is < in_place)
-                                dt__gemm_micro(kc, A + (size_t)(i0 + is) * lda + k0, lda, 1, b, alpha, b_eff, c, ldc, rows, cols);
+                                dt__gemm_micro(kc, A + (size_t)(i0 + is) * lda + k0, lda, 1, b, alpha, b_eff, c, ldc, rows, cols,
+                                               bias_now ? bias_now + j0 + js : NULL);
                             else
-                                dt__gemm_micro(kc, block + (size_t)is * kc, 1, DT_MR, b, alpha, b_eff, c, ldc, rows, cols);
+                                dt__gemm_micro(kc, block + (size_t)is * kc, 1, DT_MR, b, alpha, b_eff, c, ldc, rows, cols,
+                                               bias_now ? bias_now + j0 + js : NULL);
+                            if (gelu_now)
+                                dt__gelu_rows(c, gelu_now + (size_t)(i0 + is) * ldc + j0 + js, ldc, rows, cols, ep->tanh_form);
                         }
                     }
                 }
@@ -2062,20 +2093,36 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
 }
 #endif /* !DT_HAVE_CBLAS */
 
-void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
-             const float *B, int ldb, float beta, float *C, int ldc) {
+/* dt_gemm and then the epilogue (NULL: none). With a system BLAS, or with
+   nothing to multiply, the epilogue is a loop afterwards. */
+static void dt__gemm_epilogue(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
+                              const float *B, int ldb, float beta, float *C, int ldc, const dt__epilogue *ep) {
     if (M <= 0 || N <= 0) return;
-    if (K <= 0) {                        /* nothing to multiply: C = beta * C */
-        for (int i = 0; i < M; i++)
-            for (int j = 0; j < N; j++) C[(size_t)i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[(size_t)i * ldc + j];
+#ifndef DT_HAVE_CBLAS
+    if (K > 0) {
+        dt__gemm_builtin(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, ep);
         return;
     }
-#ifdef DT_HAVE_CBLAS
-    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
-                M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-#else
-    dt__gemm_builtin(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 #endif
+    if (K <= 0)                          /* nothing to multiply: C = beta * C */
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) C[(size_t)i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[(size_t)i * ldc + j];
+#ifdef DT_HAVE_CBLAS
+    else
+        cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+                    M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+#endif
+    if (!ep) return;
+    DT_OMP("omp parallel for if((double)M * N > 32768.0)")
+    for (int i = 0; i < M; i++) {
+        float *c = C + (size_t)i * ldc;
+        if (ep->bias) for (int j = 0; j < N; j++) c[j] += ep->bias[j];
+        if (ep->gelu) dt__gelu_rows(c, ep->gelu + (size_t)i * ldc, ldc, 1, N, ep->tanh_form);
+    }
+}
+void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
+             const float *B, int ldb, float beta, float *C, int ldc) {
+    dt__gemm_epilogue(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, NULL);
 }
 
 /* ==== 5. autograd ===============================================================
@@ -2290,12 +2337,6 @@ static float *dt__grad_acc_first(dt_tensor *t, int *first) {
     return f;                                      /* a 16-bit gradient: converted by _done */
 }
 
-/* The matmul of an op: cuBLAS on a GPU, the routine above on the CPU. */
-static void dt__matmul(const dt_backend *gpu, int ta, int tb, int M, int N, int K, float alpha, const float *A,
-                      int lda, const float *B, int ldb, float beta, float *C, int ldc) {
-    if (gpu) gpu->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-    else dt_gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-}
 /* A matmul operand: a 2-D tensor's data (or gradient), row-major. */
 typedef struct dt__operand { const dt_tensor *t; int grad; } dt__operand;
 static dt__operand dt__op_data(const dt_tensor *t) { dt__operand o = { t, 0 }; return o; }
@@ -2313,16 +2354,26 @@ static const void *dt__operand_half(dt__operand o) {
 /* The matmuls of linear layers: C[M,N] (+)= op(A) op(B), A and B seen in the
    compute dtype. A GPU multiplies 16-bit operands on its tensor cores,
    summing in f32; the CPU widens them to f32 first (dt__in and dt__grad_in) --
-   products of 16-bit numbers are exact in f32, so both sum the same products. */
+   products of 16-bit numbers are exact in f32, so both sum the same products.
+   The epilogue (linear's forward; NULL elsewhere; ldc = N) is the CPU
+   matmul's own, and kernels after the matmul on a GPU. */
+static void dt__gpu_epilogue(const dt_backend *gpu, float *C, int M, int N, const dt__epilogue *ep) {
+    if (ep && ep->bias) gpu->add_bias(C, ep->bias, M, N);
+    if (ep && ep->gelu) gpu->gelu_forward(C, ep->gelu, (int64_t)M * N, ep->tanh_form);
+}
 static void dt__matmul_op(const dt_backend *gpu, int ta, int tb, int M, int N, int K, dt__operand A, dt__operand B,
-                         float beta, float *C, int ldc) {
+                         float beta, float *C, int ldc, const dt__epilogue *ep) {
     int lda = (int)dt_tensor_cols(A.t), ldb = (int)dt_tensor_cols(B.t);
     if (gpu && dt__mixed()) {
         gpu->gemm_half(dt__ctx.compute_dtype, ta, tb, M, N, K, dt__operand_half(A), lda, dt__operand_half(B), ldb, beta, C, ldc);
+        dt__gpu_epilogue(gpu, C, M, N, ep);
         return;
     }
     const float *a = A.grad ? dt__grad_in(A.t) : dt__in(A.t), *b = B.grad ? dt__grad_in(B.t) : dt__in(B.t);
-    dt__matmul(gpu, ta, tb, M, N, K, 1.0f, a, lda, b, ldb, beta, C, ldc);
+    if (gpu) {
+        gpu->gemm(ta, tb, M, N, K, 1.0f, a, lda, b, ldb, beta, C, ldc);
+        dt__gpu_epilogue(gpu, C, M, N, ep);
+    } else dt__gemm_epilogue(ta, tb, M, N, K, 1.0f, a, lda, b, ldb, beta, C, ldc, ep);
 }
 
 /* -- linear: y = x W^T + b. The three matmuls of every layer's training step.
@@ -2336,14 +2387,14 @@ static void dt__linear_backward(dt__tape_entry *e) {
     if (x->requires_grad) {              /* dx = dy W (in_out: dy W^T) */
         int first;
         float *dx = dt__grad_acc_first(x, &first);
-        dt__matmul_op(gpu, 0, in_out, N, in, out, dt__op_grad(y), dt__op_data(w), first ? 0.0f : 1.0f, dx, in);
+        dt__matmul_op(gpu, 0, in_out, N, in, out, dt__op_grad(y), dt__op_data(w), first ? 0.0f : 1.0f, dx, in, NULL);
         dt__grad_acc_done(x, dx);
         dt__ctx.flops += 2.0 * N * in * out;
     }
     if (w->requires_grad) {              /* dW = dy^T x (in_out: x^T dy) */
         float *dw = dt__grad_acc(w);
-        if (in_out) dt__matmul_op(gpu, 1, 0, in, out, N, dt__op_data(x), dt__op_grad(y), 1.0f, dw, out);
-        else dt__matmul_op(gpu, 1, 0, out, in, N, dt__op_grad(y), dt__op_data(x), 1.0f, dw, in);
+        if (in_out) dt__matmul_op(gpu, 1, 0, in, out, N, dt__op_data(x), dt__op_grad(y), 1.0f, dw, out, NULL);
+        else dt__matmul_op(gpu, 1, 0, out, in, N, dt__op_grad(y), dt__op_data(x), 1.0f, dw, in, NULL);
         dt__grad_acc_done(w, dw);
         dt__ctx.flops += 2.0 * N * in * out;
     }
@@ -2357,7 +2408,8 @@ static void dt__linear_backward(dt__tape_entry *e) {
         dt__grad_acc_done(b, db);
     }
 }
-static dt_tensor *dt__linear_layout(dt_tensor *x, dt_tensor *w, dt_tensor *b, int in_out) {
+/* act: where linear + GELU (below) wants GELU of y, computed as y is stored */
+static dt_tensor *dt__linear_layout(dt_tensor *x, dt_tensor *w, dt_tensor *b, int in_out, dt_tensor *act, int tanh_form) {
     int N = (int)dt_tensor_rows(x), in = (int)dt_tensor_cols(x);
     int out = (int)(in_out ? dt_tensor_cols(w) : dt_tensor_rows(w)), w_in = (int)(in_out ? dt_tensor_rows(w) : dt_tensor_cols(w));
     if (w_in != in)
@@ -2367,21 +2419,17 @@ static dt_tensor *dt__linear_layout(dt_tensor *x, dt_tensor *w, dt_tensor *b, in
     dt__scratch_reset();
     dt_tensor *y = dt__tensor_out_2d(N, out);
     float *yv = dt__out(y);
-    dt__matmul_op(gpu, 0, !in_out, N, out, in, dt__op_data(x), dt__op_data(w), 0.0f, yv, out);
+    float *actv = act ? dt__out(act) : NULL;
+    dt__epilogue ep = { b ? dt__in(b) : NULL, actv, tanh_form };
+    dt__matmul_op(gpu, 0, !in_out, N, out, in, dt__op_data(x), dt__op_data(w), 0.0f, yv, out, &ep);
     dt__ctx.flops += 2.0 * N * in * out;
-    const float *bv = b ? dt__in(b) : NULL;
-    if (b && gpu) gpu->add_bias(yv, bv, N, out);
-    else if (b) {
-        DT_OMP("omp parallel for if(N * out > 32768)")
-        for (int i = 0; i < N; i++)
-            for (int j = 0; j < out; j++) yv[(size_t)i * out + j] += bv[j];
-    }
     dt__out_done(y, yv);
+    if (act) dt__out_done(act, actv);
     if (dt__wants_grad(x, w, b)) dt__tape_push(dt__linear_backward, y, x, w, b)->iarg[0] = in_out;
     return y;
 }
-dt_tensor *dt_linear(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) { return dt__linear_layout(x, weight, bias, 0); }
-dt_tensor *dt_linear_in_out(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) { return dt__linear_layout(x, weight, bias, 1); }
+dt_tensor *dt_linear(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) { return dt__linear_layout(x, weight, bias, 0, NULL, 0); }
+dt_tensor *dt_linear_in_out(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) { return dt__linear_layout(x, weight, bias, 1, NULL, 0); }
 
 /* -- GELU: the exact erf form (PyTorch's nn.GELU() and timm), or the tanh
       approximation GPT-2 was trained with (tanh_form, in iarg[0]) -- */
@@ -2437,6 +2485,24 @@ static dt_tensor *dt__gelu_form(dt_tensor *x, int tanh_form) {
 }
 dt_tensor *dt_gelu(dt_tensor *x) { return dt__gelu_form(x, 0); }
 dt_tensor *dt_gelu_tanh(dt_tensor *x) { return dt__gelu_form(x, 1); }
+
+/* -- linear, then GELU: the first layer of a transformer's MLP. On the tape
+      they are the two ops above, so the backward is theirs, but the forward
+      is one pass: the matmul writes y and GELU(y) from each tile while it is
+      hot (see dt__epilogue), which saves two passes over a B*T x 4D matrix.
+      Under mixed precision y is rounded to 16 bits before GELU reads it, so
+      there the two ops simply run one after the other. -- */
+static dt_tensor *dt__linear_gelu(dt_tensor *x, dt_tensor *w, dt_tensor *b, int in_out, int tanh_form) {
+    if (dt__mixed()) return dt__gelu_form(dt__linear_layout(x, w, b, in_out, NULL, 0), tanh_form);
+    dt_tensor *act = dt__tensor_out_2d((int)dt_tensor_rows(x), (int)(in_out ? dt_tensor_cols(w) : dt_tensor_rows(w)));
+    dt_tensor *y = dt__linear_layout(x, w, b, in_out, act, tanh_form);
+    if (dt__wants_grad(y, NULL, NULL)) dt__tape_push(dt__gelu_backward, act, y, NULL, NULL)->iarg[0] = tanh_form;
+    return act;
+}
+dt_tensor *dt_linear_gelu(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) { return dt__linear_gelu(x, weight, bias, 0, 0); }
+dt_tensor *dt_linear_in_out_gelu_tanh(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) {
+    return dt__linear_gelu(x, weight, bias, 1, 1);
+}
 
 /* -- LayerNorm over the last dimension. Saves mean and 1/std per row.
       A row's sums run in DT_LANES interleaved partial sums, added up in a
@@ -3379,7 +3445,7 @@ static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens) {
         dt_tensor *h = dt_linear_in_out(dt_layernorm(x, n1w, n1b, 1e-5f), aw, ab);
         h = dt_linear_in_out(dt_attention(h, B, T, c->heads, /*causal*/ 1), pw, pb);
         x = dt_add(x, h);
-        h = dt_gelu_tanh(dt_linear_in_out(dt_layernorm(x, n2w, n2b, 1e-5f), fw, fb));
+        h = dt_linear_in_out_gelu_tanh(dt_layernorm(x, n2w, n2b, 1e-5f), fw, fb);
         x = dt_add(x, dt_linear_in_out(h, mw, mb));
         dt__unit_boundary(m, 1 + l, 0);
     }
@@ -3425,7 +3491,7 @@ dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs) {
         dt_tensor *h = dt_linear(dt_layernorm(x, n1w, n1b, 1e-6f), qkvw, qkvb);
         h = dt_linear(dt_attention(h, B, T, c->heads, 0), pjw, pjb);
         x = dt_add(x, h);                                              /* pre-LN residual */
-        h = dt_gelu(dt_linear(dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b));
+        h = dt_linear_gelu(dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b);
         x = dt_add(x, dt_linear(h, f2w, f2b));
         dt__unit_boundary(m, 1 + l, 0);
     }
