@@ -386,6 +386,54 @@ static void test_gemm_same_result_for_any_thread_count(void) {
 #endif
 }
 
+/* A linear layer's bias, and the MLP's GELU, are applied by the matmul as it
+   stores each tile (dt__epilogue): the bits must be those of the matmul
+   followed by the separate loops -- the bias after the last slab of K (700
+   here: three slabs), GELU of exactly what was stored -- and the fused op's
+   tape must give the separate ops' gradients. */
+static void test_linear_bias_and_gelu_in_the_matmul_give_the_separate_ops_bits(void) {
+    int M = 67, N = 45, K = 700;          /* edge tiles in rows and columns */
+    dt__rng r = { 3 };
+    for (int in_out = 0; in_out < 2; in_out++) {
+        dt_tensor *x = leaf2(M, K, &r, 1), *w = in_out ? leaf2(K, N, &r, 0.1) : leaf2(N, K, &r, 0.1), *b = leaf2(1, N, &r, 1);
+        float *want = (float *)malloc(sizeof(float) * M * N), *act = (float *)malloc(sizeof(float) * M * N);
+        dt_gemm(0, !in_out, M, N, K, 1.0f, x->data, K, w->data, in_out ? N : K, 0.0f, want, N);
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) want[i * N + j] += b->data[j];
+        for (int i = 0; i < M * N; i++) act[i] = in_out ? dt_gelu_tanh_value(want[i]) : dt_gelu_value(want[i]);
+        dt_step_arena_reset();
+        dt_tensor *y = in_out ? dt_linear_in_out(x, w, b) : dt_linear(x, w, b);
+        CHECKF(memcmp(y->data, want, sizeof(float) * M * N) == 0, "linear%s: the bias in the matmul changed bits", in_out ? " in_out" : "");
+        float *grads[2][3];
+        for (int fused = 0; fused < 2; fused++) {
+            dt_tensor *L[3] = { x, w, b };
+            for (int k = 0; k < 3; k++) memset(L[k]->grad, 0, sizeof(float) * (size_t)L[k]->numel);
+            dt_step_arena_reset();
+            dt_tensor *g = fused ? (in_out ? dt_linear_in_out_gelu_tanh(x, w, b) : dt_linear_gelu(x, w, b))
+                                 : (in_out ? dt_gelu_tanh(dt_linear_in_out(x, w, b)) : dt_gelu(dt_linear(x, w, b)));
+            CHECKF(memcmp(g->data, act, sizeof(float) * M * N) == 0, "linear%s + GELU (%s): not GELU of the linear's output",
+                   in_out ? " in_out" : "", fused ? "fused" : "separate");
+            float *seed = (float *)malloc(sizeof(float) * M * N);
+            dt__rng rs = { 9 };
+            for (int i = 0; i < M * N; i++) seed[i] = (float)rnd(&rs);
+            dt_backward_from(g, seed);
+            free(seed);
+            for (int k = 0; k < 3; k++) {
+                grads[fused][k] = (float *)malloc(sizeof(float) * (size_t)L[k]->numel);
+                memcpy(grads[fused][k], L[k]->grad, sizeof(float) * (size_t)L[k]->numel);
+            }
+        }
+        for (int k = 0; k < 3; k++) {
+            int64_t n = k == 0 ? x->numel : k == 1 ? w->numel : b->numel;
+            CHECKF(memcmp(grads[0][k], grads[1][k], sizeof(float) * (size_t)n) == 0,
+                   "linear%s + GELU: the fused op's gradient of input %d differs from the separate ops'", in_out ? " in_out" : "", k);
+            free(grads[0][k]); free(grads[1][k]);
+        }
+        free(want); free(act);
+        leaf_free(x); leaf_free(w); leaf_free(b);
+    }
+}
+
 static void test_half_conversions_round_to_nearest_even(void) {
     CHECK(dt_f32_to_bf16(1.0f) == 0x3F80);
     CHECK(dt_f32_to_bf16(dt_bits_float(0x3F808000u)) == 0x3F80);   /* tie, even below */
@@ -4186,6 +4234,7 @@ static const test_case tests[] = {
     T(test_step_arena_stops_allocating_after_the_first_step),
     /* 4. kernels */
     T(test_gemm_matches_reference), T(test_gemm_same_result_for_any_thread_count),
+    T(test_linear_bias_and_gelu_in_the_matmul_give_the_separate_ops_bits),
     T(test_half_conversions_round_to_nearest_even), T(test_launch_shapes_cover_every_row_past_the_grid_cap),
     T(test_exp_tanh_and_erf_match_libm_over_a_dense_grid),
     /* 5. autograd */

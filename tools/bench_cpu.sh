@@ -35,6 +35,9 @@ run_dtrain() {
   [ -n "$rate" ] || rate=$(tr ' ' '\n' <<<"$line" | sed -n 's/^samples_per_s=//p')
   if [ -z "$rate" ]; then echo "bench_cpu.sh: $bin --bench ${flags[$1]} at $2 threads printed no bench line" >&2; return 1; fi
   echo "dtrain $1 $2 $rate" | tee -a "$out"
+  # the GPTs' FLOP per token, as dtrain counts them: both sides run the same model
+  fpt=$(tr ' ' '\n' <<<"$line" | sed -n 's/^flops_per_token=//p')
+  [ -z "$fpt" ] || echo "flops $1 $2 $fpt" >>"$out"
 }
 run_torch() {
   local line rate
@@ -104,6 +107,7 @@ fi
 [ -n "$py" ] || echo "(PyTorch not installed: dtrain alone; Debian: apt-get install python3-torch)"
 
 awk -v repeats="$repeats" '
+  $1 == "flops" { fpt[$2] = $4; next }
   { key = $2 " " $3; n[$1, key]++; v[$1, key, n[$1, key]] = $4; if (!(key in seen)) { seen[key] = 1; order[++k] = key } }
   function med(who, key,   m, i, j, t, a) {
     lo[who] = hi[who] = ""
@@ -125,6 +129,10 @@ awk -v repeats="$repeats" '
       dcell = (d == "") ? "-" : sprintf("%.1f [%.1f-%.1f]", d, dl, dh)
       ratio = (d != "" && t > 0) ? sprintf("%.2fx", d / t) : "-"
       printf "%-18s %7s %26s %26s %8s\n", kt[1], kt[2], dcell, tcell, ratio
+      if (kt[1] ~ /^gpt2/ && fpt[kt[1]] > 0)
+        gf = gf sprintf("%-18s %7s %26s %26s\n", kt[1], kt[2], sprintf("%.1f GFLOP/s", d * fpt[kt[1]] / 1e9),
+                        (t > 0) ? sprintf("%.1f GFLOP/s", t * fpt[kt[1]] / 1e9) : "-")
     }
+    if (gf != "") printf "\nThe same medians as GFLOP/s (tokens/s x the FLOP per token dtrain counts, %.3g; the same model on both sides):\n%s", fpt["gpt2-124m-ctx256"], gf
   }' "$out" || status=1
 exit $status
