@@ -1017,22 +1017,29 @@ DT_HD static inline float dt_tanh_value(float x) {
     return x == x ? (x < 0 ? -t : t) : x;                        /* NaN stays NaN */
 }
 /* Abramowitz and Stegun 7.1.26: erf(x) = 1 - t (a1 + t (a2 + ...)) exp(-x^2),
-   t = 1 / (1 + p |x|), within 1.5e-7 of erf, with x's sign. */
-DT_HD static inline float dt_erf_value(float x) {
+   t = 1 / (1 + p |x|), within 1.5e-7 of erf, with x's sign. The exp(-x^2)
+   it used goes to *gauss: GELU's derivative needs it too. */
+DT_HD static inline float dt__erf_and_gauss(float x, float *gauss) {
     float a = fabsf(x) < 9.0f ? fabsf(x) : 9.0f;
     float t = 1.0f / (1.0f + 0.3275911f * a);
     float poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
-    float e = 1.0f - poly * dt_exp_value(-a * a);
+    *gauss = dt_exp_value(-a * a);
+    float e = 1.0f - poly * *gauss;
     return x == x ? (x < 0 ? -e : e) : x;                        /* NaN stays NaN */
+}
+DT_HD static inline float dt_erf_value(float x) {
+    float gauss;
+    return dt__erf_and_gauss(x, &gauss);
 }
 DT_HD static inline float dt_gelu_value(float x) {
     return 0.5f * x * (1.0f + dt_erf_value(x * 0.70710678118654752f));
 }
-/* d/dx [x Phi(x)] = Phi(x) + x phi(x) */
+/* d/dx [x Phi(x)] = Phi(x) + x phi(x), where phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
+   and exp(-x^2 / 2) is the one erf(x / sqrt 2) computed: one exp, not two
+   (past |x| = 12.7 it stays exp(-81), where x phi(x) is below 1e-33 anyway) */
 DT_HD static inline float dt_gelu_derivative(float x) {
-    float cdf = 0.5f * (1.0f + dt_erf_value(x * 0.70710678118654752f));
-    float pdf = 0.39894228040143268f * dt_exp_value(-0.5f * x * x);
-    return cdf + x * pdf;
+    float gauss, cdf = 0.5f * (1.0f + dt__erf_and_gauss(x * 0.70710678118654752f, &gauss));
+    return cdf + x * (0.39894228040143268f * gauss);
 }
 DT_HD static inline float dt_gelu_tanh_value(float x) {
     float u = 0.79788456080286536f * (x + 0.044715f * x * x * x);      /* sqrt(2/pi) (x + 0.044715 x^3) */
@@ -2021,12 +2028,11 @@ static float *dt__pack_space(size_t floats) {
     return dt__pack_buffer;
 }
 
-/* Rows per block: blocks of at most MC rows, as many as a multiple of the
-   thread count, so that two threads get the same work on 192 rows too. */
-static int dt__gemm_block_rows(int M, int threads) {
-    int per_thread = (M + threads * DT_MC - 1) / (threads * DT_MC);
-    int blocks = threads * per_thread, rows = (M + blocks - 1) / blocks;
-    return (rows + DT_MR - 1) / DT_MR * DT_MR;
+/* Blocks of rows: as many as a multiple of the thread count, each at most
+   MC rows, cut at whole MR-row strips as evenly as they go (4160 rows for 2
+   threads: 66 blocks of 7 or 8 strips, 33 per thread). */
+static int dt__gemm_blocks(int M, int threads) {
+    return threads * ((M + threads * DT_MC - 1) / (threads * DT_MC));
 }
 
 /* The threads the routine's parallel region will have: one when it is called
@@ -2044,7 +2050,7 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
     int threads = dt__gemm_threads();
     float *space = dt__pack_space((size_t)DT_KC * DT_NC + (size_t)threads * DT_MC * DT_KC);
     float *panel = space;                              /* B's panel: shared by the threads */
-    int mc_max = dt__gemm_block_rows(M, threads), blocks_m = (M + mc_max - 1) / mc_max;
+    int blocks_m = dt__gemm_blocks(M, threads), strips_m = (M + DT_MR - 1) / DT_MR;
     for (int k0 = 0; k0 < K; k0 += DT_KC) {
         int kc = K - k0 < DT_KC ? K - k0 : DT_KC;
         float b_eff = k0 == 0 ? beta : 1.0f;            /* later slabs add to the first */
@@ -2066,7 +2072,9 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
 #endif
                 DT_OMP("omp for schedule(static)")
                 for (int bm = 0; bm < blocks_m; bm++) {
-                    int i0 = bm * mc_max, mc = M - i0 < mc_max ? M - i0 : mc_max;
+                    int i0 = (int)((int64_t)bm * strips_m / blocks_m) * DT_MR;
+                    int i1 = (int)((int64_t)(bm + 1) * strips_m / blocks_m) * DT_MR, mc = (i1 < M ? i1 : M) - i0;
+                    if (mc <= 0) continue;                     /* fewer strips than blocks */
                     int in_place = ta ? 0 : mc / DT_MR * DT_MR;  /* A's rows read where they lie */
                     for (int is = in_place; is < mc; is += DT_MR)
                         dt__pack_a(ta, A, lda, i0 + is, mc - is < DT_MR ? mc - is : DT_MR, k0, kc, block + (size_t)is * kc);
@@ -2402,9 +2410,18 @@ static void dt__linear_backward(dt__tape_entry *e) {
         float *db = dt__grad_acc(b);
         const float *dyf = dt__grad_in(y);
         if (gpu) gpu->sum_rows(dyf, db, N, out);
-        else
-            for (int i = 0; i < N; i++)
-                for (int j = 0; j < out; j++) db[j] += dyf[(size_t)i * out + j];
+        else {                           /* each thread a band of columns: every sum keeps its order */
+            DT_OMP("omp parallel if((double)N * out > 65536.0)")
+            {
+                int t = 0, nt = 1;
+#ifdef _OPENMP
+                t = omp_get_thread_num(); nt = omp_get_num_threads();
+#endif
+                int j0 = (int)((int64_t)out * t / nt), j1 = (int)((int64_t)out * (t + 1) / nt);
+                for (int i = 0; i < N; i++)
+                    for (int j = j0; j < j1; j++) db[j] += dyf[(size_t)i * out + j];
+            }
+        }
         dt__grad_acc_done(b, db);
     }
 }
@@ -2622,10 +2639,15 @@ static void dt__add_backward(dt__tape_entry *e) {
         int first;
         float *g = dt__grad_acc_first(t, &first);
         const dt_backend *gpu = dt__backend_for(t);
-        if (gpu) gpu->accumulate(g, dy, t->numel);
-        else if (first) memcpy(g, dy, (size_t)t->numel * sizeof(float));
-        else
-            for (int64_t i = 0; i < t->numel; i++) g[i] += dy[i];
+        int64_t n = t->numel;
+        if (gpu) gpu->accumulate(g, dy, n);
+        else if (first) {
+            DT_OMP("omp parallel for if(n > 65536)")
+            for (int64_t i = 0; i < n; i++) g[i] = dy[i];
+        } else {
+            DT_OMP("omp parallel for if(n > 65536)")
+            for (int64_t i = 0; i < n; i++) g[i] += dy[i];
+        }
         dt__grad_acc_done(t, g);
     }
 }
@@ -2637,9 +2659,12 @@ dt_tensor *dt_add(dt_tensor *a, dt_tensor *b) {
     dt_tensor *y = dt__tensor_out(a->ndim, a->shape);
     const float *av = dt__in(a), *bv = dt__in(b);
     float *yv = dt__out(y);
-    if (gpu) gpu->add(av, bv, yv, a->numel);
-    else
-        for (int64_t i = 0; i < a->numel; i++) yv[i] = av[i] + bv[i];
+    int64_t n = a->numel;
+    if (gpu) gpu->add(av, bv, yv, n);
+    else {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) yv[i] = av[i] + bv[i];
+    }
     dt__out_done(y, yv);
     if (dt__wants_grad(a, b, NULL)) dt__tape_push(dt__add_backward, y, a, b, NULL);
     return y;

@@ -533,18 +533,23 @@ static void test_launch_shapes_cover_every_row_past_the_grid_cap(void) {
 /* dtrain's own exp, tanh and erf (vectorisable; the GELUs use them) against
    libm in double, over a dense grid: the accuracy the header states. */
 static void test_exp_tanh_and_erf_match_libm_over_a_dense_grid(void) {
-    double worst_exp = 0, worst_tanh = 0, worst_erf = 0, at_exp = 0, at_tanh = 0, at_erf = 0;
+    double worst_exp = 0, worst_tanh = 0, worst_erf = 0, at_exp = 0, at_tanh = 0, at_erf = 0, worst_dg = 0, at_dg = 0;
     for (double x = -30; x <= 30; x += 1.0 / 4096) {
         float f = (float)x;
         double e = exp((double)f), de = fabs(dt_exp_value(f) - e) / e;
         double dt = fabs(dt_tanh_value(f) - tanh((double)f)), de2 = fabs(dt_erf_value(f) - erf((double)f));
+        /* GELU's derivative Phi(x) + x phi(x): its one exp serves both terms */
+        double xd = f, dg = 0.5 * (1 + erf(xd / sqrt(2.0))) + xd * exp(-0.5 * xd * xd) / sqrt(2 * 3.14159265358979323846);
+        double ddg = fabs(dt_gelu_derivative(f) - dg);
         if (de > worst_exp) { worst_exp = de; at_exp = f; }
         if (dt > worst_tanh) { worst_tanh = dt; at_tanh = f; }
         if (de2 > worst_erf) { worst_erf = de2; at_erf = f; }
+        if (ddg > worst_dg) { worst_dg = ddg; at_dg = f; }
     }
     CHECKF(worst_exp <= 5e-7, "exp: relative error %.3g at %g", worst_exp, at_exp);
     CHECKF(worst_tanh <= 5e-7, "tanh: error %.3g at %g", worst_tanh, at_tanh);
     CHECKF(worst_erf <= 5e-7, "erf: error %.3g at %g", worst_erf, at_erf);
+    CHECKF(worst_dg <= 5e-7, "GELU's derivative: error %.3g at %g", worst_dg, at_dg);
     CHECK(dt_exp_value(0) == 1.0f && dt_exp_value(-100) == 0.0f && dt_exp_value(80) > 5e34f && dt_exp_value(1000) < INFINITY);
     CHECK(dt_tanh_value(0) == 0.0f && dt_tanh_value(30) == 1.0f && dt_tanh_value(-30) == -1.0f);
     CHECK(dt_erf_value(9) == 1.0f && dt_erf_value(-9) == -1.0f);
