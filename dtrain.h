@@ -1998,6 +1998,20 @@ static void dt__pack_a(int trans, const float *A, int lda, int i0, int rows, int
         for (int i = rows; i < DT_MR; i++) d[i] = 0;
     }
 }
+/* A transposed A's whole block of mc rows (A's columns i0..i0+mc) at once,
+   a row of A at a time: each row's mc floats are read in one go, where strip
+   by strip they would be read in MR-float pieces, a cache line fetched for
+   each k and each strip. */
+static void dt__pack_a_block_trans(const float *A, int lda, int i0, int mc, int k0, int kc, float *block) {
+    for (int k = 0; k < kc; k++) {
+        const float *src = A + (size_t)(k0 + k) * lda + i0;
+        for (int is = 0; is < mc; is += DT_MR) {
+            float *d = block + (size_t)is * kc + (size_t)k * DT_MR;
+            if (mc - is >= DT_MR) { memcpy(d, src + is, DT_MR * sizeof(float)); continue; }
+            for (int i = 0; i < DT_MR; i++) d[i] = is + i < mc ? src[is + i] : 0.0f;
+        }
+    }
+}
 /* Copy op(B)[k0:k0+kc, j0:j0+cols] into one NR-column strip, k-major,
    zero-padded. A transposed B (the weight in x W^T) is read a row at a time. */
 static void dt__pack_b(int trans, const float *B, int ldb, int k0, int kc, int j0, int cols, float *dst) {
@@ -2076,8 +2090,10 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
                     int i1 = (int)((int64_t)(bm + 1) * strips_m / blocks_m) * DT_MR, mc = (i1 < M ? i1 : M) - i0;
                     if (mc <= 0) continue;                     /* fewer strips than blocks */
                     int in_place = ta ? 0 : mc / DT_MR * DT_MR;  /* A's rows read where they lie */
-                    for (int is = in_place; is < mc; is += DT_MR)
-                        dt__pack_a(ta, A, lda, i0 + is, mc - is < DT_MR ? mc - is : DT_MR, k0, kc, block + (size_t)is * kc);
+                    if (ta) dt__pack_a_block_trans(A, lda, i0, mc, k0, kc, block);
+                    else
+                        for (int is = in_place; is < mc; is += DT_MR)
+                            dt__pack_a(ta, A, lda, i0 + is, mc - is < DT_MR ? mc - is : DT_MR, k0, kc, block + (size_t)is * kc);
                     for (int s = 0; s < strips; s++) {
                         int js = s * DT_NR, cols = nc - js < DT_NR ? nc - js : DT_NR;
                         const float *b = panel + (size_t)s * DT_NR * kc;
@@ -2679,14 +2695,19 @@ dt_tensor *dt_add(dt_tensor *a, dt_tensor *b) {
 
 /* One row of the softmax, in lanes as LayerNorm's sums; a causal row sees
    only its first `valid` keys and is 0 after them. */
-static void dt__softmax_row(float *r, int valid, int T) {
-    float top[DT_LANES], acc[DT_LANES] = { 0 }, mx = r[0];
+/* The largest of r[0..n), n > 0, in lanes (a running max is a chain too). */
+static float dt__row_max(const float *r, int n) {
+    float top[DT_LANES], mx = r[0];
     for (int l = 0; l < DT_LANES; l++) top[l] = r[0];
     int j0 = 0;
-    for (; j0 + DT_LANES <= valid; j0 += DT_LANES)
+    for (; j0 + DT_LANES <= n; j0 += DT_LANES)
         for (int l = 0; l < DT_LANES; l++) top[l] = r[j0 + l] > top[l] ? r[j0 + l] : top[l];
-    for (int j = j0; j < valid; j++) mx = r[j] > mx ? r[j] : mx;
+    for (int j = j0; j < n; j++) mx = r[j] > mx ? r[j] : mx;
     for (int l = 0; l < DT_LANES; l++) mx = top[l] > mx ? top[l] : mx;
+    return mx;
+}
+static void dt__softmax_row(float *r, int valid, int T) {
+    float acc[DT_LANES] = { 0 }, mx = dt__row_max(r, valid);
     for (int j = 0; j < valid; j++) r[j] = dt_exp_value(r[j] - mx);
     DT__LANE_SUM(acc, valid, j, r[j]);
     float sum = dt__lanes_total(acc);
@@ -3120,9 +3141,14 @@ static void dt__cross_entropy_backward(dt__tape_entry *e) {
     if (gpu) gpu->cross_entropy_backward(p, labels, e->out->grad, dl, B, C);
     else {
         float scale = e->out->grad[0] / B;
-        for (int i = 0; i < B; i++)
-            for (int j = 0; j < C; j++)
-                dl[(size_t)i * C + j] += (p[(size_t)i * C + j] - (j == labels[i] ? 1.0f : 0.0f)) * scale;
+        DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
+        for (int i = 0; i < B; i++) {
+            float *d = dl + (size_t)i * C;
+            const float *pi = p + (size_t)i * C;
+            float at_label = d[labels[i]] + (pi[labels[i]] - 1.0f) * scale;
+            for (int j = 0; j < C; j++) d[j] += pi[j] * scale;      /* no branch: it vectorises */
+            d[labels[i]] = at_label;
+        }
     }
     dt__grad_acc_done(logits, dl);
 }
@@ -3141,18 +3167,23 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
         gpu->upload(saved_labels, labels, sizeof(int32_t) * B);
         gpu->cross_entropy_forward(lv, saved_labels, p, loss->data, B, C);
     } else {
-        double total = 0;
+        /* rows on every thread, each row's sum in DT_LANES partial sums of
+           doubles (a vocabulary of 50,257 terms loses nothing), the rows'
+           losses added in row order after */
+        double *row_loss = (double *)dt__scratch_on(DT_CPU, sizeof(double) * (size_t)B), total = 0;
+        DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
         for (int i = 0; i < B; i++) {
             const float *r = lv + (size_t)i * C;
-            float *pr = p + (size_t)i * C;
-            float mx = r[0];
-            for (int j = 1; j < C; j++) mx = r[j] > mx ? r[j] : mx;
-            double sum = 0;
-            for (int j = 0; j < C; j++) { pr[j] = expf(r[j] - mx); sum += pr[j]; }
-            for (int j = 0; j < C; j++) pr[j] = (float)(pr[j] / sum);
-            total += -(r[labels[i]] - mx - log(sum));
-            saved_labels[i] = labels[i];
+            float *pr = p + (size_t)i * C, mx = dt__row_max(r, C);
+            double lanes[DT_LANES] = { 0 }, sum = 0;
+            for (int j = 0; j < C; j++) pr[j] = dt_exp_value(r[j] - mx);
+            DT__LANE_SUM(lanes, C, j, (double)pr[j]);
+            for (int l = 0; l < DT_LANES; l++) sum += lanes[l];
+            double inv = 1.0 / sum;
+            for (int j = 0; j < C; j++) pr[j] = (float)(pr[j] * inv);
+            row_loss[i] = -(r[labels[i]] - mx - log(sum));
         }
+        for (int i = 0; i < B; i++) { total += row_loss[i]; saved_labels[i] = labels[i]; }
         loss->data[0] = (float)(total / B);
     }
     if (dt__wants_grad(logits, NULL, NULL)) dt__tape_push(dt__cross_entropy_backward, loss, logits, NULL, NULL)->saved = p;

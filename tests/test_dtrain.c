@@ -699,6 +699,62 @@ static void test_backward_matches_finite_differences(void) {
     leaf_free(a1); leaf_free(a2); leaf_free(qkv); leaf_free(pp); leaf_free(pc); leaf_free(pe); leaf_free(st); leaf_free(lg);
 }
 
+/* Cross-entropy over GPT-2's vocabulary: 50,257 terms per row, summed by the
+   threads in partial sums, against a double reference; the loss and the
+   gradient the same bits at 1 and 2 threads. */
+static void test_cross_entropy_over_a_large_vocabulary_matches_double_at_any_thread_count(void) {
+    int B = 7, C = 50257;
+    dt__rng r = { 8 };
+    dt_tensor *lg = leaf2(B, C, &r, 8);
+    int32_t labels[7];
+    double want = 0;
+    for (int i = 0; i < B; i++) {
+        labels[i] = (int32_t)(dt__rng_u64(&r) % (uint64_t)C);
+        const float *row = lg->data + (size_t)i * C;
+        double mx = row[0], sum = 0;
+        for (int j = 1; j < C; j++) mx = row[j] > mx ? row[j] : mx;
+        for (int j = 0; j < C; j++) sum += exp((double)row[j] - mx);
+        want += -((double)row[labels[i]] - mx - log(sum)) / B;
+    }
+    float loss[2], *grad[2];
+#ifdef _OPENMP
+    int keep = omp_get_max_threads();
+#endif
+    for (int t = 0; t < 2; t++) {
+#ifdef _OPENMP
+        omp_set_num_threads(t + 1);
+#endif
+        memset(lg->grad, 0, sizeof(float) * (size_t)lg->numel);
+        dt_step_arena_reset();
+        dt_tensor *l = dt_cross_entropy(lg, labels);
+        loss[t] = l->data[0];
+        dt_backward(l);
+        grad[t] = (float *)malloc(sizeof(float) * (size_t)lg->numel);
+        memcpy(grad[t], lg->grad, sizeof(float) * (size_t)lg->numel);
+    }
+#ifdef _OPENMP
+    omp_set_num_threads(keep);
+#endif
+    CHECKF(fabs(loss[0] - want) <= 1e-6 * fabs(want), "cross-entropy %.9g, double reference %.9g", loss[0], want);
+    CHECK(loss[0] == loss[1]);
+    CHECK(memcmp(grad[0], grad[1], sizeof(float) * (size_t)lg->numel) == 0);
+    double worst = 0;          /* d loss / d logit = (softmax - onehot) / B */
+    for (int i = 0; i < B; i++) {
+        const float *row = lg->data + (size_t)i * C;
+        double mx = row[0], sum = 0;
+        for (int j = 1; j < C; j++) mx = row[j] > mx ? row[j] : mx;
+        for (int j = 0; j < C; j++) sum += exp((double)row[j] - mx);
+        for (int j = 0; j < C; j++) {
+            double g = (exp((double)row[j] - mx) / sum - (j == labels[i])) / B;
+            double d = fabs(grad[0][(size_t)i * C + j] - g);
+            worst = d > worst ? d : worst;
+        }
+    }
+    CHECKF(worst <= 1e-7, "cross-entropy gradient: error %.3g", worst);
+    free(grad[0]); free(grad[1]);
+    leaf_free(lg);
+}
+
 static void test_causal_attention_ignores_later_tokens(void) {
     dt__rng r = { 5 };
     int T = 6, D = 8, H = 2;
@@ -4244,6 +4300,7 @@ static const test_case tests[] = {
     T(test_exp_tanh_and_erf_match_libm_over_a_dense_grid),
     /* 5. autograd */
     T(test_ops_forward_hand_values), T(test_backward_matches_finite_differences),
+    T(test_cross_entropy_over_a_large_vocabulary_matches_double_at_any_thread_count),
     T(test_causal_attention_ignores_later_tokens), T(test_tiled_attention_gives_the_bits_of_the_matmul_body),
     T(test_layernorm_weight_and_bias_gradients_stay_exact_over_millions_of_rows),
     T(test_grad_ready_hook_fires_once_per_parameter_in_reverse),
