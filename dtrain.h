@@ -1018,12 +1018,13 @@ DT_HD static inline float dt_tanh_value(float x) {
 }
 /* Abramowitz and Stegun 7.1.26: erf(x) = 1 - t (a1 + t (a2 + ...)) exp(-x^2),
    t = 1 / (1 + p |x|), within 1.5e-7 of erf, with x's sign. The exp(-x^2)
-   it used goes to *gauss: GELU's derivative needs it too. */
+   it used goes to *gauss (0 past |x| = 9, where erf is +-1 in float): GELU's
+   derivative needs it too. */
 DT_HD static inline float dt__erf_and_gauss(float x, float *gauss) {
     float a = fabsf(x) < 9.0f ? fabsf(x) : 9.0f;
     float t = 1.0f / (1.0f + 0.3275911f * a);
     float poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
-    *gauss = dt_exp_value(-a * a);
+    *gauss = fabsf(x) < 9.0f ? dt_exp_value(-a * a) : 0.0f;
     float e = 1.0f - poly * *gauss;
     return x == x ? (x < 0 ? -e : e) : x;                        /* NaN stays NaN */
 }
@@ -1036,7 +1037,7 @@ DT_HD static inline float dt_gelu_value(float x) {
 }
 /* d/dx [x Phi(x)] = Phi(x) + x phi(x), where phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
    and exp(-x^2 / 2) is the one erf(x / sqrt 2) computed: one exp, not two
-   (past |x| = 12.7 it stays exp(-81), where x phi(x) is below 1e-33 anyway) */
+   (past |x| = 12.7 it is 0, and the derivative Phi(x), 0 or 1) */
 DT_HD static inline float dt_gelu_derivative(float x) {
     float gauss, cdf = 0.5f * (1.0f + dt__erf_and_gauss(x * 0.70710678118654752f, &gauss));
     return cdf + x * (0.39894228040143268f * gauss);
@@ -1499,6 +1500,21 @@ double dt_now_ms(void) {
 int dt_threads(void) {
 #ifdef _OPENMP
     return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+/* Inside a parallel region: this thread's number, and the team's size. */
+static int dt__thread_num(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+static int dt__team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
 #else
     return 1;
 #endif
@@ -1984,17 +2000,13 @@ DT__INLINE void dt__gemm_micro(int kc, const float *restrict a, ptrdiff_t row_st
     }
 }
 
-/* Copy op(A)[i0:i0+rows, k0:k0+kc] into one MR-row strip, k-major, zero-padded
-   (what dt__gemm_micro reads with row_step 1, k_step MR). */
-static void dt__pack_a(int trans, const float *A, int lda, int i0, int rows, int k0, int kc, float *dst) {
+/* Copy A[i0:i0+rows, k0:k0+kc] (the last rows of a block, fewer than MR) into
+   one MR-row strip, k-major, zero-padded (what dt__gemm_micro reads with
+   row_step 1, k_step MR). */
+static void dt__pack_a(const float *A, int lda, int i0, int rows, int k0, int kc, float *dst) {
     for (int k = 0; k < kc; k++) {
         float *d = dst + (size_t)k * DT_MR;
-        if (trans) {
-            const float *src = A + (size_t)(k0 + k) * lda + i0;
-            if (rows == DT_MR) { memcpy(d, src, DT_MR * sizeof(float)); continue; }
-            for (int i = 0; i < rows; i++) d[i] = src[i];
-        } else
-            for (int i = 0; i < rows; i++) d[i] = A[(size_t)(i0 + i) * lda + k0 + k];
+        for (int i = 0; i < rows; i++) d[i] = A[(size_t)(i0 + i) * lda + k0 + k];
         for (int i = rows; i < DT_MR; i++) d[i] = 0;
     }
 }
@@ -2044,7 +2056,7 @@ static float *dt__pack_space(size_t floats) {
 
 /* Blocks of rows: as many as a multiple of the thread count, each at most
    MC rows, cut at whole MR-row strips as evenly as they go (4160 rows for 2
-   threads: 66 blocks of 7 or 8 strips, 33 per thread). */
+   threads with AVX-512: 66 blocks of 7 or 8 strips of 8, 33 per thread). */
 static int dt__gemm_blocks(int M, int threads) {
     return threads * ((M + threads * DT_MC - 1) / (threads * DT_MC));
 }
@@ -2079,11 +2091,7 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
                     int cols = nc - s * DT_NR < DT_NR ? nc - s * DT_NR : DT_NR;
                     dt__pack_b(tb, B, ldb, k0, kc, j0 + s * DT_NR, cols, panel + (size_t)s * DT_NR * kc);
                 }
-#ifdef _OPENMP
-                float *block = space + (size_t)DT_KC * DT_NC + (size_t)omp_get_thread_num() * DT_MC * DT_KC;
-#else
-                float *block = space + (size_t)DT_KC * DT_NC;
-#endif
+                float *block = space + (size_t)DT_KC * DT_NC + (size_t)dt__thread_num() * DT_MC * DT_KC;
                 DT_OMP("omp for schedule(static)")
                 for (int bm = 0; bm < blocks_m; bm++) {
                     int i0 = (int)((int64_t)bm * strips_m / blocks_m) * DT_MR;
@@ -2093,7 +2101,7 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
                     if (ta) dt__pack_a_block_trans(A, lda, i0, mc, k0, kc, block);
                     else
                         for (int is = in_place; is < mc; is += DT_MR)
-                            dt__pack_a(ta, A, lda, i0 + is, mc - is < DT_MR ? mc - is : DT_MR, k0, kc, block + (size_t)is * kc);
+                            dt__pack_a(A, lda, i0 + is, mc - is < DT_MR ? mc - is : DT_MR, k0, kc, block + (size_t)is * kc);
                     for (int s = 0; s < strips; s++) {
                         int js = s * DT_NR, cols = nc - js < DT_NR ? nc - js : DT_NR;
                         const float *b = panel + (size_t)s * DT_NR * kc;
@@ -2429,10 +2437,7 @@ static void dt__linear_backward(dt__tape_entry *e) {
         else {                           /* each thread a band of columns: every sum keeps its order */
             DT_OMP("omp parallel if((double)N * out > 65536.0)")
             {
-                int t = 0, nt = 1;
-#ifdef _OPENMP
-                t = omp_get_thread_num(); nt = omp_get_num_threads();
-#endif
+                int t = dt__thread_num(), nt = dt__team_size();
                 int j0 = (int)((int64_t)out * t / nt), j1 = (int)((int64_t)out * (t + 1) / nt);
                 for (int i = 0; i < N; i++)
                     for (int j = j0; j < j1; j++) db[j] += dyf[(size_t)i * out + j];
@@ -2454,7 +2459,7 @@ static dt_tensor *dt__linear_layout(dt_tensor *x, dt_tensor *w, dt_tensor *b, in
     float *yv = dt__out(y);
     float *actv = act ? dt__out(act) : NULL;
     dt__epilogue ep = { b ? dt__in(b) : NULL, actv, tanh_form };
-    dt__matmul_op(gpu, 0, !in_out, N, out, in, dt__op_data(x), dt__op_data(w), 0.0f, yv, out, &ep);
+    dt__matmul_op(gpu, 0, !in_out, N, out, in, dt__op_data(x), dt__op_data(w), 0.0f, yv, out, b || act ? &ep : NULL);
     dt__ctx.flops += 2.0 * N * in * out;
     dt__out_done(y, yv);
     if (act) dt__out_done(act, actv);
@@ -2693,8 +2698,6 @@ dt_tensor *dt_add(dt_tensor *a, dt_tensor *b) {
       (sequence, head), so its body first copies Q, K and V into head-major
       order (see DT_ATTENTION_SAVED_FLOATS). -- */
 
-/* One row of the softmax, in lanes as LayerNorm's sums; a causal row sees
-   only its first `valid` keys and is 0 after them. */
 /* The largest of r[0..n), n > 0, in lanes (a running max is a chain too). */
 static float dt__row_max(const float *r, int n) {
     float top[DT_LANES], mx = r[0];
@@ -2706,6 +2709,8 @@ static float dt__row_max(const float *r, int n) {
     for (int l = 0; l < DT_LANES; l++) mx = top[l] > mx ? top[l] : mx;
     return mx;
 }
+/* One row of the softmax, in lanes as LayerNorm's sums; a causal row sees
+   only its first `valid` keys and is 0 after them. */
 static void dt__softmax_row(float *r, int valid, int T) {
     float acc[DT_LANES] = { 0 }, mx = dt__row_max(r, valid);
     for (int j = 0; j < valid; j++) r[j] = dt_exp_value(r[j] - mx);
@@ -2769,9 +2774,10 @@ static void dt__attention_backward_gemm(const float *qkvv, const float *P, const
    they are in the cache, with one register-blocked loop (dt__att_tile) for
    all six products, whose operands are read in place but for K^T and V^T
    (copied once per head, rows padded to whole vectors). Causal rows skip the
-   keys they cannot see. Each output is still one sum in the general
-   matmul's order (see DT_KC: one slab up to T = 256), so the bits are the
-   same as the body above. */
+   keys they cannot see. Each output is still one sum in the built-in
+   matmul's order (one slab of DT_KC while T and the head width are at most
+   256), so the bits are the same as the body above's -- with the built-in
+   matmul; a system BLAS sums in an order of its own. */
 #define DT__ATT_ROWS (DT_VL == 16 ? 6 : 3)   /* rows x 4 accumulators + 4 operands fit the registers */
 #define DT__ATT_VECS 4
 
@@ -2838,19 +2844,14 @@ static void dt__att_product(int vecs, int kc, const float *a, ptrdiff_t row_step
     }
 }
 static int dt__att_padded(int T) { return (T + DT_VL - 1) / DT_VL * DT_VL; }
+/* The tiled body reads a head's rows as whole vectors. */
+static int dt__attention_tiled(int head_width) { return head_width % DT_VL == 0 && !dt__attention_by_gemm; }
 /* dst[d][j] = src[j * ld + d] for d < hd, j < T, rows of Tp with zeros after T */
 static void dt__att_transpose(const float *src, ptrdiff_t ld, int T, int hd, float *dst, int Tp) {
     for (int j = 0; j < T; j++)
         for (int d = 0; d < hd; d++) dst[(size_t)d * Tp + j] = src[(size_t)j * ld + d];
     for (int d = 0; d < hd; d++)
         for (int j = T; j < Tp; j++) dst[(size_t)d * Tp + j] = 0.0f;
-}
-static int dt__att_thread(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
 }
 static void dt__attention_forward_tiles(const float *qkvv, float *outv, float *P, int B, int T, int H, int D,
                                         float scale, int causal) {
@@ -2861,7 +2862,7 @@ static void dt__attention_forward_tiles(const float *qkvv, float *outv, float *P
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
         const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
-        float *kt = space + per_thread * (size_t)dt__att_thread(), *tile = kt + (size_t)hd * Tp;
+        float *kt = space + per_thread * (size_t)dt__thread_num(), *tile = kt + (size_t)hd * Tp;
         float *p = P + (size_t)bh * T * T, *o = outv + (size_t)b * T * D + h * hd;
         dt__att_transpose(k, 3 * D, T, hd, kt, Tp);
         for (int i0 = 0; i0 < T; i0 += R) {
@@ -2887,7 +2888,7 @@ static void dt__attention_backward_tiles(const float *qkvv, const float *P, cons
         const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
         float *dq = dqkv + (size_t)b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
         const float *p = P + (size_t)bh * T * T, *dO = dout + (size_t)b * T * D + h * hd;
-        float *vt = space + per_thread * (size_t)dt__att_thread(), *ds = vt + (size_t)hd * Tp;
+        float *vt = space + per_thread * (size_t)dt__thread_num(), *ds = vt + (size_t)hd * Tp;
         dt__att_transpose(v, 3 * D, T, hd, vt, Tp);
         for (int i0 = 0; i0 < T; i0 += R) {           /* by query rows: dS, then dQ */
             int rows = T - i0 < R ? T - i0 : R, keys = causal && i0 + rows < T ? i0 + rows : T;
@@ -2925,7 +2926,7 @@ static void dt__attention_backward(dt__tape_entry *e) {
     if (gpu) {
         float *scratch = (float *)dt__scratch_on(qkv->device, sizeof(float) * (size_t)DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D));
         gpu->attention_backward(P, dout, dqkv, scratch, B, T, H, D, scale);
-    } else if ((D / H) % DT_VL == 0 && !dt__attention_by_gemm)   /* each element is one product's: */
+    } else if (dt__attention_tiled(D / H))                           /* each element is one product's: */
         dt__attention_backward_tiles(qkvv, P, dout, dqkv, !first, B, T, H, D, scale, causal);   /* written first */
     else
         dt__attention_backward_gemm(qkvv, P, dout, dqkv, first ? 0.0f : 1.0f, B, T, H, D, scale);
@@ -2947,7 +2948,7 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
     const float *qkvv = dt__in(qkv);
     float *outv = dt__out(out);
     if (gpu) gpu->attention_forward(qkvv, outv, P, B, T, H, D, scale, causal);
-    else if (hd % DT_VL == 0 && !dt__attention_by_gemm) dt__attention_forward_tiles(qkvv, outv, P, B, T, H, D, scale, causal);
+    else if (dt__attention_tiled(hd)) dt__attention_forward_tiles(qkvv, outv, P, B, T, H, D, scale, causal);
     else dt__attention_forward_gemm(qkvv, outv, P, B, T, H, D, scale, causal);
     dt__out_done(out, outv);
     dt__ctx.flops += 4.0 * B * H * T * T * hd;

@@ -28,7 +28,7 @@ declare -A flags=(
 )
 # one run: WORKLOAD THREADS -> "dtrain|torch WORKLOAD THREADS RATE" lines in $out
 run_dtrain() {
-  local line rate
+  local line rate fpt
   # shellcheck disable=SC2086  # the flags are words
   line=$(OMP_NUM_THREADS=$2 "$bin" --bench --device cpu ${flags[$1]} 2>&1 | grep -m1 '^bench:')
   rate=$(tr ' ' '\n' <<<"$line" | sed -n 's/^tokens_per_s=//p')
