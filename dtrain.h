@@ -34,8 +34,10 @@
         5  autograd     the ops: each appends its backward to a tape; dt_backward() walks
                         it in reverse. Activations live in a per-step arena. The
                         callbacks a parallel wrapper implements (dt_parallel)
-        6  models       an MLP and a Vision Transformer with PyTorch/timm names, and a
-                        GPT (causal language model) with Hugging Face's GPT-2 names
+        6  models       an MLP and a Vision Transformer with PyTorch/timm names, and two
+                        causal language models with Hugging Face's names: GPT-2, and
+                        Llama (RMSNorm, rotary embeddings, grouped-query attention,
+                        SwiGLU; Qwen2's q/k/v biases), one table row per family
         7  optimizer    AdamW, SGD with momentum, gradient clipping, warmup + cosine
         8  data         image folders, CIFAR-10 binaries, text (bytes or token ids),
                         shuffling, rank sharding, augmentation, and synthetic
@@ -266,6 +268,9 @@ DT_HD static inline float dt_gelu_derivative(float x);
 /* GPT-2's GELU: the tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
 DT_HD static inline float dt_gelu_tanh_value(float x);
 DT_HD static inline float dt_gelu_tanh_derivative(float x);
+/* Llama's SiLU, x * sigmoid(x), and its derivative */
+DT_HD static inline float dt_silu_value(float x);
+DT_HD static inline float dt_silu_derivative(float x);
 /* Half types: round to nearest even; inf, NaN and subnormals survive. */
 DT_HD static inline uint16_t dt_f32_to_bf16(float f);
 DT_HD static inline float dt_bf16_to_f32(uint16_t h);
@@ -286,11 +291,22 @@ dt_tensor *dt_gelu_tanh(dt_tensor *x);                                    /* GPT
 dt_tensor *dt_linear_gelu(dt_tensor *x, dt_tensor *weight, dt_tensor *bias);
 dt_tensor *dt_linear_in_out_gelu_tanh(dt_tensor *x, dt_tensor *weight, dt_tensor *bias);
 dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *weight, dt_tensor *bias, float eps);
+/* Llama's norm: x / sqrt(mean(x^2) + eps) * weight, no mean taken out, no bias */
+dt_tensor *dt_rmsnorm(dt_tensor *x, dt_tensor *weight, float eps);
 dt_tensor *dt_add(dt_tensor *a, dt_tensor *b);
+/* Llama's MLP activation: silu(gate) * up, element by element (SwiGLU) */
+dt_tensor *dt_swiglu(dt_tensor *gate, dt_tensor *up);
+/* Llama's attention input: q [B*T, H*hd], k and v [B*T, KV*hd] -> qkv
+   [B*T, 3*H*hd] as dt_attention reads it. q and k are rotated by their
+   position (rotary embeddings, Hugging Face's rotate-half pairs j and
+   j + hd/2, angle t / theta^(2j/hd)); each of the KV key/value heads serves
+   H/KV query heads (grouped-query attention), so it is repeated that often. */
+dt_tensor *dt_rotary_qkv(dt_tensor *q, dt_tensor *k, dt_tensor *v, int B, int T, int H, int KV, float theta);
 /* qkv: [B*T, 3*D] laid out as timm's (q | k | v, the H heads side by side) -> [B*T, D] */
 dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal);
 /* token ids [B, T] (whole numbers held as f32) -> [B*T, D]: row (b, t) is
-   wte[token] + wpe[t], the token's embedding plus its position's */
+   wte[token] + wpe[t], the token's embedding plus its position's (wpe NULL:
+   no position embedding, as in Llama, whose attention rotates by position) */
 dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe);
 /* patches [B*P, D] -> tokens [B*(P+1), D]: class token first, position embedding added */
 dt_tensor *dt_vit_tokens(dt_tensor *patches, dt_tensor *cls, dt_tensor *pos, int B);
@@ -350,13 +366,20 @@ void dt_flops_reset(void);
 
 /* ---- 6. models --------------------------------------------------------------------- */
 
-typedef enum { DT_MODEL_MLP = 0, DT_MODEL_VIT = 1, DT_MODEL_GPT = 2 } dt_model_kind;
+typedef enum { DT_MODEL_MLP = 0, DT_MODEL_VIT = 1, DT_MODEL_GPT = 2, DT_MODEL_LLAMA = 3 } dt_model_kind;
 
 typedef struct dt_model_config {
     dt_model_kind kind;
-    int channels, image_size, classes;           /* gpt: classes is the vocabulary */
-    int dim, depth, heads, patch, mlp_hidden;    /* mlp: dim = hidden width, depth = hidden layers */
-    int seq_len;                                 /* gpt: the context, in tokens */
+    int channels, image_size, classes;           /* gpt, llama: classes is the vocabulary */
+    int dim, depth, heads, patch, mlp_hidden;    /* mlp: dim = hidden width, depth = hidden layers;
+                                                    llama: mlp_hidden is the SwiGLU width (--ffn-dim) */
+    int seq_len;                                 /* gpt, llama: the context, in tokens */
+    /* llama only; 0 takes the default in brackets */
+    int kv_heads;                                /* key/value heads, grouped-query attention [heads] */
+    int untied_head;                             /* 1: an lm_head.weight of its own; 0: the head is embed_tokens */
+    int qkv_bias;                                /* 1: q, k and v projections with biases (Qwen2) */
+    float rope_theta;                            /* the rotary embeddings' base [10000] */
+    float norm_eps;                              /* RMSNorm's epsilon [1e-5] */
 } dt_model_config;
 
 typedef struct dt_model {
@@ -393,16 +416,20 @@ void dt_model_free(dt_model *m);
    it: the other orders are errors that say what to call first. */
 void dt_model_set_parallel(dt_model *m, dt_parallel *par);
 /* images [B, C, S, S] scaled to [-1, 1] -> logits [B, classes];
-   gpt: token ids [B, T] -> logits [B*T, vocab], row (b, t) predicting token t + 1 */
+   gpt, llama: token ids [B, T] -> logits [B*T, vocab], row (b, t) predicting token t + 1 */
 dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs);
 /* Model FLOPs of one token's training step (forward and backward): 6 per
-   parameter that multiplies (every one but the position embeddings), plus the
-   attention's 12 x depth x dim x context. Tokens/s times this is what MFU uses. */
+   parameter that multiplies (every one but the position embeddings, and
+   Llama's token embedding when its head is a matrix of its own), plus the
+   attention's 12 x depth x dim x context. Tokens/s times this is what MFU
+   uses. 0 for the image models. */
 double dt_model_flops_per_token(const dt_model *m);
 dt_tensor *dt_model_param(dt_model *m, const char *name); /* NULL when absent */
 void dt_model_zero_grad(dt_model *m);
 /* Describes the model in one line: "vit dim=192 depth=6 heads=3 patch=4 (5.36M params)". */
 void dt_model_describe(const dt_model *m, char *out, size_t n);
+/* 1 for the language models (gpt, llama: token ids in, next-token logits out) */
+int dt_model_is_language(dt_model_kind kind);
 
 /* ---- 7. optimizer ----------------------------------------------------------------- */
 
@@ -876,7 +903,11 @@ typedef struct dt_config {
     int image_size;
     dt_model_kind model;
     int dim, depth, heads, patch;
-    int seq_len, vocab;          /* gpt: context in tokens; vocabulary (-1: from the data) */
+    int seq_len, vocab;          /* gpt, llama: context in tokens; vocabulary (-1: from the data) */
+    int kv_heads, ffn_dim;       /* llama: key/value heads, SwiGLU width (0: the defaults) */
+    float rope_theta;            /* llama: the rotary embeddings' base */
+    int untied_head, qkv_bias;   /* llama: an lm_head of its own; q, k, v biases (Qwen2) */
+    float norm_eps;              /* llama: RMSNorm's epsilon (no flag: from --init DIR's config.json; 0: 1e-5) */
     int sample;                  /* --sample N: gpt prints N generated tokens at each evaluation */
     int batch_size, epochs;
     int64_t steps;               /* stop after this many steps (0: run every epoch) */
@@ -1051,6 +1082,13 @@ DT_HD static inline float dt_gelu_tanh_derivative(float x) {
     float du = 0.79788456080286536f * (1.0f + 3.0f * 0.044715f * x * x);
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
 }
+/* sigmoid(x) = 1 / (1 + exp(-x)); exp(-x) saturates at exp(88), where
+   sigmoid is 0 in float anyway */
+DT_HD static inline float dt_silu_value(float x) { return x * (1.0f / (1.0f + dt_exp_value(-x))); }
+DT_HD static inline float dt_silu_derivative(float x) {
+    float sg = 1.0f / (1.0f + dt_exp_value(-x));
+    return sg * (1.0f + x * (1.0f - sg));
+}
 
 DT_HD static inline uint32_t dt_float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 DT_HD static inline float dt_bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -1166,6 +1204,17 @@ typedef struct dt_backend {
                               int rows, int cols, float eps);
     void (*layernorm_backward)(const float *x, const float *w, const float *dy, const float *stats,
                                float *dx, float *dw, float *db, int rows, int cols);
+    /* Llama's: stats as LayerNorm's with every mean 0, so dw is LayerNorm's sum */
+    void (*rmsnorm_forward)(const float *x, const float *w, float *y, float *stats, int rows, int cols, float eps);
+    void (*rmsnorm_backward)(const float *x, const float *w, const float *dy, const float *stats, float *dx, float *dw,
+                             int rows, int cols);
+    void (*swiglu_forward)(const float *gate, const float *up, float *y, int64_t n);
+    void (*swiglu_backward)(const float *gate, const float *up, const float *dy, float *dgate, float *dup, int64_t n);
+    /* cs: (cos, sin) of each position t < T and pair j < hd/2, [T, hd/2, 2] */
+    void (*rotary_qkv_forward)(const float *q, const float *k, const float *v, const float *cs, float *qkv, int BT, int T,
+                               int H, int KV, int hd);
+    void (*rotary_qkv_backward)(const float *cs, const float *dqkv, float *dq, float *dk, float *dv, int BT, int T, int H,
+                                int KV, int hd);
     void (*add)(const float *a, const float *b, float *y, int64_t n);
     void (*accumulate)(float *dst, const float *src, int64_t n);        /* dst += src */
     /* saved, scratch: DT_ATTENTION_SAVED_FLOATS, DT_ATTENTION_SCRATCH_FLOATS floats */
@@ -2563,6 +2612,28 @@ static float dt__lanes_total(const float *acc) {
     for (int l = 0; l < DT_LANES; l++) s += acc[l];
     return s;
 }
+/* A norm's weight and bias gradients: dw += sum over rows of dy * x-hat, db +=
+   sum of dy (stats: the rows' means, then their 1/std; RMSNorm's means are 0).
+   A sum over every row, in double: in float, 4 million rows lost 8e-5 of it
+   (the first GPU run, 2026-11-24, whose blocked sums were the closer ones).
+   Columns are dealt to threads; each sums its rows in order. */
+static void dt__norm_weight_grads(const float *xv, const float *dy, const float *stats, int N, int D, float *dw, float *db) {
+    double *sum = (double *)dt_step_alloc(sizeof(double) * 2 * (size_t)D);
+    DT_OMP("omp parallel for schedule(static) if((int64_t)N * D > 65536)")
+    for (int j0 = 0; j0 < D; j0 += 16) {
+        int j1 = j0 + 16 < D ? j0 + 16 : D;
+        for (int i = 0; i < N; i++) {
+            const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
+            float mean = stats[i], rstd = stats[N + i];
+            for (int j = j0; j < j1; j++) {
+                sum[j] += (double)dyr[j] * ((xr[j] - mean) * rstd);
+                sum[D + j] += dyr[j];
+            }
+        }
+    }
+    if (dw) for (int j = 0; j < D; j++) dw[j] += (float)sum[j];
+    if (db) for (int j = 0; j < D; j++) db[j] += (float)sum[D + j];
+}
 static void dt__layernorm_backward(dt__tape_entry *e) {
     dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
     int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
@@ -2595,26 +2666,7 @@ static void dt__layernorm_backward(dt__tape_entry *e) {
             }
         }
     }
-    if (!gpu && (dw || db)) {
-        /* A sum over every row, in double: in float, 4 million rows lost 8e-5 of
-           it (the first GPU run, 2026-11-24, whose blocked sums were the closer
-           ones). Columns are dealt to threads; each sums its rows in order. */
-        double *sum = (double *)dt_step_alloc(sizeof(double) * 2 * (size_t)D);
-        DT_OMP("omp parallel for schedule(static) if((int64_t)N * D > 65536)")
-        for (int j0 = 0; j0 < D; j0 += 16) {
-            int j1 = j0 + 16 < D ? j0 + 16 : D;
-            for (int i = 0; i < N; i++) {
-                const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
-                float mean = stats[i], rstd = stats[N + i];
-                for (int j = j0; j < j1; j++) {
-                    sum[j] += (double)dyr[j] * ((xr[j] - mean) * rstd);
-                    sum[D + j] += dyr[j];
-                }
-            }
-        }
-        if (dw) for (int j = 0; j < D; j++) dw[j] += (float)sum[j];
-        if (db) for (int j = 0; j < D; j++) db[j] += (float)sum[D + j];
-    }
+    if (!gpu && (dw || db)) dt__norm_weight_grads(xv, dy, stats, N, D, dw, db);
     if (dx) dt__grad_acc_done(x, dx);
     if (dw) dt__grad_acc_done(w, dw);
     if (db) dt__grad_acc_done(b, db);
@@ -2648,6 +2700,102 @@ dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *weight, dt_tensor *bias, float 
     }
     dt__out_done(y, yv);
     if (dt__wants_grad(x, weight, bias)) dt__tape_push(dt__layernorm_backward, y, x, weight, bias)->saved = stats;
+    return y;
+}
+
+/* -- RMSNorm (Llama's): LayerNorm without taking out the mean and without a
+      bias, y = x / sqrt(mean(x^2) + eps) * w. It saves 1/rms per row, after a
+      row of zeros where LayerNorm keeps its means: x-hat = (x - 0) / rms, so
+      the weight's gradient is LayerNorm's, the same code. -- */
+static void dt__rmsnorm_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0], *w = e->in[1], *y = e->out;
+    int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
+    const float *stats = (const float *)e->saved;      /* zeros[N], rstd[N] */
+    const float *dy = dt__grad_in(y), *xv = dt__in(x), *wv = dt__in(w);
+    float *dx = x->requires_grad ? dt__grad_acc(x) : NULL, *dw = w->requires_grad ? dt__grad_acc(w) : NULL;
+    const dt_backend *gpu = dt__backend_for(x);
+    if (gpu) gpu->rmsnorm_backward(xv, wv, dy, stats, dx, dw, N, D);
+    if (!gpu && dx) {
+        /* dx = rstd (g - x-hat mean(g x-hat)), g = dy w */
+        DT_OMP("omp parallel for if(N * D > 32768)")
+        for (int i = 0; i < N; i++) {
+            const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
+            float rstd = stats[N + i], acc_gx[DT_LANES] = { 0 };
+            DT__LANE_SUM(acc_gx, D, j, dyr[j] * wv[j] * (xr[j] * rstd));
+            float mgx = dt__lanes_total(acc_gx) / D, *dxr = dx + (size_t)i * D;
+            for (int j = 0; j < D; j++) dxr[j] += rstd * (dyr[j] * wv[j] - (xr[j] * rstd) * mgx);
+        }
+    }
+    if (!gpu && dw) dt__norm_weight_grads(xv, dy, stats, N, D, dw, NULL);
+    if (dx) dt__grad_acc_done(x, dx);
+    if (dw) dt__grad_acc_done(w, dw);
+}
+dt_tensor *dt_rmsnorm(dt_tensor *x, dt_tensor *weight, float eps) {
+    int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
+    if (weight->numel != D) dt_fail("rmsnorm: rows of %d need a weight of %d, %s has %lld", D, D,
+                                    weight->name ? weight->name : "the weight", (long long)weight->numel);
+    const dt_backend *gpu = dt__backend_for(x);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out(x->ndim, x->shape);
+    float *stats = (float *)dt__step_data(sizeof(float) * 2 * (size_t)N);
+    const float *xv = dt__in(x), *wv = dt__in(weight);
+    float *yv = dt__out(y);
+    if (gpu) gpu->rmsnorm_forward(xv, wv, yv, stats, N, D, eps);
+    else {
+        DT_OMP("omp parallel for if(N * D > 32768)")
+        for (int i = 0; i < N; i++) {
+            const float *xr = xv + (size_t)i * D;
+            float *yr = yv + (size_t)i * D, acc[DT_LANES] = { 0 };
+            DT__LANE_SUM(acc, D, j, xr[j] * xr[j]);
+            float rstd = 1.0f / sqrtf(dt__lanes_total(acc) / D + eps);
+            for (int j = 0; j < D; j++) yr[j] = (xr[j] * rstd) * wv[j];   /* Hugging Face's order: normalise, then scale */
+            stats[i] = 0.0f;
+            stats[N + i] = rstd;
+        }
+    }
+    dt__out_done(y, yv);
+    if (dt__wants_grad(x, weight, NULL)) dt__tape_push(dt__rmsnorm_backward, y, x, weight, NULL)->saved = stats;
+    return y;
+}
+
+/* -- SwiGLU (Llama's MLP): silu(gate) * up, element by element; gate and up
+      are two linear layers of the same input. -- */
+static void dt__swiglu_backward(dt__tape_entry *e) {
+    dt_tensor *gate = e->in[0], *up = e->in[1];
+    const float *dy = dt__grad_in(e->out), *gv = dt__in(gate), *uv = dt__in(up);
+    float *dg = gate->requires_grad ? dt__grad_acc(gate) : NULL, *du = up->requires_grad ? dt__grad_acc(up) : NULL;
+    int64_t n = gate->numel;
+    const dt_backend *gpu = dt__backend_for(gate);
+    if (gpu) gpu->swiglu_backward(gv, uv, dy, dg, du, n);
+    else {
+        if (dg) {
+            DT_OMP("omp parallel for if(n > 65536)")
+            for (int64_t i = 0; i < n; i++) dg[i] += dy[i] * uv[i] * dt_silu_derivative(gv[i]);
+        }
+        if (du) {
+            DT_OMP("omp parallel for if(n > 65536)")
+            for (int64_t i = 0; i < n; i++) du[i] += dy[i] * dt_silu_value(gv[i]);
+        }
+    }
+    if (dg) dt__grad_acc_done(gate, dg);
+    if (du) dt__grad_acc_done(up, du);
+}
+dt_tensor *dt_swiglu(dt_tensor *gate, dt_tensor *up) {
+    if (gate->numel != up->numel) dt_fail("swiglu: gate has %lld elements, up %lld", (long long)gate->numel, (long long)up->numel);
+    const dt_backend *gpu = dt__backend_for(gate);
+    dt__backend_for(up);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out(gate->ndim, gate->shape);
+    const float *gv = dt__in(gate), *uv = dt__in(up);
+    float *yv = dt__out(y);
+    int64_t n = gate->numel;
+    if (gpu) gpu->swiglu_forward(gv, uv, yv, n);
+    else {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) yv[i] = dt_silu_value(gv[i]) * uv[i];
+    }
+    dt__out_done(y, yv);
+    if (dt__wants_grad(gate, up, NULL)) dt__tape_push(dt__swiglu_backward, y, gate, up, NULL);
     return y;
 }
 
@@ -2959,6 +3107,109 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
     return out;
 }
 
+/* -- rotary embeddings and grouped-query attention (Llama's): what q, k and v
+      go through before dt_attention. A position is not added to the input,
+      as GPT-2's table is; each (q, k) pair of a head is turned instead, pair
+      (j, j + hd/2) by the angle t * theta^(-2j/hd), so that q_t . k_s depends
+      on t - s only. The angles are Hugging Face's: the frequency and the
+      product in float, as their float32 tensors make them. Grouped-query
+      attention keeps KV < H key/value heads; each serves H/KV query heads
+      (repeated here, as Hugging Face's eager attention does, so dt_attention
+      is the GPT's, unchanged). Backward turns the gradient back and adds a
+      group's heads into its key/value head, in head order. -- */
+static void dt__rotary_qkv_backward(dt__tape_entry *e) {
+    dt_tensor *q = e->in[0], *k = e->in[1], *v = e->in[2];
+    int T = e->iarg[0], H = e->iarg[1], KV = e->iarg[2], BT = (int)dt_tensor_rows(q), hd = (int)dt_tensor_cols(q) / H;
+    int half = hd / 2, D = H * hd, group = H / KV;
+    const float *cs = (const float *)e->saved, *dy = dt__grad_in(e->out);
+    float *dq = q->requires_grad ? dt__grad_acc(q) : NULL, *dk = k->requires_grad ? dt__grad_acc(k) : NULL;
+    float *dv = v->requires_grad ? dt__grad_acc(v) : NULL;
+    const dt_backend *gpu = dt__backend_for(q);
+    if (gpu) gpu->rotary_qkv_backward(cs, dy, dq, dk, dv, BT, T, H, KV, hd);
+    else {
+        DT_OMP("omp parallel for if((int64_t)BT * D > 32768)")
+        for (int r = 0; r < BT; r++) {
+            const float *row = dy + (size_t)r * 3 * D, *c = cs + (size_t)(r % T) * hd;
+            for (int h = 0; h < H; h++) {
+                const float *gq = row + h * hd, *gk = row + D + h * hd, *gv = row + 2 * D + h * hd;
+                float *oq = dq ? dq + (size_t)r * D + h * hd : NULL;
+                float *ok = dk ? dk + ((size_t)r * KV + h / group) * hd : NULL, *ov = dv ? dv + ((size_t)r * KV + h / group) * hd : NULL;
+                for (int j = 0; j < half; j++) {        /* the turn by -angle */
+                    float co = c[2 * j], si = c[2 * j + 1];
+                    if (oq) { oq[j] += gq[j] * co + gq[j + half] * si; oq[j + half] += gq[j + half] * co - gq[j] * si; }
+                    if (ok) { ok[j] += gk[j] * co + gk[j + half] * si; ok[j + half] += gk[j + half] * co - gk[j] * si; }
+                }
+                if (ov) for (int j = 0; j < hd; j++) ov[j] += gv[j];
+            }
+        }
+    }
+    if (dq) dt__grad_acc_done(q, dq);
+    if (dk) dt__grad_acc_done(k, dk);
+    if (dv) dt__grad_acc_done(v, dv);
+}
+dt_tensor *dt_rotary_qkv(dt_tensor *q, dt_tensor *k, dt_tensor *v, int B, int T, int H, int KV, float theta) {
+    int BT = B * T;
+    if (H < 1 || KV < 1 || H % KV || dt_tensor_cols(q) % H || (dt_tensor_cols(q) / H) % 2)
+        dt_fail("rotary_qkv: %d query heads of q's %lld columns in %d key/value groups (heads a multiple of groups, an even head width)",
+                H, (long long)dt_tensor_cols(q), KV);
+    int hd = (int)dt_tensor_cols(q) / H, half = hd / 2, D = H * hd;
+    if (dt_tensor_rows(q) != BT || dt_tensor_rows(k) != BT || dt_tensor_rows(v) != BT || dt_tensor_cols(k) != (int64_t)KV * hd ||
+        dt_tensor_cols(v) != (int64_t)KV * hd)
+        dt_fail("rotary_qkv: q [%lld, %lld], k [%lld, %lld], v [%lld, %lld]; expected [%d, %d] and [%d, %d] twice", (long long)dt_tensor_rows(q),
+                (long long)dt_tensor_cols(q), (long long)dt_tensor_rows(k), (long long)dt_tensor_cols(k), (long long)dt_tensor_rows(v),
+                (long long)dt_tensor_cols(v), BT, D, BT, KV * hd);
+    const dt_backend *gpu = dt__backend_for(q);
+    dt__backend_for(k);
+    dt__backend_for(v);
+    /* (cos, sin) per position and pair, made on the host and kept for backward */
+    size_t cs_bytes = sizeof(float) * (size_t)T * hd;
+    float *host = (float *)dt__step_alloc_uninit(cs_bytes);
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < half; j++) {
+            float inv = 1.0f / powf(theta, (float)(2 * j) / (float)hd), angle = (float)t * inv;
+            host[(size_t)t * hd + 2 * j] = (float)cos((double)angle);
+            host[(size_t)t * hd + 2 * j + 1] = (float)sin((double)angle);
+        }
+    float *cs = host;
+    if (q->device != DT_CPU) {
+        cs = (float *)dt__step_alloc_on(q->device, cs_bytes);
+        dt__upload_to(q->device, cs, host, cs_bytes);
+    }
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out_2d(BT, 3 * D);
+    const float *qv = dt__in(q), *kv = dt__in(k), *vv = dt__in(v);
+    float *yv = dt__out(y);
+    if (gpu) gpu->rotary_qkv_forward(qv, kv, vv, cs, yv, BT, T, H, KV, hd);
+    else {
+        int group = H / KV;
+        DT_OMP("omp parallel for if((int64_t)BT * D > 32768)")
+        for (int r = 0; r < BT; r++) {
+            float *row = yv + (size_t)r * 3 * D;
+            const float *c = cs + (size_t)(r % T) * hd;
+            for (int h = 0; h < H; h++) {
+                const float *sq = qv + (size_t)r * D + h * hd, *sk = kv + ((size_t)r * KV + h / group) * hd;
+                const float *sv = vv + ((size_t)r * KV + h / group) * hd;
+                float *oq = row + h * hd, *ok = row + D + h * hd, *ov = row + 2 * D + h * hd;
+                for (int j = 0; j < half; j++) {        /* x cos + rotate_half(x) sin */
+                    float co = c[2 * j], si = c[2 * j + 1];
+                    oq[j] = sq[j] * co - sq[j + half] * si;
+                    oq[j + half] = sq[j + half] * co + sq[j] * si;
+                    ok[j] = sk[j] * co - sk[j + half] * si;
+                    ok[j + half] = sk[j + half] * co + sk[j] * si;
+                }
+                memcpy(ov, sv, sizeof(float) * (size_t)hd);
+            }
+        }
+    }
+    dt__out_done(y, yv);
+    if (dt__wants_grad(q, k, v)) {
+        dt__tape_entry *e = dt__tape_push(dt__rotary_qkv_backward, y, q, k, v);
+        e->iarg[0] = T; e->iarg[1] = H; e->iarg[2] = KV;
+        e->saved = cs;
+    }
+    return y;
+}
+
 /* -- token embedding: a language model's input. A lookup, not a matmul: row
       (b, t) copies the token's row of wte and adds position t's row of wpe.
       Its backward adds each row's gradient back into the token's row, so a
@@ -3002,7 +3253,7 @@ static void dt__token_embedding_backward(dt__tape_entry *e) {
     dt_tensor *wte = e->in[0], *wpe = e->in[1];
     int BT = (int)dt_tensor_rows(e->out), D = (int)dt_tensor_cols(e->out), T = e->iarg[0];
     const float *dy = dt__grad_in(e->out);
-    float *dwte = wte->requires_grad ? dt__grad_acc(wte) : NULL, *dwpe = wpe->requires_grad ? dt__grad_acc(wpe) : NULL;
+    float *dwte = wte->requires_grad ? dt__grad_acc(wte) : NULL, *dwpe = wpe && wpe->requires_grad ? dt__grad_acc(wpe) : NULL;
     const dt_backend *gpu = dt__backend_for(e->out);
     if (gpu) {
         int groups = 0;
@@ -3025,20 +3276,23 @@ static void dt__token_embedding_backward(dt__tape_entry *e) {
 dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe) {
     int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), D = (int)dt_tensor_cols(wte), V = (int)dt_tensor_rows(wte);
     if (tokens->dtype != DT_F32) dt_fail("token embedding: the token ids must be f32 whole numbers");
-    if (dt_tensor_cols(wpe) != D || dt_tensor_rows(wpe) < T)
+    if (wpe && (dt_tensor_cols(wpe) != D || dt_tensor_rows(wpe) < T))
         dt_fail("token embedding: %d positions of width %d need %s of at least [%d, %d], it is [%lld, %lld]", T, D,
                 wpe->name ? wpe->name : "the position embedding", T, D, (long long)dt_tensor_rows(wpe),
                 (long long)dt_tensor_cols(wpe));
     const dt_backend *gpu = dt__backend_for(wte);
     dt__scratch_reset();
     dt_tensor *y = dt__tensor_out_2d(B * T, D);
-    const float *wv = dt__in(wte), *pv = dt__in(wpe);
+    const float *wv = dt__in(wte), *pv = wpe ? dt__in(wpe) : NULL;
     float *yv = dt__out(y);
     if (gpu) gpu->token_embedding_forward(tokens->data, wv, pv, yv, B * T, T, D);
     else
         for (int r = 0; r < B * T; r++) {
-            const float *w = wv + (size_t)dt__token_id(tokens->data[r], V) * D, *p = pv + (size_t)(r % T) * D;
-            for (int j = 0; j < D; j++) yv[(size_t)r * D + j] = w[j] + p[j];
+            const float *w = wv + (size_t)dt__token_id(tokens->data[r], V) * D;
+            if (pv) {
+                const float *p = pv + (size_t)(r % T) * D;
+                for (int j = 0; j < D; j++) yv[(size_t)r * D + j] = w[j] + p[j];
+            } else memcpy(yv + (size_t)r * D, w, sizeof(float) * (size_t)D);
         }
     dt__out_done(y, yv);
     if (dt__wants_grad(wte, wpe, NULL)) {
@@ -3303,71 +3557,330 @@ static void dt__add_layernorm(dt__model_builder *mb, const char *prefix, int dim
     dt__add_param(mb, name, DT_INIT_ZERO, 0, 1, dim, 0, 0, 0);
 }
 
+/* Each model family is a row of one table (dt__model_families, below): how
+   it names and shapes its parameters, its forward, its one-line description.
+   The rest of the library asks the table, so a new family is a new row. */
+
+/* GPT-2 (Hugging Face's): normal(0.02) weights, zero biases, unit LayerNorms;
+   the projections that feed the residual stream shrink by 1/sqrt(2 x depth),
+   so the sum of 2 x depth of them keeps its size. The outer unit comes first:
+   wte and wpe, and ln_f, whose head is wte. */
+/* Attention splits the width into heads. */
+static void dt__check_heads(const dt_model_config *cfg) {
+    if (cfg->heads < 1 || cfg->dim % cfg->heads) dt_fail("--dim %d is not divisible by --heads %d", cfg->dim, cfg->heads);
+}
+static void dt__gpt_build(dt__model_builder *mb, const dt_model_config *cfg) {
+    int D = cfg->dim;
+    dt__check_heads(cfg);
+    char name[160];
+    float proj = 0.02f / sqrtf(2.0f * (cfg->depth > 0 ? cfg->depth : 1));
+    mb->m->outer_unit = 0;
+    dt__unit_starts_here(mb);
+    dt__add_param(mb, "wte.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->classes, D, 0, 0);
+    dt__add_param(mb, "wpe.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->seq_len, D, 0, 0);
+    dt__add_layernorm(mb, "ln_f", D);
+    for (int l = 0; l < cfg->depth; l++) {
+        dt__unit_starts_here(mb);
+        snprintf(name, sizeof name, "h.%d.ln_1", l); dt__add_layernorm(mb, name, D);
+        snprintf(name, sizeof name, "h.%d.attn.c_attn", l); dt__add_conv1d(mb, name, D, 3 * D, 0.02f);
+        snprintf(name, sizeof name, "h.%d.attn.c_proj", l); dt__add_conv1d(mb, name, D, D, proj);
+        snprintf(name, sizeof name, "h.%d.ln_2", l); dt__add_layernorm(mb, name, D);
+        snprintf(name, sizeof name, "h.%d.mlp.c_fc", l); dt__add_conv1d(mb, name, D, cfg->mlp_hidden, 0.02f);
+        snprintf(name, sizeof name, "h.%d.mlp.c_proj", l); dt__add_conv1d(mb, name, cfg->mlp_hidden, D, proj);
+    }
+}
+/* PyTorch's nn.Linear initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) */
+static void dt__mlp_build(dt__model_builder *mb, const dt_model_config *cfg) {
+    int in = cfg->channels * cfg->image_size * cfg->image_size;
+    char name[160];
+    for (int l = 0; l <= cfg->depth; l++) {
+        int out = l == cfg->depth ? cfg->classes : cfg->dim;
+        dt__unit_starts_here(mb);
+        snprintf(name, sizeof name, "fc%d", l + 1);
+        dt__add_linear(mb, name, in, out, DT_INIT_UNIFORM, 1.0f / sqrtf((float)in));
+        in = out;
+    }
+}
+/* timm's VisionTransformer: truncated-normal(0.02) linears, zero biases, unit
+   LayerNorms, a near-zero class token, conv-style patch embedding */
+static void dt__vit_build(dt__model_builder *mb, const dt_model_config *cfg) {
+    int C = cfg->channels, S = cfg->image_size, D = cfg->dim;
+    int p = cfg->patch, P = (S / p) * (S / p), fan = C * p * p;
+    char name[160];
+    if (S % p) dt_fail("image size %d is not a multiple of the patch size %d", S, p);
+    dt__check_heads(cfg);
+    dt__unit_starts_here(mb);
+    dt__add_param(mb, "cls_token", DT_INIT_NORMAL, 1e-6f, 3, 1, 1, D, 0);
+    dt__add_param(mb, "pos_embed", DT_INIT_NORMAL, 0.02f, 3, 1, P + 1, D, 0);
+    dt__add_param(mb, "patch_embed.proj.weight", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 4, D, C, p, p);
+    dt__add_param(mb, "patch_embed.proj.bias", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 1, D, 0, 0, 0);
+    for (int l = 0; l < cfg->depth; l++) {
+        dt__unit_starts_here(mb);
+        snprintf(name, sizeof name, "blocks.%d.norm1", l); dt__add_layernorm(mb, name, D);
+        snprintf(name, sizeof name, "blocks.%d.attn.qkv", l); dt__add_linear(mb, name, D, 3 * D, DT_INIT_NORMAL, 0.02f);
+        snprintf(name, sizeof name, "blocks.%d.attn.proj", l); dt__add_linear(mb, name, D, D, DT_INIT_NORMAL, 0.02f);
+        snprintf(name, sizeof name, "blocks.%d.norm2", l); dt__add_layernorm(mb, name, D);
+        snprintf(name, sizeof name, "blocks.%d.mlp.fc1", l); dt__add_linear(mb, name, D, cfg->mlp_hidden, DT_INIT_NORMAL, 0.02f);
+        snprintf(name, sizeof name, "blocks.%d.mlp.fc2", l); dt__add_linear(mb, name, cfg->mlp_hidden, D, DT_INIT_NORMAL, 0.02f);
+    }
+    dt__unit_starts_here(mb);
+    dt__add_layernorm(mb, "norm", D);
+    dt__add_linear(mb, "head", D, cfg->classes, DT_INIT_NORMAL, 0.02f);
+}
+
+/* Llama's shape, from its config's zeros: what the defaults make them. */
+static int dt__llama_kv_heads(const dt_model_config *c) { return c->kv_heads > 0 ? c->kv_heads : c->heads; }
+static float dt__llama_theta(const dt_model_config *c) { return c->rope_theta > 0 ? c->rope_theta : 10000.0f; }
+static float dt__llama_eps(const dt_model_config *c) { return c->norm_eps > 0 ? c->norm_eps : 1e-5f; }
+/* A linear layer without bias, as every Llama projection is (Qwen2's q, k, v
+   have one): nn.Linear's [out, in] weight. */
+static void dt__add_projection(dt__model_builder *mb, const char *prefix, int in, int out, int bias) {
+    char name[160];
+    dt__path(name, sizeof name, "%s.weight", prefix);
+    dt__add_param(mb, name, DT_INIT_NORMAL, 0.02f, 2, out, in, 0, 0);
+    dt__path(name, sizeof name, "%s.bias", prefix);
+    if (bias) dt__add_param(mb, name, DT_INIT_ZERO, 0, 1, out, 0, 0, 0);
+}
+/* Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM: normal(0.02) weights,
+   zero biases, unit RMSNorms. With a tied head the embedding and the final
+   norm are the outer unit (as the GPT's); with a head of its own the
+   embedding is the first unit and the norm and head the last. */
+static void dt__llama_build(dt__model_builder *mb, const dt_model_config *cfg) {
+    dt__check_heads(cfg);
+    int D = cfg->dim, H = cfg->heads, KV = dt__llama_kv_heads(cfg), hd = D / H;
+    char name[160];
+    if (H % KV) dt_fail("llama: --heads %d is not a multiple of --kv-heads %d (each key/value head serves a group)", H, KV);
+    if (hd % 2) dt_fail("llama: the head width --dim / --heads = %d is odd; rotary embeddings turn pairs", hd);
+    if (!cfg->untied_head) mb->m->outer_unit = 0;
+    dt__unit_starts_here(mb);
+    dt__add_param(mb, "model.embed_tokens.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->classes, D, 0, 0);
+    if (!cfg->untied_head) dt__add_param(mb, "model.norm.weight", DT_INIT_ONE, 0, 1, D, 0, 0, 0);
+    for (int l = 0; l < cfg->depth; l++) {
+        dt__unit_starts_here(mb);
+        snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
+        dt__add_param(mb, name, DT_INIT_ONE, 0, 1, D, 0, 0, 0);
+        snprintf(name, sizeof name, "model.layers.%d.self_attn.q_proj", l); dt__add_projection(mb, name, D, H * hd, cfg->qkv_bias);
+        snprintf(name, sizeof name, "model.layers.%d.self_attn.k_proj", l); dt__add_projection(mb, name, D, KV * hd, cfg->qkv_bias);
+        snprintf(name, sizeof name, "model.layers.%d.self_attn.v_proj", l); dt__add_projection(mb, name, D, KV * hd, cfg->qkv_bias);
+        snprintf(name, sizeof name, "model.layers.%d.self_attn.o_proj", l); dt__add_projection(mb, name, H * hd, D, 0);
+        snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
+        dt__add_param(mb, name, DT_INIT_ONE, 0, 1, D, 0, 0, 0);
+        snprintf(name, sizeof name, "model.layers.%d.mlp.gate_proj", l); dt__add_projection(mb, name, D, cfg->mlp_hidden, 0);
+        snprintf(name, sizeof name, "model.layers.%d.mlp.up_proj", l); dt__add_projection(mb, name, D, cfg->mlp_hidden, 0);
+        snprintf(name, sizeof name, "model.layers.%d.mlp.down_proj", l); dt__add_projection(mb, name, cfg->mlp_hidden, D, 0);
+    }
+    if (cfg->untied_head) {
+        dt__unit_starts_here(mb);
+        dt__add_param(mb, "model.norm.weight", DT_INIT_ONE, 0, 1, D, 0, 0, 0);
+        dt__add_param(mb, "lm_head.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->classes, D, 0, 0);
+    }
+}
+
+/* Where a unit's forward begins and ends: FSDP gathers its parameters there,
+   and leaves marks on the tape for the same moments of backward. */
+static void dt__unit_boundary(dt_model *m, int unit, int begin) {
+    dt_parallel *par = m->parallel;
+    if (par && begin && par->unit_begin) par->unit_begin(par, unit);
+    if (par && !begin && par->unit_end) par->unit_end(par, unit);
+}
+
+/* The MLP: linear layers with GELU between them. */
+static dt_tensor *dt__mlp_forward(dt_model *m, dt_tensor *images) {
+    const dt_model_config *c = &m->cfg;
+    int B = images->shape[0], pi = 0;
+    dt_tensor *P = m->params;
+    dt_tensor *x = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
+    *x = *images;                                                      /* flatten: a view */
+    x->ndim = 2; x->shape[0] = B; x->shape[1] = (int)(images->numel / B);
+    for (int l = 0; l <= c->depth; l++) {
+        dt__unit_boundary(m, l, 1);
+        dt_tensor *w = &P[pi++], *b = &P[pi++];
+        x = dt_linear(x, w, b);
+        dt__unit_boundary(m, l, 0);
+        if (l < c->depth) x = dt_gelu(x);
+    }
+    return x;
+}
+
+/* The ViT: patches as tokens, pre-LN blocks, the class token's logits. */
+static dt_tensor *dt__vit_forward(dt_model *m, dt_tensor *images) {
+    const dt_model_config *c = &m->cfg;
+    int B = images->shape[0], pi = 0;
+    dt_tensor *P = m->params;
+#define DT_NEXT (&P[pi++])
+    int T = (c->image_size / c->patch) * (c->image_size / c->patch) + 1;
+    dt__unit_boundary(m, 0, 1);
+    dt_tensor *cls = DT_NEXT, *pos = DT_NEXT, *pw = DT_NEXT, *pb = DT_NEXT;
+    dt_tensor *x = dt_linear(dt_patchify(images, c->patch), pw, pb); /* the conv, as a matmul */
+    x = dt_vit_tokens(x, cls, pos, B);
+    dt__unit_boundary(m, 0, 0);
+    for (int l = 0; l < c->depth; l++) {
+        dt__unit_boundary(m, 1 + l, 1);
+        dt_tensor *n1w = DT_NEXT, *n1b = DT_NEXT, *qkvw = DT_NEXT, *qkvb = DT_NEXT, *pjw = DT_NEXT, *pjb = DT_NEXT;
+        dt_tensor *n2w = DT_NEXT, *n2b = DT_NEXT, *f1w = DT_NEXT, *f1b = DT_NEXT, *f2w = DT_NEXT, *f2b = DT_NEXT;
+        dt_tensor *h = dt_linear(dt_layernorm(x, n1w, n1b, 1e-6f), qkvw, qkvb);
+        h = dt_linear(dt_attention(h, B, T, c->heads, 0), pjw, pjb);
+        x = dt_add(x, h);                                              /* pre-LN residual */
+        h = dt_linear_gelu(dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b);
+        x = dt_add(x, dt_linear(h, f2w, f2b));
+        dt__unit_boundary(m, 1 + l, 0);
+    }
+    dt__unit_boundary(m, 1 + c->depth, 1);
+    dt_tensor *nw = DT_NEXT, *nb = DT_NEXT, *hw = DT_NEXT, *hb = DT_NEXT;
+    /* timm normalises every token, then pools the class token; normalising only
+       the class token gives the same logits for less work. */
+    x = dt_layernorm(dt_select_token(x, B, T, 0), nw, nb, 1e-6f);
+    x = dt_linear(x, hw, hb);
+    dt__unit_boundary(m, 1 + c->depth, 0);
+    return x;
+#undef DT_NEXT
+}
+
+/* The context check of both language models. */
+static void dt__check_context(const char *family, int T, int context) {
+    if (T > context) dt_fail("%s: %d tokens do not fit a context of %d (--seq-len)", family, T, context);
+}
+
+/* GPT-2: pre-LN blocks of causal self-attention and an MLP; the head is the
+   token embedding again (x wte^T), so input and output share one table. */
+static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens) {
+    const dt_model_config *c = &m->cfg;
+    int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), pi = 0;
+    dt_tensor *P = m->params;
+    dt__check_context("gpt", T, c->seq_len);
+#define DT_NEXT (&P[pi++])
+    dt__unit_boundary(m, 0, 1);                                         /* the outer unit, until the head */
+    dt_tensor *wte = DT_NEXT, *wpe = DT_NEXT, *nfw = DT_NEXT, *nfb = DT_NEXT;
+    dt_tensor *x = dt_token_embedding(tokens, wte, wpe);
+    for (int l = 0; l < c->depth; l++) {
+        dt__unit_boundary(m, 1 + l, 1);
+        dt_tensor *n1w = DT_NEXT, *n1b = DT_NEXT, *aw = DT_NEXT, *ab = DT_NEXT, *pw = DT_NEXT, *pb = DT_NEXT;
+        dt_tensor *n2w = DT_NEXT, *n2b = DT_NEXT, *fw = DT_NEXT, *fb = DT_NEXT, *mw = DT_NEXT, *mb = DT_NEXT;
+        dt_tensor *h = dt_linear_in_out(dt_layernorm(x, n1w, n1b, 1e-5f), aw, ab);
+        h = dt_linear_in_out(dt_attention(h, B, T, c->heads, /*causal*/ 1), pw, pb);
+        x = dt_add(x, h);
+        h = dt_linear_in_out_gelu_tanh(dt_layernorm(x, n2w, n2b, 1e-5f), fw, fb);
+        x = dt_add(x, dt_linear_in_out(h, mw, mb));
+        dt__unit_boundary(m, 1 + l, 0);
+    }
+    x = dt_linear(dt_layernorm(x, nfw, nfb, 1e-5f), wte, NULL);       /* tied head: logits = x wte^T */
+    dt__unit_boundary(m, 0, 0);
+    return x;
+#undef DT_NEXT
+}
+
+/* Llama: what changed since GPT-2, block by block. RMSNorm instead of
+   LayerNorm; no position table, q and k rotated by position instead; fewer
+   key/value heads than query heads; a gated MLP, down(silu(gate x) * up x);
+   no biases (but Qwen2's q, k, v). */
+static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens) {
+    const dt_model_config *c = &m->cfg;
+    int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), pi = 0, KV = dt__llama_kv_heads(c), tied = !c->untied_head;
+    float eps = dt__llama_eps(c);
+    dt_tensor *P = m->params;
+    dt__check_context("llama", T, c->seq_len);
+#define DT_NEXT (&P[pi++])
+#define DT_BIAS (c->qkv_bias ? DT_NEXT : NULL)
+    dt__unit_boundary(m, 0, 1);
+    dt_tensor *embed = DT_NEXT, *norm = tied ? DT_NEXT : NULL;
+    dt_tensor *x = dt_token_embedding(tokens, embed, NULL);
+    if (!tied) dt__unit_boundary(m, 0, 0);
+    for (int l = 0; l < c->depth; l++) {
+        dt__unit_boundary(m, 1 + l, 1);
+        dt_tensor *n1 = DT_NEXT, *qw = DT_NEXT, *qb = DT_BIAS, *kw = DT_NEXT, *kb = DT_BIAS, *vw = DT_NEXT, *vb = DT_BIAS;
+        dt_tensor *ow = DT_NEXT, *n2 = DT_NEXT, *gw = DT_NEXT, *uw = DT_NEXT, *dw = DT_NEXT;
+        dt_tensor *h = dt_rmsnorm(x, n1, eps);
+        dt_tensor *qkv = dt_rotary_qkv(dt_linear(h, qw, qb), dt_linear(h, kw, kb), dt_linear(h, vw, vb), B, T, c->heads, KV,
+                                       dt__llama_theta(c));
+        x = dt_add(x, dt_linear(dt_attention(qkv, B, T, c->heads, /*causal*/ 1), ow, NULL));
+        h = dt_rmsnorm(x, n2, eps);
+        x = dt_add(x, dt_linear(dt_swiglu(dt_linear(h, gw, NULL), dt_linear(h, uw, NULL)), dw, NULL));
+        dt__unit_boundary(m, 1 + l, 0);
+    }
+    if (tied) {
+        x = dt_linear(dt_rmsnorm(x, norm, eps), embed, NULL);      /* logits = x embed^T */
+        dt__unit_boundary(m, 0, 0);
+    } else {
+        dt__unit_boundary(m, 1 + c->depth, 1);
+        dt_tensor *nw = DT_NEXT, *head = DT_NEXT;
+        x = dt_linear(dt_rmsnorm(x, nw, eps), head, NULL);
+        dt__unit_boundary(m, 1 + c->depth, 0);
+    }
+    return x;
+#undef DT_BIAS
+#undef DT_NEXT
+}
+
+static void dt__mlp_describe(const dt_model *m, char *out, size_t n) {
+    const dt_model_config *c = &m->cfg;
+    snprintf(out, n, "mlp %d -> %d x %d hidden -> %d (%.2fM params)", c->channels * c->image_size * c->image_size, c->depth,
+             c->dim, c->classes, m->numel / 1e6);
+}
+static void dt__vit_describe(const dt_model *m, char *out, size_t n) {
+    const dt_model_config *c = &m->cfg;
+    snprintf(out, n, "vit dim=%d depth=%d heads=%d patch=%d mlp=%d on %dx%dx%d (%.2fM params)", c->dim, c->depth, c->heads,
+             c->patch, c->mlp_hidden, c->channels, c->image_size, c->image_size, m->numel / 1e6);
+}
+static void dt__gpt_describe(const dt_model *m, char *out, size_t n) {
+    const dt_model_config *c = &m->cfg;
+    snprintf(out, n, "gpt dim=%d depth=%d heads=%d mlp=%d context=%d vocab=%d (%.2fM params)", c->dim, c->depth, c->heads,
+             c->mlp_hidden, c->seq_len, c->classes, m->numel / 1e6);
+}
+static void dt__llama_describe(const dt_model *m, char *out, size_t n) {
+    const dt_model_config *c = &m->cfg;
+    snprintf(out, n, "llama dim=%d depth=%d heads=%d kv-heads=%d ffn=%d context=%d vocab=%d rope-theta=%g%s%s (%.2fM params)",
+             c->dim, c->depth, c->heads, dt__llama_kv_heads(c), c->mlp_hidden, c->seq_len, c->classes,
+             (double)dt__llama_theta(c), c->untied_head ? " untied-head" : "", c->qkv_bias ? " qkv-bias" : "", m->numel / 1e6);
+}
+/* The parameters a language model looks up rather than multiplies: GPT-2's
+   position table, Llama's embedding when its head is a matrix of its own. */
+static int64_t dt__no_params(const dt_model *m) { (void)m; return 0; }
+static int64_t dt__gpt_lookups(const dt_model *m) { return (int64_t)m->cfg.seq_len * m->cfg.dim; }
+static int64_t dt__llama_lookups(const dt_model *m) { return m->cfg.untied_head ? (int64_t)m->cfg.classes * m->cfg.dim : 0; }
+
+/* A checkpoint's "model_config": the shape's numbers, comma-separated, in this
+   order; a family writes the first `numbers` of them. */
+typedef struct dt__config_number { const char *name; size_t offset; int is_float; } dt__config_number;
+#define DT__CN(field, f) { #field, offsetof(dt_model_config, field), f }
+static const dt__config_number dt__config_numbers[] = {
+    DT__CN(channels, 0), DT__CN(image_size, 0), DT__CN(classes, 0), DT__CN(dim, 0), DT__CN(depth, 0), DT__CN(heads, 0),
+    DT__CN(patch, 0), DT__CN(mlp_hidden, 0), DT__CN(seq_len, 0), DT__CN(kv_heads, 0), DT__CN(untied_head, 0),
+    DT__CN(qkv_bias, 0), DT__CN(rope_theta, 1), DT__CN(norm_eps, 1) };
+#undef DT__CN
+
+typedef struct dt__model_family {
+    const char *name;                  /* --model NAME, and a checkpoint's "model" */
+    int language;                      /* token ids in, next-token logits out */
+    int numbers;                       /* how many of dt__config_numbers describe its shape */
+    void (*build)(dt__model_builder *mb, const dt_model_config *cfg);
+    dt_tensor *(*forward)(dt_model *m, dt_tensor *inputs);
+    void (*describe)(const dt_model *m, char *out, size_t n);
+    int64_t (*lookups)(const dt_model *m);   /* parameters that never multiply */
+} dt__model_family;
+/* in dt_model_kind's order */
+static const dt__model_family dt__model_families[] = {
+    { "mlp", 0, 8, dt__mlp_build, dt__mlp_forward, dt__mlp_describe, dt__no_params },
+    { "vit", 0, 8, dt__vit_build, dt__vit_forward, dt__vit_describe, dt__no_params },
+    { "gpt", 1, 9, dt__gpt_build, dt__gpt_forward, dt__gpt_describe, dt__gpt_lookups },
+    { "llama", 1, 14, dt__llama_build, dt__llama_forward, dt__llama_describe, dt__llama_lookups },
+};
+#define DT__NFAMILIES ((int)(sizeof dt__model_families / sizeof dt__model_families[0]))
+static const dt__model_family *dt__family(dt_model_kind kind) {
+    if ((int)kind < 0 || (int)kind >= DT__NFAMILIES) dt_fail("model kind %d is not one dtrain knows", (int)kind);
+    return &dt__model_families[kind];
+}
+int dt_model_is_language(dt_model_kind kind) { return dt__family(kind)->language; }
+
 dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
+    const dt__model_family *fam = dt__family(cfg->kind);
     dt_model *m = (dt_model *)calloc(1, sizeof(dt_model));
     if (!m) dt_fail("out of memory (model)");
     m->cfg = *cfg;
     m->unit_first = (int *)calloc((size_t)cfg->depth + 3, sizeof(int));
     if (!m->unit_first) dt_fail("out of memory (model)");
     dt__model_builder mb = { m, 0, NULL, NULL };
-    int C = cfg->channels, S = cfg->image_size, D = cfg->dim;
-    char name[160];
     m->outer_unit = -1;
-    if (cfg->kind == DT_MODEL_GPT) {
-        /* Hugging Face's GPT-2: normal(0.02) weights, zero biases, unit
-           LayerNorms; the projections that feed the residual stream shrink by
-           1/sqrt(2 x depth), so the sum of 2 x depth of them keeps its size.
-           The outer unit comes first: wte and wpe, and ln_f, whose head is wte. */
-        if (D % cfg->heads) dt_fail("--dim %d is not divisible by --heads %d", D, cfg->heads);
-        float proj = 0.02f / sqrtf(2.0f * (cfg->depth > 0 ? cfg->depth : 1));
-        m->outer_unit = 0;
-        dt__unit_starts_here(&mb);
-        dt__add_param(&mb, "wte.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->classes, D, 0, 0);
-        dt__add_param(&mb, "wpe.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->seq_len, D, 0, 0);
-        dt__add_layernorm(&mb, "ln_f", D);
-        for (int l = 0; l < cfg->depth; l++) {
-            dt__unit_starts_here(&mb);
-            snprintf(name, sizeof name, "h.%d.ln_1", l); dt__add_layernorm(&mb, name, D);
-            snprintf(name, sizeof name, "h.%d.attn.c_attn", l); dt__add_conv1d(&mb, name, D, 3 * D, 0.02f);
-            snprintf(name, sizeof name, "h.%d.attn.c_proj", l); dt__add_conv1d(&mb, name, D, D, proj);
-            snprintf(name, sizeof name, "h.%d.ln_2", l); dt__add_layernorm(&mb, name, D);
-            snprintf(name, sizeof name, "h.%d.mlp.c_fc", l); dt__add_conv1d(&mb, name, D, cfg->mlp_hidden, 0.02f);
-            snprintf(name, sizeof name, "h.%d.mlp.c_proj", l); dt__add_conv1d(&mb, name, cfg->mlp_hidden, D, proj);
-        }
-    } else if (cfg->kind == DT_MODEL_MLP) {
-        /* PyTorch's nn.Linear initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) */
-        int in = C * S * S;
-        for (int l = 0; l <= cfg->depth; l++) {
-            int out = l == cfg->depth ? cfg->classes : D;
-            dt__unit_starts_here(&mb);
-            snprintf(name, sizeof name, "fc%d", l + 1);
-            dt__add_linear(&mb, name, in, out, DT_INIT_UNIFORM, 1.0f / sqrtf((float)in));
-            in = out;
-        }
-    } else {
-        /* timm's VisionTransformer: truncated-normal(0.02) linears, zero biases,
-           unit LayerNorms, a near-zero class token, conv-style patch embedding */
-        int p = cfg->patch, P = (S / p) * (S / p), fan = C * p * p;
-        if (S % p) dt_fail("image size %d is not a multiple of the patch size %d", S, p);
-        if (D % cfg->heads) dt_fail("--dim %d is not divisible by --heads %d", D, cfg->heads);
-        dt__unit_starts_here(&mb);
-        dt__add_param(&mb, "cls_token", DT_INIT_NORMAL, 1e-6f, 3, 1, 1, D, 0);
-        dt__add_param(&mb, "pos_embed", DT_INIT_NORMAL, 0.02f, 3, 1, P + 1, D, 0);
-        dt__add_param(&mb, "patch_embed.proj.weight", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 4, D, C, p, p);
-        dt__add_param(&mb, "patch_embed.proj.bias", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 1, D, 0, 0, 0);
-        for (int l = 0; l < cfg->depth; l++) {
-            dt__unit_starts_here(&mb);
-            snprintf(name, sizeof name, "blocks.%d.norm1", l); dt__add_layernorm(&mb, name, D);
-            snprintf(name, sizeof name, "blocks.%d.attn.qkv", l); dt__add_linear(&mb, name, D, 3 * D, DT_INIT_NORMAL, 0.02f);
-            snprintf(name, sizeof name, "blocks.%d.attn.proj", l); dt__add_linear(&mb, name, D, D, DT_INIT_NORMAL, 0.02f);
-            snprintf(name, sizeof name, "blocks.%d.norm2", l); dt__add_layernorm(&mb, name, D);
-            snprintf(name, sizeof name, "blocks.%d.mlp.fc1", l); dt__add_linear(&mb, name, D, cfg->mlp_hidden, DT_INIT_NORMAL, 0.02f);
-            snprintf(name, sizeof name, "blocks.%d.mlp.fc2", l); dt__add_linear(&mb, name, cfg->mlp_hidden, D, DT_INIT_NORMAL, 0.02f);
-        }
-        dt__unit_starts_here(&mb);
-        dt__add_layernorm(&mb, "norm", D);
-        dt__add_linear(&mb, "head", D, cfg->classes, DT_INIT_NORMAL, 0.02f);
-    }
+    fam->build(&mb, cfg);
     m->unit_first[m->nunits] = m->nparams;
     m->offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(m->nparams + 1));
     if (!m->offsets) dt_fail("out of memory (model)");
@@ -3448,119 +3961,34 @@ dt_tensor *dt_model_param(dt_model *m, const char *name) {
 
 void dt_model_zero_grad(dt_model *m) { dt__zero_on(m->device, m->flat_grad, (size_t)m->numel * sizeof(float)); }
 
-void dt_model_describe(const dt_model *m, char *out, size_t n) {
-    const dt_model_config *c = &m->cfg;
-    if (c->kind == DT_MODEL_MLP)
-        snprintf(out, n, "mlp %d -> %d x %d hidden -> %d (%.2fM params)", c->channels * c->image_size * c->image_size,
-                 c->depth, c->dim, c->classes, m->numel / 1e6);
-    else if (c->kind == DT_MODEL_GPT)
-        snprintf(out, n, "gpt dim=%d depth=%d heads=%d mlp=%d context=%d vocab=%d (%.2fM params)", c->dim, c->depth,
-                 c->heads, c->mlp_hidden, c->seq_len, c->classes, m->numel / 1e6);
-    else
-        snprintf(out, n, "vit dim=%d depth=%d heads=%d patch=%d mlp=%d on %dx%dx%d (%.2fM params)", c->dim, c->depth,
-                 c->heads, c->patch, c->mlp_hidden, c->channels, c->image_size, c->image_size, m->numel / 1e6);
-}
+void dt_model_describe(const dt_model *m, char *out, size_t n) { dt__family(m->cfg.kind)->describe(m, out, n); }
 
 /* How checkpoints name a model and its shape (their "model" and "model_config"). */
-static const char *dt__model_kind_name(dt_model_kind k) { return k == DT_MODEL_GPT ? "gpt" : k == DT_MODEL_VIT ? "vit" : "mlp"; }
+static const char *dt__model_kind_name(dt_model_kind k) { return dt__family(k)->name; }
 static void dt__model_config_string(const dt_model_config *mc, char *out, size_t n) {
-    int k = snprintf(out, n, "%d,%d,%d,%d,%d,%d,%d,%d", mc->channels, mc->image_size, mc->classes, mc->dim, mc->depth,
-                     mc->heads, mc->patch, mc->mlp_hidden);
-    if (mc->kind == DT_MODEL_GPT && k > 0 && (size_t)k < n) snprintf(out + k, n - (size_t)k, ",%d", mc->seq_len);
+    size_t used = 0;
+    out[0] = 0;
+    for (int k = 0; k < dt__family(mc->kind)->numbers && used < n; k++) {
+        const char *field = (const char *)mc + dt__config_numbers[k].offset;
+        int w = dt__config_numbers[k].is_float ? snprintf(out + used, n - used, "%s%.9g", k ? "," : "", (double)*(const float *)field)
+                                               : snprintf(out + used, n - used, "%s%d", k ? "," : "", *(const int *)field);
+        used += w > 0 ? (size_t)w : 0;
+    }
 }
 
 double dt_model_flops_per_token(const dt_model *m) {
     const dt_model_config *c = &m->cfg;
-    if (c->kind != DT_MODEL_GPT) return 0;
-    double multiplying = (double)m->numel - (double)c->seq_len * c->dim;     /* all but wpe */
+    const dt__model_family *fam = dt__family(c->kind);
+    if (!fam->language) return 0;
+    double multiplying = (double)m->numel - (double)fam->lookups(m);
     return 6.0 * multiplying + 12.0 * c->depth * c->dim * c->seq_len;
-}
-
-/* Where a unit's forward begins and ends: FSDP gathers its parameters there,
-   and leaves marks on the tape for the same moments of backward. */
-static void dt__unit_boundary(dt_model *m, int unit, int begin) {
-    dt_parallel *par = m->parallel;
-    if (par && begin && par->unit_begin) par->unit_begin(par, unit);
-    if (par && !begin && par->unit_end) par->unit_end(par, unit);
-}
-
-/* GPT-2: pre-LN blocks of causal self-attention and an MLP; the head is the
-   token embedding again (x wte^T), so input and output share one table. */
-static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens) {
-    const dt_model_config *c = &m->cfg;
-    int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), pi = 0;
-    dt_tensor *P = m->params;
-    if (T > c->seq_len) dt_fail("gpt: %d tokens do not fit a context of %d (--seq-len)", T, c->seq_len);
-#define DT_NEXT (&P[pi++])
-    dt__unit_boundary(m, 0, 1);                                         /* the outer unit, until the head */
-    dt_tensor *wte = DT_NEXT, *wpe = DT_NEXT, *nfw = DT_NEXT, *nfb = DT_NEXT;
-    dt_tensor *x = dt_token_embedding(tokens, wte, wpe);
-    for (int l = 0; l < c->depth; l++) {
-        dt__unit_boundary(m, 1 + l, 1);
-        dt_tensor *n1w = DT_NEXT, *n1b = DT_NEXT, *aw = DT_NEXT, *ab = DT_NEXT, *pw = DT_NEXT, *pb = DT_NEXT;
-        dt_tensor *n2w = DT_NEXT, *n2b = DT_NEXT, *fw = DT_NEXT, *fb = DT_NEXT, *mw = DT_NEXT, *mb = DT_NEXT;
-        dt_tensor *h = dt_linear_in_out(dt_layernorm(x, n1w, n1b, 1e-5f), aw, ab);
-        h = dt_linear_in_out(dt_attention(h, B, T, c->heads, /*causal*/ 1), pw, pb);
-        x = dt_add(x, h);
-        h = dt_linear_in_out_gelu_tanh(dt_layernorm(x, n2w, n2b, 1e-5f), fw, fb);
-        x = dt_add(x, dt_linear_in_out(h, mw, mb));
-        dt__unit_boundary(m, 1 + l, 0);
-    }
-    x = dt_linear(dt_layernorm(x, nfw, nfb, 1e-5f), wte, NULL);       /* tied head: logits = x wte^T */
-    dt__unit_boundary(m, 0, 0);
-    return x;
-#undef DT_NEXT
 }
 
 dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs) {
     if (!m->flat_data && !m->parallel)
         dt_fail("dt_model_forward: this model's parameters went with dt_fsdp_free (each rank kept only its shard); "
                 "call dt_fsdp_free after the last forward");
-    const dt_model_config *c = &m->cfg;
-    if (c->kind == DT_MODEL_GPT) return dt__gpt_forward(m, inputs);
-    dt_tensor *images = inputs;
-    int B = images->shape[0], pi = 0;
-    dt_tensor *P = m->params;
-#define DT_NEXT (&P[pi++])
-    if (c->kind == DT_MODEL_MLP) {
-        dt_tensor *x = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
-        *x = *images;                                                  /* flatten: a view */
-        x->ndim = 2; x->shape[0] = B; x->shape[1] = (int)(images->numel / B);
-        for (int l = 0; l <= c->depth; l++) {
-            dt__unit_boundary(m, l, 1);
-            dt_tensor *w = DT_NEXT, *b = DT_NEXT;
-            x = dt_linear(x, w, b);
-            dt__unit_boundary(m, l, 0);
-            if (l < c->depth) x = dt_gelu(x);
-        }
-        return x;
-    }
-    int T = (c->image_size / c->patch) * (c->image_size / c->patch) + 1;
-    dt__unit_boundary(m, 0, 1);
-    dt_tensor *cls = DT_NEXT, *pos = DT_NEXT, *pw = DT_NEXT, *pb = DT_NEXT;
-    dt_tensor *x = dt_linear(dt_patchify(images, c->patch), pw, pb); /* the conv, as a matmul */
-    x = dt_vit_tokens(x, cls, pos, B);
-    dt__unit_boundary(m, 0, 0);
-    for (int l = 0; l < c->depth; l++) {
-        dt__unit_boundary(m, 1 + l, 1);
-        dt_tensor *n1w = DT_NEXT, *n1b = DT_NEXT, *qkvw = DT_NEXT, *qkvb = DT_NEXT, *pjw = DT_NEXT, *pjb = DT_NEXT;
-        dt_tensor *n2w = DT_NEXT, *n2b = DT_NEXT, *f1w = DT_NEXT, *f1b = DT_NEXT, *f2w = DT_NEXT, *f2b = DT_NEXT;
-        dt_tensor *h = dt_linear(dt_layernorm(x, n1w, n1b, 1e-6f), qkvw, qkvb);
-        h = dt_linear(dt_attention(h, B, T, c->heads, 0), pjw, pjb);
-        x = dt_add(x, h);                                              /* pre-LN residual */
-        h = dt_linear_gelu(dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b);
-        x = dt_add(x, dt_linear(h, f2w, f2b));
-        dt__unit_boundary(m, 1 + l, 0);
-    }
-    dt__unit_boundary(m, 1 + c->depth, 1);
-    dt_tensor *nw = DT_NEXT, *nb = DT_NEXT, *hw = DT_NEXT, *hb = DT_NEXT;
-    /* timm normalises every token, then pools the class token; normalising only
-       the class token gives the same logits for less work. */
-    x = dt_layernorm(dt_select_token(x, B, T, 0), nw, nb, 1e-6f);
-    x = dt_linear(x, hw, hb);
-    dt__unit_boundary(m, 1 + c->depth, 0);
-    return x;
-#undef DT_NEXT
+    return dt__family(m->cfg.kind)->forward(m, inputs);
 }
 
 
@@ -7132,7 +7560,178 @@ static void dt__sharded_assemble(dt_safetensors *index, const char *path, const 
     free(unit_numel);
 }
 
+/* ---- Hugging Face model folders (--init DIR): config.json gives the shape,
+        the weights sit in model.safetensors or in the files that
+        model.safetensors.index.json's weight_map names. ---- */
+
+/* A JSON number, true/false (1/0) or null (*is_null); 0 when it is none of them. */
+static int dt__json_scalar(dt__json *j, double *v, int *is_null) {
+    int c = dt__json_peek(j);
+    *is_null = 0;
+    if (c < 0) return 0;
+    const char *s = j->s + j->pos;
+    size_t left = j->len - j->pos;
+    if (left >= 4 && !strncmp(s, "true", 4)) { j->pos += 4; *v = 1; return 1; }
+    if (left >= 5 && !strncmp(s, "false", 5)) { j->pos += 5; *v = 0; return 1; }
+    if (left >= 4 && !strncmp(s, "null", 4)) { j->pos += 4; *is_null = 1; *v = 0; return 1; }
+    char num[64];
+    size_t n = 0;
+    while (n < left && n + 1 < sizeof num && (isdigit((unsigned char)s[n]) || strchr("+-.eE", s[n]))) { num[n] = s[n]; n++; }
+    num[n] = 0;
+    char *end = NULL;
+    *v = strtod(num, &end);
+    if (!n || *end || !isfinite(*v)) return 0;
+    j->pos += n;
+    return 1;
+}
+
+/* What dtrain reads of a config.json. */
+typedef struct dt__hf_config {
+    char path[1100];
+    char model_type[32], hidden_act[32];
+    double dim, depth, heads, kv_heads, ffn_dim, vocab, max_positions, head_dim, rope_theta, norm_eps, tie, qkv_bias;
+    int has_rope_scaling;
+} dt__hf_config;
+
+static void dt__hf_config_read(const char *dir, dt__hf_config *hc) {
+    static const struct { const char *key; size_t offset; } fields[] = {
+        { "hidden_size", offsetof(dt__hf_config, dim) }, { "n_embd", offsetof(dt__hf_config, dim) },
+        { "num_hidden_layers", offsetof(dt__hf_config, depth) }, { "n_layer", offsetof(dt__hf_config, depth) },
+        { "num_attention_heads", offsetof(dt__hf_config, heads) }, { "n_head", offsetof(dt__hf_config, heads) },
+        { "num_key_value_heads", offsetof(dt__hf_config, kv_heads) }, { "intermediate_size", offsetof(dt__hf_config, ffn_dim) },
+        { "n_inner", offsetof(dt__hf_config, ffn_dim) }, { "vocab_size", offsetof(dt__hf_config, vocab) },
+        { "max_position_embeddings", offsetof(dt__hf_config, max_positions) },
+        { "n_positions", offsetof(dt__hf_config, max_positions) }, { "head_dim", offsetof(dt__hf_config, head_dim) },
+        { "rope_theta", offsetof(dt__hf_config, rope_theta) }, { "rms_norm_eps", offsetof(dt__hf_config, norm_eps) },
+        { "tie_word_embeddings", offsetof(dt__hf_config, tie) }, { "attention_bias", offsetof(dt__hf_config, qkv_bias) } };
+    memset(hc, 0, sizeof *hc);
+    double *all = &hc->dim;
+    for (int k = 0; k < 12; k++) all[k] = -1;                /* -1: not in the file */
+    snprintf(hc->path, sizeof hc->path, "%s/config.json", dir);
+    size_t len = 0;
+    char *text = (char *)dt__read_file(hc->path, &len);
+    if (!text) dt_fail("--init %s: a Hugging Face model folder needs %s: %s", dir, hc->path, strerror(errno));
+    dt__json j = { text, 0, len, 1 };
+    dt__json_eat(&j, '{');
+    while (j.ok && dt__json_peek(&j) != '}') {
+        char *key = dt__json_str(&j);
+        dt__json_eat(&j, ':');
+        if (!key || !j.ok) { free(key); break; }
+        int found = -1;
+        for (int f = 0; f < (int)(sizeof fields / sizeof fields[0]); f++) if (!strcmp(key, fields[f].key)) found = f;
+        int is_string = dt__json_peek(&j) == '"';
+        if (found >= 0 && !is_string) {
+            double v;
+            int is_null;
+            if (!dt__json_scalar(&j, &v, &is_null)) dt_fail("'%s': \"%s\" is not a number, true, false or null", hc->path, key);
+            if (!is_null) *(double *)((char *)hc + fields[found].offset) = v;
+        } else if ((!strcmp(key, "model_type") || !strcmp(key, "hidden_act")) && is_string) {
+            char *v = dt__json_str(&j);
+            dt__copy_str(!strcmp(key, "model_type") ? hc->model_type : hc->hidden_act, sizeof hc->model_type, v ? v : "");
+            free(v);
+        } else if (!strcmp(key, "rope_scaling")) {
+            double v;
+            int is_null = 0;
+            if (dt__json_peek(&j) == '{') { hc->has_rope_scaling = 1; dt__json_skip(&j, 0); }
+            else if (!dt__json_scalar(&j, &v, &is_null) || !is_null) hc->has_rope_scaling = 1;
+        } else dt__json_skip(&j, 0);
+        free(key);
+        if (dt__json_peek(&j) == ',') j.pos++;
+    }
+    dt__json_eat(&j, '}');
+    if (!j.ok) dt_fail("'%s' is not valid JSON (near byte %zu)", hc->path, j.pos);
+    free(text);
+    if (!hc->model_type[0]) dt_fail("'%s' has no \"model_type\": which architecture is it?", hc->path);
+}
+
+/* The files of a folder's weights: model.safetensors, or every file the
+   index's weight_map names (each once, in the order first named). */
+static int dt__hf_weight_files(const char *dir, char ***files) {
+    char path[1100];
+    struct stat s;
+    *files = NULL;
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    if (stat(path, &s) == 0) {
+        *files = (char **)malloc(sizeof(char *));
+        (*files)[0] = strdup(path);
+        return 1;
+    }
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    size_t len = 0;
+    char *text = (char *)dt__read_file(path, &len);
+    if (!text)
+        dt_fail("--init %s: no model.safetensors and no model.safetensors.index.json in the folder (%s)", dir, strerror(errno));
+    dt__json j = { text, 0, len, 1 };
+    int n = 0, have_map = 0;
+    dt__json_eat(&j, '{');
+    while (j.ok && dt__json_peek(&j) != '}') {
+        char *key = dt__json_str(&j);
+        dt__json_eat(&j, ':');
+        if (key && !strcmp(key, "weight_map") && dt__json_eat(&j, '{')) {
+            have_map = 1;
+            while (j.ok && dt__json_peek(&j) != '}') {
+                char *tensor = dt__json_str(&j), *file = (dt__json_eat(&j, ':'), dt__json_str(&j));
+                if (file && (strchr(file, '/') || !strcmp(file, "..")))
+                    dt_fail("'%s': weight_map names '%s', not a file of this folder", path, file);
+                int seen = 0;
+                for (int k = 0; file && k < n; k++) seen |= !strcmp(strrchr((*files)[k], '/') + 1, file);
+                if (file && !seen) {
+                    char full[1400];
+                    snprintf(full, sizeof full, "%s/%s", dir, file);
+                    *files = (char **)realloc(*files, sizeof(char *) * (size_t)(n + 1));
+                    (*files)[n++] = strdup(full);
+                }
+                free(tensor); free(file);
+                if (dt__json_peek(&j) == ',') j.pos++;
+            }
+            dt__json_eat(&j, '}');
+        } else dt__json_skip(&j, 0);
+        free(key);
+        if (dt__json_peek(&j) == ',') j.pos++;
+    }
+    dt__json_eat(&j, '}');
+    if (!j.ok || !have_map || !n) dt_fail("'%s' is not an index of weights (valid JSON with a non-empty \"weight_map\")", path);
+    free(text);
+    return n;
+}
+
+/* A Hugging Face folder's weights: each tensor from the file that holds it.
+   A tied model's lm_head (when the folder has one) is the embedding again. */
+static void dt__load_hf_folder(dt_model *m, const char *dir, float *host) {
+    char **files = NULL;
+    int nfiles = dt__hf_weight_files(dir, &files), *found = (int *)calloc((size_t)m->nparams, sizeof(int));
+    for (int f = 0; f < nfiles; f++) {
+        dt_safetensors *st = dt_safetensors_read(files[f]);
+        for (int i = 0; i < m->nparams; i++) {
+            dt_tensor *p = &m->params[i];
+            char prefixed[200];
+            snprintf(prefixed, sizeof prefixed, "transformer.%s", p->name);     /* GPT2LMHeadModel's names */
+            int more_rows = !strcmp(p->name, "wpe.weight");
+            if (!found[i] && (dt__safetensors_get_rows(st, p->name, host + m->offsets[i], p->ndim, p->shape, more_rows) ||
+                              dt__safetensors_get_rows(st, prefixed, host + m->offsets[i], p->ndim, p->shape, more_rows)))
+                found[i] = 1;
+        }
+        dt_safetensors_close(st);
+        free(files[f]);
+    }
+    free(files);
+    for (int i = 0; i < m->nparams; i++)
+        if (!found[i]) dt_fail("--init %s: no weight file of the folder holds '%s'", dir, m->params[i].name);
+    free(found);
+}
+
 void dt_model_load_weights(dt_model *m, const char *path) {
+    struct stat s;
+    if (stat(path, &s) == 0 && S_ISDIR(s.st_mode)) {
+        float *host = dt__state_open(m, NULL, 0);
+        dt__load_hf_folder(m, path, host);
+        for (int i = 0; i < m->nparams; i++)
+            for (int64_t k = 0; k < m->params[i].numel; k++)
+                if (!isfinite(host[m->offsets[i] + k]))
+                    dt_fail("'%s': tensor '%s' holds NaN/Inf at index %lld", path, m->params[i].name, (long long)k);
+        dt__state_close(m, NULL, 0, host, 1);
+        return;
+    }
     dt_safetensors *st = dt_safetensors_read(path);
     float *host = dt__state_open(m, NULL, 0);
     if (dt__is_sharded(st)) {
@@ -7165,19 +7764,34 @@ static int dt__model_config_parse(dt_safetensors *st, const char *path, dt_model
     const char *kind = dt_safetensors_meta(st, "model"), *shape = dt_safetensors_meta(st, "model_config");
     memset(mc, 0, sizeof *mc);
     if (!kind || !shape) return 0;
-    if (!strcmp(kind, "gpt")) mc->kind = DT_MODEL_GPT;
-    else if (!strcmp(kind, "vit")) mc->kind = DT_MODEL_VIT;
-    else if (!strcmp(kind, "mlp")) mc->kind = DT_MODEL_MLP;
-    else return 0;
-    uint64_t v[9];
-    int want = mc->kind == DT_MODEL_GPT ? 9 : 8, got = dt__whole_numbers(shape, v, 9);
-    for (int k = 0; k < got; k++) if (v[k] > INT_MAX) got = -1;
-    if (got != want)
-        dt_fail("'%s': metadata 'model_config' is '%s', not %d whole numbers separated by commas (channels,size,classes,"
-                "dim,depth,heads,patch,mlp%s)", path, shape, want, want == 9 ? ",context" : "");
-    int *field[9] = { &mc->channels, &mc->image_size, &mc->classes, &mc->dim, &mc->depth, &mc->heads, &mc->patch,
-                      &mc->mlp_hidden, &mc->seq_len };
-    for (int k = 0; k < got; k++) *field[k] = (int)v[k];
+    int found = -1;
+    for (int f = 0; f < DT__NFAMILIES; f++)
+        if (!strcmp(kind, dt__model_families[f].name)) found = f;
+    if (found < 0) return 0;
+    mc->kind = (dt_model_kind)found;
+    int want = dt__model_families[found].numbers, got = 0, ok = 1;
+    char names[400];
+    size_t used = 0;
+    names[0] = 0;
+    for (int k = 0; k < want; k++) {
+        int w = snprintf(names + used, sizeof names - used, "%s%s", k ? "," : "", dt__config_numbers[k].name);
+        used += w > 0 && (size_t)w < sizeof names - used ? (size_t)w : 0;
+    }
+    for (const char *p = shape; ok && *p; got++) {
+        char *end = NULL;
+        errno = 0;
+        double v = strtod(p, &end);
+        ok = end != p && !errno && isfinite(v) && v >= 0 && v <= INT_MAX && got < want && (*end == ',' || !*end);
+        if (!ok) break;
+        char *field = (char *)mc + dt__config_numbers[got].offset;
+        if (dt__config_numbers[got].is_float) *(float *)field = (float)v;
+        else if (v == floor(v)) *(int *)field = (int)v;
+        else ok = 0;
+        p = *end ? end + 1 : end;
+    }
+    if (!ok || got != want)
+        dt_fail("'%s': metadata 'model_config' is '%s', not %s's %d numbers separated by commas (%s)", path, shape, kind,
+                want, names);
     return 1;
 }
 
@@ -7525,7 +8139,7 @@ void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss
 void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, float temperature, uint64_t seed,
                  int32_t *out) {
     int T = m->cfg.seq_len, V = m->cfg.classes, len = n_prompt;
-    if (m->cfg.kind != DT_MODEL_GPT) dt_fail("generation needs --model gpt");
+    if (!dt_model_is_language(m->cfg.kind)) dt_fail("generation needs a language model (--model gpt or llama)");
     if (n_prompt < 1) dt_fail("generation needs a prompt of at least one token");
     int32_t *seq = (int32_t *)malloc(sizeof(int32_t) * (size_t)(n_prompt + n_new));
     float *window = (float *)malloc(sizeof(float) * (size_t)T), *logits = (float *)malloc(sizeof(float) * (size_t)T * V);
@@ -7637,7 +8251,7 @@ static int dt__progress_due(int64_t step, int log_every, int last_of_epoch, doub
 }
 
 /* A language model's rates are in tokens: a sequence is seq_len of them. */
-static int dt__tokens_per_sample(const dt_run *r) { return r->model->cfg.kind == DT_MODEL_GPT ? r->model->cfg.seq_len : 0; }
+static int dt__tokens_per_sample(const dt_run *r) { return dt_model_is_language(r->model->cfg.kind) ? r->model->cfg.seq_len : 0; }
 
 /* The fp32 peak (no tensor cores: TF32 stays off) of GPUs a course may meet,
    from their data sheets, in TFLOP/s; --peak-tflops gives any other. */
@@ -7676,7 +8290,8 @@ static void dt__bench_report(dt_run *r) {
     if (dt__ctx.rank != 0) return;
     /* a language model's MFU counts the model's FLOPs per token (6N + attention), as papers do */
     double tokens_per_s = steps * (double)per_rank * devices * world * mc->seq_len * 1e3 / ms;
-    if (mc->kind == DT_MODEL_GPT) gflops = tokens_per_s * dt_model_flops_per_token(r->model) / 1e9;
+    int language = dt_model_is_language(mc->kind);
+    if (language) gflops = tokens_per_s * dt_model_flops_per_token(r->model) / 1e9;
     /* GPT-2 small's shape at another context is named by it: gpt2-124m-ctx256 */
     char gpt2_name[32];
     if (mc->seq_len == 1024) snprintf(gpt2_name, sizeof gpt2_name, "gpt2-124m");
@@ -7684,6 +8299,8 @@ static void dt__bench_report(dt_run *r) {
     const char *workload = mc->kind == DT_MODEL_GPT
                          ? (mc->dim == 128 && mc->depth == 4 && mc->heads == 4 && mc->seq_len == 64 && mc->classes == 256 ? "gpt-char"
                          : (mc->dim == 768 && mc->depth == 12 && mc->heads == 12 && mc->classes == 50257 ? gpt2_name : "gpt-custom"))
+                         : mc->kind == DT_MODEL_LLAMA ? (mc->dim == 128 && mc->depth == 4 && mc->heads == 4 && mc->seq_len == 64 &&
+                                                         mc->classes == 256 ? "llama-char" : "llama-custom")
                          : mc->kind == DT_MODEL_MLP ? (mc->dim == 1024 && mc->depth == 2 && S == 32 ? "mlp" : "mlp-custom")
                          : (mc->dim == 192 && mc->depth == 6 && mc->heads == 3 && mc->patch == 4 && S == 32 ? "vit-tiny"
                          : (mc->dim == 768 && mc->depth == 12 && mc->heads == 12 && mc->patch == 16 && S == 224 ? "vit-base" : "vit-custom"));
@@ -7717,7 +8334,7 @@ static void dt__bench_report(dt_run *r) {
            steps * (double)per_rank * devices * world * 1e3 / ms, gflops, p[DT_PHASE_DATA] / steps, p[DT_PHASE_FWD] / steps,
            p[DT_PHASE_BWD] / steps, r->bench_comm_ms / steps, r->bench_hidden_ms / steps, p[DT_PHASE_COMM] / steps,
            p[DT_PHASE_OPT] / steps, peak_mem / 1e6, peak_state / 1e6, peak_host / 1e6);
-    if (mc->kind == DT_MODEL_GPT)       /* gflops is then tokens/s x flops per token */
+    if (language)                       /* gflops is then tokens/s x flops per token */
         printf(" tokens_per_s=%.1f flops_per_token=%.4g", tokens_per_s, dt_model_flops_per_token(r->model));
     printf("\n");
     fflush(stdout);
@@ -7874,24 +8491,35 @@ static const dt__flag dt__flags[] = {
     { "--data", "12345", "DIR", "image folder (DIR/train/<class>/*, DIR/val/<class>/*) or CIFAR-10 binary folder; gpt: a .txt\n"
       "                          file or a folder of them, read as bytes (default: the synthetic set in data/synthetic,\n"
       "                          gpt: the text data/synthetic.txt, made on first use)", DT_ARG_STR, DT_CFG(data), NULL, DT_NOT_A_NUMBER },
-    { "--tokens", "12345", "FILE", "gpt: train on a file of little-endian uint16 token ids instead of bytes", DT_ARG_STR,
+    { "--tokens", "12345", "FILE", "gpt, llama: train on a file of little-endian uint16 token ids instead of bytes", DT_ARG_STR,
       DT_CFG(tokens), NULL, DT_NOT_A_NUMBER },
     { "--image-size", "12345", "N", "images are resized to N x N (default 32)", DT_ARG_INT, DT_CFG(image_size), NULL, DT_RANGE(1, 4096) },
-    { "--model", "12345", "mlp|vit|gpt", "the model (default mlp); gpt: a causal language model on text", DT_ARG_CHOICE,
-      DT_CFG(model), "mlp|vit|gpt", DT_NOT_A_NUMBER },
-    { "--dim", "12345", "N", "mlp: hidden width (1024); vit: embedding width (192); gpt: (128)", DT_ARG_INT, DT_CFG(dim), NULL, DT_MIN(1) },
-    { "--depth", "12345", "N", "mlp: hidden layers (2); vit: transformer blocks (6); gpt: (4)", DT_ARG_INT, DT_CFG(depth), NULL, DT_MIN(0) },
-    { "--heads", "12345", "N", "vit: attention heads (3); gpt: (4)", DT_ARG_INT, DT_CFG(heads), NULL, DT_MIN(1) },
+    { "--model", "12345", "mlp|vit|gpt|llama", "the model (default mlp); gpt, llama: causal language models on text\n"
+      "                          (GPT-2's layout, and Llama's: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)",
+      DT_ARG_CHOICE, DT_CFG(model), "mlp|vit|gpt|llama", DT_NOT_A_NUMBER },
+    { "--dim", "12345", "N", "mlp: hidden width (1024); vit: embedding width (192); gpt, llama: (128)", DT_ARG_INT, DT_CFG(dim), NULL, DT_MIN(1) },
+    { "--depth", "12345", "N", "mlp: hidden layers (2); vit: transformer blocks (6); gpt, llama: (4)", DT_ARG_INT, DT_CFG(depth), NULL, DT_MIN(0) },
+    { "--heads", "12345", "N", "vit: attention heads (3); gpt, llama: (4)", DT_ARG_INT, DT_CFG(heads), NULL, DT_MIN(1) },
     { "--patch", "12345", "N", "vit: patch size (4)", DT_ARG_INT, DT_CFG(patch), NULL, DT_MIN(1) },
-    { "--seq-len", "12345", "N", "gpt: tokens per sequence, the context (default 64)", DT_ARG_INT, DT_CFG(seq_len), NULL, DT_RANGE(1, 65536) },
-    { "--vocab", "12345", "N", "gpt: vocabulary (default: 256 for bytes, the largest id + 1 for --tokens)", DT_ARG_INT,
+    { "--seq-len", "12345", "N", "gpt, llama: tokens per sequence, the context (default 64)", DT_ARG_INT, DT_CFG(seq_len), NULL, DT_RANGE(1, 65536) },
+    { "--vocab", "12345", "N", "gpt, llama: vocabulary (default: 256 for bytes, the largest id + 1 for --tokens)", DT_ARG_INT,
       DT_CFG(vocab), NULL, DT_RANGE(1, 65536) },                /* token ids are uint16 */
-    { "--sample", "12345", "N", "gpt: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT,
+    { "--sample", "12345", "N", "gpt, llama: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT,
       DT_CFG(sample), NULL, DT_MIN(0) },
-    { "--batch-size", "12345", "N", "images (gpt: sequences) per step (default 128; gpt 32)", DT_ARG_INT, DT_CFG(batch_size), NULL, DT_MIN(1) },
-    { "--epochs", "12345", "N", "passes over the training set (default 10; gpt 2)", DT_ARG_INT, DT_CFG(epochs), NULL, DT_MIN(1) },
+    { "--kv-heads", "12345", "N", "llama: key/value heads, each serving --heads / N query heads (default: half the heads\n"
+      "                          when their number is even, else all of them)", DT_ARG_INT, DT_CFG(kv_heads), NULL, DT_MIN(1) },
+    { "--ffn-dim", "12345", "N", "llama: the SwiGLU MLP's width (default 8/3 x --dim, rounded up to a multiple of 32)",
+      DT_ARG_INT, DT_CFG(ffn_dim), NULL, DT_MIN(1) },
+    { "--rope-theta", "12345", "X", "llama: the rotary embeddings' base (default 10000)", DT_ARG_FLOAT, DT_CFG(rope_theta), NULL,
+      DT_ABOVE(1) },
+    { "--untied-head", "12345", NULL, "llama: an lm_head.weight of its own (default: the head is the token embedding)",
+      DT_ARG_SWITCH, DT_CFG(untied_head), NULL, DT_NOT_A_NUMBER },
+    { "--qkv-bias", "12345", NULL, "llama: biases on the q, k and v projections, as Qwen2 has", DT_ARG_SWITCH, DT_CFG(qkv_bias),
+      NULL, DT_NOT_A_NUMBER },
+    { "--batch-size", "12345", "N", "images (gpt, llama: sequences) per step (default 128; gpt, llama 32)", DT_ARG_INT, DT_CFG(batch_size), NULL, DT_MIN(1) },
+    { "--epochs", "12345", "N", "passes over the training set (default 10; gpt, llama 2)", DT_ARG_INT, DT_CFG(epochs), NULL, DT_MIN(1) },
     { "--steps", "12345", "N", "stop after N steps in all (default: run every epoch)", DT_ARG_I64, DT_CFG(steps), NULL, DT_MIN(0) },
-    { "--lr", "12345", "X", "peak learning rate (default 1e-3; gpt 3e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL, DT_ABOVE(0) },
+    { "--lr", "12345", "X", "peak learning rate (default 1e-3; gpt, llama 3e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL, DT_ABOVE(0) },
     { "--optimizer", "12345", "adamw|sgd", "the optimizer (default adamw)", DT_ARG_CHOICE, DT_CFG(optimizer), "adamw|sgd", DT_NOT_A_NUMBER },
     { "--weight-decay", "12345", "X", "decoupled weight decay of 2-D weights (default 0.05)", DT_ARG_FLOAT, DT_CFG(weight_decay),
       NULL, DT_MIN(0) },
@@ -7992,6 +8620,71 @@ static int dt__given(const unsigned char *given, const char *name) {
     dt_fail("internal error: no flag '%s' in dt__flags", name);
 }
 
+/* A number config.json gives (-1: it does not) becomes the flag's value; a
+   flag given with another value is an error that names both. */
+static void dt__hf_take(const dt__hf_config *hc, const char *key, double from_config, const char *flag, int given,
+                        float *f_value, int *i_value) {
+    if (from_config < 0) return;
+    double have = f_value ? (double)*f_value : (double)*i_value;
+    if (given && fabs(have - from_config) > 1e-6 * fabs(from_config))
+        dt_usage_error("%s %g contradicts \"%s\": %g in %s (the folder's config gives the shape; leave the flag out)", flag,
+                       have, key, from_config, hc->path);
+    if (f_value) *f_value = (float)from_config;
+    else *i_value = (int)from_config;
+}
+/* The model: before the defaults that depend on it. */
+static void dt__apply_hf_model(dt_config *c, const dt__hf_config *hc, const unsigned char *given) {
+    int llama = !strcmp(hc->model_type, "llama"), qwen2 = !strcmp(hc->model_type, "qwen2"), gpt2 = !strcmp(hc->model_type, "gpt2");
+    if (!llama && !qwen2 && !gpt2)
+        dt_usage_error("%s: model_type \"%s\" is not one dtrain trains (llama, qwen2, gpt2)", hc->path, hc->model_type);
+    dt_model_kind kind = gpt2 ? DT_MODEL_GPT : DT_MODEL_LLAMA;
+    if (dt__given(given, "--model") && c->model != kind)
+        dt_usage_error("--model %s contradicts \"model_type\": \"%s\" in %s", dt__family((dt_model_kind)c->model)->name,
+                       hc->model_type, hc->path);
+    c->model = kind;
+}
+/* The shape: over the defaults. */
+static void dt__apply_hf_shape(dt_config *c, dt__hf_config hc, const unsigned char *given) {
+    int llama = !strcmp(hc.model_type, "llama"), qwen2 = !strcmp(hc.model_type, "qwen2"), gpt2 = !strcmp(hc.model_type, "gpt2");
+    const char *missing = hc.dim < 0 ? "hidden_size" : hc.depth < 0 ? "num_hidden_layers" : hc.heads < 0 ? "num_attention_heads"
+                        : hc.vocab < 0 ? "vocab_size" : !gpt2 && hc.ffn_dim < 0 ? "intermediate_size" : NULL;
+    if (missing) dt_usage_error("%s has no \"%s\"", hc.path, missing);
+    dt__hf_take(&hc, "hidden_size", hc.dim, "--dim", dt__given(given, "--dim"), NULL, &c->dim);
+    dt__hf_take(&hc, "num_hidden_layers", hc.depth, "--depth", dt__given(given, "--depth"), NULL, &c->depth);
+    dt__hf_take(&hc, "num_attention_heads", hc.heads, "--heads", dt__given(given, "--heads"), NULL, &c->heads);
+    dt__hf_take(&hc, "vocab_size", hc.vocab, "--vocab", dt__given(given, "--vocab"), NULL, &c->vocab);
+    if (hc.head_dim >= 0 && hc.head_dim * c->heads != c->dim)
+        dt_usage_error("%s: head_dim %g is not hidden_size / num_attention_heads = %d; dtrain's heads split the width",
+                       hc.path, hc.head_dim, c->dim / c->heads);
+    if (hc.max_positions >= 0 && c->seq_len > hc.max_positions)
+        dt_usage_error("--seq-len %d is longer than the model's context, \"max_position_embeddings\": %g in %s", c->seq_len,
+                       hc.max_positions, hc.path);
+    if (gpt2) {
+        if (hc.ffn_dim >= 0 && hc.ffn_dim != 4 * c->dim)
+            dt_usage_error("%s: n_inner %g; dtrain's GPT-2 MLP is 4 x n_embd = %d wide", hc.path, hc.ffn_dim, 4 * c->dim);
+        return;
+    }
+    if (hc.has_rope_scaling)
+        dt_usage_error("%s: \"rope_scaling\" (Llama 3.1/3.2's long-context frequencies) is not supported yet", hc.path);
+    if (hc.hidden_act[0] && strcmp(hc.hidden_act, "silu"))
+        dt_usage_error("%s: hidden_act \"%s\"; dtrain's SwiGLU uses silu", hc.path, hc.hidden_act);
+    if (llama && hc.qkv_bias > 0)
+        dt_usage_error("%s: attention_bias true (biases on o_proj too) is not supported; Qwen2's q/k/v biases are", hc.path);
+    /* Hugging Face's defaults where the file says nothing */
+    if (hc.kv_heads < 0) hc.kv_heads = hc.heads;
+    if (hc.rope_theta < 0) hc.rope_theta = 10000;
+    if (hc.tie < 0) hc.tie = 0;
+    hc.qkv_bias = qwen2;
+    dt__hf_take(&hc, "num_key_value_heads", hc.kv_heads, "--kv-heads", dt__given(given, "--kv-heads"), NULL, &c->kv_heads);
+    dt__hf_take(&hc, "intermediate_size", hc.ffn_dim, "--ffn-dim", dt__given(given, "--ffn-dim"), NULL, &c->ffn_dim);
+    dt__hf_take(&hc, "rope_theta", hc.rope_theta, "--rope-theta", dt__given(given, "--rope-theta"), &c->rope_theta, NULL);
+    double untied = 1 - hc.tie, bias = hc.qkv_bias;
+    dt__hf_take(&hc, "tie_word_embeddings (as --untied-head)", untied, "--untied-head", dt__given(given, "--untied-head"), NULL,
+                &c->untied_head);
+    dt__hf_take(&hc, "model_type (qwen2: q/k/v biases)", bias, "--qkv-bias", dt__given(given, "--qkv-bias"), NULL, &c->qkv_bias);
+    c->norm_eps = hc.norm_eps > 0 ? (float)hc.norm_eps : 1e-6f;
+}
+
 dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     dt_config c;
     unsigned char given[DT_NFLAGS];
@@ -8057,7 +8750,11 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         case DT_ARG_SWITCH: break;
         }
     }
-    int vit = c.model == DT_MODEL_VIT, gpt = c.model == DT_MODEL_GPT;
+    struct stat init_st;                        /* --init DIR: a Hugging Face folder's config.json gives the model */
+    int hf = c.init && stat(c.init, &init_st) == 0 && S_ISDIR(init_st.st_mode);
+    dt__hf_config hc;
+    if (hf) { dt__hf_config_read(c.init, &hc); dt__apply_hf_model(&c, &hc, given); }
+    int vit = c.model == DT_MODEL_VIT, gpt = dt_model_is_language((dt_model_kind)c.model), llama = c.model == DT_MODEL_LLAMA;
     /* the defaults that depend on the model */
     if (!dt__given(given, "--batch-size")) c.batch_size = gpt ? 32 : 128;
     if (!dt__given(given, "--epochs")) c.epochs = gpt ? 2 : 10;
@@ -8066,14 +8763,25 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if (!dt__given(given, "--depth")) c.depth = vit ? 6 : gpt ? 4 : 2;
     if (!dt__given(given, "--heads")) c.heads = gpt ? 4 : 3;
     if (!dt__given(given, "--patch")) c.patch = 4;
+    if (hf) dt__apply_hf_shape(&c, hc, given);              /* and its shape */
     /* values in range that make no sense together */
     if (!gpt && (dt__given(given, "--seq-len") || dt__given(given, "--vocab") || c.tokens || dt__given(given, "--sample")))
-        dt_usage_error("--seq-len, --vocab, --tokens and --sample are for --model gpt");
+        dt_usage_error("--seq-len, --vocab, --tokens and --sample are for the language models (--model gpt or llama)");
+    if (!llama && (c.kv_heads || c.ffn_dim || c.rope_theta > 0 || c.untied_head || c.qkv_bias))
+        dt_usage_error("--kv-heads, --ffn-dim, --rope-theta, --untied-head and --qkv-bias are for --model llama");
+    if (llama && !c.kv_heads) c.kv_heads = c.heads % 2 ? c.heads : c.heads / 2;
+    if (llama && !c.ffn_dim) c.ffn_dim = (8 * c.dim / 3 + 31) / 32 * 32;
+    if (llama && c.heads % c.kv_heads)
+        dt_usage_error("--heads %d must be a multiple of --kv-heads %d (each key/value head serves a group)", c.heads, c.kv_heads);
+    if (llama && c.dim % c.heads == 0 && (c.dim / c.heads) % 2)
+        dt_usage_error("--dim %d / --heads %d = %d: llama's head width must be even (rotary embeddings turn pairs)", c.dim,
+                       c.heads, c.dim / c.heads);
     if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
     if (c.end_idx >= 0 && c.end_idx <= c.start_idx) dt_usage_error("--end-idx must be greater than --start-idx");
     if (c.resume && c.init && strcmp(c.resume, "auto"))     /* auto: --init when there is no checkpoint yet */
         dt_usage_error("--resume and --init exclude each other (resume restores the weights)");
-    if ((vit || gpt) && c.depth < 1) dt_usage_error("--depth must be at least 1 for --model %s, got %d", vit ? "vit" : "gpt", c.depth);
+    if ((vit || gpt) && c.depth < 1)
+        dt_usage_error("--depth must be at least 1 for --model %s, got %d", dt__family((dt_model_kind)c.model)->name, c.depth);
     if ((vit || gpt) && c.dim % c.heads) dt_usage_error("--dim %d must be divisible by --heads %d", c.dim, c.heads);
     if (vit && c.image_size % c.patch) dt_usage_error("--image-size %d must be a multiple of --patch %d", c.image_size, c.patch);
     /* --nproc N: stage 02 drives N devices from this one process (threads); from 03 on, N processes start here */
@@ -8110,7 +8818,11 @@ dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int ima
     memset(&m, 0, sizeof m);
     m.kind = cfg->model; m.channels = channels; m.image_size = image_size; m.classes = classes;
     m.dim = cfg->dim; m.depth = cfg->depth; m.heads = cfg->heads; m.patch = cfg->patch; m.mlp_hidden = 4 * cfg->dim;
-    if (cfg->model == DT_MODEL_GPT) { m.seq_len = cfg->seq_len; m.channels = m.image_size = m.patch = 0; }
+    if (dt_model_is_language(cfg->model)) { m.seq_len = cfg->seq_len; m.channels = m.image_size = m.patch = 0; }
+    if (cfg->model == DT_MODEL_LLAMA) {
+        m.mlp_hidden = cfg->ffn_dim; m.kv_heads = cfg->kv_heads; m.untied_head = cfg->untied_head; m.qkv_bias = cfg->qkv_bias;
+        m.rope_theta = cfg->rope_theta; m.norm_eps = cfg->norm_eps > 0 ? cfg->norm_eps : 1e-5f;
+    }
     return m;
 }
 
@@ -8166,7 +8878,7 @@ static void dt__load_text(const dt_config *cfg, dt_dataset *train, dt_dataset *v
 void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
     memset(train, 0, sizeof *train);     /* the caller's sets start empty, whichever path fills them */
     memset(val, 0, sizeof *val);
-    if (cfg->model == DT_MODEL_GPT) { dt__load_text(cfg, train, val); return; }
+    if (dt_model_is_language(cfg->model)) { dt__load_text(cfg, train, val); return; }
     if (cfg->bench) { dt__bench_data(cfg, train); return; }
     const char *dir = cfg->data;
     if (!dir) {
@@ -8425,7 +9137,7 @@ static void dt__run_sample(dt_run *r) {
 }
 
 static void dt__run_eval(dt_run *r) {
-    int sample = r->cfg.sample > 0 && r->model->cfg.kind == DT_MODEL_GPT;
+    int sample = r->cfg.sample > 0 && dt_model_is_language(r->model->cfg.kind);
     double t0 = dt_now_ms();
     r->mark_ms = t0;
     if (!r->val || r->val->n == 0) {
@@ -8909,6 +9621,108 @@ static void dt__cuda_layernorm_backward(const float *x, const float *w, const fl
     dt__cuda_column_sums(dy, x, stats, rows, cols, cols, db, dw);
 }
 
+/* ---- Llama's RMSNorm (a warp per row, as LayerNorm), SwiGLU and rotary
+        embeddings (a thread per element; a key/value head's thread adds its
+        group's query heads in order, as the CPU does) ---- */
+__global__ static void dt__k_rmsnorm_forward(const float *x, const float *w, float *y, float *stats, int rows, int D, float eps) {
+    int lane = threadIdx.x % 32;
+    DT_FOR_EACH_ROW(row, rows) {
+        const float *xr = x + row * D;
+        float *yr = y + row * D, sq = 0;
+        for (int j = lane; j < D; j += 32) sq += xr[j] * xr[j];
+        float rstd = 1.0f / sqrtf(dt__warp_sum(sq) / D + eps);
+        for (int j = lane; j < D; j += 32) yr[j] = (xr[j] * rstd) * w[j];
+        if (lane == 0) { stats[row] = 0.0f; stats[rows + row] = rstd; }
+    }
+}
+static void dt__cuda_rmsnorm_forward(const float *x, const float *w, float *y, float *stats, int rows, int cols, float eps) {
+    DT_LAUNCH(dt__k_rmsnorm_forward, dt__blocks_for_warps(rows), DT_THREADS, x, w, y, stats, rows, cols, eps);
+}
+__global__ static void dt__k_rmsnorm_backward_dx(const float *x, const float *w, const float *dy, const float *stats, float *dx,
+                                                int rows, int D) {
+    int lane = threadIdx.x % 32;
+    DT_FOR_EACH_ROW(row, rows) {
+        const float *xr = x + row * D, *dyr = dy + row * D;
+        float rstd = stats[rows + row], sum_gx = 0;
+        for (int j = lane; j < D; j += 32) sum_gx += dyr[j] * w[j] * (xr[j] * rstd);
+        float mgx = dt__warp_sum(sum_gx) / D;
+        for (int j = lane; j < D; j += 32) dx[row * D + j] += rstd * (dyr[j] * w[j] - (xr[j] * rstd) * mgx);
+    }
+}
+static void dt__cuda_rmsnorm_backward(const float *x, const float *w, const float *dy, const float *stats, float *dx, float *dw,
+                                     int rows, int cols) {
+    if (dx) DT_LAUNCH(dt__k_rmsnorm_backward_dx, dt__blocks_for_warps(rows), DT_THREADS, x, w, dy, stats, dx, rows, cols);
+    dt__cuda_column_sums(dy, x, stats, rows, cols, cols, NULL, dw);
+}
+__global__ static void dt__k_swiglu_forward(const float *g, const float *u, float *y, int64_t n) {
+    DT_FOR_EACH(i, n) y[i] = dt_silu_value(g[i]) * u[i];
+}
+static void dt__cuda_swiglu_forward(const float *gate, const float *up, float *y, int64_t n) {
+    DT_LAUNCH(dt__k_swiglu_forward, dt_blocks_for(n), DT_THREADS, gate, up, y, n);
+}
+__global__ static void dt__k_swiglu_backward(const float *g, const float *u, const float *dy, float *dg, float *du, int64_t n) {
+    DT_FOR_EACH(i, n) {
+        if (dg) dg[i] += dy[i] * u[i] * dt_silu_derivative(g[i]);
+        if (du) du[i] += dy[i] * dt_silu_value(g[i]);
+    }
+}
+static void dt__cuda_swiglu_backward(const float *gate, const float *up, const float *dy, float *dgate, float *dup, int64_t n) {
+    DT_LAUNCH(dt__k_swiglu_backward, dt_blocks_for(n), DT_THREADS, gate, up, dy, dgate, dup, n);
+}
+/* element i of a row's q (or k) part: its pair's value turned by (co, si) */
+__device__ static float dt__rotated(const float *x, int j, int half, float co, float si, int sign) {
+    return j < half ? x[j] * co - sign * x[j + half] * si : x[j] * co + sign * x[j - half] * si;
+}
+__global__ static void dt__k_rotary_qkv_forward(const float *q, const float *k, const float *v, const float *cs, float *y,
+                                               int BT, int T, int H, int KV, int hd) {
+    int D = H * hd, half = hd / 2, group = H / KV;
+    DT_FOR_EACH(i, (int64_t)BT * 3 * D) {
+        int64_t r = i / (3 * D);
+        int c = (int)(i % (3 * D)), part = c / D, h = (c % D) / hd, j = c % hd;
+        const float *pair = cs + (r % T) * hd + 2 * (j % half);
+        if (part == 0) y[i] = dt__rotated(q + r * D + h * hd, j, half, pair[0], pair[1], 1);
+        else if (part == 1) y[i] = dt__rotated(k + (r * KV + h / group) * hd, j, half, pair[0], pair[1], 1);
+        else y[i] = v[(r * KV + h / group) * hd + j];
+    }
+}
+static void dt__cuda_rotary_qkv_forward(const float *q, const float *k, const float *v, const float *cs, float *qkv, int BT,
+                                       int T, int H, int KV, int hd) {
+    DT_LAUNCH(dt__k_rotary_qkv_forward, dt_blocks_for((int64_t)BT * 3 * H * hd), DT_THREADS, q, k, v, cs, qkv, BT, T, H, KV, hd);
+}
+/* dq: one thread per element; dk, dv: one per element of a key/value head,
+   adding its group's query heads in order */
+__global__ static void dt__k_rotary_qkv_backward_q(const float *cs, const float *dy, float *dq, int BT, int T, int H, int hd) {
+    int D = H * hd, half = hd / 2;
+    DT_FOR_EACH(i, (int64_t)BT * D) {
+        int64_t r = i / D;
+        int c = (int)(i % D), j = c % hd;
+        const float *pair = cs + (r % T) * hd + 2 * (j % half);
+        dq[i] += dt__rotated(dy + r * 3 * D + (c - j), j, half, pair[0], pair[1], -1);
+    }
+}
+__global__ static void dt__k_rotary_qkv_backward_kv(const float *cs, const float *dy, float *dk, float *dv, int BT, int T, int H,
+                                                   int KV, int hd) {
+    int D = H * hd, half = hd / 2, group = H / KV;
+    DT_FOR_EACH(i, (int64_t)BT * KV * hd) {
+        int64_t r = i / (KV * hd);
+        int c = (int)(i % (KV * hd)), g = c / hd, j = c % hd;
+        const float *pair = cs + (r % T) * hd + 2 * (j % half);
+        float ak = 0, av = 0;
+        for (int h = g * group; h < (g + 1) * group; h++) {
+            ak += dt__rotated(dy + r * 3 * D + D + h * hd, j, half, pair[0], pair[1], -1);
+            av += dy[r * 3 * D + 2 * D + h * hd + j];
+        }
+        if (dk) dk[i] += ak;
+        if (dv) dv[i] += av;
+    }
+}
+static void dt__cuda_rotary_qkv_backward(const float *cs, const float *dqkv, float *dq, float *dk, float *dv, int BT, int T, int H,
+                                        int KV, int hd) {
+    if (dq) DT_LAUNCH(dt__k_rotary_qkv_backward_q, dt_blocks_for((int64_t)BT * H * hd), DT_THREADS, cs, dqkv, dq, BT, T, H, hd);
+    if (dk || dv)
+        DT_LAUNCH(dt__k_rotary_qkv_backward_kv, dt_blocks_for((int64_t)BT * KV * hd), DT_THREADS, cs, dqkv, dk, dv, BT, T, H, KV, hd);
+}
+
 /* ---- attention: reorder Q, K, V to head-major, two strided-batched matmuls
         around a row softmax, reorder the output back. ---- */
 /* rows [B, T, nsplit, H, hd] <-> heads [nsplit][B, H, T, hd] (nsplit 3: q, k, v):
@@ -8997,7 +9811,7 @@ __global__ static void dt__k_vit_tokens(const float *patches, const float *cls, 
 __global__ static void dt__k_token_embedding(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D) {
     DT_FOR_EACH(i, (int64_t)BT * D) {
         int64_t r = i / D, j = i % D;
-        y[i] = wte[(int64_t)tok[r] * D + j] + wpe[(r % T) * D + j];
+        y[i] = wte[(int64_t)tok[r] * D + j] + (wpe ? wpe[(r % T) * D + j] : 0.0f);
     }
 }
 static void dt__cuda_token_embedding_forward(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D) {
@@ -9215,6 +10029,9 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     t->gemm = dt__cuda_gemm; t->gemm_half = dt__cuda_gemm_half; t->add_bias = dt__cuda_add_bias; t->sum_rows = dt__cuda_sum_rows;
     t->gelu_forward = dt__cuda_gelu_forward; t->gelu_backward = dt__cuda_gelu_backward;
     t->layernorm_forward = dt__cuda_layernorm_forward; t->layernorm_backward = dt__cuda_layernorm_backward;
+    t->rmsnorm_forward = dt__cuda_rmsnorm_forward; t->rmsnorm_backward = dt__cuda_rmsnorm_backward;
+    t->swiglu_forward = dt__cuda_swiglu_forward; t->swiglu_backward = dt__cuda_swiglu_backward;
+    t->rotary_qkv_forward = dt__cuda_rotary_qkv_forward; t->rotary_qkv_backward = dt__cuda_rotary_qkv_backward;
     t->add = dt__cuda_add; t->accumulate = dt__cuda_accumulate;
     t->attention_forward = dt__cuda_attention_forward; t->attention_backward = dt__cuda_attention_backward;
     t->vit_tokens_forward = dt__cuda_vit_tokens_forward; t->vit_tokens_backward = dt__cuda_vit_tokens_backward;

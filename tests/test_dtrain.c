@@ -291,7 +291,7 @@ static int log_series(const char *log, const char *key, double *out, int max) {
 /* ---- 2. memory -------------------------------------------------------------- */
 
 static void test_step_arena_stops_allocating_after_the_first_step(void) {
-    dt_model_config c = { DT_MODEL_VIT, 3, 8, 4, 16, 2, 2, 4, 32, 0 };
+    dt_model_config c = { DT_MODEL_VIT, 3, 8, 4, 16, 2, 2, 4, 32, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 3);
     dt_optimizer *o = dt_optimizer_create(m, DT_ADAMW, 0.0f, 0.0f, 0.0f);
     size_t acts[4];
@@ -858,7 +858,7 @@ static dt_model *hook_model;
 static void record_hook(dt_parallel *par, dt_tensor *p) { (void)par; hook_order[hook_count++] = (int)(p - hook_model->params); }
 
 static void test_grad_ready_hook_fires_once_per_parameter_in_reverse(void) {
-    dt_model_config c = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0, 0 };
+    dt_model_config c = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 2);
     hook_model = m;
     hook_count = 0;
@@ -889,7 +889,7 @@ static dt_tensor *f_model(dt_tensor **l, void *c) {
     return dt_cross_entropy(dt_model_forward(mc->m, img), mc->labels);
 }
 static void model_fd(dt_model_kind kind) {
-    dt_model_config c = { kind, 3, 8, 5, kind == DT_MODEL_MLP ? 16 : 12, 2, 2, 4, 24, 0 };
+    dt_model_config c = { kind, 3, 8, 5, kind == DT_MODEL_MLP ? 16 : 12, 2, 2, 4, 24, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 9);
     dt__rng r = { 6 };
     int B = 3;
@@ -910,7 +910,7 @@ static void test_mlp_gradients_match_finite_differences(void) { model_fd(DT_MODE
 static void test_vit_gradients_match_finite_differences(void) { model_fd(DT_MODEL_VIT); }
 
 static void test_vit_parameter_names_and_shapes_follow_timm(void) {
-    dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768, 0 };
+    dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 1);
     struct { const char *name; int ndim, s[4]; } want[] = {
         { "cls_token", 3, { 1, 1, 192 } }, { "pos_embed", 3, { 1, 65, 192 } },
@@ -937,7 +937,7 @@ static void test_vit_parameter_names_and_shapes_follow_timm(void) {
 }
 
 static dt_model_config tiny_gpt(void) {                /* vocab 11, dim 12, depth 2, heads 2, mlp 48, context 6 */
-    dt_model_config c = { DT_MODEL_GPT, 0, 0, 11, 12, 2, 2, 0, 48, 6 };
+    dt_model_config c = { DT_MODEL_GPT, 0, 0, 11, 12, 2, 2, 0, 48, 6, 0, 0, 0, 0, 0 };
     return c;
 }
 typedef struct { dt_model *m; const float *ids; int B, T; const int32_t *labels; } gpt_ctx;
@@ -962,6 +962,26 @@ static void test_gpt_gradients_match_finite_differences(void) {
     dt_model_free(m);
 }
 
+/* A language model of 11 tokens and a context of 6: a later token never
+   changes an earlier position's logits, and an earlier one reaches every
+   later position. */
+static void check_causal(dt_model *m) {
+    float ids[6] = { 1, 2, 3, 4, 5, 6 }, before[66], after[66];
+    gpt_ctx g = { m, ids, 1, 6, NULL };
+    dt_set_grad_enabled(0);
+    dt_step_arena_reset();
+    dt_tensor_to_host(gpt_logits(&g), before);
+    ids[5] = 9;                                                          /* a different last token */
+    dt_tensor_to_host(gpt_logits(&g), after);
+    CHECK(memcmp(before, after, sizeof(float) * 5 * 11) == 0);           /* positions 0-4: the same bits */
+    CHECK(memcmp(before + 55, after + 55, sizeof(float) * 11) != 0);     /* position 5: changed */
+    ids[5] = 6; ids[2] = 0;                                              /* an earlier token reaches every later one */
+    dt_tensor_to_host(gpt_logits(&g), after);
+    CHECK(memcmp(before, after, sizeof(float) * 2 * 11) == 0);
+    for (int t = 2; t < 6; t++) CHECKF(memcmp(before + t * 11, after + t * 11, sizeof(float) * 11) != 0, "position %d", t);
+    dt_set_grad_enabled(1);
+}
+
 /* Names and shapes are GPT-2's (Conv1D weights [in, out], no lm_head: it is
    wte); a later token never changes an earlier position's logits. */
 static void test_gpt_is_causal_and_named_like_gpt2(void) {
@@ -982,26 +1002,278 @@ static void test_gpt_is_causal_and_named_like_gpt2(void) {
     /* per block: 4*12 norms + 12*36+36 + 12*12+12 + 12*48+48 + 48*12+12 = 1,884; wte 132, wpe 72, ln_f 24 */
     CHECKF(m->numel == 2 * 1884 + 132 + 72 + 24, "%lld parameters", (long long)m->numel);
     CHECK(dt_model_flops_per_token(m) == 6.0 * (m->numel - 72) + 12.0 * 2 * 12 * 6);
-    float ids[6] = { 1, 2, 3, 4, 5, 6 }, before[66], after[66];
-    gpt_ctx g = { m, ids, 1, 6, NULL };
-    dt_set_grad_enabled(0);
-    dt_step_arena_reset();
-    dt_tensor_to_host(gpt_logits(&g), before);
-    ids[5] = 9;                                                          /* a different last token */
-    dt_tensor_to_host(gpt_logits(&g), after);
-    CHECK(memcmp(before, after, sizeof(float) * 5 * 11) == 0);           /* positions 0-4: the same bits */
-    CHECK(memcmp(before + 55, after + 55, sizeof(float) * 11) != 0);     /* position 5: changed */
-    ids[5] = 6; ids[2] = 0;                                              /* an earlier token reaches every later one */
-    dt_tensor_to_host(gpt_logits(&g), after);
-    CHECK(memcmp(before, after, sizeof(float) * 2 * 11) == 0);
-    for (int t = 2; t < 6; t++) CHECKF(memcmp(before + t * 11, after + t * 11, sizeof(float) * 11) != 0, "position %d", t);
-    dt_set_grad_enabled(1);
+    check_causal(m);
     dt_model_free(m);
+}
+
+/* ---- Llama: its three new ops, then the model ---- */
+static dt_tensor *f_rmsnorm(dt_tensor **l, void *c) { (void)c; return dt_rmsnorm(l[0], l[1], 1e-5f); }
+static dt_tensor *f_swiglu(dt_tensor **l, void *c) { (void)c; return dt_swiglu(l[0], l[1]); }
+/* 2 sequences of 5 tokens; 4 query heads 6 wide in 2 key/value groups */
+static dt_tensor *f_rotary(dt_tensor **l, void *c) { (void)c; return dt_rotary_qkv(l[0], l[1], l[2], 2, 5, 4, 2, 10000.0f); }
+static dt_tensor *f_gqa(dt_tensor **l, void *c) {   /* a small base: the angles turn far within 5 positions */
+    return dt_attention(dt_rotary_qkv(l[0], l[1], l[2], 2, 5, 4, 2, 3.0f), 2, 5, 4, *(int *)c);
+}
+static dt_tensor *f_embed_only(dt_tensor **l, void *c) {
+    static const float ids[6] = { 2, 0, 2, 1, 1, 2 };
+    int s[2] = { 2, 3 };
+    (void)c;
+    return dt_token_embedding(dt_tensor_from_host(2, s, ids), l[0], NULL);
+}
+/* The angle of position t, pair j of a head hd wide, as the definition says (in double). */
+static double rope_angle(int t, int j, int hd, double theta) { return t * pow(theta, -2.0 * j / hd); }
+
+static void test_llama_ops_match_finite_differences_and_their_definitions(void) {
+    dt__rng r = { 12 };
+    /* RMSNorm, 8 and 40 wide (past its 16 lanes): y = x / sqrt(mean(x^2) + eps) * w */
+    for (int width = 8; width <= 40; width += 32) {
+        dt_tensor *x = leaf2(4, width, &r, 2), *w = leaf2(1, width, &r, 1), *L[2] = { x, w };
+        fd_check(width == 8 ? "rmsnorm" : "rmsnorm, 40 wide", f_rmsnorm, L, 2, NULL, 1e-2f, 3e-3);
+        dt_set_grad_enabled(0);
+        dt_tensor *y = dt_rmsnorm(x, w, 1e-5f);
+        double worst = 0;
+        for (int i = 0; i < 4; i++) {
+            double ms = 0;
+            for (int j = 0; j < width; j++) ms += (double)x->data[i * width + j] * x->data[i * width + j];
+            double rms = sqrt(ms / width + 1e-5);
+            for (int j = 0; j < width; j++)
+                worst = fmax(worst, fabs(y->data[i * width + j] - x->data[i * width + j] / rms * w->data[j]));
+        }
+        CHECKF(worst < 2e-6, "rmsnorm %d wide: %.3g from the definition", width, worst);
+        dt_set_grad_enabled(1);
+        leaf_free(x); leaf_free(w);
+    }
+    /* SwiGLU: silu(g) u, gates out to +-6 (both tails of the sigmoid) */
+    dt_tensor *g = leaf2(5, 7, &r, 6), *u = leaf2(5, 7, &r, 1), *L2[2] = { g, u };
+    fd_check("swiglu", f_swiglu, L2, 2, NULL, 1e-3f, 2e-3);
+    dt_set_grad_enabled(0);
+    dt_tensor *s = dt_swiglu(g, u);
+    for (int i = 0; i < 35; i++) {
+        double gv = g->data[i], want = gv / (1 + exp(-gv)) * u->data[i];
+        CHECKF(fabs(s->data[i] - want) <= 1e-6 * (1 + fabs(want)), "swiglu element %d: %.9g, want %.9g", i, s->data[i], want);
+    }
+    dt_set_grad_enabled(1);
+    leaf_free(g); leaf_free(u);
+    /* rotary embeddings with grouped-query attention: through the op alone and into the attention */
+    dt_tensor *q = leaf2(10, 24, &r, 1), *k = leaf2(10, 12, &r, 1), *v = leaf2(10, 12, &r, 1), *L3[3] = { q, k, v };
+    fd_check("rotary qkv", f_rotary, L3, 3, NULL, 1e-2f, 2e-3);
+    for (int causal = 0; causal < 2; causal++)
+        fd_check(causal ? "causal grouped-query attention" : "grouped-query attention", f_gqa, L3, 3, &causal, 1e-2f, 3e-3);
+    /* Hugging Face's rotate-half: pair (j, j + hd/2) of each head turned by
+       t * theta^(-2j/hd); query head h reads key/value head h / (H / KV) */
+    dt_set_grad_enabled(0);
+    dt_tensor *y = dt_rotary_qkv(q, k, v, 2, 5, 4, 2, 10000.0f);
+    double worst = 0;
+    for (int row = 0; row < 10; row++)
+        for (int h = 0; h < 4; h++)
+            for (int j = 0; j < 3; j++) {
+                double a = rope_angle(row % 5, j, 6, 10000.0), c = cos(a), sn = sin(a);
+                const float *qs = q->data + row * 24 + h * 6, *ks = k->data + row * 12 + (h / 2) * 6;
+                const float *yq = y->data + row * 72 + h * 6, *yk = yq + 24, *yv = yq + 48;
+                worst = fmax(worst, fabs(yq[j] - (qs[j] * c - qs[j + 3] * sn)));
+                worst = fmax(worst, fabs(yq[j + 3] - (qs[j + 3] * c + qs[j] * sn)));
+                worst = fmax(worst, fabs(yk[j] - (ks[j] * c - ks[j + 3] * sn)));
+                worst = fmax(worst, fabs(yk[j + 3] - (ks[j + 3] * c + ks[j] * sn)));
+                CHECKF(memcmp(yv, v->data + row * 12 + (h / 2) * 6, sizeof(float) * 6) == 0, "row %d head %d: not v's head %d", row,
+                       h, h / 2);
+            }
+    CHECKF(worst < 2e-6, "rotary: %.3g from the definition", worst);
+    /* what rotary embeddings are for: with the same q and k at every position,
+       q_t . k_s depends on t - s only */
+    for (int row = 0; row < 10; row++) {
+        memcpy(q->data + row * 24, q->data, sizeof(float) * 24);
+        memcpy(k->data + row * 12, k->data, sizeof(float) * 12);
+    }
+    y = dt_rotary_qkv(q, k, v, 2, 5, 4, 2, 10000.0f);
+    double dots[5][5];
+    for (int t = 0; t < 5; t++)
+        for (int u2 = 0; u2 < 5; u2++) {
+            dots[t][u2] = 0;
+            for (int j = 0; j < 6; j++) dots[t][u2] += (double)y->data[t * 72 + j] * y->data[u2 * 72 + 24 + j];
+        }
+    CHECKF(fabs(dots[3][1] - dots[2][0]) < 1e-5 && fabs(dots[4][1] - dots[3][0]) < 1e-5 && fabs(dots[4][4] - dots[0][0]) < 1e-5,
+           "q.k at offsets: %.7f %.7f, %.7f %.7f, %.7f %.7f", dots[3][1], dots[2][0], dots[4][1], dots[3][0], dots[4][4], dots[0][0]);
+    CHECK(fabs(dots[3][1] - dots[3][2]) > 1e-4);          /* and does depend on it */
+    dt_set_grad_enabled(1);
+    leaf_free(q); leaf_free(k); leaf_free(v);
+    /* a token embedding with no position table (Llama's) */
+    dt_tensor *e = leaf2(3, 4, &r, 1);
+    fd_check("token embedding without positions", f_embed_only, &e, 1, NULL, 1e-2f, 1e-3);
+    leaf_free(e);
+}
+
+/* vocab 11, dim 16, depth 2, 4 query heads of 4 in 2 key/value groups, SwiGLU 24 wide, context 6 */
+static dt_model_config tiny_llama(int untied_head, int qkv_bias) {
+    dt_model_config c = { DT_MODEL_LLAMA, 0, 0, 11, 16, 2, 4, 0, 24, 6, 2, untied_head, qkv_bias, 10000.0f, 1e-5f };
+    return c;
+}
+
+/* Llama's forward in double, written from Hugging Face's modeling code, not
+   from dtrain's: the mean next-token loss of B sequences of T tokens. */
+static const double *llama_ref_param(dt_model *m, const char *name, double *store) {
+    dt_tensor *p = dt_model_param(m, name);
+    if (!p) return NULL;
+    for (int64_t i = 0; i < p->numel; i++) store[i] = p->data[i];
+    return store;
+}
+static void ref_matmul_t(const double *x, const double *w, const double *b, double *y, int n, int in, int out) {
+    for (int i = 0; i < n; i++)
+        for (int o = 0; o < out; o++) {
+            double acc = b ? b[o] : 0;
+            for (int j = 0; j < in; j++) acc += x[i * in + j] * w[o * in + j];
+            y[i * out + o] = acc;
+        }
+}
+static void ref_rmsnorm(const double *x, const double *w, double *y, int n, int d, double eps) {
+    for (int i = 0; i < n; i++) {
+        double ms = 0;
+        for (int j = 0; j < d; j++) ms += x[i * d + j] * x[i * d + j];
+        double inv = 1 / sqrt(ms / d + eps);
+        for (int j = 0; j < d; j++) y[i * d + j] = x[i * d + j] * inv * w[j];
+    }
+}
+static double llama_ref_loss(dt_model *m, const float *ids, const int32_t *labels, int B, int T) {
+    const dt_model_config *c = &m->cfg;
+    int D = c->dim, H = c->heads, KV = c->kv_heads, hd = D / H, F = c->mlp_hidden, V = c->classes, half = hd / 2, N = B * T;
+    double *st[16];
+    for (int i = 0; i < 16; i++) st[i] = (double *)calloc((size_t)V * D + (size_t)F * D + 64, sizeof(double));
+    double *x = (double *)calloc((size_t)N * D, sizeof(double)), *h = (double *)calloc((size_t)N * D, sizeof(double));
+    double *q = (double *)calloc((size_t)N * D, sizeof(double)), *k = (double *)calloc((size_t)N * D, sizeof(double));
+    double *v = (double *)calloc((size_t)N * D, sizeof(double)), *att = (double *)calloc((size_t)N * D, sizeof(double));
+    double *o = (double *)calloc((size_t)N * D, sizeof(double)), *ga = (double *)calloc((size_t)N * F, sizeof(double));
+    double *up = (double *)calloc((size_t)N * F, sizeof(double)), *logits = (double *)calloc((size_t)N * V, sizeof(double));
+    char name[128];
+    const double *emb = llama_ref_param(m, "model.embed_tokens.weight", st[0]);
+    for (int i = 0; i < N; i++) memcpy(x + i * D, emb + (int)ids[i] * D, sizeof(double) * D);
+    for (int l = 0; l < c->depth; l++) {
+#define P(slot, fmt) (snprintf(name, sizeof name, "model.layers.%d." fmt, l), llama_ref_param(m, name, st[slot]))
+        ref_rmsnorm(x, P(1, "input_layernorm.weight"), h, N, D, c->norm_eps);
+        ref_matmul_t(h, P(2, "self_attn.q_proj.weight"), P(3, "self_attn.q_proj.bias"), q, N, D, H * hd);
+        ref_matmul_t(h, P(4, "self_attn.k_proj.weight"), P(5, "self_attn.k_proj.bias"), k, N, D, KV * hd);
+        ref_matmul_t(h, P(6, "self_attn.v_proj.weight"), P(7, "self_attn.v_proj.bias"), v, N, D, KV * hd);
+        for (int i = 0; i < N; i++) {                              /* rotate q and k: x cos + rotate_half(x) sin */
+            for (int hh = 0; hh < H + KV; hh++) {
+                double *z = hh < H ? q + i * H * hd + hh * hd : k + i * KV * hd + (hh - H) * hd;
+                for (int j = 0; j < half; j++) {
+                    double a = rope_angle(i % T, j, hd, c->rope_theta), x1 = z[j], x2 = z[j + half];
+                    z[j] = x1 * cos(a) - x2 * sin(a);
+                    z[j + half] = x2 * cos(a) + x1 * sin(a);
+                }
+            }
+        }
+        for (int b = 0; b < B; b++)                                  /* causal attention, head hh on kv head hh / (H/KV) */
+            for (int hh = 0; hh < H; hh++)
+                for (int t = 0; t < T; t++) {
+                    double sc[64], mx = -1e300, sum = 0;
+                    const double *qr = q + ((size_t)(b * T + t) * H + hh) * hd;
+                    for (int u = 0; u <= t; u++) {
+                        const double *kr = k + ((size_t)(b * T + u) * KV + hh / (H / KV)) * hd;
+                        sc[u] = 0;
+                        for (int j = 0; j < hd; j++) sc[u] += qr[j] * kr[j];
+                        sc[u] /= sqrt((double)hd);
+                        mx = fmax(mx, sc[u]);
+                    }
+                    for (int u = 0; u <= t; u++) sum += (sc[u] = exp(sc[u] - mx));
+                    double *ar = att + ((size_t)(b * T + t) * H + hh) * hd;
+                    for (int j = 0; j < hd; j++) {
+                        ar[j] = 0;
+                        for (int u = 0; u <= t; u++) ar[j] += sc[u] / sum * v[((size_t)(b * T + u) * KV + hh / (H / KV)) * hd + j];
+                    }
+                }
+        ref_matmul_t(att, P(8, "self_attn.o_proj.weight"), NULL, o, N, H * hd, D);
+        for (int i = 0; i < N * D; i++) x[i] += o[i];
+        ref_rmsnorm(x, P(9, "post_attention_layernorm.weight"), h, N, D, c->norm_eps);
+        ref_matmul_t(h, P(10, "mlp.gate_proj.weight"), NULL, ga, N, D, F);
+        ref_matmul_t(h, P(11, "mlp.up_proj.weight"), NULL, up, N, D, F);
+        for (int i = 0; i < N * F; i++) ga[i] = ga[i] / (1 + exp(-ga[i])) * up[i];
+        ref_matmul_t(ga, P(12, "mlp.down_proj.weight"), NULL, o, N, F, D);
+        for (int i = 0; i < N * D; i++) x[i] += o[i];
+#undef P
+    }
+    ref_rmsnorm(x, llama_ref_param(m, "model.norm.weight", st[13]), h, N, D, c->norm_eps);
+    const double *head = llama_ref_param(m, "lm_head.weight", st[14]);
+    ref_matmul_t(h, head ? head : emb, NULL, logits, N, D, V);
+    double loss = 0;
+    for (int i = 0; i < N; i++) {
+        double mx = -1e300, sum = 0;
+        for (int j = 0; j < V; j++) mx = fmax(mx, logits[i * V + j]);
+        for (int j = 0; j < V; j++) sum += exp(logits[i * V + j] - mx);
+        loss += mx + log(sum) - logits[i * V + labels[i]];
+    }
+    for (int i = 0; i < 16; i++) free(st[i]);
+    free(x); free(h); free(q); free(k); free(v); free(att); free(o); free(ga); free(up); free(logits);
+    return loss / N;
+}
+
+static void test_llama_gradients_and_loss_match_finite_differences_and_a_double_forward(void) {
+    float ids[10] = { 1, 7, 7, 3, 10, 0, 5, 1, 1, 9 };                  /* 2 sequences of 5 (shorter than the context) */
+    int32_t labels[10] = { 7, 7, 3, 10, 2, 5, 1, 1, 9, 4 };
+    for (int variant = 0; variant < 2; variant++) {                      /* tied head; then a head of its own and Qwen2's biases */
+        dt_model_config c = tiny_llama(variant, variant);
+        dt_model *m = dt_model_create(&c, 9);
+        for (int64_t i = 0; i < m->numel; i++) m->flat_data[i] *= 3;     /* larger weights: every path matters */
+        dt__rng r = { 5 };
+        for (int i = 0; i < m->nparams; i++)                             /* norms and biases away from 1 and 0 */
+            if (m->params[i].ndim == 1)
+                for (int64_t j = 0; j < m->params[i].numel; j++) m->params[i].data[j] += (float)(0.5 * rnd(&r));
+        gpt_ctx g = { m, ids, 2, 5, labels };
+        dt_set_grad_enabled(0);
+        dt_step_arena_reset();
+        float loss;
+        dt_tensor_to_host(f_gpt(NULL, &g), &loss);
+        double want = llama_ref_loss(m, ids, labels, 2, 5);
+        CHECKF(fabs(loss - want) < 2e-6, "llama %s: first loss %.9f, the double forward %.9f", variant ? "untied, biases" : "tied",
+               (double)loss, want);
+        dt_set_grad_enabled(1);
+        dt_tensor **leaves = (dt_tensor **)malloc(sizeof(dt_tensor *) * m->nparams);
+        for (int i = 0; i < m->nparams; i++) leaves[i] = &m->params[i];
+        dt_model_zero_grad(m);
+        fd_check(variant ? "llama, untied head, q/k/v biases" : "llama", f_gpt, leaves, m->nparams, &g, 2e-3f, 2e-2);
+        free(leaves);
+        dt_model_free(m);
+    }
+}
+
+/* Names and shapes are Hugging Face's LlamaForCausalLM (Qwen2ForCausalLM
+   with biases); a later token never changes an earlier position's logits. */
+static void test_llama_is_causal_and_named_like_hugging_face(void) {
+    for (int variant = 0; variant < 2; variant++) {
+        dt_model_config c = tiny_llama(variant, variant);
+        dt_model *m = dt_model_create(&c, 3);
+        struct { const char *name; int ndim, s[2]; } want[] = {
+            { "model.embed_tokens.weight", 2, { 11, 16 } }, { "model.norm.weight", 1, { 16 } },
+            { "model.layers.0.input_layernorm.weight", 1, { 16 } }, { "model.layers.0.self_attn.q_proj.weight", 2, { 16, 16 } },
+            { "model.layers.0.self_attn.k_proj.weight", 2, { 8, 16 } }, { "model.layers.1.self_attn.v_proj.weight", 2, { 8, 16 } },
+            { "model.layers.1.self_attn.o_proj.weight", 2, { 16, 16 } },
+            { "model.layers.1.post_attention_layernorm.weight", 1, { 16 } },
+            { "model.layers.0.mlp.gate_proj.weight", 2, { 24, 16 } }, { "model.layers.0.mlp.up_proj.weight", 2, { 24, 16 } },
+            { "model.layers.1.mlp.down_proj.weight", 2, { 16, 24 } } };
+        for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+            dt_tensor *p = dt_model_param(m, want[i].name);
+            CHECKF(p && p->ndim == want[i].ndim && p->shape[0] == want[i].s[0] && (p->ndim < 2 || p->shape[1] == want[i].s[1]),
+                   "%s is missing or misshapen", want[i].name);
+        }
+        dt_tensor *head = dt_model_param(m, "lm_head.weight"), *qb = dt_model_param(m, "model.layers.1.self_attn.k_proj.bias");
+        CHECKF(variant ? head && head->shape[0] == 11 && head->shape[1] == 16 && qb && qb->numel == 8 : !head && !qb,
+               "variant %d: lm_head %s, k_proj.bias %s", variant, head ? "present" : "absent", qb ? "present" : "absent");
+        CHECK(!dt_model_param(m, "model.layers.0.self_attn.o_proj.bias") && !dt_model_param(m, "model.layers.0.mlp.up_proj.bias"));
+        /* per layer: norms 2*16, q 256, k 128, v 128, o 256, gate, up, down 384 each = 1,952 (+ 16 + 8 + 8 biases) */
+        int64_t layers = 2 * (1952 + variant * 32), want_numel = layers + 176 + 16 + variant * 176;
+        CHECKF(m->numel == want_numel, "variant %d: %lld parameters, want %lld", variant, (long long)m->numel, (long long)want_numel);
+        CHECK(variant ? m->nunits == 4 && m->outer_unit == -1 : m->nunits == 3 && m->outer_unit == 0);
+        CHECK(dt_model_flops_per_token(m) == 6.0 * (m->numel - variant * 176) + 12.0 * 2 * 16 * 6);
+        check_causal(m);
+        char line[256];
+        dt_model_describe(m, line, sizeof line);
+        CHECKF(strstr(line, "llama dim=16 depth=2 heads=4 kv-heads=2 ffn=24 context=6 vocab=11") &&
+               !strstr(line, "untied") == !variant, "described as: %s", line);
+        dt_model_free(m);
+    }
 }
 /* ---- 7. optimizer against closed-form steps --------------------------------- */
 
 static void test_adamw_and_sgd_match_hand_computed_steps(void) {
-    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0 };   /* fc1: weight [1,1], bias [1] */
+    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0 };   /* fc1: weight [1,1], bias [1] */
     for (int kind = 0; kind < 2; kind++) {
         dt_model *m = dt_model_create(&c, 1);
         dt_optimizer *o = dt_optimizer_create(m, kind == 0 ? DT_ADAMW : DT_SGD, 0.1f, 0.9f, 0.0f);
@@ -1035,7 +1307,7 @@ static void test_adamw_and_sgd_match_hand_computed_steps(void) {
 }
 
 static void test_gradient_clipping_scales_to_the_max_norm(void) {
-    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0 };
+    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 1);
     dt_optimizer *o = dt_optimizer_create(m, DT_SGD, 0.0f, 0.0f, 1.0f);
     m->params[0].data[0] = 0; m->params[1].data[0] = 0;
@@ -2138,7 +2410,7 @@ static double summary_value(const char *log, const char *key) {
    at all; the host holds them. */
 static void test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank(void) {
     char out[16384], log[600];
-    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0 };
+    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&mc, 1);
     for (int n = 2; n <= 4; n += 2) {
         double shards = 0, largest = 0;
@@ -2176,7 +2448,7 @@ static void test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank(void) {
    every unit but the last (kept gathered from its forward) when backward
    does; evaluation prefetches as forward does. */
 static void test_fsdp_prefetches_the_next_unit(void) {
-    dt_model_config mc = { DT_MODEL_VIT, 3, 8, 10, 16, 3, 2, 4, 32, 0 };
+    dt_model_config mc = { DT_MODEL_VIT, 3, 8, 10, 16, 3, 2, 4, 32, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&mc, 3);
     dt_comm_group *g = dt_comm_group_create(1, 30);
     dt_comm *c = dt_comm_join(g, 0);
@@ -2279,27 +2551,28 @@ static void test_order_mistakes_in_each_stage_are_named_errors(void) {
 
 /* The equivalence tests of stages 02-05, with the GPT on text. */
 static void equivalence(const char *data, int samples, const char *model_flags, const char *model);
-static void test_gpt_trains_alike_in_every_stage(void) {
+/* model: the checkpoints' prefix; flags: the model and its shape */
+static void language_model_trains_alike_in_every_stage(const char *model, const char *flags) {
     char out[16384], ref[600], dir[600], p[700], q[700], la[700], lb[700];
     /* DataParallel and DDP, N = 2 and 4, against stage 01 */
-    equivalence(gpt_text(), 320, "--model gpt --depth 2 --heads 2 --seq-len 16", "gpt");
+    equivalence(gpt_text(), 320, flags, model);
     /* FSDP in every shard mode: DDP's bits (no clipping: its norm sums in another order) */
     static const char *modes[4] = { "optimizer", "grads", "full", "full --cpu-offload" };
     for (int n = 2; n <= 4; n += 2) {
-        snprintf(ref, sizeof ref, "%s/gpt-fsdp-ref-%d", tmpdir, n);
-        int st = run_cmd(out, sizeof out, "%s --data %s " GPT_FLAGS " --epochs 1 --batch-size %d --nproc %d --clip 0 --save-dir %s",
-                         stage_bin("03-ddp"), gpt_text(), 32 / n, n, ref);
+        snprintf(ref, sizeof ref, "%s/%s-fsdp-ref-%d", tmpdir, model, n);
+        int st = run_cmd(out, sizeof out, "%s --data %s %s --log-every 1000 --quiet --epochs 1 --batch-size %d --nproc %d --clip 0 --save-dir %s",
+                         stage_bin("03-ddp"), gpt_text(), flags, 32 / n, n, ref);
         CHECKF(st == 0, "03 --nproc %d: exit %d\n%s", n, st, out);
-        snprintf(p, sizeof p, "%s/gpt_data0-320_epoch1.safetensors", ref);
+        snprintf(p, sizeof p, "%s/%s_data0-320_epoch1.safetensors", ref, model);
         for (int k = 0; k < 4; k++) {
-            snprintf(dir, sizeof dir, "%s/gpt-fsdp-%d-%d", tmpdir, k, n);
-            st = run_cmd(out, sizeof out, "%s --data %s " GPT_FLAGS " --epochs 1 --batch-size %d --nproc %d --clip 0 --shard %s "
-                         "--save-dir %s", stage_bin("04-fsdp"), gpt_text(), 32 / n, n, modes[k], dir);
+            snprintf(dir, sizeof dir, "%s/%s-fsdp-%d-%d", tmpdir, model, k, n);
+            st = run_cmd(out, sizeof out, "%s --data %s %s --log-every 1000 --quiet --epochs 1 --batch-size %d --nproc %d --clip 0 --shard %s "
+                         "--save-dir %s", stage_bin("04-fsdp"), gpt_text(), flags, 32 / n, n, modes[k], dir);
             CHECKF(st == 0, "04 --shard %s --nproc %d: exit %d\n%s", modes[k], n, st, out);
             snprintf(q, sizeof q, "%s/full.safetensors", dir);
-            st = run_cmd(out, sizeof out, "%s %s/gpt_data0-320_epoch1.safetensors %s", build_path("tools/consolidate"), dir, q);
+            st = run_cmd(out, sizeof out, "%s %s/%s_data0-320_epoch1.safetensors %s", build_path("tools/consolidate"), dir, model, q);
             CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
-            CHECKF(files_equal_tensors(p, q), "gpt --shard %s N=%d: not bit for bit DDP's", modes[k], n);
+            CHECKF(files_equal_tensors(p, q), "%s --shard %s N=%d: not bit for bit DDP's", model, modes[k], n);
         }
     }
     /* accumulation (stage 05): 4 micro-batches = one batch 4x as big; the
@@ -2308,14 +2581,14 @@ static void test_gpt_trains_alike_in_every_stage(void) {
     for (int run = 0; run < 3; run++) {
         int n = run ? 2 : 1;
         for (int k = 0; k < 2; k++) {
-            snprintf(dir, sizeof dir, "%s/gpt-acc-%d-%d", tmpdir, run, k);
+            snprintf(dir, sizeof dir, "%s/%s-acc-%d-%d", tmpdir, model, run, k);
             snprintf(k ? lb : la, 700, "%s.jsonl", dir);
-            int st = run_cmd(out, sizeof out, "%s --data %s " GPT_FLAGS " --epochs 1 --nproc %d --batch-size %d --accum-steps %d "
-                             "--shard %s --save-dir %s --log %s", stage_bin("05-accum-mixed-precision"), gpt_text(), n,
+            int st = run_cmd(out, sizeof out, "%s --data %s %s --log-every 1000 --quiet --epochs 1 --nproc %d --batch-size %d --accum-steps %d "
+                             "--shard %s --save-dir %s --log %s", stage_bin("05-accum-mixed-precision"), gpt_text(), flags, n,
                              k ? 8 / n : 32 / n, k ? 4 : 1, acc_modes[run], dir, k ? lb : la);
             CHECKF(st == 0, "05 --nproc %d --accum-steps %d: exit %d\n%s", n, k ? 4 : 1, st, out);
             snprintf(k ? q : p, 700, "%s/full%d.safetensors", tmpdir, k);
-            st = run_cmd(out, sizeof out, "%s %s/gpt_data0-320_epoch1.safetensors %s", build_path("tools/consolidate"), dir, k ? q : p);
+            st = run_cmd(out, sizeof out, "%s %s/%s_data0-320_epoch1.safetensors %s", build_path("tools/consolidate"), dir, model, k ? q : p);
             CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
         }
         /* Not bit for bit: the four micro-batches' weight gradients are summed
@@ -2324,29 +2597,37 @@ static void test_gpt_trains_alike_in_every_stage(void) {
            rounding, issue 22) the same runs differ by 1.1e-5. A micro-batch
            scaled wrong or dropped moves every weight's update instead. */
         double d = max_tensor_diff(p, q);
-        CHECKF(d >= 0 && d <= 2e-5, "gpt FSDP N=%d --shard %s: 4 micro-batches vs one batch differ by %.3g", n, acc_modes[run], d);
+        CHECKF(d >= 0 && d <= 2e-5, "%s FSDP N=%d --shard %s: 4 micro-batches vs one batch differ by %.3g", model, n, acc_modes[run], d);
         if (run != 2)
             CHECKF(log_lines_with_value(la, "grad_collectives", 3) == 10 && log_lines_with_value(lb, "grad_collectives", 3) == 10,
-                   "gpt N=%d: not 3 reduce-scatters in each of the 10 steps", n);
+                   "%s N=%d: not 3 reduce-scatters in each of the 10 steps", model, n);
     }
     /* mixed precision: bf16 and fp16 follow fp32's losses; --sample generates text on every rank */
     double curve[3][16];
     for (int k = 0; k < 3; k++) {
         static const char *dt[3] = { "fp32", "bf16", "fp16" };
-        snprintf(la, sizeof la, "%s/gpt-mp-%d.jsonl", tmpdir, k);
-        int st = run_cmd(out, sizeof out, "%s --data %s " GPT_FLAGS " --epochs 1 --nproc 2 --batch-size 16 --dtype %s --log %s "
-                         "--lr 3e-3", stage_bin("05-accum-mixed-precision"), gpt_text(), dt[k], la);
+        snprintf(la, sizeof la, "%s/%s-mp-%d.jsonl", tmpdir, model, k);
+        int st = run_cmd(out, sizeof out, "%s --data %s %s --log-every 1000 --quiet --epochs 1 --nproc 2 --batch-size 16 --dtype %s --log %s "
+                         "--lr 3e-3", stage_bin("05-accum-mixed-precision"), gpt_text(), flags, dt[k], la);
         CHECKF(st == 0, "05 --dtype %s: exit %d\n%s", dt[k], st, out);
         CHECKF(read_losses(la, curve[k], 16) == 10, "05 --dtype %s: not 10 steps", dt[k]);
         for (int s = 0; k && s < 10; s++)
-            CHECKF(fabs(curve[k][s] - curve[0][s]) < 0.05, "gpt %s step %d: loss %.4f, fp32 %.4f", dt[k], s + 1, curve[k][s], curve[0][s]);
+            CHECKF(fabs(curve[k][s] - curve[0][s]) < 0.05, "%s %s step %d: loss %.4f, fp32 %.4f", model, dt[k], s + 1, curve[k][s], curve[0][s]);
     }
     CHECK(curve[0][9] < curve[0][0] - 0.5);
-    int st = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --epochs 1 --nproc 2 "
-                     "--batch-size 16 --sample 40", stage_bin("04-fsdp"), gpt_text());
+    int st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 1 --nproc 2 --batch-size 16 --sample 40",
+                     stage_bin("04-fsdp"), gpt_text(), flags);
     const char *s = strstr(out, "sample step 10");
     CHECKF(st == 0 && s && count_lines_with(out, "sample step") == 1, "04 --sample: exit %d\n%s", st, out);
     CHECKF(strstr(out, "tokens/s") && strstr(out, "baseline"), "no tokens/s or baseline in:\n%s", out);
+}
+static void test_gpt_trains_alike_in_every_stage(void) {
+    language_model_trains_alike_in_every_stage("gpt", "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16");
+}
+/* Llama's layout (grouped-query attention: 4 query heads, 2 key/value heads)
+   in every stage, as the GPT */
+static void test_llama_trains_alike_in_every_stage(void) {
+    language_model_trains_alike_in_every_stage("llama", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16");
 }
 /* ---- 12. gradient accumulation and mixed precision (stage 05) --------------- */
 
@@ -2361,7 +2642,7 @@ typedef struct {
     int64_t collectives[10];
     float *params;                 /* rank 0's final parameters */
 } accum_rank;
-static dt_model_config accum_model(void) { dt_model_config mc = { DT_MODEL_MLP, 3, 8, 10, 32, 2, 0, 0, 0, 0 }; return mc; }
+static dt_model_config accum_model(void) { dt_model_config mc = { DT_MODEL_MLP, 3, 8, 10, 32, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0 }; return mc; }
 static void accum_batch(int64_t first, int B, dt_tensor **x, int32_t *labels) {
     int shape[4] = { B, 3, 8, 8 };
     float *img = (float *)malloc(sizeof(float) * (size_t)B * 192);
@@ -2630,7 +2911,7 @@ static void test_mixed_precision_is_the_same_on_any_thread_count(void) {
             omp_set_num_threads(th ? 2 : 1);
 #endif
             dt_set_compute_dtype(t ? DT_F16 : DT_BF16);
-            dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0 };
+            dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0 };
             dt_model *m = dt_model_create(&mc, 3);
             dt_step_arena_reset();
             int32_t labels[128];                     /* big enough for the conversions to go parallel */
@@ -2686,7 +2967,7 @@ static size_t handmade_safetensors(const char *path, const char *dtype_w) {
 
 static void test_safetensors_weights_load_and_write_back(void) {
     char path[600], out[600];
-    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0 };     /* depth 0: fc1 [2, 3] only */
+    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0 };     /* depth 0: fc1 [2, 3] only */
     float w[6] = { 0.5f, -1.0f, 2.0f, 0.25f, -0.125f, 3.0f };
     for (int v = 0; v < 2; v++) {
         snprintf(path, sizeof path, "%s/hand%d.safetensors", tmpdir, v);
@@ -2846,6 +3127,138 @@ static void test_gpt2_safetensors_load_with_init_and_give_the_expected_first_los
     for (int i = 0; i < n; i++) free(bufs[i]);
 }
 
+/* A safetensors file of bf16 tensors, written by hand (dtrain writes f32). */
+static void write_safetensors_bf16(const char *path, const dt_named_tensor *t, int n) {
+    char header[8192];
+    size_t used = (size_t)snprintf(header, sizeof header, "{");
+    uint64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t numel = t[i].shape[0] * (t[i].ndim > 1 ? t[i].shape[1] : 1);
+        char shape[64];
+        if (t[i].ndim > 1) snprintf(shape, sizeof shape, "%lld,%lld", (long long)t[i].shape[0], (long long)t[i].shape[1]);
+        else snprintf(shape, sizeof shape, "%lld", (long long)t[i].shape[0]);
+        used += (size_t)snprintf(header + used, sizeof header - used, "%s\"%s\":{\"dtype\":\"BF16\",\"shape\":[%s],"
+                                 "\"data_offsets\":[%llu,%llu]}", i ? "," : "", t[i].name, shape,
+                                 (unsigned long long)off, (unsigned long long)(off + 2 * (uint64_t)numel));
+        off += 2 * (uint64_t)numel;
+    }
+    used += (size_t)snprintf(header + used, sizeof header - used, "}");
+    FILE *f = fopen(path, "wb");
+    uint64_t hlen = used;
+    unsigned char len8[8];
+    for (int i = 0; i < 8; i++) len8[i] = (unsigned char)(hlen >> (8 * i));
+    fwrite(len8, 1, 8, f);
+    fwrite(header, 1, used, f);
+    for (int i = 0; i < n; i++) {
+        int64_t numel = t[i].shape[0] * (t[i].ndim > 1 ? t[i].shape[1] : 1);
+        for (int64_t k = 0; k < numel; k++) {
+            uint16_t h = dt_f32_to_bf16(t[i].data[k]);
+            unsigned char b[2] = { (unsigned char)(h & 255), (unsigned char)(h >> 8) };
+            fwrite(b, 1, 2, f);
+        }
+    }
+    fclose(f);
+}
+
+/* A Hugging Face model folder made here: config.json and random weights in
+   the real layouts (Llama with grouped-query attention and a tied head, in
+   bf16, one file; Qwen2 with q/k/v biases and a head of its own, f32, two
+   files and model.safetensors.index.json). `--init DIR` alone (no --model, no
+   shape flags) must train it, and the first loss must be the double-precision
+   forward's. */
+static void test_hugging_face_llama_and_qwen2_folders_load_with_init_and_give_the_expected_first_loss(void) {
+    enum { T = 16, B = 10 };
+    unsigned char bytes[178];                    /* the first 161 bytes are training: 10 sequences of 16, one batch */
+    for (int i = 0; i < 178; i++) bytes[i] = (unsigned char)("The miller ran to the bridge at noon. "[i % 38]);
+    char text[600], dir[600], path[800], log[800], out[16384];
+    snprintf(text, sizeof text, "%s/hf.txt", tmpdir);
+    write_bytes(text, bytes, sizeof bytes);
+    float ids[B * T];
+    int32_t labels[B * T];
+    for (int i = 0; i < B * T; i++) { ids[i] = bytes[i / T * T + i % T]; labels[i] = bytes[i / T * T + i % T + 1]; }
+    for (int variant = 0; variant < 2; variant++) {
+        int qwen = variant;
+        dt_model_config c = { DT_MODEL_LLAMA, 0, 0, 256, 16, 2, 4, 0, 24, T, 2, qwen, qwen, qwen ? 1000000.0f : 10000.0f, 1e-6f };
+        dt_model *m = dt_model_create(&c, 17 + variant);
+        dt__rng r = { 99 };
+        for (int i = 0; i < m->nparams; i++)
+            for (int64_t j = 0; j < m->params[i].numel; j++) {
+                float *v = &m->params[i].data[j];
+                *v = m->params[i].ndim == 1 ? (float)(1 + 0.3 * rnd(&r)) * (strstr(m->params[i].name, "bias") ? 0.5f : 1.0f)
+                                            : (float)(0.3 * rnd(&r));
+                if (!qwen) *v = dt_bf16_to_f32(dt_f32_to_bf16(*v));     /* what the bf16 file holds */
+            }
+        snprintf(dir, sizeof dir, "%s/hf-%s", tmpdir, qwen ? "qwen2" : "llama");
+        mkdir(dir, 0755);
+        snprintf(path, sizeof path, "%s/config.json", dir);
+        FILE *f = fopen(path, "w");
+        fprintf(f, "{\n  \"architectures\": [\"%s\"],\n  \"model_type\": \"%s\",\n  \"hidden_size\": 16,\n"
+                   "  \"intermediate_size\": 24,\n  \"num_hidden_layers\": 2,\n  \"num_attention_heads\": 4,\n"
+                   "  \"num_key_value_heads\": 2,\n  \"vocab_size\": 256,\n  \"max_position_embeddings\": 64,\n"
+                   "  \"rope_theta\": %s,\n  \"rms_norm_eps\": 1e-06,\n  \"hidden_act\": \"silu\",\n  \"rope_scaling\": null,\n"
+                   "  \"tie_word_embeddings\": %s,\n  \"torch_dtype\": \"%s\",\n  \"bos_token_id\": 1\n}\n",
+                qwen ? "Qwen2ForCausalLM" : "LlamaForCausalLM", qwen ? "qwen2" : "llama", qwen ? "1000000.0" : "10000.0",
+                qwen ? "false" : "true", qwen ? "float32" : "bfloat16");
+        fclose(f);
+        dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams, sizeof *t);
+        for (int i = 0; i < m->nparams; i++) {
+            dt_named_tensor nt = { m->params[i].name, m->params[i].data, m->params[i].ndim,
+                                   { m->params[i].shape[0], m->params[i].ndim > 1 ? m->params[i].shape[1] : 0, 0, 0 } };
+            t[i] = nt;
+        }
+        if (!qwen) {
+            snprintf(path, sizeof path, "%s/model.safetensors", dir);
+            write_safetensors_bf16(path, t, m->nparams);
+        } else {                                  /* two files, the index naming each tensor's */
+            int half = m->nparams / 2;
+            char f1[900], f2[900];
+            snprintf(f1, sizeof f1, "%s/model-00001-of-00002.safetensors", dir);
+            snprintf(f2, sizeof f2, "%s/model-00002-of-00002.safetensors", dir);
+            dt_safetensors_write(f1, t, half, NULL, 0);
+            dt_safetensors_write(f2, t + half, m->nparams - half, NULL, 0);
+            snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+            f = fopen(path, "w");
+            fprintf(f, "{\"metadata\": {\"total_size\": %lld}, \"weight_map\": {", (long long)m->numel * 4);
+            for (int i = 0; i < m->nparams; i++)
+                fprintf(f, "%s\n  \"%s\": \"model-0000%d-of-00002.safetensors\"", i ? "," : "", t[i].name, i < half ? 1 : 2);
+            fprintf(f, "}}\n");
+            fclose(f);
+        }
+        free(t);
+        snprintf(log, sizeof log, "%s.jsonl", dir);
+        int st = run_cmd(out, sizeof out, "%s --data %s --seq-len %d --batch-size %d --steps 1 --init %s --log %s --quiet",
+                         train_cpu, text, T, B, dir, log);
+        CHECKF(st == 0, "%s: exit %d\n%s", dir, st, out);
+        double got[4], want = llama_ref_loss(m, ids, labels, B, T);
+        int k = read_losses(log, got, 4);
+        CHECKF(k == 1 && fabs(got[0] - want) < 2e-6, "%s: first loss %.7f (%d logged), the double forward gives %.7f",
+               qwen ? "qwen2" : "llama", got[0], k, want);
+        CHECK(want > 3 && want < 12);                                   /* a real loss, not a constant */
+        /* a flag that contradicts the config is an error naming both */
+        st = run_cmd(out, sizeof out, "%s --data %s --seq-len %d --dim 32 --steps 1 --init %s", train_cpu, text, T, dir);
+        expect_error(out, st, 2, "--dim 32 contradicts");
+        CHECKF(strstr(out, "hidden_size") && strstr(out, "config.json"), "the error does not name the config's key:\n%s", out);
+        st = run_cmd(out, sizeof out, "%s --data %s --seq-len %d --steps 1 --init %s %s", train_cpu, text, T, dir,
+                     qwen ? "--model gpt" : "--untied-head");
+        expect_error(out, st, 2, qwen ? "--model gpt contradicts" : "--untied-head");
+        dt_model_free(m);
+    }
+    /* what dtrain cannot read yet is said, not guessed */
+    snprintf(dir, sizeof dir, "%s/hf-llama", tmpdir);
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    FILE *f = fopen(path, "w");
+    fprintf(f, "{\"model_type\": \"llama\", \"hidden_size\": 16, \"intermediate_size\": 24, \"num_hidden_layers\": 2, "
+               "\"num_attention_heads\": 4, \"vocab_size\": 256, \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 32.0}}");
+    fclose(f);
+    int st = run_cmd(out, sizeof out, "%s --data %s --seq-len 16 --steps 1 --init %s", train_cpu, text, dir);
+    expect_error(out, st, 2, "rope_scaling");
+    f = fopen(path, "w");
+    fprintf(f, "{\"model_type\": \"mistral\", \"hidden_size\": 16}");
+    fclose(f);
+    st = run_cmd(out, sizeof out, "%s --data %s --seq-len 16 --steps 1 --init %s", train_cpu, text, dir);
+    expect_error(out, st, 2, "mistral");
+}
+
 /* Resume from `from` for the rest of a 2-epoch run, saving into `dir`; the
    final checkpoint must equal the straight run's in every tensor, bit for bit. */
 static void resume_matches_straight_run(const char *from, const char *dir, const char *straight_dir, const char *what) {
@@ -2898,7 +3311,7 @@ static void test_init_starts_from_given_weights(void) {
     CHECKF(st == 0, "exit %d:\n%s", st, out);
     char ck[700];
     snprintf(ck, sizeof ck, "%s/mlp_data0-2_epoch1.safetensors", dir);
-    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0 };
+    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 1);
     dt_model_load_weights(m, ck);
     CHECK(fabs(m->params[0].data[2] - 2.0f) < 1e-5 && fabs(m->params[1].data[1] + 2.5f) < 1e-5);
@@ -3236,7 +3649,7 @@ static void test_corrupt_checkpoint_metadata_is_refused_naming_the_field(void) {
     CHECK(rename(index, keep) == 0);
     CHECK(rewrite_checkpoint(keep, index, "model_config", "3,16,x,32,2,3,4,128", NULL));
     st = run_cmd(out, sizeof out, "%s %s %s/never.safetensors", build_path("tools/consolidate"), index, tmpdir);
-    expect_error(out, st, 1, "metadata 'model_config' is '3,16,x,32,2,3,4,128', not 8 whole numbers");
+    expect_error(out, st, 1, "metadata 'model_config' is '3,16,x,32,2,3,4,128', not mlp's 8 numbers");
     CHECK(rename(keep, index) == 0);
 }
 
@@ -3761,6 +4174,17 @@ static void test_gpu_ops_forward_and_backward_match_the_cpu_within_1e5(void) {
     dt_tensor *L1[3] = { x, w, b };
     gpu_matches_cpu("linear", f_linear, L1, 3, NULL, 1e-5);
     gpu_matches_cpu("linear + gelu", f_linear_gelu, L1, 3, NULL, 1e-5);
+    /* Llama's: RMSNorm, SwiGLU, rotary embeddings with grouped-query attention, an embedding without positions */
+    dt_tensor *rx = leaf2(70, 200, &r, 2), *rw = leaf2(1, 200, &r, 1), *LR[2] = { rx, rw };
+    gpu_matches_cpu("rmsnorm", f_rmsnorm, LR, 2, NULL, 1e-5);
+    dt_tensor *sg = leaf2(33, 301, &r, 6), *su = leaf2(33, 301, &r, 1), *LS[2] = { sg, su };
+    gpu_matches_cpu("swiglu", f_swiglu, LS, 2, NULL, 1e-5);
+    dt_tensor *rq = leaf2(10, 24, &r, 1), *rk = leaf2(10, 12, &r, 1), *rv = leaf2(10, 12, &r, 1), *LQ[3] = { rq, rk, rv };
+    gpu_matches_cpu("rotary qkv", f_rotary, LQ, 3, NULL, 1e-5);
+    for (int c = 0; c < 2; c++) gpu_matches_cpu(c ? "causal grouped-query attention" : "grouped-query attention", f_gqa, LQ, 3, &c, 1e-5);
+    dt_tensor *eo = leaf2(3, 4, &r, 1);
+    gpu_matches_cpu("token embedding without positions", f_embed_only, &eo, 1, NULL, 1e-6);
+    leaf_free(rx); leaf_free(rw); leaf_free(sg); leaf_free(su); leaf_free(rq); leaf_free(rk); leaf_free(rv); leaf_free(eo);
     dt_tensor *g = leaf2(33, 301, &r, 4);
     gpu_matches_cpu("gelu", f_gelu, &g, 1, NULL, 1e-5);
     dt_tensor *lx = leaf2(70, 200, &r, 2), *lw = leaf2(1, 200, &r, 1), *lb = leaf2(1, 200, &r, 1);
@@ -3902,7 +4326,7 @@ static float *random_images(int B, int32_t *labels, uint64_t seed) {
 }
 static void test_gpu_fp32_step_loss_grads_and_params_match_the_cpu(void) {
     NEED_GPU();
-    dt_model_config cfgs[2] = { { DT_MODEL_MLP, 3, 16, 10, 96, 2, 1, 1, 0, 0 }, { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0 } };
+    dt_model_config cfgs[2] = { { DT_MODEL_MLP, 3, 16, 10, 96, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0 }, { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0, 0, 0, 0, 0, 0 } };
     int B = 24;
     int32_t labels[24];
     float *pixels = random_images(B, labels, 23);
@@ -3956,7 +4380,7 @@ static float *cpu_adamw_step_from(dt_model_config *c, const float *grads) {
    fed the GPU's own gradients. */
 static void test_gpu_bf16_and_fp16_step_loss_grads_and_params_match_the_cpu(void) {
     NEED_GPU();
-    dt_model_config cfg = { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0 };
+    dt_model_config cfg = { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0, 0, 0, 0, 0, 0 };
     int B = 24;
     int32_t labels[24];
     float *pixels = random_images(B, labels, 29);
@@ -4319,7 +4743,8 @@ static const test_case tests[] = {
     /* 6. models */
     T(test_mlp_gradients_match_finite_differences), T(test_vit_gradients_match_finite_differences),
     T(test_vit_parameter_names_and_shapes_follow_timm), T(test_gpt_gradients_match_finite_differences),
-    T(test_gpt_is_causal_and_named_like_gpt2),
+    T(test_gpt_is_causal_and_named_like_gpt2), T(test_llama_ops_match_finite_differences_and_their_definitions),
+    T(test_llama_gradients_and_loss_match_finite_differences_and_a_double_forward), T(test_llama_is_causal_and_named_like_hugging_face),
     /* 7. optimizer against closed-form steps */
     T(test_adamw_and_sgd_match_hand_computed_steps), T(test_gradient_clipping_scales_to_the_max_norm),
     T(test_schedule_warms_up_then_follows_a_cosine),
@@ -4349,14 +4774,15 @@ static const test_case tests[] = {
     T(test_dp_and_ddp_equal_one_device_with_n_times_the_batch), T(test_dp_and_ddp_runs_repeat_bit_for_bit),
     T(test_ddp_buckets_overlap_backward_and_change_no_bits), T(test_fsdp_equals_ddp_in_every_shard_mode),
     T(test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank), T(test_fsdp_prefetches_the_next_unit),
-    T(test_order_mistakes_in_each_stage_are_named_errors), T(test_gpt_trains_alike_in_every_stage),
+    T(test_order_mistakes_in_each_stage_are_named_errors), T(test_gpt_trains_alike_in_every_stage), T(test_llama_trains_alike_in_every_stage),
     /* 12. gradient accumulation and mixed precision (stage 05) */
     T(test_accumulation_equals_a_k_times_larger_batch), T(test_bf16_and_fp16_track_the_fp32_loss_curve),
     T(test_fp16_overflow_skips_that_step_and_halves_the_scale),
     T(test_mixed_precision_is_the_same_on_any_thread_count),
     /* 13. checkpoints */
     T(test_safetensors_weights_load_and_write_back),
-    T(test_gpt2_safetensors_load_with_init_and_give_the_expected_first_loss), T(test_resume_continues_exactly),
+    T(test_gpt2_safetensors_load_with_init_and_give_the_expected_first_loss),
+    T(test_hugging_face_llama_and_qwen2_folders_load_with_init_and_give_the_expected_first_loss), T(test_resume_continues_exactly),
     T(test_init_starts_from_given_weights), T(test_accumulation_and_fp16_resume_exactly),
     T(test_fsdp_sharded_checkpoints_resume_consolidate_and_reshard),
     T(test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly), T(test_bad_checkpoints_are_refused),

@@ -297,6 +297,8 @@ MLP=(--model mlp --data "$IMG" --image-size 16 --dim 48 --depth 2 --batch-size 3
 VIT=(--model vit --data "$IMG" --image-size 16 --dim 48 --depth 2 --heads 3 --patch 4 --lr 2e-3)
 # GPT on the built-in text (data/synthetic.txt, written on first use; 878 steps an epoch)
 GPT=(--model gpt --dim 64 --depth 2 --heads 4 --seq-len 64 --batch-size 16 --epochs 1)
+# Llama's layout on the same text: RMSNorm, rotary embeddings, 2 key/value heads for 4 query heads, SwiGLU
+LLAMA=(--model llama --dim 64 --depth 2 --heads 4 --kv-heads 2 --seq-len 64 --batch-size 16 --epochs 1)
 COMMON=(--seed 1 --augment 0 --log-every 25)
 STEPS=100           # the repeat and resume checks
 CURVE_STEPS=200     # the curves: the issue's "mean difference under 0.02 over 200 steps"
@@ -373,8 +375,8 @@ fi
 # 04 and 05 do differently on the GPU (see docs/gpu-status.md).
 if begin "curve references (cpu)"; then
     refs=""
-    for m in mlp vit gpt; do
-        case $m in mlp) model=("${MLP[@]}") ;; vit) model=("${VIT[@]}" --batch-size 32 --epochs 4) ;; gpt) model=("${GPT[@]}") ;; esac
+    for m in mlp vit gpt llama; do
+        case $m in mlp) model=("${MLP[@]}") ;; vit) model=("${VIT[@]}" --batch-size 32 --epochs 4) ;; gpt) model=("${GPT[@]}") ;; llama) model=("${LLAMA[@]}") ;; esac
         if run_step "$CUR" 150 env OMP_NUM_THREADS="$CPU_THREADS" ./01-single-gpu/train --device cpu "${model[@]}" \
                 "${COMMON[@]}" --steps "$CURVE_STEPS" --log "$RUNS/curve-ref-$m.jsonl"; then
             refs="$refs, $m $STEP_SECS s"
@@ -383,8 +385,8 @@ if begin "curve references (cpu)"; then
         fi
     done
     n_ok=0
-    for m in mlp vit gpt; do [ "$(count_losses "$RUNS/curve-ref-$m.jsonl")" = "$CURVE_STEPS" ] && n_ok=$((n_ok + 1)); done
-    if [ "$n_ok" = 3 ]; then pass "01 --device cpu, $CURVE_STEPS steps each:${refs#,}"; else fail "${refs#, }"; fi
+    for m in mlp vit gpt llama; do [ "$(count_losses "$RUNS/curve-ref-$m.jsonl")" = "$CURVE_STEPS" ] && n_ok=$((n_ok + 1)); done
+    if [ "$n_ok" = 4 ]; then pass "01 --device cpu, $CURVE_STEPS steps each:${refs#,}"; else fail "${refs#, }"; fi
 fi
 # curve NAME STAGE MODEL [FLAGS...]: one GPU run against the model's CPU reference.
 curve() {
@@ -394,7 +396,7 @@ curve() {
     bin=$(stage_bin "$s")
     extra=()
     [ "$s" = 01 ] || extra=(--nproc 1)
-    case $m in mlp) model=("${MLP[@]}") ;; vit) model=("${VIT[@]}" --batch-size 32 --epochs 4) ;; gpt) model=("${GPT[@]}") ;; esac
+    case $m in mlp) model=("${MLP[@]}") ;; vit) model=("${VIT[@]}" --batch-size 32 --epochs 4) ;; gpt) model=("${GPT[@]}") ;; llama) model=("${LLAMA[@]}") ;; esac
     a=$RUNS/$(slug "$name").jsonl b=$RUNS/curve-ref-$m.jsonl
     if [ "$(count_losses "$b")" != "$CURVE_STEPS" ]; then fail "no CPU reference: see curve references (cpu)"; return; fi
     if ! run_step "$CUR" 120 "$bin" --device "$DEV" "${extra[@]}" "${model[@]}" "${COMMON[@]}" --steps "$CURVE_STEPS" \
@@ -415,7 +417,7 @@ curve() {
     fi
 }
 for s in 01 02 03 04 05; do
-    for m in mlp vit gpt; do curve "curve $s $m" "$s" "$m"; done
+    for m in mlp vit gpt llama; do curve "curve $s $m" "$s" "$m"; done
 done
 for mode in optimizer grads "full --cpu-offload"; do
     # shellcheck disable=SC2086  # the mode is one or two words
@@ -460,7 +462,7 @@ fi
 if begin "01 repeats bit for bit"; then
     figures="" bad=""
     for m in vit gpt; do
-        case $m in vit) model=("${VIT[@]}" --batch-size 32 --epochs 2) ;; gpt) model=("${GPT[@]}") ;; esac
+        case $m in vit) model=("${VIT[@]}" --batch-size 32 --epochs 2) ;; gpt) model=("${GPT[@]}") ;; llama) model=("${LLAMA[@]}") ;; esac
         ok=1
         for k in a b; do
             run_step "$CUR" 120 ./01-single-gpu/train --device "$DEV" "${model[@]}" "${COMMON[@]}" --steps "$STEPS" \
