@@ -486,7 +486,7 @@ typedef struct dt_dataset {
     /* Text: a run of token ids (num_classes is the vocabulary). Sequence i is
        tokens [i*seq_len, (i+1)*seq_len]: seq_len inputs, and the same shifted
        by one as the labels, so neighbours share one token. */
-    uint16_t *tokens;
+    int32_t *tokens;
     int64_t ntokens, tokens_capacity;
     int seq_len;
 } dt_dataset;
@@ -498,9 +498,10 @@ void dt_dataset_load(const char *dir, const char *split, int size,
                      const dt_dataset *classes_from, dt_dataset *ds);
 void dt_dataset_free(dt_dataset *ds);
 /* Text: a .txt file, or a folder of them joined in name order, read as bytes
-   (vocabulary 256); or, is_tokens, a file of little-endian uint16 token ids
-   (vocab 0: the largest id + 1). The last val_fraction of the tokens, by
-   position, is the validation set. */
+   (vocabulary 256); or, is_tokens, a file of token ids: a NumPy .npy array
+   (one dimension; uint16, uint32, int32 or int64), or else little-endian
+   uint16 ids (vocab 0: the largest id + 1). The last val_fraction of the
+   tokens, by position, is the validation set. */
 void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, double val_fraction, dt_dataset *train,
                   dt_dataset *val);
 /* Write `bytes` of English-like generated text (sentences from a small grammar
@@ -4453,7 +4454,7 @@ void dt_dataset_free(dt_dataset *ds) {
     size_t img = (size_t)ds->channels * ds->size * ds->size;
     dt_free(DT_ARENA_DATA, ds->pixels, (size_t)ds->capacity * img);
     dt_free(DT_ARENA_DATA, ds->labels, (size_t)ds->capacity * sizeof(int32_t));
-    dt_free(DT_ARENA_DATA, ds->tokens, (size_t)ds->tokens_capacity * sizeof(uint16_t));
+    dt_free(DT_ARENA_DATA, ds->tokens, (size_t)ds->tokens_capacity * sizeof(int32_t));
     for (int c = 0; ds->class_names && c < ds->num_classes; c++) free(ds->class_names[c]);
     free(ds->class_names);
     memset(ds, 0, sizeof *ds);
@@ -4466,7 +4467,7 @@ void dt_dataset_slice(dt_dataset *ds, int64_t start, int64_t end) {
                        (long long)end, ds->tokens ? "sequences" : "images", (long long)ds->n, ds->source);
     if (ds->tokens) {                      /* sequences [start, end): their tokens and the one after */
         int64_t T = ds->seq_len;
-        memmove(ds->tokens, ds->tokens + start * T, (size_t)((end - start) * T + 1) * sizeof(uint16_t));
+        memmove(ds->tokens, ds->tokens + start * T, (size_t)((end - start) * T + 1) * sizeof(int32_t));
         ds->ntokens = (end - start) * T + 1;
         ds->n = end - start;
         return;
@@ -4526,7 +4527,7 @@ static void dt__loader_text(dt_loader *l, dt_batch *b, int B) {
     size_t bytes = (size_t)B * T * sizeof(float);
     float *host = b->inputs->device == DT_CPU ? b->inputs->data : (float *)dt__step_alloc_uninit(bytes);
     for (int i = 0; i < B; i++) {
-        const uint16_t *src = ds->tokens + l->order[l->pos + i] * T;
+        const int32_t *src = ds->tokens + l->order[l->pos + i] * T;
         for (int t = 0; t < T; t++) {
             host[(size_t)i * T + t] = (float)src[t];
             b->labels[(size_t)i * T + t] = src[t + 1];
@@ -4583,15 +4584,56 @@ int dt_loader_next(dt_loader *l, dt_batch *b) {
       it, so a text is one long run of tokens: every position is a training
       example. Bytes are the simplest tokens (256 of them, nothing to
       download); a tokenizer's ids come pre-made in a file. -- */
-static void dt__text_split(const uint16_t *tok, int64_t n, int vocab, int seq_len, const char *source, dt_dataset *ds) {
+static void dt__text_split(const int32_t *tok, int64_t n, int vocab, int seq_len, const char *source, dt_dataset *ds) {
     memset(ds, 0, sizeof *ds);
-    ds->tokens = (uint16_t *)dt_alloc(DT_ARENA_DATA, (size_t)n * sizeof(uint16_t));
-    memcpy(ds->tokens, tok, (size_t)n * sizeof(uint16_t));
+    ds->tokens = (int32_t *)dt_alloc(DT_ARENA_DATA, (size_t)n * sizeof(int32_t));
+    memcpy(ds->tokens, tok, (size_t)n * sizeof(int32_t));
     ds->ntokens = ds->tokens_capacity = n;
     ds->seq_len = seq_len;
     ds->n = (n - 1) / seq_len;
     ds->num_classes = vocab;
     dt__copy_str(ds->source, sizeof ds->source, source);
+}
+
+/* Token ids are held as floats in the input tensor: whole numbers up to 2^24
+   are exact there. */
+#define DT_MAX_VOCAB (1 << 24)
+/* A NumPy .npy file of token ids (numpy.save): the magic, a version, and a
+   Python dict that says the element type, the order and the shape. One
+   dimension of uint16, uint32, int32 or int64, little-endian; anything else
+   is an error naming what it found. */
+static void dt__npy_ids(const char *path, const unsigned char *b, size_t len, size_t *width, int *is_signed, size_t *start) {
+    if (len < 10 || b[6] < 1 || b[6] > 3) dt_fail("'%s': a .npy file of version %d; NumPy writes 1, 2 or 3", path, len > 6 ? b[6] : 0);
+    size_t hlen = b[6] == 1 ? (size_t)(b[8] | b[9] << 8) : len >= 12 ? (size_t)b[8] | (size_t)b[9] << 8 | (size_t)b[10] << 16 | (size_t)b[11] << 24 : len;
+    size_t at = b[6] == 1 ? 10 : 12;
+    if (hlen > len - at) dt_fail("'%s' is truncated: its .npy header claims %zu bytes", path, hlen);
+    char header[1024];
+    dt__copy_str(header, sizeof header < hlen + 1 ? sizeof header : hlen + 1, (const char *)b + at);
+    const char *d = strstr(header, "'descr'"), *f = strstr(header, "'fortran_order'"), *sh = strstr(header, "'shape'");
+    char descr[16] = "";
+    if (d && (d = strchr(d + 7, '\'')) != NULL) {
+        size_t k = 0;
+        for (d++; *d && *d != '\'' && k + 1 < sizeof descr; d++) descr[k++] = *d;
+        descr[k] = 0;
+    }
+    static const struct { const char *descr; size_t width; int is_signed; } types[] = {
+        { "<u2", 2, 0 }, { "<u4", 4, 0 }, { "<i4", 4, 1 }, { "<i8", 8, 1 } };
+    int type = -1;
+    for (int k = 0; k < 4; k++) if (!strcmp(descr, types[k].descr)) type = k;
+    if (type < 0)
+        dt_fail("'%s': a .npy array of '%s'; token ids must be uint16, uint32, int32 or int64 ('<u2', '<u4', '<i4', '<i8')",
+                path, descr[0] ? descr : "(no descr)");
+    if (!f || !strstr(f, "False")) dt_fail("'%s': a .npy array in Fortran order; save a one-dimensional array", path);
+    long long n = -1;
+    char close = 0;                                  /* "(n,)": one dimension */
+    if (!sh || sscanf(strchr(sh, '(') ? strchr(sh, '(') : sh, "(%lld , %c", &n, &close) != 2 || n < 0 || close != ')')
+        dt_fail("'%s': a .npy array of shape %.40s; token ids are one dimension, (n,)", path, sh ? sh + 8 : "(none)");
+    *width = types[type].width;
+    *is_signed = types[type].is_signed;
+    *start = at + hlen;
+    if ((len - *start) != (size_t)n * *width)
+        dt_fail("'%s': the .npy header says %lld ids of %zu bytes, the file holds %zu bytes after it (truncated?)", path, n,
+                *width, len - *start);
 }
 
 void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, double val_fraction, dt_dataset *train,
@@ -4601,7 +4643,7 @@ void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, doubl
     unsigned char *bytes = NULL;
     size_t len = 0;
     if (S_ISDIR(st.st_mode)) {                       /* every .txt file, in name order, one after another */
-        if (is_tokens) dt_fail("--tokens '%s' is a folder; it takes one file of uint16 token ids", path);
+        if (is_tokens) dt_fail("--tokens '%s' is a folder; it takes one file of token ids (.npy, or raw uint16)", path);
         int count = 0, used = 0;
         char **names = dt__list_dir(path, 0, &count);
         for (int i = 0; i < count; i++) {
@@ -4622,14 +4664,29 @@ void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, doubl
         dt__free_names(names, count);
         if (!used) dt_fail("'%s' holds no .txt file", path);
     } else if (!(bytes = dt__read_file(path, &len))) dt_fail("cannot read '%s': %s", path, strerror(errno));
-    int64_t n = is_tokens ? (int64_t)(len / 2) : (int64_t)len;
-    if (is_tokens && len % 2)
+    int npy = is_tokens && len >= 6 && !memcmp(bytes, "\x93NUMPY", 6);
+    size_t width = 2, at = 0;                        /* bytes per id, where the ids start */
+    int is_signed = 0;
+    if (npy) dt__npy_ids(path, bytes, len, &width, &is_signed, &at);
+    else if (is_tokens && len % 2)
         dt_fail("'%s' has %zu bytes, an odd number: a file of uint16 token ids has 2 bytes per token (truncated?)", path, len);
-    uint16_t *tok = (uint16_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof(uint16_t));
+    int64_t n = is_tokens ? (int64_t)((len - at) / width) : (int64_t)len;
+    int32_t *tok = (int32_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof(int32_t));
     if (!tok) dt_fail("out of memory reading '%s'", path);
     int largest = 0;
     for (int64_t i = 0; i < n; i++) {
-        tok[i] = is_tokens ? (uint16_t)(bytes[2 * i] | bytes[2 * i + 1] << 8) : bytes[i];
+        if (!is_tokens) tok[i] = bytes[i];
+        else {                                       /* little-endian, as NumPy writes on every common machine */
+            const unsigned char *b = bytes + at + (size_t)i * width;
+            uint64_t u = 0;
+            for (size_t k = 0; k < width; k++) u |= (uint64_t)b[k] << (8 * k);
+            int64_t v = (int64_t)u;
+            if (is_signed && width < 8 && (u >> (8 * width - 1)) & 1) v = (int64_t)(u | ~0ULL << (8 * width));   /* sign */
+            if (v < 0 || v >= DT_MAX_VOCAB)
+                dt_fail("'%s': token %lld is id %lld; ids run from 0 to %d (whole numbers a float holds exactly)", path,
+                        (long long)i, (long long)v, DT_MAX_VOCAB - 1);
+            tok[i] = (int32_t)v;
+        }
         if (tok[i] > largest) largest = tok[i];
     }
     free(bytes);
@@ -4646,7 +4703,7 @@ void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, doubl
         dt_fail("'%s' has %lld tokens: too few for sequences of --seq-len %d (training and validation need %d each; "
                 "the last %.0f%% is validation)", path, (long long)n, seq_len, seq_len + 1, 100 * val_fraction);
     char source[512];
-    snprintf(source, sizeof source, "%s (%s)", path, is_tokens ? "uint16 token ids" : "bytes");
+    snprintf(source, sizeof source, "%s (%s)", path, !is_tokens ? "bytes" : npy ? "token ids, .npy" : "uint16 token ids");
     dt__text_split(tok, ntrain, vocab, seq_len, source, train);
     if (val) dt__text_split(tok + ntrain, nval, vocab, seq_len, source, val);
     free(tok);
@@ -8491,7 +8548,8 @@ static const dt__flag dt__flags[] = {
     { "--data", "12345", "DIR", "image folder (DIR/train/<class>/*, DIR/val/<class>/*) or CIFAR-10 binary folder; gpt: a .txt\n"
       "                          file or a folder of them, read as bytes (default: the synthetic set in data/synthetic,\n"
       "                          gpt: the text data/synthetic.txt, made on first use)", DT_ARG_STR, DT_CFG(data), NULL, DT_NOT_A_NUMBER },
-    { "--tokens", "12345", "FILE", "gpt, llama: train on a file of little-endian uint16 token ids instead of bytes", DT_ARG_STR,
+    { "--tokens", "12345", "FILE", "gpt, llama: train on token ids instead of bytes: a NumPy .npy array (uint16, uint32,\n"
+      "                          int32 or int64), or raw little-endian uint16", DT_ARG_STR,
       DT_CFG(tokens), NULL, DT_NOT_A_NUMBER },
     { "--image-size", "12345", "N", "images are resized to N x N (default 32)", DT_ARG_INT, DT_CFG(image_size), NULL, DT_RANGE(1, 4096) },
     { "--model", "12345", "mlp|vit|gpt|llama", "the model (default mlp); gpt, llama: causal language models on text\n"
@@ -8503,7 +8561,7 @@ static const dt__flag dt__flags[] = {
     { "--patch", "12345", "N", "vit: patch size (4)", DT_ARG_INT, DT_CFG(patch), NULL, DT_MIN(1) },
     { "--seq-len", "12345", "N", "gpt, llama: tokens per sequence, the context (default 64)", DT_ARG_INT, DT_CFG(seq_len), NULL, DT_RANGE(1, 65536) },
     { "--vocab", "12345", "N", "gpt, llama: vocabulary (default: 256 for bytes, the largest id + 1 for --tokens)", DT_ARG_INT,
-      DT_CFG(vocab), NULL, DT_RANGE(1, 65536) },                /* token ids are uint16 */
+      DT_CFG(vocab), NULL, DT_RANGE(1, 16777216) },             /* ids are held as floats: exact to 2^24 */
     { "--sample", "12345", "N", "gpt, llama: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT,
       DT_CFG(sample), NULL, DT_MIN(0) },
     { "--kv-heads", "12345", "N", "llama: key/value heads, each serving --heads / N query heads (default: half the heads\n"
@@ -8844,15 +8902,15 @@ static void dt__bench_data(const dt_config *cfg, dt_dataset *train) {
     dt__copy_str(train->source, sizeof train->source, "random images in memory (--bench)");
 }
 
-/* --model gpt: text, from --data or --tokens, or the built-in text; --bench: random tokens. */
+/* The language models: text, from --data or --tokens, or the built-in text; --bench: random tokens. */
 static void dt__load_text(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
     if (cfg->bench) {
         int ranks = cfg->nproc > cfg->world_size ? cfg->nproc : cfg->world_size, V = cfg->vocab > 0 ? cfg->vocab : 256;
         int64_t n = (int64_t)cfg->batch_size * ranks * 4 * cfg->seq_len + 1;
-        uint16_t *tok = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)n);
+        int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)n);
         if (!tok) dt_fail("out of memory (--bench)");
         dt__rng rng = { cfg->seed };
-        for (int64_t i = 0; i < n; i++) tok[i] = (uint16_t)(dt__rng_u64(&rng) % (uint64_t)V);
+        for (int64_t i = 0; i < n; i++) tok[i] = (int32_t)(dt__rng_u64(&rng) % (uint64_t)V);
         dt__text_split(tok, n, V, cfg->seq_len, "random tokens in memory (--bench)", train);
         free(tok);
         return;                          /* no validation set: dt_load_data left it empty */

@@ -159,6 +159,21 @@ static void expect_error_in(const char *which, const char *out, int status, int 
     t_failed |= before;
 }
 
+/* A NumPy .npy file (format version 1) as numpy.save writes it: the magic,
+   the version, the header's length, a dict padded to 64 bytes, the data. */
+static void write_npy(const char *path, const char *descr, const char *shape, const void *data, size_t bytes, int fortran) {
+    char dict[128];
+    int n = snprintf(dict, sizeof dict, "{'descr': '%s', 'fortran_order': %s, 'shape': %s, }", descr, fortran ? "True" : "False",
+                     shape);
+    while ((10 + n + 1) % 64) dict[n++] = ' ';
+    dict[n++] = '\n';
+    unsigned char head[10] = { 0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (unsigned char)(n & 255), (unsigned char)(n >> 8) };
+    FILE *f = fopen(path, "wb");
+    fwrite(head, 1, 10, f);
+    fwrite(dict, 1, (size_t)n, f);
+    fwrite(data, 1, bytes, f);
+    fclose(f);
+}
 static void write_bytes(const char *path, const void *data, size_t n) {
     FILE *f = fopen(path, "wb");
     if (!f) { printf("cannot write %s\n", path); exit(1); }
@@ -1614,7 +1629,7 @@ static void test_text_data_splits_by_position_and_refuses_bad_files(void) {
     /* the unigram baseline: train predicts "ab" -> p(a) = (1+1)/(2+2), p(b) = 2/4; eval "xab" scores -ln(1/2) */
     dt_dataset u1, u2;
     memset(&u1, 0, sizeof u1); memset(&u2, 0, sizeof u2);
-    uint16_t t1[3] = { 2, 0, 1 }, t2[3] = { 1, 0, 1 };
+    int32_t t1[3] = { 2, 0, 1 }, t2[3] = { 1, 0, 1 };
     u1.tokens = t1; u1.ntokens = 3; u1.num_classes = 2;
     u2.tokens = t2; u2.ntokens = 3; u2.num_classes = 2;
     CHECK(CLOSE(dt_unigram_loss(&u1, &u2), log(2.0), 1e-12));
@@ -1636,7 +1651,45 @@ static void test_text_data_splits_by_position_and_refuses_bad_files(void) {
     dt_text_load(path, 1, 0, 16, 0.1, &tr, &va);
     CHECK(tr.num_classes == 999 + 1 && tr.ntokens == 270 && tr.tokens[1] == 37 && va.tokens[0] == ids[270]);
     dt_dataset_free(&tr); dt_dataset_free(&va);
-    int st = run_cmd(out, sizeof out, "%s " GPT_FLAGS " --tokens %s --vocab 1200 --batch-size 4 --steps 2", train_cpu, path);
+    /* token ids in a NumPy .npy array (numpy.save): ids past 65,535, as Qwen's and Llama 3's vocabularies have */
+    uint32_t big[300], largest = 0;
+    for (int i = 0; i < 300; i++) big[i] = (uint32_t)((uint64_t)i * 7919 % 151000);
+    for (int i = 0; i < 300; i++) largest = big[i] > largest ? big[i] : largest;
+    char npy[700];
+    snprintf(npy, sizeof npy, "%s/ids.npy", tmpdir);
+    write_npy(npy, "<u4", "(300,)", big, sizeof big, 0);
+    dt_text_load(npy, 1, 0, 16, 0.1, &tr, &va);
+    CHECKF(tr.num_classes == (int)largest + 1 && largest > 65535 && tr.ntokens == 270 && tr.tokens[1] == 7919 && va.tokens[0] == (int32_t)big[270],
+           "uint32 .npy: vocabulary %d, %lld training tokens", tr.num_classes, (long long)tr.ntokens);
+    dt_dataset_free(&tr); dt_dataset_free(&va);
+    int64_t wide[300];
+    for (int i = 0; i < 300; i++) wide[i] = big[i];
+    write_npy(npy, "<i8", "(300,)", wide, sizeof wide, 0);
+    dt_text_load(npy, 1, 0, 16, 0.1, &tr, &va);
+    CHECK(tr.num_classes == (int)largest + 1 && tr.tokens[299 - 30] == (int32_t)big[269] && va.tokens[29] == (int32_t)big[299]);
+    dt_dataset_free(&tr); dt_dataset_free(&va);
+    int st = run_cmd(out, sizeof out, "%s --model llama --dim 16 --depth 1 --heads 2 --seq-len 16 --quiet --tokens %s --batch-size 4 "
+                     "--steps 2", train_cpu, npy);
+    CHECKF(st == 0 && strstr(out, "done: 2 steps"), "--tokens .npy: exit %d\n%s", st, out);
+    /* and every malformed one is named */
+    static const struct { const char *descr, *shape; int fortran, cut; const char *names; } bad[] = {
+        { "<f4", "(300,)", 0, 0, "'<f4'" }, { "<u4", "(300,)", 1, 0, "Fortran" }, { "<u4", "(2, 150)", 0, 0, "one dimension" },
+        { "<u4", "(300,)", 0, 3, "truncated" }, { "<u4", "(301,)", 0, 0, "truncated" } };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        write_npy(npy, bad[k].descr, bad[k].shape, big, sizeof big - (size_t)bad[k].cut, bad[k].fortran);
+        st = run_cmd(out, sizeof out, "%s " GPT_FLAGS " --tokens %s", train_cpu, npy);
+        expect_error(out, st, 1, bad[k].names);
+    }
+    int32_t neg[300];
+    for (int i = 0; i < 300; i++) neg[i] = i == 17 ? -5 : i;
+    write_npy(npy, "<i4", "(300,)", neg, sizeof neg, 0);
+    st = run_cmd(out, sizeof out, "%s " GPT_FLAGS " --tokens %s", train_cpu, npy);
+    expect_error(out, st, 1, "token 17 is id -5");
+    big[3] = 1u << 24;                                                 /* a float holds ids below 2^24 exactly */
+    write_npy(npy, "<u4", "(300,)", big, sizeof big, 0);
+    st = run_cmd(out, sizeof out, "%s " GPT_FLAGS " --tokens %s", train_cpu, npy);
+    expect_error(out, st, 1, "token 3 is id 16777216");
+    st = run_cmd(out, sizeof out, "%s " GPT_FLAGS " --tokens %s --vocab 1200 --batch-size 4 --steps 2", train_cpu, path);
     CHECKF(st == 0 && strstr(out, "done: 2 steps"), "--tokens: exit %d\n%s", st, out);
     st = run_cmd(out, sizeof out, "%s " GPT_FLAGS " --tokens %s --vocab 500 --batch-size 4 --steps 2", train_cpu, path);
     expect_error(out, st, 1, "outside --vocab 500");
