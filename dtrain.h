@@ -908,7 +908,7 @@ typedef struct dt_config {
     int kv_heads, ffn_dim;       /* llama: key/value heads, SwiGLU width (0: the defaults) */
     float rope_theta;            /* llama: the rotary embeddings' base */
     int untied_head, qkv_bias;   /* llama: an lm_head of its own; q, k, v biases (Qwen2) */
-    float norm_eps;              /* llama: RMSNorm's epsilon (no flag: from --init DIR's config.json; 0: 1e-5) */
+    float norm_eps;              /* llama: RMSNorm's epsilon (0: 1e-5) */
     int sample;                  /* --sample N: gpt prints N generated tokens at each evaluation */
     int batch_size, epochs;
     int64_t steps;               /* stop after this many steps (0: run every epoch) */
@@ -1344,6 +1344,7 @@ void dt_nccl_free(dt_nccl *s);
 #include <stdarg.h>
 #include <stdlib.h>
 #include <limits.h>
+#include <float.h>
 #include <errno.h>
 #include <ctype.h>
 #include <time.h>
@@ -1431,6 +1432,10 @@ typedef struct dt__context {
     int ncomm_events;
     int64_t grad_collectives;          /* gradient all-reduces and reduce-scatters issued this step */
     int grads_scaled;                  /* gradients still hold the fp16 loss scale (section 12) */
+    uint64_t step_resets;              /* dt_step_arena_reset calls: what lives in the step arena is this step's */
+    /* The rotary embeddings' (cos, sin) table, in the step arena: every layer
+       of a step asks for the same one. */
+    struct { uint64_t step; int T, hd; float theta; dt_device device; float *cs; } rope;
 } dt__context;
 
 static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1 };
@@ -1771,6 +1776,7 @@ static void dt__arena_rewind(dt__step_arena *a, dt_device d) {
 void dt_step_arena_reset(void) {
     for (int d = 0; d < 2; d++) dt__arena_rewind(&dt__ctx.step[d], (dt_device)d);
     dt__ctx.tape_len = 0;
+    dt__ctx.step_resets++;
 }
 
 /* The scratch arena works the same way but lives for one op only: under mixed
@@ -3118,6 +3124,31 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
       (repeated here, as Hugging Face's eager attention does, so dt_attention
       is the GPT's, unchanged). Backward turns the gradient back and adds a
       group's heads into its key/value head, in head order. -- */
+/* (cos, sin) per position and pair, made on the host once per step and shape
+   (every layer reads the same) and kept in the step arena for backward. */
+static float *dt__rope_table(int T, int hd, float theta, dt_device device) {
+    if (dt__ctx.rope.cs && dt__ctx.rope.step == dt__ctx.step_resets && dt__ctx.rope.T == T && dt__ctx.rope.hd == hd &&
+        dt__ctx.rope.theta == theta && dt__ctx.rope.device == device)
+        return dt__ctx.rope.cs;
+    int half = hd / 2;
+    size_t bytes = sizeof(float) * (size_t)T * hd;
+    float *host = (float *)dt__step_alloc_uninit(bytes), *inv = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)half);
+    for (int j = 0; j < half; j++) inv[j] = 1.0f / powf(theta, (float)(2 * j) / (float)hd);
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < half; j++) {
+            float angle = (float)t * inv[j];
+            host[(size_t)t * hd + 2 * j] = (float)cos((double)angle);
+            host[(size_t)t * hd + 2 * j + 1] = (float)sin((double)angle);
+        }
+    float *cs = host;
+    if (device != DT_CPU) {
+        cs = (float *)dt__step_alloc_on(device, bytes);
+        dt__upload_to(device, cs, host, bytes);
+    }
+    dt__ctx.rope.step = dt__ctx.step_resets; dt__ctx.rope.T = T; dt__ctx.rope.hd = hd; dt__ctx.rope.theta = theta;
+    dt__ctx.rope.device = device; dt__ctx.rope.cs = cs;
+    return cs;
+}
 static void dt__rotary_qkv_backward(dt__tape_entry *e) {
     dt_tensor *q = e->in[0], *k = e->in[1], *v = e->in[2];
     int T = e->iarg[0], H = e->iarg[1], KV = e->iarg[2], BT = (int)dt_tensor_rows(q), hd = (int)dt_tensor_cols(q) / H;
@@ -3162,20 +3193,7 @@ dt_tensor *dt_rotary_qkv(dt_tensor *q, dt_tensor *k, dt_tensor *v, int B, int T,
     const dt_backend *gpu = dt__backend_for(q);
     dt__backend_for(k);
     dt__backend_for(v);
-    /* (cos, sin) per position and pair, made on the host and kept for backward */
-    size_t cs_bytes = sizeof(float) * (size_t)T * hd;
-    float *host = (float *)dt__step_alloc_uninit(cs_bytes);
-    for (int t = 0; t < T; t++)
-        for (int j = 0; j < half; j++) {
-            float inv = 1.0f / powf(theta, (float)(2 * j) / (float)hd), angle = (float)t * inv;
-            host[(size_t)t * hd + 2 * j] = (float)cos((double)angle);
-            host[(size_t)t * hd + 2 * j + 1] = (float)sin((double)angle);
-        }
-    float *cs = host;
-    if (q->device != DT_CPU) {
-        cs = (float *)dt__step_alloc_on(q->device, cs_bytes);
-        dt__upload_to(q->device, cs, host, cs_bytes);
-    }
+    float *cs = dt__rope_table(T, hd, theta, q->device);
     dt__scratch_reset();
     dt_tensor *y = dt__tensor_out_2d(BT, 3 * D);
     const float *qv = dt__in(q), *kv = dt__in(k), *vv = dt__in(v);
@@ -3829,9 +3847,10 @@ static void dt__gpt_describe(const dt_model *m, char *out, size_t n) {
 }
 static void dt__llama_describe(const dt_model *m, char *out, size_t n) {
     const dt_model_config *c = &m->cfg;
-    snprintf(out, n, "llama dim=%d depth=%d heads=%d kv-heads=%d ffn=%d context=%d vocab=%d rope-theta=%g%s%s (%.2fM params)",
-             c->dim, c->depth, c->heads, dt__llama_kv_heads(c), c->mlp_hidden, c->seq_len, c->classes,
-             (double)dt__llama_theta(c), c->untied_head ? " untied-head" : "", c->qkv_bias ? " qkv-bias" : "", m->numel / 1e6);
+    snprintf(out, n, "llama dim=%d depth=%d heads=%d kv-heads=%d ffn=%d context=%d vocab=%d rope-theta=%g norm-eps=%g%s%s "
+             "(%.2fM params)", c->dim, c->depth, c->heads, dt__llama_kv_heads(c), c->mlp_hidden, c->seq_len, c->classes,
+             (double)dt__llama_theta(c), (double)dt__llama_eps(c), c->untied_head ? " untied-head" : "",
+             c->qkv_bias ? " qkv-bias" : "", m->numel / 1e6);
 }
 /* The parameters a language model looks up rather than multiplies: GPT-2's
    position table, Llama's embedding when its head is a matrix of its own. */
@@ -3849,7 +3868,12 @@ static const dt__config_number dt__config_numbers[] = {
     DT__CN(qkv_bias, 0), DT__CN(rope_theta, 1), DT__CN(norm_eps, 1) };
 #undef DT__CN
 
-typedef struct dt__model_family {
+typedef struct dt__model_family dt__model_family;
+static const dt__model_family *dt__family(dt_model_kind kind);
+/* The names of a family's numbers, comma-separated: "channels,image_size,...". */
+static void dt__config_names(dt_model_kind kind, char *out, size_t n);
+
+struct dt__model_family {
     const char *name;                  /* --model NAME, and a checkpoint's "model" */
     int language;                      /* token ids in, next-token logits out */
     int numbers;                       /* how many of dt__config_numbers describe its shape */
@@ -3857,7 +3881,7 @@ typedef struct dt__model_family {
     dt_tensor *(*forward)(dt_model *m, dt_tensor *inputs);
     void (*describe)(const dt_model *m, char *out, size_t n);
     int64_t (*lookups)(const dt_model *m);   /* parameters that never multiply */
-} dt__model_family;
+};
 /* in dt_model_kind's order */
 static const dt__model_family dt__model_families[] = {
     { "mlp", 0, 8, dt__mlp_build, dt__mlp_forward, dt__mlp_describe, dt__no_params },
@@ -3871,6 +3895,14 @@ static const dt__model_family *dt__family(dt_model_kind kind) {
     return &dt__model_families[kind];
 }
 int dt_model_is_language(dt_model_kind kind) { return dt__family(kind)->language; }
+static void dt__config_names(dt_model_kind kind, char *out, size_t n) {
+    size_t used = 0;
+    out[0] = 0;
+    for (int k = 0; k < dt__family(kind)->numbers && used < n; k++) {
+        int w = snprintf(out + used, n - used, "%s%s", k ? "," : "", dt__config_numbers[k].name);
+        used += w > 0 ? (size_t)w : 0;
+    }
+}
 
 dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
     const dt__model_family *fam = dt__family(cfg->kind);
@@ -7633,7 +7665,7 @@ static int dt__json_scalar(dt__json *j, double *v, int *is_null) {
     if (left >= 4 && !strncmp(s, "null", 4)) { j->pos += 4; *is_null = 1; *v = 0; return 1; }
     char num[64];
     size_t n = 0;
-    while (n < left && n + 1 < sizeof num && (isdigit((unsigned char)s[n]) || strchr("+-.eE", s[n]))) { num[n] = s[n]; n++; }
+    while (n < left && n + 1 < sizeof num && s[n] && (isdigit((unsigned char)s[n]) || strchr("+-.eE", s[n]))) { num[n] = s[n]; n++; }
     num[n] = 0;
     char *end = NULL;
     *v = strtod(num, &end);
@@ -7645,10 +7677,40 @@ static int dt__json_scalar(dt__json *j, double *v, int *is_null) {
 /* What dtrain reads of a config.json. */
 typedef struct dt__hf_config {
     char path[1100];
-    char model_type[32], hidden_act[32];
+    char model_type[32], hidden_act[32], rope_type[32];
+    /* -1: not in the file */
     double dim, depth, heads, kv_heads, ffn_dim, vocab, max_positions, head_dim, rope_theta, norm_eps, tie, qkv_bias;
+    double mlp_bias, sliding_window, use_sliding_window, partial_rotary;
     int has_rope_scaling;
 } dt__hf_config;
+
+/* A rope_scaling or rope_parameters object: its rope_type ("default" is no
+   rescaling), rope_theta and partial_rotary_factor; any other rope_type, or
+   any rope_scaling at all, is rescaled frequencies dtrain does not compute. */
+static void dt__hf_rope_object(dt__json *j, dt__hf_config *hc, int is_scaling) {
+    dt__json_eat(j, '{');
+    while (j->ok && dt__json_peek(j) != '}') {
+        char *key = dt__json_str(j);
+        dt__json_eat(j, ':');
+        if (!key || !j->ok) { free(key); return; }
+        double v;
+        int is_null;
+        if ((!strcmp(key, "rope_type") || !strcmp(key, "type")) && dt__json_peek(j) == '"') {
+            char *t = dt__json_str(j);
+            dt__copy_str(hc->rope_type, sizeof hc->rope_type, t ? t : "");
+            free(t);
+        } else if (!strcmp(key, "rope_theta") && dt__json_peek(j) != '"' && dt__json_scalar(j, &v, &is_null)) {
+            if (!is_null) hc->rope_theta = v;
+        } else if (!strcmp(key, "partial_rotary_factor") && dt__json_peek(j) != '"' && dt__json_scalar(j, &v, &is_null)) {
+            if (!is_null) hc->partial_rotary = v;
+        } else dt__json_skip(j, 0);
+        free(key);
+        if (dt__json_peek(j) == ',') j->pos++;
+    }
+    dt__json_eat(j, '}');
+    if (is_scaling ? strcmp(hc->rope_type, "default") != 0 : hc->rope_type[0] && strcmp(hc->rope_type, "default"))
+        hc->has_rope_scaling = 1;
+}
 
 static void dt__hf_config_read(const char *dir, dt__hf_config *hc) {
     static const struct { const char *key; size_t offset; } fields[] = {
@@ -7660,10 +7722,12 @@ static void dt__hf_config_read(const char *dir, dt__hf_config *hc) {
         { "max_position_embeddings", offsetof(dt__hf_config, max_positions) },
         { "n_positions", offsetof(dt__hf_config, max_positions) }, { "head_dim", offsetof(dt__hf_config, head_dim) },
         { "rope_theta", offsetof(dt__hf_config, rope_theta) }, { "rms_norm_eps", offsetof(dt__hf_config, norm_eps) },
-        { "tie_word_embeddings", offsetof(dt__hf_config, tie) }, { "attention_bias", offsetof(dt__hf_config, qkv_bias) } };
+        { "tie_word_embeddings", offsetof(dt__hf_config, tie) }, { "attention_bias", offsetof(dt__hf_config, qkv_bias) },
+        { "mlp_bias", offsetof(dt__hf_config, mlp_bias) }, { "sliding_window", offsetof(dt__hf_config, sliding_window) },
+        { "use_sliding_window", offsetof(dt__hf_config, use_sliding_window) },
+        { "partial_rotary_factor", offsetof(dt__hf_config, partial_rotary) } };
     memset(hc, 0, sizeof *hc);
-    double *all = &hc->dim;
-    for (int k = 0; k < 12; k++) all[k] = -1;                /* -1: not in the file */
+    for (int f = 0; f < (int)(sizeof fields / sizeof fields[0]); f++) *(double *)((char *)hc + fields[f].offset) = -1;
     snprintf(hc->path, sizeof hc->path, "%s/config.json", dir);
     size_t len = 0;
     char *text = (char *)dt__read_file(hc->path, &len);
@@ -7686,10 +7750,13 @@ static void dt__hf_config_read(const char *dir, dt__hf_config *hc) {
             char *v = dt__json_str(&j);
             dt__copy_str(!strcmp(key, "model_type") ? hc->model_type : hc->hidden_act, sizeof hc->model_type, v ? v : "");
             free(v);
-        } else if (!strcmp(key, "rope_scaling")) {
+        } else if (!strcmp(key, "rope_scaling") || !strcmp(key, "rope_parameters")) {
+            /* transformers 4 writes rope_theta beside a rope_scaling (null unless
+               the frequencies are rescaled); transformers 5 one rope_parameters
+               object holding rope_type and rope_theta */
             double v;
             int is_null = 0;
-            if (dt__json_peek(&j) == '{') { hc->has_rope_scaling = 1; dt__json_skip(&j, 0); }
+            if (dt__json_peek(&j) == '{') dt__hf_rope_object(&j, hc, !strcmp(key, "rope_scaling"));
             else if (!dt__json_scalar(&j, &v, &is_null) || !is_null) hc->has_rope_scaling = 1;
         } else dt__json_skip(&j, 0);
         free(key);
@@ -7710,7 +7777,7 @@ static int dt__hf_weight_files(const char *dir, char ***files) {
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     if (stat(path, &s) == 0) {
         *files = (char **)malloc(sizeof(char *));
-        (*files)[0] = strdup(path);
+        if (!*files || !((*files)[0] = strdup(path))) dt_fail("out of memory (--init %s)", dir);
         return 1;
     }
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
@@ -7735,8 +7802,10 @@ static int dt__hf_weight_files(const char *dir, char ***files) {
                 if (file && !seen) {
                     char full[1400];
                     snprintf(full, sizeof full, "%s/%s", dir, file);
-                    *files = (char **)realloc(*files, sizeof(char *) * (size_t)(n + 1));
-                    (*files)[n++] = strdup(full);
+                    char **grown = (char **)realloc(*files, sizeof(char *) * (size_t)(n + 1));
+                    if (!grown || !(grown[n] = strdup(full))) dt_fail("out of memory (--init %s)", dir);
+                    *files = grown;
+                    n++;
                 }
                 free(tensor); free(file);
                 if (dt__json_peek(&j) == ',') j.pos++;
@@ -7754,11 +7823,28 @@ static int dt__hf_weight_files(const char *dir, char ***files) {
 
 /* A Hugging Face folder's weights: each tensor from the file that holds it.
    A tied model's lm_head (when the folder has one) is the embedding again. */
+/* A tensor of the folder that no parameter takes: a part of the model dtrain
+   would leave out (an MLP bias, say) unless it is one of the buffers and tied
+   copies Hugging Face's files carry. */
+static int dt__hf_spare_tensor(const dt_model *m, const char *name) {
+    size_t l = strlen(name);
+    const char *tail = l >= 10 ? name + l - 10 : "";
+    if (!strcmp(name, "lm_head.weight") && !dt_model_param((dt_model *)m, "lm_head.weight")) return 1;   /* tied head */
+    if (l >= 19 && !strcmp(name + l - 19, "rotary_emb.inv_freq")) return 1;     /* older Llama files' buffer */
+    return !strcmp(tail, ".attn.bias") || (l >= 17 && !strcmp(name + l - 17, ".attn.masked_bias"));   /* GPT-2's masks */
+}
 static void dt__load_hf_folder(dt_model *m, const char *dir, float *host) {
     char **files = NULL;
     int nfiles = dt__hf_weight_files(dir, &files), *found = (int *)calloc((size_t)m->nparams, sizeof(int));
+    if (!found) dt_fail("out of memory (--init %s)", dir);
     for (int f = 0; f < nfiles; f++) {
         dt_safetensors *st = dt_safetensors_read(files[f]);
+        for (int k = 0; k < st->n; k++) {
+            const char *name = st->t[k].name, *bare = strncmp(name, "transformer.", 12) ? name : name + 12;
+            if (!dt_model_param(m, bare) && !dt__hf_spare_tensor(m, name))
+                dt_fail("--init %s: '%s' holds '%s', which this model has no place for (%s); a part dtrain would drop", dir,
+                        files[f], name, dt__family(m->cfg.kind)->name);
+        }
         for (int i = 0; i < m->nparams; i++) {
             dt_tensor *p = &m->params[i];
             char prefixed[200];
@@ -7828,21 +7914,16 @@ static int dt__model_config_parse(dt_safetensors *st, const char *path, dt_model
     mc->kind = (dt_model_kind)found;
     int want = dt__model_families[found].numbers, got = 0, ok = 1;
     char names[400];
-    size_t used = 0;
-    names[0] = 0;
-    for (int k = 0; k < want; k++) {
-        int w = snprintf(names + used, sizeof names - used, "%s%s", k ? "," : "", dt__config_numbers[k].name);
-        used += w > 0 && (size_t)w < sizeof names - used ? (size_t)w : 0;
-    }
+    dt__config_names(mc->kind, names, sizeof names);
     for (const char *p = shape; ok && *p; got++) {
         char *end = NULL;
         errno = 0;
         double v = strtod(p, &end);
-        ok = end != p && !errno && isfinite(v) && v >= 0 && v <= INT_MAX && got < want && (*end == ',' || !*end);
+        ok = end != p && !errno && isfinite(v) && v >= 0 && got < want && (*end == ',' || !*end);
         if (!ok) break;
         char *field = (char *)mc + dt__config_numbers[got].offset;
-        if (dt__config_numbers[got].is_float) *(float *)field = (float)v;
-        else if (v == floor(v)) *(int *)field = (int)v;
+        if (dt__config_numbers[got].is_float) ok = v <= FLT_MAX, *(float *)field = (float)v;
+        else if (v == floor(v) && v <= INT_MAX) *(int *)field = (int)v;
         else ok = 0;
         p = *end ? end + 1 : end;
     }
@@ -7900,7 +7981,7 @@ static int dt__data_parallel_width(void) { return dt__ctx.world_size * (dt__ctx.
 static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *format) {
     const dt_model_config *mc = &r->model->cfg;
     dt__meta_add(l, "format", "%s", format);
-    char shape[96];
+    char shape[160];
     dt__model_config_string(mc, shape, sizeof shape);
     dt__meta_add(l, "model", "%s", dt__model_kind_name(mc->kind));
     dt__meta_add(l, "model_config", "%s", shape);
@@ -7990,15 +8071,18 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     dt_model *m = r->model;
     dt_optimizer *o = r->opt;
     const dt_model_config *mc = &m->cfg;
-    char want[96], desc[256];
+    char want[160], desc[256], names[400];
     dt__meta_required(st, path, "format");
     dt__is_sharded(st);                        /* one shard alone is refused here */
     dt__model_config_string(mc, want, sizeof want);
     const char *kind = dt__meta_required(st, path, "model"), *shape = dt__meta_required(st, path, "model_config");
     dt_model_describe(m, desc, sizeof desc);
-    if (strcmp(kind, dt__model_kind_name(mc->kind)) || strcmp(shape, want))
-        dt_fail("'%s' holds a %s model (channels,size,classes,dim,depth,heads,patch,mlp%s = %s) but this run builds %s",
-                path, kind, strcmp(kind, "gpt") ? "" : ",context", shape, desc);
+    dt_model_config theirs;
+    if (strcmp(kind, dt__model_kind_name(mc->kind)) || strcmp(shape, want)) {
+        if (dt__model_config_parse(st, path, &theirs)) dt__config_names(theirs.kind, names, sizeof names);  /* its own kind's */
+        else dt__copy_str(names, sizeof names, "a model dtrain does not know");
+        dt_fail("'%s' holds a %s model (%s = %s) but this run builds %s (%s)", path, kind, names, shape, desc, want);
+    }
     /* Rank r takes samples r, r + N, r + 2N, ... of the epoch's order, so a step
        of N ranks x B images takes the same N*B samples at any N: a run may
        resume at another world size when the samples per step stay the same. */
@@ -8570,6 +8654,7 @@ static const dt__flag dt__flags[] = {
       DT_ARG_INT, DT_CFG(ffn_dim), NULL, DT_MIN(1) },
     { "--rope-theta", "12345", "X", "llama: the rotary embeddings' base (default 10000)", DT_ARG_FLOAT, DT_CFG(rope_theta), NULL,
       DT_ABOVE(1) },
+    { "--norm-eps", "12345", "X", "llama: RMSNorm's epsilon (default 1e-5)", DT_ARG_FLOAT, DT_CFG(norm_eps), NULL, DT_ABOVE(0) },
     { "--untied-head", "12345", NULL, "llama: an lm_head.weight of its own (default: the head is the token embedding)",
       DT_ARG_SWITCH, DT_CFG(untied_head), NULL, DT_NOT_A_NUMBER },
     { "--qkv-bias", "12345", NULL, "llama: biases on the q, k and v projections, as Qwen2 has", DT_ARG_SWITCH, DT_CFG(qkv_bias),
@@ -8594,7 +8679,9 @@ static const dt__flag dt__flags[] = {
     { "--save-dir", "12345", "DIR", "write a checkpoint at the end of every epoch", DT_ARG_STR, DT_CFG(save_dir), NULL, DT_NOT_A_NUMBER },
     { "--resume", "12345", "FILE|auto", "continue exactly where a checkpoint stopped; auto: the newest in --save-dir (none: start\n"
       "                          fresh), what a requeued job runs after preemption", DT_ARG_STR, DT_CFG(resume), NULL, DT_NOT_A_NUMBER },
-    { "--init", "12345", "FILE", "start from these weights (safetensors, PyTorch/timm names)", DT_ARG_STR, DT_CFG(init), NULL, DT_NOT_A_NUMBER },
+    { "--init", "12345", "FILE|DIR", "start from these weights (safetensors, PyTorch/timm/Hugging Face names), or from a\n"
+      "                          Hugging Face model folder (config.json gives the model and its shape)", DT_ARG_STR, DT_CFG(init),
+      NULL, DT_NOT_A_NUMBER },
     { "--eval-every", "12345", "N", "evaluate every N steps as well as after each epoch (default 0: epochs only)", DT_ARG_INT,
       DT_CFG(eval_every), NULL, DT_MIN(0) },
     { "--log-every", "12345", "N", "print a progress line every N steps (default: about every 3 s, and each epoch's last step)",
@@ -8682,7 +8769,13 @@ static int dt__given(const unsigned char *given, const char *name) {
    flag given with another value is an error that names both. */
 static void dt__hf_take(const dt__hf_config *hc, const char *key, double from_config, const char *flag, int given,
                         float *f_value, int *i_value) {
-    if (from_config < 0) return;
+    if (from_config == -1) return;
+    /* whole numbers of at least 1 (0 and 1 for a yes/no); a positive base and epsilon */
+    int yes_no = flag && (!strcmp(flag, "--untied-head") || !strcmp(flag, "--qkv-bias"));
+    if (i_value ? from_config != floor(from_config) || from_config < (yes_no ? 0 : 1) || from_config > 16777216
+                : !(from_config > 0) || from_config > 1e30)
+        dt_usage_error("%s: \"%s\": %g is not a valid value%s", hc->path, key, from_config,
+                       i_value ? (yes_no ? " (true or false)" : " (a whole number from 1 to 16777216)") : " (a positive number)");
     double have = f_value ? (double)*f_value : (double)*i_value;
     if (given && fabs(have - from_config) > 1e-6 * fabs(from_config))
         dt_usage_error("%s %g contradicts \"%s\": %g in %s (the folder's config gives the shape; leave the flag out)", flag,
@@ -8704,43 +8797,52 @@ static void dt__apply_hf_model(dt_config *c, const dt__hf_config *hc, const unsi
 /* The shape: over the defaults. */
 static void dt__apply_hf_shape(dt_config *c, dt__hf_config hc, const unsigned char *given) {
     int llama = !strcmp(hc.model_type, "llama"), qwen2 = !strcmp(hc.model_type, "qwen2"), gpt2 = !strcmp(hc.model_type, "gpt2");
-    const char *missing = hc.dim < 0 ? "hidden_size" : hc.depth < 0 ? "num_hidden_layers" : hc.heads < 0 ? "num_attention_heads"
-                        : hc.vocab < 0 ? "vocab_size" : !gpt2 && hc.ffn_dim < 0 ? "intermediate_size" : NULL;
+    const char *missing = hc.dim == -1 ? "hidden_size" : hc.depth == -1 ? "num_hidden_layers" : hc.heads == -1 ? "num_attention_heads"
+                        : hc.vocab == -1 ? "vocab_size" : !gpt2 && hc.ffn_dim == -1 ? "intermediate_size" : NULL;
     if (missing) dt_usage_error("%s has no \"%s\"", hc.path, missing);
     dt__hf_take(&hc, "hidden_size", hc.dim, "--dim", dt__given(given, "--dim"), NULL, &c->dim);
     dt__hf_take(&hc, "num_hidden_layers", hc.depth, "--depth", dt__given(given, "--depth"), NULL, &c->depth);
     dt__hf_take(&hc, "num_attention_heads", hc.heads, "--heads", dt__given(given, "--heads"), NULL, &c->heads);
     dt__hf_take(&hc, "vocab_size", hc.vocab, "--vocab", dt__given(given, "--vocab"), NULL, &c->vocab);
-    if (hc.head_dim >= 0 && hc.head_dim * c->heads != c->dim)
+    if (hc.head_dim != -1 && hc.head_dim * c->heads != c->dim)
         dt_usage_error("%s: head_dim %g is not hidden_size / num_attention_heads = %d; dtrain's heads split the width",
                        hc.path, hc.head_dim, c->dim / c->heads);
-    if (hc.max_positions >= 0 && c->seq_len > hc.max_positions)
+    if (hc.max_positions != -1 && c->seq_len > hc.max_positions)
         dt_usage_error("--seq-len %d is longer than the model's context, \"max_position_embeddings\": %g in %s", c->seq_len,
                        hc.max_positions, hc.path);
     if (gpt2) {
-        if (hc.ffn_dim >= 0 && hc.ffn_dim != 4 * c->dim)
+        if (hc.ffn_dim != -1 && hc.ffn_dim != 4 * c->dim)
             dt_usage_error("%s: n_inner %g; dtrain's GPT-2 MLP is 4 x n_embd = %d wide", hc.path, hc.ffn_dim, 4 * c->dim);
         return;
     }
     if (hc.has_rope_scaling)
-        dt_usage_error("%s: \"rope_scaling\" (Llama 3.1/3.2's long-context frequencies) is not supported yet", hc.path);
+        dt_usage_error("%s: rescaled rotary frequencies (\"rope_scaling\", or a rope_type other than \"default\": Llama 3.1 "
+                       "and 3.2's long-context ones) are not supported yet", hc.path);
+    if (hc.partial_rotary != -1 && hc.partial_rotary != 1)
+        dt_usage_error("%s: partial_rotary_factor %g; dtrain rotates whole heads", hc.path, hc.partial_rotary);
+    if (hc.mlp_bias > 0) dt_usage_error("%s: mlp_bias true (biases on gate, up and down) is not supported", hc.path);
+    if (hc.use_sliding_window > 0 && hc.sliding_window != -1 && hc.sliding_window < c->seq_len)
+        dt_usage_error("%s: sliding-window attention of %g tokens, shorter than --seq-len %d: dtrain attends to the whole "
+                       "context", hc.path, hc.sliding_window, c->seq_len);
     if (hc.hidden_act[0] && strcmp(hc.hidden_act, "silu"))
         dt_usage_error("%s: hidden_act \"%s\"; dtrain's SwiGLU uses silu", hc.path, hc.hidden_act);
     if (llama && hc.qkv_bias > 0)
         dt_usage_error("%s: attention_bias true (biases on o_proj too) is not supported; Qwen2's q/k/v biases are", hc.path);
     /* Hugging Face's defaults where the file says nothing */
-    if (hc.kv_heads < 0) hc.kv_heads = hc.heads;
-    if (hc.rope_theta < 0) hc.rope_theta = 10000;
-    if (hc.tie < 0) hc.tie = 0;
+    if (hc.kv_heads == -1) hc.kv_heads = hc.heads;
+    if (hc.rope_theta == -1) hc.rope_theta = 10000;
+    if (hc.tie == -1) hc.tie = 0;
+    if (hc.norm_eps == -1) hc.norm_eps = 1e-6;
     hc.qkv_bias = qwen2;
     dt__hf_take(&hc, "num_key_value_heads", hc.kv_heads, "--kv-heads", dt__given(given, "--kv-heads"), NULL, &c->kv_heads);
     dt__hf_take(&hc, "intermediate_size", hc.ffn_dim, "--ffn-dim", dt__given(given, "--ffn-dim"), NULL, &c->ffn_dim);
+    if (hc.rope_theta <= 1) dt_usage_error("%s: rope_theta %g; the rotary base must be above 1", hc.path, hc.rope_theta);
     dt__hf_take(&hc, "rope_theta", hc.rope_theta, "--rope-theta", dt__given(given, "--rope-theta"), &c->rope_theta, NULL);
     double untied = 1 - hc.tie, bias = hc.qkv_bias;
     dt__hf_take(&hc, "tie_word_embeddings (as --untied-head)", untied, "--untied-head", dt__given(given, "--untied-head"), NULL,
                 &c->untied_head);
     dt__hf_take(&hc, "model_type (qwen2: q/k/v biases)", bias, "--qkv-bias", dt__given(given, "--qkv-bias"), NULL, &c->qkv_bias);
-    c->norm_eps = hc.norm_eps > 0 ? (float)hc.norm_eps : 1e-6f;
+    dt__hf_take(&hc, "rms_norm_eps", hc.norm_eps, "--norm-eps", dt__given(given, "--norm-eps"), &c->norm_eps, NULL);
 }
 
 dt_config dt_parse_args(int argc, char **argv, const char *stage) {
@@ -8825,8 +8927,8 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     /* values in range that make no sense together */
     if (!gpt && (dt__given(given, "--seq-len") || dt__given(given, "--vocab") || c.tokens || dt__given(given, "--sample")))
         dt_usage_error("--seq-len, --vocab, --tokens and --sample are for the language models (--model gpt or llama)");
-    if (!llama && (c.kv_heads || c.ffn_dim || c.rope_theta > 0 || c.untied_head || c.qkv_bias))
-        dt_usage_error("--kv-heads, --ffn-dim, --rope-theta, --untied-head and --qkv-bias are for --model llama");
+    if (!llama && (c.kv_heads || c.ffn_dim || c.rope_theta > 0 || c.norm_eps > 0 || c.untied_head || c.qkv_bias))
+        dt_usage_error("--kv-heads, --ffn-dim, --rope-theta, --norm-eps, --untied-head and --qkv-bias are for --model llama");
     if (llama && !c.kv_heads) c.kv_heads = c.heads % 2 ? c.heads : c.heads / 2;
     if (llama && !c.ffn_dim) c.ffn_dim = (8 * c.dim / 3 + 31) / 32 * 32;
     if (llama && c.heads % c.kv_heads)
@@ -8879,7 +8981,9 @@ dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int ima
     if (dt_model_is_language(cfg->model)) { m.seq_len = cfg->seq_len; m.channels = m.image_size = m.patch = 0; }
     if (cfg->model == DT_MODEL_LLAMA) {
         m.mlp_hidden = cfg->ffn_dim; m.kv_heads = cfg->kv_heads; m.untied_head = cfg->untied_head; m.qkv_bias = cfg->qkv_bias;
-        m.rope_theta = cfg->rope_theta; m.norm_eps = cfg->norm_eps > 0 ? cfg->norm_eps : 1e-5f;
+        /* the defaults resolved here, so a checkpoint records the numbers the model used */
+        m.rope_theta = cfg->rope_theta > 0 ? cfg->rope_theta : 10000.0f;
+        m.norm_eps = cfg->norm_eps > 0 ? cfg->norm_eps : 1e-5f;
     }
     return m;
 }

@@ -3248,9 +3248,11 @@ static void test_hugging_face_llama_and_qwen2_folders_load_with_init_and_give_th
         fprintf(f, "{\n  \"architectures\": [\"%s\"],\n  \"model_type\": \"%s\",\n  \"hidden_size\": 16,\n"
                    "  \"intermediate_size\": 24,\n  \"num_hidden_layers\": 2,\n  \"num_attention_heads\": 4,\n"
                    "  \"num_key_value_heads\": 2,\n  \"vocab_size\": 256,\n  \"max_position_embeddings\": 64,\n"
-                   "  \"rope_theta\": %s,\n  \"rms_norm_eps\": 1e-06,\n  \"hidden_act\": \"silu\",\n  \"rope_scaling\": null,\n"
+                   "  %s,\n  \"rms_norm_eps\": 1e-06,\n  \"hidden_act\": \"silu\",\n"
                    "  \"tie_word_embeddings\": %s,\n  \"torch_dtype\": \"%s\",\n  \"bos_token_id\": 1\n}\n",
-                qwen ? "Qwen2ForCausalLM" : "LlamaForCausalLM", qwen ? "qwen2" : "llama", qwen ? "1000000.0" : "10000.0",
+                qwen ? "Qwen2ForCausalLM" : "LlamaForCausalLM", qwen ? "qwen2" : "llama",
+                qwen ? "\"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 1000000.0}"   /* transformers 5 */
+                     : "\"rope_theta\": 10000.0, \"rope_scaling\": null",                                  /* transformers 4 */
                 qwen ? "false" : "true", qwen ? "float32" : "bfloat16");
         fclose(f);
         dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams, sizeof *t);
@@ -3296,20 +3298,68 @@ static void test_hugging_face_llama_and_qwen2_folders_load_with_init_and_give_th
         expect_error(out, st, 2, qwen ? "--model gpt contradicts" : "--untied-head");
         dt_model_free(m);
     }
-    /* what dtrain cannot read yet is said, not guessed */
+    /* a tensor the model has no place for is an error, not dropped */
     snprintf(dir, sizeof dir, "%s/hf-llama", tmpdir);
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    char spare[900];
+    snprintf(spare, sizeof spare, "%s/spare.safetensors", dir);
+    float bias[24] = { 0 };
+    dt_named_tensor extra = { "model.layers.0.mlp.up_proj.bias", bias, 1, { 24, 0, 0, 0 } };
+    dt_safetensors_write(spare, &extra, 1, NULL, 0);
+    char kept[900];                                                   /* the weights aside, the spare tensor in their place */
+    snprintf(kept, sizeof kept, "%s.kept", path);
+    rename(path, kept);
+    rename(spare, path);
+    int st = run_cmd(out, sizeof out, "%s --data %s --seq-len 16 --batch-size 10 --steps 1 --init %s", train_cpu, text, dir);
+    expect_error(out, st, 1, "model.layers.0.mlp.up_proj.bias");
+    rename(kept, path);
+    /* what dtrain cannot read yet, and values that are no shape, are said, not guessed */
+    static const struct { const char *extra, *names; } refused[] = {
+        { ", \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 32.0}", "rope_scaling" },
+        { ", \"rope_parameters\": {\"rope_type\": \"llama3\", \"rope_theta\": 500000.0}", "rope_type" },
+        { ", \"mlp_bias\": true", "mlp_bias" },
+        { ", \"use_sliding_window\": true, \"sliding_window\": 8", "sliding-window" },
+        { ", \"partial_rotary_factor\": 0.5", "partial_rotary_factor" },
+        { ", \"num_key_value_heads\": 0", "\"num_key_value_heads\": 0 is not a valid value" },
+        { ", \"rope_theta\": 1.0", "rope_theta 1" },
+        { ", \"rms_norm_eps\": 0", "\"rms_norm_eps\": 0 is not a valid value" } };
     snprintf(path, sizeof path, "%s/config.json", dir);
+    for (size_t k = 0; k < sizeof refused / sizeof refused[0]; k++) {
+        FILE *f = fopen(path, "w");
+        fprintf(f, "{\"model_type\": \"llama\", \"hidden_size\": 16, \"intermediate_size\": 24, \"num_hidden_layers\": 2, "
+                   "\"num_attention_heads\": 4, \"vocab_size\": 256%s}", refused[k].extra);
+        fclose(f);
+        st = run_cmd(out, sizeof out, "%s --data %s --seq-len 16 --batch-size 10 --steps 1 --init %s", train_cpu, text, dir);
+        expect_error(out, st, 2, refused[k].names);
+    }
+    static const char *const bad_shapes[3][2] = { { "\"num_attention_heads\": 0", "num_attention_heads" },
+                                                   { "\"num_attention_heads\": 4.5", "num_attention_heads" },
+                                                   { "\"num_attention_heads\": 1e20", "num_attention_heads" } };
+    for (int k = 0; k < 3; k++) {
+        FILE *f = fopen(path, "w");
+        fprintf(f, "{\"model_type\": \"llama\", \"hidden_size\": 16, \"intermediate_size\": 24, \"num_hidden_layers\": 2, "
+                   "\"vocab_size\": 256, %s}", bad_shapes[k][0]);
+        fclose(f);
+        st = run_cmd(out, sizeof out, "%s --data %s --seq-len 16 --batch-size 10 --steps 1 --init %s", train_cpu, text, dir);
+        expect_error(out, st, 2, bad_shapes[k][1]);
+    }
     FILE *f = fopen(path, "w");
-    fprintf(f, "{\"model_type\": \"llama\", \"hidden_size\": 16, \"intermediate_size\": 24, \"num_hidden_layers\": 2, "
-               "\"num_attention_heads\": 4, \"vocab_size\": 256, \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 32.0}}");
-    fclose(f);
-    int st = run_cmd(out, sizeof out, "%s --data %s --seq-len 16 --steps 1 --init %s", train_cpu, text, dir);
-    expect_error(out, st, 2, "rope_scaling");
-    f = fopen(path, "w");
     fprintf(f, "{\"model_type\": \"mistral\", \"hidden_size\": 16}");
     fclose(f);
     st = run_cmd(out, sizeof out, "%s --data %s --seq-len 16 --steps 1 --init %s", train_cpu, text, dir);
     expect_error(out, st, 2, "mistral");
+    /* a llama checkpoint records the numbers the model used: a run without
+       --rope-theta resumes with --rope-theta 10000, its default */
+    snprintf(dir, sizeof dir, "%s/llama-ck", tmpdir);
+    st = run_cmd(out, sizeof out, "%s --model llama --dim 16 --depth 1 --heads 2 --seq-len 16 --data %s --batch-size 2 --epochs 1 "
+                 "--steps 2 --save-dir %s --quiet", train_cpu, text, dir);
+    CHECKF(st == 0, "llama checkpoint: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "%s --model llama --dim 16 --depth 1 --heads 2 --seq-len 16 --data %s --batch-size 2 --epochs 1 "
+                 "--rope-theta 10000 --norm-eps 1e-5 --resume auto --save-dir %s --quiet", train_cpu, text, dir);
+    CHECKF(st == 0, "llama resumed with the defaults spelled out: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "%s --model llama --dim 16 --depth 1 --heads 2 --seq-len 16 --data %s --batch-size 2 --epochs 1 "
+                 "--rope-theta 500000 --resume auto --save-dir %s", train_cpu, text, dir);
+    expect_error(out, st, 1, "kv_heads,untied_head,qkv_bias,rope_theta,norm_eps");
 }
 
 /* Resume from `from` for the rest of a 2-epoch run, saving into `dir`; the
