@@ -3647,10 +3647,6 @@ static void dt__vit_build(dt__model_builder *mb, const dt_model_config *cfg) {
     dt__add_linear(mb, "head", D, cfg->classes, DT_INIT_NORMAL, 0.02f);
 }
 
-/* Llama's shape, from its config's zeros: what the defaults make them. */
-static int dt__llama_kv_heads(const dt_model_config *c) { return c->kv_heads > 0 ? c->kv_heads : c->heads; }
-static float dt__llama_theta(const dt_model_config *c) { return c->rope_theta > 0 ? c->rope_theta : 10000.0f; }
-static float dt__llama_eps(const dt_model_config *c) { return c->norm_eps > 0 ? c->norm_eps : 1e-5f; }
 /* A linear layer without bias, as every Llama projection is (Qwen2's q, k, v
    have one): nn.Linear's [out, in] weight. */
 static void dt__add_projection(dt__model_builder *mb, const char *prefix, int in, int out, int bias) {
@@ -3666,7 +3662,13 @@ static void dt__add_projection(dt__model_builder *mb, const char *prefix, int in
    embedding is the first unit and the norm and head the last. */
 static void dt__llama_build(dt__model_builder *mb, const dt_model_config *cfg) {
     dt__check_heads(cfg);
-    int D = cfg->dim, H = cfg->heads, KV = dt__llama_kv_heads(cfg), hd = D / H;
+    /* the config's zeros become the defaults here, in the model's own copy,
+       so forward, the description and checkpoints all read the numbers used */
+    dt_model_config *own = &mb->m->cfg;
+    if (own->kv_heads <= 0) own->kv_heads = cfg->heads;
+    if (!(own->rope_theta > 0)) own->rope_theta = 10000.0f;
+    if (!(own->norm_eps > 0)) own->norm_eps = 1e-5f;
+    int D = cfg->dim, H = cfg->heads, KV = own->kv_heads, hd = D / H;
     char name[160];
     if (H % KV) dt_fail("llama: --heads %d is not a multiple of --kv-heads %d (each key/value head serves a group)", H, KV);
     if (hd % 2) dt_fail("llama: the head width --dim / --heads = %d is odd; rotary embeddings turn pairs", hd);
@@ -3794,8 +3796,8 @@ static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens) {
    no biases (but Qwen2's q, k, v). */
 static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens) {
     const dt_model_config *c = &m->cfg;
-    int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), pi = 0, KV = dt__llama_kv_heads(c), tied = !c->untied_head;
-    float eps = dt__llama_eps(c);
+    int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), pi = 0, KV = c->kv_heads, tied = !c->untied_head;
+    float eps = c->norm_eps;
     dt_tensor *P = m->params;
     dt__check_context("llama", T, c->seq_len);
 #define DT_NEXT (&P[pi++])
@@ -3810,7 +3812,7 @@ static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens) {
         dt_tensor *ow = DT_NEXT, *n2 = DT_NEXT, *gw = DT_NEXT, *uw = DT_NEXT, *dw = DT_NEXT;
         dt_tensor *h = dt_rmsnorm(x, n1, eps);
         dt_tensor *qkv = dt_rotary_qkv(dt_linear(h, qw, qb), dt_linear(h, kw, kb), dt_linear(h, vw, vb), B, T, c->heads, KV,
-                                       dt__llama_theta(c));
+                                       c->rope_theta);
         x = dt_add(x, dt_linear(dt_attention(qkv, B, T, c->heads, /*causal*/ 1), ow, NULL));
         h = dt_rmsnorm(x, n2, eps);
         x = dt_add(x, dt_linear(dt_swiglu(dt_linear(h, gw, NULL), dt_linear(h, uw, NULL)), dw, NULL));
@@ -3848,8 +3850,8 @@ static void dt__gpt_describe(const dt_model *m, char *out, size_t n) {
 static void dt__llama_describe(const dt_model *m, char *out, size_t n) {
     const dt_model_config *c = &m->cfg;
     snprintf(out, n, "llama dim=%d depth=%d heads=%d kv-heads=%d ffn=%d context=%d vocab=%d rope-theta=%g norm-eps=%g%s%s "
-             "(%.2fM params)", c->dim, c->depth, c->heads, dt__llama_kv_heads(c), c->mlp_hidden, c->seq_len, c->classes,
-             (double)dt__llama_theta(c), (double)dt__llama_eps(c), c->untied_head ? " untied-head" : "",
+             "(%.2fM params)", c->dim, c->depth, c->heads, c->kv_heads, c->mlp_hidden, c->seq_len, c->classes,
+             (double)c->rope_theta, (double)c->norm_eps, c->untied_head ? " untied-head" : "",
              c->qkv_bias ? " qkv-bias" : "", m->numel / 1e6);
 }
 /* The parameters a language model looks up rather than multiplies: GPT-2's
@@ -8765,13 +8767,19 @@ static int dt__given(const unsigned char *given, const char *name) {
     dt_fail("internal error: no flag '%s' in dt__flags", name);
 }
 
+/* A switch (a yes/no flag, no value)? */
+static int dt__flag_is_switch(const char *name) {
+    for (int k = 0; k < DT_NFLAGS; k++) if (!strcmp(dt__flags[k].name, name)) return dt__flags[k].type == DT_ARG_SWITCH;
+    dt_fail("internal error: no flag '%s' in dt__flags", name);
+}
+
 /* A number config.json gives (-1: it does not) becomes the flag's value; a
    flag given with another value is an error that names both. */
 static void dt__hf_take(const dt__hf_config *hc, const char *key, double from_config, const char *flag, int given,
                         float *f_value, int *i_value) {
     if (from_config == -1) return;
-    /* whole numbers of at least 1 (0 and 1 for a yes/no); a positive base and epsilon */
-    int yes_no = flag && (!strcmp(flag, "--untied-head") || !strcmp(flag, "--qkv-bias"));
+    /* whole numbers of at least 1 (0 or 1 for a switch's); a positive base and epsilon */
+    int yes_no = i_value && dt__flag_is_switch(flag);
     if (i_value ? from_config != floor(from_config) || from_config < (yes_no ? 0 : 1) || from_config > 16777216
                 : !(from_config > 0) || from_config > 1e30)
         dt_usage_error("%s: \"%s\": %g is not a valid value%s", hc->path, key, from_config,
@@ -8981,9 +8989,7 @@ dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int ima
     if (dt_model_is_language(cfg->model)) { m.seq_len = cfg->seq_len; m.channels = m.image_size = m.patch = 0; }
     if (cfg->model == DT_MODEL_LLAMA) {
         m.mlp_hidden = cfg->ffn_dim; m.kv_heads = cfg->kv_heads; m.untied_head = cfg->untied_head; m.qkv_bias = cfg->qkv_bias;
-        /* the defaults resolved here, so a checkpoint records the numbers the model used */
-        m.rope_theta = cfg->rope_theta > 0 ? cfg->rope_theta : 10000.0f;
-        m.norm_eps = cfg->norm_eps > 0 ? cfg->norm_eps : 1e-5f;
+        m.rope_theta = cfg->rope_theta; m.norm_eps = cfg->norm_eps;      /* 0: dt_model_create's defaults */
     }
     return m;
 }
