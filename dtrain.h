@@ -800,20 +800,21 @@ void dt_safetensors_close(dt_safetensors *st);
 int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndim, const int *shape);
 const char *dt_safetensors_meta(dt_safetensors *st, const char *key); /* NULL when absent */
 
-/* Load a model's weights by name (--init), from a full checkpoint, any
-   safetensors file, or a sharded checkpoint's index. Extra tensors are ignored;
-   a missing or misshapen one is an error naming it. */
+/* Load a model's weights by name (--init), from any safetensors file, a
+   checkpoint folder (whole or sharded) or a Hugging Face model folder. A
+   missing or misshapen tensor is an error naming it. */
 void dt_model_load_weights(dt_model *m, const char *path);
 
-/* Sharded checkpoints (stage 04): each rank writes its own shard file,
-   "<name>.shard<r>-of-<N>.safetensors", and rank 0 then writes the index at
-   the checkpoint's own path. --resume and --init take the index. This turns
-   one into a full checkpoint that every stage resumes from and PyTorch reads
-   (tools/consolidate). */
-void dt_checkpoint_consolidate(const char *index_path, const char *out_path);
+/* Sharded checkpoints (stage 04): a folder in which each rank writes its own
+   shard file, "shard<r>-of-<N>.safetensors", and rank 0 then the index,
+   "shards.safetensors". --resume and --init take the folder. This turns one
+   into a whole checkpoint folder that every stage resumes from and PyTorch,
+   transformers and timm read (tools/consolidate). */
+void dt_checkpoint_consolidate(const char *path, const char *out_path);
 
-/* A run's training checkpoint (section 18 drives it): weights, optimizer
-   state, position, RNG seed. */
+/* A run's training checkpoint (section 18 drives it), a folder: the weights
+   (model.safetensors, with the position and RNG seed as metadata), the
+   optimizer state (optimizer.safetensors) and config.json. */
 typedef struct dt_run dt_run;
 void dt_checkpoint_save(dt_run *run, const char *path);
 void dt_checkpoint_load(dt_run *r, const char *path);
@@ -1456,10 +1457,11 @@ static void dt__vmessage(const char *kind, const char *fmt, va_list ap) {
     fflush(stderr);
 }
 /* What to remove if the program stops early: a shared-memory segment whose
-   name has not yet been shared out, a checkpoint's .tmp file. dt_fail and a
-   second Ctrl-C remove them, so a job stopped at any moment leaves nothing
-   behind. unlink() is safe inside a signal handler, hence plain paths. */
-#define DT_CLEANUP_SLOTS 8
+   name has not yet been shared out, a checkpoint's .tmp file and the folder
+   it is written into. dt_fail and a second Ctrl-C remove them, so a job
+   stopped at any moment leaves nothing behind. unlink() and rmdir() are safe
+   inside a signal handler, hence plain paths. */
+#define DT_CLEANUP_SLOTS 16
 static void dt__copy_str(char *out, size_t n, const char *s);
 static char dt__cleanup_paths[DT_CLEANUP_SLOTS][4096];
 static volatile sig_atomic_t dt__cleanup_used[DT_CLEANUP_SLOTS];
@@ -1477,8 +1479,10 @@ static int dt__cleanup_add(const char *path) {
 }
 static void dt__cleanup_done(int slot) { if (slot >= 0) dt__cleanup_used[slot] = 0; }
 static void dt__cleanup_run(void) {
+    for (int i = 0; i < DT_CLEANUP_SLOTS; i++)          /* the files, then the folders they emptied */
+        if (dt__cleanup_used[i] == 1 && unlink(dt__cleanup_paths[i]) == 0) dt__cleanup_used[i] = 0;
     for (int i = 0; i < DT_CLEANUP_SLOTS; i++)
-        if (dt__cleanup_used[i] == 1) { unlink(dt__cleanup_paths[i]); dt__cleanup_used[i] = 0; }
+        if (dt__cleanup_used[i] == 1) { rmdir(dt__cleanup_paths[i]); dt__cleanup_used[i] = 0; }
 }
 
 /* Who must hear of a failure before this process exits: the collectives
@@ -3854,6 +3858,46 @@ static void dt__llama_describe(const dt_model *m, char *out, size_t n) {
              (double)c->rope_theta, (double)c->norm_eps, c->untied_head ? " untied-head" : "",
              c->qkv_bias ? " qkv-bias" : "", m->numel / 1e6);
 }
+/* The config.json beside a checkpoint's weights: the model's shape in the words
+   of the library that has the same model -- transformers for gpt (GPT2LMHeadModel)
+   and llama (LlamaForCausalLM, or Qwen2ForCausalLM when q, k and v have biases,
+   the one difference between the two), timm for vit (what timm writes when it
+   pushes a model to the Hub). A plain MLP has no such library: its file names
+   the layers for whoever rebuilds it (tests/hf_load_check.py does). */
+static void dt__mlp_config_json(FILE *f, const dt_model_config *c) {
+    fprintf(f, "{\n  \"dtrain_model\": \"mlp\",\n  \"layers\": \"fc1 .. fc%d, nn.Linear each, exact GELU between; the image "
+            "flattened (channels, rows, columns) first\",\n  \"in_features\": %d,\n  \"hidden_size\": %d,\n"
+            "  \"num_hidden_layers\": %d,\n  \"num_classes\": %d\n}\n", c->depth + 1,
+            c->channels * c->image_size * c->image_size, c->dim, c->depth, c->classes);
+}
+static void dt__vit_config_json(FILE *f, const dt_model_config *c) {
+    /* timm's registered names fix nothing here: model_args overrides every shape */
+    fprintf(f, "{\n  \"architecture\": \"vit_base_patch16_224\",\n  \"num_classes\": %d,\n  \"num_features\": %d,\n"
+            "  \"global_pool\": \"token\",\n  \"model_args\": {\"img_size\": %d, \"patch_size\": %d, \"in_chans\": %d, "
+            "\"embed_dim\": %d, \"depth\": %d, \"num_heads\": %d, \"mlp_ratio\": %.17g, \"num_classes\": %d},\n"
+            "  \"pretrained_cfg\": {\"input_size\": [%d, %d, %d], \"num_classes\": %d}\n}\n", c->classes, c->dim,
+            c->image_size, c->patch, c->channels, c->dim, c->depth, c->heads, (double)c->mlp_hidden / c->dim, c->classes,
+            c->channels, c->image_size, c->image_size, c->classes);
+}
+static void dt__gpt_config_json(FILE *f, const dt_model_config *c) {
+    fprintf(f, "{\n  \"model_type\": \"gpt2\",\n  \"architectures\": [\"GPT2LMHeadModel\"],\n  \"vocab_size\": %d,\n"
+            "  \"n_positions\": %d,\n  \"n_embd\": %d,\n  \"n_layer\": %d,\n  \"n_head\": %d,\n  \"n_inner\": %d,\n"
+            "  \"activation_function\": \"gelu_new\",\n  \"layer_norm_epsilon\": 1e-05,\n  \"tie_word_embeddings\": true,\n"
+            "  \"resid_pdrop\": 0.0,\n  \"embd_pdrop\": 0.0,\n  \"attn_pdrop\": 0.0,\n  \"torch_dtype\": \"float32\"\n}\n",
+            c->classes, c->seq_len, c->dim, c->depth, c->heads, c->mlp_hidden);
+}
+static void dt__llama_config_json(FILE *f, const dt_model_config *c) {
+    const char *type = c->qkv_bias ? "qwen2" : "llama", *arch = c->qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM";
+    fprintf(f, "{\n  \"model_type\": \"%s\",\n  \"architectures\": [\"%s\"],\n  \"vocab_size\": %d,\n  \"hidden_size\": %d,\n"
+            "  \"intermediate_size\": %d,\n  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n"
+            "  \"num_key_value_heads\": %d,\n  \"head_dim\": %d,\n  \"max_position_embeddings\": %d,\n  \"rope_theta\": %.9g,\n"
+            "  \"rope_scaling\": null,\n  \"rms_norm_eps\": %.9g,\n  \"hidden_act\": \"silu\",\n  \"tie_word_embeddings\": %s,\n"
+            "%s  \"attention_dropout\": 0.0,\n  \"torch_dtype\": \"float32\"\n}\n", type, arch, c->classes, c->dim, c->mlp_hidden,
+            c->depth, c->heads, c->kv_heads, c->dim / c->heads, c->seq_len, (double)c->rope_theta, (double)c->norm_eps,
+            c->untied_head ? "false" : "true",
+            c->qkv_bias ? "  \"use_sliding_window\": false,\n" : "  \"attention_bias\": false,\n  \"mlp_bias\": false,\n");
+}
+
 /* The parameters a language model looks up rather than multiplies: GPT-2's
    position table, Llama's embedding when its head is a matrix of its own. */
 static int64_t dt__no_params(const dt_model *m) { (void)m; return 0; }
@@ -3883,13 +3927,14 @@ struct dt__model_family {
     dt_tensor *(*forward)(dt_model *m, dt_tensor *inputs);
     void (*describe)(const dt_model *m, char *out, size_t n);
     int64_t (*lookups)(const dt_model *m);   /* parameters that never multiply */
+    void (*config_json)(FILE *f, const dt_model_config *c);   /* a checkpoint's config.json */
 };
 /* in dt_model_kind's order */
 static const dt__model_family dt__model_families[] = {
-    { "mlp", 0, 8, dt__mlp_build, dt__mlp_forward, dt__mlp_describe, dt__no_params },
-    { "vit", 0, 8, dt__vit_build, dt__vit_forward, dt__vit_describe, dt__no_params },
-    { "gpt", 1, 9, dt__gpt_build, dt__gpt_forward, dt__gpt_describe, dt__gpt_lookups },
-    { "llama", 1, 14, dt__llama_build, dt__llama_forward, dt__llama_describe, dt__llama_lookups },
+    { "mlp", 0, 8, dt__mlp_build, dt__mlp_forward, dt__mlp_describe, dt__no_params, dt__mlp_config_json },
+    { "vit", 0, 8, dt__vit_build, dt__vit_forward, dt__vit_describe, dt__no_params, dt__vit_config_json },
+    { "gpt", 1, 9, dt__gpt_build, dt__gpt_forward, dt__gpt_describe, dt__gpt_lookups, dt__gpt_config_json },
+    { "llama", 1, 14, dt__llama_build, dt__llama_forward, dt__llama_describe, dt__llama_lookups, dt__llama_config_json },
 };
 #define DT__NFAMILIES ((int)(sizeof dt__model_families / sizeof dt__model_families[0]))
 static const dt__model_family *dt__family(dt_model_kind kind) {
@@ -7057,19 +7102,27 @@ int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt) {
 }
 
 /* ==== 13. checkpoints ===========================================================
-   A checkpoint is a safetensors file: an 8-byte little-endian header length, a
-   JSON header {"name": {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}
-   and the raw tensors. Model weights keep their PyTorch names, so
-   safetensors.torch.load_file() gives a state_dict; the optimizer's moments are
-   stored beside them as "optimizer.exp_avg.<name>", and the run's position
-   (epoch, step, seed, data range) as metadata. Writing goes to FILE.tmp, is
-   flushed to disk, and is renamed over FILE only when complete: a crash or a
-   full disk can lose the new checkpoint, never the previous one.
+   Tensors go to disk as safetensors files: an 8-byte little-endian header
+   length, a JSON header {"name": {"dtype", "shape", "data_offsets"},
+   "__metadata__": {...}} and the raw tensors. A training checkpoint is a
+   folder laid out as Hugging Face lays out a model, so that the tools people
+   already use open it:
+     model.safetensors      the weights under their PyTorch names, metadata
+                            "format": "pt" and the run's position (epoch,
+                            step, seed, data range);
+     optimizer.safetensors  the optimizer's moments ("exp_avg.<name>", ...),
+                            a file of their own: a strict load_state_dict of
+                            the weights would refuse them;
+     config.json            the model's shape (section 6 writes it), so that
+                            AutoModelForCausalLM.from_pretrained(folder) works.
+   The folder is written as NAME.tmp, each file flushed to disk, and renamed to
+   NAME only when complete: a crash or a full disk can lose the new
+   checkpoint, never the previous one.
    A sharded model (FSDP) saves without gathering anything: each rank writes the
    shard it holds, and an index ties the shards together. Loading at the same
    world size reads one file per rank; at another, or into an unsharded model,
    the shards are put back together first -- and tools/consolidate does that
-   once, into a full checkpoint. */
+   once, into a whole checkpoint folder. */
 
 static void dt__json_string(FILE *f, const char *s) {
     fputc('"', f);
@@ -7426,32 +7479,32 @@ static void dt__state_close(dt_model *m, dt_optimizer *o, int which, float *host
     free(host);
 }
 
-/* -- the names in a full checkpoint --
-   The weights under their own names, then the optimizer's moments under
-   "optimizer.<moment>.<name>": what PyTorch's state_dict and optimizer call them.
-   state[0..2] are host arrays in parameter order: weights, first moment
-   (AdamW's exp_avg, SGD's momentum_buffer), AdamW's exp_avg_sq (or NULL). */
+/* -- the names in a whole checkpoint --
+   The weights under their own names in model.safetensors, the optimizer's
+   moments in optimizer.safetensors under "<moment>.<name>": what PyTorch's
+   state_dict and optimizer call them. state[0..2] are host arrays in
+   parameter order: weights, first moment (AdamW's exp_avg, SGD's
+   momentum_buffer), AdamW's exp_avg_sq (or NULL). */
 static const char *dt__moment_name(int adamw, int k) {
     return k == 1 ? (adamw ? "exp_avg" : "momentum_buffer") : "exp_avg_sq";
 }
-static int dt__checkpoint_named(const dt_model *m, int adamw, float *const state[3], dt_named_tensor *t, char **names) {
-    int n = 0;
-    for (int k = 0; k < 3; k++) {
-        if (!state[k]) continue;
-        for (int i = 0; i < m->nparams; i++) {
-            const dt_tensor *p = &m->params[i];
-            size_t len = strlen(p->name) + 32;
-            names[n] = (char *)malloc(len);
-            if (k == 0) snprintf(names[n], len, "%s", p->name);
-            else snprintf(names[n], len, "optimizer.%s.%s", dt__moment_name(adamw, k), p->name);
-            t[n].name = names[n];
-            t[n].data = state[k] + m->offsets[i];
-            t[n].ndim = p->ndim;
-            for (int d = 0; d < p->ndim; d++) t[n].shape[d] = p->shape[d];
-            n++;
-        }
+/* The tensor name of parameter p in state k: "<name>", "exp_avg.<name>", ... */
+static void dt__state_tensor_name(char *out, size_t n, int adamw, int k, const dt_tensor *p) {
+    if (k == 0) dt__path(out, n, "%s", p->name);
+    else dt__path(out, n, "%s.%s", dt__moment_name(adamw, k), p->name);
+}
+/* The parameters of state k as named tensors (names[] owned by the caller). */
+static void dt__state_named(const dt_model *m, int adamw, int k, const float *state, dt_named_tensor *t, char **names) {
+    for (int i = 0; i < m->nparams; i++) {
+        const dt_tensor *p = &m->params[i];
+        size_t len = strlen(p->name) + 32;
+        if (!(names[i] = (char *)malloc(len))) dt_fail("out of memory (checkpoint names)");
+        dt__state_tensor_name(names[i], len, adamw, k, p);
+        t[i].name = names[i];
+        t[i].data = state + m->offsets[i];
+        t[i].ndim = p->ndim;
+        for (int d = 0; d < p->ndim; d++) t[i].shape[d] = p->shape[d];
     }
-    return n;
 }
 
 /* Metadata as it is built: key, value, key, value, ... for dt_safetensors_write. */
@@ -7533,37 +7586,177 @@ static float dt__meta_positive(dt_safetensors *st, const char *path, const char 
     return v;
 }
 
+/* -- writing a checkpoint folder --
+   Its files go into NAME.tmp, and the folder is renamed NAME once all of them
+   are on disk. An older NAME is moved aside (NAME.old) for that moment and
+   removed after, so NAME is always a whole checkpoint or absent. Until the
+   rename every file written is on the list that dt_fail and a second Ctrl-C
+   remove. */
+typedef struct dt__folder { char path[4096], tmp[4096]; int slots[DT_CLEANUP_SLOTS], nslots; } dt__folder;
+
+/* A folder's plain files and then the folder (what a crashed save left), or a file of that name. */
+static void dt__folder_remove(const char *path) {
+    struct stat s;
+    if (lstat(path, &s) != 0) return;
+    if (!S_ISDIR(s.st_mode)) { unlink(path); return; }
+    DIR *d = opendir(path);
+    struct dirent *e;
+    while (d && (e = readdir(d))) {
+        char file[8300];
+        dt__path(file, sizeof file, "%s/%s", path, e->d_name);
+        if (lstat(file, &s) == 0 && S_ISREG(s.st_mode)) unlink(file);
+    }
+    if (d) closedir(d);
+    rmdir(path);
+}
+/* create: this process makes NAME.tmp (the only writer, or FSDP's rank 0); the
+   others only name their files in it. */
+static void dt__folder_open(dt__folder *w, const char *path, int create) {
+    memset(w, 0, sizeof *w);
+    dt__copy_str(w->path, sizeof w->path, path);
+    dt__path(w->tmp, sizeof w->tmp, "%s.tmp", path);
+    if (!create) return;
+    dt__folder_remove(w->tmp);
+    if (mkdir(w->tmp, 0755) != 0 && errno != EEXIST)
+        dt_fail("cannot create checkpoint folder '%s': %s", w->tmp, strerror(errno));
+    w->slots[w->nslots++] = dt__cleanup_add(w->tmp);
+}
+static void dt__folder_file(const dt__folder *w, const char *name, char *out, size_t n) {
+    dt__path(out, n, "%s/%s", w->tmp, name);
+}
+static void dt__folder_wrote(dt__folder *w, const char *file) {
+    if (w->nslots < DT_CLEANUP_SLOTS) w->slots[w->nslots++] = dt__cleanup_add(file);
+}
+static void dt__folder_forget(dt__folder *w) {
+    for (int k = 0; k < w->nslots; k++) dt__cleanup_done(w->slots[k]);
+    w->nslots = 0;
+}
+static void dt__folder_commit(dt__folder *w) {
+    char old[4200];
+    struct stat s;
+    int fd = open(w->tmp, O_RDONLY | O_DIRECTORY);
+    if (fd >= 0) { fsync(fd); close(fd); }               /* the files' names on disk before the folder's */
+    dt__path(old, sizeof old, "%s.old", w->path);
+    int moved = lstat(w->path, &s) == 0;
+    if (moved) {
+        dt__folder_remove(old);
+        if (rename(w->path, old) != 0)
+            dt_fail("cannot move the older checkpoint '%s' aside to '%s': %s", w->path, old, strerror(errno));
+    }
+    if (rename(w->tmp, w->path) != 0) {
+        int e = errno;
+        if (moved) rename(old, w->path);
+        dt_fail("could not rename '%s' to '%s': %s", w->tmp, w->path, strerror(e));
+    }
+    dt__folder_forget(w);
+    if (moved) dt__folder_remove(old);
+}
+
+/* config.json, in the words of the library that has the same model (section 6). */
+static void dt__folder_write_config(dt__folder *w, const dt_model_config *mc) {
+    char file[4200];
+    dt__folder_file(w, "config.json", file, sizeof file);
+    FILE *f = fopen(file, "w");
+    if (!f) dt_fail("cannot write '%s': %s", file, strerror(errno));
+    dt__folder_wrote(w, file);
+    dt__family(mc->kind)->config_json(f, mc);
+    int ok = !ferror(f) && fflush(f) == 0 && fsync(fileno(f)) == 0, e = errno;
+    if (fclose(f) != 0 && ok) { ok = 0; e = errno; }
+    if (!ok) dt_fail("could not write '%s': %s", file, strerror(e ? e : EIO));
+}
+
+/* A whole checkpoint's files: config.json, the moments (tagged with the step,
+   so that a file from another save is found out) and the weights, whose
+   metadata is the run's. */
+static void dt__folder_write_whole(dt__folder *w, const dt_model *m, int adamw, float *const state[3], dt__meta_list *meta,
+                                   int64_t step) {
+    char file[4200];
+    dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * 2 + 1, sizeof *t);
+    char **names = (char **)calloc((size_t)m->nparams * 2 + 1, sizeof(char *));
+    if (!t || !names) dt_fail("out of memory (writing checkpoint '%s')", w->path);
+    dt__folder_write_config(w, &m->cfg);
+    int n = 0;
+    for (int k = 1; k < 3; k++)
+        if (state[k]) { dt__state_named(m, adamw, k, state[k], t + n, names + n); n += m->nparams; }
+    dt__meta_list om = { NULL, 0 };
+    dt__meta_add(&om, "dtrain_format", "optimizer-2");
+    dt__meta_add(&om, "optimizer", "%s", adamw ? "adamw" : "sgd");
+    dt__meta_add(&om, "step", "%lld", (long long)step);
+    dt__folder_file(w, "optimizer.safetensors", file, sizeof file);
+    dt_safetensors_write(file, t, n, (const char *const *)om.kv, om.n);
+    dt__folder_wrote(w, file);
+    dt__meta_free(&om);
+    for (int i = 0; i < n; i++) free(names[i]);
+    dt__state_named(m, adamw, 0, state[0], t, names);
+    dt__folder_file(w, "model.safetensors", file, sizeof file);
+    dt_safetensors_write(file, t, m->nparams, (const char *const *)meta->kv, meta->n);
+    dt__folder_wrote(w, file);
+    for (int i = 0; i < m->nparams; i++) free(names[i]);
+    free(names);
+    free(t);
+}
+
+/* -- reading a checkpoint folder --
+   The file that describes it: shards.safetensors, the index of a sharded
+   checkpoint, or model.safetensors. A file given instead of a folder, an
+   older dtrain's one-file checkpoint among them, is refused by name. */
+static int dt__is_sharded(dt_safetensors *st);
+static int dt__checkpoint_file(const char *dir, const char *name, char *out, size_t n) {
+    dt__path(out, n, "%s/%s", dir, name);
+    return access(out, F_OK) == 0;
+}
+static dt_safetensors *dt__checkpoint_open(const char *path) {
+    struct stat s;
+    char file[4200];
+    if (stat(path, &s) != 0) dt_fail("cannot read checkpoint '%s': %s", path, strerror(errno));
+    if (!S_ISDIR(s.st_mode)) {
+        dt_safetensors *st = dt__safetensors_read_header(path);
+        const char *old = dt_safetensors_meta(st, "format");
+        dt__is_sharded(st);                    /* one rank's shard is named as such */
+        if (old && !strncmp(old, "dtrain-", 7))
+            dt_fail("'%s' is a one-file checkpoint of an earlier dtrain (%s): checkpoints are folders now (model.safetensors, "
+                    "optimizer.safetensors, config.json); --init takes this file's weights", path, old);
+        dt_fail("'%s' is a file, not a checkpoint folder (one holds model.safetensors, optimizer.safetensors and "
+                "config.json); --init takes the weights of a file", path);
+    }
+    if (dt__checkpoint_file(path, "shards.safetensors", file, sizeof file)) return dt_safetensors_read(file);
+    if (!dt__checkpoint_file(path, "model.safetensors", file, sizeof file))
+        dt_fail("'%s' is not a dtrain checkpoint: it holds neither model.safetensors nor shards.safetensors", path);
+    dt_safetensors *st = dt_safetensors_read(file);
+    if (!dt_safetensors_meta(st, "dtrain_format"))
+        dt_fail("'%s' is not a dtrain checkpoint (no 'dtrain_format' in its metadata; for weights alone use --init)", file);
+    return st;
+}
+
 /* -- sharded checkpoints --
    FSDP saves without gathering: each rank writes what it holds, its slice of
    every unit of the weights and of the optimizer's moments (1-D tensors
    "params", "optimizer.exp_avg", ..., the padding included), to its own file
-   <name>.shard<r>-of-<N>.safetensors. When every shard is on disk, rank 0
-   writes the index at <name>.safetensors: a safetensors file with no tensors,
-   whose metadata is a full checkpoint's plus the layout (the ranks, each
-   unit's size) and each shard file's name and size. The index goes last, so it
-   never names a shard that is not complete. */
-static void dt__shard_path(char *out, size_t n, const char *index_path, int rank, int world) {
-    size_t len = strlen(index_path), ext = strlen(".safetensors");
-    int stem = (int)(len > ext && !strcmp(index_path + len - ext, ".safetensors") ? len - ext : len);
-    dt__path(out, n, "%.*s.shard%d-of-%d.safetensors", stem, index_path, rank, world);
+   in the checkpoint's folder, shard<r>-of-<N>.safetensors. When every shard is
+   on disk, rank 0 writes the index, shards.safetensors: a safetensors file with
+   no tensors, whose metadata is a whole checkpoint's plus the layout (the
+   ranks, each unit's size) and each shard file's size; and config.json. The
+   folder is renamed into place last, so it never names a shard that is not
+   complete. `path` below is the checkpoint's folder. */
+static void dt__shard_path(char *out, size_t n, const char *path, int rank, int world) {
+    dt__path(out, n, "%s/shard%d-of-%d.safetensors", path, rank, world);
 }
 /* Is this the index of a sharded checkpoint? (One of its shards is refused: it is not the whole.) */
 static int dt__is_sharded(dt_safetensors *st) {
-    const char *format = dt_safetensors_meta(st, "format");
-    if (format && !strcmp(format, "dtrain-shard-1"))
-        dt_fail("'%s' is one rank's shard of a sharded checkpoint: give the checkpoint's index instead (the same "
-                "name without '.shard<r>-of-<N>')", st->path);
+    const char *format = dt_safetensors_meta(st, "dtrain_format");
+    if (format && !strcmp(format, "shard-2"))
+        dt_fail("'%s' is one rank's shard of a sharded checkpoint: give the checkpoint's folder instead", st->path);
     return dt_safetensors_meta(st, "shards") != NULL;
 }
 
 /* Each unit's size, as the index recorded it, checked against the model's. */
 static int dt__sharded_layout(dt_safetensors *index, const char *path, const dt_model *m, int64_t *unit_numel) {
-    int world = (int)dt__meta_whole(index, path, "shards", 1, DT_MAX_RANKS);
-    const char *s = dt__meta_required(index, path, "unit_numel");
+    int world = (int)dt__meta_whole(index, index->path, "shards", 1, DT_MAX_RANKS);
+    const char *s = dt__meta_required(index, index->path, "unit_numel");
     uint64_t *v = (uint64_t *)malloc(sizeof(uint64_t) * ((size_t)m->nunits + 1));
     if (!v) dt_fail("out of memory (reading '%s')", path);
     int n = dt__whole_numbers(s, v, m->nunits + 1);
-    if (n < 0) dt_fail("'%s': metadata 'unit_numel' is '%s', not whole numbers separated by commas", path, s);
+    if (n < 0) dt_fail("'%s': metadata 'unit_numel' is '%s', not whole numbers separated by commas", index->path, s);
     for (int k = 0; k < n && k < m->nunits; k++) unit_numel[k] = v[k] > (uint64_t)INT64_MAX ? -1 : (int64_t)v[k];
     free(v);
     int same = n == m->nunits;
@@ -7590,7 +7783,7 @@ static void dt__shard_check(dt_safetensors *index, const char *path, int rank, i
     dt__shard_path(file, n, path, rank, world);
     snprintf(key, sizeof key, "shard.%d.bytes", rank);
     if (!dt_safetensors_meta(index, key)) dt_fail("'%s': the index has no entry for shard %d of %d", path, rank, world);
-    uint64_t bytes = dt__meta_whole(index, path, key, 0, INT64_MAX);
+    uint64_t bytes = dt__meta_whole(index, index->path, key, 0, INT64_MAX);
     if (stat(file, &s) != 0)
         dt_fail("sharded checkpoint '%s': shard %d of %d, '%s', is missing: %s", path, rank, world, file, strerror(errno));
     if ((uint64_t)s.st_size != bytes)
@@ -7865,9 +8058,27 @@ static void dt__load_hf_folder(dt_model *m, const char *dir, float *host) {
     free(found);
 }
 
+/* How --init reads a folder. A Hugging Face model folder takes its shape from
+   config.json, and dtrain's own gpt and llama checkpoints are such folders;
+   its mlp and vit checkpoints (whose config.json is not transformers') and
+   sharded ones are read by name, as a file is. */
+static int dt__folder_is_hf(const char *dir) {
+    char file[4200];
+    if (dt__checkpoint_file(dir, "shards.safetensors", file, sizeof file)) return 0;
+    if (!dt__checkpoint_file(dir, "model.safetensors", file, sizeof file)) return 1;
+    dt_safetensors *st = dt__safetensors_read_header(file);
+    const char *kind = dt_safetensors_meta(st, "model");
+    int hf = !dt_safetensors_meta(st, "dtrain_format") || !kind;
+    for (int f = 0; !hf && f < DT__NFAMILIES; f++) hf = !strcmp(kind, dt__model_families[f].name) && dt__model_families[f].language;
+    dt_safetensors_close(st);
+    return hf;
+}
+
 void dt_model_load_weights(dt_model *m, const char *path) {
     struct stat s;
-    if (stat(path, &s) == 0 && S_ISDIR(s.st_mode)) {
+    char file[4200];
+    int dir = stat(path, &s) == 0 && S_ISDIR(s.st_mode);
+    if (dir && dt__folder_is_hf(path)) {
         float *host = dt__state_open(m, NULL, 0);
         dt__load_hf_folder(m, path, host);
         for (int i = 0; i < m->nparams; i++)
@@ -7877,11 +8088,17 @@ void dt_model_load_weights(dt_model *m, const char *path) {
         dt__state_close(m, NULL, 0, host, 1);
         return;
     }
+    if (dir && !dt__checkpoint_file(path, "shards.safetensors", file, sizeof file))
+        dt__checkpoint_file(path, "model.safetensors", file, sizeof file);
+    if (dir) path = file;
     dt_safetensors *st = dt_safetensors_read(path);
     float *host = dt__state_open(m, NULL, 0);
     if (dt__is_sharded(st)) {
         float *state[3] = { host, NULL, NULL };
-        dt__sharded_assemble(st, path, m, 0, state);
+        char dir[4200];
+        const char *slash = strrchr(path, '/');
+        dt__path(dir, sizeof dir, "%.*s", slash ? (int)(slash - path) : 1, slash ? path : ".");
+        dt__sharded_assemble(st, dir, m, 0, state);
     } else
         for (int i = 0; i < m->nparams; i++) {
             /* Hugging Face's files name GPT-2's tensors with or without "transformer."
@@ -7935,33 +8152,33 @@ static int dt__model_config_parse(dt_safetensors *st, const char *path, dt_model
     return 1;
 }
 
-void dt_checkpoint_consolidate(const char *index_path, const char *out_path) {
-    dt_safetensors *st = dt_safetensors_read(index_path);
+void dt_checkpoint_consolidate(const char *path, const char *out_path) {
+    dt_safetensors *st = dt__checkpoint_open(path);
     dt_model_config mc;
-    if (!dt__is_sharded(st))
-        dt_fail("'%s' is not the index of a sharded checkpoint (no 'shards' in its metadata): it is whole already", index_path);
-    if (!dt__model_config_parse(st, index_path, &mc)) dt_fail("'%s' does not say which model it holds ('model', 'model_config')", index_path);
+    if (!dt__is_sharded(st)) dt_fail("'%s' is not a sharded checkpoint (it has no shards.safetensors): it is whole already", path);
+    if (!dt__model_config_parse(st, st->path, &mc))
+        dt_fail("'%s' does not say which model it holds ('model', 'model_config')", st->path);
     const char *opt = dt_safetensors_meta(st, "optimizer");
     int adamw = opt && !strcmp(opt, "adamw");
     dt_model *m = dt_model_create(&mc, 0);            /* for the names, shapes and units only */
     float *state[3] = { NULL, NULL, NULL };
     for (int k = 0; k < (adamw ? 3 : 2); k++)
         if (!(state[k] = (float *)malloc((size_t)m->numel * sizeof(float)))) dt_fail("out of memory (consolidating)");
-    dt__sharded_assemble(st, index_path, m, adamw, state);
-    dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * 3, sizeof *t);
-    char **names = (char **)calloc((size_t)m->nparams * 3, sizeof(char *));
-    int n = dt__checkpoint_named(m, adamw, state, t, names);
+    dt__sharded_assemble(st, path, m, adamw, state);
     dt__meta_list meta = { NULL, 0 };                  /* the index's, less the layout of the shards */
-    dt__meta_add(&meta, "format", "dtrain-checkpoint-1");
+    dt__meta_add(&meta, "format", "pt");
+    dt__meta_add(&meta, "dtrain_format", "checkpoint-2");
     for (int i = 0; i < st->nmeta; i++) {
         const char *key = st->meta[2 * i];
-        if (strcmp(key, "format") && strcmp(key, "shards") && strcmp(key, "unit_numel") && strncmp(key, "shard.", 6))
+        if (strcmp(key, "format") && strcmp(key, "dtrain_format") && strcmp(key, "shards") && strcmp(key, "unit_numel") &&
+            strncmp(key, "shard.", 6))
             dt__meta_add(&meta, key, "%s", st->meta[2 * i + 1]);
     }
-    dt_safetensors_write(out_path, t, n, (const char *const *)meta.kv, meta.n);
-    for (int i = 0; i < n; i++) free(names[i]);
+    dt__folder w;
+    dt__folder_open(&w, out_path, 1);
+    dt__folder_write_whole(&w, m, adamw, state, &meta, (int64_t)dt__meta_whole(st, st->path, "step", 0, INT64_MAX));
+    dt__folder_commit(&w);
     for (int k = 0; k < 3; k++) free(state[k]);
-    free(names); free(t);
     dt__meta_free(&meta);
     dt_model_free(m);
     dt_safetensors_close(st);
@@ -7973,16 +8190,19 @@ void dt_checkpoint_consolidate(const char *index_path, const char *out_path) {
 static void dt__describe_position(const dt_run *r, char *out, size_t n, const char *what) {
     const char *model = dt__model_kind_name(r->model->cfg.kind);
     long long start = (long long)r->cfg.start_idx, end = (long long)(r->cfg.start_idx + r->loader->ds->n);
-    dt__path(out, n, "%s/%s_data%lld-%lld_%s.safetensors", r->cfg.save_dir, model, start, end, what);
+    dt__path(out, n, "%s/%s_data%lld-%lld_%s", r->cfg.save_dir, model, start, end, what);
 }
 
 /* How many replicas share each step's batch: ranks, or devices of stage 02. */
 static int dt__data_parallel_width(void) { return dt__ctx.world_size * (dt__ctx.devices > 1 ? dt__ctx.devices : 1); }
 
-/* What a checkpoint says about the run, beside its tensors. */
+/* What a checkpoint says about the run, beside its tensors. "format": "pt" is
+   what transformers' from_pretrained asks of a weights file; dtrain's own
+   layout is "dtrain_format". */
 static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *format) {
     const dt_model_config *mc = &r->model->cfg;
-    dt__meta_add(l, "format", "%s", format);
+    dt__meta_add(l, "format", "pt");
+    dt__meta_add(l, "dtrain_format", "%s", format);
     char shape[160];
     dt__model_config_string(mc, shape, sizeof shape);
     dt__meta_add(l, "model", "%s", dt__model_kind_name(mc->kind));
@@ -8004,7 +8224,8 @@ static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *f
     }
 }
 
-/* FSDP: every rank writes its shard; then, once all are on disk, rank 0 the index. */
+/* FSDP: every rank writes its shard into the folder rank 0 made; then, once
+   all are on disk, rank 0 the index and config.json, and renames the folder. */
 static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
     dt_fsdp *f = dt__fsdp_of(r->model);
     dt_optimizer *o = r->opt;
@@ -8014,25 +8235,29 @@ static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
                              "optimizer.exp_avg_sq" };
     dt_named_tensor t[3];
     int n = 0;
+    dt__folder w;
+    dt__folder_open(&w, path, f->rank == 0);
+    dt_barrier(f->comm);                     /* the folder is there before anyone writes into it */
     for (int k = 0; k < 3; k++) {
         if (!own[k]) continue;
         state[k] = dt__host_view(where, own[k], f->shard_numel);
         t[n].name = names[k]; t[n].data = state[k]; t[n].ndim = 1; t[n].shape[0] = f->shard_numel;
         n++;
     }
-    char file[4096];
+    char file[4200];
     dt__meta_list meta = { NULL, 0 };
-    dt__shard_path(file, sizeof file, path, f->rank, f->world);
-    dt__meta_add(&meta, "format", "dtrain-shard-1");
+    dt__shard_path(file, sizeof file, w.tmp, f->rank, f->world);
+    dt__meta_add(&meta, "dtrain_format", "shard-2");
     dt__meta_add(&meta, "rank", "%d", f->rank);
     dt__meta_add(&meta, "shards", "%d", f->world);
     dt__meta_add(&meta, "step", "%lld", (long long)r->step);
     dt_safetensors_write(file, t, n, (const char *const *)meta.kv, meta.n);
+    dt__folder_wrote(&w, file);
     dt__meta_free(&meta);
     for (int k = 0; k < 3; k++) if (state[k]) dt__host_view_close(where, state[k], own[k], f->shard_numel, 0);
     dt_barrier(f->comm);                     /* every shard is on disk before the index names it */
-    if (f->rank != 0) return;
-    dt__checkpoint_meta(r, &meta, "dtrain-sharded-checkpoint-1");
+    if (f->rank != 0) { dt__folder_forget(&w); return; }
+    dt__checkpoint_meta(r, &meta, "sharded-checkpoint-2");
     dt__meta_add(&meta, "shards", "%d", f->world);
     char *units = (char *)malloc((size_t)f->nunits * 24 + 1), *p = units;
     for (int k = 0; k < f->nunits; k++) p += sprintf(p, k ? ",%lld" : "%lld", (long long)f->units[k].numel);
@@ -8041,12 +8266,16 @@ static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
     for (int k = 0; k < f->world; k++) {
         char key[32];
         struct stat s;
-        dt__shard_path(file, sizeof file, path, k, f->world);
+        dt__shard_path(file, sizeof file, w.tmp, k, f->world);
         if (stat(file, &s) != 0) dt_fail("shard %d of '%s', '%s', is not there after the save: %s", k, path, file, strerror(errno));
         snprintf(key, sizeof key, "shard.%d.bytes", k);
         dt__meta_add(&meta, key, "%lld", (long long)s.st_size);
     }
-    dt_safetensors_write(path, NULL, 0, (const char *const *)meta.kv, meta.n);
+    dt__folder_write_config(&w, &r->model->cfg);
+    dt__folder_file(&w, "shards.safetensors", file, sizeof file);
+    dt_safetensors_write(file, NULL, 0, (const char *const *)meta.kv, meta.n);
+    dt__folder_wrote(&w, file);
+    dt__folder_commit(&w);
     dt__meta_free(&meta);
 }
 
@@ -8055,33 +8284,29 @@ void dt_checkpoint_save(dt_run *run, const char *path) {
     dt_optimizer *o = run->opt;
     if (dt__fsdp_of(m)) { dt__checkpoint_save_sharded(run, path); return; }
     float *state[3] = { dt__state_open(m, o, 0), dt__state_open(m, o, 1), o->v ? dt__state_open(m, o, 2) : NULL };
-    dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * 3, sizeof *t);
-    char **names = (char **)calloc((size_t)m->nparams * 3, sizeof(char *));
-    int n = dt__checkpoint_named(m, o->kind == DT_ADAMW, state, t, names);
     dt__meta_list meta = { NULL, 0 };
-    dt__checkpoint_meta(run, &meta, "dtrain-checkpoint-1");
-    dt_safetensors_write(path, t, n, (const char *const *)meta.kv, meta.n);
+    dt__checkpoint_meta(run, &meta, "checkpoint-2");
+    dt__folder w;
+    dt__folder_open(&w, path, 1);
+    dt__folder_write_whole(&w, m, o->kind == DT_ADAMW, state, &meta, run->step);
+    dt__folder_commit(&w);
     dt__meta_free(&meta);
     for (int k = 0; k < 3; k++) dt__state_close(m, o, k, state[k], 0);
-    for (int i = 0; i < n; i++) free(names[i]);
-    free(names);
-    free(t);
 }
 
 void dt_checkpoint_load(dt_run *r, const char *path) {
-    dt_safetensors *st = dt_safetensors_read(path);
+    dt_safetensors *st = dt__checkpoint_open(path);
     dt_model *m = r->model;
     dt_optimizer *o = r->opt;
     const dt_model_config *mc = &m->cfg;
     char want[160], desc[256], names[400];
-    dt__meta_required(st, path, "format");
-    dt__is_sharded(st);                        /* one shard alone is refused here */
+    dt__meta_required(st, st->path, "dtrain_format");
     dt__model_config_string(mc, want, sizeof want);
-    const char *kind = dt__meta_required(st, path, "model"), *shape = dt__meta_required(st, path, "model_config");
+    const char *kind = dt__meta_required(st, st->path, "model"), *shape = dt__meta_required(st, st->path, "model_config");
     dt_model_describe(m, desc, sizeof desc);
     dt_model_config theirs;
     if (strcmp(kind, dt__model_kind_name(mc->kind)) || strcmp(shape, want)) {
-        if (dt__model_config_parse(st, path, &theirs)) dt__config_names(theirs.kind, names, sizeof names);  /* its own kind's */
+        if (dt__model_config_parse(st, st->path, &theirs)) dt__config_names(theirs.kind, names, sizeof names);  /* its own kind's */
         else dt__copy_str(names, sizeof names, "a model dtrain does not know");
         dt_fail("'%s' holds a %s model (%s = %s) but this run builds %s (%s)", path, kind, names, shape, desc, want);
     }
@@ -8090,9 +8315,9 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
        resume at another world size when the samples per step stay the same. */
     /* Micro-batches (--accum-steps) follow the same rule: a step is K batches. */
     /* ranks times stage 02's devices; bounded so that a step's samples fit in 64 bits */
-    int world = (int)dt__meta_whole(st, path, "world_size", 1, DT_MAX_RANKS * DT_MAX_RANKS);
-    int batch = (int)dt__meta_whole(st, path, "batch_size", 1, INT_MAX);
-    int accum = dt_safetensors_meta(st, "accum_steps") ? (int)dt__meta_whole(st, path, "accum_steps", 1, 1 << 20) : 1;
+    int world = (int)dt__meta_whole(st, st->path, "world_size", 1, DT_MAX_RANKS * DT_MAX_RANKS);
+    int batch = (int)dt__meta_whole(st, st->path, "batch_size", 1, INT_MAX);
+    int accum = dt_safetensors_meta(st, "accum_steps") ? (int)dt__meta_whole(st, st->path, "accum_steps", 1, 1 << 20) : 1;
     int K = r->cfg.accum_steps, now = dt__data_parallel_width();
     long long samples = (long long)world * batch * accum, samples_now = (long long)now * r->cfg.batch_size * K;
     if (samples != samples_now) {
@@ -8107,7 +8332,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
                 "(--init takes the weights alone)", path, world, now, world, batch, had_k, samples, now,
                 r->cfg.batch_size, now_k, samples_now, hint, world, batch, flag_k);
     }
-    if (strcmp(dt__meta_required(st, path, "optimizer"), o->kind == DT_ADAMW ? "adamw" : "sgd"))
+    if (strcmp(dt__meta_required(st, st->path, "optimizer"), o->kind == DT_ADAMW ? "adamw" : "sgd"))
         dt_fail("'%s' holds %s state but this run uses --optimizer %s", path, dt_safetensors_meta(st, "optimizer"),
                 o->kind == DT_ADAMW ? "adamw" : "sgd");
     /* The position. A finished epoch took a step at least, so epoch <= step;
@@ -8115,21 +8340,21 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
        run of this shape (the same data, ranks, batch and micro-batches) is
        never past the last step of an epoch. */
     uint64_t s0 = 0, s1 = 0, range[2];
-    const char *data_range = dt__meta_required(st, path, "data_range");
+    const char *data_range = dt__meta_required(st, st->path, "data_range");
     if (dt__whole_numbers(data_range, range, 2) != 2 || (s0 = range[0]) >= (s1 = range[1]) || s1 > (uint64_t)INT64_MAX)
-        dt_fail("'%s': metadata 'data_range' is '%s', not FIRST,END: two whole numbers, FIRST < END", path, data_range);
+        dt_fail("'%s': metadata 'data_range' is '%s', not FIRST,END: two whole numbers, FIRST < END", st->path, data_range);
     int same_data = s0 == (uint64_t)r->cfg.start_idx && s1 == (uint64_t)(r->cfg.start_idx + r->loader->ds->n);
     int same_steps = same_data && world == now && batch == r->cfg.batch_size && accum == K;
-    int64_t step = (int64_t)dt__meta_whole(st, path, "step", 0, INT64_MAX);
-    int64_t optimizer_step = (int64_t)dt__meta_whole(st, path, "optimizer_step", 0, (uint64_t)step);
-    int epoch = (int)dt__meta_whole(st, path, "epoch", 0, (uint64_t)(step < INT_MAX ? step : INT_MAX));
-    int64_t batch_in_epoch = (int64_t)dt__meta_whole(st, path, "batch_in_epoch", 0,
+    int64_t step = (int64_t)dt__meta_whole(st, st->path, "step", 0, INT64_MAX);
+    int64_t optimizer_step = (int64_t)dt__meta_whole(st, st->path, "optimizer_step", 0, (uint64_t)step);
+    int epoch = (int)dt__meta_whole(st, st->path, "epoch", 0, (uint64_t)(step < INT_MAX ? step : INT_MAX));
+    int64_t batch_in_epoch = (int64_t)dt__meta_whole(st, st->path, "batch_in_epoch", 0,
                                                     (uint64_t)(same_steps ? r->batches_per_epoch - 1 : step));
-    uint64_t seed = dt__meta_whole(st, path, "seed", 0, UINT64_MAX);
+    uint64_t seed = dt__meta_whole(st, st->path, "seed", 0, UINT64_MAX);
     int fp16 = dt_safetensors_meta(st, "loss_scale") && r->scaler.enabled;   /* fp16 goes on with the scale it had found */
-    float scale = fp16 ? dt__meta_positive(st, path, "loss_scale") : 0;
-    int64_t good_steps = fp16 ? (int64_t)dt__meta_whole(st, path, "loss_scale_good_steps", 0, (uint64_t)step) : 0;
-    int64_t skipped = fp16 ? (int64_t)dt__meta_whole(st, path, "skipped_steps", 0, (uint64_t)step) : 0;
+    float scale = fp16 ? dt__meta_positive(st, st->path, "loss_scale") : 0;
+    int64_t good_steps = fp16 ? (int64_t)dt__meta_whole(st, st->path, "loss_scale_good_steps", 0, (uint64_t)step) : 0;
+    int64_t skipped = fp16 ? (int64_t)dt__meta_whole(st, st->path, "skipped_steps", 0, (uint64_t)step) : 0;
     int adamw = o->kind == DT_ADAMW;
     dt_fsdp *f = dt__fsdp_of(m);
     if (dt__is_sharded(st) && f && dt__sharded_layout_is(st, path, f)) {
@@ -8150,17 +8375,27 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     } else {
         float *state[3] = { dt__state_open(m, o, 0), dt__state_open(m, o, 1), o->v ? dt__state_open(m, o, 2) : NULL };
         if (dt__is_sharded(st)) dt__sharded_assemble(st, path, m, adamw, state);
-        else
+        else {
+            /* the weights from model.safetensors, the moments from optimizer.safetensors of the same save */
+            char file[4200];
+            dt__checkpoint_file(path, "optimizer.safetensors", file, sizeof file);
+            dt_safetensors *moments = dt_safetensors_read(file);
+            const char *theirs = dt_safetensors_meta(moments, "step"), *ours = dt_safetensors_meta(st, "step");
+            if (!theirs || strcmp(theirs, ours))
+                dt_fail("'%s' is not the optimizer state of '%s' (it says step %s, the weights step %s)", file, st->path,
+                        theirs ? theirs : "?", ours);
             for (int i = 0; i < m->nparams; i++)
                 for (int k = 0; k < 3; k++) {
                     dt_tensor *p = &m->params[i];
                     char name[256];
+                    dt_safetensors *from = k ? moments : st;
                     if (!state[k]) continue;
-                    if (k == 0) snprintf(name, sizeof name, "%s", p->name);
-                    else snprintf(name, sizeof name, "optimizer.%s.%s", dt__moment_name(adamw, k), p->name);
-                    if (!dt_safetensors_get(st, name, state[k] + m->offsets[i], p->ndim, p->shape))
-                        dt_fail("'%s' has no tensor '%s'", path, name);
+                    dt__state_tensor_name(name, sizeof name, adamw, k, p);
+                    if (!dt_safetensors_get(from, name, state[k] + m->offsets[i], p->ndim, p->shape))
+                        dt_fail("'%s' has no tensor '%s'", from->path, name);
                 }
+            dt_safetensors_close(moments);
+        }
         for (int k = 0; k < 3; k++) dt__state_close(m, o, k, state[k], 1);
     }
     o->step = optimizer_step;
@@ -8186,21 +8421,27 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
 
 /* --resume auto: the checkpoint of the most steps in --save-dir, or NULL to
    start fresh -- what a requeued job runs, unchanged, after preemption. Every
-   file there is whole: a checkpoint is renamed into place once written, and a
-   sharded one's index is written after its shards. Ties go to the later name,
-   so every rank picks the same file. */
+   folder there is whole: a checkpoint is renamed into place once written
+   (NAME.tmp, being written, and NAME.old, being replaced, are passed over).
+   Ties go to the later name, so every rank picks the same folder. */
 static const char *dt__newest_checkpoint(const char *dir, char *out, size_t n) {
     DIR *d = opendir(dir);
     struct dirent *e;
     long long best = -1;
     out[0] = 0;
     while (d && (e = readdir(d))) {
-        size_t len = strlen(e->d_name), ext = strlen(".safetensors");
-        if (len <= ext || strcmp(e->d_name + len - ext, ".safetensors") || strstr(e->d_name, ".shard")) continue;
-        char path[4096];
+        size_t len = strlen(e->d_name);
+        char path[4096], file[4200];
+        struct stat s;
+        if (e->d_name[0] == '.' || (len > 4 && (!strcmp(e->d_name + len - 4, ".tmp") || !strcmp(e->d_name + len - 4, ".old"))))
+            continue;
         dt__path(path, sizeof path, "%s/%s", dir, e->d_name);
-        dt_safetensors *st = dt__safetensors_read_header(path);
-        const char *format = dt_safetensors_meta(st, "format"), *step = dt_safetensors_meta(st, "step");
+        if (stat(path, &s) != 0 || !S_ISDIR(s.st_mode)) continue;
+        if (!dt__checkpoint_file(path, "shards.safetensors", file, sizeof file) &&
+            !dt__checkpoint_file(path, "model.safetensors", file, sizeof file))
+            continue;
+        dt_safetensors *st = dt__safetensors_read_header(file);
+        const char *format = dt_safetensors_meta(st, "dtrain_format"), *step = dt_safetensors_meta(st, "step");
         long long k = step ? atoll(step) : -1;
         if (format && strstr(format, "checkpoint") && step && (k > best || (k == best && strcmp(path, out) > 0))) {
             best = k;
@@ -8679,10 +8920,10 @@ static const dt__flag dt__flags[] = {
     { "--log", "12345", "FILE", "write one JSON object per step, evaluation and summary", DT_ARG_STR, DT_CFG(log_path), NULL, DT_NOT_A_NUMBER },
     { "--trace", "12345", "FILE", "write a Chrome/Perfetto trace of the step phases", DT_ARG_STR, DT_CFG(trace_path), NULL, DT_NOT_A_NUMBER },
     { "--save-dir", "12345", "DIR", "write a checkpoint at the end of every epoch", DT_ARG_STR, DT_CFG(save_dir), NULL, DT_NOT_A_NUMBER },
-    { "--resume", "12345", "FILE|auto", "continue exactly where a checkpoint stopped; auto: the newest in --save-dir (none: start\n"
+    { "--resume", "12345", "DIR|auto", "continue exactly where a checkpoint (a folder) stopped; auto: the newest in --save-dir (none: start\n"
       "                          fresh), what a requeued job runs after preemption", DT_ARG_STR, DT_CFG(resume), NULL, DT_NOT_A_NUMBER },
-    { "--init", "12345", "FILE|DIR", "start from these weights (safetensors, PyTorch/timm/Hugging Face names), or from a\n"
-      "                          Hugging Face model folder (config.json gives the model and its shape)", DT_ARG_STR, DT_CFG(init),
+    { "--init", "12345", "FILE|DIR", "start from these weights (safetensors, PyTorch/timm/Hugging Face names), a dtrain\n"
+      "                          checkpoint, or a Hugging Face model folder (config.json gives the model and its shape)", DT_ARG_STR, DT_CFG(init),
       NULL, DT_NOT_A_NUMBER },
     { "--eval-every", "12345", "N", "evaluate every N steps as well as after each epoch (default 0: epochs only)", DT_ARG_INT,
       DT_CFG(eval_every), NULL, DT_MIN(0) },
@@ -8815,6 +9056,9 @@ static void dt__apply_hf_shape(dt_config *c, dt__hf_config hc, const unsigned ch
     if (hc.head_dim != -1 && hc.head_dim * c->heads != c->dim)
         dt_usage_error("%s: head_dim %g is not hidden_size / num_attention_heads = %d; dtrain's heads split the width",
                        hc.path, hc.head_dim, c->dim / c->heads);
+    if (hc.max_positions >= 1 && hc.max_positions == floor(hc.max_positions) && c->seq_len > hc.max_positions &&
+        !dt__given(given, "--seq-len"))
+        c->seq_len = (int)hc.max_positions;             /* the default context, cut to the model's */
     if (hc.max_positions != -1 && c->seq_len > hc.max_positions)
         dt_usage_error("--seq-len %d is longer than the model's context, \"max_position_embeddings\": %g in %s", c->seq_len,
                        hc.max_positions, hc.path);
@@ -8919,7 +9163,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         }
     }
     struct stat init_st;                        /* --init DIR: a Hugging Face folder's config.json gives the model */
-    int hf = c.init && stat(c.init, &init_st) == 0 && S_ISDIR(init_st.st_mode);
+    int hf = c.init && stat(c.init, &init_st) == 0 && S_ISDIR(init_st.st_mode) && dt__folder_is_hf(c.init);
     dt__hf_config hc;
     if (hf) { dt__hf_config_read(c.init, &hc); dt__apply_hf_model(&c, &hc, given); }
     int vit = c.model == DT_MODEL_VIT, gpt = dt_model_is_language((dt_model_kind)c.model), llama = c.model == DT_MODEL_LLAMA;

@@ -231,7 +231,15 @@ static const char *find_line(const char *text, const char *line) {
     return NULL;
 }
 
-static int files_equal_tensors(const char *a, const char *b) {
+/* A checkpoint folder's files of tensors (weights, optimizer state), or the one file given. */
+static int tensor_files(const char *path, char files[2][800]) {
+    struct stat s;
+    if (stat(path, &s) != 0 || !S_ISDIR(s.st_mode)) { snprintf(files[0], 800, "%s", path); return 1; }
+    snprintf(files[0], 800, "%s/model.safetensors", path);
+    snprintf(files[1], 800, "%s/optimizer.safetensors", path);
+    return 2;
+}
+static int file_equal_tensors(const char *a, const char *b) {
     dt_safetensors *x = dt_safetensors_read(a), *y = dt_safetensors_read(b);
     int same = x->n == y->n && x->n > 0;
     for (int i = 0; same && i < x->n; i++) {
@@ -242,6 +250,19 @@ static int files_equal_tensors(const char *a, const char *b) {
     }
     dt_safetensors_close(x);
     dt_safetensors_close(y);
+    return same;
+}
+/* The file of a checkpoint folder that holds its metadata: the sharded index or the weights. */
+static const char *meta_file(const char *ck, char *out, size_t n) {
+    snprintf(out, n, "%s/shards.safetensors", ck);
+    if (access(out, F_OK) != 0) snprintf(out, n, "%s/model.safetensors", ck);
+    return out;
+}
+/* Two checkpoints (folders or files) hold the same tensors, bit for bit. */
+static int files_equal_tensors(const char *a, const char *b) {
+    char fa[2][800], fb[2][800];
+    int n = tensor_files(a, fa), same = n == tensor_files(b, fb);
+    for (int k = 0; same && k < n; k++) same = file_equal_tensors(fa[k], fb[k]);
     return same;
 }
 
@@ -2040,7 +2061,7 @@ static void test_torchrun_launches_stages_in_every_rendezvous_mode(void) {
         snprintf(ref, sizeof ref, "%s/torchrun-ref-%d", tmpdir, s);
         int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --batch-size 16 --nproc 2 --save-dir %s", bin, small_data(), ref);
         CHECKF(st == 0, "%s --nproc 2: exit %d\n%s", stages[s], st, out);
-        snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2%s.safetensors", ref, s ? ".shard1-of-2" : "");
+        snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2%s", ref, s ? "/shard1-of-2.safetensors" : "");
         for (int mode = 0; mode < (s ? 1 : 3); mode++) {
             char how[128];
             int port = dt__free_port();
@@ -2051,7 +2072,7 @@ static void test_torchrun_launches_stages_in_every_rendezvous_mode(void) {
             st = run_cmd(out, sizeof out, "%s %s --nproc_per_node 2 --no_python %s --data %s " PAR_FLAGS " --batch-size 16 --save-dir %s",
                          tr, how, bin, small_data(), dir);
             CHECKF(st == 0, "torchrun %s %s: exit %d\n%s", how, stages[s], st, out);
-            snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2%s.safetensors", dir, s ? ".shard1-of-2" : "");
+            snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2%s", dir, s ? "/shard1-of-2.safetensors" : "");
             CHECKF(st != 0 || files_equal_tensors(p, q), "torchrun %s %s: weights differ from --nproc 2's", how, stages[s]);
         }
     }
@@ -2069,8 +2090,8 @@ static void test_mpirun_launches_a_stage_like_nproc(void) {
     st = run_cmd(out, sizeof out, "mpirun %s--oversubscribe -np 2 -x MASTER_PORT=%d %s --data %s " PAR_FLAGS " --batch-size 16 --save-dir %s",
                  geteuid() == 0 ? "--allow-run-as-root " : "", dt__free_port(), bin, small_data(), dir);
     CHECKF(st == 0, "mpirun: exit %d\n%s", st, out);
-    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2.safetensors", ref);
-    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.safetensors", dir);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2", ref);
+    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2", dir);
     CHECKF(st != 0 || files_equal_tensors(p, q), "mpirun and --nproc 2 give different weights");
 }
 
@@ -2236,8 +2257,8 @@ static void test_ddp_by_nproc_and_by_torchrun_variables_agree(void) {
                  "RANK=0 LOCAL_RANK=0 %s --data %s " PAR_FLAGS " --batch-size 16 --save-dir %s; a=$?; wait $p; exit $((a | $?))'",
                  port, bin, small_data(), b, bin, small_data(), b);
     CHECKF(st == 0, "torchrun-style launch: exit %d\n%s", st, out);
-    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2.safetensors", a);
-    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.safetensors", b);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2", a);
+    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2", b);
     CHECKF(files_equal_tensors(p, q), "--nproc 2 and a torchrun-style launch give different weights");
     /* a rank with another --lr: both stop, naming the flag */
     port = dt__free_port();
@@ -2278,8 +2299,7 @@ static int read_losses(const char *path, double *loss, int max) {
     return count;
 }
 
-/* Largest |a - b| over every tensor of two checkpoints (-1 when they do not pair up). */
-static double max_tensor_diff(const char *a, const char *b) {
+static double file_max_tensor_diff(const char *a, const char *b) {
     dt_safetensors *x = dt_safetensors_read(a), *y = dt_safetensors_read(b);
     double worst = x->n == y->n && x->n > 0 ? 0 : -1;
     for (int i = 0; worst >= 0 && i < x->n; i++) {
@@ -2291,6 +2311,17 @@ static double max_tensor_diff(const char *a, const char *b) {
     }
     dt_safetensors_close(x);
     dt_safetensors_close(y);
+    return worst;
+}
+/* Largest |a - b| over every tensor of two checkpoints (-1 when they do not pair up). */
+static double max_tensor_diff(const char *a, const char *b) {
+    char fa[2][800], fb[2][800];
+    int n = tensor_files(a, fa);
+    double worst = n == tensor_files(b, fb) ? 0 : -1;
+    for (int k = 0; worst >= 0 && k < n; k++) {
+        double d = file_max_tensor_diff(fa[k], fb[k]);
+        worst = d < 0 ? -1 : fmax(worst, d);
+    }
     return worst;
 }
 
@@ -2310,7 +2341,7 @@ static void equivalence(const char *data, int samples, const char *model_flags, 
     CHECKF(st == 0, "01: exit %d\n%s", st, out);
     int nref = read_losses(ref_log, ref, 64);
     CHECKF(nref == 20, "01 logged %d steps, expected 20", nref);
-    snprintf(p, sizeof p, "%s/%s_data0-%d_epoch2.safetensors", ref_dir, model, samples);
+    snprintf(p, sizeof p, "%s/%s_data0-%d_epoch2", ref_dir, model, samples);
     const char *stages[2] = { "02-dp", "03-ddp" };
     for (int s = 0; s < 2; s++)
         for (int n = 2; n <= 4; n += 2) {
@@ -2324,7 +2355,7 @@ static void equivalence(const char *data, int samples, const char *model_flags, 
             for (int i = 0; i < ngot && i < nref; i++) worst_loss = fmax(worst_loss, fabs(got[i] - ref[i]));
             CHECKF(worst_loss <= 1e-5, "%s %s N=%d: %d logged losses, worst difference from 01 %.3g", model, stages[s], n,
                    ngot, worst_loss);
-            snprintf(q, sizeof q, "%s/%s_data0-%d_epoch2.safetensors", dir, model, samples);
+            snprintf(q, sizeof q, "%s/%s_data0-%d_epoch2", dir, model, samples);
             double d = max_tensor_diff(p, q);
             CHECKF(d >= 0 && d <= 2e-5, "%s %s N=%d: parameters or optimizer state differ from 01 by %.3g", model,
                    stages[s], n, d);
@@ -2345,8 +2376,8 @@ static void test_dp_and_ddp_runs_repeat_bit_for_bit(void) {
                              "--nproc 2 %s --save-dir %s", stage_bin(stages[s]), small_data(), flags[s], k ? b : a);
             CHECKF(st == 0, "%s: exit %d\n%s", stages[s], st, out);
         }
-        snprintf(p, sizeof p, "%s/vit_data0-320_epoch2.safetensors", a);
-        snprintf(q, sizeof q, "%s/vit_data0-320_epoch2.safetensors", b);
+        snprintf(p, sizeof p, "%s/vit_data0-320_epoch2", a);
+        snprintf(q, sizeof q, "%s/vit_data0-320_epoch2", b);
         CHECKF(files_equal_tensors(p, q), "%s: two runs of the same command differ", stages[s]);
     }
 }
@@ -2400,8 +2431,8 @@ static void test_ddp_buckets_overlap_backward_and_change_no_bits(void) {
         free(text);
     }
     CHECKF(hidden[0] > 0 && hidden[1] == 0, "comm_hidden_ms summed %.3f with buckets, %.3f without", hidden[0], hidden[1]);
-    snprintf(p, sizeof p, "%s/vit_data0-320_epoch2.safetensors", dir[0]);
-    snprintf(q, sizeof q, "%s/vit_data0-320_epoch2.safetensors", dir[1]);
+    snprintf(p, sizeof p, "%s/vit_data0-320_epoch2", dir[0]);
+    snprintf(q, sizeof q, "%s/vit_data0-320_epoch2", dir[1]);
     CHECKF(files_equal_tensors(p, q), "bucketed and unbucketed all-reduce give different weights");
 }
 
@@ -2421,15 +2452,15 @@ static void test_fsdp_equals_ddp_in_every_shard_mode(void) {
                              "--nproc %d --clip %s --save-dir %s", stage_bin("03-ddp"), small_data(), 32 / n, n,
                              clip ? "1" : "0", ref);
             CHECKF(st == 0, "03 --nproc %d: exit %d\n%s", n, st, out);
-            snprintf(p, sizeof p, "%s/vit_data0-320_epoch2.safetensors", ref);
+            snprintf(p, sizeof p, "%s/vit_data0-320_epoch2", ref);
             for (int k = 0; k < 4; k++) {
                 snprintf(dir, sizeof dir, "%s/fsdp-%d-%d-%d", tmpdir, k, clip, n);
                 st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model vit --depth 2 --heads 2 --batch-size %d "
                              "--nproc %d --clip %s --shard %s --save-dir %s", stage_bin("04-fsdp"), small_data(), 32 / n, n,
                              clip ? "1" : "0", modes[k], dir);
                 CHECKF(st == 0, "04 --shard %s --nproc %d: exit %d\n%s", modes[k], n, st, out);
-                snprintf(q, sizeof q, "%s/full.safetensors", dir);      /* 04 saves shards: put them together */
-                st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2.safetensors %s", build_path("tools/consolidate"), dir, q);
+                snprintf(q, sizeof q, "%s/full", dir);      /* 04 saves shards: put them together */
+                st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2 %s", build_path("tools/consolidate"), dir, q);
                 CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
                 if (!clip) CHECKF(files_equal_tensors(p, q), "--shard %s N=%d --clip 0: not bit for bit DDP's", modes[k], n);
                 else {
@@ -2616,14 +2647,14 @@ static void language_model_trains_alike_in_every_stage(const char *model, const 
         int st = run_cmd(out, sizeof out, "%s --data %s %s --log-every 1000 --quiet --epochs 1 --batch-size %d --nproc %d --clip 0 --save-dir %s",
                          stage_bin("03-ddp"), gpt_text(), flags, 32 / n, n, ref);
         CHECKF(st == 0, "03 --nproc %d: exit %d\n%s", n, st, out);
-        snprintf(p, sizeof p, "%s/%s_data0-320_epoch1.safetensors", ref, model);
+        snprintf(p, sizeof p, "%s/%s_data0-320_epoch1", ref, model);
         for (int k = 0; k < 4; k++) {
             snprintf(dir, sizeof dir, "%s/%s-fsdp-%d-%d", tmpdir, model, k, n);
             st = run_cmd(out, sizeof out, "%s --data %s %s --log-every 1000 --quiet --epochs 1 --batch-size %d --nproc %d --clip 0 --shard %s "
                          "--save-dir %s", stage_bin("04-fsdp"), gpt_text(), flags, 32 / n, n, modes[k], dir);
             CHECKF(st == 0, "04 --shard %s --nproc %d: exit %d\n%s", modes[k], n, st, out);
-            snprintf(q, sizeof q, "%s/full.safetensors", dir);
-            st = run_cmd(out, sizeof out, "%s %s/%s_data0-320_epoch1.safetensors %s", build_path("tools/consolidate"), dir, model, q);
+            snprintf(q, sizeof q, "%s/full", dir);
+            st = run_cmd(out, sizeof out, "%s %s/%s_data0-320_epoch1 %s", build_path("tools/consolidate"), dir, model, q);
             CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
             CHECKF(files_equal_tensors(p, q), "%s --shard %s N=%d: not bit for bit DDP's", model, modes[k], n);
         }
@@ -2640,8 +2671,8 @@ static void language_model_trains_alike_in_every_stage(const char *model, const 
                              "--shard %s --save-dir %s --log %s", stage_bin("05-accum-mixed-precision"), gpt_text(), flags, n,
                              k ? 8 / n : 32 / n, k ? 4 : 1, acc_modes[run], dir, k ? lb : la);
             CHECKF(st == 0, "05 --nproc %d --accum-steps %d: exit %d\n%s", n, k ? 4 : 1, st, out);
-            snprintf(k ? q : p, 700, "%s/full%d.safetensors", tmpdir, k);
-            st = run_cmd(out, sizeof out, "%s %s/%s_data0-320_epoch1.safetensors %s", build_path("tools/consolidate"), dir, model, k ? q : p);
+            snprintf(k ? q : p, 700, "%s/full%d", tmpdir, k);
+            st = run_cmd(out, sizeof out, "%s %s/%s_data0-320_epoch1 %s", build_path("tools/consolidate"), dir, model, k ? q : p);
             CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
         }
         /* Not bit for bit: the four micro-batches' weight gradients are summed
@@ -2785,8 +2816,8 @@ static void test_accumulation_equals_a_k_times_larger_batch(void) {
                              k ? 8 / n : 32 / n, k ? 4 : 1, modes[run], dir, log);
             CHECKF(st == 0, "05 --nproc %d --accum-steps %d: exit %d\n%s", n, k ? 4 : 1, st, out);
             char *full = k ? pb : pa;
-            snprintf(full, 700, "%s/full.safetensors", dir);
-            st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch1.safetensors %s", build_path("tools/consolidate"), dir, full);
+            snprintf(full, 700, "%s/full", dir);
+            st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch1 %s", build_path("tools/consolidate"), dir, full);
             CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
         }
         double d2 = max_tensor_diff(pa, pb);
@@ -2805,8 +2836,8 @@ static void test_accumulation_equals_a_k_times_larger_batch(void) {
         CHECKF(st == 0, "%s: exit %d\n%s", k ? "05" : "04", st, out);
     }
     for (int r = 0; r < 2; r++) {
-        snprintf(pa, sizeof pa, "%s/vit_data0-320_epoch1.shard%d-of-2.safetensors", a, r);
-        snprintf(pb, sizeof pb, "%s/vit_data0-320_epoch1.shard%d-of-2.safetensors", b, r);
+        snprintf(pa, sizeof pa, "%s/vit_data0-320_epoch1/shard%d-of-2.safetensors", a, r);
+        snprintf(pb, sizeof pb, "%s/vit_data0-320_epoch1/shard%d-of-2.safetensors", b, r);
         size_t na = 0, nb = 0;
         unsigned char *x = read_bytes(pa, &na), *y = read_bytes(pb, &nb);
         CHECKF(x && y && na == nb && !memcmp(x, y, na), "shard %d of 05 with its defaults is not 04's, byte for byte", r);
@@ -3362,6 +3393,149 @@ static void test_hugging_face_llama_and_qwen2_folders_load_with_init_and_give_th
     expect_error(out, st, 1, "kv_heads,untied_head,qkv_bias,rope_theta,norm_eps");
 }
 
+/* The python that has torch, safetensors, transformers and timm: $DT_TEST_PYTHON,
+   the test environment .ci/run makes (build/pyvenv), or python3. */
+static const char *test_python(void) {
+    static char python[800];
+    const char *env = getenv("DT_TEST_PYTHON");
+    if (env && env[0]) return env;
+    snprintf(python, sizeof python, "%s/build/pyvenv/bin/python", repo_root());
+    return access(python, X_OK) == 0 ? python : "python3";
+}
+
+/* A checkpoint folder of each model opens in the tools its users have --
+   transformers' from_pretrained on the folder as it is (gpt; llama tied with
+   grouped-query attention; Qwen2's layout: untied, q/k/v biases, another rope
+   base), timm and a strict load_state_dict (vit, mlp) -- and computes the
+   logits dtrain computes from those weights. Stage 04's sharded checkpoint
+   does after tools/consolidate. */
+static void test_checkpoints_open_in_transformers_timm_and_pytorch(void) {
+    char out[16384], dir[600], ck[700], in[800], want[800];
+    const char *py = test_python(), *check = NULL;
+    char checker[800];
+    snprintf(checker, sizeof checker, "%s/tests/hf_load_check.py", repo_root());
+    check = checker;
+    if (run_cmd(out, sizeof out, "%s -c 'import torch, numpy, safetensors, transformers, timm'", py) != 0) {
+        size_t len = strlen(out);
+        while (len && out[len - 1] == '\n') out[--len] = 0;
+        const char *last = strrchr(out, '\n');                           /* python's last line: what is missing */
+        SKIP("%.90s cannot import torch, numpy, safetensors, transformers and timm (%.100s); bash .ci/run makes "
+             "build/pyvenv with them", py, last ? last + 1 : out);
+    }
+    static const struct { const char *name, *stage, *flags; int text, consolidate; } cases[] = {
+        { "mlp", "01-single-gpu", "--image-size 16 --dim 32 --batch-size 16", 0, 0 },
+        { "vit", "01-single-gpu", "--model vit --image-size 16 --patch 4 --dim 32 --depth 2 --heads 2 --batch-size 16", 0, 0 },
+        { "gpt", "01-single-gpu", "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --batch-size 4", 1, 0 },
+        { "llama", "01-single-gpu", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16 --batch-size 4", 1, 0 },
+        { "qwen2", "01-single-gpu", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 1 --seq-len 16 --batch-size 4 "
+          "--untied-head --qkv-bias --rope-theta 1000000 --norm-eps 1e-6", 1, 0 },
+        { "llama-fsdp", "04-fsdp", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16 --batch-size 2 --nproc 2",
+          1, 1 },
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        snprintf(dir, sizeof dir, "%s/topython-%s", tmpdir, cases[c].name);
+        int st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 1 --steps 3 --lr 2e-2 --save-dir %s --quiet",
+                         stage_bin(cases[c].stage), cases[c].text ? gpt_text() : small_data(), cases[c].flags, dir);
+        CHECKF(st == 0, "%s: training: exit %d\n%s", cases[c].name, st, out);
+        if (st) continue;
+        /* the one folder saved, consolidated when sharded */
+        st = run_cmd(out, sizeof out, "sh -c 'ls -d %s/*_step3'", dir);
+        CHECKF(st == 0, "%s: no checkpoint of step 3 in %s", cases[c].name, dir);
+        if (st) continue;
+        out[strcspn(out, "\n")] = 0;
+        dt__copy_str(ck, sizeof ck, out);
+        if (cases[c].consolidate) {
+            snprintf(in, sizeof in, "%s/whole", dir);
+            st = run_cmd(out, sizeof out, "%s %s %s", build_path("tools/consolidate"), ck, in);
+            CHECKF(st == 0, "%s: consolidate: exit %d\n%s", cases[c].name, st, out);
+            dt__copy_str(ck, sizeof ck, in);
+        }
+        /* dtrain's logits from the folder's weights, on a fixed input */
+        char meta[800];
+        dt_safetensors *h = dt_safetensors_read(meta_file(ck, meta, sizeof meta));
+        dt_model_config mc;
+        CHECK(dt__model_config_parse(h, meta, &mc));
+        dt_safetensors_close(h);
+        dt_model *m = dt_model_create(&mc, 1);
+        dt_model_load_weights(m, ck);
+        int lang = dt_model_is_language(mc.kind), B = 2;
+        int shape[4] = { B, lang ? mc.seq_len : mc.channels, mc.image_size, mc.image_size };
+        int ndim = lang ? 2 : 4;
+        int64_t count = 1;
+        for (int d = 0; d < ndim; d++) count *= shape[d];
+        float *x = (float *)malloc(sizeof(float) * (size_t)count);
+        uint64_t rng = 77 + c;
+        for (int64_t i = 0; i < count; i++) {
+            rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
+            double u = (double)(rng >> 11) / 9007199254740992.0;
+            x[i] = lang ? (float)(int)(u * mc.classes) : (float)(4 * u - 2);
+        }
+        dt_set_grad_enabled(0);
+        dt_step_arena_reset();
+        dt_tensor *logits = dt_model_forward(m, dt_tensor_from_host(ndim, shape, x));
+        float *y = (float *)malloc(sizeof(float) * (size_t)logits->numel);
+        dt_tensor_to_host(logits, y);
+        dt_set_grad_enabled(1);
+        snprintf(in, sizeof in, "%s/input.f32", dir);
+        snprintf(want, sizeof want, "%s/logits.f32", dir);
+        write_bytes(in, x, sizeof(float) * (size_t)count);
+        write_bytes(want, y, sizeof(float) * (size_t)logits->numel);
+        char dims[64];
+        if (lang) snprintf(dims, sizeof dims, "%dx%d", shape[0], shape[1]);
+        else snprintf(dims, sizeof dims, "%dx%dx%dx%d", shape[0], shape[1], shape[2], shape[3]);
+        st = run_cmd(out, sizeof out, "%s %s %s %s %s %s", py, check, ck, in, dims, want);
+        CHECKF(st == 0 && strstr(out, "ok: "), "%s: %s did not load %s as dtrain does (exit %d):\n%s", cases[c].name, py, ck, st, out);
+        free(x);
+        free(y);
+        dt_model_free(m);
+    }
+}
+
+/* --init takes a checkpoint folder back: a llama one as the Hugging Face folder
+   it is (config.json gives the shape: no shape flag), a vit one and a sharded
+   one (stage 04) by name. A step at a learning rate of 1e-9 leaves the weights
+   as they were loaded. */
+static void test_checkpoint_folders_start_runs_with_init(void) {
+    static const struct { const char *name, *stage, *flags, *init_flags; int text; } cases[] = {
+        { "llama", "01-single-gpu", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16 --batch-size 4", "", 1 },
+        { "vit", "01-single-gpu", "--model vit --image-size 16 --patch 4 --dim 32 --depth 2 --heads 2 --batch-size 16",
+          "--model vit --image-size 16 --patch 4 --dim 32 --depth 2 --heads 2 --batch-size 16", 0 },
+        { "fsdp", "04-fsdp", "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --batch-size 2 --nproc 2",
+          "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --batch-size 4", 1 },
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        char out[16384], dir[600], again[600], ck[700], a[800], b[800];
+        snprintf(dir, sizeof dir, "%s/init-from-%s", tmpdir, cases[c].name);
+        snprintf(again, sizeof again, "%s/init-from-%s-again", tmpdir, cases[c].name);
+        const char *data = cases[c].text ? gpt_text() : small_data();
+        int st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 1 --steps 2 --lr 2e-2 --save-dir %s --quiet",
+                         stage_bin(cases[c].stage), data, cases[c].flags, dir);
+        CHECKF(st == 0, "%s: training: exit %d\n%s", cases[c].name, st, out);
+        st = run_cmd(out, sizeof out, "sh -c 'ls -d %s/*_step2'", dir);
+        CHECKF(st == 0, "%s: no checkpoint of step 2 in %s", cases[c].name, dir);
+        if (st) continue;
+        out[strcspn(out, "\n")] = 0;
+        dt__copy_str(ck, sizeof ck, out);
+        st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 1 --steps 1 --lr 1e-9 --warmup 0 --init %s --save-dir %s",
+                     train_cpu, data, cases[c].init_flags, ck, again);
+        CHECKF(st == 0, "%s: --init %s: exit %d\n%s", cases[c].name, ck, st, out);
+        if (st) continue;
+        if (!cases[c].init_flags[0]) CHECKF(strstr(out, "llama dim=32 depth=2 heads=4 kv-heads=2"), "config.json's shape not taken:\n%s", out);
+        st = run_cmd(out, sizeof out, "sh -c 'ls -d %s/*_step1'", again);
+        out[strcspn(out, "\n")] = 0;
+        snprintf(b, sizeof b, "%s/model.safetensors", out);
+        /* the sharded checkpoint, put together: its weights */
+        if (!strcmp(cases[c].stage, "04-fsdp")) {
+            snprintf(a, sizeof a, "%s/whole", dir);
+            st = run_cmd(out, sizeof out, "%s %s %s", build_path("tools/consolidate"), ck, a);
+            CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
+            snprintf(a, sizeof a, "%s/whole/model.safetensors", dir);
+        } else snprintf(a, sizeof a, "%s/model.safetensors", ck);
+        double d = max_tensor_diff(a, b);
+        CHECKF(d >= 0 && d < 1e-6, "%s: the weights after one step at lr 1e-9 from --init %s differ by %g", cases[c].name, ck, d);
+    }
+}
+
 /* Resume from `from` for the rest of a 2-epoch run, saving into `dir`; the
    final checkpoint must equal the straight run's in every tensor, bit for bit. */
 static void resume_matches_straight_run(const char *from, const char *dir, const char *straight_dir, const char *what) {
@@ -3369,8 +3543,8 @@ static void resume_matches_straight_run(const char *from, const char *dir, const
     int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --resume %s --save-dir %s", train_cpu,
                      small_data(), from, dir);
     CHECKF(st == 0, "resumed run (%s): exit %d\n%s", what, st, out);
-    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2.safetensors", straight_dir);
-    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.safetensors", dir);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2", straight_dir);
+    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2", dir);
     CHECKF(files_equal_tensors(p, q), "weights or optimizer state differ after resuming %s", what);
 }
 
@@ -3381,13 +3555,13 @@ static void test_resume_continues_exactly(void) {
     snprintf(c, sizeof c, "%s/ckC", tmpdir);
     int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --save-dir %s", train_cpu, small_data(), a);
     CHECKF(st == 0, "straight run: exit %d\n%s", st, out);
-    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch1.safetensors", a);     /* 1 epoch, saved */
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch1", a);     /* 1 epoch, saved */
     resume_matches_straight_run(p, b, a, "at an epoch boundary");
     /* stopped in mid-epoch (--steps 13 of 20), resumed */
     st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --steps 13 --save-dir %s", train_cpu,
                  small_data(), c);
     CHECKF(st == 0, "stopped run: exit %d\n%s", st, out);
-    snprintf(p, sizeof p, "%s/mlp_data0-320_step13.safetensors", c);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_step13", c);
     resume_matches_straight_run(p, c, a, "in mid-epoch");
 }
 
@@ -3413,7 +3587,7 @@ static void test_init_starts_from_given_weights(void) {
                                       "--lr 1e-9 --init %s --save-dir %s --quiet", train_cpu, data, path, dir);
     CHECKF(st == 0, "exit %d:\n%s", st, out);
     char ck[700];
-    snprintf(ck, sizeof ck, "%s/mlp_data0-2_epoch1.safetensors", dir);
+    snprintf(ck, sizeof ck, "%s/mlp_data0-2_epoch1", dir);
     dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 1);
     dt_model_load_weights(m, ck);
@@ -3439,13 +3613,13 @@ static void test_accumulation_and_fp16_resume_exactly(void) {
     st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --steps 10 --save-dir %s --log %s", bin, small_data(), flags,
                  dir[1], log[1]);
     CHECKF(st == 0, "first epoch: exit %d\n%s", st, out);
-    snprintf(ck, sizeof ck, "%s/vit_data0-320_epoch1.safetensors", dir[1]);
+    snprintf(ck, sizeof ck, "%s/vit_data0-320_epoch1", dir[1]);
     st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --save-dir %s --log %s --resume %s", bin, small_data(), flags,
                  dir[1], log[1], ck);
     CHECKF(st == 0, "resumed: exit %d\n%s", st, out);
     for (int k = 0; k < 2; k++) {
-        snprintf(f[k], sizeof f[k], "%s/full-%d.safetensors", tmpdir, k);
-        st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2.safetensors %s", build_path("tools/consolidate"), dir[k], f[k]);
+        snprintf(f[k], sizeof f[k], "%s/full-%d", tmpdir, k);
+        st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2 %s", build_path("tools/consolidate"), dir[k], f[k]);
         CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
     }
     CHECKF(files_equal_tensors(f[0], f[1]), "fp16 with 4 micro-batches: the resumed run does not end bit for bit as the straight one");
@@ -3455,7 +3629,8 @@ static void test_accumulation_and_fp16_resume_exactly(void) {
     for (int i = 0; i < 20 && na == nb; i++) CHECKF(a[i] == b[i], "step %d: loss scale %g straight, %g resumed", i + 1, a[i], b[i]);
     /* No step overflowed above, so the scale never moved: give the index another
        scale (its metadata rewritten) and see the resumed run go on from it. */
-    dt_safetensors *idx = dt_safetensors_read(ck);
+    char ckm[800];
+    dt_safetensors *idx = dt_safetensors_read(meta_file(ck, ckm, sizeof ckm));
     const char *meta[64];
     int nm = 0;
     for (int i = 0; i < idx->nmeta && nm < 64; i++) {
@@ -3463,7 +3638,7 @@ static void test_accumulation_and_fp16_resume_exactly(void) {
         meta[nm++] = strcmp(idx->meta[2 * i], "loss_scale") ? idx->meta[2 * i + 1] : "1024";
     }
     CHECK(dt_safetensors_meta(idx, "loss_scale") && dt_safetensors_meta(idx, "skipped_steps"));
-    dt_safetensors_write(ck, NULL, 0, meta, nm / 2);
+    dt_safetensors_write(ckm, NULL, 0, meta, nm / 2);
     dt_safetensors_close(idx);
     st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --steps 11 --log %s/rescaled.jsonl --resume %s", bin,
                  small_data(), flags, tmpdir, ck);
@@ -3499,18 +3674,18 @@ static void test_fsdp_sharded_checkpoints_resume_consolidate_and_reshard(void) {
     st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --steps 10 --batch-size 8 --nproc 4 --save-dir %s --log %s", bin,
                  small_data(), flags, a, log4);
     CHECKF(st == 0, "first epoch: exit %d\n%s", st, out);
-    snprintf(p, sizeof p, "%s/vit_data0-320_epoch1.safetensors", a);
+    snprintf(p, sizeof p, "%s/vit_data0-320_epoch1", a);
     st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --batch-size 8 --nproc 4 --resume %s --save-dir %s", bin,
                  small_data(), flags, p, a);
     CHECKF(st == 0, "resume at N=4: exit %d\n%s", st, out);
     for (int r = 0; r < 4; r++) {
-        snprintf(p, sizeof p, "%s/vit_data0-320_epoch2.shard%d-of-4.safetensors", a, r);
-        snprintf(q, sizeof q, "%s/vit_data0-320_epoch2.shard%d-of-4.safetensors", b, r);
+        snprintf(p, sizeof p, "%s/vit_data0-320_epoch2/shard%d-of-4.safetensors", a, r);
+        snprintf(q, sizeof q, "%s/vit_data0-320_epoch2/shard%d-of-4.safetensors", b, r);
         CHECKF(files_equal_tensors(p, q), "shard %d after resuming at N=4 differs from the straight run's", r);
     }
 
-    snprintf(p, sizeof p, "%s/vit_data0-320_epoch1.safetensors", a);
-    snprintf(full, sizeof full, "%s/shardA-full.safetensors", tmpdir);
+    snprintf(p, sizeof p, "%s/vit_data0-320_epoch1", a);
+    snprintf(full, sizeof full, "%s/shardA-full", tmpdir);
     st = run_cmd(out, sizeof out, "%s %s %s", consolidate, p, full);
     CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
     st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 1 --batch-size 32 --resume %s --log %s", train_cpu, small_data(),
@@ -3523,27 +3698,27 @@ static void test_fsdp_sharded_checkpoints_resume_consolidate_and_reshard(void) {
                  small_data(), flags, p, c);
     CHECKF(st == 0, "resume at N=2: exit %d\n%s", st, out);
     char fb[800], fc[800];
-    snprintf(fb, sizeof fb, "%s/b-full.safetensors", tmpdir);
-    snprintf(fc, sizeof fc, "%s/c-full.safetensors", tmpdir);
-    st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2.safetensors %s && %s %s/vit_data0-320_epoch2.safetensors %s",
+    snprintf(fb, sizeof fb, "%s/b-full", tmpdir);
+    snprintf(fc, sizeof fc, "%s/c-full", tmpdir);
+    st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2 %s && %s %s/vit_data0-320_epoch2 %s",
                  consolidate, b, fb, consolidate, c, fc);
     CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
     double d = max_tensor_diff(fb, fc);
     CHECKF(d >= 0 && d <= 2e-5, "resumed at N=2: differs from the straight N=4 run by %.3g", d);
     st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --batch-size 8 --nproc 2 --resume %s", bin, small_data(), flags, p);
     expect_error(out, st, 1, "written by 4 ranks, this run has 2");
-    snprintf(q, sizeof q, "%s/vit_data0-320_epoch1.shard0-of-4.safetensors", a);
+    snprintf(q, sizeof q, "%s/vit_data0-320_epoch1/shard0-of-4.safetensors", a);
     st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --batch-size 32 --resume %s", train_cpu, small_data(), flags, q);
     expect_error(out, st, 1, "one rank's shard of a sharded checkpoint");
 
-    snprintf(q, sizeof q, "%s/vit_data0-320_epoch1.shard3-of-4.safetensors", a);
+    snprintf(q, sizeof q, "%s/vit_data0-320_epoch1/shard3-of-4.safetensors", a);
     snprintf(moved, sizeof moved, "%s.away", q);
     CHECK(rename(q, moved) == 0);
     st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --batch-size 8 --nproc 4 --resume %s", bin, small_data(), flags, p);
     expect_error(out, st, 1, "shard3-of-4.safetensors', is missing");
     CHECK(rename(moved, q) == 0);
     size_t n = 0;
-    snprintf(q, sizeof q, "%s/vit_data0-320_epoch1.shard1-of-4.safetensors", a);
+    snprintf(q, sizeof q, "%s/vit_data0-320_epoch1/shard1-of-4.safetensors", a);
     unsigned char *bytes = read_bytes(q, &n);
     CHECK(bytes && n > 100);
     if (bytes) write_bytes(q, bytes, n / 2);
@@ -3572,58 +3747,88 @@ static void test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly(void
     double s = (dt_now_ms() - t0) / 1e3;
     CHECKF(st != 0 && s < 10, "exit %d after %.1f s (timeout 10 s):\n%s", st, s, out);
     CHECKF(strstr(out, "rank 1 (pid") && strstr(out, "died during all_reduce"), "rank 0 did not name rank 1:\n%s", out);
-    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch1.safetensors", killed);
-    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.safetensors", killed);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch1", killed);
+    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2", killed);
     struct stat sb;
     CHECKF(stat(p, &sb) == 0 && stat(q, &sb) != 0, "expected the epoch-1 checkpoint and no epoch-2 one");
     st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --epochs 3 --batch-size 16 --nproc 2 --resume %s --save-dir %s",
                  bin, small_data(), p, killed);
     CHECKF(st == 0, "resume: exit %d\n%s", st, out);
-    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch3.safetensors", straight);
-    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch3.safetensors", killed);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch3", straight);
+    snprintf(q, sizeof q, "%s/mlp_data0-320_epoch3", killed);
     CHECKF(files_equal_tensors(p, q), "the resumed run does not end where the uninterrupted run ends");
     st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --epochs 3 --batch-size 16 --nproc 4 --resume %s", bin,
                  small_data(), p);                        /* 64 samples a step where it took 32 */
     expect_error(out, st, 1, "written by 2 ranks, this run has 4");
 }
 
+static int rewrite_checkpoint(const char *src, const char *dst, const char *key, const char *value, const char *nan_in);
 static void test_bad_checkpoints_are_refused(void) {
     char out[8192], src[700], bad[700], dir[600];
     snprintf(dir, sizeof dir, "%s/ckA", tmpdir);               /* written by the resume test */
-    snprintf(src, sizeof src, "%s/mlp_data0-320_epoch1.safetensors", dir);
+    snprintf(src, sizeof src, "%s/mlp_data0-320_epoch1", dir);
     struct stat sb;
     if (stat(src, &sb) != 0) {
         int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --save-dir %s", train_cpu, small_data(), dir);
         CHECKF(st == 0, "%s", out);
     }
-    size_t n = 0;
-    unsigned char *bytes = read_bytes(src, &n);
-    CHECK(bytes != NULL);
-    if (!bytes) return;
-    snprintf(bad, sizeof bad, "%s/cut.safetensors", tmpdir);
-    write_bytes(bad, bytes, n / 2);
-    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s", train_cpu, small_data(), bad);
-    expect_error(out, st, 1, "cut.safetensors");
+    /* a copy of the folder whose weights file is cut short, cut to 5 bytes, garbled */
+    char weights[800], moments[800], cut[800];
+    size_t n = 0, nm = 0;
+    snprintf(weights, sizeof weights, "%s/model.safetensors", src);
+    snprintf(moments, sizeof moments, "%s/optimizer.safetensors", src);
+    unsigned char *bytes = read_bytes(weights, &n), *mbytes = read_bytes(moments, &nm);
+    CHECK(bytes != NULL && mbytes != NULL);
+    if (!bytes || !mbytes) return;
+    snprintf(bad, sizeof bad, "%s/cut", tmpdir);
+    int st = run_cmd(out, sizeof out, "sh -c 'rm -rf %s && cp -r %s %s'", bad, src, bad);
+    CHECKF(st == 0, "%s", out);
+    snprintf(cut, sizeof cut, "%s/model.safetensors", bad);
+    write_bytes(cut, bytes, n / 2);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s", train_cpu, small_data(), bad);
+    expect_error(out, st, 1, "cut/model.safetensors");
     CHECK(strstr(out, "truncated") != NULL);
-    write_bytes(bad, bytes, 5);
+    write_bytes(cut, bytes, 5);
     st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s", train_cpu, small_data(), bad);
-    expect_error(out, st, 1, "cut.safetensors");
+    expect_error(out, st, 1, "cut/model.safetensors");
     memset(bytes + 8, '#', 16);                                       /* garble the JSON header */
-    write_bytes(bad, bytes, n);
+    write_bytes(cut, bytes, n);
     st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s", train_cpu, small_data(), bad);
-    expect_error(out, st, 1, "cut.safetensors");
+    expect_error(out, st, 1, "cut/model.safetensors");
+    /* the optimizer state cut short, or of another save (its step rewritten), or gone */
+    write_bytes(cut, read_bytes(weights, &n), n);
+    snprintf(cut, sizeof cut, "%s/optimizer.safetensors", bad);
+    write_bytes(cut, mbytes, nm / 2);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s", train_cpu, small_data(), bad);
+    expect_error(out, st, 1, "cut/optimizer.safetensors");
+    CHECK(rewrite_checkpoint(moments, cut, "step", "7", NULL));
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s", train_cpu, small_data(), bad);
+    expect_error(out, st, 1, "cut/optimizer.safetensors' is not the optimizer state of '");
+    unlink(cut);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s", train_cpu, small_data(), bad);
+    expect_error(out, st, 1, "cut/optimizer.safetensors");
+    /* a folder that is no checkpoint; a file, and an older dtrain's one-file checkpoint */
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s", train_cpu, small_data(), tmpdir);
+    expect_error(out, st, 1, "holds neither model.safetensors nor shards.safetensors");
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s", train_cpu, small_data(), weights);
+    expect_error(out, st, 1, "is a file, not a checkpoint folder");
+    snprintf(cut, sizeof cut, "%s/old-dtrain.safetensors", tmpdir);
+    CHECK(rewrite_checkpoint(weights, cut, "format", "dtrain-checkpoint-1", NULL));
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s", train_cpu, small_data(), cut);
+    expect_error(out, st, 1, "a one-file checkpoint of an earlier dtrain (dtrain-checkpoint-1)");
     free(bytes);
+    free(mbytes);
     /* another model shape: --dim 48 instead of 32 */
     st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --dim 48 --batch-size 32 --quiet --resume %s", train_cpu,
                  small_data(), src);
-    expect_error(out, st, 1, "mlp_data0-320_epoch1.safetensors");
+    expect_error(out, st, 1, "mlp_data0-320_epoch1");
     CHECK(strstr(out, "model") != NULL);
     /* --init with weights of another shape names the tensor */
     st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --dim 48 --batch-size 32 --quiet --init %s", train_cpu,
                  small_data(), src);
     expect_error(out, st, 1, "fc1.weight");
-    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s/missing.safetensors", train_cpu, small_data(), tmpdir);
-    expect_error(out, st, 1, "missing.safetensors");
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s/missing", train_cpu, small_data(), tmpdir);
+    expect_error(out, st, 1, "missing");
 }
 
 static void test_failed_save_keeps_the_previous_checkpoint(void) {
@@ -3631,7 +3836,7 @@ static void test_failed_save_keeps_the_previous_checkpoint(void) {
     snprintf(dir, sizeof dir, "%s/keep", tmpdir);
     int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --save-dir %s", train_cpu, small_data(), dir);
     CHECKF(st == 0, "%s", out);
-    snprintf(ck, sizeof ck, "%s/mlp_data0-320_epoch1.safetensors", dir);
+    snprintf(ck, sizeof ck, "%s/mlp_data0-320_epoch1/model.safetensors", dir);
     size_t n0 = 0, n1 = 0;
     unsigned char *before = read_bytes(ck, &n0);
     CHECK(before != NULL && n0 > 100000);
@@ -3639,20 +3844,30 @@ static void test_failed_save_keeps_the_previous_checkpoint(void) {
        checkpoint cannot be written whole */
     st = run_cmd(out, sizeof out, "sh -c 'ulimit -f 200; exec %s --data %s " SMALL_FLAGS " --epochs 1 --seed 9 --save-dir %s'",
                  train_cpu, small_data(), dir);
-    expect_error(out, st, 1, "mlp_data0-320_epoch1.safetensors");
+    expect_error(out, st, 1, "mlp_data0-320_epoch1");
     unsigned char *after = read_bytes(ck, &n1);
     CHECK(after && n0 == n1 && memcmp(before, after, n0) == 0);
-    snprintf(p, sizeof p, "%s.tmp", ck);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch1.tmp", dir);
     struct stat sb;
-    CHECKF(stat(p, &sb) != 0, "the partial file %s was left behind", p);
+    CHECKF(stat(p, &sb) != 0, "the partial folder %s was left behind", p);
     free(before);
     free(after);
 }
 
-/* A copy of checkpoint src at dst, its metadata `key` set to `value` (key NULL:
-   as it was) and, when nan_in names a tensor, a NaN at its element 12. Returns
-   whether the key was there. */
+/* A copy of safetensors file src at dst (src may be dst), its metadata `key`
+   set to `value` (key NULL: as it was) and, when nan_in names a tensor, a NaN
+   at its element 12; of a checkpoint folder, the folder copied and its weights
+   file so rewritten. Returns whether the key was there. */
 static int rewrite_checkpoint(const char *src, const char *dst, const char *key, const char *value, const char *nan_in) {
+    struct stat sb;
+    if (stat(src, &sb) == 0 && S_ISDIR(sb.st_mode)) {
+        char out[4096], a[800], b[800];
+        int st = run_cmd(out, sizeof out, "sh -c 'rm -rf %s && cp -r %s %s'", dst, src, dst);
+        CHECKF(st == 0, "copying %s: %s", src, out);
+        snprintf(a, sizeof a, "%s/model.safetensors", src);
+        snprintf(b, sizeof b, "%s/model.safetensors", dst);
+        return rewrite_checkpoint(a, b, key, value, nan_in);
+    }
     dt_safetensors *st = dt_safetensors_read(src);
     const char **meta = (const char **)calloc(2 * (size_t)st->nmeta + 1, sizeof *meta);
     int found = 0;
@@ -3685,7 +3900,7 @@ static const char *short_checkpoint(void) {
     static char path[700];
     char out[8192], dir[600];
     snprintf(dir, sizeof dir, "%s/short", tmpdir);
-    snprintf(path, sizeof path, "%s/mlp_data0-320_step3.safetensors", dir);
+    snprintf(path, sizeof path, "%s/mlp_data0-320_step3", dir);
     struct stat sb;
     if (stat(path, &sb) != 0) {
         int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --steps 3 --save-dir %s", train_cpu,
@@ -3701,7 +3916,9 @@ static const char *short_checkpoint(void) {
 static void test_corrupt_checkpoint_metadata_is_refused_naming_the_field(void) {
     char out[16384], bad[700], want[1024], which[128];
     const char *ck = short_checkpoint();
-    snprintf(bad, sizeof bad, "%s/meta.safetensors", tmpdir);
+    char bad_weights[800];
+    snprintf(bad, sizeof bad, "%s/meta", tmpdir);
+    snprintf(bad_weights, sizeof bad_weights, "%s/model.safetensors", bad);
     CHECK(rewrite_checkpoint(ck, bad, NULL, NULL, NULL) == 0);
     int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --resume %s", train_cpu, small_data(), bad);
     CHECKF(st == 0, "the checkpoint as it was, rewritten: exit %d\n%s", st, out);
@@ -3715,19 +3932,20 @@ static void test_corrupt_checkpoint_metadata_is_refused_naming_the_field(void) {
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         CHECKF(rewrite_checkpoint(ck, bad, cases[i].key, cases[i].value, NULL), "no '%s' in %s", cases[i].key, ck);
         st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --resume %s", train_cpu, small_data(), bad);
-        snprintf(want, sizeof want, "'%s': metadata '%s' is '%s', not ", bad, cases[i].key, cases[i].value);
+        snprintf(want, sizeof want, "'%s': metadata '%s' is '%s', not ", bad_weights, cases[i].key, cases[i].value);
         snprintf(which, sizeof which, "%s '%s'", cases[i].key, cases[i].value);
         expect_error_in(which, out, st, 1, want);
     }
     /* fp16's loss scale and a sharded checkpoint's layout: stage 05, one rank */
-    char dir[600], index[700], shard[700];
+    char dir[600], ck05[700], index[760], shard[760];
     const char *flags05 = "--image-size 16 --dim 32 --batch-size 32 --log-every 1000 --quiet --dtype fp16 --epochs 2";
     snprintf(dir, sizeof dir, "%s/short05", tmpdir);
     st = run_cmd(out, sizeof out, "%s --data %s %s --steps 2 --save-dir %s", stage_bin("05-accum-mixed-precision"),
                  small_data(), flags05, dir);
     CHECKF(st == 0, "05 --dtype fp16: exit %d\n%s", st, out);
-    snprintf(index, sizeof index, "%s/mlp_data0-320_step2.safetensors", dir);
-    snprintf(shard, sizeof shard, "%s/mlp_data0-320_step2.shard0-of-1.safetensors", dir);
+    snprintf(ck05, sizeof ck05, "%s/mlp_data0-320_step2", dir);
+    snprintf(index, sizeof index, "%s/shards.safetensors", ck05);
+    snprintf(shard, sizeof shard, "%s/shard0-of-1.safetensors", ck05);
     static const struct { const char *key, *value; int in_shard; } sharded[] = {
         { "loss_scale", "-1", 0 }, { "loss_scale", "nan", 0 }, { "loss_scale", "big", 0 },
         { "loss_scale_good_steps", "-2", 0 }, { "skipped_steps", "x", 0 }, { "skipped_steps", "3", 0 },
@@ -3735,23 +3953,23 @@ static void test_corrupt_checkpoint_metadata_is_refused_naming_the_field(void) {
     };
     for (size_t i = 0; i < sizeof sharded / sizeof sharded[0]; i++) {
         const char *file = sharded[i].in_shard ? shard : index;
-        char keep[720];
+        char keep[800];
         snprintf(keep, sizeof keep, "%s.keep", file);
         CHECK(rename(file, keep) == 0);
         CHECKF(rewrite_checkpoint(keep, file, sharded[i].key, sharded[i].value, NULL), "no '%s' in %s", sharded[i].key, file);
         st = run_cmd(out, sizeof out, "%s --data %s %s --resume %s", stage_bin("05-accum-mixed-precision"), small_data(),
-                     flags05, index);
+                     flags05, ck05);
         snprintf(want, sizeof want, "'%s': metadata '%s' is '%s', not ", file, sharded[i].key, sharded[i].value);
         snprintf(which, sizeof which, "%s '%s'", sharded[i].key, sharded[i].value);
         expect_error_in(which, out, st, 1, want);
         CHECK(rename(keep, file) == 0);
     }
     /* tools/consolidate builds the model the index describes */
-    char keep[720];
+    char keep[800];
     snprintf(keep, sizeof keep, "%s.keep", index);
     CHECK(rename(index, keep) == 0);
     CHECK(rewrite_checkpoint(keep, index, "model_config", "3,16,x,32,2,3,4,128", NULL));
-    st = run_cmd(out, sizeof out, "%s %s %s/never.safetensors", build_path("tools/consolidate"), index, tmpdir);
+    st = run_cmd(out, sizeof out, "%s %s %s/never", build_path("tools/consolidate"), ck05, tmpdir);
     expect_error(out, st, 1, "metadata 'model_config' is '3,16,x,32,2,3,4,128', not mlp's 8 numbers");
     CHECK(rename(keep, index) == 0);
 }
@@ -3760,7 +3978,7 @@ static void test_corrupt_checkpoint_metadata_is_refused_naming_the_field(void) {
    NaN loss that blames --lr. */
 static void test_init_weights_holding_nan_are_refused_naming_the_tensor(void) {
     char out[16384], w[700];
-    snprintf(w, sizeof w, "%s/nan.safetensors", tmpdir);
+    snprintf(w, sizeof w, "%s/nan", tmpdir);
     CHECK(rewrite_checkpoint(short_checkpoint(), w, NULL, NULL, "fc3.weight") == 0);
     int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 2 --init %s", train_cpu, small_data(), w);
     expect_error(out, st, 1, "tensor 'fc3.weight' holds NaN/Inf at index 12");
@@ -4103,12 +4321,17 @@ static void test_a_full_disk_under_log_trace_or_checkpoint_stops_the_run(void) {
 
     snprintf(dir, sizeof dir, "%s/full-ckpt", tmpdir);
     dt__mkdir(dir);
-    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch1.safetensors", dir);
+    /* a crashed save's folder, its weights file a link to the full disk (plain files there would be cleared) */
+    snprintf(p, sizeof p, "%s/mlp_data0-320_epoch1", dir);
     snprintf(q, sizeof q, "%s.tmp", p);
+    dt__mkdir(q);
+    snprintf(q, sizeof q, "%s.tmp/model.safetensors.tmp", p);
     CHECK(symlink("/dev/full", q) == 0);
     st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --save-dir %s", train_cpu, small_data(), dir);
-    expect_error(out, st, 1, "mlp_data0-320_epoch1.safetensors");
+    expect_error(out, st, 1, "mlp_data0-320_epoch1");
     CHECKF(strstr(out, FULL_DISK) != NULL, "the checkpoint's error does not say why:\n%s", out);
+    CHECKF(lstat(q, &sb) != 0, "%s was left behind", q);
+    snprintf(q, sizeof q, "%s.tmp", p);
     CHECKF(lstat(q, &sb) != 0, "%s was left behind", q);
     CHECKF(stat(p, &sb) != 0, "%s was written although its data was not", p);
 
@@ -4155,15 +4378,15 @@ static void test_sigterm_preempts_fsdp_and_resume_auto_ends_bit_for_bit(void) {
     snprintf(cmd, sizeof cmd, "%s --data %s " PAR_FLAGS " --batch-size 4 --nproc 2 --save-dir %s --resume auto", bin, small_data(), b);
     st = run_cmd(out, sizeof out, "env DT_TEST_STOP_AT_STEP=50 %s", cmd);
     CHECKF(st == 75 && strstr(out, "stopped by SIGTERM after step 50 of 80"), "preempted run: exit %d\n%s", st, out);
-    snprintf(p, sizeof p, "%s/mlp_data0-320_step50.safetensors", b);
+    snprintf(p, sizeof p, "%s/mlp_data0-320_step50", b);
     CHECKF(access(p, F_OK) == 0, "no checkpoint of step 50 in %s", b);
     st = run_cmd(out, sizeof out, "ls -a %s", b);
     CHECKF(!strstr(out, ".tmp"), "a .tmp file was left:\n%s", out);
     st = run_cmd(out, sizeof out, "%s", cmd);
     CHECKF(st == 0, "resumed run: exit %d\n%s", st, out);
     for (int r = 0; r < 2; r++) {
-        snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2.shard%d-of-2.safetensors", a, r);
-        snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.shard%d-of-2.safetensors", b, r);
+        snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2/shard%d-of-2.safetensors", a, r);
+        snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2/shard%d-of-2.safetensors", b, r);
         CHECKF(files_equal_tensors(p, q), "shard %d: preempted and resumed differs from the straight run", r);
     }
     /* --resume auto with an empty --save-dir starts fresh; without --save-dir it is a usage error */
@@ -4608,12 +4831,12 @@ static void test_gpu_checkpoints_resume_bit_for_bit(void) {
     CHECKF(st == 0, "stopped run: exit %d\n%s", st, out);
     const char *from[2] = { "epoch1", "step13" };
     for (int k = 0; k < 2; k++) {
-        snprintf(p, sizeof p, "%s/mlp_data0-320_%s.safetensors", k ? c : a, from[k]);
+        snprintf(p, sizeof p, "%s/mlp_data0-320_%s", k ? c : a, from[k]);
         st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --resume %s --save-dir %s", bin, small_data(),
                      p, b);
         CHECKF(st == 0, "resumed from %s: exit %d\n%s", from[k], st, out);
-        snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2.safetensors", a);
-        snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2.safetensors", b);
+        snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2", a);
+        snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2", b);
         CHECKF(files_equal_tensors(p, q), "resumed from %s: weights or optimizer state differ from the straight run", from[k]);
     }
 }
@@ -4887,7 +5110,9 @@ static const test_case tests[] = {
     /* 13. checkpoints */
     T(test_safetensors_weights_load_and_write_back),
     T(test_gpt2_safetensors_load_with_init_and_give_the_expected_first_loss),
-    T(test_hugging_face_llama_and_qwen2_folders_load_with_init_and_give_the_expected_first_loss), T(test_resume_continues_exactly),
+    T(test_hugging_face_llama_and_qwen2_folders_load_with_init_and_give_the_expected_first_loss),
+    T(test_checkpoints_open_in_transformers_timm_and_pytorch), T(test_checkpoint_folders_start_runs_with_init),
+    T(test_resume_continues_exactly),
     T(test_init_starts_from_given_weights), T(test_accumulation_and_fp16_resume_exactly),
     T(test_fsdp_sharded_checkpoints_resume_consolidate_and_reshard),
     T(test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly), T(test_bad_checkpoints_are_refused),

@@ -439,15 +439,16 @@ if begin "04 gpt one step, tensor by tensor"; then
         rm -rf "$RUNS/one-step-$side"
         run_step "$CUR" 120 env OMP_NUM_THREADS="$CPU_THREADS" ./04-fsdp/train --device "$d" --nproc 1 "${GPT[@]}" \
             "${COMMON[@]}" --steps 1 --save-dir "$RUNS/one-step-$side" || { ok=0; break; }
-        index=$(first_file "$RUNS/one-step-$side"/*_step1.safetensors)
-        run_step "$CUR" 60 ./tools/consolidate "$index" "$RUNS/one-step-$side.safetensors" || { ok=0; break; }
+        index=$(first_file "$RUNS/one-step-$side"/*_step1)
+        rm -rf "$RUNS/one-step-$side.whole"
+        run_step "$CUR" 60 ./tools/consolidate "$index" "$RUNS/one-step-$side.whole" || { ok=0; break; }
     done
     if [ "$ok" = 0 ]; then
         fail "$STEP_WHY"
-    elif run_step "$CUR" 60 python3 tools/tensor_diff.py "$RUNS/one-step-gpu.safetensors" "$RUNS/one-step-cpu.safetensors" \
-            --above 1e-4 --only optimizer.exp_avg. --top 8 &&
-         run_step "$CUR" 60 python3 tools/tensor_diff.py "$RUNS/one-step-gpu.safetensors" "$RUNS/one-step-cpu.safetensors" \
-            --above 1e-5 --top 8; then
+    elif run_step "$CUR" 60 python3 tools/tensor_diff.py "$RUNS/one-step-gpu.whole/optimizer.safetensors" \
+            "$RUNS/one-step-cpu.whole/optimizer.safetensors" --above 1e-4 --only exp_avg. --top 8 &&
+         run_step "$CUR" 60 python3 tools/tensor_diff.py "$RUNS/one-step-gpu.whole/model.safetensors" \
+            "$RUNS/one-step-cpu.whole/model.safetensors" --above 1e-5 --top 8; then
         diffs=$(grep -v '^====' "$OUT/$CUR_LOG" | grep -v '^  ' | grep 'tensors differ by more than')
         first=$(head -1 <<<"$diffs")
         if [[ $first == "0 of "* ]]; then pass "first moments: $first"; else fail "first moments: $first"; fi
@@ -491,12 +492,12 @@ if begin "01 resume bit for bit"; then
     ck=$RUNS/resume-ck
     run_step "$CUR" 120 "${flags[@]}" --log "$RUNS/resume-full.jsonl" &&
         run_step "$CUR" 120 "${flags[@]}" --steps 75 --save-dir "$ck" --log "$RUNS/resume-part.jsonl"
-    ck50=$(first_file "$ck"/*_epoch1.safetensors)
-    ck75=$(first_file "$ck"/*_step75.safetensors)
+    ck50=$(first_file "$ck"/*_epoch1)
+    ck75=$(first_file "$ck"/*_step75)
     if [ "$STEP_RC" != 0 ]; then
         fail "the runs to resume from: $STEP_WHY"
     elif [ -z "$ck50" ] || [ -z "$ck75" ]; then
-        fail "expected an epoch-1 and a step-75 checkpoint in $ck, found: $(find "$ck" -maxdepth 1 -type f -printf '%f ' 2>/dev/null)"
+        fail "expected an epoch-1 and a step-75 checkpoint in $ck, found: $(find "$ck" -mindepth 1 -maxdepth 1 -printf '%f ' 2>/dev/null)"
     else
         figures="" bad=""
         for c in "$ck50:50" "$ck75:75"; do
