@@ -3871,12 +3871,15 @@ static void dt__mlp_config_json(FILE *f, const dt_model_config *c) {
             c->channels * c->image_size * c->image_size, c->dim, c->depth, c->classes);
 }
 static void dt__vit_config_json(FILE *f, const dt_model_config *c) {
-    /* timm's registered names fix nothing here: model_args overrides every shape */
+    /* timm's registered names fix nothing here: model_args overrides every shape.
+       timm's MLP is int(dim * mlp_ratio) wide: a ratio that rounds below is nudged. */
+    double ratio = (double)c->mlp_hidden / c->dim;
+    if ((int)(c->dim * ratio) != c->mlp_hidden) ratio = (c->mlp_hidden + 0.5) / c->dim;
     fprintf(f, "{\n  \"architecture\": \"vit_base_patch16_224\",\n  \"num_classes\": %d,\n  \"num_features\": %d,\n"
             "  \"global_pool\": \"token\",\n  \"model_args\": {\"img_size\": %d, \"patch_size\": %d, \"in_chans\": %d, "
             "\"embed_dim\": %d, \"depth\": %d, \"num_heads\": %d, \"mlp_ratio\": %.17g, \"num_classes\": %d},\n"
             "  \"pretrained_cfg\": {\"input_size\": [%d, %d, %d], \"num_classes\": %d}\n}\n", c->classes, c->dim,
-            c->image_size, c->patch, c->channels, c->dim, c->depth, c->heads, (double)c->mlp_hidden / c->dim, c->classes,
+            c->image_size, c->patch, c->channels, c->dim, c->depth, c->heads, ratio, c->classes,
             c->channels, c->image_size, c->image_size, c->classes);
 }
 static void dt__gpt_config_json(FILE *f, const dt_model_config *c) {
@@ -7594,31 +7597,66 @@ static float dt__meta_positive(dt_safetensors *st, const char *path, const char 
    remove. */
 typedef struct dt__folder { char path[4096], tmp[4096]; int slots[DT_CLEANUP_SLOTS], nslots; } dt__folder;
 
-/* A folder's plain files and then the folder (what a crashed save left), or a file of that name. */
+/* The names dtrain writes into a checkpoint folder (and their .tmp while written):
+   the only files it ever removes from one. */
+static int dt__checkpoint_name(const char *name) {
+    static const char *const names[] = { "config.json", "model.safetensors", "optimizer.safetensors", "shards.safetensors" };
+    char stem[256];
+    size_t len = strlen(name);
+    if (len >= sizeof stem) return 0;
+    dt__copy_str(stem, sizeof stem, name);
+    if (len > 4 && !strcmp(stem + len - 4, ".tmp")) stem[len - 4] = 0;
+    for (size_t k = 0; k < sizeof names / sizeof names[0]; k++) if (!strcmp(stem, names[k])) return 1;
+    int r, n, used = 0;
+    return sscanf(stem, "shard%d-of-%d.safetensors%n", &r, &n, &used) == 2 && used == (int)strlen(stem);
+}
+/* Does `path` hold a dtrain checkpoint (one that may be replaced)? */
+static int dt__is_checkpoint_folder(const char *path) {
+    char file[4200];
+    struct stat s;
+    dt__path(file, sizeof file, "%s/model.safetensors", path);
+    if (lstat(path, &s) != 0 || !S_ISDIR(s.st_mode)) return 0;
+    if (access(file, F_OK) == 0) return 1;
+    dt__path(file, sizeof file, "%s/shards.safetensors", path);
+    return access(file, F_OK) == 0;
+}
+/* What a crashed or replaced save left: dtrain's files in the folder, then the
+   folder when that empties it. Anything else stays. */
 static void dt__folder_remove(const char *path) {
     struct stat s;
-    if (lstat(path, &s) != 0) return;
-    if (!S_ISDIR(s.st_mode)) { unlink(path); return; }
+    if (lstat(path, &s) != 0 || !S_ISDIR(s.st_mode)) return;
     DIR *d = opendir(path);
     struct dirent *e;
     while (d && (e = readdir(d))) {
         char file[8300];
         dt__path(file, sizeof file, "%s/%s", path, e->d_name);
-        if (lstat(file, &s) == 0 && S_ISREG(s.st_mode)) unlink(file);
+        if (dt__checkpoint_name(e->d_name) && lstat(file, &s) == 0 && S_ISREG(s.st_mode)) unlink(file);
     }
     if (d) closedir(d);
     rmdir(path);
 }
+/* A name that is taken by something that is not a checkpoint is refused, never replaced. */
+static void dt__folder_check_free(const char *path) {
+    struct stat s;
+    if (lstat(path, &s) == 0 && !dt__is_checkpoint_folder(path) && !(S_ISDIR(s.st_mode) && rmdir(path) == 0))
+        dt_fail("'%s' exists and is not a dtrain checkpoint: not replaced (remove it, or write elsewhere)", path);
+}
 /* create: this process makes NAME.tmp (the only writer, or FSDP's rank 0); the
-   others only name their files in it. */
+   others only name their files in it. Each registers the folder, so that the
+   last process to clean up after a failure removes it. */
 static void dt__folder_open(dt__folder *w, const char *path, int create) {
     memset(w, 0, sizeof *w);
     dt__copy_str(w->path, sizeof w->path, path);
     dt__path(w->tmp, sizeof w->tmp, "%s.tmp", path);
-    if (!create) return;
-    dt__folder_remove(w->tmp);
-    if (mkdir(w->tmp, 0755) != 0 && errno != EEXIST)
-        dt_fail("cannot create checkpoint folder '%s': %s", w->tmp, strerror(errno));
+    if (create) {
+        struct stat s;
+        dt__folder_check_free(path);
+        dt__folder_remove(w->tmp);
+        if (lstat(w->tmp, &s) == 0 && !S_ISDIR(s.st_mode))
+            dt_fail("'%s' exists and is not a folder dtrain writes: not replaced (remove it, or write elsewhere)", w->tmp);
+        if (mkdir(w->tmp, 0755) != 0 && errno != EEXIST)
+            dt_fail("cannot create checkpoint folder '%s': %s", w->tmp, strerror(errno));
+    }
     w->slots[w->nslots++] = dt__cleanup_add(w->tmp);
 }
 static void dt__folder_file(const dt__folder *w, const char *name, char *out, size_t n) {
@@ -7631,25 +7669,28 @@ static void dt__folder_forget(dt__folder *w) {
     for (int k = 0; k < w->nslots; k++) dt__cleanup_done(w->slots[k]);
     w->nslots = 0;
 }
+/* NAME.tmp becomes NAME. An older NAME is moved to NAME.old first and removed
+   after; a save cut off between the two renames leaves it there, whole, and
+   --resume auto takes it when NAME is missing. */
 static void dt__folder_commit(dt__folder *w) {
     char old[4200];
     struct stat s;
     int fd = open(w->tmp, O_RDONLY | O_DIRECTORY);
     if (fd >= 0) { fsync(fd); close(fd); }               /* the files' names on disk before the folder's */
+    dt__folder_check_free(w->path);
+    dt__folder_forget(w);                                 /* from here on every file is a whole checkpoint's */
     dt__path(old, sizeof old, "%s.old", w->path);
-    int moved = lstat(w->path, &s) == 0;
-    if (moved) {
+    if (lstat(w->path, &s) == 0) {
         dt__folder_remove(old);
         if (rename(w->path, old) != 0)
             dt_fail("cannot move the older checkpoint '%s' aside to '%s': %s", w->path, old, strerror(errno));
     }
     if (rename(w->tmp, w->path) != 0) {
         int e = errno;
-        if (moved) rename(old, w->path);
-        dt_fail("could not rename '%s' to '%s': %s", w->tmp, w->path, strerror(e));
+        rename(old, w->path);
+        dt_fail("could not rename '%s' to '%s': %s (the checkpoint written is in '%s')", w->tmp, w->path, strerror(e), w->tmp);
     }
-    dt__folder_forget(w);
-    if (moved) dt__folder_remove(old);
+    dt__folder_remove(old);
 }
 
 /* config.json, in the words of the library that has the same model (section 6). */
@@ -7708,7 +7749,13 @@ static int dt__checkpoint_file(const char *dir, const char *name, char *out, siz
 static dt_safetensors *dt__checkpoint_open(const char *path) {
     struct stat s;
     char file[4200];
-    if (stat(path, &s) != 0) dt_fail("cannot read checkpoint '%s': %s", path, strerror(errno));
+    if (stat(path, &s) != 0) {
+        int e = errno;
+        dt__path(file, sizeof file, "%s.old", path);
+        if (access(file, F_OK) == 0)
+            dt_fail("cannot read checkpoint '%s': %s (a save of it was cut off; the one before is in '%s')", path, strerror(e), file);
+        dt_fail("cannot read checkpoint '%s': %s", path, strerror(e));
+    }
     if (!S_ISDIR(s.st_mode)) {
         dt_safetensors *st = dt__safetensors_read_header(path);
         const char *old = dt_safetensors_meta(st, "format");
@@ -7743,6 +7790,10 @@ static void dt__shard_path(char *out, size_t n, const char *path, int rank, int 
 }
 /* Is this the index of a sharded checkpoint? (One of its shards is refused: it is not the whole.) */
 static int dt__is_sharded(dt_safetensors *st) {
+    const char *old = dt_safetensors_meta(st, "format");
+    if (old && (!strcmp(old, "dtrain-shard-1") || !strcmp(old, "dtrain-sharded-checkpoint-1")))
+        dt_fail("'%s' is part of a sharded checkpoint of an earlier dtrain (%s): put it together with that dtrain's "
+                "tools/consolidate", st->path, old);
     const char *format = dt_safetensors_meta(st, "dtrain_format");
     if (format && !strcmp(format, "shard-2"))
         dt_fail("'%s' is one rank's shard of a sharded checkpoint: give the checkpoint's folder instead", st->path);
@@ -8256,7 +8307,11 @@ static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
     dt__meta_free(&meta);
     for (int k = 0; k < 3; k++) if (state[k]) dt__host_view_close(where, state[k], own[k], f->shard_numel, 0);
     dt_barrier(f->comm);                     /* every shard is on disk before the index names it */
-    if (f->rank != 0) { dt__folder_forget(&w); return; }
+    if (f->rank != 0) {
+        dt_barrier(f->comm);                 /* until rank 0 has renamed the folder, a failure removes the shards */
+        dt__folder_forget(&w);
+        return;
+    }
     dt__checkpoint_meta(r, &meta, "sharded-checkpoint-2");
     dt__meta_add(&meta, "shards", "%d", f->world);
     char *units = (char *)malloc((size_t)f->nunits * 24 + 1), *p = units;
@@ -8277,6 +8332,7 @@ static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
     dt__folder_wrote(&w, file);
     dt__folder_commit(&w);
     dt__meta_free(&meta);
+    dt_barrier(f->comm);
 }
 
 void dt_checkpoint_save(dt_run *run, const char *path) {
@@ -8422,20 +8478,37 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
 /* --resume auto: the checkpoint of the most steps in --save-dir, or NULL to
    start fresh -- what a requeued job runs, unchanged, after preemption. Every
    folder there is whole: a checkpoint is renamed into place once written
-   (NAME.tmp, being written, and NAME.old, being replaced, are passed over).
-   Ties go to the later name, so every rank picks the same folder. */
+   (NAME.tmp, being written, is passed over; NAME.old, being replaced, counts
+   only when a save was cut off before NAME took its place). Ties go to the
+   later name, so every rank picks the same folder. A one-file checkpoint of
+   an earlier dtrain that would have been the newest is an error, not a
+   silent fresh start. */
 static const char *dt__newest_checkpoint(const char *dir, char *out, size_t n) {
     DIR *d = opendir(dir);
     struct dirent *e;
-    long long best = -1;
+    long long best = -1, best_old_format = -1;
+    char old_format[4096] = "";
     out[0] = 0;
     while (d && (e = readdir(d))) {
         size_t len = strlen(e->d_name);
         char path[4096], file[4200];
         struct stat s;
-        if (e->d_name[0] == '.' || (len > 4 && (!strcmp(e->d_name + len - 4, ".tmp") || !strcmp(e->d_name + len - 4, ".old"))))
-            continue;
+        if (e->d_name[0] == '.' || (len > 4 && !strcmp(e->d_name + len - 4, ".tmp"))) continue;
         dt__path(path, sizeof path, "%s/%s", dir, e->d_name);
+        if (len > 4 && !strcmp(e->d_name + len - 4, ".old")) {
+            dt__path(file, sizeof file, "%.*s", (int)strlen(path) - 4, path);
+            if (access(file, F_OK) == 0) continue;            /* replaced, and its successor is there */
+        }
+        if (stat(path, &s) == 0 && S_ISREG(s.st_mode) && len > 12 && !strcmp(e->d_name + len - 12, ".safetensors")) {
+            dt_safetensors *st = dt__safetensors_read_header(path);
+            const char *format = dt_safetensors_meta(st, "format"), *step = dt_safetensors_meta(st, "step");
+            if (format && !strncmp(format, "dtrain-", 7) && strstr(format, "checkpoint") && step && atoll(step) > best_old_format) {
+                best_old_format = atoll(step);
+                dt__copy_str(old_format, sizeof old_format, path);
+            }
+            dt_safetensors_close(st);
+            continue;
+        }
         if (stat(path, &s) != 0 || !S_ISDIR(s.st_mode)) continue;
         if (!dt__checkpoint_file(path, "shards.safetensors", file, sizeof file) &&
             !dt__checkpoint_file(path, "model.safetensors", file, sizeof file))
@@ -8450,6 +8523,9 @@ static const char *dt__newest_checkpoint(const char *dir, char *out, size_t n) {
         dt_safetensors_close(st);
     }
     if (d) closedir(d);
+    if (best_old_format >= 0 && best_old_format >= best)
+        dt_fail("--resume auto: '%s' (step %lld) is a one-file checkpoint of an earlier dtrain, newer than any checkpoint "
+                "folder in '%s': resume it with that dtrain, or move it out of --save-dir", old_format, best_old_format, dir);
     return out[0] ? out : NULL;
 }
 

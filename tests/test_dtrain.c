@@ -3725,8 +3725,16 @@ static void test_fsdp_sharded_checkpoints_resume_consolidate_and_reshard(void) {
     free(bytes);
     st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 2 --batch-size 16 --nproc 2 --resume %s", bin, small_data(), flags, p);
     expect_error(out, st, 1, "shard1-of-4.safetensors', has");
-    st = run_cmd(out, sizeof out, "%s %s %s/never.safetensors", consolidate, p, tmpdir);
+    st = run_cmd(out, sizeof out, "%s %s %s/never", consolidate, p, tmpdir);
     expect_error(out, st, 1, "shard1-of-4.safetensors', has");
+    /* a folder that is not a checkpoint is never replaced (nor a file) */
+    snprintf(q, sizeof q, "%s/mine", tmpdir);
+    dt__mkdir(q);
+    snprintf(moved, sizeof moved, "%s/notes.txt", q);
+    write_bytes(moved, "keep", 4);
+    st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2 %s", consolidate, b, q);
+    expect_error(out, st, 1, "mine' exists and is not a dtrain checkpoint: not replaced");
+    CHECKF(access(moved, F_OK) == 0, "consolidate removed %s", moved);
 }
 
 /* Rank 1 is killed in the middle of epoch 2 of 3 (its 30th all-reduce: two per
@@ -3779,7 +3787,7 @@ static void test_bad_checkpoints_are_refused(void) {
     snprintf(moments, sizeof moments, "%s/optimizer.safetensors", src);
     unsigned char *bytes = read_bytes(weights, &n), *mbytes = read_bytes(moments, &nm);
     CHECK(bytes != NULL && mbytes != NULL);
-    if (!bytes || !mbytes) return;
+    if (!bytes || !mbytes) { free(bytes); free(mbytes); return; }
     snprintf(bad, sizeof bad, "%s/cut", tmpdir);
     int st = run_cmd(out, sizeof out, "sh -c 'rm -rf %s && cp -r %s %s'", bad, src, bad);
     CHECKF(st == 0, "%s", out);
@@ -3796,7 +3804,9 @@ static void test_bad_checkpoints_are_refused(void) {
     st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s", train_cpu, small_data(), bad);
     expect_error(out, st, 1, "cut/model.safetensors");
     /* the optimizer state cut short, or of another save (its step rewritten), or gone */
-    write_bytes(cut, read_bytes(weights, &n), n);
+    free(bytes);
+    bytes = read_bytes(weights, &n);                                  /* the weights whole again */
+    write_bytes(cut, bytes, n);
     snprintf(cut, sizeof cut, "%s/optimizer.safetensors", bad);
     write_bytes(cut, mbytes, nm / 2);
     st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s", train_cpu, small_data(), bad);
@@ -3816,6 +3826,21 @@ static void test_bad_checkpoints_are_refused(void) {
     CHECK(rewrite_checkpoint(weights, cut, "format", "dtrain-checkpoint-1", NULL));
     st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s", train_cpu, small_data(), cut);
     expect_error(out, st, 1, "a one-file checkpoint of an earlier dtrain (dtrain-checkpoint-1)");
+    /* --resume auto: such a file, newer than every folder, is named rather than passed over for a fresh start */
+    char autodir[700];
+    snprintf(autodir, sizeof autodir, "%s/auto-old", tmpdir);
+    st = run_cmd(out, sizeof out, "sh -c 'mkdir -p %s && cp %s %s/mlp_data0-320_epoch1.safetensors'", autodir, cut, autodir);
+    CHECKF(st == 0, "%s", out);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume auto --save-dir %s", train_cpu, small_data(), autodir);
+    expect_error(out, st, 1, "is a one-file checkpoint of an earlier dtrain, newer than any checkpoint folder");
+    /* a save cut off between moving NAME aside and renaming NAME.tmp: --resume auto takes NAME.old */
+    snprintf(autodir, sizeof autodir, "%s/auto-cut", tmpdir);
+    st = run_cmd(out, sizeof out, "sh -c 'mkdir -p %s && cp -r %s %s/mlp_data0-320_epoch1.old'", autodir, src, autodir);
+    CHECKF(st == 0, "%s", out);
+    st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --dim 32 --batch-size 32 --log-every 1000 --epochs 2 "
+                 "--resume auto --save-dir %s", train_cpu, small_data(), autodir);
+    CHECKF(st == 0 && strstr(out, "resumed from ") && strstr(out, "_epoch1.old at epoch 2, step 10"),
+           "--resume auto beside NAME.old alone: exit %d\n%s", st, out);
     free(bytes);
     free(mbytes);
     /* another model shape: --dim 48 instead of 32 */
