@@ -300,8 +300,12 @@ dt_tensor *dt_swiglu(dt_tensor *gate, dt_tensor *up);
    [B*T, 3*H*hd] as dt_attention reads it. q and k are rotated by their
    position (rotary embeddings, Hugging Face's rotate-half pairs j and
    j + hd/2, angle t / theta^(2j/hd)); each of the KV key/value heads serves
-   H/KV query heads (grouped-query attention), so it is repeated that often. */
-dt_tensor *dt_rotary_qkv(dt_tensor *q, dt_tensor *k, dt_tensor *v, int B, int T, int H, int KV, float theta);
+   H/KV query heads (grouped-query attention), so it is repeated that often.
+   Llama 3 rescales the frequencies (rope_type "llama3"): those slower than
+   original_context / low_freq are divided by factor, those faster than
+   original_context / high_freq kept, the ones between blended. factor 0: none. */
+typedef struct dt_rope { float theta, factor, low_freq, high_freq; int original_context; } dt_rope;
+dt_tensor *dt_rotary_qkv(dt_tensor *q, dt_tensor *k, dt_tensor *v, int B, int T, int H, int KV, dt_rope rope);
 /* qkv: [B*T, 3*D] laid out as timm's (q | k | v, the H heads side by side) -> [B*T, D] */
 dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal);
 /* token ids [B, T] (whole numbers held as f32) -> [B*T, D]: row (b, t) is
@@ -380,6 +384,8 @@ typedef struct dt_model_config {
     int qkv_bias;                                /* 1: q, k and v projections with biases (Qwen2) */
     float rope_theta;                            /* the rotary embeddings' base [10000] */
     float norm_eps;                              /* RMSNorm's epsilon [1e-5] */
+    float rope_factor, rope_low_freq, rope_high_freq;   /* Llama 3's rescaled frequencies (dt_rope); 0: none */
+    int rope_original_context;
 } dt_model_config;
 
 typedef struct dt_model {
@@ -910,6 +916,8 @@ typedef struct dt_config {
     float rope_theta;            /* llama: the rotary embeddings' base */
     int untied_head, qkv_bias;   /* llama: an lm_head of its own; q, k, v biases (Qwen2) */
     float norm_eps;              /* llama: RMSNorm's epsilon (0: 1e-5) */
+    float rope_factor, rope_low_freq, rope_high_freq;   /* llama: Llama 3's rescaling, from --init DIR's config.json */
+    int rope_original_context;
     int sample;                  /* --sample N: gpt prints N generated tokens at each evaluation */
     int batch_size, epochs;
     int64_t steps;               /* stop after this many steps (0: run every epoch) */
@@ -1436,7 +1444,7 @@ typedef struct dt__context {
     uint64_t step_resets;              /* dt_step_arena_reset calls: what lives in the step arena is this step's */
     /* The rotary embeddings' (cos, sin) table, in the step arena: every layer
        of a step asks for the same one. */
-    struct { uint64_t step; int T, hd; float theta; dt_device device; float *cs; } rope;
+    struct { uint64_t step; int T, hd; dt_rope rope; dt_device device; float *cs; } rope;
 } dt__context;
 
 static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1 };
@@ -3130,14 +3138,29 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
       group's heads into its key/value head, in head order. -- */
 /* (cos, sin) per position and pair, made on the host once per step and shape
    (every layer reads the same) and kept in the step arena for backward. */
-static float *dt__rope_table(int T, int hd, float theta, dt_device device) {
+static int dt__rope_same(dt_rope a, dt_rope b) {
+    return a.theta == b.theta && a.factor == b.factor && a.low_freq == b.low_freq && a.high_freq == b.high_freq &&
+           a.original_context == b.original_context;
+}
+static float *dt__rope_table(int T, int hd, dt_rope rope, dt_device device) {
     if (dt__ctx.rope.cs && dt__ctx.rope.step == dt__ctx.step_resets && dt__ctx.rope.T == T && dt__ctx.rope.hd == hd &&
-        dt__ctx.rope.theta == theta && dt__ctx.rope.device == device)
+        dt__rope_same(dt__ctx.rope.rope, rope) && dt__ctx.rope.device == device)
         return dt__ctx.rope.cs;
     int half = hd / 2;
     size_t bytes = sizeof(float) * (size_t)T * hd;
     float *host = (float *)dt__step_alloc_uninit(bytes), *inv = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)half);
-    for (int j = 0; j < half; j++) inv[j] = 1.0f / powf(theta, (float)(2 * j) / (float)hd);
+    for (int j = 0; j < half; j++) {
+        inv[j] = 1.0f / powf(rope.theta, (float)(2 * j) / (float)hd);
+        if (rope.factor > 0) {                   /* Llama 3: a wavelength against the original context, in float */
+            float wavelen = (float)(2 * 3.14159265358979323846) / inv[j], context = (float)rope.original_context;
+            float low_wavelen = context / rope.low_freq, high_wavelen = context / rope.high_freq;
+            if (wavelen > low_wavelen) inv[j] /= rope.factor;
+            else if (!(wavelen < high_wavelen)) {
+                float smooth = (context / wavelen - rope.low_freq) / (rope.high_freq - rope.low_freq);
+                inv[j] = (1 - smooth) * inv[j] / rope.factor + smooth * inv[j];
+            }
+        }
+    }
     for (int t = 0; t < T; t++)
         for (int j = 0; j < half; j++) {
             float angle = (float)t * inv[j];
@@ -3149,7 +3172,7 @@ static float *dt__rope_table(int T, int hd, float theta, dt_device device) {
         cs = (float *)dt__step_alloc_on(device, bytes);
         dt__upload_to(device, cs, host, bytes);
     }
-    dt__ctx.rope.step = dt__ctx.step_resets; dt__ctx.rope.T = T; dt__ctx.rope.hd = hd; dt__ctx.rope.theta = theta;
+    dt__ctx.rope.step = dt__ctx.step_resets; dt__ctx.rope.T = T; dt__ctx.rope.hd = hd; dt__ctx.rope.rope = rope;
     dt__ctx.rope.device = device; dt__ctx.rope.cs = cs;
     return cs;
 }
@@ -3183,7 +3206,7 @@ static void dt__rotary_qkv_backward(dt__tape_entry *e) {
     if (dk) dt__grad_acc_done(k, dk);
     if (dv) dt__grad_acc_done(v, dv);
 }
-dt_tensor *dt_rotary_qkv(dt_tensor *q, dt_tensor *k, dt_tensor *v, int B, int T, int H, int KV, float theta) {
+dt_tensor *dt_rotary_qkv(dt_tensor *q, dt_tensor *k, dt_tensor *v, int B, int T, int H, int KV, dt_rope rope) {
     int BT = B * T;
     if (H < 1 || KV < 1 || H % KV || dt_tensor_cols(q) % H || (dt_tensor_cols(q) / H) % 2)
         dt_fail("rotary_qkv: %d query heads of q's %lld columns in %d key/value groups (heads a multiple of groups, an even head width)",
@@ -3197,7 +3220,12 @@ dt_tensor *dt_rotary_qkv(dt_tensor *q, dt_tensor *k, dt_tensor *v, int B, int T,
     const dt_backend *gpu = dt__backend_for(q);
     dt__backend_for(k);
     dt__backend_for(v);
-    float *cs = dt__rope_table(T, hd, theta, q->device);
+    if (!(rope.theta > 1) || (rope.factor != 0 && !(rope.factor > 0 && rope.low_freq > 0 && rope.high_freq > rope.low_freq &&
+                                                     rope.original_context > 0)))
+        dt_fail("rotary_qkv: base %g, rescaling factor %g, low %g, high %g, original context %d (a base above 1; a factor of 0, "
+                "or positive with 0 < low < high and a positive context)", (double)rope.theta, (double)rope.factor,
+                (double)rope.low_freq, (double)rope.high_freq, rope.original_context);
+    float *cs = dt__rope_table(T, hd, rope, q->device);
     dt__scratch_reset();
     dt_tensor *y = dt__tensor_out_2d(BT, 3 * D);
     const float *qv = dt__in(q), *kv = dt__in(k), *vv = dt__in(v);
@@ -3802,6 +3830,7 @@ static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens) {
     const dt_model_config *c = &m->cfg;
     int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), pi = 0, KV = c->kv_heads, tied = !c->untied_head;
     float eps = c->norm_eps;
+    dt_rope rope = { c->rope_theta, c->rope_factor, c->rope_low_freq, c->rope_high_freq, c->rope_original_context };
     dt_tensor *P = m->params;
     dt__check_context("llama", T, c->seq_len);
 #define DT_NEXT (&P[pi++])
@@ -3815,8 +3844,7 @@ static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens) {
         dt_tensor *n1 = DT_NEXT, *qw = DT_NEXT, *qb = DT_BIAS, *kw = DT_NEXT, *kb = DT_BIAS, *vw = DT_NEXT, *vb = DT_BIAS;
         dt_tensor *ow = DT_NEXT, *n2 = DT_NEXT, *gw = DT_NEXT, *uw = DT_NEXT, *dw = DT_NEXT;
         dt_tensor *h = dt_rmsnorm(x, n1, eps);
-        dt_tensor *qkv = dt_rotary_qkv(dt_linear(h, qw, qb), dt_linear(h, kw, kb), dt_linear(h, vw, vb), B, T, c->heads, KV,
-                                       c->rope_theta);
+        dt_tensor *qkv = dt_rotary_qkv(dt_linear(h, qw, qb), dt_linear(h, kw, kb), dt_linear(h, vw, vb), B, T, c->heads, KV, rope);
         x = dt_add(x, dt_linear(dt_attention(qkv, B, T, c->heads, /*causal*/ 1), ow, NULL));
         h = dt_rmsnorm(x, n2, eps);
         x = dt_add(x, dt_linear(dt_swiglu(dt_linear(h, gw, NULL), dt_linear(h, uw, NULL)), dw, NULL));
@@ -3853,9 +3881,13 @@ static void dt__gpt_describe(const dt_model *m, char *out, size_t n) {
 }
 static void dt__llama_describe(const dt_model *m, char *out, size_t n) {
     const dt_model_config *c = &m->cfg;
-    snprintf(out, n, "llama dim=%d depth=%d heads=%d kv-heads=%d ffn=%d context=%d vocab=%d rope-theta=%g norm-eps=%g%s%s "
+    char scaling[128] = "";
+    if (c->rope_factor > 0)
+        snprintf(scaling, sizeof scaling, " rope-llama3=%g,%g,%g,%d", (double)c->rope_factor, (double)c->rope_low_freq,
+                 (double)c->rope_high_freq, c->rope_original_context);
+    snprintf(out, n, "llama dim=%d depth=%d heads=%d kv-heads=%d ffn=%d context=%d vocab=%d rope-theta=%g%s norm-eps=%g%s%s "
              "(%.2fM params)", c->dim, c->depth, c->heads, c->kv_heads, c->mlp_hidden, c->seq_len, c->classes,
-             (double)c->rope_theta, (double)c->norm_eps, c->untied_head ? " untied-head" : "",
+             (double)c->rope_theta, scaling, (double)c->norm_eps, c->untied_head ? " untied-head" : "",
              c->qkv_bias ? " qkv-bias" : "", m->numel / 1e6);
 }
 /* The config.json beside a checkpoint's weights: the model's shape in the words
@@ -3890,13 +3922,18 @@ static void dt__gpt_config_json(FILE *f, const dt_model_config *c) {
             c->classes, c->seq_len, c->dim, c->depth, c->heads, c->mlp_hidden);
 }
 static void dt__llama_config_json(FILE *f, const dt_model_config *c) {
+    char scaling[256] = "null";
+    if (c->rope_factor > 0)
+        snprintf(scaling, sizeof scaling, "{\"rope_type\": \"llama3\", \"factor\": %.9g, \"low_freq_factor\": %.9g, "
+                 "\"high_freq_factor\": %.9g, \"original_max_position_embeddings\": %d}", (double)c->rope_factor,
+                 (double)c->rope_low_freq, (double)c->rope_high_freq, c->rope_original_context);
     const char *type = c->qkv_bias ? "qwen2" : "llama", *arch = c->qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM";
     fprintf(f, "{\n  \"model_type\": \"%s\",\n  \"architectures\": [\"%s\"],\n  \"vocab_size\": %d,\n  \"hidden_size\": %d,\n"
             "  \"intermediate_size\": %d,\n  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n"
             "  \"num_key_value_heads\": %d,\n  \"head_dim\": %d,\n  \"max_position_embeddings\": %d,\n  \"rope_theta\": %.9g,\n"
-            "  \"rope_scaling\": null,\n  \"rms_norm_eps\": %.9g,\n  \"hidden_act\": \"silu\",\n  \"tie_word_embeddings\": %s,\n"
+            "  \"rope_scaling\": %s,\n  \"rms_norm_eps\": %.9g,\n  \"hidden_act\": \"silu\",\n  \"tie_word_embeddings\": %s,\n"
             "%s  \"attention_dropout\": 0.0,\n  \"torch_dtype\": \"float32\"\n}\n", type, arch, c->classes, c->dim, c->mlp_hidden,
-            c->depth, c->heads, c->kv_heads, c->dim / c->heads, c->seq_len, (double)c->rope_theta, (double)c->norm_eps,
+            c->depth, c->heads, c->kv_heads, c->dim / c->heads, c->seq_len, (double)c->rope_theta, scaling, (double)c->norm_eps,
             c->untied_head ? "false" : "true",
             c->qkv_bias ? "  \"use_sliding_window\": false,\n" : "  \"attention_bias\": false,\n  \"mlp_bias\": false,\n");
 }
@@ -3914,7 +3951,8 @@ typedef struct dt__config_number { const char *name; size_t offset; int is_float
 static const dt__config_number dt__config_numbers[] = {
     DT__CN(channels, 0), DT__CN(image_size, 0), DT__CN(classes, 0), DT__CN(dim, 0), DT__CN(depth, 0), DT__CN(heads, 0),
     DT__CN(patch, 0), DT__CN(mlp_hidden, 0), DT__CN(seq_len, 0), DT__CN(kv_heads, 0), DT__CN(untied_head, 0),
-    DT__CN(qkv_bias, 0), DT__CN(rope_theta, 1), DT__CN(norm_eps, 1) };
+    DT__CN(qkv_bias, 0), DT__CN(rope_theta, 1), DT__CN(norm_eps, 1), DT__CN(rope_factor, 1), DT__CN(rope_low_freq, 1),
+    DT__CN(rope_high_freq, 1), DT__CN(rope_original_context, 0) };
 #undef DT__CN
 
 typedef struct dt__model_family dt__model_family;
@@ -3937,7 +3975,7 @@ static const dt__model_family dt__model_families[] = {
     { "mlp", 0, 8, dt__mlp_build, dt__mlp_forward, dt__mlp_describe, dt__no_params, dt__mlp_config_json },
     { "vit", 0, 8, dt__vit_build, dt__vit_forward, dt__vit_describe, dt__no_params, dt__vit_config_json },
     { "gpt", 1, 9, dt__gpt_build, dt__gpt_forward, dt__gpt_describe, dt__gpt_lookups, dt__gpt_config_json },
-    { "llama", 1, 14, dt__llama_build, dt__llama_forward, dt__llama_describe, dt__llama_lookups, dt__llama_config_json },
+    { "llama", 1, 18, dt__llama_build, dt__llama_forward, dt__llama_describe, dt__llama_lookups, dt__llama_config_json },
 };
 #define DT__NFAMILIES ((int)(sizeof dt__model_families / sizeof dt__model_families[0]))
 static const dt__model_family *dt__family(dt_model_kind kind) {
@@ -7927,12 +7965,15 @@ typedef struct dt__hf_config {
     /* -1: not in the file */
     double dim, depth, heads, kv_heads, ffn_dim, vocab, max_positions, head_dim, rope_theta, norm_eps, tie, qkv_bias;
     double mlp_bias, sliding_window, use_sliding_window, partial_rotary;
+    double rope_factor, rope_low_freq, rope_high_freq, rope_original_context;   /* rope_type llama3; 0: not given */
     int has_rope_scaling;
 } dt__hf_config;
 
 /* A rope_scaling or rope_parameters object: its rope_type ("default" is no
-   rescaling), rope_theta and partial_rotary_factor; any other rope_type, or
-   any rope_scaling at all, is rescaled frequencies dtrain does not compute. */
+   rescaling; "llama3" with its factor, low_freq_factor, high_freq_factor and
+   original_max_position_embeddings is Llama 3's), rope_theta and
+   partial_rotary_factor; any other rope_type, or a rope_scaling of none, is
+   rescaled frequencies dtrain does not compute. */
 static void dt__hf_rope_object(dt__json *j, dt__hf_config *hc, int is_scaling) {
     dt__json_eat(j, '{');
     while (j->ok && dt__json_peek(j) != '}') {
@@ -7949,12 +7990,19 @@ static void dt__hf_rope_object(dt__json *j, dt__hf_config *hc, int is_scaling) {
             if (!is_null) hc->rope_theta = v;
         } else if (!strcmp(key, "partial_rotary_factor") && dt__json_peek(j) != '"' && dt__json_scalar(j, &v, &is_null)) {
             if (!is_null) hc->partial_rotary = v;
+        } else if ((!strcmp(key, "factor") || !strcmp(key, "low_freq_factor") || !strcmp(key, "high_freq_factor") ||
+                    !strcmp(key, "original_max_position_embeddings")) && dt__json_peek(j) != '"' &&
+                   dt__json_scalar(j, &v, &is_null)) {
+            double *to = !strcmp(key, "factor") ? &hc->rope_factor : !strcmp(key, "low_freq_factor") ? &hc->rope_low_freq
+                       : !strcmp(key, "high_freq_factor") ? &hc->rope_high_freq : &hc->rope_original_context;
+            if (!is_null) *to = v;
         } else dt__json_skip(j, 0);
         free(key);
         if (dt__json_peek(j) == ',') j->pos++;
     }
     dt__json_eat(j, '}');
-    if (is_scaling ? strcmp(hc->rope_type, "default") != 0 : hc->rope_type[0] && strcmp(hc->rope_type, "default"))
+    int llama3 = !strcmp(hc->rope_type, "llama3");
+    if (!llama3 && (is_scaling ? strcmp(hc->rope_type, "default") != 0 : hc->rope_type[0] && strcmp(hc->rope_type, "default")))
         hc->has_rope_scaling = 1;
 }
 
@@ -8974,6 +9022,15 @@ static const dt__flag dt__flags[] = {
     { "--rope-theta", "12345", "X", "llama: the rotary embeddings' base (default 10000)", DT_ARG_FLOAT, DT_CFG(rope_theta), NULL,
       DT_ABOVE(1) },
     { "--norm-eps", "12345", "X", "llama: RMSNorm's epsilon (default 1e-5)", DT_ARG_FLOAT, DT_CFG(norm_eps), NULL, DT_ABOVE(0) },
+    { "--rope-factor", "12345", "X", "llama: Llama 3's rescaled rotary frequencies (rope_type llama3, with the three below;\n"
+      "                          default: none, or --init DIR's config.json): slow ones divided by X", DT_ARG_FLOAT,
+      DT_CFG(rope_factor), NULL, DT_ABOVE(0) },
+    { "--rope-low-freq", "12345", "X", "llama 3: wavelengths over ORIGINAL / X are divided by --rope-factor", DT_ARG_FLOAT,
+      DT_CFG(rope_low_freq), NULL, DT_ABOVE(0) },
+    { "--rope-high-freq", "12345", "X", "llama 3: wavelengths under ORIGINAL / X are kept (between: blended)", DT_ARG_FLOAT,
+      DT_CFG(rope_high_freq), NULL, DT_ABOVE(0) },
+    { "--rope-original-context", "12345", "ORIGINAL", "llama 3: the context the frequencies were made for", DT_ARG_INT,
+      DT_CFG(rope_original_context), NULL, DT_MIN(1) },
     { "--untied-head", "12345", NULL, "llama: an lm_head.weight of its own (default: the head is the token embedding)",
       DT_ARG_SWITCH, DT_CFG(untied_head), NULL, DT_NOT_A_NUMBER },
     { "--qkv-bias", "12345", NULL, "llama: biases on the q, k and v projections, as Qwen2 has", DT_ARG_SWITCH, DT_CFG(qkv_bias),
@@ -9144,8 +9201,24 @@ static void dt__apply_hf_shape(dt_config *c, dt__hf_config hc, const unsigned ch
         return;
     }
     if (hc.has_rope_scaling)
-        dt_usage_error("%s: rescaled rotary frequencies (\"rope_scaling\", or a rope_type other than \"default\": Llama 3.1 "
-                       "and 3.2's long-context ones) are not supported yet", hc.path);
+        dt_usage_error("%s: rescaled rotary frequencies of rope_type \"%s\" are not supported (\"default\" and Llama 3's "
+                       "\"llama3\" are)", hc.path, hc.rope_type[0] ? hc.rope_type : "?");
+    if (!strcmp(hc.rope_type, "llama3")) {
+        if (!(hc.rope_factor > 0 && hc.rope_factor < 1e6) || !(hc.rope_low_freq > 0) || !(hc.rope_high_freq > hc.rope_low_freq) ||
+            !(hc.rope_high_freq < 1e6) || !(hc.rope_original_context >= 1 && hc.rope_original_context <= INT_MAX) ||
+            hc.rope_original_context != floor(hc.rope_original_context))
+            dt_usage_error("%s: rope_type llama3 needs a positive factor, 0 < low_freq_factor < high_freq_factor and a whole "
+                           "original_max_position_embeddings (it has %g, %g, %g, %g)", hc.path, hc.rope_factor,
+                           hc.rope_low_freq, hc.rope_high_freq, hc.rope_original_context);
+        dt__hf_take(&hc, "factor", hc.rope_factor, "--rope-factor", dt__given(given, "--rope-factor"), &c->rope_factor, NULL);
+        dt__hf_take(&hc, "low_freq_factor", hc.rope_low_freq, "--rope-low-freq", dt__given(given, "--rope-low-freq"),
+                    &c->rope_low_freq, NULL);
+        dt__hf_take(&hc, "high_freq_factor", hc.rope_high_freq, "--rope-high-freq", dt__given(given, "--rope-high-freq"),
+                    &c->rope_high_freq, NULL);
+        dt__hf_take(&hc, "original_max_position_embeddings", hc.rope_original_context, "--rope-original-context",
+                    dt__given(given, "--rope-original-context"), NULL, &c->rope_original_context);
+    } else if (c->rope_factor > 0)
+        dt_usage_error("--rope-factor contradicts %s, whose rotary frequencies are not rescaled", hc.path);
     if (hc.partial_rotary != -1 && hc.partial_rotary != 1)
         dt_usage_error("%s: partial_rotary_factor %g; dtrain rotates whole heads", hc.path, hc.partial_rotary);
     if (hc.mlp_bias > 0) dt_usage_error("%s: mlp_bias true (biases on gate, up and down) is not supported", hc.path);
@@ -9255,8 +9328,13 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     /* values in range that make no sense together */
     if (!gpt && (dt__given(given, "--seq-len") || dt__given(given, "--vocab") || c.tokens || dt__given(given, "--sample")))
         dt_usage_error("--seq-len, --vocab, --tokens and --sample are for the language models (--model gpt or llama)");
-    if (!llama && (c.kv_heads || c.ffn_dim || c.rope_theta > 0 || c.norm_eps > 0 || c.untied_head || c.qkv_bias))
-        dt_usage_error("--kv-heads, --ffn-dim, --rope-theta, --norm-eps, --untied-head and --qkv-bias are for --model llama");
+    int rope_given = (c.rope_factor > 0) + (c.rope_low_freq > 0) + (c.rope_high_freq > 0) + (c.rope_original_context > 0);
+    if (!llama && (c.kv_heads || c.ffn_dim || c.rope_theta > 0 || c.norm_eps > 0 || c.untied_head || c.qkv_bias || rope_given))
+        dt_usage_error("--kv-heads, --ffn-dim, --rope-theta, --norm-eps, --untied-head, --qkv-bias and --rope-factor, "
+                       "--rope-low-freq, --rope-high-freq, --rope-original-context are for --model llama");
+    if (rope_given && (rope_given < 4 || !(c.rope_high_freq > c.rope_low_freq)))
+        dt_usage_error("--rope-factor, --rope-low-freq, --rope-high-freq and --rope-original-context go together (Llama 3's "
+                       "rescaling), with --rope-low-freq below --rope-high-freq");
     if (llama && !c.kv_heads) c.kv_heads = c.heads % 2 ? c.heads : c.heads / 2;
     if (llama && !c.ffn_dim) c.ffn_dim = (8 * c.dim / 3 + 31) / 32 * 32;
     if (llama && c.heads % c.kv_heads)
@@ -9310,6 +9388,8 @@ dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int ima
     if (cfg->model == DT_MODEL_LLAMA) {
         m.mlp_hidden = cfg->ffn_dim; m.kv_heads = cfg->kv_heads; m.untied_head = cfg->untied_head; m.qkv_bias = cfg->qkv_bias;
         m.rope_theta = cfg->rope_theta; m.norm_eps = cfg->norm_eps;      /* 0: dt_model_create's defaults */
+        m.rope_factor = cfg->rope_factor; m.rope_low_freq = cfg->rope_low_freq; m.rope_high_freq = cfg->rope_high_freq;
+        m.rope_original_context = cfg->rope_original_context;
     }
     return m;
 }

@@ -327,7 +327,7 @@ static int log_series(const char *log, const char *key, double *out, int max) {
 /* ---- 2. memory -------------------------------------------------------------- */
 
 static void test_step_arena_stops_allocating_after_the_first_step(void) {
-    dt_model_config c = { DT_MODEL_VIT, 3, 8, 4, 16, 2, 2, 4, 32, 0, 0, 0, 0, 0, 0 };
+    dt_model_config c = { DT_MODEL_VIT, 3, 8, 4, 16, 2, 2, 4, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 3);
     dt_optimizer *o = dt_optimizer_create(m, DT_ADAMW, 0.0f, 0.0f, 0.0f);
     size_t acts[4];
@@ -894,7 +894,7 @@ static dt_model *hook_model;
 static void record_hook(dt_parallel *par, dt_tensor *p) { (void)par; hook_order[hook_count++] = (int)(p - hook_model->params); }
 
 static void test_grad_ready_hook_fires_once_per_parameter_in_reverse(void) {
-    dt_model_config c = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0 };
+    dt_model_config c = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 2);
     hook_model = m;
     hook_count = 0;
@@ -925,7 +925,7 @@ static dt_tensor *f_model(dt_tensor **l, void *c) {
     return dt_cross_entropy(dt_model_forward(mc->m, img), mc->labels);
 }
 static void model_fd(dt_model_kind kind) {
-    dt_model_config c = { kind, 3, 8, 5, kind == DT_MODEL_MLP ? 16 : 12, 2, 2, 4, 24, 0, 0, 0, 0, 0, 0 };
+    dt_model_config c = { kind, 3, 8, 5, kind == DT_MODEL_MLP ? 16 : 12, 2, 2, 4, 24, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 9);
     dt__rng r = { 6 };
     int B = 3;
@@ -946,7 +946,7 @@ static void test_mlp_gradients_match_finite_differences(void) { model_fd(DT_MODE
 static void test_vit_gradients_match_finite_differences(void) { model_fd(DT_MODEL_VIT); }
 
 static void test_vit_parameter_names_and_shapes_follow_timm(void) {
-    dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768, 0, 0, 0, 0, 0, 0 };
+    dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 1);
     struct { const char *name; int ndim, s[4]; } want[] = {
         { "cls_token", 3, { 1, 1, 192 } }, { "pos_embed", 3, { 1, 65, 192 } },
@@ -973,7 +973,7 @@ static void test_vit_parameter_names_and_shapes_follow_timm(void) {
 }
 
 static dt_model_config tiny_gpt(void) {                /* vocab 11, dim 12, depth 2, heads 2, mlp 48, context 6 */
-    dt_model_config c = { DT_MODEL_GPT, 0, 0, 11, 12, 2, 2, 0, 48, 6, 0, 0, 0, 0, 0 };
+    dt_model_config c = { DT_MODEL_GPT, 0, 0, 11, 12, 2, 2, 0, 48, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     return c;
 }
 typedef struct { dt_model *m; const float *ids; int B, T; const int32_t *labels; } gpt_ctx;
@@ -1046,9 +1046,9 @@ static void test_gpt_is_causal_and_named_like_gpt2(void) {
 static dt_tensor *f_rmsnorm(dt_tensor **l, void *c) { (void)c; return dt_rmsnorm(l[0], l[1], 1e-5f); }
 static dt_tensor *f_swiglu(dt_tensor **l, void *c) { (void)c; return dt_swiglu(l[0], l[1]); }
 /* 2 sequences of 5 tokens; 4 query heads 6 wide in 2 key/value groups */
-static dt_tensor *f_rotary(dt_tensor **l, void *c) { (void)c; return dt_rotary_qkv(l[0], l[1], l[2], 2, 5, 4, 2, 10000.0f); }
+static dt_tensor *f_rotary(dt_tensor **l, void *c) { (void)c; return dt_rotary_qkv(l[0], l[1], l[2], 2, 5, 4, 2, (dt_rope){ 10000.0f, 0, 0, 0, 0 }); }
 static dt_tensor *f_gqa(dt_tensor **l, void *c) {   /* a small base: the angles turn far within 5 positions */
-    return dt_attention(dt_rotary_qkv(l[0], l[1], l[2], 2, 5, 4, 2, 3.0f), 2, 5, 4, *(int *)c);
+    return dt_attention(dt_rotary_qkv(l[0], l[1], l[2], 2, 5, 4, 2, (dt_rope){ 3.0f, 0, 0, 0, 0 }), 2, 5, 4, *(int *)c);
 }
 static dt_tensor *f_embed_only(dt_tensor **l, void *c) {
     static const float ids[6] = { 2, 0, 2, 1, 1, 2 };
@@ -1058,6 +1058,20 @@ static dt_tensor *f_embed_only(dt_tensor **l, void *c) {
 }
 /* The angle of position t, pair j of a head hd wide, as the definition says (in double). */
 static double rope_angle(int t, int j, int hd, double theta) { return t * pow(theta, -2.0 * j / hd); }
+/* The frequency of pair j with Llama 3's rescaling, from Hugging Face's
+   definition (wavelengths against the original context), in double. */
+static double rope_frequency(int j, int hd, const dt_model_config *c) {
+    double f = pow(c->rope_theta, -2.0 * j / hd), context = c->rope_original_context;
+    if (c->rope_factor > 0) {
+        double wavelen = 2 * 3.14159265358979323846 / f;
+        if (wavelen > context / c->rope_low_freq) f /= c->rope_factor;                 /* slow: stretched */
+        else if (wavelen >= context / c->rope_high_freq) {                           /* between: blended */
+            double smooth = (context / wavelen - c->rope_low_freq) / (c->rope_high_freq - c->rope_low_freq);
+            f = (1 - smooth) * f / c->rope_factor + smooth * f;
+        }
+    }
+    return f;
+}
 
 static void test_llama_ops_match_finite_differences_and_their_definitions(void) {
     dt__rng r = { 12 };
@@ -1098,7 +1112,7 @@ static void test_llama_ops_match_finite_differences_and_their_definitions(void) 
     /* Hugging Face's rotate-half: pair (j, j + hd/2) of each head turned by
        t * theta^(-2j/hd); query head h reads key/value head h / (H / KV) */
     dt_set_grad_enabled(0);
-    dt_tensor *y = dt_rotary_qkv(q, k, v, 2, 5, 4, 2, 10000.0f);
+    dt_tensor *y = dt_rotary_qkv(q, k, v, 2, 5, 4, 2, (dt_rope){ 10000.0f, 0, 0, 0, 0 });
     double worst = 0;
     for (int row = 0; row < 10; row++)
         for (int h = 0; h < 4; h++)
@@ -1120,7 +1134,7 @@ static void test_llama_ops_match_finite_differences_and_their_definitions(void) 
         memcpy(q->data + row * 24, q->data, sizeof(float) * 24);
         memcpy(k->data + row * 12, k->data, sizeof(float) * 12);
     }
-    y = dt_rotary_qkv(q, k, v, 2, 5, 4, 2, 10000.0f);
+    y = dt_rotary_qkv(q, k, v, 2, 5, 4, 2, (dt_rope){ 10000.0f, 0, 0, 0, 0 });
     double dots[5][5];
     for (int t = 0; t < 5; t++)
         for (int u2 = 0; u2 < 5; u2++) {
@@ -1140,7 +1154,7 @@ static void test_llama_ops_match_finite_differences_and_their_definitions(void) 
 
 /* vocab 11, dim 16, depth 2, 4 query heads of 4 in 2 key/value groups, SwiGLU 24 wide, context 6 */
 static dt_model_config tiny_llama(int untied_head, int qkv_bias) {
-    dt_model_config c = { DT_MODEL_LLAMA, 0, 0, 11, 16, 2, 4, 0, 24, 6, 2, untied_head, qkv_bias, 10000.0f, 1e-5f };
+    dt_model_config c = { DT_MODEL_LLAMA, 0, 0, 11, 16, 2, 4, 0, 24, 6, 2, untied_head, qkv_bias, 10000.0f, 1e-5f, 0, 0, 0, 0 };
     return c;
 }
 
@@ -1191,7 +1205,7 @@ static double llama_ref_loss(dt_model *m, const float *ids, const int32_t *label
             for (int hh = 0; hh < H + KV; hh++) {
                 double *z = hh < H ? q + i * H * hd + hh * hd : k + i * KV * hd + (hh - H) * hd;
                 for (int j = 0; j < half; j++) {
-                    double a = rope_angle(i % T, j, hd, c->rope_theta), x1 = z[j], x2 = z[j + half];
+                    double a = (i % T) * rope_frequency(j, hd, c), x1 = z[j], x2 = z[j + half];
                     z[j] = x1 * cos(a) - x2 * sin(a);
                     z[j + half] = x2 * cos(a) + x1 * sin(a);
                 }
@@ -1309,7 +1323,7 @@ static void test_llama_is_causal_and_named_like_hugging_face(void) {
 /* ---- 7. optimizer against closed-form steps --------------------------------- */
 
 static void test_adamw_and_sgd_match_hand_computed_steps(void) {
-    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0 };   /* fc1: weight [1,1], bias [1] */
+    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };   /* fc1: weight [1,1], bias [1] */
     for (int kind = 0; kind < 2; kind++) {
         dt_model *m = dt_model_create(&c, 1);
         dt_optimizer *o = dt_optimizer_create(m, kind == 0 ? DT_ADAMW : DT_SGD, 0.1f, 0.9f, 0.0f);
@@ -1343,7 +1357,7 @@ static void test_adamw_and_sgd_match_hand_computed_steps(void) {
 }
 
 static void test_gradient_clipping_scales_to_the_max_norm(void) {
-    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0 };
+    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 1);
     dt_optimizer *o = dt_optimizer_create(m, DT_SGD, 0.0f, 0.0f, 1.0f);
     m->params[0].data[0] = 0; m->params[1].data[0] = 0;
@@ -2494,7 +2508,7 @@ static double summary_value(const char *log, const char *key) {
    at all; the host holds them. */
 static void test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank(void) {
     char out[16384], log[600];
-    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0 };
+    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&mc, 1);
     for (int n = 2; n <= 4; n += 2) {
         double shards = 0, largest = 0;
@@ -2532,7 +2546,7 @@ static void test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank(void) {
    every unit but the last (kept gathered from its forward) when backward
    does; evaluation prefetches as forward does. */
 static void test_fsdp_prefetches_the_next_unit(void) {
-    dt_model_config mc = { DT_MODEL_VIT, 3, 8, 10, 16, 3, 2, 4, 32, 0, 0, 0, 0, 0, 0 };
+    dt_model_config mc = { DT_MODEL_VIT, 3, 8, 10, 16, 3, 2, 4, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&mc, 3);
     dt_comm_group *g = dt_comm_group_create(1, 30);
     dt_comm *c = dt_comm_join(g, 0);
@@ -2726,7 +2740,7 @@ typedef struct {
     int64_t collectives[10];
     float *params;                 /* rank 0's final parameters */
 } accum_rank;
-static dt_model_config accum_model(void) { dt_model_config mc = { DT_MODEL_MLP, 3, 8, 10, 32, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0 }; return mc; }
+static dt_model_config accum_model(void) { dt_model_config mc = { DT_MODEL_MLP, 3, 8, 10, 32, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }; return mc; }
 static void accum_batch(int64_t first, int B, dt_tensor **x, int32_t *labels) {
     int shape[4] = { B, 3, 8, 8 };
     float *img = (float *)malloc(sizeof(float) * (size_t)B * 192);
@@ -2995,7 +3009,7 @@ static void test_mixed_precision_is_the_same_on_any_thread_count(void) {
             omp_set_num_threads(th ? 2 : 1);
 #endif
             dt_set_compute_dtype(t ? DT_F16 : DT_BF16);
-            dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0 };
+            dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
             dt_model *m = dt_model_create(&mc, 3);
             dt_step_arena_reset();
             int32_t labels[128];                     /* big enough for the conversions to go parallel */
@@ -3051,7 +3065,7 @@ static size_t handmade_safetensors(const char *path, const char *dtype_w) {
 
 static void test_safetensors_weights_load_and_write_back(void) {
     char path[600], out[600];
-    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0 };     /* depth 0: fc1 [2, 3] only */
+    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };     /* depth 0: fc1 [2, 3] only */
     float w[6] = { 0.5f, -1.0f, 2.0f, 0.25f, -0.125f, 3.0f };
     for (int v = 0; v < 2; v++) {
         snprintf(path, sizeof path, "%s/hand%d.safetensors", tmpdir, v);
@@ -3260,9 +3274,11 @@ static void test_hugging_face_llama_and_qwen2_folders_load_with_init_and_give_th
     float ids[B * T];
     int32_t labels[B * T];
     for (int i = 0; i < B * T; i++) { ids[i] = bytes[i / T * T + i % T]; labels[i] = bytes[i / T * T + i % T + 1]; }
-    for (int variant = 0; variant < 2; variant++) {
-        int qwen = variant;
-        dt_model_config c = { DT_MODEL_LLAMA, 0, 0, 256, 16, 2, 4, 0, 24, T, 2, qwen, qwen, qwen ? 1000000.0f : 10000.0f, 1e-6f };
+    for (int variant = 0; variant < 3; variant++) {
+        /* 2: Llama 3's rescaled frequencies, heads of 8 so that a pair falls in each band (kept, blended, stretched) */
+        int qwen = variant == 1, llama3 = variant == 2, H = llama3 ? 2 : 4, KV = llama3 ? 1 : 2;
+        dt_model_config c = { DT_MODEL_LLAMA, 0, 0, 256, 16, 2, H, 0, 24, T, KV, qwen, qwen, qwen ? 1000000.0f : 10000.0f, 1e-6f,
+                              llama3 ? 8.0f : 0, llama3 ? 1.0f : 0, llama3 ? 4.0f : 0, llama3 ? 64 : 0 };
         dt_model *m = dt_model_create(&c, 17 + variant);
         dt__rng r = { 99 };
         for (int i = 0; i < m->nparams; i++)
@@ -3272,18 +3288,20 @@ static void test_hugging_face_llama_and_qwen2_folders_load_with_init_and_give_th
                                             : (float)(0.3 * rnd(&r));
                 if (!qwen) *v = dt_bf16_to_f32(dt_f32_to_bf16(*v));     /* what the bf16 file holds */
             }
-        snprintf(dir, sizeof dir, "%s/hf-%s", tmpdir, qwen ? "qwen2" : "llama");
+        snprintf(dir, sizeof dir, "%s/hf-%s", tmpdir, qwen ? "qwen2" : llama3 ? "llama3" : "llama");
         mkdir(dir, 0755);
         snprintf(path, sizeof path, "%s/config.json", dir);
         FILE *f = fopen(path, "w");
         fprintf(f, "{\n  \"architectures\": [\"%s\"],\n  \"model_type\": \"%s\",\n  \"hidden_size\": 16,\n"
-                   "  \"intermediate_size\": 24,\n  \"num_hidden_layers\": 2,\n  \"num_attention_heads\": 4,\n"
-                   "  \"num_key_value_heads\": 2,\n  \"vocab_size\": 256,\n  \"max_position_embeddings\": 64,\n"
+                   "  \"intermediate_size\": 24,\n  \"num_hidden_layers\": 2,\n  \"num_attention_heads\": %d,\n"
+                   "  \"num_key_value_heads\": %d,\n  \"vocab_size\": 256,\n  \"max_position_embeddings\": 64,\n"
                    "  %s,\n  \"rms_norm_eps\": 1e-06,\n  \"hidden_act\": \"silu\",\n"
                    "  \"tie_word_embeddings\": %s,\n  \"torch_dtype\": \"%s\",\n  \"bos_token_id\": 1\n}\n",
-                qwen ? "Qwen2ForCausalLM" : "LlamaForCausalLM", qwen ? "qwen2" : "llama",
+                qwen ? "Qwen2ForCausalLM" : "LlamaForCausalLM", qwen ? "qwen2" : "llama", H, KV,
                 qwen ? "\"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 1000000.0}"   /* transformers 5 */
-                     : "\"rope_theta\": 10000.0, \"rope_scaling\": null",                                  /* transformers 4 */
+                : llama3 ? "\"rope_theta\": 10000.0, \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0, "
+                           "\"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, \"original_max_position_embeddings\": 64}"
+                : "\"rope_theta\": 10000.0, \"rope_scaling\": null",                                  /* transformers 4 */
                 qwen ? "false" : "true", qwen ? "float32" : "bfloat16");
         fclose(f);
         dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams, sizeof *t);
@@ -3318,7 +3336,37 @@ static void test_hugging_face_llama_and_qwen2_folders_load_with_init_and_give_th
         double got[4], want = llama_ref_loss(m, ids, labels, B, T);
         int k = read_losses(log, got, 4);
         CHECKF(k == 1 && fabs(got[0] - want) < 2e-6, "%s: first loss %.7f (%d logged), the double forward gives %.7f",
-               qwen ? "qwen2" : "llama", got[0], k, want);
+               qwen ? "qwen2" : llama3 ? "llama3" : "llama", got[0], k, want);
+        if (llama3) {                                                   /* and without the rescaling, another loss */
+            dt_model_config plain = m->cfg;
+            plain.rope_factor = 0;
+            m->cfg = plain;
+            double unscaled = llama_ref_loss(m, ids, labels, B, T);
+            CHECKF(fabs(unscaled - want) > 1e-4, "llama3: the rescaling changes the loss by %.2g only", fabs(unscaled - want));
+            /* the checkpoint records the rescaling: a run resumes it with the four flags, and not without them */
+            char ckdir[900], shape[300];
+            snprintf(ckdir, sizeof ckdir, "%s-run", dir);
+            st = run_cmd(out, sizeof out, "%s --data %s --seq-len %d --batch-size %d --steps 1 --epochs 2 --init %s --save-dir %s "
+                         "--quiet", train_cpu, text, T, B, dir, ckdir);
+            CHECKF(st == 0, "llama3 --save-dir: exit %d\n%s", st, out);
+            st = run_cmd(out, sizeof out, "sh -c 'ls -d %s/*_epoch1'", ckdir);
+            out[strcspn(out, "\n")] = 0;
+            dt__copy_str(ckdir, sizeof ckdir, out);
+            snprintf(shape, sizeof shape, "--model llama --dim 16 --depth 2 --heads 2 --kv-heads 1 --ffn-dim 24 --vocab 256 "
+                     "--seq-len %d --batch-size %d --norm-eps 1e-6 --epochs 2 --steps 2", T, B);
+            st = run_cmd(out, sizeof out, "%s --data %s %s --rope-factor 8 --rope-low-freq 1 --rope-high-freq 4 "
+                         "--rope-original-context 64 --resume %s --quiet", train_cpu, text, shape, ckdir);
+            CHECKF(st == 0, "llama3 resumed with --rope-factor ...: exit %d\n%s", st, out);
+            st = run_cmd(out, sizeof out, "%s --data %s %s --resume %s", train_cpu, text, shape, ckdir);
+            expect_error(out, st, 1, "rope_factor,rope_low_freq,rope_high_freq,rope_original_context");
+            st = run_cmd(out, sizeof out, "%s --data %s --seq-len %d --steps 1 --init %s --rope-factor 4", train_cpu, text, T, dir);
+            expect_error(out, st, 2, "--rope-factor 4 contradicts \"factor\": 8");
+            st = run_cmd(out, sizeof out, "%s --data %s --model llama --rope-factor 4 --steps 1", train_cpu, text);
+            expect_error(out, st, 2, "go together");
+            st = run_cmd(out, sizeof out, "%s --data %s --model gpt --rope-factor 4 --rope-low-freq 1 --rope-high-freq 4 "
+                         "--rope-original-context 64 --steps 1", train_cpu, text);
+            expect_error(out, st, 2, "are for --model llama");
+        }
         CHECK(want > 3 && want < 12);                                   /* a real loss, not a constant */
         /* a flag that contradicts the config is an error naming both */
         st = run_cmd(out, sizeof out, "%s --data %s --seq-len %d --dim 32 --steps 1 --init %s", train_cpu, text, T, dir);
@@ -3346,8 +3394,12 @@ static void test_hugging_face_llama_and_qwen2_folders_load_with_init_and_give_th
     rename(kept, path);
     /* what dtrain cannot read yet, and values that are no shape, are said, not guessed */
     static const struct { const char *extra, *names; } refused[] = {
-        { ", \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 32.0}", "rope_scaling" },
-        { ", \"rope_parameters\": {\"rope_type\": \"llama3\", \"rope_theta\": 500000.0}", "rope_type" },
+        { ", \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0}", "rope_type \"yarn\" are not supported" },
+        { ", \"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2.0}", "rope_type \"dynamic\" are not supported" },
+        { ", \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 32.0}", "rope_type llama3 needs" },
+        { ", \"rope_parameters\": {\"rope_type\": \"llama3\", \"rope_theta\": 500000.0, \"factor\": 8.0, "
+          "\"low_freq_factor\": 4.0, \"high_freq_factor\": 1.0, \"original_max_position_embeddings\": 8192}",
+          "0 < low_freq_factor < high_freq_factor" },
         { ", \"mlp_bias\": true", "mlp_bias" },
         { ", \"use_sliding_window\": true, \"sliding_window\": 8", "sliding-window" },
         { ", \"partial_rotary_factor\": 0.5", "partial_rotary_factor" },
@@ -3422,15 +3474,17 @@ static void test_checkpoints_open_in_transformers_timm_and_pytorch(void) {
         SKIP("%.90s cannot import torch, numpy, safetensors, transformers and timm (%.100s); bash .ci/run makes "
              "build/pyvenv with them", py, last ? last + 1 : out);
     }
-    static const struct { const char *name, *stage, *flags; int text, consolidate; } cases[] = {
-        { "mlp", "01-single-gpu", "--image-size 16 --dim 32 --batch-size 16", 0, 0 },
-        { "vit", "01-single-gpu", "--model vit --image-size 16 --patch 4 --dim 32 --depth 2 --heads 2 --batch-size 16", 0, 0 },
-        { "gpt", "01-single-gpu", "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --batch-size 4", 1, 0 },
-        { "llama", "01-single-gpu", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16 --batch-size 4", 1, 0 },
+    /* llama3: llama's weights, read by both sides with Llama 3's rescaled frequencies (config.json rewritten) */
+    static const struct { const char *name, *stage, *flags; int text, consolidate, llama3; } cases[] = {
+        { "mlp", "01-single-gpu", "--image-size 16 --dim 32 --batch-size 16", 0, 0, 0 },
+        { "vit", "01-single-gpu", "--model vit --image-size 16 --patch 4 --dim 32 --depth 2 --heads 2 --batch-size 16", 0, 0, 0 },
+        { "gpt", "01-single-gpu", "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --batch-size 4", 1, 0, 0 },
+        { "llama", "01-single-gpu", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16 --batch-size 4", 1, 0, 0 },
         { "qwen2", "01-single-gpu", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 1 --seq-len 16 --batch-size 4 "
-          "--untied-head --qkv-bias --rope-theta 1000000 --norm-eps 1e-6", 1, 0 },
+          "--untied-head --qkv-bias --rope-theta 1000000 --norm-eps 1e-6", 1, 0, 0 },
         { "llama-fsdp", "04-fsdp", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16 --batch-size 2 --nproc 2",
-          1, 1 },
+          1, 1, 0 },
+        { "llama3", "01-single-gpu", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16 --batch-size 4", 1, 0, 1 },
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         snprintf(dir, sizeof dir, "%s/topython-%s", tmpdir, cases[c].name);
@@ -3456,8 +3510,27 @@ static void test_checkpoints_open_in_transformers_timm_and_pytorch(void) {
         dt_model_config mc;
         CHECK(dt__model_config_parse(h, meta, &mc));
         dt_safetensors_close(h);
+        if (cases[c].llama3) {           /* heads of 8: one pair of each band, kept, blended and stretched */
+            mc.rope_factor = 8; mc.rope_low_freq = 1; mc.rope_high_freq = 4; mc.rope_original_context = 64;
+            snprintf(in, sizeof in, "%s/config.json", ck);
+            FILE *f = fopen(in, "w");
+            CHECK(f != NULL);
+            if (f) { dt__family(mc.kind)->config_json(f, &mc); fclose(f); }
+        }
         dt_model *m = dt_model_create(&mc, 1);
         dt_model_load_weights(m, ck);
+        if (cases[c].llama3) {           /* weights 4x larger, so that the angles weigh in the logits: written back */
+            dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams, sizeof *t);
+            dt_safetensors *w = dt_safetensors_read(meta);
+            for (int64_t i = 0; i < m->numel; i++) m->flat_data[i] *= 4;
+            for (int i = 0; i < m->nparams; i++) {
+                t[i].name = m->params[i].name; t[i].data = m->params[i].data; t[i].ndim = m->params[i].ndim;
+                for (int d = 0; d < m->params[i].ndim; d++) t[i].shape[d] = m->params[i].shape[d];
+            }
+            dt_safetensors_write(meta, t, m->nparams, (const char *const *)w->meta, w->nmeta);
+            dt_safetensors_close(w);
+            free(t);
+        }
         int lang = dt_model_is_language(mc.kind), B = 2;
         int shape[4] = { B, lang ? mc.seq_len : mc.channels, mc.image_size, mc.image_size };
         int ndim = lang ? 2 : 4;
@@ -3588,7 +3661,7 @@ static void test_init_starts_from_given_weights(void) {
     CHECKF(st == 0, "exit %d:\n%s", st, out);
     char ck[700];
     snprintf(ck, sizeof ck, "%s/mlp_data0-2_epoch1", dir);
-    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0 };
+    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 1);
     dt_model_load_weights(m, ck);
     CHECK(fabs(m->params[0].data[2] - 2.0f) < 1e-5 && fabs(m->params[1].data[1] + 2.5f) < 1e-5);
@@ -4679,7 +4752,7 @@ static float *random_images(int B, int32_t *labels, uint64_t seed) {
 }
 static void test_gpu_fp32_step_loss_grads_and_params_match_the_cpu(void) {
     NEED_GPU();
-    dt_model_config cfgs[2] = { { DT_MODEL_MLP, 3, 16, 10, 96, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0 }, { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0, 0, 0, 0, 0, 0 } };
+    dt_model_config cfgs[2] = { { DT_MODEL_MLP, 3, 16, 10, 96, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }, { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 } };
     int B = 24;
     int32_t labels[24];
     float *pixels = random_images(B, labels, 23);
@@ -4733,7 +4806,7 @@ static float *cpu_adamw_step_from(dt_model_config *c, const float *grads) {
    fed the GPU's own gradients. */
 static void test_gpu_bf16_and_fp16_step_loss_grads_and_params_match_the_cpu(void) {
     NEED_GPU();
-    dt_model_config cfg = { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0, 0, 0, 0, 0, 0 };
+    dt_model_config cfg = { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     int B = 24;
     int32_t labels[24];
     float *pixels = random_images(B, labels, 29);
