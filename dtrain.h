@@ -3921,12 +3921,19 @@ static void dt__gpt_config_json(FILE *f, const dt_model_config *c) {
             "  \"resid_pdrop\": 0.0,\n  \"embd_pdrop\": 0.0,\n  \"attn_pdrop\": 0.0,\n  \"torch_dtype\": \"float32\"\n}\n",
             c->classes, c->seq_len, c->dim, c->depth, c->heads, c->mlp_hidden);
 }
+/* A float as JSON that reads back as a float (transformers checks the type): 8 is written 8.0. */
+static const char *dt__json_float(char *out, size_t n, float v) {
+    snprintf(out, n, "%.9g", (double)v);
+    if (!strpbrk(out, ".eEn")) snprintf(out + strlen(out), n - strlen(out), ".0");
+    return out;
+}
 static void dt__llama_config_json(FILE *f, const dt_model_config *c) {
-    char scaling[256] = "null";
+    char scaling[256] = "null", a[32], b[32], d[32];
     if (c->rope_factor > 0)
-        snprintf(scaling, sizeof scaling, "{\"rope_type\": \"llama3\", \"factor\": %.9g, \"low_freq_factor\": %.9g, "
-                 "\"high_freq_factor\": %.9g, \"original_max_position_embeddings\": %d}", (double)c->rope_factor,
-                 (double)c->rope_low_freq, (double)c->rope_high_freq, c->rope_original_context);
+        snprintf(scaling, sizeof scaling, "{\"rope_type\": \"llama3\", \"factor\": %s, \"low_freq_factor\": %s, "
+                 "\"high_freq_factor\": %s, \"original_max_position_embeddings\": %d}", dt__json_float(a, sizeof a, c->rope_factor),
+                 dt__json_float(b, sizeof b, c->rope_low_freq), dt__json_float(d, sizeof d, c->rope_high_freq),
+                 c->rope_original_context);
     const char *type = c->qkv_bias ? "qwen2" : "llama", *arch = c->qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM";
     fprintf(f, "{\n  \"model_type\": \"%s\",\n  \"architectures\": [\"%s\"],\n  \"vocab_size\": %d,\n  \"hidden_size\": %d,\n"
             "  \"intermediate_size\": %d,\n  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n"
@@ -8302,7 +8309,7 @@ static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *f
     const dt_model_config *mc = &r->model->cfg;
     dt__meta_add(l, "format", "pt");
     dt__meta_add(l, "dtrain_format", "%s", format);
-    char shape[160];
+    char shape[512];
     dt__model_config_string(mc, shape, sizeof shape);
     dt__meta_add(l, "model", "%s", dt__model_kind_name(mc->kind));
     dt__meta_add(l, "model_config", "%s", shape);
@@ -8403,7 +8410,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     dt_model *m = r->model;
     dt_optimizer *o = r->opt;
     const dt_model_config *mc = &m->cfg;
-    char want[160], desc[256], names[400];
+    char want[512], desc[256], names[400];
     dt__meta_required(st, st->path, "dtrain_format");
     dt__model_config_string(mc, want, sizeof want);
     const char *kind = dt__meta_required(st, st->path, "model"), *shape = dt__meta_required(st, st->path, "model_config");
@@ -9291,7 +9298,8 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         }
         case DT_ARG_FLOAT: {
             double v = strtod(val, &end);
-            if (!*val || *end || errno || !isfinite(v)) dt_usage_error("%s expects a number, got '%s'", name, val);
+            if (!*val || *end || errno || !isfinite(v) || !isfinite((float)v))
+                dt_usage_error("%s expects a number (of a float's range), got '%s'", name, val);
             dt__flag_check_range(f, v, val);
             *(float *)dst = (float)v;
             break;
