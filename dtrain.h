@@ -316,9 +316,22 @@ dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor
 dt_tensor *dt_vit_tokens(dt_tensor *patches, dt_tensor *cls, dt_tensor *pos, int B);
 /* x [B*T, D] -> [B, D]: token `index` of each sequence */
 dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index);
-/* Mean cross-entropy of logits [B, C] against labels; a 1-element tensor. A
-   language model's logits [B*T, vocab] take a label per row: the next token. */
+/* A label of DT_IGNORE_INDEX (-100, as in PyTorch and Hugging Face) adds
+   nothing to the loss: an instruction's prompt, an example's padding. */
+#define DT_IGNORE_INDEX (-100)
+/* Mean cross-entropy of logits [B, C] against labels, over the labels that are
+   not ignored; a 1-element tensor. A language model's logits [B*T, vocab]
+   take a label per row: the next token. */
 dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels);
+/* Make dt_cross_entropy of these labels (this very array, until the step
+   arena is reset) divide its sum by `divisor` instead of by the labels it
+   counts. For masked data the run driver sets the targets that count in the
+   whole step, over every rank and micro-batch, divided by ranks x
+   micro-batches: DDP's mean of the gradients and accumulation's 1/K then make
+   it the mean over the step's targets, so N ranks train exactly as one device
+   with N times the batch however the prompts fall (each rank's own mean would
+   weigh a short answer's tokens more). */
+void dt_cross_entropy_set_divisor(const int32_t *labels, double divisor);
 /* images [B, C, H, W] -> [B*(H/p)*(W/p), C*p*p], each row one patch in (c, y, x)
    order, so a conv with kernel = stride = p is a linear layer on these rows. */
 dt_tensor *dt_patchify(const dt_tensor *images, int patch);
@@ -495,6 +508,11 @@ typedef struct dt_dataset {
     int32_t *tokens;
     int64_t ntokens, tokens_capacity;
     int seq_len;
+    /* Instruction data (JSON lines): every example a sequence of its own.
+       Sequence i is tokens [i*seq_len, (i+1)*seq_len) with its labels at the
+       same places here, DT_IGNORE_INDEX where the loss ignores a position (a
+       prompt, the padding). NULL for plain text. */
+    int32_t *targets;
 } dt_dataset;
 
 /* Load `split` ("train" or "val") of an image folder (DIR/split/<class>/<file>)
@@ -505,9 +523,11 @@ void dt_dataset_load(const char *dir, const char *split, int size,
 void dt_dataset_free(dt_dataset *ds);
 /* Text: a .txt file, or a folder of them joined in name order, read as bytes
    (vocabulary 256); or, is_tokens, a file of token ids: a NumPy .npy array
-   (one dimension; uint16, uint32, int32 or int64), or else little-endian
-   uint16 ids (vocab 0: the largest id + 1). The last val_fraction of the
-   tokens, by position, is the validation set. */
+   (one dimension; uint16, uint32, int32 or int64), JSON lines of instruction
+   examples (a file that begins with `{"`: see "instruction data" in section
+   8), or else little-endian uint16 ids (vocab 0: the largest id + 1). The
+   last val_fraction of the tokens (of the examples, for JSON lines), by
+   position, is the validation set. */
 void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, double val_fraction, dt_dataset *train,
                   dt_dataset *val);
 /* Write `bytes` of English-like generated text (sentences from a small grammar
@@ -544,6 +564,7 @@ typedef struct dt_loader {
     uint64_t seed;
     int epoch;
     int64_t *order, count, pos;
+    int64_t *counted;          /* instruction data: the targets that count in each batch, every rank's together */
 } dt_loader;
 
 dt_loader dt_loader_create(const dt_dataset *ds, int batch_size, uint64_t seed, int shuffle,
@@ -554,6 +575,9 @@ void dt_loader_start_epoch(dt_loader *l, int epoch, int64_t skip_batches);
 /* The next batch, in the per-step arena; 0 at the end of the epoch. */
 int dt_loader_next(dt_loader *l, dt_batch *b);
 int64_t dt_loader_batches_per_epoch(const dt_loader *l);
+/* Instruction data: the targets that count (not DT_IGNORE_INDEX) in the next
+   `batches` batches of every rank of the loader's world. */
+int64_t dt_loader_counted_targets(const dt_loader *l, int batches);
 
 /* Write a learnable 10-class synthetic image set to dir/train and dir/val (PNG
    with stb, PPM without): coloured shapes on noisy backgrounds. */
@@ -977,6 +1001,7 @@ struct dt_run {
     double unigram_loss;       /* gpt: the validation loss of a model that ignores context */
     int micro;                 /* micro-batches of this step done so far (--accum-steps) */
     double micro_loss;         /* and the sum of their losses */
+    double loss_divisor;       /* masked data: this step's targets / (ranks x micro-batches) */
     dt_loss_scaler scaler;     /* --dtype fp16's loss scale (disabled otherwise) */
     FILE *log, *trace;
     char trace_path[4096];     /* this rank's trace file (run.rank1.json), for the errors that name it */
@@ -1243,10 +1268,11 @@ typedef struct dt_backend {
     void (*vit_tokens_backward)(const float *dy, float *dpatches, float *dcls, float *dpos, int B, int P, int D);
     void (*select_token_forward)(const float *x, float *y, int B, int T, int index, int D);
     void (*select_token_backward)(const float *dy, float *dx, int B, int T, int index, int D);
+    /* rows whose label is DT_IGNORE_INDEX add nothing; the sum is divided by `divisor` */
     void (*cross_entropy_forward)(const float *logits, const int32_t *labels, float *probs, float *loss,
-                                  int B, int C);
+                                  int B, int C, double divisor);
     void (*cross_entropy_backward)(const float *probs, const int32_t *labels, const float *dloss,
-                                   float *dlogits, int B, int C);
+                                   float *dlogits, int B, int C, float divisor);
     void (*patchify)(const float *images, float *patches, int B, int C, int H, int W, int p);
     double (*sum_squares)(const float *x, int64_t n);                   /* waits for the result */
     void (*scale)(float *x, float c, int64_t n);
@@ -1445,6 +1471,8 @@ typedef struct dt__context {
     /* The rotary embeddings' (cos, sin) table, in the step arena: every layer
        of a step asks for the same one. */
     struct { uint64_t step; int T, hd; dt_rope rope; dt_device device; float *cs; } rope;
+    /* dt_cross_entropy_set_divisor's labels and divisor, for one step */
+    struct { uint64_t step; const int32_t *labels; double divisor; } loss_divisor;
 } dt__context;
 
 static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1 };
@@ -3433,9 +3461,17 @@ dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index) {
     return y;
 }
 
-/* -- softmax cross-entropy, fused: the gradient is simply (p - onehot) / B.
-      Labels arrive in host memory; the op checks them there, then copies
-      them to the device beside the probabilities it saves. -- */
+/* -- softmax cross-entropy, fused: the gradient is simply (p - onehot) / N,
+      N the labels that count (or the divisor the run set), and nothing for
+      a row whose label is ignored. Labels arrive in host memory; the op
+      checks them there, then copies them to the device beside the
+      probabilities it saves. -- */
+void dt_cross_entropy_set_divisor(const int32_t *labels, double divisor) {
+    if (!(divisor > 0)) dt_fail("dt_cross_entropy_set_divisor: the divisor must be positive (it is %g)", divisor);
+    dt__ctx.loss_divisor.step = dt__ctx.step_resets;
+    dt__ctx.loss_divisor.labels = labels;
+    dt__ctx.loss_divisor.divisor = divisor;
+}
 static void dt__cross_entropy_backward(dt__tape_entry *e) {
     dt_tensor *logits = e->in[0];
     if (!logits->requires_grad) return;
@@ -3444,11 +3480,12 @@ static void dt__cross_entropy_backward(dt__tape_entry *e) {
     const int32_t *labels = (const int32_t *)(p + (size_t)B * C);
     float *dl = dt__grad_acc(logits);
     const dt_backend *gpu = dt__backend_for(logits);
-    if (gpu) gpu->cross_entropy_backward(p, labels, e->out->grad, dl, B, C);
+    if (gpu) gpu->cross_entropy_backward(p, labels, e->out->grad, dl, B, C, e->farg[0]);
     else {
-        float scale = e->out->grad[0] / B;
+        float scale = e->out->grad[0] / e->farg[0];
         DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
         for (int i = 0; i < B; i++) {
+            if (labels[i] == DT_IGNORE_INDEX) continue;
             float *d = dl + (size_t)i * C;
             const float *pi = p + (size_t)i * C;
             float at_label = d[labels[i]] + (pi[labels[i]] - 1.0f) * scale;
@@ -3459,9 +3496,15 @@ static void dt__cross_entropy_backward(dt__tape_entry *e) {
     dt__grad_acc_done(logits, dl);
 }
 dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
-    int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits);
-    for (int i = 0; i < B; i++)
+    int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits), counted = 0;
+    for (int i = 0; i < B; i++) {
+        if (labels[i] == DT_IGNORE_INDEX) continue;
         if (labels[i] < 0 || labels[i] >= C) dt_fail("cross entropy: label %d outside [0, %d)", labels[i], C);
+        counted++;
+    }
+    double divisor = counted > 0 ? counted : 1;               /* nothing counted: the loss is 0 */
+    if (dt__ctx.loss_divisor.labels == labels && dt__ctx.loss_divisor.step == dt__ctx.step_resets)
+        divisor = dt__ctx.loss_divisor.divisor;
     const dt_backend *gpu = dt__backend_for(logits);
     dt__scratch_reset();
     float *p = (float *)dt__step_data(sizeof(float) * (size_t)B * C + sizeof(int32_t) * B);
@@ -3471,7 +3514,7 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
     const float *lv = dt__in(logits);
     if (gpu) {
         gpu->upload(saved_labels, labels, sizeof(int32_t) * B);
-        gpu->cross_entropy_forward(lv, saved_labels, p, loss->data, B, C);
+        gpu->cross_entropy_forward(lv, saved_labels, p, loss->data, B, C, divisor);
     } else {
         /* rows on every thread, each row's sum in DT_LANES partial sums of
            doubles (a vocabulary of 50,257 terms loses nothing), the rows'
@@ -3479,6 +3522,8 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
         double *row_loss = (double *)dt__scratch_on(DT_CPU, sizeof(double) * (size_t)B), total = 0;
         DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
         for (int i = 0; i < B; i++) {
+            row_loss[i] = 0;
+            if (labels[i] == DT_IGNORE_INDEX) continue;      /* its probabilities are never read */
             const float *r = lv + (size_t)i * C;
             float *pr = p + (size_t)i * C, mx = dt__row_max(r, C);
             double lanes[DT_LANES] = { 0 }, sum = 0;
@@ -3490,9 +3535,13 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
             row_loss[i] = -(r[labels[i]] - mx - log(sum));
         }
         for (int i = 0; i < B; i++) { total += row_loss[i]; saved_labels[i] = labels[i]; }
-        loss->data[0] = (float)(total / B);
+        loss->data[0] = (float)(total / divisor);
     }
-    if (dt__wants_grad(logits, NULL, NULL)) dt__tape_push(dt__cross_entropy_backward, loss, logits, NULL, NULL)->saved = p;
+    if (dt__wants_grad(logits, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__cross_entropy_backward, loss, logits, NULL, NULL);
+        e->saved = p;
+        e->farg[0] = (float)divisor;
+    }
     return loss;
 }
 
@@ -4307,6 +4356,94 @@ static unsigned char *dt__read_file(const char *path, size_t *len) {
     return buf;
 }
 
+/* A JSON reader just big enough for what dtrain reads: JSON-lines token data
+   (below), safetensors headers and config.json (section 13). */
+typedef struct { const char *s; size_t pos, len; int ok; } dt__json;
+static void dt__json_ws(dt__json *j) { while (j->pos < j->len && isspace((unsigned char)j->s[j->pos])) j->pos++; }
+static int dt__json_peek(dt__json *j) { dt__json_ws(j); return j->pos < j->len ? j->s[j->pos] : -1; }
+static int dt__json_eat(dt__json *j, char c) {
+    if (dt__json_peek(j) == c) { j->pos++; return 1; }
+    j->ok = 0;
+    return 0;
+}
+static char *dt__json_str(dt__json *j) {
+    if (!dt__json_eat(j, '"')) return NULL;
+    char *out = (char *)malloc(j->len - j->pos + 1);
+    size_t n = 0;
+    while (j->pos < j->len && j->s[j->pos] != '"') {
+        char c = j->s[j->pos++];
+        if (c == '\\' && j->pos < j->len) {
+            char e = j->s[j->pos++];
+            switch (e) {
+            case 'n': c = '\n'; break;
+            case 't': c = '\t'; break;
+            case 'r': c = '\r'; break;
+            case 'b': c = '\b'; break;
+            case 'f': c = '\f'; break;
+            case 'u': {
+                unsigned v = 0;
+                for (int k = 0; k < 4 && j->pos < j->len; k++) {
+                    char hx = j->s[j->pos++];
+                    v = v * 16 + (unsigned)(isdigit((unsigned char)hx) ? hx - '0' : (tolower((unsigned char)hx) - 'a' + 10));
+                }
+                c = v < 128 ? (char)v : '?';
+                break;
+            }
+            default: c = e;
+            }
+        }
+        out[n++] = c;
+    }
+    out[n] = 0;
+    if (!dt__json_eat(j, '"')) { free(out); return NULL; }
+    return out;
+}
+static int64_t dt__json_int(dt__json *j) {
+    dt__json_ws(j);
+    int neg = 0;
+    int64_t v = 0;
+    if (j->pos < j->len && j->s[j->pos] == '-') { neg = 1; j->pos++; }
+    if (j->pos >= j->len || !isdigit((unsigned char)j->s[j->pos])) { j->ok = 0; return 0; }
+    while (j->pos < j->len && isdigit((unsigned char)j->s[j->pos])) {
+        if (v > (INT64_MAX - 9) / 10) { j->ok = 0; return 0; }
+        v = v * 10 + (j->s[j->pos++] - '0');
+    }
+    return neg ? -v : v;
+}
+static void dt__json_skip(dt__json *j, int depth) {       /* any value we do not need */
+    int c = dt__json_peek(j);
+    if (depth > 64) { j->ok = 0; return; }
+    if (c == '"') free(dt__json_str(j));
+    else if (c == '{' || c == '[') {
+        char close = c == '{' ? '}' : ']';
+        j->pos++;
+        if (dt__json_peek(j) == close) { j->pos++; return; }
+        while (j->ok) {
+            if (c == '{') { free(dt__json_str(j)); dt__json_eat(j, ':'); }
+            dt__json_skip(j, depth + 1);
+            if (dt__json_peek(j) == ',') { j->pos++; continue; }
+            dt__json_eat(j, close);
+            return;
+        }
+    } else {
+        while (j->pos < j->len && (isalnum((unsigned char)j->s[j->pos]) || strchr("+-.", j->s[j->pos]))) j->pos++;
+    }
+}
+static int dt__json_int_array(dt__json *j, int64_t *out, int max) {
+    int n = 0;
+    if (!dt__json_eat(j, '[')) return 0;
+    if (dt__json_peek(j) == ']') { j->pos++; return 0; }
+    while (j->ok) {
+        int64_t v = dt__json_int(j);
+        if (n < max) out[n] = v; else j->ok = 0;
+        n++;
+        if (dt__json_peek(j) == ',') { j->pos++; continue; }
+        dt__json_eat(j, ']');
+        break;
+    }
+    return n;
+}
+
 void dt_image_resize(const uint8_t *src, int channels, int w, int h, uint8_t *dst, int dw, int dh) {
     /* bilinear with pixel centres aligned (PyTorch's align_corners=False) */
     float sx = (float)w / dw, sy = (float)h / dh;
@@ -4582,6 +4719,7 @@ void dt_dataset_free(dt_dataset *ds) {
     dt_free(DT_ARENA_DATA, ds->pixels, (size_t)ds->capacity * img);
     dt_free(DT_ARENA_DATA, ds->labels, (size_t)ds->capacity * sizeof(int32_t));
     dt_free(DT_ARENA_DATA, ds->tokens, (size_t)ds->tokens_capacity * sizeof(int32_t));
+    dt_free(DT_ARENA_DATA, ds->targets, ds->targets ? (size_t)ds->tokens_capacity * sizeof(int32_t) : 0);
     for (int c = 0; ds->class_names && c < ds->num_classes; c++) free(ds->class_names[c]);
     free(ds->class_names);
     memset(ds, 0, sizeof *ds);
@@ -4593,9 +4731,10 @@ void dt_dataset_slice(dt_dataset *ds, int64_t start, int64_t end) {
         dt_usage_error("--start-idx %lld / --end-idx %lld select no %s of the %lld in %s", (long long)start,
                        (long long)end, ds->tokens ? "sequences" : "images", (long long)ds->n, ds->source);
     if (ds->tokens) {                      /* sequences [start, end): their tokens and the one after */
-        int64_t T = ds->seq_len;
-        memmove(ds->tokens, ds->tokens + start * T, (size_t)((end - start) * T + 1) * sizeof(int32_t));
-        ds->ntokens = (end - start) * T + 1;
+        int64_t T = ds->seq_len, after = ds->targets ? 0 : 1;
+        memmove(ds->tokens, ds->tokens + start * T, (size_t)((end - start) * T + after) * sizeof(int32_t));
+        if (ds->targets) memmove(ds->targets, ds->targets + start * T, (size_t)((end - start) * T) * sizeof(int32_t));
+        ds->ntokens = (end - start) * T + after;
         ds->n = end - start;
         return;
     }
@@ -4632,7 +4771,7 @@ dt_loader dt_loader_create(const dt_dataset *ds, int batch_size, uint64_t seed, 
     if (!l.order) dt_fail("out of memory (loader)");
     return l;
 }
-void dt_loader_free(dt_loader *l) { free(l->order); l->order = NULL; }
+void dt_loader_free(dt_loader *l) { free(l->order); free(l->counted); l->order = l->counted = NULL; }
 
 int64_t dt_loader_batches_per_epoch(const dt_loader *l) {
     int64_t per_rank = (l->ds->n + l->world - 1) / l->world;
@@ -4640,12 +4779,35 @@ int64_t dt_loader_batches_per_epoch(const dt_loader *l) {
 }
 
 void dt_loader_start_epoch(dt_loader *l, int epoch, int64_t skip_batches) {
+    const dt_dataset *ds = l->ds;
     l->epoch = epoch;
-    l->count = dt_sampler_indices(l->ds->n, l->seed, epoch, l->shuffle, l->rank, l->world, l->order);
+    l->count = dt_sampler_indices(ds->n, l->seed, epoch, l->shuffle, l->rank, l->world, l->order);
     l->pos = skip_batches * l->batch_size;
+    if (!ds->targets) return;
+    /* Every rank deals itself the same permutation, so each can count what
+       the others' batches hold without asking them. */
+    int64_t batches = l->count / l->batch_size + 1, *theirs = (int64_t *)malloc(sizeof(int64_t) * (size_t)(l->count + 1));
+    free(l->counted);
+    l->counted = (int64_t *)calloc((size_t)batches, sizeof(int64_t));
+    if (!theirs || !l->counted) dt_fail("out of memory (loader)");
+    for (int r = 0; r < l->world; r++) {
+        int64_t n = dt_sampler_indices(ds->n, l->seed, epoch, l->shuffle, r, l->world, theirs);
+        for (int64_t i = 0; i < n; i++) {
+            const int32_t *t = ds->targets + theirs[i] * ds->seq_len;
+            for (int k = 0; k < ds->seq_len; k++) l->counted[i / l->batch_size] += t[k] != DT_IGNORE_INDEX;
+        }
+    }
+    free(theirs);
+}
+int64_t dt_loader_counted_targets(const dt_loader *l, int batches) {
+    if (!l->counted) dt_fail("dt_loader_counted_targets: the loader's data has no masked targets (or no epoch has begun)");
+    int64_t sum = 0, first = l->pos / l->batch_size, last = l->count / l->batch_size;
+    for (int64_t b = first; b < first + batches && b <= last; b++) sum += l->counted[b];
+    return sum;
 }
 
-/* A batch of text: B sequences of T token ids, and the T tokens that follow each. */
+/* A batch of text: B sequences of T token ids, and the T tokens that follow
+   each (or, for instruction data, each sequence's own targets). */
 static void dt__loader_text(dt_loader *l, dt_batch *b, int B) {
     const dt_dataset *ds = l->ds;
     int T = ds->seq_len, shape[2] = { B, T };
@@ -4655,9 +4817,10 @@ static void dt__loader_text(dt_loader *l, dt_batch *b, int B) {
     float *host = b->inputs->device == DT_CPU ? b->inputs->data : (float *)dt__step_alloc_uninit(bytes);
     for (int i = 0; i < B; i++) {
         const int32_t *src = ds->tokens + l->order[l->pos + i] * T;
+        const int32_t *next = ds->targets ? ds->targets + l->order[l->pos + i] * T : src + 1;
         for (int t = 0; t < T; t++) {
             host[(size_t)i * T + t] = (float)src[t];
-            b->labels[(size_t)i * T + t] = src[t + 1];
+            b->labels[(size_t)i * T + t] = next[t];
         }
     }
     if (host != b->inputs->data) dt_upload(b->inputs->data, host, bytes);
@@ -4763,6 +4926,141 @@ static void dt__npy_ids(const char *path, const unsigned char *b, size_t len, si
                 *width, len - *start);
 }
 
+/* -- instruction data. An example for fine-tuning is a prompt and its answer,
+      and only the answer is to be learned: the prompt's positions are left
+      out of the loss. The file is JSON lines, one example per line, which a
+      tokenized Hugging Face dataset writes with one line of Python,
+          ds.to_json("train.jsonl")
+      "input_ids" are the example's tokens; "labels" (optional) are Hugging
+      Face's: the token each position is to produce, -100 where the loss
+      ignores it, shifted by one here as the model does; an "attention_mask"
+      of 0s at the end is right padding, dropped; other keys are ignored.
+      Each example is a sequence of its own, inputs ids[0, L-1) and targets
+      labels[1, L), padded to --seq-len with ignored targets: causal attention
+      never lets a real token see the padding, so nothing leaks between
+      examples. -- */
+
+/* One JSON array of whole numbers into a growing buffer; its length, or -1
+   when it is not one. */
+static int64_t dt__json_ids(dt__json *j, int64_t **buf, int64_t *cap) {
+    int64_t n = 0;
+    if (!dt__json_eat(j, '[')) return -1;
+    if (dt__json_peek(j) == ']') { j->pos++; return 0; }
+    while (j->ok) {
+        if (n == *cap) {
+            *cap = *cap ? 2 * *cap : 1024;
+            *buf = (int64_t *)realloc(*buf, sizeof(int64_t) * (size_t)*cap);
+            if (!*buf) dt_fail("out of memory (JSON lines)");
+        }
+        (*buf)[n++] = dt__json_int(j);
+        if (dt__json_peek(j) == ',') { j->pos++; continue; }
+        dt__json_eat(j, ']');
+        break;
+    }
+    return j->ok ? n : -1;
+}
+
+static void dt__records_load(const char *path, const unsigned char *bytes, size_t len, int vocab, int seq_len,
+                             double val_fraction, dt_dataset *train, dt_dataset *val) {
+    int64_t lines = 0, n = 0, T = seq_len;
+    for (size_t i = 0; i < len; i++) lines += bytes[i] == '\n';
+    int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)(lines + 1) * T);
+    int32_t *tgt = (int32_t *)malloc(sizeof(int32_t) * (size_t)(lines + 1) * T);
+    int64_t *field[3] = { NULL, NULL, NULL }, cap[3] = { 0, 0, 0 }, counted = 0;
+    static const char *keys[3] = { "input_ids", "labels", "attention_mask" };
+    if (!tok || !tgt) dt_fail("out of memory reading '%s'", path);
+    int largest = 0;
+    size_t at = 0;
+    for (int64_t line = 1; at < len; line++) {
+        size_t end = at;
+        while (end < len && bytes[end] != '\n') end++;
+        dt__json j = { (const char *)bytes + at, 0, end - at, 1 };
+        at = end + 1;
+        if (dt__json_peek(&j) < 0) continue;                  /* a blank line */
+        int64_t count[3] = { -2, -2, -2 };                    /* -2: absent */
+        if (!dt__json_eat(&j, '{')) dt_fail("'%s' line %lld: not a JSON object (JSON lines hold one example per line)", path, (long long)line);
+        if (dt__json_peek(&j) == '}') j.pos++;
+        else while (j.ok) {
+            char *key = dt__json_str(&j);
+            int k = 0;
+            while (key && k < 3 && strcmp(key, keys[k])) k++;
+            if (!key || !dt__json_eat(&j, ':')) { free(key); j.ok = 0; break; }
+            if (k < 3 && (count[k] = dt__json_ids(&j, &field[k], &cap[k])) < 0)
+                dt_fail("'%s' line %lld: \"%s\" is not a list of whole numbers", path, (long long)line, key);
+            if (k == 3) dt__json_skip(&j, 0);
+            free(key);
+            if (dt__json_peek(&j) == ',') { j.pos++; continue; }
+            dt__json_eat(&j, '}');
+            break;
+        }
+        if (!j.ok || dt__json_peek(&j) >= 0)
+            dt_fail("'%s' line %lld: not valid JSON near byte %zu of the line", path, (long long)line, j.pos + 1);
+        int64_t L = count[0];
+        if (L == -2) dt_fail("'%s' line %lld: no \"input_ids\" (a tokenized dataset has them: tokenizer(...)[\"input_ids\"])", path, (long long)line);
+        for (int k = 1; k < 3; k++)
+            if (count[k] != -2 && count[k] != L)
+                dt_fail("'%s' line %lld: %lld \"%s\" for %lld \"input_ids\"; they pair up one to one", path, (long long)line,
+                        (long long)count[k], keys[k], (long long)L);
+        if (count[2] != -2) {                                 /* right padding ends the example */
+            int64_t real = 0;
+            while (real < L && field[2][real] == 1) real++;
+            for (int64_t t = real; t < L; t++)
+                if (field[2][t] != 0)
+                    dt_fail("'%s' line %lld: attention_mask %lld at position %lld after a 0; only right padding "
+                            "(1s, then 0s) is read", path, (long long)line, (long long)field[2][t], (long long)t);
+            L = real;
+        }
+        if (L < 2) dt_fail("'%s' line %lld: %lld tokens; an example needs two at least (one to read, one to predict)", path, (long long)line, (long long)L);
+        if (L - 1 > T)
+            dt_fail("'%s' line %lld: %lld tokens; --seq-len %lld holds examples of up to %lld (raise --seq-len, or cut "
+                    "or drop long examples when you tokenize)", path, (long long)line, (long long)L, (long long)T, (long long)T + 1);
+        const int64_t *labels = count[1] != -2 ? field[1] : field[0];
+        for (int64_t t = 0; t < L; t++) {
+            if (field[0][t] < 0 || field[0][t] >= DT_MAX_VOCAB || (vocab > 0 && field[0][t] >= vocab))
+                dt_fail("'%s' line %lld: input_ids[%lld] is %lld; ids run from 0 to %d", path, (long long)line, (long long)t,
+                        (long long)field[0][t], (vocab > 0 ? vocab : DT_MAX_VOCAB) - 1);
+            if (labels[t] != DT_IGNORE_INDEX && (labels[t] < 0 || labels[t] >= DT_MAX_VOCAB || (vocab > 0 && labels[t] >= vocab)))
+                dt_fail("'%s' line %lld: labels[%lld] is %lld; a label is a token id from 0 to %d, or -100 (ignored)", path,
+                        (long long)line, (long long)t, (long long)labels[t], (vocab > 0 ? vocab : DT_MAX_VOCAB) - 1);
+            if (field[0][t] > largest) largest = (int)field[0][t];
+            if (labels[t] > largest) largest = (int)labels[t];
+        }
+        int32_t *x = tok + n * T, *y = tgt + n * T;
+        for (int64_t t = 0; t < T; t++) {
+            x[t] = t < L - 1 ? (int32_t)field[0][t] : 0;
+            y[t] = t < L - 1 ? (int32_t)labels[t + 1] : DT_IGNORE_INDEX;
+            counted += y[t] != DT_IGNORE_INDEX;
+        }
+        n++;
+    }
+    for (int k = 0; k < 3; k++) free(field[k]);
+    int64_t nval = (int64_t)((double)n * val_fraction), ntrain = n - nval;
+    if (ntrain < 1 || (val_fraction > 0 && nval < 1))
+        dt_fail("'%s' has %lld examples: too few (training and validation need one each; the last %.0f%% is validation)",
+                path, (long long)n, 100 * val_fraction);
+    if (!counted) dt_fail("'%s': every label is -100; there is nothing to learn", path);
+    if (vocab <= 0) vocab = largest + 1;
+    char source[512];
+    snprintf(source, sizeof source, "%s (instruction examples, JSON lines)", path);
+    for (int part = 0; part < 2; part++) {
+        dt_dataset *ds = part ? val : train;
+        int64_t first = part ? ntrain : 0, count = part ? nval : ntrain;
+        if (!ds) continue;
+        memset(ds, 0, sizeof *ds);
+        ds->n = count;
+        ds->ntokens = ds->tokens_capacity = count * T;
+        ds->tokens = (int32_t *)dt_alloc(DT_ARENA_DATA, sizeof(int32_t) * (size_t)(count * T));
+        ds->targets = (int32_t *)dt_alloc(DT_ARENA_DATA, sizeof(int32_t) * (size_t)(count * T));
+        memcpy(ds->tokens, tok + first * T, sizeof(int32_t) * (size_t)(count * T));
+        memcpy(ds->targets, tgt + first * T, sizeof(int32_t) * (size_t)(count * T));
+        ds->seq_len = seq_len;
+        ds->num_classes = vocab;
+        dt__copy_str(ds->source, sizeof ds->source, source);
+    }
+    free(tok);
+    free(tgt);
+}
+
 void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, double val_fraction, dt_dataset *train,
                   dt_dataset *val) {
     struct stat st;
@@ -4770,7 +5068,7 @@ void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, doubl
     unsigned char *bytes = NULL;
     size_t len = 0;
     if (S_ISDIR(st.st_mode)) {                       /* every .txt file, in name order, one after another */
-        if (is_tokens) dt_fail("--tokens '%s' is a folder; it takes one file of token ids (.npy, or raw uint16)", path);
+        if (is_tokens) dt_fail("--tokens '%s' is a folder; it takes one file of token ids (.npy, JSON lines, or raw uint16)", path);
         int count = 0, used = 0;
         char **names = dt__list_dir(path, 0, &count);
         for (int i = 0; i < count; i++) {
@@ -4791,6 +5089,11 @@ void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, doubl
         dt__free_names(names, count);
         if (!used) dt_fail("'%s' holds no .txt file", path);
     } else if (!(bytes = dt__read_file(path, &len))) dt_fail("cannot read '%s': %s", path, strerror(errno));
+    if (is_tokens && len >= 2 && bytes[0] == '{' && bytes[1] == '"') {
+        dt__records_load(path, bytes, len, vocab, seq_len, val_fraction, train, val);
+        free(bytes);
+        return;
+    }
     int npy = is_tokens && len >= 6 && !memcmp(bytes, "\x93NUMPY", 6);
     size_t width = 2, at = 0;                        /* bytes per id, where the ids start */
     int is_signed = 0;
@@ -4836,15 +5139,30 @@ void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, doubl
     free(tok);
 }
 
+/* The tokens a data set asks to be predicted: every one after the first, or
+   the targets of instruction data (DT_IGNORE_INDEX where none is asked). */
+static int64_t dt__predicted_count(const dt_dataset *ds) { return ds->targets ? ds->ntokens : ds->ntokens - 1; }
+static int32_t dt__predicted(const dt_dataset *ds, int64_t i) { return ds->targets ? ds->targets[i] : ds->tokens[i + 1]; }
+/* The targets its sequences' losses count: n x seq_len, less the ignored ones. */
+static int64_t dt__counted_targets(const dt_dataset *ds) {
+    int64_t n = ds->n * ds->seq_len;
+    for (int64_t i = 0; ds->targets && i < ds->ntokens; i++) n -= ds->targets[i] == DT_IGNORE_INDEX;
+    return n;
+}
 double dt_unigram_loss(const dt_dataset *train, const dt_dataset *eval) {
     int V = train->num_classes;
-    double *count = (double *)calloc((size_t)V, sizeof(double)), loss = 0;
+    double *count = (double *)calloc((size_t)V, sizeof(double)), loss = 0, total = V, scored = 0;
     if (!count) dt_fail("out of memory");
-    for (int64_t i = 1; i < train->ntokens; i++) count[train->tokens[i]] += 1;   /* the tokens predicted */
-    double total = (double)V + (double)(train->ntokens - 1);                     /* add-one smoothing */
-    for (int64_t i = 1; i < eval->ntokens; i++) loss -= log((count[eval->tokens[i]] + 1) / total);
+    for (int64_t i = 0; i < dt__predicted_count(train); i++) {
+        int32_t t = dt__predicted(train, i);
+        if (t != DT_IGNORE_INDEX) { count[t] += 1; total += 1; }     /* add-one smoothing */
+    }
+    for (int64_t i = 0; i < dt__predicted_count(eval); i++) {
+        int32_t t = dt__predicted(eval, i);
+        if (t != DT_IGNORE_INDEX) { loss -= log((count[t] + 1) / total); scored += 1; }
+    }
     free(count);
-    return eval->ntokens > 1 ? loss / (double)(eval->ntokens - 1) : 0;
+    return scored > 0 ? loss / scored : 0;
 }
 
 /* -- the built-in text: sentences from a small grammar. Enough structure to
@@ -7255,93 +7573,6 @@ struct dt_safetensors {
     int nmeta;
 };
 
-/* A JSON reader just big enough for a safetensors header. */
-typedef struct { const char *s; size_t pos, len; int ok; } dt__json;
-static void dt__json_ws(dt__json *j) { while (j->pos < j->len && isspace((unsigned char)j->s[j->pos])) j->pos++; }
-static int dt__json_peek(dt__json *j) { dt__json_ws(j); return j->pos < j->len ? j->s[j->pos] : -1; }
-static int dt__json_eat(dt__json *j, char c) {
-    if (dt__json_peek(j) == c) { j->pos++; return 1; }
-    j->ok = 0;
-    return 0;
-}
-static char *dt__json_str(dt__json *j) {
-    if (!dt__json_eat(j, '"')) return NULL;
-    char *out = (char *)malloc(j->len - j->pos + 1);
-    size_t n = 0;
-    while (j->pos < j->len && j->s[j->pos] != '"') {
-        char c = j->s[j->pos++];
-        if (c == '\\' && j->pos < j->len) {
-            char e = j->s[j->pos++];
-            switch (e) {
-            case 'n': c = '\n'; break;
-            case 't': c = '\t'; break;
-            case 'r': c = '\r'; break;
-            case 'b': c = '\b'; break;
-            case 'f': c = '\f'; break;
-            case 'u': {
-                unsigned v = 0;
-                for (int k = 0; k < 4 && j->pos < j->len; k++) {
-                    char hx = j->s[j->pos++];
-                    v = v * 16 + (unsigned)(isdigit((unsigned char)hx) ? hx - '0' : (tolower((unsigned char)hx) - 'a' + 10));
-                }
-                c = v < 128 ? (char)v : '?';
-                break;
-            }
-            default: c = e;
-            }
-        }
-        out[n++] = c;
-    }
-    out[n] = 0;
-    if (!dt__json_eat(j, '"')) { free(out); return NULL; }
-    return out;
-}
-static int64_t dt__json_int(dt__json *j) {
-    dt__json_ws(j);
-    int neg = 0;
-    int64_t v = 0;
-    if (j->pos < j->len && j->s[j->pos] == '-') { neg = 1; j->pos++; }
-    if (j->pos >= j->len || !isdigit((unsigned char)j->s[j->pos])) { j->ok = 0; return 0; }
-    while (j->pos < j->len && isdigit((unsigned char)j->s[j->pos])) {
-        if (v > (INT64_MAX - 9) / 10) { j->ok = 0; return 0; }
-        v = v * 10 + (j->s[j->pos++] - '0');
-    }
-    return neg ? -v : v;
-}
-static void dt__json_skip(dt__json *j, int depth) {       /* any value we do not need */
-    int c = dt__json_peek(j);
-    if (depth > 64) { j->ok = 0; return; }
-    if (c == '"') free(dt__json_str(j));
-    else if (c == '{' || c == '[') {
-        char close = c == '{' ? '}' : ']';
-        j->pos++;
-        if (dt__json_peek(j) == close) { j->pos++; return; }
-        while (j->ok) {
-            if (c == '{') { free(dt__json_str(j)); dt__json_eat(j, ':'); }
-            dt__json_skip(j, depth + 1);
-            if (dt__json_peek(j) == ',') { j->pos++; continue; }
-            dt__json_eat(j, close);
-            return;
-        }
-    } else {
-        while (j->pos < j->len && (isalnum((unsigned char)j->s[j->pos]) || strchr("+-.", j->s[j->pos]))) j->pos++;
-    }
-}
-static int dt__json_int_array(dt__json *j, int64_t *out, int max) {
-    int n = 0;
-    if (!dt__json_eat(j, '[')) return 0;
-    if (dt__json_peek(j) == ']') { j->pos++; return 0; }
-    while (j->ok) {
-        int64_t v = dt__json_int(j);
-        if (n < max) out[n] = v; else j->ok = 0;
-        n++;
-        if (dt__json_peek(j) == ',') { j->pos++; continue; }
-        dt__json_eat(j, ']');
-        break;
-    }
-    return n;
-}
-
 static int dt__safetensors_dtype_size(const char *d) {
     if (!strcmp(d, "F32")) return 4;
     if (!strcmp(d, "F16") || !strcmp(d, "BF16")) return 2;
@@ -8625,6 +8856,7 @@ void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss
         for (int i = 0; i < b.size; i++) {
             if (rank + (first + i) * world >= ds->n) continue;   /* the sampler's padding: counted by its owner */
             for (int k = i * R; k < (i + 1) * R; k++) {
+                if (b.labels[k] == DT_IGNORE_INDEX) continue;   /* a prompt's or the padding's */
                 const float *row = host + (size_t)k * C;
                 int best = 0;
                 float mx = row[0], sum = 0;
@@ -9578,10 +9810,16 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
         char desc[256];
         dt_model_describe(model, desc, sizeof desc);
         printf("%s: %s\n", cfg->stage, desc);
+        if (loader->ds->targets)
+            printf("data: %lld training examples of up to %d tokens from %s, %lld validation; vocabulary %d; the loss "
+                   "counts %lld of the training set's %lld positions (the rest are prompts and padding)\n",
+                   (long long)loader->ds->n, loader->ds->seq_len + 1, loader->ds->source, val ? (long long)val->n : 0LL,
+                   loader->ds->num_classes, (long long)dt__counted_targets(loader->ds), (long long)loader->ds->ntokens);
         if (loader->ds->tokens) {
-            printf("data: %lld training sequences of %d tokens from %s, %lld validation; vocabulary %d\n",
-                   (long long)loader->ds->n, loader->ds->seq_len, loader->ds->source, val ? (long long)val->n : 0LL,
-                   loader->ds->num_classes);
+            if (!loader->ds->targets)
+                printf("data: %lld training sequences of %d tokens from %s, %lld validation; vocabulary %d\n",
+                       (long long)loader->ds->n, loader->ds->seq_len, loader->ds->source, val ? (long long)val->n : 0LL,
+                       loader->ds->num_classes);
             if (val && val->tokens)
                 printf("baseline: a model that ignores context (token frequencies alone) scores validation loss %.4f\n",
                        run->unigram_loss);
@@ -9622,11 +9860,17 @@ int dt_next_epoch(dt_run *run) {
 }
 
 int dt_next_batch(dt_run *run, dt_batch *batch) {
+    dt_loader *l = run->loader;
     if (run->micro == 0) {
         if (run->batch_in_epoch >= run->batches_per_epoch) return 0;   /* the rest is less than a step */
         dt_step_begin(run);
+        if (l->ds->targets) {          /* masked data: the mean over the whole step's targets */
+            int64_t counted = dt_loader_counted_targets(l, run->cfg.accum_steps);
+            run->loss_divisor = counted ? (double)counted / ((double)l->world * run->cfg.accum_steps) : 1;
+        }
     } else dt_step_arena_reset();     /* the gradients so far are in the parameters' buffers */
-    if (!dt_loader_next(run->loader, batch)) return 0;
+    if (!dt_loader_next(l, batch)) return 0;
+    if (l->ds->targets) dt_cross_entropy_set_divisor(batch->labels, run->loss_divisor);
     dt_phase(run, DT_PHASE_DATA);
     return 1;
 }
@@ -9694,7 +9938,14 @@ static void dt__run_sample(dt_run *r) {
     if (np < 1) np = 1;
     int32_t prompt[16], *out = (int32_t *)malloc(sizeof(int32_t) * (size_t)n);
     if (!out) dt_fail("out of memory (--sample)");
-    for (int i = 0; i < np; i++) prompt[i] = src->tokens[i];
+    int from = 0;
+    if (src->targets) {                   /* instruction data: the end of the first example's prompt */
+        int answer = 0;
+        while (answer < src->seq_len - 1 && src->targets[answer] == DT_IGNORE_INDEX) answer++;
+        np = answer + 1 < 16 ? answer + 1 : 16;
+        from = answer + 1 - np;
+    }
+    for (int i = 0; i < np; i++) prompt[i] = src->tokens[from + i];
     dt_generate(r->model, prompt, np, n, 0.8f, r->cfg.seed + (uint64_t)r->step, out);
     if (!r->cfg.quiet && dt__ctx.rank == 0) {
         int bytes = !r->cfg.tokens;
@@ -9722,7 +9973,7 @@ static void dt__run_eval(dt_run *r) {
     }
     if (!r->cfg.quiet && dt__ctx.rank == 0) {     /* said before the wait, which on a big set is long */
         if (r->val->tokens) printf("eval  step %lld: evaluating %lld tokens ...\n", (long long)r->step,
-                                   (long long)r->val->n * r->val->seq_len);
+                                   (long long)dt__counted_targets(r->val));
         else printf("eval  step %lld: evaluating %lld images ...\n", (long long)r->step, (long long)r->val->n);
         fflush(stdout);
     }
@@ -9737,7 +9988,7 @@ static void dt__run_eval(dt_run *r) {
     if (!r->cfg.quiet && dt__ctx.rank == 0) {
         if (r->val->tokens)
             printf("eval  step %lld: loss %.4f (context-free baseline %.4f), next-token accuracy %.2f%% (%lld tokens, %.1f s)\n",
-                   (long long)r->step, r->eval_loss, r->unigram_loss, 100 * r->eval_acc, (long long)r->val->n * r->val->seq_len,
+                   (long long)r->step, r->eval_loss, r->unigram_loss, 100 * r->eval_acc, (long long)dt__counted_targets(r->val),
                    (dt_now_ms() - t0) / 1e3);
         else
             printf("eval  step %lld: loss %.4f, accuracy %.2f%% (%lld images, %.1f s)\n", (long long)r->step, r->eval_loss,
@@ -10472,6 +10723,7 @@ __global__ static void dt__k_cross_entropy_rows(const float *logits, const int32
                                                int B, int C) {
     int lane = threadIdx.x % 32;
     DT_FOR_EACH_ROW(i, B) {
+        if (labels[i] == DT_IGNORE_INDEX) { if (lane == 0) row_loss[i] = 0; continue; }
         const float *r = logits + i * C;
         float *pr = probs + i * C, mx = -INFINITY, sum = 0;
         for (int j = lane; j < C; j += 32) mx = fmaxf(mx, r[j]);
@@ -10482,7 +10734,7 @@ __global__ static void dt__k_cross_entropy_rows(const float *logits, const int32
         if (lane == 0) row_loss[i] = -((double)r[labels[i]] - mx - log((double)sum));
     }
 }
-__global__ static void dt__k_mean_of_rows(const double *row_loss, int B, float *loss) {
+__global__ static void dt__k_mean_of_rows(const double *row_loss, int B, double divisor, float *loss) {
     __shared__ double sh[DT_THREADS];
     double s = 0;
     for (int i = threadIdx.x; i < B; i += DT_THREADS) s += row_loss[i];
@@ -10492,26 +10744,27 @@ __global__ static void dt__k_mean_of_rows(const double *row_loss, int B, float *
         if ((int)threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
         __syncthreads();
     }
-    if (threadIdx.x == 0) loss[0] = (float)(sh[0] / B);
+    if (threadIdx.x == 0) loss[0] = (float)(sh[0] / divisor);
 }
 static void dt__cuda_cross_entropy_forward(const float *logits, const int32_t *labels, float *probs, float *loss, int B,
-                                          int C) {
+                                          int C, double divisor) {
     double *row_loss = (double *)dt__cuda_grow(&dt__cuda.row_loss, &dt__cuda.row_loss_bytes, sizeof(double) * (size_t)B);
     DT_LAUNCH(dt__k_cross_entropy_rows, dt__blocks_for_warps(B), DT_THREADS, logits, labels, probs, row_loss, B, C);
-    DT_LAUNCH(dt__k_mean_of_rows, 1, DT_THREADS, row_loss, B, loss);
+    DT_LAUNCH(dt__k_mean_of_rows, 1, DT_THREADS, row_loss, B, divisor, loss);
 }
 __global__ static void dt__k_cross_entropy_backward(const float *p, const int32_t *labels, const float *dloss,
-                                                   float *dl, int B, int C) {
-    float scale = dloss[0] / B;
+                                                   float *dl, int B, int C, float divisor) {
+    float scale = dloss[0] / divisor;
     DT_FOR_EACH(i, (int64_t)B * C) {
         int64_t row = i / C;
         int j = (int)(i % C);
-        dl[i] += (p[i] - (j == labels[row] ? 1.0f : 0.0f)) * scale;
+        if (labels[row] != DT_IGNORE_INDEX) dl[i] += (p[i] - (j == labels[row] ? 1.0f : 0.0f)) * scale;
     }
 }
 static void dt__cuda_cross_entropy_backward(const float *p, const int32_t *labels, const float *dloss, float *dl, int B,
-                                           int C) {
-    DT_LAUNCH(dt__k_cross_entropy_backward, dt_blocks_for((int64_t)B * C), DT_THREADS, p, labels, dloss, dl, B, C);
+                                           int C, float divisor) {
+    DT_LAUNCH(dt__k_cross_entropy_backward, dt_blocks_for((int64_t)B * C), DT_THREADS, p, labels, dloss, dl, B, C,
+              divisor);
 }
 
 /* ---- the optimizer: a fixed-shape reduction for the gradient norm, then the

@@ -723,6 +723,8 @@ static void test_backward_matches_finite_differences(void) {
     dt_tensor *lg = leaf2(5, 6, &r, 2);
     int32_t labels[5] = { 0, 5, 2, 2, 3 };
     fd_check("cross entropy", f_xent, &lg, 1, labels, 1e-2f, 2e-3);
+    int32_t masked[5] = { 0, DT_IGNORE_INDEX, 2, DT_IGNORE_INDEX, 3 };   /* a prompt's positions count for nothing */
+    fd_check("cross entropy with ignored labels", f_xent, &lg, 1, masked, 1e-2f, 2e-3);
     dt_tensor *ix = leaf2(5, 7, &r, 1), *iw = leaf2(7, 4, &r, 1), *ib = leaf2(1, 4, &r, 1);
     dt_tensor *L6[3] = { ix, iw, ib };
     fd_check("linear [in, out]", f_linear_io, L6, 3, NULL, 1e-2f, 2e-3);
@@ -789,6 +791,49 @@ static void test_cross_entropy_over_a_large_vocabulary_matches_double_at_any_thr
     }
     CHECKF(worst <= 1e-7, "cross-entropy gradient: error %.3g", worst);
     free(grad[0]); free(grad[1]);
+    leaf_free(lg);
+}
+
+/* Instruction data: a label of -100 (a prompt's position) adds nothing to the
+   loss or its gradient, the mean is over the labels that count, and a divisor
+   the run sets for these very labels replaces their count, for this step only. */
+static void test_cross_entropy_ignores_masked_labels_and_takes_the_divisor_it_is_given(void) {
+    int B = 6, C = 11;
+    dt__rng r = { 21 };
+    dt_tensor *lg = leaf2(B, C, &r, 3);
+    int32_t labels[6] = { 3, DT_IGNORE_INDEX, 0, DT_IGNORE_INDEX, 10, 7 };
+    double sum = 0, prob[6][11];
+    for (int i = 0; i < B; i++) {
+        const float *row = lg->data + (size_t)i * C;
+        double mx = row[0], z = 0;
+        for (int j = 1; j < C; j++) mx = row[j] > mx ? row[j] : mx;
+        for (int j = 0; j < C; j++) z += exp((double)row[j] - mx);
+        for (int j = 0; j < C; j++) prob[i][j] = exp((double)row[j] - mx) / z;
+        if (labels[i] != DT_IGNORE_INDEX) sum -= log(prob[i][labels[i]]);
+    }
+    for (int k = 0; k < 2; k++) {                  /* its own count (4), then a divisor of 2.5 */
+        double divisor = k ? 2.5 : 4;
+        memset(lg->grad, 0, sizeof(float) * (size_t)lg->numel);
+        dt_step_arena_reset();
+        if (k) dt_cross_entropy_set_divisor(labels, divisor);
+        dt_tensor *l = dt_cross_entropy(lg, labels);
+        CHECKF(fabs(l->data[0] - sum / divisor) <= 1e-6 * sum, "divisor %g: loss %.9g, expected %.9g", divisor, l->data[0],
+               sum / divisor);
+        dt_backward(l);
+        double worst = 0;
+        for (int i = 0; i < B; i++)
+            for (int j = 0; j < C; j++) {
+                double g = labels[i] == DT_IGNORE_INDEX ? 0 : (prob[i][j] - (j == labels[i])) / divisor;
+                worst = fmax(worst, fabs(lg->grad[(size_t)i * C + j] - g));
+            }
+        CHECKF(worst <= 1e-7, "divisor %g: gradient off by %.3g (ignored rows must get none)", divisor, worst);
+    }
+    /* the divisor belonged to that step and those labels: a new step counts again */
+    dt_step_arena_reset();
+    CHECK(fabs(dt_cross_entropy(lg, labels)->data[0] - sum / 4) <= 1e-6 * sum);
+    int32_t none[6] = { DT_IGNORE_INDEX, DT_IGNORE_INDEX, DT_IGNORE_INDEX, DT_IGNORE_INDEX, DT_IGNORE_INDEX, DT_IGNORE_INDEX };
+    dt_step_arena_reset();
+    CHECK(dt_cross_entropy(lg, none)->data[0] == 0);
     leaf_free(lg);
 }
 
@@ -1745,6 +1790,119 @@ static void test_text_data_splits_by_position_and_refuses_bad_files(void) {
     expect_error(out, st, 2, "--heads 4");
 }
 
+/* Instruction examples as a tokenized Hugging Face dataset writes them
+   (ds.to_json): 355 of them, so 320 train and 35 validate. A prompt of 1 to
+   12 tokens, a separator (1), then the prompt backwards as the answer; labels
+   -100 over the prompt and separator; every fifth example right-padded with
+   id 2 under attention_mask 0; a text key to pass over. The prompts' lengths
+   vary, so batches differ widely in the targets they count. */
+static const char *instruction_data(void) {
+    static char path[600];
+    if (path[0]) return path;
+    snprintf(path, sizeof path, "%s/instructions.jsonl", tmpdir);
+    FILE *f = fopen(path, "w");
+    if (!f) { printf("cannot write %s\n", path); exit(1); }
+    for (int e = 0; e < 355; e++) {
+        int P = 1 + (e * 7) % 12, A = 1 + (e * 5) % (16 - P), pad = e % 5 == 0 ? 3 : 0, ids[40], lab[40], n = 0;
+        if (A > P) A = P;
+        for (int t = 0; t < P; t++) { ids[n] = 3 + (e * 13 + t * 29) % 37; lab[n++] = DT_IGNORE_INDEX; }
+        ids[n] = 1; lab[n++] = DT_IGNORE_INDEX;
+        for (int t = 0; t < A; t++) { ids[n] = ids[P - 1 - t]; lab[n] = ids[n]; n++; }
+        fprintf(f, "{\"text\":\"example \\\"%d\\\", {not: [json]}\",\"input_ids\":[", e);
+        for (int t = 0; t < n + pad; t++) fprintf(f, "%s%d", t ? "," : "", t < n ? ids[t] : 2);
+        fprintf(f, "],\"attention_mask\":[");
+        for (int t = 0; t < n + pad; t++) fprintf(f, "%s%d", t ? "," : "", t < n);
+        fprintf(f, "],\"labels\":[");
+        for (int t = 0; t < n + pad; t++) fprintf(f, "%s%d", t ? "," : "", t < n ? lab[t] : DT_IGNORE_INDEX);
+        fprintf(f, "]}\n");
+    }
+    fclose(f);
+    return path;
+}
+
+static void test_instruction_data_masks_prompts_and_names_every_bad_record(void) {
+    char path[700], out[16384];
+    dt_dataset tr, va;
+    dt_text_load(instruction_data(), 1, 0, 16, 0.1, &tr, &va);
+    CHECKF(tr.n == 320 && va.n == 35 && tr.targets && va.targets && tr.seq_len == 16 && tr.num_classes == 40,
+           "%lld training and %lld validation examples, vocabulary %d", (long long)tr.n, (long long)va.n, tr.num_classes);
+    /* example 1: a prompt of 8 (ids 16, 8, 0+3...), the separator, an answer of 6; inputs all but the last token,
+       targets all but the first, -100 up to the separator's prediction */
+    const int32_t *x = tr.tokens + 16, *y = tr.targets + 16;
+    int P = 8, A = 6;
+    CHECK(x[0] == 3 + 13 % 37 && x[P] == 1 && y[P - 1] == DT_IGNORE_INDEX && y[P - 2] == DT_IGNORE_INDEX);
+    CHECKF(y[P] == x[P - 1] && y[P + A - 1] == x[P - A] && y[P + A] == DT_IGNORE_INDEX && x[P + A] == 0,
+           "example 1: targets %d %d %d", y[P], y[P + A - 1], y[P + A]);
+    /* example 0 was padded: the pad ids (2) are neither inputs nor targets */
+    CHECK(tr.tokens[1] == 1 && tr.targets[1] == tr.tokens[0] && tr.tokens[2] == 0 && tr.targets[2] == DT_IGNORE_INDEX);
+    /* the loader hands out each example's own targets */
+    dt_loader l = dt_loader_create(&tr, 2, 0, 0, 0, 1, 0, 1);
+    dt_loader_start_epoch(&l, 0, 0);
+    dt_batch b;
+    dt_step_arena_reset();
+    CHECK(dt_loader_next(&l, &b) && b.labels[16 + P] == x[P - 1] && b.labels[16 + P - 1] == DT_IGNORE_INDEX &&
+          b.inputs->data[16] == (float)x[0]);
+    int64_t counted = 0;
+    for (int i = 0; i < 32; i++) counted += b.labels[i] != DT_IGNORE_INDEX;
+    dt_loader_free(&l);
+    /* what every rank's batches count, without asking the other ranks: rank 1 of 2 sees rank 0's batch too */
+    l = dt_loader_create(&tr, 1, 0, 0, 0, 1, 1, 2);
+    dt_loader_start_epoch(&l, 0, 0);
+    CHECKF(dt_loader_counted_targets(&l, 1) == counted, "batch 0 of ranks 0 and 1 counts %lld targets; expected %lld",
+           (long long)dt_loader_counted_targets(&l, 1), (long long)counted);
+    dt_loader_free(&l);
+    int32_t first = x[0], answer = x[P - 1];           /* x points into what the slice moves */
+    dt_dataset_slice(&tr, 1, 3);
+    CHECK(tr.n == 2 && tr.ntokens == 32 && tr.tokens[0] == first && tr.targets[P] == answer);
+    /* the context-free baseline scores only the answers */
+    CHECK(dt_unigram_loss(&tr, &va) > 0);
+    dt_dataset_free(&tr);
+    dt_dataset_free(&va);
+    int st = run_cmd(out, sizeof out, "%s --model llama --dim 16 --depth 1 --heads 2 --seq-len 16 --tokens %s --batch-size 8 "
+                     "--steps 3 --log-every 1", train_cpu, instruction_data());
+    CHECKF(st == 0 && strstr(out, "320 training examples of up to 17 tokens") && strstr(out, "the loss counts") &&
+           strstr(out, "done: 3 steps"), "stage 01 on JSON lines: exit %d\n%s", st, out);
+    /* every malformed record is named by file and line */
+    static const struct { const char *line, *names; } bad[] = {
+        { "[1, 2, 3]", "line 2: not a JSON object" },
+        { "{\"input_ids\": [1, 2, 3]", "line 2: not valid JSON" },
+        { "{\"input_ids\": [1, 2, 3]} x", "line 2: not valid JSON" },
+        { "{\"labels\": [1, 2, 3]}", "line 2: no \"input_ids\"" },
+        { "{\"input_ids\": [1, 2.5, 3]}", "\"input_ids\" is not a list of whole numbers" },
+        { "{\"input_ids\": \"1 2 3\"}", "\"input_ids\" is not a list of whole numbers" },
+        { "{\"input_ids\": [1, 2, 3], \"labels\": [1, 2]}", "2 \"labels\" for 3 \"input_ids\"" },
+        { "{\"input_ids\": [1, 2, 3], \"attention_mask\": [0, 1, 1]}", "only right padding" },
+        { "{\"input_ids\": [7]}", "line 2: 1 tokens" },
+        { "{\"input_ids\": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]}", "--seq-len 16 holds examples of up to 17" },
+        { "{\"input_ids\": [1, -4, 3]}", "input_ids[1] is -4" },
+        { "{\"input_ids\": [1, 2, 3], \"labels\": [-100, -5, 3]}", "labels[1] is -5" },
+        { "{\"input_ids\": [1, 2, 16777216]}", "input_ids[2] is 16777216" },
+    };
+    snprintf(path, sizeof path, "%s/bad.jsonl", tmpdir);
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        FILE *f = fopen(path, "w");
+        fprintf(f, "{\"input_ids\": [1, 2, 3], \"labels\": [-100, 2, 3]}\n%s\n", bad[k].line);
+        for (int i = 0; i < 20; i++) fprintf(f, "{\"input_ids\": [1, 2, 3]}\n");
+        fclose(f);
+        st = run_cmd(out, sizeof out, "%s --model llama --dim 16 --depth 1 --heads 2 --seq-len 16 --tokens %s --steps 1", train_cpu, path);
+        expect_error_in(bad[k].line, out, st, 1, bad[k].names);
+        CHECKF(strstr(out, path) != NULL, "the error does not name the file:\n%s", out);
+    }
+    FILE *f = fopen(path, "w");
+    for (int i = 0; i < 20; i++) fprintf(f, "{\"input_ids\": [1, 2, 3], \"labels\": [-100, -100, -100]}\n");
+    fclose(f);
+    st = run_cmd(out, sizeof out, "%s --model llama --dim 16 --depth 1 --heads 2 --seq-len 16 --tokens %s --steps 1", train_cpu, path);
+    expect_error(out, st, 1, "every label is -100");
+    f = fopen(path, "w");
+    for (int i = 0; i < 5; i++) fprintf(f, "{\"input_ids\": [1, 2, 3]}\n");
+    fclose(f);
+    st = run_cmd(out, sizeof out, "%s --model llama --dim 16 --depth 1 --heads 2 --seq-len 16 --tokens %s --steps 1", train_cpu, path);
+    expect_error(out, st, 1, "5 examples: too few");
+    st = run_cmd(out, sizeof out, "%s --model llama --dim 16 --depth 1 --heads 2 --seq-len 16 --tokens %s --vocab 30 --steps 1",
+                 train_cpu, instruction_data());
+    expect_error(out, st, 1, "ids run from 0 to 29");
+}
+
 static void test_bad_data_is_reported_by_name(void) {
     char out[8192], dir[600], p[2048];
     int st = run_cmd(out, sizeof out, "%s --data %s/nowhere --quiet", train_cpu, tmpdir);
@@ -2346,12 +2504,13 @@ static double max_tensor_diff(const char *a, const char *b) {
    learning rate is 1e-3; measured differences are 1e-7 for the MLP, 4e-6 for
    the ViT). */
 static void equivalence(const char *data, int samples, const char *model_flags, const char *model) {
-    char out[16384], dir[600], log[700], ref_dir[600], ref_log[600], p[700], q[700];
+    char out[16384], dir[600], log[700], ref_dir[600], ref_log[700], p[700], q[700];
     double ref[64], got[64];
-    snprintf(ref_dir, sizeof ref_dir, "%s/eq-%s-01", tmpdir, model);
-    snprintf(ref_log, sizeof ref_log, "%s/eq-%s-01.jsonl", tmpdir, model);
-    int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size 32 --save-dir %s --log %s", train_cpu,
-                     data, model_flags, ref_dir, ref_log);
+    const char *flag = strstr(data, ".jsonl") ? "--tokens" : "--data";   /* instruction data, or images and text */
+    snprintf(ref_dir, sizeof ref_dir, "%s/eq-%s-%s-01", tmpdir, model, flag + 2);
+    snprintf(ref_log, sizeof ref_log, "%s.jsonl", ref_dir);
+    int st = run_cmd(out, sizeof out, "%s %s %s " PAR_FLAGS " %s --batch-size 32 --save-dir %s --log %s", train_cpu,
+                     flag, data, model_flags, ref_dir, ref_log);
     CHECKF(st == 0, "01: exit %d\n%s", st, out);
     int nref = read_losses(ref_log, ref, 64);
     CHECKF(nref == 20, "01 logged %d steps, expected 20", nref);
@@ -2359,10 +2518,10 @@ static void equivalence(const char *data, int samples, const char *model_flags, 
     const char *stages[2] = { "02-dp", "03-ddp" };
     for (int s = 0; s < 2; s++)
         for (int n = 2; n <= 4; n += 2) {
-            snprintf(dir, sizeof dir, "%s/eq-%s-%s-%d", tmpdir, model, stages[s], n);
+            snprintf(dir, sizeof dir, "%s/eq-%s-%s-%s-%d", tmpdir, model, flag + 2, stages[s], n);
             snprintf(log, sizeof log, "%s.jsonl", dir);
-            st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size %d --nproc %d --save-dir %s --log %s",
-                         stage_bin(stages[s]), data, model_flags, 32 / n, n, dir, log);
+            st = run_cmd(out, sizeof out, "%s %s %s " PAR_FLAGS " %s --batch-size %d --nproc %d --save-dir %s --log %s",
+                         stage_bin(stages[s]), flag, data, model_flags, 32 / n, n, dir, log);
             CHECKF(st == 0, "%s --nproc %d: exit %d\n%s", stages[s], n, st, out);
             int ngot = read_losses(log, got, 64);
             double worst_loss = ngot == nref ? 0 : 1e9;
@@ -2727,6 +2886,35 @@ static void test_gpt_trains_alike_in_every_stage(void) {
 static void test_llama_trains_alike_in_every_stage(void) {
     language_model_trains_alike_in_every_stage("llama", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16");
 }
+/* Instruction data, whose batches count very different numbers of targets:
+   the loss is the mean over the step's targets on every rank and micro-batch,
+   so DataParallel, DDP and accumulation (stage 05 over FSDP) still equal
+   stage 01 with the whole batch. With each rank's own mean instead, 03 at
+   N = 2 ends 0.016 away in weights and Adam moments, 05 (2 ranks x 4
+   micro-batches) 0.034 (measured with the divisor left out). */
+static void test_masked_instruction_data_trains_alike_in_every_stage(void) {
+    const char *flags = "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16";
+    char out[16384], dir[600], p[700], q[700], log[700];
+    double ref[64], got[64];
+    equivalence(instruction_data(), 320, flags, "llama");
+    snprintf(dir, sizeof dir, "%s/masked-05", tmpdir);
+    snprintf(log, sizeof log, "%s.jsonl", dir);
+    int st = run_cmd(out, sizeof out, "%s --tokens %s " PAR_FLAGS " %s --nproc 2 --batch-size 4 --accum-steps 4 --shard full "
+                     "--save-dir %s --log %s", stage_bin("05-accum-mixed-precision"), instruction_data(), flags, dir, log);
+    CHECKF(st == 0, "05: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/eq-llama-tokens-01/llama_data0-320_epoch2", tmpdir);
+    snprintf(q, sizeof q, "%s/full", dir);
+    st = run_cmd(out, sizeof out, "%s %s/llama_data0-320_epoch2 %s", build_path("tools/consolidate"), dir, q);
+    CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
+    snprintf(dir, sizeof dir, "%s/eq-llama-tokens-01.jsonl", tmpdir);
+    int n = read_losses(dir, ref, 64), m = read_losses(log, got, 64);
+    double worst = n == 20 && m == 20 ? 0 : 1e9;
+    for (int i = 0; i < n && i < m; i++) worst = fmax(worst, fabs(got[i] - ref[i]));
+    CHECKF(worst <= 1e-5, "05, 2 ranks x 4 micro-batches: %d logged losses, worst difference from 01 %.3g", m, worst);
+    double d = max_tensor_diff(p, q);
+    CHECKF(d >= 0 && d <= 2e-5, "05, 2 ranks x 4 micro-batches: weights differ from 01 by %.3g", d);
+}
+
 /* ---- 12. gradient accumulation and mixed precision (stage 05) --------------- */
 
 #define ACC_FLAGS "--image-size 16 --dim 32 --log-every 1000 --quiet --epochs 1 --model vit --depth 2 --heads 2"
@@ -4633,6 +4821,8 @@ static void test_gpu_ops_forward_and_backward_match_the_cpu_within_1e5(void) {
     int32_t labels[150];
     for (int i = 0; i < 150; i++) labels[i] = (int32_t)(dt__rng_u64(&r) % 37);
     gpu_matches_cpu("cross entropy", f_xent, &lg, 1, labels, 1e-5);
+    for (int i = 0; i < 150; i += 3) labels[i] = DT_IGNORE_INDEX;     /* a prompt's positions */
+    gpu_matches_cpu("cross entropy with ignored labels", f_xent, &lg, 1, labels, 1e-5);
     int ishape[4] = { 2, 3, 12, 12 }, patch = 4;
     dt_tensor *img = leaf(4, ishape, &r, 1);
     img->requires_grad = 0;
@@ -5163,6 +5353,7 @@ static const test_case tests[] = {
     /* 5. autograd */
     T(test_ops_forward_hand_values), T(test_backward_matches_finite_differences),
     T(test_cross_entropy_over_a_large_vocabulary_matches_double_at_any_thread_count),
+    T(test_cross_entropy_ignores_masked_labels_and_takes_the_divisor_it_is_given),
     T(test_causal_attention_ignores_later_tokens), T(test_tiled_attention_gives_the_bits_of_the_matmul_body),
     T(test_layernorm_weight_and_bias_gradients_stay_exact_over_millions_of_rows),
     T(test_grad_ready_hook_fires_once_per_parameter_in_reverse),
@@ -5179,7 +5370,8 @@ static const test_case tests[] = {
     T(test_filled_structs_start_empty_whatever_the_caller_held), T(test_images_decode_convert_and_resize),
     T(test_broken_images_are_refused_with_a_reason), T(test_png_alpha_and_grey_become_rgb),
     T(test_truncated_or_garbled_png_and_jpeg_are_refused), T(test_cifar10_binary_batches_load),
-    T(test_text_data_splits_by_position_and_refuses_bad_files), T(test_bad_data_is_reported_by_name),
+    T(test_text_data_splits_by_position_and_refuses_bad_files),
+    T(test_instruction_data_masks_prompts_and_names_every_bad_record), T(test_bad_data_is_reported_by_name),
     /* 9. collectives */
     T(test_collectives_over_threads_match_a_serial_reference),
     T(test_collectives_over_processes_match_a_serial_reference),
@@ -5201,6 +5393,7 @@ static const test_case tests[] = {
     T(test_ddp_buckets_overlap_backward_and_change_no_bits), T(test_fsdp_equals_ddp_in_every_shard_mode),
     T(test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank), T(test_fsdp_prefetches_the_next_unit),
     T(test_order_mistakes_in_each_stage_are_named_errors), T(test_gpt_trains_alike_in_every_stage), T(test_llama_trains_alike_in_every_stage),
+    T(test_masked_instruction_data_trains_alike_in_every_stage),
     /* 12. gradient accumulation and mixed precision (stage 05) */
     T(test_accumulation_equals_a_k_times_larger_batch), T(test_bf16_and_fp16_track_the_fp32_loss_curve),
     T(test_fp16_overflow_skips_that_step_and_halves_the_scale),
