@@ -37,9 +37,11 @@
         6  models       an MLP and a Vision Transformer with PyTorch/timm names, and two
                         causal language models with Hugging Face's names: GPT-2, and
                         Llama (RMSNorm, rotary embeddings, grouped-query attention,
-                        SwiGLU; Qwen2's q/k/v biases), one table row per family
+                        SwiGLU; Qwen2's q/k/v biases), one table row per family;
+                        activation recompute, block by block
         7  optimizer    AdamW, SGD with momentum, gradient clipping, warmup + cosine
         8  data         image folders, CIFAR-10 binaries, text (bytes or token ids),
+                        instruction examples whose prompts the loss ignores,
                         shuffling, rank sharding, augmentation, and synthetic
                         images and text made on first use
         9  collectives  all-reduce, reduce-scatter, all-gather, broadcast, send and
@@ -422,6 +424,7 @@ typedef struct dt_model {
     int outer_unit;
     dt_parallel *parallel;     /* the wrapper this model is in (section 11), or NULL */
     int optimizers;            /* optimizers created on it and not freed yet */
+    int recompute;             /* --recompute: each block's activations are made again in backward */
 } dt_model;
 
 /* Build a model with freshly initialised weights (seeded, so runs repeat) on
@@ -434,6 +437,10 @@ void dt_model_free(dt_model *m);
    optimizer, which steps the parameters the wrapper gives it, and goes after
    it: the other orders are errors that say what to call first. */
 void dt_model_set_parallel(dt_model *m, dt_parallel *par);
+/* Activation recompute (--recompute) on or off: in training, each block keeps
+   only its input and output, and its forward runs again when backward
+   reaches it. The same bits, less memory, one more forward per step. */
+void dt_model_set_recompute(dt_model *m, int on);
 /* images [B, C, S, S] scaled to [-1, 1] -> logits [B, classes];
    gpt, llama: token ids [B, T] -> logits [B*T, vocab], row (b, t) predicting token t + 1 */
 dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs);
@@ -961,6 +968,7 @@ typedef struct dt_config {
     float bucket_mb;             /* --bucket-mb: DDP's gradient buckets (0: one all-reduce after backward) */
     int shard;                   /* --shard: what FSDP shards (a dt_shard_mode; default full) */
     int cpu_offload;             /* --cpu-offload: FSDP's shards and optimizer in host memory */
+    int recompute;               /* --recompute: each block's activations made again in backward */
     int accum_steps;             /* --accum-steps: micro-batches per optimizer step (05) */
     int dtype, reduce_dtype;     /* --dtype, --reduce-dtype: a dt_dtype each (05) */
     int explain;                 /* --explain: the cost model's prediction for this run, after 3 steps */
@@ -1436,7 +1444,7 @@ struct dt__tape_entry {
 /* The step arena: one block, and blocks allocated when it ran out (first step only). */
 typedef struct dt__step_arena {
     char *base;
-    size_t cap, used, high;
+    size_t cap, used, high, peak;      /* high: bytes taken now; peak: the most at once this step */
     void **spill;
     size_t *spill_bytes;
     int nspill, spill_cap;
@@ -1769,6 +1777,7 @@ static void dt__host_view_close(dt_device d, float *host, float *buf, int64_t n,
 static void *dt__arena_take(dt__step_arena *a, dt_device device, size_t bytes) {
     bytes = (bytes + 63) & ~(size_t)63;
     a->high += bytes;
+    if (a->high > a->peak) a->peak = a->high;
     if (a->used + bytes <= a->cap) {
         void *p = a->base + a->used;
         a->used += bytes;
@@ -1798,10 +1807,10 @@ void *dt_step_alloc(size_t bytes) {
 }
 
 static void dt__arena_rewind(dt__step_arena *a, dt_device d) {
-    if (a->nspill > 0) {
+    if (a->nspill > 0 || a->peak > a->cap) {
         /* Grow the block to the high-water mark so the next step fits in one:
            after the first step there is no malloc (or cudaMalloc) at all. */
-        size_t need = a->high;
+        size_t need = a->peak;
         for (int i = 0; i < a->nspill; i++) dt_free_on(d, DT_ARENA_ACTS, a->spill[i], a->spill_bytes[i]);
         a->nspill = 0;
         if (need > a->cap) {
@@ -1812,11 +1821,32 @@ static void dt__arena_rewind(dt__step_arena *a, dt_device d) {
     }
     a->used = 0;
     a->high = 0;
+    a->peak = 0;
 }
 void dt_step_arena_reset(void) {
     for (int d = 0; d < 2; d++) dt__arena_rewind(&dt__ctx.step[d], (dt_device)d);
     dt__ctx.tape_len = 0;
     dt__ctx.step_resets++;
+}
+
+/* A place in the step arena to come back to in mid-step: what was taken after
+   it is given back (activation recompute, section 6, drops a block's
+   activations so). Nothing taken after the mark may be used again. */
+typedef struct { size_t used[2], high[2]; int nspill[2]; } dt__step_mark;
+static dt__step_mark dt__step_mark_now(void) {
+    dt__step_mark k;
+    for (int d = 0; d < 2; d++) {
+        k.used[d] = dt__ctx.step[d].used; k.high[d] = dt__ctx.step[d].high; k.nspill[d] = dt__ctx.step[d].nspill;
+    }
+    return k;
+}
+static void dt__step_back_to(const dt__step_mark *k) {
+    for (int d = 0; d < 2; d++) {
+        dt__step_arena *a = &dt__ctx.step[d];
+        for (int i = k->nspill[d]; i < a->nspill; i++) dt_free_on((dt_device)d, DT_ARENA_ACTS, a->spill[i], a->spill_bytes[i]);
+        a->nspill = k->nspill[d]; a->used = k->used[d]; a->high = k->high[d];
+    }
+    dt__ctx.rope.cs = NULL;              /* the rotary table may have been made after the mark */
 }
 
 /* The scratch arena works the same way but lives for one op only: under mixed
@@ -2309,29 +2339,36 @@ static void dt__backward_seeded(dt_tensor *loss, float seed) {
 }
 void dt_backward(dt_tensor *loss) { dt__backward_seeded(loss, 1.0f); }
 
-void dt_backward_from(dt_tensor *loss, const float *seed) {
-    if (!loss->requires_grad) dt_fail("the loss does not depend on any parameter (were gradients disabled?)");
-    /* Where is each parameter read first? Its gradient is final once the walk
-       has passed that entry -- the moment DDP may start communicating it. */
-    int generation = ++dt__ctx.backward_generation;
-    for (int i = 0; i < dt__ctx.tape_len; i++)
+/* Walk the tape's entries [lo, hi) from last to first. First, where each
+   parameter is read first among them: its gradient is final once the walk has
+   passed that entry -- the moment DDP may start communicating it. */
+static void dt__tape_walk(int lo, int hi) {
+    int generation = dt__ctx.backward_generation;
+    for (int i = lo; i < hi; i++)
         for (int j = 0; j < 4; j++) {
             dt_tensor *p = dt__ctx.tape[i].in[j];
             if (p && p->is_param && p->hook_gen != generation) { p->hook_gen = generation; p->first_use = i; }
             if (p && p->parallel) p->parallel->grads_pending = 1;
         }
-    dt__backend_for(loss);
-    dt_upload(dt_grad(loss), seed, sizeof(float) * (size_t)loss->numel);
-    for (int i = dt__ctx.tape_len - 1; i >= 0; i--) {
+    for (int i = hi - 1; i >= lo; i--) {
         dt__tape_entry *e = &dt__ctx.tape[i];
         dt__scratch_reset();
         if (!e->out || e->out->grad) e->backward(e);
+        e = &dt__ctx.tape[i];          /* a recomputed block (section 6) grows the tape, which may move it */
         for (int j = 0; j < 4; j++) {
             dt_tensor *p = e->in[j];
-            if (p && p->is_param && p->first_use == i && p->parallel && p->parallel->grad_ready)
+            if (p && p->is_param && p->first_use == i && p->hook_gen == generation && p->parallel && p->parallel->grad_ready)
                 p->parallel->grad_ready(p->parallel, p);
         }
     }
+}
+
+void dt_backward_from(dt_tensor *loss, const float *seed) {
+    if (!loss->requires_grad) dt_fail("the loss does not depend on any parameter (were gradients disabled?)");
+    dt__ctx.backward_generation++;
+    dt__backend_for(loss);
+    dt_upload(dt_grad(loss), seed, sizeof(float) * (size_t)loss->numel);
+    dt__tape_walk(0, dt__ctx.tape_len);
     dt__ctx.tape_len = 0;
 }
 
@@ -3786,22 +3823,94 @@ static void dt__unit_boundary(dt_model *m, int unit, int begin) {
     if (par && !begin && par->unit_end) par->unit_end(par, unit);
 }
 
-/* The MLP: linear layers with GELU between them. */
+/* -- activation recompute (--recompute). Most of a step's memory is the
+      activations each block keeps for its backward, and backward needs a
+      block's only when it reaches that block. So a block keeps what enters
+      and what leaves it: its forward runs as always, then everything it made
+      but its output goes back to the step arena, and one tape entry stands
+      for its entries. When backward reaches that entry, the block's forward
+      runs again from the same input -- the same ops in the same order, so
+      the same bits -- its new entries are walked, and their memory goes back
+      too. The price is one more forward of each block per step; what is
+      saved is every block's activations but one block's at a time. Under
+      FSDP the unit's marks stand on either side of that entry, so the unit
+      is gathered again before its forward runs again. -- */
+typedef dt_tensor *(*dt__block_fn)(dt_model *m, dt_tensor *params, dt_tensor *x, int B, int T);
+typedef struct { dt_model *m; dt__block_fn fn; dt_tensor *params; int B, T; } dt__block_call;
+
+void dt_model_set_recompute(dt_model *m, int on) { m->recompute = on != 0; }
+
+/* y's values, moved to the step arena's mark k: all else after k is given back. */
+static dt_tensor *dt__keep_only(const dt__step_mark *k, const dt_tensor *y) {
+    dt_tensor kept = *y;
+    size_t bytes = (size_t)y->numel * dt_dtype_size(y->dtype);
+    dt__scratch_reset();
+    void *stash = dt__scratch_on(y->device, bytes);
+    dt_convert(y->data, y->dtype, stash, y->dtype, y->numel);     /* a copy: the same dtype both sides */
+    dt__step_back_to(k);
+    dt_tensor *out = dt__tensor_alloc(kept.ndim, kept.shape, kept.dtype);
+    dt_convert(stash, kept.dtype, out->data, kept.dtype, kept.numel);
+    return out;
+}
+static void dt__recompute_backward(dt__tape_entry *e) {
+    dt__block_call call = *(const dt__block_call *)e->saved;
+    dt_tensor *x = e->in[0], *y = e->out;
+    if (x->requires_grad) dt_grad(x);       /* before the mark: x's gradient outlives the block's */
+    dt__step_mark k = dt__step_mark_now();
+    int first = dt__ctx.tape_len;           /* e points into the tape, which grows: not used below */
+    dt_tensor *again = call.fn(call.m, call.params, x, call.B, call.T);
+    again->grad = y->grad;                  /* the gradient that reached the block's output */
+    dt__tape_walk(first, dt__ctx.tape_len);
+    dt__ctx.tape_len = first;
+    dt__step_back_to(&k);
+}
+/* One block's forward, between its unit's boundaries (FSDP gathers there). */
+static dt_tensor *dt__block(dt_model *m, int unit, dt__block_fn fn, dt_tensor *params, dt_tensor *x, int B, int T) {
+    dt__unit_boundary(m, unit, 1);
+    int recompute = m->recompute && dt__ctx.grad_enabled;
+    dt__step_mark k = dt__step_mark_now();
+    int first = dt__ctx.tape_len;
+    dt_tensor *y = fn(m, params, x, B, T);
+    if (recompute) {
+        dt__ctx.tape_len = first;           /* its entries go, one stands for them */
+        y = dt__keep_only(&k, y);
+        dt__block_call *call = (dt__block_call *)dt_step_alloc(sizeof *call);
+        *call = (dt__block_call){ m, fn, params, B, T };
+        dt__tape_push(dt__recompute_backward, y, x, NULL, NULL)->saved = call;
+    }
+    dt__unit_boundary(m, unit, 0);
+    return y;
+}
+
+/* The MLP: linear layers with GELU between them; a block is one layer and
+   its GELU (none after the last). */
+static dt_tensor *dt__mlp_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int last) {
+    (void)m; (void)B;
+    x = dt_linear(x, &P[0], &P[1]);
+    return last ? x : dt_gelu(x);
+}
+static dt_tensor *dt__mlp_last_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { (void)T; return dt__mlp_block(m, P, x, B, 1); }
+static dt_tensor *dt__mlp_hidden_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { (void)T; return dt__mlp_block(m, P, x, B, 0); }
 static dt_tensor *dt__mlp_forward(dt_model *m, dt_tensor *images) {
     const dt_model_config *c = &m->cfg;
-    int B = images->shape[0], pi = 0;
-    dt_tensor *P = m->params;
+    int B = images->shape[0];
     dt_tensor *x = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
     *x = *images;                                                      /* flatten: a view */
     x->ndim = 2; x->shape[0] = B; x->shape[1] = (int)(images->numel / B);
-    for (int l = 0; l <= c->depth; l++) {
-        dt__unit_boundary(m, l, 1);
-        dt_tensor *w = &P[pi++], *b = &P[pi++];
-        x = dt_linear(x, w, b);
-        dt__unit_boundary(m, l, 0);
-        if (l < c->depth) x = dt_gelu(x);
-    }
+    for (int l = 0; l <= c->depth; l++)
+        x = dt__block(m, l, l < c->depth ? dt__mlp_hidden_block : dt__mlp_last_block, &m->params[m->unit_first[l]], x, B, 0);
     return x;
+}
+
+/* A ViT block: pre-LN attention and MLP, each added to the residual stream. */
+static dt_tensor *dt__vit_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
+    dt_tensor *n1w = &P[0], *n1b = &P[1], *qkvw = &P[2], *qkvb = &P[3], *pjw = &P[4], *pjb = &P[5];
+    dt_tensor *n2w = &P[6], *n2b = &P[7], *f1w = &P[8], *f1b = &P[9], *f2w = &P[10], *f2b = &P[11];
+    dt_tensor *h = dt_linear(dt_layernorm(x, n1w, n1b, 1e-6f), qkvw, qkvb);
+    h = dt_linear(dt_attention(h, B, T, m->cfg.heads, 0), pjw, pjb);
+    x = dt_add(x, h);                                              /* pre-LN residual */
+    h = dt_linear_gelu(dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b);
+    return dt_add(x, dt_linear(h, f2w, f2b));
 }
 
 /* The ViT: patches as tokens, pre-LN blocks, the class token's logits. */
@@ -3816,18 +3925,9 @@ static dt_tensor *dt__vit_forward(dt_model *m, dt_tensor *images) {
     dt_tensor *x = dt_linear(dt_patchify(images, c->patch), pw, pb); /* the conv, as a matmul */
     x = dt_vit_tokens(x, cls, pos, B);
     dt__unit_boundary(m, 0, 0);
-    for (int l = 0; l < c->depth; l++) {
-        dt__unit_boundary(m, 1 + l, 1);
-        dt_tensor *n1w = DT_NEXT, *n1b = DT_NEXT, *qkvw = DT_NEXT, *qkvb = DT_NEXT, *pjw = DT_NEXT, *pjb = DT_NEXT;
-        dt_tensor *n2w = DT_NEXT, *n2b = DT_NEXT, *f1w = DT_NEXT, *f1b = DT_NEXT, *f2w = DT_NEXT, *f2b = DT_NEXT;
-        dt_tensor *h = dt_linear(dt_layernorm(x, n1w, n1b, 1e-6f), qkvw, qkvb);
-        h = dt_linear(dt_attention(h, B, T, c->heads, 0), pjw, pjb);
-        x = dt_add(x, h);                                              /* pre-LN residual */
-        h = dt_linear_gelu(dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b);
-        x = dt_add(x, dt_linear(h, f2w, f2b));
-        dt__unit_boundary(m, 1 + l, 0);
-    }
+    for (int l = 0; l < c->depth; l++) x = dt__block(m, 1 + l, dt__vit_block, &P[m->unit_first[1 + l]], x, B, T);
     dt__unit_boundary(m, 1 + c->depth, 1);
+    pi = m->unit_first[1 + c->depth];
     dt_tensor *nw = DT_NEXT, *nb = DT_NEXT, *hw = DT_NEXT, *hb = DT_NEXT;
     /* timm normalises every token, then pools the class token; normalising only
        the class token gives the same logits for less work. */
@@ -3843,6 +3943,17 @@ static void dt__check_context(const char *family, int T, int context) {
     if (T > context) dt_fail("%s: %d tokens do not fit a context of %d (--seq-len)", family, T, context);
 }
 
+/* A GPT-2 block: causal self-attention and an MLP, pre-LN, GPT-2's layout. */
+static dt_tensor *dt__gpt_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
+    dt_tensor *n1w = &P[0], *n1b = &P[1], *aw = &P[2], *ab = &P[3], *pw = &P[4], *pb = &P[5];
+    dt_tensor *n2w = &P[6], *n2b = &P[7], *fw = &P[8], *fb = &P[9], *mw = &P[10], *mb = &P[11];
+    dt_tensor *h = dt_linear_in_out(dt_layernorm(x, n1w, n1b, 1e-5f), aw, ab);
+    h = dt_linear_in_out(dt_attention(h, B, T, m->cfg.heads, /*causal*/ 1), pw, pb);
+    x = dt_add(x, h);
+    h = dt_linear_in_out_gelu_tanh(dt_layernorm(x, n2w, n2b, 1e-5f), fw, fb);
+    return dt_add(x, dt_linear_in_out(h, mw, mb));
+}
+
 /* GPT-2: pre-LN blocks of causal self-attention and an MLP; the head is the
    token embedding again (x wte^T), so input and output share one table. */
 static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens) {
@@ -3854,21 +3965,29 @@ static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens) {
     dt__unit_boundary(m, 0, 1);                                         /* the outer unit, until the head */
     dt_tensor *wte = DT_NEXT, *wpe = DT_NEXT, *nfw = DT_NEXT, *nfb = DT_NEXT;
     dt_tensor *x = dt_token_embedding(tokens, wte, wpe);
-    for (int l = 0; l < c->depth; l++) {
-        dt__unit_boundary(m, 1 + l, 1);
-        dt_tensor *n1w = DT_NEXT, *n1b = DT_NEXT, *aw = DT_NEXT, *ab = DT_NEXT, *pw = DT_NEXT, *pb = DT_NEXT;
-        dt_tensor *n2w = DT_NEXT, *n2b = DT_NEXT, *fw = DT_NEXT, *fb = DT_NEXT, *mw = DT_NEXT, *mb = DT_NEXT;
-        dt_tensor *h = dt_linear_in_out(dt_layernorm(x, n1w, n1b, 1e-5f), aw, ab);
-        h = dt_linear_in_out(dt_attention(h, B, T, c->heads, /*causal*/ 1), pw, pb);
-        x = dt_add(x, h);
-        h = dt_linear_in_out_gelu_tanh(dt_layernorm(x, n2w, n2b, 1e-5f), fw, fb);
-        x = dt_add(x, dt_linear_in_out(h, mw, mb));
-        dt__unit_boundary(m, 1 + l, 0);
-    }
+    for (int l = 0; l < c->depth; l++) x = dt__block(m, 1 + l, dt__gpt_block, &P[m->unit_first[1 + l]], x, B, T);
     x = dt_linear(dt_layernorm(x, nfw, nfb, 1e-5f), wte, NULL);       /* tied head: logits = x wte^T */
     dt__unit_boundary(m, 0, 0);
     return x;
 #undef DT_NEXT
+}
+
+/* A Llama decoder layer (Qwen2's with biases on q, k and v). */
+static dt_tensor *dt__llama_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
+    const dt_model_config *c = &m->cfg;
+    dt_rope rope = { c->rope_theta, c->rope_factor, c->rope_low_freq, c->rope_high_freq, c->rope_original_context };
+    int pi = 0;
+#define DT_NEXT (&P[pi++])
+#define DT_BIAS (c->qkv_bias ? DT_NEXT : NULL)
+    dt_tensor *n1 = DT_NEXT, *qw = DT_NEXT, *qb = DT_BIAS, *kw = DT_NEXT, *kb = DT_BIAS, *vw = DT_NEXT, *vb = DT_BIAS;
+    dt_tensor *ow = DT_NEXT, *n2 = DT_NEXT, *gw = DT_NEXT, *uw = DT_NEXT, *dw = DT_NEXT;
+#undef DT_BIAS
+#undef DT_NEXT
+    dt_tensor *h = dt_rmsnorm(x, n1, c->norm_eps);
+    dt_tensor *qkv = dt_rotary_qkv(dt_linear(h, qw, qb), dt_linear(h, kw, kb), dt_linear(h, vw, vb), B, T, c->heads, c->kv_heads, rope);
+    x = dt_add(x, dt_linear(dt_attention(qkv, B, T, c->heads, /*causal*/ 1), ow, NULL));
+    h = dt_rmsnorm(x, n2, c->norm_eps);
+    return dt_add(x, dt_linear(dt_swiglu(dt_linear(h, gw, NULL), dt_linear(h, uw, NULL)), dw, NULL));
 }
 
 /* Llama: what changed since GPT-2, block by block. RMSNorm instead of
@@ -3877,40 +3996,25 @@ static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens) {
    no biases (but Qwen2's q, k, v). */
 static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens) {
     const dt_model_config *c = &m->cfg;
-    int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), pi = 0, KV = c->kv_heads, tied = !c->untied_head;
+    int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), tied = !c->untied_head;
     float eps = c->norm_eps;
-    dt_rope rope = { c->rope_theta, c->rope_factor, c->rope_low_freq, c->rope_high_freq, c->rope_original_context };
     dt_tensor *P = m->params;
     dt__check_context("llama", T, c->seq_len);
-#define DT_NEXT (&P[pi++])
-#define DT_BIAS (c->qkv_bias ? DT_NEXT : NULL)
     dt__unit_boundary(m, 0, 1);
-    dt_tensor *embed = DT_NEXT, *norm = tied ? DT_NEXT : NULL;
+    dt_tensor *embed = &P[0], *norm = tied ? &P[1] : NULL;
     dt_tensor *x = dt_token_embedding(tokens, embed, NULL);
     if (!tied) dt__unit_boundary(m, 0, 0);
-    for (int l = 0; l < c->depth; l++) {
-        dt__unit_boundary(m, 1 + l, 1);
-        dt_tensor *n1 = DT_NEXT, *qw = DT_NEXT, *qb = DT_BIAS, *kw = DT_NEXT, *kb = DT_BIAS, *vw = DT_NEXT, *vb = DT_BIAS;
-        dt_tensor *ow = DT_NEXT, *n2 = DT_NEXT, *gw = DT_NEXT, *uw = DT_NEXT, *dw = DT_NEXT;
-        dt_tensor *h = dt_rmsnorm(x, n1, eps);
-        dt_tensor *qkv = dt_rotary_qkv(dt_linear(h, qw, qb), dt_linear(h, kw, kb), dt_linear(h, vw, vb), B, T, c->heads, KV, rope);
-        x = dt_add(x, dt_linear(dt_attention(qkv, B, T, c->heads, /*causal*/ 1), ow, NULL));
-        h = dt_rmsnorm(x, n2, eps);
-        x = dt_add(x, dt_linear(dt_swiglu(dt_linear(h, gw, NULL), dt_linear(h, uw, NULL)), dw, NULL));
-        dt__unit_boundary(m, 1 + l, 0);
-    }
+    for (int l = 0; l < c->depth; l++) x = dt__block(m, 1 + l, dt__llama_block, &P[m->unit_first[1 + l]], x, B, T);
     if (tied) {
         x = dt_linear(dt_rmsnorm(x, norm, eps), embed, NULL);      /* logits = x embed^T */
         dt__unit_boundary(m, 0, 0);
     } else {
         dt__unit_boundary(m, 1 + c->depth, 1);
-        dt_tensor *nw = DT_NEXT, *head = DT_NEXT;
+        dt_tensor *nw = &P[m->unit_first[1 + c->depth]], *head = nw + 1;
         x = dt_linear(dt_rmsnorm(x, nw, eps), head, NULL);
         dt__unit_boundary(m, 1 + c->depth, 0);
     }
     return x;
-#undef DT_BIAS
-#undef DT_NEXT
 }
 
 static void dt__mlp_describe(const dt_model *m, char *out, size_t n) {
@@ -6694,6 +6798,7 @@ struct dt_dp {
    Returns when the replicate started and ended. */
 static void dt__dp_device_forward(dt_dp *dp, dt__dp_device *d, double *t0, double *t1) {
     dt_model *m = d->model;
+    m->recompute = dp->model->recompute;                               /* as device 0's model does */
     *t0 = dt_now_ms();
     dt_broadcast(d->comm, m->flat_data, m->numel, DT_F32, 0);          /* device 0's weights, every step */
     *t1 = dt_now_ms();
@@ -7911,7 +8016,8 @@ static void dt__folder_remove(const char *path) {
     if (d) closedir(d);
     rmdir(path);
 }
-/* A name that is taken by something that is not a checkpoint is refused, never replaced. */
+/* A name taken by something that is not a checkpoint is refused, never
+   replaced; an empty folder is taken over. */
 static void dt__folder_check_free(const char *path) {
     struct stat s;
     if (lstat(path, &s) == 0 && !dt__is_checkpoint_folder(path) && !(S_ISDIR(s.st_mode) && rmdir(path) == 0))
@@ -8522,7 +8628,8 @@ void dt_checkpoint_consolidate(const char *path, const char *out_path) {
 }
 
 /* -- the checkpoint of a training run: weights, optimizer state and the run's
-      position, in one file per rank or one for all (stage 04 shards it) -- */
+      position, in a folder: whole, or a file per rank and an index (stage 04
+      shards it) -- */
 
 static void dt__describe_position(const dt_run *r, char *out, size_t n, const char *what) {
     const char *model = dt__model_kind_name(r->model->cfg.kind);
@@ -9074,6 +9181,7 @@ static void dt__bench_report(dt_run *r) {
         snprintf(stage + strlen(stage), sizeof stage - strlen(stage), "/%s%s%s%s", dt_dtype_name((dt_dtype)cfg->dtype),
                  cfg->reduce_dtype != DT_F32 ? "+reduce-" : "", cfg->reduce_dtype != DT_F32 ? dt_dtype_name((dt_dtype)cfg->reduce_dtype) : "",
                  cfg->accum_steps > 1 ? "+accum" : "");
+    if (cfg->recompute) snprintf(stage + strlen(stage), sizeof stage - strlen(stage), "+recompute");
     printf("bench: workload=%s stage=%s %s ranks=%d batch=%d params=%lld steps=%lld step_ms=%.2f samples_per_s=%.1f "
            "gflops=%.2f data_ms=%.2f fwd_ms=%.2f bwd_ms=%.2f comm_ms=%.2f comm_hidden_ms=%.2f comm_wait_ms=%.2f "
            "opt_ms=%.2f peak_mem_mb=%.1f peak_state_mb=%.2f peak_host_mb=%.2f",
@@ -9314,6 +9422,9 @@ static const dt__flag dt__flags[] = {
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full", DT_NOT_A_NUMBER },
     { "--cpu-offload", "45", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
       DT_CFG(cpu_offload), NULL, DT_NOT_A_NUMBER },
+    { "--recompute", "12345", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
+      "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
+      DT_NOT_A_NUMBER },
     { "--accum-steps", "5", "N", "micro-batches of --batch-size per optimizer step; gradients add up locally (default 1)",
       DT_ARG_INT, DT_CFG(accum_steps), NULL, DT_MIN(1) },
     { "--dtype", "5", "fp32|bf16|fp16", "activations and matmuls in this type, f32 master weights (default fp32)",
@@ -9755,6 +9866,7 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
                   const dt_dataset *val) {
     memset(run, 0, sizeof *run);
     run->cfg = *cfg; run->model = model; run->opt = opt; run->loader = loader; run->val = val;
+    dt_model_set_recompute(model, cfg->recompute);
     if (cfg->resume && !strcmp(cfg->resume, "auto")) {
         if (!cfg->save_dir) dt_usage_error("--resume auto resumes from the newest checkpoint in --save-dir: give --save-dir");
         run->cfg.resume = dt__newest_checkpoint(cfg->save_dir, run->resume_path, sizeof run->resume_path);
