@@ -531,8 +531,8 @@ void dt_dataset_free(dt_dataset *ds);
 /* Text: a .txt file, or a folder of them joined in name order, read as bytes
    (vocabulary 256); or, is_tokens, a file of token ids: a NumPy .npy array
    (one dimension; uint16, uint32, int32 or int64), JSON lines of instruction
-   examples (a file that begins with `{"`: see "instruction data" in section
-   8), or else little-endian uint16 ids (vocab 0: the largest id + 1). The
+   examples (a file that begins with `{"`, or `{ "`, after a UTF-8
+   byte-order mark if any: see "instruction data" in section 8), or else little-endian uint16 ids (vocab 0: the largest id + 1). The
    last val_fraction of the tokens (of the examples, for JSON lines), by
    position, is the validation set. */
 void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, double val_fraction, dt_dataset *train,
@@ -5193,8 +5193,10 @@ void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, doubl
         dt__free_names(names, count);
         if (!used) dt_fail("'%s' holds no .txt file", path);
     } else if (!(bytes = dt__read_file(path, &len))) dt_fail("cannot read '%s': %s", path, strerror(errno));
-    if (is_tokens && len >= 2 && bytes[0] == '{' && bytes[1] == '"') {
-        dt__records_load(path, bytes, len, vocab, seq_len, val_fraction, train, val);
+    size_t bom = len >= 3 && !memcmp(bytes, "\xEF\xBB\xBF", 3) ? 3 : 0, quote = bom + 1;   /* a UTF-8 byte-order mark */
+    while (quote < len && (bytes[quote] == ' ' || bytes[quote] == '\t')) quote++;
+    if (is_tokens && len > quote && bytes[bom] == '{' && bytes[quote] == '"') {        /* {"...: JSON lines */
+        dt__records_load(path, bytes + bom, len - bom, vocab, seq_len, val_fraction, train, val);
         free(bytes);
         return;
     }

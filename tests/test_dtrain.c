@@ -1888,7 +1888,17 @@ static void test_instruction_data_masks_prompts_and_names_every_bad_record(void)
         expect_error_in(bad[k].line, out, st, 1, bad[k].names);
         CHECKF(strstr(out, path) != NULL, "the error does not name the file:\n%s", out);
     }
+    /* Windows' line ends and a byte-order mark, and a space after the brace, are still JSON lines */
     FILE *f = fopen(path, "w");
+    fprintf(f, "\xEF\xBB\xBF");
+    for (int i = 0; i < 20; i++) fprintf(f, "{ \"input_ids\": [1, 2, 3], \"labels\": [-100, 5, %d]}\r\n", i);
+    fclose(f);
+    dt_text_load(path, 1, 0, 16, 0.1, &tr, &va);
+    CHECKF(tr.n == 18 && va.n == 2 && tr.targets && tr.targets[0] == 5 && tr.targets[16 + 1] == 1 && tr.num_classes == 20,
+           "BOM and CRLF: %lld examples, vocabulary %d", (long long)tr.n, tr.num_classes);
+    dt_dataset_free(&tr);
+    dt_dataset_free(&va);
+    f = fopen(path, "w");
     for (int i = 0; i < 20; i++) fprintf(f, "{\"input_ids\": [1, 2, 3], \"labels\": [-100, -100, -100]}\n");
     fclose(f);
     st = run_cmd(out, sizeof out, "%s --model llama --dim 16 --depth 1 --heads 2 --seq-len 16 --tokens %s --steps 1", train_cpu, path);
