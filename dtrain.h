@@ -531,8 +531,8 @@ void dt_dataset_free(dt_dataset *ds);
 /* Text: a .txt file, or a folder of them joined in name order, read as bytes
    (vocabulary 256); or, is_tokens, a file of token ids: a NumPy .npy array
    (one dimension; uint16, uint32, int32 or int64), JSON lines of instruction
-   examples (a file that begins with `{"`, or `{ "`, after a UTF-8
-   byte-order mark if any: see "instruction data" in section 8), or else little-endian uint16 ids (vocab 0: the largest id + 1). The
+   examples (a file whose first character, past white space and a UTF-8
+   byte-order mark, is `{`: see "instruction data" in section 8), or else little-endian uint16 ids (vocab 0: the largest id + 1). The
    last val_fraction of the tokens (of the examples, for JSON lines), by
    position, is the validation set. */
 void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, double val_fraction, dt_dataset *train,
@@ -1476,9 +1476,10 @@ typedef struct dt__context {
     int64_t grad_collectives;          /* gradient all-reduces and reduce-scatters issued this step */
     int grads_scaled;                  /* gradients still hold the fp16 loss scale (section 12) */
     uint64_t step_resets;              /* dt_step_arena_reset calls: what lives in the step arena is this step's */
+    uint64_t arena_rewinds;            /* those, and the returns to a mark in mid-step: a cache in the arena is this old */
     /* The rotary embeddings' (cos, sin) table, in the step arena: every layer
        of a step asks for the same one. */
-    struct { uint64_t step; int T, hd; dt_rope rope; dt_device device; float *cs; } rope;
+    struct { uint64_t made_at; int T, hd; dt_rope rope; dt_device device; float *cs; } rope;   /* made_at: arena_rewinds */
     /* dt_cross_entropy_set_divisor's labels and divisor, for one step */
     struct { uint64_t step; const int32_t *labels; double divisor; } loss_divisor;
 } dt__context;
@@ -1827,6 +1828,7 @@ void dt_step_arena_reset(void) {
     for (int d = 0; d < 2; d++) dt__arena_rewind(&dt__ctx.step[d], (dt_device)d);
     dt__ctx.tape_len = 0;
     dt__ctx.step_resets++;
+    dt__ctx.arena_rewinds++;
 }
 
 /* A place in the step arena to come back to in mid-step: what was taken after
@@ -1846,7 +1848,7 @@ static void dt__step_back_to(const dt__step_mark *k) {
         for (int i = k->nspill[d]; i < a->nspill; i++) dt_free_on((dt_device)d, DT_ARENA_ACTS, a->spill[i], a->spill_bytes[i]);
         a->nspill = k->nspill[d]; a->used = k->used[d]; a->high = k->high[d];
     }
-    dt__ctx.rope.cs = NULL;              /* the rotary table may have been made after the mark */
+    dt__ctx.arena_rewinds++;             /* what was cached after the mark is gone */
 }
 
 /* The scratch arena works the same way but lives for one op only: under mixed
@@ -3208,7 +3210,7 @@ static int dt__rope_same(dt_rope a, dt_rope b) {
            a.original_context == b.original_context;
 }
 static float *dt__rope_table(int T, int hd, dt_rope rope, dt_device device) {
-    if (dt__ctx.rope.cs && dt__ctx.rope.step == dt__ctx.step_resets && dt__ctx.rope.T == T && dt__ctx.rope.hd == hd &&
+    if (dt__ctx.rope.cs && dt__ctx.rope.made_at == dt__ctx.arena_rewinds && dt__ctx.rope.T == T && dt__ctx.rope.hd == hd &&
         dt__rope_same(dt__ctx.rope.rope, rope) && dt__ctx.rope.device == device)
         return dt__ctx.rope.cs;
     int half = hd / 2;
@@ -3237,7 +3239,7 @@ static float *dt__rope_table(int T, int hd, dt_rope rope, dt_device device) {
         cs = (float *)dt__step_alloc_on(device, bytes);
         dt__upload_to(device, cs, host, bytes);
     }
-    dt__ctx.rope.step = dt__ctx.step_resets; dt__ctx.rope.T = T; dt__ctx.rope.hd = hd; dt__ctx.rope.rope = rope;
+    dt__ctx.rope.made_at = dt__ctx.arena_rewinds; dt__ctx.rope.T = T; dt__ctx.rope.hd = hd; dt__ctx.rope.rope = rope;
     dt__ctx.rope.device = device; dt__ctx.rope.cs = cs;
     return cs;
 }
@@ -3835,7 +3837,7 @@ static void dt__unit_boundary(dt_model *m, int unit, int begin) {
       saved is every block's activations but one block's at a time. Under
       FSDP the unit's marks stand on either side of that entry, so the unit
       is gathered again before its forward runs again. -- */
-typedef dt_tensor *(*dt__block_fn)(dt_model *m, dt_tensor *params, dt_tensor *x, int B, int T);
+typedef dt_tensor *(*dt__block_fn)(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T);   /* P: its first parameter */
 typedef struct { dt_model *m; dt__block_fn fn; dt_tensor *params; int B, T; } dt__block_call;
 
 void dt_model_set_recompute(dt_model *m, int on) { m->recompute = on != 0; }
@@ -4473,6 +4475,7 @@ static int dt__json_eat(dt__json *j, char c) {
 static char *dt__json_str(dt__json *j) {
     if (!dt__json_eat(j, '"')) return NULL;
     char *out = (char *)malloc(j->len - j->pos + 1);
+    if (!out) dt_fail("out of memory reading a JSON string (%zu bytes)", j->len - j->pos);
     size_t n = 0;
     while (j->pos < j->len && j->s[j->pos] != '"') {
         char c = j->s[j->pos++];
@@ -4529,8 +4532,10 @@ static void dt__json_skip(dt__json *j, int depth) {       /* any value we do not
             dt__json_eat(j, close);
             return;
         }
-    } else {
-        while (j->pos < j->len && (isalnum((unsigned char)j->s[j->pos]) || strchr("+-.", j->s[j->pos]))) j->pos++;
+    } else {                                              /* a number, true, false or null: something */
+        size_t from = j->pos;
+        while (j->pos < j->len && j->s[j->pos] && (isalnum((unsigned char)j->s[j->pos]) || strchr("+-.", j->s[j->pos]))) j->pos++;
+        if (j->pos == from) j->ok = 0;
     }
 }
 static int dt__json_int_array(dt__json *j, int64_t *out, int max) {
@@ -4905,7 +4910,7 @@ void dt_loader_start_epoch(dt_loader *l, int epoch, int64_t skip_batches) {
 }
 int64_t dt_loader_counted_targets(const dt_loader *l, int batches) {
     if (!l->counted) dt_fail("dt_loader_counted_targets: the loader's data has no masked targets (or no epoch has begun)");
-    int64_t sum = 0, first = l->pos / l->batch_size, last = l->count / l->batch_size;
+    int64_t sum = 0, first = l->pos / l->batch_size, last = dt_loader_batches_per_epoch(l) - 1;
     for (int64_t b = first; b < first + batches && b <= last; b++) sum += l->counted[b];
     return sum;
 }
@@ -5193,13 +5198,16 @@ void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, doubl
         dt__free_names(names, count);
         if (!used) dt_fail("'%s' holds no .txt file", path);
     } else if (!(bytes = dt__read_file(path, &len))) dt_fail("cannot read '%s': %s", path, strerror(errno));
-    size_t bom = len >= 3 && !memcmp(bytes, "\xEF\xBB\xBF", 3) ? 3 : 0, quote = bom + 1;   /* a UTF-8 byte-order mark */
-    while (quote < len && (bytes[quote] == ' ' || bytes[quote] == '\t')) quote++;
-    if (is_tokens && len > quote && bytes[bom] == '{' && bytes[quote] == '"') {        /* {"...: JSON lines */
-        dt__records_load(path, bytes + bom, len - bom, vocab, seq_len, val_fraction, train, val);
+    size_t first = len >= 3 && !memcmp(bytes, "\xEF\xBB\xBF", 3) ? 3 : 0;     /* past a UTF-8 byte-order mark */
+    while (first < len && isspace(bytes[first])) first++;
+    if (is_tokens && first < len && bytes[first] == '{') {                       /* JSON lines */
+        dt__records_load(path, bytes + first, len - first, vocab, seq_len, val_fraction, train, val);
         free(bytes);
         return;
     }
+    if (is_tokens && first + 1 < len && bytes[first] == '[' && (bytes[first + 1] == '{' || isspace(bytes[first + 1])))
+        dt_fail("'%s' is one JSON array; --tokens reads JSON lines, one example per line: ds.to_json(path), whose "
+                "default is lines=True", path);
     int npy = is_tokens && len >= 6 && !memcmp(bytes, "\x93NUMPY", 6);
     size_t width = 2, at = 0;                        /* bytes per id, where the ids start */
     int is_signed = 0;
@@ -6800,7 +6808,7 @@ struct dt_dp {
    Returns when the replicate started and ended. */
 static void dt__dp_device_forward(dt_dp *dp, dt__dp_device *d, double *t0, double *t1) {
     dt_model *m = d->model;
-    m->recompute = dp->model->recompute;                               /* as device 0's model does */
+    dt_model_set_recompute(m, dp->model->recompute);                   /* as device 0's model does */
     *t0 = dt_now_ms();
     dt_broadcast(d->comm, m->flat_data, m->numel, DT_F32, 0);          /* device 0's weights, every step */
     *t1 = dt_now_ms();

@@ -1867,6 +1867,7 @@ static void test_instruction_data_masks_prompts_and_names_every_bad_record(void)
         { "[1, 2, 3]", "line 2: not a JSON object" },
         { "{\"input_ids\": [1, 2, 3]", "line 2: not valid JSON" },
         { "{\"input_ids\": [1, 2, 3]} x", "line 2: not valid JSON" },
+        { "{\"input_ids\": [1, 2, 3], \"text\": }", "line 2: not valid JSON" },
         { "{\"labels\": [1, 2, 3]}", "line 2: no \"input_ids\"" },
         { "{\"input_ids\": [1, 2.5, 3]}", "\"input_ids\" is not a list of whole numbers" },
         { "{\"input_ids\": \"1 2 3\"}", "\"input_ids\" is not a list of whole numbers" },
@@ -1890,7 +1891,7 @@ static void test_instruction_data_masks_prompts_and_names_every_bad_record(void)
     }
     /* Windows' line ends and a byte-order mark, and a space after the brace, are still JSON lines */
     FILE *f = fopen(path, "w");
-    fprintf(f, "\xEF\xBB\xBF");
+    fprintf(f, "\xEF\xBB\xBF\r\n");
     for (int i = 0; i < 20; i++) fprintf(f, "{ \"input_ids\": [1, 2, 3], \"labels\": [-100, 5, %d]}\r\n", i);
     fclose(f);
     dt_text_load(path, 1, 0, 16, 0.1, &tr, &va);
@@ -1908,6 +1909,11 @@ static void test_instruction_data_masks_prompts_and_names_every_bad_record(void)
     fclose(f);
     st = run_cmd(out, sizeof out, "%s --model llama --dim 16 --depth 1 --heads 2 --seq-len 16 --tokens %s --steps 1", train_cpu, path);
     expect_error(out, st, 1, "5 examples: too few");
+    f = fopen(path, "w");                                  /* ds.to_json(path, lines=False) */
+    fprintf(f, "[{\"input_ids\": [1, 2, 3]}, {\"input_ids\": [4, 5, 6]}]");
+    fclose(f);
+    st = run_cmd(out, sizeof out, "%s --model llama --dim 16 --depth 1 --heads 2 --seq-len 16 --tokens %s --steps 1", train_cpu, path);
+    expect_error(out, st, 1, "one JSON array; --tokens reads JSON lines");
     st = run_cmd(out, sizeof out, "%s --model llama --dim 16 --depth 1 --heads 2 --seq-len 16 --tokens %s --vocab 30 --steps 1",
                  train_cpu, instruction_data());
     expect_error(out, st, 1, "ids run from 0 to 29");
