@@ -296,6 +296,7 @@ dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *weight, dt_tensor *bias, float 
 /* Llama's norm: x / sqrt(mean(x^2) + eps) * weight, no mean taken out, no bias */
 dt_tensor *dt_rmsnorm(dt_tensor *x, dt_tensor *weight, float eps);
 dt_tensor *dt_add(dt_tensor *a, dt_tensor *b);
+dt_tensor *dt_scale(dt_tensor *x, float factor);                         /* factor x */
 /* Llama's MLP activation: silu(gate) * up, element by element (SwiGLU) */
 dt_tensor *dt_swiglu(dt_tensor *gate, dt_tensor *up);
 /* Llama's attention input: q [B*T, H*hd], k and v [B*T, KV*hd] -> qkv
@@ -401,6 +402,12 @@ typedef struct dt_model_config {
     float norm_eps;                              /* RMSNorm's epsilon [1e-5] */
     float rope_factor, rope_low_freq, rope_high_freq;   /* Llama 3's rescaled frequencies (dt_rope); 0: none */
     int rope_original_context;
+    /* LoRA (--lora-rank): the weights above frozen, and beside each targeted
+       linear layer a trainable pair A [rank, in], B [out, rank]: y = x W^T + b
+       + (alpha / rank) (x A^T) B^T. rank 0: none. */
+    int lora_rank;
+    float lora_alpha;
+    char lora_targets[256];                      /* module names, comma-separated: "q_proj,v_proj" */
 } dt_model_config;
 
 typedef struct dt_model {
@@ -425,6 +432,14 @@ typedef struct dt_model {
     dt_parallel *parallel;     /* the wrapper this model is in (section 11), or NULL */
     int optimizers;            /* optimizers created on it and not freed yet */
     int recompute;             /* --recompute: each block's activations are made again in backward */
+    /* LoRA: the frozen model the adapters (this model's parameters) sit on,
+       with no gradients and no optimizer state, never communicated; NULL
+       without LoRA. lora_of[i]: where base parameter i's A is in params (B
+       follows it), or -1. */
+    struct dt_model *base;
+    char *base_source;         /* where base's weights came from (--init's path), or NULL: the seed's */
+    int *lora_of;
+    float lora_scale;          /* alpha / rank */
 } dt_model;
 
 /* Build a model with freshly initialised weights (seeded, so runs repeat) on
@@ -848,6 +863,12 @@ void dt_model_load_weights(dt_model *m, const char *path);
    into a whole checkpoint folder that every stage resumes from and PyTorch,
    transformers and timm read (tools/consolidate). */
 void dt_checkpoint_consolidate(const char *path, const char *out_path);
+/* LoRA: fold a checkpoint's adapters into its frozen model, W + (alpha/r) B A,
+   and write the whole model as a weights folder (model.safetensors and
+   config.json) that --init, from_pretrained and timm read. The frozen model
+   comes from the folder adapter_config.json names, or else from the seed the
+   run started with. tools/merge-lora runs it. */
+void dt_lora_merge(const char *adapter_dir, const char *out_path);
 
 /* A run's training checkpoint (section 18 drives it), a folder: the weights
    (model.safetensors, with the position and RNG seed as metadata), the
@@ -969,6 +990,9 @@ typedef struct dt_config {
     int shard;                   /* --shard: what FSDP shards (a dt_shard_mode; default full) */
     int cpu_offload;             /* --cpu-offload: FSDP's shards and optimizer in host memory */
     int recompute;               /* --recompute: each block's activations made again in backward */
+    int lora_rank;               /* --lora-rank: LoRA adapters of this rank on a frozen model (0: none) */
+    float lora_alpha;            /* --lora-alpha: their scale is alpha / rank (default 8, PEFT's) */
+    const char *lora_targets;    /* --lora-targets: the layers that get one (NULL: the model's default) */
     int accum_steps;             /* --accum-steps: micro-batches per optimizer step (05) */
     int dtype, reduce_dtype;     /* --dtype, --reduce-dtype: a dt_dtype each (05) */
     int explain;                 /* --explain: the cost model's prediction for this run, after 3 steps */
@@ -2925,6 +2949,49 @@ dt_tensor *dt_add(dt_tensor *a, dt_tensor *b) {
     return y;
 }
 
+/* -- a constant factor (LoRA's alpha / rank): y = c x, dx += c dy -- */
+static void dt__scale_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0];
+    if (!x->requires_grad) return;
+    float c = e->farg[0];
+    int first;
+    float *g = dt__grad_acc_first(x, &first);
+    const float *dy = dt__grad_in(e->out);
+    const dt_backend *gpu = dt__backend_for(x);
+    int64_t n = x->numel;
+    if (gpu) {
+        float *scaled = (float *)dt__scratch_on(x->device, (size_t)n * sizeof(float));
+        dt_convert(dy, DT_F32, scaled, DT_F32, n);
+        gpu->scale(scaled, c, n);
+        gpu->accumulate(g, scaled, n);
+    } else if (first) {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) g[i] = c * dy[i];
+    } else {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) g[i] += c * dy[i];
+    }
+    dt__grad_acc_done(x, g);
+}
+dt_tensor *dt_scale(dt_tensor *x, float factor) {
+    const dt_backend *gpu = dt__backend_for(x);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out(x->ndim, x->shape);
+    const float *xv = dt__in(x);
+    float *yv = dt__out(y);
+    int64_t n = x->numel;
+    if (gpu) {
+        dt_convert(xv, DT_F32, yv, DT_F32, n);
+        gpu->scale(yv, factor, n);
+    } else {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) yv[i] = factor * xv[i];
+    }
+    dt__out_done(y, yv);
+    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__scale_backward, y, x, NULL, NULL)->farg[0] = factor;
+    return y;
+}
+
 /* -- multi-head self-attention: softmax(Q K^T / sqrt(d)) V per (sequence, head).
       On the CPU, Q, K and V are read in place from the qkv projection (row
       stride 3D), so no reshuffling copies are needed, and the heads run in
@@ -3884,11 +3951,39 @@ static dt_tensor *dt__block(dt_model *m, int unit, dt__block_fn fn, dt_tensor *p
     return y;
 }
 
+/* The weights a forward reads: unit u's first one (the base's, under LoRA). */
+static dt_tensor *dt__unit_weights(dt_model *m, int unit) {
+    dt_model *w = m->base ? m->base : m;
+    return &w->params[w->unit_first[unit]];
+}
+/* A linear layer's output y = x W^T + b, plus LoRA's (alpha/r) (x A^T) B^T
+   when W has an adapter. The sum is PEFT's order: the base's output first. */
+static int dt__adapter_of(const dt_model *m, const dt_tensor *w) { return m->base ? m->lora_of[w - m->base->params] : -1; }
+static dt_tensor *dt__with_adapter(dt_model *m, dt_tensor *x, const dt_tensor *w, dt_tensor *y) {
+    int a = dt__adapter_of(m, w);
+    if (a < 0) return y;
+    dt_tensor *low = dt_linear(x, &m->params[a], NULL);
+    return dt_add(y, dt_scale(dt_linear(low, &m->params[a + 1], NULL), m->lora_scale));
+}
+static dt_tensor *dt__lora_linear(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
+    return dt__with_adapter(m, x, w, dt_linear(x, w, b));
+}
+static dt_tensor *dt__lora_linear_in_out(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
+    return dt__with_adapter(m, x, w, dt_linear_in_out(x, w, b));
+}
+/* the fused forms: apart when the adapter's term comes between */
+static dt_tensor *dt__lora_linear_gelu(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
+    return dt__adapter_of(m, w) < 0 ? dt_linear_gelu(x, w, b) : dt_gelu(dt__lora_linear(m, x, w, b));
+}
+static dt_tensor *dt__lora_linear_in_out_gelu_tanh(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
+    return dt__adapter_of(m, w) < 0 ? dt_linear_in_out_gelu_tanh(x, w, b) : dt_gelu_tanh(dt__lora_linear_in_out(m, x, w, b));
+}
+
 /* The MLP: linear layers with GELU between them; a block is one layer and
    its GELU (none after the last). */
 static dt_tensor *dt__mlp_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int last) {
-    (void)m; (void)B;
-    x = dt_linear(x, &P[0], &P[1]);
+    (void)B;
+    x = dt__lora_linear(m, x, &P[0], &P[1]);
     return last ? x : dt_gelu(x);
 }
 static dt_tensor *dt__mlp_last_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { (void)T; return dt__mlp_block(m, P, x, B, 1); }
@@ -3900,7 +3995,7 @@ static dt_tensor *dt__mlp_forward(dt_model *m, dt_tensor *images) {
     *x = *images;                                                      /* flatten: a view */
     x->ndim = 2; x->shape[0] = B; x->shape[1] = (int)(images->numel / B);
     for (int l = 0; l <= c->depth; l++)
-        x = dt__block(m, l, l < c->depth ? dt__mlp_hidden_block : dt__mlp_last_block, &m->params[m->unit_first[l]], x, B, 0);
+        x = dt__block(m, l, l < c->depth ? dt__mlp_hidden_block : dt__mlp_last_block, dt__unit_weights(m, l), x, B, 0);
     return x;
 }
 
@@ -3908,18 +4003,18 @@ static dt_tensor *dt__mlp_forward(dt_model *m, dt_tensor *images) {
 static dt_tensor *dt__vit_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
     dt_tensor *n1w = &P[0], *n1b = &P[1], *qkvw = &P[2], *qkvb = &P[3], *pjw = &P[4], *pjb = &P[5];
     dt_tensor *n2w = &P[6], *n2b = &P[7], *f1w = &P[8], *f1b = &P[9], *f2w = &P[10], *f2b = &P[11];
-    dt_tensor *h = dt_linear(dt_layernorm(x, n1w, n1b, 1e-6f), qkvw, qkvb);
-    h = dt_linear(dt_attention(h, B, T, m->cfg.heads, 0), pjw, pjb);
+    dt_tensor *h = dt__lora_linear(m, dt_layernorm(x, n1w, n1b, 1e-6f), qkvw, qkvb);
+    h = dt__lora_linear(m, dt_attention(h, B, T, m->cfg.heads, 0), pjw, pjb);
     x = dt_add(x, h);                                              /* pre-LN residual */
-    h = dt_linear_gelu(dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b);
-    return dt_add(x, dt_linear(h, f2w, f2b));
+    h = dt__lora_linear_gelu(m, dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b);
+    return dt_add(x, dt__lora_linear(m, h, f2w, f2b));
 }
 
 /* The ViT: patches as tokens, pre-LN blocks, the class token's logits. */
 static dt_tensor *dt__vit_forward(dt_model *m, dt_tensor *images) {
     const dt_model_config *c = &m->cfg;
     int B = images->shape[0], pi = 0;
-    dt_tensor *P = m->params;
+    dt_tensor *P = dt__unit_weights(m, 0);
 #define DT_NEXT (&P[pi++])
     int T = (c->image_size / c->patch) * (c->image_size / c->patch) + 1;
     dt__unit_boundary(m, 0, 1);
@@ -3927,14 +4022,15 @@ static dt_tensor *dt__vit_forward(dt_model *m, dt_tensor *images) {
     dt_tensor *x = dt_linear(dt_patchify(images, c->patch), pw, pb); /* the conv, as a matmul */
     x = dt_vit_tokens(x, cls, pos, B);
     dt__unit_boundary(m, 0, 0);
-    for (int l = 0; l < c->depth; l++) x = dt__block(m, 1 + l, dt__vit_block, &P[m->unit_first[1 + l]], x, B, T);
+    for (int l = 0; l < c->depth; l++) x = dt__block(m, 1 + l, dt__vit_block, dt__unit_weights(m, 1 + l), x, B, T);
     dt__unit_boundary(m, 1 + c->depth, 1);
-    pi = m->unit_first[1 + c->depth];
+    P = dt__unit_weights(m, 1 + c->depth);
+    pi = 0;
     dt_tensor *nw = DT_NEXT, *nb = DT_NEXT, *hw = DT_NEXT, *hb = DT_NEXT;
     /* timm normalises every token, then pools the class token; normalising only
        the class token gives the same logits for less work. */
     x = dt_layernorm(dt_select_token(x, B, T, 0), nw, nb, 1e-6f);
-    x = dt_linear(x, hw, hb);
+    x = dt__lora_linear(m, x, hw, hb);
     dt__unit_boundary(m, 1 + c->depth, 0);
     return x;
 #undef DT_NEXT
@@ -3949,11 +4045,11 @@ static void dt__check_context(const char *family, int T, int context) {
 static dt_tensor *dt__gpt_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
     dt_tensor *n1w = &P[0], *n1b = &P[1], *aw = &P[2], *ab = &P[3], *pw = &P[4], *pb = &P[5];
     dt_tensor *n2w = &P[6], *n2b = &P[7], *fw = &P[8], *fb = &P[9], *mw = &P[10], *mb = &P[11];
-    dt_tensor *h = dt_linear_in_out(dt_layernorm(x, n1w, n1b, 1e-5f), aw, ab);
-    h = dt_linear_in_out(dt_attention(h, B, T, m->cfg.heads, /*causal*/ 1), pw, pb);
+    dt_tensor *h = dt__lora_linear_in_out(m, dt_layernorm(x, n1w, n1b, 1e-5f), aw, ab);
+    h = dt__lora_linear_in_out(m, dt_attention(h, B, T, m->cfg.heads, /*causal*/ 1), pw, pb);
     x = dt_add(x, h);
-    h = dt_linear_in_out_gelu_tanh(dt_layernorm(x, n2w, n2b, 1e-5f), fw, fb);
-    return dt_add(x, dt_linear_in_out(h, mw, mb));
+    h = dt__lora_linear_in_out_gelu_tanh(m, dt_layernorm(x, n2w, n2b, 1e-5f), fw, fb);
+    return dt_add(x, dt__lora_linear_in_out(m, h, mw, mb));
 }
 
 /* GPT-2: pre-LN blocks of causal self-attention and an MLP; the head is the
@@ -3961,13 +4057,13 @@ static dt_tensor *dt__gpt_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, 
 static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens) {
     const dt_model_config *c = &m->cfg;
     int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), pi = 0;
-    dt_tensor *P = m->params;
+    dt_tensor *P = dt__unit_weights(m, 0);
     dt__check_context("gpt", T, c->seq_len);
 #define DT_NEXT (&P[pi++])
     dt__unit_boundary(m, 0, 1);                                         /* the outer unit, until the head */
     dt_tensor *wte = DT_NEXT, *wpe = DT_NEXT, *nfw = DT_NEXT, *nfb = DT_NEXT;
     dt_tensor *x = dt_token_embedding(tokens, wte, wpe);
-    for (int l = 0; l < c->depth; l++) x = dt__block(m, 1 + l, dt__gpt_block, &P[m->unit_first[1 + l]], x, B, T);
+    for (int l = 0; l < c->depth; l++) x = dt__block(m, 1 + l, dt__gpt_block, dt__unit_weights(m, 1 + l), x, B, T);
     x = dt_linear(dt_layernorm(x, nfw, nfb, 1e-5f), wte, NULL);       /* tied head: logits = x wte^T */
     dt__unit_boundary(m, 0, 0);
     return x;
@@ -3986,10 +4082,11 @@ static dt_tensor *dt__llama_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B
 #undef DT_BIAS
 #undef DT_NEXT
     dt_tensor *h = dt_rmsnorm(x, n1, c->norm_eps);
-    dt_tensor *qkv = dt_rotary_qkv(dt_linear(h, qw, qb), dt_linear(h, kw, kb), dt_linear(h, vw, vb), B, T, c->heads, c->kv_heads, rope);
-    x = dt_add(x, dt_linear(dt_attention(qkv, B, T, c->heads, /*causal*/ 1), ow, NULL));
+    dt_tensor *qkv = dt_rotary_qkv(dt__lora_linear(m, h, qw, qb), dt__lora_linear(m, h, kw, kb), dt__lora_linear(m, h, vw, vb), B, T, c->heads,
+                                   c->kv_heads, rope);
+    x = dt_add(x, dt__lora_linear(m, dt_attention(qkv, B, T, c->heads, /*causal*/ 1), ow, NULL));
     h = dt_rmsnorm(x, n2, c->norm_eps);
-    return dt_add(x, dt_linear(dt_swiglu(dt_linear(h, gw, NULL), dt_linear(h, uw, NULL)), dw, NULL));
+    return dt_add(x, dt__lora_linear(m, dt_swiglu(dt__lora_linear(m, h, gw, NULL), dt__lora_linear(m, h, uw, NULL)), dw, NULL));
 }
 
 /* Llama: what changed since GPT-2, block by block. RMSNorm instead of
@@ -4000,20 +4097,20 @@ static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens) {
     const dt_model_config *c = &m->cfg;
     int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), tied = !c->untied_head;
     float eps = c->norm_eps;
-    dt_tensor *P = m->params;
+    dt_tensor *P = dt__unit_weights(m, 0);
     dt__check_context("llama", T, c->seq_len);
     dt__unit_boundary(m, 0, 1);
     dt_tensor *embed = &P[0], *norm = tied ? &P[1] : NULL;
     dt_tensor *x = dt_token_embedding(tokens, embed, NULL);
     if (!tied) dt__unit_boundary(m, 0, 0);
-    for (int l = 0; l < c->depth; l++) x = dt__block(m, 1 + l, dt__llama_block, &P[m->unit_first[1 + l]], x, B, T);
+    for (int l = 0; l < c->depth; l++) x = dt__block(m, 1 + l, dt__llama_block, dt__unit_weights(m, 1 + l), x, B, T);
     if (tied) {
         x = dt_linear(dt_rmsnorm(x, norm, eps), embed, NULL);      /* logits = x embed^T */
         dt__unit_boundary(m, 0, 0);
     } else {
         dt__unit_boundary(m, 1 + c->depth, 1);
-        dt_tensor *nw = &P[m->unit_first[1 + c->depth]], *head = nw + 1;
-        x = dt_linear(dt_rmsnorm(x, nw, eps), head, NULL);
+        dt_tensor *nw = dt__unit_weights(m, 1 + c->depth), *head = nw + 1;
+        x = dt__lora_linear(m, dt_rmsnorm(x, nw, eps), head, NULL);
         dt__unit_boundary(m, 1 + c->depth, 0);
     }
     return x;
@@ -4131,13 +4228,15 @@ struct dt__model_family {
     void (*describe)(const dt_model *m, char *out, size_t n);
     int64_t (*lookups)(const dt_model *m);   /* parameters that never multiply */
     void (*config_json)(FILE *f, const dt_model_config *c);   /* a checkpoint's config.json */
+    const char *lora_targets;          /* LoRA's default targets (PEFT's, where it has them); NULL: every linear layer */
+    const char *hf_prefix;             /* what Hugging Face's module names have before dtrain's */
 };
 /* in dt_model_kind's order */
 static const dt__model_family dt__model_families[] = {
-    { "mlp", 0, 8, dt__mlp_build, dt__mlp_forward, dt__mlp_describe, dt__no_params, dt__mlp_config_json },
-    { "vit", 0, 8, dt__vit_build, dt__vit_forward, dt__vit_describe, dt__no_params, dt__vit_config_json },
-    { "gpt", 1, 9, dt__gpt_build, dt__gpt_forward, dt__gpt_describe, dt__gpt_lookups, dt__gpt_config_json },
-    { "llama", 1, 18, dt__llama_build, dt__llama_forward, dt__llama_describe, dt__llama_lookups, dt__llama_config_json },
+    { "mlp", 0, 8, dt__mlp_build, dt__mlp_forward, dt__mlp_describe, dt__no_params, dt__mlp_config_json, NULL, "" },
+    { "vit", 0, 8, dt__vit_build, dt__vit_forward, dt__vit_describe, dt__no_params, dt__vit_config_json, "qkv", "" },
+    { "gpt", 1, 9, dt__gpt_build, dt__gpt_forward, dt__gpt_describe, dt__gpt_lookups, dt__gpt_config_json, "c_attn", "transformer." },
+    { "llama", 1, 18, dt__llama_build, dt__llama_forward, dt__llama_describe, dt__llama_lookups, dt__llama_config_json, "q_proj,v_proj", "" },
 };
 #define DT__NFAMILIES ((int)(sizeof dt__model_families / sizeof dt__model_families[0]))
 static const dt__model_family *dt__family(dt_model_kind kind) {
@@ -4154,16 +4253,8 @@ static void dt__config_names(dt_model_kind kind, char *out, size_t n) {
     }
 }
 
-dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
-    const dt__model_family *fam = dt__family(cfg->kind);
-    dt_model *m = (dt_model *)calloc(1, sizeof(dt_model));
-    if (!m) dt_fail("out of memory (model)");
-    m->cfg = *cfg;
-    m->unit_first = (int *)calloc((size_t)cfg->depth + 3, sizeof(int));
-    if (!m->unit_first) dt_fail("out of memory (model)");
-    dt__model_builder mb = { m, 0, NULL, NULL };
-    m->outer_unit = -1;
-    fam->build(&mb, cfg);
+/* The flat buffers of the parameters the builder listed, and their first values. */
+static void dt__model_allocate(dt_model *m, dt__model_builder *mb, uint64_t seed) {
     m->unit_first[m->nunits] = m->nparams;
     m->offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(m->nparams + 1));
     if (!m->offsets) dt_fail("out of memory (model)");
@@ -4173,7 +4264,7 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
     m->flat_data = (float *)dt_alloc_on(m->device, DT_ARENA_PARAMS, bytes);
     m->flat_grad = (float *)dt_alloc_on(m->device, DT_ARENA_GRADS, bytes);
     /* Draw the weights on the host (the same numbers on every device), then upload. */
-    float *init = m->device == DT_CPU ? m->flat_data : (float *)malloc(bytes);
+    float *init = m->device == DT_CPU ? m->flat_data : (float *)malloc(bytes ? bytes : 1);
     if (!init) dt_fail("out of memory (model initialisation)");
     dt__rng rng = { seed };
     int64_t off = 0;
@@ -4182,10 +4273,10 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
         t->data = m->flat_data + off;
         t->grad = m->flat_grad + off;
         t->device = m->device;
-        float sc = mb.init_scale[i], *dst = init + off;
+        float sc = mb->init_scale[i], *dst = init + off;
         off += t->numel;
         for (int64_t j = 0; j < t->numel; j++) {
-            switch (mb.init[i]) {
+            switch (mb->init[i]) {
             case DT_INIT_ZERO: dst[j] = 0; break;
             case DT_INIT_ONE: dst[j] = 1; break;
             case DT_INIT_UNIFORM: dst[j] = (float)((2 * dt__rng_uniform(&rng) - 1) * sc); break;
@@ -4199,8 +4290,137 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
         }
     }
     if (init != m->flat_data) { dt_upload(m->flat_data, init, bytes); free(init); }
-    free(mb.init);
-    free(mb.init_scale);
+    free(mb->init);
+    free(mb->init_scale);
+}
+
+/* -- LoRA (Hu et al., 2021): fine-tuning changes a weight matrix by
+      something of low rank, so learn that change as B A, with A [r, in] and
+      B [out, r] for a small r, and leave W as it was. The model with LoRA is
+      two models: the frozen one (m->base: its weights, no gradients, no
+      optimizer state) and the adapters, which are the model's parameters --
+      so the optimizer, DDP's all-reduce, FSDP's shards and the checkpoint see
+      the adapters and nothing else, with no change of their own. The
+      adapters' units are the base's, so FSDP gathers a block's adapters where
+      it would have gathered the block. B starts at zero: training starts
+      from the base model's outputs exactly. Names are PEFT's, so PEFT loads
+      the saved adapters. -- */
+
+/* A target names a module, or the last parts of its name, as PEFT's do:
+   "q_proj" is every layer's self_attn.q_proj. Embeddings are no targets. */
+static int dt__lora_target_matches(const char *module, const char *target, size_t tlen) {
+    size_t ml = strlen(module);
+    if (tlen == 0 || tlen > ml || strncmp(module + ml - tlen, target, tlen)) return 0;
+    return ml == tlen || module[ml - tlen - 1] == '.';
+}
+static int dt__lora_module(const dt_tensor *p, char *module, size_t n) {
+    size_t len = strlen(p->name);
+    if (p->ndim != 2 || len < 8 || strcmp(p->name + len - 7, ".weight") || len - 7 >= n) return 0;
+    memcpy(module, p->name, len - 7);
+    module[len - 7] = 0;
+    const char *last = strrchr(module, '.');
+    last = last ? last + 1 : module;
+    return strcmp(last, "wte") && strcmp(last, "wpe") && strcmp(last, "embed_tokens");
+}
+/* The targets of cfg, or the family's default. */
+static void dt__lora_targets_of(const dt_model_config *cfg, char *out, size_t n) {
+    const char *def = dt__family(cfg->kind)->lora_targets;
+    if (cfg->lora_targets[0]) dt__copy_str(out, n, cfg->lora_targets);
+    else if (def) dt__copy_str(out, n, def);
+    else {                                     /* the MLP: every layer */
+        size_t used = 0;
+        out[0] = 0;
+        for (int l = 0; l <= cfg->depth && used < n; l++) {
+            int w = snprintf(out + used, n - used, "%sfc%d", l ? "," : "", l + 1);
+            used += w > 0 ? (size_t)w : 0;
+        }
+    }
+}
+static void dt__lora_build(dt__model_builder *mb, dt_model *base, const dt_model_config *cfg) {
+    dt_model *m = mb->m;
+    char targets[256], module[200], name[320];
+    dt__lora_targets_of(cfg, targets, sizeof targets);
+    const char *prefix = dt__family(cfg->kind)->hf_prefix;
+    int r = cfg->lora_rank;
+    m->lora_of = (int *)malloc(sizeof(int) * (size_t)(base->nparams ? base->nparams : 1));
+    if (!m->lora_of) dt_fail("out of memory (LoRA)");
+    m->outer_unit = base->outer_unit;
+    /* every target must name something: a typo would otherwise train nothing */
+    for (const char *t = targets; *t;) {
+        size_t len = strcspn(t, ",");
+        int hits = 0;
+        for (int i = 0; i < base->nparams; i++)
+            hits += dt__lora_module(&base->params[i], module, sizeof module) && dt__lora_target_matches(module, t, len);
+        if (!hits) {
+            char have[1024] = "";
+            size_t used = 0;
+            for (int i = 0; i < base->nparams && used + 1 < sizeof have; i++) {
+                if (!dt__lora_module(&base->params[i], module, sizeof module)) continue;
+                const char *last = strrchr(module, '.');
+                last = last ? last + 1 : module;
+                int seen = 0;
+                for (const char *h = have; *h && !seen; h += strcspn(h, ",") + (h[strcspn(h, ",")] == ','))
+                    seen = strcspn(h, ",") == strlen(last) && !strncmp(h, last, strlen(last));
+                int w = seen ? 0 : snprintf(have + used, sizeof have - used, "%s%s", used ? "," : "", last);
+                used += w > 0 ? (size_t)w : 0;
+            }
+            dt_fail("--lora-targets: '%.*s' names no linear layer of this %s (its layers: %s)", (int)len, t,
+                    dt__family(cfg->kind)->name, have);
+        }
+        t += len + (t[len] == ',');
+    }
+    for (int u = 0; u < base->nunits; u++) {
+        dt__unit_starts_here(mb);
+        for (int i = base->unit_first[u]; i < base->unit_first[u + 1]; i++) {
+            const dt_tensor *w = &base->params[i];
+            int hit = 0;
+            m->lora_of[i] = -1;
+            if (!dt__lora_module(w, module, sizeof module)) continue;
+            for (const char *t = targets; *t && !hit;) {
+                size_t len = strcspn(t, ",");
+                hit = dt__lora_target_matches(module, t, len);
+                t += len + (t[len] == ',');
+            }
+            if (!hit) continue;
+            int gpt = cfg->kind == DT_MODEL_GPT;     /* Conv1D: [in, out] */
+            int in = w->shape[gpt ? 0 : 1], out = w->shape[gpt ? 1 : 0];
+            if (r > in || r > out)
+                dt_fail("--lora-rank %d: '%s' is %d x %d; the rank must not exceed either side", r, w->name, w->shape[0], w->shape[1]);
+            m->lora_of[i] = m->nparams;
+            snprintf(name, sizeof name, "base_model.model.%s%s.lora_A.weight", prefix, module);
+            dt__add_param(mb, name, DT_INIT_UNIFORM, 1.0f / sqrtf((float)in), 2, r, in, 0, 0);   /* PEFT's kaiming_uniform(a=sqrt 5) */
+            snprintf(name, sizeof name, "base_model.model.%s%s.lora_B.weight", prefix, module);
+            dt__add_param(mb, name, DT_INIT_ZERO, 0, 2, out, r, 0, 0);
+        }
+    }
+    m->lora_scale = cfg->lora_alpha / (float)r;
+}
+
+dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
+    const dt__model_family *fam = dt__family(cfg->kind);
+    dt_model *m = (dt_model *)calloc(1, sizeof(dt_model));
+    if (!m) dt_fail("out of memory (model)");
+    m->cfg = *cfg;
+    m->unit_first = (int *)calloc((size_t)cfg->depth + 3, sizeof(int));
+    if (!m->unit_first) dt_fail("out of memory (model)");
+    dt__model_builder mb = { m, 0, NULL, NULL };
+    m->outer_unit = -1;
+    if (cfg->lora_rank > 0) {
+        if (!(cfg->lora_alpha > 0)) dt_fail("LoRA: alpha must be positive, got %g", (double)cfg->lora_alpha);
+        dt_model_config frozen = *cfg;
+        frozen.lora_rank = 0;
+        m->base = dt_model_create(&frozen, seed);
+        m->cfg = m->base->cfg;               /* with the defaults the family filled in */
+        m->cfg.lora_rank = cfg->lora_rank; m->cfg.lora_alpha = cfg->lora_alpha;
+        dt__lora_targets_of(cfg, m->cfg.lora_targets, sizeof m->cfg.lora_targets);
+        dt_free_on(m->base->device, DT_ARENA_GRADS, m->base->flat_grad, (size_t)m->base->numel * sizeof(float));
+        m->base->flat_grad = NULL;
+        for (int i = 0; i < m->base->nparams; i++) { m->base->params[i].requires_grad = 0; m->base->params[i].grad = NULL; }
+        dt__lora_build(&mb, m->base, &m->cfg);
+        seed ^= 0x4C6F5241ull;               /* the adapters' own draws ("LoRA") */
+    } else
+        fam->build(&mb, cfg);
+    dt__model_allocate(m, &mb, seed);
     return m;
 }
 
@@ -4215,6 +4435,9 @@ void dt_model_free(dt_model *m) {
     free(m->unit_first);
     dt_free_on(m->device, DT_ARENA_PARAMS, m->flat_data, (size_t)m->numel * sizeof(float));
     dt_free_on(m->device, DT_ARENA_GRADS, m->flat_grad, (size_t)m->numel * sizeof(float));
+    free(m->lora_of);
+    free(m->base_source);
+    dt_model_free(m->base);
     free(m);
 }
 
@@ -4244,7 +4467,13 @@ dt_tensor *dt_model_param(dt_model *m, const char *name) {
 
 void dt_model_zero_grad(dt_model *m) { dt__zero_on(m->device, m->flat_grad, (size_t)m->numel * sizeof(float)); }
 
-void dt_model_describe(const dt_model *m, char *out, size_t n) { dt__family(m->cfg.kind)->describe(m, out, n); }
+void dt_model_describe(const dt_model *m, char *out, size_t n) {
+    dt__family(m->cfg.kind)->describe(m->base ? m->base : m, out, n);
+    size_t used = strlen(out);
+    if (m->base && used < n)
+        snprintf(out + used, n - used, " + LoRA rank=%d alpha=%g on %s (%.4gM trainable)", m->cfg.lora_rank,
+                 (double)m->cfg.lora_alpha, m->cfg.lora_targets, m->numel / 1e6);
+}
 
 /* How checkpoints name a model and its shape (their "model" and "model_config"). */
 static const char *dt__model_kind_name(dt_model_kind k) { return dt__family(k)->name; }
@@ -4263,7 +4492,8 @@ double dt_model_flops_per_token(const dt_model *m) {
     const dt_model_config *c = &m->cfg;
     const dt__model_family *fam = dt__family(c->kind);
     if (!fam->language) return 0;
-    double multiplying = (double)m->numel - (double)fam->lookups(m);
+    const dt_model *w = m->base ? m->base : m;                 /* LoRA: the adapters' few on top */
+    double multiplying = (double)w->numel + (double)(w != m ? m->numel : 0) - (double)fam->lookups(m);
     return 6.0 * multiplying + 12.0 * c->depth * c->dim * c->seq_len;
 }
 
@@ -6789,6 +7019,7 @@ typedef struct dt__dp_device {
     size_t mem_peak;
     dt__dp_job job;
     int64_t posted, finished;
+    int has_base;               /* LoRA: the frozen model came from device 0 (once: it never changes) */
 } dt__dp_device;
 
 struct dt_dp {
@@ -6810,6 +7041,8 @@ static void dt__dp_device_forward(dt_dp *dp, dt__dp_device *d, double *t0, doubl
     dt_model *m = d->model;
     dt_model_set_recompute(m, dp->model->recompute);                   /* as device 0's model does */
     *t0 = dt_now_ms();
+    if (m->base && !d->has_base) dt_broadcast(d->comm, m->base->flat_data, m->base->numel, DT_F32, 0);
+    d->has_base = 1;
     dt_broadcast(d->comm, m->flat_data, m->numel, DT_F32, 0);          /* device 0's weights, every step */
     *t1 = dt_now_ms();
     const dt_tensor *all = dp->inputs;
@@ -7596,6 +7829,10 @@ int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt) {
                             the weights would refuse them;
      config.json            the model's shape (section 6 writes it), so that
                             AutoModelForCausalLM.from_pretrained(folder) works.
+   With LoRA the weights are the adapters, and the folder is the one PEFT
+   saves: adapter_model.safetensors (PEFT's names, the same metadata) and
+   adapter_config.json (rank, alpha, targets, the base model's folder), beside
+   optimizer.safetensors; PeftModel.from_pretrained(base, folder) loads it.
    The folder is written as NAME.tmp, each file flushed to disk, and renamed to
    NAME only when complete: a crash or a full disk can lose the new
    checkpoint, never the previous one.
@@ -7991,7 +8228,8 @@ typedef struct dt__folder { char path[4096], tmp[4096]; int slots[DT_CLEANUP_SLO
 /* The names dtrain writes into a checkpoint folder (and their .tmp while written):
    the only files it ever removes from one. */
 static int dt__checkpoint_name(const char *name) {
-    static const char *const names[] = { "config.json", "model.safetensors", "optimizer.safetensors", "shards.safetensors" };
+    static const char *const names[] = { "config.json", "model.safetensors", "optimizer.safetensors", "shards.safetensors",
+                                         "adapter_config.json", "adapter_model.safetensors" };
     char stem[256];
     size_t len = strlen(name);
     if (len >= sizeof stem) return 0;
@@ -8002,12 +8240,16 @@ static int dt__checkpoint_name(const char *name) {
     return sscanf(stem, "shard%d-of-%d.safetensors%n", &r, &n, &used) == 2 && used == (int)strlen(stem);
 }
 /* Does `path` hold a dtrain checkpoint (one that may be replaced)? */
+static int dt__checkpoint_file(const char *dir, const char *name, char *out, size_t n);
+/* A whole checkpoint's weights: model.safetensors, or with LoRA adapter_model.safetensors. */
+static int dt__checkpoint_weights(const char *dir, char *out, size_t n) {
+    return dt__checkpoint_file(dir, "model.safetensors", out, n) || dt__checkpoint_file(dir, "adapter_model.safetensors", out, n);
+}
 static int dt__is_checkpoint_folder(const char *path) {
     char file[4200];
     struct stat s;
-    dt__path(file, sizeof file, "%s/model.safetensors", path);
     if (lstat(path, &s) != 0 || !S_ISDIR(s.st_mode)) return 0;
-    if (access(file, F_OK) == 0) return 1;
+    if (dt__checkpoint_weights(path, file, sizeof file)) return 1;
     dt__path(file, sizeof file, "%s/shards.safetensors", path);
     return access(file, F_OK) == 0;
 }
@@ -8086,13 +8328,16 @@ static void dt__folder_commit(dt__folder *w) {
 }
 
 /* config.json, in the words of the library that has the same model (section 6). */
-static void dt__folder_write_config(dt__folder *w, const dt_model_config *mc) {
+static void dt__adapter_config_json(FILE *f, const dt_model *m);
+/* config.json, or a LoRA model's adapter_config.json */
+static void dt__folder_write_config(dt__folder *w, const dt_model *m) {
     char file[4200];
-    dt__folder_file(w, "config.json", file, sizeof file);
+    dt__folder_file(w, m->base ? "adapter_config.json" : "config.json", file, sizeof file);
     FILE *f = fopen(file, "w");
     if (!f) dt_fail("cannot write '%s': %s", file, strerror(errno));
     dt__folder_wrote(w, file);
-    dt__family(mc->kind)->config_json(f, mc);
+    if (m->base) dt__adapter_config_json(f, m);
+    else dt__family(m->cfg.kind)->config_json(f, &m->cfg);
     int ok = !ferror(f) && fflush(f) == 0 && fsync(fileno(f)) == 0, e = errno;
     if (fclose(f) != 0 && ok) { ok = 0; e = errno; }
     if (!ok) dt_fail("could not write '%s': %s", file, strerror(e ? e : EIO));
@@ -8107,7 +8352,7 @@ static void dt__folder_write_whole(dt__folder *w, const dt_model *m, int adamw, 
     dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)m->nparams * 2 + 1, sizeof *t);
     char **names = (char **)calloc((size_t)m->nparams * 2 + 1, sizeof(char *));
     if (!t || !names) dt_fail("out of memory (writing checkpoint '%s')", w->path);
-    dt__folder_write_config(w, &m->cfg);
+    dt__folder_write_config(w, m);
     int n = 0;
     for (int k = 1; k < 3; k++)
         if (state[k]) { dt__state_named(m, adamw, k, state[k], t + n, names + n); n += m->nparams; }
@@ -8121,7 +8366,7 @@ static void dt__folder_write_whole(dt__folder *w, const dt_model *m, int adamw, 
     dt__meta_free(&om);
     for (int i = 0; i < n; i++) free(names[i]);
     dt__state_named(m, adamw, 0, state[0], t, names);
-    dt__folder_file(w, "model.safetensors", file, sizeof file);
+    dt__folder_file(w, m->base ? "adapter_model.safetensors" : "model.safetensors", file, sizeof file);
     dt_safetensors_write(file, t, m->nparams, (const char *const *)meta->kv, meta->n);
     dt__folder_wrote(w, file);
     for (int i = 0; i < m->nparams; i++) free(names[i]);
@@ -8159,8 +8404,9 @@ static dt_safetensors *dt__checkpoint_open(const char *path) {
                 "config.json); --init takes the weights of a file", path);
     }
     if (dt__checkpoint_file(path, "shards.safetensors", file, sizeof file)) return dt_safetensors_read(file);
-    if (!dt__checkpoint_file(path, "model.safetensors", file, sizeof file))
-        dt_fail("'%s' is not a dtrain checkpoint: it holds neither model.safetensors nor shards.safetensors", path);
+    if (!dt__checkpoint_weights(path, file, sizeof file))
+        dt_fail("'%s' is not a dtrain checkpoint: it holds neither model.safetensors (adapter_model.safetensors) nor "
+                "shards.safetensors", path);
     dt_safetensors *st = dt_safetensors_read(file);
     if (!dt_safetensors_meta(st, "dtrain_format"))
         dt_fail("'%s' is not a dtrain checkpoint (no 'dtrain_format' in its metadata; for weights alone use --init)", file);
@@ -8527,7 +8773,135 @@ static int dt__folder_is_hf(const char *dir) {
     return hf;
 }
 
+/* -- LoRA's folder (PEFT's layout). -- */
+static int dt__folder_is_adapter(const char *dir) {
+    char file[4200];
+    struct stat s;
+    return stat(dir, &s) == 0 && S_ISDIR(s.st_mode) && dt__checkpoint_file(dir, "adapter_config.json", file, sizeof file);
+}
+/* "rank,alpha,targets": what a checkpoint's metadata says of its adapters */
+static void dt__lora_string(const dt_model *m, char *out, size_t n) {
+    snprintf(out, n, "%d,%.9g,%s", m->cfg.lora_rank, (double)m->cfg.lora_alpha, m->cfg.lora_targets);
+}
+static void dt__adapter_config_json(FILE *f, const dt_model *m) {
+    const dt_model_config *c = &m->cfg;
+    char alpha[32];
+    fprintf(f, "{\n  \"peft_type\": \"LORA\",\n  \"task_type\": %s,\n  \"base_model_name_or_path\": ",
+            dt_model_is_language(c->kind) ? "\"CAUSAL_LM\"" : "null");
+    if (m->base_source) dt__json_string(f, m->base_source);
+    else fprintf(f, "null");
+    fprintf(f, ",\n  \"r\": %d,\n  \"lora_alpha\": %s,\n  \"lora_dropout\": 0.0,\n  \"target_modules\": [", c->lora_rank,
+            dt__json_float(alpha, sizeof alpha, c->lora_alpha));
+    for (const char *t = c->lora_targets; *t;) {
+        size_t len = strcspn(t, ",");
+        fprintf(f, "%s\"%.*s\"", t == c->lora_targets ? "" : ", ", (int)len, t);
+        t += len + (t[len] == ',');
+    }
+    /* GPT-2's Conv1D stores its weight [in, out]: PEFT's fan_in_fan_out */
+    fprintf(f, "],\n  \"fan_in_fan_out\": %s,\n  \"bias\": \"none\",\n  \"inference_mode\": true,\n"
+               "  \"init_lora_weights\": true,\n  \"modules_to_save\": null,\n  \"use_rslora\": false,\n  \"use_dora\": false,\n"
+               "  \"revision\": null\n}\n", c->kind == DT_MODEL_GPT ? "true" : "false");
+}
+typedef struct dt__lora_config {
+    char path[4200];
+    int rank;
+    double alpha;
+    char targets[256];
+    char base[1024];            /* base_model_name_or_path; "" when null */
+} dt__lora_config;
+static void dt__lora_config_read(const char *dir, dt__lora_config *lc) {
+    memset(lc, 0, sizeof *lc);
+    dt__path(lc->path, sizeof lc->path, "%s/adapter_config.json", dir);
+    size_t len = 0;
+    char *text = (char *)dt__read_file(lc->path, &len);
+    if (!text) dt_fail("cannot read '%s': %s", lc->path, strerror(errno));
+    dt__json j = { text, 0, len, 1 };
+    int lora = 0;
+    double v;
+    int is_null;
+    dt__json_eat(&j, '{');
+    while (j.ok && dt__json_peek(&j) != '}') {
+        char *key = dt__json_str(&j);
+        dt__json_eat(&j, ':');
+        if (!key || !j.ok) { free(key); break; }
+        if (!strcmp(key, "peft_type") || !strcmp(key, "base_model_name_or_path")) {
+            char *val = dt__json_peek(&j) == '"' ? dt__json_str(&j) : NULL;
+            if (!val && !(dt__json_scalar(&j, &v, &is_null) && is_null))
+                dt_fail("'%s': \"%s\" is not a string", lc->path, key);
+            if (!strcmp(key, "peft_type")) lora = val && !strcmp(val, "LORA");
+            else dt__copy_str(lc->base, sizeof lc->base, val ? val : "");
+            free(val);
+        } else if (!strcmp(key, "r") || !strcmp(key, "lora_alpha")) {
+            if (!dt__json_scalar(&j, &v, &is_null) || is_null || !(v > 0) || (!strcmp(key, "r") && (v != floor(v) || v > 65536)))
+                dt_fail("'%s': \"%s\" is not a positive number%s", lc->path, key, !strcmp(key, "r") ? " (a whole one)" : "");
+            if (!strcmp(key, "r")) lc->rank = (int)v;
+            else lc->alpha = v;
+        } else if (!strcmp(key, "target_modules")) {
+            size_t used = 0;
+            int list = dt__json_peek(&j) == '[';
+            if (list) j.pos++;
+            while (j.ok && dt__json_peek(&j) == '"') {
+                char *t = dt__json_str(&j);
+                int w = t ? snprintf(lc->targets + used, sizeof lc->targets - used, "%s%s", used ? "," : "", t) : 0;
+                if (w < 0 || (size_t)w >= sizeof lc->targets - used) dt_fail("'%s': \"target_modules\" is too long", lc->path);
+                used += (size_t)w;
+                free(t);
+                if (!list || dt__json_peek(&j) != ',') break;
+                j.pos++;
+            }
+            if (list) dt__json_eat(&j, ']');
+            if (!used) dt_fail("'%s': \"target_modules\" is not a list of layer names", lc->path);
+        } else if (!strcmp(key, "use_dora") || !strcmp(key, "use_rslora")) {
+            if (!dt__json_scalar(&j, &v, &is_null)) dt_fail("'%s': \"%s\" is not true or false", lc->path, key);
+            if (!is_null && v != 0) dt_fail("'%s': %s adapters; dtrain's LoRA is the plain kind", lc->path, key + 4);
+        } else dt__json_skip(&j, 0);
+        free(key);
+        if (dt__json_peek(&j) == ',') j.pos++;
+    }
+    dt__json_eat(&j, '}');
+    if (!j.ok) dt_fail("'%s' is not valid JSON (near byte %zu)", lc->path, j.pos);
+    free(text);
+    if (!lora) dt_fail("'%s' is no LoRA adapter (its \"peft_type\" is not \"LORA\")", lc->path);
+    if (!lc->rank || !(lc->alpha > 0) || !lc->targets[0])
+        dt_fail("'%s' lacks \"%s\"", lc->path, !lc->rank ? "r" : !(lc->alpha > 0) ? "lora_alpha" : "target_modules");
+}
+
+static void dt__load_weights(dt_model *m, const char *path);
+/* A LoRA model's --init: the frozen model's weights (a file or folder of
+   the base), or an adapter folder -- its base, named in adapter_config.json,
+   then its adapters. */
+static void dt__lora_load(dt_model *m, const char *path) {
+    char file[4200];
+    const char *base = path;
+    if (dt__folder_is_adapter(path)) {
+        dt__lora_config lc;
+        char ours[320], theirs[320];
+        dt__lora_config_read(path, &lc);
+        dt__lora_string(m, ours, sizeof ours);
+        snprintf(theirs, sizeof theirs, "%d,%.9g,%s", lc.rank, (double)(float)lc.alpha, lc.targets);
+        if (strcmp(ours, theirs))
+            dt_fail("--init %s: its adapters are rank,alpha,targets %s; this model's are %s", path, theirs, ours);
+        base = lc.base[0] ? lc.base : NULL;
+        if (base) {
+            dt_model_load_weights(m->base, base);
+            free(m->base_source);
+            m->base_source = strdup(base);
+        }
+        if (!dt__checkpoint_file(path, "adapter_model.safetensors", file, sizeof file))
+            dt_fail("--init %s: an adapter folder without adapter_model.safetensors", path);
+        dt__load_weights(m, file);
+        return;
+    }
+    dt_model_load_weights(m->base, base);
+    free(m->base_source);
+    m->base_source = strdup(base);
+}
+
 void dt_model_load_weights(dt_model *m, const char *path) {
+    if (m->base) dt__lora_load(m, path);
+    else dt__load_weights(m, path);
+}
+static void dt__load_weights(dt_model *m, const char *path) {
     struct stat s;
     char file[4200];
     int dir = stat(path, &s) == 0 && S_ISDIR(s.st_mode);
@@ -8602,6 +8976,12 @@ static int dt__model_config_parse(dt_safetensors *st, const char *path, dt_model
     if (!ok || got != want)
         dt_fail("'%s': metadata 'model_config' is '%s', not %s's %d numbers separated by commas (%s)", path, shape, kind,
                 want, names);
+    const char *lora = dt_safetensors_meta(st, "lora");      /* "rank,alpha,targets" */
+    int used = 0;
+    if (lora && (sscanf(lora, "%d,%f,%n", &mc->lora_rank, &mc->lora_alpha, &used) != 2 || !used || mc->lora_rank < 1 ||
+                 !(mc->lora_alpha > 0) || strlen(lora + used) >= sizeof mc->lora_targets || !lora[used]))
+        dt_fail("'%s': metadata 'lora' is '%s', not RANK,ALPHA,TARGETS", path, lora);
+    if (lora) dt__copy_str(mc->lora_targets, sizeof mc->lora_targets, lora + used);
     return 1;
 }
 
@@ -8614,6 +8994,8 @@ void dt_checkpoint_consolidate(const char *path, const char *out_path) {
     const char *opt = dt_safetensors_meta(st, "optimizer");
     int adamw = opt && !strcmp(opt, "adamw");
     dt_model *m = dt_model_create(&mc, 0);            /* for the names, shapes and units only */
+    const char *lora_base = dt_safetensors_meta(st, "lora_base");
+    if (m->base && lora_base && *lora_base) m->base_source = strdup(lora_base);    /* for adapter_config.json */
     float *state[3] = { NULL, NULL, NULL };
     for (int k = 0; k < (adamw ? 3 : 2); k++)
         if (!(state[k] = (float *)malloc((size_t)m->numel * sizeof(float)))) dt_fail("out of memory (consolidating)");
@@ -8635,6 +9017,65 @@ void dt_checkpoint_consolidate(const char *path, const char *out_path) {
     dt__meta_free(&meta);
     dt_model_free(m);
     dt_safetensors_close(st);
+}
+
+void dt_lora_merge(const char *adapter_dir, const char *out_path) {
+    char file[4200];
+    if (!dt__folder_is_adapter(adapter_dir)) dt_fail("'%s' is not a LoRA adapter folder (no adapter_config.json)", adapter_dir);
+    if (!dt__checkpoint_file(adapter_dir, "adapter_model.safetensors", file, sizeof file))
+        dt_fail("'%s' holds no adapter_model.safetensors", adapter_dir);
+    dt_safetensors *st = dt__safetensors_read_header(file);
+    dt_model_config mc;
+    if (!dt__model_config_parse(st, st->path, &mc) || !mc.lora_rank)
+        dt_fail("'%s' does not say which model its adapters belong to (metadata 'model', 'model_config', 'lora': dtrain "
+                "writes them)", st->path);
+    const char *seed = dt_safetensors_meta(st, "seed");
+    dt_model *m = dt_model_create(&mc, seed ? strtoull(seed, NULL, 10) : 1);   /* the frozen model of a run without --init */
+    dt_safetensors_close(st);
+    dt_model_load_weights(m, adapter_dir);
+    dt_model *base = m->base;
+    int gpt = mc.kind == DT_MODEL_GPT;
+    float *w = dt__host_view(base->device, base->flat_data, base->numel), *ad = dt__host_view(m->device, m->flat_data, m->numel);
+    for (int i = 0; i < base->nparams; i++) {
+        int a = m->lora_of[i], r = mc.lora_rank;
+        if (a < 0) continue;
+        const dt_tensor *A = &m->params[a], *B = &m->params[a + 1];
+        int in = A->shape[1], out = B->shape[0];
+        float *W = w + base->offsets[i];
+        const float *Av = ad + m->offsets[a], *Bv = ad + m->offsets[a + 1];
+        for (int o = 0; o < out; o++)
+            for (int k = 0; k < in; k++) {
+                double d = 0;
+                for (int j = 0; j < r; j++) d += (double)Bv[(size_t)o * r + j] * Av[(size_t)j * in + k];
+                W[gpt ? (size_t)k * out + o : (size_t)o * in + k] += (float)(m->lora_scale * d);
+            }
+    }
+    dt__meta_list meta = { NULL, 0 };
+    char shape[512];
+    dt__model_config_string(&base->cfg, shape, sizeof shape);
+    dt__meta_add(&meta, "format", "pt");
+    dt__meta_add(&meta, "dtrain_format", "merged-lora-1");
+    dt__meta_add(&meta, "model", "%s", dt__model_kind_name(mc.kind));
+    dt__meta_add(&meta, "model_config", "%s", shape);
+    dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)base->nparams, sizeof *t);
+    if (!t) dt_fail("out of memory (merging '%s')", adapter_dir);
+    for (int i = 0; i < base->nparams; i++) {
+        const dt_tensor *p = &base->params[i];
+        t[i].name = p->name; t[i].data = w + base->offsets[i]; t[i].ndim = p->ndim;
+        for (int d = 0; d < p->ndim; d++) t[i].shape[d] = p->shape[d];
+    }
+    dt__folder f;
+    dt__folder_open(&f, out_path, 1);
+    dt__folder_write_config(&f, base);
+    dt__folder_file(&f, "model.safetensors", file, sizeof file);
+    dt_safetensors_write(file, t, base->nparams, (const char *const *)meta.kv, meta.n);
+    dt__folder_wrote(&f, file);
+    dt__folder_commit(&f);
+    free(t);
+    dt__meta_free(&meta);
+    dt__host_view_close(base->device, w, base->flat_data, base->numel, 0);
+    dt__host_view_close(m->device, ad, m->flat_data, m->numel, 0);
+    dt_model_free(m);
 }
 
 /* -- the checkpoint of a training run: weights, optimizer state and the run's
@@ -8671,6 +9112,12 @@ static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *f
     dt__meta_add(l, "data_range", "%lld,%lld", (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
     dt__meta_add(l, "batch_size", "%d", r->cfg.batch_size);
     dt__meta_add(l, "accum_steps", "%d", r->cfg.accum_steps);
+    if (r->model->base) {
+        char lora[320];
+        dt__lora_string(r->model, lora, sizeof lora);
+        dt__meta_add(l, "lora", "%s", lora);
+        dt__meta_add(l, "lora_base", "%s", r->model->base_source ? r->model->base_source : "");
+    }
     if (r->scaler.enabled) {
         dt__meta_add(l, "loss_scale", "%.9g", r->scaler.scale);
         dt__meta_add(l, "loss_scale_good_steps", "%lld", (long long)r->scaler.good_steps);
@@ -8729,7 +9176,7 @@ static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
         snprintf(key, sizeof key, "shard.%d.bytes", k);
         dt__meta_add(&meta, key, "%lld", (long long)s.st_size);
     }
-    dt__folder_write_config(&w, &r->model->cfg);
+    dt__folder_write_config(&w, r->model);
     dt__folder_file(&w, "shards.safetensors", file, sizeof file);
     dt_safetensors_write(file, NULL, 0, (const char *const *)meta.kv, meta.n);
     dt__folder_wrote(&w, file);
@@ -8769,6 +9216,17 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
         else dt__copy_str(names, sizeof names, "a model dtrain does not know");
         dt_fail("'%s' holds a %s model (%s = %s) but this run builds %s (%s)", path, kind, names, shape, desc, want);
     }
+    const char *lora = dt_safetensors_meta(st, "lora"), *lora_base = dt_safetensors_meta(st, "lora_base");
+    char lora_want[320] = "";
+    if (m->base) dt__lora_string(m, lora_want, sizeof lora_want);
+    if (strcmp(lora ? lora : "", lora_want))
+        dt_fail("'%s' holds %s%s%s, but this run trains %s%s%s", path, lora ? "LoRA adapters (rank,alpha,targets " : "a whole model",
+                lora ? lora : "", lora ? ")" : "", m->base ? "LoRA adapters (" : "the whole model", lora_want, m->base ? ")" : "");
+    if (m->base && strcmp(lora_base ? lora_base : "", m->base_source ? m->base_source : ""))
+        dt_fail("'%s' holds adapters of the model in '%s', but this run's frozen model is %s%s%s: resume with --init %s", path,
+                lora_base && *lora_base ? lora_base : "(the seed's random weights)", m->base_source ? "'" : "",
+                m->base_source ? m->base_source : "the seed's random weights", m->base_source ? "'" : "",
+                lora_base && *lora_base ? lora_base : "left out");
     /* Rank r takes samples r, r + N, r + 2N, ... of the epoch's order, so a step
        of N ranks x B images takes the same N*B samples at any N: a run may
        resume at another world size when the samples per step stay the same. */
@@ -8913,8 +9371,7 @@ static const char *dt__newest_checkpoint(const char *dir, char *out, size_t n) {
             continue;
         }
         if (stat(path, &s) != 0 || !S_ISDIR(s.st_mode)) continue;
-        if (!dt__checkpoint_file(path, "shards.safetensors", file, sizeof file) &&
-            !dt__checkpoint_file(path, "model.safetensors", file, sizeof file))
+        if (!dt__checkpoint_file(path, "shards.safetensors", file, sizeof file) && !dt__checkpoint_weights(path, file, sizeof file))
             continue;
         dt_safetensors *st = dt__safetensors_read_header(file);
         const char *format = dt_safetensors_meta(st, "dtrain_format"), *step = dt_safetensors_meta(st, "step");
@@ -9435,6 +9892,13 @@ static const dt__flag dt__flags[] = {
     { "--recompute", "12345", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
       DT_NOT_A_NUMBER },
+    { "--lora-rank", "12345", "R", "LoRA: freeze the model, train adapters of rank R beside the --lora-targets layers (saved\n"
+      "                          in PEFT's layout; tools/merge-lora folds them in)", DT_ARG_INT, DT_CFG(lora_rank), NULL, DT_MIN(1) },
+    { "--lora-alpha", "12345", "A", "LoRA: the adapters' output is scaled by A / R (default 8)", DT_ARG_FLOAT, DT_CFG(lora_alpha),
+      NULL, DT_ABOVE(0) },
+    { "--lora-targets", "12345", "NAMES", "LoRA: comma-separated layer names (default: gpt c_attn; llama q_proj,v_proj; vit qkv;\n"
+      "                          mlp every layer; vit also proj, fc1, fc2, head; llama k_proj, o_proj, gate_proj, ...)",
+      DT_ARG_STR, DT_CFG(lora_targets), NULL, DT_NOT_A_NUMBER },
     { "--accum-steps", "5", "N", "micro-batches of --batch-size per optimizer step; gradients add up locally (default 1)",
       DT_ARG_INT, DT_CFG(accum_steps), NULL, DT_MIN(1) },
     { "--dtype", "5", "fp32|bf16|fp16", "activations and matmuls in this type, f32 master weights (default fp32)",
@@ -9672,10 +10136,35 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         case DT_ARG_SWITCH: break;
         }
     }
+    /* --init DIR: an adapter folder gives LoRA's settings, and its base the model */
+    const char *model_dir = c.init;
+    if (c.init && dt__folder_is_adapter(c.init)) {
+        dt__lora_config lc;
+        dt__lora_config_read(c.init, &lc);
+        if ((dt__given(given, "--lora-rank") && c.lora_rank != lc.rank) ||
+            (dt__given(given, "--lora-alpha") && c.lora_alpha != (float)lc.alpha) ||
+            (dt__given(given, "--lora-targets") && strcmp(c.lora_targets, lc.targets)))
+            dt_usage_error("--lora-rank %d --lora-alpha %g --lora-targets %s contradict '%s' (r %d, lora_alpha %g, target_modules "
+                           "%s): leave them out", c.lora_rank, (double)c.lora_alpha, c.lora_targets ? c.lora_targets : "(default)",
+                           lc.path, lc.rank, lc.alpha, lc.targets);
+        static char targets[256];
+        dt__copy_str(targets, sizeof targets, lc.targets);
+        c.lora_rank = lc.rank; c.lora_alpha = (float)lc.alpha; c.lora_targets = targets;
+        static char base[1024];
+        dt__copy_str(base, sizeof base, lc.base);
+        model_dir = base[0] ? base : NULL;
+    }
+    if (!c.lora_rank && (dt__given(given, "--lora-alpha") || dt__given(given, "--lora-targets")))
+        dt_usage_error("--lora-alpha and --lora-targets go with --lora-rank");
+    if (c.lora_rank && !dt__given(given, "--lora-alpha") && !(c.lora_alpha > 0)) c.lora_alpha = 8;
+    if (c.lora_targets && (!*c.lora_targets || strlen(c.lora_targets) >= 256 ||
+                           strspn(c.lora_targets, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.,") !=
+                               strlen(c.lora_targets)))
+        dt_usage_error("--lora-targets '%s': layer names (letters, digits, _ and .) separated by commas", c.lora_targets);
     struct stat init_st;                        /* --init DIR: a Hugging Face folder's config.json gives the model */
-    int hf = c.init && stat(c.init, &init_st) == 0 && S_ISDIR(init_st.st_mode) && dt__folder_is_hf(c.init);
+    int hf = model_dir && stat(model_dir, &init_st) == 0 && S_ISDIR(init_st.st_mode) && dt__folder_is_hf(model_dir);
     dt__hf_config hc;
-    if (hf) { dt__hf_config_read(c.init, &hc); dt__apply_hf_model(&c, &hc, given); }
+    if (hf) { dt__hf_config_read(model_dir, &hc); dt__apply_hf_model(&c, &hc, given); }
     int vit = c.model == DT_MODEL_VIT, gpt = dt_model_is_language((dt_model_kind)c.model), llama = c.model == DT_MODEL_LLAMA;
     /* the defaults that depend on the model */
     if (!dt__given(given, "--batch-size")) c.batch_size = gpt ? 32 : 128;
@@ -9705,8 +10194,8 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
                        c.heads, c.dim / c.heads);
     if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
     if (c.end_idx >= 0 && c.end_idx <= c.start_idx) dt_usage_error("--end-idx must be greater than --start-idx");
-    if (c.resume && c.init && strcmp(c.resume, "auto"))     /* auto: --init when there is no checkpoint yet */
-        dt_usage_error("--resume and --init exclude each other (resume restores the weights)");
+    if (c.resume && c.init && strcmp(c.resume, "auto") && !c.lora_rank)   /* auto: --init when there is no checkpoint yet */
+        dt_usage_error("--resume and --init exclude each other (resume restores the weights; with LoRA --init gives the frozen model)");
     if ((vit || gpt) && c.depth < 1)
         dt_usage_error("--depth must be at least 1 for --model %s, got %d", dt__family((dt_model_kind)c.model)->name, c.depth);
     if ((vit || gpt) && c.dim % c.heads) dt_usage_error("--dim %d must be divisible by --heads %d", c.dim, c.heads);
@@ -9752,6 +10241,9 @@ dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int ima
         m.rope_factor = cfg->rope_factor; m.rope_low_freq = cfg->rope_low_freq; m.rope_high_freq = cfg->rope_high_freq;
         m.rope_original_context = cfg->rope_original_context;
     }
+    m.lora_rank = cfg->lora_rank;
+    m.lora_alpha = cfg->lora_alpha;
+    if (cfg->lora_targets) dt__copy_str(m.lora_targets, sizeof m.lora_targets, cfg->lora_targets);
     return m;
 }
 
@@ -9880,7 +10372,7 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
     if (cfg->resume && !strcmp(cfg->resume, "auto")) {
         if (!cfg->save_dir) dt_usage_error("--resume auto resumes from the newest checkpoint in --save-dir: give --save-dir");
         run->cfg.resume = dt__newest_checkpoint(cfg->save_dir, run->resume_path, sizeof run->resume_path);
-        if (run->cfg.resume) run->cfg.init = NULL;             /* the checkpoint holds the weights since */
+        if (run->cfg.resume && !model->base) run->cfg.init = NULL;   /* the checkpoint holds the weights since (LoRA's: the adapters) */
         else if (!cfg->quiet && dt__ctx.rank == 0)
             printf("--resume auto: no checkpoint in %s yet, starting %s\n", cfg->save_dir, cfg->init ? "from --init" : "fresh");
         cfg = &run->cfg;

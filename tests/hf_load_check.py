@@ -2,12 +2,14 @@
 """Open a dtrain checkpoint folder with the tools its model's users have, and
 check that they compute what dtrain computes.
 
-usage: hf_load_check.py FOLDER INPUT DIMS LOGITS
+usage: hf_load_check.py FOLDER INPUT DIMS LOGITS [ADAPTER]
 
   FOLDER  a checkpoint folder (model.safetensors, optimizer.safetensors, config.json)
   INPUT   the model's input as raw little-endian float32: token ids, or images (N, C, H, W)
   DIMS    its shape, e.g. 2x16 or 2x3x16x16
   LOGITS  what dtrain's forward gave on it, raw float32
+  ADAPTER a LoRA checkpoint folder of a run on FOLDER's weights: PEFT's
+          PeftModel.from_pretrained(model, ADAPTER) wraps the model first
 
 gpt and llama folders go through transformers' AutoModelForCausalLM.from_pretrained
 (the folder as it is), vit through timm (create_model from config.json's
@@ -27,9 +29,10 @@ SKIP = 77
 
 
 def main():
-    if len(sys.argv) != 5:
+    if len(sys.argv) not in (5, 6):
         sys.exit(__doc__)
-    folder, input_path, dims, logits_path = sys.argv[1:]
+    folder, input_path, dims, logits_path = sys.argv[1:5]
+    adapter = sys.argv[5] if len(sys.argv) == 6 else None
     try:
         import numpy as np
         import torch
@@ -70,6 +73,14 @@ def main():
             return SKIP
         model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", torch_dtype=torch.float32)
         how = f"transformers {type(model).__name__}.from_pretrained"
+        if adapter:
+            try:
+                from peft import PeftModel
+            except ImportError as e:
+                print(f"skip: {sys.executable} lacks {e.name} (bash .ci/run sets up build/pyvenv)")
+                return SKIP
+            model = PeftModel.from_pretrained(model, adapter)
+            how += f" + peft PeftModel.from_pretrained ({sum(p.numel() for n, p in model.named_parameters() if 'lora_' in n)} adapter values)"
         with torch.no_grad():
             got = model(x.round().long()).logits
     elif "architecture" in config:

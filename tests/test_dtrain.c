@@ -236,6 +236,7 @@ static int tensor_files(const char *path, char files[2][800]) {
     struct stat s;
     if (stat(path, &s) != 0 || !S_ISDIR(s.st_mode)) { snprintf(files[0], 800, "%s", path); return 1; }
     snprintf(files[0], 800, "%s/model.safetensors", path);
+    if (access(files[0], F_OK) != 0) snprintf(files[0], 800, "%s/adapter_model.safetensors", path);   /* LoRA's */
     snprintf(files[1], 800, "%s/optimizer.safetensors", path);
     return 2;
 }
@@ -256,6 +257,7 @@ static int file_equal_tensors(const char *a, const char *b) {
 static const char *meta_file(const char *ck, char *out, size_t n) {
     snprintf(out, n, "%s/shards.safetensors", ck);
     if (access(out, F_OK) != 0) snprintf(out, n, "%s/model.safetensors", ck);
+    if (access(out, F_OK) != 0) snprintf(out, n, "%s/adapter_model.safetensors", ck);
     return out;
 }
 /* Two checkpoints (folders or files) hold the same tensors, bit for bit. */
@@ -327,7 +329,7 @@ static int log_series(const char *log, const char *key, double *out, int max) {
 /* ---- 2. memory -------------------------------------------------------------- */
 
 static void test_step_arena_stops_allocating_after_the_first_step(void) {
-    dt_model_config c = { DT_MODEL_VIT, 3, 8, 4, 16, 2, 2, 4, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_model_config c = { DT_MODEL_VIT, 3, 8, 4, 16, 2, 2, 4, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     dt_model *m = dt_model_create(&c, 3);
     dt_optimizer *o = dt_optimizer_create(m, DT_ADAMW, 0.0f, 0.0f, 0.0f);
     size_t acts[4];
@@ -939,7 +941,7 @@ static dt_model *hook_model;
 static void record_hook(dt_parallel *par, dt_tensor *p) { (void)par; hook_order[hook_count++] = (int)(p - hook_model->params); }
 
 static void test_grad_ready_hook_fires_once_per_parameter_in_reverse(void) {
-    dt_model_config c = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_model_config c = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     dt_model *m = dt_model_create(&c, 2);
     hook_model = m;
     hook_count = 0;
@@ -970,7 +972,7 @@ static dt_tensor *f_model(dt_tensor **l, void *c) {
     return dt_cross_entropy(dt_model_forward(mc->m, img), mc->labels);
 }
 static void model_fd(dt_model_kind kind) {
-    dt_model_config c = { kind, 3, 8, 5, kind == DT_MODEL_MLP ? 16 : 12, 2, 2, 4, 24, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_model_config c = { kind, 3, 8, 5, kind == DT_MODEL_MLP ? 16 : 12, 2, 2, 4, 24, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     dt_model *m = dt_model_create(&c, 9);
     dt__rng r = { 6 };
     int B = 3;
@@ -991,7 +993,7 @@ static void test_mlp_gradients_match_finite_differences(void) { model_fd(DT_MODE
 static void test_vit_gradients_match_finite_differences(void) { model_fd(DT_MODEL_VIT); }
 
 static void test_vit_parameter_names_and_shapes_follow_timm(void) {
-    dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     dt_model *m = dt_model_create(&c, 1);
     struct { const char *name; int ndim, s[4]; } want[] = {
         { "cls_token", 3, { 1, 1, 192 } }, { "pos_embed", 3, { 1, 65, 192 } },
@@ -1018,7 +1020,7 @@ static void test_vit_parameter_names_and_shapes_follow_timm(void) {
 }
 
 static dt_model_config tiny_gpt(void) {                /* vocab 11, dim 12, depth 2, heads 2, mlp 48, context 6 */
-    dt_model_config c = { DT_MODEL_GPT, 0, 0, 11, 12, 2, 2, 0, 48, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_model_config c = { DT_MODEL_GPT, 0, 0, 11, 12, 2, 2, 0, 48, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     return c;
 }
 typedef struct { dt_model *m; const float *ids; int B, T; const int32_t *labels; } gpt_ctx;
@@ -1199,7 +1201,7 @@ static void test_llama_ops_match_finite_differences_and_their_definitions(void) 
 
 /* vocab 11, dim 16, depth 2, 4 query heads of 4 in 2 key/value groups, SwiGLU 24 wide, context 6 */
 static dt_model_config tiny_llama(int untied_head, int qkv_bias) {
-    dt_model_config c = { DT_MODEL_LLAMA, 0, 0, 11, 16, 2, 4, 0, 24, 6, 2, untied_head, qkv_bias, 10000.0f, 1e-5f, 0, 0, 0, 0 };
+    dt_model_config c = { DT_MODEL_LLAMA, 0, 0, 11, 16, 2, 4, 0, 24, 6, 2, untied_head, qkv_bias, 10000.0f, 1e-5f, 0, 0, 0, 0, 0, 0, "" };
     return c;
 }
 
@@ -1368,7 +1370,7 @@ static void test_llama_is_causal_and_named_like_hugging_face(void) {
 /* ---- 7. optimizer against closed-form steps --------------------------------- */
 
 static void test_adamw_and_sgd_match_hand_computed_steps(void) {
-    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };   /* fc1: weight [1,1], bias [1] */
+    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };   /* fc1: weight [1,1], bias [1] */
     for (int kind = 0; kind < 2; kind++) {
         dt_model *m = dt_model_create(&c, 1);
         dt_optimizer *o = dt_optimizer_create(m, kind == 0 ? DT_ADAMW : DT_SGD, 0.1f, 0.9f, 0.0f);
@@ -1402,7 +1404,7 @@ static void test_adamw_and_sgd_match_hand_computed_steps(void) {
 }
 
 static void test_gradient_clipping_scales_to_the_max_norm(void) {
-    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     dt_model *m = dt_model_create(&c, 1);
     dt_optimizer *o = dt_optimizer_create(m, DT_SGD, 0.0f, 0.0f, 1.0f);
     m->params[0].data[0] = 0; m->params[1].data[0] = 0;
@@ -2689,7 +2691,7 @@ static double summary_value(const char *log, const char *key) {
    at all; the host holds them. */
 static void test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank(void) {
     char out[16384], log[600];
-    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     dt_model *m = dt_model_create(&mc, 1);
     for (int n = 2; n <= 4; n += 2) {
         double shards = 0, largest = 0;
@@ -2727,7 +2729,7 @@ static void test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank(void) {
    every unit but the last (kept gathered from its forward) when backward
    does; evaluation prefetches as forward does. */
 static void test_fsdp_prefetches_the_next_unit(void) {
-    dt_model_config mc = { DT_MODEL_VIT, 3, 8, 10, 16, 3, 2, 4, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_model_config mc = { DT_MODEL_VIT, 3, 8, 10, 16, 3, 2, 4, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     dt_model *m = dt_model_create(&mc, 3);
     dt_comm_group *g = dt_comm_group_create(1, 30);
     dt_comm *c = dt_comm_join(g, 0);
@@ -3006,6 +3008,244 @@ static void test_recompute_repeats_the_bits_of_every_stage_in_less_memory(void) 
     }
 }
 
+/* ---- LoRA --------------------------------------------------------------------- */
+
+/* A model's output on fixed inputs (image models: 2 images; language models: 2 sequences of 5 tokens). */
+static dt_tensor *lora_forward(dt_model *m, int32_t *labels) {
+    const dt_model_config *c = &m->cfg;
+    static float in[2 * 3 * 8 * 8];
+    dt__rng r = { 3 };
+    if (dt_model_is_language(c->kind)) {
+        int s[2] = { 2, 5 };
+        for (int i = 0; i < 10; i++) { in[i] = (float)(dt__rng_u64(&r) % (uint64_t)c->classes); labels[i] = (int32_t)((i * 7 + 1) % c->classes); }
+        return dt_model_forward(m, dt_tensor_from_host(2, s, in));
+    }
+    int s[4] = { 2, c->channels, c->image_size, c->image_size };
+    for (int i = 0; i < 2 * c->channels * c->image_size * c->image_size; i++) in[i] = (float)(2 * dt__rng_uniform(&r) - 1);
+    labels[0] = 1; labels[1] = 2;
+    return dt_model_forward(m, dt_tensor_from_host(4, s, in));
+}
+typedef struct { dt_model *m; int32_t labels[10]; } lora_ctx;
+static dt_tensor *f_lora(dt_tensor **l, void *c) { (void)l; lora_ctx *x = (lora_ctx *)c; return dt_cross_entropy(lora_forward(x->m, x->labels), x->labels); }
+
+/* The frozen model of a LoRA model of seed s is the plain model of seed s.
+   With B at zero the logits are the plain model's, bit for bit; with A and B
+   set they are the plain model's with W + (alpha/r) B A, folded in here; the
+   adapters' gradients match finite differences; training changes the
+   adapters and nothing else, and only they have gradients and optimizer state. */
+static void test_lora_starts_at_the_frozen_model_and_trains_only_its_adapters(void) {
+    dt_model_config mlp = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model_config vit = { DT_MODEL_VIT, 3, 8, 4, 16, 2, 2, 4, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    struct { dt_model_config c; const char *targets; int pairs; } cases[] = {
+        { mlp, "", 3 },                                   /* the default: every layer */
+        { vit, "qkv,fc1,head", 5 },                       /* fc1: GELU's fused form comes apart */
+        { tiny_gpt(), "c_attn,c_fc,c_proj", 8 },          /* Conv1D's [in, out]; c_proj is attn's and mlp's */
+        { tiny_llama(1, 1), "q_proj,down_proj,lm_head", 5 },
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        dt_model_config c = cases[k].c, lc = c;
+        const char *fam = dt__family(c.kind)->name;
+        lc.lora_rank = 2; lc.lora_alpha = 3;
+        snprintf(lc.lora_targets, sizeof lc.lora_targets, "%s", cases[k].targets);
+        dt_model *plain = dt_model_create(&c, 5), *m = dt_model_create(&lc, 5);
+        CHECKF(m->base && m->base->numel == plain->numel &&
+               !memcmp(m->base->flat_data, plain->flat_data, sizeof(float) * (size_t)plain->numel),
+               "%s: the frozen model is not the plain model of the same seed", fam);
+        CHECKF(m->nparams == 2 * cases[k].pairs, "%s: %d adapter tensors, expected %d", fam, m->nparams, 2 * cases[k].pairs);
+        CHECKF(m->base->flat_grad == NULL && !m->base->params[0].requires_grad, "%s: the frozen model has gradients", fam);
+        int32_t labels[10];
+        int64_t n = lora_forward(plain, labels)->numel;
+        float *want = (float *)malloc(sizeof(float) * (size_t)n);
+        memcpy(want, lora_forward(plain, labels)->data, sizeof(float) * (size_t)n);
+        dt_tensor *got = lora_forward(m, labels);
+        CHECKF(got->numel == n && !memcmp(got->data, want, sizeof(float) * (size_t)n), "%s: with B = 0 the logits differ", fam);
+        dt_step_arena_reset();
+        /* A and B at random; the same function as W + s B A */
+        dt__rng r = { 11 + k };
+        for (int64_t i = 0; i < m->numel; i++) m->flat_data[i] = (float)(dt__rng_uniform(&r) - 0.5);
+        double s = 3.0 / 2;
+        for (int i = 0; i < plain->nparams; i++) {
+            int a = m->lora_of[i];
+            if (a < 0) continue;
+            const dt_tensor *A = &m->params[a], *Bm = &m->params[a + 1];
+            int in = A->shape[1], out = Bm->shape[0];
+            for (int o = 0; o < out; o++)
+                for (int q = 0; q < in; q++) {
+                    double d = 0;
+                    for (int j = 0; j < 2; j++) d += (double)Bm->data[o * 2 + j] * A->data[j * in + q];
+                    plain->params[i].data[c.kind == DT_MODEL_GPT ? q * out + o : o * in + q] += (float)(s * d);
+                }
+        }
+        memcpy(want, lora_forward(plain, labels)->data, sizeof(float) * (size_t)n);
+        got = lora_forward(m, labels);
+        double worst = 0;
+        for (int64_t i = 0; i < n; i++) worst = fmax(worst, fabs((double)got->data[i] - want[i]));
+        CHECKF(worst < 2e-5, "%s: logits with adapters differ from W + (alpha/r) B A by %.3g", fam, worst);
+        dt_step_arena_reset();
+        lora_ctx x = { m, { 0 } };
+        lora_forward(m, x.labels);
+        dt_step_arena_reset();
+        dt_tensor **leaves = (dt_tensor **)malloc(sizeof(dt_tensor *) * (size_t)m->nparams);
+        for (int i = 0; i < m->nparams; i++) leaves[i] = &m->params[i];
+        dt_model_zero_grad(m);
+        fd_check(fam, f_lora, leaves, m->nparams, &x, 2e-3f, 2e-2);
+        free(leaves);
+        /* three steps of AdamW */
+        float *before = (float *)malloc(sizeof(float) * (size_t)m->numel);
+        memcpy(before, m->flat_data, sizeof(float) * (size_t)m->numel);
+        dt_optimizer *o = dt_optimizer_create(m, DT_ADAMW, 0.01f, 0, 0);
+        CHECKF(o->numel == m->numel, "%s: the optimizer steps %lld numbers, the adapters are %lld", fam, (long long)o->numel,
+               (long long)m->numel);
+        for (int step = 0; step < 3; step++) {
+            dt_model_zero_grad(m);
+            dt_backward(dt_cross_entropy(lora_forward(m, x.labels), x.labels));
+            dt_optimizer_step(o, 1e-2f);
+            dt_step_arena_reset();
+        }
+        for (int i = 0; i < m->nparams; i++) {
+            const dt_tensor *p = &m->params[i];
+            int changed = 0;
+            for (int64_t j = 0; j < p->numel; j++) changed += p->data[j] != before[m->offsets[i] + j];
+            CHECKF(changed == p->numel, "%s: %lld of %lld values of %s changed in training", fam, (long long)changed,
+                   (long long)p->numel, p->name);
+        }
+        dt_model *fresh = dt_model_create(&c, 5);
+        CHECKF(!memcmp(m->base->flat_data, fresh->flat_data, sizeof(float) * (size_t)fresh->numel), "%s: training moved frozen weights",
+               fam);
+        dt_optimizer_free(o);
+        dt_model_free(fresh);
+        dt_model_free(plain);
+        dt_model_free(m);
+        free(before);
+        free(want);
+    }
+    /* names PEFT's; a target that names nothing is an error that lists what there is */
+    dt_model_config lc = tiny_gpt();
+    lc.lora_rank = 2; lc.lora_alpha = 8;
+    dt_model *m = dt_model_create(&lc, 1);
+    CHECKF(!strcmp(m->params[0].name, "base_model.model.transformer.h.0.attn.c_attn.lora_A.weight") &&
+           m->params[0].shape[0] == 2 && m->params[0].shape[1] == 12 && m->params[1].shape[0] == 36 && m->params[1].shape[1] == 2,
+           "gpt's first adapter: %s [%d, %d]", m->params[0].name, m->params[0].shape[0], m->params[0].shape[1]);
+    dt_model_free(m);
+    char out[4096];
+    int st = run_cmd(out, sizeof out, "%s --model gpt --dim 32 --depth 1 --heads 2 --seq-len 16 --data %s --lora-rank 2 "
+                     "--lora-targets c_atn --steps 1", train_cpu, gpt_text());
+    CHECKF(st != 0 && strstr(out, "'c_atn' names no linear layer") && strstr(out, "c_attn,c_proj,c_fc"), "a misspelt target: exit %d\n%s",
+           st, out);
+    st = run_cmd(out, sizeof out, "%s --model gpt --lora-alpha 4 --steps 1", train_cpu);
+    CHECKF(st == 2 && strstr(out, "--lora-alpha and --lora-targets go with --lora-rank"), "--lora-alpha alone: exit %d\n%s", st, out);
+}
+
+/* The first logged loss of a stage 01 run of a few steps (-1: none). */
+static double first_loss(const char *flags, const char *tag) {
+    char out[16384], log[700];
+    double loss[4];
+    snprintf(log, sizeof log, "%s/lora-first-%s.jsonl", tmpdir, tag);
+    int st = run_cmd(out, sizeof out, "%s --data %s %s --steps 1 --log %s --quiet", train_cpu, gpt_text(), flags, log);
+    CHECKF(st == 0, "%s: exit %d\n%s", tag, st, out);
+    return st == 0 && read_losses(log, loss, 4) >= 1 ? loss[0] : -1;
+}
+/* The "grads" and "optimizer" figures of a run's "peak memory:" line, in MB. */
+static double peak_mb(const char *out, const char *what) {
+    const char *p = strstr(out, "peak memory:");
+    char key[32];
+    snprintf(key, sizeof key, " %s ", what);
+    p = p ? strstr(p, key) : NULL;
+    return p ? atof(p + strlen(key)) : -1;
+}
+#define LORA_GPT "--model gpt --depth 2 --heads 2 --seq-len 16 --lora-rank 4 --lora-alpha 8 --lora-targets c_attn,c_fc"
+/* LoRA in every stage: DataParallel and DDP (N = 2, 4) and FSDP equal stage 01
+   with the same global batch; a checkpoint is PEFT's folder, resumes bit for
+   bit, and comes back through --init and through tools/merge-lora to the
+   same first loss; the memory line holds the adapters' gradients and
+   optimizer state alone. */
+static void test_lora_trains_alike_in_every_stage_and_round_trips(void) {
+    char out[16384], dir[600], log[700], ref[700], p[800], q[800];
+    double want[64], got[64];
+    equivalence(gpt_text(), 320, LORA_GPT, "gpt");
+    snprintf(ref, sizeof ref, "%s/eq-gpt-data-01/gpt_data0-320_epoch2", tmpdir);
+    snprintf(log, sizeof log, "%s/eq-gpt-data-01.jsonl", tmpdir);
+    int nref = read_losses(log, want, 64);
+    const char *modes[2] = { "--shard full", "--shard grads --cpu-offload" };
+    for (int k = 0; k < 2; k++) {
+        snprintf(dir, sizeof dir, "%s/lora-fsdp-%d", tmpdir, k);
+        snprintf(log, sizeof log, "%s.jsonl", dir);
+        int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " " LORA_GPT " --batch-size 16 --nproc 2 %s --save-dir %s --log %s",
+                         stage_bin("04-fsdp"), gpt_text(), modes[k], dir, log);
+        CHECKF(st == 0, "04 %s: exit %d\n%s", modes[k], st, out);
+        int n = read_losses(log, got, 64);
+        double worst = n == nref ? 0 : 1e9;
+        for (int i = 0; i < n && i < nref; i++) worst = fmax(worst, fabs(got[i] - want[i]));
+        CHECKF(worst <= 1e-5, "04 %s with LoRA: %d losses, worst difference from 01 %.3g", modes[k], n, worst);
+        snprintf(p, sizeof p, "%s/whole", dir);
+        snprintf(q, sizeof q, "%s/gpt_data0-320_epoch2", dir);
+        st = run_cmd(out, sizeof out, "%s %s %s", build_path("tools/consolidate"), q, p);
+        CHECKF(st == 0, "consolidate of 04's LoRA checkpoint: exit %d\n%s", st, out);
+        double d = max_tensor_diff(ref, p);
+        CHECKF(d >= 0 && d <= 2e-5, "04 %s with LoRA: adapters or moments differ from 01 by %.3g", modes[k], d);
+    }
+    /* PEFT's folder: adapter_model.safetensors of the adapters alone, under PEFT's names */
+    snprintf(p, sizeof p, "%s/adapter_model.safetensors", ref);
+    snprintf(q, sizeof q, "%s/model.safetensors", ref);
+    dt_safetensors *st = access(p, F_OK) == 0 ? dt_safetensors_read(p) : NULL;
+    CHECKF(st && access(q, F_OK) != 0 && st->n == 8, "01's LoRA checkpoint %s: %d tensors (8 expected), model.safetensors %s", ref,
+           st ? st->n : -1, access(q, F_OK) == 0 ? "there" : "absent");
+    for (int i = 0; st && i < st->n; i++)
+        CHECKF(!strncmp(st->t[i].name, "base_model.model.transformer.h.", 31) && strstr(st->t[i].name, ".lora_"),
+               "%s: '%s' is not PEFT's name of an adapter", p, st->t[i].name);
+    if (st) dt_safetensors_close(st);
+    snprintf(p, sizeof p, "%s/adapter_config.json", ref);
+    size_t len = 0;
+    char *cfg = (char *)read_bytes(p, &len);
+    CHECKF(cfg && strstr(cfg, "\"peft_type\": \"LORA\"") && strstr(cfg, "\"r\": 4") && strstr(cfg, "\"lora_alpha\": 8.0") &&
+           strstr(cfg, "\"target_modules\": [\"c_attn\", \"c_fc\"]") && strstr(cfg, "\"fan_in_fan_out\": true"),
+           "%s:\n%.600s", p, cfg ? cfg : "(unreadable)");
+    free(cfg);
+    /* resumed at step 7: the straight run's bits */
+    snprintf(dir, sizeof dir, "%s/lora-resumed", tmpdir);
+    int rc = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " " LORA_GPT " --batch-size 32 --steps 7 --save-dir %s", train_cpu,
+                     gpt_text(), dir);
+    CHECKF(rc == 0, "01 LoRA to step 7: exit %d\n%s", rc, out);
+    rc = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " " LORA_GPT " --batch-size 32 --resume %s/gpt_data0-320_step7 --save-dir %s",
+                 train_cpu, gpt_text(), dir, dir);
+    CHECKF(rc == 0, "01 LoRA resumed: exit %d\n%s", rc, out);
+    snprintf(q, sizeof q, "%s/gpt_data0-320_epoch2", dir);
+    CHECKF(files_equal_tensors(ref, q), "LoRA resumed at step 7 is not bit for bit the straight run");
+    rc = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model gpt --depth 2 --heads 2 --seq-len 16 --batch-size 32 --resume "
+                 "%s/gpt_data0-320_step7", train_cpu, gpt_text(), dir);
+    CHECKF(rc != 0 && strstr(out, "holds LoRA adapters"), "resuming LoRA adapters without --lora-rank: exit %d\n%s", rc, out);
+    /* back through --init, and through the merge tool, to the same first loss */
+    snprintf(dir, sizeof dir, "%s/lora-merged", tmpdir);
+    rc = run_cmd(out, sizeof out, "%s %s %s", build_path("tools/merge-lora"), ref, dir);
+    CHECKF(rc == 0, "merge-lora: exit %d\n%s", rc, out);
+    char flags[1400];
+    snprintf(flags, sizeof flags, PAR_FLAGS " --batch-size 32 --model gpt --depth 2 --heads 2 --seq-len 16 --init %s", ref);
+    double adapter = first_loss(flags, "adapter");        /* its frozen model is the seed's: the flags give the shape */
+    snprintf(flags, sizeof flags, PAR_FLAGS " --batch-size 32 --init %s", dir);
+    double merged = first_loss(flags, "merged");
+    double untrained = first_loss(PAR_FLAGS " --batch-size 32 --model gpt --depth 2 --heads 2 --seq-len 16", "plain");
+    printf("    first loss: frozen model %.6f, with the trained adapters %.6f, merged %.6f\n", untrained, adapter, merged);
+    CHECKF(adapter > 0 && fabs(adapter - merged) <= 1e-5 && fabs(adapter - untrained) > 1e-3,
+           "first loss: adapters %.7f, merged %.7f, the frozen model alone %.7f", adapter, merged, untrained);
+    /* the memory line: gradients and optimizer state of the adapters alone */
+    double grads[2], opt[2];
+    for (int k = 0; k < 2; k++) {
+        rc = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 128 --depth 2 --heads 2 --seq-len 16 --batch-size 8 --steps 2%s",
+                     train_cpu, gpt_text(), k ? " --lora-rank 4" : "");
+        CHECKF(rc == 0, "memory run %d: exit %d\n%s", k, rc, out);
+        grads[k] = peak_mb(out, "grads");
+        opt[k] = peak_mb(out, "optimizer");
+    }
+    printf("    peak memory, dim 128: grads %.2f MB, optimizer %.2f MB; with LoRA rank 4 on c_attn %.2f MB, %.2f MB\n", grads[0],
+           opt[0], grads[1], opt[1]);
+    CHECKF(grads[0] > 0.5 && grads[1] >= 0 && grads[1] < 0.05 * grads[0] && opt[1] >= 0 && opt[1] < 0.05 * opt[0],
+           "peak memory: grads %.3f -> %.3f MB, optimizer %.3f -> %.3f MB with LoRA", grads[0], grads[1], opt[0], opt[1]);
+    /* bf16 and accumulation train with it */
+    rc = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " " LORA_GPT " --batch-size 8 --nproc 2 --accum-steps 2 --dtype bf16 --steps 4",
+                 stage_bin("05-accum-mixed-precision"), gpt_text());
+    CHECKF(rc == 0 && strstr(out, "done: 4 steps"), "05 bf16 with LoRA: exit %d\n%s", rc, out);
+}
+
 /* ---- 12. gradient accumulation and mixed precision (stage 05) --------------- */
 
 #define ACC_FLAGS "--image-size 16 --dim 32 --log-every 1000 --quiet --epochs 1 --model vit --depth 2 --heads 2"
@@ -3019,7 +3259,7 @@ typedef struct {
     int64_t collectives[10];
     float *params;                 /* rank 0's final parameters */
 } accum_rank;
-static dt_model_config accum_model(void) { dt_model_config mc = { DT_MODEL_MLP, 3, 8, 10, 32, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }; return mc; }
+static dt_model_config accum_model(void) { dt_model_config mc = { DT_MODEL_MLP, 3, 8, 10, 32, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" }; return mc; }
 static void accum_batch(int64_t first, int B, dt_tensor **x, int32_t *labels) {
     int shape[4] = { B, 3, 8, 8 };
     float *img = (float *)malloc(sizeof(float) * (size_t)B * 192);
@@ -3288,7 +3528,7 @@ static void test_mixed_precision_is_the_same_on_any_thread_count(void) {
             omp_set_num_threads(th ? 2 : 1);
 #endif
             dt_set_compute_dtype(t ? DT_F16 : DT_BF16);
-            dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+            dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
             dt_model *m = dt_model_create(&mc, 3);
             dt_step_arena_reset();
             int32_t labels[128];                     /* big enough for the conversions to go parallel */
@@ -3344,7 +3584,7 @@ static size_t handmade_safetensors(const char *path, const char *dtype_w) {
 
 static void test_safetensors_weights_load_and_write_back(void) {
     char path[600], out[600];
-    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };     /* depth 0: fc1 [2, 3] only */
+    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };     /* depth 0: fc1 [2, 3] only */
     float w[6] = { 0.5f, -1.0f, 2.0f, 0.25f, -0.125f, 3.0f };
     for (int v = 0; v < 2; v++) {
         snprintf(path, sizeof path, "%s/hand%d.safetensors", tmpdir, v);
@@ -3557,7 +3797,7 @@ static void test_hugging_face_llama_and_qwen2_folders_load_with_init_and_give_th
         /* 2: Llama 3's rescaled frequencies, heads of 8 so that a pair falls in each band (kept, blended, stretched) */
         int qwen = variant == 1, llama3 = variant == 2, H = llama3 ? 2 : 4, KV = llama3 ? 1 : 2;
         dt_model_config c = { DT_MODEL_LLAMA, 0, 0, 256, 16, 2, H, 0, 24, T, KV, qwen, qwen, qwen ? 1000000.0f : 10000.0f, 1e-6f,
-                              llama3 ? 8.0f : 0, llama3 ? 1.0f : 0, llama3 ? 4.0f : 0, llama3 ? 64 : 0 };
+                              llama3 ? 8.0f : 0, llama3 ? 1.0f : 0, llama3 ? 4.0f : 0, llama3 ? 64 : 0, 0, 0, "" };
         dt_model *m = dt_model_create(&c, 17 + variant);
         dt__rng r = { 99 };
         for (int i = 0; i < m->nparams; i++)
@@ -3843,6 +4083,70 @@ static void test_checkpoints_open_in_transformers_timm_and_pytorch(void) {
     }
 }
 
+/* LoRA adapters open in PEFT: a plain run's checkpoint is the frozen model,
+   a LoRA run on it (--init) saves adapters, and transformers +
+   PeftModel.from_pretrained compute the logits dtrain computes with them. */
+static void test_lora_adapters_open_in_peft(void) {
+    char out[16384], base[600], dir[600], ck[800], in[800], want[800];
+    char checker[800];
+    const char *py = test_python();
+    snprintf(checker, sizeof checker, "%s/tests/hf_load_check.py", repo_root());
+    if (run_cmd(out, sizeof out, "%s -c 'import torch, numpy, safetensors, transformers, peft'", py) != 0) {
+        size_t len = strlen(out);
+        while (len && out[len - 1] == '\n') out[--len] = 0;
+        const char *last = strrchr(out, '\n');
+        SKIP("%.90s cannot import torch, numpy, safetensors, transformers and peft (%.100s); bash .ci/run makes "
+             "build/pyvenv with them", py, last ? last + 1 : out);
+    }
+    static const struct { const char *name, *flags, *lora; } cases[] = {
+        { "gpt", "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --batch-size 4", "--lora-targets c_attn,c_proj" },
+        { "qwen2", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 1 --seq-len 16 --batch-size 4 --untied-head --qkv-bias",
+          "--lora-targets q_proj,v_proj,down_proj,lm_head" },
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        snprintf(base, sizeof base, "%s/peft-base-%s", tmpdir, cases[c].name);
+        snprintf(dir, sizeof dir, "%s/peft-lora-%s", tmpdir, cases[c].name);
+        int st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 1 --steps 2 --lr 2e-2 --save-dir %s --quiet", train_cpu, gpt_text(),
+                         cases[c].flags, base);
+        CHECKF(st == 0, "%s: the frozen model's run: exit %d\n%s", cases[c].name, st, out);
+        snprintf(ck, sizeof ck, "%s/%s_data0-320_step2", base, strcmp(cases[c].name, "gpt") ? "llama" : "gpt");
+        st = run_cmd(out, sizeof out, "%s --data %s %s --epochs 1 --steps 3 --lr 5e-2 --lora-rank 4 %s --init %s --save-dir %s --quiet",
+                     train_cpu, gpt_text(), cases[c].flags, cases[c].lora, ck, dir);
+        CHECKF(st == 0, "%s: the LoRA run: exit %d\n%s", cases[c].name, st, out);
+        char adapter[800];
+        snprintf(adapter, sizeof adapter, "%s/%s_data0-320_step3", dir, strcmp(cases[c].name, "gpt") ? "llama" : "gpt");
+        /* dtrain's logits: the adapter folder alone, its frozen model found through adapter_config.json */
+        char meta[900];
+        dt_safetensors *h = dt_safetensors_read(meta_file(adapter, meta, sizeof meta));
+        dt_model_config mc;
+        CHECK(dt__model_config_parse(h, meta, &mc) && mc.lora_rank == 4);
+        dt_safetensors_close(h);
+        dt_model *m = dt_model_create(&mc, 99);               /* not the runs' seed: every weight comes from the files */
+        dt_model_load_weights(m, adapter);
+        int shape[2] = { 2, mc.seq_len };
+        float x[32];
+        for (int i = 0; i < 32; i++) x[i] = (float)((i * 37 + 5) % mc.classes);
+        dt_set_grad_enabled(0);
+        dt_step_arena_reset();
+        dt_tensor *logits = dt_model_forward(m, dt_tensor_from_host(2, shape, x));
+        float *y = (float *)malloc(sizeof(float) * (size_t)logits->numel);
+        dt_tensor_to_host(logits, y);
+        dt_set_grad_enabled(1);
+        snprintf(in, sizeof in, "%s/input.f32", dir);
+        snprintf(want, sizeof want, "%s/logits.f32", dir);
+        write_bytes(in, x, sizeof x);
+        write_bytes(want, y, sizeof(float) * (size_t)logits->numel);
+        char dims[32];
+        snprintf(dims, sizeof dims, "2x%d", mc.seq_len);
+        st = run_cmd(out, sizeof out, "%s %s %s %s %s %s %s", py, checker, ck, in, dims, want, adapter);
+        CHECKF(st == 0 && strstr(out, "ok: ") && strstr(out, "peft"), "%s: PEFT did not load %s as dtrain does (exit %d):\n%s",
+               cases[c].name, adapter, st, out);
+        printf("    %s: %s", cases[c].name, out);
+        free(y);
+        dt_model_free(m);
+    }
+}
+
 /* --init takes a checkpoint folder back: a llama one as the Hugging Face folder
    it is (config.json gives the shape: no shape flag), a vit one and a sharded
    one (stage 04) by name. A step at a learning rate of 1e-9 leaves the weights
@@ -3940,7 +4244,7 @@ static void test_init_starts_from_given_weights(void) {
     CHECKF(st == 0, "exit %d:\n%s", st, out);
     char ck[700];
     snprintf(ck, sizeof ck, "%s/mlp_data0-2_epoch1", dir);
-    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     dt_model *m = dt_model_create(&c, 1);
     dt_model_load_weights(m, ck);
     CHECK(fabs(m->params[0].data[2] - 2.0f) < 1e-5 && fabs(m->params[1].data[1] + 2.5f) < 1e-5);
@@ -5033,7 +5337,7 @@ static float *random_images(int B, int32_t *labels, uint64_t seed) {
 }
 static void test_gpu_fp32_step_loss_grads_and_params_match_the_cpu(void) {
     NEED_GPU();
-    dt_model_config cfgs[2] = { { DT_MODEL_MLP, 3, 16, 10, 96, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }, { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 } };
+    dt_model_config cfgs[2] = { { DT_MODEL_MLP, 3, 16, 10, 96, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" }, { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" } };
     int B = 24;
     int32_t labels[24];
     float *pixels = random_images(B, labels, 23);
@@ -5087,7 +5391,7 @@ static float *cpu_adamw_step_from(dt_model_config *c, const float *grads) {
    fed the GPU's own gradients. */
 static void test_gpu_bf16_and_fp16_step_loss_grads_and_params_match_the_cpu(void) {
     NEED_GPU();
-    dt_model_config cfg = { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_model_config cfg = { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     int B = 24;
     int32_t labels[24];
     float *pixels = random_images(B, labels, 29);
@@ -5501,6 +5805,7 @@ static const test_case tests[] = {
     T(test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank), T(test_fsdp_prefetches_the_next_unit),
     T(test_order_mistakes_in_each_stage_are_named_errors), T(test_gpt_trains_alike_in_every_stage), T(test_llama_trains_alike_in_every_stage),
     T(test_masked_instruction_data_trains_alike_in_every_stage), T(test_recompute_repeats_the_bits_of_every_stage_in_less_memory),
+    T(test_lora_starts_at_the_frozen_model_and_trains_only_its_adapters), T(test_lora_trains_alike_in_every_stage_and_round_trips), T(test_lora_adapters_open_in_peft),
     /* 12. gradient accumulation and mixed precision (stage 05) */
     T(test_accumulation_equals_a_k_times_larger_batch), T(test_bf16_and_fp16_track_the_fp32_loss_curve),
     T(test_fp16_overflow_skips_that_step_and_halves_the_scale),
