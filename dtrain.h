@@ -440,6 +440,7 @@ typedef struct dt_model {
     char *base_source;         /* where base's weights came from (--init's path), or NULL: the seed's */
     int *lora_of;
     float lora_scale;          /* alpha / rank */
+    uint64_t base_seed;        /* the seed base's weights were drawn from (they stay, without --init) */
 } dt_model;
 
 /* Build a model with freshly initialised weights (seeded, so runs repeat) on
@@ -4082,8 +4083,8 @@ static dt_tensor *dt__llama_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B
 #undef DT_BIAS
 #undef DT_NEXT
     dt_tensor *h = dt_rmsnorm(x, n1, c->norm_eps);
-    dt_tensor *qkv = dt_rotary_qkv(dt__lora_linear(m, h, qw, qb), dt__lora_linear(m, h, kw, kb), dt__lora_linear(m, h, vw, vb), B, T, c->heads,
-                                   c->kv_heads, rope);
+    dt_tensor *q = dt__lora_linear(m, h, qw, qb), *k = dt__lora_linear(m, h, kw, kb), *v = dt__lora_linear(m, h, vw, vb);
+    dt_tensor *qkv = dt_rotary_qkv(q, k, v, B, T, c->heads, c->kv_heads, rope);
     x = dt_add(x, dt__lora_linear(m, dt_attention(qkv, B, T, c->heads, /*causal*/ 1), ow, NULL));
     h = dt_rmsnorm(x, n2, c->norm_eps);
     return dt_add(x, dt__lora_linear(m, dt_swiglu(dt__lora_linear(m, h, gw, NULL), dt__lora_linear(m, h, uw, NULL)), dw, NULL));
@@ -4236,7 +4237,8 @@ static const dt__model_family dt__model_families[] = {
     { "mlp", 0, 8, dt__mlp_build, dt__mlp_forward, dt__mlp_describe, dt__no_params, dt__mlp_config_json, NULL, "" },
     { "vit", 0, 8, dt__vit_build, dt__vit_forward, dt__vit_describe, dt__no_params, dt__vit_config_json, "qkv", "" },
     { "gpt", 1, 9, dt__gpt_build, dt__gpt_forward, dt__gpt_describe, dt__gpt_lookups, dt__gpt_config_json, "c_attn", "transformer." },
-    { "llama", 1, 18, dt__llama_build, dt__llama_forward, dt__llama_describe, dt__llama_lookups, dt__llama_config_json, "q_proj,v_proj", "" },
+    { "llama", 1, 18, dt__llama_build, dt__llama_forward, dt__llama_describe, dt__llama_lookups, dt__llama_config_json,
+      "q_proj,v_proj", "" },
 };
 #define DT__NFAMILIES ((int)(sizeof dt__model_families / sizeof dt__model_families[0]))
 static const dt__model_family *dt__family(dt_model_kind kind) {
@@ -4254,7 +4256,7 @@ static void dt__config_names(dt_model_kind kind, char *out, size_t n) {
 }
 
 /* The flat buffers of the parameters the builder listed, and their first values. */
-static void dt__model_allocate(dt_model *m, dt__model_builder *mb, uint64_t seed) {
+static void dt__model_allocate(dt_model *m, dt__model_builder *mb, uint64_t seed, int frozen) {
     m->unit_first[m->nunits] = m->nparams;
     m->offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(m->nparams + 1));
     if (!m->offsets) dt_fail("out of memory (model)");
@@ -4262,7 +4264,7 @@ static void dt__model_allocate(dt_model *m, dt__model_builder *mb, uint64_t seed
     size_t bytes = (size_t)m->numel * sizeof(float);
     m->device = dt__ctx.device;
     m->flat_data = (float *)dt_alloc_on(m->device, DT_ARENA_PARAMS, bytes);
-    m->flat_grad = (float *)dt_alloc_on(m->device, DT_ARENA_GRADS, bytes);
+    m->flat_grad = frozen ? NULL : (float *)dt_alloc_on(m->device, DT_ARENA_GRADS, bytes);
     /* Draw the weights on the host (the same numbers on every device), then upload. */
     float *init = m->device == DT_CPU ? m->flat_data : (float *)malloc(bytes ? bytes : 1);
     if (!init) dt_fail("out of memory (model initialisation)");
@@ -4271,7 +4273,8 @@ static void dt__model_allocate(dt_model *m, dt__model_builder *mb, uint64_t seed
     for (int i = 0; i < m->nparams; i++) {
         dt_tensor *t = &m->params[i];
         t->data = m->flat_data + off;
-        t->grad = m->flat_grad + off;
+        t->grad = frozen ? NULL : m->flat_grad + off;
+        t->requires_grad = !frozen;
         t->device = m->device;
         float sc = mb->init_scale[i], *dst = init + off;
         off += t->numel;
@@ -4364,7 +4367,7 @@ static void dt__lora_build(dt__model_builder *mb, dt_model *base, const dt_model
                 int w = seen ? 0 : snprintf(have + used, sizeof have - used, "%s%s", used ? "," : "", last);
                 used += w > 0 ? (size_t)w : 0;
             }
-            dt_fail("--lora-targets: '%.*s' names no linear layer of this %s (its layers: %s)", (int)len, t,
+            dt_fail("LoRA target '%.*s' names no linear layer of this %s (its layers: %s)", (int)len, t,
                     dt__family(cfg->kind)->name, have);
         }
         t += len + (t[len] == ',');
@@ -4396,7 +4399,7 @@ static void dt__lora_build(dt__model_builder *mb, dt_model *base, const dt_model
     m->lora_scale = cfg->lora_alpha / (float)r;
 }
 
-dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
+static dt_model *dt__model_create(const dt_model_config *cfg, uint64_t seed, int frozen) {
     const dt__model_family *fam = dt__family(cfg->kind);
     dt_model *m = (dt_model *)calloc(1, sizeof(dt_model));
     if (!m) dt_fail("out of memory (model)");
@@ -4407,22 +4410,21 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) {
     m->outer_unit = -1;
     if (cfg->lora_rank > 0) {
         if (!(cfg->lora_alpha > 0)) dt_fail("LoRA: alpha must be positive, got %g", (double)cfg->lora_alpha);
-        dt_model_config frozen = *cfg;
-        frozen.lora_rank = 0;
-        m->base = dt_model_create(&frozen, seed);
+        dt_model_config plain = *cfg;
+        plain.lora_rank = 0;
+        m->base = dt__model_create(&plain, seed, /*frozen*/ 1);
+        m->base_seed = seed;
         m->cfg = m->base->cfg;               /* with the defaults the family filled in */
         m->cfg.lora_rank = cfg->lora_rank; m->cfg.lora_alpha = cfg->lora_alpha;
         dt__lora_targets_of(cfg, m->cfg.lora_targets, sizeof m->cfg.lora_targets);
-        dt_free_on(m->base->device, DT_ARENA_GRADS, m->base->flat_grad, (size_t)m->base->numel * sizeof(float));
-        m->base->flat_grad = NULL;
-        for (int i = 0; i < m->base->nparams; i++) { m->base->params[i].requires_grad = 0; m->base->params[i].grad = NULL; }
         dt__lora_build(&mb, m->base, &m->cfg);
         seed ^= 0x4C6F5241ull;               /* the adapters' own draws ("LoRA") */
     } else
         fam->build(&mb, cfg);
-    dt__model_allocate(m, &mb, seed);
+    dt__model_allocate(m, &mb, seed, frozen);
     return m;
 }
+dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) { return dt__model_create(cfg, seed, 0); }
 
 void dt_model_free(dt_model *m) {
     if (!m) return;
@@ -4471,8 +4473,8 @@ void dt_model_describe(const dt_model *m, char *out, size_t n) {
     dt__family(m->cfg.kind)->describe(m->base ? m->base : m, out, n);
     size_t used = strlen(out);
     if (m->base && used < n)
-        snprintf(out + used, n - used, " + LoRA rank=%d alpha=%g on %s (%.4gM trainable)", m->cfg.lora_rank,
-                 (double)m->cfg.lora_alpha, m->cfg.lora_targets, m->numel / 1e6);
+        snprintf(out + used, n - used, " + LoRA rank=%d alpha=%g on %s (%lld trainable)", m->cfg.lora_rank,
+                 (double)m->cfg.lora_alpha, m->cfg.lora_targets, (long long)m->numel);
 }
 
 /* How checkpoints name a model and its shape (their "model" and "model_config"). */
@@ -4492,9 +4494,11 @@ double dt_model_flops_per_token(const dt_model *m) {
     const dt_model_config *c = &m->cfg;
     const dt__model_family *fam = dt__family(c->kind);
     if (!fam->language) return 0;
-    const dt_model *w = m->base ? m->base : m;                 /* LoRA: the adapters' few on top */
-    double multiplying = (double)w->numel + (double)(w != m ? m->numel : 0) - (double)fam->lookups(m);
-    return 6.0 * multiplying + 12.0 * c->depth * c->dim * c->seq_len;
+    const dt_model *w = m->base ? m->base : m;
+    double multiplying = (double)w->numel - (double)fam->lookups(m);
+    /* a frozen weight costs its forward and the input's gradient, 4 per
+       parameter, not the weight's gradient; LoRA's adapters cost 6 */
+    return (m->base ? 4.0 * multiplying + 6.0 * (double)m->numel : 6.0 * multiplying) + 12.0 * c->depth * c->dim * c->seq_len;
 }
 
 dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs) {
@@ -7705,18 +7709,23 @@ static void dt__fsdp_memory_table(const dt_fsdp *f, const dt_optimizer *o) {
     double buffers[3] = { ((f->gathered[0] ? 1.0 : 0.0) + (f->gathered[1] ? 1.0 : 0.0) + (f->gathered[2] ? 1.0 : 0.0)) *
                           dt__fsdp_largest_params(f),
                           ((f->gathered_grad ? 1.0 : 0.0) + (f->outer_grad ? 1.0 : 0.0)) * (double)f->largest, 0 };
+    double frozen = f->model->base ? 4.0 * (double)f->model->base->numel : 0;   /* LoRA's: in the parameters' arena */
+    buffers[0] += frozen;
     printf("memory per rank, --shard %s%s, %d ranks (MB):\n", names[f->mode], f->offload ? " --cpu-offload" : "", f->world);
     printf("  %-16s %8s %8s %8s   %s\n", "", "device", "host", "DDP", "formula");
     for (int i = 0; i < 3; i++)
         printf("  %-16s %8.2f %8.2f %8.2f   %s\n", rows[i], (dt_mem_now(arenas[i]) - buffers[i]) / 1e6,
                dt_mem_host_now(arenas[i]) / 1e6, ddp[i] / 1e6, formulas[f->mode][i]);
+    if (frozen > 0)
+        printf("  %-16s %8.2f %8s %8.2f   %s\n", "frozen (LoRA)", frozen / 1e6, "", frozen / 1e6,
+               "F: whole on every rank and device, read only: no gradient, no state, never sent");
     if (f->param_dtype != DT_F32)
         printf("  (f32 shards and optimizer; parameters gathered in %s, 2 bytes each)\n", dt_dtype_name(f->param_dtype));
-    if (buffers[0] + buffers[1] > 0)
-        printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1]) / 1e6, "", "",
+    if (buffers[0] + buffers[1] - frozen > 0)
+        printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1] - frozen) / 1e6, "", "",
                f->mode == DT_SHARD_FULL ? "2 units of parameters (one computes, the next arrives) + 1 of gradients"
                                         : "1 unit of gradients (whole during its backward)");
-    if (f->model->outer_unit >= 0 && buffers[0] + buffers[1] > 0)
+    if (f->model->outer_unit >= 0 && buffers[0] + buffers[1] - frozen > 0)
         printf("  %-16s %8s %8s %8s   %s\n", "", "", "", "", "+ the outer unit's (embeddings, shared with the head), whole all step");
     fflush(stdout);
 }
@@ -8405,8 +8414,8 @@ static dt_safetensors *dt__checkpoint_open(const char *path) {
     }
     if (dt__checkpoint_file(path, "shards.safetensors", file, sizeof file)) return dt_safetensors_read(file);
     if (!dt__checkpoint_weights(path, file, sizeof file))
-        dt_fail("'%s' is not a dtrain checkpoint: it holds neither model.safetensors (adapter_model.safetensors) nor "
-                "shards.safetensors", path);
+        dt_fail("'%s' is not a dtrain checkpoint: it holds neither model.safetensors nor shards.safetensors (nor, from a "
+                "LoRA run, adapter_model.safetensors)", path);
     dt_safetensors *st = dt_safetensors_read(file);
     if (!dt_safetensors_meta(st, "dtrain_format"))
         dt_fail("'%s' is not a dtrain checkpoint (no 'dtrain_format' in its metadata; for weights alone use --init)", file);
@@ -8764,6 +8773,7 @@ static void dt__load_hf_folder(dt_model *m, const char *dir, float *host) {
 static int dt__folder_is_hf(const char *dir) {
     char file[4200];
     if (dt__checkpoint_file(dir, "shards.safetensors", file, sizeof file)) return 0;
+    if (dt__checkpoint_file(dir, "adapter_config.json", file, sizeof file)) return 0;     /* LoRA's: read by name */
     if (!dt__checkpoint_file(dir, "model.safetensors", file, sizeof file)) return 1;
     dt_safetensors *st = dt__safetensors_read_header(file);
     const char *kind = dt_safetensors_meta(st, "model");
@@ -8854,6 +8864,23 @@ static void dt__lora_config_read(const char *dir, dt__lora_config *lc) {
         } else if (!strcmp(key, "use_dora") || !strcmp(key, "use_rslora")) {
             if (!dt__json_scalar(&j, &v, &is_null)) dt_fail("'%s': \"%s\" is not true or false", lc->path, key);
             if (!is_null && v != 0) dt_fail("'%s': %s adapters; dtrain's LoRA is the plain kind", lc->path, key + 4);
+        } else if (!strcmp(key, "bias")) {
+            char *val = dt__json_peek(&j) == '"' ? dt__json_str(&j) : NULL;
+            int none = val && !strcmp(val, "none");
+            free(val);
+            if (!none) dt_fail("'%s': \"bias\" is not \"none\"; dtrain's adapters train no biases", lc->path);
+        } else if (!strcmp(key, "modules_to_save") || !strcmp(key, "layers_to_transform") || !strcmp(key, "layers_pattern") ||
+                   !strcmp(key, "rank_pattern") || !strcmp(key, "alpha_pattern")) {
+            /* options that change the model: only their empty values are dtrain's LoRA */
+            int c = dt__json_peek(&j), empty = 0;
+            if (c == '[' || c == '{') {
+                size_t at = j.pos;
+                j.pos++;
+                empty = dt__json_peek(&j) == (c == '[' ? ']' : '}');
+                j.pos = at;
+                dt__json_skip(&j, 0);
+            } else empty = dt__json_scalar(&j, &v, &is_null) && is_null;
+            if (!empty) dt_fail("'%s': \"%s\" is set; dtrain's LoRA has no such option", lc->path, key);
         } else dt__json_skip(&j, 0);
         free(key);
         if (dt__json_peek(&j) == ',') j.pos++;
@@ -8864,6 +8891,26 @@ static void dt__lora_config_read(const char *dir, dt__lora_config *lc) {
     if (!lora) dt_fail("'%s' is no LoRA adapter (its \"peft_type\" is not \"LORA\")", lc->path);
     if (!lc->rank || !(lc->alpha > 0) || !lc->targets[0])
         dt_fail("'%s' lacks \"%s\"", lc->path, !lc->rank ? "r" : !(lc->alpha > 0) ? "lora_alpha" : "target_modules");
+}
+
+/* A frozen model drawn from a seed is that seed's: the adapters of another
+   seed's would load without a word, and mean nothing. */
+static void dt__lora_check_seed(const dt_model *m, dt_safetensors *st, const char *path) {
+    const char *s = dt_safetensors_meta(st, "lora_base_seed");
+    unsigned long long theirs = s ? strtoull(s, NULL, 10) : 0;
+    if (s && theirs != (unsigned long long)m->base_seed)
+        dt_fail("'%s' holds adapters of the random frozen model of seed %llu, this run's is seed %llu's: run with --seed %llu", path,
+                theirs, (unsigned long long)m->base_seed, theirs);
+}
+/* The file of an adapter folder whose metadata says what it holds: adapter_model.safetensors, or a
+   sharded one's index. */
+static int dt__adapter_weights(const char *dir, char *out, size_t n) {
+    return dt__checkpoint_file(dir, "adapter_model.safetensors", out, n) || dt__checkpoint_file(dir, "shards.safetensors", out, n);
+}
+static char *dt__strdup(const char *s) {
+    char *c = strdup(s);
+    if (!c) dt_fail("out of memory (copying '%.200s')", s);
+    return c;
 }
 
 static void dt__load_weights(dt_model *m, const char *path);
@@ -8881,20 +8928,24 @@ static void dt__lora_load(dt_model *m, const char *path) {
         snprintf(theirs, sizeof theirs, "%d,%.9g,%s", lc.rank, (double)(float)lc.alpha, lc.targets);
         if (strcmp(ours, theirs))
             dt_fail("--init %s: its adapters are rank,alpha,targets %s; this model's are %s", path, theirs, ours);
+        if (!dt__adapter_weights(path, file, sizeof file))
+            dt_fail("--init %s: an adapter folder without adapter_model.safetensors (or a sharded run's shards.safetensors)", path);
         base = lc.base[0] ? lc.base : NULL;
         if (base) {
             dt_model_load_weights(m->base, base);
             free(m->base_source);
-            m->base_source = strdup(base);
+            m->base_source = dt__strdup(base);
+        } else if (!m->base_source) {
+            dt_safetensors *st = dt__safetensors_read_header(file);
+            dt__lora_check_seed(m, st, st->path);
+            dt_safetensors_close(st);
         }
-        if (!dt__checkpoint_file(path, "adapter_model.safetensors", file, sizeof file))
-            dt_fail("--init %s: an adapter folder without adapter_model.safetensors", path);
-        dt__load_weights(m, file);
+        dt__load_weights(m, path);          /* the folder: whole, or sharded */
         return;
     }
     dt_model_load_weights(m->base, base);
     free(m->base_source);
-    m->base_source = strdup(base);
+    m->base_source = dt__strdup(base);
 }
 
 void dt_model_load_weights(dt_model *m, const char *path) {
@@ -8916,7 +8967,7 @@ static void dt__load_weights(dt_model *m, const char *path) {
         return;
     }
     if (dir && !dt__checkpoint_file(path, "shards.safetensors", file, sizeof file))
-        dt__checkpoint_file(path, "model.safetensors", file, sizeof file);
+        dt__checkpoint_weights(path, file, sizeof file);
     if (dir) path = file;
     dt_safetensors *st = dt_safetensors_read(path);
     float *host = dt__state_open(m, NULL, 0);
@@ -8995,7 +9046,9 @@ void dt_checkpoint_consolidate(const char *path, const char *out_path) {
     int adamw = opt && !strcmp(opt, "adamw");
     dt_model *m = dt_model_create(&mc, 0);            /* for the names, shapes and units only */
     const char *lora_base = dt_safetensors_meta(st, "lora_base");
-    if (m->base && lora_base && *lora_base) m->base_source = strdup(lora_base);    /* for adapter_config.json */
+    if (m->base && lora_base && *lora_base) m->base_source = dt__strdup(lora_base);    /* for adapter_config.json */
+    const char *base_seed = dt_safetensors_meta(st, "lora_base_seed");
+    if (base_seed) m->base_seed = strtoull(base_seed, NULL, 10);
     float *state[3] = { NULL, NULL, NULL };
     for (int k = 0; k < (adamw ? 3 : 2); k++)
         if (!(state[k] = (float *)malloc((size_t)m->numel * sizeof(float)))) dt_fail("out of memory (consolidating)");
@@ -9022,14 +9075,14 @@ void dt_checkpoint_consolidate(const char *path, const char *out_path) {
 void dt_lora_merge(const char *adapter_dir, const char *out_path) {
     char file[4200];
     if (!dt__folder_is_adapter(adapter_dir)) dt_fail("'%s' is not a LoRA adapter folder (no adapter_config.json)", adapter_dir);
-    if (!dt__checkpoint_file(adapter_dir, "adapter_model.safetensors", file, sizeof file))
-        dt_fail("'%s' holds no adapter_model.safetensors", adapter_dir);
+    if (!dt__adapter_weights(adapter_dir, file, sizeof file))
+        dt_fail("'%s' holds no adapter_model.safetensors (nor a sharded run's shards.safetensors)", adapter_dir);
     dt_safetensors *st = dt__safetensors_read_header(file);
     dt_model_config mc;
     if (!dt__model_config_parse(st, st->path, &mc) || !mc.lora_rank)
         dt_fail("'%s' does not say which model its adapters belong to (metadata 'model', 'model_config', 'lora': dtrain "
                 "writes them)", st->path);
-    const char *seed = dt_safetensors_meta(st, "seed");
+    const char *seed = dt_safetensors_meta(st, "lora_base_seed");
     dt_model *m = dt_model_create(&mc, seed ? strtoull(seed, NULL, 10) : 1);   /* the frozen model of a run without --init */
     dt_safetensors_close(st);
     dt_model_load_weights(m, adapter_dir);
@@ -9116,7 +9169,8 @@ static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *f
         char lora[320];
         dt__lora_string(r->model, lora, sizeof lora);
         dt__meta_add(l, "lora", "%s", lora);
-        dt__meta_add(l, "lora_base", "%s", r->model->base_source ? r->model->base_source : "");
+        dt__meta_add(l, "lora_base", "%s", r->model->base_source ? r->model->base_source : "");   /* "": the seed's */
+        if (!r->model->base_source) dt__meta_add(l, "lora_base_seed", "%llu", (unsigned long long)r->model->base_seed);
     }
     if (r->scaler.enabled) {
         dt__meta_add(l, "loss_scale", "%.9g", r->scaler.scale);
@@ -9227,6 +9281,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
                 lora_base && *lora_base ? lora_base : "(the seed's random weights)", m->base_source ? "'" : "",
                 m->base_source ? m->base_source : "the seed's random weights", m->base_source ? "'" : "",
                 lora_base && *lora_base ? lora_base : "left out");
+    if (m->base && !m->base_source) dt__lora_check_seed(m, st, path);
     /* Rank r takes samples r, r + N, r + 2N, ... of the epoch's order, so a step
        of N ranks x B images takes the same N*B samples at any N: a run may
        resume at another world size when the samples per step stay the same. */
@@ -10159,7 +10214,9 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if (c.lora_rank && !dt__given(given, "--lora-alpha") && !(c.lora_alpha > 0)) c.lora_alpha = 8;
     if (c.lora_targets && (!*c.lora_targets || strlen(c.lora_targets) >= 256 ||
                            strspn(c.lora_targets, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.,") !=
-                               strlen(c.lora_targets)))
+                               strlen(c.lora_targets) ||
+                           c.lora_targets[0] == ',' || c.lora_targets[strlen(c.lora_targets) - 1] == ',' ||
+                           strstr(c.lora_targets, ",,")))
         dt_usage_error("--lora-targets '%s': layer names (letters, digits, _ and .) separated by commas", c.lora_targets);
     struct stat init_st;                        /* --init DIR: a Hugging Face folder's config.json gives the model */
     int hf = model_dir && stat(model_dir, &init_st) == 0 && S_ISDIR(init_st.st_mode) && dt__folder_is_hf(model_dir);
@@ -10372,8 +10429,9 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
     if (cfg->resume && !strcmp(cfg->resume, "auto")) {
         if (!cfg->save_dir) dt_usage_error("--resume auto resumes from the newest checkpoint in --save-dir: give --save-dir");
         run->cfg.resume = dt__newest_checkpoint(cfg->save_dir, run->resume_path, sizeof run->resume_path);
-        if (run->cfg.resume && !model->base) run->cfg.init = NULL;   /* the checkpoint holds the weights since (LoRA's: the adapters) */
-        else if (!cfg->quiet && dt__ctx.rank == 0)
+        if (run->cfg.resume) {
+            if (!model->base) run->cfg.init = NULL;   /* the checkpoint holds the weights since (LoRA's: the adapters alone) */
+        } else if (!cfg->quiet && dt__ctx.rank == 0)
             printf("--resume auto: no checkpoint in %s yet, starting %s\n", cfg->save_dir, cfg->init ? "from --init" : "fresh");
         cfg = &run->cfg;
     }
