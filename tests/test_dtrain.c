@@ -670,6 +670,7 @@ static dt_tensor *f_linear(dt_tensor **l, void *c) { (void)c; return dt_linear(l
 static dt_tensor *f_gelu(dt_tensor **l, void *c) { (void)c; return dt_gelu(l[0]); }
 static dt_tensor *f_layernorm(dt_tensor **l, void *c) { (void)c; return dt_layernorm(l[0], l[1], l[2], 1e-5f); }
 static dt_tensor *f_add(dt_tensor **l, void *c) { (void)c; return dt_add(l[0], l[1]); }
+static dt_tensor *f_scale(dt_tensor **l, void *c) { (void)c; return dt_scale(l[0], -2.5f); }   /* LoRA's alpha / r */
 static dt_tensor *f_attention(dt_tensor **l, void *c) { return dt_attention(l[0], 2, 5, 2, *(int *)c); }
 static dt_tensor *f_attention_37(dt_tensor **l, void *c) { return dt_attention(l[0], 1, 37, 2, *(int *)c); }
 static dt_tensor *f_attention_wide(dt_tensor **l, void *c) { return dt_attention(l[0], 2, 19, 2, *(int *)c); }
@@ -699,6 +700,10 @@ static void test_backward_matches_finite_differences(void) {
     dt_tensor *a1 = leaf2(3, 4, &r, 1), *a2 = leaf2(3, 4, &r, 1);
     dt_tensor *L4[2] = { a1, a2 };
     fd_check("add", f_add, L4, 2, NULL, 1e-2f, 1e-3);
+    dt__rng rs = { 41 };
+    dt_tensor *sc = leaf2(3, 5, &rs, 1);
+    fd_check("scale", f_scale, &sc, 1, NULL, 1e-2f, 1e-3);
+    leaf_free(sc);
     dt_tensor *qkv = leaf2(2 * 5, 3 * 6, &r, 1);
     int causal = 0;
     fd_check("attention", f_attention, &qkv, 1, &causal, 1e-2f, 3e-3);
@@ -5271,6 +5276,10 @@ static void test_gpu_ops_forward_and_backward_match_the_cpu_within_1e5(void) {
     dt_tensor *a1 = leaf2(31, 40, &r, 1), *a2 = leaf2(31, 40, &r, 1);
     dt_tensor *L4[2] = { a1, a2 };
     gpu_matches_cpu("add", f_add, L4, 2, NULL, 1e-6);
+    dt__rng rs = { 41 };
+    dt_tensor *sc = leaf2(29, 41, &rs, 1);
+    gpu_matches_cpu("scale", f_scale, &sc, 1, NULL, 1e-6);
+    leaf_free(sc);
     dt_tensor *qkv = leaf2(3 * 37, 3 * 48, &r, 1);
     int causal = 0;
     gpu_matches_cpu("attention", f_attention_big, &qkv, 1, &causal, 1e-5);
