@@ -9704,6 +9704,8 @@ static void dt__bench_report(dt_run *r) {
                  cfg->reduce_dtype != DT_F32 ? "+reduce-" : "", cfg->reduce_dtype != DT_F32 ? dt_dtype_name((dt_dtype)cfg->reduce_dtype) : "",
                  cfg->accum_steps > 1 ? "+accum" : "");
     if (cfg->recompute) snprintf(stage + strlen(stage), sizeof stage - strlen(stage), "+recompute");
+    if (r->model->base)                  /* LoRA: params= counts the adapters, what trains */
+        snprintf(stage + strlen(stage), sizeof stage - strlen(stage), "+lora-rank%d", r->model->cfg.lora_rank);
     printf("bench: workload=%s stage=%s %s ranks=%d batch=%d params=%lld steps=%lld step_ms=%.2f samples_per_s=%.1f "
            "gflops=%.2f data_ms=%.2f fwd_ms=%.2f bwd_ms=%.2f comm_ms=%.2f comm_hidden_ms=%.2f comm_wait_ms=%.2f "
            "opt_ms=%.2f peak_mem_mb=%.1f peak_state_mb=%.2f peak_host_mb=%.2f",
