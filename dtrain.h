@@ -1101,8 +1101,8 @@ int dt_run_finish(dt_run *run);
    above 88 it is exp(88) (the callers here only ask for exp of -x^2 and of 20
    at most). */
 DT_HD static inline float dt_exp_value(float x) {
-    float c = x < -87.3f ? -87.3f : x > 88.0f ? 88.0f : x;
-    c = c == c ? c : 0.0f;                      /* NaN: worked as 0 (no undefined cast), returned as NaN */
+    float c = x > -87.3f ? x : -87.3f;          /* NaN: worked as -87.3 (no undefined cast), returned as NaN */
+    c = c < 88.0f ? c : 88.0f;                  /* two choices a vector max and min can make */
     float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;    /* round to nearest: 1.5 x 2^23 */
     float r = (c - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
     float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.66666672e-1f + r * (4.16666679e-2f + r * (8.33333377e-3f
@@ -1110,7 +1110,7 @@ DT_HD static inline float dt_exp_value(float x) {
     uint32_t scale = (uint32_t)((int32_t)n + 127) << 23;
     float two_n;
     memcpy(&two_n, &scale, 4);
-    float e = c <= -87.3f ? 0.0f : p * two_n;
+    float e = c > -87.3f ? p * two_n : 0.0f;
     return x == x ? e : x;
 }
 /* tanh(x) = 1 - 2 / (exp(2|x|) + 1), with x's sign; 1 in float beyond |x| = 10. */
@@ -3092,8 +3092,11 @@ static void dt__attention_backward_gemm(const float *qkvv, const float *P, const
    matmul's order (one slab of DT_KC while T and the head width are at most
    256), so the bits are the same as the body above's -- with the built-in
    matmul; a system BLAS sums in an order of its own. */
-#define DT__ATT_ROWS (DT_VL == 16 ? 6 : 3)   /* rows x 4 accumulators + 4 operands fit the registers */
-#define DT__ATT_VECS 4
+/* rows x vecs accumulators, vecs operands and a broadcast fit the registers:
+   6 x 4 + 4 + 1 of AVX-512's 32, 6 x 2 + 2 + 1 of AVX2's 16 (3 x 4 there
+   needed 17, and the spills cost a third of attention's time on an EPYC) */
+#define DT__ATT_ROWS 6
+#define DT__ATT_VECS (DT_VL == 16 ? 4 : 2)
 
 /* c[r][x] (+)= alpha * sum over k < kc of a[r * row_step + k * k_step] * b[k * b_step + x]
    for r < rows and x < NV vectors: rows x NV accumulators in registers. Rows
@@ -3149,9 +3152,11 @@ static void dt__att_product(int vecs, int kc, const float *a, ptrdiff_t row_step
         float *cx = c + x0 * DT_VL;
         switch (vecs - x0 < DT__ATT_VECS ? vecs - x0 : DT__ATT_VECS) {
         case 1: dt__att_tile(1, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+#if DT__ATT_VECS == 4
         case 2: dt__att_tile(2, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
         case 3: dt__att_tile(3, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
-        default: dt__att_tile(4, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+#endif
+        default: dt__att_tile(DT__ATT_VECS, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
         }
     }
 }
