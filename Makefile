@@ -37,9 +37,9 @@ CFLAGS   ?= $(OPT)
 # every sqrtf carries a branch to a library call (for errno), which keeps
 # loops such as AdamW's from vectorising. -fno-trapping-math: dtrain never
 # reads the floating-point exception flags, and with them kept, gcc does not
-# turn a float choice (x < a ? a : x, in exp, erf and GELU) into a blend on
-# AVX2 without AVX-512, so those loops stayed scalar on such processors (most
-# laptops; this machine). No result changes.
+# turn a float choice (x < a ? a : x) into a vector blend on AVX2 without
+# AVX-512, so exp, erf, tanh and the GELUs stayed scalar on such processors
+# (most laptops). No result changes.
 CFLAGS   += -std=c11 $(WARN) -fno-math-errno -fno-trapping-math
 LDLIBS   := -lm
 SHELL    := /bin/bash

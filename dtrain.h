@@ -21,9 +21,10 @@
                           and link dtrain_cuda.o -lcublas -lcudart -lstdc++.
        Build with OpenMP (-fopenmp) to use every core; OMP_NUM_THREADS picks how many.
        For speed, as the Makefile does: -O3 -march=native -fno-math-errno
-       -fno-trapping-math. Neither changes a result; without the last, gcc on
-       a processor with AVX2 and no AVX-512 (most laptops) leaves exp, erf and
-       GELU scalar (a float choice, x < a ? a : x, becomes a branch).
+       -fno-trapping-math. The last two change no result; without the last,
+       gcc on a processor with AVX2 and no AVX-512 (most laptops) leaves exp,
+       erf, tanh and the GELUs scalar (it will not turn a float choice,
+       x < a ? a : x, into a vector blend).
 
    WHAT IT TEACHES, SECTION BY SECTION
         1  errors       every failure says what went wrong and what to do, then exits
@@ -1096,13 +1097,10 @@ int dt_run_finish(dt_run *run);
 
 /* exp(x) = 2^n exp(r), n = round(x / ln 2), |r| <= ln 2 / 2: ln 2 in two
    parts (Cody and Waite) keeps r exact, a degree-6 Taylor polynomial gives
-   exp(r), and n goes straight into the exponent bits. Below -87.3 the result
-   would be subnormal: 0, as the flushed arithmetic everywhere else makes it;
-   above 88 it is exp(88) (the callers here only ask for exp of -x^2 and of 20
-   at most). */
-/* The arithmetic, for c in [-87.3, 88] and not NaN: tanh and erf ask for
-   exp of such a c only, and skip the choices below (a quarter of the
-   vectorised loop's instructions); their bits are dt_exp_value's. */
+   exp(r), and n goes straight into the exponent bits. This is the arithmetic
+   alone, for c in (-87.3, 88] and not NaN: tanh and erf only ask for exp of
+   such a c, and skip dt_exp_value's choices (a quarter of a vectorised
+   loop's instructions) with the same bits. */
 DT_HD static inline float dt__exp_in_range(float c) {
     float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;    /* round to nearest: 1.5 x 2^23 */
     float r = (c - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
@@ -1113,6 +1111,9 @@ DT_HD static inline float dt__exp_in_range(float c) {
     memcpy(&two_n, &scale, 4);
     return p * two_n;
 }
+/* Any x (softmax, cross-entropy and SiLU pass unbounded ones). Below -87.3
+   the result would be subnormal: 0, as the flushed arithmetic everywhere
+   else makes it; above 88 it is exp(88). */
 DT_HD static inline float dt_exp_value(float x) {
     float c = x > -87.3f ? x : -87.3f;          /* NaN: worked as -87.3 (no undefined cast), returned as NaN */
     c = c < 88.0f ? c : 88.0f;                  /* two choices a vector max and min can make */
@@ -2068,7 +2069,7 @@ typedef float dt__vec __attribute__((vector_size(DT_VL * 4), aligned(4)));
    copies 32 bytes as two 16-byte halves through the stack and reads them
    back whole, a store the processor cannot forward, and kept the kernel's
    accumulators in memory: on an EPYC (Zen 3) the matmul ran at 10 GFLOP/s
-   a thread, and 70-85 with these loads, OpenBLAS's speed there; on Intel
+   a thread, and 70-90 with these loads, OpenBLAS's speed there; on Intel
    tunings both give the same code. may_alias: floats read as a vector. */
 typedef float dt__vec_at __attribute__((vector_size(DT_VL * 4), aligned(4), may_alias));
 DT__INLINE dt__vec dt__vload(const float *p) { return *(const dt__vec_at *)p; }
@@ -3099,8 +3100,9 @@ static void dt__attention_backward_gemm(const float *qkvv, const float *P, const
    256), so the bits are the same as the body above's -- with the built-in
    matmul; a system BLAS sums in an order of its own. */
 /* rows x vecs accumulators, vecs operands and a broadcast fit the registers:
-   6 x 4 + 4 + 1 of AVX-512's 32, 6 x 2 + 2 + 1 of AVX2's 16 (3 x 4 there
-   needed 17, and the spills cost a third of attention's time on an EPYC) */
+   6 x 4 + 4 + 1 of AVX-512's 32, 6 x 2 + 2 + 1 of the 16 of AVX2 or SSE
+   (3 x 4 there needed 17, and the spills cost nearly a third of attention's
+   time on an EPYC) */
 #define DT__ATT_ROWS 6
 #define DT__ATT_VECS (DT_VL == 16 ? 4 : 2)
 
