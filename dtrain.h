@@ -1116,7 +1116,7 @@ DT_HD static inline float dt__exp_in_range(float c) {
    else makes it; above 88 it is exp(88). */
 DT_HD static inline float dt_exp_value(float x) {
     float c = x > -87.3f ? x : -87.3f;          /* NaN: worked as -87.3 (no undefined cast), returned as NaN */
-    c = c < 88.0f ? c : 88.0f;                  /* two choices a vector max and min can make */
+    c = c < 88.0f ? c : 88.0f;                  /* two plain choices: one nested choice made longer vector code */
     float e = c > -87.3f ? dt__exp_in_range(c) : 0.0f;
     return x == x ? e : x;
 }
@@ -2069,8 +2069,9 @@ typedef float dt__vec __attribute__((vector_size(DT_VL * 4), aligned(4)));
    copies 32 bytes as two 16-byte halves through the stack and reads them
    back whole, a store the processor cannot forward, and kept the kernel's
    accumulators in memory: on an EPYC (Zen 3) the matmul ran at 10 GFLOP/s
-   a thread, and 70-90 with these loads, OpenBLAS's speed there; on Intel
-   tunings both give the same code. may_alias: floats read as a vector. */
+   a thread, and 70-90 with these loads, OpenBLAS's speed there. gcc 12 makes
+   the same round trip for -march=skylake-avx512 too. may_alias: floats read
+   as a vector. */
 typedef float dt__vec_at __attribute__((vector_size(DT_VL * 4), aligned(4), may_alias));
 DT__INLINE dt__vec dt__vload(const float *p) { return *(const dt__vec_at *)p; }
 DT__INLINE void dt__vstore(float *p, dt__vec v) { *(dt__vec_at *)p = v; }
@@ -3138,9 +3139,7 @@ DT__INLINE void dt__att_tile(int NV, int kc, const float *a, ptrdiff_t row_step,
             if (r >= rows) continue;
             float *cp = c + r * ldc + x * DT_VL;
             dt__vec o = alpha * acc[r][x];
-            if (add) {
-                o = dt__vload(cp) + o;
-            }
+            if (add) o = dt__vload(cp) + o;
             dt__vstore(cp, o);
         }
 #else
