@@ -247,14 +247,18 @@ bench: $(STAGE_BINS) tools/collectives tools/bench
 	   [ -z "$$OPENBLAS_CORETYPE" ] || echo "(OPENBLAS_CORETYPE=$$OPENBLAS_CORETYPE limits PyTorch's OpenBLAS to that core type)"; \
 	   tools/bench_cpu.sh 01-single-gpu/train "$(TORCH_PY)"; fi
 
+# Each stage against the stage it builds on: the one before it, unless its
+# file says "Builds on NN-name." (06 builds on 03: it drops 04-05's sharding,
+# accumulation and mixed precision to teach one thing).
+base_of = $$(sed -n 's/.*Builds on \(0[0-9]-[a-z-]*[a-z]\).*/\1/p' $$s/train.c | head -1)
 diff:
-	@prev=""; for s in $(STAGES); do s=$${s%/}; \
-	  if [ -n "$$prev" ]; then echo "==== $$prev -> $$s"; diff -u $$prev/train.c $$s/train.c; \
-	    diff $$prev/train.c $$s/train.c | awk -f tools/read_next.awk dtrain.h $$prev/train.c $$s/train.c -; fi; prev=$$s; \
-	done; prev=""; for s in $(STAGES); do s=$${s%/}; \
-	  if [ -n "$$prev" ]; then \
-	    d=$$(diff $$prev/train.c $$s/train.c); \
-	    printf '%-32s %3d lines changed (%d removed, %d added)\n' "$$prev -> $$s:" \
+	@prev=""; for s in $(STAGES); do s=$${s%/}; b=$(base_of); b=$${b:-$$prev}; \
+	  if [ -n "$$b" ]; then echo "==== $$b -> $$s"; diff -u $$b/train.c $$s/train.c; \
+	    diff $$b/train.c $$s/train.c | awk -f tools/read_next.awk dtrain.h $$b/train.c $$s/train.c -; fi; prev=$$s; \
+	done; prev=""; for s in $(STAGES); do s=$${s%/}; b=$(base_of); b=$${b:-$$prev}; \
+	  if [ -n "$$b" ]; then \
+	    d=$$(diff $$b/train.c $$s/train.c); \
+	    printf '%-32s %3d lines changed (%d removed, %d added)\n' "$$b -> $$s:" \
 	      $$(printf '%s\n' "$$d" | grep -c '^[<>]') $$(printf '%s\n' "$$d" | grep -c '^<') $$(printf '%s\n' "$$d" | grep -c '^>'); \
 	  fi; prev=$$s; \
 	done; if [ "$(words $(STAGES))" -lt 2 ]; then echo "(only one stage so far: nothing to compare)"; fi; true

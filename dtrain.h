@@ -378,6 +378,11 @@ struct dt_parallel {
     /* A sharded optimizer's partial sums (its gradient norm's), added over
        the ranks that share the model: what clipping needs of the whole. */
     void (*sum_over_ranks)(dt_parallel *par, float *values, int n);
+    /* Tensor parallelism (stage 06): sum n f32 values on the device -- an
+       activation or its gradient -- over the ranks that split the layers,
+       in place. NULL: no layer is split, and dt_tp_copy and dt_tp_sum are
+       the identity. */
+    void (*tp_sum)(dt_parallel *par, float *values, int64_t n);
     /* Kept by the library: a backward ran since backward_done did, so the
        gradients are this rank's own, not yet the average the optimizer needs. */
     int grads_pending;
@@ -385,6 +390,20 @@ struct dt_parallel {
 /* backward_done, called by each wrapper's sync function (dt_ddp_sync_grads,
    ...): fails unless a backward has run since the last one. */
 void dt_parallel_backward_done(dt_parallel *par);
+/* Tensor parallelism's two conjugate ops (Megatron-LM's f and g), which put
+   its communication on the tape so that backward needs no special case. A
+   column-parallel layer (each rank computes its share of the outputs) reads
+   dt_tp_copy(x): the input itself, but in backward each rank holds only its
+   share's part of x's gradient, so they are summed over the group. A
+   row-parallel layer (each rank multiplies its share of the inputs) gives
+   partial outputs: dt_tp_sum adds them up over the group, and in backward
+   every rank needs the whole gradient, which it has. Without a wrapper that
+   gives tp_sum, both return x. */
+dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x);
+dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x);
+/* x [rows, cols] + bias [cols] on every row: a row-parallel layer's bias, added
+   once, after the sum. */
+dt_tensor *dt_add_bias(dt_tensor *x, dt_tensor *bias);
 /* Floating-point operations counted by the matmuls since the last reset. */
 double dt_flops_counted(void);
 void dt_flops_reset(void);
@@ -415,6 +434,16 @@ typedef struct dt_model_config {
     char lora_targets[256];                      /* module names, comma-separated: "q_proj,v_proj" */
 } dt_model_config;
 
+/* Where tensor parallelism (stage 06) may cut a parameter: the model says,
+   the wrapper cuts (section 11). dim -1: whole on every rank (norms,
+   embeddings, the head, a row-parallel layer's bias). Otherwise dimension
+   dim is cut into equal pieces, one per rank, in `parts` groups that are
+   cut alike (the q, k and v of a fused projection: each rank takes its heads
+   of all three), each piece a whole number of `align` (a head's width:
+   attention is split by heads). A weight cut along its outputs is a
+   column-parallel layer, along its inputs a row-parallel one. */
+typedef struct dt_split { int dim, parts, align; } dt_split;
+
 typedef struct dt_model {
     dt_model_config cfg;
     int nparams;
@@ -423,6 +452,7 @@ typedef struct dt_model {
     float *flat_grad;
     int64_t numel;
     int64_t *offsets;          /* where each parameter starts in the flat buffers */
+    dt_split *splits;          /* per parameter: where tensor parallelism may cut it */
     dt_device device;          /* where the flat buffers live */
     /* Units: the pieces FSDP gathers one at a time -- a linear layer of the MLP;
        the embedding, each block, and the norm + head of the ViT. Unit u holds
@@ -495,7 +525,9 @@ typedef struct dt_optimizer {
     float *params, *grads;
     int64_t numel;
     int nslices;
-    struct dt_param_slice { int64_t offset, length; int decay; } *slices;
+    /* copy: another rank of the wrapper's group holds the same gradient and
+       counts it in the norm (a replicated parameter under tensor parallelism) */
+    struct dt_param_slice { int64_t offset, length; int decay, copy; } *slices;
     dt_parallel *sharded_by;   /* sharded: its wrapper sums the gradient norm over the ranks */
     dt_device device;          /* where its buffers are and it computes */
     int offloaded;             /* its buffers are host memory (FSDP's --cpu-offload) */
@@ -805,6 +837,34 @@ void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync);
 void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype);
 void dt_fsdp_free(dt_fsdp *fsdp);
 
+/* Tensor parallelism (stage 06), as Megatron-LM splits a transformer: every
+   rank of a group of T keeps 1/T of each large weight and computes 1/T of
+   each layer. In a block, the first MLP layer is column-parallel (each rank
+   computes 1/T of the hidden units, and GELU runs on them where they are),
+   the second row-parallel (partial outputs, summed over the group);
+   attention is split by heads: q, k and v column-parallel, the output
+   projection row-parallel. So a block costs two sums of its activations in
+   forward (dt_tp_sum) and two of their gradients in backward (dt_tp_copy),
+   and no weight ever travels. Norms, embeddings and the head stay whole on
+   every rank, where they compute the same values and get the same
+   gradients. The model says where each parameter may be cut (dt_split); this
+   wrapper cuts. With a job larger than T, the ranks form a mesh of
+   data-parallel x tensor-parallel groups ("dp" x "tp", tp varying fastest):
+   each group of T shares a batch, and the gradients are averaged over the
+   groups after backward. */
+typedef struct dt_tp dt_tp;
+/* Keep this rank's piece of every split parameter (the weights drawn whole
+   from the seed, as in stage 01, then cut). tp 0: the whole job is one group. */
+dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp);
+/* After backward: the split layers need nothing (their sums ran on the tape);
+   with more than one group, every gradient is averaged over the groups. */
+void dt_tp_sync_grads(dt_tp *tp);
+/* This rank's group among the data-parallel groups, and how many there are:
+   the loader's rank and world (every rank of a group reads the same batch). */
+int dt_tp_data_rank(const dt_tp *tp);
+int dt_tp_data_ranks(const dt_tp *tp);
+void dt_tp_free(dt_tp *tp);
+
 /* ---- 12. mixed precision ------------------------------------------------------------ */
 
 /* The dtype activations are stored in and matmuls read (default DT_F32). With
@@ -927,7 +987,7 @@ double dt_cost_all_gather_ms(const dt_link *link, int n, double bytes);      /* 
 /* How many buckets DDP makes of `params` f32 gradients (the first 1 MB, then bucket_mb). */
 int dt_cost_ddp_buckets(double params, double bucket_mb);
 
-typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3 } dt_parallelism;
+typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3, DT_PAR_TP } dt_parallelism;
 typedef struct dt_cost_input {
     dt_parallelism kind;
     double compute_ms;         /* one rank's forward + backward for one micro-batch, on its own device */
@@ -940,6 +1000,11 @@ typedef struct dt_cost_input {
     int accum_steps;           /* micro-batches per optimizer step */
     int messages;              /* collectives per step on the critical path: DDP's buckets, FSDP's units */
     double optimizer_ms;       /* the optimizer's step, on its own device: sharded (ZeRO), each rank does 1/N */
+    /* tensor parallelism: the share of compute (and optimizer) in the split
+       layers, which N ranks divide; the sums of activations or their
+       gradients per micro-batch (4 per transformer block: 2 forward, 2
+       backward), and the bytes of each (batch x tokens x width x 4) */
+    double tp_share, tp_sums, tp_bytes;
 } dt_cost_input;
 typedef struct dt_cost_prediction {
     int ranks;
@@ -954,7 +1019,10 @@ typedef struct dt_cost_prediction {
    nothing; ZeRO-1 and -2 reduce-scatter the gradients and all-gather the
    parameters (the same bytes as DDP, not hidden here); ZeRO-3 all-gathers the
    parameters twice per micro-batch, prefetched behind compute, and
-   reduce-scatters the gradients: 1.5x DDP's bytes. */
+   reduce-scatters the gradients: 1.5x DDP's bytes. Tensor parallelism
+   divides the split layers' compute by N and all-reduces activations inside
+   forward and backward, where nothing hides them; its N ranks share one
+   batch, so its speedup is against one rank with that batch, not N times it. */
 dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, int n);
 /* Print the prediction, the compute-to-communication ratio, and what bigger
    batches, accumulation, bf16 communication or fewer ranks would change. */
@@ -995,6 +1063,7 @@ typedef struct dt_config {
     float bucket_mb;             /* --bucket-mb: DDP's gradient buckets (0: one all-reduce after backward) */
     int shard;                   /* --shard: what FSDP shards (a dt_shard_mode; default full) */
     int cpu_offload;             /* --cpu-offload: FSDP's shards and optimizer in host memory */
+    int tp;                      /* --tp: ranks per tensor-parallel group (0: every rank of the job) */
     int recompute;               /* --recompute: each block's activations made again in backward */
     int lora_rank;               /* --lora-rank: LoRA adapters of this rank on a frozen model (0: none) */
     float lora_alpha;            /* --lora-alpha: their scale is alpha / rank (default 8, PEFT's) */
@@ -3013,6 +3082,101 @@ dt_tensor *dt_scale(dt_tensor *x, float factor) {
     return y;
 }
 
+/* -- tensor parallelism's f and g (section 11 cuts the layers). Both add n
+      f32 values into a gradient: the residual's loop, or its GPU kernel. -- */
+static void dt__add_into_grad(dt_tensor *t, const float *v) {
+    int first;
+    float *g = dt__grad_acc_first(t, &first);
+    const dt_backend *gpu = dt__backend_for(t);
+    int64_t n = t->numel;
+    if (gpu) gpu->accumulate(g, v, n);
+    else if (first) {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) g[i] = v[i];
+    } else {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) g[i] += v[i];
+    }
+    dt__grad_acc_done(t, g);
+}
+/* The input's gradient is each rank's part of it: summed over the group. */
+static void dt__tp_copy_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0];
+    if (!x->requires_grad) return;
+    dt_parallel *par = (dt_parallel *)e->saved;
+    int64_t n = x->numel;
+    float *sum = (float *)dt__scratch_on(x->device, (size_t)n * sizeof(float));
+    dt_convert(dt__grad_in(e->out), DT_F32, sum, DT_F32, n);
+    par->tp_sum(par, sum, n);
+    dt__add_into_grad(x, sum);
+}
+dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x) {
+    if (!par || !par->tp_sum) return x;
+    dt_tensor *y = (dt_tensor *)dt_step_alloc(sizeof *y);     /* the same values: a view with a gradient of its own */
+    *y = *x;
+    y->name = NULL;
+    y->grad = NULL;
+    y->requires_grad = 0;
+    y->is_param = 0;
+    y->parallel = NULL;
+    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__tp_copy_backward, y, x, NULL, NULL)->saved = par;
+    return y;
+}
+/* Every rank's partial output, added up; the gradient passes as it is. */
+static void dt__tp_sum_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0];
+    if (x->requires_grad) dt__add_into_grad(x, dt__grad_in(e->out));
+}
+dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x) {
+    if (!par || !par->tp_sum) return x;
+    dt__backend_for(x);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out(x->ndim, x->shape);
+    float *yv = dt__out(y);
+    dt_convert(dt__in(x), DT_F32, yv, DT_F32, x->numel);
+    par->tp_sum(par, yv, x->numel);
+    dt__out_done(y, yv);
+    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__tp_sum_backward, y, x, NULL, NULL);
+    return y;
+}
+
+/* -- a bias on every row: y = x + b; dx = dy, db = the sum of dy over rows
+      in row order, as linear's backward sums it (so the same bits) -- */
+static void dt__add_bias_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0], *b = e->in[1], *y = e->out;
+    const float *dy = dt__grad_in(y);
+    int N = (int)dt_tensor_rows(y), C = (int)dt_tensor_cols(y);
+    if (x->requires_grad) dt__add_into_grad(x, dy);
+    if (b->requires_grad) {
+        float *db = dt__grad_acc(b);
+        const dt_backend *gpu = dt__backend_for(b);
+        if (gpu) gpu->sum_rows(dy, db, N, C);
+        else
+            for (int i = 0; i < N; i++)
+                for (int j = 0; j < C; j++) db[j] += dy[(size_t)i * C + j];
+        dt__grad_acc_done(b, db);
+    }
+}
+dt_tensor *dt_add_bias(dt_tensor *x, dt_tensor *bias) {
+    int N = (int)dt_tensor_rows(x), C = (int)dt_tensor_cols(x);
+    if (bias->numel != C) dt_fail("add_bias: %s has %lld values for %d columns", bias->name ? bias->name : "the bias",
+                                  (long long)bias->numel, C);
+    const dt_backend *gpu = dt__backend_for(x);
+    dt__backend_for(bias);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out(x->ndim, x->shape);
+    float *yv = dt__out(y);
+    const float *bv = dt__in(bias);
+    dt_convert(dt__in(x), DT_F32, yv, DT_F32, x->numel);
+    if (gpu) gpu->add_bias(yv, bv, N, C);
+    else
+        for (int i = 0; i < N; i++)
+            for (int j = 0; j < C; j++) yv[(size_t)i * C + j] += bv[j];
+    dt__out_done(y, yv);
+    if (dt__wants_grad(x, bias, NULL)) dt__tape_push(dt__add_bias_backward, y, x, bias, NULL);
+    return y;
+}
+
 /* -- multi-head self-attention: softmax(Q K^T / sqrt(d)) V per (sequence, head).
       On the CPU, Q, K and V are read in place from the qkv projection (row
       stride 3D), so no reshuffling copies are needed, and the heads run in
@@ -3743,7 +3907,8 @@ static void dt__add_param(dt__model_builder *mb, const char *name, dt__init_kind
         m->params = (dt_tensor *)realloc(m->params, mb->cap * sizeof(dt_tensor));
         mb->init = (dt__init_kind *)realloc(mb->init, mb->cap * sizeof(dt__init_kind));
         mb->init_scale = (float *)realloc(mb->init_scale, mb->cap * sizeof(float));
-        if (!m->params || !mb->init || !mb->init_scale) dt_fail("out of memory (model)");
+        m->splits = (dt_split *)realloc(m->splits, mb->cap * sizeof(dt_split));
+        if (!m->params || !mb->init || !mb->init_scale || !m->splits) dt_fail("out of memory (model)");
     }
     dt_tensor *t = &m->params[m->nparams];
     memset(t, 0, sizeof *t);
@@ -3760,7 +3925,20 @@ static void dt__add_param(dt__model_builder *mb, const char *name, dt__init_kind
     t->is_param = 1;
     mb->init[m->nparams] = init;
     mb->init_scale[m->nparams] = scale;
+    m->splits[m->nparams] = (dt_split){ -1, 1, 1 };                 /* whole, unless marked below */
     m->nparams++;
+}
+/* Where tensor parallelism may cut the layer just added (weight, then bias):
+   a column-parallel layer along its outputs, weight and bias, in `parts`
+   groups of `align`-wide pieces; a row-parallel one along its inputs, its
+   bias whole (added once, after the sum). in_out: GPT-2's [in, out] weight. */
+static void dt__split_column(dt__model_builder *mb, int in_out, int parts, int align) {
+    dt_model *m = mb->m;
+    m->splits[m->nparams - 2] = (dt_split){ in_out ? 1 : 0, parts, align };
+    m->splits[m->nparams - 1] = (dt_split){ 0, parts, align };
+}
+static void dt__split_row(dt__model_builder *mb, int in_out, int align) {
+    mb->m->splits[mb->m->nparams - 2] = (dt_split){ in_out ? 0 : 1, 1, align };
 }
 
 static void dt__add_linear(dt__model_builder *mb, const char *prefix, int in, int out, dt__init_kind init, float scale) {
@@ -3812,10 +3990,14 @@ static void dt__gpt_build(dt__model_builder *mb, const dt_model_config *cfg) {
         dt__unit_starts_here(mb);
         snprintf(name, sizeof name, "h.%d.ln_1", l); dt__add_layernorm(mb, name, D);
         snprintf(name, sizeof name, "h.%d.attn.c_attn", l); dt__add_conv1d(mb, name, D, 3 * D, 0.02f);
+        dt__split_column(mb, 1, 3, D / cfg->heads);                    /* by heads, of q, k and v alike */
         snprintf(name, sizeof name, "h.%d.attn.c_proj", l); dt__add_conv1d(mb, name, D, D, proj);
+        dt__split_row(mb, 1, D / cfg->heads);
         snprintf(name, sizeof name, "h.%d.ln_2", l); dt__add_layernorm(mb, name, D);
         snprintf(name, sizeof name, "h.%d.mlp.c_fc", l); dt__add_conv1d(mb, name, D, cfg->mlp_hidden, 0.02f);
+        dt__split_column(mb, 1, 1, 1);
         snprintf(name, sizeof name, "h.%d.mlp.c_proj", l); dt__add_conv1d(mb, name, cfg->mlp_hidden, D, proj);
+        dt__split_row(mb, 1, 1);
     }
 }
 /* PyTorch's nn.Linear initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) */
@@ -3827,6 +4009,10 @@ static void dt__mlp_build(dt__model_builder *mb, const dt_model_config *cfg) {
         dt__unit_starts_here(mb);
         snprintf(name, sizeof name, "fc%d", l + 1);
         dt__add_linear(mb, name, in, out, DT_INIT_UNIFORM, 1.0f / sqrtf((float)in));
+        /* tensor parallelism pairs the hidden layers: column-, then row-parallel
+           (an unpaired last one, and the head, stay whole) */
+        if (l % 2 == 0 && l + 1 < cfg->depth) dt__split_column(mb, 0, 1, 1);
+        if (l % 2 == 1) dt__split_row(mb, 0, 1);
         in = out;
     }
 }
@@ -3847,10 +4033,14 @@ static void dt__vit_build(dt__model_builder *mb, const dt_model_config *cfg) {
         dt__unit_starts_here(mb);
         snprintf(name, sizeof name, "blocks.%d.norm1", l); dt__add_layernorm(mb, name, D);
         snprintf(name, sizeof name, "blocks.%d.attn.qkv", l); dt__add_linear(mb, name, D, 3 * D, DT_INIT_NORMAL, 0.02f);
+        dt__split_column(mb, 0, 3, D / cfg->heads);
         snprintf(name, sizeof name, "blocks.%d.attn.proj", l); dt__add_linear(mb, name, D, D, DT_INIT_NORMAL, 0.02f);
+        dt__split_row(mb, 0, D / cfg->heads);
         snprintf(name, sizeof name, "blocks.%d.norm2", l); dt__add_layernorm(mb, name, D);
         snprintf(name, sizeof name, "blocks.%d.mlp.fc1", l); dt__add_linear(mb, name, D, cfg->mlp_hidden, DT_INIT_NORMAL, 0.02f);
+        dt__split_column(mb, 0, 1, 1);
         snprintf(name, sizeof name, "blocks.%d.mlp.fc2", l); dt__add_linear(mb, name, cfg->mlp_hidden, D, DT_INIT_NORMAL, 0.02f);
+        dt__split_row(mb, 0, 1);
     }
     dt__unit_starts_here(mb);
     dt__add_layernorm(mb, "norm", D);
@@ -3988,18 +4178,45 @@ static dt_tensor *dt__with_adapter(dt_model *m, dt_tensor *x, const dt_tensor *w
     dt_tensor *low = dt_linear(x, &m->params[a], NULL);
     return dt_add(y, dt_scale(dt_linear(low, &m->params[a + 1], NULL), m->lora_scale));
 }
+/* Did tensor parallelism (section 11) cut w? 1: along its outputs, a
+   column-parallel layer; 2: along its inputs, a row-parallel one; 0: no (or
+   no wrapper splits layers). */
+static int dt__tp_cut(const dt_model *m, const dt_tensor *w, int in_out) {
+    if (!m->parallel || !m->parallel->tp_sum || w < m->params || w >= m->params + m->nparams) return 0;
+    int dim = m->splits[w - m->params].dim;
+    return dim < 0 ? 0 : dim == (in_out ? 1 : 0) ? 1 : 2;
+}
+/* A column-parallel layer's input: its gradient is summed over the group. */
+static dt_tensor *dt__tp_input(dt_model *m, dt_tensor *x, const dt_tensor *w, int in_out) {
+    return dt__tp_cut(m, w, in_out) == 1 ? dt_tp_copy(m->parallel, x) : x;
+}
+/* A linear layer, whole or cut: a row-parallel one sums its partial outputs
+   over the group, then adds its bias once. */
+static dt_tensor *dt__linear_cut(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b, int in_out) {
+    x = dt__tp_input(m, x, w, in_out);
+    if (dt__tp_cut(m, w, in_out) != 2) return in_out ? dt_linear_in_out(x, w, b) : dt_linear(x, w, b);
+    dt_tensor *partial = in_out ? dt_linear_in_out(x, w, NULL) : dt_linear(x, w, NULL);
+    return dt_add_bias(dt_tp_sum(m->parallel, partial), b);
+}
 static dt_tensor *dt__lora_linear(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
-    return dt__with_adapter(m, x, w, dt_linear(x, w, b));
+    return dt__with_adapter(m, x, w, dt__linear_cut(m, x, w, b, 0));
 }
 static dt_tensor *dt__lora_linear_in_out(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
-    return dt__with_adapter(m, x, w, dt_linear_in_out(x, w, b));
+    return dt__with_adapter(m, x, w, dt__linear_cut(m, x, w, b, 1));
 }
-/* the fused forms: apart when the adapter's term comes between */
+/* the fused forms: apart when the adapter's term or a row-parallel sum comes between */
 static dt_tensor *dt__lora_linear_gelu(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
-    return dt__adapter_of(m, w) < 0 ? dt_linear_gelu(x, w, b) : dt_gelu(dt__lora_linear(m, x, w, b));
+    if (dt__adapter_of(m, w) >= 0 || dt__tp_cut(m, w, 0) == 2) return dt_gelu(dt__lora_linear(m, x, w, b));
+    return dt_linear_gelu(dt__tp_input(m, x, w, 0), w, b);
 }
 static dt_tensor *dt__lora_linear_in_out_gelu_tanh(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
-    return dt__adapter_of(m, w) < 0 ? dt_linear_in_out_gelu_tanh(x, w, b) : dt_gelu_tanh(dt__lora_linear_in_out(m, x, w, b));
+    if (dt__adapter_of(m, w) >= 0 || dt__tp_cut(m, w, 1) == 2) return dt_gelu_tanh(dt__lora_linear_in_out(m, x, w, b));
+    return dt_linear_in_out_gelu_tanh(dt__tp_input(m, x, w, 1), w, b);
+}
+/* The attention heads on this rank: all of them, or tensor parallelism's share
+   (qkv holds 3 x heads x head width columns). */
+static int dt__heads_here(const dt_model *m, const dt_tensor *qkv) {
+    return (int)((int64_t)m->cfg.heads * dt_tensor_cols(qkv) / (3 * (int64_t)m->cfg.dim));
 }
 
 /* The MLP: linear layers with GELU between them; a block is one layer and
@@ -4027,7 +4244,7 @@ static dt_tensor *dt__vit_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, 
     dt_tensor *n1w = &P[0], *n1b = &P[1], *qkvw = &P[2], *qkvb = &P[3], *pjw = &P[4], *pjb = &P[5];
     dt_tensor *n2w = &P[6], *n2b = &P[7], *f1w = &P[8], *f1b = &P[9], *f2w = &P[10], *f2b = &P[11];
     dt_tensor *h = dt__lora_linear(m, dt_layernorm(x, n1w, n1b, 1e-6f), qkvw, qkvb);
-    h = dt__lora_linear(m, dt_attention(h, B, T, m->cfg.heads, 0), pjw, pjb);
+    h = dt__lora_linear(m, dt_attention(h, B, T, dt__heads_here(m, h), 0), pjw, pjb);
     x = dt_add(x, h);                                              /* pre-LN residual */
     h = dt__lora_linear_gelu(m, dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b);
     return dt_add(x, dt__lora_linear(m, h, f2w, f2b));
@@ -4069,7 +4286,7 @@ static dt_tensor *dt__gpt_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, 
     dt_tensor *n1w = &P[0], *n1b = &P[1], *aw = &P[2], *ab = &P[3], *pw = &P[4], *pb = &P[5];
     dt_tensor *n2w = &P[6], *n2b = &P[7], *fw = &P[8], *fb = &P[9], *mw = &P[10], *mb = &P[11];
     dt_tensor *h = dt__lora_linear_in_out(m, dt_layernorm(x, n1w, n1b, 1e-5f), aw, ab);
-    h = dt__lora_linear_in_out(m, dt_attention(h, B, T, m->cfg.heads, /*causal*/ 1), pw, pb);
+    h = dt__lora_linear_in_out(m, dt_attention(h, B, T, dt__heads_here(m, h), /*causal*/ 1), pw, pb);
     x = dt_add(x, h);
     h = dt__lora_linear_in_out_gelu_tanh(m, dt_layernorm(x, n2w, n2b, 1e-5f), fw, fb);
     return dt_add(x, dt__lora_linear_in_out(m, h, mw, mb));
@@ -4456,6 +4673,7 @@ void dt_model_free(dt_model *m) {
     for (int i = 0; i < m->nparams; i++) free((void *)m->params[i].name);
     free(m->params);
     free(m->offsets);
+    free(m->splits);
     free(m->unit_first);
     dt_free_on(m->device, DT_ARENA_PARAMS, m->flat_data, (size_t)m->numel * sizeof(float));
     dt_free_on(m->device, DT_ARENA_GRADS, m->flat_grad, (size_t)m->numel * sizeof(float));
@@ -4589,20 +4807,25 @@ static void dt__optimizer_check_synced(const dt_optimizer *o, const char *caller
 
 /* The squared norm of every gradient the optimizer steps -- of the whole
    model: a sharded optimizer sums its ranks' parts. */
+static double dt__sum_squares_on(dt_device device, const float *g, int64_t n) {
+    const dt_backend *gpu = dt__backend_of(device);
+    if (gpu) return gpu->sum_squares(g, n);
+    double lane[8] = { 0 }, sq = 0;     /* 8 fixed lanes: vectorizes, and sums in the same order every run */
+    int64_t i8 = n - n % 8;
+    for (int64_t i = 0; i < i8; i += 8)
+        for (int l = 0; l < 8; l++) lane[l] += (double)g[i + l] * g[i + l];
+    for (int64_t i = i8; i < n; i++) lane[i % 8] += (double)g[i] * g[i];
+    for (int l = 0; l < 8; l++) sq += lane[l];
+    return sq;
+}
 static double dt__optimizer_grad_sum_squares(dt_optimizer *o) {
-    int64_t n = o->numel;
-    const float *g = o->grads;
-    const dt_backend *gpu = dt__backend_of(o->device);
+    int copies = 0;
+    for (int si = 0; si < o->nslices; si++) copies += o->slices[si].copy;
     double sq = 0;
-    if (gpu) sq = gpu->sum_squares(g, n);
-    else {
-        double lane[8] = { 0 };         /* 8 fixed lanes: vectorizes, and sums in the same order every run */
-        int64_t i8 = n - n % 8;
-        for (int64_t i = 0; i < i8; i += 8)
-            for (int l = 0; l < 8; l++) lane[l] += (double)g[i + l] * g[i + l];
-        for (int64_t i = i8; i < n; i++) lane[i % 8] += (double)g[i] * g[i];
-        for (int l = 0; l < 8; l++) sq += lane[l];
-    }
+    if (!copies) sq = dt__sum_squares_on(o->device, o->grads, o->numel);
+    else                                 /* what another rank counts, left out */
+        for (int si = 0; si < o->nslices; si++)
+            if (!o->slices[si].copy) sq += dt__sum_squares_on(o->device, o->grads + o->slices[si].offset, o->slices[si].length);
     if (o->sharded_by) {                 /* each rank holds a part: the norm is of the whole */
         float part = (float)sq;
         o->sharded_by->sum_over_ranks(o->sharded_by, &part, 1);
@@ -7789,6 +8012,300 @@ void dt_fsdp_free(dt_fsdp *fsdp) {
     free(fsdp);
 }
 
+/* -- tensor parallelism (Megatron-LM, Shoeybi et al., 2019) --
+   The model marks where each parameter may be cut (dt_split, section 6), and
+   its layers call dt_tp_copy and dt_tp_sum (section 5) wherever a layer is
+   cut; this wrapper cuts the parameters and gives the sum. Every rank draws
+   the whole model from the seed, as stage 01 does, and keeps its piece: the
+   r-th of T along the cut dimension, of each of its `parts` groups (rank r
+   gets its heads of q, of k and of v). Replicated parameters (norms,
+   embeddings, the head) compute the same values on every rank of a group and
+   get the same gradient bits, as the sums they read are the same bits on
+   every rank; so they need no communication of their own, and the gradient
+   norm counts them once (on the group's first rank). -- */
+struct dt_tp {
+    dt_parallel par;            /* first: the model's dt_parallel * is this dt_tp */
+    dt_model *model;
+    dt_comm *comm;
+    dt_mesh *mesh;
+    dt_comm *group, *across;    /* the ranks that split the layers ("tp"), and the data-parallel groups ("dp") */
+    int size, rank;             /* T, and this rank's piece */
+    int data_rank, data_ranks;
+    int64_t sums, sum_bytes;    /* the sums of this step so far ... */
+    int64_t step_sums, step_sum_bytes;   /* ... and of the last step: what the cost model counts */
+    double sum_ms, step_sum_ms;
+    /* The model as it was before the cut: its parameters' whole shapes and
+       offsets, no buffers. Checkpoints are laid out by it (section 13). */
+    dt_model whole;
+};
+/* The tensor-parallel wrapper of a model, or NULL: for the checkpoints. */
+static void dt__tp_optimizer_view(dt_parallel *par, dt_optimizer *o);
+static dt_tp *dt__tp_of(const dt_model *m) {
+    return m->parallel && m->parallel->optimizer_view == dt__tp_optimizer_view ? (dt_tp *)m->parallel : NULL;
+}
+
+static void dt__tp_sum(dt_parallel *par, float *values, int64_t n) {
+    dt_tp *t = (dt_tp *)par;
+    double t0 = dt_now_ms();
+    dt_all_reduce(t->group, values, values, n, DT_F32, DT_SUM);
+    double t1 = dt_now_ms();
+    dt__record_comm("all_reduce tp", t0, t1, 0);
+    t->sum_ms += t1 - t0;
+    t->sums++;
+    t->sum_bytes += n * (int64_t)sizeof(float);
+}
+static void dt__tp_step_done(dt_parallel *par) {
+    dt_tp *t = (dt_tp *)par;
+    t->step_sums = t->sums;
+    t->step_sum_bytes = t->sum_bytes;
+    t->step_sum_ms = t->sum_ms;
+    t->sums = t->sum_bytes = 0;
+    t->sum_ms = 0;
+}
+/* The share of the parameters the split layers hold: of the compute too,
+   near enough (each parameter multiplies once per token either way). */
+static double dt__tp_split_share(const dt_tp *t) {
+    double split = 0;
+    for (int i = 0; i < t->whole.nparams; i++)
+        if (t->model->splits[i].dim >= 0) split += (double)t->whole.params[i].numel;
+    return t->whole.numel > 0 ? split / (double)t->whole.numel : 0;
+}
+static void dt__tp_sum_over_ranks(dt_parallel *par, float *values, int n) {
+    dt__comm_all_reduce_host(((dt_tp *)par)->group, values, n, DT_SUM);
+}
+/* The optimizer steps this rank's pieces and the replicated parameters;
+   only the group's first rank counts the replicated ones in the norm. */
+static void dt__tp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
+    dt_tp *t = (dt_tp *)par;
+    dt_model *m = t->model;
+    o->params = m->flat_data; o->grads = m->flat_grad; o->numel = m->numel;
+    o->nslices = m->nparams;
+    o->slices = (struct dt_param_slice *)calloc((size_t)m->nparams, sizeof *o->slices);
+    if (!o->slices) dt_fail("out of memory (optimizer)");
+    for (int i = 0; i < m->nparams; i++)
+        o->slices[i] = (struct dt_param_slice){ m->offsets[i], m->params[i].numel, m->params[i].ndim >= 2,
+                                                t->rank > 0 && m->splits[i].dim < 0 };
+    o->sharded_by = par;
+}
+/* With several data-parallel groups, the average gradient over them. */
+static void dt__tp_backward_done(dt_parallel *par) {
+    dt_tp *t = (dt_tp *)par;
+    if (t->data_ranks == 1) return;
+    double t0 = dt_now_ms();
+    dt_all_reduce(t->across, t->model->flat_grad, t->model->flat_grad, t->model->numel, DT_F32, DT_AVG);
+    dt__ctx.grad_collectives++;
+    dt__record_comm("all_reduce dp", t0, dt_now_ms(), 0);
+}
+void dt_tp_sync_grads(dt_tp *tp) { dt_parallel_backward_done(&tp->par); }
+int dt_tp_data_rank(const dt_tp *tp) { return tp->data_rank; }
+int dt_tp_data_ranks(const dt_tp *tp) { return tp->data_ranks; }
+
+/* Piece r of T of a parameter (host values in its whole shape, whole_shape):
+   out of the whole (to_whole 0) or back into it (1). */
+static void dt__tp_piece(float *whole, float *piece, const int *whole_shape, int ndim, dt_split s, int T, int r,
+                         int to_whole) {
+    int64_t outer = 1, inner = 1;
+    for (int d = 0; d < s.dim; d++) outer *= whole_shape[d];
+    for (int d = s.dim + 1; d < ndim; d++) inner *= whole_shape[d];
+    int64_t group = whole_shape[s.dim] / s.parts, len = group / T;
+    size_t bytes = (size_t)(len * inner) * sizeof(float);
+    for (int64_t o = 0; o < outer; o++)
+        for (int g = 0; g < s.parts; g++) {
+            float *w = whole + (o * whole_shape[s.dim] + g * group + r * len) * inner, *p = piece + ((o * s.parts + g) * len) * inner;
+            if (to_whole) memcpy(w, p, bytes);
+            else memcpy(p, w, bytes);
+        }
+}
+/* The state of a tensor-parallel model (parameters or a moment, `local` on
+   the device) in the whole model's layout, on the host: the group's pieces
+   all-gathered, each put where it sits in its parameter. Every rank of the
+   group gets the whole, so every rank makes the call. */
+static float *dt__tp_state_gather(dt_tp *t, float *local) {
+    dt_model *m = t->model;
+    const dt_model *W = &t->whole;
+    float *mine = dt__host_view(m->device, local, m->numel);
+    float *all = (float *)malloc((size_t)m->numel * (size_t)t->size * sizeof(float) + 1);
+    float *whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1);
+    if (!all || !whole) dt_fail("out of memory (gathering the tensor-parallel pieces for a checkpoint)");
+    dt__comm_all_gather_host(t->group, mine, all, (size_t)m->numel * sizeof(float));
+    for (int i = 0; i < m->nparams; i++) {
+        const dt_tensor *p = &m->params[i];
+        if (m->splits[i].dim < 0) memcpy(whole + W->offsets[i], mine + m->offsets[i], (size_t)p->numel * sizeof(float));
+        else
+            for (int r = 0; r < t->size; r++)
+                dt__tp_piece(whole + W->offsets[i], all + (size_t)r * m->numel + m->offsets[i], W->params[i].shape, p->ndim,
+                             m->splits[i], t->size, r, 1);
+    }
+    dt__host_view_close(m->device, mine, local, m->numel, 0);
+    free(all);
+    return whole;
+}
+/* The other way: this rank's pieces of a whole state (host) into `local`. */
+static void dt__tp_state_scatter(dt_tp *t, float *whole, float *local) {
+    dt_model *m = t->model;
+    const dt_model *W = &t->whole;
+    float *mine = (float *)malloc((size_t)m->numel * sizeof(float) + 1);
+    if (!mine) dt_fail("out of memory (tensor parallelism)");
+    for (int i = 0; i < m->nparams; i++) {
+        if (m->splits[i].dim < 0) memcpy(mine + m->offsets[i], whole + W->offsets[i], (size_t)m->params[i].numel * sizeof(float));
+        else dt__tp_piece(whole + W->offsets[i], mine + m->offsets[i], W->params[i].shape, m->params[i].ndim, m->splits[i],
+                          t->size, t->rank, 0);
+    }
+    dt_upload(local, mine, (size_t)m->numel * sizeof(float));
+    free(mine);
+}
+
+dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp) {
+    int world = dt_comm_size(comm);
+    if (tp <= 0) tp = world;
+    if (world % tp)
+        dt_usage_error("--tp %d does not divide the job's %d ranks (the ranks form groups of --tp, data parallel across them)",
+                       tp, world);
+    if (model->base) dt_usage_error("--lora-rank: LoRA's adapters are not split by tensor parallelism; train them with 03-05");
+    int cuts = 0;
+    for (int i = 0; i < model->nparams; i++) {
+        dt_split sp = model->splits[i];
+        if (sp.dim < 0) continue;
+        cuts++;
+        int64_t group = model->params[i].shape[sp.dim] / sp.parts;
+        if (group % ((int64_t)tp * sp.align))
+            dt_usage_error("--tp %d: %s's %lld %s do not split into %d equal shares (%s)", tp, model->params[i].name,
+                           (long long)(group / sp.align), sp.align > 1 ? "attention heads" : "features", tp,
+                           sp.align > 1 ? "--heads must be a multiple of --tp" : "--dim and the MLP's width must be multiples of --tp");
+    }
+    if (!cuts)
+        dt_usage_error("--model %s: no layer of this model is split by tensor parallelism (the mlp needs --depth 2 or more; "
+                       "llama is not split yet)", dt__model_kind_name(model->cfg.kind));
+    dt_tp *t = (dt_tp *)calloc(1, sizeof *t);
+    if (!t) dt_fail("out of memory (tensor parallelism)");
+    t->par = (dt_parallel){ .create_fn = "dt_tp_create", .sync_fn = "dt_tp_sync_grads", .free_fn = "dt_tp_free",
+                            .backward_done = dt__tp_backward_done, .step_done = dt__tp_step_done,
+                            .optimizer_view = dt__tp_optimizer_view,
+                            .sum_over_ranks = dt__tp_sum_over_ranks,
+                            .tp_sum = tp > 1 ? dt__tp_sum : NULL };   /* a group of one: the layers as in stage 01 */
+    dt_model_set_parallel(model, &t->par);
+    dt__comm_hold(comm, "dt_tp_free");
+    t->model = model;
+    t->comm = comm;
+    int sizes[2] = { world / tp, tp };
+    const char *names[2] = { "dp", "tp" };
+    t->mesh = dt_mesh_create(comm, 2, sizes, names);
+    t->group = dt_mesh_comm(t->mesh, "tp");
+    t->across = dt_mesh_comm(t->mesh, "dp");
+    t->size = tp;
+    t->rank = dt_mesh_coord(t->mesh, "tp");
+    t->data_rank = dt_mesh_coord(t->mesh, "dp");
+    t->data_ranks = world / tp;
+
+    /* Cut: the whole model's layout kept (t->whole), each parameter's shape
+       cut, and this rank's pieces moved into new flat buffers. */
+    t->whole = *model;
+    t->whole.parallel = NULL;
+    t->whole.flat_data = t->whole.flat_grad = NULL;
+    t->whole.params = (dt_tensor *)malloc(sizeof(dt_tensor) * (size_t)model->nparams);
+    t->whole.offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(model->nparams + 1));
+    if (!t->whole.params || !t->whole.offsets) dt_fail("out of memory (tensor parallelism)");
+    memcpy(t->whole.params, model->params, sizeof(dt_tensor) * (size_t)model->nparams);
+    memcpy(t->whole.offsets, model->offsets, sizeof(int64_t) * (size_t)model->nparams);
+    t->whole.offsets[model->nparams] = model->numel;
+    for (int i = 0; i < model->nparams; i++) t->whole.params[i].data = t->whole.params[i].grad = NULL;
+    model->numel = 0;
+    for (int i = 0; i < model->nparams; i++) {
+        dt_tensor *p = &model->params[i];
+        if (model->splits[i].dim >= 0) {
+            p->shape[model->splits[i].dim] /= tp;
+            p->numel /= tp;
+        }
+        model->offsets[i] = model->numel;
+        model->numel += p->numel;
+    }
+    model->offsets[model->nparams] = model->numel;
+    float *whole = dt__host_view(model->device, model->flat_data, t->whole.numel);
+    size_t bytes = (size_t)model->numel * sizeof(float), whole_bytes = (size_t)t->whole.numel * sizeof(float);
+    float *mine = (float *)dt_alloc_on(model->device, DT_ARENA_PARAMS, bytes);
+    dt__tp_state_scatter(t, whole, mine);
+    dt__host_view_close(model->device, whole, model->flat_data, t->whole.numel, 0);
+    dt_free_on(model->device, DT_ARENA_PARAMS, model->flat_data, whole_bytes);
+    dt_free_on(model->device, DT_ARENA_GRADS, model->flat_grad, whole_bytes);
+    model->flat_data = mine;
+    model->flat_grad = (float *)dt_alloc_on(model->device, DT_ARENA_GRADS, bytes);
+    for (int i = 0; i < model->nparams; i++) {
+        model->params[i].data = model->flat_data + model->offsets[i];
+        model->params[i].grad = model->flat_grad + model->offsets[i];
+    }
+    if (t->data_ranks > 1) dt_broadcast(t->across, model->flat_data, model->numel, DT_F32, 0);   /* every group starts alike */
+    return t;
+}
+
+/* A parameter's name with its block number as "*": what every block shares. */
+static void dt__block_pattern(const char *name, char *out, size_t n) {
+    size_t k = 0;
+    for (const char *c = name; *c && k + 1 < n; ) {
+        const char *e = c;
+        while (*e >= '0' && *e <= '9') e++;
+        if (e > c && (c == name || c[-1] == '.') && (*e == '.' || !*e)) { out[k++] = '*'; c = e; }
+        else out[k++] = *c++;
+    }
+    out[k] = 0;
+}
+static void dt__shape_string(const int *shape, int ndim, char *out, size_t n) {
+    size_t k = 0;
+    out[0] = 0;
+    for (int d = 0; d < ndim && k < n; d++) k += (size_t)snprintf(out + k, n - k, d ? "x%d" : "%d", shape[d]);
+}
+/* At start-up: each rank's bytes against the whole model's, and which
+   tensors are cut, whole and here (rows alike in every block printed once). */
+static void dt__tp_memory_table(const dt_tp *t, const dt_optimizer *o) {
+    const dt_model *m = t->model, *W = &t->whole;
+    double split = 0, whole = 0, moments = o->v ? 2 : 1;
+    for (int i = 0; i < m->nparams; i++) {
+        if (m->splits[i].dim >= 0) split += 4.0 * W->params[i].numel;
+        else whole += 4.0 * W->params[i].numel;
+    }
+    printf("memory per rank, --tp %d: every block's layers split over %d ranks, %d data-parallel group%s (MB):\n", t->size,
+           t->size, t->data_ranks, t->data_ranks > 1 ? "s" : "");
+    printf("  %-16s %9s %9s   %s\n", "", "this rank", "whole", "formula (S: the split tensors, R: the rest)");
+    const char *rows[3] = { "parameters", "gradients", "optimizer state" };
+    dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
+    for (int r = 0; r < 3; r++)
+        printf("  %-16s %9.3f %9.3f   %s(S/%d + R)\n", rows[r], dt_mem_now(arenas[r]) / 1e6,
+               (r == 2 ? moments : 1) * (split + whole) / 1e6, r == 2 && moments == 2 ? "2 x " : "", t->size);
+    printf("  S = %.3f MB whole, %.3f here; R = %.3f MB (norms, embeddings, the head, row-parallel biases) on every rank\n",
+           split / 1e6, split / t->size / 1e6, whole / 1e6);
+    char seen[64][96];
+    int nseen = 0;
+    for (int i = 0; i < m->nparams; i++) {
+        if (m->splits[i].dim < 0) continue;
+        char pattern[96], a[48], b[48];
+        int count = 0, dup = 0;
+        dt__block_pattern(m->params[i].name, pattern, sizeof pattern);
+        for (int k = 0; k < nseen; k++) dup |= !strcmp(seen[k], pattern);
+        if (dup) continue;
+        if (nseen < 64) dt__copy_str(seen[nseen++], sizeof seen[0], pattern);
+        for (int j = i; j < m->nparams; j++) {
+            char other[96];
+            dt__block_pattern(m->params[j].name, other, sizeof other);
+            count += !strcmp(other, pattern);
+        }
+        dt__shape_string(W->params[i].shape, W->params[i].ndim, a, sizeof a);
+        dt__shape_string(m->params[i].shape, m->params[i].ndim, b, sizeof b);
+        printf("    %-30s %12s -> %-12s%s", pattern, a, b, m->splits[i].parts > 1 ? " q, k and v each by heads" : "");
+        if (count > 1) printf("%s x%d blocks", m->splits[i].parts > 1 ? "," : "", count);
+        printf("\n");
+    }
+    fflush(stdout);
+}
+
+void dt_tp_free(dt_tp *tp) {
+    if (!tp) return;
+    dt_model_set_parallel(tp->model, NULL);
+    dt_mesh_free(tp->mesh);
+    dt__comm_release(tp->comm);
+    free(tp->whole.params);
+    free(tp->whole.offsets);
+    free(tp);
+}
+
 /* ==== 12. mixed precision =======================================================
    Half the bytes: activations, the matmuls' operands and what the collectives
    carry in 16 bits, while everything that adds up many small numbers stays in
@@ -8127,18 +8644,29 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
    collective, so every rank opens and closes them together. */
 static float *dt__state_open(dt_model *m, dt_optimizer *o, int which) {
     dt_fsdp *f = dt__fsdp_of(m);
+    dt_tp *t = dt__tp_of(m);
     if (f) return dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
+    if (t) return dt__tp_state_gather(t, which == 0 ? m->flat_data : which == 1 ? o->m : o->v);
     return dt__host_view(m->device, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel);
 }
 static void dt__state_close(dt_model *m, dt_optimizer *o, int which, float *host, int written) {
     if (!host) return;
     dt_fsdp *f = dt__fsdp_of(m);
-    if (!f) {
+    dt_tp *t = dt__tp_of(m);
+    if (!f && !t) {
         dt__host_view_close(m->device, host, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel, written);
         return;
     }
-    if (written) dt__fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
+    if (written && f) dt__fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
+    if (written && t) dt__tp_state_scatter(t, host, which == 0 ? m->flat_data : which == 1 ? o->m : o->v);
     free(host);
+}
+/* The parameters the state arrays above are laid out by: the model's own, or,
+   cut by tensor parallelism, the whole model's (a checkpoint holds the whole,
+   which any stage and any --tp reads). */
+static dt_model *dt__state_layout(dt_model *m) {
+    dt_tp *t = dt__tp_of(m);
+    return t ? &t->whole : m;
 }
 
 /* -- the names in a whole checkpoint --
@@ -8974,25 +9502,26 @@ void dt_model_load_weights(dt_model *m, const char *path) {
     if (m->base) dt__lora_load(m, path);
     else dt__load_weights(m, path);
 }
-static void dt__load_weights(dt_model *m, const char *path) {
+static void dt__load_weights(dt_model *model, const char *path) {
+    dt_model *m = dt__state_layout(model);
     struct stat s;
     char file[4200];
     int dir = stat(path, &s) == 0 && S_ISDIR(s.st_mode);
     if (dir && dt__folder_is_hf(path)) {
-        float *host = dt__state_open(m, NULL, 0);
+        float *host = dt__state_open(model, NULL, 0);
         dt__load_hf_folder(m, path, host);
         for (int i = 0; i < m->nparams; i++)
             for (int64_t k = 0; k < m->params[i].numel; k++)
                 if (!isfinite(host[m->offsets[i] + k]))
                     dt_fail("'%s': tensor '%s' holds NaN/Inf at index %lld", path, m->params[i].name, (long long)k);
-        dt__state_close(m, NULL, 0, host, 1);
+        dt__state_close(model, NULL, 0, host, 1);
         return;
     }
     if (dir && !dt__checkpoint_file(path, "shards.safetensors", file, sizeof file))
         dt__checkpoint_weights(path, file, sizeof file);
     if (dir) path = file;
     dt_safetensors *st = dt_safetensors_read(path);
-    float *host = dt__state_open(m, NULL, 0);
+    float *host = dt__state_open(model, NULL, 0);
     if (dt__is_sharded(st)) {
         float *state[3] = { host, NULL, NULL };
         char dir[4200];
@@ -9018,7 +9547,7 @@ static void dt__load_weights(dt_model *m, const char *path) {
         for (int64_t k = 0; k < m->params[i].numel; k++)
             if (!isfinite(host[m->offsets[i] + k]))
                 dt_fail("'%s': tensor '%s' holds NaN/Inf at index %lld", path, m->params[i].name, (long long)k);
-    dt__state_close(m, NULL, 0, host, 1);
+    dt__state_close(model, NULL, 0, host, 1);
     dt_safetensors_close(st);
 }
 
@@ -9164,7 +9693,10 @@ static void dt__describe_position(const dt_run *r, char *out, size_t n, const ch
 }
 
 /* How many replicas share each step's batch: ranks, or devices of stage 02. */
-static int dt__data_parallel_width(void) { return dt__ctx.world_size * (dt__ctx.devices > 1 ? dt__ctx.devices : 1); }
+/* The replicas that each take their own share of a step's samples: ranks
+   (the ranks of a tensor-parallel group share one: the loader's world) times
+   stage 02's devices. */
+static int dt__data_parallel_width(const dt_run *r) { return r->loader->world * (dt__ctx.devices > 1 ? dt__ctx.devices : 1); }
 
 /* What a checkpoint says about the run, beside its tensors. "format": "pt" is
    what transformers' from_pretrained asks of a weights file; dtrain's own
@@ -9183,7 +9715,7 @@ static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *f
     dt__meta_add(l, "epoch", "%d", r->epoch);
     dt__meta_add(l, "batch_in_epoch", "%lld", (long long)r->batch_in_epoch);
     dt__meta_add(l, "seed", "%llu", (unsigned long long)r->cfg.seed);
-    dt__meta_add(l, "world_size", "%d", dt__data_parallel_width());
+    dt__meta_add(l, "world_size", "%d", dt__data_parallel_width(r));
     dt__meta_add(l, "data_range", "%lld,%lld", (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
     dt__meta_add(l, "batch_size", "%d", r->cfg.batch_size);
     dt__meta_add(l, "accum_steps", "%d", r->cfg.accum_steps);
@@ -9266,13 +9798,15 @@ void dt_checkpoint_save(dt_run *run, const char *path) {
     dt_optimizer *o = run->opt;
     if (dt__fsdp_of(m)) { dt__checkpoint_save_sharded(run, path); return; }
     float *state[3] = { dt__state_open(m, o, 0), dt__state_open(m, o, 1), o->v ? dt__state_open(m, o, 2) : NULL };
-    dt__meta_list meta = { NULL, 0 };
-    dt__checkpoint_meta(run, &meta, "checkpoint-2");
-    dt__folder w;
-    dt__folder_open(&w, path, 1);
-    dt__folder_write_whole(&w, m, o->kind == DT_ADAMW, state, &meta, run->step);
-    dt__folder_commit(&w);
-    dt__meta_free(&meta);
+    if (!dt__tp_of(m) || dt__ctx.rank == 0) {        /* tensor parallel: every rank gathered, one writes */
+        dt__meta_list meta = { NULL, 0 };
+        dt__checkpoint_meta(run, &meta, "checkpoint-2");
+        dt__folder w;
+        dt__folder_open(&w, path, 1);
+        dt__folder_write_whole(&w, dt__state_layout(m), o->kind == DT_ADAMW, state, &meta, run->step);
+        dt__folder_commit(&w);
+        dt__meta_free(&meta);
+    }
     for (int k = 0; k < 3; k++) dt__state_close(m, o, k, state[k], 0);
 }
 
@@ -9312,7 +9846,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     int world = (int)dt__meta_whole(st, st->path, "world_size", 1, DT_MAX_RANKS * DT_MAX_RANKS);
     int batch = (int)dt__meta_whole(st, st->path, "batch_size", 1, INT_MAX);
     int accum = dt_safetensors_meta(st, "accum_steps") ? (int)dt__meta_whole(st, st->path, "accum_steps", 1, 1 << 20) : 1;
-    int K = r->cfg.accum_steps, now = dt__data_parallel_width();
+    int K = r->cfg.accum_steps, now = dt__data_parallel_width(r);
     long long samples = (long long)world * batch * accum, samples_now = (long long)now * r->cfg.batch_size * K;
     if (samples != samples_now) {
         long long per = (long long)now * K, other = samples % per == 0 ? samples / per : 0;
@@ -9368,7 +9902,8 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
         dt__fsdp_step_done(&f->par);          /* ZeRO-1, -2: every rank's whole copy from the new shards */
     } else {
         float *state[3] = { dt__state_open(m, o, 0), dt__state_open(m, o, 1), o->v ? dt__state_open(m, o, 2) : NULL };
-        if (dt__is_sharded(st)) dt__sharded_assemble(st, path, m, adamw, state);
+        dt_model *L = dt__state_layout(m);
+        if (dt__is_sharded(st)) dt__sharded_assemble(st, path, L, adamw, state);
         else {
             /* the weights from model.safetensors, the moments from optimizer.safetensors of the same save */
             char file[4200];
@@ -9378,14 +9913,14 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
             if (!theirs || strcmp(theirs, ours))
                 dt_fail("'%s' is not the optimizer state of '%s' (it says step %s, the weights step %s)", file, st->path,
                         theirs ? theirs : "?", ours);
-            for (int i = 0; i < m->nparams; i++)
+            for (int i = 0; i < L->nparams; i++)
                 for (int k = 0; k < 3; k++) {
-                    dt_tensor *p = &m->params[i];
+                    dt_tensor *p = &L->params[i];
                     char name[256];
                     dt_safetensors *from = k ? moments : st;
                     if (!state[k]) continue;
                     dt__state_tensor_name(name, sizeof name, adamw, k, p);
-                    if (!dt_safetensors_get(from, name, state[k] + m->offsets[i], p->ndim, p->shape))
+                    if (!dt_safetensors_get(from, name, state[k] + L->offsets[i], p->ndim, p->shape))
                         dt_fail("'%s' has no tensor '%s'", from->path, name);
                 }
             dt_safetensors_close(moments);
@@ -9488,8 +10023,10 @@ static float dt__job_max(float mine) {
     return mine;
 }
 
-void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss, double *acc) {
-    int rank = dt__ctx.job ? dt__ctx.rank : 0, world = dt__ctx.job ? dt__ctx.world_size : 1;
+/* Share `rank` of `world`: the run driver gives its loader's, as the ranks of
+   a tensor-parallel group evaluate the same share together. */
+static void dt__evaluate_share(dt_model *m, const dt_dataset *ds, int batch_size, int rank, int world, double *loss,
+                               double *acc) {
     dt_loader l = dt_loader_create(ds, batch_size, 0, 0, 0, 0, rank, world);
     dt_loader_start_epoch(&l, 0, 0);
     dt_batch b;
@@ -9530,6 +10067,9 @@ void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss
     dt__job_sum(sums, 3);
     *loss = sums[2] > 0 ? sums[0] / sums[2] : 0;
     *acc = sums[2] > 0 ? sums[1] / sums[2] : 0;
+}
+void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss, double *acc) {
+    dt__evaluate_share(m, ds, batch_size, dt__ctx.job ? dt__ctx.rank : 0, dt__ctx.job ? dt__ctx.world_size : 1, loss, acc);
 }
 
 /* Sampling, one token at a time: the whole window runs again for each new
@@ -9678,6 +10218,8 @@ static void dt__bench_report(dt_run *r) {
     if (steps <= 0 || ms <= 0) dt_fail("--bench: no step was timed");
     int devices = dt__ctx.devices > 1 ? dt__ctx.devices : 1;              /* stage 02: devices of one process */
     int world = dt__ctx.world_size, per_rank = r->loader->batch_size / devices * cfg->accum_steps, S = mc->image_size;
+    int replicas = r->loader->world;                                     /* a tensor-parallel group shares a batch */
+    const dt_model *whole = dt__state_layout(r->model);                  /* and its rank holds a piece of the model */
     double flops = dt_flops_counted() * world, gflops = flops / (ms / 1e3) / 1e9;
     float peak_mem = dt__job_max((float)dt_mem_total_peak());    /* the largest rank's peak */
     size_t host_bytes = 0;                                       /* and of offloaded (host) memory */
@@ -9687,9 +10229,9 @@ static void dt__bench_report(dt_run *r) {
     float peak_state = dt__job_max((float)(dt_mem_peak(DT_ARENA_PARAMS) + dt_mem_peak(DT_ARENA_GRADS) + dt_mem_peak(DT_ARENA_OPTIM)));
     if (dt__ctx.rank != 0) return;
     /* a language model's MFU counts the model's FLOPs per token (6N + attention), as papers do */
-    double tokens_per_s = steps * (double)per_rank * devices * world * mc->seq_len * 1e3 / ms;
+    double tokens_per_s = steps * (double)per_rank * devices * replicas * mc->seq_len * 1e3 / ms;
     int language = dt_model_is_language(mc->kind);
-    if (language) gflops = tokens_per_s * dt_model_flops_per_token(r->model) / 1e9;
+    if (language) gflops = tokens_per_s * dt_model_flops_per_token(whole) / 1e9;
     /* GPT-2 small's shape at another context is named by it: gpt2-124m-ctx256 */
     char gpt2_name[32];
     if (mc->seq_len == 1024) snprintf(gpt2_name, sizeof gpt2_name, "gpt2-124m");
@@ -9731,12 +10273,16 @@ static void dt__bench_report(dt_run *r) {
     printf("bench: workload=%s stage=%s %s ranks=%d batch=%d params=%lld steps=%lld step_ms=%.2f samples_per_s=%.1f "
            "gflops=%.2f data_ms=%.2f fwd_ms=%.2f bwd_ms=%.2f comm_ms=%.2f comm_hidden_ms=%.2f comm_wait_ms=%.2f "
            "opt_ms=%.2f peak_mem_mb=%.1f peak_state_mb=%.2f peak_host_mb=%.2f",
-           workload, stage, where, world * devices, per_rank, (long long)r->model->numel, (long long)steps, ms / steps,
-           steps * (double)per_rank * devices * world * 1e3 / ms, gflops, p[DT_PHASE_DATA] / steps, p[DT_PHASE_FWD] / steps,
+           workload, stage, where, world * devices, per_rank, (long long)whole->numel, (long long)steps, ms / steps,
+           steps * (double)per_rank * devices * replicas * 1e3 / ms, gflops, p[DT_PHASE_DATA] / steps, p[DT_PHASE_FWD] / steps,
            p[DT_PHASE_BWD] / steps, r->bench_comm_ms / steps, r->bench_hidden_ms / steps, p[DT_PHASE_COMM] / steps,
            p[DT_PHASE_OPT] / steps, peak_mem / 1e6, peak_state / 1e6, peak_host / 1e6);
     if (language)                       /* gflops is then tokens/s x flops per token */
-        printf(" tokens_per_s=%.1f flops_per_token=%.4g", tokens_per_s, dt_model_flops_per_token(r->model));
+        printf(" tokens_per_s=%.1f flops_per_token=%.4g", tokens_per_s, dt_model_flops_per_token(whole));
+    const dt_tp *tp = dt__tp_of(r->model);
+    if (tp)                             /* what the cost model needs of tensor parallelism */
+        printf(" tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", tp->size, dt__tp_split_share(tp),
+               (double)tp->step_sums / cfg->accum_steps, tp->step_sums > 0 ? (double)tp->step_sum_bytes / tp->step_sums : 0.0);
     printf("\n");
     fflush(stdout);
 }
@@ -9812,6 +10358,17 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
         p.exposed_ms = p.comm_ms;
         p.bytes = share * (G + W);
         break;
+    case DT_PAR_TP: {           /* the split layers' compute divided; each sum waited for where it stands */
+        double kept = in->tp_share / n + (1 - in->tp_share);
+        p.compute_ms = K * c * kept + in->optimizer_ms * slow * kept;
+        p.comm_ms = K * in->tp_sums * dt_cost_all_reduce_ms(l, n, in->tp_bytes);
+        p.exposed_ms = p.comm_ms;
+        p.bytes = K * in->tp_sums * 2 * share * in->tp_bytes;
+        p.step_ms = p.compute_ms + p.exposed_ms;
+        p.speedup = p.step_ms > 0 ? (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
+        p.efficiency = p.speedup / n;
+        return p;
+    }
     case DT_PAR_ZERO3: {        /* every micro-batch gathers twice, prefetched behind compute; one reduce-scatter */
         double gathers = 2 * (dt_cost_all_gather_ms(l, n, W) + (msgs - 1) * (n - 1) * lat);
         double scatter = dt_cost_all_gather_ms(l, n, G) + (msgs - 1) * (n - 1) * lat;
@@ -9828,7 +10385,8 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
 }
 
 void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n) {
-    static const char *kinds[] = { "one rank", "DataParallel", "DDP", "FSDP ZeRO-1", "FSDP ZeRO-2", "FSDP ZeRO-3" };
+    static const char *kinds[] = { "one rank", "DataParallel", "DDP", "FSDP ZeRO-1", "FSDP ZeRO-2", "FSDP ZeRO-3",
+                                   "tensor parallel" };
     dt_cost_prediction p = dt_cost_predict(in, l, n);
     fprintf(out, "cost model: %s on %d ranks over %s (%.0f GB/s, %.0f us), %.2fM parameters\n", kinds[in->kind], n,
             l->name, l->bandwidth_gbs, l->latency_us, in->params / 1e6);
@@ -9841,14 +10399,22 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
     /* what would change it: each lever alone */
     dt_cost_input big = *in, acc = *in, half = *in;
     big.compute_ms *= 2;
+    big.tp_bytes *= 2;                   /* tensor parallelism sums activations: they double too */
     acc.accum_steps = (in->accum_steps > 0 ? in->accum_steps : 1) * 4;
     half.reduce_bytes = half.gather_bytes = 2;
+    half.tp_bytes /= 2;
     dt_cost_prediction pb = dt_cost_predict(&big, l, n), pa = dt_cost_predict(&acc, l, n), ph = dt_cost_predict(&half, l, n);
     dt_cost_prediction pf = dt_cost_predict(in, l, n / 2 > 1 ? n / 2 : 1);
     fprintf(out, "  what would change it (efficiency now %.0f%%):\n", 100 * p.efficiency);
-    fprintf(out, "    twice the batch per rank:        %.0f%% (compute doubles, communication does not)\n", 100 * pb.efficiency);
-    fprintf(out, "    4x --accum-steps:                %.0f%% (gradients travel once per 4 micro-batches)\n", 100 * pa.efficiency);
-    if (in->reduce_bytes > 2 || (in->kind == DT_PAR_ZERO3 && in->gather_bytes > 2))
+    if (in->kind == DT_PAR_TP) {
+        fprintf(out, "    twice the batch per group:       %.0f%% (compute and the activations summed both double)\n",
+                100 * pb.efficiency);
+        fprintf(out, "    bf16 activations:                %.0f%% (half the bytes of every sum)\n", 100 * ph.efficiency);
+    } else {
+        fprintf(out, "    twice the batch per rank:        %.0f%% (compute doubles, communication does not)\n", 100 * pb.efficiency);
+        fprintf(out, "    4x --accum-steps:                %.0f%% (gradients travel once per 4 micro-batches)\n", 100 * pa.efficiency);
+    }
+    if (in->kind != DT_PAR_TP && (in->reduce_bytes > 2 || (in->kind == DT_PAR_ZERO3 && in->gather_bytes > 2)))
         fprintf(out, "    bf16 communication:              %.0f%% (half the bytes)\n", 100 * ph.efficiency);
     char fewer[64];
     snprintf(fewer, sizeof fewer, "%d rank%s instead of %d:", pf.ranks, pf.ranks > 1 ? "s" : "", n);
@@ -9876,7 +10442,8 @@ typedef struct dt__flag {
 
 /* The stages, numbered as in the stages column. A program of another name (a
    tool, a test) takes every flag. */
-static const char *const dt__stage_names[] = { "01-single-gpu", "02-dp", "03-ddp", "04-fsdp", "05-accum-mixed-precision" };
+static const char *const dt__stage_names[] = { "01-single-gpu", "02-dp", "03-ddp", "04-fsdp", "05-accum-mixed-precision",
+                                                "06-tensor-parallel" };
 static char dt__stage_digit(const char *stage) {
     for (int i = 0; i < (int)(sizeof dt__stage_names / sizeof dt__stage_names[0]); i++)
         if (!strcmp(stage, dt__stage_names[i])) return (char)('1' + i);
@@ -9889,93 +10456,93 @@ static char dt__stage_digit(const char *stage) {
 #define DT_RANGE(lo, hi) lo, hi, 0
 #define DT_NOT_A_NUMBER 0, 0, 0
 static const dt__flag dt__flags[] = {
-    { "--data", "12345", "DIR", "image folder (DIR/train/<class>/*, DIR/val/<class>/*) or CIFAR-10 binary folder; gpt: a .txt\n"
+    { "--data", "123456", "DIR", "image folder (DIR/train/<class>/*, DIR/val/<class>/*) or CIFAR-10 binary folder; gpt: a .txt\n"
       "                          file or a folder of them, read as bytes (default: the synthetic set in data/synthetic,\n"
       "                          gpt: the text data/synthetic.txt, made on first use)", DT_ARG_STR, DT_CFG(data), NULL, DT_NOT_A_NUMBER },
-    { "--tokens", "12345", "FILE", "gpt, llama: train on token ids instead of bytes: a NumPy .npy array (uint16, uint32,\n"
+    { "--tokens", "123456", "FILE", "gpt, llama: train on token ids instead of bytes: a NumPy .npy array (uint16, uint32,\n"
       "                          int32 or int64), or raw little-endian uint16", DT_ARG_STR,
       DT_CFG(tokens), NULL, DT_NOT_A_NUMBER },
-    { "--image-size", "12345", "N", "images are resized to N x N (default 32)", DT_ARG_INT, DT_CFG(image_size), NULL, DT_RANGE(1, 4096) },
-    { "--model", "12345", "mlp|vit|gpt|llama", "the model (default mlp); gpt, llama: causal language models on text\n"
+    { "--image-size", "123456", "N", "images are resized to N x N (default 32)", DT_ARG_INT, DT_CFG(image_size), NULL, DT_RANGE(1, 4096) },
+    { "--model", "123456", "mlp|vit|gpt|llama", "the model (default mlp); gpt, llama: causal language models on text\n"
       "                          (GPT-2's layout, and Llama's: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)",
       DT_ARG_CHOICE, DT_CFG(model), "mlp|vit|gpt|llama", DT_NOT_A_NUMBER },
-    { "--dim", "12345", "N", "mlp: hidden width (1024); vit: embedding width (192); gpt, llama: (128)", DT_ARG_INT, DT_CFG(dim), NULL, DT_MIN(1) },
-    { "--depth", "12345", "N", "mlp: hidden layers (2); vit: transformer blocks (6); gpt, llama: (4)", DT_ARG_INT, DT_CFG(depth), NULL, DT_MIN(0) },
-    { "--heads", "12345", "N", "vit: attention heads (3); gpt, llama: (4)", DT_ARG_INT, DT_CFG(heads), NULL, DT_MIN(1) },
-    { "--patch", "12345", "N", "vit: patch size (4)", DT_ARG_INT, DT_CFG(patch), NULL, DT_MIN(1) },
-    { "--seq-len", "12345", "N", "gpt, llama: tokens per sequence, the context (default 64)", DT_ARG_INT, DT_CFG(seq_len), NULL, DT_RANGE(1, 65536) },
-    { "--vocab", "12345", "N", "gpt, llama: vocabulary (default: 256 for bytes, the largest id + 1 for --tokens)", DT_ARG_INT,
+    { "--dim", "123456", "N", "mlp: hidden width (1024); vit: embedding width (192); gpt, llama: (128)", DT_ARG_INT, DT_CFG(dim), NULL, DT_MIN(1) },
+    { "--depth", "123456", "N", "mlp: hidden layers (2); vit: transformer blocks (6); gpt, llama: (4)", DT_ARG_INT, DT_CFG(depth), NULL, DT_MIN(0) },
+    { "--heads", "123456", "N", "vit: attention heads (3); gpt, llama: (4)", DT_ARG_INT, DT_CFG(heads), NULL, DT_MIN(1) },
+    { "--patch", "123456", "N", "vit: patch size (4)", DT_ARG_INT, DT_CFG(patch), NULL, DT_MIN(1) },
+    { "--seq-len", "123456", "N", "gpt, llama: tokens per sequence, the context (default 64)", DT_ARG_INT, DT_CFG(seq_len), NULL, DT_RANGE(1, 65536) },
+    { "--vocab", "123456", "N", "gpt, llama: vocabulary (default: 256 for bytes, the largest id + 1 for --tokens)", DT_ARG_INT,
       DT_CFG(vocab), NULL, DT_RANGE(1, 16777216) },             /* ids are held as floats: exact to 2^24 */
-    { "--sample", "12345", "N", "gpt, llama: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT,
+    { "--sample", "123456", "N", "gpt, llama: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT,
       DT_CFG(sample), NULL, DT_MIN(0) },
-    { "--kv-heads", "12345", "N", "llama: key/value heads, each serving --heads / N query heads (default: half the heads\n"
+    { "--kv-heads", "123456", "N", "llama: key/value heads, each serving --heads / N query heads (default: half the heads\n"
       "                          when their number is even, else all of them)", DT_ARG_INT, DT_CFG(kv_heads), NULL, DT_MIN(1) },
-    { "--ffn-dim", "12345", "N", "llama: the SwiGLU MLP's width (default 8/3 x --dim, rounded up to a multiple of 32)",
+    { "--ffn-dim", "123456", "N", "llama: the SwiGLU MLP's width (default 8/3 x --dim, rounded up to a multiple of 32)",
       DT_ARG_INT, DT_CFG(ffn_dim), NULL, DT_MIN(1) },
-    { "--rope-theta", "12345", "X", "llama: the rotary embeddings' base (default 10000)", DT_ARG_FLOAT, DT_CFG(rope_theta), NULL,
+    { "--rope-theta", "123456", "X", "llama: the rotary embeddings' base (default 10000)", DT_ARG_FLOAT, DT_CFG(rope_theta), NULL,
       DT_ABOVE(1) },
-    { "--norm-eps", "12345", "X", "llama: RMSNorm's epsilon (default 1e-5)", DT_ARG_FLOAT, DT_CFG(norm_eps), NULL, DT_ABOVE(0) },
-    { "--rope-factor", "12345", "X", "llama: Llama 3's rescaled rotary frequencies (rope_type llama3, with the three below;\n"
+    { "--norm-eps", "123456", "X", "llama: RMSNorm's epsilon (default 1e-5)", DT_ARG_FLOAT, DT_CFG(norm_eps), NULL, DT_ABOVE(0) },
+    { "--rope-factor", "123456", "X", "llama: Llama 3's rescaled rotary frequencies (rope_type llama3, with the three below;\n"
       "                          default: none, or --init DIR's config.json): slow ones divided by X", DT_ARG_FLOAT,
       DT_CFG(rope_factor), NULL, DT_ABOVE(0) },
-    { "--rope-low-freq", "12345", "X", "llama 3: wavelengths over ORIGINAL / X are divided by --rope-factor", DT_ARG_FLOAT,
+    { "--rope-low-freq", "123456", "X", "llama 3: wavelengths over ORIGINAL / X are divided by --rope-factor", DT_ARG_FLOAT,
       DT_CFG(rope_low_freq), NULL, DT_ABOVE(0) },
-    { "--rope-high-freq", "12345", "X", "llama 3: wavelengths under ORIGINAL / X are kept (between: blended)", DT_ARG_FLOAT,
+    { "--rope-high-freq", "123456", "X", "llama 3: wavelengths under ORIGINAL / X are kept (between: blended)", DT_ARG_FLOAT,
       DT_CFG(rope_high_freq), NULL, DT_ABOVE(0) },
-    { "--rope-original-context", "12345", "ORIGINAL", "llama 3: the context the frequencies were made for", DT_ARG_INT,
+    { "--rope-original-context", "123456", "ORIGINAL", "llama 3: the context the frequencies were made for", DT_ARG_INT,
       DT_CFG(rope_original_context), NULL, DT_MIN(1) },
-    { "--untied-head", "12345", NULL, "llama: an lm_head.weight of its own (default: the head is the token embedding)",
+    { "--untied-head", "123456", NULL, "llama: an lm_head.weight of its own (default: the head is the token embedding)",
       DT_ARG_SWITCH, DT_CFG(untied_head), NULL, DT_NOT_A_NUMBER },
-    { "--qkv-bias", "12345", NULL, "llama: biases on the q, k and v projections, as Qwen2 has", DT_ARG_SWITCH, DT_CFG(qkv_bias),
+    { "--qkv-bias", "123456", NULL, "llama: biases on the q, k and v projections, as Qwen2 has", DT_ARG_SWITCH, DT_CFG(qkv_bias),
       NULL, DT_NOT_A_NUMBER },
-    { "--batch-size", "12345", "N", "images (gpt, llama: sequences) per step (default 128; gpt, llama 32)", DT_ARG_INT, DT_CFG(batch_size), NULL, DT_MIN(1) },
-    { "--epochs", "12345", "N", "passes over the training set (default 10; gpt, llama 2)", DT_ARG_INT, DT_CFG(epochs), NULL, DT_MIN(1) },
-    { "--steps", "12345", "N", "stop after N steps in all (default: run every epoch)", DT_ARG_I64, DT_CFG(steps), NULL, DT_MIN(0) },
-    { "--lr", "12345", "X", "peak learning rate (default 1e-3; gpt, llama 3e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL, DT_ABOVE(0) },
-    { "--optimizer", "12345", "adamw|sgd", "the optimizer (default adamw)", DT_ARG_CHOICE, DT_CFG(optimizer), "adamw|sgd", DT_NOT_A_NUMBER },
-    { "--weight-decay", "12345", "X", "decoupled weight decay of 2-D weights (default 0.05)", DT_ARG_FLOAT, DT_CFG(weight_decay),
+    { "--batch-size", "123456", "N", "images (gpt, llama: sequences) per step (default 128; gpt, llama 32)", DT_ARG_INT, DT_CFG(batch_size), NULL, DT_MIN(1) },
+    { "--epochs", "123456", "N", "passes over the training set (default 10; gpt, llama 2)", DT_ARG_INT, DT_CFG(epochs), NULL, DT_MIN(1) },
+    { "--steps", "123456", "N", "stop after N steps in all (default: run every epoch)", DT_ARG_I64, DT_CFG(steps), NULL, DT_MIN(0) },
+    { "--lr", "123456", "X", "peak learning rate (default 1e-3; gpt, llama 3e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL, DT_ABOVE(0) },
+    { "--optimizer", "123456", "adamw|sgd", "the optimizer (default adamw)", DT_ARG_CHOICE, DT_CFG(optimizer), "adamw|sgd", DT_NOT_A_NUMBER },
+    { "--weight-decay", "123456", "X", "decoupled weight decay of 2-D weights (default 0.05)", DT_ARG_FLOAT, DT_CFG(weight_decay),
       NULL, DT_MIN(0) },
-    { "--momentum", "12345", "X", "sgd momentum (default 0.9)", DT_ARG_FLOAT, DT_CFG(momentum), NULL, 0, 1, DT_HI_OPEN },
-    { "--clip", "12345", "X", "clip the gradient norm to X, 0 for none (default 1.0)", DT_ARG_FLOAT, DT_CFG(clip), NULL, DT_MIN(0) },
-    { "--warmup", "12345", "N", "linear warmup steps before the cosine decay (default 5% of the steps)", DT_ARG_I64, DT_CFG(warmup),
+    { "--momentum", "123456", "X", "sgd momentum (default 0.9)", DT_ARG_FLOAT, DT_CFG(momentum), NULL, 0, 1, DT_HI_OPEN },
+    { "--clip", "123456", "X", "clip the gradient norm to X, 0 for none (default 1.0)", DT_ARG_FLOAT, DT_CFG(clip), NULL, DT_MIN(0) },
+    { "--warmup", "123456", "N", "linear warmup steps before the cosine decay (default 5% of the steps)", DT_ARG_I64, DT_CFG(warmup),
       NULL, DT_MIN(0) },
-    { "--augment", "12345", "0|1", "random crop + horizontal flip (default 1)", DT_ARG_INT, DT_CFG(augment), NULL, DT_RANGE(0, 1) },
-    { "--seed", "12345", "N", "seed for initialisation, shuffling and augmentation (default 1)", DT_ARG_I64, DT_CFG(seed), NULL, DT_MIN(0) },
-    { "--device", "12345", "cpu|cuda|auto", "where to train (default auto: cuda when a GPU is visible)", DT_ARG_CHOICE, DT_CFG(device),
+    { "--augment", "123456", "0|1", "random crop + horizontal flip (default 1)", DT_ARG_INT, DT_CFG(augment), NULL, DT_RANGE(0, 1) },
+    { "--seed", "123456", "N", "seed for initialisation, shuffling and augmentation (default 1)", DT_ARG_I64, DT_CFG(seed), NULL, DT_MIN(0) },
+    { "--device", "123456", "cpu|cuda|auto", "where to train (default auto: cuda when a GPU is visible)", DT_ARG_CHOICE, DT_CFG(device),
       "cpu|cuda|auto", DT_NOT_A_NUMBER },
-    { "--log", "12345", "FILE", "write one JSON object per step, evaluation and summary", DT_ARG_STR, DT_CFG(log_path), NULL, DT_NOT_A_NUMBER },
-    { "--trace", "12345", "FILE", "write a Chrome/Perfetto trace of the step phases", DT_ARG_STR, DT_CFG(trace_path), NULL, DT_NOT_A_NUMBER },
-    { "--save-dir", "12345", "DIR", "write a checkpoint at the end of every epoch", DT_ARG_STR, DT_CFG(save_dir), NULL, DT_NOT_A_NUMBER },
-    { "--resume", "12345", "DIR|auto", "continue exactly where a checkpoint (a folder) stopped; auto: the newest in --save-dir (none: start\n"
+    { "--log", "123456", "FILE", "write one JSON object per step, evaluation and summary", DT_ARG_STR, DT_CFG(log_path), NULL, DT_NOT_A_NUMBER },
+    { "--trace", "123456", "FILE", "write a Chrome/Perfetto trace of the step phases", DT_ARG_STR, DT_CFG(trace_path), NULL, DT_NOT_A_NUMBER },
+    { "--save-dir", "123456", "DIR", "write a checkpoint at the end of every epoch", DT_ARG_STR, DT_CFG(save_dir), NULL, DT_NOT_A_NUMBER },
+    { "--resume", "123456", "DIR|auto", "continue exactly where a checkpoint (a folder) stopped; auto: the newest in --save-dir (none: start\n"
       "                          fresh), what a requeued job runs after preemption", DT_ARG_STR, DT_CFG(resume), NULL, DT_NOT_A_NUMBER },
-    { "--init", "12345", "FILE|DIR", "start from these weights (safetensors, PyTorch/timm/Hugging Face names), a dtrain\n"
+    { "--init", "123456", "FILE|DIR", "start from these weights (safetensors, PyTorch/timm/Hugging Face names), a dtrain\n"
       "                          checkpoint, or a Hugging Face model folder (config.json gives the model and its shape)", DT_ARG_STR, DT_CFG(init),
       NULL, DT_NOT_A_NUMBER },
-    { "--eval-every", "12345", "N", "evaluate every N steps as well as after each epoch (default 0: epochs only)", DT_ARG_INT,
+    { "--eval-every", "123456", "N", "evaluate every N steps as well as after each epoch (default 0: epochs only)", DT_ARG_INT,
       DT_CFG(eval_every), NULL, DT_MIN(0) },
-    { "--log-every", "12345", "N", "print a progress line every N steps (default: about every 3 s, and each epoch's last step)",
+    { "--log-every", "123456", "N", "print a progress line every N steps (default: about every 3 s, and each epoch's last step)",
       DT_ARG_INT, DT_CFG(log_every), NULL, DT_MIN(1) },
-    { "--start-idx", "12345", "N", "train on images [N, end) of the training set (default 0)", DT_ARG_I64, DT_CFG(start_idx), NULL, DT_MIN(0) },
-    { "--end-idx", "12345", "N", "... up to image N (default: all)", DT_ARG_I64, DT_CFG(end_idx), NULL, DT_MIN(1) },
-    { "--bench", "12345", NULL, "time this stage's training steps on random in-memory data, print one line, exit", DT_ARG_SWITCH,
+    { "--start-idx", "123456", "N", "train on images [N, end) of the training set (default 0)", DT_ARG_I64, DT_CFG(start_idx), NULL, DT_MIN(0) },
+    { "--end-idx", "123456", "N", "... up to image N (default: all)", DT_ARG_I64, DT_CFG(end_idx), NULL, DT_MIN(1) },
+    { "--bench", "123456", NULL, "time this stage's training steps on random in-memory data, print one line, exit", DT_ARG_SWITCH,
       DT_CFG(bench), NULL, DT_NOT_A_NUMBER },
-    { "--quiet", "12345", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL, DT_NOT_A_NUMBER },
-    { "--peak-tflops", "12345", "X", "--bench on a GPU: its peak for MFU (default: the fp32 peak, looked up by name; 05 with --dtype:\n"
+    { "--quiet", "123456", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL, DT_NOT_A_NUMBER },
+    { "--peak-tflops", "123456", "X", "--bench on a GPU: its peak for MFU (default: the fp32 peak, looked up by name; 05 with --dtype:\n"
       "                          give the 16-bit one)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL, DT_ABOVE(0) },
-    { "--nproc", "2345", "N", "02: devices driven by this one process; 03-05: ranks started on this machine (default 1)", DT_ARG_INT,
+    { "--nproc", "23456", "N", "02: devices driven by this one process; 03-06: ranks started on this machine (default 1)", DT_ARG_INT,
       DT_CFG(nproc), NULL, DT_RANGE(1, DT_MAX_RANKS) },
     { "--shard", "45", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default)",
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full", DT_NOT_A_NUMBER },
     { "--cpu-offload", "45", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
       DT_CFG(cpu_offload), NULL, DT_NOT_A_NUMBER },
-    { "--recompute", "12345", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
+    { "--recompute", "123456", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
       DT_NOT_A_NUMBER },
-    { "--lora-rank", "12345", "R", "LoRA: freeze the model, train adapters of rank R beside the --lora-targets layers (saved\n"
+    { "--lora-rank", "123456", "R", "LoRA: freeze the model, train adapters of rank R beside the --lora-targets layers (saved\n"
       "                          in PEFT's layout; tools/merge-lora folds them in)", DT_ARG_INT, DT_CFG(lora_rank), NULL, DT_MIN(1) },
-    { "--lora-alpha", "12345", "A", "LoRA: the adapters' output is scaled by A / R (default 8)", DT_ARG_FLOAT, DT_CFG(lora_alpha),
+    { "--lora-alpha", "123456", "A", "LoRA: the adapters' output is scaled by A / R (default 8)", DT_ARG_FLOAT, DT_CFG(lora_alpha),
       NULL, DT_ABOVE(0) },
-    { "--lora-targets", "12345", "NAMES", "LoRA: comma-separated layer names (default: gpt c_attn; llama q_proj,v_proj; vit qkv;\n"
+    { "--lora-targets", "123456", "NAMES", "LoRA: comma-separated layer names (default: gpt c_attn; llama q_proj,v_proj; vit qkv;\n"
       "                          mlp every layer; vit also proj, fc1, fc2, head; llama k_proj, o_proj, gate_proj, ...)",
       DT_ARG_STR, DT_CFG(lora_targets), NULL, DT_NOT_A_NUMBER },
     { "--accum-steps", "5", "N", "micro-batches of --batch-size per optimizer step; gradients add up locally (default 1)",
@@ -9984,15 +10551,17 @@ static const dt__flag dt__flags[] = {
       DT_ARG_CHOICE, DT_CFG(dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
     { "--reduce-dtype", "5", "fp32|bf16|fp16", "the type gradients are reduce-scattered in (default fp32)",
       DT_ARG_CHOICE, DT_CFG(reduce_dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
-    { "--explain", "12345", NULL, "after 3 steps, print the cost model's prediction for this run: speedup, compute : "
+    { "--explain", "123456", NULL, "after 3 steps, print the cost model's prediction for this run: speedup, compute : "
       "communication,\n                          and what would change it", DT_ARG_SWITCH, DT_CFG(explain), NULL, DT_NOT_A_NUMBER },
-    { "--link", "12345", "shm|pcie|nvlink|infiniband", "--explain: the link between ranks (default: shm on a CPU, nvlink on GPUs)",
+    { "--link", "123456", "shm|pcie|nvlink|infiniband", "--explain: the link between ranks (default: shm on a CPU, nvlink on GPUs)",
       DT_ARG_CHOICE, DT_CFG(link), "shm|pcie|nvlink|infiniband", DT_NOT_A_NUMBER },
+    { "--tp", "6", "T", "tensor parallelism: ranks per group that split every block's layers (default 0: the whole job;\n"
+      "                          a job of N ranks is N/T data-parallel groups of T)", DT_ARG_INT, DT_CFG(tp), NULL, DT_MIN(0) },
     { "--bucket-mb", "3", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL, DT_MIN(0) },
-    { "--timeout", "2345", "S", "stop when a rank (02: a device) has not answered for S seconds (default 60)", DT_ARG_FLOAT,
+    { "--timeout", "23456", "S", "stop when a rank (02: a device) has not answered for S seconds (default 60)", DT_ARG_FLOAT,
       DT_CFG(timeout), NULL, DT_ABOVE(0) },
-    { "--ranks-per-gpu", "345", "N", "let N ranks share one GPU (default 1: a GPU per rank; NCCL 2.30+ does it best)", DT_ARG_INT,
+    { "--ranks-per-gpu", "3456", "N", "let N ranks share one GPU (default 1: a GPU per rank; NCCL 2.30+ does it best)", DT_ARG_INT,
       DT_CFG(ranks_per_gpu), NULL, DT_MIN(1) },
 };
 #undef DT_CFG
@@ -10542,6 +11111,7 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
                opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)run->warmup, where, precision);
         if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, run->epoch + 1, (long long)run->step);
         if (dt__fsdp_of(model)) dt__fsdp_memory_table(dt__fsdp_of(model), opt);
+        if (dt__tp_of(model)) dt__tp_memory_table(dt__tp_of(model), opt);
         fflush(stdout);
     }
     if (cfg->bench) run->stop_step = run->step + 2 + (cfg->steps > 0 ? cfg->steps : 3);   /* refined after a timed step */
@@ -10603,14 +11173,24 @@ static void dt__run_explain(dt_run *r) {
     dt_link_preset(c->link >= 0 ? links[c->link] : r->model->device == DT_CUDA ? "nvlink" : "shm", &link);
     dt_cost_input in;
     memset(&in, 0, sizeof in);
-    int n = dt__data_parallel_width(), alone = !strncmp(c->stage, "01", 2);
+    int n = dt__data_parallel_width(r), alone = !strncmp(c->stage, "01", 2);
     in.kind = alone || !strncmp(c->stage, "03", 2) ? DT_PAR_DDP : !strncmp(c->stage, "02", 2) ? DT_PAR_DP
             : c->shard == DT_SHARD_OPTIMIZER ? DT_PAR_ZERO1 : c->shard == DT_SHARD_GRADS ? DT_PAR_ZERO2 : DT_PAR_ZERO3;
     in.compute_ms = (r->phase_ms[DT_PHASE_FWD] + r->phase_ms[DT_PHASE_BWD]) / c->accum_steps;
+    dt_tp *tp = dt__tp_of(r->model);
+    if (tp) {                         /* the whole model's compute on one rank, from this rank's share of it */
+        in.kind = DT_PAR_TP;
+        n = tp->size;
+        in.tp_share = dt__tp_split_share(tp);
+        in.tp_sums = (double)tp->step_sums / c->accum_steps;
+        in.tp_bytes = tp->step_sums > 0 ? (double)tp->step_sum_bytes / (double)tp->step_sums : 0;
+        double kept = in.tp_share / n + (1 - in.tp_share);
+        in.compute_ms = fmax(0, in.compute_ms - tp->step_sum_ms / c->accum_steps) / kept;
+    }
+    in.params = (double)(tp ? tp->whole.numel : r->model->numel);
     in.optimizer_ms = r->phase_ms[DT_PHASE_OPT];
     in.contention = 1;                /* the compute above was measured as this run shares its device(s) */
     in.backward_share = in.compute_ms > 0 ? r->phase_ms[DT_PHASE_BWD] / c->accum_steps / in.compute_ms : 0.66;
-    in.params = (double)r->model->numel;
     in.gather_bytes = (double)dt_dtype_size((dt_dtype)c->dtype);
     in.reduce_bytes = (double)dt_dtype_size((dt_dtype)c->reduce_dtype);
     in.accum_steps = c->accum_steps;
@@ -10673,7 +11253,7 @@ static void dt__run_eval(dt_run *r) {
         else printf("eval  step %lld: evaluating %lld images ...\n", (long long)r->step, (long long)r->val->n);
         fflush(stdout);
     }
-    dt_evaluate(r->model, r->val, r->cfg.batch_size, &r->eval_loss, &r->eval_acc);
+    dt__evaluate_share(r->model, r->val, r->cfg.batch_size, r->loader->rank, r->loader->world, &r->eval_loss, &r->eval_acc);
     dt_phase(r, DT_PHASE_EVAL);
     if (r->log) {
         fprintf(r->log, "{\"step\":%lld,\"epoch\":%d,\"eval_loss\":%.6f,\"eval_acc\":%.6f}\n", (long long)r->step,
@@ -10709,7 +11289,7 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     run->step++;
     run->steps_run++;
     run->batch_in_epoch++;
-    run->samples += (double)batch_size * dt__ctx.world_size;
+    run->samples += (double)batch_size * run->loader->world;     /* the ranks of a tensor-parallel group share a batch */
     run->train_ms += step_ms;
     run->last_loss = dt_tensor_item(loss);
     run->loss_sum += run->last_loss;
@@ -10723,7 +11303,7 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
                         "\"data_ms\":%.3f,\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"comm_ms\":%.3f,\"comm_hidden_ms\":%.3f,"
                         "\"comm_wait_ms\":%.3f,\"opt_ms\":%.3f,\"grad_norm\":%.5g,\"mem_bytes\":%zu,"
                         "\"grad_collectives\":%lld",
-                (long long)run->step, run->epoch + 1, run->last_loss, lr, batch_size * dt__ctx.world_size * 1e3 / step_ms, step_ms,
+                (long long)run->step, run->epoch + 1, run->last_loss, lr, batch_size * run->loader->world * 1e3 / step_ms, step_ms,
                 run->phase_ms[DT_PHASE_DATA], run->phase_ms[DT_PHASE_FWD], run->phase_ms[DT_PHASE_BWD], dt__ctx.comm_ms,
                 dt__ctx.comm_hidden_ms, run->phase_ms[DT_PHASE_COMM], run->phase_ms[DT_PHASE_OPT], run->opt->last_grad_norm,
                 dt_mem_total_now(), (long long)dt__ctx.grad_collectives);
@@ -10731,7 +11311,7 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
             fprintf(run->log, ",\"loss_scale\":%g,\"skipped\":%d,\"skipped_steps\":%lld", run->scaler.scale,
                     run->scaler.last_skipped, (long long)run->scaler.skipped);
         if (dt__tokens_per_sample(run))
-            fprintf(run->log, ",\"tokens_per_s\":%.1f", (double)batch_size * dt__ctx.world_size * dt__tokens_per_sample(run) * 1e3 / step_ms);
+            fprintf(run->log, ",\"tokens_per_s\":%.1f", (double)batch_size * run->loader->world * dt__tokens_per_sample(run) * 1e3 / step_ms);
         fprintf(run->log, "}\n");
         dt__file_check(run->log, "--log", run->cfg.log_path);
     }
@@ -10752,7 +11332,7 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     int last_of_epoch = run->batch_in_epoch == run->batches_per_epoch || run->step == run->stop_step;
     if (!run->cfg.quiet && dt__ctx.rank == 0 && dt__progress_due(run->step, run->cfg.log_every, last_of_epoch, now, run->line_ms)) {
         char eta[32];
-        double rate = run->step_ms_avg > 0 ? batch_size * dt__ctx.world_size * 1e3 / run->step_ms_avg : 0;
+        double rate = run->step_ms_avg > 0 ? batch_size * run->loader->world * 1e3 / run->step_ms_avg : 0;
         dt__format_duration((run->stop_step - run->step) * run->step_ms_avg / 1e3, eta, sizeof eta);
         run->line_ms = now;
         char scale[64] = "";
@@ -10780,7 +11360,7 @@ void dt_epoch_end(dt_run *run) {
     if (run->stopped_by && !run->cfg.save_dir && dt__ctx.rank == 0)
         dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt__signal_name(run->stopped_by),
                 (long long)run->steps_run);
-    if (run->cfg.save_dir && (dt__ctx.rank == 0 || dt__fsdp_of(run->model))) {   /* sharded: every rank gathers */
+    if (run->cfg.save_dir && (dt__ctx.rank == 0 || dt__fsdp_of(run->model) || dt__tp_of(run->model))) {   /* cut: every rank gathers */
         char path[4096], what[64];
         if (finished) snprintf(what, sizeof what, "epoch%d", run->epoch);
         else snprintf(what, sizeof what, "step%lld", (long long)run->step);

@@ -2758,6 +2758,134 @@ static void test_fsdp_prefetches_the_next_unit(void) {
     dt_comm_group_free(g);
 }
 
+/* ---- stage 06: tensor parallelism ---- */
+
+/* The losses of two --log files agree within tol, step by step (and they
+   logged as many steps); the largest difference, or 1e9. */
+static double losses_differ_by(const char *a, const char *b, int expect) {
+    double x[64], y[64];
+    int n = read_losses(a, x, 64), m = read_losses(b, y, 64);
+    double worst = n == expect && m == expect ? 0 : 1e9;
+    for (int i = 0; i < n && i < m; i++) worst = fmax(worst, fabs(x[i] - y[i]));
+    return worst;
+}
+/* 06 at T = 2 and 4 against stage 01 with the same batch of 32, 20 steps (2
+   epochs of 320 samples), and --tp 2 over 4 ranks (2 groups of 16 each)
+   against 01 with 32 all the same: only the order of the sums differs (each
+   row-parallel layer adds T partial products). Losses within 1e-5, every
+   weight and Adam moment within 2e-5, as for DDP. */
+static void tp_equivalence(const char *data, int samples, const char *flags, const char *model, const char *extra) {
+    char out[16384], ref[600], rlog[700], dir[600], log[700], p[700], q[700];
+    snprintf(ref, sizeof ref, "%s/tp-%s-01%s", tmpdir, model, *extra ? "-x" : "");
+    snprintf(rlog, sizeof rlog, "%s.jsonl", ref);
+    int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s %s --batch-size 32 --save-dir %s --log %s", train_cpu, data,
+                     flags, extra, ref, rlog);
+    CHECKF(st == 0, "01: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/%s_data0-%d_epoch2", ref, model, samples);
+    static const struct { int nproc, tp, batch; } layouts[3] = { { 2, 0, 32 }, { 4, 0, 32 }, { 4, 2, 16 } };
+    for (int k = 0; k < 3; k++) {
+        snprintf(dir, sizeof dir, "%s/tp-%s-%d-%d%s", tmpdir, model, layouts[k].nproc, layouts[k].tp, *extra ? "-x" : "");
+        snprintf(log, sizeof log, "%s.jsonl", dir);
+        st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s %s --batch-size %d --nproc %d --tp %d --save-dir %s --log %s",
+                     stage_bin("06-tensor-parallel"), data, flags, extra, layouts[k].batch, layouts[k].nproc, layouts[k].tp,
+                     dir, log);
+        CHECKF(st == 0, "06 --nproc %d --tp %d: exit %d\n%s", layouts[k].nproc, layouts[k].tp, st, out);
+        double dl = losses_differ_by(rlog, log, 20);
+        CHECKF(dl <= 1e-5, "%s %s 06 --nproc %d --tp %d: losses differ from 01 by %.3g", model, extra, layouts[k].nproc,
+               layouts[k].tp, dl);
+        snprintf(q, sizeof q, "%s/%s_data0-%d_epoch2", dir, model, samples);
+        double d = max_tensor_diff(p, q);
+        CHECKF(d >= 0 && d <= 2e-5, "%s %s 06 --nproc %d --tp %d: weights or optimizer state differ from 01 by %.3g", model,
+               extra, layouts[k].nproc, layouts[k].tp, d);
+    }
+}
+static void test_tensor_parallel_equals_one_device(void) {
+    tp_equivalence(small_data(), 320, "", "mlp", "");
+    tp_equivalence(small_data(), 320, "--model vit --depth 2 --heads 4 --patch 4", "vit", "");
+    tp_equivalence(gpt_text(), 320, "--model gpt --dim 32 --depth 2 --heads 4 --seq-len 16", "gpt", "");
+    /* clipping on every step: the norm counts each replicated gradient once */
+    tp_equivalence(small_data(), 320, "--model vit --depth 2 --heads 4 --patch 4", "vit", "--clip 0.01");
+}
+
+/* Each rank's parameters, gradients and Adam moments are exactly its pieces
+   of the split tensors plus the rest whole (the log's peaks, after start-up),
+   and the table at start-up says which tensors are cut, whole and here. */
+static void test_tensor_parallel_keeps_one_tth_of_the_split_layers(void) {
+    char out[16384], log[600];
+    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 4, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model *m = dt_model_create(&mc, 1);
+    for (int n = 2; n <= 4; n += 2) {
+        double split = 0, whole = 0;
+        for (int i = 0; i < m->nparams; i++) {
+            if (m->splits[i].dim >= 0) split += 4.0 * m->params[i].numel;
+            else whole += 4.0 * m->params[i].numel;
+        }
+        snprintf(log, sizeof log, "%s/tpmem-%d.jsonl", tmpdir, n);
+        int st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --dim 32 --epochs 1 --steps 2 --model vit --depth 2 "
+                         "--heads 4 --batch-size 8 --nproc %d --log %s", stage_bin("06-tensor-parallel"), small_data(), n, log);
+        CHECKF(st == 0, "exit %d\n%s", st, out);
+        double here = split / n + whole;
+        double params = summary_value(log, "peak_params_bytes"), grads = summary_value(log, "peak_grads_bytes");
+        double optim = summary_value(log, "peak_optimizer_bytes");
+        CHECKF(split > 0.8 * (split + whole), "the split tensors are only %.0f of %.0f bytes", split, split + whole);
+        CHECKF(params == here && grads == here && optim == 2 * here,
+               "--tp %d: peaks params %.0f, grads %.0f, optimizer %.0f bytes; expected %.0f, %.0f and %.0f (whole: %.0f)", n,
+               params, grads, optim, here, here, 2 * here, split + whole);
+        char row[128];
+        snprintf(row, sizeof row, "blocks.*.attn.qkv.weight              96x32 -> %dx32", 96 / n);
+        CHECKF(strstr(out, row) && strstr(out, "x2 blocks"), "no row '%s' in the memory table:\n%s", row, out);
+    }
+    dt_model_free(m);
+}
+
+/* A tensor-parallel run saves the whole model, as stage 01 does (every
+   rank's pieces gathered, rank 0 writes): it resumes bit for bit at the same
+   --tp, at another --tp (each rank cuts its pieces again) and in stage 01,
+   and --init starts 06 from a checkpoint of 01. */
+static void test_tensor_parallel_checkpoints_are_whole_and_resume_at_any_tp(void) {
+    char out[16384], a[600], b[600], c[600], d[600], p[700], q[700];
+    const char *flags = "--model vit --depth 2 --heads 4 --patch 4 --batch-size 16";
+    snprintf(a, sizeof a, "%s/tpck-a", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --nproc 2 --save-dir %s", stage_bin("06-tensor-parallel"),
+                     small_data(), flags, a);
+    CHECKF(st == 0, "06: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/vit_data0-320_epoch1/model.safetensors", a);
+    dt_safetensors *sf = dt_safetensors_read(p);
+    float qkv[96 * 32];
+    int shape[2] = { 96, 32 };
+    CHECKF(dt_safetensors_get(sf, "blocks.0.attn.qkv.weight", qkv, 2, shape), "no whole blocks.0.attn.qkv.weight [96, 32] in %s", p);
+    dt_safetensors_close(sf);
+    snprintf(p, sizeof p, "%s/vit_data0-320_epoch2", a);
+    static const char *again[3] = { "06-tensor-parallel --nproc 2", "06-tensor-parallel --nproc 4", "01-single-gpu" };
+    for (int k = 0; k < 3; k++) {
+        char stage[64];
+        snprintf(stage, sizeof stage, "%s", again[k]);
+        char *sp = strchr(stage, ' ');
+        if (sp) *sp = 0;
+        snprintf(b, sizeof b, "%s/tpck-b%d", tmpdir, k);
+        st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s %s --resume %s/vit_data0-320_epoch1 --save-dir %s",
+                     stage_bin(stage), small_data(), flags, sp ? sp + 1 : "", a, b);
+        CHECKF(st == 0, "%s --resume: exit %d\n%s", again[k], st, out);
+        snprintf(q, sizeof q, "%s/vit_data0-320_epoch2", b);
+        if (k == 0) CHECKF(files_equal_tensors(p, q), "06 resumed at the same --tp: not bit for bit the run that went on");
+        else {
+            double diff = max_tensor_diff(p, q);
+            CHECKF(diff >= 0 && diff <= 2e-5, "%s resumed from 06 --tp 2: differs by %.3g from 06 going on", again[k], diff);
+        }
+    }
+    /* --init from stage 01's checkpoint: the same first loss as 01 from it */
+    snprintf(c, sizeof c, "%s/tpck-c.jsonl", tmpdir);
+    snprintf(d, sizeof d, "%s/tpck-d.jsonl", tmpdir);
+    st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --init %s/tpck-b2/vit_data0-320_epoch2 --steps 3 --log %s", train_cpu,
+                 small_data(), flags, tmpdir, c);
+    CHECKF(st == 0, "01 --init: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --nproc 2 --init %s/tpck-b2/vit_data0-320_epoch2 --steps 3 --log %s",
+                 stage_bin("06-tensor-parallel"), small_data(), flags, tmpdir, d);
+    CHECKF(st == 0, "06 --init: exit %d\n%s", st, out);
+    double dl = losses_differ_by(c, d, 3);
+    CHECKF(dl <= 1e-5, "06 --init from 01's checkpoint: losses differ from 01's by %.3g", dl);
+}
+
 /* Order mistakes: a stage file with one line moved -- a wrapper created after
    the optimizer, gradients used before they are synchronised, things freed
    before what holds them -- still compiles, and must stop with the message
@@ -2788,6 +2916,12 @@ static const order_mistake order_mistakes[] = {
     { "05-accum-mixed-precision", "dt_loss_scaler_unscale(", "dt_optimizer_step(", "dt_optimizer_step: the gradients are still multiplied by the loss scale; call dt_loss_scaler_unscale first" },
     { "05-accum-mixed-precision", "dt_optimizer_free(", "dt_fsdp_free(", "call dt_optimizer_free first" },
     { "05-accum-mixed-precision", "dt_fsdp_free(", "dt_model_free(", "call dt_fsdp_free first" },
+    { "06-tensor-parallel", "dt_tp_create(", "dt_optimizer_create(", "create the optimizer after dt_tp_create" },
+    { "06-tensor-parallel", "dt_backward(", "dt_tp_sync_grads(", "dt_tp_sync_grads: no backward has run" },
+    { "06-tensor-parallel", "dt_tp_sync_grads(", "dt_optimizer_step(", "call dt_tp_sync_grads first" },
+    { "06-tensor-parallel", "dt_optimizer_free(", "dt_tp_free(", "dt_tp_free: the optimizer still steps" },
+    { "06-tensor-parallel", "dt_tp_free(", "dt_model_free(", "call dt_tp_free first" },
+    { "06-tensor-parallel", "dt_comm_free(", "dt_optimizer_free(", "dt_comm_free: a parallel wrapper still uses this communicator; call dt_tp_free first" },
 };
 
 /* Copy src to dst with the line containing `move` taken out and put back just
@@ -4892,11 +5026,21 @@ static void test_cost_model_matches_hand_computed_cases(void) {
     CHECKF(CLOSE(dt_cost_all_reduce_ms(&l, 2, 1e9), 100.02, 1e-12), "N=2: %.6f ms", dt_cost_all_reduce_ms(&l, 2, 1e9));
     CHECKF(CLOSE(dt_cost_all_reduce_ms(&l, 8, 1e9), 175.14, 1e-12), "N=8: %.6f ms", dt_cost_all_reduce_ms(&l, 8, 1e9));
     CHECKF(CLOSE(dt_cost_all_gather_ms(&l, 8, 1e9), 87.57, 1e-12), "all-gather N=8: %.6f ms", dt_cost_all_gather_ms(&l, 8, 1e9));
+    /* tensor parallelism, 100 ms of compute of which 80% in the split layers,
+       8 sums of 1.25e7 bytes (1.25 ms each at N=2): 100 x (0.8/2 + 0.2) = 60
+       ms of compute and 10 of sums, none hidden: 100 / 70 over one rank with
+       the same batch (not twice it) */
+    dt_cost_input tp = { DT_PAR_TP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0.8, 8, 1.25e7 };
+    dt_cost_prediction q = dt_cost_predict(&tp, &(dt_link){ "no latency", 0, 10 }, 2);
+    CHECKF(CLOSE(q.compute_ms, 60, 1e-12) && CLOSE(q.comm_ms, 10, 1e-12) && CLOSE(q.exposed_ms, 10, 1e-12) &&
+           CLOSE(q.speedup, 100.0 / 70, 1e-12) && CLOSE(q.bytes, 8 * 1.25e7, 1e-12),
+           "TP: compute %.4f, comm %.4f, exposed %.4f, speedup %.4f, bytes %.4g", q.compute_ms, q.comm_ms, q.exposed_ms,
+           q.speedup, q.bytes);
     /* DDP, 100 ms of compute, 25 ms of all-reduce (2.5e8 bytes at N=2, no latency):
        nothing hidden: 125 ms a step, 80% efficiency; hidden behind half of
        compute (50 ms): 100% */
     dt_link fast = { "no latency", 0, 10 };
-    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0 };
+    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0, 0, 0, 0 };
     dt_cost_prediction p = dt_cost_predict(&in, &fast, 2);
     CHECKF(CLOSE(p.comm_ms, 25, 1e-12) && CLOSE(p.step_ms, 125, 1e-12) && CLOSE(p.efficiency, 0.8, 1e-12),
            "DDP: comm %.4f, step %.4f, efficiency %.4f", p.comm_ms, p.step_ms, p.efficiency);
@@ -4960,6 +5104,12 @@ static void test_bad_flags_exit_2_naming_the_flag(void) {
         { "05-accum-mixed-precision", "--dtype fp8", "--dtype" },
         { "05-accum-mixed-precision", "--reduce-dtype int8", "--reduce-dtype" },
         { "03-ddp", "--explain --link carrier-pigeon", "--link" },
+        { "03-ddp", "--tp 2", "--tp is a flag of 06-tensor-parallel" },
+        { "06-tensor-parallel", "--tp -1", "--tp" },
+        { "06-tensor-parallel", "--nproc 4 --tp 3", "--tp 3 does not divide the job's 4 ranks" },
+        { "06-tensor-parallel", "--nproc 4 --model vit --heads 2", "--heads must be a multiple of --tp" },
+        { "06-tensor-parallel", "--nproc 2 --depth 1", "the mlp needs --depth 2 or more" },
+        { "06-tensor-parallel", "--nproc 2 --model llama --dim 32 --heads 4", "llama is not split yet" },
     };
     char out[8192];
     int st;
@@ -5881,6 +6031,8 @@ static const test_case tests[] = {
     T(test_dp_and_ddp_equal_one_device_with_n_times_the_batch), T(test_dp_and_ddp_runs_repeat_bit_for_bit),
     T(test_ddp_buckets_overlap_backward_and_change_no_bits), T(test_fsdp_equals_ddp_in_every_shard_mode),
     T(test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank), T(test_fsdp_prefetches_the_next_unit),
+    T(test_tensor_parallel_equals_one_device), T(test_tensor_parallel_keeps_one_tth_of_the_split_layers),
+    T(test_tensor_parallel_checkpoints_are_whole_and_resume_at_any_tp),
     T(test_order_mistakes_in_each_stage_are_named_errors), T(test_gpt_trains_alike_in_every_stage), T(test_llama_trains_alike_in_every_stage),
     T(test_masked_instruction_data_trains_alike_in_every_stage), T(test_recompute_repeats_the_bits_of_every_stage_in_less_memory),
     T(test_lora_starts_at_the_frozen_model_and_trains_only_its_adapters), T(test_lora_trains_alike_in_every_stage_and_round_trips),

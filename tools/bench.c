@@ -17,11 +17,12 @@
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
 
-typedef struct { const char *name, *flags; int units; } workload;   /* units: what FSDP gathers one at a time */
+/* units: what FSDP gathers one at a time; heads: what tensor parallelism splits attention by (0: none) */
+typedef struct { const char *name, *flags; int units, heads; } workload;
 static const workload workloads[] = {
-    { "mlp", "--model mlp", 3 },
-    { "vit-tiny", "--model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64", 8 },
-    { "vit-base", "--model vit --image-size 224 --dim 768 --depth 12 --heads 12 --patch 16 --batch-size 64", 14 },  /* GPUs only */
+    { "mlp", "--model mlp", 3, 0 },
+    { "vit-tiny", "--model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64", 8, 3 },
+    { "vit-base", "--model vit --image-size 224 --dim 768 --depth 12 --heads 12 --patch 16 --batch-size 64", 14, 12 },  /* GPUs only */
 };
 /* label, binary, flags, the parallelism the cost model sees, 16-bit gathers */
 typedef struct { const char *label, *bin, *flags; dt_parallelism kind; int half; } stage;
@@ -35,6 +36,7 @@ static const stage stages[] = {
     { "04-fsdp/full+offload", "04-fsdp/train", "--shard full --cpu-offload", DT_PAR_ZERO3, 0 },
     { "05/fp32", "05-accum-mixed-precision/train", "--dtype fp32", DT_PAR_ZERO3, 0 },
     { "05/bf16", "05-accum-mixed-precision/train", "--dtype bf16", DT_PAR_ZERO3, 1 },
+    { "06-tensor-parallel", "06-tensor-parallel/train", "", DT_PAR_TP, 0 },
 };
 enum { NSTAGES = sizeof stages / sizeof stages[0] };
 static int NWORK = 2;                    /* vit-base joins when there is a GPU */
@@ -43,6 +45,7 @@ typedef struct {
     int ok, stage, work, ranks, threads, oversubscribed, one_thread;
     char device[16], dtype[8];
     double samples, gflops, step_ms, fwd, bwd, opt, comm, hidden, peak, state, host, params;
+    double tp_share, tp_sums, tp_bytes;
     double speedup, efficiency, predicted, predicted_eff;
 } row;
 
@@ -101,7 +104,7 @@ static dt_link measure_link(int n) {
     return l;
 }
 
-static const char *colors[] = { "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf" };
+static const char *colors[] = { "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf", "#bcbd22" };
 
 /* scaling.svg: speedup against ranks, a panel per workload; measured solid,
    predicted dashed, and the machine's limit. */
@@ -362,6 +365,12 @@ int main(int argc, char **argv) {
                     total--;
                     continue;
                 }
+                if (stages[s].kind == DT_PAR_TP && n > 1 && workloads[w].heads % n) {
+                    total--;
+                    printf("(%s %s at %d ranks: its %d attention heads do not split over %d ranks, and tensor parallelism "
+                           "splits attention by heads)\n", stages[s].label, workloads[w].name, n, workloads[w].heads, n);
+                    continue;
+                }
                 /* stage 01 runs at 1 thread too (its "n = 2" slot): how compute scales with cores */
                 int one_thread = s == 0 && n == 2, ranks = s == 0 ? 1 : n;
                 char cmd[1024], line[4096], nproc[32] = "";
@@ -385,6 +394,7 @@ int main(int argc, char **argv) {
                 r->comm = field(line, "comm_ms"); r->hidden = field(line, "comm_hidden_ms");
                 r->peak = field(line, "peak_mem_mb"); r->state = field(line, "peak_state_mb"); r->host = field(line, "peak_host_mb");
                 r->params = field(line, "params");
+                r->tp_share = field(line, "tp_share"); r->tp_sums = field(line, "tp_sums"); r->tp_bytes = field(line, "tp_bytes");
                 r->oversubscribed = strcmp(r->device, "cpu") ? ranks > gpus : ranks * r->threads > cores;
                 if (s == 0 && !one_thread) c_all = r->fwd + r->bwd + r->opt;
                 if (one_thread) c_one = r->fwd + r->bwd + r->opt;
@@ -416,6 +426,7 @@ int main(int argc, char **argv) {
             in.accum_steps = 1;
             /* DDP's buckets (25 MB, the first 1 MB); FSDP's units */
             in.messages = sg->kind == DT_PAR_DDP ? dt_cost_ddp_buckets(r->params, 25) : workloads[w].units;
+            in.tp_share = r->tp_share; in.tp_sums = r->tp_sums; in.tp_bytes = r->tp_bytes;   /* 06 says, in its bench line */
             /* On a CPU the ranks share its cores: with T = cores / N threads each,
                a rank computes at the speed 01 measured with T threads (from its
                1- and all-core runs), and ranks beyond the cores take turns. */
