@@ -38,12 +38,14 @@
                         kernel can call too
         5  autograd     the ops: each appends its backward to a tape; dt_backward() walks
                         it in reverse. Activations live in a per-step arena. The
-                        callbacks a parallel wrapper implements (dt_parallel)
+                        callbacks a parallel wrapper implements (dt_parallel), and
+                        tensor parallelism's collectives as ops on the tape
         6  models       an MLP and a Vision Transformer with PyTorch/timm names, and two
                         causal language models with Hugging Face's names: GPT-2, and
                         Llama (RMSNorm, rotary embeddings, grouped-query attention,
                         SwiGLU; Qwen2's q/k/v biases), one table row per family;
-                        activation recompute, block by block
+                        activation recompute, block by block; where tensor
+                        parallelism may cut each parameter (dt_split)
         7  optimizer    AdamW, SGD with momentum, gradient clipping, warmup + cosine
         8  data         image folders, CIFAR-10 binaries, text (bytes or token ids),
                         instruction examples whose prompts the loss ignores,
@@ -59,10 +61,13 @@
                         that stop every rank after the same step, saved
        11  parallel     DataParallel (one process, N devices, device 0 in charge),
                         DistributedDataParallel (a replica per process, gradients
-                        averaged in buckets while backward runs) and Fully Sharded
+                        averaged in buckets while backward runs), Fully Sharded
                         Data Parallel (each rank keeps 1/N of every unit: gathered
                         to compute, gradients reduce-scattered; ZeRO-1/2/3 side by
-                        side; CPU offload); no-sync for gradient accumulation.
+                        side; CPU offload; no-sync for gradient accumulation) and
+                        tensor parallelism (each rank computes 1/T of every block:
+                        Megatron-LM's column- and row-parallel layers, sequence
+                        parallelism, data parallel across the groups).
                         Each is one dt_parallel; calls in the wrong order are
                         errors that say what to call first
        12  precision    bf16/fp16 activations and matmul operands, f32 master
@@ -383,6 +388,16 @@ struct dt_parallel {
        in place. NULL: no layer is split, and dt_tp_copy and dt_tp_sum are
        the identity. */
     void (*tp_sum)(dt_parallel *par, float *values, int64_t n);
+    /* Sequence parallelism (--sequence-parallel): the same group's all-gather
+       (each rank's n values, rank after rank) and reduce-scatter (the sum,
+       this rank keeping its n of n x tp_size), on the device; NULL without
+       it. tp_rank, tp_size: this rank's place in the group. */
+    void (*sp_all_gather)(dt_parallel *par, const float *mine, float *all, int64_t n);
+    void (*sp_reduce_scatter)(dt_parallel *par, const float *all, float *mine, int64_t n);
+    int tp_rank, tp_size;
+    /* Kept by the ops: 1 between dt_sp_split and dt_sp_gather, where each rank
+       holds its share of the rows (and backward, walking back, sets it again). */
+    int rows_split;
     /* Kept by the library: a backward ran since backward_done did, so the
        gradients are this rank's own, not yet the average the optimizer needs. */
     int grads_pending;
@@ -401,6 +416,19 @@ void dt_parallel_backward_done(dt_parallel *par);
    gives tp_sum, both return x. */
 dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x);
 dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x);
+/* Sequence parallelism (Korthikanti et al., 2022): between the split layers,
+   where the norms and residual adds work row by row, each rank of the group
+   keeps 1/T of the rows (tokens) instead of all of them. dt_sp_split enters
+   that region (this rank's rows; backward all-gathers their gradients),
+   dt_sp_gather leaves it (every row again; backward keeps this rank's). In
+   between, dt_tp_copy becomes an all-gather of the rows (backward: a
+   reduce-scatter) and dt_tp_sum a reduce-scatter (backward: an all-gather):
+   the same bytes as the all-reduces they replace, as each all-reduce is a
+   reduce-scatter then an all-gather. Without a wrapper that gives
+   sp_all_gather, both return x; so they do when the rows do not split evenly
+   and no gradient is wanted (generation), and with gradients that is an error. */
+dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x);
+dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x);
 /* x [rows, cols] + bias [cols] on every row: a row-parallel layer's bias, added
    once, after the sum. */
 dt_tensor *dt_add_bias(dt_tensor *x, dt_tensor *bias);
@@ -442,7 +470,11 @@ typedef struct dt_model_config {
    of all three), each piece a whole number of `align` (a head's width:
    attention is split by heads). A weight cut along its outputs is a
    column-parallel layer, along its inputs a row-parallel one. */
-typedef struct dt_split { int dim, parts, align; } dt_split;
+typedef struct dt_split {
+    int dim, parts, align;
+    int rows;      /* read between dt_sp_split and dt_sp_gather: under --sequence-parallel each rank's
+                      gradient of a whole parameter is then its rows' part, summed over the group */
+} dt_split;
 
 typedef struct dt_model {
     dt_model_config cfg;
@@ -854,8 +886,12 @@ void dt_fsdp_free(dt_fsdp *fsdp);
    groups after backward. */
 typedef struct dt_tp dt_tp;
 /* Keep this rank's piece of every split parameter (the weights drawn whole
-   from the seed, as in stage 01, then cut). tp 0: the whole job is one group. */
-dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp);
+   from the seed, as in stage 01, then cut). tp 0: the whole job is one group.
+   sequence_parallel: between the split layers each rank keeps 1/T of the
+   rows too (dt_sp_split), and the gradients of the whole parameters read
+   there (the blocks' norms, the row-parallel biases) are summed over the
+   group after backward. */
+dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_parallel);
 /* After backward: the split layers need nothing (their sums ran on the tape);
    with more than one group, every gradient is averaged over the groups. */
 void dt_tp_sync_grads(dt_tp *tp);
@@ -1064,6 +1100,7 @@ typedef struct dt_config {
     int shard;                   /* --shard: what FSDP shards (a dt_shard_mode; default full) */
     int cpu_offload;             /* --cpu-offload: FSDP's shards and optimizer in host memory */
     int tp;                      /* --tp: ranks per tensor-parallel group (0: every rank of the job) */
+    int sequence_parallel;       /* --sequence-parallel: the rows between the split layers split too */
     int recompute;               /* --recompute: each block's activations made again in backward */
     int lora_rank;               /* --lora-rank: LoRA adapters of this rank on a frozen model (0: none) */
     float lora_alpha;            /* --lora-alpha: their scale is alpha / rank (default 8, PEFT's) */
@@ -3099,44 +3136,147 @@ static void dt__add_into_grad(dt_tensor *t, const float *v) {
     }
     dt__grad_acc_done(t, g);
 }
-/* The input's gradient is each rank's part of it: summed over the group. */
+/* The rows of x [N, C] (N = rows x T when `whole`) as f32 on the device, in
+   scratch: a view of x when it is f32 already. */
+static float *dt__tp_rows_f32(const dt_tensor *x) { return (float *)dt__in(x); }
+/* All of the group's rows, rank after rank: an all-gather of `mine` (n values). */
+static float *dt__tp_all_rows(dt_parallel *par, const float *mine, int64_t n, dt_device device) {
+    float *all = (float *)dt__scratch_on(device, (size_t)n * (size_t)par->tp_size * sizeof(float));
+    par->sp_all_gather(par, mine, all, n);
+    return all;
+}
+
+/* A column-parallel layer's input (Megatron-LM's f): the input itself, whose
+   gradient is each rank's part, summed over the group. Between dt_sp_split
+   and dt_sp_gather (iarg[0] 1) it is every rank's rows gathered, and the
+   gradient is reduce-scattered: each rank keeps its rows' sum. */
 static void dt__tp_copy_backward(dt__tape_entry *e) {
     dt_tensor *x = e->in[0];
     if (!x->requires_grad) return;
     dt_parallel *par = (dt_parallel *)e->saved;
-    int64_t n = x->numel;
+    int64_t n = e->out->numel;
     float *sum = (float *)dt__scratch_on(x->device, (size_t)n * sizeof(float));
     dt_convert(dt__grad_in(e->out), DT_F32, sum, DT_F32, n);
-    par->tp_sum(par, sum, n);
-    dt__add_into_grad(x, sum);
+    if (!e->iarg[0]) {
+        par->tp_sum(par, sum, n);
+        dt__add_into_grad(x, sum);
+        return;
+    }
+    float *mine = (float *)dt__scratch_on(x->device, (size_t)x->numel * sizeof(float));
+    par->sp_reduce_scatter(par, sum, mine, x->numel);
+    dt__add_into_grad(x, mine);
 }
 dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x) {
     if (!par || !par->tp_sum) return x;
-    dt_tensor *y = (dt_tensor *)dt_step_alloc(sizeof *y);     /* the same values: a view with a gradient of its own */
-    *y = *x;
-    y->name = NULL;
-    y->grad = NULL;
-    y->requires_grad = 0;
-    y->is_param = 0;
-    y->parallel = NULL;
-    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__tp_copy_backward, y, x, NULL, NULL)->saved = par;
+    dt_tensor *y;
+    if (par->rows_split) {                                    /* the group's rows, gathered */
+        dt__backend_for(x);
+        dt__scratch_reset();
+        int shape[4] = { (int)dt_tensor_rows(x) * par->tp_size, (int)dt_tensor_cols(x), 0, 0 };
+        y = dt__tensor_out(2, shape);
+        float *yv = dt__out(y);
+        par->sp_all_gather(par, dt__tp_rows_f32(x), yv, x->numel);
+        dt__out_done(y, yv);
+    } else {
+        y = (dt_tensor *)dt_step_alloc(sizeof *y);            /* the same values: a view with a gradient of its own */
+        *y = *x;
+        y->name = NULL;
+        y->grad = NULL;
+        y->requires_grad = 0;
+        y->is_param = 0;
+        y->parallel = NULL;
+    }
+    if (dt__wants_grad(x, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__tp_copy_backward, y, x, NULL, NULL);
+        e->saved = par;
+        e->iarg[0] = par->rows_split;
+    }
     return y;
 }
-/* Every rank's partial output, added up; the gradient passes as it is. */
+/* A row-parallel layer's output (Megatron-LM's g): every rank's partial
+   output, added up; the gradient passes as it is. Between dt_sp_split and
+   dt_sp_gather the sum is reduce-scattered (each rank keeps its rows of it),
+   and the gradient all-gathered. */
 static void dt__tp_sum_backward(dt__tape_entry *e) {
     dt_tensor *x = e->in[0];
-    if (x->requires_grad) dt__add_into_grad(x, dt__grad_in(e->out));
+    if (!x->requires_grad) return;
+    const float *dy = dt__grad_in(e->out);
+    if (e->iarg[0]) dy = dt__tp_all_rows((dt_parallel *)e->saved, dy, e->out->numel, x->device);
+    dt__add_into_grad(x, dy);
 }
 dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x) {
     if (!par || !par->tp_sum) return x;
     dt__backend_for(x);
     dt__scratch_reset();
-    dt_tensor *y = dt__tensor_out(x->ndim, x->shape);
+    dt_tensor *y;
+    if (par->rows_split) {                                    /* each rank its rows of the sum */
+        int64_t rows = dt_tensor_rows(x);
+        if (rows % par->tp_size) dt_fail("internal: %lld rows do not split over %d ranks", (long long)rows, par->tp_size);
+        int shape[4] = { (int)(rows / par->tp_size), (int)dt_tensor_cols(x), 0, 0 };
+        y = dt__tensor_out(2, shape);
+        float *yv = dt__out(y);
+        par->sp_reduce_scatter(par, dt__tp_rows_f32(x), yv, y->numel);
+        dt__out_done(y, yv);
+    } else {
+        y = dt__tensor_out(x->ndim, x->shape);
+        float *yv = dt__out(y);
+        dt_convert(dt__in(x), DT_F32, yv, DT_F32, x->numel);
+        par->tp_sum(par, yv, x->numel);
+        dt__out_done(y, yv);
+    }
+    if (dt__wants_grad(x, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__tp_sum_backward, y, x, NULL, NULL);
+        e->saved = par;
+        e->iarg[0] = par->rows_split;
+    }
+    return y;
+}
+
+/* -- entering and leaving the rows-split region (sequence parallelism). Each
+      backward also sets rows_split back to what it was there, so a block
+      that --recompute runs again in backward sees the rows as its forward did. -- */
+static void dt__sp_split_backward(dt__tape_entry *e) {
+    dt_parallel *par = (dt_parallel *)e->saved;
+    par->rows_split = 0;
+    dt_tensor *x = e->in[0];
+    if (x->requires_grad) dt__add_into_grad(x, dt__tp_all_rows(par, dt__grad_in(e->out), e->out->numel, x->device));
+}
+dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x) {
+    if (!par || !par->sp_all_gather) return x;
+    int64_t rows = dt_tensor_rows(x), cols = dt_tensor_cols(x);
+    if (rows % par->tp_size) {
+        if (!dt__ctx.grad_enabled) return x;                  /* generation: whole rows, the same values */
+        dt_fail("--sequence-parallel: a batch of %lld rows (sequences x tokens) does not split evenly over the %d ranks of a "
+                "tensor-parallel group; choose --batch-size so that it does", (long long)rows, par->tp_size);
+    }
+    int64_t mine = rows / par->tp_size;
+    int shape[4] = { (int)mine, (int)cols, 0, 0 };
+    dt__backend_for(x);
+    dt_tensor *y = dt__tensor_out(2, shape);
+    size_t es = dt_dtype_size(x->dtype);
+    dt_convert((const char *)x->data + (size_t)(par->tp_rank * mine * cols) * es, x->dtype, y->data, y->dtype, y->numel);
+    par->rows_split = 1;
+    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__sp_split_backward, y, x, NULL, NULL)->saved = par;
+    return y;
+}
+static void dt__sp_gather_backward(dt__tape_entry *e) {
+    dt_parallel *par = (dt_parallel *)e->saved;
+    par->rows_split = 1;
+    dt_tensor *x = e->in[0];
+    if (x->requires_grad)                      /* every rank holds the whole, equal gradient: its rows of it */
+        dt__add_into_grad(x, dt__grad_in(e->out) + (size_t)par->tp_rank * (size_t)x->numel);
+}
+dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x) {
+    if (!par || !par->sp_all_gather || !par->rows_split) return x;
+    dt__backend_for(x);
+    dt__scratch_reset();
+    int shape[4] = { (int)dt_tensor_rows(x) * par->tp_size, (int)dt_tensor_cols(x), 0, 0 };
+    dt_tensor *y = dt__tensor_out(2, shape);
     float *yv = dt__out(y);
-    dt_convert(dt__in(x), DT_F32, yv, DT_F32, x->numel);
-    par->tp_sum(par, yv, x->numel);
+    par->sp_all_gather(par, dt__tp_rows_f32(x), yv, x->numel);
     dt__out_done(y, yv);
-    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__tp_sum_backward, y, x, NULL, NULL);
+    par->rows_split = 0;
+    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__sp_gather_backward, y, x, NULL, NULL)->saved = par;
     return y;
 }
 
@@ -3925,7 +4065,7 @@ static void dt__add_param(dt__model_builder *mb, const char *name, dt__init_kind
     t->is_param = 1;
     mb->init[m->nparams] = init;
     mb->init_scale[m->nparams] = scale;
-    m->splits[m->nparams] = (dt_split){ -1, 1, 1 };                 /* whole, unless marked below */
+    m->splits[m->nparams] = (dt_split){ .dim = -1, .parts = 1, .align = 1 };   /* whole, unless marked below */
     m->nparams++;
 }
 /* Where tensor parallelism may cut the layer just added (weight, then bias):
@@ -3934,11 +4074,16 @@ static void dt__add_param(dt__model_builder *mb, const char *name, dt__init_kind
    bias whole (added once, after the sum). in_out: GPT-2's [in, out] weight. */
 static void dt__split_column(dt__model_builder *mb, int in_out, int parts, int align) {
     dt_model *m = mb->m;
-    m->splits[m->nparams - 2] = (dt_split){ in_out ? 1 : 0, parts, align };
-    m->splits[m->nparams - 1] = (dt_split){ 0, parts, align };
+    m->splits[m->nparams - 2] = (dt_split){ .dim = in_out ? 1 : 0, .parts = parts, .align = align };
+    m->splits[m->nparams - 1] = (dt_split){ .dim = 0, .parts = parts, .align = align };
 }
 static void dt__split_row(dt__model_builder *mb, int in_out, int align) {
-    mb->m->splits[mb->m->nparams - 2] = (dt_split){ in_out ? 0 : 1, 1, align };
+    mb->m->splits[mb->m->nparams - 2] = (dt_split){ .dim = in_out ? 0 : 1, .parts = 1, .align = align };
+}
+/* The parameters from `first` on are read between dt_sp_split and
+   dt_sp_gather (the blocks; every layer of the MLP). */
+static void dt__rows_split_from(dt__model_builder *mb, int first) {
+    for (int i = first; i < mb->m->nparams; i++) mb->m->splits[i].rows = 1;
 }
 
 static void dt__add_linear(dt__model_builder *mb, const char *prefix, int in, int out, dt__init_kind init, float scale) {
@@ -3986,6 +4131,7 @@ static void dt__gpt_build(dt__model_builder *mb, const dt_model_config *cfg) {
     dt__add_param(mb, "wte.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->classes, D, 0, 0);
     dt__add_param(mb, "wpe.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->seq_len, D, 0, 0);
     dt__add_layernorm(mb, "ln_f", D);
+    int blocks = mb->m->nparams;
     for (int l = 0; l < cfg->depth; l++) {
         dt__unit_starts_here(mb);
         snprintf(name, sizeof name, "h.%d.ln_1", l); dt__add_layernorm(mb, name, D);
@@ -3999,6 +4145,7 @@ static void dt__gpt_build(dt__model_builder *mb, const dt_model_config *cfg) {
         snprintf(name, sizeof name, "h.%d.mlp.c_proj", l); dt__add_conv1d(mb, name, cfg->mlp_hidden, D, proj);
         dt__split_row(mb, 1, 1);
     }
+    dt__rows_split_from(mb, blocks);
 }
 /* PyTorch's nn.Linear initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) */
 static void dt__mlp_build(dt__model_builder *mb, const dt_model_config *cfg) {
@@ -4015,6 +4162,7 @@ static void dt__mlp_build(dt__model_builder *mb, const dt_model_config *cfg) {
         if (l % 2 == 1) dt__split_row(mb, 0, 1);
         in = out;
     }
+    dt__rows_split_from(mb, 0);
 }
 /* timm's VisionTransformer: truncated-normal(0.02) linears, zero biases, unit
    LayerNorms, a near-zero class token, conv-style patch embedding */
@@ -4029,6 +4177,7 @@ static void dt__vit_build(dt__model_builder *mb, const dt_model_config *cfg) {
     dt__add_param(mb, "pos_embed", DT_INIT_NORMAL, 0.02f, 3, 1, P + 1, D, 0);
     dt__add_param(mb, "patch_embed.proj.weight", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 4, D, C, p, p);
     dt__add_param(mb, "patch_embed.proj.bias", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 1, D, 0, 0, 0);
+    int blocks = mb->m->nparams;
     for (int l = 0; l < cfg->depth; l++) {
         dt__unit_starts_here(mb);
         snprintf(name, sizeof name, "blocks.%d.norm1", l); dt__add_layernorm(mb, name, D);
@@ -4042,6 +4191,7 @@ static void dt__vit_build(dt__model_builder *mb, const dt_model_config *cfg) {
         snprintf(name, sizeof name, "blocks.%d.mlp.fc2", l); dt__add_linear(mb, name, cfg->mlp_hidden, D, DT_INIT_NORMAL, 0.02f);
         dt__split_row(mb, 0, 1);
     }
+    dt__rows_split_from(mb, blocks);
     dt__unit_starts_here(mb);
     dt__add_layernorm(mb, "norm", D);
     dt__add_linear(mb, "head", D, cfg->classes, DT_INIT_NORMAL, 0.02f);
@@ -4234,9 +4384,10 @@ static dt_tensor *dt__mlp_forward(dt_model *m, dt_tensor *images) {
     dt_tensor *x = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
     *x = *images;                                                      /* flatten: a view */
     x->ndim = 2; x->shape[0] = B; x->shape[1] = (int)(images->numel / B);
+    x = dt_sp_split(m->parallel, x);                                   /* --sequence-parallel: this rank's images */
     for (int l = 0; l <= c->depth; l++)
         x = dt__block(m, l, l < c->depth ? dt__mlp_hidden_block : dt__mlp_last_block, dt__unit_weights(m, l), x, B, 0);
-    return x;
+    return dt_sp_gather(m->parallel, x);
 }
 
 /* A ViT block: pre-LN attention and MLP, each added to the residual stream. */
@@ -4260,9 +4411,10 @@ static dt_tensor *dt__vit_forward(dt_model *m, dt_tensor *images) {
     dt__unit_boundary(m, 0, 1);
     dt_tensor *cls = DT_NEXT, *pos = DT_NEXT, *pw = DT_NEXT, *pb = DT_NEXT;
     dt_tensor *x = dt_linear(dt_patchify(images, c->patch), pw, pb); /* the conv, as a matmul */
-    x = dt_vit_tokens(x, cls, pos, B);
+    x = dt_sp_split(m->parallel, dt_vit_tokens(x, cls, pos, B));     /* --sequence-parallel: this rank's rows */
     dt__unit_boundary(m, 0, 0);
     for (int l = 0; l < c->depth; l++) x = dt__block(m, 1 + l, dt__vit_block, dt__unit_weights(m, 1 + l), x, B, T);
+    x = dt_sp_gather(m->parallel, x);
     dt__unit_boundary(m, 1 + c->depth, 1);
     P = dt__unit_weights(m, 1 + c->depth);
     pi = 0;
@@ -4302,8 +4454,9 @@ static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens) {
 #define DT_NEXT (&P[pi++])
     dt__unit_boundary(m, 0, 1);                                         /* the outer unit, until the head */
     dt_tensor *wte = DT_NEXT, *wpe = DT_NEXT, *nfw = DT_NEXT, *nfb = DT_NEXT;
-    dt_tensor *x = dt_token_embedding(tokens, wte, wpe);
+    dt_tensor *x = dt_sp_split(m->parallel, dt_token_embedding(tokens, wte, wpe));   /* --sequence-parallel */
     for (int l = 0; l < c->depth; l++) x = dt__block(m, 1 + l, dt__gpt_block, dt__unit_weights(m, 1 + l), x, B, T);
+    x = dt_sp_gather(m->parallel, x);
     x = dt_linear(dt_layernorm(x, nfw, nfb, 1e-5f), wte, NULL);       /* tied head: logits = x wte^T */
     dt__unit_boundary(m, 0, 0);
     return x;
@@ -5929,7 +6082,7 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint6
    makes runs repeat bit for bit: float addition is not associative, and a
    timing-dependent order would give different bits every run.
 
-   Tensor and pipeline parallelism (the stages after 05) need two more things.
+   Tensor and pipeline parallelism (stage 06 and after) need two more things.
    Groups: a communicator of some of the ranks (dt_comm_split), with shared
    memory and a communication thread of its own, so that the pairs of a mesh
    all-reduce side by side. And messages between two ranks (dt_send, dt_recv),
@@ -8030,9 +8183,10 @@ struct dt_tp {
     dt_mesh *mesh;
     dt_comm *group, *across;    /* the ranks that split the layers ("tp"), and the data-parallel groups ("dp") */
     int size, rank;             /* T, and this rank's piece */
+    int sequence_parallel;
     int data_rank, data_ranks;
-    int64_t sums, sum_bytes;    /* the sums of this step so far ... */
-    int64_t step_sums, step_sum_bytes;   /* ... and of the last step: what the cost model counts */
+    double sums, sum_bytes;     /* the sums of this step so far (an all-gather or a reduce-scatter: half a sum) ... */
+    double step_sums, step_sum_bytes;    /* ... and of the last step: what the cost model counts */
     double sum_ms, step_sum_ms;
     /* The model as it was before the cut: its parameters' whole shapes and
        offsets, no buffers. Checkpoints are laid out by it (section 13). */
@@ -8052,7 +8206,28 @@ static void dt__tp_sum(dt_parallel *par, float *values, int64_t n) {
     dt__record_comm("all_reduce tp", t0, t1, 0);
     t->sum_ms += t1 - t0;
     t->sums++;
-    t->sum_bytes += n * (int64_t)sizeof(float);
+    t->sum_bytes += 4.0 * (double)n;
+}
+/* Sequence parallelism's halves of it: as many bytes (the whole, n x T), half the hops. */
+static void dt__sp_all_gather(dt_parallel *par, const float *mine, float *all, int64_t n) {
+    dt_tp *t = (dt_tp *)par;
+    double t0 = dt_now_ms();
+    dt_all_gather(t->group, mine, all, n, DT_F32);
+    double t1 = dt_now_ms();
+    dt__record_comm("all_gather tp", t0, t1, 0);
+    t->sum_ms += t1 - t0;
+    t->sums += 0.5;
+    t->sum_bytes += 0.5 * 4.0 * (double)n * t->size;
+}
+static void dt__sp_reduce_scatter(dt_parallel *par, const float *all, float *mine, int64_t n) {
+    dt_tp *t = (dt_tp *)par;
+    double t0 = dt_now_ms();
+    dt_reduce_scatter(t->group, all, mine, n, DT_F32, DT_SUM);
+    double t1 = dt_now_ms();
+    dt__record_comm("reduce_scatter tp", t0, t1, 0);
+    t->sum_ms += t1 - t0;
+    t->sums += 0.5;
+    t->sum_bytes += 0.5 * 4.0 * (double)n * t->size;
 }
 static void dt__tp_step_done(dt_parallel *par) {
     dt_tp *t = (dt_tp *)par;
@@ -8090,6 +8265,14 @@ static void dt__tp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
 /* With several data-parallel groups, the average gradient over them. */
 static void dt__tp_backward_done(dt_parallel *par) {
     dt_tp *t = (dt_tp *)par;
+    dt_model *m = t->model;
+    if (t->sequence_parallel) {            /* the whole parameters read where the rows are split: summed */
+        double t0 = dt_now_ms();
+        for (int i = 0; i < m->nparams; i++)
+            if (m->splits[i].dim < 0 && m->splits[i].rows)
+                dt_all_reduce(t->group, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
+        dt__record_comm("all_reduce tp grads", t0, dt_now_ms(), 0);
+    }
     if (t->data_ranks == 1) return;
     double t0 = dt_now_ms();
     dt_all_reduce(t->across, t->model->flat_grad, t->model->flat_grad, t->model->numel, DT_F32, DT_AVG);
@@ -8155,8 +8338,11 @@ static void dt__tp_state_scatter(dt_tp *t, float *whole, float *local) {
     free(mine);
 }
 
-dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp) {
+dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_parallel) {
     int world = dt_comm_size(comm);
+    char v[64];
+    snprintf(v, sizeof v, "%d %d", tp, sequence_parallel != 0);
+    dt_comm_check_agree(comm, "--tp --sequence-parallel", v);
     if (tp <= 0) tp = world;
     if (world % tp)
         dt_usage_error("--tp %d does not divide the job's %d ranks (the ranks form groups of --tp, data parallel across them)",
@@ -8182,7 +8368,9 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp) {
                             .backward_done = dt__tp_backward_done, .step_done = dt__tp_step_done,
                             .optimizer_view = dt__tp_optimizer_view,
                             .sum_over_ranks = dt__tp_sum_over_ranks,
-                            .tp_sum = tp > 1 ? dt__tp_sum : NULL };   /* a group of one: the layers as in stage 01 */
+                            .tp_sum = tp > 1 ? dt__tp_sum : NULL,     /* a group of one: the layers as in stage 01 */
+                            .sp_all_gather = tp > 1 && sequence_parallel ? dt__sp_all_gather : NULL,
+                            .sp_reduce_scatter = tp > 1 && sequence_parallel ? dt__sp_reduce_scatter : NULL };
     dt_model_set_parallel(model, &t->par);
     dt__comm_hold(comm, "dt_tp_free");
     t->model = model;
@@ -8194,6 +8382,9 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp) {
     t->across = dt_mesh_comm(t->mesh, "dp");
     t->size = tp;
     t->rank = dt_mesh_coord(t->mesh, "tp");
+    t->par.tp_rank = t->rank;
+    t->par.tp_size = tp;
+    t->sequence_parallel = tp > 1 && sequence_parallel;
     t->data_rank = dt_mesh_coord(t->mesh, "dp");
     t->data_ranks = world / tp;
 
@@ -10282,7 +10473,7 @@ static void dt__bench_report(dt_run *r) {
     const dt_tp *tp = dt__tp_of(r->model);
     if (tp)                             /* what the cost model needs of tensor parallelism */
         printf(" tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", tp->size, dt__tp_split_share(tp),
-               (double)tp->step_sums / cfg->accum_steps, tp->step_sums > 0 ? (double)tp->step_sum_bytes / tp->step_sums : 0.0);
+               tp->step_sums / cfg->accum_steps, tp->step_sums > 0 ? tp->step_sum_bytes / tp->step_sums : 0.0);
     printf("\n");
     fflush(stdout);
 }
@@ -10557,6 +10748,9 @@ static const dt__flag dt__flags[] = {
       DT_ARG_CHOICE, DT_CFG(link), "shm|pcie|nvlink|infiniband", DT_NOT_A_NUMBER },
     { "--tp", "6", "T", "tensor parallelism: ranks per group that split every block's layers (default 0: the whole job;\n"
       "                          a job of N ranks is N/T data-parallel groups of T)", DT_ARG_INT, DT_CFG(tp), NULL, DT_MIN(0) },
+    { "--sequence-parallel", "6", NULL, "tensor parallelism: the norms and residual adds between the split layers work on\n"
+      "                          1/T of the tokens each (all-reduces become reduce-scatter + all-gather)", DT_ARG_SWITCH,
+      DT_CFG(sequence_parallel), NULL, DT_NOT_A_NUMBER },
     { "--bucket-mb", "3", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL, DT_MIN(0) },
     { "--timeout", "23456", "S", "stop when a rank (02: a device) has not answered for S seconds (default 60)", DT_ARG_FLOAT,
@@ -11182,8 +11376,8 @@ static void dt__run_explain(dt_run *r) {
         in.kind = DT_PAR_TP;
         n = tp->size;
         in.tp_share = dt__tp_split_share(tp);
-        in.tp_sums = (double)tp->step_sums / c->accum_steps;
-        in.tp_bytes = tp->step_sums > 0 ? (double)tp->step_sum_bytes / (double)tp->step_sums : 0;
+        in.tp_sums = tp->step_sums / c->accum_steps;
+        in.tp_bytes = tp->step_sums > 0 ? tp->step_sum_bytes / tp->step_sums : 0;
         double kept = in.tp_share / n + (1 - in.tp_share);
         in.compute_ms = fmax(0, in.compute_ms - tp->step_sum_ms / c->accum_steps) / kept;
     }

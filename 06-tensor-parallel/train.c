@@ -20,7 +20,7 @@ int main(int argc, char **argv) {
     dt_load_data(&cfg, &train, &val);
     dt_model_config mc = dt_model_config_from(&cfg, train.channels, train.size, train.num_classes);
     dt_model *model = dt_model_create(&mc, cfg.seed);
-    dt_tp *tp = dt_tp_create(model, comm, cfg.tp);            /* keep 1/T of every block's weights */
+    dt_tp *tp = dt_tp_create(model, comm, cfg.tp, cfg.sequence_parallel);  /* keep 1/T of every block's weights */
     dt_optimizer *opt = dt_optimizer_create(model, cfg.optimizer, cfg.weight_decay, cfg.momentum, cfg.clip);
     dt_loader loader = dt_loader_create(&train, cfg.batch_size, cfg.seed, /*shuffle*/ 1, cfg.augment,
                                         /*drop_last*/ 1, dt_tp_data_rank(tp), dt_tp_data_ranks(tp));  /* the group's share */

@@ -2771,9 +2771,11 @@ static double losses_differ_by(const char *a, const char *b, int expect) {
 }
 /* 06 at T = 2 and 4 against stage 01 with the same batch of 32, 20 steps (2
    epochs of 320 samples), and --tp 2 over 4 ranks (2 groups of 16 each)
-   against 01 with 32 all the same: only the order of the sums differs (each
-   row-parallel layer adds T partial products). Losses within 1e-5, every
-   weight and Adam moment within 2e-5, as for DDP. */
+   against 01 with 32 all the same; each also with --sequence-parallel (once
+   with --recompute, whose blocks run again inside the rows-split region):
+   only the order of the sums differs (each row-parallel layer adds T partial
+   products). Losses within 1e-5, every weight and Adam moment within 2e-5,
+   as for DDP. */
 static void tp_equivalence(const char *data, int samples, const char *flags, const char *model, const char *extra) {
     char out[16384], ref[600], rlog[700], dir[600], log[700], p[700], q[700];
     snprintf(ref, sizeof ref, "%s/tp-%s-01%s", tmpdir, model, *extra ? "-x" : "");
@@ -2782,21 +2784,23 @@ static void tp_equivalence(const char *data, int samples, const char *flags, con
                      flags, extra, ref, rlog);
     CHECKF(st == 0, "01: exit %d\n%s", st, out);
     snprintf(p, sizeof p, "%s/%s_data0-%d_epoch2", ref, model, samples);
-    static const struct { int nproc, tp, batch; } layouts[3] = { { 2, 0, 32 }, { 4, 0, 32 }, { 4, 2, 16 } };
-    for (int k = 0; k < 3; k++) {
-        snprintf(dir, sizeof dir, "%s/tp-%s-%d-%d%s", tmpdir, model, layouts[k].nproc, layouts[k].tp, *extra ? "-x" : "");
+    static const struct { int nproc, tp, batch; const char *flags; } layouts[6] = {
+        { 2, 0, 32, "" }, { 4, 0, 32, "" }, { 4, 2, 16, "" },
+        { 2, 0, 32, "--sequence-parallel" }, { 4, 0, 32, "--sequence-parallel --recompute" }, { 4, 2, 16, "--sequence-parallel" } };
+    for (int k = 0; k < 6; k++) {
+        snprintf(dir, sizeof dir, "%s/tp-%s-%d%s", tmpdir, model, k, *extra ? "-x" : "");
         snprintf(log, sizeof log, "%s.jsonl", dir);
-        st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s %s --batch-size %d --nproc %d --tp %d --save-dir %s --log %s",
-                     stage_bin("06-tensor-parallel"), data, flags, extra, layouts[k].batch, layouts[k].nproc, layouts[k].tp,
-                     dir, log);
-        CHECKF(st == 0, "06 --nproc %d --tp %d: exit %d\n%s", layouts[k].nproc, layouts[k].tp, st, out);
+        st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s %s %s --batch-size %d --nproc %d --tp %d --save-dir %s --log %s",
+                     stage_bin("06-tensor-parallel"), data, flags, extra, layouts[k].flags, layouts[k].batch, layouts[k].nproc,
+                     layouts[k].tp, dir, log);
+        CHECKF(st == 0, "06 --nproc %d --tp %d %s: exit %d\n%s", layouts[k].nproc, layouts[k].tp, layouts[k].flags, st, out);
         double dl = losses_differ_by(rlog, log, 20);
-        CHECKF(dl <= 1e-5, "%s %s 06 --nproc %d --tp %d: losses differ from 01 by %.3g", model, extra, layouts[k].nproc,
-               layouts[k].tp, dl);
+        CHECKF(dl <= 1e-5, "%s %s 06 --nproc %d --tp %d %s: losses differ from 01 by %.3g", model, extra, layouts[k].nproc,
+               layouts[k].tp, layouts[k].flags, dl);
         snprintf(q, sizeof q, "%s/%s_data0-%d_epoch2", dir, model, samples);
         double d = max_tensor_diff(p, q);
-        CHECKF(d >= 0 && d <= 2e-5, "%s %s 06 --nproc %d --tp %d: weights or optimizer state differ from 01 by %.3g", model,
-               extra, layouts[k].nproc, layouts[k].tp, d);
+        CHECKF(d >= 0 && d <= 2e-5, "%s %s 06 --nproc %d --tp %d %s: weights or optimizer state differ from 01 by %.3g", model,
+               extra, layouts[k].nproc, layouts[k].tp, layouts[k].flags, d);
     }
 }
 static void test_tensor_parallel_equals_one_device(void) {
@@ -2834,6 +2838,16 @@ static void test_tensor_parallel_keeps_one_tth_of_the_split_layers(void) {
         char row[128];
         snprintf(row, sizeof row, "blocks.*.attn.qkv.weight              96x32 -> %dx32", 96 / n);
         CHECKF(strstr(out, row) && strstr(out, "x2 blocks"), "no row '%s' in the memory table:\n%s", row, out);
+        /* --sequence-parallel: the rows between the split layers are 1/T each, so fewer activation bytes */
+        double acts = summary_value(log, "peak_activations_bytes");
+        snprintf(log, sizeof log, "%s/tpmem-sp-%d.jsonl", tmpdir, n);
+        st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --dim 32 --epochs 1 --steps 2 --model vit --depth 2 "
+                     "--heads 4 --batch-size 8 --nproc %d --sequence-parallel --log %s", stage_bin("06-tensor-parallel"),
+                     small_data(), n, log);
+        CHECKF(st == 0, "exit %d\n%s", st, out);
+        double sp = summary_value(log, "peak_activations_bytes");
+        CHECKF(sp > 0 && sp < 0.95 * acts, "--tp %d: activations peak at %.0f bytes with --sequence-parallel, %.0f without", n,
+               sp, acts);
     }
     dt_model_free(m);
 }
@@ -5110,6 +5124,7 @@ static void test_bad_flags_exit_2_naming_the_flag(void) {
         { "06-tensor-parallel", "--nproc 4 --model vit --heads 2", "--heads must be a multiple of --tp" },
         { "06-tensor-parallel", "--nproc 2 --depth 1", "the mlp needs --depth 2 or more" },
         { "06-tensor-parallel", "--nproc 2 --model llama --dim 32 --heads 4", "llama is not split yet" },
+        { "01-single-gpu", "--sequence-parallel", "--sequence-parallel is a flag of 06-tensor-parallel" },
     };
     char out[8192];
     int st;
@@ -5702,7 +5717,7 @@ static double worst_loss_gap(const char *log_a, const char *log_b, int *n) {
    01 on the GPU with twice the batch. fp32 within 1e-4 (the CPU tests hold
    1e-5; cuBLAS picks its kernels by shape, so a half batch rounds otherwise);
    bf16 and fp16 within 0.05, the band of the CPU's dtype test. */
-static void test_gpu_ddp_fsdp_and_05_over_nccl_with_two_ranks_equal_stage_01(void) {
+static void test_gpu_ddp_fsdp_05_and_06_over_nccl_with_two_ranks_equal_stage_01(void) {
     NEED_NCCL();
     char out[32768], ref[600], log[600];
     snprintf(ref, sizeof ref, "%s/gpu-eq-01.jsonl", tmpdir);
@@ -5716,6 +5731,8 @@ static void test_gpu_ddp_fsdp_and_05_over_nccl_with_two_ranks_equal_stage_01(voi
         { "05-accum-mixed-precision", "--batch-size 8 --accum-steps 2", 1e-4 },
         { "05-accum-mixed-precision", "--batch-size 16 --dtype bf16", 0.05 },
         { "05-accum-mixed-precision", "--batch-size 16 --dtype fp16", 0.05 },
+        /* tensor parallelism: both ranks on the same batch of 32; NCCL all-reduces, all-gathers and reduce-scatters */
+        { "06-tensor-parallel", "--batch-size 32", 1e-4 }, { "06-tensor-parallel", "--batch-size 32 --sequence-parallel", 1e-4 },
     };
     for (size_t k = 0; k < sizeof runs / sizeof runs[0]; k++) {
         snprintf(log, sizeof log, "%s/gpu-eq-%zu.jsonl", tmpdir, k);
@@ -6072,7 +6089,7 @@ static const test_case tests[] = {
     T(test_gpu_casts_adamw_and_sgd_are_bitwise_the_cpu), T(test_gpu_fp32_step_loss_grads_and_params_match_the_cpu),
     T(test_gpu_bf16_and_fp16_step_loss_grads_and_params_match_the_cpu),
     T(test_gpu_200_step_vit_loss_curve_tracks_the_cpu),
-    T(test_gpu_ddp_fsdp_and_05_over_nccl_with_two_ranks_equal_stage_01), T(test_gpu_checkpoints_resume_bit_for_bit),
+    T(test_gpu_ddp_fsdp_05_and_06_over_nccl_with_two_ranks_equal_stage_01), T(test_gpu_checkpoints_resume_bit_for_bit),
     T(test_gpu_gpt_with_its_tied_head_trains_and_samples_like_the_cpu), T(test_gpu_recompute_repeats_the_bits_of_01_04_and_05),
     T(test_gpu_a_killed_rank_stops_the_nccl_job_naming_it),
     /* the build and the tools */

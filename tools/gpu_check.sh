@@ -307,7 +307,7 @@ stage_bin() { first_file "$1"-*/train; }                       # "03" -> 03-ddp/
 # ---- build ------------------------------------------------------------------------
 if begin "build"; then
     missing=""
-    for b in 01-single-gpu/train 02-dp/train 03-ddp/train 04-fsdp/train 05-accum-mixed-precision/train \
+    for b in 01-single-gpu/train 02-dp/train 03-ddp/train 04-fsdp/train 05-accum-mixed-precision/train 06-tensor-parallel/train \
              tests/test_dtrain tools/gen_synthetic build/test/01-single-gpu/train build/test/03-ddp/train; do
         [ -x "$b" ] || missing="$missing $b"
     done
@@ -319,7 +319,7 @@ if begin "build"; then
         fail "missing:$missing (make gpu-check builds them all; make all does not build build/test/)"
         STOP_WHY="the build is incomplete"
     else
-        pass "build/dtrain_cuda.o of $(date -r build/dtrain_cuda.o '+%Y-%m-%d %H:%M'), 5 stages, tests and tools"
+        pass "build/dtrain_cuda.o of $(date -r build/dtrain_cuda.o '+%Y-%m-%d %H:%M'), 6 stages, tests and tools"
     fi
 fi
 
@@ -522,7 +522,7 @@ fi
 # loss curve must be stage 01's at --batch-size 32, within the CPU tests' figures:
 #  - fp32: 20 steps, every loss within 1e-4 (the CPU's test holds 1e-5; on a GPU
 #    cuBLAS picks its kernels by shape, so a half batch may round otherwise -- the
-#    same figure as the suite's gpu_ddp_fsdp_and_05_... test; the gap is printed);
+#    same figure as the suite's gpu_ddp_fsdp_05_and_06_... test; the gap is printed);
 #  - bf16 / fp16 (test_bf16_and_fp16_track_the_fp32_loss_curve): 200 steps, every
 #    20-step mean within 0.08 of fp32's, and not fp32's bit for bit.
 # The schedule spans --epochs 4 (200 steps) in every run, so --steps 20 stops a run
