@@ -4159,7 +4159,7 @@ static void dt__mlp_build(dt__model_builder *mb, const dt_model_config *cfg) {
         /* tensor parallelism pairs the hidden layers: column-, then row-parallel
            (an unpaired last one, and the head, stay whole) */
         if (l % 2 == 0 && l + 1 < cfg->depth) dt__split_column(mb, 0, 1, 1);
-        if (l % 2 == 1) dt__split_row(mb, 0, 1);
+        if (l % 2 == 1 && l < cfg->depth) dt__split_row(mb, 0, 1);
         in = out;
     }
     dt__rows_split_from(mb, 0);
@@ -6788,11 +6788,12 @@ static void dt__comm_release(dt_comm *c) { if (c) c->users--; }
 
 void dt_comm_free(dt_comm *c) {
     if (!c) return;
+    /* a wrapper first: its free function frees the groups it split (tensor parallelism's mesh) */
+    if (c->users) dt_fail("dt_comm_free: a parallel wrapper still uses this communicator; call %s first", c->user_free_fn);
     if (c->children)
         dt_fail("dt_comm_free: %d group(s) split from this communicator are still open; free them first "
                 "(dt_comm_free or dt_mesh_free)", c->children);
     if (c->in_mesh) dt_fail("dt_comm_free: this communicator belongs to a mesh (dt_mesh_comm); dt_mesh_free frees it");
-    if (c->users) dt_fail("dt_comm_free: a parallel wrapper still uses this communicator; call %s first", c->user_free_fn);
     pthread_mutex_lock(&c->mu);
     c->stop = 1;
     pthread_cond_signal(&c->wake);

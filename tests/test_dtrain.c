@@ -5182,12 +5182,12 @@ static void test_a_flag_of_another_stage_exits_2_naming_its_stages(void) {
         { "04-fsdp", "--bucket-mb 0", "--bucket-mb is a flag of 03-ddp, not 04-fsdp" },
         { "05-accum-mixed-precision", "--bucket-mb 1", "--bucket-mb is a flag of 03-ddp, not 05-accum-mixed-precision" },
         { "01-single-gpu", "--nproc 1",
-          "--nproc is a flag of 02-dp, 03-ddp, 04-fsdp and 05-accum-mixed-precision, not 01-single-gpu" },
-        { "01-single-gpu", "--timeout 10", "--timeout is a flag of 02-dp, 03-ddp, 04-fsdp and 05-accum-mixed-precision" },
+          "--nproc is a flag of 02-dp, 03-ddp, 04-fsdp, 05-accum-mixed-precision and 06-tensor-parallel, not 01-single-gpu" },
+        { "01-single-gpu", "--timeout 10", "--timeout is a flag of 02-dp, 03-ddp, 04-fsdp, 05-accum-mixed-precision and 06-tensor-parallel" },
         { "04-fsdp", "--accum-steps 1", "--accum-steps is a flag of 05-accum-mixed-precision, not 04-fsdp" },
         { "03-ddp", "--dtype fp32", "--dtype is a flag of 05-accum-mixed-precision, not 03-ddp" },
         { "02-dp", "--reduce-dtype fp32", "--reduce-dtype is a flag of 05-accum-mixed-precision, not 02-dp" },
-        { "02-dp", "--ranks-per-gpu 1", "--ranks-per-gpu is a flag of 03-ddp, 04-fsdp and 05-accum-mixed-precision, not 02-dp" },
+        { "02-dp", "--ranks-per-gpu 1", "--ranks-per-gpu is a flag of 03-ddp, 04-fsdp, 05-accum-mixed-precision and 06-tensor-parallel, not 02-dp" },
     };
     char out[16384];
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -5203,6 +5203,7 @@ static void test_a_flag_of_another_stage_exits_2_naming_its_stages(void) {
         { "03-ddp", "--nproc --timeout --bucket-mb --ranks-per-gpu", "--shard --cpu-offload --accum-steps --dtype" },
         { "04-fsdp", "--nproc --shard --cpu-offload --ranks-per-gpu", "--bucket-mb --accum-steps --dtype --reduce-dtype" },
         { "05-accum-mixed-precision", "--shard --cpu-offload --accum-steps --dtype --reduce-dtype", "--bucket-mb" },
+        { "06-tensor-parallel", "--nproc --timeout --tp --sequence-parallel --ranks-per-gpu", "--bucket-mb --shard --accum-steps --dtype" },
     };
     for (size_t i = 0; i < sizeof help / sizeof help[0]; i++) {
         int st = run_cmd(out, sizeof out, "%s --help", stage_bin(help[i].stage));
