@@ -395,9 +395,25 @@ struct dt_parallel {
     void (*sp_all_gather)(dt_parallel *par, const float *mine, float *all, int64_t n);
     void (*sp_reduce_scatter)(dt_parallel *par, const float *all, float *mine, int64_t n);
     int tp_rank, tp_size;
+    /* The share of the data this rank reads, data_rank of data_ranks (what
+       dt_evaluate splits by): 0 ranks means the job's rank and size. */
+    int data_rank, data_ranks;
     /* Kept by the ops: 1 between dt_sp_split and dt_sp_gather, where each rank
        holds its share of the rows (and backward, walking back, sets it again). */
     int rows_split;
+    /* Checkpoints (section 13) see the model whole, through these three; NULL
+       state_open: the model's own buffers are the whole. state_open gives the
+       state `which` (0 the parameters, 1 and 2 the optimizer's moments) as one
+       host array in the order of `whole`'s parameters. To save (for_load 0)
+       it is a collective of the wrapper's ranks and may give NULL to a rank
+       that will not write; to load (for_load 1) the array is about to be
+       filled from a file, and state_close(written 1) gives each rank its part
+       of it. whole: the model's parameters in their whole shapes (NULL: the
+       model's own). memory_table: what each rank holds, printed at start-up. */
+    float *(*state_open)(dt_parallel *par, struct dt_optimizer *opt, int which, int for_load);
+    void (*state_close)(dt_parallel *par, struct dt_optimizer *opt, int which, float *host, int written);
+    struct dt_model *whole;
+    void (*memory_table)(const dt_parallel *par, const struct dt_optimizer *opt);
     /* Kept by the library: a backward ran since backward_done did, so the
        gradients are this rank's own, not yet the average the optimizer needs. */
     int grads_pending;
@@ -499,6 +515,9 @@ typedef struct dt_model {
     dt_parallel *parallel;     /* the wrapper this model is in (section 11), or NULL */
     int optimizers;            /* optimizers created on it and not freed yet */
     int recompute;             /* --recompute: each block's activations are made again in backward */
+    /* Set by dt_tp_free (its name): the split parameters stay this rank's
+       pieces, so the model can be freed but no longer run. */
+    const char *left_cut_by;
     /* LoRA: the frozen model the adapters (this model's parameters) sit on,
        with no gradients and no optimizer state, never communicated; NULL
        without LoRA. lora_of[i]: where base parameter i's A is in params (B
@@ -899,6 +918,8 @@ void dt_tp_sync_grads(dt_tp *tp);
    the loader's rank and world (every rank of a group reads the same batch). */
 int dt_tp_data_rank(const dt_tp *tp);
 int dt_tp_data_ranks(const dt_tp *tp);
+/* The model stays cut (this rank's pieces): after this it can be freed, and
+   a forward is an error that says so. */
 void dt_tp_free(dt_tp *tp);
 
 /* ---- 12. mixed precision ------------------------------------------------------------ */
@@ -1041,6 +1062,10 @@ typedef struct dt_cost_input {
        gradients per micro-batch (4 per transformer block: 2 forward, 2
        backward), and the bytes of each (batch x tokens x width x 4) */
     double tp_share, tp_sums, tp_bytes;
+    /* ... and with more ranks than T, the data-parallel groups of T: after
+       backward each rank's gradients (params x (tp_share / T + 1 - tp_share)
+       x reduce_bytes) are averaged over them, exposed (0 or 1: one group) */
+    int tp_groups;
 } dt_cost_input;
 typedef struct dt_cost_prediction {
     int ranks;
@@ -2531,6 +2556,7 @@ void dt_parallel_backward_done(dt_parallel *par) {
                 par->sync_fn);
     if (par->backward_done) par->backward_done(par);
     par->grads_pending = 0;
+    par->rows_split = 0;          /* no rows-split region outlives its step */
 }
 
 /* Round f32 values to a 16-bit type and widen them again, in one pass. */
@@ -3245,7 +3271,10 @@ dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x) {
     if (!par || !par->sp_all_gather) return x;
     int64_t rows = dt_tensor_rows(x), cols = dt_tensor_cols(x);
     if (rows % par->tp_size) {
-        if (!dt__ctx.grad_enabled) return x;                  /* generation: whole rows, the same values */
+        if (!dt__ctx.grad_enabled) {                          /* evaluation's last batch, generation: whole rows */
+            par->rows_split = 0;     /* whatever a backward that had no split entry to walk back left (the mlp's) */
+            return x;
+        }
         dt_fail("--sequence-parallel: a batch of %lld rows (sequences x tokens) does not split evenly over the %d ranks of a "
                 "tensor-parallel group; choose --batch-size so that it does", (long long)rows, par->tp_size);
     }
@@ -4509,20 +4538,28 @@ static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens) {
     return x;
 }
 
+/* The parameters of the whole model: a tensor-parallel rank holds 1/T of
+   the split ones (m->numel counts what this rank holds). */
+static double dt__whole_params(const dt_model *m) {
+    int T = m->parallel && m->parallel->tp_size > 1 ? m->parallel->tp_size : 1;
+    double n = 0;
+    for (int i = 0; i < m->nparams; i++) n += (double)m->params[i].numel * (m->splits[i].dim >= 0 ? T : 1);
+    return n;
+}
 static void dt__mlp_describe(const dt_model *m, char *out, size_t n) {
     const dt_model_config *c = &m->cfg;
     snprintf(out, n, "mlp %d -> %d x %d hidden -> %d (%.2fM params)", c->channels * c->image_size * c->image_size, c->depth,
-             c->dim, c->classes, m->numel / 1e6);
+             c->dim, c->classes, dt__whole_params(m) / 1e6);
 }
 static void dt__vit_describe(const dt_model *m, char *out, size_t n) {
     const dt_model_config *c = &m->cfg;
     snprintf(out, n, "vit dim=%d depth=%d heads=%d patch=%d mlp=%d on %dx%dx%d (%.2fM params)", c->dim, c->depth, c->heads,
-             c->patch, c->mlp_hidden, c->channels, c->image_size, c->image_size, m->numel / 1e6);
+             c->patch, c->mlp_hidden, c->channels, c->image_size, c->image_size, dt__whole_params(m) / 1e6);
 }
 static void dt__gpt_describe(const dt_model *m, char *out, size_t n) {
     const dt_model_config *c = &m->cfg;
     snprintf(out, n, "gpt dim=%d depth=%d heads=%d mlp=%d context=%d vocab=%d (%.2fM params)", c->dim, c->depth, c->heads,
-             c->mlp_hidden, c->seq_len, c->classes, m->numel / 1e6);
+             c->mlp_hidden, c->seq_len, c->classes, dt__whole_params(m) / 1e6);
 }
 static void dt__llama_describe(const dt_model *m, char *out, size_t n) {
     const dt_model_config *c = &m->cfg;
@@ -4533,7 +4570,7 @@ static void dt__llama_describe(const dt_model *m, char *out, size_t n) {
     snprintf(out, n, "llama dim=%d depth=%d heads=%d kv-heads=%d ffn=%d context=%d vocab=%d rope-theta=%g%s norm-eps=%g%s%s "
              "(%.2fM params)", c->dim, c->depth, c->heads, c->kv_heads, c->mlp_hidden, c->seq_len, c->classes,
              (double)c->rope_theta, scaling, (double)c->norm_eps, c->untied_head ? " untied-head" : "",
-             c->qkv_bias ? " qkv-bias" : "", m->numel / 1e6);
+             c->qkv_bias ? " qkv-bias" : "", dt__whole_params(m) / 1e6);
 }
 /* The config.json beside a checkpoint's weights: the model's shape in the words
    of the library that has the same model -- transformers for gpt (GPT2LMHeadModel)
@@ -4898,6 +4935,9 @@ dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs) {
     if (!m->flat_data && !m->parallel)
         dt_fail("dt_model_forward: this model's parameters went with dt_fsdp_free (each rank kept only its shard); "
                 "call dt_fsdp_free after the last forward");
+    if (m->left_cut_by && !m->parallel)
+        dt_fail("dt_model_forward: %s has run, and this rank holds only its pieces of the model's split layers; call %s "
+                "after the last forward", m->left_cut_by, m->left_cut_by);
     return dt__family(m->cfg.kind)->forward(m, inputs);
 }
 
@@ -7923,6 +7963,9 @@ static void dt__fsdp_unit_end(dt_parallel *par, int unit) {
 static void dt__fsdp_backward_done(dt_parallel *par);
 static void dt__fsdp_step_done(dt_parallel *par);
 static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o);
+static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load);
+static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written);
+static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o);
 static void dt__fsdp_sum_over_ranks(dt_parallel *par, float *values, int n) {
     dt__comm_all_reduce_host(((dt_fsdp *)par)->comm, values, n, DT_SUM);
 }
@@ -7934,7 +7977,9 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
     f->par = (dt_parallel){ .create_fn = "dt_fsdp_create", .sync_fn = "dt_fsdp_sync_grads", .free_fn = "dt_fsdp_free",
                             .unit_begin = dt__fsdp_unit_begin, .unit_end = dt__fsdp_unit_end,
                             .backward_done = dt__fsdp_backward_done, .step_done = dt__fsdp_step_done,
-                            .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks };
+                            .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks,
+                            .state_open = dt__fsdp_state_open, .state_close = dt__fsdp_state_close,
+                            .memory_table = dt__fsdp_memory_table };
     dt_model_set_parallel(model, &f->par);
     dt__comm_hold(comm, "dt_fsdp_free");
     f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
@@ -8091,12 +8136,23 @@ static void dt__fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards,
         if (parameters && u->full) dt__fsdp_fill_params(f, u, host + u->offset);
     }
 }
+static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    (void)for_load;                       /* every rank gets the whole, gathered, either way */
+    return dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
+}
+static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    if (written) dt__fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
+    free(host);
+}
 
 /* What each rank holds, against what DDP would hold: the ZeRO paper's
    formulas with P, G, O the bytes of parameters, gradients and optimizer state
    (O = 2P for AdamW, P for SGD's momentum), N ranks. The buffers that a unit
    is gathered into are shown apart: they are the price of sharding. */
-static void dt__fsdp_memory_table(const dt_fsdp *f, const dt_optimizer *o) {
+static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
+    const dt_fsdp *f = (const dt_fsdp *)par;
     /* ZeRO-1 and -2 here keep the shards the optimizer steps apart from the
        whole copies: P/N (and for ZeRO-1 G/N) more than the paper, which steps
        a slice of the copy in place */
@@ -8199,36 +8255,34 @@ static dt_tp *dt__tp_of(const dt_model *m) {
     return m->parallel && m->parallel->optimizer_view == dt__tp_optimizer_view ? (dt_tp *)m->parallel : NULL;
 }
 
+/* Each sum of the step (an all-gather or a reduce-scatter: half of one, as
+   many bytes, half the hops), for the cost model; evaluation's are not a
+   training step's. */
+static void dt__tp_count(dt_tp *t, const char *what, double t0, double sums, double bytes) {
+    double t1 = dt_now_ms();
+    dt__record_comm(what, t0, t1, 0);
+    if (!dt__ctx.grad_enabled) return;
+    t->sum_ms += t1 - t0;
+    t->sums += sums;
+    t->sum_bytes += bytes;
+}
 static void dt__tp_sum(dt_parallel *par, float *values, int64_t n) {
     dt_tp *t = (dt_tp *)par;
     double t0 = dt_now_ms();
     dt_all_reduce(t->group, values, values, n, DT_F32, DT_SUM);
-    double t1 = dt_now_ms();
-    dt__record_comm("all_reduce tp", t0, t1, 0);
-    t->sum_ms += t1 - t0;
-    t->sums++;
-    t->sum_bytes += 4.0 * (double)n;
+    dt__tp_count(t, "all_reduce tp", t0, 1, 4.0 * (double)n);
 }
-/* Sequence parallelism's halves of it: as many bytes (the whole, n x T), half the hops. */
 static void dt__sp_all_gather(dt_parallel *par, const float *mine, float *all, int64_t n) {
     dt_tp *t = (dt_tp *)par;
     double t0 = dt_now_ms();
     dt_all_gather(t->group, mine, all, n, DT_F32);
-    double t1 = dt_now_ms();
-    dt__record_comm("all_gather tp", t0, t1, 0);
-    t->sum_ms += t1 - t0;
-    t->sums += 0.5;
-    t->sum_bytes += 0.5 * 4.0 * (double)n * t->size;
+    dt__tp_count(t, "all_gather tp", t0, 0.5, 0.5 * 4.0 * (double)n * t->size);
 }
 static void dt__sp_reduce_scatter(dt_parallel *par, const float *all, float *mine, int64_t n) {
     dt_tp *t = (dt_tp *)par;
     double t0 = dt_now_ms();
     dt_reduce_scatter(t->group, all, mine, n, DT_F32, DT_SUM);
-    double t1 = dt_now_ms();
-    dt__record_comm("reduce_scatter tp", t0, t1, 0);
-    t->sum_ms += t1 - t0;
-    t->sums += 0.5;
-    t->sum_bytes += 0.5 * 4.0 * (double)n * t->size;
+    dt__tp_count(t, "reduce_scatter tp", t0, 0.5, 0.5 * 4.0 * (double)n * t->size);
 }
 static void dt__tp_step_done(dt_parallel *par) {
     dt_tp *t = (dt_tp *)par;
@@ -8301,27 +8355,35 @@ static void dt__tp_piece(float *whole, float *piece, const int *whole_shape, int
         }
 }
 /* The state of a tensor-parallel model (parameters or a moment, `local` on
-   the device) in the whole model's layout, on the host: the group's pieces
-   all-gathered, each put where it sits in its parameter. Every rank of the
-   group gets the whole, so every rank makes the call. */
+   the device) in the whole model's layout, on the host of the group's first
+   rank, which writes it: one split tensor at a time, its pieces all-gathered
+   on the device and put where they sit in the whole. So no rank holds more
+   than the largest tensor beside its own pieces, and the writer the whole
+   state once. The other ranks of the group take part and get NULL. */
 static float *dt__tp_state_gather(dt_tp *t, float *local) {
     dt_model *m = t->model;
     const dt_model *W = &t->whole;
-    float *mine = dt__host_view(m->device, local, m->numel);
-    float *all = (float *)malloc((size_t)m->numel * (size_t)t->size * sizeof(float) + 1);
-    float *whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1);
-    if (!all || !whole) dt_fail("out of memory (gathering the tensor-parallel pieces for a checkpoint)");
-    dt__comm_all_gather_host(t->group, mine, all, (size_t)m->numel * sizeof(float));
+    float *whole = NULL;
+    if (t->rank == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
+        dt_fail("out of memory (gathering the tensor-parallel pieces for a checkpoint: %.1f MB)", W->numel * 4e-6);
     for (int i = 0; i < m->nparams; i++) {
         const dt_tensor *p = &m->params[i];
-        if (m->splits[i].dim < 0) memcpy(whole + W->offsets[i], mine + m->offsets[i], (size_t)p->numel * sizeof(float));
-        else
+        size_t bytes = (size_t)p->numel * sizeof(float);
+        if (m->splits[i].dim < 0) {
+            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
+            continue;
+        }
+        float *all = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes * (size_t)t->size);
+        dt_all_gather(t->group, local + m->offsets[i], all, p->numel, DT_F32);
+        if (whole) {
+            float *host = dt__host_view(m->device, all, p->numel * t->size);
             for (int r = 0; r < t->size; r++)
-                dt__tp_piece(whole + W->offsets[i], all + (size_t)r * m->numel + m->offsets[i], W->params[i].shape, p->ndim,
+                dt__tp_piece(whole + W->offsets[i], host + (size_t)r * (size_t)p->numel, W->params[i].shape, p->ndim,
                              m->splits[i], t->size, r, 1);
+            dt__host_view_close(m->device, host, all, p->numel * t->size, 0);
+        }
+        dt_free_on(m->device, DT_ARENA_COMM, all, bytes * (size_t)t->size);
     }
-    dt__host_view_close(m->device, mine, local, m->numel, 0);
-    free(all);
     return whole;
 }
 /* The other way: this rank's pieces of a whole state (host) into `local`. */
@@ -8338,6 +8400,27 @@ static void dt__tp_state_scatter(dt_tp *t, float *whole, float *local) {
     dt_upload(local, mine, (size_t)m->numel * sizeof(float));
     free(mine);
 }
+/* The checkpoint's view (section 13). Saving: the groups hold the same
+   state, so the first group gathers it and its first rank, the job's rank 0,
+   writes. Loading: every rank reads the whole file and cuts its pieces. */
+static float *dt__tp_state_buffer(dt_tp *t, dt_optimizer *o, int which) {
+    return which == 0 ? t->model->flat_data : which == 1 ? o->m : o->v;
+}
+static float *dt__tp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
+    dt_tp *t = (dt_tp *)par;
+    if (for_load) {
+        float *whole = (float *)calloc((size_t)t->whole.numel + 1, sizeof(float));
+        if (!whole) dt_fail("out of memory (reading a whole checkpoint to cut: %.1f MB)", t->whole.numel * 4e-6);
+        return whole;
+    }
+    return t->data_rank == 0 ? dt__tp_state_gather(t, dt__tp_state_buffer(t, o, which)) : NULL;
+}
+static void dt__tp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
+    dt_tp *t = (dt_tp *)par;
+    if (written) dt__tp_state_scatter(t, host, dt__tp_state_buffer(t, o, which));
+    free(host);
+}
+static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o);
 
 dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_parallel) {
     int world = dt_comm_size(comm);
@@ -8371,7 +8454,9 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
                             .sum_over_ranks = dt__tp_sum_over_ranks,
                             .tp_sum = tp > 1 ? dt__tp_sum : NULL,     /* a group of one: the layers as in stage 01 */
                             .sp_all_gather = tp > 1 && sequence_parallel ? dt__sp_all_gather : NULL,
-                            .sp_reduce_scatter = tp > 1 && sequence_parallel ? dt__sp_reduce_scatter : NULL };
+                            .sp_reduce_scatter = tp > 1 && sequence_parallel ? dt__sp_reduce_scatter : NULL,
+                            .state_open = dt__tp_state_open, .state_close = dt__tp_state_close,
+                            .memory_table = dt__tp_memory_table };
     dt_model_set_parallel(model, &t->par);
     dt__comm_hold(comm, "dt_tp_free");
     t->model = model;
@@ -8386,8 +8471,8 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
     t->par.tp_rank = t->rank;
     t->par.tp_size = tp;
     t->sequence_parallel = tp > 1 && sequence_parallel;
-    t->data_rank = dt_mesh_coord(t->mesh, "dp");
-    t->data_ranks = world / tp;
+    t->data_rank = t->par.data_rank = dt_mesh_coord(t->mesh, "dp");
+    t->data_ranks = t->par.data_ranks = world / tp;
 
     /* Cut: the whole model's layout kept (t->whole), each parameter's shape
        cut, and this rank's pieces moved into new flat buffers. */
@@ -8401,6 +8486,7 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
     memcpy(t->whole.offsets, model->offsets, sizeof(int64_t) * (size_t)model->nparams);
     t->whole.offsets[model->nparams] = model->numel;
     for (int i = 0; i < model->nparams; i++) t->whole.params[i].data = t->whole.params[i].grad = NULL;
+    t->par.whole = &t->whole;
     model->numel = 0;
     for (int i = 0; i < model->nparams; i++) {
         dt_tensor *p = &model->params[i];
@@ -8447,7 +8533,8 @@ static void dt__shape_string(const int *shape, int ndim, char *out, size_t n) {
 }
 /* At start-up: each rank's bytes against the whole model's, and which
    tensors are cut, whole and here (rows alike in every block printed once). */
-static void dt__tp_memory_table(const dt_tp *t, const dt_optimizer *o) {
+static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
+    const dt_tp *t = (const dt_tp *)par;
     const dt_model *m = t->model, *W = &t->whole;
     double split = 0, whole = 0, moments = o->v ? 2 : 1;
     for (int i = 0; i < m->nparams; i++) {
@@ -8491,6 +8578,7 @@ static void dt__tp_memory_table(const dt_tp *t, const dt_optimizer *o) {
 void dt_tp_free(dt_tp *tp) {
     if (!tp) return;
     dt_model_set_parallel(tp->model, NULL);
+    tp->model->left_cut_by = "dt_tp_free";     /* the pieces stay: the model can only be freed now */
     dt_mesh_free(tp->mesh);
     dt__comm_release(tp->comm);
     free(tp->whole.params);
@@ -8834,31 +8922,22 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
    the parameters (which 0) or the optimizer's moments (1, 2). A view of the
    flat buffers, or, for a sharded model, every rank's shards gathered -- a
    collective, so every rank opens and closes them together. */
-static float *dt__state_open(dt_model *m, dt_optimizer *o, int which) {
-    dt_fsdp *f = dt__fsdp_of(m);
-    dt_tp *t = dt__tp_of(m);
-    if (f) return dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
-    if (t) return dt__tp_state_gather(t, which == 0 ? m->flat_data : which == 1 ? o->m : o->v);
+static float *dt__state_open(dt_model *m, dt_optimizer *o, int which, int for_load) {
+    dt_parallel *par = m->parallel;
+    if (par && par->state_open) return par->state_open(par, o, which, for_load);
     return dt__host_view(m->device, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel);
 }
 static void dt__state_close(dt_model *m, dt_optimizer *o, int which, float *host, int written) {
     if (!host) return;
-    dt_fsdp *f = dt__fsdp_of(m);
-    dt_tp *t = dt__tp_of(m);
-    if (!f && !t) {
-        dt__host_view_close(m->device, host, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel, written);
-        return;
-    }
-    if (written && f) dt__fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
-    if (written && t) dt__tp_state_scatter(t, host, which == 0 ? m->flat_data : which == 1 ? o->m : o->v);
-    free(host);
+    dt_parallel *par = m->parallel;
+    if (par && par->state_close) par->state_close(par, o, which, host, written);
+    else dt__host_view_close(m->device, host, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel, written);
 }
 /* The parameters the state arrays above are laid out by: the model's own, or,
    cut by tensor parallelism, the whole model's (a checkpoint holds the whole,
    which any stage and any --tp reads). */
 static dt_model *dt__state_layout(dt_model *m) {
-    dt_tp *t = dt__tp_of(m);
-    return t ? &t->whole : m;
+    return m->parallel && m->parallel->whole ? m->parallel->whole : m;
 }
 
 /* -- the names in a whole checkpoint --
@@ -9700,7 +9779,7 @@ static void dt__load_weights(dt_model *model, const char *path) {
     char file[4200];
     int dir = stat(path, &s) == 0 && S_ISDIR(s.st_mode);
     if (dir && dt__folder_is_hf(path)) {
-        float *host = dt__state_open(model, NULL, 0);
+        float *host = dt__state_open(model, NULL, 0, 1);
         dt__load_hf_folder(m, path, host);
         for (int i = 0; i < m->nparams; i++)
             for (int64_t k = 0; k < m->params[i].numel; k++)
@@ -9713,7 +9792,7 @@ static void dt__load_weights(dt_model *model, const char *path) {
         dt__checkpoint_weights(path, file, sizeof file);
     if (dir) path = file;
     dt_safetensors *st = dt_safetensors_read(path);
-    float *host = dt__state_open(model, NULL, 0);
+    float *host = dt__state_open(model, NULL, 0, 1);
     if (dt__is_sharded(st)) {
         float *state[3] = { host, NULL, NULL };
         char dir[4200];
@@ -9989,8 +10068,8 @@ void dt_checkpoint_save(dt_run *run, const char *path) {
     dt_model *m = run->model;
     dt_optimizer *o = run->opt;
     if (dt__fsdp_of(m)) { dt__checkpoint_save_sharded(run, path); return; }
-    float *state[3] = { dt__state_open(m, o, 0), dt__state_open(m, o, 1), o->v ? dt__state_open(m, o, 2) : NULL };
-    if (!dt__tp_of(m) || dt__ctx.rank == 0) {        /* tensor parallel: every rank gathered, one writes */
+    float *state[3] = { dt__state_open(m, o, 0, 0), dt__state_open(m, o, 1, 0), o->v ? dt__state_open(m, o, 2, 0) : NULL };
+    if (state[0]) {                                   /* a wrapper that gathers gives the whole to one rank */
         dt__meta_list meta = { NULL, 0 };
         dt__checkpoint_meta(run, &meta, "checkpoint-2");
         dt__folder w;
@@ -10047,10 +10126,18 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
         if (accum > 1) snprintf(had_k, sizeof had_k, " x %d micro-batches", accum);
         if (K > 1) snprintf(now_k, sizeof now_k, " x %d micro-batches", K);
         if (accum > 1 || K > 1) snprintf(flag_k, sizeof flag_k, " --accum-steps %d", accum);
-        dt_fail("'%s' was written by %d ranks, this run has %d: it took %d x %d%s = %lld samples a step, this run "
-                "%d x %d%s = %lld; to continue its data order and schedule resume with%s --nproc %d --batch-size %d%s "
-                "(--init takes the weights alone)", path, world, now, world, batch, had_k, samples, now,
-                r->cfg.batch_size, now_k, samples_now, hint, world, batch, flag_k);
+        /* Under tensor parallelism the ranks that read different data are the
+           groups of --tp ranks: a group reads one share. */
+        int group = dt__ctx.job ? dt__ctx.world_size / r->loader->world : 1;
+        char what[48] = "ranks", tp[32] = "";
+        if (group > 1) {
+            snprintf(what, sizeof what, "data-parallel groups");
+            snprintf(tp, sizeof tp, " --tp %d", group);
+        }
+        dt_fail("'%s' was written by %d %s, this run has %d: it took %d x %d%s = %lld samples a step, this run "
+                "%d x %d%s = %lld; to continue its data order and schedule resume with%s --nproc %d%s --batch-size %d%s "
+                "(--init takes the weights alone)", path, world, what, now, world, batch, had_k, samples, now,
+                r->cfg.batch_size, now_k, samples_now, hint, world * group, tp, batch, flag_k);
     }
     if (strcmp(dt__meta_required(st, st->path, "optimizer"), o->kind == DT_ADAMW ? "adamw" : "sgd"))
         dt_fail("'%s' holds %s state but this run uses --optimizer %s", path, dt_safetensors_meta(st, "optimizer"),
@@ -10093,7 +10180,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
         dt_safetensors_close(sh);
         dt__fsdp_step_done(&f->par);          /* ZeRO-1, -2: every rank's whole copy from the new shards */
     } else {
-        float *state[3] = { dt__state_open(m, o, 0), dt__state_open(m, o, 1), o->v ? dt__state_open(m, o, 2) : NULL };
+        float *state[3] = { dt__state_open(m, o, 0, 1), dt__state_open(m, o, 1, 1), o->v ? dt__state_open(m, o, 2, 1) : NULL };
         dt_model *L = dt__state_layout(m);
         if (dt__is_sharded(st)) dt__sharded_assemble(st, path, L, adamw, state);
         else {
@@ -10261,7 +10348,9 @@ static void dt__evaluate_share(dt_model *m, const dt_dataset *ds, int batch_size
     *acc = sums[2] > 0 ? sums[1] / sums[2] : 0;
 }
 void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss, double *acc) {
-    dt__evaluate_share(m, ds, batch_size, dt__ctx.job ? dt__ctx.rank : 0, dt__ctx.job ? dt__ctx.world_size : 1, loss, acc);
+    const dt_parallel *par = m->parallel;
+    if (par && par->data_ranks > 0) dt__evaluate_share(m, ds, batch_size, par->data_rank, par->data_ranks, loss, acc);
+    else dt__evaluate_share(m, ds, batch_size, dt__ctx.job ? dt__ctx.rank : 0, dt__ctx.job ? dt__ctx.world_size : 1, loss, acc);
 }
 
 /* Sampling, one token at a time: the whole window runs again for each new
@@ -10533,7 +10622,7 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
     double share = n > 1 ? (double)(n - 1) / n : 0;
     p.ranks = n;
     p.compute_ms = K * c + in->optimizer_ms * slow / (sharded ? n : 1);
-    if (n > 1) switch (in->kind) {
+    if (n > 1 || in->kind == DT_PAR_TP) switch (in->kind) {      /* TP: --tp 1 may still have data-parallel groups */
     case DT_PAR_NONE: break;
     case DT_PAR_DDP:            /* one all-reduce per bucket, once per step, behind the last backward */
         p.comm_ms = dt_cost_all_reduce_ms(l, n, G) + (msgs - 1) * 2.0 * (n - 1) * lat;
@@ -10552,13 +10641,15 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
         break;
     case DT_PAR_TP: {           /* the split layers' compute divided; each sum waited for where it stands */
         double kept = in->tp_share / n + (1 - in->tp_share);
+        int D = in->tp_groups > 1 ? in->tp_groups : 1;
+        double grads = in->params * kept * in->reduce_bytes;              /* this rank's, averaged over the groups */
         p.compute_ms = K * c * kept + in->optimizer_ms * slow * kept;
-        p.comm_ms = K * in->tp_sums * dt_cost_all_reduce_ms(l, n, in->tp_bytes);
+        p.comm_ms = K * in->tp_sums * dt_cost_all_reduce_ms(l, n, in->tp_bytes) + dt_cost_all_reduce_ms(l, D, grads);
         p.exposed_ms = p.comm_ms;
-        p.bytes = K * in->tp_sums * 2 * share * in->tp_bytes;
+        p.bytes = K * in->tp_sums * 2 * share * in->tp_bytes + 2.0 * (D - 1) / D * grads;
         p.step_ms = p.compute_ms + p.exposed_ms;
-        p.speedup = p.step_ms > 0 ? (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
-        p.efficiency = p.speedup / n;
+        p.speedup = p.step_ms > 0 ? D * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
+        p.efficiency = p.speedup / (n * D);
         return p;
     }
     case DT_PAR_ZERO3: {        /* every micro-batch gathers twice, prefetched behind compute; one reduce-scatter */
@@ -10582,6 +10673,9 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
     dt_cost_prediction p = dt_cost_predict(in, l, n);
     fprintf(out, "cost model: %s on %d ranks over %s (%.0f GB/s, %.0f us), %.2fM parameters\n", kinds[in->kind], n,
             l->name, l->bandwidth_gbs, l->latency_us, in->params / 1e6);
+    if (in->kind == DT_PAR_TP && in->tp_groups > 1)
+        fprintf(out, "  x %d data-parallel groups of %d ranks: %d ranks in all, each group its own batch\n", in->tp_groups, n,
+                in->tp_groups * n);
     fprintf(out, "  compute %.2f ms a step per rank; communication %.2f ms (%.1f MB sent per rank), %.2f ms of it not "
             "hidden\n", p.compute_ms, p.comm_ms, p.bytes / 1e6, p.exposed_ms);
     if (p.comm_ms > 0) fprintf(out, "  compute : communication = %.1f : 1", p.compute_ms / p.comm_ms);
@@ -10601,7 +10695,8 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
     if (in->kind == DT_PAR_TP) {
         fprintf(out, "    twice the batch per group:       %.0f%% (compute and the activations summed both double)\n",
                 100 * pb.efficiency);
-        fprintf(out, "    bf16 activations:                %.0f%% (half the bytes of every sum)\n", 100 * ph.efficiency);
+        fprintf(out, "    bf16 activations:                %.0f%% (half the bytes of every sum; 06 has no --dtype yet)\n",
+                100 * ph.efficiency);
     } else {
         fprintf(out, "    twice the batch per rank:        %.0f%% (compute doubles, communication does not)\n", 100 * pb.efficiency);
         fprintf(out, "    4x --accum-steps:                %.0f%% (gradients travel once per 4 micro-batches)\n", 100 * pa.efficiency);
@@ -10609,7 +10704,8 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
     if (in->kind != DT_PAR_TP && (in->reduce_bytes > 2 || (in->kind == DT_PAR_ZERO3 && in->gather_bytes > 2)))
         fprintf(out, "    bf16 communication:              %.0f%% (half the bytes)\n", 100 * ph.efficiency);
     char fewer[64];
-    snprintf(fewer, sizeof fewer, "%d rank%s instead of %d:", pf.ranks, pf.ranks > 1 ? "s" : "", n);
+    if (in->kind == DT_PAR_TP) snprintf(fewer, sizeof fewer, "--tp %d instead of %d:", pf.ranks, n);
+    else snprintf(fewer, sizeof fewer, "%d rank%s instead of %d:", pf.ranks, pf.ranks > 1 ? "s" : "", n);
     fprintf(out, "    %-33s%.0f%% (%.2fx speedup)\n", fewer, 100 * pf.efficiency, pf.speedup);
 }
 
@@ -11305,8 +11401,7 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
                run->stop_step < run->total_steps ? " (stopping early, see --steps)" : "",
                opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)run->warmup, where, precision);
         if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, run->epoch + 1, (long long)run->step);
-        if (dt__fsdp_of(model)) dt__fsdp_memory_table(dt__fsdp_of(model), opt);
-        if (dt__tp_of(model)) dt__tp_memory_table(dt__tp_of(model), opt);
+        if (model->parallel && model->parallel->memory_table) model->parallel->memory_table(model->parallel, opt);
         fflush(stdout);
     }
     if (cfg->bench) run->stop_step = run->step + 2 + (cfg->steps > 0 ? cfg->steps : 3);   /* refined after a timed step */
@@ -11381,6 +11476,7 @@ static void dt__run_explain(dt_run *r) {
         in.tp_bytes = tp->step_sums > 0 ? tp->step_sum_bytes / tp->step_sums : 0;
         double kept = in.tp_share / n + (1 - in.tp_share);
         in.compute_ms = fmax(0, in.compute_ms - tp->step_sum_ms / c->accum_steps) / kept;
+        in.tp_groups = tp->data_ranks;
     }
     in.params = (double)(tp ? tp->whole.numel : r->model->numel);
     in.optimizer_ms = r->phase_ms[DT_PHASE_OPT];
@@ -11395,7 +11491,9 @@ static void dt__run_explain(dt_run *r) {
     if (alone) printf("(stage 01 trains alone: here is what DDP, stage 03, would do with it)\n");
     dt_cost_explain(stdout, &in, &link, n > 1 ? n : 2);
     printf("  predicted speedup at");
-    for (int k = 2; k <= 8; k *= 2) printf(" %d ranks: %.2fx%s", k, dt_cost_predict(&in, &link, k).speedup, k < 8 ? "," : "\n");
+    for (int k = 2; k <= 8; k *= 2)
+        printf(" %s%d%s: %.2fx%s", in.kind == DT_PAR_TP ? "--tp " : "", k, in.kind == DT_PAR_TP ? "" : " ranks",
+               dt_cost_predict(&in, &link, k).speedup, k < 8 ? "," : "\n");
     if (r->model->device == DT_CPU)
         printf("  (on a CPU the ranks share its cores: each rank's compute above already carries that; the speedups\n"
                "   assume more ranks would each bring cores of their own, which one machine cannot)\n");
@@ -11555,7 +11653,8 @@ void dt_epoch_end(dt_run *run) {
     if (run->stopped_by && !run->cfg.save_dir && dt__ctx.rank == 0)
         dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt__signal_name(run->stopped_by),
                 (long long)run->steps_run);
-    if (run->cfg.save_dir && (dt__ctx.rank == 0 || dt__fsdp_of(run->model) || dt__tp_of(run->model))) {   /* cut: every rank gathers */
+    const dt_parallel *par = run->model->parallel;
+    if (run->cfg.save_dir && (dt__ctx.rank == 0 || (par && par->state_open))) {   /* sharded or cut: every rank gathers */
         char path[4096], what[64];
         if (finished) snprintf(what, sizeof what, "epoch%d", run->epoch);
         else snprintf(what, sizeof what, "step%lld", (long long)run->step);

@@ -2811,6 +2811,30 @@ static void test_tensor_parallel_equals_one_device(void) {
     tp_equivalence(small_data(), 320, "--model vit --depth 2 --heads 4 --patch 4", "vit", "--clip 0.01");
 }
 
+/* Evaluation runs with the gradient off, and its batch need not split over
+   the group: 17 validation images, one batch of 17 rows, which the ranks of
+   --sequence-parallel then read whole. The mlp's backward has no entry to
+   walk back out of the rows-split region (its input needs no gradient), so
+   the state it leaves must not carry into evaluation (it crashed). The eval
+   loss and accuracy equal stage 01's. */
+static void test_tensor_parallel_evaluates_a_last_batch_that_does_not_split(void) {
+    static char dir[512];
+    const char *data = synthetic_set(dir, sizeof dir, "odd-val", 320, 17, 7);
+    char out[16384], a[600], b[600];
+    snprintf(a, sizeof a, "%s/tpeval-01.jsonl", tmpdir);
+    snprintf(b, sizeof b, "%s/tpeval-06.jsonl", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --batch-size 32 --eval-every 5 --log %s", train_cpu, data, a);
+    CHECKF(st == 0, "01: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --batch-size 32 --eval-every 5 --nproc 2 --sequence-parallel --log %s",
+                 stage_bin("06-tensor-parallel"), data, b);
+    CHECKF(st == 0, "06 --sequence-parallel: exit %d\n%s", st, out);
+    static const char *keys[2] = { "eval_loss", "eval_acc" };
+    for (int k = 0; k < 2; k++) {
+        double x = summary_value(a, keys[k]), y = summary_value(b, keys[k]);
+        CHECKF(x >= 0 && fabs(x - y) <= 1e-5, "%s: 06 --sequence-parallel %.6f, 01 %.6f", keys[k], y, x);
+    }
+}
+
 /* Each rank's parameters, gradients and Adam moments are exactly its pieces
    of the split tensors plus the rest whole (the log's peaks, after start-up),
    and the table at start-up says which tensors are cut, whole and here. */
@@ -5044,17 +5068,25 @@ static void test_cost_model_matches_hand_computed_cases(void) {
        8 sums of 1.25e7 bytes (1.25 ms each at N=2): 100 x (0.8/2 + 0.2) = 60
        ms of compute and 10 of sums, none hidden: 100 / 70 over one rank with
        the same batch (not twice it) */
-    dt_cost_input tp = { DT_PAR_TP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0.8, 8, 1.25e7 };
+    dt_cost_input tp = { DT_PAR_TP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0.8, 8, 1.25e7, 0 };
     dt_cost_prediction q = dt_cost_predict(&tp, &(dt_link){ "no latency", 0, 10 }, 2);
     CHECKF(CLOSE(q.compute_ms, 60, 1e-12) && CLOSE(q.comm_ms, 10, 1e-12) && CLOSE(q.exposed_ms, 10, 1e-12) &&
            CLOSE(q.speedup, 100.0 / 70, 1e-12) && CLOSE(q.bytes, 8 * 1.25e7, 1e-12),
            "TP: compute %.4f, comm %.4f, exposed %.4f, speedup %.4f, bytes %.4g", q.compute_ms, q.comm_ms, q.exposed_ms,
            q.speedup, q.bytes);
+    /* the same over 2 data-parallel groups: each rank's 0.6e6 gradients (2.4e6
+       bytes) averaged over 2 groups, 0.24 ms exposed; twice the samples */
+    tp.tp_groups = 2;
+    q = dt_cost_predict(&tp, &(dt_link){ "no latency", 0, 10 }, 2);
+    CHECKF(CLOSE(q.comm_ms, 10.24, 1e-12) && CLOSE(q.step_ms, 70.24, 1e-12) && CLOSE(q.speedup, 200 / 70.24, 1e-12) &&
+           CLOSE(q.efficiency, 50 / 70.24, 1e-12) && CLOSE(q.bytes, 8 * 1.25e7 + 2.4e6, 1e-12),
+           "TP x 2 groups: comm %.4f, step %.4f, speedup %.4f, efficiency %.4f, bytes %.6g", q.comm_ms, q.step_ms, q.speedup,
+           q.efficiency, q.bytes);
     /* DDP, 100 ms of compute, 25 ms of all-reduce (2.5e8 bytes at N=2, no latency):
        nothing hidden: 125 ms a step, 80% efficiency; hidden behind half of
        compute (50 ms): 100% */
     dt_link fast = { "no latency", 0, 10 };
-    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0, 0, 0, 0 };
+    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0, 0, 0, 0, 0 };
     dt_cost_prediction p = dt_cost_predict(&in, &fast, 2);
     CHECKF(CLOSE(p.comm_ms, 25, 1e-12) && CLOSE(p.step_ms, 125, 1e-12) && CLOSE(p.efficiency, 0.8, 1e-12),
            "DDP: comm %.4f, step %.4f, efficiency %.4f", p.comm_ms, p.step_ms, p.efficiency);
@@ -6051,6 +6083,7 @@ static const test_case tests[] = {
     T(test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank), T(test_fsdp_prefetches_the_next_unit),
     T(test_tensor_parallel_equals_one_device), T(test_tensor_parallel_keeps_one_tth_of_the_split_layers),
     T(test_tensor_parallel_checkpoints_are_whole_and_resume_at_any_tp),
+    T(test_tensor_parallel_evaluates_a_last_batch_that_does_not_split),
     T(test_order_mistakes_in_each_stage_are_named_errors), T(test_gpt_trains_alike_in_every_stage), T(test_llama_trains_alike_in_every_stage),
     T(test_masked_instruction_data_trains_alike_in_every_stage), T(test_recompute_repeats_the_bits_of_every_stage_in_less_memory),
     T(test_lora_starts_at_the_frozen_model_and_trains_only_its_adapters), T(test_lora_trains_alike_in_every_stage_and_round_trips),
