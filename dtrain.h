@@ -336,6 +336,9 @@ dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index);
    not ignored; a 1-element tensor. A language model's logits [B*T, vocab]
    take a label per row: the next token. */
 dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels);
+/* A model's logits on the host, rows x the whole vocabulary (the columns of
+   a vocabulary split by tensor parallelism gathered first: a collective). */
+void dt_logits_to_host(const dt_tensor *logits, float *host);
 /* Make dt_cross_entropy of these labels (this very array, until the step
    arena is reset) divide its sum by `divisor` instead of by the labels it
    counts. For masked data the run driver sets the targets that count in the
@@ -388,6 +391,11 @@ struct dt_parallel {
        in place. NULL: no layer is split, and dt_tp_copy and dt_tp_sum are
        the identity. */
     void (*tp_sum)(dt_parallel *par, float *values, int64_t n);
+    /* The same group's largest of n values (each row's largest logit, when
+       the vocabulary is split), and its all-gather (each rank's n values,
+       rank after rank: the whole logits, for evaluation); NULL without it. */
+    void (*tp_max)(dt_parallel *par, float *values, int64_t n);
+    void (*tp_all_gather)(dt_parallel *par, const float *mine, float *all, int64_t n);
     /* Sequence parallelism (--sequence-parallel): the same group's all-gather
        (each rank's n values, rank after rank) and reduce-scatter (the sum,
        this rank keeping its n of n x tp_size), on the device; NULL without
@@ -490,6 +498,8 @@ typedef struct dt_split {
     int dim, parts, align;
     int rows;      /* read between dt_sp_split and dt_sp_gather: under --sequence-parallel each rank's
                       gradient of a whole parameter is then its rows' part, summed over the group */
+    int vocab;     /* the vocabulary's rows (the GPT's wte, its head too): cut only when they divide by T
+                      (GPT-2's 50,257 do not), whole otherwise */
 } dt_split;
 
 typedef struct dt_model {
@@ -708,7 +718,7 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint6
 typedef struct dt_comm dt_comm;
 typedef struct dt_comm_group dt_comm_group;     /* the shared state of thread ranks */
 typedef enum { DT_COMM_SHM = 0, DT_COMM_NCCL = 1 } dt_comm_kind;
-typedef enum { DT_SUM = 0, DT_AVG = 1 } dt_reduce_op;
+typedef enum { DT_SUM = 0, DT_AVG = 1, DT_MAX = 2 } dt_reduce_op;   /* MAX: a split vocabulary's largest logit */
 typedef int64_t dt_comm_handle;                 /* what an asynchronous call returns */
 /* Every call a communicator queues, the same for every backend (section 19's
    NCCL code switches on it too). */
@@ -896,9 +906,11 @@ void dt_fsdp_free(dt_fsdp *fsdp);
    attention is split by heads: q, k and v column-parallel, the output
    projection row-parallel. So a block costs two sums of its activations in
    forward (dt_tp_sum) and two of their gradients in backward (dt_tp_copy),
-   and no weight ever travels. Norms, embeddings and the head stay whole on
-   every rank, where they compute the same values and get the same
-   gradients. The model says where each parameter may be cut (dt_split); this
+   and no weight ever travels. The GPT's vocabulary (its embedding and tied
+   head) is cut by tokens: each rank looks up and scores 1/T of them, and
+   dt_cross_entropy takes the group's max and sum of each row. Norms and
+   position embeddings stay whole on every rank, where they compute the same
+   values and get the same gradients. The model says where each parameter may be cut (dt_split); this
    wrapper cuts. With a job larger than T, the ranks form a mesh of
    data-parallel x tensor-parallel groups ("dp" x "tp", tp varying fastest):
    each group of T shares a batch, and the gradients are averaged over the
@@ -1435,7 +1447,10 @@ typedef struct dt_backend {
     /* tokens: ids as f32. Backward: dwte, dwpe may be NULL; by_token lists the
        rows grouped by token: order[BT] (each group's rows ascending), then
        start[groups + 1] into it, then the token of each group, token[groups] */
-    void (*token_embedding_forward)(const float *tokens, const float *wte, const float *wpe, float *y, int BT, int T, int D);
+    /* first, V: wte holds tokens first .. first + V - 1 (a rank's share of a
+       split vocabulary); a row whose token is not among them gets zeros (+ wpe) */
+    void (*token_embedding_forward)(const float *tokens, const float *wte, const float *wpe, float *y, int BT, int T, int D,
+                                    int first, int V);
     void (*token_embedding_backward)(const int32_t *by_token, int groups, const float *dy, float *dwte, float *dwpe, int BT,
                                      int T, int D);
     void (*vit_tokens_forward)(const float *patches, const float *cls, const float *pos, float *y,
@@ -1448,6 +1463,14 @@ typedef struct dt_backend {
                                   int B, int C, double divisor);
     void (*cross_entropy_backward)(const float *probs, const int32_t *labels, const float *dloss,
                                    float *dlogits, int B, int C, float divisor);
+    /* The cross-entropy of a vocabulary split over ranks, in three passes
+       with the group's collectives between: each row's largest of its C
+       values; p = exp(x - mx[row]) and sum_label = (each row's sum of p, then
+       each row's x[label], 0 where the label is not among these columns);
+       p /= sum[row]. */
+    void (*rows_max)(const float *x, float *mx, int B, int C);
+    void (*rows_exp_sum)(const float *x, const int32_t *labels, const float *mx, float *p, float *sum_label, int B, int C);
+    void (*rows_divide)(float *p, const float *sum_label, int B, int C);
     void (*patchify)(const float *images, float *patches, int B, int C, int H, int W, int p);
     double (*sum_squares)(const float *x, int64_t n);                   /* waits for the result */
     void (*scale)(float *x, float c, int64_t n);
@@ -3767,13 +3790,18 @@ static int dt__token_id(float v, int vocab) {
    rows by token with a counting sort -- stable, so each group keeps its rows in
    the CPU's order -- and the GPU gives a thread to each (token, column). The
    list goes to the device in the step arena (see the backend's comment). */
-static const int32_t *dt__rows_by_token(const dt_tensor *tokens, int vocab, int *groups) {
+static const int32_t *dt__rows_by_token(const dt_tensor *tokens, int from, int vocab, int *groups) {
     int BT = (int)tokens->numel, G = 0;
     float *ids = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)BT);
     int32_t *first = (int32_t *)dt_step_alloc(sizeof(int32_t) * ((size_t)vocab + 1));
-    int32_t *list = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (3 * (size_t)BT + 1));
+    int32_t *list = (int32_t *)dt_step_alloc(sizeof(int32_t) * (3 * (size_t)BT + 1));
     dt_tensor_to_host(tokens, ids);
-    for (int r = 0; r < BT; r++) first[dt__token_id(ids[r], vocab) + 1]++;
+    /* wte's rows are tokens from .. from + vocab - 1 (all of them, unless the
+       vocabulary is split over ranks): the other rows add nothing here */
+    for (int r = 0; r < BT; r++) {
+        int id = (int)ids[r] - from;
+        if (id >= 0 && id < vocab) first[id + 1]++;
+    }
     for (int v = 0; v < vocab; v++) {
         if (first[v + 1]) G++;
         first[v + 1] += first[v];               /* where token v's rows begin */
@@ -3781,8 +3809,11 @@ static const int32_t *dt__rows_by_token(const dt_tensor *tokens, int vocab, int 
     int32_t *order = list, *start = list + BT, *token = start + G + 1;
     for (int v = 0, g = 0; v < vocab; v++)
         if (first[v + 1] > first[v]) { start[g] = first[v]; token[g++] = v; }
-    start[G] = BT;
-    for (int r = 0; r < BT; r++) order[first[(int)ids[r]]++] = r;
+    start[G] = first[vocab];
+    for (int r = 0; r < BT; r++) {
+        int id = (int)ids[r] - from;
+        if (id >= 0 && id < vocab) order[first[id]++] = r;
+    }
     size_t bytes = sizeof(int32_t) * ((size_t)BT + 2 * (size_t)G + 1);
     int32_t *dev = (int32_t *)dt__step_alloc_on(tokens->device, bytes);
     dt__upload_to(tokens->device, dev, list, bytes);
@@ -3792,13 +3823,14 @@ static const int32_t *dt__rows_by_token(const dt_tensor *tokens, int vocab, int 
 static void dt__token_embedding_backward(dt__tape_entry *e) {
     const dt_tensor *tokens = (const dt_tensor *)e->saved;
     dt_tensor *wte = e->in[0], *wpe = e->in[1];
-    int BT = (int)dt_tensor_rows(e->out), D = (int)dt_tensor_cols(e->out), T = e->iarg[0];
+    int BT = (int)dt_tensor_rows(e->out), D = (int)dt_tensor_cols(e->out), T = e->iarg[0], from = e->iarg[1];
+    int V = (int)dt_tensor_rows(wte);
     const float *dy = dt__grad_in(e->out);
     float *dwte = wte->requires_grad ? dt__grad_acc(wte) : NULL, *dwpe = wpe && wpe->requires_grad ? dt__grad_acc(wpe) : NULL;
     const dt_backend *gpu = dt__backend_for(e->out);
     if (gpu) {
         int groups = 0;
-        const int32_t *by_token = dt__rows_by_token(tokens, (int)dt_tensor_rows(wte), &groups);
+        const int32_t *by_token = dt__rows_by_token(tokens, from, V, &groups);
         gpu->token_embedding_backward(by_token, groups, dy, dwte, dwpe, BT, T, D);
     } else {
         DT_OMP("omp parallel for schedule(static) if(BT * D > 65536)")
@@ -3806,7 +3838,8 @@ static void dt__token_embedding_backward(dt__tape_entry *e) {
             int j1 = j0 + 16 < D ? j0 + 16 : D;
             for (int r = 0; r < BT; r++) {
                 const float *g = dy + (size_t)r * D;
-                if (dwte) { float *w = dwte + (size_t)tokens->data[r] * D; for (int j = j0; j < j1; j++) w[j] += g[j]; }
+                int id = (int)tokens->data[r] - from;
+                if (dwte && id >= 0 && id < V) { float *w = dwte + (size_t)id * D; for (int j = j0; j < j1; j++) w[j] += g[j]; }
                 if (dwpe) { float *p = dwpe + (size_t)(r % T) * D; for (int j = j0; j < j1; j++) p[j] += g[j]; }
             }
         }
@@ -3814,7 +3847,10 @@ static void dt__token_embedding_backward(dt__tape_entry *e) {
     if (dwte) dt__grad_acc_done(wte, dwte);
     if (dwpe) dt__grad_acc_done(wpe, dwpe);
 }
-dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe) {
+/* wte holds the rows of tokens `from` .. from + rows - 1 of a vocabulary of
+   `vocab`: all of them, or (stage 06) one rank's share, the other tokens'
+   rows left zero, for the group's sum to fill. */
+static dt_tensor *dt__token_embedding_rows(const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe, int from, int vocab) {
     int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), D = (int)dt_tensor_cols(wte), V = (int)dt_tensor_rows(wte);
     if (tokens->dtype != DT_F32) dt_fail("token embedding: the token ids must be f32 whole numbers");
     if (wpe && (dt_tensor_cols(wpe) != D || dt_tensor_rows(wpe) < T))
@@ -3826,10 +3862,16 @@ dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor
     dt_tensor *y = dt__tensor_out_2d(B * T, D);
     const float *wv = dt__in(wte), *pv = wpe ? dt__in(wpe) : NULL;
     float *yv = dt__out(y);
-    if (gpu) gpu->token_embedding_forward(tokens->data, wv, pv, yv, B * T, T, D);
+    if (gpu) gpu->token_embedding_forward(tokens->data, wv, pv, yv, B * T, T, D, from, V);
     else
         for (int r = 0; r < B * T; r++) {
-            const float *w = wv + (size_t)dt__token_id(tokens->data[r], V) * D;
+            int id = dt__token_id(tokens->data[r], vocab) - from;
+            if (id < 0 || id >= V) {                 /* another rank's token */
+                if (pv) memcpy(yv + (size_t)r * D, pv + (size_t)(r % T) * D, sizeof(float) * (size_t)D);
+                else memset(yv + (size_t)r * D, 0, sizeof(float) * (size_t)D);
+                continue;
+            }
+            const float *w = wv + (size_t)id * D;
             if (pv) {
                 const float *p = pv + (size_t)(r % T) * D;
                 for (int j = 0; j < D; j++) yv[(size_t)r * D + j] = w[j] + p[j];
@@ -3839,9 +3881,13 @@ dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor
     if (dt__wants_grad(wte, wpe, NULL)) {
         dt__tape_entry *e = dt__tape_push(dt__token_embedding_backward, y, wte, wpe, NULL);
         e->iarg[0] = T;
+        e->iarg[1] = from;
         e->saved = (void *)tokens;
     }
     return y;
+}
+dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe) {
+    return dt__token_embedding_rows(tokens, wte, wpe, 0, (int)dt_tensor_rows(wte));
 }
 
 /* -- ViT token assembly: [class token; patch embeddings] + position embedding -- */
@@ -3950,6 +3996,10 @@ static void dt__cross_entropy_backward(dt__tape_entry *e) {
             if (labels[i] == DT_IGNORE_INDEX) continue;
             float *d = dl + (size_t)i * C;
             const float *pi = p + (size_t)i * C;
+            if (labels[i] < 0 || labels[i] >= C) {       /* a split vocabulary: another rank's label */
+                for (int j = 0; j < C; j++) d[j] += pi[j] * scale;
+                continue;
+            }
             float at_label = d[labels[i]] + (pi[labels[i]] - 1.0f) * scale;
             for (int j = 0; j < C; j++) d[j] += pi[j] * scale;      /* no branch: it vectorises */
             d[labels[i]] = at_label;
@@ -3957,8 +4007,10 @@ static void dt__cross_entropy_backward(dt__tape_entry *e) {
     }
     dt__grad_acc_done(logits, dl);
 }
-dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
-    int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits), counted = 0;
+/* The labels' check, and what the summed loss is divided by: the labels
+   that count (or the divisor the run set). */
+static double dt__loss_divisor(const int32_t *labels, int B, int C) {
+    int counted = 0;
     for (int i = 0; i < B; i++) {
         if (labels[i] == DT_IGNORE_INDEX) continue;
         if (labels[i] < 0 || labels[i] >= C) dt_fail("cross entropy: label %d outside [0, %d)", labels[i], C);
@@ -3967,6 +4019,13 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
     double divisor = counted > 0 ? counted : 1;               /* nothing counted: the loss is 0 */
     if (dt__ctx.loss_divisor.labels == labels && dt__ctx.loss_divisor.step == dt__ctx.step_resets)
         divisor = dt__ctx.loss_divisor.divisor;
+    return divisor;
+}
+static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labels);
+dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
+    if (logits->parallel && !logits->is_param) return dt__cross_entropy_split(logits, labels);
+    int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits);
+    double divisor = dt__loss_divisor(labels, B, C);
     const dt_backend *gpu = dt__backend_for(logits);
     dt__scratch_reset();
     float *p = (float *)dt__step_data(sizeof(float) * (size_t)B * C + sizeof(int32_t) * B);
@@ -4005,6 +4064,94 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
         e->farg[0] = (float)divisor;
     }
     return loss;
+}
+
+/* -- the cross-entropy of logits whose columns, the vocabulary, are split
+      over a tensor-parallel group (stage 06's GPT), so that the whole rows
+      never exist on one rank. Each rank takes its columns' largest value in
+      each row, and the group the largest of those (an all-reduce); each rank
+      its columns' exp(x - max) and their sum, and the label's logit where it
+      holds that column, and the group sums both. Every rank then has each
+      row's loss, log(sum) + max - x[label], and its columns of the softmax,
+      whose gradient is (p - onehot) / N as before: the backward above, with
+      the labels this rank does not hold out of its columns' range. -- */
+static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labels) {
+    dt_parallel *par = logits->parallel;
+    int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits), first = par->tp_rank * C;
+    double divisor = dt__loss_divisor(labels, B, C * par->tp_size);
+    const dt_backend *gpu = dt__backend_for(logits);
+    dt__scratch_reset();
+    float *p = (float *)dt__step_data(sizeof(float) * (size_t)B * C + sizeof(int32_t) * B);
+    int32_t *mine = (int32_t *)(p + (size_t)B * C);
+    int32_t *host = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)B);
+    for (int i = 0; i < B; i++)            /* this rank's columns: the label's, or -1 (another rank's) */
+        host[i] = labels[i] == DT_IGNORE_INDEX ? DT_IGNORE_INDEX
+                : labels[i] >= first && labels[i] < first + C ? labels[i] - first : -1;
+    float *mx = (float *)dt__scratch_on(logits->device, sizeof(float) * (size_t)B);
+    float *sum_label = (float *)dt__scratch_on(logits->device, sizeof(float) * 2 * (size_t)B);
+    const float *lv = dt__in(logits);
+    if (gpu) {
+        gpu->upload(mine, host, sizeof(int32_t) * (size_t)B);
+        gpu->rows_max(lv, mx, B, C);
+    } else {
+        memcpy(mine, host, sizeof(int32_t) * (size_t)B);
+        for (int i = 0; i < B; i++) mx[i] = dt__row_max(lv + (size_t)i * C, C);
+    }
+    par->tp_max(par, mx, B);
+    if (gpu) gpu->rows_exp_sum(lv, mine, mx, p, sum_label, B, C);
+    else {
+        DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
+        for (int i = 0; i < B; i++) {
+            const float *r = lv + (size_t)i * C;
+            float *pr = p + (size_t)i * C;
+            double lanes[DT_LANES] = { 0 }, sum = 0;
+            for (int j = 0; j < C; j++) pr[j] = dt_exp_value(r[j] - mx[i]);
+            DT__LANE_SUM(lanes, C, j, (double)pr[j]);
+            for (int l = 0; l < DT_LANES; l++) sum += lanes[l];
+            sum_label[i] = (float)sum;
+            sum_label[B + i] = mine[i] >= 0 ? r[mine[i]] : 0.0f;
+        }
+    }
+    par->tp_sum(par, sum_label, 2 * (int64_t)B);
+    if (gpu) gpu->rows_divide(p, sum_label, B, C);
+    else
+        for (int i = 0; i < B; i++) {
+            double inv = 1.0 / sum_label[i];
+            for (int j = 0; j < C; j++) p[(size_t)i * C + j] = (float)(p[(size_t)i * C + j] * inv);
+        }
+    /* each row's loss, added in row order on the host, as the whole-row op does */
+    float *m_host = (float *)dt__step_alloc_uninit(sizeof(float) * 3 * (size_t)B), *s_host = m_host + B;
+    dt__download_from(logits->device, m_host, mx, sizeof(float) * (size_t)B);
+    dt__download_from(logits->device, s_host, sum_label, sizeof(float) * 2 * (size_t)B);
+    double total = 0;
+    for (int i = 0; i < B; i++)
+        if (labels[i] != DT_IGNORE_INDEX) total += log((double)s_host[i]) + m_host[i] - s_host[B + i];
+    int s1[1] = { 1 };
+    dt_tensor *loss = dt__tensor_alloc(1, s1, DT_F32);
+    float value = (float)(total / divisor);
+    dt__upload_to(logits->device, loss->data, &value, sizeof value);
+    if (dt__wants_grad(logits, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__cross_entropy_backward, loss, logits, NULL, NULL);
+        e->saved = p;
+        e->farg[0] = (float)divisor;
+    }
+    return loss;
+}
+
+/* The whole logits on the host, rows x the whole vocabulary: a split
+   vocabulary's columns are all-gathered from the group first (a collective
+   of the group), then put side by side. */
+void dt_logits_to_host(const dt_tensor *logits, float *host) {
+    dt_parallel *par = logits->parallel;
+    if (!par || logits->is_param) { dt_tensor_to_host(logits, host); return; }
+    int64_t B = dt_tensor_rows(logits), C = dt_tensor_cols(logits), T = par->tp_size, n = logits->numel;
+    float *all = (float *)dt__scratch_on(logits->device, sizeof(float) * (size_t)(n * T));
+    float *mine = (float *)dt__in(logits);
+    par->tp_all_gather(par, mine, all, n);
+    float *h = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)(n * T));
+    dt__download_from(logits->device, h, all, sizeof(float) * (size_t)(n * T));
+    for (int64_t r = 0; r < T; r++)
+        for (int64_t i = 0; i < B; i++) memcpy(host + (i * T + r) * C, h + (r * B + i) * C, sizeof(float) * (size_t)C);
 }
 
 dt_tensor *dt_patchify(const dt_tensor *images, int patch) {
@@ -4158,6 +4305,7 @@ static void dt__gpt_build(dt__model_builder *mb, const dt_model_config *cfg) {
     mb->m->outer_unit = 0;
     dt__unit_starts_here(mb);
     dt__add_param(mb, "wte.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->classes, D, 0, 0);
+    mb->m->splits[mb->m->nparams - 1] = (dt_split){ .dim = 0, .parts = 1, .align = 1, .vocab = 1 };   /* by tokens */
     dt__add_param(mb, "wpe.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->seq_len, D, 0, 0);
     dt__add_layernorm(mb, "ln_f", D);
     int blocks = mb->m->nparams;
@@ -4380,6 +4528,28 @@ static dt_tensor *dt__linear_cut(dt_model *m, dt_tensor *x, dt_tensor *w, dt_ten
 static dt_tensor *dt__lora_linear(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
     return dt__with_adapter(m, x, w, dt__linear_cut(m, x, w, b, 0));
 }
+/* The GPT's vocabulary (wte: the token embedding, and the tied head), cut
+   over the group by its rows. Each rank looks up the tokens it holds, zeros
+   for the others, and the group sums the rows (the one rank's row plus
+   zeros: the same bits); the positions are added after, on every rank. */
+static dt_tensor *dt__vocab_embedding(dt_model *m, const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe) {
+    if (dt__tp_cut(m, wte, 0) != 1) return dt_token_embedding(tokens, wte, wpe);
+    dt_parallel *par = m->parallel;
+    int V = (int)dt_tensor_rows(wte), B = tokens->shape[0], T = (int)dt_tensor_cols(tokens);
+    dt_tensor *x = dt_tp_sum(par, dt__token_embedding_rows(tokens, wte, NULL, par->tp_rank * V, V * par->tp_size));
+    float *at = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)B * T);
+    for (int r = 0; r < B * T; r++) at[r] = (float)(r % T);             /* each row's position, looked up in wpe */
+    int shape[2] = { B, T };
+    return dt_add(x, dt_token_embedding(dt_tensor_from_host(2, shape, at), wpe, NULL));
+}
+/* ... and its head, a column-parallel layer: each rank gives its columns of
+   the logits, marked (their `parallel`) so that dt_cross_entropy and
+   dt_logits_to_host work with the group on them. */
+static dt_tensor *dt__vocab_head(dt_model *m, dt_tensor *x, dt_tensor *wte) {
+    dt_tensor *logits = dt__linear_cut(m, x, wte, NULL, 0);
+    if (dt__tp_cut(m, wte, 0) == 1) logits->parallel = m->parallel;
+    return logits;
+}
 static dt_tensor *dt__lora_linear_in_out(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
     return dt__with_adapter(m, x, w, dt__linear_cut(m, x, w, b, 1));
 }
@@ -4483,10 +4653,10 @@ static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens) {
 #define DT_NEXT (&P[pi++])
     dt__unit_boundary(m, 0, 1);                                         /* the outer unit, until the head */
     dt_tensor *wte = DT_NEXT, *wpe = DT_NEXT, *nfw = DT_NEXT, *nfb = DT_NEXT;
-    dt_tensor *x = dt_sp_split(m->parallel, dt_token_embedding(tokens, wte, wpe));   /* --sequence-parallel */
+    dt_tensor *x = dt_sp_split(m->parallel, dt__vocab_embedding(m, tokens, wte, wpe));   /* --sequence-parallel */
     for (int l = 0; l < c->depth; l++) x = dt__block(m, 1 + l, dt__gpt_block, dt__unit_weights(m, 1 + l), x, B, T);
     x = dt_sp_gather(m->parallel, x);
-    x = dt_linear(dt_layernorm(x, nfw, nfb, 1e-5f), wte, NULL);       /* tied head: logits = x wte^T */
+    x = dt__vocab_head(m, dt_layernorm(x, nfw, nfb, 1e-5f), wte);     /* tied head: logits = x wte^T */
     dt__unit_boundary(m, 0, 0);
     return x;
 #undef DT_NEXT
@@ -6354,13 +6524,15 @@ static void dt__shm_recv(dt_comm *c, const dt_comm_op *o) {
     } while (off < o->count);
 }
 
-/* out[i] = in_0[i] + in_1[i] + ... in rank order, for i in [lo, hi) of the slots. */
+/* out[i] = in_0[i] + in_1[i] + ... in rank order (or their largest, DT_MAX), for i in [lo, hi) of the slots. */
 static void dt__sum_slots(const dt_comm *c, int64_t slot_off, int64_t lo, int64_t hi, dt_dtype t, dt_reduce_op op,
                          void *out, int64_t out_off) {
     for (int64_t i = lo; i < hi; i++) {
         float acc = dt__load_as_f32(c->slots, slot_off + i, t);
-        for (int r = 1; r < c->world; r++)
-            acc += dt__load_as_f32(c->slots + (size_t)r * DT_SLOT_BYTES, slot_off + i, t);
+        for (int r = 1; r < c->world; r++) {
+            float v = dt__load_as_f32(c->slots + (size_t)r * DT_SLOT_BYTES, slot_off + i, t);
+            acc = op == DT_MAX ? (v > acc ? v : acc) : acc + v;
+        }
         if (op == DT_AVG) acc /= (float)c->world;
         dt__store_from_f32(out, out_off + i, t, acc);
     }
@@ -8272,6 +8444,12 @@ static void dt__tp_sum(dt_parallel *par, float *values, int64_t n) {
     dt_all_reduce(t->group, values, values, n, DT_F32, DT_SUM);
     dt__tp_count(t, "all_reduce tp", t0, 1, 4.0 * (double)n);
 }
+static void dt__tp_max(dt_parallel *par, float *values, int64_t n) {
+    dt_tp *t = (dt_tp *)par;
+    double t0 = dt_now_ms();
+    dt_all_reduce(t->group, values, values, n, DT_F32, DT_MAX);
+    dt__tp_count(t, "all_reduce max tp", t0, 1, 4.0 * (double)n);
+}
 static void dt__sp_all_gather(dt_parallel *par, const float *mine, float *all, int64_t n) {
     dt_tp *t = (dt_tp *)par;
     double t0 = dt_now_ms();
@@ -8436,6 +8614,10 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
     for (int i = 0; i < model->nparams; i++) {
         dt_split sp = model->splits[i];
         if (sp.dim < 0) continue;
+        if (sp.vocab && model->params[i].shape[sp.dim] % tp) {    /* the table at start-up says so */
+            model->splits[i].dim = -1;
+            continue;
+        }
         cuts++;
         int64_t group = model->params[i].shape[sp.dim] / sp.parts;
         if (group % ((int64_t)tp * sp.align))
@@ -8453,6 +8635,7 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
                             .optimizer_view = dt__tp_optimizer_view,
                             .sum_over_ranks = dt__tp_sum_over_ranks,
                             .tp_sum = tp > 1 ? dt__tp_sum : NULL,     /* a group of one: the layers as in stage 01 */
+                            .tp_max = tp > 1 ? dt__tp_max : NULL, .tp_all_gather = tp > 1 ? dt__sp_all_gather : NULL,
                             .sp_all_gather = tp > 1 && sequence_parallel ? dt__sp_all_gather : NULL,
                             .sp_reduce_scatter = tp > 1 && sequence_parallel ? dt__sp_reduce_scatter : NULL,
                             .state_open = dt__tp_state_open, .state_close = dt__tp_state_close,
@@ -8554,6 +8737,9 @@ static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
     char seen[64][96];
     int nseen = 0;
     for (int i = 0; i < m->nparams; i++) {
+        if (m->splits[i].vocab && m->splits[i].dim < 0)
+            printf("    %-30s %12d rows stay whole: the vocabulary does not divide by %d\n", m->params[i].name,
+                   m->params[i].shape[0], t->size);
         if (m->splits[i].dim < 0) continue;
         char pattern[96], a[48], b[48];
         int count = 0, dup = 0;
@@ -8568,7 +8754,8 @@ static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
         }
         dt__shape_string(W->params[i].shape, W->params[i].ndim, a, sizeof a);
         dt__shape_string(m->params[i].shape, m->params[i].ndim, b, sizeof b);
-        printf("    %-30s %12s -> %-12s%s", pattern, a, b, m->splits[i].parts > 1 ? " q, k and v each by heads" : "");
+        printf("    %-30s %12s -> %-12s%s", pattern, a, b, m->splits[i].parts > 1 ? " q, k and v each by heads"
+                                                             : m->splits[i].vocab ? " the vocabulary: embedding and head" : "");
         if (count > 1) printf("%s x%d blocks", m->splits[i].parts > 1 ? "," : "", count);
         printf("\n");
     }
@@ -10318,8 +10505,10 @@ static void dt__evaluate_share(dt_model *m, const dt_dataset *ds, int batch_size
         if (!dt_loader_next(&l, &b)) break;
         dt_tensor *logits = dt_model_forward(m, b.inputs);
         int C = (int)dt_tensor_cols(logits), R = (int)(dt_tensor_rows(logits) / b.size);   /* rows per sample: gpt's T */
-        float *host = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)logits->numel);
-        dt_tensor_to_host(logits, host);
+        int split = logits->parallel && !logits->is_param ? logits->parallel->tp_size : 1;   /* a split vocabulary */
+        float *host = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)logits->numel * (size_t)split);
+        dt_logits_to_host(logits, host);
+        C *= split;
         for (int i = 0; i < b.size; i++) {
             if (rank + (first + i) * world >= ds->n) continue;   /* the sampler's padding: counted by its owner */
             for (int k = i * R; k < (i + 1) * R; k++) {
@@ -10373,7 +10562,7 @@ void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, fl
         dt_step_arena_reset();
         int shape[2] = { 1, L };
         dt_tensor *y = dt_model_forward(m, dt_tensor_from_host(2, shape, window));
-        dt_tensor_to_host(y, logits);
+        dt_logits_to_host(y, logits);
         float *weight = logits + (size_t)(L - 1) * V, mx = weight[0];     /* the last position's, in place */
         for (int j = 1; j < V; j++) mx = weight[j] > mx ? weight[j] : mx;
         double total = 0;
@@ -12205,14 +12394,17 @@ __global__ static void dt__k_vit_tokens(const float *patches, const float *cls, 
 }
 /* Token embedding: ids arrive as f32 (validated on the host when the data
    was read). */
-__global__ static void dt__k_token_embedding(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D) {
+__global__ static void dt__k_token_embedding(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D,
+                                            int first, int V) {
     DT_FOR_EACH(i, (int64_t)BT * D) {
         int64_t r = i / D, j = i % D;
-        y[i] = wte[(int64_t)tok[r] * D + j] + (wpe ? wpe[(r % T) * D + j] : 0.0f);
+        int id = (int)tok[r] - first;
+        y[i] = (id >= 0 && id < V ? wte[(int64_t)id * D + j] : 0.0f) + (wpe ? wpe[(r % T) * D + j] : 0.0f);
     }
 }
-static void dt__cuda_token_embedding_forward(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D) {
-    DT_LAUNCH(dt__k_token_embedding, dt_blocks_for((int64_t)BT * D), DT_THREADS, tok, wte, wpe, y, BT, T, D);
+static void dt__cuda_token_embedding_forward(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D,
+                                             int first, int V) {
+    DT_LAUNCH(dt__k_token_embedding, dt_blocks_for((int64_t)BT * D), DT_THREADS, tok, wte, wpe, y, BT, T, D, first, V);
 }
 /* One thread per (token, column) walks that token's rows in order, and one
    per (position, column) walks the batch: the CPU's order, no atomics. */
@@ -12337,6 +12529,44 @@ static void dt__cuda_cross_entropy_backward(const float *p, const int32_t *label
               divisor);
 }
 
+/* The cross-entropy of a split vocabulary: one warp per row, as above. */
+__global__ static void dt__k_rows_max(const float *x, float *mx, int B, int C) {
+    int lane = threadIdx.x % 32;
+    DT_FOR_EACH_ROW(i, B) {
+        float m = -INFINITY;
+        for (int j = lane; j < C; j += 32) m = fmaxf(m, x[(int64_t)i * C + j]);
+        m = dt__warp_max(m);
+        if (lane == 0) mx[i] = m;
+    }
+}
+__global__ static void dt__k_rows_exp_sum(const float *x, const int32_t *labels, const float *mx, float *p, float *sum_label,
+                                         int B, int C) {
+    int lane = threadIdx.x % 32;
+    DT_FOR_EACH_ROW(i, B) {
+        const float *r = x + (int64_t)i * C;
+        float *pr = p + (int64_t)i * C, sum = 0;
+        for (int j = lane; j < C; j += 32) { pr[j] = expf(r[j] - mx[i]); sum += pr[j]; }
+        sum = dt__warp_sum(sum);
+        if (lane == 0) {
+            sum_label[i] = sum;
+            sum_label[B + i] = labels[i] >= 0 && labels[i] < C ? r[labels[i]] : 0.0f;
+        }
+    }
+}
+__global__ static void dt__k_rows_divide(float *p, const float *sum_label, int B, int C) {
+    DT_FOR_EACH(i, (int64_t)B * C) p[i] /= sum_label[i / C];
+}
+static void dt__cuda_rows_max(const float *x, float *mx, int B, int C) {
+    DT_LAUNCH(dt__k_rows_max, dt__blocks_for_warps(B), DT_THREADS, x, mx, B, C);
+}
+static void dt__cuda_rows_exp_sum(const float *x, const int32_t *labels, const float *mx, float *p, float *sum_label, int B,
+                                  int C) {
+    DT_LAUNCH(dt__k_rows_exp_sum, dt__blocks_for_warps(B), DT_THREADS, x, labels, mx, p, sum_label, B, C);
+}
+static void dt__cuda_rows_divide(float *p, const float *sum_label, int B, int C) {
+    DT_LAUNCH(dt__k_rows_divide, dt_blocks_for((int64_t)B * C), DT_THREADS, p, sum_label, B, C);
+}
+
 /* ---- the optimizer: a fixed-shape reduction for the gradient norm, then the
         same per-element updates as the CPU ---- */
 #define DT_SUMSQ_BLOCKS 256
@@ -12438,6 +12668,7 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     t->token_embedding_backward = dt__cuda_token_embedding_backward;
     t->select_token_forward = dt__cuda_select_token_forward; t->select_token_backward = dt__cuda_select_token_backward;
     t->cross_entropy_forward = dt__cuda_cross_entropy_forward; t->cross_entropy_backward = dt__cuda_cross_entropy_backward;
+    t->rows_max = dt__cuda_rows_max; t->rows_exp_sum = dt__cuda_rows_exp_sum; t->rows_divide = dt__cuda_rows_divide;
     t->patchify = dt__cuda_patchify; t->sum_squares = dt__cuda_sum_squares; t->scale = dt__cuda_scale;
     t->adamw = dt__cuda_adamw; t->sgd = dt__cuda_sgd; t->convert = dt__cuda_convert; t->owns = dt__cuda_owns;
     return t;
@@ -12519,7 +12750,7 @@ extern "C" int dt_nccl_progress(dt_nccl *s, char *why, size_t n) {
 extern "C" void dt_nccl_mark_inputs(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaEventRecord(s->inputs[slot], dt__cuda.stream)); }
 extern "C" void dt_nccl_issue(dt_nccl *s, int slot, const dt_comm_op *o) {
     ncclDataType_t t = o->dtype == DT_F32 ? ncclFloat32 : o->dtype == DT_BF16 ? ncclBfloat16 : ncclFloat16;
-    ncclRedOp_t red = o->op == DT_AVG ? ncclAvg : ncclSum;
+    ncclRedOp_t red = o->op == DT_AVG ? ncclAvg : o->op == DT_MAX ? ncclMax : ncclSum;
     size_t n = (size_t)o->count;
     const void *send = o->send;
     void *recv = o->recv;

@@ -2797,6 +2797,9 @@ static void tp_equivalence(const char *data, int samples, const char *flags, con
         double dl = losses_differ_by(rlog, log, 20);
         CHECKF(dl <= 1e-5, "%s %s 06 --nproc %d --tp %d %s: losses differ from 01 by %.3g", model, extra, layouts[k].nproc,
                layouts[k].tp, layouts[k].flags, dl);
+        double e1 = summary_value(rlog, "eval_loss"), e6 = summary_value(log, "eval_loss");   /* the whole logits, gathered */
+        CHECKF(e1 > 0 && fabs(e1 - e6) <= 1e-5, "%s %s 06 --nproc %d --tp %d %s: eval loss %.6f, 01's %.6f", model, extra,
+               layouts[k].nproc, layouts[k].tp, layouts[k].flags, e6, e1);
         snprintf(q, sizeof q, "%s/%s_data0-%d_epoch2", dir, model, samples);
         double d = max_tensor_diff(p, q);
         CHECKF(d >= 0 && d <= 2e-5, "%s %s 06 --nproc %d --tp %d %s: weights or optimizer state differ from 01 by %.3g", model,
@@ -2874,6 +2877,30 @@ static void test_tensor_parallel_keeps_one_tth_of_the_split_layers(void) {
                sp, acts);
     }
     dt_model_free(m);
+    /* The GPT's vocabulary is split too: wte (its embedding and its tied
+       head) in halves; a vocabulary that does not divide stays whole, and the
+       table says so. */
+    dt_model_config gc = { DT_MODEL_GPT, 0, 0, 256, 32, 2, 4, 0, 128, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    m = dt_model_create(&gc, 1);
+    double split = 0, whole = 0;
+    for (int i = 0; i < m->nparams; i++) {
+        if (m->splits[i].dim >= 0) split += 4.0 * m->params[i].numel;
+        else whole += 4.0 * m->params[i].numel;
+    }
+    dt_model_free(m);
+    snprintf(log, sizeof log, "%s/tpmem-gpt.jsonl", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 32 --depth 2 --heads 4 --seq-len 16 --epochs 1 --steps 2 "
+                     "--batch-size 8 --nproc 2 --log %s", stage_bin("06-tensor-parallel"), gpt_text(), log);
+    CHECKF(st == 0, "gpt: exit %d\n%s", st, out);
+    double params = summary_value(log, "peak_params_bytes");
+    CHECKF(params == split / 2 + whole, "gpt --tp 2: peak params %.0f bytes, expected %.0f (split %.0f, whole %.0f)", params,
+           split / 2 + whole, split, whole);
+    CHECKF(strstr(out, "wte.weight                           256x32 -> 128x32       the vocabulary: embedding and head"),
+           "no row for wte.weight cut in halves in the memory table:\n%s", out);
+    st = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 32 --depth 2 --heads 4 --seq-len 16 --vocab 257 --epochs 1 "
+                 "--steps 2 --batch-size 8 --nproc 2", stage_bin("06-tensor-parallel"), gpt_text());
+    CHECKF(st == 0 && strstr(out, "wte.weight                              257 rows stay whole: the vocabulary does not divide by 2"),
+           "--vocab 257 at --tp 2: exit %d\n%s", st, out);
 }
 
 /* A tensor-parallel run saves the whole model, as stage 01 does (every
@@ -5778,6 +5805,48 @@ static void test_gpu_ddp_fsdp_05_and_06_over_nccl_with_two_ranks_equal_stage_01(
                runs[k].flags, n, gap, runs[k].tol);
     }
 }
+/* Tensor parallelism of the transformers on the GPU over NCCL, two ranks on
+   the one GPU: vit split by heads, and gpt by heads and by its vocabulary
+   (the embedding's sum, the head's columns, the cross-entropy's max and sum
+   all-reduced, the eval's logits all-gathered), with and without
+   --sequence-parallel, against 01 on the GPU with the same batch (losses and
+   eval loss within 1e-4); then a whole checkpoint of 06 resumes in 06 bit
+   for bit. */
+static void test_gpu_tensor_parallel_vit_and_gpt_equal_stage_01(void) {
+    NEED_NCCL();
+    char out[32768], ref[600], log[600], dir[600], again[600], p[700], q[700];
+    static const struct { const char *model, *flags; int gpt; } models[2] = {
+        { "vit", "--model vit --depth 2 --heads 4 --patch 4", 0 },
+        { "gpt", "--model gpt --dim 32 --depth 2 --heads 4 --seq-len 16", 1 } };
+    for (int k = 0; k < 2; k++) {
+        const char *data = models[k].gpt ? gpt_text() : small_data();
+        snprintf(ref, sizeof ref, "%s/gpu-tp-%s-01.jsonl", tmpdir, models[k].model);
+        int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size 32 --log %s", stage_cuda("01-single-gpu"),
+                         data, models[k].flags, ref);
+        CHECKF(st == 0, "01 %s on the GPU: exit %d\n%s", models[k].model, st, out);
+        for (int sp = 0; sp < 2; sp++) {
+            snprintf(log, sizeof log, "%s/gpu-tp-%s-%d.jsonl", tmpdir, models[k].model, sp);
+            snprintf(dir, sizeof dir, "%s/gpu-tp-%s-%d", tmpdir, models[k].model, sp);
+            st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size 32 %s --nproc 2 --ranks-per-gpu 2 --timeout 60 "
+                         "--save-dir %s --log %s", stage_cuda("06-tensor-parallel"), data, models[k].flags,
+                         sp ? "--sequence-parallel" : "", dir, log);
+            CHECKF(st == 0, "06 %s%s on the GPU: exit %d\n%s", models[k].model, sp ? " --sequence-parallel" : "", st, out);
+            int n = 0;
+            double gap = worst_loss_gap(ref, log, &n), e1 = summary_value(ref, "eval_loss"), e6 = summary_value(log, "eval_loss");
+            CHECKF(gap <= 1e-4 && e1 > 0 && fabs(e1 - e6) <= 1e-4, "06 %s%s: %d losses, worst gap from 01 %.3g; eval loss %.6f, "
+                   "01's %.6f (tolerance 1e-4)", models[k].model, sp ? " --sequence-parallel" : "", n, gap, e6, e1);
+        }
+        snprintf(dir, sizeof dir, "%s/gpu-tp-%s-0", tmpdir, models[k].model);
+        snprintf(again, sizeof again, "%s/gpu-tp-%s-again", tmpdir, models[k].model);
+        int st2 = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size 32 --nproc 2 --ranks-per-gpu 2 --timeout 60 "
+                          "--resume %s/%s_data0-320_epoch1 --save-dir %s", stage_cuda("06-tensor-parallel"), data,
+                          models[k].flags, dir, models[k].model, again);
+        CHECKF(st2 == 0, "06 %s --resume on the GPU: exit %d\n%s", models[k].model, st2, out);
+        snprintf(p, sizeof p, "%s/%s_data0-320_epoch2", dir, models[k].model);
+        snprintf(q, sizeof q, "%s/%s_data0-320_epoch2", again, models[k].model);
+        CHECKF(files_equal_tensors(p, q), "06 %s on the GPU, resumed: not bit for bit the run that went on", models[k].model);
+    }
+}
 /* A checkpoint of GPU tensors resumes bit for bit: at an epoch's end and in mid-epoch. */
 static void test_gpu_checkpoints_resume_bit_for_bit(void) {
     NEED_GPU();
@@ -6123,7 +6192,8 @@ static const test_case tests[] = {
     T(test_gpu_casts_adamw_and_sgd_are_bitwise_the_cpu), T(test_gpu_fp32_step_loss_grads_and_params_match_the_cpu),
     T(test_gpu_bf16_and_fp16_step_loss_grads_and_params_match_the_cpu),
     T(test_gpu_200_step_vit_loss_curve_tracks_the_cpu),
-    T(test_gpu_ddp_fsdp_05_and_06_over_nccl_with_two_ranks_equal_stage_01), T(test_gpu_checkpoints_resume_bit_for_bit),
+    T(test_gpu_ddp_fsdp_05_and_06_over_nccl_with_two_ranks_equal_stage_01), T(test_gpu_tensor_parallel_vit_and_gpt_equal_stage_01),
+    T(test_gpu_checkpoints_resume_bit_for_bit),
     T(test_gpu_gpt_with_its_tied_head_trains_and_samples_like_the_cpu), T(test_gpu_recompute_repeats_the_bits_of_01_04_and_05),
     T(test_gpu_a_killed_rank_stops_the_nccl_job_naming_it),
     /* the build and the tools */
