@@ -334,7 +334,8 @@ dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index);
 #define DT_IGNORE_INDEX (-100)
 /* Mean cross-entropy of logits [B, C] against labels, over the labels that are
    not ignored; a 1-element tensor. A language model's logits [B*T, vocab]
-   take a label per row: the next token. */
+   take a label per row: the next token. Logits whose vocabulary tensor
+   parallelism split (stage 06) are scored with the group: a collective. */
 dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels);
 /* A model's logits on the host, rows x the whole vocabulary (the columns of
    a vocabulary split by tensor parallelism gathered first: a collective). */
@@ -488,7 +489,7 @@ typedef struct dt_model_config {
 
 /* Where tensor parallelism (stage 06) may cut a parameter: the model says,
    the wrapper cuts (section 11). dim -1: whole on every rank (norms,
-   embeddings, the head, a row-parallel layer's bias). Otherwise dimension
+   position embeddings, the ViT's head, a row-parallel layer's bias). Otherwise dimension
    dim is cut into equal pieces, one per rank, in `parts` groups that are
    cut alike (the q, k and v of a fused projection: each rank takes its heads
    of all three), each piece a whole number of `align` (a head's width:
@@ -498,7 +499,7 @@ typedef struct dt_split {
     int dim, parts, align;
     int rows;      /* read between dt_sp_split and dt_sp_gather: under --sequence-parallel each rank's
                       gradient of a whole parameter is then its rows' part, summed over the group */
-    int vocab;     /* the vocabulary's rows (the GPT's wte, its head too): cut only when they divide by T
+    int vocab;     /* the vocabulary's rows (an embedding, a head): cut only when they divide by T
                       (GPT-2's 50,257 do not), whole otherwise */
 } dt_split;
 
@@ -906,9 +907,11 @@ void dt_fsdp_free(dt_fsdp *fsdp);
    attention is split by heads: q, k and v column-parallel, the output
    projection row-parallel. So a block costs two sums of its activations in
    forward (dt_tp_sum) and two of their gradients in backward (dt_tp_copy),
-   and no weight ever travels. The GPT's vocabulary (its embedding and tied
-   head) is cut by tokens: each rank looks up and scores 1/T of them, and
-   dt_cross_entropy takes the group's max and sum of each row. Norms and
+   and no weight ever travels. A language model's vocabulary (its embedding
+   and its head, tied or not) is cut by tokens: each rank looks up and
+   scores 1/T of them, and dt_cross_entropy takes the group's max and sum of
+   each row. Llama's q, k and v are cut by their heads (k and v by the
+   key/value heads), its gated MLP as the GPT's. Norms and
    position embeddings stay whole on every rank, where they compute the same
    values and get the same gradients. The model says where each parameter may be cut (dt_split); this
    wrapper cuts. With a job larger than T, the ranks form a mesh of
@@ -1015,11 +1018,14 @@ void dt_checkpoint_load(dt_run *r, const char *path);
 /* ---- 14. evaluation --------------------------------------------------------- */
 
 /* Mean loss and accuracy of the model over a data set, without gradients. In a
-   job every rank evaluates its share and the sums are all-reduced. */
+   job every rank evaluates its share and the sums are all-reduced; under
+   tensor parallelism the share is its group's (the ranks of a group evaluate
+   it together). */
 void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss, double *acc);
 /* gpt: continue `prompt` (n_prompt token ids) by n_new tokens into out, each
    drawn from the softmax of the last position's logits / temperature, seeded.
-   Collective under FSDP: every rank calls it alike; rank 0's draws count. */
+   Collective in a job: every rank calls it alike (FSDP gathers, tensor
+   parallelism gathers the logits); rank 0's draws count. */
 void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, float temperature, uint64_t seed,
                  int32_t *out);
 
@@ -2549,7 +2555,7 @@ static void dt__tape_walk(int lo, int hi) {
         for (int j = 0; j < 4; j++) {
             dt_tensor *p = dt__ctx.tape[i].in[j];
             if (p && p->is_param && p->hook_gen != generation) { p->hook_gen = generation; p->first_use = i; }
-            if (p && p->parallel) p->parallel->grads_pending = 1;
+            if (p && p->is_param && p->parallel) p->parallel->grads_pending = 1;
         }
     for (int i = hi - 1; i >= lo; i--) {
         dt__tape_entry *e = &dt__ctx.tape[i];
@@ -3085,26 +3091,27 @@ dt_tensor *dt_swiglu(dt_tensor *gate, dt_tensor *up) {
     return y;
 }
 
-/* -- residual addition -- */
+/* -- residual addition: each input's gradient is the output's, added in
+      (the first time, copied); tensor parallelism's ops below add the same way -- */
+static void dt__add_into_grad(dt_tensor *t, const float *v) {
+    int first;
+    float *g = dt__grad_acc_first(t, &first);
+    const dt_backend *gpu = dt__backend_for(t);
+    int64_t n = t->numel;
+    if (gpu) gpu->accumulate(g, v, n);
+    else if (first) {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) g[i] = v[i];
+    } else {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) g[i] += v[i];
+    }
+    dt__grad_acc_done(t, g);
+}
 static void dt__add_backward(dt__tape_entry *e) {
     const float *dy = dt__grad_in(e->out);
-    for (int k = 0; k < 2; k++) {
-        dt_tensor *t = e->in[k];
-        if (!t->requires_grad) continue;
-        int first;
-        float *g = dt__grad_acc_first(t, &first);
-        const dt_backend *gpu = dt__backend_for(t);
-        int64_t n = t->numel;
-        if (gpu) gpu->accumulate(g, dy, n);
-        else if (first) {
-            DT_OMP("omp parallel for if(n > 65536)")
-            for (int64_t i = 0; i < n; i++) g[i] = dy[i];
-        } else {
-            DT_OMP("omp parallel for if(n > 65536)")
-            for (int64_t i = 0; i < n; i++) g[i] += dy[i];
-        }
-        dt__grad_acc_done(t, g);
-    }
+    for (int k = 0; k < 2; k++)
+        if (e->in[k]->requires_grad) dt__add_into_grad(e->in[k], dy);
 }
 dt_tensor *dt_add(dt_tensor *a, dt_tensor *b) {
     if (a->numel != b->numel) dt_fail("add: %lld and %lld elements", (long long)a->numel, (long long)b->numel);
@@ -3168,25 +3175,10 @@ dt_tensor *dt_scale(dt_tensor *x, float factor) {
     return y;
 }
 
-/* -- tensor parallelism's f and g (section 11 cuts the layers). Both add n
-      f32 values into a gradient: the residual's loop, or its GPU kernel. -- */
-static void dt__add_into_grad(dt_tensor *t, const float *v) {
-    int first;
-    float *g = dt__grad_acc_first(t, &first);
-    const dt_backend *gpu = dt__backend_for(t);
-    int64_t n = t->numel;
-    if (gpu) gpu->accumulate(g, v, n);
-    else if (first) {
-        DT_OMP("omp parallel for if(n > 65536)")
-        for (int64_t i = 0; i < n; i++) g[i] = v[i];
-    } else {
-        DT_OMP("omp parallel for if(n > 65536)")
-        for (int64_t i = 0; i < n; i++) g[i] += v[i];
-    }
-    dt__grad_acc_done(t, g);
-}
-/* The rows of x [N, C] (N = rows x T when `whole`) as f32 on the device, in
-   scratch: a view of x when it is f32 already. */
+/* -- tensor parallelism's f and g (section 11 cuts the layers); their
+      gradients are added in as the residual's are (dt__add_into_grad). -- */
+/* The rows of x [N, C] as f32 on the device: x's own values (06 has no
+   16-bit activations). */
 static float *dt__tp_rows_f32(const dt_tensor *x) { return (float *)dt__in(x); }
 /* All of the group's rows, rank after rank: an all-gather of `mine` (n values). */
 static float *dt__tp_all_rows(dt_parallel *par, const float *mine, int64_t n, dt_device device) {
@@ -4067,7 +4059,7 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
 }
 
 /* -- the cross-entropy of logits whose columns, the vocabulary, are split
-      over a tensor-parallel group (stage 06's GPT), so that the whole rows
+      over a tensor-parallel group (stage 06's GPT and Llama), so that the whole rows
       never exist on one rank. Each rank takes its columns' largest value in
       each row, and the group the largest of those (an all-reduce); each rank
       its columns' exp(x - max) and their sum, and the label's logit where it
@@ -4383,6 +4375,15 @@ static void dt__add_projection(dt__model_builder *mb, const char *prefix, int in
     dt__path(name, sizeof name, "%s.bias", prefix);
     if (bias) dt__add_param(mb, name, DT_INIT_ZERO, 0, 1, out, 0, 0, 0);
 }
+/* The same marks for a projection just added, with or without its bias:
+   column-parallel (its outputs, in `align`-wide pieces: a head's width) or
+   row-parallel (its inputs; it has no bias). */
+static void dt__split_projection(dt__model_builder *mb, int bias, int column, int align) {
+    dt_model *m = mb->m;
+    if (!column) { m->splits[m->nparams - 1] = (dt_split){ .dim = 1, .parts = 1, .align = align }; return; }
+    m->splits[m->nparams - 1 - bias] = (dt_split){ .dim = 0, .parts = 1, .align = align };
+    if (bias) m->splits[m->nparams - 1] = (dt_split){ .dim = 0, .parts = 1, .align = align };
+}
 /* Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM: normal(0.02) weights,
    zero biases, unit RMSNorms. With a tied head the embedding and the final
    norm are the outer unit (as the GPT's); with a head of its own the
@@ -4401,26 +4402,41 @@ static void dt__llama_build(dt__model_builder *mb, const dt_model_config *cfg) {
     if (hd % 2) dt_fail("llama: the head width --dim / --heads = %d is odd; rotary embeddings turn pairs", hd);
     if (!cfg->untied_head) mb->m->outer_unit = 0;
     dt__unit_starts_here(mb);
+    int qb = cfg->qkv_bias != 0;
     dt__add_param(mb, "model.embed_tokens.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->classes, D, 0, 0);
+    mb->m->splits[mb->m->nparams - 1] = (dt_split){ .dim = 0, .parts = 1, .align = 1, .vocab = 1 };   /* by tokens */
     if (!cfg->untied_head) dt__add_param(mb, "model.norm.weight", DT_INIT_ONE, 0, 1, D, 0, 0, 0);
+    int blocks = mb->m->nparams;
+    /* tensor parallelism: q, k and v by heads (k and v by their key/value
+       heads), o_proj by its inputs; gate and up by the hidden units, down by
+       its inputs */
     for (int l = 0; l < cfg->depth; l++) {
         dt__unit_starts_here(mb);
         snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
         dt__add_param(mb, name, DT_INIT_ONE, 0, 1, D, 0, 0, 0);
-        snprintf(name, sizeof name, "model.layers.%d.self_attn.q_proj", l); dt__add_projection(mb, name, D, H * hd, cfg->qkv_bias);
-        snprintf(name, sizeof name, "model.layers.%d.self_attn.k_proj", l); dt__add_projection(mb, name, D, KV * hd, cfg->qkv_bias);
-        snprintf(name, sizeof name, "model.layers.%d.self_attn.v_proj", l); dt__add_projection(mb, name, D, KV * hd, cfg->qkv_bias);
+        snprintf(name, sizeof name, "model.layers.%d.self_attn.q_proj", l); dt__add_projection(mb, name, D, H * hd, qb);
+        dt__split_projection(mb, qb, 1, hd);
+        snprintf(name, sizeof name, "model.layers.%d.self_attn.k_proj", l); dt__add_projection(mb, name, D, KV * hd, qb);
+        dt__split_projection(mb, qb, 1, hd);
+        snprintf(name, sizeof name, "model.layers.%d.self_attn.v_proj", l); dt__add_projection(mb, name, D, KV * hd, qb);
+        dt__split_projection(mb, qb, 1, hd);
         snprintf(name, sizeof name, "model.layers.%d.self_attn.o_proj", l); dt__add_projection(mb, name, H * hd, D, 0);
+        dt__split_projection(mb, 0, 0, hd);
         snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
         dt__add_param(mb, name, DT_INIT_ONE, 0, 1, D, 0, 0, 0);
         snprintf(name, sizeof name, "model.layers.%d.mlp.gate_proj", l); dt__add_projection(mb, name, D, cfg->mlp_hidden, 0);
+        dt__split_projection(mb, 0, 1, 1);
         snprintf(name, sizeof name, "model.layers.%d.mlp.up_proj", l); dt__add_projection(mb, name, D, cfg->mlp_hidden, 0);
+        dt__split_projection(mb, 0, 1, 1);
         snprintf(name, sizeof name, "model.layers.%d.mlp.down_proj", l); dt__add_projection(mb, name, cfg->mlp_hidden, D, 0);
+        dt__split_projection(mb, 0, 0, 1);
     }
+    dt__rows_split_from(mb, blocks);
     if (cfg->untied_head) {
         dt__unit_starts_here(mb);
         dt__add_param(mb, "model.norm.weight", DT_INIT_ONE, 0, 1, D, 0, 0, 0);
         dt__add_param(mb, "lm_head.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->classes, D, 0, 0);
+        mb->m->splits[mb->m->nparams - 1] = (dt_split){ .dim = 0, .parts = 1, .align = 1, .vocab = 1 };
     }
 }
 
@@ -4505,38 +4521,41 @@ static dt_tensor *dt__with_adapter(dt_model *m, dt_tensor *x, const dt_tensor *w
     dt_tensor *low = dt_linear(x, &m->params[a], NULL);
     return dt_add(y, dt_scale(dt_linear(low, &m->params[a + 1], NULL), m->lora_scale));
 }
-/* Did tensor parallelism (section 11) cut w? 1: along its outputs, a
-   column-parallel layer; 2: along its inputs, a row-parallel one; 0: no (or
-   no wrapper splits layers). */
-static int dt__tp_cut(const dt_model *m, const dt_tensor *w, int in_out) {
-    if (!m->parallel || !m->parallel->tp_sum || w < m->params || w >= m->params + m->nparams) return 0;
+/* Did tensor parallelism (section 11) cut w? Along its outputs: a
+   column-parallel layer; along its inputs: a row-parallel one; or not (or no
+   wrapper splits layers). */
+typedef enum { DT__WHOLE, DT__COLUMN_PARALLEL, DT__ROW_PARALLEL } dt__cut;
+static dt__cut dt__tp_cut(const dt_model *m, const dt_tensor *w, int in_out) {
+    if (!m->parallel || !m->parallel->tp_sum || w < m->params || w >= m->params + m->nparams) return DT__WHOLE;
     int dim = m->splits[w - m->params].dim;
-    return dim < 0 ? 0 : dim == (in_out ? 1 : 0) ? 1 : 2;
+    return dim < 0 ? DT__WHOLE : dim == (in_out ? 1 : 0) ? DT__COLUMN_PARALLEL : DT__ROW_PARALLEL;
 }
 /* A column-parallel layer's input: its gradient is summed over the group. */
 static dt_tensor *dt__tp_input(dt_model *m, dt_tensor *x, const dt_tensor *w, int in_out) {
-    return dt__tp_cut(m, w, in_out) == 1 ? dt_tp_copy(m->parallel, x) : x;
+    return dt__tp_cut(m, w, in_out) == DT__COLUMN_PARALLEL ? dt_tp_copy(m->parallel, x) : x;
 }
 /* A linear layer, whole or cut: a row-parallel one sums its partial outputs
    over the group, then adds its bias once. */
 static dt_tensor *dt__linear_cut(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b, int in_out) {
     x = dt__tp_input(m, x, w, in_out);
-    if (dt__tp_cut(m, w, in_out) != 2) return in_out ? dt_linear_in_out(x, w, b) : dt_linear(x, w, b);
+    if (dt__tp_cut(m, w, in_out) != DT__ROW_PARALLEL) return in_out ? dt_linear_in_out(x, w, b) : dt_linear(x, w, b);
     dt_tensor *partial = in_out ? dt_linear_in_out(x, w, NULL) : dt_linear(x, w, NULL);
-    return dt_add_bias(dt_tp_sum(m->parallel, partial), b);
+    dt_tensor *sum = dt_tp_sum(m->parallel, partial);
+    return b ? dt_add_bias(sum, b) : sum;                   /* Llama's projections have none */
 }
 static dt_tensor *dt__lora_linear(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
     return dt__with_adapter(m, x, w, dt__linear_cut(m, x, w, b, 0));
 }
-/* The GPT's vocabulary (wte: the token embedding, and the tied head), cut
-   over the group by its rows. Each rank looks up the tokens it holds, zeros
+/* A language model's vocabulary (the GPT's wte, Llama's embed_tokens: the
+   token embedding, and the head), cut over the group by its rows. Each rank looks up the tokens it holds, zeros
    for the others, and the group sums the rows (the one rank's row plus
    zeros: the same bits); the positions are added after, on every rank. */
 static dt_tensor *dt__vocab_embedding(dt_model *m, const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe) {
-    if (dt__tp_cut(m, wte, 0) != 1) return dt_token_embedding(tokens, wte, wpe);
+    if (dt__tp_cut(m, wte, 0) != DT__COLUMN_PARALLEL) return dt_token_embedding(tokens, wte, wpe);
     dt_parallel *par = m->parallel;
     int V = (int)dt_tensor_rows(wte), B = tokens->shape[0], T = (int)dt_tensor_cols(tokens);
     dt_tensor *x = dt_tp_sum(par, dt__token_embedding_rows(tokens, wte, NULL, par->tp_rank * V, V * par->tp_size));
+    if (!wpe) return x;                                                   /* Llama: positions by rotation */
     float *at = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)B * T);
     for (int r = 0; r < B * T; r++) at[r] = (float)(r % T);             /* each row's position, looked up in wpe */
     int shape[2] = { B, T };
@@ -4547,7 +4566,7 @@ static dt_tensor *dt__vocab_embedding(dt_model *m, const dt_tensor *tokens, dt_t
    dt_logits_to_host work with the group on them. */
 static dt_tensor *dt__vocab_head(dt_model *m, dt_tensor *x, dt_tensor *wte) {
     dt_tensor *logits = dt__linear_cut(m, x, wte, NULL, 0);
-    if (dt__tp_cut(m, wte, 0) == 1) logits->parallel = m->parallel;
+    if (dt__tp_cut(m, wte, 0) == DT__COLUMN_PARALLEL) logits->parallel = m->parallel;
     return logits;
 }
 static dt_tensor *dt__lora_linear_in_out(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
@@ -4555,11 +4574,12 @@ static dt_tensor *dt__lora_linear_in_out(dt_model *m, dt_tensor *x, dt_tensor *w
 }
 /* the fused forms: apart when the adapter's term or a row-parallel sum comes between */
 static dt_tensor *dt__lora_linear_gelu(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
-    if (dt__adapter_of(m, w) >= 0 || dt__tp_cut(m, w, 0) == 2) return dt_gelu(dt__lora_linear(m, x, w, b));
+    if (dt__adapter_of(m, w) >= 0 || dt__tp_cut(m, w, 0) == DT__ROW_PARALLEL) return dt_gelu(dt__lora_linear(m, x, w, b));
     return dt_linear_gelu(dt__tp_input(m, x, w, 0), w, b);
 }
 static dt_tensor *dt__lora_linear_in_out_gelu_tanh(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
-    if (dt__adapter_of(m, w) >= 0 || dt__tp_cut(m, w, 1) == 2) return dt_gelu_tanh(dt__lora_linear_in_out(m, x, w, b));
+    if (dt__adapter_of(m, w) >= 0 || dt__tp_cut(m, w, 1) == DT__ROW_PARALLEL)
+        return dt_gelu_tanh(dt__lora_linear_in_out(m, x, w, b));
     return dt_linear_in_out_gelu_tanh(dt__tp_input(m, x, w, 1), w, b);
 }
 /* The attention heads on this rank: all of them, or tensor parallelism's share
@@ -4675,8 +4695,9 @@ static dt_tensor *dt__llama_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B
 #undef DT_NEXT
     dt_tensor *h = dt_rmsnorm(x, n1, c->norm_eps);
     dt_tensor *q = dt__lora_linear(m, h, qw, qb), *k = dt__lora_linear(m, h, kw, kb), *v = dt__lora_linear(m, h, vw, vb);
-    dt_tensor *qkv = dt_rotary_qkv(q, k, v, B, T, c->heads, c->kv_heads, rope);
-    x = dt_add(x, dt__lora_linear(m, dt_attention(qkv, B, T, c->heads, /*causal*/ 1), ow, NULL));
+    int hd = c->dim / c->heads, H = (int)(dt_tensor_cols(q) / hd), KV = (int)(dt_tensor_cols(k) / hd);   /* this rank's heads */
+    dt_tensor *qkv = dt_rotary_qkv(q, k, v, B, T, H, KV, rope);
+    x = dt_add(x, dt__lora_linear(m, dt_attention(qkv, B, T, H, /*causal*/ 1), ow, NULL));
     h = dt_rmsnorm(x, n2, c->norm_eps);
     return dt_add(x, dt__lora_linear(m, dt_swiglu(dt__lora_linear(m, h, gw, NULL), dt__lora_linear(m, h, uw, NULL)), dw, NULL));
 }
@@ -4693,16 +4714,18 @@ static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens) {
     dt__check_context("llama", T, c->seq_len);
     dt__unit_boundary(m, 0, 1);
     dt_tensor *embed = &P[0], *norm = tied ? &P[1] : NULL;
-    dt_tensor *x = dt_token_embedding(tokens, embed, NULL);
+    dt_tensor *x = dt_sp_split(m->parallel, dt__vocab_embedding(m, tokens, embed, NULL));   /* --sequence-parallel */
     if (!tied) dt__unit_boundary(m, 0, 0);
     for (int l = 0; l < c->depth; l++) x = dt__block(m, 1 + l, dt__llama_block, dt__unit_weights(m, 1 + l), x, B, T);
+    x = dt_sp_gather(m->parallel, x);
     if (tied) {
-        x = dt_linear(dt_rmsnorm(x, norm, eps), embed, NULL);      /* logits = x embed^T */
+        x = dt__vocab_head(m, dt_rmsnorm(x, norm, eps), embed);      /* logits = x embed^T */
         dt__unit_boundary(m, 0, 0);
     } else {
         dt__unit_boundary(m, 1 + c->depth, 1);
         dt_tensor *nw = dt__unit_weights(m, 1 + c->depth), *head = nw + 1;
-        x = dt__lora_linear(m, dt_rmsnorm(x, nw, eps), head, NULL);
+        x = dt_rmsnorm(x, nw, eps);
+        x = dt__tp_cut(m, head, 0) == DT__COLUMN_PARALLEL ? dt__vocab_head(m, x, head) : dt__lora_linear(m, x, head, NULL);
         dt__unit_boundary(m, 1 + c->depth, 0);
     }
     return x;
@@ -5044,6 +5067,9 @@ void dt_model_free(dt_model *m) {
 }
 
 void dt_model_set_parallel(dt_model *m, dt_parallel *par) {
+    if (par && m->left_cut_by)
+        dt_fail("%s: %s has cut this model (each rank kept its pieces); create the model again for another wrapper",
+                par->create_fn ? par->create_fn : "dt_model_set_parallel", m->left_cut_by);
     dt_parallel *now = par ? par : m->parallel;
     if (!now) return;
     if (par && (!par->create_fn || !par->sync_fn || !par->free_fn))
@@ -5117,6 +5143,17 @@ dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs) {
    The update rules are PyTorch's, element for element, so a step here matches a
    step there. Biases and norm weights (1-D parameters) get no weight decay. */
 
+/* The optimizer steps the model's flat buffers, one slice per parameter
+   (decayed when it is a matrix): without a wrapper, or as a wrapper's view
+   begins (tensor parallelism then marks the replicated ones). */
+static void dt__optimizer_view_all(dt_optimizer *o, const dt_model *m) {
+    o->params = m->flat_data; o->grads = m->flat_grad; o->numel = m->numel;
+    o->nslices = m->nparams;
+    o->slices = (struct dt_param_slice *)calloc((size_t)m->nparams, sizeof *o->slices);
+    if (!o->slices) dt_fail("out of memory (optimizer)");
+    for (int i = 0; i < m->nparams; i++)
+        o->slices[i] = (struct dt_param_slice){ m->offsets[i], m->params[i].numel, m->params[i].ndim >= 2, 0 };
+}
 dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float weight_decay,
                                   float momentum, float clip_norm) {
     dt_optimizer *o = (dt_optimizer *)calloc(1, sizeof(dt_optimizer));
@@ -5132,17 +5169,7 @@ dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float
         if (o->sharded_by && !o->sharded_by->sum_over_ranks)
             dt_fail("%s: its optimizer view shards the optimizer but gives no sum_over_ranks for the gradient norm",
                     o->sharded_by->create_fn);
-    } else {
-        o->params = model->flat_data; o->grads = model->flat_grad; o->numel = model->numel;
-        o->nslices = model->nparams;
-        o->slices = (struct dt_param_slice *)calloc((size_t)model->nparams, sizeof *o->slices);
-        if (!o->slices) dt_fail("out of memory (optimizer)");
-        for (int i = 0; i < model->nparams; i++) {
-            o->slices[i].offset = model->offsets[i];
-            o->slices[i].length = model->params[i].numel;
-            o->slices[i].decay = model->params[i].ndim >= 2;
-        }
-    }
+    } else dt__optimizer_view_all(o, model);
     size_t bytes = (size_t)o->numel * sizeof(float);
     o->m = (float *)(o->offloaded ? dt_alloc_host(DT_ARENA_OPTIM, bytes) : dt_alloc_on(o->device, DT_ARENA_OPTIM, bytes));
     if (kind == DT_ADAMW)
@@ -8486,13 +8513,8 @@ static void dt__tp_sum_over_ranks(dt_parallel *par, float *values, int n) {
 static void dt__tp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
     dt_tp *t = (dt_tp *)par;
     dt_model *m = t->model;
-    o->params = m->flat_data; o->grads = m->flat_grad; o->numel = m->numel;
-    o->nslices = m->nparams;
-    o->slices = (struct dt_param_slice *)calloc((size_t)m->nparams, sizeof *o->slices);
-    if (!o->slices) dt_fail("out of memory (optimizer)");
-    for (int i = 0; i < m->nparams; i++)
-        o->slices[i] = (struct dt_param_slice){ m->offsets[i], m->params[i].numel, m->params[i].ndim >= 2,
-                                                t->rank > 0 && m->splits[i].dim < 0 };
+    dt__optimizer_view_all(o, m);
+    for (int i = 0; i < m->nparams; i++) o->slices[i].copy = t->rank > 0 && m->splits[i].dim < 0;
     o->sharded_by = par;
 }
 /* With several data-parallel groups, the average gradient over them. */
@@ -8623,11 +8645,12 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
         if (group % ((int64_t)tp * sp.align))
             dt_usage_error("--tp %d: %s's %lld %s do not split into %d equal shares (%s)", tp, model->params[i].name,
                            (long long)(group / sp.align), sp.align > 1 ? "attention heads" : "features", tp,
-                           sp.align > 1 ? "--heads must be a multiple of --tp" : "--dim and the MLP's width must be multiples of --tp");
+                           sp.align > 1 ? "--heads (and llama's --kv-heads) must be a multiple of --tp"
+                                        : "--dim and the MLP's width must be multiples of --tp");
     }
     if (!cuts)
-        dt_usage_error("--model %s: no layer of this model is split by tensor parallelism (the mlp needs --depth 2 or more; "
-                       "llama is not split yet)", dt__model_kind_name(model->cfg.kind));
+        dt_usage_error("--model %s: no layer of this model is split by tensor parallelism (the mlp needs --depth 2 or more)",
+                       dt__model_kind_name(model->cfg.kind));
     dt_tp *t = (dt_tp *)calloc(1, sizeof *t);
     if (!t) dt_fail("out of memory (tensor parallelism)");
     t->par = (dt_parallel){ .create_fn = "dt_tp_create", .sync_fn = "dt_tp_sync_grads", .free_fn = "dt_tp_free",
@@ -8732,13 +8755,19 @@ static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
     for (int r = 0; r < 3; r++)
         printf("  %-16s %9.3f %9.3f   %s(S/%d + R)\n", rows[r], dt_mem_now(arenas[r]) / 1e6,
                (r == 2 ? moments : 1) * (split + whole) / 1e6, r == 2 && moments == 2 ? "2 x " : "", t->size);
-    printf("  S = %.3f MB whole, %.3f here; R = %.3f MB (norms, embeddings, the head, row-parallel biases) on every rank\n",
+    printf("  S = %.3f MB whole, %.3f here; R = %.3f MB (norms, biases after a sum, what does not divide) on every rank\n",
            split / 1e6, split / t->size / 1e6, whole / 1e6);
     char seen[64][96];
     int nseen = 0;
+    int width = 30;                             /* the names' column: Llama's are long */
+    for (int i = 0; i < m->nparams; i++) {
+        char pattern[96];
+        dt__block_pattern(m->params[i].name, pattern, sizeof pattern);
+        if (m->splits[i].dim >= 0 && (int)strlen(pattern) > width) width = (int)strlen(pattern);
+    }
     for (int i = 0; i < m->nparams; i++) {
         if (m->splits[i].vocab && m->splits[i].dim < 0)
-            printf("    %-30s %12d rows stay whole: the vocabulary does not divide by %d\n", m->params[i].name,
+            printf("    %-*s %12d rows stay whole: the vocabulary does not divide by %d\n", width, m->params[i].name,
                    m->params[i].shape[0], t->size);
         if (m->splits[i].dim < 0) continue;
         char pattern[96], a[48], b[48];
@@ -8754,8 +8783,8 @@ static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
         }
         dt__shape_string(W->params[i].shape, W->params[i].ndim, a, sizeof a);
         dt__shape_string(m->params[i].shape, m->params[i].ndim, b, sizeof b);
-        printf("    %-30s %12s -> %-12s%s", pattern, a, b, m->splits[i].parts > 1 ? " q, k and v each by heads"
-                                                             : m->splits[i].vocab ? " the vocabulary: embedding and head" : "");
+        printf("    %-*s %12s -> %-12s%s", width, pattern, a, b, m->splits[i].parts > 1 ? " q, k and v each by heads"
+                                                                   : m->splits[i].vocab ? " the vocabulary, by tokens" : "");
         if (count > 1) printf("%s x%d blocks", m->splits[i].parts > 1 ? "," : "", count);
         printf("\n");
     }
@@ -9107,8 +9136,12 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
 
 /* The whole training state as host arrays in parameter order (m->offsets):
    the parameters (which 0) or the optimizer's moments (1, 2). A view of the
-   flat buffers, or, for a sharded model, every rank's shards gathered -- a
-   collective, so every rank opens and closes them together. */
+   flat buffers, or what the model's wrapper gives (dt_parallel's
+   state_open): FSDP gathers every rank's shards for every rank; tensor
+   parallelism gathers for the rank that writes (NULL elsewhere) and, to load
+   (for_load 1), gives an array to fill, each rank cutting its pieces from it
+   when it is closed. Gathers are collectives: every rank opens and closes
+   alike. */
 static float *dt__state_open(dt_model *m, dt_optimizer *o, int which, int for_load) {
     dt_parallel *par = m->parallel;
     if (par && par->state_open) return par->state_open(par, o, which, for_load);
@@ -9961,6 +9994,9 @@ void dt_model_load_weights(dt_model *m, const char *path) {
     else dt__load_weights(m, path);
 }
 static void dt__load_weights(dt_model *model, const char *path) {
+    if (model->left_cut_by && !model->parallel)
+        dt_fail("loading '%s': %s has run and this model holds only this rank's pieces; load before it", path,
+                model->left_cut_by);
     dt_model *m = dt__state_layout(model);
     struct stat s;
     char file[4200];

@@ -2810,6 +2810,10 @@ static void test_tensor_parallel_equals_one_device(void) {
     tp_equivalence(small_data(), 320, "", "mlp", "");
     tp_equivalence(small_data(), 320, "--model vit --depth 2 --heads 4 --patch 4", "vit", "");
     tp_equivalence(gpt_text(), 320, "--model gpt --dim 32 --depth 2 --heads 4 --seq-len 16", "gpt", "");
+    /* llama: grouped-query attention (8 query heads, 4 key/value heads: at T = 4 each rank has 2 and 1), RMSNorm,
+       the gated MLP, and its own head (split by the vocabulary as the tied one is) */
+    tp_equivalence(gpt_text(), 320, "--model llama --dim 32 --depth 2 --heads 8 --kv-heads 4 --seq-len 16 --untied-head",
+                   "llama", "");
     /* clipping on every step: the norm counts each replicated gradient once */
     tp_equivalence(small_data(), 320, "--model vit --depth 2 --heads 4 --patch 4", "vit", "--clip 0.01");
 }
@@ -2820,7 +2824,7 @@ static void test_tensor_parallel_equals_one_device(void) {
    walk back out of the rows-split region (its input needs no gradient), so
    the state it leaves must not carry into evaluation (it crashed). The eval
    loss and accuracy equal stage 01's. */
-static void test_tensor_parallel_evaluates_a_last_batch_that_does_not_split(void) {
+static void test_tensor_parallel_evaluates_and_samples_on_every_rank(void) {
     static char dir[512];
     const char *data = synthetic_set(dir, sizeof dir, "odd-val", 320, 17, 7);
     char out[16384], a[600], b[600];
@@ -2836,6 +2840,31 @@ static void test_tensor_parallel_evaluates_a_last_batch_that_does_not_split(void
         double x = summary_value(a, keys[k]), y = summary_value(b, keys[k]);
         CHECKF(x >= 0 && fabs(x - y) <= 1e-5, "%s: 06 --sequence-parallel %.6f, 01 %.6f", keys[k], y, x);
     }
+    /* The GPT's split vocabulary: --sample gathers the logits on every rank
+       (a rank that skipped it would leave the others waiting), and a
+       vocabulary of 258 splits over 2 ranks but not over 4, so a checkpoint
+       of --tp 2 resumes at --tp 4 with wte whole, and goes on as 06 at 2 does. */
+    const char *gflags = "--model gpt --dim 32 --depth 2 --heads 4 --seq-len 16 --vocab 258 --batch-size 32 --sample 20 "
+                         "--epochs 2 --log-every 1000";   /* not --quiet: the samples and the table are printed */
+    char run[600], again[600], p[700], q[700], out1[16384];
+    snprintf(run, sizeof run, "%s/tpeval-gpt", tmpdir);
+    snprintf(again, sizeof again, "%s/tpeval-gpt-4", tmpdir);
+    st = run_cmd(out1, sizeof out1, "%s --data %s %s", train_cpu, gpt_text(), gflags);
+    CHECKF(st == 0, "01 --sample: exit %d\n%s", st, out1);
+    st = run_cmd(out, sizeof out, "%s --data %s %s --nproc 2 --save-dir %s", stage_bin("06-tensor-parallel"),
+                 gpt_text(), gflags, run);
+    CHECKF(st == 0, "06 --sample: exit %d\n%s", st, out);
+    int n1 = 0, n6 = 0;
+    for (const char *s1 = out1; (s1 = strstr(s1, "sample step")); s1++) n1++;
+    for (const char *s6 = out; (s6 = strstr(s6, "sample step")); s6++) n6++;
+    CHECKF(n1 > 0 && n6 == n1, "06 --sample printed %d samples, 01 %d", n6, n1);
+    st = run_cmd(out, sizeof out, "%s --data %s %s --nproc 4 --resume %s/gpt_data0-320_epoch1 --save-dir %s",
+                 stage_bin("06-tensor-parallel"), gpt_text(), gflags, run, again);
+    CHECKF(st == 0 && strstr(out, "rows stay whole"), "06 --nproc 4 --resume of --nproc 2 (vocabulary 258): exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/gpt_data0-320_epoch2", run);
+    snprintf(q, sizeof q, "%s/gpt_data0-320_epoch2", again);
+    double d = max_tensor_diff(p, q);
+    CHECKF(d >= 0 && d <= 2e-5, "06 at --tp 4 (wte whole) resumed from --tp 2 (wte split): differs by %.3g", d);
 }
 
 /* Each rank's parameters, gradients and Adam moments are exactly its pieces
@@ -2895,7 +2924,7 @@ static void test_tensor_parallel_keeps_one_tth_of_the_split_layers(void) {
     double params = summary_value(log, "peak_params_bytes");
     CHECKF(params == split / 2 + whole, "gpt --tp 2: peak params %.0f bytes, expected %.0f (split %.0f, whole %.0f)", params,
            split / 2 + whole, split, whole);
-    CHECKF(strstr(out, "wte.weight                           256x32 -> 128x32       the vocabulary: embedding and head"),
+    CHECKF(strstr(out, "wte.weight                           256x32 -> 128x32       the vocabulary, by tokens"),
            "no row for wte.weight cut in halves in the memory table:\n%s", out);
     st = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 32 --depth 2 --heads 4 --seq-len 16 --vocab 257 --epochs 1 "
                  "--steps 2 --batch-size 8 --nproc 2", stage_bin("06-tensor-parallel"), gpt_text());
@@ -5180,9 +5209,10 @@ static void test_bad_flags_exit_2_naming_the_flag(void) {
         { "03-ddp", "--tp 2", "--tp is a flag of 06-tensor-parallel" },
         { "06-tensor-parallel", "--tp -1", "--tp" },
         { "06-tensor-parallel", "--nproc 4 --tp 3", "--tp 3 does not divide the job's 4 ranks" },
-        { "06-tensor-parallel", "--nproc 4 --model vit --heads 2", "--heads must be a multiple of --tp" },
+        { "06-tensor-parallel", "--nproc 4 --model vit --heads 2", "--heads (and llama's --kv-heads) must be a multiple of --tp" },
         { "06-tensor-parallel", "--nproc 2 --depth 1", "the mlp needs --depth 2 or more" },
-        { "06-tensor-parallel", "--nproc 2 --model llama --dim 32 --heads 4", "llama is not split yet" },
+        { "06-tensor-parallel", "--nproc 4 --model llama --dim 32 --heads 4 --kv-heads 2",
+          "--heads (and llama's --kv-heads) must be a multiple of --tp" },
         { "01-single-gpu", "--sequence-parallel", "--sequence-parallel is a flag of 06-tensor-parallel" },
     };
     char out[8192];
@@ -6152,7 +6182,7 @@ static const test_case tests[] = {
     T(test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank), T(test_fsdp_prefetches_the_next_unit),
     T(test_tensor_parallel_equals_one_device), T(test_tensor_parallel_keeps_one_tth_of_the_split_layers),
     T(test_tensor_parallel_checkpoints_are_whole_and_resume_at_any_tp),
-    T(test_tensor_parallel_evaluates_a_last_batch_that_does_not_split),
+    T(test_tensor_parallel_evaluates_and_samples_on_every_rank),
     T(test_order_mistakes_in_each_stage_are_named_errors), T(test_gpt_trains_alike_in_every_stage), T(test_llama_trains_alike_in_every_stage),
     T(test_masked_instruction_data_trains_alike_in_every_stage), T(test_recompute_repeats_the_bits_of_every_stage_in_less_memory),
     T(test_lora_starts_at_the_frozen_model_and_trains_only_its_adapters), T(test_lora_trains_alike_in_every_stage_and_round_trips),
