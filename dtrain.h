@@ -4130,20 +4130,28 @@ static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labe
     return loss;
 }
 
-/* The whole logits on the host, rows x the whole vocabulary: a split
-   vocabulary's columns are all-gathered from the group first (a collective
-   of the group), then put side by side. */
-void dt_logits_to_host(const dt_tensor *logits, float *host) {
+/* Rows first .. first + rows - 1 of the logits on the host, each the whole
+   vocabulary: a split vocabulary's columns of those rows all-gathered from
+   the group (a collective of the group), then put side by side. */
+static void dt__logits_rows_to_host(const dt_tensor *logits, int64_t first, int64_t rows, float *host) {
     dt_parallel *par = logits->parallel;
-    if (!par || logits->is_param) { dt_tensor_to_host(logits, host); return; }
-    int64_t B = dt_tensor_rows(logits), C = dt_tensor_cols(logits), T = par->tp_size, n = logits->numel;
+    int64_t C = dt_tensor_cols(logits);
+    if (!par || logits->is_param) {
+        float *all = rows == dt_tensor_rows(logits) ? host : (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)logits->numel);
+        dt_tensor_to_host(logits, all);
+        if (all != host) memcpy(host, all + first * C, sizeof(float) * (size_t)(rows * C));
+        return;
+    }
+    int64_t T = par->tp_size, n = rows * C;
     float *all = (float *)dt__scratch_on(logits->device, sizeof(float) * (size_t)(n * T));
-    float *mine = (float *)dt__in(logits);
-    par->tp_all_gather(par, mine, all, n);
+    par->tp_all_gather(par, (const float *)dt__in(logits) + first * C, all, n);
     float *h = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)(n * T));
     dt__download_from(logits->device, h, all, sizeof(float) * (size_t)(n * T));
     for (int64_t r = 0; r < T; r++)
-        for (int64_t i = 0; i < B; i++) memcpy(host + (i * T + r) * C, h + (r * B + i) * C, sizeof(float) * (size_t)C);
+        for (int64_t i = 0; i < rows; i++) memcpy(host + (i * T + r) * C, h + (r * rows + i) * C, sizeof(float) * (size_t)C);
+}
+void dt_logits_to_host(const dt_tensor *logits, float *host) {
+    dt__logits_rows_to_host(logits, 0, dt_tensor_rows(logits), host);
 }
 
 dt_tensor *dt_patchify(const dt_tensor *images, int patch) {
@@ -10586,7 +10594,7 @@ void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, fl
     if (!dt_model_is_language(m->cfg.kind)) dt_fail("generation needs a language model (--model gpt or llama)");
     if (n_prompt < 1) dt_fail("generation needs a prompt of at least one token");
     int32_t *seq = (int32_t *)malloc(sizeof(int32_t) * (size_t)(n_prompt + n_new));
-    float *window = (float *)malloc(sizeof(float) * (size_t)T), *logits = (float *)malloc(sizeof(float) * (size_t)T * V);
+    float *window = (float *)malloc(sizeof(float) * (size_t)T), *logits = (float *)malloc(sizeof(float) * (size_t)V);
     if (!seq || !window || !logits) dt_fail("out of memory (generation)");
     memcpy(seq, prompt, sizeof(int32_t) * (size_t)n_prompt);
     int grad = dt__ctx.grad_enabled;
@@ -10598,8 +10606,8 @@ void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, fl
         dt_step_arena_reset();
         int shape[2] = { 1, L };
         dt_tensor *y = dt_model_forward(m, dt_tensor_from_host(2, shape, window));
-        dt_logits_to_host(y, logits);
-        float *weight = logits + (size_t)(L - 1) * V, mx = weight[0];     /* the last position's, in place */
+        dt__logits_rows_to_host(y, L - 1, 1, logits);                   /* the last position's */
+        float *weight = logits, mx = weight[0];
         for (int j = 1; j < V; j++) mx = weight[j] > mx ? weight[j] : mx;
         double total = 0;
         for (int j = 0; j < V; j++) total += weight[j] = expf((weight[j] - mx) / temperature);
