@@ -5836,7 +5836,8 @@ static void test_gpu_ddp_fsdp_05_and_06_over_nccl_with_two_ranks_equal_stage_01(
     }
 }
 /* Tensor parallelism of the transformers on the GPU over NCCL, two ranks on
-   the one GPU: vit split by heads, and gpt by heads and by its vocabulary
+   the one GPU: vit split by heads, gpt and llama (grouped-query attention,
+   its own head) by heads and by their vocabulary
    (the embedding's sum, the head's columns, the cross-entropy's max and sum
    all-reduced, the eval's logits all-gathered), with and without
    --sequence-parallel, against 01 on the GPU with the same batch (losses and
@@ -5845,10 +5846,11 @@ static void test_gpu_ddp_fsdp_05_and_06_over_nccl_with_two_ranks_equal_stage_01(
 static void test_gpu_tensor_parallel_vit_and_gpt_equal_stage_01(void) {
     NEED_NCCL();
     char out[32768], ref[600], log[600], dir[600], again[600], p[700], q[700];
-    static const struct { const char *model, *flags; int gpt; } models[2] = {
+    static const struct { const char *model, *flags; int gpt; } models[3] = {
         { "vit", "--model vit --depth 2 --heads 4 --patch 4", 0 },
-        { "gpt", "--model gpt --dim 32 --depth 2 --heads 4 --seq-len 16", 1 } };
-    for (int k = 0; k < 2; k++) {
+        { "gpt", "--model gpt --dim 32 --depth 2 --heads 4 --seq-len 16", 1 },
+        { "llama", "--model llama --dim 32 --depth 2 --heads 8 --kv-heads 4 --seq-len 16 --untied-head", 1 } };
+    for (int k = 0; k < 3; k++) {
         const char *data = models[k].gpt ? gpt_text() : small_data();
         snprintf(ref, sizeof ref, "%s/gpu-tp-%s-01.jsonl", tmpdir, models[k].model);
         int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size 32 --log %s", stage_cuda("01-single-gpu"),
