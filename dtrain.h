@@ -66,7 +66,8 @@
                         to compute, gradients reduce-scattered; ZeRO-1/2/3 side by
                         side; CPU offload; no-sync for gradient accumulation) and
                         tensor parallelism (each rank computes 1/T of every block:
-                        Megatron-LM's column- and row-parallel layers, sequence
+                        Megatron-LM's column- and row-parallel layers, the
+                        vocabulary split with its cross-entropy, sequence
                         parallelism, data parallel across the groups).
                         Each is one dt_parallel; calls in the wrong order are
                         errors that say what to call first
