@@ -4000,6 +4000,20 @@ static void dt__cross_entropy_backward(dt__tape_entry *e) {
     }
     dt__grad_acc_done(logits, dl);
 }
+/* Logits whose columns tensor parallelism split (dt__vocab_head marks them
+   with the wrapper): the ranks that hold the columns, or 1. */
+static int dt__logits_split(const dt_tensor *logits) {
+    return logits->parallel && !logits->is_param ? logits->parallel->tp_size : 1;
+}
+/* p[j] = exp(r[j] - mx) for a row of C, and their sum, in DT_LANES partial
+   sums of doubles (a vocabulary of 50,257 terms loses nothing). */
+static double dt__exp_row(const float *r, float *p, int C, float mx) {
+    double lanes[DT_LANES] = { 0 }, sum = 0;
+    for (int j = 0; j < C; j++) p[j] = dt_exp_value(r[j] - mx);
+    DT__LANE_SUM(lanes, C, j, (double)p[j]);
+    for (int l = 0; l < DT_LANES; l++) sum += lanes[l];
+    return sum;
+}
 /* The labels' check, and what the summed loss is divided by: the labels
    that count (or the divisor the run set). */
 static double dt__loss_divisor(const int32_t *labels, int B, int C) {
@@ -4016,7 +4030,7 @@ static double dt__loss_divisor(const int32_t *labels, int B, int C) {
 }
 static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labels);
 dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
-    if (logits->parallel && !logits->is_param) return dt__cross_entropy_split(logits, labels);
+    if (dt__logits_split(logits) > 1) return dt__cross_entropy_split(logits, labels);
     int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits);
     double divisor = dt__loss_divisor(labels, B, C);
     const dt_backend *gpu = dt__backend_for(logits);
@@ -4030,9 +4044,8 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
         gpu->upload(saved_labels, labels, sizeof(int32_t) * B);
         gpu->cross_entropy_forward(lv, saved_labels, p, loss->data, B, C, divisor);
     } else {
-        /* rows on every thread, each row's sum in DT_LANES partial sums of
-           doubles (a vocabulary of 50,257 terms loses nothing), the rows'
-           losses added in row order after */
+        /* rows on every thread (dt__exp_row), the rows' losses added in row
+           order after */
         double *row_loss = (double *)dt__scratch_on(DT_CPU, sizeof(double) * (size_t)B), total = 0;
         DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
         for (int i = 0; i < B; i++) {
@@ -4040,11 +4053,7 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
             if (labels[i] == DT_IGNORE_INDEX) continue;      /* its probabilities are never read */
             const float *r = lv + (size_t)i * C;
             float *pr = p + (size_t)i * C, mx = dt__row_max(r, C);
-            double lanes[DT_LANES] = { 0 }, sum = 0;
-            for (int j = 0; j < C; j++) pr[j] = dt_exp_value(r[j] - mx);
-            DT__LANE_SUM(lanes, C, j, (double)pr[j]);
-            for (int l = 0; l < DT_LANES; l++) sum += lanes[l];
-            double inv = 1.0 / sum;
+            double sum = dt__exp_row(r, pr, C, mx), inv = 1.0 / sum;
             for (int j = 0; j < C; j++) pr[j] = (float)(pr[j] * inv);
             row_loss[i] = -(r[labels[i]] - mx - log(sum));
         }
@@ -4096,12 +4105,7 @@ static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labe
         DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
         for (int i = 0; i < B; i++) {
             const float *r = lv + (size_t)i * C;
-            float *pr = p + (size_t)i * C;
-            double lanes[DT_LANES] = { 0 }, sum = 0;
-            for (int j = 0; j < C; j++) pr[j] = dt_exp_value(r[j] - mx[i]);
-            DT__LANE_SUM(lanes, C, j, (double)pr[j]);
-            for (int l = 0; l < DT_LANES; l++) sum += lanes[l];
-            sum_label[i] = (float)sum;
+            sum_label[i] = (float)dt__exp_row(r, p + (size_t)i * C, C, mx[i]);
             sum_label[B + i] = mine[i] >= 0 ? r[mine[i]] : 0.0f;
         }
     }
@@ -4137,7 +4141,7 @@ static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labe
 static void dt__logits_rows_to_host(const dt_tensor *logits, int64_t first, int64_t rows, float *host) {
     dt_parallel *par = logits->parallel;
     int64_t C = dt_tensor_cols(logits);
-    if (!par || logits->is_param) {
+    if (dt__logits_split(logits) == 1) {
         float *all = rows == dt_tensor_rows(logits) ? host : (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)logits->numel);
         dt_tensor_to_host(logits, all);
         if (all != host) memcpy(host, all + first * C, sizeof(float) * (size_t)(rows * C));
@@ -8449,7 +8453,7 @@ struct dt_tp {
     dt_comm *group, *across;    /* the ranks that split the layers ("tp"), and the data-parallel groups ("dp") */
     int size, rank;             /* T, and this rank's piece */
     int sequence_parallel;
-    int data_rank, data_ranks;
+    /* (the group's share of the data is par's data_rank of data_ranks, where dt_evaluate reads it) */
     double sums, sum_bytes;     /* the sums of this step so far (an all-gather or a reduce-scatter: half a sum) ... */
     double step_sums, step_sum_bytes;    /* ... and of the last step: what the cost model counts */
     double sum_ms, step_sum_ms;
@@ -8537,15 +8541,15 @@ static void dt__tp_backward_done(dt_parallel *par) {
                 dt_all_reduce(t->group, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
         dt__record_comm("all_reduce tp grads", t0, dt_now_ms(), 0);
     }
-    if (t->data_ranks == 1) return;
+    if (t->par.data_ranks == 1) return;
     double t0 = dt_now_ms();
     dt_all_reduce(t->across, t->model->flat_grad, t->model->flat_grad, t->model->numel, DT_F32, DT_AVG);
     dt__ctx.grad_collectives++;
     dt__record_comm("all_reduce dp", t0, dt_now_ms(), 0);
 }
 void dt_tp_sync_grads(dt_tp *tp) { dt_parallel_backward_done(&tp->par); }
-int dt_tp_data_rank(const dt_tp *tp) { return tp->data_rank; }
-int dt_tp_data_ranks(const dt_tp *tp) { return tp->data_ranks; }
+int dt_tp_data_rank(const dt_tp *tp) { return tp->par.data_rank; }
+int dt_tp_data_ranks(const dt_tp *tp) { return tp->par.data_ranks; }
 
 /* Piece r of T of a parameter (host values in its whole shape, whole_shape):
    out of the whole (to_whole 0) or back into it (1). */
@@ -8622,7 +8626,7 @@ static float *dt__tp_state_open(dt_parallel *par, dt_optimizer *o, int which, in
         if (!whole) dt_fail("out of memory (reading a whole checkpoint to cut: %.1f MB)", t->whole.numel * 4e-6);
         return whole;
     }
-    return t->data_rank == 0 ? dt__tp_state_gather(t, dt__tp_state_buffer(t, o, which)) : NULL;
+    return t->par.data_rank == 0 ? dt__tp_state_gather(t, dt__tp_state_buffer(t, o, which)) : NULL;
 }
 static void dt__tp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
     dt_tp *t = (dt_tp *)par;
@@ -8686,8 +8690,8 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
     t->par.tp_rank = t->rank;
     t->par.tp_size = tp;
     t->sequence_parallel = tp > 1 && sequence_parallel;
-    t->data_rank = t->par.data_rank = dt_mesh_coord(t->mesh, "dp");
-    t->data_ranks = t->par.data_ranks = world / tp;
+    t->par.data_rank = dt_mesh_coord(t->mesh, "dp");
+    t->par.data_ranks = world / tp;
 
     /* Cut: the whole model's layout kept (t->whole), each parameter's shape
        cut, and this rank's pieces moved into new flat buffers. */
@@ -8726,7 +8730,7 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
         model->params[i].data = model->flat_data + model->offsets[i];
         model->params[i].grad = model->flat_grad + model->offsets[i];
     }
-    if (t->data_ranks > 1) dt_broadcast(t->across, model->flat_data, model->numel, DT_F32, 0);   /* every group starts alike */
+    if (t->par.data_ranks > 1) dt_broadcast(t->across, model->flat_data, model->numel, DT_F32, 0);   /* every group starts alike */
     return t;
 }
 
@@ -8757,7 +8761,7 @@ static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
         else whole += 4.0 * W->params[i].numel;
     }
     printf("memory per rank, --tp %d: every block's layers split over %d ranks, %d data-parallel group%s (MB):\n", t->size,
-           t->size, t->data_ranks, t->data_ranks > 1 ? "s" : "");
+           t->size, t->par.data_ranks, t->par.data_ranks > 1 ? "s" : "");
     printf("  %-16s %9s %9s   %s\n", "", "this rank", "whole", "formula (S: the split tensors, R: the rest)");
     const char *rows[3] = { "parameters", "gradients", "optimizer state" };
     dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
@@ -10550,7 +10554,7 @@ static void dt__evaluate_share(dt_model *m, const dt_dataset *ds, int batch_size
         if (!dt_loader_next(&l, &b)) break;
         dt_tensor *logits = dt_model_forward(m, b.inputs);
         int C = (int)dt_tensor_cols(logits), R = (int)(dt_tensor_rows(logits) / b.size);   /* rows per sample: gpt's T */
-        int split = logits->parallel && !logits->is_param ? logits->parallel->tp_size : 1;   /* a split vocabulary */
+        int split = dt__logits_split(logits);                   /* a split vocabulary: the group's columns */
         float *host = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)logits->numel * (size_t)split);
         dt_logits_to_host(logits, host);
         C *= split;
@@ -11710,7 +11714,7 @@ static void dt__run_explain(dt_run *r) {
         in.tp_bytes = tp->step_sums > 0 ? tp->step_sum_bytes / tp->step_sums : 0;
         double kept = in.tp_share / n + (1 - in.tp_share);
         in.compute_ms = fmax(0, in.compute_ms - tp->step_sum_ms / c->accum_steps) / kept;
-        in.tp_groups = tp->data_ranks;
+        in.tp_groups = tp->par.data_ranks;
     }
     in.params = (double)(tp ? tp->whole.numel : r->model->numel);
     in.optimizer_ms = r->phase_ms[DT_PHASE_OPT];
