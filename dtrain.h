@@ -424,6 +424,14 @@ struct dt_parallel {
     void (*state_close)(dt_parallel *par, struct dt_optimizer *opt, int which, float *host, int written);
     struct dt_model *whole;
     void (*memory_table)(const dt_parallel *par, const struct dt_optimizer *opt);
+    /* Pipeline parallelism (stage 07): the model's forward as the pipeline
+       runs it -- this rank's blocks, the activations passed from stage to
+       stage, the last stage's logits given to every rank -- for what calls
+       dt_model_forward without gradients (evaluation, generation); NULL: the
+       model's own. log_fields: what the wrapper adds to a step's --log
+       record (",\"name\":value..."); NULL: nothing. */
+    dt_tensor *(*forward)(dt_parallel *par, dt_tensor *inputs);
+    void (*log_fields)(const dt_parallel *par, FILE *log);
     /* Kept by the library: a backward ran since backward_done did, so the
        gradients are this rank's own, not yet the average the optimizer needs. */
     int grads_pending;
@@ -502,6 +510,14 @@ typedef struct dt_split {
                       gradient of a whole parameter is then its rows' part, summed over the group */
     int vocab;     /* the vocabulary's rows (an embedding, a head): cut only when they divide by T
                       (GPT-2's 50,257 do not), whole otherwise */
+    /* Pipeline parallelism (stage 07) gives each rank a run of blocks, so it
+       asks which block reads the parameter: -1 the embedding (the first
+       stage), dt_model_blocks the head (the last); dt_model_create sets it
+       from the parameter's unit. head: read by the head though it sits in
+       the embedding's unit (the GPT's final norm). tied: read by the
+       embedding and by the head (a tied vocabulary), so the first and the
+       last stage each hold it, and add up its two gradients. */
+    int block, head, tied;
 } dt_split;
 
 typedef struct dt_model {
@@ -558,6 +574,14 @@ void dt_model_set_recompute(dt_model *m, int on);
 /* images [B, C, S, S] scaled to [-1, 1] -> logits [B, classes];
    gpt, llama: token ids [B, T] -> logits [B*T, vocab], row (b, t) predicting token t + 1 */
 dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs);
+/* A model is an embedding, dt_model_blocks(m) blocks (the mlp's: its layers)
+   and a head. Pipeline parallelism (stage 07) runs a share of them on each
+   rank: blocks [first, end), from the embedding of `inputs` when first is 0,
+   else from x (the activation the stage before computed), to the logits
+   when end is dt_model_blocks(m), else to the activation the next stage
+   takes. inputs give the shapes (B, and T) either way. */
+int dt_model_blocks(const dt_model *m);
+dt_tensor *dt_model_forward_blocks(dt_model *m, dt_tensor *inputs, dt_tensor *x, int first, int end);
 /* Model FLOPs of one token's training step (forward and backward): 6 per
    parameter that multiplies (every one but the position embeddings, and
    Llama's token embedding when its head is a matrix of its own), plus the
@@ -938,6 +962,31 @@ int dt_tp_data_ranks(const dt_tp *tp);
    a forward is an error that says so. */
 void dt_tp_free(dt_tp *tp);
 
+/* Pipeline parallelism (stage 07): each rank of a pipeline of P keeps a run
+   of consecutive blocks, its stage (balanced by parameters; the embedding
+   with the first, the head with the last); a batch goes through in M
+   micro-batches, in the order the schedule gives each stage. pp 0: the
+   whole job is one pipeline; a job of N ranks is N/P data-parallel
+   pipelines otherwise. */
+typedef struct dt_pp dt_pp;
+typedef enum { DT_SCHEDULE_GPIPE = 0, DT_SCHEDULE_1F1B = 1 } dt_pp_schedule;
+dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int micro_batches, dt_pp_schedule schedule);
+/* A step's forward and backward: the batch cut into the micro-batches, each
+   stage running its forwards and backwards in the schedule's order, sending
+   activations on and gradients back. Returns the batch's mean loss, on every
+   rank (the last stage computes it). Collective over the pipeline. */
+dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch);
+/* After it: the first and last stage add up the gradients of a tied
+   vocabulary (each holds it); with more than one pipeline, every gradient is
+   averaged over them. */
+void dt_pp_sync_grads(dt_pp *pp);
+/* This rank's pipeline among the data-parallel pipelines, and how many: the
+   loader's rank and world (every stage of a pipeline reads the same batch). */
+int dt_pp_data_rank(const dt_pp *pp);
+int dt_pp_data_ranks(const dt_pp *pp);
+/* The model stays cut (this rank's blocks), as after dt_tp_free. */
+void dt_pp_free(dt_pp *pp);
+
 /* ---- 12. mixed precision ------------------------------------------------------------ */
 
 /* The dtype activations are stored in and matmuls read (default DT_F32). With
@@ -1063,7 +1112,7 @@ double dt_cost_all_gather_ms(const dt_link *link, int n, double bytes);      /* 
 /* How many buckets DDP makes of `params` f32 gradients (the first 1 MB, then bucket_mb). */
 int dt_cost_ddp_buckets(double params, double bucket_mb);
 
-typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3, DT_PAR_TP } dt_parallelism;
+typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3, DT_PAR_TP, DT_PAR_PP } dt_parallelism;
 typedef struct dt_cost_input {
     dt_parallelism kind;
     double compute_ms;         /* one rank's forward + backward for one micro-batch, on its own device */
@@ -1081,10 +1130,17 @@ typedef struct dt_cost_input {
        gradients per micro-batch (4 per transformer block: 2 forward, 2
        backward), and the bytes of each (batch x tokens x width x 4) */
     double tp_share, tp_sums, tp_bytes;
-    /* ... and with more ranks than T, the data-parallel groups of T: after
-       backward each rank's gradients (params x (tp_share / T + 1 - tp_share)
-       x reduce_bytes) are averaged over them, exposed (0 or 1: one group) */
-    int tp_groups;
+    /* ... and with more ranks than T (or P), the data-parallel groups of T
+       (pipelines of P): after backward each rank's gradients (tensor: params
+       x (tp_share / T + 1 - tp_share) x reduce_bytes; pipeline: its stage's)
+       are averaged over them, exposed (0 or 1: one group) */
+    int dp_groups;
+    /* pipeline parallelism: the micro-batches of a step; the largest
+       stage's share of the compute times P (1 when the stages are even: the
+       slowest stage sets the pipeline's pace); the bytes of one activation
+       sent on (micro-batch x tokens x width x 4), a gradient as many back */
+    int pp_micro_batches;
+    double pp_balance, pp_bytes;
 } dt_cost_input;
 typedef struct dt_cost_prediction {
     int ranks;
@@ -1093,6 +1149,7 @@ typedef struct dt_cost_prediction {
     double exposed_ms;         /* the part of it compute does not hide */
     double step_ms, speedup, efficiency;   /* speedup: samples/s against one rank with the same batch */
     double bytes;              /* bytes each rank sends per step */
+    double bubble;             /* pipeline parallelism: the share of the step a stage waits, (P - 1) / (M + P - 1) */
 } dt_cost_prediction;
 /* Predict a step of `ranks` ranks: DDP all-reduces the gradients once per
    step behind backward; DP (02) also broadcasts the parameters, hiding
@@ -1145,6 +1202,9 @@ typedef struct dt_config {
     int cpu_offload;             /* --cpu-offload: FSDP's shards and optimizer in host memory */
     int tp;                      /* --tp: ranks per tensor-parallel group (0: every rank of the job) */
     int sequence_parallel;       /* --sequence-parallel: the rows between the split layers split too */
+    int pp;                      /* --pp: ranks per pipeline, each a stage of consecutive blocks (0: every rank) */
+    int micro_batches;           /* --micro-batches: the pipeline's micro-batches per step (default 1) */
+    int schedule;                /* --schedule: a dt_pp_schedule (default 1f1b) */
     int recompute;               /* --recompute: each block's activations made again in backward */
     int lora_rank;               /* --lora-rank: LoRA adapters of this rank on a frozen model (0: none) */
     float lora_alpha;            /* --lora-alpha: their scale is alpha / rank (default 8, PEFT's) */
@@ -1668,7 +1728,7 @@ typedef struct dt__context {
        log line and the trace: total time, the part hidden behind backward, and
        each collective's interval on the communication track. */
     double comm_ms, comm_hidden_ms;
-    struct { char name[32]; double t0, t1; } comm_events[64];
+    struct { char name[32]; double t0, t1; int pipeline; } comm_events[256];   /* pipeline: on its own track */
     int ncomm_events;
     int64_t grad_collectives;          /* gradient all-reduces and reduce-scatters issued this step */
     int grads_scaled;                  /* gradients still hold the fp16 loss scale (section 12) */
@@ -2046,6 +2106,33 @@ static void dt__step_back_to(const dt__step_mark *k) {
         a->nspill = k->nspill[d]; a->used = k->used[d]; a->high = k->high[d];
     }
     dt__ctx.arena_rewinds++;             /* what was cached after the mark is gone */
+}
+
+/* Arenas of one's own: pipeline parallelism (section 11) keeps each micro-
+   batch's activations apart, so that one micro-batch's go back when its
+   backward is done while others' stay. Swapping puts `other` (one arena per
+   device) where the step arena is, and the step arena in `other`; released,
+   an arena keeps its block (grown to its high-water mark) for the next use. */
+static void dt__step_arena_swap(dt__step_arena other[2]) {
+    for (int d = 0; d < 2; d++) {
+        dt__step_arena keep = dt__ctx.step[d];
+        dt__ctx.step[d] = other[d];
+        other[d] = keep;
+    }
+    dt__ctx.arena_rewinds++;             /* a cache in the arena that was in place is not this one's */
+}
+static void dt__step_arena_release(dt__step_arena a[2]) {
+    for (int d = 0; d < 2; d++) dt__arena_rewind(&a[d], (dt_device)d);
+    dt__ctx.arena_rewinds++;             /* what was cached in it is gone */
+}
+static void dt__step_arena_free(dt__step_arena a[2]) {
+    for (int d = 0; d < 2; d++) {
+        dt__arena_rewind(&a[d], (dt_device)d);
+        if (a[d].base) dt_free_on((dt_device)d, DT_ARENA_ACTS, a[d].base, a[d].cap);
+        free(a[d].spill);
+        free(a[d].spill_bytes);
+        memset(&a[d], 0, sizeof a[d]);
+    }
 }
 
 /* The scratch arena works the same way but lives for one op only: under mixed
@@ -2578,6 +2665,17 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
     dt_upload(dt_grad(loss), seed, sizeof(float) * (size_t)loss->numel);
     dt__tape_walk(0, dt__ctx.tape_len);
     dt__ctx.tape_len = 0;
+}
+
+/* Backward over a run of the tape, [lo, hi), from `out`, whose gradient is
+   already in place: pipeline parallelism (section 11) walks one micro-batch's
+   forward at a time, from the gradient the next stage sent back. The tape
+   stays as it is (the step's end empties it). */
+static void dt__backward_span(dt_tensor *out, int lo, int hi) {
+    if (!out->requires_grad || !out->grad) dt_fail("a backward from a tensor that has no gradient to pass back");
+    dt__ctx.backward_generation++;
+    dt__backend_for(out);
+    dt__tape_walk(lo, hi);
 }
 
 void dt_parallel_backward_done(dt_parallel *par) {
@@ -4310,9 +4408,10 @@ static void dt__gpt_build(dt__model_builder *mb, const dt_model_config *cfg) {
     mb->m->outer_unit = 0;
     dt__unit_starts_here(mb);
     dt__add_param(mb, "wte.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->classes, D, 0, 0);
-    mb->m->splits[mb->m->nparams - 1] = (dt_split){ .dim = 0, .parts = 1, .align = 1, .vocab = 1 };   /* by tokens */
+    mb->m->splits[mb->m->nparams - 1] = (dt_split){ .dim = 0, .parts = 1, .align = 1, .vocab = 1, .tied = 1 };   /* by tokens */
     dt__add_param(mb, "wpe.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->seq_len, D, 0, 0);
     dt__add_layernorm(mb, "ln_f", D);
+    mb->m->splits[mb->m->nparams - 2].head = mb->m->splits[mb->m->nparams - 1].head = 1;
     int blocks = mb->m->nparams;
     for (int l = 0; l < cfg->depth; l++) {
         dt__unit_starts_here(mb);
@@ -4417,8 +4516,11 @@ static void dt__llama_build(dt__model_builder *mb, const dt_model_config *cfg) {
     dt__unit_starts_here(mb);
     int qb = cfg->qkv_bias != 0;
     dt__add_param(mb, "model.embed_tokens.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->classes, D, 0, 0);
-    mb->m->splits[mb->m->nparams - 1] = (dt_split){ .dim = 0, .parts = 1, .align = 1, .vocab = 1 };   /* by tokens */
-    if (!cfg->untied_head) dt__add_param(mb, "model.norm.weight", DT_INIT_ONE, 0, 1, D, 0, 0, 0);
+    mb->m->splits[mb->m->nparams - 1] = (dt_split){ .dim = 0, .parts = 1, .align = 1, .vocab = 1, .tied = !cfg->untied_head };
+    if (!cfg->untied_head) {                                           /* by tokens, above; the head's norm */
+        dt__add_param(mb, "model.norm.weight", DT_INIT_ONE, 0, 1, D, 0, 0, 0);
+        mb->m->splits[mb->m->nparams - 1].head = 1;
+    }
     int blocks = mb->m->nparams;
     /* tensor parallelism: q, k and v by heads (k and v by their key/value
        heads), o_proj by its inputs; gate and up by the hidden units, down by
@@ -4601,6 +4703,16 @@ static int dt__heads_here(const dt_model *m, const dt_tensor *qkv) {
     return (int)((int64_t)m->cfg.heads * dt_tensor_cols(qkv) / (3 * (int64_t)m->cfg.dim));
 }
 
+/* -- the blocks a forward runs: all of them (dt_model_forward), or a
+      pipeline stage's share (dt_model_forward_blocks), from x when it does
+      not begin with the embedding, to x when it does not end with the head -- */
+typedef struct dt__span { int first, end; dt_tensor *x; } dt__span;
+static dt_tensor *dt__span_blocks(dt_model *m, const dt__span *s, int first_unit, dt__block_fn fn, dt_tensor *x, int B,
+                                  int T) {
+    for (int l = s->first; l < s->end; l++) x = dt__block(m, first_unit + l, fn, dt__unit_weights(m, first_unit + l), x, B, T);
+    return x;
+}
+
 /* The MLP: linear layers with GELU between them; a block is one layer and
    its GELU (none after the last). */
 static dt_tensor *dt__mlp_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int last) {
@@ -4610,16 +4722,19 @@ static dt_tensor *dt__mlp_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, 
 }
 static dt_tensor *dt__mlp_last_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { (void)T; return dt__mlp_block(m, P, x, B, 1); }
 static dt_tensor *dt__mlp_hidden_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { (void)T; return dt__mlp_block(m, P, x, B, 0); }
-static dt_tensor *dt__mlp_forward(dt_model *m, dt_tensor *images) {
+static dt_tensor *dt__mlp_forward(dt_model *m, dt_tensor *images, const dt__span *s) {
     const dt_model_config *c = &m->cfg;
     int B = images->shape[0];
-    dt_tensor *x = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
-    *x = *images;                                                      /* flatten: a view */
-    x->ndim = 2; x->shape[0] = B; x->shape[1] = (int)(images->numel / B);
-    x = dt_sp_split(m->parallel, x);                                   /* --sequence-parallel: this rank's images */
-    for (int l = 0; l <= c->depth; l++)
+    dt_tensor *x = s->x;
+    if (s->first == 0) {
+        x = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
+        *x = *images;                                                  /* flatten: a view */
+        x->ndim = 2; x->shape[0] = B; x->shape[1] = (int)(images->numel / B);
+        x = dt_sp_split(m->parallel, x);                               /* --sequence-parallel: this rank's images */
+    }
+    for (int l = s->first; l < s->end; l++)
         x = dt__block(m, l, l < c->depth ? dt__mlp_hidden_block : dt__mlp_last_block, dt__unit_weights(m, l), x, B, 0);
-    return dt_sp_gather(m->parallel, x);
+    return s->end == c->depth + 1 ? dt_sp_gather(m->parallel, x) : x;
 }
 
 /* A ViT block: pre-LN attention and MLP, each added to the residual stream. */
@@ -4634,18 +4749,21 @@ static dt_tensor *dt__vit_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, 
 }
 
 /* The ViT: patches as tokens, pre-LN blocks, the class token's logits. */
-static dt_tensor *dt__vit_forward(dt_model *m, dt_tensor *images) {
+static dt_tensor *dt__vit_forward(dt_model *m, dt_tensor *images, const dt__span *s) {
     const dt_model_config *c = &m->cfg;
     int B = images->shape[0], pi = 0;
-    dt_tensor *P = dt__unit_weights(m, 0);
+    dt_tensor *P = dt__unit_weights(m, 0), *x = s->x;
 #define DT_NEXT (&P[pi++])
     int T = (c->image_size / c->patch) * (c->image_size / c->patch) + 1;
-    dt__unit_boundary(m, 0, 1);
-    dt_tensor *cls = DT_NEXT, *pos = DT_NEXT, *pw = DT_NEXT, *pb = DT_NEXT;
-    dt_tensor *x = dt_linear(dt_patchify(images, c->patch), pw, pb); /* the conv, as a matmul */
-    x = dt_sp_split(m->parallel, dt_vit_tokens(x, cls, pos, B));     /* --sequence-parallel: this rank's rows */
-    dt__unit_boundary(m, 0, 0);
-    for (int l = 0; l < c->depth; l++) x = dt__block(m, 1 + l, dt__vit_block, dt__unit_weights(m, 1 + l), x, B, T);
+    if (s->first == 0) {
+        dt__unit_boundary(m, 0, 1);
+        dt_tensor *cls = DT_NEXT, *pos = DT_NEXT, *pw = DT_NEXT, *pb = DT_NEXT;
+        x = dt_linear(dt_patchify(images, c->patch), pw, pb);         /* the conv, as a matmul */
+        x = dt_sp_split(m->parallel, dt_vit_tokens(x, cls, pos, B));  /* --sequence-parallel: this rank's rows */
+        dt__unit_boundary(m, 0, 0);
+    }
+    x = dt__span_blocks(m, s, 1, dt__vit_block, x, B, T);
+    if (s->end < c->depth) return x;
     x = dt_sp_gather(m->parallel, x);
     dt__unit_boundary(m, 1 + c->depth, 1);
     P = dt__unit_weights(m, 1 + c->depth);
@@ -4678,16 +4796,19 @@ static dt_tensor *dt__gpt_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, 
 
 /* GPT-2: pre-LN blocks of causal self-attention and an MLP; the head is the
    token embedding again (x wte^T), so input and output share one table. */
-static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens) {
+static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens, const dt__span *s) {
     const dt_model_config *c = &m->cfg;
     int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), pi = 0;
-    dt_tensor *P = dt__unit_weights(m, 0);
+    dt_tensor *P = dt__unit_weights(m, 0), *x = s->x;
     dt__check_context("gpt", T, c->seq_len);
 #define DT_NEXT (&P[pi++])
-    dt__unit_boundary(m, 0, 1);                                         /* the outer unit, until the head */
     dt_tensor *wte = DT_NEXT, *wpe = DT_NEXT, *nfw = DT_NEXT, *nfb = DT_NEXT;
-    dt_tensor *x = dt_sp_split(m->parallel, dt__vocab_embedding(m, tokens, wte, wpe));   /* --sequence-parallel */
-    for (int l = 0; l < c->depth; l++) x = dt__block(m, 1 + l, dt__gpt_block, dt__unit_weights(m, 1 + l), x, B, T);
+    if (s->first == 0) {
+        dt__unit_boundary(m, 0, 1);                                     /* the outer unit, until the head */
+        x = dt_sp_split(m->parallel, dt__vocab_embedding(m, tokens, wte, wpe));   /* --sequence-parallel */
+    }
+    x = dt__span_blocks(m, s, 1, dt__gpt_block, x, B, T);
+    if (s->end < c->depth) return x;
     x = dt_sp_gather(m->parallel, x);
     x = dt__vocab_head(m, dt_layernorm(x, nfw, nfb, 1e-5f), wte);     /* tied head: logits = x wte^T */
     dt__unit_boundary(m, 0, 0);
@@ -4719,17 +4840,20 @@ static dt_tensor *dt__llama_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B
    LayerNorm; no position table, q and k rotated by position instead; fewer
    key/value heads than query heads; a gated MLP, down(silu(gate x) * up x);
    no biases (but Qwen2's q, k, v). */
-static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens) {
+static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens, const dt__span *s) {
     const dt_model_config *c = &m->cfg;
     int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), tied = !c->untied_head;
     float eps = c->norm_eps;
-    dt_tensor *P = dt__unit_weights(m, 0);
+    dt_tensor *P = dt__unit_weights(m, 0), *x = s->x;
     dt__check_context("llama", T, c->seq_len);
-    dt__unit_boundary(m, 0, 1);
     dt_tensor *embed = &P[0], *norm = tied ? &P[1] : NULL;
-    dt_tensor *x = dt_sp_split(m->parallel, dt__vocab_embedding(m, tokens, embed, NULL));   /* --sequence-parallel */
-    if (!tied) dt__unit_boundary(m, 0, 0);
-    for (int l = 0; l < c->depth; l++) x = dt__block(m, 1 + l, dt__llama_block, dt__unit_weights(m, 1 + l), x, B, T);
+    if (s->first == 0) {
+        dt__unit_boundary(m, 0, 1);
+        x = dt_sp_split(m->parallel, dt__vocab_embedding(m, tokens, embed, NULL));   /* --sequence-parallel */
+        if (!tied) dt__unit_boundary(m, 0, 0);
+    }
+    x = dt__span_blocks(m, s, 1, dt__llama_block, x, B, T);
+    if (s->end < c->depth) return x;
     x = dt_sp_gather(m->parallel, x);
     if (tied) {
         x = dt__vocab_head(m, dt_rmsnorm(x, norm, eps), embed);      /* logits = x embed^T */
@@ -4744,12 +4868,12 @@ static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens) {
     return x;
 }
 
-/* The parameters of the whole model: a tensor-parallel rank holds 1/T of
-   the split ones (m->numel counts what this rank holds). */
+/* The parameters of the whole model: a wrapper that cuts it (tensor, pipeline
+   parallelism) keeps its whole shapes (m->numel counts what this rank holds). */
 static double dt__whole_params(const dt_model *m) {
-    int T = m->parallel && m->parallel->tp_size > 1 ? m->parallel->tp_size : 1;
+    const dt_model *w = m->parallel && m->parallel->whole ? m->parallel->whole : m;
     double n = 0;
-    for (int i = 0; i < m->nparams; i++) n += (double)m->params[i].numel * (m->splits[i].dim >= 0 ? T : 1);
+    for (int i = 0; i < w->nparams; i++) n += (double)w->params[i].numel;
     return n;
 }
 static void dt__mlp_describe(const dt_model *m, char *out, size_t n) {
@@ -4850,6 +4974,15 @@ static const dt__config_number dt__config_numbers[] = {
     DT__CN(rope_high_freq, 1), DT__CN(rope_original_context, 0) };
 #undef DT__CN
 
+/* The rows a block passes the next, per sample: the mlp's one, the ViT's
+   patches and class token, a language model's tokens. */
+static int dt__one_row(const dt_model *m, const dt_tensor *inputs) { (void)m; (void)inputs; return 1; }
+static int dt__vit_rows(const dt_model *m, const dt_tensor *inputs) {
+    (void)inputs;
+    return (m->cfg.image_size / m->cfg.patch) * (m->cfg.image_size / m->cfg.patch) + 1;
+}
+static int dt__token_rows(const dt_model *m, const dt_tensor *inputs) { (void)m; return (int)dt_tensor_cols(inputs); }
+
 typedef struct dt__model_family dt__model_family;
 static const dt__model_family *dt__family(dt_model_kind kind);
 /* The names of a family's numbers, comma-separated: "channels,image_size,...". */
@@ -4860,7 +4993,9 @@ struct dt__model_family {
     int language;                      /* token ids in, next-token logits out */
     int numbers;                       /* how many of dt__config_numbers describe its shape */
     void (*build)(dt__model_builder *mb, const dt_model_config *cfg);
-    dt_tensor *(*forward)(dt_model *m, dt_tensor *inputs);
+    int blocks_past_depth;             /* its blocks are --depth plus this many (the mlp's output layer: 1) */
+    dt_tensor *(*forward)(dt_model *m, dt_tensor *inputs, const dt__span *span);
+    int (*rows_per_sample)(const dt_model *m, const dt_tensor *inputs);   /* of what one block passes the next */
     void (*describe)(const dt_model *m, char *out, size_t n);
     int64_t (*lookups)(const dt_model *m);   /* parameters that never multiply */
     void (*config_json)(FILE *f, const dt_model_config *c);   /* a checkpoint's config.json */
@@ -4869,10 +5004,10 @@ struct dt__model_family {
 };
 /* in dt_model_kind's order */
 static const dt__model_family dt__model_families[] = {
-    { "mlp", 0, 8, dt__mlp_build, dt__mlp_forward, dt__mlp_describe, dt__no_params, dt__mlp_config_json, NULL, "" },
-    { "vit", 0, 8, dt__vit_build, dt__vit_forward, dt__vit_describe, dt__no_params, dt__vit_config_json, "qkv", "" },
-    { "gpt", 1, 9, dt__gpt_build, dt__gpt_forward, dt__gpt_describe, dt__gpt_lookups, dt__gpt_config_json, "c_attn", "transformer." },
-    { "llama", 1, 18, dt__llama_build, dt__llama_forward, dt__llama_describe, dt__llama_lookups, dt__llama_config_json,
+    { "mlp", 0, 8, dt__mlp_build, 1, dt__mlp_forward, dt__one_row, dt__mlp_describe, dt__no_params, dt__mlp_config_json, NULL, "" },
+    { "vit", 0, 8, dt__vit_build, 0, dt__vit_forward, dt__vit_rows, dt__vit_describe, dt__no_params, dt__vit_config_json, "qkv", "" },
+    { "gpt", 1, 9, dt__gpt_build, 0, dt__gpt_forward, dt__token_rows, dt__gpt_describe, dt__gpt_lookups, dt__gpt_config_json, "c_attn", "transformer." },
+    { "llama", 1, 18, dt__llama_build, 0, dt__llama_forward, dt__token_rows, dt__llama_describe, dt__llama_lookups, dt__llama_config_json,
       "q_proj,v_proj", "" },
 };
 #define DT__NFAMILIES ((int)(sizeof dt__model_families / sizeof dt__model_families[0]))
@@ -5056,6 +5191,13 @@ static dt_model *dt__model_create(const dt_model_config *cfg, uint64_t seed, int
         seed ^= 0x4C6F5241ull;               /* the adapters' own draws ("LoRA") */
     } else
         fam->build(&mb, cfg);
+    /* which block reads each parameter (pipeline parallelism): its unit's,
+       the first unit being the embedding when there are more units than
+       blocks (all but the mlp) */
+    int blocks = dt_model_blocks(m), embedding = m->nunits > blocks;
+    for (int u = 0; u < m->nunits; u++)
+        for (int i = m->unit_first[u]; i < (u + 1 < m->nunits ? m->unit_first[u + 1] : m->nparams); i++)
+            m->splits[i].block = m->splits[i].head ? blocks : u - embedding;
     dt__model_allocate(m, &mb, seed, frozen);
     return m;
 }
@@ -5147,7 +5289,20 @@ dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs) {
     if (m->left_cut_by && !m->parallel)
         dt_fail("dt_model_forward: %s has run, and this rank holds only its pieces of the model's split layers; call %s "
                 "after the last forward", m->left_cut_by, m->left_cut_by);
-    return dt__family(m->cfg.kind)->forward(m, inputs);
+    if (m->parallel && m->parallel->forward) return m->parallel->forward(m->parallel, inputs);
+    return dt_model_forward_blocks(m, inputs, NULL, 0, dt_model_blocks(m));
+}
+int dt_model_blocks(const dt_model *m) { return m->cfg.depth + dt__family(m->cfg.kind)->blocks_past_depth; }
+dt_tensor *dt_model_forward_blocks(dt_model *m, dt_tensor *inputs, dt_tensor *x, int first, int end) {
+    int n = dt_model_blocks(m);
+    if (first < 0 || end > n || first > end || (first == 0 && end == 0 && n > 0))
+        dt_fail("dt_model_forward_blocks: blocks [%d, %d) of a model of %d", first, end, n);
+    if ((first > 0) != (x != NULL))
+        dt_fail("dt_model_forward_blocks: %s", first > 0 ? "a run of blocks after the first starts from x, the activation "
+                                                           "the blocks before made: give it"
+                                                         : "the first block starts from the embedding of the inputs: x must be NULL");
+    dt__span span = { first, end, x };
+    return dt__family(m->cfg.kind)->forward(m, inputs, &span);
 }
 
 
@@ -6424,8 +6579,11 @@ static dt_comm *dt__active_comm;             /* for dt_fail: tell the other rank
 #ifdef DT_TESTING
 #define DT_TEST_DIE_IN(c, o) \
     do { if ((o)->kind == DT_COLL_ALL_REDUCE && (c)->die_in_all_reduce > 0 && --(c)->die_in_all_reduce == 0) raise(SIGKILL); } while (0)
+#define DT_TEST_DIE_IN_SEND(c) do { if (dt__test_die_in_send > 0 && --dt__test_die_in_send == 0) raise(SIGKILL); } while (0)
+static int dt__test_die_in_send;             /* DT_TEST_DIE_SEND: this rank's sends on any communicator, counted */
 #else
 #define DT_TEST_DIE_IN(c, o) ((void)0)
+#define DT_TEST_DIE_IN_SEND(c) ((void)0)
 #endif
 
 static float dt__load_as_f32(const void *p, int64_t i, dt_dtype t) {
@@ -6538,6 +6696,7 @@ static void dt__shm_send(dt_comm *c, const dt_comm_op *o) {
         memcpy(mine, (const char *)o->send + off * (int64_t)es, (size_t)n * es);
         uint64_t target = p->sent + 1;      /* only this rank writes `sent` */
         __atomic_store_n(&p->sent, target, __ATOMIC_RELEASE);
+        DT_TEST_DIE_IN_SEND(c);
         dt__shm_wait_for(c, &p->taken, target, o->root, what, &t0);
         off += n;
     } while (off < o->count);
@@ -6913,7 +7072,9 @@ static void dt__comm_start(dt_comm *c, dt__shm_header *hdr) {
        middle of its first all-reduce (or its DT_TEST_DIE_CALL-th) on a
        communicator, after the others have started it. */
     const char *die = getenv("DT_TEST_DIE_RANK"), *call = getenv("DT_TEST_DIE_CALL");
-    c->die_in_all_reduce = die && atoi(die) == c->job_rank[c->rank] && c->world > 1 ? (call ? atoi(call) : 1) : 0;
+    const char *send = getenv("DT_TEST_DIE_SEND");    /* ... or in its N-th send, on any communicator */
+    c->die_in_all_reduce = die && atoi(die) == c->job_rank[c->rank] && c->world > 1 && !send ? (call ? atoi(call) : 1) : 0;
+    if (!c->parent && die && atoi(die) == c->job_rank[c->rank] && send) dt__test_die_in_send = atoi(send);
 #endif
     if (pthread_create(&c->worker, NULL, dt__comm_worker, c) != 0) dt_fail("cannot start the communication thread");
     dt_comm *none = NULL;                   /* the first communicator speaks for the job when we fail */
@@ -7626,16 +7787,22 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
 
 /* What the wrappers communicated, for this step's log line and trace. `hidden`
    is the part of [t0, t1] that ran while backward was still computing. */
-static void dt__record_comm(const char *name, double t0, double t1, double hidden) {
-    dt__ctx.comm_ms += t1 - t0;
-    dt__ctx.comm_hidden_ms += hidden;
+static void dt__record_span(const char *name, double t0, double t1, int pipeline) {
     if (dt__ctx.ncomm_events < (int)(sizeof dt__ctx.comm_events / sizeof dt__ctx.comm_events[0])) {
         int k = dt__ctx.ncomm_events++;
         dt__copy_str(dt__ctx.comm_events[k].name, sizeof dt__ctx.comm_events[k].name, name);
         dt__ctx.comm_events[k].t0 = t0;
         dt__ctx.comm_events[k].t1 = t1;
+        dt__ctx.comm_events[k].pipeline = pipeline;
     }
 }
+static void dt__record_comm(const char *name, double t0, double t1, double hidden) {
+    dt__ctx.comm_ms += t1 - t0;
+    dt__ctx.comm_hidden_ms += hidden;
+    dt__record_span(name, t0, t1, 0);
+}
+/* Pipeline parallelism's forwards, backwards and waits: a track of their own. */
+static void dt__record_event(const char *name, double t0, double t1) { dt__record_span(name, t0, t1, 1); }
 
 /* A thread that ran ops gives back what its context holds before it ends. */
 static void dt__context_release(void) {
@@ -8616,8 +8783,10 @@ static void dt__tp_state_scatter(dt_tp *t, float *whole, float *local) {
 /* The checkpoint's view (section 13). Saving: the groups hold the same
    state, so the first group gathers it and its first rank, the job's rank 0,
    writes. Loading: every rank reads the whole file and cuts its pieces. */
-static float *dt__tp_state_buffer(dt_tp *t, dt_optimizer *o, int which) {
-    return which == 0 ? t->model->flat_data : which == 1 ? o->m : o->v;
+/* The state a checkpoint saves (section 13): 0 the parameters, 1 and 2 the
+   optimizer's moments, each laid out as the model's flat buffer. */
+static float *dt__state_buffer(dt_model *m, dt_optimizer *o, int which) {
+    return which == 0 ? m->flat_data : which == 1 ? o->m : o->v;
 }
 static float *dt__tp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
     dt_tp *t = (dt_tp *)par;
@@ -8626,14 +8795,61 @@ static float *dt__tp_state_open(dt_parallel *par, dt_optimizer *o, int which, in
         if (!whole) dt_fail("out of memory (reading a whole checkpoint to cut: %.1f MB)", t->whole.numel * 4e-6);
         return whole;
     }
-    return t->par.data_rank == 0 ? dt__tp_state_gather(t, dt__tp_state_buffer(t, o, which)) : NULL;
+    return t->par.data_rank == 0 ? dt__tp_state_gather(t, dt__state_buffer(t->model, o, which)) : NULL;
 }
 static void dt__tp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
     dt_tp *t = (dt_tp *)par;
-    if (written) dt__tp_state_scatter(t, host, dt__tp_state_buffer(t, o, which));
+    if (written) dt__tp_state_scatter(t, host, dt__state_buffer(t->model, o, which));
     free(host);
 }
 static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o);
+
+/* Cutting a model (tensor and pipeline parallelism): the whole model's
+   layout kept in `whole`, a shell without buffers that checkpoints are laid
+   out by; each parameter's shape made this rank's by cut_shape (a piece of
+   it, or nothing); this rank's values moved into new flat buffers by
+   scatter (the whole model's on the host -> this rank's on the device). */
+static void dt__model_cut(dt_model *model, dt_model *whole, void (*cut_shape)(void *wrapper, int i, dt_tensor *p),
+                          void (*scatter)(void *wrapper, float *whole, float *local), void *wrapper) {
+    *whole = *model;
+    whole->parallel = NULL;
+    whole->flat_data = whole->flat_grad = NULL;
+    whole->params = (dt_tensor *)malloc(sizeof(dt_tensor) * (size_t)model->nparams);
+    whole->offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(model->nparams + 1));
+    if (!whole->params || !whole->offsets) dt_fail("out of memory (cutting the model)");
+    memcpy(whole->params, model->params, sizeof(dt_tensor) * (size_t)model->nparams);
+    memcpy(whole->offsets, model->offsets, sizeof(int64_t) * (size_t)model->nparams);
+    whole->offsets[model->nparams] = model->numel;
+    for (int i = 0; i < model->nparams; i++) whole->params[i].data = whole->params[i].grad = NULL;
+    model->numel = 0;
+    for (int i = 0; i < model->nparams; i++) {
+        cut_shape(wrapper, i, &model->params[i]);
+        model->offsets[i] = model->numel;
+        model->numel += model->params[i].numel;
+    }
+    model->offsets[model->nparams] = model->numel;
+    float *host = dt__host_view(model->device, model->flat_data, whole->numel);
+    size_t bytes = (size_t)model->numel * sizeof(float), whole_bytes = (size_t)whole->numel * sizeof(float);
+    float *mine = (float *)dt_alloc_on(model->device, DT_ARENA_PARAMS, bytes);
+    scatter(wrapper, host, mine);
+    dt__host_view_close(model->device, host, model->flat_data, whole->numel, 0);
+    dt_free_on(model->device, DT_ARENA_PARAMS, model->flat_data, whole_bytes);
+    dt_free_on(model->device, DT_ARENA_GRADS, model->flat_grad, whole_bytes);
+    model->flat_data = mine;
+    model->flat_grad = (float *)dt_alloc_on(model->device, DT_ARENA_GRADS, bytes);
+    for (int i = 0; i < model->nparams; i++) {
+        model->params[i].data = model->flat_data + model->offsets[i];
+        model->params[i].grad = model->flat_grad + model->offsets[i];
+    }
+}
+static void dt__tp_cut_shape(void *wrapper, int i, dt_tensor *p) {
+    dt_tp *t = (dt_tp *)wrapper;
+    dt_split sp = t->model->splits[i];
+    if (sp.dim < 0) return;
+    p->shape[sp.dim] /= t->size;
+    p->numel /= t->size;
+}
+static void dt__tp_scatter(void *wrapper, float *whole, float *local) { dt__tp_state_scatter((dt_tp *)wrapper, whole, local); }
 
 dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_parallel) {
     int world = dt_comm_size(comm);
@@ -8693,43 +8909,8 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
     t->par.data_rank = dt_mesh_coord(t->mesh, "dp");
     t->par.data_ranks = world / tp;
 
-    /* Cut: the whole model's layout kept (t->whole), each parameter's shape
-       cut, and this rank's pieces moved into new flat buffers. */
-    t->whole = *model;
-    t->whole.parallel = NULL;
-    t->whole.flat_data = t->whole.flat_grad = NULL;
-    t->whole.params = (dt_tensor *)malloc(sizeof(dt_tensor) * (size_t)model->nparams);
-    t->whole.offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(model->nparams + 1));
-    if (!t->whole.params || !t->whole.offsets) dt_fail("out of memory (tensor parallelism)");
-    memcpy(t->whole.params, model->params, sizeof(dt_tensor) * (size_t)model->nparams);
-    memcpy(t->whole.offsets, model->offsets, sizeof(int64_t) * (size_t)model->nparams);
-    t->whole.offsets[model->nparams] = model->numel;
-    for (int i = 0; i < model->nparams; i++) t->whole.params[i].data = t->whole.params[i].grad = NULL;
     t->par.whole = &t->whole;
-    model->numel = 0;
-    for (int i = 0; i < model->nparams; i++) {
-        dt_tensor *p = &model->params[i];
-        if (model->splits[i].dim >= 0) {
-            p->shape[model->splits[i].dim] /= tp;
-            p->numel /= tp;
-        }
-        model->offsets[i] = model->numel;
-        model->numel += p->numel;
-    }
-    model->offsets[model->nparams] = model->numel;
-    float *whole = dt__host_view(model->device, model->flat_data, t->whole.numel);
-    size_t bytes = (size_t)model->numel * sizeof(float), whole_bytes = (size_t)t->whole.numel * sizeof(float);
-    float *mine = (float *)dt_alloc_on(model->device, DT_ARENA_PARAMS, bytes);
-    dt__tp_state_scatter(t, whole, mine);
-    dt__host_view_close(model->device, whole, model->flat_data, t->whole.numel, 0);
-    dt_free_on(model->device, DT_ARENA_PARAMS, model->flat_data, whole_bytes);
-    dt_free_on(model->device, DT_ARENA_GRADS, model->flat_grad, whole_bytes);
-    model->flat_data = mine;
-    model->flat_grad = (float *)dt_alloc_on(model->device, DT_ARENA_GRADS, bytes);
-    for (int i = 0; i < model->nparams; i++) {
-        model->params[i].data = model->flat_data + model->offsets[i];
-        model->params[i].grad = model->flat_grad + model->offsets[i];
-    }
+    dt__model_cut(model, &t->whole, dt__tp_cut_shape, dt__tp_scatter, t);
     if (t->par.data_ranks > 1) dt_broadcast(t->across, model->flat_data, model->numel, DT_F32, 0);   /* every group starts alike */
     return t;
 }
@@ -8813,6 +8994,543 @@ void dt_tp_free(dt_tp *tp) {
     free(tp->whole.params);
     free(tp->whole.offsets);
     free(tp);
+}
+
+/* -- pipeline parallelism (GPipe: Huang et al., 2019; 1F1B: PipeDream-Flush,
+      Narayanan et al., 2021) --
+   The blocks are cut into P runs, one per rank of a pipeline: its stage. A
+   micro-batch enters at the first stage; each stage runs its blocks and
+   sends the activation on; the last one computes the loss. Backward goes
+   back the same way, each stage sending the gradient of what it received to
+   the stage before. A whole batch at once would keep all stages but one
+   waiting, so it is cut into M micro-batches that follow each other down
+   the pipeline: while stage 1 works on micro-batch 0, stage 0 starts
+   micro-batch 1. What waiting is left -- the bubble, P - 1 micro-batches'
+   time as the pipeline fills and as it drains -- is (P - 1) / (M + P - 1)
+   of a step when every stage takes as long. The schedule orders a stage's
+   forwards and backwards: GPipe runs every forward, then every backward, so
+   a stage keeps the activations of all M micro-batches; 1F1B runs a
+   micro-batch's backward as soon as it can, so it keeps at most P (the
+   first stage P, the last one), for the same bubble. Each micro-batch has a
+   step arena of its own, given back when its backward is done, so memory
+   follows the schedule. Activations travel one way on one pair of ranks and
+   gradients the other way on another, each pair with its own communication
+   thread (or stream) and in micro-batch order on both sides, so the two
+   directions never wait for each other; a stage posts its next receive as
+   soon as it has taken the last one, into an inbox, so that the next
+   message arrives while it computes. Every rank of a pipeline reads the
+   same batch (the first stage its inputs, the last its labels). -- */
+typedef struct { int backward, micro; } dt__pp_action;
+/* A schedule is the order of one stage's 2M actions. */
+static int dt__gpipe_order(int stage, int stages, int M, dt__pp_action *a) {
+    (void)stage; (void)stages;
+    int n = 0;
+    for (int i = 0; i < M; i++) a[n++] = (dt__pp_action){ 0, i };
+    for (int i = 0; i < M; i++) a[n++] = (dt__pp_action){ 1, i };
+    return n;
+}
+/* 1F1B: as many forwards as the stages after this one (warm-up), then one
+   forward and one backward in turn, then the backwards left (cool-down). */
+static int dt__1f1b_order(int stage, int stages, int M, dt__pp_action *a) {
+    int warm = stages - 1 - stage < M ? stages - 1 - stage : M, n = 0, f = 0, b = 0;
+    while (f < warm) a[n++] = (dt__pp_action){ 0, f++ };
+    while (f < M) { a[n++] = (dt__pp_action){ 0, f++ }; a[n++] = (dt__pp_action){ 1, b++ }; }
+    while (b < M) a[n++] = (dt__pp_action){ 1, b++ };
+    return n;
+}
+static const struct { const char *name; int (*order)(int stage, int stages, int M, dt__pp_action *a); } dt__pp_schedules[] = {
+    { "gpipe", dt__gpipe_order }, { "1f1b", dt__1f1b_order } };   /* in dt_pp_schedule's order */
+
+struct dt_pp {
+    dt_parallel par;            /* first: the model's dt_parallel * is this dt_pp */
+    dt_model *model;
+    dt_comm *comm;
+    dt_mesh *mesh;
+    dt_comm *pipe, *across;     /* the stages of one pipeline ("pp"), and the data-parallel pipelines ("dp") */
+    dt_comm *ends;              /* the first and the last stage (a tied vocabulary), or NULL */
+    dt_comm *to_next, *from_next, *to_prev, *from_prev;   /* one way each: activations on, gradients back */
+    int stages, stage, micro_batches;
+    dt_pp_schedule schedule;
+    int *first_block;           /* stage s runs blocks [first_block[s], first_block[s + 1]) */
+    dt_model whole;             /* the model before the cut: checkpoints are laid out by it */
+    /* Per micro-batch slot: an arena pair, taken by a forward, given back
+       after its backward (slots: as many as were ever alive at once). */
+    dt__step_arena (*arenas)[2];
+    int nslots;
+    /* The inboxes the next receive lands in, and their handles (0: none posted). */
+    void *inbox_x, *inbox_g;
+    size_t inbox_bytes;
+    dt_comm_handle recv_x, recv_g;
+    /* The last step, for the log and the tests: time computing and waiting,
+       and the activation bytes kept at once (at most, and per micro-batch). */
+    double busy_ms, idle_ms, step_ms;
+    double act_bytes;           /* one micro-batch's activation, sent on */
+    double kept_peak, kept_micro;
+    int kept_micro_batches;     /* the most micro-batches alive at once */
+};
+
+static int dt__pp_holds(const dt_pp *p, int stage, int i) {
+    const dt_split *sp = &p->model->splits[i];
+    int n = dt_model_blocks(p->model), last = stage == p->stages - 1;
+    if (sp->tied && (stage == 0 || last)) return 1;
+    if (sp->block < 0) return stage == 0;
+    if (sp->block >= n) return last;
+    return sp->block >= p->first_block[stage] && sp->block < p->first_block[stage + 1];
+}
+static double dt__pp_stage_params(const dt_pp *p, int stage) {
+    double held = 0;
+    for (int i = 0; i < p->model->nparams; i++) if (dt__pp_holds(p, stage, i)) held += (double)p->whole.params[i].numel;
+    return held;
+}
+static int dt__pp_owner(const dt_pp *p, int i) {     /* the first stage that holds parameter i */
+    for (int s = 0; s < p->stages; s++) if (dt__pp_holds(p, s, i)) return s;
+    return 0;
+}
+/* Stage s runs blocks [first[s], first[s + 1]): the cut whose largest stage
+   holds the fewest parameters (the embedding's counted with the first stage,
+   the head's with the last), found by dynamic programming over the cuts. */
+static void dt__pp_balance(const dt_model *m, int P, int *first) {
+    int n = dt_model_blocks(m);
+    double *w = (double *)calloc((size_t)n + 3, sizeof(double)), *cum = (double *)calloc((size_t)n + 1, sizeof(double));
+    double *best = (double *)malloc(sizeof(double) * (size_t)(P + 1) * (size_t)(n + 1));
+    int *cut = (int *)malloc(sizeof(int) * (size_t)(P + 1) * (size_t)(n + 1));
+    if (!w || !cum || !best || !cut) dt_fail("out of memory (pipeline stages)");
+    for (int i = 0; i < m->nparams; i++) {
+        int b = m->splits[i].block;
+        w[(b < 0 ? -1 : b > n ? n : b) + 1] += (double)m->params[i].numel;
+        if (m->splits[i].tied) w[n + 1] += (double)m->params[i].numel;
+    }
+    for (int b = 0; b < n; b++) cum[b + 1] = cum[b] + w[b + 1];
+#define DT_BEST(k, j) best[(size_t)(k) * (size_t)(n + 1) + (size_t)(j)]
+#define DT_CUT(k, j) cut[(size_t)(k) * (size_t)(n + 1) + (size_t)(j)]
+    /* DT_BEST(k, j): the smallest largest stage of blocks [0, j) in k stages */
+    for (int j = 1; j <= n; j++) DT_BEST(1, j) = w[0] + cum[j] + (P == 1 ? w[n + 1] : 0);
+    for (int k = 2; k <= P; k++)
+        for (int j = k; j <= n; j++) {
+            DT_BEST(k, j) = HUGE_VAL;
+            for (int c = k - 1; c < j; c++) {
+                double here = cum[j] - cum[c] + (k == P && j == n ? w[n + 1] : 0);
+                double worst = fmax(DT_BEST(k - 1, c), here);
+                if (worst < DT_BEST(k, j)) { DT_BEST(k, j) = worst; DT_CUT(k, j) = c; }
+            }
+        }
+    first[P] = n;
+    for (int k = P, j = n; k > 1; k--) j = first[k - 1] = DT_CUT(k, j);
+    first[0] = 0;
+#undef DT_BEST
+#undef DT_CUT
+    free(w); free(cum); free(best); free(cut);
+}
+
+static void dt__pp_cut_shape(void *wrapper, int i, dt_tensor *p) {
+    dt_pp *pp = (dt_pp *)wrapper;
+    if (dt__pp_holds(pp, pp->stage, i)) return;
+    p->shape[0] = 0;                        /* not this stage's: nothing here */
+    p->numel = 0;
+}
+static void dt__pp_scatter(void *wrapper, float *whole, float *local) {
+    dt_pp *p = (dt_pp *)wrapper;
+    dt_model *m = p->model;
+    for (int i = 0; i < m->nparams; i++)
+        dt__upload_to(m->device, local + m->offsets[i], whole + p->whole.offsets[i], (size_t)m->params[i].numel * sizeof(float));
+}
+
+/* The shape of what stage s passes stage s + 1, for a micro-batch of these inputs. */
+static void dt__pp_activation_shape(const dt_pp *p, const dt_tensor *inputs, int shape[2]) {
+    shape[0] = inputs->shape[0] * dt__family(p->model->cfg.kind)->rows_per_sample(p->model, inputs);
+    shape[1] = p->model->cfg.dim;
+}
+/* The inbox's next message from `from`, waited for (the time counts as
+   idle), copied into dst, and the receive after it posted when `more`. */
+static void dt__pp_take(dt_pp *p, dt_comm *from, int peer, void *inbox, dt_comm_handle *h, void *dst, int64_t n, dt_dtype t,
+                        int more) {
+    double t0 = dt_now_ms();
+    if (!*h) *h = dt_recv_async(from, inbox, n, t, peer);
+    dt_comm_wait(from, *h);
+    dt_synchronize();
+    double t1 = dt_now_ms();
+    p->idle_ms += t1 - t0;
+    dt__record_event("waiting", t0, t1);
+    dt_convert(inbox, t, dst, t, n);                   /* a copy on the device */
+    *h = more ? dt_recv_async(from, inbox, n, t, peer) : 0;
+}
+static void dt__pp_inboxes(dt_pp *p, size_t bytes) {
+    if (bytes <= p->inbox_bytes) return;    /* grown between steps, when no receive is posted into them */
+    dt_free_on(p->model->device, DT_ARENA_COMM, p->inbox_x, p->inbox_bytes);
+    dt_free_on(p->model->device, DT_ARENA_COMM, p->inbox_g, p->inbox_bytes);
+    p->inbox_x = dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+    p->inbox_g = dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+    p->inbox_bytes = bytes;
+}
+
+/* What one micro-batch leaves between its forward and its backward. */
+typedef struct {
+    int slot;                   /* its arena pair */
+    int tape_lo, tape_hi;       /* its forward's entries on the tape */
+    dt_tensor *in, *out;        /* what it received (NULL at the first stage), what it sent on or its loss */
+    dt_comm_handle sent;        /* out, sent on (0: the last stage) */
+    double kept;                /* the bytes its forward left in its arena */
+} dt__pp_micro;
+
+dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch) {
+    dt_model *m = pp->model;
+    int M = pp->micro_batches, B = batch->size, P = pp->stages, s = pp->stage, last = s == P - 1;
+    if (B % M)
+        dt_usage_error("--micro-batches %d does not divide --batch-size %d (each micro-batch takes an equal share)", M, B);
+    if (pp->par.grads_pending)
+        dt_fail("dt_pp_forward_backward: the gradients of the last step were not synchronised; call dt_pp_sync_grads "
+                "before the next step");
+    int b = B / M, lo = pp->first_block[s], hi = pp->first_block[s + 1];
+    dt_dtype t = dt__ctx.compute_dtype;
+    int64_t in_per = batch->inputs->numel / B;
+    int labels_per = dt_model_is_language(m->cfg.kind) ? (int)dt_tensor_cols(batch->inputs) : 1;
+    double divisor = dt__ctx.loss_divisor.labels == batch->labels && dt__ctx.loss_divisor.step == dt__ctx.step_resets
+                   ? dt__ctx.loss_divisor.divisor : 0;
+    dt__pp_action *order = (dt__pp_action *)dt_step_alloc(sizeof(dt__pp_action) * 2 * (size_t)M);
+    dt__pp_micro *mb = (dt__pp_micro *)dt_step_alloc(sizeof(dt__pp_micro) * (size_t)M);
+    int *free_slots = (int *)dt_step_alloc(sizeof(int) * (size_t)M), nfree = 0, nactions = dt__pp_schedules[pp->schedule].order(s, P, M, order);
+    if (pp->nslots < M) {                   /* room for every micro-batch; those never taken cost nothing */
+        pp->arenas = (dt__step_arena (*)[2])realloc(pp->arenas, sizeof *pp->arenas * (size_t)M);
+        if (!pp->arenas) dt_fail("out of memory (pipeline)");
+        memset(pp->arenas + pp->nslots, 0, sizeof *pp->arenas * (size_t)(M - pp->nslots));
+        pp->nslots = M;
+    }
+    for (int k = M - 1; k >= 0; k--) free_slots[nfree++] = k;
+    int act[2];
+    dt_tensor micro_inputs = *batch->inputs;
+    micro_inputs.shape[0] = b;
+    micro_inputs.numel = in_per * b;
+    dt__pp_activation_shape(pp, &micro_inputs, act);
+    int64_t act_n = (int64_t)act[0] * act[1];
+    pp->act_bytes = (double)act_n * (double)dt_dtype_size(t);
+    dt__pp_inboxes(pp, (size_t)act_n * dt_dtype_size(t));
+    if (s > 0) pp->recv_x = dt_recv_async(pp->from_prev, pp->inbox_x, act_n, t, 0);     /* posted early */
+    if (!last) pp->recv_g = dt_recv_async(pp->from_next, pp->inbox_g, act_n, t, 1);
+    double loss_sum = 0, t_start = dt_now_ms(), kept = 0;
+    int forwards = 0, backwards = 0, alive = 0;
+    pp->busy_ms = pp->idle_ms = 0;
+    pp->kept_peak = pp->kept_micro = 0;
+    pp->kept_micro_batches = 0;
+    for (int k = 0; k < nactions; k++) {
+        int i = order[k].micro;
+        dt__pp_micro *u = &mb[i];
+        if (!order[k].backward) {
+            u->slot = free_slots[--nfree];
+            dt__step_arena_swap(pp->arenas[u->slot]);
+            size_t before = dt__ctx.step[DT_CPU].high + dt__ctx.step[DT_CUDA].high;
+            dt_tensor *inputs = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));   /* rows [i b, (i + 1) b) of the batch */
+            *inputs = *batch->inputs;
+            inputs->shape[0] = b;
+            inputs->numel = in_per * b;
+            inputs->data = (float *)((char *)batch->inputs->data + (size_t)(in_per * b * i) * dt_dtype_size(inputs->dtype));
+            u->in = NULL;
+            if (s > 0) {
+                u->in = dt__tensor_alloc(2, act, t);
+                u->in->requires_grad = 1;   /* its gradient goes back to the stage before */
+                dt__pp_take(pp, pp->from_prev, 0, pp->inbox_x, &pp->recv_x, u->in->data, act_n, t, forwards + 1 < M);
+            }
+            double t0 = dt_now_ms();
+            u->tape_lo = dt__ctx.tape_len;
+            dt_tensor *y = dt_model_forward_blocks(m, inputs, u->in, lo, hi);
+            if (last) {
+                const int32_t *labels = batch->labels + (size_t)i * b * labels_per;
+                if (divisor > 0) dt_cross_entropy_set_divisor(labels, divisor / M);
+                y = dt_cross_entropy(y, labels);
+                loss_sum += dt_tensor_item(y);
+                u->sent = 0;
+            } else {
+                if (y->numel != act_n) dt_fail("pipeline: stage %d's output has %lld values, %lld expected", s, (long long)y->numel, (long long)act_n);
+                u->sent = dt_send_async(pp->to_next, y->data, act_n, t, 1);
+            }
+            u->out = y;
+            u->tape_hi = dt__ctx.tape_len;
+            dt_synchronize();
+            double t1 = dt_now_ms();
+            pp->busy_ms += t1 - t0;
+            char name[32];
+            snprintf(name, sizeof name, "forward %d", i);
+            dt__record_event(name, t0, t1);
+            double bytes = (double)(dt__ctx.step[DT_CPU].high + dt__ctx.step[DT_CUDA].high - before);
+            u->kept = bytes;
+            kept += bytes;
+            alive++;
+            if (kept > pp->kept_peak) pp->kept_peak = kept;
+            if (alive > pp->kept_micro_batches) pp->kept_micro_batches = alive;
+            if (bytes > pp->kept_micro) pp->kept_micro = bytes;
+            dt__step_arena_swap(pp->arenas[u->slot]);
+            forwards++;
+        } else {
+            dt__step_arena_swap(pp->arenas[u->slot]);
+            if (last) {
+                float seed = 1.0f / (float)M;          /* the batch's loss is the micro-batches' mean */
+                dt_upload(dt_grad(u->out), &seed, sizeof seed);
+            } else
+                dt__pp_take(pp, pp->from_next, 1, pp->inbox_g, &pp->recv_g, dt_grad(u->out), act_n, t, backwards + 1 < M);
+            double t0 = dt_now_ms();
+            dt__backward_span(u->out, u->tape_lo, u->tape_hi);
+            dt_comm_handle sent_back = s > 0 ? dt_send_async(pp->to_prev, dt_grad(u->in), act_n, t, 0) : 0;
+            dt_synchronize();
+            double t1 = dt_now_ms();
+            pp->busy_ms += t1 - t0;
+            char name[32];
+            snprintf(name, sizeof name, "backward %d", i);
+            dt__record_event(name, t0, t1);
+            /* its arena goes back once what it sends is taken (by then the
+               next stage has long had `out`) */
+            if (sent_back) dt_comm_wait(pp->to_prev, sent_back);
+            if (u->sent) dt_comm_wait(pp->to_next, u->sent);
+            dt_synchronize();
+            pp->idle_ms += dt_now_ms() - t1;
+            kept -= u->kept;
+            dt__step_arena_swap(pp->arenas[u->slot]);
+            dt__step_arena_release(pp->arenas[u->slot]);
+            free_slots[nfree++] = u->slot;
+            alive--;
+            backwards++;
+        }
+    }
+    dt__ctx.tape_len = 0;                   /* every micro-batch's entries are walked */
+    pp->step_ms = dt_now_ms() - t_start;
+    /* the batch's loss from the last stage, on every rank */
+    float mean = last ? (float)(loss_sum / M) : 0;
+    dt__comm_all_reduce_host(pp->pipe, &mean, 1, DT_SUM);
+    int one[1] = { 1 };
+    dt_tensor *loss = dt__tensor_alloc(1, one, DT_F32);
+    dt_upload(loss->data, &mean, sizeof mean);
+    return loss;
+}
+
+/* The pipeline wrapper of a model, or NULL: for --explain. */
+static void dt__pp_optimizer_view(dt_parallel *par, dt_optimizer *o);
+static dt_pp *dt__pp_of(const dt_model *m) {
+    return m->parallel && m->parallel->optimizer_view == dt__pp_optimizer_view ? (dt_pp *)m->parallel : NULL;
+}
+
+/* The batch's loss is the last stage's; the gradients of a tied vocabulary
+   are the first stage's (the embedding) plus the last's (the head). */
+static void dt__pp_backward_done(dt_parallel *par) {
+    dt_pp *p = (dt_pp *)par;
+    dt_model *m = p->model;
+    if (p->ends) {
+        double t0 = dt_now_ms();
+        for (int i = 0; i < m->nparams; i++)
+            if (m->splits[i].tied) dt_all_reduce(p->ends, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
+        dt__record_comm("all_reduce tied", t0, dt_now_ms(), 0);
+    }
+    if (p->par.data_ranks == 1) return;
+    double t0 = dt_now_ms();
+    dt_all_reduce(p->across, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_AVG);
+    dt__ctx.grad_collectives++;
+    dt__record_comm("all_reduce dp", t0, dt_now_ms(), 0);
+}
+void dt_pp_sync_grads(dt_pp *pp) { dt_parallel_backward_done(&pp->par); }
+int dt_pp_data_rank(const dt_pp *pp) { return pp->par.data_rank; }
+int dt_pp_data_ranks(const dt_pp *pp) { return pp->par.data_ranks; }
+
+/* Each stage steps what it holds; the gradient norm adds up the stages'
+   parts, the tied vocabulary counted once (at the first stage). */
+static void dt__pp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
+    dt_pp *p = (dt_pp *)par;
+    dt_model *m = p->model;
+    dt__optimizer_view_all(o, m);
+    for (int i = 0; i < m->nparams; i++) o->slices[i].copy = p->stage > 0 && m->splits[i].tied;
+    o->sharded_by = par;
+}
+static void dt__pp_sum_over_ranks(dt_parallel *par, float *values, int n) {
+    dt__comm_all_reduce_host(((dt_pp *)par)->pipe, values, n, DT_SUM);
+}
+
+/* Checkpoints are whole (section 13): to save, the first pipeline's stages
+   send what they hold to its first rank, one tensor at a time, and that
+   rank -- the job's rank 0 -- writes; to load, every rank reads the whole
+   and keeps its stage's. */
+static float *dt__pp_state_gather(dt_pp *p, float *local) {
+    dt_model *m = p->model;
+    const dt_model *W = &p->whole;
+    float *whole = NULL;
+    if (p->stage == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
+        dt_fail("out of memory (gathering the pipeline's stages for a checkpoint: %.1f MB)", W->numel * 4e-6);
+    for (int i = 0; i < m->nparams; i++) {
+        int owner = dt__pp_owner(p, i);
+        int64_t n = W->params[i].numel;
+        size_t bytes = (size_t)n * sizeof(float);
+        if (owner == 0) {
+            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
+        } else if (p->stage == owner) dt_send(p->pipe, local + m->offsets[i], n, DT_F32, 0);
+        else if (whole) {
+            float *buf = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes);
+            dt_recv(p->pipe, buf, n, DT_F32, owner);
+            dt__download_from(m->device, whole + W->offsets[i], buf, bytes);
+            dt_free_on(m->device, DT_ARENA_COMM, buf, bytes);
+        }
+    }
+    return whole;
+}
+static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
+    dt_pp *p = (dt_pp *)par;
+    if (for_load) {
+        float *whole = (float *)calloc((size_t)p->whole.numel + 1, sizeof(float));
+        if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", p->whole.numel * 4e-6);
+        return whole;
+    }
+    return p->par.data_rank == 0 ? dt__pp_state_gather(p, dt__state_buffer(p->model, o, which)) : NULL;
+}
+static void dt__pp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
+    dt_pp *p = (dt_pp *)par;
+    if (written) dt__pp_scatter(p, host, dt__state_buffer(p->model, o, which));
+    free(host);
+}
+
+/* At start-up: which blocks each stage runs, and what it holds. */
+static void dt__pp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
+    const dt_pp *p = (const dt_pp *)par;
+    const dt_model *m = p->model;
+    int n = dt_model_blocks(m);
+    printf("pipeline, --pp %d: %d stages, %d micro-batch%s per step, schedule %s (bubble (P - 1) / (M + P - 1) = %.0f%%); "
+           "%d data-parallel pipeline%s\n", p->stages, p->stages, p->micro_batches, p->micro_batches > 1 ? "es" : "",
+           dt__pp_schedules[p->schedule].name, 100.0 * (p->stages - 1) / (p->micro_batches + p->stages - 1),
+           p->par.data_ranks, p->par.data_ranks > 1 ? "s" : "");
+    int embedding = 0;                      /* the mlp has none: its first layer is a block */
+    for (int i = 0; i < m->nparams; i++) embedding |= m->splits[i].block < 0;
+    for (int s = 0; s < p->stages; s++) {
+        double held = dt__pp_stage_params(p, s);
+        int a = p->first_block[s], b = p->first_block[s + 1];
+        char blocks[48];
+        if (b - a > 1) snprintf(blocks, sizeof blocks, "blocks %d-%d", a, b - 1);
+        else snprintf(blocks, sizeof blocks, "block %d", a);
+        printf("  stage %d: %s%s%s  %.3f MB of parameters (%.3f MB with gradients and %s state)\n", s,
+               s == 0 && embedding ? "the embedding, " : "", blocks, s == p->stages - 1 ? ", the head" : "", 4e-6 * held,
+               4e-6 * held * (o->v ? 4 : 3), o->v ? "adamw's" : "sgd's");
+    }
+    printf("  the whole model: %.3f MB of parameters, %d blocks\n", 4e-6 * (double)p->whole.numel, n);
+    fflush(stdout);
+}
+
+/* Evaluation and generation: the batch down the pipeline at once (no
+   micro-batches: there is no backward to overlap), and the last stage's
+   logits to every rank. */
+static dt_tensor *dt__pp_forward(dt_parallel *par, dt_tensor *inputs) {
+    dt_pp *p = (dt_pp *)par;
+    dt_model *m = p->model;
+    int last = p->stage == p->stages - 1, act[2];
+    dt_dtype t = dt__ctx.compute_dtype;
+    if (dt__ctx.grad_enabled)
+        dt_fail("dt_model_forward: under pipeline parallelism a training step is dt_pp_forward_backward (the stages take "
+                "turns); dt_model_forward runs without gradients only (evaluation, generation)");
+    dt__pp_activation_shape(p, inputs, act);
+    dt_tensor *x = NULL;
+    if (p->stage > 0) {
+        x = dt__tensor_alloc(2, act, t);
+        dt_recv(p->from_prev, x->data, x->numel, t, 0);
+    }
+    dt_tensor *y = dt_model_forward_blocks(m, inputs, x, p->first_block[p->stage], p->first_block[p->stage + 1]);
+    if (!last) {
+        dt_send(p->to_next, y->data, y->numel, t, 1);
+        int shape[2] = { inputs->shape[0] * (dt_model_is_language(m->cfg.kind) ? (int)dt_tensor_cols(inputs) : 1), m->cfg.classes };
+        y = dt__tensor_alloc(2, shape, t);
+    }
+    dt_broadcast(p->pipe, y->data, y->numel, t, p->stages - 1);
+    return y;
+}
+
+/* The step's pipeline figures, in its --log record. */
+static void dt__pp_log_fields(const dt_parallel *par, FILE *log) {
+    const dt_pp *p = (const dt_pp *)par;
+    double P = p->stages, M = p->micro_batches;
+    fprintf(log, ",\"pp_busy_ms\":%.3f,\"pp_idle_ms\":%.3f,\"bubble\":%.4f,\"bubble_predicted\":%.4f,"
+                 "\"pp_kept_bytes\":%.0f,\"pp_micro_bytes\":%.0f,\"pp_kept_micro_batches\":%d",
+            p->busy_ms, p->idle_ms, p->step_ms > 0 ? p->idle_ms / p->step_ms : 0, (P - 1) / (M + P - 1), p->kept_peak,
+            p->kept_micro, p->kept_micro_batches);
+}
+
+/* A one-way pair for each neighbour: `round` 0 pairs stages (0, 1), (2, 3)
+   ..., round 1 pairs (1, 2), (3, 4) ...; a rank in no pair of a round is a
+   group of its own, freed at once. */
+static void dt__pp_pair(dt_pp *p, int round, dt_comm **with_next, dt_comm **with_prev) {
+    int s = p->stage, P = p->stages;
+    int j = (s % 2 == round) ? s : s - 1;       /* the boundary (j, j + 1) this rank is on this round */
+    int paired = j >= 0 && j + 1 < P;
+    dt_comm *c = dt_comm_split(p->pipe, paired ? j : P + s, s);
+    if (!paired) { dt_comm_free(c); return; }
+    if (j == s) *with_next = c;
+    else *with_prev = c;
+}
+
+dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int micro_batches, dt_pp_schedule schedule) {
+    int world = dt_comm_size(comm);
+    char v[64];
+    snprintf(v, sizeof v, "%d %d %d", pp, micro_batches, (int)schedule);
+    dt_comm_check_agree(comm, "--pp --micro-batches --schedule", v);
+    if (pp <= 0) pp = world;
+    if (world % pp)
+        dt_usage_error("--pp %d does not divide the job's %d ranks (the ranks form pipelines of --pp, data parallel across them)",
+                       pp, world);
+    if (micro_batches < 1) dt_usage_error("--micro-batches %d: a step needs at least one", micro_batches);
+    if ((int)schedule < 0 || (int)schedule >= (int)(sizeof dt__pp_schedules / sizeof dt__pp_schedules[0]))
+        dt_fail("dt_pp_create: schedule %d is not one dtrain knows", (int)schedule);
+    if (model->base) dt_usage_error("--lora-rank: LoRA's adapters are not split into pipeline stages; train them with 03-05");
+    int n = dt_model_blocks(model);
+    if (n < pp)
+        dt_usage_error("--pp %d: the model has %d block%s (--depth), fewer than the stages, and each stage runs at least one",
+                       pp, n, n == 1 ? "" : "s");
+    dt_pp *p = (dt_pp *)calloc(1, sizeof *p);
+    if (!p) dt_fail("out of memory (pipeline parallelism)");
+    p->par = (dt_parallel){ .create_fn = "dt_pp_create", .sync_fn = "dt_pp_sync_grads", .free_fn = "dt_pp_free",
+                            .backward_done = dt__pp_backward_done, .optimizer_view = dt__pp_optimizer_view,
+                            .sum_over_ranks = dt__pp_sum_over_ranks, .state_open = dt__pp_state_open,
+                            .state_close = dt__pp_state_close, .memory_table = dt__pp_memory_table,
+                            .forward = dt__pp_forward, .log_fields = dt__pp_log_fields };
+    dt_model_set_parallel(model, &p->par);
+    dt__comm_hold(comm, "dt_pp_free");
+    p->model = model;
+    p->comm = comm;
+    int sizes[2] = { world / pp, pp };
+    const char *names[2] = { "dp", "pp" };
+    p->mesh = dt_mesh_create(comm, 2, sizes, names);
+    p->pipe = dt_mesh_comm(p->mesh, "pp");
+    p->across = dt_mesh_comm(p->mesh, "dp");
+    p->stages = pp;
+    p->stage = dt_mesh_coord(p->mesh, "pp");
+    p->micro_batches = micro_batches;
+    p->schedule = schedule;
+    p->par.data_rank = dt_mesh_coord(p->mesh, "dp");
+    p->par.data_ranks = world / pp;
+    p->first_block = (int *)malloc(sizeof(int) * (size_t)(pp + 1));
+    if (!p->first_block) dt_fail("out of memory (pipeline parallelism)");
+    dt__pp_balance(model, pp, p->first_block);
+    p->par.whole = &p->whole;
+    dt__model_cut(model, &p->whole, dt__pp_cut_shape, dt__pp_scatter, p);
+    for (int round = 0; round < 2 && pp > 1; round++) {      /* activations on, then gradients back */
+        dt__pp_pair(p, round, &p->to_next, &p->from_prev);
+        dt__pp_pair(p, round, &p->from_next, &p->to_prev);
+    }
+    int tied = 0;
+    for (int i = 0; i < model->nparams; i++) tied |= model->splits[i].tied;
+    if (tied && pp > 1) {
+        int end = p->stage == 0 || p->stage == pp - 1;
+        p->ends = dt_comm_split(p->pipe, end ? 0 : 1 + p->stage, p->stage);
+        if (!end) { dt_comm_free(p->ends); p->ends = NULL; }
+    }
+    if (p->par.data_ranks > 1) dt_broadcast(p->across, model->flat_data, model->numel, DT_F32, 0);   /* every pipeline starts alike */
+    return p;
+}
+
+void dt_pp_free(dt_pp *pp) {
+    if (!pp) return;
+    dt_model_set_parallel(pp->model, NULL);
+    pp->model->left_cut_by = "dt_pp_free";     /* each rank keeps its stage: the model can only be freed now */
+    dt_comm *mine[5] = { pp->ends, pp->to_next, pp->from_next, pp->to_prev, pp->from_prev };
+    for (int k = 0; k < 5; k++) if (mine[k]) dt_comm_free(mine[k]);
+    for (int k = 0; k < pp->nslots; k++) dt__step_arena_free(pp->arenas[k]);
+    free(pp->arenas);
+    dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_x, pp->inbox_bytes);
+    dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_g, pp->inbox_bytes);
+    dt_mesh_free(pp->mesh);
+    dt__comm_release(pp->comm);
+    free(pp->first_block);
+    free(pp->whole.params);
+    free(pp->whole.offsets);
+    free(pp);
 }
 
 /* ==== 12. mixed precision =======================================================
@@ -10638,8 +11356,10 @@ void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, fl
 /* The trace has one track per phase, so that forward, backward, waiting for
    communication and the optimizer line up in rows, and one for the
    communication thread (or stream), where each collective -- each DDP bucket --
-   shows when it really ran: overlap with backward is visible at a glance. */
-enum { DT_TRACK_COMM = DT_PHASE_COUNT };
+   shows when it really ran: overlap with backward is visible at a glance.
+   Under pipeline parallelism a last track shows each micro-batch's forward
+   and backward and the waits between them: the bubble. */
+enum { DT_TRACK_COMM = DT_PHASE_COUNT, DT_TRACK_PIPELINE };
 static const char *dt__phase_names[DT_PHASE_COUNT] = { "data", "forward", "backward", "comm wait", "optimizer", "eval", "checkpoint" };
 
 static void dt__trace_event(dt_run *r, const char *name, int track, double t0, double t1) {
@@ -10661,9 +11381,9 @@ static void dt__trace_open(dt_run *r, const char *path) {
     if (!(r->trace = fopen(mine, "w"))) dt_fail("cannot open --trace '%s': %s", mine, strerror(errno));
     fprintf(r->trace, "[{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":\"rank %d\"}}\n",
             dt__ctx.rank, dt__ctx.rank);
-    for (int t = 0; t <= DT_TRACK_COMM; t++)
+    for (int t = 0; t <= DT_TRACK_PIPELINE; t++)
         fprintf(r->trace, ",{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"%s\"}}\n",
-                dt__ctx.rank, t, t == DT_TRACK_COMM ? "communication" : dt__phase_names[t]);
+                dt__ctx.rank, t, t == DT_TRACK_COMM ? "communication" : t == DT_TRACK_PIPELINE ? "pipeline" : dt__phase_names[t]);
     dt__file_check(r->trace, "--trace", mine);
 }
 
@@ -10802,6 +11522,14 @@ static void dt__bench_report(dt_run *r) {
     if (tp)                             /* what the cost model needs of tensor parallelism */
         printf(" tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", tp->size, dt__tp_split_share(tp),
                tp->step_sums / cfg->accum_steps, tp->step_sums > 0 ? tp->step_sum_bytes / tp->step_sums : 0.0);
+    const dt_pp *pp = dt__pp_of(r->model);
+    if (pp) {                           /* ... and of pipeline parallelism (rank 0's stage, the first) */
+        double largest = 0, whole_n = (double)pp->whole.numel;
+        for (int st = 0; st < pp->stages; st++) largest = fmax(largest, dt__pp_stage_params(pp, st) / whole_n);
+        printf(" pp=%d pp_micro_batches=%d pp_balance=%.4f pp_bytes=%.0f bubble=%.4f bubble_predicted=%.4f", pp->stages,
+               pp->micro_batches, largest * pp->stages, pp->act_bytes, pp->step_ms > 0 ? pp->idle_ms / pp->step_ms : 0,
+               (pp->stages - 1.0) / (pp->micro_batches + pp->stages - 1.0));
+    }
     printf("\n");
     fflush(stdout);
 }
@@ -10860,7 +11588,7 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
     double share = n > 1 ? (double)(n - 1) / n : 0;
     p.ranks = n;
     p.compute_ms = K * c + in->optimizer_ms * slow / (sharded ? n : 1);
-    if (n > 1 || in->kind == DT_PAR_TP) switch (in->kind) {      /* TP: --tp 1 may still have data-parallel groups */
+    if (n > 1 || in->kind == DT_PAR_TP || in->kind == DT_PAR_PP) switch (in->kind) {   /* --tp 1, --pp 1: groups */
     case DT_PAR_NONE: break;
     case DT_PAR_DDP:            /* one all-reduce per bucket, once per step, behind the last backward */
         p.comm_ms = dt_cost_all_reduce_ms(l, n, G) + (msgs - 1) * 2.0 * (n - 1) * lat;
@@ -10879,12 +11607,30 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
         break;
     case DT_PAR_TP: {           /* the split layers' compute divided; each sum waited for where it stands */
         double kept = in->tp_share / n + (1 - in->tp_share);
-        int D = in->tp_groups > 1 ? in->tp_groups : 1;
+        int D = in->dp_groups > 1 ? in->dp_groups : 1;
         double grads = in->params * kept * in->reduce_bytes;              /* this rank's, averaged over the groups */
         p.compute_ms = K * c * kept + in->optimizer_ms * slow * kept;
         p.comm_ms = K * in->tp_sums * dt_cost_all_reduce_ms(l, n, in->tp_bytes) + dt_cost_all_reduce_ms(l, D, grads);
         p.exposed_ms = p.comm_ms;
         p.bytes = K * in->tp_sums * 2 * share * in->tp_bytes + 2.0 * (D - 1) / D * grads;
+        p.step_ms = p.compute_ms + p.exposed_ms;
+        p.speedup = p.step_ms > 0 ? D * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
+        p.efficiency = p.speedup / (n * D);
+        return p;
+    }
+    case DT_PAR_PP: {           /* M micro-batches through n stages: M + n - 1 turns of the slowest stage */
+        int M = in->pp_micro_batches > 0 ? in->pp_micro_batches : 1, D = in->dp_groups > 1 ? in->dp_groups : 1;
+        double stage = fmin(1, (in->pp_balance > 0 ? in->pp_balance : 1.0) / n);
+        double turn = K * c * stage / M;                                  /* one micro-batch's forward + backward */
+        double hop = n > 1 ? lat + in->pp_bytes / (l->bandwidth_gbs * 1e9) * 1e3 : 0;
+        double grads = in->params * stage * in->reduce_bytes;
+        p.compute_ms = (M + n - 1) * turn + in->optimizer_ms * slow * stage;
+        /* every message but those of the fill and the drain arrives while
+           the stage computes (its receive is posted early) */
+        p.comm_ms = 2 * M * hop + dt_cost_all_reduce_ms(l, D, grads);
+        p.exposed_ms = 2 * (n - 1) * hop + dt_cost_all_reduce_ms(l, D, grads);
+        p.bytes = (n > 1 ? 2 * M * in->pp_bytes * (n - 1) / n : 0) + 2.0 * (D - 1) / D * grads;
+        p.bubble = (double)(n - 1) / (M + n - 1);
         p.step_ms = p.compute_ms + p.exposed_ms;
         p.speedup = p.step_ms > 0 ? D * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
         p.efficiency = p.speedup / (n * D);
@@ -10907,13 +11653,16 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
 
 void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n) {
     static const char *kinds[] = { "one rank", "DataParallel", "DDP", "FSDP ZeRO-1", "FSDP ZeRO-2", "FSDP ZeRO-3",
-                                   "tensor parallel" };
+                                   "tensor parallel", "pipeline parallel" };
     dt_cost_prediction p = dt_cost_predict(in, l, n);
     fprintf(out, "cost model: %s on %d ranks over %s (%.0f GB/s, %.0f us), %.2fM parameters\n", kinds[in->kind], n,
             l->name, l->bandwidth_gbs, l->latency_us, in->params / 1e6);
-    if (in->kind == DT_PAR_TP && in->tp_groups > 1)
-        fprintf(out, "  x %d data-parallel groups of %d ranks: %d ranks in all, each group its own batch\n", in->tp_groups, n,
-                in->tp_groups * n);
+    if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP) && in->dp_groups > 1)
+        fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch\n", in->dp_groups,
+                in->kind == DT_PAR_TP ? "groups" : "pipelines", n, in->dp_groups * n);
+    if (in->kind == DT_PAR_PP)
+        fprintf(out, "  %d micro-batches through %d stages: the bubble is (P - 1) / (M + P - 1) = %.0f%% of the step\n",
+                in->pp_micro_batches > 0 ? in->pp_micro_batches : 1, n, 100 * p.bubble);
     fprintf(out, "  compute %.2f ms a step per rank; communication %.2f ms (%.1f MB sent per rank), %.2f ms of it not "
             "hidden\n", p.compute_ms, p.comm_ms, p.bytes / 1e6, p.exposed_ms);
     if (p.comm_ms > 0) fprintf(out, "  compute : communication = %.1f : 1", p.compute_ms / p.comm_ms);
@@ -10930,7 +11679,13 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
     dt_cost_prediction pb = dt_cost_predict(&big, l, n), pa = dt_cost_predict(&acc, l, n), ph = dt_cost_predict(&half, l, n);
     dt_cost_prediction pf = dt_cost_predict(in, l, n / 2 > 1 ? n / 2 : 1);
     fprintf(out, "  what would change it (efficiency now %.0f%%):\n", 100 * p.efficiency);
-    if (in->kind == DT_PAR_TP) {
+    if (in->kind == DT_PAR_PP) {
+        dt_cost_input more = *in;
+        more.pp_micro_batches = (in->pp_micro_batches > 0 ? in->pp_micro_batches : 1) * 4;
+        more.pp_bytes /= 4;
+        fprintf(out, "    4x --micro-batches:              %.0f%% (the bubble shrinks; each micro-batch is smaller)\n",
+                100 * dt_cost_predict(&more, l, n).efficiency);
+    } else if (in->kind == DT_PAR_TP) {
         fprintf(out, "    twice the batch per group:       %.0f%% (compute and the activations summed both double)\n",
                 100 * pb.efficiency);
         fprintf(out, "    bf16 activations:                %.0f%% (half the bytes of every sum; 06 has no --dtype yet)\n",
@@ -10939,10 +11694,11 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
         fprintf(out, "    twice the batch per rank:        %.0f%% (compute doubles, communication does not)\n", 100 * pb.efficiency);
         fprintf(out, "    4x --accum-steps:                %.0f%% (gradients travel once per 4 micro-batches)\n", 100 * pa.efficiency);
     }
-    if (in->kind != DT_PAR_TP && (in->reduce_bytes > 2 || (in->kind == DT_PAR_ZERO3 && in->gather_bytes > 2)))
+    if (in->kind != DT_PAR_TP && in->kind != DT_PAR_PP && (in->reduce_bytes > 2 || (in->kind == DT_PAR_ZERO3 && in->gather_bytes > 2)))
         fprintf(out, "    bf16 communication:              %.0f%% (half the bytes)\n", 100 * ph.efficiency);
     char fewer[64];
-    if (in->kind == DT_PAR_TP) snprintf(fewer, sizeof fewer, "--tp %d instead of %d:", pf.ranks, n);
+    if (in->kind == DT_PAR_TP || in->kind == DT_PAR_PP)
+        snprintf(fewer, sizeof fewer, "--%s %d instead of %d:", in->kind == DT_PAR_TP ? "tp" : "pp", pf.ranks, n);
     else snprintf(fewer, sizeof fewer, "%d rank%s instead of %d:", pf.ranks, pf.ranks > 1 ? "s" : "", n);
     fprintf(out, "    %-33s%.0f%% (%.2fx speedup)\n", fewer, 100 * pf.efficiency, pf.speedup);
 }
@@ -10969,7 +11725,7 @@ typedef struct dt__flag {
 /* The stages, numbered as in the stages column. A program of another name (a
    tool, a test) takes every flag. */
 static const char *const dt__stage_names[] = { "01-single-gpu", "02-dp", "03-ddp", "04-fsdp", "05-accum-mixed-precision",
-                                                "06-tensor-parallel" };
+                                                "06-tensor-parallel", "07-pipeline-parallel" };
 static char dt__stage_digit(const char *stage) {
     for (int i = 0; i < (int)(sizeof dt__stage_names / sizeof dt__stage_names[0]); i++)
         if (!strcmp(stage, dt__stage_names[i])) return (char)('1' + i);
@@ -10982,93 +11738,93 @@ static char dt__stage_digit(const char *stage) {
 #define DT_RANGE(lo, hi) lo, hi, 0
 #define DT_NOT_A_NUMBER 0, 0, 0
 static const dt__flag dt__flags[] = {
-    { "--data", "123456", "DIR", "image folder (DIR/train/<class>/*, DIR/val/<class>/*) or CIFAR-10 binary folder; gpt: a .txt\n"
+    { "--data", "1234567", "DIR", "image folder (DIR/train/<class>/*, DIR/val/<class>/*) or CIFAR-10 binary folder; gpt: a .txt\n"
       "                          file or a folder of them, read as bytes (default: the synthetic set in data/synthetic,\n"
       "                          gpt: the text data/synthetic.txt, made on first use)", DT_ARG_STR, DT_CFG(data), NULL, DT_NOT_A_NUMBER },
-    { "--tokens", "123456", "FILE", "gpt, llama: train on token ids instead of bytes: a NumPy .npy array (uint16, uint32,\n"
+    { "--tokens", "1234567", "FILE", "gpt, llama: train on token ids instead of bytes: a NumPy .npy array (uint16, uint32,\n"
       "                          int32 or int64), or raw little-endian uint16", DT_ARG_STR,
       DT_CFG(tokens), NULL, DT_NOT_A_NUMBER },
-    { "--image-size", "123456", "N", "images are resized to N x N (default 32)", DT_ARG_INT, DT_CFG(image_size), NULL, DT_RANGE(1, 4096) },
-    { "--model", "123456", "mlp|vit|gpt|llama", "the model (default mlp); gpt, llama: causal language models on text\n"
+    { "--image-size", "1234567", "N", "images are resized to N x N (default 32)", DT_ARG_INT, DT_CFG(image_size), NULL, DT_RANGE(1, 4096) },
+    { "--model", "1234567", "mlp|vit|gpt|llama", "the model (default mlp); gpt, llama: causal language models on text\n"
       "                          (GPT-2's layout, and Llama's: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)",
       DT_ARG_CHOICE, DT_CFG(model), "mlp|vit|gpt|llama", DT_NOT_A_NUMBER },
-    { "--dim", "123456", "N", "mlp: hidden width (1024); vit: embedding width (192); gpt, llama: (128)", DT_ARG_INT, DT_CFG(dim), NULL, DT_MIN(1) },
-    { "--depth", "123456", "N", "mlp: hidden layers (2); vit: transformer blocks (6); gpt, llama: (4)", DT_ARG_INT, DT_CFG(depth), NULL, DT_MIN(0) },
-    { "--heads", "123456", "N", "vit: attention heads (3); gpt, llama: (4)", DT_ARG_INT, DT_CFG(heads), NULL, DT_MIN(1) },
-    { "--patch", "123456", "N", "vit: patch size (4)", DT_ARG_INT, DT_CFG(patch), NULL, DT_MIN(1) },
-    { "--seq-len", "123456", "N", "gpt, llama: tokens per sequence, the context (default 64)", DT_ARG_INT, DT_CFG(seq_len), NULL, DT_RANGE(1, 65536) },
-    { "--vocab", "123456", "N", "gpt, llama: vocabulary (default: 256 for bytes, the largest id + 1 for --tokens)", DT_ARG_INT,
+    { "--dim", "1234567", "N", "mlp: hidden width (1024); vit: embedding width (192); gpt, llama: (128)", DT_ARG_INT, DT_CFG(dim), NULL, DT_MIN(1) },
+    { "--depth", "1234567", "N", "mlp: hidden layers (2); vit: transformer blocks (6); gpt, llama: (4)", DT_ARG_INT, DT_CFG(depth), NULL, DT_MIN(0) },
+    { "--heads", "1234567", "N", "vit: attention heads (3); gpt, llama: (4)", DT_ARG_INT, DT_CFG(heads), NULL, DT_MIN(1) },
+    { "--patch", "1234567", "N", "vit: patch size (4)", DT_ARG_INT, DT_CFG(patch), NULL, DT_MIN(1) },
+    { "--seq-len", "1234567", "N", "gpt, llama: tokens per sequence, the context (default 64)", DT_ARG_INT, DT_CFG(seq_len), NULL, DT_RANGE(1, 65536) },
+    { "--vocab", "1234567", "N", "gpt, llama: vocabulary (default: 256 for bytes, the largest id + 1 for --tokens)", DT_ARG_INT,
       DT_CFG(vocab), NULL, DT_RANGE(1, 16777216) },             /* ids are held as floats: exact to 2^24 */
-    { "--sample", "123456", "N", "gpt, llama: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT,
+    { "--sample", "1234567", "N", "gpt, llama: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT,
       DT_CFG(sample), NULL, DT_MIN(0) },
-    { "--kv-heads", "123456", "N", "llama: key/value heads, each serving --heads / N query heads (default: half the heads\n"
+    { "--kv-heads", "1234567", "N", "llama: key/value heads, each serving --heads / N query heads (default: half the heads\n"
       "                          when their number is even, else all of them)", DT_ARG_INT, DT_CFG(kv_heads), NULL, DT_MIN(1) },
-    { "--ffn-dim", "123456", "N", "llama: the SwiGLU MLP's width (default 8/3 x --dim, rounded up to a multiple of 32)",
+    { "--ffn-dim", "1234567", "N", "llama: the SwiGLU MLP's width (default 8/3 x --dim, rounded up to a multiple of 32)",
       DT_ARG_INT, DT_CFG(ffn_dim), NULL, DT_MIN(1) },
-    { "--rope-theta", "123456", "X", "llama: the rotary embeddings' base (default 10000)", DT_ARG_FLOAT, DT_CFG(rope_theta), NULL,
+    { "--rope-theta", "1234567", "X", "llama: the rotary embeddings' base (default 10000)", DT_ARG_FLOAT, DT_CFG(rope_theta), NULL,
       DT_ABOVE(1) },
-    { "--norm-eps", "123456", "X", "llama: RMSNorm's epsilon (default 1e-5)", DT_ARG_FLOAT, DT_CFG(norm_eps), NULL, DT_ABOVE(0) },
-    { "--rope-factor", "123456", "X", "llama: Llama 3's rescaled rotary frequencies (rope_type llama3, with the three below;\n"
+    { "--norm-eps", "1234567", "X", "llama: RMSNorm's epsilon (default 1e-5)", DT_ARG_FLOAT, DT_CFG(norm_eps), NULL, DT_ABOVE(0) },
+    { "--rope-factor", "1234567", "X", "llama: Llama 3's rescaled rotary frequencies (rope_type llama3, with the three below;\n"
       "                          default: none, or --init DIR's config.json): slow ones divided by X", DT_ARG_FLOAT,
       DT_CFG(rope_factor), NULL, DT_ABOVE(0) },
-    { "--rope-low-freq", "123456", "X", "llama 3: wavelengths over ORIGINAL / X are divided by --rope-factor", DT_ARG_FLOAT,
+    { "--rope-low-freq", "1234567", "X", "llama 3: wavelengths over ORIGINAL / X are divided by --rope-factor", DT_ARG_FLOAT,
       DT_CFG(rope_low_freq), NULL, DT_ABOVE(0) },
-    { "--rope-high-freq", "123456", "X", "llama 3: wavelengths under ORIGINAL / X are kept (between: blended)", DT_ARG_FLOAT,
+    { "--rope-high-freq", "1234567", "X", "llama 3: wavelengths under ORIGINAL / X are kept (between: blended)", DT_ARG_FLOAT,
       DT_CFG(rope_high_freq), NULL, DT_ABOVE(0) },
-    { "--rope-original-context", "123456", "ORIGINAL", "llama 3: the context the frequencies were made for", DT_ARG_INT,
+    { "--rope-original-context", "1234567", "ORIGINAL", "llama 3: the context the frequencies were made for", DT_ARG_INT,
       DT_CFG(rope_original_context), NULL, DT_MIN(1) },
-    { "--untied-head", "123456", NULL, "llama: an lm_head.weight of its own (default: the head is the token embedding)",
+    { "--untied-head", "1234567", NULL, "llama: an lm_head.weight of its own (default: the head is the token embedding)",
       DT_ARG_SWITCH, DT_CFG(untied_head), NULL, DT_NOT_A_NUMBER },
-    { "--qkv-bias", "123456", NULL, "llama: biases on the q, k and v projections, as Qwen2 has", DT_ARG_SWITCH, DT_CFG(qkv_bias),
+    { "--qkv-bias", "1234567", NULL, "llama: biases on the q, k and v projections, as Qwen2 has", DT_ARG_SWITCH, DT_CFG(qkv_bias),
       NULL, DT_NOT_A_NUMBER },
-    { "--batch-size", "123456", "N", "images (gpt, llama: sequences) per step (default 128; gpt, llama 32)", DT_ARG_INT, DT_CFG(batch_size), NULL, DT_MIN(1) },
-    { "--epochs", "123456", "N", "passes over the training set (default 10; gpt, llama 2)", DT_ARG_INT, DT_CFG(epochs), NULL, DT_MIN(1) },
-    { "--steps", "123456", "N", "stop after N steps in all (default: run every epoch)", DT_ARG_I64, DT_CFG(steps), NULL, DT_MIN(0) },
-    { "--lr", "123456", "X", "peak learning rate (default 1e-3; gpt, llama 3e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL, DT_ABOVE(0) },
-    { "--optimizer", "123456", "adamw|sgd", "the optimizer (default adamw)", DT_ARG_CHOICE, DT_CFG(optimizer), "adamw|sgd", DT_NOT_A_NUMBER },
-    { "--weight-decay", "123456", "X", "decoupled weight decay of 2-D weights (default 0.05)", DT_ARG_FLOAT, DT_CFG(weight_decay),
+    { "--batch-size", "1234567", "N", "images (gpt, llama: sequences) per step (default 128; gpt, llama 32)", DT_ARG_INT, DT_CFG(batch_size), NULL, DT_MIN(1) },
+    { "--epochs", "1234567", "N", "passes over the training set (default 10; gpt, llama 2)", DT_ARG_INT, DT_CFG(epochs), NULL, DT_MIN(1) },
+    { "--steps", "1234567", "N", "stop after N steps in all (default: run every epoch)", DT_ARG_I64, DT_CFG(steps), NULL, DT_MIN(0) },
+    { "--lr", "1234567", "X", "peak learning rate (default 1e-3; gpt, llama 3e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL, DT_ABOVE(0) },
+    { "--optimizer", "1234567", "adamw|sgd", "the optimizer (default adamw)", DT_ARG_CHOICE, DT_CFG(optimizer), "adamw|sgd", DT_NOT_A_NUMBER },
+    { "--weight-decay", "1234567", "X", "decoupled weight decay of 2-D weights (default 0.05)", DT_ARG_FLOAT, DT_CFG(weight_decay),
       NULL, DT_MIN(0) },
-    { "--momentum", "123456", "X", "sgd momentum (default 0.9)", DT_ARG_FLOAT, DT_CFG(momentum), NULL, 0, 1, DT_HI_OPEN },
-    { "--clip", "123456", "X", "clip the gradient norm to X, 0 for none (default 1.0)", DT_ARG_FLOAT, DT_CFG(clip), NULL, DT_MIN(0) },
-    { "--warmup", "123456", "N", "linear warmup steps before the cosine decay (default 5% of the steps)", DT_ARG_I64, DT_CFG(warmup),
+    { "--momentum", "1234567", "X", "sgd momentum (default 0.9)", DT_ARG_FLOAT, DT_CFG(momentum), NULL, 0, 1, DT_HI_OPEN },
+    { "--clip", "1234567", "X", "clip the gradient norm to X, 0 for none (default 1.0)", DT_ARG_FLOAT, DT_CFG(clip), NULL, DT_MIN(0) },
+    { "--warmup", "1234567", "N", "linear warmup steps before the cosine decay (default 5% of the steps)", DT_ARG_I64, DT_CFG(warmup),
       NULL, DT_MIN(0) },
-    { "--augment", "123456", "0|1", "random crop + horizontal flip (default 1)", DT_ARG_INT, DT_CFG(augment), NULL, DT_RANGE(0, 1) },
-    { "--seed", "123456", "N", "seed for initialisation, shuffling and augmentation (default 1)", DT_ARG_I64, DT_CFG(seed), NULL, DT_MIN(0) },
-    { "--device", "123456", "cpu|cuda|auto", "where to train (default auto: cuda when a GPU is visible)", DT_ARG_CHOICE, DT_CFG(device),
+    { "--augment", "1234567", "0|1", "random crop + horizontal flip (default 1)", DT_ARG_INT, DT_CFG(augment), NULL, DT_RANGE(0, 1) },
+    { "--seed", "1234567", "N", "seed for initialisation, shuffling and augmentation (default 1)", DT_ARG_I64, DT_CFG(seed), NULL, DT_MIN(0) },
+    { "--device", "1234567", "cpu|cuda|auto", "where to train (default auto: cuda when a GPU is visible)", DT_ARG_CHOICE, DT_CFG(device),
       "cpu|cuda|auto", DT_NOT_A_NUMBER },
-    { "--log", "123456", "FILE", "write one JSON object per step, evaluation and summary", DT_ARG_STR, DT_CFG(log_path), NULL, DT_NOT_A_NUMBER },
-    { "--trace", "123456", "FILE", "write a Chrome/Perfetto trace of the step phases", DT_ARG_STR, DT_CFG(trace_path), NULL, DT_NOT_A_NUMBER },
-    { "--save-dir", "123456", "DIR", "write a checkpoint at the end of every epoch", DT_ARG_STR, DT_CFG(save_dir), NULL, DT_NOT_A_NUMBER },
-    { "--resume", "123456", "DIR|auto", "continue exactly where a checkpoint (a folder) stopped; auto: the newest in --save-dir (none: start\n"
+    { "--log", "1234567", "FILE", "write one JSON object per step, evaluation and summary", DT_ARG_STR, DT_CFG(log_path), NULL, DT_NOT_A_NUMBER },
+    { "--trace", "1234567", "FILE", "write a Chrome/Perfetto trace of the step phases", DT_ARG_STR, DT_CFG(trace_path), NULL, DT_NOT_A_NUMBER },
+    { "--save-dir", "1234567", "DIR", "write a checkpoint at the end of every epoch", DT_ARG_STR, DT_CFG(save_dir), NULL, DT_NOT_A_NUMBER },
+    { "--resume", "1234567", "DIR|auto", "continue exactly where a checkpoint (a folder) stopped; auto: the newest in --save-dir (none: start\n"
       "                          fresh), what a requeued job runs after preemption", DT_ARG_STR, DT_CFG(resume), NULL, DT_NOT_A_NUMBER },
-    { "--init", "123456", "FILE|DIR", "start from these weights (safetensors, PyTorch/timm/Hugging Face names), a dtrain\n"
+    { "--init", "1234567", "FILE|DIR", "start from these weights (safetensors, PyTorch/timm/Hugging Face names), a dtrain\n"
       "                          checkpoint, or a Hugging Face model folder (config.json gives the model and its shape)", DT_ARG_STR, DT_CFG(init),
       NULL, DT_NOT_A_NUMBER },
-    { "--eval-every", "123456", "N", "evaluate every N steps as well as after each epoch (default 0: epochs only)", DT_ARG_INT,
+    { "--eval-every", "1234567", "N", "evaluate every N steps as well as after each epoch (default 0: epochs only)", DT_ARG_INT,
       DT_CFG(eval_every), NULL, DT_MIN(0) },
-    { "--log-every", "123456", "N", "print a progress line every N steps (default: about every 3 s, and each epoch's last step)",
+    { "--log-every", "1234567", "N", "print a progress line every N steps (default: about every 3 s, and each epoch's last step)",
       DT_ARG_INT, DT_CFG(log_every), NULL, DT_MIN(1) },
-    { "--start-idx", "123456", "N", "train on images [N, end) of the training set (default 0)", DT_ARG_I64, DT_CFG(start_idx), NULL, DT_MIN(0) },
-    { "--end-idx", "123456", "N", "... up to image N (default: all)", DT_ARG_I64, DT_CFG(end_idx), NULL, DT_MIN(1) },
-    { "--bench", "123456", NULL, "time this stage's training steps on random in-memory data, print one line, exit", DT_ARG_SWITCH,
+    { "--start-idx", "1234567", "N", "train on images [N, end) of the training set (default 0)", DT_ARG_I64, DT_CFG(start_idx), NULL, DT_MIN(0) },
+    { "--end-idx", "1234567", "N", "... up to image N (default: all)", DT_ARG_I64, DT_CFG(end_idx), NULL, DT_MIN(1) },
+    { "--bench", "1234567", NULL, "time this stage's training steps on random in-memory data, print one line, exit", DT_ARG_SWITCH,
       DT_CFG(bench), NULL, DT_NOT_A_NUMBER },
-    { "--quiet", "123456", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL, DT_NOT_A_NUMBER },
-    { "--peak-tflops", "123456", "X", "--bench on a GPU: its peak for MFU (default: the fp32 peak, looked up by name; 05 with --dtype:\n"
+    { "--quiet", "1234567", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL, DT_NOT_A_NUMBER },
+    { "--peak-tflops", "1234567", "X", "--bench on a GPU: its peak for MFU (default: the fp32 peak, looked up by name; 05 with --dtype:\n"
       "                          give the 16-bit one)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL, DT_ABOVE(0) },
-    { "--nproc", "23456", "N", "02: devices driven by this one process; 03-06: ranks started on this machine (default 1)", DT_ARG_INT,
+    { "--nproc", "234567", "N", "02: devices driven by this one process; 03-07: ranks started on this machine (default 1)", DT_ARG_INT,
       DT_CFG(nproc), NULL, DT_RANGE(1, DT_MAX_RANKS) },
     { "--shard", "45", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default)",
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full", DT_NOT_A_NUMBER },
     { "--cpu-offload", "45", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
       DT_CFG(cpu_offload), NULL, DT_NOT_A_NUMBER },
-    { "--recompute", "123456", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
+    { "--recompute", "1234567", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
       DT_NOT_A_NUMBER },
-    { "--lora-rank", "123456", "R", "LoRA: freeze the model, train adapters of rank R beside the --lora-targets layers (saved\n"
+    { "--lora-rank", "1234567", "R", "LoRA: freeze the model, train adapters of rank R beside the --lora-targets layers (saved\n"
       "                          in PEFT's layout; tools/merge-lora folds them in)", DT_ARG_INT, DT_CFG(lora_rank), NULL, DT_MIN(1) },
-    { "--lora-alpha", "123456", "A", "LoRA: the adapters' output is scaled by A / R (default 8)", DT_ARG_FLOAT, DT_CFG(lora_alpha),
+    { "--lora-alpha", "1234567", "A", "LoRA: the adapters' output is scaled by A / R (default 8)", DT_ARG_FLOAT, DT_CFG(lora_alpha),
       NULL, DT_ABOVE(0) },
-    { "--lora-targets", "123456", "NAMES", "LoRA: comma-separated layer names (default: gpt c_attn; llama q_proj,v_proj; vit qkv;\n"
+    { "--lora-targets", "1234567", "NAMES", "LoRA: comma-separated layer names (default: gpt c_attn; llama q_proj,v_proj; vit qkv;\n"
       "                          mlp every layer; vit also proj, fc1, fc2, head; llama k_proj, o_proj, gate_proj, ...)",
       DT_ARG_STR, DT_CFG(lora_targets), NULL, DT_NOT_A_NUMBER },
     { "--accum-steps", "5", "N", "micro-batches of --batch-size per optimizer step; gradients add up locally (default 1)",
@@ -11077,20 +11833,28 @@ static const dt__flag dt__flags[] = {
       DT_ARG_CHOICE, DT_CFG(dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
     { "--reduce-dtype", "5", "fp32|bf16|fp16", "the type gradients are reduce-scattered in (default fp32)",
       DT_ARG_CHOICE, DT_CFG(reduce_dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
-    { "--explain", "123456", NULL, "after 3 steps, print the cost model's prediction for this run: speedup, compute : "
+    { "--explain", "1234567", NULL, "after 3 steps, print the cost model's prediction for this run: speedup, compute : "
       "communication,\n                          and what would change it", DT_ARG_SWITCH, DT_CFG(explain), NULL, DT_NOT_A_NUMBER },
-    { "--link", "123456", "shm|pcie|nvlink|infiniband", "--explain: the link between ranks (default: shm on a CPU, nvlink on GPUs)",
+    { "--link", "1234567", "shm|pcie|nvlink|infiniband", "--explain: the link between ranks (default: shm on a CPU, nvlink on GPUs)",
       DT_ARG_CHOICE, DT_CFG(link), "shm|pcie|nvlink|infiniband", DT_NOT_A_NUMBER },
     { "--tp", "6", "T", "tensor parallelism: ranks per group that split every block's layers (default 0: the whole job;\n"
       "                          a job of N ranks is N/T data-parallel groups of T)", DT_ARG_INT, DT_CFG(tp), NULL, DT_MIN(0) },
     { "--sequence-parallel", "6", NULL, "tensor parallelism: the norms and residual adds between the split layers work on\n"
       "                          1/T of the tokens each (all-reduces become reduce-scatter + all-gather)", DT_ARG_SWITCH,
       DT_CFG(sequence_parallel), NULL, DT_NOT_A_NUMBER },
+    { "--pp", "7", "P", "pipeline parallelism: ranks per pipeline, each a stage of consecutive blocks (default 0: the\n"
+      "                          whole job; a job of N ranks is N/P data-parallel pipelines of P)", DT_ARG_INT, DT_CFG(pp), NULL,
+      DT_MIN(0) },
+    { "--micro-batches", "7", "M", "pipeline parallelism: micro-batches per step, each --batch-size / M (default 1)", DT_ARG_INT,
+      DT_CFG(micro_batches), NULL, DT_MIN(1) },
+    { "--schedule", "7", "gpipe|1f1b", "pipeline parallelism: every forward then every backward (gpipe), or each backward as\n"
+      "                          soon as it can run (1f1b, the default: at most --pp micro-batches' activations kept)",
+      DT_ARG_CHOICE, DT_CFG(schedule), "gpipe|1f1b", DT_NOT_A_NUMBER },
     { "--bucket-mb", "3", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL, DT_MIN(0) },
-    { "--timeout", "23456", "S", "stop when a rank (02: a device) has not answered for S seconds (default 60)", DT_ARG_FLOAT,
+    { "--timeout", "234567", "S", "stop when a rank (02: a device) has not answered for S seconds (default 60)", DT_ARG_FLOAT,
       DT_CFG(timeout), NULL, DT_ABOVE(0) },
-    { "--ranks-per-gpu", "3456", "N", "let N ranks share one GPU (default 1: a GPU per rank; NCCL 2.30+ does it best)", DT_ARG_INT,
+    { "--ranks-per-gpu", "34567", "N", "let N ranks share one GPU (default 1: a GPU per rank; NCCL 2.30+ does it best)", DT_ARG_INT,
       DT_CFG(ranks_per_gpu), NULL, DT_MIN(1) },
 };
 #undef DT_CFG
@@ -11254,6 +12018,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     memset(given, 0, sizeof given);
     c.stage = stage;
     c.nproc = 1; c.timeout = 60; c.ranks_per_gpu = 1; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1;
+    c.micro_batches = 1; c.schedule = DT_SCHEDULE_1F1B;
     c.image_size = 32; c.model = DT_MODEL_MLP; c.vocab = -1; c.seq_len = 64;
     c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
     c.warmup = -1; c.optimizer = DT_ADAMW; c.seed = 1; c.device = (dt_device)2; /* auto */
@@ -11714,9 +12479,21 @@ static void dt__run_explain(dt_run *r) {
         in.tp_bytes = tp->step_sums > 0 ? tp->step_sum_bytes / tp->step_sums : 0;
         double kept = in.tp_share / n + (1 - in.tp_share);
         in.compute_ms = fmax(0, in.compute_ms - tp->step_sum_ms / c->accum_steps) / kept;
-        in.tp_groups = tp->par.data_ranks;
+        in.dp_groups = tp->par.data_ranks;
     }
-    in.params = (double)(tp ? tp->whole.numel : r->model->numel);
+    dt_pp *pp = dt__pp_of(r->model);
+    if (pp) {                         /* the whole model's compute on one rank, from this stage's share of it */
+        in.kind = DT_PAR_PP;
+        n = pp->stages;
+        double largest = 0, whole = (double)pp->whole.numel, here = dt__pp_stage_params(pp, pp->stage) / whole;
+        for (int s = 0; s < pp->stages; s++) largest = fmax(largest, dt__pp_stage_params(pp, s) / whole);
+        in.pp_micro_batches = pp->micro_batches;
+        in.pp_balance = largest * n;
+        in.pp_bytes = pp->act_bytes;
+        in.compute_ms = here > 0 ? pp->busy_ms / here : 0;
+        in.dp_groups = pp->par.data_ranks;
+    }
+    in.params = (double)(tp ? tp->whole.numel : pp ? pp->whole.numel : r->model->numel);
     in.optimizer_ms = r->phase_ms[DT_PHASE_OPT];
     in.contention = 1;                /* the compute above was measured as this run shares its device(s) */
     in.backward_share = in.compute_ms > 0 ? r->phase_ms[DT_PHASE_BWD] / c->accum_steps / in.compute_ms : 0.66;
@@ -11728,9 +12505,14 @@ static void dt__run_explain(dt_run *r) {
            (long long)r->step, in.compute_ms * c->accum_steps + in.optimizer_ms, dt__ctx.comm_ms, dt__ctx.comm_hidden_ms);
     if (alone) printf("(stage 01 trains alone: here is what DDP, stage 03, would do with it)\n");
     dt_cost_explain(stdout, &in, &link, n > 1 ? n : 2);
+    if (pp)
+        printf("  measured on this rank (stage %d): waited %.1f ms of the pipeline's %.1f ms, a bubble of %.0f%% (the formula: %.0f%%)\n",
+               pp->stage, pp->idle_ms, pp->step_ms, pp->step_ms > 0 ? 100 * pp->idle_ms / pp->step_ms : 0,
+               100.0 * (pp->stages - 1) / (pp->micro_batches + pp->stages - 1));
     printf("  predicted speedup at");
     for (int k = 2; k <= 8; k *= 2)
-        printf(" %s%d%s: %.2fx%s", in.kind == DT_PAR_TP ? "--tp " : "", k, in.kind == DT_PAR_TP ? "" : " ranks",
+        printf(" %s%d%s: %.2fx%s", in.kind == DT_PAR_TP ? "--tp " : in.kind == DT_PAR_PP ? "--pp " : "", k,
+               in.kind == DT_PAR_TP || in.kind == DT_PAR_PP ? "" : " ranks",
                dt_cost_predict(&in, &link, k).speedup, k < 8 ? "," : "\n");
     if (r->model->device == DT_CPU)
         printf("  (on a CPU the ranks share its cores: each rank's compute above already carries that; the speedups\n"
@@ -11828,7 +12610,8 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     if (!isfinite(run->last_loss))
         dt_fail("the loss became %f at step %lld (try a lower --lr, or --clip)", run->last_loss, (long long)run->step);
     for (int k = 0; k < dt__ctx.ncomm_events; k++)
-        dt__trace_event(run, dt__ctx.comm_events[k].name, DT_TRACK_COMM, dt__ctx.comm_events[k].t0, dt__ctx.comm_events[k].t1);
+        dt__trace_event(run, dt__ctx.comm_events[k].name, dt__ctx.comm_events[k].pipeline ? DT_TRACK_PIPELINE : DT_TRACK_COMM,
+                        dt__ctx.comm_events[k].t0, dt__ctx.comm_events[k].t1);
     if (run->log) {
         fprintf(run->log, "{\"step\":%lld,\"epoch\":%d,\"loss\":%.8g,\"lr\":%.6g,\"samples_per_s\":%.1f,\"step_ms\":%.3f,"
                         "\"data_ms\":%.3f,\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"comm_ms\":%.3f,\"comm_hidden_ms\":%.3f,"
@@ -11841,6 +12624,7 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
         if (run->scaler.enabled)
             fprintf(run->log, ",\"loss_scale\":%g,\"skipped\":%d,\"skipped_steps\":%lld", run->scaler.scale,
                     run->scaler.last_skipped, (long long)run->scaler.skipped);
+        if (run->model->parallel && run->model->parallel->log_fields) run->model->parallel->log_fields(run->model->parallel, run->log);
         if (dt__tokens_per_sample(run))
             fprintf(run->log, ",\"tokens_per_s\":%.1f", (double)batch_size * run->loader->world * dt__tokens_per_sample(run) * 1e3 / step_ms);
         fprintf(run->log, "}\n");

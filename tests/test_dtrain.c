@@ -2980,6 +2980,179 @@ static void test_tensor_parallel_checkpoints_are_whole_and_resume_at_any_tp(void
     CHECKF(dl <= 1e-5, "06 --init from 01's checkpoint: losses differ from 01's by %.3g", dl);
 }
 
+/* ---- stage 07: pipeline parallelism ---- */
+
+/* 07 against stage 01 with the same global batch of 32, 20 steps: P = 2 and
+   4, both schedules, M = 1, 2, 4 and 8 (each model covers every one of
+   them), and --pp 2 over 4 ranks (2 pipelines of 16 each). Only the order of
+   the gradient's sums differs (the micro-batches' are added one after the
+   other), so losses within 1e-5, eval loss within 1e-5 (the last stage's
+   logits, broadcast), every weight and Adam moment within 2e-5. */
+static void pp_equivalence(const char *data, int samples, const char *flags, const char *model) {
+    char out[16384], ref[600], rlog[700], dir[600], log[700], p[700], q[700];
+    snprintf(ref, sizeof ref, "%s/pp-%s-01", tmpdir, model);
+    snprintf(rlog, sizeof rlog, "%s.jsonl", ref);
+    int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size 32 --save-dir %s --log %s", train_cpu, data,
+                     flags, ref, rlog);
+    CHECKF(st == 0, "01: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/%s_data0-%d_epoch2", ref, model, samples);
+    static const struct { int nproc, pp, batch; const char *flags; } layouts[7] = {
+        { 2, 0, 32, "--schedule gpipe --micro-batches 1" }, { 2, 0, 32, "--schedule 1f1b --micro-batches 2" },
+        { 2, 0, 32, "--schedule gpipe --micro-batches 8" }, { 4, 0, 32, "--schedule 1f1b --micro-batches 4" },
+        { 4, 0, 32, "--schedule gpipe --micro-batches 2" }, { 4, 0, 32, "--schedule 1f1b --micro-batches 8" },
+        { 4, 2, 16, "--schedule 1f1b --micro-batches 2" } };
+    for (int k = 0; k < 7; k++) {
+        snprintf(dir, sizeof dir, "%s/pp-%s-%d", tmpdir, model, k);
+        snprintf(log, sizeof log, "%s.jsonl", dir);
+        st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s %s --batch-size %d --nproc %d --pp %d --save-dir %s --log %s",
+                     stage_bin("07-pipeline-parallel"), data, flags, layouts[k].flags, layouts[k].batch, layouts[k].nproc,
+                     layouts[k].pp, dir, log);
+        CHECKF(st == 0, "07 --nproc %d --pp %d %s: exit %d\n%s", layouts[k].nproc, layouts[k].pp, layouts[k].flags, st, out);
+        double dl = losses_differ_by(rlog, log, 20);
+        CHECKF(dl <= 1e-5, "%s 07 --nproc %d --pp %d %s: losses differ from 01 by %.3g", model, layouts[k].nproc, layouts[k].pp,
+               layouts[k].flags, dl);
+        double e1 = summary_value(rlog, "eval_loss"), e7 = summary_value(log, "eval_loss");
+        CHECKF(e1 > 0 && fabs(e1 - e7) <= 1e-5, "%s 07 --nproc %d --pp %d %s: eval loss %.6f, 01's %.6f", model, layouts[k].nproc,
+               layouts[k].pp, layouts[k].flags, e7, e1);
+        snprintf(q, sizeof q, "%s/%s_data0-%d_epoch2", dir, model, samples);
+        double d = max_tensor_diff(p, q);
+        CHECKF(d >= 0 && d <= 2e-5, "%s 07 --nproc %d --pp %d %s: weights or optimizer state differ from 01 by %.3g", model,
+               layouts[k].nproc, layouts[k].pp, layouts[k].flags, d);
+    }
+}
+static void test_pipeline_parallel_equals_one_device(void) {
+    pp_equivalence(small_data(), 320, "--depth 3", "mlp");                           /* 4 layers: 4 stages of one */
+    pp_equivalence(small_data(), 320, "--model vit --depth 4 --heads 2 --patch 4", "vit");
+    /* the tied head: wte at the first stage and the last, their gradients added */
+    pp_equivalence(gpt_text(), 320, "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16", "gpt");
+    /* rotary tables cached in a micro-batch's arena must not be read from another's (they were) */
+    pp_equivalence(gpt_text(), 320, "--model llama --dim 32 --depth 4 --heads 8 --kv-heads 4 --seq-len 16", "llama");
+}
+
+/* A number of a step's --log record ("key":value), or -1. */
+static double step_value(const char *log, int step, const char *key) {
+    FILE *f = fopen(log, "r");
+    char line[8192], want[64], k[96];
+    snprintf(want, sizeof want, "{\"step\":%d,", step);
+    snprintf(k, sizeof k, "\"%s\":", key);
+    double v = -1;
+    while (f && fgets(line, sizeof line, f)) {
+        if (strncmp(line, want, strlen(want))) continue;
+        const char *at = strstr(line, k);
+        if (at) v = atof(at + strlen(k));
+    }
+    if (f) fclose(f);
+    return v;
+}
+/* What a stage keeps: under 1F1B the first of P = 4 stages holds at most 4
+   micro-batches' activations at once however many there are (8 here), under
+   GPipe all 8 -- counted where they are kept, each micro-batch's arena, and
+   seen in the activations' peak. Each stage holds only its blocks'
+   parameters, the embedding with the first and the head with the last. The
+   bubble's accounting: the formula (P - 1) / (M + P - 1) beside the
+   measured share of the step spent waiting, which a single stage never
+   does. */
+static void test_pipeline_parallel_keeps_p_micro_batches_under_1f1b(void) {
+    char out[16384], log[600];
+    const char *flags = "--model vit --dim 32 --depth 4 --heads 2 --patch 4 --image-size 16 --epochs 1 --steps 3 --batch-size 32 "
+                        "--micro-batches 8 --nproc 4";
+    double peaks[2] = { 0, 0 };
+    static const char *schedules[2] = { "1f1b", "gpipe" };
+    for (int k = 0; k < 2; k++) {
+        snprintf(log, sizeof log, "%s/ppmem-%s.jsonl", tmpdir, schedules[k]);
+        int st = run_cmd(out, sizeof out, "%s --data %s %s --schedule %s --log %s", stage_bin("07-pipeline-parallel"), small_data(),
+                         flags, schedules[k], log);
+        CHECKF(st == 0, "--schedule %s: exit %d\n%s", schedules[k], st, out);
+        double alive = step_value(log, 3, "pp_kept_micro_batches"), kept = step_value(log, 3, "pp_kept_bytes");
+        double micro = step_value(log, 3, "pp_micro_bytes"), want = k == 0 ? 4 : 8;
+        CHECKF(alive == want, "--schedule %s: %g micro-batches alive at once at stage 0, expected %g", schedules[k], alive, want);
+        CHECKF(micro > 0 && kept <= want * micro && kept >= (want - 0.5) * micro,
+               "--schedule %s: %.0f bytes kept at once, %.0f per micro-batch (expected %g of them)", schedules[k], kept, micro, want);
+        double predicted = step_value(log, 3, "bubble_predicted"), bubble = step_value(log, 3, "bubble");
+        CHECKF(fabs(predicted - 3.0 / 11.0) < 1e-4 && bubble >= 0 && bubble < 1, "bubble %.4f, predicted %.4f (expected 3/11)",
+               bubble, predicted);
+        double busy = step_value(log, 3, "pp_busy_ms"), idle = step_value(log, 3, "pp_idle_ms");
+        double step = step_value(log, 3, "step_ms");
+        CHECKF(busy > 0 && idle >= 0 && busy + idle <= step * 1.01, "busy %.3f ms + idle %.3f ms, a step of %.3f ms", busy, idle, step);
+        peaks[k] = summary_value(log, "peak_activations_bytes");
+    }
+    CHECKF(peaks[0] > 0 && peaks[0] < 0.75 * peaks[1], "activations peak at %.0f bytes under 1F1B, %.0f under GPipe", peaks[0],
+           peaks[1]);
+    /* one stage: nothing to wait for */
+    snprintf(log, sizeof log, "%s/ppmem-one.jsonl", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s --model vit --dim 32 --depth 4 --heads 2 --image-size 16 --epochs 1 --steps 3 "
+                     "--batch-size 32 --micro-batches 4 --log %s", stage_bin("07-pipeline-parallel"), small_data(), log);
+    CHECKF(st == 0, "one stage: exit %d\n%s", st, out);
+    CHECKF(step_value(log, 3, "bubble_predicted") == 0 && step_value(log, 3, "bubble") < 0.01,
+           "one stage: bubble %.4f (predicted %.4f)", step_value(log, 3, "bubble"), step_value(log, 3, "bubble_predicted"));
+    /* each stage's parameters: the table, and rank 0's peak (the embedding and its blocks) */
+    snprintf(log, sizeof log, "%s/ppmem-table.jsonl", tmpdir);
+    st = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --epochs 1 --steps 2 "
+                 "--batch-size 8 --nproc 2 --log %s", stage_bin("07-pipeline-parallel"), gpt_text(), log);
+    CHECKF(st == 0, "gpt: exit %d\n%s", st, out);
+    dt_model_config gc = { DT_MODEL_GPT, 0, 0, 256, 32, 4, 4, 0, 128, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model *m = dt_model_create(&gc, 1);
+    double first = 0;                       /* stage 0 of 2: wte, wpe and blocks 0-1 (the head is at the other end) */
+    for (int i = 0; i < m->nparams; i++)
+        if (m->splits[i].tied || m->splits[i].block < 2) first += 4.0 * m->params[i].numel;
+    dt_model_free(m);
+    CHECKF(strstr(out, "stage 0: the embedding, blocks 0-1") && strstr(out, "stage 1: blocks 2-3, the head"),
+           "the stages are not blocks 0-1 and 2-3:\n%s", out);
+    CHECKF(summary_value(log, "peak_params_bytes") == first, "stage 0 holds %.0f bytes of parameters, expected %.0f",
+           summary_value(log, "peak_params_bytes"), first);
+}
+
+/* A pipeline's checkpoint is whole, as stage 01's (each stage sends what it
+   holds to rank 0, which writes): it resumes bit for bit at the same layout,
+   and at another (--pp 4, or stage 01) within the sums' order. */
+static void test_pipeline_parallel_checkpoints_are_whole_and_resume(void) {
+    char out[16384], a[600], b[600], p[700], q[700];
+    const char *flags = "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 16 --micro-batches 4";
+    snprintf(a, sizeof a, "%s/ppck-a", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --nproc 2 --save-dir %s", stage_bin("07-pipeline-parallel"),
+                     gpt_text(), flags, a);
+    CHECKF(st == 0, "07: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/gpt_data0-320_epoch1/model.safetensors", a);
+    dt_safetensors *sf = dt_safetensors_read(p);
+    float w[256 * 32];
+    int shape[2] = { 256, 32 };
+    CHECKF(dt_safetensors_get(sf, "wte.weight", w, 2, shape) && dt_safetensors_get(sf, "h.3.mlp.c_fc.bias", w, 1, (int[]){ 128 }),
+           "no whole wte.weight or h.3.mlp.c_fc.bias in %s", p);
+    dt_safetensors_close(sf);
+    snprintf(p, sizeof p, "%s/gpt_data0-320_epoch2", a);
+    static const char *again[3] = { "07-pipeline-parallel --nproc 2", "07-pipeline-parallel --nproc 4", "01-single-gpu" };
+    for (int k = 0; k < 3; k++) {
+        char stage[64];
+        snprintf(stage, sizeof stage, "%s", again[k]);
+        char *sp = strchr(stage, ' ');
+        if (sp) *sp = 0;
+        snprintf(b, sizeof b, "%s/ppck-b%d", tmpdir, k);
+        st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s %s --resume %s/gpt_data0-320_epoch1 --save-dir %s",
+                     stage_bin(stage), gpt_text(), k == 2 ? "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 16"
+                     : flags, sp ? sp + 1 : "", a, b);
+        CHECKF(st == 0, "%s --resume: exit %d\n%s", again[k], st, out);
+        snprintf(q, sizeof q, "%s/gpt_data0-320_epoch2", b);
+        if (k == 0) CHECKF(files_equal_tensors(p, q), "07 resumed at the same layout: not bit for bit the run that went on");
+        else {
+            double diff = max_tensor_diff(p, q);
+            CHECKF(diff >= 0 && diff <= 2e-5, "%s resumed from 07 --pp 2: differs by %.3g from 07 going on", again[k], diff);
+        }
+    }
+}
+
+/* A stage killed while it sends an activation: the stages waiting on it
+   (for the activation, the gradient back, the loss) stop within --timeout,
+   naming it, and none waits forever on a receive. */
+static void test_a_killed_pipeline_stage_stops_every_rank(void) {
+    char out[16384];
+    double t0 = dt_now_ms();
+    int st = run_cmd(out, sizeof out, "env DT_TEST_DIE_RANK=1 DT_TEST_DIE_SEND=5 %s --data %s " PAR_FLAGS " --batch-size 16 "
+                     "--depth 3 --micro-batches 4 --nproc 4 --timeout 10", stage_bin("07-pipeline-parallel"), small_data());
+    double s = (dt_now_ms() - t0) / 1e3;
+    CHECKF(st != 0 && s < 20, "exit %d after %.1f s (timeout 10 s):\n%s", st, s, out);
+    CHECKF(strstr(out, "rank 1 (pid"), "no rank named rank 1 as the one that died:\n%s", out);
+}
+
 /* Order mistakes: a stage file with one line moved -- a wrapper created after
    the optimizer, gradients used before they are synchronised, things freed
    before what holds them -- still compiles, and must stop with the message
@@ -3016,6 +3189,11 @@ static const order_mistake order_mistakes[] = {
     { "06-tensor-parallel", "dt_optimizer_free(", "dt_tp_free(", "dt_tp_free: the optimizer still steps" },
     { "06-tensor-parallel", "dt_tp_free(", "dt_model_free(", "call dt_tp_free first" },
     { "06-tensor-parallel", "dt_comm_free(", "dt_optimizer_free(", "dt_comm_free: a parallel wrapper still uses this communicator; call dt_tp_free first" },
+    { "07-pipeline-parallel", "dt_pp_create(", "dt_optimizer_create(", "create the optimizer after dt_pp_create" },
+    { "07-pipeline-parallel", "dt_pp_forward_backward(", "dt_pp_sync_grads(", "dt_pp_sync_grads: no backward has run" },
+    { "07-pipeline-parallel", "dt_pp_sync_grads(", "dt_optimizer_step(", "call dt_pp_sync_grads first" },
+    { "07-pipeline-parallel", "dt_optimizer_free(", "dt_pp_free(", "dt_pp_free: the optimizer still steps" },
+    { "07-pipeline-parallel", "dt_pp_free(", "dt_model_free(", "call dt_pp_free first" },
 };
 
 /* Copy src to dst with the line containing `move` taken out and put back just
@@ -3170,6 +3348,20 @@ static void test_masked_instruction_data_trains_alike_in_every_stage(void) {
     CHECKF(worst <= 1e-5, "05, 2 ranks x 4 micro-batches: %d logged losses, worst difference from 01 %.3g", m, worst);
     double d = max_tensor_diff(p, q);
     CHECKF(d >= 0 && d <= 2e-5, "05, 2 ranks x 4 micro-batches: weights differ from 01 by %.3g", d);
+    /* 07: a pipeline's 4 micro-batches each divide by the step's count / 4 (by their own counts: losses 0.72 off, weights 0.045) */
+    char pdir[600], plog[700];
+    snprintf(pdir, sizeof pdir, "%s/masked-07", tmpdir);
+    snprintf(plog, sizeof plog, "%s.jsonl", pdir);
+    st = run_cmd(out, sizeof out, "%s --tokens %s " PAR_FLAGS " %s --nproc 2 --batch-size 32 --micro-batches 4 --save-dir %s --log %s",
+                 stage_bin("07-pipeline-parallel"), instruction_data(), flags, pdir, plog);
+    CHECKF(st == 0, "07: exit %d\n%s", st, out);
+    m = read_losses(plog, got, 64);
+    worst = n == 20 && m == 20 ? 0 : 1e9;
+    for (int i = 0; i < n && i < m; i++) worst = fmax(worst, fabs(got[i] - ref[i]));
+    CHECKF(worst <= 1e-5, "07, 2 stages x 4 micro-batches: %d logged losses, worst difference from 01 %.3g", m, worst);
+    snprintf(q, sizeof q, "%s/llama_data0-320_epoch2", pdir);
+    d = max_tensor_diff(p, q);
+    CHECKF(d >= 0 && d <= 2e-5, "07, 2 stages x 4 micro-batches: weights differ from 01 by %.3g", d);
     /* stopped in mid-epoch and resumed, 03 counts the rest of the epoch's targets as the straight run did */
     char a[600], b[600];
     snprintf(a, sizeof a, "%s/masked-straight", tmpdir);
@@ -5124,7 +5316,7 @@ static void test_cost_model_matches_hand_computed_cases(void) {
        8 sums of 1.25e7 bytes (1.25 ms each at N=2): 100 x (0.8/2 + 0.2) = 60
        ms of compute and 10 of sums, none hidden: 100 / 70 over one rank with
        the same batch (not twice it) */
-    dt_cost_input tp = { DT_PAR_TP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0.8, 8, 1.25e7, 0 };
+    dt_cost_input tp = { DT_PAR_TP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0.8, 8, 1.25e7, 0, 0, 0, 0 };
     dt_cost_prediction q = dt_cost_predict(&tp, &(dt_link){ "no latency", 0, 10 }, 2);
     CHECKF(CLOSE(q.compute_ms, 60, 1e-12) && CLOSE(q.comm_ms, 10, 1e-12) && CLOSE(q.exposed_ms, 10, 1e-12) &&
            CLOSE(q.speedup, 100.0 / 70, 1e-12) && CLOSE(q.bytes, 8 * 1.25e7, 1e-12),
@@ -5132,17 +5324,32 @@ static void test_cost_model_matches_hand_computed_cases(void) {
            q.speedup, q.bytes);
     /* the same over 2 data-parallel groups: each rank's 0.6e6 gradients (2.4e6
        bytes) averaged over 2 groups, 0.24 ms exposed; twice the samples */
-    tp.tp_groups = 2;
+    tp.dp_groups = 2;
     q = dt_cost_predict(&tp, &(dt_link){ "no latency", 0, 10 }, 2);
     CHECKF(CLOSE(q.comm_ms, 10.24, 1e-12) && CLOSE(q.step_ms, 70.24, 1e-12) && CLOSE(q.speedup, 200 / 70.24, 1e-12) &&
            CLOSE(q.efficiency, 50 / 70.24, 1e-12) && CLOSE(q.bytes, 8 * 1.25e7 + 2.4e6, 1e-12),
            "TP x 2 groups: comm %.4f, step %.4f, speedup %.4f, efficiency %.4f, bytes %.6g", q.comm_ms, q.step_ms, q.speedup,
            q.efficiency, q.bytes);
+    /* pipeline parallelism, 100 ms of compute in 4 even stages, 8 micro-batches:
+       11 turns of 100 / 4 / 8 = 3.125 ms; activations of 1e6 bytes, 0.1 ms a
+       hop at 10 GB/s, 16 of them a step, of which those of the fill and the
+       drain (2 x 3) are not hidden: 34.375 + 0.6 ms, a bubble of 3/11; each
+       rank sends 16e6 bytes but an end stage half of that: 12e6 on average */
+    dt_cost_input pp = { DT_PAR_PP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 8, 1, 1e6 };
+    q = dt_cost_predict(&pp, &(dt_link){ "no latency", 0, 10 }, 4);
+    CHECKF(CLOSE(q.compute_ms, 34.375, 1e-12) && CLOSE(q.comm_ms, 1.6, 1e-12) && CLOSE(q.exposed_ms, 0.6, 1e-12) &&
+           CLOSE(q.bubble, 3.0 / 11, 1e-12) && CLOSE(q.speedup, 100 / 34.975, 1e-12) && CLOSE(q.bytes, 12e6, 1e-12),
+           "PP: compute %.4f, comm %.4f, exposed %.4f, bubble %.4f, speedup %.4f, bytes %.6g", q.compute_ms, q.comm_ms,
+           q.exposed_ms, q.bubble, q.speedup, q.bytes);
+    /* a stage twice the others' share (balance 2: half the compute) sets the pace: 11 turns of 6.25 ms */
+    pp.pp_balance = 2;
+    q = dt_cost_predict(&pp, &(dt_link){ "no latency", 0, 10 }, 4);
+    CHECKF(CLOSE(q.compute_ms, 68.75, 1e-12), "PP, uneven stages: compute %.4f", q.compute_ms);
     /* DDP, 100 ms of compute, 25 ms of all-reduce (2.5e8 bytes at N=2, no latency):
        nothing hidden: 125 ms a step, 80% efficiency; hidden behind half of
        compute (50 ms): 100% */
     dt_link fast = { "no latency", 0, 10 };
-    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0, 0, 0, 0, 0 };
+    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0 };
     dt_cost_prediction p = dt_cost_predict(&in, &fast, 2);
     CHECKF(CLOSE(p.comm_ms, 25, 1e-12) && CLOSE(p.step_ms, 125, 1e-12) && CLOSE(p.efficiency, 0.8, 1e-12),
            "DDP: comm %.4f, step %.4f, efficiency %.4f", p.comm_ms, p.step_ms, p.efficiency);
@@ -5214,13 +5421,19 @@ static void test_bad_flags_exit_2_naming_the_flag(void) {
         { "06-tensor-parallel", "--nproc 4 --model llama --dim 32 --heads 4 --kv-heads 2",
           "--heads (and llama's --kv-heads) must be a multiple of --tp" },
         { "01-single-gpu", "--sequence-parallel", "--sequence-parallel is a flag of 06-tensor-parallel" },
+        { "03-ddp", "--pp 2", "--pp is a flag of 07-pipeline-parallel" },
+        { "07-pipeline-parallel", "--nproc 4 --pp 3", "--pp 3 does not divide the job's 4 ranks" },
+        { "07-pipeline-parallel", "--nproc 4 --depth 2", "--pp 4: the model has 3 blocks (--depth), fewer than the stages" },
+        { "07-pipeline-parallel", "--nproc 2 --batch-size 30 --micro-batches 4", "--micro-batches 4 does not divide --batch-size 30" },
+        { "07-pipeline-parallel", "--schedule zigzag", "--schedule" },
+        { "07-pipeline-parallel", "--micro-batches 0", "--micro-batches" },
     };
     char out[8192];
     int st;
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        /* 06 checks --tp against the model, which needs the data first: data this build reads
+        /* 06 and 07 check --tp and --pp against the model, which needs the data first: data this build reads
            (the default folder may hold PNG, which a build without stb does not) */
-        int data = !strcmp(bad[i].stage, "06-tensor-parallel"), text = strstr(bad[i].args, "llama") != NULL;
+        int data = !strncmp(bad[i].stage, "06", 2) || !strncmp(bad[i].stage, "07", 2), text = strstr(bad[i].args, "llama") != NULL;
         st = run_cmd(out, sizeof out, "%s %s%s%s", stage_bin(bad[i].stage), bad[i].args, data ? " --data " : "",
                      !data ? "" : text ? gpt_text() : small_data());
         expect_error(out, st, 2, bad[i].named);
@@ -5275,12 +5488,16 @@ static void test_a_flag_of_another_stage_exits_2_naming_its_stages(void) {
         { "04-fsdp", "--bucket-mb 0", "--bucket-mb is a flag of 03-ddp, not 04-fsdp" },
         { "05-accum-mixed-precision", "--bucket-mb 1", "--bucket-mb is a flag of 03-ddp, not 05-accum-mixed-precision" },
         { "01-single-gpu", "--nproc 1",
-          "--nproc is a flag of 02-dp, 03-ddp, 04-fsdp, 05-accum-mixed-precision and 06-tensor-parallel, not 01-single-gpu" },
-        { "01-single-gpu", "--timeout 10", "--timeout is a flag of 02-dp, 03-ddp, 04-fsdp, 05-accum-mixed-precision and 06-tensor-parallel" },
+          "--nproc is a flag of 02-dp, 03-ddp, 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel and 07-pipeline-parallel, "
+          "not 01-single-gpu" },
+        { "01-single-gpu", "--timeout 10",
+          "--timeout is a flag of 02-dp, 03-ddp, 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel and 07-pipeline-parallel" },
         { "04-fsdp", "--accum-steps 1", "--accum-steps is a flag of 05-accum-mixed-precision, not 04-fsdp" },
         { "03-ddp", "--dtype fp32", "--dtype is a flag of 05-accum-mixed-precision, not 03-ddp" },
         { "02-dp", "--reduce-dtype fp32", "--reduce-dtype is a flag of 05-accum-mixed-precision, not 02-dp" },
-        { "02-dp", "--ranks-per-gpu 1", "--ranks-per-gpu is a flag of 03-ddp, 04-fsdp, 05-accum-mixed-precision and 06-tensor-parallel, not 02-dp" },
+        { "02-dp", "--ranks-per-gpu 1",
+          "--ranks-per-gpu is a flag of 03-ddp, 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel and 07-pipeline-parallel, not 02-dp" },
+        { "06-tensor-parallel", "--micro-batches 2", "--micro-batches is a flag of 07-pipeline-parallel, not 06-tensor-parallel" },
     };
     char out[16384];
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -5297,6 +5514,7 @@ static void test_a_flag_of_another_stage_exits_2_naming_its_stages(void) {
         { "04-fsdp", "--nproc --shard --cpu-offload --ranks-per-gpu", "--bucket-mb --accum-steps --dtype --reduce-dtype" },
         { "05-accum-mixed-precision", "--shard --cpu-offload --accum-steps --dtype --reduce-dtype", "--bucket-mb" },
         { "06-tensor-parallel", "--nproc --timeout --tp --sequence-parallel --ranks-per-gpu", "--bucket-mb --shard --accum-steps --dtype" },
+        { "07-pipeline-parallel", "--nproc --timeout --pp --micro-batches --schedule", "--tp --bucket-mb --shard --accum-steps --dtype" },
     };
     for (size_t i = 0; i < sizeof help / sizeof help[0]; i++) {
         int st = run_cmd(out, sizeof out, "%s --help", stage_bin(help[i].stage));
@@ -5883,6 +6101,46 @@ static void test_gpu_tensor_parallel_vit_and_gpt_equal_stage_01(void) {
         CHECKF(files_equal_tensors(p, q), "06 %s on the GPU, resumed: not bit for bit the run that went on", models[k].model);
     }
 }
+/* Pipeline parallelism on the GPU: activations and gradients sent stage to
+   stage with NCCL's send and receive, two (and four) ranks on the one GPU,
+   both schedules, against 01 on the GPU with the same batch (losses and eval
+   loss within 1e-4); a checkpoint of 07 resumes in 07 bit for bit. */
+static void test_gpu_pipeline_parallel_equals_stage_01(void) {
+    NEED_NCCL();
+    char out[32768], ref[600], log[600], dir[600], again[600], p[700], q[700];
+    static const struct { const char *model, *flags; int gpt; } models[3] = {
+        { "mlp", "--depth 3", 0 }, { "vit", "--model vit --depth 4 --heads 2 --patch 4", 0 },
+        { "gpt", "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16", 1 } };
+    static const char *layouts[3] = { "--nproc 2 --micro-batches 4 --schedule gpipe", "--nproc 2 --micro-batches 4 --schedule 1f1b",
+                                      "--nproc 4 --micro-batches 8 --schedule 1f1b" };
+    for (int k = 0; k < 3; k++) {
+        const char *data = models[k].gpt ? gpt_text() : small_data();
+        snprintf(ref, sizeof ref, "%s/gpu-pp-%s-01.jsonl", tmpdir, models[k].model);
+        int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size 32 --log %s", stage_cuda("01-single-gpu"),
+                         data, models[k].flags, ref);
+        CHECKF(st == 0, "01 %s on the GPU: exit %d\n%s", models[k].model, st, out);
+        for (int l = 0; l < 3; l++) {
+            snprintf(log, sizeof log, "%s/gpu-pp-%s-%d.jsonl", tmpdir, models[k].model, l);
+            snprintf(dir, sizeof dir, "%s/gpu-pp-%s-%d", tmpdir, models[k].model, l);
+            st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size 32 %s --ranks-per-gpu 4 --timeout 60 "
+                         "--save-dir %s --log %s", stage_cuda("07-pipeline-parallel"), data, models[k].flags, layouts[l], dir, log);
+            CHECKF(st == 0, "07 %s %s on the GPU: exit %d\n%s", models[k].model, layouts[l], st, out);
+            int n = 0;
+            double gap = worst_loss_gap(ref, log, &n), e1 = summary_value(ref, "eval_loss"), e7 = summary_value(log, "eval_loss");
+            CHECKF(gap <= 1e-4 && e1 > 0 && fabs(e1 - e7) <= 1e-4, "07 %s %s: %d losses, worst gap from 01 %.3g; eval loss %.6f, "
+                   "01's %.6f (tolerance 1e-4)", models[k].model, layouts[l], n, gap, e7, e1);
+        }
+        snprintf(dir, sizeof dir, "%s/gpu-pp-%s-1", tmpdir, models[k].model);
+        snprintf(again, sizeof again, "%s/gpu-pp-%s-again", tmpdir, models[k].model);
+        int st2 = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size 32 %s --ranks-per-gpu 4 --timeout 60 "
+                          "--resume %s/%s_data0-320_epoch1 --save-dir %s", stage_cuda("07-pipeline-parallel"), data,
+                          models[k].flags, layouts[1], dir, models[k].model, again);
+        CHECKF(st2 == 0, "07 %s --resume on the GPU: exit %d\n%s", models[k].model, st2, out);
+        snprintf(p, sizeof p, "%s/%s_data0-320_epoch2", dir, models[k].model);
+        snprintf(q, sizeof q, "%s/%s_data0-320_epoch2", again, models[k].model);
+        CHECKF(files_equal_tensors(p, q), "07 %s on the GPU, resumed: not bit for bit the run that went on", models[k].model);
+    }
+}
 /* A checkpoint of GPU tensors resumes bit for bit: at an epoch's end and in mid-epoch. */
 static void test_gpu_checkpoints_resume_bit_for_bit(void) {
     NEED_GPU();
@@ -6188,6 +6446,8 @@ static const test_case tests[] = {
     T(test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank), T(test_fsdp_prefetches_the_next_unit),
     T(test_tensor_parallel_equals_one_device), T(test_tensor_parallel_evaluates_and_samples_on_every_rank),
     T(test_tensor_parallel_keeps_one_tth_of_the_split_layers), T(test_tensor_parallel_checkpoints_are_whole_and_resume_at_any_tp),
+    T(test_pipeline_parallel_equals_one_device), T(test_pipeline_parallel_keeps_p_micro_batches_under_1f1b),
+    T(test_pipeline_parallel_checkpoints_are_whole_and_resume), T(test_a_killed_pipeline_stage_stops_every_rank),
     T(test_order_mistakes_in_each_stage_are_named_errors), T(test_gpt_trains_alike_in_every_stage), T(test_llama_trains_alike_in_every_stage),
     T(test_masked_instruction_data_trains_alike_in_every_stage), T(test_recompute_repeats_the_bits_of_every_stage_in_less_memory),
     T(test_lora_starts_at_the_frozen_model_and_trains_only_its_adapters), T(test_lora_trains_alike_in_every_stage_and_round_trips),
@@ -6228,6 +6488,7 @@ static const test_case tests[] = {
     T(test_gpu_bf16_and_fp16_step_loss_grads_and_params_match_the_cpu),
     T(test_gpu_200_step_vit_loss_curve_tracks_the_cpu),
     T(test_gpu_ddp_fsdp_05_and_06_over_nccl_with_two_ranks_equal_stage_01), T(test_gpu_tensor_parallel_vit_and_gpt_equal_stage_01),
+    T(test_gpu_pipeline_parallel_equals_stage_01),
     T(test_gpu_checkpoints_resume_bit_for_bit),
     T(test_gpu_gpt_with_its_tied_head_trains_and_samples_like_the_cpu), T(test_gpu_recompute_repeats_the_bits_of_01_04_and_05),
     T(test_gpu_a_killed_rank_stops_the_nccl_job_naming_it),

@@ -17,12 +17,13 @@
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
 
-/* units: what FSDP gathers one at a time; heads: what tensor parallelism splits attention by (0: none) */
-typedef struct { const char *name, *flags; int units, heads; } workload;
+/* units: what FSDP gathers one at a time; heads: what tensor parallelism splits attention by (0: none);
+   blocks: what pipeline parallelism splits into stages */
+typedef struct { const char *name, *flags; int units, heads, blocks; } workload;
 static const workload workloads[] = {
-    { "mlp", "--model mlp", 3, 0 },
-    { "vit-tiny", "--model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64", 8, 3 },
-    { "vit-base", "--model vit --image-size 224 --dim 768 --depth 12 --heads 12 --patch 16 --batch-size 64", 14, 12 },  /* GPUs only */
+    { "mlp", "--model mlp", 3, 0, 3 },
+    { "vit-tiny", "--model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64", 8, 3, 6 },
+    { "vit-base", "--model vit --image-size 224 --dim 768 --depth 12 --heads 12 --patch 16 --batch-size 64", 14, 12, 12 },  /* GPUs only */
 };
 /* label, binary, flags, the parallelism the cost model sees, 16-bit gathers */
 typedef struct { const char *label, *bin, *flags; dt_parallelism kind; int half; } stage;
@@ -37,6 +38,7 @@ static const stage stages[] = {
     { "05/fp32", "05-accum-mixed-precision/train", "--dtype fp32", DT_PAR_ZERO3, 0 },
     { "05/bf16", "05-accum-mixed-precision/train", "--dtype bf16", DT_PAR_ZERO3, 1 },
     { "06-tensor-parallel", "06-tensor-parallel/train", "", DT_PAR_TP, 0 },
+    { "07-pipeline-parallel", "07-pipeline-parallel/train", "--micro-batches 8", DT_PAR_PP, 0 },
 };
 enum { NSTAGES = sizeof stages / sizeof stages[0] };
 static int NWORK = 2;                    /* vit-base joins when there is a GPU */
@@ -46,6 +48,7 @@ typedef struct {
     char device[16], dtype[8];
     double samples, gflops, step_ms, fwd, bwd, opt, comm, hidden, peak, state, host, params;
     double tp_share, tp_sums, tp_bytes;
+    double pp_micro_batches, pp_balance, pp_bytes, bubble, bubble_predicted;
     double speedup, efficiency, predicted, predicted_eff;
 } row;
 
@@ -104,7 +107,9 @@ static dt_link measure_link(int n) {
     return l;
 }
 
-static const char *colors[] = { "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf", "#bcbd22" };
+static const char *colors[] = { "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf", "#bcbd22",
+                                "#393b79" };
+_Static_assert(sizeof colors / sizeof colors[0] >= NSTAGES, "a colour for each stage");
 
 /* scaling.svg: speedup against ranks, a panel per workload; measured solid,
    predicted dashed, and the machine's limit. */
@@ -365,6 +370,12 @@ int main(int argc, char **argv) {
                     total--;
                     continue;
                 }
+                if (stages[s].kind == DT_PAR_PP && n > workloads[w].blocks) {
+                    total--;
+                    printf("(%s %s at %d ranks: its %d blocks do not make %d stages)\n", stages[s].label, workloads[w].name, n,
+                           workloads[w].blocks, n);
+                    continue;
+                }
                 if (stages[s].kind == DT_PAR_TP && n > 1 && workloads[w].heads % n) {
                     total--;
                     printf("(%s %s at %d ranks: its %d attention heads do not split over %d ranks, and tensor parallelism "
@@ -395,6 +406,9 @@ int main(int argc, char **argv) {
                 r->peak = field(line, "peak_mem_mb"); r->state = field(line, "peak_state_mb"); r->host = field(line, "peak_host_mb");
                 r->params = field(line, "params");
                 r->tp_share = field(line, "tp_share"); r->tp_sums = field(line, "tp_sums"); r->tp_bytes = field(line, "tp_bytes");
+                r->pp_micro_batches = field(line, "pp_micro_batches"); r->pp_balance = field(line, "pp_balance");
+                r->pp_bytes = field(line, "pp_bytes"); r->bubble = field(line, "bubble");
+                r->bubble_predicted = field(line, "bubble_predicted");
                 r->oversubscribed = strcmp(r->device, "cpu") ? ranks > gpus : ranks * r->threads > cores;
                 if (s == 0 && !one_thread) c_all = r->fwd + r->bwd + r->opt;
                 if (one_thread) c_one = r->fwd + r->bwd + r->opt;
@@ -427,6 +441,7 @@ int main(int argc, char **argv) {
             /* DDP's buckets (25 MB, the first 1 MB); FSDP's units */
             in.messages = sg->kind == DT_PAR_DDP ? dt_cost_ddp_buckets(r->params, 25) : workloads[w].units;
             in.tp_share = r->tp_share; in.tp_sums = r->tp_sums; in.tp_bytes = r->tp_bytes;   /* 06 says, in its bench line */
+            in.pp_micro_batches = (int)r->pp_micro_batches; in.pp_balance = r->pp_balance; in.pp_bytes = r->pp_bytes;   /* 07 */
             /* On a CPU the ranks share its cores: with T = cores / N threads each,
                a rank computes at the speed 01 measured with T threads (from its
                1- and all-core runs), and ranks beyond the cores take turns. */
@@ -451,6 +466,9 @@ int main(int argc, char **argv) {
                workloads[r->work].name, r->ranks, r->threads, r->samples, r->speedup, r->predicted, 100 * r->efficiency,
                r->fwd + r->bwd + r->opt, r->comm, r->hidden, r->peak, r->state,
                r->oversubscribed ? (strcmp(r->device, "cpu") ? "oversubscribed: more ranks than GPUs" : "oversubscribed: more ranks x threads than cores") : "");
+        if (stages[r->stage].kind == DT_PAR_PP && r->ranks > 1)    /* the pipeline's idle share, beside the formula's */
+            printf("%-22s %-9s %5s   bubble %.0f%% of rank 0's step (formula (P - 1) / (M + P - 1): %.0f%%)\n", "", "", "",
+                   100 * r->bubble, 100 * r->bubble_predicted);
     }
     char path[1024];
     dt__path(path, sizeof path, "%s/results.csv", outdir);

@@ -43,6 +43,7 @@ stage_benches() {
       01-*) extra="" ;;
       05-*) extra="--nproc 2 --timeout 120 --dtype bf16 --accum-steps 2" ;;
       06-*) extra="--nproc 2 --timeout 120 --heads 4" ;;   # the vit's default 3 heads do not split over 2
+      07-*) extra="--nproc 2 --timeout 120 --micro-batches 2" ;;
       *) extra="--nproc 2 --timeout 120" ;;
     esac
     for m in mlp vit gpt; do

@@ -308,6 +308,7 @@ stage_bin() { first_file "$1"-*/train; }                       # "03" -> 03-ddp/
 if begin "build"; then
     missing=""
     for b in 01-single-gpu/train 02-dp/train 03-ddp/train 04-fsdp/train 05-accum-mixed-precision/train 06-tensor-parallel/train \
+             07-pipeline-parallel/train \
              tests/test_dtrain tools/gen_synthetic build/test/01-single-gpu/train build/test/03-ddp/train; do
         [ -x "$b" ] || missing="$missing $b"
     done
