@@ -375,6 +375,7 @@ void dt_backward_from(dt_tensor *loss, const float *seed);
    nothing is looked up in global state. */
 typedef struct dt_parallel dt_parallel;
 struct dt_optimizer;
+struct dt_cost_input;
 struct dt_parallel {
     /* The wrapper's public functions, which the order mistakes name:
        "dt_fsdp_create", "dt_fsdp_sync_grads", "dt_fsdp_free". */
@@ -432,6 +433,14 @@ struct dt_parallel {
        record (",\"name\":value..."); NULL: nothing. */
     dt_tensor *(*forward)(dt_parallel *par, dt_tensor *inputs);
     void (*log_fields)(const dt_parallel *par, FILE *log);
+    /* The cost model (section 16) and the --bench line (section 15), for a
+       wrapper that splits the model over ranks: cost_input fills its part of
+       `in` from what the last step measured (in's compute_ms: this rank's
+       forward and backward of a micro-batch; accum_steps set) and returns how
+       many ranks split the model; bench_fields adds " key=value" pairs.
+       NULL: the stage's data parallelism alone, which the run knows. */
+    int (*cost_input)(const dt_parallel *par, struct dt_cost_input *in);
+    void (*bench_fields)(const dt_parallel *par, FILE *out, int accum_steps);
     /* Kept by the library: a backward ran since backward_done did, so the
        gradients are this rank's own, not yet the average the optimizer needs. */
     int grads_pending;
@@ -965,12 +974,14 @@ void dt_tp_free(dt_tp *tp);
 /* Pipeline parallelism (stage 07): each rank of a pipeline of P keeps a run
    of consecutive blocks, its stage (balanced by parameters; the embedding
    with the first, the head with the last); a batch goes through in M
-   micro-batches, in the order the schedule gives each stage. pp 0: the
-   whole job is one pipeline; a job of N ranks is N/P data-parallel
-   pipelines otherwise. */
+   micro-batches, in the order the schedule gives each stage. tp > 1: each
+   stage is T ranks that split its blocks' layers as stage 06 does (tensor
+   parallelism inside the pipeline). The job's N ranks form N / (P T)
+   data-parallel pipelines; pp 0: as many stages as that leaves with one
+   pipeline. */
 typedef struct dt_pp dt_pp;
 typedef enum { DT_SCHEDULE_GPIPE = 0, DT_SCHEDULE_1F1B = 1 } dt_pp_schedule;
-dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int micro_batches, dt_pp_schedule schedule);
+dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_batches, dt_pp_schedule schedule);
 /* A step's forward and backward: the batch cut into the micro-batches, each
    stage running its forwards and backwards in the schedule's order, sending
    activations on and gradients back. Returns the batch's mean loss, on every
@@ -1141,6 +1152,8 @@ typedef struct dt_cost_input {
        sent on (micro-batch x tokens x width x 4), a gradient as many back */
     int pp_micro_batches;
     double pp_balance, pp_bytes;
+    double pp_measured_bubble;  /* ... and the share of the step this rank waited, as measured: printed beside the
+                                   formula's, not used by the prediction */
 } dt_cost_input;
 typedef struct dt_cost_prediction {
     int ranks;
@@ -4808,7 +4821,11 @@ static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens, const dt__span
         x = dt_sp_split(m->parallel, dt__vocab_embedding(m, tokens, wte, wpe));   /* --sequence-parallel */
     }
     x = dt__span_blocks(m, s, 1, dt__gpt_block, x, B, T);
-    if (s->end < c->depth) return x;
+    if (s->end < c->depth) {                                            /* a pipeline stage before the head's */
+        if (s->first == 0) dt__unit_boundary(m, 0, 0);
+        return x;
+    }
+    if (s->first > 0) dt__unit_boundary(m, 0, 1);                       /* the head's stage: the outer unit again */
     x = dt_sp_gather(m->parallel, x);
     x = dt__vocab_head(m, dt_layernorm(x, nfw, nfb, 1e-5f), wte);     /* tied head: logits = x wte^T */
     dt__unit_boundary(m, 0, 0);
@@ -4853,7 +4870,11 @@ static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens, const dt__sp
         if (!tied) dt__unit_boundary(m, 0, 0);
     }
     x = dt__span_blocks(m, s, 1, dt__llama_block, x, B, T);
-    if (s->end < c->depth) return x;
+    if (s->end < c->depth) {
+        if (s->first == 0 && tied) dt__unit_boundary(m, 0, 0);
+        return x;
+    }
+    if (s->first > 0 && tied) dt__unit_boundary(m, 0, 1);
     x = dt_sp_gather(m->parallel, x);
     if (tied) {
         x = dt__vocab_head(m, dt_rmsnorm(x, norm, eps), embed);      /* logits = x embed^T */
@@ -5295,12 +5316,29 @@ dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs) {
 int dt_model_blocks(const dt_model *m) { return m->cfg.depth + dt__family(m->cfg.kind)->blocks_past_depth; }
 dt_tensor *dt_model_forward_blocks(dt_model *m, dt_tensor *inputs, dt_tensor *x, int first, int end) {
     int n = dt_model_blocks(m);
+    if (m->left_cut_by && !m->parallel)
+        dt_fail("dt_model_forward_blocks: %s has run, and this rank holds only its pieces of the model; call %s after the last "
+                "forward", m->left_cut_by, m->left_cut_by);
     if (first < 0 || end > n || first > end || (first == 0 && end == 0 && n > 0))
         dt_fail("dt_model_forward_blocks: blocks [%d, %d) of a model of %d", first, end, n);
     if ((first > 0) != (x != NULL))
         dt_fail("dt_model_forward_blocks: %s", first > 0 ? "a run of blocks after the first starts from x, the activation "
                                                            "the blocks before made: give it"
                                                          : "the first block starts from the embedding of the inputs: x must be NULL");
+    const dt_model *w = m->base ? m->base : m;      /* the weights the blocks read must be here */
+    for (int i = 0; i < w->nparams; i++) {
+        int b = w->splits[i].block;
+        int read = (b >= first && b < end) || (b < 0 && first == 0) || (b >= n && end == n) || (w->splits[i].tied && (first == 0 || end == n));
+        if (read && w->params[i].numel == 0)
+            dt_fail("dt_model_forward_blocks: blocks [%d, %d) read %s, which this rank does not hold (a pipeline stage keeps "
+                    "only its own blocks' parameters)", first, end, w->params[i].name);
+    }
+    if (x) {
+        int64_t rows = (int64_t)inputs->shape[0] * dt__family(m->cfg.kind)->rows_per_sample(m, inputs);
+        if (x->numel != rows * m->cfg.dim)
+            dt_fail("dt_model_forward_blocks: x has %lld values; blocks after the first take %lld rows of %d (the inputs' "
+                    "samples x their rows)", (long long)x->numel, (long long)rows, m->cfg.dim);
+    }
     dt__span span = { first, end, x };
     return dt__family(m->cfg.kind)->forward(m, inputs, &span);
 }
@@ -6579,7 +6617,9 @@ static dt_comm *dt__active_comm;             /* for dt_fail: tell the other rank
 #ifdef DT_TESTING
 #define DT_TEST_DIE_IN(c, o) \
     do { if ((o)->kind == DT_COLL_ALL_REDUCE && (c)->die_in_all_reduce > 0 && --(c)->die_in_all_reduce == 0) raise(SIGKILL); } while (0)
-#define DT_TEST_DIE_IN_SEND(c) do { if (dt__test_die_in_send > 0 && --dt__test_die_in_send == 0) raise(SIGKILL); } while (0)
+#define DT_TEST_DIE_IN_SEND(c) \
+    do { if (__atomic_load_n(&dt__test_die_in_send, __ATOMIC_RELAXED) > 0 && \
+             __atomic_sub_fetch(&dt__test_die_in_send, 1, __ATOMIC_RELAXED) == 0) raise(SIGKILL); } while (0)
 static int dt__test_die_in_send;             /* DT_TEST_DIE_SEND: this rank's sends on any communicator, counted */
 #else
 #define DT_TEST_DIE_IN(c, o) ((void)0)
@@ -8628,12 +8668,6 @@ struct dt_tp {
        offsets, no buffers. Checkpoints are laid out by it (section 13). */
     dt_model whole;
 };
-/* The tensor-parallel wrapper of a model, or NULL: for the checkpoints. */
-static void dt__tp_optimizer_view(dt_parallel *par, dt_optimizer *o);
-static dt_tp *dt__tp_of(const dt_model *m) {
-    return m->parallel && m->parallel->optimizer_view == dt__tp_optimizer_view ? (dt_tp *)m->parallel : NULL;
-}
-
 /* Each sum of the step (an all-gather or a reduce-scatter: half of one, as
    many bytes, half the hops), for the cost model; evaluation's are not a
    training step's. */
@@ -8684,6 +8718,25 @@ static double dt__tp_split_share(const dt_tp *t) {
     for (int i = 0; i < t->whole.nparams; i++)
         if (t->model->splits[i].dim >= 0) split += (double)t->whole.params[i].numel;
     return t->whole.numel > 0 ? split / (double)t->whole.numel : 0;
+}
+/* The cost model's view of the last step: the whole model's compute on one
+   rank, from this rank's share of it and its sums' time. */
+static int dt__tp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_tp *t = (const dt_tp *)par;
+    int K = in->accum_steps > 0 ? in->accum_steps : 1;
+    in->kind = DT_PAR_TP;
+    in->tp_share = dt__tp_split_share(t);
+    in->tp_sums = t->step_sums / K;
+    in->tp_bytes = t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0;
+    double kept = in->tp_share / t->size + (1 - in->tp_share);
+    in->compute_ms = fmax(0, in->compute_ms - t->step_sum_ms / K) / kept;
+    in->dp_groups = t->par.data_ranks;
+    return t->size;
+}
+static void dt__tp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
+    const dt_tp *t = (const dt_tp *)par;
+    fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", t->size, dt__tp_split_share(t), t->step_sums / accum_steps,
+            t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0.0);
 }
 static void dt__tp_sum_over_ranks(dt_parallel *par, float *values, int n) {
     dt__comm_all_reduce_host(((dt_tp *)par)->group, values, n, DT_SUM);
@@ -8739,9 +8792,10 @@ static void dt__tp_piece(float *whole, float *piece, const int *whole_shape, int
    rank, which writes it: one split tensor at a time, its pieces all-gathered
    on the device and put where they sit in the whole. So no rank holds more
    than the largest tensor beside its own pieces, and the writer the whole
-   state once. The other ranks of the group take part and get NULL. */
-static float *dt__tp_state_gather(dt_tp *t, float *local) {
-    dt_model *m = t->model;
+   state once. The other ranks of the group take part and get NULL. `m`
+   lays out `local`: the model, or (a pipeline's stages composed, section
+   11's next part) every stage's pieces. */
+static float *dt__tp_state_gather(dt_tp *t, const dt_model *m, float *local) {
     const dt_model *W = &t->whole;
     float *whole = NULL;
     if (t->rank == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
@@ -8766,9 +8820,8 @@ static float *dt__tp_state_gather(dt_tp *t, float *local) {
     }
     return whole;
 }
-/* The other way: this rank's pieces of a whole state (host) into `local`. */
-static void dt__tp_state_scatter(dt_tp *t, float *whole, float *local) {
-    dt_model *m = t->model;
+/* The other way: this rank's pieces of a whole state (host) into `local`, laid out by m. */
+static void dt__tp_state_scatter(dt_tp *t, const dt_model *m, float *whole, float *local) {
     const dt_model *W = &t->whole;
     float *mine = (float *)malloc((size_t)m->numel * sizeof(float) + 1);
     if (!mine) dt_fail("out of memory (tensor parallelism)");
@@ -8780,14 +8833,14 @@ static void dt__tp_state_scatter(dt_tp *t, float *whole, float *local) {
     dt_upload(local, mine, (size_t)m->numel * sizeof(float));
     free(mine);
 }
-/* The checkpoint's view (section 13). Saving: the groups hold the same
-   state, so the first group gathers it and its first rank, the job's rank 0,
-   writes. Loading: every rank reads the whole file and cuts its pieces. */
 /* The state a checkpoint saves (section 13): 0 the parameters, 1 and 2 the
    optimizer's moments, each laid out as the model's flat buffer. */
 static float *dt__state_buffer(dt_model *m, dt_optimizer *o, int which) {
     return which == 0 ? m->flat_data : which == 1 ? o->m : o->v;
 }
+/* The checkpoint's view (section 13). Saving: the groups hold the same
+   state, so the first group gathers it and its first rank, the job's rank 0,
+   writes. Loading: every rank reads the whole file and cuts its pieces. */
 static float *dt__tp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
     dt_tp *t = (dt_tp *)par;
     if (for_load) {
@@ -8795,11 +8848,11 @@ static float *dt__tp_state_open(dt_parallel *par, dt_optimizer *o, int which, in
         if (!whole) dt_fail("out of memory (reading a whole checkpoint to cut: %.1f MB)", t->whole.numel * 4e-6);
         return whole;
     }
-    return t->par.data_rank == 0 ? dt__tp_state_gather(t, dt__state_buffer(t->model, o, which)) : NULL;
+    return t->par.data_rank == 0 ? dt__tp_state_gather(t, t->model, dt__state_buffer(t->model, o, which)) : NULL;
 }
 static void dt__tp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
     dt_tp *t = (dt_tp *)par;
-    if (written) dt__tp_state_scatter(t, host, dt__state_buffer(t->model, o, which));
+    if (written) dt__tp_state_scatter(t, t->model, host, dt__state_buffer(t->model, o, which));
     free(host);
 }
 static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o);
@@ -8849,7 +8902,10 @@ static void dt__tp_cut_shape(void *wrapper, int i, dt_tensor *p) {
     p->shape[sp.dim] /= t->size;
     p->numel /= t->size;
 }
-static void dt__tp_scatter(void *wrapper, float *whole, float *local) { dt__tp_state_scatter((dt_tp *)wrapper, whole, local); }
+static void dt__tp_scatter(void *wrapper, float *whole, float *local) {
+    dt_tp *t = (dt_tp *)wrapper;
+    dt__tp_state_scatter(t, t->model, whole, local);
+}
 
 dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_parallel) {
     int world = dt_comm_size(comm);
@@ -8891,7 +8947,8 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
                             .sp_all_gather = tp > 1 && sequence_parallel ? dt__sp_all_gather : NULL,
                             .sp_reduce_scatter = tp > 1 && sequence_parallel ? dt__sp_reduce_scatter : NULL,
                             .state_open = dt__tp_state_open, .state_close = dt__tp_state_close,
-                            .memory_table = dt__tp_memory_table };
+                            .memory_table = dt__tp_memory_table, .cost_input = dt__tp_cost_input,
+                            .bench_fields = dt__tp_bench_fields };
     dt_model_set_parallel(model, &t->par);
     dt__comm_hold(comm, "dt_tp_free");
     t->model = model;
@@ -9048,11 +9105,12 @@ struct dt_pp {
     dt_mesh *mesh;
     dt_comm *pipe, *across;     /* the stages of one pipeline ("pp"), and the data-parallel pipelines ("dp") */
     dt_comm *ends;              /* the first and the last stage (a tied vocabulary), or NULL */
+    dt_tp *tp;                  /* with --tp: the tensor-parallel wrapper that split the blocks' layers, or NULL */
     dt_comm *to_next, *from_next, *to_prev, *from_prev;   /* one way each: activations on, gradients back */
     int stages, stage, micro_batches;
     dt_pp_schedule schedule;
     int *first_block;           /* stage s runs blocks [first_block[s], first_block[s + 1]) */
-    dt_model whole;             /* the model before the cut: checkpoints are laid out by it */
+    dt_model whole;             /* the model before the cut into stages (with --tp: its pieces of every stage) */
     /* Per micro-batch slot: an arena pair, taken by a forward, given back
        after its backward (slots: as many as were ever alive at once). */
     dt__step_arena (*arenas)[2];
@@ -9061,9 +9119,12 @@ struct dt_pp {
     void *inbox_x, *inbox_g;
     size_t inbox_bytes;
     dt_comm_handle recv_x, recv_g;
-    /* The last step, for the log and the tests: time computing and waiting,
-       and the activation bytes kept at once (at most, and per micro-batch). */
+    /* The last step, for the log and the tests: this rank's time computing
+       and waiting, and the activation bytes kept at once (at most, and per
+       micro-batch); the pipeline's: its stages' times added up, and the
+       busiest stage's (which sets the pace). */
     double busy_ms, idle_ms, step_ms;
+    double pipe_busy_ms, pipe_idle_ms, pipe_step_ms, pipe_busiest_ms;
     double act_bytes;           /* one micro-batch's activation, sent on */
     double kept_peak, kept_micro;
     int kept_micro_batches;     /* the most micro-batches alive at once */
@@ -9144,13 +9205,18 @@ static void dt__pp_activation_shape(const dt_pp *p, const dt_tensor *inputs, int
    idle), copied into dst, and the receive after it posted when `more`. */
 static void dt__pp_take(dt_pp *p, dt_comm *from, int peer, void *inbox, dt_comm_handle *h, void *dst, int64_t n, dt_dtype t,
                         int more) {
-    double t0 = dt_now_ms();
+    double t0 = dt_now_ms(), a, b;
     if (!*h) *h = dt_recv_async(from, inbox, n, t, peer);
     dt_comm_wait(from, *h);
     dt_synchronize();
     double t1 = dt_now_ms();
     p->idle_ms += t1 - t0;
     dt__record_event("waiting", t0, t1);
+    /* the receive on the trace's communication row; not in the step's
+       communication time, as it was posted early and its span holds the
+       sender's compute (the send's, counted by the sender, is the message) */
+    dt__comm_interval(from, *h, &a, &b);
+    dt__record_span(from == p->from_prev ? "recv activation" : "recv gradient", a, b, 0);
     dt_convert(inbox, t, dst, t, n);                   /* a copy on the device */
     *h = more ? dt_recv_async(from, inbox, n, t, peer) : 0;
 }
@@ -9171,139 +9237,180 @@ typedef struct {
     dt_comm_handle sent;        /* out, sent on (0: the last stage) */
     double kept;                /* the bytes its forward left in its arena */
 } dt__pp_micro;
+/* ... and what the step's actions share. */
+typedef struct {
+    const dt_batch *batch;
+    int M, b, first, end, labels_per;   /* micro-batches, each b samples; this stage's blocks [first, end) */
+    int act[2];                 /* what a stage passes the next: rows x width */
+    int64_t act_n, in_per;      /* its values; an input sample's */
+    dt_dtype t;
+    double divisor;             /* masked data: the step's count of targets (0: none) */
+    double loss_sum, kept;      /* the last stage's losses; the activation bytes kept now */
+    int forwards, backwards, alive;
+    int *free_slots, nfree;
+    dt__pp_micro *mb;
+} dt__pp_step;
+
+/* The time since t0 was spent computing micro-batch i: counted, and on the trace. */
+static void dt__pp_busy(dt_pp *p, const char *what, int i, double t0) {
+    dt_synchronize();
+    double t1 = dt_now_ms();
+    char name[32];
+    p->busy_ms += t1 - t0;
+    snprintf(name, sizeof name, "%s %d", what, i);
+    dt__record_event(name, t0, t1);
+}
+/* Wait until a send is taken; on the trace, the part before `since` hidden. */
+static void dt__pp_sent(dt_comm *c, dt_comm_handle h, const char *name, double since) {
+    if (!h) return;
+    double a, z;
+    dt_comm_wait(c, h);
+    dt__comm_interval(c, h, &a, &z);
+    dt__record_comm(name, a, z, fmax(0, fmin(z, since) - a));
+}
+
+/* Micro-batch i's forward: its slot's arena in place, its rows of the batch,
+   what the stage before sent (from the inbox), this stage's blocks, then
+   the activation sent on, or the loss. */
+static void dt__pp_forward_one(dt_pp *pp, dt__pp_step *st, int i) {
+    dt__pp_micro *u = &st->mb[i];
+    int last = pp->stage == pp->stages - 1;
+    u->slot = st->free_slots[--st->nfree];
+    dt__step_arena_swap(pp->arenas[u->slot]);
+    size_t before = dt__ctx.step[DT_CPU].high + dt__ctx.step[DT_CUDA].high;
+    dt_tensor *inputs = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));   /* rows [i b, (i + 1) b) of the batch */
+    *inputs = *st->batch->inputs;
+    inputs->shape[0] = st->b;
+    inputs->numel = st->in_per * st->b;
+    inputs->data = (float *)((char *)inputs->data + (size_t)(st->in_per * st->b * i) * dt_dtype_size(inputs->dtype));
+    u->in = NULL;
+    if (pp->stage > 0) {
+        u->in = dt__tensor_alloc(2, st->act, st->t);
+        u->in->requires_grad = 1;           /* its gradient goes back to the stage before */
+        dt__pp_take(pp, pp->from_prev, 0, pp->inbox_x, &pp->recv_x, u->in->data, st->act_n, st->t, st->forwards + 1 < st->M);
+    }
+    double t0 = dt_now_ms();
+    u->tape_lo = dt__ctx.tape_len;
+    dt_tensor *y = dt_model_forward_blocks(pp->model, inputs, u->in, st->first, st->end);
+    u->sent = 0;
+    if (last) {
+        const int32_t *labels = st->batch->labels + (size_t)i * st->b * st->labels_per;
+        if (st->divisor > 0) dt_cross_entropy_set_divisor(labels, st->divisor / st->M);
+        y = dt_cross_entropy(y, labels);
+        st->loss_sum += dt_tensor_item(y);
+    } else {
+        if (y->numel != st->act_n)
+            dt_fail("pipeline: stage %d's blocks gave %lld values, %lld expected", pp->stage, (long long)y->numel,
+                    (long long)st->act_n);
+        u->sent = dt_send_async(pp->to_next, y->data, st->act_n, st->t, 1);
+    }
+    u->out = y;
+    u->tape_hi = dt__ctx.tape_len;
+    dt__pp_busy(pp, "forward", i, t0);
+    u->kept = (double)(dt__ctx.step[DT_CPU].high + dt__ctx.step[DT_CUDA].high - before);
+    st->kept += u->kept;
+    st->alive++;
+    pp->kept_peak = fmax(pp->kept_peak, st->kept);
+    pp->kept_micro = fmax(pp->kept_micro, u->kept);
+    if (st->alive > pp->kept_micro_batches) pp->kept_micro_batches = st->alive;
+    dt__step_arena_swap(pp->arenas[u->slot]);
+    st->forwards++;
+}
+
+/* Micro-batch i's backward: from 1/M at the last stage (the batch's loss
+   is the micro-batches' mean), else from the gradient the next stage sent;
+   its input's gradient sent back; then its arena given back, once what it
+   sent is taken (by then the next stage has long had `out`). */
+static void dt__pp_backward_one(dt_pp *pp, dt__pp_step *st, int i) {
+    dt__pp_micro *u = &st->mb[i];
+    dt__step_arena_swap(pp->arenas[u->slot]);
+    if (pp->stage == pp->stages - 1) {
+        float seed = 1.0f / (float)st->M;
+        dt_upload(dt_grad(u->out), &seed, sizeof seed);
+    } else
+        dt__pp_take(pp, pp->from_next, 1, pp->inbox_g, &pp->recv_g, dt_grad(u->out), st->act_n, st->t, st->backwards + 1 < st->M);
+    double t0 = dt_now_ms();
+    dt__backward_span(u->out, u->tape_lo, u->tape_hi);
+    dt_comm_handle sent_back = pp->stage > 0 ? dt_send_async(pp->to_prev, dt_grad(u->in), st->act_n, st->t, 0) : 0;
+    dt__pp_busy(pp, "backward", i, t0);
+    double t1 = dt_now_ms();
+    dt__pp_sent(pp->to_prev, sent_back, "send gradient", t1);
+    dt__pp_sent(pp->to_next, u->sent, "send activation", t1);
+    dt_synchronize();
+    double t2 = dt_now_ms();
+    pp->idle_ms += t2 - t1;
+    if (t2 - t1 > 0.01) dt__record_event("waiting", t1, t2);
+    st->kept -= u->kept;
+    st->alive--;
+    dt__step_arena_swap(pp->arenas[u->slot]);
+    dt__step_arena_release(pp->arenas[u->slot]);
+    st->free_slots[st->nfree++] = u->slot;
+    st->backwards++;
+}
 
 dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch) {
-    dt_model *m = pp->model;
-    int M = pp->micro_batches, B = batch->size, P = pp->stages, s = pp->stage, last = s == P - 1;
+    int M = pp->micro_batches, B = batch->size, last = pp->stage == pp->stages - 1;
     if (B % M)
         dt_usage_error("--micro-batches %d does not divide --batch-size %d (each micro-batch takes an equal share)", M, B);
     if (pp->par.grads_pending)
         dt_fail("dt_pp_forward_backward: the gradients of the last step were not synchronised; call dt_pp_sync_grads "
                 "before the next step");
-    int b = B / M, lo = pp->first_block[s], hi = pp->first_block[s + 1];
-    dt_dtype t = dt__ctx.compute_dtype;
-    int64_t in_per = batch->inputs->numel / B;
-    int labels_per = dt_model_is_language(m->cfg.kind) ? (int)dt_tensor_cols(batch->inputs) : 1;
-    double divisor = dt__ctx.loss_divisor.labels == batch->labels && dt__ctx.loss_divisor.step == dt__ctx.step_resets
-                   ? dt__ctx.loss_divisor.divisor : 0;
+    if (!dt__ctx.grad_enabled) dt_fail("dt_pp_forward_backward: gradients are off (dt_set_grad_enabled(0)); it trains a step");
+    dt__pp_step st = { .batch = batch, .M = M, .b = B / M, .first = pp->first_block[pp->stage],
+                       .end = pp->first_block[pp->stage + 1], .t = dt__ctx.compute_dtype,
+                       .in_per = batch->inputs->numel / B };
+    st.labels_per = dt_model_is_language(pp->model->cfg.kind) ? (int)dt_tensor_cols(batch->inputs) : 1;
+    if (dt__ctx.loss_divisor.labels == batch->labels && dt__ctx.loss_divisor.step == dt__ctx.step_resets)
+        st.divisor = dt__ctx.loss_divisor.divisor;   /* set for the whole batch: each micro-batch takes 1/M of it */
+    dt_tensor micro_inputs = *batch->inputs;
+    micro_inputs.shape[0] = st.b;
+    micro_inputs.numel = st.in_per * st.b;
+    dt__pp_activation_shape(pp, &micro_inputs, st.act);
+    st.act_n = (int64_t)st.act[0] * st.act[1];
+    pp->act_bytes = (double)st.act_n * (double)dt_dtype_size(st.t);
+    /* the order of this stage's actions, and an arena for each micro-batch
+       (those never taken at once cost nothing) */
     dt__pp_action *order = (dt__pp_action *)dt_step_alloc(sizeof(dt__pp_action) * 2 * (size_t)M);
-    dt__pp_micro *mb = (dt__pp_micro *)dt_step_alloc(sizeof(dt__pp_micro) * (size_t)M);
-    int *free_slots = (int *)dt_step_alloc(sizeof(int) * (size_t)M), nfree = 0, nactions = dt__pp_schedules[pp->schedule].order(s, P, M, order);
-    if (pp->nslots < M) {                   /* room for every micro-batch; those never taken cost nothing */
+    int nactions = dt__pp_schedules[pp->schedule].order(pp->stage, pp->stages, M, order);
+    st.mb = (dt__pp_micro *)dt_step_alloc(sizeof(dt__pp_micro) * (size_t)M);
+    st.free_slots = (int *)dt_step_alloc(sizeof(int) * (size_t)M);
+    if (pp->nslots < M) {
         pp->arenas = (dt__step_arena (*)[2])realloc(pp->arenas, sizeof *pp->arenas * (size_t)M);
         if (!pp->arenas) dt_fail("out of memory (pipeline)");
         memset(pp->arenas + pp->nslots, 0, sizeof *pp->arenas * (size_t)(M - pp->nslots));
         pp->nslots = M;
     }
-    for (int k = M - 1; k >= 0; k--) free_slots[nfree++] = k;
-    int act[2];
-    dt_tensor micro_inputs = *batch->inputs;
-    micro_inputs.shape[0] = b;
-    micro_inputs.numel = in_per * b;
-    dt__pp_activation_shape(pp, &micro_inputs, act);
-    int64_t act_n = (int64_t)act[0] * act[1];
-    pp->act_bytes = (double)act_n * (double)dt_dtype_size(t);
-    dt__pp_inboxes(pp, (size_t)act_n * dt_dtype_size(t));
-    if (s > 0) pp->recv_x = dt_recv_async(pp->from_prev, pp->inbox_x, act_n, t, 0);     /* posted early */
-    if (!last) pp->recv_g = dt_recv_async(pp->from_next, pp->inbox_g, act_n, t, 1);
-    double loss_sum = 0, t_start = dt_now_ms(), kept = 0;
-    int forwards = 0, backwards = 0, alive = 0;
+    for (int k = M - 1; k >= 0; k--) st.free_slots[st.nfree++] = k;
+    dt__pp_inboxes(pp, (size_t)st.act_n * dt_dtype_size(st.t));
+    if (pp->stage > 0) pp->recv_x = dt_recv_async(pp->from_prev, pp->inbox_x, st.act_n, st.t, 0);   /* posted early */
+    if (!last) pp->recv_g = dt_recv_async(pp->from_next, pp->inbox_g, st.act_n, st.t, 1);
+    double t_start = dt_now_ms();
     pp->busy_ms = pp->idle_ms = 0;
     pp->kept_peak = pp->kept_micro = 0;
     pp->kept_micro_batches = 0;
     for (int k = 0; k < nactions; k++) {
-        int i = order[k].micro;
-        dt__pp_micro *u = &mb[i];
-        if (!order[k].backward) {
-            u->slot = free_slots[--nfree];
-            dt__step_arena_swap(pp->arenas[u->slot]);
-            size_t before = dt__ctx.step[DT_CPU].high + dt__ctx.step[DT_CUDA].high;
-            dt_tensor *inputs = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));   /* rows [i b, (i + 1) b) of the batch */
-            *inputs = *batch->inputs;
-            inputs->shape[0] = b;
-            inputs->numel = in_per * b;
-            inputs->data = (float *)((char *)batch->inputs->data + (size_t)(in_per * b * i) * dt_dtype_size(inputs->dtype));
-            u->in = NULL;
-            if (s > 0) {
-                u->in = dt__tensor_alloc(2, act, t);
-                u->in->requires_grad = 1;   /* its gradient goes back to the stage before */
-                dt__pp_take(pp, pp->from_prev, 0, pp->inbox_x, &pp->recv_x, u->in->data, act_n, t, forwards + 1 < M);
-            }
-            double t0 = dt_now_ms();
-            u->tape_lo = dt__ctx.tape_len;
-            dt_tensor *y = dt_model_forward_blocks(m, inputs, u->in, lo, hi);
-            if (last) {
-                const int32_t *labels = batch->labels + (size_t)i * b * labels_per;
-                if (divisor > 0) dt_cross_entropy_set_divisor(labels, divisor / M);
-                y = dt_cross_entropy(y, labels);
-                loss_sum += dt_tensor_item(y);
-                u->sent = 0;
-            } else {
-                if (y->numel != act_n) dt_fail("pipeline: stage %d's output has %lld values, %lld expected", s, (long long)y->numel, (long long)act_n);
-                u->sent = dt_send_async(pp->to_next, y->data, act_n, t, 1);
-            }
-            u->out = y;
-            u->tape_hi = dt__ctx.tape_len;
-            dt_synchronize();
-            double t1 = dt_now_ms();
-            pp->busy_ms += t1 - t0;
-            char name[32];
-            snprintf(name, sizeof name, "forward %d", i);
-            dt__record_event(name, t0, t1);
-            double bytes = (double)(dt__ctx.step[DT_CPU].high + dt__ctx.step[DT_CUDA].high - before);
-            u->kept = bytes;
-            kept += bytes;
-            alive++;
-            if (kept > pp->kept_peak) pp->kept_peak = kept;
-            if (alive > pp->kept_micro_batches) pp->kept_micro_batches = alive;
-            if (bytes > pp->kept_micro) pp->kept_micro = bytes;
-            dt__step_arena_swap(pp->arenas[u->slot]);
-            forwards++;
-        } else {
-            dt__step_arena_swap(pp->arenas[u->slot]);
-            if (last) {
-                float seed = 1.0f / (float)M;          /* the batch's loss is the micro-batches' mean */
-                dt_upload(dt_grad(u->out), &seed, sizeof seed);
-            } else
-                dt__pp_take(pp, pp->from_next, 1, pp->inbox_g, &pp->recv_g, dt_grad(u->out), act_n, t, backwards + 1 < M);
-            double t0 = dt_now_ms();
-            dt__backward_span(u->out, u->tape_lo, u->tape_hi);
-            dt_comm_handle sent_back = s > 0 ? dt_send_async(pp->to_prev, dt_grad(u->in), act_n, t, 0) : 0;
-            dt_synchronize();
-            double t1 = dt_now_ms();
-            pp->busy_ms += t1 - t0;
-            char name[32];
-            snprintf(name, sizeof name, "backward %d", i);
-            dt__record_event(name, t0, t1);
-            /* its arena goes back once what it sends is taken (by then the
-               next stage has long had `out`) */
-            if (sent_back) dt_comm_wait(pp->to_prev, sent_back);
-            if (u->sent) dt_comm_wait(pp->to_next, u->sent);
-            dt_synchronize();
-            pp->idle_ms += dt_now_ms() - t1;
-            kept -= u->kept;
-            dt__step_arena_swap(pp->arenas[u->slot]);
-            dt__step_arena_release(pp->arenas[u->slot]);
-            free_slots[nfree++] = u->slot;
-            alive--;
-            backwards++;
-        }
+        if (order[k].backward) dt__pp_backward_one(pp, &st, order[k].micro);
+        else dt__pp_forward_one(pp, &st, order[k].micro);
     }
     dt__ctx.tape_len = 0;                   /* every micro-batch's entries are walked */
-    pp->step_ms = dt_now_ms() - t_start;
-    /* the batch's loss from the last stage, on every rank */
-    float mean = last ? (float)(loss_sum / M) : 0;
+    /* the batch's loss from the last stage, on every rank: the step's end
+       for every stage, so a stage done early waits here -- the drain's part
+       of the bubble */
+    double t_done = dt_now_ms();
+    float mean = last ? (float)(st.loss_sum / M) : 0;
     dt__comm_all_reduce_host(pp->pipe, &mean, 1, DT_SUM);
+    double t_end = dt_now_ms();
+    pp->idle_ms += t_end - t_done;
+    if (t_end - t_done > 0.01) dt__record_event("waiting", t_done, t_end);
+    pp->step_ms = t_end - t_start;
+    float sums[3] = { (float)pp->busy_ms, (float)pp->idle_ms, (float)pp->step_ms }, busiest = (float)pp->busy_ms;
+    dt__comm_all_reduce_host(pp->pipe, sums, 3, DT_SUM);    /* the stages' times */
+    dt__comm_all_reduce_host(pp->pipe, &busiest, 1, DT_MAX);
+    pp->pipe_busy_ms = sums[0]; pp->pipe_idle_ms = sums[1]; pp->pipe_step_ms = sums[2]; pp->pipe_busiest_ms = busiest;
     int one[1] = { 1 };
     dt_tensor *loss = dt__tensor_alloc(1, one, DT_F32);
     dt_upload(loss->data, &mean, sizeof mean);
     return loss;
-}
-
-/* The pipeline wrapper of a model, or NULL: for --explain. */
-static void dt__pp_optimizer_view(dt_parallel *par, dt_optimizer *o);
-static dt_pp *dt__pp_of(const dt_model *m) {
-    return m->parallel && m->parallel->optimizer_view == dt__pp_optimizer_view ? (dt_pp *)m->parallel : NULL;
 }
 
 /* The batch's loss is the last stage's; the gradients of a tied vocabulary
@@ -9333,11 +9440,27 @@ static void dt__pp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
     dt_pp *p = (dt_pp *)par;
     dt_model *m = p->model;
     dt__optimizer_view_all(o, m);
-    for (int i = 0; i < m->nparams; i++) o->slices[i].copy = p->stage > 0 && m->splits[i].tied;
+    for (int i = 0; i < m->nparams; i++)      /* with --tp, a whole parameter is counted at the group's first rank too */
+        o->slices[i].copy = (p->stage > 0 && m->splits[i].tied) || (p->tp && p->tp->rank > 0 && m->splits[i].dim < 0);
     o->sharded_by = par;
 }
 static void dt__pp_sum_over_ranks(dt_parallel *par, float *values, int n) {
-    dt__comm_all_reduce_host(((dt_pp *)par)->pipe, values, n, DT_SUM);
+    dt_pp *p = (dt_pp *)par;
+    dt__comm_all_reduce_host(p->pipe, values, n, DT_SUM);
+    if (p->tp) dt__comm_all_reduce_host(p->tp->group, values, n, DT_SUM);
+}
+/* The layers' sums, passed on to the tensor-parallel wrapper inside. */
+static void dt__pp_tp_sum(dt_parallel *par, float *values, int64_t n) {
+    dt_parallel *inner = &((dt_pp *)par)->tp->par;
+    inner->tp_sum(inner, values, n);
+}
+static void dt__pp_tp_max(dt_parallel *par, float *values, int64_t n) {
+    dt_parallel *inner = &((dt_pp *)par)->tp->par;
+    inner->tp_max(inner, values, n);
+}
+static void dt__pp_tp_all_gather(dt_parallel *par, const float *mine, float *all, int64_t n) {
+    dt_parallel *inner = &((dt_pp *)par)->tp->par;
+    inner->tp_all_gather(inner, mine, all, n);
 }
 
 /* Checkpoints are whole (section 13): to save, the first pipeline's stages
@@ -9366,18 +9489,39 @@ static float *dt__pp_state_gather(dt_pp *p, float *local) {
     }
     return whole;
 }
+/* With --tp the stages' pieces, gathered at the first stage, are then
+   gathered over its tensor-parallel group (and, to load, cut the other way). */
 static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
     dt_pp *p = (dt_pp *)par;
     if (for_load) {
-        float *whole = (float *)calloc((size_t)p->whole.numel + 1, sizeof(float));
-        if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", p->whole.numel * 4e-6);
+        float *whole = (float *)calloc((size_t)par->whole->numel + 1, sizeof(float));
+        if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", par->whole->numel * 4e-6);
         return whole;
     }
-    return p->par.data_rank == 0 ? dt__pp_state_gather(p, dt__state_buffer(p->model, o, which)) : NULL;
+    if (p->par.data_rank != 0) return NULL;
+    float *staged = dt__pp_state_gather(p, dt__state_buffer(p->model, o, which));
+    if (!p->tp || p->stage != 0) return staged;
+    size_t bytes = (size_t)p->whole.numel * sizeof(float);
+    float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+    dt__upload_to(p->model->device, pieces, staged, bytes);
+    free(staged);
+    float *whole = dt__tp_state_gather(p->tp, &p->whole, pieces);
+    dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
+    return whole;
 }
 static void dt__pp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
     dt_pp *p = (dt_pp *)par;
-    if (written) dt__pp_scatter(p, host, dt__state_buffer(p->model, o, which));
+    float *local = dt__state_buffer(p->model, o, which);
+    if (written && !p->tp) dt__pp_scatter(p, host, local);
+    else if (written) {
+        size_t bytes = (size_t)p->whole.numel * sizeof(float);
+        float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+        dt__tp_state_scatter(p->tp, &p->whole, host, pieces);
+        float *view = dt__host_view(p->model->device, pieces, p->whole.numel);
+        dt__pp_scatter(p, view, local);
+        dt__host_view_close(p->model->device, view, pieces, p->whole.numel, 0);
+        dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
+    }
     free(host);
 }
 
@@ -9402,7 +9546,10 @@ static void dt__pp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
                s == 0 && embedding ? "the embedding, " : "", blocks, s == p->stages - 1 ? ", the head" : "", 4e-6 * held,
                4e-6 * held * (o->v ? 4 : 3), o->v ? "adamw's" : "sgd's");
     }
-    printf("  the whole model: %.3f MB of parameters, %d blocks\n", 4e-6 * (double)p->whole.numel, n);
+    if (p->tp)
+        printf("  each stage's blocks split over --tp %d ranks as in stage 06: the sizes above are one rank's pieces\n",
+               p->tp->size);
+    printf("  the whole model: %.3f MB of parameters, %d blocks\n", 4e-6 * (double)par->whole->numel, n);
     fflush(stdout);
 }
 
@@ -9424,22 +9571,55 @@ static dt_tensor *dt__pp_forward(dt_parallel *par, dt_tensor *inputs) {
         dt_recv(p->from_prev, x->data, x->numel, t, 0);
     }
     dt_tensor *y = dt_model_forward_blocks(m, inputs, x, p->first_block[p->stage], p->first_block[p->stage + 1]);
+    if (!last) dt_send(p->to_next, y->data, y->numel, t, 1);
+    /* the logits' columns: the vocabulary's share of this rank when --tp split it */
+    float cols = last ? (float)dt_tensor_cols(y) : 0;
+    dt__comm_all_reduce_host(p->pipe, &cols, 1, DT_SUM);
     if (!last) {
-        dt_send(p->to_next, y->data, y->numel, t, 1);
-        int shape[2] = { inputs->shape[0] * (dt_model_is_language(m->cfg.kind) ? (int)dt_tensor_cols(inputs) : 1), m->cfg.classes };
+        int shape[2] = { inputs->shape[0] * (dt_model_is_language(m->cfg.kind) ? (int)dt_tensor_cols(inputs) : 1), (int)cols };
         y = dt__tensor_alloc(2, shape, t);
+        if ((int)cols != m->cfg.classes) y->parallel = par;   /* dt_logits_to_host gathers them over the group */
     }
     dt_broadcast(p->pipe, y->data, y->numel, t, p->stages - 1);
     return y;
+}
+
+/* The last step's figures: the pipeline's bubble, its stages' idle time
+   over their time in the pipeline (each stage waits its own share: the
+   first more, when the last, with the head, computes more); how uneven the
+   stages are, the busiest one's compute over the mean (1: even). */
+static double dt__pp_bubble(const dt_pp *p) { return p->pipe_step_ms > 0 ? p->pipe_idle_ms / p->pipe_step_ms : 0; }
+static double dt__pp_balance_of(const dt_pp *p) {
+    return p->pipe_busy_ms > 0 ? p->pipe_busiest_ms * p->stages / p->pipe_busy_ms : 1;
+}
+/* The cost model's view of it: the whole model's compute on one rank is
+   what the stages computed together. */
+static int dt__pp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_pp *p = (const dt_pp *)par;
+    in->kind = DT_PAR_PP;
+    in->pp_micro_batches = p->micro_batches;
+    in->pp_balance = dt__pp_balance_of(p);
+    in->pp_bytes = p->act_bytes;
+    in->pp_measured_bubble = dt__pp_bubble(p);
+    in->compute_ms = p->pipe_busy_ms;
+    in->dp_groups = p->par.data_ranks;
+    return p->stages;
+}
+static void dt__pp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
+    const dt_pp *p = (const dt_pp *)par;
+    (void)accum_steps;
+    fprintf(out, " pp=%d pp_micro_batches=%d pp_balance=%.4f pp_bytes=%.0f bubble=%.4f bubble_predicted=%.4f", p->stages,
+            p->micro_batches, dt__pp_balance_of(p), p->act_bytes, dt__pp_bubble(p),
+            (p->stages - 1.0) / (p->micro_batches + p->stages - 1.0));
 }
 
 /* The step's pipeline figures, in its --log record. */
 static void dt__pp_log_fields(const dt_parallel *par, FILE *log) {
     const dt_pp *p = (const dt_pp *)par;
     double P = p->stages, M = p->micro_batches;
-    fprintf(log, ",\"pp_busy_ms\":%.3f,\"pp_idle_ms\":%.3f,\"bubble\":%.4f,\"bubble_predicted\":%.4f,"
-                 "\"pp_kept_bytes\":%.0f,\"pp_micro_bytes\":%.0f,\"pp_kept_micro_batches\":%d",
-            p->busy_ms, p->idle_ms, p->step_ms > 0 ? p->idle_ms / p->step_ms : 0, (P - 1) / (M + P - 1), p->kept_peak,
+    fprintf(log, ",\"pp_busy_ms\":%.3f,\"pp_idle_ms\":%.3f,\"pp_step_ms\":%.3f,\"bubble\":%.4f,\"bubble_predicted\":%.4f,"
+                 "\"pp_balance\":%.4f,\"pp_kept_bytes\":%.0f,\"pp_micro_bytes\":%.0f,\"pp_kept_micro_batches\":%d",
+            p->busy_ms, p->idle_ms, p->step_ms, dt__pp_bubble(p), (P - 1) / (M + P - 1), dt__pp_balance_of(p), p->kept_peak,
             p->kept_micro, p->kept_micro_batches);
 }
 
@@ -9456,15 +9636,17 @@ static void dt__pp_pair(dt_pp *p, int round, dt_comm **with_next, dt_comm **with
     else *with_prev = c;
 }
 
-dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int micro_batches, dt_pp_schedule schedule) {
+dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_batches, dt_pp_schedule schedule) {
     int world = dt_comm_size(comm);
     char v[64];
-    snprintf(v, sizeof v, "%d %d %d", pp, micro_batches, (int)schedule);
-    dt_comm_check_agree(comm, "--pp --micro-batches --schedule", v);
-    if (pp <= 0) pp = world;
-    if (world % pp)
-        dt_usage_error("--pp %d does not divide the job's %d ranks (the ranks form pipelines of --pp, data parallel across them)",
-                       pp, world);
+    snprintf(v, sizeof v, "%d %d %d %d", pp, tp, micro_batches, (int)schedule);
+    dt_comm_check_agree(comm, "--pp --tp --micro-batches --schedule", v);
+    if (tp <= 0) tp = 1;
+    if (world % tp) dt_usage_error("--tp %d does not divide the job's %d ranks", tp, world);
+    if (pp <= 0) pp = world / tp;
+    if ((world / tp) % pp)
+        dt_usage_error("--pp %d does not divide the job's %d ranks%s (the ranks form pipelines of --pp stages%s, data parallel "
+                       "across them)", pp, world, tp > 1 ? " over --tp" : "", tp > 1 ? " of --tp ranks each" : "");
     if (micro_batches < 1) dt_usage_error("--micro-batches %d: a step needs at least one", micro_batches);
     if ((int)schedule < 0 || (int)schedule >= (int)(sizeof dt__pp_schedules / sizeof dt__pp_schedules[0]))
         dt_fail("dt_pp_create: schedule %d is not one dtrain knows", (int)schedule);
@@ -9479,14 +9661,24 @@ dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int micro_batches, d
                             .backward_done = dt__pp_backward_done, .optimizer_view = dt__pp_optimizer_view,
                             .sum_over_ranks = dt__pp_sum_over_ranks, .state_open = dt__pp_state_open,
                             .state_close = dt__pp_state_close, .memory_table = dt__pp_memory_table,
-                            .forward = dt__pp_forward, .log_fields = dt__pp_log_fields };
-    dt_model_set_parallel(model, &p->par);
+                            .forward = dt__pp_forward, .log_fields = dt__pp_log_fields, .cost_input = dt__pp_cost_input,
+                            .bench_fields = dt__pp_bench_fields };
     dt__comm_hold(comm, "dt_pp_free");
     p->model = model;
     p->comm = comm;
-    int sizes[2] = { world / pp, pp };
-    const char *names[2] = { "dp", "pp" };
-    p->mesh = dt_mesh_create(comm, 2, sizes, names);
+    int sizes[3] = { world / (pp * tp), pp, tp };
+    const char *names[3] = { "dp", "pp", "tp" };
+    p->mesh = dt_mesh_create(comm, 3, sizes, names);
+    if (tp > 1) {           /* every block's layers split over the "tp" group first, as stage 06 does */
+        p->tp = dt_tp_create(model, dt_mesh_comm(p->mesh, "tp"), tp, 0);
+        dt_model_set_parallel(model, NULL);   /* the pipeline wraps the model, and passes its layers' sums on */
+        p->par.tp_sum = dt__pp_tp_sum;
+        p->par.tp_max = dt__pp_tp_max;
+        p->par.tp_all_gather = dt__pp_tp_all_gather;
+        p->par.tp_rank = p->tp->rank;
+        p->par.tp_size = tp;
+    }
+    dt_model_set_parallel(model, &p->par);
     p->pipe = dt_mesh_comm(p->mesh, "pp");
     p->across = dt_mesh_comm(p->mesh, "dp");
     p->stages = pp;
@@ -9494,12 +9686,12 @@ dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int micro_batches, d
     p->micro_batches = micro_batches;
     p->schedule = schedule;
     p->par.data_rank = dt_mesh_coord(p->mesh, "dp");
-    p->par.data_ranks = world / pp;
+    p->par.data_ranks = world / (pp * tp);
     p->first_block = (int *)malloc(sizeof(int) * (size_t)(pp + 1));
     if (!p->first_block) dt_fail("out of memory (pipeline parallelism)");
     dt__pp_balance(model, pp, p->first_block);
-    p->par.whole = &p->whole;
     dt__model_cut(model, &p->whole, dt__pp_cut_shape, dt__pp_scatter, p);
+    p->par.whole = p->tp ? &p->tp->whole : &p->whole;      /* what checkpoints hold: the model whole */
     for (int round = 0; round < 2 && pp > 1; round++) {      /* activations on, then gradients back */
         dt__pp_pair(p, round, &p->to_next, &p->from_prev);
         dt__pp_pair(p, round, &p->from_next, &p->to_prev);
@@ -9518,9 +9710,10 @@ dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int micro_batches, d
 void dt_pp_free(dt_pp *pp) {
     if (!pp) return;
     dt_model_set_parallel(pp->model, NULL);
-    pp->model->left_cut_by = "dt_pp_free";     /* each rank keeps its stage: the model can only be freed now */
     dt_comm *mine[5] = { pp->ends, pp->to_next, pp->from_next, pp->to_prev, pp->from_prev };
     for (int k = 0; k < 5; k++) if (mine[k]) dt_comm_free(mine[k]);
+    dt_tp_free(pp->tp);
+    pp->model->left_cut_by = "dt_pp_free";     /* each rank keeps its stage: the model can only be freed now */
     for (int k = 0; k < pp->nslots; k++) dt__step_arena_free(pp->arenas[k]);
     free(pp->arenas);
     dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_x, pp->inbox_bytes);
@@ -11518,18 +11711,8 @@ static void dt__bench_report(dt_run *r) {
            p[DT_PHASE_OPT] / steps, peak_mem / 1e6, peak_state / 1e6, peak_host / 1e6);
     if (language)                       /* gflops is then tokens/s x flops per token */
         printf(" tokens_per_s=%.1f flops_per_token=%.4g", tokens_per_s, dt_model_flops_per_token(whole));
-    const dt_tp *tp = dt__tp_of(r->model);
-    if (tp)                             /* what the cost model needs of tensor parallelism */
-        printf(" tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", tp->size, dt__tp_split_share(tp),
-               tp->step_sums / cfg->accum_steps, tp->step_sums > 0 ? tp->step_sum_bytes / tp->step_sums : 0.0);
-    const dt_pp *pp = dt__pp_of(r->model);
-    if (pp) {                           /* ... and of pipeline parallelism (rank 0's stage, the first) */
-        double largest = 0, whole_n = (double)pp->whole.numel;
-        for (int st = 0; st < pp->stages; st++) largest = fmax(largest, dt__pp_stage_params(pp, st) / whole_n);
-        printf(" pp=%d pp_micro_batches=%d pp_balance=%.4f pp_bytes=%.0f bubble=%.4f bubble_predicted=%.4f", pp->stages,
-               pp->micro_batches, largest * pp->stages, pp->act_bytes, pp->step_ms > 0 ? pp->idle_ms / pp->step_ms : 0,
-               (pp->stages - 1.0) / (pp->micro_batches + pp->stages - 1.0));
-    }
+    const dt_parallel *par = r->model->parallel;
+    if (par && par->bench_fields) par->bench_fields(par, stdout, cfg->accum_steps);   /* what the cost model needs of it */
     printf("\n");
     fflush(stdout);
 }
@@ -11661,8 +11844,9 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
         fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch\n", in->dp_groups,
                 in->kind == DT_PAR_TP ? "groups" : "pipelines", n, in->dp_groups * n);
     if (in->kind == DT_PAR_PP)
-        fprintf(out, "  %d micro-batches through %d stages: the bubble is (P - 1) / (M + P - 1) = %.0f%% of the step\n",
-                in->pp_micro_batches > 0 ? in->pp_micro_batches : 1, n, 100 * p.bubble);
+        fprintf(out, "  %d micro-batches through %d stages: the bubble is (P - 1) / (M + P - 1) = %.0f%% of the step "
+                "(measured on this rank: %.0f%%)\n", in->pp_micro_batches > 0 ? in->pp_micro_batches : 1, n, 100 * p.bubble,
+                100 * in->pp_measured_bubble);
     fprintf(out, "  compute %.2f ms a step per rank; communication %.2f ms (%.1f MB sent per rank), %.2f ms of it not "
             "hidden\n", p.compute_ms, p.comm_ms, p.bytes / 1e6, p.exposed_ms);
     if (p.comm_ms > 0) fprintf(out, "  compute : communication = %.1f : 1", p.compute_ms / p.comm_ms);
@@ -11837,16 +12021,17 @@ static const dt__flag dt__flags[] = {
       "communication,\n                          and what would change it", DT_ARG_SWITCH, DT_CFG(explain), NULL, DT_NOT_A_NUMBER },
     { "--link", "1234567", "shm|pcie|nvlink|infiniband", "--explain: the link between ranks (default: shm on a CPU, nvlink on GPUs)",
       DT_ARG_CHOICE, DT_CFG(link), "shm|pcie|nvlink|infiniband", DT_NOT_A_NUMBER },
-    { "--tp", "6", "T", "tensor parallelism: ranks per group that split every block's layers (default 0: the whole job;\n"
-      "                          a job of N ranks is N/T data-parallel groups of T)", DT_ARG_INT, DT_CFG(tp), NULL, DT_MIN(0) },
+    { "--tp", "67", "T", "tensor parallelism: ranks per group that split every block's layers (06: default 0, the whole\n"
+      "                          job, a job of N ranks is N/T data-parallel groups of T; 07: default 1, each stage's blocks\n"
+      "                          split over T ranks)", DT_ARG_INT, DT_CFG(tp), NULL, DT_MIN(0) },
     { "--sequence-parallel", "6", NULL, "tensor parallelism: the norms and residual adds between the split layers work on\n"
       "                          1/T of the tokens each (all-reduces become reduce-scatter + all-gather)", DT_ARG_SWITCH,
       DT_CFG(sequence_parallel), NULL, DT_NOT_A_NUMBER },
-    { "--pp", "7", "P", "pipeline parallelism: ranks per pipeline, each a stage of consecutive blocks (default 0: the\n"
-      "                          whole job; a job of N ranks is N/P data-parallel pipelines of P)", DT_ARG_INT, DT_CFG(pp), NULL,
-      DT_MIN(0) },
+    { "--pp", "7", "P", "pipeline parallelism: stages per pipeline, each a run of consecutive blocks (default 0: every\n"
+      "                          rank a stage; a job of N ranks is N/(P x T) data-parallel pipelines of P stages of --tp T)",
+      DT_ARG_INT, DT_CFG(pp), NULL, DT_MIN(0) },
     { "--micro-batches", "7", "M", "pipeline parallelism: micro-batches per step, each --batch-size / M (default 1)", DT_ARG_INT,
-      DT_CFG(micro_batches), NULL, DT_MIN(1) },
+      DT_CFG(micro_batches), NULL, DT_RANGE(1, DT_COMM_QUEUE) },   /* the sends a stage has in flight */
     { "--schedule", "7", "gpipe|1f1b", "pipeline parallelism: every forward then every backward (gpipe), or each backward as\n"
       "                          soon as it can run (1f1b, the default: at most --pp micro-batches' activations kept)",
       DT_ARG_CHOICE, DT_CFG(schedule), "gpipe|1f1b", DT_NOT_A_NUMBER },
@@ -12470,45 +12655,20 @@ static void dt__run_explain(dt_run *r) {
     in.kind = alone || !strncmp(c->stage, "03", 2) ? DT_PAR_DDP : !strncmp(c->stage, "02", 2) ? DT_PAR_DP
             : c->shard == DT_SHARD_OPTIMIZER ? DT_PAR_ZERO1 : c->shard == DT_SHARD_GRADS ? DT_PAR_ZERO2 : DT_PAR_ZERO3;
     in.compute_ms = (r->phase_ms[DT_PHASE_FWD] + r->phase_ms[DT_PHASE_BWD]) / c->accum_steps;
-    dt_tp *tp = dt__tp_of(r->model);
-    if (tp) {                         /* the whole model's compute on one rank, from this rank's share of it */
-        in.kind = DT_PAR_TP;
-        n = tp->size;
-        in.tp_share = dt__tp_split_share(tp);
-        in.tp_sums = tp->step_sums / c->accum_steps;
-        in.tp_bytes = tp->step_sums > 0 ? tp->step_sum_bytes / tp->step_sums : 0;
-        double kept = in.tp_share / n + (1 - in.tp_share);
-        in.compute_ms = fmax(0, in.compute_ms - tp->step_sum_ms / c->accum_steps) / kept;
-        in.dp_groups = tp->par.data_ranks;
-    }
-    dt_pp *pp = dt__pp_of(r->model);
-    if (pp) {                         /* the whole model's compute on one rank, from this stage's share of it */
-        in.kind = DT_PAR_PP;
-        n = pp->stages;
-        double largest = 0, whole = (double)pp->whole.numel, here = dt__pp_stage_params(pp, pp->stage) / whole;
-        for (int s = 0; s < pp->stages; s++) largest = fmax(largest, dt__pp_stage_params(pp, s) / whole);
-        in.pp_micro_batches = pp->micro_batches;
-        in.pp_balance = largest * n;
-        in.pp_bytes = pp->act_bytes;
-        in.compute_ms = here > 0 ? pp->busy_ms / here : 0;
-        in.dp_groups = pp->par.data_ranks;
-    }
-    in.params = (double)(tp ? tp->whole.numel : pp ? pp->whole.numel : r->model->numel);
+    in.accum_steps = c->accum_steps;
+    const dt_parallel *par = r->model->parallel;       /* a wrapper that splits the model says how */
+    if (par && par->cost_input) n = par->cost_input(par, &in);
+    in.params = (double)dt__state_layout(r->model)->numel;
     in.optimizer_ms = r->phase_ms[DT_PHASE_OPT];
     in.contention = 1;                /* the compute above was measured as this run shares its device(s) */
     in.backward_share = in.compute_ms > 0 ? r->phase_ms[DT_PHASE_BWD] / c->accum_steps / in.compute_ms : 0.66;
     in.gather_bytes = (double)dt_dtype_size((dt_dtype)c->dtype);
     in.reduce_bytes = (double)dt_dtype_size((dt_dtype)c->reduce_dtype);
-    in.accum_steps = c->accum_steps;
     in.messages = in.kind == DT_PAR_DDP ? dt_cost_ddp_buckets(in.params, c->bucket_mb) : r->model->nunits;
     printf("--explain, measured on step %lld: compute %.1f ms, communication %.1f ms (%.1f hidden)\n",
            (long long)r->step, in.compute_ms * c->accum_steps + in.optimizer_ms, dt__ctx.comm_ms, dt__ctx.comm_hidden_ms);
     if (alone) printf("(stage 01 trains alone: here is what DDP, stage 03, would do with it)\n");
     dt_cost_explain(stdout, &in, &link, n > 1 ? n : 2);
-    if (pp)
-        printf("  measured on this rank (stage %d): waited %.1f ms of the pipeline's %.1f ms, a bubble of %.0f%% (the formula: %.0f%%)\n",
-               pp->stage, pp->idle_ms, pp->step_ms, pp->step_ms > 0 ? 100 * pp->idle_ms / pp->step_ms : 0,
-               100.0 * (pp->stages - 1) / (pp->micro_batches + pp->stages - 1));
     printf("  predicted speedup at");
     for (int k = 2; k <= 8; k *= 2)
         printf(" %s%d%s: %.2fx%s", in.kind == DT_PAR_TP ? "--tp " : in.kind == DT_PAR_PP ? "--pp " : "", k,

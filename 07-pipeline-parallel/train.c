@@ -8,7 +8,8 @@
    idle rest, the bubble, is (P - 1) / (M + P - 1) of a step. --schedule
    gpipe: every forward, then every backward; 1f1b: each backward as soon as
    it can run, so a stage keeps at most P micro-batches' activations, not M.
-   Builds on 06-tensor-parallel. */
+   --tp T splits each stage's layers as 06 does; ranks left over are data
+   parallel: D x P x T ranks in all. Builds on 06-tensor-parallel. */
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
 
@@ -20,7 +21,7 @@ int main(int argc, char **argv) {
     dt_load_data(&cfg, &train, &val);
     dt_model_config mc = dt_model_config_from(&cfg, train.channels, train.size, train.num_classes);
     dt_model *model = dt_model_create(&mc, cfg.seed);
-    dt_pp *pp = dt_pp_create(model, comm, cfg.pp, cfg.micro_batches, (dt_pp_schedule)cfg.schedule);  /* keep my stage */
+    dt_pp *pp = dt_pp_create(model, comm, cfg.pp, cfg.tp, cfg.micro_batches, (dt_pp_schedule)cfg.schedule);  /* my stage */
     dt_optimizer *opt = dt_optimizer_create(model, cfg.optimizer, cfg.weight_decay, cfg.momentum, cfg.clip);
     dt_loader loader = dt_loader_create(&train, cfg.batch_size, cfg.seed, /*shuffle*/ 1, cfg.augment,
                                         /*drop_last*/ 1, dt_pp_data_rank(pp), dt_pp_data_ranks(pp));  /* the pipeline's share */

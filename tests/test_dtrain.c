@@ -2932,12 +2932,36 @@ static void test_tensor_parallel_keeps_one_tth_of_the_split_layers(void) {
            "--vocab 257 at --tp 2: exit %d\n%s", st, out);
 }
 
+/* The epoch-1 checkpoint in `first` (of `model` on `data`) resumed by three
+   runs, "stage flags" each: the first must end bit for bit where the run
+   that went on (`first`'s epoch 2) ended, the others within 2e-5. */
+static void resumes_alike(const char *data, const char *first, const char *model, const char *const runs[3], const char *tag) {
+    char out[16384], b[600], p[700], q[700];
+    snprintf(p, sizeof p, "%s/%s_data0-320_epoch2", first, model);
+    for (int k = 0; k < 3; k++) {
+        char stage[64];
+        snprintf(stage, sizeof stage, "%s", runs[k]);
+        char *sp = strchr(stage, ' ');
+        if (sp) *sp = 0;
+        snprintf(b, sizeof b, "%s/%s-b%d", tmpdir, tag, k);
+        int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --resume %s/%s_data0-320_epoch1 --save-dir %s",
+                         stage_bin(stage), data, sp ? sp + 1 : "", first, model, b);
+        CHECKF(st == 0, "%s --resume: exit %d\n%s", runs[k], st, out);
+        snprintf(q, sizeof q, "%s/%s_data0-320_epoch2", b, model);
+        if (k == 0) CHECKF(files_equal_tensors(p, q), "%s resumed at the same layout: not bit for bit the run that went on", runs[k]);
+        else {
+            double diff = max_tensor_diff(p, q);
+            CHECKF(diff >= 0 && diff <= 2e-5, "%s resumed from %s: differs by %.3g from the run that went on", runs[k], first, diff);
+        }
+    }
+}
+
 /* A tensor-parallel run saves the whole model, as stage 01 does (every
    rank's pieces gathered, rank 0 writes): it resumes bit for bit at the same
    --tp, at another --tp (each rank cuts its pieces again) and in stage 01,
    and --init starts 06 from a checkpoint of 01. */
 static void test_tensor_parallel_checkpoints_are_whole_and_resume_at_any_tp(void) {
-    char out[16384], a[600], b[600], c[600], d[600], p[700], q[700];
+    char out[16384], a[600], c[600], d[600], p[700];
     const char *flags = "--model vit --depth 2 --heads 4 --patch 4 --batch-size 16";
     snprintf(a, sizeof a, "%s/tpck-a", tmpdir);
     int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --nproc 2 --save-dir %s", stage_bin("06-tensor-parallel"),
@@ -2949,24 +2973,11 @@ static void test_tensor_parallel_checkpoints_are_whole_and_resume_at_any_tp(void
     int shape[2] = { 96, 32 };
     CHECKF(dt_safetensors_get(sf, "blocks.0.attn.qkv.weight", qkv, 2, shape), "no whole blocks.0.attn.qkv.weight [96, 32] in %s", p);
     dt_safetensors_close(sf);
-    snprintf(p, sizeof p, "%s/vit_data0-320_epoch2", a);
-    static const char *again[3] = { "06-tensor-parallel --nproc 2", "06-tensor-parallel --nproc 4", "01-single-gpu" };
-    for (int k = 0; k < 3; k++) {
-        char stage[64];
-        snprintf(stage, sizeof stage, "%s", again[k]);
-        char *sp = strchr(stage, ' ');
-        if (sp) *sp = 0;
-        snprintf(b, sizeof b, "%s/tpck-b%d", tmpdir, k);
-        st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s %s --resume %s/vit_data0-320_epoch1 --save-dir %s",
-                     stage_bin(stage), small_data(), flags, sp ? sp + 1 : "", a, b);
-        CHECKF(st == 0, "%s --resume: exit %d\n%s", again[k], st, out);
-        snprintf(q, sizeof q, "%s/vit_data0-320_epoch2", b);
-        if (k == 0) CHECKF(files_equal_tensors(p, q), "06 resumed at the same --tp: not bit for bit the run that went on");
-        else {
-            double diff = max_tensor_diff(p, q);
-            CHECKF(diff >= 0 && diff <= 2e-5, "%s resumed from 06 --tp 2: differs by %.3g from 06 going on", again[k], diff);
-        }
-    }
+    static const char *const again[3] = {
+        "06-tensor-parallel --model vit --depth 2 --heads 4 --patch 4 --batch-size 16 --nproc 2",
+        "06-tensor-parallel --model vit --depth 2 --heads 4 --patch 4 --batch-size 16 --nproc 4",
+        "01-single-gpu --model vit --depth 2 --heads 4 --patch 4 --batch-size 16" };
+    resumes_alike(small_data(), a, "vit", again, "tpck");
     /* --init from stage 01's checkpoint: the same first loss as 01 from it */
     snprintf(c, sizeof c, "%s/tpck-c.jsonl", tmpdir);
     snprintf(d, sizeof d, "%s/tpck-d.jsonl", tmpdir);
@@ -2983,12 +2994,14 @@ static void test_tensor_parallel_checkpoints_are_whole_and_resume_at_any_tp(void
 /* ---- stage 07: pipeline parallelism ---- */
 
 /* 07 against stage 01 with the same global batch of 32, 20 steps: P = 2 and
-   4, both schedules, M = 1, 2, 4 and 8 (each model covers every one of
-   them), and --pp 2 over 4 ranks (2 pipelines of 16 each). Only the order of
+   4, both schedules, M = 1, 2, 4 and 8 (every combination, for each model),
+   and --pp 2 over 4 ranks (2 pipelines of 16 each). Only the order of
    the gradient's sums differs (the micro-batches' are added one after the
    other), so losses within 1e-5, eval loss within 1e-5 (the last stage's
    logits, broadcast), every weight and Adam moment within 2e-5. */
-static void pp_equivalence(const char *data, int samples, const char *flags, const char *model) {
+typedef struct { int nproc, pp, batch; const char *flags; } pp_layout;
+static void pp_equivalence_in(const char *data, int samples, const char *flags, const char *model, const pp_layout *layouts,
+                              int nlayouts) {
     char out[16384], ref[600], rlog[700], dir[600], log[700], p[700], q[700];
     snprintf(ref, sizeof ref, "%s/pp-%s-01", tmpdir, model);
     snprintf(rlog, sizeof rlog, "%s.jsonl", ref);
@@ -2996,13 +3009,8 @@ static void pp_equivalence(const char *data, int samples, const char *flags, con
                      flags, ref, rlog);
     CHECKF(st == 0, "01: exit %d\n%s", st, out);
     snprintf(p, sizeof p, "%s/%s_data0-%d_epoch2", ref, model, samples);
-    static const struct { int nproc, pp, batch; const char *flags; } layouts[7] = {
-        { 2, 0, 32, "--schedule gpipe --micro-batches 1" }, { 2, 0, 32, "--schedule 1f1b --micro-batches 2" },
-        { 2, 0, 32, "--schedule gpipe --micro-batches 8" }, { 4, 0, 32, "--schedule 1f1b --micro-batches 4" },
-        { 4, 0, 32, "--schedule gpipe --micro-batches 2" }, { 4, 0, 32, "--schedule 1f1b --micro-batches 8" },
-        { 4, 2, 16, "--schedule 1f1b --micro-batches 2" } };
-    for (int k = 0; k < 7; k++) {
-        snprintf(dir, sizeof dir, "%s/pp-%s-%d", tmpdir, model, k);
+    for (int k = 0; k < nlayouts; k++) {
+        snprintf(dir, sizeof dir, "%s/pp-%s-%d%s", tmpdir, model, k, strstr(layouts[k].flags, "--tp") ? "-tp" : "");
         snprintf(log, sizeof log, "%s.jsonl", dir);
         st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s %s --batch-size %d --nproc %d --pp %d --save-dir %s --log %s",
                      stage_bin("07-pipeline-parallel"), data, flags, layouts[k].flags, layouts[k].batch, layouts[k].nproc,
@@ -3019,6 +3027,19 @@ static void pp_equivalence(const char *data, int samples, const char *flags, con
         CHECKF(d >= 0 && d <= 2e-5, "%s 07 --nproc %d --pp %d %s: weights or optimizer state differ from 01 by %.3g", model,
                layouts[k].nproc, layouts[k].pp, layouts[k].flags, d);
     }
+}
+static void pp_equivalence(const char *data, int samples, const char *flags, const char *model) {
+    static const pp_layout layouts[17] = {
+        { 2, 0, 32, "--schedule gpipe --micro-batches 1" }, { 2, 0, 32, "--schedule gpipe --micro-batches 2" },
+        { 2, 0, 32, "--schedule gpipe --micro-batches 4" }, { 2, 0, 32, "--schedule gpipe --micro-batches 8" },
+        { 2, 0, 32, "--schedule 1f1b --micro-batches 1" }, { 2, 0, 32, "--schedule 1f1b --micro-batches 2" },
+        { 2, 0, 32, "--schedule 1f1b --micro-batches 4" }, { 2, 0, 32, "--schedule 1f1b --micro-batches 8" },
+        { 4, 0, 32, "--schedule gpipe --micro-batches 1" }, { 4, 0, 32, "--schedule gpipe --micro-batches 2" },
+        { 4, 0, 32, "--schedule gpipe --micro-batches 4" }, { 4, 0, 32, "--schedule gpipe --micro-batches 8" },
+        { 4, 0, 32, "--schedule 1f1b --micro-batches 1" }, { 4, 0, 32, "--schedule 1f1b --micro-batches 2" },
+        { 4, 0, 32, "--schedule 1f1b --micro-batches 4" }, { 4, 0, 32, "--schedule 1f1b --micro-batches 8" },
+        { 4, 2, 16, "--schedule 1f1b --micro-batches 2" } };
+    pp_equivalence_in(data, samples, flags, model, layouts, 17);
 }
 static void test_pipeline_parallel_equals_one_device(void) {
     pp_equivalence(small_data(), 320, "--depth 3", "mlp");                           /* 4 layers: 4 stages of one */
@@ -3050,7 +3071,8 @@ static double step_value(const char *log, int step, const char *key) {
    seen in the activations' peak. Each stage holds only its blocks'
    parameters, the embedding with the first and the head with the last. The
    bubble's accounting: the formula (P - 1) / (M + P - 1) beside the
-   measured share of the step spent waiting, which a single stage never
+   measured share of the stages' time spent waiting (this rank's computing
+   and waiting within its time in the pipeline), which a single stage never
    does. */
 static void test_pipeline_parallel_keeps_p_micro_batches_under_1f1b(void) {
     char out[16384], log[600];
@@ -3072,8 +3094,9 @@ static void test_pipeline_parallel_keeps_p_micro_batches_under_1f1b(void) {
         CHECKF(fabs(predicted - 3.0 / 11.0) < 1e-4 && bubble >= 0 && bubble < 1, "bubble %.4f, predicted %.4f (expected 3/11)",
                bubble, predicted);
         double busy = step_value(log, 3, "pp_busy_ms"), idle = step_value(log, 3, "pp_idle_ms");
-        double step = step_value(log, 3, "step_ms");
-        CHECKF(busy > 0 && idle >= 0 && busy + idle <= step * 1.01, "busy %.3f ms + idle %.3f ms, a step of %.3f ms", busy, idle, step);
+        double in_pipe = step_value(log, 3, "pp_step_ms"), step = step_value(log, 3, "step_ms");
+        CHECKF(busy > 0 && idle >= 0 && busy + idle <= in_pipe * 1.01 && in_pipe <= step * 1.01,
+               "busy %.3f ms + idle %.3f ms, in the pipeline %.3f ms, a step of %.3f ms", busy, idle, in_pipe, step);
         peaks[k] = summary_value(log, "peak_activations_bytes");
     }
     CHECKF(peaks[0] > 0 && peaks[0] < 0.75 * peaks[1], "activations peak at %.0f bytes under 1F1B, %.0f under GPipe", peaks[0],
@@ -3106,7 +3129,7 @@ static void test_pipeline_parallel_keeps_p_micro_batches_under_1f1b(void) {
    holds to rank 0, which writes): it resumes bit for bit at the same layout,
    and at another (--pp 4, or stage 01) within the sums' order. */
 static void test_pipeline_parallel_checkpoints_are_whole_and_resume(void) {
-    char out[16384], a[600], b[600], p[700], q[700];
+    char out[16384], a[600], p[700];
     const char *flags = "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 16 --micro-batches 4";
     snprintf(a, sizeof a, "%s/ppck-a", tmpdir);
     int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --nproc 2 --save-dir %s", stage_bin("07-pipeline-parallel"),
@@ -3119,25 +3142,35 @@ static void test_pipeline_parallel_checkpoints_are_whole_and_resume(void) {
     CHECKF(dt_safetensors_get(sf, "wte.weight", w, 2, shape) && dt_safetensors_get(sf, "h.3.mlp.c_fc.bias", w, 1, (int[]){ 128 }),
            "no whole wte.weight or h.3.mlp.c_fc.bias in %s", p);
     dt_safetensors_close(sf);
-    snprintf(p, sizeof p, "%s/gpt_data0-320_epoch2", a);
-    static const char *again[3] = { "07-pipeline-parallel --nproc 2", "07-pipeline-parallel --nproc 4", "01-single-gpu" };
-    for (int k = 0; k < 3; k++) {
-        char stage[64];
-        snprintf(stage, sizeof stage, "%s", again[k]);
-        char *sp = strchr(stage, ' ');
-        if (sp) *sp = 0;
-        snprintf(b, sizeof b, "%s/ppck-b%d", tmpdir, k);
-        st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s %s --resume %s/gpt_data0-320_epoch1 --save-dir %s",
-                     stage_bin(stage), gpt_text(), k == 2 ? "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 16"
-                     : flags, sp ? sp + 1 : "", a, b);
-        CHECKF(st == 0, "%s --resume: exit %d\n%s", again[k], st, out);
-        snprintf(q, sizeof q, "%s/gpt_data0-320_epoch2", b);
-        if (k == 0) CHECKF(files_equal_tensors(p, q), "07 resumed at the same layout: not bit for bit the run that went on");
-        else {
-            double diff = max_tensor_diff(p, q);
-            CHECKF(diff >= 0 && diff <= 2e-5, "%s resumed from 07 --pp 2: differs by %.3g from 07 going on", again[k], diff);
-        }
-    }
+    static const char *const again[3] = {
+        "07-pipeline-parallel --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 16 --micro-batches 4 --nproc 2",
+        "07-pipeline-parallel --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 16 --micro-batches 4 --nproc 4",
+        "01-single-gpu --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 16" };
+    resumes_alike(gpt_text(), a, "gpt", again, "ppck");
+}
+
+/* All three dimensions on a mesh, D x T x P ranks ("dp" x "pp" x "tp",
+   tensor parallelism inside each stage): 1 x 2 x 2 and 2 x 2 x 1 on 4
+   ranks, and 2 x 2 x 2 on 8, against stage 01 with the same global batch of
+   32 (2 x 1 x 2 is among the layouts above); the GPT's vocabulary is then
+   split over T inside the two end stages, which add up its gradients. A
+   checkpoint of 1 x 2 x 2 (the stages' pieces, gathered over both) resumes
+   bit for bit. */
+static void test_data_tensor_and_pipeline_parallel_together_equal_one_device(void) {
+    static const pp_layout layouts[3] = {
+        { 4, 0, 32, "--tp 2 --micro-batches 4" }, { 4, 1, 16, "--tp 2 --micro-batches 2" },
+        { 8, 2, 16, "--tp 2 --micro-batches 2 --schedule gpipe" } };
+    pp_equivalence_in(gpt_text(), 320, "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16", "gpt", layouts, 3);
+    pp_equivalence_in(small_data(), 320, "--model vit --depth 4 --heads 2 --patch 4", "vit", layouts, 2);
+    char out[16384], b[600], p[700], q[700];
+    snprintf(b, sizeof b, "%s/pp3d-again", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 "
+                     "--batch-size 32 --nproc 4 --tp 2 --micro-batches 4 --resume %s/pp-gpt-0-tp/gpt_data0-320_epoch1 --save-dir %s",
+                     stage_bin("07-pipeline-parallel"), gpt_text(), tmpdir, b);
+    CHECKF(st == 0, "07 --tp 2 --resume: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/pp-gpt-0-tp/gpt_data0-320_epoch2", tmpdir);
+    snprintf(q, sizeof q, "%s/gpt_data0-320_epoch2", b);
+    CHECKF(files_equal_tensors(p, q), "07 --nproc 4 --tp 2 resumed: not bit for bit the run that went on");
 }
 
 /* A stage killed while it sends an activation: the stages waiting on it
@@ -5316,7 +5349,7 @@ static void test_cost_model_matches_hand_computed_cases(void) {
        8 sums of 1.25e7 bytes (1.25 ms each at N=2): 100 x (0.8/2 + 0.2) = 60
        ms of compute and 10 of sums, none hidden: 100 / 70 over one rank with
        the same batch (not twice it) */
-    dt_cost_input tp = { DT_PAR_TP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0.8, 8, 1.25e7, 0, 0, 0, 0 };
+    dt_cost_input tp = { DT_PAR_TP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0.8, 8, 1.25e7, 0, 0, 0, 0, 0 };
     dt_cost_prediction q = dt_cost_predict(&tp, &(dt_link){ "no latency", 0, 10 }, 2);
     CHECKF(CLOSE(q.compute_ms, 60, 1e-12) && CLOSE(q.comm_ms, 10, 1e-12) && CLOSE(q.exposed_ms, 10, 1e-12) &&
            CLOSE(q.speedup, 100.0 / 70, 1e-12) && CLOSE(q.bytes, 8 * 1.25e7, 1e-12),
@@ -5335,7 +5368,7 @@ static void test_cost_model_matches_hand_computed_cases(void) {
        hop at 10 GB/s, 16 of them a step, of which those of the fill and the
        drain (2 x 3) are not hidden: 34.375 + 0.6 ms, a bubble of 3/11; each
        rank sends 16e6 bytes but an end stage half of that: 12e6 on average */
-    dt_cost_input pp = { DT_PAR_PP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 8, 1, 1e6 };
+    dt_cost_input pp = { DT_PAR_PP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 8, 1, 1e6, 0 };
     q = dt_cost_predict(&pp, &(dt_link){ "no latency", 0, 10 }, 4);
     CHECKF(CLOSE(q.compute_ms, 34.375, 1e-12) && CLOSE(q.comm_ms, 1.6, 1e-12) && CLOSE(q.exposed_ms, 0.6, 1e-12) &&
            CLOSE(q.bubble, 3.0 / 11, 1e-12) && CLOSE(q.speedup, 100 / 34.975, 1e-12) && CLOSE(q.bytes, 12e6, 1e-12),
@@ -5349,7 +5382,7 @@ static void test_cost_model_matches_hand_computed_cases(void) {
        nothing hidden: 125 ms a step, 80% efficiency; hidden behind half of
        compute (50 ms): 100% */
     dt_link fast = { "no latency", 0, 10 };
-    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     dt_cost_prediction p = dt_cost_predict(&in, &fast, 2);
     CHECKF(CLOSE(p.comm_ms, 25, 1e-12) && CLOSE(p.step_ms, 125, 1e-12) && CLOSE(p.efficiency, 0.8, 1e-12),
            "DDP: comm %.4f, step %.4f, efficiency %.4f", p.comm_ms, p.step_ms, p.efficiency);
@@ -5423,6 +5456,8 @@ static void test_bad_flags_exit_2_naming_the_flag(void) {
         { "01-single-gpu", "--sequence-parallel", "--sequence-parallel is a flag of 06-tensor-parallel" },
         { "03-ddp", "--pp 2", "--pp is a flag of 07-pipeline-parallel" },
         { "07-pipeline-parallel", "--nproc 4 --pp 3", "--pp 3 does not divide the job's 4 ranks" },
+        { "07-pipeline-parallel", "--nproc 4 --tp 3", "--tp 3 does not divide the job's 4 ranks" },
+        { "07-pipeline-parallel", "--nproc 4 --tp 2 --pp 4", "--pp 4 does not divide the job's 4 ranks over --tp" },
         { "07-pipeline-parallel", "--nproc 4 --depth 2", "--pp 4: the model has 3 blocks (--depth), fewer than the stages" },
         { "07-pipeline-parallel", "--nproc 2 --batch-size 30 --micro-batches 4", "--micro-batches 4 does not divide --batch-size 30" },
         { "07-pipeline-parallel", "--schedule zigzag", "--schedule" },
@@ -5514,7 +5549,7 @@ static void test_a_flag_of_another_stage_exits_2_naming_its_stages(void) {
         { "04-fsdp", "--nproc --shard --cpu-offload --ranks-per-gpu", "--bucket-mb --accum-steps --dtype --reduce-dtype" },
         { "05-accum-mixed-precision", "--shard --cpu-offload --accum-steps --dtype --reduce-dtype", "--bucket-mb" },
         { "06-tensor-parallel", "--nproc --timeout --tp --sequence-parallel --ranks-per-gpu", "--bucket-mb --shard --accum-steps --dtype" },
-        { "07-pipeline-parallel", "--nproc --timeout --pp --micro-batches --schedule", "--tp --bucket-mb --shard --accum-steps --dtype" },
+        { "07-pipeline-parallel", "--nproc --timeout --pp --tp --micro-batches --schedule", "--sequence-parallel --bucket-mb --shard --accum-steps --dtype" },
     };
     for (size_t i = 0; i < sizeof help / sizeof help[0]; i++) {
         int st = run_cmd(out, sizeof out, "%s --help", stage_bin(help[i].stage));
@@ -6447,7 +6482,8 @@ static const test_case tests[] = {
     T(test_tensor_parallel_equals_one_device), T(test_tensor_parallel_evaluates_and_samples_on_every_rank),
     T(test_tensor_parallel_keeps_one_tth_of_the_split_layers), T(test_tensor_parallel_checkpoints_are_whole_and_resume_at_any_tp),
     T(test_pipeline_parallel_equals_one_device), T(test_pipeline_parallel_keeps_p_micro_batches_under_1f1b),
-    T(test_pipeline_parallel_checkpoints_are_whole_and_resume), T(test_a_killed_pipeline_stage_stops_every_rank),
+    T(test_pipeline_parallel_checkpoints_are_whole_and_resume), T(test_data_tensor_and_pipeline_parallel_together_equal_one_device),
+    T(test_a_killed_pipeline_stage_stops_every_rank),
     T(test_order_mistakes_in_each_stage_are_named_errors), T(test_gpt_trains_alike_in_every_stage), T(test_llama_trains_alike_in_every_stage),
     T(test_masked_instruction_data_trains_alike_in_every_stage), T(test_recompute_repeats_the_bits_of_every_stage_in_less_memory),
     T(test_lora_starts_at_the_frozen_model_and_trains_only_its_adapters), T(test_lora_trains_alike_in_every_stage_and_round_trips),

@@ -467,7 +467,7 @@ int main(int argc, char **argv) {
                r->fwd + r->bwd + r->opt, r->comm, r->hidden, r->peak, r->state,
                r->oversubscribed ? (strcmp(r->device, "cpu") ? "oversubscribed: more ranks than GPUs" : "oversubscribed: more ranks x threads than cores") : "");
         if (stages[r->stage].kind == DT_PAR_PP && r->ranks > 1)    /* the pipeline's idle share, beside the formula's */
-            printf("%-22s %-9s %5s   bubble %.0f%% of rank 0's step (formula (P - 1) / (M + P - 1): %.0f%%)\n", "", "", "",
+            printf("%-22s %-9s %5s   the pipeline's bubble %.0f%% (the formula, (P - 1) / (M + P - 1): %.0f%%)\n", "", "", "",
                    100 * r->bubble, 100 * r->bubble_predicted);
     }
     char path[1024];

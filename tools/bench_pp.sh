@@ -4,10 +4,11 @@
 # schedules, against stage 01 at 1 thread, on two workloads. Each cell is the
 # median of REPEATS runs (default 3; the spread in brackets), the runs
 # alternating so that a slow minute lands on every column alike. Beside each
-# rate: rank 0's measured bubble (the share of its pipeline time spent
-# waiting) and the formula's (P - 1) / (M + P - 1); the largest rank's peak
-# memory; and, from one --explain run per cell, the cost model's predicted
-# speedup. 07-pipeline-parallel/README.md's table is this script's output.
+# rate: the measured bubble (the stages' time spent waiting, over their time
+# in the pipeline) and the formula's (P - 1) / (M + P - 1); the largest
+# rank's peak memory; and, from one --explain run per cell, the cost model's
+# predicted speedup. 07-pipeline-parallel/README.md's table is this script's
+# output.
 #
 # usage: tools/bench_pp.sh        (from the project root, after make)
 #   REPEATS=N  WORKS="vit gpt"  MICRO="1 2 4 8"
@@ -71,4 +72,4 @@ for w in $works; do
       "$(middle "$w" "$c" 6)"
   done
 done
-echo "(07: 2 stages, one thread each; rates in samples/s (vit) and tokens/s (gpt); the bubble is rank 0's, the first stage's)"
+echo "(07: 2 stages, one thread each; rates in samples/s (vit) and tokens/s (gpt))"
