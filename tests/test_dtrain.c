@@ -2939,7 +2939,7 @@ static void resumes_alike(const char *data, const char *first, const char *model
     char out[16384], b[600], p[700], q[700];
     snprintf(p, sizeof p, "%s/%s_data0-320_epoch2", first, model);
     for (int k = 0; k < 3; k++) {
-        char stage[64];
+        char stage[512];
         snprintf(stage, sizeof stage, "%s", runs[k]);
         char *sp = strchr(stage, ' ');
         if (sp) *sp = 0;
