@@ -3001,7 +3001,7 @@ static void test_tensor_parallel_checkpoints_are_whole_and_resume_at_any_tp(void
    logits, broadcast), every weight and Adam moment within 2e-5. */
 typedef struct { int nproc, pp, batch; const char *flags; } pp_layout;
 static void pp_equivalence_in(const char *data, int samples, const char *flags, const char *model, const pp_layout *layouts,
-                              int nlayouts) {
+                              int nlayouts, double weight_tol) {
     char out[16384], ref[600], rlog[700], dir[600], log[700], p[700], q[700];
     snprintf(ref, sizeof ref, "%s/pp-%s-01", tmpdir, model);
     snprintf(rlog, sizeof rlog, "%s.jsonl", ref);
@@ -3024,8 +3024,8 @@ static void pp_equivalence_in(const char *data, int samples, const char *flags, 
                layouts[k].pp, layouts[k].flags, e7, e1);
         snprintf(q, sizeof q, "%s/%s_data0-%d_epoch2", dir, model, samples);
         double d = max_tensor_diff(p, q);
-        CHECKF(d >= 0 && d <= 2e-5, "%s 07 --nproc %d --pp %d %s: weights or optimizer state differ from 01 by %.3g", model,
-               layouts[k].nproc, layouts[k].pp, layouts[k].flags, d);
+        CHECKF(d >= 0 && d <= weight_tol, "%s 07 --nproc %d --pp %d %s: weights or optimizer state differ from 01 by %.3g "
+               "(tolerance %.0e)", model, layouts[k].nproc, layouts[k].pp, layouts[k].flags, d, weight_tol);
     }
 }
 static void pp_equivalence(const char *data, int samples, const char *flags, const char *model) {
@@ -3039,7 +3039,7 @@ static void pp_equivalence(const char *data, int samples, const char *flags, con
         { 4, 0, 32, "--schedule 1f1b --micro-batches 1" }, { 4, 0, 32, "--schedule 1f1b --micro-batches 2" },
         { 4, 0, 32, "--schedule 1f1b --micro-batches 4" }, { 4, 0, 32, "--schedule 1f1b --micro-batches 8" },
         { 4, 2, 16, "--schedule 1f1b --micro-batches 2" } };
-    pp_equivalence_in(data, samples, flags, model, layouts, 17);
+    pp_equivalence_in(data, samples, flags, model, layouts, 17, 2e-5);
 }
 static void test_pipeline_parallel_equals_one_device(void) {
     pp_equivalence(small_data(), 320, "--depth 3", "mlp");                           /* 4 layers: 4 stages of one */
@@ -3152,7 +3152,8 @@ static void test_pipeline_parallel_checkpoints_are_whole_and_resume(void) {
 /* All three dimensions on a mesh, D x T x P ranks ("dp" x "pp" x "tp",
    tensor parallelism inside each stage): 1 x 2 x 2 and 2 x 2 x 1 on 4
    ranks, and 2 x 2 x 2 on 8, against stage 01 with the same global batch of
-   32 (2 x 1 x 2 is among the layouts above); the GPT's vocabulary is then
+   32 (2 x 1 x 2 is among the layouts above): losses and eval loss within
+   1e-5, weights within 2e-5 (the vit's 1e-4, below); the GPT's vocabulary is then
    split over T inside the two end stages, which add up its gradients. A
    checkpoint of 1 x 2 x 2 (the stages' pieces, gathered over both) resumes
    bit for bit. */
@@ -3160,8 +3161,11 @@ static void test_data_tensor_and_pipeline_parallel_together_equal_one_device(voi
     static const pp_layout layouts[3] = {
         { 4, 0, 32, "--tp 2 --micro-batches 4" }, { 4, 1, 16, "--tp 2 --micro-batches 2" },
         { 8, 2, 16, "--tp 2 --micro-batches 2 --schedule gpipe" } };
-    pp_equivalence_in(gpt_text(), 320, "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16", "gpt", layouts, 3);
-    pp_equivalence_in(small_data(), 320, "--model vit --depth 4 --heads 2 --patch 4", "vit", layouts, 2);
+    pp_equivalence_in(gpt_text(), 320, "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16", "gpt", layouts, 3, 2e-5);
+    /* the vit's weights within 1e-4: built by clang (make test-msan), 1 x 2 x 2 ended one fc2 weight of 4096 6.4e-5
+       away (every other value within 3.2e-6, its Adam moments within 0.15%). Its gradient is small (v 3e-9), and
+       AdamW divides by sqrt(v), so the rounding of the split sums moves its update; gcc's build was within 2e-5. */
+    pp_equivalence_in(small_data(), 320, "--model vit --depth 4 --heads 2 --patch 4", "vit", layouts, 2, 1e-4);
     char out[16384], b[600], p[700], q[700];
     snprintf(b, sizeof b, "%s/pp3d-again", tmpdir);
     int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 "
