@@ -2939,10 +2939,9 @@ static void resumes_alike(const char *data, const char *first, const char *model
     char out[16384], b[600], p[700], q[700];
     snprintf(p, sizeof p, "%s/%s_data0-320_epoch2", first, model);
     for (int k = 0; k < 3; k++) {
-        char stage[512];
-        snprintf(stage, sizeof stage, "%s", runs[k]);
-        char *sp = strchr(stage, ' ');
-        if (sp) *sp = 0;
+        char stage[64];                     /* the run's first word; its flags follow */
+        const char *sp = strchr(runs[k], ' ');
+        snprintf(stage, sizeof stage, "%.*s", (int)(sp ? (size_t)(sp - runs[k]) : strlen(runs[k])), runs[k]);
         snprintf(b, sizeof b, "%s/%s-b%d", tmpdir, tag, k);
         int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --resume %s/%s_data0-320_epoch1 --save-dir %s",
                          stage_bin(stage), data, sp ? sp + 1 : "", first, model, b);
