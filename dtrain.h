@@ -5333,8 +5333,8 @@ dt_tensor *dt_model_forward_blocks(dt_model *m, dt_tensor *inputs, dt_tensor *x,
         dt_fail("dt_model_forward_blocks: %s", first > 0 ? "a run of blocks after the first starts from x, the activation "
                                                            "the blocks before made: give it"
                                                          : "the first block starts from the embedding of the inputs: x must be NULL");
-    const dt_model *w = m->base ? m->base : m;      /* the weights the blocks read must be here */
-    for (int i = 0; i < w->nparams; i++) {
+    const dt_model *w = m->base ? m->base : m;      /* the weights the blocks read must be here: only a */
+    for (int i = 0; i < (m->parallel && m->parallel->whole ? w->nparams : 0); i++) {   /* cut model lacks any */
         int b = w->splits[i].block;
         int read = (b >= first && b < end) || (b < 0 && first == 0) || (b >= n && end == n) || (w->splits[i].tied && (first == 0 || end == n));
         if (read && w->params[i].numel == 0)
@@ -7854,15 +7854,9 @@ static void dt__record_event(const char *name, double t0, double t1) { dt__recor
 
 /* A thread that ran ops gives back what its context holds before it ends. */
 static void dt__context_release(void) {
-    dt_step_arena_reset();                  /* spill blocks back, the tape emptied */
-    dt__scratch_reset();
-    for (int d = 0; d < 4; d++) {
-        dt__step_arena *a = d < 2 ? &dt__ctx.step[d] : &dt__ctx.scratch[d - 2];
-        if (a->base) dt_free_on((dt_device)(d % 2), DT_ARENA_ACTS, a->base, a->cap);
-        free(a->spill);
-        free(a->spill_bytes);
-        memset(a, 0, sizeof *a);
-    }
+    dt_step_arena_reset();                  /* the tape emptied */
+    dt__step_arena_free(dt__ctx.step);      /* spill blocks and blocks back */
+    dt__step_arena_free(dt__ctx.scratch);
     free(dt__ctx.tape);
     dt__ctx.tape = NULL;
     dt__ctx.tape_cap = 0;
