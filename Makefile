@@ -237,7 +237,10 @@ TORCH_PY = $(shell for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2
 # runs tools/bench_gpu.sh (dtrain against PyTorch, DDP's overhead, stage 05's
 # dtypes on vit-base); then tools/bench_cpu.sh, stage 01 against PyTorch on
 # the CPU (when it is installed) at 1 and 2 threads, medians of 3 alternating
-# runs (BENCH_CPU=0 skips it; REPEATS, THREADS, BIG=0 are its knobs).
+# runs (BENCH_CPU=0 skips it; REPEATS, THREADS, BIG=0 are its knobs). At 4
+# ranks tools/bench ends with the layouts study: gpt-char on every D x T x P
+# of 4 ranks in stage 07, against 01 and the cost model (bench/layouts.csv,
+# bench/layouts.svg; tools/bench --layouts N alone for another size).
 bench: $(STAGE_BINS) tools/collectives tools/bench
 	@if [ -n "$(CUDA_OBJ)" ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then \
 	  tools/bench_gpu.sh 01-single-gpu/train "$(TORCH_PY)" 03-ddp/train 05-accum-mixed-precision/train; \

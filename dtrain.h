@@ -1149,6 +1149,12 @@ typedef struct dt_cost_input {
        gradients per micro-batch (4 per transformer block: 2 forward, 2
        backward), and the bytes of each (batch x tokens x width x 4) */
     double tp_share, tp_sums, tp_bytes;
+    /* ... and, for a pipeline (DT_PAR_PP) whose stages split their layers
+       too (07's --tp), how many ranks each stage's layers are split over
+       (0 or 1: none); tp_sums then counts the whole model's sums per
+       micro-batch, and tp_bytes those of a micro-batch. Tensor parallelism
+       alone (DT_PAR_TP) has its T in dt_cost_predict's n. */
+    int tp_ranks;
     /* ... and with more ranks than T (or P), the data-parallel groups of T
        (pipelines of P): after backward each rank's gradients (tensor: params
        x (tp_share / T + 1 - tp_share) x reduce_bytes; pipeline: its stage's)
@@ -9127,6 +9133,7 @@ struct dt_pp {
        busiest stage's (which sets the pace). */
     double busy_ms, idle_ms, step_ms;
     double pipe_busy_ms, pipe_idle_ms, pipe_step_ms, pipe_busiest_ms;
+    double pipe_tp_sums, pipe_tp_sum_ms, pipe_tp_sum_bytes;   /* with --tp: the stages' layer sums, their time and bytes */
     double act_bytes;           /* one micro-batch's activation, sent on */
     double kept_peak, kept_micro;
     int kept_micro_batches;     /* the most micro-batches alive at once */
@@ -9335,13 +9342,15 @@ static void dt__pp_backward_one(dt_pp *pp, dt__pp_step *st, int i) {
     dt__backward_span(u->out, u->tape_lo, u->tape_hi);
     dt_comm_handle sent_back = pp->stage > 0 ? dt_send_async(pp->to_prev, dt_grad(u->in), st->act_n, st->t, 0) : 0;
     dt__pp_busy(pp, "backward", i, t0);
-    double t1 = dt_now_ms();
-    dt__pp_sent(pp->to_prev, sent_back, "send gradient", t1);
-    dt__pp_sent(pp->to_next, u->sent, "send activation", t1);
-    dt_synchronize();
-    double t2 = dt_now_ms();
-    pp->idle_ms += t2 - t1;
-    if (t2 - t1 > 0.01) dt__record_event("waiting", t1, t2);
+    if (sent_back || u->sent) {             /* idle is only ever time spent on a peer: a lone stage has none */
+        double t1 = dt_now_ms();
+        dt__pp_sent(pp->to_prev, sent_back, "send gradient", t1);
+        dt__pp_sent(pp->to_next, u->sent, "send activation", t1);
+        dt_synchronize();
+        double t2 = dt_now_ms();
+        pp->idle_ms += t2 - t1;
+        if (t2 - t1 > 0.01) dt__record_event("waiting", t1, t2);
+    }
     st->kept -= u->kept;
     st->alive--;
     dt__step_arena_swap(pp->arenas[u->slot]);
@@ -9402,13 +9411,22 @@ dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch) {
     float mean = last ? (float)(st.loss_sum / M) : 0;
     dt__comm_all_reduce_host(pp->pipe, &mean, 1, DT_SUM);
     double t_end = dt_now_ms();
-    pp->idle_ms += t_end - t_done;
-    if (t_end - t_done > 0.01) dt__record_event("waiting", t_done, t_end);
+    if (pp->stages > 1) {
+        pp->idle_ms += t_end - t_done;
+        if (t_end - t_done > 0.01) dt__record_event("waiting", t_done, t_end);
+    }
     pp->step_ms = t_end - t_start;
-    float sums[3] = { (float)pp->busy_ms, (float)pp->idle_ms, (float)pp->step_ms }, busiest = (float)pp->busy_ms;
-    dt__comm_all_reduce_host(pp->pipe, sums, 3, DT_SUM);    /* the stages' times */
+    /* the stages' times, and the sums their split layers waited for (the
+       tensor-parallel wrapper counts a step's; its count starts again here) */
+    float sums[6] = { (float)pp->busy_ms, (float)pp->idle_ms, (float)pp->step_ms, 0, 0, 0 }, busiest = (float)pp->busy_ms;
+    if (pp->tp) {
+        sums[3] = (float)pp->tp->sums; sums[4] = (float)pp->tp->sum_ms; sums[5] = (float)pp->tp->sum_bytes;
+        pp->tp->sums = pp->tp->sum_ms = pp->tp->sum_bytes = 0;
+    }
+    dt__comm_all_reduce_host(pp->pipe, sums, 6, DT_SUM);
     dt__comm_all_reduce_host(pp->pipe, &busiest, 1, DT_MAX);
     pp->pipe_busy_ms = sums[0]; pp->pipe_idle_ms = sums[1]; pp->pipe_step_ms = sums[2]; pp->pipe_busiest_ms = busiest;
+    pp->pipe_tp_sums = sums[3]; pp->pipe_tp_sum_ms = sums[4]; pp->pipe_tp_sum_bytes = sums[5];
     int one[1] = { 1 };
     dt_tensor *loss = dt__tensor_alloc(1, one, DT_F32);
     dt_upload(loss->data, &mean, sizeof mean);
@@ -9595,7 +9613,9 @@ static double dt__pp_balance_of(const dt_pp *p) {
     return p->pipe_busy_ms > 0 ? p->pipe_busiest_ms * p->stages / p->pipe_busy_ms : 1;
 }
 /* The cost model's view of it: the whole model's compute on one rank is
-   what the stages computed together. */
+   what the stages computed together -- with --tp, less the time their
+   layers' sums took, and times the T ranks that shared each stage's split
+   layers. */
 static int dt__pp_cost_input(const dt_parallel *par, dt_cost_input *in) {
     const dt_pp *p = (const dt_pp *)par;
     in->kind = DT_PAR_PP;
@@ -9605,6 +9625,14 @@ static int dt__pp_cost_input(const dt_parallel *par, dt_cost_input *in) {
     in->pp_measured_bubble = dt__pp_bubble(p);
     in->compute_ms = p->pipe_busy_ms;
     in->dp_groups = p->par.data_ranks;
+    if (p->tp) {
+        in->tp_ranks = p->tp->size;
+        in->tp_share = dt__tp_split_share(p->tp);
+        in->tp_sums = p->pipe_tp_sums / p->micro_batches;
+        in->tp_bytes = p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0;
+        double kept = in->tp_share / p->tp->size + (1 - in->tp_share);
+        in->compute_ms = fmax(0, p->pipe_busy_ms - p->pipe_tp_sum_ms) / kept;
+    }
     return p->stages;
 }
 static void dt__pp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
@@ -9613,6 +9641,10 @@ static void dt__pp_bench_fields(const dt_parallel *par, FILE *out, int accum_ste
     fprintf(out, " pp=%d pp_micro_batches=%d pp_balance=%.4f pp_bytes=%.0f bubble=%.4f bubble_predicted=%.4f", p->stages,
             p->micro_batches, dt__pp_balance_of(p), p->act_bytes, dt__pp_bubble(p),
             (p->stages - 1.0) / (p->micro_batches + p->stages - 1.0));
+    if (p->tp)        /* the whole pipeline's layer sums per micro-batch, as the cost model counts them */
+        fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", p->tp->size, dt__tp_split_share(p->tp),
+                p->pipe_tp_sums / p->micro_batches, p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0.0);
+    fprintf(out, " dp=%d", p->par.data_ranks);
 }
 
 /* The step's pipeline figures, in its --log record. */
@@ -11766,7 +11798,11 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
     dt_cost_prediction p;
     memset(&p, 0, sizeof p);
     int K = in->accum_steps > 0 ? in->accum_steps : 1, msgs = in->messages > 0 ? in->messages : 1;
-    double slow = n > 1 && in->contention > 0 ? in->contention : 1.0;
+    /* every rank of the job shares the device(s), not only the n of one
+       group or pipeline: a layout of one stage or one group still has D x T */
+    int groups = (in->kind == DT_PAR_TP || in->kind == DT_PAR_PP) && in->dp_groups > 1 ? in->dp_groups : 1;
+    int everyone = n * groups * (in->kind == DT_PAR_PP && in->tp_ranks > 1 ? in->tp_ranks : 1);
+    double slow = everyone > 1 && in->contention > 0 ? in->contention : 1.0;
     double c = in->compute_ms * slow;                                      /* one micro-batch */
     int sharded = in->kind == DT_PAR_ZERO1 || in->kind == DT_PAR_ZERO2 || in->kind == DT_PAR_ZERO3;
     double G = in->params * in->reduce_bytes, W = in->params * in->gather_bytes, lat = l->latency_us / 1e3;
@@ -11805,20 +11841,27 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
     }
     case DT_PAR_PP: {           /* M micro-batches through n stages: M + n - 1 turns of the slowest stage */
         int M = in->pp_micro_batches > 0 ? in->pp_micro_batches : 1, D = in->dp_groups > 1 ? in->dp_groups : 1;
+        int T = in->tp_ranks > 1 ? in->tp_ranks : 1;
         double stage = fmin(1, (in->pp_balance > 0 ? in->pp_balance : 1.0) / n);
-        double turn = K * c * stage / M;                                  /* one micro-batch's forward + backward */
+        double kept = T > 1 ? in->tp_share / T + (1 - in->tp_share) : 1;    /* each of a stage's T ranks: its share */
+        double turn = K * c * stage * kept / M;                           /* one micro-batch's forward + backward */
+        double sums = T > 1 ? K * in->tp_sums * stage * dt_cost_all_reduce_ms(l, T, in->tp_bytes) : 0;   /* ... its sums */
         double hop = n > 1 ? lat + in->pp_bytes / (l->bandwidth_gbs * 1e9) * 1e3 : 0;
-        double grads = in->params * stage * in->reduce_bytes;
-        p.compute_ms = (M + n - 1) * turn + in->optimizer_ms * slow * stage;
+        double grads = in->params * stage * kept * in->reduce_bytes;
+        /* the turns of the bubble, with their sums, count with compute, as
+           the turns of the fill and the drain always have */
+        p.compute_ms = (M + n - 1) * turn + (n - 1) * sums + in->optimizer_ms * slow * stage * kept;
         /* every message but those of the fill and the drain arrives while
-           the stage computes (its receive is posted early) */
-        p.comm_ms = 2 * M * hop + dt_cost_all_reduce_ms(l, D, grads);
-        p.exposed_ms = 2 * (n - 1) * hop + dt_cost_all_reduce_ms(l, D, grads);
-        p.bytes = (n > 1 ? 2 * M * in->pp_bytes * (n - 1) / n : 0) + 2.0 * (D - 1) / D * grads;
+           the stage computes (its receive is posted early); the layers'
+           sums stand in each turn, where nothing hides them */
+        p.comm_ms = M * sums + 2 * M * hop + dt_cost_all_reduce_ms(l, D, grads);
+        p.exposed_ms = M * sums + 2 * (n - 1) * hop + dt_cost_all_reduce_ms(l, D, grads);
+        p.bytes = (n > 1 ? 2 * M * in->pp_bytes * (n - 1) / n : 0) + 2.0 * (T - 1) / T * M * K * in->tp_sums * stage * in->tp_bytes +
+                  2.0 * (D - 1) / D * grads;
         p.bubble = (double)(n - 1) / (M + n - 1);
         p.step_ms = p.compute_ms + p.exposed_ms;
         p.speedup = p.step_ms > 0 ? D * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
-        p.efficiency = p.speedup / (n * D);
+        p.efficiency = p.speedup / (n * T * D);
         return p;
     }
     case DT_PAR_ZERO3: {        /* every micro-batch gathers twice, prefetched behind compute; one reduce-scatter */
@@ -11840,11 +11883,15 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
     static const char *kinds[] = { "one rank", "DataParallel", "DDP", "FSDP ZeRO-1", "FSDP ZeRO-2", "FSDP ZeRO-3",
                                    "tensor parallel", "pipeline parallel" };
     dt_cost_prediction p = dt_cost_predict(in, l, n);
-    fprintf(out, "cost model: %s on %d ranks over %s (%.0f GB/s, %.0f us), %.2fM parameters\n", kinds[in->kind], n,
-            l->name, l->bandwidth_gbs, l->latency_us, in->params / 1e6);
+    int T = in->kind == DT_PAR_PP && in->tp_ranks > 1 ? in->tp_ranks : 1;     /* a pipeline's stages split too */
+    fprintf(out, "cost model: %s on %d %s over %s (%.0f GB/s, %.0f us), %.2fM parameters\n", kinds[in->kind], n,
+            in->kind == DT_PAR_PP ? "stages" : "ranks", l->name, l->bandwidth_gbs, l->latency_us, in->params / 1e6);
+    if (T > 1)
+        fprintf(out, "  x %d ranks splitting each stage's layers (--tp %d): %.0f%% of the compute split, %.1f sums of %.0f KB "
+                "per micro-batch in all, none hidden\n", T, T, 100 * in->tp_share, in->tp_sums, in->tp_bytes / 1e3);
     if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP) && in->dp_groups > 1)
         fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch\n", in->dp_groups,
-                in->kind == DT_PAR_TP ? "groups" : "pipelines", n, in->dp_groups * n);
+                in->kind == DT_PAR_TP ? "groups" : "pipelines", n * T, in->dp_groups * n * T);
     if (in->kind == DT_PAR_PP)
         fprintf(out, "  %d micro-batches through %d stages: the bubble is (P - 1) / (M + P - 1) = %.0f%% of the step "
                 "(measured on this rank: %.0f%%)\n", in->pp_micro_batches > 0 ? in->pp_micro_batches : 1, n, 100 * p.bubble,
@@ -11869,6 +11916,7 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
         dt_cost_input more = *in;
         more.pp_micro_batches = (in->pp_micro_batches > 0 ? in->pp_micro_batches : 1) * 4;
         more.pp_bytes /= 4;
+        more.tp_bytes /= 4;
         fprintf(out, "    4x --micro-batches:              %.0f%% (the bubble shrinks; each micro-batch is smaller)\n",
                 100 * dt_cost_predict(&more, l, n).efficiency);
     } else if (in->kind == DT_PAR_TP) {
@@ -12013,9 +12061,11 @@ static const dt__flag dt__flags[] = {
     { "--lora-targets", "1234567", "NAMES", "LoRA: comma-separated layer names (default: gpt c_attn; llama q_proj,v_proj; vit qkv;\n"
       "                          mlp every layer; vit also proj, fc1, fc2, head; llama k_proj, o_proj, gate_proj, ...)",
       DT_ARG_STR, DT_CFG(lora_targets), NULL, DT_NOT_A_NUMBER },
-    { "--accum-steps", "5", "N", "micro-batches of --batch-size per optimizer step; gradients add up locally (default 1)",
-      DT_ARG_INT, DT_CFG(accum_steps), NULL, DT_MIN(1) },
-    { "--dtype", "5", "fp32|bf16|fp16", "activations and matmuls in this type, f32 master weights (default fp32)",
+    { "--accum-steps", "57", "N", "micro-batches of --batch-size per optimizer step; gradients add up locally (default 1;\n"
+      "                          07: a pipeline's micro-batches are its accumulation: K x --micro-batches of a K x\n"
+      "                          --batch-size step)", DT_ARG_INT, DT_CFG(accum_steps), NULL, DT_MIN(1) },
+    { "--dtype", "57", "fp32|bf16|fp16", "activations and matmuls in this type, f32 master weights (default fp32; 07: the\n"
+      "                          activations and gradients stages send too, and no fp16)",
       DT_ARG_CHOICE, DT_CFG(dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
     { "--reduce-dtype", "5", "fp32|bf16|fp16", "the type gradients are reduce-scattered in (default fp32)",
       DT_ARG_CHOICE, DT_CFG(reduce_dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
@@ -12052,6 +12102,12 @@ static const dt__flag dt__flags[] = {
 enum { DT_NFLAGS = sizeof dt__flags / sizeof dt__flags[0] };
 
 static int dt__flag_of_stage(const dt__flag *f, char stage) { return !stage || strchr(f->stages, stage); }
+/* Whether `stage` takes the flag `name` (what it can do, rather than which it is). */
+static int dt__stage_takes(const char *stage, const char *name) {
+    for (size_t i = 0; i < sizeof dt__flags / sizeof dt__flags[0]; i++)
+        if (!strcmp(dt__flags[i].name, name)) return dt__stage_digit(stage) && dt__flag_of_stage(&dt__flags[i], dt__stage_digit(stage));
+    return 0;
+}
 
 static void dt__print_help(const char *stage) {
     printf("%s: train a model with dtrain\n\nusage: train [flags]\n\n", stage);
@@ -12324,6 +12380,23 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         dt_usage_error("--dim %d / --heads %d = %d: llama's head width must be even (rotary embeddings turn pairs)", c.dim,
                        c.heads, c.dim / c.heads);
     if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
+    /* A pipeline (a stage that takes --micro-batches) already adds up its
+       micro-batches' gradients before the optimizer steps: accumulating K
+       steps is K times the micro-batches of a K times larger batch, in one
+       flush of the pipeline (one fill and one drain, not K). */
+    if (dt__stage_takes(stage, "--micro-batches") && c.accum_steps > 1) {
+        if ((int64_t)c.micro_batches * c.accum_steps > DT_COMM_QUEUE)
+            dt_usage_error("--accum-steps %d x --micro-batches %d: a pipeline runs at most %d micro-batches a step",
+                           c.accum_steps, c.micro_batches, DT_COMM_QUEUE);
+        if ((int64_t)c.batch_size * c.accum_steps > INT_MAX / 2)
+            dt_usage_error("--accum-steps %d x --batch-size %d is too large a step", c.accum_steps, c.batch_size);
+        c.micro_batches *= c.accum_steps;
+        c.batch_size *= c.accum_steps;
+        c.accum_steps = 1;
+    }
+    if (dt__stage_takes(stage, "--micro-batches") && c.dtype == DT_F16)
+        dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which the pipeline does not carry from stage to "
+                       "stage; use --dtype bf16, whose range is f32's");
     if (c.end_idx >= 0 && c.end_idx <= c.start_idx) dt_usage_error("--end-idx must be greater than --start-idx");
     if (c.resume && c.init && strcmp(c.resume, "auto") && !c.lora_rank)   /* auto: --init when there is no checkpoint yet */
         dt_usage_error("--resume and --init exclude each other (resume restores the weights; with LoRA --init gives the frozen model)");

@@ -9,13 +9,16 @@
    gpipe: every forward, then every backward; 1f1b: each backward as soon as
    it can run, so a stage keeps at most P micro-batches' activations, not M.
    --tp T splits each stage's layers as 06 does; ranks left over are data
-   parallel: D x P x T ranks in all. Builds on 06-tensor-parallel. */
+   parallel: D x P x T ranks in all. --dtype bf16 as in 05; the micro-batches
+   are the accumulation (--accum-steps K: K times as many). Builds on
+   06-tensor-parallel. */
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
 
 int main(int argc, char **argv) {
     dt_config cfg = dt_parse_args(argc, argv, "07-pipeline-parallel");  /* --nproc N: N ranks start here */
     dt_comm *comm = dt_comm_init(cfg.device == DT_CUDA ? DT_COMM_NCCL : DT_COMM_SHM, cfg.timeout);  /* meet */
+    dt_set_compute_dtype((dt_dtype)cfg.dtype);               /* activations, and what stages send, in --dtype */
 
     dt_dataset train, val;
     dt_load_data(&cfg, &train, &val);

@@ -13,7 +13,12 @@
    stages or workloads whose name holds WORD (stage 01 runs for every workload
    left, as the baseline). --redraw DIR: the charts again
    from DIR/results.csv. --predict: the cost model alone, for vit-base on 1 to
-   8 GPUs over NVLink and PCIe. */
+   8 GPUs over NVLink and PCIe. --layouts N: one world size composed every
+   way stage 07 can (D data-parallel pipelines x P stages x T ranks
+   splitting each stage's layers, D x T x P = N), side by side with stage 01
+   and the cost model's prediction for each: DIR/layouts.csv and
+   DIR/layouts.svg. Without --layouts, a run at 4 ranks ends with
+   --layouts 4 (unless --only leaves gpt-char and 07 out). */
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
 
@@ -105,6 +110,20 @@ static dt_link measure_link(int n) {
         l.latency_us = first_us / (2.0 * (n - 1));
     }
     return l;
+}
+
+/* How much slower each of `ranks` ranks computes than one rank alone. On a
+   CPU the ranks share its cores: with T = cores / N threads each, a rank
+   computes at the speed 01 measured with T threads (from its 1- and
+   all-core runs, c_one and c_all ms), and ranks beyond the cores take turns.
+   GPUs are shared beyond their count. */
+static double contention(const char *device, int ranks, int cores, int gpus, double c_one, double c_all) {
+    if (strcmp(device, "cpu")) return gpus > 0 ? fmax(1, (double)ranks / gpus) : 1;
+    int T = cores / ranks > 1 ? cores / ranks : 1;
+    double eff_all = c_one > 0 && c_all > 0 ? c_one / (cores * c_all) : 1;      /* parallel efficiency */
+    double eff_T = cores > 1 ? 1 + (eff_all - 1) * (T - 1) / (cores - 1) : 1;
+    double c_T = c_one > 0 ? c_one / (T * eff_T) : c_all * ranks;
+    return (c_all > 0 ? c_T / c_all : ranks) * fmax(1, (double)ranks * T / cores);
 }
 
 static const char *colors[] = { "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf", "#bcbd22",
@@ -273,6 +292,190 @@ static void predict_vit_base(void) {
             }
 }
 
+/* ---- --layouts N: one world size, every way to compose it ------------------
+   A model that does not fit one device can be split many ways; which is
+   fastest depends on the link, the batch and the model's shape. Each layout
+   D x T x P runs stage 07 (--tp T --pp P, D = N / (T P) pipelines, each its
+   own --batch-size) with the same micro-batches, against stage 01 on that
+   batch, REPEATS times alternating; the cost model predicts each from 01's
+   measured compute and what the layout's bench line says of its pipeline
+   and its sums. */
+typedef struct { const char *name, *flags; int heads, blocks; } layout_work;
+static const layout_work layout_works[] = {
+    { "gpt-char", "--model gpt --batch-size 32", 4, 4 },      /* 4 heads and 4 blocks: every layout of 4 ranks */
+};
+enum { LAYOUT_MICRO = 4, LAYOUT_MAX = 16, LAYOUT_REPEATS = 8 };
+typedef struct {
+    int D, T, P, ok;
+    double rate[LAYOUT_REPEATS], median, low, high;   /* samples/s (tokens/s for a language model) */
+    char line[4096];                                  /* the bench line of the last run */
+    double speedup, predicted, predicted_step, step_ms, comm, bubble, formula, peak;
+} layout_row;
+
+static int by_value(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+static void median_of(layout_row *r, int n) {
+    double v[LAYOUT_REPEATS];
+    memcpy(v, r->rate, sizeof(double) * (size_t)n);
+    qsort(v, (size_t)n, sizeof(double), by_value);
+    r->median = v[(n - 1) / 2]; r->low = v[0]; r->high = v[n - 1];
+}
+
+/* layouts.svg: a pair of bars per layout, measured speedup over stage 01
+   (solid) and predicted (hollow). */
+static void draw_layouts(const char *path, const char *work, int N, layout_row *rows, int n, int cores, int gpus) {
+    FILE *f = fopen(path, "w");
+    if (!f) dt_fail("cannot write '%s': %s", path, strerror(errno));
+    int L = 60, T = 50, PW = 90 * n, PH = 240;
+    double ymax = 0.5;
+    for (int i = 0; i < n; i++) if (rows[i].ok) ymax = fmax(ymax, fmax(rows[i].speedup, rows[i].predicted) * 1.15);
+    #define Y(v) (T + PH - PH * (v) / ymax)
+    fprintf(f, "<svg xmlns='http://www.w3.org/2000/svg' width='%d' height='%d' font-family='sans-serif' font-size='12'>\n",
+            PW + L + 40, PH + T + 70);
+    fprintf(f, "<rect width='100%%' height='100%%' fill='white'/>\n");
+    fprintf(f, "<text x='10' y='20' font-size='15' font-weight='bold'>%s on %d ranks (%d cores, %d GPUs): speedup over stage "
+               "01, measured (solid) and predicted (hollow)</text>\n", work, N, cores, gpus);
+    fprintf(f, "<rect x='%d' y='%d' width='%d' height='%d' fill='none' stroke='#444'/>\n", L, T, PW, PH);
+    double step = ymax > 4 ? 1 : ymax > 1.5 ? 0.5 : 0.25;
+    for (double v = 0; v <= ymax + 1e-9; v += step) {
+        fprintf(f, "<line x1='%d' x2='%d' y1='%.1f' y2='%.1f' stroke='#ddd'/>", L, L + PW, Y(v), Y(v));
+        fprintf(f, "<text x='%d' y='%.1f' text-anchor='end'>%.2fx</text>\n", L - 5, Y(v) + 4, v);
+    }
+    for (int i = 0; i < n; i++) {
+        layout_row *r = &rows[i];
+        double x = L + 90 * i + 15;
+        fprintf(f, "<text x='%.1f' y='%d' text-anchor='middle'>%d x %d x %d</text>\n", x + 30, T + PH + 16, r->D, r->T, r->P);
+        if (!r->ok) { fprintf(f, "<text x='%.1f' y='%d' text-anchor='middle'>failed</text>\n", x + 30, T + PH - 6); continue; }
+        fprintf(f, "<rect x='%.1f' y='%.1f' width='28' height='%.1f' fill='%s'/>", x, Y(r->speedup), PH * r->speedup / ymax,
+                colors[i % 11]);
+        fprintf(f, "<rect x='%.1f' y='%.1f' width='28' height='%.1f' fill='none' stroke='%s' stroke-width='2'/>\n", x + 31,
+                Y(r->predicted), PH * r->predicted / ymax, colors[i % 11]);
+    }
+    fprintf(f, "<text x='%d' y='%d' text-anchor='middle'>data x tensor x pipeline (D x T x P), %d micro-batches</text>\n",
+            L + PW / 2, T + PH + 36, LAYOUT_MICRO);
+    #undef Y
+    fprintf(f, "</svg>\n");
+    fclose(f);
+}
+
+static int layouts(int N, const char *outdir, const char *only, int repeats, int quick, int cores, int gpus, const dt_link *link) {
+    int failed = 0, studied = 0;
+    for (size_t w = 0; w < sizeof layout_works / sizeof layout_works[0]; w++) {
+        const layout_work *lw = &layout_works[w];
+        if (only && !strstr(lw->name, only) && !strstr("07-pipeline-parallel layouts", only)) continue;
+        studied++;
+        /* the layouts, then 01 with every core and with one (what the contention model needs) */
+        layout_row rows[LAYOUT_MAX + 2];
+        int n = 0;
+        for (int T = 1; T <= N; T *= 2)
+            for (int P = 1; T * P <= N; P *= 2) {
+                if (N % (T * P) || (T > 1 && lw->heads % T) || P > lw->blocks || n == LAYOUT_MAX) continue;
+                rows[n++] = (layout_row){ .D = N / (T * P), .T = T, .P = P };
+            }
+        int base = n;
+        rows[n++] = (layout_row){ .D = 1, .T = 1, .P = 1 };
+        rows[n++] = (layout_row){ .D = 1, .T = 1, .P = 1 };
+        printf("\n%s on %d ranks, %d layouts (data x tensor x pipeline), %d micro-batches, %d run%s each, alternating:\n", lw->name,
+               N, base, LAYOUT_MICRO, repeats, repeats > 1 ? "s" : "");
+        for (int i = 0; i < n; i++) rows[i].ok = 1;
+        for (int rep = 0; rep < repeats; rep++)
+            for (int i = 0; i < n; i++) {
+                layout_row *r = &rows[i];
+                char cmd[1024];
+                if (i >= base)
+                    snprintf(cmd, sizeof cmd, "%s./01-single-gpu/train --bench %s%s 2>&1", i == base + 1 ? "OMP_NUM_THREADS=1 " : "",
+                             lw->flags, quick ? " --steps 3" : "");
+                else
+                    snprintf(cmd, sizeof cmd, "./07-pipeline-parallel/train --bench --nproc %d --tp %d --pp %d --micro-batches %d "
+                             "%s%s 2>&1", N, r->T, r->P, LAYOUT_MICRO, lw->flags, quick ? " --steps 3" : "");
+                int st = run(cmd, "bench:", r->line, sizeof r->line);
+                double rate = field(r->line, "samples_per_s");
+                if (st != 0 || rate <= 0) {
+                    if (r->ok) printf("FAILED (exit %d): %s\n", st, cmd);
+                    r->ok = 0;
+                    continue;
+                }
+                r->rate[rep] = rate;
+                if (i < base) printf("  run %d/%d  %d x %d x %d  %9.1f samples/s\n", rep + 1, repeats, r->D, r->T, r->P, rate);
+                else printf("  run %d/%d  01-single-gpu%s  %9.1f samples/s\n", rep + 1, repeats, i == base ? "" : " (1 thread)", rate);
+                fflush(stdout);
+            }
+        for (int i = 0; i < n; i++) if (rows[i].ok) median_of(&rows[i], repeats);
+        if (!rows[base].ok) { printf("stage 01 failed: no layout can be compared\n"); failed++; continue; }
+        const char *one = rows[base].line;
+        double c_all = field(one, "fwd_ms") + field(one, "bwd_ms"), opt = field(one, "opt_ms");
+        double c_one = rows[base + 1].ok ? field(rows[base + 1].line, "fwd_ms") + field(rows[base + 1].line, "bwd_ms") : 0;
+        char device[16];
+        field_str(one, "device", device, sizeof device);
+        for (int i = 0; i < base; i++) {
+            layout_row *r = &rows[i];
+            if (!r->ok) { failed++; continue; }
+            r->speedup = r->median / rows[base].median;
+            r->step_ms = field(r->line, "step_ms");
+            r->comm = field(r->line, "comm_ms");
+            r->bubble = field(r->line, "bubble");
+            r->formula = field(r->line, "bubble_predicted");
+            r->peak = field(r->line, "peak_mem_mb");
+            dt_cost_input in;
+            memset(&in, 0, sizeof in);
+            in.kind = DT_PAR_PP;
+            in.compute_ms = c_all;
+            in.optimizer_ms = opt;
+            in.params = field(r->line, "params");
+            in.gather_bytes = in.reduce_bytes = 4;
+            in.accum_steps = 1;
+            in.tp_ranks = r->T;
+            in.tp_share = field(r->line, "tp_share"); in.tp_sums = field(r->line, "tp_sums"); in.tp_bytes = field(r->line, "tp_bytes");
+            in.dp_groups = r->D;
+            in.pp_micro_batches = LAYOUT_MICRO;
+            in.pp_balance = field(r->line, "pp_balance");
+            in.pp_bytes = field(r->line, "pp_bytes");
+            in.contention = contention(device, N, cores, gpus, c_one, c_all);
+            dt_cost_prediction p = dt_cost_predict(&in, link, r->P);
+            r->predicted = p.speedup;
+            r->predicted_step = p.step_ms;
+        }
+        printf("\n%s, %d ranks over %s (%.2f GB/s, %.1f us); stage 01: %.1f samples/s (%.1f-%.1f)\n", lw->name, N, link->name,
+               link->bandwidth_gbs, link->latency_us, rows[base].median, rows[base].low, rows[base].high);
+        printf("%-13s %-24s %8s %8s %9s %10s %8s %8s %8s %8s\n", "D x T x P", "samples/s (spread)", "speedup", "predict",
+               "step ms", "predicted", "comm ms", "bubble", "formula", "peak MB");
+        for (int i = 0; i < base; i++) {
+            layout_row *r = &rows[i];
+            char name[32], rate[64];
+            snprintf(name, sizeof name, "%d x %d x %d", r->D, r->T, r->P);
+            if (!r->ok) { printf("%-13s failed\n", name); continue; }
+            snprintf(rate, sizeof rate, "%.1f (%.1f-%.1f)", r->median, r->low, r->high);
+            printf("%-13s %-24s %7.2fx %7.2fx %9.1f %10.1f %8.1f %7.0f%% %7.0f%% %8.1f\n", name, rate, r->speedup, r->predicted,
+                   r->step_ms, r->predicted_step, r->comm, 100 * r->bubble, 100 * r->formula, r->peak);
+        }
+        char path[1024];
+        dt__path(path, sizeof path, "%s/layouts.csv", outdir);
+        FILE *csv = fopen(path, "w");
+        if (!csv) dt_fail("cannot write '%s': %s", path, strerror(errno));
+        fprintf(csv, "workload,ranks,dp,tp,pp,micro_batches,samples_per_s,low,high,speedup,predicted_speedup,step_ms,"
+                     "predicted_step_ms,comm_ms,bubble,bubble_formula,peak_mem_mb_per_rank\n");
+        for (int i = 0; i < base; i++) {
+            layout_row *r = &rows[i];
+            if (r->ok)
+                fprintf(csv, "%s,%d,%d,%d,%d,%d,%.1f,%.1f,%.1f,%.3f,%.3f,%.2f,%.2f,%.2f,%.4f,%.4f,%.1f\n", lw->name, N, r->D, r->T,
+                        r->P, LAYOUT_MICRO, r->median, r->low, r->high, r->speedup, r->predicted, r->step_ms, r->predicted_step,
+                        r->comm, r->bubble, r->formula, r->peak);
+        }
+        if (fclose(csv) != 0) dt_fail("cannot write '%s': %s", path, strerror(errno));
+        printf("wrote %s", path);
+        dt__path(path, sizeof path, "%s/layouts.svg", outdir);
+        draw_layouts(path, lw->name, N, rows, base, cores, gpus);
+        printf(", %s\n", path);
+        if (!strcmp(device, "cpu") && N > cores)
+            printf("(%d ranks on %d cores: the ranks take turns, so a layout's speed here is mostly its compute and its "
+                   "waiting; the prediction carries the same sharing)\n", N, cores);
+    }
+    if (!studied) printf("(--layouts: no workload left by --only %s)\n", only);
+    return failed;
+}
+
 /* --redraw DIR: the charts again from DIR/results.csv, without running anything. */
 static int redraw(const char *dir, int cores, int gpus) {
     char path[1024], line[1024];
@@ -309,7 +512,7 @@ static int redraw(const char *dir, int cores, int gpus) {
 
 int main(int argc, char **argv) {
     const char *outdir = "bench";
-    int max_ranks = 4, quick = 0;
+    int max_ranks = 4, quick = 0, layouts_n = 0, repeats = 0;
     const char *only = NULL, *redraw_dir = NULL, *link_name = "nvlink";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--out") && i + 1 < argc) outdir = argv[++i];
@@ -318,6 +521,15 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--quick")) quick = 1;
         else if (!strcmp(argv[i], "--predict")) { predict_vit_base(); return 0; }
         else if (!strcmp(argv[i], "--redraw") && i + 1 < argc) redraw_dir = argv[++i];
+        else if (!strcmp(argv[i], "--layouts") && i + 1 < argc) {
+            layouts_n = atoi(argv[++i]);
+            if (layouts_n < 2 || layouts_n > 16 || (layouts_n & (layouts_n - 1)))
+                dt_usage_error("--layouts must be 2, 4, 8 or 16 ranks, got '%s'", argv[i]);
+        }
+        else if (!strcmp(argv[i], "--repeats") && i + 1 < argc) {
+            repeats = atoi(argv[++i]);
+            if (repeats < 1 || repeats > LAYOUT_REPEATS) dt_usage_error("--repeats must be 1 to %d, got '%s'", LAYOUT_REPEATS, argv[i]);
+        }
         else if (!strcmp(argv[i], "--link") && i + 1 < argc) {
             link_name = argv[++i];
             dt_link probe;
@@ -326,7 +538,7 @@ int main(int argc, char **argv) {
         else {
             int help = !strcmp(argv[i], "--help") || !strcmp(argv[i], "-h");
             fprintf(help ? stdout : stderr, "usage: %s [--out DIR] [--max-ranks 1|2|4] [--quick] [--only WORD] "
-                    "[--link pcie|nvlink|infiniband (GPUs)] | --predict | --redraw DIR\n", argv[0]);
+                    "[--link pcie|nvlink|infiniband (GPUs)] [--layouts N [--repeats R]] | --predict | --redraw DIR\n", argv[0]);
             return help ? 0 : 2;
         }
     }
@@ -344,6 +556,18 @@ int main(int argc, char **argv) {
     if (redraw_dir) return redraw(redraw_dir, cores, gpus);
     struct stat sb;
     if (stat(outdir, &sb) != 0) dt__mkdir(outdir);
+    if (!repeats) repeats = quick ? 1 : 3;
+    if (layouts_n) {                         /* the layouts alone */
+        if (gpus > 0 && layouts_n > gpus)
+            dt_usage_error("--layouts %d: this machine has %d GPU%s, and each rank of a layout needs its own (ranks sharing "
+                           "one GPU measure their contention, not the layout)", layouts_n, gpus, gpus > 1 ? "s" : "");
+        dt_link l;
+        if (gpus > 0) dt_link_preset(link_name, &l);
+        else l = measure_link(layouts_n);
+        int failed = layouts(layouts_n, outdir, only, repeats, quick, cores, gpus, &l);
+        if (failed) { fprintf(stderr, "tools/bench: %d layout run%s failed (see above)\n", failed, failed > 1 ? "s" : ""); return 1; }
+        return 0;
+    }
     dt_link links[5];
     for (int n = 2; n <= max_ranks; n *= 2) {
         /* GPUs talk over NCCL, whose link tools/collectives does not measure: the preset stands in */
@@ -442,15 +666,7 @@ int main(int argc, char **argv) {
             in.messages = sg->kind == DT_PAR_DDP ? dt_cost_ddp_buckets(r->params, 25) : workloads[w].units;
             in.tp_share = r->tp_share; in.tp_sums = r->tp_sums; in.tp_bytes = r->tp_bytes;   /* 06 says, in its bench line */
             in.pp_micro_batches = (int)r->pp_micro_batches; in.pp_balance = r->pp_balance; in.pp_bytes = r->pp_bytes;   /* 07 */
-            /* On a CPU the ranks share its cores: with T = cores / N threads each,
-               a rank computes at the speed 01 measured with T threads (from its
-               1- and all-core runs), and ranks beyond the cores take turns. */
-            int T = cores / r->ranks > 1 ? cores / r->ranks : 1;
-            double eff_all = c_one > 0 && c_all > 0 ? c_one / (cores * c_all) : 1;      /* parallel efficiency */
-            double eff_T = cores > 1 ? 1 + (eff_all - 1) * (T - 1) / (cores - 1) : 1;
-            double c_T = c_one > 0 ? c_one / (T * eff_T) : c_all * r->ranks;
-            if (strcmp(r->device, "cpu")) in.contention = gpus > 0 ? fmax(1, (double)r->ranks / gpus) : 1;   /* GPUs shared beyond their count */
-            else in.contention = (c_all > 0 ? c_T / c_all : r->ranks) * fmax(1, (double)r->ranks * T / cores);
+            in.contention = contention(r->device, r->ranks, cores, gpus, c_one, c_all);
             dt_cost_prediction p = dt_cost_predict(&in, &links[r->ranks], r->ranks);
             r->predicted = p.speedup;
             r->predicted_eff = p.efficiency;
@@ -496,6 +712,7 @@ int main(int argc, char **argv) {
     int failed = 0;
     for (int i = 0; i < nrows; i++) failed += !rows[i].ok;
     free(rows);
+    if (max_ranks >= 4) failed += layouts(4, outdir, only, repeats, quick, cores, gpus, &links[4]);   /* the composed rows */
     if (failed) { fprintf(stderr, "tools/bench: %d run%s failed (see above)\n", failed, failed > 1 ? "s" : ""); return 1; }
     return 0;
 }

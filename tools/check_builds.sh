@@ -5,7 +5,8 @@
 # stay as they are. In each: the test suite, every stage's --bench on every
 # model, and make bench with BENCH_FLAGS (default --quick --only mlp: every
 # stage at 1, 2 and 4 ranks, the charts and the cost model, on the workload
-# that takes seconds; the stage runs above cover vit and gpt).
+# that takes seconds; the stage runs above cover vit and gpt), and the
+# layouts study at 2 ranks (tools/bench --layouts 2 --quick).
 #
 # Why: undefined behaviour changes with the optimiser. A field read before it
 # was written held zero at -O3 -march=native and garbage at -O2, so the default
@@ -78,6 +79,11 @@ for level in $levels; do
     tail -20 "$dir/bench.log"; failed+=("$level: make bench")
   else echo "make bench $bench_flags: $(grep -c '' "$dir/bench/results.csv") lines in $dir/bench/results.csv"; fi
   lap "make bench"
+  # the layouts study at its smallest: 2 ranks, every layout once (its composed rows, each against a prediction)
+  if ! (cd "$dir" && mkdir -p bench && ./tools/bench --layouts 2 --quick --out bench >bench/layouts.log 2>&1); then
+    tail -20 "$dir/bench/layouts.log"; failed+=("$level: tools/bench --layouts 2")
+  else echo "tools/bench --layouts 2 --quick: $(grep -c '' "$dir/bench/layouts.csv") lines in $dir/bench/layouts.csv"; fi
+  lap "tools/bench --layouts"
   echo "($level took $((SECONDS - start)) s)"
 done
 
