@@ -444,8 +444,10 @@ struct dt_parallel {
     /* The cost model (section 16) and the --bench line (section 15), for a
        wrapper that splits the model over ranks: cost_input fills its part of
        `in` from what the last step measured (in's compute_ms: this rank's
-       forward and backward of a micro-batch; accum_steps set) and returns how
-       many ranks split the model; bench_fields adds " key=value" pairs.
+       forward and backward of a micro-batch; optimizer_ms: this rank's step,
+       which it makes the whole model's; accum_steps set) and returns how
+       many ranks split or shard the model; bench_fields adds " key=value"
+       pairs.
        NULL: the stage's data parallelism alone, which the run knows. */
     int (*cost_input)(const dt_parallel *par, struct dt_cost_input *in);
     void (*bench_fields)(const dt_parallel *par, FILE *out, int accum_steps);
@@ -918,7 +920,7 @@ void dt_ddp_free(dt_ddp *ddp);
                          last unit stays gathered from its forward into its
                          backward, which needs it first
    Checkpoints of a sharded model are sharded too (section 13). */
-typedef enum { DT_SHARD_OPTIMIZER = 0, DT_SHARD_GRADS = 1, DT_SHARD_FULL = 2 } dt_shard_mode;
+typedef enum { DT_SHARD_NONE = -1, DT_SHARD_OPTIMIZER = 0, DT_SHARD_GRADS = 1, DT_SHARD_FULL = 2 } dt_shard_mode;   /* NONE: 07's default */
 typedef struct dt_fsdp dt_fsdp;
 /* Broadcast rank 0's parameters, keep this rank's shards, free the rest. The
    optimizer, created after this, holds the shard's state only. cpu_offload:
@@ -986,10 +988,16 @@ void dt_tp_free(dt_tp *tp);
    stage is T ranks that split its blocks' layers as stage 06 does (tensor
    parallelism inside the pipeline). The job's N ranks form N / (P T)
    data-parallel pipelines; pp 0: as many stages as that leaves with one
-   pipeline. */
+   pipeline. shard DT_SHARD_OPTIMIZER: the pipelines share out each stage's
+   optimizer state (ZeRO-1: gradients reduce-scattered over them, each
+   steps its slice, the parameters all-gathered); DT_SHARD_NONE: each keeps
+   it whole (gradients all-reduced). DT_SHARD_GRADS and _FULL are refused:
+   a pipeline's gradients stay whole until its last micro-batch, and its
+   stages run their parameters M times a step. */
 typedef struct dt_pp dt_pp;
 typedef enum { DT_SCHEDULE_GPIPE = 0, DT_SCHEDULE_1F1B = 1 } dt_pp_schedule;
-dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_batches, dt_pp_schedule schedule);
+dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_batches, dt_pp_schedule schedule,
+                    dt_shard_mode shard);
 /* A step's forward and backward: the batch cut into the micro-batches, each
    stage running its forwards and backwards in the schedule's order, sending
    activations on and gradients back. Returns the batch's mean loss, on every
@@ -997,7 +1005,9 @@ dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_ba
 dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch);
 /* After it: the first and last stage add up the gradients of a tied
    vocabulary (each holds it); with more than one pipeline, every gradient is
-   averaged over them. */
+   averaged over them -- or, with --shard optimizer, reduce-scattered: each
+   rank keeps the average of its slice for the optimizer, and the model's
+   gradient buffers are zeroed. */
 void dt_pp_sync_grads(dt_pp *pp);
 /* This rank's pipeline among the data-parallel pipelines, and how many: the
    loader's rank and world (every stage of a pipeline reads the same batch). */
@@ -1166,6 +1176,7 @@ typedef struct dt_cost_input {
        sent on (micro-batch x tokens x width x 4), a gradient as many back */
     int pp_micro_batches;
     double pp_balance, pp_bytes;
+    int pp_zero1;               /* --shard optimizer: the D pipelines each step 1/D of the optimizer state */
     double pp_measured_bubble;  /* ... and the share of the step this rank waited, as measured: printed beside the
                                    formula's, not used by the prediction */
 } dt_cost_input;
@@ -1225,12 +1236,12 @@ typedef struct dt_config {
     float peak_tflops;           /* --bench on a GPU: the peak for MFU (0: look it up by name) */
     int nproc;                   /* --nproc: devices of stage 02, or ranks to start on this machine (03-05) */
     float bucket_mb;             /* --bucket-mb: DDP's gradient buckets (0: one all-reduce after backward) */
-    int shard;                   /* --shard: what FSDP shards (a dt_shard_mode; default full) */
+    int shard;                   /* --shard: what FSDP shards (a dt_shard_mode; default full; 07: none) */
     int cpu_offload;             /* --cpu-offload: FSDP's shards and optimizer in host memory */
     int tp;                      /* --tp: ranks per tensor-parallel group (0: every rank of the job) */
     int sequence_parallel;       /* --sequence-parallel: the rows between the split layers split too */
     int pp;                      /* --pp: ranks per pipeline, each a stage of consecutive blocks (0: every rank) */
-    int micro_batches;           /* --micro-batches: the pipeline's micro-batches per step (default 1) */
+    int micro_batches;           /* --micro-batches: the pipeline's micro-batches per step (default 1; times --accum-steps) */
     int schedule;                /* --schedule: a dt_pp_schedule (default 1f1b) */
     int recompute;               /* --recompute: each block's activations made again in backward */
     int lora_rank;               /* --lora-rank: LoRA adapters of this rank on a frozen model (0: none) */
@@ -8396,6 +8407,15 @@ static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o)
 static void dt__fsdp_sum_over_ranks(dt_parallel *par, float *values, int n) {
     dt__comm_all_reduce_host(((dt_fsdp *)par)->comm, values, n, DT_SUM);
 }
+/* The cost model's view (section 16): which ZeRO, and the optimizer step
+   of the whole model, N times the shard's this rank measured. */
+static int dt__fsdp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_fsdp *f = (const dt_fsdp *)par;
+    static const dt_parallelism zero[3] = { DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3 };   /* by dt_shard_mode */
+    in->kind = zero[f->mode];
+    in->optimizer_ms *= f->world;
+    return f->world;
+}
 
 dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload) {
     dt_fsdp *f = (dt_fsdp *)calloc(1, sizeof *f);
@@ -8406,7 +8426,7 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
                             .backward_done = dt__fsdp_backward_done, .step_done = dt__fsdp_step_done,
                             .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks,
                             .state_open = dt__fsdp_state_open, .state_close = dt__fsdp_state_close,
-                            .memory_table = dt__fsdp_memory_table };
+                            .memory_table = dt__fsdp_memory_table, .cost_input = dt__fsdp_cost_input };
     dt_model_set_parallel(model, &f->par);
     dt__comm_hold(comm, "dt_fsdp_free");
     f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
@@ -8738,6 +8758,7 @@ static int dt__tp_cost_input(const dt_parallel *par, dt_cost_input *in) {
     in->tp_bytes = t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0;
     double kept = in->tp_share / t->size + (1 - in->tp_share);
     in->compute_ms = fmax(0, in->compute_ms - t->step_sum_ms / K) / kept;
+    in->optimizer_ms *= t->model->numel > 0 ? (double)t->whole.numel / (double)t->model->numel : 1;   /* it stepped its pieces */
     in->dp_groups = t->par.data_ranks;
     return t->size;
 }
@@ -9137,6 +9158,14 @@ struct dt_pp {
     double act_bytes;           /* one micro-batch's activation, sent on */
     double kept_peak, kept_micro;
     int kept_micro_batches;     /* the most micro-batches alive at once */
+    /* --shard optimizer (ZeRO-1 over the pipelines, D > 1): this rank steps
+       [zero_lo, zero_hi) of its stage's flat buffer, a chunk of
+       zero_chunk = ceil(numel / D); zero_grads, that slice of the average
+       gradient; zero_buf, the whole buffer padded to D chunks for the
+       collectives. */
+    int zero1;
+    int64_t zero_lo, zero_hi, zero_chunk;
+    float *zero_grads, *zero_buf;
 };
 
 static int dt__pp_holds(const dt_pp *p, int stage, int i) {
@@ -9397,6 +9426,7 @@ dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch) {
     if (!last) pp->recv_g = dt_recv_async(pp->from_next, pp->inbox_g, st.act_n, st.t, 1);
     double t_start = dt_now_ms();
     pp->busy_ms = pp->idle_ms = 0;
+    if (pp->tp) pp->tp->sums = pp->tp->sum_ms = pp->tp->sum_bytes = 0;   /* an evaluation's since are not the step's */
     pp->kept_peak = pp->kept_micro = 0;
     pp->kept_micro_batches = 0;
     for (int k = 0; k < nactions; k++) {
@@ -9446,9 +9476,31 @@ static void dt__pp_backward_done(dt_parallel *par) {
     }
     if (p->par.data_ranks == 1) return;
     double t0 = dt_now_ms();
-    dt_all_reduce(p->across, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_AVG);
+    if (p->zero1) {                         /* each pipeline keeps its slice of the average */
+        size_t bytes = (size_t)m->numel * sizeof(float), padded = (size_t)(p->zero_chunk * p->par.data_ranks) * sizeof(float);
+        dt_convert(m->flat_grad, DT_F32, p->zero_buf, DT_F32, m->numel);
+        dt__zero_on(m->device, (char *)p->zero_buf + bytes, padded - bytes);
+        dt_reduce_scatter(p->across, p->zero_buf, p->zero_grads, p->zero_chunk, DT_F32, DT_AVG);
+        dt__zero_on(m->device, m->flat_grad, bytes);   /* the next step's backward adds into it */
+        dt__record_comm("reduce_scatter dp", t0, dt_now_ms(), 0);
+    } else {
+        dt_all_reduce(p->across, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_AVG);
+        dt__record_comm("all_reduce dp", t0, dt_now_ms(), 0);
+    }
     dt__ctx.grad_collectives++;
-    dt__record_comm("all_reduce dp", t0, dt_now_ms(), 0);
+}
+/* ZeRO-1: after the optimizer stepped this rank's slice, every pipeline's
+   slices to every pipeline, so each holds its stage whole again. */
+static void dt__pp_step_done(dt_parallel *par) {
+    dt_pp *p = (dt_pp *)par;
+    if (!p->zero1) return;
+    dt_model *m = p->model;
+    double t0 = dt_now_ms();
+    float *mine = p->zero_buf + p->zero_chunk * p->par.data_rank;     /* sent from its place in the padded buffer */
+    dt_convert(m->flat_data + p->zero_lo, DT_F32, mine, DT_F32, p->zero_hi - p->zero_lo);
+    dt_all_gather(p->across, mine, p->zero_buf, p->zero_chunk, DT_F32);
+    dt_convert(p->zero_buf, DT_F32, m->flat_data, DT_F32, m->numel);
+    dt__record_comm("all_gather parameters", t0, dt_now_ms(), 0);
 }
 void dt_pp_sync_grads(dt_pp *pp) { dt_parallel_backward_done(&pp->par); }
 int dt_pp_data_rank(const dt_pp *pp) { return pp->par.data_rank; }
@@ -9463,11 +9515,26 @@ static void dt__pp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
     for (int i = 0; i < m->nparams; i++)      /* with --tp, a whole parameter is counted at the group's first rank too */
         o->slices[i].copy = (p->stage > 0 && m->splits[i].tied) || (p->tp && p->tp->rank > 0 && m->splits[i].dim < 0);
     o->sharded_by = par;
+    if (!p->zero1) return;
+    /* ZeRO-1: only this rank's slice, each parameter's part of it a slice */
+    o->params = m->flat_data + p->zero_lo; o->grads = p->zero_grads; o->numel = p->zero_hi - p->zero_lo;
+    int n = 0;
+    for (int i = 0; i < m->nparams; i++) {
+        int64_t a = o->slices[i].offset, b = a + o->slices[i].length;
+        if (a < p->zero_lo) a = p->zero_lo;
+        if (b > p->zero_hi) b = p->zero_hi;
+        if (b <= a) continue;
+        o->slices[n] = o->slices[i];
+        o->slices[n].offset = a - p->zero_lo;
+        o->slices[n++].length = b - a;
+    }
+    o->nslices = n;
 }
 static void dt__pp_sum_over_ranks(dt_parallel *par, float *values, int n) {
     dt_pp *p = (dt_pp *)par;
     dt__comm_all_reduce_host(p->pipe, values, n, DT_SUM);
     if (p->tp) dt__comm_all_reduce_host(p->tp->group, values, n, DT_SUM);
+    if (p->zero1) dt__comm_all_reduce_host(p->across, values, n, DT_SUM);   /* each pipeline holds a slice */
 }
 /* The layers' sums, passed on to the tensor-parallel wrapper inside. */
 static void dt__pp_tp_sum(dt_parallel *par, float *values, int64_t n) {
@@ -9509,8 +9576,22 @@ static float *dt__pp_state_gather(dt_pp *p, float *local) {
     }
     return whole;
 }
+/* ZeRO-1's optimizer state: every pipeline's slices of the stage, whole (a
+   collective of the pipelines), in the stage's buffer layout. */
+static float *dt__pp_zero1_gather(dt_pp *p, const float *slice) {
+    dt_model *m = p->model;
+    float *mine = p->zero_buf + p->zero_chunk * p->par.data_rank;
+    float *whole = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, (size_t)m->numel * sizeof(float) + 4);
+    dt__zero_on(m->device, mine, (size_t)p->zero_chunk * sizeof(float));
+    dt_convert(slice, DT_F32, mine, DT_F32, p->zero_hi - p->zero_lo);
+    dt_all_gather(p->across, mine, p->zero_buf, p->zero_chunk, DT_F32);
+    dt_convert(p->zero_buf, DT_F32, whole, DT_F32, m->numel);
+    return whole;
+}
 /* With --tp the stages' pieces, gathered at the first stage, are then
-   gathered over its tensor-parallel group (and, to load, cut the other way). */
+   gathered over its tensor-parallel group (and, to load, cut the other way);
+   with --shard optimizer the moments are first made whole over the
+   pipelines (and, to load, each rank keeps its slice). */
 static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
     dt_pp *p = (dt_pp *)par;
     if (for_load) {
@@ -9518,8 +9599,14 @@ static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, in
         if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", par->whole->numel * 4e-6);
         return whole;
     }
-    if (p->par.data_rank != 0) return NULL;
-    float *staged = dt__pp_state_gather(p, dt__state_buffer(p->model, o, which));
+    float *state = dt__state_buffer(p->model, o, which), *gathered = NULL;
+    if (p->zero1 && which > 0) state = gathered = dt__pp_zero1_gather(p, state);   /* every pipeline takes part */
+    if (p->par.data_rank != 0) {
+        if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
+        return NULL;
+    }
+    float *staged = dt__pp_state_gather(p, state);
+    if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
     if (!p->tp || p->stage != 0) return staged;
     size_t bytes = (size_t)p->whole.numel * sizeof(float);
     float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
@@ -9531,7 +9618,12 @@ static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, in
 }
 static void dt__pp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
     dt_pp *p = (dt_pp *)par;
-    float *local = dt__state_buffer(p->model, o, which);
+    float *local = dt__state_buffer(p->model, o, which), *slice = NULL;
+    size_t stage_bytes = (size_t)p->model->numel * sizeof(float) + 4;
+    if (written && p->zero1 && which > 0) {  /* the stage's whole state here first, then this rank's slice of it */
+        slice = local;
+        local = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, stage_bytes);
+    }
     if (written && !p->tp) dt__pp_scatter(p, host, local);
     else if (written) {
         size_t bytes = (size_t)p->whole.numel * sizeof(float);
@@ -9541,6 +9633,10 @@ static void dt__pp_state_close(dt_parallel *par, dt_optimizer *o, int which, flo
         dt__pp_scatter(p, view, local);
         dt__host_view_close(p->model->device, view, pieces, p->whole.numel, 0);
         dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
+    }
+    if (slice) {
+        dt_convert(local + p->zero_lo, DT_F32, slice, DT_F32, p->zero_hi - p->zero_lo);
+        dt_free_on(p->model->device, DT_ARENA_COMM, local, stage_bytes);
     }
     free(host);
 }
@@ -9569,6 +9665,10 @@ static void dt__pp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
     if (p->tp)
         printf("  each stage's blocks split over --tp %d ranks as in stage 06: the sizes above are one rank's pieces\n",
                p->tp->size);
+    if (p->zero1)
+        printf("  --shard optimizer: the %d pipelines share out each stage's %s state (ZeRO-1): this rank keeps %.3f MB of "
+               "its stage's %.3f\n", p->par.data_ranks, o->v ? "adamw's" : "sgd's", 4e-6 * (double)o->numel * (o->v ? 2 : 1),
+               4e-6 * (double)m->numel * (o->v ? 2 : 1));
     printf("  the whole model: %.3f MB of parameters, %d blocks\n", 4e-6 * (double)par->whole->numel, n);
     fflush(stdout);
 }
@@ -9625,6 +9725,9 @@ static int dt__pp_cost_input(const dt_parallel *par, dt_cost_input *in) {
     in->pp_measured_bubble = dt__pp_bubble(p);
     in->compute_ms = p->pipe_busy_ms;
     in->dp_groups = p->par.data_ranks;
+    in->pp_zero1 = p->zero1;
+    int64_t stepped = p->zero1 ? p->zero_hi - p->zero_lo : p->model->numel;    /* the optimizer's share of the whole model */
+    in->optimizer_ms *= stepped > 0 ? (double)par->whole->numel / (double)stepped : 1;
     if (p->tp) {
         in->tp_ranks = p->tp->size;
         in->tp_share = dt__tp_split_share(p->tp);
@@ -9644,7 +9747,7 @@ static void dt__pp_bench_fields(const dt_parallel *par, FILE *out, int accum_ste
     if (p->tp)        /* the whole pipeline's layer sums per micro-batch, as the cost model counts them */
         fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", p->tp->size, dt__tp_split_share(p->tp),
                 p->pipe_tp_sums / p->micro_batches, p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0.0);
-    fprintf(out, " dp=%d", p->par.data_ranks);
+    fprintf(out, " dp=%d%s", p->par.data_ranks, p->zero1 ? " zero1=1" : "");
 }
 
 /* The step's pipeline figures, in its --log record. */
@@ -9670,11 +9773,16 @@ static void dt__pp_pair(dt_pp *p, int round, dt_comm **with_next, dt_comm **with
     else *with_prev = c;
 }
 
-dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_batches, dt_pp_schedule schedule) {
+dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_batches, dt_pp_schedule schedule,
+                    dt_shard_mode shard) {
     int world = dt_comm_size(comm);
     char v[64];
-    snprintf(v, sizeof v, "%d %d %d %d", pp, tp, micro_batches, (int)schedule);
-    dt_comm_check_agree(comm, "--pp --tp --micro-batches --schedule", v);
+    snprintf(v, sizeof v, "%d %d %d %d %d", pp, tp, micro_batches, (int)schedule, (int)shard);
+    dt_comm_check_agree(comm, "--pp --tp --micro-batches --schedule --shard", v);
+    if (shard != DT_SHARD_NONE && shard != DT_SHARD_OPTIMIZER)
+        dt_usage_error("--shard %s: a pipeline shares out only its optimizer state over the data-parallel pipelines (--shard "
+                       "optimizer, ZeRO-1): its micro-batches' gradients add up whole until the step's last backward, and each "
+                       "stage runs its parameters M times a step", shard == DT_SHARD_GRADS ? "grads" : "full");
     if (tp <= 0) tp = 1;
     if (world % tp) dt_usage_error("--tp %d does not divide the job's %d ranks", tp, world);
     if (pp <= 0) pp = world / tp;
@@ -9696,7 +9804,7 @@ dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_ba
                             .sum_over_ranks = dt__pp_sum_over_ranks, .state_open = dt__pp_state_open,
                             .state_close = dt__pp_state_close, .memory_table = dt__pp_memory_table,
                             .forward = dt__pp_forward, .log_fields = dt__pp_log_fields, .cost_input = dt__pp_cost_input,
-                            .bench_fields = dt__pp_bench_fields };
+                            .bench_fields = dt__pp_bench_fields, .step_done = dt__pp_step_done };
     dt__comm_hold(comm, "dt_pp_free");
     p->model = model;
     p->comm = comm;
@@ -9738,6 +9846,17 @@ dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_ba
         if (!end) { dt_comm_free(p->ends); p->ends = NULL; }
     }
     if (p->par.data_ranks > 1) dt_broadcast(p->across, model->flat_data, model->numel, DT_F32, 0);   /* every pipeline starts alike */
+    p->zero1 = shard == DT_SHARD_OPTIMIZER && p->par.data_ranks > 1;   /* one pipeline: nothing to share out */
+    if (p->zero1) {
+        int D = p->par.data_ranks;
+        p->zero_chunk = (model->numel + D - 1) / D;
+        p->zero_lo = p->zero_chunk * p->par.data_rank;
+        if (p->zero_lo > model->numel) p->zero_lo = model->numel;
+        p->zero_hi = p->zero_lo + p->zero_chunk < model->numel ? p->zero_lo + p->zero_chunk : model->numel;
+        p->zero_grads = (float *)dt_alloc_on(model->device, DT_ARENA_GRADS, (size_t)p->zero_chunk * sizeof(float) + 4);
+        p->zero_buf = (float *)dt_alloc_on(model->device, DT_ARENA_COMM, (size_t)(p->zero_chunk * D) * sizeof(float) + 4);
+        dt__zero_on(model->device, p->zero_grads, (size_t)p->zero_chunk * sizeof(float));
+    }
     return p;
 }
 
@@ -9752,6 +9871,10 @@ void dt_pp_free(dt_pp *pp) {
     free(pp->arenas);
     dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_x, pp->inbox_bytes);
     dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_g, pp->inbox_bytes);
+    if (pp->zero1) {
+        dt_free_on(pp->model->device, DT_ARENA_GRADS, pp->zero_grads, (size_t)pp->zero_chunk * sizeof(float) + 4);
+        dt_free_on(pp->model->device, DT_ARENA_COMM, pp->zero_buf, (size_t)(pp->zero_chunk * pp->par.data_ranks) * sizeof(float) + 4);
+    }
     dt_mesh_free(pp->mesh);
     dt__comm_release(pp->comm);
     free(pp->first_block);
@@ -11850,7 +11973,7 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
         double grads = in->params * stage * kept * in->reduce_bytes;
         /* the turns of the bubble, with their sums, count with compute, as
            the turns of the fill and the drain always have */
-        p.compute_ms = (M + n - 1) * turn + (n - 1) * sums + in->optimizer_ms * slow * stage * kept;
+        p.compute_ms = (M + n - 1) * turn + (n - 1) * sums + in->optimizer_ms * slow * stage * kept / (in->pp_zero1 ? D : 1);
         /* every message but those of the fill and the drain arrives while
            the stage computes (its receive is posted early); the layers'
            sums stand in each turn, where nothing hides them */
@@ -11884,15 +12007,15 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
                                    "tensor parallel", "pipeline parallel" };
     dt_cost_prediction p = dt_cost_predict(in, l, n);
     int T = in->kind == DT_PAR_PP && in->tp_ranks > 1 ? in->tp_ranks : 1;     /* a pipeline's stages split too */
-    fprintf(out, "cost model: %s on %d %s over %s (%.0f GB/s, %.0f us), %.2fM parameters\n", kinds[in->kind], n,
-            in->kind == DT_PAR_PP ? "stages" : "ranks", l->name, l->bandwidth_gbs, l->latency_us, in->params / 1e6);
+    fprintf(out, "cost model: %s on %d %s%s over %s (%.0f GB/s, %.0f us), %.2fM parameters\n", kinds[in->kind], n,
+            in->kind == DT_PAR_PP ? "stage" : "rank", n == 1 ? "" : "s", l->name, l->bandwidth_gbs, l->latency_us, in->params / 1e6);
     if (T > 1)
         fprintf(out, "  x %d ranks splitting each stage's layers (--tp %d): %.0f%% of the compute split, %.1f sums of %.0f KB "
                 "per micro-batch in all, none hidden\n", T, T, 100 * in->tp_share, in->tp_sums, in->tp_bytes / 1e3);
     if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP) && in->dp_groups > 1)
         fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch\n", in->dp_groups,
                 in->kind == DT_PAR_TP ? "groups" : "pipelines", n * T, in->dp_groups * n * T);
-    if (in->kind == DT_PAR_PP)
+    if (in->kind == DT_PAR_PP && n > 1)
         fprintf(out, "  %d micro-batches through %d stages: the bubble is (P - 1) / (M + P - 1) = %.0f%% of the step "
                 "(measured on this rank: %.0f%%)\n", in->pp_micro_batches > 0 ? in->pp_micro_batches : 1, n, 100 * p.bubble,
                 100 * in->pp_measured_bubble);
@@ -12047,7 +12170,8 @@ static const dt__flag dt__flags[] = {
       "                          give the 16-bit one)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL, DT_ABOVE(0) },
     { "--nproc", "234567", "N", "02: devices driven by this one process; 03-07: ranks started on this machine (default 1)", DT_ARG_INT,
       DT_CFG(nproc), NULL, DT_RANGE(1, DT_MAX_RANKS) },
-    { "--shard", "45", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default)",
+    { "--shard", "457", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default);\n"
+      "                          07: optimizer only, over the data-parallel pipelines (default: none)",
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full", DT_NOT_A_NUMBER },
     { "--cpu-offload", "45", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
       DT_CFG(cpu_offload), NULL, DT_NOT_A_NUMBER },
@@ -12394,6 +12518,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         c.batch_size *= c.accum_steps;
         c.accum_steps = 1;
     }
+    if (dt__stage_takes(stage, "--micro-batches") && !dt__given(given, "--shard")) c.shard = DT_SHARD_NONE;   /* DDP's */
     if (dt__stage_takes(stage, "--micro-batches") && c.dtype == DT_F16)
         dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which the pipeline does not carry from stage to "
                        "stage; use --dtype bf16, whose range is f32's");
@@ -12727,23 +12852,24 @@ static void dt__run_explain(dt_run *r) {
     dt_cost_input in;
     memset(&in, 0, sizeof in);
     int n = dt__data_parallel_width(r), alone = !strncmp(c->stage, "01", 2);
-    in.kind = alone || !strncmp(c->stage, "03", 2) ? DT_PAR_DDP : !strncmp(c->stage, "02", 2) ? DT_PAR_DP
-            : c->shard == DT_SHARD_OPTIMIZER ? DT_PAR_ZERO1 : c->shard == DT_SHARD_GRADS ? DT_PAR_ZERO2 : DT_PAR_ZERO3;
+    in.kind = !strncmp(c->stage, "02", 2) ? DT_PAR_DP : DT_PAR_DDP;     /* a wrapper that shards or splits says otherwise */
     in.compute_ms = (r->phase_ms[DT_PHASE_FWD] + r->phase_ms[DT_PHASE_BWD]) / c->accum_steps;
     in.accum_steps = c->accum_steps;
+    in.optimizer_ms = r->phase_ms[DT_PHASE_OPT];      /* this rank's: a wrapper makes it the whole model's */
+    double measured = in.compute_ms * c->accum_steps + in.optimizer_ms;     /* this rank's, as it ran */
     const dt_parallel *par = r->model->parallel;       /* a wrapper that splits the model says how */
-    if (par && par->cost_input) n = par->cost_input(par, &in);
+    int layout = par && par->cost_input && (n = par->cost_input(par, &in)) && (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP);
     in.params = (double)dt__state_layout(r->model)->numel;
-    in.optimizer_ms = r->phase_ms[DT_PHASE_OPT];
     in.contention = 1;                /* the compute above was measured as this run shares its device(s) */
     in.backward_share = in.compute_ms > 0 ? r->phase_ms[DT_PHASE_BWD] / c->accum_steps / in.compute_ms : 0.66;
     in.gather_bytes = (double)dt_dtype_size((dt_dtype)c->dtype);
     in.reduce_bytes = (double)dt_dtype_size((dt_dtype)c->reduce_dtype);
     in.messages = in.kind == DT_PAR_DDP ? dt_cost_ddp_buckets(in.params, c->bucket_mb) : r->model->nunits;
     printf("--explain, measured on step %lld: compute %.1f ms, communication %.1f ms (%.1f hidden)\n",
-           (long long)r->step, in.compute_ms * c->accum_steps + in.optimizer_ms, dt__ctx.comm_ms, dt__ctx.comm_hidden_ms);
+           (long long)r->step, measured, dt__ctx.comm_ms, dt__ctx.comm_hidden_ms);
     if (alone) printf("(stage 01 trains alone: here is what DDP, stage 03, would do with it)\n");
-    dt_cost_explain(stdout, &in, &link, n > 1 ? n : 2);
+    /* one rank alone: what two would do; a layout (--tp, --pp) as it is, a stage or a group of one included */
+    dt_cost_explain(stdout, &in, &link, layout || n > 1 ? n : 2);
     printf("  predicted speedup at");
     for (int k = 2; k <= 8; k *= 2)
         printf(" %s%d%s: %.2fx%s", in.kind == DT_PAR_TP ? "--tp " : in.kind == DT_PAR_PP ? "--pp " : "", k,

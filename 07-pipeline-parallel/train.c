@@ -9,9 +9,9 @@
    gpipe: every forward, then every backward; 1f1b: each backward as soon as
    it can run, so a stage keeps at most P micro-batches' activations, not M.
    --tp T splits each stage's layers as 06 does; ranks left over are data
-   parallel: D x P x T ranks in all. --dtype bf16 as in 05; the micro-batches
-   are the accumulation (--accum-steps K: K times as many). Builds on
-   06-tensor-parallel. */
+   parallel: D x P x T ranks in all (--shard optimizer shares out the state
+   over D). --dtype bf16 as in 05; the micro-batches are the accumulation
+   (--accum-steps K: K times as many). Builds on 06-tensor-parallel. */
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
 
@@ -24,7 +24,8 @@ int main(int argc, char **argv) {
     dt_load_data(&cfg, &train, &val);
     dt_model_config mc = dt_model_config_from(&cfg, train.channels, train.size, train.num_classes);
     dt_model *model = dt_model_create(&mc, cfg.seed);
-    dt_pp *pp = dt_pp_create(model, comm, cfg.pp, cfg.tp, cfg.micro_batches, (dt_pp_schedule)cfg.schedule);  /* my stage */
+    dt_pp *pp = dt_pp_create(model, comm, cfg.pp, cfg.tp, cfg.micro_batches, (dt_pp_schedule)cfg.schedule,
+                             (dt_shard_mode)cfg.shard);      /* my stage; --shard optimizer: ZeRO-1 over the pipelines */
     dt_optimizer *opt = dt_optimizer_create(model, cfg.optimizer, cfg.weight_decay, cfg.momentum, cfg.clip);
     dt_loader loader = dt_loader_create(&train, cfg.batch_size, cfg.seed, /*shuffle*/ 1, cfg.augment,
                                         /*drop_last*/ 1, dt_pp_data_rank(pp), dt_pp_data_ranks(pp));  /* the pipeline's share */

@@ -3009,7 +3009,8 @@ static void pp_equivalence_in(const char *data, int samples, const char *flags, 
     CHECKF(st == 0, "01: exit %d\n%s", st, out);
     snprintf(p, sizeof p, "%s/%s_data0-%d_epoch2", ref, model, samples);
     for (int k = 0; k < nlayouts; k++) {
-        snprintf(dir, sizeof dir, "%s/pp-%s-%d%s", tmpdir, model, k, strstr(layouts[k].flags, "--tp") ? "-tp" : "");
+        snprintf(dir, sizeof dir, "%s/pp-%s-%d%s%s", tmpdir, model, k, strstr(layouts[k].flags, "--tp") ? "-tp" : "",
+                 strstr(layouts[k].flags, "--shard") ? "-zero1" : "");
         snprintf(log, sizeof log, "%s.jsonl", dir);
         st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s %s --batch-size %d --nproc %d --pp %d --save-dir %s --log %s",
                      stage_bin("07-pipeline-parallel"), data, flags, layouts[k].flags, layouts[k].batch, layouts[k].nproc,
@@ -3218,6 +3219,51 @@ static void test_pipeline_parallel_trains_in_bf16_and_accumulates_as_05_does(voi
                  gpt_text(), model);
     CHECKF(st == 2 && strstr(out, "--accum-steps 2 x --micro-batches 200"), "07 --accum-steps 2 --micro-batches 200: exit %d\n%s",
            st, out);
+}
+
+/* --shard optimizer: the data-parallel pipelines share out each stage's
+   optimizer state (ZeRO-1: the gradients reduce-scattered over them, each
+   steps its slice, the parameters all-gathered). 2 x 1 x 2 and 2 x 2 x 2
+   equal stage 01 as the unsharded layouts do (its Adam moments, gathered
+   from the slices into the checkpoint, included); each rank keeps half of
+   its stage's state; a checkpoint resumes bit for bit sharded, and in 07
+   unsharded and 01 within 2e-5. ZeRO-2 and -3 are refused, saying why. */
+static void test_pipeline_parallel_shares_out_the_optimizer_state_over_the_pipelines(void) {
+    static const pp_layout layouts[2] = { { 4, 2, 16, "--shard optimizer --micro-batches 2" },
+                                          { 8, 2, 16, "--tp 2 --shard optimizer --micro-batches 2 --schedule gpipe" } };
+    pp_equivalence_in(gpt_text(), 320, "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16", "gpt", layouts, 2, 2e-5);
+    pp_equivalence_in(small_data(), 320, "--model vit --depth 4 --heads 2 --patch 4", "vit", layouts, 1, 2e-5);
+    char out[16384], log[2][600];
+    for (int k = 0; k < 2; k++) {
+        snprintf(log[k], sizeof log[k], "%s/zero1-mem-%d.jsonl", tmpdir, k);
+        int st = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --epochs 1 --steps 2 "
+                         "--batch-size 16 --nproc 4 --pp 2 --micro-batches 2 %s --log %s", stage_bin("07-pipeline-parallel"), gpt_text(),
+                         k ? "--shard optimizer" : "", log[k]);
+        CHECKF(st == 0 && (!k || strstr(out, "--shard optimizer: the 2 pipelines share out each stage's adamw's state")),
+               "07 %s: exit %d\n%s", k ? "--shard optimizer" : "", st, out);
+    }
+    double whole = summary_value(log[0], "peak_optimizer_bytes"), shared = summary_value(log[1], "peak_optimizer_bytes");
+    CHECKF(whole > 0 && shared >= whole / 2 && shared <= whole / 2 + 16, "rank 0 keeps %.0f bytes of optimizer state sharded, "
+           "%.0f whole (expected half)", shared, whole);
+    char a[600];
+    snprintf(a, sizeof a, "%s/zero1-ck", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 "
+                     "--batch-size 16 --nproc 4 --pp 2 --micro-batches 2 --shard optimizer --save-dir %s",
+                     stage_bin("07-pipeline-parallel"), gpt_text(), a);
+    CHECKF(st == 0, "07 --shard optimizer: exit %d\n%s", st, out);
+    static const char *const again[3] = {
+        "07-pipeline-parallel --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 16 --nproc 4 --pp 2 --micro-batches 2 "
+        "--shard optimizer",
+        "07-pipeline-parallel --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 16 --nproc 4 --pp 2 --micro-batches 2",
+        "01-single-gpu --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 32" };
+    resumes_alike(gpt_text(), a, "gpt", again, "zero1");
+    static const char *const refused[2] = { "grads", "full" };
+    for (int k = 0; k < 2; k++) {
+        st = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --nproc 4 --pp 2 "
+                     "--shard %s", stage_bin("07-pipeline-parallel"), gpt_text(), refused[k]);
+        CHECKF(st == 2 && strstr(out, "--shard optimizer") && strstr(out, refused[k]), "07 --shard %s: exit %d\n%s", refused[k],
+               st, out);
+    }
 }
 
 /* A stage killed while it sends an activation: the stages waiting on it
@@ -5396,7 +5442,7 @@ static void test_cost_model_matches_hand_computed_cases(void) {
        8 sums of 1.25e7 bytes (1.25 ms each at N=2): 100 x (0.8/2 + 0.2) = 60
        ms of compute and 10 of sums, none hidden: 100 / 70 over one rank with
        the same batch (not twice it) */
-    dt_cost_input tp = { DT_PAR_TP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0.8, 8, 1.25e7, 0, 0, 0, 0, 0, 0 };
+    dt_cost_input tp = { DT_PAR_TP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0.8, 8, 1.25e7, 0, 0, 0, 0, 0, 0, 0 };
     dt_cost_prediction q = dt_cost_predict(&tp, &(dt_link){ "no latency", 0, 10 }, 2);
     CHECKF(CLOSE(q.compute_ms, 60, 1e-12) && CLOSE(q.comm_ms, 10, 1e-12) && CLOSE(q.exposed_ms, 10, 1e-12) &&
            CLOSE(q.speedup, 100.0 / 70, 1e-12) && CLOSE(q.bytes, 8 * 1.25e7, 1e-12),
@@ -5415,7 +5461,7 @@ static void test_cost_model_matches_hand_computed_cases(void) {
        hop at 10 GB/s, 16 of them a step, of which those of the fill and the
        drain (2 x 3) are not hidden: 34.375 + 0.6 ms, a bubble of 3/11; each
        rank sends 16e6 bytes but an end stage half of that: 12e6 on average */
-    dt_cost_input pp = { DT_PAR_PP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 8, 1, 1e6, 0 };
+    dt_cost_input pp = { DT_PAR_PP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 8, 1, 1e6, 0, 0 };
     q = dt_cost_predict(&pp, &(dt_link){ "no latency", 0, 10 }, 4);
     CHECKF(CLOSE(q.compute_ms, 34.375, 1e-12) && CLOSE(q.comm_ms, 1.6, 1e-12) && CLOSE(q.exposed_ms, 0.6, 1e-12) &&
            CLOSE(q.bubble, 3.0 / 11, 1e-12) && CLOSE(q.speedup, 100 / 34.975, 1e-12) && CLOSE(q.bytes, 12e6, 1e-12),
@@ -5441,18 +5487,26 @@ static void test_cost_model_matches_hand_computed_cases(void) {
            q.comm_ms, q.exposed_ms, q.speedup, q.efficiency, q.bytes);
     /* 2 pipelines of one stage on a device they share (contention 2): both
        ranks' compute is slowed, though each pipeline has one rank */
-    dt_cost_input shared = { DT_PAR_PP, 100, 2, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 2, 1, 1, 0, 0 };
+    dt_cost_input shared = { DT_PAR_PP, 100, 2, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 2, 1, 1, 0, 0, 0 };
     q = dt_cost_predict(&shared, &(dt_link){ "no latency", 0, 10 }, 1);
     CHECKF(CLOSE(q.compute_ms, 200, 1e-12) && CLOSE(q.comm_ms, 0.4, 1e-12), "2 x 1 x 1 sharing a device: compute %.4f, comm %.4f",
            q.compute_ms, q.comm_ms);
+    /* an optimizer step of 10 ms on the whole model: 20 on the shared device, 10 each with it shared out (ZeRO-1) */
+    shared.optimizer_ms = 10;
+    q = dt_cost_predict(&shared, &(dt_link){ "no latency", 0, 10 }, 1);
+    double whole_opt = q.compute_ms;
+    shared.pp_zero1 = 1;
+    q = dt_cost_predict(&shared, &(dt_link){ "no latency", 0, 10 }, 1);
+    CHECKF(CLOSE(whole_opt, 220, 1e-12) && CLOSE(q.compute_ms, 210, 1e-12), "ZeRO-1 over 2 pipelines: compute %.4f, unsharded %.4f",
+           q.compute_ms, whole_opt);
     /* a pipeline of one stage whose layers split over 2 ranks is tensor
        parallelism: the same step as the TP case above, at any M (each
        micro-batch's sums 1/M of the bytes) */
+    tp.dp_groups = 0;                       /* one group again */
     for (int M = 1; M <= 4; M *= 2) {
         dt_cost_input one = tp;
         one.kind = DT_PAR_PP; one.tp_ranks = 2; one.dp_groups = 0; one.pp_micro_batches = M; one.tp_bytes = tp.tp_bytes / M;
         dt_cost_prediction a = dt_cost_predict(&one, &(dt_link){ "no latency", 0, 10 }, 1);
-        tp.dp_groups = 0;
         dt_cost_prediction b = dt_cost_predict(&tp, &(dt_link){ "no latency", 0, 10 }, 2);
         CHECKF(CLOSE(a.step_ms, b.step_ms, 1e-12) && CLOSE(a.comm_ms, b.comm_ms, 1e-12) && CLOSE(a.speedup, b.speedup, 1e-12) &&
                CLOSE(a.efficiency, b.efficiency, 1e-12) && CLOSE(a.bytes, b.bytes, 1e-9),
@@ -5463,7 +5517,7 @@ static void test_cost_model_matches_hand_computed_cases(void) {
        nothing hidden: 125 ms a step, 80% efficiency; hidden behind half of
        compute (50 ms): 100% */
     dt_link fast = { "no latency", 0, 10 };
-    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     dt_cost_prediction p = dt_cost_predict(&in, &fast, 2);
     CHECKF(CLOSE(p.comm_ms, 25, 1e-12) && CLOSE(p.step_ms, 125, 1e-12) && CLOSE(p.efficiency, 0.8, 1e-12),
            "DDP: comm %.4f, step %.4f, efficiency %.4f", p.comm_ms, p.step_ms, p.efficiency);
@@ -5610,9 +5664,9 @@ static void test_out_of_range_values_exit_2_naming_the_flag(void) {
    an error naming the stages that have it, and --help lists a stage's own. */
 static void test_a_flag_of_another_stage_exits_2_naming_its_stages(void) {
     static const struct { const char *stage, *args, *named; } bad[] = {
-        { "01-single-gpu", "--shard full", "--shard is a flag of 04-fsdp and 05-accum-mixed-precision, not 01-single-gpu" },
+        { "01-single-gpu", "--shard full", "--shard is a flag of 04-fsdp, 05-accum-mixed-precision and 07-pipeline-parallel, not 01-single-gpu" },
         { "02-dp", "--cpu-offload", "--cpu-offload is a flag of 04-fsdp and 05-accum-mixed-precision, not 02-dp" },
-        { "03-ddp", "--shard grads", "--shard is a flag of 04-fsdp and 05-accum-mixed-precision, not 03-ddp" },
+        { "03-ddp", "--shard grads", "--shard is a flag of 04-fsdp, 05-accum-mixed-precision and 07-pipeline-parallel, not 03-ddp" },
         { "01-single-gpu", "--bucket-mb 25", "--bucket-mb is a flag of 03-ddp, not 01-single-gpu" },
         { "04-fsdp", "--bucket-mb 0", "--bucket-mb is a flag of 03-ddp, not 04-fsdp" },
         { "05-accum-mixed-precision", "--bucket-mb 1", "--bucket-mb is a flag of 03-ddp, not 05-accum-mixed-precision" },
@@ -5621,8 +5675,8 @@ static void test_a_flag_of_another_stage_exits_2_naming_its_stages(void) {
           "not 01-single-gpu" },
         { "01-single-gpu", "--timeout 10",
           "--timeout is a flag of 02-dp, 03-ddp, 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel and 07-pipeline-parallel" },
-        { "04-fsdp", "--accum-steps 1", "--accum-steps is a flag of 05-accum-mixed-precision, not 04-fsdp" },
-        { "03-ddp", "--dtype fp32", "--dtype is a flag of 05-accum-mixed-precision, not 03-ddp" },
+        { "04-fsdp", "--accum-steps 1", "--accum-steps is a flag of 05-accum-mixed-precision and 07-pipeline-parallel, not 04-fsdp" },
+        { "03-ddp", "--dtype fp32", "--dtype is a flag of 05-accum-mixed-precision and 07-pipeline-parallel, not 03-ddp" },
         { "02-dp", "--reduce-dtype fp32", "--reduce-dtype is a flag of 05-accum-mixed-precision, not 02-dp" },
         { "02-dp", "--ranks-per-gpu 1",
           "--ranks-per-gpu is a flag of 03-ddp, 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel and 07-pipeline-parallel, not 02-dp" },
@@ -5643,7 +5697,8 @@ static void test_a_flag_of_another_stage_exits_2_naming_its_stages(void) {
         { "04-fsdp", "--nproc --shard --cpu-offload --ranks-per-gpu", "--bucket-mb --accum-steps --dtype --reduce-dtype" },
         { "05-accum-mixed-precision", "--shard --cpu-offload --accum-steps --dtype --reduce-dtype", "--bucket-mb" },
         { "06-tensor-parallel", "--nproc --timeout --tp --sequence-parallel --ranks-per-gpu", "--bucket-mb --shard --accum-steps --dtype" },
-        { "07-pipeline-parallel", "--nproc --timeout --pp --tp --micro-batches --schedule", "--sequence-parallel --bucket-mb --shard --accum-steps --dtype" },
+        { "07-pipeline-parallel", "--nproc --timeout --pp --tp --micro-batches --schedule --shard --accum-steps --dtype",
+          "--sequence-parallel --bucket-mb --cpu-offload --reduce-dtype" },
     };
     for (size_t i = 0; i < sizeof help / sizeof help[0]; i++) {
         int st = run_cmd(out, sizeof out, "%s --help", stage_bin(help[i].stage));
@@ -6578,6 +6633,7 @@ static const test_case tests[] = {
     T(test_pipeline_parallel_equals_one_device), T(test_pipeline_parallel_keeps_p_micro_batches_under_1f1b),
     T(test_pipeline_parallel_checkpoints_are_whole_and_resume), T(test_data_tensor_and_pipeline_parallel_together_equal_one_device),
     T(test_pipeline_parallel_trains_in_bf16_and_accumulates_as_05_does),
+    T(test_pipeline_parallel_shares_out_the_optimizer_state_over_the_pipelines),
     T(test_a_killed_pipeline_stage_stops_every_rank),
     T(test_order_mistakes_in_each_stage_are_named_errors), T(test_gpt_trains_alike_in_every_stage), T(test_llama_trains_alike_in_every_stage),
     T(test_masked_instruction_data_trains_alike_in_every_stage), T(test_recompute_repeats_the_bits_of_every_stage_in_less_memory),
