@@ -24,8 +24,7 @@ int main(int argc, char **argv) {
     dt_load_data(&cfg, &train, &val);
     dt_model_config mc = dt_model_config_from(&cfg, train.channels, train.size, train.num_classes);
     dt_model *model = dt_model_create(&mc, cfg.seed);
-    dt_pp *pp = dt_pp_create(model, comm, cfg.pp, cfg.tp, cfg.micro_batches, (dt_pp_schedule)cfg.schedule,
-                             (dt_shard_mode)cfg.shard);      /* my stage; --shard optimizer: ZeRO-1 over the pipelines */
+    dt_pp *pp = dt_pp_create(model, comm, cfg.pp, cfg.tp, cfg.micro_batches, cfg.schedule, cfg.shard);  /* my stage */
     dt_optimizer *opt = dt_optimizer_create(model, cfg.optimizer, cfg.weight_decay, cfg.momentum, cfg.clip);
     dt_loader loader = dt_loader_create(&train, cfg.batch_size, cfg.seed, /*shuffle*/ 1, cfg.augment,
                                         /*drop_last*/ 1, dt_pp_data_rank(pp), dt_pp_data_ranks(pp));  /* the pipeline's share */

@@ -3252,8 +3252,8 @@ static void test_pipeline_parallel_shares_out_the_optimizer_state_over_the_pipel
                      stage_bin("07-pipeline-parallel"), gpt_text(), a);
     CHECKF(st == 0, "07 --shard optimizer: exit %d\n%s", st, out);
     static const char *const again[3] = {
-        "07-pipeline-parallel --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 16 --nproc 4 --pp 2 --micro-batches 2 "
-        "--shard optimizer",
+        ("07-pipeline-parallel --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 16 --nproc 4 --pp 2 --micro-batches 2 "
+         "--shard optimizer"),
         "07-pipeline-parallel --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 16 --nproc 4 --pp 2 --micro-batches 2",
         "01-single-gpu --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 32" };
     resumes_alike(gpt_text(), a, "gpt", again, "zero1");
