@@ -5711,6 +5711,51 @@ static void test_trace_summary_reports_the_overlap_the_log_measured(void) {
     CHECKF(st == 1 && strstr(out, bad) && strstr(out, "line 2"), "a damaged trace: exit %d\n%s", st, out);
 }
 
+/* tools/plot: two runs' --log files (stage 01, and 03 with two ranks) as
+   one SVG -- a polyline per run in each of the four panels (loss,
+   evaluation loss, speed, memory), the loss's with a point per logged step,
+   the legend naming each run -- and --time puts the training time on the x
+   axis. A log with a line that is not JSON is an error naming the file and
+   the line. */
+static void test_plot_draws_each_run_in_each_panel(void) {
+    char out[16384], log[2][600], svg[600];
+    static const char *const stages[2] = { "01-single-gpu", "03-ddp" };
+    for (int k = 0; k < 2; k++) {
+        snprintf(log[k], sizeof log[k], "%s/plot-%d.jsonl", tmpdir, k);
+        int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 7 %s --log %s", stage_bin(stages[k]),
+                         small_data(), k ? "--nproc 2 --batch-size 16" : "", log[k]);
+        CHECKF(st == 0, "%s: exit %d\n%s", stages[k], st, out);
+    }
+    for (int by_time = 0; by_time < 2; by_time++) {
+        snprintf(svg, sizeof svg, "%s/plot-%d.svg", tmpdir, by_time);
+        int st = run_cmd(out, sizeof out, "%s --out %s %s %s=01 %s=03-ddp", build_path("tools/plot"), svg, by_time ? "--time" : "",
+                         log[0], log[1]);
+        CHECKF(st == 0 && strstr(out, "01 (7 steps), 03-ddp (7 steps)"), "tools/plot: exit %d\n%s", st, out);
+        char *text = read_text(svg);
+        CHECKF(text != NULL, "no %s", svg);
+        if (!text) return;
+        int lines = 0, points[8] = { 0 };
+        for (const char *p = strstr(text, "<polyline"); p; p = strstr(p + 1, "<polyline")) {
+            const char *pts = strstr(p, "points='"), *end = pts ? strchr(pts + 8, '\'') : NULL;
+            if (lines < 8 && end)
+                for (const char *c = pts + 8; c < end; c++) points[lines] += *c == ',';
+            lines++;
+        }
+        CHECKF(lines == 8 && points[0] == 7 && points[1] == 7 && points[2] == 1 && points[3] == 1 && points[4] == 7 && points[6] == 7,
+               "%s: %d polylines, points %d %d %d %d %d %d (8 lines; 7 per run for loss, speed and memory, 1 evaluation each)", svg,
+               lines, points[0], points[1], points[2], points[3], points[4], points[6]);
+        CHECKF(strstr(text, ">01</text>") && strstr(text, ">03-ddp</text>") && strstr(text, by_time ? "training time (s)" : ">step</text>"),
+               "%s: the legend or the x axis is missing", svg);
+        free(text);
+    }
+    char bad[700];
+    snprintf(bad, sizeof bad, "%s/plot-bad.jsonl", tmpdir);
+    const char *text = "{\"step\":1,\"loss\":2.5,\"samples_per_s\":10}\nnot json\n";
+    write_bytes(bad, text, strlen(text));
+    int st = run_cmd(out, sizeof out, "%s --out %s/plot-bad.svg %s", build_path("tools/plot"), tmpdir, bad);
+    CHECKF(st == 1 && strstr(out, bad) && strstr(out, "line 2"), "tools/plot on a damaged log: exit %d\n%s", st, out);
+}
+
 /* ---- 16. the cost model ----------------------------------------------------- */
 
 static void test_cost_model_matches_hand_computed_cases(void) {
@@ -6944,7 +6989,7 @@ static const test_case tests[] = {
     T(test_eta_follows_the_recent_step_time), T(test_progress_is_due_by_time_epoch_end_or_log_every),
     T(test_tensorboard_event_files_are_framed_and_checksummed_as_tfrecord), T(test_tensorboard_reads_every_scalar_dtrain_wrote),
     T(test_mlflow_file_store_holds_the_run_as_mlflow_lays_it_out), T(test_mlflow_reads_the_runs_dtrain_wrote),
-    T(test_trace_summary_reports_the_overlap_the_log_measured),
+    T(test_trace_summary_reports_the_overlap_the_log_measured), T(test_plot_draws_each_run_in_each_panel),
     /* 16. the cost model */
     T(test_cost_model_matches_hand_computed_cases),
     /* 17. the command line */
