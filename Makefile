@@ -127,7 +127,7 @@ endif
 
 STAGES   := $(sort $(dir $(wildcard 0*/train.c)))
 STAGE_BINS := $(addsuffix train,$(STAGES))
-TOOLS    := tools/gen_synthetic tools/collectives tools/consolidate tools/merge-lora tools/bench
+TOOLS    := tools/gen_synthetic tools/collectives tools/consolidate tools/merge-lora tools/bench tools/trace-summary tools/plot
 TEST_BIN := tests/test_dtrain
 
 all: $(STAGE_BINS) $(TOOLS) $(TEST_BIN)
@@ -171,7 +171,7 @@ TEST_FILTER = $(if $(T),'$(T)')
 # compiles in dtrain.h's test hooks (a rank that dies on cue, a signal at a
 # given step); the binaries `make` builds, and any program that copies the
 # header, have none.
-TESTING_BINS := $(addprefix build/test/,$(STAGE_BINS) tools/collectives tools/consolidate tools/merge-lora)
+TESTING_BINS := $(addprefix build/test/,$(STAGE_BINS) tools/collectives tools/consolidate tools/merge-lora tools/trace-summary tools/plot)
 test: $(STAGE_BINS) $(TOOLS) $(TEST_BIN) $(TESTING_BINS)
 	@echo "testing with: $(CC) $(CFLAGS)$(if $(CUDA_OBJ), + $(CUDA_OBJ) from $(NVCC)); the stages and tools under test with -DDT_TESTING"
 	./$(TEST_BIN) build/test/01-single-gpu/train $(TEST_FILTER)
@@ -193,7 +193,7 @@ build/$(1)/test_dtrain: tests/test_dtrain.c dtrain.h $(3)
 	@mkdir -p $$(dir $$@)
 	$(2) -o $$@ $$< $(3) $(4)
 endef
-SANITIZED = $(addprefix build/$(1)/,$(STAGE_BINS) tools/collectives tools/consolidate tools/merge-lora test_dtrain)
+SANITIZED = $(addprefix build/$(1)/,$(STAGE_BINS) tools/collectives tools/consolidate tools/merge-lora tools/trace-summary tools/plot test_dtrain)
 
 $(eval $(call sanitized,test,$(CC) $(CFLAGS) -DDT_TESTING,$(CUDA_OBJ),$(LDLIBS)))
 

@@ -1117,6 +1117,42 @@ typedef enum { DT_PHASE_DATA, DT_PHASE_FWD, DT_PHASE_BWD, DT_PHASE_COMM, DT_PHAS
 /* Charge the time since the last mark to `phase` (and draw it in the trace). */
 void dt_phase(dt_run *run, dt_phase_kind phase);
 
+/* TensorBoard's event files (--tensorboard DIR), written without TensorFlow.
+   A file of records, each framed as TFRecord frames it: the length as a
+   little-endian uint64, its masked CRC-32C, the bytes, their masked CRC-32C.
+   Each record is an Event protocol buffer: the first says the format
+   ("brain.Event:2"), each one after it holds a wall time, a step and a
+   scalar. dt_tensorboard_open makes DIR and opens
+   DIR/events.out.tfevents.<seconds>.<host>.<pid> (NULL, errno set, when it
+   cannot); the others return 0 when a write failed (errno says why). */
+typedef struct dt_tensorboard dt_tensorboard;
+dt_tensorboard *dt_tensorboard_open(const char *dir);
+int dt_tensorboard_scalar(dt_tensorboard *tb, const char *tag, float value, int64_t step, double wall_time);
+int dt_tensorboard_close(dt_tensorboard *tb);
+const char *dt_tensorboard_path(const dt_tensorboard *tb);
+/* CRC-32C (Castagnoli's polynomial), and TFRecord's mask of it: rotated
+   right by 15 bits, plus 0xa282ead8 (a CRC of data that holds CRCs is weak). */
+uint32_t dt_crc32c(const void *data, size_t n);
+uint32_t dt_crc32c_masked(const void *data, size_t n);
+
+/* MLflow's file store (--mlflow DIR; `mlflow ui --backend-store-uri DIR`):
+   DIR/<experiment id>/meta.yaml names the experiment; each run is a folder
+   DIR/<experiment id>/<run id>/ of meta.yaml (name, times, status), params/
+   and tags/ (a file per key holding its value) and metrics/ (a file per key,
+   a line "<ms since 1970> <value> <step>" per point). dt_mlflow_open finds
+   the experiment by name or makes it, and starts a run -- or, given the id
+   of an earlier one, continues it. Each call returns 0 when a write failed
+   (errno says why); dt_mlflow_path names the run's folder. */
+typedef struct dt_mlflow dt_mlflow;
+typedef enum { DT_MLFLOW_RUNNING = 1, DT_MLFLOW_FINISHED = 3, DT_MLFLOW_FAILED = 4, DT_MLFLOW_KILLED = 5 } dt_mlflow_status;
+dt_mlflow *dt_mlflow_open(const char *dir, const char *experiment, const char *run_name, const char *run_id);
+int dt_mlflow_param(dt_mlflow *ml, const char *key, const char *value);
+int dt_mlflow_tag(dt_mlflow *ml, const char *key, const char *value);
+int dt_mlflow_metric(dt_mlflow *ml, const char *key, double value, int64_t step, int64_t timestamp_ms);
+int dt_mlflow_close(dt_mlflow *ml, dt_mlflow_status status);
+const char *dt_mlflow_path(const dt_mlflow *ml);
+const char *dt_mlflow_run_id(const dt_mlflow *ml);
+
 /* ---- 16. the cost model ----------------------------------------------------- */
 
 /* The cost model: does it scale, and why not? A step of N ranks costs its
@@ -1228,6 +1264,8 @@ typedef struct dt_config {
     uint64_t seed;
     dt_device device;
     const char *log_path, *trace_path, *save_dir, *resume, *init;
+    const char *tensorboard;     /* --tensorboard DIR: TensorBoard event files of the scalars */
+    const char *mlflow;          /* --mlflow DIR: the run in MLflow's file store */
     int eval_every, augment;
     int log_every;               /* a progress line every N steps (0: about every 3 s, and at each epoch's end) */
     int64_t start_idx, end_idx;  /* end -1: the whole set */
@@ -1291,6 +1329,9 @@ struct dt_run {
     dt_loss_scaler scaler;     /* --dtype fp16's loss scale (disabled otherwise) */
     FILE *log, *trace;
     char trace_path[4096];     /* this rank's trace file (run.rank1.json), for the errors that name it */
+    dt_tensorboard *tb;        /* --tensorboard: rank 0's event file, or NULL */
+    dt_mlflow *mlflow;         /* --mlflow: rank 0's run in the file store, or NULL */
+    char mlflow_run_id[40];    /* the run a resumed checkpoint was part of ("": none) */
     double step_ms_avg;        /* the recent time of a step, for the ETA (dt__eta_update) */
     double line_ms;            /* when the last progress line was printed */
     int stop;
@@ -11294,6 +11335,7 @@ static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *f
     dt__meta_add(l, "data_range", "%lld,%lld", (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
     dt__meta_add(l, "batch_size", "%d", r->cfg.batch_size);
     dt__meta_add(l, "accum_steps", "%d", r->cfg.accum_steps);
+    if (r->mlflow) dt__meta_add(l, "mlflow_run_id", "%s", dt_mlflow_run_id(r->mlflow));
     if (r->model->base) {
         char lora[320];
         dt__lora_string(r->model, lora, sizeof lora);
@@ -11462,6 +11504,8 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     int64_t batch_in_epoch = (int64_t)dt__meta_whole(st, st->path, "batch_in_epoch", 0,
                                                     (uint64_t)(same_steps ? r->batches_per_epoch - 1 : step));
     uint64_t seed = dt__meta_whole(st, st->path, "seed", 0, UINT64_MAX);
+    const char *mlflow_run = dt_safetensors_meta(st, "mlflow_run_id");   /* --mlflow continues that run */
+    dt__copy_str(r->mlflow_run_id, sizeof r->mlflow_run_id, mlflow_run && strlen(mlflow_run) == 32 ? mlflow_run : "");
     int fp16 = dt_safetensors_meta(st, "loss_scale") && r->scaler.enabled;   /* fp16 goes on with the scale it had found */
     float scale = fp16 ? dt__meta_positive(st, st->path, "loss_scale") : 0;
     int64_t good_steps = fp16 ? (int64_t)dt__meta_whole(st, st->path, "loss_scale_good_steps", 0, (uint64_t)step) : 0;
@@ -11874,6 +11918,247 @@ static void dt__bench_report(dt_run *r) {
     fflush(stdout);
 }
 
+/* ---- TensorBoard's event files ----------------------------------------------
+   The protocol buffer is written by hand: an Event is field 1 (wall_time, a
+   double: wire type 1), field 2 (step, a varint: wire type 0), field 3
+   (file_version, bytes: wire type 2) or field 5 (summary, a message: wire
+   type 2); a Summary holds Values (field 1), each a tag (field 1) and a
+   simple_value (field 2, a float: wire type 5). A key byte is
+   field << 3 | wire type. */
+struct dt_tensorboard {
+    FILE *f;
+    char path[4096];
+};
+uint32_t dt_crc32c(const void *data, size_t n) {
+    const uint8_t *p = (const uint8_t *)data;
+    uint32_t crc = 0xffffffffu;
+    for (size_t i = 0; i < n; i++) {          /* bit by bit: the records are a few dozen bytes */
+        crc ^= p[i];
+        for (int b = 0; b < 8; b++) crc = (crc >> 1) ^ (0x82f63b78u & (0u - (crc & 1u)));
+    }
+    return ~crc;
+}
+uint32_t dt_crc32c_masked(const void *data, size_t n) {
+    uint32_t c = dt_crc32c(data, n);
+    return ((c >> 15) | (c << 17)) + 0xa282ead8u;
+}
+static void dt__le_put(uint8_t *out, uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; i++) out[i] = (uint8_t)(v >> (8 * i));
+}
+static size_t dt__pb_varint(uint8_t *out, uint64_t v) {
+    size_t n = 0;
+    do {
+        out[n++] = (uint8_t)((v & 0x7f) | (v > 0x7f ? 0x80 : 0));
+        v >>= 7;
+    } while (v);
+    return n;
+}
+/* A length-delimited field: key, length, the bytes. */
+static size_t dt__pb_bytes(uint8_t *out, int field, const void *bytes, size_t n) {
+    size_t k = 0;
+    out[k++] = (uint8_t)(field << 3 | 2);
+    k += dt__pb_varint(out + k, n);
+    memcpy(out + k, bytes, n);
+    return k + n;
+}
+static size_t dt__tb_event_head(uint8_t *out, double wall_time, int64_t step) {
+    uint64_t bits;
+    memcpy(&bits, &wall_time, sizeof bits);
+    out[0] = 1 << 3 | 1;
+    dt__le_put(out + 1, bits, 8);
+    out[9] = 2 << 3 | 0;
+    return 10 + dt__pb_varint(out + 10, (uint64_t)step);
+}
+static int dt__tb_record(dt_tensorboard *tb, const uint8_t *data, size_t n) {
+    uint8_t head[12], tail[4];
+    dt__le_put(head, n, 8);
+    dt__le_put(head + 8, dt_crc32c_masked(head, 8), 4);
+    dt__le_put(tail, dt_crc32c_masked(data, n), 4);
+    return fwrite(head, 1, 12, tb->f) == 12 && fwrite(data, 1, n, tb->f) == n && fwrite(tail, 1, 4, tb->f) == 4 &&
+           fflush(tb->f) == 0;
+}
+dt_tensorboard *dt_tensorboard_open(const char *dir) {
+    struct stat st;
+    if (stat(dir, &st) != 0 && mkdir(dir, 0777) != 0 && errno != EEXIST) return NULL;
+    dt_tensorboard *tb = (dt_tensorboard *)calloc(1, sizeof *tb);
+    if (!tb) return NULL;
+    char host[256] = "localhost";
+    gethostname(host, sizeof host - 1);
+    double now = (double)time(NULL);
+    dt__path(tb->path, sizeof tb->path, "%s/events.out.tfevents.%.0f.%s.%d", dir, now, host, (int)getpid());
+    if (!(tb->f = fopen(tb->path, "wb"))) { free(tb); return NULL; }
+    uint8_t ev[64];
+    size_t n = dt__tb_event_head(ev, now, 0);
+    n += dt__pb_bytes(ev + n, 3, "brain.Event:2", 13);
+    if (!dt__tb_record(tb, ev, n)) { int err = errno; fclose(tb->f); free(tb); errno = err; return NULL; }
+    return tb;
+}
+int dt_tensorboard_scalar(dt_tensorboard *tb, const char *tag, float value, int64_t step, double wall_time) {
+    size_t len = strlen(tag);
+    if (len > 200) { errno = EINVAL; return 0; }
+    uint8_t v[220], summary[230], ev[260];
+    size_t nv = dt__pb_bytes(v, 1, tag, len);
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    v[nv++] = 2 << 3 | 5;
+    dt__le_put(v + nv, bits, 4);
+    nv += 4;
+    size_t ns = dt__pb_bytes(summary, 1, v, nv);
+    size_t n = dt__tb_event_head(ev, wall_time, step);
+    n += dt__pb_bytes(ev + n, 5, summary, ns);
+    return dt__tb_record(tb, ev, n);
+}
+int dt_tensorboard_close(dt_tensorboard *tb) {
+    if (!tb) return 1;
+    int ok = fflush(tb->f) == 0 && !ferror(tb->f), err = errno;
+    if (fclose(tb->f) != 0 && ok) { ok = 0; err = errno; }
+    free(tb);
+    errno = err;
+    return ok;
+}
+const char *dt_tensorboard_path(const dt_tensorboard *tb) { return tb->path; }
+
+/* ---- MLflow's file store ------------------------------------------------------
+   Plain files, so C writes them as MLflow's FileStore would: the YAML is
+   flat (key: value), ids are digits (experiments) and 32 hex digits (runs),
+   times are milliseconds since 1970. */
+struct dt_mlflow {
+    char exp_dir[4096], run_dir[4096], run_id[40], exp_id[24], name[256];
+    int64_t start_ms;
+};
+static int64_t dt__unix_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+/* A whole small file, written and checked; 0 with errno on failure. */
+static int dt__write_small(const char *path, const char *mode, const char *text) {
+    FILE *f = fopen(path, mode);
+    if (!f) return 0;
+    int ok = fputs(text, f) >= 0 && fflush(f) == 0 && !ferror(f), err = errno;
+    if (fclose(f) != 0 && ok) { ok = 0; err = errno; }
+    errno = err;
+    return ok;
+}
+static int dt__mkdir_ok(const char *path) { return mkdir(path, 0777) == 0 || errno == EEXIST; }
+/* The value of `key: ` in a flat YAML file, quotes dropped; 0 when absent. */
+static int dt__yaml_value(const char *path, const char *key, char *out, size_t n) {
+    FILE *f = fopen(path, "r");
+    char line[1024];
+    size_t k = strlen(key);
+    int found = 0;
+    while (f && !found && fgets(line, sizeof line, f))
+        if (!strncmp(line, key, k) && line[k] == ':' && line[k + 1] == ' ') {
+            char *v = line + k + 2;
+            v[strcspn(v, "\r\n")] = 0;
+            size_t len = strlen(v);
+            if (len >= 2 && v[0] == '\'' && v[len - 1] == '\'') { v[len - 1] = 0; v++; }
+            dt__copy_str(out, n, v);
+            found = 1;
+        }
+    if (f) fclose(f);
+    return found;
+}
+static int dt__mlflow_meta(dt_mlflow *ml, dt_mlflow_status status, int64_t end_ms) {
+    char path[4200], text[8192], end[32];
+    if (end_ms > 0) snprintf(end, sizeof end, "%lld", (long long)end_ms);
+    else snprintf(end, sizeof end, "null");
+    const char *user = getenv("USER");
+    snprintf(text, sizeof text,
+             "artifact_uri: file://%s/artifacts\nend_time: %s\nentry_point_name: ''\nexperiment_id: '%s'\n"
+             "lifecycle_stage: active\nrun_id: %s\nrun_name: %s\nsource_name: ''\nsource_type: 4\nsource_version: ''\n"
+             "start_time: %lld\nstatus: %d\ntags: []\nuser_id: %s\n",
+             ml->run_dir, end, ml->exp_id, ml->run_id, ml->name, (long long)ml->start_ms, (int)status, user && *user ? user : "dtrain");
+    dt__path(path, sizeof path, "%s/meta.yaml", ml->run_dir);
+    return dt__write_small(path, "w", text);
+}
+static int dt__mlflow_experiment(const char *dir, const char *id, const char *name) {
+    char path[4200], text[8192];
+    int64_t now = dt__unix_ms();
+    dt__path(path, sizeof path, "%s/%s", dir, id);
+    if (!dt__mkdir_ok(path)) return 0;
+    snprintf(text, sizeof text, "artifact_location: file://%s/%s\ncreation_time: %lld\nexperiment_id: '%s'\n"
+             "last_update_time: %lld\nlifecycle_stage: active\nname: %s\n", dir, id, (long long)now, id, (long long)now, name);
+    dt__path(path, sizeof path, "%s/%s/meta.yaml", dir, id);
+    return dt__write_small(path, "w", text);
+}
+dt_mlflow *dt_mlflow_open(const char *dir, const char *experiment, const char *run_name, const char *run_id) {
+    char abs[4096], cwd[2048] = "", path[4200], value[256];
+    if (!dt__mkdir_ok(dir) || (dir[0] != '/' && !getcwd(cwd, sizeof cwd))) return NULL;
+    dt__path(abs, sizeof abs, "%s%s%s", cwd, cwd[0] ? "/" : "", dir);    /* MLflow's URIs are absolute */
+    dt_mlflow *ml = (dt_mlflow *)calloc(1, sizeof *ml);
+    if (!ml) return NULL;
+    dt__copy_str(ml->name, sizeof ml->name, run_name);
+    dt__path(path, sizeof path, "%s/0/meta.yaml", abs);        /* MLflow's Default experiment, as it makes it */
+    if (access(path, F_OK) != 0 && !dt__mlflow_experiment(abs, "0", "Default")) { free(ml); return NULL; }
+    /* the experiment of this name, or the first free id after the others */
+    int free_id = 1;
+    for (int id = 1; id < 10000 && !ml->exp_id[0]; id++) {
+        dt__path(path, sizeof path, "%s/%d/meta.yaml", abs, id);
+        if (!dt__yaml_value(path, "name", value, sizeof value)) { if (free_id == id) break; continue; }
+        free_id = id + 1;
+        if (!strcmp(value, experiment)) snprintf(ml->exp_id, sizeof ml->exp_id, "%d", id);
+    }
+    if (!ml->exp_id[0]) {
+        snprintf(ml->exp_id, sizeof ml->exp_id, "%d", free_id);
+        if (!dt__mlflow_experiment(abs, ml->exp_id, experiment)) { free(ml); return NULL; }
+    }
+    dt__path(ml->exp_dir, sizeof ml->exp_dir, "%s/%s", abs, ml->exp_id);
+    if (run_id && *run_id) {                                   /* continue it: its start and name stay */
+        dt__copy_str(ml->run_id, sizeof ml->run_id, run_id);
+        dt__path(ml->run_dir, sizeof ml->run_dir, "%s/%s", ml->exp_dir, run_id);
+        dt__path(path, sizeof path, "%s/meta.yaml", ml->run_dir);
+        if (!dt__yaml_value(path, "start_time", value, sizeof value)) { free(ml); errno = ENOENT; return NULL; }
+        ml->start_ms = strtoll(value, NULL, 10);
+        if (dt__yaml_value(path, "run_name", value, sizeof value)) dt__copy_str(ml->name, sizeof ml->name, value);
+    } else {                                                   /* a new run: 128 random bits, as a uuid4's hex */
+        uint8_t bits[16];
+        FILE *r = fopen("/dev/urandom", "rb");
+        size_t got = r ? fread(bits, 1, sizeof bits, r) : 0;
+        if (r) fclose(r);
+        uint64_t mix = (uint64_t)dt__unix_ms() * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid();
+        for (size_t i = got; i < sizeof bits; i++) { mix = mix * 6364136223846793005ull + 1442695040888963407ull; bits[i] = (uint8_t)(mix >> 56); }
+        for (int i = 0; i < 16; i++) snprintf(ml->run_id + 2 * i, 3, "%02x", bits[i]);
+        dt__path(ml->run_dir, sizeof ml->run_dir, "%s/%s", ml->exp_dir, ml->run_id);
+        ml->start_ms = dt__unix_ms();
+    }
+    static const char *const parts[4] = { "metrics", "params", "tags", "artifacts" };
+    int ok = dt__mkdir_ok(ml->run_dir);
+    for (int i = 0; i < 4 && ok; i++) {
+        dt__path(path, sizeof path, "%s/%s", ml->run_dir, parts[i]);
+        ok = dt__mkdir_ok(path);
+    }
+    if (!ok || !dt__mlflow_meta(ml, DT_MLFLOW_RUNNING, 0) || !dt_mlflow_tag(ml, "mlflow.runName", ml->name)) {
+        int err = errno;
+        free(ml);
+        errno = err;
+        return NULL;
+    }
+    return ml;
+}
+static int dt__mlflow_key_file(dt_mlflow *ml, const char *part, const char *key, const char *mode, const char *text) {
+    char path[4400];
+    if (!*key || strstr(key, "..") || key[0] == '/') { errno = EINVAL; return 0; }   /* a key is a file name (a/b: a folder) */
+    dt__path(path, sizeof path, "%s/%s/%s", ml->run_dir, part, key);
+    return dt__write_small(path, mode, text);
+}
+int dt_mlflow_param(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_key_file(ml, "params", key, "w", value); }
+int dt_mlflow_tag(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_key_file(ml, "tags", key, "w", value); }
+int dt_mlflow_metric(dt_mlflow *ml, const char *key, double value, int64_t step, int64_t timestamp_ms) {
+    char line[128];
+    snprintf(line, sizeof line, "%lld %.9g %lld\n", (long long)timestamp_ms, value, (long long)step);
+    return dt__mlflow_key_file(ml, "metrics", key, "a", line);
+}
+int dt_mlflow_close(dt_mlflow *ml, dt_mlflow_status status) {
+    if (!ml) return 1;
+    int ok = dt__mlflow_meta(ml, status, dt__unix_ms()), err = errno;
+    free(ml);
+    errno = err;
+    return ok;
+}
+const char *dt_mlflow_path(const dt_mlflow *ml) { return ml->run_dir; }
+const char *dt_mlflow_run_id(const dt_mlflow *ml) { return ml->run_id; }
+
 /* ==== 16. the cost model ========================================================
    Why a stage scales as it does. It is deliberately small -- a link of two
    numbers, ring collectives, and what each wrapper sends and can hide -- so
@@ -12150,6 +12435,12 @@ static const dt__flag dt__flags[] = {
     { "--device", "1234567", "cpu|cuda|auto", "where to train (default auto: cuda when a GPU is visible)", DT_ARG_CHOICE, DT_CFG(device),
       "cpu|cuda|auto", DT_NOT_A_NUMBER },
     { "--log", "1234567", "FILE", "write one JSON object per step, evaluation and summary", DT_ARG_STR, DT_CFG(log_path), NULL, DT_NOT_A_NUMBER },
+    { "--tensorboard", "1234567", "DIR", "write the loss, learning rate, speed, memory and evaluation as TensorBoard event files in\n"
+      "                          DIR (tensorboard --logdir DIR shows them; a resumed run adds a file)", DT_ARG_STR, DT_CFG(tensorboard),
+      NULL, DT_NOT_A_NUMBER },
+    { "--mlflow", "1234567", "DIR", "record the run in MLflow's file store in DIR, experiment \"dtrain\": flags as params, the\n"
+      "                          figures of --log as metrics (MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri DIR;\n"
+      "                          a resumed run continues its MLflow run)", DT_ARG_STR, DT_CFG(mlflow), NULL, DT_NOT_A_NUMBER },
     { "--trace", "1234567", "FILE", "write a Chrome/Perfetto trace of the step phases", DT_ARG_STR, DT_CFG(trace_path), NULL, DT_NOT_A_NUMBER },
     { "--save-dir", "1234567", "DIR", "write a checkpoint at the end of every epoch", DT_ARG_STR, DT_CFG(save_dir), NULL, DT_NOT_A_NUMBER },
     { "--resume", "1234567", "DIR|auto", "continue exactly where a checkpoint (a folder) stopped; auto: the newest in --save-dir (none: start\n"
@@ -12693,6 +12984,55 @@ static int dt__job_mean_loss(dt_tensor *loss, int stop) {
     return caught / (base * base) ? SIGTERM : caught / base % base ? SIGUSR1 : caught % base ? SIGINT : 0;
 }
 
+/* One scalar of this step for --tensorboard (rank 0's file); a failed write
+   stops the run, naming the folder, as a failed --log write does. */
+static void dt__tensorboard_scalar(dt_run *r, const char *tag, double value) {
+    if (!r->tb) return;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    if (!dt_tensorboard_scalar(r->tb, tag, (float)value, r->step, (double)ts.tv_sec + ts.tv_nsec * 1e-9))
+        dt__write_failed("--tensorboard", dt_tensorboard_path(r->tb), errno);
+}
+
+/* --mlflow: the run in the file store (rank 0), its flags as params and
+   what it is as tags; resumed from a checkpoint of an MLflow run, that run
+   goes on (its metrics continue at the next step). */
+static void dt__mlflow_start(dt_run *r) {
+    const dt_config *c = &r->cfg;
+    char name[256], v[64];
+    const char *kind = dt__model_kind_name(r->model->cfg.kind);
+    snprintf(name, sizeof name, "%s %s", c->stage, kind);
+    if (r->mlflow_run_id[0] && !(r->mlflow = dt_mlflow_open(c->mlflow, "dtrain", name, r->mlflow_run_id))) {
+        printf("--mlflow: the checkpoint's run %s is not in %s (%s): this is a new run\n", r->mlflow_run_id, c->mlflow,
+               strerror(errno));
+        r->mlflow_run_id[0] = 0;
+    }
+    if (!r->mlflow && !(r->mlflow = dt_mlflow_open(c->mlflow, "dtrain", name, NULL)))
+        dt_fail("cannot write --mlflow '%s': %s", c->mlflow, strerror(errno));
+    const dt_model_config *mc = &r->model->cfg;
+    struct { const char *key; const char *fmt; double value; } params[] = {
+        { "dim", "%.0f", mc->dim }, { "depth", "%.0f", mc->depth }, { "heads", "%.0f", mc->heads },
+        { "batch_size", "%.0f", c->batch_size }, { "lr", "%g", c->lr }, { "epochs", "%.0f", c->epochs },
+        { "steps", "%.0f", (double)c->steps }, { "seed", "%.0f", (double)c->seed }, { "weight_decay", "%g", c->weight_decay },
+        { "clip", "%g", c->clip }, { "accum_steps", "%.0f", c->accum_steps }, { "world_size", "%.0f", dt__ctx.world_size },
+        { "params", "%.0f", (double)dt__state_layout(r->model)->numel } };
+    int ok = dt_mlflow_param(r->mlflow, "model", kind) && dt_mlflow_param(r->mlflow, "optimizer", c->optimizer == DT_ADAMW ? "adamw" : "sgd") &&
+             dt_mlflow_param(r->mlflow, "dtype", dt_dtype_name((dt_dtype)c->dtype));
+    for (size_t i = 0; ok && i < sizeof params / sizeof params[0]; i++) {
+        snprintf(v, sizeof v, params[i].fmt, params[i].value);
+        ok = dt_mlflow_param(r->mlflow, params[i].key, v);
+    }
+    snprintf(v, sizeof v, "%d", dt__ctx.world_size);
+    ok = ok && dt_mlflow_tag(r->mlflow, "stage", c->stage) && dt_mlflow_tag(r->mlflow, "model", kind) &&
+         dt_mlflow_tag(r->mlflow, "world_size", v) && dt_mlflow_tag(r->mlflow, "device", r->model->device == DT_CUDA ? "cuda" : "cpu") &&
+         dt_mlflow_tag(r->mlflow, "mlflow.source.name", c->stage) && dt_mlflow_tag(r->mlflow, "mlflow.source.type", "LOCAL");
+    if (!ok) dt__write_failed("--mlflow", dt_mlflow_path(r->mlflow), errno);
+}
+static void dt__mlflow_metric(dt_run *r, const char *key, double value) {
+    if (r->mlflow && !dt_mlflow_metric(r->mlflow, key, value, r->step, dt__unix_ms()))
+        dt__write_failed("--mlflow", dt_mlflow_path(r->mlflow), errno);
+}
+
 void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimizer *opt, dt_loader *loader,
                   const dt_dataset *val) {
     memset(run, 0, sizeof *run);
@@ -12748,6 +13088,9 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
     }
     if (cfg->log_path && dt__ctx.rank == 0 && !(run->log = fopen(cfg->log_path, cfg->resume ? "a" : "w")))
         dt_fail("cannot open --log '%s': %s", cfg->log_path, strerror(errno));
+    if (cfg->tensorboard && dt__ctx.rank == 0 && !(run->tb = dt_tensorboard_open(cfg->tensorboard)))
+        dt_fail("cannot write --tensorboard '%s': %s", cfg->tensorboard, strerror(errno));
+    if (cfg->mlflow && dt__ctx.rank == 0) dt__mlflow_start(run);
     if (cfg->trace_path) dt__trace_open(run, cfg->trace_path);
     run->start_ms = run->mark_ms = dt_now_ms();
     if (!cfg->quiet && dt__ctx.rank == 0) {
@@ -12935,6 +13278,10 @@ static void dt__run_eval(dt_run *r) {
         fflush(r->log);
         dt__file_check(r->log, "--log", r->cfg.log_path);
     }
+    dt__tensorboard_scalar(r, "eval/loss", r->eval_loss);
+    dt__tensorboard_scalar(r, "eval/accuracy", r->eval_acc);
+    dt__mlflow_metric(r, "eval_loss", r->eval_loss);
+    dt__mlflow_metric(r, "eval_accuracy", r->eval_acc);
     if (!r->cfg.quiet && dt__ctx.rank == 0) {
         if (r->val->tokens)
             printf("eval  step %lld: loss %.4f (context-free baseline %.4f), next-token accuracy %.2f%% (%lld tokens, %.1f s)\n",
@@ -12990,6 +13337,24 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
             fprintf(run->log, ",\"tokens_per_s\":%.1f", (double)batch_size * run->loader->world * dt__tokens_per_sample(run) * 1e3 / step_ms);
         fprintf(run->log, "}\n");
         dt__file_check(run->log, "--log", run->cfg.log_path);
+    }
+    if (run->tb) {                          /* the same figures, for TensorBoard */
+        double rate = batch_size * run->loader->world * 1e3 / step_ms, tokens = dt__tokens_per_sample(run);
+        dt__tensorboard_scalar(run, "train/loss", run->last_loss);
+        dt__tensorboard_scalar(run, "train/lr", lr);
+        dt__tensorboard_scalar(run, "train/grad_norm", run->opt->last_grad_norm);
+        dt__tensorboard_scalar(run, tokens ? "speed/tokens_per_s" : "speed/samples_per_s", tokens ? rate * tokens : rate);
+        dt__tensorboard_scalar(run, "speed/step_ms", step_ms);
+        dt__tensorboard_scalar(run, "memory/mb", dt_mem_total_now() / 1e6);
+    }
+    if (run->mlflow) {
+        double rate = batch_size * run->loader->world * 1e3 / step_ms, tokens = dt__tokens_per_sample(run);
+        dt__mlflow_metric(run, "loss", run->last_loss);
+        dt__mlflow_metric(run, "lr", lr);
+        dt__mlflow_metric(run, "grad_norm", run->opt->last_grad_norm);
+        dt__mlflow_metric(run, tokens ? "tokens_per_s" : "samples_per_s", tokens ? rate * tokens : rate);
+        dt__mlflow_metric(run, "step_ms", step_ms);
+        dt__mlflow_metric(run, "memory_mb", dt_mem_total_now() / 1e6);
     }
     if (run->cfg.bench && run->step > run->bench_first) {
         for (int i = 0; i < DT_PHASE_COUNT; i++) run->bench_phase_ms[i] += run->phase_ms[i];
@@ -13096,6 +13461,17 @@ int dt_run_finish(dt_run *run) {
         FILE *log = run->log;
         run->log = NULL;
         dt__file_close(log, "--log", run->cfg.log_path);
+    }
+    if (run->tb) {
+        dt_tensorboard *tb = run->tb;
+        run->tb = NULL;
+        if (!dt_tensorboard_close(tb)) dt__write_failed("--tensorboard", run->cfg.tensorboard, errno);
+    }
+    if (run->mlflow) {                      /* stopped by a signal: KILLED, as MLflow marks an interrupted run */
+        dt_mlflow *ml = run->mlflow;
+        run->mlflow = NULL;
+        if (!dt_mlflow_close(ml, run->stopped_by ? DT_MLFLOW_KILLED : DT_MLFLOW_FINISHED))
+            dt__write_failed("--mlflow", run->cfg.mlflow, errno);
     }
     if (run->trace) {
         FILE *trace = run->trace;
