@@ -13338,23 +13338,17 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
         fprintf(run->log, "}\n");
         dt__file_check(run->log, "--log", run->cfg.log_path);
     }
-    if (run->tb) {                          /* the same figures, for TensorBoard */
+    if (run->tb || run->mlflow) {           /* the same figures, for TensorBoard and for MLflow, each by its names */
         double rate = batch_size * run->loader->world * 1e3 / step_ms, tokens = dt__tokens_per_sample(run);
-        dt__tensorboard_scalar(run, "train/loss", run->last_loss);
-        dt__tensorboard_scalar(run, "train/lr", lr);
-        dt__tensorboard_scalar(run, "train/grad_norm", run->opt->last_grad_norm);
-        dt__tensorboard_scalar(run, tokens ? "speed/tokens_per_s" : "speed/samples_per_s", tokens ? rate * tokens : rate);
-        dt__tensorboard_scalar(run, "speed/step_ms", step_ms);
-        dt__tensorboard_scalar(run, "memory/mb", dt_mem_total_now() / 1e6);
-    }
-    if (run->mlflow) {
-        double rate = batch_size * run->loader->world * 1e3 / step_ms, tokens = dt__tokens_per_sample(run);
-        dt__mlflow_metric(run, "loss", run->last_loss);
-        dt__mlflow_metric(run, "lr", lr);
-        dt__mlflow_metric(run, "grad_norm", run->opt->last_grad_norm);
-        dt__mlflow_metric(run, tokens ? "tokens_per_s" : "samples_per_s", tokens ? rate * tokens : rate);
-        dt__mlflow_metric(run, "step_ms", step_ms);
-        dt__mlflow_metric(run, "memory_mb", dt_mem_total_now() / 1e6);
+        const struct { const char *tb, *mlflow; double value; } figures[] = {
+            { "train/loss", "loss", run->last_loss }, { "train/lr", "lr", lr },
+            { "train/grad_norm", "grad_norm", run->opt->last_grad_norm },
+            { tokens ? "speed/tokens_per_s" : "speed/samples_per_s", tokens ? "tokens_per_s" : "samples_per_s", tokens ? rate * tokens : rate },
+            { "speed/step_ms", "step_ms", step_ms }, { "memory/mb", "memory_mb", dt_mem_total_now() / 1e6 } };
+        for (size_t i = 0; i < sizeof figures / sizeof figures[0]; i++) {
+            dt__tensorboard_scalar(run, figures[i].tb, figures[i].value);
+            dt__mlflow_metric(run, figures[i].mlflow, figures[i].value);
+        }
     }
     if (run->cfg.bench && run->step > run->bench_first) {
         for (int i = 0; i < DT_PHASE_COUNT; i++) run->bench_phase_ms[i] += run->phase_ms[i];
