@@ -1128,6 +1128,9 @@ void dt_phase(dt_run *run, dt_phase_kind phase);
 typedef struct dt_tensorboard dt_tensorboard;
 dt_tensorboard *dt_tensorboard_open(const char *dir);
 int dt_tensorboard_scalar(dt_tensorboard *tb, const char *tag, float value, int64_t step, double wall_time);
+/* A SessionLog START at `step`: TensorBoard drops what an earlier file of
+   the run logged at that step or after (a run resumed from a checkpoint). */
+int dt_tensorboard_restart(dt_tensorboard *tb, int64_t step, double wall_time);
 int dt_tensorboard_close(dt_tensorboard *tb);
 const char *dt_tensorboard_path(const dt_tensorboard *tb);
 /* CRC-32C (Castagnoli's polynomial), and TFRecord's mask of it: rotated
@@ -1152,6 +1155,7 @@ int dt_mlflow_metric(dt_mlflow *ml, const char *key, double value, int64_t step,
 int dt_mlflow_close(dt_mlflow *ml, dt_mlflow_status status);
 const char *dt_mlflow_path(const dt_mlflow *ml);
 const char *dt_mlflow_run_id(const dt_mlflow *ml);
+int dt_mlflow_run_id_valid(const char *id);     /* 32 lowercase hex digits */
 
 /* ---- 16. the cost model ----------------------------------------------------- */
 
@@ -1331,7 +1335,8 @@ struct dt_run {
     char trace_path[4096];     /* this rank's trace file (run.rank1.json), for the errors that name it */
     dt_tensorboard *tb;        /* --tensorboard: rank 0's event file, or NULL */
     dt_mlflow *mlflow;         /* --mlflow: rank 0's run in the file store, or NULL */
-    char mlflow_run_id[40];    /* the run a resumed checkpoint was part of ("": none) */
+    char mlflow_run_id[40];    /* --mlflow: this run's id (from the checkpoint it resumed, or new); "": none */
+    char tensorboard_run[160]; /* --tensorboard: this run's folder in DIR ("<stage>-<model>-<time>") */
     double step_ms_avg;        /* the recent time of a step, for the ETA (dt__eta_update) */
     double line_ms;            /* when the last progress line was printed */
     int stop;
@@ -1870,9 +1875,14 @@ static void dt__cleanup_run(void) {
    (section 9) put a function here once a communicator is open, so that the
    other ranks stop at once instead of waiting for their timeout. */
 static void (*dt__on_fail)(void);
+/* ... and the run's tracking (section 18): an MLflow run marked FAILED. */
+static void (*dt__on_fail_tracking)(void);
 void dt_fail(const char *fmt, ...) {
     va_list ap; va_start(ap, fmt); dt__vmessage("error", fmt, ap); va_end(ap);
     dt__cleanup_run();
+    void (*track)(void) = dt__on_fail_tracking;
+    dt__on_fail_tracking = NULL;             /* once: its own writes may fail */
+    if (track) track();
     void (*tell)(void) = __atomic_load_n(&dt__on_fail, __ATOMIC_ACQUIRE);
     if (tell) tell();            /* the other ranks must not wait for us */
     exit(1);
@@ -11335,7 +11345,8 @@ static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *f
     dt__meta_add(l, "data_range", "%lld,%lld", (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
     dt__meta_add(l, "batch_size", "%d", r->cfg.batch_size);
     dt__meta_add(l, "accum_steps", "%d", r->cfg.accum_steps);
-    if (r->mlflow) dt__meta_add(l, "mlflow_run_id", "%s", dt_mlflow_run_id(r->mlflow));
+    if (r->mlflow_run_id[0]) dt__meta_add(l, "mlflow_run_id", "%s", r->mlflow_run_id);
+    if (r->tensorboard_run[0]) dt__meta_add(l, "tensorboard_run", "%s", r->tensorboard_run);
     if (r->model->base) {
         char lora[320];
         dt__lora_string(r->model, lora, sizeof lora);
@@ -11505,7 +11516,13 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
                                                     (uint64_t)(same_steps ? r->batches_per_epoch - 1 : step));
     uint64_t seed = dt__meta_whole(st, st->path, "seed", 0, UINT64_MAX);
     const char *mlflow_run = dt_safetensors_meta(st, "mlflow_run_id");   /* --mlflow continues that run */
-    dt__copy_str(r->mlflow_run_id, sizeof r->mlflow_run_id, mlflow_run && strlen(mlflow_run) == 32 ? mlflow_run : "");
+    if (mlflow_run && (strlen(mlflow_run) != 32 || strspn(mlflow_run, "0123456789abcdef") != 32))
+        dt_fail("'%s': metadata 'mlflow_run_id' is '%.40s', not an MLflow run id (32 lowercase hex digits)", st->path, mlflow_run);
+    dt__copy_str(r->mlflow_run_id, sizeof r->mlflow_run_id, mlflow_run ? mlflow_run : "");
+    const char *tb_run = dt_safetensors_meta(st, "tensorboard_run");     /* --tensorboard goes on in that folder */
+    if (tb_run && (!*tb_run || strchr(tb_run, '/') || strstr(tb_run, "..") || strlen(tb_run) >= sizeof r->tensorboard_run))
+        dt_fail("'%s': metadata 'tensorboard_run' is '%.60s', not the name of a run's folder", st->path, tb_run);
+    dt__copy_str(r->tensorboard_run, sizeof r->tensorboard_run, tb_run ? tb_run : "");
     int fp16 = dt_safetensors_meta(st, "loss_scale") && r->scaler.enabled;   /* fp16 goes on with the scale it had found */
     float scale = fp16 ? dt__meta_positive(st, st->path, "loss_scale") : 0;
     int64_t good_steps = fp16 ? (int64_t)dt__meta_whole(st, st->path, "loss_scale_good_steps", 0, (uint64_t)step) : 0;
@@ -11925,6 +11942,35 @@ static void dt__bench_report(dt_run *r) {
    type 2); a Summary holds Values (field 1), each a tag (field 1) and a
    simple_value (field 2, a float: wire type 5). A key byte is
    field << 3 | wire type. */
+static int dt__mkdir_ok(const char *path) { return mkdir(path, 0777) == 0 || errno == EEXIST; }
+/* A folder and the folders above it (mkdir -p); 0 with errno on failure. */
+static int dt__mkdirs(const char *path) {
+    char p[4096];
+    size_t n = strlen(path);
+    if (n == 0 || n >= sizeof p) { errno = ENAMETOOLONG; return 0; }
+    memcpy(p, path, n + 1);
+    for (size_t i = 1; i < n; i++)
+        if (p[i] == '/') {
+            p[i] = 0;
+            if (!dt__mkdir_ok(p)) return 0;
+            p[i] = '/';
+        }
+    return dt__mkdir_ok(p);
+}
+/* A string as a YAML scalar, single-quoted (a quote doubled), as MLflow
+   writes one that needs it: names and paths may hold ': ', '#' or quotes. */
+static void dt__yaml_quote(char *out, size_t n, const char *s) {
+    size_t k = 0;
+    if (n < 3) { if (n) out[0] = 0; return; }
+    out[k++] = '\'';
+    for (; *s && k + 3 < n; s++) {
+        if (*s == '\'') out[k++] = '\'';
+        if (*s == '\n' || *s == '\r') continue;
+        out[k++] = *s;
+    }
+    out[k++] = '\'';
+    out[k] = 0;
+}
 struct dt_tensorboard {
     FILE *f;
     char path[4096];
@@ -11978,8 +12024,7 @@ static int dt__tb_record(dt_tensorboard *tb, const uint8_t *data, size_t n) {
            fflush(tb->f) == 0;
 }
 dt_tensorboard *dt_tensorboard_open(const char *dir) {
-    struct stat st;
-    if (stat(dir, &st) != 0 && mkdir(dir, 0777) != 0 && errno != EEXIST) return NULL;
+    if (!dt__mkdirs(dir)) return NULL;
     dt_tensorboard *tb = (dt_tensorboard *)calloc(1, sizeof *tb);
     if (!tb) return NULL;
     char host[256] = "localhost";
@@ -12006,6 +12051,12 @@ int dt_tensorboard_scalar(dt_tensorboard *tb, const char *tag, float value, int6
     size_t ns = dt__pb_bytes(summary, 1, v, nv);
     size_t n = dt__tb_event_head(ev, wall_time, step);
     n += dt__pb_bytes(ev + n, 5, summary, ns);
+    return dt__tb_record(tb, ev, n);
+}
+int dt_tensorboard_restart(dt_tensorboard *tb, int64_t step, double wall_time) {
+    uint8_t ev[40], session_log[2] = { 1 << 3 | 0, 1 };    /* SessionLog { status: START } */
+    size_t n = dt__tb_event_head(ev, wall_time, step);
+    n += dt__pb_bytes(ev + n, 6, session_log, 2);
     return dt__tb_record(tb, ev, n);
 }
 int dt_tensorboard_close(dt_tensorboard *tb) {
@@ -12040,7 +12091,6 @@ static int dt__write_small(const char *path, const char *mode, const char *text)
     errno = err;
     return ok;
 }
-static int dt__mkdir_ok(const char *path) { return mkdir(path, 0777) == 0 || errno == EEXIST; }
 /* The value of `key: ` in a flat YAML file, quotes dropped; 0 when absent. */
 static int dt__yaml_value(const char *path, const char *key, char *out, size_t n) {
     FILE *f = fopen(path, "r");
@@ -12052,7 +12102,15 @@ static int dt__yaml_value(const char *path, const char *key, char *out, size_t n
             char *v = line + k + 2;
             v[strcspn(v, "\r\n")] = 0;
             size_t len = strlen(v);
-            if (len >= 2 && v[0] == '\'' && v[len - 1] == '\'') { v[len - 1] = 0; v++; }
+            if (len >= 2 && v[0] == '\'' && v[len - 1] == '\'') {     /* quoted: '' is a quote */
+                v[len - 1] = 0;
+                char *w = v;
+                for (char *r = v + 1; *r; r++) {
+                    *w++ = *r;
+                    if (r[0] == '\'' && r[1] == '\'') r++;
+                }
+                *w = 0;
+            }
             dt__copy_str(out, n, v);
             found = 1;
         }
@@ -12060,51 +12118,66 @@ static int dt__yaml_value(const char *path, const char *key, char *out, size_t n
     return found;
 }
 static int dt__mlflow_meta(dt_mlflow *ml, dt_mlflow_status status, int64_t end_ms) {
-    char path[4200], text[8192], end[32];
+    char path[4200], text[12288], end[32], uri[4300], q_uri[8700], q_name[520], q_user[200];
     if (end_ms > 0) snprintf(end, sizeof end, "%lld", (long long)end_ms);
     else snprintf(end, sizeof end, "null");
     const char *user = getenv("USER");
-    snprintf(text, sizeof text,
-             "artifact_uri: file://%s/artifacts\nend_time: %s\nentry_point_name: ''\nexperiment_id: '%s'\n"
-             "lifecycle_stage: active\nrun_id: %s\nrun_name: %s\nsource_name: ''\nsource_type: 4\nsource_version: ''\n"
+    dt__path(uri, sizeof uri, "file://%s/artifacts", ml->run_dir);
+    dt__yaml_quote(q_uri, sizeof q_uri, uri);
+    dt__yaml_quote(q_name, sizeof q_name, ml->name);
+    dt__yaml_quote(q_user, sizeof q_user, user && *user ? user : "dtrain");
+    dt__path(text, sizeof text,
+             "artifact_uri: %s\nend_time: %s\nentry_point_name: ''\nexperiment_id: '%s'\n"
+             "lifecycle_stage: active\nrun_id: '%s'\nrun_name: %s\nsource_name: ''\nsource_type: 4\nsource_version: ''\n"
              "start_time: %lld\nstatus: %d\ntags: []\nuser_id: %s\n",
-             ml->run_dir, end, ml->exp_id, ml->run_id, ml->name, (long long)ml->start_ms, (int)status, user && *user ? user : "dtrain");
+             q_uri, end, ml->exp_id, ml->run_id, q_name, (long long)ml->start_ms, (int)status, q_user);
     dt__path(path, sizeof path, "%s/meta.yaml", ml->run_dir);
     return dt__write_small(path, "w", text);
 }
 static int dt__mlflow_experiment(const char *dir, const char *id, const char *name) {
-    char path[4200], text[8192];
+    char path[4200], text[12288], uri[4300], q_uri[8700], q_name[520];
     int64_t now = dt__unix_ms();
     dt__path(path, sizeof path, "%s/%s", dir, id);
     if (!dt__mkdir_ok(path)) return 0;
-    snprintf(text, sizeof text, "artifact_location: file://%s/%s\ncreation_time: %lld\nexperiment_id: '%s'\n"
-             "last_update_time: %lld\nlifecycle_stage: active\nname: %s\n", dir, id, (long long)now, id, (long long)now, name);
+    dt__path(uri, sizeof uri, "file://%s/%s", dir, id);
+    dt__yaml_quote(q_uri, sizeof q_uri, uri);
+    dt__yaml_quote(q_name, sizeof q_name, name);
+    dt__path(text, sizeof text, "artifact_location: %s\ncreation_time: %lld\nexperiment_id: '%s'\n"
+             "last_update_time: %lld\nlifecycle_stage: active\nname: %s\n", q_uri, (long long)now, id, (long long)now, q_name);
     dt__path(path, sizeof path, "%s/%s/meta.yaml", dir, id);
     return dt__write_small(path, "w", text);
 }
+static int dt__all_digits(const char *s) { return *s && strspn(s, "0123456789") == strlen(s); }
+int dt_mlflow_run_id_valid(const char *id) { return id && strlen(id) == 32 && strspn(id, "0123456789abcdef") == 32; }
 dt_mlflow *dt_mlflow_open(const char *dir, const char *experiment, const char *run_name, const char *run_id) {
-    char abs[4096], cwd[2048] = "", path[4200], value[256];
-    if (!dt__mkdir_ok(dir) || (dir[0] != '/' && !getcwd(cwd, sizeof cwd))) return NULL;
+    char abs[4096], cwd[4096] = "", path[4200], value[256];
+    if (!dt__mkdirs(dir) || (dir[0] != '/' && !getcwd(cwd, sizeof cwd))) return NULL;
     dt__path(abs, sizeof abs, "%s%s%s", cwd, cwd[0] ? "/" : "", dir);    /* MLflow's URIs are absolute */
     dt_mlflow *ml = (dt_mlflow *)calloc(1, sizeof *ml);
     if (!ml) return NULL;
     dt__copy_str(ml->name, sizeof ml->name, run_name);
     dt__path(path, sizeof path, "%s/0/meta.yaml", abs);        /* MLflow's Default experiment, as it makes it */
     if (access(path, F_OK) != 0 && !dt__mlflow_experiment(abs, "0", "Default")) { free(ml); return NULL; }
-    /* the experiment of this name, or the first free id after the others */
-    int free_id = 1;
-    for (int id = 1; id < 10000 && !ml->exp_id[0]; id++) {
-        dt__path(path, sizeof path, "%s/%d/meta.yaml", abs, id);
-        if (!dt__yaml_value(path, "name", value, sizeof value)) { if (free_id == id) break; continue; }
-        free_id = id + 1;
-        if (!strcmp(value, experiment)) snprintf(ml->exp_id, sizeof ml->exp_id, "%d", id);
+    /* the experiment of this name (MLflow's own ids are 18 random digits),
+       or a new one, numbered after the largest id there */
+    unsigned long long largest = 0;
+    DIR *d = opendir(abs);
+    for (struct dirent *e; d && !ml->exp_id[0] && (e = readdir(d));) {
+        if (!dt__all_digits(e->d_name) || strlen(e->d_name) >= sizeof ml->exp_id) continue;
+        unsigned long long id = strtoull(e->d_name, NULL, 10);
+        if (id > largest) largest = id;
+        dt__path(path, sizeof path, "%s/%s/meta.yaml", abs, e->d_name);
+        if (dt__yaml_value(path, "name", value, sizeof value) && !strcmp(value, experiment))
+            dt__copy_str(ml->exp_id, sizeof ml->exp_id, e->d_name);
     }
+    if (d) closedir(d);
     if (!ml->exp_id[0]) {
-        snprintf(ml->exp_id, sizeof ml->exp_id, "%d", free_id);
+        snprintf(ml->exp_id, sizeof ml->exp_id, "%llu", largest + 1);
         if (!dt__mlflow_experiment(abs, ml->exp_id, experiment)) { free(ml); return NULL; }
     }
     dt__path(ml->exp_dir, sizeof ml->exp_dir, "%s/%s", abs, ml->exp_id);
     if (run_id && *run_id) {                                   /* continue it: its start and name stay */
+        if (!dt_mlflow_run_id_valid(run_id)) { free(ml); errno = EINVAL; return NULL; }
         dt__copy_str(ml->run_id, sizeof ml->run_id, run_id);
         dt__path(ml->run_dir, sizeof ml->run_dir, "%s/%s", ml->exp_dir, run_id);
         dt__path(path, sizeof path, "%s/meta.yaml", ml->run_dir);
@@ -12997,23 +13070,49 @@ static void dt__tensorboard_scalar(dt_run *r, const char *tag, double value) {
 /* --mlflow: the run in the file store (rank 0), its flags as params and
    what it is as tags; resumed from a checkpoint of an MLflow run, that run
    goes on (its metrics continue at the next step). */
+/* --tensorboard: a folder of this run's own in DIR (TensorBoard takes each
+   folder for a run, and would join two runs' files in one into a single
+   zig-zag curve), named by stage, model and start time; resumed, the
+   checkpoint names it, and a START record at the next step tells TensorBoard
+   to drop what the run logged after that checkpoint. */
+static void dt__tensorboard_start(dt_run *r) {
+    const dt_config *c = &r->cfg;
+    char dir[4400];
+    int resumed = r->tensorboard_run[0] != 0;
+    if (!resumed) {
+        time_t now = time(NULL);
+        struct tm t;
+        localtime_r(&now, &t);
+        snprintf(r->tensorboard_run, sizeof r->tensorboard_run, "%s-%s-%04d%02d%02d-%02d%02d%02d", c->stage,
+                 dt__model_kind_name(r->model->cfg.kind), t.tm_year + 1900, t.tm_mon + 1, t.tm_mday, t.tm_hour, t.tm_min, t.tm_sec);
+    }
+    dt__path(dir, sizeof dir, "%s/%s", c->tensorboard, r->tensorboard_run);
+    if (!(r->tb = dt_tensorboard_open(dir))) dt_fail("cannot write --tensorboard '%s': %s", dir, strerror(errno));
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    if (resumed && !dt_tensorboard_restart(r->tb, r->step + 1, (double)ts.tv_sec + ts.tv_nsec * 1e-9))
+        dt__write_failed("--tensorboard", dt_tensorboard_path(r->tb), errno);
+}
+static dt_mlflow *dt__mlflow_running;
+static void dt__mlflow_failed(void) { dt_mlflow_close(dt__mlflow_running, DT_MLFLOW_FAILED); }
 static void dt__mlflow_start(dt_run *r) {
     const dt_config *c = &r->cfg;
     char name[256], v[64];
     const char *kind = dt__model_kind_name(r->model->cfg.kind);
     snprintf(name, sizeof name, "%s %s", c->stage, kind);
-    if (r->mlflow_run_id[0] && !(r->mlflow = dt_mlflow_open(c->mlflow, "dtrain", name, r->mlflow_run_id))) {
-        printf("--mlflow: the checkpoint's run %s is not in %s (%s): this is a new run\n", r->mlflow_run_id, c->mlflow,
-               strerror(errno));
-        r->mlflow_run_id[0] = 0;
-    }
+    if (r->mlflow_run_id[0] && !(r->mlflow = dt_mlflow_open(c->mlflow, "dtrain", name, r->mlflow_run_id)))
+        dt_warn("--mlflow: the checkpoint's run %s is not in %s (%s): this is a new run", r->mlflow_run_id, c->mlflow,
+                strerror(errno));
     if (!r->mlflow && !(r->mlflow = dt_mlflow_open(c->mlflow, "dtrain", name, NULL)))
         dt_fail("cannot write --mlflow '%s': %s", c->mlflow, strerror(errno));
+    dt__copy_str(r->mlflow_run_id, sizeof r->mlflow_run_id, dt_mlflow_run_id(r->mlflow));   /* the checkpoints carry it */
+    dt__mlflow_running = r->mlflow;
+    dt__on_fail_tracking = dt__mlflow_failed;         /* a run that fails is marked so, not left RUNNING */
     const dt_model_config *mc = &r->model->cfg;
     struct { const char *key; const char *fmt; double value; } params[] = {
         { "dim", "%.0f", mc->dim }, { "depth", "%.0f", mc->depth }, { "heads", "%.0f", mc->heads },
         { "batch_size", "%.0f", c->batch_size }, { "lr", "%g", c->lr }, { "epochs", "%.0f", c->epochs },
-        { "steps", "%.0f", (double)c->steps }, { "seed", "%.0f", (double)c->seed }, { "weight_decay", "%g", c->weight_decay },
+        { "steps", "%.0f", (double)c->steps }, { "weight_decay", "%g", c->weight_decay },
         { "clip", "%g", c->clip }, { "accum_steps", "%.0f", c->accum_steps }, { "world_size", "%.0f", dt__ctx.world_size },
         { "params", "%.0f", (double)dt__state_layout(r->model)->numel } };
     int ok = dt_mlflow_param(r->mlflow, "model", kind) && dt_mlflow_param(r->mlflow, "optimizer", c->optimizer == DT_ADAMW ? "adamw" : "sgd") &&
@@ -13022,6 +13121,8 @@ static void dt__mlflow_start(dt_run *r) {
         snprintf(v, sizeof v, params[i].fmt, params[i].value);
         ok = dt_mlflow_param(r->mlflow, params[i].key, v);
     }
+    snprintf(v, sizeof v, "%llu", (unsigned long long)c->seed);     /* all 64 bits */
+    ok = ok && dt_mlflow_param(r->mlflow, "seed", v);
     snprintf(v, sizeof v, "%d", dt__ctx.world_size);
     ok = ok && dt_mlflow_tag(r->mlflow, "stage", c->stage) && dt_mlflow_tag(r->mlflow, "model", kind) &&
          dt_mlflow_tag(r->mlflow, "world_size", v) && dt_mlflow_tag(r->mlflow, "device", r->model->device == DT_CUDA ? "cuda" : "cpu") &&
@@ -13088,8 +13189,7 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
     }
     if (cfg->log_path && dt__ctx.rank == 0 && !(run->log = fopen(cfg->log_path, cfg->resume ? "a" : "w")))
         dt_fail("cannot open --log '%s': %s", cfg->log_path, strerror(errno));
-    if (cfg->tensorboard && dt__ctx.rank == 0 && !(run->tb = dt_tensorboard_open(cfg->tensorboard)))
-        dt_fail("cannot write --tensorboard '%s': %s", cfg->tensorboard, strerror(errno));
+    if (cfg->tensorboard && dt__ctx.rank == 0) dt__tensorboard_start(run);
     if (cfg->mlflow && dt__ctx.rank == 0) dt__mlflow_start(run);
     if (cfg->trace_path) dt__trace_open(run, cfg->trace_path);
     run->start_ms = run->mark_ms = dt_now_ms();
@@ -13464,6 +13564,8 @@ int dt_run_finish(dt_run *run) {
     if (run->mlflow) {                      /* stopped by a signal: KILLED, as MLflow marks an interrupted run */
         dt_mlflow *ml = run->mlflow;
         run->mlflow = NULL;
+        dt__on_fail_tracking = NULL;
+        dt__mlflow_running = NULL;
         if (!dt_mlflow_close(ml, run->stopped_by ? DT_MLFLOW_KILLED : DT_MLFLOW_FINISHED))
             dt__write_failed("--mlflow", run->cfg.mlflow, errno);
     }

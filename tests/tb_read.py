@@ -1,17 +1,20 @@
-"""Print every scalar of TensorBoard event files, as TensorBoard's own reader
-sees them: one line "tag step value" each. The suite compares them with
-dtrain's --log (tests/test_dtrain.c). usage: tb_read.py DIR"""
+"""Print every scalar of a TensorBoard log folder, as TensorBoard's own
+reader sees it (each folder that holds event files is a run): one line
+"run tag step value" each. The suite compares them with dtrain's --log
+(tests/test_dtrain.c). usage: tb_read.py DIR"""
 import sys
 
-from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.backend.event_processing import event_accumulator, event_multiplexer
 
 
 def main():
-    acc = event_accumulator.EventAccumulator(sys.argv[1], size_guidance={event_accumulator.SCALARS: 0})
-    acc.Reload()
-    for tag in sorted(acc.Tags()["scalars"]):
-        for event in acc.Scalars(tag):
-            print(tag, event.step, repr(event.value))
+    runs = event_multiplexer.EventMultiplexer(size_guidance={event_accumulator.SCALARS: 0})
+    runs.AddRunsFromDirectory(sys.argv[1])
+    runs.Reload()
+    for run in sorted(runs.Runs()):
+        for tag in sorted(runs.Runs()[run]["scalars"]):
+            for event in runs.Scalars(run, tag):
+                print(run, tag, event.step, repr(event.value))
 
 
 if __name__ == "__main__":

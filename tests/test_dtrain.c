@@ -5502,8 +5502,10 @@ static void test_tensorboard_event_files_are_framed_and_checksummed_as_tfrecord(
 
 /* --tensorboard on a real run, read back by TensorBoard's own reader
    (tests/tb_read.py, when the tensorboard package is there; .ci/run puts it
-   in build/trackvenv): every step's loss and learning rate as --log has them,
-   the evaluation, the speed; a folder that cannot be written is named. */
+   in build/trackvenv): one run (a folder of its own in DIR), every step's
+   loss and learning rate as --log has them, the evaluation, the speed --
+   steps 1-4, then 5-6 resumed from the step-4 checkpoint into the same run,
+   each step once. A folder that cannot be written is named. */
 static void test_tensorboard_reads_every_scalar_dtrain_wrote(void) {
     char out[16384], dir[600], log[600], bad[700];
     snprintf(dir, sizeof dir, "%s/tb-run", tmpdir);
@@ -5515,35 +5517,43 @@ static void test_tensorboard_reads_every_scalar_dtrain_wrote(void) {
     if (run_cmd(out, sizeof out, "%s -c 'import tensorboard'", py) != 0)
         SKIP("%.90s cannot import tensorboard; bash .ci/run puts it in build/trackvenv", py);
     snprintf(log, sizeof log, "%s/tb-run.jsonl", tmpdir);
-    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 6 --tensorboard %s --log %s", train_cpu,
-                 small_data(), dir, log);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 4 --tensorboard %s --log %s --save-dir %s/tb-ck",
+                 train_cpu, small_data(), dir, log, tmpdir);
     CHECKF(st == 0, "--tensorboard: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 6 --tensorboard %s --log %s "
+                 "--resume %s/tb-ck/mlp_data0-320_step4", train_cpu, small_data(), dir, log, tmpdir);
+    CHECKF(st == 0, "--tensorboard --resume: exit %d\n%s", st, out);
     static char text[65536];
     st = run_cmd(text, sizeof text, "%s %s/tests/tb_read.py %s", py, repo_root(), dir);
     CHECKF(st == 0, "tests/tb_read.py: exit %d\n%s", st, text);
-    double loss[6], lr[6];
-    CHECK(log_series(log, "loss", loss, 6) == 6 && log_series(log, "lr", lr, 6) == 6);
-    int seen[4] = { 0 };
+    double loss[6], lr[6], evals[2];
+    CHECK(log_series(log, "loss", loss, 6) == 6 && log_series(log, "lr", lr, 6) == 6 && log_series(log, "eval_loss", evals, 2) == 2);
+    int seen[4] = { 0 }, runs = 0;
+    char first_run[256] = "";
     for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
-        char tag[64];
+        char run[256], tag[64];
         long long step;
         double v;
-        if (sscanf(line, "%63s %lld %lf", tag, &step, &v) != 3) continue;
+        if (sscanf(line, "%255s %63s %lld %lf", run, tag, &step, &v) != 4) continue;
+        if (strcmp(run, first_run)) { runs++; snprintf(first_run, sizeof first_run, "%s", run); }
         if (!strcmp(tag, "train/loss") && step >= 1 && step <= 6) {
             seen[0]++;
             CHECKF(fabs(v - loss[step - 1]) <= 1e-6 * fabs(loss[step - 1]), "train/loss at step %lld: %.8g, --log %.8g", step, v,
                    loss[step - 1]);
         } else if (!strcmp(tag, "train/lr") && step >= 1 && step <= 6) {
-            seen[1]++;
-            CHECKF(fabs(v - lr[step - 1]) <= 1e-6 * fabs(lr[step - 1]), "train/lr at step %lld: %.8g, --log %.8g", step, v,
+            seen[1]++;                      /* --log writes the rate with 6 digits */
+            CHECKF(fabs(v - lr[step - 1]) <= 1e-5 * fabs(lr[step - 1]), "train/lr at step %lld: %.8g, --log %.8g", step, v,
                    lr[step - 1]);
         } else if (!strcmp(tag, "eval/loss")) {
-            seen[2]++;
-            CHECKF(step == 6 && fabs(v - summary_value(log, "eval_loss")) <= 1e-5, "eval/loss %.6f at step %lld", v, step);
+            seen[2]++;                      /* at step 4 and at step 6, as the log's evaluation lines */
+            CHECKF((step == 4 || step == 6) && fabs(v - evals[step / 6]) <= 1e-5, "eval/loss %.6f at step %lld (--log: %.6f, %.6f)",
+                   v, step, evals[0], evals[1]);
         } else if (!strcmp(tag, "speed/samples_per_s")) seen[3] += v > 0;
     }
-    CHECKF(seen[0] == 6 && seen[1] == 6 && seen[2] == 1 && seen[3] == 6,
-           "TensorBoard read %d losses, %d learning rates, %d evaluations, %d speeds (6, 6, 1, 6 written)", seen[0], seen[1],
+    CHECKF(runs == 1 && strstr(first_run, "01-single-gpu-mlp-") == first_run,
+           "TensorBoard read %d runs (the last '%s'): the resumed run should go on in the first one's folder", runs, first_run);
+    CHECKF(seen[0] == 6 && seen[1] == 6 && seen[2] == 2 && seen[3] == 6,
+           "TensorBoard read %d losses, %d learning rates, %d evaluations, %d speeds (6, 6, 2, 6 written)", seen[0], seen[1],
            seen[2], seen[3]);
 }
 /* --mlflow: the run in MLflow's file store, as MLflow lays it out, checked
@@ -5563,11 +5573,11 @@ static void test_mlflow_file_store_holds_the_run_as_mlflow_lays_it_out(void) {
     CHECKF(st == 0, "--mlflow: exit %d\n%s", st, out);
     snprintf(p, sizeof p, "%s/0/meta.yaml", dir);
     char *text = read_text(p);
-    CHECKF(text && strstr(text, "experiment_id: '0'") && strstr(text, "name: Default"), "%s:\n%s", p, text ? text : "(none)");
+    CHECKF(text && strstr(text, "experiment_id: '0'") && strstr(text, "name: 'Default'"), "%s:\n%s", p, text ? text : "(none)");
     free(text);
     snprintf(p, sizeof p, "%s/1/meta.yaml", dir);
     text = read_text(p);
-    CHECKF(text && strstr(text, "experiment_id: '1'") && strstr(text, "name: dtrain") && strstr(text, "lifecycle_stage: active"),
+    CHECKF(text && strstr(text, "experiment_id: '1'") && strstr(text, "name: 'dtrain'") && strstr(text, "lifecycle_stage: active"),
            "%s:\n%s", p, text ? text : "(none)");
     free(text);
     int runs = 0;
@@ -5583,7 +5593,7 @@ static void test_mlflow_file_store_holds_the_run_as_mlflow_lays_it_out(void) {
     if (runs != 1) return;
     snprintf(p, sizeof p, "%s/meta.yaml", run);
     text = read_text(p);
-    CHECKF(text && strstr(text, "status: 3\n") && strstr(text, "run_name: 01-single-gpu mlp\n") && strstr(text, "end_time: 1"),
+    CHECKF(text && strstr(text, "status: 3\n") && strstr(text, "run_name: '01-single-gpu mlp'\n") && strstr(text, "end_time: 1"),
            "%s:\n%s", p, text ? text : "(none)");
     free(text);
     static const char *const files[4][2] = { { "params/model", "mlp" }, { "params/batch_size", "32" }, { "tags/stage", "01-single-gpu" },
@@ -5622,6 +5632,22 @@ static void test_mlflow_file_store_holds_the_run_as_mlflow_lays_it_out(void) {
     for (struct dirent *e; d && (e = readdir(d));) runs += strlen(e->d_name) == 32;
     if (d) closedir(d);
     CHECKF(runs == 1, "the resumed run made %d runs (it goes on in the one it was part of)", runs);
+    /* an experiment "dtrain" that MLflow made (an id of 18 random digits) is the one a run joins */
+    char theirs[700], exp[800];
+    snprintf(theirs, sizeof theirs, "%s/mlruns-theirs", tmpdir);
+    snprintf(exp, sizeof exp, "%s/523940861947208175", theirs);
+    CHECK(dt__mkdirs(exp));
+    snprintf(p, sizeof p, "%s/meta.yaml", exp);
+    const char *meta = "artifact_location: file:///x\nexperiment_id: '523940861947208175'\nlifecycle_stage: active\nname: dtrain\n";
+    write_bytes(p, meta, strlen(meta));
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 1 --mlflow %s", train_cpu, small_data(), theirs);
+    CHECKF(st == 0, "--mlflow into MLflow's own experiment: exit %d\n%s", st, out);
+    runs = 0;
+    d = opendir(exp);
+    for (struct dirent *e; d && (e = readdir(d));) runs += strlen(e->d_name) == 32;
+    if (d) closedir(d);
+    snprintf(p, sizeof p, "%s/523940861947208176", theirs);
+    CHECKF(runs == 1 && access(p, F_OK) != 0, "the run did not join the experiment 'dtrain' MLflow made (%d runs in it)", runs);
     char bad[700];
     snprintf(bad, sizeof bad, "%s/ml-blocker", tmpdir);
     write_bytes(bad, "x", 1);

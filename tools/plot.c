@@ -167,21 +167,25 @@ int main(int argc, char **argv) {
     run_curves runs[MAX_RUNS];
     memset(runs, 0, sizeof runs);
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
-        else if (!strcmp(argv[i], "--title") && i + 1 < argc) title = argv[++i];
-        else if (!strcmp(argv[i], "--time")) by_time = 1;
-        else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h") || argv[i][0] == '-') {
-            int help = argv[i][1] == 'h' || !strcmp(argv[i], "--help");
+        int value = i + 1 < argc;
+        if (!strcmp(argv[i], "--out") || !strcmp(argv[i], "--title")) {
+            if (!value) { fprintf(stderr, "%s: %s needs a value\n", argv[0], argv[i]); return 2; }
+            if (!strcmp(argv[i], "--out")) out = argv[++i];
+            else title = argv[++i];
+        } else if (!strcmp(argv[i], "--time")) by_time = 1;
+        else if (argv[i][0] == '-') {
+            int help = !strcmp(argv[i], "--help") || !strcmp(argv[i], "-h");
             fprintf(help ? stdout : stderr, "usage: %s [--out FILE.svg] [--time] [--title TEXT] RUN.jsonl[=LABEL]...\n", argv[0]);
             if (!help) fprintf(stderr, "%s: unknown flag '%s'\n", argv[0], argv[i]);
             return help ? 0 : 2;
         } else {
-            if (R == MAX_RUNS) dt_usage_error("at most %d logs in one plot (one colour each)", MAX_RUNS);
+            if (R == MAX_RUNS) { fprintf(stderr, "%s: at most %d logs in one plot (one colour each)\n", argv[0], MAX_RUNS); return 2; }
             run_curves *r = &runs[R++];
             static char paths[MAX_RUNS][4096];
-            const char *eq = strrchr(argv[i], '=');
-            dt__copy_str(paths[R - 1], sizeof paths[R - 1], argv[i]);
-            if (eq) paths[R - 1][eq - argv[i]] = 0;
+            /* FILE=LABEL: the last '=' after the last '/', unless the whole is a file (runs/lr=3e-4.jsonl) */
+            const char *eq = strrchr(argv[i], '='), *slash = strrchr(argv[i], '/');
+            if (eq && ((slash && eq < slash) || access(argv[i], F_OK) == 0)) eq = NULL;
+            dt__path(paths[R - 1], sizeof paths[R - 1], "%.*s", (int)(eq ? eq - argv[i] : (ptrdiff_t)strlen(argv[i])), argv[i]);
             r->path = paths[R - 1];
             const char *base = strrchr(r->path, '/');
             dt__copy_str(r->label, sizeof r->label, eq ? eq + 1 : base ? base + 1 : r->path);

@@ -13,7 +13,7 @@
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
 
-enum { TRACKS = DT_PHASE_COUNT + 2, COMM = DT_PHASE_COUNT, PIPELINE = DT_PHASE_COUNT + 1 };
+enum { TRACKS = DT_TRACK_PIPELINE + 1, COMM = DT_TRACK_COMM, PIPELINE = DT_TRACK_PIPELINE };   /* dtrain.h's tracks */
 typedef struct { double t0, t1; } span;
 typedef struct {
     const char *path;
