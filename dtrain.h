@@ -1143,7 +1143,9 @@ uint32_t dt_crc32c_masked(const void *data, size_t n);
    DIR/<experiment id>/<run id>/ of meta.yaml (name, times, status), params/
    and tags/ (a file per key holding its value) and metrics/ (a file per key,
    a line "<ms since 1970> <value> <step>" per point). dt_mlflow_open finds
-   the experiment by name or makes it, and starts a run -- or, given the id
+   the experiment by name or makes it (tagged mlflow.experimentKind
+   custom_model_development: model training, whose runs MLflow 3's UI opens
+   on their charts), and starts a run -- or, given the id
    of an earlier one, continues it. Each call returns 0 when a write failed
    (errno says why); dt_mlflow_path names the run's folder. */
 typedef struct dt_mlflow dt_mlflow;
@@ -12134,11 +12136,16 @@ static int dt__mlflow_meta(dt_mlflow *ml, dt_mlflow_status status, int64_t end_m
     dt__path(path, sizeof path, "%s/meta.yaml", ml->run_dir);
     return dt__write_small(path, "w", text);
 }
-static int dt__mlflow_experiment(const char *dir, const char *id, const char *name) {
+/* An experiment's folder and meta.yaml; with a kind, the tag by which
+   MLflow 3's UI shows it as model training (its runs' metric charts), not
+   as GenAI (traces). */
+static int dt__mlflow_experiment(const char *dir, const char *id, const char *name, const char *kind) {
     char path[4200], text[12288], uri[4300], q_uri[8700], q_name[520];
     int64_t now = dt__unix_ms();
-    dt__path(path, sizeof path, "%s/%s", dir, id);
-    if (!dt__mkdir_ok(path)) return 0;
+    dt__path(path, sizeof path, "%s/%s/tags", dir, id);
+    if (!dt__mkdirs(path)) return 0;
+    dt__path(path, sizeof path, "%s/%s/tags/mlflow.experimentKind", dir, id);
+    if (kind && !dt__write_small(path, "w", kind)) return 0;
     dt__path(uri, sizeof uri, "file://%s/%s", dir, id);
     dt__yaml_quote(q_uri, sizeof q_uri, uri);
     dt__yaml_quote(q_name, sizeof q_name, name);
@@ -12157,7 +12164,7 @@ dt_mlflow *dt_mlflow_open(const char *dir, const char *experiment, const char *r
     if (!ml) return NULL;
     dt__copy_str(ml->name, sizeof ml->name, run_name);
     dt__path(path, sizeof path, "%s/0/meta.yaml", abs);        /* MLflow's Default experiment, as it makes it */
-    if (access(path, F_OK) != 0 && !dt__mlflow_experiment(abs, "0", "Default")) { free(ml); return NULL; }
+    if (access(path, F_OK) != 0 && !dt__mlflow_experiment(abs, "0", "Default", NULL)) { free(ml); return NULL; }
     /* the experiment of this name (MLflow's own ids are 18 random digits),
        or a new one, numbered after the largest id there */
     unsigned long long largest = 0;
@@ -12173,7 +12180,7 @@ dt_mlflow *dt_mlflow_open(const char *dir, const char *experiment, const char *r
     if (d) closedir(d);
     if (!ml->exp_id[0]) {
         snprintf(ml->exp_id, sizeof ml->exp_id, "%llu", largest + 1);
-        if (!dt__mlflow_experiment(abs, ml->exp_id, experiment)) { free(ml); return NULL; }
+        if (!dt__mlflow_experiment(abs, ml->exp_id, experiment, "custom_model_development")) { free(ml); return NULL; }
     }
     dt__path(ml->exp_dir, sizeof ml->exp_dir, "%s/%s", abs, ml->exp_id);
     if (run_id && *run_id) {                                   /* continue it: its start and name stay */

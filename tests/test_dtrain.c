@@ -5559,6 +5559,7 @@ static void test_tensorboard_reads_every_scalar_dtrain_wrote(void) {
 /* --mlflow: the run in MLflow's file store, as MLflow lays it out, checked
    without MLflow -- the Default experiment and "dtrain", the run's folder
    (32 hex digits) with its meta.yaml (FINISHED: status 3), params, tags,
+   the experiment's tag that makes MLflow 3's UI show it as model training,
    and a metrics file per figure, "<ms> <value> <step>" a line, holding
    --log's losses. Resumed from its checkpoint, the same run goes on (the
    checkpoint names it): steps 5-6 land in the same files, and no run is
@@ -5579,6 +5580,10 @@ static void test_mlflow_file_store_holds_the_run_as_mlflow_lays_it_out(void) {
     text = read_text(p);
     CHECKF(text && strstr(text, "experiment_id: '1'") && strstr(text, "name: 'dtrain'") && strstr(text, "lifecycle_stage: active"),
            "%s:\n%s", p, text ? text : "(none)");
+    free(text);
+    snprintf(p, sizeof p, "%s/1/tags/mlflow.experimentKind", dir);   /* MLflow 3's UI: model training, not GenAI */
+    text = read_text(p);
+    CHECKF(text && !strcmp(text, "custom_model_development"), "%s holds '%s'", p, text ? text : "(none)");
     free(text);
     int runs = 0;
     snprintf(p, sizeof p, "%s/1", dir);
@@ -5657,8 +5662,8 @@ static void test_mlflow_file_store_holds_the_run_as_mlflow_lays_it_out(void) {
 
 /* MLflow's own tracking client (tests/mlflow_read.py; .ci/run puts mlflow
    in build/trackvenv) reads the runs of two stages written to one folder:
-   each with its name, FINISHED, its flags and stage, and every loss --log
-   has, step by step. */
+   the experiment a model-training one, each run with its name, FINISHED,
+   its flags and stage, and every loss --log has, step by step. */
 static void test_mlflow_reads_the_runs_dtrain_wrote(void) {
     char out[16384], dir[600], log[2][600];
     const char *py = tracking_python();
@@ -5676,6 +5681,7 @@ static void test_mlflow_reads_the_runs_dtrain_wrote(void) {
     int st = run_cmd(text, sizeof text, "%s %s/tests/mlflow_read.py %s", py, repo_root(), dir);
     CHECKF(st == 0, "tests/mlflow_read.py: exit %d\n%s", st, text);
     if (st) return;
+    CHECKF(strstr(text, "experiment dtrain custom_model_development\n") == text, "MLflow read the experiment as:\n%.200s", text);
     int k = -1, seen[2] = { 0, 0 }, named[2] = { 0, 0 };
     double loss[2][5];
     for (int j = 0; j < 2; j++) CHECK(log_series(log[j], "loss", loss[j], 5) == 5);
@@ -5703,7 +5709,8 @@ static void test_mlflow_reads_the_runs_dtrain_wrote(void) {
    communication and the part of it hidden under compute, as it works them
    out from the trace (the all-reduces' overlap with forward, backward and
    the optimizer), agree with what the run's --log summed (comm_ms,
-   comm_hidden_ms) -- within the trace's 0.1 us rounding. It names the
+   comm_hidden_ms) -- within half of the table's 0.1 ms unit, plus the
+   trace's 0.1 us rounding of each event. It names the
    straggler; a damaged trace is an error naming the file and the line. */
 static void test_trace_summary_reports_the_overlap_the_log_measured(void) {
     char out[16384], trace[600], log[600], t0[700], t1[700];
@@ -5726,7 +5733,7 @@ static void test_trace_summary_reports_the_overlap_the_log_measured(void) {
     CHECKF(got == 11, "no row for rank 0:\n%s", out);
     CHECKF(want_comm > 0 && want_hidden > 0, "the run hid no communication (comm %.3f ms, hidden %.3f ms): nothing to compare",
            want_comm, want_hidden);
-    CHECKF(fabs(v[7] - want_comm) <= 0.01 + 1e-3 * want_comm && fabs(v[8] - want_hidden) <= 0.05 + 0.01 * want_hidden,
+    CHECKF(fabs(v[7] - want_comm) <= 0.05 + 0.01 + 1e-3 * want_comm && fabs(v[8] - want_hidden) <= 0.05 + 0.05 + 0.01 * want_hidden,
            "trace-summary: comm %.2f ms, hidden %.2f ms; the log: %.3f and %.3f\n%s", v[7], v[8], want_comm, want_hidden, out);
     CHECKF(strstr(out, "straggler: rank "), "no straggler named:\n%s", out);
     char bad[700];
