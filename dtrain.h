@@ -7416,8 +7416,9 @@ void dt_mesh_free(dt_mesh *mesh) {
    or torchrun, srun, mpirun -- and tells each its rank through environment
    variables. The ranks then meet: rank 0 listens on MASTER_PORT, the others
    connect to MASTER_ADDR:MASTER_PORT and prove they belong to the job, and
-   rank 0 hands out what they must share: the name of the shared-memory
-   segment, and NCCL's unique id. The segment is made once all have joined and
+   rank 0, once it has checked that every rank is on its host, hands out what
+   they must share: the name of the shared-memory segment, and NCCL's unique
+   id. The segment is made once all have joined and
    its name removed once all have mapped it, so nothing is left in /dev/shm
    however the job ends -- even when a rank is killed. A job ends well when it
    is told to: SIGTERM and Ctrl-C stop it after a step, saved. */
@@ -7696,9 +7697,10 @@ static int dt__rendezvous_port(char *why, size_t n) {
    rank of another job on the same port, or a leftover rank of an earlier
    attempt is turned away -- and logged -- instead of joining this job or
    killing it. */
-#define DT_RDZV_MAGIC "dtrain-2"
-typedef struct dt__hello { char magic[8]; char job[192]; int32_t rank, world, pid; } dt__hello;
-typedef struct dt__welcome { char magic[8]; char refused[256]; char shm_name[64]; unsigned char nccl_id[128]; } dt__welcome;
+#define DT_RDZV_MAGIC "dtrain-3"
+#define DT_HOST_NAME 64
+typedef struct dt__hello { char magic[8]; char job[192]; int32_t rank, world, pid; char host[DT_HOST_NAME]; } dt__hello;
+typedef struct dt__welcome { char magic[8]; char refused[512]; char shm_name[64]; unsigned char nccl_id[128]; } dt__welcome;
 
 /* 1 when all n bytes moved before the deadline; 0 when the peer went away or was silent. */
 static int dt__io_try(int fd, void *buf, size_t n, int writing, double deadline, const char *what) {
@@ -7758,8 +7760,39 @@ static int dt__tcp_socket(const char *host, int port, const char *port_from, int
 
 /* Rank 0: one hello from whoever connected. Returns the rank it brings, or -1
    when the connection was turned away (the caller closes it either way). */
+/* This machine's name, as the ranks compare them. */
+static void dt__host_name(char *out) {
+    if (gethostname(out, DT_HOST_NAME) != 0) dt__copy_str(out, DT_HOST_NAME, "(unnamed)");
+    out[DT_HOST_NAME - 1] = 0;
+}
+
+/* The ranks meet in shared memory (section 9's segment: the CPU collectives,
+   and the watchdog's view of every rank on GPUs too), which one host holds.
+   Rank 0 knows every rank's host once all have joined; ranks on more than
+   one host are refused here, saying so, rather than failing later to map a
+   segment that is on another machine. 0 and the hosts in why when they
+   differ. */
+static int dt__rendezvous_one_host(char (*hosts)[DT_HOST_NAME], int world, char *why, size_t n) {
+    int first = 1;
+    for (int r = 1; r < world; r++) first &= !strcmp(hosts[r], hosts[0]);
+    if (first) return 1;
+    int len = snprintf(why, n, "the ranks are on more than one host (");
+    for (int r = 0; r < world && len < (int)n; r++) {
+        int seen = 0;
+        for (int q = 0; q < r; q++) seen |= !strcmp(hosts[q], hosts[r]);
+        if (seen) continue;
+        int count = 0;
+        for (int q = r; q < world; q++) count += !strcmp(hosts[q], hosts[r]);
+        len += snprintf(why + len, n - (size_t)len, "%s'%s': rank %d%s", r ? "; " : "", hosts[r], r, count > 1 ? " and others" : "");
+    }
+    if (len < (int)n)
+        snprintf(why + len, n - (size_t)len, "): dtrain's ranks meet in shared memory, which one host holds -- run every rank "
+                 "on rank 0's host (dtrain has no transport between hosts yet)");
+    return 0;
+}
+
 static int dt__rendezvous_admit(int fd, const struct sockaddr_in *from, const char *job, int world, const int *joined,
-                               double deadline) {
+                               char (*hosts)[DT_HOST_NAME], double deadline) {
     dt__hello h;
     dt__welcome no;
     char who[64], why[256] = "";
@@ -7779,7 +7812,11 @@ static int dt__rendezvous_admit(int fd, const struct sockaddr_in *from, const ch
     else if (h.world != world) snprintf(why, sizeof why, "it says the job has %d ranks; this job has %d", h.world, world);
     else if (h.rank <= 0 || h.rank >= world) snprintf(why, sizeof why, "rank %d is not one of 1..%d", h.rank, world - 1);
     else if (joined[h.rank]) snprintf(why, sizeof why, "rank %d has joined already", h.rank);
-    if (!why[0]) return h.rank;
+    if (!why[0]) {
+        h.host[DT_HOST_NAME - 1] = 0;
+        dt__copy_str(hosts[h.rank], DT_HOST_NAME, h.host);
+        return h.rank;
+    }
     dt_warn("rendezvous: turned away rank %d (pid %d) from %s: %s", h.rank, h.pid, who, why);
     memcpy(no.magic, DT_RDZV_MAGIC, 8);
     dt__copy_str(no.refused, sizeof no.refused, why);
@@ -7816,6 +7853,8 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     dt__shm_header *hdr = NULL;
     if (world > 1 && rank == 0) {
         int lfd = dt__tcp_socket(host, port, port_from, 1, deadline), joined[DT_MAX_RANKS] = { 0 }, njoined = 0, away = 0;
+        static char hosts[DT_MAX_RANKS][DT_HOST_NAME];
+        dt__host_name(hosts[0]);
         while (njoined < world - 1) {
             struct pollfd pfd = { lfd, POLLIN, 0 };
             int wait = (int)(deadline - dt_now_ms());
@@ -7832,13 +7871,19 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
             socklen_t from_len = sizeof from;
             int fd = accept(lfd, (struct sockaddr *)&from, &from_len);
             if (fd < 0) continue;
-            int r = dt__rendezvous_admit(fd, &from, job, world, joined, deadline);
+            int r = dt__rendezvous_admit(fd, &from, job, world, joined, hosts, deadline);
             if (r < 0) { close(fd); away++; continue; }
             joined[r] = 1;
             fds[r] = fd;
             njoined++;
         }
         close(lfd);
+        char apart[1024];
+        if (!dt__rendezvous_one_host(hosts, world, apart, sizeof apart)) {
+            dt__copy_str(w.refused, sizeof w.refused, apart);
+            for (int r = 1; r < world; r++) dt__io_try(fds[r], &w, sizeof w, 1, deadline, "telling the ranks why not");
+            dt_fail("rendezvous: %s", apart);
+        }
     }
     if (rank == 0) {       /* made once every rank is here: a failed rendezvous leaves nothing in /dev/shm */
         hdr = dt__shm_map(w.shm_name, bytes, 1, &cleanup);
@@ -7850,6 +7895,7 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
         memcpy(h.magic, DT_RDZV_MAGIC, 8);
         dt__copy_str(h.job, sizeof h.job, job);
         h.rank = rank; h.world = world; h.pid = (int32_t)getpid();
+        dt__host_name(h.host);
         dt__io_all(fd, &h, sizeof h, 1, deadline, "saying hello to rank 0");
         if (!dt__io_try(fd, &w, sizeof w, 0, deadline, "while waiting for rank 0's welcome"))
             dt_fail("rendezvous: no welcome from %s:%d (%s) %s (is a dtrain rank 0 of this job listening there?)", host,

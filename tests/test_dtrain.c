@@ -2395,6 +2395,30 @@ static void test_a_failed_rendezvous_leaves_nothing_in_dev_shm(void) {
     for (int i = 0; i < 2; i++) CHECKF(shm_segments_of(pids[i]) == 0, "pid %ld left a /dev/shm segment", pids[i]);
 }
 
+/* Ranks on two hosts: rank 1 runs as on another machine, under another host
+   name and with a /dev/shm of its own (unshare --uts --mount). Rank 0 sees
+   two hosts at the rendezvous and stops the job there, naming each host and
+   its ranks; rank 1 is told why. No segment is left behind. */
+static void test_ranks_on_two_hosts_are_refused_at_the_rendezvous(void) {
+    char out[16384];
+#define OTHER_HOST "unshare --uts --mount sh -c \"mount -t tmpfs tmpfs /dev/shm && hostname dtrain-other-host && exec %s\""
+    if (run_cmd(out, sizeof out, OTHER_HOST, "true") != 0)
+        SKIP("unshare --uts --mount is not allowed here (it needs root or user namespaces): %.80s", out);
+    int port = dt__free_port();
+    char rank1[700];
+    snprintf(rank1, sizeof rank1, "%s --check --timeout 20", collectives_bin());
+    int st = run_cmd(out, sizeof out, "bash -c 'P=%d; export MASTER_PORT=$P WORLD_SIZE=2; RANK=0 %s --check --timeout 20 & a=$!; "
+                     "echo pid=$a; " WAIT_LISTEN "RANK=1 " OTHER_HOST "; echo other-exit=$?; wait $a; echo rank0-exit=$?'", port,
+                     collectives_bin(), rank1);
+    long pid[1] = { 0 };
+    CHECKF(st == 0 && pids_in(out, pid, 1) == 1, "%s", out);
+    CHECKF(strstr(out, "rank0-exit=1") && strstr(out, "other-exit=1"), "both ranks must stop:\n%s", out);
+    CHECKF(count_lines_with(out, "the ranks are on more than one host") == 2 && strstr(out, "'dtrain-other-host': rank 1)") &&
+           strstr(out, "turned this rank away: the ranks are on more than one host") && strstr(out, "run every rank on rank 0's host"),
+           "the refusal must name the hosts, on both ranks:\n%s", out);
+    CHECKF(shm_segments_of(pid[0]) == 0, "rank 0 left a /dev/shm segment");
+}
+
 /* --device auto asks CUDA what it has; a CUDA context does not survive fork(),
    so the question must come in each rank, after dt_launch forks (the launcher
    refuses to fork once CUDA has been asked). CUDA_VISIBLE_DEVICES= hides any
@@ -6981,7 +7005,8 @@ static const test_case tests[] = {
     T(test_ranks_launch_from_torchrun_variables_and_check_their_flags),
     T(test_torchrun_launches_stages_in_every_rendezvous_mode), T(test_mpirun_launches_a_stage_like_nproc),
     T(test_stopping_the_launcher_stops_its_ranks), T(test_a_stranger_at_the_rendezvous_is_turned_away_not_fatal),
-    T(test_a_failed_rendezvous_leaves_nothing_in_dev_shm), T(test_device_is_chosen_in_each_rank_after_the_fork),
+    T(test_a_failed_rendezvous_leaves_nothing_in_dev_shm), T(test_ranks_on_two_hosts_are_refused_at_the_rendezvous),
+    T(test_device_is_chosen_in_each_rank_after_the_fork),
     T(test_more_ranks_than_gpus_is_refused_naming_both_counts), T(test_ddp_by_nproc_and_by_torchrun_variables_agree),
     T(test_ddp_ranks_share_the_first_use_of_the_synthetic_set),
     /* 11. parallel wrappers */
