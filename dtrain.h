@@ -1143,9 +1143,7 @@ uint32_t dt_crc32c_masked(const void *data, size_t n);
    DIR/<experiment id>/<run id>/ of meta.yaml (name, times, status), params/
    and tags/ (a file per key holding its value) and metrics/ (a file per key,
    a line "<ms since 1970> <value> <step>" per point). dt_mlflow_open finds
-   the experiment by name or makes it (tagged mlflow.experimentKind
-   custom_model_development: model training, whose runs MLflow 3's UI opens
-   on their charts), and starts a run -- or, given the id
+   the experiment by name or makes it, and starts a run -- or, given the id
    of an earlier one, continues it. Each call returns 0 when a write failed
    (errno says why); dt_mlflow_path names the run's folder. */
 typedef struct dt_mlflow dt_mlflow;
@@ -7416,7 +7414,7 @@ void dt_mesh_free(dt_mesh *mesh) {
    or torchrun, srun, mpirun -- and tells each its rank through environment
    variables. The ranks then meet: rank 0 listens on MASTER_PORT, the others
    connect to MASTER_ADDR:MASTER_PORT and prove they belong to the job, and
-   rank 0, once it has checked that every rank is on its host, hands out what
+   rank 0, once it has checked that every rank shares its host's memory, hands out what
    they must share: the name of the shared-memory segment, and NCCL's unique
    id. The segment is made once all have joined and
    its name removed once all have mapped it, so nothing is left in /dev/shm
@@ -7698,9 +7696,9 @@ static int dt__rendezvous_port(char *why, size_t n) {
    attempt is turned away -- and logged -- instead of joining this job or
    killing it. */
 #define DT_RDZV_MAGIC "dtrain-3"
-#define DT_HOST_NAME 64
-typedef struct dt__hello { char magic[8]; char job[192]; int32_t rank, world, pid; char host[DT_HOST_NAME]; } dt__hello;
-typedef struct dt__welcome { char magic[8]; char refused[512]; char shm_name[64]; unsigned char nccl_id[128]; } dt__welcome;
+#define DT_HOST_NAME 256                 /* Linux's host names are at most 64 bytes; others' longer */
+typedef struct dt__hello { char magic[8]; char job[192]; int32_t rank, world, pid; char host[DT_HOST_NAME], memory[96]; } dt__hello;
+typedef struct dt__welcome { char magic[8]; char refused[1024]; char shm_name[64]; unsigned char nccl_id[128]; } dt__welcome;
 
 /* 1 when all n bytes moved before the deadline; 0 when the peer went away or was silent. */
 static int dt__io_try(int fd, void *buf, size_t n, int writing, double deadline, const char *what) {
@@ -7758,41 +7756,55 @@ static int dt__tcp_socket(const char *host, int port, const char *port_from, int
     return fd;
 }
 
-/* Rank 0: one hello from whoever connected. Returns the rank it brings, or -1
-   when the connection was turned away (the caller closes it either way). */
-/* This machine's name, as the ranks compare them. */
-static void dt__host_name(char *out) {
-    if (gethostname(out, DT_HOST_NAME) != 0) dt__copy_str(out, DT_HOST_NAME, "(unnamed)");
-    out[DT_HOST_NAME - 1] = 0;
+/* Where a rank runs, as far as meeting goes. Ranks meet in shared memory
+   (section 9's segment: the CPU collectives, and on GPUs the watchdog's view
+   of every rank), so two ranks are together when they see one /dev/shm of
+   one running kernel: its boot id, and the folder's device and inode. A host
+   name says neither -- containers on one machine may differ in name yet
+   share /dev/shm, and cloned machines may share a name -- so it only names
+   the host in messages. */
+typedef struct dt__host { char name[DT_HOST_NAME]; char memory[96]; } dt__host;
+static void dt__host_of_this_rank(dt__host *h) {
+    memset(h, 0, sizeof *h);
+    if (gethostname(h->name, sizeof h->name - 1) != 0) dt__copy_str(h->name, sizeof h->name, "(unnamed)");
+    char boot[64] = "";
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (!f || !fgets(boot, sizeof boot, f)) dt__copy_str(boot, sizeof boot, h->name);     /* no /proc: the name must do */
+    if (f) fclose(f);
+    boot[strcspn(boot, "\r\n")] = 0;
+    struct stat st;
+    memset(&st, 0, sizeof st);
+    stat("/dev/shm", &st);
+    snprintf(h->memory, sizeof h->memory, "%.48s/%llu/%llu", boot, (unsigned long long)st.st_dev, (unsigned long long)st.st_ino);
 }
 
-/* The ranks meet in shared memory (section 9's segment: the CPU collectives,
-   and the watchdog's view of every rank on GPUs too), which one host holds.
-   Rank 0 knows every rank's host once all have joined; ranks on more than
-   one host are refused here, saying so, rather than failing later to map a
-   segment that is on another machine. 0 and the hosts in why when they
-   differ. */
-static int dt__rendezvous_one_host(char (*hosts)[DT_HOST_NAME], int world, char *why, size_t n) {
-    int first = 1;
-    for (int r = 1; r < world; r++) first &= !strcmp(hosts[r], hosts[0]);
-    if (first) return 1;
-    int len = snprintf(why, n, "the ranks are on more than one host (");
+/* Rank 0, once all have joined: 1 when every rank shares its memory, else 0
+   with why saying so, what to do, and which ranks are where. */
+static int dt__rendezvous_one_host(const dt__host *hosts, int world, char *why, size_t n) {
+    int same = 1;
+    for (int r = 1; r < world; r++) same &= !strcmp(hosts[r].memory, hosts[0].memory);
+    if (same) return 1;
+    int len = snprintf(why, n, "the ranks are not all on rank 0's host, and they meet in one host's shared memory -- run "
+                       "every rank there (dtrain has no transport between hosts yet); hosts:");
     for (int r = 0; r < world && len < (int)n; r++) {
-        int seen = 0;
-        for (int q = 0; q < r; q++) seen |= !strcmp(hosts[q], hosts[r]);
+        int seen = 0, named = 0;
+        for (int q = 0; q < r; q++) {
+            seen |= !strcmp(hosts[q].memory, hosts[r].memory);
+            named |= !strcmp(hosts[q].name, hosts[r].name);
+        }
         if (seen) continue;
-        int count = 0;
-        for (int q = r; q < world; q++) count += !strcmp(hosts[q], hosts[r]);
-        len += snprintf(why + len, n - (size_t)len, "%s'%s': rank %d%s", r ? "; " : "", hosts[r], r, count > 1 ? " and others" : "");
+        len += snprintf(why + len, n - (size_t)len, "%s '%s'%s (rank", r ? ";" : "", hosts[r].name, named ? ", another /dev/shm" : "");
+        for (int q = r; q < world && len < (int)n; q++)
+            if (!strcmp(hosts[q].memory, hosts[r].memory)) len += snprintf(why + len, n - (size_t)len, " %d", q);
+        if (len < (int)n) len += snprintf(why + len, n - (size_t)len, ")");
     }
-    if (len < (int)n)
-        snprintf(why + len, n - (size_t)len, "): dtrain's ranks meet in shared memory, which one host holds -- run every rank "
-                 "on rank 0's host (dtrain has no transport between hosts yet)");
     return 0;
 }
 
+/* Rank 0: one hello from whoever connected. Returns the rank it brings, or -1
+   when the connection was turned away (the caller closes it either way). */
 static int dt__rendezvous_admit(int fd, const struct sockaddr_in *from, const char *job, int world, const int *joined,
-                               char (*hosts)[DT_HOST_NAME], double deadline) {
+                               dt__host *hosts, double deadline) {
     dt__hello h;
     dt__welcome no;
     char who[64], why[256] = "";
@@ -7813,8 +7825,9 @@ static int dt__rendezvous_admit(int fd, const struct sockaddr_in *from, const ch
     else if (h.rank <= 0 || h.rank >= world) snprintf(why, sizeof why, "rank %d is not one of 1..%d", h.rank, world - 1);
     else if (joined[h.rank]) snprintf(why, sizeof why, "rank %d has joined already", h.rank);
     if (!why[0]) {
-        h.host[DT_HOST_NAME - 1] = 0;
-        dt__copy_str(hosts[h.rank], DT_HOST_NAME, h.host);
+        h.host[sizeof h.host - 1] = h.memory[sizeof h.memory - 1] = 0;
+        dt__copy_str(hosts[h.rank].name, sizeof hosts[h.rank].name, h.host);
+        dt__copy_str(hosts[h.rank].memory, sizeof hosts[h.rank].memory, h.memory);
         return h.rank;
     }
     dt_warn("rendezvous: turned away rank %d (pid %d) from %s: %s", h.rank, h.pid, who, why);
@@ -7853,8 +7866,8 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     dt__shm_header *hdr = NULL;
     if (world > 1 && rank == 0) {
         int lfd = dt__tcp_socket(host, port, port_from, 1, deadline), joined[DT_MAX_RANKS] = { 0 }, njoined = 0, away = 0;
-        static char hosts[DT_MAX_RANKS][DT_HOST_NAME];
-        dt__host_name(hosts[0]);
+        dt__host hosts[DT_MAX_RANKS];
+        dt__host_of_this_rank(&hosts[0]);
         while (njoined < world - 1) {
             struct pollfd pfd = { lfd, POLLIN, 0 };
             int wait = (int)(deadline - dt_now_ms());
@@ -7878,7 +7891,7 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
             njoined++;
         }
         close(lfd);
-        char apart[1024];
+        char apart[sizeof w.refused];
         if (!dt__rendezvous_one_host(hosts, world, apart, sizeof apart)) {
             dt__copy_str(w.refused, sizeof w.refused, apart);
             for (int r = 1; r < world; r++) dt__io_try(fds[r], &w, sizeof w, 1, deadline, "telling the ranks why not");
@@ -7895,7 +7908,10 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
         memcpy(h.magic, DT_RDZV_MAGIC, 8);
         dt__copy_str(h.job, sizeof h.job, job);
         h.rank = rank; h.world = world; h.pid = (int32_t)getpid();
-        dt__host_name(h.host);
+        dt__host me;
+        dt__host_of_this_rank(&me);
+        dt__copy_str(h.host, sizeof h.host, me.name);
+        dt__copy_str(h.memory, sizeof h.memory, me.memory);
         dt__io_all(fd, &h, sizeof h, 1, deadline, "saying hello to rank 0");
         if (!dt__io_try(fd, &w, sizeof w, 0, deadline, "while waiting for rank 0's welcome"))
             dt_fail("rendezvous: no welcome from %s:%d (%s) %s (is a dtrain rank 0 of this job listening there?)", host,
@@ -12182,16 +12198,11 @@ static int dt__mlflow_meta(dt_mlflow *ml, dt_mlflow_status status, int64_t end_m
     dt__path(path, sizeof path, "%s/meta.yaml", ml->run_dir);
     return dt__write_small(path, "w", text);
 }
-/* An experiment's folder and meta.yaml; with a kind, the tag by which
-   MLflow 3's UI shows it as model training (its runs' metric charts), not
-   as GenAI (traces). */
-static int dt__mlflow_experiment(const char *dir, const char *id, const char *name, const char *kind) {
+static int dt__mlflow_experiment(const char *dir, const char *id, const char *name) {
     char path[4200], text[12288], uri[4300], q_uri[8700], q_name[520];
     int64_t now = dt__unix_ms();
-    dt__path(path, sizeof path, "%s/%s/tags", dir, id);
-    if (!dt__mkdirs(path)) return 0;
-    dt__path(path, sizeof path, "%s/%s/tags/mlflow.experimentKind", dir, id);
-    if (kind && !dt__write_small(path, "w", kind)) return 0;
+    dt__path(path, sizeof path, "%s/%s", dir, id);
+    if (!dt__mkdir_ok(path)) return 0;
     dt__path(uri, sizeof uri, "file://%s/%s", dir, id);
     dt__yaml_quote(q_uri, sizeof q_uri, uri);
     dt__yaml_quote(q_name, sizeof q_name, name);
@@ -12210,7 +12221,7 @@ dt_mlflow *dt_mlflow_open(const char *dir, const char *experiment, const char *r
     if (!ml) return NULL;
     dt__copy_str(ml->name, sizeof ml->name, run_name);
     dt__path(path, sizeof path, "%s/0/meta.yaml", abs);        /* MLflow's Default experiment, as it makes it */
-    if (access(path, F_OK) != 0 && !dt__mlflow_experiment(abs, "0", "Default", NULL)) { free(ml); return NULL; }
+    if (access(path, F_OK) != 0 && !dt__mlflow_experiment(abs, "0", "Default")) { free(ml); return NULL; }
     /* the experiment of this name (MLflow's own ids are 18 random digits),
        or a new one, numbered after the largest id there */
     unsigned long long largest = 0;
@@ -12226,7 +12237,7 @@ dt_mlflow *dt_mlflow_open(const char *dir, const char *experiment, const char *r
     if (d) closedir(d);
     if (!ml->exp_id[0]) {
         snprintf(ml->exp_id, sizeof ml->exp_id, "%llu", largest + 1);
-        if (!dt__mlflow_experiment(abs, ml->exp_id, experiment, "custom_model_development")) { free(ml); return NULL; }
+        if (!dt__mlflow_experiment(abs, ml->exp_id, experiment)) { free(ml); return NULL; }
     }
     dt__path(ml->exp_dir, sizeof ml->exp_dir, "%s/%s", abs, ml->exp_id);
     if (run_id && *run_id) {                                   /* continue it: its start and name stay */

@@ -1,7 +1,6 @@
 """Print what MLflow's own tracking client reads from a file store that
 dtrain wrote (--mlflow DIR), for the suite to compare with dtrain's --log
-(tests/test_dtrain.c): a line "experiment dtrain KIND" (its
-mlflow.experimentKind tag), then per run of the experiment a line
+(tests/test_dtrain.c): per run of the "dtrain" experiment, a line
 "run ID NAME STATUS", its params "param KEY VALUE", tags "tag KEY VALUE" and
 every point of every metric "metric KEY STEP VALUE". usage: mlflow_read.py DIR"""
 import os
@@ -15,7 +14,6 @@ from mlflow.tracking import MlflowClient
 def main():
     client = MlflowClient(tracking_uri="file://" + os.path.abspath(sys.argv[1]))
     experiment = client.get_experiment_by_name("dtrain")
-    print("experiment", experiment.name, experiment.tags.get("mlflow.experimentKind", "(none)"))
     for run in client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"]):
         print("run", run.info.run_id, run.info.run_name.replace(" ", "_"), run.info.status)
         for key, value in sorted(run.data.params.items()):

@@ -2396,27 +2396,40 @@ static void test_a_failed_rendezvous_leaves_nothing_in_dev_shm(void) {
 }
 
 /* Ranks on two hosts: rank 1 runs as on another machine, under another host
-   name and with a /dev/shm of its own (unshare --uts --mount). Rank 0 sees
-   two hosts at the rendezvous and stops the job there, naming each host and
-   its ranks; rank 1 is told why. No segment is left behind. */
+   name and with a /dev/shm of its own (unshare --uts --mount, as root or in
+   a user namespace of its own). Rank 0 sees at the rendezvous that rank 1
+   does not share its memory and stops the job there, naming each host and
+   its ranks; rank 1 is told why; no segment is left behind. A rank under
+   another host name that shares the /dev/shm (containers on one machine)
+   is not refused: the job runs. */
 static void test_ranks_on_two_hosts_are_refused_at_the_rendezvous(void) {
-    char out[16384];
-#define OTHER_HOST "unshare --uts --mount sh -c \"mount -t tmpfs tmpfs /dev/shm && hostname dtrain-other-host && exec %s\""
-    if (run_cmd(out, sizeof out, OTHER_HOST, "true") != 0)
-        SKIP("unshare --uts --mount is not allowed here (it needs root or user namespaces): %.80s", out);
-    int port = dt__free_port();
-    char rank1[700];
-    snprintf(rank1, sizeof rank1, "%s --check --timeout 20", collectives_bin());
-    int st = run_cmd(out, sizeof out, "bash -c 'P=%d; export MASTER_PORT=$P WORLD_SIZE=2; RANK=0 %s --check --timeout 20 & a=$!; "
-                     "echo pid=$a; " WAIT_LISTEN "RANK=1 " OTHER_HOST "; echo other-exit=$?; wait $a; echo rank0-exit=$?'", port,
-                     collectives_bin(), rank1);
-    long pid[1] = { 0 };
-    CHECKF(st == 0 && pids_in(out, pid, 1) == 1, "%s", out);
-    CHECKF(strstr(out, "rank0-exit=1") && strstr(out, "other-exit=1"), "both ranks must stop:\n%s", out);
-    CHECKF(count_lines_with(out, "the ranks are on more than one host") == 2 && strstr(out, "'dtrain-other-host': rank 1)") &&
-           strstr(out, "turned this rank away: the ranks are on more than one host") && strstr(out, "run every rank on rank 0's host"),
-           "the refusal must name the hosts, on both ranks:\n%s", out);
-    CHECKF(shm_segments_of(pid[0]) == 0, "rank 0 left a /dev/shm segment");
+    char out[16384], rank1[900];
+    const char *user_ns = "";                 /* root; anyone else, where user namespaces are allowed */
+    if (run_cmd(out, sizeof out, "unshare --uts --mount sh -c 'mount -t tmpfs tmpfs /dev/shm && hostname x'") != 0) {
+        user_ns = "-r ";
+        if (run_cmd(out, sizeof out, "unshare -r --uts --mount sh -c 'mount -t tmpfs tmpfs /dev/shm && hostname x'") != 0)
+            SKIP("unshare --uts --mount is not allowed here (it needs root or user namespaces): %.80s", out);
+    }
+    for (int own_shm = 1; own_shm >= 0; own_shm--) {
+        int port = dt__free_port();
+        snprintf(rank1, sizeof rank1, "unshare %s--uts --mount sh -c \"%shostname dtrain-other-host && exec %s --check --timeout 20\"",
+                 user_ns, own_shm ? "mount -t tmpfs tmpfs /dev/shm && " : "", collectives_bin());
+        int st = run_cmd(out, sizeof out, "bash -c 'P=%d; export MASTER_PORT=$P WORLD_SIZE=2; RANK=0 %s --check --timeout 20 & a=$!; "
+                         "echo pid=$a; " WAIT_LISTEN "RANK=1 %s; echo other-exit=$?; wait $a; echo rank0-exit=$?'", port,
+                         collectives_bin(), rank1);
+        long pid[1] = { 0 };
+        CHECKF(st == 0 && pids_in(out, pid, 1) == 1, "%s", out);
+        if (!own_shm) {
+            CHECKF(strstr(out, "rank0-exit=0") && strstr(out, "other-exit=0") && count_lines_with(out, "match the serial reference") == 2,
+                   "a rank under another host name that shares /dev/shm must be let in:\n%s", out);
+            continue;
+        }
+        CHECKF(strstr(out, "rank0-exit=1") && strstr(out, "other-exit=1"), "both ranks must stop:\n%s", out);
+        CHECKF(count_lines_with(out, "the ranks are not all on rank 0's host") == 2 && strstr(out, " 'dtrain-other-host' (rank 1)") &&
+               strstr(out, "turned this rank away: the ranks are not all on rank 0's host") && strstr(out, "run every rank there"),
+               "the refusal must name the hosts, on both ranks:\n%s", out);
+        CHECKF(shm_segments_of(pid[0]) == 0, "rank 0 left a /dev/shm segment");
+    }
 }
 
 /* --device auto asks CUDA what it has; a CUDA context does not survive fork(),
@@ -5583,7 +5596,6 @@ static void test_tensorboard_reads_every_scalar_dtrain_wrote(void) {
 /* --mlflow: the run in MLflow's file store, as MLflow lays it out, checked
    without MLflow -- the Default experiment and "dtrain", the run's folder
    (32 hex digits) with its meta.yaml (FINISHED: status 3), params, tags,
-   the experiment's tag that makes MLflow 3's UI show it as model training,
    and a metrics file per figure, "<ms> <value> <step>" a line, holding
    --log's losses. Resumed from its checkpoint, the same run goes on (the
    checkpoint names it): steps 5-6 land in the same files, and no run is
@@ -5604,10 +5616,6 @@ static void test_mlflow_file_store_holds_the_run_as_mlflow_lays_it_out(void) {
     text = read_text(p);
     CHECKF(text && strstr(text, "experiment_id: '1'") && strstr(text, "name: 'dtrain'") && strstr(text, "lifecycle_stage: active"),
            "%s:\n%s", p, text ? text : "(none)");
-    free(text);
-    snprintf(p, sizeof p, "%s/1/tags/mlflow.experimentKind", dir);   /* MLflow 3's UI: model training, not GenAI */
-    text = read_text(p);
-    CHECKF(text && !strcmp(text, "custom_model_development"), "%s holds '%s'", p, text ? text : "(none)");
     free(text);
     int runs = 0;
     snprintf(p, sizeof p, "%s/1", dir);
@@ -5686,8 +5694,8 @@ static void test_mlflow_file_store_holds_the_run_as_mlflow_lays_it_out(void) {
 
 /* MLflow's own tracking client (tests/mlflow_read.py; .ci/run puts mlflow
    in build/trackvenv) reads the runs of two stages written to one folder:
-   the experiment a model-training one, each run with its name, FINISHED,
-   its flags and stage, and every loss --log has, step by step. */
+   each with its name, FINISHED, its flags and stage, and every loss --log
+   has, step by step. */
 static void test_mlflow_reads_the_runs_dtrain_wrote(void) {
     char out[16384], dir[600], log[2][600];
     const char *py = tracking_python();
@@ -5705,7 +5713,6 @@ static void test_mlflow_reads_the_runs_dtrain_wrote(void) {
     int st = run_cmd(text, sizeof text, "%s %s/tests/mlflow_read.py %s", py, repo_root(), dir);
     CHECKF(st == 0, "tests/mlflow_read.py: exit %d\n%s", st, text);
     if (st) return;
-    CHECKF(strstr(text, "experiment dtrain custom_model_development\n") == text, "MLflow read the experiment as:\n%.200s", text);
     int k = -1, seen[2] = { 0, 0 }, named[2] = { 0, 0 };
     double loss[2][5];
     for (int j = 0; j < 2; j++) CHECK(log_series(log[j], "loss", loss[j], 5) == 5);
@@ -5733,8 +5740,11 @@ static void test_mlflow_reads_the_runs_dtrain_wrote(void) {
    communication and the part of it hidden under compute, as it works them
    out from the trace (the all-reduces' overlap with forward, backward and
    the optimizer), agree with what the run's --log summed (comm_ms,
-   comm_hidden_ms) -- within half of the table's 0.1 ms unit, plus the
-   trace's 0.1 us rounding of each event. It names the
+   comm_hidden_ms) -- within half of the table's 0.1 ms unit, plus, for the
+   communication, 0.01 ms and 0.1% for the trace's 0.1 us rounding of each
+   event's start and length, and for the hidden part 0.05 ms and 1%: the log
+   times each overlap from the clock reads at the phases' ends, the tool from
+   the rounded events. It names the
    straggler; a damaged trace is an error naming the file and the line. */
 static void test_trace_summary_reports_the_overlap_the_log_measured(void) {
     char out[16384], trace[600], log[600], t0[700], t1[700];

@@ -14,13 +14,33 @@ or CHROMIUM=PATH). None of the tests needs them; .ci/run does not install
 them.
 """
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
-from playwright.sync_api import sync_playwright
+os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"   # MLflow 3 keeps the file store behind this switch
+try:
+    from mlflow.tracking import MlflowClient
+    from playwright.sync_api import sync_playwright
+except ImportError as e:
+    sys.exit(f"screenshots.py: {e.name} is missing: pip install mlflow tensorboard playwright (into the Python that runs this)")
+
+
+def fail(why):
+    sys.exit(f"screenshots.py: {why}")
+
+
+def program(name):
+    """A server's command: beside this Python (a venv), else on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    found = here if os.access(here, os.X_OK) else shutil.which(name)
+    if not found:
+        fail(f"no '{name}' beside {sys.executable} or on PATH (pip install {name})")
+    return found
 
 
 def free_port():
@@ -32,61 +52,74 @@ def free_port():
 def color_runs(store):
     """MLflow colours a run by a hash of its id, which can give two runs one
     grey; pick each its own, as the UI's colour picker does (the run tag
-    mlflow.runColor), in the order the runs started."""
-    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
-    from mlflow.tracking import MlflowClient
+    mlflow.runColor), in the order the runs started. Returns the id of the
+    experiment "dtrain"."""
     client = MlflowClient(tracking_uri="file://" + os.path.abspath(store))
     experiment = client.get_experiment_by_name("dtrain")
+    if experiment is None:
+        fail(f"{store} has no experiment 'dtrain': run the stages with --mlflow {store}")
     runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
     for run, color in zip(runs, ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]):
         client.set_tag(run.info.run_id, "mlflow.runColor", color)
+    return experiment.experiment_id
 
 
-def serve(command, url, name):
-    """Start a server and wait (at most 60 s) until it answers url."""
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env=dict(os.environ, MLFLOW_ALLOW_FILE_STORE="true"))
+def serve(command, url, name, servers, logs):
+    """Start a server (kept in servers, to be stopped) and wait at most 60 s
+    until it answers url; its output goes to a file, shown if it fails."""
+    log = tempfile.TemporaryFile()
+    logs.append(log)
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    servers.append(server)
     for _ in range(120):
         try:
             urllib.request.urlopen(url, timeout=1)
-            return server
+            return
         except OSError:
             if server.poll() is not None:
-                sys.exit(f"screenshots.py: {name} stopped (exit {server.returncode}): {' '.join(command)}")
+                break
             time.sleep(0.5)
-    server.kill()
-    sys.exit(f"screenshots.py: {name} did not answer {url} within 60 s")
+    log.seek(0)
+    tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
+    how = f"stopped (exit {server.returncode})" if server.poll() is not None else f"did not answer {url} within 60 s"
+    fail(f"{name} {how}: {' '.join(command)}\n  " + "\n  ".join(tail))
 
 
 def main():
     if len(sys.argv) != 3:
-        sys.exit(__doc__.split("\n\n")[1])
+        fail("usage: python tools/screenshots.py TRACK OUT_DIR")
     track, out = sys.argv[1], sys.argv[2]
     for sub in ("mlruns", "tensorboard"):
         if not os.path.isdir(os.path.join(track, sub)):
-            sys.exit(f"screenshots.py: no {os.path.join(track, sub)}: run TRACK={track} tools/stage_curves.sh first")
+            fail(f"no {os.path.join(track, sub)}: run TRACK={track} tools/stage_curves.sh first")
+    chromium = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not chromium:
+        fail("no Chromium (apt-get install chromium, or CHROMIUM=PATH)")
     os.makedirs(out, exist_ok=True)
-    color_runs(os.path.join(track, "mlruns"))
-    bindir = os.path.dirname(sys.executable)
+    experiment = color_runs(os.path.join(track, "mlruns"))
     tb_port, ml_port = free_port(), free_port()
-    tb = serve([os.path.join(bindir, "tensorboard"), "--logdir", os.path.join(track, "tensorboard"), "--port", str(tb_port)],
-               f"http://127.0.0.1:{tb_port}/", "tensorboard")
-    ml = serve([os.path.join(bindir, "mlflow"), "ui", "--backend-store-uri", os.path.join(track, "mlruns"), "--host", "127.0.0.1",
-                "--port", str(ml_port)], f"http://127.0.0.1:{ml_port}/", "mlflow ui")
+    servers, logs = [], []
     try:
+        serve([program("tensorboard"), "--logdir", os.path.join(track, "tensorboard"), "--port", str(tb_port)],
+              f"http://127.0.0.1:{tb_port}/", "tensorboard", servers, logs)
+        serve([program("mlflow"), "ui", "--backend-store-uri", os.path.join(track, "mlruns"), "--host", "127.0.0.1",
+               "--port", str(ml_port)], f"http://127.0.0.1:{ml_port}/", "mlflow ui", servers, logs)
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=os.environ.get("CHROMIUM", "/usr/bin/chromium"), args=["--no-sandbox"])
-            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
             # TensorBoard: the losses and the speed, unsmoothed, so the runs' own values show
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
             page.goto(f"http://127.0.0.1:{tb_port}/?smoothing=0&tagFilter=loss%7Ctokens_per_s#timeseries")
             page.wait_for_selector("text=train/loss", timeout=60000)
-            settings = page.locator("button[aria-label='Toggle settings side pane']")
-            if settings.count():
-                settings.first.click()
+            # without the step table under each chart (it has room for two runs of
+            # three); the runs' colours are in the list on the left
+            page.get_by_text("Enable step selection and data table").click()
+            page.locator("button[aria-label='Toggle settings side pane']").first.click()
             page.wait_for_timeout(4000)
             page.screenshot(path=os.path.join(out, "tensorboard.png"))
-            # MLflow: the experiment's runs and their metrics, overlaid, one chart each
-            page.goto(f"http://127.0.0.1:{ml_port}/#/experiments/1/runs?compareRunsMode=CHART")
+            # MLflow: the experiment's runs in the chart view: every metric, the runs
+            # overlaid (MLflow 3 opens an experiment on its traces otherwise)
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            page.goto(f"http://127.0.0.1:{ml_port}/#/experiments/{experiment}/runs?compareRunsMode=CHART")
             page.wait_for_selector("text=Model metrics", timeout=60000)
             page.wait_for_timeout(4000)
             close = page.locator("button[aria-label='Close']")     # the assistant's side panel
@@ -96,8 +129,8 @@ def main():
             page.screenshot(path=os.path.join(out, "mlflow.png"))
             browser.close()
     finally:
-        tb.kill()
-        ml.kill()
+        for server in servers:
+            server.kill()
     print(f"wrote {os.path.join(out, 'tensorboard.png')} and {os.path.join(out, 'mlflow.png')}")
 
 

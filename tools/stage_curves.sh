@@ -8,15 +8,24 @@
 # so the curves part by a few hundredths. The speed and memory panels show
 # what each stage costs here.
 #
-# usage: tools/stage_curves.sh [OUT_DIR]   (from the project root, after make;
-#                                           default OUT_DIR: docs/curves)
+# usage: tools/stage_curves.sh [OUT_DIR]   (after make; default OUT_DIR:
+#                                           docs/curves, under the project)
 #   STEPS=N   steps per run (default 200)
 #   TRACK=DIR stages 01, 03 and 05 also record their runs with --mlflow
 #             DIR/mlruns and --tensorboard DIR/tensorboard (the README's
-#             screenshots of both tools are of these three runs)
+#             screenshots of both tools are of these three runs); DIR must
+#             be new or empty, so that it holds these runs alone
 #   LOGS=DIR  keep the runs' --log files there (default: a temporary folder)
 set -euo pipefail
-out=${1:-docs/curves}
+[ $# -le 1 ] || { echo "usage: tools/stage_curves.sh [OUT_DIR]" >&2; exit 2; }
+out=$(realpath -m "${1:-$(dirname "$0")/../docs/curves}")
+[ -z "${TRACK:-}" ] || TRACK=$(realpath -m "$TRACK")
+[ -z "${LOGS:-}" ] || LOGS=$(realpath -m "$LOGS")
+cd "$(dirname "$0")/.."
+if [ -n "${TRACK:-}" ] && [ -n "$(ls -A "$TRACK" 2>/dev/null)" ]; then
+  echo "stage_curves.sh: TRACK=$TRACK is not empty: its runs would join these in the screenshots; give a new folder" >&2
+  exit 2
+fi
 steps=${STEPS:-200}
 if [ -n "${LOGS:-}" ]; then
   logs=$LOGS
@@ -45,11 +54,14 @@ done
 [ -x tools/plot ] || { echo "stage_curves.sh: tools/plot is not built: run make first" >&2; exit 1; }
 mkdir -p "$out"
 for s in $stages; do
-  track=""
-  case $s in 01-*|03-*|05-*) [ -n "${TRACK:-}" ] && track="--mlflow $TRACK/mlruns --tensorboard $TRACK/tensorboard";; esac
+  track=()
+  case $s in 01-*|03-*|05-*) [ -n "${TRACK:-}" ] && track=(--mlflow "$TRACK/mlruns" --tensorboard "$TRACK/tensorboard");; esac
   echo "$s/train $common $(flags "$s")"
   # shellcheck disable=SC2086,SC2046  # the flags are words
-  "$s/train" $common $(flags "$s") $track --log "$logs/$s.jsonl" | grep '^done:'
+  done_line=$("$s/train" $common $(flags "$s") "${track[@]}" --log "$logs/$s.jsonl" | grep '^done:' || true)
+  echo "$done_line"
+  # a run stopped early (a signal) ends well too: its curve would be short
+  case $done_line in "done: $steps steps"*) ;; *) echo "stage_curves.sh: $s did not run its $steps steps" >&2; exit 1;; esac
 done
 for s in $stages; do
   logs_of=("$logs/01-single-gpu.jsonl=$(label 01-single-gpu)")
