@@ -7793,9 +7793,12 @@ static int dt__rendezvous_one_host(const dt__host *hosts, int world, char *why, 
             named |= !strcmp(hosts[q].name, hosts[r].name);
         }
         if (seen) continue;
-        len += snprintf(why + len, n - (size_t)len, "%s '%s'%s (rank", r ? ";" : "", hosts[r].name, named ? ", another /dev/shm" : "");
-        for (int q = r; q < world && len < (int)n; q++)
-            if (!strcmp(hosts[q].memory, hosts[r].memory)) len += snprintf(why + len, n - (size_t)len, " %d", q);
+        int here = 0;
+        for (int q = r; q < world; q++) here += !strcmp(hosts[q].memory, hosts[r].memory);
+        len += snprintf(why + len, n - (size_t)len, "%s '%s'%s (rank%s", r ? ";" : "", hosts[r].name,
+                        named ? ", another /dev/shm" : "", here > 1 ? "s" : "");
+        for (int q = r, k = 0; q < world && len < (int)n; q++)
+            if (!strcmp(hosts[q].memory, hosts[r].memory)) len += snprintf(why + len, n - (size_t)len, "%s %d", k++ ? "," : "", q);
         if (len < (int)n) len += snprintf(why + len, n - (size_t)len, ")");
     }
     return 0;
