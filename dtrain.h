@@ -7769,7 +7769,7 @@ static void dt__host_of_this_rank(dt__host *h) {
     if (gethostname(h->name, sizeof h->name - 1) != 0) dt__copy_str(h->name, sizeof h->name, "(unnamed)");
     char boot[64] = "";
     FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-    if (!f || !fgets(boot, sizeof boot, f)) dt__copy_str(boot, sizeof boot, h->name);     /* no /proc: the name must do */
+    if (!f || !fgets(boot, sizeof boot, f)) dt__copy_str(boot, sizeof boot, "no-boot-id");  /* no /proc: /dev/shm must do */
     if (f) fclose(f);
     boot[strcspn(boot, "\r\n")] = 0;
     struct stat st;
@@ -7778,29 +7778,43 @@ static void dt__host_of_this_rank(dt__host *h) {
     snprintf(h->memory, sizeof h->memory, "%.48s/%llu/%llu", boot, (unsigned long long)st.st_dev, (unsigned long long)st.st_ino);
 }
 
+/* Appends to a message of at most `room` characters; once full, it stays full. */
+static void dt__append(char *buf, int *len, int room, const char *fmt, ...) {
+    if (*len >= room) return;
+    va_list ap;
+    va_start(ap, fmt);
+    *len += vsnprintf(buf + *len, (size_t)(room - *len + 1), fmt, ap);
+    va_end(ap);
+}
+
 /* Rank 0, once all have joined: 1 when every rank shares its memory, else 0
-   with why saying so, what to do, and which ranks are where. */
+   with why saying so, what to do, and which ranks are where -- ending in
+   " ..." when that does not fit in n. */
 static int dt__rendezvous_one_host(const dt__host *hosts, int world, char *why, size_t n) {
     int same = 1;
     for (int r = 1; r < world; r++) same &= !strcmp(hosts[r].memory, hosts[0].memory);
     if (same) return 1;
-    int len = snprintf(why, n, "the ranks are not all on rank 0's host, and they meet in one host's shared memory -- run "
-                       "every rank there (dtrain has no transport between hosts yet); hosts:");
-    for (int r = 0; r < world && len < (int)n; r++) {
+    int room = (int)n - 5, len = 0;
+    dt__append(why, &len, room, "the ranks are not all on rank 0's host, and they meet in one host's shared memory -- run "
+               "every rank there (dtrain has no transport between hosts yet); hosts:");
+    size_t boot0 = strcspn(hosts[0].memory, "/");
+    for (int r = 0; r < world; r++) {
         int seen = 0, named = 0;
         for (int q = 0; q < r; q++) {
             seen |= !strcmp(hosts[q].memory, hosts[r].memory);
             named |= !strcmp(hosts[q].name, hosts[r].name);
         }
         if (seen) continue;
-        int here = 0;
+        int here = 0, machine0 = r > 0 && !strncmp(hosts[r].memory, hosts[0].memory, boot0 + 1);   /* rank 0's kernel */
         for (int q = r; q < world; q++) here += !strcmp(hosts[q].memory, hosts[r].memory);
-        len += snprintf(why + len, n - (size_t)len, "%s '%s'%s (rank%s", r ? ";" : "", hosts[r].name,
-                        named ? ", another /dev/shm" : "", here > 1 ? "s" : "");
-        for (int q = r, k = 0; q < world && len < (int)n; q++)
-            if (!strcmp(hosts[q].memory, hosts[r].memory)) len += snprintf(why + len, n - (size_t)len, "%s %d", k++ ? "," : "", q);
-        if (len < (int)n) len += snprintf(why + len, n - (size_t)len, ")");
+        dt__append(why, &len, room, "%s '%s'%s (rank%s", r ? ";" : "", hosts[r].name,
+                   machine0 ? ", rank 0's machine but another /dev/shm (a container? give it the host's: docker --ipc=host)"
+                   : named ? ", another machine of that name" : "", here > 1 ? "s" : "");
+        for (int q = r, k = 0; q < world; q++)
+            if (!strcmp(hosts[q].memory, hosts[r].memory)) dt__append(why, &len, room, "%s %d", k++ ? "," : "", q);
+        dt__append(why, &len, room, ")");
     }
+    if (len >= room) snprintf(why + room, 5, " ...");
     return 0;
 }
 

@@ -15,6 +15,7 @@ them.
 """
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import urllib.request
 os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"   # MLflow 3 keeps the file store behind this switch
 try:
     from mlflow.tracking import MlflowClient
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import Error as PlaywrightError, sync_playwright
 except ImportError as e:
     sys.exit(f"screenshots.py: {e.name} is missing: pip install mlflow tensorboard playwright (into the Python that runs this)")
 
@@ -43,10 +44,15 @@ def program(name):
     return found
 
 
-def free_port():
-    with socket.socket() as s:
+def free_ports(n):
+    """n ports free now, all different (each socket is held until all are taken)."""
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
 
 
 def color_runs(store):
@@ -59,6 +65,8 @@ def color_runs(store):
     if experiment is None:
         fail(f"{store} has no experiment 'dtrain': run the stages with --mlflow {store}")
     runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    if not 1 <= len(runs) <= 7:
+        fail(f"{store}: the experiment 'dtrain' has {len(runs)} runs; the pictures are of 1 to 7 (tools/stage_curves.sh makes 3)")
     for run, color in zip(runs, ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]):
         client.set_tag(run.info.run_id, "mlflow.runColor", color)
     return experiment.experiment_id
@@ -69,7 +77,8 @@ def serve(command, url, name, servers, logs):
     until it answers url; its output goes to a file, shown if it fails."""
     log = tempfile.TemporaryFile()
     logs.append(log)
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    # a group of its own: mlflow ui runs its server as children, stopped with the group
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     servers.append(server)
     for _ in range(120):
         try:
@@ -97,10 +106,10 @@ def main():
         fail("no Chromium (apt-get install chromium, or CHROMIUM=PATH)")
     os.makedirs(out, exist_ok=True)
     experiment = color_runs(os.path.join(track, "mlruns"))
-    tb_port, ml_port = free_port(), free_port()
+    tb_port, ml_port = free_ports(2)
     servers, logs = [], []
     try:
-        serve([program("tensorboard"), "--logdir", os.path.join(track, "tensorboard"), "--port", str(tb_port)],
+        serve([program("tensorboard"), "--logdir", os.path.join(track, "tensorboard"), "--host", "127.0.0.1", "--port", str(tb_port)],
               f"http://127.0.0.1:{tb_port}/", "tensorboard", servers, logs)
         serve([program("mlflow"), "ui", "--backend-store-uri", os.path.join(track, "mlruns"), "--host", "127.0.0.1",
                "--port", str(ml_port)], f"http://127.0.0.1:{ml_port}/", "mlflow ui", servers, logs)
@@ -112,7 +121,7 @@ def main():
             page.wait_for_selector("text=train/loss", timeout=60000)
             # without the step table under each chart (it has room for two runs of
             # three); the runs' colours are in the list on the left
-            page.get_by_text("Enable step selection and data table").click()
+            page.get_by_role("checkbox", name="Enable step selection and data table").uncheck()
             page.locator("button[aria-label='Toggle settings side pane']").first.click()
             page.wait_for_timeout(4000)
             page.screenshot(path=os.path.join(out, "tensorboard.png"))
@@ -122,15 +131,22 @@ def main():
             page.goto(f"http://127.0.0.1:{ml_port}/#/experiments/{experiment}/runs?compareRunsMode=CHART")
             page.wait_for_selector("text=Model metrics", timeout=60000)
             page.wait_for_timeout(4000)
-            close = page.locator("button[aria-label='Close']")     # the assistant's side panel
+            close = page.locator("button[aria-label='Close']").filter(visible=True)   # the assistant's side panel
             if close.count():
                 close.first.click()
                 page.wait_for_timeout(1500)
             page.screenshot(path=os.path.join(out, "mlflow.png"))
             browser.close()
+    except PlaywrightError as e:
+        fail(f"the browser: {str(e).splitlines()[0]}")
     finally:
-        for server in servers:
-            server.kill()
+        for server in servers:                 # asked to stop, then whatever of the group is left
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(server.pid, sig)
+                    server.wait(timeout=10)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    pass
     print(f"wrote {os.path.join(out, 'tensorboard.png')} and {os.path.join(out, 'mlflow.png')}")
 
 

@@ -22,8 +22,8 @@ out=$(realpath -m "${1:-$(dirname "$0")/../docs/curves}")
 [ -z "${TRACK:-}" ] || TRACK=$(realpath -m "$TRACK")
 [ -z "${LOGS:-}" ] || LOGS=$(realpath -m "$LOGS")
 cd "$(dirname "$0")/.."
-if [ -n "${TRACK:-}" ] && [ -n "$(ls -A "$TRACK" 2>/dev/null)" ]; then
-  echo "stage_curves.sh: TRACK=$TRACK is not empty: its runs would join these in the screenshots; give a new folder" >&2
+if [ -n "${TRACK:-}" ] && [ -e "$TRACK" ] && { [ ! -d "$TRACK" ] || [ -n "$(ls -A "$TRACK")" ]; }; then
+  echo "stage_curves.sh: TRACK=$TRACK is not a new or empty folder: its runs would join these in the screenshots" >&2
   exit 2
 fi
 steps=${STEPS:-200}
@@ -58,7 +58,9 @@ for s in $stages; do
   case $s in 01-*|03-*|05-*) [ -n "${TRACK:-}" ] && track=(--mlflow "$TRACK/mlruns" --tensorboard "$TRACK/tensorboard");; esac
   echo "$s/train $common $(flags "$s")"
   # shellcheck disable=SC2086,SC2046  # the flags are words
-  done_line=$("$s/train" $common $(flags "$s") "${track[@]}" --log "$logs/$s.jsonl" | grep '^done:' || true)
+  "$s/train" $common $(flags "$s") "${track[@]}" --log "$logs/$s.jsonl" > "$logs/$s.out" ||
+    { tail -n 5 "$logs/$s.out" >&2; echo "stage_curves.sh: $s failed (its output above)" >&2; exit 1; }
+  done_line=$(grep '^done:' "$logs/$s.out" || true)
   echo "$done_line"
   # a run stopped early (a signal) ends well too: its curve would be short
   case $done_line in "done: $steps steps"*) ;; *) echo "stage_curves.sh: $s did not run its $steps steps" >&2; exit 1;; esac
