@@ -7414,10 +7414,10 @@ void dt_mesh_free(dt_mesh *mesh) {
    or torchrun, srun, mpirun -- and tells each its rank through environment
    variables. The ranks then meet: rank 0 listens on MASTER_PORT, the others
    connect to MASTER_ADDR:MASTER_PORT and prove they belong to the job, and
-   rank 0, once it has checked that every rank shares its host's memory, hands out what
-   they must share: the name of the shared-memory segment, and NCCL's unique
-   id. The segment is made once all have joined and
-   its name removed once all have mapped it, so nothing is left in /dev/shm
+   rank 0, once it has checked that every rank shares its host's memory,
+   hands out what they must share: the name of the shared-memory segment, and
+   NCCL's unique id. The segment is made once all have joined and its name
+   removed once all have mapped it, so nothing is left in /dev/shm
    however the job ends -- even when a rank is killed. A job ends well when it
    is told to: SIGTERM and Ctrl-C stop it after a step, saved. */
 
@@ -7697,7 +7697,15 @@ static int dt__rendezvous_port(char *why, size_t n) {
    killing it. */
 #define DT_RDZV_MAGIC "dtrain-3"
 #define DT_HOST_NAME 256                 /* Linux's host names are at most 64 bytes; others' longer */
-typedef struct dt__hello { char magic[8]; char job[192]; int32_t rank, world, pid; char host[DT_HOST_NAME], memory[96]; } dt__hello;
+/* Where a rank runs, as far as meeting goes. Ranks meet in shared memory
+   (section 9's segment: the CPU collectives, and on GPUs the watchdog's view
+   of every rank), so two ranks are together when they see one /dev/shm of
+   one running kernel: its boot id, and the folder's device and inode. A host
+   name says neither -- containers on one machine may differ in name yet
+   share /dev/shm, and cloned machines may share a name -- so it only names
+   the host in messages. */
+typedef struct dt__host { char name[DT_HOST_NAME]; char memory[96]; } dt__host;
+typedef struct dt__hello { char magic[8]; char job[192]; int32_t rank, world, pid; dt__host where; } dt__hello;
 typedef struct dt__welcome { char magic[8]; char refused[1024]; char shm_name[64]; unsigned char nccl_id[128]; } dt__welcome;
 
 /* 1 when all n bytes moved before the deadline; 0 when the peer went away or was silent. */
@@ -7756,14 +7764,6 @@ static int dt__tcp_socket(const char *host, int port, const char *port_from, int
     return fd;
 }
 
-/* Where a rank runs, as far as meeting goes. Ranks meet in shared memory
-   (section 9's segment: the CPU collectives, and on GPUs the watchdog's view
-   of every rank), so two ranks are together when they see one /dev/shm of
-   one running kernel: its boot id, and the folder's device and inode. A host
-   name says neither -- containers on one machine may differ in name yet
-   share /dev/shm, and cloned machines may share a name -- so it only names
-   the host in messages. */
-typedef struct dt__host { char name[DT_HOST_NAME]; char memory[96]; } dt__host;
 static void dt__host_of_this_rank(dt__host *h) {
     memset(h, 0, sizeof *h);
     if (gethostname(h->name, sizeof h->name - 1) != 0) dt__copy_str(h->name, sizeof h->name, "(unnamed)");
@@ -7842,9 +7842,8 @@ static int dt__rendezvous_admit(int fd, const struct sockaddr_in *from, const ch
     else if (h.rank <= 0 || h.rank >= world) snprintf(why, sizeof why, "rank %d is not one of 1..%d", h.rank, world - 1);
     else if (joined[h.rank]) snprintf(why, sizeof why, "rank %d has joined already", h.rank);
     if (!why[0]) {
-        h.host[sizeof h.host - 1] = h.memory[sizeof h.memory - 1] = 0;
-        dt__copy_str(hosts[h.rank].name, sizeof hosts[h.rank].name, h.host);
-        dt__copy_str(hosts[h.rank].memory, sizeof hosts[h.rank].memory, h.memory);
+        h.where.name[sizeof h.where.name - 1] = h.where.memory[sizeof h.where.memory - 1] = 0;
+        hosts[h.rank] = h.where;
         return h.rank;
     }
     dt_warn("rendezvous: turned away rank %d (pid %d) from %s: %s", h.rank, h.pid, who, why);
@@ -7925,10 +7924,7 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
         memcpy(h.magic, DT_RDZV_MAGIC, 8);
         dt__copy_str(h.job, sizeof h.job, job);
         h.rank = rank; h.world = world; h.pid = (int32_t)getpid();
-        dt__host me;
-        dt__host_of_this_rank(&me);
-        dt__copy_str(h.host, sizeof h.host, me.name);
-        dt__copy_str(h.memory, sizeof h.memory, me.memory);
+        dt__host_of_this_rank(&h.where);
         dt__io_all(fd, &h, sizeof h, 1, deadline, "saying hello to rank 0");
         if (!dt__io_try(fd, &w, sizeof w, 0, deadline, "while waiting for rank 0's welcome"))
             dt_fail("rendezvous: no welcome from %s:%d (%s) %s (is a dtrain rank 0 of this job listening there?)", host,

@@ -2401,9 +2401,8 @@ static void test_a_failed_rendezvous_leaves_nothing_in_dev_shm(void) {
    does not share its memory and stops the job there, naming each host and
    its ranks (rank 1's as rank 0's machine -- one kernel -- but another
    /dev/shm, as a container would be); rank 1 is told why; no segment is
-   left behind. A rank under
-   another host name that shares the /dev/shm (containers on one machine)
-   is not refused: the job runs. */
+   left behind. A rank under another host name that shares the /dev/shm
+   (containers on one machine) is not refused: the job runs. */
 static void test_ranks_on_two_hosts_are_refused_at_the_rendezvous(void) {
     char out[16384], rank1[900];
     /* the message, cut to fit the welcome, says so; ranks that share memory pass */
