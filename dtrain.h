@@ -1812,6 +1812,12 @@ typedef struct dt__context {
        log line and the trace: total time, the part hidden behind backward, and
        each collective's interval on the communication track. */
     double comm_ms, comm_hidden_ms;
+    /* When the last backward's compute ended: dt_backward_from sets it, and
+       dt_phase(DT_PHASE_BWD) moves it to the moment the device had finished
+       too -- the end of the trace's backward span. DDP's hidden part is
+       measured up to it, so the log and tools/trace-summary count the same
+       overlap, and a pause between backward and the wait is not called hidden. */
+    double backward_end_ms;
     struct { char name[32]; double t0, t1; int pipeline; } comm_events[256];   /* pipeline: on its own track */
     int ncomm_events;
     int64_t grad_collectives;          /* gradient all-reduces and reduce-scatters issued this step */
@@ -2754,6 +2760,7 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
     dt_upload(dt_grad(loss), seed, sizeof(float) * (size_t)loss->numel);
     dt__tape_walk(0, dt__ctx.tape_len);
     dt__ctx.tape_len = 0;
+    dt__ctx.backward_end_ms = dt_now_ms();
 }
 
 /* Backward over a run of the tape, [lo, hi), from `out`, whose gradient is
@@ -8262,7 +8269,7 @@ static void dt__ddp_grad_ready(dt_parallel *par, dt_tensor *p) {
 static void dt__ddp_backward_done(dt_parallel *par) {
     dt_ddp *d = (dt_ddp *)par;
     if (!d->sync) return;                             /* accumulating: nothing leaves this rank */
-    double backward_end = dt_now_ms();
+    double backward_end = dt__ctx.backward_end_ms;
     dt__ddp_launch(d, 1);
     for (int k = 0; k < d->nbuckets; k++) {
         dt__ddp_bucket *b = &d->buckets[k];
@@ -11881,6 +11888,7 @@ void dt_phase(dt_run *run, dt_phase_kind phase) {
     dt_synchronize();
     double now = dt_now_ms();
     run->phase_ms[phase] += now - run->mark_ms;
+    if (phase == DT_PHASE_BWD) dt__ctx.backward_end_ms = now;
     dt__trace_event(run, dt__phase_names[phase], phase == DT_PHASE_CKPT ? DT_PHASE_EVAL : phase, run->mark_ms, now);
     run->mark_ms = now;
 }

@@ -5755,41 +5755,47 @@ static void test_mlflow_reads_the_runs_dtrain_wrote(void) {
    communication and the part of it hidden under compute, as it works them
    out from the trace (the all-reduces' overlap with forward, backward and
    the optimizer), agree with what the run's --log summed (comm_ms,
-   comm_hidden_ms) -- within half of the table's 0.1 ms unit, plus, for the
-   communication, 0.01 ms and 0.1% for the trace's 0.1 us rounding of each
-   event's start and length, and for the hidden part 0.05 ms and 1%: the log
-   times each overlap from the clock reads at the phases' ends, the tool from
-   the rounded events. It names the
+   comm_hidden_ms) -- within half of the table's 0.1 ms unit, plus 0.01 ms
+   and 0.1% for the trace's 0.1 us rounding of each event's start and length.
+   Both measure the hidden part up to the same clock read (the end of the
+   backward span): a rank paused between backward and its wait (a loaded
+   machine) once made the log count 2.8 ms more than the trace. It names the
    straggler; a damaged trace is an error naming the file and the line. */
 static void test_trace_summary_reports_the_overlap_the_log_measured(void) {
     char out[16384], trace[600], log[600], t0[700], t1[700];
     snprintf(trace, sizeof trace, "%s/ts.json", tmpdir);
     snprintf(log, sizeof log, "%s/ts.jsonl", tmpdir);
-    int st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --batch-size 16 --quiet --epochs 1 --steps 6 --nproc 2 --bucket-mb 1 "
-                     "--trace %s --log %s", stage_bin("03-ddp"), small_data(), trace, log);   /* the mlp's 16 MB of gradients */
-    CHECKF(st == 0, "03 --trace: exit %d\n%s", st, out);
     snprintf(t0, sizeof t0, "%s/ts.rank0.json", tmpdir);
     snprintf(t1, sizeof t1, "%s/ts.rank1.json", tmpdir);
-    st = run_cmd(out, sizeof out, "%s %s %s", build_path("tools/trace-summary"), t0, t1);
-    CHECKF(st == 0, "tools/trace-summary: exit %d\n%s", st, out);
     double comm[6], hidden[6], want_comm = 0, want_hidden = 0;
-    CHECK(log_series(log, "comm_ms", comm, 6) == 6 && log_series(log, "comm_hidden_ms", hidden, 6) == 6);
-    for (int i = 0; i < 6; i++) { want_comm += comm[i]; want_hidden += hidden[i]; }
+    /* A machine busy with other work may starve the communication thread
+       until backward is over: then nothing was hidden and there is nothing
+       to compare, so such a run is made again (3 tries). */
+    for (int attempt = 0; attempt < 3 && want_hidden == 0; attempt++) {
+        int st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --batch-size 16 --quiet --epochs 1 --steps 6 --nproc 2 "
+                         "--bucket-mb 1 --trace %s --log %s", stage_bin("03-ddp"), small_data(), trace, log);  /* 16 MB of grads */
+        CHECKF(st == 0, "03 --trace: exit %d\n%s", st, out);
+        st = run_cmd(out, sizeof out, "%s %s %s", build_path("tools/trace-summary"), t0, t1);
+        CHECKF(st == 0, "tools/trace-summary: exit %d\n%s", st, out);
+        CHECK(log_series(log, "comm_ms", comm, 6) == 6 && log_series(log, "comm_hidden_ms", hidden, 6) == 6);
+        want_comm = want_hidden = 0;
+        for (int i = 0; i < 6; i++) { want_comm += comm[i]; want_hidden += hidden[i]; }
+    }
     const char *row = strstr(out, "\n0 ");
     double v[12] = { 0 };
     int got = row ? sscanf(row + 2, "%lf %lf %lf %lf %lf %lf %lf | %lf %lf %lf%% %lf", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6],
                            &v[7], &v[8], &v[9], &v[10]) : 0;
     CHECKF(got == 11, "no row for rank 0:\n%s", out);
-    CHECKF(want_comm > 0 && want_hidden > 0, "the run hid no communication (comm %.3f ms, hidden %.3f ms): nothing to compare",
+    CHECKF(want_comm > 0 && want_hidden > 0, "3 runs hid no communication (the last: comm %.3f ms, hidden %.3f ms): nothing to compare",
            want_comm, want_hidden);
-    CHECKF(fabs(v[7] - want_comm) <= 0.05 + 0.01 + 1e-3 * want_comm && fabs(v[8] - want_hidden) <= 0.05 + 0.05 + 0.01 * want_hidden,
+    CHECKF(fabs(v[7] - want_comm) <= 0.05 + 0.01 + 1e-3 * want_comm && fabs(v[8] - want_hidden) <= 0.05 + 0.01 + 1e-3 * want_hidden,
            "trace-summary: comm %.2f ms, hidden %.2f ms; the log: %.3f and %.3f\n%s", v[7], v[8], want_comm, want_hidden, out);
     CHECKF(strstr(out, "straggler: rank "), "no straggler named:\n%s", out);
     char bad[700];
     snprintf(bad, sizeof bad, "%s/ts-bad.json", tmpdir);
     const char *cut = "[{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0}\n,{\"name\":\"forward\",\"ph\":\"X\",\"pid\":0,\"tid\":1,\"ts\":\n";
     write_bytes(bad, cut, strlen(cut));
-    st = run_cmd(out, sizeof out, "%s %s", build_path("tools/trace-summary"), bad);
+    int st = run_cmd(out, sizeof out, "%s %s", build_path("tools/trace-summary"), bad);
     CHECKF(st == 1 && strstr(out, bad) && strstr(out, "line 2"), "a damaged trace: exit %d\n%s", st, out);
 }
 
