@@ -27,7 +27,8 @@
 # Knobs: CC, OPT (default -O3 -march=native), BLAS=0 (built-in matmul even when
 # a system BLAS is found), STB=0 (no stb_image: PPM/PGM only), OPENMP=0,
 # CUDA=0 (CPU only even when nvcc is found), NVCC, CUDA_ARCH, NCCL_HOME=DIR
-# (NCCL's include/ and lib/ there), NCCL=0 (no NCCL: one GPU per job).
+# (NCCL's include/ and lib/ there), NCCL=0 (no NCCL: one GPU per job), MPI=0
+# (no --comm mpi even when mpicc is found), MPICC.
 
 CC       ?= cc
 OPT      ?= -O3 -march=native
@@ -50,6 +51,19 @@ ifneq ($(OPENMP),0)
   ifeq ($(call probe,-fopenmp,),1)
     CFLAGS += -fopenmp
     LDLIBS += -fopenmp
+  endif
+endif
+
+# MPI for --comm mpi (ranks on several CPU machines): Open MPI's compiler
+# wrapper says where mpi.h and libmpi are (Debian: libopenmpi-dev); MPICH's
+# through pkg-config. MPI=0 leaves it out; MPICC=... picks another wrapper.
+ifneq ($(MPI),0)
+  MPICC ?= mpicc
+  MPI_CFLAGS := $(shell $(MPICC) --showme:compile 2>/dev/null || pkg-config --cflags mpich 2>/dev/null)
+  MPI_LIBS   := $(shell $(MPICC) --showme:link 2>/dev/null || pkg-config --libs mpich 2>/dev/null)
+  ifeq ($(call probe,$(MPI_CFLAGS) -include mpi.h,$(MPI_LIBS)),1)
+    CFLAGS += -DDT_HAVE_MPI $(MPI_CFLAGS)
+    LDLIBS += $(MPI_LIBS)
   endif
 endif
 

@@ -19,6 +19,9 @@
                           compile this same header once with nvcc,
                               nvcc -x cu -DDTRAIN_CUDA_IMPLEMENTATION -c dtrain.h -o dtrain_cuda.o
                           and link dtrain_cuda.o -lcublas -lcudart -lstdc++.
+           DT_HAVE_MPI    ranks on several CPU machines talk through MPI (--comm
+                          mpi): compile with $(mpicc --showme:compile), link
+                          with $(mpicc --showme:link), start with mpirun or srun.
        Build with OpenMP (-fopenmp) to use every core; OMP_NUM_THREADS picks how many.
        For speed, as the Makefile does: -O3 -march=native -fno-math-errno
        -fno-trapping-math. The last two change no result; without the last,
@@ -55,8 +58,9 @@
                         images and text made on first use
         9  collectives  all-reduce, reduce-scatter, all-gather, broadcast, send and
                         recv over shared memory (threads or processes, sums in
-                        rank order) or NCCL, behind one table (dt_comm_backend);
-                        groups (dt_comm_split) and a mesh of named dimensions
+                        rank order), NCCL or MPI (CPU ranks on several
+                        machines), behind one table (dt_comm_backend); groups
+                        (dt_comm_split) and a mesh of named dimensions
        10  launching    --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous
                         that turns strangers away, a job that stops, naming the
                         rank, when one rank dies, and signals (SIGTERM: preempted)
@@ -762,7 +766,9 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint6
    rank to the next. */
 typedef struct dt_comm dt_comm;
 typedef struct dt_comm_group dt_comm_group;     /* the shared state of thread ranks */
-typedef enum { DT_COMM_SHM = 0, DT_COMM_NCCL = 1 } dt_comm_kind;
+/* AUTO: on the host, shared memory when every rank is on one machine and MPI
+   when they are not (a build with MPI, ranks started by mpirun or srun). */
+typedef enum { DT_COMM_SHM = 0, DT_COMM_NCCL = 1, DT_COMM_MPI = 2, DT_COMM_AUTO = 3 } dt_comm_kind;
 typedef enum { DT_SUM = 0, DT_AVG = 1, DT_MAX = 2 } dt_reduce_op;   /* MAX: a split vocabulary's largest logit */
 typedef int64_t dt_comm_handle;                 /* what an asynchronous call returns */
 /* Every call a communicator queues, the same for every backend (section 19's
@@ -843,14 +849,19 @@ void dt_mesh_free(dt_mesh *mesh);                               /* frees its com
 void dt_launch(int nproc, double timeout_s);
 /* Each rank of a job of processes: join the job the environment describes (see dt_rank_from_env) with a
    TCP rendezvous at MASTER_ADDR:MASTER_PORT. A rank that does not arrive, or dies
-   later, stops the others within timeout_s seconds with a message naming it. */
+   later, stops the others within timeout_s seconds with a message naming it.
+   kind DT_COMM_MPI joins MPI's job instead (no rendezvous; mpirun or srun
+   started the ranks); DT_COMM_AUTO is shared memory, or MPI when an MPI
+   launcher started ranks on several hosts. */
 dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s);
 /* This process's place in the job, from torchrun's (RANK, WORLD_SIZE,
-   LOCAL_RANK), SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) or Open MPI's
-   (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK) variables; 0, 1, 0 without them. */
+   LOCAL_RANK), SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), Open MPI's
+   (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK) or MPICH's (PMI_RANK, PMI_SIZE,
+   MPI_LOCALRANKID) variables; 0, 1, 0 without them. */
 void dt_rank_from_env(int *rank, int *world, int *local_rank);
 /* How many ranks run on this machine, from LOCAL_WORLD_SIZE (torchrun, --nproc),
-   OMPI_COMM_WORLD_LOCAL_SIZE or SLURM_NTASKS_PER_NODE; 0 when none says. */
+   OMPI_COMM_WORLD_LOCAL_SIZE, SLURM_NTASKS_PER_NODE or MPI_LOCALNRANKS; 0 when
+   none says. */
 int dt_local_ranks_from_env(void);
 /* The GPU of local rank `local_rank` of `local_ranks` on a machine with `gpus`
    visible: local_rank % gpus. More ranks than GPUs is refused (returns -1 and
@@ -1294,6 +1305,7 @@ typedef struct dt_config {
     int explain;                 /* --explain: the cost model's prediction for this run, after 3 steps */
     int link;                    /* --link: the link the prediction assumes (-1: shm on a CPU, nvlink on GPUs) */
     float timeout;               /* --timeout: seconds before a missing rank stops the job */
+    dt_comm_kind comm;           /* --comm: the collectives' transport (auto: NCCL on GPUs, else decided at dt_comm_init) */
     int ranks_per_gpu;           /* --ranks-per-gpu: how many ranks may share one GPU (default 1) */
     int rank, world_size, local_rank;   /* this process's place in the job (from the environment) */
     int local_ranks;             /* ranks on this machine (0: the launcher did not say) */
@@ -1642,7 +1654,7 @@ typedef struct dt_backend {
 /* ---- the collective backend: what a transport must provide --------------------
    Section 9 owns the queue and the communication thread; a backend moves the
    bytes. Every backend fills in every entry, and the shared code only calls
-   through the table, so a third transport (MPI) is one more table. A call is
+   through the table: shared memory, NCCL and MPI are three tables. A call is
    queued by the caller, started and finished by the communication thread, and
    waited for by the caller: on shared memory the thread does the whole work in
    `start`; on a GPU `start` only puts it on NCCL's stream, `finish` watches it
@@ -1669,6 +1681,11 @@ typedef struct dt_comm_backend {
     /* caller, parent idle: make child's transport, collectively over parent */
     void (*split)(dt_comm *parent, dt_comm *child, int color, int key);
     void (*close)(dt_comm *c);                                 /* caller, after the thread has stopped */
+    /* 1: its ranks are on one machine, so a group gets a shared segment, which
+       the watchdog reads every rank through; 0 (MPI): each rank a header of
+       its own, and a dead rank is the launcher's to notice */
+    int shares_memory;
+    int sums_in_rank_order;                                    /* 1: the same bits at any number of ranks, run after run */
 } dt_comm_backend;
 
 /* ---- the GPU collectives: what section 9 asks of NCCL (section 19) -----------
@@ -1757,6 +1774,9 @@ void dt_nccl_free(dt_nccl *s);
 #endif
 #ifdef DT_HAVE_CBLAS
 #include <cblas.h>
+#endif
+#ifdef DT_HAVE_MPI
+#include <mpi.h>
 #endif
 
 /* One context per rank: memory counters, the tape, the step arena. A rank is
@@ -6601,7 +6621,8 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint6
    Data parallel training needs a handful of collective operations: every rank
    contributes a buffer and gets back the sum (all-reduce), its share of the sum
    (reduce-scatter), everybody's pieces (all-gather), or rank root's buffer
-   (broadcast). On GPUs NCCL does them (section 19). On the CPU they go through
+   (broadcast). On GPUs NCCL does them (section 19); between CPU machines, MPI
+   (below the shared-memory code). On one machine's CPU they go through
    shared memory: each rank copies its piece into its own slot, waits at a
    barrier, then each rank sums one stripe of every slot IN RANK ORDER and
    writes the result where all can read it. Summing in a fixed order is what
@@ -6684,6 +6705,12 @@ struct dt_comm {
     size_t map_bytes;                       /* > 0: a mapping of our own to undo */
     uint64_t barriers;
     dt_nccl *nccl;                          /* NCCL's state (section 19) */
+#ifdef DT_HAVE_MPI
+    MPI_Comm mpi;                           /* MPI's: the communicator, the call in flight, a buffer it needs */
+    MPI_Request mpi_request;
+    float *mpi_temp, *mpi_result;
+#endif
+    void *private_hdr;                      /* a header of our own (MPI: no memory is shared), freed with it */
     pthread_t worker;                       /* the communication thread and its queue */
     pthread_mutex_t mu;
     pthread_cond_t wake, done;
@@ -6936,7 +6963,7 @@ static void dt__host_wait(dt_comm *c, int64_t h) {
 static void dt__shm_split(dt_comm *parent, dt_comm *child, int color, int key) { (void)parent; (void)child; (void)color; (void)key; }
 static void dt__shm_close(dt_comm *c) { (void)c; }
 static const dt_comm_backend dt__comm_shm_backend = { "shared memory", DT_CPU, dt__shm_submitted, dt__shm_start, dt__shm_finish,
-                                                     dt__host_wait, dt__shm_split, dt__shm_close };
+                                                     dt__host_wait, dt__shm_split, dt__shm_close, 1, 1 };
 
 #ifdef DT_HAVE_CUDA
 /* NCCL: wait until the communicator is ready for its next call (slot < 0) or
@@ -6989,7 +7016,164 @@ static void dt__nccl_close(dt_comm *c) {
     dt_nccl_free(c->nccl);
 }
 static const dt_comm_backend dt__comm_nccl_backend = { "NCCL", DT_CUDA, dt__nccl_submitted, dt__nccl_start, dt__nccl_finish,
-                                                      dt__nccl_wait_on_gpu, dt__nccl_split_comm, dt__nccl_close };
+                                                      dt__nccl_wait_on_gpu, dt__nccl_split_comm, dt__nccl_close, 1, 0 };
+#endif
+
+#ifdef DT_HAVE_MPI
+/* MPI: the transport of CPU clusters, for ranks on several hosts. The thread
+   issues the call non-blocking (MPI_I...) in start() and tests it in finish(),
+   watching --timeout as the shared-memory barrier does; the caller waits on
+   the host. MPI has no average and no bf16 or fp16 arithmetic: a sum of 16-bit
+   values travels as f32 and is divided (an average) and rounded once at the
+   end, as shared memory does -- rounding at each of MPI's pairwise additions
+   would lose bits, and overflow fp16 where f32 does not. MPI picks its own
+   reduction order (a tree, a ring), so with more than two ranks a sum may
+   differ from shared memory's rank order in the last bits; with two, a + b is
+   a + b. A dead rank is the launcher's to notice: mpirun and srun end the job
+   when a rank exits without MPI_Finalize. */
+static void dt__mpi_check(int err, const char *what) {
+    if (err == MPI_SUCCESS) return;
+    char text[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(err, text, &len);
+    dt_fail("MPI failed during %s: %.*s", what, len, text);
+}
+static int dt__mpi_initialized_here;         /* dtrain called MPI_Init, so it calls MPI_Finalize */
+
+/* Once per process, on the first communicator that needs MPI. Groups have a
+   communication thread each, so MPI must take calls from several threads. */
+static void dt__mpi_init(void) {
+    int ready = 0, done = 0, level = 0;
+    MPI_Finalized(&done);
+    if (done) dt_fail("MPI was already finalized in this process (its job's communicator was freed): MPI starts once per process");
+    MPI_Initialized(&ready);
+    if (!ready) {
+        dt__mpi_check(MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &level), "MPI_Init_thread");
+        dt__mpi_initialized_here = 1;
+    } else MPI_Query_thread(&level);
+    if (level < MPI_THREAD_MULTIPLE)
+        dt_fail("this MPI gives thread level %d, and dtrain's communication threads need MPI_THREAD_MULTIPLE (%d)", level,
+                MPI_THREAD_MULTIPLE);
+}
+static void dt__mpi_finalize_if_ours(void) {
+    if (dt__mpi_initialized_here) MPI_Finalize();
+    dt__mpi_initialized_here = 0;
+}
+
+/* An all-reduce, reduce or reduce-scatter. In place where MPI allows it;
+   through an f32 copy (c->mpi_temp) for 16-bit values, and for a
+   reduce-scatter whose output lies in its input (MPI's in-place form would
+   leave this rank's piece at the front). The result is then in c->mpi_result,
+   for finish() to divide, round and store. */
+static int dt__mpi_start_reduction(dt_comm *c, const dt_comm_op *o) {
+    int n = (int)o->count, W = c->world, root = o->kind != DT_COLL_REDUCE || c->rank == o->root;
+    int scatter = o->kind == DT_COLL_REDUCE_SCATTER;
+    int64_t n_in = scatter ? o->count * W : o->count;
+    size_t es = dt_dtype_size(o->dtype);
+    MPI_Op op = o->op == DT_MAX ? MPI_MAX : MPI_SUM;
+    const char *send = (const char *)o->send;
+    char *recv = (char *)o->recv;
+    int overlap = scatter && recv + (size_t)o->count * es > send && recv < send + (size_t)n_in * es;
+    if (o->dtype == DT_F32 && !overlap) {
+        const void *in = send == recv ? MPI_IN_PLACE : send;
+        if (o->kind == DT_COLL_ALL_REDUCE) return MPI_Iallreduce(in, recv, n, MPI_FLOAT, op, c->mpi, &c->mpi_request);
+        if (scatter) return MPI_Ireduce_scatter_block(send, recv, n, MPI_FLOAT, op, c->mpi, &c->mpi_request);
+        return MPI_Ireduce(root ? in : send, root ? recv : NULL, n, MPI_FLOAT, op, o->root, c->mpi, &c->mpi_request);
+    }
+    float *f = (float *)malloc(sizeof(float) * (size_t)(n_in + (scatter ? o->count : 0)) + 1);
+    if (!f) dt_fail("out of memory (MPI %s of %lld elements)", dt__coll_names[o->kind], (long long)n_in);
+    for (int64_t i = 0; i < n_in; i++) f[i] = dt__load_as_f32(send, i, o->dtype);
+    c->mpi_temp = f;
+    c->mpi_result = scatter ? f + n_in : root ? f : NULL;
+    if (o->kind == DT_COLL_ALL_REDUCE) return MPI_Iallreduce(MPI_IN_PLACE, f, n, MPI_FLOAT, op, c->mpi, &c->mpi_request);
+    if (scatter) return MPI_Ireduce_scatter_block(f, f + n_in, n, MPI_FLOAT, op, c->mpi, &c->mpi_request);
+    return MPI_Ireduce(root ? MPI_IN_PLACE : f, root ? f : NULL, n, MPI_FLOAT, op, o->root, c->mpi, &c->mpi_request);
+}
+
+static void dt__mpi_submitted(dt_comm *c, int64_t h) { (void)c; (void)h; }
+static void dt__mpi_start(dt_comm *c, int64_t h, const dt_comm_op *o) {
+    (void)h;
+    const char *what = dt__coll_names[o->kind];
+    if (o->count > INT_MAX)
+        dt_fail("%s of %lld elements over MPI: at most %d in one call (MPI counts are int)", what, (long long)o->count, INT_MAX);
+    int n = (int)o->count;
+    size_t bytes = (size_t)o->count * dt_dtype_size(o->dtype);
+    MPI_Datatype type = o->dtype == DT_F32 ? MPI_FLOAT : MPI_UINT16_T;   /* moved, not added: bits are bits */
+    char *recv = (char *)o->recv;
+    c->mpi_temp = NULL;
+    c->mpi_result = NULL;
+    int err = MPI_SUCCESS;
+    switch (o->kind) {
+    case DT_COLL_BARRIER: err = MPI_Ibarrier(c->mpi, &c->mpi_request); break;
+    case DT_COLL_ALL_REDUCE:
+    case DT_COLL_REDUCE:
+    case DT_COLL_REDUCE_SCATTER: err = dt__mpi_start_reduction(c, o); break;
+    case DT_COLL_ALL_GATHER: {       /* in place when our piece is already where it goes */
+        const char *s = (const char *)o->send;
+        if (s + bytes > recv && s < recv + bytes * (size_t)c->world) {
+            memmove(recv + (size_t)c->rank * bytes, s, bytes);
+            s = (const char *)MPI_IN_PLACE;
+        }
+        err = MPI_Iallgather(s, n, type, recv, n, type, c->mpi, &c->mpi_request);
+        break;
+    }
+    case DT_COLL_BROADCAST: err = MPI_Ibcast(recv, n, type, o->root, c->mpi, &c->mpi_request); break;
+    /* A synchronous send finishes when its peer has received it, as shared
+       memory's does; the tag carries the dtype, for the check in finish. */
+    case DT_COLL_SEND: err = MPI_Issend(o->send, n, type, o->root, (int)o->dtype, c->mpi, &c->mpi_request); break;
+    case DT_COLL_RECV: err = MPI_Irecv(recv, n, type, o->root, MPI_ANY_TAG, c->mpi, &c->mpi_request); break;
+    }
+    dt__mpi_check(err, what);
+    DT_TEST_DIE_IN(c, o);
+}
+static void dt__mpi_finish(dt_comm *c, int64_t h) {
+    const dt_comm_op *o = &c->queue[dt__comm_slot(h)];
+    const char *what = dt__coll_names[o->kind];
+    MPI_Status status;
+    char why[320];
+    double t0 = dt_now_ms();
+    for (long spins = 0;; spins++) {
+        int done = 0, err = MPI_Test(&c->mpi_request, &done, &status), type = 0;
+        MPI_Error_class(err, &type);
+        if (o->kind == DT_COLL_RECV && type == MPI_ERR_TRUNCATE)
+            dt_fail("rank %d sent more than the %lld elements of %s rank %d receives: a send and its recv must agree on count and "
+                    "dtype", c->job_rank[o->root], (long long)o->count, dt_dtype_name(o->dtype), c->job_rank[c->rank]);
+        dt__mpi_check(err, what);
+        if (done) break;
+        if (spins < 200) continue;
+        if (spins % 64 == 0 && dt__job_trouble(c, -1, dt_now_ms() - t0, what, why, sizeof why)) dt_fail("%s (over MPI)", why);
+        struct timespec ts = { 0, 20000 };
+        nanosleep(&ts, NULL);
+    }
+    if (o->kind == DT_COLL_RECV) {
+        int got = 0;
+        MPI_Get_count(&status, o->dtype == DT_F32 ? MPI_FLOAT : MPI_UINT16_T, &got);
+        if (status.MPI_TAG != (int)o->dtype || got != o->count)
+            dt_fail("rank %d sent %d elements of %s, but rank %d receives %lld of %s: a send and its recv must agree on count "
+                    "and dtype", c->job_rank[o->root], got, dt_dtype_name((dt_dtype)status.MPI_TAG), c->job_rank[c->rank],
+                    (long long)o->count, dt_dtype_name(o->dtype));
+    }
+    int reduced = o->kind == DT_COLL_ALL_REDUCE || o->kind == DT_COLL_REDUCE_SCATTER || (o->kind == DT_COLL_REDUCE && c->rank == o->root);
+    float divisor = reduced && o->op == DT_AVG ? (float)c->world : 1.0f;
+    if (c->mpi_result)                       /* from f32: divided, then rounded once */
+        for (int64_t i = 0; i < o->count; i++) dt__store_from_f32(o->recv, i, o->dtype, c->mpi_result[i] / divisor);
+    else if (divisor != 1.0f)
+        for (int64_t i = 0; i < o->count; i++) ((float *)o->recv)[i] /= divisor;
+    free(c->mpi_temp);
+    c->mpi_temp = NULL;
+    c->mpi_result = NULL;
+}
+/* The parent's thread is idle (dt_comm_split waited for it). */
+static void dt__mpi_split(dt_comm *parent, dt_comm *child, int color, int key) {
+    dt__mpi_check(MPI_Comm_split(parent->mpi, color, key, &child->mpi), "MPI_Comm_split");
+    MPI_Comm_set_errhandler(child->mpi, MPI_ERRORS_RETURN);
+}
+static void dt__mpi_close(dt_comm *c) {
+    MPI_Comm_free(&c->mpi);
+    if (!c->parent) dt__mpi_finalize_if_ours();
+}
+static const dt_comm_backend dt__comm_mpi_backend = { "MPI", DT_CPU, dt__mpi_submitted, dt__mpi_start, dt__mpi_finish,
+                                                     dt__host_wait, dt__mpi_split, dt__mpi_close, 0, 0 };
 #endif
 
 /* The communication thread: runs queued collectives one after another, so the
@@ -7187,8 +7371,10 @@ static dt_comm *dt__comm_new(int rank, int world, double timeout_s) {
 }
 static void dt__comm_start(dt_comm *c, dt__shm_header *hdr) {
     c->hdr = hdr;
-    c->slots = (char *)hdr + dt__shm_header_bytes(c->world);
-    c->result = c->slots + (size_t)c->world * DT_SLOT_BYTES;
+    if (c->backend->shares_memory) {         /* the slots follow a shared header */
+        c->slots = (char *)hdr + dt__shm_header_bytes(c->world);
+        c->result = c->slots + (size_t)c->world * DT_SLOT_BYTES;
+    }
     __atomic_store_n(&hdr->pid[c->rank], (int)getpid(), __ATOMIC_RELEASE);
 #ifdef DT_TESTING
     /* Fault tests: DT_TEST_DIE_RANK=r makes rank r of the job kill itself in the
@@ -7227,6 +7413,19 @@ static dt__shm_header *dt__shm_map(const char *name, size_t bytes, int create, i
     close(fd);
     dt__mem_count(DT_ARENA_COMM, bytes, +1);
     return (dt__shm_header *)map;
+}
+
+/* The watchdog's header for ranks that share no memory (MPI): this rank's own
+   pid, abort flag and counts; the others' stay 0, which the watchdog reads as
+   "nothing known", so only --timeout applies -- and the launcher, which ends
+   the job when a rank dies. */
+static dt__shm_header *dt__private_header(dt_comm *c) {
+    c->private_hdr = calloc(1, dt__shm_header_bytes(c->world));
+    if (!c->private_hdr) dt_fail("out of memory (communicator header)");
+    dt__shm_header *hdr = (dt__shm_header *)c->private_hdr;
+    hdr->magic = DT_SHM_MAGIC;
+    hdr->world = c->world;
+    return hdr;
 }
 
 dt_comm_group *dt_comm_group_create(int world, double timeout_s) {
@@ -7297,6 +7496,13 @@ dt_comm *dt_comm_split(dt_comm *comm, int color, int key) {
         child->job_rank[i] = comm->job_rank[members[i]];
     }
     child->rank = rank; child->backend = comm->backend; child->top = comm->top; child->parent = comm;
+    if (!comm->backend->shares_memory) {     /* ranks that share no memory make groups that share none */
+        free(all);
+        comm->backend->split(comm, child, color, key);
+        comm->children++;
+        dt__comm_start(child, dt__private_header(child));
+        return child;
+    }
     char name[96];
     dt__path(name, sizeof name, "/dtrain-%d-%d-%d", (int)getuid(), all[members[0]].pid, all[members[0]].serial);
     child->map_bytes = dt__shm_bytes(n);
@@ -7341,6 +7547,7 @@ void dt_comm_free(dt_comm *c) {
     if (dt__ctx.job == c) dt__ctx.job = NULL;
     if (c->parent) c->parent->children--;
     if (c->map_bytes) { munmap(c->hdr, c->map_bytes); dt__mem_count(DT_ARENA_COMM, c->map_bytes, -1); }
+    free(c->private_hdr);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->wake);
     pthread_cond_destroy(&c->done);
@@ -7438,11 +7645,12 @@ static int dt__env_int(const char *name, int fallback) {
 }
 
 void dt_rank_from_env(int *rank, int *world, int *local_rank) {
-    static const char *vars[3][3] = { { "RANK", "WORLD_SIZE", "LOCAL_RANK" },
+    static const char *vars[4][3] = { { "RANK", "WORLD_SIZE", "LOCAL_RANK" },
                                       { "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID" },
-                                      { "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK" } };
+                                      { "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK" },
+                                      { "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID" } };            /* MPICH's mpiexec */
     *rank = 0; *world = 1; *local_rank = 0;
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < 4; k++) {
         if (!getenv(vars[k][0]) || !getenv(vars[k][1])) continue;
         *rank = dt__env_int(vars[k][0], 0);
         *world = dt__env_int(vars[k][1], 1);
@@ -7455,8 +7663,8 @@ void dt_rank_from_env(int *rank, int *world, int *local_rank) {
 }
 
 int dt_local_ranks_from_env(void) {
-    static const char *vars[3] = { "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE" };
-    for (int k = 0; k < 3; k++) {
+    static const char *vars[4] = { "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "MPI_LOCALNRANKS" };
+    for (int k = 0; k < 4; k++) {
         const char *v = getenv(vars[k]);
         if (v && *v) return atoi(v) > 0 ? atoi(v) : 0;     /* SLURM may say "2(x3)": the first number */
     }
@@ -7797,13 +8005,20 @@ static void dt__append(char *buf, int *len, int room, const char *fmt, ...) {
 /* Rank 0, once all have joined: 1 when every rank shares its memory, else 0
    with why saying so, what to do, and which ranks are where -- ending in
    " ..." when that does not fit in n. */
-static int dt__rendezvous_one_host(const dt__host *hosts, int world, char *why, size_t n) {
+static int dt__rendezvous_one_host(const dt__host *hosts, int world, int on_gpus, char *why, size_t n) {
     int same = 1;
     for (int r = 1; r < world; r++) same &= !strcmp(hosts[r].memory, hosts[0].memory);
     if (same) return 1;
     int room = (int)n - 5, len = 0;
     dt__append(why, &len, room, "the ranks are not all on rank 0's host, and they meet in one host's shared memory -- run "
-               "every rank there (dtrain has no transport between hosts yet); hosts:");
+               "every rank there%s; hosts:", on_gpus ? " (GPU ranks on several machines are not supported yet)"
+#ifdef DT_HAVE_MPI
+               : ", or join the hosts over MPI: --comm mpi (or auto) under mpirun or srun --mpi=pmix"
+#else
+               : ", or join the hosts over MPI: --comm mpi (or auto) under mpirun or srun --mpi=pmix, in a build with MPI "
+                 "(this one has none: install libopenmpi-dev and build again)"
+#endif
+    );
     size_t boot0 = strcspn(hosts[0].memory, "/");
     for (int r = 0; r < world; r++) {
         int seen = 0, named = 0;
@@ -7860,12 +8075,72 @@ static int dt__rendezvous_admit(int fd, const struct sockaddr_in *from, const ch
     return -1;
 }
 
+/* --comm auto on the host: shared memory, unless an MPI launcher (mpirun, or
+   srun --mpi=pmix) started ranks on several hosts -- which the launcher's
+   variables may say (all ranks local, one node), and else one MPI_Allgather of
+   each rank's host tells. */
+static dt_comm_kind dt__comm_auto(int world) {
+#ifdef DT_HAVE_MPI
+    int mpi_launched = getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMIX_RANK") || getenv("PMI_RANK") || getenv("PMI_SIZE");
+    const char *nodes = getenv("SLURM_STEP_NUM_NODES") ? getenv("SLURM_STEP_NUM_NODES") : getenv("SLURM_NNODES");
+    int one_node = dt_local_ranks_from_env() == world || (nodes && atoi(nodes) == 1);
+    if (world > 1 && mpi_launched && !one_node) {
+        dt__mpi_init();
+        int mpi_world = 1;
+        MPI_Comm_size(MPI_COMM_WORLD, &mpi_world);
+        if (mpi_world == world) {
+            dt__host me, *all = (dt__host *)calloc((size_t)world, sizeof *all);
+            char why[1024];
+            if (!all) dt_fail("out of memory (--comm auto)");
+            dt__host_of_this_rank(&me);
+            dt__mpi_check(MPI_Allgather(&me, (int)sizeof me, MPI_BYTE, all, (int)sizeof me, MPI_BYTE, MPI_COMM_WORLD),
+                          "--comm auto's look at the hosts");
+            int one = dt__rendezvous_one_host(all, world, 0, why, sizeof why);
+            free(all);
+            if (!one) return DT_COMM_MPI;
+        }
+        dt__mpi_finalize_if_ours();         /* one host: shared memory, and no MPI left running */
+    }
+#endif
+    (void)world;
+    return DT_COMM_SHM;
+}
+
+#ifdef DT_HAVE_MPI
+/* --comm mpi: the ranks are MPI's. No TCP rendezvous and no shared memory:
+   a duplicate of MPI_COMM_WORLD, and a header of our own for the watchdog. */
+static dt_comm *dt__comm_init_mpi(int rank, int world, double timeout_s) {
+    dt__mpi_init();
+    int mpi_rank = 0, mpi_world = 1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &mpi_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &mpi_world);
+    if (mpi_world != world || mpi_rank != rank)
+        dt_fail("--comm mpi: MPI has this process as rank %d of %d, but the environment says rank %d of %d: start the ranks "
+                "with mpirun or srun --mpi=pmix (not --nproc or torchrun)", mpi_rank, mpi_world, rank, world);
+    dt_comm *c = dt__comm_new(rank, world, timeout_s);
+    c->backend = &dt__comm_mpi_backend;
+    dt__mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &c->mpi), "MPI_Comm_dup");
+    MPI_Comm_set_errhandler(c->mpi, MPI_ERRORS_RETURN);
+    dt__comm_start(c, dt__private_header(c));
+    dt_barrier(c);
+    dt__ctx.job = c;
+    return c;
+}
+#endif
+
 dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     int rank, world, local;
     dt_rank_from_env(&rank, &world, &local);
-    dt_comm *c = dt__comm_new(rank, world, timeout_s);
     dt__ctx.rank = rank;
     dt__ctx.world_size = world;
+    if (kind == DT_COMM_AUTO) kind = dt__comm_auto(world);
+#ifdef DT_HAVE_MPI
+    if (kind == DT_COMM_MPI) return dt__comm_init_mpi(rank, world, timeout_s);
+#else
+    if (kind == DT_COMM_MPI)
+        dt_fail("--comm mpi: this build has no MPI (make found no mpicc: install libopenmpi-dev, or MPICH, and build again)");
+#endif
+    dt_comm *c = dt__comm_new(rank, world, timeout_s);
     int catching = dt__stop_catching;         /* a run catches them for good; a tool only while the ranks meet */
     if (!catching) dt__set_stop_handler(dt__on_stop_signal, 1);
     const char *host = getenv("MASTER_ADDR") ? getenv("MASTER_ADDR") : "127.0.0.1";
@@ -7915,7 +8190,7 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
         }
         close(lfd);
         char apart[sizeof w.refused];
-        if (!dt__rendezvous_one_host(hosts, world, apart, sizeof apart)) {
+        if (!dt__rendezvous_one_host(hosts, world, kind == DT_COMM_NCCL, apart, sizeof apart)) {
             dt__copy_str(w.refused, sizeof w.refused, apart);
             for (int r = 1; r < world; r++) dt__io_try(fds[r], &w, sizeof w, 1, deadline, "telling the ranks why not");
             dt_fail("rendezvous: %s", apart);
@@ -12662,6 +12937,10 @@ static const dt__flag dt__flags[] = {
       DT_ARG_CHOICE, DT_CFG(schedule), "gpipe|1f1b", DT_NOT_A_NUMBER },
     { "--bucket-mb", "3", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL, DT_MIN(0) },
+    { "--comm", "34567", "shm|nccl|mpi|auto", "the ranks' transport: shared memory (one machine), NCCL (GPUs), MPI (CPUs on\n"
+      "                          several machines, under mpirun or srun --mpi=pmix); default auto: NCCL on GPUs, else shm,\n"
+      "                          or MPI when an MPI launcher started ranks on several machines", DT_ARG_CHOICE, DT_CFG(comm),
+      "shm|nccl|mpi|auto", DT_NOT_A_NUMBER },
     { "--timeout", "234567", "S", "stop when a rank (02: a device) has not answered for S seconds (default 60)", DT_ARG_FLOAT,
       DT_CFG(timeout), NULL, DT_ABOVE(0) },
     { "--ranks-per-gpu", "34567", "N", "let N ranks share one GPU (default 1: a GPU per rank; NCCL 2.30+ does it best)", DT_ARG_INT,
@@ -12838,6 +13117,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     c.image_size = 32; c.model = DT_MODEL_MLP; c.vocab = -1; c.seq_len = 64;
     c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
     c.warmup = -1; c.optimizer = DT_ADAMW; c.seed = 1; c.device = (dt_device)2; /* auto */
+    c.comm = DT_COMM_AUTO;
     c.log_every = 0; c.augment = 1; c.end_idx = -1;        /* --log-every 0: progress by the clock */
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i], *val = NULL;
@@ -12983,6 +13263,12 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     int ranks = strncmp(stage, "02", 2) ? c.nproc : 1;
     if (c.device == DT_CUDA && ranks > 1 && !dt_nccl_available(why, sizeof why))
         dt_usage_error("--device cuda --nproc %d: ranks on GPUs talk through NCCL, and %s", c.nproc, why);
+    if (c.comm == DT_COMM_MPI && c.nproc > 1)
+        dt_usage_error("--comm mpi --nproc %d: MPI's ranks are started by mpirun or srun --mpi=pmix, not by --nproc", c.nproc);
+#ifndef DT_HAVE_MPI
+    if (c.comm == DT_COMM_MPI)
+        dt_usage_error("--comm mpi: this build has no MPI (make found no mpicc: install libopenmpi-dev, or MPICH, and build again)");
+#endif
     if (strncmp(stage, "02", 2)) dt_launch(c.nproc, c.timeout);   /* before any thread or device exists */
     if (!c.bench) dt__catch_stop_signals();     /* from here a signal stops the run after a step, saved */
     dt__flush_subnormals();
@@ -12992,6 +13278,13 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     dt__ctx.world_size = c.world_size;
     if ((int)c.device == 2)                    /* auto, decided by each rank after the fork */
         c.device = dt_cuda_available(why, sizeof why) ? DT_CUDA : DT_CPU;
+    /* NCCL carries GPU memory; shared memory and MPI carry host memory */
+    if (c.comm == DT_COMM_AUTO && c.device == DT_CUDA) c.comm = DT_COMM_NCCL;
+    if ((c.comm == DT_COMM_NCCL) != (c.device == DT_CUDA))
+        dt_fail("--comm %s carries %s memory, and this run trains on the %s: %s",
+                c.comm == DT_COMM_NCCL ? "nccl" : c.comm == DT_COMM_MPI ? "mpi" : "shm", c.comm == DT_COMM_NCCL ? "GPU" : "host",
+                c.device == DT_CUDA ? "GPU" : "CPU",
+                c.device == DT_CUDA ? "leave --comm out (auto) or give --comm nccl" : "give --comm shm, mpi or auto");
     if (c.device == DT_CUDA && c.world_size > 1 && !dt_nccl_available(why, sizeof why))
         dt_fail("%d ranks on GPUs talk through NCCL, and %s", c.world_size, why);
 #ifdef DT_HAVE_CUDA

@@ -11,7 +11,7 @@
 
 int main(int argc, char **argv) {
     dt_config cfg = dt_parse_args(argc, argv, "03-ddp");  /* --nproc N: N ranks start here */
-    dt_comm *comm = dt_comm_init(cfg.device == DT_CUDA ? DT_COMM_NCCL : DT_COMM_SHM, cfg.timeout);  /* meet */
+    dt_comm *comm = dt_comm_init(cfg.comm, cfg.timeout);  /* meet */
 
     dt_dataset train, val;
     dt_load_data(&cfg, &train, &val);

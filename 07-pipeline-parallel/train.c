@@ -17,7 +17,7 @@
 
 int main(int argc, char **argv) {
     dt_config cfg = dt_parse_args(argc, argv, "07-pipeline-parallel");  /* --nproc N: N ranks start here */
-    dt_comm *comm = dt_comm_init(cfg.device == DT_CUDA ? DT_COMM_NCCL : DT_COMM_SHM, cfg.timeout);  /* meet */
+    dt_comm *comm = dt_comm_init(cfg.comm, cfg.timeout);  /* meet */
     dt_set_compute_dtype((dt_dtype)cfg.dtype);               /* activations, and what stages send, in --dtype */
 
     dt_dataset train, val;

@@ -2287,6 +2287,20 @@ static void test_torchrun_launches_stages_in_every_rendezvous_mode(void) {
     }
 }
 
+/* What comes before mpirun in a test: Open MPI keeps what MPI_Init allocated
+   until the process ends, which LeakSanitizer would report in the ASan build.
+   tests/lsan-mpi.supp names Open MPI's libraries; for its frames to carry
+   those names, its components stay loaded (an Open MPI setting, harmless in
+   any build) and stacks are unwound in full (read by the sanitizers only). */
+static const char *mpi_env(void) {
+    static char env[1400];
+    char root[600];
+    if (!getcwd(root, sizeof root)) root[0] = 0;
+    snprintf(env, sizeof env, "env OMPI_MCA_mca_base_component_disable_dlclose=1 LSAN_OPTIONS=suppressions=%s/tests/lsan-mpi.supp:"
+             "fast_unwind_on_malloc=0 ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:fast_unwind_on_malloc=0", root);
+    return env;
+}
+
 /* mpirun (Open MPI) starts the ranks; MASTER_PORT is the only thing to add. */
 static void test_mpirun_launches_a_stage_like_nproc(void) {
     char out[16384], ref[600], dir[600], p[700], q[700];
@@ -2296,12 +2310,158 @@ static void test_mpirun_launches_a_stage_like_nproc(void) {
     snprintf(dir, sizeof dir, "%s/mpirun", tmpdir);
     int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --batch-size 16 --nproc 2 --save-dir %s", bin, small_data(), ref);
     CHECKF(st == 0, "--nproc 2: exit %d\n%s", st, out);
-    st = run_cmd(out, sizeof out, "mpirun %s--oversubscribe -np 2 -x MASTER_PORT=%d %s --data %s " PAR_FLAGS " --batch-size 16 --save-dir %s",
-                 geteuid() == 0 ? "--allow-run-as-root " : "", dt__free_port(), bin, small_data(), dir);
+    st = run_cmd(out, sizeof out, "%s mpirun %s--oversubscribe -np 2 -x MASTER_PORT=%d %s --data %s " PAR_FLAGS " --batch-size 16 "
+                 "--save-dir %s", mpi_env(), geteuid() == 0 ? "--allow-run-as-root " : "", dt__free_port(), bin, small_data(), dir);
     CHECKF(st == 0, "mpirun: exit %d\n%s", st, out);
     snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2", ref);
     snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2", dir);
     CHECKF(st != 0 || files_equal_tensors(p, q), "mpirun and --nproc 2 give different weights");
+}
+
+/* Two checkpoints of a 2-rank job hold the same tensors: whole, or in FSDP's
+   two shards. */
+static int same_two_rank_weights(const char *a, const char *b) {
+    char sa[900], sb[900];
+    if (access(a, F_OK) != 0 || access(b, F_OK) != 0) return 0;
+    snprintf(sa, sizeof sa, "%s/shards.safetensors", a);
+    if (access(sa, F_OK) != 0) return files_equal_tensors(a, b);
+    int same = 1;
+    for (int r = 0; same && r < 2; r++) {
+        snprintf(sa, sizeof sa, "%s/shard%d-of-2.safetensors", a, r);
+        snprintf(sb, sizeof sb, "%s/shard%d-of-2.safetensors", b, r);
+        same = access(sb, F_OK) == 0 && file_equal_tensors(sa, sb);
+    }
+    return same;
+}
+
+/* --comm mpi: the collectives and the stages over MPI, with Open MPI kept to
+   TCP (--mca btl tcp,self), as between two machines. tools/collectives --check
+   at 2 ranks is bit for bit (a + b is a + b in any order); on a 2 x 2 mesh of
+   4 ranks too within each pair, while the 4-rank sums are within MPI's
+   roundings: it adds in an order of its own. Stages 03, 04 (full, and
+   --shard grads), 05 (bf16, 2 micro-batches; fp16 with fp16 gradients, which
+   MPI sums in f32 as shared memory does), 06 (--tp 2) and 07 (--pp 2) save,
+   after two epochs over MPI, the weights
+   of the same run over shared memory, bit for bit. A rank killed mid-job ends
+   it through mpirun, named, well within --timeout. Misuse is refused: --comm
+   mpi with --nproc, --comm nccl on the CPU, --comm mpi in a build without MPI. */
+static void test_collectives_and_stages_over_mpi_equal_shared_memory(void) {
+    char out[16384], mpirun[1800], ref[600], dir[600], p[700], q[700];
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --comm mpi --nproc 2", stage_bin("03-ddp"), small_data());
+    CHECKF(st == 2 && strstr(out, "--comm mpi --nproc 2: MPI's ranks are started by mpirun"), "--comm mpi --nproc 2: exit %d\n%s",
+           st, out);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --comm nccl --device cpu --epochs 1 --steps 1", stage_bin("04-fsdp"),
+                 small_data());
+    CHECKF(st == 1 && strstr(out, "--comm nccl carries GPU memory, and this run trains on the CPU"), "--comm nccl on the CPU: exit %d\n%s",
+           st, out);
+#ifndef DT_HAVE_MPI
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --comm mpi", stage_bin("03-ddp"), small_data());
+    CHECKF(st == 2 && strstr(out, "this build has no MPI"), "--comm mpi without MPI: exit %d\n%s", st, out);
+    SKIP("this build has no MPI (make found no mpicc: Debian's libopenmpi-dev, which .ci/run installs)");
+#else
+    if (run_cmd(out, sizeof out, "sh -c 'command -v mpirun'") != 0) SKIP("mpirun is not installed (Debian: openmpi-bin)");
+    snprintf(mpirun, sizeof mpirun, "%s mpirun %s--oversubscribe --mca btl tcp,self -np", mpi_env(),
+             geteuid() == 0 ? "--allow-run-as-root " : "");
+    st = run_cmd(out, sizeof out, "%s 2 %s --comm mpi --check --timeout 60", mpirun, collectives_bin());
+    CHECKF(st == 0 && count_lines_with(out, "match the serial reference bit for bit") == 2, "2 ranks over MPI: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "%s 4 %s --comm mpi --check --mesh 2x2 --timeout 60", mpirun, collectives_bin());
+    CHECKF(st == 0 && count_lines_with(out, "match the serial reference bit for bit") == 8, "a 2 x 2 mesh over MPI: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "%s 4 %s --comm mpi --check --timeout 60", mpirun, collectives_bin());
+    CHECKF(st == 0 && count_lines_with(out, "sums within MPI's rounding, the rest bit for bit") == 4, "4 ranks over MPI: exit %d\n%s",
+           st, out);
+    static const char *runs[][2] = { { "03-ddp", "" }, { "04-fsdp", "--shard full" }, { "04-fsdp", "--shard grads" },
+                                     { "05-accum-mixed-precision", "--dtype bf16 --accum-steps 2" },
+                                     { "05-accum-mixed-precision", "--dtype fp16 --reduce-dtype fp16" }, { "06-tensor-parallel", "--tp 2" },
+                                     { "07-pipeline-parallel", "--pp 2 --micro-batches 2" } };
+    for (size_t k = 0; k < sizeof runs / sizeof runs[0]; k++) {
+        snprintf(ref, sizeof ref, "%s/mpi-ref%zu", tmpdir, k);
+        snprintf(dir, sizeof dir, "%s/mpi%zu", tmpdir, k);
+        st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --batch-size 16 %s --nproc 2 --save-dir %s", stage_bin(runs[k][0]),
+                     small_data(), runs[k][1], ref);
+        CHECKF(st == 0, "%s %s --nproc 2: exit %d\n%s", runs[k][0], runs[k][1], st, out);
+        st = run_cmd(out, sizeof out, "%s 2 %s --comm mpi --data %s " PAR_FLAGS " --batch-size 16 %s --save-dir %s", mpirun,
+                     stage_bin(runs[k][0]), small_data(), runs[k][1], dir);
+        CHECKF(st == 0, "%s %s over MPI: exit %d\n%s", runs[k][0], runs[k][1], st, out);
+        snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2", ref);
+        snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2", dir);
+        CHECKF(st == 0 && same_two_rank_weights(p, q), "%s %s: MPI and shared memory give different weights", runs[k][0], runs[k][1]);
+    }
+    /* a rank killed in its first all-reduce: mpirun ends the job, naming it, long before --timeout */
+    double t0 = dt_now_ms();
+    st = run_cmd(out, sizeof out, "%s 2 -x DT_TEST_DIE_RANK=1 %s --comm mpi --data %s " PAR_FLAGS " --batch-size 16 --timeout 60", mpirun,
+                 stage_bin("03-ddp"), small_data());
+    CHECKF(st != 0 && strstr(out, "rank 1") && strstr(out, "signal 9") && dt_now_ms() - t0 < 30e3, "a killed rank over MPI: exit %d after %.0f s\n%s", st,
+           (dt_now_ms() - t0) / 1e3, out);
+#endif
+}
+
+/* Two hosts, as far as the network and the ranks can tell: two network
+   namespaces joined by a veth pair (10.77.x.1 and .2), mpirun in the first,
+   its agent (in place of ssh) starting the second rank in the other, under
+   another host name and with a /dev/shm of its own. Stage 03 with --comm auto
+   (which must see two hosts and take MPI: shared memory would be refused at
+   the rendezvous) and stage 04 with --comm mpi save the weights of the same
+   job run on one host with --nproc 2; --comm shm across them is refused,
+   naming the hosts and the way out. Needs root (ip netns), mpirun and a build
+   with MPI; skipped, saying which is missing, elsewhere. */
+static void test_two_hosts_joined_by_mpi_train_like_one(void) {
+#ifndef DT_HAVE_MPI
+    SKIP("this build has no MPI (make found no mpicc: Debian's libopenmpi-dev, which .ci/run installs)");
+#else
+    char out[16384], setup[2048], agent[600], ns[2][32], mpirun[2400], ref[600], dir[600], p[700], q[700];
+    if (run_cmd(out, sizeof out, "sh -c 'command -v mpirun && command -v ip && command -v unshare'") != 0)
+        SKIP("mpirun, ip or unshare is not installed (Debian: openmpi-bin, iproute2, util-linux)");
+    /* mpirun hands its agent "HOST COMMAND...", as it would ssh */
+    snprintf(agent, sizeof agent, "%s/netns-agent.sh", tmpdir);
+    FILE *f = fopen(agent, "w");
+    CHECKF(f != NULL, "cannot write %s", agent);
+    if (!f) return;
+    snprintf(ns[0], sizeof ns[0], "dtrain-%d-a", (int)getpid());
+    snprintf(ns[1], sizeof ns[1], "dtrain-%d-b", (int)getpid());
+    fprintf(f, "#!/bin/sh\nshift\nexec ip netns exec %s unshare --uts --mount sh -c \"mount -t tmpfs tmpfs /dev/shm && "
+               "hostname dtrain-host-b && exec $*\"\n", ns[1]);
+    fclose(f);
+    chmod(agent, 0755);
+    if (run_cmd(out, sizeof out, "unshare --uts --mount sh -c 'mount -t tmpfs tmpfs /dev/shm && hostname x'") != 0)
+        SKIP("unshare --uts --mount is not allowed here (root only, for the second host's name and /dev/shm): %.80s", out);
+    /* the pair is made inside the namespaces: nothing of it is ever in this one */
+    snprintf(setup, sizeof setup, "sh -c 'set -e; ip netns add %s; ip netns add %s; "
+             "ip link add dtva netns %s type veth peer name dtvb netns %s; "
+             "ip -n %s addr add 10.77.0.1/24 dev dtva; ip -n %s link set dtva up; ip -n %s link set lo up; "
+             "ip -n %s addr add 10.77.0.2/24 dev dtvb; ip -n %s link set dtvb up; ip -n %s link set lo up; "
+             "ip netns exec %s true'", ns[0], ns[1], ns[0], ns[1], ns[0], ns[0], ns[0], ns[1], ns[1], ns[1], ns[1]);
+    if (run_cmd(out, sizeof out, "%s", setup) != 0) {
+        run_cmd(out + strlen(out), sizeof out - strlen(out), "sh -c 'ip netns del %s; ip netns del %s'", ns[0], ns[1]);
+        SKIP("network namespaces cannot be made here (ip netns needs root): %.120s", out);
+    }
+    snprintf(mpirun, sizeof mpirun, "%s ip netns exec %s mpirun %s--mca btl tcp,self --mca plm_rsh_agent %s "
+             "--mca oob_tcp_if_include 10.77.0.0/24 --mca btl_tcp_if_include 10.77.0.0/24 --host 10.77.0.1,10.77.0.2 -np 2 "
+             "-x MASTER_ADDR=10.77.0.1 -x MASTER_PORT=%d", mpi_env(), ns[0], geteuid() == 0 ? "--allow-run-as-root " : "", agent,
+             dt__free_port());
+    static const char *runs[][3] = { { "03-ddp", "--comm auto", "" }, { "04-fsdp", "--comm mpi", "--shard full" } };
+    int st_ref[2], st_mpi[2], same[2], st_shm;
+    char why[2][4096], shm_out[8192];
+    for (int k = 0; k < 2; k++) {
+        snprintf(ref, sizeof ref, "%s/hosts-ref%d", tmpdir, k);
+        snprintf(dir, sizeof dir, "%s/hosts%d", tmpdir, k);
+        st_ref[k] = run_cmd(why[k], sizeof why[k], "%s --data %s " PAR_FLAGS " --batch-size 16 %s --nproc 2 --save-dir %s",
+                            stage_bin(runs[k][0]), small_data(), runs[k][2], ref);
+        st_mpi[k] = run_cmd(why[k], sizeof why[k], "%s %s %s %s --data %s " PAR_FLAGS " --batch-size 16 --save-dir %s", mpirun,
+                            stage_bin(runs[k][0]), runs[k][1], runs[k][2], small_data(), dir);
+        snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2", ref);
+        snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2", dir);
+        same[k] = st_ref[k] == 0 && st_mpi[k] == 0 && same_two_rank_weights(p, q);
+    }
+    st_shm = run_cmd(shm_out, sizeof shm_out, "%s %s --comm shm --data %s " SMALL_FLAGS " --timeout 20", mpirun, stage_bin("03-ddp"),
+                     small_data());
+    run_cmd(out, sizeof out, "sh -c 'ip netns del %s; ip netns del %s'", ns[0], ns[1]);
+    for (int k = 0; k < 2; k++)
+        CHECKF(same[k], "%s %s on two hosts: exit %d (one host: %d), or other weights than on one host\n%s", runs[k][0], runs[k][1],
+               st_mpi[k], st_ref[k], why[k]);
+    CHECKF(st_shm != 0 && strstr(shm_out, "the ranks are not all on rank 0's host") && strstr(shm_out, "'dtrain-host-b'") &&
+           strstr(shm_out, "join the hosts over MPI: --comm mpi (or auto)"),
+           "--comm shm on two hosts must be refused, naming them and the way out: exit %d\n%s", st_shm, shm_out);
+#endif
 }
 
 /* A job of --nproc 2 is stopped through its launcher, as a user would: SIGTERM,
@@ -2412,11 +2572,11 @@ static void test_ranks_on_two_hosts_are_refused_at_the_rendezvous(void) {
         memset(hosts[r].name, 'a' + r, DT_HOST_NAME - 1);
         snprintf(hosts[r].memory, sizeof hosts[r].memory, "boot%d/1/1", r);
     }
-    CHECK(dt__rendezvous_one_host(hosts, 8, why, sizeof why) == 0);
+    CHECK(dt__rendezvous_one_host(hosts, 8, 0, why, sizeof why) == 0);
     CHECKF(strlen(why) == sizeof why - 1 && !strcmp(why + sizeof why - 5, " ..."), "a long refusal: %zu bytes, ending '%s'",
            strlen(why), why + (strlen(why) > 8 ? strlen(why) - 8 : 0));
     for (int r = 0; r < 8; r++) snprintf(hosts[r].memory, sizeof hosts[r].memory, "boot/1/1");
-    CHECK(dt__rendezvous_one_host(hosts, 8, why, sizeof why) == 1);
+    CHECK(dt__rendezvous_one_host(hosts, 8, 0, why, sizeof why) == 1);
     const char *user_ns = "";                 /* root; anyone else, where user namespaces are allowed */
     if (run_cmd(out, sizeof out, "unshare --uts --mount sh -c 'mount -t tmpfs tmpfs /dev/shm && hostname x'") != 0) {
         user_ns = "-r ";
@@ -2443,6 +2603,12 @@ static void test_ranks_on_two_hosts_are_refused_at_the_rendezvous(void) {
                strstr(out, " 'dtrain-other-host', rank 0's machine but another /dev/shm (a container? give it the host's: docker --ipc=host) (rank 1)") &&
                strstr(out, "turned this rank away: the ranks are not all on rank 0's host") && strstr(out, "run every rank there"),
                "the refusal must name the hosts, on both ranks:\n%s", out);
+#ifdef DT_HAVE_MPI
+        const char *way_out = "or join the hosts over MPI: --comm mpi (or auto) under mpirun or srun --mpi=pmix; hosts:";
+#else
+        const char *way_out = "in a build with MPI (this one has none: install libopenmpi-dev and build again); hosts:";
+#endif
+        CHECKF(count_lines_with(out, way_out) == 2, "the refusal must say the way out, '%s', on both ranks:\n%s", way_out, out);
         CHECKF(shm_segments_of(pid[0]) == 0, "rank 0 left a /dev/shm segment");
     }
 }
@@ -6819,7 +6985,7 @@ static void test_gpu_a_killed_rank_stops_the_nccl_job_naming_it(void) {
 
 /* The header compiles without a warning (-Wall -Wextra -Werror) in each build a
    user may make of it: plain, with OpenMP, with a system BLAS, with stb_image,
-   and the host side of a CUDA build. The BLAS build once warned (an unused
+   the host side of a CUDA build, and MPI where mpicc is found. The BLAS build once warned (an unused
    matmul routine) and no test compiled it: the first GPU machine had OpenBLAS.
    A stand-in cblas.h (the prototype only) serves where OpenBLAS is not installed. */
 static void test_the_header_compiles_without_warnings_in_every_configuration(void) {
@@ -6859,6 +7025,12 @@ static void test_the_header_compiles_without_warnings_in_every_configuration(voi
         int st = run_cmd(out, sizeof out, "%s -std=c11 -Wall -Wextra -Werror %s -I%s -c %s -o %s/prog.o", cc, flags, root,
                          src, dir);
         CHECKF(st == 0, "with %s (%s): warnings or errors\n%s", configs[i].name, flags, out);
+    }
+    /* with MPI, where Open MPI's compiler wrapper says where it is */
+    if (run_cmd(out, sizeof out, "mpicc --showme:compile") == 0) {
+        int st = run_cmd(out, sizeof out, "%s -std=c11 -Wall -Wextra -Werror -O2 -fopenmp -DDT_HAVE_MPI $(mpicc --showme:compile) -I%s "
+                         "-c %s -o %s/prog.o", cc, root, src, dir);
+        CHECKF(st == 0, "with MPI (-O2 -fopenmp -DDT_HAVE_MPI): warnings or errors\n%s", out);
     }
 }
 
@@ -7034,7 +7206,7 @@ static const test_case tests[] = {
     T(test_start_up_checks_hand_collectives_only_the_memory_they_take),
     /* 10. launching */
     T(test_ranks_launch_from_torchrun_variables_and_check_their_flags),
-    T(test_torchrun_launches_stages_in_every_rendezvous_mode), T(test_mpirun_launches_a_stage_like_nproc),
+    T(test_torchrun_launches_stages_in_every_rendezvous_mode), T(test_mpirun_launches_a_stage_like_nproc), T(test_collectives_and_stages_over_mpi_equal_shared_memory), T(test_two_hosts_joined_by_mpi_train_like_one),
     T(test_stopping_the_launcher_stops_its_ranks), T(test_a_stranger_at_the_rendezvous_is_turned_away_not_fatal),
     T(test_a_failed_rendezvous_leaves_nothing_in_dev_shm), T(test_ranks_on_two_hosts_are_refused_at_the_rendezvous),
     T(test_device_is_chosen_in_each_rank_after_the_fork),
