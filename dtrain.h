@@ -842,7 +842,8 @@ void dt_mesh_free(dt_mesh *mesh);                               /* frees its com
 
 /* --nproc N: fork N copies of this program on this machine, before any device or
    thread is started, each with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-   MASTER_PORT set as torchrun would, and a job id. Returns in each child; the
+   MASTER_PORT set as torchrun would (rank 0 inherits a socket already
+   listening there), and a job id. Returns in each child; the
    parent passes SIGINT, SIGTERM and SIGUSR1 on to the ranks, waits, and exits
    with the worst status a rank had. Does nothing when nproc <= 1 or when this
    process is already a launched rank. */
@@ -7718,17 +7719,29 @@ static void dt__share_gpus(int rank, int local_ranks, int gpus) {
 }
 #endif
 
-static int dt__free_port(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0), port = 29500;
+/* A listening TCP socket on every interface (MASTER_ADDR may be the host's
+   name, not loopback); port 0 lets the kernel choose. Close-on-exec: a program
+   a rank starts does not hold the job's port. -1 with errno set on failure. */
+static int dt__tcp_listen(int port) {
     struct sockaddr_in a;
-    socklen_t len = sizeof a;
     memset(&a, 0, sizeof a);
     a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && getsockname(fd, (struct sockaddr *)&a, &len) == 0)
-        port = ntohs(a.sin_port);
-    if (fd >= 0) close(fd);
-    return port;
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    a.sin_port = htons((uint16_t)port);
+    int fd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+    if (fd < 0) return -1;
+    fcntl(fd, F_SETFD, FD_CLOEXEC);
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && listen(fd, DT_MAX_RANKS) == 0) return fd;
+    int e = errno;
+    close(fd);
+    errno = e;
+    return -1;
+}
+static int dt__tcp_port_of(int fd) {
+    struct sockaddr_in a;
+    socklen_t len = sizeof a;
+    return getsockname(fd, (struct sockaddr *)&a, &len) == 0 && a.sin_family == AF_INET ? ntohs(a.sin_port) : -1;
 }
 
 /* -- stopping on a signal --
@@ -7790,8 +7803,15 @@ void dt_launch(int nproc, double timeout_s) {
     if (__atomic_load_n(&dt__active_comm, __ATOMIC_ACQUIRE))
         dt_fail("dt_launch: a communicator and its thread already run (threads do not survive fork); call dt_launch "
                 "(dt_parse_args does) before dt_comm_init or dt_comm_group_create");
-    char port[16], cores[24], job[96];
-    snprintf(port, sizeof port, "%d", dt__free_port());
+    /* Rank 0's listening socket is made here, before the fork, and handed down
+       (DT_RENDEZVOUS_FD). A port picked here and bound by rank 0 later would be
+       free for any program to take in between: a connection's own port comes
+       from the same range. */
+    char port[16], cores[24], job[96], listener[16];
+    int lfd = dt__tcp_listen(0);
+    if (lfd < 0) dt_fail("--nproc %d: cannot listen for the ranks' rendezvous: %s", nproc, strerror(errno));
+    snprintf(port, sizeof port, "%d", dt__tcp_port_of(lfd));
+    snprintf(listener, sizeof listener, "%d", lfd);
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     snprintf(cores, sizeof cores, "%ld", ncpu / nproc > 1 ? ncpu / nproc : 1);   /* the cores shared out */
     snprintf(job, sizeof job, "nproc-%ld-%.0f", (long)getpid(), dt_now_ms());  /* the ranks' proof they belong */
@@ -7817,7 +7837,9 @@ void dt_launch(int nproc, double timeout_s) {
 #endif
             signal(SIGINT, SIG_DFL); signal(SIGTERM, SIG_DFL); signal(SIGUSR1, SIG_DFL);
             sigprocmask(SIG_SETMASK, &before, NULL);
-            unsetenv("DT_MASTER_PORT");              /* the launcher's free port is the job's */
+            unsetenv("DT_MASTER_PORT");              /* the launcher's port is the job's */
+            if (r == 0) setenv("DT_RENDEZVOUS_FD", listener, 1);
+            else { close(lfd); unsetenv("DT_RENDEZVOUS_FD"); }
             snprintf(v, sizeof v, "%d", r);
             setenv("RANK", v, 1); setenv("LOCAL_RANK", v, 1); setenv("DT_LAUNCHED_RANK", v, 1);
             snprintf(v, sizeof v, "%d", nproc);
@@ -7838,6 +7860,7 @@ void dt_launch(int nproc, double timeout_s) {
        failure the others get the timeout to notice and stop on their own, then
        they are killed. Ranks stopped by a signal (75, 130) are not a failure:
        the others are saving; and the job's status is the worst a rank had. */
+    close(lfd);              /* rank 0's now: if it dies, the others are refused rather than left waiting on it */
     sigprocmask(SIG_SETMASK, &before, NULL);
     int status = 0, left = nproc;
     double deadline = 0;
@@ -7903,6 +7926,22 @@ static int dt__rendezvous_port(char *why, size_t n) {
         port++;
     }
     return port;
+}
+
+/* The socket --nproc's launcher made for rank 0, listening on the job's port
+   already (dt_launch says why), or -1. Kept open for a second rendezvous in
+   the same process; checked, since the variable could outlive its socket. */
+static int dt__launcher_listener(int port) {
+    static int fd = -2;
+    if (fd == -2) {
+        const char *v = getenv("DT_RENDEZVOUS_FD");
+        int listening = 0;
+        socklen_t len = sizeof listening;
+        fd = v && *v ? atoi(v) : -1;
+        if (fd >= 0 && (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || !listening)) fd = -1;
+        unsetenv("DT_RENDEZVOUS_FD");
+    }
+    return fd >= 0 && dt__tcp_port_of(fd) == port ? fd : -1;
 }
 
 /* -- the TCP rendezvous: small fixed-size messages, every wait bounded --
@@ -8163,7 +8202,8 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     size_t bytes = dt__shm_bytes(world);
     dt__shm_header *hdr = NULL;
     if (world > 1 && rank == 0) {
-        int lfd = dt__tcp_socket(host, port, port_from, 1, deadline), joined[DT_MAX_RANKS] = { 0 }, njoined = 0, away = 0;
+        int inherited = dt__launcher_listener(port), joined[DT_MAX_RANKS] = { 0 }, njoined = 0, away = 0;
+        int lfd = inherited >= 0 ? inherited : dt__tcp_socket(host, port, port_from, 1, deadline);
         dt__host hosts[DT_MAX_RANKS];
         dt__host_of_this_rank(&hosts[0]);
         while (njoined < world - 1) {
@@ -8188,7 +8228,7 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
             fds[r] = fd;
             njoined++;
         }
-        close(lfd);
+        if (lfd != inherited) close(lfd);
         char apart[sizeof w.refused];
         if (!dt__rendezvous_one_host(hosts, world, kind == DT_COMM_NCCL, apart, sizeof apart)) {
             dt__copy_str(w.refused, sizeof w.refused, apart);

@@ -109,6 +109,14 @@ static void fd_check(const char *what, fd_forward f, dt_tensor **leaves, int nle
     }
 }
 
+/* A port no one listens on now, for ranks started by hand as torchrun would
+   (--nproc's launcher holds its port instead: dt_launch says why). */
+static int free_port(void) {
+    int fd = dt__tcp_listen(0), port = fd >= 0 ? dt__tcp_port_of(fd) : 29500;
+    if (fd >= 0) close(fd);
+    return port;
+}
+
 /* Run a shell command; its output (stdout and stderr) into out. Returns the
    exit status, or 128 + signal. */
 static int run_cmd(char *out, size_t n, const char *fmt, ...) {
@@ -2198,20 +2206,20 @@ static void test_start_up_checks_hand_collectives_only_the_memory_they_take(void
 
 static void test_ranks_launch_from_torchrun_variables_and_check_their_flags(void) {
     char out[16384];
-    int port = dt__free_port();
+    int port = free_port();
     const char *bin = collectives_bin();
     /* two processes started as torchrun starts them: nothing but environment variables */
     int st = run_cmd(out, sizeof out, "sh -c 'RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=%d %s --check & p=$!; "
                      "RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=%d %s --check; a=$?; wait $p; exit $((a | $?))'",
                      port, bin, port, bin);
     CHECKF(st == 0 && count_lines_with(out, "match the serial reference") == 2, "env launch: exit %d\n%s", st, out);
-    port = dt__free_port();
+    port = free_port();
     st = run_cmd(out, sizeof out, "sh -c 'OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2 MASTER_PORT=%d %s --agree b & p=$!; "
                  "OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=2 MASTER_PORT=%d %s --agree a; a=$?; wait $p; b=$?; "
                  "[ $a -ne 0 ] && [ $b -ne 0 ]'", port, bin, port, bin);
     CHECKF(st == 0 && count_lines_with(out, "disagree on --agree: rank 0 has 'a', rank 1 has 'b'") == 2,
            "a flag mismatch must stop both ranks with a message:\n%s", out);
-    st = run_cmd(out, sizeof out, "env SLURM_PROCID=1 SLURM_NTASKS=2 MASTER_PORT=%d %s --check --timeout 1", dt__free_port(), bin);
+    st = run_cmd(out, sizeof out, "env SLURM_PROCID=1 SLURM_NTASKS=2 MASTER_PORT=%d %s --check --timeout 1", free_port(), bin);
     expect_error(out, st, 1, "rank 0 did not answer");
     st = run_cmd(out, sizeof out, "env RANK=3 WORLD_SIZE=2 %s --check", bin);
     expect_error(out, st, 1, "RANK=3 but WORLD_SIZE=2");
@@ -2273,7 +2281,7 @@ static void test_torchrun_launches_stages_in_every_rendezvous_mode(void) {
         snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2%s", ref, s ? "/shard1-of-2.safetensors" : "");
         for (int mode = 0; mode < (s ? 1 : 3); mode++) {
             char how[128];
-            int port = dt__free_port();
+            int port = free_port();
             if (mode == 0) snprintf(how, sizeof how, "--master_port %d", port);
             else if (mode == 1) snprintf(how, sizeof how, "--standalone");
             else snprintf(how, sizeof how, "--rdzv_backend c10d --rdzv_endpoint 127.0.0.1:%d", port);
@@ -2311,7 +2319,7 @@ static void test_mpirun_launches_a_stage_like_nproc(void) {
     int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --batch-size 16 --nproc 2 --save-dir %s", bin, small_data(), ref);
     CHECKF(st == 0, "--nproc 2: exit %d\n%s", st, out);
     st = run_cmd(out, sizeof out, "%s mpirun %s--oversubscribe -np 2 -x MASTER_PORT=%d %s --data %s " PAR_FLAGS " --batch-size 16 "
-                 "--save-dir %s", mpi_env(), geteuid() == 0 ? "--allow-run-as-root " : "", dt__free_port(), bin, small_data(), dir);
+                 "--save-dir %s", mpi_env(), geteuid() == 0 ? "--allow-run-as-root " : "", free_port(), bin, small_data(), dir);
     CHECKF(st == 0, "mpirun: exit %d\n%s", st, out);
     snprintf(p, sizeof p, "%s/mlp_data0-320_epoch2", ref);
     snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2", dir);
@@ -2437,7 +2445,7 @@ static void test_two_hosts_joined_by_mpi_train_like_one(void) {
     snprintf(mpirun, sizeof mpirun, "%s ip netns exec %s mpirun %s--mca btl tcp,self --mca plm_rsh_agent %s "
              "--mca oob_tcp_if_include 10.77.0.0/24 --mca btl_tcp_if_include 10.77.0.0/24 --host 10.77.0.1,10.77.0.2 -np 2 "
              "-x MASTER_ADDR=10.77.0.1 -x MASTER_PORT=%d", mpi_env(), ns[0], geteuid() == 0 ? "--allow-run-as-root " : "", agent,
-             dt__free_port());
+             free_port());
     static const char *runs[][3] = { { "03-ddp", "--comm auto", "" }, { "04-fsdp", "--comm mpi", "--shard full" } };
     int st_ref[2], st_mpi[2], same[2], st_shm;
     char why[2][4096], shm_out[8192];
@@ -2524,7 +2532,7 @@ static void test_stopping_the_launcher_stops_its_ranks(void) {
    as a host name does. */
 static void test_a_stranger_at_the_rendezvous_is_turned_away_not_fatal(void) {
     char out[16384];
-    int port = dt__free_port();
+    int port = free_port();
     const char *bin = collectives_bin();
     int st = run_cmd(out, sizeof out, "bash -c 'P=%d; export MASTER_PORT=$P WORLD_SIZE=2; SLURM_JOB_ID=111 RANK=0 %s --check --timeout 30 & a=$!; "
                      WAIT_LISTEN "exec 3<>/dev/tcp/127.0.0.1/$P && echo junk >&3; exec 3>&-; exec 3<>/dev/tcp/127.0.0.1/$P; exec 3>&-; "
@@ -2538,11 +2546,44 @@ static void test_a_stranger_at_the_rendezvous_is_turned_away_not_fatal(void) {
     CHECKF(count_lines_with(out, "did not say hello as a dtrain rank") == 2, "the stray connections must be logged:\n%s", out);
 }
 
+/* --nproc's launcher listens on the job's port before it forks, and rank 0
+   takes that socket over. A program binding the port while rank 0 is still
+   starting -- here rank 1, on purpose, while rank 0 is held back -- is
+   refused, and the job runs. When the launcher picked a port, let it go and
+   rank 0 bound it again later, that was rank 0's "cannot listen on port N
+   (MASTER_PORT): Address already in use" (CI, at -O3). */
+static void test_nproc_holds_its_port_from_the_start(void) {
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dt_launch(2, 10);                      /* the launcher exits here with the worst rank's status */
+        int rank = atoi(getenv("RANK")), port = atoi(getenv("MASTER_PORT")), thief = -1;
+        if (rank == 1) {
+            thief = dt__tcp_listen(port);
+            if (thief >= 0) fprintf(stderr, "rank 1 took the job's port %d before rank 0 listened\n", port);
+        } else {
+            struct timespec ts = { 0, 300000000 };
+            nanosleep(&ts, NULL);
+        }
+        dt_comm *c = dt_comm_init(DT_COMM_SHM, 10);
+        float v = (float)(rank + 1);
+        dt_all_reduce(c, &v, &v, 1, DT_F32, DT_SUM);
+        dt_comm_free(c);
+        if (thief >= 0) close(thief);
+        _exit(v == 3.0f ? 0 : 4);
+    }
+    int st = 0;
+    waitpid(pid, &st, 0);
+    CHECKF(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the job whose port another program tried to take failed (status %d; "
+           "see the messages above)", st);
+}
+
 /* A rendezvous that fails -- port taken, or Ctrl-C while rank 0 waits -- leaves
    no shared-memory segment (it is made only once every rank has joined). */
 static void test_a_failed_rendezvous_leaves_nothing_in_dev_shm(void) {
     char out[16384];
-    int port = dt__free_port();
+    int port = free_port();
     const char *bin = collectives_bin();
     int st = run_cmd(out, sizeof out, "bash -c 'P=%d; export MASTER_PORT=$P WORLD_SIZE=2 RANK=0; %s --check --timeout 20 & a=$!; echo pid=$a; "
                      WAIT_LISTEN "%s --check --timeout 5 & b=$!; echo pid=$b; wait $b; echo second-exit=$?; "
@@ -2584,7 +2625,7 @@ static void test_ranks_on_two_hosts_are_refused_at_the_rendezvous(void) {
             SKIP("unshare --uts --mount is not allowed here (it needs root or user namespaces): %.80s", out);
     }
     for (int own_shm = 1; own_shm >= 0; own_shm--) {
-        int port = dt__free_port();
+        int port = free_port();
         snprintf(rank1, sizeof rank1, "unshare %s--uts --mount sh -c \"%shostname dtrain-other-host && exec %s --check --timeout 20\"",
                  user_ns, own_shm ? "mount -t tmpfs tmpfs /dev/shm && " : "", collectives_bin());
         int st = run_cmd(out, sizeof out, "bash -c 'P=%d; export MASTER_PORT=$P WORLD_SIZE=2; RANK=0 %s --check --timeout 20 & a=$!; "
@@ -2678,7 +2719,7 @@ static void test_ddp_by_nproc_and_by_torchrun_variables_agree(void) {
     const char *bin = stage_bin("03-ddp");
     int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --batch-size 16 --nproc 2 --save-dir %s", bin, small_data(), a);
     CHECKF(st == 0, "--nproc 2: exit %d\n%s", st, out);
-    int port = dt__free_port();
+    int port = free_port();
     st = run_cmd(out, sizeof out, "sh -c 'export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=%d; "
                  "RANK=1 LOCAL_RANK=1 %s --data %s " PAR_FLAGS " --batch-size 16 --save-dir %s & p=$!; "
                  "RANK=0 LOCAL_RANK=0 %s --data %s " PAR_FLAGS " --batch-size 16 --save-dir %s; a=$?; wait $p; exit $((a | $?))'",
@@ -2688,7 +2729,7 @@ static void test_ddp_by_nproc_and_by_torchrun_variables_agree(void) {
     snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2", b);
     CHECKF(files_equal_tensors(p, q), "--nproc 2 and a torchrun-style launch give different weights");
     /* a rank with another --lr: both stop, naming the flag */
-    port = dt__free_port();
+    port = free_port();
     st = run_cmd(out, sizeof out, "sh -c 'export WORLD_SIZE=2 MASTER_PORT=%d; RANK=1 %s --data %s " PAR_FLAGS " --lr 0.1 & p=$!; "
                  "RANK=0 %s --data %s " PAR_FLAGS "; a=$?; wait $p; b=$?; [ $a -ne 0 ] && [ $b -ne 0 ]'",
                  port, bin, small_data(), bin, small_data());
@@ -7208,7 +7249,8 @@ static const test_case tests[] = {
     T(test_ranks_launch_from_torchrun_variables_and_check_their_flags),
     T(test_torchrun_launches_stages_in_every_rendezvous_mode), T(test_mpirun_launches_a_stage_like_nproc), T(test_collectives_and_stages_over_mpi_equal_shared_memory), T(test_two_hosts_joined_by_mpi_train_like_one),
     T(test_stopping_the_launcher_stops_its_ranks), T(test_a_stranger_at_the_rendezvous_is_turned_away_not_fatal),
-    T(test_a_failed_rendezvous_leaves_nothing_in_dev_shm), T(test_ranks_on_two_hosts_are_refused_at_the_rendezvous),
+    T(test_nproc_holds_its_port_from_the_start), T(test_a_failed_rendezvous_leaves_nothing_in_dev_shm),
+    T(test_ranks_on_two_hosts_are_refused_at_the_rendezvous),
     T(test_device_is_chosen_in_each_rank_after_the_fork),
     T(test_more_ranks_than_gpus_is_refused_naming_both_counts), T(test_ddp_by_nproc_and_by_torchrun_variables_agree),
     T(test_ddp_ranks_share_the_first_use_of_the_synthetic_set),
