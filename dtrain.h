@@ -1778,6 +1778,10 @@ void dt_nccl_free(dt_nccl *s);
 #endif
 #ifdef DT_HAVE_MPI
 #include <mpi.h>
+#else
+/* What --comm mpi is told in a program compiled without MPI. */
+#define DT__NO_MPI "this build has no MPI (it is compiled in with -DDT_HAVE_MPI, which make adds when it finds mpicc: " \
+                   "install libopenmpi-dev, or MPICH, and build again)"
 #endif
 
 /* One context per rank: memory counters, the tape, the step arena. A rank is
@@ -7860,7 +7864,7 @@ void dt_launch(int nproc, double timeout_s) {
        failure the others get the timeout to notice and stop on their own, then
        they are killed. Ranks stopped by a signal (75, 130) are not a failure:
        the others are saving; and the job's status is the worst a rank had. */
-    close(lfd);              /* rank 0's now: if it dies, the others are refused rather than left waiting on it */
+    close(lfd);              /* rank 0's alone now: when it exits, the port closes with it */
     sigprocmask(SIG_SETMASK, &before, NULL);
     int status = 0, left = nproc;
     double deadline = 0;
@@ -7935,13 +7939,15 @@ static int dt__launcher_listener(int port) {
     static int fd = -2;
     if (fd == -2) {
         const char *v = getenv("DT_RENDEZVOUS_FD");
-        int listening = 0;
-        socklen_t len = sizeof listening;
+        int type = 0;
+        socklen_t len = sizeof type;
         fd = v && *v ? atoi(v) : -1;
-        if (fd >= 0 && (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || !listening)) fd = -1;
+        if (fd >= 0 && (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM)) fd = -1;
         unsetenv("DT_RENDEZVOUS_FD");
     }
-    return fd >= 0 && dt__tcp_port_of(fd) == port ? fd : -1;
+    /* listen() again is harmless on a listening socket, and says whether it is one (SO_ACCEPTCONN would, but
+       not on every system) */
+    return fd >= 0 && dt__tcp_port_of(fd) == port && listen(fd, DT_MAX_RANKS) == 0 ? fd : -1;
 }
 
 /* -- the TCP rendezvous: small fixed-size messages, every wait bounded --
@@ -7983,28 +7989,23 @@ static void dt__io_all(int fd, void *buf, size_t n, int writing, double deadline
         dt_fail("rendezvous: %s %s", dt_now_ms() >= deadline ? "timed out" : "connection lost", what);
 }
 
-static int dt__tcp_socket(const char *host, int port, const char *port_from, int listening, double deadline) {
+/* A rank other than 0: connect to rank 0, trying again until the deadline
+   (rank 0 may still be starting). */
+static int dt__tcp_connect(const char *host, int port, const char *port_from, double deadline) {
     char ports[16];
     struct addrinfo hints, *res = NULL;
     snprintf(ports, sizeof ports, "%d", port);
     memset(&hints, 0, sizeof hints);
     hints.ai_family = AF_INET;
     hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = listening ? AI_PASSIVE : 0;   /* every interface: MASTER_ADDR is the host's name, not loopback */
-    int err = getaddrinfo(listening ? NULL : host, ports, &hints, &res);
+    int err = getaddrinfo(host, ports, &hints, &res);
     if (err) dt_fail("rendezvous: cannot resolve MASTER_ADDR '%s': %s", host, gai_strerror(err));
     int fd = -1;
     for (;;) {
         fd = socket(AF_INET, SOCK_STREAM, 0);
         if (fd < 0) dt_fail("rendezvous: socket: %s", strerror(errno));
         int one = 1;
-        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-        if (listening) {
-            if (bind(fd, res->ai_addr, res->ai_addrlen) == 0 && listen(fd, DT_MAX_RANKS) == 0) break;
-            dt_fail("rendezvous: rank 0 cannot listen on port %d (%s): %s -- another job or program holds it; give "
-                    "this job a port of its own (MASTER_PORT, or DT_MASTER_PORT under torchrun)", port, port_from,
-                    strerror(errno));
-        }
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);  /* our port never stops another job's rank 0 */
         if (connect(fd, res->ai_addr, res->ai_addrlen) == 0) break;
         close(fd);
         if (dt_now_ms() > deadline)
@@ -8177,7 +8178,7 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     if (kind == DT_COMM_MPI) return dt__comm_init_mpi(rank, world, timeout_s);
 #else
     if (kind == DT_COMM_MPI)
-        dt_fail("--comm mpi: this build has no MPI (make found no mpicc: install libopenmpi-dev, or MPICH, and build again)");
+        dt_fail("--comm mpi: " DT__NO_MPI);
 #endif
     dt_comm *c = dt__comm_new(rank, world, timeout_s);
     int catching = dt__stop_catching;         /* a run catches them for good; a tool only while the ranks meet */
@@ -8203,7 +8204,11 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     dt__shm_header *hdr = NULL;
     if (world > 1 && rank == 0) {
         int inherited = dt__launcher_listener(port), joined[DT_MAX_RANKS] = { 0 }, njoined = 0, away = 0;
-        int lfd = inherited >= 0 ? inherited : dt__tcp_socket(host, port, port_from, 1, deadline);
+        int lfd = inherited >= 0 ? inherited : dt__tcp_listen(port);
+        if (lfd < 0)
+            dt_fail("rendezvous: rank 0 cannot listen on port %d (%s): %s -- another job or program holds it; give "
+                    "this job a port of its own (MASTER_PORT, or DT_MASTER_PORT under torchrun)", port, port_from,
+                    strerror(errno));
         dt__host hosts[DT_MAX_RANKS];
         dt__host_of_this_rank(&hosts[0]);
         while (njoined < world - 1) {
@@ -8240,7 +8245,7 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
         hdr = dt__shm_map(w.shm_name, bytes, 1, &cleanup);
         for (int r = 1; r < world; r++) dt__io_all(fds[r], &w, sizeof w, 1, deadline, "sending the welcome");
     } else if (world > 1) {
-        int fd = dt__tcp_socket(host, port, port_from, 0, deadline);
+        int fd = dt__tcp_connect(host, port, port_from, deadline);
         dt__hello h;
         memset(&h, 0, sizeof h);
         memcpy(h.magic, DT_RDZV_MAGIC, 8);
@@ -8249,7 +8254,7 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
         dt__host_of_this_rank(&h.where);
         dt__io_all(fd, &h, sizeof h, 1, deadline, "saying hello to rank 0");
         if (!dt__io_try(fd, &w, sizeof w, 0, deadline, "while waiting for rank 0's welcome"))
-            dt_fail("rendezvous: no welcome from %s:%d (%s) %s (is a dtrain rank 0 of this job listening there?)", host,
+            dt_fail("rendezvous: no welcome from %s:%d (%s) %s (did rank 0 fail? is it a dtrain rank 0 of this job?)", host,
                     port, port_from, dt_now_ms() >= deadline ? "within the timeout" : "before it closed the connection");
         if (memcmp(w.magic, DT_RDZV_MAGIC, 8))
             dt_fail("rendezvous: %s:%d (%s) answered, but not as a dtrain rank 0 (another program holds that port?)",
@@ -13307,7 +13312,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         dt_usage_error("--comm mpi --nproc %d: MPI's ranks are started by mpirun or srun --mpi=pmix, not by --nproc", c.nproc);
 #ifndef DT_HAVE_MPI
     if (c.comm == DT_COMM_MPI)
-        dt_usage_error("--comm mpi: this build has no MPI (make found no mpicc: install libopenmpi-dev, or MPICH, and build again)");
+        dt_usage_error("--comm mpi: " DT__NO_MPI);
 #endif
     if (strncmp(stage, "02", 2)) dt_launch(c.nproc, c.timeout);   /* before any thread or device exists */
     if (!c.bench) dt__catch_stop_signals();     /* from here a signal stops the run after a step, saved */

@@ -117,6 +117,9 @@ static int free_port(void) {
     return port;
 }
 
+#define NO_MPI_BUILD "this build has no MPI: make found no mpicc (Debian's libopenmpi-dev, which .ci/run installs), " \
+                     "or left it out (MPI=0; the MSan build, since MPI's library is not instrumented)"
+
 /* Run a shell command; its output (stdout and stderr) into out. Returns the
    exit status, or 128 + signal. */
 static int run_cmd(char *out, size_t n, const char *fmt, ...) {
@@ -2326,6 +2329,7 @@ static void test_mpirun_launches_a_stage_like_nproc(void) {
     CHECKF(st != 0 || files_equal_tensors(p, q), "mpirun and --nproc 2 give different weights");
 }
 
+#ifdef DT_HAVE_MPI
 /* Two checkpoints of a 2-rank job hold the same tensors: whole, or in FSDP's
    two shards. */
 static int same_two_rank_weights(const char *a, const char *b) {
@@ -2341,6 +2345,7 @@ static int same_two_rank_weights(const char *a, const char *b) {
     }
     return same;
 }
+#endif
 
 /* --comm mpi: the collectives and the stages over MPI, with Open MPI kept to
    TCP (--mca btl tcp,self), as between two machines. tools/collectives --check
@@ -2354,7 +2359,7 @@ static int same_two_rank_weights(const char *a, const char *b) {
    it through mpirun, named, well within --timeout. Misuse is refused: --comm
    mpi with --nproc, --comm nccl on the CPU, --comm mpi in a build without MPI. */
 static void test_collectives_and_stages_over_mpi_equal_shared_memory(void) {
-    char out[16384], mpirun[1800], ref[600], dir[600], p[700], q[700];
+    char out[16384];
     int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --comm mpi --nproc 2", stage_bin("03-ddp"), small_data());
     CHECKF(st == 2 && strstr(out, "--comm mpi --nproc 2: MPI's ranks are started by mpirun"), "--comm mpi --nproc 2: exit %d\n%s",
            st, out);
@@ -2365,8 +2370,9 @@ static void test_collectives_and_stages_over_mpi_equal_shared_memory(void) {
 #ifndef DT_HAVE_MPI
     st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --comm mpi", stage_bin("03-ddp"), small_data());
     CHECKF(st == 2 && strstr(out, "this build has no MPI"), "--comm mpi without MPI: exit %d\n%s", st, out);
-    SKIP("this build has no MPI (make found no mpicc: Debian's libopenmpi-dev, which .ci/run installs)");
+    SKIP(NO_MPI_BUILD);
 #else
+    char mpirun[1800], ref[600], dir[600], p[700], q[700];
     if (run_cmd(out, sizeof out, "sh -c 'command -v mpirun'") != 0) SKIP("mpirun is not installed (Debian: openmpi-bin)");
     snprintf(mpirun, sizeof mpirun, "%s mpirun %s--oversubscribe --mca btl tcp,self -np", mpi_env(),
              geteuid() == 0 ? "--allow-run-as-root " : "");
@@ -2414,7 +2420,7 @@ static void test_collectives_and_stages_over_mpi_equal_shared_memory(void) {
    with MPI; skipped, saying which is missing, elsewhere. */
 static void test_two_hosts_joined_by_mpi_train_like_one(void) {
 #ifndef DT_HAVE_MPI
-    SKIP("this build has no MPI (make found no mpicc: Debian's libopenmpi-dev, which .ci/run installs)");
+    SKIP(NO_MPI_BUILD);
 #else
     char out[16384], setup[2048], agent[600], ns[2][32], mpirun[2400], ref[600], dir[600], p[700], q[700];
     if (run_cmd(out, sizeof out, "sh -c 'command -v mpirun && command -v ip && command -v unshare'") != 0)
@@ -2546,37 +2552,34 @@ static void test_a_stranger_at_the_rendezvous_is_turned_away_not_fatal(void) {
     CHECKF(count_lines_with(out, "did not say hello as a dtrain rank") == 2, "the stray connections must be logged:\n%s", out);
 }
 
-/* --nproc's launcher listens on the job's port before it forks, and rank 0
-   takes that socket over. A program binding the port while rank 0 is still
-   starting -- here rank 1, on purpose, while rank 0 is held back -- is
-   refused, and the job runs. When the launcher picked a port, let it go and
-   rank 0 bound it again later, that was rank 0's "cannot listen on port N
-   (MASTER_PORT): Address already in use" (CI, at -O3). */
-static void test_nproc_holds_its_port_from_the_start(void) {
-    fflush(stdout);
-    fflush(stderr);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dt_launch(2, 10);                      /* the launcher exits here with the worst rank's status */
-        int rank = atoi(getenv("RANK")), port = atoi(getenv("MASTER_PORT")), thief = -1;
-        if (rank == 1) {
-            thief = dt__tcp_listen(port);
-            if (thief >= 0) fprintf(stderr, "rank 1 took the job's port %d before rank 0 listened\n", port);
-        } else {
-            struct timespec ts = { 0, 300000000 };
-            nanosleep(&ts, NULL);
-        }
-        dt_comm *c = dt_comm_init(DT_COMM_SHM, 10);
-        float v = (float)(rank + 1);
-        dt_all_reduce(c, &v, &v, 1, DT_F32, DT_SUM);
-        dt_comm_free(c);
-        if (thief >= 0) close(thief);
-        _exit(v == 3.0f ? 0 : 4);
+/* `test_dtrain --selftest-nproc-port`: --nproc's launcher listens on the
+   job's port before it forks, and rank 0 takes that socket over. A program
+   binding the port while rank 0 is still starting -- here rank 1, on
+   purpose, while rank 0 is held back -- is refused, and the job runs. When
+   the launcher picked a port, let it go and rank 0 bound it again later,
+   this was rank 0's "cannot listen on port N (MASTER_PORT): Address already
+   in use" (CI, at -O3). */
+static int selftest_nproc_port(void) {
+    dt_launch(2, 10);                          /* the launcher exits here with the worst rank's status */
+    int rank = atoi(getenv("RANK")), port = atoi(getenv("MASTER_PORT")), thief = -1;
+    if (rank == 1) {
+        thief = dt__tcp_listen(port);
+        if (thief >= 0) fprintf(stderr, "rank 1 took the job's port %d before rank 0 listened\n", port);
+    } else {
+        struct timespec ts = { 0, 300000000 };
+        nanosleep(&ts, NULL);
     }
-    int st = 0;
-    waitpid(pid, &st, 0);
-    CHECKF(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the job whose port another program tried to take failed (status %d; "
-           "see the messages above)", st);
+    dt_comm *c = dt_comm_init(DT_COMM_SHM, 10);
+    float v = (float)(rank + 1);
+    dt_all_reduce(c, &v, &v, 1, DT_F32, DT_SUM);
+    dt_comm_free(c);
+    if (thief >= 0) close(thief);
+    return v == 3.0f ? 0 : 4;
+}
+static void test_nproc_holds_its_port_from_the_start(void) {
+    char out[8192];
+    int st = run_cmd(out, sizeof out, "%s --selftest-nproc-port", self_bin);
+    CHECKF(st == 0, "a job whose port another program tried to take while rank 0 started: exit %d\n%s", st, out);
 }
 
 /* A rendezvous that fails -- port taken, or Ctrl-C while rank 0 waits -- leaves
@@ -7336,6 +7339,7 @@ int main(int argc, char **argv) {
     const char *filter = NULL;
     self_bin = argv[0];
     if (argc > 1 && !strcmp(argv[1], "--selftest-wrong-memory")) return selftest_wrong_memory();
+    if (argc > 1 && !strcmp(argv[1], "--selftest-nproc-port")) return selftest_nproc_port();
     if (argc > 2 && !strcmp(argv[1], "--selftest-comm-misuse")) return selftest_comm_misuse(atoi(argv[2]));
     int list = argc > 1 && !strcmp(argv[1], "--list");
     if (argc > 1 && !list) train_bin = argv[1];

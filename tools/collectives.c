@@ -221,7 +221,7 @@ int main(int argc, char **argv) {
     if (mesh[0]) lengths[3] = 600001;
     if (threads > 0 && comm_given) dt_usage_error("--comm with --threads: thread ranks always meet in this process's memory");
 #ifndef DT_HAVE_MPI
-    if (comm == DT_COMM_MPI) dt_usage_error("--comm mpi: this build has no MPI (make found no mpicc: install libopenmpi-dev, and build again)");
+    if (comm == DT_COMM_MPI) dt_usage_error("--comm mpi: " DT__NO_MPI);
 #endif
     if (threads > 0) {
         dt_comm_group *g = dt_comm_group_create(threads, timeout);
