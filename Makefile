@@ -136,23 +136,40 @@ ifneq ($(NCCL),0)
 endif
 endif
 ifneq ($(CUDA_OBJ),)
-  LDLIBS += $(NCCL_LIBS) -lcublas -lcudart -lstdc++
+  LDLIBS += $(NCCL_LIBS) -lcudart -ldl -lstdc++   # cuBLAS: dlopen'd on a GPU's first use (dtrain.h, section 19)
 endif
 
 STAGES   := $(sort $(dir $(wildcard 0*/train.c)))
 STAGE_BINS := $(addsuffix train,$(STAGES))
 TOOLS    := tools/gen_synthetic tools/collectives tools/consolidate tools/merge-lora tools/bench tools/trace-summary tools/plot
+PROGRAMS := $(STAGE_BINS) $(TOOLS)
 TEST_BIN := tests/test_dtrain
 
-all: $(STAGE_BINS) $(TOOLS) $(TEST_BIN)
+# Every core, unless make is given -j: the builds below are many small jobs.
+NPROC    := $(shell nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+MAKEFLAGS += -j$(NPROC)
 
-%/train: %/train.c dtrain.h $(CUDA_OBJ)
-	$(CC) $(CFLAGS) -o $@ $< $(CUDA_OBJ) $(LDLIBS)
+all: $(PROGRAMS) $(TEST_BIN)
 
-tools/%: tools/%.c dtrain.h $(CUDA_OBJ)
-	$(CC) $(CFLAGS) -o $@ $< $(CUDA_OBJ) $(LDLIBS)
+# dtrain.h's implementation is compiled once per configuration -- here
+# build/dtrain.o; with the test hooks build/test/dtrain.o; under each
+# sanitizer build/asan/ and build/msan/ -- and every program is its own short
+# file compiled with -DDTRAIN_IMPLEMENTATION_ELSEWHERE (its #define
+# DTRAIN_IMPLEMENTATION then asks for the declarations only) and linked to
+# it. A stage still builds alone: cc -O2 01-single-gpu/train.c -lm.
+ELSEWHERE := -DDTRAIN_IMPLEMENTATION_ELSEWHERE
+build/obj/%.o: %.c dtrain.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(ELSEWHERE) -c -o $@ $<
+build/dtrain.o: dtrain.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -x c -DDTRAIN_IMPLEMENTATION -c -o $@ dtrain.h
+$(PROGRAMS): %: build/obj/%.o build/dtrain.o $(CUDA_OBJ)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
 
-$(TEST_BIN): tests/test_dtrain.c dtrain.h $(CUDA_OBJ)
+# The test suite reaches into the implementation (dt__ names, which are
+# static), so it compiles the header whole, as a program that copies it does.
+$(TEST_BIN): tests/test_dtrain.c tests/runner.h dtrain.h $(CUDA_OBJ)
 	$(CC) $(CFLAGS) -o $@ $< $(CUDA_OBJ) $(LDLIBS)
 
 # The object is rebuilt when its flags change (another NCCL_HOME, NCCL=0, ...).
@@ -172,51 +189,71 @@ print-nccl:
 	   echo "NCCL_LIBS=$(NCCL_LIBS)"; \
 	   echo "NCCL_VERSION=$$(awk '/^#define NCCL_(MAJOR|MINOR|PATCH) /{v=v (v?".":"") $$3} END{print v}' $(NCCL_DIR)/include/nccl.h)"; fi
 
-gpu-check: all $(TESTING_BINS)
+gpu-check: all $(TEST_PROGRAMS)
 	GPU_CHECK_OUT="$(or $(GPU_CHECK_OUT),gpu-check)" tools/gpu_check.sh
 
 run: 01-single-gpu/train
 	./01-single-gpu/train
 
-# T=PART: only the tests with PART in their name (the runner's second argument).
-TEST_FILTER = $(if $(T),'$(T)')
+# The suite in two parts, every test in one: `make test` the quick part (what
+# a student runs: each stage against stage 01 on tiny models, bad input,
+# checkpoints and exact resume, the collectives, the launchers installed),
+# `make test-all` the rest (the learning curves, finite differences, Python's
+# tools reading what dtrain wrote, the header in every configuration).
+# T=PART: the tests of either part with PART in their name instead. JOBS=N:
+# tests at once (default: one per core; each runs in a process of its own).
+# The sanitizer builds run the quick part, or SUITE=full|all.
+SUITE    ?= quick
+TEST_ARGS = $(if $(JOBS),-j $(JOBS)) $(if $(T),,--suite $(1)) $(2) $(if $(T),'$(T)')
 
 # The suite runs the stages built into build/test/ with -DDT_TESTING, which
 # compiles in dtrain.h's test hooks (a rank that dies on cue, a signal at a
 # given step); the binaries `make` builds, and any program that copies the
-# header, have none.
-TESTING_BINS := $(addprefix build/test/,$(STAGE_BINS) tools/collectives tools/consolidate tools/merge-lora tools/trace-summary tools/plot)
-test: $(STAGE_BINS) $(TOOLS) $(TEST_BIN) $(TESTING_BINS)
-	@echo "testing with: $(CC) $(CFLAGS)$(if $(CUDA_OBJ), + $(CUDA_OBJ) from $(NVCC)); the stages and tools under test with -DDT_TESTING"
-	./$(TEST_BIN) build/test/01-single-gpu/train $(TEST_FILTER)
+# header, have none. The hooks' build is one more dtrain.o (build/test/),
+# linked to the same program objects: nothing else is compiled twice.
+TEST_PROGRAMS := $(addprefix build/test/,$(PROGRAMS))
+build/test/dtrain.o: dtrain.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -DDT_TESTING -x c -DDTRAIN_IMPLEMENTATION -c -o $@ dtrain.h
+$(TEST_PROGRAMS): build/test/%: build/obj/%.o build/test/dtrain.o $(CUDA_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
+TESTING = @echo "testing with: $(CC) $(CFLAGS)$(if $(CUDA_OBJ), + $(CUDA_OBJ) from $(NVCC)); the stages and tools under test with -DDT_TESTING"
+test: all $(TEST_PROGRAMS)
+	$(TESTING)
+	./$(TEST_BIN) $(call TEST_ARGS,quick,build/test/01-single-gpu/train)
+test-all: all $(TEST_PROGRAMS)
+	$(TESTING)
+	./$(TEST_BIN) $(call TEST_ARGS,full,build/test/01-single-gpu/train)
 
 test-list: $(TEST_BIN)
-	@./$(TEST_BIN) --list $(TEST_FILTER)
+	@./$(TEST_BIN) --list $(if $(T),'$(T)')
 
 # The sanitizers build into build/NAME/ so the fast binaries stay as they are:
 # $(call sanitized,NAME,COMPILER AND FLAGS,OBJECTS,LIBRARIES) adds the rules for
-# every stage, tool and the test suite there.
+# every program, its dtrain.o and the test suite there.
 define sanitized
-build/$(1)/%/train: %/train.c dtrain.h $(3)
+build/$(1)/obj/%.o: %.c dtrain.h
 	@mkdir -p $$(dir $$@)
-	$(2) -o $$@ $$< $(3) $(4)
-build/$(1)/tools/%: tools/%.c dtrain.h $(3)
+	$(2) $(ELSEWHERE) -c -o $$@ $$<
+build/$(1)/dtrain.o: dtrain.h
 	@mkdir -p $$(dir $$@)
-	$(2) -o $$@ $$< $(3) $(4)
-build/$(1)/test_dtrain: tests/test_dtrain.c dtrain.h $(3)
+	$(2) -x c -DDTRAIN_IMPLEMENTATION -c -o $$@ dtrain.h
+$(addprefix build/$(1)/,$(PROGRAMS)): build/$(1)/%: build/$(1)/obj/%.o build/$(1)/dtrain.o $(3)
+	@mkdir -p $$(dir $$@)
+	$(2) -o $$@ $$^ $(4)
+build/$(1)/test_dtrain: tests/test_dtrain.c tests/runner.h dtrain.h $(3)
 	@mkdir -p $$(dir $$@)
 	$(2) -o $$@ $$< $(3) $(4)
 endef
-SANITIZED = $(addprefix build/$(1)/,$(STAGE_BINS) tools/collectives tools/consolidate tools/merge-lora tools/trace-summary tools/plot test_dtrain)
-
-$(eval $(call sanitized,test,$(CC) $(CFLAGS) -DDT_TESTING,$(CUDA_OBJ),$(LDLIBS)))
+SANITIZED = $(addprefix build/$(1)/,$(PROGRAMS) test_dtrain)
 
 # AddressSanitizer + UBSan: out-of-bounds, use after free, leaks, overflow.
 ASAN_FLAGS := -DDT_TESTING -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 $(eval $(call sanitized,asan,$(CC) $(filter-out -O3 -O2,$(CFLAGS)) $(ASAN_FLAGS),$(CUDA_OBJ),$(LDLIBS)))
 test-asan: $(call SANITIZED,asan)
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
-	  ./build/asan/test_dtrain build/asan/01-single-gpu/train $(TEST_FILTER)
+	  ./build/asan/test_dtrain $(call TEST_ARGS,$(SUITE),build/asan/01-single-gpu/train)
 
 # MemorySanitizer: a value read before anything wrote it (which ASan and UBSan
 # do not see, and which -O3's lucky zeros on the stack hide). clang only, and
@@ -233,7 +270,7 @@ msan-toolchain:
 	  { echo "make test-msan: '$(MSAN_CC) -fsanitize=memory' cannot build a program here" \
 	         "(Debian: apt-get install clang libclang-rt-dev; or MSAN_CC=another clang)" >&2; exit 1; }
 test-msan: $(call SANITIZED,msan)
-	MSAN_OPTIONS=halt_on_error=1:exitcode=86 ./build/msan/test_dtrain build/msan/01-single-gpu/train $(TEST_FILTER)
+	MSAN_OPTIONS=halt_on_error=1:exitcode=86 ./build/msan/test_dtrain $(call TEST_ARGS,$(SUITE),build/msan/01-single-gpu/train)
 
 # The CPU-only build at other optimisation levels (tools/check_builds.sh).
 test-builds:
@@ -283,4 +320,4 @@ diff:
 clean:
 	rm -rf $(STAGE_BINS) $(TOOLS) $(TEST_BIN) build
 
-.PHONY: all run test test-list test-asan test-msan msan-toolchain test-builds bench diff clean print-nccl gpu-check
+.PHONY: all run test test-all test-list test-asan test-msan msan-toolchain test-builds bench diff clean print-nccl gpu-check

@@ -8,7 +8,11 @@
        In exactly one C file:
            #define DTRAIN_IMPLEMENTATION
            #include "dtrain.h"
-       Everywhere else, just #include "dtrain.h".
+       Everywhere else, just #include "dtrain.h". A build of several programs
+       may compile the implementation once on its own,
+           cc -x c -DDTRAIN_IMPLEMENTATION -c dtrain.h -o dtrain.o
+       and each program with -DDTRAIN_IMPLEMENTATION_ELSEWHERE, linked to
+       dtrain.o (the Makefile does): the programs need not change.
 
        Optional, before the include in that one file (the Makefile sets them):
            DT_HAVE_STB    decode images with stb_image (PNG, JPEG, BMP, ...) and
@@ -18,7 +22,8 @@
            DT_HAVE_CUDA   this program also has the CUDA backend (--device cuda):
                           compile this same header once with nvcc,
                               nvcc -x cu -DDTRAIN_CUDA_IMPLEMENTATION -c dtrain.h -o dtrain_cuda.o
-                          and link dtrain_cuda.o -lcublas -lcudart -lstdc++.
+                          and link dtrain_cuda.o -lcudart -ldl -lstdc++ (cuBLAS
+                          is loaded when a GPU is first used: section 19).
            DT_HAVE_MPI    ranks on several CPU machines talk through MPI (--comm
                           mpi): compile with $(mpicc --showme:compile), link
                           with $(mpicc --showme:link), start with mpirun or srun.
@@ -132,6 +137,13 @@
 /* The implementation uses POSIX (fsync, open_memstream, posix_memalign). */
 #if defined(DTRAIN_IMPLEMENTATION) && !defined(_POSIX_C_SOURCE) && !defined(_GNU_SOURCE)
 #define _POSIX_C_SOURCE 200809L
+#endif
+
+/* -DDTRAIN_IMPLEMENTATION_ELSEWHERE: the implementation is compiled on its own
+   and linked (USE, above); this program's DTRAIN_IMPLEMENTATION then asks for
+   the declarations only. */
+#ifdef DTRAIN_IMPLEMENTATION_ELSEWHERE
+#undef DTRAIN_IMPLEMENTATION
 #endif
 
 #include <stddef.h>
@@ -769,6 +781,11 @@ typedef struct dt_comm_group dt_comm_group;     /* the shared state of thread ra
 /* AUTO: on the host, shared memory when every rank is on one machine and MPI
    when they are not (a build with MPI, ranks started by mpirun or srun). */
 typedef enum { DT_COMM_SHM = 0, DT_COMM_NCCL = 1, DT_COMM_MPI = 2, DT_COMM_AUTO = 3 } dt_comm_kind;
+#ifndef DT_HAVE_MPI
+/* What --comm mpi is told in a program compiled without MPI (the stages, dt_comm_init, tools/collectives). */
+#define DT__NO_MPI "this build has no MPI (it is compiled in with -DDT_HAVE_MPI, which make adds when it finds mpicc: " \
+                   "install libopenmpi-dev, or MPICH, and build again)"
+#endif
 typedef enum { DT_SUM = 0, DT_AVG = 1, DT_MAX = 2 } dt_reduce_op;   /* MAX: a split vocabulary's largest logit */
 typedef int64_t dt_comm_handle;                 /* what an asynchronous call returns */
 /* Every call a communicator queues, the same for every backend (section 19's
@@ -783,6 +800,8 @@ void dt_comm_group_free(dt_comm_group *group);   /* after every member is freed:
 void dt_comm_free(dt_comm *c);
 int dt_comm_rank(const dt_comm *c);
 int dt_comm_size(const dt_comm *c);
+const char *dt_comm_backend_name(const dt_comm *c);   /* "shared memory", "NCCL", "MPI" */
+int dt_comm_sums_in_rank_order(const dt_comm *c);      /* 0: MPI's own order (a tree, a ring) */
 
 /* Asynchronous collectives run in order on a communication thread (shared memory)
    or stream (NCCL); dt_comm_wait() returns when the call behind a handle is done
@@ -1125,6 +1144,9 @@ void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, fl
 /* The phases of a training step, timed and traced. */
 typedef enum { DT_PHASE_DATA, DT_PHASE_FWD, DT_PHASE_BWD, DT_PHASE_COMM, DT_PHASE_OPT,
                DT_PHASE_EVAL, DT_PHASE_CKPT, DT_PHASE_COUNT } dt_phase_kind;
+/* A --trace file's tracks (its "tid"s, which tools/trace-summary reads): one
+   per phase, then the communication thread's and the pipeline's (section 15). */
+enum { DT_TRACK_COMM = DT_PHASE_COUNT, DT_TRACK_PIPELINE };
 
 /* Charge the time since the last mark to `phase` (and draw it in the trace). */
 void dt_phase(dt_run *run, dt_phase_kind phase);
@@ -1778,10 +1800,6 @@ void dt_nccl_free(dt_nccl *s);
 #endif
 #ifdef DT_HAVE_MPI
 #include <mpi.h>
-#else
-/* What --comm mpi is told in a program compiled without MPI. */
-#define DT__NO_MPI "this build has no MPI (it is compiled in with -DDT_HAVE_MPI, which make adds when it finds mpicc: " \
-                   "install libopenmpi-dev, or MPICH, and build again)"
 #endif
 
 /* One context per rank: memory counters, the tape, the step arena. A rank is
@@ -7320,6 +7338,8 @@ static void dt__comm_interval(dt_comm *c, dt_comm_handle h, double *t0, double *
     pthread_mutex_unlock(&c->mu);
 }
 int dt_comm_size(const dt_comm *c) { return c->world; }
+const char *dt_comm_backend_name(const dt_comm *c) { return c->backend->name; }
+int dt_comm_sums_in_rank_order(const dt_comm *c) { return c->backend->sums_in_rank_order; }
 
 /* Host values into and out of a collective: they travel through memory of
    the kind the communicator takes (NCCL reads device memory only), in the
@@ -12173,8 +12193,8 @@ void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, fl
    communication thread (or stream), where each collective -- each DDP bucket --
    shows when it really ran: overlap with backward is visible at a glance.
    Under pipeline parallelism a last track shows each micro-batch's forward
-   and backward and the waits between them: the bubble. */
-enum { DT_TRACK_COMM = DT_PHASE_COUNT, DT_TRACK_PIPELINE };
+   and backward and the waits between them: the bubble. The tracks' numbers
+   are declared above (DT_TRACK_COMM, DT_TRACK_PIPELINE). */
 static const char *dt__phase_names[DT_PHASE_COUNT] = { "data", "forward", "backward", "comm wait", "optimizer", "eval", "checkpoint" };
 
 static void dt__trace_event(dt_run *r, const char *name, int track, double t0, double t1) {
@@ -14028,7 +14048,53 @@ int dt_run_finish(dt_run *run) {
 #define DTRAIN_CUDA_DONE
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
+#include <dlfcn.h>
+#include <pthread.h>
 #include <stdio.h>
+
+/* cuBLAS is opened when a GPU is first used, not when the program starts:
+   linked, its libraries (600 MB with cuBLASLt) cost every start about 70 ms
+   of relocations, which every CPU run, every tool and every rank paid (the
+   test suite starts well over a thousand). The calls dtrain makes are looked
+   up once, by the names cublas_v2.h gives them; a library or call that is
+   missing is an error that names it. */
+/* cublasGemmEx is overloaded in C++ (an inline wrapper takes the old
+   cudaDataType compute type): the library's own, by its type. */
+typedef cublasStatus_t (*dt__cublas_gemm_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
+                                             const void *, const void *, cudaDataType, int, const void *, cudaDataType,
+                                             int, const void *, void *, cudaDataType, int, cublasComputeType_t,
+                                             cublasGemmAlgo_t);
+static struct {
+    decltype(&cublasCreate) create;
+    decltype(&cublasSetStream) set_stream;
+    decltype(&cublasSetMathMode) set_math_mode;
+    decltype(&cublasGetStatusString) status_string;
+    decltype(&cublasSgemm) sgemm;
+    dt__cublas_gemm_ex gemm_ex;
+    decltype(&cublasSgemmStridedBatched) sgemm_strided_batched;
+} dt__cublas;
+#define DT__NAME_OF(f) #f
+#define DT__STRING(f) DT__NAME_OF(f)                 /* cublasCreate -> "cublasCreate_v2", as cublas_v2.h names it */
+#define DT__CUBLAS_LOOKUP(field, f)                                                                          \
+    if (!(dt__cublas.field = (decltype(dt__cublas.field))dlsym(lib, DT__STRING(f))))                         \
+        dt_fail("%s has no %s (older than the cuBLAS %d this build was compiled with?)", name, DT__STRING(f), \
+                CUBLAS_VER_MAJOR)
+static void dt__cublas_load(void) {
+    const char *name = "libcublas.so." DT__STRING(CUBLAS_VER_MAJOR);
+    void *lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) dt_fail("cannot load cuBLAS for --device cuda: %s (the CUDA toolkit's lib64, or LD_LIBRARY_PATH)", dlerror());
+    DT__CUBLAS_LOOKUP(create, cublasCreate);
+    DT__CUBLAS_LOOKUP(set_stream, cublasSetStream);
+    DT__CUBLAS_LOOKUP(set_math_mode, cublasSetMathMode);
+    DT__CUBLAS_LOOKUP(status_string, cublasGetStatusString);
+    DT__CUBLAS_LOOKUP(sgemm, cublasSgemm);
+    DT__CUBLAS_LOOKUP(gemm_ex, cublasGemmEx);
+    DT__CUBLAS_LOOKUP(sgemm_strided_batched, cublasSgemmStridedBatched);
+}
+static void dt__cublas_open(void) {                 /* once, whichever thread comes first (stage 02's devices) */
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, dt__cublas_load);
+}
 
 static struct {
     int index;
@@ -14047,7 +14113,7 @@ static void dt__cuda_check(cudaError_t err, const char *call, const char *file, 
         dt_fail("%s failed at %s:%d: %s (%s)", call, file, line, cudaGetErrorString(err), cudaGetErrorName(err));
 }
 static void dt__cublas_check(cublasStatus_t st, const char *call, const char *file, int line) {
-    if (st != CUBLAS_STATUS_SUCCESS) dt_fail("%s failed at %s:%d: %s", call, file, line, cublasGetStatusString(st));
+    if (st != CUBLAS_STATUS_SUCCESS) dt_fail("%s failed at %s:%d: %s", call, file, line, dt__cublas.status_string(st));
 }
 #define DT_CUDA_CHECK(call) dt__cuda_check((call), #call, __FILE__, __LINE__)
 #define DT_CUBLAS_CHECK(call) dt__cublas_check((call), #call, __FILE__, __LINE__)
@@ -14125,7 +14191,7 @@ static int dt__cuda_owns(const void *p) {
 static void dt__cuda_gemm(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                          const float *B, int ldb, float beta, float *C, int ldc) {
     if (M <= 0 || N <= 0) return;
-    DT_CUBLAS_CHECK(cublasSgemm(dt__cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
+    DT_CUBLAS_CHECK(dt__cublas.sgemm(dt__cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
                                 &alpha, B, ldb, A, lda, &beta, C, ldc));
 }
 /* Mixed precision: 16-bit operands on the tensor cores, products summed in f32
@@ -14135,14 +14201,14 @@ static void dt__cuda_gemm_half(dt_dtype dtype, int ta, int tb, int M, int N, int
     if (M <= 0 || N <= 0) return;
     float alpha = 1.0f;
     cudaDataType_t t = dtype == DT_BF16 ? CUDA_R_16BF : CUDA_R_16F;
-    DT_CUBLAS_CHECK(cublasGemmEx(dt__cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
+    DT_CUBLAS_CHECK(dt__cublas.gemm_ex(dt__cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
                                  &alpha, B, t, ldb, A, t, lda, &beta, C, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
                                  CUBLAS_GEMM_DEFAULT));
 }
 static void dt__cuda_gemm_batched(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                                  long long sa, const float *B, int ldb, long long sb, float beta, float *C, int ldc,
                                  long long sc, int batch) {
-    DT_CUBLAS_CHECK(cublasSgemmStridedBatched(dt__cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+    DT_CUBLAS_CHECK(dt__cublas.sgemm_strided_batched(dt__cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
                                               N, M, K, &alpha, B, ldb, sb, A, lda, sa, &beta, C, ldc, sc, batch));
 }
 
@@ -14734,9 +14800,10 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     dt__cuda.index = local_rank % count;          /* one GPU per rank on this machine */
     DT_CUDA_CHECK(cudaSetDevice(dt__cuda.index));
     DT_CUDA_CHECK(cudaStreamCreateWithFlags(&dt__cuda.stream, cudaStreamNonBlocking));
-    DT_CUBLAS_CHECK(cublasCreate(&dt__cuda.blas));
-    DT_CUBLAS_CHECK(cublasSetStream(dt__cuda.blas, dt__cuda.stream));
-    DT_CUBLAS_CHECK(cublasSetMathMode(dt__cuda.blas, CUBLAS_DEFAULT_MATH));   /* fp32, no TF32 */
+    dt__cublas_open();
+    DT_CUBLAS_CHECK(dt__cublas.create(&dt__cuda.blas));
+    DT_CUBLAS_CHECK(dt__cublas.set_stream(dt__cuda.blas, dt__cuda.stream));
+    DT_CUBLAS_CHECK(dt__cublas.set_math_mode(dt__cuda.blas, CUBLAS_DEFAULT_MATH));   /* fp32, no TF32 */
     dt__cuda.partials = (double *)dt__cuda_alloc((DT_SUMSQ_BLOCKS + 1) * sizeof(double));
     cudaDeviceProp prop;
     DT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dt__cuda.index));

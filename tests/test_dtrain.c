@@ -1,38 +1,27 @@
-/* tests/test_dtrain.c -- the test suite of dtrain.h and stage 01.
+/* tests/test_dtrain.c -- the test suite of dtrain.h and its programs.
 
-   usage: tests/test_dtrain [path/to/01-single-gpu/train] [name-filter]
+   usage: tests/test_dtrain [--suite quick|full|all] [-j N] path/to/01-single-gpu/train [name-filter]
+          (tests/runner.h: the runner, and how a test is defined and put in a suite)
 
    Each test prints PASS, FAIL (with the checks that failed) or SKIP (with why);
-   the last line is "N passed, N failed" (", N skipped" when some were skipped).
-   Ops are checked against hand-computed values and their backward passes
-   against finite differences; the optimizers against closed-form steps; the
-   command line, data and checkpoint errors by running the stage binary. */
+   the last line is "N passed, N failed, N skipped". Ops are checked against
+   hand-computed values and their backward passes against finite differences;
+   the optimizers against closed-form steps; the command line, data and
+   checkpoint errors by running the stage binaries. */
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
+#include <dirent.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include "runner.h"
 
-static int t_failed, t_skipped, n_pass, n_fail, n_skip;
-static char t_skip_reason[320];
 static const char *train_bin = "01-single-gpu/train";
 /* The command that runs stage 01 in the CPU tests: they say --device cpu, so
    that on a machine with a GPU they still test the CPU (the default, auto,
    would take the GPU); the GPU tests say --device cuda. */
 static char train_cpu[600];
 static const char *self_bin;             /* this program: some tests run a part of it alone */
-static char tmpdir[256];
 
-#define CHECK(cond) CHECKF(cond, "%s", #cond)
-#define CHECKF(cond, ...)                                                   \
-    do {                                                                    \
-        if (!(cond)) {                                                      \
-            t_failed = 1;                                                   \
-            printf("    line %d: ", __LINE__);                              \
-            printf(__VA_ARGS__);                                            \
-            printf("\n");                                                   \
-        }                                                                   \
-    } while (0)
-#define SKIP(...) do { t_skipped = 1; snprintf(t_skip_reason, sizeof t_skip_reason, __VA_ARGS__); return; } while (0)
 #define CLOSE(a, b, tol) (fabs((double)(a) - (double)(b)) <= (tol) * (1.0 + fabs((double)(b))))
 
 /* ---- helpers --------------------------------------------------------------- */
@@ -146,6 +135,14 @@ static int run_cmd(char *out, size_t n, const char *fmt, ...) {
     return -1;
 }
 
+/* Is `line` one whole line of text? */
+static int has_line(const char *text, const char *line) {
+    size_t n = strlen(line);
+    for (const char *p = text; (p = strstr(p, line)); p++)
+        if ((p == text || p[-1] == '\n') && (p[n] == '\n' || p[n] == 0)) return 1;
+    return 0;
+}
+
 static int count_lines_with(const char *text, const char *needle) {
     int n = 0;
     for (const char *p = text; (p = strstr(p, needle)); p += strlen(needle)) n++;
@@ -233,16 +230,22 @@ static const char *repo_root(void) {
     return ".";
 }
 
-/* A small synthetic data set for the command-line tests (made once). */
-/* A synthetic set of 16x16 images in tmpdir/name, written on first use into dir. */
-static const char *synthetic_set(char *dir, size_t n, const char *name, int train, int val, uint64_t seed) {
-    if (!dir[0]) {
-        snprintf(dir, n, "%s/%s", tmpdir, name);
-        dt_synthetic_write(dir, train, val, 16, seed);
+/* What several tests read (data sets, a checkpoint), made once per run by
+   the first test that asks (tests/runner.h: t_shared_file); path caches it. */
+static const char *shared(char *path, size_t n, const char *name, int (*make)(const char *path)) {
+    if (!path[0] && !t_shared_file(path, n, name, make)) {
+        printf("    could not make %s\n", path);
+        exit(1);
     }
-    return dir;
+    return path;
 }
-static const char *small_data(void) { static char dir[512]; return synthetic_set(dir, sizeof dir, "small", 320, 80, 5); }
+/* Synthetic sets of 16x16 images: a small one for the command-line tests,
+   and a bigger one, so that 200 steps learn something and the eval accuracy
+   is measured to a tenth of a point. */
+static int make_small_data(const char *dir) { dt_synthetic_write(dir, 320, 80, 16, 5); return 1; }
+static int make_mp_data(const char *dir) { dt_synthetic_write(dir, 3200, 1000, 16, 9); return 1; }
+static const char *small_data(void) { static char dir[600]; return shared(dir, sizeof dir, "small", make_small_data); }
+static const char *mp_data(void) { static char dir[600]; return shared(dir, sizeof dir, "mp", make_mp_data); }
 #define SMALL_FLAGS "--image-size 16 --dim 32 --batch-size 32 --log-every 1000 --quiet"
 static const char *find_line(const char *text, const char *line) {
     for (const char *p = text; p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
@@ -313,9 +316,6 @@ static int log_lines_with_value(const char *log, const char *key, long long valu
     return c;
 }
 
-/* A bigger synthetic set, so that 200 steps learn something and the eval
-   accuracy is measured to a tenth of a point. */
-static const char *mp_data(void) { static char dir[512]; return synthetic_set(dir, sizeof dir, "mp", 3200, 1000, 9); }
 /* The "key" values of a log's training lines, in order. */
 static int log_series(const char *log, const char *key, double *out, int max) {
     size_t n = 0;
@@ -347,7 +347,7 @@ static int log_series(const char *log, const char *key, double *out, int max) {
 #define NEED_GPU() NEED(dt_cuda_available, "the build cannot use it")
 /* ---- 2. memory -------------------------------------------------------------- */
 
-static void test_step_arena_stops_allocating_after_the_first_step(void) {
+TEST(step_arena_stops_allocating_after_the_first_step, QUICK) {
     dt_model_config c = { DT_MODEL_VIT, 3, 8, 4, 16, 2, 2, 4, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     dt_model *m = dt_model_create(&c, 3);
     dt_optimizer *o = dt_optimizer_create(m, DT_ADAMW, 0.0f, 0.0f, 0.0f);
@@ -379,7 +379,7 @@ static void naive_gemm(int ta, int tb, int M, int N, int K, float alpha, const f
         }
 }
 
-static void test_gemm_matches_reference(void) {
+TEST(gemm_matches_reference, QUICK) {
     int sizes[][3] = { { 1, 1, 1 }, { 7, 5, 3 }, { 37, 129, 300 }, { 130, 70, 513 }, { 3, 200, 17 }, { 64, 64, 0 },
                       { 21, 1100, 40 } };   /* the last: B in two panels */
     float alphas[] = { 1.0f, 0.5f }, betas[] = { 0.0f, 1.0f, 0.3f };
@@ -417,7 +417,7 @@ static void test_gemm_matches_reference(void) {
                 }
 }
 
-static void test_gemm_same_result_for_any_thread_count(void) {
+TEST(gemm_same_result_for_any_thread_count, QUICK) {
 #ifndef _OPENMP
     SKIP("built without OpenMP");
 #else
@@ -448,7 +448,7 @@ static void test_gemm_same_result_for_any_thread_count(void) {
    followed by the separate loops -- the bias after the last slab of K (700
    here: three slabs), GELU of exactly what was stored -- and the fused op's
    tape must give the separate ops' gradients. */
-static void test_linear_bias_and_gelu_in_the_matmul_give_the_separate_ops_bits(void) {
+TEST(linear_bias_and_gelu_in_the_matmul_give_the_separate_ops_bits, QUICK) {
     int M = 67, N = 1030, K = 700;        /* edge tiles in rows and columns; two panels of columns (DT_NC 1024) */
     dt__rng r = { 3 };
     for (int in_out = 0; in_out < 2; in_out++) {
@@ -491,7 +491,7 @@ static void test_linear_bias_and_gelu_in_the_matmul_give_the_separate_ops_bits(v
     }
 }
 
-static void test_half_conversions_round_to_nearest_even(void) {
+TEST(half_conversions_round_to_nearest_even, QUICK) {
     CHECK(dt_f32_to_bf16(1.0f) == 0x3F80);
     CHECK(dt_f32_to_bf16(dt_bits_float(0x3F808000u)) == 0x3F80);   /* tie, even below */
     CHECK(dt_f32_to_bf16(dt_bits_float(0x3F818000u)) == 0x3F82);   /* tie, odd below: up */
@@ -566,7 +566,7 @@ static void test_half_conversions_round_to_nearest_even(void) {
 /* The launch shape every kernel uses: a capped grid and a loop, so that rows
    beyond what one grid covers are not skipped. Emulated here for the sizes
    where a grid stops covering everything at once. */
-static void test_launch_shapes_cover_every_row_past_the_grid_cap(void) {
+TEST(launch_shapes_cover_every_row_past_the_grid_cap, QUICK) {
     static const int64_t sizes[] = { 1, 31, 33, 4194303, 4194304 + 7, 10000001 };
     for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
         int64_t rows = sizes[k];
@@ -589,7 +589,7 @@ static void test_launch_shapes_cover_every_row_past_the_grid_cap(void) {
 }
 /* dtrain's own exp, tanh and erf (vectorisable; the GELUs use them) against
    libm in double, over a dense grid: the accuracy the header states. */
-static void test_exp_tanh_and_erf_match_libm_over_a_dense_grid(void) {
+TEST(exp_tanh_and_erf_match_libm_over_a_dense_grid, QUICK) {
     double worst_exp = 0, worst_tanh = 0, worst_erf = 0, at_exp = 0, at_tanh = 0, at_erf = 0, worst_dg = 0, at_dg = 0;
     for (double x = -30; x <= 30; x += 1.0 / 4096) {
         float f = (float)x;
@@ -616,7 +616,7 @@ static void test_exp_tanh_and_erf_match_libm_over_a_dense_grid(void) {
 
 /* ---- 5. autograd: ops by hand, backward against finite differences, the grad-ready callback ---- */
 
-static void test_ops_forward_hand_values(void) {
+TEST(ops_forward_hand_values, QUICK) {
     dt__rng r = { 3 };
     dt_set_grad_enabled(0);
     /* linear: [1 2] x [[1 0] [0 1] [1 1]]^T + [0.5 0 -1] = [1.5 2 2] */
@@ -706,7 +706,7 @@ static dt_tensor *f_embed(dt_tensor **l, void *c) {       /* 2 sequences of 4 id
     return dt_token_embedding(dt_tensor_from_host(2, s, ids), l[0], l[1]);
 }
 
-static void test_backward_matches_finite_differences(void) {
+TEST(backward_matches_finite_differences, FULL) {
     dt__rng r = { 4 };
     dt_tensor *x = leaf2(5, 7, &r, 1), *w = leaf2(4, 7, &r, 1), *b = leaf2(1, 4, &r, 1);
     dt_tensor *L1[3] = { x, w, b };
@@ -767,7 +767,7 @@ static void test_backward_matches_finite_differences(void) {
 /* Cross-entropy over GPT-2's vocabulary: 50,257 terms per row, summed by the
    threads in partial sums, against a double reference; the loss and the
    gradient the same bits at 1 and 2 threads. */
-static void test_cross_entropy_over_a_large_vocabulary_matches_double_at_any_thread_count(void) {
+TEST(cross_entropy_over_a_large_vocabulary_matches_double_at_any_thread_count, QUICK) {
     int B = 7, C = 50257;
     dt__rng r = { 8 };
     dt_tensor *lg = leaf2(B, C, &r, 8);
@@ -823,7 +823,7 @@ static void test_cross_entropy_over_a_large_vocabulary_matches_double_at_any_thr
 /* Instruction data: a label of -100 (a prompt's position) adds nothing to the
    loss or its gradient, the mean is over the labels that count, and a divisor
    the run sets for these very labels replaces their count, for this step only. */
-static void test_cross_entropy_ignores_masked_labels_and_takes_the_divisor_it_is_given(void) {
+TEST(cross_entropy_ignores_masked_labels_and_takes_the_divisor_it_is_given, QUICK) {
     int B = 6, C = 11;
     dt__rng r = { 21 };
     dt_tensor *lg = leaf2(B, C, &r, 3);
@@ -863,7 +863,7 @@ static void test_cross_entropy_ignores_masked_labels_and_takes_the_divisor_it_is
     leaf_free(lg);
 }
 
-static void test_causal_attention_ignores_later_tokens(void) {
+TEST(causal_attention_ignores_later_tokens, QUICK) {
     dt__rng r = { 5 };
     int T = 6, D = 8, H = 2;
     dt_tensor *qkv = leaf2(T, 3 * D, &r, 1);
@@ -886,7 +886,7 @@ static void test_causal_attention_ignores_later_tokens(void) {
    gradient and writing it first. With a system BLAS (DT_HAVE_CBLAS) the
    straightforward body sums in the BLAS's order: there the two agree within
    rounding instead. */
-static void test_tiled_attention_gives_the_bits_of_the_matmul_body(void) {
+TEST(tiled_attention_gives_the_bits_of_the_matmul_body, QUICK) {
     static const int shapes[][4] = { { 2, 65, 3, 192 }, { 2, 64, 4, 128 }, { 3, 5, 2, 64 }, { 2, 1, 1, 32 }, { 1, 130, 2, 128 } };
     dt__rng r = { 6 };
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
@@ -931,7 +931,7 @@ static void test_tiled_attention_gives_the_bits_of_the_matmul_body(void) {
 /* LayerNorm's weight and bias gradients sum over every row: over 4 million
    rows they must still be the sums (a double reference here), not what a
    running float sum keeps of them (8e-5 off, found on the first GPU run). */
-static void test_layernorm_weight_and_bias_gradients_stay_exact_over_millions_of_rows(void) {
+TEST(layernorm_weight_and_bias_gradients_stay_exact_over_millions_of_rows, QUICK) {
     dt__rng r = { 12 };
     int N = 4194304 + 77, D = 4;
     dt_tensor *x = leaf2(N, D, &r, 1), *w = leaf2(1, D, &r, 1), *b = leaf2(1, D, &r, 1);
@@ -964,7 +964,7 @@ static int hook_order[64], hook_count;
 static dt_model *hook_model;
 static void record_hook(dt_parallel *par, dt_tensor *p) { (void)par; hook_order[hook_count++] = (int)(p - hook_model->params); }
 
-static void test_grad_ready_hook_fires_once_per_parameter_in_reverse(void) {
+TEST(grad_ready_hook_fires_once_per_parameter_in_reverse, QUICK) {
     dt_model_config c = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     dt_model *m = dt_model_create(&c, 2);
     hook_model = m;
@@ -1013,10 +1013,10 @@ static void model_fd(dt_model_kind kind) {
     leaf_free(img);
     dt_model_free(m);
 }
-static void test_mlp_gradients_match_finite_differences(void) { model_fd(DT_MODEL_MLP); }
-static void test_vit_gradients_match_finite_differences(void) { model_fd(DT_MODEL_VIT); }
+TEST(mlp_gradients_match_finite_differences, FULL) { model_fd(DT_MODEL_MLP); }
+TEST(vit_gradients_match_finite_differences, FULL) { model_fd(DT_MODEL_VIT); }
 
-static void test_vit_parameter_names_and_shapes_follow_timm(void) {
+TEST(vit_parameter_names_and_shapes_follow_timm, QUICK) {
     dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     dt_model *m = dt_model_create(&c, 1);
     struct { const char *name; int ndim, s[4]; } want[] = {
@@ -1054,7 +1054,7 @@ static dt_tensor *gpt_logits(gpt_ctx *g) {
 }
 static dt_tensor *f_gpt(dt_tensor **l, void *c) { (void)l; return dt_cross_entropy(gpt_logits((gpt_ctx *)c), ((gpt_ctx *)c)->labels); }
 
-static void test_gpt_gradients_match_finite_differences(void) {
+TEST(gpt_gradients_match_finite_differences, FULL) {
     dt_model_config c = tiny_gpt();
     dt_model *m = dt_model_create(&c, 9);
     for (int64_t i = 0; i < m->numel; i++) m->flat_data[i] *= 3;     /* larger weights: every path matters */
@@ -1091,7 +1091,7 @@ static void check_causal(dt_model *m) {
 
 /* Names and shapes are GPT-2's (Conv1D weights [in, out], no lm_head: it is
    wte); a later token never changes an earlier position's logits. */
-static void test_gpt_is_causal_and_named_like_gpt2(void) {
+TEST(gpt_is_causal_and_named_like_gpt2, QUICK) {
     dt_model_config c = tiny_gpt();
     dt_model *m = dt_model_create(&c, 3);
     struct { const char *name; int ndim, s[2]; } want[] = {
@@ -1144,7 +1144,7 @@ static double rope_frequency(int j, int hd, const dt_model_config *c) {
     return f;
 }
 
-static void test_llama_ops_match_finite_differences_and_their_definitions(void) {
+TEST(llama_ops_match_finite_differences_and_their_definitions, FULL) {
     dt__rng r = { 12 };
     /* RMSNorm, 8 and 40 wide (past its 16 lanes): y = x / sqrt(mean(x^2) + eps) * w */
     for (int width = 8; width <= 40; width += 32) {
@@ -1326,7 +1326,7 @@ static double llama_ref_loss(dt_model *m, const float *ids, const int32_t *label
     return loss / N;
 }
 
-static void test_llama_gradients_and_loss_match_finite_differences_and_a_double_forward(void) {
+TEST(llama_gradients_and_loss_match_finite_differences_and_a_double_forward, FULL) {
     float ids[10] = { 1, 7, 7, 3, 10, 0, 5, 1, 1, 9 };                  /* 2 sequences of 5 (shorter than the context) */
     int32_t labels[10] = { 7, 7, 3, 10, 2, 5, 1, 1, 9, 4 };
     for (int variant = 0; variant < 2; variant++) {                      /* tied head; then a head of its own and Qwen2's biases */
@@ -1357,7 +1357,7 @@ static void test_llama_gradients_and_loss_match_finite_differences_and_a_double_
 
 /* Names and shapes are Hugging Face's LlamaForCausalLM (Qwen2ForCausalLM
    with biases); a later token never changes an earlier position's logits. */
-static void test_llama_is_causal_and_named_like_hugging_face(void) {
+TEST(llama_is_causal_and_named_like_hugging_face, QUICK) {
     for (int variant = 0; variant < 2; variant++) {
         dt_model_config c = tiny_llama(variant, variant);
         dt_model *m = dt_model_create(&c, 3);
@@ -1393,7 +1393,7 @@ static void test_llama_is_causal_and_named_like_hugging_face(void) {
 }
 /* ---- 7. optimizer against closed-form steps --------------------------------- */
 
-static void test_adamw_and_sgd_match_hand_computed_steps(void) {
+TEST(adamw_and_sgd_match_hand_computed_steps, QUICK) {
     dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };   /* fc1: weight [1,1], bias [1] */
     for (int kind = 0; kind < 2; kind++) {
         dt_model *m = dt_model_create(&c, 1);
@@ -1427,7 +1427,7 @@ static void test_adamw_and_sgd_match_hand_computed_steps(void) {
     }
 }
 
-static void test_gradient_clipping_scales_to_the_max_norm(void) {
+TEST(gradient_clipping_scales_to_the_max_norm, QUICK) {
     dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     dt_model *m = dt_model_create(&c, 1);
     dt_optimizer *o = dt_optimizer_create(m, DT_SGD, 0.0f, 0.0f, 1.0f);
@@ -1441,7 +1441,7 @@ static void test_gradient_clipping_scales_to_the_max_norm(void) {
     dt_model_free(m);
 }
 
-static void test_schedule_warms_up_then_follows_a_cosine(void) {
+TEST(schedule_warms_up_then_follows_a_cosine, QUICK) {
     CHECK(CLOSE(dt_schedule_lr(1.0f, 0, 10, 110), 0.1, 1e-6));
     CHECK(CLOSE(dt_schedule_lr(1.0f, 9, 10, 110), 1.0, 1e-6));
     CHECK(CLOSE(dt_schedule_lr(1.0f, 10, 10, 110), 1.0, 1e-6));
@@ -1451,7 +1451,7 @@ static void test_schedule_warms_up_then_follows_a_cosine(void) {
 }
 /* ---- 8. data ---------------------------------------------------------------- */
 
-static void test_sampler_shuffles_shards_and_pads_like_distributed_sampler(void) {
+TEST(sampler_shuffles_shards_and_pads_like_distributed_sampler, QUICK) {
     int64_t a[16], b[16], c[16];
     int64_t n = dt_sampler_indices(10, 7, 0, 1, 0, 1, a);
     int seen[10] = { 0 }, perm_ok = n == 10;
@@ -1479,7 +1479,7 @@ static void test_sampler_shuffles_shards_and_pads_like_distributed_sampler(void)
     CHECK(dealt);
 }
 
-static void test_dataset_slice_and_loader_batches(void) {
+TEST(dataset_slice_and_loader_batches, QUICK) {
     dt_dataset ds;
     memset(&ds, 0, sizeof ds);
     dt__dataset_alloc(&ds, 10, 4, 2);
@@ -1515,7 +1515,7 @@ static void test_dataset_slice_and_loader_batches(void) {
    sent the images to the text loader ("input has 0 features"). Each struct
    here is first filled with 0xA5, as a used stack might be. */
 static void poison(void *p, size_t n) { memset(p, 0xA5, n); }
-static void test_filled_structs_start_empty_whatever_the_caller_held(void) {
+TEST(filled_structs_start_empty_whatever_the_caller_held, QUICK) {
     const char *models[2] = { "mlp", "gpt" };
     for (int k = 0; k < 2; k++) {
         char *argv[] = { "train", "--bench", "--model", (char *)models[k], "--device", "cpu", "--batch-size", "4", "--quiet" };
@@ -1551,7 +1551,7 @@ static void test_filled_structs_start_empty_whatever_the_caller_held(void) {
     CHECK(!dt_link_preset("carrier-pigeon", &link) && !link.name[0] && link.bandwidth_gbs == 0 && link.latency_us == 0);
 }
 
-static void test_images_decode_convert_and_resize(void) {
+TEST(images_decode_convert_and_resize, QUICK) {
     char path[600], err[256];
     /* PPM, 2x2: red, blue / green, white -> channels first */
     snprintf(path, sizeof path, "%s/four.ppm", tmpdir);
@@ -1587,7 +1587,7 @@ static void test_images_decode_convert_and_resize(void) {
     CHECK(same);
 }
 
-static void test_broken_images_are_refused_with_a_reason(void) {
+TEST(broken_images_are_refused_with_a_reason, QUICK) {
     char path[600], err[256];
     snprintf(path, sizeof path, "%s/short.ppm", tmpdir);
     const char ppm[] = "P6\n4 4\n255\n\x01\x02\x03";
@@ -1604,7 +1604,7 @@ static void test_broken_images_are_refused_with_a_reason(void) {
     CHECK(dt_image_load_rgb(path, 4, err, sizeof err) == NULL && strstr(err, "empty"));
 }
 
-static void test_png_alpha_and_grey_become_rgb(void) {
+TEST(png_alpha_and_grey_become_rgb, QUICK) {
 #ifndef DT_HAVE_STB
     SKIP("built without stb_image (libstb-dev): PPM/PGM only");
 #else
@@ -1628,7 +1628,7 @@ static void test_png_alpha_and_grey_become_rgb(void) {
 #endif
 }
 
-static void test_truncated_or_garbled_png_and_jpeg_are_refused(void) {
+TEST(truncated_or_garbled_png_and_jpeg_are_refused, QUICK) {
 #ifndef DT_HAVE_STB
     SKIP("built without stb_image (libstb-dev): PPM/PGM only");
 #else
@@ -1663,7 +1663,7 @@ static void test_truncated_or_garbled_png_and_jpeg_are_refused(void) {
 #endif
 }
 
-static void test_cifar10_binary_batches_load(void) {
+TEST(cifar10_binary_batches_load, QUICK) {
     char dir[600], p[700];
     snprintf(dir, sizeof dir, "%s/cifar", tmpdir);
     mkdir(dir, 0755);
@@ -1701,18 +1701,16 @@ static void test_cifar10_binary_batches_load(void) {
 /* A small generated text: 5,700 bytes, of which the first 5,130 are training
    (320 sequences of 16) and the rest validation. */
 #define GPT_FLAGS "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --log-every 1000 --quiet"
-static const char *gpt_text(void) {
-    static char path[512];
-    if (!path[0]) {
-        snprintf(path, sizeof path, "%s/small.txt", tmpdir);
-        dt_synthetic_text_write(path, 5700, 11);
-        FILE *f = fopen(path, "r+b");            /* exactly 5,700 bytes: the generator stops after a sentence */
-        if (f) { CHECK(ftruncate(fileno(f), 5700) == 0); fclose(f); }
-    }
-    return path;
+static int make_gpt_text(const char *path) {
+    dt_synthetic_text_write(path, 5700, 11);
+    FILE *f = fopen(path, "r+b");                /* exactly 5,700 bytes: the generator stops after a sentence */
+    int ok = f && ftruncate(fileno(f), 5700) == 0;
+    if (f) fclose(f);
+    return ok;
 }
+static const char *gpt_text(void) { static char path[600]; return shared(path, sizeof path, "small.txt", make_gpt_text); }
 
-static void test_text_data_splits_by_position_and_refuses_bad_files(void) {
+TEST(text_data_splits_by_position_and_refuses_bad_files, QUICK) {
     char path[700], dir[600], out[16384];
     /* bytes: 100 tokens, the last 10 are validation; sequences of 8 overlap by one token */
     unsigned char text[100];
@@ -1822,10 +1820,7 @@ static void test_text_data_splits_by_position_and_refuses_bad_files(void) {
    -100 over the prompt and separator; every fifth example right-padded with
    id 2 under attention_mask 0; a text key to pass over. The prompts' lengths
    vary, so batches differ widely in the targets they count. */
-static const char *instruction_data(void) {
-    static char path[600];
-    if (path[0]) return path;
-    snprintf(path, sizeof path, "%s/instructions.jsonl", tmpdir);
+static int make_instruction_data(const char *path) {
     FILE *f = fopen(path, "w");
     if (!f) { printf("cannot write %s\n", path); exit(1); }
     for (int e = 0; e < 355; e++) {
@@ -1842,11 +1837,14 @@ static const char *instruction_data(void) {
         for (int t = 0; t < n + pad; t++) fprintf(f, "%s%d", t ? "," : "", t < n ? lab[t] : DT_IGNORE_INDEX);
         fprintf(f, "]}\n");
     }
-    fclose(f);
-    return path;
+    return fclose(f) == 0;
+}
+static const char *instruction_data(void) {
+    static char path[600];
+    return shared(path, sizeof path, "instructions.jsonl", make_instruction_data);
 }
 
-static void test_instruction_data_masks_prompts_and_names_every_bad_record(void) {
+TEST(instruction_data_masks_prompts_and_names_every_bad_record, QUICK) {
     char path[700], out[16384];
     dt_dataset tr, va;
     dt_text_load(instruction_data(), 1, 0, 16, 0.1, &tr, &va);
@@ -1951,7 +1949,7 @@ static void test_instruction_data_masks_prompts_and_names_every_bad_record(void)
     expect_error(out, st, 1, "ids run from 0 to 29");
 }
 
-static void test_bad_data_is_reported_by_name(void) {
+TEST(bad_data_is_reported_by_name, QUICK) {
     char out[8192], dir[600], p[2048];
     int st = run_cmd(out, sizeof out, "%s --data %s/nowhere --quiet", train_cpu, tmpdir);
     expect_error(out, st, 1, "nowhere");
@@ -1999,8 +1997,8 @@ static void collectives_match(const char *mode) {
                "%s %d: exit %d\n%s", mode, w, st, out);
     }
 }
-static void test_collectives_over_threads_match_a_serial_reference(void) { collectives_match("threads"); }
-static void test_collectives_over_processes_match_a_serial_reference(void) { collectives_match("nproc"); }
+TEST(collectives_over_threads_match_a_serial_reference, QUICK) { collectives_match("threads"); }
+TEST(collectives_over_processes_match_a_serial_reference, QUICK) { collectives_match("nproc"); }
 
 /* The same check on each group of a mesh of four ranks: 2 x 2 (pairs side by
    side) and 1 x 4 (a group of one and a group of all), every collective and
@@ -2015,8 +2013,8 @@ static void mesh_collectives_match(const char *mode) {
                "%s 4, mesh %s: exit %d\n%s", mode, meshes[i], st, out);
     }
 }
-static void test_groups_of_a_mesh_over_threads_match_a_serial_reference(void) { mesh_collectives_match("threads"); }
-static void test_groups_of_a_mesh_over_processes_match_a_serial_reference(void) { mesh_collectives_match("nproc"); }
+TEST(groups_of_a_mesh_over_threads_match_a_serial_reference, QUICK) { mesh_collectives_match("threads"); }
+TEST(groups_of_a_mesh_over_processes_match_a_serial_reference, QUICK) { mesh_collectives_match("nproc"); }
 
 /* `test_dtrain --selftest-comm-misuse N`: one mistake with groups, meshes or
    messages, which must stop the program with its message. */
@@ -2054,7 +2052,7 @@ static int selftest_comm_misuse(int which) {
     }
     return 0;
 }
-static void test_mesh_split_and_message_mistakes_are_clear_errors(void) {
+TEST(mesh_split_and_message_mistakes_are_clear_errors, QUICK) {
     static const char *want[] = {
         "dt_mesh_create: a dp=3 x tp=2 mesh has 6 ranks, but the communicator has 4: the sizes must multiply to its size",
         "dt_mesh: no dimension named 'pp' in this dp=1 x tp=1 mesh",
@@ -2088,7 +2086,7 @@ static void run_with_rank_1_killed(const char *flags, char *out, size_t n) {
     CHECKF(count_lines_with(out, "dtrain[rank ") >= 2, "not every surviving rank reported:\n%s", out);
     CHECKF(count_shm_segments() == before, "a /dev/shm/dtrain-* segment was left behind");
 }
-static void test_a_rank_killed_in_a_group_stops_the_others_with_its_name(void) {
+TEST(a_rank_killed_in_a_group_stops_the_others_with_its_name, QUICK | ALONE) {
     char out[16384];
     run_with_rank_1_killed("--nproc 4 --mesh 2x2", out, sizeof out);
     for (int r = 0; r < 4; r++) {            /* the first cause, recorded for the whole job, is the only one named */
@@ -2099,7 +2097,7 @@ static void test_a_rank_killed_in_a_group_stops_the_others_with_its_name(void) {
     }
 }
 
-static void test_a_killed_rank_stops_the_others_with_its_name(void) {
+TEST(a_killed_rank_stops_the_others_with_its_name, QUICK | ALONE) {
     char out[16384];
     run_with_rank_1_killed("--nproc 3", out, sizeof out);
 }
@@ -2111,7 +2109,7 @@ static const char *plain_collectives_bin(void) {
     snprintf(path, sizeof path, "%s/tools/collectives", repo_root());
     return path;
 }
-static void test_test_hooks_exist_only_in_testing_builds(void) {
+TEST(test_hooks_exist_only_in_testing_builds, QUICK) {
     char out[16384];
     const char *plain = plain_collectives_bin();
     struct stat sb;
@@ -2183,7 +2181,7 @@ static int selftest_wrong_memory(void) {
     dt_all_reduce(c, &v, &v, 1, DT_F32, DT_SUM);          /* must stop here */
     return 0;
 }
-static void test_start_up_checks_hand_collectives_only_the_memory_they_take(void) {
+TEST(start_up_checks_hand_collectives_only_the_memory_they_take, QUICK) {
     fake_devices_on();
     fflush(stdout);
     pid_t pid = fork();                  /* a wrong buffer is a dt_fail: let it end a child, not the suite */
@@ -2207,7 +2205,7 @@ static void test_start_up_checks_hand_collectives_only_the_memory_they_take(void
 }
 /* ---- 10. launching: --nproc, torchrun, mpirun, signals, strangers, nothing left behind ---- */
 
-static void test_ranks_launch_from_torchrun_variables_and_check_their_flags(void) {
+TEST(ranks_launch_from_torchrun_variables_and_check_their_flags, QUICK) {
     char out[16384];
     int port = free_port();
     const char *bin = collectives_bin();
@@ -2271,7 +2269,7 @@ static const char *torchrun_cmd(char *why, size_t n) {
 /* The README's torchrun lines, in torchrun's three rendezvous modes: the
    default (static: torchrun's own store listens on MASTER_PORT), --standalone
    and a c10d endpoint. Each trains as --nproc 2 does, bit for bit. */
-static void test_torchrun_launches_stages_in_every_rendezvous_mode(void) {
+TEST(torchrun_launches_stages_in_every_rendezvous_mode, FULL) {
     char out[16384], why[300] = "", ref[600], dir[600], p[700], q[700];
     const char *tr = torchrun_cmd(why, sizeof why);
     if (!tr[0]) SKIP("%s", why);
@@ -2313,7 +2311,7 @@ static const char *mpi_env(void) {
 }
 
 /* mpirun (Open MPI) starts the ranks; MASTER_PORT is the only thing to add. */
-static void test_mpirun_launches_a_stage_like_nproc(void) {
+TEST(mpirun_launches_a_stage_like_nproc, QUICK) {
     char out[16384], ref[600], dir[600], p[700], q[700];
     if (run_cmd(out, sizeof out, "sh -c 'command -v mpirun'") != 0) SKIP("mpirun is not installed (Debian: openmpi-bin)");
     const char *bin = stage_bin("03-ddp");
@@ -2358,7 +2356,7 @@ static int same_two_rank_weights(const char *a, const char *b) {
    of the same run over shared memory, bit for bit. A rank killed mid-job ends
    it through mpirun, named, well within --timeout. Misuse is refused: --comm
    mpi with --nproc, --comm nccl on the CPU, --comm mpi in a build without MPI. */
-static void test_collectives_and_stages_over_mpi_equal_shared_memory(void) {
+TEST(collectives_and_stages_over_mpi_equal_shared_memory, FULL) {
     char out[16384];
     int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --comm mpi --nproc 2", stage_bin("03-ddp"), small_data());
     CHECKF(st == 2 && strstr(out, "--comm mpi --nproc 2: MPI's ranks are started by mpirun"), "--comm mpi --nproc 2: exit %d\n%s",
@@ -2418,7 +2416,7 @@ static void test_collectives_and_stages_over_mpi_equal_shared_memory(void) {
    job run on one host with --nproc 2; --comm shm across them is refused,
    naming the hosts and the way out. Needs root (ip netns), mpirun and a build
    with MPI; skipped, saying which is missing, elsewhere. */
-static void test_two_hosts_joined_by_mpi_train_like_one(void) {
+TEST(two_hosts_joined_by_mpi_train_like_one, FULL) {
 #ifndef DT_HAVE_MPI
     SKIP(NO_MPI_BUILD);
 #else
@@ -2484,7 +2482,7 @@ static void test_two_hosts_joined_by_mpi_train_like_one(void) {
    process of a job) is one request, not two; a launcher killed outright takes
    its ranks with it (they are sent SIGTERM, so they save too). No rank trains
    on, nothing is written after, nothing is left in /dev/shm. */
-static void test_stopping_the_launcher_stops_its_ranks(void) {
+TEST(stopping_the_launcher_stops_its_ranks, QUICK) {
     static const struct { const char *sig, *to; int status; const char *says; } cases[6] = {
         { "TERM", "$p", 75, "stopped by SIGTERM" }, { "USR1", "$p", 75, "stopped by SIGUSR1" },
         { "INT", "$p", 130, "stopped by SIGINT" }, { "TERM", "$p $kids", 75, "stopped by SIGTERM" }, { "KILL", "$p", 137, NULL },
@@ -2536,7 +2534,7 @@ static void test_stopping_the_launcher_stops_its_ranks(void) {
    logged; the stranger is told why and stops; job A goes on and completes --
    its rank 1 reaching rank 0 by another of the host's addresses than 127.0.0.1,
    as a host name does. */
-static void test_a_stranger_at_the_rendezvous_is_turned_away_not_fatal(void) {
+TEST(a_stranger_at_the_rendezvous_is_turned_away_not_fatal, QUICK) {
     char out[16384];
     int port = free_port();
     const char *bin = collectives_bin();
@@ -2576,7 +2574,7 @@ static int selftest_nproc_port(void) {
     if (thief >= 0) close(thief);
     return v == 3.0f ? 0 : 4;
 }
-static void test_nproc_holds_its_port_from_the_start(void) {
+TEST(nproc_holds_its_port_from_the_start, QUICK) {
     char out[8192];
     int st = run_cmd(out, sizeof out, "%s --selftest-nproc-port", self_bin);
     CHECKF(st == 0, "a job whose port another program tried to take while rank 0 started: exit %d\n%s", st, out);
@@ -2584,7 +2582,7 @@ static void test_nproc_holds_its_port_from_the_start(void) {
 
 /* A rendezvous that fails -- port taken, or Ctrl-C while rank 0 waits -- leaves
    no shared-memory segment (it is made only once every rank has joined). */
-static void test_a_failed_rendezvous_leaves_nothing_in_dev_shm(void) {
+TEST(a_failed_rendezvous_leaves_nothing_in_dev_shm, QUICK) {
     char out[16384];
     int port = free_port();
     const char *bin = collectives_bin();
@@ -2607,7 +2605,7 @@ static void test_a_failed_rendezvous_leaves_nothing_in_dev_shm(void) {
    /dev/shm, as a container would be); rank 1 is told why; no segment is
    left behind. A rank under another host name that shares the /dev/shm
    (containers on one machine) is not refused: the job runs. */
-static void test_ranks_on_two_hosts_are_refused_at_the_rendezvous(void) {
+TEST(ranks_on_two_hosts_are_refused_at_the_rendezvous, QUICK) {
     char out[16384], rank1[900];
     /* the message, cut to fit the welcome, says so; ranks that share memory pass */
     static dt__host hosts[8];
@@ -2661,7 +2659,7 @@ static void test_ranks_on_two_hosts_are_refused_at_the_rendezvous(void) {
    so the question must come in each rank, after dt_launch forks (the launcher
    refuses to fork once CUDA has been asked). CUDA_VISIBLE_DEVICES= hides any
    GPU, so every rank then trains on the CPU, on any machine. */
-static void test_device_is_chosen_in_each_rank_after_the_fork(void) {
+TEST(device_is_chosen_in_each_rank_after_the_fork, QUICK) {
 #ifndef DT_HAVE_CUDA
     SKIP("this build has no CUDA: nothing to ask before the fork");
 #else
@@ -2674,7 +2672,7 @@ static void test_device_is_chosen_in_each_rank_after_the_fork(void) {
 
 /* A rank per GPU unless --ranks-per-gpu lets them share; the refusal names
    both counts and the way out. */
-static void test_more_ranks_than_gpus_is_refused_naming_both_counts(void) {
+TEST(more_ranks_than_gpus_is_refused_naming_both_counts, QUICK) {
     char why[256] = "";
     CHECK(dt_gpu_for_rank(0, 1, 1, 1, why, sizeof why) == 0);
     CHECK(dt_gpu_for_rank(3, 4, 4, 1, why, sizeof why) == 3);
@@ -2715,7 +2713,7 @@ static void test_more_ranks_than_gpus_is_refused_naming_both_counts(void) {
     CHECKF(gpus == 0 || strstr(out, "ranks on this machine but"), "%s", out);
 }
 
-static void test_ddp_by_nproc_and_by_torchrun_variables_agree(void) {
+TEST(ddp_by_nproc_and_by_torchrun_variables_agree, QUICK) {
     char out[16384], a[600], b[600], p[700], q[700];
     snprintf(a, sizeof a, "%s/launch-nproc", tmpdir);
     snprintf(b, sizeof b, "%s/launch-env", tmpdir);
@@ -2741,7 +2739,7 @@ static void test_ddp_by_nproc_and_by_torchrun_variables_agree(void) {
 }
 
 /* On first use every rank needs the synthetic set; one writes it, the others wait. */
-static void test_ddp_ranks_share_the_first_use_of_the_synthetic_set(void) {
+TEST(ddp_ranks_share_the_first_use_of_the_synthetic_set, QUICK) {
     char out[16384], dir[600], cwd[2048], bin[3000];
     snprintf(dir, sizeof dir, "%s/first-use", tmpdir);
     dt__mkdir(dir);
@@ -2833,12 +2831,12 @@ static void equivalence(const char *data, int samples, const char *model_flags, 
                    stages[s], n, d);
         }
 }
-static void test_dp_and_ddp_equal_one_device_with_n_times_the_batch(void) {
+TEST(dp_and_ddp_equal_one_device_with_n_times_the_batch, QUICK) {
     equivalence(small_data(), 320, "", "mlp");
     equivalence(small_data(), 320, "--model vit --depth 2 --heads 2 --patch 4", "vit");
 }
 
-static void test_dp_and_ddp_runs_repeat_bit_for_bit(void) {
+TEST(dp_and_ddp_runs_repeat_bit_for_bit, QUICK) {
     char out[16384], a[600], b[600], p[700], q[700];
     const char *stages[2] = { "02-dp", "03-ddp" }, *flags[2] = { "", "--bucket-mb 0.02" };   /* DDP: many buckets */
     for (int s = 0; s < 2; s++) {
@@ -2857,7 +2855,7 @@ static void test_dp_and_ddp_runs_repeat_bit_for_bit(void) {
 /* With buckets, the first bucket's all-reduce starts while backward still runs
    (read from the per-rank trace, and from comm_hidden_ms in the log); with
    --bucket-mb 0 nothing overlaps, and the weights come out bit for bit equal. */
-static void test_ddp_buckets_overlap_backward_and_change_no_bits(void) {
+TEST(ddp_buckets_overlap_backward_and_change_no_bits, QUICK | ALONE) {
     char out[16384], dir[2][600], log[2][600], trace[600], p[700], q[700];
     for (int k = 0; k < 2; k++) {
         snprintf(dir[k], 600, "%s/ov%d", tmpdir, k);
@@ -2914,7 +2912,7 @@ static void test_ddp_buckets_overlap_backward_and_change_no_bits(void) {
    does the same arithmetic on each element. With clipping the gradient norm is
    summed per shard, then over ranks: a different order, so a tolerance of 2e-5
    (measured: 3.5e-6). */
-static void test_fsdp_equals_ddp_in_every_shard_mode(void) {
+TEST(fsdp_equals_ddp_in_every_shard_mode, QUICK) {
     char out[16384], ref[600], dir[600], p[700], q[700];
     const char *modes[4] = { "optimizer", "grads", "full", "full --cpu-offload" };
     for (int clip = 0; clip < 2; clip++)
@@ -2964,7 +2962,7 @@ static double summary_value(const char *log, const char *key) {
    one such buffer; the optimizer state stays within its shard. With
    --cpu-offload the shards leave the device, which holds no optimizer state
    at all; the host holds them. */
-static void test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank(void) {
+TEST(fsdp_keeps_one_nth_plus_the_gathered_units_per_rank, QUICK) {
     char out[16384], log[600];
     dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     dt_model *m = dt_model_create(&mc, 1);
@@ -3003,7 +3001,7 @@ static void test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank(void) {
    unit but the first is already on its way when forward reaches it, and
    every unit but the last (kept gathered from its forward) when backward
    does; evaluation prefetches as forward does. */
-static void test_fsdp_prefetches_the_next_unit(void) {
+TEST(fsdp_prefetches_the_next_unit, QUICK) {
     dt_model_config mc = { DT_MODEL_VIT, 3, 8, 10, 16, 3, 2, 4, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     dt_model *m = dt_model_create(&mc, 3);
     dt_comm_group *g = dt_comm_group_create(1, 30);
@@ -3076,7 +3074,7 @@ static void tp_equivalence(const char *data, int samples, const char *flags, con
                extra, layouts[k].nproc, layouts[k].tp, layouts[k].flags, d);
     }
 }
-static void test_tensor_parallel_equals_one_device(void) {
+TEST(tensor_parallel_equals_one_device, QUICK) {
     tp_equivalence(small_data(), 320, "", "mlp", "");
     tp_equivalence(small_data(), 320, "--model vit --depth 2 --heads 4 --patch 4", "vit", "");
     tp_equivalence(gpt_text(), 320, "--model gpt --dim 32 --depth 2 --heads 4 --seq-len 16", "gpt", "");
@@ -3094,9 +3092,10 @@ static void test_tensor_parallel_equals_one_device(void) {
    walk back out of the rows-split region (its input needs no gradient), so
    the state it leaves must not carry into evaluation (it crashed). The eval
    loss and accuracy equal stage 01's. */
-static void test_tensor_parallel_evaluates_and_samples_on_every_rank(void) {
-    static char dir[512];
-    const char *data = synthetic_set(dir, sizeof dir, "odd-val", 320, 17, 7);
+TEST(tensor_parallel_evaluates_and_samples_on_every_rank, QUICK) {
+    char data[700];
+    snprintf(data, sizeof data, "%s/odd-val", tmpdir);
+    dt_synthetic_write(data, 320, 17, 16, 7);
     char out[16384], a[600], b[600];
     snprintf(a, sizeof a, "%s/tpeval-01.jsonl", tmpdir);
     snprintf(b, sizeof b, "%s/tpeval-06.jsonl", tmpdir);
@@ -3140,7 +3139,7 @@ static void test_tensor_parallel_evaluates_and_samples_on_every_rank(void) {
 /* Each rank's parameters, gradients and Adam moments are exactly its pieces
    of the split tensors plus the rest whole (the log's peaks, after start-up),
    and the table at start-up says which tensors are cut, whole and here. */
-static void test_tensor_parallel_keeps_one_tth_of_the_split_layers(void) {
+TEST(tensor_parallel_keeps_one_tth_of_the_split_layers, QUICK) {
     char out[16384], log[600];
     dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 4, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     dt_model *m = dt_model_create(&mc, 1);
@@ -3229,7 +3228,7 @@ static void resumes_alike(const char *data, const char *first, const char *model
    rank's pieces gathered, rank 0 writes): it resumes bit for bit at the same
    --tp, at another --tp (each rank cuts its pieces again) and in stage 01,
    and --init starts 06 from a checkpoint of 01. */
-static void test_tensor_parallel_checkpoints_are_whole_and_resume_at_any_tp(void) {
+TEST(tensor_parallel_checkpoints_are_whole_and_resume_at_any_tp, QUICK) {
     char out[16384], a[600], c[600], d[600], p[700];
     const char *flags = "--model vit --depth 2 --heads 4 --patch 4 --batch-size 16";
     snprintf(a, sizeof a, "%s/tpck-a", tmpdir);
@@ -3311,7 +3310,7 @@ static void pp_equivalence(const char *data, int samples, const char *flags, con
         { 4, 2, 16, "--schedule 1f1b --micro-batches 2" } };
     pp_equivalence_in(data, samples, flags, model, layouts, 17, 2e-5);
 }
-static void test_pipeline_parallel_equals_one_device(void) {
+TEST(pipeline_parallel_equals_one_device, FULL) {
     pp_equivalence(small_data(), 320, "--depth 3", "mlp");                           /* 4 layers: 4 stages of one */
     pp_equivalence(small_data(), 320, "--model vit --depth 4 --heads 2 --patch 4", "vit");
     /* the tied head: wte at the first stage and the last, their gradients added */
@@ -3344,7 +3343,7 @@ static double step_value(const char *log, int step, const char *key) {
    measured share of the stages' time spent waiting (this rank's computing
    and waiting within its time in the pipeline), which a single stage never
    does. */
-static void test_pipeline_parallel_keeps_p_micro_batches_under_1f1b(void) {
+TEST(pipeline_parallel_keeps_p_micro_batches_under_1f1b, QUICK) {
     char out[16384], log[600];
     const char *flags = "--model vit --dim 32 --depth 4 --heads 2 --patch 4 --image-size 16 --epochs 1 --steps 3 --batch-size 32 "
                         "--micro-batches 8 --nproc 4";
@@ -3398,7 +3397,7 @@ static void test_pipeline_parallel_keeps_p_micro_batches_under_1f1b(void) {
 /* A pipeline's checkpoint is whole, as stage 01's (each stage sends what it
    holds to rank 0, which writes): it resumes bit for bit at the same layout,
    and at another (--pp 4, or stage 01) within the sums' order. */
-static void test_pipeline_parallel_checkpoints_are_whole_and_resume(void) {
+TEST(pipeline_parallel_checkpoints_are_whole_and_resume, QUICK) {
     char out[16384], a[600], p[700];
     const char *flags = "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 16 --micro-batches 4";
     snprintf(a, sizeof a, "%s/ppck-a", tmpdir);
@@ -3427,7 +3426,7 @@ static void test_pipeline_parallel_checkpoints_are_whole_and_resume(void) {
    split over T inside the two end stages, which add up its gradients. A
    checkpoint of 1 x 2 x 2 (the stages' pieces, gathered over both) resumes
    bit for bit. */
-static void test_data_tensor_and_pipeline_parallel_together_equal_one_device(void) {
+TEST(data_tensor_and_pipeline_parallel_together_equal_one_device, QUICK) {
     static const pp_layout layouts[3] = {
         { 4, 0, 32, "--tp 2 --micro-batches 4" }, { 4, 1, 16, "--tp 2 --micro-batches 2" },
         { 8, 2, 16, "--tp 2 --micro-batches 2 --schedule gpipe" } };
@@ -3454,7 +3453,7 @@ static void test_data_tensor_and_pipeline_parallel_together_equal_one_device(voi
    micro-batches already add up, so K steps of B are one step of K x B in
    K x M micro-batches (one fill and drain, not K), bit for bit. fp16, whose
    loss scale no stage carries, is refused, naming bf16. */
-static void test_pipeline_parallel_trains_in_bf16_and_accumulates_as_05_does(void) {
+TEST(pipeline_parallel_trains_in_bf16_and_accumulates_as_05_does, QUICK) {
     char out[16384], log[4][600];
     const char *model = "--model gpt --dim 32 --depth 2 --heads 4 --seq-len 16 --epochs 1 --steps 6 --quiet";
     const char *runs[4][2] = {
@@ -3498,7 +3497,7 @@ static void test_pipeline_parallel_trains_in_bf16_and_accumulates_as_05_does(voi
    from the slices into the checkpoint, included); each rank keeps half of
    its stage's state; a checkpoint resumes bit for bit sharded, and in 07
    unsharded and 01 within 2e-5. ZeRO-2 and -3 are refused, saying why. */
-static void test_pipeline_parallel_shares_out_the_optimizer_state_over_the_pipelines(void) {
+TEST(pipeline_parallel_shares_out_the_optimizer_state_over_the_pipelines, QUICK) {
     static const pp_layout layouts[2] = { { 4, 2, 16, "--shard optimizer --micro-batches 2" },
                                           { 8, 2, 16, "--tp 2 --shard optimizer --micro-batches 2 --schedule gpipe" } };
     pp_equivalence_in(gpt_text(), 320, "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16", "gpt", layouts, 2, 2e-5);
@@ -3539,7 +3538,7 @@ static void test_pipeline_parallel_shares_out_the_optimizer_state_over_the_pipel
 /* A stage killed while it sends an activation: the stages waiting on it
    (for the activation, the gradient back, the loss) stop within --timeout,
    naming it, and none waits forever on a receive. */
-static void test_a_killed_pipeline_stage_stops_every_rank(void) {
+TEST(a_killed_pipeline_stage_stops_every_rank, QUICK) {
     char out[16384];
     double t0 = dt_now_ms();
     int st = run_cmd(out, sizeof out, "env DT_TEST_DIE_RANK=1 DT_TEST_DIE_SEND=5 %s --data %s " PAR_FLAGS " --batch-size 16 "
@@ -3611,7 +3610,7 @@ static int move_line(const char *src, const char *dst, const char *move, const c
     return placed == 1;
 }
 
-static void test_order_mistakes_in_each_stage_are_named_errors(void) {
+TEST(order_mistakes_in_each_stage_are_named_errors, FULL) {
     char root[512], out[8192], dir[1024], src[1200], dst[1200], bin[1200];
     if (!getcwd(root, sizeof root)) SKIP("no working directory");
     snprintf(src, sizeof src, "%s/dtrain.h", root);
@@ -3709,12 +3708,12 @@ static void language_model_trains_alike_in_every_stage(const char *model, const 
     CHECKF(st == 0 && s && count_lines_with(out, "sample step") == 1, "04 --sample: exit %d\n%s", st, out);
     CHECKF(strstr(out, "tokens/s") && strstr(out, "baseline"), "no tokens/s or baseline in:\n%s", out);
 }
-static void test_gpt_trains_alike_in_every_stage(void) {
+TEST(gpt_trains_alike_in_every_stage, QUICK) {
     language_model_trains_alike_in_every_stage("gpt", "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16");
 }
 /* Llama's layout (grouped-query attention: 4 query heads, 2 key/value heads)
    in every stage, as the GPT */
-static void test_llama_trains_alike_in_every_stage(void) {
+TEST(llama_trains_alike_in_every_stage, QUICK) {
     language_model_trains_alike_in_every_stage("llama", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16");
 }
 /* Instruction data, whose batches count very different numbers of targets:
@@ -3723,7 +3722,7 @@ static void test_llama_trains_alike_in_every_stage(void) {
    stage 01 with the whole batch. With each rank's own mean instead, 03 at
    N = 2 ends 0.016 away in weights and Adam moments, 05 (2 ranks x 4
    micro-batches) 0.034 (measured with the divisor left out). */
-static void test_masked_instruction_data_trains_alike_in_every_stage(void) {
+TEST(masked_instruction_data_trains_alike_in_every_stage, QUICK) {
     const char *flags = "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16";
     char out[16384], dir[600], p[700], q[700], log[700];
     double ref[64], got[64];
@@ -3814,7 +3813,7 @@ static void recompute_gives_the_same_bits(const char *bin, const recompute_case 
 #define RC_LLAMA "--model llama --depth 3 --heads 4 --kv-heads 2 --seq-len 16"
 /* Every stage: DDP's buckets (which still overlap backward), FSDP's units
    gathered again for the recompute, bf16 and accumulation. */
-static void test_recompute_repeats_the_bits_of_every_stage_in_less_memory(void) {
+TEST(recompute_repeats_the_bits_of_every_stage_in_less_memory, QUICK) {
     static const recompute_case cases[] = {
         { "01-single-gpu", "", RC_VIT, 1 }, { "01-single-gpu", "", RC_GPT, 1 },
         { "01-single-gpu", "", RC_LLAMA " --untied-head --qkv-bias", 1 }, { "01-single-gpu", "", "--model mlp --depth 3", 0 },
@@ -3854,7 +3853,7 @@ static dt_tensor *f_lora(dt_tensor **l, void *c) { (void)l; lora_ctx *x = (lora_
    set they are the plain model's with W + (alpha/r) B A, folded in here; the
    adapters' gradients match finite differences; training changes the
    adapters and nothing else, and only they have gradients and optimizer state. */
-static void test_lora_starts_at_the_frozen_model_and_trains_only_its_adapters(void) {
+TEST(lora_starts_at_the_frozen_model_and_trains_only_its_adapters, QUICK) {
     dt_model_config mlp = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     dt_model_config vit = { DT_MODEL_VIT, 3, 8, 4, 16, 2, 2, 4, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     struct { dt_model_config c; const char *targets; int pairs; } cases[] = {
@@ -3980,7 +3979,7 @@ static double peak_mb(const char *out, const char *what) {
    bit, and comes back through --init and through tools/merge-lora to the
    same first loss; the memory line holds the adapters' gradients and
    optimizer state alone. */
-static void test_lora_trains_alike_in_every_stage_and_round_trips(void) {
+TEST(lora_trains_alike_in_every_stage_and_round_trips, QUICK) {
     char out[16384], dir[600], log[700], ref[700], p[800], q[800];
     double want[64], got[64];
     equivalence(gpt_text(), 320, LORA_GPT, "gpt");
@@ -4196,7 +4195,7 @@ static void *accum_ddp_rank(void *arg) {
     return NULL;
 }
 
-static void test_accumulation_equals_a_k_times_larger_batch(void) {
+TEST(accumulation_equals_a_k_times_larger_batch, QUICK) {
     /* DDP (the wrapper, two thread ranks, K = 4 of B = 4) against one rank with 32 */
     dt_model_config mc = accum_model();
     dt_model *m = dt_model_create(&mc, 7);
@@ -4268,7 +4267,7 @@ static void test_accumulation_equals_a_k_times_larger_batch(void) {
     }
 }
 
-static void test_bf16_and_fp16_track_the_fp32_loss_curve(void) {
+TEST(bf16_and_fp16_track_the_fp32_loss_curve, FULL) {
     static const char *types[3] = { "fp32", "bf16", "fp16" };
     char out[16384], log[3][600];
     double loss[3][200], acc[3], acts[3];
@@ -4368,7 +4367,7 @@ static void *overflow_rank_main(void *arg) {
     dt__context_release();
     return NULL;
 }
-static void test_fp16_overflow_skips_that_step_and_halves_the_scale(void) {
+TEST(fp16_overflow_skips_that_step_and_halves_the_scale, QUICK) {
     overflow_rank ranks[2];
     pthread_t th[2];
     memset(ranks, 0, sizeof ranks);
@@ -4410,7 +4409,7 @@ static void test_fp16_overflow_skips_that_step_and_halves_the_scale(void) {
 
 /* Mixed-precision results do not depend on the number of threads (each
    element is converted on its own, and the per-thread context is read once). */
-static void test_mixed_precision_is_the_same_on_any_thread_count(void) {
+TEST(mixed_precision_is_the_same_on_any_thread_count, QUICK) {
     double sums[2][2];
     for (int t = 0; t < 2; t++)
         for (int th = 0; th < 2; th++) {
@@ -4472,7 +4471,7 @@ static size_t handmade_safetensors(const char *path, const char *dtype_w) {
     return p;
 }
 
-static void test_safetensors_weights_load_and_write_back(void) {
+TEST(safetensors_weights_load_and_write_back, QUICK) {
     char path[600], out[600];
     dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };     /* depth 0: fc1 [2, 3] only */
     float w[6] = { 0.5f, -1.0f, 2.0f, 0.25f, -0.125f, 3.0f };
@@ -4569,7 +4568,7 @@ static double gpt2_ref_sequence_loss(const gpt2_ref_weights *W, const unsigned c
    config, a position table longer than the context, the causal-mask buffers
    old GPT-2 files carry, "transformer." names for one block -- loads with
    --init; stage 01's first logged loss is the plain forward pass above. */
-static void test_gpt2_safetensors_load_with_init_and_give_the_expected_first_loss(void) {
+TEST(gpt2_safetensors_load_with_init_and_give_the_expected_first_loss, QUICK) {
     enum { D = 8, T = 16, M = 32, V = 256, POS = 40 };
     static const char *suffix[12] = { "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
                                       "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
@@ -4673,7 +4672,7 @@ static void write_safetensors_bf16(const char *path, const dt_named_tensor *t, i
    files and model.safetensors.index.json). `--init DIR` alone (no --model, no
    shape flags) must train it, and the first loss must be the double-precision
    forward's. */
-static void test_hugging_face_llama_and_qwen2_folders_load_with_init_and_give_the_expected_first_loss(void) {
+TEST(hugging_face_llama_and_qwen2_folders_load_with_init_and_give_the_expected_first_loss, QUICK) {
     enum { T = 16, B = 10 };
     unsigned char bytes[178];                    /* the first 161 bytes are training: 10 sequences of 16, one batch */
     for (int i = 0; i < 178; i++) bytes[i] = (unsigned char)("The miller ran to the bridge at noon. "[i % 38]);
@@ -4870,7 +4869,7 @@ static const char *test_python(void) {
    base), timm and a strict load_state_dict (vit, mlp) -- and computes the
    logits dtrain computes from those weights. Stage 04's sharded checkpoint
    does after tools/consolidate. */
-static void test_checkpoints_open_in_transformers_timm_and_pytorch(void) {
+TEST(checkpoints_open_in_transformers_timm_and_pytorch, FULL) {
     char out[16384], dir[600], ck[700], in[800], want[800];
     const char *py = test_python(), *check = NULL;
     char checker[800];
@@ -4976,7 +4975,7 @@ static void test_checkpoints_open_in_transformers_timm_and_pytorch(void) {
 /* LoRA adapters open in PEFT: a plain run's checkpoint is the frozen model,
    a LoRA run on it (--init) saves adapters, and transformers +
    PeftModel.from_pretrained compute the logits dtrain computes with them. */
-static void test_lora_adapters_open_in_peft(void) {
+TEST(lora_adapters_open_in_peft, FULL) {
     char out[16384], base[600], dir[600], ck[800], in[800], want[800];
     char checker[800];
     const char *py = test_python();
@@ -5041,7 +5040,7 @@ static void test_lora_adapters_open_in_peft(void) {
    it is (config.json gives the shape: no shape flag), a vit one and a sharded
    one (stage 04) by name. A step at a learning rate of 1e-9 leaves the weights
    as they were loaded. */
-static void test_checkpoint_folders_start_runs_with_init(void) {
+TEST(checkpoint_folders_start_runs_with_init, QUICK) {
     static const struct { const char *name, *stage, *flags, *init_flags; int text; } cases[] = {
         { "llama", "01-single-gpu", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16 --batch-size 4", "", 1 },
         { "vit", "01-single-gpu", "--model vit --image-size 16 --patch 4 --dim 32 --depth 2 --heads 2 --batch-size 16",
@@ -5094,7 +5093,7 @@ static void resume_matches_straight_run(const char *from, const char *dir, const
     CHECKF(files_equal_tensors(p, q), "weights or optimizer state differ after resuming %s", what);
 }
 
-static void test_resume_continues_exactly(void) {
+TEST(resume_continues_exactly, QUICK) {
     char out[16384], a[600], b[600], c[600], p[700];
     snprintf(a, sizeof a, "%s/ckA", tmpdir);
     snprintf(b, sizeof b, "%s/ckB", tmpdir);
@@ -5111,7 +5110,7 @@ static void test_resume_continues_exactly(void) {
     resume_matches_straight_run(p, c, a, "in mid-epoch");
 }
 
-static void test_init_starts_from_given_weights(void) {
+TEST(init_starts_from_given_weights, QUICK) {
     char out[16384], path[600], dir[600];
     snprintf(path, sizeof path, "%s/hand0.safetensors", tmpdir);
     handmade_safetensors(path, "F32");
@@ -5145,7 +5144,7 @@ static void test_init_starts_from_given_weights(void) {
    resumed, end bit for bit where a straight run ends, with the same loss
    scale at every step; a step of 2 x 4 x 4 samples resumes as 2 x 16 x 1 and
    not as 2 x 4 x 2, which the error explains. */
-static void test_accumulation_and_fp16_resume_exactly(void) {
+TEST(accumulation_and_fp16_resume_exactly, QUICK) {
     char out[16384], dir[2][600], log[2][700], f[2][700], ck[700], rescaled[700];
     for (int k = 0; k < 2; k++) {
         snprintf(dir[k], sizeof dir[k], "%s/acc16-%d", tmpdir, k);
@@ -5206,7 +5205,7 @@ static void test_accumulation_and_fp16_resume_exactly(void) {
    the same samples each step -- it ends within 2e-5 of the straight run.
    Refused at N=2 with the same per-rank batch; a missing or a truncated shard
    is an error naming the file. */
-static void test_fsdp_sharded_checkpoints_resume_consolidate_and_reshard(void) {
+TEST(fsdp_sharded_checkpoints_resume_consolidate_and_reshard, QUICK) {
     char out[16384], a[600], b[600], c[600], p[800], q[800], full[700], log4[700], log1[700], moved[810];
     const char *bin = stage_bin("04-fsdp"), *consolidate = build_path("tools/consolidate");
     const char *flags = "--image-size 16 --dim 32 --log-every 1000 --quiet --model vit --depth 2 --heads 2";
@@ -5287,7 +5286,7 @@ static void test_fsdp_sharded_checkpoints_resume_consolidate_and_reshard(void) {
    step -- one bucket, the logged loss -- and one per evaluation). Rank 0 stops
    within the timeout naming it; the epoch-1 checkpoint is intact, and resuming
    from it with 2 ranks ends bit for bit where an uninterrupted run ends. */
-static void test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly(void) {
+TEST(a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly, QUICK) {
     char out[16384], straight[600], killed[600], p[700], q[700];
     const char *bin = stage_bin("03-ddp");
     snprintf(straight, sizeof straight, "%s/kill-straight", tmpdir);
@@ -5317,7 +5316,7 @@ static void test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly(void
 }
 
 static int rewrite_checkpoint(const char *src, const char *dst, const char *key, const char *value, const char *nan_in);
-static void test_bad_checkpoints_are_refused(void) {
+TEST(bad_checkpoints_are_refused, QUICK) {
     char out[8192], src[700], bad[700], dir[600];
     snprintf(dir, sizeof dir, "%s/ckA", tmpdir);               /* written by the resume test */
     snprintf(src, sizeof src, "%s/mlp_data0-320_epoch1", dir);
@@ -5402,7 +5401,7 @@ static void test_bad_checkpoints_are_refused(void) {
     expect_error(out, st, 1, "cannot read checkpoint '");
 }
 
-static void test_failed_save_keeps_the_previous_checkpoint(void) {
+TEST(failed_save_keeps_the_previous_checkpoint, QUICK) {
     char out[16384], dir[600], ck[700], p[800];
     snprintf(dir, sizeof dir, "%s/keep", tmpdir);
     int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --save-dir %s", train_cpu, small_data(), dir);
@@ -5467,24 +5466,23 @@ static int rewrite_checkpoint(const char *src, const char *dst, const char *key,
 }
 
 /* A checkpoint 3 steps into a 2-epoch run of stage 01 (10 steps an epoch), made once. */
+static int make_short_checkpoint(const char *dir) {
+    char out[8192];
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --steps 3 --save-dir %s", train_cpu,
+                     small_data(), dir);
+    CHECKF(st == 0, "the short run: exit %d\n%s", st, out);
+    return st == 0;
+}
 static const char *short_checkpoint(void) {
-    static char path[700];
-    char out[8192], dir[600];
-    snprintf(dir, sizeof dir, "%s/short", tmpdir);
-    snprintf(path, sizeof path, "%s/mlp_data0-320_step3", dir);
-    struct stat sb;
-    if (stat(path, &sb) != 0) {
-        int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --steps 3 --save-dir %s", train_cpu,
-                         small_data(), dir);
-        CHECKF(st == 0, "the short run: exit %d\n%s", st, out);
-    }
+    static char dir[600], path[700];
+    snprintf(path, sizeof path, "%s/mlp_data0-320_step3", shared(dir, sizeof dir, "short", make_short_checkpoint));
     return path;
 }
 
 /* Every number in a checkpoint's metadata is read whole and in range, or the
    resume stops naming the file and the field: atoi took "-5" and "abc" (as 0)
    and resumed from a position that never was. */
-static void test_corrupt_checkpoint_metadata_is_refused_naming_the_field(void) {
+TEST(corrupt_checkpoint_metadata_is_refused_naming_the_field, QUICK) {
     char out[16384], bad[700], want[1024], which[128];
     const char *ck = short_checkpoint();
     char bad_weights[800];
@@ -5547,7 +5545,7 @@ static void test_corrupt_checkpoint_metadata_is_refused_naming_the_field(void) {
 
 /* A NaN in the --init weights is named where it is, not left to surface as a
    NaN loss that blames --lr. */
-static void test_init_weights_holding_nan_are_refused_naming_the_tensor(void) {
+TEST(init_weights_holding_nan_are_refused_naming_the_tensor, QUICK) {
     char out[16384], w[700];
     snprintf(w, sizeof w, "%s/nan", tmpdir);
     CHECK(rewrite_checkpoint(short_checkpoint(), w, NULL, NULL, "fc3.weight") == 0);
@@ -5559,7 +5557,7 @@ static void test_init_weights_holding_nan_are_refused_naming_the_tensor(void) {
 
 /* The evaluation says what it is about to do before it does it (a long
    evaluation is otherwise a silent minute), then prints its result. */
-static void test_evaluation_announces_itself_before_its_result(void) {
+TEST(evaluation_announces_itself_before_its_result, QUICK) {
     char out[32768];
     int st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --dim 32 --batch-size 32 --epochs 1", train_cpu, small_data());
     CHECKF(st == 0, "exit %d\n%s", st, out);
@@ -5569,7 +5567,7 @@ static void test_evaluation_announces_itself_before_its_result(void) {
 
 /* At a temperature near 0, sampling is the model's own argmax, token after
    token, past the end of the context (the window slides). */
-static void test_gpt_generation_follows_the_model(void) {
+TEST(gpt_generation_follows_the_model, QUICK) {
     dt_model_config c = tiny_gpt();
     dt_model *m = dt_model_create(&c, 5);
     for (int64_t i = 0; i < m->numel; i++) m->flat_data[i] *= 30;      /* sharp logits: no near ties */
@@ -5593,7 +5591,7 @@ static void test_gpt_generation_follows_the_model(void) {
 
 /* Stage 01 on text learns what a model without context cannot: in 150 steps
    the validation loss falls well below the unigram baseline. */
-static void test_gpt_beats_the_unigram_baseline_on_text(void) {
+TEST(gpt_beats_the_unigram_baseline_on_text, FULL) {
     char out[16384], log[600];
     snprintf(log, sizeof log, "%s/gpt-learn.jsonl", tmpdir);
     int st = run_cmd(out, sizeof out, "%s --data %s " GPT_FLAGS " --epochs 15 --lr 3e-3 --log %s", train_cpu, gpt_text(), log);
@@ -5603,7 +5601,7 @@ static void test_gpt_beats_the_unigram_baseline_on_text(void) {
 }
 /* ---- 15. metrics: logs, traces, progress, the bench line -------------------- */
 
-static void test_training_run_log_trace_and_bench(void) {
+TEST(training_run_log_trace_and_bench, QUICK) {
     char out[16384], log[600], trace[600];
     snprintf(log, sizeof log, "%s/run.jsonl", tmpdir);
     snprintf(trace, sizeof trace, "%s/run.trace.json", tmpdir);
@@ -5646,7 +5644,7 @@ static int count_line_starts(const char *text, const char *prefix) {
 /* Progress is printed by the clock: 3 epochs of 40 steps of a few milliseconds
    give the first step, each epoch's last and a few timed lines, not 120. With
    --log-every N, every N-th step and no other. */
-static void test_progress_lines_come_by_time_and_at_each_epochs_end(void) {
+TEST(progress_lines_come_by_time_and_at_each_epochs_end, QUICK) {
     char out[32768], want[64];
     const char *flags = "--image-size 16 --dim 32 --batch-size 8 --epochs 3";
     double t0 = dt_now_ms();
@@ -5671,7 +5669,7 @@ static void test_progress_lines_come_by_time_and_at_each_epochs_end(void) {
 /* The ETA's step time follows the recent steps: after a slow warm-up it comes
    down to the fast steps' time, and it follows a slowdown up again, where a
    mean since the start would lag behind both. */
-static void test_eta_follows_the_recent_step_time(void) {
+TEST(eta_follows_the_recent_step_time, QUICK) {
     double avg = 0, mean = 0;
     int64_t n = 0;
     for (int i = 0; i < 60; i++) {          /* 5 steps of 1 s (warm-up), then 55 of 100 ms */
@@ -5690,7 +5688,7 @@ static void test_eta_follows_the_recent_step_time(void) {
 }
 
 /* Which steps print a line, with the clock passed in. */
-static void test_progress_is_due_by_time_epoch_end_or_log_every(void) {
+TEST(progress_is_due_by_time_epoch_end_or_log_every, QUICK) {
     CHECK(dt__progress_due(1, 0, 0, 0, 0));                    /* the first step */
     CHECK(!dt__progress_due(2, 0, 0, 1000, 0));                /* 1 s later: not yet */
     CHECK(!dt__progress_due(50, 0, 0, 2999, 0));               /* the old every-50 is gone */
@@ -5719,7 +5717,7 @@ static const char *tracking_python(void) {
    Value: 0x0a "loss", 0x15 + 2.5 as a float), the Event's masked CRC. The
    file begins with a record naming the format. A folder that cannot be made
    is an error with errno set, not a crash. */
-static void test_tensorboard_event_files_are_framed_and_checksummed_as_tfrecord(void) {
+TEST(tensorboard_event_files_are_framed_and_checksummed_as_tfrecord, QUICK) {
     CHECKF(dt_crc32c("123456789", 9) == 0xe3069283u, "crc32c('123456789') = %08x, the check value is e3069283",
            dt_crc32c("123456789", 9));
     CHECKF(dt_crc32c_masked("123456789", 9) == 0xc78ab0e5u, "masked: %08x, expected c78ab0e5", dt_crc32c_masked("123456789", 9));
@@ -5768,7 +5766,7 @@ static void test_tensorboard_event_files_are_framed_and_checksummed_as_tfrecord(
    loss and learning rate as --log has them, the evaluation, the speed --
    steps 1-4, then 5-6 resumed from the step-4 checkpoint into the same run,
    each step once. A folder that cannot be written is named. */
-static void test_tensorboard_reads_every_scalar_dtrain_wrote(void) {
+TEST(tensorboard_reads_every_scalar_dtrain_wrote, FULL) {
     char out[16384], dir[600], log[600], bad[700];
     snprintf(dir, sizeof dir, "%s/tb-run", tmpdir);
     snprintf(bad, sizeof bad, "%s/tb-blocker", tmpdir);
@@ -5825,7 +5823,7 @@ static void test_tensorboard_reads_every_scalar_dtrain_wrote(void) {
    --log's losses. Resumed from its checkpoint, the same run goes on (the
    checkpoint names it): steps 5-6 land in the same files, and no run is
    added. A folder that cannot be made is named. */
-static void test_mlflow_file_store_holds_the_run_as_mlflow_lays_it_out(void) {
+TEST(mlflow_file_store_holds_the_run_as_mlflow_lays_it_out, QUICK) {
     char out[16384], dir[600], log[600], ck[600], p[1400], run[1000] = "";
     snprintf(dir, sizeof dir, "%s/mlruns", tmpdir);
     snprintf(log, sizeof log, "%s/mlflow.jsonl", tmpdir);
@@ -5921,7 +5919,7 @@ static void test_mlflow_file_store_holds_the_run_as_mlflow_lays_it_out(void) {
    in build/trackvenv) reads the runs of two stages written to one folder:
    each with its name, FINISHED, its flags and stage, and every loss --log
    has, step by step. */
-static void test_mlflow_reads_the_runs_dtrain_wrote(void) {
+TEST(mlflow_reads_the_runs_dtrain_wrote, FULL) {
     char out[16384], dir[600], log[2][600];
     const char *py = tracking_python();
     if (run_cmd(out, sizeof out, "%s -c 'import mlflow'", py) != 0)
@@ -5971,7 +5969,7 @@ static void test_mlflow_reads_the_runs_dtrain_wrote(void) {
    backward span): a rank paused between backward and its wait (a loaded
    machine) once made the log count 2.8 ms more than the trace. It names the
    straggler; a damaged trace is an error naming the file and the line. */
-static void test_trace_summary_reports_the_overlap_the_log_measured(void) {
+TEST(trace_summary_reports_the_overlap_the_log_measured, QUICK | ALONE) {
     char out[16384], trace[600], log[600], t0[700], t1[700];
     snprintf(trace, sizeof trace, "%s/ts.json", tmpdir);
     snprintf(log, sizeof log, "%s/ts.jsonl", tmpdir);
@@ -6015,7 +6013,7 @@ static void test_trace_summary_reports_the_overlap_the_log_measured(void) {
    the legend naming each run -- and --time puts the training time on the x
    axis. A log with a line that is not JSON is an error naming the file and
    the line. */
-static void test_plot_draws_each_run_in_each_panel(void) {
+TEST(plot_draws_each_run_in_each_panel, QUICK) {
     char out[16384], log[2][600], svg[600];
     static const char *const stages[2] = { "01-single-gpu", "03-ddp" };
     for (int k = 0; k < 2; k++) {
@@ -6056,7 +6054,7 @@ static void test_plot_draws_each_run_in_each_panel(void) {
 
 /* ---- 16. the cost model ----------------------------------------------------- */
 
-static void test_cost_model_matches_hand_computed_cases(void) {
+TEST(cost_model_matches_hand_computed_cases, QUICK) {
     dt_link l = { "test", 10, 10 };                                  /* 10 us, 10 GB/s */
     /* ring all-reduce of 1 GB: 2(N-1) hops of 10 us, 2(N-1)/N of the bytes at 10 GB/s */
     CHECK(dt_cost_all_reduce_ms(&l, 1, 1e9) == 0);
@@ -6203,7 +6201,7 @@ static void test_cost_model_matches_hand_computed_cases(void) {
 /* ---- 17. the command line: each mistake a one-line error naming the flag ---- */
 
 static const char *stage_bin(const char *stage);
-static void test_bad_flags_exit_2_naming_the_flag(void) {
+TEST(bad_flags_exit_2_naming_the_flag, QUICK) {
     static const struct { const char *stage, *args, *named; } bad[] = {
         { "01-single-gpu", "--no-such-flag 3", "--no-such-flag" },
         { "01-single-gpu", "--lr fast", "--lr" },
@@ -6254,7 +6252,7 @@ static void test_bad_flags_exit_2_naming_the_flag(void) {
    the flag. -1 used to mean "not given" for some of them, so --batch-size -1 or
    --warmup -1 trained with the default in silence. Each run would start on
    random data (--bench) if the value were taken, so a miss fails fast. */
-static void test_out_of_range_values_exit_2_naming_the_flag(void) {
+TEST(out_of_range_values_exit_2_naming_the_flag, QUICK) {
     static const struct { const char *stage, *args, *named; } bad[] = {
         { "01-single-gpu", "--batch-size -1", "--batch-size" }, { "01-single-gpu", "--epochs -1", "--epochs" },
         { "01-single-gpu", "--epochs 0", "--epochs" }, { "01-single-gpu", "--dim -1", "--dim" },
@@ -6287,7 +6285,7 @@ static void test_out_of_range_values_exit_2_naming_the_flag(void) {
 
 /* One flag table says which stages take each flag: a flag of another stage is
    an error naming the stages that have it, and --help lists a stage's own. */
-static void test_a_flag_of_another_stage_exits_2_naming_its_stages(void) {
+TEST(a_flag_of_another_stage_exits_2_naming_its_stages, QUICK) {
     static const struct { const char *stage, *args, *named; } bad[] = {
         { "01-single-gpu", "--shard full", "--shard is a flag of 04-fsdp, 05-accum-mixed-precision and 07-pipeline-parallel, not 01-single-gpu" },
         { "02-dp", "--cpu-offload", "--cpu-offload is a flag of 04-fsdp and 05-accum-mixed-precision, not 02-dp" },
@@ -6344,7 +6342,7 @@ static void test_a_flag_of_another_stage_exits_2_naming_its_stages(void) {
    name itself (a checkpoint's .tmp, a rank's trace), a link of that name
    points there. */
 #define FULL_DISK "No space left on device"
-static void test_a_full_disk_under_log_trace_or_checkpoint_stops_the_run(void) {
+TEST(a_full_disk_under_log_trace_or_checkpoint_stops_the_run, QUICK) {
     char out[16384], dir[600], p[800], q[900];
     struct stat sb;
     if (stat("/dev/full", &sb) != 0 || !S_ISCHR(sb.st_mode)) SKIP("no /dev/full on this machine");
@@ -6409,7 +6407,7 @@ static void test_a_full_disk_under_log_trace_or_checkpoint_stops_the_run(void) {
    50 of 80; the test hook makes rank 0 send it to the launcher then). The ranks
    finish that step, save it together and exit 75; the same command run again
    (--resume auto) ends bit for bit where an uninterrupted run ends. */
-static void test_sigterm_preempts_fsdp_and_resume_auto_ends_bit_for_bit(void) {
+TEST(sigterm_preempts_fsdp_and_resume_auto_ends_bit_for_bit, QUICK) {
     char out[16384], a[600], b[600], p[700], q[700], cmd[2400];
     const char *bin = stage_bin("04-fsdp");
     snprintf(a, sizeof a, "%s/preempt-straight", tmpdir);
@@ -6438,7 +6436,7 @@ static void test_sigterm_preempts_fsdp_and_resume_auto_ends_bit_for_bit(void) {
 
 /* The rule of NEED_GPU, checked here where there is no GPU: told one is
    visible, a build that cannot use it fails its GPU tests instead of skipping. */
-static void test_a_gpu_test_fails_instead_of_skipping_where_a_gpu_is_visible(void) {
+TEST(a_gpu_test_fails_instead_of_skipping_where_a_gpu_is_visible, QUICK) {
     char why[256], out[16384];
     if (dt_cuda_available(why, sizeof why)) SKIP("this build has a GPU to use: its GPU tests run for real");
     int st = run_cmd(out, sizeof out, "env DT_TEST_GPU_VISIBLE=1 %s %s gpu_ops", self_bin, train_bin);
@@ -6535,7 +6533,7 @@ static dt_tensor *f_embed_big(dt_tensor **l, void *c) {   /* 3 sequences of 37 i
     for (int i = 0; i < 3 * 37; i++) ids[i] = (float)((i * 7 + i / 5) % 50);
     return dt_token_embedding(dt_tensor_from_host(2, s, ids), l[0], l[1]);
 }
-static void test_gpu_ops_forward_and_backward_match_the_cpu_within_1e5(void) {
+TEST(gpu_ops_forward_and_backward_match_the_cpu_within_1e5, QUICK) {
     NEED_GPU();
     dt__rng r = { 41 };
     /* odd sizes, so that no kernel gets away with assuming multiples of 32 */
@@ -6610,7 +6608,7 @@ static void test_gpu_ops_forward_and_backward_match_the_cpu_within_1e5(void) {
 
 /* The casts and the optimizer updates are the very same DT_HD functions on both
    sides: the GPU must give the same bits. */
-static void test_gpu_casts_adamw_and_sgd_are_bitwise_the_cpu(void) {
+TEST(gpu_casts_adamw_and_sgd_are_bitwise_the_cpu, QUICK) {
     NEED_GPU();
     enum { N = 4099 };
     float *src = (float *)malloc(sizeof(float) * N), *back = (float *)malloc(sizeof(float) * N);
@@ -6699,7 +6697,7 @@ static float *random_images(int B, int32_t *labels, uint64_t seed) {
     for (int i = 0; i < B; i++) labels[i] = (int32_t)(dt__rng_u64(&r) % 10);
     return pixels;
 }
-static void test_gpu_fp32_step_loss_grads_and_params_match_the_cpu(void) {
+TEST(gpu_fp32_step_loss_grads_and_params_match_the_cpu, QUICK) {
     NEED_GPU();
     dt_model_config cfgs[2] = { { DT_MODEL_MLP, 3, 16, 10, 96, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" }, { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" } };
     int B = 24;
@@ -6753,7 +6751,7 @@ static float *cpu_adamw_step_from(dt_model_config *c, const float *grads) {
    both sides puts them up to 2 lr apart (the first GPU run, 2026-11-24: fp16
    1.9e-3 at lr 1e-3). The step is checked instead against the CPU's AdamW
    fed the GPU's own gradients. */
-static void test_gpu_bf16_and_fp16_step_loss_grads_and_params_match_the_cpu(void) {
+TEST(gpu_bf16_and_fp16_step_loss_grads_and_params_match_the_cpu, QUICK) {
     NEED_GPU();
     dt_model_config cfg = { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
     int B = 24;
@@ -6803,7 +6801,7 @@ static curve_gap compare_curves(const double *a, const double *b, int n) {
     if (windows) g.windows /= windows;
     return g;
 }
-static void test_gpu_200_step_vit_loss_curve_tracks_the_cpu(void) {
+TEST(gpu_200_step_vit_loss_curve_tracks_the_cpu, FULL) {
     NEED_GPU();
     char out[16384], logc[600], logg[600];
     double lc[256], lg[256];
@@ -6838,7 +6836,7 @@ static double worst_loss_gap(const char *log_a, const char *log_b, int *n) {
    01 on the GPU with twice the batch. fp32 within 1e-4 (the CPU tests hold
    1e-5; cuBLAS picks its kernels by shape, so a half batch rounds otherwise);
    bf16 and fp16 within 0.05, the band of the CPU's dtype test. */
-static void test_gpu_ddp_fsdp_05_and_06_over_nccl_with_two_ranks_equal_stage_01(void) {
+TEST(gpu_ddp_fsdp_05_and_06_over_nccl_with_two_ranks_equal_stage_01, QUICK) {
     NEED_NCCL();
     char out[32768], ref[600], log[600];
     snprintf(ref, sizeof ref, "%s/gpu-eq-01.jsonl", tmpdir);
@@ -6874,7 +6872,7 @@ static void test_gpu_ddp_fsdp_05_and_06_over_nccl_with_two_ranks_equal_stage_01(
    --sequence-parallel, against 01 on the GPU with the same batch (losses and
    eval loss within 1e-4); then a whole checkpoint of 06 resumes in 06 bit
    for bit. */
-static void test_gpu_tensor_parallel_vit_and_gpt_equal_stage_01(void) {
+TEST(gpu_tensor_parallel_vit_and_gpt_equal_stage_01, QUICK) {
     NEED_NCCL();
     char out[32768], ref[600], log[600], dir[600], again[600], p[700], q[700];
     static const struct { const char *model, *flags; int gpt; } models[3] = {
@@ -6914,7 +6912,7 @@ static void test_gpu_tensor_parallel_vit_and_gpt_equal_stage_01(void) {
    stage with NCCL's send and receive, two (and four) ranks on the one GPU,
    both schedules, against 01 on the GPU with the same batch (losses and eval
    loss within 1e-4); a checkpoint of 07 resumes in 07 bit for bit. */
-static void test_gpu_pipeline_parallel_equals_stage_01(void) {
+TEST(gpu_pipeline_parallel_equals_stage_01, QUICK) {
     NEED_NCCL();
     char out[32768], ref[600], log[600], dir[600], again[600], p[700], q[700];
     static const struct { const char *model, *flags; int gpt; } models[3] = {
@@ -6951,7 +6949,7 @@ static void test_gpu_pipeline_parallel_equals_stage_01(void) {
     }
 }
 /* A checkpoint of GPU tensors resumes bit for bit: at an epoch's end and in mid-epoch. */
-static void test_gpu_checkpoints_resume_bit_for_bit(void) {
+TEST(gpu_checkpoints_resume_bit_for_bit, QUICK) {
     NEED_GPU();
     char out[16384], a[600], b[600], c[600], p[700], q[700];
     const char *bin = stage_cuda("01-single-gpu");
@@ -6978,7 +6976,7 @@ static void test_gpu_checkpoints_resume_bit_for_bit(void) {
    150 steps, as the CPU's test_gpt_beats_the_unigram_baseline_on_text: at 40
    (--epochs 4, the first GPU run, 2026-11-24) neither device had learnt yet,
    and both logged eval loss 3.2041 against a baseline of 3.0140. */
-static void test_gpu_gpt_with_its_tied_head_trains_and_samples_like_the_cpu(void) {
+TEST(gpu_gpt_with_its_tied_head_trains_and_samples_like_the_cpu, FULL) {
     NEED_GPU();
     char out[32768], logs[2][600];
     for (int d = 0; d < 2; d++) {
@@ -7001,7 +6999,7 @@ static void test_gpu_gpt_with_its_tied_head_trains_and_samples_like_the_cpu(void
    --timeout, naming it, as on the CPU. */
 /* --recompute on the GPU: the same bits as without it in 01 and, two ranks
    sharing the GPU over NCCL, in 04 and 05 (bf16). */
-static void test_gpu_recompute_repeats_the_bits_of_01_04_and_05(void) {
+TEST(gpu_recompute_repeats_the_bits_of_01_04_and_05, QUICK) {
     NEED_NCCL();
     static const recompute_case cases[] = {
         { "01-single-gpu", "", RC_GPT, 1 }, { "01-single-gpu", "", RC_LLAMA " --qkv-bias", 1 },
@@ -7015,7 +7013,7 @@ static void test_gpu_recompute_repeats_the_bits_of_01_04_and_05(void) {
     }
 }
 
-static void test_gpu_a_killed_rank_stops_the_nccl_job_naming_it(void) {
+TEST(gpu_a_killed_rank_stops_the_nccl_job_naming_it, QUICK) {
     NEED_NCCL();
     char out[16384];
     double t0 = dt_now_ms();
@@ -7032,7 +7030,7 @@ static void test_gpu_a_killed_rank_stops_the_nccl_job_naming_it(void) {
    the host side of a CUDA build, and MPI where mpicc is found. The BLAS build once warned (an unused
    matmul routine) and no test compiled it: the first GPU machine had OpenBLAS.
    A stand-in cblas.h (the prototype only) serves where OpenBLAS is not installed. */
-static void test_the_header_compiles_without_warnings_in_every_configuration(void) {
+TEST(the_header_compiles_without_warnings_in_every_configuration, FULL) {
     char root[512], out[8192], dir[700], src[800];
     if (!getcwd(root, sizeof root)) SKIP("no working directory");
     snprintf(src, sizeof src, "%s/dtrain.h", root);
@@ -7092,7 +7090,7 @@ static int make_var(const char *out, const char *key, char *val, size_t n) {
     val[len] = 0;
     return 1;
 }
-static void test_make_finds_nccl_in_a_wheel_layout(void) {
+TEST(make_finds_nccl_in_a_wheel_layout, FULL) {
     char out[8192], inc[1024], lib[1024], site[700], wheel[800], libs[2048];
     const char *root = repo_root();
     int st = run_cmd(out, sizeof out, "env -u MAKEFLAGS -u MAKELEVEL make -s -C %s print-nccl", root);
@@ -7132,7 +7130,7 @@ static void test_make_finds_nccl_in_a_wheel_layout(void) {
    from the header itself, so an edit that moves it moves what is expected).
    And a test filter that names no test (make test T=typo) is an error that
    says so, not a green run of nothing. */
-static void test_make_diff_names_the_header_lines_and_an_empty_filter_fails(void) {
+TEST(make_diff_names_the_header_lines_and_an_empty_filter_fails, FULL) {
     static char out[65536];
     char path[800], line[4096], want[128], want_def[128];
     const char *root = repo_root();
@@ -7172,205 +7170,55 @@ static void test_make_diff_names_the_header_lines_and_an_empty_filter_fails(void
     CHECKF(strstr(out, "01-single-gpu/train 'some_part'"), "make test T=some_part does not hand the filter on:\n%.2000s", out);
 }
 
-/* The tests are grouped by the header's sections, in its order, and the
-   registry below lists them in the order this file defines them: every test
-   once, none left out. */
-static void test_the_registry_lists_every_test_in_file_order(void) {
-    char path[800];
+/* Every test registers itself (tests/runner.h), in one suite, and the
+   runner lists them in the order the file defines them: a test function
+   written without TEST() would never run, and is named here. */
+TEST(the_registry_lists_every_test_in_file_order, QUICK) {
+    char path[800], out[65536];
     snprintf(path, sizeof path, "%s/tests/test_dtrain.c", repo_root());
-    size_t n = 0;
-    unsigned char *raw = read_bytes(path, &n);
-    if (!raw) SKIP("no tests/test_dtrain.c beside this build");
-    char *src = (char *)malloc(n + 1);         /* a string: read_bytes gives bytes, not NUL-terminated */
-    if (!src) { free(raw); SKIP("out of memory"); }
-    memcpy(src, raw, n);
-    src[n] = 0;
-    free(raw);
-    static char defined[200][96], listed[200][96];
-    int nd = 0, nl = 0;
-    const char *reg = strstr(src, "\nstatic const test_case tests[] = {");
-    CHECKF(reg != NULL, "no registry in %s", path);
-    if (!reg) { free(src); return; }
-    for (const char *p = src; (p = strstr(p, "\nstatic void test_")) && p < reg && nd < 200; p++)
-        sscanf(p + 13, "%95[a-z0-9_]", defined[nd++]);
-    const char *end = strstr(reg, "\n};");
-    for (const char *p = reg; (p = strstr(p, "T(test_")) && p < end && nl < 200; p++)
-        sscanf(p + 2, "%95[a-z0-9_]", listed[nl++]);
-    CHECKF(nd == nl, "%d tests defined, %d in the registry", nd, nl);
-    for (int i = 0; i < nd && i < nl; i++)
-        if (strcmp(defined[i], listed[i])) {
-            CHECKF(0, "registry entry %d is %s, but the file defines %s there", i + 1, listed[i], defined[i]);
+    char *src = read_text(path);
+    if (!src) SKIP("no tests/test_dtrain.c beside this build");
+    static char defined[T_MAX_TESTS][96];
+    int nd = 0;
+    for (const char *p = src; (p = strstr(p, "\nTEST(")) && nd < T_MAX_TESTS; p++) sscanf(p + 6, "%95[a-z0-9_]", defined[nd++]);
+    for (const char *p = src; (p = strstr(p, "\nstatic void test_")); p++)
+        CHECKF(0, "%.*s: a test function outside TEST(), which no suite runs", (int)strcspn(p + 1, "("), p + 1);
+    free(src);
+    int st = run_cmd(out, sizeof out, "%s --list --suite all", self_bin);
+    CHECKF(st == 0, "--list --suite all: exit %d\n%.2000s", st, out);
+    int nl = 0;
+    for (char *line = strtok(out, "\n"); line; line = strtok(NULL, "\n"), nl++)
+        if (nl < nd && strcmp(line, defined[nl])) {
+            CHECKF(0, "the runner lists %s in place %d, but the file defines %s there", line, nl + 1, defined[nl]);
             break;
         }
-    free(src);
+    CHECKF(nd == nl && nd > 100, "%d tests defined with TEST(), %d listed", nd, nl);
+    /* every test in exactly one of the two suites */
+    char quick[32768], full[32768];
+    int qs = run_cmd(quick, sizeof quick, "%s --list --suite quick", self_bin), fs = run_cmd(full, sizeof full, "%s --list --suite full", self_bin);
+    CHECKF(qs == 0 && fs == 0, "--list --suite quick: exit %d; full: exit %d", qs, fs);
+    for (int i = 0; i < nd; i++) {
+        int in_quick = has_line(quick, defined[i]), in_full = has_line(full, defined[i]);
+        CHECKF(in_quick + in_full == 1, "%s is in %s", defined[i], in_quick ? "both suites" : "neither suite");
+    }
 }
 
-/* ---- the runner ----------------------------------------------------------------- */
-
-typedef struct { const char *name; void (*fn)(void); } test_case;
-#define T(f) { #f, f }
-static const test_case tests[] = {
-    /* 2. memory */
-    T(test_step_arena_stops_allocating_after_the_first_step),
-    /* 4. kernels */
-    T(test_gemm_matches_reference), T(test_gemm_same_result_for_any_thread_count),
-    T(test_linear_bias_and_gelu_in_the_matmul_give_the_separate_ops_bits),
-    T(test_half_conversions_round_to_nearest_even), T(test_launch_shapes_cover_every_row_past_the_grid_cap),
-    T(test_exp_tanh_and_erf_match_libm_over_a_dense_grid),
-    /* 5. autograd */
-    T(test_ops_forward_hand_values), T(test_backward_matches_finite_differences),
-    T(test_cross_entropy_over_a_large_vocabulary_matches_double_at_any_thread_count),
-    T(test_cross_entropy_ignores_masked_labels_and_takes_the_divisor_it_is_given),
-    T(test_causal_attention_ignores_later_tokens), T(test_tiled_attention_gives_the_bits_of_the_matmul_body),
-    T(test_layernorm_weight_and_bias_gradients_stay_exact_over_millions_of_rows),
-    T(test_grad_ready_hook_fires_once_per_parameter_in_reverse),
-    /* 6. models */
-    T(test_mlp_gradients_match_finite_differences), T(test_vit_gradients_match_finite_differences),
-    T(test_vit_parameter_names_and_shapes_follow_timm), T(test_gpt_gradients_match_finite_differences),
-    T(test_gpt_is_causal_and_named_like_gpt2), T(test_llama_ops_match_finite_differences_and_their_definitions),
-    T(test_llama_gradients_and_loss_match_finite_differences_and_a_double_forward), T(test_llama_is_causal_and_named_like_hugging_face),
-    /* 7. optimizer against closed-form steps */
-    T(test_adamw_and_sgd_match_hand_computed_steps), T(test_gradient_clipping_scales_to_the_max_norm),
-    T(test_schedule_warms_up_then_follows_a_cosine),
-    /* 8. data */
-    T(test_sampler_shuffles_shards_and_pads_like_distributed_sampler), T(test_dataset_slice_and_loader_batches),
-    T(test_filled_structs_start_empty_whatever_the_caller_held), T(test_images_decode_convert_and_resize),
-    T(test_broken_images_are_refused_with_a_reason), T(test_png_alpha_and_grey_become_rgb),
-    T(test_truncated_or_garbled_png_and_jpeg_are_refused), T(test_cifar10_binary_batches_load),
-    T(test_text_data_splits_by_position_and_refuses_bad_files),
-    T(test_instruction_data_masks_prompts_and_names_every_bad_record), T(test_bad_data_is_reported_by_name),
-    /* 9. collectives */
-    T(test_collectives_over_threads_match_a_serial_reference),
-    T(test_collectives_over_processes_match_a_serial_reference),
-    T(test_groups_of_a_mesh_over_threads_match_a_serial_reference),
-    T(test_groups_of_a_mesh_over_processes_match_a_serial_reference),
-    T(test_mesh_split_and_message_mistakes_are_clear_errors),
-    T(test_a_rank_killed_in_a_group_stops_the_others_with_its_name),
-    T(test_a_killed_rank_stops_the_others_with_its_name), T(test_test_hooks_exist_only_in_testing_builds),
-    T(test_start_up_checks_hand_collectives_only_the_memory_they_take),
-    /* 10. launching */
-    T(test_ranks_launch_from_torchrun_variables_and_check_their_flags),
-    T(test_torchrun_launches_stages_in_every_rendezvous_mode), T(test_mpirun_launches_a_stage_like_nproc), T(test_collectives_and_stages_over_mpi_equal_shared_memory), T(test_two_hosts_joined_by_mpi_train_like_one),
-    T(test_stopping_the_launcher_stops_its_ranks), T(test_a_stranger_at_the_rendezvous_is_turned_away_not_fatal),
-    T(test_nproc_holds_its_port_from_the_start), T(test_a_failed_rendezvous_leaves_nothing_in_dev_shm),
-    T(test_ranks_on_two_hosts_are_refused_at_the_rendezvous),
-    T(test_device_is_chosen_in_each_rank_after_the_fork),
-    T(test_more_ranks_than_gpus_is_refused_naming_both_counts), T(test_ddp_by_nproc_and_by_torchrun_variables_agree),
-    T(test_ddp_ranks_share_the_first_use_of_the_synthetic_set),
-    /* 11. parallel wrappers */
-    T(test_dp_and_ddp_equal_one_device_with_n_times_the_batch), T(test_dp_and_ddp_runs_repeat_bit_for_bit),
-    T(test_ddp_buckets_overlap_backward_and_change_no_bits), T(test_fsdp_equals_ddp_in_every_shard_mode),
-    T(test_fsdp_keeps_one_nth_plus_the_gathered_units_per_rank), T(test_fsdp_prefetches_the_next_unit),
-    T(test_tensor_parallel_equals_one_device), T(test_tensor_parallel_evaluates_and_samples_on_every_rank),
-    T(test_tensor_parallel_keeps_one_tth_of_the_split_layers), T(test_tensor_parallel_checkpoints_are_whole_and_resume_at_any_tp),
-    T(test_pipeline_parallel_equals_one_device), T(test_pipeline_parallel_keeps_p_micro_batches_under_1f1b),
-    T(test_pipeline_parallel_checkpoints_are_whole_and_resume), T(test_data_tensor_and_pipeline_parallel_together_equal_one_device),
-    T(test_pipeline_parallel_trains_in_bf16_and_accumulates_as_05_does),
-    T(test_pipeline_parallel_shares_out_the_optimizer_state_over_the_pipelines),
-    T(test_a_killed_pipeline_stage_stops_every_rank),
-    T(test_order_mistakes_in_each_stage_are_named_errors), T(test_gpt_trains_alike_in_every_stage), T(test_llama_trains_alike_in_every_stage),
-    T(test_masked_instruction_data_trains_alike_in_every_stage), T(test_recompute_repeats_the_bits_of_every_stage_in_less_memory),
-    T(test_lora_starts_at_the_frozen_model_and_trains_only_its_adapters), T(test_lora_trains_alike_in_every_stage_and_round_trips),
-    /* 12. gradient accumulation and mixed precision (stage 05) */
-    T(test_accumulation_equals_a_k_times_larger_batch), T(test_bf16_and_fp16_track_the_fp32_loss_curve),
-    T(test_fp16_overflow_skips_that_step_and_halves_the_scale),
-    T(test_mixed_precision_is_the_same_on_any_thread_count),
-    /* 13. checkpoints */
-    T(test_safetensors_weights_load_and_write_back),
-    T(test_gpt2_safetensors_load_with_init_and_give_the_expected_first_loss),
-    T(test_hugging_face_llama_and_qwen2_folders_load_with_init_and_give_the_expected_first_loss),
-    T(test_checkpoints_open_in_transformers_timm_and_pytorch), T(test_lora_adapters_open_in_peft), T(test_checkpoint_folders_start_runs_with_init),
-    T(test_resume_continues_exactly),
-    T(test_init_starts_from_given_weights), T(test_accumulation_and_fp16_resume_exactly),
-    T(test_fsdp_sharded_checkpoints_resume_consolidate_and_reshard),
-    T(test_a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly), T(test_bad_checkpoints_are_refused),
-    T(test_failed_save_keeps_the_previous_checkpoint),
-    T(test_corrupt_checkpoint_metadata_is_refused_naming_the_field),
-    T(test_init_weights_holding_nan_are_refused_naming_the_tensor),
-    /* 14. evaluation and generation */
-    T(test_evaluation_announces_itself_before_its_result), T(test_gpt_generation_follows_the_model),
-    T(test_gpt_beats_the_unigram_baseline_on_text),
-    /* 15. metrics */
-    T(test_training_run_log_trace_and_bench), T(test_progress_lines_come_by_time_and_at_each_epochs_end),
-    T(test_eta_follows_the_recent_step_time), T(test_progress_is_due_by_time_epoch_end_or_log_every),
-    T(test_tensorboard_event_files_are_framed_and_checksummed_as_tfrecord), T(test_tensorboard_reads_every_scalar_dtrain_wrote),
-    T(test_mlflow_file_store_holds_the_run_as_mlflow_lays_it_out), T(test_mlflow_reads_the_runs_dtrain_wrote),
-    T(test_trace_summary_reports_the_overlap_the_log_measured), T(test_plot_draws_each_run_in_each_panel),
-    /* 16. the cost model */
-    T(test_cost_model_matches_hand_computed_cases),
-    /* 17. the command line */
-    T(test_bad_flags_exit_2_naming_the_flag), T(test_out_of_range_values_exit_2_naming_the_flag),
-    T(test_a_flag_of_another_stage_exits_2_naming_its_stages),
-    /* 18. the run driver */
-    T(test_a_full_disk_under_log_trace_or_checkpoint_stops_the_run),
-    T(test_sigterm_preempts_fsdp_and_resume_auto_ends_bit_for_bit),
-    /* 19. CUDA */
-    T(test_a_gpu_test_fails_instead_of_skipping_where_a_gpu_is_visible),
-    T(test_gpu_ops_forward_and_backward_match_the_cpu_within_1e5),
-    T(test_gpu_casts_adamw_and_sgd_are_bitwise_the_cpu), T(test_gpu_fp32_step_loss_grads_and_params_match_the_cpu),
-    T(test_gpu_bf16_and_fp16_step_loss_grads_and_params_match_the_cpu),
-    T(test_gpu_200_step_vit_loss_curve_tracks_the_cpu),
-    T(test_gpu_ddp_fsdp_05_and_06_over_nccl_with_two_ranks_equal_stage_01), T(test_gpu_tensor_parallel_vit_and_gpt_equal_stage_01),
-    T(test_gpu_pipeline_parallel_equals_stage_01),
-    T(test_gpu_checkpoints_resume_bit_for_bit),
-    T(test_gpu_gpt_with_its_tied_head_trains_and_samples_like_the_cpu), T(test_gpu_recompute_repeats_the_bits_of_01_04_and_05),
-    T(test_gpu_a_killed_rank_stops_the_nccl_job_naming_it),
-    /* the build and the tools */
-    T(test_the_header_compiles_without_warnings_in_every_configuration), T(test_make_finds_nccl_in_a_wheel_layout),
-    T(test_make_diff_names_the_header_lines_and_an_empty_filter_fails), T(test_the_registry_lists_every_test_in_file_order),
-};
-
-/* The tests whose name has the filter in it (all with none): how many; with
-   `print`, their names too, as the runner reports them. */
-static int select_tests(const char *filter, int print) {
-    int n = 0;
-    for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++)
-        if (!filter || strstr(tests[i].name, filter)) {
-            n++;
-            if (print) printf("%s\n", tests[i].name + 5);
-        }
-    return n;
+/* The command that runs the stage binary under test, and the check that it is there. */
+static int setup(const char *stage_binary) {
+    train_bin = stage_binary;
+    struct stat sb;
+    if (stat(train_bin, &sb) != 0) { fprintf(stderr, "test_dtrain: no stage binary at %s (run make first)\n", train_bin); return 1; }
+    snprintf(train_cpu, sizeof train_cpu, "%s --device cpu", train_bin);
+    return 0;
 }
 
-/* test_dtrain STAGE_BINARY [FILTER], or test_dtrain --list [FILTER]. A filter
-   that names no test is a mistake (a typo would otherwise pass, having run
-   nothing), so it stops the run with exit status 2. */
+/* test_dtrain [--suite S] [-j N] STAGE_BINARY [FILTER], test_dtrain --list
+   [FILTER] (tests/runner.h), or one of the parts of this program that some
+   tests run on their own. */
 int main(int argc, char **argv) {
-    const char *filter = NULL;
     self_bin = argv[0];
     if (argc > 1 && !strcmp(argv[1], "--selftest-wrong-memory")) return selftest_wrong_memory();
     if (argc > 1 && !strcmp(argv[1], "--selftest-nproc-port")) return selftest_nproc_port();
     if (argc > 2 && !strcmp(argv[1], "--selftest-comm-misuse")) return selftest_comm_misuse(atoi(argv[2]));
-    int list = argc > 1 && !strcmp(argv[1], "--list");
-    if (argc > 1 && !list) train_bin = argv[1];
-    if (argc > 2 && *argv[2]) filter = argv[2];
-    if (!select_tests(filter, 0)) {
-        fprintf(stderr, "test_dtrain: no test name contains \"%s\" (%s --list names them all;"
-                " make test T=PART runs those with PART in their name)\n", filter, argv[0]);
-        return 2;
-    }
-    if (list) { select_tests(filter, 1); return 0; }
-    struct stat sb;
-    if (stat(train_bin, &sb) != 0) { fprintf(stderr, "test_dtrain: no stage binary at %s (run make first)\n", train_bin); return 1; }
-    snprintf(train_cpu, sizeof train_cpu, "%s --device cpu", train_bin);
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/dtrain-test-XXXXXX");
-    if (!mkdtemp(tmpdir)) { perror("mkdtemp"); return 1; }
-    setvbuf(stdout, NULL, _IOLBF, 0);
-    for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
-        if (filter && !strstr(tests[i].name, filter)) continue;
-        t_failed = t_skipped = 0;
-        double t0 = dt_now_ms();
-        tests[i].fn();
-        dt_step_arena_reset();
-        const char *name = tests[i].name + 5;
-        if (t_skipped) { n_skip++; printf("SKIP %s (%s)\n", name, t_skip_reason); }
-        else if (t_failed) { n_fail++; printf("FAIL %s\n", name); }
-        else { n_pass++; printf("PASS %s (%.1f s)\n", name, (dt_now_ms() - t0) / 1e3); }
-    }
-    char cmd[400];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmpdir);
-    if (n_skip) printf("%d passed, %d failed, %d skipped\n", n_pass, n_fail, n_skip);
-    else printf("%d passed, %d failed\n", n_pass, n_fail);
-    return n_fail ? 1 : 0;
+    return t_main(argc, argv, setup);
 }

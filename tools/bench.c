@@ -21,6 +21,18 @@
    --layouts 4 (unless --only leaves gpt-char and 07 out). */
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* A file in the output folder: a path that does not fit is an error, never a shortened name. */
+static void out_path(char *path, size_t n, const char *dir, const char *file) {
+    int len = snprintf(path, n, "%s/%s", dir, file);
+    if (len < 0 || (size_t)len >= n) dt_fail("--out: the path '%s/%s' is too long", dir, file);
+}
 
 /* units: what FSDP gathers one at a time; heads: what tensor parallelism splits attention by (0: none);
    blocks: what pipeline parallelism splits into stages */
@@ -451,7 +463,7 @@ static int layouts(int N, const char *outdir, const char *only, int repeats, int
                    r->step_ms, r->predicted_step, r->comm, 100 * r->bubble, 100 * r->formula, r->peak);
         }
         char path[1024];
-        dt__path(path, sizeof path, "%s/layouts.csv", outdir);
+        out_path(path, sizeof path, outdir, "layouts.csv");
         FILE *csv = fopen(path, "w");
         if (!csv) dt_fail("cannot write '%s': %s", path, strerror(errno));
         fprintf(csv, "workload,ranks,dp,tp,pp,micro_batches,samples_per_s,low,high,speedup,predicted_speedup,step_ms,"
@@ -465,7 +477,7 @@ static int layouts(int N, const char *outdir, const char *only, int repeats, int
         }
         if (fclose(csv) != 0) dt_fail("cannot write '%s': %s", path, strerror(errno));
         printf("wrote %s", path);
-        dt__path(path, sizeof path, "%s/layouts.svg", outdir);
+        out_path(path, sizeof path, outdir, "layouts.svg");
         draw_layouts(path, lw->name, N, rows, base, cores, gpus);
         printf(", %s\n", path);
         if (!strcmp(device, "cpu") && N > cores)
@@ -479,7 +491,7 @@ static int layouts(int N, const char *outdir, const char *only, int repeats, int
 /* --redraw DIR: the charts again from DIR/results.csv, without running anything. */
 static int redraw(const char *dir, int cores, int gpus) {
     char path[1024], line[1024];
-    dt__path(path, sizeof path, "%s/results.csv", dir);
+    out_path(path, sizeof path, dir, "results.csv");
     FILE *f = fopen(path, "r");
     if (!f) dt_fail("cannot read '%s': %s (run tools/bench first)", path, strerror(errno));
     row *rows = (row *)calloc(256, sizeof(row));
@@ -501,9 +513,9 @@ static int redraw(const char *dir, int cores, int gpus) {
         n++;
     }
     fclose(f);
-    dt__path(path, sizeof path, "%s/scaling.svg", dir);
+    out_path(path, sizeof path, dir, "scaling.svg");
     draw_scaling(path, rows, n, max_ranks, cores, gpus);
-    dt__path(path, sizeof path, "%s/memory.svg", dir);
+    out_path(path, sizeof path, dir, "memory.svg");
     draw_memory(path, rows, n, max_ranks);
     printf("redrew %s/scaling.svg and %s/memory.svg from %d rows\n", dir, dir, n);
     free(rows);
@@ -555,7 +567,8 @@ int main(int argc, char **argv) {
     }
     if (redraw_dir) return redraw(redraw_dir, cores, gpus);
     struct stat sb;
-    if (stat(outdir, &sb) != 0) dt__mkdir(outdir);
+    if (stat(outdir, &sb) != 0 && mkdir(outdir, 0755) != 0 && errno != EEXIST)
+        dt_fail("--out: cannot create folder '%s': %s", outdir, strerror(errno));
     if (!repeats) repeats = quick ? 1 : 3;
     if (layouts_n) {                         /* the layouts alone */
         if (gpus > 0 && layouts_n > gpus)
@@ -622,7 +635,7 @@ int main(int argc, char **argv) {
                 if (!r->ok) { printf("FAILED (exit %d): %s\n", st, cmd); continue; }
                 r->threads = (int)field(line, "threads");
                 field_str(line, "device", r->device, sizeof r->device);
-                dt__copy_str(r->dtype, sizeof r->dtype, strstr(line, "/bf16") ? "bf16" : strstr(line, "/fp16") ? "fp16" : "fp32");
+                snprintf(r->dtype, sizeof r->dtype, "%s", strstr(line, "/bf16") ? "bf16" : strstr(line, "/fp16") ? "fp16" : "fp32");
                 r->samples = field(line, "samples_per_s"); r->step_ms = field(line, "step_ms");
                 r->gflops = field(line, "gflops");
                 r->fwd = field(line, "fwd_ms"); r->bwd = field(line, "bwd_ms"); r->opt = field(line, "opt_ms");
@@ -687,7 +700,7 @@ int main(int argc, char **argv) {
                    100 * r->bubble, 100 * r->bubble_predicted);
     }
     char path[1024];
-    dt__path(path, sizeof path, "%s/results.csv", outdir);
+    out_path(path, sizeof path, outdir, "results.csv");
     FILE *csv = fopen(path, "w");
     if (!csv) dt_fail("cannot write '%s': %s", path, strerror(errno));
     fprintf(csv, "stage,workload,ranks,threads,device,dtype,samples_per_s,speedup,efficiency,predicted_speedup,"
@@ -703,10 +716,10 @@ int main(int argc, char **argv) {
     }
     fclose(csv);
     printf("\nwrote %s", path);
-    dt__path(path, sizeof path, "%s/scaling.svg", outdir);
+    out_path(path, sizeof path, outdir, "scaling.svg");
     draw_scaling(path, rows, nrows, max_ranks, cores, gpus);
     printf(", %s", path);
-    dt__path(path, sizeof path, "%s/memory.svg", outdir);
+    out_path(path, sizeof path, outdir, "memory.svg");
     draw_memory(path, rows, nrows, max_ranks);
     printf(", %s (%.0f s in all)\n", path, (dt_now_ms() - t_start) / 1e3);
     int failed = 0;

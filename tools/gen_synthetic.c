@@ -4,6 +4,8 @@
    usage: tools/gen_synthetic DIR [train-images] [val-images] [size] [seed] */
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
+#include <stdlib.h>
+#include <sys/stat.h>
 
 static int number(const char *s, const char *what) {
     char *end = NULL;

@@ -9,6 +9,11 @@
      --out: where the SVG goes (default plot.svg). */
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 enum { PANELS = 4, MAX_RUNS = 11 };
 static const char *panel_names[PANELS] = { "training loss", "evaluation loss", "speed", "memory in use (MB)" };
@@ -185,10 +190,12 @@ int main(int argc, char **argv) {
             /* FILE=LABEL: the last '=' after the last '/', unless the whole is a file (runs/lr=3e-4.jsonl) */
             const char *eq = strrchr(argv[i], '='), *slash = strrchr(argv[i], '/');
             if (eq && ((slash && eq < slash) || access(argv[i], F_OK) == 0)) eq = NULL;
-            dt__path(paths[R - 1], sizeof paths[R - 1], "%.*s", (int)(eq ? eq - argv[i] : (ptrdiff_t)strlen(argv[i])), argv[i]);
+            int len = eq ? (int)(eq - argv[i]) : (int)strlen(argv[i]);
+            if (len >= (int)sizeof paths[R - 1]) { fprintf(stderr, "%s: a path of over %zu characters: %.60s...\n", argv[0], sizeof paths[R - 1] - 1, argv[i]); return 2; }
+            snprintf(paths[R - 1], sizeof paths[R - 1], "%.*s", len, argv[i]);
             r->path = paths[R - 1];
             const char *base = strrchr(r->path, '/');
-            dt__copy_str(r->label, sizeof r->label, eq ? eq + 1 : base ? base + 1 : r->path);
+            snprintf(r->label, sizeof r->label, "%s", eq ? eq + 1 : base ? base + 1 : r->path);
         }
     }
     if (!R) {

@@ -12,6 +12,10 @@
    usage: tools/trace-summary TRACE...      (run.json, or run.rank0.json run.rank1.json ...) */
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 enum { TRACKS = DT_TRACK_PIPELINE + 1, COMM = DT_TRACK_COMM, PIPELINE = DT_TRACK_PIPELINE };   /* dtrain.h's tracks */
 typedef struct { double t0, t1; } span;
