@@ -151,7 +151,7 @@ MAKEFLAGS += -j$(NPROC)
 
 all: $(PROGRAMS) $(TEST_BIN)
 
-# dtrain.h's implementation is compiled once per configuration -- here
+# dtrain.h's implementation (dtrain.c) is compiled once per configuration -- here
 # build/dtrain.o; with the test hooks build/test/dtrain.o; under each
 # sanitizer build/asan/ and build/msan/ -- and every program is its own short
 # file compiled with -DDTRAIN_IMPLEMENTATION_ELSEWHERE (its #define
@@ -161,9 +161,9 @@ ELSEWHERE := -DDTRAIN_IMPLEMENTATION_ELSEWHERE
 build/obj/%.o: %.c dtrain.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(ELSEWHERE) -c -o $@ $<
-build/dtrain.o: dtrain.h
+build/dtrain.o: dtrain.c dtrain.h
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -x c -DDTRAIN_IMPLEMENTATION -c -o $@ dtrain.h
+	$(CC) $(CFLAGS) -c -o $@ dtrain.c
 $(PROGRAMS): %: build/obj/%.o build/dtrain.o $(CUDA_OBJ)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
 
@@ -212,9 +212,9 @@ TEST_ARGS = $(if $(JOBS),-j $(JOBS)) $(if $(T),,--suite $(1)) $(2) $(if $(T),'$(
 # header, have none. The hooks' build is one more dtrain.o (build/test/),
 # linked to the same program objects: nothing else is compiled twice.
 TEST_PROGRAMS := $(addprefix build/test/,$(PROGRAMS))
-build/test/dtrain.o: dtrain.h
+build/test/dtrain.o: dtrain.c dtrain.h
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -DDT_TESTING -x c -DDTRAIN_IMPLEMENTATION -c -o $@ dtrain.h
+	$(CC) $(CFLAGS) -DDT_TESTING -c -o $@ dtrain.c
 $(TEST_PROGRAMS): build/test/%: build/obj/%.o build/test/dtrain.o $(CUDA_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
@@ -236,9 +236,9 @@ define sanitized
 build/$(1)/obj/%.o: %.c dtrain.h
 	@mkdir -p $$(dir $$@)
 	$(2) $(ELSEWHERE) -c -o $$@ $$<
-build/$(1)/dtrain.o: dtrain.h
+build/$(1)/dtrain.o: dtrain.c dtrain.h
 	@mkdir -p $$(dir $$@)
-	$(2) -x c -DDTRAIN_IMPLEMENTATION -c -o $$@ dtrain.h
+	$(2) -c -o $$@ dtrain.c
 $(addprefix build/$(1)/,$(PROGRAMS)): build/$(1)/%: build/$(1)/obj/%.o build/$(1)/dtrain.o $(3)
 	@mkdir -p $$(dir $$@)
 	$(2) -o $$@ $$^ $(4)

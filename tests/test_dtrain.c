@@ -7068,9 +7068,17 @@ TEST(the_header_compiles_without_warnings_in_every_configuration, FULL) {
                          src, dir);
         CHECKF(st == 0, "with %s (%s): warnings or errors\n%s", configs[i].name, flags, out);
     }
+    /* a program of the Makefile's, with the implementation compiled apart: the declarations alone */
+    int st = run_cmd(out, sizeof out, "%s -std=c11 -Wall -Wextra -Werror -O0 -DDTRAIN_IMPLEMENTATION_ELSEWHERE -I%s -c %s -o %s/prog.o",
+                     cc, root, src, dir);
+    CHECKF(st == 0, "with -DDTRAIN_IMPLEMENTATION_ELSEWHERE (the declarations only): warnings or errors\n%s", out);
+    /* and a stage alone, as the README builds it without make */
+    st = run_cmd(out, sizeof out, "%s -O2 %s/01-single-gpu/train.c -lm -o %s/stage01 && %s/stage01 --device cpu --bench --steps 2 "
+                 "--batch-size 8 --dim 16", cc, root, dir, dir);
+    CHECKF(st == 0 && strstr(out, "bench: workload=mlp"), "cc -O2 01-single-gpu/train.c -lm: exit %d\n%s", st, out);
     /* with MPI, where Open MPI's compiler wrapper says where it is */
     if (run_cmd(out, sizeof out, "mpicc --showme:compile") == 0) {
-        int st = run_cmd(out, sizeof out, "%s -std=c11 -Wall -Wextra -Werror -O2 -fopenmp -DDT_HAVE_MPI $(mpicc --showme:compile) -I%s "
+        st = run_cmd(out, sizeof out, "%s -std=c11 -Wall -Wextra -Werror -O2 -fopenmp -DDT_HAVE_MPI $(mpicc --showme:compile) -I%s "
                          "-c %s -o %s/prog.o", cc, root, src, dir);
         CHECKF(st == 0, "with MPI (-O2 -fopenmp -DDT_HAVE_MPI): warnings or errors\n%s", out);
     }

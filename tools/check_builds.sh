@@ -25,7 +25,7 @@ copy_sources() {
   local dst=$1
   rm -rf "$dst"
   mkdir -p "$dst"
-  cp Makefile dtrain.h "$dst/"
+  cp Makefile dtrain.h dtrain.c "$dst/"
   for d in 0*/ tools/ tests/; do
     mkdir -p "$dst/$d"
     find "$d" -maxdepth 1 -type f \( -name '*.c' -o -name '*.h' -o -name '*.sh' -o -name '*.py' -o -name '*.awk' \) \
