@@ -1,14 +1,19 @@
 # dtrain -- `make` builds, `make run` trains stage 01, `make test` tests.
 #
-#   make              every stage, the tools and the tests
+#   make              every stage, the tools and the tests, on every core (-jN to choose)
 #   make run          train stage 01 on the synthetic set (made on first use)
-#   make test         the test suite; ends with "N passed, N failed"; T=PART runs only
-#                     the tests with PART in their name (none: an error, exit 2)
-#   make test-list    the tests' names (T=PART: those with PART in them)
-#   make test-asan    the same under AddressSanitizer + UndefinedBehaviorSanitizer (T=PART too)
-#   make test-msan    the same under MemorySanitizer (clang): reads of uninitialised memory (T=PART too)
+#   make test         the quick suite (within 3 minutes on 2 cores, build included);
+#                     ends with "N passed, N failed, N skipped"; T=PART runs only the
+#                     tests with PART in their name, of either suite (none: an error,
+#                     exit 2); JOBS=N tests at once (default: one per core)
+#   make test-all     the full suite: every test make test leaves out (CI runs both)
+#   make test-list    the tests' names, each suite's (T=PART: those with PART in them)
+#   make test-asan    the quick suite under AddressSanitizer + UndefinedBehaviorSanitizer
+#                     (SUITE=full or all for the rest; T=PART too)
+#   make test-msan    the same under MemorySanitizer (clang): reads of uninitialised memory
 #   make test-builds  make CUDA=0 at -O0, -O2 and -O3 (LEVELS=...), each in build/cpu-O*/:
-#                     the suite, every stage's --bench, make bench --quick --only mlp
+#                     the build without a warning and the quick suite at each; at -O2
+#                     every stage's --bench, make bench --quick --only mlp
 #   make bench        the scaling study (tools/bench): mlp and vit-tiny in every stage at
 #                     1, 2 and 4 ranks -- speedup and efficiency measured and predicted by
 #                     the cost model, compute and communication time, memory -- written to
@@ -227,7 +232,9 @@ test-all: all $(TEST_PROGRAMS)
 	./$(TEST_BIN) $(call TEST_ARGS,full,build/test/01-single-gpu/train)
 
 test-list: $(TEST_BIN)
-	@./$(TEST_BIN) --list $(if $(T),'$(T)')
+	@./$(TEST_BIN) --list $(if $(T),'$(T)') >/dev/null
+	@echo "# make test (the quick suite)"; ./$(TEST_BIN) --list --suite quick $(if $(T),'$(T)') 2>/dev/null || true
+	@echo "# make test-all (the full suite)"; ./$(TEST_BIN) --list --suite full $(if $(T),'$(T)') 2>/dev/null || true
 
 # The sanitizers build into build/NAME/ so the fast binaries stay as they are:
 # $(call sanitized,NAME,COMPILER AND FLAGS,OBJECTS,LIBRARIES) adds the rules for
@@ -274,7 +281,7 @@ test-msan: $(call SANITIZED,msan)
 
 # The CPU-only build at other optimisation levels (tools/check_builds.sh).
 test-builds:
-	LEVELS="$(or $(LEVELS),-O0 -O2 -O3)" tools/check_builds.sh
+	+LEVELS="$(or $(LEVELS),-O0 -O2 -O3)" tools/check_builds.sh
 
 TORCH_PY = $(shell for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2>/dev/null && echo $$p && break; done)
 

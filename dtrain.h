@@ -6427,9 +6427,12 @@ void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, doubl
             for (size_t k = 0; k < width; k++) u |= (uint64_t)b[k] << (8 * k);
             int64_t v = (int64_t)u;
             if (is_signed && width < 8 && (u >> (8 * width - 1)) & 1) v = (int64_t)(u | ~0ULL << (8 * width));   /* sign */
-            if (v < 0 || v >= DT_MAX_VOCAB)
+            if (v < 0 || v >= DT_MAX_VOCAB) {
+                free(tok);                           /* nothing of the load outlives the error (LeakSanitizer) */
+                free(bytes);
                 dt_fail("'%s': token %lld is id %lld; ids run from 0 to %d (whole numbers a float holds exactly)", path,
                         (long long)i, (long long)v, DT_MAX_VOCAB - 1);
+            }
             tok[i] = (int32_t)v;
         }
         if (tok[i] > largest) largest = tok[i];
