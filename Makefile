@@ -151,8 +151,12 @@ PROGRAMS := $(STAGE_BINS) $(TOOLS)
 TEST_BIN := tests/test_dtrain
 
 # Every core, unless make is given -j: the builds below are many small jobs.
+# Not in a make that another make started (make test-builds): that one shares
+# its parent's jobs.
 NPROC    := $(shell nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
-MAKEFLAGS += -j$(NPROC)
+ifeq ($(MAKELEVEL),0)
+  MAKEFLAGS += -j$(NPROC)
+endif
 
 all: $(PROGRAMS) $(TEST_BIN)
 

@@ -380,6 +380,10 @@ dt_tensor *dt_patchify(const dt_tensor *images, int patch);
 
 /* Convert n values between f32, bf16 and f16 buffers on the current device. */
 void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n);
+/* Element i of a buffer of dtype t, as f32; and an f32 stored there (a 16-bit
+   dtype rounded to nearest even). */
+float dt_load_f32(const void *p, int64_t i, dt_dtype t);
+void dt_store_f32(void *p, int64_t i, dt_dtype t, float v);
 /* Gradients on or off (off for evaluation: no tape, no gradient buffers). */
 void dt_set_grad_enabled(int on);
 /* Walk the tape backwards from a scalar loss, filling every .grad. */
@@ -2834,6 +2838,14 @@ static void dt__round_f32_cpu(const float *x, float *y, dt_dtype to, int64_t n) 
         dt__f32_to_half_cpu(x + i, h, to, c);
         dt__half_to_f32_cpu(h, y + i, to, c);
     }
+}
+float dt_load_f32(const void *p, int64_t i, dt_dtype t) {
+    return t == DT_F32 ? ((const float *)p)[i] : t == DT_BF16 ? dt_bf16_to_f32(((const uint16_t *)p)[i])
+                                                              : dt_f16_to_f32(((const uint16_t *)p)[i]);
+}
+void dt_store_f32(void *p, int64_t i, dt_dtype t, float v) {
+    if (t == DT_F32) ((float *)p)[i] = v;
+    else ((uint16_t *)p)[i] = t == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
 }
 void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
     const dt_backend *gpu = dt__backend_of(dt__ctx.device);
@@ -6762,14 +6774,6 @@ static int dt__test_die_in_send;             /* DT_TEST_DIE_SEND: this rank's se
 #define DT_TEST_DIE_IN_SEND(c) ((void)0)
 #endif
 
-static float dt__load_as_f32(const void *p, int64_t i, dt_dtype t) {
-    return t == DT_F32 ? ((const float *)p)[i] : t == DT_BF16 ? dt_bf16_to_f32(((const uint16_t *)p)[i])
-                                                              : dt_f16_to_f32(((const uint16_t *)p)[i]);
-}
-static void dt__store_from_f32(void *p, int64_t i, dt_dtype t, float v) {
-    if (t == DT_F32) ((float *)p)[i] = v;
-    else ((uint16_t *)p)[i] = t == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
-}
 
 /* Is process `pid` gone (or a zombie nobody has reaped yet)? */
 static int dt__process_gone(int pid) {
@@ -6903,13 +6907,13 @@ static void dt__shm_recv(dt_comm *c, const dt_comm_op *o) {
 static void dt__sum_slots(const dt_comm *c, int64_t slot_off, int64_t lo, int64_t hi, dt_dtype t, dt_reduce_op op,
                          void *out, int64_t out_off) {
     for (int64_t i = lo; i < hi; i++) {
-        float acc = dt__load_as_f32(c->slots, slot_off + i, t);
+        float acc = dt_load_f32(c->slots, slot_off + i, t);
         for (int r = 1; r < c->world; r++) {
-            float v = dt__load_as_f32(c->slots + (size_t)r * DT_SLOT_BYTES, slot_off + i, t);
+            float v = dt_load_f32(c->slots + (size_t)r * DT_SLOT_BYTES, slot_off + i, t);
             acc = op == DT_MAX ? (v > acc ? v : acc) : acc + v;
         }
         if (op == DT_AVG) acc /= (float)c->world;
-        dt__store_from_f32(out, out_off + i, t, acc);
+        dt_store_f32(out, out_off + i, t, acc);
     }
 }
 
@@ -7108,7 +7112,7 @@ static int dt__mpi_start_reduction(dt_comm *c, const dt_comm_op *o) {
     }
     float *f = (float *)malloc(sizeof(float) * (size_t)(n_in + (scatter ? o->count : 0)) + 1);
     if (!f) dt_fail("out of memory (MPI %s of %lld elements)", dt__coll_names[o->kind], (long long)n_in);
-    for (int64_t i = 0; i < n_in; i++) f[i] = dt__load_as_f32(send, i, o->dtype);
+    for (int64_t i = 0; i < n_in; i++) f[i] = dt_load_f32(send, i, o->dtype);
     c->mpi_temp = f;
     c->mpi_result = scatter ? f + n_in : root ? f : NULL;
     if (o->kind == DT_COLL_ALL_REDUCE) return MPI_Iallreduce(MPI_IN_PLACE, f, n, MPI_FLOAT, op, c->mpi, &c->mpi_request);
@@ -7182,7 +7186,7 @@ static void dt__mpi_finish(dt_comm *c, int64_t h) {
     int reduced = o->kind == DT_COLL_ALL_REDUCE || o->kind == DT_COLL_REDUCE_SCATTER || (o->kind == DT_COLL_REDUCE && c->rank == o->root);
     float divisor = reduced && o->op == DT_AVG ? (float)c->world : 1.0f;
     if (c->mpi_result)                       /* from f32: divided, then rounded once */
-        for (int64_t i = 0; i < o->count; i++) dt__store_from_f32(o->recv, i, o->dtype, c->mpi_result[i] / divisor);
+        for (int64_t i = 0; i < o->count; i++) dt_store_f32(o->recv, i, o->dtype, c->mpi_result[i] / divisor);
     else if (divisor != 1.0f)
         for (int64_t i = 0; i < o->count; i++) ((float *)o->recv)[i] /= divisor;
     free(c->mpi_temp);

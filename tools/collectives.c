@@ -29,15 +29,6 @@
 static int64_t lengths[] = { 0, 1, 7, 1000003 };
 static const char *dtype_names[] = { "f32", "bf16", "f16" };
 
-/* Element i of a buffer of dtype t, as f32 and back (rounded to nearest even). */
-static float load_f32(const void *p, int64_t i, dt_dtype t) {
-    return t == DT_F32 ? ((const float *)p)[i] : t == DT_BF16 ? dt_bf16_to_f32(((const uint16_t *)p)[i])
-                                                              : dt_f16_to_f32(((const uint16_t *)p)[i]);
-}
-static void store_f32(void *p, int64_t i, dt_dtype t, float v) {
-    if (t == DT_F32) ((float *)p)[i] = v;
-    else ((uint16_t *)p)[i] = t == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
-}
 /* 64 well-mixed bits from three numbers (SplitMix64's finaliser). */
 static uint64_t hash3(uint64_t a, uint64_t b, uint64_t c) {
     uint64_t z = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull) * 0xD1B54A32D192ED03ull ^ c;
@@ -50,7 +41,7 @@ static uint64_t hash3(uint64_t a, uint64_t b, uint64_t c) {
 static void fill(void *buf, int64_t n, dt_dtype t, int r, int64_t salt) {
     for (int64_t i = 0; i < n; i++) {
         uint64_t h = hash3((uint64_t)r, (uint64_t)i, (uint64_t)salt);
-        store_f32(buf, i, t, (float)((h >> 11) * (1.0 / 9007199254740992.0) * 4 - 2));
+        dt_store_f32(buf, i, t, (float)((h >> 11) * (1.0 / 9007199254740992.0) * 4 - 2));
     }
 }
 /* The serial reference: element i of each rank's buffer at `off`, summed in
@@ -63,9 +54,9 @@ static void reference_sum(void *out, int64_t n, dt_dtype t, const int *ids, int 
     float *acc = (float *)calloc((size_t)n + 1, sizeof(float));
     for (int r = 0; r < world; r++) {
         fill(in, per_rank, t, ids[r], salt);
-        for (int64_t i = 0; i < n; i++) acc[i] = r == 0 ? load_f32(in, off + i, t) : acc[i] + load_f32(in, off + i, t);
+        for (int64_t i = 0; i < n; i++) acc[i] = r == 0 ? dt_load_f32(in, off + i, t) : acc[i] + dt_load_f32(in, off + i, t);
     }
-    for (int64_t i = 0; i < n; i++) store_f32(out, i, t, avg ? acc[i] / (float)world : acc[i]);
+    for (int64_t i = 0; i < n; i++) dt_store_f32(out, i, t, avg ? acc[i] / (float)world : acc[i]);
     free(in);
     free(acc);
 }
@@ -78,8 +69,8 @@ static int own_order;                 /* a transport that sums in an order of it
 static int same_sum(const void *got, const void *want, int64_t n, dt_dtype t, int W) {
     if (!own_order || W <= 2) return !memcmp(got, want, (size_t)n * dt_dtype_size(t));
     for (int64_t i = 0; i < n; i++) {
-        double w = load_f32(want, i, t), ulp = t == DT_BF16 ? fabs(w) / 128 : t == DT_F16 ? fabs(w) / 1024 + 6e-8 : 0;
-        if (fabs(load_f32(got, i, t) - w) > 6e-8 * W * 2.0 * W + ulp) return 0;
+        double w = dt_load_f32(want, i, t), ulp = t == DT_BF16 ? fabs(w) / 128 : t == DT_F16 ? fabs(w) / 1024 + 6e-8 : 0;
+        if (fabs(dt_load_f32(got, i, t) - w) > 6e-8 * W * 2.0 * W + ulp) return 0;
     }
     return 1;
 }
