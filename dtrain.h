@@ -1777,6 +1777,7 @@ void dt_nccl_free(dt_nccl *s);
 #include <ctype.h>
 #include <time.h>
 #include <dirent.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -1968,6 +1969,26 @@ static void dt__copy_str(char *out, size_t n, const char *s) {
 }
 void dt_warn(const char *fmt, ...) {
     va_list ap; va_start(ap, fmt); dt__vmessage("warning", fmt, ap); va_end(ap);
+}
+/* Sizes made of numbers from flags and files (shapes, counts, offsets) are
+   multiplied and added here: a product that would wrap around is an error
+   naming what it sized, never a small buffer that later writes overrun. */
+static int64_t dt__size_mul(int64_t a, int64_t b, const char *what) {
+    int64_t r;
+    if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r))
+        dt_fail("%s: a size out of range (%lld x %lld)", what, (long long)a, (long long)b);
+    return r;
+}
+static int64_t dt__size_add(int64_t a, int64_t b, const char *what) {
+    int64_t r;
+    if (a < 0 || b < 0 || __builtin_add_overflow(a, b, &r))
+        dt_fail("%s: a size out of range (%lld + %lld)", what, (long long)a, (long long)b);
+    return r;
+}
+/* This machine's memory in bytes (0 when the system does not say). */
+static double dt__host_memory_bytes(void) {
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page > 0 ? (double)pages * (double)page : 0;
 }
 /* A file cut short by a full disk or a quota must stop the program, or a log
    that ends early reads as a run that ended early. stdio reports a failed
@@ -2317,10 +2338,10 @@ static dt_tensor *dt__tensor_alloc(int ndim, const int *shape, dt_dtype dtype) {
     dt_tensor *t = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
     t->ndim = ndim;
     t->numel = 1;
-    for (int i = 0; i < ndim; i++) { t->shape[i] = shape[i]; t->numel *= shape[i]; }
+    for (int i = 0; i < ndim; i++) { t->shape[i] = shape[i]; t->numel = dt__size_mul(t->numel, shape[i], "an activation"); }
     t->device = dt__ctx.device;
     t->dtype = dtype;
-    t->data = (float *)dt__step_data((size_t)t->numel * dt_dtype_size(dtype));
+    t->data = (float *)dt__step_data((size_t)dt__size_mul(t->numel, (int64_t)dt_dtype_size(dtype), "an activation"));
     return t;
 }
 /* An op's output: every element is written by the op, so it is not zeroed.
@@ -4490,7 +4511,7 @@ static void dt__add_param(dt__model_builder *mb, const char *name, dt__init_kind
     t->ndim = ndim;
     int s[4] = { s0, s1, s2, s3 };
     t->numel = 1;
-    for (int i = 0; i < ndim; i++) { t->shape[i] = s[i]; t->numel *= s[i]; }
+    for (int i = 0; i < ndim; i++) { t->shape[i] = s[i]; t->numel = dt__size_mul(t->numel, s[i], name); }
     t->requires_grad = 1;
     t->is_param = 1;
     mb->init[m->nparams] = init;
@@ -5189,8 +5210,15 @@ static void dt__model_allocate(dt_model *m, dt__model_builder *mb, uint64_t seed
     m->unit_first[m->nunits] = m->nparams;
     m->offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(m->nparams + 1));
     if (!m->offsets) dt_fail("out of memory (model)");
-    for (int i = 0; i < m->nparams; i++) { m->offsets[i] = m->numel; m->numel += m->params[i].numel; }
-    size_t bytes = (size_t)m->numel * sizeof(float);
+    for (int i = 0; i < m->nparams; i++) { m->offsets[i] = m->numel; m->numel = dt__size_add(m->numel, m->params[i].numel, "the model"); }
+    /* A model that cannot fit is refused with its size before its weights are allocated (the system may
+       promise more than it has, and the first write would then kill the run). */
+    double weights = (double)m->numel * sizeof(float), have = dt__host_memory_bytes();
+    if (m->device == DT_CPU && have > 0 && weights * (frozen ? 1 : 2) > have)
+        dt_fail("the model has %lld parameters: %.3g GB of weights%s, more than this machine's %.3g GB of memory (smaller "
+                "--dim, --depth or vocabulary?)", (long long)m->numel, weights / 1e9,
+                frozen ? "" : " and as much again of gradients", have / 1e9);
+    size_t bytes = (size_t)dt__size_mul(m->numel, (int64_t)sizeof(float), "the model");
     m->device = dt__ctx.device;
     m->flat_data = (float *)dt_alloc_on(m->device, DT_ARENA_PARAMS, bytes);
     m->flat_grad = frozen ? NULL : (float *)dt_alloc_on(m->device, DT_ARENA_GRADS, bytes);
@@ -10916,6 +10944,23 @@ static void dt__folder_forget(dt__folder *w) {
     for (int k = 0; k < w->nslots; k++) dt__cleanup_done(w->slots[k]);
     w->nslots = 0;
 }
+/* Files of the user's in an older NAME (a tokenizer, notes) go on with the
+   new one: moved into NAME.tmp before the swap, so that what is moved aside
+   holds dtrain's files alone and goes whole. */
+static void dt__folder_carry_over(const char *from, const char *to) {
+    DIR *d = opendir(from);
+    struct dirent *e;
+    while (d && (e = readdir(d))) {
+        char src[8300], dst[8300];
+        struct stat s;
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") || dt__checkpoint_name(e->d_name)) continue;
+        dt__path(src, sizeof src, "%s/%s", from, e->d_name);
+        dt__path(dst, sizeof dst, "%s/%s", to, e->d_name);
+        if (lstat(dst, &s) == 0) continue;
+        if (rename(src, dst) != 0) dt_fail("cannot move '%s' into the new checkpoint '%s': %s", src, to, strerror(errno));
+    }
+    if (d) closedir(d);
+}
 /* NAME.tmp becomes NAME. An older NAME is moved to NAME.old first and removed
    after; a save cut off between the two renames leaves it there, whole, and
    --resume auto takes it when NAME is missing. */
@@ -10927,6 +10972,8 @@ static void dt__folder_commit(dt__folder *w) {
     dt__folder_check_free(w->path);
     dt__folder_forget(w);                                 /* from here on every file is a whole checkpoint's */
     dt__path(old, sizeof old, "%s.old", w->path);
+    dt__folder_carry_over(old, w->tmp);
+    dt__folder_carry_over(w->path, w->tmp);
     if (lstat(w->path, &s) == 0) {
         dt__folder_remove(old);
         if (rename(w->path, old) != 0)
@@ -13584,11 +13631,38 @@ static void dt__mlflow_metric(dt_run *r, const char *key, double value) {
         dt__write_failed("--mlflow", dt_mlflow_path(r->mlflow), errno);
 }
 
+/* One run at a time in a --save-dir: two would interleave their checkpoints
+   (one's weights beside the other's optimizer state) and tear each other's
+   files. Rank 0 holds a lock on DIR/.dtrain.lock for as long as it lives --
+   the system lets go of it when the process ends, however it ends -- and the
+   file says which process holds it. */
+static void dt__save_dir_lock(const char *dir) {
+    struct stat st;
+    if (stat(dir, &st) != 0) dt__mkdir(dir);
+    else if (!S_ISDIR(st.st_mode)) dt_fail("--save-dir '%s' exists and is not a folder", dir);
+    char path[4200], holder[32] = "";
+    dt__path(path, sizeof path, "%s/.dtrain.lock", dir);
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) dt_fail("--save-dir '%s': cannot create '%s': %s", dir, path, strerror(errno));
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        ssize_t got = pread(fd, holder, sizeof holder - 1, 0);
+        holder[got > 0 ? got : 0] = 0;
+        holder[strcspn(holder, "\n")] = 0;
+        dt_fail("--save-dir '%s' is in use by another run (process %s): give this run a folder of its own, or wait for that "
+                "one to end", dir, holder[0] ? holder : "unknown");
+    }
+    char me[32];
+    int len = snprintf(me, sizeof me, "%d\n", (int)getpid());
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, me, (size_t)len, 0) != len) dt__write_failed("--save-dir", path, errno);
+    /* the descriptor stays open, and so the lock held, until this process ends */
+}
+
 void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimizer *opt, dt_loader *loader,
                   const dt_dataset *val) {
     memset(run, 0, sizeof *run);
     run->cfg = *cfg; run->model = model; run->opt = opt; run->loader = loader; run->val = val;
     dt_model_set_recompute(model, cfg->recompute);
+    if (cfg->save_dir && !cfg->bench && dt__ctx.rank == 0) dt__save_dir_lock(cfg->save_dir);
     if (cfg->resume && !strcmp(cfg->resume, "auto")) {
         if (!cfg->save_dir) dt_usage_error("--resume auto resumes from the newest checkpoint in --save-dir: give --save-dir");
         run->cfg.resume = dt__newest_checkpoint(cfg->save_dir, run->resume_path, sizeof run->resume_path);

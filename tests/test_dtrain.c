@@ -12,6 +12,7 @@
 #include "../dtrain.h"
 #include <dirent.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/wait.h>
 #include "runner.h"
 
@@ -246,6 +247,7 @@ static int make_small_data(const char *dir) { dt_synthetic_write(dir, 320, 80, 1
 static int make_mp_data(const char *dir) { dt_synthetic_write(dir, 3200, 1000, 16, 9); return 1; }
 static const char *small_data(void) { static char dir[600]; return shared(dir, sizeof dir, "small", make_small_data); }
 static const char *mp_data(void) { static char dir[600]; return shared(dir, sizeof dir, "mp", make_mp_data); }
+static const char *gpt_text(void);           /* a small generated text (section 8) */
 #define SMALL_FLAGS "--image-size 16 --dim 32 --batch-size 32 --log-every 1000 --quiet"
 static const char *find_line(const char *text, const char *line) {
     for (const char *p = text; p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
@@ -1015,6 +1017,35 @@ static void model_fd(dt_model_kind kind) {
 }
 TEST(mlp_gradients_match_finite_differences, FULL) { model_fd(DT_MODEL_MLP); }
 TEST(vit_gradients_match_finite_differences, FULL) { model_fd(DT_MODEL_VIT); }
+
+/* A model's size is a product of numbers from flags or a model folder's
+   config.json, each within its range: the product is checked, and a model
+   larger than the machine's memory is refused with its size before its
+   weights are allocated (the sum of the parameters once wrapped past 2^64
+   bytes to a small buffer that the initialisation overran: exit 139). */
+TEST(a_model_larger_than_memory_is_refused_with_its_size, QUICK) {
+    char out[8192], dir[700], path[800];
+    int st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --model mlp --depth 1140 --dim 63630889 --steps 1 "
+                     "--batch-size 2", train_cpu, small_data());
+    expect_error(out, st, 1, "parameters");
+    CHECKF(strstr(out, "GB of memory"), "the refusal does not say the model's size against the memory:\n%s", out);
+    snprintf(dir, sizeof dir, "%s/huge", tmpdir);
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL);
+    if (!f) return;
+    fprintf(f, "{\"model_type\": \"gpt2\", \"vocab_size\": 7899597, \"n_embd\": 16772880, \"n_layer\": 1366, \"n_head\": 1}");
+    fclose(f);
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    write_bytes(path, "\x02\0\0\0\0\0\0\0{}", 10);
+    st = run_cmd(out, sizeof out, "%s --init %s --data %s --seq-len 16 --batch-size 1 --steps 1", train_cpu, dir, gpt_text());
+    expect_error(out, st, 1, "parameters");
+    /* and a model that fits still trains */
+    st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --model mlp --depth 2 --dim 64 --steps 1 --batch-size 2", train_cpu,
+                 small_data());
+    CHECKF(st == 0, "a small mlp: exit %d\n%s", st, out);
+}
 
 TEST(vit_parameter_names_and_shapes_follow_timm, QUICK) {
     dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
@@ -5399,6 +5430,65 @@ TEST(bad_checkpoints_are_refused, QUICK) {
     expect_error(out, st, 1, "fc1.weight");
     st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --resume %s/missing", train_cpu, small_data(), tmpdir);
     expect_error(out, st, 1, "cannot read checkpoint '");
+}
+
+/* One run at a time in a --save-dir: a second is refused before it trains,
+   naming the folder and the process that holds it (two runs of one folder
+   once left checkpoints with one run's weights and the other's optimizer
+   state, and torn files that --resume took). The lock goes with the
+   process: runs one after the other both save. */
+TEST(a_second_run_in_a_save_dir_in_use_is_refused_naming_the_holder, QUICK) {
+    char out[16384], dir[700], lock[800], want[128];
+    snprintf(dir, sizeof dir, "%s/busy", tmpdir);
+    for (int k = 0; k < 2; k++) {
+        int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 2 --save-dir %s", train_cpu, small_data(), dir);
+        CHECKF(st == 0, "run %d of two, one after the other, in one --save-dir: exit %d\n%s", k + 1, st, out);
+    }
+    /* a run holds it (this test, as a run does: the lock, and its pid in the file) */
+    snprintf(lock, sizeof lock, "%s/.dtrain.lock", dir);
+    int fd = open(lock, O_RDWR | O_CREAT, 0644);
+    CHECK(fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) == 0);
+    snprintf(want, sizeof want, "%d\n", (int)getpid());
+    CHECK(ftruncate(fd, 0) == 0 && pwrite(fd, want, strlen(want), 0) == (ssize_t)strlen(want));
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 2 --save-dir %s", train_cpu, small_data(), dir);
+    expect_error(out, st, 1, "is in use by another run");
+    snprintf(want, sizeof want, "(process %d)", (int)getpid());
+    CHECKF(strstr(out, dir) && strstr(out, want), "the refusal names neither the folder nor process %d:\n%s", (int)getpid(), out);
+    CHECKF(!strstr(out, "step "), "the refused run trained first:\n%s", out);
+    /* and so is a whole job's rank 0 */
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 2 --nproc 2 --timeout 30 --save-dir %s",
+                 stage_bin("03-ddp"), small_data(), dir);
+    expect_error(out, st, 1, "is in use by another run");
+    close(fd);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 2 --save-dir %s", train_cpu, small_data(), dir);
+    CHECKF(st == 0, "the folder let go: exit %d\n%s", st, out);
+}
+
+/* A file of the user's in a checkpoint folder (a tokenizer, notes) goes on
+   with the newest checkpoint of that name: it once went to NAME.old with the
+   first save after it, and the second failed after training ('Directory not
+   empty'), leaving NAME.tmp. */
+TEST(a_file_of_the_users_in_a_checkpoint_folder_stays_with_it, QUICK) {
+    char out[16384], dir[700], notes[800], path[800];
+    snprintf(dir, sizeof dir, "%s/kept", tmpdir);
+    const char *run = "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 3 --save-dir %s";
+    int st = run_cmd(out, sizeof out, run, train_cpu, small_data(), dir);
+    CHECKF(st == 0, "the first run: exit %d\n%s", st, out);
+    snprintf(notes, sizeof notes, "%s/mlp_data0-320_step3/notes.txt", dir);
+    write_bytes(notes, "x\n", 2);
+    for (int k = 0; k < 2; k++) {
+        st = run_cmd(out, sizeof out, run, train_cpu, small_data(), dir);
+        CHECKF(st == 0, "save %d after the user's file went in: exit %d\n%s", k + 1, st, out);
+        char *text = read_text(notes);
+        CHECKF(text && !strcmp(text, "x\n"), "after save %d the user's file is %s", k + 1, text ? "changed" : "gone from the checkpoint");
+        free(text);
+        snprintf(path, sizeof path, "%s/mlp_data0-320_step3/model.safetensors", dir);
+        CHECKF(access(path, F_OK) == 0, "after save %d the checkpoint has no weights", k + 1);
+        snprintf(path, sizeof path, "%s/mlp_data0-320_step3.old", dir);
+        CHECKF(access(path, F_OK) != 0, "after save %d %s is left", k + 1, path);
+        snprintf(path, sizeof path, "%s/mlp_data0-320_step3.tmp", dir);
+        CHECKF(access(path, F_OK) != 0, "after save %d %s is left", k + 1, path);
+    }
 }
 
 TEST(failed_save_keeps_the_previous_checkpoint, QUICK) {
