@@ -11916,6 +11916,20 @@ void dt_checkpoint_save(dt_run *run, const char *path) {
     for (int k = 0; k < 3; k++) dt__state_close(m, o, k, state[k], 0);
 }
 
+/* A resumed state holding NaN or Inf would first show as a NaN loss, which
+   blames --lr; AdamW's second moment (a mean of squares) is never negative.
+   Element j of state k (0 weights, 1 and 2 the moments), `what` naming it. */
+static void dt__check_resumed(const char *path, const char *what, int k, int adamw, const float *x, int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        if (!isfinite(x[j]))
+            dt_fail("'%s': %s holds %s at index %lld (the run that saved it had diverged? resume from an earlier checkpoint)",
+                    path, what, isnan(x[j]) ? "NaN" : "Inf", (long long)j);
+        if (adamw && k == 2 && x[j] < 0)
+            dt_fail("'%s': %s is %g at index %lld, but AdamW's second moment is never negative (a corrupt file?)", path,
+                    what, x[j], (long long)j);
+    }
+}
+
 void dt_checkpoint_load(dt_run *r, const char *path) {
     dt_safetensors *st = dt__checkpoint_open(path);
     dt_model *m = r->model;
@@ -12018,6 +12032,9 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
             if (!own[k]) continue;
             float *host = dt__host_view(where, own[k], f->shard_numel);
             dt__shard_get(sh, adamw, k, host, f->shard_numel);
+            char what[96];
+            snprintf(what, sizeof what, "rank %d's shard of the %s", f->rank, k ? dt__moment_name(adamw, k) : "weights");
+            dt__check_resumed(sh->path, what, k, adamw, host, f->shard_numel);
             dt__host_view_close(where, host, own[k], f->shard_numel, 1);
         }
         dt_safetensors_close(sh);
@@ -12047,6 +12064,13 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
                 }
             dt_safetensors_close(moments);
         }
+        for (int k = 0; k < 3; k++)
+            for (int i = 0; state[k] && i < L->nparams; i++) {
+                char name[256], what[300];
+                dt__state_tensor_name(name, sizeof name, adamw, k, &L->params[i]);
+                snprintf(what, sizeof what, "tensor '%s'", name);
+                dt__check_resumed(path, what, k, adamw, state[k] + L->offsets[i], L->params[i].numel);
+            }
         for (int k = 0; k < 3; k++) dt__state_close(m, o, k, state[k], 1);
     }
     o->step = optimizer_step;

@@ -5516,9 +5516,14 @@ TEST(failed_save_keeps_the_previous_checkpoint, QUICK) {
 
 /* A copy of safetensors file src at dst (src may be dst), its metadata `key`
    set to `value` (key NULL: as it was) and, when nan_in names a tensor, a NaN
-   at its element 12; of a checkpoint folder, the folder copied and its weights
-   file so rewritten. Returns whether the key was there. */
+   (or `x`, with rewrite_value) at its element 12; of a checkpoint folder, the
+   folder copied and its weights file so rewritten. Returns whether the key was
+   there. */
+static int rewrite_value(const char *src, const char *dst, const char *key, const char *value, const char *nan_in, float x);
 static int rewrite_checkpoint(const char *src, const char *dst, const char *key, const char *value, const char *nan_in) {
+    return rewrite_value(src, dst, key, value, nan_in, NAN);
+}
+static int rewrite_value(const char *src, const char *dst, const char *key, const char *value, const char *nan_in, float x) {
     struct stat sb;
     if (stat(src, &sb) == 0 && S_ISDIR(sb.st_mode)) {
         char out[4096], a[800], b[800];
@@ -5526,7 +5531,7 @@ static int rewrite_checkpoint(const char *src, const char *dst, const char *key,
         CHECKF(st == 0, "copying %s: %s", src, out);
         snprintf(a, sizeof a, "%s/model.safetensors", src);
         snprintf(b, sizeof b, "%s/model.safetensors", dst);
-        return rewrite_checkpoint(a, b, key, value, nan_in);
+        return rewrite_value(a, b, key, value, nan_in, x);
     }
     dt_safetensors *st = dt_safetensors_read(src);
     const char **meta = (const char **)calloc(2 * (size_t)st->nmeta + 1, sizeof *meta);
@@ -5544,7 +5549,7 @@ static int rewrite_checkpoint(const char *src, const char *dst, const char *key,
         size_t n = (size_t)(s->end - s->begin) / 4;
         data[i] = (float *)malloc(n * 4 + 64);
         memcpy(data[i], st->buf + st->data_start + s->begin, n * 4);
-        if (nan_in && !strcmp(s->name, nan_in) && n > 12) data[i][12] = NAN;
+        if (nan_in && !strcmp(s->name, nan_in) && n > 12) data[i][12] = x;
         t[i].name = s->name; t[i].data = data[i]; t[i].ndim = s->ndim;
         for (int d = 0; d < s->ndim && d < 4; d++) t[i].shape[d] = s->shape[d];
     }
@@ -5642,6 +5647,29 @@ TEST(init_weights_holding_nan_are_refused_naming_the_tensor, QUICK) {
     int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 2 --init %s", train_cpu, small_data(), w);
     expect_error(out, st, 1, "tensor 'fc3.weight' holds NaN/Inf at index 12");
     CHECKF(strstr(out, w) != NULL, "the error does not name the file:\n%s", out);
+}
+/* --resume looks at what it read as --init does: NaN or Inf in the weights
+   or the moments, and a negative AdamW second moment, are refused naming the
+   tensor (they were taken, and the run then failed blaming --lr). */
+TEST(resumed_state_holding_nan_inf_or_a_negative_second_moment_is_refused, QUICK) {
+    char out[16384], dir[700], file[800];
+    static const struct { const char *file, *tensor; float x; const char *says; } cases[] = {
+        { "model.safetensors", "fc3.weight", NAN, "tensor 'fc3.weight' holds NaN at index 12" },
+        { "optimizer.safetensors", "exp_avg.fc1.weight", INFINITY, "tensor 'exp_avg.fc1.weight' holds Inf at index 12" },
+        { "optimizer.safetensors", "exp_avg_sq.fc2.bias", -1.0f, "tensor 'exp_avg_sq.fc2.bias' is -1 at index 12, but AdamW's second moment" },
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        snprintf(dir, sizeof dir, "%s/bad%zu", tmpdir, c);
+        int st = run_cmd(out, sizeof out, "sh -c 'rm -rf %s && cp -r %s %s'", dir, short_checkpoint(), dir);
+        CHECKF(st == 0, "copying the checkpoint: %s", out);
+        snprintf(file, sizeof file, "%s/%s", dir, cases[c].file);
+        rewrite_value(file, file, NULL, NULL, cases[c].tensor, cases[c].x);
+        st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --resume %s", train_cpu, small_data(), dir);
+        expect_error_in(cases[c].tensor, out, st, 1, cases[c].says);
+    }
+    /* the checkpoint as saved resumes */
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --resume %s", train_cpu, small_data(), short_checkpoint());
+    CHECKF(st == 0, "the checkpoint as saved: exit %d\n%s", st, out);
 }
 /* ---- 14. evaluation and generation ------------------------------------------ */
 
