@@ -5683,9 +5683,29 @@ static char **dt__list_dir(const char *path, int want_dirs, int *count) {
 }
 static void dt__free_names(char **names, int n) { for (int i = 0; i < n; i++) free(names[i]); free(names); }
 
+/* A whole file into memory, or NULL with errno set (dt__read_failure says
+   why). Regular files only: a FIFO would block the run until something wrote
+   to it (one in an image folder hung a run), a device such as /dev/zero never
+   ends. Opened without blocking, then looked at, before anything is read. */
+static DT_THREAD_LOCAL int dt__read_not_regular;
+static const char *dt__read_failure(void) {
+    return dt__read_not_regular ? "not a regular file (a FIFO, a device or a socket): dtrain reads files" : strerror(errno);
+}
 static unsigned char *dt__read_file(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
+    struct stat st;
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    dt__read_not_regular = 0;
+    if (fd < 0) return NULL;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        int e = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
+        dt__read_not_regular = e == EINVAL;
+        close(fd);
+        errno = e;
+        return NULL;
+    }
+    fcntl(fd, F_SETFL, 0);
+    FILE *f = fdopen(fd, "rb");
+    if (!f) { close(fd); return NULL; }
     size_t cap = 1 << 16, n = 0;
     unsigned char *buf = (unsigned char *)malloc(cap);
     while (buf) {
@@ -5906,7 +5926,7 @@ static int dt__check_container(const unsigned char *b, size_t len, char *err, si
 uint8_t *dt_image_load_rgb(const char *path, int size, char *err, size_t errlen) {
     size_t len = 0;
     unsigned char *buf = dt__read_file(path, &len);
-    if (!buf) { snprintf(err, errlen, "cannot read: %s", strerror(errno)); return NULL; }
+    if (!buf) { snprintf(err, errlen, "cannot read: %s", dt__read_failure()); return NULL; }
     int w = 0, h = 0;
     uint8_t *rgb = NULL;
     if (len == 0) snprintf(err, errlen, "empty file");
@@ -5975,7 +5995,7 @@ static void dt__load_cifar(const char *dir, const char *split, int size, dt_data
         char p[4096];
         dt__path(p, sizeof p, "%s/%s", dir, list[i]);
         bufs[i] = dt__read_file(p, &lens[i]);
-        if (!bufs[i]) dt_fail("CIFAR-10: cannot read '%s': %s", p, strerror(errno));
+        if (!bufs[i]) dt_fail("CIFAR-10: cannot read '%s': %s", p, dt__read_failure());
         if (lens[i] == 0 || lens[i] % 3073 != 0)
             dt_fail("CIFAR-10: '%s' is truncated or not a CIFAR-10 batch (%zu bytes, not a multiple of 3073)", p, lens[i]);
         total += lens[i] / 3073;
@@ -6427,7 +6447,7 @@ void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, doubl
             char full[4096];
             dt__path(full, sizeof full, "%s/%s", path, names[i]);
             unsigned char *part = dt__read_file(full, &flen);
-            if (!part) dt_fail("cannot read '%s': %s", full, strerror(errno));
+            if (!part) dt_fail("cannot read '%s': %s", full, dt__read_failure());
             unsigned char *grown = (unsigned char *)realloc(bytes, len + flen + 1);
             if (!grown) dt_fail("out of memory reading '%s'", full);
             bytes = grown;
@@ -6438,7 +6458,7 @@ void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, doubl
         }
         dt__free_names(names, count);
         if (!used) dt_fail("'%s' holds no .txt file", path);
-    } else if (!(bytes = dt__read_file(path, &len))) dt_fail("cannot read '%s': %s", path, strerror(errno));
+    } else if (!(bytes = dt__read_file(path, &len))) dt_fail("cannot read '%s': %s", path, dt__read_failure());
     size_t first = len >= 3 && !memcmp(bytes, "\xEF\xBB\xBF", 3) ? 3 : 0;     /* past a UTF-8 byte-order mark */
     while (first < len && isspace(bytes[first])) first++;
     if (is_tokens && first < len && bytes[first] == '{') {                       /* JSON lines */
@@ -6450,6 +6470,10 @@ void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, doubl
         dt_fail("'%s' is one JSON array; --tokens reads JSON lines, one example per line: ds.to_json(path), whose "
                 "default is lines=True", path);
     int npy = is_tokens && len >= 6 && !memcmp(bytes, "\x93NUMPY", 6);
+    size_t path_len = strlen(path);
+    if (is_tokens && !npy && path_len > 4 && !strcmp(path + path_len - 4, ".npy"))   /* not read as raw uint16 */
+        dt_fail("'%s' is named .npy but is not a NumPy file (it does not begin with \\x93NUMPY): numpy.save writes one; "
+                "a file of raw uint16 ids takes another name (.bin)", path);
     size_t width = 2, at = 0;                        /* bytes per id, where the ids start */
     int is_signed = 0;
     if (npy) dt__npy_ids(path, bytes, len, &width, &is_signed, &at);
@@ -10649,7 +10673,7 @@ static dt_safetensors *dt__safetensors_parse(const char *path, unsigned char *bu
 dt_safetensors *dt_safetensors_read(const char *path) {
     size_t len = 0;
     unsigned char *buf = dt__read_file(path, &len);
-    if (!buf) dt_fail("cannot read '%s': %s", path, strerror(errno));
+    if (!buf) dt_fail("cannot read '%s': %s", path, dt__read_failure());
     return dt__safetensors_parse(path, buf, len, len);
 }
 
@@ -11285,7 +11309,7 @@ static void dt__hf_config_read(const char *dir, dt__hf_config *hc) {
     snprintf(hc->path, sizeof hc->path, "%s/config.json", dir);
     size_t len = 0;
     char *text = (char *)dt__read_file(hc->path, &len);
-    if (!text) dt_fail("--init %s: a Hugging Face model folder needs %s: %s", dir, hc->path, strerror(errno));
+    if (!text) dt_fail("--init %s: a Hugging Face model folder needs %s: %s", dir, hc->path, dt__read_failure());
     dt__json j = { text, 0, len, 1 };
     dt__json_eat(&j, '{');
     while (j.ok && dt__json_peek(&j) != '}') {
@@ -11338,7 +11362,7 @@ static int dt__hf_weight_files(const char *dir, char ***files) {
     size_t len = 0;
     char *text = (char *)dt__read_file(path, &len);
     if (!text)
-        dt_fail("--init %s: no model.safetensors and no model.safetensors.index.json in the folder (%s)", dir, strerror(errno));
+        dt_fail("--init %s: no model.safetensors and no model.safetensors.index.json in the folder (%s)", dir, dt__read_failure());
     dt__json j = { text, 0, len, 1 };
     int n = 0, have_map = 0;
     dt__json_eat(&j, '{');
@@ -11475,7 +11499,7 @@ static void dt__lora_config_read(const char *dir, dt__lora_config *lc) {
     dt__path(lc->path, sizeof lc->path, "%s/adapter_config.json", dir);
     size_t len = 0;
     char *text = (char *)dt__read_file(lc->path, &len);
-    if (!text) dt_fail("cannot read '%s': %s", lc->path, strerror(errno));
+    if (!text) dt_fail("cannot read '%s': %s", lc->path, dt__read_failure());
     dt__json j = { text, 0, len, 1 };
     int lora = 0;
     double v;

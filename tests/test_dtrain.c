@@ -13,6 +13,7 @@
 #include <dirent.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include "runner.h"
 
@@ -1873,6 +1874,39 @@ static int make_instruction_data(const char *path) {
 static const char *instruction_data(void) {
     static char path[600];
     return shared(path, sizeof path, "instructions.jsonl", make_instruction_data);
+}
+
+/* Data that is not what it says: a file named .npy that is not NumPy's was
+   read as raw uint16 ids (vocabularies of 32033 and 65513 from random bytes);
+   --tokens /dev/zero read until memory ran out; a FIFO among the images hung
+   the run forever. Each is refused, naming the file, and nothing blocks. */
+TEST(data_files_that_are_not_what_they_claim_are_refused_not_read, QUICK) {
+    char out[16384], path[700], set[700], fifo[1100];
+    snprintf(path, sizeof path, "%s/random.npy", tmpdir);
+    unsigned char noise[100];
+    for (int i = 0; i < 100; i++) noise[i] = (unsigned char)(i * 73 + 11);
+    write_bytes(path, noise, sizeof noise);
+    int st = run_cmd(out, sizeof out, "timeout -k 5 60 %s --model gpt --tokens %s --seq-len 8 --steps 1", train_cpu, path);
+    expect_error(out, st, 1, "random.npy' is named .npy but is not a NumPy file");
+    st = run_cmd(out, sizeof out, "timeout -k 5 60 %s --model gpt --tokens /dev/zero --seq-len 8 --steps 1", train_cpu);
+    expect_error(out, st, 1, "'/dev/zero': not a regular file");
+    snprintf(path, sizeof path, "%s/text.fifo", tmpdir);
+    CHECK(mkfifo(path, 0644) == 0);
+    st = run_cmd(out, sizeof out, "timeout -k 5 60 %s --model gpt --data %s --seq-len 8 --steps 1", train_cpu, path);
+    expect_error(out, st, 1, "text.fifo': not a regular file");
+    snprintf(set, sizeof set, "%s/images", tmpdir);
+    dt_synthetic_write(set, 40, 10, 16, 3);
+    snprintf(fifo, sizeof fifo, "%s/train", set);
+    DIR *d = opendir(fifo);                      /* a FIFO in the first class's folder */
+    struct dirent *e;
+    while (d && (e = readdir(d)) && e->d_name[0] == '.') {}
+    CHECK(d && e);
+    if (!d || !e) { if (d) closedir(d); return; }
+    snprintf(fifo, sizeof fifo, "%s/train/%s/zz.png", set, e->d_name);
+    closedir(d);
+    CHECK(mkfifo(fifo, 0644) == 0);
+    st = run_cmd(out, sizeof out, "timeout -k 5 60 %s --data %s --image-size 16 --steps 1 --quiet", train_cpu, set);
+    expect_error(out, st, 1, "zz.png': cannot read: not a regular file");
 }
 
 TEST(instruction_data_masks_prompts_and_names_every_bad_record, QUICK) {
