@@ -5733,10 +5733,17 @@ static int dt__json_eat(dt__json *j, char c) {
     j->ok = 0;
     return 0;
 }
+/* A string, decoded; NULL (and j->ok 0) when it is not one. Its buffer is
+   as long as the string, not the rest of the text (a header of 120,000 names
+   once took 538 MB and 9 s). \u0000 is refused: every string dtrain reads is
+   a name or a value that a NUL would cut short. */
 static char *dt__json_str(dt__json *j) {
     if (!dt__json_eat(j, '"')) return NULL;
-    char *out = (char *)malloc(j->len - j->pos + 1);
-    if (!out) dt_fail("out of memory reading a JSON string (%zu bytes)", j->len - j->pos);
+    size_t end = j->pos;
+    while (end < j->len && j->s[end] != '"') end += j->s[end] == '\\' ? 2 : 1;
+    if (end >= j->len) { j->ok = 0; return NULL; }
+    char *out = (char *)malloc(end - j->pos + 1);
+    if (!out) dt_fail("out of memory reading a JSON string (%zu bytes)", end - j->pos);
     size_t n = 0;
     while (j->pos < j->len && j->s[j->pos] != '"') {
         char c = j->s[j->pos++];
@@ -5750,10 +5757,12 @@ static char *dt__json_str(dt__json *j) {
             case 'f': c = '\f'; break;
             case 'u': {
                 unsigned v = 0;
-                for (int k = 0; k < 4 && j->pos < j->len; k++) {
-                    char hx = j->s[j->pos++];
-                    v = v * 16 + (unsigned)(isdigit((unsigned char)hx) ? hx - '0' : (tolower((unsigned char)hx) - 'a' + 10));
+                for (int k = 0; k < 4; k++) {
+                    char hx = j->pos < j->len ? j->s[j->pos++] : 0;
+                    if (!isxdigit((unsigned char)hx)) v = 0, k = 4;       /* not four hex digits: refused below */
+                    else v = v * 16 + (unsigned)(isdigit((unsigned char)hx) ? hx - '0' : (tolower((unsigned char)hx) - 'a' + 10));
                 }
+                if (v == 0) { free(out); j->ok = 0; return NULL; }
                 c = v < 128 ? (char)v : '?';
                 break;
             }
@@ -10593,6 +10602,13 @@ static int dt__safetensors_dtype_size(const char *d) {
 
 /* buf holds the file's first `have` bytes (all of it, or its header alone);
    `len` is the file's length, which every tensor's byte range must fit. */
+static int dt__st_by_name(const void *a, const void *b) {
+    return strcmp((*(dt__st_tensor *const *)a)->name, (*(dt__st_tensor *const *)b)->name);
+}
+static int dt__st_by_offset(const void *a, const void *b) {
+    const dt__st_tensor *x = *(dt__st_tensor *const *)a, *y = *(dt__st_tensor *const *)b;
+    return x->begin < y->begin ? -1 : x->begin > y->begin ? 1 : x->end < y->end ? -1 : x->end > y->end;
+}
 static dt_safetensors *dt__safetensors_parse(const char *path, unsigned char *buf, size_t have, size_t len) {
     if (have < 8) dt_fail("'%s' is truncated or not a safetensors file (%zu bytes)", path, len);
     uint64_t hlen = 0;
@@ -10657,16 +10673,40 @@ static dt_safetensors *dt__safetensors_parse(const char *path, unsigned char *bu
     if (!j.ok) dt_fail("'%s' is not a valid safetensors file (corrupt JSON header near byte %zu)", path, 8 + j.pos);
     for (int i = 0; i < st->n; i++) {
         dt__st_tensor *t = &st->t[i];
-        uint64_t numel = 1;
-        for (int d = 0; d < t->ndim; d++) numel *= (uint64_t)t->shape[d];
+        uint64_t numel = 1, bytes = 0;
+        for (int d = 0; d < t->ndim; d++)
+            if (t->shape[d] < 0 || __builtin_mul_overflow(numel, (uint64_t)t->shape[d], &numel))
+                dt_fail("'%s': tensor '%s' has a shape out of range (dimension %d is %lld)", path, t->name, d,
+                        (long long)t->shape[d]);
         int es = dt__safetensors_dtype_size(t->dtype);
-        if (es && t->end - t->begin != numel * es)
+        if (es && (__builtin_mul_overflow(numel, (uint64_t)es, &bytes) || t->end - t->begin != bytes))
             dt_fail("'%s': tensor '%s' claims %llu bytes for %llu %s elements", path, t->name,
                     (unsigned long long)(t->end - t->begin), (unsigned long long)numel, t->dtype);
-        if (st->data_start + t->end > len)
-            dt_fail("'%s' is truncated: tensor '%s' needs bytes up to %llu, the file has %zu", path, t->name,
-                    (unsigned long long)(st->data_start + t->end), len);
+        if (t->end > len - st->data_start)
+            dt_fail("'%s' is truncated: tensor '%s' needs %llu bytes of data, the file has %zu", path, t->name,
+                    (unsigned long long)t->end, len - st->data_start);
     }
+    /* Each name once, and the tensors' bytes one after another from the start of the data, none shared and none
+       left between (as the safetensors format says, and its own library checks): a name twice or bytes that two
+       tensors share are a corrupt or crafted file. */
+    dt__st_tensor **by = (dt__st_tensor **)malloc(sizeof *by * (size_t)(st->n + 1));
+    if (!by) dt_fail("out of memory reading '%s'", path);
+    for (int i = 0; i < st->n; i++) by[i] = &st->t[i];
+    qsort(by, (size_t)st->n, sizeof *by, dt__st_by_name);
+    for (int i = 1; i < st->n; i++)
+        if (!strcmp(by[i - 1]->name, by[i]->name)) dt_fail("'%s' names tensor '%s' twice", path, by[i]->name);
+    qsort(by, (size_t)st->n, sizeof *by, dt__st_by_offset);
+    uint64_t at = 0;
+    for (int i = 0; i < st->n; i++) {
+        if (by[i]->begin < at)
+            dt_fail("'%s': tensor '%s' (bytes %llu to %llu of the data) overlaps another tensor's bytes", path, by[i]->name,
+                    (unsigned long long)by[i]->begin, (unsigned long long)by[i]->end);
+        if (by[i]->begin > at)
+            dt_fail("'%s': tensor '%s' begins at byte %llu of the data, leaving bytes %llu to %llu to no tensor", path,
+                    by[i]->name, (unsigned long long)by[i]->begin, (unsigned long long)at, (unsigned long long)by[i]->begin);
+        at = by[i]->end;
+    }
+    free(by);
     return st;
 }
 
@@ -11670,6 +11710,17 @@ static void dt__load_weights(dt_model *model, const char *path) {
                 dt_fail("'%s' has no tensor '%s' (it holds %d tensors; is it a checkpoint of this model?)", path,
                         p->name, st->n);
         }
+    /* Every tensor of the file is one of the model's: a file of another model, or one with a tensor misnamed, is
+       not half taken. GPT-2's files also hold each block's causal mask (attn.bias, attn.masked_bias): buffers. */
+    for (int k = 0; k < st->n && !dt__is_sharded(st); k++) {
+        const char *name = st->t[k].name, *own = m->cfg.kind == DT_MODEL_GPT && !strncmp(name, "transformer.", 12) ? name + 12 : name;
+        size_t len = strlen(own);
+        int mask = m->cfg.kind == DT_MODEL_GPT && ((len > 10 && !strcmp(own + len - 10, ".attn.bias")) ||
+                                                    (len > 17 && !strcmp(own + len - 17, ".attn.masked_bias")));
+        if (!mask && !dt_model_param(m, own))
+            dt_fail("'%s' holds tensor '%s', which this model does not have (%s has %d parameters; is the file of another "
+                    "model?)", path, name, dt__model_kind_name(m->cfg.kind), m->nparams);
+    }
     /* A NaN here would first show as a NaN loss, and that blames --lr. */
     for (int i = 0; i < m->nparams; i++)
         for (int64_t k = 0; k < m->params[i].numel; k++)

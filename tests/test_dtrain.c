@@ -13,6 +13,7 @@
 #include <dirent.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include "runner.h"
@@ -249,6 +250,7 @@ static int make_mp_data(const char *dir) { dt_synthetic_write(dir, 3200, 1000, 1
 static const char *small_data(void) { static char dir[600]; return shared(dir, sizeof dir, "small", make_small_data); }
 static const char *mp_data(void) { static char dir[600]; return shared(dir, sizeof dir, "mp", make_mp_data); }
 static const char *gpt_text(void);           /* a small generated text (section 8) */
+static const char *short_checkpoint(void);   /* a checkpoint 3 steps into a run (section 13) */
 #define SMALL_FLAGS "--image-size 16 --dim 32 --batch-size 32 --log-every 1000 --quiet"
 static const char *find_line(const char *text, const char *line) {
     for (const char *p = text; p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
@@ -4509,16 +4511,18 @@ TEST(mixed_precision_is_the_same_on_any_thread_count, QUICK) {
 /* ---- 13. checkpoints: safetensors, exact resume, sharded, refused when broken ---- */
 
 /* A file written byte by byte, the way the format's spec describes it. */
-static size_t handmade_safetensors(const char *path, const char *dtype_w) {
-    /* fc1.weight [2, 3] (F32 or BF16), fc1.bias [2] F32, plus an unrelated tensor */
+static size_t handmade_safetensors(const char *path, const char *dtype_w, int with_extra) {
+    /* fc1.weight [2, 3] (F32 or BF16), fc1.bias [2] F32, and with_extra a scalar the model does not have */
     int half = !strcmp(dtype_w, "BF16");
     size_t wbytes = half ? 12 : 24;
-    char hdr[512];
+    char hdr[512], extra_entry[128] = "";
+    if (with_extra)
+        snprintf(extra_entry, sizeof extra_entry, ",\"extra\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[%zu,%zu]}",
+                 wbytes + 8, wbytes + 12);
     int hl = snprintf(hdr, sizeof hdr,
                       "{\"__metadata__\":{\"format\":\"pt\"},\"fc1.weight\":{\"dtype\":\"%s\",\"shape\":[2,3],"
-                      "\"data_offsets\":[0,%zu]},\"fc1.bias\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[%zu,%zu]},"
-                      "\"extra\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[%zu,%zu]}}",
-                      dtype_w, wbytes, wbytes, wbytes + 8, wbytes + 8, wbytes + 12);
+                      "\"data_offsets\":[0,%zu]},\"fc1.bias\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[%zu,%zu]}%s}",
+                      dtype_w, wbytes, wbytes, wbytes + 8, extra_entry);
     while (hl % 8) hdr[hl++] = ' ';
     unsigned char buf[1024];
     uint64_t L = (uint64_t)hl;
@@ -4531,9 +4535,76 @@ static size_t handmade_safetensors(const char *path, const char *dtype_w) {
         else { memcpy(buf + p, &w[i], 4); p += 4; }
     }
     memcpy(buf + p, b, 8); p += 8;
-    memcpy(buf + p, &extra, 4); p += 4;
+    if (with_extra) { memcpy(buf + p, &extra, 4); p += 4; }
     write_bytes(path, buf, p);
     return p;
+}
+
+/* A safetensors file of `header` (its JSON) and `data` bytes of zeros. */
+static void write_safetensors_raw(const char *path, const char *header, size_t data) {
+    size_t h = strlen(header), n = 8 + h + data;
+    unsigned char *b = (unsigned char *)calloc(n, 1);
+    for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)h >> (8 * i));
+    memcpy(b + 8, header, h);
+    write_bytes(path, b, n);
+    free(b);
+}
+/* safetensors files that lie are refused, naming the file and the tensor:
+   a shape whose element count wrapped around 2^64 (to 512, and 2048 bytes
+   passed), tensors sharing bytes, a name twice or cut by \u0000, and a
+   tensor the model does not have -- all once taken by --init FILE. A header
+   of 120,000 entries is read in memory of its own size (each name's buffer
+   once took the rest of the header: 538 MB). */
+TEST(safetensors_files_that_lie_are_refused_naming_the_tensor, QUICK) {
+    char out[16384], path[700];
+    snprintf(path, sizeof path, "%s/lie.safetensors", tmpdir);
+    static const struct { const char *header; size_t data; const char *says; } cases[] = {
+        { "{\"a\":{\"dtype\":\"F32\",\"shape\":[4611686018427387920,32],\"data_offsets\":[0,2048]}}", 2048,
+          "tensor 'a' has a shape out of range" },
+        { "{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]},\"b\":{\"dtype\":\"F32\",\"shape\":[4],"
+          "\"data_offsets\":[8,24]}}", 24, "overlaps another tensor's bytes" },
+        { "{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]},\"a\":{\"dtype\":\"F32\",\"shape\":[4],"
+          "\"data_offsets\":[16,32]}}", 32, "names tensor 'a' twice" },
+        { "{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[8,24]}}", 24, "leaving bytes 0 to 8 to no tensor" },
+        { "{\"fc1.weight\\u0000x\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]}}", 16, "not a valid safetensors file" },
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        write_safetensors_raw(path, cases[c].header, cases[c].data);
+        int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --steps 1 --init %s", train_cpu, small_data(), path);
+        expect_error_in(cases[c].says, out, st, 1, cases[c].says);
+        CHECKF(strstr(out, "lie.safetensors"), "the error does not name the file:\n%s", out);
+    }
+    /* a tensor the model does not have, beside all it has */
+    char weights[800];
+    snprintf(weights, sizeof weights, "%s/model.safetensors", short_checkpoint());
+    dt_safetensors *w = dt_safetensors_read(weights);
+    dt_named_tensor *t = (dt_named_tensor *)calloc((size_t)w->n + 1, sizeof *t);
+    float extra[4] = { 1, 2, 3, 4 };
+    for (int i = 0; i < w->n; i++) {
+        t[i].name = w->t[i].name; t[i].data = (float *)(w->buf + w->data_start + w->t[i].begin); t[i].ndim = w->t[i].ndim;
+        for (int d = 0; d < w->t[i].ndim; d++) t[i].shape[d] = (int)w->t[i].shape[d];
+    }
+    t[w->n].name = "fc9.weight"; t[w->n].data = extra; t[w->n].ndim = 1; t[w->n].shape[0] = 4;
+    dt_safetensors_write(path, t, w->n + 1, NULL, 0);
+    free(t);
+    dt_safetensors_close(w);
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --steps 1 --init %s", train_cpu, small_data(), path);
+    expect_error(out, st, 1, "holds tensor 'fc9.weight', which this model does not have");
+    /* 120,000 entries: refused, in memory of the header's own size */
+    size_t cap = 120000 * 80 + 16, len = 0;
+    char *h = (char *)malloc(cap);
+    len += (size_t)snprintf(h + len, cap - len, "{");
+    for (int i = 0; i < 120000; i++)
+        len += (size_t)snprintf(h + len, cap - len, "%s\"t%d\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[%d,%d]}",
+                                i ? "," : "", i, 4 * i, 4 * i + 4);
+    snprintf(h + len, cap - len, "}");
+    write_safetensors_raw(path, h, 4 * 120000);
+    free(h);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --steps 1 --init %s", train_cpu, small_data(), path);
+    expect_error(out, st, 1, "has no tensor 'fc1.weight' (it holds 120000 tensors");
+    struct rusage ru;
+    getrusage(RUSAGE_CHILDREN, &ru);
+    CHECKF(ru.ru_maxrss < 150 * 1024, "reading a 9 MB header took %ld MB", ru.ru_maxrss / 1024);
 }
 
 TEST(safetensors_weights_load_and_write_back, QUICK) {
@@ -4542,7 +4613,12 @@ TEST(safetensors_weights_load_and_write_back, QUICK) {
     float w[6] = { 0.5f, -1.0f, 2.0f, 0.25f, -0.125f, 3.0f };
     for (int v = 0; v < 2; v++) {
         snprintf(path, sizeof path, "%s/hand%d.safetensors", tmpdir, v);
-        handmade_safetensors(path, v ? "BF16" : "F32");
+        handmade_safetensors(path, v ? "BF16" : "F32", 1);
+        dt_safetensors *parsed = dt_safetensors_read(path);     /* a scalar (shape []) among them */
+        CHECK(parsed->n == 3 && !strcmp(parsed->t[2].name, "extra") && parsed->t[2].ndim == 0 &&
+              parsed->t[2].end - parsed->t[2].begin == 4);
+        dt_safetensors_close(parsed);
+        handmade_safetensors(path, v ? "BF16" : "F32", 0);     /* what --init takes: the model's tensors, no others */
         dt_model *m = dt_model_create(&c, 1);
         dt_model_load_weights(m, path);
         CHECK(memcmp(m->params[0].data, w, sizeof w) == 0);        /* these values are exact in bf16 */
@@ -5178,7 +5254,7 @@ TEST(resume_continues_exactly, QUICK) {
 TEST(init_starts_from_given_weights, QUICK) {
     char out[16384], path[600], dir[600];
     snprintf(path, sizeof path, "%s/hand0.safetensors", tmpdir);
-    handmade_safetensors(path, "F32");
+    handmade_safetensors(path, "F32", 0);
     snprintf(dir, sizeof dir, "%s/init", tmpdir);
     /* a model with exactly fc1 [2, 3]: 1x1 RGB images, 2 classes */
     char data[600];
