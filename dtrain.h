@@ -1362,7 +1362,8 @@ struct dt_run {
     int epoch;
     int64_t step, total_steps, stop_step, batches_per_epoch, batch_in_epoch, warmup;
     double phase_ms[DT_PHASE_COUNT], mark_ms, step_start_ms, start_ms, samples, train_ms;
-    double last_loss, loss_sum;
+    double last_loss, loss_sum;             /* the last step's loss (has_loss: there was one); since the last line */
+    int has_loss;
     int64_t loss_count, steps_run;
     double eval_loss, eval_acc;
     double unigram_loss;       /* gpt: the validation loss of a model that ignores context */
@@ -11898,6 +11899,7 @@ static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *f
     dt__meta_add(l, "data_range", "%lld,%lld", (long long)r->cfg.start_idx, (long long)(r->cfg.start_idx + r->loader->ds->n));
     dt__meta_add(l, "batch_size", "%d", r->cfg.batch_size);
     dt__meta_add(l, "accum_steps", "%d", r->cfg.accum_steps);
+    if (r->has_loss) dt__meta_add(l, "loss", "%.17g", r->last_loss);   /* the last step's: the run's final loss */
     if (r->mlflow_run_id[0]) dt__meta_add(l, "mlflow_run_id", "%s", r->mlflow_run_id);
     if (r->tensorboard_run[0]) dt__meta_add(l, "tensorboard_run", "%s", r->tensorboard_run);
     if (r->model->base) {
@@ -12090,6 +12092,11 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     if (tb_run && (!*tb_run || strchr(tb_run, '/') || strstr(tb_run, "..") || strlen(tb_run) >= sizeof r->tensorboard_run))
         dt_fail("'%s': metadata 'tensorboard_run' is '%.60s', not the name of a run's folder", st->path, tb_run);
     dt__copy_str(r->tensorboard_run, sizeof r->tensorboard_run, tb_run ? tb_run : "");
+    const char *loss = dt_safetensors_meta(st, "loss");          /* the last step's; older checkpoints have none */
+    char *loss_end = NULL;
+    double last_loss = loss ? strtod(loss, &loss_end) : 0;
+    if (loss && (loss_end == loss || *loss_end || !isfinite(last_loss)))
+        dt_fail("'%s': metadata 'loss' is '%.40s', not a finite number", st->path, loss);
     int fp16 = dt_safetensors_meta(st, "loss_scale") && r->scaler.enabled;   /* fp16 goes on with the scale it had found */
     float scale = fp16 ? dt__meta_positive(st, st->path, "loss_scale") : 0;
     int64_t good_steps = fp16 ? (int64_t)dt__meta_whole(st, st->path, "loss_scale_good_steps", 0, (uint64_t)step) : 0;
@@ -12150,6 +12157,8 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     }
     o->step = optimizer_step;
     r->step = step;
+    r->has_loss = loss != NULL;
+    r->last_loss = last_loss;
     r->epoch = epoch;
     r->batch_in_epoch = batch_in_epoch;
     r->cfg.seed = seed;
@@ -14036,6 +14045,7 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     run->samples += (double)batch_size * run->loader->world;     /* the ranks of a tensor-parallel group share a batch */
     run->train_ms += step_ms;
     run->last_loss = dt_tensor_item(loss);
+    run->has_loss = 1;
     run->loss_sum += run->last_loss;
     run->loss_count++;
     if (!isfinite(run->last_loss))
@@ -14138,11 +14148,17 @@ int dt_run_finish(dt_run *run) {
         dt__run_eval(run);
     }
     double rate = run->train_ms > 0 ? run->samples / (run->train_ms / 1e3) : 0;
-    double final_loss = run->loss_count ? run->loss_sum / run->loss_count : run->last_loss;
+    /* The final loss is the last step's (the job's mean over its ranks): it depends on the steps alone, so a run
+       stopped and resumed reports what the same run uninterrupted does (a mean since the last progress line
+       depended on the clock). A checkpoint keeps it; NaN (printed n/a, null in the log) before any step. */
+    double final_loss = run->has_loss ? run->last_loss : NAN;
     if (dt__ctx.rank == 0 && !run->cfg.bench) {
         int tok = dt__tokens_per_sample(run);
-        printf("done: %lld steps, %.0f %s/s, final loss %.4f, eval loss %.4f, eval accuracy %.2f%%, %.1f s\n",
-               (long long)run->step, tok ? rate * tok : rate, tok ? "tokens" : "samples", final_loss, run->eval_loss,
+        char fl[32];
+        if (isfinite(final_loss)) snprintf(fl, sizeof fl, "%.4f", final_loss);
+        else snprintf(fl, sizeof fl, "n/a");
+        printf("done: %lld steps, %.0f %s/s, final loss %s, eval loss %.4f, eval accuracy %.2f%%, %.1f s\n",
+               (long long)run->step, tok ? rate * tok : rate, tok ? "tokens" : "samples", fl, run->eval_loss,
                100 * run->eval_acc, (dt_now_ms() - run->start_ms) / 1e3);
         if (run->unigram_loss > 0 && run->steps_run > 0)
             printf("eval loss %.4f against %.4f for token frequencies alone: %s\n", run->eval_loss, run->unigram_loss,
@@ -14164,9 +14180,12 @@ int dt_run_finish(dt_run *run) {
         fflush(stdout);
     }
     if (run->log) {
-        fprintf(run->log, "{\"summary\":true,\"steps\":%lld,\"final_loss\":%.6f,\"eval_loss\":%.6f,\"eval_acc\":%.6f,"
+        char fl[32];
+        if (isfinite(final_loss)) snprintf(fl, sizeof fl, "%.6f", final_loss);
+        else snprintf(fl, sizeof fl, "null");
+        fprintf(run->log, "{\"summary\":true,\"steps\":%lld,\"final_loss\":%s,\"eval_loss\":%.6f,\"eval_acc\":%.6f,"
                         "\"samples_per_s\":%.1f,\"peak_mem_bytes\":%zu,\"world_size\":%d",
-                (long long)run->step, final_loss, run->eval_loss, run->eval_acc, rate, dt_mem_total_peak(), dt__ctx.world_size);
+                (long long)run->step, fl, run->eval_loss, run->eval_acc, rate, dt_mem_total_peak(), dt__ctx.world_size);
         if (dt__tokens_per_sample(run))
             fprintf(run->log, ",\"tokens_per_s\":%.1f,\"unigram_loss\":%.6f", rate * dt__tokens_per_sample(run), run->unigram_loss);
         if (run->scaler.enabled) fprintf(run->log, ",\"loss_scale\":%g,\"skipped_steps\":%lld", run->scaler.scale, (long long)run->scaler.skipped);
