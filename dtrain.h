@@ -10610,14 +10610,31 @@ static int dt__st_by_offset(const void *a, const void *b) {
     const dt__st_tensor *x = *(dt__st_tensor *const *)a, *y = *(dt__st_tensor *const *)b;
     return x->begin < y->begin ? -1 : x->begin > y->begin ? 1 : x->end < y->end ? -1 : x->end > y->end;
 }
-static dt_safetensors *dt__safetensors_parse(const char *path, unsigned char *buf, size_t have, size_t len) {
-    if (have < 8) dt_fail("'%s' is truncated or not a safetensors file (%zu bytes)", path, len);
+/* Parse a safetensors file held in buf (have bytes of it read, len its size;
+   the data may be left unread). What is wrong is an error naming the file --
+   or, given `why`, said there, and NULL (buf freed): --resume auto looks over
+   a folder of checkpoints and passes a damaged one by. */
+#define DT__ST_REFUSE(...)                                          \
+    do {                                                            \
+        if (!why) dt_fail(__VA_ARGS__);                             \
+        snprintf(why, why_n, __VA_ARGS__);                          \
+        if (st) dt_safetensors_close(st);                           \
+        else free(buf);                                             \
+        free(by);                                                   \
+        return NULL;                                                \
+    } while (0)
+static dt_safetensors *dt__safetensors_parse(const char *path, unsigned char *buf, size_t have, size_t len, char *why,
+                                             size_t why_n) {
+    dt_safetensors *st = NULL;
+    dt__st_tensor **by = NULL;
+    if (have < 8) DT__ST_REFUSE("'%s' is truncated or not a safetensors file (%zu bytes)", path, len);
     uint64_t hlen = 0;
     for (int i = 0; i < 8; i++) hlen |= (uint64_t)buf[i] << (8 * i);
     if (hlen > have - 8)
-        dt_fail("'%s' is truncated or not a safetensors file (its header claims %llu bytes, the file has %zu)",
+        DT__ST_REFUSE("'%s' is truncated or not a safetensors file (its header claims %llu bytes, the file has %zu)",
                 path, (unsigned long long)hlen, len);
-    dt_safetensors *st = (dt_safetensors *)calloc(1, sizeof *st);
+    st = (dt_safetensors *)calloc(1, sizeof *st);
+    if (!st) dt_fail("out of memory reading '%s'", path);
     dt__copy_str(st->path, sizeof st->path, path);
     st->buf = buf; st->len = len; st->data_start = 8 + hlen;
     dt__json j = { (const char *)buf + 8, 0, hlen, 1 };
@@ -10665,66 +10682,74 @@ static dt_safetensors *dt__safetensors_parse(const char *path, unsigned char *bu
             }
             dt__json_eat(&j, '}');
             if (j.ok && (!have_dtype || !have_offsets || offs[0] < 0 || offs[1] < offs[0]))
-                dt_fail("'%s': tensor '%s' has a malformed entry in the safetensors header", path, key);
+                DT__ST_REFUSE("'%s': tensor '%s' has a malformed entry in the safetensors header", path, key);
             t->begin = (uint64_t)offs[0]; t->end = (uint64_t)offs[1];
         }
         if (dt__json_peek(&j) == ',') j.pos++;
     }
     dt__json_eat(&j, '}');
-    if (!j.ok) dt_fail("'%s' is not a valid safetensors file (corrupt JSON header near byte %zu)", path, 8 + j.pos);
+    if (!j.ok) DT__ST_REFUSE("'%s' is not a valid safetensors file (corrupt JSON header near byte %zu)", path, 8 + j.pos);
     for (int i = 0; i < st->n; i++) {
         dt__st_tensor *t = &st->t[i];
         uint64_t numel = 1, bytes = 0;
         for (int d = 0; d < t->ndim; d++)
             if (t->shape[d] < 0 || __builtin_mul_overflow(numel, (uint64_t)t->shape[d], &numel))
-                dt_fail("'%s': tensor '%s' has a shape out of range (dimension %d is %lld)", path, t->name, d,
+                DT__ST_REFUSE("'%s': tensor '%s' has a shape out of range (dimension %d is %lld)", path, t->name, d,
                         (long long)t->shape[d]);
         int es = dt__safetensors_dtype_size(t->dtype);
         if (es && (__builtin_mul_overflow(numel, (uint64_t)es, &bytes) || t->end - t->begin != bytes))
-            dt_fail("'%s': tensor '%s' claims %llu bytes for %llu %s elements", path, t->name,
+            DT__ST_REFUSE("'%s': tensor '%s' claims %llu bytes for %llu %s elements", path, t->name,
                     (unsigned long long)(t->end - t->begin), (unsigned long long)numel, t->dtype);
         if (t->end > len - st->data_start)
-            dt_fail("'%s' is truncated: tensor '%s' needs %llu bytes of data, the file has %zu", path, t->name,
+            DT__ST_REFUSE("'%s' is truncated: tensor '%s' needs %llu bytes of data, the file has %zu", path, t->name,
                     (unsigned long long)t->end, len - st->data_start);
     }
     /* Each name once, and the tensors' bytes one after another from the start of the data, none shared and none
        left between (as the safetensors format says, and its own library checks): a name twice or bytes that two
        tensors share are a corrupt or crafted file. */
-    dt__st_tensor **by = (dt__st_tensor **)malloc(sizeof *by * (size_t)(st->n + 1));
+    by = (dt__st_tensor **)malloc(sizeof *by * (size_t)(st->n + 1));
     if (!by) dt_fail("out of memory reading '%s'", path);
     for (int i = 0; i < st->n; i++) by[i] = &st->t[i];
     qsort(by, (size_t)st->n, sizeof *by, dt__st_by_name);
     for (int i = 1; i < st->n; i++)
-        if (!strcmp(by[i - 1]->name, by[i]->name)) dt_fail("'%s' names tensor '%s' twice", path, by[i]->name);
+        if (!strcmp(by[i - 1]->name, by[i]->name)) DT__ST_REFUSE("'%s' names tensor '%s' twice", path, by[i]->name);
     qsort(by, (size_t)st->n, sizeof *by, dt__st_by_offset);
     uint64_t at = 0;
     for (int i = 0; i < st->n; i++) {
         if (by[i]->begin < at)
-            dt_fail("'%s': tensor '%s' (bytes %llu to %llu of the data) overlaps another tensor's bytes", path, by[i]->name,
+            DT__ST_REFUSE("'%s': tensor '%s' (bytes %llu to %llu of the data) overlaps another tensor's bytes", path, by[i]->name,
                     (unsigned long long)by[i]->begin, (unsigned long long)by[i]->end);
         if (by[i]->begin > at)
-            dt_fail("'%s': tensor '%s' begins at byte %llu of the data, leaving bytes %llu to %llu to no tensor", path,
+            DT__ST_REFUSE("'%s': tensor '%s' begins at byte %llu of the data, leaving bytes %llu to %llu to no tensor", path,
                     by[i]->name, (unsigned long long)by[i]->begin, (unsigned long long)at, (unsigned long long)by[i]->begin);
         at = by[i]->end;
     }
     free(by);
     return st;
 }
+#undef DT__ST_REFUSE
 
 dt_safetensors *dt_safetensors_read(const char *path) {
     size_t len = 0;
     unsigned char *buf = dt__read_file(path, &len);
     if (!buf) dt_fail("cannot read '%s': %s", path, dt__read_failure());
-    return dt__safetensors_parse(path, buf, len, len);
+    return dt__safetensors_parse(path, buf, len, len, NULL, 0);
 }
 
 /* The header alone (metadata and the tensor list, no data): what a look over a
-   folder of checkpoints needs, without reading gigabytes. */
-static dt_safetensors *dt__safetensors_read_header(const char *path) {
+   folder of checkpoints needs, without reading gigabytes. The file's size is
+   checked against what the header says, so a file cut short is found. Given
+   `why`, a file that cannot be read is said there and NULL returned. */
+static dt_safetensors *dt__safetensors_read_header_or_why(const char *path, char *why, size_t why_n) {
     FILE *f = fopen(path, "rb");
     unsigned char len8[8];
     struct stat s;
-    if (!f || fstat(fileno(f), &s) != 0) dt_fail("cannot read '%s': %s", path, strerror(errno));
+    if (!f || fstat(fileno(f), &s) != 0) {
+        if (!why) dt_fail("cannot read '%s': %s", path, strerror(errno));
+        snprintf(why, why_n, "cannot read '%s': %s", path, strerror(errno));
+        if (f) fclose(f);
+        return NULL;
+    }
     size_t have = fread(len8, 1, 8, f);
     uint64_t hlen = 0;
     for (size_t i = 0; i < have; i++) hlen |= (uint64_t)len8[i] << (8 * i);
@@ -10734,8 +10759,9 @@ static dt_safetensors *dt__safetensors_read_header(const char *path) {
     memcpy(buf, len8, have);
     if (have == 8) have += fread(buf + 8, 1, (size_t)hlen, f);
     fclose(f);
-    return dt__safetensors_parse(path, buf, have, (size_t)s.st_size);
+    return dt__safetensors_parse(path, buf, have, (size_t)s.st_size, why, why_n);
 }
+static dt_safetensors *dt__safetensors_read_header(const char *path) { return dt__safetensors_read_header_or_why(path, NULL, 0); }
 
 void dt_safetensors_close(dt_safetensors *st) {
     if (!st) return;
@@ -12180,17 +12206,53 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
 
 /* --resume auto: the checkpoint of the most steps in --save-dir, or NULL to
    start fresh -- what a requeued job runs, unchanged, after preemption. Every
-   folder there is whole: a checkpoint is renamed into place once written
-   (NAME.tmp, being written, is passed over; NAME.old, being replaced, counts
-   only when a save was cut off before NAME took its place). Ties go to the
-   later name, so every rank picks the same folder. A one-file checkpoint of
-   an earlier dtrain that would have been the newest is an error, not a
-   silent fresh start. */
+   folder there should be whole: a checkpoint is renamed into place once
+   written (NAME.tmp, being written, is passed over; NAME.old, being replaced,
+   counts only when a save was cut off before NAME took its place). One that
+   is not -- a file cut short or damaged since, a shard missing -- is passed
+   over for the newest whole one, saying so: its files' headers and sizes are
+   read, not their data. Ties go to the later name, so every rank picks the
+   same folder. A one-file checkpoint of an earlier dtrain that would have been
+   the newest is an error, not a silent fresh start. */
+typedef struct { long long step; char path[4096]; } dt__candidate;
+static int dt__candidate_newer(const void *a, const void *b) {
+    const dt__candidate *x = (const dt__candidate *)a, *y = (const dt__candidate *)b;
+    return x->step != y->step ? (x->step > y->step ? -1 : 1) : -strcmp(x->path, y->path);
+}
+/* Are the files of checkpoint folder `path` whole, as far as their headers and sizes tell? */
+static int dt__checkpoint_whole(const char *path, dt_safetensors *meta, char *why, size_t n) {
+    char file[4200];
+    if (dt_safetensors_meta(meta, "shards")) {
+        const char *shards = dt_safetensors_meta(meta, "shards");
+        int world = atoi(shards);
+        if (world < 1 || world > DT_MAX_RANKS) { snprintf(why, n, "its index says %.20s shards", shards); return 0; }
+        for (int r = 0; r < world; r++) {
+            char key[32];
+            struct stat s;
+            dt__shard_path(file, sizeof file, path, r, world);
+            snprintf(key, sizeof key, "shard.%d.bytes", r);
+            const char *bytes = dt_safetensors_meta(meta, key);
+            if (stat(file, &s) != 0) { snprintf(why, n, "shard %d of %d is missing", r, world); return 0; }
+            if (!bytes || strtoull(bytes, NULL, 10) != (unsigned long long)s.st_size) {
+                snprintf(why, n, "shard %d of %d has %lld bytes, the index recorded %.20s", r, world, (long long)s.st_size,
+                         bytes ? bytes : "none");
+                return 0;
+            }
+        }
+        return 1;
+    }
+    dt__path(file, sizeof file, "%s/optimizer.safetensors", path);
+    dt_safetensors *st = dt__safetensors_read_header_or_why(file, why, n);
+    dt_safetensors_close(st);
+    return st != NULL;
+}
 static const char *dt__newest_checkpoint(const char *dir, char *out, size_t n) {
     DIR *d = opendir(dir);
     struct dirent *e;
     long long best = -1, best_old_format = -1;
-    char old_format[4096] = "";
+    char old_format[4096] = "", why[600];
+    dt__candidate *c = NULL;
+    int nc = 0, cap = 0, unreadable = 0, talk = dt__ctx.rank == 0;
     out[0] = 0;
     while (d && (e = readdir(d))) {
         size_t len = strlen(e->d_name);
@@ -12203,7 +12265,7 @@ static const char *dt__newest_checkpoint(const char *dir, char *out, size_t n) {
             if (access(file, F_OK) == 0) continue;            /* replaced, and its successor is there */
         }
         if (stat(path, &s) == 0 && S_ISREG(s.st_mode) && len > 12 && !strcmp(e->d_name + len - 12, ".safetensors")) {
-            dt_safetensors *st = dt__safetensors_read_header(path);
+            dt_safetensors *st = dt__safetensors_read_header_or_why(path, why, sizeof why);
             const char *format = dt_safetensors_meta(st, "format"), *step = dt_safetensors_meta(st, "step");
             if (format && !strncmp(format, "dtrain-", 7) && strstr(format, "checkpoint") && step && atoll(step) > best_old_format) {
                 best_old_format = atoll(step);
@@ -12215,16 +12277,40 @@ static const char *dt__newest_checkpoint(const char *dir, char *out, size_t n) {
         if (stat(path, &s) != 0 || !S_ISDIR(s.st_mode)) continue;
         if (!dt__checkpoint_file(path, "shards.safetensors", file, sizeof file) && !dt__checkpoint_weights(path, file, sizeof file))
             continue;
-        dt_safetensors *st = dt__safetensors_read_header(file);
+        dt_safetensors *st = dt__safetensors_read_header_or_why(file, why, sizeof why);
+        if (!st) {
+            if (talk) dt_warn("--resume auto: passing over '%s', which cannot be read: %s", path, why);
+            unreadable++;
+            continue;
+        }
         const char *format = dt_safetensors_meta(st, "dtrain_format"), *step = dt_safetensors_meta(st, "step");
-        long long k = step ? atoll(step) : -1;
-        if (format && strstr(format, "checkpoint") && step && (k > best || (k == best && strcmp(path, out) > 0))) {
-            best = k;
-            dt__copy_str(out, n, path);
+        if (format && strstr(format, "checkpoint") && step) {
+            if (nc == cap && !(c = (dt__candidate *)realloc(c, sizeof *c * (size_t)(cap = cap ? 2 * cap : 16))))
+                dt_fail("out of memory (--resume auto)");
+            c[nc].step = atoll(step);
+            dt__copy_str(c[nc++].path, sizeof c->path, path);
         }
         dt_safetensors_close(st);
     }
     if (d) closedir(d);
+    qsort(c, (size_t)nc, sizeof *c, dt__candidate_newer);
+    for (int k = 0; k < nc && !out[0]; k++) {
+        char file[4200];
+        if (!dt__checkpoint_file(c[k].path, "shards.safetensors", file, sizeof file)) dt__checkpoint_weights(c[k].path, file, sizeof file);
+        dt_safetensors *meta = dt__safetensors_read_header(file);
+        if (dt__checkpoint_whole(c[k].path, meta, why, sizeof why)) {
+            best = c[k].step;
+            dt__copy_str(out, n, c[k].path);
+            if (talk && (k > 0 || unreadable))       /* something newer was passed over: say what is taken instead */
+                printf("--resume auto: resuming '%s' (step %lld), the newest whole checkpoint in '%s'\n", out, best, dir);
+        } else if (talk)
+            dt_warn("--resume auto: passing over '%s' (step %lld), which is not whole: %s", c[k].path, c[k].step, why);
+        dt_safetensors_close(meta);
+    }
+    free(c);
+    if ((nc > 0 || unreadable > 0) && !out[0])        /* not a fresh start: that would train over them */
+        dt_fail("--resume auto: no checkpoint in '%s' is whole (see above): resume one by name with --resume, or move "
+                "them out of --save-dir to start afresh", dir);
     if (best_old_format >= 0 && best_old_format >= best)
         dt_fail("--resume auto: '%s' (step %lld) is a one-file checkpoint of an earlier dtrain, newer than any checkpoint "
                 "folder in '%s': resume it with that dtrain, or move it out of --save-dir", old_format, best_old_format, dir);

@@ -5601,6 +5601,44 @@ TEST(a_file_of_the_users_in_a_checkpoint_folder_stays_with_it, QUICK) {
     }
 }
 
+/* --resume auto passes over a newest checkpoint that is not whole (a file
+   cut short, a header garbled) for the newest one that is, saying which and
+   why: it once stopped at the damaged one, and offered nothing. When none is
+   whole it stops rather than start afresh over them. */
+TEST(resume_auto_passes_over_a_damaged_newest_checkpoint_saying_so, QUICK) {
+    char out[16384], dir[700], file[800], cmd[4000];
+    snprintf(dir, sizeof dir, "%s/saves", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 3 --save-dir %s", train_cpu, small_data(), dir);
+    CHECKF(st == 0, "the run: exit %d\n%s", st, out);
+    size_t n = 0;
+    snprintf(file, sizeof file, "%s/mlp_data0-320_epoch3/model.safetensors", dir);
+    unsigned char *bytes = read_bytes(file, &n);
+    CHECK(bytes != NULL);
+    if (!bytes) return;
+    write_bytes(file, bytes, n / 2);                          /* cut short */
+    snprintf(cmd, sizeof cmd, "%s --data %s " SMALL_FLAGS " --epochs 4 --save-dir %s --resume auto", train_cpu, small_data(), dir);
+    st = run_cmd(out, sizeof out, "%s", cmd);
+    CHECKF(st == 0, "resumed past the cut checkpoint: exit %d\n%s", st, out);
+    CHECKF(strstr(out, "passing over '") && strstr(out, "epoch3'") && strstr(out, "truncated"),
+           "no word of the checkpoint passed over, and why:\n%s", out);
+    CHECKF(strstr(out, "resuming '") && strstr(out, "epoch2' (step 20), the newest whole checkpoint"),
+           "no word of the checkpoint taken instead:\n%s", out);
+    /* every checkpoint damaged (headers garbled): an error, not a fresh start */
+    for (int e = 1; e <= 4; e++) {
+        snprintf(file, sizeof file, "%s/mlp_data0-320_epoch%d/model.safetensors", dir, e);
+        size_t m = 0;
+        unsigned char *b = read_bytes(file, &m);
+        if (!b) continue;
+        memset(b + 8, '#', 16);
+        write_bytes(file, b, m);
+        free(b);
+    }
+    st = run_cmd(out, sizeof out, "%s", cmd);
+    expect_error(out, st, 1, "no checkpoint in '");
+    CHECKF(strstr(out, "is whole"), "the refusal does not say why:\n%s", out);
+    free(bytes);
+}
+
 TEST(failed_save_keeps_the_previous_checkpoint, QUICK) {
     char out[16384], dir[600], ck[700], p[800];
     snprintf(dir, sizeof dir, "%s/keep", tmpdir);
