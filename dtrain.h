@@ -1919,12 +1919,21 @@ static int dt__cleanup_add(const char *path) {
     return -1;                               /* full: that file is merely not cleaned up */
 }
 static void dt__cleanup_done(int slot) { if (slot >= 0) dt__cleanup_used[slot] = 0; }
-static void dt__cleanup_run(void) {
+static void dt__folder_remove(const char *path);
+/* in_handler: called from a signal handler, where only unlink and rmdir may be
+   used. Otherwise a folder that is not yet empty -- a checkpoint's NAME.tmp in
+   which another rank, killed, left its half-written shard -- loses dtrain's
+   files (and only those) and goes too. */
+static void dt__cleanup_run_in(int in_handler) {
     for (int i = 0; i < DT_CLEANUP_SLOTS; i++)          /* the files, then the folders they emptied */
         if (dt__cleanup_used[i] == 1 && unlink(dt__cleanup_paths[i]) == 0) dt__cleanup_used[i] = 0;
     for (int i = 0; i < DT_CLEANUP_SLOTS; i++)
-        if (dt__cleanup_used[i] == 1) { rmdir(dt__cleanup_paths[i]); dt__cleanup_used[i] = 0; }
+        if (dt__cleanup_used[i] == 1) {
+            if (rmdir(dt__cleanup_paths[i]) != 0 && !in_handler) dt__folder_remove(dt__cleanup_paths[i]);
+            dt__cleanup_used[i] = 0;
+        }
 }
+static void dt__cleanup_run(void) { dt__cleanup_run_in(1); }
 
 /* Who must hear of a failure before this process exits: the collectives
    (section 9) put a function here once a communicator is open, so that the
@@ -1934,7 +1943,7 @@ static void (*dt__on_fail)(void);
 static void (*dt__on_fail_tracking)(void);
 void dt_fail(const char *fmt, ...) {
     va_list ap; va_start(ap, fmt); dt__vmessage("error", fmt, ap); va_end(ap);
-    dt__cleanup_run();
+    dt__cleanup_run_in(0);
     void (*track)(void) = dt__on_fail_tracking;
     dt__on_fail_tracking = NULL;             /* once: its own writes may fail */
     if (track) track();
@@ -7497,10 +7506,29 @@ static dt__shm_header *dt__shm_map(const char *name, size_t bytes, int create, i
         if (fd >= 0) *cleanup = dt__cleanup_add(file);
         if (fd < 0 || ftruncate(fd, (off_t)bytes) != 0)
             dt_fail("cannot create shared memory %s of %.1f MB: %s (is /dev/shm full?)", name, bytes / 1e6, strerror(errno));
+#ifdef DT_TESTING
+        if (getenv("DT_TEST_DIE_MADE_SEGMENT")) raise(SIGKILL);   /* fault tests: rank 0 dies with the segment made */
+#endif
     } else {
+        /* The name came over the network: only a segment this user's rank 0 made for this job is mapped -- named
+           as dtrain names them for this user, owned by this user, no one else may touch it, of the size asked
+           (a rank once wrote its gradients into another user's segment of mode 0666, named by a fake rank 0). */
+        char want[32];
+        int uid = -1, pid = -1, serial = -1, used = 0;
+        snprintf(want, sizeof want, "/dtrain-%d-", (int)getuid());
+        if (strncmp(name, want, strlen(want)) || sscanf(name, "/dtrain-%d-%d-%d%n", &uid, &pid, &serial, &used) != 3 ||
+            used != (int)strlen(name) || pid <= 0 || serial < 0)
+            dt_fail("rendezvous: rank 0 named the shared memory '%.80s', not one dtrain makes for this user (%s<pid>-<n>): "
+                    "is it a dtrain rank 0 of this job?", name, want);
+        struct stat st;
         fd = shm_open(name, O_RDWR, 0600);
         if (fd < 0) dt_fail("cannot open the shared memory %s another rank made: %s (are all ranks on one machine?)", name,
                             strerror(errno));
+        if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid() || (st.st_mode & 077) ||
+            (uint64_t)st.st_size != (uint64_t)bytes)
+            dt_fail("rendezvous: the shared memory %s is not this job's: owner %d, mode %03o, %lld bytes (this rank's "
+                    "user is %d: a segment of its own, mode 600, of %zu bytes)", name, (int)st.st_uid,
+                    (unsigned)(st.st_mode & 0777), (long long)st.st_size, (int)geteuid(), bytes);
     }
     void *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (map == MAP_FAILED) dt_fail("cannot map shared memory %s: %s", name, strerror(errno));
@@ -7888,8 +7916,33 @@ static void dt__check_stop(const char *during) {
 static volatile sig_atomic_t dt__launcher_signal;
 static void dt__on_launcher_signal(int sig) { dt__launcher_signal = sig; }
 
+/* Is this process a rank that --nproc's launcher started? Its variables say
+   so, and its parent is the launcher they name: a DT_LAUNCHED_RANK left in an
+   environment (a shell started from a rank) once made --nproc 2 one process. */
+static int dt__launched_here(void) {
+    const char *rank = getenv("DT_LAUNCHED_RANK"), *launcher = getenv("DT_LAUNCHER_PID");
+    return rank && launcher && atol(launcher) == (long)getppid();
+}
+
+/* A rank killed after it made the job's segment, before every rank had mapped
+   it and its name was removed, leaves it in /dev/shm: the launcher removes
+   what a rank's pid names once that rank has ended. */
+static void dt__shm_remove_of(pid_t pid) {
+    char prefix[64];
+    snprintf(prefix, sizeof prefix, "dtrain-%d-%d-", (int)getuid(), (int)pid);
+    DIR *d = opendir("/dev/shm");
+    struct dirent *e;
+    while (d && (e = readdir(d))) {
+        char name[300];
+        if (strncmp(e->d_name, prefix, strlen(prefix))) continue;
+        snprintf(name, sizeof name, "/%s", e->d_name);
+        shm_unlink(name);
+    }
+    if (d) closedir(d);
+}
+
 void dt_launch(int nproc, double timeout_s) {
-    if (nproc <= 1 || getenv("DT_LAUNCHED_RANK")) return;
+    if (nproc <= 1 || dt__launched_here()) return;
     if (nproc > DT_MAX_RANKS) dt_usage_error("--nproc %d: at most %d ranks", nproc, DT_MAX_RANKS);
     if (dt__cuda_touched) dt_fail("dt_launch: the GPU was used before the ranks were started (a CUDA context does not "
                                  "survive fork); call dt_launch (dt_parse_args does) before dt_set_device");
@@ -7935,6 +7988,8 @@ void dt_launch(int nproc, double timeout_s) {
             else { close(lfd); unsetenv("DT_RENDEZVOUS_FD"); }
             snprintf(v, sizeof v, "%d", r);
             setenv("RANK", v, 1); setenv("LOCAL_RANK", v, 1); setenv("DT_LAUNCHED_RANK", v, 1);
+            snprintf(v, sizeof v, "%ld", (long)launcher);
+            setenv("DT_LAUNCHER_PID", v, 1);
             snprintf(v, sizeof v, "%d", nproc);
             setenv("WORLD_SIZE", v, 1); setenv("LOCAL_WORLD_SIZE", v, 1);
             setenv("MASTER_ADDR", "127.0.0.1", 1);
@@ -7952,10 +8007,14 @@ void dt_launch(int nproc, double timeout_s) {
     /* The parent: pass signals on and wait for every rank. After the first
        failure the others get the timeout to notice and stop on their own, then
        they are killed. Ranks stopped by a signal (75, 130) are not a failure:
-       the others are saving; and the job's status is the worst a rank had. */
+       the others are saving. The job's status says the cause, whatever order
+       the ranks are reaped in: the lowest rank killed by a signal (128 + it),
+       else the lowest rank that failed, else 75 or 130 for a stop, else 0 (a
+       killed rank's job once ended 137 or 1 by which rank was reaped first). */
     close(lfd);              /* rank 0's alone now: when it exits, the port closes with it */
     sigprocmask(SIG_SETMASK, &before, NULL);
-    int status = 0, left = nproc;
+    int codes[DT_MAX_RANKS], killed[DT_MAX_RANKS] = { 0 }, left = nproc;
+    for (int r = 0; r < nproc; r++) codes[r] = 0;
     double deadline = 0;
     while (left > 0) {
         int st;
@@ -7965,11 +8024,12 @@ void dt_launch(int nproc, double timeout_s) {
             int r = 0;
             while (r < nproc && pids[r] != p) r++;
             if (r < nproc) pids[r] = 0;
+            dt__shm_remove_of(p);
             int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + (WIFSIGNALED(st) ? WTERMSIG(st) : 0);
             int stopped = code == 75 || code == 130, failed = code != 0 && !stopped;
             if (failed && WIFSIGNALED(st)) fprintf(stderr, "dtrain: rank %d was killed by signal %d\n", r, WTERMSIG(st));
             if (failed && !deadline) deadline = dt_now_ms() + (timeout_s > 0 ? timeout_s : 60) * 1e3 + 10e3;
-            if ((failed && (status == 0 || status == 75 || status == 130)) || (stopped && status == 0)) status = code;
+            if (r < nproc) { codes[r] = code; killed[r] = failed && WIFSIGNALED(st); }
         } else if (p == 0 || errno == EINTR) {
             int sig = dt__launcher_signal;
             if (sig) {
@@ -7986,6 +8046,11 @@ void dt_launch(int nproc, double timeout_s) {
             nanosleep(&ts, NULL);
         } else break;
     }
+    int status = 0;
+    for (int r = 0; r < nproc && !status; r++) if (killed[r]) status = codes[r];
+    for (int r = 0; r < nproc && !status; r++) if (codes[r] != 0 && codes[r] != 75 && codes[r] != 130) status = codes[r];
+    for (int r = 0; r < nproc && !status; r++) if (codes[r] == 75) status = 75;
+    for (int r = 0; r < nproc && !status; r++) if (codes[r] == 130) status = 130;
     exit(status);
 }
 
@@ -8350,7 +8415,14 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
                     host, port, port_from);
         w.refused[sizeof w.refused - 1] = 0;
         if (w.refused[0]) dt_fail("rendezvous: rank 0 at %s:%d turned this rank away: %s", host, port, w.refused);
+        if (!memchr(w.shm_name, 0, sizeof w.shm_name))
+            dt_fail("rendezvous: %s:%d (%s) sent a shared-memory name without an end: not a dtrain rank 0", host, port, port_from);
         hdr = dt__shm_map(w.shm_name, bytes, 0, NULL);
+        /* Until every rank has mapped it and rank 0 has removed its name, the segment is this rank's to remove too,
+           should the job fail: rank 0 may have died (SIGKILL) after making it, and left it in /dev/shm. */
+        char file[128];
+        snprintf(file, sizeof file, "/dev/shm%s", w.shm_name);
+        cleanup = dt__cleanup_add(file);
         fds[0] = fd;
     }
     c->map_bytes = bytes;
@@ -8359,12 +8431,19 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     /* Every rank has mapped the segment when it has answered: then its name can go. */
     char ack = 1;
     if (world > 1 && rank == 0) {
-        for (int r = 1; r < world; r++) { dt__io_all(fds[r], &ack, 1, 0, deadline, "waiting for the ranks to map"); close(fds[r]); }
+        for (int r = 1; r < world; r++) dt__io_all(fds[r], &ack, 1, 0, deadline, "waiting for the ranks to map");
     } else if (world > 1) {
         dt__io_all(fds[0], &ack, 1, 1, deadline, "telling rank 0 the memory is mapped");
+        char gone;                   /* rank 0 closes the connection once it has removed the name: then it is not ours */
+        dt__io_try(fds[0], &gone, 1, 0, deadline, "waiting for rank 0 to remove the segment's name");
         close(fds[0]);
+        dt__cleanup_done(cleanup);
     }
-    if (rank == 0) { shm_unlink(w.shm_name); dt__cleanup_done(cleanup); }
+    if (rank == 0) {
+        shm_unlink(w.shm_name);
+        dt__cleanup_done(cleanup);
+        for (int r = 1; r < world; r++) close(fds[r]);      /* the name is gone: the others let go of it */
+    }
     if (!catching) { signal(SIGINT, SIG_DFL); signal(SIGTERM, SIG_DFL); signal(SIGUSR1, SIG_DFL); }
 #ifdef DT_HAVE_CUDA
     if (kind == DT_COMM_NCCL) {             /* joined here, then handed to the communication thread */
@@ -10561,6 +10640,13 @@ void dt_safetensors_write(const char *path, const dt_named_tensor *tensors, int 
     unsigned char len8[8];
     for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
     int ok = fwrite(len8, 1, 8, f) == 8 && fwrite(hdr, 1, hlen, f) == hlen;
+#ifdef DT_TESTING
+    /* Fault tests: DT_TEST_DIE_WRITING=PART kills the process once it has begun a file whose name holds PART. */
+    if (getenv("DT_TEST_DIE_WRITING") && *getenv("DT_TEST_DIE_WRITING") && strstr(path, getenv("DT_TEST_DIE_WRITING"))) {
+        fflush(f);
+        raise(SIGKILL);
+    }
+#endif
     for (int i = 0; ok && i < count; i++) {
         int64_t numel = 1;
         for (int d = 0; d < tensors[i].ndim; d++) numel *= tensors[i].shape[d];
@@ -13718,7 +13804,7 @@ static int dt__local_stop_signal(void) {
            signal comes back to it, so the job stops at that step however busy the machine is. */
         static int64_t calls;
         if (++calls == atoll(getenv("DT_TEST_STOP_AT_STEP"))) {
-            kill(getenv("DT_LAUNCHED_RANK") ? getppid() : getpid(), SIGTERM);
+            kill(dt__launched_here() ? getppid() : getpid(), SIGTERM);
             for (int i = 0; i < 5000 && !dt__stop_signal; i++) { struct timespec ts = { 0, 1000000 }; nanosleep(&ts, NULL); }
         }
     }

@@ -2649,6 +2649,46 @@ TEST(nproc_holds_its_port_from_the_start, QUICK) {
 
 /* A rendezvous that fails -- port taken, or Ctrl-C while rank 0 waits -- leaves
    no shared-memory segment (it is made only once every rank has joined). */
+/* Segments in /dev/shm of this user made since `since` whose maker (the pid
+   in the name) is gone: what a job left behind. Other jobs' live segments,
+   and older leftovers, do not count. */
+static int orphan_segments_since(time_t since, char *names, size_t n) {
+    char prefix[64];
+    int count = 0;
+    names[0] = 0;
+    snprintf(prefix, sizeof prefix, "dtrain-%d-", (int)getuid());
+    DIR *d = opendir("/dev/shm");
+    struct dirent *e;
+    while (d && (e = readdir(d))) {
+        long pid = 0;
+        char path[400];
+        struct stat st;
+        if (strncmp(e->d_name, prefix, strlen(prefix)) || sscanf(e->d_name + strlen(prefix), "%ld-", &pid) != 1) continue;
+        snprintf(path, sizeof path, "/dev/shm/%s", e->d_name);
+        if (stat(path, &st) != 0 || st.st_ctime < since || kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
+        count++;
+        snprintf(names + strlen(names), n - strlen(names), " %s", e->d_name);
+    }
+    if (d) closedir(d);
+    return count;
+}
+/* Rank 0 killed (SIGKILL) once it has made the job's segment, before the
+   others have mapped it and it has removed the name: the segment once stayed
+   in /dev/shm (6.3 MB, after the README promised nothing is left). The
+   launcher removes what a rank it reaped had made, and a rank that mapped the
+   segment removes it when the job fails before its name is gone. The job's
+   status names the killed rank's signal, whichever rank is reaped first. */
+TEST(a_rank_0_killed_with_the_segment_made_leaves_nothing_in_dev_shm, QUICK) {
+    char out[16384], left[1024];
+    time_t t0 = time(NULL) - 1;
+    for (int k = 0; k < 3; k++) {
+        int st = run_cmd(out, sizeof out, "env DT_TEST_DIE_MADE_SEGMENT=1 %s --data %s " SMALL_FLAGS " --epochs 1 --nproc 2 --timeout 10",
+                         stage_bin("03-ddp"), small_data());
+        CHECKF(st == 128 + SIGKILL, "try %d: the job exited %d, not %d (rank 0 killed by SIGKILL)\n%s", k + 1, st, 128 + SIGKILL, out);
+        CHECKF(orphan_segments_since(t0, left, sizeof left) == 0, "try %d left in /dev/shm:%s", k + 1, left);
+    }
+}
+
 TEST(a_failed_rendezvous_leaves_nothing_in_dev_shm, QUICK) {
     char out[16384];
     int port = free_port();
@@ -5427,6 +5467,19 @@ TEST(fsdp_sharded_checkpoints_resume_consolidate_and_reshard, QUICK) {
    step -- one bucket, the logged loss -- and one per evaluation). Rank 0 stops
    within the timeout naming it; the epoch-1 checkpoint is intact, and resuming
    from it with 2 ranks ends bit for bit where an uninterrupted run ends. */
+/* A rank killed (SIGKILL) while it writes its shard of a sharded save: rank
+   0 stops, and nothing of the save is left -- its half-written
+   shard1-of-2.safetensors.tmp once kept the folder epoch1.tmp from going. */
+TEST(a_rank_killed_during_a_sharded_save_leaves_no_part_of_it, QUICK) {
+    char out[16384], dir[700];
+    snprintf(dir, sizeof dir, "%s/saves", tmpdir);
+    int st = run_cmd(out, sizeof out, "env DT_TEST_DIE_WRITING=shard1-of-2 %s --data %s " SMALL_FLAGS " --epochs 1 --nproc 2 "
+                     "--shard full --timeout 10 --save-dir %s", stage_bin("04-fsdp"), small_data(), dir);
+    CHECKF(st == 128 + SIGKILL, "the job exited %d, not %d (rank 1 killed by SIGKILL)\n%s", st, 128 + SIGKILL, out);
+    st = run_cmd(out, sizeof out, "find %s -mindepth 1", dir);
+    CHECKF(st == 0 && !strstr(out, ".tmp"), "the save left:\n%s", out);
+}
+
 TEST(a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly, QUICK) {
     char out[16384], straight[600], killed[600], p[700], q[700];
     const char *bin = stage_bin("03-ddp");
