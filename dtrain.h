@@ -1376,7 +1376,7 @@ struct dt_run {
     dt_tensorboard *tb;        /* --tensorboard: rank 0's event file, or NULL */
     dt_mlflow *mlflow;         /* --mlflow: rank 0's run in the file store, or NULL */
     char mlflow_run_id[40];    /* --mlflow: this run's id (from the checkpoint it resumed, or new); "": none */
-    char tensorboard_run[160]; /* --tensorboard: this run's folder in DIR ("<stage>-<model>-<time>") */
+    char tensorboard_run[160]; /* --tensorboard: this run's folder in DIR ("<stage>-<model>-<time>-<pid>") */
     double step_ms_avg;        /* the recent time of a step, for the ETA (dt__eta_update) */
     double line_ms;            /* when the last progress line was printed */
     int stop;
@@ -5876,12 +5876,15 @@ static uint8_t *dt__decode_pnm(const unsigned char *buf, size_t len, int *w, int
             break;
         }
         if (pos >= len || !isdigit(buf[pos])) { snprintf(err, errlen, "corrupt PPM/PGM header"); return NULL; }
-        long v = 0;
-        while (pos < len && isdigit(buf[pos]) && v < 1000000) v = v * 10 + (buf[pos++] - '0');
+        long v = 0;                                    /* every digit is the number's (past 10^9: too large, said so) */
+        while (pos < len && isdigit(buf[pos])) { v = v < 1000000000 ? v * 10 + (buf[pos] - '0') : v; pos++; }
         vals[i] = v;
     }
     if (vals[0] <= 0 || vals[1] <= 0 || vals[0] > 32768 || vals[1] > 32768 || vals[2] <= 0 || vals[2] > 65535) {
-        snprintf(err, errlen, "corrupt PPM/PGM header (%ldx%ld, max value %ld)", vals[0], vals[1], vals[2]);
+        char size[64];
+        if (vals[0] >= 1000000000 || vals[1] >= 1000000000) snprintf(size, sizeof size, "a size of over 10^9 pixels a side");
+        else snprintf(size, sizeof size, "%ldx%ld", vals[0], vals[1]);
+        snprintf(err, errlen, "corrupt PPM/PGM header (%s, max value %ld; sides of 1 to 32768, values up to 65535)", size, vals[2]);
         return NULL;
     }
     *w = (int)vals[0]; *h = (int)vals[1];
@@ -11453,6 +11456,7 @@ static void dt__hf_config_read(const char *dir, dt__hf_config *hc) {
         { "max_position_embeddings", offsetof(dt__hf_config, max_positions) },
         { "n_positions", offsetof(dt__hf_config, max_positions) }, { "head_dim", offsetof(dt__hf_config, head_dim) },
         { "rope_theta", offsetof(dt__hf_config, rope_theta) }, { "rms_norm_eps", offsetof(dt__hf_config, norm_eps) },
+        { "layer_norm_epsilon", offsetof(dt__hf_config, norm_eps) },
         { "tie_word_embeddings", offsetof(dt__hf_config, tie) }, { "attention_bias", offsetof(dt__hf_config, qkv_bias) },
         { "mlp_bias", offsetof(dt__hf_config, mlp_bias) }, { "sliding_window", offsetof(dt__hf_config, sliding_window) },
         { "use_sliding_window", offsetof(dt__hf_config, use_sliding_window) },
@@ -11476,6 +11480,8 @@ static void dt__hf_config_read(const char *dir, dt__hf_config *hc) {
             double v;
             int is_null;
             if (!dt__json_scalar(&j, &v, &is_null)) dt_fail("'%s': \"%s\" is not a number, true, false or null", hc->path, key);
+            /* none of these is ever below 0 (and -1 would read as "not given": n_layer -1 was "no num_hidden_layers") */
+            if (!is_null && !(v >= 0)) dt_usage_error("%s: \"%s\": %g is not a valid value (it is never negative)", hc->path, key, v);
             if (!is_null) *(double *)((char *)hc + fields[found].offset) = v;
         } else if ((!strcmp(key, "model_type") || !strcmp(key, "hidden_act")) && is_string) {
             char *v = dt__json_str(&j);
@@ -13457,6 +13463,8 @@ static void dt__apply_hf_shape(dt_config *c, dt__hf_config hc, const unsigned ch
     if (gpt2) {
         if (hc.ffn_dim != -1 && hc.ffn_dim != 4 * c->dim)
             dt_usage_error("%s: n_inner %g; dtrain's GPT-2 MLP is 4 x n_embd = %d wide", hc.path, hc.ffn_dim, 4 * c->dim);
+        if (hc.norm_eps != -1 && fabs(hc.norm_eps - 1e-5) > 1e-12)     /* it was read past, and the model's 1e-5 used */
+            dt_usage_error("%s: layer_norm_epsilon %g; dtrain's GPT-2 LayerNorms use GPT-2's 1e-5", hc.path, hc.norm_eps);
         return;
     }
     if (hc.has_rope_scaling)
@@ -13860,8 +13868,9 @@ static void dt__tensorboard_start(dt_run *r) {
         time_t now = time(NULL);
         struct tm t;
         localtime_r(&now, &t);
-        snprintf(r->tensorboard_run, sizeof r->tensorboard_run, "%s-%s-%04d%02d%02d-%02d%02d%02d", c->stage,
-                 dt__model_kind_name(r->model->cfg.kind), t.tm_year + 1900, t.tm_mon + 1, t.tm_mday, t.tm_hour, t.tm_min, t.tm_sec);
+        snprintf(r->tensorboard_run, sizeof r->tensorboard_run, "%s-%s-%04d%02d%02d-%02d%02d%02d-%ld", c->stage,   /* the pid: */
+                 dt__model_kind_name(r->model->cfg.kind), t.tm_year + 1900, t.tm_mon + 1, t.tm_mday, t.tm_hour, t.tm_min,
+                 t.tm_sec, (long)getpid());                        /* runs started in one second each have their own */
     }
     dt__path(dir, sizeof dir, "%s/%s", c->tensorboard, r->tensorboard_run);
     if (!(r->tb = dt_tensorboard_open(dir))) dt_fail("cannot write --tensorboard '%s': %s", dir, strerror(errno));

@@ -2820,6 +2820,51 @@ TEST(more_ranks_than_gpus_is_refused_naming_both_counts, QUICK) {
     CHECKF(gpus == 0 || strstr(out, "ranks on this machine but"), "%s", out);
 }
 
+/* Smaller things a user tried that went wrong: a DT_LAUNCHED_RANK left in
+   the environment made --nproc 2 one process; "n_layer": -1 was reported as
+   a config.json without num_hidden_layers; a PPM 2147483647 wide was
+   reported as 2147483x647; GPT-2's layer_norm_epsilon was read past (1e-5
+   used whatever it said); two runs started in one second shared a
+   TensorBoard folder. */
+TEST(a_stale_variable_a_negative_size_and_a_foreign_epsilon_are_not_misread, QUICK) {
+    char out[16384], dir[700], path[800], log[700], tb[700];
+    snprintf(log, sizeof log, "%s/two.jsonl", tmpdir);
+    int st = run_cmd(out, sizeof out, "env DT_LAUNCHED_RANK=0 DT_LAUNCHER_PID=1 %s --data %s " SMALL_FLAGS " --epochs 1 --steps 2 "
+                     "--nproc 2 --timeout 30 --log %s", stage_bin("03-ddp"), small_data(), log);
+    CHECKF(st == 0 && log_lines_with_value(log, "world_size", 2) == 1, "--nproc 2 with a stale DT_LAUNCHED_RANK: exit %d, "
+           "not two ranks\n%s", st, out);
+    snprintf(dir, sizeof dir, "%s/hf", tmpdir);
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    static const struct { const char *config, *says; } cases[] = {
+        { "{\"model_type\": \"gpt2\", \"vocab_size\": 256, \"n_embd\": 32, \"n_layer\": -1, \"n_head\": 2}",
+          "\"n_layer\": -1 is not a valid value" },
+        { "{\"model_type\": \"gpt2\", \"vocab_size\": 256, \"n_embd\": 32, \"n_layer\": 1, \"n_head\": 2, "
+          "\"layer_norm_epsilon\": 1e-6}", "layer_norm_epsilon 1e-06" },
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        write_bytes(path, cases[c].config, strlen(cases[c].config));
+        st = run_cmd(out, sizeof out, "%s --init %s --data %s --seq-len 16 --steps 1", train_cpu, dir, gpt_text());
+        expect_error_in(cases[c].says, out, st, 2, cases[c].says);
+    }
+    snprintf(dir, sizeof dir, "%s/ppm", tmpdir);
+    for (int k = 0; k < 2; k++) {
+        snprintf(path, sizeof path, "%s/%s/c%d", dir, k ? "val" : "train", 0);
+        CHECK(run_cmd(out, sizeof out, "mkdir -p %s", path) == 0);
+        snprintf(path, sizeof path, "%s/%s/c0/wide.ppm", dir, k ? "val" : "train");
+        write_bytes(path, "P6\n2147483647 2\n255\n", 20);
+    }
+    st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --steps 1", train_cpu, dir);
+    expect_error(out, st, 1, "wide.ppm");
+    CHECKF(strstr(out, "over 10^9 pixels a side") && !strstr(out, "2147483x647"), "the size is misread:\n%s", out);
+    /* two runs started at once: two TensorBoard folders */
+    snprintf(tb, sizeof tb, "%s/tb", tmpdir);
+    st = run_cmd(out, sizeof out, "sh -c '%s --data %s " SMALL_FLAGS " --steps 2 --tensorboard %s & %s --data %s " SMALL_FLAGS
+                 " --steps 2 --tensorboard %s & wait'", train_cpu, small_data(), tb, train_cpu, small_data(), tb);
+    st = run_cmd(out, sizeof out, "ls %s", tb);
+    CHECKF(st == 0 && count_lines_with(out, "\n") == 2, "two runs, not two TensorBoard folders:\n%s", out);
+}
+
 TEST(ddp_by_nproc_and_by_torchrun_variables_agree, QUICK) {
     char out[16384], a[600], b[600], p[700], q[700];
     snprintf(a, sizeof a, "%s/launch-nproc", tmpdir);
