@@ -7844,13 +7844,15 @@ static void dt__share_gpus(int rank, int local_ranks, int gpus) {
 #endif
 
 /* A listening TCP socket on every interface (MASTER_ADDR may be the host's
-   name, not loopback); port 0 lets the kernel choose. Close-on-exec: a program
-   a rank starts does not hold the job's port. -1 with errno set on failure. */
-static int dt__tcp_listen(int port) {
+   name, not loopback), or on the loopback alone (--nproc: every rank is on
+   this machine, and no other machine needs to reach it); port 0 lets the
+   kernel choose. Close-on-exec: a program a rank starts does not hold the
+   job's port. -1 with errno set on failure. */
+static int dt__tcp_listen_on(int port, int loopback) {
     struct sockaddr_in a;
     memset(&a, 0, sizeof a);
     a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    a.sin_addr.s_addr = htonl(loopback ? INADDR_LOOPBACK : INADDR_ANY);
     a.sin_port = htons((uint16_t)port);
     int fd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
     if (fd < 0) return -1;
@@ -7862,6 +7864,7 @@ static int dt__tcp_listen(int port) {
     errno = e;
     return -1;
 }
+static int dt__tcp_listen(int port) { return dt__tcp_listen_on(port, 0); }
 static int dt__tcp_port_of(int fd) {
     struct sockaddr_in a;
     socklen_t len = sizeof a;
@@ -7927,6 +7930,75 @@ static int dt__launched_here(void) {
     return rank && launcher && atol(launcher) == (long)getppid();
 }
 
+/* -- the job's secret --
+   Whoever reaches rank 0's port could otherwise join a job as a rank (and be
+   handed its shared memory's name, or NCCL's id), and a fake rank 0 could
+   hand a rank the name of any segment. So a job has a secret that every rank
+   knows and none ever sends: DT_JOB_SECRET, which --nproc's launcher makes
+   (128 random bits) and hands to its ranks; under torchrun, srun or mpirun the
+   user sets it for every rank. Each side proves it knows it by a keyed hash
+   (SipHash-2-4, a PRF made for short messages) of the other side's fresh
+   random nonce. Without one the job still runs, as before: anyone on the
+   network who can reach the port can join it (the README says so). */
+#define DT__SECRET_BYTES 16
+static int dt__random_bytes(void *out, size_t n) {
+    FILE *r = fopen("/dev/urandom", "rb");
+    size_t got = r ? fread(out, 1, n, r) : 0;
+    if (r) fclose(r);
+    return got == n;
+}
+static void dt__new_secret(char hex[2 * DT__SECRET_BYTES + 1]) {
+    unsigned char b[DT__SECRET_BYTES];
+    if (!dt__random_bytes(b, sizeof b)) dt_fail("--nproc: cannot read /dev/urandom for the job's secret: %s", strerror(errno));
+    for (int i = 0; i < DT__SECRET_BYTES; i++) snprintf(hex + 2 * i, 3, "%02x", b[i]);
+}
+static uint64_t dt__rotl(uint64_t x, int b) { return (x << b) | (x >> (64 - b)); }
+#define DT__SIPROUND                                                                                      \
+    do {                                                                                                  \
+        v0 += v1; v1 = dt__rotl(v1, 13); v1 ^= v0; v0 = dt__rotl(v0, 32);                                 \
+        v2 += v3; v3 = dt__rotl(v3, 16); v3 ^= v2;                                                        \
+        v0 += v3; v3 = dt__rotl(v3, 21); v3 ^= v0;                                                        \
+        v2 += v1; v1 = dt__rotl(v1, 17); v1 ^= v2; v2 = dt__rotl(v2, 32);                                 \
+    } while (0)
+/* SipHash-2-4 of n bytes under a 128-bit key (its two halves little-endian). */
+static uint64_t dt__siphash(const uint64_t key[2], const void *data, size_t n) {
+    const unsigned char *m = (const unsigned char *)data;
+    uint64_t v0 = key[0] ^ 0x736f6d6570736575ull, v1 = key[1] ^ 0x646f72616e646f6dull;
+    uint64_t v2 = key[0] ^ 0x6c7967656e657261ull, v3 = key[1] ^ 0x7465646279746573ull;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w = 0;
+        for (int k = 0; k < 8; k++) w |= (uint64_t)m[i + k] << (8 * k);
+        v3 ^= w; DT__SIPROUND; DT__SIPROUND; v0 ^= w;
+    }
+    uint64_t last = (uint64_t)n << 56;
+    for (int k = 0; i + k < n; k++) last |= (uint64_t)m[i + k] << (8 * k);
+    v3 ^= last; DT__SIPROUND; DT__SIPROUND; v0 ^= last;
+    v2 ^= 0xff;
+    DT__SIPROUND; DT__SIPROUND; DT__SIPROUND; DT__SIPROUND;
+    return v0 ^ v1 ^ v2 ^ v3;
+}
+/* The job's key from DT_JOB_SECRET (any string: hashed to 128 bits), or 0 when there is none. */
+static int dt__job_key(uint64_t key[2]) {
+    const char *s = getenv("DT_JOB_SECRET");
+    static const uint64_t k0[2] = { 0x64747261696e2d6bull, 0x65792d6f662d6a6full }, k1[2] = { 0x1ull, 0x2ull };
+    if (!s || !*s) { key[0] = key[1] = 0; return 0; }
+    key[0] = dt__siphash(k0, s, strlen(s));
+    key[1] = dt__siphash(k1, s, strlen(s));
+    return 1;
+}
+/* A proof: the keyed hash of what it is for (a word), the other side's nonce and the message's own fields. */
+static uint64_t dt__proof(const uint64_t key[2], const char *what, const unsigned char nonce[16], const void *fields, size_t n) {
+    unsigned char buf[16 + 16 + 1400];
+    size_t len = strlen(what) < 16 ? strlen(what) : 16;
+    memset(buf, 0, 32);
+    memcpy(buf, what, len);
+    memcpy(buf + 16, nonce, 16);
+    if (n > sizeof buf - 32) n = sizeof buf - 32;
+    memcpy(buf + 32, fields, n);
+    return dt__siphash(key, buf, 32 + n);
+}
+
 /* A rank killed after it made the job's segment, before every rank had mapped
    it and its name was removed, leaves it in /dev/shm: the launcher removes
    what a rank's pid names once that rank has ended. */
@@ -7956,14 +8028,15 @@ void dt_launch(int nproc, double timeout_s) {
        (DT_RENDEZVOUS_FD). A port picked here and bound by rank 0 later would be
        free for any program to take in between: a connection's own port comes
        from the same range. */
-    char port[16], cores[24], job[96], listener[16];
-    int lfd = dt__tcp_listen(0);
+    char port[16], cores[24], job[96], listener[16], secret[2 * DT__SECRET_BYTES + 1];
+    int lfd = dt__tcp_listen_on(0, 1);
     if (lfd < 0) dt_fail("--nproc %d: cannot listen for the ranks' rendezvous: %s", nproc, strerror(errno));
     snprintf(port, sizeof port, "%d", dt__tcp_port_of(lfd));
     snprintf(listener, sizeof listener, "%d", lfd);
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     snprintf(cores, sizeof cores, "%ld", ncpu / nproc > 1 ? ncpu / nproc : 1);   /* the cores shared out */
-    snprintf(job, sizeof job, "nproc-%ld-%.0f", (long)getpid(), dt_now_ms());  /* the ranks' proof they belong */
+    snprintf(job, sizeof job, "nproc-%ld-%.0f", (long)getpid(), dt_now_ms());  /* which job, in messages */
+    dt__new_secret(secret);                          /* and the ranks' proof that they belong to it */
     pid_t pids[DT_MAX_RANKS], launcher = getpid();
     sigset_t stops, before;
     sigemptyset(&stops);
@@ -7998,6 +8071,7 @@ void dt_launch(int nproc, double timeout_s) {
             setenv("MASTER_ADDR", "127.0.0.1", 1);
             setenv("MASTER_PORT", port, 1);
             setenv("DT_JOB_ID", job, 1);
+            setenv("DT_JOB_SECRET", secret, 1);
             if (!getenv("OMP_NUM_THREADS")) {
                 setenv("OMP_NUM_THREADS", cores, 1);
 #ifdef _OPENMP
@@ -8108,11 +8182,19 @@ static int dt__launcher_listener(int port) {
 }
 
 /* -- the TCP rendezvous: small fixed-size messages, every wait bounded --
-   A hello opens with a magic string and the job's id, so that a port scan, a
-   rank of another job on the same port, or a leftover rank of an earlier
-   attempt is turned away -- and logged -- instead of joining this job or
-   killing it. */
-#define DT_RDZV_MAGIC "dtrain-3"
+   Rank 0 greets each connection with a challenge (a fresh random nonce, and
+   whether the job has a secret); a rank answers with a hello: a magic
+   string, the job's id, its rank and a proof that it knows the job's secret
+   (a keyed hash of rank 0's nonce and of its hello), and a nonce of its own,
+   against which rank 0's welcome proves itself in turn. So a port scan, a
+   rank of another job on the same port, a leftover rank of an earlier
+   attempt or a stranger who learnt the job's id is turned away -- and logged
+   -- instead of joining this job or killing it; and a rank maps only shared
+   memory that this job's rank 0 named. Rank 0 serves every connection at
+   once, each with 5 s to say hello, so idle connections cannot starve it; and
+   keeps listening until the process ends, so a second job started by hand on
+   the same port is refused at once rather than meeting this one's ranks. */
+#define DT_RDZV_MAGIC "dtrain-4"
 #define DT_HOST_NAME 256                 /* Linux's host names are at most 64 bytes; others' longer */
 /* Where a rank runs, as far as meeting goes. Ranks meet in shared memory
    (section 9's segment: the CPU collectives, and on GPUs the watchdog's view
@@ -8122,8 +8204,20 @@ static int dt__launcher_listener(int port) {
    share /dev/shm, and cloned machines may share a name -- so it only names
    the host in messages. */
 typedef struct dt__host { char name[DT_HOST_NAME]; char memory[96]; } dt__host;
-typedef struct dt__hello { char magic[8]; char job[192]; int32_t rank, world, pid; dt__host where; } dt__hello;
-typedef struct dt__welcome { char magic[8]; char refused[1024]; char shm_name[64]; unsigned char nccl_id[128]; } dt__welcome;
+typedef struct dt__challenge { char magic[8]; unsigned char nonce[16]; int32_t secret, unused; } dt__challenge;
+typedef struct dt__hello {
+    char magic[8]; char job[192]; int32_t rank, world, pid, unused; dt__host where; unsigned char nonce[16]; uint64_t proof;
+} dt__hello;
+typedef struct dt__welcome {
+    char magic[8]; char refused[1024]; char shm_name[64]; unsigned char nccl_id[128]; uint64_t proof;
+} dt__welcome;
+static uint64_t dt__hello_proof(const uint64_t key[2], const unsigned char nonce[16], dt__hello h) {
+    h.proof = 0;
+    return dt__proof(key, "hello", nonce, &h, offsetof(dt__hello, proof));
+}
+static uint64_t dt__welcome_proof(const uint64_t key[2], const unsigned char nonce[16], const dt__welcome *w) {
+    return dt__proof(key, "welcome", nonce, w, offsetof(dt__welcome, proof));
+}
 
 /* 1 when all n bytes moved before the deadline; 0 when the peer went away or was silent. */
 static int dt__io_try(int fd, void *buf, size_t n, int writing, double deadline, const char *what) {
@@ -8237,39 +8331,134 @@ static int dt__rendezvous_one_host(const dt__host *hosts, int world, int on_gpus
     return 0;
 }
 
-/* Rank 0: one hello from whoever connected. Returns the rank it brings, or -1
-   when the connection was turned away (the caller closes it either way). */
-static int dt__rendezvous_admit(int fd, const struct sockaddr_in *from, const char *job, int world, const int *joined,
-                               dt__host *hosts, double deadline) {
+/* Rank 0: the connections that have not said hello yet, each with its own
+   deadline and the nonce it was challenged with. */
+typedef struct dt__pending {
+    int fd;
+    size_t got;                              /* bytes of the hello so far */
+    double until;
+    char who[64];
+    unsigned char nonce[16];
     dt__hello h;
+} dt__pending;
+#define DT__PENDING_MAX 64
+
+/* Rank 0: a connection accepted. The challenge goes at once (a few bytes a
+   new socket always takes); the hello may come in pieces. 0 when it could not
+   be greeted (the caller closes it). */
+static int dt__rendezvous_greet(dt__pending *p, int fd, const struct sockaddr_in *from, int secret, double deadline) {
+    dt__challenge ch;
+    memset(p, 0, sizeof *p);
+    memset(&ch, 0, sizeof ch);
+    p->fd = fd;
+    snprintf(p->who, sizeof p->who, "%s:%d", inet_ntoa(from->sin_addr), ntohs(from->sin_port));
+    p->until = dt_now_ms() + 5e3 < deadline ? dt_now_ms() + 5e3 : deadline;   /* a silent peer waits 5 s at most */
+    if (!dt__random_bytes(p->nonce, sizeof p->nonce)) dt_fail("rendezvous: cannot read /dev/urandom: %s", strerror(errno));
+    memcpy(ch.magic, DT_RDZV_MAGIC, 8);
+    memcpy(ch.nonce, p->nonce, sizeof ch.nonce);
+    ch.secret = secret;
+    return send(fd, &ch, sizeof ch, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)sizeof ch;
+}
+
+/* Rank 0: a whole hello. Returns the rank it brings, or -1 when it was turned
+   away, told why (the caller closes it either way). A refusal names what the
+   stranger sent, never this job's id or secret. */
+static int dt__rendezvous_admit(dt__pending *p, const char *job, const uint64_t *key, int world, const int *joined,
+                               dt__host *hosts) {
+    dt__hello *h = &p->h;
     dt__welcome no;
-    char who[64], why[256] = "";
-    memset(&h, 0, sizeof h);
+    char why[256] = "";
     memset(&no, 0, sizeof no);
-    snprintf(who, sizeof who, "%s:%d", inet_ntoa(from->sin_addr), ntohs(from->sin_port));
-    double hello_by = dt_now_ms() + 5e3 < deadline ? dt_now_ms() + 5e3 : deadline;   /* a silent peer waits 5 s at most */
-    if (!dt__io_try(fd, &h, sizeof h, 0, hello_by, "while waiting for the ranks to join") ||
-        memcmp(h.magic, DT_RDZV_MAGIC, 8)) {
-        dt_warn("rendezvous: turned away a connection from %s: it did not say hello as a dtrain rank", who);
-        return -1;
-    }
-    h.job[sizeof h.job - 1] = 0;
-    if (strcmp(h.job, job))
-        snprintf(why, sizeof why, "it belongs to another job ('%.80s'; this job is '%.80s')", h.job[0] ? h.job : "no job id",
-                 job[0] ? job : "no job id");
-    else if (h.world != world) snprintf(why, sizeof why, "it says the job has %d ranks; this job has %d", h.world, world);
-    else if (h.rank <= 0 || h.rank >= world) snprintf(why, sizeof why, "rank %d is not one of 1..%d", h.rank, world - 1);
-    else if (joined[h.rank]) snprintf(why, sizeof why, "rank %d has joined already", h.rank);
+    h->job[sizeof h->job - 1] = 0;
+    if (strcmp(h->job, job))
+        snprintf(why, sizeof why, "it belongs to another job ('%.80s')", h->job[0] ? h->job : "no job id");
+    else if (key && h->proof != dt__hello_proof(key, p->nonce, *h))
+        snprintf(why, sizeof why, "it does not prove that it knows this job's secret (DT_JOB_SECRET)");
+    else if (h->world != world) snprintf(why, sizeof why, "it says the job has %d ranks; this job has %d", h->world, world);
+    else if (h->rank <= 0 || h->rank >= world) snprintf(why, sizeof why, "rank %d is not one of 1..%d", h->rank, world - 1);
+    else if (joined[h->rank]) snprintf(why, sizeof why, "rank %d has joined already", h->rank);
     if (!why[0]) {
-        h.where.name[sizeof h.where.name - 1] = h.where.memory[sizeof h.where.memory - 1] = 0;
-        hosts[h.rank] = h.where;
-        return h.rank;
+        h->where.name[sizeof h->where.name - 1] = h->where.memory[sizeof h->where.memory - 1] = 0;
+        hosts[h->rank] = h->where;
+        return h->rank;
     }
-    dt_warn("rendezvous: turned away rank %d (pid %d) from %s: %s", h.rank, h.pid, who, why);
+    dt_warn("rendezvous: turned away rank %d (pid %d) from %s: %s", h->rank, h->pid, p->who, why);
     memcpy(no.magic, DT_RDZV_MAGIC, 8);
     dt__copy_str(no.refused, sizeof no.refused, why);
-    dt__io_try(fd, &no, sizeof no, 1, hello_by, "while turning a stranger away");
+    ssize_t sent = send(p->fd, &no, sizeof no, MSG_DONTWAIT | MSG_NOSIGNAL);     /* the socket takes it, or the stranger goes untold */
+    (void)sent;
     return -1;
+}
+
+/* Who listens on TCP port `port` of this machine, for a message: "process 1234
+   (train)", or why that cannot be said. */
+static void dt__port_holder(int port, char *out, size_t n) {
+    unsigned long inode = 0;
+    static const char *const tables[2] = { "/proc/net/tcp", "/proc/net/tcp6" };
+    for (int t = 0; t < 2 && !inode; t++) {
+        FILE *f = fopen(tables[t], "r");
+        char line[512];
+        while (f && fgets(line, sizeof line, f)) {
+            unsigned lport = 0, state = 0;
+            unsigned long ino = 0;
+            if (sscanf(line, " %*d: %*[0-9A-Fa-f]:%X %*[0-9A-Fa-f]:%*X %X %*s %*s %*s %*d %*d %lu", &lport, &state, &ino) == 3 &&
+                (int)lport == port && state == 0x0A && ino) { inode = ino; break; }
+        }
+        if (f) fclose(f);
+    }
+    snprintf(out, n, "a process this user cannot see (another user's, or outside this container)");
+    if (!inode) return;
+    char want[64];
+    snprintf(want, sizeof want, "socket:[%lu]", inode);
+    DIR *procs = opendir("/proc");
+    struct dirent *e;
+    while (procs && (e = readdir(procs))) {
+        if (!isdigit((unsigned char)e->d_name[0])) continue;
+        char dir[300];
+        snprintf(dir, sizeof dir, "/proc/%s/fd", e->d_name);
+        DIR *fds = opendir(dir);
+        struct dirent *f;
+        int found = 0;
+        while (fds && !found && (f = readdir(fds))) {
+            char link[600], target[128];
+            snprintf(link, sizeof link, "%s/%s", dir, f->d_name);
+            ssize_t k = readlink(link, target, sizeof target - 1);
+            if (k > 0) { target[k] = 0; found = !strcmp(target, want); }
+        }
+        if (fds) closedir(fds);
+        if (found) {
+            char comm[64] = "", path[300];
+            snprintf(path, sizeof path, "/proc/%s/comm", e->d_name);
+            FILE *c = fopen(path, "r");
+            if (c && fgets(comm, sizeof comm, c)) comm[strcspn(comm, "\n")] = 0;
+            if (c) fclose(c);
+            snprintf(out, n, "process %.24s (%.60s)", e->d_name, comm[0] ? comm : "?");
+            break;
+        }
+    }
+    if (procs) closedir(procs);
+}
+
+/* Rank 0's listening socket on `port`: --nproc's launcher's, or one of its own,
+   kept for the life of the process (a second communicator of this process
+   takes it again). The port taken is an error naming who holds it. */
+static int dt__rank0_listener(int port, const char *port_from) {
+    static int fd = -1, fd_port = -1;
+    int inherited = dt__launcher_listener(port);
+    if (inherited >= 0) return inherited;
+    if (fd >= 0 && fd_port == port) return fd;
+    if (fd >= 0) close(fd);
+    fd = dt__tcp_listen(port);
+    fd_port = port;
+    if (fd < 0) {
+        int e = errno;
+        char holder[160] = "";
+        if (e == EADDRINUSE) dt__port_holder(port, holder, sizeof holder);
+        dt_fail("rendezvous: rank 0 cannot listen on port %d (%s): %s%s%s -- another job or program holds it; give this "
+                "job a port of its own (MASTER_PORT, or DT_MASTER_PORT under torchrun)", port, port_from, strerror(e),
+                holder[0] ? ": it is held by " : "", holder);
+    }
+    return fd;
 }
 
 /* --comm auto on the host: shared memory, unless an MPI launcher (mpirun, or
@@ -8359,38 +8548,70 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     int fds[DT_MAX_RANKS], cleanup = -1;
     size_t bytes = dt__shm_bytes(world);
     dt__shm_header *hdr = NULL;
+    uint64_t key[2];
+    int secret = dt__job_key(key);
+    unsigned char nonces[DT_MAX_RANKS][16];   /* rank 0: each rank's, for the welcome's proof */
     if (world > 1 && rank == 0) {
-        int inherited = dt__launcher_listener(port), joined[DT_MAX_RANKS] = { 0 }, njoined = 0, away = 0;
-        int lfd = inherited >= 0 ? inherited : dt__tcp_listen(port);
-        if (lfd < 0)
-            dt_fail("rendezvous: rank 0 cannot listen on port %d (%s): %s -- another job or program holds it; give "
-                    "this job a port of its own (MASTER_PORT, or DT_MASTER_PORT under torchrun)", port, port_from,
-                    strerror(errno));
+        int lfd = dt__rank0_listener(port, port_from), joined[DT_MAX_RANKS] = { 0 }, njoined = 0, away = 0, npend = 0;
+        static dt__pending pend[DT__PENDING_MAX];
         dt__host hosts[DT_MAX_RANKS];
         dt__host_of_this_rank(&hosts[0]);
         while (njoined < world - 1) {
-            struct pollfd pfd = { lfd, POLLIN, 0 };
             int wait = (int)(deadline - dt_now_ms());
             if (wait <= 0) {
                 char missing[256] = "";
                 for (int r = 1; r < world; r++)
                     if (!joined[r]) snprintf(missing + strlen(missing), sizeof missing - strlen(missing), " %d", r);
+                for (int k = 0; k < npend; k++) close(pend[k].fd);
                 dt_fail("rendezvous: rank(s)%s did not join within %.0f s (--timeout)%s", missing, c->timeout_s,
                         away ? "; connections that were not of this job were turned away (see above)" : "");
             }
             dt__check_stop("while waiting for the ranks to join");
-            if (poll(&pfd, 1, wait < 200 ? wait : 200) <= 0) continue;
-            struct sockaddr_in from;
-            socklen_t from_len = sizeof from;
-            int fd = accept(lfd, (struct sockaddr *)&from, &from_len);
-            if (fd < 0) continue;
-            int r = dt__rendezvous_admit(fd, &from, job, world, joined, hosts, deadline);
-            if (r < 0) { close(fd); away++; continue; }
-            joined[r] = 1;
-            fds[r] = fd;
-            njoined++;
+            struct pollfd pfd[1 + DT__PENDING_MAX];
+            pfd[0].fd = lfd; pfd[0].events = POLLIN; pfd[0].revents = 0;
+            for (int k = 0; k < npend; k++) { pfd[1 + k].fd = pend[k].fd; pfd[1 + k].events = POLLIN; pfd[1 + k].revents = 0; }
+            if (poll(pfd, (nfds_t)(1 + npend), wait < 200 ? wait : 200) < 0) continue;
+            double now = dt_now_ms();
+            for (int k = npend - 1; k >= 0; k--) {           /* what each connection sent; a removed one's place takes the last */
+                dt__pending *p = &pend[k];
+                int bad = 0, whole = 0;
+                if (pfd[1 + k].revents) {
+                    ssize_t got = recv(p->fd, (char *)&p->h + p->got, sizeof p->h - p->got, MSG_DONTWAIT);
+                    if (got > 0) p->got += (size_t)got;
+                    else if (got == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) bad = 1;
+                }
+                if (p->got >= 8 && memcmp(p->h.magic, DT_RDZV_MAGIC, 8)) bad = 1;
+                whole = !bad && p->got == sizeof p->h;
+                if (!bad && !whole && now > p->until) bad = 1;
+                if (!bad && !whole) continue;
+                int r = bad ? -1 : dt__rendezvous_admit(p, job, secret ? key : NULL, world, joined, hosts);
+                if (bad) dt_warn("rendezvous: turned away a connection from %s: it did not say hello as a dtrain rank", p->who);
+                if (r < 0) { close(p->fd); away++; }
+                else {
+                    joined[r] = 1;
+                    fds[r] = p->fd;
+                    memcpy(nonces[r], p->h.nonce, 16);
+                    njoined++;
+                }
+                pend[k] = pend[--npend];
+            }
+            if (pfd[0].revents & POLLIN) {
+                struct sockaddr_in from;
+                socklen_t from_len = sizeof from;
+                int fd = accept(lfd, (struct sockaddr *)&from, &from_len);
+                if (fd >= 0) fcntl(fd, F_SETFD, FD_CLOEXEC);
+                if (fd >= 0 && npend == DT__PENDING_MAX) {
+                    dt_warn("rendezvous: turned away a connection from %s:%d: %d others are waiting to say hello",
+                            inet_ntoa(from.sin_addr), ntohs(from.sin_port), DT__PENDING_MAX);
+                    close(fd);
+                    away++;
+                } else if (fd >= 0 && !dt__rendezvous_greet(&pend[npend], fd, &from, secret, deadline)) {
+                    close(fd);
+                    away++;
+                } else if (fd >= 0) npend++;
+            }
         }
-        if (lfd != inherited) close(lfd);
+        for (int k = 0; k < npend; k++) close(pend[k].fd);   /* latecomers: the job is whole */
         char apart[sizeof w.refused];
         if (!dt__rendezvous_one_host(hosts, world, kind == DT_COMM_NCCL, apart, sizeof apart)) {
             dt__copy_str(w.refused, sizeof w.refused, apart);
@@ -8400,15 +8621,34 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     }
     if (rank == 0) {       /* made once every rank is here: a failed rendezvous leaves nothing in /dev/shm */
         hdr = dt__shm_map(w.shm_name, bytes, 1, &cleanup);
-        for (int r = 1; r < world; r++) dt__io_all(fds[r], &w, sizeof w, 1, deadline, "sending the welcome");
+        for (int r = 1; r < world; r++) {
+            w.proof = secret ? dt__welcome_proof(key, nonces[r], &w) : 0;
+            dt__io_all(fds[r], &w, sizeof w, 1, deadline, "sending the welcome");
+        }
     } else if (world > 1) {
         int fd = dt__tcp_connect(host, port, port_from, deadline);
+        dt__challenge ch;
+        if (!dt__io_try(fd, &ch, sizeof ch, 0, deadline, "while waiting for rank 0 to answer"))
+            dt_fail("rendezvous: %s:%d (%s) took this rank's connection but said nothing %s (is it a dtrain rank 0 of this "
+                    "version? another job's, whose ranks have all joined?)", host, port, port_from,
+                    dt_now_ms() >= deadline ? "within the timeout" : "before it closed it");
+        if (memcmp(ch.magic, DT_RDZV_MAGIC, 8))
+            dt_fail("rendezvous: %s:%d (%s) answered, but not as a dtrain rank 0 of this version (another program holds "
+                    "that port?)", host, port, port_from);
+        if (secret && !ch.secret)
+            dt_fail("rendezvous: rank 0 at %s:%d has no job secret, and this rank has one (DT_JOB_SECRET): is it this job's "
+                    "rank 0? (give every rank the same DT_JOB_SECRET, or none)", host, port);
+        if (!secret && ch.secret)
+            dt_fail("rendezvous: rank 0 at %s:%d has a job secret (DT_JOB_SECRET), and this rank has none: give every rank "
+                    "the same one", host, port);
         dt__hello h;
         memset(&h, 0, sizeof h);
         memcpy(h.magic, DT_RDZV_MAGIC, 8);
         dt__copy_str(h.job, sizeof h.job, job);
         h.rank = rank; h.world = world; h.pid = (int32_t)getpid();
         dt__host_of_this_rank(&h.where);
+        if (!dt__random_bytes(h.nonce, sizeof h.nonce)) dt_fail("rendezvous: cannot read /dev/urandom: %s", strerror(errno));
+        if (secret) h.proof = dt__hello_proof(key, ch.nonce, h);
         dt__io_all(fd, &h, sizeof h, 1, deadline, "saying hello to rank 0");
         if (!dt__io_try(fd, &w, sizeof w, 0, deadline, "while waiting for rank 0's welcome"))
             dt_fail("rendezvous: no welcome from %s:%d (%s) %s (did rank 0 fail? is it a dtrain rank 0 of this job?)", host,
@@ -8418,6 +8658,9 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
                     host, port, port_from);
         w.refused[sizeof w.refused - 1] = 0;
         if (w.refused[0]) dt_fail("rendezvous: rank 0 at %s:%d turned this rank away: %s", host, port, w.refused);
+        if (secret && w.proof != dt__welcome_proof(key, h.nonce, &w))
+            dt_fail("rendezvous: the rank 0 at %s:%d (%s) does not prove that it knows this job's secret (DT_JOB_SECRET): "
+                    "not this job's rank 0", host, port, port_from);
         if (!memchr(w.shm_name, 0, sizeof w.shm_name))
             dt_fail("rendezvous: %s:%d (%s) sent a shared-memory name without an end: not a dtrain rank 0", host, port, port_from);
         hdr = dt__shm_map(w.shm_name, bytes, 0, NULL);

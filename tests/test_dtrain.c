@@ -12,6 +12,7 @@
 #include "../dtrain.h"
 #include <dirent.h>
 #include <signal.h>
+#include <ifaddrs.h>
 #include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -2647,8 +2648,166 @@ TEST(nproc_holds_its_port_from_the_start, QUICK) {
     CHECKF(st == 0, "a job whose port another program tried to take while rank 0 started: exit %d\n%s", st, out);
 }
 
-/* A rendezvous that fails -- port taken, or Ctrl-C while rank 0 waits -- leaves
-   no shared-memory segment (it is made only once every rank has joined). */
+/* `test_dtrain --selftest-nproc-loopback`: under --nproc every rank is on
+   this machine, so rank 0 listens on the loopback alone (it listened on every
+   interface: anyone on the network could knock). Rank 1 tries the job's port
+   on each of this machine's other IPv4 addresses: refused on each. Exit 3
+   with no other address to try. */
+static int selftest_nproc_loopback(void) {
+    dt_launch(2, 10);
+    int rank = atoi(getenv("RANK")), port = atoi(getenv("MASTER_PORT")), tried = 0, reached = 0;
+    if (rank == 1) {
+        struct ifaddrs *ifs = NULL;
+        if (getifaddrs(&ifs) == 0)
+            for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
+                if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
+                struct sockaddr_in a = *(struct sockaddr_in *)i->ifa_addr;
+                if ((ntohl(a.sin_addr.s_addr) >> 24) == 127) continue;
+                a.sin_port = htons((uint16_t)port);
+                int fd = socket(AF_INET, SOCK_STREAM, 0);
+                tried++;
+                if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
+                    fprintf(stderr, "rank 0 answered on %s:%d\n", inet_ntoa(a.sin_addr), port);
+                    reached++;
+                }
+                if (fd >= 0) close(fd);
+            }
+        if (ifs) freeifaddrs(ifs);
+    }
+    dt_comm *c = dt_comm_init(DT_COMM_SHM, 10);
+    float v[2] = { (float)tried, (float)reached };
+    dt_all_reduce(c, v, v, 2, DT_F32, DT_SUM);
+    dt_comm_free(c);
+    return v[1] > 0 ? 4 : v[0] == 0 ? 3 : 0;
+}
+TEST(nproc_listens_on_the_loopback_alone, QUICK) {
+    char out[8192];
+    int st = run_cmd(out, sizeof out, "%s --selftest-nproc-loopback", self_bin);
+    if (st == 3) SKIP("this machine has no IPv4 address but the loopback's to try");
+    CHECKF(st == 0, "--nproc's rank 0 answered on an address of the network: exit %d\n%s", st, out);
+}
+
+/* The job's secret (DT_JOB_SECRET): every rank proves it knows it, and so
+   does rank 0, and no message carries it. A stranger who knows the job's id
+   (a refusal once sent it back) but not the secret is turned away; so is a
+   rank with the wrong secret, and one with none; a refusal names what the
+   stranger sent, never this job's id or secret. Four idle connections at
+   rank 0 do not keep the job's ranks out (rank 0 heard one connection at a
+   time, 5 s each: a --timeout 15 job failed). */
+TEST(a_stranger_without_the_jobs_secret_is_turned_away_and_idlers_starve_nothing, QUICK) {
+    char out[16384];
+    int port = free_port();
+    const char *bin = collectives_bin(), *secret = "s3cret-of-job-A";
+    int st = run_cmd(out, sizeof out, "bash -c 'P=%d; export MASTER_PORT=$P WORLD_SIZE=2 SLURM_JOB_ID=111; "
+                     "DT_JOB_SECRET=%s RANK=0 %s --check --timeout 15 & a=$!; " WAIT_LISTEN
+                     "exec 3<>/dev/tcp/127.0.0.1/$P 4<>/dev/tcp/127.0.0.1/$P 5<>/dev/tcp/127.0.0.1/$P 6<>/dev/tcp/127.0.0.1/$P; "
+                     "DT_JOB_SECRET=guess RANK=1 %s --check --timeout 5; echo wrong-exit=$?; "
+                     "RANK=1 %s --check --timeout 5; echo none-exit=$?; "
+                     "SLURM_JOB_ID=999 DT_JOB_SECRET=%s RANK=1 %s --check --timeout 5; echo other-exit=$?; "
+                     "DT_JOB_SECRET=%s RANK=1 %s --check --timeout 15; echo member-exit=$?; wait $a; echo rank0-exit=$?'",
+                     port, secret, bin, bin, bin, secret, bin, secret, bin);
+    CHECKF(st == 0 && strstr(out, "rank0-exit=0") && strstr(out, "member-exit=0"), "the job did not complete:\n%s", out);
+    CHECKF(count_lines_with(out, "match the serial reference") == 2, "the job's collectives:\n%s", out);
+    CHECKF(strstr(out, "wrong-exit=1") && strstr(out, "does not prove that it knows this job's secret"),
+           "a rank with the wrong secret must be turned away, told why:\n%s", out);
+    CHECKF(strstr(out, "none-exit=1") && strstr(out, "has a job secret (DT_JOB_SECRET), and this rank has none"),
+           "a rank without the secret must stop, told why:\n%s", out);
+    CHECKF(strstr(out, "other-exit=1") && strstr(out, "it belongs to another job ('SLURM_JOB_ID=999')"),
+           "another job's rank must be turned away:\n%s", out);
+    CHECKF(!strstr(out, secret) && !strstr(out, "SLURM_JOB_ID=111'") && !strstr(out, "this job is"),
+           "a message gave away the job's secret or id:\n%s", out);
+}
+
+/* A fake rank 0 (this test, on a port of its own) welcomes a rank with the
+   name of a segment that is not the job's: another user's of mode 0666, one
+   of its own user's that others may write, a name of 64 bytes without an end,
+   one that is not dtrain's. The rank maps none of them and says why (it
+   once wrote its gradients into another user's segment). */
+static void fake_rank0(int lfd, const char *shm_name, size_t name_len) {
+    int fd = accept(lfd, NULL, NULL);
+    if (fd < 0) _exit(1);
+    dt__challenge ch;
+    dt__hello h;
+    dt__welcome w;
+    memset(&ch, 0, sizeof ch);
+    memcpy(ch.magic, DT_RDZV_MAGIC, 8);
+    if (write(fd, &ch, sizeof ch) != (ssize_t)sizeof ch) _exit(1);
+    size_t got = 0;
+    while (got < sizeof h) { ssize_t k = read(fd, (char *)&h + got, sizeof h - got); if (k <= 0) _exit(1); got += (size_t)k; }
+    memset(&w, 0, sizeof w);
+    memcpy(w.magic, DT_RDZV_MAGIC, 8);
+    memcpy(w.shm_name, shm_name, name_len);
+    if (write(fd, &w, sizeof w) != (ssize_t)sizeof w) _exit(1);
+    char sink[64];
+    while (read(fd, sink, sizeof sink) > 0) {}
+    _exit(0);
+}
+TEST(a_fake_rank_0_cannot_hand_a_rank_someone_elses_segment, QUICK) {
+    char out[16384], name[64], bad[80];
+    size_t bytes = dt__shm_bytes(2);
+    static const struct { int owner_other, mode; const char *says; } cases[] = {
+        { 1, 0666, "is not this job's: owner 65534" }, { 0, 0666, "mode 666" }, { 0, 0600, NULL },
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0] + 2; c++) {
+        size_t len;
+        const char *says;
+        int made = -1;
+        if (c < 3) {
+            snprintf(name, sizeof name, "/dtrain-%d-%d-%d", (int)getuid(), (int)getpid(), 90 + (int)c);
+            len = strlen(name) + 1;
+            made = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+            CHECK(made >= 0 && ftruncate(made, (off_t)(c == 2 ? bytes / 2 : bytes)) == 0 && fchmod(made, (mode_t)cases[c].mode) == 0);
+            if (cases[c].owner_other && fchown(made, 65534, 65534) != 0) { shm_unlink(name); close(made); continue; }
+            says = cases[c].says ? cases[c].says : "bytes (this rank's user";     /* the wrong size */
+        } else if (c == 3) {
+            memset(bad, 'x', sizeof bad);
+            memcpy(bad, "/dtrain-0-1-", 12);
+            len = 64;
+            says = "a shared-memory name without an end";
+        } else {
+            snprintf(bad, sizeof bad, "/not-dtrain");
+            len = strlen(bad) + 1;
+            says = "not one dtrain makes for this user";
+        }
+        int lfd = dt__tcp_listen_on(0, 1), port = dt__tcp_port_of(lfd);
+        fflush(NULL);
+        pid_t fake = fork();
+        if (fake == 0) fake_rank0(lfd, c < 3 ? name : bad, len);
+        close(lfd);
+        int st = run_cmd(out, sizeof out, "env MASTER_PORT=%d WORLD_SIZE=2 RANK=1 %s --check --timeout 10", port, collectives_bin());
+        kill(fake, SIGKILL);
+        waitpid(fake, NULL, 0);
+        expect_error_in(says, out, st, 1, says);
+        if (made >= 0) { shm_unlink(name); close(made); }
+    }
+}
+
+/* Two jobs started by hand on one port: the second's rank 0 is refused, naming
+   the port and the process that holds it, and its rank 1 never reaches the
+   first job (rank 0 let go of the port after its rendezvous, and the second
+   job's ranks then trained with the first's, data mixed, exit 0). */
+TEST(a_second_job_on_a_port_in_use_is_refused_naming_its_holder, QUICK) {
+    char out[32768], want[160], log[700];
+    int port = free_port();
+    const char *bin = stage_bin("03-ddp");
+    snprintf(log, sizeof log, "%s/first.jsonl", tmpdir);
+    /* the first job trains (its log has steps: both ranks have met) while the second one's ranks start */
+    int st = run_cmd(out, sizeof out, "bash -c 'P=%d; G=\"--data %s " SMALL_FLAGS " --epochs 40 --batch-size 16\"; "
+                     "export MASTER_PORT=$P WORLD_SIZE=2; RANK=0 %s $G --log %s & a=$!; echo first-rank0=$a; RANK=1 %s $G & b=$!; "
+                     "i=0; while [ $i -lt 600 ] && ! grep -q step %s 2>/dev/null; do sleep 0.05; i=$((i+1)); done; "
+                     "RANK=0 %s $G --timeout 5; echo second-rank0-exit=$?; RANK=1 %s $G --timeout 5; echo second-rank1-exit=$?; "
+                     "wait $a; echo first-rank0-exit=$?; wait $b; echo first-rank1-exit=$?'", port, small_data(), bin, log, bin, log,
+                     bin, bin);
+    long first = 0;
+    const char *p = strstr(out, "first-rank0=");
+    if (p) first = atol(p + 12);
+    CHECKF(st == 0 && strstr(out, "first-rank0-exit=0") && strstr(out, "first-rank1-exit=0"), "the first job did not complete:\n%s", out);
+    snprintf(want, sizeof want, "cannot listen on port %d (MASTER_PORT): Address already in use: it is held by process %ld", port, first);
+    CHECKF(strstr(out, "second-rank0-exit=1") && strstr(out, want), "the second job's rank 0 must be refused, naming %ld:\n%s",
+           first, out);
+    CHECKF(strstr(out, "second-rank1-exit=1") && strstr(out, "said nothing"), "the second job's rank 1 must stop:\n%s", out);
+}
+
 /* Segments in /dev/shm of this user made since `since` whose maker (the pid
    in the name) is gone: what a job left behind. Other jobs' live segments,
    and older leftovers, do not count. */
@@ -2689,6 +2848,8 @@ TEST(a_rank_0_killed_with_the_segment_made_leaves_nothing_in_dev_shm, QUICK) {
     }
 }
 
+/* A rendezvous that fails -- port taken, or Ctrl-C while rank 0 waits -- leaves
+   no shared-memory segment (it is made only once every rank has joined). */
 TEST(a_failed_rendezvous_leaves_nothing_in_dev_shm, QUICK) {
     char out[16384];
     int port = free_port();
@@ -7629,6 +7790,7 @@ int main(int argc, char **argv) {
     self_bin = argv[0];
     if (argc > 1 && !strcmp(argv[1], "--selftest-wrong-memory")) return selftest_wrong_memory();
     if (argc > 1 && !strcmp(argv[1], "--selftest-nproc-port")) return selftest_nproc_port();
+    if (argc > 1 && !strcmp(argv[1], "--selftest-nproc-loopback")) return selftest_nproc_loopback();
     if (argc > 2 && !strcmp(argv[1], "--selftest-comm-misuse")) return selftest_comm_misuse(atoi(argv[2]));
     return t_main(argc, argv, setup);
 }
