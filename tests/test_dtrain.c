@@ -2687,6 +2687,21 @@ TEST(nproc_listens_on_the_loopback_alone, QUICK) {
     CHECKF(st == 0, "--nproc's rank 0 answered on an address of the network: exit %d\n%s", st, out);
 }
 
+/* The proofs are SipHash-2-4: its authors' test vectors (key 00 01 .. 0f,
+   messages 00 01 .. of lengths 0, 1, 2, 3 and 15). */
+TEST(the_rendezvous_proofs_are_siphash_2_4, QUICK) {
+    const uint64_t key[2] = { 0x0706050403020100ull, 0x0f0e0d0c0b0a0908ull };
+    unsigned char m[16];
+    for (int i = 0; i < 16; i++) m[i] = (unsigned char)i;
+    static const struct { size_t n; uint64_t want; } v[] = {
+        { 0, 0x726fdb47dd0e0e31ull }, { 1, 0x74f839c593dc67fdull }, { 2, 0x0d6c8009d9a94f5aull },
+        { 3, 0x85676696d7fb7e2dull }, { 15, 0xa129ca6149be45e5ull },
+    };
+    for (size_t k = 0; k < sizeof v / sizeof v[0]; k++)
+        CHECKF(dt__siphash(key, m, v[k].n) == v[k].want, "%zu bytes: %016llx, the vector %016llx", v[k].n,
+               (unsigned long long)dt__siphash(key, m, v[k].n), (unsigned long long)v[k].want);
+}
+
 /* The job's secret (DT_JOB_SECRET): every rank proves it knows it, and so
    does rank 0, and no message carries it. A stranger who knows the job's id
    (a refusal once sent it back) but not the secret is turned away; so is a
