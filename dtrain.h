@@ -14163,6 +14163,28 @@ static void dt__mlflow_metric(dt_run *r, const char *key, double value) {
         dt__write_failed("--mlflow", dt_mlflow_path(r->mlflow), errno);
 }
 
+/* A fingerprint of a data set's contents -- all of it up to 1 MB, else 256
+   pieces of 4 KB spread over it, and its size: ranks handed different data of
+   one size (a.txt and b.txt) would otherwise train as one job, each on its own. */
+static uint64_t dt__dataset_fingerprint(const dt_dataset *ds) {
+    static const uint64_t key[2] = { 0x64617461ull, 0x66696e676572ull };
+    const unsigned char *parts[2] = { ds->tokens ? (const unsigned char *)ds->tokens : ds->pixels,
+                                      ds->tokens ? (const unsigned char *)ds->targets : (const unsigned char *)ds->labels };
+    size_t sizes[2] = { ds->tokens ? (size_t)ds->ntokens * 4 : (size_t)ds->n * (size_t)(ds->channels * ds->size * ds->size),
+                        ds->tokens ? (ds->targets ? (size_t)ds->ntokens * 4 : 0) : (size_t)ds->n * 4 };
+    uint64_t h = dt__siphash(key, &ds->n, sizeof ds->n);
+    for (int k = 0; k < 2; k++) {
+        if (!parts[k] || !sizes[k]) continue;
+        size_t piece = 4096, pieces = sizes[k] <= ((size_t)1 << 20) ? 1 : 256;
+        for (size_t i = 0; i < pieces; i++) {
+            size_t at = pieces == 1 ? 0 : (sizes[k] - piece) / (pieces - 1) * i, len = pieces == 1 ? sizes[k] : piece;
+            uint64_t part[2] = { h, dt__siphash(key, parts[k] + at, len) };
+            h = dt__siphash(key, part, sizeof part);
+        }
+    }
+    return h;
+}
+
 /* One run at a time in a --save-dir: two would interleave their checkpoints
    (one's weights beside the other's optimizer state) and tear each other's
    files. Rank 0 holds a lock on DIR/.dtrain.lock for as long as it lives --
@@ -14219,6 +14241,8 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
         snprintf(v, sizeof v, "%lld %lld %lld %g %d %d", (long long)loader->ds->n, (long long)cfg->start_idx,
                  (long long)cfg->warmup, cfg->bucket_mb, cfg->shard * 2 + cfg->cpu_offload, cfg->bench);
         dt_comm_check_agree(dt__ctx.job, "the training set, --start-idx --warmup --bucket-mb --shard --cpu-offload --bench", v);
+        snprintf(v, sizeof v, "%016llx", (unsigned long long)dt__dataset_fingerprint(loader->ds));
+        dt_comm_check_agree(dt__ctx.job, "the training set's contents (a fingerprint: --data, --tokens)", v);
         snprintf(v, sizeof v, "%d %d %d", cfg->accum_steps, cfg->dtype, cfg->reduce_dtype);
         dt_comm_check_agree(dt__ctx.job, "--accum-steps --dtype --reduce-dtype", v);
         dt_comm_check_agree(dt__ctx.job, "--resume", cfg->resume ? cfg->resume : "(none)");

@@ -2823,6 +2823,29 @@ TEST(a_second_job_on_a_port_in_use_is_refused_naming_its_holder, QUICK) {
     CHECKF(strstr(out, "second-rank1-exit=1") && strstr(out, "said nothing"), "the second job's rank 1 must stop:\n%s", out);
 }
 
+/* The ranks of one job given different data of one size (a.txt, b.txt):
+   they compared sizes only, and trained as one job, each on its own text. */
+TEST(ranks_given_different_data_of_one_size_are_refused, QUICK) {
+    char out[16384], a[700], b[700];
+    size_t n = 0;
+    unsigned char *text = read_bytes(gpt_text(), &n);
+    CHECK(text && n > 100);
+    if (!text) return;
+    snprintf(a, sizeof a, "%s/a.txt", tmpdir);
+    snprintf(b, sizeof b, "%s/b.txt", tmpdir);
+    write_bytes(a, text, n);
+    text[n / 2] ^= 1;                                        /* one bit apart */
+    write_bytes(b, text, n);
+    free(text);
+    int port = free_port();
+    const char *bin = stage_bin("03-ddp");
+    int st = run_cmd(out, sizeof out, "bash -c 'export MASTER_PORT=%d WORLD_SIZE=2; G=\"" GPT_FLAGS " --steps 3 --timeout 20\"; "
+                     "RANK=0 %s $G --data %s & a=$!; RANK=1 %s $G --data %s; echo rank1-exit=$?; wait $a; echo rank0-exit=$?'",
+                     port, bin, a, bin, b);
+    CHECKF(strstr(out, "rank0-exit=1") && strstr(out, "rank1-exit=1") && strstr(out, "the ranks disagree on the training set's contents"),
+           "two ranks, two texts: exit %d\n%s", st, out);
+}
+
 /* Segments in /dev/shm of this user made since `since` whose maker (the pid
    in the name) is gone: what a job left behind. Other jobs' live segments,
    and older leftovers, do not count. */
