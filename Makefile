@@ -11,6 +11,8 @@
 #   make test-asan    the quick suite under AddressSanitizer + UndefinedBehaviorSanitizer
 #                     (SUITE=full or all for the rest; T=PART too)
 #   make test-msan    the same under MemorySanitizer (clang): reads of uninitialised memory
+#   make fuzz         every loader under libFuzzer (clang, ASan, UBSan), FUZZ_SECONDS
+#                     each (default 60): runs, coverage, and what was found
 #   make test-builds  make CUDA=0 at -O0, -O2 and -O3 (LEVELS=...), each in build/cpu-O*/:
 #                     the build without a warning and the quick suite at each; at -O2
 #                     every stage's --bench, make bench --quick --only mlp
@@ -283,6 +285,23 @@ msan-toolchain:
 test-msan: $(call SANITIZED,msan)
 	MSAN_OPTIONS=halt_on_error=1:exitcode=86 ./build/msan/test_dtrain $(call TEST_ARGS,$(SUITE),build/msan/01-single-gpu/train)
 
+# Fuzzing (tests/fuzz/, tools/fuzz.sh): every loader -- safetensors, config.json
+# and the index, .npy, JSON lines, PPM/PGM, CIFAR-10, the rendezvous's messages
+# -- under libFuzzer with ASan and UBSan (clang), FUZZ_SECONDS each (default
+# 60), from the test suite's own files and build/fuzz/corpus/.
+FUZZ_CC  ?= clang
+build/fuzz/fuzz: $(wildcard tests/fuzz/*.c) dtrain.h | fuzz-toolchain
+	@mkdir -p build/fuzz
+	$(FUZZ_CC) -std=c11 $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+	  -DDT_FUZZING -DDT_TESTING -o $@ tests/fuzz/fuzz.c -lm -lpthread
+fuzz-toolchain:
+	@printf 'int LLVMFuzzerTestOneInput(const char *d, long n){(void)d;(void)n;return 0;}\n' | \
+	  $(FUZZ_CC) -fsanitize=fuzzer -x c - -o /dev/null 2>/dev/null || \
+	  { echo "make fuzz: '$(FUZZ_CC) -fsanitize=fuzzer' cannot build a program here" \
+	         "(Debian: apt-get install clang libclang-rt-dev; or FUZZ_CC=another clang)" >&2; exit 1; }
+fuzz: build/fuzz/fuzz $(TEST_BIN)
+	+tools/fuzz.sh
+
 # The CPU-only build at other optimisation levels (tools/check_builds.sh).
 test-builds:
 	+LEVELS="$(or $(LEVELS),-O0 -O2 -O3)" tools/check_builds.sh
@@ -331,4 +350,4 @@ diff:
 clean:
 	rm -rf $(STAGE_BINS) $(TOOLS) $(TEST_BIN) build
 
-.PHONY: all run test test-all test-list test-asan test-msan msan-toolchain test-builds bench diff clean print-nccl gpu-check
+.PHONY: all run test test-all test-list test-asan test-msan msan-toolchain fuzz fuzz-toolchain test-builds bench diff clean print-nccl gpu-check

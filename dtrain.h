@@ -1941,8 +1941,18 @@ static void dt__cleanup_run(void) { dt__cleanup_run_in(1); }
 static void (*dt__on_fail)(void);
 /* ... and the run's tracking (section 18): an MLflow run marked FAILED. */
 static void (*dt__on_fail_tracking)(void);
+#ifdef DT_FUZZING
+/* The fuzzing harnesses (tests/fuzz/) take an error back instead of the exit:
+   an input refused with a clear error is a correct result, and the next
+   input follows in the same process. */
+static void (*dt__fuzz_refused)(void);
+#define DT__FUZZ_REFUSED() do { if (dt__fuzz_refused) dt__fuzz_refused(); } while (0)
+#else
+#define DT__FUZZ_REFUSED() ((void)0)
+#endif
 void dt_fail(const char *fmt, ...) {
     va_list ap; va_start(ap, fmt); dt__vmessage("error", fmt, ap); va_end(ap);
+    DT__FUZZ_REFUSED();
     dt__cleanup_run_in(0);
     void (*track)(void) = dt__on_fail_tracking;
     dt__on_fail_tracking = NULL;             /* once: its own writes may fail */
@@ -1953,6 +1963,7 @@ void dt_fail(const char *fmt, ...) {
 }
 void dt_usage_error(const char *fmt, ...) {
     va_list ap; va_start(ap, fmt); dt__vmessage("error", fmt, ap); va_end(ap);
+    DT__FUZZ_REFUSED();
     fprintf(stderr, "usage: train [--flag value ...]; run with --help for the flags\n");
     exit(2);
 }
@@ -5906,7 +5917,7 @@ static uint8_t *dt__decode_pnm(const unsigned char *buf, size_t len, int *w, int
         } else {
             while (pos < len && isspace(buf[pos])) pos++;
             if (pos >= len || !isdigit(buf[pos])) { snprintf(err, errlen, "truncated or corrupt pixel data"); free(rgb); return NULL; }
-            while (pos < len && isdigit(buf[pos])) v = v * 10 + (buf[pos++] - '0');
+            while (pos < len && isdigit(buf[pos])) { v = v <= 65535 ? v * 10 + (buf[pos] - '0') : v; pos++; }   /* no overflow */
         }
         uint8_t b = (uint8_t)((v > maxv ? maxv : v) * 255 / maxv);
         if (chans == 3) rgb[i] = b;
@@ -7500,6 +7511,16 @@ static void dt__comm_start(dt_comm *c, dt__shm_header *hdr) {
 /* A named shared-memory segment of `bytes`, made (create: its name goes on
    the list of files dt_fail removes, slot in *cleanup) or opened, and mapped. */
 static int dt__shm_serial;                   /* names this process's segments apart */
+/* Is `name` one dtrain makes for this user: /dtrain-<uid>-<pid>-<n>? */
+static void dt__shm_name_check(const char *name) {
+    char want[32];
+    int uid = -1, pid = -1, serial = -1, used = 0;
+    snprintf(want, sizeof want, "/dtrain-%d-", (int)getuid());
+    if (strncmp(name, want, strlen(want)) || sscanf(name, "/dtrain-%d-%d-%d%n", &uid, &pid, &serial, &used) != 3 ||
+        used != (int)strlen(name) || pid <= 0 || serial < 0)
+        dt_fail("rendezvous: rank 0 named the shared memory '%.80s', not one dtrain makes for this user (%s<pid>-<n>): is it "
+                "a dtrain rank 0 of this job?", name, want);
+}
 static dt__shm_header *dt__shm_map(const char *name, size_t bytes, int create, int *cleanup) {
     int fd;
     if (create) {
@@ -7516,13 +7537,7 @@ static dt__shm_header *dt__shm_map(const char *name, size_t bytes, int create, i
         /* The name came over the network: only a segment this user's rank 0 made for this job is mapped -- named
            as dtrain names them for this user, owned by this user, no one else may touch it, of the size asked
            (a rank once wrote its gradients into another user's segment of mode 0666, named by a fake rank 0). */
-        char want[32];
-        int uid = -1, pid = -1, serial = -1, used = 0;
-        snprintf(want, sizeof want, "/dtrain-%d-", (int)getuid());
-        if (strncmp(name, want, strlen(want)) || sscanf(name, "/dtrain-%d-%d-%d%n", &uid, &pid, &serial, &used) != 3 ||
-            used != (int)strlen(name) || pid <= 0 || serial < 0)
-            dt_fail("rendezvous: rank 0 named the shared memory '%.80s', not one dtrain makes for this user (%s<pid>-<n>): "
-                    "is it a dtrain rank 0 of this job?", name, want);
+        dt__shm_name_check(name);
         struct stat st;
         fd = shm_open(name, O_RDWR, 0600);
         if (fd < 0) dt_fail("cannot open the shared memory %s another rank made: %s (are all ranks on one machine?)", name,
@@ -8331,6 +8346,24 @@ static int dt__rendezvous_one_host(const dt__host *hosts, int world, int on_gpus
     return 0;
 }
 
+/* A rank: rank 0's welcome, every field of it checked before it is used
+   (what came over the network is bounded: the refusal and the name end
+   within their fields). key: the job's, when it has a secret. */
+static void dt__welcome_check(dt__welcome *w, const uint64_t *key, const unsigned char nonce[16], const char *host, int port,
+                              const char *port_from) {
+    if (memcmp(w->magic, DT_RDZV_MAGIC, 8))
+        dt_fail("rendezvous: %s:%d (%s) answered, but not as a dtrain rank 0 (another program holds that port?)", host, port,
+                port_from);
+    w->refused[sizeof w->refused - 1] = 0;
+    if (w->refused[0]) dt_fail("rendezvous: rank 0 at %s:%d turned this rank away: %s", host, port, w->refused);
+    if (key && w->proof != dt__welcome_proof(key, nonce, w))
+        dt_fail("rendezvous: the rank 0 at %s:%d (%s) does not prove that it knows this job's secret (DT_JOB_SECRET): not "
+                "this job's rank 0", host, port, port_from);
+    if (!memchr(w->shm_name, 0, sizeof w->shm_name))
+        dt_fail("rendezvous: %s:%d (%s) sent a shared-memory name without an end: not a dtrain rank 0", host, port, port_from);
+    dt__shm_name_check(w->shm_name);
+}
+
 /* Rank 0: the connections that have not said hello yet, each with its own
    deadline and the nonce it was challenged with. */
 typedef struct dt__pending {
@@ -8653,16 +8686,7 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
         if (!dt__io_try(fd, &w, sizeof w, 0, deadline, "while waiting for rank 0's welcome"))
             dt_fail("rendezvous: no welcome from %s:%d (%s) %s (did rank 0 fail? is it a dtrain rank 0 of this job?)", host,
                     port, port_from, dt_now_ms() >= deadline ? "within the timeout" : "before it closed the connection");
-        if (memcmp(w.magic, DT_RDZV_MAGIC, 8))
-            dt_fail("rendezvous: %s:%d (%s) answered, but not as a dtrain rank 0 (another program holds that port?)",
-                    host, port, port_from);
-        w.refused[sizeof w.refused - 1] = 0;
-        if (w.refused[0]) dt_fail("rendezvous: rank 0 at %s:%d turned this rank away: %s", host, port, w.refused);
-        if (secret && w.proof != dt__welcome_proof(key, h.nonce, &w))
-            dt_fail("rendezvous: the rank 0 at %s:%d (%s) does not prove that it knows this job's secret (DT_JOB_SECRET): "
-                    "not this job's rank 0", host, port, port_from);
-        if (!memchr(w.shm_name, 0, sizeof w.shm_name))
-            dt_fail("rendezvous: %s:%d (%s) sent a shared-memory name without an end: not a dtrain rank 0", host, port, port_from);
+        dt__welcome_check(&w, secret ? key : NULL, h.nonce, host, port, port_from);
         hdr = dt__shm_map(w.shm_name, bytes, 0, NULL);
         /* Until every rank has mapped it and rank 0 has removed its name, the segment is this rank's to remove too,
            should the job fail: rank 0 may have died (SIGKILL) after making it, and left it in /dev/shm. */
