@@ -9,10 +9,11 @@
            #define DTRAIN_IMPLEMENTATION
            #include "dtrain.h"
        Everywhere else, just #include "dtrain.h". A build of several programs
-       may compile the implementation once on its own,
-           cc -x c -DDTRAIN_IMPLEMENTATION -c dtrain.h -o dtrain.o
-       and each program with -DDTRAIN_IMPLEMENTATION_ELSEWHERE, linked to
-       dtrain.o (the Makefile does): the programs need not change.
+       may compile the implementation once on its own (dtrain.c is that one
+       file: cc -c dtrain.c) and each program with
+       -DDTRAIN_IMPLEMENTATION_ELSEWHERE, linked to dtrain.o, as the Makefile
+       does; such a program includes the system headers it uses itself (the
+       implementation's are not in its way then).
 
        Optional, before the include in that one file (the Makefile sets them):
            DT_HAVE_STB    decode images with stb_image (PNG, JPEG, BMP, ...) and
@@ -5235,7 +5236,7 @@ static void dt__model_allocate(dt_model *m, dt__model_builder *mb, uint64_t seed
     /* A model that cannot fit is refused with its size before its weights are allocated (the system may
        promise more than it has, and the first write would then kill the run). */
     double weights = (double)m->numel * sizeof(float), have = dt__host_memory_bytes();
-    if (m->device == DT_CPU && have > 0 && weights * (frozen ? 1 : 2) > have)
+    if (dt__ctx.device == DT_CPU && have > 0 && weights * (frozen ? 1 : 2) > have)
         dt_fail("the model has %lld parameters: %.3g GB of weights%s, more than this machine's %.3g GB of memory (smaller "
                 "--dim, --depth or vocabulary?)", (long long)m->numel, weights / 1e9,
                 frozen ? "" : " and as much again of gradients", have / 1e9);
@@ -5717,7 +5718,13 @@ static unsigned char *dt__read_file(const char *path, size_t *len) {
     int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     dt__read_not_regular = 0;
     if (fd < 0) return NULL;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    if (fstat(fd, &st) != 0) {
+        int e = errno;
+        close(fd);
+        errno = e;
+        return NULL;
+    }
+    if (!S_ISREG(st.st_mode)) {
         int e = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
         dt__read_not_regular = e == EINVAL;
         close(fd);
@@ -6324,7 +6331,8 @@ static void dt__npy_ids(const char *path, const unsigned char *b, size_t len, si
     *width = types[type].width;
     *is_signed = types[type].is_signed;
     *start = at + hlen;
-    if ((len - *start) != (size_t)n * *width)
+    size_t want;
+    if (__builtin_mul_overflow((size_t)n, *width, &want) || len - *start != want)
         dt_fail("'%s': the .npy header says %lld ids of %zu bytes, the file holds %zu bytes after it (truncated?)", path, n,
                 *width, len - *start);
 }
@@ -8100,12 +8108,13 @@ void dt_launch(int nproc, double timeout_s) {
        failure the others get the timeout to notice and stop on their own, then
        they are killed. Ranks stopped by a signal (75, 130) are not a failure:
        the others are saving. The job's status says the cause, whatever order
-       the ranks are reaped in: the lowest rank killed by a signal (128 + it),
-       else the lowest rank that failed, else 75 or 130 for a stop, else 0 (a
-       killed rank's job once ended 137 or 1 by which rank was reaped first). */
+       the ranks are reaped in: the lowest rank killed by a signal (128 + it;
+       not one this launcher killed, past the deadline, for hanging on), else
+       the lowest rank that failed, else 75 or 130 for a stop, else 0 (a killed
+       rank's job once ended 137 or 1 by which rank was reaped first). */
     close(lfd);              /* rank 0's alone now: when it exits, the port closes with it */
     sigprocmask(SIG_SETMASK, &before, NULL);
-    int codes[DT_MAX_RANKS], killed[DT_MAX_RANKS] = { 0 }, left = nproc;
+    int codes[DT_MAX_RANKS], killed[DT_MAX_RANKS] = { 0 }, ours[DT_MAX_RANKS] = { 0 }, left = nproc;   /* ours: we killed it */
     for (int r = 0; r < nproc; r++) codes[r] = 0;
     double deadline = 0;
     while (left > 0) {
@@ -8121,7 +8130,7 @@ void dt_launch(int nproc, double timeout_s) {
             int stopped = code == 75 || code == 130, failed = code != 0 && !stopped;
             if (failed && WIFSIGNALED(st)) fprintf(stderr, "dtrain: rank %d was killed by signal %d\n", r, WTERMSIG(st));
             if (failed && !deadline) deadline = dt_now_ms() + (timeout_s > 0 ? timeout_s : 60) * 1e3 + 10e3;
-            if (r < nproc) { codes[r] = code; killed[r] = failed && WIFSIGNALED(st); }
+            if (r < nproc) { codes[r] = code; killed[r] = failed && WIFSIGNALED(st) && !ours[r]; }
         } else if (p == 0 || errno == EINTR) {
             int sig = dt__launcher_signal;
             if (sig) {
@@ -8131,7 +8140,7 @@ void dt_launch(int nproc, double timeout_s) {
             if (deadline > 0 && dt_now_ms() > deadline) {
                 fprintf(stderr, "dtrain: ranks still running %.0f s after a rank failed; killing them\n",
                         (timeout_s > 0 ? timeout_s : 60) + 10);
-                for (int r = 0; r < nproc; r++) if (pids[r] > 0) kill(pids[r], SIGKILL);
+                for (int r = 0; r < nproc; r++) if (pids[r] > 0) { kill(pids[r], SIGKILL); ours[r] = 1; }
                 deadline = dt_now_ms() + 1e9;
             }
             struct timespec ts = { 0, 20000000 };
@@ -8633,12 +8642,16 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
                 socklen_t from_len = sizeof from;
                 int fd = accept(lfd, (struct sockaddr *)&from, &from_len);
                 if (fd >= 0) fcntl(fd, F_SETFD, FD_CLOEXEC);
-                if (fd >= 0 && npend == DT__PENDING_MAX) {
-                    dt_warn("rendezvous: turned away a connection from %s:%d: %d others are waiting to say hello",
-                            inet_ntoa(from.sin_addr), ntohs(from.sin_port), DT__PENDING_MAX);
-                    close(fd);
+                if (fd >= 0 && npend == DT__PENDING_MAX) {   /* full: the longest waiting goes, not the newcomer */
+                    int old = 0;
+                    for (int k = 1; k < npend; k++) if (pend[k].until < pend[old].until) old = k;
+                    dt_warn("rendezvous: turned away a connection from %s: %d connections were waiting to say hello, and it "
+                            "had waited longest", pend[old].who, DT__PENDING_MAX);
+                    close(pend[old].fd);
+                    pend[old] = pend[--npend];
                     away++;
-                } else if (fd >= 0 && !dt__rendezvous_greet(&pend[npend], fd, &from, secret, deadline)) {
+                }
+                if (fd >= 0 && !dt__rendezvous_greet(&pend[npend], fd, &from, secret, deadline)) {
                     close(fd);
                     away++;
                 } else if (fd >= 0) npend++;
@@ -8659,12 +8672,18 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
             dt__io_all(fds[r], &w, sizeof w, 1, deadline, "sending the welcome");
         }
     } else if (world > 1) {
-        int fd = dt__tcp_connect(host, port, port_from, deadline);
+        int fd;
         dt__challenge ch;
-        if (!dt__io_try(fd, &ch, sizeof ch, 0, deadline, "while waiting for rank 0 to answer"))
-            dt_fail("rendezvous: %s:%d (%s) took this rank's connection but said nothing %s (is it a dtrain rank 0 of this "
-                    "version? another job's, whose ranks have all joined?)", host, port, port_from,
-                    dt_now_ms() >= deadline ? "within the timeout" : "before it closed it");
+        for (;;) {          /* closed before its challenge (rank 0 had more connections waiting than it keeps): again */
+            fd = dt__tcp_connect(host, port, port_from, deadline);
+            if (dt__io_try(fd, &ch, sizeof ch, 0, deadline, "while waiting for rank 0 to answer")) break;
+            close(fd);
+            if (dt_now_ms() >= deadline)
+                dt_fail("rendezvous: %s:%d (%s) took this rank's connection but said nothing within the timeout (is it a "
+                        "dtrain rank 0 of this version? another job's, whose ranks have all joined?)", host, port, port_from);
+            struct timespec ts = { 0, 50000000 };
+            nanosleep(&ts, NULL);
+        }
         if (memcmp(ch.magic, DT_RDZV_MAGIC, 8))
             dt_fail("rendezvous: %s:%d (%s) answered, but not as a dtrain rank 0 of this version (another program holds "
                     "that port?)", host, port, port_from);
@@ -11097,13 +11116,23 @@ dt_safetensors *dt_safetensors_read(const char *path) {
    checked against what the header says, so a file cut short is found. Given
    `why`, a file that cannot be read is said there and NULL returned. */
 static dt_safetensors *dt__safetensors_read_header_or_why(const char *path, char *why, size_t why_n) {
-    FILE *f = fopen(path, "rb");
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);  /* a FIFO does not block the look (dt__read_file) */
+    FILE *f = NULL;
     unsigned char len8[8];
     struct stat s;
+    if (fd >= 0 && fstat(fd, &s) == 0 && !S_ISREG(s.st_mode)) {
+        close(fd);
+        if (!why) dt_fail("cannot read '%s': not a regular file", path);
+        snprintf(why, why_n, "cannot read '%s': not a regular file", path);
+        return NULL;
+    }
+    if (fd >= 0) { fcntl(fd, F_SETFL, 0); f = fdopen(fd, "rb"); }
     if (!f || fstat(fileno(f), &s) != 0) {
-        if (!why) dt_fail("cannot read '%s': %s", path, strerror(errno));
-        snprintf(why, why_n, "cannot read '%s': %s", path, strerror(errno));
+        int e = errno;
+        if (!f && fd >= 0) close(fd);
         if (f) fclose(f);
+        if (!why) dt_fail("cannot read '%s': %s", path, strerror(e));
+        snprintf(why, why_n, "cannot read '%s': %s", path, strerror(e));
         return NULL;
     }
     size_t have = fread(len8, 1, 8, f);
@@ -11419,8 +11448,8 @@ static void dt__folder_commit(dt__folder *w) {
     dt__folder_check_free(w->path);
     dt__folder_forget(w);                                 /* from here on every file is a whole checkpoint's */
     dt__path(old, sizeof old, "%s.old", w->path);
+    dt__folder_carry_over(w->path, w->tmp);               /* the newer copy of a file first */
     dt__folder_carry_over(old, w->tmp);
-    dt__folder_carry_over(w->path, w->tmp);
     if (lstat(w->path, &s) == 0) {
         dt__folder_remove(old);
         if (rename(w->path, old) != 0)
@@ -12053,6 +12082,7 @@ void dt_model_load_weights(dt_model *m, const char *path) {
     if (m->base) dt__lora_load(m, path);
     else dt__load_weights(m, path);
 }
+static int dt__hf_spare_tensor(const dt_model *m, const char *name);
 static void dt__load_weights(dt_model *model, const char *path) {
     if (model->left_cut_by && !model->parallel)
         dt_fail("loading '%s': %s has run and this model holds only this rank's pieces; load before it", path,
@@ -12097,13 +12127,10 @@ static void dt__load_weights(dt_model *model, const char *path) {
                         p->name, st->n);
         }
     /* Every tensor of the file is one of the model's: a file of another model, or one with a tensor misnamed, is
-       not half taken. GPT-2's files also hold each block's causal mask (attn.bias, attn.masked_bias): buffers. */
+       not half taken. What Hugging Face's files hold beside the weights is let be (dt__hf_spare_tensor). */
     for (int k = 0; k < st->n && !dt__is_sharded(st); k++) {
         const char *name = st->t[k].name, *own = m->cfg.kind == DT_MODEL_GPT && !strncmp(name, "transformer.", 12) ? name + 12 : name;
-        size_t len = strlen(own);
-        int mask = m->cfg.kind == DT_MODEL_GPT && ((len > 10 && !strcmp(own + len - 10, ".attn.bias")) ||
-                                                    (len > 17 && !strcmp(own + len - 17, ".attn.masked_bias")));
-        if (!mask && !dt_model_param(m, own))
+        if (!dt__hf_spare_tensor(m, name) && !dt_model_param(m, own))
             dt_fail("'%s' holds tensor '%s', which this model does not have (%s has %d parameters; is the file of another "
                     "model?)", path, name, dt__model_kind_name(m->cfg.kind), m->nparams);
     }
@@ -12652,7 +12679,7 @@ static const char *dt__newest_checkpoint(const char *dir, char *out, size_t n) {
         dt_safetensors_close(st);
     }
     if (d) closedir(d);
-    qsort(c, (size_t)nc, sizeof *c, dt__candidate_newer);
+    if (nc > 1) qsort(c, (size_t)nc, sizeof *c, dt__candidate_newer);
     for (int k = 0; k < nc && !out[0]; k++) {
         char file[4200];
         if (!dt__checkpoint_file(c[k].path, "shards.safetensors", file, sizeof file)) dt__checkpoint_weights(c[k].path, file, sizeof file);

@@ -17,8 +17,10 @@
    Each test runs in a child process with a folder of its own (tmpdir), its
    output captured and printed whole when it ends, with where the run is:
    "PASS name (1.2 s)  [12/117, 0:41]". A test that crashes or hangs fails
-   alone (a hang after --timeout seconds, its process group killed), and
-   the others go on. The last line is "N passed, N failed, N skipped". */
+   alone (a hang after --timeout seconds: its process group is killed; what
+   it started in groups of their own -- a command under `timeout`, --nproc's
+   ranks -- ends by its own timeout), and the others go on. The last line is
+   "N passed, N failed, N skipped". */
 #ifndef DT_TEST_RUNNER_H
 #define DT_TEST_RUNNER_H
 

@@ -2706,16 +2706,17 @@ TEST(the_rendezvous_proofs_are_siphash_2_4, QUICK) {
    does rank 0, and no message carries it. A stranger who knows the job's id
    (a refusal once sent it back) but not the secret is turned away; so is a
    rank with the wrong secret, and one with none; a refusal names what the
-   stranger sent, never this job's id or secret. Four idle connections at
+   stranger sent, never this job's id or secret. Seventy idle connections at
    rank 0 do not keep the job's ranks out (rank 0 heard one connection at a
-   time, 5 s each: a --timeout 15 job failed). */
+   time, 5 s each: four failed a --timeout 15 job; it keeps 64 waiting, and
+   lets the one that waited longest go for a newcomer). */
 TEST(a_stranger_without_the_jobs_secret_is_turned_away_and_idlers_starve_nothing, QUICK) {
     char out[16384];
     int port = free_port();
     const char *bin = collectives_bin(), *secret = "s3cret-of-job-A";
     int st = run_cmd(out, sizeof out, "bash -c 'P=%d; export MASTER_PORT=$P WORLD_SIZE=2 SLURM_JOB_ID=111; "
                      "DT_JOB_SECRET=%s RANK=0 %s --check --timeout 15 & a=$!; " WAIT_LISTEN
-                     "exec 3<>/dev/tcp/127.0.0.1/$P 4<>/dev/tcp/127.0.0.1/$P 5<>/dev/tcp/127.0.0.1/$P 6<>/dev/tcp/127.0.0.1/$P; "
+                     "for i in $(seq 70); do exec {fd}<>/dev/tcp/127.0.0.1/$P; done; "
                      "DT_JOB_SECRET=guess RANK=1 %s --check --timeout 5; echo wrong-exit=$?; "
                      "RANK=1 %s --check --timeout 5; echo none-exit=$?; "
                      "SLURM_JOB_ID=999 DT_JOB_SECRET=%s RANK=1 %s --check --timeout 5; echo other-exit=$?; "
@@ -2735,10 +2736,11 @@ TEST(a_stranger_without_the_jobs_secret_is_turned_away_and_idlers_starve_nothing
 
 /* A fake rank 0 (this test, on a port of its own) welcomes a rank with the
    name of a segment that is not the job's: another user's of mode 0666, one
-   of its own user's that others may write, a name of 64 bytes without an end,
-   one that is not dtrain's. The rank maps none of them and says why (it
-   once wrote its gradients into another user's segment). */
-static void fake_rank0(int lfd, const char *shm_name, size_t name_len) {
+   of its own user's that others may write, one of the wrong size, a name of
+   64 bytes without an end, one that is not dtrain's -- and, to a rank with a
+   secret, a welcome it cannot prove. The rank maps none of them and says why
+   (it once wrote its gradients into another user's segment). */
+static void fake_rank0(int lfd, const char *shm_name, size_t name_len, int secret) {
     int fd = accept(lfd, NULL, NULL);
     if (fd < 0) _exit(1);
     dt__challenge ch;
@@ -2746,12 +2748,14 @@ static void fake_rank0(int lfd, const char *shm_name, size_t name_len) {
     dt__welcome w;
     memset(&ch, 0, sizeof ch);
     memcpy(ch.magic, DT_RDZV_MAGIC, 8);
+    ch.secret = secret;                                      /* it says it has one, and cannot prove it */
     if (write(fd, &ch, sizeof ch) != (ssize_t)sizeof ch) _exit(1);
     size_t got = 0;
     while (got < sizeof h) { ssize_t k = read(fd, (char *)&h + got, sizeof h - got); if (k <= 0) _exit(1); got += (size_t)k; }
     memset(&w, 0, sizeof w);
     memcpy(w.magic, DT_RDZV_MAGIC, 8);
     memcpy(w.shm_name, shm_name, name_len);
+    w.proof = 0x1234;
     if (write(fd, &w, sizeof w) != (ssize_t)sizeof w) _exit(1);
     char sink[64];
     while (read(fd, sink, sizeof sink) > 0) {}
@@ -2763,33 +2767,43 @@ TEST(a_fake_rank_0_cannot_hand_a_rank_someone_elses_segment, QUICK) {
     static const struct { int owner_other, mode; const char *says; } cases[] = {
         { 1, 0666, "is not this job's: owner 65534" }, { 0, 0666, "mode 666" }, { 0, 0600, NULL },
     };
-    for (size_t c = 0; c < sizeof cases / sizeof cases[0] + 2; c++) {
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0] + 3; c++) {
         size_t len;
         const char *says;
-        int made = -1;
+        int made = -1, secret = c == 5;
         if (c < 3) {
             snprintf(name, sizeof name, "/dtrain-%d-%d-%d", (int)getuid(), (int)getpid(), 90 + (int)c);
             len = strlen(name) + 1;
             made = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
             CHECK(made >= 0 && ftruncate(made, (off_t)(c == 2 ? bytes / 2 : bytes)) == 0 && fchmod(made, (mode_t)cases[c].mode) == 0);
-            if (cases[c].owner_other && fchown(made, 65534, 65534) != 0) { shm_unlink(name); close(made); continue; }
+            if (cases[c].owner_other && fchown(made, 65534, 65534) != 0) {
+                printf("    (not root: another user's segment was not tried)\n");
+                shm_unlink(name);
+                close(made);
+                continue;
+            }
             says = cases[c].says ? cases[c].says : "bytes (this rank's user";     /* the wrong size */
         } else if (c == 3) {
             memset(bad, 'x', sizeof bad);
             memcpy(bad, "/dtrain-0-1-", 12);
             len = 64;
             says = "a shared-memory name without an end";
-        } else {
+        } else if (c == 4) {
             snprintf(bad, sizeof bad, "/not-dtrain");
             len = strlen(bad) + 1;
             says = "not one dtrain makes for this user";
+        } else {                                             /* a rank 0 that cannot prove the job's secret */
+            snprintf(bad, sizeof bad, "/dtrain-%d-%d-1", (int)getuid(), (int)getpid());
+            len = strlen(bad) + 1;
+            says = "does not prove that it knows this job's secret";
         }
         int lfd = dt__tcp_listen_on(0, 1), port = dt__tcp_port_of(lfd);
         fflush(NULL);
         pid_t fake = fork();
-        if (fake == 0) fake_rank0(lfd, c < 3 ? name : bad, len);
+        if (fake == 0) fake_rank0(lfd, c < 3 ? name : bad, len, secret);
         close(lfd);
-        int st = run_cmd(out, sizeof out, "env MASTER_PORT=%d WORLD_SIZE=2 RANK=1 %s --check --timeout 10", port, collectives_bin());
+        int st = run_cmd(out, sizeof out, "env %s MASTER_PORT=%d WORLD_SIZE=2 RANK=1 %s --check --timeout 10",
+                         secret ? "DT_JOB_SECRET=ours" : "", port, collectives_bin());
         kill(fake, SIGKILL);
         waitpid(fake, NULL, 0);
         expect_error_in(says, out, st, 1, says);
@@ -2806,17 +2820,19 @@ TEST(a_second_job_on_a_port_in_use_is_refused_naming_its_holder, QUICK) {
     int port = free_port();
     const char *bin = stage_bin("03-ddp");
     snprintf(log, sizeof log, "%s/first.jsonl", tmpdir);
-    /* the first job trains (its log has steps: both ranks have met) while the second one's ranks start */
-    int st = run_cmd(out, sizeof out, "bash -c 'P=%d; G=\"--data %s " SMALL_FLAGS " --epochs 40 --batch-size 16\"; "
+    /* the first job trains (its log has steps: both ranks have met) while the second one's ranks start, and goes
+       on until it is stopped (SIGTERM: it saves nothing, and exits 75 as preempted) */
+    int st = run_cmd(out, sizeof out, "bash -c 'P=%d; G=\"--data %s " SMALL_FLAGS " --epochs 100000 --batch-size 16\"; "
                      "export MASTER_PORT=$P WORLD_SIZE=2; RANK=0 %s $G --log %s & a=$!; echo first-rank0=$a; RANK=1 %s $G & b=$!; "
                      "i=0; while [ $i -lt 600 ] && ! grep -q step %s 2>/dev/null; do sleep 0.05; i=$((i+1)); done; "
-                     "RANK=0 %s $G --timeout 5; echo second-rank0-exit=$?; RANK=1 %s $G --timeout 5; echo second-rank1-exit=$?; "
-                     "wait $a; echo first-rank0-exit=$?; wait $b; echo first-rank1-exit=$?'", port, small_data(), bin, log, bin, log,
-                     bin, bin);
+                     "RANK=0 %s $G --timeout 5; echo second-rank0-exit=$?; RANK=1 %s $G --timeout 3; echo second-rank1-exit=$?; "
+                     "kill -TERM $a $b; wait $a; echo first-rank0-exit=$?; wait $b; echo first-rank1-exit=$?'", port, small_data(),
+                     bin, log, bin, log, bin, bin);
     long first = 0;
     const char *p = strstr(out, "first-rank0=");
     if (p) first = atol(p + 12);
-    CHECKF(st == 0 && strstr(out, "first-rank0-exit=0") && strstr(out, "first-rank1-exit=0"), "the first job did not complete:\n%s", out);
+    CHECKF(st == 0 && strstr(out, "first-rank0-exit=75") && strstr(out, "first-rank1-exit=75"),
+           "the first job was not running on, untouched, until stopped:\n%s", out);
     snprintf(want, sizeof want, "cannot listen on port %d (MASTER_PORT): Address already in use: it is held by process %ld", port, first);
     CHECKF(strstr(out, "second-rank0-exit=1") && strstr(out, want), "the second job's rank 0 must be refused, naming %ld:\n%s",
            first, out);
@@ -5707,10 +5723,6 @@ TEST(fsdp_sharded_checkpoints_resume_consolidate_and_reshard, QUICK) {
     CHECKF(access(moved, F_OK) == 0, "consolidate removed %s", moved);
 }
 
-/* Rank 1 is killed in the middle of epoch 2 of 3 (its 30th all-reduce: two per
-   step -- one bucket, the logged loss -- and one per evaluation). Rank 0 stops
-   within the timeout naming it; the epoch-1 checkpoint is intact, and resuming
-   from it with 2 ranks ends bit for bit where an uninterrupted run ends. */
 /* A rank killed (SIGKILL) while it writes its shard of a sharded save: rank
    0 stops, and nothing of the save is left -- its half-written
    shard1-of-2.safetensors.tmp once kept the folder epoch1.tmp from going. */
@@ -5724,6 +5736,10 @@ TEST(a_rank_killed_during_a_sharded_save_leaves_no_part_of_it, QUICK) {
     CHECKF(st == 0 && !strstr(out, ".tmp"), "the save left:\n%s", out);
 }
 
+/* Rank 1 is killed in the middle of epoch 2 of 3 (its 30th all-reduce: two per
+   step -- one bucket, the logged loss -- and one per evaluation). Rank 0 stops
+   within the timeout naming it; the epoch-1 checkpoint is intact, and resuming
+   from it with 2 ranks ends bit for bit where an uninterrupted run ends. */
 TEST(a_killed_ddp_rank_leaves_a_checkpoint_that_resumes_exactly, QUICK) {
     char out[16384], straight[600], killed[600], p[700], q[700];
     const char *bin = stage_bin("03-ddp");
@@ -7802,14 +7818,12 @@ TEST(the_registry_lists_every_test_in_file_order, QUICK) {
             break;
         }
     CHECKF(nd == nl && nd > 100, "%d tests defined with TEST(), %d listed", nd, nl);
-    /* every test in exactly one of the two suites */
+    /* the two suites together are the whole (a test in both or neither stops the runner before main) */
     char quick[32768], full[32768];
     int qs = run_cmd(quick, sizeof quick, "%s --list --suite quick", self_bin), fs = run_cmd(full, sizeof full, "%s --list --suite full", self_bin);
     CHECKF(qs == 0 && fs == 0, "--list --suite quick: exit %d; full: exit %d", qs, fs);
-    for (int i = 0; i < nd; i++) {
-        int in_quick = has_line(quick, defined[i]), in_full = has_line(full, defined[i]);
-        CHECKF(in_quick + in_full == 1, "%s is in %s", defined[i], in_quick ? "both suites" : "neither suite");
-    }
+    for (int i = 0; i < nd; i++)
+        CHECKF(has_line(quick, defined[i]) || has_line(full, defined[i]), "%s is in neither suite's list", defined[i]);
 }
 
 /* `test_dtrain --write-fuzz-seeds DIR`: the files this suite makes, one

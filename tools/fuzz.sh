@@ -7,8 +7,9 @@
 # Prints, per harness, the inputs run, the coverage reached (edges and
 # features, libFuzzer's "cov" and "ft") and the corpus. What a harness finds
 # -- a crash, a sanitizer report, a hang past 10 s, memory past 2 GB -- is
-# kept in build/fuzz/found/NAME/, and the script exits 1 naming it; rerun one
-# with DT_FUZZ=NAME build/fuzz/fuzz FILE.
+# kept in build/fuzz/found/NAME/, and the script exits 1 naming it (what an
+# earlier run found there is not counted again); rerun one with
+# DT_FUZZ=NAME build/fuzz/fuzz FILE.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=build/fuzz/fuzz
@@ -18,6 +19,9 @@ jobs=${JOBS:-$(nproc 2>/dev/null || echo 1)}
 [ -x "$bin" ] || { echo "fuzz: no $bin (make fuzz builds it)" >&2; exit 2; }
 rm -rf build/fuzz/seeds
 tests/test_dtrain --write-fuzz-seeds build/fuzz/seeds || { echo "fuzz: could not write the seeds" >&2; exit 1; }
+
+declare -A before                 # what earlier runs found is not this run's finding
+for t in $targets; do before[$t]=" $(ls "build/fuzz/found/$t" 2>/dev/null | tr '\n' ' ')"; done
 
 run_one() {
   local t=$1
@@ -45,7 +49,10 @@ for t in $targets; do
   cov=$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$done_line")
   ft=$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$done_line")
   corp=$(sed -n 's/.* corp: \([0-9]*\)\/.*/\1/p' <<<"$done_line")
-  what=$(ls "build/fuzz/found/$t" 2>/dev/null | tr '\n' ' ')
+  what=""
+  for f in $(ls "build/fuzz/found/$t" 2>/dev/null); do
+    case "${before[$t]}" in *" $f "*) ;; *) what+="$f " ;; esac
+  done
   if [ -n "$what" ] || [ -z "$done_line" ]; then
     found+=("$t")
     [ -n "$what" ] || what="(no DONE line: see $log)"
