@@ -24,12 +24,15 @@
 #                     for fewer timed steps
 #   make diff         what each stage changes from the one before, and how many lines
 #                     (the target: at most 40 between neighbours); after each diff, the
-#                     functions and types of dtrain.h its added lines use, with the lines
-#                     that declare and define them (tools/read_next.awk)
+#                     functions and types of dtrain.h its added lines use, with the
+#                     chapter lines (src/) that declare and define them (tools/read_next.awk)
 #   make gpu-check    on a machine with an NVIDIA GPU: every GPU path checked and
 #                     measured in one go, a report in GPU_CHECK_OUT (default
 #                     gpu-check/); without a GPU it says so and exits 0
 #   make print-nccl   which NCCL the build found (or why none)
+#
+# dtrain.h is written from its chapters in src/ (tools/assemble) when one of them
+# changes: edit the chapters, not dtrain.h.
 #
 # Knobs: CC, OPT (default -O3 -march=native), BLAS=0 (built-in matmul even when
 # a system BLAS is found), STB=0 (no stb_image: PPM/PGM only), OPENMP=0,
@@ -161,6 +164,16 @@ ifeq ($(MAKELEVEL),0)
 endif
 
 all: $(PROGRAMS) $(TEST_BIN)
+
+# dtrain.h is assembled from its chapters, src/NN-name.h (tools/assemble): edit a
+# chapter and make writes dtrain.h again before it builds; an edit made in
+# dtrain.h itself is never overwritten (the tool stops and names the chapter
+# to move it into). A copy of the project without src/ builds dtrain.h as it is.
+CHAPTERS := $(wildcard src/[0-9][0-9]-*.h)
+ifneq ($(CHAPTERS),)
+dtrain.h: $(CHAPTERS) tools/assemble
+	@tools/assemble --write
+endif
 
 # dtrain.h's implementation (dtrain.c) is compiled once per configuration -- here
 # build/dtrain.o; with the test hooks build/test/dtrain.o; under each
@@ -338,7 +351,7 @@ base_of = $$(sed -n 's/.*Builds on \(0[0-9]-[a-z-]*[a-z]\).*/\1/p' $$s/train.c |
 diff:
 	@prev=""; for s in $(STAGES); do s=$${s%/}; b=$(base_of); b=$${b:-$$prev}; \
 	  if [ -n "$$b" ]; then echo "==== $$b -> $$s"; diff -u $$b/train.c $$s/train.c; \
-	    diff $$b/train.c $$s/train.c | awk -f tools/read_next.awk dtrain.h $$b/train.c $$s/train.c -; fi; prev=$$s; \
+	    diff $$b/train.c $$s/train.c | awk -f tools/read_next.awk $(or $(CHAPTERS),dtrain.h) $$b/train.c $$s/train.c -; fi; prev=$$s; \
 	done; prev=""; for s in $(STAGES); do s=$${s%/}; b=$(base_of); b=$${b:-$$prev}; \
 	  if [ -n "$$b" ]; then \
 	    d=$$(diff $$b/train.c $$s/train.c); \

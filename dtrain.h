@@ -107,6 +107,23 @@
                         The one section earlier ones reach, and only through its
                         tables (dt_backend, dt_comm_backend) and two entry points
 
+   HOW THIS FILE IS MADE
+       It is assembled from chapter files, src/NN-name.h in the project, by
+       tools/assemble: make runs it when a chapter changes, and CI checks that
+       the committed dtrain.h is the assembly. A chapter holds its declarations
+       and its implementation together; this file puts every chapter's
+       declarations first, then every implementation, then the CUDA backend,
+       and a line [src/NN-name.h] in a comment marks where each part begins.
+       The sections above are these chapters: 01 errors, 02 devices and
+       memory, 03 tensors, 04 matmul, 05 autograd (the tape and the layers'
+       ops) and 06 (attention, embeddings, the loss), 07 models, 08 optimizer,
+       09 data, 10 collectives, 11 launching, 12 data parallel (DP, DDP,
+       FSDP), 13 tensor parallel, 14 pipeline parallel, 15 mixed precision,
+       16 checkpoints and 17 Hugging Face folders, 18 evaluation, 19 metrics,
+       20 cost model, 21 command line, 22 run driver, 23 the backend tables
+       (what a device and a transport provide), 24 CUDA; 00 is this preface.
+       Edit the chapters; a copy of this file alone needs none of them.
+
    A FAILURE NEVER CRASHES
        Bad flags exit with status 2, everything else that goes wrong (a missing
        folder, a corrupt image, a truncated checkpoint, a full disk) exits with
@@ -163,6 +180,7 @@ extern "C" {
 #define DT_HD
 #endif
 
+/* [src/01-errors.h] */
 /* ---- 1. errors -------------------------------------------------------------- */
 
 /* Print "dtrain: error: <message>" (prefixed by the rank when there are several)
@@ -185,6 +203,7 @@ void dt_warn(const char *fmt, ...)
 #endif
     ;
 
+/* [src/02-devices-and-memory.h] */
 /* ---- 2. devices and memory ------------------------------------------------------ */
 
 typedef enum { DT_CPU = 0, DT_CUDA = 1 } dt_device;
@@ -243,6 +262,7 @@ const char *dt_arena_name(dt_arena arena);
 void *dt_step_alloc(size_t bytes);
 void dt_step_arena_reset(void);
 
+/* [src/03-tensors.h] */
 /* ---- 3. tensors ---------------------------------------------------------------- */
 
 typedef enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 } dt_dtype;
@@ -285,6 +305,7 @@ float dt_tensor_item(const dt_tensor *t);
 size_t dt_dtype_size(dt_dtype d);
 const char *dt_dtype_name(dt_dtype d);
 
+/* [src/04-matmul.h] */
 /* ---- 4. kernels ------------------------------------------------------------------ */
 
 /* C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, row-major; op transposes
@@ -315,6 +336,7 @@ DT_HD static inline float dt_bf16_to_f32(uint16_t h);
 DT_HD static inline uint16_t dt_f32_to_f16(float f);
 DT_HD static inline float dt_f16_to_f32(uint16_t h);
 
+/* [src/05-autograd.h] */
 /* ---- 5. autograd: the ops ------------------------------------------------------ */
 
 /* Each op computes its output now and, when gradients are on and an input
@@ -510,6 +532,7 @@ dt_tensor *dt_add_bias(dt_tensor *x, dt_tensor *bias);
 double dt_flops_counted(void);
 void dt_flops_reset(void);
 
+/* [src/07-models.h] */
 /* ---- 6. models --------------------------------------------------------------------- */
 
 typedef enum { DT_MODEL_MLP = 0, DT_MODEL_VIT = 1, DT_MODEL_GPT = 2, DT_MODEL_LLAMA = 3 } dt_model_kind;
@@ -635,6 +658,7 @@ void dt_model_describe(const dt_model *m, char *out, size_t n);
 /* 1 for the language models (gpt, llama: token ids in, next-token logits out) */
 int dt_model_is_language(dt_model_kind kind);
 
+/* [src/08-optimizer.h] */
 /* ---- 7. optimizer ----------------------------------------------------------------- */
 
 typedef enum { DT_ADAMW = 0, DT_SGD = 1 } dt_optimizer_kind;
@@ -679,6 +703,7 @@ DT_HD static inline void dt_adamw_update(float *p, float *m, float *v, float g, 
 DT_HD static inline void dt_sgd_update(float *p, float *buf, float g, float lr, float momentum,
                                        float wd);
 
+/* [src/09-data.h] */
 /* ---- 8. data ---------------------------------------------------------------------- */
 
 typedef struct dt_dataset {
@@ -770,6 +795,7 @@ int64_t dt_loader_counted_targets(const dt_loader *l, int batches);
    with stb, PPM without): coloured shapes on noisy backgrounds. */
 void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint64_t seed);
 
+/* [src/10-collectives.h] */
 /* ---- 9. collectives ---------------------------------------------------------------- */
 
 /* A communicator joins the ranks of one job. Backends: shared memory for host
@@ -862,6 +888,7 @@ dt_comm *dt_mesh_comm(const dt_mesh *mesh, const char *name);   /* the group alo
 int dt_mesh_coord(const dt_mesh *mesh, const char *name);       /* this rank's place along it */
 void dt_mesh_free(dt_mesh *mesh);                               /* frees its communicators */
 
+/* [src/11-launching.h] */
 /* ---- 10. launching ranks --------------------------------------------------------- */
 
 /* --nproc N: fork N copies of this program on this machine, before any device or
@@ -893,6 +920,7 @@ int dt_local_ranks_from_env(void);
    says why, naming both counts) unless ranks_per_gpu lets that many share one. */
 int dt_gpu_for_rank(int local_rank, int local_ranks, int gpus, int ranks_per_gpu, char *why, size_t n);
 
+/* [src/12-data-parallel.h] */
 /* ---- 11. parallel wrappers ------------------------------------------------------- */
 
 /* DataParallel (stage 02): one process drives N devices. Device 0 holds the
@@ -1052,6 +1080,7 @@ int dt_pp_data_ranks(const dt_pp *pp);
 /* The model stays cut (this rank's blocks), as after dt_tp_free. */
 void dt_pp_free(dt_pp *pp);
 
+/* [src/15-mixed-precision.h] */
 /* ---- 12. mixed precision ------------------------------------------------------------ */
 
 /* The dtype activations are stored in and matmuls read (default DT_F32). With
@@ -1087,6 +1116,7 @@ void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *scaler, int accum
    skipped -- every rank decides alike, as the check is summed over them. */
 int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt);
 
+/* [src/16-checkpoints.h] */
 /* ---- 13. checkpoints (safetensors) ------------------------------------------------ */
 
 /* A safetensors file: 8-byte little-endian header length, a JSON header naming
@@ -1130,6 +1160,7 @@ typedef struct dt_run dt_run;
 void dt_checkpoint_save(dt_run *run, const char *path);
 void dt_checkpoint_load(dt_run *r, const char *path);
 
+/* [src/18-evaluation.h] */
 /* ---- 14. evaluation --------------------------------------------------------- */
 
 /* Mean loss and accuracy of the model over a data set, without gradients. In a
@@ -1144,6 +1175,7 @@ void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss
 void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, float temperature, uint64_t seed,
                  int32_t *out);
 
+/* [src/19-metrics.h] */
 /* ---- 15. metrics and traces ------------------------------------------------- */
 
 /* The phases of a training step, timed and traced. */
@@ -1196,6 +1228,7 @@ const char *dt_mlflow_path(const dt_mlflow *ml);
 const char *dt_mlflow_run_id(const dt_mlflow *ml);
 int dt_mlflow_run_id_valid(const char *id);     /* 32 lowercase hex digits */
 
+/* [src/20-cost-model.h] */
 /* ---- 16. the cost model ----------------------------------------------------- */
 
 /* The cost model: does it scale, and why not? A step of N ranks costs its
@@ -1282,6 +1315,7 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
    batches, accumulation, bf16 communication or fewer ranks would change. */
 void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n);
 
+/* [src/21-command-line.h] */
 /* ---- 17. the command line --------------------------------------------------- */
 
 typedef struct dt_config {
@@ -1351,6 +1385,7 @@ dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int ima
    seconds, or --steps) and dt_run_finish prints one "bench:" line. */
 void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val);
 
+/* [src/22-run-driver.h] */
 /* ---- 18. the run driver ----------------------------------------------------- */
 
 /* A training run: the position (epoch, step), the schedule, the logs. */
@@ -1425,6 +1460,7 @@ int dt_run_finish(dt_run *run);
 }
 #endif
 
+/* [src/23-backend-tables.h] */
 /* ---- per-element arithmetic (declared above; defined here because every file
         that includes the header, and nvcc, needs the bodies) ------------------ */
 #include <math.h>
@@ -1765,6 +1801,7 @@ void dt_nccl_free(dt_nccl *s);
 
 #endif /* DTRAIN_H */
 
+/* [src/00-front.h] */
 /* ================================================================================
    IMPLEMENTATION
    ================================================================================ */
@@ -1883,6 +1920,7 @@ typedef struct dt__context {
 
 static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1 };
 
+/* [src/01-errors.h] */
 /* ==== 1. errors =================================================================
    A library for learners fails early and says why. There is no error code to
    forget to check: the message names the culprit and the program exits. */
@@ -2031,6 +2069,7 @@ static void dt__file_close(FILE *f, const char *flag, const char *path) {
     if (failed) dt__write_failed(flag, path, err);
 }
 
+/* [src/02-devices-and-memory.h] */
 /* ==== 2. devices and memory =====================================================
    Every allocation names its arena. The counters are how a student sees that
    Adam's state is twice the parameters, or that activations dominate at large
@@ -2346,6 +2385,7 @@ static void dt__flush_subnormals(void) {               /* this thread and its Op
     dt__flush_subnormals_here();
 }
 
+/* [src/03-tensors.h] */
 /* ==== 3. tensors ================================================================
    A tensor is a shape, a dtype and a pointer. Activations are carved out of
    the step arena; parameters point into the model's flat buffers. Data is f32
@@ -2451,6 +2491,7 @@ static const dt_backend *dt__backend_for(const dt_tensor *t) {
     return dt__backend_of(t->device);
 }
 
+/* [src/04-matmul.h] */
 /* ==== 4. kernels: matrix multiply ===============================================
    Nearly all of training's arithmetic is matmul, so this is where speed lives.
    The classic recipe (Goto and van de Geijn): cut K into KC-deep slabs and N
@@ -2763,6 +2804,7 @@ void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha, const f
     dt__gemm_epilogue(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, NULL);
 }
 
+/* [src/05-autograd.h] */
 /* ==== 5. autograd ===============================================================
    Reverse-mode differentiation with a tape. Each op computes its output at once
    and, if gradients are on and any input needs one, appends an entry: which
@@ -3468,6 +3510,7 @@ dt_tensor *dt_scale(dt_tensor *x, float factor) {
     return y;
 }
 
+/* [src/06-attention-and-loss.h] */
 /* -- tensor parallelism's f and g (section 11 cuts the layers); their
       gradients are added in as the residual's are (dt__add_into_grad). -- */
 /* The rows of x [N, C] as f32 on the device: x's own values (06 has no
@@ -4474,6 +4517,7 @@ dt_tensor *dt_patchify(const dt_tensor *images, int patch) {
     return y;
 }
 
+/* [src/07-models.h] */
 /* ==== 6. layers and models ======================================================
    A model is a list of named parameters in forward order plus a forward
    function. All parameters sit in one flat buffer (and their gradients in
@@ -5533,6 +5577,7 @@ dt_tensor *dt_model_forward_blocks(dt_model *m, dt_tensor *inputs, dt_tensor *x,
 
 
 
+/* [src/08-optimizer.h] */
 /* ==== 7. optimizer ==============================================================
    The update rules are PyTorch's, element for element, so a step here matches a
    step there. Biases and norm weights (1-D parameters) get no weight decay. */
@@ -5665,6 +5710,7 @@ float dt_schedule_lr(float base_lr, int64_t step, int64_t warmup, int64_t total)
     return (float)(base_lr * 0.5 * (1.0 + cos(3.14159265358979323846 * progress)));
 }
 
+/* [src/09-data.h] */
 /* ==== 8. data ===================================================================
    Images are decoded once, resized, and kept in memory as bytes (a 50,000-image
    32x32 set is 150 MB). Each epoch the sampler deals out a fresh permutation,
@@ -6748,6 +6794,7 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint6
     if (rename(tmp, dir) != 0) dt_fail("cannot rename '%s' to '%s': %s", tmp, dir, strerror(errno));
 }
 
+/* [src/10-collectives.h] */
 /* ==== 9. collectives ===========================================================
    Data parallel training needs a handful of collective operations: every rank
    contributes a buffer and gets back the sum (all-reduce), its share of the sum
@@ -7771,6 +7818,7 @@ void dt_mesh_free(dt_mesh *mesh) {
     free(mesh);
 }
 
+/* [src/11-launching.h] */
 /* ==== 10. launching ranks and the rendezvous ====================================
    A job is N copies of one program. Something starts them -- `--nproc N` here,
    or torchrun, srun, mpirun -- and tells each its rank through environment
@@ -8749,6 +8797,7 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     return c;
 }
 
+/* [src/12-data-parallel.h] */
 /* ==== 11. parallel wrappers =====================================================
    Data parallel training in three shapes. DataParallel (stage 02): one
    process, N devices, device 0 in charge -- replicate, scatter, forward,
@@ -9581,6 +9630,7 @@ void dt_fsdp_free(dt_fsdp *fsdp) {
     free(fsdp);
 }
 
+/* [src/13-tensor-parallel.h] */
 /* -- tensor parallelism (Megatron-LM, Shoeybi et al., 2019) --
    The model marks where each parameter may be cut (dt_split, section 6), and
    its layers call dt_tp_copy and dt_tp_sum (section 5) wherever a layer is
@@ -9994,6 +10044,7 @@ void dt_tp_free(dt_tp *tp) {
     free(tp);
 }
 
+/* [src/14-pipeline-parallel.h] */
 /* -- pipeline parallelism (GPipe: Huang et al., 2019; 1F1B: PipeDream-Flush,
       Narayanan et al., 2021) --
    The blocks are cut into P runs, one per rank of a pipeline: its stage. A
@@ -10795,6 +10846,7 @@ void dt_pp_free(dt_pp *pp) {
     free(pp);
 }
 
+/* [src/15-mixed-precision.h] */
 /* ==== 12. mixed precision =======================================================
    Half the bytes: activations, the matmuls' operands and what the collectives
    carry in 16 bits, while everything that adds up many small numbers stays in
@@ -10852,6 +10904,7 @@ int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt) {
     return 1;
 }
 
+/* [src/16-checkpoints.h] */
 /* ==== 13. checkpoints ===========================================================
    Tensors go to disk as safetensors files: an 8-byte little-endian header
    length, a JSON header {"name": {"dtype", "shape", "data_offsets"},
@@ -11669,6 +11722,7 @@ static void dt__sharded_assemble(dt_safetensors *index, const char *path, const 
     free(unit_numel);
 }
 
+/* [src/17-hugging-face.h] */
 /* ---- Hugging Face model folders (--init DIR): config.json gives the shape,
         the weights sit in model.safetensors or in the files that
         model.safetensors.index.json's weight_map names. ---- */
@@ -12703,6 +12757,7 @@ static const char *dt__newest_checkpoint(const char *dir, char *out, size_t n) {
     return out[0] ? out : NULL;
 }
 
+/* [src/18-evaluation.h] */
 /* ==== 14. evaluation ============================================================
    The validation set is measured without the tape: no gradients, no
    activations kept. Every rank evaluates its share and the sums meet in one
@@ -12817,6 +12872,7 @@ void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, fl
     free(seq); free(window); free(logits);
 }
 
+/* [src/19-metrics.h] */
 /* ==== 15. metrics, traces and the benchmark line ================================
    Time is charged to phases (data, forward, backward, waiting for
    communication, optimizer), drawn in a Chrome trace, turned into a progress
@@ -13291,6 +13347,7 @@ int dt_mlflow_close(dt_mlflow *ml, dt_mlflow_status status) {
 const char *dt_mlflow_path(const dt_mlflow *ml) { return ml->run_dir; }
 const char *dt_mlflow_run_id(const dt_mlflow *ml) { return ml->run_id; }
 
+/* [src/20-cost-model.h] */
 /* ==== 16. the cost model ========================================================
    Why a stage scales as it does. It is deliberately small -- a link of two
    numbers, ring collectives, and what each wrapper sends and can hide -- so
@@ -13477,6 +13534,7 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
     fprintf(out, "    %-33s%.0f%% (%.2fx speedup)\n", fewer, 100 * pf.efficiency, pf.speedup);
 }
 
+/* [src/21-command-line.h] */
 /* ==== 17. the command line ======================================================
    Every stage takes the same flags (and those of its own lesson: one table,
    dt__flags, says which stage takes which), so that runs of different stages
@@ -14092,6 +14150,7 @@ void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
     if (!cfg->quiet && dt__ctx.rank == 0) { printf("loaded %s in %.1f s\n", dir, (dt_now_ms() - t0) / 1e3); fflush(stdout); }
 }
 
+/* [src/22-run-driver.h] */
 /* ==== 18. the run driver ========================================================
    The loop every stage shares around its lesson: start (--init, --resume),
    fetch batches, end each step (the job's mean loss, progress, the log),
@@ -14727,6 +14786,7 @@ int dt_run_finish(dt_run *run) {
 
 #endif /* DTRAIN_IMPLEMENTATION */
 
+/* [src/24-cuda.h] */
 /* ================================================================================
    19. THE CUDA BACKEND
    Compiled by nvcc from this same file:

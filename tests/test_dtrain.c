@@ -10,6 +10,7 @@
    checkpoint errors by running the stage binaries. */
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
+#include <ctype.h>
 #include <dirent.h>
 #include <signal.h>
 #include <ifaddrs.h>
@@ -7750,41 +7751,95 @@ TEST(make_finds_nccl_in_a_wheel_layout, FULL) {
     CHECKF(st != 0 && strstr(out, "NCCL_HOME="), "NCCL_HOME pointing nowhere: exit %d\n%s", st, out);
 }
 
-/* make diff ends each diff with the header lines to read next: for 03 -> 04,
-   dt_fsdp_create where dtrain.h declares and defines it today (found here
-   from the header itself, so an edit that moves it moves what is expected).
-   And a test filter that names no test (make test T=typo) is an error that
-   says so, not a green run of nothing. */
+/* dtrain.h is assembled from its chapters in src/ (tools/assemble), and the
+   committed file is that assembly. No chapter is longer than 1,200 lines. In
+   a copy: a chapter edited without assembling again fails the check; --write
+   assembles it; and an edit made in dtrain.h itself is never overwritten. */
+TEST(the_header_is_its_chapters_assembled, QUICK) {
+    static char out[16384];
+    char path[1200], line[4096];
+    const char *root = repo_root();
+    int st = run_cmd(out, sizeof out, "%s/tools/assemble --check", root);
+    CHECKF(st == 0, "the committed dtrain.h is not its chapters' assembly (exit %d):\n%s", st, out);
+    snprintf(path, sizeof path, "%s/src", root);
+    DIR *d = opendir(path);
+    CHECKF(d != NULL, "cannot list %s", path);
+    int chapters = 0;
+    for (struct dirent *e; d && (e = readdir(d));) {
+        size_t n = strlen(e->d_name);
+        if (n < 5 || !isdigit((unsigned char)e->d_name[0]) || strcmp(e->d_name + n - 2, ".h")) continue;
+        snprintf(path, sizeof path, "%s/src/%s", root, e->d_name);
+        FILE *f = fopen(path, "r");
+        int lines = 0;
+        while (f && fgets(line, sizeof line, f)) lines += strchr(line, '\n') != NULL;
+        if (f) fclose(f);
+        chapters++;
+        CHECKF(lines <= 1200, "src/%s has %d lines: a chapter is at most 1,200 (split it where its idea splits)", e->d_name, lines);
+    }
+    if (d) closedir(d);
+    CHECKF(chapters >= 20, "only %d chapters in %s/src", chapters, root);
+    /* a copy of the chapters and the tool, without git and never built */
+    char copy[800];
+    snprintf(copy, sizeof copy, "%s/copy", tmpdir);
+    st = run_cmd(out, sizeof out, "mkdir -p %s/tools && cp -r %s/src %s/ && cp %s/tools/assemble %s/tools/ && cp %s/dtrain.h %s/ && "
+                 "printf '/* an edit in a chapter */\n' >> %s/src/01-errors.h && %s/tools/assemble --check",
+                 copy, root, copy, root, copy, root, copy, copy, copy);
+    CHECKF(st == 1 && strstr(out, "dtrain.h is not the assembly"), "a chapter edited, not assembled: --check exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "%s/tools/assemble --write && %s/tools/assemble --check && grep -c 'an edit in a chapter' %s/dtrain.h",
+                 copy, copy, copy);
+    CHECKF(st == 0 && strstr(out, "build/dtrain.h.before") && strstr(out, "\n1\n"), "--write in a copy without git: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "printf '/* an edit in the header */\n' >> %s/dtrain.h && printf '/* more */\n' >> "
+                 "%s/src/02-devices-and-memory.h && %s/tools/assemble --write", copy, copy, copy);
+    CHECKF(st == 1 && strstr(out, "edited since it was assembled") && strstr(out, "not overwriting"),
+           "an edit in dtrain.h and one in a chapter: --write exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "grep -c 'an edit in the header' %s/dtrain.h", copy);
+    CHECKF(st == 0 && atoi(out) == 1, "--write lost an edit made in dtrain.h (grep: %s)", out);
+}
+
+/* make diff ends each diff with the chapter lines to read next: for 03 -> 04,
+   dt_fsdp_create where a chapter of dtrain.h (src/) declares and defines it
+   today (found here from the chapters themselves, so an edit that moves it
+   moves what is expected). And a test filter that names no test (make test
+   T=typo) is an error that says so, not a green run of nothing. */
 TEST(make_diff_names_the_header_lines_and_an_empty_filter_fails, FULL) {
     static char out[65536];
-    char path[800], line[4096], want[128], want_def[128];
+    char path[1200], line[4096], want[600], want_def[600], decl_in[300] = "", def_in[300] = "";
     const char *root = repo_root();
     int decl = 0, def = 0;
-    snprintf(path, sizeof path, "%s/dtrain.h", root);
-    FILE *h = fopen(path, "r");
-    CHECKF(h != NULL, "cannot read %s", path);
-    if (!h) return;
-    for (int n = 1; fgets(line, sizeof line, h); n++) {
-        if (strncmp(line, "dt_fsdp *dt_fsdp_create(", 24) != 0) continue;
-        size_t len = strcspn(line, "\n");
-        while (len && line[len - 1] == ' ') len--;
-        if (len && line[len - 1] == ';' && !decl) decl = n;
-        if (len && line[len - 1] == '{' && !def) def = n;
+    snprintf(path, sizeof path, "%s/src", root);
+    DIR *d = opendir(path);
+    CHECKF(d != NULL, "cannot list %s", path);
+    if (!d) return;
+    for (struct dirent *e; (e = readdir(d));) {
+        size_t n = strlen(e->d_name);
+        if (n < 5 || !isdigit((unsigned char)e->d_name[0]) || strcmp(e->d_name + n - 2, ".h")) continue;
+        snprintf(path, sizeof path, "%s/src/%s", root, e->d_name);
+        FILE *h = fopen(path, "r");
+        CHECKF(h != NULL, "cannot read %s", path);
+        if (!h) continue;
+        for (int ln = 1; fgets(line, sizeof line, h); ln++) {
+            if (strncmp(line, "dt_fsdp *dt_fsdp_create(", 24) != 0) continue;
+            size_t len = strcspn(line, "\n");
+            while (len && line[len - 1] == ' ') len--;
+            if (len && line[len - 1] == ';' && !decl) { decl = ln; snprintf(decl_in, sizeof decl_in, "src/%s", e->d_name); }
+            if (len && line[len - 1] == '{' && !def) { def = ln; snprintf(def_in, sizeof def_in, "src/%s", e->d_name); }
+        }
+        fclose(h);
     }
-    fclose(h);
-    CHECKF(decl && def, "dtrain.h no longer declares and defines dt_fsdp_create as this test expects (%d, %d)", decl, def);
+    closedir(d);
+    CHECKF(decl && def, "no chapter declares and defines dt_fsdp_create as this test expects (%d, %d)", decl, def);
     int st = run_cmd(out, sizeof out, "env -u MAKEFLAGS -u MAKELEVEL make -s -C %s diff", root);
-    const char *from = strstr(out, "---- 03-ddp -> 04-fsdp: read next in dtrain.h");
+    const char *from = strstr(out, "---- 03-ddp -> 04-fsdp: read next in src/");
     const char *to = from ? strstr(from + 1, "\n---- ") : NULL;
     const char *hit = from ? strstr(from, "\n    dt_fsdp_create ") : NULL;
-    snprintf(want, sizeof want, "dtrain.h:%d (declared)", decl);
-    snprintf(want_def, sizeof want_def, "dtrain.h:%d (defined)", def);
+    snprintf(want, sizeof want, "%s:%d (declared)", decl_in, decl);
+    snprintf(want_def, sizeof want_def, "%s:%d (defined)", def_in, def);
     size_t hit_len = hit ? strcspn(hit + 1, "\n") : 0;
     CHECKF(st == 0 && hit && (!to || hit < to), "make diff (exit %d) lists no dt_fsdp_create after 03 -> 04:\n%.3000s", st, from ? from : out);
     if (hit) {
         char row[512];
         snprintf(row, sizeof row, "%.*s", (int)hit_len, hit + 1);
-        CHECKF(strstr(row, want) && strstr(row, want_def), "make diff says \"%s\"; dtrain.h has %s and %s", row, want, want_def);
+        CHECKF(strstr(row, want) && strstr(row, want_def), "make diff says \"%s\"; the chapters have %s and %s", row, want, want_def);
     }
     CHECKF(strstr(out, "03-ddp -> 04-fsdp:") && strstr(out, "lines changed"), "make diff lost its count of changed lines:\n%.2000s", out);
     st = run_cmd(out, sizeof out, "%s %s no_test_has_this_in_its_name", self_bin, train_bin);

@@ -1,9 +1,11 @@
 # make diff: after each diff, where to read next in the header.
 #
-#   diff OLD/train.c NEW/train.c | awk -f tools/read_next.awk dtrain.h OLD/train.c NEW/train.c -
+#   diff OLD/train.c NEW/train.c | awk -f tools/read_next.awk src/*.h OLD/train.c NEW/train.c -
 #
-# lists the functions, macros and types of dtrain.h that the lines NEW adds
-# use, each with the lines of dtrain.h that declare and define it: what the
+# lists the functions, macros and types of the header's chapters (src/, which
+# tools/assemble puts together as dtrain.h; dtrain.h alone serves as well) that
+# the lines NEW adds use, each with the chapter lines that declare and define
+# it: what the
 # diff switches on is then one jump away. First what OLD did not use at all
 # (the new mechanism), then what it did (lines the diff only rewords).
 #
@@ -42,8 +44,8 @@ function strip(s,    out, i, n, c, q) {
 }
 
 function note(name, line, kind) {
-    if (index(refs[name], ":" line " ") == 0)
-        refs[name] = refs[name] "  " header ":" line " (" kind ")"
+    if (index(refs[name], FILENAME ":" line " ") == 0)
+        refs[name] = refs[name] "  " FILENAME ":" line " (" kind ")"
 }
 
 # After a function's name: follow its parameter list (and any attributes or
@@ -140,12 +142,14 @@ function uses(s, into, ordered,    before, name) {
     }
 }
 
-FNR == 1 { file++; inblock = 0; if (file == 1) header = FILENAME }
-file == 1 { index_header(strip($0)); next }
-file == 2 { uses(strip($0), old_uses, 0); next }
-file == 3 { code[FNR] = strip($0); next }
+# The header files come first, then OLD, NEW and the diff: the last three arguments.
+BEGIN { headers = ARGC - 4; header = headers == 1 ? ARGV[1] : "src/" }
+FNR == 1 { file++; inblock = 0; pending = ""; type_line = 0 }
+file <= headers { index_header(strip($0)); next }
+file == headers + 1 { uses(strip($0), old_uses, 0); next }
+file == headers + 2 { code[FNR] = strip($0); next }
 # diff's normal output: "12a13,15" or "7,9c7,8" -- the NEW lines after the letter.
-file == 4 && /^[0-9,]+[ac][0-9,]+$/ {
+file == headers + 3 && /^[0-9,]+[ac][0-9,]+$/ {
     range = $0
     sub(/^[0-9,]+[ac]/, "", range)
     if (split(range, ends, ",") == 1) ends[2] = ends[1]
@@ -163,8 +167,8 @@ function show(title, already,    i, name, shown) {
 }
 
 END {
-    old = ARGV[2]; sub(/\/train\.c$/, "", old)
-    new = ARGV[3]; sub(/\/train\.c$/, "", new)
+    old = ARGV[headers + 1]; sub(/\/train\.c$/, "", old)
+    new = ARGV[headers + 2]; sub(/\/train\.c$/, "", new)
     width = 24
     for (i = 1; i <= norder; i++)
         if (order[i] in refs && length(order[i]) + 2 > width) width = length(order[i]) + 2

@@ -1,0 +1,343 @@
+/* ---- 4. kernels ------------------------------------------------------------------ */
+
+/* C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, row-major; op transposes
+   when trans_a / trans_b is set. The one routine every matmul goes through. */
+void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha,
+             const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc);
+
+/* Per-element arithmetic, shared with the GPU kernels. */
+/* exp, tanh and erf in plain float arithmetic, with no call into libm, so that
+   a compiler turns a loop of them into vector instructions (libm's are one
+   value per call: a third of the GPT's step went to tanhf and expm1f). The
+   same bits on the CPU and the GPU. Accuracy, tested against libm over a dense
+   grid: exp within 4 ulps (relative 5e-7); tanh and erf within 5e-7 absolute. */
+DT_HD static inline float dt_exp_value(float x);
+DT_HD static inline float dt_tanh_value(float x);
+DT_HD static inline float dt_erf_value(float x);
+DT_HD static inline float dt_gelu_value(float x);        /* x * Phi(x), exact erf */
+DT_HD static inline float dt_gelu_derivative(float x);
+/* GPT-2's GELU: the tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+DT_HD static inline float dt_gelu_tanh_value(float x);
+DT_HD static inline float dt_gelu_tanh_derivative(float x);
+/* Llama's SiLU, x * sigmoid(x), and its derivative */
+DT_HD static inline float dt_silu_value(float x);
+DT_HD static inline float dt_silu_derivative(float x);
+/* Half types: round to nearest even; inf, NaN and subnormals survive. */
+DT_HD static inline uint16_t dt_f32_to_bf16(float f);
+DT_HD static inline float dt_bf16_to_f32(uint16_t h);
+DT_HD static inline uint16_t dt_f32_to_f16(float f);
+DT_HD static inline float dt_f16_to_f32(uint16_t h);
+
+//@ implementation
+/* ==== 4. kernels: matrix multiply ===============================================
+   Nearly all of training's arithmetic is matmul, so this is where speed lives.
+   The classic recipe (Goto and van de Geijn): cut K into KC-deep slabs and N
+   into NC-wide panels, copy ("pack") each KC x NC panel of B once into
+   NR-column strips, k-major and zero-padded, and let a small register-blocked
+   kernel compute an MR x NR tile of C from MR rows of A and one B strip. The
+   MR x NR accumulators stay in vector registers for the whole KC loop; the
+   kernel broadcasts one A value per row and multiplies it into a B row.
+   A is read where it lies whenever it can be: the kernel only needs A's rows
+   (or columns) to step by a fixed stride, so the common x W^T case packs
+   nothing but B, which every block of rows shares. Copying costs as much as a
+   few multiply-adds per value, and an activation's rows are read only N / NR
+   times: packing A too, as the recipe does, cost up to a third of the time on
+   this project's skinny shapes (N = 192). A transposed A (the weight gradient
+   dY^T X) and the last few rows are copied into a small block per thread.
+   Each C element is owned by one thread and summed in one fixed order (k
+   within a slab, then slab after slab), so the bits do not depend on the
+   thread count or on how the rows are cut into blocks. */
+
+#if defined(__GNUC__) && defined(__AVX512F__)
+#define DT_VL 16
+#define DT_MR 8
+#elif defined(__GNUC__) && defined(__AVX__)
+#define DT_VL 8
+#define DT_MR 6
+#else
+#define DT_VL 4
+#define DT_MR 4
+#endif
+#define DT_NR (2 * DT_VL)
+#define DT_KC 256
+#define DT_MC (DT_MR * 8)
+#define DT_NC 1024
+/* Packing space, one buffer per calling thread, kept between calls (and freed
+   with the device's arenas): attention makes thousands of small matmuls per
+   step, and a fresh allocation for each costs more (the kernel zeroing new
+   pages) than the arithmetic. Declared outside the built-in routine: the
+   arenas free it in any build. */
+static DT_THREAD_LOCAL float *dt__pack_buffer;
+static DT_THREAD_LOCAL size_t dt__pack_floats;
+
+/* The vector type, and the kernels' multiply-add, which attention (section 6)
+   uses in every build. */
+#if defined(__GNUC__)
+typedef float dt__vec __attribute__((vector_size(DT_VL * 4), aligned(4)));
+#define DT__INLINE static inline __attribute__((always_inline))
+/* A vector's load and store at any float's address. Not memcpy into a
+   dt__vec: gcc tuned for AMD's Zen (-march=native on a Ryzen or an EPYC)
+   copies 32 bytes as two 16-byte halves through the stack and reads them
+   back whole, a store the processor cannot forward, and kept the kernel's
+   accumulators in memory: on an EPYC (Zen 3) the matmul ran at 10 GFLOP/s
+   a thread, and 70-90 with these loads, OpenBLAS's speed there. gcc 12 makes
+   the same round trip for -march=skylake-avx512 too. may_alias: floats read
+   as a vector. */
+typedef float dt__vec_at __attribute__((vector_size(DT_VL * 4), aligned(4), may_alias));
+DT__INLINE dt__vec dt__vload(const float *p) { return *(const dt__vec_at *)p; }
+DT__INLINE void dt__vstore(float *p, dt__vec v) { *(dt__vec_at *)p = v; }
+#else
+#define DT__INLINE static inline
+#endif
+/* c + s * b in one rounding (a fused multiply-add) where the processor has it:
+   one instruction instead of two, so the kernel does twice the arithmetic per
+   cycle. gcc under -std=c11 never fuses on its own (-ffp-contract=off), so the
+   kernel asks. A result then differs from the unfused one in the last bit;
+   every run of a build still gives the same bits, at any thread count. */
+#if defined(__GNUC__) && defined(__AVX512F__) && DT_VL == 16
+#include <immintrin.h>
+#define DT__MADD(c, s, b) ((dt__vec)_mm512_fmadd_ps(_mm512_set1_ps(s), (__m512)(b), (__m512)(c)))
+#elif defined(__GNUC__) && defined(__FMA__) && DT_VL == 8
+#include <immintrin.h>
+#define DT__MADD(c, s, b) ((dt__vec)_mm256_fmadd_ps(_mm256_set1_ps(s), (__m256)(b), (__m256)(c)))
+#else
+#define DT__MADD(c, s, b) ((c) + (s) * (b))
+#endif
+
+/* What a linear layer's matmul does to C as it stores it: add a bias to
+   every row, then, where `gelu` is set, write GELU of the result into a
+   second matrix laid out as C. The built-in routine does both on each tile
+   while it is in registers or the L1 cache, which saves the passes over the
+   output that separate ops would make. */
+typedef struct dt__epilogue { const float *bias; float *gelu; int tanh_form; } dt__epilogue;
+static void dt__gelu_rows(const float *restrict x, float *restrict y, ptrdiff_t ld, int rows, int cols, int tanh_form) {
+    for (int i = 0; i < rows; i++) {                 /* a loop per form: each vectorises */
+        const float *xr = x + i * ld;
+        float *yr = y + i * ld;
+        if (tanh_form) for (int j = 0; j < cols; j++) yr[j] = dt_gelu_tanh_value(xr[j]);
+        else for (int j = 0; j < cols; j++) yr[j] = dt_gelu_value(xr[j]);
+    }
+}
+
+/* With a system BLAS (DT_HAVE_CBLAS) none of the routine below is compiled. */
+#ifndef DT_HAVE_CBLAS
+
+/* One MR x NR tile of C = alpha * (sum over k of a(i, k) b[k][j]) + beta * C,
+   where a(i, k) = a[i * row_step + k * k_step]: A's rows in place (k_step 1),
+   or a transposed or packed block (row_step 1). Inlined at each call, so the
+   strides that are constants there cost nothing. Only the first rows x cols
+   of the tile are written. A bias (the tile's columns of it; NULL for none)
+   is added to each row as the tile is stored: on the last slab, after the
+   sum, so its bits are those of adding it afterwards. */
+DT__INLINE void dt__gemm_micro(int kc, const float *restrict a, ptrdiff_t row_step, ptrdiff_t k_step,
+                               const float *restrict b, float alpha, float beta, float *restrict C, int ldc,
+                               int rows, int cols, const float *restrict bias) {
+    float acc[DT_MR * DT_NR];
+#if defined(__GNUC__)
+    dt__vec c0[DT_MR], c1[DT_MR];
+    for (int i = 0; i < DT_MR; i++) { c0[i] = (dt__vec){0}; c1[i] = (dt__vec){0}; }
+    for (int k = 0; k < kc; k++) {
+        dt__vec b0 = dt__vload(b + (size_t)k * DT_NR), b1 = dt__vload(b + (size_t)k * DT_NR + DT_VL);
+#pragma GCC unroll 16
+        for (int i = 0; i < DT_MR; i++) {
+            float s = a[i * row_step + k * k_step];
+            c0[i] = DT__MADD(c0[i], s, b0);
+            c1[i] = DT__MADD(c1[i], s, b1);
+        }
+    }
+    if (rows == DT_MR && cols == DT_NR) {            /* a whole tile: C in vectors */
+        dt__vec bias0 = { 0 }, bias1 = { 0 };
+        if (bias) { bias0 = dt__vload(bias); bias1 = dt__vload(bias + DT_VL); }
+        for (int i = 0; i < DT_MR; i++) {
+            float *c = C + (size_t)i * ldc;
+            dt__vec o0, o1;
+            if (beta == 0.0f) { o0 = alpha * c0[i]; o1 = alpha * c1[i]; }
+            else {
+                o0 = dt__vload(c);
+                o1 = dt__vload(c + DT_VL);
+                if (beta == 1.0f) { o0 += alpha * c0[i]; o1 += alpha * c1[i]; }
+                else { o0 = beta * o0 + alpha * c0[i]; o1 = beta * o1 + alpha * c1[i]; }
+            }
+            if (bias) { o0 += bias0; o1 += bias1; }
+            dt__vstore(c, o0);
+            dt__vstore(c + DT_VL, o1);
+        }
+        return;
+    }
+    for (int i = 0; i < DT_MR; i++) {
+        dt__vstore(acc + i * DT_NR, c0[i]);
+        dt__vstore(acc + i * DT_NR + DT_VL, c1[i]);
+    }
+#else
+    for (int i = 0; i < DT_MR * DT_NR; i++) acc[i] = 0;
+    for (int k = 0; k < kc; k++)
+        for (int i = 0; i < DT_MR; i++)
+            for (int j = 0; j < DT_NR; j++) acc[i * DT_NR + j] += a[i * row_step + k * k_step] * b[k * DT_NR + j];
+#endif
+    for (int i = 0; i < rows; i++) {                 /* the edge of C, or no vectors */
+        float *c = C + (size_t)i * ldc;
+        const float *r = acc + i * DT_NR;
+        if (beta == 0.0f) for (int j = 0; j < cols; j++) c[j] = alpha * r[j];
+        else if (beta == 1.0f) for (int j = 0; j < cols; j++) c[j] += alpha * r[j];
+        else for (int j = 0; j < cols; j++) c[j] = beta * c[j] + alpha * r[j];
+        if (bias) for (int j = 0; j < cols; j++) c[j] += bias[j];
+    }
+}
+
+/* Copy A[i0:i0+rows, k0:k0+kc] (the last rows of a block, fewer than MR) into
+   one MR-row strip, k-major, zero-padded (what dt__gemm_micro reads with
+   row_step 1, k_step MR). */
+static void dt__pack_a(const float *A, int lda, int i0, int rows, int k0, int kc, float *dst) {
+    for (int k = 0; k < kc; k++) {
+        float *d = dst + (size_t)k * DT_MR;
+        for (int i = 0; i < rows; i++) d[i] = A[(size_t)(i0 + i) * lda + k0 + k];
+        for (int i = rows; i < DT_MR; i++) d[i] = 0;
+    }
+}
+/* A transposed A's whole block of mc rows (A's columns i0..i0+mc) at once,
+   a row of A at a time: each row's mc floats are read in one go, where strip
+   by strip they would be read in MR-float pieces, a cache line fetched for
+   each k and each strip. */
+static void dt__pack_a_block_trans(const float *A, int lda, int i0, int mc, int k0, int kc, float *block) {
+    for (int k = 0; k < kc; k++) {
+        const float *src = A + (size_t)(k0 + k) * lda + i0;
+        for (int is = 0; is < mc; is += DT_MR) {
+            float *d = block + (size_t)is * kc + (size_t)k * DT_MR;
+            if (mc - is >= DT_MR) { memcpy(d, src + is, DT_MR * sizeof(float)); continue; }
+            for (int i = 0; i < DT_MR; i++) d[i] = is + i < mc ? src[is + i] : 0.0f;
+        }
+    }
+}
+/* Copy op(B)[k0:k0+kc, j0:j0+cols] into one NR-column strip, k-major,
+   zero-padded. A transposed B (the weight in x W^T) is read a row at a time. */
+static void dt__pack_b(int trans, const float *B, int ldb, int k0, int kc, int j0, int cols, float *dst) {
+    if (trans) {
+        for (int j = 0; j < DT_NR; j++) {
+            const float *src = B + (size_t)(j0 + j) * ldb + k0;
+            if (j < cols) for (int k = 0; k < kc; k++) dst[k * DT_NR + j] = src[k];
+            else for (int k = 0; k < kc; k++) dst[k * DT_NR + j] = 0;
+        }
+        return;
+    }
+    for (int k = 0; k < kc; k++) {
+        const float *src = B + (size_t)(k0 + k) * ldb + j0;
+        float *d = dst + (size_t)k * DT_NR;
+        if (cols == DT_NR) { memcpy(d, src, DT_NR * sizeof(float)); continue; }
+        for (int j = 0; j < cols; j++) d[j] = src[j];
+        for (int j = cols; j < DT_NR; j++) d[j] = 0;
+    }
+}
+
+static float *dt__pack_space(size_t floats) {
+    if (floats > dt__pack_floats) {
+        free(dt__pack_buffer);
+        dt__pack_buffer = (float *)malloc(floats * sizeof(float));
+        if (!dt__pack_buffer) dt_fail("out of memory in matmul");
+        dt__pack_floats = floats;
+    }
+    return dt__pack_buffer;
+}
+
+/* Blocks of rows: as many as a multiple of the thread count, each at most
+   MC rows, cut at whole MR-row strips as evenly as they go (4160 rows for 2
+   threads with AVX-512: 66 blocks of 7 or 8 strips of 8, 33 per thread). */
+static int dt__gemm_blocks(int M, int threads) {
+    return threads * ((M + threads * DT_MC - 1) / (threads * DT_MC));
+}
+
+/* The threads the routine's parallel region will have: one when it is called
+   from inside another parallel region (attention's loop over heads) and
+   OpenMP runs no nested teams, as by default. */
+static int dt__gemm_threads(void) {
+#ifdef _OPENMP
+    if (omp_get_active_level() >= omp_get_max_active_levels()) return 1;
+#endif
+    return dt_threads();
+}
+
+static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                            const float *B, int ldb, float beta, float *C, int ldc, const dt__epilogue *ep) {
+    int threads = dt__gemm_threads();
+    float *space = dt__pack_space((size_t)DT_KC * DT_NC + (size_t)threads * DT_MC * DT_KC);
+    float *panel = space;                              /* B's panel: shared by the threads */
+    int blocks_m = dt__gemm_blocks(M, threads), strips_m = (M + DT_MR - 1) / DT_MR;
+    for (int k0 = 0; k0 < K; k0 += DT_KC) {
+        int kc = K - k0 < DT_KC ? K - k0 : DT_KC;
+        float b_eff = k0 == 0 ? beta : 1.0f;            /* later slabs add to the first */
+        const float *bias_now = ep && k0 + kc == K ? ep->bias : NULL;   /* the epilogue: on the last slab */
+        float *gelu_now = ep && k0 + kc == K ? ep->gelu : NULL;
+        for (int j0 = 0; j0 < N; j0 += DT_NC) {
+            int nc = N - j0 < DT_NC ? N - j0 : DT_NC, strips = (nc + DT_NR - 1) / DT_NR;
+            DT_OMP("omp parallel num_threads(threads) if(blocks_m > 1 && (double)M * nc * kc > 65536.0)")
+            {
+                DT_OMP("omp for schedule(static)")
+                for (int s = 0; s < strips; s++) {
+                    int cols = nc - s * DT_NR < DT_NR ? nc - s * DT_NR : DT_NR;
+                    dt__pack_b(tb, B, ldb, k0, kc, j0 + s * DT_NR, cols, panel + (size_t)s * DT_NR * kc);
+                }
+                float *block = space + (size_t)DT_KC * DT_NC + (size_t)dt__thread_num() * DT_MC * DT_KC;
+                DT_OMP("omp for schedule(static)")
+                for (int bm = 0; bm < blocks_m; bm++) {
+                    int i0 = (int)((int64_t)bm * strips_m / blocks_m) * DT_MR;
+                    int i1 = (int)((int64_t)(bm + 1) * strips_m / blocks_m) * DT_MR, mc = (i1 < M ? i1 : M) - i0;
+                    if (mc <= 0) continue;                     /* fewer strips than blocks */
+                    int in_place = ta ? 0 : mc / DT_MR * DT_MR;  /* A's rows read where they lie */
+                    if (ta) dt__pack_a_block_trans(A, lda, i0, mc, k0, kc, block);
+                    else
+                        for (int is = in_place; is < mc; is += DT_MR)
+                            dt__pack_a(A, lda, i0 + is, mc - is < DT_MR ? mc - is : DT_MR, k0, kc, block + (size_t)is * kc);
+                    for (int s = 0; s < strips; s++) {
+                        int js = s * DT_NR, cols = nc - js < DT_NR ? nc - js : DT_NR;
+                        const float *b = panel + (size_t)s * DT_NR * kc;
+                        for (int is = 0; is < mc; is += DT_MR) {
+                            int rows = mc - is < DT_MR ? mc - is : DT_MR;
+                            float *c = C + (size_t)(i0 + is) * ldc + j0 + js;
+                            if (is < in_place)
+                                dt__gemm_micro(kc, A + (size_t)(i0 + is) * lda + k0, lda, 1, b, alpha, b_eff, c, ldc, rows, cols,
+                                               bias_now ? bias_now + j0 + js : NULL);
+                            else
+                                dt__gemm_micro(kc, block + (size_t)is * kc, 1, DT_MR, b, alpha, b_eff, c, ldc, rows, cols,
+                                               bias_now ? bias_now + j0 + js : NULL);
+                            if (gelu_now)
+                                dt__gelu_rows(c, gelu_now + (size_t)(i0 + is) * ldc + j0 + js, ldc, rows, cols, ep->tanh_form);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+#endif /* !DT_HAVE_CBLAS */
+
+/* dt_gemm and then the epilogue (NULL: none). With a system BLAS, or with
+   nothing to multiply, the epilogue is a loop afterwards. */
+static void dt__gemm_epilogue(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
+                              const float *B, int ldb, float beta, float *C, int ldc, const dt__epilogue *ep) {
+    if (M <= 0 || N <= 0) return;
+#ifndef DT_HAVE_CBLAS
+    if (K > 0) {
+        dt__gemm_builtin(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, ep);
+        return;
+    }
+#endif
+    if (K <= 0)                          /* nothing to multiply: C = beta * C */
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) C[(size_t)i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[(size_t)i * ldc + j];
+#ifdef DT_HAVE_CBLAS
+    else
+        cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+                    M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+#endif
+    if (!ep) return;
+    DT_OMP("omp parallel for if((double)M * N > 32768.0)")
+    for (int i = 0; i < M; i++) {
+        float *c = C + (size_t)i * ldc;
+        if (ep->bias) for (int j = 0; j < N; j++) c[j] += ep->bias[j];
+        if (ep->gelu) dt__gelu_rows(c, ep->gelu + (size_t)i * ldc, ldc, 1, N, ep->tanh_form);
+    }
+}
+void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
+             const float *B, int ldb, float beta, float *C, int ldc) {
+    dt__gemm_epilogue(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, NULL);
+}
+

@@ -1,0 +1,901 @@
+/* ---- 5. autograd: the ops ------------------------------------------------------ */
+
+/* Each op computes its output now and, when gradients are on and an input
+   requires them, appends its backward to the tape. */
+dt_tensor *dt_linear(dt_tensor *x, dt_tensor *weight, dt_tensor *bias); /* x W^T + b */
+/* x W + b with W stored [in, out]: the layout of GPT-2's Conv1D layers */
+dt_tensor *dt_linear_in_out(dt_tensor *x, dt_tensor *weight, dt_tensor *bias);
+dt_tensor *dt_gelu(dt_tensor *x);
+dt_tensor *dt_gelu_tanh(dt_tensor *x);                                    /* GPT-2's GELU */
+/* dt_gelu(dt_linear(...)) and dt_gelu_tanh(dt_linear_in_out(...)) in one
+   pass (the same results and tape) */
+dt_tensor *dt_linear_gelu(dt_tensor *x, dt_tensor *weight, dt_tensor *bias);
+dt_tensor *dt_linear_in_out_gelu_tanh(dt_tensor *x, dt_tensor *weight, dt_tensor *bias);
+dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *weight, dt_tensor *bias, float eps);
+/* Llama's norm: x / sqrt(mean(x^2) + eps) * weight, no mean taken out, no bias */
+dt_tensor *dt_rmsnorm(dt_tensor *x, dt_tensor *weight, float eps);
+dt_tensor *dt_add(dt_tensor *a, dt_tensor *b);
+dt_tensor *dt_scale(dt_tensor *x, float factor);                         /* factor x */
+/* Llama's MLP activation: silu(gate) * up, element by element (SwiGLU) */
+dt_tensor *dt_swiglu(dt_tensor *gate, dt_tensor *up);
+/* Llama's attention input: q [B*T, H*hd], k and v [B*T, KV*hd] -> qkv
+   [B*T, 3*H*hd] as dt_attention reads it. q and k are rotated by their
+   position (rotary embeddings, Hugging Face's rotate-half pairs j and
+   j + hd/2, angle t / theta^(2j/hd)); each of the KV key/value heads serves
+   H/KV query heads (grouped-query attention), so it is repeated that often.
+   Llama 3 rescales the frequencies (rope_type "llama3"): those slower than
+   original_context / low_freq are divided by factor, those faster than
+   original_context / high_freq kept, the ones between blended. factor 0: none. */
+typedef struct dt_rope { float theta, factor, low_freq, high_freq; int original_context; } dt_rope;
+dt_tensor *dt_rotary_qkv(dt_tensor *q, dt_tensor *k, dt_tensor *v, int B, int T, int H, int KV, dt_rope rope);
+/* qkv: [B*T, 3*D] laid out as timm's (q | k | v, the H heads side by side) -> [B*T, D] */
+dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal);
+/* token ids [B, T] (whole numbers held as f32) -> [B*T, D]: row (b, t) is
+   wte[token] + wpe[t], the token's embedding plus its position's (wpe NULL:
+   no position embedding, as in Llama, whose attention rotates by position) */
+dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe);
+/* patches [B*P, D] -> tokens [B*(P+1), D]: class token first, position embedding added */
+dt_tensor *dt_vit_tokens(dt_tensor *patches, dt_tensor *cls, dt_tensor *pos, int B);
+/* x [B*T, D] -> [B, D]: token `index` of each sequence */
+dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index);
+/* A label of DT_IGNORE_INDEX (-100, as in PyTorch and Hugging Face) adds
+   nothing to the loss: an instruction's prompt, an example's padding. */
+#define DT_IGNORE_INDEX (-100)
+/* Mean cross-entropy of logits [B, C] against labels, over the labels that are
+   not ignored; a 1-element tensor. A language model's logits [B*T, vocab]
+   take a label per row: the next token. Logits whose vocabulary tensor
+   parallelism split (stage 06) are scored with the group: a collective. */
+dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels);
+/* A model's logits on the host, rows x the whole vocabulary (the columns of
+   a vocabulary split by tensor parallelism gathered first: a collective). */
+void dt_logits_to_host(const dt_tensor *logits, float *host);
+/* Make dt_cross_entropy of these labels (this very array, until the step
+   arena is reset) divide its sum by `divisor` instead of by the labels it
+   counts. For masked data the run driver sets the targets that count in the
+   whole step, over every rank and micro-batch, divided by ranks x
+   micro-batches: DDP's mean of the gradients and accumulation's 1/K then make
+   it the mean over the step's targets, so N ranks train exactly as one device
+   with N times the batch however the prompts fall (each rank's own mean would
+   weigh a short answer's tokens more). */
+void dt_cross_entropy_set_divisor(const int32_t *labels, double divisor);
+/* images [B, C, H, W] -> [B*(H/p)*(W/p), C*p*p], each row one patch in (c, y, x)
+   order, so a conv with kernel = stride = p is a linear layer on these rows. */
+dt_tensor *dt_patchify(const dt_tensor *images, int patch);
+
+/* Convert n values between f32, bf16 and f16 buffers on the current device. */
+void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n);
+/* Element i of a buffer of dtype t, as f32; and an f32 stored there (a 16-bit
+   dtype rounded to nearest even). */
+float dt_load_f32(const void *p, int64_t i, dt_dtype t);
+void dt_store_f32(void *p, int64_t i, dt_dtype t, float v);
+/* Gradients on or off (off for evaluation: no tape, no gradient buffers). */
+void dt_set_grad_enabled(int on);
+/* Walk the tape backwards from a scalar loss, filling every .grad. */
+void dt_backward(dt_tensor *loss);
+/* The same from any tensor `loss`, given `seed`: d(objective)/d(loss), loss->numel values. */
+void dt_backward_from(dt_tensor *loss, const float *seed);
+
+/* A parallel wrapper (section 11: DataParallel, DDP, FSDP) is this one set of
+   callbacks. Each is called by the code that owns its moment of a step: the
+   model's forward (a unit begins, ends), the tape (a parameter's gradient is
+   final: DDP starts all-reducing its bucket while backward goes on), the
+   wrapper's own sync function (backward is done), the optimizer (which
+   parameters it steps, when it is created; the step is done). A NULL
+   callback: nothing to do at that moment -- DDP has no units, DataParallel
+   only sums gradients when backward is done. A wrapper attaches itself with dt_model_set_parallel
+   (section 6): the model and each of its parameters then point to it, so
+   nothing is looked up in global state. */
+typedef struct dt_parallel dt_parallel;
+struct dt_optimizer;
+struct dt_cost_input;
+struct dt_parallel {
+    /* The wrapper's public functions, which the order mistakes name:
+       "dt_fsdp_create", "dt_fsdp_sync_grads", "dt_fsdp_free". */
+    const char *create_fn, *sync_fn, *free_fn;
+    void (*unit_begin)(dt_parallel *par, int unit);
+    void (*unit_end)(dt_parallel *par, int unit);
+    void (*grad_ready)(dt_parallel *par, dt_tensor *param);
+    void (*backward_done)(dt_parallel *par);
+    void (*step_done)(dt_parallel *par);
+    void (*optimizer_view)(dt_parallel *par, struct dt_optimizer *opt);
+    /* A sharded optimizer's partial sums (its gradient norm's), added over
+       the ranks that share the model: what clipping needs of the whole. */
+    void (*sum_over_ranks)(dt_parallel *par, float *values, int n);
+    /* Tensor parallelism (stage 06): sum n f32 values on the device -- an
+       activation or its gradient -- over the ranks that split the layers,
+       in place. NULL: no layer is split, and dt_tp_copy and dt_tp_sum are
+       the identity. */
+    void (*tp_sum)(dt_parallel *par, float *values, int64_t n);
+    /* The same group's largest of n values (each row's largest logit, when
+       the vocabulary is split), and its all-gather (each rank's n values,
+       rank after rank: the whole logits, for evaluation); NULL without it. */
+    void (*tp_max)(dt_parallel *par, float *values, int64_t n);
+    void (*tp_all_gather)(dt_parallel *par, const float *mine, float *all, int64_t n);
+    /* Sequence parallelism (--sequence-parallel): the same group's all-gather
+       (each rank's n values, rank after rank) and reduce-scatter (the sum,
+       this rank keeping its n of n x tp_size), on the device; NULL without
+       it. tp_rank, tp_size: this rank's place in the group. */
+    void (*sp_all_gather)(dt_parallel *par, const float *mine, float *all, int64_t n);
+    void (*sp_reduce_scatter)(dt_parallel *par, const float *all, float *mine, int64_t n);
+    int tp_rank, tp_size;
+    /* The share of the data this rank reads, data_rank of data_ranks (what
+       dt_evaluate splits by): 0 ranks means the job's rank and size. */
+    int data_rank, data_ranks;
+    /* Kept by the ops: 1 between dt_sp_split and dt_sp_gather, where each rank
+       holds its share of the rows (and backward, walking back, sets it again). */
+    int rows_split;
+    /* Checkpoints (section 13) see the model whole, through these three; NULL
+       state_open: the model's own buffers are the whole. state_open gives the
+       state `which` (0 the parameters, 1 and 2 the optimizer's moments) as one
+       host array in the order of `whole`'s parameters. To save (for_load 0)
+       it is a collective of the wrapper's ranks and may give NULL to a rank
+       that will not write; to load (for_load 1) the array is about to be
+       filled from a file, and state_close(written 1) gives each rank its part
+       of it. whole: the model's parameters in their whole shapes (NULL: the
+       model's own). memory_table: what each rank holds, printed at start-up. */
+    float *(*state_open)(dt_parallel *par, struct dt_optimizer *opt, int which, int for_load);
+    void (*state_close)(dt_parallel *par, struct dt_optimizer *opt, int which, float *host, int written);
+    struct dt_model *whole;
+    void (*memory_table)(const dt_parallel *par, const struct dt_optimizer *opt);
+    /* Pipeline parallelism (stage 07): the model's forward as the pipeline
+       runs it -- this rank's blocks, the activations passed from stage to
+       stage, the last stage's logits given to every rank -- for what calls
+       dt_model_forward without gradients (evaluation, generation); NULL: the
+       model's own. log_fields: what the wrapper adds to a step's --log
+       record (",\"name\":value..."); NULL: nothing. */
+    dt_tensor *(*forward)(dt_parallel *par, dt_tensor *inputs);
+    void (*log_fields)(const dt_parallel *par, FILE *log);
+    /* The cost model (section 16) and the --bench line (section 15), for a
+       wrapper that splits the model over ranks: cost_input fills its part of
+       `in` from what the last step measured (in's compute_ms: this rank's
+       forward and backward of a micro-batch; optimizer_ms: this rank's step,
+       which it makes the whole model's; accum_steps set) and returns how
+       many ranks split or shard the model; bench_fields adds " key=value"
+       pairs.
+       NULL: the stage's data parallelism alone, which the run knows. */
+    int (*cost_input)(const dt_parallel *par, struct dt_cost_input *in);
+    void (*bench_fields)(const dt_parallel *par, FILE *out, int accum_steps);
+    /* Kept by the library: a backward ran since backward_done did, so the
+       gradients are this rank's own, not yet the average the optimizer needs. */
+    int grads_pending;
+};
+/* backward_done, called by each wrapper's sync function (dt_ddp_sync_grads,
+   ...): fails unless a backward has run since the last one. */
+void dt_parallel_backward_done(dt_parallel *par);
+/* Tensor parallelism's two conjugate ops (Megatron-LM's f and g), which put
+   its communication on the tape so that backward needs no special case. A
+   column-parallel layer (each rank computes its share of the outputs) reads
+   dt_tp_copy(x): the input itself, but in backward each rank holds only its
+   share's part of x's gradient, so they are summed over the group. A
+   row-parallel layer (each rank multiplies its share of the inputs) gives
+   partial outputs: dt_tp_sum adds them up over the group, and in backward
+   every rank needs the whole gradient, which it has. Without a wrapper that
+   gives tp_sum, both return x. */
+dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x);
+dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x);
+/* Sequence parallelism (Korthikanti et al., 2022): between the split layers,
+   where the norms and residual adds work row by row, each rank of the group
+   keeps 1/T of the rows (tokens) instead of all of them. dt_sp_split enters
+   that region (this rank's rows; backward all-gathers their gradients),
+   dt_sp_gather leaves it (every row again; backward keeps this rank's). In
+   between, dt_tp_copy becomes an all-gather of the rows (backward: a
+   reduce-scatter) and dt_tp_sum a reduce-scatter (backward: an all-gather):
+   the same bytes as the all-reduces they replace, as each all-reduce is a
+   reduce-scatter then an all-gather. Without a wrapper that gives
+   sp_all_gather, both return x; so they do when the rows do not split evenly
+   and no gradient is wanted (generation), and with gradients that is an error. */
+dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x);
+dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x);
+/* x [rows, cols] + bias [cols] on every row: a row-parallel layer's bias, added
+   once, after the sum. */
+dt_tensor *dt_add_bias(dt_tensor *x, dt_tensor *bias);
+/* Floating-point operations counted by the matmuls since the last reset. */
+double dt_flops_counted(void);
+void dt_flops_reset(void);
+
+//@ implementation
+/* ==== 5. autograd ===============================================================
+   Reverse-mode differentiation with a tape. Each op computes its output at once
+   and, if gradients are on and any input needs one, appends an entry: which
+   function computes the input gradients from the output gradient, and what it
+   saved (layernorm's mean and 1/std, attention's probabilities). dt_backward()
+   seeds d(loss)/d(loss) = 1 and calls the entries from last to first. Every
+   backward ADDS into .grad, because a tensor used twice (a residual) receives
+   gradient from both uses. */
+
+void dt_set_grad_enabled(int on) { dt__ctx.grad_enabled = on; }
+double dt_flops_counted(void) { return dt__ctx.flops; }
+void dt_flops_reset(void) { dt__ctx.flops = 0; }
+
+static int dt__wants_grad(dt_tensor *a, dt_tensor *b, dt_tensor *c) {
+    if (!dt__ctx.grad_enabled) return 0;
+    return (a && a->requires_grad) || (b && b->requires_grad) || (c && c->requires_grad);
+}
+
+/* A new, zeroed entry at the end of the tape. */
+static dt__tape_entry *dt__tape_append(dt__backward_fn fn) {
+    if (dt__ctx.tape_len == dt__ctx.tape_cap) {
+        dt__ctx.tape_cap = dt__ctx.tape_cap ? 2 * dt__ctx.tape_cap : 256;
+        dt__ctx.tape = (dt__tape_entry *)realloc(dt__ctx.tape, dt__ctx.tape_cap * sizeof(dt__tape_entry));
+        if (!dt__ctx.tape) dt_fail("out of memory (autograd tape)");
+    }
+    dt__tape_entry *e = &dt__ctx.tape[dt__ctx.tape_len++];
+    memset(e, 0, sizeof *e);
+    e->backward = fn;
+    return e;
+}
+
+static dt__tape_entry *dt__tape_push(dt__backward_fn fn, dt_tensor *out, dt_tensor *a, dt_tensor *b, dt_tensor *c) {
+    dt__tape_entry *e = dt__tape_append(fn);
+    e->out = out;
+    e->in[0] = a; e->in[1] = b; e->in[2] = c;
+    out->requires_grad = 1;
+    return e;
+}
+
+/* A mark on the tape with no tensor: its function runs when backward reaches
+   it. FSDP uses two per unit, to gather before the unit's backward and to
+   reduce-scatter after it. */
+static void dt__tape_mark(dt__backward_fn fn, void *user, int arg) {
+    dt__tape_entry *e = dt__tape_append(fn);
+    e->saved = user;
+    e->iarg[0] = arg;
+}
+
+/* Backward from a scalar loss, seeded with d(loss)/d(loss) = seed: 1, or a
+   loss scale (section 12). */
+static void dt__backward_seeded(dt_tensor *loss, float seed) {
+    if (loss->numel != 1) dt_fail("backward needs a scalar loss, got %lld elements", (long long)loss->numel);
+    dt_backward_from(loss, &seed);
+}
+void dt_backward(dt_tensor *loss) { dt__backward_seeded(loss, 1.0f); }
+
+/* Walk the tape's entries [lo, hi) from last to first. First, where each
+   parameter is read first among them: its gradient is final once the walk has
+   passed that entry -- the moment DDP may start communicating it. */
+static void dt__tape_walk(int lo, int hi) {
+    int generation = dt__ctx.backward_generation;
+    for (int i = lo; i < hi; i++)
+        for (int j = 0; j < 4; j++) {
+            dt_tensor *p = dt__ctx.tape[i].in[j];
+            if (p && p->is_param && p->hook_gen != generation) { p->hook_gen = generation; p->first_use = i; }
+            if (p && p->is_param && p->parallel) p->parallel->grads_pending = 1;
+        }
+    for (int i = hi - 1; i >= lo; i--) {
+        dt__tape_entry *e = &dt__ctx.tape[i];
+        dt__scratch_reset();
+        if (!e->out || e->out->grad) e->backward(e);
+        e = &dt__ctx.tape[i];          /* a recomputed block (section 6) grows the tape, which may move it */
+        for (int j = 0; j < 4; j++) {
+            dt_tensor *p = e->in[j];
+            if (p && p->is_param && p->first_use == i && p->hook_gen == generation && p->parallel && p->parallel->grad_ready)
+                p->parallel->grad_ready(p->parallel, p);
+        }
+    }
+}
+
+void dt_backward_from(dt_tensor *loss, const float *seed) {
+    if (!loss->requires_grad) dt_fail("the loss does not depend on any parameter (were gradients disabled?)");
+    dt__ctx.backward_generation++;
+    dt__backend_for(loss);
+    dt_upload(dt_grad(loss), seed, sizeof(float) * (size_t)loss->numel);
+    dt__tape_walk(0, dt__ctx.tape_len);
+    dt__ctx.tape_len = 0;
+    dt__ctx.backward_end_ms = dt_now_ms();
+}
+
+/* Backward over a run of the tape, [lo, hi), from `out`, whose gradient is
+   already in place: pipeline parallelism (section 11) walks one micro-batch's
+   forward at a time, from the gradient the next stage sent back. The tape
+   stays as it is (the step's end empties it). */
+static void dt__backward_span(dt_tensor *out, int lo, int hi) {
+    if (!out->requires_grad || !out->grad) dt_fail("a backward from a tensor that has no gradient to pass back");
+    dt__ctx.backward_generation++;
+    dt__backend_for(out);
+    dt__tape_walk(lo, hi);
+}
+
+void dt_parallel_backward_done(dt_parallel *par) {
+    if (!par->grads_pending)
+        dt_fail("%s: no backward has run since the gradients were last synchronised; call it after dt_backward",
+                par->sync_fn);
+    if (par->backward_done) par->backward_done(par);
+    par->grads_pending = 0;
+    par->rows_split = 0;          /* no rows-split region outlives its step */
+}
+
+/* Round f32 values to a 16-bit type and widen them again, in one pass. */
+static void dt__round_f32_cpu(const float *x, float *y, dt_dtype to, int64_t n) {
+    uint16_t h[256];
+    for (int64_t i = 0; i < n; i += 256) {
+        int64_t c = n - i < 256 ? n - i : 256;
+        dt__f32_to_half_cpu(x + i, h, to, c);
+        dt__half_to_f32_cpu(h, y + i, to, c);
+    }
+}
+float dt_load_f32(const void *p, int64_t i, dt_dtype t) {
+    return t == DT_F32 ? ((const float *)p)[i] : t == DT_BF16 ? dt_bf16_to_f32(((const uint16_t *)p)[i])
+                                                              : dt_f16_to_f32(((const uint16_t *)p)[i]);
+}
+void dt_store_f32(void *p, int64_t i, dt_dtype t, float v) {
+    if (t == DT_F32) ((float *)p)[i] = v;
+    else ((uint16_t *)p)[i] = t == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
+}
+void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
+    const dt_backend *gpu = dt__backend_of(dt__ctx.device);
+    if (gpu) { gpu->convert(src, from, dst, to, n); return; }
+    const int64_t chunk = 16384;              /* cores share the work when there is enough */
+    DT_OMP("omp parallel for schedule(static) if(n > 4 * chunk)")
+    for (int64_t i = 0; i < n; i += chunk) {
+        int64_t c = n - i < chunk ? n - i : chunk;
+        if (from == to) memcpy((char *)dst + i * dt_dtype_size(to), (const char *)src + i * dt_dtype_size(to), (size_t)c * dt_dtype_size(to));
+        else if (from == DT_F32) dt__f32_to_half_cpu((const float *)src + i, (uint16_t *)dst + i, to, c);
+        else if (to == DT_F32) dt__half_to_f32_cpu((const uint16_t *)src + i, (float *)dst + i, from, c);
+        else
+            for (int64_t k = i; k < i + c; k++) {       /* bf16 <-> f16, through f32 */
+                float v = from == DT_BF16 ? dt_bf16_to_f32(((const uint16_t *)src)[k]) : dt_f16_to_f32(((const uint16_t *)src)[k]);
+                ((uint16_t *)dst)[k] = to == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
+            }
+    }
+}
+
+/* -- how an op sees its tensors. Ops compute in f32. With f32 everywhere the
+      views below are the tensors' own buffers and cost nothing. Under mixed
+      precision (section 12) an op reads every input as f32 values rounded to
+      the compute dtype -- a 16-bit activation widened, or an f32 master weight
+      narrowed, the cast PyTorch's autocast makes -- into the scratch arena,
+      and stores its output narrowed to 16 bits. Gradients travel the same way:
+      an activation's in its own dtype, a parameter's added to its f32 master
+      gradient after rounding, as a 16-bit copy's gradient would have been. -- */
+static int dt__mixed(void) { return dt__ctx.compute_dtype != DT_F32; }
+
+/* On the CPU: n f32 values rounded to the compute dtype (y may be x), the
+   cores sharing the work. */
+static void dt__round_to_compute_cpu(const float *x, float *y, int64_t n) {
+    const int64_t chunk = 16384;
+    dt_dtype to = dt__ctx.compute_dtype;          /* read here: the context is per thread */
+    DT_OMP("omp parallel for schedule(static) if(n > 4 * chunk)")
+    for (int64_t i = 0; i < n; i += chunk) dt__round_f32_cpu(x + i, y + i, to, n - i < chunk ? n - i : chunk);
+}
+/* n values of dtype `from` at src as f32 in the scratch arena; f32 values are
+   rounded to the compute dtype on the way (a 16-bit copy, widened again). */
+static float *dt__scratch_f32(const void *src, dt_dtype from, int64_t n) {
+    float *f = (float *)dt__scratch_on(dt__ctx.device, (size_t)n * sizeof(float));
+    if (from == DT_F32 && dt__mixed() && dt__ctx.device == DT_CPU) {      /* the same, in one pass */
+        dt__round_to_compute_cpu((const float *)src, f, n);
+        return f;
+    }
+    if (from == DT_F32 && dt__mixed()) {
+        void *half = dt__scratch_on(dt__ctx.device, (size_t)n * 2);
+        dt_convert(src, DT_F32, half, dt__ctx.compute_dtype, n);
+        src = half;
+        from = dt__ctx.compute_dtype;
+    }
+    dt_convert(src, from, f, DT_F32, n);
+    return f;
+}
+static const float *dt__in(const dt_tensor *t) {
+    if (t->dtype == DT_F32 && !dt__mixed()) return t->data;
+    return dt__scratch_f32(t->data, t->dtype, t->numel);
+}
+/* d(loss)/d(out) of an op's output, as f32. */
+static const float *dt__grad_in(const dt_tensor *t) {
+    dt_dtype g = dt__grad_dtype(t);
+    if (g == DT_F32) return t->grad;
+    return dt__scratch_f32(t->grad, g, t->numel);
+}
+/* Where an op writes its output as f32, and the store into the output's dtype. */
+static float *dt__out(dt_tensor *y) {
+    return y->dtype == DT_F32 ? y->data : (float *)dt__scratch_on(y->device, (size_t)y->numel * sizeof(float));
+}
+static void dt__out_done(dt_tensor *y, float *v) {
+    if (v != y->data) dt_convert(v, DT_F32, y->data, y->dtype, y->numel);
+}
+/* Where a backward ADDS d(loss)/d(t) as f32, and the store after. */
+static float *dt__grad_acc(dt_tensor *t) {
+    dt_dtype g = dt__grad_dtype(t);
+    float *grad = dt_grad(t);
+    if (g == DT_F32 && !(t->is_param && dt__mixed())) return grad;
+    float *f = (float *)dt__scratch_on(t->device, (size_t)t->numel * sizeof(float));
+    if (g == DT_F32) dt__zero_on(t->device, f, (size_t)t->numel * sizeof(float));   /* a parameter's share */
+    else dt_convert(grad, g, f, DT_F32, t->numel);
+    return f;
+}
+static void dt__grad_acc_done(dt_tensor *t, float *f) {
+    if (f == t->grad) return;
+    if (dt__grad_dtype(t) != DT_F32) { dt_convert(f, DT_F32, t->grad, t->dtype, t->numel); return; }
+    /* a parameter: its 16-bit gradient, added to the f32 master gradient */
+    const dt_backend *gpu = dt__backend_of(t->device);
+    if (gpu) { gpu->accumulate(t->grad, dt__scratch_f32(f, DT_F32, t->numel), t->numel); return; }
+    int64_t n = t->numel;
+    float *g = t->grad;
+    dt__round_to_compute_cpu(f, f, n);                  /* in place: no second copy of a big weight */
+    DT_OMP("omp parallel for if(n > 65536)")
+    for (int64_t i = 0; i < n; i++) g[i] += f[i];
+}
+/* The same, for a backward that can write its share instead of adding it: an
+   activation's gradient that no op has touched yet comes unzeroed, *first is
+   1, and the caller must write every element. On the CPU the element-wise
+   ops are bound by memory, not arithmetic: zeroing a buffer and then reading
+   it back to add cost a third of GELU's and the residual's backward, and a
+   memset of every activation's gradient besides. A GPU's kernels only add
+   (the backend table has no overwriting form), so there *first is 0. */
+static float *dt__grad_acc_first(dt_tensor *t, int *first) {
+    *first = !t->grad && !t->is_param && !dt__backend_of(t->device);
+    if (!*first) return dt__grad_acc(t);
+    t->grad = (float *)dt__step_alloc_on(t->device, (size_t)t->numel * dt_dtype_size(dt__grad_dtype(t)));
+    float *f = dt__grad_dtype(t) == DT_F32 ? t->grad
+                                            : (float *)dt__scratch_on(t->device, (size_t)t->numel * sizeof(float));
+#ifdef DT_TESTING
+    /* The arena hands back last step's memory, which no sanitizer sees as
+       unwritten: in the tests' builds an element the caller forgets is NaN. */
+    for (int64_t i = 0; i < t->numel; i++) f[i] = NAN;
+#endif
+    return f;                                      /* a 16-bit gradient: converted by _done */
+}
+
+/* A matmul operand: a 2-D tensor's data (or gradient), row-major. */
+typedef struct dt__operand { const dt_tensor *t; int grad; } dt__operand;
+static dt__operand dt__op_data(const dt_tensor *t) { dt__operand o = { t, 0 }; return o; }
+static dt__operand dt__op_grad(const dt_tensor *t) { dt__operand o = { t, 1 }; return o; }
+/* Its values in the compute dtype: the tensor's own buffer, or a 16-bit copy
+   in the scratch arena (what a GPU's tensor cores read). */
+static const void *dt__operand_half(dt__operand o) {
+    dt_dtype have = o.grad ? dt__grad_dtype(o.t) : o.t->dtype;
+    const void *src = o.grad ? (const void *)o.t->grad : (const void *)o.t->data;
+    if (have == dt__ctx.compute_dtype) return src;
+    void *half = dt__scratch_on(o.t->device, (size_t)o.t->numel * 2);
+    dt_convert(src, have, half, dt__ctx.compute_dtype, o.t->numel);
+    return half;
+}
+/* The matmuls of linear layers: C[M,N] (+)= op(A) op(B), A and B seen in the
+   compute dtype. A GPU multiplies 16-bit operands on its tensor cores,
+   summing in f32; the CPU widens them to f32 first (dt__in and dt__grad_in) --
+   products of 16-bit numbers are exact in f32, so both sum the same products.
+   The epilogue (linear's forward; NULL elsewhere; ldc = N) is the CPU
+   matmul's own, and kernels after the matmul on a GPU. */
+static void dt__gpu_epilogue(const dt_backend *gpu, float *C, int M, int N, const dt__epilogue *ep) {
+    if (ep && ep->bias) gpu->add_bias(C, ep->bias, M, N);
+    if (ep && ep->gelu) gpu->gelu_forward(C, ep->gelu, (int64_t)M * N, ep->tanh_form);
+}
+static void dt__matmul_op(const dt_backend *gpu, int ta, int tb, int M, int N, int K, dt__operand A, dt__operand B,
+                         float beta, float *C, int ldc, const dt__epilogue *ep) {
+    int lda = (int)dt_tensor_cols(A.t), ldb = (int)dt_tensor_cols(B.t);
+    if (gpu && dt__mixed()) {
+        gpu->gemm_half(dt__ctx.compute_dtype, ta, tb, M, N, K, dt__operand_half(A), lda, dt__operand_half(B), ldb, beta, C, ldc);
+        dt__gpu_epilogue(gpu, C, M, N, ep);
+        return;
+    }
+    const float *a = A.grad ? dt__grad_in(A.t) : dt__in(A.t), *b = B.grad ? dt__grad_in(B.t) : dt__in(B.t);
+    if (gpu) {
+        gpu->gemm(ta, tb, M, N, K, 1.0f, a, lda, b, ldb, beta, C, ldc);
+        dt__gpu_epilogue(gpu, C, M, N, ep);
+    } else dt__gemm_epilogue(ta, tb, M, N, K, 1.0f, a, lda, b, ldb, beta, C, ldc, ep);
+}
+
+/* -- linear: y = x W^T + b. The three matmuls of every layer's training step.
+      GPT-2 stores its weights the other way round, [in, out] (in_out, in
+      iarg[0]): the same matmuls with the weight's transposes flipped. -- */
+static void dt__linear_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
+    int in_out = e->iarg[0];
+    int N = (int)dt_tensor_rows(x), in = (int)dt_tensor_cols(x), out = (int)dt_tensor_cols(y);
+    const dt_backend *gpu = dt__backend_for(y);
+    if (x->requires_grad) {              /* dx = dy W (in_out: dy W^T) */
+        int first;
+        float *dx = dt__grad_acc_first(x, &first);
+        dt__matmul_op(gpu, 0, in_out, N, in, out, dt__op_grad(y), dt__op_data(w), first ? 0.0f : 1.0f, dx, in, NULL);
+        dt__grad_acc_done(x, dx);
+        dt__ctx.flops += 2.0 * N * in * out;
+    }
+    if (w->requires_grad) {              /* dW = dy^T x (in_out: x^T dy) */
+        float *dw = dt__grad_acc(w);
+        if (in_out) dt__matmul_op(gpu, 1, 0, in, out, N, dt__op_data(x), dt__op_grad(y), 1.0f, dw, out, NULL);
+        else dt__matmul_op(gpu, 1, 0, out, in, N, dt__op_grad(y), dt__op_data(x), 1.0f, dw, in, NULL);
+        dt__grad_acc_done(w, dw);
+        dt__ctx.flops += 2.0 * N * in * out;
+    }
+    if (b && b->requires_grad) {         /* db = sum of dy over rows, in row order */
+        float *db = dt__grad_acc(b);
+        const float *dyf = dt__grad_in(y);
+        if (gpu) gpu->sum_rows(dyf, db, N, out);
+        else {                           /* each thread a band of columns: every sum keeps its order */
+            DT_OMP("omp parallel if((double)N * out > 65536.0)")
+            {
+                int t = dt__thread_num(), nt = dt__team_size();
+                int j0 = (int)((int64_t)out * t / nt), j1 = (int)((int64_t)out * (t + 1) / nt);
+                for (int i = 0; i < N; i++)
+                    for (int j = j0; j < j1; j++) db[j] += dyf[(size_t)i * out + j];
+            }
+        }
+        dt__grad_acc_done(b, db);
+    }
+}
+/* act: where linear + GELU (below) wants GELU of y, computed as y is stored */
+static dt_tensor *dt__linear_layout(dt_tensor *x, dt_tensor *w, dt_tensor *b, int in_out, dt_tensor *act, int tanh_form) {
+    int N = (int)dt_tensor_rows(x), in = (int)dt_tensor_cols(x);
+    int out = (int)(in_out ? dt_tensor_cols(w) : dt_tensor_rows(w)), w_in = (int)(in_out ? dt_tensor_rows(w) : dt_tensor_cols(w));
+    if (w_in != in)
+        dt_fail("linear %s: input has %d features, weight expects %d", w->name ? w->name : "", in, w_in);
+    const dt_backend *gpu = dt__backend_for(x);
+    dt__backend_for(w);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out_2d(N, out);
+    float *yv = dt__out(y);
+    float *actv = act ? dt__out(act) : NULL;
+    dt__epilogue ep = { b ? dt__in(b) : NULL, actv, tanh_form };
+    dt__matmul_op(gpu, 0, !in_out, N, out, in, dt__op_data(x), dt__op_data(w), 0.0f, yv, out, b || act ? &ep : NULL);
+    dt__ctx.flops += 2.0 * N * in * out;
+    dt__out_done(y, yv);
+    if (act) dt__out_done(act, actv);
+    if (dt__wants_grad(x, w, b)) dt__tape_push(dt__linear_backward, y, x, w, b)->iarg[0] = in_out;
+    return y;
+}
+dt_tensor *dt_linear(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) { return dt__linear_layout(x, weight, bias, 0, NULL, 0); }
+dt_tensor *dt_linear_in_out(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) { return dt__linear_layout(x, weight, bias, 1, NULL, 0); }
+
+/* -- GELU: the exact erf form (PyTorch's nn.GELU() and timm), or the tanh
+      approximation GPT-2 was trained with (tanh_form, in iarg[0]) -- */
+static void dt__gelu_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0];
+    if (!x->requires_grad) return;
+    int first;
+    float *dx = dt__grad_acc_first(x, &first);
+    const float *dy = dt__grad_in(e->out), *xv = dt__in(x);
+    int64_t n = x->numel;
+    int tanh_form = e->iarg[0];
+    const dt_backend *gpu = dt__backend_for(x);
+    if (gpu) gpu->gelu_backward(xv, dy, dx, n, tanh_form);
+    else {
+        /* one loop per form, and per write or add: a choice inside would keep
+           the compiler from vectorising */
+        if (tanh_form && first) {
+            DT_OMP("omp parallel for if(n > 65536)")
+            for (int64_t i = 0; i < n; i++) dx[i] = dy[i] * dt_gelu_tanh_derivative(xv[i]);
+        } else if (tanh_form) {
+            DT_OMP("omp parallel for if(n > 65536)")
+            for (int64_t i = 0; i < n; i++) dx[i] += dy[i] * dt_gelu_tanh_derivative(xv[i]);
+        } else if (first) {
+            DT_OMP("omp parallel for if(n > 65536)")
+            for (int64_t i = 0; i < n; i++) dx[i] = dy[i] * dt_gelu_derivative(xv[i]);
+        } else {
+            DT_OMP("omp parallel for if(n > 65536)")
+            for (int64_t i = 0; i < n; i++) dx[i] += dy[i] * dt_gelu_derivative(xv[i]);
+        }
+    }
+    dt__grad_acc_done(x, dx);
+}
+static dt_tensor *dt__gelu_form(dt_tensor *x, int tanh_form) {
+    const dt_backend *gpu = dt__backend_for(x);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out(x->ndim, x->shape);
+    int64_t n = x->numel;
+    const float *xv = dt__in(x);
+    float *yv = dt__out(y);
+    if (gpu) gpu->gelu_forward(xv, yv, n, tanh_form);
+    else {
+        if (tanh_form) {                            /* one loop per form, as in backward */
+            DT_OMP("omp parallel for if(n > 65536)")
+            for (int64_t i = 0; i < n; i++) yv[i] = dt_gelu_tanh_value(xv[i]);
+        } else {
+            DT_OMP("omp parallel for if(n > 65536)")
+            for (int64_t i = 0; i < n; i++) yv[i] = dt_gelu_value(xv[i]);
+        }
+    }
+    dt__out_done(y, yv);
+    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__gelu_backward, y, x, NULL, NULL)->iarg[0] = tanh_form;
+    return y;
+}
+dt_tensor *dt_gelu(dt_tensor *x) { return dt__gelu_form(x, 0); }
+dt_tensor *dt_gelu_tanh(dt_tensor *x) { return dt__gelu_form(x, 1); }
+
+/* -- linear, then GELU: the first layer of a transformer's MLP. On the tape
+      they are the two ops above, so the backward is theirs, but the forward
+      is one pass: the matmul writes y and GELU(y) from each tile while it is
+      hot (see dt__epilogue), which saves two passes over a B*T x 4D matrix.
+      Under mixed precision y is rounded to 16 bits before GELU reads it, so
+      there the two ops simply run one after the other. -- */
+static dt_tensor *dt__linear_gelu(dt_tensor *x, dt_tensor *w, dt_tensor *b, int in_out, int tanh_form) {
+    if (dt__mixed()) return dt__gelu_form(dt__linear_layout(x, w, b, in_out, NULL, 0), tanh_form);
+    dt_tensor *act = dt__tensor_out_2d((int)dt_tensor_rows(x), (int)(in_out ? dt_tensor_cols(w) : dt_tensor_rows(w)));
+    dt_tensor *y = dt__linear_layout(x, w, b, in_out, act, tanh_form);
+    if (dt__wants_grad(y, NULL, NULL)) dt__tape_push(dt__gelu_backward, act, y, NULL, NULL)->iarg[0] = tanh_form;
+    return act;
+}
+dt_tensor *dt_linear_gelu(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) { return dt__linear_gelu(x, weight, bias, 0, 0); }
+dt_tensor *dt_linear_in_out_gelu_tanh(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) {
+    return dt__linear_gelu(x, weight, bias, 1, 1);
+}
+
+/* -- LayerNorm over the last dimension. Saves mean and 1/std per row.
+      A row's sums run in DT_LANES interleaved partial sums, added up in a
+      fixed order at the end: one running sum is a chain the compiler may not
+      reorder, so it could not use vector instructions, and the row loops are
+      most of LayerNorm's time. Sums in float: rows of up to a few thousand
+      values lose nothing a test sees; the weight's gradient, summed over
+      millions of rows, stays in double below. -- */
+#define DT_LANES 16
+/* sum of f(j) for j < D as DT_LANES partial sums; `acc` must start at zero */
+#define DT__LANE_SUM(acc, D, j, expr)                                          \
+    do {                                                                       \
+        int j##_0 = 0;                                                         \
+        for (; j##_0 + DT_LANES <= (D); j##_0 += DT_LANES)                     \
+            for (int l_ = 0; l_ < DT_LANES; l_++) { int j = j##_0 + l_; acc[l_] += (expr); } \
+        for (int j = j##_0; j < (D); j++) acc[j % DT_LANES] += (expr);         \
+    } while (0)
+static float dt__lanes_total(const float *acc) {
+    float s = 0;
+    for (int l = 0; l < DT_LANES; l++) s += acc[l];
+    return s;
+}
+/* A norm's weight and bias gradients: dw += sum over rows of dy * x-hat, db +=
+   sum of dy (stats: the rows' means, then their 1/std; RMSNorm's means are 0).
+   A sum over every row, in double: in float, 4 million rows lost 8e-5 of it
+   (the first GPU run, 2026-11-24, whose blocked sums were the closer ones).
+   Columns are dealt to threads; each sums its rows in order. */
+static void dt__norm_weight_grads(const float *xv, const float *dy, const float *stats, int N, int D, float *dw, float *db) {
+    double *sum = (double *)dt_step_alloc(sizeof(double) * 2 * (size_t)D);
+    DT_OMP("omp parallel for schedule(static) if((int64_t)N * D > 65536)")
+    for (int j0 = 0; j0 < D; j0 += 16) {
+        int j1 = j0 + 16 < D ? j0 + 16 : D;
+        for (int i = 0; i < N; i++) {
+            const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
+            float mean = stats[i], rstd = stats[N + i];
+            for (int j = j0; j < j1; j++) {
+                sum[j] += (double)dyr[j] * ((xr[j] - mean) * rstd);
+                sum[D + j] += dyr[j];
+            }
+        }
+    }
+    if (dw) for (int j = 0; j < D; j++) dw[j] += (float)sum[j];
+    if (db) for (int j = 0; j < D; j++) db[j] += (float)sum[D + j];
+}
+static void dt__layernorm_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
+    int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
+    const float *stats = (const float *)e->saved;      /* mean[N], rstd[N] */
+    const float *dy = dt__grad_in(y), *xv = dt__in(x), *wv = w ? dt__in(w) : NULL;
+    int first = 0;
+    float *dx = x->requires_grad ? dt__grad_acc_first(x, &first) : NULL;
+    float *dw = w && w->requires_grad ? dt__grad_acc(w) : NULL, *db = b && b->requires_grad ? dt__grad_acc(b) : NULL;
+    const dt_backend *gpu = dt__backend_for(x);
+    if (gpu) gpu->layernorm_backward(xv, wv, dy, stats, dx, dw, db, N, D);
+    if (!gpu && dx) {
+        DT_OMP("omp parallel for if(N * D > 32768)")
+        for (int i = 0; i < N; i++) {
+            const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
+            float mean = stats[i], rstd = stats[N + i];
+            float acc_g[DT_LANES] = { 0 }, acc_gx[DT_LANES] = { 0 };  /* g = dy * w, the gradient of x-hat */
+            if (wv) {
+                DT__LANE_SUM(acc_g, D, j, dyr[j] * wv[j]);
+                DT__LANE_SUM(acc_gx, D, j, dyr[j] * wv[j] * ((xr[j] - mean) * rstd));
+            } else {
+                DT__LANE_SUM(acc_g, D, j, dyr[j]);
+                DT__LANE_SUM(acc_gx, D, j, dyr[j] * ((xr[j] - mean) * rstd));
+            }
+            float mg = dt__lanes_total(acc_g) / D, mgx = dt__lanes_total(acc_gx) / D;
+            float *dxr = dx + (size_t)i * D;
+            for (int j = 0; j < D; j++) {
+                float g = dyr[j] * (wv ? wv[j] : 1.0f), xhat = (xr[j] - mean) * rstd;
+                float d = rstd * (g - mg - xhat * mgx);
+                dxr[j] = first ? d : dxr[j] + d;
+            }
+        }
+    }
+    if (!gpu && (dw || db)) dt__norm_weight_grads(xv, dy, stats, N, D, dw, db);
+    if (dx) dt__grad_acc_done(x, dx);
+    if (dw) dt__grad_acc_done(w, dw);
+    if (db) dt__grad_acc_done(b, db);
+}
+/* Under mixed precision the statistics are computed in f32 from the 16-bit
+   input, and the normalised output is stored in 16 bits. */
+dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *weight, dt_tensor *bias, float eps) {
+    int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
+    const dt_backend *gpu = dt__backend_for(x);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out(x->ndim, x->shape);
+    float *stats = (float *)dt__step_data(sizeof(float) * 2 * (size_t)N);
+    const float *xv = dt__in(x), *wv = weight ? dt__in(weight) : NULL, *bv = bias ? dt__in(bias) : NULL;
+    float *yv = dt__out(y);
+    if (gpu) gpu->layernorm_forward(xv, wv, bv, yv, stats, N, D, eps);
+    else {
+        DT_OMP("omp parallel for if(N * D > 32768)")
+        for (int i = 0; i < N; i++) {
+            const float *xr = xv + (size_t)i * D;
+            float *yr = yv + (size_t)i * D;
+            float acc_x[DT_LANES] = { 0 }, acc_d2[DT_LANES] = { 0 };
+            DT__LANE_SUM(acc_x, D, j, xr[j]);
+            float mean = dt__lanes_total(acc_x) / D;
+            DT__LANE_SUM(acc_d2, D, j, (xr[j] - mean) * (xr[j] - mean));
+            float rstd = 1.0f / sqrtf(dt__lanes_total(acc_d2) / D + eps);   /* biased variance, as PyTorch */
+            for (int j = 0; j < D; j++)
+                yr[j] = (xr[j] - mean) * rstd * (wv ? wv[j] : 1.0f) + (bv ? bv[j] : 0.0f);
+            stats[i] = mean;
+            stats[N + i] = rstd;
+        }
+    }
+    dt__out_done(y, yv);
+    if (dt__wants_grad(x, weight, bias)) dt__tape_push(dt__layernorm_backward, y, x, weight, bias)->saved = stats;
+    return y;
+}
+
+/* -- RMSNorm (Llama's): LayerNorm without taking out the mean and without a
+      bias, y = x / sqrt(mean(x^2) + eps) * w. It saves 1/rms per row, after a
+      row of zeros where LayerNorm keeps its means: x-hat = (x - 0) / rms, so
+      the weight's gradient is LayerNorm's, the same code. -- */
+static void dt__rmsnorm_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0], *w = e->in[1], *y = e->out;
+    int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
+    const float *stats = (const float *)e->saved;      /* zeros[N], rstd[N] */
+    const float *dy = dt__grad_in(y), *xv = dt__in(x), *wv = dt__in(w);
+    float *dx = x->requires_grad ? dt__grad_acc(x) : NULL, *dw = w->requires_grad ? dt__grad_acc(w) : NULL;
+    const dt_backend *gpu = dt__backend_for(x);
+    if (gpu) gpu->rmsnorm_backward(xv, wv, dy, stats, dx, dw, N, D);
+    if (!gpu && dx) {
+        /* dx = rstd (g - x-hat mean(g x-hat)), g = dy w */
+        DT_OMP("omp parallel for if(N * D > 32768)")
+        for (int i = 0; i < N; i++) {
+            const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
+            float rstd = stats[N + i], acc_gx[DT_LANES] = { 0 };
+            DT__LANE_SUM(acc_gx, D, j, dyr[j] * wv[j] * (xr[j] * rstd));
+            float mgx = dt__lanes_total(acc_gx) / D, *dxr = dx + (size_t)i * D;
+            for (int j = 0; j < D; j++) dxr[j] += rstd * (dyr[j] * wv[j] - (xr[j] * rstd) * mgx);
+        }
+    }
+    if (!gpu && dw) dt__norm_weight_grads(xv, dy, stats, N, D, dw, NULL);
+    if (dx) dt__grad_acc_done(x, dx);
+    if (dw) dt__grad_acc_done(w, dw);
+}
+dt_tensor *dt_rmsnorm(dt_tensor *x, dt_tensor *weight, float eps) {
+    int N = (int)dt_tensor_rows(x), D = (int)dt_tensor_cols(x);
+    if (weight->numel != D) dt_fail("rmsnorm: rows of %d need a weight of %d, %s has %lld", D, D,
+                                    weight->name ? weight->name : "the weight", (long long)weight->numel);
+    const dt_backend *gpu = dt__backend_for(x);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out(x->ndim, x->shape);
+    float *stats = (float *)dt__step_data(sizeof(float) * 2 * (size_t)N);
+    const float *xv = dt__in(x), *wv = dt__in(weight);
+    float *yv = dt__out(y);
+    if (gpu) gpu->rmsnorm_forward(xv, wv, yv, stats, N, D, eps);
+    else {
+        DT_OMP("omp parallel for if(N * D > 32768)")
+        for (int i = 0; i < N; i++) {
+            const float *xr = xv + (size_t)i * D;
+            float *yr = yv + (size_t)i * D, acc[DT_LANES] = { 0 };
+            DT__LANE_SUM(acc, D, j, xr[j] * xr[j]);
+            float rstd = 1.0f / sqrtf(dt__lanes_total(acc) / D + eps);
+            for (int j = 0; j < D; j++) yr[j] = (xr[j] * rstd) * wv[j];   /* Hugging Face's order: normalise, then scale */
+            stats[i] = 0.0f;
+            stats[N + i] = rstd;
+        }
+    }
+    dt__out_done(y, yv);
+    if (dt__wants_grad(x, weight, NULL)) dt__tape_push(dt__rmsnorm_backward, y, x, weight, NULL)->saved = stats;
+    return y;
+}
+
+/* -- SwiGLU (Llama's MLP): silu(gate) * up, element by element; gate and up
+      are two linear layers of the same input. -- */
+static void dt__swiglu_backward(dt__tape_entry *e) {
+    dt_tensor *gate = e->in[0], *up = e->in[1];
+    const float *dy = dt__grad_in(e->out), *gv = dt__in(gate), *uv = dt__in(up);
+    float *dg = gate->requires_grad ? dt__grad_acc(gate) : NULL, *du = up->requires_grad ? dt__grad_acc(up) : NULL;
+    int64_t n = gate->numel;
+    const dt_backend *gpu = dt__backend_for(gate);
+    if (gpu) gpu->swiglu_backward(gv, uv, dy, dg, du, n);
+    else {
+        if (dg) {
+            DT_OMP("omp parallel for if(n > 65536)")
+            for (int64_t i = 0; i < n; i++) dg[i] += dy[i] * uv[i] * dt_silu_derivative(gv[i]);
+        }
+        if (du) {
+            DT_OMP("omp parallel for if(n > 65536)")
+            for (int64_t i = 0; i < n; i++) du[i] += dy[i] * dt_silu_value(gv[i]);
+        }
+    }
+    if (dg) dt__grad_acc_done(gate, dg);
+    if (du) dt__grad_acc_done(up, du);
+}
+dt_tensor *dt_swiglu(dt_tensor *gate, dt_tensor *up) {
+    if (gate->numel != up->numel) dt_fail("swiglu: gate has %lld elements, up %lld", (long long)gate->numel, (long long)up->numel);
+    const dt_backend *gpu = dt__backend_for(gate);
+    dt__backend_for(up);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out(gate->ndim, gate->shape);
+    const float *gv = dt__in(gate), *uv = dt__in(up);
+    float *yv = dt__out(y);
+    int64_t n = gate->numel;
+    if (gpu) gpu->swiglu_forward(gv, uv, yv, n);
+    else {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) yv[i] = dt_silu_value(gv[i]) * uv[i];
+    }
+    dt__out_done(y, yv);
+    if (dt__wants_grad(gate, up, NULL)) dt__tape_push(dt__swiglu_backward, y, gate, up, NULL);
+    return y;
+}
+
+/* -- residual addition: each input's gradient is the output's, added in
+      (the first time, copied); tensor parallelism's ops below add the same way -- */
+static void dt__add_into_grad(dt_tensor *t, const float *v) {
+    int first;
+    float *g = dt__grad_acc_first(t, &first);
+    const dt_backend *gpu = dt__backend_for(t);
+    int64_t n = t->numel;
+    if (gpu) gpu->accumulate(g, v, n);
+    else if (first) {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) g[i] = v[i];
+    } else {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) g[i] += v[i];
+    }
+    dt__grad_acc_done(t, g);
+}
+static void dt__add_backward(dt__tape_entry *e) {
+    const float *dy = dt__grad_in(e->out);
+    for (int k = 0; k < 2; k++)
+        if (e->in[k]->requires_grad) dt__add_into_grad(e->in[k], dy);
+}
+dt_tensor *dt_add(dt_tensor *a, dt_tensor *b) {
+    if (a->numel != b->numel) dt_fail("add: %lld and %lld elements", (long long)a->numel, (long long)b->numel);
+    const dt_backend *gpu = dt__backend_for(a);
+    dt__backend_for(b);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out(a->ndim, a->shape);
+    const float *av = dt__in(a), *bv = dt__in(b);
+    float *yv = dt__out(y);
+    int64_t n = a->numel;
+    if (gpu) gpu->add(av, bv, yv, n);
+    else {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) yv[i] = av[i] + bv[i];
+    }
+    dt__out_done(y, yv);
+    if (dt__wants_grad(a, b, NULL)) dt__tape_push(dt__add_backward, y, a, b, NULL);
+    return y;
+}
+
+/* -- a constant factor (LoRA's alpha / rank): y = c x, dx += c dy -- */
+static void dt__scale_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0];
+    if (!x->requires_grad) return;
+    float c = e->farg[0];
+    int first;
+    float *g = dt__grad_acc_first(x, &first);
+    const float *dy = dt__grad_in(e->out);
+    const dt_backend *gpu = dt__backend_for(x);
+    int64_t n = x->numel;
+    if (gpu) {
+        float *scaled = (float *)dt__scratch_on(x->device, (size_t)n * sizeof(float));
+        dt_convert(dy, DT_F32, scaled, DT_F32, n);
+        gpu->scale(scaled, c, n);
+        gpu->accumulate(g, scaled, n);
+    } else if (first) {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) g[i] = c * dy[i];
+    } else {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) g[i] += c * dy[i];
+    }
+    dt__grad_acc_done(x, g);
+}
+dt_tensor *dt_scale(dt_tensor *x, float factor) {
+    const dt_backend *gpu = dt__backend_for(x);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out(x->ndim, x->shape);
+    const float *xv = dt__in(x);
+    float *yv = dt__out(y);
+    int64_t n = x->numel;
+    if (gpu) {
+        dt_convert(xv, DT_F32, yv, DT_F32, n);
+        gpu->scale(yv, factor, n);
+    } else {
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) yv[i] = factor * xv[i];
+    }
+    dt__out_done(y, yv);
+    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__scale_backward, y, x, NULL, NULL)->farg[0] = factor;
+    return y;
+}
+

@@ -1,0 +1,1007 @@
+//@ implementation
+/* -- tensor parallelism's f and g (section 11 cuts the layers); their
+      gradients are added in as the residual's are (dt__add_into_grad). -- */
+/* The rows of x [N, C] as f32 on the device: x's own values (06 has no
+   16-bit activations). */
+static float *dt__tp_rows_f32(const dt_tensor *x) { return (float *)dt__in(x); }
+/* All of the group's rows, rank after rank: an all-gather of `mine` (n values). */
+static float *dt__tp_all_rows(dt_parallel *par, const float *mine, int64_t n, dt_device device) {
+    float *all = (float *)dt__scratch_on(device, (size_t)n * (size_t)par->tp_size * sizeof(float));
+    par->sp_all_gather(par, mine, all, n);
+    return all;
+}
+
+/* A column-parallel layer's input (Megatron-LM's f): the input itself, whose
+   gradient is each rank's part, summed over the group. Between dt_sp_split
+   and dt_sp_gather (iarg[0] 1) it is every rank's rows gathered, and the
+   gradient is reduce-scattered: each rank keeps its rows' sum. */
+static void dt__tp_copy_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0];
+    if (!x->requires_grad) return;
+    dt_parallel *par = (dt_parallel *)e->saved;
+    int64_t n = e->out->numel;
+    float *sum = (float *)dt__scratch_on(x->device, (size_t)n * sizeof(float));
+    dt_convert(dt__grad_in(e->out), DT_F32, sum, DT_F32, n);
+    if (!e->iarg[0]) {
+        par->tp_sum(par, sum, n);
+        dt__add_into_grad(x, sum);
+        return;
+    }
+    float *mine = (float *)dt__scratch_on(x->device, (size_t)x->numel * sizeof(float));
+    par->sp_reduce_scatter(par, sum, mine, x->numel);
+    dt__add_into_grad(x, mine);
+}
+dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x) {
+    if (!par || !par->tp_sum) return x;
+    dt_tensor *y;
+    if (par->rows_split) {                                    /* the group's rows, gathered */
+        dt__backend_for(x);
+        dt__scratch_reset();
+        int shape[4] = { (int)dt_tensor_rows(x) * par->tp_size, (int)dt_tensor_cols(x), 0, 0 };
+        y = dt__tensor_out(2, shape);
+        float *yv = dt__out(y);
+        par->sp_all_gather(par, dt__tp_rows_f32(x), yv, x->numel);
+        dt__out_done(y, yv);
+    } else {
+        y = (dt_tensor *)dt_step_alloc(sizeof *y);            /* the same values: a view with a gradient of its own */
+        *y = *x;
+        y->name = NULL;
+        y->grad = NULL;
+        y->requires_grad = 0;
+        y->is_param = 0;
+        y->parallel = NULL;
+    }
+    if (dt__wants_grad(x, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__tp_copy_backward, y, x, NULL, NULL);
+        e->saved = par;
+        e->iarg[0] = par->rows_split;
+    }
+    return y;
+}
+/* A row-parallel layer's output (Megatron-LM's g): every rank's partial
+   output, added up; the gradient passes as it is. Between dt_sp_split and
+   dt_sp_gather the sum is reduce-scattered (each rank keeps its rows of it),
+   and the gradient all-gathered. */
+static void dt__tp_sum_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0];
+    if (!x->requires_grad) return;
+    const float *dy = dt__grad_in(e->out);
+    if (e->iarg[0]) dy = dt__tp_all_rows((dt_parallel *)e->saved, dy, e->out->numel, x->device);
+    dt__add_into_grad(x, dy);
+}
+dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x) {
+    if (!par || !par->tp_sum) return x;
+    dt__backend_for(x);
+    dt__scratch_reset();
+    dt_tensor *y;
+    if (par->rows_split) {                                    /* each rank its rows of the sum */
+        int64_t rows = dt_tensor_rows(x);
+        if (rows % par->tp_size) dt_fail("internal: %lld rows do not split over %d ranks", (long long)rows, par->tp_size);
+        int shape[4] = { (int)(rows / par->tp_size), (int)dt_tensor_cols(x), 0, 0 };
+        y = dt__tensor_out(2, shape);
+        float *yv = dt__out(y);
+        par->sp_reduce_scatter(par, dt__tp_rows_f32(x), yv, y->numel);
+        dt__out_done(y, yv);
+    } else {
+        y = dt__tensor_out(x->ndim, x->shape);
+        float *yv = dt__out(y);
+        dt_convert(dt__in(x), DT_F32, yv, DT_F32, x->numel);
+        par->tp_sum(par, yv, x->numel);
+        dt__out_done(y, yv);
+    }
+    if (dt__wants_grad(x, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__tp_sum_backward, y, x, NULL, NULL);
+        e->saved = par;
+        e->iarg[0] = par->rows_split;
+    }
+    return y;
+}
+
+/* -- entering and leaving the rows-split region (sequence parallelism). Each
+      backward also sets rows_split back to what it was there, so a block
+      that --recompute runs again in backward sees the rows as its forward did. -- */
+static void dt__sp_split_backward(dt__tape_entry *e) {
+    dt_parallel *par = (dt_parallel *)e->saved;
+    par->rows_split = 0;
+    dt_tensor *x = e->in[0];
+    if (x->requires_grad) dt__add_into_grad(x, dt__tp_all_rows(par, dt__grad_in(e->out), e->out->numel, x->device));
+}
+dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x) {
+    if (!par || !par->sp_all_gather) return x;
+    int64_t rows = dt_tensor_rows(x), cols = dt_tensor_cols(x);
+    if (rows % par->tp_size) {
+        if (!dt__ctx.grad_enabled) {                          /* evaluation's last batch, generation: whole rows */
+            par->rows_split = 0;     /* whatever a backward that had no split entry to walk back left (the mlp's) */
+            return x;
+        }
+        dt_fail("--sequence-parallel: a batch of %lld rows (sequences x tokens) does not split evenly over the %d ranks of a "
+                "tensor-parallel group; choose --batch-size so that it does", (long long)rows, par->tp_size);
+    }
+    int64_t mine = rows / par->tp_size;
+    int shape[4] = { (int)mine, (int)cols, 0, 0 };
+    dt__backend_for(x);
+    dt_tensor *y = dt__tensor_out(2, shape);
+    size_t es = dt_dtype_size(x->dtype);
+    dt_convert((const char *)x->data + (size_t)(par->tp_rank * mine * cols) * es, x->dtype, y->data, y->dtype, y->numel);
+    par->rows_split = 1;
+    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__sp_split_backward, y, x, NULL, NULL)->saved = par;
+    return y;
+}
+static void dt__sp_gather_backward(dt__tape_entry *e) {
+    dt_parallel *par = (dt_parallel *)e->saved;
+    par->rows_split = 1;
+    dt_tensor *x = e->in[0];
+    if (x->requires_grad)                      /* every rank holds the whole, equal gradient: its rows of it */
+        dt__add_into_grad(x, dt__grad_in(e->out) + (size_t)par->tp_rank * (size_t)x->numel);
+}
+dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x) {
+    if (!par || !par->sp_all_gather || !par->rows_split) return x;
+    dt__backend_for(x);
+    dt__scratch_reset();
+    int shape[4] = { (int)dt_tensor_rows(x) * par->tp_size, (int)dt_tensor_cols(x), 0, 0 };
+    dt_tensor *y = dt__tensor_out(2, shape);
+    float *yv = dt__out(y);
+    par->sp_all_gather(par, dt__tp_rows_f32(x), yv, x->numel);
+    dt__out_done(y, yv);
+    par->rows_split = 0;
+    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__sp_gather_backward, y, x, NULL, NULL)->saved = par;
+    return y;
+}
+
+/* -- a bias on every row: y = x + b; dx = dy, db = the sum of dy over rows
+      in row order, as linear's backward sums it (so the same bits) -- */
+static void dt__add_bias_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0], *b = e->in[1], *y = e->out;
+    const float *dy = dt__grad_in(y);
+    int N = (int)dt_tensor_rows(y), C = (int)dt_tensor_cols(y);
+    if (x->requires_grad) dt__add_into_grad(x, dy);
+    if (b->requires_grad) {
+        float *db = dt__grad_acc(b);
+        const dt_backend *gpu = dt__backend_for(b);
+        if (gpu) gpu->sum_rows(dy, db, N, C);
+        else
+            for (int i = 0; i < N; i++)
+                for (int j = 0; j < C; j++) db[j] += dy[(size_t)i * C + j];
+        dt__grad_acc_done(b, db);
+    }
+}
+dt_tensor *dt_add_bias(dt_tensor *x, dt_tensor *bias) {
+    int N = (int)dt_tensor_rows(x), C = (int)dt_tensor_cols(x);
+    if (bias->numel != C) dt_fail("add_bias: %s has %lld values for %d columns", bias->name ? bias->name : "the bias",
+                                  (long long)bias->numel, C);
+    const dt_backend *gpu = dt__backend_for(x);
+    dt__backend_for(bias);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out(x->ndim, x->shape);
+    float *yv = dt__out(y);
+    const float *bv = dt__in(bias);
+    dt_convert(dt__in(x), DT_F32, yv, DT_F32, x->numel);
+    if (gpu) gpu->add_bias(yv, bv, N, C);
+    else
+        for (int i = 0; i < N; i++)
+            for (int j = 0; j < C; j++) yv[(size_t)i * C + j] += bv[j];
+    dt__out_done(y, yv);
+    if (dt__wants_grad(x, bias, NULL)) dt__tape_push(dt__add_bias_backward, y, x, bias, NULL);
+    return y;
+}
+
+/* -- multi-head self-attention: softmax(Q K^T / sqrt(d)) V per (sequence, head).
+      On the CPU, Q, K and V are read in place from the qkv projection (row
+      stride 3D), so no reshuffling copies are needed, and the heads run in
+      parallel. A GPU wants the opposite: one big batched matmul over every
+      (sequence, head), so its body first copies Q, K and V into head-major
+      order (see DT_ATTENTION_SAVED_FLOATS). -- */
+
+/* The largest of r[0..n), n > 0, in lanes (a running max is a chain too). */
+static float dt__row_max(const float *r, int n) {
+    float top[DT_LANES], mx = r[0];
+    for (int l = 0; l < DT_LANES; l++) top[l] = r[0];
+    int j0 = 0;
+    for (; j0 + DT_LANES <= n; j0 += DT_LANES)
+        for (int l = 0; l < DT_LANES; l++) top[l] = r[j0 + l] > top[l] ? r[j0 + l] : top[l];
+    for (int j = j0; j < n; j++) mx = r[j] > mx ? r[j] : mx;
+    for (int l = 0; l < DT_LANES; l++) mx = top[l] > mx ? top[l] : mx;
+    return mx;
+}
+/* One row of the softmax, in lanes as LayerNorm's sums; a causal row sees
+   only its first `valid` keys and is 0 after them. */
+static void dt__softmax_row(float *r, int valid, int T) {
+    float acc[DT_LANES] = { 0 }, mx = dt__row_max(r, valid);
+    for (int j = 0; j < valid; j++) r[j] = dt_exp_value(r[j] - mx);
+    DT__LANE_SUM(acc, valid, j, r[j]);
+    float sum = dt__lanes_total(acc);
+    for (int j = 0; j < valid; j++) r[j] /= sum;
+    for (int j = valid; j < T; j++) r[j] = 0.0f;
+}
+/* Back through a softmax row: ds = p (dp - <dp, p>) scale. */
+static void dt__softmax_row_backward(float *dr, const float *pr, int T, float scale) {
+    float lanes[DT_LANES] = { 0 };
+    DT__LANE_SUM(lanes, T, j, dr[j] * pr[j]);
+    float dot = dt__lanes_total(lanes);
+    for (int j = 0; j < T; j++) dr[j] = pr[j] * (dr[j] - dot) * scale;
+}
+
+/* Tests set this to run the straightforward body wherever the fast one would. */
+static int dt__attention_by_gemm;
+
+/* The straightforward body: per (sequence, head), two matmuls forward and four
+   backward, each through dt_gemm. The fast body below gives the same bits;
+   this one runs where it cannot (a head width that is not a whole number of
+   vectors) and is what the tests hold the fast one to. */
+static void dt__attention_forward_gemm(const float *qkvv, float *outv, float *P, int B, int T, int H, int D,
+                                       float scale, int causal) {
+    int hd = D / H;
+    DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
+    for (int bh = 0; bh < B * H; bh++) {
+        int b = bh / H, h = bh % H;
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+        float *p = P + (size_t)bh * T * T;
+        dt_gemm(0, 1, T, T, hd, scale, q, 3 * D, k, 3 * D, 0.0f, p, T);   /* S = Q K^T / sqrt(d) */
+        for (int i = 0; i < T; i++) dt__softmax_row(p + (size_t)i * T, causal ? i + 1 : T, T);
+        dt_gemm(0, 0, T, hd, T, 1.0f, p, T, v, 3 * D, 0.0f, outv + (size_t)b * T * D + h * hd, D);   /* O = P V */
+    }
+}
+static void dt__attention_backward_gemm(const float *qkvv, const float *P, const float *dout, float *dqkv, float add,
+                                        int B, int T, int H, int D, float scale) {
+    int hd = D / H;
+    float *dP_all = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)B * H * T * T);
+    DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
+    for (int bh = 0; bh < B * H; bh++) {
+        int b = bh / H, h = bh % H;
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+        float *dq = dqkv + (size_t)b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
+        const float *p = P + (size_t)bh * T * T, *dO = dout + (size_t)b * T * D + h * hd;
+        float *dp = dP_all + (size_t)bh * T * T;
+        dt_gemm(0, 1, T, T, hd, 1.0f, dO, D, v, 3 * D, 0.0f, dp, T);    /* dP = dO V^T */
+        dt_gemm(1, 0, T, hd, T, 1.0f, p, T, dO, D, add, dv, 3 * D);      /* dV += P^T dO */
+        for (int i = 0; i < T; i++) dt__softmax_row_backward(dp + (size_t)i * T, p + (size_t)i * T, T, scale);
+        dt_gemm(0, 0, T, hd, T, 1.0f, dp, T, k, 3 * D, add, dq, 3 * D);   /* dQ += dS K */
+        dt_gemm(1, 0, T, hd, T, 1.0f, dp, T, q, 3 * D, add, dk, 3 * D);   /* dK += dS^T Q */
+    }
+}
+
+/* The fast body. A head's matmuls are small (65 x 65 x 64 in vit-tiny), and
+   through the general matmul a third of their time went to its fixed costs:
+   packing, edge tiles (65 columns fill three 32-wide strips), a call per
+   product. Here each (sequence, head) runs in tiles of DT__ATT_ROWS query
+   rows: the tile's scores are made, softmaxed and multiplied into V while
+   they are in the cache, with one register-blocked loop (dt__att_tile) for
+   all six products, whose operands are read in place but for K^T and V^T
+   (copied once per head, rows padded to whole vectors). Causal rows skip the
+   keys they cannot see. Each output is still one sum in the built-in
+   matmul's order (one slab of DT_KC while T and the head width are at most
+   256), so the bits are the same as the body above's -- with the built-in
+   matmul; a system BLAS sums in an order of its own. */
+/* rows x vecs accumulators, vecs operands and a broadcast fit the registers:
+   6 x 4 + 4 + 1 of AVX-512's 32, 6 x 2 + 2 + 1 of the 16 of AVX2 or SSE
+   (3 x 4 there needed 17, and the spills cost nearly a third of attention's
+   time on an EPYC) */
+#define DT__ATT_ROWS 6
+#define DT__ATT_VECS (DT_VL == 16 ? 4 : 2)
+
+/* c[r][x] (+)= alpha * sum over k < kc of a[r * row_step + k * k_step] * b[k * b_step + x]
+   for r < rows and x < NV vectors: rows x NV accumulators in registers. Rows
+   from `rows` to DT__ATT_ROWS repeat the last row's reads (nothing past the
+   operands is touched) and are not stored. */
+DT__INLINE void dt__att_tile(int NV, int kc, const float *a, ptrdiff_t row_step, ptrdiff_t k_step, const float *b,
+                             ptrdiff_t b_step, float alpha, int add, float *c, ptrdiff_t ldc, int rows) {
+    const float *ar[DT__ATT_ROWS];
+    for (int r = 0; r < DT__ATT_ROWS; r++) ar[r] = a + (r < rows ? r : rows - 1) * row_step;
+#if defined(__GNUC__)
+    dt__vec acc[DT__ATT_ROWS][DT__ATT_VECS];   /* in registers: every index below is a constant */
+#pragma GCC unroll 8
+    for (int r = 0; r < DT__ATT_ROWS; r++)
+#pragma GCC unroll 4
+        for (int x = 0; x < NV; x++) acc[r][x] = (dt__vec){ 0 };
+    for (int k = 0; k < kc; k++) {
+        dt__vec bv[DT__ATT_VECS];
+#pragma GCC unroll 4
+        for (int x = 0; x < NV; x++) bv[x] = dt__vload(b + k * b_step + x * DT_VL);
+#pragma GCC unroll 8
+        for (int r = 0; r < DT__ATT_ROWS; r++) {
+            float s = ar[r][k * k_step];
+#pragma GCC unroll 4
+            for (int x = 0; x < NV; x++) acc[r][x] = DT__MADD(acc[r][x], s, bv[x]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < DT__ATT_ROWS; r++)
+#pragma GCC unroll 4
+        for (int x = 0; x < NV; x++) {
+            if (r >= rows) continue;
+            float *cp = c + r * ldc + x * DT_VL;
+            dt__vec o = alpha * acc[r][x];
+            if (add) o = dt__vload(cp) + o;
+            dt__vstore(cp, o);
+        }
+#else
+    for (int r = 0; r < rows; r++)
+        for (int x = 0; x < NV * DT_VL; x++) {
+            float s = 0;
+            for (int k = 0; k < kc; k++) s += ar[r][k * k_step] * b[k * b_step + x];
+            c[r * ldc + x] = add ? c[r * ldc + x] + alpha * s : alpha * s;
+        }
+#endif
+}
+/* The same over `vecs` vectors of columns, DT__ATT_VECS at a time. */
+static void dt__att_product(int vecs, int kc, const float *a, ptrdiff_t row_step, ptrdiff_t k_step, const float *b,
+                            ptrdiff_t b_step, float alpha, int add, float *c, ptrdiff_t ldc, int rows) {
+    for (int x0 = 0; x0 < vecs; x0 += DT__ATT_VECS) {
+        const float *bx = b + x0 * DT_VL;
+        float *cx = c + x0 * DT_VL;
+        switch (vecs - x0 < DT__ATT_VECS ? vecs - x0 : DT__ATT_VECS) {
+        case 1: dt__att_tile(1, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+#if DT__ATT_VECS == 4
+        case 2: dt__att_tile(2, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+        case 3: dt__att_tile(3, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+#endif
+        default: dt__att_tile(DT__ATT_VECS, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+        }
+    }
+}
+static int dt__att_padded(int T) { return (T + DT_VL - 1) / DT_VL * DT_VL; }
+/* The tiled body reads a head's rows as whole vectors. */
+static int dt__attention_tiled(int head_width) { return head_width % DT_VL == 0 && !dt__attention_by_gemm; }
+/* dst[d][j] = src[j * ld + d] for d < hd, j < T, rows of Tp with zeros after T */
+static void dt__att_transpose(const float *src, ptrdiff_t ld, int T, int hd, float *dst, int Tp) {
+    for (int j = 0; j < T; j++)
+        for (int d = 0; d < hd; d++) dst[(size_t)d * Tp + j] = src[(size_t)j * ld + d];
+    for (int d = 0; d < hd; d++)
+        for (int j = T; j < Tp; j++) dst[(size_t)d * Tp + j] = 0.0f;
+}
+static void dt__attention_forward_tiles(const float *qkvv, float *outv, float *P, int B, int T, int H, int D,
+                                        float scale, int causal) {
+    int hd = D / H, Tp = dt__att_padded(T), R = DT__ATT_ROWS;
+    size_t per_thread = (size_t)hd * Tp + (size_t)R * Tp;
+    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * per_thread * (size_t)dt_threads());
+    DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
+    for (int bh = 0; bh < B * H; bh++) {
+        int b = bh / H, h = bh % H;
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+        float *kt = space + per_thread * (size_t)dt__thread_num(), *tile = kt + (size_t)hd * Tp;
+        float *p = P + (size_t)bh * T * T, *o = outv + (size_t)b * T * D + h * hd;
+        dt__att_transpose(k, 3 * D, T, hd, kt, Tp);
+        for (int i0 = 0; i0 < T; i0 += R) {
+            int rows = T - i0 < R ? T - i0 : R, keys = causal && i0 + rows < T ? i0 + rows : T;
+            dt__att_product((keys + DT_VL - 1) / DT_VL, hd, q + (size_t)i0 * 3 * D, 3 * D, 1, kt, Tp, scale, 0,
+                            tile, Tp, rows);                                      /* S = Q K^T / sqrt(d) */
+            for (int r = 0; r < rows; r++) {
+                dt__softmax_row(tile + (size_t)r * Tp, causal ? i0 + r + 1 : T, T);
+                memcpy(p + (size_t)(i0 + r) * T, tile + (size_t)r * Tp, sizeof(float) * (size_t)T);
+            }
+            dt__att_product(hd / DT_VL, keys, tile, Tp, 1, v, 3 * D, 1.0f, 0, o + (size_t)i0 * D, D, rows);  /* O = P V */
+        }
+    }
+}
+static void dt__attention_backward_tiles(const float *qkvv, const float *P, const float *dout, float *dqkv, int add,
+                                         int B, int T, int H, int D, float scale, int causal) {
+    int hd = D / H, Tp = dt__att_padded(T), R = DT__ATT_ROWS;
+    size_t per_thread = (size_t)hd * Tp + (size_t)T * Tp;
+    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * per_thread * (size_t)dt_threads());
+    DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
+    for (int bh = 0; bh < B * H; bh++) {
+        int b = bh / H, h = bh % H;
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+        float *dq = dqkv + (size_t)b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
+        const float *p = P + (size_t)bh * T * T, *dO = dout + (size_t)b * T * D + h * hd;
+        float *vt = space + per_thread * (size_t)dt__thread_num(), *ds = vt + (size_t)hd * Tp;
+        dt__att_transpose(v, 3 * D, T, hd, vt, Tp);
+        for (int i0 = 0; i0 < T; i0 += R) {           /* by query rows: dS, then dQ */
+            int rows = T - i0 < R ? T - i0 : R, keys = causal && i0 + rows < T ? i0 + rows : T;
+            float *dsi = ds + (size_t)i0 * Tp;
+            dt__att_product((keys + DT_VL - 1) / DT_VL, hd, dO + (size_t)i0 * D, D, 1, vt, Tp, 1.0f, 0, dsi, Tp,
+                            rows);                                                /* dP = dO V^T */
+            for (int r = 0; r < rows; r++) {
+                float *dr = dsi + (size_t)r * Tp;
+                for (int j = keys; j < T; j++) dr[j] = 0.0f;  /* unseen keys: p = 0 there */
+                dt__softmax_row_backward(dr, p + (size_t)(i0 + r) * T, T, scale);
+            }
+            dt__att_product(hd / DT_VL, keys, dsi, Tp, 1, k, 3 * D, 1.0f, add, dq + (size_t)i0 * 3 * D, 3 * D,
+                            rows);                                                /* dQ += dS K */
+        }
+        for (int j0 = 0; j0 < T; j0 += R) {           /* by key rows: dV and dK (causal: from query j0 on) */
+            int rows = T - j0 < R ? T - j0 : R, from = causal ? j0 : 0;
+            dt__att_product(hd / DT_VL, T - from, p + (size_t)from * T + j0, 1, T, dO + (size_t)from * D, D, 1.0f,
+                            add, dv + (size_t)j0 * 3 * D, 3 * D, rows);          /* dV += P^T dO */
+            dt__att_product(hd / DT_VL, T - from, ds + (size_t)from * Tp + j0, 1, Tp, q + (size_t)from * 3 * D,
+                            3 * D, 1.0f, add, dk + (size_t)j0 * 3 * D, 3 * D, rows);   /* dK += dS^T Q */
+        }
+    }
+}
+
+static void dt__attention_backward(dt__tape_entry *e) {
+    dt_tensor *qkv = e->in[0];
+    if (!qkv->requires_grad) return;
+    int B = e->iarg[0], T = e->iarg[1], H = e->iarg[2], causal = e->iarg[3], D = (int)dt_tensor_cols(e->out);
+    float scale = e->farg[0];
+    const float *P = (const float *)e->saved, *dout = dt__grad_in(e->out), *qkvv = dt__in(qkv);
+    int first;
+    float *dqkv = dt__grad_acc_first(qkv, &first);
+    const dt_backend *gpu = dt__backend_for(qkv);
+    dt__ctx.flops += 8.0 * B * H * T * T * (D / H);
+    if (gpu) {
+        float *scratch = (float *)dt__scratch_on(qkv->device, sizeof(float) * (size_t)DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D));
+        gpu->attention_backward(P, dout, dqkv, scratch, B, T, H, D, scale);
+    } else if (dt__attention_tiled(D / H))                           /* each element is one product's: */
+        dt__attention_backward_tiles(qkvv, P, dout, dqkv, !first, B, T, H, D, scale, causal);   /* written first */
+    else
+        dt__attention_backward_gemm(qkvv, P, dout, dqkv, first ? 0.0f : 1.0f, B, T, H, D, scale);
+    dt__grad_acc_done(qkv, dqkv);
+}
+dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
+    int D = (int)dt_tensor_cols(qkv) / 3;
+    if (dt_tensor_cols(qkv) != 3 * D || D % H != 0 || dt_tensor_rows(qkv) != (int64_t)B * T)
+        dt_fail("attention: qkv is [%lld, %lld], expected [%d, 3*D] with D divisible by %d heads",
+                (long long)dt_tensor_rows(qkv), (long long)dt_tensor_cols(qkv), B * T, H);
+    int hd = D / H;
+    float scale = 1.0f / sqrtf((float)hd);
+    const dt_backend *gpu = dt__backend_for(qkv);
+    dt__scratch_reset();
+    dt_tensor *out = dt__tensor_out_2d(B * T, D);
+    /* the probabilities stay f32 (softmax in f32 under mixed precision too) */
+    float *P = (float *)dt__step_data(sizeof(float) * (size_t)(gpu ? DT_ATTENTION_SAVED_FLOATS(B, T, H, D)
+                                                                   : (int64_t)B * H * T * T));
+    const float *qkvv = dt__in(qkv);
+    float *outv = dt__out(out);
+    if (gpu) gpu->attention_forward(qkvv, outv, P, B, T, H, D, scale, causal);
+    else if (dt__attention_tiled(hd)) dt__attention_forward_tiles(qkvv, outv, P, B, T, H, D, scale, causal);
+    else dt__attention_forward_gemm(qkvv, outv, P, B, T, H, D, scale, causal);
+    dt__out_done(out, outv);
+    dt__ctx.flops += 4.0 * B * H * T * T * hd;
+    if (dt__wants_grad(qkv, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__attention_backward, out, qkv, NULL, NULL);
+        e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = H; e->iarg[3] = causal; e->farg[0] = scale; e->saved = P;
+    }
+    return out;
+}
+
+/* -- rotary embeddings and grouped-query attention (Llama's): what q, k and v
+      go through before dt_attention. A position is not added to the input,
+      as GPT-2's table is; each (q, k) pair of a head is turned instead, pair
+      (j, j + hd/2) by the angle t * theta^(-2j/hd), so that q_t . k_s depends
+      on t - s only. The angles are Hugging Face's: the frequency and the
+      product in float, as their float32 tensors make them. Grouped-query
+      attention keeps KV < H key/value heads; each serves H/KV query heads
+      (repeated here, as Hugging Face's eager attention does, so dt_attention
+      is the GPT's, unchanged). Backward turns the gradient back and adds a
+      group's heads into its key/value head, in head order. -- */
+/* (cos, sin) per position and pair, made on the host once per step and shape
+   (every layer reads the same) and kept in the step arena for backward. */
+static int dt__rope_same(dt_rope a, dt_rope b) {
+    return a.theta == b.theta && a.factor == b.factor && a.low_freq == b.low_freq && a.high_freq == b.high_freq &&
+           a.original_context == b.original_context;
+}
+static float *dt__rope_table(int T, int hd, dt_rope rope, dt_device device) {
+    if (dt__ctx.rope.cs && dt__ctx.rope.made_at == dt__ctx.arena_rewinds && dt__ctx.rope.T == T && dt__ctx.rope.hd == hd &&
+        dt__rope_same(dt__ctx.rope.rope, rope) && dt__ctx.rope.device == device)
+        return dt__ctx.rope.cs;
+    int half = hd / 2;
+    size_t bytes = sizeof(float) * (size_t)T * hd;
+    float *host = (float *)dt__step_alloc_uninit(bytes), *inv = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)half);
+    for (int j = 0; j < half; j++) {
+        inv[j] = 1.0f / powf(rope.theta, (float)(2 * j) / (float)hd);
+        if (rope.factor > 0) {                   /* Llama 3: a wavelength against the original context, in float */
+            float wavelen = (float)(2 * 3.14159265358979323846) / inv[j], context = (float)rope.original_context;
+            float low_wavelen = context / rope.low_freq, high_wavelen = context / rope.high_freq;
+            if (wavelen > low_wavelen) inv[j] /= rope.factor;
+            else if (!(wavelen < high_wavelen)) {
+                float smooth = (context / wavelen - rope.low_freq) / (rope.high_freq - rope.low_freq);
+                inv[j] = (1 - smooth) * inv[j] / rope.factor + smooth * inv[j];
+            }
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < half; j++) {
+            float angle = (float)t * inv[j];
+            host[(size_t)t * hd + 2 * j] = (float)cos((double)angle);
+            host[(size_t)t * hd + 2 * j + 1] = (float)sin((double)angle);
+        }
+    float *cs = host;
+    if (device != DT_CPU) {
+        cs = (float *)dt__step_alloc_on(device, bytes);
+        dt__upload_to(device, cs, host, bytes);
+    }
+    dt__ctx.rope.made_at = dt__ctx.arena_rewinds; dt__ctx.rope.T = T; dt__ctx.rope.hd = hd; dt__ctx.rope.rope = rope;
+    dt__ctx.rope.device = device; dt__ctx.rope.cs = cs;
+    return cs;
+}
+static void dt__rotary_qkv_backward(dt__tape_entry *e) {
+    dt_tensor *q = e->in[0], *k = e->in[1], *v = e->in[2];
+    int T = e->iarg[0], H = e->iarg[1], KV = e->iarg[2], BT = (int)dt_tensor_rows(q), hd = (int)dt_tensor_cols(q) / H;
+    int half = hd / 2, D = H * hd, group = H / KV;
+    const float *cs = (const float *)e->saved, *dy = dt__grad_in(e->out);
+    float *dq = q->requires_grad ? dt__grad_acc(q) : NULL, *dk = k->requires_grad ? dt__grad_acc(k) : NULL;
+    float *dv = v->requires_grad ? dt__grad_acc(v) : NULL;
+    const dt_backend *gpu = dt__backend_for(q);
+    if (gpu) gpu->rotary_qkv_backward(cs, dy, dq, dk, dv, BT, T, H, KV, hd);
+    else {
+        DT_OMP("omp parallel for if((int64_t)BT * D > 32768)")
+        for (int r = 0; r < BT; r++) {
+            const float *row = dy + (size_t)r * 3 * D, *c = cs + (size_t)(r % T) * hd;
+            for (int h = 0; h < H; h++) {
+                const float *gq = row + h * hd, *gk = row + D + h * hd, *gv = row + 2 * D + h * hd;
+                float *oq = dq ? dq + (size_t)r * D + h * hd : NULL;
+                float *ok = dk ? dk + ((size_t)r * KV + h / group) * hd : NULL, *ov = dv ? dv + ((size_t)r * KV + h / group) * hd : NULL;
+                for (int j = 0; j < half; j++) {        /* the turn by -angle */
+                    float co = c[2 * j], si = c[2 * j + 1];
+                    if (oq) { oq[j] += gq[j] * co + gq[j + half] * si; oq[j + half] += gq[j + half] * co - gq[j] * si; }
+                    if (ok) { ok[j] += gk[j] * co + gk[j + half] * si; ok[j + half] += gk[j + half] * co - gk[j] * si; }
+                }
+                if (ov) for (int j = 0; j < hd; j++) ov[j] += gv[j];
+            }
+        }
+    }
+    if (dq) dt__grad_acc_done(q, dq);
+    if (dk) dt__grad_acc_done(k, dk);
+    if (dv) dt__grad_acc_done(v, dv);
+}
+dt_tensor *dt_rotary_qkv(dt_tensor *q, dt_tensor *k, dt_tensor *v, int B, int T, int H, int KV, dt_rope rope) {
+    int BT = B * T;
+    if (H < 1 || KV < 1 || H % KV || dt_tensor_cols(q) % H || (dt_tensor_cols(q) / H) % 2)
+        dt_fail("rotary_qkv: %d query heads of q's %lld columns in %d key/value groups (heads a multiple of groups, an even head width)",
+                H, (long long)dt_tensor_cols(q), KV);
+    int hd = (int)dt_tensor_cols(q) / H, half = hd / 2, D = H * hd;
+    if (dt_tensor_rows(q) != BT || dt_tensor_rows(k) != BT || dt_tensor_rows(v) != BT || dt_tensor_cols(k) != (int64_t)KV * hd ||
+        dt_tensor_cols(v) != (int64_t)KV * hd)
+        dt_fail("rotary_qkv: q [%lld, %lld], k [%lld, %lld], v [%lld, %lld]; expected [%d, %d] and [%d, %d] twice", (long long)dt_tensor_rows(q),
+                (long long)dt_tensor_cols(q), (long long)dt_tensor_rows(k), (long long)dt_tensor_cols(k), (long long)dt_tensor_rows(v),
+                (long long)dt_tensor_cols(v), BT, D, BT, KV * hd);
+    const dt_backend *gpu = dt__backend_for(q);
+    dt__backend_for(k);
+    dt__backend_for(v);
+    if (!(rope.theta > 1) || (rope.factor != 0 && !(rope.factor > 0 && rope.low_freq > 0 && rope.high_freq > rope.low_freq &&
+                                                     rope.original_context > 0)))
+        dt_fail("rotary_qkv: base %g, rescaling factor %g, low %g, high %g, original context %d (a base above 1; a factor of 0, "
+                "or positive with 0 < low < high and a positive context)", (double)rope.theta, (double)rope.factor,
+                (double)rope.low_freq, (double)rope.high_freq, rope.original_context);
+    float *cs = dt__rope_table(T, hd, rope, q->device);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out_2d(BT, 3 * D);
+    const float *qv = dt__in(q), *kv = dt__in(k), *vv = dt__in(v);
+    float *yv = dt__out(y);
+    if (gpu) gpu->rotary_qkv_forward(qv, kv, vv, cs, yv, BT, T, H, KV, hd);
+    else {
+        int group = H / KV;
+        DT_OMP("omp parallel for if((int64_t)BT * D > 32768)")
+        for (int r = 0; r < BT; r++) {
+            float *row = yv + (size_t)r * 3 * D;
+            const float *c = cs + (size_t)(r % T) * hd;
+            for (int h = 0; h < H; h++) {
+                const float *sq = qv + (size_t)r * D + h * hd, *sk = kv + ((size_t)r * KV + h / group) * hd;
+                const float *sv = vv + ((size_t)r * KV + h / group) * hd;
+                float *oq = row + h * hd, *ok = row + D + h * hd, *ov = row + 2 * D + h * hd;
+                for (int j = 0; j < half; j++) {        /* x cos + rotate_half(x) sin */
+                    float co = c[2 * j], si = c[2 * j + 1];
+                    oq[j] = sq[j] * co - sq[j + half] * si;
+                    oq[j + half] = sq[j + half] * co + sq[j] * si;
+                    ok[j] = sk[j] * co - sk[j + half] * si;
+                    ok[j + half] = sk[j + half] * co + sk[j] * si;
+                }
+                memcpy(ov, sv, sizeof(float) * (size_t)hd);
+            }
+        }
+    }
+    dt__out_done(y, yv);
+    if (dt__wants_grad(q, k, v)) {
+        dt__tape_entry *e = dt__tape_push(dt__rotary_qkv_backward, y, q, k, v);
+        e->iarg[0] = T; e->iarg[1] = H; e->iarg[2] = KV;
+        e->saved = cs;
+    }
+    return y;
+}
+
+/* -- token embedding: a language model's input. A lookup, not a matmul: row
+      (b, t) copies the token's row of wte and adds position t's row of wpe.
+      Its backward adds each row's gradient back into the token's row, so a
+      token seen twice collects both; it walks the rows in order, and each
+      thread owns a band of columns, so sums never race and always run in the
+      same order (the GPU's body too). The forward checked every id. -- */
+static int dt__token_id(float v, int vocab) {
+    int id = (int)v;
+    if (!(v >= 0) || id >= vocab || (float)id != v) dt_fail("token id %g is outside the vocabulary [0, %d)", v, vocab);
+    return id;
+}
+/* The GPU adds up a token's rows without atomics (which would sum in a
+   different order every run): the host, which can read the ids, groups the
+   rows by token with a counting sort -- stable, so each group keeps its rows in
+   the CPU's order -- and the GPU gives a thread to each (token, column). The
+   list goes to the device in the step arena (see the backend's comment). */
+static const int32_t *dt__rows_by_token(const dt_tensor *tokens, int from, int vocab, int *groups) {
+    int BT = (int)tokens->numel, G = 0;
+    float *ids = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)BT);
+    int32_t *first = (int32_t *)dt_step_alloc(sizeof(int32_t) * ((size_t)vocab + 1));
+    int32_t *list = (int32_t *)dt_step_alloc(sizeof(int32_t) * (3 * (size_t)BT + 1));
+    dt_tensor_to_host(tokens, ids);
+    /* wte's rows are tokens from .. from + vocab - 1 (all of them, unless the
+       vocabulary is split over ranks): the other rows add nothing here */
+    for (int r = 0; r < BT; r++) {
+        int id = (int)ids[r] - from;
+        if (id >= 0 && id < vocab) first[id + 1]++;
+    }
+    for (int v = 0; v < vocab; v++) {
+        if (first[v + 1]) G++;
+        first[v + 1] += first[v];               /* where token v's rows begin */
+    }
+    int32_t *order = list, *start = list + BT, *token = start + G + 1;
+    for (int v = 0, g = 0; v < vocab; v++)
+        if (first[v + 1] > first[v]) { start[g] = first[v]; token[g++] = v; }
+    start[G] = first[vocab];
+    for (int r = 0; r < BT; r++) {
+        int id = (int)ids[r] - from;
+        if (id >= 0 && id < vocab) order[first[id]++] = r;
+    }
+    size_t bytes = sizeof(int32_t) * ((size_t)BT + 2 * (size_t)G + 1);
+    int32_t *dev = (int32_t *)dt__step_alloc_on(tokens->device, bytes);
+    dt__upload_to(tokens->device, dev, list, bytes);
+    *groups = G;
+    return dev;
+}
+static void dt__token_embedding_backward(dt__tape_entry *e) {
+    const dt_tensor *tokens = (const dt_tensor *)e->saved;
+    dt_tensor *wte = e->in[0], *wpe = e->in[1];
+    int BT = (int)dt_tensor_rows(e->out), D = (int)dt_tensor_cols(e->out), T = e->iarg[0], from = e->iarg[1];
+    int V = (int)dt_tensor_rows(wte);
+    const float *dy = dt__grad_in(e->out);
+    float *dwte = wte->requires_grad ? dt__grad_acc(wte) : NULL, *dwpe = wpe && wpe->requires_grad ? dt__grad_acc(wpe) : NULL;
+    const dt_backend *gpu = dt__backend_for(e->out);
+    if (gpu) {
+        int groups = 0;
+        const int32_t *by_token = dt__rows_by_token(tokens, from, V, &groups);
+        gpu->token_embedding_backward(by_token, groups, dy, dwte, dwpe, BT, T, D);
+    } else {
+        DT_OMP("omp parallel for schedule(static) if(BT * D > 65536)")
+        for (int j0 = 0; j0 < D; j0 += 16) {
+            int j1 = j0 + 16 < D ? j0 + 16 : D;
+            for (int r = 0; r < BT; r++) {
+                const float *g = dy + (size_t)r * D;
+                int id = (int)tokens->data[r] - from;
+                if (dwte && id >= 0 && id < V) { float *w = dwte + (size_t)id * D; for (int j = j0; j < j1; j++) w[j] += g[j]; }
+                if (dwpe) { float *p = dwpe + (size_t)(r % T) * D; for (int j = j0; j < j1; j++) p[j] += g[j]; }
+            }
+        }
+    }
+    if (dwte) dt__grad_acc_done(wte, dwte);
+    if (dwpe) dt__grad_acc_done(wpe, dwpe);
+}
+/* wte holds the rows of tokens `from` .. from + rows - 1 of a vocabulary of
+   `vocab`: all of them, or (stage 06) one rank's share, the other tokens'
+   rows left zero, for the group's sum to fill. */
+static dt_tensor *dt__token_embedding_rows(const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe, int from, int vocab) {
+    int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), D = (int)dt_tensor_cols(wte), V = (int)dt_tensor_rows(wte);
+    if (tokens->dtype != DT_F32) dt_fail("token embedding: the token ids must be f32 whole numbers");
+    if (wpe && (dt_tensor_cols(wpe) != D || dt_tensor_rows(wpe) < T))
+        dt_fail("token embedding: %d positions of width %d need %s of at least [%d, %d], it is [%lld, %lld]", T, D,
+                wpe->name ? wpe->name : "the position embedding", T, D, (long long)dt_tensor_rows(wpe),
+                (long long)dt_tensor_cols(wpe));
+    const dt_backend *gpu = dt__backend_for(wte);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out_2d(B * T, D);
+    const float *wv = dt__in(wte), *pv = wpe ? dt__in(wpe) : NULL;
+    float *yv = dt__out(y);
+    if (gpu) gpu->token_embedding_forward(tokens->data, wv, pv, yv, B * T, T, D, from, V);
+    else
+        for (int r = 0; r < B * T; r++) {
+            int id = dt__token_id(tokens->data[r], vocab) - from;
+            if (id < 0 || id >= V) {                 /* another rank's token */
+                if (pv) memcpy(yv + (size_t)r * D, pv + (size_t)(r % T) * D, sizeof(float) * (size_t)D);
+                else memset(yv + (size_t)r * D, 0, sizeof(float) * (size_t)D);
+                continue;
+            }
+            const float *w = wv + (size_t)id * D;
+            if (pv) {
+                const float *p = pv + (size_t)(r % T) * D;
+                for (int j = 0; j < D; j++) yv[(size_t)r * D + j] = w[j] + p[j];
+            } else memcpy(yv + (size_t)r * D, w, sizeof(float) * (size_t)D);
+        }
+    dt__out_done(y, yv);
+    if (dt__wants_grad(wte, wpe, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__token_embedding_backward, y, wte, wpe, NULL);
+        e->iarg[0] = T;
+        e->iarg[1] = from;
+        e->saved = (void *)tokens;
+    }
+    return y;
+}
+dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe) {
+    return dt__token_embedding_rows(tokens, wte, wpe, 0, (int)dt_tensor_rows(wte));
+}
+
+/* -- ViT token assembly: [class token; patch embeddings] + position embedding -- */
+static void dt__vit_tokens_backward(dt__tape_entry *e) {
+    dt_tensor *patches = e->in[0], *cls = e->in[1], *pos = e->in[2];
+    int B = e->iarg[0], P = e->iarg[1], D = e->iarg[2], T = P + 1;
+    const float *dy = dt__grad_in(e->out);
+    float *dpatch = patches->requires_grad ? dt__grad_acc(patches) : NULL;
+    float *dcls = cls->requires_grad ? dt__grad_acc(cls) : NULL, *dpos = pos->requires_grad ? dt__grad_acc(pos) : NULL;
+    const dt_backend *gpu = dt__backend_for(patches);
+    if (gpu) gpu->vit_tokens_backward(dy, dpatch, dcls, dpos, B, P, D);
+    else
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++) {
+                const float *g = dy + ((size_t)b * T + t) * D;
+                if (dpos) for (int j = 0; j < D; j++) dpos[(size_t)t * D + j] += g[j];
+                if (t == 0) { if (dcls) for (int j = 0; j < D; j++) dcls[j] += g[j]; }
+                else if (dpatch) for (int j = 0; j < D; j++) dpatch[((size_t)b * P + t - 1) * D + j] += g[j];
+            }
+    if (dpatch) dt__grad_acc_done(patches, dpatch);
+    if (dcls) dt__grad_acc_done(cls, dcls);
+    if (dpos) dt__grad_acc_done(pos, dpos);
+}
+dt_tensor *dt_vit_tokens(dt_tensor *patches, dt_tensor *cls, dt_tensor *pos, int B) {
+    int D = (int)dt_tensor_cols(patches), P = (int)(dt_tensor_rows(patches) / B), T = P + 1;
+    if (pos->numel != (int64_t)T * D || cls->numel != D)
+        dt_fail("vit tokens: %d patches of %d need pos_embed of %d x %d", P, D, T, D);
+    const dt_backend *gpu = dt__backend_for(patches);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out_2d(B * T, D);
+    const float *pv = dt__in(patches), *cv = dt__in(cls), *posv = dt__in(pos);
+    float *yv = dt__out(y);
+    if (gpu) gpu->vit_tokens_forward(pv, cv, posv, yv, B, P, D);
+    else
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++) {
+                float *o = yv + ((size_t)b * T + t) * D;
+                const float *src = t == 0 ? cv : pv + ((size_t)b * P + t - 1) * D;
+                for (int j = 0; j < D; j++) o[j] = src[j] + posv[(size_t)t * D + j];
+            }
+    dt__out_done(y, yv);
+    if (dt__wants_grad(patches, cls, pos)) {
+        dt__tape_entry *e = dt__tape_push(dt__vit_tokens_backward, y, patches, cls, pos);
+        e->iarg[0] = B; e->iarg[1] = P; e->iarg[2] = D;
+    }
+    return y;
+}
+
+/* -- pick one token per sequence (the class token feeds the head) -- */
+static void dt__select_token_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0];
+    if (!x->requires_grad) return;
+    int B = e->iarg[0], T = e->iarg[1], idx = e->iarg[2], D = (int)dt_tensor_cols(x);
+    float *dx = dt__grad_acc(x);
+    const float *dy = dt__grad_in(e->out);
+    const dt_backend *gpu = dt__backend_for(x);
+    if (gpu) gpu->select_token_backward(dy, dx, B, T, idx, D);
+    else
+        for (int b = 0; b < B; b++)
+            for (int j = 0; j < D; j++) dx[((size_t)b * T + idx) * D + j] += dy[(size_t)b * D + j];
+    dt__grad_acc_done(x, dx);
+}
+dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index) {
+    int D = (int)dt_tensor_cols(x);
+    const dt_backend *gpu = dt__backend_for(x);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out_2d(B, D);
+    const float *xv = dt__in(x);
+    float *yv = dt__out(y);
+    if (gpu) gpu->select_token_forward(xv, yv, B, T, index, D);
+    else
+        for (int b = 0; b < B; b++)
+            memcpy(yv + (size_t)b * D, xv + ((size_t)b * T + index) * D, sizeof(float) * D);
+    dt__out_done(y, yv);
+    if (dt__wants_grad(x, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__select_token_backward, y, x, NULL, NULL);
+        e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = index;
+    }
+    return y;
+}
+
+/* -- softmax cross-entropy, fused: the gradient is simply (p - onehot) / N,
+      N the labels that count (or the divisor the run set), and nothing for
+      a row whose label is ignored. Labels arrive in host memory; the op
+      checks them there, then copies them to the device beside the
+      probabilities it saves. -- */
+void dt_cross_entropy_set_divisor(const int32_t *labels, double divisor) {
+    if (!(divisor > 0)) dt_fail("dt_cross_entropy_set_divisor: the divisor must be positive (it is %g)", divisor);
+    dt__ctx.loss_divisor.step = dt__ctx.step_resets;
+    dt__ctx.loss_divisor.labels = labels;
+    dt__ctx.loss_divisor.divisor = divisor;
+}
+static void dt__cross_entropy_backward(dt__tape_entry *e) {
+    dt_tensor *logits = e->in[0];
+    if (!logits->requires_grad) return;
+    int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits);
+    const float *p = (const float *)e->saved;
+    const int32_t *labels = (const int32_t *)(p + (size_t)B * C);
+    float *dl = dt__grad_acc(logits);
+    const dt_backend *gpu = dt__backend_for(logits);
+    if (gpu) gpu->cross_entropy_backward(p, labels, e->out->grad, dl, B, C, e->farg[0]);
+    else {
+        float scale = e->out->grad[0] / e->farg[0];
+        DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
+        for (int i = 0; i < B; i++) {
+            if (labels[i] == DT_IGNORE_INDEX) continue;
+            float *d = dl + (size_t)i * C;
+            const float *pi = p + (size_t)i * C;
+            if (labels[i] < 0 || labels[i] >= C) {       /* a split vocabulary: another rank's label */
+                for (int j = 0; j < C; j++) d[j] += pi[j] * scale;
+                continue;
+            }
+            float at_label = d[labels[i]] + (pi[labels[i]] - 1.0f) * scale;
+            for (int j = 0; j < C; j++) d[j] += pi[j] * scale;      /* no branch: it vectorises */
+            d[labels[i]] = at_label;
+        }
+    }
+    dt__grad_acc_done(logits, dl);
+}
+/* Logits whose columns tensor parallelism split (dt__vocab_head marks them
+   with the wrapper): the ranks that hold the columns, or 1. */
+static int dt__logits_split(const dt_tensor *logits) {
+    return logits->parallel && !logits->is_param ? logits->parallel->tp_size : 1;
+}
+/* p[j] = exp(r[j] - mx) for a row of C, and their sum, in DT_LANES partial
+   sums of doubles (a vocabulary of 50,257 terms loses nothing). */
+static double dt__exp_row(const float *r, float *p, int C, float mx) {
+    double lanes[DT_LANES] = { 0 }, sum = 0;
+    for (int j = 0; j < C; j++) p[j] = dt_exp_value(r[j] - mx);
+    DT__LANE_SUM(lanes, C, j, (double)p[j]);
+    for (int l = 0; l < DT_LANES; l++) sum += lanes[l];
+    return sum;
+}
+/* The labels' check, and what the summed loss is divided by: the labels
+   that count (or the divisor the run set). */
+static double dt__loss_divisor(const int32_t *labels, int B, int C) {
+    int counted = 0;
+    for (int i = 0; i < B; i++) {
+        if (labels[i] == DT_IGNORE_INDEX) continue;
+        if (labels[i] < 0 || labels[i] >= C) dt_fail("cross entropy: label %d outside [0, %d)", labels[i], C);
+        counted++;
+    }
+    double divisor = counted > 0 ? counted : 1;               /* nothing counted: the loss is 0 */
+    if (dt__ctx.loss_divisor.labels == labels && dt__ctx.loss_divisor.step == dt__ctx.step_resets)
+        divisor = dt__ctx.loss_divisor.divisor;
+    return divisor;
+}
+static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labels);
+dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
+    if (dt__logits_split(logits) > 1) return dt__cross_entropy_split(logits, labels);
+    int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits);
+    double divisor = dt__loss_divisor(labels, B, C);
+    const dt_backend *gpu = dt__backend_for(logits);
+    dt__scratch_reset();
+    float *p = (float *)dt__step_data(sizeof(float) * (size_t)B * C + sizeof(int32_t) * B);
+    int32_t *saved_labels = (int32_t *)(p + (size_t)B * C);
+    int s1[1] = { 1 };
+    dt_tensor *loss = dt__tensor_alloc(1, s1, DT_F32);        /* the loss is f32, always */
+    const float *lv = dt__in(logits);
+    if (gpu) {
+        gpu->upload(saved_labels, labels, sizeof(int32_t) * B);
+        gpu->cross_entropy_forward(lv, saved_labels, p, loss->data, B, C, divisor);
+    } else {
+        /* rows on every thread (dt__exp_row), the rows' losses added in row
+           order after */
+        double *row_loss = (double *)dt__scratch_on(DT_CPU, sizeof(double) * (size_t)B), total = 0;
+        DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
+        for (int i = 0; i < B; i++) {
+            row_loss[i] = 0;
+            if (labels[i] == DT_IGNORE_INDEX) continue;      /* its probabilities are never read */
+            const float *r = lv + (size_t)i * C;
+            float *pr = p + (size_t)i * C, mx = dt__row_max(r, C);
+            double sum = dt__exp_row(r, pr, C, mx), inv = 1.0 / sum;
+            for (int j = 0; j < C; j++) pr[j] = (float)(pr[j] * inv);
+            row_loss[i] = -(r[labels[i]] - mx - log(sum));
+        }
+        for (int i = 0; i < B; i++) { total += row_loss[i]; saved_labels[i] = labels[i]; }
+        loss->data[0] = (float)(total / divisor);
+    }
+    if (dt__wants_grad(logits, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__cross_entropy_backward, loss, logits, NULL, NULL);
+        e->saved = p;
+        e->farg[0] = (float)divisor;
+    }
+    return loss;
+}
+
+/* -- the cross-entropy of logits whose columns, the vocabulary, are split
+      over a tensor-parallel group (stage 06's GPT and Llama), so that the whole rows
+      never exist on one rank. Each rank takes its columns' largest value in
+      each row, and the group the largest of those (an all-reduce); each rank
+      its columns' exp(x - max) and their sum, and the label's logit where it
+      holds that column, and the group sums both. Every rank then has each
+      row's loss, log(sum) + max - x[label], and its columns of the softmax,
+      whose gradient is (p - onehot) / N as before: the backward above, with
+      the labels this rank does not hold out of its columns' range. -- */
+static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labels) {
+    dt_parallel *par = logits->parallel;
+    int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits), first = par->tp_rank * C;
+    double divisor = dt__loss_divisor(labels, B, C * par->tp_size);
+    const dt_backend *gpu = dt__backend_for(logits);
+    dt__scratch_reset();
+    float *p = (float *)dt__step_data(sizeof(float) * (size_t)B * C + sizeof(int32_t) * B);
+    int32_t *mine = (int32_t *)(p + (size_t)B * C);
+    int32_t *host = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)B);
+    for (int i = 0; i < B; i++)            /* this rank's columns: the label's, or -1 (another rank's) */
+        host[i] = labels[i] == DT_IGNORE_INDEX ? DT_IGNORE_INDEX
+                : labels[i] >= first && labels[i] < first + C ? labels[i] - first : -1;
+    float *mx = (float *)dt__scratch_on(logits->device, sizeof(float) * (size_t)B);
+    float *sum_label = (float *)dt__scratch_on(logits->device, sizeof(float) * 2 * (size_t)B);
+    const float *lv = dt__in(logits);
+    if (gpu) {
+        gpu->upload(mine, host, sizeof(int32_t) * (size_t)B);
+        gpu->rows_max(lv, mx, B, C);
+    } else {
+        memcpy(mine, host, sizeof(int32_t) * (size_t)B);
+        for (int i = 0; i < B; i++) mx[i] = dt__row_max(lv + (size_t)i * C, C);
+    }
+    par->tp_max(par, mx, B);
+    if (gpu) gpu->rows_exp_sum(lv, mine, mx, p, sum_label, B, C);
+    else {
+        DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
+        for (int i = 0; i < B; i++) {
+            const float *r = lv + (size_t)i * C;
+            sum_label[i] = (float)dt__exp_row(r, p + (size_t)i * C, C, mx[i]);
+            sum_label[B + i] = mine[i] >= 0 ? r[mine[i]] : 0.0f;
+        }
+    }
+    par->tp_sum(par, sum_label, 2 * (int64_t)B);
+    if (gpu) gpu->rows_divide(p, sum_label, B, C);
+    else
+        for (int i = 0; i < B; i++) {
+            double inv = 1.0 / sum_label[i];
+            for (int j = 0; j < C; j++) p[(size_t)i * C + j] = (float)(p[(size_t)i * C + j] * inv);
+        }
+    /* each row's loss, added in row order on the host, as the whole-row op does */
+    float *m_host = (float *)dt__step_alloc_uninit(sizeof(float) * 3 * (size_t)B), *s_host = m_host + B;
+    dt__download_from(logits->device, m_host, mx, sizeof(float) * (size_t)B);
+    dt__download_from(logits->device, s_host, sum_label, sizeof(float) * 2 * (size_t)B);
+    double total = 0;
+    for (int i = 0; i < B; i++)
+        if (labels[i] != DT_IGNORE_INDEX) total += log((double)s_host[i]) + m_host[i] - s_host[B + i];
+    int s1[1] = { 1 };
+    dt_tensor *loss = dt__tensor_alloc(1, s1, DT_F32);
+    float value = (float)(total / divisor);
+    dt__upload_to(logits->device, loss->data, &value, sizeof value);
+    if (dt__wants_grad(logits, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__cross_entropy_backward, loss, logits, NULL, NULL);
+        e->saved = p;
+        e->farg[0] = (float)divisor;
+    }
+    return loss;
+}
+
+/* Rows first .. first + rows - 1 of the logits on the host, each the whole
+   vocabulary: a split vocabulary's columns of those rows all-gathered from
+   the group (a collective of the group), then put side by side. */
+static void dt__logits_rows_to_host(const dt_tensor *logits, int64_t first, int64_t rows, float *host) {
+    dt_parallel *par = logits->parallel;
+    int64_t C = dt_tensor_cols(logits);
+    if (dt__logits_split(logits) == 1) {
+        float *all = rows == dt_tensor_rows(logits) ? host : (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)logits->numel);
+        dt_tensor_to_host(logits, all);
+        if (all != host) memcpy(host, all + first * C, sizeof(float) * (size_t)(rows * C));
+        return;
+    }
+    int64_t T = par->tp_size, n = rows * C;
+    float *all = (float *)dt__scratch_on(logits->device, sizeof(float) * (size_t)(n * T));
+    par->tp_all_gather(par, (const float *)dt__in(logits) + first * C, all, n);
+    float *h = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)(n * T));
+    dt__download_from(logits->device, h, all, sizeof(float) * (size_t)(n * T));
+    for (int64_t r = 0; r < T; r++)
+        for (int64_t i = 0; i < rows; i++) memcpy(host + (i * T + r) * C, h + (r * rows + i) * C, sizeof(float) * (size_t)C);
+}
+void dt_logits_to_host(const dt_tensor *logits, float *host) {
+    dt__logits_rows_to_host(logits, 0, dt_tensor_rows(logits), host);
+}
+
+dt_tensor *dt_patchify(const dt_tensor *images, int patch) {
+    int B = images->shape[0], C = images->shape[1], H = images->shape[2], W = images->shape[3];
+    int ph = H / patch, pw = W / patch;
+    const dt_backend *gpu = dt__backend_for(images);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out_2d(B * ph * pw, C * patch * patch);
+    const float *iv = dt__in(images);
+    float *yv = dt__out(y);
+    if (gpu) gpu->patchify(iv, yv, B, C, H, W, patch);
+    else
+        for (int b = 0; b < B; b++)
+            for (int py = 0; py < ph; py++)
+                for (int px = 0; px < pw; px++) {
+                    float *row = yv + ((size_t)(b * ph + py) * pw + px) * C * patch * patch;
+                    for (int c = 0; c < C; c++)
+                        for (int ky = 0; ky < patch; ky++)
+                            memcpy(row + (c * patch + ky) * patch,
+                                   iv + (((size_t)b * C + c) * H + py * patch + ky) * W + px * patch, sizeof(float) * patch);
+                }
+    dt__out_done(y, yv);
+    return y;
+}
+

@@ -1,0 +1,1185 @@
+/* ---- 6. models --------------------------------------------------------------------- */
+
+typedef enum { DT_MODEL_MLP = 0, DT_MODEL_VIT = 1, DT_MODEL_GPT = 2, DT_MODEL_LLAMA = 3 } dt_model_kind;
+
+typedef struct dt_model_config {
+    dt_model_kind kind;
+    int channels, image_size, classes;           /* gpt, llama: classes is the vocabulary */
+    int dim, depth, heads, patch, mlp_hidden;    /* mlp: dim = hidden width, depth = hidden layers;
+                                                    llama: mlp_hidden is the SwiGLU width (--ffn-dim) */
+    int seq_len;                                 /* gpt, llama: the context, in tokens */
+    /* llama only; 0 takes the default in brackets */
+    int kv_heads;                                /* key/value heads, grouped-query attention [heads] */
+    int untied_head;                             /* 1: an lm_head.weight of its own; 0: the head is embed_tokens */
+    int qkv_bias;                                /* 1: q, k and v projections with biases (Qwen2) */
+    float rope_theta;                            /* the rotary embeddings' base [10000] */
+    float norm_eps;                              /* RMSNorm's epsilon [1e-5] */
+    float rope_factor, rope_low_freq, rope_high_freq;   /* Llama 3's rescaled frequencies (dt_rope); 0: none */
+    int rope_original_context;
+    /* LoRA (--lora-rank): the weights above frozen, and beside each targeted
+       linear layer a trainable pair A [rank, in], B [out, rank]: y = x W^T + b
+       + (alpha / rank) (x A^T) B^T. rank 0: none. */
+    int lora_rank;
+    float lora_alpha;
+    char lora_targets[256];                      /* module names, comma-separated: "q_proj,v_proj" */
+} dt_model_config;
+
+/* Where tensor parallelism (stage 06) may cut a parameter: the model says,
+   the wrapper cuts (section 11). dim -1: whole on every rank (norms,
+   position embeddings, the ViT's head, a row-parallel layer's bias). Otherwise dimension
+   dim is cut into equal pieces, one per rank, in `parts` groups that are
+   cut alike (the q, k and v of a fused projection: each rank takes its heads
+   of all three), each piece a whole number of `align` (a head's width:
+   attention is split by heads). A weight cut along its outputs is a
+   column-parallel layer, along its inputs a row-parallel one. */
+typedef struct dt_split {
+    int dim, parts, align;
+    int rows;      /* read between dt_sp_split and dt_sp_gather: under --sequence-parallel each rank's
+                      gradient of a whole parameter is then its rows' part, summed over the group */
+    int vocab;     /* the vocabulary's rows (an embedding, a head): cut only when they divide by T
+                      (GPT-2's 50,257 do not), whole otherwise */
+    /* Pipeline parallelism (stage 07) gives each rank a run of blocks, so it
+       asks which block reads the parameter: -1 the embedding (the first
+       stage), dt_model_blocks the head (the last); dt_model_create sets it
+       from the parameter's unit. head: read by the head though it sits in
+       the embedding's unit (the GPT's final norm). tied: read by the
+       embedding and by the head (a tied vocabulary), so the first and the
+       last stage each hold it, and add up its two gradients. */
+    int block, head, tied;
+} dt_split;
+
+typedef struct dt_model {
+    dt_model_config cfg;
+    int nparams;
+    dt_tensor *params;         /* in forward order; data and grad point into the flat buffers */
+    float *flat_data;          /* every parameter, one after another: what DDP and FSDP move */
+    float *flat_grad;
+    int64_t numel;
+    int64_t *offsets;          /* where each parameter starts in the flat buffers */
+    dt_split *splits;          /* per parameter: where tensor parallelism may cut it */
+    dt_device device;          /* where the flat buffers live */
+    /* Units: the pieces FSDP gathers one at a time -- a linear layer of the MLP;
+       the embedding, each block, and the norm + head of the ViT. Unit u holds
+       parameters unit_first[u] .. unit_first[u + 1] - 1. */
+    int nunits;
+    int *unit_first;
+    /* -1, or the unit whose forward begins before every other unit's and ends
+       after them: the GPT's embeddings and final norm, because its head reads
+       the token embedding again (tied weights). FSDP keeps it gathered for the
+       whole step, as PyTorch's FSDP does with its root unit. */
+    int outer_unit;
+    dt_parallel *parallel;     /* the wrapper this model is in (section 11), or NULL */
+    int optimizers;            /* optimizers created on it and not freed yet */
+    int recompute;             /* --recompute: each block's activations are made again in backward */
+    /* Set by dt_tp_free (its name): the split parameters stay this rank's
+       pieces, so the model can be freed but no longer run. */
+    const char *left_cut_by;
+    /* LoRA: the frozen model the adapters (this model's parameters) sit on,
+       with no gradients and no optimizer state, never communicated; NULL
+       without LoRA. lora_of[i]: where base parameter i's A is in params (B
+       follows it), or -1. */
+    struct dt_model *base;
+    char *base_source;         /* where base's weights came from (--init's path), or NULL: the seed's */
+    int *lora_of;
+    float lora_scale;          /* alpha / rank */
+    uint64_t base_seed;        /* the seed base's weights were drawn from (they stay, without --init) */
+} dt_model;
+
+/* Build a model with freshly initialised weights (seeded, so runs repeat) on
+   the current device. The same seed gives the same weights on CPU and GPU. */
+dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed);
+/* Fails while a wrapper or an optimizer still holds the model: free those first. */
+void dt_model_free(dt_model *m);
+/* A parallel wrapper attaches itself (its create function calls this) and
+   detaches (NULL, from its free function). A wrapper comes before the
+   optimizer, which steps the parameters the wrapper gives it, and goes after
+   it: the other orders are errors that say what to call first. */
+void dt_model_set_parallel(dt_model *m, dt_parallel *par);
+/* Activation recompute (--recompute) on or off: in training, each block keeps
+   only its input and output, and its forward runs again when backward
+   reaches it. The same bits, less memory, one more forward per step. */
+void dt_model_set_recompute(dt_model *m, int on);
+/* images [B, C, S, S] scaled to [-1, 1] -> logits [B, classes];
+   gpt, llama: token ids [B, T] -> logits [B*T, vocab], row (b, t) predicting token t + 1 */
+dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs);
+/* A model is an embedding, dt_model_blocks(m) blocks (the mlp's: its layers)
+   and a head. Pipeline parallelism (stage 07) runs a share of them on each
+   rank: blocks [first, end), from the embedding of `inputs` when first is 0,
+   else from x (the activation the stage before computed), to the logits
+   when end is dt_model_blocks(m), else to the activation the next stage
+   takes. inputs give the shapes (B, and T) either way. */
+int dt_model_blocks(const dt_model *m);
+dt_tensor *dt_model_forward_blocks(dt_model *m, dt_tensor *inputs, dt_tensor *x, int first, int end);
+/* Model FLOPs of one token's training step (forward and backward): 6 per
+   parameter that multiplies (every one but the position embeddings, and
+   Llama's token embedding when its head is a matrix of its own), plus the
+   attention's 12 x depth x dim x context. Tokens/s times this is what MFU
+   uses. 0 for the image models. */
+double dt_model_flops_per_token(const dt_model *m);
+dt_tensor *dt_model_param(dt_model *m, const char *name); /* NULL when absent */
+void dt_model_zero_grad(dt_model *m);
+/* Describes the model in one line: "vit dim=192 depth=6 heads=3 patch=4 (5.36M params)". */
+void dt_model_describe(const dt_model *m, char *out, size_t n);
+/* 1 for the language models (gpt, llama: token ids in, next-token logits out) */
+int dt_model_is_language(dt_model_kind kind);
+
+//@ implementation
+/* ==== 6. layers and models ======================================================
+   A model is a list of named parameters in forward order plus a forward
+   function. All parameters sit in one flat buffer (and their gradients in
+   another): the optimizer, gradient clipping, DDP's buckets and FSDP's shards
+   are then loops over contiguous memory. Names and shapes are PyTorch's, so a
+   checkpoint opens in PyTorch as a state_dict. */
+
+typedef struct dt__rng { uint64_t s; } dt__rng;
+/* splitmix64: tiny, and good enough for initialisation and shuffling */
+static uint64_t dt__rng_u64(dt__rng *r) {
+    uint64_t z = (r->s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static double dt__rng_uniform(dt__rng *r) { return (dt__rng_u64(r) >> 11) * (1.0 / 9007199254740992.0); }
+static double dt__rng_normal(dt__rng *r) {
+    double u1 = dt__rng_uniform(r), u2 = dt__rng_uniform(r);
+    if (u1 < 1e-300) u1 = 1e-300;
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+static uint64_t dt__hash3(uint64_t a, uint64_t b, uint64_t c) {
+    dt__rng r = { a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull) * 0xD1B54A32D192ED03ull ^ c };
+    dt__rng_u64(&r);
+    return dt__rng_u64(&r);
+}
+
+typedef enum { DT_INIT_ZERO, DT_INIT_ONE, DT_INIT_UNIFORM, DT_INIT_NORMAL } dt__init_kind;
+
+typedef struct dt__model_builder {
+    dt_model *m;
+    int cap;
+    dt__init_kind *init;
+    float *init_scale;
+} dt__model_builder;
+
+static void dt__unit_starts_here(dt__model_builder *mb) { mb->m->unit_first[mb->m->nunits++] = mb->m->nparams; }
+
+static void dt__add_param(dt__model_builder *mb, const char *name, dt__init_kind init, float scale,
+                         int ndim, int s0, int s1, int s2, int s3) {
+    dt_model *m = mb->m;
+    if (m->nparams == mb->cap) {
+        mb->cap = mb->cap ? 2 * mb->cap : 64;
+        m->params = (dt_tensor *)realloc(m->params, mb->cap * sizeof(dt_tensor));
+        mb->init = (dt__init_kind *)realloc(mb->init, mb->cap * sizeof(dt__init_kind));
+        mb->init_scale = (float *)realloc(mb->init_scale, mb->cap * sizeof(float));
+        m->splits = (dt_split *)realloc(m->splits, mb->cap * sizeof(dt_split));
+        if (!m->params || !mb->init || !mb->init_scale || !m->splits) dt_fail("out of memory (model)");
+    }
+    dt_tensor *t = &m->params[m->nparams];
+    memset(t, 0, sizeof *t);
+    size_t len = strlen(name) + 1;
+    char *copy = (char *)malloc(len);
+    if (!copy) dt_fail("out of memory (model)");
+    memcpy(copy, name, len);
+    t->name = copy;
+    t->ndim = ndim;
+    int s[4] = { s0, s1, s2, s3 };
+    t->numel = 1;
+    for (int i = 0; i < ndim; i++) { t->shape[i] = s[i]; t->numel = dt__size_mul(t->numel, s[i], name); }
+    t->requires_grad = 1;
+    t->is_param = 1;
+    mb->init[m->nparams] = init;
+    mb->init_scale[m->nparams] = scale;
+    m->splits[m->nparams] = (dt_split){ .dim = -1, .parts = 1, .align = 1 };   /* whole, unless marked below */
+    m->nparams++;
+}
+/* Where tensor parallelism may cut the layer just added (weight, then bias):
+   a column-parallel layer along its outputs, weight and bias, in `parts`
+   groups of `align`-wide pieces; a row-parallel one along its inputs, its
+   bias whole (added once, after the sum). in_out: GPT-2's [in, out] weight. */
+static void dt__split_column(dt__model_builder *mb, int in_out, int parts, int align) {
+    dt_model *m = mb->m;
+    m->splits[m->nparams - 2] = (dt_split){ .dim = in_out ? 1 : 0, .parts = parts, .align = align };
+    m->splits[m->nparams - 1] = (dt_split){ .dim = 0, .parts = parts, .align = align };
+}
+static void dt__split_row(dt__model_builder *mb, int in_out, int align) {
+    mb->m->splits[mb->m->nparams - 2] = (dt_split){ .dim = in_out ? 0 : 1, .parts = 1, .align = align };
+}
+/* The parameters from `first` on are read between dt_sp_split and
+   dt_sp_gather (the blocks; every layer of the MLP). */
+static void dt__rows_split_from(dt__model_builder *mb, int first) {
+    for (int i = first; i < mb->m->nparams; i++) mb->m->splits[i].rows = 1;
+}
+
+static void dt__add_linear(dt__model_builder *mb, const char *prefix, int in, int out, dt__init_kind init, float scale) {
+    char name[160];
+    dt__path(name, sizeof name, "%s.weight", prefix);
+    dt__add_param(mb, name, init, scale, 2, out, in, 0, 0);
+    dt__path(name, sizeof name, "%s.bias", prefix);
+    dt__add_param(mb, name, init == DT_INIT_UNIFORM ? DT_INIT_UNIFORM : DT_INIT_ZERO, scale, 1, out, 0, 0, 0);
+}
+/* GPT-2's Conv1D: a linear layer whose weight is stored [in, out] */
+static void dt__add_conv1d(dt__model_builder *mb, const char *prefix, int in, int out, float scale) {
+    char name[160];
+    dt__path(name, sizeof name, "%s.weight", prefix);
+    dt__add_param(mb, name, DT_INIT_NORMAL, scale, 2, in, out, 0, 0);
+    dt__path(name, sizeof name, "%s.bias", prefix);
+    dt__add_param(mb, name, DT_INIT_ZERO, 0, 1, out, 0, 0, 0);
+}
+static void dt__add_layernorm(dt__model_builder *mb, const char *prefix, int dim) {
+    char name[160];
+    dt__path(name, sizeof name, "%s.weight", prefix);
+    dt__add_param(mb, name, DT_INIT_ONE, 0, 1, dim, 0, 0, 0);
+    dt__path(name, sizeof name, "%s.bias", prefix);
+    dt__add_param(mb, name, DT_INIT_ZERO, 0, 1, dim, 0, 0, 0);
+}
+
+/* Each model family is a row of one table (dt__model_families, below): how
+   it names and shapes its parameters, its forward, its one-line description.
+   The rest of the library asks the table, so a new family is a new row. */
+
+/* GPT-2 (Hugging Face's): normal(0.02) weights, zero biases, unit LayerNorms;
+   the projections that feed the residual stream shrink by 1/sqrt(2 x depth),
+   so the sum of 2 x depth of them keeps its size. The outer unit comes first:
+   wte and wpe, and ln_f, whose head is wte. */
+/* Attention splits the width into heads. */
+static void dt__check_heads(const dt_model_config *cfg) {
+    if (cfg->heads < 1 || cfg->dim % cfg->heads) dt_fail("--dim %d is not divisible by --heads %d", cfg->dim, cfg->heads);
+}
+static void dt__gpt_build(dt__model_builder *mb, const dt_model_config *cfg) {
+    int D = cfg->dim;
+    dt__check_heads(cfg);
+    char name[160];
+    float proj = 0.02f / sqrtf(2.0f * (cfg->depth > 0 ? cfg->depth : 1));
+    mb->m->outer_unit = 0;
+    dt__unit_starts_here(mb);
+    dt__add_param(mb, "wte.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->classes, D, 0, 0);
+    mb->m->splits[mb->m->nparams - 1] = (dt_split){ .dim = 0, .parts = 1, .align = 1, .vocab = 1, .tied = 1 };   /* by tokens */
+    dt__add_param(mb, "wpe.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->seq_len, D, 0, 0);
+    dt__add_layernorm(mb, "ln_f", D);
+    mb->m->splits[mb->m->nparams - 2].head = mb->m->splits[mb->m->nparams - 1].head = 1;
+    int blocks = mb->m->nparams;
+    for (int l = 0; l < cfg->depth; l++) {
+        dt__unit_starts_here(mb);
+        snprintf(name, sizeof name, "h.%d.ln_1", l); dt__add_layernorm(mb, name, D);
+        snprintf(name, sizeof name, "h.%d.attn.c_attn", l); dt__add_conv1d(mb, name, D, 3 * D, 0.02f);
+        dt__split_column(mb, 1, 3, D / cfg->heads);                    /* by heads, of q, k and v alike */
+        snprintf(name, sizeof name, "h.%d.attn.c_proj", l); dt__add_conv1d(mb, name, D, D, proj);
+        dt__split_row(mb, 1, D / cfg->heads);
+        snprintf(name, sizeof name, "h.%d.ln_2", l); dt__add_layernorm(mb, name, D);
+        snprintf(name, sizeof name, "h.%d.mlp.c_fc", l); dt__add_conv1d(mb, name, D, cfg->mlp_hidden, 0.02f);
+        dt__split_column(mb, 1, 1, 1);
+        snprintf(name, sizeof name, "h.%d.mlp.c_proj", l); dt__add_conv1d(mb, name, cfg->mlp_hidden, D, proj);
+        dt__split_row(mb, 1, 1);
+    }
+    dt__rows_split_from(mb, blocks);
+}
+/* PyTorch's nn.Linear initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) */
+static void dt__mlp_build(dt__model_builder *mb, const dt_model_config *cfg) {
+    int in = cfg->channels * cfg->image_size * cfg->image_size;
+    char name[160];
+    for (int l = 0; l <= cfg->depth; l++) {
+        int out = l == cfg->depth ? cfg->classes : cfg->dim;
+        dt__unit_starts_here(mb);
+        snprintf(name, sizeof name, "fc%d", l + 1);
+        dt__add_linear(mb, name, in, out, DT_INIT_UNIFORM, 1.0f / sqrtf((float)in));
+        /* tensor parallelism pairs the hidden layers: column-, then row-parallel
+           (an unpaired last one, and the head, stay whole) */
+        if (l % 2 == 0 && l + 1 < cfg->depth) dt__split_column(mb, 0, 1, 1);
+        if (l % 2 == 1 && l < cfg->depth) dt__split_row(mb, 0, 1);
+        in = out;
+    }
+    dt__rows_split_from(mb, 0);
+}
+/* timm's VisionTransformer: truncated-normal(0.02) linears, zero biases, unit
+   LayerNorms, a near-zero class token, conv-style patch embedding */
+static void dt__vit_build(dt__model_builder *mb, const dt_model_config *cfg) {
+    int C = cfg->channels, S = cfg->image_size, D = cfg->dim;
+    int p = cfg->patch, P = (S / p) * (S / p), fan = C * p * p;
+    char name[160];
+    if (S % p) dt_fail("image size %d is not a multiple of the patch size %d", S, p);
+    dt__check_heads(cfg);
+    dt__unit_starts_here(mb);
+    dt__add_param(mb, "cls_token", DT_INIT_NORMAL, 1e-6f, 3, 1, 1, D, 0);
+    dt__add_param(mb, "pos_embed", DT_INIT_NORMAL, 0.02f, 3, 1, P + 1, D, 0);
+    dt__add_param(mb, "patch_embed.proj.weight", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 4, D, C, p, p);
+    dt__add_param(mb, "patch_embed.proj.bias", DT_INIT_UNIFORM, 1.0f / sqrtf((float)fan), 1, D, 0, 0, 0);
+    int blocks = mb->m->nparams;
+    for (int l = 0; l < cfg->depth; l++) {
+        dt__unit_starts_here(mb);
+        snprintf(name, sizeof name, "blocks.%d.norm1", l); dt__add_layernorm(mb, name, D);
+        snprintf(name, sizeof name, "blocks.%d.attn.qkv", l); dt__add_linear(mb, name, D, 3 * D, DT_INIT_NORMAL, 0.02f);
+        dt__split_column(mb, 0, 3, D / cfg->heads);
+        snprintf(name, sizeof name, "blocks.%d.attn.proj", l); dt__add_linear(mb, name, D, D, DT_INIT_NORMAL, 0.02f);
+        dt__split_row(mb, 0, D / cfg->heads);
+        snprintf(name, sizeof name, "blocks.%d.norm2", l); dt__add_layernorm(mb, name, D);
+        snprintf(name, sizeof name, "blocks.%d.mlp.fc1", l); dt__add_linear(mb, name, D, cfg->mlp_hidden, DT_INIT_NORMAL, 0.02f);
+        dt__split_column(mb, 0, 1, 1);
+        snprintf(name, sizeof name, "blocks.%d.mlp.fc2", l); dt__add_linear(mb, name, cfg->mlp_hidden, D, DT_INIT_NORMAL, 0.02f);
+        dt__split_row(mb, 0, 1);
+    }
+    dt__rows_split_from(mb, blocks);
+    dt__unit_starts_here(mb);
+    dt__add_layernorm(mb, "norm", D);
+    dt__add_linear(mb, "head", D, cfg->classes, DT_INIT_NORMAL, 0.02f);
+}
+
+/* A linear layer without bias, as every Llama projection is (Qwen2's q, k, v
+   have one): nn.Linear's [out, in] weight. */
+static void dt__add_projection(dt__model_builder *mb, const char *prefix, int in, int out, int bias) {
+    char name[160];
+    dt__path(name, sizeof name, "%s.weight", prefix);
+    dt__add_param(mb, name, DT_INIT_NORMAL, 0.02f, 2, out, in, 0, 0);
+    dt__path(name, sizeof name, "%s.bias", prefix);
+    if (bias) dt__add_param(mb, name, DT_INIT_ZERO, 0, 1, out, 0, 0, 0);
+}
+/* The same marks for a projection just added, with or without its bias:
+   column-parallel (its outputs, in `align`-wide pieces: a head's width) or
+   row-parallel (its inputs; it has no bias). */
+static void dt__split_projection(dt__model_builder *mb, int bias, int column, int align) {
+    dt_model *m = mb->m;
+    if (!column) { m->splits[m->nparams - 1] = (dt_split){ .dim = 1, .parts = 1, .align = align }; return; }
+    m->splits[m->nparams - 1 - bias] = (dt_split){ .dim = 0, .parts = 1, .align = align };
+    if (bias) m->splits[m->nparams - 1] = (dt_split){ .dim = 0, .parts = 1, .align = align };
+}
+/* Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM: normal(0.02) weights,
+   zero biases, unit RMSNorms. With a tied head the embedding and the final
+   norm are the outer unit (as the GPT's); with a head of its own the
+   embedding is the first unit and the norm and head the last. */
+static void dt__llama_build(dt__model_builder *mb, const dt_model_config *cfg) {
+    dt__check_heads(cfg);
+    /* the config's zeros become the defaults here, in the model's own copy,
+       so forward, the description and checkpoints all read the numbers used */
+    dt_model_config *own = &mb->m->cfg;
+    if (own->kv_heads <= 0) own->kv_heads = cfg->heads;
+    if (!(own->rope_theta > 0)) own->rope_theta = 10000.0f;
+    if (!(own->norm_eps > 0)) own->norm_eps = 1e-5f;
+    int D = cfg->dim, H = cfg->heads, KV = own->kv_heads, hd = D / H;
+    char name[160];
+    if (H % KV) dt_fail("llama: --heads %d is not a multiple of --kv-heads %d (each key/value head serves a group)", H, KV);
+    if (hd % 2) dt_fail("llama: the head width --dim / --heads = %d is odd; rotary embeddings turn pairs", hd);
+    if (!cfg->untied_head) mb->m->outer_unit = 0;
+    dt__unit_starts_here(mb);
+    int qb = cfg->qkv_bias != 0;
+    dt__add_param(mb, "model.embed_tokens.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->classes, D, 0, 0);
+    mb->m->splits[mb->m->nparams - 1] = (dt_split){ .dim = 0, .parts = 1, .align = 1, .vocab = 1, .tied = !cfg->untied_head };
+    if (!cfg->untied_head) {                                           /* by tokens, above; the head's norm */
+        dt__add_param(mb, "model.norm.weight", DT_INIT_ONE, 0, 1, D, 0, 0, 0);
+        mb->m->splits[mb->m->nparams - 1].head = 1;
+    }
+    int blocks = mb->m->nparams;
+    /* tensor parallelism: q, k and v by heads (k and v by their key/value
+       heads), o_proj by its inputs; gate and up by the hidden units, down by
+       its inputs */
+    for (int l = 0; l < cfg->depth; l++) {
+        dt__unit_starts_here(mb);
+        snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
+        dt__add_param(mb, name, DT_INIT_ONE, 0, 1, D, 0, 0, 0);
+        snprintf(name, sizeof name, "model.layers.%d.self_attn.q_proj", l); dt__add_projection(mb, name, D, H * hd, qb);
+        dt__split_projection(mb, qb, 1, hd);
+        snprintf(name, sizeof name, "model.layers.%d.self_attn.k_proj", l); dt__add_projection(mb, name, D, KV * hd, qb);
+        dt__split_projection(mb, qb, 1, hd);
+        snprintf(name, sizeof name, "model.layers.%d.self_attn.v_proj", l); dt__add_projection(mb, name, D, KV * hd, qb);
+        dt__split_projection(mb, qb, 1, hd);
+        snprintf(name, sizeof name, "model.layers.%d.self_attn.o_proj", l); dt__add_projection(mb, name, H * hd, D, 0);
+        dt__split_projection(mb, 0, 0, hd);
+        snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
+        dt__add_param(mb, name, DT_INIT_ONE, 0, 1, D, 0, 0, 0);
+        snprintf(name, sizeof name, "model.layers.%d.mlp.gate_proj", l); dt__add_projection(mb, name, D, cfg->mlp_hidden, 0);
+        dt__split_projection(mb, 0, 1, 1);
+        snprintf(name, sizeof name, "model.layers.%d.mlp.up_proj", l); dt__add_projection(mb, name, D, cfg->mlp_hidden, 0);
+        dt__split_projection(mb, 0, 1, 1);
+        snprintf(name, sizeof name, "model.layers.%d.mlp.down_proj", l); dt__add_projection(mb, name, cfg->mlp_hidden, D, 0);
+        dt__split_projection(mb, 0, 0, 1);
+    }
+    dt__rows_split_from(mb, blocks);
+    if (cfg->untied_head) {
+        dt__unit_starts_here(mb);
+        dt__add_param(mb, "model.norm.weight", DT_INIT_ONE, 0, 1, D, 0, 0, 0);
+        dt__add_param(mb, "lm_head.weight", DT_INIT_NORMAL, 0.02f, 2, cfg->classes, D, 0, 0);
+        mb->m->splits[mb->m->nparams - 1] = (dt_split){ .dim = 0, .parts = 1, .align = 1, .vocab = 1 };
+    }
+}
+
+/* Where a unit's forward begins and ends: FSDP gathers its parameters there,
+   and leaves marks on the tape for the same moments of backward. */
+static void dt__unit_boundary(dt_model *m, int unit, int begin) {
+    dt_parallel *par = m->parallel;
+    if (par && begin && par->unit_begin) par->unit_begin(par, unit);
+    if (par && !begin && par->unit_end) par->unit_end(par, unit);
+}
+
+/* -- activation recompute (--recompute). Most of a step's memory is the
+      activations each block keeps for its backward, and backward needs a
+      block's only when it reaches that block. So a block keeps what enters
+      and what leaves it: its forward runs as always, then everything it made
+      but its output goes back to the step arena, and one tape entry stands
+      for its entries. When backward reaches that entry, the block's forward
+      runs again from the same input -- the same ops in the same order, so
+      the same bits -- its new entries are walked, and their memory goes back
+      too. The price is one more forward of each block per step; what is
+      saved is every block's activations but one block's at a time. Under
+      FSDP the unit's marks stand on either side of that entry, so the unit
+      is gathered again before its forward runs again. -- */
+typedef dt_tensor *(*dt__block_fn)(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T);   /* P: its first parameter */
+typedef struct { dt_model *m; dt__block_fn fn; dt_tensor *params; int B, T; } dt__block_call;
+
+void dt_model_set_recompute(dt_model *m, int on) { m->recompute = on != 0; }
+
+/* y's values, moved to the step arena's mark k: all else after k is given back. */
+static dt_tensor *dt__keep_only(const dt__step_mark *k, const dt_tensor *y) {
+    dt_tensor kept = *y;
+    size_t bytes = (size_t)y->numel * dt_dtype_size(y->dtype);
+    dt__scratch_reset();
+    void *stash = dt__scratch_on(y->device, bytes);
+    dt_convert(y->data, y->dtype, stash, y->dtype, y->numel);     /* a copy: the same dtype both sides */
+    dt__step_back_to(k);
+    dt_tensor *out = dt__tensor_alloc(kept.ndim, kept.shape, kept.dtype);
+    dt_convert(stash, kept.dtype, out->data, kept.dtype, kept.numel);
+    return out;
+}
+static void dt__recompute_backward(dt__tape_entry *e) {
+    dt__block_call call = *(const dt__block_call *)e->saved;
+    dt_tensor *x = e->in[0], *y = e->out;
+    if (x->requires_grad) dt_grad(x);       /* before the mark: x's gradient outlives the block's */
+    dt__step_mark k = dt__step_mark_now();
+    int first = dt__ctx.tape_len;           /* e points into the tape, which grows: not used below */
+    dt_tensor *again = call.fn(call.m, call.params, x, call.B, call.T);
+    again->grad = y->grad;                  /* the gradient that reached the block's output */
+    dt__tape_walk(first, dt__ctx.tape_len);
+    dt__ctx.tape_len = first;
+    dt__step_back_to(&k);
+}
+/* One block's forward, between its unit's boundaries (FSDP gathers there). */
+static dt_tensor *dt__block(dt_model *m, int unit, dt__block_fn fn, dt_tensor *params, dt_tensor *x, int B, int T) {
+    dt__unit_boundary(m, unit, 1);
+    int recompute = m->recompute && dt__ctx.grad_enabled;
+    dt__step_mark k = dt__step_mark_now();
+    int first = dt__ctx.tape_len;
+    dt_tensor *y = fn(m, params, x, B, T);
+    if (recompute) {
+        dt__ctx.tape_len = first;           /* its entries go, one stands for them */
+        y = dt__keep_only(&k, y);
+        dt__block_call *call = (dt__block_call *)dt_step_alloc(sizeof *call);
+        *call = (dt__block_call){ m, fn, params, B, T };
+        dt__tape_push(dt__recompute_backward, y, x, NULL, NULL)->saved = call;
+    }
+    dt__unit_boundary(m, unit, 0);
+    return y;
+}
+
+/* The weights a forward reads: unit u's first one (the base's, under LoRA). */
+static dt_tensor *dt__unit_weights(dt_model *m, int unit) {
+    dt_model *w = m->base ? m->base : m;
+    return &w->params[w->unit_first[unit]];
+}
+/* A linear layer's output y = x W^T + b, plus LoRA's (alpha/r) (x A^T) B^T
+   when W has an adapter. The sum is PEFT's order: the base's output first. */
+static int dt__adapter_of(const dt_model *m, const dt_tensor *w) { return m->base ? m->lora_of[w - m->base->params] : -1; }
+static dt_tensor *dt__with_adapter(dt_model *m, dt_tensor *x, const dt_tensor *w, dt_tensor *y) {
+    int a = dt__adapter_of(m, w);
+    if (a < 0) return y;
+    dt_tensor *low = dt_linear(x, &m->params[a], NULL);
+    return dt_add(y, dt_scale(dt_linear(low, &m->params[a + 1], NULL), m->lora_scale));
+}
+/* Did tensor parallelism (section 11) cut w? Along its outputs: a
+   column-parallel layer; along its inputs: a row-parallel one; or not (or no
+   wrapper splits layers). */
+typedef enum { DT__WHOLE, DT__COLUMN_PARALLEL, DT__ROW_PARALLEL } dt__cut;
+static dt__cut dt__tp_cut(const dt_model *m, const dt_tensor *w, int in_out) {
+    if (!m->parallel || !m->parallel->tp_sum || w < m->params || w >= m->params + m->nparams) return DT__WHOLE;
+    int dim = m->splits[w - m->params].dim;
+    return dim < 0 ? DT__WHOLE : dim == (in_out ? 1 : 0) ? DT__COLUMN_PARALLEL : DT__ROW_PARALLEL;
+}
+/* A column-parallel layer's input: its gradient is summed over the group. */
+static dt_tensor *dt__tp_input(dt_model *m, dt_tensor *x, const dt_tensor *w, int in_out) {
+    return dt__tp_cut(m, w, in_out) == DT__COLUMN_PARALLEL ? dt_tp_copy(m->parallel, x) : x;
+}
+/* A linear layer, whole or cut: a row-parallel one sums its partial outputs
+   over the group, then adds its bias once. */
+static dt_tensor *dt__linear_cut(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b, int in_out) {
+    x = dt__tp_input(m, x, w, in_out);
+    if (dt__tp_cut(m, w, in_out) != DT__ROW_PARALLEL) return in_out ? dt_linear_in_out(x, w, b) : dt_linear(x, w, b);
+    dt_tensor *partial = in_out ? dt_linear_in_out(x, w, NULL) : dt_linear(x, w, NULL);
+    dt_tensor *sum = dt_tp_sum(m->parallel, partial);
+    return b ? dt_add_bias(sum, b) : sum;                   /* Llama's projections have none */
+}
+static dt_tensor *dt__lora_linear(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
+    return dt__with_adapter(m, x, w, dt__linear_cut(m, x, w, b, 0));
+}
+/* A language model's vocabulary (the GPT's wte, Llama's embed_tokens: the
+   token embedding, and the head), cut over the group by its rows. Each rank looks up the tokens it holds, zeros
+   for the others, and the group sums the rows (the one rank's row plus
+   zeros: the same bits); the positions are added after, on every rank. */
+static dt_tensor *dt__vocab_embedding(dt_model *m, const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe) {
+    if (dt__tp_cut(m, wte, 0) != DT__COLUMN_PARALLEL) return dt_token_embedding(tokens, wte, wpe);
+    dt_parallel *par = m->parallel;
+    int V = (int)dt_tensor_rows(wte), B = tokens->shape[0], T = (int)dt_tensor_cols(tokens);
+    dt_tensor *x = dt_tp_sum(par, dt__token_embedding_rows(tokens, wte, NULL, par->tp_rank * V, V * par->tp_size));
+    if (!wpe) return x;                                                   /* Llama: positions by rotation */
+    float *at = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)B * T);
+    for (int r = 0; r < B * T; r++) at[r] = (float)(r % T);             /* each row's position, looked up in wpe */
+    int shape[2] = { B, T };
+    return dt_add(x, dt_token_embedding(dt_tensor_from_host(2, shape, at), wpe, NULL));
+}
+/* ... and its head, a column-parallel layer: each rank gives its columns of
+   the logits, marked (their `parallel`) so that dt_cross_entropy and
+   dt_logits_to_host work with the group on them. */
+static dt_tensor *dt__vocab_head(dt_model *m, dt_tensor *x, dt_tensor *wte) {
+    dt_tensor *logits = dt__linear_cut(m, x, wte, NULL, 0);
+    if (dt__tp_cut(m, wte, 0) == DT__COLUMN_PARALLEL) logits->parallel = m->parallel;
+    return logits;
+}
+static dt_tensor *dt__lora_linear_in_out(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
+    return dt__with_adapter(m, x, w, dt__linear_cut(m, x, w, b, 1));
+}
+/* the fused forms: apart when the adapter's term or a row-parallel sum comes between */
+static dt_tensor *dt__lora_linear_gelu(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
+    if (dt__adapter_of(m, w) >= 0 || dt__tp_cut(m, w, 0) == DT__ROW_PARALLEL) return dt_gelu(dt__lora_linear(m, x, w, b));
+    return dt_linear_gelu(dt__tp_input(m, x, w, 0), w, b);
+}
+static dt_tensor *dt__lora_linear_in_out_gelu_tanh(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
+    if (dt__adapter_of(m, w) >= 0 || dt__tp_cut(m, w, 1) == DT__ROW_PARALLEL)
+        return dt_gelu_tanh(dt__lora_linear_in_out(m, x, w, b));
+    return dt_linear_in_out_gelu_tanh(dt__tp_input(m, x, w, 1), w, b);
+}
+/* The attention heads on this rank: all of them, or tensor parallelism's share
+   (qkv holds 3 x heads x head width columns). */
+static int dt__heads_here(const dt_model *m, const dt_tensor *qkv) {
+    return (int)((int64_t)m->cfg.heads * dt_tensor_cols(qkv) / (3 * (int64_t)m->cfg.dim));
+}
+
+/* -- the blocks a forward runs: all of them (dt_model_forward), or a
+      pipeline stage's share (dt_model_forward_blocks), from x when it does
+      not begin with the embedding, to x when it does not end with the head -- */
+typedef struct dt__span { int first, end; dt_tensor *x; } dt__span;
+static dt_tensor *dt__span_blocks(dt_model *m, const dt__span *s, int first_unit, dt__block_fn fn, dt_tensor *x, int B,
+                                  int T) {
+    for (int l = s->first; l < s->end; l++) x = dt__block(m, first_unit + l, fn, dt__unit_weights(m, first_unit + l), x, B, T);
+    return x;
+}
+
+/* The MLP: linear layers with GELU between them; a block is one layer and
+   its GELU (none after the last). */
+static dt_tensor *dt__mlp_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int last) {
+    (void)B;
+    x = dt__lora_linear(m, x, &P[0], &P[1]);
+    return last ? x : dt_gelu(x);
+}
+static dt_tensor *dt__mlp_last_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { (void)T; return dt__mlp_block(m, P, x, B, 1); }
+static dt_tensor *dt__mlp_hidden_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { (void)T; return dt__mlp_block(m, P, x, B, 0); }
+static dt_tensor *dt__mlp_forward(dt_model *m, dt_tensor *images, const dt__span *s) {
+    const dt_model_config *c = &m->cfg;
+    int B = images->shape[0];
+    dt_tensor *x = s->x;
+    if (s->first == 0) {
+        x = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));
+        *x = *images;                                                  /* flatten: a view */
+        x->ndim = 2; x->shape[0] = B; x->shape[1] = (int)(images->numel / B);
+        x = dt_sp_split(m->parallel, x);                               /* --sequence-parallel: this rank's images */
+    }
+    for (int l = s->first; l < s->end; l++)
+        x = dt__block(m, l, l < c->depth ? dt__mlp_hidden_block : dt__mlp_last_block, dt__unit_weights(m, l), x, B, 0);
+    return s->end == c->depth + 1 ? dt_sp_gather(m->parallel, x) : x;
+}
+
+/* A ViT block: pre-LN attention and MLP, each added to the residual stream. */
+static dt_tensor *dt__vit_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
+    dt_tensor *n1w = &P[0], *n1b = &P[1], *qkvw = &P[2], *qkvb = &P[3], *pjw = &P[4], *pjb = &P[5];
+    dt_tensor *n2w = &P[6], *n2b = &P[7], *f1w = &P[8], *f1b = &P[9], *f2w = &P[10], *f2b = &P[11];
+    dt_tensor *h = dt__lora_linear(m, dt_layernorm(x, n1w, n1b, 1e-6f), qkvw, qkvb);
+    h = dt__lora_linear(m, dt_attention(h, B, T, dt__heads_here(m, h), 0), pjw, pjb);
+    x = dt_add(x, h);                                              /* pre-LN residual */
+    h = dt__lora_linear_gelu(m, dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b);
+    return dt_add(x, dt__lora_linear(m, h, f2w, f2b));
+}
+
+/* The ViT: patches as tokens, pre-LN blocks, the class token's logits. */
+static dt_tensor *dt__vit_forward(dt_model *m, dt_tensor *images, const dt__span *s) {
+    const dt_model_config *c = &m->cfg;
+    int B = images->shape[0], pi = 0;
+    dt_tensor *P = dt__unit_weights(m, 0), *x = s->x;
+#define DT_NEXT (&P[pi++])
+    int T = (c->image_size / c->patch) * (c->image_size / c->patch) + 1;
+    if (s->first == 0) {
+        dt__unit_boundary(m, 0, 1);
+        dt_tensor *cls = DT_NEXT, *pos = DT_NEXT, *pw = DT_NEXT, *pb = DT_NEXT;
+        x = dt_linear(dt_patchify(images, c->patch), pw, pb);         /* the conv, as a matmul */
+        x = dt_sp_split(m->parallel, dt_vit_tokens(x, cls, pos, B));  /* --sequence-parallel: this rank's rows */
+        dt__unit_boundary(m, 0, 0);
+    }
+    x = dt__span_blocks(m, s, 1, dt__vit_block, x, B, T);
+    if (s->end < c->depth) return x;
+    x = dt_sp_gather(m->parallel, x);
+    dt__unit_boundary(m, 1 + c->depth, 1);
+    P = dt__unit_weights(m, 1 + c->depth);
+    pi = 0;
+    dt_tensor *nw = DT_NEXT, *nb = DT_NEXT, *hw = DT_NEXT, *hb = DT_NEXT;
+    /* timm normalises every token, then pools the class token; normalising only
+       the class token gives the same logits for less work. */
+    x = dt_layernorm(dt_select_token(x, B, T, 0), nw, nb, 1e-6f);
+    x = dt__lora_linear(m, x, hw, hb);
+    dt__unit_boundary(m, 1 + c->depth, 0);
+    return x;
+#undef DT_NEXT
+}
+
+/* The context check of both language models. */
+static void dt__check_context(const char *family, int T, int context) {
+    if (T > context) dt_fail("%s: %d tokens do not fit a context of %d (--seq-len)", family, T, context);
+}
+
+/* A GPT-2 block: causal self-attention and an MLP, pre-LN, GPT-2's layout. */
+static dt_tensor *dt__gpt_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
+    dt_tensor *n1w = &P[0], *n1b = &P[1], *aw = &P[2], *ab = &P[3], *pw = &P[4], *pb = &P[5];
+    dt_tensor *n2w = &P[6], *n2b = &P[7], *fw = &P[8], *fb = &P[9], *mw = &P[10], *mb = &P[11];
+    dt_tensor *h = dt__lora_linear_in_out(m, dt_layernorm(x, n1w, n1b, 1e-5f), aw, ab);
+    h = dt__lora_linear_in_out(m, dt_attention(h, B, T, dt__heads_here(m, h), /*causal*/ 1), pw, pb);
+    x = dt_add(x, h);
+    h = dt__lora_linear_in_out_gelu_tanh(m, dt_layernorm(x, n2w, n2b, 1e-5f), fw, fb);
+    return dt_add(x, dt__lora_linear_in_out(m, h, mw, mb));
+}
+
+/* GPT-2: pre-LN blocks of causal self-attention and an MLP; the head is the
+   token embedding again (x wte^T), so input and output share one table. */
+static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens, const dt__span *s) {
+    const dt_model_config *c = &m->cfg;
+    int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), pi = 0;
+    dt_tensor *P = dt__unit_weights(m, 0), *x = s->x;
+    dt__check_context("gpt", T, c->seq_len);
+#define DT_NEXT (&P[pi++])
+    dt_tensor *wte = DT_NEXT, *wpe = DT_NEXT, *nfw = DT_NEXT, *nfb = DT_NEXT;
+    if (s->first == 0) {
+        dt__unit_boundary(m, 0, 1);                                     /* the outer unit, until the head */
+        x = dt_sp_split(m->parallel, dt__vocab_embedding(m, tokens, wte, wpe));   /* --sequence-parallel */
+    }
+    x = dt__span_blocks(m, s, 1, dt__gpt_block, x, B, T);
+    if (s->end < c->depth) {                                            /* a pipeline stage before the head's */
+        if (s->first == 0) dt__unit_boundary(m, 0, 0);
+        return x;
+    }
+    if (s->first > 0) dt__unit_boundary(m, 0, 1);                       /* the head's stage: the outer unit again */
+    x = dt_sp_gather(m->parallel, x);
+    x = dt__vocab_head(m, dt_layernorm(x, nfw, nfb, 1e-5f), wte);     /* tied head: logits = x wte^T */
+    dt__unit_boundary(m, 0, 0);
+    return x;
+#undef DT_NEXT
+}
+
+/* A Llama decoder layer (Qwen2's with biases on q, k and v). */
+static dt_tensor *dt__llama_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
+    const dt_model_config *c = &m->cfg;
+    dt_rope rope = { c->rope_theta, c->rope_factor, c->rope_low_freq, c->rope_high_freq, c->rope_original_context };
+    int pi = 0;
+#define DT_NEXT (&P[pi++])
+#define DT_BIAS (c->qkv_bias ? DT_NEXT : NULL)
+    dt_tensor *n1 = DT_NEXT, *qw = DT_NEXT, *qb = DT_BIAS, *kw = DT_NEXT, *kb = DT_BIAS, *vw = DT_NEXT, *vb = DT_BIAS;
+    dt_tensor *ow = DT_NEXT, *n2 = DT_NEXT, *gw = DT_NEXT, *uw = DT_NEXT, *dw = DT_NEXT;
+#undef DT_BIAS
+#undef DT_NEXT
+    dt_tensor *h = dt_rmsnorm(x, n1, c->norm_eps);
+    dt_tensor *q = dt__lora_linear(m, h, qw, qb), *k = dt__lora_linear(m, h, kw, kb), *v = dt__lora_linear(m, h, vw, vb);
+    int hd = c->dim / c->heads, H = (int)(dt_tensor_cols(q) / hd), KV = (int)(dt_tensor_cols(k) / hd);   /* this rank's heads */
+    dt_tensor *qkv = dt_rotary_qkv(q, k, v, B, T, H, KV, rope);
+    x = dt_add(x, dt__lora_linear(m, dt_attention(qkv, B, T, H, /*causal*/ 1), ow, NULL));
+    h = dt_rmsnorm(x, n2, c->norm_eps);
+    return dt_add(x, dt__lora_linear(m, dt_swiglu(dt__lora_linear(m, h, gw, NULL), dt__lora_linear(m, h, uw, NULL)), dw, NULL));
+}
+
+/* Llama: what changed since GPT-2, block by block. RMSNorm instead of
+   LayerNorm; no position table, q and k rotated by position instead; fewer
+   key/value heads than query heads; a gated MLP, down(silu(gate x) * up x);
+   no biases (but Qwen2's q, k, v). */
+static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens, const dt__span *s) {
+    const dt_model_config *c = &m->cfg;
+    int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), tied = !c->untied_head;
+    float eps = c->norm_eps;
+    dt_tensor *P = dt__unit_weights(m, 0), *x = s->x;
+    dt__check_context("llama", T, c->seq_len);
+    dt_tensor *embed = &P[0], *norm = tied ? &P[1] : NULL;
+    if (s->first == 0) {
+        dt__unit_boundary(m, 0, 1);
+        x = dt_sp_split(m->parallel, dt__vocab_embedding(m, tokens, embed, NULL));   /* --sequence-parallel */
+        if (!tied) dt__unit_boundary(m, 0, 0);
+    }
+    x = dt__span_blocks(m, s, 1, dt__llama_block, x, B, T);
+    if (s->end < c->depth) {
+        if (s->first == 0 && tied) dt__unit_boundary(m, 0, 0);
+        return x;
+    }
+    if (s->first > 0 && tied) dt__unit_boundary(m, 0, 1);
+    x = dt_sp_gather(m->parallel, x);
+    if (tied) {
+        x = dt__vocab_head(m, dt_rmsnorm(x, norm, eps), embed);      /* logits = x embed^T */
+        dt__unit_boundary(m, 0, 0);
+    } else {
+        dt__unit_boundary(m, 1 + c->depth, 1);
+        dt_tensor *nw = dt__unit_weights(m, 1 + c->depth), *head = nw + 1;
+        x = dt_rmsnorm(x, nw, eps);
+        x = dt__tp_cut(m, head, 0) == DT__COLUMN_PARALLEL ? dt__vocab_head(m, x, head) : dt__lora_linear(m, x, head, NULL);
+        dt__unit_boundary(m, 1 + c->depth, 0);
+    }
+    return x;
+}
+
+/* The parameters of the whole model: a wrapper that cuts it (tensor, pipeline
+   parallelism) keeps its whole shapes (m->numel counts what this rank holds). */
+static double dt__whole_params(const dt_model *m) {
+    const dt_model *w = m->parallel && m->parallel->whole ? m->parallel->whole : m;
+    double n = 0;
+    for (int i = 0; i < w->nparams; i++) n += (double)w->params[i].numel;
+    return n;
+}
+static void dt__mlp_describe(const dt_model *m, char *out, size_t n) {
+    const dt_model_config *c = &m->cfg;
+    snprintf(out, n, "mlp %d -> %d x %d hidden -> %d (%.2fM params)", c->channels * c->image_size * c->image_size, c->depth,
+             c->dim, c->classes, dt__whole_params(m) / 1e6);
+}
+static void dt__vit_describe(const dt_model *m, char *out, size_t n) {
+    const dt_model_config *c = &m->cfg;
+    snprintf(out, n, "vit dim=%d depth=%d heads=%d patch=%d mlp=%d on %dx%dx%d (%.2fM params)", c->dim, c->depth, c->heads,
+             c->patch, c->mlp_hidden, c->channels, c->image_size, c->image_size, dt__whole_params(m) / 1e6);
+}
+static void dt__gpt_describe(const dt_model *m, char *out, size_t n) {
+    const dt_model_config *c = &m->cfg;
+    snprintf(out, n, "gpt dim=%d depth=%d heads=%d mlp=%d context=%d vocab=%d (%.2fM params)", c->dim, c->depth, c->heads,
+             c->mlp_hidden, c->seq_len, c->classes, dt__whole_params(m) / 1e6);
+}
+static void dt__llama_describe(const dt_model *m, char *out, size_t n) {
+    const dt_model_config *c = &m->cfg;
+    char scaling[128] = "";
+    if (c->rope_factor > 0)
+        snprintf(scaling, sizeof scaling, " rope-llama3=%g,%g,%g,%d", (double)c->rope_factor, (double)c->rope_low_freq,
+                 (double)c->rope_high_freq, c->rope_original_context);
+    snprintf(out, n, "llama dim=%d depth=%d heads=%d kv-heads=%d ffn=%d context=%d vocab=%d rope-theta=%g%s norm-eps=%g%s%s "
+             "(%.2fM params)", c->dim, c->depth, c->heads, c->kv_heads, c->mlp_hidden, c->seq_len, c->classes,
+             (double)c->rope_theta, scaling, (double)c->norm_eps, c->untied_head ? " untied-head" : "",
+             c->qkv_bias ? " qkv-bias" : "", dt__whole_params(m) / 1e6);
+}
+/* The config.json beside a checkpoint's weights: the model's shape in the words
+   of the library that has the same model -- transformers for gpt (GPT2LMHeadModel)
+   and llama (LlamaForCausalLM, or Qwen2ForCausalLM when q, k and v have biases,
+   the one difference between the two), timm for vit (what timm writes when it
+   pushes a model to the Hub). A plain MLP has no such library: its file names
+   the layers for whoever rebuilds it (tests/hf_load_check.py does). */
+static void dt__mlp_config_json(FILE *f, const dt_model_config *c) {
+    fprintf(f, "{\n  \"dtrain_model\": \"mlp\",\n  \"layers\": \"fc1 .. fc%d, nn.Linear each, exact GELU between; the image "
+            "flattened (channels, rows, columns) first\",\n  \"in_features\": %d,\n  \"hidden_size\": %d,\n"
+            "  \"num_hidden_layers\": %d,\n  \"num_classes\": %d\n}\n", c->depth + 1,
+            c->channels * c->image_size * c->image_size, c->dim, c->depth, c->classes);
+}
+static void dt__vit_config_json(FILE *f, const dt_model_config *c) {
+    /* timm's registered names fix nothing here: model_args overrides every shape.
+       timm's MLP is int(dim * mlp_ratio) wide: a ratio that rounds below is nudged. */
+    double ratio = (double)c->mlp_hidden / c->dim;
+    if ((int)(c->dim * ratio) != c->mlp_hidden) ratio = (c->mlp_hidden + 0.5) / c->dim;
+    fprintf(f, "{\n  \"architecture\": \"vit_base_patch16_224\",\n  \"num_classes\": %d,\n  \"num_features\": %d,\n"
+            "  \"global_pool\": \"token\",\n  \"model_args\": {\"img_size\": %d, \"patch_size\": %d, \"in_chans\": %d, "
+            "\"embed_dim\": %d, \"depth\": %d, \"num_heads\": %d, \"mlp_ratio\": %.17g, \"num_classes\": %d},\n"
+            "  \"pretrained_cfg\": {\"input_size\": [%d, %d, %d], \"num_classes\": %d}\n}\n", c->classes, c->dim,
+            c->image_size, c->patch, c->channels, c->dim, c->depth, c->heads, ratio, c->classes,
+            c->channels, c->image_size, c->image_size, c->classes);
+}
+static void dt__gpt_config_json(FILE *f, const dt_model_config *c) {
+    fprintf(f, "{\n  \"model_type\": \"gpt2\",\n  \"architectures\": [\"GPT2LMHeadModel\"],\n  \"vocab_size\": %d,\n"
+            "  \"n_positions\": %d,\n  \"n_embd\": %d,\n  \"n_layer\": %d,\n  \"n_head\": %d,\n  \"n_inner\": %d,\n"
+            "  \"activation_function\": \"gelu_new\",\n  \"layer_norm_epsilon\": 1e-05,\n  \"tie_word_embeddings\": true,\n"
+            "  \"resid_pdrop\": 0.0,\n  \"embd_pdrop\": 0.0,\n  \"attn_pdrop\": 0.0,\n  \"torch_dtype\": \"float32\"\n}\n",
+            c->classes, c->seq_len, c->dim, c->depth, c->heads, c->mlp_hidden);
+}
+/* A float as JSON that reads back as a float (transformers checks the type): 8 is written 8.0. */
+static const char *dt__json_float(char *out, size_t n, float v) {
+    snprintf(out, n, "%.9g", (double)v);
+    if (!strpbrk(out, ".eEn")) snprintf(out + strlen(out), n - strlen(out), ".0");
+    return out;
+}
+static void dt__llama_config_json(FILE *f, const dt_model_config *c) {
+    char scaling[256] = "null", a[32], b[32], d[32];
+    if (c->rope_factor > 0)
+        snprintf(scaling, sizeof scaling, "{\"rope_type\": \"llama3\", \"factor\": %s, \"low_freq_factor\": %s, "
+                 "\"high_freq_factor\": %s, \"original_max_position_embeddings\": %d}", dt__json_float(a, sizeof a, c->rope_factor),
+                 dt__json_float(b, sizeof b, c->rope_low_freq), dt__json_float(d, sizeof d, c->rope_high_freq),
+                 c->rope_original_context);
+    const char *type = c->qkv_bias ? "qwen2" : "llama", *arch = c->qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM";
+    fprintf(f, "{\n  \"model_type\": \"%s\",\n  \"architectures\": [\"%s\"],\n  \"vocab_size\": %d,\n  \"hidden_size\": %d,\n"
+            "  \"intermediate_size\": %d,\n  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n"
+            "  \"num_key_value_heads\": %d,\n  \"head_dim\": %d,\n  \"max_position_embeddings\": %d,\n  \"rope_theta\": %.9g,\n"
+            "  \"rope_scaling\": %s,\n  \"rms_norm_eps\": %.9g,\n  \"hidden_act\": \"silu\",\n  \"tie_word_embeddings\": %s,\n"
+            "%s  \"attention_dropout\": 0.0,\n  \"torch_dtype\": \"float32\"\n}\n", type, arch, c->classes, c->dim, c->mlp_hidden,
+            c->depth, c->heads, c->kv_heads, c->dim / c->heads, c->seq_len, (double)c->rope_theta, scaling, (double)c->norm_eps,
+            c->untied_head ? "false" : "true",
+            c->qkv_bias ? "  \"use_sliding_window\": false,\n" : "  \"attention_bias\": false,\n  \"mlp_bias\": false,\n");
+}
+
+/* The parameters a language model looks up rather than multiplies: GPT-2's
+   position table, Llama's embedding when its head is a matrix of its own. */
+static int64_t dt__no_params(const dt_model *m) { (void)m; return 0; }
+static int64_t dt__gpt_lookups(const dt_model *m) { return (int64_t)m->cfg.seq_len * m->cfg.dim; }
+static int64_t dt__llama_lookups(const dt_model *m) { return m->cfg.untied_head ? (int64_t)m->cfg.classes * m->cfg.dim : 0; }
+
+/* A checkpoint's "model_config": the shape's numbers, comma-separated, in this
+   order; a family writes the first `numbers` of them. */
+typedef struct dt__config_number { const char *name; size_t offset; int is_float; } dt__config_number;
+#define DT__CN(field, f) { #field, offsetof(dt_model_config, field), f }
+static const dt__config_number dt__config_numbers[] = {
+    DT__CN(channels, 0), DT__CN(image_size, 0), DT__CN(classes, 0), DT__CN(dim, 0), DT__CN(depth, 0), DT__CN(heads, 0),
+    DT__CN(patch, 0), DT__CN(mlp_hidden, 0), DT__CN(seq_len, 0), DT__CN(kv_heads, 0), DT__CN(untied_head, 0),
+    DT__CN(qkv_bias, 0), DT__CN(rope_theta, 1), DT__CN(norm_eps, 1), DT__CN(rope_factor, 1), DT__CN(rope_low_freq, 1),
+    DT__CN(rope_high_freq, 1), DT__CN(rope_original_context, 0) };
+#undef DT__CN
+
+/* The rows a block passes the next, per sample: the mlp's one, the ViT's
+   patches and class token, a language model's tokens. */
+static int dt__one_row(const dt_model *m, const dt_tensor *inputs) { (void)m; (void)inputs; return 1; }
+static int dt__vit_rows(const dt_model *m, const dt_tensor *inputs) {
+    (void)inputs;
+    return (m->cfg.image_size / m->cfg.patch) * (m->cfg.image_size / m->cfg.patch) + 1;
+}
+static int dt__token_rows(const dt_model *m, const dt_tensor *inputs) { (void)m; return (int)dt_tensor_cols(inputs); }
+
+typedef struct dt__model_family dt__model_family;
+static const dt__model_family *dt__family(dt_model_kind kind);
+/* The names of a family's numbers, comma-separated: "channels,image_size,...". */
+static void dt__config_names(dt_model_kind kind, char *out, size_t n);
+
+struct dt__model_family {
+    const char *name;                  /* --model NAME, and a checkpoint's "model" */
+    int language;                      /* token ids in, next-token logits out */
+    int numbers;                       /* how many of dt__config_numbers describe its shape */
+    void (*build)(dt__model_builder *mb, const dt_model_config *cfg);
+    int blocks_past_depth;             /* its blocks are --depth plus this many (the mlp's output layer: 1) */
+    dt_tensor *(*forward)(dt_model *m, dt_tensor *inputs, const dt__span *span);
+    int (*rows_per_sample)(const dt_model *m, const dt_tensor *inputs);   /* of what one block passes the next */
+    void (*describe)(const dt_model *m, char *out, size_t n);
+    int64_t (*lookups)(const dt_model *m);   /* parameters that never multiply */
+    void (*config_json)(FILE *f, const dt_model_config *c);   /* a checkpoint's config.json */
+    const char *lora_targets;          /* LoRA's default targets (PEFT's, where it has them); NULL: every linear layer */
+    const char *hf_prefix;             /* what Hugging Face's module names have before dtrain's */
+};
+/* in dt_model_kind's order */
+static const dt__model_family dt__model_families[] = {
+    { "mlp", 0, 8, dt__mlp_build, 1, dt__mlp_forward, dt__one_row, dt__mlp_describe, dt__no_params, dt__mlp_config_json, NULL, "" },
+    { "vit", 0, 8, dt__vit_build, 0, dt__vit_forward, dt__vit_rows, dt__vit_describe, dt__no_params, dt__vit_config_json, "qkv", "" },
+    { "gpt", 1, 9, dt__gpt_build, 0, dt__gpt_forward, dt__token_rows, dt__gpt_describe, dt__gpt_lookups, dt__gpt_config_json, "c_attn", "transformer." },
+    { "llama", 1, 18, dt__llama_build, 0, dt__llama_forward, dt__token_rows, dt__llama_describe, dt__llama_lookups, dt__llama_config_json,
+      "q_proj,v_proj", "" },
+};
+#define DT__NFAMILIES ((int)(sizeof dt__model_families / sizeof dt__model_families[0]))
+static const dt__model_family *dt__family(dt_model_kind kind) {
+    if ((int)kind < 0 || (int)kind >= DT__NFAMILIES) dt_fail("model kind %d is not one dtrain knows", (int)kind);
+    return &dt__model_families[kind];
+}
+int dt_model_is_language(dt_model_kind kind) { return dt__family(kind)->language; }
+static void dt__config_names(dt_model_kind kind, char *out, size_t n) {
+    size_t used = 0;
+    out[0] = 0;
+    for (int k = 0; k < dt__family(kind)->numbers && used < n; k++) {
+        int w = snprintf(out + used, n - used, "%s%s", k ? "," : "", dt__config_numbers[k].name);
+        used += w > 0 ? (size_t)w : 0;
+    }
+}
+
+/* The flat buffers of the parameters the builder listed, and their first values. */
+static void dt__model_allocate(dt_model *m, dt__model_builder *mb, uint64_t seed, int frozen) {
+    m->unit_first[m->nunits] = m->nparams;
+    m->offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(m->nparams + 1));
+    if (!m->offsets) dt_fail("out of memory (model)");
+    for (int i = 0; i < m->nparams; i++) { m->offsets[i] = m->numel; m->numel = dt__size_add(m->numel, m->params[i].numel, "the model"); }
+    /* A model that cannot fit is refused with its size before its weights are allocated (the system may
+       promise more than it has, and the first write would then kill the run). */
+    double weights = (double)m->numel * sizeof(float), have = dt__host_memory_bytes();
+    if (dt__ctx.device == DT_CPU && have > 0 && weights * (frozen ? 1 : 2) > have)
+        dt_fail("the model has %lld parameters: %.3g GB of weights%s, more than this machine's %.3g GB of memory (smaller "
+                "--dim, --depth or vocabulary?)", (long long)m->numel, weights / 1e9,
+                frozen ? "" : " and as much again of gradients", have / 1e9);
+    size_t bytes = (size_t)dt__size_mul(m->numel, (int64_t)sizeof(float), "the model");
+    m->device = dt__ctx.device;
+    m->flat_data = (float *)dt_alloc_on(m->device, DT_ARENA_PARAMS, bytes);
+    m->flat_grad = frozen ? NULL : (float *)dt_alloc_on(m->device, DT_ARENA_GRADS, bytes);
+    /* Draw the weights on the host (the same numbers on every device), then upload. */
+    float *init = m->device == DT_CPU ? m->flat_data : (float *)malloc(bytes ? bytes : 1);
+    if (!init) dt_fail("out of memory (model initialisation)");
+    dt__rng rng = { seed };
+    int64_t off = 0;
+    for (int i = 0; i < m->nparams; i++) {
+        dt_tensor *t = &m->params[i];
+        t->data = m->flat_data + off;
+        t->grad = frozen ? NULL : m->flat_grad + off;
+        t->requires_grad = !frozen;
+        t->device = m->device;
+        float sc = mb->init_scale[i], *dst = init + off;
+        off += t->numel;
+        for (int64_t j = 0; j < t->numel; j++) {
+            switch (mb->init[i]) {
+            case DT_INIT_ZERO: dst[j] = 0; break;
+            case DT_INIT_ONE: dst[j] = 1; break;
+            case DT_INIT_UNIFORM: dst[j] = (float)((2 * dt__rng_uniform(&rng) - 1) * sc); break;
+            case DT_INIT_NORMAL: {       /* truncated at two standard deviations */
+                double z;
+                do z = dt__rng_normal(&rng); while (z < -2 || z > 2);
+                dst[j] = (float)(z * sc);
+                break;
+            }
+            }
+        }
+    }
+    if (init != m->flat_data) { dt_upload(m->flat_data, init, bytes); free(init); }
+    free(mb->init);
+    free(mb->init_scale);
+}
+
+/* -- LoRA (Hu et al., 2021): fine-tuning changes a weight matrix by
+      something of low rank, so learn that change as B A, with A [r, in] and
+      B [out, r] for a small r, and leave W as it was. The model with LoRA is
+      two models: the frozen one (m->base: its weights, no gradients, no
+      optimizer state) and the adapters, which are the model's parameters --
+      so the optimizer, DDP's all-reduce, FSDP's shards and the checkpoint see
+      the adapters and nothing else, with no change of their own. The
+      adapters' units are the base's, so FSDP gathers a block's adapters where
+      it would have gathered the block. B starts at zero: training starts
+      from the base model's outputs exactly. Names are PEFT's, so PEFT loads
+      the saved adapters. -- */
+
+/* A target names a module, or the last parts of its name, as PEFT's do:
+   "q_proj" is every layer's self_attn.q_proj. Embeddings are no targets. */
+static int dt__lora_target_matches(const char *module, const char *target, size_t tlen) {
+    size_t ml = strlen(module);
+    if (tlen == 0 || tlen > ml || strncmp(module + ml - tlen, target, tlen)) return 0;
+    return ml == tlen || module[ml - tlen - 1] == '.';
+}
+static int dt__lora_module(const dt_tensor *p, char *module, size_t n) {
+    size_t len = strlen(p->name);
+    if (p->ndim != 2 || len < 8 || strcmp(p->name + len - 7, ".weight") || len - 7 >= n) return 0;
+    memcpy(module, p->name, len - 7);
+    module[len - 7] = 0;
+    const char *last = strrchr(module, '.');
+    last = last ? last + 1 : module;
+    return strcmp(last, "wte") && strcmp(last, "wpe") && strcmp(last, "embed_tokens");
+}
+/* The targets of cfg, or the family's default. */
+static void dt__lora_targets_of(const dt_model_config *cfg, char *out, size_t n) {
+    const char *def = dt__family(cfg->kind)->lora_targets;
+    if (cfg->lora_targets[0]) dt__copy_str(out, n, cfg->lora_targets);
+    else if (def) dt__copy_str(out, n, def);
+    else {                                     /* the MLP: every layer */
+        size_t used = 0;
+        out[0] = 0;
+        for (int l = 0; l <= cfg->depth && used < n; l++) {
+            int w = snprintf(out + used, n - used, "%sfc%d", l ? "," : "", l + 1);
+            used += w > 0 ? (size_t)w : 0;
+        }
+    }
+}
+static void dt__lora_build(dt__model_builder *mb, dt_model *base, const dt_model_config *cfg) {
+    dt_model *m = mb->m;
+    char targets[256], module[200], name[320];
+    dt__lora_targets_of(cfg, targets, sizeof targets);
+    const char *prefix = dt__family(cfg->kind)->hf_prefix;
+    int r = cfg->lora_rank;
+    m->lora_of = (int *)malloc(sizeof(int) * (size_t)(base->nparams ? base->nparams : 1));
+    if (!m->lora_of) dt_fail("out of memory (LoRA)");
+    m->outer_unit = base->outer_unit;
+    /* every target must name something: a typo would otherwise train nothing */
+    for (const char *t = targets; *t;) {
+        size_t len = strcspn(t, ",");
+        int hits = 0;
+        for (int i = 0; i < base->nparams; i++)
+            hits += dt__lora_module(&base->params[i], module, sizeof module) && dt__lora_target_matches(module, t, len);
+        if (!hits) {
+            char have[1024] = "";
+            size_t used = 0;
+            for (int i = 0; i < base->nparams && used + 1 < sizeof have; i++) {
+                if (!dt__lora_module(&base->params[i], module, sizeof module)) continue;
+                const char *last = strrchr(module, '.');
+                last = last ? last + 1 : module;
+                int seen = 0;
+                for (const char *h = have; *h && !seen; h += strcspn(h, ",") + (h[strcspn(h, ",")] == ','))
+                    seen = strcspn(h, ",") == strlen(last) && !strncmp(h, last, strlen(last));
+                int w = seen ? 0 : snprintf(have + used, sizeof have - used, "%s%s", used ? "," : "", last);
+                used += w > 0 ? (size_t)w : 0;
+            }
+            dt_fail("LoRA target '%.*s' names no linear layer of this %s (its layers: %s)", (int)len, t,
+                    dt__family(cfg->kind)->name, have);
+        }
+        t += len + (t[len] == ',');
+    }
+    for (int u = 0; u < base->nunits; u++) {
+        dt__unit_starts_here(mb);
+        for (int i = base->unit_first[u]; i < base->unit_first[u + 1]; i++) {
+            const dt_tensor *w = &base->params[i];
+            int hit = 0;
+            m->lora_of[i] = -1;
+            if (!dt__lora_module(w, module, sizeof module)) continue;
+            for (const char *t = targets; *t && !hit;) {
+                size_t len = strcspn(t, ",");
+                hit = dt__lora_target_matches(module, t, len);
+                t += len + (t[len] == ',');
+            }
+            if (!hit) continue;
+            int gpt = cfg->kind == DT_MODEL_GPT;     /* Conv1D: [in, out] */
+            int in = w->shape[gpt ? 0 : 1], out = w->shape[gpt ? 1 : 0];
+            if (r > in || r > out)
+                dt_fail("--lora-rank %d: '%s' is %d x %d; the rank must not exceed either side", r, w->name, w->shape[0], w->shape[1]);
+            m->lora_of[i] = m->nparams;
+            snprintf(name, sizeof name, "base_model.model.%s%s.lora_A.weight", prefix, module);
+            dt__add_param(mb, name, DT_INIT_UNIFORM, 1.0f / sqrtf((float)in), 2, r, in, 0, 0);   /* PEFT's kaiming_uniform(a=sqrt 5) */
+            snprintf(name, sizeof name, "base_model.model.%s%s.lora_B.weight", prefix, module);
+            dt__add_param(mb, name, DT_INIT_ZERO, 0, 2, out, r, 0, 0);
+        }
+    }
+    m->lora_scale = cfg->lora_alpha / (float)r;
+}
+
+static dt_model *dt__model_create(const dt_model_config *cfg, uint64_t seed, int frozen) {
+    const dt__model_family *fam = dt__family(cfg->kind);
+    dt_model *m = (dt_model *)calloc(1, sizeof(dt_model));
+    if (!m) dt_fail("out of memory (model)");
+    m->cfg = *cfg;
+    m->unit_first = (int *)calloc((size_t)cfg->depth + 3, sizeof(int));
+    if (!m->unit_first) dt_fail("out of memory (model)");
+    dt__model_builder mb = { m, 0, NULL, NULL };
+    m->outer_unit = -1;
+    if (cfg->lora_rank > 0) {
+        if (!(cfg->lora_alpha > 0)) dt_fail("LoRA: alpha must be positive, got %g", (double)cfg->lora_alpha);
+        dt_model_config plain = *cfg;
+        plain.lora_rank = 0;
+        m->base = dt__model_create(&plain, seed, /*frozen*/ 1);
+        m->base_seed = seed;
+        m->cfg = m->base->cfg;               /* with the defaults the family filled in */
+        m->cfg.lora_rank = cfg->lora_rank; m->cfg.lora_alpha = cfg->lora_alpha;
+        dt__lora_targets_of(cfg, m->cfg.lora_targets, sizeof m->cfg.lora_targets);
+        dt__lora_build(&mb, m->base, &m->cfg);
+        seed ^= 0x4C6F5241ull;               /* the adapters' own draws ("LoRA") */
+    } else
+        fam->build(&mb, cfg);
+    /* which block reads each parameter (pipeline parallelism): its unit's,
+       the first unit being the embedding when there are more units than
+       blocks (all but the mlp) */
+    int blocks = dt_model_blocks(m), embedding = m->nunits > blocks;
+    for (int u = 0; u < m->nunits; u++)
+        for (int i = m->unit_first[u]; i < (u + 1 < m->nunits ? m->unit_first[u + 1] : m->nparams); i++)
+            m->splits[i].block = m->splits[i].head ? blocks : u - embedding;
+    dt__model_allocate(m, &mb, seed, frozen);
+    return m;
+}
+dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed) { return dt__model_create(cfg, seed, 0); }
+
+void dt_model_free(dt_model *m) {
+    if (!m) return;
+    if (m->optimizers) dt_fail("dt_model_free: its optimizer still steps this model; call dt_optimizer_free first");
+    if (m->parallel)
+        dt_fail("dt_model_free: %s still wraps this model; call %s first", m->parallel->create_fn, m->parallel->free_fn);
+    for (int i = 0; i < m->nparams; i++) free((void *)m->params[i].name);
+    free(m->params);
+    free(m->offsets);
+    free(m->splits);
+    free(m->unit_first);
+    dt_free_on(m->device, DT_ARENA_PARAMS, m->flat_data, (size_t)m->numel * sizeof(float));
+    dt_free_on(m->device, DT_ARENA_GRADS, m->flat_grad, (size_t)m->numel * sizeof(float));
+    free(m->lora_of);
+    free(m->base_source);
+    dt_model_free(m->base);
+    free(m);
+}
+
+void dt_model_set_parallel(dt_model *m, dt_parallel *par) {
+    if (par && m->left_cut_by)
+        dt_fail("%s: %s has cut this model (each rank kept its pieces); create the model again for another wrapper",
+                par->create_fn ? par->create_fn : "dt_model_set_parallel", m->left_cut_by);
+    dt_parallel *now = par ? par : m->parallel;
+    if (!now) return;
+    if (par && (!par->create_fn || !par->sync_fn || !par->free_fn))
+        dt_fail("dt_model_set_parallel: a dt_parallel must name its create, sync and free functions (for the errors)");
+    if (par && m->parallel)
+        dt_fail("%s: this model is already wrapped (%s); one wrapper per model, or call %s first", par->create_fn,
+                m->parallel->create_fn, m->parallel->free_fn);
+    if (par && m->optimizers)
+        dt_fail("%s: this model already has an optimizer; create the optimizer after %s, which decides what it steps",
+                par->create_fn, par->create_fn);
+    if (!par && m->optimizers)
+        dt_fail("%s: the optimizer still steps what this wrapper gave it; call dt_optimizer_free first", now->free_fn);
+    m->parallel = par;
+    for (int i = 0; i < m->nparams; i++) m->params[i].parallel = par;
+    dt__ctx.wrappers += par ? 1 : -1;
+}
+
+dt_tensor *dt_model_param(dt_model *m, const char *name) {
+    for (int i = 0; i < m->nparams; i++)
+        if (strcmp(m->params[i].name, name) == 0) return &m->params[i];
+    return NULL;
+}
+
+void dt_model_zero_grad(dt_model *m) { dt__zero_on(m->device, m->flat_grad, (size_t)m->numel * sizeof(float)); }
+
+void dt_model_describe(const dt_model *m, char *out, size_t n) {
+    dt__family(m->cfg.kind)->describe(m->base ? m->base : m, out, n);
+    size_t used = strlen(out);
+    if (m->base && used < n)
+        snprintf(out + used, n - used, " + LoRA rank=%d alpha=%g on %s (%lld trainable)", m->cfg.lora_rank,
+                 (double)m->cfg.lora_alpha, m->cfg.lora_targets, (long long)m->numel);
+}
+
+/* How checkpoints name a model and its shape (their "model" and "model_config"). */
+static const char *dt__model_kind_name(dt_model_kind k) { return dt__family(k)->name; }
+static void dt__model_config_string(const dt_model_config *mc, char *out, size_t n) {
+    size_t used = 0;
+    out[0] = 0;
+    for (int k = 0; k < dt__family(mc->kind)->numbers && used < n; k++) {
+        const char *field = (const char *)mc + dt__config_numbers[k].offset;
+        int w = dt__config_numbers[k].is_float ? snprintf(out + used, n - used, "%s%.9g", k ? "," : "", (double)*(const float *)field)
+                                               : snprintf(out + used, n - used, "%s%d", k ? "," : "", *(const int *)field);
+        used += w > 0 ? (size_t)w : 0;
+    }
+}
+
+double dt_model_flops_per_token(const dt_model *m) {
+    const dt_model_config *c = &m->cfg;
+    const dt__model_family *fam = dt__family(c->kind);
+    if (!fam->language) return 0;
+    const dt_model *w = m->base ? m->base : m;
+    double multiplying = (double)w->numel - (double)fam->lookups(m);
+    /* a frozen weight costs its forward and the input's gradient, 4 per
+       parameter, not the weight's gradient; LoRA's adapters cost 6 */
+    return (m->base ? 4.0 * multiplying + 6.0 * (double)m->numel : 6.0 * multiplying) + 12.0 * c->depth * c->dim * c->seq_len;
+}
+
+dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs) {
+    if (!m->flat_data && !m->parallel)
+        dt_fail("dt_model_forward: this model's parameters went with dt_fsdp_free (each rank kept only its shard); "
+                "call dt_fsdp_free after the last forward");
+    if (m->left_cut_by && !m->parallel)
+        dt_fail("dt_model_forward: %s has run, and this rank holds only its pieces of the model's split layers; call %s "
+                "after the last forward", m->left_cut_by, m->left_cut_by);
+    if (m->parallel && m->parallel->forward) return m->parallel->forward(m->parallel, inputs);
+    return dt_model_forward_blocks(m, inputs, NULL, 0, dt_model_blocks(m));
+}
+int dt_model_blocks(const dt_model *m) { return m->cfg.depth + dt__family(m->cfg.kind)->blocks_past_depth; }
+dt_tensor *dt_model_forward_blocks(dt_model *m, dt_tensor *inputs, dt_tensor *x, int first, int end) {
+    int n = dt_model_blocks(m);
+    if (m->left_cut_by && !m->parallel)
+        dt_fail("dt_model_forward_blocks: %s has run, and this rank holds only its pieces of the model; call %s after the last "
+                "forward", m->left_cut_by, m->left_cut_by);
+    if (first < 0 || end > n || first > end || (first == 0 && end == 0 && n > 0))
+        dt_fail("dt_model_forward_blocks: blocks [%d, %d) of a model of %d", first, end, n);
+    if ((first > 0) != (x != NULL))
+        dt_fail("dt_model_forward_blocks: %s", first > 0 ? "a run of blocks after the first starts from x, the activation "
+                                                           "the blocks before made: give it"
+                                                         : "the first block starts from the embedding of the inputs: x must be NULL");
+    const dt_model *w = m->base ? m->base : m;      /* the weights the blocks read must be here: only a */
+    for (int i = 0; i < (m->parallel && m->parallel->whole ? w->nparams : 0); i++) {   /* cut model lacks any */
+        int b = w->splits[i].block;
+        int read = (b >= first && b < end) || (b < 0 && first == 0) || (b >= n && end == n) || (w->splits[i].tied && (first == 0 || end == n));
+        if (read && w->params[i].numel == 0)
+            dt_fail("dt_model_forward_blocks: blocks [%d, %d) read %s, which this rank does not hold (a pipeline stage keeps "
+                    "only its own blocks' parameters)", first, end, w->params[i].name);
+    }
+    if (x) {
+        int64_t rows = (int64_t)inputs->shape[0] * dt__family(m->cfg.kind)->rows_per_sample(m, inputs);
+        if (x->numel != rows * m->cfg.dim)
+            dt_fail("dt_model_forward_blocks: x has %lld values; blocks after the first take %lld rows of %d (the inputs' "
+                    "samples x their rows)", (long long)x->numel, (long long)rows, m->cfg.dim);
+    }
+    dt__span span = { first, end, x };
+    return dt__family(m->cfg.kind)->forward(m, inputs, &span);
+}
+
+
+

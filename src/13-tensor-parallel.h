@@ -1,0 +1,414 @@
+//@ implementation
+/* -- tensor parallelism (Megatron-LM, Shoeybi et al., 2019) --
+   The model marks where each parameter may be cut (dt_split, section 6), and
+   its layers call dt_tp_copy and dt_tp_sum (section 5) wherever a layer is
+   cut; this wrapper cuts the parameters and gives the sum. Every rank draws
+   the whole model from the seed, as stage 01 does, and keeps its piece: the
+   r-th of T along the cut dimension, of each of its `parts` groups (rank r
+   gets its heads of q, of k and of v). Replicated parameters (norms,
+   embeddings, the head) compute the same values on every rank of a group and
+   get the same gradient bits, as the sums they read are the same bits on
+   every rank; so they need no communication of their own, and the gradient
+   norm counts them once (on the group's first rank). -- */
+struct dt_tp {
+    dt_parallel par;            /* first: the model's dt_parallel * is this dt_tp */
+    dt_model *model;
+    dt_comm *comm;
+    dt_mesh *mesh;
+    dt_comm *group, *across;    /* the ranks that split the layers ("tp"), and the data-parallel groups ("dp") */
+    int size, rank;             /* T, and this rank's piece */
+    int sequence_parallel;
+    /* (the group's share of the data is par's data_rank of data_ranks, where dt_evaluate reads it) */
+    double sums, sum_bytes;     /* the sums of this step so far (an all-gather or a reduce-scatter: half a sum) ... */
+    double step_sums, step_sum_bytes;    /* ... and of the last step: what the cost model counts */
+    double sum_ms, step_sum_ms;
+    /* The model as it was before the cut: its parameters' whole shapes and
+       offsets, no buffers. Checkpoints are laid out by it (section 13). */
+    dt_model whole;
+};
+/* Each sum of the step (an all-gather or a reduce-scatter: half of one, as
+   many bytes, half the hops), for the cost model; evaluation's are not a
+   training step's. */
+static void dt__tp_count(dt_tp *t, const char *what, double t0, double sums, double bytes) {
+    double t1 = dt_now_ms();
+    dt__record_comm(what, t0, t1, 0);
+    if (!dt__ctx.grad_enabled) return;
+    t->sum_ms += t1 - t0;
+    t->sums += sums;
+    t->sum_bytes += bytes;
+}
+static void dt__tp_sum(dt_parallel *par, float *values, int64_t n) {
+    dt_tp *t = (dt_tp *)par;
+    double t0 = dt_now_ms();
+    dt_all_reduce(t->group, values, values, n, DT_F32, DT_SUM);
+    dt__tp_count(t, "all_reduce tp", t0, 1, 4.0 * (double)n);
+}
+static void dt__tp_max(dt_parallel *par, float *values, int64_t n) {
+    dt_tp *t = (dt_tp *)par;
+    double t0 = dt_now_ms();
+    dt_all_reduce(t->group, values, values, n, DT_F32, DT_MAX);
+    dt__tp_count(t, "all_reduce max tp", t0, 1, 4.0 * (double)n);
+}
+static void dt__sp_all_gather(dt_parallel *par, const float *mine, float *all, int64_t n) {
+    dt_tp *t = (dt_tp *)par;
+    double t0 = dt_now_ms();
+    dt_all_gather(t->group, mine, all, n, DT_F32);
+    dt__tp_count(t, "all_gather tp", t0, 0.5, 0.5 * 4.0 * (double)n * t->size);
+}
+static void dt__sp_reduce_scatter(dt_parallel *par, const float *all, float *mine, int64_t n) {
+    dt_tp *t = (dt_tp *)par;
+    double t0 = dt_now_ms();
+    dt_reduce_scatter(t->group, all, mine, n, DT_F32, DT_SUM);
+    dt__tp_count(t, "reduce_scatter tp", t0, 0.5, 0.5 * 4.0 * (double)n * t->size);
+}
+static void dt__tp_step_done(dt_parallel *par) {
+    dt_tp *t = (dt_tp *)par;
+    t->step_sums = t->sums;
+    t->step_sum_bytes = t->sum_bytes;
+    t->step_sum_ms = t->sum_ms;
+    t->sums = t->sum_bytes = 0;
+    t->sum_ms = 0;
+}
+/* The share of the parameters the split layers hold: of the compute too,
+   near enough (each parameter multiplies once per token either way). */
+static double dt__tp_split_share(const dt_tp *t) {
+    double split = 0;
+    for (int i = 0; i < t->whole.nparams; i++)
+        if (t->model->splits[i].dim >= 0) split += (double)t->whole.params[i].numel;
+    return t->whole.numel > 0 ? split / (double)t->whole.numel : 0;
+}
+/* The cost model's view of the last step: the whole model's compute on one
+   rank, from this rank's share of it and its sums' time. */
+static int dt__tp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_tp *t = (const dt_tp *)par;
+    int K = in->accum_steps > 0 ? in->accum_steps : 1;
+    in->kind = DT_PAR_TP;
+    in->tp_share = dt__tp_split_share(t);
+    in->tp_sums = t->step_sums / K;
+    in->tp_bytes = t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0;
+    double kept = in->tp_share / t->size + (1 - in->tp_share);
+    in->compute_ms = fmax(0, in->compute_ms - t->step_sum_ms / K) / kept;
+    in->optimizer_ms *= t->model->numel > 0 ? (double)t->whole.numel / (double)t->model->numel : 1;   /* it stepped its pieces */
+    in->dp_groups = t->par.data_ranks;
+    return t->size;
+}
+static void dt__tp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
+    const dt_tp *t = (const dt_tp *)par;
+    fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", t->size, dt__tp_split_share(t), t->step_sums / accum_steps,
+            t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0.0);
+}
+static void dt__tp_sum_over_ranks(dt_parallel *par, float *values, int n) {
+    dt__comm_all_reduce_host(((dt_tp *)par)->group, values, n, DT_SUM);
+}
+/* The optimizer steps this rank's pieces and the replicated parameters;
+   only the group's first rank counts the replicated ones in the norm. */
+static void dt__tp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
+    dt_tp *t = (dt_tp *)par;
+    dt_model *m = t->model;
+    dt__optimizer_view_all(o, m);
+    for (int i = 0; i < m->nparams; i++) o->slices[i].copy = t->rank > 0 && m->splits[i].dim < 0;
+    o->sharded_by = par;
+}
+/* With several data-parallel groups, the average gradient over them. */
+static void dt__tp_backward_done(dt_parallel *par) {
+    dt_tp *t = (dt_tp *)par;
+    dt_model *m = t->model;
+    if (t->sequence_parallel) {            /* the whole parameters read where the rows are split: summed */
+        double t0 = dt_now_ms();
+        for (int i = 0; i < m->nparams; i++)
+            if (m->splits[i].dim < 0 && m->splits[i].rows)
+                dt_all_reduce(t->group, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
+        dt__record_comm("all_reduce tp grads", t0, dt_now_ms(), 0);
+    }
+    if (t->par.data_ranks == 1) return;
+    double t0 = dt_now_ms();
+    dt_all_reduce(t->across, t->model->flat_grad, t->model->flat_grad, t->model->numel, DT_F32, DT_AVG);
+    dt__ctx.grad_collectives++;
+    dt__record_comm("all_reduce dp", t0, dt_now_ms(), 0);
+}
+void dt_tp_sync_grads(dt_tp *tp) { dt_parallel_backward_done(&tp->par); }
+int dt_tp_data_rank(const dt_tp *tp) { return tp->par.data_rank; }
+int dt_tp_data_ranks(const dt_tp *tp) { return tp->par.data_ranks; }
+
+/* Piece r of T of a parameter (host values in its whole shape, whole_shape):
+   out of the whole (to_whole 0) or back into it (1). */
+static void dt__tp_piece(float *whole, float *piece, const int *whole_shape, int ndim, dt_split s, int T, int r,
+                         int to_whole) {
+    int64_t outer = 1, inner = 1;
+    for (int d = 0; d < s.dim; d++) outer *= whole_shape[d];
+    for (int d = s.dim + 1; d < ndim; d++) inner *= whole_shape[d];
+    int64_t group = whole_shape[s.dim] / s.parts, len = group / T;
+    size_t bytes = (size_t)(len * inner) * sizeof(float);
+    for (int64_t o = 0; o < outer; o++)
+        for (int g = 0; g < s.parts; g++) {
+            float *w = whole + (o * whole_shape[s.dim] + g * group + r * len) * inner, *p = piece + ((o * s.parts + g) * len) * inner;
+            if (to_whole) memcpy(w, p, bytes);
+            else memcpy(p, w, bytes);
+        }
+}
+/* The state of a tensor-parallel model (parameters or a moment, `local` on
+   the device) in the whole model's layout, on the host of the group's first
+   rank, which writes it: one split tensor at a time, its pieces all-gathered
+   on the device and put where they sit in the whole. So no rank holds more
+   than the largest tensor beside its own pieces, and the writer the whole
+   state once. The other ranks of the group take part and get NULL. `m`
+   lays out `local`: the model, or (a pipeline's stages composed, section
+   11's next part) every stage's pieces. */
+static float *dt__tp_state_gather(dt_tp *t, const dt_model *m, float *local) {
+    const dt_model *W = &t->whole;
+    float *whole = NULL;
+    if (t->rank == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
+        dt_fail("out of memory (gathering the tensor-parallel pieces for a checkpoint: %.1f MB)", W->numel * 4e-6);
+    for (int i = 0; i < m->nparams; i++) {
+        const dt_tensor *p = &m->params[i];
+        size_t bytes = (size_t)p->numel * sizeof(float);
+        if (m->splits[i].dim < 0) {
+            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
+            continue;
+        }
+        float *all = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes * (size_t)t->size);
+        dt_all_gather(t->group, local + m->offsets[i], all, p->numel, DT_F32);
+        if (whole) {
+            float *host = dt__host_view(m->device, all, p->numel * t->size);
+            for (int r = 0; r < t->size; r++)
+                dt__tp_piece(whole + W->offsets[i], host + (size_t)r * (size_t)p->numel, W->params[i].shape, p->ndim,
+                             m->splits[i], t->size, r, 1);
+            dt__host_view_close(m->device, host, all, p->numel * t->size, 0);
+        }
+        dt_free_on(m->device, DT_ARENA_COMM, all, bytes * (size_t)t->size);
+    }
+    return whole;
+}
+/* The other way: this rank's pieces of a whole state (host) into `local`, laid out by m. */
+static void dt__tp_state_scatter(dt_tp *t, const dt_model *m, float *whole, float *local) {
+    const dt_model *W = &t->whole;
+    float *mine = (float *)malloc((size_t)m->numel * sizeof(float) + 1);
+    if (!mine) dt_fail("out of memory (tensor parallelism)");
+    for (int i = 0; i < m->nparams; i++) {
+        if (m->splits[i].dim < 0) memcpy(mine + m->offsets[i], whole + W->offsets[i], (size_t)m->params[i].numel * sizeof(float));
+        else dt__tp_piece(whole + W->offsets[i], mine + m->offsets[i], W->params[i].shape, m->params[i].ndim, m->splits[i],
+                          t->size, t->rank, 0);
+    }
+    dt_upload(local, mine, (size_t)m->numel * sizeof(float));
+    free(mine);
+}
+/* The state a checkpoint saves (section 13): 0 the parameters, 1 and 2 the
+   optimizer's moments, each laid out as the model's flat buffer. */
+static float *dt__state_buffer(dt_model *m, dt_optimizer *o, int which) {
+    return which == 0 ? m->flat_data : which == 1 ? o->m : o->v;
+}
+/* The checkpoint's view (section 13). Saving: the groups hold the same
+   state, so the first group gathers it and its first rank, the job's rank 0,
+   writes. Loading: every rank reads the whole file and cuts its pieces. */
+static float *dt__tp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
+    dt_tp *t = (dt_tp *)par;
+    if (for_load) {
+        float *whole = (float *)calloc((size_t)t->whole.numel + 1, sizeof(float));
+        if (!whole) dt_fail("out of memory (reading a whole checkpoint to cut: %.1f MB)", t->whole.numel * 4e-6);
+        return whole;
+    }
+    return t->par.data_rank == 0 ? dt__tp_state_gather(t, t->model, dt__state_buffer(t->model, o, which)) : NULL;
+}
+static void dt__tp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
+    dt_tp *t = (dt_tp *)par;
+    if (written) dt__tp_state_scatter(t, t->model, host, dt__state_buffer(t->model, o, which));
+    free(host);
+}
+static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o);
+
+/* Cutting a model (tensor and pipeline parallelism): the whole model's
+   layout kept in `whole`, a shell without buffers that checkpoints are laid
+   out by; each parameter's shape made this rank's by cut_shape (a piece of
+   it, or nothing); this rank's values moved into new flat buffers by
+   scatter (the whole model's on the host -> this rank's on the device). */
+static void dt__model_cut(dt_model *model, dt_model *whole, void (*cut_shape)(void *wrapper, int i, dt_tensor *p),
+                          void (*scatter)(void *wrapper, float *whole, float *local), void *wrapper) {
+    *whole = *model;
+    whole->parallel = NULL;
+    whole->flat_data = whole->flat_grad = NULL;
+    whole->params = (dt_tensor *)malloc(sizeof(dt_tensor) * (size_t)model->nparams);
+    whole->offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(model->nparams + 1));
+    if (!whole->params || !whole->offsets) dt_fail("out of memory (cutting the model)");
+    memcpy(whole->params, model->params, sizeof(dt_tensor) * (size_t)model->nparams);
+    memcpy(whole->offsets, model->offsets, sizeof(int64_t) * (size_t)model->nparams);
+    whole->offsets[model->nparams] = model->numel;
+    for (int i = 0; i < model->nparams; i++) whole->params[i].data = whole->params[i].grad = NULL;
+    model->numel = 0;
+    for (int i = 0; i < model->nparams; i++) {
+        cut_shape(wrapper, i, &model->params[i]);
+        model->offsets[i] = model->numel;
+        model->numel += model->params[i].numel;
+    }
+    model->offsets[model->nparams] = model->numel;
+    float *host = dt__host_view(model->device, model->flat_data, whole->numel);
+    size_t bytes = (size_t)model->numel * sizeof(float), whole_bytes = (size_t)whole->numel * sizeof(float);
+    float *mine = (float *)dt_alloc_on(model->device, DT_ARENA_PARAMS, bytes);
+    scatter(wrapper, host, mine);
+    dt__host_view_close(model->device, host, model->flat_data, whole->numel, 0);
+    dt_free_on(model->device, DT_ARENA_PARAMS, model->flat_data, whole_bytes);
+    dt_free_on(model->device, DT_ARENA_GRADS, model->flat_grad, whole_bytes);
+    model->flat_data = mine;
+    model->flat_grad = (float *)dt_alloc_on(model->device, DT_ARENA_GRADS, bytes);
+    for (int i = 0; i < model->nparams; i++) {
+        model->params[i].data = model->flat_data + model->offsets[i];
+        model->params[i].grad = model->flat_grad + model->offsets[i];
+    }
+}
+static void dt__tp_cut_shape(void *wrapper, int i, dt_tensor *p) {
+    dt_tp *t = (dt_tp *)wrapper;
+    dt_split sp = t->model->splits[i];
+    if (sp.dim < 0) return;
+    p->shape[sp.dim] /= t->size;
+    p->numel /= t->size;
+}
+static void dt__tp_scatter(void *wrapper, float *whole, float *local) {
+    dt_tp *t = (dt_tp *)wrapper;
+    dt__tp_state_scatter(t, t->model, whole, local);
+}
+
+dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_parallel) {
+    int world = dt_comm_size(comm);
+    char v[64];
+    snprintf(v, sizeof v, "%d %d", tp, sequence_parallel != 0);
+    dt_comm_check_agree(comm, "--tp --sequence-parallel", v);
+    if (tp <= 0) tp = world;
+    if (world % tp)
+        dt_usage_error("--tp %d does not divide the job's %d ranks (the ranks form groups of --tp, data parallel across them)",
+                       tp, world);
+    if (model->base) dt_usage_error("--lora-rank: LoRA's adapters are not split by tensor parallelism; train them with 03-05");
+    int cuts = 0;
+    for (int i = 0; i < model->nparams; i++) {
+        dt_split sp = model->splits[i];
+        if (sp.dim < 0) continue;
+        if (sp.vocab && model->params[i].shape[sp.dim] % tp) {    /* the table at start-up says so */
+            model->splits[i].dim = -1;
+            continue;
+        }
+        cuts++;
+        int64_t group = model->params[i].shape[sp.dim] / sp.parts;
+        if (group % ((int64_t)tp * sp.align))
+            dt_usage_error("--tp %d: %s's %lld %s do not split into %d equal shares (%s)", tp, model->params[i].name,
+                           (long long)(group / sp.align), sp.align > 1 ? "attention heads" : "features", tp,
+                           sp.align > 1 ? "--heads (and llama's --kv-heads) must be a multiple of --tp"
+                                        : "--dim and the MLP's width must be multiples of --tp");
+    }
+    if (!cuts)
+        dt_usage_error("--model %s: no layer of this model is split by tensor parallelism (the mlp needs --depth 2 or more)",
+                       dt__model_kind_name(model->cfg.kind));
+    dt_tp *t = (dt_tp *)calloc(1, sizeof *t);
+    if (!t) dt_fail("out of memory (tensor parallelism)");
+    t->par = (dt_parallel){ .create_fn = "dt_tp_create", .sync_fn = "dt_tp_sync_grads", .free_fn = "dt_tp_free",
+                            .backward_done = dt__tp_backward_done, .step_done = dt__tp_step_done,
+                            .optimizer_view = dt__tp_optimizer_view,
+                            .sum_over_ranks = dt__tp_sum_over_ranks,
+                            .tp_sum = tp > 1 ? dt__tp_sum : NULL,     /* a group of one: the layers as in stage 01 */
+                            .tp_max = tp > 1 ? dt__tp_max : NULL, .tp_all_gather = tp > 1 ? dt__sp_all_gather : NULL,
+                            .sp_all_gather = tp > 1 && sequence_parallel ? dt__sp_all_gather : NULL,
+                            .sp_reduce_scatter = tp > 1 && sequence_parallel ? dt__sp_reduce_scatter : NULL,
+                            .state_open = dt__tp_state_open, .state_close = dt__tp_state_close,
+                            .memory_table = dt__tp_memory_table, .cost_input = dt__tp_cost_input,
+                            .bench_fields = dt__tp_bench_fields };
+    dt_model_set_parallel(model, &t->par);
+    dt__comm_hold(comm, "dt_tp_free");
+    t->model = model;
+    t->comm = comm;
+    int sizes[2] = { world / tp, tp };
+    const char *names[2] = { "dp", "tp" };
+    t->mesh = dt_mesh_create(comm, 2, sizes, names);
+    t->group = dt_mesh_comm(t->mesh, "tp");
+    t->across = dt_mesh_comm(t->mesh, "dp");
+    t->size = tp;
+    t->rank = dt_mesh_coord(t->mesh, "tp");
+    t->par.tp_rank = t->rank;
+    t->par.tp_size = tp;
+    t->sequence_parallel = tp > 1 && sequence_parallel;
+    t->par.data_rank = dt_mesh_coord(t->mesh, "dp");
+    t->par.data_ranks = world / tp;
+
+    t->par.whole = &t->whole;
+    dt__model_cut(model, &t->whole, dt__tp_cut_shape, dt__tp_scatter, t);
+    if (t->par.data_ranks > 1) dt_broadcast(t->across, model->flat_data, model->numel, DT_F32, 0);   /* every group starts alike */
+    return t;
+}
+
+/* A parameter's name with its block number as "*": what every block shares. */
+static void dt__block_pattern(const char *name, char *out, size_t n) {
+    size_t k = 0;
+    for (const char *c = name; *c && k + 1 < n; ) {
+        const char *e = c;
+        while (*e >= '0' && *e <= '9') e++;
+        if (e > c && (c == name || c[-1] == '.') && (*e == '.' || !*e)) { out[k++] = '*'; c = e; }
+        else out[k++] = *c++;
+    }
+    out[k] = 0;
+}
+static void dt__shape_string(const int *shape, int ndim, char *out, size_t n) {
+    size_t k = 0;
+    out[0] = 0;
+    for (int d = 0; d < ndim && k < n; d++) k += (size_t)snprintf(out + k, n - k, d ? "x%d" : "%d", shape[d]);
+}
+/* At start-up: each rank's bytes against the whole model's, and which
+   tensors are cut, whole and here (rows alike in every block printed once). */
+static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
+    const dt_tp *t = (const dt_tp *)par;
+    const dt_model *m = t->model, *W = &t->whole;
+    double split = 0, whole = 0, moments = o->v ? 2 : 1;
+    for (int i = 0; i < m->nparams; i++) {
+        if (m->splits[i].dim >= 0) split += 4.0 * W->params[i].numel;
+        else whole += 4.0 * W->params[i].numel;
+    }
+    printf("memory per rank, --tp %d: every block's layers split over %d ranks, %d data-parallel group%s (MB):\n", t->size,
+           t->size, t->par.data_ranks, t->par.data_ranks > 1 ? "s" : "");
+    printf("  %-16s %9s %9s   %s\n", "", "this rank", "whole", "formula (S: the split tensors, R: the rest)");
+    const char *rows[3] = { "parameters", "gradients", "optimizer state" };
+    dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
+    for (int r = 0; r < 3; r++)
+        printf("  %-16s %9.3f %9.3f   %s(S/%d + R)\n", rows[r], dt_mem_now(arenas[r]) / 1e6,
+               (r == 2 ? moments : 1) * (split + whole) / 1e6, r == 2 && moments == 2 ? "2 x " : "", t->size);
+    printf("  S = %.3f MB whole, %.3f here; R = %.3f MB (norms, biases after a sum, what does not divide) on every rank\n",
+           split / 1e6, split / t->size / 1e6, whole / 1e6);
+    char seen[64][96];
+    int nseen = 0;
+    int width = 30;                             /* the names' column: Llama's are long */
+    for (int i = 0; i < m->nparams; i++) {
+        char pattern[96];
+        dt__block_pattern(m->params[i].name, pattern, sizeof pattern);
+        if (m->splits[i].dim >= 0 && (int)strlen(pattern) > width) width = (int)strlen(pattern);
+    }
+    for (int i = 0; i < m->nparams; i++) {
+        if (m->splits[i].vocab && m->splits[i].dim < 0)
+            printf("    %-*s %12d rows stay whole: the vocabulary does not divide by %d\n", width, m->params[i].name,
+                   m->params[i].shape[0], t->size);
+        if (m->splits[i].dim < 0) continue;
+        char pattern[96], a[48], b[48];
+        int count = 0, dup = 0;
+        dt__block_pattern(m->params[i].name, pattern, sizeof pattern);
+        for (int k = 0; k < nseen; k++) dup |= !strcmp(seen[k], pattern);
+        if (dup) continue;
+        if (nseen < 64) dt__copy_str(seen[nseen++], sizeof seen[0], pattern);
+        for (int j = i; j < m->nparams; j++) {
+            char other[96];
+            dt__block_pattern(m->params[j].name, other, sizeof other);
+            count += !strcmp(other, pattern);
+        }
+        dt__shape_string(W->params[i].shape, W->params[i].ndim, a, sizeof a);
+        dt__shape_string(m->params[i].shape, m->params[i].ndim, b, sizeof b);
+        printf("    %-*s %12s -> %-12s%s", width, pattern, a, b, m->splits[i].parts > 1 ? " q, k and v each by heads"
+                                                                   : m->splits[i].vocab ? " the vocabulary, by tokens" : "");
+        if (count > 1) printf("%s x%d blocks", m->splits[i].parts > 1 ? "," : "", count);
+        printf("\n");
+    }
+    fflush(stdout);
+}
+
+void dt_tp_free(dt_tp *tp) {
+    if (!tp) return;
+    dt_model_set_parallel(tp->model, NULL);
+    tp->model->left_cut_by = "dt_tp_free";     /* the pieces stay: the model can only be freed now */
+    dt_mesh_free(tp->mesh);
+    dt__comm_release(tp->comm);
+    free(tp->whole.params);
+    free(tp->whole.offsets);
+    free(tp);
+}
+

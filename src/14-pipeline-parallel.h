@@ -1,0 +1,802 @@
+//@ implementation
+/* -- pipeline parallelism (GPipe: Huang et al., 2019; 1F1B: PipeDream-Flush,
+      Narayanan et al., 2021) --
+   The blocks are cut into P runs, one per rank of a pipeline: its stage. A
+   micro-batch enters at the first stage; each stage runs its blocks and
+   sends the activation on; the last one computes the loss. Backward goes
+   back the same way, each stage sending the gradient of what it received to
+   the stage before. A whole batch at once would keep all stages but one
+   waiting, so it is cut into M micro-batches that follow each other down
+   the pipeline: while stage 1 works on micro-batch 0, stage 0 starts
+   micro-batch 1. What waiting is left -- the bubble, P - 1 micro-batches'
+   time as the pipeline fills and as it drains -- is (P - 1) / (M + P - 1)
+   of a step when every stage takes as long. The schedule orders a stage's
+   forwards and backwards: GPipe runs every forward, then every backward, so
+   a stage keeps the activations of all M micro-batches; 1F1B runs a
+   micro-batch's backward as soon as it can, so it keeps at most P (the
+   first stage P, the last one), for the same bubble. Each micro-batch has a
+   step arena of its own, given back when its backward is done, so memory
+   follows the schedule. Activations travel one way on one pair of ranks and
+   gradients the other way on another, each pair with its own communication
+   thread (or stream) and in micro-batch order on both sides, so the two
+   directions never wait for each other; a stage posts its next receive as
+   soon as it has taken the last one, into an inbox, so that the next
+   message arrives while it computes. Every rank of a pipeline reads the
+   same batch (the first stage its inputs, the last its labels). -- */
+typedef struct { int backward, micro; } dt__pp_action;
+/* A schedule is the order of one stage's 2M actions. */
+static int dt__gpipe_order(int stage, int stages, int M, dt__pp_action *a) {
+    (void)stage; (void)stages;
+    int n = 0;
+    for (int i = 0; i < M; i++) a[n++] = (dt__pp_action){ 0, i };
+    for (int i = 0; i < M; i++) a[n++] = (dt__pp_action){ 1, i };
+    return n;
+}
+/* 1F1B: as many forwards as the stages after this one (warm-up), then one
+   forward and one backward in turn, then the backwards left (cool-down). */
+static int dt__1f1b_order(int stage, int stages, int M, dt__pp_action *a) {
+    int warm = stages - 1 - stage < M ? stages - 1 - stage : M, n = 0, f = 0, b = 0;
+    while (f < warm) a[n++] = (dt__pp_action){ 0, f++ };
+    while (f < M) { a[n++] = (dt__pp_action){ 0, f++ }; a[n++] = (dt__pp_action){ 1, b++ }; }
+    while (b < M) a[n++] = (dt__pp_action){ 1, b++ };
+    return n;
+}
+static const struct { const char *name; int (*order)(int stage, int stages, int M, dt__pp_action *a); } dt__pp_schedules[] = {
+    { "gpipe", dt__gpipe_order }, { "1f1b", dt__1f1b_order } };   /* in dt_pp_schedule's order */
+
+struct dt_pp {
+    dt_parallel par;            /* first: the model's dt_parallel * is this dt_pp */
+    dt_model *model;
+    dt_comm *comm;
+    dt_mesh *mesh;
+    dt_comm *pipe, *across;     /* the stages of one pipeline ("pp"), and the data-parallel pipelines ("dp") */
+    dt_comm *ends;              /* the first and the last stage (a tied vocabulary), or NULL */
+    dt_tp *tp;                  /* with --tp: the tensor-parallel wrapper that split the blocks' layers, or NULL */
+    dt_comm *to_next, *from_next, *to_prev, *from_prev;   /* one way each: activations on, gradients back */
+    int stages, stage, micro_batches;
+    dt_pp_schedule schedule;
+    int *first_block;           /* stage s runs blocks [first_block[s], first_block[s + 1]) */
+    dt_model whole;             /* the model before the cut into stages (with --tp: its pieces of every stage) */
+    /* Per micro-batch slot: an arena pair, taken by a forward, given back
+       after its backward (slots: as many as were ever alive at once). */
+    dt__step_arena (*arenas)[2];
+    int nslots;
+    /* The inboxes the next receive lands in, and their handles (0: none posted). */
+    void *inbox_x, *inbox_g;
+    size_t inbox_bytes;
+    dt_comm_handle recv_x, recv_g;
+    /* The last step, for the log and the tests: this rank's time computing
+       and waiting, and the activation bytes kept at once (at most, and per
+       micro-batch); the pipeline's: its stages' times added up, and the
+       busiest stage's (which sets the pace). */
+    double busy_ms, idle_ms, step_ms;
+    double pipe_busy_ms, pipe_idle_ms, pipe_step_ms, pipe_busiest_ms;
+    double pipe_tp_sums, pipe_tp_sum_ms, pipe_tp_sum_bytes;   /* with --tp: the stages' layer sums, their time and bytes */
+    double act_bytes;           /* one micro-batch's activation, sent on */
+    double kept_peak, kept_micro;
+    int kept_micro_batches;     /* the most micro-batches alive at once */
+    /* --shard optimizer (ZeRO-1 over the pipelines, D > 1): this rank steps
+       [zero_lo, zero_hi) of its stage's flat buffer, a chunk of
+       zero_chunk = ceil(numel / D); zero_grads, that slice of the average
+       gradient; zero_buf, the whole buffer padded to D chunks for the
+       collectives. */
+    int zero1;
+    int64_t zero_lo, zero_hi, zero_chunk;
+    float *zero_grads, *zero_buf;
+};
+
+static int dt__pp_holds(const dt_pp *p, int stage, int i) {
+    const dt_split *sp = &p->model->splits[i];
+    int n = dt_model_blocks(p->model), last = stage == p->stages - 1;
+    if (sp->tied && (stage == 0 || last)) return 1;
+    if (sp->block < 0) return stage == 0;
+    if (sp->block >= n) return last;
+    return sp->block >= p->first_block[stage] && sp->block < p->first_block[stage + 1];
+}
+static double dt__pp_stage_params(const dt_pp *p, int stage) {
+    double held = 0;
+    for (int i = 0; i < p->model->nparams; i++) if (dt__pp_holds(p, stage, i)) held += (double)p->whole.params[i].numel;
+    return held;
+}
+static int dt__pp_owner(const dt_pp *p, int i) {     /* the first stage that holds parameter i */
+    for (int s = 0; s < p->stages; s++) if (dt__pp_holds(p, s, i)) return s;
+    return 0;
+}
+/* Stage s runs blocks [first[s], first[s + 1]): the cut whose largest stage
+   holds the fewest parameters (the embedding's counted with the first stage,
+   the head's with the last), found by dynamic programming over the cuts. */
+static void dt__pp_balance(const dt_model *m, int P, int *first) {
+    int n = dt_model_blocks(m);
+    double *w = (double *)calloc((size_t)n + 3, sizeof(double)), *cum = (double *)calloc((size_t)n + 1, sizeof(double));
+    double *best = (double *)malloc(sizeof(double) * (size_t)(P + 1) * (size_t)(n + 1));
+    int *cut = (int *)malloc(sizeof(int) * (size_t)(P + 1) * (size_t)(n + 1));
+    if (!w || !cum || !best || !cut) dt_fail("out of memory (pipeline stages)");
+    for (int i = 0; i < m->nparams; i++) {
+        int b = m->splits[i].block;
+        w[(b < 0 ? -1 : b > n ? n : b) + 1] += (double)m->params[i].numel;
+        if (m->splits[i].tied) w[n + 1] += (double)m->params[i].numel;
+    }
+    for (int b = 0; b < n; b++) cum[b + 1] = cum[b] + w[b + 1];
+#define DT_BEST(k, j) best[(size_t)(k) * (size_t)(n + 1) + (size_t)(j)]
+#define DT_CUT(k, j) cut[(size_t)(k) * (size_t)(n + 1) + (size_t)(j)]
+    /* DT_BEST(k, j): the smallest largest stage of blocks [0, j) in k stages */
+    for (int j = 1; j <= n; j++) DT_BEST(1, j) = w[0] + cum[j] + (P == 1 ? w[n + 1] : 0);
+    for (int k = 2; k <= P; k++)
+        for (int j = k; j <= n; j++) {
+            DT_BEST(k, j) = HUGE_VAL;
+            for (int c = k - 1; c < j; c++) {
+                double here = cum[j] - cum[c] + (k == P && j == n ? w[n + 1] : 0);
+                double worst = fmax(DT_BEST(k - 1, c), here);
+                if (worst < DT_BEST(k, j)) { DT_BEST(k, j) = worst; DT_CUT(k, j) = c; }
+            }
+        }
+    first[P] = n;
+    for (int k = P, j = n; k > 1; k--) j = first[k - 1] = DT_CUT(k, j);
+    first[0] = 0;
+#undef DT_BEST
+#undef DT_CUT
+    free(w); free(cum); free(best); free(cut);
+}
+
+static void dt__pp_cut_shape(void *wrapper, int i, dt_tensor *p) {
+    dt_pp *pp = (dt_pp *)wrapper;
+    if (dt__pp_holds(pp, pp->stage, i)) return;
+    p->shape[0] = 0;                        /* not this stage's: nothing here */
+    p->numel = 0;
+}
+static void dt__pp_scatter(void *wrapper, float *whole, float *local) {
+    dt_pp *p = (dt_pp *)wrapper;
+    dt_model *m = p->model;
+    for (int i = 0; i < m->nparams; i++)
+        dt__upload_to(m->device, local + m->offsets[i], whole + p->whole.offsets[i], (size_t)m->params[i].numel * sizeof(float));
+}
+
+/* The shape of what stage s passes stage s + 1, for a micro-batch of these inputs. */
+static void dt__pp_activation_shape(const dt_pp *p, const dt_tensor *inputs, int shape[2]) {
+    shape[0] = inputs->shape[0] * dt__family(p->model->cfg.kind)->rows_per_sample(p->model, inputs);
+    shape[1] = p->model->cfg.dim;
+}
+/* The inbox's next message from `from`, waited for (the time counts as
+   idle), copied into dst, and the receive after it posted when `more`. */
+static void dt__pp_take(dt_pp *p, dt_comm *from, int peer, void *inbox, dt_comm_handle *h, void *dst, int64_t n, dt_dtype t,
+                        int more) {
+    double t0 = dt_now_ms(), a, b;
+    if (!*h) *h = dt_recv_async(from, inbox, n, t, peer);
+    dt_comm_wait(from, *h);
+    dt_synchronize();
+    double t1 = dt_now_ms();
+    p->idle_ms += t1 - t0;
+    dt__record_event("waiting", t0, t1);
+    /* the receive on the trace's communication row; not in the step's
+       communication time, as it was posted early and its span holds the
+       sender's compute (the send's, counted by the sender, is the message) */
+    dt__comm_interval(from, *h, &a, &b);
+    dt__record_span(from == p->from_prev ? "recv activation" : "recv gradient", a, b, 0);
+    dt_convert(inbox, t, dst, t, n);                   /* a copy on the device */
+    *h = more ? dt_recv_async(from, inbox, n, t, peer) : 0;
+}
+static void dt__pp_inboxes(dt_pp *p, size_t bytes) {
+    if (bytes <= p->inbox_bytes) return;    /* grown between steps, when no receive is posted into them */
+    dt_free_on(p->model->device, DT_ARENA_COMM, p->inbox_x, p->inbox_bytes);
+    dt_free_on(p->model->device, DT_ARENA_COMM, p->inbox_g, p->inbox_bytes);
+    p->inbox_x = dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+    p->inbox_g = dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+    p->inbox_bytes = bytes;
+}
+
+/* What one micro-batch leaves between its forward and its backward. */
+typedef struct {
+    int slot;                   /* its arena pair */
+    int tape_lo, tape_hi;       /* its forward's entries on the tape */
+    dt_tensor *in, *out;        /* what it received (NULL at the first stage), what it sent on or its loss */
+    dt_comm_handle sent;        /* out, sent on (0: the last stage) */
+    double kept;                /* the bytes its forward left in its arena */
+} dt__pp_micro;
+/* ... and what the step's actions share. */
+typedef struct {
+    const dt_batch *batch;
+    int M, b, first, end, labels_per;   /* micro-batches, each b samples; this stage's blocks [first, end) */
+    int act[2];                 /* what a stage passes the next: rows x width */
+    int64_t act_n, in_per;      /* its values; an input sample's */
+    dt_dtype t;
+    double divisor;             /* masked data: the step's count of targets (0: none) */
+    double loss_sum, kept;      /* the last stage's losses; the activation bytes kept now */
+    int forwards, backwards, alive;
+    int *free_slots, nfree;
+    dt__pp_micro *mb;
+} dt__pp_step;
+
+/* The time since t0 was spent computing micro-batch i: counted, and on the trace. */
+static void dt__pp_busy(dt_pp *p, const char *what, int i, double t0) {
+    dt_synchronize();
+    double t1 = dt_now_ms();
+    char name[32];
+    p->busy_ms += t1 - t0;
+    snprintf(name, sizeof name, "%s %d", what, i);
+    dt__record_event(name, t0, t1);
+}
+/* Wait until a send is taken; on the trace, the part before `since` hidden. */
+static void dt__pp_sent(dt_comm *c, dt_comm_handle h, const char *name, double since) {
+    if (!h) return;
+    double a, z;
+    dt_comm_wait(c, h);
+    dt__comm_interval(c, h, &a, &z);
+    dt__record_comm(name, a, z, fmax(0, fmin(z, since) - a));
+}
+
+/* Micro-batch i's forward: its slot's arena in place, its rows of the batch,
+   what the stage before sent (from the inbox), this stage's blocks, then
+   the activation sent on, or the loss. */
+static void dt__pp_forward_one(dt_pp *pp, dt__pp_step *st, int i) {
+    dt__pp_micro *u = &st->mb[i];
+    int last = pp->stage == pp->stages - 1;
+    u->slot = st->free_slots[--st->nfree];
+    dt__step_arena_swap(pp->arenas[u->slot]);
+    size_t before = dt__ctx.step[DT_CPU].high + dt__ctx.step[DT_CUDA].high;
+    dt_tensor *inputs = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));   /* rows [i b, (i + 1) b) of the batch */
+    *inputs = *st->batch->inputs;
+    inputs->shape[0] = st->b;
+    inputs->numel = st->in_per * st->b;
+    inputs->data = (float *)((char *)inputs->data + (size_t)(st->in_per * st->b * i) * dt_dtype_size(inputs->dtype));
+    u->in = NULL;
+    if (pp->stage > 0) {
+        u->in = dt__tensor_alloc(2, st->act, st->t);
+        u->in->requires_grad = 1;           /* its gradient goes back to the stage before */
+        dt__pp_take(pp, pp->from_prev, 0, pp->inbox_x, &pp->recv_x, u->in->data, st->act_n, st->t, st->forwards + 1 < st->M);
+    }
+    double t0 = dt_now_ms();
+    u->tape_lo = dt__ctx.tape_len;
+    dt_tensor *y = dt_model_forward_blocks(pp->model, inputs, u->in, st->first, st->end);
+    u->sent = 0;
+    if (last) {
+        const int32_t *labels = st->batch->labels + (size_t)i * st->b * st->labels_per;
+        if (st->divisor > 0) dt_cross_entropy_set_divisor(labels, st->divisor / st->M);
+        y = dt_cross_entropy(y, labels);
+        st->loss_sum += dt_tensor_item(y);
+    } else {
+        if (y->numel != st->act_n)
+            dt_fail("pipeline: stage %d's blocks gave %lld values, %lld expected", pp->stage, (long long)y->numel,
+                    (long long)st->act_n);
+        u->sent = dt_send_async(pp->to_next, y->data, st->act_n, st->t, 1);
+    }
+    u->out = y;
+    u->tape_hi = dt__ctx.tape_len;
+    dt__pp_busy(pp, "forward", i, t0);
+    u->kept = (double)(dt__ctx.step[DT_CPU].high + dt__ctx.step[DT_CUDA].high - before);
+    st->kept += u->kept;
+    st->alive++;
+    pp->kept_peak = fmax(pp->kept_peak, st->kept);
+    pp->kept_micro = fmax(pp->kept_micro, u->kept);
+    if (st->alive > pp->kept_micro_batches) pp->kept_micro_batches = st->alive;
+    dt__step_arena_swap(pp->arenas[u->slot]);
+    st->forwards++;
+}
+
+/* Micro-batch i's backward: from 1/M at the last stage (the batch's loss
+   is the micro-batches' mean), else from the gradient the next stage sent;
+   its input's gradient sent back; then its arena given back, once what it
+   sent is taken (by then the next stage has long had `out`). */
+static void dt__pp_backward_one(dt_pp *pp, dt__pp_step *st, int i) {
+    dt__pp_micro *u = &st->mb[i];
+    dt__step_arena_swap(pp->arenas[u->slot]);
+    if (pp->stage == pp->stages - 1) {
+        float seed = 1.0f / (float)st->M;
+        dt_upload(dt_grad(u->out), &seed, sizeof seed);
+    } else
+        dt__pp_take(pp, pp->from_next, 1, pp->inbox_g, &pp->recv_g, dt_grad(u->out), st->act_n, st->t, st->backwards + 1 < st->M);
+    double t0 = dt_now_ms();
+    dt__backward_span(u->out, u->tape_lo, u->tape_hi);
+    dt_comm_handle sent_back = pp->stage > 0 ? dt_send_async(pp->to_prev, dt_grad(u->in), st->act_n, st->t, 0) : 0;
+    dt__pp_busy(pp, "backward", i, t0);
+    if (sent_back || u->sent) {             /* idle is only ever time spent on a peer: a lone stage has none */
+        double t1 = dt_now_ms();
+        dt__pp_sent(pp->to_prev, sent_back, "send gradient", t1);
+        dt__pp_sent(pp->to_next, u->sent, "send activation", t1);
+        dt_synchronize();
+        double t2 = dt_now_ms();
+        pp->idle_ms += t2 - t1;
+        if (t2 - t1 > 0.01) dt__record_event("waiting", t1, t2);
+    }
+    st->kept -= u->kept;
+    st->alive--;
+    dt__step_arena_swap(pp->arenas[u->slot]);
+    dt__step_arena_release(pp->arenas[u->slot]);
+    st->free_slots[st->nfree++] = u->slot;
+    st->backwards++;
+}
+
+dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch) {
+    int M = pp->micro_batches, B = batch->size, last = pp->stage == pp->stages - 1;
+    if (B % M)
+        dt_usage_error("--micro-batches %d does not divide --batch-size %d (each micro-batch takes an equal share)", M, B);
+    if (pp->par.grads_pending)
+        dt_fail("dt_pp_forward_backward: the gradients of the last step were not synchronised; call dt_pp_sync_grads "
+                "before the next step");
+    if (!dt__ctx.grad_enabled) dt_fail("dt_pp_forward_backward: gradients are off (dt_set_grad_enabled(0)); it trains a step");
+    dt__pp_step st = { .batch = batch, .M = M, .b = B / M, .first = pp->first_block[pp->stage],
+                       .end = pp->first_block[pp->stage + 1], .t = dt__ctx.compute_dtype,
+                       .in_per = batch->inputs->numel / B };
+    st.labels_per = dt_model_is_language(pp->model->cfg.kind) ? (int)dt_tensor_cols(batch->inputs) : 1;
+    if (dt__ctx.loss_divisor.labels == batch->labels && dt__ctx.loss_divisor.step == dt__ctx.step_resets)
+        st.divisor = dt__ctx.loss_divisor.divisor;   /* set for the whole batch: each micro-batch takes 1/M of it */
+    dt_tensor micro_inputs = *batch->inputs;
+    micro_inputs.shape[0] = st.b;
+    micro_inputs.numel = st.in_per * st.b;
+    dt__pp_activation_shape(pp, &micro_inputs, st.act);
+    st.act_n = (int64_t)st.act[0] * st.act[1];
+    pp->act_bytes = (double)st.act_n * (double)dt_dtype_size(st.t);
+    /* the order of this stage's actions, and an arena for each micro-batch
+       (those never taken at once cost nothing) */
+    dt__pp_action *order = (dt__pp_action *)dt_step_alloc(sizeof(dt__pp_action) * 2 * (size_t)M);
+    int nactions = dt__pp_schedules[pp->schedule].order(pp->stage, pp->stages, M, order);
+    st.mb = (dt__pp_micro *)dt_step_alloc(sizeof(dt__pp_micro) * (size_t)M);
+    st.free_slots = (int *)dt_step_alloc(sizeof(int) * (size_t)M);
+    if (pp->nslots < M) {
+        pp->arenas = (dt__step_arena (*)[2])realloc(pp->arenas, sizeof *pp->arenas * (size_t)M);
+        if (!pp->arenas) dt_fail("out of memory (pipeline)");
+        memset(pp->arenas + pp->nslots, 0, sizeof *pp->arenas * (size_t)(M - pp->nslots));
+        pp->nslots = M;
+    }
+    for (int k = M - 1; k >= 0; k--) st.free_slots[st.nfree++] = k;
+    dt__pp_inboxes(pp, (size_t)st.act_n * dt_dtype_size(st.t));
+    if (pp->stage > 0) pp->recv_x = dt_recv_async(pp->from_prev, pp->inbox_x, st.act_n, st.t, 0);   /* posted early */
+    if (!last) pp->recv_g = dt_recv_async(pp->from_next, pp->inbox_g, st.act_n, st.t, 1);
+    double t_start = dt_now_ms();
+    pp->busy_ms = pp->idle_ms = 0;
+    if (pp->tp) pp->tp->sums = pp->tp->sum_ms = pp->tp->sum_bytes = 0;   /* an evaluation's since are not the step's */
+    pp->kept_peak = pp->kept_micro = 0;
+    pp->kept_micro_batches = 0;
+    for (int k = 0; k < nactions; k++) {
+        if (order[k].backward) dt__pp_backward_one(pp, &st, order[k].micro);
+        else dt__pp_forward_one(pp, &st, order[k].micro);
+    }
+    dt__ctx.tape_len = 0;                   /* every micro-batch's entries are walked */
+    /* the batch's loss from the last stage, on every rank: the step's end
+       for every stage, so a stage done early waits here -- the drain's part
+       of the bubble */
+    double t_done = dt_now_ms();
+    float mean = last ? (float)(st.loss_sum / M) : 0;
+    dt__comm_all_reduce_host(pp->pipe, &mean, 1, DT_SUM);
+    double t_end = dt_now_ms();
+    if (pp->stages > 1) {
+        pp->idle_ms += t_end - t_done;
+        if (t_end - t_done > 0.01) dt__record_event("waiting", t_done, t_end);
+    }
+    pp->step_ms = t_end - t_start;
+    /* the stages' times, and the sums their split layers waited for (the
+       tensor-parallel wrapper counts a step's; its count starts again here) */
+    float sums[6] = { (float)pp->busy_ms, (float)pp->idle_ms, (float)pp->step_ms, 0, 0, 0 }, busiest = (float)pp->busy_ms;
+    if (pp->tp) {
+        sums[3] = (float)pp->tp->sums; sums[4] = (float)pp->tp->sum_ms; sums[5] = (float)pp->tp->sum_bytes;
+        pp->tp->sums = pp->tp->sum_ms = pp->tp->sum_bytes = 0;
+    }
+    dt__comm_all_reduce_host(pp->pipe, sums, 6, DT_SUM);
+    dt__comm_all_reduce_host(pp->pipe, &busiest, 1, DT_MAX);
+    pp->pipe_busy_ms = sums[0]; pp->pipe_idle_ms = sums[1]; pp->pipe_step_ms = sums[2]; pp->pipe_busiest_ms = busiest;
+    pp->pipe_tp_sums = sums[3]; pp->pipe_tp_sum_ms = sums[4]; pp->pipe_tp_sum_bytes = sums[5];
+    int one[1] = { 1 };
+    dt_tensor *loss = dt__tensor_alloc(1, one, DT_F32);
+    dt_upload(loss->data, &mean, sizeof mean);
+    return loss;
+}
+
+/* The batch's loss is the last stage's; the gradients of a tied vocabulary
+   are the first stage's (the embedding) plus the last's (the head). */
+static void dt__pp_backward_done(dt_parallel *par) {
+    dt_pp *p = (dt_pp *)par;
+    dt_model *m = p->model;
+    if (p->ends) {
+        double t0 = dt_now_ms();
+        for (int i = 0; i < m->nparams; i++)
+            if (m->splits[i].tied) dt_all_reduce(p->ends, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
+        dt__record_comm("all_reduce tied", t0, dt_now_ms(), 0);
+    }
+    if (p->par.data_ranks == 1) return;
+    double t0 = dt_now_ms();
+    if (p->zero1) {                         /* each pipeline keeps its slice of the average */
+        size_t bytes = (size_t)m->numel * sizeof(float), padded = (size_t)(p->zero_chunk * p->par.data_ranks) * sizeof(float);
+        dt_convert(m->flat_grad, DT_F32, p->zero_buf, DT_F32, m->numel);
+        dt__zero_on(m->device, (char *)p->zero_buf + bytes, padded - bytes);
+        dt_reduce_scatter(p->across, p->zero_buf, p->zero_grads, p->zero_chunk, DT_F32, DT_AVG);
+        dt__zero_on(m->device, m->flat_grad, bytes);   /* the next step's backward adds into it */
+        dt__record_comm("reduce_scatter dp", t0, dt_now_ms(), 0);
+    } else {
+        dt_all_reduce(p->across, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_AVG);
+        dt__record_comm("all_reduce dp", t0, dt_now_ms(), 0);
+    }
+    dt__ctx.grad_collectives++;
+}
+/* ZeRO-1: after the optimizer stepped this rank's slice, every pipeline's
+   slices to every pipeline, so each holds its stage whole again. */
+static void dt__pp_step_done(dt_parallel *par) {
+    dt_pp *p = (dt_pp *)par;
+    if (!p->zero1) return;
+    dt_model *m = p->model;
+    double t0 = dt_now_ms();
+    float *mine = p->zero_buf + p->zero_chunk * p->par.data_rank;     /* sent from its place in the padded buffer */
+    dt_convert(m->flat_data + p->zero_lo, DT_F32, mine, DT_F32, p->zero_hi - p->zero_lo);
+    dt_all_gather(p->across, mine, p->zero_buf, p->zero_chunk, DT_F32);
+    dt_convert(p->zero_buf, DT_F32, m->flat_data, DT_F32, m->numel);
+    dt__record_comm("all_gather parameters", t0, dt_now_ms(), 0);
+}
+void dt_pp_sync_grads(dt_pp *pp) { dt_parallel_backward_done(&pp->par); }
+int dt_pp_data_rank(const dt_pp *pp) { return pp->par.data_rank; }
+int dt_pp_data_ranks(const dt_pp *pp) { return pp->par.data_ranks; }
+
+/* Each stage steps what it holds; the gradient norm adds up the stages'
+   parts, the tied vocabulary counted once (at the first stage). */
+static void dt__pp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
+    dt_pp *p = (dt_pp *)par;
+    dt_model *m = p->model;
+    dt__optimizer_view_all(o, m);
+    for (int i = 0; i < m->nparams; i++)      /* with --tp, a whole parameter is counted at the group's first rank too */
+        o->slices[i].copy = (p->stage > 0 && m->splits[i].tied) || (p->tp && p->tp->rank > 0 && m->splits[i].dim < 0);
+    o->sharded_by = par;
+    if (!p->zero1) return;
+    /* ZeRO-1: only this rank's slice, each parameter's part of it a slice */
+    o->params = m->flat_data + p->zero_lo; o->grads = p->zero_grads; o->numel = p->zero_hi - p->zero_lo;
+    int n = 0;
+    for (int i = 0; i < m->nparams; i++) {
+        int64_t a = o->slices[i].offset, b = a + o->slices[i].length;
+        if (a < p->zero_lo) a = p->zero_lo;
+        if (b > p->zero_hi) b = p->zero_hi;
+        if (b <= a) continue;
+        o->slices[n] = o->slices[i];
+        o->slices[n].offset = a - p->zero_lo;
+        o->slices[n++].length = b - a;
+    }
+    o->nslices = n;
+}
+static void dt__pp_sum_over_ranks(dt_parallel *par, float *values, int n) {
+    dt_pp *p = (dt_pp *)par;
+    dt__comm_all_reduce_host(p->pipe, values, n, DT_SUM);
+    if (p->tp) dt__comm_all_reduce_host(p->tp->group, values, n, DT_SUM);
+    if (p->zero1) dt__comm_all_reduce_host(p->across, values, n, DT_SUM);   /* each pipeline holds a slice */
+}
+/* The layers' sums, passed on to the tensor-parallel wrapper inside. */
+static void dt__pp_tp_sum(dt_parallel *par, float *values, int64_t n) {
+    dt_parallel *inner = &((dt_pp *)par)->tp->par;
+    inner->tp_sum(inner, values, n);
+}
+static void dt__pp_tp_max(dt_parallel *par, float *values, int64_t n) {
+    dt_parallel *inner = &((dt_pp *)par)->tp->par;
+    inner->tp_max(inner, values, n);
+}
+static void dt__pp_tp_all_gather(dt_parallel *par, const float *mine, float *all, int64_t n) {
+    dt_parallel *inner = &((dt_pp *)par)->tp->par;
+    inner->tp_all_gather(inner, mine, all, n);
+}
+
+/* Checkpoints are whole (section 13): to save, the first pipeline's stages
+   send what they hold to its first rank, one tensor at a time, and that
+   rank -- the job's rank 0 -- writes; to load, every rank reads the whole
+   and keeps its stage's. */
+static float *dt__pp_state_gather(dt_pp *p, float *local) {
+    dt_model *m = p->model;
+    const dt_model *W = &p->whole;
+    float *whole = NULL;
+    if (p->stage == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
+        dt_fail("out of memory (gathering the pipeline's stages for a checkpoint: %.1f MB)", W->numel * 4e-6);
+    for (int i = 0; i < m->nparams; i++) {
+        int owner = dt__pp_owner(p, i);
+        int64_t n = W->params[i].numel;
+        size_t bytes = (size_t)n * sizeof(float);
+        if (owner == 0) {
+            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
+        } else if (p->stage == owner) dt_send(p->pipe, local + m->offsets[i], n, DT_F32, 0);
+        else if (whole) {
+            float *buf = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes);
+            dt_recv(p->pipe, buf, n, DT_F32, owner);
+            dt__download_from(m->device, whole + W->offsets[i], buf, bytes);
+            dt_free_on(m->device, DT_ARENA_COMM, buf, bytes);
+        }
+    }
+    return whole;
+}
+/* ZeRO-1's optimizer state: every pipeline's slices of the stage, whole (a
+   collective of the pipelines), in the stage's buffer layout. */
+static float *dt__pp_zero1_gather(dt_pp *p, const float *slice) {
+    dt_model *m = p->model;
+    float *mine = p->zero_buf + p->zero_chunk * p->par.data_rank;
+    float *whole = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, (size_t)m->numel * sizeof(float) + 4);
+    dt__zero_on(m->device, mine, (size_t)p->zero_chunk * sizeof(float));
+    dt_convert(slice, DT_F32, mine, DT_F32, p->zero_hi - p->zero_lo);
+    dt_all_gather(p->across, mine, p->zero_buf, p->zero_chunk, DT_F32);
+    dt_convert(p->zero_buf, DT_F32, whole, DT_F32, m->numel);
+    return whole;
+}
+/* With --tp the stages' pieces, gathered at the first stage, are then
+   gathered over its tensor-parallel group (and, to load, cut the other way);
+   with --shard optimizer the moments are first made whole over the
+   pipelines (and, to load, each rank keeps its slice). */
+static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
+    dt_pp *p = (dt_pp *)par;
+    if (for_load) {
+        float *whole = (float *)calloc((size_t)par->whole->numel + 1, sizeof(float));
+        if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", par->whole->numel * 4e-6);
+        return whole;
+    }
+    float *state = dt__state_buffer(p->model, o, which), *gathered = NULL;
+    if (p->zero1 && which > 0) state = gathered = dt__pp_zero1_gather(p, state);   /* every pipeline takes part */
+    if (p->par.data_rank != 0) {
+        if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
+        return NULL;
+    }
+    float *staged = dt__pp_state_gather(p, state);
+    if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
+    if (!p->tp || p->stage != 0) return staged;
+    size_t bytes = (size_t)p->whole.numel * sizeof(float);
+    float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+    dt__upload_to(p->model->device, pieces, staged, bytes);
+    free(staged);
+    float *whole = dt__tp_state_gather(p->tp, &p->whole, pieces);
+    dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
+    return whole;
+}
+static void dt__pp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
+    dt_pp *p = (dt_pp *)par;
+    float *local = dt__state_buffer(p->model, o, which), *slice = NULL;
+    size_t stage_bytes = (size_t)p->model->numel * sizeof(float) + 4;
+    if (written && p->zero1 && which > 0) {  /* the stage's whole state here first, then this rank's slice of it */
+        slice = local;
+        local = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, stage_bytes);
+    }
+    if (written && !p->tp) dt__pp_scatter(p, host, local);
+    else if (written) {
+        size_t bytes = (size_t)p->whole.numel * sizeof(float);
+        float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+        dt__tp_state_scatter(p->tp, &p->whole, host, pieces);
+        float *view = dt__host_view(p->model->device, pieces, p->whole.numel);
+        dt__pp_scatter(p, view, local);
+        dt__host_view_close(p->model->device, view, pieces, p->whole.numel, 0);
+        dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
+    }
+    if (slice) {
+        dt_convert(local + p->zero_lo, DT_F32, slice, DT_F32, p->zero_hi - p->zero_lo);
+        dt_free_on(p->model->device, DT_ARENA_COMM, local, stage_bytes);
+    }
+    free(host);
+}
+
+/* At start-up: which blocks each stage runs, and what it holds. */
+static void dt__pp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
+    const dt_pp *p = (const dt_pp *)par;
+    const dt_model *m = p->model;
+    int n = dt_model_blocks(m);
+    printf("pipeline, --pp %d: %d stages, %d micro-batch%s per step, schedule %s (bubble (P - 1) / (M + P - 1) = %.0f%%); "
+           "%d data-parallel pipeline%s\n", p->stages, p->stages, p->micro_batches, p->micro_batches > 1 ? "es" : "",
+           dt__pp_schedules[p->schedule].name, 100.0 * (p->stages - 1) / (p->micro_batches + p->stages - 1),
+           p->par.data_ranks, p->par.data_ranks > 1 ? "s" : "");
+    int embedding = 0;                      /* the mlp has none: its first layer is a block */
+    for (int i = 0; i < m->nparams; i++) embedding |= m->splits[i].block < 0;
+    for (int s = 0; s < p->stages; s++) {
+        double held = dt__pp_stage_params(p, s);
+        int a = p->first_block[s], b = p->first_block[s + 1];
+        char blocks[48];
+        if (b - a > 1) snprintf(blocks, sizeof blocks, "blocks %d-%d", a, b - 1);
+        else snprintf(blocks, sizeof blocks, "block %d", a);
+        printf("  stage %d: %s%s%s  %.3f MB of parameters (%.3f MB with gradients and %s state)\n", s,
+               s == 0 && embedding ? "the embedding, " : "", blocks, s == p->stages - 1 ? ", the head" : "", 4e-6 * held,
+               4e-6 * held * (o->v ? 4 : 3), o->v ? "adamw's" : "sgd's");
+    }
+    if (p->tp)
+        printf("  each stage's blocks split over --tp %d ranks as in stage 06: the sizes above are one rank's pieces\n",
+               p->tp->size);
+    if (p->zero1)
+        printf("  --shard optimizer: the %d pipelines share out each stage's %s state (ZeRO-1): this rank keeps %.3f MB of "
+               "its stage's %.3f\n", p->par.data_ranks, o->v ? "adamw's" : "sgd's", 4e-6 * (double)o->numel * (o->v ? 2 : 1),
+               4e-6 * (double)m->numel * (o->v ? 2 : 1));
+    printf("  the whole model: %.3f MB of parameters, %d blocks\n", 4e-6 * (double)par->whole->numel, n);
+    fflush(stdout);
+}
+
+/* Evaluation and generation: the batch down the pipeline at once (no
+   micro-batches: there is no backward to overlap), and the last stage's
+   logits to every rank. */
+static dt_tensor *dt__pp_forward(dt_parallel *par, dt_tensor *inputs) {
+    dt_pp *p = (dt_pp *)par;
+    dt_model *m = p->model;
+    int last = p->stage == p->stages - 1, act[2];
+    dt_dtype t = dt__ctx.compute_dtype;
+    if (dt__ctx.grad_enabled)
+        dt_fail("dt_model_forward: under pipeline parallelism a training step is dt_pp_forward_backward (the stages take "
+                "turns); dt_model_forward runs without gradients only (evaluation, generation)");
+    dt__pp_activation_shape(p, inputs, act);
+    dt_tensor *x = NULL;
+    if (p->stage > 0) {
+        x = dt__tensor_alloc(2, act, t);
+        dt_recv(p->from_prev, x->data, x->numel, t, 0);
+    }
+    dt_tensor *y = dt_model_forward_blocks(m, inputs, x, p->first_block[p->stage], p->first_block[p->stage + 1]);
+    if (!last) dt_send(p->to_next, y->data, y->numel, t, 1);
+    /* the logits' columns: the vocabulary's share of this rank when --tp split it */
+    float cols = last ? (float)dt_tensor_cols(y) : 0;
+    dt__comm_all_reduce_host(p->pipe, &cols, 1, DT_SUM);
+    if (!last) {
+        int shape[2] = { inputs->shape[0] * (dt_model_is_language(m->cfg.kind) ? (int)dt_tensor_cols(inputs) : 1), (int)cols };
+        y = dt__tensor_alloc(2, shape, t);
+        if ((int)cols != m->cfg.classes) y->parallel = par;   /* dt_logits_to_host gathers them over the group */
+    }
+    dt_broadcast(p->pipe, y->data, y->numel, t, p->stages - 1);
+    return y;
+}
+
+/* The last step's figures: the pipeline's bubble, its stages' idle time
+   over their time in the pipeline (each stage waits its own share: the
+   first more, when the last, with the head, computes more); how uneven the
+   stages are, the busiest one's compute over the mean (1: even). */
+static double dt__pp_bubble(const dt_pp *p) { return p->pipe_step_ms > 0 ? p->pipe_idle_ms / p->pipe_step_ms : 0; }
+static double dt__pp_balance_of(const dt_pp *p) {
+    return p->pipe_busy_ms > 0 ? p->pipe_busiest_ms * p->stages / p->pipe_busy_ms : 1;
+}
+/* The cost model's view of it: the whole model's compute on one rank is
+   what the stages computed together -- with --tp, less the time their
+   layers' sums took, and times the T ranks that shared each stage's split
+   layers. */
+static int dt__pp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_pp *p = (const dt_pp *)par;
+    in->kind = DT_PAR_PP;
+    in->pp_micro_batches = p->micro_batches;
+    in->pp_balance = dt__pp_balance_of(p);
+    in->pp_bytes = p->act_bytes;
+    in->pp_measured_bubble = dt__pp_bubble(p);
+    in->compute_ms = p->pipe_busy_ms;
+    in->dp_groups = p->par.data_ranks;
+    in->pp_zero1 = p->zero1;
+    int64_t stepped = p->zero1 ? p->zero_hi - p->zero_lo : p->model->numel;    /* the optimizer's share of the whole model */
+    in->optimizer_ms *= stepped > 0 ? (double)par->whole->numel / (double)stepped : 1;
+    if (p->tp) {
+        in->tp_ranks = p->tp->size;
+        in->tp_share = dt__tp_split_share(p->tp);
+        in->tp_sums = p->pipe_tp_sums / p->micro_batches;
+        in->tp_bytes = p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0;
+        double kept = in->tp_share / p->tp->size + (1 - in->tp_share);
+        in->compute_ms = fmax(0, p->pipe_busy_ms - p->pipe_tp_sum_ms) / kept;
+    }
+    return p->stages;
+}
+static void dt__pp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
+    const dt_pp *p = (const dt_pp *)par;
+    (void)accum_steps;
+    fprintf(out, " pp=%d pp_micro_batches=%d pp_balance=%.4f pp_bytes=%.0f bubble=%.4f bubble_predicted=%.4f", p->stages,
+            p->micro_batches, dt__pp_balance_of(p), p->act_bytes, dt__pp_bubble(p),
+            (p->stages - 1.0) / (p->micro_batches + p->stages - 1.0));
+    if (p->tp)        /* the whole pipeline's layer sums per micro-batch, as the cost model counts them */
+        fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", p->tp->size, dt__tp_split_share(p->tp),
+                p->pipe_tp_sums / p->micro_batches, p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0.0);
+    fprintf(out, " dp=%d%s", p->par.data_ranks, p->zero1 ? " zero1=1" : "");
+}
+
+/* The step's pipeline figures, in its --log record. */
+static void dt__pp_log_fields(const dt_parallel *par, FILE *log) {
+    const dt_pp *p = (const dt_pp *)par;
+    double P = p->stages, M = p->micro_batches;
+    fprintf(log, ",\"pp_busy_ms\":%.3f,\"pp_idle_ms\":%.3f,\"pp_step_ms\":%.3f,\"bubble\":%.4f,\"bubble_predicted\":%.4f,"
+                 "\"pp_balance\":%.4f,\"pp_kept_bytes\":%.0f,\"pp_micro_bytes\":%.0f,\"pp_kept_micro_batches\":%d",
+            p->busy_ms, p->idle_ms, p->step_ms, dt__pp_bubble(p), (P - 1) / (M + P - 1), dt__pp_balance_of(p), p->kept_peak,
+            p->kept_micro, p->kept_micro_batches);
+}
+
+/* A one-way pair for each neighbour: `round` 0 pairs stages (0, 1), (2, 3)
+   ..., round 1 pairs (1, 2), (3, 4) ...; a rank in no pair of a round is a
+   group of its own, freed at once. */
+static void dt__pp_pair(dt_pp *p, int round, dt_comm **with_next, dt_comm **with_prev) {
+    int s = p->stage, P = p->stages;
+    int j = (s % 2 == round) ? s : s - 1;       /* the boundary (j, j + 1) this rank is on this round */
+    int paired = j >= 0 && j + 1 < P;
+    dt_comm *c = dt_comm_split(p->pipe, paired ? j : P + s, s);
+    if (!paired) { dt_comm_free(c); return; }
+    if (j == s) *with_next = c;
+    else *with_prev = c;
+}
+
+dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_batches, dt_pp_schedule schedule,
+                    dt_shard_mode shard) {
+    int world = dt_comm_size(comm);
+    char v[64];
+    snprintf(v, sizeof v, "%d %d %d %d %d", pp, tp, micro_batches, (int)schedule, (int)shard);
+    dt_comm_check_agree(comm, "--pp --tp --micro-batches --schedule --shard", v);
+    if (shard != DT_SHARD_NONE && shard != DT_SHARD_OPTIMIZER)
+        dt_usage_error("--shard %s: a pipeline shares out only its optimizer state over the data-parallel pipelines (--shard "
+                       "optimizer, ZeRO-1): its micro-batches' gradients add up whole until the step's last backward, and each "
+                       "stage runs its parameters M times a step", shard == DT_SHARD_GRADS ? "grads" : "full");
+    if (tp <= 0) tp = 1;
+    if (world % tp) dt_usage_error("--tp %d does not divide the job's %d ranks", tp, world);
+    if (pp <= 0) pp = world / tp;
+    if ((world / tp) % pp)
+        dt_usage_error("--pp %d does not divide the job's %d ranks%s (the ranks form pipelines of --pp stages%s, data parallel "
+                       "across them)", pp, world, tp > 1 ? " over --tp" : "", tp > 1 ? " of --tp ranks each" : "");
+    if (micro_batches < 1) dt_usage_error("--micro-batches %d: a step needs at least one", micro_batches);
+    if ((int)schedule < 0 || (int)schedule >= (int)(sizeof dt__pp_schedules / sizeof dt__pp_schedules[0]))
+        dt_fail("dt_pp_create: schedule %d is not one dtrain knows", (int)schedule);
+    if (model->base) dt_usage_error("--lora-rank: LoRA's adapters are not split into pipeline stages; train them with 03-05");
+    int n = dt_model_blocks(model);
+    if (n < pp)
+        dt_usage_error("--pp %d: the model has %d block%s (--depth), fewer than the stages, and each stage runs at least one",
+                       pp, n, n == 1 ? "" : "s");
+    dt_pp *p = (dt_pp *)calloc(1, sizeof *p);
+    if (!p) dt_fail("out of memory (pipeline parallelism)");
+    p->par = (dt_parallel){ .create_fn = "dt_pp_create", .sync_fn = "dt_pp_sync_grads", .free_fn = "dt_pp_free",
+                            .backward_done = dt__pp_backward_done, .optimizer_view = dt__pp_optimizer_view,
+                            .sum_over_ranks = dt__pp_sum_over_ranks, .state_open = dt__pp_state_open,
+                            .state_close = dt__pp_state_close, .memory_table = dt__pp_memory_table,
+                            .forward = dt__pp_forward, .log_fields = dt__pp_log_fields, .cost_input = dt__pp_cost_input,
+                            .bench_fields = dt__pp_bench_fields, .step_done = dt__pp_step_done };
+    dt__comm_hold(comm, "dt_pp_free");
+    p->model = model;
+    p->comm = comm;
+    int sizes[3] = { world / (pp * tp), pp, tp };
+    const char *names[3] = { "dp", "pp", "tp" };
+    p->mesh = dt_mesh_create(comm, 3, sizes, names);
+    if (tp > 1) {           /* every block's layers split over the "tp" group first, as stage 06 does */
+        p->tp = dt_tp_create(model, dt_mesh_comm(p->mesh, "tp"), tp, 0);
+        dt_model_set_parallel(model, NULL);   /* the pipeline wraps the model, and passes its layers' sums on */
+        p->par.tp_sum = dt__pp_tp_sum;
+        p->par.tp_max = dt__pp_tp_max;
+        p->par.tp_all_gather = dt__pp_tp_all_gather;
+        p->par.tp_rank = p->tp->rank;
+        p->par.tp_size = tp;
+    }
+    dt_model_set_parallel(model, &p->par);
+    p->pipe = dt_mesh_comm(p->mesh, "pp");
+    p->across = dt_mesh_comm(p->mesh, "dp");
+    p->stages = pp;
+    p->stage = dt_mesh_coord(p->mesh, "pp");
+    p->micro_batches = micro_batches;
+    p->schedule = schedule;
+    p->par.data_rank = dt_mesh_coord(p->mesh, "dp");
+    p->par.data_ranks = world / (pp * tp);
+    p->first_block = (int *)malloc(sizeof(int) * (size_t)(pp + 1));
+    if (!p->first_block) dt_fail("out of memory (pipeline parallelism)");
+    dt__pp_balance(model, pp, p->first_block);
+    dt__model_cut(model, &p->whole, dt__pp_cut_shape, dt__pp_scatter, p);
+    p->par.whole = p->tp ? &p->tp->whole : &p->whole;      /* what checkpoints hold: the model whole */
+    for (int round = 0; round < 2 && pp > 1; round++) {      /* activations on, then gradients back */
+        dt__pp_pair(p, round, &p->to_next, &p->from_prev);
+        dt__pp_pair(p, round, &p->from_next, &p->to_prev);
+    }
+    int tied = 0;
+    for (int i = 0; i < model->nparams; i++) tied |= model->splits[i].tied;
+    if (tied && pp > 1) {
+        int end = p->stage == 0 || p->stage == pp - 1;
+        p->ends = dt_comm_split(p->pipe, end ? 0 : 1 + p->stage, p->stage);
+        if (!end) { dt_comm_free(p->ends); p->ends = NULL; }
+    }
+    if (p->par.data_ranks > 1) dt_broadcast(p->across, model->flat_data, model->numel, DT_F32, 0);   /* every pipeline starts alike */
+    p->zero1 = shard == DT_SHARD_OPTIMIZER && p->par.data_ranks > 1;   /* one pipeline: nothing to share out */
+    if (p->zero1) {
+        int D = p->par.data_ranks;
+        p->zero_chunk = (model->numel + D - 1) / D;
+        p->zero_lo = p->zero_chunk * p->par.data_rank;
+        if (p->zero_lo > model->numel) p->zero_lo = model->numel;
+        p->zero_hi = p->zero_lo + p->zero_chunk < model->numel ? p->zero_lo + p->zero_chunk : model->numel;
+        p->zero_grads = (float *)dt_alloc_on(model->device, DT_ARENA_GRADS, (size_t)p->zero_chunk * sizeof(float) + 4);
+        p->zero_buf = (float *)dt_alloc_on(model->device, DT_ARENA_COMM, (size_t)(p->zero_chunk * D) * sizeof(float) + 4);
+        dt__zero_on(model->device, p->zero_grads, (size_t)p->zero_chunk * sizeof(float));
+    }
+    return p;
+}
+
+void dt_pp_free(dt_pp *pp) {
+    if (!pp) return;
+    dt_model_set_parallel(pp->model, NULL);
+    dt_comm *mine[5] = { pp->ends, pp->to_next, pp->from_next, pp->to_prev, pp->from_prev };
+    for (int k = 0; k < 5; k++) if (mine[k]) dt_comm_free(mine[k]);
+    dt_tp_free(pp->tp);
+    pp->model->left_cut_by = "dt_pp_free";     /* each rank keeps its stage: the model can only be freed now */
+    for (int k = 0; k < pp->nslots; k++) dt__step_arena_free(pp->arenas[k]);
+    free(pp->arenas);
+    dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_x, pp->inbox_bytes);
+    dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_g, pp->inbox_bytes);
+    if (pp->zero1) {
+        dt_free_on(pp->model->device, DT_ARENA_GRADS, pp->zero_grads, (size_t)pp->zero_chunk * sizeof(float) + 4);
+        dt_free_on(pp->model->device, DT_ARENA_COMM, pp->zero_buf, (size_t)(pp->zero_chunk * pp->par.data_ranks) * sizeof(float) + 4);
+    }
+    dt_mesh_free(pp->mesh);
+    dt__comm_release(pp->comm);
+    free(pp->first_block);
+    free(pp->whole.params);
+    free(pp->whole.offsets);
+    free(pp);
+}
+

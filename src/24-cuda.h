@@ -1,0 +1,945 @@
+//@ cuda
+/* ================================================================================
+   19. THE CUDA BACKEND
+   Compiled by nvcc from this same file:
+       nvcc -x cu -DDTRAIN_CUDA_IMPLEMENTATION -c dtrain.h -o dtrain_cuda.o
+   and linked beside a C file built with -DDT_HAVE_CUDA (the Makefile does both).
+
+   What it teaches: a GPU body differs from the CPU loop in three things only --
+   indexing (one thread per element, or one warp per row), reductions (threads
+   cooperate through warp shuffles and shared memory, in a fixed order so that
+   every run gives the same bits), and launch shape. The arithmetic per element
+   is the same DT_HD function the CPU calls. Matmuls go to cuBLAS in fp32 (no
+   TF32), attention's per-head matmuls to one strided-batched call.
+   Every CUDA and cuBLAS call is checked: a failure names the call, the file and
+   line, and CUDA's own description, then exits like any other dtrain error.
+   ================================================================================ */
+#if defined(DTRAIN_CUDA_IMPLEMENTATION) && defined(__CUDACC__) && !defined(DTRAIN_CUDA_DONE)
+#define DTRAIN_CUDA_DONE
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+
+/* cuBLAS is opened when a GPU is first used, not when the program starts:
+   linked, its libraries (600 MB with cuBLASLt) cost every start about 70 ms
+   of relocations, which every CPU run, every tool and every rank paid (the
+   test suite starts well over a thousand). The calls dtrain makes are looked
+   up once, by the names cublas_v2.h gives them; a library or call that is
+   missing is an error that names it. */
+/* cublasGemmEx is overloaded in C++ (an inline wrapper takes the old
+   cudaDataType compute type): the library's own, by its type. */
+typedef cublasStatus_t (*dt__cublas_gemm_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
+                                             const void *, const void *, cudaDataType, int, const void *, cudaDataType,
+                                             int, const void *, void *, cudaDataType, int, cublasComputeType_t,
+                                             cublasGemmAlgo_t);
+static struct {
+    decltype(&cublasCreate) create;
+    decltype(&cublasSetStream) set_stream;
+    decltype(&cublasSetMathMode) set_math_mode;
+    decltype(&cublasGetStatusString) status_string;
+    decltype(&cublasSgemm) sgemm;
+    dt__cublas_gemm_ex gemm_ex;
+    decltype(&cublasSgemmStridedBatched) sgemm_strided_batched;
+} dt__cublas;
+#define DT__NAME_OF(f) #f
+#define DT__STRING(f) DT__NAME_OF(f)                 /* cublasCreate -> "cublasCreate_v2", as cublas_v2.h names it */
+#define DT__CUBLAS_LOOKUP(field, f)                                                                          \
+    if (!(dt__cublas.field = (decltype(dt__cublas.field))dlsym(lib, DT__STRING(f))))                         \
+        dt_fail("%s has no %s (older than the cuBLAS %d this build was compiled with?)", name, DT__STRING(f), \
+                CUBLAS_VER_MAJOR)
+static void dt__cublas_load(void) {
+    const char *name = "libcublas.so." DT__STRING(CUBLAS_VER_MAJOR);
+    void *lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) dt_fail("cannot load cuBLAS for --device cuda: %s (the CUDA toolkit's lib64, or LD_LIBRARY_PATH)", dlerror());
+    DT__CUBLAS_LOOKUP(create, cublasCreate);
+    DT__CUBLAS_LOOKUP(set_stream, cublasSetStream);
+    DT__CUBLAS_LOOKUP(set_math_mode, cublasSetMathMode);
+    DT__CUBLAS_LOOKUP(status_string, cublasGetStatusString);
+    DT__CUBLAS_LOOKUP(sgemm, cublasSgemm);
+    DT__CUBLAS_LOOKUP(gemm_ex, cublasGemmEx);
+    DT__CUBLAS_LOOKUP(sgemm_strided_batched, cublasSgemmStridedBatched);
+}
+static void dt__cublas_open(void) {                 /* once, whichever thread comes first (stage 02's devices) */
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, dt__cublas_load);
+}
+
+static struct {
+    int index;
+    cudaStream_t stream;                 /* every kernel, copy and matmul, in order */
+    cublasHandle_t blas;
+    double *partials;                    /* sum_squares: one double per block, then the total */
+    float *scratch;                      /* column sums: partial sums per slab of rows */
+    size_t scratch_floats;
+    void *row_loss;                      /* cross-entropy: each row's loss, summed in order after */
+    size_t row_loss_bytes;
+    dt_backend table;
+} dt__cuda;
+
+static void dt__cuda_check(cudaError_t err, const char *call, const char *file, int line) {
+    if (err != cudaSuccess)
+        dt_fail("%s failed at %s:%d: %s (%s)", call, file, line, cudaGetErrorString(err), cudaGetErrorName(err));
+}
+static void dt__cublas_check(cublasStatus_t st, const char *call, const char *file, int line) {
+    if (st != CUBLAS_STATUS_SUCCESS) dt_fail("%s failed at %s:%d: %s", call, file, line, dt__cublas.status_string(st));
+}
+#define DT_CUDA_CHECK(call) dt__cuda_check((call), #call, __FILE__, __LINE__)
+#define DT_CUBLAS_CHECK(call) dt__cublas_check((call), #call, __FILE__, __LINE__)
+/* A launch returns no status; cudaGetLastError() holds a bad launch shape. */
+#define DT_LAUNCH(kernel, blocks, threads, ...)                                          \
+    do {                                                                                 \
+        kernel<<<(blocks), (threads), 0, dt__cuda.stream>>>(__VA_ARGS__);                \
+        dt__cuda_check(cudaGetLastError(), "launching " #kernel, __FILE__, __LINE__);    \
+    } while (0)
+
+static unsigned dt__blocks_for_warps(int64_t rows) {      /* one warp (32 threads) per row */
+    return dt_blocks_for(rows * 32);
+}
+#define DT_FOR_EACH(i, n)                                                                          \
+    for (int64_t i = dt_grid_first(blockIdx.x, blockDim.x, threadIdx.x); i < (n);                  \
+         i += dt_grid_stride(gridDim.x, blockDim.x))
+/* One warp per row; `lane` is the thread's place in it. Whole warps move on
+   together, so the shuffles inside see all 32 lanes. */
+#define DT_FOR_EACH_ROW(row, rows)                                                                 \
+    for (int64_t row = dt_grid_first(blockIdx.x, blockDim.x, threadIdx.x) / 32; row < (rows);      \
+         row += dt_grid_stride(gridDim.x, blockDim.x) / 32)
+
+__device__ static inline float dt__warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ static inline float dt__warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* ---- memory and copies ---- */
+static void *dt__cuda_alloc(size_t bytes) {
+    void *p = NULL;
+    cudaError_t err = cudaMalloc(&p, bytes);
+    if (err != cudaSuccess) {
+        size_t free_b = 0, total_b = 0;
+        cudaGetLastError();
+        cudaMemGetInfo(&free_b, &total_b);
+        dt_fail("cudaMalloc of %.1f MB failed: %s (%.1f MB of %.1f MB free on the GPU; try a smaller --batch-size)",
+                bytes / 1e6, cudaGetErrorString(err), free_b / 1e6, total_b / 1e6);
+    }
+    return p;
+}
+/* Only the first steps free GPU memory (the step arena growing): let queued
+   kernels that may still read it finish first. */
+static void dt__cuda_release(void *p) {
+    DT_CUDA_CHECK(cudaStreamSynchronize(dt__cuda.stream));
+    DT_CUDA_CHECK(cudaFree(p));
+}
+static void dt__cuda_zero(void *p, size_t bytes) { DT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, dt__cuda.stream)); }
+/* Host buffers are ordinary (pageable) memory: wait, so the caller may reuse them at once. */
+static void dt__cuda_upload(void *dst, const void *src, size_t bytes) {
+    DT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, dt__cuda.stream));
+    DT_CUDA_CHECK(cudaStreamSynchronize(dt__cuda.stream));
+}
+static void dt__cuda_download(void *dst, const void *src, size_t bytes) {
+    DT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, dt__cuda.stream));
+    DT_CUDA_CHECK(cudaStreamSynchronize(dt__cuda.stream));
+}
+static void dt__cuda_synchronize(void) { DT_CUDA_CHECK(cudaStreamSynchronize(dt__cuda.stream)); }
+/* Is p memory of a GPU (or managed)? Host memory, and pointers CUDA has never
+   seen, are not. */
+static int dt__cuda_owns(const void *p) {
+    cudaPointerAttributes a;
+    cudaError_t err = cudaPointerGetAttributes(&a, p);
+    if (err == cudaErrorInvalidValue) { cudaGetLastError(); return 0; }    /* a pointer CUDA does not know */
+    DT_CUDA_CHECK(err);                                                    /* anything else is a real error */
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+/* ---- matmul: cuBLAS is column-major. A row-major matrix is its column-major
+        transpose, so C = op(A) op(B) is computed as C^T = op(B)^T op(A)^T:
+        swap the operands and M with N, keep every leading dimension. ---- */
+static void dt__cuda_gemm(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                         const float *B, int ldb, float beta, float *C, int ldc) {
+    if (M <= 0 || N <= 0) return;
+    DT_CUBLAS_CHECK(dt__cublas.sgemm(dt__cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
+                                &alpha, B, ldb, A, lda, &beta, C, ldc));
+}
+/* Mixed precision: 16-bit operands on the tensor cores, products summed in f32
+   (CUBLAS_COMPUTE_32F), an f32 result. This is where bf16 earns its speed. */
+static void dt__cuda_gemm_half(dt_dtype dtype, int ta, int tb, int M, int N, int K, const void *A, int lda,
+                              const void *B, int ldb, float beta, float *C, int ldc) {
+    if (M <= 0 || N <= 0) return;
+    float alpha = 1.0f;
+    cudaDataType_t t = dtype == DT_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+    DT_CUBLAS_CHECK(dt__cublas.gemm_ex(dt__cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
+                                 &alpha, B, t, ldb, A, t, lda, &beta, C, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
+                                 CUBLAS_GEMM_DEFAULT));
+}
+static void dt__cuda_gemm_batched(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                                 long long sa, const float *B, int ldb, long long sb, float beta, float *C, int ldc,
+                                 long long sc, int batch) {
+    DT_CUBLAS_CHECK(dt__cublas.sgemm_strided_batched(dt__cuda.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                              N, M, K, &alpha, B, ldb, sb, A, lda, sa, &beta, C, ldc, sc, batch));
+}
+
+/* ---- column sums in a fixed order: out[j] += sum over rows of x[i, j] (times
+        LayerNorm's x-hat for its weight gradient). Blocks of 32 columns x 8 row
+        lanes sum one slab of rows each; a second kernel adds the slabs in order.
+        No atomics, so the result is the same every run. ---- */
+__global__ static void dt__k_colsum_partial(const float *dy, const float *x, const float *stats, int rows, int cols,
+                                           int ld, int slab_rows, float *part_db, float *part_dw) {
+    __shared__ float sh_db[8][33], sh_dw[8][33];
+    int tx = threadIdx.x, ty = threadIdx.y, j = blockIdx.x * 32 + tx, slab = blockIdx.y;
+    int r0 = slab * slab_rows, r1 = min(rows, r0 + slab_rows);
+    float db = 0, dw = 0;
+    if (j < cols)
+        for (int i = r0 + ty; i < r1; i += 8) {
+            float g = dy[(size_t)i * ld + j];
+            db += g;
+            if (part_dw) dw += g * (x[(size_t)i * ld + j] - stats[i]) * stats[rows + i];
+        }
+    sh_db[ty][tx] = db;
+    sh_dw[ty][tx] = dw;
+    __syncthreads();
+    if (ty == 0 && j < cols) {
+        float a = 0, b = 0;
+        for (int k = 0; k < 8; k++) { a += sh_db[k][tx]; b += sh_dw[k][tx]; }
+        part_db[(size_t)slab * cols + j] = a;
+        if (part_dw) part_dw[(size_t)slab * cols + j] = b;
+    }
+}
+__global__ static void dt__k_colsum_finish(const float *part, int slabs, int cols, float *out) {
+    DT_FOR_EACH(j, cols) {
+        float s = 0;
+        for (int k = 0; k < slabs; k++) s += part[(size_t)k * cols + j];
+        out[j] += s;
+    }
+}
+/* A buffer that grows to the largest size asked (in the first step only). */
+static void *dt__cuda_grow(void **buf, size_t *cap, size_t bytes) {
+    if (bytes > *cap) {
+        if (*buf) dt__cuda_release(*buf);
+        *buf = dt__cuda_alloc(bytes);
+        *cap = bytes;
+    }
+    return *buf;
+}
+static float *dt__cuda_scratch(size_t floats) {
+    if (floats > dt__cuda.scratch_floats) {        /* grows in the first step only */
+        if (dt__cuda.scratch) dt__cuda_release(dt__cuda.scratch);
+        dt__cuda.scratch = (float *)dt__cuda_alloc(floats * sizeof(float));
+        dt__cuda.scratch_floats = floats;
+    }
+    return dt__cuda.scratch;
+}
+/* db[j] += sum_i dy[i*ld + j]; with x and stats also dw[j] += sum_i dy * x-hat. */
+static void dt__cuda_column_sums(const float *dy, const float *x, const float *stats, int rows, int cols, int ld,
+                                float *db, float *dw) {
+    if (rows <= 0 || cols <= 0 || (!db && !dw)) return;
+    int slabs = (rows + 63) / 64;
+    if (slabs > 128) slabs = 128;
+    int slab_rows = (rows + slabs - 1) / slabs;
+    float *part = dt__cuda_scratch((size_t)2 * slabs * cols);
+    dim3 grid((unsigned)((cols + 31) / 32), (unsigned)slabs), block(32, 8);
+    DT_LAUNCH(dt__k_colsum_partial, grid, block, dy, x, stats, rows, cols, ld, slab_rows, part,
+              dw ? part + (size_t)slabs * cols : (float *)NULL);
+    if (db) DT_LAUNCH(dt__k_colsum_finish, dt_blocks_for(cols), DT_THREADS, part, slabs, cols, db);
+    if (dw) DT_LAUNCH(dt__k_colsum_finish, dt_blocks_for(cols), DT_THREADS, part + (size_t)slabs * cols, slabs, cols, dw);
+}
+static void dt__cuda_sum_rows(const float *x, float *out, int rows, int cols) {
+    dt__cuda_column_sums(x, NULL, NULL, rows, cols, cols, out, NULL);
+}
+
+/* ---- element-wise ops: one thread per element, the DT_HD arithmetic ---- */
+__global__ static void dt__k_add_bias(float *y, const float *b, int64_t n, int cols) {
+    DT_FOR_EACH(i, n) y[i] += b[i % cols];
+}
+static void dt__cuda_add_bias(float *y, const float *b, int rows, int cols) {
+    int64_t n = (int64_t)rows * cols;
+    DT_LAUNCH(dt__k_add_bias, dt_blocks_for(n), DT_THREADS, y, b, n, cols);
+}
+__global__ static void dt__k_gelu_forward(const float *x, float *y, int64_t n, int tanh_form) {
+    DT_FOR_EACH(i, n) y[i] = tanh_form ? dt_gelu_tanh_value(x[i]) : dt_gelu_value(x[i]);
+}
+static void dt__cuda_gelu_forward(const float *x, float *y, int64_t n, int tanh_form) {
+    DT_LAUNCH(dt__k_gelu_forward, dt_blocks_for(n), DT_THREADS, x, y, n, tanh_form);
+}
+__global__ static void dt__k_gelu_backward(const float *x, const float *dy, float *dx, int64_t n, int tanh_form) {
+    DT_FOR_EACH(i, n) dx[i] += dy[i] * (tanh_form ? dt_gelu_tanh_derivative(x[i]) : dt_gelu_derivative(x[i]));
+}
+static void dt__cuda_gelu_backward(const float *x, const float *dy, float *dx, int64_t n, int tanh_form) {
+    DT_LAUNCH(dt__k_gelu_backward, dt_blocks_for(n), DT_THREADS, x, dy, dx, n, tanh_form);
+}
+__global__ static void dt__k_add(const float *a, const float *b, float *y, int64_t n) {
+    DT_FOR_EACH(i, n) y[i] = a[i] + b[i];
+}
+static void dt__cuda_add(const float *a, const float *b, float *y, int64_t n) {
+    DT_LAUNCH(dt__k_add, dt_blocks_for(n), DT_THREADS, a, b, y, n);
+}
+__global__ static void dt__k_accumulate(float *dst, const float *src, int64_t n) {
+    DT_FOR_EACH(i, n) dst[i] += src[i];
+}
+static void dt__cuda_accumulate(float *dst, const float *src, int64_t n) {
+    DT_LAUNCH(dt__k_accumulate, dt_blocks_for(n), DT_THREADS, dst, src, n);
+}
+__global__ static void dt__k_scale(float *x, float c, int64_t n) {
+    DT_FOR_EACH(i, n) x[i] *= c;
+}
+static void dt__cuda_scale(float *x, float c, int64_t n) { DT_LAUNCH(dt__k_scale, dt_blocks_for(n), DT_THREADS, x, c, n); }
+
+/* ---- LayerNorm: one warp per row; the 32 lanes split the row and meet in
+        warp shuffles. Two passes (mean, then variance), as on the CPU. ---- */
+__global__ static void dt__k_layernorm_forward(const float *x, const float *w, const float *b, float *y, float *stats,
+                                              int rows, int D, float eps) {
+    int lane = threadIdx.x % 32;
+    DT_FOR_EACH_ROW(row, rows) {
+        const float *xr = x + row * D;
+        float *yr = y + row * D;
+        float sum = 0, var = 0;
+        for (int j = lane; j < D; j += 32) sum += xr[j];
+        float mean = dt__warp_sum(sum) / D;
+        for (int j = lane; j < D; j += 32) { float d = xr[j] - mean; var += d * d; }
+        float rstd = 1.0f / sqrtf(dt__warp_sum(var) / D + eps);
+        for (int j = lane; j < D; j += 32) yr[j] = (xr[j] - mean) * rstd * (w ? w[j] : 1.0f) + (b ? b[j] : 0.0f);
+        if (lane == 0) { stats[row] = mean; stats[rows + row] = rstd; }
+    }
+}
+static void dt__cuda_layernorm_forward(const float *x, const float *w, const float *b, float *y, float *stats, int rows,
+                                      int cols, float eps) {
+    DT_LAUNCH(dt__k_layernorm_forward, dt__blocks_for_warps(rows), DT_THREADS, x, w, b, y, stats, rows, cols, eps);
+}
+__global__ static void dt__k_layernorm_backward_dx(const float *x, const float *w, const float *dy, const float *stats,
+                                                  float *dx, int rows, int D) {
+    int lane = threadIdx.x % 32;
+    DT_FOR_EACH_ROW(row, rows) {
+        const float *xr = x + row * D, *dyr = dy + row * D;
+        float mean = stats[row], rstd = stats[rows + row], sum_g = 0, sum_gx = 0;
+        for (int j = lane; j < D; j += 32) {
+            float g = dyr[j] * (w ? w[j] : 1.0f);
+            sum_g += g;
+            sum_gx += g * (xr[j] - mean) * rstd;
+        }
+        float mg = dt__warp_sum(sum_g) / D, mgx = dt__warp_sum(sum_gx) / D;
+        for (int j = lane; j < D; j += 32) {
+            float g = dyr[j] * (w ? w[j] : 1.0f), xhat = (xr[j] - mean) * rstd;
+            dx[row * D + j] += rstd * (g - mg - xhat * mgx);
+        }
+    }
+}
+static void dt__cuda_layernorm_backward(const float *x, const float *w, const float *dy, const float *stats, float *dx,
+                                       float *dw, float *db, int rows, int cols) {
+    if (dx) DT_LAUNCH(dt__k_layernorm_backward_dx, dt__blocks_for_warps(rows), DT_THREADS, x, w, dy, stats, dx, rows, cols);
+    dt__cuda_column_sums(dy, x, stats, rows, cols, cols, db, dw);
+}
+
+/* ---- Llama's RMSNorm (a warp per row, as LayerNorm), SwiGLU and rotary
+        embeddings (a thread per element; a key/value head's thread adds its
+        group's query heads in order, as the CPU does) ---- */
+__global__ static void dt__k_rmsnorm_forward(const float *x, const float *w, float *y, float *stats, int rows, int D, float eps) {
+    int lane = threadIdx.x % 32;
+    DT_FOR_EACH_ROW(row, rows) {
+        const float *xr = x + row * D;
+        float *yr = y + row * D, sq = 0;
+        for (int j = lane; j < D; j += 32) sq += xr[j] * xr[j];
+        float rstd = 1.0f / sqrtf(dt__warp_sum(sq) / D + eps);
+        for (int j = lane; j < D; j += 32) yr[j] = (xr[j] * rstd) * w[j];
+        if (lane == 0) { stats[row] = 0.0f; stats[rows + row] = rstd; }
+    }
+}
+static void dt__cuda_rmsnorm_forward(const float *x, const float *w, float *y, float *stats, int rows, int cols, float eps) {
+    DT_LAUNCH(dt__k_rmsnorm_forward, dt__blocks_for_warps(rows), DT_THREADS, x, w, y, stats, rows, cols, eps);
+}
+__global__ static void dt__k_rmsnorm_backward_dx(const float *x, const float *w, const float *dy, const float *stats, float *dx,
+                                                int rows, int D) {
+    int lane = threadIdx.x % 32;
+    DT_FOR_EACH_ROW(row, rows) {
+        const float *xr = x + row * D, *dyr = dy + row * D;
+        float rstd = stats[rows + row], sum_gx = 0;
+        for (int j = lane; j < D; j += 32) sum_gx += dyr[j] * w[j] * (xr[j] * rstd);
+        float mgx = dt__warp_sum(sum_gx) / D;
+        for (int j = lane; j < D; j += 32) dx[row * D + j] += rstd * (dyr[j] * w[j] - (xr[j] * rstd) * mgx);
+    }
+}
+static void dt__cuda_rmsnorm_backward(const float *x, const float *w, const float *dy, const float *stats, float *dx, float *dw,
+                                     int rows, int cols) {
+    if (dx) DT_LAUNCH(dt__k_rmsnorm_backward_dx, dt__blocks_for_warps(rows), DT_THREADS, x, w, dy, stats, dx, rows, cols);
+    dt__cuda_column_sums(dy, x, stats, rows, cols, cols, NULL, dw);
+}
+__global__ static void dt__k_swiglu_forward(const float *g, const float *u, float *y, int64_t n) {
+    DT_FOR_EACH(i, n) y[i] = dt_silu_value(g[i]) * u[i];
+}
+static void dt__cuda_swiglu_forward(const float *gate, const float *up, float *y, int64_t n) {
+    DT_LAUNCH(dt__k_swiglu_forward, dt_blocks_for(n), DT_THREADS, gate, up, y, n);
+}
+__global__ static void dt__k_swiglu_backward(const float *g, const float *u, const float *dy, float *dg, float *du, int64_t n) {
+    DT_FOR_EACH(i, n) {
+        if (dg) dg[i] += dy[i] * u[i] * dt_silu_derivative(g[i]);
+        if (du) du[i] += dy[i] * dt_silu_value(g[i]);
+    }
+}
+static void dt__cuda_swiglu_backward(const float *gate, const float *up, const float *dy, float *dgate, float *dup, int64_t n) {
+    DT_LAUNCH(dt__k_swiglu_backward, dt_blocks_for(n), DT_THREADS, gate, up, dy, dgate, dup, n);
+}
+/* element i of a row's q (or k) part: its pair's value turned by (co, si) */
+__device__ static float dt__rotated(const float *x, int j, int half, float co, float si, int sign) {
+    return j < half ? x[j] * co - sign * x[j + half] * si : x[j] * co + sign * x[j - half] * si;
+}
+__global__ static void dt__k_rotary_qkv_forward(const float *q, const float *k, const float *v, const float *cs, float *y,
+                                               int BT, int T, int H, int KV, int hd) {
+    int D = H * hd, half = hd / 2, group = H / KV;
+    DT_FOR_EACH(i, (int64_t)BT * 3 * D) {
+        int64_t r = i / (3 * D);
+        int c = (int)(i % (3 * D)), part = c / D, h = (c % D) / hd, j = c % hd;
+        const float *pair = cs + (r % T) * hd + 2 * (j % half);
+        if (part == 0) y[i] = dt__rotated(q + r * D + h * hd, j, half, pair[0], pair[1], 1);
+        else if (part == 1) y[i] = dt__rotated(k + (r * KV + h / group) * hd, j, half, pair[0], pair[1], 1);
+        else y[i] = v[(r * KV + h / group) * hd + j];
+    }
+}
+static void dt__cuda_rotary_qkv_forward(const float *q, const float *k, const float *v, const float *cs, float *qkv, int BT,
+                                       int T, int H, int KV, int hd) {
+    DT_LAUNCH(dt__k_rotary_qkv_forward, dt_blocks_for((int64_t)BT * 3 * H * hd), DT_THREADS, q, k, v, cs, qkv, BT, T, H, KV, hd);
+}
+/* dq: one thread per element; dk, dv: one per element of a key/value head,
+   adding its group's query heads in order */
+__global__ static void dt__k_rotary_qkv_backward_q(const float *cs, const float *dy, float *dq, int BT, int T, int H, int hd) {
+    int D = H * hd, half = hd / 2;
+    DT_FOR_EACH(i, (int64_t)BT * D) {
+        int64_t r = i / D;
+        int c = (int)(i % D), j = c % hd;
+        const float *pair = cs + (r % T) * hd + 2 * (j % half);
+        dq[i] += dt__rotated(dy + r * 3 * D + (c - j), j, half, pair[0], pair[1], -1);
+    }
+}
+__global__ static void dt__k_rotary_qkv_backward_kv(const float *cs, const float *dy, float *dk, float *dv, int BT, int T, int H,
+                                                   int KV, int hd) {
+    int D = H * hd, half = hd / 2, group = H / KV;
+    DT_FOR_EACH(i, (int64_t)BT * KV * hd) {
+        int64_t r = i / (KV * hd);
+        int c = (int)(i % (KV * hd)), g = c / hd, j = c % hd;
+        const float *pair = cs + (r % T) * hd + 2 * (j % half);
+        float ak = 0, av = 0;
+        for (int h = g * group; h < (g + 1) * group; h++) {
+            ak += dt__rotated(dy + r * 3 * D + D + h * hd, j, half, pair[0], pair[1], -1);
+            av += dy[r * 3 * D + 2 * D + h * hd + j];
+        }
+        if (dk) dk[i] += ak;
+        if (dv) dv[i] += av;
+    }
+}
+static void dt__cuda_rotary_qkv_backward(const float *cs, const float *dqkv, float *dq, float *dk, float *dv, int BT, int T, int H,
+                                        int KV, int hd) {
+    if (dq) DT_LAUNCH(dt__k_rotary_qkv_backward_q, dt_blocks_for((int64_t)BT * H * hd), DT_THREADS, cs, dqkv, dq, BT, T, H, hd);
+    if (dk || dv)
+        DT_LAUNCH(dt__k_rotary_qkv_backward_kv, dt_blocks_for((int64_t)BT * KV * hd), DT_THREADS, cs, dqkv, dk, dv, BT, T, H, KV, hd);
+}
+
+/* ---- attention: reorder Q, K, V to head-major, two strided-batched matmuls
+        around a row softmax, reorder the output back. ---- */
+/* rows [B, T, nsplit, H, hd] <-> heads [nsplit][B, H, T, hd] (nsplit 3: q, k, v):
+   where element i of the rows sits among the heads. */
+__device__ static inline int64_t dt__head_index(int64_t i, int B, int T, int H, int hd, int nsplit) {
+    int64_t r = i;
+    int d = (int)(r % hd); r /= hd;
+    int h = (int)(r % H); r /= H;
+    int which = (int)(r % nsplit); r /= nsplit;
+    int t = (int)(r % T), b = (int)(r / T);
+    return which * ((int64_t)B * T * H * hd) + (((int64_t)b * H + h) * T + t) * hd + d;
+}
+__global__ static void dt__k_split_heads(const float *rows, float *heads, int B, int T, int H, int hd, int nsplit) {
+    DT_FOR_EACH(i, (int64_t)B * T * nsplit * H * hd) heads[dt__head_index(i, B, T, H, hd, nsplit)] = rows[i];
+}
+__global__ static void dt__k_merge_heads(const float *heads, float *rows, int B, int T, int H, int hd, int nsplit,
+                                        int accumulate) {
+    DT_FOR_EACH(i, (int64_t)B * T * nsplit * H * hd) {
+        float v = heads[dt__head_index(i, B, T, H, hd, nsplit)];
+        rows[i] = accumulate ? rows[i] + v : v;
+    }
+}
+__global__ static void dt__k_softmax_rows(float *P, int64_t rows, int T, int causal) {
+    int lane = threadIdx.x % 32;
+    DT_FOR_EACH_ROW(row, rows) {
+        float *r = P + row * T;
+        int valid = causal ? (int)(row % T) + 1 : T;   /* causal: query i sees keys 0..i */
+        float mx = -INFINITY, sum = 0;
+        for (int j = lane; j < valid; j += 32) mx = fmaxf(mx, r[j]);
+        mx = dt__warp_max(mx);
+        for (int j = lane; j < valid; j += 32) { float e = expf(r[j] - mx); r[j] = e; sum += e; }
+        sum = dt__warp_sum(sum);
+        for (int j = lane; j < T; j += 32) r[j] = j < valid ? r[j] / sum : 0.0f;
+    }
+}
+__global__ static void dt__k_softmax_backward_rows(const float *P, float *dP, int64_t rows, int T, float scale) {
+    int lane = threadIdx.x % 32;
+    DT_FOR_EACH_ROW(row, rows) {
+        const float *p = P + row * T;
+        float *d = dP + row * T, dot = 0;
+        for (int j = lane; j < T; j += 32) dot += d[j] * p[j];
+        dot = dt__warp_sum(dot);
+        for (int j = lane; j < T; j += 32) d[j] = p[j] * (d[j] - dot) * scale;
+    }
+}
+static void dt__cuda_attention_forward(const float *qkv, float *out, float *saved, int B, int T, int H, int D,
+                                      float scale, int causal) {
+    int hd = D / H, BH = B * H;
+    int64_t btd = (int64_t)B * T * D, tt = (int64_t)T * T, th = (int64_t)T * hd;
+    float *P = saved, *q = saved + (int64_t)BH * tt, *k = q + btd, *v = k + btd, *o = v + btd;
+    DT_LAUNCH(dt__k_split_heads, dt_blocks_for(3 * btd), DT_THREADS, qkv, q, B, T, H, hd, 3);
+    dt__cuda_gemm_batched(0, 1, T, T, hd, scale, q, hd, th, k, hd, th, 0.0f, P, T, tt, BH);   /* S = Q K^T / sqrt(d) */
+    DT_LAUNCH(dt__k_softmax_rows, dt__blocks_for_warps((int64_t)BH * T), DT_THREADS, P, (int64_t)BH * T, T, causal);
+    dt__cuda_gemm_batched(0, 0, T, hd, T, 1.0f, P, T, tt, v, hd, th, 0.0f, o, hd, th, BH);    /* O = P V */
+    DT_LAUNCH(dt__k_merge_heads, dt_blocks_for(btd), DT_THREADS, o, out, B, T, H, hd, 1, 0);
+}
+static void dt__cuda_attention_backward(const float *saved, const float *dout, float *dqkv, float *scratch, int B,
+                                       int T, int H, int D, float scale) {
+    int hd = D / H, BH = B * H;
+    int64_t btd = (int64_t)B * T * D, tt = (int64_t)T * T, th = (int64_t)T * hd;
+    const float *P = saved, *q = saved + (int64_t)BH * tt, *k = q + btd, *v = k + btd;
+    float *dP = scratch, *dO = scratch + (int64_t)BH * tt, *dq = dO + btd, *dk = dq + btd, *dv = dk + btd;
+    DT_LAUNCH(dt__k_split_heads, dt_blocks_for(btd), DT_THREADS, dout, dO, B, T, H, hd, 1);
+    dt__cuda_gemm_batched(0, 1, T, T, hd, 1.0f, dO, hd, th, v, hd, th, 0.0f, dP, T, tt, BH);   /* dP = dO V^T */
+    dt__cuda_gemm_batched(1, 0, T, hd, T, 1.0f, P, T, tt, dO, hd, th, 0.0f, dv, hd, th, BH);   /* dV = P^T dO */
+    DT_LAUNCH(dt__k_softmax_backward_rows, dt__blocks_for_warps((int64_t)BH * T), DT_THREADS, P, dP, (int64_t)BH * T, T,
+              scale);
+    dt__cuda_gemm_batched(0, 0, T, hd, T, 1.0f, dP, T, tt, k, hd, th, 0.0f, dq, hd, th, BH);   /* dQ = dS K */
+    dt__cuda_gemm_batched(1, 0, T, hd, T, 1.0f, dP, T, tt, q, hd, th, 0.0f, dk, hd, th, BH);   /* dK = dS^T Q */
+    DT_LAUNCH(dt__k_merge_heads, dt_blocks_for(3 * btd), DT_THREADS, dq, dqkv, B, T, H, hd, 3, 1);
+}
+
+/* ---- the ViT's token assembly, the class-token pick, patchify ---- */
+__global__ static void dt__k_vit_tokens(const float *patches, const float *cls, const float *pos, float *y, int B, int P,
+                                       int D) {
+    int T = P + 1;
+    DT_FOR_EACH(i, (int64_t)B * T * D) {
+        int j = (int)(i % D), t = (int)((i / D) % T);
+        int64_t b = i / ((int64_t)T * D);
+        float src = t == 0 ? cls[j] : patches[(b * P + t - 1) * D + j];
+        y[i] = src + pos[(int64_t)t * D + j];
+    }
+}
+/* Token embedding: ids arrive as f32 (validated on the host when the data
+   was read). */
+__global__ static void dt__k_token_embedding(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D,
+                                            int first, int V) {
+    DT_FOR_EACH(i, (int64_t)BT * D) {
+        int64_t r = i / D, j = i % D;
+        int id = (int)tok[r] - first;
+        y[i] = (id >= 0 && id < V ? wte[(int64_t)id * D + j] : 0.0f) + (wpe ? wpe[(r % T) * D + j] : 0.0f);
+    }
+}
+static void dt__cuda_token_embedding_forward(const float *tok, const float *wte, const float *wpe, float *y, int BT, int T, int D,
+                                             int first, int V) {
+    DT_LAUNCH(dt__k_token_embedding, dt_blocks_for((int64_t)BT * D), DT_THREADS, tok, wte, wpe, y, BT, T, D, first, V);
+}
+/* One thread per (token, column) walks that token's rows in order, and one
+   per (position, column) walks the batch: the CPU's order, no atomics. */
+__global__ static void dt__k_token_embedding_backward_wte(const int32_t *order, const int32_t *start, const int32_t *token,
+                                                         int groups, const float *dy, float *dwte, int D) {
+    DT_FOR_EACH(i, (int64_t)groups * D) {
+        int64_t g = i / D, j = i % D;
+        float acc = dwte[(int64_t)token[g] * D + j];
+        for (int k = start[g]; k < start[g + 1]; k++) acc += dy[(int64_t)order[k] * D + j];
+        dwte[(int64_t)token[g] * D + j] = acc;
+    }
+}
+__global__ static void dt__k_token_embedding_backward_wpe(const float *dy, float *dwpe, int BT, int T, int D) {
+    DT_FOR_EACH(i, (int64_t)T * D) {
+        int64_t t = i / D, j = i % D;
+        float acc = dwpe[i];
+        for (int64_t r = t; r < BT; r += T) acc += dy[r * D + j];
+        dwpe[i] = acc;
+    }
+}
+static void dt__cuda_token_embedding_backward(const int32_t *by_token, int groups, const float *dy, float *dwte, float *dwpe,
+                                             int BT, int T, int D) {
+    const int32_t *start = by_token + BT, *token = start + groups + 1;
+    if (dwte) DT_LAUNCH(dt__k_token_embedding_backward_wte, dt_blocks_for((int64_t)groups * D), DT_THREADS, by_token, start,
+                        token, groups, dy, dwte, D);
+    if (dwpe) DT_LAUNCH(dt__k_token_embedding_backward_wpe, dt_blocks_for((int64_t)T * D), DT_THREADS, dy, dwpe, BT, T, D);
+}
+static void dt__cuda_vit_tokens_forward(const float *patches, const float *cls, const float *pos, float *y, int B, int P,
+                                       int D) {
+    DT_LAUNCH(dt__k_vit_tokens, dt_blocks_for((int64_t)B * (P + 1) * D), DT_THREADS, patches, cls, pos, y, B, P, D);
+}
+__global__ static void dt__k_vit_tokens_dpatch(const float *dy, float *dpatch, int B, int P, int D) {
+    DT_FOR_EACH(i, (int64_t)B * P * D) {
+        int j = (int)(i % D), t = (int)((i / D) % P);
+        int64_t b = i / ((int64_t)P * D);
+        dpatch[i] += dy[(b * (P + 1) + t + 1) * D + j];
+    }
+}
+static void dt__cuda_vit_tokens_backward(const float *dy, float *dpatch, float *dcls, float *dpos, int B, int P, int D) {
+    int T = P + 1;
+    if (dpatch) DT_LAUNCH(dt__k_vit_tokens_dpatch, dt_blocks_for((int64_t)B * P * D), DT_THREADS, dy, dpatch, B, P, D);
+    dt__cuda_column_sums(dy, NULL, NULL, B, T * D, T * D, dpos, NULL);   /* sum over the batch */
+    dt__cuda_column_sums(dy, NULL, NULL, B, D, T * D, dcls, NULL);       /* token 0 of each sequence */
+}
+__global__ static void dt__k_select_token(const float *x, float *y, int B, int T, int idx, int D, int backward) {
+    DT_FOR_EACH(i, (int64_t)B * D) {
+        int64_t b = i / D, j = i % D, src = (b * T + idx) * D + j;
+        if (backward) y[src] += x[i];             /* here x is dy [B, D] and y is dx */
+        else y[i] = x[src];
+    }
+}
+static void dt__cuda_select_token_forward(const float *x, float *y, int B, int T, int idx, int D) {
+    DT_LAUNCH(dt__k_select_token, dt_blocks_for((int64_t)B * D), DT_THREADS, x, y, B, T, idx, D, 0);
+}
+static void dt__cuda_select_token_backward(const float *dy, float *dx, int B, int T, int idx, int D) {
+    DT_LAUNCH(dt__k_select_token, dt_blocks_for((int64_t)B * D), DT_THREADS, dy, dx, B, T, idx, D, 1);
+}
+__global__ static void dt__k_patchify(const float *img, float *out, int B, int C, int H, int W, int p) {
+    int ph = H / p, pw = W / p, row_len = C * p * p;
+    DT_FOR_EACH(i, (int64_t)B * ph * pw * row_len) {
+        int64_t r = i / row_len;
+        int e = (int)(i % row_len), c = e / (p * p), ky = (e / p) % p, kx = e % p;
+        int px = (int)(r % pw), py = (int)((r / pw) % ph);
+        int64_t b = r / ((int64_t)ph * pw);
+        out[i] = img[((b * C + c) * H + py * p + ky) * W + px * p + kx];
+    }
+}
+static void dt__cuda_patchify(const float *img, float *out, int B, int C, int H, int W, int p) {
+    DT_LAUNCH(dt__k_patchify, dt_blocks_for((int64_t)B * (H / p) * (W / p) * C * p * p), DT_THREADS, img, out, B, C, H,
+              W, p);
+}
+
+/* ---- cross-entropy: one warp per row, as many blocks as the rows need;
+        each row's loss goes to a buffer, and one block then adds the rows in
+        a fixed order (thread t takes rows t, t + 256, ..., then a fixed tree),
+        so the mean is the same every run. ---- */
+__global__ static void dt__k_cross_entropy_rows(const float *logits, const int32_t *labels, float *probs, double *row_loss,
+                                               int B, int C) {
+    int lane = threadIdx.x % 32;
+    DT_FOR_EACH_ROW(i, B) {
+        if (labels[i] == DT_IGNORE_INDEX) { if (lane == 0) row_loss[i] = 0; continue; }
+        const float *r = logits + i * C;
+        float *pr = probs + i * C, mx = -INFINITY, sum = 0;
+        for (int j = lane; j < C; j += 32) mx = fmaxf(mx, r[j]);
+        mx = dt__warp_max(mx);
+        for (int j = lane; j < C; j += 32) { pr[j] = expf(r[j] - mx); sum += pr[j]; }
+        sum = dt__warp_sum(sum);
+        for (int j = lane; j < C; j += 32) pr[j] /= sum;
+        if (lane == 0) row_loss[i] = -((double)r[labels[i]] - mx - log((double)sum));
+    }
+}
+__global__ static void dt__k_mean_of_rows(const double *row_loss, int B, double divisor, float *loss) {
+    __shared__ double sh[DT_THREADS];
+    double s = 0;
+    for (int i = threadIdx.x; i < B; i += DT_THREADS) s += row_loss[i];
+    sh[threadIdx.x] = s;
+    __syncthreads();
+    for (int w = DT_THREADS / 2; w > 0; w >>= 1) {
+        if ((int)threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) loss[0] = (float)(sh[0] / divisor);
+}
+static void dt__cuda_cross_entropy_forward(const float *logits, const int32_t *labels, float *probs, float *loss, int B,
+                                          int C, double divisor) {
+    double *row_loss = (double *)dt__cuda_grow(&dt__cuda.row_loss, &dt__cuda.row_loss_bytes, sizeof(double) * (size_t)B);
+    DT_LAUNCH(dt__k_cross_entropy_rows, dt__blocks_for_warps(B), DT_THREADS, logits, labels, probs, row_loss, B, C);
+    DT_LAUNCH(dt__k_mean_of_rows, 1, DT_THREADS, row_loss, B, divisor, loss);
+}
+__global__ static void dt__k_cross_entropy_backward(const float *p, const int32_t *labels, const float *dloss,
+                                                   float *dl, int B, int C, float divisor) {
+    float scale = dloss[0] / divisor;
+    DT_FOR_EACH(i, (int64_t)B * C) {
+        int64_t row = i / C;
+        int j = (int)(i % C);
+        if (labels[row] != DT_IGNORE_INDEX) dl[i] += (p[i] - (j == labels[row] ? 1.0f : 0.0f)) * scale;
+    }
+}
+static void dt__cuda_cross_entropy_backward(const float *p, const int32_t *labels, const float *dloss, float *dl, int B,
+                                           int C, float divisor) {
+    DT_LAUNCH(dt__k_cross_entropy_backward, dt_blocks_for((int64_t)B * C), DT_THREADS, p, labels, dloss, dl, B, C,
+              divisor);
+}
+
+/* The cross-entropy of a split vocabulary: one warp per row, as above. */
+__global__ static void dt__k_rows_max(const float *x, float *mx, int B, int C) {
+    int lane = threadIdx.x % 32;
+    DT_FOR_EACH_ROW(i, B) {
+        float m = -INFINITY;
+        for (int j = lane; j < C; j += 32) m = fmaxf(m, x[(int64_t)i * C + j]);
+        m = dt__warp_max(m);
+        if (lane == 0) mx[i] = m;
+    }
+}
+__global__ static void dt__k_rows_exp_sum(const float *x, const int32_t *labels, const float *mx, float *p, float *sum_label,
+                                         int B, int C) {
+    int lane = threadIdx.x % 32;
+    DT_FOR_EACH_ROW(i, B) {
+        const float *r = x + (int64_t)i * C;
+        float *pr = p + (int64_t)i * C, sum = 0;
+        for (int j = lane; j < C; j += 32) { pr[j] = expf(r[j] - mx[i]); sum += pr[j]; }
+        sum = dt__warp_sum(sum);
+        if (lane == 0) {
+            sum_label[i] = sum;
+            sum_label[B + i] = labels[i] >= 0 && labels[i] < C ? r[labels[i]] : 0.0f;
+        }
+    }
+}
+__global__ static void dt__k_rows_divide(float *p, const float *sum_label, int B, int C) {
+    DT_FOR_EACH(i, (int64_t)B * C) p[i] /= sum_label[i / C];
+}
+static void dt__cuda_rows_max(const float *x, float *mx, int B, int C) {
+    DT_LAUNCH(dt__k_rows_max, dt__blocks_for_warps(B), DT_THREADS, x, mx, B, C);
+}
+static void dt__cuda_rows_exp_sum(const float *x, const int32_t *labels, const float *mx, float *p, float *sum_label, int B,
+                                  int C) {
+    DT_LAUNCH(dt__k_rows_exp_sum, dt__blocks_for_warps(B), DT_THREADS, x, labels, mx, p, sum_label, B, C);
+}
+static void dt__cuda_rows_divide(float *p, const float *sum_label, int B, int C) {
+    DT_LAUNCH(dt__k_rows_divide, dt_blocks_for((int64_t)B * C), DT_THREADS, p, sum_label, B, C);
+}
+
+/* ---- the optimizer: a fixed-shape reduction for the gradient norm, then the
+        same per-element updates as the CPU ---- */
+#define DT_SUMSQ_BLOCKS 256
+__global__ static void dt__k_sum_squares(const float *x, int64_t n, double *partials) {
+    __shared__ double sh[DT_THREADS];
+    double s = 0;
+    DT_FOR_EACH(i, n) s += (double)x[i] * x[i];
+    sh[threadIdx.x] = s;
+    __syncthreads();
+    for (int w = DT_THREADS / 2; w > 0; w >>= 1) {
+        if ((int)threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partials[blockIdx.x] = sh[0];
+}
+__global__ static void dt__k_sum_partials(double *partials, int n) {
+    double s = 0;
+    for (int i = 0; i < n; i++) s += partials[i];
+    partials[n] = s;
+}
+static double dt__cuda_sum_squares(const float *x, int64_t n) {
+    double total = 0;
+    DT_LAUNCH(dt__k_sum_squares, DT_SUMSQ_BLOCKS, DT_THREADS, x, n, dt__cuda.partials);
+    DT_LAUNCH(dt__k_sum_partials, 1, 1, dt__cuda.partials, DT_SUMSQ_BLOCKS);
+    dt__cuda_download(&total, dt__cuda.partials + DT_SUMSQ_BLOCKS, sizeof total);
+    return total;
+}
+__global__ static void dt__k_adamw(float *p, float *m, float *v, const float *g, int64_t n, float lr, float b1, float b2,
+                                  float eps, float wd, float bc1, float bc2) {
+    DT_FOR_EACH(i, n) dt_adamw_update(&p[i], &m[i], &v[i], g[i], lr, b1, b2, eps, wd, bc1, bc2);
+}
+static void dt__cuda_adamw(float *p, float *m, float *v, const float *g, int64_t n, float lr, float b1, float b2,
+                          float eps, float wd, float bc1, float bc2) {
+    DT_LAUNCH(dt__k_adamw, dt_blocks_for(n), DT_THREADS, p, m, v, g, n, lr, b1, b2, eps, wd, bc1, bc2);
+}
+__global__ static void dt__k_sgd(float *p, float *buf, const float *g, int64_t n, float lr, float momentum, float wd) {
+    DT_FOR_EACH(i, n) dt_sgd_update(&p[i], &buf[i], g[i], lr, momentum, wd);
+}
+static void dt__cuda_sgd(float *p, float *buf, const float *g, int64_t n, float lr, float momentum, float wd) {
+    DT_LAUNCH(dt__k_sgd, dt_blocks_for(n), DT_THREADS, p, buf, g, n, lr, momentum, wd);
+}
+__global__ static void dt__k_convert(const void *src, int from, void *dst, int to, int64_t n) {
+    DT_FOR_EACH(i, n) {
+        const uint16_t *h = (const uint16_t *)src;
+        float v = from == DT_F32 ? ((const float *)src)[i] : from == DT_BF16 ? dt_bf16_to_f32(h[i]) : dt_f16_to_f32(h[i]);
+        if (to == DT_F32) ((float *)dst)[i] = v;
+        else ((uint16_t *)dst)[i] = to == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
+    }
+}
+static void dt__cuda_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
+    DT_LAUNCH(dt__k_convert, dt_blocks_for(n), DT_THREADS, src, (int)from, dst, (int)to, n);
+}
+
+/* ---- start-up ---- */
+extern "C" int dt_cuda_device_count(char *why, size_t n) {
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+        int driver = 0, runtime = 0;
+        cudaGetLastError();
+        cudaDriverGetVersion(&driver);
+        cudaRuntimeGetVersion(&runtime);
+        if (driver == 0) snprintf(why, n, "no NVIDIA driver is installed");
+        else snprintf(why, n, "%s (the driver supports CUDA %d.%d, this build needs %d.%d)", cudaGetErrorString(err),
+                      driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);
+        return 0;
+    }
+    if (count == 0) snprintf(why, n, "no GPU is visible");
+    return count;
+}
+
+extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n) {
+    int count = dt_cuda_device_count(why, n);
+    if (count == 0) return NULL;
+    if (dt__cuda.stream) return &dt__cuda.table;
+    dt__cuda.index = local_rank % count;          /* one GPU per rank on this machine */
+    DT_CUDA_CHECK(cudaSetDevice(dt__cuda.index));
+    DT_CUDA_CHECK(cudaStreamCreateWithFlags(&dt__cuda.stream, cudaStreamNonBlocking));
+    dt__cublas_open();
+    DT_CUBLAS_CHECK(dt__cublas.create(&dt__cuda.blas));
+    DT_CUBLAS_CHECK(dt__cublas.set_stream(dt__cuda.blas, dt__cuda.stream));
+    DT_CUBLAS_CHECK(dt__cublas.set_math_mode(dt__cuda.blas, CUBLAS_DEFAULT_MATH));   /* fp32, no TF32 */
+    dt__cuda.partials = (double *)dt__cuda_alloc((DT_SUMSQ_BLOCKS + 1) * sizeof(double));
+    cudaDeviceProp prop;
+    DT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dt__cuda.index));
+    dt_backend *t = &dt__cuda.table;
+    snprintf(t->name, sizeof t->name, "%s", prop.name);
+    t->alloc = dt__cuda_alloc; t->release = dt__cuda_release; t->zero = dt__cuda_zero;
+    t->upload = dt__cuda_upload; t->download = dt__cuda_download; t->synchronize = dt__cuda_synchronize;
+    t->gemm = dt__cuda_gemm; t->gemm_half = dt__cuda_gemm_half; t->add_bias = dt__cuda_add_bias; t->sum_rows = dt__cuda_sum_rows;
+    t->gelu_forward = dt__cuda_gelu_forward; t->gelu_backward = dt__cuda_gelu_backward;
+    t->layernorm_forward = dt__cuda_layernorm_forward; t->layernorm_backward = dt__cuda_layernorm_backward;
+    t->rmsnorm_forward = dt__cuda_rmsnorm_forward; t->rmsnorm_backward = dt__cuda_rmsnorm_backward;
+    t->swiglu_forward = dt__cuda_swiglu_forward; t->swiglu_backward = dt__cuda_swiglu_backward;
+    t->rotary_qkv_forward = dt__cuda_rotary_qkv_forward; t->rotary_qkv_backward = dt__cuda_rotary_qkv_backward;
+    t->add = dt__cuda_add; t->accumulate = dt__cuda_accumulate;
+    t->attention_forward = dt__cuda_attention_forward; t->attention_backward = dt__cuda_attention_backward;
+    t->vit_tokens_forward = dt__cuda_vit_tokens_forward; t->vit_tokens_backward = dt__cuda_vit_tokens_backward;
+    t->token_embedding_forward = dt__cuda_token_embedding_forward;
+    t->token_embedding_backward = dt__cuda_token_embedding_backward;
+    t->select_token_forward = dt__cuda_select_token_forward; t->select_token_backward = dt__cuda_select_token_backward;
+    t->cross_entropy_forward = dt__cuda_cross_entropy_forward; t->cross_entropy_backward = dt__cuda_cross_entropy_backward;
+    t->rows_max = dt__cuda_rows_max; t->rows_exp_sum = dt__cuda_rows_exp_sum; t->rows_divide = dt__cuda_rows_divide;
+    t->patchify = dt__cuda_patchify; t->sum_squares = dt__cuda_sum_squares; t->scale = dt__cuda_scale;
+    t->adamw = dt__cuda_adamw; t->sgd = dt__cuda_sgd; t->convert = dt__cuda_convert; t->owns = dt__cuda_owns;
+    return t;
+}
+/* ---- NCCL: the collectives of section 9 for GPU buffers (the contract is
+        beside dt_backend at the top). The communicator is non-blocking, so no
+        call can hang the thread that makes it: section 9's watchdog polls
+        dt_nccl_progress, and aborts when a rank dies or --timeout passes. Each
+        collective has two events: `inputs`, recorded on the compute stream
+        when it is queued (its input is the output of the kernels before it),
+        and `done`, recorded on NCCL's stream after it; the compute stream
+        waits for `done` -- for that collective only, so the next one (FSDP's
+        prefetch) still overlaps the compute. ---- */
+#ifdef DT_HAVE_NCCL
+#include <nccl.h>
+struct dt_nccl {
+    ncclComm_t comm;
+    cudaStream_t stream;
+    cudaEvent_t inputs[DT_COMM_QUEUE], done[DT_COMM_QUEUE];
+    float *one;                          /* a 1-element buffer: a barrier is an all-reduce of it */
+};
+static void dt__nccl_check(ncclResult_t r, const char *call, const char *file, int line) {
+    if (r != ncclSuccess && r != ncclInProgress) dt_fail("%s failed at %s:%d: %s", call, file, line, ncclGetErrorString(r));
+}
+#define DT_NCCL_CHECK(call) dt__nccl_check((call), #call, __FILE__, __LINE__)
+
+extern "C" int dt_nccl_available(char *why, size_t n) { (void)why; (void)n; return 1; }
+extern "C" int dt_nccl_version(void) {
+    int v = 0;
+    return ncclGetVersion(&v) == ncclSuccess ? v : 0;
+}
+extern "C" int dt_nccl_unique_id(unsigned char *out, size_t n) {
+    ncclUniqueId id;
+    if (n < sizeof id) return 0;
+    DT_NCCL_CHECK(ncclGetUniqueId(&id));
+    memcpy(out, &id, sizeof id);
+    return 1;
+}
+/* A communicator's stream, events and barrier word; its ncclComm_t comes next. */
+static dt_nccl *dt__nccl_new(void) {
+    if (!dt__cuda.stream) dt_fail("internal error: NCCL started before the GPU was chosen (dt_set_device)");
+    dt_nccl *s = (dt_nccl *)calloc(1, sizeof *s);
+    if (!s) dt_fail("out of memory (NCCL)");
+    DT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
+    for (int k = 0; k < DT_COMM_QUEUE; k++) {
+        DT_CUDA_CHECK(cudaEventCreateWithFlags(&s->inputs[k], cudaEventDisableTiming));
+        DT_CUDA_CHECK(cudaEventCreateWithFlags(&s->done[k], cudaEventDisableTiming));
+    }
+    s->one = (float *)dt__cuda_alloc(sizeof(float));
+    DT_CUDA_CHECK(cudaMemsetAsync(s->one, 0, sizeof(float), dt__cuda.stream));
+    DT_CUDA_CHECK(cudaStreamSynchronize(dt__cuda.stream));
+    return s;
+}
+extern "C" dt_nccl *dt_nccl_create(const unsigned char *id_bytes, int rank, int world) {
+    dt_nccl *s = dt__nccl_new();
+    ncclUniqueId id;
+    memcpy(&id, id_bytes, sizeof id);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;                 /* every call returns at once; section 9 polls */
+    DT_NCCL_CHECK(ncclCommInitRankConfig(&s->comm, world, id, rank, &config));
+    return s;
+}
+extern "C" dt_nccl *dt_nccl_split(dt_nccl *parent, int color, int key) {
+    dt_nccl *s = dt__nccl_new();
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    DT_CUDA_CHECK(cudaSetDevice(dt__cuda.index));
+    DT_NCCL_CHECK(ncclCommSplit(parent->comm, color, key, &s->comm, &config));
+    return s;
+}
+extern "C" int dt_nccl_progress(dt_nccl *s, char *why, size_t n) {
+    ncclResult_t state = ncclSuccess, r = ncclCommGetAsyncError(s->comm, &state);
+    if (r != ncclSuccess) state = r;
+    if (state == ncclSuccess) return 1;
+    if (state == ncclInProgress) return 0;
+    snprintf(why, n, "%s (%s)", ncclGetErrorString(state), ncclGetLastError(s->comm));
+    return -1;
+}
+extern "C" void dt_nccl_mark_inputs(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaEventRecord(s->inputs[slot], dt__cuda.stream)); }
+extern "C" void dt_nccl_issue(dt_nccl *s, int slot, const dt_comm_op *o) {
+    ncclDataType_t t = o->dtype == DT_F32 ? ncclFloat32 : o->dtype == DT_BF16 ? ncclBfloat16 : ncclFloat16;
+    ncclRedOp_t red = o->op == DT_AVG ? ncclAvg : o->op == DT_MAX ? ncclMax : ncclSum;
+    size_t n = (size_t)o->count;
+    const void *send = o->send;
+    void *recv = o->recv;
+    ncclComm_t comm = s->comm;
+    cudaStream_t st = s->stream;
+    DT_CUDA_CHECK(cudaSetDevice(dt__cuda.index));           /* the current GPU is per thread */
+    DT_CUDA_CHECK(cudaStreamWaitEvent(st, s->inputs[slot], 0));
+    switch (o->kind) {
+    case DT_COLL_ALL_REDUCE: DT_NCCL_CHECK(ncclAllReduce(send, recv, n, t, red, comm, st)); break;
+    case DT_COLL_REDUCE_SCATTER: DT_NCCL_CHECK(ncclReduceScatter(send, recv, n, t, red, comm, st)); break;
+    case DT_COLL_ALL_GATHER: DT_NCCL_CHECK(ncclAllGather(send, recv, n, t, comm, st)); break;
+    case DT_COLL_BROADCAST: DT_NCCL_CHECK(ncclBroadcast(send, recv, n, t, o->root, comm, st)); break;
+    case DT_COLL_REDUCE: DT_NCCL_CHECK(ncclReduce(send, recv, n, t, red, o->root, comm, st)); break;
+    case DT_COLL_BARRIER: DT_NCCL_CHECK(ncclAllReduce(s->one, s->one, 1, ncclFloat32, ncclSum, comm, st)); break;
+    case DT_COLL_SEND: DT_NCCL_CHECK(ncclSend(send, n, t, o->root, comm, st)); break;
+    case DT_COLL_RECV: DT_NCCL_CHECK(ncclRecv(recv, n, t, o->root, comm, st)); break;
+    }
+}
+extern "C" void dt_nccl_mark_done(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaEventRecord(s->done[slot], s->stream)); }
+extern "C" int dt_nccl_finished(dt_nccl *s, int slot) {
+    cudaError_t q = cudaEventQuery(s->done[slot]);
+    if (q == cudaErrorNotReady) { cudaGetLastError(); return 0; }     /* not an error: leave none behind */
+    DT_CUDA_CHECK(q);
+    return 1;
+}
+extern "C" void dt_nccl_stream_wait(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaStreamWaitEvent(dt__cuda.stream, s->done[slot], 0)); }
+extern "C" void dt_nccl_abort(dt_nccl *s) { ncclCommAbort(s->comm); s->comm = NULL; }
+extern "C" void dt_nccl_finalize(dt_nccl *s) { if (s->comm) DT_NCCL_CHECK(ncclCommFinalize(s->comm)); }
+extern "C" void dt_nccl_free(dt_nccl *s) {
+    if (s->comm) DT_NCCL_CHECK(ncclCommDestroy(s->comm));
+    for (int k = 0; k < DT_COMM_QUEUE; k++) {
+        DT_CUDA_CHECK(cudaEventDestroy(s->inputs[k]));
+        DT_CUDA_CHECK(cudaEventDestroy(s->done[k]));
+    }
+    DT_CUDA_CHECK(cudaStreamDestroy(s->stream));
+    dt__cuda_release(s->one);
+    free(s);
+}
+#else
+/* A CUDA build without NCCL: one GPU per job works; a job of several ranks
+   on GPUs is refused at start (dt_parse_args asks dt_nccl_available). */
+extern "C" int dt_nccl_available(char *why, size_t n) {
+    snprintf(why, n, "this build has no NCCL: install it (Debian: libnccl-dev; or pip install nvidia-nccl-cu13, "
+             "found by the Makefile; or NCCL_HOME=DIR), then make clean all");
+    return 0;
+}
+extern "C" int dt_nccl_version(void) { return 0; }
+static void dt__no_nccl(void) { dt_fail("internal error: NCCL used in a build without it"); }
+extern "C" int dt_nccl_unique_id(unsigned char *out, size_t n) { (void)out; (void)n; dt__no_nccl(); return 0; }
+extern "C" dt_nccl *dt_nccl_create(const unsigned char *id_bytes, int rank, int world) {
+    (void)id_bytes; (void)rank; (void)world; dt__no_nccl(); return NULL;
+}
+extern "C" int dt_nccl_progress(dt_nccl *s, char *why, size_t n) { (void)s; (void)why; (void)n; dt__no_nccl(); return -1; }
+extern "C" void dt_nccl_mark_inputs(dt_nccl *s, int slot) { (void)s; (void)slot; dt__no_nccl(); }
+extern "C" dt_nccl *dt_nccl_split(dt_nccl *parent, int color, int key) {
+    (void)parent; (void)color; (void)key; dt__no_nccl(); return NULL;
+}
+extern "C" void dt_nccl_issue(dt_nccl *s, int slot, const dt_comm_op *o) { (void)s; (void)slot; (void)o; dt__no_nccl(); }
+extern "C" void dt_nccl_mark_done(dt_nccl *s, int slot) { (void)s; (void)slot; dt__no_nccl(); }
+extern "C" int dt_nccl_finished(dt_nccl *s, int slot) { (void)s; (void)slot; dt__no_nccl(); return 0; }
+extern "C" void dt_nccl_stream_wait(dt_nccl *s, int slot) { (void)s; (void)slot; dt__no_nccl(); }
+extern "C" void dt_nccl_abort(dt_nccl *s) { (void)s; }
+extern "C" void dt_nccl_finalize(dt_nccl *s) { (void)s; }
+extern "C" void dt_nccl_free(dt_nccl *s) { (void)s; }
+#endif
+#endif /* DTRAIN_CUDA_IMPLEMENTATION */
