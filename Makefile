@@ -146,7 +146,7 @@ ifneq ($(NCCL),0)
 endif
 endif
 ifneq ($(CUDA_OBJ),)
-  LDLIBS += $(NCCL_LIBS) -lcudart -ldl -lstdc++   # cuBLAS: dlopen'd on a GPU's first use (dtrain.h, section 19)
+  LDLIBS += $(NCCL_LIBS) -lcudart -ldl -lstdc++   # cuBLAS: dlopen'd on a GPU's first use (dtrain.h's CUDA chapter)
 endif
 
 STAGES   := $(sort $(dir $(wildcard 0*/train.c)))

@@ -24,7 +24,7 @@
                           compile this same header once with nvcc,
                               nvcc -x cu -DDTRAIN_CUDA_IMPLEMENTATION -c dtrain.h -o dtrain_cuda.o
                           and link dtrain_cuda.o -lcudart -ldl -lstdc++ (cuBLAS
-                          is loaded when a GPU is first used: section 19).
+                          is loaded when a GPU is first used: the cuda chapter).
            DT_HAVE_MPI    ranks on several CPU machines talk through MPI (--comm
                           mpi): compile with $(mpicc --showme:compile), link
                           with $(mpicc --showme:link), start with mpirun or srun.
@@ -35,76 +35,88 @@
        erf, tanh and the GELUs scalar (it will not turn a float choice,
        x < a ? a : x, into a vector blend).
 
-   WHAT IT TEACHES, SECTION BY SECTION
-        1  errors       every failure says what went wrong and what to do, then exits
-        2  memory       the device (CPU or GPU), and where the bytes go: parameters,
-                        gradients, optimizer state, activations, communication,
+   WHAT IT TEACHES, CHAPTER BY CHAPTER
+       The chapters are the files src/NN-name.h this header is assembled from
+       (HOW THIS FILE IS MADE, below). First the lessons, in the order the
+       stages teach them:
+       01 errors        every failure says what went wrong and what to do, then exits
+       02 devices and   the device (CPU or GPU), and where the bytes go: parameters,
+          memory        gradients, optimizer state, activations, communication,
                         data -- counted per arena; a clock and the core count
-        3  tensors      a shape, a dtype, a pointer to the data and one to its
+       03 tensors       a shape, a dtype, a pointer to the data and one to its
                         gradient
-        4  kernels      the matmul every linear layer goes through; the per-element
-                        arithmetic is a small inline function (DT_HD) that a GPU
-                        kernel can call too
-        5  autograd     the ops: each appends its backward to a tape; dt_backward() walks
-                        it in reverse. Activations live in a per-step arena. The
-                        callbacks a parallel wrapper implements (dt_parallel), and
-                        tensor parallelism's collectives as ops on the tape
-        6  models       an MLP and a Vision Transformer with PyTorch/timm names, and two
+       04 matmul        the matmul every linear layer goes through
+       05 autograd      the ops: each appends its backward to a tape; dt_backward()
+                        walks it in reverse. Activations live in a per-step arena.
+                        The callbacks a parallel wrapper implements (dt_parallel);
+                        linear, GELU, the norms, SwiGLU, the residual
+       06 attention     tensor parallelism's collectives as ops on the tape;
+          and loss      attention, rotary embeddings, embeddings, the cross-entropy
+       07 models        an MLP and a Vision Transformer with PyTorch/timm names, and two
                         causal language models with Hugging Face's names: GPT-2, and
                         Llama (RMSNorm, rotary embeddings, grouped-query attention,
                         SwiGLU; Qwen2's q/k/v biases), one table row per family;
-                        activation recompute, block by block; where tensor
+                        activation recompute, block by block; LoRA; where tensor
                         parallelism may cut each parameter and which block reads
                         it (dt_split); any run of blocks on its own, for a
                         pipeline stage (dt_model_forward_blocks)
-        7  optimizer    AdamW, SGD with momentum, gradient clipping, warmup + cosine
-        8  data         image folders, CIFAR-10 binaries, text (bytes or token ids),
-                        instruction examples whose prompts the loss ignores,
-                        shuffling, rank sharding, augmentation, and synthetic
-                        images and text made on first use
-        9  collectives  all-reduce, reduce-scatter, all-gather, broadcast, send and
+       08 optimizer     AdamW, SGD with momentum, gradient clipping, warmup + cosine
+       09 mixed         bf16/fp16 activations and matmul operands, f32 master
+          precision     weights and sums, dynamic loss scaling for fp16
+       10 collectives   all-reduce, reduce-scatter, all-gather, broadcast, send and
                         recv over shared memory (threads or processes, sums in
                         rank order), NCCL or MPI (CPU ranks on several
                         machines), behind one table (dt_comm_backend); groups
                         (dt_comm_split) and a mesh of named dimensions
-       10  launching    --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous
-                        that turns strangers away, a job that stops, naming the
-                        rank, when one rank dies, and signals (SIGTERM: preempted)
-                        that stop every rank after the same step, saved
-       11  parallel     DataParallel (one process, N devices, device 0 in charge),
-                        DistributedDataParallel (a replica per process, gradients
+       11 data          DataParallel (one process, N devices, device 0 in charge),
+          parallel      DistributedDataParallel (a replica per process, gradients
                         averaged in buckets while backward runs), Fully Sharded
                         Data Parallel (each rank keeps 1/N of every unit: gathered
                         to compute, gradients reduce-scattered; ZeRO-1/2/3 side by
-                        side; CPU offload; no-sync for gradient accumulation) and
-                        tensor parallelism (each rank computes 1/T of every block:
-                        Megatron-LM's column- and row-parallel layers, the
-                        vocabulary split with its cross-entropy, sequence
-                        parallelism, data parallel across the groups) and
-                        pipeline parallelism (each rank a stage of consecutive
-                        blocks, micro-batches in GPipe's or 1F1B's order, each
-                        with its arena; with tensor parallelism inside the
-                        stages and data parallel pipelines: all three on a mesh).
-                        Each is one dt_parallel; calls in the wrong order are
-                        errors that say what to call first
-       12  precision    bf16/fp16 activations and matmul operands, f32 master
-                        weights and sums, dynamic loss scaling for fp16
-       13  checkpoints  safetensors files written atomically; exact resume; sharded
+                        side; CPU offload; no-sync for gradient accumulation)
+       12 tensor        each rank computes 1/T of every block: Megatron-LM's
+          parallel      column- and row-parallel layers, the vocabulary split with
+                        its cross-entropy, sequence parallelism, data parallel
+                        across the groups
+       13 pipeline      each rank a stage of consecutive blocks, micro-batches in
+          parallel      GPipe's or 1F1B's order, each with its arena; with tensor
+                        parallelism inside the stages and data parallel pipelines:
+                        all three on a mesh. Each wrapper (11-13) is one
+                        dt_parallel; calls in the wrong order are errors that say
+                        what to call first
+       14 backend       the per-element arithmetic (DT_HD) that the CPU loops and
+          tables        the GPU kernels share, and what a device (dt_backend) and a
+                        transport (dt_comm_backend) must provide
+       Then the machinery that runs a training, which no lesson calls (the
+       lessons compile without it: tools/assemble --lessons):
+       15 data          image folders, CIFAR-10 binaries, text (bytes or token ids),
+                        instruction examples whose prompts the loss ignores,
+                        shuffling, rank sharding, augmentation, and synthetic
+                        images and text made on first use
+       16 launching     --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous
+                        that turns strangers away, a job that stops, naming the
+                        rank, when one rank dies, and signals (SIGTERM: preempted)
+                        that stop every rank after the same step, saved
+       17 checkpoints   safetensors files written atomically; exact resume; sharded
                         (a file per rank and an index), consolidated, resharded
-       14  evaluation   validation loss and accuracy over every rank's share, and
+       18 hugging face  Hugging Face and PEFT model folders (--init), and a
+                        training run's checkpoint: weights, optimizer, the run
+       19 evaluation    validation loss and accuracy over every rank's share, and
                         text generated by a language model
-       15  metrics      time charged to phases, Chrome traces, progress lines with
-                        an ETA, and the one-line benchmark report (--bench)
-       16  cost model   predicts how a stage scales, and why (--explain): the
+       20 metrics       time charged to phases, Chrome traces, progress lines with
+                        an ETA, TensorBoard and MLflow, and the one-line benchmark
+                        report (--bench)
+       21 cost model    predicts how a stage scales, and why (--explain): the
                         communication each wrapper sends and hides, a pipeline's
                         bubble
-       17  command line one table of flags for every stage, and the data they name
-       18  run driver   the loop every stage shares: --init/--resume, batches, the
+       22 command line  one table of flags for every stage, and the data they name
+       23 run driver    the loop every stage shares: --init/--resume, batches, the
                         job's mean loss, JSON-lines logs, evaluation and checkpoints
                         at each epoch's end, stopping every rank alike on a signal
-       19  CUDA         the GPU bodies of the ops, behind one table (dt_backend):
+       And the backend:
+       24 CUDA          the GPU bodies of the ops, behind one table (dt_backend):
                         indexing, reductions and launch shape are all that differ.
-                        The one section earlier ones reach, and only through its
+                        The one chapter earlier ones reach, and only through its
                         tables (dt_backend, dt_comm_backend) and two entry points
 
    HOW THIS FILE IS MADE
@@ -113,16 +125,9 @@
        the committed dtrain.h is the assembly. A chapter holds its declarations
        and its implementation together; this file puts every chapter's
        declarations first, then every implementation, then the CUDA backend,
-       and a line [src/NN-name.h] in a comment marks where each part begins.
-       The sections above are these chapters: 01 errors, 02 devices and
-       memory, 03 tensors, 04 matmul, 05 autograd (the tape and the layers'
-       ops) and 06 (attention, embeddings, the loss), 07 models, 08 optimizer,
-       09 data, 10 collectives, 11 launching, 12 data parallel (DP, DDP,
-       FSDP), 13 tensor parallel, 14 pipeline parallel, 15 mixed precision,
-       16 checkpoints and 17 Hugging Face folders, 18 evaluation, 19 metrics,
-       20 cost model, 21 command line, 22 run driver, 23 the backend tables
-       (what a device and a transport provide), 24 CUDA; 00 is this preface.
-       Edit the chapters; a copy of this file alone needs none of them.
+       and a line [src/NN-name.h] in a comment marks where each part begins
+       (00 is this preface). Edit the chapters; a copy of this file alone
+       needs none of them.
 
    A FAILURE NEVER CRASHES
        Bad flags exit with status 2, everything else that goes wrong (a missing
@@ -181,7 +186,7 @@ extern "C" {
 #endif
 
 /* [src/01-errors.h] */
-/* ---- 1. errors -------------------------------------------------------------- */
+/* ---- errors -------------------------------------------------------------- */
 
 /* Print "dtrain: error: <message>" (prefixed by the rank when there are several)
    and exit with status 1. Messages name the file or flag at fault. */
@@ -204,7 +209,7 @@ void dt_warn(const char *fmt, ...)
     ;
 
 /* [src/02-devices-and-memory.h] */
-/* ---- 2. devices and memory ------------------------------------------------------ */
+/* ---- devices and memory ------------------------------------------------------ */
 
 typedef enum { DT_CPU = 0, DT_CUDA = 1 } dt_device;
 
@@ -263,7 +268,7 @@ void *dt_step_alloc(size_t bytes);
 void dt_step_arena_reset(void);
 
 /* [src/03-tensors.h] */
-/* ---- 3. tensors ---------------------------------------------------------------- */
+/* ---- tensors ---------------------------------------------------------------- */
 
 typedef enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 } dt_dtype;
 
@@ -273,7 +278,7 @@ typedef struct dt_tensor {
     int shape[4];
     int64_t numel;
     /* The bits of `data`: f32, or -- activations under mixed precision, see
-       section 12 -- bf16 or f16, read and written through data16 then. */
+       the mixed-precision chapter -- bf16 or f16, read and written through data16 then. */
     dt_dtype dtype;
     union { float *data; uint16_t *data16; };  /* on `device`: not readable by the host when that is a GPU */
     /* NULL until a gradient flows into it. An activation's gradient has the
@@ -283,7 +288,7 @@ typedef struct dt_tensor {
     int requires_grad;         /* parameters, and anything computed from them */
     int is_param;
     int hook_gen, first_use;   /* parameters: where the tape last reads them (grad ready) */
-    struct dt_parallel *parallel;   /* parameters: the wrapper their model is in (section 5), or NULL */
+    struct dt_parallel *parallel;   /* parameters: the wrapper their model is in (the autograd chapter), or NULL */
 } dt_tensor;
 
 /* A tensor of f32 in the per-step arena (gone at the next reset). Contents are zero. */
@@ -306,7 +311,7 @@ size_t dt_dtype_size(dt_dtype d);
 const char *dt_dtype_name(dt_dtype d);
 
 /* [src/04-matmul.h] */
-/* ---- 4. kernels ------------------------------------------------------------------ */
+/* ---- kernels ------------------------------------------------------------------ */
 
 /* C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, row-major; op transposes
    when trans_a / trans_b is set. The one routine every matmul goes through. */
@@ -337,7 +342,7 @@ DT_HD static inline uint16_t dt_f32_to_f16(float f);
 DT_HD static inline float dt_f16_to_f32(uint16_t h);
 
 /* [src/05-autograd.h] */
-/* ---- 5. autograd: the ops ------------------------------------------------------ */
+/* ---- autograd: the ops ------------------------------------------------------ */
 
 /* Each op computes its output now and, when gradients are on and an input
    requires them, appends its backward to the tape. */
@@ -414,7 +419,7 @@ void dt_backward(dt_tensor *loss);
 /* The same from any tensor `loss`, given `seed`: d(objective)/d(loss), loss->numel values. */
 void dt_backward_from(dt_tensor *loss, const float *seed);
 
-/* A parallel wrapper (section 11: DataParallel, DDP, FSDP) is this one set of
+/* A parallel wrapper (the parallel chapters: DataParallel, DDP, FSDP, TP, PP) is this one set of
    callbacks. Each is called by the code that owns its moment of a step: the
    model's forward (a unit begins, ends), the tape (a parameter's gradient is
    final: DDP starts all-reducing its bucket while backward goes on), the
@@ -422,7 +427,7 @@ void dt_backward_from(dt_tensor *loss, const float *seed);
    parameters it steps, when it is created; the step is done). A NULL
    callback: nothing to do at that moment -- DDP has no units, DataParallel
    only sums gradients when backward is done. A wrapper attaches itself with dt_model_set_parallel
-   (section 6): the model and each of its parameters then point to it, so
+   (the models chapter): the model and each of its parameters then point to it, so
    nothing is looked up in global state. */
 typedef struct dt_parallel dt_parallel;
 struct dt_optimizer;
@@ -463,7 +468,7 @@ struct dt_parallel {
     /* Kept by the ops: 1 between dt_sp_split and dt_sp_gather, where each rank
        holds its share of the rows (and backward, walking back, sets it again). */
     int rows_split;
-    /* Checkpoints (section 13) see the model whole, through these three; NULL
+    /* Checkpoints (the checkpoints chapter) see the model whole, through these three; NULL
        state_open: the model's own buffers are the whole. state_open gives the
        state `which` (0 the parameters, 1 and 2 the optimizer's moments) as one
        host array in the order of `whole`'s parameters. To save (for_load 0)
@@ -484,7 +489,7 @@ struct dt_parallel {
        record (",\"name\":value..."); NULL: nothing. */
     dt_tensor *(*forward)(dt_parallel *par, dt_tensor *inputs);
     void (*log_fields)(const dt_parallel *par, FILE *log);
-    /* The cost model (section 16) and the --bench line (section 15), for a
+    /* The cost model (the cost-model chapter) and the --bench line (the metrics chapter), for a
        wrapper that splits the model over ranks: cost_input fills its part of
        `in` from what the last step measured (in's compute_ms: this rank's
        forward and backward of a micro-batch; optimizer_ms: this rank's step,
@@ -533,7 +538,7 @@ double dt_flops_counted(void);
 void dt_flops_reset(void);
 
 /* [src/07-models.h] */
-/* ---- 6. models --------------------------------------------------------------------- */
+/* ---- models --------------------------------------------------------------------- */
 
 typedef enum { DT_MODEL_MLP = 0, DT_MODEL_VIT = 1, DT_MODEL_GPT = 2, DT_MODEL_LLAMA = 3 } dt_model_kind;
 
@@ -560,7 +565,7 @@ typedef struct dt_model_config {
 } dt_model_config;
 
 /* Where tensor parallelism (stage 06) may cut a parameter: the model says,
-   the wrapper cuts (section 11). dim -1: whole on every rank (norms,
+   the wrapper cuts (the tensor-parallel chapter). dim -1: whole on every rank (norms,
    position embeddings, the ViT's head, a row-parallel layer's bias). Otherwise dimension
    dim is cut into equal pieces, one per rank, in `parts` groups that are
    cut alike (the q, k and v of a fused projection: each rank takes its heads
@@ -603,7 +608,7 @@ typedef struct dt_model {
        the token embedding again (tied weights). FSDP keeps it gathered for the
        whole step, as PyTorch's FSDP does with its root unit. */
     int outer_unit;
-    dt_parallel *parallel;     /* the wrapper this model is in (section 11), or NULL */
+    dt_parallel *parallel;     /* the wrapper this model is in (the parallel chapters), or NULL */
     int optimizers;            /* optimizers created on it and not freed yet */
     int recompute;             /* --recompute: each block's activations are made again in backward */
     /* Set by dt_tp_free (its name): the split parameters stay this rank's
@@ -658,8 +663,15 @@ void dt_model_describe(const dt_model *m, char *out, size_t n);
 /* 1 for the language models (gpt, llama: token ids in, next-token logits out) */
 int dt_model_is_language(dt_model_kind kind);
 
+/* A batch the loader gives a model (the data chapter fills it; the pipeline cuts it into micro-batches). */
+typedef struct dt_batch {
+    dt_tensor *inputs;         /* images [B, C, S, S] in [-1, 1], or token ids [B, T] */
+    int32_t *labels;           /* [B] classes, or [B*T] next tokens */
+    int size;                  /* B */
+} dt_batch;
+
 /* [src/08-optimizer.h] */
-/* ---- 7. optimizer ----------------------------------------------------------------- */
+/* ---- optimizer ----------------------------------------------------------------- */
 
 typedef enum { DT_ADAMW = 0, DT_SGD = 1 } dt_optimizer_kind;
 
@@ -703,100 +715,44 @@ DT_HD static inline void dt_adamw_update(float *p, float *m, float *v, float g, 
 DT_HD static inline void dt_sgd_update(float *p, float *buf, float g, float lr, float momentum,
                                        float wd);
 
-/* [src/09-data.h] */
-/* ---- 8. data ---------------------------------------------------------------------- */
+/* [src/09-mixed-precision.h] */
+/* ---- mixed precision ------------------------------------------------------------ */
 
-typedef struct dt_dataset {
-    int64_t n;                 /* images, or text sequences */
-    int channels, size, num_classes;
-    uint8_t *pixels;           /* n images, channels first, each channels*size*size bytes */
-    int32_t *labels;
-    char **class_names;        /* num_classes names (folder names, or CIFAR-10's) */
-    char source[512];
-    int64_t capacity;          /* images allocated (n shrinks when the set is sliced) */
-    /* Text: a run of token ids (num_classes is the vocabulary). Sequence i is
-       tokens [i*seq_len, (i+1)*seq_len]: seq_len inputs, and the same shifted
-       by one as the labels, so neighbours share one token. */
-    int32_t *tokens;
-    int64_t ntokens, tokens_capacity;
-    int seq_len;
-    /* Instruction data (JSON lines): every example a sequence of its own.
-       Sequence i is tokens [i*seq_len, (i+1)*seq_len) with its labels at the
-       same places here, DT_IGNORE_INDEX where the loss ignores a position (a
-       prompt, the padding). NULL for plain text. */
-    int32_t *targets;
-} dt_dataset;
+/* The dtype activations are stored in and matmuls read (default DT_F32). With
+   DT_BF16 or DT_F16, parameters, their gradients and the optimizer state stay
+   f32 -- the master weights -- and every op reads its inputs rounded to 16 bits
+   and stores its output in 16 bits; layernorm statistics, softmax, the loss and
+   every sum inside a matmul stay f32. A parallel wrapper fixes its buffers
+   to it when created, so changing it while one exists is an error. */
+void dt_set_compute_dtype(dt_dtype dtype);
+dt_dtype dt_compute_dtype(void);
 
-/* Load `split` ("train" or "val") of an image folder (DIR/split/<class>/<file>)
-   or of a CIFAR-10 binary folder, every image resized to size x size RGB. For
-   "val" of an image folder, class names must match `classes_from` (may be NULL). */
-void dt_dataset_load(const char *dir, const char *split, int size,
-                     const dt_dataset *classes_from, dt_dataset *ds);
-void dt_dataset_free(dt_dataset *ds);
-/* Text: a .txt file, or a folder of them joined in name order, read as bytes
-   (vocabulary 256); or, is_tokens, a file of token ids: a NumPy .npy array
-   (one dimension; uint16, uint32, int32 or int64), JSON lines of instruction
-   examples (a file whose first character, past white space and a UTF-8
-   byte-order mark, is `{`: see "instruction data" in section 8), or else little-endian uint16 ids (vocab 0: the largest id + 1). The
-   last val_fraction of the tokens (of the examples, for JSON lines), by
-   position, is the validation set. */
-void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, double val_fraction, dt_dataset *train,
-                  dt_dataset *val);
-/* Write `bytes` of English-like generated text (sentences from a small grammar
-   over a few hundred words) to path: the built-in text of --model gpt. */
-void dt_synthetic_text_write(const char *path, int64_t bytes, uint64_t seed);
-/* The loss to beat, in nats per token: the cross-entropy of `eval`'s tokens
-   under the token frequencies of `train` (a model that ignores context). */
-double dt_unigram_loss(const dt_dataset *train, const dt_dataset *eval);
-/* Keep images (or sequences) [start, end) only: --start-idx/--end-idx. */
-void dt_dataset_slice(dt_dataset *ds, int64_t start, int64_t end);
-
-/* Decode one image file to 8-bit RGB (grey and alpha are converted) and resize
-   it to size x size. Returns NULL and a reason in err when it cannot. */
-uint8_t *dt_image_load_rgb(const char *path, int size, char *err, size_t errlen);
-/* Bilinear resize of channels-first 8-bit planes. */
-void dt_image_resize(const uint8_t *src, int channels, int w, int h, uint8_t *dst, int dw, int dh);
-
-/* The sample order of one epoch for one rank, like PyTorch's DistributedSampler:
-   a permutation seeded by (seed, epoch), padded by wrapping to a multiple of
-   world, then every world-th index starting at rank. Writes ceil(n/world)
-   indices to out and returns that count. */
-int64_t dt_sampler_indices(int64_t n, uint64_t seed, int epoch, int shuffle, int rank, int world,
-                           int64_t *out);
-
-typedef struct dt_batch {
-    dt_tensor *inputs;         /* images [B, C, S, S] in [-1, 1], or token ids [B, T] */
-    int32_t *labels;           /* [B] classes, or [B*T] next tokens */
-    int size;                  /* B */
-} dt_batch;
-
-typedef struct dt_loader {
-    const dt_dataset *ds;
-    int batch_size, rank, world, shuffle, augment, drop_last;
-    uint64_t seed;
-    int epoch;
-    int64_t *order, count, pos;
-    int64_t *counted;          /* instruction data: the targets that count in each batch, every rank's together */
-} dt_loader;
-
-dt_loader dt_loader_create(const dt_dataset *ds, int batch_size, uint64_t seed, int shuffle,
-                           int augment, int drop_last, int rank, int world);
-void dt_loader_free(dt_loader *l);
-/* Begin `epoch`, skipping the first `skip_batches` (resume in mid-epoch). */
-void dt_loader_start_epoch(dt_loader *l, int epoch, int64_t skip_batches);
-/* The next batch, in the per-step arena; 0 at the end of the epoch. */
-int dt_loader_next(dt_loader *l, dt_batch *b);
-int64_t dt_loader_batches_per_epoch(const dt_loader *l);
-/* Instruction data: the targets that count (not DT_IGNORE_INDEX) in the next
-   `batches` batches of every rank of the loader's world. */
-int64_t dt_loader_counted_targets(const dt_loader *l, int batches);
-
-/* Write a learnable 10-class synthetic image set to dir/train and dir/val (PNG
-   with stb, PPM without): coloured shapes on noisy backgrounds. */
-void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint64_t seed);
+/* Dynamic loss scaling, for fp16: its smallest number is 6e-8 (2^-24), and
+   gradients of activations fall below it and become 0. Multiplying the loss by
+   `scale` lifts every gradient by the same factor; the optimizer sees them
+   divided again. Too large a scale makes some gradient inf: that step is
+   skipped and the scale halved. After growth_interval good steps in a row it
+   doubles. bf16 has f32's exponent range and needs none (enabled 0, scale 1). */
+typedef struct dt_loss_scaler {
+    int enabled;
+    float scale;               /* starts at 65536 */
+    int growth_interval;       /* 2000 */
+    int64_t good_steps;        /* since the last skip or growth */
+    int64_t skipped;           /* steps skipped so far */
+    int last_skipped;          /* the last step was skipped */
+} dt_loss_scaler;
+dt_loss_scaler dt_loss_scaler_create(dt_dtype dtype);
+/* Backward of loss * scale / accum_steps: each of accum_steps micro-batches
+   adds its share, so their sum is the gradient of the mean over all of them. */
+void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *scaler, int accum_steps);
+/* After the gradients are synchronised, before the optimizer: returns 1 with
+   the gradients divided by the scale; or, when any gradient on any rank is inf
+   or NaN, 0 with the gradients zeroed, the scale halved and the step to be
+   skipped -- every rank decides alike, as the check is summed over them. */
+int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt);
 
 /* [src/10-collectives.h] */
-/* ---- 9. collectives ---------------------------------------------------------------- */
+/* ---- collectives ---------------------------------------------------------------- */
 
 /* A communicator joins the ranks of one job. Backends: shared memory for host
    buffers (ranks that are threads of one process, or processes of one machine;
@@ -819,7 +775,7 @@ typedef enum { DT_COMM_SHM = 0, DT_COMM_NCCL = 1, DT_COMM_MPI = 2, DT_COMM_AUTO 
 #endif
 typedef enum { DT_SUM = 0, DT_AVG = 1, DT_MAX = 2 } dt_reduce_op;   /* MAX: a split vocabulary's largest logit */
 typedef int64_t dt_comm_handle;                 /* what an asynchronous call returns */
-/* Every call a communicator queues, the same for every backend (section 19's
+/* Every call a communicator queues, the same for every backend (the cuda chapter's
    NCCL code switches on it too). */
 typedef enum { DT_COLL_ALL_REDUCE, DT_COLL_REDUCE_SCATTER, DT_COLL_ALL_GATHER, DT_COLL_BROADCAST, DT_COLL_REDUCE,
                DT_COLL_BARRIER, DT_COLL_SEND, DT_COLL_RECV } dt_coll;
@@ -888,40 +844,51 @@ dt_comm *dt_mesh_comm(const dt_mesh *mesh, const char *name);   /* the group alo
 int dt_mesh_coord(const dt_mesh *mesh, const char *name);       /* this rank's place along it */
 void dt_mesh_free(dt_mesh *mesh);                               /* frees its communicators */
 
-/* [src/11-launching.h] */
-/* ---- 10. launching ranks --------------------------------------------------------- */
+/* [src/11-data-parallel.h] */
+/* ---- parallel wrappers ------------------------------------------------------- */
 
-/* --nproc N: fork N copies of this program on this machine, before any device or
-   thread is started, each with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-   MASTER_PORT set as torchrun would (rank 0 inherits a socket already
-   listening there), and a job id. Returns in each child; the
-   parent passes SIGINT, SIGTERM and SIGUSR1 on to the ranks, waits, and exits
-   with the worst status a rank had. Does nothing when nproc <= 1 or when this
-   process is already a launched rank. */
-void dt_launch(int nproc, double timeout_s);
-/* Each rank of a job of processes: join the job the environment describes (see dt_rank_from_env) with a
-   TCP rendezvous at MASTER_ADDR:MASTER_PORT. A rank that does not arrive, or dies
-   later, stops the others within timeout_s seconds with a message naming it.
-   kind DT_COMM_MPI joins MPI's job instead (no rendezvous; mpirun or srun
-   started the ranks); DT_COMM_AUTO is shared memory, or MPI when an MPI
-   launcher started ranks on several hosts. */
-dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s);
-/* This process's place in the job, from torchrun's (RANK, WORLD_SIZE,
-   LOCAL_RANK), SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), Open MPI's
-   (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK) or MPICH's (PMI_RANK, PMI_SIZE,
-   MPI_LOCALRANKID) variables; 0, 1, 0 without them. */
-void dt_rank_from_env(int *rank, int *world, int *local_rank);
-/* How many ranks run on this machine, from LOCAL_WORLD_SIZE (torchrun, --nproc),
-   OMPI_COMM_WORLD_LOCAL_SIZE, SLURM_NTASKS_PER_NODE or MPI_LOCALNRANKS; 0 when
-   none says. */
-int dt_local_ranks_from_env(void);
-/* The GPU of local rank `local_rank` of `local_ranks` on a machine with `gpus`
-   visible: local_rank % gpus. More ranks than GPUs is refused (returns -1 and
-   says why, naming both counts) unless ranks_per_gpu lets that many share one. */
-int dt_gpu_for_rank(int local_rank, int local_ranks, int gpus, int ranks_per_gpu, char *why, size_t n);
-
-/* [src/12-data-parallel.h] */
-/* ---- 11. parallel wrappers ------------------------------------------------------- */
+/* What a step of each parallel scheme computes and communicates, as the
+   cost model (a chapter of the machinery) prices it: each wrapper fills its
+   part from what its last step measured (dt_parallel's cost_input). */
+typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3, DT_PAR_TP, DT_PAR_PP } dt_parallelism;
+typedef struct dt_cost_input {
+    dt_parallelism kind;
+    double compute_ms;         /* one rank's forward + backward for one micro-batch, on its own device */
+    double contention;         /* how much slower that compute runs when N ranks share the device(s): 1 on
+                                  GPUs of their own; on a CPU about N (the ranks share its cores) */
+    double backward_share;     /* the part of compute that is backward, which DDP's buckets hide behind (~2/3) */
+    double params;             /* parameter count */
+    double gather_bytes;       /* bytes per parameter gathered (FSDP: 4, or 2 in bf16/fp16) */
+    double reduce_bytes;       /* bytes per gradient reduced (4, or 2 with --reduce-dtype bf16) */
+    int accum_steps;           /* micro-batches per optimizer step */
+    int messages;              /* collectives per step on the critical path: DDP's buckets, FSDP's units */
+    double optimizer_ms;       /* the optimizer's step, on its own device: sharded (ZeRO), each rank does 1/N */
+    /* tensor parallelism: the share of compute (and optimizer) in the split
+       layers, which N ranks divide; the sums of activations or their
+       gradients per micro-batch (4 per transformer block: 2 forward, 2
+       backward), and the bytes of each (batch x tokens x width x 4) */
+    double tp_share, tp_sums, tp_bytes;
+    /* ... and, for a pipeline (DT_PAR_PP) whose stages split their layers
+       too (07's --tp), how many ranks each stage's layers are split over
+       (0 or 1: none); tp_sums then counts the whole model's sums per
+       micro-batch, and tp_bytes those of a micro-batch. Tensor parallelism
+       alone (DT_PAR_TP) has its T in dt_cost_predict's n. */
+    int tp_ranks;
+    /* ... and with more ranks than T (or P), the data-parallel groups of T
+       (pipelines of P): after backward each rank's gradients (tensor: params
+       x (tp_share / T + 1 - tp_share) x reduce_bytes; pipeline: its stage's)
+       are averaged over them, exposed (0 or 1: one group) */
+    int dp_groups;
+    /* pipeline parallelism: the micro-batches of a step; the largest
+       stage's share of the compute times P (1 when the stages are even: the
+       slowest stage sets the pipeline's pace); the bytes of one activation
+       sent on (micro-batch x tokens x width x 4), a gradient as many back */
+    int pp_micro_batches;
+    double pp_balance, pp_bytes;
+    int pp_zero1;               /* --shard optimizer: the D pipelines each step 1/D of the optimizer state */
+    double pp_measured_bubble;  /* ... and the share of the step this rank waited, as measured: printed beside the
+                                   formula's, not used by the prediction */
+} dt_cost_input;
 
 /* DataParallel (stage 02): one process drives N devices. Device 0 holds the
    model and the optimizer; every other device holds a replica, run by a thread
@@ -983,7 +950,7 @@ void dt_ddp_free(dt_ddp *ddp);
                          is started while one computes (prefetch), and the
                          last unit stays gathered from its forward into its
                          backward, which needs it first
-   Checkpoints of a sharded model are sharded too (section 13). */
+   Checkpoints of a sharded model are sharded too (the checkpoints chapter). */
 typedef enum { DT_SHARD_NONE = -1, DT_SHARD_OPTIMIZER = 0, DT_SHARD_GRADS = 1, DT_SHARD_FULL = 2 } dt_shard_mode;   /* NONE: 07's default */
 typedef struct dt_fsdp dt_fsdp;
 /* Broadcast rank 0's parameters, keep this rank's shards, free the rest. The
@@ -1003,7 +970,7 @@ void dt_fsdp_sync_grads(dt_fsdp *fsdp);
 void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync);
 /* Reduce-scatter gradients in this dtype (default f32), as PyTorch's
    MixedPrecision(reduce_dtype=...). Parameters are gathered in the compute
-   dtype that was set when dt_fsdp_create ran (section 12). */
+   dtype that was set when dt_fsdp_create ran (the mixed-precision chapter). */
 void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype);
 void dt_fsdp_free(dt_fsdp *fsdp);
 
@@ -1080,387 +1047,7 @@ int dt_pp_data_ranks(const dt_pp *pp);
 /* The model stays cut (this rank's blocks), as after dt_tp_free. */
 void dt_pp_free(dt_pp *pp);
 
-/* [src/15-mixed-precision.h] */
-/* ---- 12. mixed precision ------------------------------------------------------------ */
-
-/* The dtype activations are stored in and matmuls read (default DT_F32). With
-   DT_BF16 or DT_F16, parameters, their gradients and the optimizer state stay
-   f32 -- the master weights -- and every op reads its inputs rounded to 16 bits
-   and stores its output in 16 bits; layernorm statistics, softmax, the loss and
-   every sum inside a matmul stay f32. A parallel wrapper fixes its buffers
-   to it when created, so changing it while one exists is an error. */
-void dt_set_compute_dtype(dt_dtype dtype);
-dt_dtype dt_compute_dtype(void);
-
-/* Dynamic loss scaling, for fp16: its smallest number is 6e-8 (2^-24), and
-   gradients of activations fall below it and become 0. Multiplying the loss by
-   `scale` lifts every gradient by the same factor; the optimizer sees them
-   divided again. Too large a scale makes some gradient inf: that step is
-   skipped and the scale halved. After growth_interval good steps in a row it
-   doubles. bf16 has f32's exponent range and needs none (enabled 0, scale 1). */
-typedef struct dt_loss_scaler {
-    int enabled;
-    float scale;               /* starts at 65536 */
-    int growth_interval;       /* 2000 */
-    int64_t good_steps;        /* since the last skip or growth */
-    int64_t skipped;           /* steps skipped so far */
-    int last_skipped;          /* the last step was skipped */
-} dt_loss_scaler;
-dt_loss_scaler dt_loss_scaler_create(dt_dtype dtype);
-/* Backward of loss * scale / accum_steps: each of accum_steps micro-batches
-   adds its share, so their sum is the gradient of the mean over all of them. */
-void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *scaler, int accum_steps);
-/* After the gradients are synchronised, before the optimizer: returns 1 with
-   the gradients divided by the scale; or, when any gradient on any rank is inf
-   or NaN, 0 with the gradients zeroed, the scale halved and the step to be
-   skipped -- every rank decides alike, as the check is summed over them. */
-int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt);
-
-/* [src/16-checkpoints.h] */
-/* ---- 13. checkpoints (safetensors) ------------------------------------------------ */
-
-/* A safetensors file: 8-byte little-endian header length, a JSON header naming
-   each tensor's dtype, shape and byte range, then the raw data. PyTorch, numpy
-   and Hugging Face read it. Writes go to FILE.tmp, then fsync, then rename:
-   an existing file is replaced whole or not at all. */
-typedef struct dt_named_tensor { const char *name; const float *data; int ndim; int64_t shape[4]; } dt_named_tensor;
-void dt_safetensors_write(const char *path, const dt_named_tensor *tensors, int count,
-                          const char *const *meta_kv, int meta_count);
-
-typedef struct dt_safetensors dt_safetensors;   /* a file read whole and checked */
-dt_safetensors *dt_safetensors_read(const char *path);
-void dt_safetensors_close(dt_safetensors *st);
-/* Copy tensor `name` into dst as f32 (F32, F16, BF16 and F64 are read); returns 0
-   when absent, fails when its shape differs from the expected one. */
-int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndim, const int *shape);
-const char *dt_safetensors_meta(dt_safetensors *st, const char *key); /* NULL when absent */
-
-/* Load a model's weights by name (--init), from any safetensors file, a
-   checkpoint folder (whole or sharded) or a Hugging Face model folder. A
-   missing or misshapen tensor is an error naming it. */
-void dt_model_load_weights(dt_model *m, const char *path);
-
-/* Sharded checkpoints (stage 04): a folder in which each rank writes its own
-   shard file, "shard<r>-of-<N>.safetensors", and rank 0 then the index,
-   "shards.safetensors". --resume and --init take the folder. This turns one
-   into a whole checkpoint folder that every stage resumes from and PyTorch,
-   transformers and timm read (tools/consolidate). */
-void dt_checkpoint_consolidate(const char *path, const char *out_path);
-/* LoRA: fold a checkpoint's adapters into its frozen model, W + (alpha/r) B A,
-   and write the whole model as a weights folder (model.safetensors and
-   config.json) that --init, from_pretrained and timm read. The frozen model
-   comes from the folder adapter_config.json names, or else from the seed the
-   run started with. tools/merge-lora runs it. */
-void dt_lora_merge(const char *adapter_dir, const char *out_path);
-
-/* A run's training checkpoint (section 18 drives it), a folder: the weights
-   (model.safetensors, with the position and RNG seed as metadata), the
-   optimizer state (optimizer.safetensors) and config.json. */
-typedef struct dt_run dt_run;
-void dt_checkpoint_save(dt_run *run, const char *path);
-void dt_checkpoint_load(dt_run *r, const char *path);
-
-/* [src/18-evaluation.h] */
-/* ---- 14. evaluation --------------------------------------------------------- */
-
-/* Mean loss and accuracy of the model over a data set, without gradients. In a
-   job every rank evaluates its share and the sums are all-reduced; under
-   tensor parallelism the share is its group's (the ranks of a group evaluate
-   it together). */
-void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss, double *acc);
-/* gpt: continue `prompt` (n_prompt token ids) by n_new tokens into out, each
-   drawn from the softmax of the last position's logits / temperature, seeded.
-   Collective in a job: every rank calls it alike (FSDP gathers, tensor
-   parallelism gathers the logits); rank 0's draws count. */
-void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, float temperature, uint64_t seed,
-                 int32_t *out);
-
-/* [src/19-metrics.h] */
-/* ---- 15. metrics and traces ------------------------------------------------- */
-
-/* The phases of a training step, timed and traced. */
-typedef enum { DT_PHASE_DATA, DT_PHASE_FWD, DT_PHASE_BWD, DT_PHASE_COMM, DT_PHASE_OPT,
-               DT_PHASE_EVAL, DT_PHASE_CKPT, DT_PHASE_COUNT } dt_phase_kind;
-/* A --trace file's tracks (its "tid"s, which tools/trace-summary reads): one
-   per phase, then the communication thread's and the pipeline's (section 15). */
-enum { DT_TRACK_COMM = DT_PHASE_COUNT, DT_TRACK_PIPELINE };
-
-/* Charge the time since the last mark to `phase` (and draw it in the trace). */
-void dt_phase(dt_run *run, dt_phase_kind phase);
-
-/* TensorBoard's event files (--tensorboard DIR), written without TensorFlow.
-   A file of records, each framed as TFRecord frames it: the length as a
-   little-endian uint64, its masked CRC-32C, the bytes, their masked CRC-32C.
-   Each record is an Event protocol buffer: the first says the format
-   ("brain.Event:2"), each one after it holds a wall time, a step and a
-   scalar. dt_tensorboard_open makes DIR and opens
-   DIR/events.out.tfevents.<seconds>.<host>.<pid> (NULL, errno set, when it
-   cannot); the others return 0 when a write failed (errno says why). */
-typedef struct dt_tensorboard dt_tensorboard;
-dt_tensorboard *dt_tensorboard_open(const char *dir);
-int dt_tensorboard_scalar(dt_tensorboard *tb, const char *tag, float value, int64_t step, double wall_time);
-/* A SessionLog START at `step`: TensorBoard drops what an earlier file of
-   the run logged at that step or after (a run resumed from a checkpoint). */
-int dt_tensorboard_restart(dt_tensorboard *tb, int64_t step, double wall_time);
-int dt_tensorboard_close(dt_tensorboard *tb);
-const char *dt_tensorboard_path(const dt_tensorboard *tb);
-/* CRC-32C (Castagnoli's polynomial), and TFRecord's mask of it: rotated
-   right by 15 bits, plus 0xa282ead8 (a CRC of data that holds CRCs is weak). */
-uint32_t dt_crc32c(const void *data, size_t n);
-uint32_t dt_crc32c_masked(const void *data, size_t n);
-
-/* MLflow's file store (--mlflow DIR; `mlflow ui --backend-store-uri DIR`):
-   DIR/<experiment id>/meta.yaml names the experiment; each run is a folder
-   DIR/<experiment id>/<run id>/ of meta.yaml (name, times, status), params/
-   and tags/ (a file per key holding its value) and metrics/ (a file per key,
-   a line "<ms since 1970> <value> <step>" per point). dt_mlflow_open finds
-   the experiment by name or makes it, and starts a run -- or, given the id
-   of an earlier one, continues it. Each call returns 0 when a write failed
-   (errno says why); dt_mlflow_path names the run's folder. */
-typedef struct dt_mlflow dt_mlflow;
-typedef enum { DT_MLFLOW_RUNNING = 1, DT_MLFLOW_FINISHED = 3, DT_MLFLOW_FAILED = 4, DT_MLFLOW_KILLED = 5 } dt_mlflow_status;
-dt_mlflow *dt_mlflow_open(const char *dir, const char *experiment, const char *run_name, const char *run_id);
-int dt_mlflow_param(dt_mlflow *ml, const char *key, const char *value);
-int dt_mlflow_tag(dt_mlflow *ml, const char *key, const char *value);
-int dt_mlflow_metric(dt_mlflow *ml, const char *key, double value, int64_t step, int64_t timestamp_ms);
-int dt_mlflow_close(dt_mlflow *ml, dt_mlflow_status status);
-const char *dt_mlflow_path(const dt_mlflow *ml);
-const char *dt_mlflow_run_id(const dt_mlflow *ml);
-int dt_mlflow_run_id_valid(const char *id);     /* 32 lowercase hex digits */
-
-/* [src/20-cost-model.h] */
-/* ---- 16. the cost model ----------------------------------------------------- */
-
-/* The cost model: does it scale, and why not? A step of N ranks costs its
-   compute plus the communication that compute could not hide. Communication
-   follows the alpha-beta model of a link -- a message of b bytes takes
-   latency + b / bandwidth -- on a ring, where each of N ranks sends and
-   receives (N-1)/N of the buffer per all-gather or reduce-scatter, twice
-   that per all-reduce (a reduce-scatter and then an all-gather). */
-typedef struct dt_link {
-    char name[64];
-    double latency_us;         /* per message hop */
-    double bandwidth_gbs;      /* bus bandwidth, GB/s, as nccl-tests reports it */
-} dt_link;
-/* "shm" (shared memory on this machine, as tools/collectives measured it),
-   "pcie", "nvlink", "infiniband": rough figures of common links (see the
-   definitions). Returns 0 for an unknown name. */
-int dt_link_preset(const char *name, dt_link *out);
-/* Milliseconds of one ring collective over n ranks, of a buffer of `bytes`
-   (the whole buffer: what each rank holds after an all-gather). */
-double dt_cost_all_reduce_ms(const dt_link *link, int n, double bytes);
-double dt_cost_all_gather_ms(const dt_link *link, int n, double bytes);      /* = reduce-scatter */
-/* How many buckets DDP makes of `params` f32 gradients (the first 1 MB, then bucket_mb). */
-int dt_cost_ddp_buckets(double params, double bucket_mb);
-
-typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3, DT_PAR_TP, DT_PAR_PP } dt_parallelism;
-typedef struct dt_cost_input {
-    dt_parallelism kind;
-    double compute_ms;         /* one rank's forward + backward for one micro-batch, on its own device */
-    double contention;         /* how much slower that compute runs when N ranks share the device(s): 1 on
-                                  GPUs of their own; on a CPU about N (the ranks share its cores) */
-    double backward_share;     /* the part of compute that is backward, which DDP's buckets hide behind (~2/3) */
-    double params;             /* parameter count */
-    double gather_bytes;       /* bytes per parameter gathered (FSDP: 4, or 2 in bf16/fp16) */
-    double reduce_bytes;       /* bytes per gradient reduced (4, or 2 with --reduce-dtype bf16) */
-    int accum_steps;           /* micro-batches per optimizer step */
-    int messages;              /* collectives per step on the critical path: DDP's buckets, FSDP's units */
-    double optimizer_ms;       /* the optimizer's step, on its own device: sharded (ZeRO), each rank does 1/N */
-    /* tensor parallelism: the share of compute (and optimizer) in the split
-       layers, which N ranks divide; the sums of activations or their
-       gradients per micro-batch (4 per transformer block: 2 forward, 2
-       backward), and the bytes of each (batch x tokens x width x 4) */
-    double tp_share, tp_sums, tp_bytes;
-    /* ... and, for a pipeline (DT_PAR_PP) whose stages split their layers
-       too (07's --tp), how many ranks each stage's layers are split over
-       (0 or 1: none); tp_sums then counts the whole model's sums per
-       micro-batch, and tp_bytes those of a micro-batch. Tensor parallelism
-       alone (DT_PAR_TP) has its T in dt_cost_predict's n. */
-    int tp_ranks;
-    /* ... and with more ranks than T (or P), the data-parallel groups of T
-       (pipelines of P): after backward each rank's gradients (tensor: params
-       x (tp_share / T + 1 - tp_share) x reduce_bytes; pipeline: its stage's)
-       are averaged over them, exposed (0 or 1: one group) */
-    int dp_groups;
-    /* pipeline parallelism: the micro-batches of a step; the largest
-       stage's share of the compute times P (1 when the stages are even: the
-       slowest stage sets the pipeline's pace); the bytes of one activation
-       sent on (micro-batch x tokens x width x 4), a gradient as many back */
-    int pp_micro_batches;
-    double pp_balance, pp_bytes;
-    int pp_zero1;               /* --shard optimizer: the D pipelines each step 1/D of the optimizer state */
-    double pp_measured_bubble;  /* ... and the share of the step this rank waited, as measured: printed beside the
-                                   formula's, not used by the prediction */
-} dt_cost_input;
-typedef struct dt_cost_prediction {
-    int ranks;
-    double compute_ms;         /* per optimizer step, on one rank: forward, backward and optimizer */
-    double comm_ms;            /* communication per optimizer step */
-    double exposed_ms;         /* the part of it compute does not hide */
-    double step_ms, speedup, efficiency;   /* speedup: samples/s against one rank with the same batch */
-    double bytes;              /* bytes each rank sends per step */
-    double bubble;             /* pipeline parallelism: the share of the step a stage waits, (P - 1) / (M + P - 1) */
-} dt_cost_prediction;
-/* Predict a step of `ranks` ranks: DDP all-reduces the gradients once per
-   step behind backward; DP (02) also broadcasts the parameters, hiding
-   nothing; ZeRO-1 and -2 reduce-scatter the gradients and all-gather the
-   parameters (the same bytes as DDP, not hidden here); ZeRO-3 all-gathers the
-   parameters twice per micro-batch, prefetched behind compute, and
-   reduce-scatters the gradients: 1.5x DDP's bytes. Tensor parallelism
-   divides the split layers' compute by N and all-reduces activations inside
-   forward and backward, where nothing hides them; its N ranks share one
-   batch, so its speedup is against one rank with that batch, not N times it. */
-dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, int n);
-/* Print the prediction, the compute-to-communication ratio, and what bigger
-   batches, accumulation, bf16 communication or fewer ranks would change. */
-void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n);
-
-/* [src/21-command-line.h] */
-/* ---- 17. the command line --------------------------------------------------- */
-
-typedef struct dt_config {
-    const char *stage;
-    const char *data;            /* NULL: the synthetic set in data/synthetic (gpt: data/synthetic.txt) */
-    const char *tokens;          /* --tokens: a file of uint16 token ids instead of text */
-    int image_size;
-    dt_model_kind model;
-    int dim, depth, heads, patch;
-    int seq_len, vocab;          /* gpt, llama: context in tokens; vocabulary (-1: from the data) */
-    int kv_heads, ffn_dim;       /* llama: key/value heads, SwiGLU width (0: the defaults) */
-    float rope_theta;            /* llama: the rotary embeddings' base */
-    int untied_head, qkv_bias;   /* llama: an lm_head of its own; q, k, v biases (Qwen2) */
-    float norm_eps;              /* llama: RMSNorm's epsilon (0: 1e-5) */
-    float rope_factor, rope_low_freq, rope_high_freq;   /* llama: Llama 3's rescaling, from --init DIR's config.json */
-    int rope_original_context;
-    int sample;                  /* --sample N: gpt prints N generated tokens at each evaluation */
-    int batch_size, epochs;
-    int64_t steps;               /* stop after this many steps (0: run every epoch) */
-    float lr, weight_decay, momentum, clip;
-    int64_t warmup;              /* -1: 5% of the steps */
-    dt_optimizer_kind optimizer;
-    uint64_t seed;
-    dt_device device;
-    const char *log_path, *trace_path, *save_dir, *resume, *init;
-    const char *tensorboard;     /* --tensorboard DIR: TensorBoard event files of the scalars */
-    const char *mlflow;          /* --mlflow DIR: the run in MLflow's file store */
-    int eval_every, augment;
-    int log_every;               /* a progress line every N steps (0: about every 3 s, and at each epoch's end) */
-    int64_t start_idx, end_idx;  /* end -1: the whole set */
-    int bench;
-    int quiet;
-    float peak_tflops;           /* --bench on a GPU: the peak for MFU (0: look it up by name) */
-    int nproc;                   /* --nproc: devices of stage 02, or ranks to start on this machine (03-05) */
-    float bucket_mb;             /* --bucket-mb: DDP's gradient buckets (0: one all-reduce after backward) */
-    int shard;                   /* --shard: what FSDP shards (a dt_shard_mode; default full; 07: none) */
-    int cpu_offload;             /* --cpu-offload: FSDP's shards and optimizer in host memory */
-    int tp;                      /* --tp: ranks per tensor-parallel group (0: every rank of the job) */
-    int sequence_parallel;       /* --sequence-parallel: the rows between the split layers split too */
-    int pp;                      /* --pp: ranks per pipeline, each a stage of consecutive blocks (0: every rank) */
-    int micro_batches;           /* --micro-batches: the pipeline's micro-batches per step (default 1; times --accum-steps) */
-    int schedule;                /* --schedule: a dt_pp_schedule (default 1f1b) */
-    int recompute;               /* --recompute: each block's activations made again in backward */
-    int lora_rank;               /* --lora-rank: LoRA adapters of this rank on a frozen model (0: none) */
-    float lora_alpha;            /* --lora-alpha: their scale is alpha / rank (default 8, PEFT's) */
-    const char *lora_targets;    /* --lora-targets: the layers that get one (NULL: the model's default) */
-    int accum_steps;             /* --accum-steps: micro-batches per optimizer step (05) */
-    int dtype, reduce_dtype;     /* --dtype, --reduce-dtype: a dt_dtype each (05) */
-    int explain;                 /* --explain: the cost model's prediction for this run, after 3 steps */
-    int link;                    /* --link: the link the prediction assumes (-1: shm on a CPU, nvlink on GPUs) */
-    float timeout;               /* --timeout: seconds before a missing rank stops the job */
-    dt_comm_kind comm;           /* --comm: the collectives' transport (auto: NCCL on GPUs, else decided at dt_comm_init) */
-    int ranks_per_gpu;           /* --ranks-per-gpu: how many ranks may share one GPU (default 1) */
-    int rank, world_size, local_rank;   /* this process's place in the job (from the environment) */
-    int local_ranks;             /* ranks on this machine (0: the launcher did not say) */
-} dt_config;
-
-/* Parse the shared command line; a wrong flag, a value out of its range or a
-   flag of another stage exits with status 2. */
-dt_config dt_parse_args(int argc, char **argv, const char *stage);
-/* The model config the flags describe, for images of this shape. */
-dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int image_size, int classes);
-
-/* Load --data (or make the synthetic set), applying --image-size and the slice.
-   With --bench: random images in memory instead, enough for a few batches; the
-   stage's own loop then times its steps (two warm-up steps, then about three
-   seconds, or --steps) and dt_run_finish prints one "bench:" line. */
-void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val);
-
-/* [src/22-run-driver.h] */
-/* ---- 18. the run driver ----------------------------------------------------- */
-
-/* A training run: the position (epoch, step), the schedule, the logs. */
-struct dt_run {
-    dt_config cfg;
-    dt_model *model;
-    dt_optimizer *opt;
-    dt_loader *loader;
-    const dt_dataset *val;
-    int epoch;
-    int64_t step, total_steps, stop_step, batches_per_epoch, batch_in_epoch, warmup;
-    double phase_ms[DT_PHASE_COUNT], mark_ms, step_start_ms, start_ms, samples, train_ms;
-    double last_loss, loss_sum;             /* the last step's loss (has_loss: there was one); since the last line */
-    int has_loss;
-    int64_t loss_count, steps_run;
-    double eval_loss, eval_acc;
-    double unigram_loss;       /* gpt: the validation loss of a model that ignores context */
-    int micro;                 /* micro-batches of this step done so far (--accum-steps) */
-    double micro_loss;         /* and the sum of their losses */
-    double loss_divisor;       /* masked data: this step's targets / (ranks x micro-batches) */
-    dt_loss_scaler scaler;     /* --dtype fp16's loss scale (disabled otherwise) */
-    FILE *log, *trace;
-    char trace_path[4096];     /* this rank's trace file (run.rank1.json), for the errors that name it */
-    dt_tensorboard *tb;        /* --tensorboard: rank 0's event file, or NULL */
-    dt_mlflow *mlflow;         /* --mlflow: rank 0's run in the file store, or NULL */
-    char mlflow_run_id[40];    /* --mlflow: this run's id (from the checkpoint it resumed, or new); "": none */
-    char tensorboard_run[160]; /* --tensorboard: this run's folder in DIR ("<stage>-<model>-<time>-<pid>") */
-    double step_ms_avg;        /* the recent time of a step, for the ETA (dt__eta_update) */
-    double line_ms;            /* when the last progress line was printed */
-    int stop;
-    int stopped_by;            /* the signal every rank agreed to stop on (SIGTERM, SIGUSR1, SIGINT), or 0 */
-    char resume_path[4096];    /* --resume auto: the newest complete checkpoint in --save-dir */
-    /* --bench: the timed steps (after two warm-up steps) and what they spent */
-    int64_t bench_first;
-    double bench_t0, bench_phase_ms[DT_PHASE_COUNT], bench_comm_ms, bench_hidden_ms;
-};
-
-/* Set up a run: --init or --resume, the log and trace files, a header line. In
-   a job of several ranks (dt_comm_init), the ranks first check that they agree
-   on the flags that must match. */
-void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimizer *opt,
-                  dt_loader *loader, const dt_dataset *val);
-/* Start the next epoch's data order; 0 when every epoch (or --steps) is done. */
-int dt_next_epoch(dt_run *run);
-/* Begin a step (reset the step arena, start the clock) and fetch its batch; 0 at
-   the end of the epoch. With --accum-steps K a step takes K batches (micro-
-   batches): each call fetches the next, and a step begins with every K-th. */
-int dt_next_batch(dt_run *run, dt_batch *batch);
-/* 1 when the batch just fetched is the last of its step: the one whose backward
-   communicates (always, when --accum-steps is 1). */
-int dt_last_micro_batch(const dt_run *run);
-/* After the backward of a micro-batch that is not the last: count its loss. */
-void dt_micro_batch_end(dt_run *run, dt_tensor *loss);
-/* The learning rate of the step about to run (warmup, then cosine). */
-float dt_run_lr(const dt_run *run);
-/* Called once per training step, right before the batch is fetched. */
-void dt_step_begin(dt_run *run);
-/* After the optimizer: log, print progress, evaluate; returns 1 when --steps is
-   reached. In a job the logged loss is the mean over every rank's batch (and
-   over the step's micro-batches). Progress prints about every 3 s and at each
-   epoch's last step (--log-every N: every N-th step instead). A write to --log
-   or --trace that fails, here or anywhere, is an error naming the file. */
-int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size);
-/* At an epoch's end: evaluate and write a checkpoint (when --save-dir is given). */
-void dt_epoch_end(dt_run *run);
-/* The summary line, the summary log record; closes files (and fails if their
-   last writes did). Returns the exit status.
-   With --bench it prints the one "bench:" line instead. */
-int dt_run_finish(dt_run *run);
-
-#ifdef __cplusplus
-}
-#endif
-
-/* [src/23-backend-tables.h] */
+/* [src/14-backend-tables.h] */
 /* ---- per-element arithmetic (declared above; defined here because every file
         that includes the header, and nvcc, needs the bodies) ------------------ */
 #include <math.h>
@@ -1626,7 +1213,7 @@ DT_HD static inline void dt_sgd_update(float *p, float *buf, float g, float lr, 
 }
 
 /* ---- the device backend: what a GPU must provide -------------------------------
-   The ops of section 5 are written once. Each checks where its tensors live and
+   The ops of the autograd chapter are written once. Each checks where its tensors live and
    either runs its CPU loop or calls the matching entry of this table, which the
    CUDA section at the end of this file fills in. So the table is the whole
    contract between the library and a device: memory, copies, and one body per
@@ -1717,7 +1304,7 @@ typedef struct dt_backend {
 #define DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D) ((int64_t)(B) * (H) * (T) * (T) + 4LL * (B) * (T) * (D)) /* dP, dO, dQ, dK, dV */
 
 /* ---- the collective backend: what a transport must provide --------------------
-   Section 9 owns the queue and the communication thread; a backend moves the
+   The collectives chapter owns the queue and the communication thread; a backend moves the
    bytes. Every backend fills in every entry, and the shared code only calls
    through the table: shared memory, NCCL and MPI are three tables. A call is
    queued by the caller, started and finished by the communication thread, and
@@ -1725,7 +1312,7 @@ typedef struct dt_backend {
    `start`; on a GPU `start` only puts it on NCCL's stream, `finish` watches it
    to the end, and `wait` makes the caller's later kernels wait for it on the
    GPU: the host waits only until the call is on NCCL's stream, never for its
-   result. `memory` is the one kind of buffer it takes: section 9 refuses any
+   result. `memory` is the one kind of buffer it takes: the collectives chapter refuses any
    other before the call is queued. */
 typedef struct dt_comm_op {
     dt_coll kind;
@@ -1753,8 +1340,8 @@ typedef struct dt_comm_backend {
     int sums_in_rank_order;                                    /* 1: the same bits at any number of ranks, run after run */
 } dt_comm_backend;
 
-/* ---- the GPU collectives: what section 9 asks of NCCL (section 19) -----------
-   Section 9 owns the queue, the communication thread and the watchdog; NCCL
+/* ---- the GPU collectives: what the collectives chapter asks of NCCL (the cuda chapter) -----------
+   The collectives chapter owns the queue, the communication thread and the watchdog; NCCL
    only issues calls and answers questions, so a dead peer or a timeout is
    noticed by the same loop on CPUs and GPUs. The communicator is non-blocking:
    any call may leave it "in progress", and dt_nccl_progress says when it is
@@ -1763,7 +1350,7 @@ typedef struct dt_comm_backend {
 #ifdef __cplusplus
 extern "C" {
 #endif
-/* The CUDA section's two entry points (section 19; only in a build with
+/* The cuda chapter's two entry points (only in a build with
    CUDA): how many GPUs are visible (0, and why, when none), and the backend
    table of GPU local_rank % count, or NULL and why. */
 int dt_cuda_device_count(char *why, size_t n);
@@ -1800,6 +1387,429 @@ void dt_nccl_free(dt_nccl *s);
 #endif
 
 #endif /* DTRAIN_H */
+
+/* [src/15-data.h] */
+/* ---- data ---------------------------------------------------------------------- */
+
+typedef struct dt_dataset {
+    int64_t n;                 /* images, or text sequences */
+    int channels, size, num_classes;
+    uint8_t *pixels;           /* n images, channels first, each channels*size*size bytes */
+    int32_t *labels;
+    char **class_names;        /* num_classes names (folder names, or CIFAR-10's) */
+    char source[512];
+    int64_t capacity;          /* images allocated (n shrinks when the set is sliced) */
+    /* Text: a run of token ids (num_classes is the vocabulary). Sequence i is
+       tokens [i*seq_len, (i+1)*seq_len]: seq_len inputs, and the same shifted
+       by one as the labels, so neighbours share one token. */
+    int32_t *tokens;
+    int64_t ntokens, tokens_capacity;
+    int seq_len;
+    /* Instruction data (JSON lines): every example a sequence of its own.
+       Sequence i is tokens [i*seq_len, (i+1)*seq_len) with its labels at the
+       same places here, DT_IGNORE_INDEX where the loss ignores a position (a
+       prompt, the padding). NULL for plain text. */
+    int32_t *targets;
+} dt_dataset;
+
+/* Load `split` ("train" or "val") of an image folder (DIR/split/<class>/<file>)
+   or of a CIFAR-10 binary folder, every image resized to size x size RGB. For
+   "val" of an image folder, class names must match `classes_from` (may be NULL). */
+void dt_dataset_load(const char *dir, const char *split, int size,
+                     const dt_dataset *classes_from, dt_dataset *ds);
+void dt_dataset_free(dt_dataset *ds);
+/* Text: a .txt file, or a folder of them joined in name order, read as bytes
+   (vocabulary 256); or, is_tokens, a file of token ids: a NumPy .npy array
+   (one dimension; uint16, uint32, int32 or int64), JSON lines of instruction
+   examples (a file whose first character, past white space and a UTF-8
+   byte-order mark, is `{`: see "instruction data" below), or else little-endian uint16 ids (vocab 0: the largest id + 1). The
+   last val_fraction of the tokens (of the examples, for JSON lines), by
+   position, is the validation set. */
+void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, double val_fraction, dt_dataset *train,
+                  dt_dataset *val);
+/* Write `bytes` of English-like generated text (sentences from a small grammar
+   over a few hundred words) to path: the built-in text of --model gpt. */
+void dt_synthetic_text_write(const char *path, int64_t bytes, uint64_t seed);
+/* The loss to beat, in nats per token: the cross-entropy of `eval`'s tokens
+   under the token frequencies of `train` (a model that ignores context). */
+double dt_unigram_loss(const dt_dataset *train, const dt_dataset *eval);
+/* Keep images (or sequences) [start, end) only: --start-idx/--end-idx. */
+void dt_dataset_slice(dt_dataset *ds, int64_t start, int64_t end);
+
+/* Decode one image file to 8-bit RGB (grey and alpha are converted) and resize
+   it to size x size. Returns NULL and a reason in err when it cannot. */
+uint8_t *dt_image_load_rgb(const char *path, int size, char *err, size_t errlen);
+/* Bilinear resize of channels-first 8-bit planes. */
+void dt_image_resize(const uint8_t *src, int channels, int w, int h, uint8_t *dst, int dw, int dh);
+
+/* The sample order of one epoch for one rank, like PyTorch's DistributedSampler:
+   a permutation seeded by (seed, epoch), padded by wrapping to a multiple of
+   world, then every world-th index starting at rank. Writes ceil(n/world)
+   indices to out and returns that count. */
+int64_t dt_sampler_indices(int64_t n, uint64_t seed, int epoch, int shuffle, int rank, int world,
+                           int64_t *out);
+
+typedef struct dt_loader {
+    const dt_dataset *ds;
+    int batch_size, rank, world, shuffle, augment, drop_last;
+    uint64_t seed;
+    int epoch;
+    int64_t *order, count, pos;
+    int64_t *counted;          /* instruction data: the targets that count in each batch, every rank's together */
+} dt_loader;
+
+dt_loader dt_loader_create(const dt_dataset *ds, int batch_size, uint64_t seed, int shuffle,
+                           int augment, int drop_last, int rank, int world);
+void dt_loader_free(dt_loader *l);
+/* Begin `epoch`, skipping the first `skip_batches` (resume in mid-epoch). */
+void dt_loader_start_epoch(dt_loader *l, int epoch, int64_t skip_batches);
+/* The next batch, in the per-step arena; 0 at the end of the epoch. */
+int dt_loader_next(dt_loader *l, dt_batch *b);
+int64_t dt_loader_batches_per_epoch(const dt_loader *l);
+/* Instruction data: the targets that count (not DT_IGNORE_INDEX) in the next
+   `batches` batches of every rank of the loader's world. */
+int64_t dt_loader_counted_targets(const dt_loader *l, int batches);
+
+/* Write a learnable 10-class synthetic image set to dir/train and dir/val (PNG
+   with stb, PPM without): coloured shapes on noisy backgrounds. */
+void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint64_t seed);
+
+/* [src/16-launching.h] */
+/* ---- launching ranks --------------------------------------------------------- */
+
+/* --nproc N: fork N copies of this program on this machine, before any device or
+   thread is started, each with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+   MASTER_PORT set as torchrun would (rank 0 inherits a socket already
+   listening there), and a job id. Returns in each child; the
+   parent passes SIGINT, SIGTERM and SIGUSR1 on to the ranks, waits, and exits
+   with the worst status a rank had. Does nothing when nproc <= 1 or when this
+   process is already a launched rank. */
+void dt_launch(int nproc, double timeout_s);
+/* Each rank of a job of processes: join the job the environment describes (see dt_rank_from_env) with a
+   TCP rendezvous at MASTER_ADDR:MASTER_PORT. A rank that does not arrive, or dies
+   later, stops the others within timeout_s seconds with a message naming it.
+   kind DT_COMM_MPI joins MPI's job instead (no rendezvous; mpirun or srun
+   started the ranks); DT_COMM_AUTO is shared memory, or MPI when an MPI
+   launcher started ranks on several hosts. */
+dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s);
+/* This process's place in the job, from torchrun's (RANK, WORLD_SIZE,
+   LOCAL_RANK), SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), Open MPI's
+   (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK) or MPICH's (PMI_RANK, PMI_SIZE,
+   MPI_LOCALRANKID) variables; 0, 1, 0 without them. */
+void dt_rank_from_env(int *rank, int *world, int *local_rank);
+/* How many ranks run on this machine, from LOCAL_WORLD_SIZE (torchrun, --nproc),
+   OMPI_COMM_WORLD_LOCAL_SIZE, SLURM_NTASKS_PER_NODE or MPI_LOCALNRANKS; 0 when
+   none says. */
+int dt_local_ranks_from_env(void);
+/* The GPU of local rank `local_rank` of `local_ranks` on a machine with `gpus`
+   visible: local_rank % gpus. More ranks than GPUs is refused (returns -1 and
+   says why, naming both counts) unless ranks_per_gpu lets that many share one. */
+int dt_gpu_for_rank(int local_rank, int local_ranks, int gpus, int ranks_per_gpu, char *why, size_t n);
+
+/* [src/17-checkpoints.h] */
+/* ---- checkpoints (safetensors) ------------------------------------------------ */
+
+/* A safetensors file: 8-byte little-endian header length, a JSON header naming
+   each tensor's dtype, shape and byte range, then the raw data. PyTorch, numpy
+   and Hugging Face read it. Writes go to FILE.tmp, then fsync, then rename:
+   an existing file is replaced whole or not at all. */
+typedef struct dt_named_tensor { const char *name; const float *data; int ndim; int64_t shape[4]; } dt_named_tensor;
+void dt_safetensors_write(const char *path, const dt_named_tensor *tensors, int count,
+                          const char *const *meta_kv, int meta_count);
+
+typedef struct dt_safetensors dt_safetensors;   /* a file read whole and checked */
+dt_safetensors *dt_safetensors_read(const char *path);
+void dt_safetensors_close(dt_safetensors *st);
+/* Copy tensor `name` into dst as f32 (F32, F16, BF16 and F64 are read); returns 0
+   when absent, fails when its shape differs from the expected one. */
+int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndim, const int *shape);
+const char *dt_safetensors_meta(dt_safetensors *st, const char *key); /* NULL when absent */
+
+/* Load a model's weights by name (--init), from any safetensors file, a
+   checkpoint folder (whole or sharded) or a Hugging Face model folder. A
+   missing or misshapen tensor is an error naming it. */
+void dt_model_load_weights(dt_model *m, const char *path);
+
+/* Sharded checkpoints (stage 04): a folder in which each rank writes its own
+   shard file, "shard<r>-of-<N>.safetensors", and rank 0 then the index,
+   "shards.safetensors". --resume and --init take the folder. This turns one
+   into a whole checkpoint folder that every stage resumes from and PyTorch,
+   transformers and timm read (tools/consolidate). */
+void dt_checkpoint_consolidate(const char *path, const char *out_path);
+/* LoRA: fold a checkpoint's adapters into its frozen model, W + (alpha/r) B A,
+   and write the whole model as a weights folder (model.safetensors and
+   config.json) that --init, from_pretrained and timm read. The frozen model
+   comes from the folder adapter_config.json names, or else from the seed the
+   run started with. tools/merge-lora runs it. */
+void dt_lora_merge(const char *adapter_dir, const char *out_path);
+
+/* A run's training checkpoint (the run-driver chapter drives it), a folder: the weights
+   (model.safetensors, with the position and RNG seed as metadata), the
+   optimizer state (optimizer.safetensors) and config.json. */
+typedef struct dt_run dt_run;
+void dt_checkpoint_save(dt_run *run, const char *path);
+void dt_checkpoint_load(dt_run *r, const char *path);
+
+/* [src/19-evaluation.h] */
+/* ---- evaluation --------------------------------------------------------- */
+
+/* Mean loss and accuracy of the model over a data set, without gradients. In a
+   job every rank evaluates its share and the sums are all-reduced; under
+   tensor parallelism the share is its group's (the ranks of a group evaluate
+   it together). */
+void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss, double *acc);
+/* gpt: continue `prompt` (n_prompt token ids) by n_new tokens into out, each
+   drawn from the softmax of the last position's logits / temperature, seeded.
+   Collective in a job: every rank calls it alike (FSDP gathers, tensor
+   parallelism gathers the logits); rank 0's draws count. */
+void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, float temperature, uint64_t seed,
+                 int32_t *out);
+
+/* [src/20-metrics.h] */
+/* ---- metrics and traces ------------------------------------------------- */
+
+/* The phases of a training step, timed and traced. */
+typedef enum { DT_PHASE_DATA, DT_PHASE_FWD, DT_PHASE_BWD, DT_PHASE_COMM, DT_PHASE_OPT,
+               DT_PHASE_EVAL, DT_PHASE_CKPT, DT_PHASE_COUNT } dt_phase_kind;
+/* A --trace file's tracks (its "tid"s, which tools/trace-summary reads): one
+   per phase, then the communication thread's and the pipeline's. */
+enum { DT_TRACK_COMM = DT_PHASE_COUNT, DT_TRACK_PIPELINE };
+
+/* Charge the time since the last mark to `phase` (and draw it in the trace). */
+void dt_phase(dt_run *run, dt_phase_kind phase);
+
+/* TensorBoard's event files (--tensorboard DIR), written without TensorFlow.
+   A file of records, each framed as TFRecord frames it: the length as a
+   little-endian uint64, its masked CRC-32C, the bytes, their masked CRC-32C.
+   Each record is an Event protocol buffer: the first says the format
+   ("brain.Event:2"), each one after it holds a wall time, a step and a
+   scalar. dt_tensorboard_open makes DIR and opens
+   DIR/events.out.tfevents.<seconds>.<host>.<pid> (NULL, errno set, when it
+   cannot); the others return 0 when a write failed (errno says why). */
+typedef struct dt_tensorboard dt_tensorboard;
+dt_tensorboard *dt_tensorboard_open(const char *dir);
+int dt_tensorboard_scalar(dt_tensorboard *tb, const char *tag, float value, int64_t step, double wall_time);
+/* A SessionLog START at `step`: TensorBoard drops what an earlier file of
+   the run logged at that step or after (a run resumed from a checkpoint). */
+int dt_tensorboard_restart(dt_tensorboard *tb, int64_t step, double wall_time);
+int dt_tensorboard_close(dt_tensorboard *tb);
+const char *dt_tensorboard_path(const dt_tensorboard *tb);
+/* CRC-32C (Castagnoli's polynomial), and TFRecord's mask of it: rotated
+   right by 15 bits, plus 0xa282ead8 (a CRC of data that holds CRCs is weak). */
+uint32_t dt_crc32c(const void *data, size_t n);
+uint32_t dt_crc32c_masked(const void *data, size_t n);
+
+/* MLflow's file store (--mlflow DIR; `mlflow ui --backend-store-uri DIR`):
+   DIR/<experiment id>/meta.yaml names the experiment; each run is a folder
+   DIR/<experiment id>/<run id>/ of meta.yaml (name, times, status), params/
+   and tags/ (a file per key holding its value) and metrics/ (a file per key,
+   a line "<ms since 1970> <value> <step>" per point). dt_mlflow_open finds
+   the experiment by name or makes it, and starts a run -- or, given the id
+   of an earlier one, continues it. Each call returns 0 when a write failed
+   (errno says why); dt_mlflow_path names the run's folder. */
+typedef struct dt_mlflow dt_mlflow;
+typedef enum { DT_MLFLOW_RUNNING = 1, DT_MLFLOW_FINISHED = 3, DT_MLFLOW_FAILED = 4, DT_MLFLOW_KILLED = 5 } dt_mlflow_status;
+dt_mlflow *dt_mlflow_open(const char *dir, const char *experiment, const char *run_name, const char *run_id);
+int dt_mlflow_param(dt_mlflow *ml, const char *key, const char *value);
+int dt_mlflow_tag(dt_mlflow *ml, const char *key, const char *value);
+int dt_mlflow_metric(dt_mlflow *ml, const char *key, double value, int64_t step, int64_t timestamp_ms);
+int dt_mlflow_close(dt_mlflow *ml, dt_mlflow_status status);
+const char *dt_mlflow_path(const dt_mlflow *ml);
+const char *dt_mlflow_run_id(const dt_mlflow *ml);
+int dt_mlflow_run_id_valid(const char *id);     /* 32 lowercase hex digits */
+
+/* [src/21-cost-model.h] */
+/* ---- the cost model ----------------------------------------------------- */
+
+/* The cost model: does it scale, and why not? A step of N ranks costs its
+   compute plus the communication that compute could not hide. Communication
+   follows the alpha-beta model of a link -- a message of b bytes takes
+   latency + b / bandwidth -- on a ring, where each of N ranks sends and
+   receives (N-1)/N of the buffer per all-gather or reduce-scatter, twice
+   that per all-reduce (a reduce-scatter and then an all-gather). */
+typedef struct dt_link {
+    char name[64];
+    double latency_us;         /* per message hop */
+    double bandwidth_gbs;      /* bus bandwidth, GB/s, as nccl-tests reports it */
+} dt_link;
+/* "shm" (shared memory on this machine, as tools/collectives measured it),
+   "pcie", "nvlink", "infiniband": rough figures of common links (see the
+   definitions). Returns 0 for an unknown name. */
+int dt_link_preset(const char *name, dt_link *out);
+/* Milliseconds of one ring collective over n ranks, of a buffer of `bytes`
+   (the whole buffer: what each rank holds after an all-gather). */
+double dt_cost_all_reduce_ms(const dt_link *link, int n, double bytes);
+double dt_cost_all_gather_ms(const dt_link *link, int n, double bytes);      /* = reduce-scatter */
+/* How many buckets DDP makes of `params` f32 gradients (the first 1 MB, then bucket_mb). */
+int dt_cost_ddp_buckets(double params, double bucket_mb);
+
+typedef struct dt_cost_prediction {
+    int ranks;
+    double compute_ms;         /* per optimizer step, on one rank: forward, backward and optimizer */
+    double comm_ms;            /* communication per optimizer step */
+    double exposed_ms;         /* the part of it compute does not hide */
+    double step_ms, speedup, efficiency;   /* speedup: samples/s against one rank with the same batch */
+    double bytes;              /* bytes each rank sends per step */
+    double bubble;             /* pipeline parallelism: the share of the step a stage waits, (P - 1) / (M + P - 1) */
+} dt_cost_prediction;
+/* Predict a step of `ranks` ranks: DDP all-reduces the gradients once per
+   step behind backward; DP (02) also broadcasts the parameters, hiding
+   nothing; ZeRO-1 and -2 reduce-scatter the gradients and all-gather the
+   parameters (the same bytes as DDP, not hidden here); ZeRO-3 all-gathers the
+   parameters twice per micro-batch, prefetched behind compute, and
+   reduce-scatters the gradients: 1.5x DDP's bytes. Tensor parallelism
+   divides the split layers' compute by N and all-reduces activations inside
+   forward and backward, where nothing hides them; its N ranks share one
+   batch, so its speedup is against one rank with that batch, not N times it. */
+dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, int n);
+/* Print the prediction, the compute-to-communication ratio, and what bigger
+   batches, accumulation, bf16 communication or fewer ranks would change. */
+void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n);
+
+/* [src/22-command-line.h] */
+/* ---- the command line --------------------------------------------------- */
+
+typedef struct dt_config {
+    const char *stage;
+    const char *data;            /* NULL: the synthetic set in data/synthetic (gpt: data/synthetic.txt) */
+    const char *tokens;          /* --tokens: a file of uint16 token ids instead of text */
+    int image_size;
+    dt_model_kind model;
+    int dim, depth, heads, patch;
+    int seq_len, vocab;          /* gpt, llama: context in tokens; vocabulary (-1: from the data) */
+    int kv_heads, ffn_dim;       /* llama: key/value heads, SwiGLU width (0: the defaults) */
+    float rope_theta;            /* llama: the rotary embeddings' base */
+    int untied_head, qkv_bias;   /* llama: an lm_head of its own; q, k, v biases (Qwen2) */
+    float norm_eps;              /* llama: RMSNorm's epsilon (0: 1e-5) */
+    float rope_factor, rope_low_freq, rope_high_freq;   /* llama: Llama 3's rescaling, from --init DIR's config.json */
+    int rope_original_context;
+    int sample;                  /* --sample N: gpt prints N generated tokens at each evaluation */
+    int batch_size, epochs;
+    int64_t steps;               /* stop after this many steps (0: run every epoch) */
+    float lr, weight_decay, momentum, clip;
+    int64_t warmup;              /* -1: 5% of the steps */
+    dt_optimizer_kind optimizer;
+    uint64_t seed;
+    dt_device device;
+    const char *log_path, *trace_path, *save_dir, *resume, *init;
+    const char *tensorboard;     /* --tensorboard DIR: TensorBoard event files of the scalars */
+    const char *mlflow;          /* --mlflow DIR: the run in MLflow's file store */
+    int eval_every, augment;
+    int log_every;               /* a progress line every N steps (0: about every 3 s, and at each epoch's end) */
+    int64_t start_idx, end_idx;  /* end -1: the whole set */
+    int bench;
+    int quiet;
+    float peak_tflops;           /* --bench on a GPU: the peak for MFU (0: look it up by name) */
+    int nproc;                   /* --nproc: devices of stage 02, or ranks to start on this machine (03-05) */
+    float bucket_mb;             /* --bucket-mb: DDP's gradient buckets (0: one all-reduce after backward) */
+    int shard;                   /* --shard: what FSDP shards (a dt_shard_mode; default full; 07: none) */
+    int cpu_offload;             /* --cpu-offload: FSDP's shards and optimizer in host memory */
+    int tp;                      /* --tp: ranks per tensor-parallel group (0: every rank of the job) */
+    int sequence_parallel;       /* --sequence-parallel: the rows between the split layers split too */
+    int pp;                      /* --pp: ranks per pipeline, each a stage of consecutive blocks (0: every rank) */
+    int micro_batches;           /* --micro-batches: the pipeline's micro-batches per step (default 1; times --accum-steps) */
+    int schedule;                /* --schedule: a dt_pp_schedule (default 1f1b) */
+    int recompute;               /* --recompute: each block's activations made again in backward */
+    int lora_rank;               /* --lora-rank: LoRA adapters of this rank on a frozen model (0: none) */
+    float lora_alpha;            /* --lora-alpha: their scale is alpha / rank (default 8, PEFT's) */
+    const char *lora_targets;    /* --lora-targets: the layers that get one (NULL: the model's default) */
+    int accum_steps;             /* --accum-steps: micro-batches per optimizer step (05) */
+    int dtype, reduce_dtype;     /* --dtype, --reduce-dtype: a dt_dtype each (05) */
+    int explain;                 /* --explain: the cost model's prediction for this run, after 3 steps */
+    int link;                    /* --link: the link the prediction assumes (-1: shm on a CPU, nvlink on GPUs) */
+    float timeout;               /* --timeout: seconds before a missing rank stops the job */
+    dt_comm_kind comm;           /* --comm: the collectives' transport (auto: NCCL on GPUs, else decided at dt_comm_init) */
+    int ranks_per_gpu;           /* --ranks-per-gpu: how many ranks may share one GPU (default 1) */
+    int rank, world_size, local_rank;   /* this process's place in the job (from the environment) */
+    int local_ranks;             /* ranks on this machine (0: the launcher did not say) */
+} dt_config;
+
+/* Parse the shared command line; a wrong flag, a value out of its range or a
+   flag of another stage exits with status 2. */
+dt_config dt_parse_args(int argc, char **argv, const char *stage);
+/* The model config the flags describe, for images of this shape. */
+dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int image_size, int classes);
+
+/* Load --data (or make the synthetic set), applying --image-size and the slice.
+   With --bench: random images in memory instead, enough for a few batches; the
+   stage's own loop then times its steps (two warm-up steps, then about three
+   seconds, or --steps) and dt_run_finish prints one "bench:" line. */
+void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val);
+
+/* [src/23-run-driver.h] */
+/* ---- the run driver ----------------------------------------------------- */
+
+/* A training run: the position (epoch, step), the schedule, the logs. */
+struct dt_run {
+    dt_config cfg;
+    dt_model *model;
+    dt_optimizer *opt;
+    dt_loader *loader;
+    const dt_dataset *val;
+    int epoch;
+    int64_t step, total_steps, stop_step, batches_per_epoch, batch_in_epoch, warmup;
+    double phase_ms[DT_PHASE_COUNT], mark_ms, step_start_ms, start_ms, samples, train_ms;
+    double last_loss, loss_sum;             /* the last step's loss (has_loss: there was one); since the last line */
+    int has_loss;
+    int64_t loss_count, steps_run;
+    double eval_loss, eval_acc;
+    double unigram_loss;       /* gpt: the validation loss of a model that ignores context */
+    int micro;                 /* micro-batches of this step done so far (--accum-steps) */
+    double micro_loss;         /* and the sum of their losses */
+    double loss_divisor;       /* masked data: this step's targets / (ranks x micro-batches) */
+    dt_loss_scaler scaler;     /* --dtype fp16's loss scale (disabled otherwise) */
+    FILE *log, *trace;
+    char trace_path[4096];     /* this rank's trace file (run.rank1.json), for the errors that name it */
+    dt_tensorboard *tb;        /* --tensorboard: rank 0's event file, or NULL */
+    dt_mlflow *mlflow;         /* --mlflow: rank 0's run in the file store, or NULL */
+    char mlflow_run_id[40];    /* --mlflow: this run's id (from the checkpoint it resumed, or new); "": none */
+    char tensorboard_run[160]; /* --tensorboard: this run's folder in DIR ("<stage>-<model>-<time>-<pid>") */
+    double step_ms_avg;        /* the recent time of a step, for the ETA (dt__eta_update) */
+    double line_ms;            /* when the last progress line was printed */
+    int stop;
+    int stopped_by;            /* the signal every rank agreed to stop on (SIGTERM, SIGUSR1, SIGINT), or 0 */
+    char resume_path[4096];    /* --resume auto: the newest complete checkpoint in --save-dir */
+    /* --bench: the timed steps (after two warm-up steps) and what they spent */
+    int64_t bench_first;
+    double bench_t0, bench_phase_ms[DT_PHASE_COUNT], bench_comm_ms, bench_hidden_ms;
+};
+
+/* Set up a run: --init or --resume, the log and trace files, a header line. In
+   a job of several ranks (dt_comm_init), the ranks first check that they agree
+   on the flags that must match. */
+void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimizer *opt,
+                  dt_loader *loader, const dt_dataset *val);
+/* Start the next epoch's data order; 0 when every epoch (or --steps) is done. */
+int dt_next_epoch(dt_run *run);
+/* Begin a step (reset the step arena, start the clock) and fetch its batch; 0 at
+   the end of the epoch. With --accum-steps K a step takes K batches (micro-
+   batches): each call fetches the next, and a step begins with every K-th. */
+int dt_next_batch(dt_run *run, dt_batch *batch);
+/* 1 when the batch just fetched is the last of its step: the one whose backward
+   communicates (always, when --accum-steps is 1). */
+int dt_last_micro_batch(const dt_run *run);
+/* After the backward of a micro-batch that is not the last: count its loss. */
+void dt_micro_batch_end(dt_run *run, dt_tensor *loss);
+/* The learning rate of the step about to run (warmup, then cosine). */
+float dt_run_lr(const dt_run *run);
+/* Called once per training step, right before the batch is fetched. */
+void dt_step_begin(dt_run *run);
+/* After the optimizer: log, print progress, evaluate; returns 1 when --steps is
+   reached. In a job the logged loss is the mean over every rank's batch (and
+   over the step's micro-batches). Progress prints about every 3 s and at each
+   epoch's last step (--log-every N: every N-th step instead). A write to --log
+   or --trace that fails, here or anywhere, is an error naming the file. */
+int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size);
+/* At an epoch's end: evaluate and write a checkpoint (when --save-dir is given). */
+void dt_epoch_end(dt_run *run);
+/* The summary line, the summary log record; closes files (and fails if their
+   last writes did). Returns the exit status.
+   With --bench it prints the one "bench:" line instead. */
+int dt_run_finish(dt_run *run);
+
+#ifdef __cplusplus
+}
+#endif
 
 /* [src/00-front.h] */
 /* ================================================================================
@@ -1850,9 +1860,9 @@ void dt_nccl_free(dt_nccl *s);
    usually a process; in stage 02 every device is a thread of one process, so
    the context is per thread, and each device counts its own memory and keeps
    its own tape. What else is global is per process and says so where it is
-   declared: the files to remove on failure (section 1), the communicator that
-   tells the others when this process fails (section 9), the signals caught
-   (section 10). */
+   declared: the files to remove on failure (the errors chapter), the communicator that
+   tells the others when this process fails (the collectives chapter), the signals caught
+   (the launching chapter). */
 #if defined(__cplusplus)
 #define DT_THREAD_LOCAL thread_local
 #else
@@ -1886,7 +1896,7 @@ typedef struct dt__context {
     size_t host_now[DT_ARENA_COUNT], host_peak[DT_ARENA_COUNT];     /* offloaded (dt_alloc_host) */
     dt__step_arena step[2];             /* per device: host (tensor headers, host data) and GPU */
     dt__step_arena scratch[2];          /* per device: f32 working copies that live for one op */
-    dt_dtype compute_dtype;            /* activations and matmul inputs (section 12); f32 by default */
+    dt_dtype compute_dtype;            /* activations and matmul inputs (the mixed-precision chapter); f32 by default */
     dt__tape_entry *tape;
     int tape_len, tape_cap;
     int grad_enabled;
@@ -1908,7 +1918,7 @@ typedef struct dt__context {
     struct { char name[32]; double t0, t1; int pipeline; } comm_events[256];   /* pipeline: on its own track */
     int ncomm_events;
     int64_t grad_collectives;          /* gradient all-reduces and reduce-scatters issued this step */
-    int grads_scaled;                  /* gradients still hold the fp16 loss scale (section 12) */
+    int grads_scaled;                  /* gradients still hold the fp16 loss scale (the mixed-precision chapter) */
     uint64_t step_resets;              /* dt_step_arena_reset calls: what lives in the step arena is this step's */
     uint64_t arena_rewinds;            /* those, and the returns to a mark in mid-step: a cache in the arena is this old */
     /* The rotary embeddings' (cos, sin) table, in the step arena: every layer
@@ -1921,7 +1931,7 @@ typedef struct dt__context {
 static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1 };
 
 /* [src/01-errors.h] */
-/* ==== 1. errors =================================================================
+/* ==== errors =================================================================
    A library for learners fails early and says why. There is no error code to
    forget to check: the message names the culprit and the program exits. */
 
@@ -1958,27 +1968,31 @@ static int dt__cleanup_add(const char *path) {
     return -1;                               /* full: that file is merely not cleaned up */
 }
 static void dt__cleanup_done(int slot) { if (slot >= 0) dt__cleanup_used[slot] = 0; }
-static void dt__folder_remove(const char *path);
+/* What empties a folder rmdir could not remove: set by the chapter that
+   registers such a folder (checkpoints: a NAME.tmp loses dtrain's files, and
+   only those), so that this chapter knows nothing of what the files are. */
+static void (*dt__cleanup_empty_folder)(const char *path);
 /* in_handler: called from a signal handler, where only unlink and rmdir may be
    used. Otherwise a folder that is not yet empty -- a checkpoint's NAME.tmp in
-   which another rank, killed, left its half-written shard -- loses dtrain's
-   files (and only those) and goes too. */
+   which another rank, killed, left its half-written shard -- is emptied and
+   goes too. */
 static void dt__cleanup_run_in(int in_handler) {
     for (int i = 0; i < DT_CLEANUP_SLOTS; i++)          /* the files, then the folders they emptied */
         if (dt__cleanup_used[i] == 1 && unlink(dt__cleanup_paths[i]) == 0) dt__cleanup_used[i] = 0;
     for (int i = 0; i < DT_CLEANUP_SLOTS; i++)
         if (dt__cleanup_used[i] == 1) {
-            if (rmdir(dt__cleanup_paths[i]) != 0 && !in_handler) dt__folder_remove(dt__cleanup_paths[i]);
+            if (rmdir(dt__cleanup_paths[i]) != 0 && !in_handler && dt__cleanup_empty_folder)
+                dt__cleanup_empty_folder(dt__cleanup_paths[i]);
             dt__cleanup_used[i] = 0;
         }
 }
 static void dt__cleanup_run(void) { dt__cleanup_run_in(1); }
 
 /* Who must hear of a failure before this process exits: the collectives
-   (section 9) put a function here once a communicator is open, so that the
+   (the collectives chapter) put a function here once a communicator is open, so that the
    other ranks stop at once instead of waiting for their timeout. */
 static void (*dt__on_fail)(void);
-/* ... and the run's tracking (section 18): an MLflow run marked FAILED. */
+/* ... and the run's tracking (the run-driver chapter): an MLflow run marked FAILED. */
 static void (*dt__on_fail_tracking)(void);
 #ifdef DT_FUZZING
 /* The fuzzing harnesses (tests/fuzz/) take an error back instead of the exit:
@@ -2070,7 +2084,7 @@ static void dt__file_close(FILE *f, const char *flag, const char *path) {
 }
 
 /* [src/02-devices-and-memory.h] */
-/* ==== 2. devices and memory =====================================================
+/* ==== devices and memory =====================================================
    Every allocation names its arena. The counters are how a student sees that
    Adam's state is twice the parameters, or that activations dominate at large
    batch sizes. */
@@ -2313,7 +2327,7 @@ void dt_step_arena_reset(void) {
 }
 
 /* A place in the step arena to come back to in mid-step: what was taken after
-   it is given back (activation recompute, section 6, drops a block's
+   it is given back (activation recompute, the models chapter, drops a block's
    activations so). Nothing taken after the mark may be used again. */
 typedef struct { size_t used[2], high[2]; int nspill[2]; } dt__step_mark;
 static dt__step_mark dt__step_mark_now(void) {
@@ -2332,7 +2346,7 @@ static void dt__step_back_to(const dt__step_mark *k) {
     dt__ctx.arena_rewinds++;             /* what was cached after the mark is gone */
 }
 
-/* Arenas of one's own: pipeline parallelism (section 11) keeps each micro-
+/* Arenas of one's own: pipeline parallelism (the pipeline-parallel chapter) keeps each micro-
    batch's activations apart, so that one micro-batch's go back when its
    backward is done while others' stay. Swapping puts `other` (one arena per
    device) where the step arena is, and the step arena in `other`; released,
@@ -2360,7 +2374,7 @@ static void dt__step_arena_free(dt__step_arena a[2]) {
 }
 
 /* The scratch arena works the same way but lives for one op only: under mixed
-   precision (section 12) an op reads its 16-bit inputs into f32 copies here,
+   precision (the mixed-precision chapter) an op reads its 16-bit inputs into f32 copies here,
    computes, and stores its output in 16 bits; the copies are gone at the next
    op, so only the 16-bit tensors stay for backward. */
 static void *dt__scratch_on(dt_device device, size_t bytes) { return dt__arena_take(&dt__ctx.scratch[device], device, bytes); }
@@ -2386,10 +2400,10 @@ static void dt__flush_subnormals(void) {               /* this thread and its Op
 }
 
 /* [src/03-tensors.h] */
-/* ==== 3. tensors ================================================================
+/* ==== tensors ================================================================
    A tensor is a shape, a dtype and a pointer. Activations are carved out of
    the step arena; parameters point into the model's flat buffers. Data is f32
-   unless mixed precision (section 12) stores activations in 16 bits. */
+   unless mixed precision (the mixed-precision chapter) stores activations in 16 bits. */
 
 size_t dt_dtype_size(dt_dtype d) { return d == DT_F32 ? 4 : 2; }
 const char *dt_dtype_name(dt_dtype d) { return d == DT_F32 ? "fp32" : d == DT_BF16 ? "bf16" : "fp16"; }
@@ -2492,7 +2506,7 @@ static const dt_backend *dt__backend_for(const dt_tensor *t) {
 }
 
 /* [src/04-matmul.h] */
-/* ==== 4. kernels: matrix multiply ===============================================
+/* ==== kernels: matrix multiply ===============================================
    Nearly all of training's arithmetic is matmul, so this is where speed lives.
    The classic recipe (Goto and van de Geijn): cut K into KC-deep slabs and N
    into NC-wide panels, copy ("pack") each KC x NC panel of B once into
@@ -2533,7 +2547,7 @@ static const dt_backend *dt__backend_for(const dt_tensor *t) {
 static DT_THREAD_LOCAL float *dt__pack_buffer;
 static DT_THREAD_LOCAL size_t dt__pack_floats;
 
-/* The vector type, and the kernels' multiply-add, which attention (section 6)
+/* The vector type, and the kernels' multiply-add, which attention (the attention-and-loss chapter)
    uses in every build. */
 #if defined(__GNUC__)
 typedef float dt__vec __attribute__((vector_size(DT_VL * 4), aligned(4)));
@@ -2805,7 +2819,7 @@ void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha, const f
 }
 
 /* [src/05-autograd.h] */
-/* ==== 5. autograd ===============================================================
+/* ==== autograd ===============================================================
    Reverse-mode differentiation with a tape. Each op computes its output at once
    and, if gradients are on and any input needs one, appends an entry: which
    function computes the input gradients from the output gradient, and what it
@@ -2854,7 +2868,7 @@ static void dt__tape_mark(dt__backward_fn fn, void *user, int arg) {
 }
 
 /* Backward from a scalar loss, seeded with d(loss)/d(loss) = seed: 1, or a
-   loss scale (section 12). */
+   loss scale (the mixed-precision chapter). */
 static void dt__backward_seeded(dt_tensor *loss, float seed) {
     if (loss->numel != 1) dt_fail("backward needs a scalar loss, got %lld elements", (long long)loss->numel);
     dt_backward_from(loss, &seed);
@@ -2876,7 +2890,7 @@ static void dt__tape_walk(int lo, int hi) {
         dt__tape_entry *e = &dt__ctx.tape[i];
         dt__scratch_reset();
         if (!e->out || e->out->grad) e->backward(e);
-        e = &dt__ctx.tape[i];          /* a recomputed block (section 6) grows the tape, which may move it */
+        e = &dt__ctx.tape[i];          /* a recomputed block (the models chapter) grows the tape, which may move it */
         for (int j = 0; j < 4; j++) {
             dt_tensor *p = e->in[j];
             if (p && p->is_param && p->first_use == i && p->hook_gen == generation && p->parallel && p->parallel->grad_ready)
@@ -2896,7 +2910,7 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
 }
 
 /* Backward over a run of the tape, [lo, hi), from `out`, whose gradient is
-   already in place: pipeline parallelism (section 11) walks one micro-batch's
+   already in place: pipeline parallelism (the pipeline-parallel chapter) walks one micro-batch's
    forward at a time, from the gradient the next stage sent back. The tape
    stays as it is (the step's end empties it). */
 static void dt__backward_span(dt_tensor *out, int lo, int hi) {
@@ -2952,7 +2966,7 @@ void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t 
 
 /* -- how an op sees its tensors. Ops compute in f32. With f32 everywhere the
       views below are the tensors' own buffers and cost nothing. Under mixed
-      precision (section 12) an op reads every input as f32 values rounded to
+      precision (the mixed-precision chapter) an op reads every input as f32 values rounded to
       the compute dtype -- a 16-bit activation widened, or an f32 master weight
       narrowed, the cast PyTorch's autocast makes -- into the scratch arena,
       and stores its output narrowed to 16 bits. Gradients travel the same way:
@@ -3511,7 +3525,7 @@ dt_tensor *dt_scale(dt_tensor *x, float factor) {
 }
 
 /* [src/06-attention-and-loss.h] */
-/* -- tensor parallelism's f and g (section 11 cuts the layers); their
+/* -- tensor parallelism's f and g (the tensor-parallel chapter cuts the layers); their
       gradients are added in as the residual's are (dt__add_into_grad). -- */
 /* The rows of x [N, C] as f32 on the device: x's own values (06 has no
    16-bit activations). */
@@ -4518,7 +4532,7 @@ dt_tensor *dt_patchify(const dt_tensor *images, int patch) {
 }
 
 /* [src/07-models.h] */
-/* ==== 6. layers and models ======================================================
+/* ==== layers and models ======================================================
    A model is a list of named parameters in forward order plus a forward
    function. All parameters sit in one flat buffer (and their gradients in
    another): the optimizer, gradient clipping, DDP's buckets and FSDP's shards
@@ -4874,7 +4888,7 @@ static dt_tensor *dt__with_adapter(dt_model *m, dt_tensor *x, const dt_tensor *w
     dt_tensor *low = dt_linear(x, &m->params[a], NULL);
     return dt_add(y, dt_scale(dt_linear(low, &m->params[a + 1], NULL), m->lora_scale));
 }
-/* Did tensor parallelism (section 11) cut w? Along its outputs: a
+/* Did tensor parallelism (the tensor-parallel chapter) cut w? Along its outputs: a
    column-parallel layer; along its inputs: a row-parallel one; or not (or no
    wrapper splits layers). */
 typedef enum { DT__WHOLE, DT__COLUMN_PARALLEL, DT__ROW_PARALLEL } dt__cut;
@@ -5578,7 +5592,7 @@ dt_tensor *dt_model_forward_blocks(dt_model *m, dt_tensor *inputs, dt_tensor *x,
 
 
 /* [src/08-optimizer.h] */
-/* ==== 7. optimizer ==============================================================
+/* ==== optimizer ==============================================================
    The update rules are PyTorch's, element for element, so a step here matches a
    step there. Biases and norm weights (1-D parameters) get no weight decay. */
 
@@ -5710,8 +5724,3139 @@ float dt_schedule_lr(float base_lr, int64_t step, int64_t warmup, int64_t total)
     return (float)(base_lr * 0.5 * (1.0 + cos(3.14159265358979323846 * progress)));
 }
 
-/* [src/09-data.h] */
-/* ==== 8. data ===================================================================
+/* [src/09-mixed-precision.h] */
+/* ==== mixed precision =======================================================
+   Half the bytes: activations, the matmuls' operands and what the collectives
+   carry in 16 bits, while everything that adds up many small numbers stays in
+   f32 -- the master weights and the optimizer (an update of 1e-4 on a weight
+   of 1 vanishes in bf16, whose 8 significant bits move it in steps of 1/128),
+   the sums inside matmuls, the layernorm statistics, the softmax, the loss.
+   The ops do it through the views of the autograd chapter; this chapter sets the dtype
+   and scales the loss for fp16, whose range (6e-8 to 65504) is too narrow for
+   gradients. */
+
+void dt_set_compute_dtype(dt_dtype dtype) {
+    if (dtype != dt__ctx.compute_dtype && dt__ctx.wrappers)
+        dt_fail("dt_set_compute_dtype: a parallel wrapper already exists and gathers in %s; call dt_set_compute_dtype "
+                "before dt_dp_create, dt_ddp_create or dt_fsdp_create", dt_dtype_name(dt__ctx.compute_dtype));
+    dt__ctx.compute_dtype = dtype;
+}
+dt_dtype dt_compute_dtype(void) { return dt__ctx.compute_dtype; }
+
+dt_loss_scaler dt_loss_scaler_create(dt_dtype dtype) {
+    dt_loss_scaler s;
+    memset(&s, 0, sizeof s);
+    s.scale = 1.0f;
+    s.growth_interval = 2000;
+    if (dtype == DT_F16) { s.enabled = 1; s.scale = 65536.0f; }
+    return s;
+}
+
+void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *scaler, int accum_steps) {
+    dt__backward_seeded(loss, scaler->scale / (float)(accum_steps > 0 ? accum_steps : 1));
+    if (scaler->enabled) dt__ctx.grads_scaled = 1;    /* the optimizer must not see them so */
+}
+
+int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt) {
+    dt__optimizer_check_synced(opt, "dt_loss_scaler_unscale");
+    scaler->last_skipped = 0;
+    dt__ctx.grads_scaled = 0;          /* divided below, or zeroed and the step skipped */
+    if (!scaler->enabled) return 1;
+    size_t bytes = (size_t)opt->numel * sizeof(float);
+    /* one number says it all: a sum with an inf or a NaN in it is not finite;
+       a sharded optimizer sums over the ranks, so they all see the same */
+    if (!isfinite(dt__optimizer_grad_sum_squares(opt))) {
+        dt__zero_on(opt->device, opt->grads, bytes);
+        scaler->scale *= 0.5f;
+        scaler->good_steps = 0;
+        scaler->skipped++;
+        scaler->last_skipped = 1;
+        return 0;
+    }
+    float inv = 1.0f / scaler->scale;                /* a power of two: exact */
+    const dt_backend *gpu = dt__backend_of(opt->device);
+    if (gpu) gpu->scale(opt->grads, inv, opt->numel);
+    else
+        for (int64_t i = 0; i < opt->numel; i++) opt->grads[i] *= inv;
+    if (++scaler->good_steps >= scaler->growth_interval) { scaler->scale *= 2.0f; scaler->good_steps = 0; }
+    return 1;
+}
+
+/* [src/10-collectives.h] */
+/* ==== collectives ===========================================================
+   Data parallel training needs a handful of collective operations: every rank
+   contributes a buffer and gets back the sum (all-reduce), its share of the sum
+   (reduce-scatter), everybody's pieces (all-gather), or rank root's buffer
+   (broadcast). On GPUs NCCL does them (the cuda chapter); between CPU machines, MPI
+   (below the shared-memory code). On one machine's CPU they go through
+   shared memory: each rank copies its piece into its own slot, waits at a
+   barrier, then each rank sums one stripe of every slot IN RANK ORDER and
+   writes the result where all can read it. Summing in a fixed order is what
+   makes runs repeat bit for bit: float addition is not associative, and a
+   timing-dependent order would give different bits every run.
+
+   Tensor and pipeline parallelism (stage 06 and after) need two more things.
+   Groups: a communicator of some of the ranks (dt_comm_split), with shared
+   memory and a communication thread of its own, so that the pairs of a mesh
+   all-reduce side by side. And messages between two ranks (dt_send, dt_recv),
+   which pass through the sender's slot a piece at a time.
+
+   Barriers are where a dead rank would make the others wait forever, so every
+   wait looks, now and then, at the other ranks: one that failed (it wrote its
+   rank into the job's shared header, which every group watches), one whose
+   process is gone, or one that has not arrived within --timeout, stops the
+   waiting rank with a message naming it by its rank in the job. */
+
+#include <pthread.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <poll.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
+#define DT_MAX_RANKS 64
+#define DT_SLOT_BYTES ((size_t)2 << 20)     /* each rank's staging slot: collectives go in 2 MiB pieces */
+
+/* Point-to-point from rank s to rank d: the sender publishes pieces (`sent`),
+   the receiver counts those it has copied out (`taken`); the size of the
+   message rides along so that the receiver can check it expects the same. */
+typedef struct dt__shm_pair {
+    uint64_t sent, taken;
+    int64_t count;
+    int32_t dtype, unused;
+} dt__shm_pair;
+typedef struct dt__shm_header {
+    uint64_t magic;
+    int world, abort_rank;                  /* abort_rank: 1 + a rank that failed, else 0 */
+    int pid[DT_MAX_RANKS];
+    uint64_t arrived[DT_MAX_RANKS];         /* barriers each rank has reached */
+    /* then world x world dt__shm_pair, [sender][receiver] */
+} dt__shm_header;
+#define DT_SHM_MAGIC 0x647472616e316d73ull
+static size_t dt__shm_header_bytes(int world) {
+    return (sizeof(dt__shm_header) + (size_t)world * (size_t)world * sizeof(dt__shm_pair) + 4095) & ~(size_t)4095;
+}
+static size_t dt__shm_bytes(int world) { return dt__shm_header_bytes(world) + (size_t)(world + 1) * DT_SLOT_BYTES; }
+
+static const char *dt__coll_names[] = { "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier",
+                                       "send", "recv" };
+
+struct dt_comm_group { dt__shm_header *hdr; int world; double timeout_s; int members; /* joined, not yet freed */ };
+
+struct dt_comm {
+    const dt_comm_backend *backend;
+    int rank, world;
+    /* A group (dt_comm_split) answers to the job's communicator, `top`: a
+       failure is recorded there, and messages name ranks as the job does. */
+    dt_comm *top, *parent;
+    int children;                           /* groups split from it and not yet freed */
+    dt_comm_group *joined;                  /* thread ranks: the group it joined */
+    int users;                              /* parallel wrappers that use it (dt__comm_hold) */
+    const char *user_free_fn;               /* and what frees the last of them */
+    int in_mesh;                            /* a mesh's: dt_mesh_free frees it */
+    int job_rank[DT_MAX_RANKS];             /* rank in top of each of our ranks */
+#ifdef DT_TESTING
+    int die_in_all_reduce;                  /* test hook, see dt__comm_start: die in this all-reduce (from 1) */
+#endif
+    double timeout_s;
+    dt__shm_header *hdr;                     /* shared memory: header, world slots, a result area */
+    char *slots, *result;
+    size_t map_bytes;                       /* > 0: a mapping of our own to undo */
+    uint64_t barriers;
+    dt_nccl *nccl;                          /* NCCL's state (the cuda chapter) */
+#ifdef DT_HAVE_MPI
+    MPI_Comm mpi;                           /* MPI's: the communicator, the call in flight, a buffer it needs */
+    MPI_Request mpi_request;
+    float *mpi_temp, *mpi_result;
+#endif
+    void *private_hdr;                      /* a header of our own (MPI: no memory is shared), freed with it */
+    pthread_t worker;                       /* the communication thread and its queue */
+    pthread_mutex_t mu;
+    pthread_cond_t wake, done;
+    dt_comm_op queue[DT_COMM_QUEUE];
+    double started_ms[DT_COMM_QUEUE], finished_ms[DT_COMM_QUEUE];   /* when the thread ran each call */
+    int64_t submitted, started, completed;  /* calls queued, started by the thread, finished */
+    int stop;
+};
+
+static dt_comm *dt__active_comm;             /* for dt_fail: tell the other ranks we are going */
+
+/* The test suite's hooks (a rank that dies on cue) exist only in its own
+   builds, made with -DDT_TESTING; in any other build they are nothing. */
+#ifdef DT_TESTING
+#define DT_TEST_DIE_IN(c, o) \
+    do { if ((o)->kind == DT_COLL_ALL_REDUCE && (c)->die_in_all_reduce > 0 && --(c)->die_in_all_reduce == 0) raise(SIGKILL); } while (0)
+#define DT_TEST_DIE_IN_SEND(c) \
+    do { if (__atomic_load_n(&dt__test_die_in_send, __ATOMIC_RELAXED) > 0 && \
+             __atomic_sub_fetch(&dt__test_die_in_send, 1, __ATOMIC_RELAXED) == 0) raise(SIGKILL); } while (0)
+static int dt__test_die_in_send;             /* DT_TEST_DIE_SEND: this rank's sends on any communicator, counted */
+#else
+#define DT_TEST_DIE_IN(c, o) ((void)0)
+#define DT_TEST_DIE_IN_SEND(c) ((void)0)
+#endif
+
+
+/* Is process `pid` gone (or a zombie nobody has reaped yet)? */
+static int dt__process_gone(int pid) {
+    if (pid <= 0 || pid == getpid()) return 0;
+    if (kill(pid, 0) != 0 && errno == ESRCH) return 1;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *close_paren = strrchr(buf, ')');
+    return close_paren && close_paren[1] == ' ' && close_paren[2] == 'Z';
+}
+
+/* Tell every rank that `culprit` (a rank of c) ended the job; the first cause
+   recorded wins. It goes to the job's header, which every group watches. */
+static void dt__comm_abort_others_because(dt_comm *c, int culprit) {
+    int none = 0;
+    if (c && c->top->hdr)
+        __atomic_compare_exchange_n(&c->top->hdr->abort_rank, &none, c->job_rank[culprit] + 1, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE);
+}
+static void dt__comm_abort_others(dt_comm *c) { if (c) dt__comm_abort_others_because(c, c->rank); }
+static void dt__comm_on_fail(void) { dt__comm_abort_others(dt__active_comm); }
+
+/* Why the job cannot go on, if it cannot: a rank failed (it wrote its rank
+   into the shared header), a peer's process is gone, or we have waited past
+   --timeout for rank j (j < 0: for any peer). Fills `why` and returns 1; the
+   shared-memory barrier and the NCCL watchdog both ask this. */
+static int dt__job_trouble(dt_comm *c, int j, double waited_ms, const char *what, char *why, size_t n) {
+    int failed = __atomic_load_n(&c->top->hdr->abort_rank, __ATOMIC_ACQUIRE);
+    if (failed) {
+        dt__active_comm = NULL;              /* it told us; no need to tell it back */
+        snprintf(why, n, "rank %d failed or died (see above), so %s cannot finish; stopping", failed - 1, what);
+        return 1;
+    }
+    for (int r = j < 0 ? 0 : j; r < (j < 0 ? c->world : j + 1); r++) {
+        int pid = __atomic_load_n(&c->hdr->pid[r], __ATOMIC_ACQUIRE);
+        if (r != c->rank && dt__process_gone(pid)) {
+            dt__comm_abort_others_because(c, r);
+            snprintf(why, n, "rank %d (pid %d) died during %s; stopping", c->job_rank[r], pid, what);
+            return 1;
+        }
+    }
+    if (waited_ms <= c->timeout_s * 1e3) return 0;
+    if (j >= 0)
+        snprintf(why, n, "rank %d has not reached %s after %.0f s (--timeout): it hangs or died; stopping", c->job_rank[j],
+                 what, c->timeout_s);
+    else snprintf(why, n, "%s has not finished after %.0f s (--timeout): a rank hangs or died; stopping", what, c->timeout_s);
+    return 1;
+}
+static void dt__check_peer(dt_comm *c, int j, double waited_ms, const char *what) {
+    char why[320];
+    if (dt__job_trouble(c, j, waited_ms, what, why, sizeof why)) dt_fail("%s", why);
+}
+
+/* Wait until rank j has moved `*counter` to `target`. Spin a little, then
+   yield, then sleep: ranks may outnumber cores. *t0 is when the waiting began
+   (0: not yet), kept across the peers of one barrier. */
+static void dt__shm_wait_for(dt_comm *c, const uint64_t *counter, uint64_t target, int j, const char *what, double *t0) {
+    for (long spins = 0; __atomic_load_n(counter, __ATOMIC_ACQUIRE) < target; spins++) {
+        if (spins < 100) continue;
+        if (spins < 1000) { sched_yield(); continue; }
+        struct timespec ts = { 0, 20000 };
+        nanosleep(&ts, NULL);
+        if (spins % 256 == 0) {
+            if (*t0 == 0) *t0 = dt_now_ms();
+            dt__check_peer(c, j, dt_now_ms() - *t0, what);
+        }
+    }
+}
+/* Every rank counts its barriers; a barrier is done when every count has caught up. */
+static void dt__shm_barrier(dt_comm *c, const char *what) {
+    uint64_t target = ++c->barriers;
+    __atomic_store_n(&c->hdr->arrived[c->rank], target, __ATOMIC_RELEASE);
+    double t0 = 0;
+    for (int j = 0; j < c->world; j++) dt__shm_wait_for(c, &c->hdr->arrived[j], target, j, what, &t0);
+}
+
+/* Point-to-point through the sender's slot, a piece at a time: the sender
+   copies a piece in and publishes it, the receiver copies it out and says so.
+   So a send finishes when its peer has received it. A zero-length message
+   still makes one exchange, so that its size is checked too. */
+static dt__shm_pair *dt__shm_pair_of(const dt_comm *c, int from, int to) {
+    return (dt__shm_pair *)(c->hdr + 1) + (size_t)from * (size_t)c->world + (size_t)to;
+}
+static void dt__shm_send(dt_comm *c, const dt_comm_op *o) {
+    dt__shm_pair *p = dt__shm_pair_of(c, c->rank, o->root);
+    size_t es = dt_dtype_size(o->dtype);
+    int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), off = 0;
+    char *mine = c->slots + (size_t)c->rank * DT_SLOT_BYTES, what[64];
+    snprintf(what, sizeof what, "the recv matching rank %d's send", c->job_rank[c->rank]);
+    p->count = o->count;                    /* published with the first piece */
+    p->dtype = (int32_t)o->dtype;
+    double t0 = 0;
+    do {
+        int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
+        memcpy(mine, (const char *)o->send + off * (int64_t)es, (size_t)n * es);
+        uint64_t target = p->sent + 1;      /* only this rank writes `sent` */
+        __atomic_store_n(&p->sent, target, __ATOMIC_RELEASE);
+        DT_TEST_DIE_IN_SEND(c);
+        dt__shm_wait_for(c, &p->taken, target, o->root, what, &t0);
+        off += n;
+    } while (off < o->count);
+}
+static void dt__shm_recv(dt_comm *c, const dt_comm_op *o) {
+    dt__shm_pair *p = dt__shm_pair_of(c, o->root, c->rank);
+    size_t es = dt_dtype_size(o->dtype);
+    int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), off = 0;
+    const char *theirs = c->slots + (size_t)o->root * DT_SLOT_BYTES;
+    char what[64];
+    snprintf(what, sizeof what, "the send matching rank %d's recv", c->job_rank[c->rank]);
+    double t0 = 0;
+    do {
+        uint64_t target = p->taken + 1;     /* only this rank writes `taken` */
+        dt__shm_wait_for(c, &p->sent, target, o->root, what, &t0);
+        if (off == 0 && (p->count != o->count || p->dtype != (int32_t)o->dtype))
+            dt_fail("rank %d sends %lld elements of %s, but rank %d receives %lld of %s: a send and its recv must "
+                    "agree on count and dtype", c->job_rank[o->root], (long long)p->count, dt_dtype_name((dt_dtype)p->dtype),
+                    c->job_rank[c->rank], (long long)o->count, dt_dtype_name(o->dtype));
+        int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
+        memcpy((char *)o->recv + off * (int64_t)es, theirs, (size_t)n * es);
+        __atomic_store_n(&p->taken, target, __ATOMIC_RELEASE);
+        off += n;
+    } while (off < o->count);
+}
+
+/* out[i] = in_0[i] + in_1[i] + ... in rank order (or their largest, DT_MAX), for i in [lo, hi) of the slots. */
+static void dt__sum_slots(const dt_comm *c, int64_t slot_off, int64_t lo, int64_t hi, dt_dtype t, dt_reduce_op op,
+                         void *out, int64_t out_off) {
+    for (int64_t i = lo; i < hi; i++) {
+        float acc = dt_load_f32(c->slots, slot_off + i, t);
+        for (int r = 1; r < c->world; r++) {
+            float v = dt_load_f32(c->slots + (size_t)r * DT_SLOT_BYTES, slot_off + i, t);
+            acc = op == DT_MAX ? (v > acc ? v : acc) : acc + v;
+        }
+        if (op == DT_AVG) acc /= (float)c->world;
+        dt_store_f32(out, out_off + i, t, acc);
+    }
+}
+
+static void dt__shm_run(dt_comm *c, const dt_comm_op *o) {
+    size_t es = dt_dtype_size(o->dtype);
+    int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), W = c->world, me = c->rank;
+    char *mine = c->slots + (size_t)me * DT_SLOT_BYTES;
+    const char *send = (const char *)o->send;
+    char *recv = (char *)o->recv;
+    const char *what = dt__coll_names[o->kind];
+    if (W == 1) {                         /* alone: every collective is a copy (or nothing); no peer to send to */
+        if (o->kind != DT_COLL_BARRIER && recv != send) memmove(recv, send, (size_t)o->count * es);
+        return;
+    }
+    switch (o->kind) {
+    case DT_COLL_BARRIER: dt__shm_barrier(c, what); break;
+    case DT_COLL_SEND: dt__shm_send(c, o); break;
+    case DT_COLL_RECV: dt__shm_recv(c, o); break;
+    case DT_COLL_ALL_REDUCE:
+    case DT_COLL_REDUCE:
+        for (int64_t off = 0; off < o->count; off += per_slot) {
+            int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
+            memcpy(mine, send + off * es, (size_t)n * es);
+            dt__shm_barrier(c, what);
+            DT_TEST_DIE_IN(c, o);
+            dt__sum_slots(c, 0, n * me / W, n * (me + 1) / W, o->dtype, o->op, c->result, 0);   /* my stripe */
+            dt__shm_barrier(c, what);
+            if (o->kind == DT_COLL_ALL_REDUCE || me == o->root) memcpy(recv + off * es, c->result, (size_t)n * es);
+            dt__shm_barrier(c, what);
+        }
+        break;
+    case DT_COLL_REDUCE_SCATTER:          /* slot layout: W pieces of n, piece d for rank d */
+        for (int64_t off = 0; off < o->count; off += per_slot / W) {
+            int64_t n = o->count - off < per_slot / W ? o->count - off : per_slot / W;
+            for (int64_t d = 0; d < W; d++) memcpy(mine + d * n * es, send + (d * o->count + off) * es, (size_t)n * es);
+            dt__shm_barrier(c, what);
+            dt__sum_slots(c, me * n, 0, n, o->dtype, o->op, recv + off * es, 0);
+            dt__shm_barrier(c, what);
+        }
+        break;
+    case DT_COLL_ALL_GATHER:
+        for (int64_t off = 0; off < o->count; off += per_slot) {
+            int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
+            memcpy(mine, send + off * es, (size_t)n * es);
+            dt__shm_barrier(c, what);
+            for (int64_t r = 0; r < W; r++)
+                memcpy(recv + (r * o->count + off) * es, c->slots + (size_t)r * DT_SLOT_BYTES, (size_t)n * es);
+            dt__shm_barrier(c, what);
+        }
+        break;
+    case DT_COLL_BROADCAST:
+        for (int64_t off = 0; off < o->count; off += per_slot) {
+            int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
+            char *root_slot = c->slots + (size_t)o->root * DT_SLOT_BYTES;
+            if (me == o->root) memcpy(root_slot, recv + off * es, (size_t)n * es);
+            dt__shm_barrier(c, what);
+            if (me != o->root) memcpy(recv + off * es, root_slot, (size_t)n * es);
+            dt__shm_barrier(c, what);
+        }
+        break;
+    }
+}
+
+/* Where call h keeps its state in the ring of DT_COMM_QUEUE (h counts from 1). */
+static int dt__comm_slot(int64_t h) { return (int)((h - 1) % DT_COMM_QUEUE); }
+
+/* Shared memory: the communication thread does the whole collective in
+   start(); the caller waits on the host until it is done. A group's shared
+   memory is made by dt_comm_split for every backend (the watchdog reads it),
+   so there is nothing more to split or close. */
+static void dt__shm_submitted(dt_comm *c, int64_t h) { (void)c; (void)h; }
+static void dt__shm_start(dt_comm *c, int64_t h, const dt_comm_op *o) { (void)h; dt__shm_run(c, o); }
+static void dt__shm_finish(dt_comm *c, int64_t h) { (void)c; (void)h; }
+static void dt__host_wait(dt_comm *c, int64_t h) {
+    while (c->completed < h) pthread_cond_wait(&c->done, &c->mu);
+}
+static void dt__shm_split(dt_comm *parent, dt_comm *child, int color, int key) { (void)parent; (void)child; (void)color; (void)key; }
+static void dt__shm_close(dt_comm *c) { (void)c; }
+static const dt_comm_backend dt__comm_shm_backend = { "shared memory", DT_CPU, dt__shm_submitted, dt__shm_start, dt__shm_finish,
+                                                     dt__host_wait, dt__shm_split, dt__shm_close, 1, 1 };
+
+#ifdef DT_HAVE_CUDA
+/* NCCL: wait until the communicator is ready for its next call (slot < 0) or
+   collective `slot` has finished on the GPU, watching the job as the
+   shared-memory barrier does -- a failed or vanished rank, or --timeout. It
+   runs on the thread that issues the communicator's calls, the only one that
+   may abort it. */
+static void dt__nccl_watch(dt_comm *c, int slot, const char *what) {
+    char why[320];
+    double t0 = dt_now_ms();
+    for (long spins = 0;; spins++) {
+        int ready = dt_nccl_progress(c->nccl, why, sizeof why);
+        if (ready > 0 && (slot < 0 || dt_nccl_finished(c->nccl, slot))) return;
+        if (ready < 0) {
+            dt_nccl_abort(c->nccl);
+            dt_fail("NCCL failed during %s: %s (a rank may have died); communicator aborted", what, why);
+        }
+        if (spins < 200) continue;
+        if (spins % 64 == 0 && dt__job_trouble(c, -1, dt_now_ms() - t0, what, why, sizeof why)) {
+            dt_nccl_abort(c->nccl);
+            dt_fail("%s (NCCL communicator aborted)", why);
+        }
+        struct timespec ts = { 0, 20000 };
+        nanosleep(&ts, NULL);
+    }
+}
+static void dt__nccl_submitted(dt_comm *c, int64_t h) { dt_nccl_mark_inputs(c->nccl, dt__comm_slot(h)); }
+static void dt__nccl_start(dt_comm *c, int64_t h, const dt_comm_op *o) {
+    int slot = dt__comm_slot(h);
+    dt_nccl_issue(c->nccl, slot, o);
+    dt__nccl_watch(c, -1, dt__coll_names[o->kind]);         /* a non-blocking call may still be in progress */
+    dt_nccl_mark_done(c->nccl, slot);
+    DT_TEST_DIE_IN(c, o);
+}
+static void dt__nccl_finish(dt_comm *c, int64_t h) {
+    dt__nccl_watch(c, dt__comm_slot(h), dt__coll_names[c->queue[dt__comm_slot(h)].kind]);
+}
+static void dt__nccl_wait_on_gpu(dt_comm *c, int64_t h) { dt_nccl_stream_wait(c->nccl, dt__comm_slot(h)); }
+/* The parent's thread is idle (dt_comm_split waited for it), so this thread
+   may make calls on the parent's NCCL communicator. Untested: no GPU in CI. */
+static void dt__nccl_split_comm(dt_comm *parent, dt_comm *child, int color, int key) {
+    child->nccl = dt_nccl_split(parent->nccl, color, key);
+    dt__nccl_watch(parent, -1, "NCCL's split");
+    dt__nccl_watch(child, -1, "NCCL's split");
+}
+/* The thread is gone: this one owns the communicator now. */
+static void dt__nccl_close(dt_comm *c) {
+    dt_nccl_finalize(c->nccl);
+    dt__nccl_watch(c, -1, "closing NCCL");
+    dt_nccl_free(c->nccl);
+}
+static const dt_comm_backend dt__comm_nccl_backend = { "NCCL", DT_CUDA, dt__nccl_submitted, dt__nccl_start, dt__nccl_finish,
+                                                      dt__nccl_wait_on_gpu, dt__nccl_split_comm, dt__nccl_close, 1, 0 };
+#endif
+
+#ifdef DT_HAVE_MPI
+/* MPI: the transport of CPU clusters, for ranks on several hosts. The thread
+   issues the call non-blocking (MPI_I...) in start() and tests it in finish(),
+   watching --timeout as the shared-memory barrier does; the caller waits on
+   the host. MPI has no average and no bf16 or fp16 arithmetic: a sum of 16-bit
+   values travels as f32 and is divided (an average) and rounded once at the
+   end, as shared memory does -- rounding at each of MPI's pairwise additions
+   would lose bits, and overflow fp16 where f32 does not. MPI picks its own
+   reduction order (a tree, a ring), so with more than two ranks a sum may
+   differ from shared memory's rank order in the last bits; with two, a + b is
+   a + b. A dead rank is the launcher's to notice: mpirun and srun end the job
+   when a rank exits without MPI_Finalize. */
+static void dt__mpi_check(int err, const char *what) {
+    if (err == MPI_SUCCESS) return;
+    char text[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(err, text, &len);
+    dt_fail("MPI failed during %s: %.*s", what, len, text);
+}
+static int dt__mpi_initialized_here;         /* dtrain called MPI_Init, so it calls MPI_Finalize */
+
+/* Once per process, on the first communicator that needs MPI. Groups have a
+   communication thread each, so MPI must take calls from several threads. */
+static void dt__mpi_init(void) {
+    int ready = 0, done = 0, level = 0;
+    MPI_Finalized(&done);
+    if (done) dt_fail("MPI was already finalized in this process (its job's communicator was freed): MPI starts once per process");
+    MPI_Initialized(&ready);
+    if (!ready) {
+        dt__mpi_check(MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &level), "MPI_Init_thread");
+        dt__mpi_initialized_here = 1;
+    } else MPI_Query_thread(&level);
+    if (level < MPI_THREAD_MULTIPLE)
+        dt_fail("this MPI gives thread level %d, and dtrain's communication threads need MPI_THREAD_MULTIPLE (%d)", level,
+                MPI_THREAD_MULTIPLE);
+}
+static void dt__mpi_finalize_if_ours(void) {
+    if (dt__mpi_initialized_here) MPI_Finalize();
+    dt__mpi_initialized_here = 0;
+}
+
+/* An all-reduce, reduce or reduce-scatter. In place where MPI allows it;
+   through an f32 copy (c->mpi_temp) for 16-bit values, and for a
+   reduce-scatter whose output lies in its input (MPI's in-place form would
+   leave this rank's piece at the front). The result is then in c->mpi_result,
+   for finish() to divide, round and store. */
+static int dt__mpi_start_reduction(dt_comm *c, const dt_comm_op *o) {
+    int n = (int)o->count, W = c->world, root = o->kind != DT_COLL_REDUCE || c->rank == o->root;
+    int scatter = o->kind == DT_COLL_REDUCE_SCATTER;
+    int64_t n_in = scatter ? o->count * W : o->count;
+    size_t es = dt_dtype_size(o->dtype);
+    MPI_Op op = o->op == DT_MAX ? MPI_MAX : MPI_SUM;
+    const char *send = (const char *)o->send;
+    char *recv = (char *)o->recv;
+    int overlap = scatter && recv + (size_t)o->count * es > send && recv < send + (size_t)n_in * es;
+    if (o->dtype == DT_F32 && !overlap) {
+        const void *in = send == recv ? MPI_IN_PLACE : send;
+        if (o->kind == DT_COLL_ALL_REDUCE) return MPI_Iallreduce(in, recv, n, MPI_FLOAT, op, c->mpi, &c->mpi_request);
+        if (scatter) return MPI_Ireduce_scatter_block(send, recv, n, MPI_FLOAT, op, c->mpi, &c->mpi_request);
+        return MPI_Ireduce(root ? in : send, root ? recv : NULL, n, MPI_FLOAT, op, o->root, c->mpi, &c->mpi_request);
+    }
+    float *f = (float *)malloc(sizeof(float) * (size_t)(n_in + (scatter ? o->count : 0)) + 1);
+    if (!f) dt_fail("out of memory (MPI %s of %lld elements)", dt__coll_names[o->kind], (long long)n_in);
+    for (int64_t i = 0; i < n_in; i++) f[i] = dt_load_f32(send, i, o->dtype);
+    c->mpi_temp = f;
+    c->mpi_result = scatter ? f + n_in : root ? f : NULL;
+    if (o->kind == DT_COLL_ALL_REDUCE) return MPI_Iallreduce(MPI_IN_PLACE, f, n, MPI_FLOAT, op, c->mpi, &c->mpi_request);
+    if (scatter) return MPI_Ireduce_scatter_block(f, f + n_in, n, MPI_FLOAT, op, c->mpi, &c->mpi_request);
+    return MPI_Ireduce(root ? MPI_IN_PLACE : f, root ? f : NULL, n, MPI_FLOAT, op, o->root, c->mpi, &c->mpi_request);
+}
+
+static void dt__mpi_submitted(dt_comm *c, int64_t h) { (void)c; (void)h; }
+static void dt__mpi_start(dt_comm *c, int64_t h, const dt_comm_op *o) {
+    (void)h;
+    const char *what = dt__coll_names[o->kind];
+    if (o->count > INT_MAX)
+        dt_fail("%s of %lld elements over MPI: at most %d in one call (MPI counts are int)", what, (long long)o->count, INT_MAX);
+    int n = (int)o->count;
+    size_t bytes = (size_t)o->count * dt_dtype_size(o->dtype);
+    MPI_Datatype type = o->dtype == DT_F32 ? MPI_FLOAT : MPI_UINT16_T;   /* moved, not added: bits are bits */
+    char *recv = (char *)o->recv;
+    c->mpi_temp = NULL;
+    c->mpi_result = NULL;
+    int err = MPI_SUCCESS;
+    switch (o->kind) {
+    case DT_COLL_BARRIER: err = MPI_Ibarrier(c->mpi, &c->mpi_request); break;
+    case DT_COLL_ALL_REDUCE:
+    case DT_COLL_REDUCE:
+    case DT_COLL_REDUCE_SCATTER: err = dt__mpi_start_reduction(c, o); break;
+    case DT_COLL_ALL_GATHER: {       /* in place when our piece is already where it goes */
+        const char *s = (const char *)o->send;
+        if (s + bytes > recv && s < recv + bytes * (size_t)c->world) {
+            memmove(recv + (size_t)c->rank * bytes, s, bytes);
+            s = (const char *)MPI_IN_PLACE;
+        }
+        err = MPI_Iallgather(s, n, type, recv, n, type, c->mpi, &c->mpi_request);
+        break;
+    }
+    case DT_COLL_BROADCAST: err = MPI_Ibcast(recv, n, type, o->root, c->mpi, &c->mpi_request); break;
+    /* A synchronous send finishes when its peer has received it, as shared
+       memory's does; the tag carries the dtype, for the check in finish. */
+    case DT_COLL_SEND: err = MPI_Issend(o->send, n, type, o->root, (int)o->dtype, c->mpi, &c->mpi_request); break;
+    case DT_COLL_RECV: err = MPI_Irecv(recv, n, type, o->root, MPI_ANY_TAG, c->mpi, &c->mpi_request); break;
+    }
+    dt__mpi_check(err, what);
+    DT_TEST_DIE_IN(c, o);
+}
+static void dt__mpi_finish(dt_comm *c, int64_t h) {
+    const dt_comm_op *o = &c->queue[dt__comm_slot(h)];
+    const char *what = dt__coll_names[o->kind];
+    MPI_Status status;
+    char why[320];
+    double t0 = dt_now_ms();
+    for (long spins = 0;; spins++) {
+        int done = 0, err = MPI_Test(&c->mpi_request, &done, &status), type = 0;
+        MPI_Error_class(err, &type);
+        if (o->kind == DT_COLL_RECV && type == MPI_ERR_TRUNCATE)
+            dt_fail("rank %d sent more than the %lld elements of %s rank %d receives: a send and its recv must agree on count and "
+                    "dtype", c->job_rank[o->root], (long long)o->count, dt_dtype_name(o->dtype), c->job_rank[c->rank]);
+        dt__mpi_check(err, what);
+        if (done) break;
+        if (spins < 200) continue;
+        if (spins % 64 == 0 && dt__job_trouble(c, -1, dt_now_ms() - t0, what, why, sizeof why)) dt_fail("%s (over MPI)", why);
+        struct timespec ts = { 0, 20000 };
+        nanosleep(&ts, NULL);
+    }
+    if (o->kind == DT_COLL_RECV) {
+        int got = 0;
+        MPI_Get_count(&status, o->dtype == DT_F32 ? MPI_FLOAT : MPI_UINT16_T, &got);
+        if (status.MPI_TAG != (int)o->dtype || got != o->count)
+            dt_fail("rank %d sent %d elements of %s, but rank %d receives %lld of %s: a send and its recv must agree on count "
+                    "and dtype", c->job_rank[o->root], got, dt_dtype_name((dt_dtype)status.MPI_TAG), c->job_rank[c->rank],
+                    (long long)o->count, dt_dtype_name(o->dtype));
+    }
+    int reduced = o->kind == DT_COLL_ALL_REDUCE || o->kind == DT_COLL_REDUCE_SCATTER || (o->kind == DT_COLL_REDUCE && c->rank == o->root);
+    float divisor = reduced && o->op == DT_AVG ? (float)c->world : 1.0f;
+    if (c->mpi_result)                       /* from f32: divided, then rounded once */
+        for (int64_t i = 0; i < o->count; i++) dt_store_f32(o->recv, i, o->dtype, c->mpi_result[i] / divisor);
+    else if (divisor != 1.0f)
+        for (int64_t i = 0; i < o->count; i++) ((float *)o->recv)[i] /= divisor;
+    free(c->mpi_temp);
+    c->mpi_temp = NULL;
+    c->mpi_result = NULL;
+}
+/* The parent's thread is idle (dt_comm_split waited for it). */
+static void dt__mpi_split(dt_comm *parent, dt_comm *child, int color, int key) {
+    dt__mpi_check(MPI_Comm_split(parent->mpi, color, key, &child->mpi), "MPI_Comm_split");
+    MPI_Comm_set_errhandler(child->mpi, MPI_ERRORS_RETURN);
+}
+static void dt__mpi_close(dt_comm *c) {
+    MPI_Comm_free(&c->mpi);
+    if (!c->parent) dt__mpi_finalize_if_ours();
+}
+static const dt_comm_backend dt__comm_mpi_backend = { "MPI", DT_CPU, dt__mpi_submitted, dt__mpi_start, dt__mpi_finish,
+                                                     dt__host_wait, dt__mpi_split, dt__mpi_close, 0, 0 };
+#endif
+
+/* The communication thread: runs queued collectives one after another, so the
+   caller can go on computing (DDP overlaps the all-reduce with backward). */
+static void *dt__comm_worker(void *arg) {
+    dt_comm *c = (dt_comm *)arg;
+    dt__flush_subnormals_here();             /* no OpenMP team of its own: it only copies and adds */
+    dt__ctx.rank = c->job_rank[c->rank];     /* its error lines name the rank too, as the job does */
+    dt__ctx.world_size = c->top->world;
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        while (!c->stop && c->completed == c->submitted) pthread_cond_wait(&c->wake, &c->mu);
+        if (c->completed == c->submitted) break;
+        int64_t h = c->completed + 1;
+        int slot = dt__comm_slot(h);
+        dt_comm_op o = c->queue[slot];
+        pthread_mutex_unlock(&c->mu);
+        c->started_ms[slot] = dt_now_ms();
+        c->backend->start(c, h, &o);
+        pthread_mutex_lock(&c->mu);
+        c->started = h;                      /* a caller may now wait for it (on the GPU: behind it) */
+        pthread_cond_broadcast(&c->done);
+        pthread_mutex_unlock(&c->mu);
+        c->backend->finish(c, h);
+        pthread_mutex_lock(&c->mu);
+        c->finished_ms[slot] = dt_now_ms();
+        c->completed = h;
+        pthread_cond_broadcast(&c->done);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+/* A buffer of the wrong kind is caught here, before any transport sees it:
+   NCCL takes device memory only, shared memory host memory only. */
+static void dt__comm_check_buffer(const dt_comm *c, const dt_comm_op *o, const void *p) {
+    if (!p || o->count == 0) return;
+    int on_gpu = dt__ctx.gpu && dt__ctx.gpu->owns(p);
+    if (on_gpu != (c->backend->memory == DT_CUDA))
+        dt_fail("%s over %s: a buffer is %s memory, but %s takes %s memory only", dt__coll_names[o->kind], c->backend->name,
+                on_gpu ? "GPU" : "host", c->backend->name, c->backend->memory == DT_CUDA ? "GPU" : "host");
+}
+
+static dt_comm_handle dt__comm_submit(dt_comm *c, dt_comm_op o) {
+    int p2p = o.kind == DT_COLL_SEND || o.kind == DT_COLL_RECV;
+    if (o.count < 0) dt_fail("%s of %lld elements", dt__coll_names[o.kind], (long long)o.count);
+    if (o.root < 0 || o.root >= c->world)
+        dt_fail("%s: %s %d is not a rank (the communicator has %d)", dt__coll_names[o.kind], p2p ? "peer" : "root", o.root,
+                c->world);
+    if (p2p && o.root == c->rank)
+        dt_fail("%s: the peer is this rank (%d); a message goes to another rank of the communicator", dt__coll_names[o.kind],
+                o.root);
+    dt__comm_check_buffer(c, &o, o.send);
+    dt__comm_check_buffer(c, &o, o.recv);
+    pthread_mutex_lock(&c->mu);
+    while (c->submitted - c->completed >= DT_COMM_QUEUE) pthread_cond_wait(&c->done, &c->mu);
+    dt_comm_handle h = ++c->submitted;
+    c->queue[dt__comm_slot(h)] = o;
+    c->backend->submitted(c, h);
+    pthread_cond_signal(&c->wake);
+    pthread_mutex_unlock(&c->mu);
+    return h;
+}
+/* Under the lock, so that call h's slot cannot be reused while we look at it. */
+void dt_comm_wait(dt_comm *c, dt_comm_handle h) {
+    pthread_mutex_lock(&c->mu);
+    while (c->started < h) pthread_cond_wait(&c->done, &c->mu);
+    if (c->completed < h) c->backend->wait(c, h);
+    pthread_mutex_unlock(&c->mu);
+}
+
+dt_comm_handle dt_all_reduce_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
+    dt_comm_op o = { DT_COLL_ALL_REDUCE, send, recv, count, dtype, op, 0 };
+    return dt__comm_submit(c, o);
+}
+dt_comm_handle dt_reduce_scatter_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
+    dt_comm_op o = { DT_COLL_REDUCE_SCATTER, send, recv, count, dtype, op, 0 };
+    return dt__comm_submit(c, o);
+}
+dt_comm_handle dt_all_gather_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype) {
+    dt_comm_op o = { DT_COLL_ALL_GATHER, send, recv, count, dtype, DT_SUM, 0 };
+    return dt__comm_submit(c, o);
+}
+dt_comm_handle dt_broadcast_async(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int root) {
+    dt_comm_op o = { DT_COLL_BROADCAST, buf, buf, count, dtype, DT_SUM, root };
+    return dt__comm_submit(c, o);
+}
+dt_comm_handle dt_reduce_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op, int root) {
+    dt_comm_op o = { DT_COLL_REDUCE, send, recv, count, dtype, op, root };
+    return dt__comm_submit(c, o);
+}
+dt_comm_handle dt_send_async(dt_comm *c, const void *buf, int64_t count, dt_dtype dtype, int peer) {
+    dt_comm_op o = { DT_COLL_SEND, buf, NULL, count, dtype, DT_SUM, peer };
+    return dt__comm_submit(c, o);
+}
+dt_comm_handle dt_recv_async(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer) {
+    dt_comm_op o = { DT_COLL_RECV, NULL, buf, count, dtype, DT_SUM, peer };
+    return dt__comm_submit(c, o);
+}
+void dt_all_reduce(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
+    dt_comm_wait(c, dt_all_reduce_async(c, send, recv, count, dtype, op));
+}
+void dt_reduce_scatter(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
+    dt_comm_wait(c, dt_reduce_scatter_async(c, send, recv, count, dtype, op));
+}
+void dt_all_gather(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype) {
+    dt_comm_wait(c, dt_all_gather_async(c, send, recv, count, dtype));
+}
+void dt_broadcast(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int root) {
+    dt_comm_wait(c, dt_broadcast_async(c, buf, count, dtype, root));
+}
+void dt_reduce(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op, int root) {
+    dt_comm_wait(c, dt_reduce_async(c, send, recv, count, dtype, op, root));
+}
+void dt_send(dt_comm *c, const void *buf, int64_t count, dt_dtype dtype, int peer) {
+    dt_comm_wait(c, dt_send_async(c, buf, count, dtype, peer));
+}
+void dt_recv(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer) {
+    dt_comm_wait(c, dt_recv_async(c, buf, count, dtype, peer));
+}
+/* A barrier holds the host, on a GPU too (whose dt_comm_wait would only hold
+   the GPU): what follows it -- reading a file another rank wrote -- happens on
+   the host. Its finishing means every rank has reached it. */
+void dt_barrier(dt_comm *c) {
+    dt_comm_op o = { DT_COLL_BARRIER, NULL, NULL, 0, DT_F32, DT_SUM, 0 };
+    dt_comm_handle h = dt__comm_submit(c, o);
+    pthread_mutex_lock(&c->mu);
+    dt__host_wait(c, h);
+    pthread_mutex_unlock(&c->mu);
+}
+int dt_comm_rank(const dt_comm *c) { return c->rank; }
+/* When the communication thread started and finished the call behind h (after
+   dt_comm_wait; kept for the last DT_COMM_QUEUE calls). On a GPU the wait
+   returns before the call has finished: then "finished" is "now". */
+static void dt__comm_interval(dt_comm *c, dt_comm_handle h, double *t0, double *t1) {
+    pthread_mutex_lock(&c->mu);
+    *t0 = c->started_ms[dt__comm_slot(h)];
+    *t1 = c->completed >= h ? c->finished_ms[dt__comm_slot(h)] : dt_now_ms();   /* a GPU may still be on it */
+    pthread_mutex_unlock(&c->mu);
+}
+int dt_comm_size(const dt_comm *c) { return c->world; }
+const char *dt_comm_backend_name(const dt_comm *c) { return c->backend->name; }
+int dt_comm_sums_in_rank_order(const dt_comm *c) { return c->backend->sums_in_rank_order; }
+
+/* Host values into and out of a collective: they travel through memory of
+   the kind the communicator takes (NCCL reads device memory only), in the
+   step arena. */
+static void *dt__comm_stage(dt_comm *c, const void *host, size_t bytes) {
+    void *buf = dt__step_alloc_on(c->backend->memory, bytes);
+    if (host) dt__upload_to(c->backend->memory, buf, host, bytes);
+    return buf;
+}
+static void dt__comm_all_reduce_host(dt_comm *c, float *values, int n, dt_reduce_op op) {
+    size_t bytes = sizeof(float) * (size_t)n;
+    float *buf = (float *)dt__comm_stage(c, values, bytes);
+    dt_all_reduce(c, buf, buf, n, DT_F32, op);
+    dt__download_from(c->backend->memory, values, buf, bytes);
+}
+/* Every rank's `bytes` (a multiple of 4) into all, rank after rank. */
+static void dt__comm_all_gather_host(dt_comm *c, const void *mine, void *all, size_t bytes) {
+    void *send = dt__comm_stage(c, mine, bytes), *recv = dt__comm_stage(c, NULL, bytes * (size_t)c->world);
+    dt_all_gather(c, send, recv, (int64_t)(bytes / 4), DT_F32);     /* bytes travel as they are */
+    dt__download_from(c->backend->memory, all, recv, bytes * (size_t)c->world);
+}
+
+void dt_comm_check_agree(dt_comm *c, const char *what, const char *value) {
+    enum { LEN = 64 };
+    char mine[LEN] = { 0 };
+    char *all = (char *)calloc((size_t)c->world, LEN);
+    if (!all) dt_fail("out of memory (start-up check)");
+    size_t len = strlen(value);
+    if (len < LEN) dt__copy_str(mine, LEN, value);
+    else {                                   /* a long one (a path): a hash of it all, and its end */
+        uint32_t h = 2166136261u;
+        for (size_t i = 0; i < len; i++) h = (h ^ (unsigned char)value[i]) * 16777619u;
+        snprintf(mine, LEN, "#%08x ...%s", (unsigned)h, value + len - (LEN - 15));
+    }
+    dt__comm_all_gather_host(c, mine, all, LEN);
+    for (int r = 1; r < c->world; r++)
+        if (strncmp(all, all + (size_t)r * LEN, LEN) != 0)
+            dt_fail("the ranks disagree on %s: rank 0 has '%s', rank %d has '%s' (every rank needs the same flags)",
+                    what, all, r, all + (size_t)r * LEN);
+    free(all);
+}
+
+static dt_comm *dt__comm_new(int rank, int world, double timeout_s) {
+    dt_comm *c = (dt_comm *)calloc(1, sizeof(dt_comm));
+    if (!c) dt_fail("out of memory (communicator)");
+    c->rank = rank; c->world = world; c->timeout_s = timeout_s > 0 ? timeout_s : 60;
+    c->backend = &dt__comm_shm_backend;
+    c->top = c;
+    for (int r = 0; r < world; r++) c->job_rank[r] = r;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->wake, NULL);
+    pthread_cond_init(&c->done, NULL);
+    return c;
+}
+static void dt__comm_start(dt_comm *c, dt__shm_header *hdr) {
+    c->hdr = hdr;
+    if (c->backend->shares_memory) {         /* the slots follow a shared header */
+        c->slots = (char *)hdr + dt__shm_header_bytes(c->world);
+        c->result = c->slots + (size_t)c->world * DT_SLOT_BYTES;
+    }
+    __atomic_store_n(&hdr->pid[c->rank], (int)getpid(), __ATOMIC_RELEASE);
+#ifdef DT_TESTING
+    /* Fault tests: DT_TEST_DIE_RANK=r makes rank r of the job kill itself in the
+       middle of its first all-reduce (or its DT_TEST_DIE_CALL-th) on a
+       communicator, after the others have started it. */
+    const char *die = getenv("DT_TEST_DIE_RANK"), *call = getenv("DT_TEST_DIE_CALL");
+    const char *send = getenv("DT_TEST_DIE_SEND");    /* ... or in its N-th send, on any communicator */
+    c->die_in_all_reduce = die && atoi(die) == c->job_rank[c->rank] && c->world > 1 && !send ? (call ? atoi(call) : 1) : 0;
+    if (!c->parent && die && atoi(die) == c->job_rank[c->rank] && send) dt__test_die_in_send = atoi(send);
+#endif
+    if (pthread_create(&c->worker, NULL, dt__comm_worker, c) != 0) dt_fail("cannot start the communication thread");
+    dt_comm *none = NULL;                   /* the first communicator speaks for the job when we fail */
+    if (!c->parent) __atomic_compare_exchange_n(&dt__active_comm, &none, c, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    __atomic_store_n(&dt__on_fail, dt__comm_on_fail, __ATOMIC_RELEASE);
+}
+
+/* A named shared-memory segment of `bytes`, made (create: its name goes on
+   the list of files dt_fail removes, slot in *cleanup) or opened, and mapped. */
+static int dt__shm_serial;                   /* names this process's segments apart */
+/* Is `name` one dtrain makes for this user: /dtrain-<uid>-<pid>-<n>? */
+static void dt__shm_name_check(const char *name) {
+    char want[32];
+    int uid = -1, pid = -1, serial = -1, used = 0;
+    snprintf(want, sizeof want, "/dtrain-%d-", (int)getuid());
+    if (strncmp(name, want, strlen(want)) || sscanf(name, "/dtrain-%d-%d-%d%n", &uid, &pid, &serial, &used) != 3 ||
+        used != (int)strlen(name) || pid <= 0 || serial < 0)
+        dt_fail("rendezvous: rank 0 named the shared memory '%.80s', not one dtrain makes for this user (%s<pid>-<n>): is it "
+                "a dtrain rank 0 of this job?", name, want);
+}
+static dt__shm_header *dt__shm_map(const char *name, size_t bytes, int create, int *cleanup) {
+    int fd;
+    if (create) {
+        char file[128];
+        snprintf(file, sizeof file, "/dev/shm%s", name);
+        fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd >= 0) *cleanup = dt__cleanup_add(file);
+        if (fd < 0 || ftruncate(fd, (off_t)bytes) != 0)
+            dt_fail("cannot create shared memory %s of %.1f MB: %s (is /dev/shm full?)", name, bytes / 1e6, strerror(errno));
+#ifdef DT_TESTING
+        if (getenv("DT_TEST_DIE_MADE_SEGMENT")) raise(SIGKILL);   /* fault tests: rank 0 dies with the segment made */
+#endif
+    } else {
+        /* The name came over the network: only a segment this user's rank 0 made for this job is mapped -- named
+           as dtrain names them for this user, owned by this user, no one else may touch it, of the size asked
+           (a rank once wrote its gradients into another user's segment of mode 0666, named by a fake rank 0). */
+        dt__shm_name_check(name);
+        struct stat st;
+        fd = shm_open(name, O_RDWR, 0600);
+        if (fd < 0) dt_fail("cannot open the shared memory %s another rank made: %s (are all ranks on one machine?)", name,
+                            strerror(errno));
+        if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid() || (st.st_mode & 077) ||
+            (uint64_t)st.st_size != (uint64_t)bytes)
+            dt_fail("rendezvous: the shared memory %s is not this job's: owner %d, mode %03o, %lld bytes (this rank's "
+                    "user is %d: a segment of its own, mode 600, of %zu bytes)", name, (int)st.st_uid,
+                    (unsigned)(st.st_mode & 0777), (long long)st.st_size, (int)geteuid(), bytes);
+    }
+    void *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED) dt_fail("cannot map shared memory %s: %s", name, strerror(errno));
+    close(fd);
+    dt__mem_count(DT_ARENA_COMM, bytes, +1);
+    return (dt__shm_header *)map;
+}
+
+/* The watchdog's header for ranks that share no memory (MPI): this rank's own
+   pid, abort flag and counts; the others' stay 0, which the watchdog reads as
+   "nothing known", so only --timeout applies -- and the launcher, which ends
+   the job when a rank dies. */
+static dt__shm_header *dt__private_header(dt_comm *c) {
+    c->private_hdr = calloc(1, dt__shm_header_bytes(c->world));
+    if (!c->private_hdr) dt_fail("out of memory (communicator header)");
+    dt__shm_header *hdr = (dt__shm_header *)c->private_hdr;
+    hdr->magic = DT_SHM_MAGIC;
+    hdr->world = c->world;
+    return hdr;
+}
+
+dt_comm_group *dt_comm_group_create(int world, double timeout_s) {
+    if (world < 1 || world > DT_MAX_RANKS) dt_fail("a group of %d ranks (1 to %d)", world, DT_MAX_RANKS);
+    dt_comm_group *g = (dt_comm_group *)calloc(1, sizeof *g);
+    void *mem = NULL;
+    if (!g || posix_memalign(&mem, 4096, dt__shm_bytes(world)) != 0) dt_fail("out of memory (thread group)");
+    memset(mem, 0, dt__shm_header_bytes(world));
+    g->hdr = (dt__shm_header *)mem;
+    g->hdr->magic = DT_SHM_MAGIC;
+    g->hdr->world = g->world = world;
+    g->timeout_s = timeout_s;
+    dt__mem_count(DT_ARENA_COMM, dt__shm_bytes(world), +1);
+    return g;
+}
+dt_comm *dt_comm_join(dt_comm_group *g, int rank) {
+    if (rank < 0 || rank >= g->world) dt_fail("rank %d outside a group of %d", rank, g->world);
+    dt_comm *c = dt__comm_new(rank, g->world, g->timeout_s);
+    dt__comm_start(c, g->hdr);
+    c->joined = g;
+    __atomic_add_fetch(&g->members, 1, __ATOMIC_ACQ_REL);
+    return c;
+}
+void dt_comm_group_free(dt_comm_group *group) {
+    if (!group) return;
+    int open = __atomic_load_n(&group->members, __ATOMIC_ACQUIRE);
+    if (open) dt_fail("dt_comm_group_free: %d rank(s) that joined it are still open; call dt_comm_free on each first", open);
+    dt__mem_count(DT_ARENA_COMM, dt__shm_bytes(group->world), -1);
+    free(group->hdr);
+    free(group);
+}
+
+/* Groups: what each rank tells the others when a communicator splits. The
+   first rank of each group makes its shared memory; the name follows from the
+   maker's pid and serial, so one exchange is enough. */
+typedef struct { int32_t color, key, pid, serial; } dt__split_entry;
+/* Every rank's entry, through memory of the kind the transport takes, given
+   back at once: not the step arena, which a thread rank that splits and then
+   ends would leave behind. */
+static void dt__split_gather(dt_comm *comm, const dt__split_entry *mine, dt__split_entry *all) {
+    dt_device memory = comm->backend->memory;
+    size_t one = sizeof *mine, bytes = one * (size_t)(comm->world + 1);
+    char *buf = (char *)dt_alloc_on(memory, DT_ARENA_COMM, bytes);
+    dt__upload_to(memory, buf, mine, one);
+    dt_all_gather(comm, buf, buf + one, (int64_t)(one / 4), DT_F32);      /* bytes travel as they are */
+    dt__download_from(memory, all, buf + one, bytes - one);
+    dt_free_on(memory, DT_ARENA_COMM, buf, bytes);
+}
+static int dt__split_before(const dt__split_entry *all, int a, int b) {
+    return all[a].key != all[b].key ? all[a].key < all[b].key : a < b;
+}
+dt_comm *dt_comm_split(dt_comm *comm, int color, int key) {
+    if (color < 0) dt_fail("dt_comm_split: color %d; a color is a number >= 0 naming the group to join", color);
+    dt__split_entry mine = { color, key, (int32_t)getpid(), __atomic_fetch_add(&dt__shm_serial, 1, __ATOMIC_RELAXED) };
+    dt__split_entry *all = (dt__split_entry *)calloc((size_t)comm->world, sizeof *all);
+    if (!all) dt_fail("out of memory (dt_comm_split)");
+    dt__split_gather(comm, &mine, all);
+    int members[DT_MAX_RANKS], n = 0, rank = 0;
+    for (int r = 0; r < comm->world; r++) {           /* insertion sort by (key, rank) */
+        if (all[r].color != color) continue;
+        int i = n++;
+        for (; i > 0 && dt__split_before(all, r, members[i - 1]); i--) members[i] = members[i - 1];
+        members[i] = r;
+    }
+    dt_comm *child = dt__comm_new(0, n, comm->timeout_s);
+    for (int i = 0; i < n; i++) {
+        if (members[i] == comm->rank) rank = i;
+        child->job_rank[i] = comm->job_rank[members[i]];
+    }
+    child->rank = rank; child->backend = comm->backend; child->top = comm->top; child->parent = comm;
+    if (!comm->backend->shares_memory) {     /* ranks that share no memory make groups that share none */
+        free(all);
+        comm->backend->split(comm, child, color, key);
+        comm->children++;
+        dt__comm_start(child, dt__private_header(child));
+        return child;
+    }
+    char name[96];
+    dt__path(name, sizeof name, "/dtrain-%d-%d-%d", (int)getuid(), all[members[0]].pid, all[members[0]].serial);
+    child->map_bytes = dt__shm_bytes(n);
+    int cleanup = -1;
+    if (rank == 0) {
+        child->hdr = dt__shm_map(name, child->map_bytes, 1, &cleanup);
+        child->hdr->magic = DT_SHM_MAGIC;
+        child->hdr->world = n;
+    }
+    dt_barrier(comm);                        /* every group's memory is made: open it */
+    if (rank != 0) child->hdr = dt__shm_map(name, child->map_bytes, 0, NULL);
+    dt_barrier(comm);                        /* every rank has mapped it: its name can go */
+    if (rank == 0) { shm_unlink(name); dt__cleanup_done(cleanup); }
+    free(all);
+    comm->backend->split(comm, child, color, key);
+    comm->children++;
+    dt__comm_start(child, child->hdr);
+    return child;
+}
+
+/* A parallel wrapper holds its communicator until it is freed, so that
+   freeing the communicator first is an error naming the wrapper's free. */
+static void dt__comm_hold(dt_comm *c, const char *free_fn) { c->users++; c->user_free_fn = free_fn; }
+static void dt__comm_release(dt_comm *c) { if (c) c->users--; }
+
+void dt_comm_free(dt_comm *c) {
+    if (!c) return;
+    /* a wrapper first: its free function frees the groups it split (tensor parallelism's mesh) */
+    if (c->users) dt_fail("dt_comm_free: a parallel wrapper still uses this communicator; call %s first", c->user_free_fn);
+    if (c->children)
+        dt_fail("dt_comm_free: %d group(s) split from this communicator are still open; free them first "
+                "(dt_comm_free or dt_mesh_free)", c->children);
+    if (c->in_mesh) dt_fail("dt_comm_free: this communicator belongs to a mesh (dt_mesh_comm); dt_mesh_free frees it");
+    pthread_mutex_lock(&c->mu);
+    c->stop = 1;
+    pthread_cond_signal(&c->wake);
+    pthread_mutex_unlock(&c->mu);
+    pthread_join(c->worker, NULL);
+    c->backend->close(c);
+    dt_comm *self = c;                      /* until here it still tells the others when we fail */
+    __atomic_compare_exchange_n(&dt__active_comm, &self, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    if (dt__ctx.job == c) dt__ctx.job = NULL;
+    if (c->parent) c->parent->children--;
+    if (c->map_bytes) { munmap(c->hdr, c->map_bytes); dt__mem_count(DT_ARENA_COMM, c->map_bytes, -1); }
+    free(c->private_hdr);
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->wake);
+    pthread_cond_destroy(&c->done);
+    dt_comm_group *joined = c->joined;
+    free(c);
+    if (joined) __atomic_sub_fetch(&joined->members, 1, __ATOMIC_ACQ_REL);   /* last: the group may go now */
+}
+
+
+/* ---- a mesh: ranks as a grid of named dimensions ---- */
+struct dt_mesh {
+    int ndims, size[DT_MESH_MAX_DIMS], coord[DT_MESH_MAX_DIMS];
+    char name[DT_MESH_MAX_DIMS][16];
+    dt_comm *comm[DT_MESH_MAX_DIMS];
+};
+/* "dp=2 x tp=2", for messages. */
+static void dt__mesh_describe(const dt_mesh *m, char *out, size_t n) {
+    out[0] = 0;
+    for (int d = 0; d < m->ndims; d++)
+        snprintf(out + strlen(out), n - strlen(out), "%s%s=%d", d ? " x " : "", m->name[d], m->size[d]);
+}
+dt_mesh *dt_mesh_create(dt_comm *comm, int ndims, const int *sizes, const char *const *names) {
+    if (ndims < 1 || ndims > DT_MESH_MAX_DIMS) dt_fail("dt_mesh_create: %d dimensions (1 to %d)", ndims, DT_MESH_MAX_DIMS);
+    dt_mesh *m = (dt_mesh *)calloc(1, sizeof *m);
+    if (!m) dt_fail("out of memory (mesh)");
+    int64_t ranks = 1;
+    for (int d = 0; d < ndims; d++) {
+        if (sizes[d] < 1 || !names[d] || !names[d][0] || strlen(names[d]) >= sizeof m->name[d])
+            dt_fail("dt_mesh_create: dimension %d has size %d and name '%s'; it needs a size >= 1 and a name of 1 to %zu "
+                    "characters", d, sizes[d], names[d] ? names[d] : "(null)", sizeof m->name[d] - 1);
+        for (int e = 0; e < d; e++)
+            if (!strcmp(m->name[e], names[d])) dt_fail("dt_mesh_create: two dimensions are named '%s'", names[d]);
+        dt__copy_str(m->name[d], sizeof m->name[d], names[d]);
+        m->size[d] = sizes[d];
+        m->ndims = d + 1;
+        ranks *= sizes[d];
+        if (ranks > DT_MAX_RANKS) break;
+    }
+    char shape[128];
+    dt__mesh_describe(m, shape, sizeof shape);
+    if (ranks != comm->world)
+        dt_fail("dt_mesh_create: a %s mesh has %lld%s ranks, but the communicator has %d: the sizes must multiply to "
+                "its size", shape, (long long)ranks, ranks > DT_MAX_RANKS ? " or more" : "", comm->world);
+    int stride[DT_MESH_MAX_DIMS];
+    for (int d = ndims - 1; d >= 0; d--) {
+        stride[d] = d == ndims - 1 ? 1 : stride[d + 1] * m->size[d + 1];
+        m->coord[d] = comm->rank / stride[d] % m->size[d];
+    }
+    /* Along d, the ranks that share every other coordinate: the same rank
+       once its own coordinate is set to 0. The same order on every rank, as
+       each split is collective. */
+    for (int d = 0; d < ndims; d++) {
+        m->comm[d] = dt_comm_split(comm, comm->rank - m->coord[d] * stride[d], m->coord[d]);
+        m->comm[d]->in_mesh = 1;
+    }
+    return m;
+}
+static int dt__mesh_dim(const dt_mesh *m, const char *name) {
+    for (int d = 0; d < m->ndims; d++)
+        if (!strcmp(m->name[d], name)) return d;
+    char shape[128];
+    dt__mesh_describe(m, shape, sizeof shape);
+    dt_fail("dt_mesh: no dimension named '%s' in this %s mesh", name, shape);
+}
+dt_comm *dt_mesh_comm(const dt_mesh *mesh, const char *name) { return mesh->comm[dt__mesh_dim(mesh, name)]; }
+int dt_mesh_coord(const dt_mesh *mesh, const char *name) { return mesh->coord[dt__mesh_dim(mesh, name)]; }
+void dt_mesh_free(dt_mesh *mesh) {
+    if (!mesh) return;
+    for (int d = mesh->ndims - 1; d >= 0; d--) {
+        mesh->comm[d]->in_mesh = 0;
+        dt_comm_free(mesh->comm[d]);
+    }
+    free(mesh);
+}
+
+/* [src/11-data-parallel.h] */
+/* ==== parallel wrappers =====================================================
+   Data parallel training in three shapes. DataParallel (stage 02): one
+   process, N devices, device 0 in charge -- replicate, scatter, forward,
+   gather, loss, backward, reduce, step, all through device 0.
+   DistributedDataParallel (stage 03): N processes, each a full replica with its
+   own optimizer; the only traffic is the average of the gradients, and it
+   overlaps with backward. Fully sharded (stage 04): N processes that each keep
+   1/N of the model and of its optimizer state; a unit is gathered whole only
+   while it computes, the next one's gather already on its way, and each rank
+   receives the average gradient of its own part only. The model, autograd and
+   the optimizer are the ones stage 01 uses: the wrappers only decide where
+   copies (or pieces) of them live and what crosses between them. */
+
+/* What the wrappers communicated, for this step's log line and trace. `hidden`
+   is the part of [t0, t1] that ran while backward was still computing. */
+static void dt__record_span(const char *name, double t0, double t1, int pipeline) {
+    if (dt__ctx.ncomm_events < (int)(sizeof dt__ctx.comm_events / sizeof dt__ctx.comm_events[0])) {
+        int k = dt__ctx.ncomm_events++;
+        dt__copy_str(dt__ctx.comm_events[k].name, sizeof dt__ctx.comm_events[k].name, name);
+        dt__ctx.comm_events[k].t0 = t0;
+        dt__ctx.comm_events[k].t1 = t1;
+        dt__ctx.comm_events[k].pipeline = pipeline;
+    }
+}
+static void dt__record_comm(const char *name, double t0, double t1, double hidden) {
+    dt__ctx.comm_ms += t1 - t0;
+    dt__ctx.comm_hidden_ms += hidden;
+    dt__record_span(name, t0, t1, 0);
+}
+/* Pipeline parallelism's forwards, backwards and waits: a track of their own. */
+static void dt__record_event(const char *name, double t0, double t1) { dt__record_span(name, t0, t1, 1); }
+
+/* A thread that ran ops gives back what its context holds before it ends. */
+static void dt__context_release(void) {
+    dt_step_arena_reset();                  /* the tape emptied */
+    dt__step_arena_free(dt__ctx.step);      /* spill blocks and blocks back */
+    dt__step_arena_free(dt__ctx.scratch);
+    free(dt__ctx.tape);
+    dt__ctx.tape = NULL;
+    dt__ctx.tape_cap = 0;
+    DT_OMP("omp parallel")
+    {
+        free(dt__pack_buffer);               /* each thread of this device's team frees its own */
+        dt__pack_buffer = NULL;
+        dt__pack_floats = 0;
+    }
+}
+
+/* -- DataParallel -- */
+typedef enum { DT_DP_FORWARD = 1, DT_DP_BACKWARD, DT_DP_REDUCE, DT_DP_QUIT } dt__dp_job;
+
+typedef struct dt__dp_device {
+    struct dt_dp *dp;
+    int index;
+    pthread_t thread;
+    dt_model *model;            /* device 0: the model itself; the others: replicas */
+    dt_comm *comm;
+    dt_tensor *logits;          /* this device's output, in its own step arena */
+    const float *dlogits;       /* its slice of the gradient of the gathered logits */
+    double flops;               /* counted by its thread this step */
+    size_t mem_peak;
+    dt__dp_job job;
+    int64_t posted, finished;
+    int has_base;               /* LoRA: the frozen model came from device 0 (once: it never changes) */
+} dt__dp_device;
+
+struct dt_dp {
+    dt_parallel par;            /* first: the model's dt_parallel * is this dt_dp */
+    dt_model *model;
+    int devices, threads_per_device;
+    dt_tensor *inputs;          /* the batch being scattered, and its rows per device */
+    int rows;
+    int out_rows;               /* rows of each device's output (a language model's: rows x tokens) */
+    dt_comm_group *group;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    dt__dp_device dev[DT_MAX_RANKS];
+};
+
+/* Replicate, scatter, forward: the same on every device, device 0 included.
+   Returns when the replicate started and ended. */
+static void dt__dp_device_forward(dt_dp *dp, dt__dp_device *d, double *t0, double *t1) {
+    dt_model *m = d->model;
+    dt_model_set_recompute(m, dp->model->recompute);                   /* as device 0's model does */
+    *t0 = dt_now_ms();
+    if (m->base && !d->has_base) dt_broadcast(d->comm, m->base->flat_data, m->base->numel, DT_F32, 0);
+    d->has_base = 1;
+    dt_broadcast(d->comm, m->flat_data, m->numel, DT_F32, 0);          /* device 0's weights, every step */
+    *t1 = dt_now_ms();
+    const dt_tensor *all = dp->inputs;
+    int shape[4] = { dp->rows, all->shape[1], all->shape[2], all->shape[3] };
+    size_t per_image = (size_t)(all->numel / all->shape[0]);
+    dt_tensor *mine = dt__tensor_alloc(all->ndim, shape, DT_F32);
+    memcpy(mine->data, all->data + (size_t)d->index * dp->rows * per_image,      /* scatter: a copy to this device */
+           (size_t)dp->rows * per_image * sizeof(float));
+    d->logits = dt_model_forward(m, mine);
+}
+
+static void dt__dp_post(dt_dp *dp, dt__dp_job job) {
+    pthread_mutex_lock(&dp->mu);
+    for (int i = 1; i < dp->devices; i++) { dp->dev[i].job = job; dp->dev[i].posted++; }
+    pthread_cond_broadcast(&dp->cv);
+    pthread_mutex_unlock(&dp->mu);
+}
+static void dt__dp_wait(dt_dp *dp) {
+    pthread_mutex_lock(&dp->mu);
+    for (int i = 1; i < dp->devices; i++)
+        while (dp->dev[i].finished != dp->dev[i].posted) pthread_cond_wait(&dp->cv, &dp->mu);
+    pthread_mutex_unlock(&dp->mu);
+}
+
+/* A replica's thread: a context of its own (tape, step arena, memory counts),
+   a share of the cores, and a loop doing what device 0 asks. */
+static void *dt__dp_worker(void *arg) {
+    dt__dp_device *d = (dt__dp_device *)arg;
+    dt_dp *dp = d->dp;
+    dt__flush_subnormals();
+#ifdef _OPENMP
+    omp_set_num_threads(dp->threads_per_device);
+#endif
+    d->model = dt_model_create(&dp->model->cfg, 0);     /* its weights arrive with the first broadcast */
+    d->comm = dt_comm_join(dp->group, d->index);
+    for (;;) {
+        pthread_mutex_lock(&dp->mu);
+        while (d->posted == d->finished) pthread_cond_wait(&dp->cv, &dp->mu);
+        dt__dp_job job = d->job;
+        pthread_mutex_unlock(&dp->mu);
+        if (job == DT_DP_QUIT) break;
+        if (job == DT_DP_FORWARD) {
+            double t0, t1;
+            dt_step_arena_reset();
+            dt_flops_reset();
+            dt__dp_device_forward(dp, d, &t0, &t1);
+        }
+        if (job == DT_DP_BACKWARD) dt_backward_from(d->logits, d->dlogits);
+        if (job == DT_DP_REDUCE) {
+            dt_model *m = d->model;
+            dt_reduce(d->comm, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_SUM, 0);
+            dt_model_zero_grad(m);
+            d->flops = dt_flops_counted();
+        }
+        d->mem_peak = dt_mem_total_peak();
+        pthread_mutex_lock(&dp->mu);
+        d->finished = d->posted;
+        pthread_cond_broadcast(&dp->cv);
+        pthread_mutex_unlock(&dp->mu);
+    }
+    dt_comm_free(d->comm);
+    dt_model_free(d->model);
+    dt__context_release();
+    return NULL;
+}
+
+static void dt__dp_backward_done(dt_parallel *par) {
+    dt_dp *dp = (dt_dp *)par;
+    if (dp->devices == 1) return;
+    dt__dp_wait(dp);                                    /* every device's backward has finished */
+    double t0 = dt_now_ms();
+    dt__dp_post(dp, DT_DP_REDUCE);
+    dt_model *m = dp->model;
+    dt_reduce(dp->dev[0].comm, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_SUM, 0);
+    dt__dp_wait(dp);
+    dt__record_comm("reduce gradients", t0, dt_now_ms(), 0);
+    for (int i = 1; i < dp->devices; i++) dt__ctx.flops += dp->dev[i].flops;   /* the work of every device */
+}
+void dt_dp_reduce_grads(dt_dp *dp) { dt_parallel_backward_done(&dp->par); }
+
+dt_dp *dt_dp_create(dt_model *model, int devices, double timeout_s) {
+    if (devices < 1 || devices > DT_MAX_RANKS) dt_fail("DataParallel over %d devices (1 to %d)", devices, DT_MAX_RANKS);
+    if (devices > 1 && model->device != DT_CPU)
+        dt_fail("02-dp on %d GPUs: driving several GPUs from one process needs a CUDA stream, a cuBLAS handle and an "
+                "NCCL communicator per GPU, and this version keeps one per process. Use --nproc 1 here, or 03-ddp "
+                "(one process per GPU)", devices);
+    if (dt__ctx.compute_dtype != DT_F32)
+        dt_fail("DataParallel (stage 02) runs in fp32 only; mixed precision comes with DDP and FSDP (stage 05)");
+    dt_dp *dp = (dt_dp *)calloc(1, sizeof *dp);
+    if (!dp) dt_fail("out of memory (DataParallel)");
+    dp->par = (dt_parallel){ .create_fn = "dt_dp_create", .sync_fn = "dt_dp_reduce_grads", .free_fn = "dt_dp_free",
+                             .backward_done = dt__dp_backward_done };
+    dt_model_set_parallel(model, &dp->par);
+    dp->model = model;
+    dp->devices = devices;
+    dp->threads_per_device = dt_threads() / devices > 1 ? dt_threads() / devices : 1;
+    dt__ctx.devices = devices;
+    if (devices == 1) return dp;
+    pthread_mutex_init(&dp->mu, NULL);
+    pthread_cond_init(&dp->cv, NULL);
+    dp->group = dt_comm_group_create(devices, timeout_s);
+#ifdef _OPENMP
+    omp_set_num_threads(dp->threads_per_device);      /* the cores shared out among the devices */
+#endif
+    dp->dev[0].dp = dp;
+    dp->dev[0].model = model;
+    dp->dev[0].comm = dt_comm_join(dp->group, 0);
+    for (int i = 1; i < devices; i++) {
+        dp->dev[i].dp = dp;
+        dp->dev[i].index = i;
+        if (pthread_create(&dp->dev[i].thread, NULL, dt__dp_worker, &dp->dev[i]) != 0)
+            dt_fail("cannot start the thread of device %d", i);
+    }
+    return dp;
+}
+int dt_dp_devices(const dt_dp *dp) { return dp->devices; }
+
+/* The gather's backward: each device gets its slice of d(loss)/d(logits) and
+   starts its own backward; device 0's slice flows on through device 0's tape. */
+static void dt__dp_gather_backward(dt__tape_entry *e) {
+    dt_dp *dp = (dt_dp *)e->saved;
+    int64_t per = (int64_t)dp->out_rows * dt_tensor_cols(e->out);
+    for (int i = 1; i < dp->devices; i++) dp->dev[i].dlogits = e->out->grad + i * per;
+    dt__dp_post(dp, DT_DP_BACKWARD);
+    float *g = dt_grad(e->in[0]);
+    for (int64_t k = 0; k < per; k++) g[k] += e->out->grad[k];
+}
+
+dt_tensor *dt_dp_forward(dt_dp *dp, dt_tensor *inputs) {
+    if (dp->devices == 1) return dt_model_forward(dp->model, inputs);
+    int N = dp->devices, B = inputs->shape[0];
+    if (B % N) dt_fail("DataParallel: a batch of %d samples does not split evenly over %d devices", B, N);
+    dp->inputs = inputs;
+    dp->rows = B / N;
+    double t0, t1;
+    dt__dp_post(dp, DT_DP_FORWARD);
+    dt__dp_device_forward(dp, &dp->dev[0], &t0, &t1);
+    dt__dp_wait(dp);
+    dt__record_comm("broadcast parameters", t0, t1, 0);
+    /* gather: every device's logits, in device order, on device 0 */
+    dt_tensor *mine = dp->dev[0].logits;
+    int C = (int)dt_tensor_cols(mine), R = dp->out_rows = (int)dt_tensor_rows(mine);
+    dt_tensor *out = dt__tensor_out_2d(N * R, C);
+    for (int i = 0; i < N; i++)
+        memcpy(out->data + (size_t)i * R * C, dp->dev[i].logits->data, sizeof(float) * (size_t)R * C);
+    if (dt__wants_grad(mine, NULL, NULL)) dt__tape_push(dt__dp_gather_backward, out, mine, NULL, NULL)->saved = dp;
+    return out;
+}
+
+void dt_dp_free(dt_dp *dp, int quiet) {
+    if (!dp) return;
+    dt_model_set_parallel(dp->model, NULL);
+    if (dp->devices > 1) {
+        dt__dp_post(dp, DT_DP_QUIT);
+        for (int i = 1; i < dp->devices; i++) pthread_join(dp->dev[i].thread, NULL);
+        if (!quiet) {
+            printf("peak memory per device: 0: %.1f MB (model, optimizer, gathered logits)", dt_mem_total_peak() / 1e6);
+            for (int i = 1; i < dp->devices; i++) printf(", %d: %.1f MB", i, dp->dev[i].mem_peak / 1e6);
+            printf("\n");
+            fflush(stdout);
+        }
+        dt_comm_free(dp->dev[0].comm);
+        dt_comm_group_free(dp->group);
+        pthread_mutex_destroy(&dp->mu);
+        pthread_cond_destroy(&dp->cv);
+    }
+    free(dp);
+}
+
+/* -- DistributedDataParallel -- */
+typedef struct dt__ddp_bucket {
+    int first, last;            /* parameters first..last: one run of the flat gradient */
+    int64_t offset, count;
+    int pending;                /* gradients of this bucket not final yet in this backward */
+    dt_comm_handle handle;
+} dt__ddp_bucket;
+
+struct dt_ddp {
+    dt_parallel par;            /* first: the model's dt_parallel * is this dt_ddp */
+    dt_model *model;
+    dt_comm *comm;
+    int nbuckets, launched;     /* buckets start in order: 0, 1, ... */
+    dt__ddp_bucket *buckets;
+    int *bucket_of;             /* parameter -> bucket */
+    int sync;                   /* 0: accumulate locally (no-sync), communicate nothing */
+};
+
+/* Start every bucket that is complete and whose predecessors have started:
+   all ranks must issue the collectives in the same order. */
+static void dt__ddp_launch(dt_ddp *d, int all) {
+    while (d->launched < d->nbuckets && (all || d->buckets[d->launched].pending == 0)) {
+        dt__ddp_bucket *b = &d->buckets[d->launched++];
+        float *g = d->model->flat_grad + b->offset;
+        b->handle = dt_all_reduce_async(d->comm, g, g, b->count, DT_F32, DT_AVG);
+        dt__ctx.grad_collectives++;
+    }
+}
+static void dt__ddp_grad_ready(dt_parallel *par, dt_tensor *p) {
+    dt_ddp *d = (dt_ddp *)par;
+    if (!d->sync) return;                             /* no-sync: the gradient stays here */
+    int64_t i = p - d->model->params;
+    dt__ddp_bucket *b = &d->buckets[d->bucket_of[i]];
+    if (b->pending > 0) b->pending--;
+    dt__ddp_launch(d, 0);
+}
+
+/* After backward: start what has not started, wait for every bucket. */
+static void dt__ddp_backward_done(dt_parallel *par) {
+    dt_ddp *d = (dt_ddp *)par;
+    if (!d->sync) return;                             /* accumulating: nothing leaves this rank */
+    double backward_end = dt__ctx.backward_end_ms;
+    dt__ddp_launch(d, 1);
+    for (int k = 0; k < d->nbuckets; k++) {
+        dt__ddp_bucket *b = &d->buckets[k];
+        double t0, t1;
+        char name[32];
+        dt_comm_wait(d->comm, b->handle);
+        dt__comm_interval(d->comm, b->handle, &t0, &t1);
+        snprintf(name, sizeof name, "all_reduce bucket %d", k);
+        dt__record_comm(name, t0, t1, t0 < backward_end ? (t1 < backward_end ? t1 : backward_end) - t0 : 0);
+        b->pending = b->last - b->first + 1;
+    }
+    d->launched = 0;
+}
+void dt_ddp_sync_grads(dt_ddp *ddp) { dt_parallel_backward_done(&ddp->par); }
+
+dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
+    dt_ddp *d = (dt_ddp *)calloc(1, sizeof *d);
+    int n = model->nparams;
+    if (!d || !(d->buckets = (dt__ddp_bucket *)calloc((size_t)n, sizeof(dt__ddp_bucket))) ||
+        !(d->bucket_of = (int *)calloc((size_t)n, sizeof(int))))
+        dt_fail("out of memory (DDP)");
+    d->par = (dt_parallel){ .create_fn = "dt_ddp_create", .sync_fn = "dt_ddp_sync_grads", .free_fn = "dt_ddp_free",
+                            .grad_ready = bucket_mb > 0 ? dt__ddp_grad_ready : NULL,
+                            .backward_done = dt__ddp_backward_done };
+    dt_model_set_parallel(model, &d->par);
+    dt__comm_hold(comm, "dt_ddp_free");
+    d->model = model;
+    d->comm = comm;
+    d->sync = 1;
+    dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);   /* every replica starts from rank 0's */
+    /* Buckets, from the last parameter back: ~bucket_mb each, the first 1 MB. */
+    double cap = bucket_mb > 0 ? bucket_mb * 1048576.0 : 1e300, first_cap = cap < 1048576.0 ? cap : 1048576.0;
+    double bytes = 0;
+    for (int i = n - 1; i >= 0; i--) {
+        dt__ddp_bucket *b = &d->buckets[d->nbuckets];
+        if (bytes == 0) b->last = i;
+        bytes += 4.0 * model->params[i].numel;
+        d->bucket_of[i] = d->nbuckets;
+        if (bytes >= (d->nbuckets == 0 ? first_cap : cap) || i == 0) {
+            b->first = i;
+            b->offset = model->params[i].data - model->flat_data;
+            b->count = model->params[b->last].data + model->params[b->last].numel - model->params[i].data;
+            b->pending = b->last - b->first + 1;
+            d->nbuckets++;
+            bytes = 0;
+        }
+    }
+    return d;
+}
+int dt_ddp_buckets(const dt_ddp *ddp) { return ddp->nbuckets; }
+void dt_ddp_set_sync(dt_ddp *ddp, int sync) { ddp->sync = sync; }
+
+void dt_ddp_free(dt_ddp *ddp) {
+    if (!ddp) return;
+    dt_model_set_parallel(ddp->model, NULL);
+    dt__comm_release(ddp->comm);
+    free(ddp->buckets);
+    free(ddp->bucket_of);
+    free(ddp);
+}
+
+/* -- Fully sharded data parallel -- */
+typedef struct dt__fsdp_unit {
+    int first, end;             /* its parameters: first .. end - 1 */
+    int64_t offset, numel;      /* where it sits in the model's parameter order */
+    int64_t shard;              /* elements per rank: numel rounded up to a multiple of world, / world */
+    int64_t shard_offset;       /* where its shard starts in this rank's flat shard buffers */
+    int64_t accum_offset;       /* where its whole gradient adds up while accumulating (no-sync) */
+    void *full;                 /* [shard * world] gathered parameters, in the compute dtype */
+    float *full_grad;           /* [shard * world] their gradients, f32 */
+    dt_comm_handle gathering;   /* an all-gather in flight (a prefetch), or 0 */
+} dt__fsdp_unit;
+
+struct dt_fsdp {
+    dt_parallel par;            /* first: the model's dt_parallel * is this dt_fsdp */
+    dt_model *model;
+    dt_comm *comm;
+    dt_shard_mode mode;
+    int offload;                /* shards and optimizer state in host memory */
+    int rank, world, nunits;
+    dt__fsdp_unit *units;
+    float *shard_params, *shard_grads;   /* this rank's slice of every unit, one after another */
+    int64_t shard_numel;
+    /* Buffers made once and reused by every unit: a malloc per unit per step
+       costs page faults on a CPU, and a cudaFree synchronises the whole GPU.
+       At most two neighbouring units are gathered at once, so two parameter
+       buffers serve all of them (unit k takes buffer k % 2), and one gradient
+       buffer, as backward does one unit at a time. Offloaded shards are
+       uploaded into staging buffers, by the same rule. The model's outer unit
+       (dt_model.outer_unit), gathered from the start of forward to the end of
+       backward, has buffers of its own: slot 2, and outer_grad. */
+    void *gathered[3];
+    float *gathered_grad, *outer_grad, *staged[3], *scattered;
+    int holder[3];                       /* the unit in each parameter buffer, or -1 */
+    size_t largest, largest_shard;       /* f32 bytes: the largest unit, gathered, and its shard */
+    int64_t prefetched;                  /* units that were already on their way when needed */
+    /* Stage 05. Mixed precision: parameters are gathered in param_dtype (the
+       compute dtype), each rank first narrowing its f32 shard into send16;
+       gradients are reduce-scattered in reduce_dtype through grad16 and
+       scattered16. Accumulation: with sync 0 nothing is reduce-scattered and
+       the units' whole gradients add up in `accum`. */
+    dt_dtype param_dtype, reduce_dtype;
+    void *send16[3], *grad16, *scattered16;
+    int sync;
+    float *accum;
+    int64_t accum_numel;
+};
+
+static size_t dt__fsdp_full_bytes(const dt_fsdp *f, const dt__fsdp_unit *u) { return (size_t)(u->shard * f->world) * sizeof(float); }
+static size_t dt__fsdp_param_bytes(const dt_fsdp *f, const dt__fsdp_unit *u) {
+    return (size_t)(u->shard * f->world) * dt_dtype_size(f->param_dtype);
+}
+static size_t dt__fsdp_largest_params(const dt_fsdp *f) { return f->largest / sizeof(float) * dt_dtype_size(f->param_dtype); }
+/* Which of the reused buffers unit k takes: neighbours alternate, the outer unit has its own. */
+static int dt__fsdp_slot(const dt_fsdp *f, int k) { return k == f->model->outer_unit ? 2 : k % 2; }
+
+/* Unit k's slice of a shard buffer where the collectives can read it: the
+   buffer itself, or, offloaded, a copy uploaded into the staging buffer of its slot. */
+static float *dt__fsdp_shard_on_device(dt_fsdp *f, const float *shards, int k) {
+    const dt__fsdp_unit *u = &f->units[k];
+    if (!f->offload) return (float *)shards + u->shard_offset;
+    dt_upload(f->staged[dt__fsdp_slot(f, k)], shards + u->shard_offset, (size_t)u->shard * sizeof(float));
+    return f->staged[dt__fsdp_slot(f, k)];
+}
+/* Unit k's shard as the all-gather sends it: in the compute dtype, which under
+   mixed precision is a 16-bit copy (send16, one per neighbouring unit). */
+static const void *dt__fsdp_send_buffer(dt_fsdp *f, int k) {
+    float *mine = dt__fsdp_shard_on_device(f, f->shard_params, k);
+    if (f->param_dtype == DT_F32) return mine;
+    dt_convert(mine, DT_F32, f->send16[dt__fsdp_slot(f, k)], f->param_dtype, f->units[k].shard);
+    return f->send16[dt__fsdp_slot(f, k)];
+}
+/* A unit's whole parameters from f32 host values, in the compute dtype. */
+static void dt__fsdp_fill_params(dt_fsdp *f, dt__fsdp_unit *u, const float *host) {
+    if (f->param_dtype == DT_F32) { dt_upload(u->full, host, (size_t)u->numel * sizeof(float)); return; }
+    uint16_t *h = (uint16_t *)malloc((size_t)u->numel * 2 + 1);
+    if (!h) dt_fail("out of memory");
+    dt__f32_to_half_cpu(host, h, f->param_dtype, u->numel);
+    dt_upload(u->full, h, (size_t)u->numel * 2);
+    free(h);
+}
+/* Host values into a shard buffer: a copy when offloaded, else an upload. */
+static void dt__fsdp_put(dt_fsdp *f, float *dst, const float *host, int64_t n) {
+    if (n <= 0) return;
+    if (f->offload) memcpy(dst, host, (size_t)n * sizeof(float));
+    else dt_upload(dst, host, (size_t)n * sizeof(float));
+}
+
+/* Point the unit's parameters (or their f32 gradients) into a gathered buffer,
+   or nowhere. Gathered parameters are in the compute dtype. */
+static void dt__fsdp_point(dt_fsdp *f, dt__fsdp_unit *u, int grads, void *buf) {
+    for (int i = u->first; i < u->end; i++) {
+        dt_tensor *p = &f->model->params[i];
+        int64_t at = f->model->offsets[i] - u->offset;
+        if (grads) p->grad = buf ? (float *)buf + at : NULL;
+        else {
+            p->dtype = f->param_dtype;
+            p->data = buf ? (float *)((char *)buf + at * dt_dtype_size(f->param_dtype)) : NULL;
+        }
+    }
+}
+
+/* All-gather: every rank's shard of the unit, side by side, is the unit. It is
+   started ahead of need -- the next unit's while this one computes -- and
+   finished when the unit is about to run. Every rank starts and finishes them
+   in the same order, so the collectives pair up. */
+static void dt__fsdp_gather_start(dt_fsdp *f, int k) {
+    dt__fsdp_unit *u = &f->units[k];
+    if (f->mode != DT_SHARD_FULL || u->full || u->gathering) return;        /* there already, or on its way */
+    int slot = dt__fsdp_slot(f, k);
+    if (f->holder[slot] >= 0)
+        dt_fail("internal: FSDP gathers unit %d while unit %d still holds its buffer", k, f->holder[slot]);
+    f->holder[slot] = k;
+    u->full = f->gathered[slot];
+    u->gathering = dt_all_gather_async(f->comm, dt__fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
+}
+static void dt__fsdp_gather_unit(dt_fsdp *f, int k, int next) {
+    dt__fsdp_unit *u = &f->units[k];
+    if (f->mode != DT_SHARD_FULL) return;
+    double wait_from = dt_now_ms(), t0, t1;
+    f->prefetched += u->gathering != 0;
+    dt__fsdp_gather_start(f, k);
+    if (next >= 0 && next < f->nunits) dt__fsdp_gather_start(f, next);      /* prefetch */
+    if (!u->gathering) return;
+    dt_comm_wait(f->comm, u->gathering);
+    dt__comm_interval(f->comm, u->gathering, &t0, &t1);
+    double hidden = (t1 < wait_from ? t1 : wait_from) - t0;
+    dt__record_comm("all_gather unit", t0, t1, hidden > 0 ? hidden : 0);
+    u->gathering = 0;
+    dt__fsdp_point(f, u, 0, u->full);
+}
+static void dt__fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only our slice */
+    dt__fsdp_unit *u = &f->units[k];
+    if (f->mode != DT_SHARD_FULL) return;
+    if (u->full) f->holder[dt__fsdp_slot(f, k)] = -1;
+    u->full = NULL;
+    dt__fsdp_point(f, u, 0, NULL);
+}
+/* Reduce-scatter: the average of every rank's gradient of the unit, of which
+   this rank keeps its slice (added to what it holds: accumulation needs it). */
+static void dt__fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
+    dt__fsdp_unit *u = &f->units[k];
+    dt_device dev = f->model->device;
+    float *mine = f->scattered, *dst = f->shard_grads + u->shard_offset;
+    double t0 = dt_now_ms();
+    if (f->reduce_dtype == DT_F32) dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
+    else {                                          /* 16-bit copies travel */
+        dt_convert(u->full_grad, DT_F32, f->grad16, f->reduce_dtype, u->shard * f->world);
+        dt_reduce_scatter(f->comm, f->grad16, f->scattered16, u->shard, f->reduce_dtype, DT_AVG);
+        dt_convert(f->scattered16, f->reduce_dtype, mine, DT_F32, u->shard);
+    }
+    dt__ctx.grad_collectives++;
+    dt__record_comm("reduce_scatter unit", t0, dt_now_ms(), 0);
+    const dt_backend *gpu = f->offload ? NULL : dt__backend_of(dev);
+    if (gpu) gpu->accumulate(dst, mine, u->shard);
+    else {                                          /* offloaded: to the host, added there */
+        float *host = dt__host_view(dev, mine, u->shard);
+        for (int64_t i = 0; i < u->shard; i++) dst[i] += host[i];
+        dt__host_view_close(dev, host, mine, u->shard, 0);
+    }
+}
+
+/* The two marks a unit leaves on the tape; backward meets them in reverse. */
+static void dt__fsdp_before_unit_backward(dt__tape_entry *e) {
+    dt_fsdp *f = (dt_fsdp *)e->saved;
+    dt__fsdp_unit *u = &f->units[e->iarg[0]];
+    dt__fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1);             /* gathered again; the one before on its way */
+    if (f->mode != DT_SHARD_OPTIMIZER) {
+        if (f->accum) u->full_grad = f->accum + u->accum_offset;     /* adds to the micro-batches before */
+        else {                                                       /* backward adds into it: zeroed */
+            u->full_grad = e->iarg[0] == f->model->outer_unit ? f->outer_grad : f->gathered_grad;
+            dt__zero_on(f->model->device, u->full_grad, dt__fsdp_full_bytes(f, u));
+        }
+        dt__fsdp_point(f, u, 1, u->full_grad);
+    }
+}
+static void dt__fsdp_after_unit_backward(dt__tape_entry *e) {
+    dt_fsdp *f = (dt_fsdp *)e->saved;
+    dt__fsdp_unit *u = &f->units[e->iarg[0]];
+    if (f->mode == DT_SHARD_OPTIMIZER) return;                                  /* all at once, after backward */
+    if (f->sync) {                                                              /* no-sync: it stays in accum */
+        dt__fsdp_reduce_scatter_unit(f, e->iarg[0]);
+        if (f->accum) dt__zero_on(f->model->device, u->full_grad, dt__fsdp_full_bytes(f, u));
+    }
+    u->full_grad = NULL;
+    dt__fsdp_point(f, u, 1, NULL);
+    dt__fsdp_release_unit(f, e->iarg[0]);
+}
+
+static void dt__fsdp_unit_begin(dt_parallel *par, int unit) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    dt__fsdp_gather_unit(f, unit, unit + 1);                               /* and the next one on its way */
+    if (dt__ctx.grad_enabled) dt__tape_mark(dt__fsdp_after_unit_backward, f, unit);
+}
+static void dt__fsdp_unit_end(dt_parallel *par, int unit) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    int training = dt__ctx.grad_enabled;
+    /* reshard after forward -- but the last unit is the first that backward
+       needs, so in training it stays gathered (one all-gather saved); so
+       does the outer unit, whose backward ends the step */
+    if (!(training && (unit == f->nunits - 1 || unit == f->model->outer_unit))) dt__fsdp_release_unit(f, unit);
+    if (training) dt__tape_mark(dt__fsdp_before_unit_backward, f, unit);
+}
+static void dt__fsdp_backward_done(dt_parallel *par);
+static void dt__fsdp_step_done(dt_parallel *par);
+static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o);
+static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load);
+static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written);
+static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o);
+static void dt__fsdp_sum_over_ranks(dt_parallel *par, float *values, int n) {
+    dt__comm_all_reduce_host(((dt_fsdp *)par)->comm, values, n, DT_SUM);
+}
+/* The cost model's view (the cost-model chapter): which ZeRO, and the optimizer step
+   of the whole model, N times the shard's this rank measured. */
+static int dt__fsdp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_fsdp *f = (const dt_fsdp *)par;
+    static const dt_parallelism zero[3] = { DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3 };   /* by dt_shard_mode */
+    in->kind = zero[f->mode];
+    in->optimizer_ms *= f->world;
+    return f->world;
+}
+
+dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload) {
+    dt_fsdp *f = (dt_fsdp *)calloc(1, sizeof *f);
+    if (!f || !(f->units = (dt__fsdp_unit *)calloc((size_t)model->nunits, sizeof(dt__fsdp_unit))))
+        dt_fail("out of memory (FSDP)");
+    f->par = (dt_parallel){ .create_fn = "dt_fsdp_create", .sync_fn = "dt_fsdp_sync_grads", .free_fn = "dt_fsdp_free",
+                            .unit_begin = dt__fsdp_unit_begin, .unit_end = dt__fsdp_unit_end,
+                            .backward_done = dt__fsdp_backward_done, .step_done = dt__fsdp_step_done,
+                            .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks,
+                            .state_open = dt__fsdp_state_open, .state_close = dt__fsdp_state_close,
+                            .memory_table = dt__fsdp_memory_table, .cost_input = dt__fsdp_cost_input };
+    dt_model_set_parallel(model, &f->par);
+    dt__comm_hold(comm, "dt_fsdp_free");
+    f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
+    f->param_dtype = dt__ctx.compute_dtype; f->reduce_dtype = DT_F32; f->sync = 1;
+    f->rank = dt_comm_rank(comm); f->world = dt_comm_size(comm); f->nunits = model->nunits;
+    dt_device dev = model->device;
+    dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);     /* every rank starts from rank 0's */
+    for (int k = 0; k < f->nunits; k++) {
+        dt__fsdp_unit *u = &f->units[k];
+        u->first = model->unit_first[k];
+        u->end = model->unit_first[k + 1];
+        u->offset = model->offsets[u->first];
+        u->numel = (u->end < model->nparams ? model->offsets[u->end] : model->numel) - u->offset;
+        u->shard = (u->numel + f->world - 1) / f->world;
+        u->shard_offset = f->shard_numel;
+        f->shard_numel += u->shard;
+        u->accum_offset = f->accum_numel;
+        f->accum_numel += u->shard * f->world;
+        if (dt__fsdp_full_bytes(f, u) > f->largest) f->largest = dt__fsdp_full_bytes(f, u);
+    }
+    f->largest_shard = f->largest / (size_t)f->world;
+    int outer = model->outer_unit, used[3] = { 0, 0, 0 };                   /* the slots some unit takes */
+    for (int k = 0; k < f->nunits; k++) used[dt__fsdp_slot(f, k)] = 1;
+    f->holder[0] = f->holder[1] = f->holder[2] = -1;
+    for (int b = 0; b < 3; b++) {
+        if (!used[b]) continue;
+        if (mode == DT_SHARD_FULL) f->gathered[b] = dt_alloc_on(dev, DT_ARENA_PARAMS, dt__fsdp_largest_params(f));
+        if (f->param_dtype != DT_F32) f->send16[b] = dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard / 2);
+        if (cpu_offload) f->staged[b] = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard);
+    }
+    if (mode != DT_SHARD_OPTIMIZER) f->gathered_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, f->largest);
+    if (mode != DT_SHARD_OPTIMIZER && outer >= 0) f->outer_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, f->largest);
+    f->scattered = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard);
+    size_t shard_bytes = (size_t)f->shard_numel * sizeof(float);
+    f->shard_params = (float *)(f->offload ? dt_alloc_host(DT_ARENA_PARAMS, shard_bytes) : dt_alloc_on(dev, DT_ARENA_PARAMS, shard_bytes));
+    f->shard_grads = (float *)(f->offload ? dt_alloc_host(DT_ARENA_GRADS, shard_bytes) : dt_alloc_on(dev, DT_ARENA_GRADS, shard_bytes));
+    /* Cut the model into shards: this rank keeps elements [rank * shard, (rank + 1) * shard) of each unit. */
+    float *host = dt__host_view(dev, model->flat_data, model->numel);
+    for (int k = 0; k < f->nunits; k++) {
+        dt__fsdp_unit *u = &f->units[k];
+        int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
+        dt__fsdp_put(f, f->shard_params + u->shard_offset, host + u->offset + lo, hi - lo);
+        if (mode != DT_SHARD_FULL) {             /* ZeRO-1 and -2 keep every parameter, in per-unit buffers */
+            u->full = dt_alloc_on(dev, DT_ARENA_PARAMS, dt__fsdp_param_bytes(f, u));
+            dt__fsdp_fill_params(f, u, host + u->offset);
+            dt__fsdp_point(f, u, 0, u->full);
+        }
+        if (mode == DT_SHARD_OPTIMIZER) {        /* ZeRO-1 keeps every gradient too */
+            u->full_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, dt__fsdp_full_bytes(f, u));
+            dt__fsdp_point(f, u, 1, u->full_grad);
+        }
+        if (mode == DT_SHARD_FULL) dt__fsdp_point(f, u, 0, NULL);
+        if (mode != DT_SHARD_OPTIMIZER) dt__fsdp_point(f, u, 1, NULL);
+    }
+    dt__host_view_close(dev, host, model->flat_data, model->numel, 0);
+    dt_free_on(dev, DT_ARENA_PARAMS, model->flat_data, (size_t)model->numel * sizeof(float));
+    dt_free_on(dev, DT_ARENA_GRADS, model->flat_grad, (size_t)model->numel * sizeof(float));
+    model->flat_data = model->flat_grad = NULL;
+    return f;
+}
+
+/* The optimizer of a sharded model steps this rank's shard: one slice per
+   part of a parameter inside it (the padding belongs to no parameter). */
+static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    dt_model *m = f->model;
+    o->params = f->shard_params; o->grads = f->shard_grads; o->numel = f->shard_numel;
+    o->sharded_by = par;
+    if (f->offload) { o->device = DT_CPU; o->offloaded = 1; }     /* the optimizer steps on the CPU */
+    o->slices = (struct dt_param_slice *)calloc((size_t)m->nparams, sizeof *o->slices);
+    if (!o->slices) dt_fail("out of memory (optimizer)");
+    for (int k = 0; k < f->nunits; k++) {
+        dt__fsdp_unit *u = &f->units[k];
+        int64_t lo = f->rank * u->shard, hi = lo + u->shard;
+        for (int i = u->first; i < u->end; i++) {
+            int64_t a = m->offsets[i] - u->offset, b = a + m->params[i].numel;
+            if (a < lo) a = lo;
+            if (b > hi) b = hi;
+            if (b <= a) continue;
+            struct dt_param_slice *s = &o->slices[o->nslices++];
+            s->offset = u->shard_offset + (a - lo);
+            s->length = b - a;
+            s->decay = m->params[i].ndim >= 2;
+        }
+    }
+}
+
+void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync) {
+    fsdp->sync = sync;
+    if (!sync && !fsdp->accum && fsdp->mode != DT_SHARD_OPTIMIZER) {     /* ZeRO-1 keeps whole gradients anyway */
+        fsdp->accum = (float *)dt_alloc_on(fsdp->model->device, DT_ARENA_GRADS, (size_t)fsdp->accum_numel * sizeof(float));
+        dt__zero_on(fsdp->model->device, fsdp->accum, (size_t)fsdp->accum_numel * sizeof(float));
+        dt_free_on(fsdp->model->device, DT_ARENA_GRADS, fsdp->gathered_grad, fsdp->largest);   /* each unit has its slice now */
+        dt_free_on(fsdp->model->device, DT_ARENA_GRADS, fsdp->outer_grad, fsdp->largest);
+        fsdp->gathered_grad = fsdp->outer_grad = NULL;
+    }
+}
+void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype) {
+    dt_device dev = fsdp->model->device;
+    dt_free_on(dev, DT_ARENA_COMM, fsdp->grad16, fsdp->largest / 2);
+    dt_free_on(dev, DT_ARENA_COMM, fsdp->scattered16, fsdp->largest_shard / 2);
+    fsdp->grad16 = fsdp->scattered16 = NULL;
+    fsdp->reduce_dtype = dtype;
+    if (dtype == DT_F32) return;
+    fsdp->grad16 = dt_alloc_on(dev, DT_ARENA_COMM, fsdp->largest / 2);
+    fsdp->scattered16 = dt_alloc_on(dev, DT_ARENA_COMM, fsdp->largest_shard / 2);
+}
+
+static void dt__fsdp_backward_done(dt_parallel *par) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    if (f->mode != DT_SHARD_OPTIMIZER || !f->sync) return;   /* reduce-scattered during backward, or accumulating */
+    for (int k = f->nunits - 1; k >= 0; k--) {
+        dt__fsdp_unit *u = &f->units[k];
+        dt__fsdp_reduce_scatter_unit(f, k);
+        dt__zero_on(f->model->device, u->full_grad, dt__fsdp_full_bytes(f, u));
+    }
+}
+
+void dt_fsdp_sync_grads(dt_fsdp *fsdp) { dt_parallel_backward_done(&fsdp->par); }
+
+/* After the optimizer: DT_SHARD_OPTIMIZER and _GRADS all-gather the updated
+   parameters (DT_SHARD_FULL gathers each unit when it is next used). */
+static void dt__fsdp_step_done(dt_parallel *par) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    if (f->mode == DT_SHARD_FULL) return;              /* gathered when next needed */
+    for (int k = 0; k < f->nunits; k++) {
+        dt__fsdp_unit *u = &f->units[k];
+        double t0 = dt_now_ms();
+        dt_all_gather(f->comm, dt__fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
+        dt__record_comm("all_gather parameters", t0, dt_now_ms(), 0);
+    }
+}
+
+/* Checkpoints see a sharded model whole: every rank's shards gathered into one
+   host array in parameter order (a collective), or written back into them. */
+static float *dt__fsdp_state_gather(dt_fsdp *f, const float *shards) {
+    dt_device dev = f->model->device;
+    float *host = (float *)malloc((size_t)f->model->numel * sizeof(float) + 1);
+    if (!host) dt_fail("out of memory (gathering a sharded checkpoint)");
+    for (int k = 0; k < f->nunits; k++) {
+        dt__fsdp_unit *u = &f->units[k];
+        float *full = (float *)dt_alloc_on(dev, DT_ARENA_COMM, dt__fsdp_full_bytes(f, u));
+        dt_all_gather(f->comm, dt__fsdp_shard_on_device(f, shards, k), full, u->shard, DT_F32);
+        dt__download_from(dev, host + u->offset, full, (size_t)u->numel * sizeof(float));
+        dt_free_on(dev, DT_ARENA_COMM, full, dt__fsdp_full_bytes(f, u));
+    }
+    return host;
+}
+static void dt__fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards, int parameters) {
+    for (int k = 0; k < f->nunits; k++) {
+        dt__fsdp_unit *u = &f->units[k];
+        int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
+        dt__fsdp_put(f, shards + u->shard_offset, host + u->offset + lo, hi - lo);
+        if (parameters && u->full) dt__fsdp_fill_params(f, u, host + u->offset);
+    }
+}
+static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    (void)for_load;                       /* every rank gets the whole, gathered, either way */
+    return dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
+}
+static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    if (written) dt__fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
+    free(host);
+}
+
+/* What each rank holds, against what DDP would hold: the ZeRO paper's
+   formulas with P, G, O the bytes of parameters, gradients and optimizer state
+   (O = 2P for AdamW, P for SGD's momentum), N ranks. The buffers that a unit
+   is gathered into are shown apart: they are the price of sharding. */
+static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
+    const dt_fsdp *f = (const dt_fsdp *)par;
+    /* ZeRO-1 and -2 here keep the shards the optimizer steps apart from the
+       whole copies: P/N (and for ZeRO-1 G/N) more than the paper, which steps
+       a slice of the copy in place */
+    static const char *formulas[3][3] = { { "P + P/N", "G + G/N", "O/N" }, { "P + P/N", "G/N", "O/N" }, { "P/N", "G/N", "O/N" } };
+    static const char *names[3] = { "optimizer (ZeRO-1)", "grads (ZeRO-2)", "full (ZeRO-3)" };
+    double P = 4.0 * f->model->numel, ddp[3] = { P, P, o->v ? 2 * P : P };
+    dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
+    const char *rows[3] = { "parameters", "gradients", "optimizer state" };
+    double buffers[3] = { ((f->gathered[0] ? 1.0 : 0.0) + (f->gathered[1] ? 1.0 : 0.0) + (f->gathered[2] ? 1.0 : 0.0)) *
+                          dt__fsdp_largest_params(f),
+                          ((f->gathered_grad ? 1.0 : 0.0) + (f->outer_grad ? 1.0 : 0.0)) * (double)f->largest, 0 };
+    double frozen = f->model->base ? 4.0 * (double)f->model->base->numel : 0;   /* LoRA's: in the parameters' arena */
+    buffers[0] += frozen;
+    printf("memory per rank, --shard %s%s, %d ranks (MB):\n", names[f->mode], f->offload ? " --cpu-offload" : "", f->world);
+    printf("  %-16s %8s %8s %8s   %s\n", "", "device", "host", "DDP", "formula");
+    for (int i = 0; i < 3; i++)
+        printf("  %-16s %8.2f %8.2f %8.2f   %s\n", rows[i], (dt_mem_now(arenas[i]) - buffers[i]) / 1e6,
+               dt_mem_host_now(arenas[i]) / 1e6, ddp[i] / 1e6, formulas[f->mode][i]);
+    if (frozen > 0)
+        printf("  %-16s %8.2f %8s %8.2f   %s\n", "frozen (LoRA)", frozen / 1e6, "", frozen / 1e6,
+               "F: whole on every rank and device, read only: no gradient, no state, never sent");
+    if (f->param_dtype != DT_F32)
+        printf("  (f32 shards and optimizer; parameters gathered in %s, 2 bytes each)\n", dt_dtype_name(f->param_dtype));
+    if (buffers[0] + buffers[1] - frozen > 0)
+        printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1] - frozen) / 1e6, "", "",
+               f->mode == DT_SHARD_FULL ? "2 units of parameters (one computes, the next arrives) + 1 of gradients"
+                                        : "1 unit of gradients (whole during its backward)");
+    if (f->model->outer_unit >= 0 && buffers[0] + buffers[1] - frozen > 0)
+        printf("  %-16s %8s %8s %8s   %s\n", "", "", "", "", "+ the outer unit's (embeddings, shared with the head), whole all step");
+    fflush(stdout);
+}
+
+/* The FSDP wrapper of a model, or NULL: for the checkpoints and reports that
+   need its shards. */
+static dt_fsdp *dt__fsdp_of(const dt_model *m) {
+    return m->parallel && m->parallel->step_done == dt__fsdp_step_done ? (dt_fsdp *)m->parallel : NULL;
+}
+
+void dt_fsdp_free(dt_fsdp *fsdp) {
+    if (!fsdp) return;
+    dt_model *m = fsdp->model;
+    dt_model_set_parallel(m, NULL);
+    for (int k = 0; k < fsdp->nunits; k++) {
+        dt__fsdp_unit *u = &fsdp->units[k];
+        if (u->gathering) dt__fsdp_gather_unit(fsdp, k, -1);      /* a prefetch nobody used: let it land */
+        if (fsdp->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt__fsdp_param_bytes(fsdp, u));
+        if (fsdp->mode == DT_SHARD_OPTIMIZER) dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt__fsdp_full_bytes(fsdp, u));
+        dt__fsdp_point(fsdp, u, 0, NULL);
+        dt__fsdp_point(fsdp, u, 1, NULL);
+    }
+    for (int b = 0; b < 3; b++) {
+        dt_free_on(m->device, DT_ARENA_PARAMS, fsdp->gathered[b], dt__fsdp_largest_params(fsdp));
+        dt_free_on(m->device, DT_ARENA_COMM, fsdp->staged[b], fsdp->largest_shard);
+        dt_free_on(m->device, DT_ARENA_COMM, fsdp->send16[b], fsdp->largest_shard / 2);
+    }
+    dt__comm_release(fsdp->comm);            /* after the last prefetch has landed */
+    dt_fsdp_set_reduce_dtype(fsdp, DT_F32);
+    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->accum, (size_t)fsdp->accum_numel * sizeof(float));
+    for (int i = 0; i < m->nparams; i++) m->params[i].dtype = DT_F32;
+    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->gathered_grad, fsdp->largest);
+    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->outer_grad, fsdp->largest);
+    dt_free_on(m->device, DT_ARENA_COMM, fsdp->scattered, fsdp->largest_shard);
+    size_t shard_bytes = (size_t)fsdp->shard_numel * sizeof(float);
+    if (fsdp->offload) { dt_free_host(DT_ARENA_PARAMS, fsdp->shard_params, shard_bytes); dt_free_host(DT_ARENA_GRADS, fsdp->shard_grads, shard_bytes); }
+    else { dt_free_on(m->device, DT_ARENA_PARAMS, fsdp->shard_params, shard_bytes); dt_free_on(m->device, DT_ARENA_GRADS, fsdp->shard_grads, shard_bytes); }
+    free(fsdp->units);
+    free(fsdp);
+}
+
+/* [src/12-tensor-parallel.h] */
+/* -- tensor parallelism (Megatron-LM, Shoeybi et al., 2019) --
+   The model marks where each parameter may be cut (dt_split, the models chapter), and
+   its layers call dt_tp_copy and dt_tp_sum (the autograd chapter) wherever a layer is
+   cut; this wrapper cuts the parameters and gives the sum. Every rank draws
+   the whole model from the seed, as stage 01 does, and keeps its piece: the
+   r-th of T along the cut dimension, of each of its `parts` groups (rank r
+   gets its heads of q, of k and of v). Replicated parameters (norms,
+   embeddings, the head) compute the same values on every rank of a group and
+   get the same gradient bits, as the sums they read are the same bits on
+   every rank; so they need no communication of their own, and the gradient
+   norm counts them once (on the group's first rank). -- */
+struct dt_tp {
+    dt_parallel par;            /* first: the model's dt_parallel * is this dt_tp */
+    dt_model *model;
+    dt_comm *comm;
+    dt_mesh *mesh;
+    dt_comm *group, *across;    /* the ranks that split the layers ("tp"), and the data-parallel groups ("dp") */
+    int size, rank;             /* T, and this rank's piece */
+    int sequence_parallel;
+    /* (the group's share of the data is par's data_rank of data_ranks, where dt_evaluate reads it) */
+    double sums, sum_bytes;     /* the sums of this step so far (an all-gather or a reduce-scatter: half a sum) ... */
+    double step_sums, step_sum_bytes;    /* ... and of the last step: what the cost model counts */
+    double sum_ms, step_sum_ms;
+    /* The model as it was before the cut: its parameters' whole shapes and
+       offsets, no buffers. Checkpoints are laid out by it (the checkpoints chapter). */
+    dt_model whole;
+};
+/* Each sum of the step (an all-gather or a reduce-scatter: half of one, as
+   many bytes, half the hops), for the cost model; evaluation's are not a
+   training step's. */
+static void dt__tp_count(dt_tp *t, const char *what, double t0, double sums, double bytes) {
+    double t1 = dt_now_ms();
+    dt__record_comm(what, t0, t1, 0);
+    if (!dt__ctx.grad_enabled) return;
+    t->sum_ms += t1 - t0;
+    t->sums += sums;
+    t->sum_bytes += bytes;
+}
+static void dt__tp_sum(dt_parallel *par, float *values, int64_t n) {
+    dt_tp *t = (dt_tp *)par;
+    double t0 = dt_now_ms();
+    dt_all_reduce(t->group, values, values, n, DT_F32, DT_SUM);
+    dt__tp_count(t, "all_reduce tp", t0, 1, 4.0 * (double)n);
+}
+static void dt__tp_max(dt_parallel *par, float *values, int64_t n) {
+    dt_tp *t = (dt_tp *)par;
+    double t0 = dt_now_ms();
+    dt_all_reduce(t->group, values, values, n, DT_F32, DT_MAX);
+    dt__tp_count(t, "all_reduce max tp", t0, 1, 4.0 * (double)n);
+}
+static void dt__sp_all_gather(dt_parallel *par, const float *mine, float *all, int64_t n) {
+    dt_tp *t = (dt_tp *)par;
+    double t0 = dt_now_ms();
+    dt_all_gather(t->group, mine, all, n, DT_F32);
+    dt__tp_count(t, "all_gather tp", t0, 0.5, 0.5 * 4.0 * (double)n * t->size);
+}
+static void dt__sp_reduce_scatter(dt_parallel *par, const float *all, float *mine, int64_t n) {
+    dt_tp *t = (dt_tp *)par;
+    double t0 = dt_now_ms();
+    dt_reduce_scatter(t->group, all, mine, n, DT_F32, DT_SUM);
+    dt__tp_count(t, "reduce_scatter tp", t0, 0.5, 0.5 * 4.0 * (double)n * t->size);
+}
+static void dt__tp_step_done(dt_parallel *par) {
+    dt_tp *t = (dt_tp *)par;
+    t->step_sums = t->sums;
+    t->step_sum_bytes = t->sum_bytes;
+    t->step_sum_ms = t->sum_ms;
+    t->sums = t->sum_bytes = 0;
+    t->sum_ms = 0;
+}
+/* The share of the parameters the split layers hold: of the compute too,
+   near enough (each parameter multiplies once per token either way). */
+static double dt__tp_split_share(const dt_tp *t) {
+    double split = 0;
+    for (int i = 0; i < t->whole.nparams; i++)
+        if (t->model->splits[i].dim >= 0) split += (double)t->whole.params[i].numel;
+    return t->whole.numel > 0 ? split / (double)t->whole.numel : 0;
+}
+/* The cost model's view of the last step: the whole model's compute on one
+   rank, from this rank's share of it and its sums' time. */
+static int dt__tp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_tp *t = (const dt_tp *)par;
+    int K = in->accum_steps > 0 ? in->accum_steps : 1;
+    in->kind = DT_PAR_TP;
+    in->tp_share = dt__tp_split_share(t);
+    in->tp_sums = t->step_sums / K;
+    in->tp_bytes = t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0;
+    double kept = in->tp_share / t->size + (1 - in->tp_share);
+    in->compute_ms = fmax(0, in->compute_ms - t->step_sum_ms / K) / kept;
+    in->optimizer_ms *= t->model->numel > 0 ? (double)t->whole.numel / (double)t->model->numel : 1;   /* it stepped its pieces */
+    in->dp_groups = t->par.data_ranks;
+    return t->size;
+}
+static void dt__tp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
+    const dt_tp *t = (const dt_tp *)par;
+    fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", t->size, dt__tp_split_share(t), t->step_sums / accum_steps,
+            t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0.0);
+}
+static void dt__tp_sum_over_ranks(dt_parallel *par, float *values, int n) {
+    dt__comm_all_reduce_host(((dt_tp *)par)->group, values, n, DT_SUM);
+}
+/* The optimizer steps this rank's pieces and the replicated parameters;
+   only the group's first rank counts the replicated ones in the norm. */
+static void dt__tp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
+    dt_tp *t = (dt_tp *)par;
+    dt_model *m = t->model;
+    dt__optimizer_view_all(o, m);
+    for (int i = 0; i < m->nparams; i++) o->slices[i].copy = t->rank > 0 && m->splits[i].dim < 0;
+    o->sharded_by = par;
+}
+/* With several data-parallel groups, the average gradient over them. */
+static void dt__tp_backward_done(dt_parallel *par) {
+    dt_tp *t = (dt_tp *)par;
+    dt_model *m = t->model;
+    if (t->sequence_parallel) {            /* the whole parameters read where the rows are split: summed */
+        double t0 = dt_now_ms();
+        for (int i = 0; i < m->nparams; i++)
+            if (m->splits[i].dim < 0 && m->splits[i].rows)
+                dt_all_reduce(t->group, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
+        dt__record_comm("all_reduce tp grads", t0, dt_now_ms(), 0);
+    }
+    if (t->par.data_ranks == 1) return;
+    double t0 = dt_now_ms();
+    dt_all_reduce(t->across, t->model->flat_grad, t->model->flat_grad, t->model->numel, DT_F32, DT_AVG);
+    dt__ctx.grad_collectives++;
+    dt__record_comm("all_reduce dp", t0, dt_now_ms(), 0);
+}
+void dt_tp_sync_grads(dt_tp *tp) { dt_parallel_backward_done(&tp->par); }
+int dt_tp_data_rank(const dt_tp *tp) { return tp->par.data_rank; }
+int dt_tp_data_ranks(const dt_tp *tp) { return tp->par.data_ranks; }
+
+/* Piece r of T of a parameter (host values in its whole shape, whole_shape):
+   out of the whole (to_whole 0) or back into it (1). */
+static void dt__tp_piece(float *whole, float *piece, const int *whole_shape, int ndim, dt_split s, int T, int r,
+                         int to_whole) {
+    int64_t outer = 1, inner = 1;
+    for (int d = 0; d < s.dim; d++) outer *= whole_shape[d];
+    for (int d = s.dim + 1; d < ndim; d++) inner *= whole_shape[d];
+    int64_t group = whole_shape[s.dim] / s.parts, len = group / T;
+    size_t bytes = (size_t)(len * inner) * sizeof(float);
+    for (int64_t o = 0; o < outer; o++)
+        for (int g = 0; g < s.parts; g++) {
+            float *w = whole + (o * whole_shape[s.dim] + g * group + r * len) * inner, *p = piece + ((o * s.parts + g) * len) * inner;
+            if (to_whole) memcpy(w, p, bytes);
+            else memcpy(p, w, bytes);
+        }
+}
+/* The state of a tensor-parallel model (parameters or a moment, `local` on
+   the device) in the whole model's layout, on the host of the group's first
+   rank, which writes it: one split tensor at a time, its pieces all-gathered
+   on the device and put where they sit in the whole. So no rank holds more
+   than the largest tensor beside its own pieces, and the writer the whole
+   state once. The other ranks of the group take part and get NULL. `m`
+   lays out `local`: the model, or (a pipeline's stages composed, section
+   11's next part) every stage's pieces. */
+static float *dt__tp_state_gather(dt_tp *t, const dt_model *m, float *local) {
+    const dt_model *W = &t->whole;
+    float *whole = NULL;
+    if (t->rank == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
+        dt_fail("out of memory (gathering the tensor-parallel pieces for a checkpoint: %.1f MB)", W->numel * 4e-6);
+    for (int i = 0; i < m->nparams; i++) {
+        const dt_tensor *p = &m->params[i];
+        size_t bytes = (size_t)p->numel * sizeof(float);
+        if (m->splits[i].dim < 0) {
+            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
+            continue;
+        }
+        float *all = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes * (size_t)t->size);
+        dt_all_gather(t->group, local + m->offsets[i], all, p->numel, DT_F32);
+        if (whole) {
+            float *host = dt__host_view(m->device, all, p->numel * t->size);
+            for (int r = 0; r < t->size; r++)
+                dt__tp_piece(whole + W->offsets[i], host + (size_t)r * (size_t)p->numel, W->params[i].shape, p->ndim,
+                             m->splits[i], t->size, r, 1);
+            dt__host_view_close(m->device, host, all, p->numel * t->size, 0);
+        }
+        dt_free_on(m->device, DT_ARENA_COMM, all, bytes * (size_t)t->size);
+    }
+    return whole;
+}
+/* The other way: this rank's pieces of a whole state (host) into `local`, laid out by m. */
+static void dt__tp_state_scatter(dt_tp *t, const dt_model *m, float *whole, float *local) {
+    const dt_model *W = &t->whole;
+    float *mine = (float *)malloc((size_t)m->numel * sizeof(float) + 1);
+    if (!mine) dt_fail("out of memory (tensor parallelism)");
+    for (int i = 0; i < m->nparams; i++) {
+        if (m->splits[i].dim < 0) memcpy(mine + m->offsets[i], whole + W->offsets[i], (size_t)m->params[i].numel * sizeof(float));
+        else dt__tp_piece(whole + W->offsets[i], mine + m->offsets[i], W->params[i].shape, m->params[i].ndim, m->splits[i],
+                          t->size, t->rank, 0);
+    }
+    dt_upload(local, mine, (size_t)m->numel * sizeof(float));
+    free(mine);
+}
+/* The state a checkpoint saves (the checkpoints chapter): 0 the parameters, 1 and 2 the
+   optimizer's moments, each laid out as the model's flat buffer. */
+static float *dt__state_buffer(dt_model *m, dt_optimizer *o, int which) {
+    return which == 0 ? m->flat_data : which == 1 ? o->m : o->v;
+}
+/* The checkpoint's view (the checkpoints chapter). Saving: the groups hold the same
+   state, so the first group gathers it and its first rank, the job's rank 0,
+   writes. Loading: every rank reads the whole file and cuts its pieces. */
+static float *dt__tp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
+    dt_tp *t = (dt_tp *)par;
+    if (for_load) {
+        float *whole = (float *)calloc((size_t)t->whole.numel + 1, sizeof(float));
+        if (!whole) dt_fail("out of memory (reading a whole checkpoint to cut: %.1f MB)", t->whole.numel * 4e-6);
+        return whole;
+    }
+    return t->par.data_rank == 0 ? dt__tp_state_gather(t, t->model, dt__state_buffer(t->model, o, which)) : NULL;
+}
+static void dt__tp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
+    dt_tp *t = (dt_tp *)par;
+    if (written) dt__tp_state_scatter(t, t->model, host, dt__state_buffer(t->model, o, which));
+    free(host);
+}
+static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o);
+
+/* Cutting a model (tensor and pipeline parallelism): the whole model's
+   layout kept in `whole`, a shell without buffers that checkpoints are laid
+   out by; each parameter's shape made this rank's by cut_shape (a piece of
+   it, or nothing); this rank's values moved into new flat buffers by
+   scatter (the whole model's on the host -> this rank's on the device). */
+static void dt__model_cut(dt_model *model, dt_model *whole, void (*cut_shape)(void *wrapper, int i, dt_tensor *p),
+                          void (*scatter)(void *wrapper, float *whole, float *local), void *wrapper) {
+    *whole = *model;
+    whole->parallel = NULL;
+    whole->flat_data = whole->flat_grad = NULL;
+    whole->params = (dt_tensor *)malloc(sizeof(dt_tensor) * (size_t)model->nparams);
+    whole->offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(model->nparams + 1));
+    if (!whole->params || !whole->offsets) dt_fail("out of memory (cutting the model)");
+    memcpy(whole->params, model->params, sizeof(dt_tensor) * (size_t)model->nparams);
+    memcpy(whole->offsets, model->offsets, sizeof(int64_t) * (size_t)model->nparams);
+    whole->offsets[model->nparams] = model->numel;
+    for (int i = 0; i < model->nparams; i++) whole->params[i].data = whole->params[i].grad = NULL;
+    model->numel = 0;
+    for (int i = 0; i < model->nparams; i++) {
+        cut_shape(wrapper, i, &model->params[i]);
+        model->offsets[i] = model->numel;
+        model->numel += model->params[i].numel;
+    }
+    model->offsets[model->nparams] = model->numel;
+    float *host = dt__host_view(model->device, model->flat_data, whole->numel);
+    size_t bytes = (size_t)model->numel * sizeof(float), whole_bytes = (size_t)whole->numel * sizeof(float);
+    float *mine = (float *)dt_alloc_on(model->device, DT_ARENA_PARAMS, bytes);
+    scatter(wrapper, host, mine);
+    dt__host_view_close(model->device, host, model->flat_data, whole->numel, 0);
+    dt_free_on(model->device, DT_ARENA_PARAMS, model->flat_data, whole_bytes);
+    dt_free_on(model->device, DT_ARENA_GRADS, model->flat_grad, whole_bytes);
+    model->flat_data = mine;
+    model->flat_grad = (float *)dt_alloc_on(model->device, DT_ARENA_GRADS, bytes);
+    for (int i = 0; i < model->nparams; i++) {
+        model->params[i].data = model->flat_data + model->offsets[i];
+        model->params[i].grad = model->flat_grad + model->offsets[i];
+    }
+}
+static void dt__tp_cut_shape(void *wrapper, int i, dt_tensor *p) {
+    dt_tp *t = (dt_tp *)wrapper;
+    dt_split sp = t->model->splits[i];
+    if (sp.dim < 0) return;
+    p->shape[sp.dim] /= t->size;
+    p->numel /= t->size;
+}
+static void dt__tp_scatter(void *wrapper, float *whole, float *local) {
+    dt_tp *t = (dt_tp *)wrapper;
+    dt__tp_state_scatter(t, t->model, whole, local);
+}
+
+dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_parallel) {
+    int world = dt_comm_size(comm);
+    char v[64];
+    snprintf(v, sizeof v, "%d %d", tp, sequence_parallel != 0);
+    dt_comm_check_agree(comm, "--tp --sequence-parallel", v);
+    if (tp <= 0) tp = world;
+    if (world % tp)
+        dt_usage_error("--tp %d does not divide the job's %d ranks (the ranks form groups of --tp, data parallel across them)",
+                       tp, world);
+    if (model->base) dt_usage_error("--lora-rank: LoRA's adapters are not split by tensor parallelism; train them with 03-05");
+    int cuts = 0;
+    for (int i = 0; i < model->nparams; i++) {
+        dt_split sp = model->splits[i];
+        if (sp.dim < 0) continue;
+        if (sp.vocab && model->params[i].shape[sp.dim] % tp) {    /* the table at start-up says so */
+            model->splits[i].dim = -1;
+            continue;
+        }
+        cuts++;
+        int64_t group = model->params[i].shape[sp.dim] / sp.parts;
+        if (group % ((int64_t)tp * sp.align))
+            dt_usage_error("--tp %d: %s's %lld %s do not split into %d equal shares (%s)", tp, model->params[i].name,
+                           (long long)(group / sp.align), sp.align > 1 ? "attention heads" : "features", tp,
+                           sp.align > 1 ? "--heads (and llama's --kv-heads) must be a multiple of --tp"
+                                        : "--dim and the MLP's width must be multiples of --tp");
+    }
+    if (!cuts)
+        dt_usage_error("--model %s: no layer of this model is split by tensor parallelism (the mlp needs --depth 2 or more)",
+                       dt__model_kind_name(model->cfg.kind));
+    dt_tp *t = (dt_tp *)calloc(1, sizeof *t);
+    if (!t) dt_fail("out of memory (tensor parallelism)");
+    t->par = (dt_parallel){ .create_fn = "dt_tp_create", .sync_fn = "dt_tp_sync_grads", .free_fn = "dt_tp_free",
+                            .backward_done = dt__tp_backward_done, .step_done = dt__tp_step_done,
+                            .optimizer_view = dt__tp_optimizer_view,
+                            .sum_over_ranks = dt__tp_sum_over_ranks,
+                            .tp_sum = tp > 1 ? dt__tp_sum : NULL,     /* a group of one: the layers as in stage 01 */
+                            .tp_max = tp > 1 ? dt__tp_max : NULL, .tp_all_gather = tp > 1 ? dt__sp_all_gather : NULL,
+                            .sp_all_gather = tp > 1 && sequence_parallel ? dt__sp_all_gather : NULL,
+                            .sp_reduce_scatter = tp > 1 && sequence_parallel ? dt__sp_reduce_scatter : NULL,
+                            .state_open = dt__tp_state_open, .state_close = dt__tp_state_close,
+                            .memory_table = dt__tp_memory_table, .cost_input = dt__tp_cost_input,
+                            .bench_fields = dt__tp_bench_fields };
+    dt_model_set_parallel(model, &t->par);
+    dt__comm_hold(comm, "dt_tp_free");
+    t->model = model;
+    t->comm = comm;
+    int sizes[2] = { world / tp, tp };
+    const char *names[2] = { "dp", "tp" };
+    t->mesh = dt_mesh_create(comm, 2, sizes, names);
+    t->group = dt_mesh_comm(t->mesh, "tp");
+    t->across = dt_mesh_comm(t->mesh, "dp");
+    t->size = tp;
+    t->rank = dt_mesh_coord(t->mesh, "tp");
+    t->par.tp_rank = t->rank;
+    t->par.tp_size = tp;
+    t->sequence_parallel = tp > 1 && sequence_parallel;
+    t->par.data_rank = dt_mesh_coord(t->mesh, "dp");
+    t->par.data_ranks = world / tp;
+
+    t->par.whole = &t->whole;
+    dt__model_cut(model, &t->whole, dt__tp_cut_shape, dt__tp_scatter, t);
+    if (t->par.data_ranks > 1) dt_broadcast(t->across, model->flat_data, model->numel, DT_F32, 0);   /* every group starts alike */
+    return t;
+}
+
+/* A parameter's name with its block number as "*": what every block shares. */
+static void dt__block_pattern(const char *name, char *out, size_t n) {
+    size_t k = 0;
+    for (const char *c = name; *c && k + 1 < n; ) {
+        const char *e = c;
+        while (*e >= '0' && *e <= '9') e++;
+        if (e > c && (c == name || c[-1] == '.') && (*e == '.' || !*e)) { out[k++] = '*'; c = e; }
+        else out[k++] = *c++;
+    }
+    out[k] = 0;
+}
+static void dt__shape_string(const int *shape, int ndim, char *out, size_t n) {
+    size_t k = 0;
+    out[0] = 0;
+    for (int d = 0; d < ndim && k < n; d++) k += (size_t)snprintf(out + k, n - k, d ? "x%d" : "%d", shape[d]);
+}
+/* At start-up: each rank's bytes against the whole model's, and which
+   tensors are cut, whole and here (rows alike in every block printed once). */
+static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
+    const dt_tp *t = (const dt_tp *)par;
+    const dt_model *m = t->model, *W = &t->whole;
+    double split = 0, whole = 0, moments = o->v ? 2 : 1;
+    for (int i = 0; i < m->nparams; i++) {
+        if (m->splits[i].dim >= 0) split += 4.0 * W->params[i].numel;
+        else whole += 4.0 * W->params[i].numel;
+    }
+    printf("memory per rank, --tp %d: every block's layers split over %d ranks, %d data-parallel group%s (MB):\n", t->size,
+           t->size, t->par.data_ranks, t->par.data_ranks > 1 ? "s" : "");
+    printf("  %-16s %9s %9s   %s\n", "", "this rank", "whole", "formula (S: the split tensors, R: the rest)");
+    const char *rows[3] = { "parameters", "gradients", "optimizer state" };
+    dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
+    for (int r = 0; r < 3; r++)
+        printf("  %-16s %9.3f %9.3f   %s(S/%d + R)\n", rows[r], dt_mem_now(arenas[r]) / 1e6,
+               (r == 2 ? moments : 1) * (split + whole) / 1e6, r == 2 && moments == 2 ? "2 x " : "", t->size);
+    printf("  S = %.3f MB whole, %.3f here; R = %.3f MB (norms, biases after a sum, what does not divide) on every rank\n",
+           split / 1e6, split / t->size / 1e6, whole / 1e6);
+    char seen[64][96];
+    int nseen = 0;
+    int width = 30;                             /* the names' column: Llama's are long */
+    for (int i = 0; i < m->nparams; i++) {
+        char pattern[96];
+        dt__block_pattern(m->params[i].name, pattern, sizeof pattern);
+        if (m->splits[i].dim >= 0 && (int)strlen(pattern) > width) width = (int)strlen(pattern);
+    }
+    for (int i = 0; i < m->nparams; i++) {
+        if (m->splits[i].vocab && m->splits[i].dim < 0)
+            printf("    %-*s %12d rows stay whole: the vocabulary does not divide by %d\n", width, m->params[i].name,
+                   m->params[i].shape[0], t->size);
+        if (m->splits[i].dim < 0) continue;
+        char pattern[96], a[48], b[48];
+        int count = 0, dup = 0;
+        dt__block_pattern(m->params[i].name, pattern, sizeof pattern);
+        for (int k = 0; k < nseen; k++) dup |= !strcmp(seen[k], pattern);
+        if (dup) continue;
+        if (nseen < 64) dt__copy_str(seen[nseen++], sizeof seen[0], pattern);
+        for (int j = i; j < m->nparams; j++) {
+            char other[96];
+            dt__block_pattern(m->params[j].name, other, sizeof other);
+            count += !strcmp(other, pattern);
+        }
+        dt__shape_string(W->params[i].shape, W->params[i].ndim, a, sizeof a);
+        dt__shape_string(m->params[i].shape, m->params[i].ndim, b, sizeof b);
+        printf("    %-*s %12s -> %-12s%s", width, pattern, a, b, m->splits[i].parts > 1 ? " q, k and v each by heads"
+                                                                   : m->splits[i].vocab ? " the vocabulary, by tokens" : "");
+        if (count > 1) printf("%s x%d blocks", m->splits[i].parts > 1 ? "," : "", count);
+        printf("\n");
+    }
+    fflush(stdout);
+}
+
+void dt_tp_free(dt_tp *tp) {
+    if (!tp) return;
+    dt_model_set_parallel(tp->model, NULL);
+    tp->model->left_cut_by = "dt_tp_free";     /* the pieces stay: the model can only be freed now */
+    dt_mesh_free(tp->mesh);
+    dt__comm_release(tp->comm);
+    free(tp->whole.params);
+    free(tp->whole.offsets);
+    free(tp);
+}
+
+/* [src/13-pipeline-parallel.h] */
+/* -- pipeline parallelism (GPipe: Huang et al., 2019; 1F1B: PipeDream-Flush,
+      Narayanan et al., 2021) --
+   The blocks are cut into P runs, one per rank of a pipeline: its stage. A
+   micro-batch enters at the first stage; each stage runs its blocks and
+   sends the activation on; the last one computes the loss. Backward goes
+   back the same way, each stage sending the gradient of what it received to
+   the stage before. A whole batch at once would keep all stages but one
+   waiting, so it is cut into M micro-batches that follow each other down
+   the pipeline: while stage 1 works on micro-batch 0, stage 0 starts
+   micro-batch 1. What waiting is left -- the bubble, P - 1 micro-batches'
+   time as the pipeline fills and as it drains -- is (P - 1) / (M + P - 1)
+   of a step when every stage takes as long. The schedule orders a stage's
+   forwards and backwards: GPipe runs every forward, then every backward, so
+   a stage keeps the activations of all M micro-batches; 1F1B runs a
+   micro-batch's backward as soon as it can, so it keeps at most P (the
+   first stage P, the last one), for the same bubble. Each micro-batch has a
+   step arena of its own, given back when its backward is done, so memory
+   follows the schedule. Activations travel one way on one pair of ranks and
+   gradients the other way on another, each pair with its own communication
+   thread (or stream) and in micro-batch order on both sides, so the two
+   directions never wait for each other; a stage posts its next receive as
+   soon as it has taken the last one, into an inbox, so that the next
+   message arrives while it computes. Every rank of a pipeline reads the
+   same batch (the first stage its inputs, the last its labels). -- */
+typedef struct { int backward, micro; } dt__pp_action;
+/* A schedule is the order of one stage's 2M actions. */
+static int dt__gpipe_order(int stage, int stages, int M, dt__pp_action *a) {
+    (void)stage; (void)stages;
+    int n = 0;
+    for (int i = 0; i < M; i++) a[n++] = (dt__pp_action){ 0, i };
+    for (int i = 0; i < M; i++) a[n++] = (dt__pp_action){ 1, i };
+    return n;
+}
+/* 1F1B: as many forwards as the stages after this one (warm-up), then one
+   forward and one backward in turn, then the backwards left (cool-down). */
+static int dt__1f1b_order(int stage, int stages, int M, dt__pp_action *a) {
+    int warm = stages - 1 - stage < M ? stages - 1 - stage : M, n = 0, f = 0, b = 0;
+    while (f < warm) a[n++] = (dt__pp_action){ 0, f++ };
+    while (f < M) { a[n++] = (dt__pp_action){ 0, f++ }; a[n++] = (dt__pp_action){ 1, b++ }; }
+    while (b < M) a[n++] = (dt__pp_action){ 1, b++ };
+    return n;
+}
+static const struct { const char *name; int (*order)(int stage, int stages, int M, dt__pp_action *a); } dt__pp_schedules[] = {
+    { "gpipe", dt__gpipe_order }, { "1f1b", dt__1f1b_order } };   /* in dt_pp_schedule's order */
+
+struct dt_pp {
+    dt_parallel par;            /* first: the model's dt_parallel * is this dt_pp */
+    dt_model *model;
+    dt_comm *comm;
+    dt_mesh *mesh;
+    dt_comm *pipe, *across;     /* the stages of one pipeline ("pp"), and the data-parallel pipelines ("dp") */
+    dt_comm *ends;              /* the first and the last stage (a tied vocabulary), or NULL */
+    dt_tp *tp;                  /* with --tp: the tensor-parallel wrapper that split the blocks' layers, or NULL */
+    dt_comm *to_next, *from_next, *to_prev, *from_prev;   /* one way each: activations on, gradients back */
+    int stages, stage, micro_batches;
+    dt_pp_schedule schedule;
+    int *first_block;           /* stage s runs blocks [first_block[s], first_block[s + 1]) */
+    dt_model whole;             /* the model before the cut into stages (with --tp: its pieces of every stage) */
+    /* Per micro-batch slot: an arena pair, taken by a forward, given back
+       after its backward (slots: as many as were ever alive at once). */
+    dt__step_arena (*arenas)[2];
+    int nslots;
+    /* The inboxes the next receive lands in, and their handles (0: none posted). */
+    void *inbox_x, *inbox_g;
+    size_t inbox_bytes;
+    dt_comm_handle recv_x, recv_g;
+    /* The last step, for the log and the tests: this rank's time computing
+       and waiting, and the activation bytes kept at once (at most, and per
+       micro-batch); the pipeline's: its stages' times added up, and the
+       busiest stage's (which sets the pace). */
+    double busy_ms, idle_ms, step_ms;
+    double pipe_busy_ms, pipe_idle_ms, pipe_step_ms, pipe_busiest_ms;
+    double pipe_tp_sums, pipe_tp_sum_ms, pipe_tp_sum_bytes;   /* with --tp: the stages' layer sums, their time and bytes */
+    double act_bytes;           /* one micro-batch's activation, sent on */
+    double kept_peak, kept_micro;
+    int kept_micro_batches;     /* the most micro-batches alive at once */
+    /* --shard optimizer (ZeRO-1 over the pipelines, D > 1): this rank steps
+       [zero_lo, zero_hi) of its stage's flat buffer, a chunk of
+       zero_chunk = ceil(numel / D); zero_grads, that slice of the average
+       gradient; zero_buf, the whole buffer padded to D chunks for the
+       collectives. */
+    int zero1;
+    int64_t zero_lo, zero_hi, zero_chunk;
+    float *zero_grads, *zero_buf;
+};
+
+static int dt__pp_holds(const dt_pp *p, int stage, int i) {
+    const dt_split *sp = &p->model->splits[i];
+    int n = dt_model_blocks(p->model), last = stage == p->stages - 1;
+    if (sp->tied && (stage == 0 || last)) return 1;
+    if (sp->block < 0) return stage == 0;
+    if (sp->block >= n) return last;
+    return sp->block >= p->first_block[stage] && sp->block < p->first_block[stage + 1];
+}
+static double dt__pp_stage_params(const dt_pp *p, int stage) {
+    double held = 0;
+    for (int i = 0; i < p->model->nparams; i++) if (dt__pp_holds(p, stage, i)) held += (double)p->whole.params[i].numel;
+    return held;
+}
+static int dt__pp_owner(const dt_pp *p, int i) {     /* the first stage that holds parameter i */
+    for (int s = 0; s < p->stages; s++) if (dt__pp_holds(p, s, i)) return s;
+    return 0;
+}
+/* Stage s runs blocks [first[s], first[s + 1]): the cut whose largest stage
+   holds the fewest parameters (the embedding's counted with the first stage,
+   the head's with the last), found by dynamic programming over the cuts. */
+static void dt__pp_balance(const dt_model *m, int P, int *first) {
+    int n = dt_model_blocks(m);
+    double *w = (double *)calloc((size_t)n + 3, sizeof(double)), *cum = (double *)calloc((size_t)n + 1, sizeof(double));
+    double *best = (double *)malloc(sizeof(double) * (size_t)(P + 1) * (size_t)(n + 1));
+    int *cut = (int *)malloc(sizeof(int) * (size_t)(P + 1) * (size_t)(n + 1));
+    if (!w || !cum || !best || !cut) dt_fail("out of memory (pipeline stages)");
+    for (int i = 0; i < m->nparams; i++) {
+        int b = m->splits[i].block;
+        w[(b < 0 ? -1 : b > n ? n : b) + 1] += (double)m->params[i].numel;
+        if (m->splits[i].tied) w[n + 1] += (double)m->params[i].numel;
+    }
+    for (int b = 0; b < n; b++) cum[b + 1] = cum[b] + w[b + 1];
+#define DT_BEST(k, j) best[(size_t)(k) * (size_t)(n + 1) + (size_t)(j)]
+#define DT_CUT(k, j) cut[(size_t)(k) * (size_t)(n + 1) + (size_t)(j)]
+    /* DT_BEST(k, j): the smallest largest stage of blocks [0, j) in k stages */
+    for (int j = 1; j <= n; j++) DT_BEST(1, j) = w[0] + cum[j] + (P == 1 ? w[n + 1] : 0);
+    for (int k = 2; k <= P; k++)
+        for (int j = k; j <= n; j++) {
+            DT_BEST(k, j) = HUGE_VAL;
+            for (int c = k - 1; c < j; c++) {
+                double here = cum[j] - cum[c] + (k == P && j == n ? w[n + 1] : 0);
+                double worst = fmax(DT_BEST(k - 1, c), here);
+                if (worst < DT_BEST(k, j)) { DT_BEST(k, j) = worst; DT_CUT(k, j) = c; }
+            }
+        }
+    first[P] = n;
+    for (int k = P, j = n; k > 1; k--) j = first[k - 1] = DT_CUT(k, j);
+    first[0] = 0;
+#undef DT_BEST
+#undef DT_CUT
+    free(w); free(cum); free(best); free(cut);
+}
+
+static void dt__pp_cut_shape(void *wrapper, int i, dt_tensor *p) {
+    dt_pp *pp = (dt_pp *)wrapper;
+    if (dt__pp_holds(pp, pp->stage, i)) return;
+    p->shape[0] = 0;                        /* not this stage's: nothing here */
+    p->numel = 0;
+}
+static void dt__pp_scatter(void *wrapper, float *whole, float *local) {
+    dt_pp *p = (dt_pp *)wrapper;
+    dt_model *m = p->model;
+    for (int i = 0; i < m->nparams; i++)
+        dt__upload_to(m->device, local + m->offsets[i], whole + p->whole.offsets[i], (size_t)m->params[i].numel * sizeof(float));
+}
+
+/* The shape of what stage s passes stage s + 1, for a micro-batch of these inputs. */
+static void dt__pp_activation_shape(const dt_pp *p, const dt_tensor *inputs, int shape[2]) {
+    shape[0] = inputs->shape[0] * dt__family(p->model->cfg.kind)->rows_per_sample(p->model, inputs);
+    shape[1] = p->model->cfg.dim;
+}
+/* The inbox's next message from `from`, waited for (the time counts as
+   idle), copied into dst, and the receive after it posted when `more`. */
+static void dt__pp_take(dt_pp *p, dt_comm *from, int peer, void *inbox, dt_comm_handle *h, void *dst, int64_t n, dt_dtype t,
+                        int more) {
+    double t0 = dt_now_ms(), a, b;
+    if (!*h) *h = dt_recv_async(from, inbox, n, t, peer);
+    dt_comm_wait(from, *h);
+    dt_synchronize();
+    double t1 = dt_now_ms();
+    p->idle_ms += t1 - t0;
+    dt__record_event("waiting", t0, t1);
+    /* the receive on the trace's communication row; not in the step's
+       communication time, as it was posted early and its span holds the
+       sender's compute (the send's, counted by the sender, is the message) */
+    dt__comm_interval(from, *h, &a, &b);
+    dt__record_span(from == p->from_prev ? "recv activation" : "recv gradient", a, b, 0);
+    dt_convert(inbox, t, dst, t, n);                   /* a copy on the device */
+    *h = more ? dt_recv_async(from, inbox, n, t, peer) : 0;
+}
+static void dt__pp_inboxes(dt_pp *p, size_t bytes) {
+    if (bytes <= p->inbox_bytes) return;    /* grown between steps, when no receive is posted into them */
+    dt_free_on(p->model->device, DT_ARENA_COMM, p->inbox_x, p->inbox_bytes);
+    dt_free_on(p->model->device, DT_ARENA_COMM, p->inbox_g, p->inbox_bytes);
+    p->inbox_x = dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+    p->inbox_g = dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+    p->inbox_bytes = bytes;
+}
+
+/* What one micro-batch leaves between its forward and its backward. */
+typedef struct {
+    int slot;                   /* its arena pair */
+    int tape_lo, tape_hi;       /* its forward's entries on the tape */
+    dt_tensor *in, *out;        /* what it received (NULL at the first stage), what it sent on or its loss */
+    dt_comm_handle sent;        /* out, sent on (0: the last stage) */
+    double kept;                /* the bytes its forward left in its arena */
+} dt__pp_micro;
+/* ... and what the step's actions share. */
+typedef struct {
+    const dt_batch *batch;
+    int M, b, first, end, labels_per;   /* micro-batches, each b samples; this stage's blocks [first, end) */
+    int act[2];                 /* what a stage passes the next: rows x width */
+    int64_t act_n, in_per;      /* its values; an input sample's */
+    dt_dtype t;
+    double divisor;             /* masked data: the step's count of targets (0: none) */
+    double loss_sum, kept;      /* the last stage's losses; the activation bytes kept now */
+    int forwards, backwards, alive;
+    int *free_slots, nfree;
+    dt__pp_micro *mb;
+} dt__pp_step;
+
+/* The time since t0 was spent computing micro-batch i: counted, and on the trace. */
+static void dt__pp_busy(dt_pp *p, const char *what, int i, double t0) {
+    dt_synchronize();
+    double t1 = dt_now_ms();
+    char name[32];
+    p->busy_ms += t1 - t0;
+    snprintf(name, sizeof name, "%s %d", what, i);
+    dt__record_event(name, t0, t1);
+}
+/* Wait until a send is taken; on the trace, the part before `since` hidden. */
+static void dt__pp_sent(dt_comm *c, dt_comm_handle h, const char *name, double since) {
+    if (!h) return;
+    double a, z;
+    dt_comm_wait(c, h);
+    dt__comm_interval(c, h, &a, &z);
+    dt__record_comm(name, a, z, fmax(0, fmin(z, since) - a));
+}
+
+/* Micro-batch i's forward: its slot's arena in place, its rows of the batch,
+   what the stage before sent (from the inbox), this stage's blocks, then
+   the activation sent on, or the loss. */
+static void dt__pp_forward_one(dt_pp *pp, dt__pp_step *st, int i) {
+    dt__pp_micro *u = &st->mb[i];
+    int last = pp->stage == pp->stages - 1;
+    u->slot = st->free_slots[--st->nfree];
+    dt__step_arena_swap(pp->arenas[u->slot]);
+    size_t before = dt__ctx.step[DT_CPU].high + dt__ctx.step[DT_CUDA].high;
+    dt_tensor *inputs = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));   /* rows [i b, (i + 1) b) of the batch */
+    *inputs = *st->batch->inputs;
+    inputs->shape[0] = st->b;
+    inputs->numel = st->in_per * st->b;
+    inputs->data = (float *)((char *)inputs->data + (size_t)(st->in_per * st->b * i) * dt_dtype_size(inputs->dtype));
+    u->in = NULL;
+    if (pp->stage > 0) {
+        u->in = dt__tensor_alloc(2, st->act, st->t);
+        u->in->requires_grad = 1;           /* its gradient goes back to the stage before */
+        dt__pp_take(pp, pp->from_prev, 0, pp->inbox_x, &pp->recv_x, u->in->data, st->act_n, st->t, st->forwards + 1 < st->M);
+    }
+    double t0 = dt_now_ms();
+    u->tape_lo = dt__ctx.tape_len;
+    dt_tensor *y = dt_model_forward_blocks(pp->model, inputs, u->in, st->first, st->end);
+    u->sent = 0;
+    if (last) {
+        const int32_t *labels = st->batch->labels + (size_t)i * st->b * st->labels_per;
+        if (st->divisor > 0) dt_cross_entropy_set_divisor(labels, st->divisor / st->M);
+        y = dt_cross_entropy(y, labels);
+        st->loss_sum += dt_tensor_item(y);
+    } else {
+        if (y->numel != st->act_n)
+            dt_fail("pipeline: stage %d's blocks gave %lld values, %lld expected", pp->stage, (long long)y->numel,
+                    (long long)st->act_n);
+        u->sent = dt_send_async(pp->to_next, y->data, st->act_n, st->t, 1);
+    }
+    u->out = y;
+    u->tape_hi = dt__ctx.tape_len;
+    dt__pp_busy(pp, "forward", i, t0);
+    u->kept = (double)(dt__ctx.step[DT_CPU].high + dt__ctx.step[DT_CUDA].high - before);
+    st->kept += u->kept;
+    st->alive++;
+    pp->kept_peak = fmax(pp->kept_peak, st->kept);
+    pp->kept_micro = fmax(pp->kept_micro, u->kept);
+    if (st->alive > pp->kept_micro_batches) pp->kept_micro_batches = st->alive;
+    dt__step_arena_swap(pp->arenas[u->slot]);
+    st->forwards++;
+}
+
+/* Micro-batch i's backward: from 1/M at the last stage (the batch's loss
+   is the micro-batches' mean), else from the gradient the next stage sent;
+   its input's gradient sent back; then its arena given back, once what it
+   sent is taken (by then the next stage has long had `out`). */
+static void dt__pp_backward_one(dt_pp *pp, dt__pp_step *st, int i) {
+    dt__pp_micro *u = &st->mb[i];
+    dt__step_arena_swap(pp->arenas[u->slot]);
+    if (pp->stage == pp->stages - 1) {
+        float seed = 1.0f / (float)st->M;
+        dt_upload(dt_grad(u->out), &seed, sizeof seed);
+    } else
+        dt__pp_take(pp, pp->from_next, 1, pp->inbox_g, &pp->recv_g, dt_grad(u->out), st->act_n, st->t, st->backwards + 1 < st->M);
+    double t0 = dt_now_ms();
+    dt__backward_span(u->out, u->tape_lo, u->tape_hi);
+    dt_comm_handle sent_back = pp->stage > 0 ? dt_send_async(pp->to_prev, dt_grad(u->in), st->act_n, st->t, 0) : 0;
+    dt__pp_busy(pp, "backward", i, t0);
+    if (sent_back || u->sent) {             /* idle is only ever time spent on a peer: a lone stage has none */
+        double t1 = dt_now_ms();
+        dt__pp_sent(pp->to_prev, sent_back, "send gradient", t1);
+        dt__pp_sent(pp->to_next, u->sent, "send activation", t1);
+        dt_synchronize();
+        double t2 = dt_now_ms();
+        pp->idle_ms += t2 - t1;
+        if (t2 - t1 > 0.01) dt__record_event("waiting", t1, t2);
+    }
+    st->kept -= u->kept;
+    st->alive--;
+    dt__step_arena_swap(pp->arenas[u->slot]);
+    dt__step_arena_release(pp->arenas[u->slot]);
+    st->free_slots[st->nfree++] = u->slot;
+    st->backwards++;
+}
+
+dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch) {
+    int M = pp->micro_batches, B = batch->size, last = pp->stage == pp->stages - 1;
+    if (B % M)
+        dt_usage_error("--micro-batches %d does not divide --batch-size %d (each micro-batch takes an equal share)", M, B);
+    if (pp->par.grads_pending)
+        dt_fail("dt_pp_forward_backward: the gradients of the last step were not synchronised; call dt_pp_sync_grads "
+                "before the next step");
+    if (!dt__ctx.grad_enabled) dt_fail("dt_pp_forward_backward: gradients are off (dt_set_grad_enabled(0)); it trains a step");
+    dt__pp_step st = { .batch = batch, .M = M, .b = B / M, .first = pp->first_block[pp->stage],
+                       .end = pp->first_block[pp->stage + 1], .t = dt__ctx.compute_dtype,
+                       .in_per = batch->inputs->numel / B };
+    st.labels_per = dt_model_is_language(pp->model->cfg.kind) ? (int)dt_tensor_cols(batch->inputs) : 1;
+    if (dt__ctx.loss_divisor.labels == batch->labels && dt__ctx.loss_divisor.step == dt__ctx.step_resets)
+        st.divisor = dt__ctx.loss_divisor.divisor;   /* set for the whole batch: each micro-batch takes 1/M of it */
+    dt_tensor micro_inputs = *batch->inputs;
+    micro_inputs.shape[0] = st.b;
+    micro_inputs.numel = st.in_per * st.b;
+    dt__pp_activation_shape(pp, &micro_inputs, st.act);
+    st.act_n = (int64_t)st.act[0] * st.act[1];
+    pp->act_bytes = (double)st.act_n * (double)dt_dtype_size(st.t);
+    /* the order of this stage's actions, and an arena for each micro-batch
+       (those never taken at once cost nothing) */
+    dt__pp_action *order = (dt__pp_action *)dt_step_alloc(sizeof(dt__pp_action) * 2 * (size_t)M);
+    int nactions = dt__pp_schedules[pp->schedule].order(pp->stage, pp->stages, M, order);
+    st.mb = (dt__pp_micro *)dt_step_alloc(sizeof(dt__pp_micro) * (size_t)M);
+    st.free_slots = (int *)dt_step_alloc(sizeof(int) * (size_t)M);
+    if (pp->nslots < M) {
+        pp->arenas = (dt__step_arena (*)[2])realloc(pp->arenas, sizeof *pp->arenas * (size_t)M);
+        if (!pp->arenas) dt_fail("out of memory (pipeline)");
+        memset(pp->arenas + pp->nslots, 0, sizeof *pp->arenas * (size_t)(M - pp->nslots));
+        pp->nslots = M;
+    }
+    for (int k = M - 1; k >= 0; k--) st.free_slots[st.nfree++] = k;
+    dt__pp_inboxes(pp, (size_t)st.act_n * dt_dtype_size(st.t));
+    if (pp->stage > 0) pp->recv_x = dt_recv_async(pp->from_prev, pp->inbox_x, st.act_n, st.t, 0);   /* posted early */
+    if (!last) pp->recv_g = dt_recv_async(pp->from_next, pp->inbox_g, st.act_n, st.t, 1);
+    double t_start = dt_now_ms();
+    pp->busy_ms = pp->idle_ms = 0;
+    if (pp->tp) pp->tp->sums = pp->tp->sum_ms = pp->tp->sum_bytes = 0;   /* an evaluation's since are not the step's */
+    pp->kept_peak = pp->kept_micro = 0;
+    pp->kept_micro_batches = 0;
+    for (int k = 0; k < nactions; k++) {
+        if (order[k].backward) dt__pp_backward_one(pp, &st, order[k].micro);
+        else dt__pp_forward_one(pp, &st, order[k].micro);
+    }
+    dt__ctx.tape_len = 0;                   /* every micro-batch's entries are walked */
+    /* the batch's loss from the last stage, on every rank: the step's end
+       for every stage, so a stage done early waits here -- the drain's part
+       of the bubble */
+    double t_done = dt_now_ms();
+    float mean = last ? (float)(st.loss_sum / M) : 0;
+    dt__comm_all_reduce_host(pp->pipe, &mean, 1, DT_SUM);
+    double t_end = dt_now_ms();
+    if (pp->stages > 1) {
+        pp->idle_ms += t_end - t_done;
+        if (t_end - t_done > 0.01) dt__record_event("waiting", t_done, t_end);
+    }
+    pp->step_ms = t_end - t_start;
+    /* the stages' times, and the sums their split layers waited for (the
+       tensor-parallel wrapper counts a step's; its count starts again here) */
+    float sums[6] = { (float)pp->busy_ms, (float)pp->idle_ms, (float)pp->step_ms, 0, 0, 0 }, busiest = (float)pp->busy_ms;
+    if (pp->tp) {
+        sums[3] = (float)pp->tp->sums; sums[4] = (float)pp->tp->sum_ms; sums[5] = (float)pp->tp->sum_bytes;
+        pp->tp->sums = pp->tp->sum_ms = pp->tp->sum_bytes = 0;
+    }
+    dt__comm_all_reduce_host(pp->pipe, sums, 6, DT_SUM);
+    dt__comm_all_reduce_host(pp->pipe, &busiest, 1, DT_MAX);
+    pp->pipe_busy_ms = sums[0]; pp->pipe_idle_ms = sums[1]; pp->pipe_step_ms = sums[2]; pp->pipe_busiest_ms = busiest;
+    pp->pipe_tp_sums = sums[3]; pp->pipe_tp_sum_ms = sums[4]; pp->pipe_tp_sum_bytes = sums[5];
+    int one[1] = { 1 };
+    dt_tensor *loss = dt__tensor_alloc(1, one, DT_F32);
+    dt_upload(loss->data, &mean, sizeof mean);
+    return loss;
+}
+
+/* The batch's loss is the last stage's; the gradients of a tied vocabulary
+   are the first stage's (the embedding) plus the last's (the head). */
+static void dt__pp_backward_done(dt_parallel *par) {
+    dt_pp *p = (dt_pp *)par;
+    dt_model *m = p->model;
+    if (p->ends) {
+        double t0 = dt_now_ms();
+        for (int i = 0; i < m->nparams; i++)
+            if (m->splits[i].tied) dt_all_reduce(p->ends, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
+        dt__record_comm("all_reduce tied", t0, dt_now_ms(), 0);
+    }
+    if (p->par.data_ranks == 1) return;
+    double t0 = dt_now_ms();
+    if (p->zero1) {                         /* each pipeline keeps its slice of the average */
+        size_t bytes = (size_t)m->numel * sizeof(float), padded = (size_t)(p->zero_chunk * p->par.data_ranks) * sizeof(float);
+        dt_convert(m->flat_grad, DT_F32, p->zero_buf, DT_F32, m->numel);
+        dt__zero_on(m->device, (char *)p->zero_buf + bytes, padded - bytes);
+        dt_reduce_scatter(p->across, p->zero_buf, p->zero_grads, p->zero_chunk, DT_F32, DT_AVG);
+        dt__zero_on(m->device, m->flat_grad, bytes);   /* the next step's backward adds into it */
+        dt__record_comm("reduce_scatter dp", t0, dt_now_ms(), 0);
+    } else {
+        dt_all_reduce(p->across, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_AVG);
+        dt__record_comm("all_reduce dp", t0, dt_now_ms(), 0);
+    }
+    dt__ctx.grad_collectives++;
+}
+/* ZeRO-1: after the optimizer stepped this rank's slice, every pipeline's
+   slices to every pipeline, so each holds its stage whole again. */
+static void dt__pp_step_done(dt_parallel *par) {
+    dt_pp *p = (dt_pp *)par;
+    if (!p->zero1) return;
+    dt_model *m = p->model;
+    double t0 = dt_now_ms();
+    float *mine = p->zero_buf + p->zero_chunk * p->par.data_rank;     /* sent from its place in the padded buffer */
+    dt_convert(m->flat_data + p->zero_lo, DT_F32, mine, DT_F32, p->zero_hi - p->zero_lo);
+    dt_all_gather(p->across, mine, p->zero_buf, p->zero_chunk, DT_F32);
+    dt_convert(p->zero_buf, DT_F32, m->flat_data, DT_F32, m->numel);
+    dt__record_comm("all_gather parameters", t0, dt_now_ms(), 0);
+}
+void dt_pp_sync_grads(dt_pp *pp) { dt_parallel_backward_done(&pp->par); }
+int dt_pp_data_rank(const dt_pp *pp) { return pp->par.data_rank; }
+int dt_pp_data_ranks(const dt_pp *pp) { return pp->par.data_ranks; }
+
+/* Each stage steps what it holds; the gradient norm adds up the stages'
+   parts, the tied vocabulary counted once (at the first stage). */
+static void dt__pp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
+    dt_pp *p = (dt_pp *)par;
+    dt_model *m = p->model;
+    dt__optimizer_view_all(o, m);
+    for (int i = 0; i < m->nparams; i++)      /* with --tp, a whole parameter is counted at the group's first rank too */
+        o->slices[i].copy = (p->stage > 0 && m->splits[i].tied) || (p->tp && p->tp->rank > 0 && m->splits[i].dim < 0);
+    o->sharded_by = par;
+    if (!p->zero1) return;
+    /* ZeRO-1: only this rank's slice, each parameter's part of it a slice */
+    o->params = m->flat_data + p->zero_lo; o->grads = p->zero_grads; o->numel = p->zero_hi - p->zero_lo;
+    int n = 0;
+    for (int i = 0; i < m->nparams; i++) {
+        int64_t a = o->slices[i].offset, b = a + o->slices[i].length;
+        if (a < p->zero_lo) a = p->zero_lo;
+        if (b > p->zero_hi) b = p->zero_hi;
+        if (b <= a) continue;
+        o->slices[n] = o->slices[i];
+        o->slices[n].offset = a - p->zero_lo;
+        o->slices[n++].length = b - a;
+    }
+    o->nslices = n;
+}
+static void dt__pp_sum_over_ranks(dt_parallel *par, float *values, int n) {
+    dt_pp *p = (dt_pp *)par;
+    dt__comm_all_reduce_host(p->pipe, values, n, DT_SUM);
+    if (p->tp) dt__comm_all_reduce_host(p->tp->group, values, n, DT_SUM);
+    if (p->zero1) dt__comm_all_reduce_host(p->across, values, n, DT_SUM);   /* each pipeline holds a slice */
+}
+/* The layers' sums, passed on to the tensor-parallel wrapper inside. */
+static void dt__pp_tp_sum(dt_parallel *par, float *values, int64_t n) {
+    dt_parallel *inner = &((dt_pp *)par)->tp->par;
+    inner->tp_sum(inner, values, n);
+}
+static void dt__pp_tp_max(dt_parallel *par, float *values, int64_t n) {
+    dt_parallel *inner = &((dt_pp *)par)->tp->par;
+    inner->tp_max(inner, values, n);
+}
+static void dt__pp_tp_all_gather(dt_parallel *par, const float *mine, float *all, int64_t n) {
+    dt_parallel *inner = &((dt_pp *)par)->tp->par;
+    inner->tp_all_gather(inner, mine, all, n);
+}
+
+/* Checkpoints are whole (the checkpoints chapter): to save, the first pipeline's stages
+   send what they hold to its first rank, one tensor at a time, and that
+   rank -- the job's rank 0 -- writes; to load, every rank reads the whole
+   and keeps its stage's. */
+static float *dt__pp_state_gather(dt_pp *p, float *local) {
+    dt_model *m = p->model;
+    const dt_model *W = &p->whole;
+    float *whole = NULL;
+    if (p->stage == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
+        dt_fail("out of memory (gathering the pipeline's stages for a checkpoint: %.1f MB)", W->numel * 4e-6);
+    for (int i = 0; i < m->nparams; i++) {
+        int owner = dt__pp_owner(p, i);
+        int64_t n = W->params[i].numel;
+        size_t bytes = (size_t)n * sizeof(float);
+        if (owner == 0) {
+            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
+        } else if (p->stage == owner) dt_send(p->pipe, local + m->offsets[i], n, DT_F32, 0);
+        else if (whole) {
+            float *buf = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes);
+            dt_recv(p->pipe, buf, n, DT_F32, owner);
+            dt__download_from(m->device, whole + W->offsets[i], buf, bytes);
+            dt_free_on(m->device, DT_ARENA_COMM, buf, bytes);
+        }
+    }
+    return whole;
+}
+/* ZeRO-1's optimizer state: every pipeline's slices of the stage, whole (a
+   collective of the pipelines), in the stage's buffer layout. */
+static float *dt__pp_zero1_gather(dt_pp *p, const float *slice) {
+    dt_model *m = p->model;
+    float *mine = p->zero_buf + p->zero_chunk * p->par.data_rank;
+    float *whole = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, (size_t)m->numel * sizeof(float) + 4);
+    dt__zero_on(m->device, mine, (size_t)p->zero_chunk * sizeof(float));
+    dt_convert(slice, DT_F32, mine, DT_F32, p->zero_hi - p->zero_lo);
+    dt_all_gather(p->across, mine, p->zero_buf, p->zero_chunk, DT_F32);
+    dt_convert(p->zero_buf, DT_F32, whole, DT_F32, m->numel);
+    return whole;
+}
+/* With --tp the stages' pieces, gathered at the first stage, are then
+   gathered over its tensor-parallel group (and, to load, cut the other way);
+   with --shard optimizer the moments are first made whole over the
+   pipelines (and, to load, each rank keeps its slice). */
+static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
+    dt_pp *p = (dt_pp *)par;
+    if (for_load) {
+        float *whole = (float *)calloc((size_t)par->whole->numel + 1, sizeof(float));
+        if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", par->whole->numel * 4e-6);
+        return whole;
+    }
+    float *state = dt__state_buffer(p->model, o, which), *gathered = NULL;
+    if (p->zero1 && which > 0) state = gathered = dt__pp_zero1_gather(p, state);   /* every pipeline takes part */
+    if (p->par.data_rank != 0) {
+        if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
+        return NULL;
+    }
+    float *staged = dt__pp_state_gather(p, state);
+    if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
+    if (!p->tp || p->stage != 0) return staged;
+    size_t bytes = (size_t)p->whole.numel * sizeof(float);
+    float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+    dt__upload_to(p->model->device, pieces, staged, bytes);
+    free(staged);
+    float *whole = dt__tp_state_gather(p->tp, &p->whole, pieces);
+    dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
+    return whole;
+}
+static void dt__pp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
+    dt_pp *p = (dt_pp *)par;
+    float *local = dt__state_buffer(p->model, o, which), *slice = NULL;
+    size_t stage_bytes = (size_t)p->model->numel * sizeof(float) + 4;
+    if (written && p->zero1 && which > 0) {  /* the stage's whole state here first, then this rank's slice of it */
+        slice = local;
+        local = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, stage_bytes);
+    }
+    if (written && !p->tp) dt__pp_scatter(p, host, local);
+    else if (written) {
+        size_t bytes = (size_t)p->whole.numel * sizeof(float);
+        float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+        dt__tp_state_scatter(p->tp, &p->whole, host, pieces);
+        float *view = dt__host_view(p->model->device, pieces, p->whole.numel);
+        dt__pp_scatter(p, view, local);
+        dt__host_view_close(p->model->device, view, pieces, p->whole.numel, 0);
+        dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
+    }
+    if (slice) {
+        dt_convert(local + p->zero_lo, DT_F32, slice, DT_F32, p->zero_hi - p->zero_lo);
+        dt_free_on(p->model->device, DT_ARENA_COMM, local, stage_bytes);
+    }
+    free(host);
+}
+
+/* At start-up: which blocks each stage runs, and what it holds. */
+static void dt__pp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
+    const dt_pp *p = (const dt_pp *)par;
+    const dt_model *m = p->model;
+    int n = dt_model_blocks(m);
+    printf("pipeline, --pp %d: %d stages, %d micro-batch%s per step, schedule %s (bubble (P - 1) / (M + P - 1) = %.0f%%); "
+           "%d data-parallel pipeline%s\n", p->stages, p->stages, p->micro_batches, p->micro_batches > 1 ? "es" : "",
+           dt__pp_schedules[p->schedule].name, 100.0 * (p->stages - 1) / (p->micro_batches + p->stages - 1),
+           p->par.data_ranks, p->par.data_ranks > 1 ? "s" : "");
+    int embedding = 0;                      /* the mlp has none: its first layer is a block */
+    for (int i = 0; i < m->nparams; i++) embedding |= m->splits[i].block < 0;
+    for (int s = 0; s < p->stages; s++) {
+        double held = dt__pp_stage_params(p, s);
+        int a = p->first_block[s], b = p->first_block[s + 1];
+        char blocks[48];
+        if (b - a > 1) snprintf(blocks, sizeof blocks, "blocks %d-%d", a, b - 1);
+        else snprintf(blocks, sizeof blocks, "block %d", a);
+        printf("  stage %d: %s%s%s  %.3f MB of parameters (%.3f MB with gradients and %s state)\n", s,
+               s == 0 && embedding ? "the embedding, " : "", blocks, s == p->stages - 1 ? ", the head" : "", 4e-6 * held,
+               4e-6 * held * (o->v ? 4 : 3), o->v ? "adamw's" : "sgd's");
+    }
+    if (p->tp)
+        printf("  each stage's blocks split over --tp %d ranks as in stage 06: the sizes above are one rank's pieces\n",
+               p->tp->size);
+    if (p->zero1)
+        printf("  --shard optimizer: the %d pipelines share out each stage's %s state (ZeRO-1): this rank keeps %.3f MB of "
+               "its stage's %.3f\n", p->par.data_ranks, o->v ? "adamw's" : "sgd's", 4e-6 * (double)o->numel * (o->v ? 2 : 1),
+               4e-6 * (double)m->numel * (o->v ? 2 : 1));
+    printf("  the whole model: %.3f MB of parameters, %d blocks\n", 4e-6 * (double)par->whole->numel, n);
+    fflush(stdout);
+}
+
+/* Evaluation and generation: the batch down the pipeline at once (no
+   micro-batches: there is no backward to overlap), and the last stage's
+   logits to every rank. */
+static dt_tensor *dt__pp_forward(dt_parallel *par, dt_tensor *inputs) {
+    dt_pp *p = (dt_pp *)par;
+    dt_model *m = p->model;
+    int last = p->stage == p->stages - 1, act[2];
+    dt_dtype t = dt__ctx.compute_dtype;
+    if (dt__ctx.grad_enabled)
+        dt_fail("dt_model_forward: under pipeline parallelism a training step is dt_pp_forward_backward (the stages take "
+                "turns); dt_model_forward runs without gradients only (evaluation, generation)");
+    dt__pp_activation_shape(p, inputs, act);
+    dt_tensor *x = NULL;
+    if (p->stage > 0) {
+        x = dt__tensor_alloc(2, act, t);
+        dt_recv(p->from_prev, x->data, x->numel, t, 0);
+    }
+    dt_tensor *y = dt_model_forward_blocks(m, inputs, x, p->first_block[p->stage], p->first_block[p->stage + 1]);
+    if (!last) dt_send(p->to_next, y->data, y->numel, t, 1);
+    /* the logits' columns: the vocabulary's share of this rank when --tp split it */
+    float cols = last ? (float)dt_tensor_cols(y) : 0;
+    dt__comm_all_reduce_host(p->pipe, &cols, 1, DT_SUM);
+    if (!last) {
+        int shape[2] = { inputs->shape[0] * (dt_model_is_language(m->cfg.kind) ? (int)dt_tensor_cols(inputs) : 1), (int)cols };
+        y = dt__tensor_alloc(2, shape, t);
+        if ((int)cols != m->cfg.classes) y->parallel = par;   /* dt_logits_to_host gathers them over the group */
+    }
+    dt_broadcast(p->pipe, y->data, y->numel, t, p->stages - 1);
+    return y;
+}
+
+/* The last step's figures: the pipeline's bubble, its stages' idle time
+   over their time in the pipeline (each stage waits its own share: the
+   first more, when the last, with the head, computes more); how uneven the
+   stages are, the busiest one's compute over the mean (1: even). */
+static double dt__pp_bubble(const dt_pp *p) { return p->pipe_step_ms > 0 ? p->pipe_idle_ms / p->pipe_step_ms : 0; }
+static double dt__pp_balance_of(const dt_pp *p) {
+    return p->pipe_busy_ms > 0 ? p->pipe_busiest_ms * p->stages / p->pipe_busy_ms : 1;
+}
+/* The cost model's view of it: the whole model's compute on one rank is
+   what the stages computed together -- with --tp, less the time their
+   layers' sums took, and times the T ranks that shared each stage's split
+   layers. */
+static int dt__pp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_pp *p = (const dt_pp *)par;
+    in->kind = DT_PAR_PP;
+    in->pp_micro_batches = p->micro_batches;
+    in->pp_balance = dt__pp_balance_of(p);
+    in->pp_bytes = p->act_bytes;
+    in->pp_measured_bubble = dt__pp_bubble(p);
+    in->compute_ms = p->pipe_busy_ms;
+    in->dp_groups = p->par.data_ranks;
+    in->pp_zero1 = p->zero1;
+    int64_t stepped = p->zero1 ? p->zero_hi - p->zero_lo : p->model->numel;    /* the optimizer's share of the whole model */
+    in->optimizer_ms *= stepped > 0 ? (double)par->whole->numel / (double)stepped : 1;
+    if (p->tp) {
+        in->tp_ranks = p->tp->size;
+        in->tp_share = dt__tp_split_share(p->tp);
+        in->tp_sums = p->pipe_tp_sums / p->micro_batches;
+        in->tp_bytes = p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0;
+        double kept = in->tp_share / p->tp->size + (1 - in->tp_share);
+        in->compute_ms = fmax(0, p->pipe_busy_ms - p->pipe_tp_sum_ms) / kept;
+    }
+    return p->stages;
+}
+static void dt__pp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
+    const dt_pp *p = (const dt_pp *)par;
+    (void)accum_steps;
+    fprintf(out, " pp=%d pp_micro_batches=%d pp_balance=%.4f pp_bytes=%.0f bubble=%.4f bubble_predicted=%.4f", p->stages,
+            p->micro_batches, dt__pp_balance_of(p), p->act_bytes, dt__pp_bubble(p),
+            (p->stages - 1.0) / (p->micro_batches + p->stages - 1.0));
+    if (p->tp)        /* the whole pipeline's layer sums per micro-batch, as the cost model counts them */
+        fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", p->tp->size, dt__tp_split_share(p->tp),
+                p->pipe_tp_sums / p->micro_batches, p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0.0);
+    fprintf(out, " dp=%d%s", p->par.data_ranks, p->zero1 ? " zero1=1" : "");
+}
+
+/* The step's pipeline figures, in its --log record. */
+static void dt__pp_log_fields(const dt_parallel *par, FILE *log) {
+    const dt_pp *p = (const dt_pp *)par;
+    double P = p->stages, M = p->micro_batches;
+    fprintf(log, ",\"pp_busy_ms\":%.3f,\"pp_idle_ms\":%.3f,\"pp_step_ms\":%.3f,\"bubble\":%.4f,\"bubble_predicted\":%.4f,"
+                 "\"pp_balance\":%.4f,\"pp_kept_bytes\":%.0f,\"pp_micro_bytes\":%.0f,\"pp_kept_micro_batches\":%d",
+            p->busy_ms, p->idle_ms, p->step_ms, dt__pp_bubble(p), (P - 1) / (M + P - 1), dt__pp_balance_of(p), p->kept_peak,
+            p->kept_micro, p->kept_micro_batches);
+}
+
+/* A one-way pair for each neighbour: `round` 0 pairs stages (0, 1), (2, 3)
+   ..., round 1 pairs (1, 2), (3, 4) ...; a rank in no pair of a round is a
+   group of its own, freed at once. */
+static void dt__pp_pair(dt_pp *p, int round, dt_comm **with_next, dt_comm **with_prev) {
+    int s = p->stage, P = p->stages;
+    int j = (s % 2 == round) ? s : s - 1;       /* the boundary (j, j + 1) this rank is on this round */
+    int paired = j >= 0 && j + 1 < P;
+    dt_comm *c = dt_comm_split(p->pipe, paired ? j : P + s, s);
+    if (!paired) { dt_comm_free(c); return; }
+    if (j == s) *with_next = c;
+    else *with_prev = c;
+}
+
+dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_batches, dt_pp_schedule schedule,
+                    dt_shard_mode shard) {
+    int world = dt_comm_size(comm);
+    char v[64];
+    snprintf(v, sizeof v, "%d %d %d %d %d", pp, tp, micro_batches, (int)schedule, (int)shard);
+    dt_comm_check_agree(comm, "--pp --tp --micro-batches --schedule --shard", v);
+    if (shard != DT_SHARD_NONE && shard != DT_SHARD_OPTIMIZER)
+        dt_usage_error("--shard %s: a pipeline shares out only its optimizer state over the data-parallel pipelines (--shard "
+                       "optimizer, ZeRO-1): its micro-batches' gradients add up whole until the step's last backward, and each "
+                       "stage runs its parameters M times a step", shard == DT_SHARD_GRADS ? "grads" : "full");
+    if (tp <= 0) tp = 1;
+    if (world % tp) dt_usage_error("--tp %d does not divide the job's %d ranks", tp, world);
+    if (pp <= 0) pp = world / tp;
+    if ((world / tp) % pp)
+        dt_usage_error("--pp %d does not divide the job's %d ranks%s (the ranks form pipelines of --pp stages%s, data parallel "
+                       "across them)", pp, world, tp > 1 ? " over --tp" : "", tp > 1 ? " of --tp ranks each" : "");
+    if (micro_batches < 1) dt_usage_error("--micro-batches %d: a step needs at least one", micro_batches);
+    if ((int)schedule < 0 || (int)schedule >= (int)(sizeof dt__pp_schedules / sizeof dt__pp_schedules[0]))
+        dt_fail("dt_pp_create: schedule %d is not one dtrain knows", (int)schedule);
+    if (model->base) dt_usage_error("--lora-rank: LoRA's adapters are not split into pipeline stages; train them with 03-05");
+    int n = dt_model_blocks(model);
+    if (n < pp)
+        dt_usage_error("--pp %d: the model has %d block%s (--depth), fewer than the stages, and each stage runs at least one",
+                       pp, n, n == 1 ? "" : "s");
+    dt_pp *p = (dt_pp *)calloc(1, sizeof *p);
+    if (!p) dt_fail("out of memory (pipeline parallelism)");
+    p->par = (dt_parallel){ .create_fn = "dt_pp_create", .sync_fn = "dt_pp_sync_grads", .free_fn = "dt_pp_free",
+                            .backward_done = dt__pp_backward_done, .optimizer_view = dt__pp_optimizer_view,
+                            .sum_over_ranks = dt__pp_sum_over_ranks, .state_open = dt__pp_state_open,
+                            .state_close = dt__pp_state_close, .memory_table = dt__pp_memory_table,
+                            .forward = dt__pp_forward, .log_fields = dt__pp_log_fields, .cost_input = dt__pp_cost_input,
+                            .bench_fields = dt__pp_bench_fields, .step_done = dt__pp_step_done };
+    dt__comm_hold(comm, "dt_pp_free");
+    p->model = model;
+    p->comm = comm;
+    int sizes[3] = { world / (pp * tp), pp, tp };
+    const char *names[3] = { "dp", "pp", "tp" };
+    p->mesh = dt_mesh_create(comm, 3, sizes, names);
+    if (tp > 1) {           /* every block's layers split over the "tp" group first, as stage 06 does */
+        p->tp = dt_tp_create(model, dt_mesh_comm(p->mesh, "tp"), tp, 0);
+        dt_model_set_parallel(model, NULL);   /* the pipeline wraps the model, and passes its layers' sums on */
+        p->par.tp_sum = dt__pp_tp_sum;
+        p->par.tp_max = dt__pp_tp_max;
+        p->par.tp_all_gather = dt__pp_tp_all_gather;
+        p->par.tp_rank = p->tp->rank;
+        p->par.tp_size = tp;
+    }
+    dt_model_set_parallel(model, &p->par);
+    p->pipe = dt_mesh_comm(p->mesh, "pp");
+    p->across = dt_mesh_comm(p->mesh, "dp");
+    p->stages = pp;
+    p->stage = dt_mesh_coord(p->mesh, "pp");
+    p->micro_batches = micro_batches;
+    p->schedule = schedule;
+    p->par.data_rank = dt_mesh_coord(p->mesh, "dp");
+    p->par.data_ranks = world / (pp * tp);
+    p->first_block = (int *)malloc(sizeof(int) * (size_t)(pp + 1));
+    if (!p->first_block) dt_fail("out of memory (pipeline parallelism)");
+    dt__pp_balance(model, pp, p->first_block);
+    dt__model_cut(model, &p->whole, dt__pp_cut_shape, dt__pp_scatter, p);
+    p->par.whole = p->tp ? &p->tp->whole : &p->whole;      /* what checkpoints hold: the model whole */
+    for (int round = 0; round < 2 && pp > 1; round++) {      /* activations on, then gradients back */
+        dt__pp_pair(p, round, &p->to_next, &p->from_prev);
+        dt__pp_pair(p, round, &p->from_next, &p->to_prev);
+    }
+    int tied = 0;
+    for (int i = 0; i < model->nparams; i++) tied |= model->splits[i].tied;
+    if (tied && pp > 1) {
+        int end = p->stage == 0 || p->stage == pp - 1;
+        p->ends = dt_comm_split(p->pipe, end ? 0 : 1 + p->stage, p->stage);
+        if (!end) { dt_comm_free(p->ends); p->ends = NULL; }
+    }
+    if (p->par.data_ranks > 1) dt_broadcast(p->across, model->flat_data, model->numel, DT_F32, 0);   /* every pipeline starts alike */
+    p->zero1 = shard == DT_SHARD_OPTIMIZER && p->par.data_ranks > 1;   /* one pipeline: nothing to share out */
+    if (p->zero1) {
+        int D = p->par.data_ranks;
+        p->zero_chunk = (model->numel + D - 1) / D;
+        p->zero_lo = p->zero_chunk * p->par.data_rank;
+        if (p->zero_lo > model->numel) p->zero_lo = model->numel;
+        p->zero_hi = p->zero_lo + p->zero_chunk < model->numel ? p->zero_lo + p->zero_chunk : model->numel;
+        p->zero_grads = (float *)dt_alloc_on(model->device, DT_ARENA_GRADS, (size_t)p->zero_chunk * sizeof(float) + 4);
+        p->zero_buf = (float *)dt_alloc_on(model->device, DT_ARENA_COMM, (size_t)(p->zero_chunk * D) * sizeof(float) + 4);
+        dt__zero_on(model->device, p->zero_grads, (size_t)p->zero_chunk * sizeof(float));
+    }
+    return p;
+}
+
+void dt_pp_free(dt_pp *pp) {
+    if (!pp) return;
+    dt_model_set_parallel(pp->model, NULL);
+    dt_comm *mine[5] = { pp->ends, pp->to_next, pp->from_next, pp->to_prev, pp->from_prev };
+    for (int k = 0; k < 5; k++) if (mine[k]) dt_comm_free(mine[k]);
+    dt_tp_free(pp->tp);
+    pp->model->left_cut_by = "dt_pp_free";     /* each rank keeps its stage: the model can only be freed now */
+    for (int k = 0; k < pp->nslots; k++) dt__step_arena_free(pp->arenas[k]);
+    free(pp->arenas);
+    dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_x, pp->inbox_bytes);
+    dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_g, pp->inbox_bytes);
+    if (pp->zero1) {
+        dt_free_on(pp->model->device, DT_ARENA_GRADS, pp->zero_grads, (size_t)pp->zero_chunk * sizeof(float) + 4);
+        dt_free_on(pp->model->device, DT_ARENA_COMM, pp->zero_buf, (size_t)(pp->zero_chunk * pp->par.data_ranks) * sizeof(float) + 4);
+    }
+    dt_mesh_free(pp->mesh);
+    dt__comm_release(pp->comm);
+    free(pp->first_block);
+    free(pp->whole.params);
+    free(pp->whole.offsets);
+    free(pp);
+}
+
+/* [src/15-data.h] */
+/* ==== data ===================================================================
    Images are decoded once, resized, and kept in memory as bytes (a 50,000-image
    32x32 set is 150 MB). Each epoch the sampler deals out a fresh permutation,
    the same one on every rank, and each rank takes every world-th index: that
@@ -5798,7 +8943,7 @@ static unsigned char *dt__read_file(const char *path, size_t *len) {
 }
 
 /* A JSON reader just big enough for what dtrain reads: JSON-lines token data
-   (below), safetensors headers and config.json (section 13). */
+   (below), safetensors headers and config.json (the checkpoints and hugging-face chapters). */
 typedef struct { const char *s; size_t pos, len; int ok; } dt__json;
 static void dt__json_ws(dt__json *j) { while (j->pos < j->len && isspace((unsigned char)j->s[j->pos])) j->pos++; }
 static int dt__json_peek(dt__json *j) { dt__json_ws(j); return j->pos < j->len ? j->s[j->pos] : -1; }
@@ -6794,1032 +9939,8 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint6
     if (rename(tmp, dir) != 0) dt_fail("cannot rename '%s' to '%s': %s", tmp, dir, strerror(errno));
 }
 
-/* [src/10-collectives.h] */
-/* ==== 9. collectives ===========================================================
-   Data parallel training needs a handful of collective operations: every rank
-   contributes a buffer and gets back the sum (all-reduce), its share of the sum
-   (reduce-scatter), everybody's pieces (all-gather), or rank root's buffer
-   (broadcast). On GPUs NCCL does them (section 19); between CPU machines, MPI
-   (below the shared-memory code). On one machine's CPU they go through
-   shared memory: each rank copies its piece into its own slot, waits at a
-   barrier, then each rank sums one stripe of every slot IN RANK ORDER and
-   writes the result where all can read it. Summing in a fixed order is what
-   makes runs repeat bit for bit: float addition is not associative, and a
-   timing-dependent order would give different bits every run.
-
-   Tensor and pipeline parallelism (stage 06 and after) need two more things.
-   Groups: a communicator of some of the ranks (dt_comm_split), with shared
-   memory and a communication thread of its own, so that the pairs of a mesh
-   all-reduce side by side. And messages between two ranks (dt_send, dt_recv),
-   which pass through the sender's slot a piece at a time.
-
-   Barriers are where a dead rank would make the others wait forever, so every
-   wait looks, now and then, at the other ranks: one that failed (it wrote its
-   rank into the job's shared header, which every group watches), one whose
-   process is gone, or one that has not arrived within --timeout, stops the
-   waiting rank with a message naming it by its rank in the job. */
-
-#include <pthread.h>
-#include <sched.h>
-#include <sys/mman.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <poll.h>
-#ifdef __linux__
-#include <sys/prctl.h>
-#endif
-
-#define DT_MAX_RANKS 64
-#define DT_SLOT_BYTES ((size_t)2 << 20)     /* each rank's staging slot: collectives go in 2 MiB pieces */
-
-/* Point-to-point from rank s to rank d: the sender publishes pieces (`sent`),
-   the receiver counts those it has copied out (`taken`); the size of the
-   message rides along so that the receiver can check it expects the same. */
-typedef struct dt__shm_pair {
-    uint64_t sent, taken;
-    int64_t count;
-    int32_t dtype, unused;
-} dt__shm_pair;
-typedef struct dt__shm_header {
-    uint64_t magic;
-    int world, abort_rank;                  /* abort_rank: 1 + a rank that failed, else 0 */
-    int pid[DT_MAX_RANKS];
-    uint64_t arrived[DT_MAX_RANKS];         /* barriers each rank has reached */
-    /* then world x world dt__shm_pair, [sender][receiver] */
-} dt__shm_header;
-#define DT_SHM_MAGIC 0x647472616e316d73ull
-static size_t dt__shm_header_bytes(int world) {
-    return (sizeof(dt__shm_header) + (size_t)world * (size_t)world * sizeof(dt__shm_pair) + 4095) & ~(size_t)4095;
-}
-static size_t dt__shm_bytes(int world) { return dt__shm_header_bytes(world) + (size_t)(world + 1) * DT_SLOT_BYTES; }
-
-static const char *dt__coll_names[] = { "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier",
-                                       "send", "recv" };
-
-struct dt_comm_group { dt__shm_header *hdr; int world; double timeout_s; int members; /* joined, not yet freed */ };
-
-struct dt_comm {
-    const dt_comm_backend *backend;
-    int rank, world;
-    /* A group (dt_comm_split) answers to the job's communicator, `top`: a
-       failure is recorded there, and messages name ranks as the job does. */
-    dt_comm *top, *parent;
-    int children;                           /* groups split from it and not yet freed */
-    dt_comm_group *joined;                  /* thread ranks: the group it joined */
-    int users;                              /* parallel wrappers that use it (dt__comm_hold) */
-    const char *user_free_fn;               /* and what frees the last of them */
-    int in_mesh;                            /* a mesh's: dt_mesh_free frees it */
-    int job_rank[DT_MAX_RANKS];             /* rank in top of each of our ranks */
-#ifdef DT_TESTING
-    int die_in_all_reduce;                  /* test hook, see dt__comm_start: die in this all-reduce (from 1) */
-#endif
-    double timeout_s;
-    dt__shm_header *hdr;                     /* shared memory: header, world slots, a result area */
-    char *slots, *result;
-    size_t map_bytes;                       /* > 0: a mapping of our own to undo */
-    uint64_t barriers;
-    dt_nccl *nccl;                          /* NCCL's state (section 19) */
-#ifdef DT_HAVE_MPI
-    MPI_Comm mpi;                           /* MPI's: the communicator, the call in flight, a buffer it needs */
-    MPI_Request mpi_request;
-    float *mpi_temp, *mpi_result;
-#endif
-    void *private_hdr;                      /* a header of our own (MPI: no memory is shared), freed with it */
-    pthread_t worker;                       /* the communication thread and its queue */
-    pthread_mutex_t mu;
-    pthread_cond_t wake, done;
-    dt_comm_op queue[DT_COMM_QUEUE];
-    double started_ms[DT_COMM_QUEUE], finished_ms[DT_COMM_QUEUE];   /* when the thread ran each call */
-    int64_t submitted, started, completed;  /* calls queued, started by the thread, finished */
-    int stop;
-};
-
-static dt_comm *dt__active_comm;             /* for dt_fail: tell the other ranks we are going */
-
-/* The test suite's hooks (a rank that dies on cue) exist only in its own
-   builds, made with -DDT_TESTING; in any other build they are nothing. */
-#ifdef DT_TESTING
-#define DT_TEST_DIE_IN(c, o) \
-    do { if ((o)->kind == DT_COLL_ALL_REDUCE && (c)->die_in_all_reduce > 0 && --(c)->die_in_all_reduce == 0) raise(SIGKILL); } while (0)
-#define DT_TEST_DIE_IN_SEND(c) \
-    do { if (__atomic_load_n(&dt__test_die_in_send, __ATOMIC_RELAXED) > 0 && \
-             __atomic_sub_fetch(&dt__test_die_in_send, 1, __ATOMIC_RELAXED) == 0) raise(SIGKILL); } while (0)
-static int dt__test_die_in_send;             /* DT_TEST_DIE_SEND: this rank's sends on any communicator, counted */
-#else
-#define DT_TEST_DIE_IN(c, o) ((void)0)
-#define DT_TEST_DIE_IN_SEND(c) ((void)0)
-#endif
-
-
-/* Is process `pid` gone (or a zombie nobody has reaped yet)? */
-static int dt__process_gone(int pid) {
-    if (pid <= 0 || pid == getpid()) return 0;
-    if (kill(pid, 0) != 0 && errno == ESRCH) return 1;
-    char path[64], buf[256];
-    snprintf(path, sizeof path, "/proc/%d/stat", pid);
-    FILE *f = fopen(path, "r");
-    if (!f) return 0;
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    buf[n] = 0;
-    const char *close_paren = strrchr(buf, ')');
-    return close_paren && close_paren[1] == ' ' && close_paren[2] == 'Z';
-}
-
-/* Tell every rank that `culprit` (a rank of c) ended the job; the first cause
-   recorded wins. It goes to the job's header, which every group watches. */
-static void dt__comm_abort_others_because(dt_comm *c, int culprit) {
-    int none = 0;
-    if (c && c->top->hdr)
-        __atomic_compare_exchange_n(&c->top->hdr->abort_rank, &none, c->job_rank[culprit] + 1, 0, __ATOMIC_ACQ_REL,
-                                    __ATOMIC_ACQUIRE);
-}
-static void dt__comm_abort_others(dt_comm *c) { if (c) dt__comm_abort_others_because(c, c->rank); }
-static void dt__comm_on_fail(void) { dt__comm_abort_others(dt__active_comm); }
-
-/* Why the job cannot go on, if it cannot: a rank failed (it wrote its rank
-   into the shared header), a peer's process is gone, or we have waited past
-   --timeout for rank j (j < 0: for any peer). Fills `why` and returns 1; the
-   shared-memory barrier and the NCCL watchdog both ask this. */
-static int dt__job_trouble(dt_comm *c, int j, double waited_ms, const char *what, char *why, size_t n) {
-    int failed = __atomic_load_n(&c->top->hdr->abort_rank, __ATOMIC_ACQUIRE);
-    if (failed) {
-        dt__active_comm = NULL;              /* it told us; no need to tell it back */
-        snprintf(why, n, "rank %d failed or died (see above), so %s cannot finish; stopping", failed - 1, what);
-        return 1;
-    }
-    for (int r = j < 0 ? 0 : j; r < (j < 0 ? c->world : j + 1); r++) {
-        int pid = __atomic_load_n(&c->hdr->pid[r], __ATOMIC_ACQUIRE);
-        if (r != c->rank && dt__process_gone(pid)) {
-            dt__comm_abort_others_because(c, r);
-            snprintf(why, n, "rank %d (pid %d) died during %s; stopping", c->job_rank[r], pid, what);
-            return 1;
-        }
-    }
-    if (waited_ms <= c->timeout_s * 1e3) return 0;
-    if (j >= 0)
-        snprintf(why, n, "rank %d has not reached %s after %.0f s (--timeout): it hangs or died; stopping", c->job_rank[j],
-                 what, c->timeout_s);
-    else snprintf(why, n, "%s has not finished after %.0f s (--timeout): a rank hangs or died; stopping", what, c->timeout_s);
-    return 1;
-}
-static void dt__check_peer(dt_comm *c, int j, double waited_ms, const char *what) {
-    char why[320];
-    if (dt__job_trouble(c, j, waited_ms, what, why, sizeof why)) dt_fail("%s", why);
-}
-
-/* Wait until rank j has moved `*counter` to `target`. Spin a little, then
-   yield, then sleep: ranks may outnumber cores. *t0 is when the waiting began
-   (0: not yet), kept across the peers of one barrier. */
-static void dt__shm_wait_for(dt_comm *c, const uint64_t *counter, uint64_t target, int j, const char *what, double *t0) {
-    for (long spins = 0; __atomic_load_n(counter, __ATOMIC_ACQUIRE) < target; spins++) {
-        if (spins < 100) continue;
-        if (spins < 1000) { sched_yield(); continue; }
-        struct timespec ts = { 0, 20000 };
-        nanosleep(&ts, NULL);
-        if (spins % 256 == 0) {
-            if (*t0 == 0) *t0 = dt_now_ms();
-            dt__check_peer(c, j, dt_now_ms() - *t0, what);
-        }
-    }
-}
-/* Every rank counts its barriers; a barrier is done when every count has caught up. */
-static void dt__shm_barrier(dt_comm *c, const char *what) {
-    uint64_t target = ++c->barriers;
-    __atomic_store_n(&c->hdr->arrived[c->rank], target, __ATOMIC_RELEASE);
-    double t0 = 0;
-    for (int j = 0; j < c->world; j++) dt__shm_wait_for(c, &c->hdr->arrived[j], target, j, what, &t0);
-}
-
-/* Point-to-point through the sender's slot, a piece at a time: the sender
-   copies a piece in and publishes it, the receiver copies it out and says so.
-   So a send finishes when its peer has received it. A zero-length message
-   still makes one exchange, so that its size is checked too. */
-static dt__shm_pair *dt__shm_pair_of(const dt_comm *c, int from, int to) {
-    return (dt__shm_pair *)(c->hdr + 1) + (size_t)from * (size_t)c->world + (size_t)to;
-}
-static void dt__shm_send(dt_comm *c, const dt_comm_op *o) {
-    dt__shm_pair *p = dt__shm_pair_of(c, c->rank, o->root);
-    size_t es = dt_dtype_size(o->dtype);
-    int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), off = 0;
-    char *mine = c->slots + (size_t)c->rank * DT_SLOT_BYTES, what[64];
-    snprintf(what, sizeof what, "the recv matching rank %d's send", c->job_rank[c->rank]);
-    p->count = o->count;                    /* published with the first piece */
-    p->dtype = (int32_t)o->dtype;
-    double t0 = 0;
-    do {
-        int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
-        memcpy(mine, (const char *)o->send + off * (int64_t)es, (size_t)n * es);
-        uint64_t target = p->sent + 1;      /* only this rank writes `sent` */
-        __atomic_store_n(&p->sent, target, __ATOMIC_RELEASE);
-        DT_TEST_DIE_IN_SEND(c);
-        dt__shm_wait_for(c, &p->taken, target, o->root, what, &t0);
-        off += n;
-    } while (off < o->count);
-}
-static void dt__shm_recv(dt_comm *c, const dt_comm_op *o) {
-    dt__shm_pair *p = dt__shm_pair_of(c, o->root, c->rank);
-    size_t es = dt_dtype_size(o->dtype);
-    int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), off = 0;
-    const char *theirs = c->slots + (size_t)o->root * DT_SLOT_BYTES;
-    char what[64];
-    snprintf(what, sizeof what, "the send matching rank %d's recv", c->job_rank[c->rank]);
-    double t0 = 0;
-    do {
-        uint64_t target = p->taken + 1;     /* only this rank writes `taken` */
-        dt__shm_wait_for(c, &p->sent, target, o->root, what, &t0);
-        if (off == 0 && (p->count != o->count || p->dtype != (int32_t)o->dtype))
-            dt_fail("rank %d sends %lld elements of %s, but rank %d receives %lld of %s: a send and its recv must "
-                    "agree on count and dtype", c->job_rank[o->root], (long long)p->count, dt_dtype_name((dt_dtype)p->dtype),
-                    c->job_rank[c->rank], (long long)o->count, dt_dtype_name(o->dtype));
-        int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
-        memcpy((char *)o->recv + off * (int64_t)es, theirs, (size_t)n * es);
-        __atomic_store_n(&p->taken, target, __ATOMIC_RELEASE);
-        off += n;
-    } while (off < o->count);
-}
-
-/* out[i] = in_0[i] + in_1[i] + ... in rank order (or their largest, DT_MAX), for i in [lo, hi) of the slots. */
-static void dt__sum_slots(const dt_comm *c, int64_t slot_off, int64_t lo, int64_t hi, dt_dtype t, dt_reduce_op op,
-                         void *out, int64_t out_off) {
-    for (int64_t i = lo; i < hi; i++) {
-        float acc = dt_load_f32(c->slots, slot_off + i, t);
-        for (int r = 1; r < c->world; r++) {
-            float v = dt_load_f32(c->slots + (size_t)r * DT_SLOT_BYTES, slot_off + i, t);
-            acc = op == DT_MAX ? (v > acc ? v : acc) : acc + v;
-        }
-        if (op == DT_AVG) acc /= (float)c->world;
-        dt_store_f32(out, out_off + i, t, acc);
-    }
-}
-
-static void dt__shm_run(dt_comm *c, const dt_comm_op *o) {
-    size_t es = dt_dtype_size(o->dtype);
-    int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), W = c->world, me = c->rank;
-    char *mine = c->slots + (size_t)me * DT_SLOT_BYTES;
-    const char *send = (const char *)o->send;
-    char *recv = (char *)o->recv;
-    const char *what = dt__coll_names[o->kind];
-    if (W == 1) {                         /* alone: every collective is a copy (or nothing); no peer to send to */
-        if (o->kind != DT_COLL_BARRIER && recv != send) memmove(recv, send, (size_t)o->count * es);
-        return;
-    }
-    switch (o->kind) {
-    case DT_COLL_BARRIER: dt__shm_barrier(c, what); break;
-    case DT_COLL_SEND: dt__shm_send(c, o); break;
-    case DT_COLL_RECV: dt__shm_recv(c, o); break;
-    case DT_COLL_ALL_REDUCE:
-    case DT_COLL_REDUCE:
-        for (int64_t off = 0; off < o->count; off += per_slot) {
-            int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
-            memcpy(mine, send + off * es, (size_t)n * es);
-            dt__shm_barrier(c, what);
-            DT_TEST_DIE_IN(c, o);
-            dt__sum_slots(c, 0, n * me / W, n * (me + 1) / W, o->dtype, o->op, c->result, 0);   /* my stripe */
-            dt__shm_barrier(c, what);
-            if (o->kind == DT_COLL_ALL_REDUCE || me == o->root) memcpy(recv + off * es, c->result, (size_t)n * es);
-            dt__shm_barrier(c, what);
-        }
-        break;
-    case DT_COLL_REDUCE_SCATTER:          /* slot layout: W pieces of n, piece d for rank d */
-        for (int64_t off = 0; off < o->count; off += per_slot / W) {
-            int64_t n = o->count - off < per_slot / W ? o->count - off : per_slot / W;
-            for (int64_t d = 0; d < W; d++) memcpy(mine + d * n * es, send + (d * o->count + off) * es, (size_t)n * es);
-            dt__shm_barrier(c, what);
-            dt__sum_slots(c, me * n, 0, n, o->dtype, o->op, recv + off * es, 0);
-            dt__shm_barrier(c, what);
-        }
-        break;
-    case DT_COLL_ALL_GATHER:
-        for (int64_t off = 0; off < o->count; off += per_slot) {
-            int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
-            memcpy(mine, send + off * es, (size_t)n * es);
-            dt__shm_barrier(c, what);
-            for (int64_t r = 0; r < W; r++)
-                memcpy(recv + (r * o->count + off) * es, c->slots + (size_t)r * DT_SLOT_BYTES, (size_t)n * es);
-            dt__shm_barrier(c, what);
-        }
-        break;
-    case DT_COLL_BROADCAST:
-        for (int64_t off = 0; off < o->count; off += per_slot) {
-            int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
-            char *root_slot = c->slots + (size_t)o->root * DT_SLOT_BYTES;
-            if (me == o->root) memcpy(root_slot, recv + off * es, (size_t)n * es);
-            dt__shm_barrier(c, what);
-            if (me != o->root) memcpy(recv + off * es, root_slot, (size_t)n * es);
-            dt__shm_barrier(c, what);
-        }
-        break;
-    }
-}
-
-/* Where call h keeps its state in the ring of DT_COMM_QUEUE (h counts from 1). */
-static int dt__comm_slot(int64_t h) { return (int)((h - 1) % DT_COMM_QUEUE); }
-
-/* Shared memory: the communication thread does the whole collective in
-   start(); the caller waits on the host until it is done. A group's shared
-   memory is made by dt_comm_split for every backend (the watchdog reads it),
-   so there is nothing more to split or close. */
-static void dt__shm_submitted(dt_comm *c, int64_t h) { (void)c; (void)h; }
-static void dt__shm_start(dt_comm *c, int64_t h, const dt_comm_op *o) { (void)h; dt__shm_run(c, o); }
-static void dt__shm_finish(dt_comm *c, int64_t h) { (void)c; (void)h; }
-static void dt__host_wait(dt_comm *c, int64_t h) {
-    while (c->completed < h) pthread_cond_wait(&c->done, &c->mu);
-}
-static void dt__shm_split(dt_comm *parent, dt_comm *child, int color, int key) { (void)parent; (void)child; (void)color; (void)key; }
-static void dt__shm_close(dt_comm *c) { (void)c; }
-static const dt_comm_backend dt__comm_shm_backend = { "shared memory", DT_CPU, dt__shm_submitted, dt__shm_start, dt__shm_finish,
-                                                     dt__host_wait, dt__shm_split, dt__shm_close, 1, 1 };
-
-#ifdef DT_HAVE_CUDA
-/* NCCL: wait until the communicator is ready for its next call (slot < 0) or
-   collective `slot` has finished on the GPU, watching the job as the
-   shared-memory barrier does -- a failed or vanished rank, or --timeout. It
-   runs on the thread that issues the communicator's calls, the only one that
-   may abort it. */
-static void dt__nccl_watch(dt_comm *c, int slot, const char *what) {
-    char why[320];
-    double t0 = dt_now_ms();
-    for (long spins = 0;; spins++) {
-        int ready = dt_nccl_progress(c->nccl, why, sizeof why);
-        if (ready > 0 && (slot < 0 || dt_nccl_finished(c->nccl, slot))) return;
-        if (ready < 0) {
-            dt_nccl_abort(c->nccl);
-            dt_fail("NCCL failed during %s: %s (a rank may have died); communicator aborted", what, why);
-        }
-        if (spins < 200) continue;
-        if (spins % 64 == 0 && dt__job_trouble(c, -1, dt_now_ms() - t0, what, why, sizeof why)) {
-            dt_nccl_abort(c->nccl);
-            dt_fail("%s (NCCL communicator aborted)", why);
-        }
-        struct timespec ts = { 0, 20000 };
-        nanosleep(&ts, NULL);
-    }
-}
-static void dt__nccl_submitted(dt_comm *c, int64_t h) { dt_nccl_mark_inputs(c->nccl, dt__comm_slot(h)); }
-static void dt__nccl_start(dt_comm *c, int64_t h, const dt_comm_op *o) {
-    int slot = dt__comm_slot(h);
-    dt_nccl_issue(c->nccl, slot, o);
-    dt__nccl_watch(c, -1, dt__coll_names[o->kind]);         /* a non-blocking call may still be in progress */
-    dt_nccl_mark_done(c->nccl, slot);
-    DT_TEST_DIE_IN(c, o);
-}
-static void dt__nccl_finish(dt_comm *c, int64_t h) {
-    dt__nccl_watch(c, dt__comm_slot(h), dt__coll_names[c->queue[dt__comm_slot(h)].kind]);
-}
-static void dt__nccl_wait_on_gpu(dt_comm *c, int64_t h) { dt_nccl_stream_wait(c->nccl, dt__comm_slot(h)); }
-/* The parent's thread is idle (dt_comm_split waited for it), so this thread
-   may make calls on the parent's NCCL communicator. Untested: no GPU in CI. */
-static void dt__nccl_split_comm(dt_comm *parent, dt_comm *child, int color, int key) {
-    child->nccl = dt_nccl_split(parent->nccl, color, key);
-    dt__nccl_watch(parent, -1, "NCCL's split");
-    dt__nccl_watch(child, -1, "NCCL's split");
-}
-/* The thread is gone: this one owns the communicator now. */
-static void dt__nccl_close(dt_comm *c) {
-    dt_nccl_finalize(c->nccl);
-    dt__nccl_watch(c, -1, "closing NCCL");
-    dt_nccl_free(c->nccl);
-}
-static const dt_comm_backend dt__comm_nccl_backend = { "NCCL", DT_CUDA, dt__nccl_submitted, dt__nccl_start, dt__nccl_finish,
-                                                      dt__nccl_wait_on_gpu, dt__nccl_split_comm, dt__nccl_close, 1, 0 };
-#endif
-
-#ifdef DT_HAVE_MPI
-/* MPI: the transport of CPU clusters, for ranks on several hosts. The thread
-   issues the call non-blocking (MPI_I...) in start() and tests it in finish(),
-   watching --timeout as the shared-memory barrier does; the caller waits on
-   the host. MPI has no average and no bf16 or fp16 arithmetic: a sum of 16-bit
-   values travels as f32 and is divided (an average) and rounded once at the
-   end, as shared memory does -- rounding at each of MPI's pairwise additions
-   would lose bits, and overflow fp16 where f32 does not. MPI picks its own
-   reduction order (a tree, a ring), so with more than two ranks a sum may
-   differ from shared memory's rank order in the last bits; with two, a + b is
-   a + b. A dead rank is the launcher's to notice: mpirun and srun end the job
-   when a rank exits without MPI_Finalize. */
-static void dt__mpi_check(int err, const char *what) {
-    if (err == MPI_SUCCESS) return;
-    char text[MPI_MAX_ERROR_STRING];
-    int len = 0;
-    MPI_Error_string(err, text, &len);
-    dt_fail("MPI failed during %s: %.*s", what, len, text);
-}
-static int dt__mpi_initialized_here;         /* dtrain called MPI_Init, so it calls MPI_Finalize */
-
-/* Once per process, on the first communicator that needs MPI. Groups have a
-   communication thread each, so MPI must take calls from several threads. */
-static void dt__mpi_init(void) {
-    int ready = 0, done = 0, level = 0;
-    MPI_Finalized(&done);
-    if (done) dt_fail("MPI was already finalized in this process (its job's communicator was freed): MPI starts once per process");
-    MPI_Initialized(&ready);
-    if (!ready) {
-        dt__mpi_check(MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &level), "MPI_Init_thread");
-        dt__mpi_initialized_here = 1;
-    } else MPI_Query_thread(&level);
-    if (level < MPI_THREAD_MULTIPLE)
-        dt_fail("this MPI gives thread level %d, and dtrain's communication threads need MPI_THREAD_MULTIPLE (%d)", level,
-                MPI_THREAD_MULTIPLE);
-}
-static void dt__mpi_finalize_if_ours(void) {
-    if (dt__mpi_initialized_here) MPI_Finalize();
-    dt__mpi_initialized_here = 0;
-}
-
-/* An all-reduce, reduce or reduce-scatter. In place where MPI allows it;
-   through an f32 copy (c->mpi_temp) for 16-bit values, and for a
-   reduce-scatter whose output lies in its input (MPI's in-place form would
-   leave this rank's piece at the front). The result is then in c->mpi_result,
-   for finish() to divide, round and store. */
-static int dt__mpi_start_reduction(dt_comm *c, const dt_comm_op *o) {
-    int n = (int)o->count, W = c->world, root = o->kind != DT_COLL_REDUCE || c->rank == o->root;
-    int scatter = o->kind == DT_COLL_REDUCE_SCATTER;
-    int64_t n_in = scatter ? o->count * W : o->count;
-    size_t es = dt_dtype_size(o->dtype);
-    MPI_Op op = o->op == DT_MAX ? MPI_MAX : MPI_SUM;
-    const char *send = (const char *)o->send;
-    char *recv = (char *)o->recv;
-    int overlap = scatter && recv + (size_t)o->count * es > send && recv < send + (size_t)n_in * es;
-    if (o->dtype == DT_F32 && !overlap) {
-        const void *in = send == recv ? MPI_IN_PLACE : send;
-        if (o->kind == DT_COLL_ALL_REDUCE) return MPI_Iallreduce(in, recv, n, MPI_FLOAT, op, c->mpi, &c->mpi_request);
-        if (scatter) return MPI_Ireduce_scatter_block(send, recv, n, MPI_FLOAT, op, c->mpi, &c->mpi_request);
-        return MPI_Ireduce(root ? in : send, root ? recv : NULL, n, MPI_FLOAT, op, o->root, c->mpi, &c->mpi_request);
-    }
-    float *f = (float *)malloc(sizeof(float) * (size_t)(n_in + (scatter ? o->count : 0)) + 1);
-    if (!f) dt_fail("out of memory (MPI %s of %lld elements)", dt__coll_names[o->kind], (long long)n_in);
-    for (int64_t i = 0; i < n_in; i++) f[i] = dt_load_f32(send, i, o->dtype);
-    c->mpi_temp = f;
-    c->mpi_result = scatter ? f + n_in : root ? f : NULL;
-    if (o->kind == DT_COLL_ALL_REDUCE) return MPI_Iallreduce(MPI_IN_PLACE, f, n, MPI_FLOAT, op, c->mpi, &c->mpi_request);
-    if (scatter) return MPI_Ireduce_scatter_block(f, f + n_in, n, MPI_FLOAT, op, c->mpi, &c->mpi_request);
-    return MPI_Ireduce(root ? MPI_IN_PLACE : f, root ? f : NULL, n, MPI_FLOAT, op, o->root, c->mpi, &c->mpi_request);
-}
-
-static void dt__mpi_submitted(dt_comm *c, int64_t h) { (void)c; (void)h; }
-static void dt__mpi_start(dt_comm *c, int64_t h, const dt_comm_op *o) {
-    (void)h;
-    const char *what = dt__coll_names[o->kind];
-    if (o->count > INT_MAX)
-        dt_fail("%s of %lld elements over MPI: at most %d in one call (MPI counts are int)", what, (long long)o->count, INT_MAX);
-    int n = (int)o->count;
-    size_t bytes = (size_t)o->count * dt_dtype_size(o->dtype);
-    MPI_Datatype type = o->dtype == DT_F32 ? MPI_FLOAT : MPI_UINT16_T;   /* moved, not added: bits are bits */
-    char *recv = (char *)o->recv;
-    c->mpi_temp = NULL;
-    c->mpi_result = NULL;
-    int err = MPI_SUCCESS;
-    switch (o->kind) {
-    case DT_COLL_BARRIER: err = MPI_Ibarrier(c->mpi, &c->mpi_request); break;
-    case DT_COLL_ALL_REDUCE:
-    case DT_COLL_REDUCE:
-    case DT_COLL_REDUCE_SCATTER: err = dt__mpi_start_reduction(c, o); break;
-    case DT_COLL_ALL_GATHER: {       /* in place when our piece is already where it goes */
-        const char *s = (const char *)o->send;
-        if (s + bytes > recv && s < recv + bytes * (size_t)c->world) {
-            memmove(recv + (size_t)c->rank * bytes, s, bytes);
-            s = (const char *)MPI_IN_PLACE;
-        }
-        err = MPI_Iallgather(s, n, type, recv, n, type, c->mpi, &c->mpi_request);
-        break;
-    }
-    case DT_COLL_BROADCAST: err = MPI_Ibcast(recv, n, type, o->root, c->mpi, &c->mpi_request); break;
-    /* A synchronous send finishes when its peer has received it, as shared
-       memory's does; the tag carries the dtype, for the check in finish. */
-    case DT_COLL_SEND: err = MPI_Issend(o->send, n, type, o->root, (int)o->dtype, c->mpi, &c->mpi_request); break;
-    case DT_COLL_RECV: err = MPI_Irecv(recv, n, type, o->root, MPI_ANY_TAG, c->mpi, &c->mpi_request); break;
-    }
-    dt__mpi_check(err, what);
-    DT_TEST_DIE_IN(c, o);
-}
-static void dt__mpi_finish(dt_comm *c, int64_t h) {
-    const dt_comm_op *o = &c->queue[dt__comm_slot(h)];
-    const char *what = dt__coll_names[o->kind];
-    MPI_Status status;
-    char why[320];
-    double t0 = dt_now_ms();
-    for (long spins = 0;; spins++) {
-        int done = 0, err = MPI_Test(&c->mpi_request, &done, &status), type = 0;
-        MPI_Error_class(err, &type);
-        if (o->kind == DT_COLL_RECV && type == MPI_ERR_TRUNCATE)
-            dt_fail("rank %d sent more than the %lld elements of %s rank %d receives: a send and its recv must agree on count and "
-                    "dtype", c->job_rank[o->root], (long long)o->count, dt_dtype_name(o->dtype), c->job_rank[c->rank]);
-        dt__mpi_check(err, what);
-        if (done) break;
-        if (spins < 200) continue;
-        if (spins % 64 == 0 && dt__job_trouble(c, -1, dt_now_ms() - t0, what, why, sizeof why)) dt_fail("%s (over MPI)", why);
-        struct timespec ts = { 0, 20000 };
-        nanosleep(&ts, NULL);
-    }
-    if (o->kind == DT_COLL_RECV) {
-        int got = 0;
-        MPI_Get_count(&status, o->dtype == DT_F32 ? MPI_FLOAT : MPI_UINT16_T, &got);
-        if (status.MPI_TAG != (int)o->dtype || got != o->count)
-            dt_fail("rank %d sent %d elements of %s, but rank %d receives %lld of %s: a send and its recv must agree on count "
-                    "and dtype", c->job_rank[o->root], got, dt_dtype_name((dt_dtype)status.MPI_TAG), c->job_rank[c->rank],
-                    (long long)o->count, dt_dtype_name(o->dtype));
-    }
-    int reduced = o->kind == DT_COLL_ALL_REDUCE || o->kind == DT_COLL_REDUCE_SCATTER || (o->kind == DT_COLL_REDUCE && c->rank == o->root);
-    float divisor = reduced && o->op == DT_AVG ? (float)c->world : 1.0f;
-    if (c->mpi_result)                       /* from f32: divided, then rounded once */
-        for (int64_t i = 0; i < o->count; i++) dt_store_f32(o->recv, i, o->dtype, c->mpi_result[i] / divisor);
-    else if (divisor != 1.0f)
-        for (int64_t i = 0; i < o->count; i++) ((float *)o->recv)[i] /= divisor;
-    free(c->mpi_temp);
-    c->mpi_temp = NULL;
-    c->mpi_result = NULL;
-}
-/* The parent's thread is idle (dt_comm_split waited for it). */
-static void dt__mpi_split(dt_comm *parent, dt_comm *child, int color, int key) {
-    dt__mpi_check(MPI_Comm_split(parent->mpi, color, key, &child->mpi), "MPI_Comm_split");
-    MPI_Comm_set_errhandler(child->mpi, MPI_ERRORS_RETURN);
-}
-static void dt__mpi_close(dt_comm *c) {
-    MPI_Comm_free(&c->mpi);
-    if (!c->parent) dt__mpi_finalize_if_ours();
-}
-static const dt_comm_backend dt__comm_mpi_backend = { "MPI", DT_CPU, dt__mpi_submitted, dt__mpi_start, dt__mpi_finish,
-                                                     dt__host_wait, dt__mpi_split, dt__mpi_close, 0, 0 };
-#endif
-
-/* The communication thread: runs queued collectives one after another, so the
-   caller can go on computing (DDP overlaps the all-reduce with backward). */
-static void *dt__comm_worker(void *arg) {
-    dt_comm *c = (dt_comm *)arg;
-    dt__flush_subnormals_here();             /* no OpenMP team of its own: it only copies and adds */
-    dt__ctx.rank = c->job_rank[c->rank];     /* its error lines name the rank too, as the job does */
-    dt__ctx.world_size = c->top->world;
-    pthread_mutex_lock(&c->mu);
-    for (;;) {
-        while (!c->stop && c->completed == c->submitted) pthread_cond_wait(&c->wake, &c->mu);
-        if (c->completed == c->submitted) break;
-        int64_t h = c->completed + 1;
-        int slot = dt__comm_slot(h);
-        dt_comm_op o = c->queue[slot];
-        pthread_mutex_unlock(&c->mu);
-        c->started_ms[slot] = dt_now_ms();
-        c->backend->start(c, h, &o);
-        pthread_mutex_lock(&c->mu);
-        c->started = h;                      /* a caller may now wait for it (on the GPU: behind it) */
-        pthread_cond_broadcast(&c->done);
-        pthread_mutex_unlock(&c->mu);
-        c->backend->finish(c, h);
-        pthread_mutex_lock(&c->mu);
-        c->finished_ms[slot] = dt_now_ms();
-        c->completed = h;
-        pthread_cond_broadcast(&c->done);
-    }
-    pthread_mutex_unlock(&c->mu);
-    return NULL;
-}
-
-/* A buffer of the wrong kind is caught here, before any transport sees it:
-   NCCL takes device memory only, shared memory host memory only. */
-static void dt__comm_check_buffer(const dt_comm *c, const dt_comm_op *o, const void *p) {
-    if (!p || o->count == 0) return;
-    int on_gpu = dt__ctx.gpu && dt__ctx.gpu->owns(p);
-    if (on_gpu != (c->backend->memory == DT_CUDA))
-        dt_fail("%s over %s: a buffer is %s memory, but %s takes %s memory only", dt__coll_names[o->kind], c->backend->name,
-                on_gpu ? "GPU" : "host", c->backend->name, c->backend->memory == DT_CUDA ? "GPU" : "host");
-}
-
-static dt_comm_handle dt__comm_submit(dt_comm *c, dt_comm_op o) {
-    int p2p = o.kind == DT_COLL_SEND || o.kind == DT_COLL_RECV;
-    if (o.count < 0) dt_fail("%s of %lld elements", dt__coll_names[o.kind], (long long)o.count);
-    if (o.root < 0 || o.root >= c->world)
-        dt_fail("%s: %s %d is not a rank (the communicator has %d)", dt__coll_names[o.kind], p2p ? "peer" : "root", o.root,
-                c->world);
-    if (p2p && o.root == c->rank)
-        dt_fail("%s: the peer is this rank (%d); a message goes to another rank of the communicator", dt__coll_names[o.kind],
-                o.root);
-    dt__comm_check_buffer(c, &o, o.send);
-    dt__comm_check_buffer(c, &o, o.recv);
-    pthread_mutex_lock(&c->mu);
-    while (c->submitted - c->completed >= DT_COMM_QUEUE) pthread_cond_wait(&c->done, &c->mu);
-    dt_comm_handle h = ++c->submitted;
-    c->queue[dt__comm_slot(h)] = o;
-    c->backend->submitted(c, h);
-    pthread_cond_signal(&c->wake);
-    pthread_mutex_unlock(&c->mu);
-    return h;
-}
-/* Under the lock, so that call h's slot cannot be reused while we look at it. */
-void dt_comm_wait(dt_comm *c, dt_comm_handle h) {
-    pthread_mutex_lock(&c->mu);
-    while (c->started < h) pthread_cond_wait(&c->done, &c->mu);
-    if (c->completed < h) c->backend->wait(c, h);
-    pthread_mutex_unlock(&c->mu);
-}
-
-dt_comm_handle dt_all_reduce_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
-    dt_comm_op o = { DT_COLL_ALL_REDUCE, send, recv, count, dtype, op, 0 };
-    return dt__comm_submit(c, o);
-}
-dt_comm_handle dt_reduce_scatter_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
-    dt_comm_op o = { DT_COLL_REDUCE_SCATTER, send, recv, count, dtype, op, 0 };
-    return dt__comm_submit(c, o);
-}
-dt_comm_handle dt_all_gather_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype) {
-    dt_comm_op o = { DT_COLL_ALL_GATHER, send, recv, count, dtype, DT_SUM, 0 };
-    return dt__comm_submit(c, o);
-}
-dt_comm_handle dt_broadcast_async(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int root) {
-    dt_comm_op o = { DT_COLL_BROADCAST, buf, buf, count, dtype, DT_SUM, root };
-    return dt__comm_submit(c, o);
-}
-dt_comm_handle dt_reduce_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op, int root) {
-    dt_comm_op o = { DT_COLL_REDUCE, send, recv, count, dtype, op, root };
-    return dt__comm_submit(c, o);
-}
-dt_comm_handle dt_send_async(dt_comm *c, const void *buf, int64_t count, dt_dtype dtype, int peer) {
-    dt_comm_op o = { DT_COLL_SEND, buf, NULL, count, dtype, DT_SUM, peer };
-    return dt__comm_submit(c, o);
-}
-dt_comm_handle dt_recv_async(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer) {
-    dt_comm_op o = { DT_COLL_RECV, NULL, buf, count, dtype, DT_SUM, peer };
-    return dt__comm_submit(c, o);
-}
-void dt_all_reduce(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
-    dt_comm_wait(c, dt_all_reduce_async(c, send, recv, count, dtype, op));
-}
-void dt_reduce_scatter(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
-    dt_comm_wait(c, dt_reduce_scatter_async(c, send, recv, count, dtype, op));
-}
-void dt_all_gather(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype) {
-    dt_comm_wait(c, dt_all_gather_async(c, send, recv, count, dtype));
-}
-void dt_broadcast(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int root) {
-    dt_comm_wait(c, dt_broadcast_async(c, buf, count, dtype, root));
-}
-void dt_reduce(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op, int root) {
-    dt_comm_wait(c, dt_reduce_async(c, send, recv, count, dtype, op, root));
-}
-void dt_send(dt_comm *c, const void *buf, int64_t count, dt_dtype dtype, int peer) {
-    dt_comm_wait(c, dt_send_async(c, buf, count, dtype, peer));
-}
-void dt_recv(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer) {
-    dt_comm_wait(c, dt_recv_async(c, buf, count, dtype, peer));
-}
-/* A barrier holds the host, on a GPU too (whose dt_comm_wait would only hold
-   the GPU): what follows it -- reading a file another rank wrote -- happens on
-   the host. Its finishing means every rank has reached it. */
-void dt_barrier(dt_comm *c) {
-    dt_comm_op o = { DT_COLL_BARRIER, NULL, NULL, 0, DT_F32, DT_SUM, 0 };
-    dt_comm_handle h = dt__comm_submit(c, o);
-    pthread_mutex_lock(&c->mu);
-    dt__host_wait(c, h);
-    pthread_mutex_unlock(&c->mu);
-}
-int dt_comm_rank(const dt_comm *c) { return c->rank; }
-/* When the communication thread started and finished the call behind h (after
-   dt_comm_wait; kept for the last DT_COMM_QUEUE calls). On a GPU the wait
-   returns before the call has finished: then "finished" is "now". */
-static void dt__comm_interval(dt_comm *c, dt_comm_handle h, double *t0, double *t1) {
-    pthread_mutex_lock(&c->mu);
-    *t0 = c->started_ms[dt__comm_slot(h)];
-    *t1 = c->completed >= h ? c->finished_ms[dt__comm_slot(h)] : dt_now_ms();   /* a GPU may still be on it */
-    pthread_mutex_unlock(&c->mu);
-}
-int dt_comm_size(const dt_comm *c) { return c->world; }
-const char *dt_comm_backend_name(const dt_comm *c) { return c->backend->name; }
-int dt_comm_sums_in_rank_order(const dt_comm *c) { return c->backend->sums_in_rank_order; }
-
-/* Host values into and out of a collective: they travel through memory of
-   the kind the communicator takes (NCCL reads device memory only), in the
-   step arena. */
-static void *dt__comm_stage(dt_comm *c, const void *host, size_t bytes) {
-    void *buf = dt__step_alloc_on(c->backend->memory, bytes);
-    if (host) dt__upload_to(c->backend->memory, buf, host, bytes);
-    return buf;
-}
-static void dt__comm_all_reduce_host(dt_comm *c, float *values, int n, dt_reduce_op op) {
-    size_t bytes = sizeof(float) * (size_t)n;
-    float *buf = (float *)dt__comm_stage(c, values, bytes);
-    dt_all_reduce(c, buf, buf, n, DT_F32, op);
-    dt__download_from(c->backend->memory, values, buf, bytes);
-}
-/* Every rank's `bytes` (a multiple of 4) into all, rank after rank. */
-static void dt__comm_all_gather_host(dt_comm *c, const void *mine, void *all, size_t bytes) {
-    void *send = dt__comm_stage(c, mine, bytes), *recv = dt__comm_stage(c, NULL, bytes * (size_t)c->world);
-    dt_all_gather(c, send, recv, (int64_t)(bytes / 4), DT_F32);     /* bytes travel as they are */
-    dt__download_from(c->backend->memory, all, recv, bytes * (size_t)c->world);
-}
-
-void dt_comm_check_agree(dt_comm *c, const char *what, const char *value) {
-    enum { LEN = 64 };
-    char mine[LEN] = { 0 };
-    char *all = (char *)calloc((size_t)c->world, LEN);
-    if (!all) dt_fail("out of memory (start-up check)");
-    size_t len = strlen(value);
-    if (len < LEN) dt__copy_str(mine, LEN, value);
-    else {                                   /* a long one (a path): a hash of it all, and its end */
-        uint32_t h = 2166136261u;
-        for (size_t i = 0; i < len; i++) h = (h ^ (unsigned char)value[i]) * 16777619u;
-        snprintf(mine, LEN, "#%08x ...%s", (unsigned)h, value + len - (LEN - 15));
-    }
-    dt__comm_all_gather_host(c, mine, all, LEN);
-    for (int r = 1; r < c->world; r++)
-        if (strncmp(all, all + (size_t)r * LEN, LEN) != 0)
-            dt_fail("the ranks disagree on %s: rank 0 has '%s', rank %d has '%s' (every rank needs the same flags)",
-                    what, all, r, all + (size_t)r * LEN);
-    free(all);
-}
-
-static dt_comm *dt__comm_new(int rank, int world, double timeout_s) {
-    dt_comm *c = (dt_comm *)calloc(1, sizeof(dt_comm));
-    if (!c) dt_fail("out of memory (communicator)");
-    c->rank = rank; c->world = world; c->timeout_s = timeout_s > 0 ? timeout_s : 60;
-    c->backend = &dt__comm_shm_backend;
-    c->top = c;
-    for (int r = 0; r < world; r++) c->job_rank[r] = r;
-    pthread_mutex_init(&c->mu, NULL);
-    pthread_cond_init(&c->wake, NULL);
-    pthread_cond_init(&c->done, NULL);
-    return c;
-}
-static void dt__comm_start(dt_comm *c, dt__shm_header *hdr) {
-    c->hdr = hdr;
-    if (c->backend->shares_memory) {         /* the slots follow a shared header */
-        c->slots = (char *)hdr + dt__shm_header_bytes(c->world);
-        c->result = c->slots + (size_t)c->world * DT_SLOT_BYTES;
-    }
-    __atomic_store_n(&hdr->pid[c->rank], (int)getpid(), __ATOMIC_RELEASE);
-#ifdef DT_TESTING
-    /* Fault tests: DT_TEST_DIE_RANK=r makes rank r of the job kill itself in the
-       middle of its first all-reduce (or its DT_TEST_DIE_CALL-th) on a
-       communicator, after the others have started it. */
-    const char *die = getenv("DT_TEST_DIE_RANK"), *call = getenv("DT_TEST_DIE_CALL");
-    const char *send = getenv("DT_TEST_DIE_SEND");    /* ... or in its N-th send, on any communicator */
-    c->die_in_all_reduce = die && atoi(die) == c->job_rank[c->rank] && c->world > 1 && !send ? (call ? atoi(call) : 1) : 0;
-    if (!c->parent && die && atoi(die) == c->job_rank[c->rank] && send) dt__test_die_in_send = atoi(send);
-#endif
-    if (pthread_create(&c->worker, NULL, dt__comm_worker, c) != 0) dt_fail("cannot start the communication thread");
-    dt_comm *none = NULL;                   /* the first communicator speaks for the job when we fail */
-    if (!c->parent) __atomic_compare_exchange_n(&dt__active_comm, &none, c, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-    __atomic_store_n(&dt__on_fail, dt__comm_on_fail, __ATOMIC_RELEASE);
-}
-
-/* A named shared-memory segment of `bytes`, made (create: its name goes on
-   the list of files dt_fail removes, slot in *cleanup) or opened, and mapped. */
-static int dt__shm_serial;                   /* names this process's segments apart */
-/* Is `name` one dtrain makes for this user: /dtrain-<uid>-<pid>-<n>? */
-static void dt__shm_name_check(const char *name) {
-    char want[32];
-    int uid = -1, pid = -1, serial = -1, used = 0;
-    snprintf(want, sizeof want, "/dtrain-%d-", (int)getuid());
-    if (strncmp(name, want, strlen(want)) || sscanf(name, "/dtrain-%d-%d-%d%n", &uid, &pid, &serial, &used) != 3 ||
-        used != (int)strlen(name) || pid <= 0 || serial < 0)
-        dt_fail("rendezvous: rank 0 named the shared memory '%.80s', not one dtrain makes for this user (%s<pid>-<n>): is it "
-                "a dtrain rank 0 of this job?", name, want);
-}
-static dt__shm_header *dt__shm_map(const char *name, size_t bytes, int create, int *cleanup) {
-    int fd;
-    if (create) {
-        char file[128];
-        snprintf(file, sizeof file, "/dev/shm%s", name);
-        fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
-        if (fd >= 0) *cleanup = dt__cleanup_add(file);
-        if (fd < 0 || ftruncate(fd, (off_t)bytes) != 0)
-            dt_fail("cannot create shared memory %s of %.1f MB: %s (is /dev/shm full?)", name, bytes / 1e6, strerror(errno));
-#ifdef DT_TESTING
-        if (getenv("DT_TEST_DIE_MADE_SEGMENT")) raise(SIGKILL);   /* fault tests: rank 0 dies with the segment made */
-#endif
-    } else {
-        /* The name came over the network: only a segment this user's rank 0 made for this job is mapped -- named
-           as dtrain names them for this user, owned by this user, no one else may touch it, of the size asked
-           (a rank once wrote its gradients into another user's segment of mode 0666, named by a fake rank 0). */
-        dt__shm_name_check(name);
-        struct stat st;
-        fd = shm_open(name, O_RDWR, 0600);
-        if (fd < 0) dt_fail("cannot open the shared memory %s another rank made: %s (are all ranks on one machine?)", name,
-                            strerror(errno));
-        if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid() || (st.st_mode & 077) ||
-            (uint64_t)st.st_size != (uint64_t)bytes)
-            dt_fail("rendezvous: the shared memory %s is not this job's: owner %d, mode %03o, %lld bytes (this rank's "
-                    "user is %d: a segment of its own, mode 600, of %zu bytes)", name, (int)st.st_uid,
-                    (unsigned)(st.st_mode & 0777), (long long)st.st_size, (int)geteuid(), bytes);
-    }
-    void *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (map == MAP_FAILED) dt_fail("cannot map shared memory %s: %s", name, strerror(errno));
-    close(fd);
-    dt__mem_count(DT_ARENA_COMM, bytes, +1);
-    return (dt__shm_header *)map;
-}
-
-/* The watchdog's header for ranks that share no memory (MPI): this rank's own
-   pid, abort flag and counts; the others' stay 0, which the watchdog reads as
-   "nothing known", so only --timeout applies -- and the launcher, which ends
-   the job when a rank dies. */
-static dt__shm_header *dt__private_header(dt_comm *c) {
-    c->private_hdr = calloc(1, dt__shm_header_bytes(c->world));
-    if (!c->private_hdr) dt_fail("out of memory (communicator header)");
-    dt__shm_header *hdr = (dt__shm_header *)c->private_hdr;
-    hdr->magic = DT_SHM_MAGIC;
-    hdr->world = c->world;
-    return hdr;
-}
-
-dt_comm_group *dt_comm_group_create(int world, double timeout_s) {
-    if (world < 1 || world > DT_MAX_RANKS) dt_fail("a group of %d ranks (1 to %d)", world, DT_MAX_RANKS);
-    dt_comm_group *g = (dt_comm_group *)calloc(1, sizeof *g);
-    void *mem = NULL;
-    if (!g || posix_memalign(&mem, 4096, dt__shm_bytes(world)) != 0) dt_fail("out of memory (thread group)");
-    memset(mem, 0, dt__shm_header_bytes(world));
-    g->hdr = (dt__shm_header *)mem;
-    g->hdr->magic = DT_SHM_MAGIC;
-    g->hdr->world = g->world = world;
-    g->timeout_s = timeout_s;
-    dt__mem_count(DT_ARENA_COMM, dt__shm_bytes(world), +1);
-    return g;
-}
-dt_comm *dt_comm_join(dt_comm_group *g, int rank) {
-    if (rank < 0 || rank >= g->world) dt_fail("rank %d outside a group of %d", rank, g->world);
-    dt_comm *c = dt__comm_new(rank, g->world, g->timeout_s);
-    dt__comm_start(c, g->hdr);
-    c->joined = g;
-    __atomic_add_fetch(&g->members, 1, __ATOMIC_ACQ_REL);
-    return c;
-}
-void dt_comm_group_free(dt_comm_group *group) {
-    if (!group) return;
-    int open = __atomic_load_n(&group->members, __ATOMIC_ACQUIRE);
-    if (open) dt_fail("dt_comm_group_free: %d rank(s) that joined it are still open; call dt_comm_free on each first", open);
-    dt__mem_count(DT_ARENA_COMM, dt__shm_bytes(group->world), -1);
-    free(group->hdr);
-    free(group);
-}
-
-/* Groups: what each rank tells the others when a communicator splits. The
-   first rank of each group makes its shared memory; the name follows from the
-   maker's pid and serial, so one exchange is enough. */
-typedef struct { int32_t color, key, pid, serial; } dt__split_entry;
-/* Every rank's entry, through memory of the kind the transport takes, given
-   back at once: not the step arena, which a thread rank that splits and then
-   ends would leave behind. */
-static void dt__split_gather(dt_comm *comm, const dt__split_entry *mine, dt__split_entry *all) {
-    dt_device memory = comm->backend->memory;
-    size_t one = sizeof *mine, bytes = one * (size_t)(comm->world + 1);
-    char *buf = (char *)dt_alloc_on(memory, DT_ARENA_COMM, bytes);
-    dt__upload_to(memory, buf, mine, one);
-    dt_all_gather(comm, buf, buf + one, (int64_t)(one / 4), DT_F32);      /* bytes travel as they are */
-    dt__download_from(memory, all, buf + one, bytes - one);
-    dt_free_on(memory, DT_ARENA_COMM, buf, bytes);
-}
-static int dt__split_before(const dt__split_entry *all, int a, int b) {
-    return all[a].key != all[b].key ? all[a].key < all[b].key : a < b;
-}
-dt_comm *dt_comm_split(dt_comm *comm, int color, int key) {
-    if (color < 0) dt_fail("dt_comm_split: color %d; a color is a number >= 0 naming the group to join", color);
-    dt__split_entry mine = { color, key, (int32_t)getpid(), __atomic_fetch_add(&dt__shm_serial, 1, __ATOMIC_RELAXED) };
-    dt__split_entry *all = (dt__split_entry *)calloc((size_t)comm->world, sizeof *all);
-    if (!all) dt_fail("out of memory (dt_comm_split)");
-    dt__split_gather(comm, &mine, all);
-    int members[DT_MAX_RANKS], n = 0, rank = 0;
-    for (int r = 0; r < comm->world; r++) {           /* insertion sort by (key, rank) */
-        if (all[r].color != color) continue;
-        int i = n++;
-        for (; i > 0 && dt__split_before(all, r, members[i - 1]); i--) members[i] = members[i - 1];
-        members[i] = r;
-    }
-    dt_comm *child = dt__comm_new(0, n, comm->timeout_s);
-    for (int i = 0; i < n; i++) {
-        if (members[i] == comm->rank) rank = i;
-        child->job_rank[i] = comm->job_rank[members[i]];
-    }
-    child->rank = rank; child->backend = comm->backend; child->top = comm->top; child->parent = comm;
-    if (!comm->backend->shares_memory) {     /* ranks that share no memory make groups that share none */
-        free(all);
-        comm->backend->split(comm, child, color, key);
-        comm->children++;
-        dt__comm_start(child, dt__private_header(child));
-        return child;
-    }
-    char name[96];
-    dt__path(name, sizeof name, "/dtrain-%d-%d-%d", (int)getuid(), all[members[0]].pid, all[members[0]].serial);
-    child->map_bytes = dt__shm_bytes(n);
-    int cleanup = -1;
-    if (rank == 0) {
-        child->hdr = dt__shm_map(name, child->map_bytes, 1, &cleanup);
-        child->hdr->magic = DT_SHM_MAGIC;
-        child->hdr->world = n;
-    }
-    dt_barrier(comm);                        /* every group's memory is made: open it */
-    if (rank != 0) child->hdr = dt__shm_map(name, child->map_bytes, 0, NULL);
-    dt_barrier(comm);                        /* every rank has mapped it: its name can go */
-    if (rank == 0) { shm_unlink(name); dt__cleanup_done(cleanup); }
-    free(all);
-    comm->backend->split(comm, child, color, key);
-    comm->children++;
-    dt__comm_start(child, child->hdr);
-    return child;
-}
-
-/* A parallel wrapper holds its communicator until it is freed, so that
-   freeing the communicator first is an error naming the wrapper's free. */
-static void dt__comm_hold(dt_comm *c, const char *free_fn) { c->users++; c->user_free_fn = free_fn; }
-static void dt__comm_release(dt_comm *c) { if (c) c->users--; }
-
-void dt_comm_free(dt_comm *c) {
-    if (!c) return;
-    /* a wrapper first: its free function frees the groups it split (tensor parallelism's mesh) */
-    if (c->users) dt_fail("dt_comm_free: a parallel wrapper still uses this communicator; call %s first", c->user_free_fn);
-    if (c->children)
-        dt_fail("dt_comm_free: %d group(s) split from this communicator are still open; free them first "
-                "(dt_comm_free or dt_mesh_free)", c->children);
-    if (c->in_mesh) dt_fail("dt_comm_free: this communicator belongs to a mesh (dt_mesh_comm); dt_mesh_free frees it");
-    pthread_mutex_lock(&c->mu);
-    c->stop = 1;
-    pthread_cond_signal(&c->wake);
-    pthread_mutex_unlock(&c->mu);
-    pthread_join(c->worker, NULL);
-    c->backend->close(c);
-    dt_comm *self = c;                      /* until here it still tells the others when we fail */
-    __atomic_compare_exchange_n(&dt__active_comm, &self, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-    if (dt__ctx.job == c) dt__ctx.job = NULL;
-    if (c->parent) c->parent->children--;
-    if (c->map_bytes) { munmap(c->hdr, c->map_bytes); dt__mem_count(DT_ARENA_COMM, c->map_bytes, -1); }
-    free(c->private_hdr);
-    pthread_mutex_destroy(&c->mu);
-    pthread_cond_destroy(&c->wake);
-    pthread_cond_destroy(&c->done);
-    dt_comm_group *joined = c->joined;
-    free(c);
-    if (joined) __atomic_sub_fetch(&joined->members, 1, __ATOMIC_ACQ_REL);   /* last: the group may go now */
-}
-
-
-/* ---- a mesh: ranks as a grid of named dimensions ---- */
-struct dt_mesh {
-    int ndims, size[DT_MESH_MAX_DIMS], coord[DT_MESH_MAX_DIMS];
-    char name[DT_MESH_MAX_DIMS][16];
-    dt_comm *comm[DT_MESH_MAX_DIMS];
-};
-/* "dp=2 x tp=2", for messages. */
-static void dt__mesh_describe(const dt_mesh *m, char *out, size_t n) {
-    out[0] = 0;
-    for (int d = 0; d < m->ndims; d++)
-        snprintf(out + strlen(out), n - strlen(out), "%s%s=%d", d ? " x " : "", m->name[d], m->size[d]);
-}
-dt_mesh *dt_mesh_create(dt_comm *comm, int ndims, const int *sizes, const char *const *names) {
-    if (ndims < 1 || ndims > DT_MESH_MAX_DIMS) dt_fail("dt_mesh_create: %d dimensions (1 to %d)", ndims, DT_MESH_MAX_DIMS);
-    dt_mesh *m = (dt_mesh *)calloc(1, sizeof *m);
-    if (!m) dt_fail("out of memory (mesh)");
-    int64_t ranks = 1;
-    for (int d = 0; d < ndims; d++) {
-        if (sizes[d] < 1 || !names[d] || !names[d][0] || strlen(names[d]) >= sizeof m->name[d])
-            dt_fail("dt_mesh_create: dimension %d has size %d and name '%s'; it needs a size >= 1 and a name of 1 to %zu "
-                    "characters", d, sizes[d], names[d] ? names[d] : "(null)", sizeof m->name[d] - 1);
-        for (int e = 0; e < d; e++)
-            if (!strcmp(m->name[e], names[d])) dt_fail("dt_mesh_create: two dimensions are named '%s'", names[d]);
-        dt__copy_str(m->name[d], sizeof m->name[d], names[d]);
-        m->size[d] = sizes[d];
-        m->ndims = d + 1;
-        ranks *= sizes[d];
-        if (ranks > DT_MAX_RANKS) break;
-    }
-    char shape[128];
-    dt__mesh_describe(m, shape, sizeof shape);
-    if (ranks != comm->world)
-        dt_fail("dt_mesh_create: a %s mesh has %lld%s ranks, but the communicator has %d: the sizes must multiply to "
-                "its size", shape, (long long)ranks, ranks > DT_MAX_RANKS ? " or more" : "", comm->world);
-    int stride[DT_MESH_MAX_DIMS];
-    for (int d = ndims - 1; d >= 0; d--) {
-        stride[d] = d == ndims - 1 ? 1 : stride[d + 1] * m->size[d + 1];
-        m->coord[d] = comm->rank / stride[d] % m->size[d];
-    }
-    /* Along d, the ranks that share every other coordinate: the same rank
-       once its own coordinate is set to 0. The same order on every rank, as
-       each split is collective. */
-    for (int d = 0; d < ndims; d++) {
-        m->comm[d] = dt_comm_split(comm, comm->rank - m->coord[d] * stride[d], m->coord[d]);
-        m->comm[d]->in_mesh = 1;
-    }
-    return m;
-}
-static int dt__mesh_dim(const dt_mesh *m, const char *name) {
-    for (int d = 0; d < m->ndims; d++)
-        if (!strcmp(m->name[d], name)) return d;
-    char shape[128];
-    dt__mesh_describe(m, shape, sizeof shape);
-    dt_fail("dt_mesh: no dimension named '%s' in this %s mesh", name, shape);
-}
-dt_comm *dt_mesh_comm(const dt_mesh *mesh, const char *name) { return mesh->comm[dt__mesh_dim(mesh, name)]; }
-int dt_mesh_coord(const dt_mesh *mesh, const char *name) { return mesh->coord[dt__mesh_dim(mesh, name)]; }
-void dt_mesh_free(dt_mesh *mesh) {
-    if (!mesh) return;
-    for (int d = mesh->ndims - 1; d >= 0; d--) {
-        mesh->comm[d]->in_mesh = 0;
-        dt_comm_free(mesh->comm[d]);
-    }
-    free(mesh);
-}
-
-/* [src/11-launching.h] */
-/* ==== 10. launching ranks and the rendezvous ====================================
+/* [src/16-launching.h] */
+/* ==== launching ranks and the rendezvous ====================================
    A job is N copies of one program. Something starts them -- `--nproc N` here,
    or torchrun, srun, mpirun -- and tells each its rank through environment
    variables. The ranks then meet: rank 0 listens on MASTER_PORT, the others
@@ -8269,7 +10390,7 @@ static int dt__launcher_listener(int port) {
 #define DT_RDZV_MAGIC "dtrain-4"
 #define DT_HOST_NAME 256                 /* Linux's host names are at most 64 bytes; others' longer */
 /* Where a rank runs, as far as meeting goes. Ranks meet in shared memory
-   (section 9's segment: the CPU collectives, and on GPUs the watchdog's view
+   (the collectives chapter's segment: the CPU collectives, and on GPUs the watchdog's view
    of every rank), so two ranks are together when they see one /dev/shm of
    one running kernel: its boot id, and the folder's device and inode. A host
    name says neither -- containers on one machine may differ in name yet
@@ -8797,2115 +10918,8 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     return c;
 }
 
-/* [src/12-data-parallel.h] */
-/* ==== 11. parallel wrappers =====================================================
-   Data parallel training in three shapes. DataParallel (stage 02): one
-   process, N devices, device 0 in charge -- replicate, scatter, forward,
-   gather, loss, backward, reduce, step, all through device 0.
-   DistributedDataParallel (stage 03): N processes, each a full replica with its
-   own optimizer; the only traffic is the average of the gradients, and it
-   overlaps with backward. Fully sharded (stage 04): N processes that each keep
-   1/N of the model and of its optimizer state; a unit is gathered whole only
-   while it computes, the next one's gather already on its way, and each rank
-   receives the average gradient of its own part only. The model, autograd and
-   the optimizer are the ones stage 01 uses: the wrappers only decide where
-   copies (or pieces) of them live and what crosses between them. */
-
-/* What the wrappers communicated, for this step's log line and trace. `hidden`
-   is the part of [t0, t1] that ran while backward was still computing. */
-static void dt__record_span(const char *name, double t0, double t1, int pipeline) {
-    if (dt__ctx.ncomm_events < (int)(sizeof dt__ctx.comm_events / sizeof dt__ctx.comm_events[0])) {
-        int k = dt__ctx.ncomm_events++;
-        dt__copy_str(dt__ctx.comm_events[k].name, sizeof dt__ctx.comm_events[k].name, name);
-        dt__ctx.comm_events[k].t0 = t0;
-        dt__ctx.comm_events[k].t1 = t1;
-        dt__ctx.comm_events[k].pipeline = pipeline;
-    }
-}
-static void dt__record_comm(const char *name, double t0, double t1, double hidden) {
-    dt__ctx.comm_ms += t1 - t0;
-    dt__ctx.comm_hidden_ms += hidden;
-    dt__record_span(name, t0, t1, 0);
-}
-/* Pipeline parallelism's forwards, backwards and waits: a track of their own. */
-static void dt__record_event(const char *name, double t0, double t1) { dt__record_span(name, t0, t1, 1); }
-
-/* A thread that ran ops gives back what its context holds before it ends. */
-static void dt__context_release(void) {
-    dt_step_arena_reset();                  /* the tape emptied */
-    dt__step_arena_free(dt__ctx.step);      /* spill blocks and blocks back */
-    dt__step_arena_free(dt__ctx.scratch);
-    free(dt__ctx.tape);
-    dt__ctx.tape = NULL;
-    dt__ctx.tape_cap = 0;
-    DT_OMP("omp parallel")
-    {
-        free(dt__pack_buffer);               /* each thread of this device's team frees its own */
-        dt__pack_buffer = NULL;
-        dt__pack_floats = 0;
-    }
-}
-
-/* -- DataParallel -- */
-typedef enum { DT_DP_FORWARD = 1, DT_DP_BACKWARD, DT_DP_REDUCE, DT_DP_QUIT } dt__dp_job;
-
-typedef struct dt__dp_device {
-    struct dt_dp *dp;
-    int index;
-    pthread_t thread;
-    dt_model *model;            /* device 0: the model itself; the others: replicas */
-    dt_comm *comm;
-    dt_tensor *logits;          /* this device's output, in its own step arena */
-    const float *dlogits;       /* its slice of the gradient of the gathered logits */
-    double flops;               /* counted by its thread this step */
-    size_t mem_peak;
-    dt__dp_job job;
-    int64_t posted, finished;
-    int has_base;               /* LoRA: the frozen model came from device 0 (once: it never changes) */
-} dt__dp_device;
-
-struct dt_dp {
-    dt_parallel par;            /* first: the model's dt_parallel * is this dt_dp */
-    dt_model *model;
-    int devices, threads_per_device;
-    dt_tensor *inputs;          /* the batch being scattered, and its rows per device */
-    int rows;
-    int out_rows;               /* rows of each device's output (a language model's: rows x tokens) */
-    dt_comm_group *group;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    dt__dp_device dev[DT_MAX_RANKS];
-};
-
-/* Replicate, scatter, forward: the same on every device, device 0 included.
-   Returns when the replicate started and ended. */
-static void dt__dp_device_forward(dt_dp *dp, dt__dp_device *d, double *t0, double *t1) {
-    dt_model *m = d->model;
-    dt_model_set_recompute(m, dp->model->recompute);                   /* as device 0's model does */
-    *t0 = dt_now_ms();
-    if (m->base && !d->has_base) dt_broadcast(d->comm, m->base->flat_data, m->base->numel, DT_F32, 0);
-    d->has_base = 1;
-    dt_broadcast(d->comm, m->flat_data, m->numel, DT_F32, 0);          /* device 0's weights, every step */
-    *t1 = dt_now_ms();
-    const dt_tensor *all = dp->inputs;
-    int shape[4] = { dp->rows, all->shape[1], all->shape[2], all->shape[3] };
-    size_t per_image = (size_t)(all->numel / all->shape[0]);
-    dt_tensor *mine = dt__tensor_alloc(all->ndim, shape, DT_F32);
-    memcpy(mine->data, all->data + (size_t)d->index * dp->rows * per_image,      /* scatter: a copy to this device */
-           (size_t)dp->rows * per_image * sizeof(float));
-    d->logits = dt_model_forward(m, mine);
-}
-
-static void dt__dp_post(dt_dp *dp, dt__dp_job job) {
-    pthread_mutex_lock(&dp->mu);
-    for (int i = 1; i < dp->devices; i++) { dp->dev[i].job = job; dp->dev[i].posted++; }
-    pthread_cond_broadcast(&dp->cv);
-    pthread_mutex_unlock(&dp->mu);
-}
-static void dt__dp_wait(dt_dp *dp) {
-    pthread_mutex_lock(&dp->mu);
-    for (int i = 1; i < dp->devices; i++)
-        while (dp->dev[i].finished != dp->dev[i].posted) pthread_cond_wait(&dp->cv, &dp->mu);
-    pthread_mutex_unlock(&dp->mu);
-}
-
-/* A replica's thread: a context of its own (tape, step arena, memory counts),
-   a share of the cores, and a loop doing what device 0 asks. */
-static void *dt__dp_worker(void *arg) {
-    dt__dp_device *d = (dt__dp_device *)arg;
-    dt_dp *dp = d->dp;
-    dt__flush_subnormals();
-#ifdef _OPENMP
-    omp_set_num_threads(dp->threads_per_device);
-#endif
-    d->model = dt_model_create(&dp->model->cfg, 0);     /* its weights arrive with the first broadcast */
-    d->comm = dt_comm_join(dp->group, d->index);
-    for (;;) {
-        pthread_mutex_lock(&dp->mu);
-        while (d->posted == d->finished) pthread_cond_wait(&dp->cv, &dp->mu);
-        dt__dp_job job = d->job;
-        pthread_mutex_unlock(&dp->mu);
-        if (job == DT_DP_QUIT) break;
-        if (job == DT_DP_FORWARD) {
-            double t0, t1;
-            dt_step_arena_reset();
-            dt_flops_reset();
-            dt__dp_device_forward(dp, d, &t0, &t1);
-        }
-        if (job == DT_DP_BACKWARD) dt_backward_from(d->logits, d->dlogits);
-        if (job == DT_DP_REDUCE) {
-            dt_model *m = d->model;
-            dt_reduce(d->comm, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_SUM, 0);
-            dt_model_zero_grad(m);
-            d->flops = dt_flops_counted();
-        }
-        d->mem_peak = dt_mem_total_peak();
-        pthread_mutex_lock(&dp->mu);
-        d->finished = d->posted;
-        pthread_cond_broadcast(&dp->cv);
-        pthread_mutex_unlock(&dp->mu);
-    }
-    dt_comm_free(d->comm);
-    dt_model_free(d->model);
-    dt__context_release();
-    return NULL;
-}
-
-static void dt__dp_backward_done(dt_parallel *par) {
-    dt_dp *dp = (dt_dp *)par;
-    if (dp->devices == 1) return;
-    dt__dp_wait(dp);                                    /* every device's backward has finished */
-    double t0 = dt_now_ms();
-    dt__dp_post(dp, DT_DP_REDUCE);
-    dt_model *m = dp->model;
-    dt_reduce(dp->dev[0].comm, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_SUM, 0);
-    dt__dp_wait(dp);
-    dt__record_comm("reduce gradients", t0, dt_now_ms(), 0);
-    for (int i = 1; i < dp->devices; i++) dt__ctx.flops += dp->dev[i].flops;   /* the work of every device */
-}
-void dt_dp_reduce_grads(dt_dp *dp) { dt_parallel_backward_done(&dp->par); }
-
-dt_dp *dt_dp_create(dt_model *model, int devices, double timeout_s) {
-    if (devices < 1 || devices > DT_MAX_RANKS) dt_fail("DataParallel over %d devices (1 to %d)", devices, DT_MAX_RANKS);
-    if (devices > 1 && model->device != DT_CPU)
-        dt_fail("02-dp on %d GPUs: driving several GPUs from one process needs a CUDA stream, a cuBLAS handle and an "
-                "NCCL communicator per GPU, and this version keeps one per process. Use --nproc 1 here, or 03-ddp "
-                "(one process per GPU)", devices);
-    if (dt__ctx.compute_dtype != DT_F32)
-        dt_fail("DataParallel (stage 02) runs in fp32 only; mixed precision comes with DDP and FSDP (stage 05)");
-    dt_dp *dp = (dt_dp *)calloc(1, sizeof *dp);
-    if (!dp) dt_fail("out of memory (DataParallel)");
-    dp->par = (dt_parallel){ .create_fn = "dt_dp_create", .sync_fn = "dt_dp_reduce_grads", .free_fn = "dt_dp_free",
-                             .backward_done = dt__dp_backward_done };
-    dt_model_set_parallel(model, &dp->par);
-    dp->model = model;
-    dp->devices = devices;
-    dp->threads_per_device = dt_threads() / devices > 1 ? dt_threads() / devices : 1;
-    dt__ctx.devices = devices;
-    if (devices == 1) return dp;
-    pthread_mutex_init(&dp->mu, NULL);
-    pthread_cond_init(&dp->cv, NULL);
-    dp->group = dt_comm_group_create(devices, timeout_s);
-#ifdef _OPENMP
-    omp_set_num_threads(dp->threads_per_device);      /* the cores shared out among the devices */
-#endif
-    dp->dev[0].dp = dp;
-    dp->dev[0].model = model;
-    dp->dev[0].comm = dt_comm_join(dp->group, 0);
-    for (int i = 1; i < devices; i++) {
-        dp->dev[i].dp = dp;
-        dp->dev[i].index = i;
-        if (pthread_create(&dp->dev[i].thread, NULL, dt__dp_worker, &dp->dev[i]) != 0)
-            dt_fail("cannot start the thread of device %d", i);
-    }
-    return dp;
-}
-int dt_dp_devices(const dt_dp *dp) { return dp->devices; }
-
-/* The gather's backward: each device gets its slice of d(loss)/d(logits) and
-   starts its own backward; device 0's slice flows on through device 0's tape. */
-static void dt__dp_gather_backward(dt__tape_entry *e) {
-    dt_dp *dp = (dt_dp *)e->saved;
-    int64_t per = (int64_t)dp->out_rows * dt_tensor_cols(e->out);
-    for (int i = 1; i < dp->devices; i++) dp->dev[i].dlogits = e->out->grad + i * per;
-    dt__dp_post(dp, DT_DP_BACKWARD);
-    float *g = dt_grad(e->in[0]);
-    for (int64_t k = 0; k < per; k++) g[k] += e->out->grad[k];
-}
-
-dt_tensor *dt_dp_forward(dt_dp *dp, dt_tensor *inputs) {
-    if (dp->devices == 1) return dt_model_forward(dp->model, inputs);
-    int N = dp->devices, B = inputs->shape[0];
-    if (B % N) dt_fail("DataParallel: a batch of %d samples does not split evenly over %d devices", B, N);
-    dp->inputs = inputs;
-    dp->rows = B / N;
-    double t0, t1;
-    dt__dp_post(dp, DT_DP_FORWARD);
-    dt__dp_device_forward(dp, &dp->dev[0], &t0, &t1);
-    dt__dp_wait(dp);
-    dt__record_comm("broadcast parameters", t0, t1, 0);
-    /* gather: every device's logits, in device order, on device 0 */
-    dt_tensor *mine = dp->dev[0].logits;
-    int C = (int)dt_tensor_cols(mine), R = dp->out_rows = (int)dt_tensor_rows(mine);
-    dt_tensor *out = dt__tensor_out_2d(N * R, C);
-    for (int i = 0; i < N; i++)
-        memcpy(out->data + (size_t)i * R * C, dp->dev[i].logits->data, sizeof(float) * (size_t)R * C);
-    if (dt__wants_grad(mine, NULL, NULL)) dt__tape_push(dt__dp_gather_backward, out, mine, NULL, NULL)->saved = dp;
-    return out;
-}
-
-void dt_dp_free(dt_dp *dp, int quiet) {
-    if (!dp) return;
-    dt_model_set_parallel(dp->model, NULL);
-    if (dp->devices > 1) {
-        dt__dp_post(dp, DT_DP_QUIT);
-        for (int i = 1; i < dp->devices; i++) pthread_join(dp->dev[i].thread, NULL);
-        if (!quiet) {
-            printf("peak memory per device: 0: %.1f MB (model, optimizer, gathered logits)", dt_mem_total_peak() / 1e6);
-            for (int i = 1; i < dp->devices; i++) printf(", %d: %.1f MB", i, dp->dev[i].mem_peak / 1e6);
-            printf("\n");
-            fflush(stdout);
-        }
-        dt_comm_free(dp->dev[0].comm);
-        dt_comm_group_free(dp->group);
-        pthread_mutex_destroy(&dp->mu);
-        pthread_cond_destroy(&dp->cv);
-    }
-    free(dp);
-}
-
-/* -- DistributedDataParallel -- */
-typedef struct dt__ddp_bucket {
-    int first, last;            /* parameters first..last: one run of the flat gradient */
-    int64_t offset, count;
-    int pending;                /* gradients of this bucket not final yet in this backward */
-    dt_comm_handle handle;
-} dt__ddp_bucket;
-
-struct dt_ddp {
-    dt_parallel par;            /* first: the model's dt_parallel * is this dt_ddp */
-    dt_model *model;
-    dt_comm *comm;
-    int nbuckets, launched;     /* buckets start in order: 0, 1, ... */
-    dt__ddp_bucket *buckets;
-    int *bucket_of;             /* parameter -> bucket */
-    int sync;                   /* 0: accumulate locally (no-sync), communicate nothing */
-};
-
-/* Start every bucket that is complete and whose predecessors have started:
-   all ranks must issue the collectives in the same order. */
-static void dt__ddp_launch(dt_ddp *d, int all) {
-    while (d->launched < d->nbuckets && (all || d->buckets[d->launched].pending == 0)) {
-        dt__ddp_bucket *b = &d->buckets[d->launched++];
-        float *g = d->model->flat_grad + b->offset;
-        b->handle = dt_all_reduce_async(d->comm, g, g, b->count, DT_F32, DT_AVG);
-        dt__ctx.grad_collectives++;
-    }
-}
-static void dt__ddp_grad_ready(dt_parallel *par, dt_tensor *p) {
-    dt_ddp *d = (dt_ddp *)par;
-    if (!d->sync) return;                             /* no-sync: the gradient stays here */
-    int64_t i = p - d->model->params;
-    dt__ddp_bucket *b = &d->buckets[d->bucket_of[i]];
-    if (b->pending > 0) b->pending--;
-    dt__ddp_launch(d, 0);
-}
-
-/* After backward: start what has not started, wait for every bucket. */
-static void dt__ddp_backward_done(dt_parallel *par) {
-    dt_ddp *d = (dt_ddp *)par;
-    if (!d->sync) return;                             /* accumulating: nothing leaves this rank */
-    double backward_end = dt__ctx.backward_end_ms;
-    dt__ddp_launch(d, 1);
-    for (int k = 0; k < d->nbuckets; k++) {
-        dt__ddp_bucket *b = &d->buckets[k];
-        double t0, t1;
-        char name[32];
-        dt_comm_wait(d->comm, b->handle);
-        dt__comm_interval(d->comm, b->handle, &t0, &t1);
-        snprintf(name, sizeof name, "all_reduce bucket %d", k);
-        dt__record_comm(name, t0, t1, t0 < backward_end ? (t1 < backward_end ? t1 : backward_end) - t0 : 0);
-        b->pending = b->last - b->first + 1;
-    }
-    d->launched = 0;
-}
-void dt_ddp_sync_grads(dt_ddp *ddp) { dt_parallel_backward_done(&ddp->par); }
-
-dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
-    dt_ddp *d = (dt_ddp *)calloc(1, sizeof *d);
-    int n = model->nparams;
-    if (!d || !(d->buckets = (dt__ddp_bucket *)calloc((size_t)n, sizeof(dt__ddp_bucket))) ||
-        !(d->bucket_of = (int *)calloc((size_t)n, sizeof(int))))
-        dt_fail("out of memory (DDP)");
-    d->par = (dt_parallel){ .create_fn = "dt_ddp_create", .sync_fn = "dt_ddp_sync_grads", .free_fn = "dt_ddp_free",
-                            .grad_ready = bucket_mb > 0 ? dt__ddp_grad_ready : NULL,
-                            .backward_done = dt__ddp_backward_done };
-    dt_model_set_parallel(model, &d->par);
-    dt__comm_hold(comm, "dt_ddp_free");
-    d->model = model;
-    d->comm = comm;
-    d->sync = 1;
-    dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);   /* every replica starts from rank 0's */
-    /* Buckets, from the last parameter back: ~bucket_mb each, the first 1 MB. */
-    double cap = bucket_mb > 0 ? bucket_mb * 1048576.0 : 1e300, first_cap = cap < 1048576.0 ? cap : 1048576.0;
-    double bytes = 0;
-    for (int i = n - 1; i >= 0; i--) {
-        dt__ddp_bucket *b = &d->buckets[d->nbuckets];
-        if (bytes == 0) b->last = i;
-        bytes += 4.0 * model->params[i].numel;
-        d->bucket_of[i] = d->nbuckets;
-        if (bytes >= (d->nbuckets == 0 ? first_cap : cap) || i == 0) {
-            b->first = i;
-            b->offset = model->params[i].data - model->flat_data;
-            b->count = model->params[b->last].data + model->params[b->last].numel - model->params[i].data;
-            b->pending = b->last - b->first + 1;
-            d->nbuckets++;
-            bytes = 0;
-        }
-    }
-    return d;
-}
-int dt_ddp_buckets(const dt_ddp *ddp) { return ddp->nbuckets; }
-void dt_ddp_set_sync(dt_ddp *ddp, int sync) { ddp->sync = sync; }
-
-void dt_ddp_free(dt_ddp *ddp) {
-    if (!ddp) return;
-    dt_model_set_parallel(ddp->model, NULL);
-    dt__comm_release(ddp->comm);
-    free(ddp->buckets);
-    free(ddp->bucket_of);
-    free(ddp);
-}
-
-/* -- Fully sharded data parallel -- */
-typedef struct dt__fsdp_unit {
-    int first, end;             /* its parameters: first .. end - 1 */
-    int64_t offset, numel;      /* where it sits in the model's parameter order */
-    int64_t shard;              /* elements per rank: numel rounded up to a multiple of world, / world */
-    int64_t shard_offset;       /* where its shard starts in this rank's flat shard buffers */
-    int64_t accum_offset;       /* where its whole gradient adds up while accumulating (no-sync) */
-    void *full;                 /* [shard * world] gathered parameters, in the compute dtype */
-    float *full_grad;           /* [shard * world] their gradients, f32 */
-    dt_comm_handle gathering;   /* an all-gather in flight (a prefetch), or 0 */
-} dt__fsdp_unit;
-
-struct dt_fsdp {
-    dt_parallel par;            /* first: the model's dt_parallel * is this dt_fsdp */
-    dt_model *model;
-    dt_comm *comm;
-    dt_shard_mode mode;
-    int offload;                /* shards and optimizer state in host memory */
-    int rank, world, nunits;
-    dt__fsdp_unit *units;
-    float *shard_params, *shard_grads;   /* this rank's slice of every unit, one after another */
-    int64_t shard_numel;
-    /* Buffers made once and reused by every unit: a malloc per unit per step
-       costs page faults on a CPU, and a cudaFree synchronises the whole GPU.
-       At most two neighbouring units are gathered at once, so two parameter
-       buffers serve all of them (unit k takes buffer k % 2), and one gradient
-       buffer, as backward does one unit at a time. Offloaded shards are
-       uploaded into staging buffers, by the same rule. The model's outer unit
-       (dt_model.outer_unit), gathered from the start of forward to the end of
-       backward, has buffers of its own: slot 2, and outer_grad. */
-    void *gathered[3];
-    float *gathered_grad, *outer_grad, *staged[3], *scattered;
-    int holder[3];                       /* the unit in each parameter buffer, or -1 */
-    size_t largest, largest_shard;       /* f32 bytes: the largest unit, gathered, and its shard */
-    int64_t prefetched;                  /* units that were already on their way when needed */
-    /* Stage 05. Mixed precision: parameters are gathered in param_dtype (the
-       compute dtype), each rank first narrowing its f32 shard into send16;
-       gradients are reduce-scattered in reduce_dtype through grad16 and
-       scattered16. Accumulation: with sync 0 nothing is reduce-scattered and
-       the units' whole gradients add up in `accum`. */
-    dt_dtype param_dtype, reduce_dtype;
-    void *send16[3], *grad16, *scattered16;
-    int sync;
-    float *accum;
-    int64_t accum_numel;
-};
-
-static size_t dt__fsdp_full_bytes(const dt_fsdp *f, const dt__fsdp_unit *u) { return (size_t)(u->shard * f->world) * sizeof(float); }
-static size_t dt__fsdp_param_bytes(const dt_fsdp *f, const dt__fsdp_unit *u) {
-    return (size_t)(u->shard * f->world) * dt_dtype_size(f->param_dtype);
-}
-static size_t dt__fsdp_largest_params(const dt_fsdp *f) { return f->largest / sizeof(float) * dt_dtype_size(f->param_dtype); }
-/* Which of the reused buffers unit k takes: neighbours alternate, the outer unit has its own. */
-static int dt__fsdp_slot(const dt_fsdp *f, int k) { return k == f->model->outer_unit ? 2 : k % 2; }
-
-/* Unit k's slice of a shard buffer where the collectives can read it: the
-   buffer itself, or, offloaded, a copy uploaded into the staging buffer of its slot. */
-static float *dt__fsdp_shard_on_device(dt_fsdp *f, const float *shards, int k) {
-    const dt__fsdp_unit *u = &f->units[k];
-    if (!f->offload) return (float *)shards + u->shard_offset;
-    dt_upload(f->staged[dt__fsdp_slot(f, k)], shards + u->shard_offset, (size_t)u->shard * sizeof(float));
-    return f->staged[dt__fsdp_slot(f, k)];
-}
-/* Unit k's shard as the all-gather sends it: in the compute dtype, which under
-   mixed precision is a 16-bit copy (send16, one per neighbouring unit). */
-static const void *dt__fsdp_send_buffer(dt_fsdp *f, int k) {
-    float *mine = dt__fsdp_shard_on_device(f, f->shard_params, k);
-    if (f->param_dtype == DT_F32) return mine;
-    dt_convert(mine, DT_F32, f->send16[dt__fsdp_slot(f, k)], f->param_dtype, f->units[k].shard);
-    return f->send16[dt__fsdp_slot(f, k)];
-}
-/* A unit's whole parameters from f32 host values, in the compute dtype. */
-static void dt__fsdp_fill_params(dt_fsdp *f, dt__fsdp_unit *u, const float *host) {
-    if (f->param_dtype == DT_F32) { dt_upload(u->full, host, (size_t)u->numel * sizeof(float)); return; }
-    uint16_t *h = (uint16_t *)malloc((size_t)u->numel * 2 + 1);
-    if (!h) dt_fail("out of memory");
-    dt__f32_to_half_cpu(host, h, f->param_dtype, u->numel);
-    dt_upload(u->full, h, (size_t)u->numel * 2);
-    free(h);
-}
-/* Host values into a shard buffer: a copy when offloaded, else an upload. */
-static void dt__fsdp_put(dt_fsdp *f, float *dst, const float *host, int64_t n) {
-    if (n <= 0) return;
-    if (f->offload) memcpy(dst, host, (size_t)n * sizeof(float));
-    else dt_upload(dst, host, (size_t)n * sizeof(float));
-}
-
-/* Point the unit's parameters (or their f32 gradients) into a gathered buffer,
-   or nowhere. Gathered parameters are in the compute dtype. */
-static void dt__fsdp_point(dt_fsdp *f, dt__fsdp_unit *u, int grads, void *buf) {
-    for (int i = u->first; i < u->end; i++) {
-        dt_tensor *p = &f->model->params[i];
-        int64_t at = f->model->offsets[i] - u->offset;
-        if (grads) p->grad = buf ? (float *)buf + at : NULL;
-        else {
-            p->dtype = f->param_dtype;
-            p->data = buf ? (float *)((char *)buf + at * dt_dtype_size(f->param_dtype)) : NULL;
-        }
-    }
-}
-
-/* All-gather: every rank's shard of the unit, side by side, is the unit. It is
-   started ahead of need -- the next unit's while this one computes -- and
-   finished when the unit is about to run. Every rank starts and finishes them
-   in the same order, so the collectives pair up. */
-static void dt__fsdp_gather_start(dt_fsdp *f, int k) {
-    dt__fsdp_unit *u = &f->units[k];
-    if (f->mode != DT_SHARD_FULL || u->full || u->gathering) return;        /* there already, or on its way */
-    int slot = dt__fsdp_slot(f, k);
-    if (f->holder[slot] >= 0)
-        dt_fail("internal: FSDP gathers unit %d while unit %d still holds its buffer", k, f->holder[slot]);
-    f->holder[slot] = k;
-    u->full = f->gathered[slot];
-    u->gathering = dt_all_gather_async(f->comm, dt__fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
-}
-static void dt__fsdp_gather_unit(dt_fsdp *f, int k, int next) {
-    dt__fsdp_unit *u = &f->units[k];
-    if (f->mode != DT_SHARD_FULL) return;
-    double wait_from = dt_now_ms(), t0, t1;
-    f->prefetched += u->gathering != 0;
-    dt__fsdp_gather_start(f, k);
-    if (next >= 0 && next < f->nunits) dt__fsdp_gather_start(f, next);      /* prefetch */
-    if (!u->gathering) return;
-    dt_comm_wait(f->comm, u->gathering);
-    dt__comm_interval(f->comm, u->gathering, &t0, &t1);
-    double hidden = (t1 < wait_from ? t1 : wait_from) - t0;
-    dt__record_comm("all_gather unit", t0, t1, hidden > 0 ? hidden : 0);
-    u->gathering = 0;
-    dt__fsdp_point(f, u, 0, u->full);
-}
-static void dt__fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only our slice */
-    dt__fsdp_unit *u = &f->units[k];
-    if (f->mode != DT_SHARD_FULL) return;
-    if (u->full) f->holder[dt__fsdp_slot(f, k)] = -1;
-    u->full = NULL;
-    dt__fsdp_point(f, u, 0, NULL);
-}
-/* Reduce-scatter: the average of every rank's gradient of the unit, of which
-   this rank keeps its slice (added to what it holds: accumulation needs it). */
-static void dt__fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
-    dt__fsdp_unit *u = &f->units[k];
-    dt_device dev = f->model->device;
-    float *mine = f->scattered, *dst = f->shard_grads + u->shard_offset;
-    double t0 = dt_now_ms();
-    if (f->reduce_dtype == DT_F32) dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
-    else {                                          /* 16-bit copies travel */
-        dt_convert(u->full_grad, DT_F32, f->grad16, f->reduce_dtype, u->shard * f->world);
-        dt_reduce_scatter(f->comm, f->grad16, f->scattered16, u->shard, f->reduce_dtype, DT_AVG);
-        dt_convert(f->scattered16, f->reduce_dtype, mine, DT_F32, u->shard);
-    }
-    dt__ctx.grad_collectives++;
-    dt__record_comm("reduce_scatter unit", t0, dt_now_ms(), 0);
-    const dt_backend *gpu = f->offload ? NULL : dt__backend_of(dev);
-    if (gpu) gpu->accumulate(dst, mine, u->shard);
-    else {                                          /* offloaded: to the host, added there */
-        float *host = dt__host_view(dev, mine, u->shard);
-        for (int64_t i = 0; i < u->shard; i++) dst[i] += host[i];
-        dt__host_view_close(dev, host, mine, u->shard, 0);
-    }
-}
-
-/* The two marks a unit leaves on the tape; backward meets them in reverse. */
-static void dt__fsdp_before_unit_backward(dt__tape_entry *e) {
-    dt_fsdp *f = (dt_fsdp *)e->saved;
-    dt__fsdp_unit *u = &f->units[e->iarg[0]];
-    dt__fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1);             /* gathered again; the one before on its way */
-    if (f->mode != DT_SHARD_OPTIMIZER) {
-        if (f->accum) u->full_grad = f->accum + u->accum_offset;     /* adds to the micro-batches before */
-        else {                                                       /* backward adds into it: zeroed */
-            u->full_grad = e->iarg[0] == f->model->outer_unit ? f->outer_grad : f->gathered_grad;
-            dt__zero_on(f->model->device, u->full_grad, dt__fsdp_full_bytes(f, u));
-        }
-        dt__fsdp_point(f, u, 1, u->full_grad);
-    }
-}
-static void dt__fsdp_after_unit_backward(dt__tape_entry *e) {
-    dt_fsdp *f = (dt_fsdp *)e->saved;
-    dt__fsdp_unit *u = &f->units[e->iarg[0]];
-    if (f->mode == DT_SHARD_OPTIMIZER) return;                                  /* all at once, after backward */
-    if (f->sync) {                                                              /* no-sync: it stays in accum */
-        dt__fsdp_reduce_scatter_unit(f, e->iarg[0]);
-        if (f->accum) dt__zero_on(f->model->device, u->full_grad, dt__fsdp_full_bytes(f, u));
-    }
-    u->full_grad = NULL;
-    dt__fsdp_point(f, u, 1, NULL);
-    dt__fsdp_release_unit(f, e->iarg[0]);
-}
-
-static void dt__fsdp_unit_begin(dt_parallel *par, int unit) {
-    dt_fsdp *f = (dt_fsdp *)par;
-    dt__fsdp_gather_unit(f, unit, unit + 1);                               /* and the next one on its way */
-    if (dt__ctx.grad_enabled) dt__tape_mark(dt__fsdp_after_unit_backward, f, unit);
-}
-static void dt__fsdp_unit_end(dt_parallel *par, int unit) {
-    dt_fsdp *f = (dt_fsdp *)par;
-    int training = dt__ctx.grad_enabled;
-    /* reshard after forward -- but the last unit is the first that backward
-       needs, so in training it stays gathered (one all-gather saved); so
-       does the outer unit, whose backward ends the step */
-    if (!(training && (unit == f->nunits - 1 || unit == f->model->outer_unit))) dt__fsdp_release_unit(f, unit);
-    if (training) dt__tape_mark(dt__fsdp_before_unit_backward, f, unit);
-}
-static void dt__fsdp_backward_done(dt_parallel *par);
-static void dt__fsdp_step_done(dt_parallel *par);
-static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o);
-static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load);
-static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written);
-static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o);
-static void dt__fsdp_sum_over_ranks(dt_parallel *par, float *values, int n) {
-    dt__comm_all_reduce_host(((dt_fsdp *)par)->comm, values, n, DT_SUM);
-}
-/* The cost model's view (section 16): which ZeRO, and the optimizer step
-   of the whole model, N times the shard's this rank measured. */
-static int dt__fsdp_cost_input(const dt_parallel *par, dt_cost_input *in) {
-    const dt_fsdp *f = (const dt_fsdp *)par;
-    static const dt_parallelism zero[3] = { DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3 };   /* by dt_shard_mode */
-    in->kind = zero[f->mode];
-    in->optimizer_ms *= f->world;
-    return f->world;
-}
-
-dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload) {
-    dt_fsdp *f = (dt_fsdp *)calloc(1, sizeof *f);
-    if (!f || !(f->units = (dt__fsdp_unit *)calloc((size_t)model->nunits, sizeof(dt__fsdp_unit))))
-        dt_fail("out of memory (FSDP)");
-    f->par = (dt_parallel){ .create_fn = "dt_fsdp_create", .sync_fn = "dt_fsdp_sync_grads", .free_fn = "dt_fsdp_free",
-                            .unit_begin = dt__fsdp_unit_begin, .unit_end = dt__fsdp_unit_end,
-                            .backward_done = dt__fsdp_backward_done, .step_done = dt__fsdp_step_done,
-                            .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks,
-                            .state_open = dt__fsdp_state_open, .state_close = dt__fsdp_state_close,
-                            .memory_table = dt__fsdp_memory_table, .cost_input = dt__fsdp_cost_input };
-    dt_model_set_parallel(model, &f->par);
-    dt__comm_hold(comm, "dt_fsdp_free");
-    f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
-    f->param_dtype = dt__ctx.compute_dtype; f->reduce_dtype = DT_F32; f->sync = 1;
-    f->rank = dt_comm_rank(comm); f->world = dt_comm_size(comm); f->nunits = model->nunits;
-    dt_device dev = model->device;
-    dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);     /* every rank starts from rank 0's */
-    for (int k = 0; k < f->nunits; k++) {
-        dt__fsdp_unit *u = &f->units[k];
-        u->first = model->unit_first[k];
-        u->end = model->unit_first[k + 1];
-        u->offset = model->offsets[u->first];
-        u->numel = (u->end < model->nparams ? model->offsets[u->end] : model->numel) - u->offset;
-        u->shard = (u->numel + f->world - 1) / f->world;
-        u->shard_offset = f->shard_numel;
-        f->shard_numel += u->shard;
-        u->accum_offset = f->accum_numel;
-        f->accum_numel += u->shard * f->world;
-        if (dt__fsdp_full_bytes(f, u) > f->largest) f->largest = dt__fsdp_full_bytes(f, u);
-    }
-    f->largest_shard = f->largest / (size_t)f->world;
-    int outer = model->outer_unit, used[3] = { 0, 0, 0 };                   /* the slots some unit takes */
-    for (int k = 0; k < f->nunits; k++) used[dt__fsdp_slot(f, k)] = 1;
-    f->holder[0] = f->holder[1] = f->holder[2] = -1;
-    for (int b = 0; b < 3; b++) {
-        if (!used[b]) continue;
-        if (mode == DT_SHARD_FULL) f->gathered[b] = dt_alloc_on(dev, DT_ARENA_PARAMS, dt__fsdp_largest_params(f));
-        if (f->param_dtype != DT_F32) f->send16[b] = dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard / 2);
-        if (cpu_offload) f->staged[b] = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard);
-    }
-    if (mode != DT_SHARD_OPTIMIZER) f->gathered_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, f->largest);
-    if (mode != DT_SHARD_OPTIMIZER && outer >= 0) f->outer_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, f->largest);
-    f->scattered = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard);
-    size_t shard_bytes = (size_t)f->shard_numel * sizeof(float);
-    f->shard_params = (float *)(f->offload ? dt_alloc_host(DT_ARENA_PARAMS, shard_bytes) : dt_alloc_on(dev, DT_ARENA_PARAMS, shard_bytes));
-    f->shard_grads = (float *)(f->offload ? dt_alloc_host(DT_ARENA_GRADS, shard_bytes) : dt_alloc_on(dev, DT_ARENA_GRADS, shard_bytes));
-    /* Cut the model into shards: this rank keeps elements [rank * shard, (rank + 1) * shard) of each unit. */
-    float *host = dt__host_view(dev, model->flat_data, model->numel);
-    for (int k = 0; k < f->nunits; k++) {
-        dt__fsdp_unit *u = &f->units[k];
-        int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
-        dt__fsdp_put(f, f->shard_params + u->shard_offset, host + u->offset + lo, hi - lo);
-        if (mode != DT_SHARD_FULL) {             /* ZeRO-1 and -2 keep every parameter, in per-unit buffers */
-            u->full = dt_alloc_on(dev, DT_ARENA_PARAMS, dt__fsdp_param_bytes(f, u));
-            dt__fsdp_fill_params(f, u, host + u->offset);
-            dt__fsdp_point(f, u, 0, u->full);
-        }
-        if (mode == DT_SHARD_OPTIMIZER) {        /* ZeRO-1 keeps every gradient too */
-            u->full_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, dt__fsdp_full_bytes(f, u));
-            dt__fsdp_point(f, u, 1, u->full_grad);
-        }
-        if (mode == DT_SHARD_FULL) dt__fsdp_point(f, u, 0, NULL);
-        if (mode != DT_SHARD_OPTIMIZER) dt__fsdp_point(f, u, 1, NULL);
-    }
-    dt__host_view_close(dev, host, model->flat_data, model->numel, 0);
-    dt_free_on(dev, DT_ARENA_PARAMS, model->flat_data, (size_t)model->numel * sizeof(float));
-    dt_free_on(dev, DT_ARENA_GRADS, model->flat_grad, (size_t)model->numel * sizeof(float));
-    model->flat_data = model->flat_grad = NULL;
-    return f;
-}
-
-/* The optimizer of a sharded model steps this rank's shard: one slice per
-   part of a parameter inside it (the padding belongs to no parameter). */
-static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
-    dt_fsdp *f = (dt_fsdp *)par;
-    dt_model *m = f->model;
-    o->params = f->shard_params; o->grads = f->shard_grads; o->numel = f->shard_numel;
-    o->sharded_by = par;
-    if (f->offload) { o->device = DT_CPU; o->offloaded = 1; }     /* the optimizer steps on the CPU */
-    o->slices = (struct dt_param_slice *)calloc((size_t)m->nparams, sizeof *o->slices);
-    if (!o->slices) dt_fail("out of memory (optimizer)");
-    for (int k = 0; k < f->nunits; k++) {
-        dt__fsdp_unit *u = &f->units[k];
-        int64_t lo = f->rank * u->shard, hi = lo + u->shard;
-        for (int i = u->first; i < u->end; i++) {
-            int64_t a = m->offsets[i] - u->offset, b = a + m->params[i].numel;
-            if (a < lo) a = lo;
-            if (b > hi) b = hi;
-            if (b <= a) continue;
-            struct dt_param_slice *s = &o->slices[o->nslices++];
-            s->offset = u->shard_offset + (a - lo);
-            s->length = b - a;
-            s->decay = m->params[i].ndim >= 2;
-        }
-    }
-}
-
-void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync) {
-    fsdp->sync = sync;
-    if (!sync && !fsdp->accum && fsdp->mode != DT_SHARD_OPTIMIZER) {     /* ZeRO-1 keeps whole gradients anyway */
-        fsdp->accum = (float *)dt_alloc_on(fsdp->model->device, DT_ARENA_GRADS, (size_t)fsdp->accum_numel * sizeof(float));
-        dt__zero_on(fsdp->model->device, fsdp->accum, (size_t)fsdp->accum_numel * sizeof(float));
-        dt_free_on(fsdp->model->device, DT_ARENA_GRADS, fsdp->gathered_grad, fsdp->largest);   /* each unit has its slice now */
-        dt_free_on(fsdp->model->device, DT_ARENA_GRADS, fsdp->outer_grad, fsdp->largest);
-        fsdp->gathered_grad = fsdp->outer_grad = NULL;
-    }
-}
-void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype) {
-    dt_device dev = fsdp->model->device;
-    dt_free_on(dev, DT_ARENA_COMM, fsdp->grad16, fsdp->largest / 2);
-    dt_free_on(dev, DT_ARENA_COMM, fsdp->scattered16, fsdp->largest_shard / 2);
-    fsdp->grad16 = fsdp->scattered16 = NULL;
-    fsdp->reduce_dtype = dtype;
-    if (dtype == DT_F32) return;
-    fsdp->grad16 = dt_alloc_on(dev, DT_ARENA_COMM, fsdp->largest / 2);
-    fsdp->scattered16 = dt_alloc_on(dev, DT_ARENA_COMM, fsdp->largest_shard / 2);
-}
-
-static void dt__fsdp_backward_done(dt_parallel *par) {
-    dt_fsdp *f = (dt_fsdp *)par;
-    if (f->mode != DT_SHARD_OPTIMIZER || !f->sync) return;   /* reduce-scattered during backward, or accumulating */
-    for (int k = f->nunits - 1; k >= 0; k--) {
-        dt__fsdp_unit *u = &f->units[k];
-        dt__fsdp_reduce_scatter_unit(f, k);
-        dt__zero_on(f->model->device, u->full_grad, dt__fsdp_full_bytes(f, u));
-    }
-}
-
-void dt_fsdp_sync_grads(dt_fsdp *fsdp) { dt_parallel_backward_done(&fsdp->par); }
-
-/* After the optimizer: DT_SHARD_OPTIMIZER and _GRADS all-gather the updated
-   parameters (DT_SHARD_FULL gathers each unit when it is next used). */
-static void dt__fsdp_step_done(dt_parallel *par) {
-    dt_fsdp *f = (dt_fsdp *)par;
-    if (f->mode == DT_SHARD_FULL) return;              /* gathered when next needed */
-    for (int k = 0; k < f->nunits; k++) {
-        dt__fsdp_unit *u = &f->units[k];
-        double t0 = dt_now_ms();
-        dt_all_gather(f->comm, dt__fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
-        dt__record_comm("all_gather parameters", t0, dt_now_ms(), 0);
-    }
-}
-
-/* Checkpoints see a sharded model whole: every rank's shards gathered into one
-   host array in parameter order (a collective), or written back into them. */
-static float *dt__fsdp_state_gather(dt_fsdp *f, const float *shards) {
-    dt_device dev = f->model->device;
-    float *host = (float *)malloc((size_t)f->model->numel * sizeof(float) + 1);
-    if (!host) dt_fail("out of memory (gathering a sharded checkpoint)");
-    for (int k = 0; k < f->nunits; k++) {
-        dt__fsdp_unit *u = &f->units[k];
-        float *full = (float *)dt_alloc_on(dev, DT_ARENA_COMM, dt__fsdp_full_bytes(f, u));
-        dt_all_gather(f->comm, dt__fsdp_shard_on_device(f, shards, k), full, u->shard, DT_F32);
-        dt__download_from(dev, host + u->offset, full, (size_t)u->numel * sizeof(float));
-        dt_free_on(dev, DT_ARENA_COMM, full, dt__fsdp_full_bytes(f, u));
-    }
-    return host;
-}
-static void dt__fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards, int parameters) {
-    for (int k = 0; k < f->nunits; k++) {
-        dt__fsdp_unit *u = &f->units[k];
-        int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
-        dt__fsdp_put(f, shards + u->shard_offset, host + u->offset + lo, hi - lo);
-        if (parameters && u->full) dt__fsdp_fill_params(f, u, host + u->offset);
-    }
-}
-static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
-    dt_fsdp *f = (dt_fsdp *)par;
-    (void)for_load;                       /* every rank gets the whole, gathered, either way */
-    return dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
-}
-static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
-    dt_fsdp *f = (dt_fsdp *)par;
-    if (written) dt__fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
-    free(host);
-}
-
-/* What each rank holds, against what DDP would hold: the ZeRO paper's
-   formulas with P, G, O the bytes of parameters, gradients and optimizer state
-   (O = 2P for AdamW, P for SGD's momentum), N ranks. The buffers that a unit
-   is gathered into are shown apart: they are the price of sharding. */
-static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
-    const dt_fsdp *f = (const dt_fsdp *)par;
-    /* ZeRO-1 and -2 here keep the shards the optimizer steps apart from the
-       whole copies: P/N (and for ZeRO-1 G/N) more than the paper, which steps
-       a slice of the copy in place */
-    static const char *formulas[3][3] = { { "P + P/N", "G + G/N", "O/N" }, { "P + P/N", "G/N", "O/N" }, { "P/N", "G/N", "O/N" } };
-    static const char *names[3] = { "optimizer (ZeRO-1)", "grads (ZeRO-2)", "full (ZeRO-3)" };
-    double P = 4.0 * f->model->numel, ddp[3] = { P, P, o->v ? 2 * P : P };
-    dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
-    const char *rows[3] = { "parameters", "gradients", "optimizer state" };
-    double buffers[3] = { ((f->gathered[0] ? 1.0 : 0.0) + (f->gathered[1] ? 1.0 : 0.0) + (f->gathered[2] ? 1.0 : 0.0)) *
-                          dt__fsdp_largest_params(f),
-                          ((f->gathered_grad ? 1.0 : 0.0) + (f->outer_grad ? 1.0 : 0.0)) * (double)f->largest, 0 };
-    double frozen = f->model->base ? 4.0 * (double)f->model->base->numel : 0;   /* LoRA's: in the parameters' arena */
-    buffers[0] += frozen;
-    printf("memory per rank, --shard %s%s, %d ranks (MB):\n", names[f->mode], f->offload ? " --cpu-offload" : "", f->world);
-    printf("  %-16s %8s %8s %8s   %s\n", "", "device", "host", "DDP", "formula");
-    for (int i = 0; i < 3; i++)
-        printf("  %-16s %8.2f %8.2f %8.2f   %s\n", rows[i], (dt_mem_now(arenas[i]) - buffers[i]) / 1e6,
-               dt_mem_host_now(arenas[i]) / 1e6, ddp[i] / 1e6, formulas[f->mode][i]);
-    if (frozen > 0)
-        printf("  %-16s %8.2f %8s %8.2f   %s\n", "frozen (LoRA)", frozen / 1e6, "", frozen / 1e6,
-               "F: whole on every rank and device, read only: no gradient, no state, never sent");
-    if (f->param_dtype != DT_F32)
-        printf("  (f32 shards and optimizer; parameters gathered in %s, 2 bytes each)\n", dt_dtype_name(f->param_dtype));
-    if (buffers[0] + buffers[1] - frozen > 0)
-        printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1] - frozen) / 1e6, "", "",
-               f->mode == DT_SHARD_FULL ? "2 units of parameters (one computes, the next arrives) + 1 of gradients"
-                                        : "1 unit of gradients (whole during its backward)");
-    if (f->model->outer_unit >= 0 && buffers[0] + buffers[1] - frozen > 0)
-        printf("  %-16s %8s %8s %8s   %s\n", "", "", "", "", "+ the outer unit's (embeddings, shared with the head), whole all step");
-    fflush(stdout);
-}
-
-/* The FSDP wrapper of a model, or NULL: for the checkpoints and reports that
-   need its shards. */
-static dt_fsdp *dt__fsdp_of(const dt_model *m) {
-    return m->parallel && m->parallel->step_done == dt__fsdp_step_done ? (dt_fsdp *)m->parallel : NULL;
-}
-
-void dt_fsdp_free(dt_fsdp *fsdp) {
-    if (!fsdp) return;
-    dt_model *m = fsdp->model;
-    dt_model_set_parallel(m, NULL);
-    for (int k = 0; k < fsdp->nunits; k++) {
-        dt__fsdp_unit *u = &fsdp->units[k];
-        if (u->gathering) dt__fsdp_gather_unit(fsdp, k, -1);      /* a prefetch nobody used: let it land */
-        if (fsdp->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt__fsdp_param_bytes(fsdp, u));
-        if (fsdp->mode == DT_SHARD_OPTIMIZER) dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt__fsdp_full_bytes(fsdp, u));
-        dt__fsdp_point(fsdp, u, 0, NULL);
-        dt__fsdp_point(fsdp, u, 1, NULL);
-    }
-    for (int b = 0; b < 3; b++) {
-        dt_free_on(m->device, DT_ARENA_PARAMS, fsdp->gathered[b], dt__fsdp_largest_params(fsdp));
-        dt_free_on(m->device, DT_ARENA_COMM, fsdp->staged[b], fsdp->largest_shard);
-        dt_free_on(m->device, DT_ARENA_COMM, fsdp->send16[b], fsdp->largest_shard / 2);
-    }
-    dt__comm_release(fsdp->comm);            /* after the last prefetch has landed */
-    dt_fsdp_set_reduce_dtype(fsdp, DT_F32);
-    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->accum, (size_t)fsdp->accum_numel * sizeof(float));
-    for (int i = 0; i < m->nparams; i++) m->params[i].dtype = DT_F32;
-    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->gathered_grad, fsdp->largest);
-    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->outer_grad, fsdp->largest);
-    dt_free_on(m->device, DT_ARENA_COMM, fsdp->scattered, fsdp->largest_shard);
-    size_t shard_bytes = (size_t)fsdp->shard_numel * sizeof(float);
-    if (fsdp->offload) { dt_free_host(DT_ARENA_PARAMS, fsdp->shard_params, shard_bytes); dt_free_host(DT_ARENA_GRADS, fsdp->shard_grads, shard_bytes); }
-    else { dt_free_on(m->device, DT_ARENA_PARAMS, fsdp->shard_params, shard_bytes); dt_free_on(m->device, DT_ARENA_GRADS, fsdp->shard_grads, shard_bytes); }
-    free(fsdp->units);
-    free(fsdp);
-}
-
-/* [src/13-tensor-parallel.h] */
-/* -- tensor parallelism (Megatron-LM, Shoeybi et al., 2019) --
-   The model marks where each parameter may be cut (dt_split, section 6), and
-   its layers call dt_tp_copy and dt_tp_sum (section 5) wherever a layer is
-   cut; this wrapper cuts the parameters and gives the sum. Every rank draws
-   the whole model from the seed, as stage 01 does, and keeps its piece: the
-   r-th of T along the cut dimension, of each of its `parts` groups (rank r
-   gets its heads of q, of k and of v). Replicated parameters (norms,
-   embeddings, the head) compute the same values on every rank of a group and
-   get the same gradient bits, as the sums they read are the same bits on
-   every rank; so they need no communication of their own, and the gradient
-   norm counts them once (on the group's first rank). -- */
-struct dt_tp {
-    dt_parallel par;            /* first: the model's dt_parallel * is this dt_tp */
-    dt_model *model;
-    dt_comm *comm;
-    dt_mesh *mesh;
-    dt_comm *group, *across;    /* the ranks that split the layers ("tp"), and the data-parallel groups ("dp") */
-    int size, rank;             /* T, and this rank's piece */
-    int sequence_parallel;
-    /* (the group's share of the data is par's data_rank of data_ranks, where dt_evaluate reads it) */
-    double sums, sum_bytes;     /* the sums of this step so far (an all-gather or a reduce-scatter: half a sum) ... */
-    double step_sums, step_sum_bytes;    /* ... and of the last step: what the cost model counts */
-    double sum_ms, step_sum_ms;
-    /* The model as it was before the cut: its parameters' whole shapes and
-       offsets, no buffers. Checkpoints are laid out by it (section 13). */
-    dt_model whole;
-};
-/* Each sum of the step (an all-gather or a reduce-scatter: half of one, as
-   many bytes, half the hops), for the cost model; evaluation's are not a
-   training step's. */
-static void dt__tp_count(dt_tp *t, const char *what, double t0, double sums, double bytes) {
-    double t1 = dt_now_ms();
-    dt__record_comm(what, t0, t1, 0);
-    if (!dt__ctx.grad_enabled) return;
-    t->sum_ms += t1 - t0;
-    t->sums += sums;
-    t->sum_bytes += bytes;
-}
-static void dt__tp_sum(dt_parallel *par, float *values, int64_t n) {
-    dt_tp *t = (dt_tp *)par;
-    double t0 = dt_now_ms();
-    dt_all_reduce(t->group, values, values, n, DT_F32, DT_SUM);
-    dt__tp_count(t, "all_reduce tp", t0, 1, 4.0 * (double)n);
-}
-static void dt__tp_max(dt_parallel *par, float *values, int64_t n) {
-    dt_tp *t = (dt_tp *)par;
-    double t0 = dt_now_ms();
-    dt_all_reduce(t->group, values, values, n, DT_F32, DT_MAX);
-    dt__tp_count(t, "all_reduce max tp", t0, 1, 4.0 * (double)n);
-}
-static void dt__sp_all_gather(dt_parallel *par, const float *mine, float *all, int64_t n) {
-    dt_tp *t = (dt_tp *)par;
-    double t0 = dt_now_ms();
-    dt_all_gather(t->group, mine, all, n, DT_F32);
-    dt__tp_count(t, "all_gather tp", t0, 0.5, 0.5 * 4.0 * (double)n * t->size);
-}
-static void dt__sp_reduce_scatter(dt_parallel *par, const float *all, float *mine, int64_t n) {
-    dt_tp *t = (dt_tp *)par;
-    double t0 = dt_now_ms();
-    dt_reduce_scatter(t->group, all, mine, n, DT_F32, DT_SUM);
-    dt__tp_count(t, "reduce_scatter tp", t0, 0.5, 0.5 * 4.0 * (double)n * t->size);
-}
-static void dt__tp_step_done(dt_parallel *par) {
-    dt_tp *t = (dt_tp *)par;
-    t->step_sums = t->sums;
-    t->step_sum_bytes = t->sum_bytes;
-    t->step_sum_ms = t->sum_ms;
-    t->sums = t->sum_bytes = 0;
-    t->sum_ms = 0;
-}
-/* The share of the parameters the split layers hold: of the compute too,
-   near enough (each parameter multiplies once per token either way). */
-static double dt__tp_split_share(const dt_tp *t) {
-    double split = 0;
-    for (int i = 0; i < t->whole.nparams; i++)
-        if (t->model->splits[i].dim >= 0) split += (double)t->whole.params[i].numel;
-    return t->whole.numel > 0 ? split / (double)t->whole.numel : 0;
-}
-/* The cost model's view of the last step: the whole model's compute on one
-   rank, from this rank's share of it and its sums' time. */
-static int dt__tp_cost_input(const dt_parallel *par, dt_cost_input *in) {
-    const dt_tp *t = (const dt_tp *)par;
-    int K = in->accum_steps > 0 ? in->accum_steps : 1;
-    in->kind = DT_PAR_TP;
-    in->tp_share = dt__tp_split_share(t);
-    in->tp_sums = t->step_sums / K;
-    in->tp_bytes = t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0;
-    double kept = in->tp_share / t->size + (1 - in->tp_share);
-    in->compute_ms = fmax(0, in->compute_ms - t->step_sum_ms / K) / kept;
-    in->optimizer_ms *= t->model->numel > 0 ? (double)t->whole.numel / (double)t->model->numel : 1;   /* it stepped its pieces */
-    in->dp_groups = t->par.data_ranks;
-    return t->size;
-}
-static void dt__tp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
-    const dt_tp *t = (const dt_tp *)par;
-    fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", t->size, dt__tp_split_share(t), t->step_sums / accum_steps,
-            t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0.0);
-}
-static void dt__tp_sum_over_ranks(dt_parallel *par, float *values, int n) {
-    dt__comm_all_reduce_host(((dt_tp *)par)->group, values, n, DT_SUM);
-}
-/* The optimizer steps this rank's pieces and the replicated parameters;
-   only the group's first rank counts the replicated ones in the norm. */
-static void dt__tp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
-    dt_tp *t = (dt_tp *)par;
-    dt_model *m = t->model;
-    dt__optimizer_view_all(o, m);
-    for (int i = 0; i < m->nparams; i++) o->slices[i].copy = t->rank > 0 && m->splits[i].dim < 0;
-    o->sharded_by = par;
-}
-/* With several data-parallel groups, the average gradient over them. */
-static void dt__tp_backward_done(dt_parallel *par) {
-    dt_tp *t = (dt_tp *)par;
-    dt_model *m = t->model;
-    if (t->sequence_parallel) {            /* the whole parameters read where the rows are split: summed */
-        double t0 = dt_now_ms();
-        for (int i = 0; i < m->nparams; i++)
-            if (m->splits[i].dim < 0 && m->splits[i].rows)
-                dt_all_reduce(t->group, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
-        dt__record_comm("all_reduce tp grads", t0, dt_now_ms(), 0);
-    }
-    if (t->par.data_ranks == 1) return;
-    double t0 = dt_now_ms();
-    dt_all_reduce(t->across, t->model->flat_grad, t->model->flat_grad, t->model->numel, DT_F32, DT_AVG);
-    dt__ctx.grad_collectives++;
-    dt__record_comm("all_reduce dp", t0, dt_now_ms(), 0);
-}
-void dt_tp_sync_grads(dt_tp *tp) { dt_parallel_backward_done(&tp->par); }
-int dt_tp_data_rank(const dt_tp *tp) { return tp->par.data_rank; }
-int dt_tp_data_ranks(const dt_tp *tp) { return tp->par.data_ranks; }
-
-/* Piece r of T of a parameter (host values in its whole shape, whole_shape):
-   out of the whole (to_whole 0) or back into it (1). */
-static void dt__tp_piece(float *whole, float *piece, const int *whole_shape, int ndim, dt_split s, int T, int r,
-                         int to_whole) {
-    int64_t outer = 1, inner = 1;
-    for (int d = 0; d < s.dim; d++) outer *= whole_shape[d];
-    for (int d = s.dim + 1; d < ndim; d++) inner *= whole_shape[d];
-    int64_t group = whole_shape[s.dim] / s.parts, len = group / T;
-    size_t bytes = (size_t)(len * inner) * sizeof(float);
-    for (int64_t o = 0; o < outer; o++)
-        for (int g = 0; g < s.parts; g++) {
-            float *w = whole + (o * whole_shape[s.dim] + g * group + r * len) * inner, *p = piece + ((o * s.parts + g) * len) * inner;
-            if (to_whole) memcpy(w, p, bytes);
-            else memcpy(p, w, bytes);
-        }
-}
-/* The state of a tensor-parallel model (parameters or a moment, `local` on
-   the device) in the whole model's layout, on the host of the group's first
-   rank, which writes it: one split tensor at a time, its pieces all-gathered
-   on the device and put where they sit in the whole. So no rank holds more
-   than the largest tensor beside its own pieces, and the writer the whole
-   state once. The other ranks of the group take part and get NULL. `m`
-   lays out `local`: the model, or (a pipeline's stages composed, section
-   11's next part) every stage's pieces. */
-static float *dt__tp_state_gather(dt_tp *t, const dt_model *m, float *local) {
-    const dt_model *W = &t->whole;
-    float *whole = NULL;
-    if (t->rank == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
-        dt_fail("out of memory (gathering the tensor-parallel pieces for a checkpoint: %.1f MB)", W->numel * 4e-6);
-    for (int i = 0; i < m->nparams; i++) {
-        const dt_tensor *p = &m->params[i];
-        size_t bytes = (size_t)p->numel * sizeof(float);
-        if (m->splits[i].dim < 0) {
-            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
-            continue;
-        }
-        float *all = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes * (size_t)t->size);
-        dt_all_gather(t->group, local + m->offsets[i], all, p->numel, DT_F32);
-        if (whole) {
-            float *host = dt__host_view(m->device, all, p->numel * t->size);
-            for (int r = 0; r < t->size; r++)
-                dt__tp_piece(whole + W->offsets[i], host + (size_t)r * (size_t)p->numel, W->params[i].shape, p->ndim,
-                             m->splits[i], t->size, r, 1);
-            dt__host_view_close(m->device, host, all, p->numel * t->size, 0);
-        }
-        dt_free_on(m->device, DT_ARENA_COMM, all, bytes * (size_t)t->size);
-    }
-    return whole;
-}
-/* The other way: this rank's pieces of a whole state (host) into `local`, laid out by m. */
-static void dt__tp_state_scatter(dt_tp *t, const dt_model *m, float *whole, float *local) {
-    const dt_model *W = &t->whole;
-    float *mine = (float *)malloc((size_t)m->numel * sizeof(float) + 1);
-    if (!mine) dt_fail("out of memory (tensor parallelism)");
-    for (int i = 0; i < m->nparams; i++) {
-        if (m->splits[i].dim < 0) memcpy(mine + m->offsets[i], whole + W->offsets[i], (size_t)m->params[i].numel * sizeof(float));
-        else dt__tp_piece(whole + W->offsets[i], mine + m->offsets[i], W->params[i].shape, m->params[i].ndim, m->splits[i],
-                          t->size, t->rank, 0);
-    }
-    dt_upload(local, mine, (size_t)m->numel * sizeof(float));
-    free(mine);
-}
-/* The state a checkpoint saves (section 13): 0 the parameters, 1 and 2 the
-   optimizer's moments, each laid out as the model's flat buffer. */
-static float *dt__state_buffer(dt_model *m, dt_optimizer *o, int which) {
-    return which == 0 ? m->flat_data : which == 1 ? o->m : o->v;
-}
-/* The checkpoint's view (section 13). Saving: the groups hold the same
-   state, so the first group gathers it and its first rank, the job's rank 0,
-   writes. Loading: every rank reads the whole file and cuts its pieces. */
-static float *dt__tp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
-    dt_tp *t = (dt_tp *)par;
-    if (for_load) {
-        float *whole = (float *)calloc((size_t)t->whole.numel + 1, sizeof(float));
-        if (!whole) dt_fail("out of memory (reading a whole checkpoint to cut: %.1f MB)", t->whole.numel * 4e-6);
-        return whole;
-    }
-    return t->par.data_rank == 0 ? dt__tp_state_gather(t, t->model, dt__state_buffer(t->model, o, which)) : NULL;
-}
-static void dt__tp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
-    dt_tp *t = (dt_tp *)par;
-    if (written) dt__tp_state_scatter(t, t->model, host, dt__state_buffer(t->model, o, which));
-    free(host);
-}
-static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o);
-
-/* Cutting a model (tensor and pipeline parallelism): the whole model's
-   layout kept in `whole`, a shell without buffers that checkpoints are laid
-   out by; each parameter's shape made this rank's by cut_shape (a piece of
-   it, or nothing); this rank's values moved into new flat buffers by
-   scatter (the whole model's on the host -> this rank's on the device). */
-static void dt__model_cut(dt_model *model, dt_model *whole, void (*cut_shape)(void *wrapper, int i, dt_tensor *p),
-                          void (*scatter)(void *wrapper, float *whole, float *local), void *wrapper) {
-    *whole = *model;
-    whole->parallel = NULL;
-    whole->flat_data = whole->flat_grad = NULL;
-    whole->params = (dt_tensor *)malloc(sizeof(dt_tensor) * (size_t)model->nparams);
-    whole->offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(model->nparams + 1));
-    if (!whole->params || !whole->offsets) dt_fail("out of memory (cutting the model)");
-    memcpy(whole->params, model->params, sizeof(dt_tensor) * (size_t)model->nparams);
-    memcpy(whole->offsets, model->offsets, sizeof(int64_t) * (size_t)model->nparams);
-    whole->offsets[model->nparams] = model->numel;
-    for (int i = 0; i < model->nparams; i++) whole->params[i].data = whole->params[i].grad = NULL;
-    model->numel = 0;
-    for (int i = 0; i < model->nparams; i++) {
-        cut_shape(wrapper, i, &model->params[i]);
-        model->offsets[i] = model->numel;
-        model->numel += model->params[i].numel;
-    }
-    model->offsets[model->nparams] = model->numel;
-    float *host = dt__host_view(model->device, model->flat_data, whole->numel);
-    size_t bytes = (size_t)model->numel * sizeof(float), whole_bytes = (size_t)whole->numel * sizeof(float);
-    float *mine = (float *)dt_alloc_on(model->device, DT_ARENA_PARAMS, bytes);
-    scatter(wrapper, host, mine);
-    dt__host_view_close(model->device, host, model->flat_data, whole->numel, 0);
-    dt_free_on(model->device, DT_ARENA_PARAMS, model->flat_data, whole_bytes);
-    dt_free_on(model->device, DT_ARENA_GRADS, model->flat_grad, whole_bytes);
-    model->flat_data = mine;
-    model->flat_grad = (float *)dt_alloc_on(model->device, DT_ARENA_GRADS, bytes);
-    for (int i = 0; i < model->nparams; i++) {
-        model->params[i].data = model->flat_data + model->offsets[i];
-        model->params[i].grad = model->flat_grad + model->offsets[i];
-    }
-}
-static void dt__tp_cut_shape(void *wrapper, int i, dt_tensor *p) {
-    dt_tp *t = (dt_tp *)wrapper;
-    dt_split sp = t->model->splits[i];
-    if (sp.dim < 0) return;
-    p->shape[sp.dim] /= t->size;
-    p->numel /= t->size;
-}
-static void dt__tp_scatter(void *wrapper, float *whole, float *local) {
-    dt_tp *t = (dt_tp *)wrapper;
-    dt__tp_state_scatter(t, t->model, whole, local);
-}
-
-dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_parallel) {
-    int world = dt_comm_size(comm);
-    char v[64];
-    snprintf(v, sizeof v, "%d %d", tp, sequence_parallel != 0);
-    dt_comm_check_agree(comm, "--tp --sequence-parallel", v);
-    if (tp <= 0) tp = world;
-    if (world % tp)
-        dt_usage_error("--tp %d does not divide the job's %d ranks (the ranks form groups of --tp, data parallel across them)",
-                       tp, world);
-    if (model->base) dt_usage_error("--lora-rank: LoRA's adapters are not split by tensor parallelism; train them with 03-05");
-    int cuts = 0;
-    for (int i = 0; i < model->nparams; i++) {
-        dt_split sp = model->splits[i];
-        if (sp.dim < 0) continue;
-        if (sp.vocab && model->params[i].shape[sp.dim] % tp) {    /* the table at start-up says so */
-            model->splits[i].dim = -1;
-            continue;
-        }
-        cuts++;
-        int64_t group = model->params[i].shape[sp.dim] / sp.parts;
-        if (group % ((int64_t)tp * sp.align))
-            dt_usage_error("--tp %d: %s's %lld %s do not split into %d equal shares (%s)", tp, model->params[i].name,
-                           (long long)(group / sp.align), sp.align > 1 ? "attention heads" : "features", tp,
-                           sp.align > 1 ? "--heads (and llama's --kv-heads) must be a multiple of --tp"
-                                        : "--dim and the MLP's width must be multiples of --tp");
-    }
-    if (!cuts)
-        dt_usage_error("--model %s: no layer of this model is split by tensor parallelism (the mlp needs --depth 2 or more)",
-                       dt__model_kind_name(model->cfg.kind));
-    dt_tp *t = (dt_tp *)calloc(1, sizeof *t);
-    if (!t) dt_fail("out of memory (tensor parallelism)");
-    t->par = (dt_parallel){ .create_fn = "dt_tp_create", .sync_fn = "dt_tp_sync_grads", .free_fn = "dt_tp_free",
-                            .backward_done = dt__tp_backward_done, .step_done = dt__tp_step_done,
-                            .optimizer_view = dt__tp_optimizer_view,
-                            .sum_over_ranks = dt__tp_sum_over_ranks,
-                            .tp_sum = tp > 1 ? dt__tp_sum : NULL,     /* a group of one: the layers as in stage 01 */
-                            .tp_max = tp > 1 ? dt__tp_max : NULL, .tp_all_gather = tp > 1 ? dt__sp_all_gather : NULL,
-                            .sp_all_gather = tp > 1 && sequence_parallel ? dt__sp_all_gather : NULL,
-                            .sp_reduce_scatter = tp > 1 && sequence_parallel ? dt__sp_reduce_scatter : NULL,
-                            .state_open = dt__tp_state_open, .state_close = dt__tp_state_close,
-                            .memory_table = dt__tp_memory_table, .cost_input = dt__tp_cost_input,
-                            .bench_fields = dt__tp_bench_fields };
-    dt_model_set_parallel(model, &t->par);
-    dt__comm_hold(comm, "dt_tp_free");
-    t->model = model;
-    t->comm = comm;
-    int sizes[2] = { world / tp, tp };
-    const char *names[2] = { "dp", "tp" };
-    t->mesh = dt_mesh_create(comm, 2, sizes, names);
-    t->group = dt_mesh_comm(t->mesh, "tp");
-    t->across = dt_mesh_comm(t->mesh, "dp");
-    t->size = tp;
-    t->rank = dt_mesh_coord(t->mesh, "tp");
-    t->par.tp_rank = t->rank;
-    t->par.tp_size = tp;
-    t->sequence_parallel = tp > 1 && sequence_parallel;
-    t->par.data_rank = dt_mesh_coord(t->mesh, "dp");
-    t->par.data_ranks = world / tp;
-
-    t->par.whole = &t->whole;
-    dt__model_cut(model, &t->whole, dt__tp_cut_shape, dt__tp_scatter, t);
-    if (t->par.data_ranks > 1) dt_broadcast(t->across, model->flat_data, model->numel, DT_F32, 0);   /* every group starts alike */
-    return t;
-}
-
-/* A parameter's name with its block number as "*": what every block shares. */
-static void dt__block_pattern(const char *name, char *out, size_t n) {
-    size_t k = 0;
-    for (const char *c = name; *c && k + 1 < n; ) {
-        const char *e = c;
-        while (*e >= '0' && *e <= '9') e++;
-        if (e > c && (c == name || c[-1] == '.') && (*e == '.' || !*e)) { out[k++] = '*'; c = e; }
-        else out[k++] = *c++;
-    }
-    out[k] = 0;
-}
-static void dt__shape_string(const int *shape, int ndim, char *out, size_t n) {
-    size_t k = 0;
-    out[0] = 0;
-    for (int d = 0; d < ndim && k < n; d++) k += (size_t)snprintf(out + k, n - k, d ? "x%d" : "%d", shape[d]);
-}
-/* At start-up: each rank's bytes against the whole model's, and which
-   tensors are cut, whole and here (rows alike in every block printed once). */
-static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
-    const dt_tp *t = (const dt_tp *)par;
-    const dt_model *m = t->model, *W = &t->whole;
-    double split = 0, whole = 0, moments = o->v ? 2 : 1;
-    for (int i = 0; i < m->nparams; i++) {
-        if (m->splits[i].dim >= 0) split += 4.0 * W->params[i].numel;
-        else whole += 4.0 * W->params[i].numel;
-    }
-    printf("memory per rank, --tp %d: every block's layers split over %d ranks, %d data-parallel group%s (MB):\n", t->size,
-           t->size, t->par.data_ranks, t->par.data_ranks > 1 ? "s" : "");
-    printf("  %-16s %9s %9s   %s\n", "", "this rank", "whole", "formula (S: the split tensors, R: the rest)");
-    const char *rows[3] = { "parameters", "gradients", "optimizer state" };
-    dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
-    for (int r = 0; r < 3; r++)
-        printf("  %-16s %9.3f %9.3f   %s(S/%d + R)\n", rows[r], dt_mem_now(arenas[r]) / 1e6,
-               (r == 2 ? moments : 1) * (split + whole) / 1e6, r == 2 && moments == 2 ? "2 x " : "", t->size);
-    printf("  S = %.3f MB whole, %.3f here; R = %.3f MB (norms, biases after a sum, what does not divide) on every rank\n",
-           split / 1e6, split / t->size / 1e6, whole / 1e6);
-    char seen[64][96];
-    int nseen = 0;
-    int width = 30;                             /* the names' column: Llama's are long */
-    for (int i = 0; i < m->nparams; i++) {
-        char pattern[96];
-        dt__block_pattern(m->params[i].name, pattern, sizeof pattern);
-        if (m->splits[i].dim >= 0 && (int)strlen(pattern) > width) width = (int)strlen(pattern);
-    }
-    for (int i = 0; i < m->nparams; i++) {
-        if (m->splits[i].vocab && m->splits[i].dim < 0)
-            printf("    %-*s %12d rows stay whole: the vocabulary does not divide by %d\n", width, m->params[i].name,
-                   m->params[i].shape[0], t->size);
-        if (m->splits[i].dim < 0) continue;
-        char pattern[96], a[48], b[48];
-        int count = 0, dup = 0;
-        dt__block_pattern(m->params[i].name, pattern, sizeof pattern);
-        for (int k = 0; k < nseen; k++) dup |= !strcmp(seen[k], pattern);
-        if (dup) continue;
-        if (nseen < 64) dt__copy_str(seen[nseen++], sizeof seen[0], pattern);
-        for (int j = i; j < m->nparams; j++) {
-            char other[96];
-            dt__block_pattern(m->params[j].name, other, sizeof other);
-            count += !strcmp(other, pattern);
-        }
-        dt__shape_string(W->params[i].shape, W->params[i].ndim, a, sizeof a);
-        dt__shape_string(m->params[i].shape, m->params[i].ndim, b, sizeof b);
-        printf("    %-*s %12s -> %-12s%s", width, pattern, a, b, m->splits[i].parts > 1 ? " q, k and v each by heads"
-                                                                   : m->splits[i].vocab ? " the vocabulary, by tokens" : "");
-        if (count > 1) printf("%s x%d blocks", m->splits[i].parts > 1 ? "," : "", count);
-        printf("\n");
-    }
-    fflush(stdout);
-}
-
-void dt_tp_free(dt_tp *tp) {
-    if (!tp) return;
-    dt_model_set_parallel(tp->model, NULL);
-    tp->model->left_cut_by = "dt_tp_free";     /* the pieces stay: the model can only be freed now */
-    dt_mesh_free(tp->mesh);
-    dt__comm_release(tp->comm);
-    free(tp->whole.params);
-    free(tp->whole.offsets);
-    free(tp);
-}
-
-/* [src/14-pipeline-parallel.h] */
-/* -- pipeline parallelism (GPipe: Huang et al., 2019; 1F1B: PipeDream-Flush,
-      Narayanan et al., 2021) --
-   The blocks are cut into P runs, one per rank of a pipeline: its stage. A
-   micro-batch enters at the first stage; each stage runs its blocks and
-   sends the activation on; the last one computes the loss. Backward goes
-   back the same way, each stage sending the gradient of what it received to
-   the stage before. A whole batch at once would keep all stages but one
-   waiting, so it is cut into M micro-batches that follow each other down
-   the pipeline: while stage 1 works on micro-batch 0, stage 0 starts
-   micro-batch 1. What waiting is left -- the bubble, P - 1 micro-batches'
-   time as the pipeline fills and as it drains -- is (P - 1) / (M + P - 1)
-   of a step when every stage takes as long. The schedule orders a stage's
-   forwards and backwards: GPipe runs every forward, then every backward, so
-   a stage keeps the activations of all M micro-batches; 1F1B runs a
-   micro-batch's backward as soon as it can, so it keeps at most P (the
-   first stage P, the last one), for the same bubble. Each micro-batch has a
-   step arena of its own, given back when its backward is done, so memory
-   follows the schedule. Activations travel one way on one pair of ranks and
-   gradients the other way on another, each pair with its own communication
-   thread (or stream) and in micro-batch order on both sides, so the two
-   directions never wait for each other; a stage posts its next receive as
-   soon as it has taken the last one, into an inbox, so that the next
-   message arrives while it computes. Every rank of a pipeline reads the
-   same batch (the first stage its inputs, the last its labels). -- */
-typedef struct { int backward, micro; } dt__pp_action;
-/* A schedule is the order of one stage's 2M actions. */
-static int dt__gpipe_order(int stage, int stages, int M, dt__pp_action *a) {
-    (void)stage; (void)stages;
-    int n = 0;
-    for (int i = 0; i < M; i++) a[n++] = (dt__pp_action){ 0, i };
-    for (int i = 0; i < M; i++) a[n++] = (dt__pp_action){ 1, i };
-    return n;
-}
-/* 1F1B: as many forwards as the stages after this one (warm-up), then one
-   forward and one backward in turn, then the backwards left (cool-down). */
-static int dt__1f1b_order(int stage, int stages, int M, dt__pp_action *a) {
-    int warm = stages - 1 - stage < M ? stages - 1 - stage : M, n = 0, f = 0, b = 0;
-    while (f < warm) a[n++] = (dt__pp_action){ 0, f++ };
-    while (f < M) { a[n++] = (dt__pp_action){ 0, f++ }; a[n++] = (dt__pp_action){ 1, b++ }; }
-    while (b < M) a[n++] = (dt__pp_action){ 1, b++ };
-    return n;
-}
-static const struct { const char *name; int (*order)(int stage, int stages, int M, dt__pp_action *a); } dt__pp_schedules[] = {
-    { "gpipe", dt__gpipe_order }, { "1f1b", dt__1f1b_order } };   /* in dt_pp_schedule's order */
-
-struct dt_pp {
-    dt_parallel par;            /* first: the model's dt_parallel * is this dt_pp */
-    dt_model *model;
-    dt_comm *comm;
-    dt_mesh *mesh;
-    dt_comm *pipe, *across;     /* the stages of one pipeline ("pp"), and the data-parallel pipelines ("dp") */
-    dt_comm *ends;              /* the first and the last stage (a tied vocabulary), or NULL */
-    dt_tp *tp;                  /* with --tp: the tensor-parallel wrapper that split the blocks' layers, or NULL */
-    dt_comm *to_next, *from_next, *to_prev, *from_prev;   /* one way each: activations on, gradients back */
-    int stages, stage, micro_batches;
-    dt_pp_schedule schedule;
-    int *first_block;           /* stage s runs blocks [first_block[s], first_block[s + 1]) */
-    dt_model whole;             /* the model before the cut into stages (with --tp: its pieces of every stage) */
-    /* Per micro-batch slot: an arena pair, taken by a forward, given back
-       after its backward (slots: as many as were ever alive at once). */
-    dt__step_arena (*arenas)[2];
-    int nslots;
-    /* The inboxes the next receive lands in, and their handles (0: none posted). */
-    void *inbox_x, *inbox_g;
-    size_t inbox_bytes;
-    dt_comm_handle recv_x, recv_g;
-    /* The last step, for the log and the tests: this rank's time computing
-       and waiting, and the activation bytes kept at once (at most, and per
-       micro-batch); the pipeline's: its stages' times added up, and the
-       busiest stage's (which sets the pace). */
-    double busy_ms, idle_ms, step_ms;
-    double pipe_busy_ms, pipe_idle_ms, pipe_step_ms, pipe_busiest_ms;
-    double pipe_tp_sums, pipe_tp_sum_ms, pipe_tp_sum_bytes;   /* with --tp: the stages' layer sums, their time and bytes */
-    double act_bytes;           /* one micro-batch's activation, sent on */
-    double kept_peak, kept_micro;
-    int kept_micro_batches;     /* the most micro-batches alive at once */
-    /* --shard optimizer (ZeRO-1 over the pipelines, D > 1): this rank steps
-       [zero_lo, zero_hi) of its stage's flat buffer, a chunk of
-       zero_chunk = ceil(numel / D); zero_grads, that slice of the average
-       gradient; zero_buf, the whole buffer padded to D chunks for the
-       collectives. */
-    int zero1;
-    int64_t zero_lo, zero_hi, zero_chunk;
-    float *zero_grads, *zero_buf;
-};
-
-static int dt__pp_holds(const dt_pp *p, int stage, int i) {
-    const dt_split *sp = &p->model->splits[i];
-    int n = dt_model_blocks(p->model), last = stage == p->stages - 1;
-    if (sp->tied && (stage == 0 || last)) return 1;
-    if (sp->block < 0) return stage == 0;
-    if (sp->block >= n) return last;
-    return sp->block >= p->first_block[stage] && sp->block < p->first_block[stage + 1];
-}
-static double dt__pp_stage_params(const dt_pp *p, int stage) {
-    double held = 0;
-    for (int i = 0; i < p->model->nparams; i++) if (dt__pp_holds(p, stage, i)) held += (double)p->whole.params[i].numel;
-    return held;
-}
-static int dt__pp_owner(const dt_pp *p, int i) {     /* the first stage that holds parameter i */
-    for (int s = 0; s < p->stages; s++) if (dt__pp_holds(p, s, i)) return s;
-    return 0;
-}
-/* Stage s runs blocks [first[s], first[s + 1]): the cut whose largest stage
-   holds the fewest parameters (the embedding's counted with the first stage,
-   the head's with the last), found by dynamic programming over the cuts. */
-static void dt__pp_balance(const dt_model *m, int P, int *first) {
-    int n = dt_model_blocks(m);
-    double *w = (double *)calloc((size_t)n + 3, sizeof(double)), *cum = (double *)calloc((size_t)n + 1, sizeof(double));
-    double *best = (double *)malloc(sizeof(double) * (size_t)(P + 1) * (size_t)(n + 1));
-    int *cut = (int *)malloc(sizeof(int) * (size_t)(P + 1) * (size_t)(n + 1));
-    if (!w || !cum || !best || !cut) dt_fail("out of memory (pipeline stages)");
-    for (int i = 0; i < m->nparams; i++) {
-        int b = m->splits[i].block;
-        w[(b < 0 ? -1 : b > n ? n : b) + 1] += (double)m->params[i].numel;
-        if (m->splits[i].tied) w[n + 1] += (double)m->params[i].numel;
-    }
-    for (int b = 0; b < n; b++) cum[b + 1] = cum[b] + w[b + 1];
-#define DT_BEST(k, j) best[(size_t)(k) * (size_t)(n + 1) + (size_t)(j)]
-#define DT_CUT(k, j) cut[(size_t)(k) * (size_t)(n + 1) + (size_t)(j)]
-    /* DT_BEST(k, j): the smallest largest stage of blocks [0, j) in k stages */
-    for (int j = 1; j <= n; j++) DT_BEST(1, j) = w[0] + cum[j] + (P == 1 ? w[n + 1] : 0);
-    for (int k = 2; k <= P; k++)
-        for (int j = k; j <= n; j++) {
-            DT_BEST(k, j) = HUGE_VAL;
-            for (int c = k - 1; c < j; c++) {
-                double here = cum[j] - cum[c] + (k == P && j == n ? w[n + 1] : 0);
-                double worst = fmax(DT_BEST(k - 1, c), here);
-                if (worst < DT_BEST(k, j)) { DT_BEST(k, j) = worst; DT_CUT(k, j) = c; }
-            }
-        }
-    first[P] = n;
-    for (int k = P, j = n; k > 1; k--) j = first[k - 1] = DT_CUT(k, j);
-    first[0] = 0;
-#undef DT_BEST
-#undef DT_CUT
-    free(w); free(cum); free(best); free(cut);
-}
-
-static void dt__pp_cut_shape(void *wrapper, int i, dt_tensor *p) {
-    dt_pp *pp = (dt_pp *)wrapper;
-    if (dt__pp_holds(pp, pp->stage, i)) return;
-    p->shape[0] = 0;                        /* not this stage's: nothing here */
-    p->numel = 0;
-}
-static void dt__pp_scatter(void *wrapper, float *whole, float *local) {
-    dt_pp *p = (dt_pp *)wrapper;
-    dt_model *m = p->model;
-    for (int i = 0; i < m->nparams; i++)
-        dt__upload_to(m->device, local + m->offsets[i], whole + p->whole.offsets[i], (size_t)m->params[i].numel * sizeof(float));
-}
-
-/* The shape of what stage s passes stage s + 1, for a micro-batch of these inputs. */
-static void dt__pp_activation_shape(const dt_pp *p, const dt_tensor *inputs, int shape[2]) {
-    shape[0] = inputs->shape[0] * dt__family(p->model->cfg.kind)->rows_per_sample(p->model, inputs);
-    shape[1] = p->model->cfg.dim;
-}
-/* The inbox's next message from `from`, waited for (the time counts as
-   idle), copied into dst, and the receive after it posted when `more`. */
-static void dt__pp_take(dt_pp *p, dt_comm *from, int peer, void *inbox, dt_comm_handle *h, void *dst, int64_t n, dt_dtype t,
-                        int more) {
-    double t0 = dt_now_ms(), a, b;
-    if (!*h) *h = dt_recv_async(from, inbox, n, t, peer);
-    dt_comm_wait(from, *h);
-    dt_synchronize();
-    double t1 = dt_now_ms();
-    p->idle_ms += t1 - t0;
-    dt__record_event("waiting", t0, t1);
-    /* the receive on the trace's communication row; not in the step's
-       communication time, as it was posted early and its span holds the
-       sender's compute (the send's, counted by the sender, is the message) */
-    dt__comm_interval(from, *h, &a, &b);
-    dt__record_span(from == p->from_prev ? "recv activation" : "recv gradient", a, b, 0);
-    dt_convert(inbox, t, dst, t, n);                   /* a copy on the device */
-    *h = more ? dt_recv_async(from, inbox, n, t, peer) : 0;
-}
-static void dt__pp_inboxes(dt_pp *p, size_t bytes) {
-    if (bytes <= p->inbox_bytes) return;    /* grown between steps, when no receive is posted into them */
-    dt_free_on(p->model->device, DT_ARENA_COMM, p->inbox_x, p->inbox_bytes);
-    dt_free_on(p->model->device, DT_ARENA_COMM, p->inbox_g, p->inbox_bytes);
-    p->inbox_x = dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
-    p->inbox_g = dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
-    p->inbox_bytes = bytes;
-}
-
-/* What one micro-batch leaves between its forward and its backward. */
-typedef struct {
-    int slot;                   /* its arena pair */
-    int tape_lo, tape_hi;       /* its forward's entries on the tape */
-    dt_tensor *in, *out;        /* what it received (NULL at the first stage), what it sent on or its loss */
-    dt_comm_handle sent;        /* out, sent on (0: the last stage) */
-    double kept;                /* the bytes its forward left in its arena */
-} dt__pp_micro;
-/* ... and what the step's actions share. */
-typedef struct {
-    const dt_batch *batch;
-    int M, b, first, end, labels_per;   /* micro-batches, each b samples; this stage's blocks [first, end) */
-    int act[2];                 /* what a stage passes the next: rows x width */
-    int64_t act_n, in_per;      /* its values; an input sample's */
-    dt_dtype t;
-    double divisor;             /* masked data: the step's count of targets (0: none) */
-    double loss_sum, kept;      /* the last stage's losses; the activation bytes kept now */
-    int forwards, backwards, alive;
-    int *free_slots, nfree;
-    dt__pp_micro *mb;
-} dt__pp_step;
-
-/* The time since t0 was spent computing micro-batch i: counted, and on the trace. */
-static void dt__pp_busy(dt_pp *p, const char *what, int i, double t0) {
-    dt_synchronize();
-    double t1 = dt_now_ms();
-    char name[32];
-    p->busy_ms += t1 - t0;
-    snprintf(name, sizeof name, "%s %d", what, i);
-    dt__record_event(name, t0, t1);
-}
-/* Wait until a send is taken; on the trace, the part before `since` hidden. */
-static void dt__pp_sent(dt_comm *c, dt_comm_handle h, const char *name, double since) {
-    if (!h) return;
-    double a, z;
-    dt_comm_wait(c, h);
-    dt__comm_interval(c, h, &a, &z);
-    dt__record_comm(name, a, z, fmax(0, fmin(z, since) - a));
-}
-
-/* Micro-batch i's forward: its slot's arena in place, its rows of the batch,
-   what the stage before sent (from the inbox), this stage's blocks, then
-   the activation sent on, or the loss. */
-static void dt__pp_forward_one(dt_pp *pp, dt__pp_step *st, int i) {
-    dt__pp_micro *u = &st->mb[i];
-    int last = pp->stage == pp->stages - 1;
-    u->slot = st->free_slots[--st->nfree];
-    dt__step_arena_swap(pp->arenas[u->slot]);
-    size_t before = dt__ctx.step[DT_CPU].high + dt__ctx.step[DT_CUDA].high;
-    dt_tensor *inputs = (dt_tensor *)dt_step_alloc(sizeof(dt_tensor));   /* rows [i b, (i + 1) b) of the batch */
-    *inputs = *st->batch->inputs;
-    inputs->shape[0] = st->b;
-    inputs->numel = st->in_per * st->b;
-    inputs->data = (float *)((char *)inputs->data + (size_t)(st->in_per * st->b * i) * dt_dtype_size(inputs->dtype));
-    u->in = NULL;
-    if (pp->stage > 0) {
-        u->in = dt__tensor_alloc(2, st->act, st->t);
-        u->in->requires_grad = 1;           /* its gradient goes back to the stage before */
-        dt__pp_take(pp, pp->from_prev, 0, pp->inbox_x, &pp->recv_x, u->in->data, st->act_n, st->t, st->forwards + 1 < st->M);
-    }
-    double t0 = dt_now_ms();
-    u->tape_lo = dt__ctx.tape_len;
-    dt_tensor *y = dt_model_forward_blocks(pp->model, inputs, u->in, st->first, st->end);
-    u->sent = 0;
-    if (last) {
-        const int32_t *labels = st->batch->labels + (size_t)i * st->b * st->labels_per;
-        if (st->divisor > 0) dt_cross_entropy_set_divisor(labels, st->divisor / st->M);
-        y = dt_cross_entropy(y, labels);
-        st->loss_sum += dt_tensor_item(y);
-    } else {
-        if (y->numel != st->act_n)
-            dt_fail("pipeline: stage %d's blocks gave %lld values, %lld expected", pp->stage, (long long)y->numel,
-                    (long long)st->act_n);
-        u->sent = dt_send_async(pp->to_next, y->data, st->act_n, st->t, 1);
-    }
-    u->out = y;
-    u->tape_hi = dt__ctx.tape_len;
-    dt__pp_busy(pp, "forward", i, t0);
-    u->kept = (double)(dt__ctx.step[DT_CPU].high + dt__ctx.step[DT_CUDA].high - before);
-    st->kept += u->kept;
-    st->alive++;
-    pp->kept_peak = fmax(pp->kept_peak, st->kept);
-    pp->kept_micro = fmax(pp->kept_micro, u->kept);
-    if (st->alive > pp->kept_micro_batches) pp->kept_micro_batches = st->alive;
-    dt__step_arena_swap(pp->arenas[u->slot]);
-    st->forwards++;
-}
-
-/* Micro-batch i's backward: from 1/M at the last stage (the batch's loss
-   is the micro-batches' mean), else from the gradient the next stage sent;
-   its input's gradient sent back; then its arena given back, once what it
-   sent is taken (by then the next stage has long had `out`). */
-static void dt__pp_backward_one(dt_pp *pp, dt__pp_step *st, int i) {
-    dt__pp_micro *u = &st->mb[i];
-    dt__step_arena_swap(pp->arenas[u->slot]);
-    if (pp->stage == pp->stages - 1) {
-        float seed = 1.0f / (float)st->M;
-        dt_upload(dt_grad(u->out), &seed, sizeof seed);
-    } else
-        dt__pp_take(pp, pp->from_next, 1, pp->inbox_g, &pp->recv_g, dt_grad(u->out), st->act_n, st->t, st->backwards + 1 < st->M);
-    double t0 = dt_now_ms();
-    dt__backward_span(u->out, u->tape_lo, u->tape_hi);
-    dt_comm_handle sent_back = pp->stage > 0 ? dt_send_async(pp->to_prev, dt_grad(u->in), st->act_n, st->t, 0) : 0;
-    dt__pp_busy(pp, "backward", i, t0);
-    if (sent_back || u->sent) {             /* idle is only ever time spent on a peer: a lone stage has none */
-        double t1 = dt_now_ms();
-        dt__pp_sent(pp->to_prev, sent_back, "send gradient", t1);
-        dt__pp_sent(pp->to_next, u->sent, "send activation", t1);
-        dt_synchronize();
-        double t2 = dt_now_ms();
-        pp->idle_ms += t2 - t1;
-        if (t2 - t1 > 0.01) dt__record_event("waiting", t1, t2);
-    }
-    st->kept -= u->kept;
-    st->alive--;
-    dt__step_arena_swap(pp->arenas[u->slot]);
-    dt__step_arena_release(pp->arenas[u->slot]);
-    st->free_slots[st->nfree++] = u->slot;
-    st->backwards++;
-}
-
-dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch) {
-    int M = pp->micro_batches, B = batch->size, last = pp->stage == pp->stages - 1;
-    if (B % M)
-        dt_usage_error("--micro-batches %d does not divide --batch-size %d (each micro-batch takes an equal share)", M, B);
-    if (pp->par.grads_pending)
-        dt_fail("dt_pp_forward_backward: the gradients of the last step were not synchronised; call dt_pp_sync_grads "
-                "before the next step");
-    if (!dt__ctx.grad_enabled) dt_fail("dt_pp_forward_backward: gradients are off (dt_set_grad_enabled(0)); it trains a step");
-    dt__pp_step st = { .batch = batch, .M = M, .b = B / M, .first = pp->first_block[pp->stage],
-                       .end = pp->first_block[pp->stage + 1], .t = dt__ctx.compute_dtype,
-                       .in_per = batch->inputs->numel / B };
-    st.labels_per = dt_model_is_language(pp->model->cfg.kind) ? (int)dt_tensor_cols(batch->inputs) : 1;
-    if (dt__ctx.loss_divisor.labels == batch->labels && dt__ctx.loss_divisor.step == dt__ctx.step_resets)
-        st.divisor = dt__ctx.loss_divisor.divisor;   /* set for the whole batch: each micro-batch takes 1/M of it */
-    dt_tensor micro_inputs = *batch->inputs;
-    micro_inputs.shape[0] = st.b;
-    micro_inputs.numel = st.in_per * st.b;
-    dt__pp_activation_shape(pp, &micro_inputs, st.act);
-    st.act_n = (int64_t)st.act[0] * st.act[1];
-    pp->act_bytes = (double)st.act_n * (double)dt_dtype_size(st.t);
-    /* the order of this stage's actions, and an arena for each micro-batch
-       (those never taken at once cost nothing) */
-    dt__pp_action *order = (dt__pp_action *)dt_step_alloc(sizeof(dt__pp_action) * 2 * (size_t)M);
-    int nactions = dt__pp_schedules[pp->schedule].order(pp->stage, pp->stages, M, order);
-    st.mb = (dt__pp_micro *)dt_step_alloc(sizeof(dt__pp_micro) * (size_t)M);
-    st.free_slots = (int *)dt_step_alloc(sizeof(int) * (size_t)M);
-    if (pp->nslots < M) {
-        pp->arenas = (dt__step_arena (*)[2])realloc(pp->arenas, sizeof *pp->arenas * (size_t)M);
-        if (!pp->arenas) dt_fail("out of memory (pipeline)");
-        memset(pp->arenas + pp->nslots, 0, sizeof *pp->arenas * (size_t)(M - pp->nslots));
-        pp->nslots = M;
-    }
-    for (int k = M - 1; k >= 0; k--) st.free_slots[st.nfree++] = k;
-    dt__pp_inboxes(pp, (size_t)st.act_n * dt_dtype_size(st.t));
-    if (pp->stage > 0) pp->recv_x = dt_recv_async(pp->from_prev, pp->inbox_x, st.act_n, st.t, 0);   /* posted early */
-    if (!last) pp->recv_g = dt_recv_async(pp->from_next, pp->inbox_g, st.act_n, st.t, 1);
-    double t_start = dt_now_ms();
-    pp->busy_ms = pp->idle_ms = 0;
-    if (pp->tp) pp->tp->sums = pp->tp->sum_ms = pp->tp->sum_bytes = 0;   /* an evaluation's since are not the step's */
-    pp->kept_peak = pp->kept_micro = 0;
-    pp->kept_micro_batches = 0;
-    for (int k = 0; k < nactions; k++) {
-        if (order[k].backward) dt__pp_backward_one(pp, &st, order[k].micro);
-        else dt__pp_forward_one(pp, &st, order[k].micro);
-    }
-    dt__ctx.tape_len = 0;                   /* every micro-batch's entries are walked */
-    /* the batch's loss from the last stage, on every rank: the step's end
-       for every stage, so a stage done early waits here -- the drain's part
-       of the bubble */
-    double t_done = dt_now_ms();
-    float mean = last ? (float)(st.loss_sum / M) : 0;
-    dt__comm_all_reduce_host(pp->pipe, &mean, 1, DT_SUM);
-    double t_end = dt_now_ms();
-    if (pp->stages > 1) {
-        pp->idle_ms += t_end - t_done;
-        if (t_end - t_done > 0.01) dt__record_event("waiting", t_done, t_end);
-    }
-    pp->step_ms = t_end - t_start;
-    /* the stages' times, and the sums their split layers waited for (the
-       tensor-parallel wrapper counts a step's; its count starts again here) */
-    float sums[6] = { (float)pp->busy_ms, (float)pp->idle_ms, (float)pp->step_ms, 0, 0, 0 }, busiest = (float)pp->busy_ms;
-    if (pp->tp) {
-        sums[3] = (float)pp->tp->sums; sums[4] = (float)pp->tp->sum_ms; sums[5] = (float)pp->tp->sum_bytes;
-        pp->tp->sums = pp->tp->sum_ms = pp->tp->sum_bytes = 0;
-    }
-    dt__comm_all_reduce_host(pp->pipe, sums, 6, DT_SUM);
-    dt__comm_all_reduce_host(pp->pipe, &busiest, 1, DT_MAX);
-    pp->pipe_busy_ms = sums[0]; pp->pipe_idle_ms = sums[1]; pp->pipe_step_ms = sums[2]; pp->pipe_busiest_ms = busiest;
-    pp->pipe_tp_sums = sums[3]; pp->pipe_tp_sum_ms = sums[4]; pp->pipe_tp_sum_bytes = sums[5];
-    int one[1] = { 1 };
-    dt_tensor *loss = dt__tensor_alloc(1, one, DT_F32);
-    dt_upload(loss->data, &mean, sizeof mean);
-    return loss;
-}
-
-/* The batch's loss is the last stage's; the gradients of a tied vocabulary
-   are the first stage's (the embedding) plus the last's (the head). */
-static void dt__pp_backward_done(dt_parallel *par) {
-    dt_pp *p = (dt_pp *)par;
-    dt_model *m = p->model;
-    if (p->ends) {
-        double t0 = dt_now_ms();
-        for (int i = 0; i < m->nparams; i++)
-            if (m->splits[i].tied) dt_all_reduce(p->ends, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
-        dt__record_comm("all_reduce tied", t0, dt_now_ms(), 0);
-    }
-    if (p->par.data_ranks == 1) return;
-    double t0 = dt_now_ms();
-    if (p->zero1) {                         /* each pipeline keeps its slice of the average */
-        size_t bytes = (size_t)m->numel * sizeof(float), padded = (size_t)(p->zero_chunk * p->par.data_ranks) * sizeof(float);
-        dt_convert(m->flat_grad, DT_F32, p->zero_buf, DT_F32, m->numel);
-        dt__zero_on(m->device, (char *)p->zero_buf + bytes, padded - bytes);
-        dt_reduce_scatter(p->across, p->zero_buf, p->zero_grads, p->zero_chunk, DT_F32, DT_AVG);
-        dt__zero_on(m->device, m->flat_grad, bytes);   /* the next step's backward adds into it */
-        dt__record_comm("reduce_scatter dp", t0, dt_now_ms(), 0);
-    } else {
-        dt_all_reduce(p->across, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_AVG);
-        dt__record_comm("all_reduce dp", t0, dt_now_ms(), 0);
-    }
-    dt__ctx.grad_collectives++;
-}
-/* ZeRO-1: after the optimizer stepped this rank's slice, every pipeline's
-   slices to every pipeline, so each holds its stage whole again. */
-static void dt__pp_step_done(dt_parallel *par) {
-    dt_pp *p = (dt_pp *)par;
-    if (!p->zero1) return;
-    dt_model *m = p->model;
-    double t0 = dt_now_ms();
-    float *mine = p->zero_buf + p->zero_chunk * p->par.data_rank;     /* sent from its place in the padded buffer */
-    dt_convert(m->flat_data + p->zero_lo, DT_F32, mine, DT_F32, p->zero_hi - p->zero_lo);
-    dt_all_gather(p->across, mine, p->zero_buf, p->zero_chunk, DT_F32);
-    dt_convert(p->zero_buf, DT_F32, m->flat_data, DT_F32, m->numel);
-    dt__record_comm("all_gather parameters", t0, dt_now_ms(), 0);
-}
-void dt_pp_sync_grads(dt_pp *pp) { dt_parallel_backward_done(&pp->par); }
-int dt_pp_data_rank(const dt_pp *pp) { return pp->par.data_rank; }
-int dt_pp_data_ranks(const dt_pp *pp) { return pp->par.data_ranks; }
-
-/* Each stage steps what it holds; the gradient norm adds up the stages'
-   parts, the tied vocabulary counted once (at the first stage). */
-static void dt__pp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
-    dt_pp *p = (dt_pp *)par;
-    dt_model *m = p->model;
-    dt__optimizer_view_all(o, m);
-    for (int i = 0; i < m->nparams; i++)      /* with --tp, a whole parameter is counted at the group's first rank too */
-        o->slices[i].copy = (p->stage > 0 && m->splits[i].tied) || (p->tp && p->tp->rank > 0 && m->splits[i].dim < 0);
-    o->sharded_by = par;
-    if (!p->zero1) return;
-    /* ZeRO-1: only this rank's slice, each parameter's part of it a slice */
-    o->params = m->flat_data + p->zero_lo; o->grads = p->zero_grads; o->numel = p->zero_hi - p->zero_lo;
-    int n = 0;
-    for (int i = 0; i < m->nparams; i++) {
-        int64_t a = o->slices[i].offset, b = a + o->slices[i].length;
-        if (a < p->zero_lo) a = p->zero_lo;
-        if (b > p->zero_hi) b = p->zero_hi;
-        if (b <= a) continue;
-        o->slices[n] = o->slices[i];
-        o->slices[n].offset = a - p->zero_lo;
-        o->slices[n++].length = b - a;
-    }
-    o->nslices = n;
-}
-static void dt__pp_sum_over_ranks(dt_parallel *par, float *values, int n) {
-    dt_pp *p = (dt_pp *)par;
-    dt__comm_all_reduce_host(p->pipe, values, n, DT_SUM);
-    if (p->tp) dt__comm_all_reduce_host(p->tp->group, values, n, DT_SUM);
-    if (p->zero1) dt__comm_all_reduce_host(p->across, values, n, DT_SUM);   /* each pipeline holds a slice */
-}
-/* The layers' sums, passed on to the tensor-parallel wrapper inside. */
-static void dt__pp_tp_sum(dt_parallel *par, float *values, int64_t n) {
-    dt_parallel *inner = &((dt_pp *)par)->tp->par;
-    inner->tp_sum(inner, values, n);
-}
-static void dt__pp_tp_max(dt_parallel *par, float *values, int64_t n) {
-    dt_parallel *inner = &((dt_pp *)par)->tp->par;
-    inner->tp_max(inner, values, n);
-}
-static void dt__pp_tp_all_gather(dt_parallel *par, const float *mine, float *all, int64_t n) {
-    dt_parallel *inner = &((dt_pp *)par)->tp->par;
-    inner->tp_all_gather(inner, mine, all, n);
-}
-
-/* Checkpoints are whole (section 13): to save, the first pipeline's stages
-   send what they hold to its first rank, one tensor at a time, and that
-   rank -- the job's rank 0 -- writes; to load, every rank reads the whole
-   and keeps its stage's. */
-static float *dt__pp_state_gather(dt_pp *p, float *local) {
-    dt_model *m = p->model;
-    const dt_model *W = &p->whole;
-    float *whole = NULL;
-    if (p->stage == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
-        dt_fail("out of memory (gathering the pipeline's stages for a checkpoint: %.1f MB)", W->numel * 4e-6);
-    for (int i = 0; i < m->nparams; i++) {
-        int owner = dt__pp_owner(p, i);
-        int64_t n = W->params[i].numel;
-        size_t bytes = (size_t)n * sizeof(float);
-        if (owner == 0) {
-            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
-        } else if (p->stage == owner) dt_send(p->pipe, local + m->offsets[i], n, DT_F32, 0);
-        else if (whole) {
-            float *buf = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes);
-            dt_recv(p->pipe, buf, n, DT_F32, owner);
-            dt__download_from(m->device, whole + W->offsets[i], buf, bytes);
-            dt_free_on(m->device, DT_ARENA_COMM, buf, bytes);
-        }
-    }
-    return whole;
-}
-/* ZeRO-1's optimizer state: every pipeline's slices of the stage, whole (a
-   collective of the pipelines), in the stage's buffer layout. */
-static float *dt__pp_zero1_gather(dt_pp *p, const float *slice) {
-    dt_model *m = p->model;
-    float *mine = p->zero_buf + p->zero_chunk * p->par.data_rank;
-    float *whole = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, (size_t)m->numel * sizeof(float) + 4);
-    dt__zero_on(m->device, mine, (size_t)p->zero_chunk * sizeof(float));
-    dt_convert(slice, DT_F32, mine, DT_F32, p->zero_hi - p->zero_lo);
-    dt_all_gather(p->across, mine, p->zero_buf, p->zero_chunk, DT_F32);
-    dt_convert(p->zero_buf, DT_F32, whole, DT_F32, m->numel);
-    return whole;
-}
-/* With --tp the stages' pieces, gathered at the first stage, are then
-   gathered over its tensor-parallel group (and, to load, cut the other way);
-   with --shard optimizer the moments are first made whole over the
-   pipelines (and, to load, each rank keeps its slice). */
-static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
-    dt_pp *p = (dt_pp *)par;
-    if (for_load) {
-        float *whole = (float *)calloc((size_t)par->whole->numel + 1, sizeof(float));
-        if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", par->whole->numel * 4e-6);
-        return whole;
-    }
-    float *state = dt__state_buffer(p->model, o, which), *gathered = NULL;
-    if (p->zero1 && which > 0) state = gathered = dt__pp_zero1_gather(p, state);   /* every pipeline takes part */
-    if (p->par.data_rank != 0) {
-        if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
-        return NULL;
-    }
-    float *staged = dt__pp_state_gather(p, state);
-    if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
-    if (!p->tp || p->stage != 0) return staged;
-    size_t bytes = (size_t)p->whole.numel * sizeof(float);
-    float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
-    dt__upload_to(p->model->device, pieces, staged, bytes);
-    free(staged);
-    float *whole = dt__tp_state_gather(p->tp, &p->whole, pieces);
-    dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
-    return whole;
-}
-static void dt__pp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
-    dt_pp *p = (dt_pp *)par;
-    float *local = dt__state_buffer(p->model, o, which), *slice = NULL;
-    size_t stage_bytes = (size_t)p->model->numel * sizeof(float) + 4;
-    if (written && p->zero1 && which > 0) {  /* the stage's whole state here first, then this rank's slice of it */
-        slice = local;
-        local = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, stage_bytes);
-    }
-    if (written && !p->tp) dt__pp_scatter(p, host, local);
-    else if (written) {
-        size_t bytes = (size_t)p->whole.numel * sizeof(float);
-        float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
-        dt__tp_state_scatter(p->tp, &p->whole, host, pieces);
-        float *view = dt__host_view(p->model->device, pieces, p->whole.numel);
-        dt__pp_scatter(p, view, local);
-        dt__host_view_close(p->model->device, view, pieces, p->whole.numel, 0);
-        dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
-    }
-    if (slice) {
-        dt_convert(local + p->zero_lo, DT_F32, slice, DT_F32, p->zero_hi - p->zero_lo);
-        dt_free_on(p->model->device, DT_ARENA_COMM, local, stage_bytes);
-    }
-    free(host);
-}
-
-/* At start-up: which blocks each stage runs, and what it holds. */
-static void dt__pp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
-    const dt_pp *p = (const dt_pp *)par;
-    const dt_model *m = p->model;
-    int n = dt_model_blocks(m);
-    printf("pipeline, --pp %d: %d stages, %d micro-batch%s per step, schedule %s (bubble (P - 1) / (M + P - 1) = %.0f%%); "
-           "%d data-parallel pipeline%s\n", p->stages, p->stages, p->micro_batches, p->micro_batches > 1 ? "es" : "",
-           dt__pp_schedules[p->schedule].name, 100.0 * (p->stages - 1) / (p->micro_batches + p->stages - 1),
-           p->par.data_ranks, p->par.data_ranks > 1 ? "s" : "");
-    int embedding = 0;                      /* the mlp has none: its first layer is a block */
-    for (int i = 0; i < m->nparams; i++) embedding |= m->splits[i].block < 0;
-    for (int s = 0; s < p->stages; s++) {
-        double held = dt__pp_stage_params(p, s);
-        int a = p->first_block[s], b = p->first_block[s + 1];
-        char blocks[48];
-        if (b - a > 1) snprintf(blocks, sizeof blocks, "blocks %d-%d", a, b - 1);
-        else snprintf(blocks, sizeof blocks, "block %d", a);
-        printf("  stage %d: %s%s%s  %.3f MB of parameters (%.3f MB with gradients and %s state)\n", s,
-               s == 0 && embedding ? "the embedding, " : "", blocks, s == p->stages - 1 ? ", the head" : "", 4e-6 * held,
-               4e-6 * held * (o->v ? 4 : 3), o->v ? "adamw's" : "sgd's");
-    }
-    if (p->tp)
-        printf("  each stage's blocks split over --tp %d ranks as in stage 06: the sizes above are one rank's pieces\n",
-               p->tp->size);
-    if (p->zero1)
-        printf("  --shard optimizer: the %d pipelines share out each stage's %s state (ZeRO-1): this rank keeps %.3f MB of "
-               "its stage's %.3f\n", p->par.data_ranks, o->v ? "adamw's" : "sgd's", 4e-6 * (double)o->numel * (o->v ? 2 : 1),
-               4e-6 * (double)m->numel * (o->v ? 2 : 1));
-    printf("  the whole model: %.3f MB of parameters, %d blocks\n", 4e-6 * (double)par->whole->numel, n);
-    fflush(stdout);
-}
-
-/* Evaluation and generation: the batch down the pipeline at once (no
-   micro-batches: there is no backward to overlap), and the last stage's
-   logits to every rank. */
-static dt_tensor *dt__pp_forward(dt_parallel *par, dt_tensor *inputs) {
-    dt_pp *p = (dt_pp *)par;
-    dt_model *m = p->model;
-    int last = p->stage == p->stages - 1, act[2];
-    dt_dtype t = dt__ctx.compute_dtype;
-    if (dt__ctx.grad_enabled)
-        dt_fail("dt_model_forward: under pipeline parallelism a training step is dt_pp_forward_backward (the stages take "
-                "turns); dt_model_forward runs without gradients only (evaluation, generation)");
-    dt__pp_activation_shape(p, inputs, act);
-    dt_tensor *x = NULL;
-    if (p->stage > 0) {
-        x = dt__tensor_alloc(2, act, t);
-        dt_recv(p->from_prev, x->data, x->numel, t, 0);
-    }
-    dt_tensor *y = dt_model_forward_blocks(m, inputs, x, p->first_block[p->stage], p->first_block[p->stage + 1]);
-    if (!last) dt_send(p->to_next, y->data, y->numel, t, 1);
-    /* the logits' columns: the vocabulary's share of this rank when --tp split it */
-    float cols = last ? (float)dt_tensor_cols(y) : 0;
-    dt__comm_all_reduce_host(p->pipe, &cols, 1, DT_SUM);
-    if (!last) {
-        int shape[2] = { inputs->shape[0] * (dt_model_is_language(m->cfg.kind) ? (int)dt_tensor_cols(inputs) : 1), (int)cols };
-        y = dt__tensor_alloc(2, shape, t);
-        if ((int)cols != m->cfg.classes) y->parallel = par;   /* dt_logits_to_host gathers them over the group */
-    }
-    dt_broadcast(p->pipe, y->data, y->numel, t, p->stages - 1);
-    return y;
-}
-
-/* The last step's figures: the pipeline's bubble, its stages' idle time
-   over their time in the pipeline (each stage waits its own share: the
-   first more, when the last, with the head, computes more); how uneven the
-   stages are, the busiest one's compute over the mean (1: even). */
-static double dt__pp_bubble(const dt_pp *p) { return p->pipe_step_ms > 0 ? p->pipe_idle_ms / p->pipe_step_ms : 0; }
-static double dt__pp_balance_of(const dt_pp *p) {
-    return p->pipe_busy_ms > 0 ? p->pipe_busiest_ms * p->stages / p->pipe_busy_ms : 1;
-}
-/* The cost model's view of it: the whole model's compute on one rank is
-   what the stages computed together -- with --tp, less the time their
-   layers' sums took, and times the T ranks that shared each stage's split
-   layers. */
-static int dt__pp_cost_input(const dt_parallel *par, dt_cost_input *in) {
-    const dt_pp *p = (const dt_pp *)par;
-    in->kind = DT_PAR_PP;
-    in->pp_micro_batches = p->micro_batches;
-    in->pp_balance = dt__pp_balance_of(p);
-    in->pp_bytes = p->act_bytes;
-    in->pp_measured_bubble = dt__pp_bubble(p);
-    in->compute_ms = p->pipe_busy_ms;
-    in->dp_groups = p->par.data_ranks;
-    in->pp_zero1 = p->zero1;
-    int64_t stepped = p->zero1 ? p->zero_hi - p->zero_lo : p->model->numel;    /* the optimizer's share of the whole model */
-    in->optimizer_ms *= stepped > 0 ? (double)par->whole->numel / (double)stepped : 1;
-    if (p->tp) {
-        in->tp_ranks = p->tp->size;
-        in->tp_share = dt__tp_split_share(p->tp);
-        in->tp_sums = p->pipe_tp_sums / p->micro_batches;
-        in->tp_bytes = p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0;
-        double kept = in->tp_share / p->tp->size + (1 - in->tp_share);
-        in->compute_ms = fmax(0, p->pipe_busy_ms - p->pipe_tp_sum_ms) / kept;
-    }
-    return p->stages;
-}
-static void dt__pp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
-    const dt_pp *p = (const dt_pp *)par;
-    (void)accum_steps;
-    fprintf(out, " pp=%d pp_micro_batches=%d pp_balance=%.4f pp_bytes=%.0f bubble=%.4f bubble_predicted=%.4f", p->stages,
-            p->micro_batches, dt__pp_balance_of(p), p->act_bytes, dt__pp_bubble(p),
-            (p->stages - 1.0) / (p->micro_batches + p->stages - 1.0));
-    if (p->tp)        /* the whole pipeline's layer sums per micro-batch, as the cost model counts them */
-        fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", p->tp->size, dt__tp_split_share(p->tp),
-                p->pipe_tp_sums / p->micro_batches, p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0.0);
-    fprintf(out, " dp=%d%s", p->par.data_ranks, p->zero1 ? " zero1=1" : "");
-}
-
-/* The step's pipeline figures, in its --log record. */
-static void dt__pp_log_fields(const dt_parallel *par, FILE *log) {
-    const dt_pp *p = (const dt_pp *)par;
-    double P = p->stages, M = p->micro_batches;
-    fprintf(log, ",\"pp_busy_ms\":%.3f,\"pp_idle_ms\":%.3f,\"pp_step_ms\":%.3f,\"bubble\":%.4f,\"bubble_predicted\":%.4f,"
-                 "\"pp_balance\":%.4f,\"pp_kept_bytes\":%.0f,\"pp_micro_bytes\":%.0f,\"pp_kept_micro_batches\":%d",
-            p->busy_ms, p->idle_ms, p->step_ms, dt__pp_bubble(p), (P - 1) / (M + P - 1), dt__pp_balance_of(p), p->kept_peak,
-            p->kept_micro, p->kept_micro_batches);
-}
-
-/* A one-way pair for each neighbour: `round` 0 pairs stages (0, 1), (2, 3)
-   ..., round 1 pairs (1, 2), (3, 4) ...; a rank in no pair of a round is a
-   group of its own, freed at once. */
-static void dt__pp_pair(dt_pp *p, int round, dt_comm **with_next, dt_comm **with_prev) {
-    int s = p->stage, P = p->stages;
-    int j = (s % 2 == round) ? s : s - 1;       /* the boundary (j, j + 1) this rank is on this round */
-    int paired = j >= 0 && j + 1 < P;
-    dt_comm *c = dt_comm_split(p->pipe, paired ? j : P + s, s);
-    if (!paired) { dt_comm_free(c); return; }
-    if (j == s) *with_next = c;
-    else *with_prev = c;
-}
-
-dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_batches, dt_pp_schedule schedule,
-                    dt_shard_mode shard) {
-    int world = dt_comm_size(comm);
-    char v[64];
-    snprintf(v, sizeof v, "%d %d %d %d %d", pp, tp, micro_batches, (int)schedule, (int)shard);
-    dt_comm_check_agree(comm, "--pp --tp --micro-batches --schedule --shard", v);
-    if (shard != DT_SHARD_NONE && shard != DT_SHARD_OPTIMIZER)
-        dt_usage_error("--shard %s: a pipeline shares out only its optimizer state over the data-parallel pipelines (--shard "
-                       "optimizer, ZeRO-1): its micro-batches' gradients add up whole until the step's last backward, and each "
-                       "stage runs its parameters M times a step", shard == DT_SHARD_GRADS ? "grads" : "full");
-    if (tp <= 0) tp = 1;
-    if (world % tp) dt_usage_error("--tp %d does not divide the job's %d ranks", tp, world);
-    if (pp <= 0) pp = world / tp;
-    if ((world / tp) % pp)
-        dt_usage_error("--pp %d does not divide the job's %d ranks%s (the ranks form pipelines of --pp stages%s, data parallel "
-                       "across them)", pp, world, tp > 1 ? " over --tp" : "", tp > 1 ? " of --tp ranks each" : "");
-    if (micro_batches < 1) dt_usage_error("--micro-batches %d: a step needs at least one", micro_batches);
-    if ((int)schedule < 0 || (int)schedule >= (int)(sizeof dt__pp_schedules / sizeof dt__pp_schedules[0]))
-        dt_fail("dt_pp_create: schedule %d is not one dtrain knows", (int)schedule);
-    if (model->base) dt_usage_error("--lora-rank: LoRA's adapters are not split into pipeline stages; train them with 03-05");
-    int n = dt_model_blocks(model);
-    if (n < pp)
-        dt_usage_error("--pp %d: the model has %d block%s (--depth), fewer than the stages, and each stage runs at least one",
-                       pp, n, n == 1 ? "" : "s");
-    dt_pp *p = (dt_pp *)calloc(1, sizeof *p);
-    if (!p) dt_fail("out of memory (pipeline parallelism)");
-    p->par = (dt_parallel){ .create_fn = "dt_pp_create", .sync_fn = "dt_pp_sync_grads", .free_fn = "dt_pp_free",
-                            .backward_done = dt__pp_backward_done, .optimizer_view = dt__pp_optimizer_view,
-                            .sum_over_ranks = dt__pp_sum_over_ranks, .state_open = dt__pp_state_open,
-                            .state_close = dt__pp_state_close, .memory_table = dt__pp_memory_table,
-                            .forward = dt__pp_forward, .log_fields = dt__pp_log_fields, .cost_input = dt__pp_cost_input,
-                            .bench_fields = dt__pp_bench_fields, .step_done = dt__pp_step_done };
-    dt__comm_hold(comm, "dt_pp_free");
-    p->model = model;
-    p->comm = comm;
-    int sizes[3] = { world / (pp * tp), pp, tp };
-    const char *names[3] = { "dp", "pp", "tp" };
-    p->mesh = dt_mesh_create(comm, 3, sizes, names);
-    if (tp > 1) {           /* every block's layers split over the "tp" group first, as stage 06 does */
-        p->tp = dt_tp_create(model, dt_mesh_comm(p->mesh, "tp"), tp, 0);
-        dt_model_set_parallel(model, NULL);   /* the pipeline wraps the model, and passes its layers' sums on */
-        p->par.tp_sum = dt__pp_tp_sum;
-        p->par.tp_max = dt__pp_tp_max;
-        p->par.tp_all_gather = dt__pp_tp_all_gather;
-        p->par.tp_rank = p->tp->rank;
-        p->par.tp_size = tp;
-    }
-    dt_model_set_parallel(model, &p->par);
-    p->pipe = dt_mesh_comm(p->mesh, "pp");
-    p->across = dt_mesh_comm(p->mesh, "dp");
-    p->stages = pp;
-    p->stage = dt_mesh_coord(p->mesh, "pp");
-    p->micro_batches = micro_batches;
-    p->schedule = schedule;
-    p->par.data_rank = dt_mesh_coord(p->mesh, "dp");
-    p->par.data_ranks = world / (pp * tp);
-    p->first_block = (int *)malloc(sizeof(int) * (size_t)(pp + 1));
-    if (!p->first_block) dt_fail("out of memory (pipeline parallelism)");
-    dt__pp_balance(model, pp, p->first_block);
-    dt__model_cut(model, &p->whole, dt__pp_cut_shape, dt__pp_scatter, p);
-    p->par.whole = p->tp ? &p->tp->whole : &p->whole;      /* what checkpoints hold: the model whole */
-    for (int round = 0; round < 2 && pp > 1; round++) {      /* activations on, then gradients back */
-        dt__pp_pair(p, round, &p->to_next, &p->from_prev);
-        dt__pp_pair(p, round, &p->from_next, &p->to_prev);
-    }
-    int tied = 0;
-    for (int i = 0; i < model->nparams; i++) tied |= model->splits[i].tied;
-    if (tied && pp > 1) {
-        int end = p->stage == 0 || p->stage == pp - 1;
-        p->ends = dt_comm_split(p->pipe, end ? 0 : 1 + p->stage, p->stage);
-        if (!end) { dt_comm_free(p->ends); p->ends = NULL; }
-    }
-    if (p->par.data_ranks > 1) dt_broadcast(p->across, model->flat_data, model->numel, DT_F32, 0);   /* every pipeline starts alike */
-    p->zero1 = shard == DT_SHARD_OPTIMIZER && p->par.data_ranks > 1;   /* one pipeline: nothing to share out */
-    if (p->zero1) {
-        int D = p->par.data_ranks;
-        p->zero_chunk = (model->numel + D - 1) / D;
-        p->zero_lo = p->zero_chunk * p->par.data_rank;
-        if (p->zero_lo > model->numel) p->zero_lo = model->numel;
-        p->zero_hi = p->zero_lo + p->zero_chunk < model->numel ? p->zero_lo + p->zero_chunk : model->numel;
-        p->zero_grads = (float *)dt_alloc_on(model->device, DT_ARENA_GRADS, (size_t)p->zero_chunk * sizeof(float) + 4);
-        p->zero_buf = (float *)dt_alloc_on(model->device, DT_ARENA_COMM, (size_t)(p->zero_chunk * D) * sizeof(float) + 4);
-        dt__zero_on(model->device, p->zero_grads, (size_t)p->zero_chunk * sizeof(float));
-    }
-    return p;
-}
-
-void dt_pp_free(dt_pp *pp) {
-    if (!pp) return;
-    dt_model_set_parallel(pp->model, NULL);
-    dt_comm *mine[5] = { pp->ends, pp->to_next, pp->from_next, pp->to_prev, pp->from_prev };
-    for (int k = 0; k < 5; k++) if (mine[k]) dt_comm_free(mine[k]);
-    dt_tp_free(pp->tp);
-    pp->model->left_cut_by = "dt_pp_free";     /* each rank keeps its stage: the model can only be freed now */
-    for (int k = 0; k < pp->nslots; k++) dt__step_arena_free(pp->arenas[k]);
-    free(pp->arenas);
-    dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_x, pp->inbox_bytes);
-    dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_g, pp->inbox_bytes);
-    if (pp->zero1) {
-        dt_free_on(pp->model->device, DT_ARENA_GRADS, pp->zero_grads, (size_t)pp->zero_chunk * sizeof(float) + 4);
-        dt_free_on(pp->model->device, DT_ARENA_COMM, pp->zero_buf, (size_t)(pp->zero_chunk * pp->par.data_ranks) * sizeof(float) + 4);
-    }
-    dt_mesh_free(pp->mesh);
-    dt__comm_release(pp->comm);
-    free(pp->first_block);
-    free(pp->whole.params);
-    free(pp->whole.offsets);
-    free(pp);
-}
-
-/* [src/15-mixed-precision.h] */
-/* ==== 12. mixed precision =======================================================
-   Half the bytes: activations, the matmuls' operands and what the collectives
-   carry in 16 bits, while everything that adds up many small numbers stays in
-   f32 -- the master weights and the optimizer (an update of 1e-4 on a weight
-   of 1 vanishes in bf16, whose 8 significant bits move it in steps of 1/128),
-   the sums inside matmuls, the layernorm statistics, the softmax, the loss.
-   The ops do it through the views of section 5; this section sets the dtype
-   and scales the loss for fp16, whose range (6e-8 to 65504) is too narrow for
-   gradients. */
-
-void dt_set_compute_dtype(dt_dtype dtype) {
-    if (dtype != dt__ctx.compute_dtype && dt__ctx.wrappers)
-        dt_fail("dt_set_compute_dtype: a parallel wrapper already exists and gathers in %s; call dt_set_compute_dtype "
-                "before dt_dp_create, dt_ddp_create or dt_fsdp_create", dt_dtype_name(dt__ctx.compute_dtype));
-    dt__ctx.compute_dtype = dtype;
-}
-dt_dtype dt_compute_dtype(void) { return dt__ctx.compute_dtype; }
-
-dt_loss_scaler dt_loss_scaler_create(dt_dtype dtype) {
-    dt_loss_scaler s;
-    memset(&s, 0, sizeof s);
-    s.scale = 1.0f;
-    s.growth_interval = 2000;
-    if (dtype == DT_F16) { s.enabled = 1; s.scale = 65536.0f; }
-    return s;
-}
-
-void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *scaler, int accum_steps) {
-    dt__backward_seeded(loss, scaler->scale / (float)(accum_steps > 0 ? accum_steps : 1));
-    if (scaler->enabled) dt__ctx.grads_scaled = 1;    /* the optimizer must not see them so */
-}
-
-int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt) {
-    dt__optimizer_check_synced(opt, "dt_loss_scaler_unscale");
-    scaler->last_skipped = 0;
-    dt__ctx.grads_scaled = 0;          /* divided below, or zeroed and the step skipped */
-    if (!scaler->enabled) return 1;
-    size_t bytes = (size_t)opt->numel * sizeof(float);
-    /* one number says it all: a sum with an inf or a NaN in it is not finite;
-       a sharded optimizer sums over the ranks, so they all see the same */
-    if (!isfinite(dt__optimizer_grad_sum_squares(opt))) {
-        dt__zero_on(opt->device, opt->grads, bytes);
-        scaler->scale *= 0.5f;
-        scaler->good_steps = 0;
-        scaler->skipped++;
-        scaler->last_skipped = 1;
-        return 0;
-    }
-    float inv = 1.0f / scaler->scale;                /* a power of two: exact */
-    const dt_backend *gpu = dt__backend_of(opt->device);
-    if (gpu) gpu->scale(opt->grads, inv, opt->numel);
-    else
-        for (int64_t i = 0; i < opt->numel; i++) opt->grads[i] *= inv;
-    if (++scaler->good_steps >= scaler->growth_interval) { scaler->scale *= 2.0f; scaler->good_steps = 0; }
-    return 1;
-}
-
-/* [src/16-checkpoints.h] */
-/* ==== 13. checkpoints ===========================================================
+/* [src/17-checkpoints.h] */
+/* ==== checkpoints ===========================================================
    Tensors go to disk as safetensors files: an 8-byte little-endian header
    length, a JSON header {"name": {"dtype", "shape", "data_offsets"},
    "__metadata__": {...}} and the raw tensors. A training checkpoint is a
@@ -10917,7 +10931,7 @@ int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt) {
      optimizer.safetensors  the optimizer's moments ("exp_avg.<name>", ...),
                             a file of their own: a strict load_state_dict of
                             the weights would refuse them;
-     config.json            the model's shape (section 6 writes it), so that
+     config.json            the model's shape (the models chapter writes it), so that
                             AutoModelForCausalLM.from_pretrained(folder) works.
    With LoRA the weights are the adapters, and the folder is the one PEFT
    saves: adapter_model.safetensors (PEFT's names, the same metadata) and
@@ -11461,6 +11475,7 @@ static void dt__folder_open(dt__folder *w, const char *path, int create) {
         if (mkdir(w->tmp, 0755) != 0 && errno != EEXIST)
             dt_fail("cannot create checkpoint folder '%s': %s", w->tmp, strerror(errno));
     }
+    dt__cleanup_empty_folder = dt__folder_remove;    /* what a failure does with a NAME.tmp it cannot rmdir */
     w->slots[w->nslots++] = dt__cleanup_add(w->tmp);
 }
 static void dt__folder_file(const dt__folder *w, const char *name, char *out, size_t n) {
@@ -11516,7 +11531,7 @@ static void dt__folder_commit(dt__folder *w) {
     dt__folder_remove(old);
 }
 
-/* config.json, in the words of the library that has the same model (section 6). */
+/* config.json, in the words of the library that has the same model (the models chapter). */
 static void dt__adapter_config_json(FILE *f, const dt_model *m);
 /* config.json, or a LoRA model's adapter_config.json */
 static void dt__folder_write_config(dt__folder *w, const dt_model *m) {
@@ -11722,7 +11737,7 @@ static void dt__sharded_assemble(dt_safetensors *index, const char *path, const 
     free(unit_numel);
 }
 
-/* [src/17-hugging-face.h] */
+/* [src/18-hugging-face.h] */
 /* ---- Hugging Face model folders (--init DIR): config.json gives the shape,
         the weights sit in model.safetensors or in the files that
         model.safetensors.index.json's weight_map names. ---- */
@@ -12757,8 +12772,8 @@ static const char *dt__newest_checkpoint(const char *dir, char *out, size_t n) {
     return out[0] ? out : NULL;
 }
 
-/* [src/18-evaluation.h] */
-/* ==== 14. evaluation ============================================================
+/* [src/19-evaluation.h] */
+/* ==== evaluation ============================================================
    The validation set is measured without the tape: no gradients, no
    activations kept. Every rank evaluates its share and the sums meet in one
    all-reduce, so the numbers are those of the whole set on every rank. */
@@ -12872,8 +12887,8 @@ void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, fl
     free(seq); free(window); free(logits);
 }
 
-/* [src/19-metrics.h] */
-/* ==== 15. metrics, traces and the benchmark line ================================
+/* [src/20-metrics.h] */
+/* ==== metrics, traces and the benchmark line ================================
    Time is charged to phases (data, forward, backward, waiting for
    communication, optimizer), drawn in a Chrome trace, turned into a progress
    line with an ETA, and, with --bench, into one "bench:" line that tools read. */
@@ -13347,8 +13362,8 @@ int dt_mlflow_close(dt_mlflow *ml, dt_mlflow_status status) {
 const char *dt_mlflow_path(const dt_mlflow *ml) { return ml->run_dir; }
 const char *dt_mlflow_run_id(const dt_mlflow *ml) { return ml->run_id; }
 
-/* [src/20-cost-model.h] */
-/* ==== 16. the cost model ========================================================
+/* [src/21-cost-model.h] */
+/* ==== the cost model ========================================================
    Why a stage scales as it does. It is deliberately small -- a link of two
    numbers, ring collectives, and what each wrapper sends and can hide -- so
    that a student can check it by hand (tests/test_dtrain.c does) and see
@@ -13534,8 +13549,8 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
     fprintf(out, "    %-33s%.0f%% (%.2fx speedup)\n", fewer, 100 * pf.efficiency, pf.speedup);
 }
 
-/* [src/21-command-line.h] */
-/* ==== 17. the command line ======================================================
+/* [src/22-command-line.h] */
+/* ==== the command line ======================================================
    Every stage takes the same flags (and those of its own lesson: one table,
    dt__flags, says which stage takes which), so that runs of different stages
    can be compared line by line -- and so that the stage files hold only the
@@ -14150,8 +14165,8 @@ void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
     if (!cfg->quiet && dt__ctx.rank == 0) { printf("loaded %s in %.1f s\n", dir, (dt_now_ms() - t0) / 1e3); fflush(stdout); }
 }
 
-/* [src/22-run-driver.h] */
-/* ==== 18. the run driver ========================================================
+/* [src/23-run-driver.h] */
+/* ==== the run driver ========================================================
    The loop every stage shares around its lesson: start (--init, --resume),
    fetch batches, end each step (the job's mean loss, progress, the log),
    evaluate and save at each epoch's end, stop every rank alike on a signal,
@@ -14788,7 +14803,7 @@ int dt_run_finish(dt_run *run) {
 
 /* [src/24-cuda.h] */
 /* ================================================================================
-   19. THE CUDA BACKEND
+   THE CUDA BACKEND
    Compiled by nvcc from this same file:
        nvcc -x cu -DDTRAIN_CUDA_IMPLEMENTATION -c dtrain.h -o dtrain_cuda.o
    and linked beside a C file built with -DDT_HAVE_CUDA (the Makefile does both).
@@ -15587,9 +15602,9 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     t->adamw = dt__cuda_adamw; t->sgd = dt__cuda_sgd; t->convert = dt__cuda_convert; t->owns = dt__cuda_owns;
     return t;
 }
-/* ---- NCCL: the collectives of section 9 for GPU buffers (the contract is
-        beside dt_backend at the top). The communicator is non-blocking, so no
-        call can hang the thread that makes it: section 9's watchdog polls
+/* ---- NCCL: the collectives chapter's operations on GPU buffers (the contract
+        is in the backend-tables chapter). The communicator is non-blocking, so no
+        call can hang the thread that makes it: the collectives chapter's watchdog polls
         dt_nccl_progress, and aborts when a rank dies or --timeout passes. Each
         collective has two events: `inputs`, recorded on the compute stream
         when it is queued (its input is the output of the kernels before it),
@@ -15641,7 +15656,7 @@ extern "C" dt_nccl *dt_nccl_create(const unsigned char *id_bytes, int rank, int 
     ncclUniqueId id;
     memcpy(&id, id_bytes, sizeof id);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;                 /* every call returns at once; section 9 polls */
+    config.blocking = 0;                 /* every call returns at once; the collectives chapter polls */
     DT_NCCL_CHECK(ncclCommInitRankConfig(&s->comm, world, id, rank, &config));
     return s;
 }

@@ -1,3 +1,4 @@
+//@ preface: what dtrain.h is, how to build with it, what each chapter teaches; the context every chapter shares
 /* dtrain.h -- train a neural network on one device, then on many.            v0.1
 
    A single-header C library in the style of stb: the tensor, the kernels, the
@@ -24,7 +25,7 @@
                           compile this same header once with nvcc,
                               nvcc -x cu -DDTRAIN_CUDA_IMPLEMENTATION -c dtrain.h -o dtrain_cuda.o
                           and link dtrain_cuda.o -lcudart -ldl -lstdc++ (cuBLAS
-                          is loaded when a GPU is first used: section 19).
+                          is loaded when a GPU is first used: the cuda chapter).
            DT_HAVE_MPI    ranks on several CPU machines talk through MPI (--comm
                           mpi): compile with $(mpicc --showme:compile), link
                           with $(mpicc --showme:link), start with mpirun or srun.
@@ -35,76 +36,88 @@
        erf, tanh and the GELUs scalar (it will not turn a float choice,
        x < a ? a : x, into a vector blend).
 
-   WHAT IT TEACHES, SECTION BY SECTION
-        1  errors       every failure says what went wrong and what to do, then exits
-        2  memory       the device (CPU or GPU), and where the bytes go: parameters,
-                        gradients, optimizer state, activations, communication,
+   WHAT IT TEACHES, CHAPTER BY CHAPTER
+       The chapters are the files src/NN-name.h this header is assembled from
+       (HOW THIS FILE IS MADE, below). First the lessons, in the order the
+       stages teach them:
+       01 errors        every failure says what went wrong and what to do, then exits
+       02 devices and   the device (CPU or GPU), and where the bytes go: parameters,
+          memory        gradients, optimizer state, activations, communication,
                         data -- counted per arena; a clock and the core count
-        3  tensors      a shape, a dtype, a pointer to the data and one to its
+       03 tensors       a shape, a dtype, a pointer to the data and one to its
                         gradient
-        4  kernels      the matmul every linear layer goes through; the per-element
-                        arithmetic is a small inline function (DT_HD) that a GPU
-                        kernel can call too
-        5  autograd     the ops: each appends its backward to a tape; dt_backward() walks
-                        it in reverse. Activations live in a per-step arena. The
-                        callbacks a parallel wrapper implements (dt_parallel), and
-                        tensor parallelism's collectives as ops on the tape
-        6  models       an MLP and a Vision Transformer with PyTorch/timm names, and two
+       04 matmul        the matmul every linear layer goes through
+       05 autograd      the ops: each appends its backward to a tape; dt_backward()
+                        walks it in reverse. Activations live in a per-step arena.
+                        The callbacks a parallel wrapper implements (dt_parallel);
+                        linear, GELU, the norms, SwiGLU, the residual
+       06 attention     tensor parallelism's collectives as ops on the tape;
+          and loss      attention, rotary embeddings, embeddings, the cross-entropy
+       07 models        an MLP and a Vision Transformer with PyTorch/timm names, and two
                         causal language models with Hugging Face's names: GPT-2, and
                         Llama (RMSNorm, rotary embeddings, grouped-query attention,
                         SwiGLU; Qwen2's q/k/v biases), one table row per family;
-                        activation recompute, block by block; where tensor
+                        activation recompute, block by block; LoRA; where tensor
                         parallelism may cut each parameter and which block reads
                         it (dt_split); any run of blocks on its own, for a
                         pipeline stage (dt_model_forward_blocks)
-        7  optimizer    AdamW, SGD with momentum, gradient clipping, warmup + cosine
-        8  data         image folders, CIFAR-10 binaries, text (bytes or token ids),
-                        instruction examples whose prompts the loss ignores,
-                        shuffling, rank sharding, augmentation, and synthetic
-                        images and text made on first use
-        9  collectives  all-reduce, reduce-scatter, all-gather, broadcast, send and
+       08 optimizer     AdamW, SGD with momentum, gradient clipping, warmup + cosine
+       09 mixed         bf16/fp16 activations and matmul operands, f32 master
+          precision     weights and sums, dynamic loss scaling for fp16
+       10 collectives   all-reduce, reduce-scatter, all-gather, broadcast, send and
                         recv over shared memory (threads or processes, sums in
                         rank order), NCCL or MPI (CPU ranks on several
                         machines), behind one table (dt_comm_backend); groups
                         (dt_comm_split) and a mesh of named dimensions
-       10  launching    --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous
-                        that turns strangers away, a job that stops, naming the
-                        rank, when one rank dies, and signals (SIGTERM: preempted)
-                        that stop every rank after the same step, saved
-       11  parallel     DataParallel (one process, N devices, device 0 in charge),
-                        DistributedDataParallel (a replica per process, gradients
+       11 data          DataParallel (one process, N devices, device 0 in charge),
+          parallel      DistributedDataParallel (a replica per process, gradients
                         averaged in buckets while backward runs), Fully Sharded
                         Data Parallel (each rank keeps 1/N of every unit: gathered
                         to compute, gradients reduce-scattered; ZeRO-1/2/3 side by
-                        side; CPU offload; no-sync for gradient accumulation) and
-                        tensor parallelism (each rank computes 1/T of every block:
-                        Megatron-LM's column- and row-parallel layers, the
-                        vocabulary split with its cross-entropy, sequence
-                        parallelism, data parallel across the groups) and
-                        pipeline parallelism (each rank a stage of consecutive
-                        blocks, micro-batches in GPipe's or 1F1B's order, each
-                        with its arena; with tensor parallelism inside the
-                        stages and data parallel pipelines: all three on a mesh).
-                        Each is one dt_parallel; calls in the wrong order are
-                        errors that say what to call first
-       12  precision    bf16/fp16 activations and matmul operands, f32 master
-                        weights and sums, dynamic loss scaling for fp16
-       13  checkpoints  safetensors files written atomically; exact resume; sharded
+                        side; CPU offload; no-sync for gradient accumulation)
+       12 tensor        each rank computes 1/T of every block: Megatron-LM's
+          parallel      column- and row-parallel layers, the vocabulary split with
+                        its cross-entropy, sequence parallelism, data parallel
+                        across the groups
+       13 pipeline      each rank a stage of consecutive blocks, micro-batches in
+          parallel      GPipe's or 1F1B's order, each with its arena; with tensor
+                        parallelism inside the stages and data parallel pipelines:
+                        all three on a mesh. Each wrapper (11-13) is one
+                        dt_parallel; calls in the wrong order are errors that say
+                        what to call first
+       14 backend       the per-element arithmetic (DT_HD) that the CPU loops and
+          tables        the GPU kernels share, and what a device (dt_backend) and a
+                        transport (dt_comm_backend) must provide
+       Then the machinery that runs a training, which no lesson calls (the
+       lessons compile without it: tools/assemble --lessons):
+       15 data          image folders, CIFAR-10 binaries, text (bytes or token ids),
+                        instruction examples whose prompts the loss ignores,
+                        shuffling, rank sharding, augmentation, and synthetic
+                        images and text made on first use
+       16 launching     --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous
+                        that turns strangers away, a job that stops, naming the
+                        rank, when one rank dies, and signals (SIGTERM: preempted)
+                        that stop every rank after the same step, saved
+       17 checkpoints   safetensors files written atomically; exact resume; sharded
                         (a file per rank and an index), consolidated, resharded
-       14  evaluation   validation loss and accuracy over every rank's share, and
+       18 hugging face  Hugging Face and PEFT model folders (--init), and a
+                        training run's checkpoint: weights, optimizer, the run
+       19 evaluation    validation loss and accuracy over every rank's share, and
                         text generated by a language model
-       15  metrics      time charged to phases, Chrome traces, progress lines with
-                        an ETA, and the one-line benchmark report (--bench)
-       16  cost model   predicts how a stage scales, and why (--explain): the
+       20 metrics       time charged to phases, Chrome traces, progress lines with
+                        an ETA, TensorBoard and MLflow, and the one-line benchmark
+                        report (--bench)
+       21 cost model    predicts how a stage scales, and why (--explain): the
                         communication each wrapper sends and hides, a pipeline's
                         bubble
-       17  command line one table of flags for every stage, and the data they name
-       18  run driver   the loop every stage shares: --init/--resume, batches, the
+       22 command line  one table of flags for every stage, and the data they name
+       23 run driver    the loop every stage shares: --init/--resume, batches, the
                         job's mean loss, JSON-lines logs, evaluation and checkpoints
                         at each epoch's end, stopping every rank alike on a signal
-       19  CUDA         the GPU bodies of the ops, behind one table (dt_backend):
+       And the backend:
+       24 CUDA          the GPU bodies of the ops, behind one table (dt_backend):
                         indexing, reductions and launch shape are all that differ.
-                        The one section earlier ones reach, and only through its
+                        The one chapter earlier ones reach, and only through its
                         tables (dt_backend, dt_comm_backend) and two entry points
 
    HOW THIS FILE IS MADE
@@ -113,16 +126,9 @@
        the committed dtrain.h is the assembly. A chapter holds its declarations
        and its implementation together; this file puts every chapter's
        declarations first, then every implementation, then the CUDA backend,
-       and a line [src/NN-name.h] in a comment marks where each part begins.
-       The sections above are these chapters: 01 errors, 02 devices and
-       memory, 03 tensors, 04 matmul, 05 autograd (the tape and the layers'
-       ops) and 06 (attention, embeddings, the loss), 07 models, 08 optimizer,
-       09 data, 10 collectives, 11 launching, 12 data parallel (DP, DDP,
-       FSDP), 13 tensor parallel, 14 pipeline parallel, 15 mixed precision,
-       16 checkpoints and 17 Hugging Face folders, 18 evaluation, 19 metrics,
-       20 cost model, 21 command line, 22 run driver, 23 the backend tables
-       (what a device and a transport provide), 24 CUDA; 00 is this preface.
-       Edit the chapters; a copy of this file alone needs none of them.
+       and a line [src/NN-name.h] in a comment marks where each part begins
+       (00 is this preface). Edit the chapters; a copy of this file alone
+       needs none of them.
 
    A FAILURE NEVER CRASHES
        Bad flags exit with status 2, everything else that goes wrong (a missing
@@ -229,9 +235,9 @@ extern "C" {
    usually a process; in stage 02 every device is a thread of one process, so
    the context is per thread, and each device counts its own memory and keeps
    its own tape. What else is global is per process and says so where it is
-   declared: the files to remove on failure (section 1), the communicator that
-   tells the others when this process fails (section 9), the signals caught
-   (section 10). */
+   declared: the files to remove on failure (the errors chapter), the communicator that
+   tells the others when this process fails (the collectives chapter), the signals caught
+   (the launching chapter). */
 #if defined(__cplusplus)
 #define DT_THREAD_LOCAL thread_local
 #else
@@ -265,7 +271,7 @@ typedef struct dt__context {
     size_t host_now[DT_ARENA_COUNT], host_peak[DT_ARENA_COUNT];     /* offloaded (dt_alloc_host) */
     dt__step_arena step[2];             /* per device: host (tensor headers, host data) and GPU */
     dt__step_arena scratch[2];          /* per device: f32 working copies that live for one op */
-    dt_dtype compute_dtype;            /* activations and matmul inputs (section 12); f32 by default */
+    dt_dtype compute_dtype;            /* activations and matmul inputs (the mixed-precision chapter); f32 by default */
     dt__tape_entry *tape;
     int tape_len, tape_cap;
     int grad_enabled;
@@ -287,7 +293,7 @@ typedef struct dt__context {
     struct { char name[32]; double t0, t1; int pipeline; } comm_events[256];   /* pipeline: on its own track */
     int ncomm_events;
     int64_t grad_collectives;          /* gradient all-reduces and reduce-scatters issued this step */
-    int grads_scaled;                  /* gradients still hold the fp16 loss scale (section 12) */
+    int grads_scaled;                  /* gradients still hold the fp16 loss scale (the mixed-precision chapter) */
     uint64_t step_resets;              /* dt_step_arena_reset calls: what lives in the step arena is this step's */
     uint64_t arena_rewinds;            /* those, and the returns to a mark in mid-step: a cache in the arena is this old */
     /* The rotary embeddings' (cos, sin) table, in the step arena: every layer

@@ -1,4 +1,5 @@
-/* ---- 1. errors -------------------------------------------------------------- */
+//@ lesson: errors -- every failure says what went wrong and what to do, then exits; what is removed when it does
+/* ---- errors -------------------------------------------------------------- */
 
 /* Print "dtrain: error: <message>" (prefixed by the rank when there are several)
    and exit with status 1. Messages name the file or flag at fault. */
@@ -21,7 +22,7 @@ void dt_warn(const char *fmt, ...)
     ;
 
 //@ implementation
-/* ==== 1. errors =================================================================
+/* ==== errors =================================================================
    A library for learners fails early and says why. There is no error code to
    forget to check: the message names the culprit and the program exits. */
 
@@ -58,27 +59,31 @@ static int dt__cleanup_add(const char *path) {
     return -1;                               /* full: that file is merely not cleaned up */
 }
 static void dt__cleanup_done(int slot) { if (slot >= 0) dt__cleanup_used[slot] = 0; }
-static void dt__folder_remove(const char *path);
+/* What empties a folder rmdir could not remove: set by the chapter that
+   registers such a folder (checkpoints: a NAME.tmp loses dtrain's files, and
+   only those), so that this chapter knows nothing of what the files are. */
+static void (*dt__cleanup_empty_folder)(const char *path);
 /* in_handler: called from a signal handler, where only unlink and rmdir may be
    used. Otherwise a folder that is not yet empty -- a checkpoint's NAME.tmp in
-   which another rank, killed, left its half-written shard -- loses dtrain's
-   files (and only those) and goes too. */
+   which another rank, killed, left its half-written shard -- is emptied and
+   goes too. */
 static void dt__cleanup_run_in(int in_handler) {
     for (int i = 0; i < DT_CLEANUP_SLOTS; i++)          /* the files, then the folders they emptied */
         if (dt__cleanup_used[i] == 1 && unlink(dt__cleanup_paths[i]) == 0) dt__cleanup_used[i] = 0;
     for (int i = 0; i < DT_CLEANUP_SLOTS; i++)
         if (dt__cleanup_used[i] == 1) {
-            if (rmdir(dt__cleanup_paths[i]) != 0 && !in_handler) dt__folder_remove(dt__cleanup_paths[i]);
+            if (rmdir(dt__cleanup_paths[i]) != 0 && !in_handler && dt__cleanup_empty_folder)
+                dt__cleanup_empty_folder(dt__cleanup_paths[i]);
             dt__cleanup_used[i] = 0;
         }
 }
 static void dt__cleanup_run(void) { dt__cleanup_run_in(1); }
 
 /* Who must hear of a failure before this process exits: the collectives
-   (section 9) put a function here once a communicator is open, so that the
+   (the collectives chapter) put a function here once a communicator is open, so that the
    other ranks stop at once instead of waiting for their timeout. */
 static void (*dt__on_fail)(void);
-/* ... and the run's tracking (section 18): an MLflow run marked FAILED. */
+/* ... and the run's tracking (the run-driver chapter): an MLflow run marked FAILED. */
 static void (*dt__on_fail_tracking)(void);
 #ifdef DT_FUZZING
 /* The fuzzing harnesses (tests/fuzz/) take an error back instead of the exit:

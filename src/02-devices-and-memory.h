@@ -1,4 +1,5 @@
-/* ---- 2. devices and memory ------------------------------------------------------ */
+//@ lesson: devices and memory -- the device (CPU or GPU), and where the bytes go, counted per arena
+/* ---- devices and memory ------------------------------------------------------ */
 
 typedef enum { DT_CPU = 0, DT_CUDA = 1 } dt_device;
 
@@ -57,7 +58,7 @@ void *dt_step_alloc(size_t bytes);
 void dt_step_arena_reset(void);
 
 //@ implementation
-/* ==== 2. devices and memory =====================================================
+/* ==== devices and memory =====================================================
    Every allocation names its arena. The counters are how a student sees that
    Adam's state is twice the parameters, or that activations dominate at large
    batch sizes. */
@@ -300,7 +301,7 @@ void dt_step_arena_reset(void) {
 }
 
 /* A place in the step arena to come back to in mid-step: what was taken after
-   it is given back (activation recompute, section 6, drops a block's
+   it is given back (activation recompute, the models chapter, drops a block's
    activations so). Nothing taken after the mark may be used again. */
 typedef struct { size_t used[2], high[2]; int nspill[2]; } dt__step_mark;
 static dt__step_mark dt__step_mark_now(void) {
@@ -319,7 +320,7 @@ static void dt__step_back_to(const dt__step_mark *k) {
     dt__ctx.arena_rewinds++;             /* what was cached after the mark is gone */
 }
 
-/* Arenas of one's own: pipeline parallelism (section 11) keeps each micro-
+/* Arenas of one's own: pipeline parallelism (the pipeline-parallel chapter) keeps each micro-
    batch's activations apart, so that one micro-batch's go back when its
    backward is done while others' stay. Swapping puts `other` (one arena per
    device) where the step arena is, and the step arena in `other`; released,
@@ -347,7 +348,7 @@ static void dt__step_arena_free(dt__step_arena a[2]) {
 }
 
 /* The scratch arena works the same way but lives for one op only: under mixed
-   precision (section 12) an op reads its 16-bit inputs into f32 copies here,
+   precision (the mixed-precision chapter) an op reads its 16-bit inputs into f32 copies here,
    computes, and stores its output in 16 bits; the copies are gone at the next
    op, so only the 16-bit tensors stay for backward. */
 static void *dt__scratch_on(dt_device device, size_t bytes) { return dt__arena_take(&dt__ctx.scratch[device], device, bytes); }

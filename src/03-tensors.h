@@ -1,4 +1,5 @@
-/* ---- 3. tensors ---------------------------------------------------------------- */
+//@ lesson: tensors -- a shape, a dtype, a pointer to the data and one to its gradient
+/* ---- tensors ---------------------------------------------------------------- */
 
 typedef enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 } dt_dtype;
 
@@ -8,7 +9,7 @@ typedef struct dt_tensor {
     int shape[4];
     int64_t numel;
     /* The bits of `data`: f32, or -- activations under mixed precision, see
-       section 12 -- bf16 or f16, read and written through data16 then. */
+       the mixed-precision chapter -- bf16 or f16, read and written through data16 then. */
     dt_dtype dtype;
     union { float *data; uint16_t *data16; };  /* on `device`: not readable by the host when that is a GPU */
     /* NULL until a gradient flows into it. An activation's gradient has the
@@ -18,7 +19,7 @@ typedef struct dt_tensor {
     int requires_grad;         /* parameters, and anything computed from them */
     int is_param;
     int hook_gen, first_use;   /* parameters: where the tape last reads them (grad ready) */
-    struct dt_parallel *parallel;   /* parameters: the wrapper their model is in (section 5), or NULL */
+    struct dt_parallel *parallel;   /* parameters: the wrapper their model is in (the autograd chapter), or NULL */
 } dt_tensor;
 
 /* A tensor of f32 in the per-step arena (gone at the next reset). Contents are zero. */
@@ -41,10 +42,10 @@ size_t dt_dtype_size(dt_dtype d);
 const char *dt_dtype_name(dt_dtype d);
 
 //@ implementation
-/* ==== 3. tensors ================================================================
+/* ==== tensors ================================================================
    A tensor is a shape, a dtype and a pointer. Activations are carved out of
    the step arena; parameters point into the model's flat buffers. Data is f32
-   unless mixed precision (section 12) stores activations in 16 bits. */
+   unless mixed precision (the mixed-precision chapter) stores activations in 16 bits. */
 
 size_t dt_dtype_size(dt_dtype d) { return d == DT_F32 ? 4 : 2; }
 const char *dt_dtype_name(dt_dtype d) { return d == DT_F32 ? "fp32" : d == DT_BF16 ? "bf16" : "fp16"; }

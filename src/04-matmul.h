@@ -1,4 +1,5 @@
-/* ---- 4. kernels ------------------------------------------------------------------ */
+//@ lesson: the matmul every linear layer goes through, tiled for the cache and the vector unit
+/* ---- kernels ------------------------------------------------------------------ */
 
 /* C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, row-major; op transposes
    when trans_a / trans_b is set. The one routine every matmul goes through. */
@@ -29,7 +30,7 @@ DT_HD static inline uint16_t dt_f32_to_f16(float f);
 DT_HD static inline float dt_f16_to_f32(uint16_t h);
 
 //@ implementation
-/* ==== 4. kernels: matrix multiply ===============================================
+/* ==== kernels: matrix multiply ===============================================
    Nearly all of training's arithmetic is matmul, so this is where speed lives.
    The classic recipe (Goto and van de Geijn): cut K into KC-deep slabs and N
    into NC-wide panels, copy ("pack") each KC x NC panel of B once into
@@ -70,7 +71,7 @@ DT_HD static inline float dt_f16_to_f32(uint16_t h);
 static DT_THREAD_LOCAL float *dt__pack_buffer;
 static DT_THREAD_LOCAL size_t dt__pack_floats;
 
-/* The vector type, and the kernels' multiply-add, which attention (section 6)
+/* The vector type, and the kernels' multiply-add, which attention (the attention-and-loss chapter)
    uses in every build. */
 #if defined(__GNUC__)
 typedef float dt__vec __attribute__((vector_size(DT_VL * 4), aligned(4)));

@@ -1,4 +1,5 @@
-/* ---- 5. autograd: the ops ------------------------------------------------------ */
+//@ lesson: autograd -- the tape and backward; the callbacks a parallel wrapper implements; linear, GELU, the norms, SwiGLU, the residual
+/* ---- autograd: the ops ------------------------------------------------------ */
 
 /* Each op computes its output now and, when gradients are on and an input
    requires them, appends its backward to the tape. */
@@ -75,7 +76,7 @@ void dt_backward(dt_tensor *loss);
 /* The same from any tensor `loss`, given `seed`: d(objective)/d(loss), loss->numel values. */
 void dt_backward_from(dt_tensor *loss, const float *seed);
 
-/* A parallel wrapper (section 11: DataParallel, DDP, FSDP) is this one set of
+/* A parallel wrapper (the parallel chapters: DataParallel, DDP, FSDP, TP, PP) is this one set of
    callbacks. Each is called by the code that owns its moment of a step: the
    model's forward (a unit begins, ends), the tape (a parameter's gradient is
    final: DDP starts all-reducing its bucket while backward goes on), the
@@ -83,7 +84,7 @@ void dt_backward_from(dt_tensor *loss, const float *seed);
    parameters it steps, when it is created; the step is done). A NULL
    callback: nothing to do at that moment -- DDP has no units, DataParallel
    only sums gradients when backward is done. A wrapper attaches itself with dt_model_set_parallel
-   (section 6): the model and each of its parameters then point to it, so
+   (the models chapter): the model and each of its parameters then point to it, so
    nothing is looked up in global state. */
 typedef struct dt_parallel dt_parallel;
 struct dt_optimizer;
@@ -124,7 +125,7 @@ struct dt_parallel {
     /* Kept by the ops: 1 between dt_sp_split and dt_sp_gather, where each rank
        holds its share of the rows (and backward, walking back, sets it again). */
     int rows_split;
-    /* Checkpoints (section 13) see the model whole, through these three; NULL
+    /* Checkpoints (the checkpoints chapter) see the model whole, through these three; NULL
        state_open: the model's own buffers are the whole. state_open gives the
        state `which` (0 the parameters, 1 and 2 the optimizer's moments) as one
        host array in the order of `whole`'s parameters. To save (for_load 0)
@@ -145,7 +146,7 @@ struct dt_parallel {
        record (",\"name\":value..."); NULL: nothing. */
     dt_tensor *(*forward)(dt_parallel *par, dt_tensor *inputs);
     void (*log_fields)(const dt_parallel *par, FILE *log);
-    /* The cost model (section 16) and the --bench line (section 15), for a
+    /* The cost model (the cost-model chapter) and the --bench line (the metrics chapter), for a
        wrapper that splits the model over ranks: cost_input fills its part of
        `in` from what the last step measured (in's compute_ms: this rank's
        forward and backward of a micro-batch; optimizer_ms: this rank's step,
@@ -194,7 +195,7 @@ double dt_flops_counted(void);
 void dt_flops_reset(void);
 
 //@ implementation
-/* ==== 5. autograd ===============================================================
+/* ==== autograd ===============================================================
    Reverse-mode differentiation with a tape. Each op computes its output at once
    and, if gradients are on and any input needs one, appends an entry: which
    function computes the input gradients from the output gradient, and what it
@@ -243,7 +244,7 @@ static void dt__tape_mark(dt__backward_fn fn, void *user, int arg) {
 }
 
 /* Backward from a scalar loss, seeded with d(loss)/d(loss) = seed: 1, or a
-   loss scale (section 12). */
+   loss scale (the mixed-precision chapter). */
 static void dt__backward_seeded(dt_tensor *loss, float seed) {
     if (loss->numel != 1) dt_fail("backward needs a scalar loss, got %lld elements", (long long)loss->numel);
     dt_backward_from(loss, &seed);
@@ -265,7 +266,7 @@ static void dt__tape_walk(int lo, int hi) {
         dt__tape_entry *e = &dt__ctx.tape[i];
         dt__scratch_reset();
         if (!e->out || e->out->grad) e->backward(e);
-        e = &dt__ctx.tape[i];          /* a recomputed block (section 6) grows the tape, which may move it */
+        e = &dt__ctx.tape[i];          /* a recomputed block (the models chapter) grows the tape, which may move it */
         for (int j = 0; j < 4; j++) {
             dt_tensor *p = e->in[j];
             if (p && p->is_param && p->first_use == i && p->hook_gen == generation && p->parallel && p->parallel->grad_ready)
@@ -285,7 +286,7 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
 }
 
 /* Backward over a run of the tape, [lo, hi), from `out`, whose gradient is
-   already in place: pipeline parallelism (section 11) walks one micro-batch's
+   already in place: pipeline parallelism (the pipeline-parallel chapter) walks one micro-batch's
    forward at a time, from the gradient the next stage sent back. The tape
    stays as it is (the step's end empties it). */
 static void dt__backward_span(dt_tensor *out, int lo, int hi) {
@@ -341,7 +342,7 @@ void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t 
 
 /* -- how an op sees its tensors. Ops compute in f32. With f32 everywhere the
       views below are the tensors' own buffers and cost nothing. Under mixed
-      precision (section 12) an op reads every input as f32 values rounded to
+      precision (the mixed-precision chapter) an op reads every input as f32 values rounded to
       the compute dtype -- a 16-bit activation widened, or an f32 master weight
       narrowed, the cast PyTorch's autocast makes -- into the scratch arena,
       and stores its output narrowed to 16 bits. Gradients travel the same way:

@@ -1,5 +1,6 @@
+//@ lesson: the rest of the layers' ops -- tensor parallelism's f and g, attention, rotary embeddings, embeddings, the cross-entropy
 //@ implementation
-/* -- tensor parallelism's f and g (section 11 cuts the layers); their
+/* -- tensor parallelism's f and g (the tensor-parallel chapter cuts the layers); their
       gradients are added in as the residual's are (dt__add_into_grad). -- */
 /* The rows of x [N, C] as f32 on the device: x's own values (06 has no
    16-bit activations). */

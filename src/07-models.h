@@ -1,4 +1,5 @@
-/* ---- 6. models --------------------------------------------------------------------- */
+//@ lesson: models -- MLP, ViT, GPT-2 and Llama; activation recompute; LoRA; where tensor parallelism cuts each parameter
+/* ---- models --------------------------------------------------------------------- */
 
 typedef enum { DT_MODEL_MLP = 0, DT_MODEL_VIT = 1, DT_MODEL_GPT = 2, DT_MODEL_LLAMA = 3 } dt_model_kind;
 
@@ -25,7 +26,7 @@ typedef struct dt_model_config {
 } dt_model_config;
 
 /* Where tensor parallelism (stage 06) may cut a parameter: the model says,
-   the wrapper cuts (section 11). dim -1: whole on every rank (norms,
+   the wrapper cuts (the tensor-parallel chapter). dim -1: whole on every rank (norms,
    position embeddings, the ViT's head, a row-parallel layer's bias). Otherwise dimension
    dim is cut into equal pieces, one per rank, in `parts` groups that are
    cut alike (the q, k and v of a fused projection: each rank takes its heads
@@ -68,7 +69,7 @@ typedef struct dt_model {
        the token embedding again (tied weights). FSDP keeps it gathered for the
        whole step, as PyTorch's FSDP does with its root unit. */
     int outer_unit;
-    dt_parallel *parallel;     /* the wrapper this model is in (section 11), or NULL */
+    dt_parallel *parallel;     /* the wrapper this model is in (the parallel chapters), or NULL */
     int optimizers;            /* optimizers created on it and not freed yet */
     int recompute;             /* --recompute: each block's activations are made again in backward */
     /* Set by dt_tp_free (its name): the split parameters stay this rank's
@@ -123,8 +124,15 @@ void dt_model_describe(const dt_model *m, char *out, size_t n);
 /* 1 for the language models (gpt, llama: token ids in, next-token logits out) */
 int dt_model_is_language(dt_model_kind kind);
 
+/* A batch the loader gives a model (the data chapter fills it; the pipeline cuts it into micro-batches). */
+typedef struct dt_batch {
+    dt_tensor *inputs;         /* images [B, C, S, S] in [-1, 1], or token ids [B, T] */
+    int32_t *labels;           /* [B] classes, or [B*T] next tokens */
+    int size;                  /* B */
+} dt_batch;
+
 //@ implementation
-/* ==== 6. layers and models ======================================================
+/* ==== layers and models ======================================================
    A model is a list of named parameters in forward order plus a forward
    function. All parameters sit in one flat buffer (and their gradients in
    another): the optimizer, gradient clipping, DDP's buckets and FSDP's shards
@@ -480,7 +488,7 @@ static dt_tensor *dt__with_adapter(dt_model *m, dt_tensor *x, const dt_tensor *w
     dt_tensor *low = dt_linear(x, &m->params[a], NULL);
     return dt_add(y, dt_scale(dt_linear(low, &m->params[a + 1], NULL), m->lora_scale));
 }
-/* Did tensor parallelism (section 11) cut w? Along its outputs: a
+/* Did tensor parallelism (the tensor-parallel chapter) cut w? Along its outputs: a
    column-parallel layer; along its inputs: a row-parallel one; or not (or no
    wrapper splits layers). */
 typedef enum { DT__WHOLE, DT__COLUMN_PARALLEL, DT__ROW_PARALLEL } dt__cut;

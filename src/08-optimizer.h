@@ -1,4 +1,5 @@
-/* ---- 7. optimizer ----------------------------------------------------------------- */
+//@ lesson: the optimizer -- AdamW, SGD with momentum, gradient clipping, warmup + cosine
+/* ---- optimizer ----------------------------------------------------------------- */
 
 typedef enum { DT_ADAMW = 0, DT_SGD = 1 } dt_optimizer_kind;
 
@@ -43,7 +44,7 @@ DT_HD static inline void dt_sgd_update(float *p, float *buf, float g, float lr, 
                                        float wd);
 
 //@ implementation
-/* ==== 7. optimizer ==============================================================
+/* ==== optimizer ==============================================================
    The update rules are PyTorch's, element for element, so a step here matches a
    step there. Biases and norm weights (1-D parameters) get no weight decay. */
 

@@ -1,4 +1,5 @@
-/* ---- 9. collectives ---------------------------------------------------------------- */
+//@ lesson: collectives -- all-reduce, reduce-scatter, all-gather, broadcast, send and recv behind one table; groups; the mesh
+/* ---- collectives ---------------------------------------------------------------- */
 
 /* A communicator joins the ranks of one job. Backends: shared memory for host
    buffers (ranks that are threads of one process, or processes of one machine;
@@ -21,7 +22,7 @@ typedef enum { DT_COMM_SHM = 0, DT_COMM_NCCL = 1, DT_COMM_MPI = 2, DT_COMM_AUTO 
 #endif
 typedef enum { DT_SUM = 0, DT_AVG = 1, DT_MAX = 2 } dt_reduce_op;   /* MAX: a split vocabulary's largest logit */
 typedef int64_t dt_comm_handle;                 /* what an asynchronous call returns */
-/* Every call a communicator queues, the same for every backend (section 19's
+/* Every call a communicator queues, the same for every backend (the cuda chapter's
    NCCL code switches on it too). */
 typedef enum { DT_COLL_ALL_REDUCE, DT_COLL_REDUCE_SCATTER, DT_COLL_ALL_GATHER, DT_COLL_BROADCAST, DT_COLL_REDUCE,
                DT_COLL_BARRIER, DT_COLL_SEND, DT_COLL_RECV } dt_coll;
@@ -91,11 +92,11 @@ int dt_mesh_coord(const dt_mesh *mesh, const char *name);       /* this rank's p
 void dt_mesh_free(dt_mesh *mesh);                               /* frees its communicators */
 
 //@ implementation
-/* ==== 9. collectives ===========================================================
+/* ==== collectives ===========================================================
    Data parallel training needs a handful of collective operations: every rank
    contributes a buffer and gets back the sum (all-reduce), its share of the sum
    (reduce-scatter), everybody's pieces (all-gather), or rank root's buffer
-   (broadcast). On GPUs NCCL does them (section 19); between CPU machines, MPI
+   (broadcast). On GPUs NCCL does them (the cuda chapter); between CPU machines, MPI
    (below the shared-memory code). On one machine's CPU they go through
    shared memory: each rank copies its piece into its own slot, waits at a
    barrier, then each rank sums one stripe of every slot IN RANK ORDER and
@@ -178,7 +179,7 @@ struct dt_comm {
     char *slots, *result;
     size_t map_bytes;                       /* > 0: a mapping of our own to undo */
     uint64_t barriers;
-    dt_nccl *nccl;                          /* NCCL's state (section 19) */
+    dt_nccl *nccl;                          /* NCCL's state (the cuda chapter) */
 #ifdef DT_HAVE_MPI
     MPI_Comm mpi;                           /* MPI's: the communicator, the call in flight, a buffer it needs */
     MPI_Request mpi_request;

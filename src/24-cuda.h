@@ -1,6 +1,7 @@
+//@ backend: CUDA -- the GPU bodies of the ops, cuBLAS and NCCL (compiled by nvcc from dtrain.h)
 //@ cuda
 /* ================================================================================
-   19. THE CUDA BACKEND
+   THE CUDA BACKEND
    Compiled by nvcc from this same file:
        nvcc -x cu -DDTRAIN_CUDA_IMPLEMENTATION -c dtrain.h -o dtrain_cuda.o
    and linked beside a C file built with -DDT_HAVE_CUDA (the Makefile does both).
@@ -799,9 +800,9 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     t->adamw = dt__cuda_adamw; t->sgd = dt__cuda_sgd; t->convert = dt__cuda_convert; t->owns = dt__cuda_owns;
     return t;
 }
-/* ---- NCCL: the collectives of section 9 for GPU buffers (the contract is
-        beside dt_backend at the top). The communicator is non-blocking, so no
-        call can hang the thread that makes it: section 9's watchdog polls
+/* ---- NCCL: the collectives chapter's operations on GPU buffers (the contract
+        is in the backend-tables chapter). The communicator is non-blocking, so no
+        call can hang the thread that makes it: the collectives chapter's watchdog polls
         dt_nccl_progress, and aborts when a rank dies or --timeout passes. Each
         collective has two events: `inputs`, recorded on the compute stream
         when it is queued (its input is the output of the kernels before it),
@@ -853,7 +854,7 @@ extern "C" dt_nccl *dt_nccl_create(const unsigned char *id_bytes, int rank, int 
     ncclUniqueId id;
     memcpy(&id, id_bytes, sizeof id);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;                 /* every call returns at once; section 9 polls */
+    config.blocking = 0;                 /* every call returns at once; the collectives chapter polls */
     DT_NCCL_CHECK(ncclCommInitRankConfig(&s->comm, world, id, rank, &config));
     return s;
 }

@@ -251,8 +251,8 @@ static int make_small_data(const char *dir) { dt_synthetic_write(dir, 320, 80, 1
 static int make_mp_data(const char *dir) { dt_synthetic_write(dir, 3200, 1000, 16, 9); return 1; }
 static const char *small_data(void) { static char dir[600]; return shared(dir, sizeof dir, "small", make_small_data); }
 static const char *mp_data(void) { static char dir[600]; return shared(dir, sizeof dir, "mp", make_mp_data); }
-static const char *gpt_text(void);           /* a small generated text (section 8) */
-static const char *short_checkpoint(void);   /* a checkpoint 3 steps into a run (section 13) */
+static const char *gpt_text(void);           /* a small generated text (the data chapter) */
+static const char *short_checkpoint(void);   /* a checkpoint 3 steps into a run (the checkpoints chapter) */
 #define SMALL_FLAGS "--image-size 16 --dim 32 --batch-size 32 --log-every 1000 --quiet"
 static const char *find_line(const char *text, const char *line) {
     for (const char *p = text; p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
@@ -7794,6 +7794,39 @@ TEST(the_header_is_its_chapters_assembled, QUICK) {
            "an edit in dtrain.h and one in a chapter: --write exit %d\n%s", st, out);
     st = run_cmd(out, sizeof out, "grep -c 'an edit in the header' %s/dtrain.h", copy);
     CHECKF(st == 0 && atoi(out) == 1, "--write lost an edit made in dtrain.h (grep: %s)", out);
+}
+
+/* The lessons (the chapters whose first line says "//@ lesson:") come before
+   the machinery and use nothing it defines: assembled alone (tools/assemble
+   --lessons) they compile, in the plain build and with OpenMP and the host
+   side of CUDA. A lesson that calls into the machinery -- here the optimizer
+   calling dt_parse_args -- fails that, naming the call; and a machinery
+   chapter numbered among the lessons is refused by the assembly. */
+TEST(the_lessons_compile_without_the_machinery, QUICK) {
+    static char out[16384];
+    const char *root = repo_root();
+    const char *cc = getenv("CC") ? getenv("CC") : "cc";
+    char copy[800];
+    snprintf(copy, sizeof copy, "%s/copy", tmpdir);
+    static const char *flags[] = { "", "-fopenmp -DDT_HAVE_CUDA" };
+    for (int i = 0; i < 2; i++) {
+        int st = run_cmd(out, sizeof out, "%s/tools/assemble --lessons > %s/lessons.h && %s -std=c11 -Wall -Wextra -Werror "
+                         "-fsyntax-only -DDTRAIN_IMPLEMENTATION %s -x c %s/lessons.h", root, tmpdir, cc, flags[i], tmpdir);
+        CHECKF(st == 0, "the lessons alone (%s) do not compile: they use the machinery\n%s", flags[i][0] ? flags[i] : "plain", out);
+    }
+    int st = run_cmd(out, sizeof out, "mkdir -p %s/tools && cp -r %s/src %s/ && cp %s/tools/assemble %s/tools/ && "
+                     "printf 'int dt__lesson_peeks(void) { (void)dt_parse_args(0, 0, \"01\"); return 0; }\n' >> %s/src/08-optimizer.h && "
+                     "%s/tools/assemble > %s/whole.h && %s -std=c11 -Wall -Wextra -Werror -fsyntax-only -DDTRAIN_IMPLEMENTATION -x c %s/whole.h",
+                     copy, root, copy, root, copy, copy, copy, tmpdir, cc, tmpdir);
+    CHECKF(st == 0, "the call put into a lesson does not compile even with the machinery (exit %d)\n%.2000s", st, out);
+    st = run_cmd(out, sizeof out, "%s/tools/assemble --lessons > %s/lessons.h && %s -std=c11 -Wall -Wextra -Werror -fsyntax-only "
+                 "-DDTRAIN_IMPLEMENTATION -x c %s/lessons.h", copy, tmpdir, cc, tmpdir);
+    CHECKF(st != 0 && strstr(out, "dt_parse_args"), "a lesson calling dt_parse_args compiled without the machinery (exit %d)\n%.2000s",
+           st, out);
+    st = run_cmd(out, sizeof out, "cp %s/src/08-optimizer.h %s/src/ && mv %s/src/15-data.h %s/src/08-data.h && %s/tools/assemble",
+                 root, copy, copy, copy, copy);
+    CHECKF(st == 2 && strstr(out, "is a lesson chapter after a machinery one"),
+           "a machinery chapter among the lessons: exit %d\n%.2000s", st, out);
 }
 
 /* make diff ends each diff with the chapter lines to read next: for 03 -> 04,

@@ -6,7 +6,7 @@
    For each reference workload (mlp; vit-tiny) and each stage, at 1, 2 and 4
    ranks, it runs the stage's own --bench and reads its "bench:" line. Each
    row gets its speedup and efficiency against the same stage at one rank,
-   and the cost model's prediction (dtrain.h, section 16) next to it. The
+   and the cost model's prediction (dtrain.h's cost-model chapter) next to it. The
    link the model uses is measured first: tools/collectives --bench at 2 and 4
    ranks. Writes DIR/results.csv, DIR/scaling.svg and DIR/memory.svg (default
    DIR: bench). --quick: fewer timed steps, for a first look. --only WORD: the

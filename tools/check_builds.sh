@@ -33,12 +33,13 @@ copy_sources() {
   local dst=$1
   rm -rf "$dst"
   mkdir -p "$dst"
-  cp Makefile dtrain.h dtrain.c "$dst/"
-  for d in 0*/ tools/ tests/; do
+  for d in 0*/ src/ tools/ tests/; do
     mkdir -p "$dst/$d"
-    find "$d" -maxdepth 1 -type f \( -name '*.c' -o -name '*.h' -o -name '*.sh' -o -name '*.py' -o -name '*.awk' \) \
+    find "$d" -maxdepth 1 -type f \( -name '*.c' -o -name '*.h' -o -name '*.sh' -o -name '*.py' -o -name '*.awk' -o -name assemble \) \
       -exec cp -p {} "$dst/$d" \;
   done
+  # dtrain.h after its chapters, so that it is the newer and make does not assemble it again
+  cp Makefile dtrain.h dtrain.c "$dst/"
 }
 
 # Every stage's --bench with every model: a few steps, a small batch, the

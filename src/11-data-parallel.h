@@ -1,4 +1,48 @@
-/* ---- 11. parallel wrappers ------------------------------------------------------- */
+//@ lesson: data parallelism -- DataParallel, DDP (buckets all-reduced during backward), FSDP (ZeRO-1/2/3, CPU offload)
+/* ---- parallel wrappers ------------------------------------------------------- */
+
+/* What a step of each parallel scheme computes and communicates, as the
+   cost model (a chapter of the machinery) prices it: each wrapper fills its
+   part from what its last step measured (dt_parallel's cost_input). */
+typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3, DT_PAR_TP, DT_PAR_PP } dt_parallelism;
+typedef struct dt_cost_input {
+    dt_parallelism kind;
+    double compute_ms;         /* one rank's forward + backward for one micro-batch, on its own device */
+    double contention;         /* how much slower that compute runs when N ranks share the device(s): 1 on
+                                  GPUs of their own; on a CPU about N (the ranks share its cores) */
+    double backward_share;     /* the part of compute that is backward, which DDP's buckets hide behind (~2/3) */
+    double params;             /* parameter count */
+    double gather_bytes;       /* bytes per parameter gathered (FSDP: 4, or 2 in bf16/fp16) */
+    double reduce_bytes;       /* bytes per gradient reduced (4, or 2 with --reduce-dtype bf16) */
+    int accum_steps;           /* micro-batches per optimizer step */
+    int messages;              /* collectives per step on the critical path: DDP's buckets, FSDP's units */
+    double optimizer_ms;       /* the optimizer's step, on its own device: sharded (ZeRO), each rank does 1/N */
+    /* tensor parallelism: the share of compute (and optimizer) in the split
+       layers, which N ranks divide; the sums of activations or their
+       gradients per micro-batch (4 per transformer block: 2 forward, 2
+       backward), and the bytes of each (batch x tokens x width x 4) */
+    double tp_share, tp_sums, tp_bytes;
+    /* ... and, for a pipeline (DT_PAR_PP) whose stages split their layers
+       too (07's --tp), how many ranks each stage's layers are split over
+       (0 or 1: none); tp_sums then counts the whole model's sums per
+       micro-batch, and tp_bytes those of a micro-batch. Tensor parallelism
+       alone (DT_PAR_TP) has its T in dt_cost_predict's n. */
+    int tp_ranks;
+    /* ... and with more ranks than T (or P), the data-parallel groups of T
+       (pipelines of P): after backward each rank's gradients (tensor: params
+       x (tp_share / T + 1 - tp_share) x reduce_bytes; pipeline: its stage's)
+       are averaged over them, exposed (0 or 1: one group) */
+    int dp_groups;
+    /* pipeline parallelism: the micro-batches of a step; the largest
+       stage's share of the compute times P (1 when the stages are even: the
+       slowest stage sets the pipeline's pace); the bytes of one activation
+       sent on (micro-batch x tokens x width x 4), a gradient as many back */
+    int pp_micro_batches;
+    double pp_balance, pp_bytes;
+    int pp_zero1;               /* --shard optimizer: the D pipelines each step 1/D of the optimizer state */
+    double pp_measured_bubble;  /* ... and the share of the step this rank waited, as measured: printed beside the
+                                   formula's, not used by the prediction */
+} dt_cost_input;
 
 /* DataParallel (stage 02): one process drives N devices. Device 0 holds the
    model and the optimizer; every other device holds a replica, run by a thread
@@ -60,7 +104,7 @@ void dt_ddp_free(dt_ddp *ddp);
                          is started while one computes (prefetch), and the
                          last unit stays gathered from its forward into its
                          backward, which needs it first
-   Checkpoints of a sharded model are sharded too (section 13). */
+   Checkpoints of a sharded model are sharded too (the checkpoints chapter). */
 typedef enum { DT_SHARD_NONE = -1, DT_SHARD_OPTIMIZER = 0, DT_SHARD_GRADS = 1, DT_SHARD_FULL = 2 } dt_shard_mode;   /* NONE: 07's default */
 typedef struct dt_fsdp dt_fsdp;
 /* Broadcast rank 0's parameters, keep this rank's shards, free the rest. The
@@ -80,7 +124,7 @@ void dt_fsdp_sync_grads(dt_fsdp *fsdp);
 void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync);
 /* Reduce-scatter gradients in this dtype (default f32), as PyTorch's
    MixedPrecision(reduce_dtype=...). Parameters are gathered in the compute
-   dtype that was set when dt_fsdp_create ran (section 12). */
+   dtype that was set when dt_fsdp_create ran (the mixed-precision chapter). */
 void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype);
 void dt_fsdp_free(dt_fsdp *fsdp);
 
@@ -158,7 +202,7 @@ int dt_pp_data_ranks(const dt_pp *pp);
 void dt_pp_free(dt_pp *pp);
 
 //@ implementation
-/* ==== 11. parallel wrappers =====================================================
+/* ==== parallel wrappers =====================================================
    Data parallel training in three shapes. DataParallel (stage 02): one
    process, N devices, device 0 in charge -- replicate, scatter, forward,
    gather, loss, backward, reduce, step, all through device 0.
@@ -728,7 +772,7 @@ static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o)
 static void dt__fsdp_sum_over_ranks(dt_parallel *par, float *values, int n) {
     dt__comm_all_reduce_host(((dt_fsdp *)par)->comm, values, n, DT_SUM);
 }
-/* The cost model's view (section 16): which ZeRO, and the optimizer step
+/* The cost model's view (the cost-model chapter): which ZeRO, and the optimizer step
    of the whole model, N times the shard's this rank measured. */
 static int dt__fsdp_cost_input(const dt_parallel *par, dt_cost_input *in) {
     const dt_fsdp *f = (const dt_fsdp *)par;

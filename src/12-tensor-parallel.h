@@ -1,7 +1,8 @@
+//@ lesson: tensor parallelism -- Megatron-LM's column- and row-parallel layers, the split vocabulary, sequence parallelism
 //@ implementation
 /* -- tensor parallelism (Megatron-LM, Shoeybi et al., 2019) --
-   The model marks where each parameter may be cut (dt_split, section 6), and
-   its layers call dt_tp_copy and dt_tp_sum (section 5) wherever a layer is
+   The model marks where each parameter may be cut (dt_split, the models chapter), and
+   its layers call dt_tp_copy and dt_tp_sum (the autograd chapter) wherever a layer is
    cut; this wrapper cuts the parameters and gives the sum. Every rank draws
    the whole model from the seed, as stage 01 does, and keeps its piece: the
    r-th of T along the cut dimension, of each of its `parts` groups (rank r
@@ -23,7 +24,7 @@ struct dt_tp {
     double step_sums, step_sum_bytes;    /* ... and of the last step: what the cost model counts */
     double sum_ms, step_sum_ms;
     /* The model as it was before the cut: its parameters' whole shapes and
-       offsets, no buffers. Checkpoints are laid out by it (section 13). */
+       offsets, no buffers. Checkpoints are laid out by it (the checkpoints chapter). */
     dt_model whole;
 };
 /* Each sum of the step (an all-gather or a reduce-scatter: half of one, as
@@ -192,12 +193,12 @@ static void dt__tp_state_scatter(dt_tp *t, const dt_model *m, float *whole, floa
     dt_upload(local, mine, (size_t)m->numel * sizeof(float));
     free(mine);
 }
-/* The state a checkpoint saves (section 13): 0 the parameters, 1 and 2 the
+/* The state a checkpoint saves (the checkpoints chapter): 0 the parameters, 1 and 2 the
    optimizer's moments, each laid out as the model's flat buffer. */
 static float *dt__state_buffer(dt_model *m, dt_optimizer *o, int which) {
     return which == 0 ? m->flat_data : which == 1 ? o->m : o->v;
 }
-/* The checkpoint's view (section 13). Saving: the groups hold the same
+/* The checkpoint's view (the checkpoints chapter). Saving: the groups hold the same
    state, so the first group gathers it and its first rank, the job's rank 0,
    writes. Loading: every rank reads the whole file and cuts its pieces. */
 static float *dt__tp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {

@@ -1,4 +1,5 @@
-/* ---- 10. launching ranks --------------------------------------------------------- */
+//@ machinery: launching -- --nproc, torchrun/SLURM/Open MPI variables, the TCP rendezvous, signals
+/* ---- launching ranks --------------------------------------------------------- */
 
 /* --nproc N: fork N copies of this program on this machine, before any device or
    thread is started, each with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
@@ -30,7 +31,7 @@ int dt_local_ranks_from_env(void);
 int dt_gpu_for_rank(int local_rank, int local_ranks, int gpus, int ranks_per_gpu, char *why, size_t n);
 
 //@ implementation
-/* ==== 10. launching ranks and the rendezvous ====================================
+/* ==== launching ranks and the rendezvous ====================================
    A job is N copies of one program. Something starts them -- `--nproc N` here,
    or torchrun, srun, mpirun -- and tells each its rank through environment
    variables. The ranks then meet: rank 0 listens on MASTER_PORT, the others
@@ -480,7 +481,7 @@ static int dt__launcher_listener(int port) {
 #define DT_RDZV_MAGIC "dtrain-4"
 #define DT_HOST_NAME 256                 /* Linux's host names are at most 64 bytes; others' longer */
 /* Where a rank runs, as far as meeting goes. Ranks meet in shared memory
-   (section 9's segment: the CPU collectives, and on GPUs the watchdog's view
+   (the collectives chapter's segment: the CPU collectives, and on GPUs the watchdog's view
    of every rank), so two ranks are together when they see one /dev/shm of
    one running kernel: its boot id, and the folder's device and inode. A host
    name says neither -- containers on one machine may differ in name yet

@@ -1,10 +1,11 @@
-/* ---- 15. metrics and traces ------------------------------------------------- */
+//@ machinery: metrics -- phases, Chrome traces, progress lines, TensorBoard, MLflow, the --bench line
+/* ---- metrics and traces ------------------------------------------------- */
 
 /* The phases of a training step, timed and traced. */
 typedef enum { DT_PHASE_DATA, DT_PHASE_FWD, DT_PHASE_BWD, DT_PHASE_COMM, DT_PHASE_OPT,
                DT_PHASE_EVAL, DT_PHASE_CKPT, DT_PHASE_COUNT } dt_phase_kind;
 /* A --trace file's tracks (its "tid"s, which tools/trace-summary reads): one
-   per phase, then the communication thread's and the pipeline's (section 15). */
+   per phase, then the communication thread's and the pipeline's. */
 enum { DT_TRACK_COMM = DT_PHASE_COUNT, DT_TRACK_PIPELINE };
 
 /* Charge the time since the last mark to `phase` (and draw it in the trace). */
@@ -51,7 +52,7 @@ const char *dt_mlflow_run_id(const dt_mlflow *ml);
 int dt_mlflow_run_id_valid(const char *id);     /* 32 lowercase hex digits */
 
 //@ implementation
-/* ==== 15. metrics, traces and the benchmark line ================================
+/* ==== metrics, traces and the benchmark line ================================
    Time is charged to phases (data, forward, backward, waiting for
    communication, optimizer), drawn in a Chrome trace, turned into a progress
    line with an ETA, and, with --bench, into one "bench:" line that tools read. */

@@ -1,3 +1,4 @@
+//@ lesson: pipeline parallelism -- stages of consecutive blocks, micro-batches in GPipe's or 1F1B's order
 //@ implementation
 /* -- pipeline parallelism (GPipe: Huang et al., 2019; 1F1B: PipeDream-Flush,
       Narayanan et al., 2021) --
@@ -467,7 +468,7 @@ static void dt__pp_tp_all_gather(dt_parallel *par, const float *mine, float *all
     inner->tp_all_gather(inner, mine, all, n);
 }
 
-/* Checkpoints are whole (section 13): to save, the first pipeline's stages
+/* Checkpoints are whole (the checkpoints chapter): to save, the first pipeline's stages
    send what they hold to its first rank, one tensor at a time, and that
    rank -- the job's rank 0 -- writes; to load, every rank reads the whole
    and keeps its stage's. */

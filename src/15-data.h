@@ -1,4 +1,5 @@
-/* ---- 8. data ---------------------------------------------------------------------- */
+//@ machinery: data -- image folders, CIFAR-10, text and token files, instruction data, the loader, the synthetic sets
+/* ---- data ---------------------------------------------------------------------- */
 
 typedef struct dt_dataset {
     int64_t n;                 /* images, or text sequences */
@@ -31,7 +32,7 @@ void dt_dataset_free(dt_dataset *ds);
    (vocabulary 256); or, is_tokens, a file of token ids: a NumPy .npy array
    (one dimension; uint16, uint32, int32 or int64), JSON lines of instruction
    examples (a file whose first character, past white space and a UTF-8
-   byte-order mark, is `{`: see "instruction data" in section 8), or else little-endian uint16 ids (vocab 0: the largest id + 1). The
+   byte-order mark, is `{`: see "instruction data" below), or else little-endian uint16 ids (vocab 0: the largest id + 1). The
    last val_fraction of the tokens (of the examples, for JSON lines), by
    position, is the validation set. */
 void dt_text_load(const char *path, int is_tokens, int vocab, int seq_len, double val_fraction, dt_dataset *train,
@@ -57,12 +58,6 @@ void dt_image_resize(const uint8_t *src, int channels, int w, int h, uint8_t *ds
    indices to out and returns that count. */
 int64_t dt_sampler_indices(int64_t n, uint64_t seed, int epoch, int shuffle, int rank, int world,
                            int64_t *out);
-
-typedef struct dt_batch {
-    dt_tensor *inputs;         /* images [B, C, S, S] in [-1, 1], or token ids [B, T] */
-    int32_t *labels;           /* [B] classes, or [B*T] next tokens */
-    int size;                  /* B */
-} dt_batch;
 
 typedef struct dt_loader {
     const dt_dataset *ds;
@@ -90,7 +85,7 @@ int64_t dt_loader_counted_targets(const dt_loader *l, int batches);
 void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint64_t seed);
 
 //@ implementation
-/* ==== 8. data ===================================================================
+/* ==== data ===================================================================
    Images are decoded once, resized, and kept in memory as bytes (a 50,000-image
    32x32 set is 150 MB). Each epoch the sampler deals out a fresh permutation,
    the same one on every rank, and each rank takes every world-th index: that
@@ -177,7 +172,7 @@ static unsigned char *dt__read_file(const char *path, size_t *len) {
 }
 
 /* A JSON reader just big enough for what dtrain reads: JSON-lines token data
-   (below), safetensors headers and config.json (section 13). */
+   (below), safetensors headers and config.json (the checkpoints and hugging-face chapters). */
 typedef struct { const char *s; size_t pos, len; int ok; } dt__json;
 static void dt__json_ws(dt__json *j) { while (j->pos < j->len && isspace((unsigned char)j->s[j->pos])) j->pos++; }
 static int dt__json_peek(dt__json *j) { dt__json_ws(j); return j->pos < j->len ? j->s[j->pos] : -1; }

@@ -1,4 +1,5 @@
-/* ---- 12. mixed precision ------------------------------------------------------------ */
+//@ lesson: mixed precision -- bf16/fp16 activations and matmul operands, f32 master weights, loss scaling
+/* ---- mixed precision ------------------------------------------------------------ */
 
 /* The dtype activations are stored in and matmuls read (default DT_F32). With
    DT_BF16 or DT_F16, parameters, their gradients and the optimizer state stay
@@ -34,13 +35,13 @@ void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *scaler, int accum
 int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt);
 
 //@ implementation
-/* ==== 12. mixed precision =======================================================
+/* ==== mixed precision =======================================================
    Half the bytes: activations, the matmuls' operands and what the collectives
    carry in 16 bits, while everything that adds up many small numbers stays in
    f32 -- the master weights and the optimizer (an update of 1e-4 on a weight
    of 1 vanishes in bf16, whose 8 significant bits move it in steps of 1/128),
    the sums inside matmuls, the layernorm statistics, the softmax, the loss.
-   The ops do it through the views of section 5; this section sets the dtype
+   The ops do it through the views of the autograd chapter; this chapter sets the dtype
    and scales the loss for fp16, whose range (6e-8 to 65504) is too narrow for
    gradients. */
 

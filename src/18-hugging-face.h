@@ -1,3 +1,4 @@
+//@ machinery: Hugging Face and PEFT folders (--init), and a training run's checkpoint: weights, optimizer, the run's state
 //@ implementation
 /* ---- Hugging Face model folders (--init DIR): config.json gives the shape,
         the weights sit in model.safetensors or in the files that

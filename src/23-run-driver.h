@@ -1,4 +1,5 @@
-/* ---- 18. the run driver ----------------------------------------------------- */
+//@ machinery: the run driver -- the loop every stage shares
+/* ---- the run driver ----------------------------------------------------- */
 
 /* A training run: the position (epoch, step), the schedule, the logs. */
 struct dt_run {
@@ -73,7 +74,7 @@ int dt_run_finish(dt_run *run);
 #endif
 
 //@ implementation
-/* ==== 18. the run driver ========================================================
+/* ==== the run driver ========================================================
    The loop every stage shares around its lesson: start (--init, --resume),
    fetch batches, end each step (the job's mean loss, progress, the log),
    evaluate and save at each epoch's end, stop every rank alike on a signal,

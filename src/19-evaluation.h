@@ -1,4 +1,5 @@
-/* ---- 14. evaluation --------------------------------------------------------- */
+//@ machinery: evaluation -- validation loss and accuracy over every rank's share, generated text
+/* ---- evaluation --------------------------------------------------------- */
 
 /* Mean loss and accuracy of the model over a data set, without gradients. In a
    job every rank evaluates its share and the sums are all-reduced; under
@@ -13,7 +14,7 @@ void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, fl
                  int32_t *out);
 
 //@ implementation
-/* ==== 14. evaluation ============================================================
+/* ==== evaluation ============================================================
    The validation set is measured without the tape: no gradients, no
    activations kept. Every rank evaluates its share and the sums meet in one
    all-reduce, so the numbers are those of the whole set on every rank. */

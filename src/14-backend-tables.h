@@ -1,3 +1,4 @@
+//@ lesson: the backend tables -- the per-element arithmetic a GPU shares, what a device (dt_backend) and a transport (dt_comm_backend) provide
 /* ---- per-element arithmetic (declared above; defined here because every file
         that includes the header, and nvcc, needs the bodies) ------------------ */
 #include <math.h>
@@ -163,7 +164,7 @@ DT_HD static inline void dt_sgd_update(float *p, float *buf, float g, float lr, 
 }
 
 /* ---- the device backend: what a GPU must provide -------------------------------
-   The ops of section 5 are written once. Each checks where its tensors live and
+   The ops of the autograd chapter are written once. Each checks where its tensors live and
    either runs its CPU loop or calls the matching entry of this table, which the
    CUDA section at the end of this file fills in. So the table is the whole
    contract between the library and a device: memory, copies, and one body per
@@ -254,7 +255,7 @@ typedef struct dt_backend {
 #define DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D) ((int64_t)(B) * (H) * (T) * (T) + 4LL * (B) * (T) * (D)) /* dP, dO, dQ, dK, dV */
 
 /* ---- the collective backend: what a transport must provide --------------------
-   Section 9 owns the queue and the communication thread; a backend moves the
+   The collectives chapter owns the queue and the communication thread; a backend moves the
    bytes. Every backend fills in every entry, and the shared code only calls
    through the table: shared memory, NCCL and MPI are three tables. A call is
    queued by the caller, started and finished by the communication thread, and
@@ -262,7 +263,7 @@ typedef struct dt_backend {
    `start`; on a GPU `start` only puts it on NCCL's stream, `finish` watches it
    to the end, and `wait` makes the caller's later kernels wait for it on the
    GPU: the host waits only until the call is on NCCL's stream, never for its
-   result. `memory` is the one kind of buffer it takes: section 9 refuses any
+   result. `memory` is the one kind of buffer it takes: the collectives chapter refuses any
    other before the call is queued. */
 typedef struct dt_comm_op {
     dt_coll kind;
@@ -290,8 +291,8 @@ typedef struct dt_comm_backend {
     int sums_in_rank_order;                                    /* 1: the same bits at any number of ranks, run after run */
 } dt_comm_backend;
 
-/* ---- the GPU collectives: what section 9 asks of NCCL (section 19) -----------
-   Section 9 owns the queue, the communication thread and the watchdog; NCCL
+/* ---- the GPU collectives: what the collectives chapter asks of NCCL (the cuda chapter) -----------
+   The collectives chapter owns the queue, the communication thread and the watchdog; NCCL
    only issues calls and answers questions, so a dead peer or a timeout is
    noticed by the same loop on CPUs and GPUs. The communicator is non-blocking:
    any call may leave it "in progress", and dt_nccl_progress says when it is
@@ -300,7 +301,7 @@ typedef struct dt_comm_backend {
 #ifdef __cplusplus
 extern "C" {
 #endif
-/* The CUDA section's two entry points (section 19; only in a build with
+/* The cuda chapter's two entry points (only in a build with
    CUDA): how many GPUs are visible (0, and why, when none), and the backend
    table of GPU local_rank % count, or NULL and why. */
 int dt_cuda_device_count(char *why, size_t n);

@@ -1,4 +1,5 @@
-/* ---- 17. the command line --------------------------------------------------- */
+//@ machinery: the command line -- one table of flags for every stage
+/* ---- the command line --------------------------------------------------- */
 
 typedef struct dt_config {
     const char *stage;
@@ -68,7 +69,7 @@ dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int ima
 void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val);
 
 //@ implementation
-/* ==== 17. the command line ======================================================
+/* ==== the command line ======================================================
    Every stage takes the same flags (and those of its own lesson: one table,
    dt__flags, says which stage takes which), so that runs of different stages
    can be compared line by line -- and so that the stage files hold only the

@@ -1,4 +1,5 @@
-/* ---- 13. checkpoints (safetensors) ------------------------------------------------ */
+//@ machinery: checkpoints -- safetensors files, checkpoint folders written atomically, sharded checkpoints
+/* ---- checkpoints (safetensors) ------------------------------------------------ */
 
 /* A safetensors file: 8-byte little-endian header length, a JSON header naming
    each tensor's dtype, shape and byte range, then the raw data. PyTorch, numpy
@@ -34,7 +35,7 @@ void dt_checkpoint_consolidate(const char *path, const char *out_path);
    run started with. tools/merge-lora runs it. */
 void dt_lora_merge(const char *adapter_dir, const char *out_path);
 
-/* A run's training checkpoint (section 18 drives it), a folder: the weights
+/* A run's training checkpoint (the run-driver chapter drives it), a folder: the weights
    (model.safetensors, with the position and RNG seed as metadata), the
    optimizer state (optimizer.safetensors) and config.json. */
 typedef struct dt_run dt_run;
@@ -42,7 +43,7 @@ void dt_checkpoint_save(dt_run *run, const char *path);
 void dt_checkpoint_load(dt_run *r, const char *path);
 
 //@ implementation
-/* ==== 13. checkpoints ===========================================================
+/* ==== checkpoints ===========================================================
    Tensors go to disk as safetensors files: an 8-byte little-endian header
    length, a JSON header {"name": {"dtype", "shape", "data_offsets"},
    "__metadata__": {...}} and the raw tensors. A training checkpoint is a
@@ -54,7 +55,7 @@ void dt_checkpoint_load(dt_run *r, const char *path);
      optimizer.safetensors  the optimizer's moments ("exp_avg.<name>", ...),
                             a file of their own: a strict load_state_dict of
                             the weights would refuse them;
-     config.json            the model's shape (section 6 writes it), so that
+     config.json            the model's shape (the models chapter writes it), so that
                             AutoModelForCausalLM.from_pretrained(folder) works.
    With LoRA the weights are the adapters, and the folder is the one PEFT
    saves: adapter_model.safetensors (PEFT's names, the same metadata) and
@@ -598,6 +599,7 @@ static void dt__folder_open(dt__folder *w, const char *path, int create) {
         if (mkdir(w->tmp, 0755) != 0 && errno != EEXIST)
             dt_fail("cannot create checkpoint folder '%s': %s", w->tmp, strerror(errno));
     }
+    dt__cleanup_empty_folder = dt__folder_remove;    /* what a failure does with a NAME.tmp it cannot rmdir */
     w->slots[w->nslots++] = dt__cleanup_add(w->tmp);
 }
 static void dt__folder_file(const dt__folder *w, const char *name, char *out, size_t n) {
@@ -653,7 +655,7 @@ static void dt__folder_commit(dt__folder *w) {
     dt__folder_remove(old);
 }
 
-/* config.json, in the words of the library that has the same model (section 6). */
+/* config.json, in the words of the library that has the same model (the models chapter). */
 static void dt__adapter_config_json(FILE *f, const dt_model *m);
 /* config.json, or a LoRA model's adapter_config.json */
 static void dt__folder_write_config(dt__folder *w, const dt_model *m) {
