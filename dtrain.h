@@ -123,11 +123,11 @@
        It is assembled from chapter files, src/NN-name.h in the project, by
        tools/assemble: make runs it when a chapter changes, and CI checks that
        the committed dtrain.h is the assembly. A chapter holds its declarations
-       and its implementation together; this file puts every chapter's
-       declarations first, then every implementation, then the CUDA backend,
-       and a line [src/NN-name.h] in a comment marks where each part begins
-       (00 is this preface). Edit the chapters; a copy of this file alone
-       needs none of them.
+       and its implementation together (06 and 18 implement what 05 and 17
+       declare); this file puts every chapter's declarations first, then every
+       implementation, then the CUDA backend, and a line [src/NN-name.h] in a
+       comment marks where each part begins (00 is this preface). Edit the
+       chapters; a copy of this file alone needs none of them.
 
    A FAILURE NEVER CRASHES
        Bad flags exit with status 2, everything else that goes wrong (a missing
@@ -974,6 +974,7 @@ void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync);
 void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype);
 void dt_fsdp_free(dt_fsdp *fsdp);
 
+/* [src/12-tensor-parallel.h] */
 /* Tensor parallelism (stage 06), as Megatron-LM splits a transformer: every
    rank of a group of T keeps 1/T of each large weight and computes 1/T of
    each layer. In a block, the first MLP layer is column-parallel (each rank
@@ -1012,6 +1013,7 @@ int dt_tp_data_ranks(const dt_tp *tp);
    a forward is an error that says so. */
 void dt_tp_free(dt_tp *tp);
 
+/* [src/13-pipeline-parallel.h] */
 /* Pipeline parallelism (stage 07): each rank of a pipeline of P keeps a run
    of consecutive blocks, its stage (balanced by parameters; the embedding
    with the first, the head with the last); a batch goes through in M
@@ -1215,7 +1217,7 @@ DT_HD static inline void dt_sgd_update(float *p, float *buf, float g, float lr, 
 /* ---- the device backend: what a GPU must provide -------------------------------
    The ops of the autograd chapter are written once. Each checks where its tensors live and
    either runs its CPU loop or calls the matching entry of this table, which the
-   CUDA section at the end of this file fills in. So the table is the whole
+   CUDA chapter at the end of this file fills in. So the table is the whole
    contract between the library and a device: memory, copies, and one body per
    op. All pointers are device pointers, calls queue in order on one stream,
    backward bodies ADD into their gradient outputs (as the CPU loops do), and a
@@ -1347,9 +1349,6 @@ typedef struct dt_comm_backend {
    any call may leave it "in progress", and dt_nccl_progress says when it is
    ready for the next one. Every buffer is device memory. */
 #define DT_COMM_QUEUE 256                 /* collectives in flight per communicator, at most */
-#ifdef __cplusplus
-extern "C" {
-#endif
 /* The cuda chapter's two entry points (only in a build with
    CUDA): how many GPUs are visible (0, and why, when none), and the backend
    table of GPU local_rank % count, or NULL and why. */
@@ -1382,11 +1381,6 @@ void dt_nccl_abort(dt_nccl *s);                       /* only from the thread th
 /* Closing: finalize (poll dt_nccl_progress until ready), then free. */
 void dt_nccl_finalize(dt_nccl *s);
 void dt_nccl_free(dt_nccl *s);
-#ifdef __cplusplus
-}
-#endif
-
-#endif /* DTRAIN_H */
 
 /* [src/15-data.h] */
 /* ---- data ---------------------------------------------------------------------- */
@@ -1810,6 +1804,8 @@ int dt_run_finish(dt_run *run);
 #ifdef __cplusplus
 }
 #endif
+
+#endif /* DTRAIN_H */
 
 /* [src/00-front.h] */
 /* ================================================================================
@@ -7793,8 +7789,8 @@ static void dt__tp_piece(float *whole, float *piece, const int *whole_shape, int
    on the device and put where they sit in the whole. So no rank holds more
    than the largest tensor beside its own pieces, and the writer the whole
    state once. The other ranks of the group take part and get NULL. `m`
-   lays out `local`: the model, or (a pipeline's stages composed, section
-   11's next part) every stage's pieces. */
+   lays out `local`: the model, or (a pipeline's stages composed, the
+   pipeline-parallel chapter) every stage's pieces. */
 static float *dt__tp_state_gather(dt_tp *t, const dt_model *m, float *local) {
     const dt_model *W = &t->whole;
     float *whole = NULL;
@@ -14170,7 +14166,7 @@ void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
    The loop every stage shares around its lesson: start (--init, --resume),
    fetch batches, end each step (the job's mean loss, progress, the log),
    evaluate and save at each epoch's end, stop every rank alike on a signal,
-   and finish with the summary. It calls every section above and none calls it. */
+   and finish with the summary. It calls every chapter above and none calls it. */
 
 /* The stop signal this rank caught, if any. */
 static int dt__local_stop_signal(void) {

@@ -124,11 +124,11 @@
        It is assembled from chapter files, src/NN-name.h in the project, by
        tools/assemble: make runs it when a chapter changes, and CI checks that
        the committed dtrain.h is the assembly. A chapter holds its declarations
-       and its implementation together; this file puts every chapter's
-       declarations first, then every implementation, then the CUDA backend,
-       and a line [src/NN-name.h] in a comment marks where each part begins
-       (00 is this preface). Edit the chapters; a copy of this file alone
-       needs none of them.
+       and its implementation together (06 and 18 implement what 05 and 17
+       declare); this file puts every chapter's declarations first, then every
+       implementation, then the CUDA backend, and a line [src/NN-name.h] in a
+       comment marks where each part begins (00 is this preface). Edit the
+       chapters; a copy of this file alone needs none of them.
 
    A FAILURE NEVER CRASHES
        Bad flags exit with status 2, everything else that goes wrong (a missing

@@ -1,4 +1,42 @@
 //@ lesson: tensor parallelism -- Megatron-LM's column- and row-parallel layers, the split vocabulary, sequence parallelism
+/* Tensor parallelism (stage 06), as Megatron-LM splits a transformer: every
+   rank of a group of T keeps 1/T of each large weight and computes 1/T of
+   each layer. In a block, the first MLP layer is column-parallel (each rank
+   computes 1/T of the hidden units, and GELU runs on them where they are),
+   the second row-parallel (partial outputs, summed over the group);
+   attention is split by heads: q, k and v column-parallel, the output
+   projection row-parallel. So a block costs two sums of its activations in
+   forward (dt_tp_sum) and two of their gradients in backward (dt_tp_copy),
+   and no weight ever travels. A language model's vocabulary (its embedding
+   and its head, tied or not) is cut by tokens: each rank looks up and
+   scores 1/T of them, and dt_cross_entropy takes the group's max and sum of
+   each row. Llama's q, k and v are cut by their heads (k and v by the
+   key/value heads), its gated MLP as the GPT's. Norms and
+   position embeddings stay whole on every rank, where they compute the same
+   values and get the same gradients. The model says where each parameter may be cut (dt_split); this
+   wrapper cuts. With a job larger than T, the ranks form a mesh of
+   data-parallel x tensor-parallel groups ("dp" x "tp", tp varying fastest):
+   each group of T shares a batch, and the gradients are averaged over the
+   groups after backward. */
+typedef struct dt_tp dt_tp;
+/* Keep this rank's piece of every split parameter (the weights drawn whole
+   from the seed, as in stage 01, then cut). tp 0: the whole job is one group.
+   sequence_parallel: between the split layers each rank keeps 1/T of the
+   rows too (dt_sp_split), and the gradients of the whole parameters read
+   there (the blocks' norms, the row-parallel biases) are summed over the
+   group after backward. */
+dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_parallel);
+/* After backward: the split layers need nothing (their sums ran on the tape);
+   with more than one group, every gradient is averaged over the groups. */
+void dt_tp_sync_grads(dt_tp *tp);
+/* This rank's group among the data-parallel groups, and how many there are:
+   the loader's rank and world (every rank of a group reads the same batch). */
+int dt_tp_data_rank(const dt_tp *tp);
+int dt_tp_data_ranks(const dt_tp *tp);
+/* The model stays cut (this rank's pieces): after this it can be freed, and
+   a forward is an error that says so. */
+void dt_tp_free(dt_tp *tp);
+
 //@ implementation
 /* -- tensor parallelism (Megatron-LM, Shoeybi et al., 2019) --
    The model marks where each parameter may be cut (dt_split, the models chapter), and
@@ -153,8 +191,8 @@ static void dt__tp_piece(float *whole, float *piece, const int *whole_shape, int
    on the device and put where they sit in the whole. So no rank holds more
    than the largest tensor beside its own pieces, and the writer the whole
    state once. The other ranks of the group take part and get NULL. `m`
-   lays out `local`: the model, or (a pipeline's stages composed, section
-   11's next part) every stage's pieces. */
+   lays out `local`: the model, or (a pipeline's stages composed, the
+   pipeline-parallel chapter) every stage's pieces. */
 static float *dt__tp_state_gather(dt_tp *t, const dt_model *m, float *local) {
     const dt_model *W = &t->whole;
     float *whole = NULL;

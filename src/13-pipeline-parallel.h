@@ -1,4 +1,39 @@
 //@ lesson: pipeline parallelism -- stages of consecutive blocks, micro-batches in GPipe's or 1F1B's order
+/* Pipeline parallelism (stage 07): each rank of a pipeline of P keeps a run
+   of consecutive blocks, its stage (balanced by parameters; the embedding
+   with the first, the head with the last); a batch goes through in M
+   micro-batches, in the order the schedule gives each stage. tp > 1: each
+   stage is T ranks that split its blocks' layers as stage 06 does (tensor
+   parallelism inside the pipeline). The job's N ranks form N / (P T)
+   data-parallel pipelines; pp 0: as many stages as that leaves with one
+   pipeline. shard DT_SHARD_OPTIMIZER: the pipelines share out each stage's
+   optimizer state (ZeRO-1: gradients reduce-scattered over them, each
+   steps its slice, the parameters all-gathered); DT_SHARD_NONE: each keeps
+   it whole (gradients all-reduced). DT_SHARD_GRADS and _FULL are refused:
+   a pipeline's gradients stay whole until its last micro-batch, and its
+   stages run their parameters M times a step. */
+typedef struct dt_pp dt_pp;
+typedef enum { DT_SCHEDULE_GPIPE = 0, DT_SCHEDULE_1F1B = 1 } dt_pp_schedule;
+dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_batches, dt_pp_schedule schedule,
+                    dt_shard_mode shard);
+/* A step's forward and backward: the batch cut into the micro-batches, each
+   stage running its forwards and backwards in the schedule's order, sending
+   activations on and gradients back. Returns the batch's mean loss, on every
+   rank (the last stage computes it). Collective over the pipeline. */
+dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch);
+/* After it: the first and last stage add up the gradients of a tied
+   vocabulary (each holds it); with more than one pipeline, every gradient is
+   averaged over them -- or, with --shard optimizer, reduce-scattered: each
+   rank keeps the average of its slice for the optimizer, and the model's
+   gradient buffers are zeroed. */
+void dt_pp_sync_grads(dt_pp *pp);
+/* This rank's pipeline among the data-parallel pipelines, and how many: the
+   loader's rank and world (every stage of a pipeline reads the same batch). */
+int dt_pp_data_rank(const dt_pp *pp);
+int dt_pp_data_ranks(const dt_pp *pp);
+/* The model stays cut (this rank's blocks), as after dt_tp_free. */
+void dt_pp_free(dt_pp *pp);
+
 //@ implementation
 /* -- pipeline parallelism (GPipe: Huang et al., 2019; 1F1B: PipeDream-Flush,
       Narayanan et al., 2021) --

@@ -166,7 +166,7 @@ DT_HD static inline void dt_sgd_update(float *p, float *buf, float g, float lr, 
 /* ---- the device backend: what a GPU must provide -------------------------------
    The ops of the autograd chapter are written once. Each checks where its tensors live and
    either runs its CPU loop or calls the matching entry of this table, which the
-   CUDA section at the end of this file fills in. So the table is the whole
+   CUDA chapter at the end of this file fills in. So the table is the whole
    contract between the library and a device: memory, copies, and one body per
    op. All pointers are device pointers, calls queue in order on one stream,
    backward bodies ADD into their gradient outputs (as the CPU loops do), and a
@@ -298,9 +298,6 @@ typedef struct dt_comm_backend {
    any call may leave it "in progress", and dt_nccl_progress says when it is
    ready for the next one. Every buffer is device memory. */
 #define DT_COMM_QUEUE 256                 /* collectives in flight per communicator, at most */
-#ifdef __cplusplus
-extern "C" {
-#endif
 /* The cuda chapter's two entry points (only in a build with
    CUDA): how many GPUs are visible (0, and why, when none), and the backend
    table of GPU local_rank % count, or NULL and why. */
@@ -333,9 +330,4 @@ void dt_nccl_abort(dt_nccl *s);                       /* only from the thread th
 /* Closing: finalize (poll dt_nccl_progress until ready), then free. */
 void dt_nccl_finalize(dt_nccl *s);
 void dt_nccl_free(dt_nccl *s);
-#ifdef __cplusplus
-}
-#endif
-
-#endif /* DTRAIN_H */
 

@@ -69,16 +69,12 @@ void dt_epoch_end(dt_run *run);
    With --bench it prints the one "bench:" line instead. */
 int dt_run_finish(dt_run *run);
 
-#ifdef __cplusplus
-}
-#endif
-
 //@ implementation
 /* ==== the run driver ========================================================
    The loop every stage shares around its lesson: start (--init, --resume),
    fetch batches, end each step (the job's mean loss, progress, the log),
    evaluate and save at each epoch's end, stop every rank alike on a signal,
-   and finish with the summary. It calls every section above and none calls it. */
+   and finish with the summary. It calls every chapter above and none calls it. */
 
 /* The stop signal this rank caught, if any. */
 static int dt__local_stop_signal(void) {

@@ -352,7 +352,7 @@ static int log_series(const char *log, const char *key, double *out, int max) {
         }                                                                                            \
     } while (0)
 #define NEED_GPU() NEED(dt_cuda_available, "the build cannot use it")
-/* ---- 2. memory -------------------------------------------------------------- */
+/* ---- memory -------------------------------------------------------------- */
 
 TEST(step_arena_stops_allocating_after_the_first_step, QUICK) {
     dt_model_config c = { DT_MODEL_VIT, 3, 8, 4, 16, 2, 2, 4, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
@@ -373,7 +373,7 @@ TEST(step_arena_stops_allocating_after_the_first_step, QUICK) {
     dt_optimizer_free(o);
     dt_model_free(m);
 }
-/* ---- 4. kernels: matmul, half types, the GPU launch shape ------------------- */
+/* ---- kernels: matmul, half types, the GPU launch shape ------------------- */
 
 static void naive_gemm(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda, const float *B,
                        int ldb, float beta, const float *C0, int ldc, double *out) {
@@ -621,7 +621,7 @@ TEST(exp_tanh_and_erf_match_libm_over_a_dense_grid, QUICK) {
     CHECK(dt_exp_value(INFINITY) > 1e38f && dt_exp_value(-INFINITY) == 0.0f && dt_tanh_value(-INFINITY) == -1.0f);
 }
 
-/* ---- 5. autograd: ops by hand, backward against finite differences, the grad-ready callback ---- */
+/* ---- autograd: ops by hand, backward against finite differences, the grad-ready callback ---- */
 
 TEST(ops_forward_hand_values, QUICK) {
     dt__rng r = { 3 };
@@ -989,7 +989,7 @@ TEST(grad_ready_hook_fires_once_per_parameter_in_reverse, QUICK) {
     CHECK(hook_count >= 2 && hook_order[0] >= m->nparams - 2 && hook_order[hook_count - 1] <= 1);
     dt_model_free(m);
 }
-/* ---- 6. models: gradients, names and shapes of timm's ViT and GPT-2 --------- */
+/* ---- models: gradients, names and shapes of timm's ViT and GPT-2 --------- */
 
 /* The whole models: the gradient of the loss for parameters sampled across
    every layer, against finite differences of the loss. */
@@ -1427,7 +1427,7 @@ TEST(llama_is_causal_and_named_like_hugging_face, QUICK) {
         dt_model_free(m);
     }
 }
-/* ---- 7. optimizer against closed-form steps --------------------------------- */
+/* ---- optimizer against closed-form steps --------------------------------- */
 
 TEST(adamw_and_sgd_match_hand_computed_steps, QUICK) {
     dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };   /* fc1: weight [1,1], bias [1] */
@@ -1485,7 +1485,7 @@ TEST(schedule_warms_up_then_follows_a_cosine, QUICK) {
     CHECK(dt_schedule_lr(1.0f, 110, 10, 110) < 1e-6);
     CHECK(CLOSE(dt_schedule_lr(2.0f, 5, 0, 0), 2.0, 1e-6));
 }
-/* ---- 8. data ---------------------------------------------------------------- */
+/* ---- data ---------------------------------------------------------------- */
 
 TEST(sampler_shuffles_shards_and_pads_like_distributed_sampler, QUICK) {
     int64_t a[16], b[16], c[16];
@@ -2045,7 +2045,7 @@ TEST(bad_data_is_reported_by_name, QUICK) {
     st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --start-idx 500", train_cpu, small_data());
     expect_error(out, st, 2, "--start-idx");
 }
-/* ---- 9. collectives: every op, dtype and group against a serial reference; a dead rank ---- */
+/* ---- collectives: every op, dtype and group against a serial reference; a dead rank ---- */
 
 /* tools/collectives beside the stage binary under test (build/asan/... for ASan). */
 static const char *collectives_bin(void) { return build_path("tools/collectives"); }
@@ -2272,7 +2272,7 @@ TEST(start_up_checks_hand_collectives_only_the_memory_they_take, QUICK) {
     CHECKF(code == 1 && strstr(out, "is host memory") && strstr(out, "takes GPU memory only"),
            "host memory given to a GPU-only transport: exit %d\n%s", code, out);
 }
-/* ---- 10. launching: --nproc, torchrun, mpirun, signals, strangers, nothing left behind ---- */
+/* ---- launching: --nproc, torchrun, mpirun, signals, strangers, nothing left behind ---- */
 
 TEST(ranks_launch_from_torchrun_variables_and_check_their_flags, QUICK) {
     char out[16384];
@@ -3118,7 +3118,7 @@ TEST(ddp_ranks_share_the_first_use_of_the_synthetic_set, QUICK) {
     CHECKF(st == 0 && count_lines_with(out, "first use: writing the synthetic data set") == 1,
            "exit %d; expected one rank to write the data set:\n%s", st, out);
 }
-/* ---- 11. parallel wrappers: DP, DDP and FSDP equal one device with N times the batch; order mistakes ---- */
+/* ---- parallel wrappers: DP, DDP and FSDP equal one device with N times the batch; order mistakes ---- */
 
 /* The losses of a --log file, step by step. */
 static int read_losses(const char *path, double *loss, int max) {
@@ -4503,7 +4503,7 @@ TEST(lora_trains_alike_in_every_stage_and_round_trips, QUICK) {
     CHECKF(rc == 0 && strstr(out, "done: 4 steps"), "05 bf16 with LoRA: exit %d\n%s", rc, out);
 }
 
-/* ---- 12. gradient accumulation and mixed precision (stage 05) --------------- */
+/* ---- gradient accumulation and mixed precision (stage 05) --------------- */
 
 #define ACC_FLAGS "--image-size 16 --dim 32 --log-every 1000 --quiet --epochs 1 --model vit --depth 2 --heads 2"
 
@@ -4809,7 +4809,7 @@ TEST(mixed_precision_is_the_same_on_any_thread_count, QUICK) {
     for (int t = 0; t < 2; t++)
         CHECKF(sums[t][0] == sums[t][1], "%s: 1 thread %.9g, 2 threads %.9g", t ? "fp16" : "bf16", sums[t][0], sums[t][1]);
 }
-/* ---- 13. checkpoints: safetensors, exact resume, sharded, refused when broken ---- */
+/* ---- checkpoints: safetensors, exact resume, sharded, refused when broken ---- */
 
 /* A file written byte by byte, the way the format's spec describes it. */
 static size_t handmade_safetensors(const char *path, const char *dtype_w, int with_extra) {
@@ -6133,7 +6133,7 @@ TEST(resumed_state_holding_nan_inf_or_a_negative_second_moment_is_refused, QUICK
     int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 2 --resume %s", train_cpu, small_data(), short_checkpoint());
     CHECKF(st == 0, "the checkpoint as saved: exit %d\n%s", st, out);
 }
-/* ---- 14. evaluation and generation ------------------------------------------ */
+/* ---- evaluation and generation ------------------------------------------ */
 
 /* The evaluation says what it is about to do before it does it (a long
    evaluation is otherwise a silent minute), then prints its result. */
@@ -6179,7 +6179,7 @@ TEST(gpt_beats_the_unigram_baseline_on_text, FULL) {
     double eval = summary_value(log, "eval_loss"), base = summary_value(log, "unigram_loss");
     CHECKF(base > 2.5 && eval < base - 0.5, "eval loss %.4f, unigram baseline %.4f", eval, base);
 }
-/* ---- 15. metrics: logs, traces, progress, the bench line -------------------- */
+/* ---- metrics: logs, traces, progress, the bench line -------------------- */
 
 TEST(training_run_log_trace_and_bench, QUICK) {
     char out[16384], log[600], trace[600];
@@ -6632,7 +6632,7 @@ TEST(plot_draws_each_run_in_each_panel, QUICK) {
     CHECKF(st == 1 && strstr(out, bad) && strstr(out, "line 2"), "tools/plot on a damaged log: exit %d\n%s", st, out);
 }
 
-/* ---- 16. the cost model ----------------------------------------------------- */
+/* ---- the cost model ----------------------------------------------------- */
 
 TEST(cost_model_matches_hand_computed_cases, QUICK) {
     dt_link l = { "test", 10, 10 };                                  /* 10 us, 10 GB/s */
@@ -6778,7 +6778,7 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
            strstr(out, "predicted speedup at --pp 2"), "07 --tp 2 --pp 2 --explain: exit %d (split %.1f%%, %.1f sums)\n%s", st,
            share, sums, out);
 }
-/* ---- 17. the command line: each mistake a one-line error naming the flag ---- */
+/* ---- the command line: each mistake a one-line error naming the flag ---- */
 
 static const char *stage_bin(const char *stage);
 TEST(bad_flags_exit_2_naming_the_flag, QUICK) {
@@ -6916,7 +6916,7 @@ TEST(a_flag_of_another_stage_exits_2_naming_its_stages, QUICK) {
         }
     }
 }
-/* ---- 18. the run driver: a full disk, preemption ---------------------------- */
+/* ---- the run driver: a full disk, preemption ---------------------------- */
 
 /* /dev/full takes no write (ENOSPC): a full disk. Where the program picks the
    name itself (a checkpoint's .tmp, a rank's trace), a link of that name
@@ -7050,7 +7050,7 @@ TEST(the_final_loss_is_the_last_steps_whether_or_not_the_run_was_stopped, QUICK)
     }
 }
 
-/* ---- 19. CUDA: the GPU against the CPU (skipped where no GPU is visible) ---- */
+/* ---- CUDA: the GPU against the CPU (skipped where no GPU is visible) ---- */
 
 /* The rule of NEED_GPU, checked here where there is no GPU: told one is
    visible, a build that cannot use it fails its GPU tests instead of skipping. */
@@ -7778,16 +7778,34 @@ TEST(the_header_is_its_chapters_assembled, QUICK) {
     }
     if (d) closedir(d);
     CHECKF(chapters >= 20, "only %d chapters in %s/src", chapters, root);
+    /* included twice, the implementation first (stb's way), and in C++: the
+       include guard and extern "C" close where the declarations end */
+    const char *cc = getenv("CC") ? getenv("CC") : "cc";
+    char prog[800];
+    snprintf(prog, sizeof prog, "%s/twice.c", tmpdir);
+    const char *twice = "#define DTRAIN_IMPLEMENTATION\n#include \"dtrain.h\"\n#include \"dtrain.h\"\nint main(void) { return 0; }\n";
+    write_bytes(prog, twice, strlen(twice));
+    st = run_cmd(out, sizeof out, "%s -std=c11 -Wall -Wextra -Werror -fsyntax-only -I%s %s", cc, root, prog);
+    CHECKF(st == 0, "dtrain.h included twice does not compile (exit %d)\n%.3000s", st, out);
+    if (run_cmd(out, sizeof out, "c++ --version") == 0) {
+        snprintf(prog, sizeof prog, "%s/twice.cc", tmpdir);
+        const char *twice_cxx = "#include \"dtrain.h\"\n#include \"dtrain.h\"\nint main() { return dt_model_is_language(DT_MODEL_GPT) ? 0 : 1; }\n";
+        write_bytes(prog, twice_cxx, strlen(twice_cxx));
+        st = run_cmd(out, sizeof out, "c++ -Wall -Wextra -Werror -fsyntax-only -I%s %s", root, prog);
+        CHECKF(st == 0, "dtrain.h included twice in C++ does not compile (exit %d)\n%.3000s", st, out);
+    }
     /* a copy of the chapters and the tool, without git and never built */
     char copy[800];
     snprintf(copy, sizeof copy, "%s/copy", tmpdir);
+    unsetenv("GIT_DIR");                          /* the copy is in no repository: git must not find one */
+    unsetenv("GIT_WORK_TREE");
     st = run_cmd(out, sizeof out, "mkdir -p %s/tools && cp -r %s/src %s/ && cp %s/tools/assemble %s/tools/ && cp %s/dtrain.h %s/ && "
                  "printf '/* an edit in a chapter */\n' >> %s/src/01-errors.h && %s/tools/assemble --check",
                  copy, root, copy, root, copy, root, copy, copy, copy);
     CHECKF(st == 1 && strstr(out, "dtrain.h is not the assembly"), "a chapter edited, not assembled: --check exit %d\n%s", st, out);
     st = run_cmd(out, sizeof out, "%s/tools/assemble --write && %s/tools/assemble --check && grep -c 'an edit in a chapter' %s/dtrain.h",
                  copy, copy, copy);
-    CHECKF(st == 0 && strstr(out, "build/dtrain.h.before") && strstr(out, "\n1\n"), "--write in a copy without git: exit %d\n%s", st, out);
+    CHECKF(st == 0 && strstr(out, "dtrain.h.before") && strstr(out, "\n1\n"), "--write in a copy without git: exit %d\n%s", st, out);
     st = run_cmd(out, sizeof out, "printf '/* an edit in the header */\n' >> %s/dtrain.h && printf '/* more */\n' >> "
                  "%s/src/02-devices-and-memory.h && %s/tools/assemble --write", copy, copy, copy);
     CHECKF(st == 1 && strstr(out, "edited since it was assembled") && strstr(out, "not overwriting"),
@@ -7808,11 +7826,18 @@ TEST(the_lessons_compile_without_the_machinery, QUICK) {
     const char *cc = getenv("CC") ? getenv("CC") : "cc";
     char copy[800];
     snprintf(copy, sizeof copy, "%s/copy", tmpdir);
-    static const char *flags[] = { "", "-fopenmp -DDT_HAVE_CUDA" };
-    for (int i = 0; i < 2; i++) {
-        int st = run_cmd(out, sizeof out, "%s/tools/assemble --lessons > %s/lessons.h && %s -std=c11 -Wall -Wextra -Werror "
-                         "-fsyntax-only -DDTRAIN_IMPLEMENTATION %s -x c %s/lessons.h", root, tmpdir, cc, flags[i], tmpdir);
-        CHECKF(st == 0, "the lessons alone (%s) do not compile: they use the machinery\n%s", flags[i][0] ? flags[i] : "plain", out);
+    /* plain; with the test hooks and the host side of CUDA; with OpenMP where the compiler has it */
+    const char *flags[] = { "", "-DDT_TESTING -DDT_HAVE_CUDA", "-fopenmp" };
+    int configs = run_cmd(out, sizeof out, "printf '#include <omp.h>\\nint main(void) { return omp_get_max_threads() < 1; }\\n' | "
+                          "%s -fopenmp -x c - -o %s/omp", cc, tmpdir) == 0 ? 3 : 2;
+    for (int i = 0; i < configs; i++) {
+        /* the whole header with these flags first: a warning there is not the lessons' doing */
+        int st = run_cmd(out, sizeof out, "%s -std=c11 -Wall -Wextra -Werror -fsyntax-only -DDTRAIN_IMPLEMENTATION %s -x c %s/dtrain.h",
+                         cc, flags[i], root);
+        CHECKF(st == 0, "dtrain.h itself (%s) does not compile without a warning\n%.3000s", flags[i][0] ? flags[i] : "plain", out);
+        st = run_cmd(out, sizeof out, "%s/tools/assemble --lessons > %s/lessons.h && %s -std=c11 -Wall -Wextra -Werror "
+                     "-fsyntax-only -DDTRAIN_IMPLEMENTATION %s -x c %s/lessons.h", root, tmpdir, cc, flags[i], tmpdir);
+        CHECKF(st == 0, "the lessons alone (%s) do not compile: they use the machinery\n%.3000s", flags[i][0] ? flags[i] : "plain", out);
     }
     int st = run_cmd(out, sizeof out, "mkdir -p %s/tools && cp -r %s/src %s/ && cp %s/tools/assemble %s/tools/ && "
                      "printf 'int dt__lesson_peeks(void) { (void)dt_parse_args(0, 0, \"01\"); return 0; }\n' >> %s/src/08-optimizer.h && "
