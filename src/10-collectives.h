@@ -206,9 +206,23 @@ static dt_comm *dt__active_comm;             /* for dt_fail: tell the other rank
     do { if (__atomic_load_n(&dt__test_die_in_send, __ATOMIC_RELAXED) > 0 && \
              __atomic_sub_fetch(&dt__test_die_in_send, 1, __ATOMIC_RELAXED) == 0) raise(SIGKILL); } while (0)
 static int dt__test_die_in_send;             /* DT_TEST_DIE_SEND: this rank's sends on any communicator, counted */
+/* DT_TEST_BARRIER_LATE="r ms look_ms": rank r of the job reaches each barrier
+   (dt_barrier) ms late, and a rank waiting in one sleeps look_ms before its
+   first look at whether its peer is alive -- so a peer can arrive, pass the
+   job's last barrier and exit between the waiter's two looks. */
+static void dt__test_barrier_late(const dt_comm *c, const char *what, int arriving) {
+    const char *v = getenv("DT_TEST_BARRIER_LATE");
+    int r = -1, ms = 0, look_ms = 0;
+    if (!v || strcmp(what, "barrier") != 0 || sscanf(v, "%d %d %d", &r, &ms, &look_ms) != 3) return;
+    int wait = arriving ? (c->job_rank[c->rank] == r ? ms : 0) : look_ms;
+    struct timespec ts = { wait / 1000, (long)(wait % 1000) * 1000000L };
+    if (wait > 0) nanosleep(&ts, NULL);
+}
+#define DT_TEST_BARRIER_LATE(c, what, arriving) dt__test_barrier_late(c, what, arriving)
 #else
 #define DT_TEST_DIE_IN(c, o) ((void)0)
 #define DT_TEST_DIE_IN_SEND(c) ((void)0)
+#define DT_TEST_BARRIER_LATE(c, what, arriving) ((void)0)
 #endif
 
 
@@ -279,7 +293,13 @@ static void dt__shm_wait_for(dt_comm *c, const uint64_t *counter, uint64_t targe
         struct timespec ts = { 0, 20000 };
         nanosleep(&ts, NULL);
         if (spins % 256 == 0) {
-            if (*t0 == 0) *t0 = dt_now_ms();
+            if (*t0 == 0) { *t0 = dt_now_ms(); DT_TEST_BARRIER_LATE(c, what, 0); }
+            /* A peer may arrive and then end (its last barrier passed, it
+               exits) between our look at the counter and our look at it:
+               gone, with the counter reached, it is done, not dead. */
+            if (dt__process_gone(__atomic_load_n(&c->hdr->pid[j], __ATOMIC_ACQUIRE)) &&
+                __atomic_load_n(counter, __ATOMIC_ACQUIRE) >= target)
+                break;
             dt__check_peer(c, j, dt_now_ms() - *t0, what);
         }
     }
@@ -287,6 +307,7 @@ static void dt__shm_wait_for(dt_comm *c, const uint64_t *counter, uint64_t targe
 /* Every rank counts its barriers; a barrier is done when every count has caught up. */
 static void dt__shm_barrier(dt_comm *c, const char *what) {
     uint64_t target = ++c->barriers;
+    DT_TEST_BARRIER_LATE(c, what, 1);
     __atomic_store_n(&c->hdr->arrived[c->rank], target, __ATOMIC_RELEASE);
     double t0 = 0;
     for (int j = 0; j < c->world; j++) dt__shm_wait_for(c, &c->hdr->arrived[j], target, j, what, &t0);

@@ -2171,6 +2171,23 @@ TEST(a_killed_rank_stops_the_others_with_its_name, QUICK | ALONE) {
     run_with_rank_1_killed("--nproc 3", out, sizeof out);
 }
 
+/* A rank that passes the job's last barrier and exits at once is done, not
+   dead: the others, still looking at the barrier, must not take it for a
+   rank that died in it. The hook DT_TEST_BARRIER_LATE="0 150 600" has rank 0
+   reach each barrier 150 ms late while the others wait 600 ms before their
+   first look at whether it lives -- so rank 0 arrives, ends and exits in
+   between, after the sharded save's last barrier. (CI once failed this way
+   at -O2: "rank 0 died during barrier" at the end of a 04 --shard full run.) */
+TEST(a_rank_that_ends_after_the_last_barrier_is_not_taken_for_dead, QUICK) {
+    char out[16384], dir[700];
+    snprintf(dir, sizeof dir, "%s/saves", tmpdir);
+    int st = run_cmd(out, sizeof out, "env DT_TEST_BARRIER_LATE='0 150 600' %s --data %s " PAR_FLAGS " --model mlp --depth 1 "
+                     "--batch-size 16 --nproc 2 --shard full --epochs 1 --steps 2 --save-dir %s --timeout 60",
+                     stage_bin("04-fsdp"), small_data(), dir);
+    CHECKF(st == 0 && !strstr(out, "died during"), "04 --nproc 2 with rank 0 ending between the others' looks: exit %d\n%.3000s",
+           st, out);
+}
+
 /* The hooks the tests above use are compiled in only with -DDT_TESTING (the
    suite's own builds): the tools/collectives `make` builds ignores them. */
 static const char *plain_collectives_bin(void) {
