@@ -19,49 +19,6 @@ dt_tensor *dt_add(dt_tensor *a, dt_tensor *b);
 dt_tensor *dt_scale(dt_tensor *x, float factor);                         /* factor x */
 /* Llama's MLP activation: silu(gate) * up, element by element (SwiGLU) */
 dt_tensor *dt_swiglu(dt_tensor *gate, dt_tensor *up);
-/* Llama's attention input: q [B*T, H*hd], k and v [B*T, KV*hd] -> qkv
-   [B*T, 3*H*hd] as dt_attention reads it. q and k are rotated by their
-   position (rotary embeddings, Hugging Face's rotate-half pairs j and
-   j + hd/2, angle t / theta^(2j/hd)); each of the KV key/value heads serves
-   H/KV query heads (grouped-query attention), so it is repeated that often.
-   Llama 3 rescales the frequencies (rope_type "llama3"): those slower than
-   original_context / low_freq are divided by factor, those faster than
-   original_context / high_freq kept, the ones between blended. factor 0: none. */
-typedef struct dt_rope { float theta, factor, low_freq, high_freq; int original_context; } dt_rope;
-dt_tensor *dt_rotary_qkv(dt_tensor *q, dt_tensor *k, dt_tensor *v, int B, int T, int H, int KV, dt_rope rope);
-/* qkv: [B*T, 3*D] laid out as timm's (q | k | v, the H heads side by side) -> [B*T, D] */
-dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal);
-/* token ids [B, T] (whole numbers held as f32) -> [B*T, D]: row (b, t) is
-   wte[token] + wpe[t], the token's embedding plus its position's (wpe NULL:
-   no position embedding, as in Llama, whose attention rotates by position) */
-dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe);
-/* patches [B*P, D] -> tokens [B*(P+1), D]: class token first, position embedding added */
-dt_tensor *dt_vit_tokens(dt_tensor *patches, dt_tensor *cls, dt_tensor *pos, int B);
-/* x [B*T, D] -> [B, D]: token `index` of each sequence */
-dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index);
-/* A label of DT_IGNORE_INDEX (-100, as in PyTorch and Hugging Face) adds
-   nothing to the loss: an instruction's prompt, an example's padding. */
-#define DT_IGNORE_INDEX (-100)
-/* Mean cross-entropy of logits [B, C] against labels, over the labels that are
-   not ignored; a 1-element tensor. A language model's logits [B*T, vocab]
-   take a label per row: the next token. Logits whose vocabulary tensor
-   parallelism split (stage 06) are scored with the group: a collective. */
-dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels);
-/* A model's logits on the host, rows x the whole vocabulary (the columns of
-   a vocabulary split by tensor parallelism gathered first: a collective). */
-void dt_logits_to_host(const dt_tensor *logits, float *host);
-/* Make dt_cross_entropy of these labels (this very array, until the step
-   arena is reset) divide its sum by `divisor` instead of by the labels it
-   counts. For masked data the run driver sets the targets that count in the
-   whole step, over every rank and micro-batch, divided by ranks x
-   micro-batches: DDP's mean of the gradients and accumulation's 1/K then make
-   it the mean over the step's targets, so N ranks train exactly as one device
-   with N times the batch however the prompts fall (each rank's own mean would
-   weigh a short answer's tokens more). */
-void dt_cross_entropy_set_divisor(const int32_t *labels, double divisor);
-/* images [B, C, H, W] -> [B*(H/p)*(W/p), C*p*p], each row one patch in (c, y, x)
-   order, so a conv with kernel = stride = p is a linear layer on these rows. */
-dt_tensor *dt_patchify(const dt_tensor *images, int patch);
 
 /* Convert n values between f32, bf16 and f16 buffers on the current device. */
 void dt_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n);
@@ -163,33 +120,6 @@ struct dt_parallel {
 /* backward_done, called by each wrapper's sync function (dt_ddp_sync_grads,
    ...): fails unless a backward has run since the last one. */
 void dt_parallel_backward_done(dt_parallel *par);
-/* Tensor parallelism's two conjugate ops (Megatron-LM's f and g), which put
-   its communication on the tape so that backward needs no special case. A
-   column-parallel layer (each rank computes its share of the outputs) reads
-   dt_tp_copy(x): the input itself, but in backward each rank holds only its
-   share's part of x's gradient, so they are summed over the group. A
-   row-parallel layer (each rank multiplies its share of the inputs) gives
-   partial outputs: dt_tp_sum adds them up over the group, and in backward
-   every rank needs the whole gradient, which it has. Without a wrapper that
-   gives tp_sum, both return x. */
-dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x);
-dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x);
-/* Sequence parallelism (Korthikanti et al., 2022): between the split layers,
-   where the norms and residual adds work row by row, each rank of the group
-   keeps 1/T of the rows (tokens) instead of all of them. dt_sp_split enters
-   that region (this rank's rows; backward all-gathers their gradients),
-   dt_sp_gather leaves it (every row again; backward keeps this rank's). In
-   between, dt_tp_copy becomes an all-gather of the rows (backward: a
-   reduce-scatter) and dt_tp_sum a reduce-scatter (backward: an all-gather):
-   the same bytes as the all-reduces they replace, as each all-reduce is a
-   reduce-scatter then an all-gather. Without a wrapper that gives
-   sp_all_gather, both return x; so they do when the rows do not split evenly
-   and no gradient is wanted (generation), and with gradients that is an error. */
-dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x);
-dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x);
-/* x [rows, cols] + bias [cols] on every row: a row-parallel layer's bias, added
-   once, after the sum. */
-dt_tensor *dt_add_bias(dt_tensor *x, dt_tensor *bias);
 /* Floating-point operations counted by the matmuls since the last reset. */
 double dt_flops_counted(void);
 void dt_flops_reset(void);

@@ -7865,7 +7865,7 @@ TEST(the_lessons_compile_without_the_machinery, QUICK) {
                  "-DDTRAIN_IMPLEMENTATION -x c %s/lessons.h", copy, tmpdir, cc, tmpdir);
     CHECKF(st != 0 && strstr(out, "dt_parse_args"), "a lesson calling dt_parse_args compiled without the machinery (exit %d)\n%.2000s",
            st, out);
-    st = run_cmd(out, sizeof out, "cp %s/src/08-optimizer.h %s/src/ && mv %s/src/15-data.h %s/src/08-data.h && %s/tools/assemble",
+    st = run_cmd(out, sizeof out, "cp %s/src/08-optimizer.h %s/src/ && mv %s/src/17-data.h %s/src/08-data.h && %s/tools/assemble",
                  root, copy, copy, copy, copy);
     CHECKF(st == 2 && strstr(out, "is a lesson chapter after a machinery one"),
            "a machinery chapter among the lessons: exit %d\n%.2000s", st, out);

@@ -17,31 +17,6 @@ void dt_safetensors_close(dt_safetensors *st);
 int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndim, const int *shape);
 const char *dt_safetensors_meta(dt_safetensors *st, const char *key); /* NULL when absent */
 
-/* Load a model's weights by name (--init), from any safetensors file, a
-   checkpoint folder (whole or sharded) or a Hugging Face model folder. A
-   missing or misshapen tensor is an error naming it. */
-void dt_model_load_weights(dt_model *m, const char *path);
-
-/* Sharded checkpoints (stage 04): a folder in which each rank writes its own
-   shard file, "shard<r>-of-<N>.safetensors", and rank 0 then the index,
-   "shards.safetensors". --resume and --init take the folder. This turns one
-   into a whole checkpoint folder that every stage resumes from and PyTorch,
-   transformers and timm read (tools/consolidate). */
-void dt_checkpoint_consolidate(const char *path, const char *out_path);
-/* LoRA: fold a checkpoint's adapters into its frozen model, W + (alpha/r) B A,
-   and write the whole model as a weights folder (model.safetensors and
-   config.json) that --init, from_pretrained and timm read. The frozen model
-   comes from the folder adapter_config.json names, or else from the seed the
-   run started with. tools/merge-lora runs it. */
-void dt_lora_merge(const char *adapter_dir, const char *out_path);
-
-/* A run's training checkpoint (the run-driver chapter drives it), a folder: the weights
-   (model.safetensors, with the position and RNG seed as metadata), the
-   optimizer state (optimizer.safetensors) and config.json. */
-typedef struct dt_run dt_run;
-void dt_checkpoint_save(dt_run *run, const char *path);
-void dt_checkpoint_load(dt_run *r, const char *path);
-
 //@ implementation
 /* ==== checkpoints ===========================================================
    Tensors go to disk as safetensors files: an 8-byte little-endian header

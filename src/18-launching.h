@@ -92,14 +92,6 @@ int dt_gpu_for_rank(int local_rank, int local_ranks, int gpus, int ranks_per_gpu
     return local_rank % gpus;
 }
 
-#ifndef DT_HAVE_CUDA
-int dt_nccl_available(char *why, size_t n) {
-    dt__copy_str(why, n, "this build has no CUDA, so no NCCL (install the CUDA toolkit and NCCL, then make)");
-    return 0;
-}
-int dt_nccl_version(void) { return 0; }
-#endif
-
 /* Two ranks on one GPU (--ranks-per-gpu): NCCL 2.30 and later allow it when
    asked (NCCL_MULTI_RANK_GPU_ENABLE=1); older NCCL refuses a GPU twice in one
    communicator, unless each rank says it is a host of its own (NCCL_HOSTID),

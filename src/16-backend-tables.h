@@ -331,3 +331,12 @@ void dt_nccl_abort(dt_nccl *s);                       /* only from the thread th
 void dt_nccl_finalize(dt_nccl *s);
 void dt_nccl_free(dt_nccl *s);
 
+//@ implementation
+/* Without CUDA there is no NCCL: the CUDA chapter defines these when there is. */
+#ifndef DT_HAVE_CUDA
+int dt_nccl_available(char *why, size_t n) {
+    dt__copy_str(why, n, "this build has no CUDA, so no NCCL (install the CUDA toolkit and NCCL, then make)");
+    return 0;
+}
+int dt_nccl_version(void) { return 0; }
+#endif

@@ -1,0 +1,517 @@
+//@ lesson: fully sharded data parallel -- ZeRO-1/2/3: optimizer state, gradients and parameters sharded; CPU offload
+/* ---- fully sharded data parallel --------------------------------------------- */
+
+/* Fully sharded data parallel (stages 04-05): like DDP, but no rank keeps the
+   whole model. Each unit's parameters are one flat buffer padded to a multiple
+   of N; rank r keeps elements [r, r + 1) * size/N of it -- its shard -- and the
+   optimizer state of that shard only. The mode chooses what is sharded, as the
+   ZeRO paper's stages do:
+     DT_SHARD_OPTIMIZER  optimizer state (ZeRO-1): gradients reduce-scattered
+                         after backward, each rank steps its shard, the new
+                         parameters are all-gathered
+     DT_SHARD_GRADS      + gradients (ZeRO-2): each unit's gradients are
+                         reduce-scattered as soon as its backward is done
+     DT_SHARD_FULL       + parameters (ZeRO-3): a unit is all-gathered just
+                         before its forward, freed after it, gathered again
+                         just before its backward; the next unit's all-gather
+                         is started while one computes (prefetch), and the
+                         last unit stays gathered from its forward into its
+                         backward, which needs it first
+   Checkpoints of a sharded model are sharded too (the checkpoints chapter). */
+typedef enum { DT_SHARD_NONE = -1, DT_SHARD_OPTIMIZER = 0, DT_SHARD_GRADS = 1, DT_SHARD_FULL = 2 } dt_shard_mode;   /* NONE: 07's default */
+typedef struct dt_fsdp dt_fsdp;
+/* Broadcast rank 0's parameters, keep this rank's shards, free the rest. The
+   optimizer, created after this, holds the shard's state only. cpu_offload:
+   the shards and the optimizer state live in host memory, the optimizer steps
+   on the CPU, and a unit's shard is copied to the device just before its
+   all-gather (on a CPU-only run, between the device and host arenas). */
+dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload);
+/* After backward: DT_SHARD_OPTIMIZER reduce-scatters every gradient now (the
+   other modes did it unit by unit during backward). */
+void dt_fsdp_sync_grads(dt_fsdp *fsdp);
+/* Gradient accumulation (stage 05), as dt_ddp_set_sync: with sync 0 no unit is
+   reduce-scattered, and each unit's whole gradient adds up in a buffer of the
+   model's size (PyTorch's FSDP no_sync() keeps unsharded gradients too: fewer
+   collectives, paid for in memory); the next synchronised backward
+   reduce-scatters the sums. */
+void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync);
+/* Reduce-scatter gradients in this dtype (default f32), as PyTorch's
+   MixedPrecision(reduce_dtype=...). Parameters are gathered in the compute
+   dtype that was set when dt_fsdp_create ran (the mixed-precision chapter). */
+void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype);
+void dt_fsdp_free(dt_fsdp *fsdp);
+
+//@ implementation
+
+/* -- Fully sharded data parallel -- */
+typedef struct dt__fsdp_unit {
+    int first, end;             /* its parameters: first .. end - 1 */
+    int64_t offset, numel;      /* where it sits in the model's parameter order */
+    int64_t shard;              /* elements per rank: numel rounded up to a multiple of world, / world */
+    int64_t shard_offset;       /* where its shard starts in this rank's flat shard buffers */
+    int64_t accum_offset;       /* where its whole gradient adds up while accumulating (no-sync) */
+    void *full;                 /* [shard * world] gathered parameters, in the compute dtype */
+    float *full_grad;           /* [shard * world] their gradients, f32 */
+    dt_comm_handle gathering;   /* an all-gather in flight (a prefetch), or 0 */
+} dt__fsdp_unit;
+
+struct dt_fsdp {
+    dt_parallel par;            /* first: the model's dt_parallel * is this dt_fsdp */
+    dt_model *model;
+    dt_comm *comm;
+    dt_shard_mode mode;
+    int offload;                /* shards and optimizer state in host memory */
+    int rank, world, nunits;
+    dt__fsdp_unit *units;
+    float *shard_params, *shard_grads;   /* this rank's slice of every unit, one after another */
+    int64_t shard_numel;
+    /* Buffers made once and reused by every unit: a malloc per unit per step
+       costs page faults on a CPU, and a cudaFree synchronises the whole GPU.
+       At most two neighbouring units are gathered at once, so two parameter
+       buffers serve all of them (unit k takes buffer k % 2), and one gradient
+       buffer, as backward does one unit at a time. Offloaded shards are
+       uploaded into staging buffers, by the same rule. The model's outer unit
+       (dt_model.outer_unit), gathered from the start of forward to the end of
+       backward, has buffers of its own: slot 2, and outer_grad. */
+    void *gathered[3];
+    float *gathered_grad, *outer_grad, *staged[3], *scattered;
+    int holder[3];                       /* the unit in each parameter buffer, or -1 */
+    size_t largest, largest_shard;       /* f32 bytes: the largest unit, gathered, and its shard */
+    int64_t prefetched;                  /* units that were already on their way when needed */
+    /* Stage 05. Mixed precision: parameters are gathered in param_dtype (the
+       compute dtype), each rank first narrowing its f32 shard into send16;
+       gradients are reduce-scattered in reduce_dtype through grad16 and
+       scattered16. Accumulation: with sync 0 nothing is reduce-scattered and
+       the units' whole gradients add up in `accum`. */
+    dt_dtype param_dtype, reduce_dtype;
+    void *send16[3], *grad16, *scattered16;
+    int sync;
+    float *accum;
+    int64_t accum_numel;
+};
+
+static size_t dt__fsdp_full_bytes(const dt_fsdp *f, const dt__fsdp_unit *u) { return (size_t)(u->shard * f->world) * sizeof(float); }
+static size_t dt__fsdp_param_bytes(const dt_fsdp *f, const dt__fsdp_unit *u) {
+    return (size_t)(u->shard * f->world) * dt_dtype_size(f->param_dtype);
+}
+static size_t dt__fsdp_largest_params(const dt_fsdp *f) { return f->largest / sizeof(float) * dt_dtype_size(f->param_dtype); }
+/* Which of the reused buffers unit k takes: neighbours alternate, the outer unit has its own. */
+static int dt__fsdp_slot(const dt_fsdp *f, int k) { return k == f->model->outer_unit ? 2 : k % 2; }
+
+/* Unit k's slice of a shard buffer where the collectives can read it: the
+   buffer itself, or, offloaded, a copy uploaded into the staging buffer of its slot. */
+static float *dt__fsdp_shard_on_device(dt_fsdp *f, const float *shards, int k) {
+    const dt__fsdp_unit *u = &f->units[k];
+    if (!f->offload) return (float *)shards + u->shard_offset;
+    dt_upload(f->staged[dt__fsdp_slot(f, k)], shards + u->shard_offset, (size_t)u->shard * sizeof(float));
+    return f->staged[dt__fsdp_slot(f, k)];
+}
+/* Unit k's shard as the all-gather sends it: in the compute dtype, which under
+   mixed precision is a 16-bit copy (send16, one per neighbouring unit). */
+static const void *dt__fsdp_send_buffer(dt_fsdp *f, int k) {
+    float *mine = dt__fsdp_shard_on_device(f, f->shard_params, k);
+    if (f->param_dtype == DT_F32) return mine;
+    dt_convert(mine, DT_F32, f->send16[dt__fsdp_slot(f, k)], f->param_dtype, f->units[k].shard);
+    return f->send16[dt__fsdp_slot(f, k)];
+}
+/* A unit's whole parameters from f32 host values, in the compute dtype. */
+static void dt__fsdp_fill_params(dt_fsdp *f, dt__fsdp_unit *u, const float *host) {
+    if (f->param_dtype == DT_F32) { dt_upload(u->full, host, (size_t)u->numel * sizeof(float)); return; }
+    uint16_t *h = (uint16_t *)malloc((size_t)u->numel * 2 + 1);
+    if (!h) dt_fail("out of memory");
+    dt__f32_to_half_cpu(host, h, f->param_dtype, u->numel);
+    dt_upload(u->full, h, (size_t)u->numel * 2);
+    free(h);
+}
+/* Host values into a shard buffer: a copy when offloaded, else an upload. */
+static void dt__fsdp_put(dt_fsdp *f, float *dst, const float *host, int64_t n) {
+    if (n <= 0) return;
+    if (f->offload) memcpy(dst, host, (size_t)n * sizeof(float));
+    else dt_upload(dst, host, (size_t)n * sizeof(float));
+}
+
+/* Point the unit's parameters (or their f32 gradients) into a gathered buffer,
+   or nowhere. Gathered parameters are in the compute dtype. */
+static void dt__fsdp_point(dt_fsdp *f, dt__fsdp_unit *u, int grads, void *buf) {
+    for (int i = u->first; i < u->end; i++) {
+        dt_tensor *p = &f->model->params[i];
+        int64_t at = f->model->offsets[i] - u->offset;
+        if (grads) p->grad = buf ? (float *)buf + at : NULL;
+        else {
+            p->dtype = f->param_dtype;
+            p->data = buf ? (float *)((char *)buf + at * dt_dtype_size(f->param_dtype)) : NULL;
+        }
+    }
+}
+
+/* All-gather: every rank's shard of the unit, side by side, is the unit. It is
+   started ahead of need -- the next unit's while this one computes -- and
+   finished when the unit is about to run. Every rank starts and finishes them
+   in the same order, so the collectives pair up. */
+static void dt__fsdp_gather_start(dt_fsdp *f, int k) {
+    dt__fsdp_unit *u = &f->units[k];
+    if (f->mode != DT_SHARD_FULL || u->full || u->gathering) return;        /* there already, or on its way */
+    int slot = dt__fsdp_slot(f, k);
+    if (f->holder[slot] >= 0)
+        dt_fail("internal: FSDP gathers unit %d while unit %d still holds its buffer", k, f->holder[slot]);
+    f->holder[slot] = k;
+    u->full = f->gathered[slot];
+    u->gathering = dt_all_gather_async(f->comm, dt__fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
+}
+static void dt__fsdp_gather_unit(dt_fsdp *f, int k, int next) {
+    dt__fsdp_unit *u = &f->units[k];
+    if (f->mode != DT_SHARD_FULL) return;
+    double wait_from = dt_now_ms(), t0, t1;
+    f->prefetched += u->gathering != 0;
+    dt__fsdp_gather_start(f, k);
+    if (next >= 0 && next < f->nunits) dt__fsdp_gather_start(f, next);      /* prefetch */
+    if (!u->gathering) return;
+    dt_comm_wait(f->comm, u->gathering);
+    dt__comm_interval(f->comm, u->gathering, &t0, &t1);
+    double hidden = (t1 < wait_from ? t1 : wait_from) - t0;
+    dt__record_comm("all_gather unit", t0, t1, hidden > 0 ? hidden : 0);
+    u->gathering = 0;
+    dt__fsdp_point(f, u, 0, u->full);
+}
+static void dt__fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only our slice */
+    dt__fsdp_unit *u = &f->units[k];
+    if (f->mode != DT_SHARD_FULL) return;
+    if (u->full) f->holder[dt__fsdp_slot(f, k)] = -1;
+    u->full = NULL;
+    dt__fsdp_point(f, u, 0, NULL);
+}
+/* Reduce-scatter: the average of every rank's gradient of the unit, of which
+   this rank keeps its slice (added to what it holds: accumulation needs it). */
+static void dt__fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
+    dt__fsdp_unit *u = &f->units[k];
+    dt_device dev = f->model->device;
+    float *mine = f->scattered, *dst = f->shard_grads + u->shard_offset;
+    double t0 = dt_now_ms();
+    if (f->reduce_dtype == DT_F32) dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
+    else {                                          /* 16-bit copies travel */
+        dt_convert(u->full_grad, DT_F32, f->grad16, f->reduce_dtype, u->shard * f->world);
+        dt_reduce_scatter(f->comm, f->grad16, f->scattered16, u->shard, f->reduce_dtype, DT_AVG);
+        dt_convert(f->scattered16, f->reduce_dtype, mine, DT_F32, u->shard);
+    }
+    dt__ctx.grad_collectives++;
+    dt__record_comm("reduce_scatter unit", t0, dt_now_ms(), 0);
+    const dt_backend *gpu = f->offload ? NULL : dt__backend_of(dev);
+    if (gpu) gpu->accumulate(dst, mine, u->shard);
+    else {                                          /* offloaded: to the host, added there */
+        float *host = dt__host_view(dev, mine, u->shard);
+        for (int64_t i = 0; i < u->shard; i++) dst[i] += host[i];
+        dt__host_view_close(dev, host, mine, u->shard, 0);
+    }
+}
+
+/* The two marks a unit leaves on the tape; backward meets them in reverse. */
+static void dt__fsdp_before_unit_backward(dt__tape_entry *e) {
+    dt_fsdp *f = (dt_fsdp *)e->saved;
+    dt__fsdp_unit *u = &f->units[e->iarg[0]];
+    dt__fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1);             /* gathered again; the one before on its way */
+    if (f->mode != DT_SHARD_OPTIMIZER) {
+        if (f->accum) u->full_grad = f->accum + u->accum_offset;     /* adds to the micro-batches before */
+        else {                                                       /* backward adds into it: zeroed */
+            u->full_grad = e->iarg[0] == f->model->outer_unit ? f->outer_grad : f->gathered_grad;
+            dt__zero_on(f->model->device, u->full_grad, dt__fsdp_full_bytes(f, u));
+        }
+        dt__fsdp_point(f, u, 1, u->full_grad);
+    }
+}
+static void dt__fsdp_after_unit_backward(dt__tape_entry *e) {
+    dt_fsdp *f = (dt_fsdp *)e->saved;
+    dt__fsdp_unit *u = &f->units[e->iarg[0]];
+    if (f->mode == DT_SHARD_OPTIMIZER) return;                                  /* all at once, after backward */
+    if (f->sync) {                                                              /* no-sync: it stays in accum */
+        dt__fsdp_reduce_scatter_unit(f, e->iarg[0]);
+        if (f->accum) dt__zero_on(f->model->device, u->full_grad, dt__fsdp_full_bytes(f, u));
+    }
+    u->full_grad = NULL;
+    dt__fsdp_point(f, u, 1, NULL);
+    dt__fsdp_release_unit(f, e->iarg[0]);
+}
+
+static void dt__fsdp_unit_begin(dt_parallel *par, int unit) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    dt__fsdp_gather_unit(f, unit, unit + 1);                               /* and the next one on its way */
+    if (dt__ctx.grad_enabled) dt__tape_mark(dt__fsdp_after_unit_backward, f, unit);
+}
+static void dt__fsdp_unit_end(dt_parallel *par, int unit) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    int training = dt__ctx.grad_enabled;
+    /* reshard after forward -- but the last unit is the first that backward
+       needs, so in training it stays gathered (one all-gather saved); so
+       does the outer unit, whose backward ends the step */
+    if (!(training && (unit == f->nunits - 1 || unit == f->model->outer_unit))) dt__fsdp_release_unit(f, unit);
+    if (training) dt__tape_mark(dt__fsdp_before_unit_backward, f, unit);
+}
+static void dt__fsdp_backward_done(dt_parallel *par);
+static void dt__fsdp_step_done(dt_parallel *par);
+static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o);
+static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load);
+static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written);
+static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o);
+static void dt__fsdp_sum_over_ranks(dt_parallel *par, float *values, int n) {
+    dt__comm_all_reduce_host(((dt_fsdp *)par)->comm, values, n, DT_SUM);
+}
+/* The cost model's view (the cost-model chapter): which ZeRO, and the optimizer step
+   of the whole model, N times the shard's this rank measured. */
+static int dt__fsdp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_fsdp *f = (const dt_fsdp *)par;
+    static const dt_parallelism zero[3] = { DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3 };   /* by dt_shard_mode */
+    in->kind = zero[f->mode];
+    in->optimizer_ms *= f->world;
+    return f->world;
+}
+
+dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload) {
+    dt_fsdp *f = (dt_fsdp *)calloc(1, sizeof *f);
+    if (!f || !(f->units = (dt__fsdp_unit *)calloc((size_t)model->nunits, sizeof(dt__fsdp_unit))))
+        dt_fail("out of memory (FSDP)");
+    f->par = (dt_parallel){ .create_fn = "dt_fsdp_create", .sync_fn = "dt_fsdp_sync_grads", .free_fn = "dt_fsdp_free",
+                            .unit_begin = dt__fsdp_unit_begin, .unit_end = dt__fsdp_unit_end,
+                            .backward_done = dt__fsdp_backward_done, .step_done = dt__fsdp_step_done,
+                            .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks,
+                            .state_open = dt__fsdp_state_open, .state_close = dt__fsdp_state_close,
+                            .memory_table = dt__fsdp_memory_table, .cost_input = dt__fsdp_cost_input };
+    dt_model_set_parallel(model, &f->par);
+    dt__comm_hold(comm, "dt_fsdp_free");
+    f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
+    f->param_dtype = dt__ctx.compute_dtype; f->reduce_dtype = DT_F32; f->sync = 1;
+    f->rank = dt_comm_rank(comm); f->world = dt_comm_size(comm); f->nunits = model->nunits;
+    dt_device dev = model->device;
+    dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);     /* every rank starts from rank 0's */
+    for (int k = 0; k < f->nunits; k++) {
+        dt__fsdp_unit *u = &f->units[k];
+        u->first = model->unit_first[k];
+        u->end = model->unit_first[k + 1];
+        u->offset = model->offsets[u->first];
+        u->numel = (u->end < model->nparams ? model->offsets[u->end] : model->numel) - u->offset;
+        u->shard = (u->numel + f->world - 1) / f->world;
+        u->shard_offset = f->shard_numel;
+        f->shard_numel += u->shard;
+        u->accum_offset = f->accum_numel;
+        f->accum_numel += u->shard * f->world;
+        if (dt__fsdp_full_bytes(f, u) > f->largest) f->largest = dt__fsdp_full_bytes(f, u);
+    }
+    f->largest_shard = f->largest / (size_t)f->world;
+    int outer = model->outer_unit, used[3] = { 0, 0, 0 };                   /* the slots some unit takes */
+    for (int k = 0; k < f->nunits; k++) used[dt__fsdp_slot(f, k)] = 1;
+    f->holder[0] = f->holder[1] = f->holder[2] = -1;
+    for (int b = 0; b < 3; b++) {
+        if (!used[b]) continue;
+        if (mode == DT_SHARD_FULL) f->gathered[b] = dt_alloc_on(dev, DT_ARENA_PARAMS, dt__fsdp_largest_params(f));
+        if (f->param_dtype != DT_F32) f->send16[b] = dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard / 2);
+        if (cpu_offload) f->staged[b] = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard);
+    }
+    if (mode != DT_SHARD_OPTIMIZER) f->gathered_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, f->largest);
+    if (mode != DT_SHARD_OPTIMIZER && outer >= 0) f->outer_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, f->largest);
+    f->scattered = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard);
+    size_t shard_bytes = (size_t)f->shard_numel * sizeof(float);
+    f->shard_params = (float *)(f->offload ? dt_alloc_host(DT_ARENA_PARAMS, shard_bytes) : dt_alloc_on(dev, DT_ARENA_PARAMS, shard_bytes));
+    f->shard_grads = (float *)(f->offload ? dt_alloc_host(DT_ARENA_GRADS, shard_bytes) : dt_alloc_on(dev, DT_ARENA_GRADS, shard_bytes));
+    /* Cut the model into shards: this rank keeps elements [rank * shard, (rank + 1) * shard) of each unit. */
+    float *host = dt__host_view(dev, model->flat_data, model->numel);
+    for (int k = 0; k < f->nunits; k++) {
+        dt__fsdp_unit *u = &f->units[k];
+        int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
+        dt__fsdp_put(f, f->shard_params + u->shard_offset, host + u->offset + lo, hi - lo);
+        if (mode != DT_SHARD_FULL) {             /* ZeRO-1 and -2 keep every parameter, in per-unit buffers */
+            u->full = dt_alloc_on(dev, DT_ARENA_PARAMS, dt__fsdp_param_bytes(f, u));
+            dt__fsdp_fill_params(f, u, host + u->offset);
+            dt__fsdp_point(f, u, 0, u->full);
+        }
+        if (mode == DT_SHARD_OPTIMIZER) {        /* ZeRO-1 keeps every gradient too */
+            u->full_grad = (float *)dt_alloc_on(dev, DT_ARENA_GRADS, dt__fsdp_full_bytes(f, u));
+            dt__fsdp_point(f, u, 1, u->full_grad);
+        }
+        if (mode == DT_SHARD_FULL) dt__fsdp_point(f, u, 0, NULL);
+        if (mode != DT_SHARD_OPTIMIZER) dt__fsdp_point(f, u, 1, NULL);
+    }
+    dt__host_view_close(dev, host, model->flat_data, model->numel, 0);
+    dt_free_on(dev, DT_ARENA_PARAMS, model->flat_data, (size_t)model->numel * sizeof(float));
+    dt_free_on(dev, DT_ARENA_GRADS, model->flat_grad, (size_t)model->numel * sizeof(float));
+    model->flat_data = model->flat_grad = NULL;
+    return f;
+}
+
+/* The optimizer of a sharded model steps this rank's shard: one slice per
+   part of a parameter inside it (the padding belongs to no parameter). */
+static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    dt_model *m = f->model;
+    o->params = f->shard_params; o->grads = f->shard_grads; o->numel = f->shard_numel;
+    o->sharded_by = par;
+    if (f->offload) { o->device = DT_CPU; o->offloaded = 1; }     /* the optimizer steps on the CPU */
+    o->slices = (struct dt_param_slice *)calloc((size_t)m->nparams, sizeof *o->slices);
+    if (!o->slices) dt_fail("out of memory (optimizer)");
+    for (int k = 0; k < f->nunits; k++) {
+        dt__fsdp_unit *u = &f->units[k];
+        int64_t lo = f->rank * u->shard, hi = lo + u->shard;
+        for (int i = u->first; i < u->end; i++) {
+            int64_t a = m->offsets[i] - u->offset, b = a + m->params[i].numel;
+            if (a < lo) a = lo;
+            if (b > hi) b = hi;
+            if (b <= a) continue;
+            struct dt_param_slice *s = &o->slices[o->nslices++];
+            s->offset = u->shard_offset + (a - lo);
+            s->length = b - a;
+            s->decay = m->params[i].ndim >= 2;
+        }
+    }
+}
+
+void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync) {
+    fsdp->sync = sync;
+    if (!sync && !fsdp->accum && fsdp->mode != DT_SHARD_OPTIMIZER) {     /* ZeRO-1 keeps whole gradients anyway */
+        fsdp->accum = (float *)dt_alloc_on(fsdp->model->device, DT_ARENA_GRADS, (size_t)fsdp->accum_numel * sizeof(float));
+        dt__zero_on(fsdp->model->device, fsdp->accum, (size_t)fsdp->accum_numel * sizeof(float));
+        dt_free_on(fsdp->model->device, DT_ARENA_GRADS, fsdp->gathered_grad, fsdp->largest);   /* each unit has its slice now */
+        dt_free_on(fsdp->model->device, DT_ARENA_GRADS, fsdp->outer_grad, fsdp->largest);
+        fsdp->gathered_grad = fsdp->outer_grad = NULL;
+    }
+}
+void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype) {
+    dt_device dev = fsdp->model->device;
+    dt_free_on(dev, DT_ARENA_COMM, fsdp->grad16, fsdp->largest / 2);
+    dt_free_on(dev, DT_ARENA_COMM, fsdp->scattered16, fsdp->largest_shard / 2);
+    fsdp->grad16 = fsdp->scattered16 = NULL;
+    fsdp->reduce_dtype = dtype;
+    if (dtype == DT_F32) return;
+    fsdp->grad16 = dt_alloc_on(dev, DT_ARENA_COMM, fsdp->largest / 2);
+    fsdp->scattered16 = dt_alloc_on(dev, DT_ARENA_COMM, fsdp->largest_shard / 2);
+}
+
+static void dt__fsdp_backward_done(dt_parallel *par) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    if (f->mode != DT_SHARD_OPTIMIZER || !f->sync) return;   /* reduce-scattered during backward, or accumulating */
+    for (int k = f->nunits - 1; k >= 0; k--) {
+        dt__fsdp_unit *u = &f->units[k];
+        dt__fsdp_reduce_scatter_unit(f, k);
+        dt__zero_on(f->model->device, u->full_grad, dt__fsdp_full_bytes(f, u));
+    }
+}
+
+void dt_fsdp_sync_grads(dt_fsdp *fsdp) { dt_parallel_backward_done(&fsdp->par); }
+
+/* After the optimizer: DT_SHARD_OPTIMIZER and _GRADS all-gather the updated
+   parameters (DT_SHARD_FULL gathers each unit when it is next used). */
+static void dt__fsdp_step_done(dt_parallel *par) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    if (f->mode == DT_SHARD_FULL) return;              /* gathered when next needed */
+    for (int k = 0; k < f->nunits; k++) {
+        dt__fsdp_unit *u = &f->units[k];
+        double t0 = dt_now_ms();
+        dt_all_gather(f->comm, dt__fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
+        dt__record_comm("all_gather parameters", t0, dt_now_ms(), 0);
+    }
+}
+
+/* Checkpoints see a sharded model whole: every rank's shards gathered into one
+   host array in parameter order (a collective), or written back into them. */
+static float *dt__fsdp_state_gather(dt_fsdp *f, const float *shards) {
+    dt_device dev = f->model->device;
+    float *host = (float *)malloc((size_t)f->model->numel * sizeof(float) + 1);
+    if (!host) dt_fail("out of memory (gathering a sharded checkpoint)");
+    for (int k = 0; k < f->nunits; k++) {
+        dt__fsdp_unit *u = &f->units[k];
+        float *full = (float *)dt_alloc_on(dev, DT_ARENA_COMM, dt__fsdp_full_bytes(f, u));
+        dt_all_gather(f->comm, dt__fsdp_shard_on_device(f, shards, k), full, u->shard, DT_F32);
+        dt__download_from(dev, host + u->offset, full, (size_t)u->numel * sizeof(float));
+        dt_free_on(dev, DT_ARENA_COMM, full, dt__fsdp_full_bytes(f, u));
+    }
+    return host;
+}
+static void dt__fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards, int parameters) {
+    for (int k = 0; k < f->nunits; k++) {
+        dt__fsdp_unit *u = &f->units[k];
+        int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
+        dt__fsdp_put(f, shards + u->shard_offset, host + u->offset + lo, hi - lo);
+        if (parameters && u->full) dt__fsdp_fill_params(f, u, host + u->offset);
+    }
+}
+static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    (void)for_load;                       /* every rank gets the whole, gathered, either way */
+    return dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
+}
+static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    if (written) dt__fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
+    free(host);
+}
+
+/* What each rank holds, against what DDP would hold: the ZeRO paper's
+   formulas with P, G, O the bytes of parameters, gradients and optimizer state
+   (O = 2P for AdamW, P for SGD's momentum), N ranks. The buffers that a unit
+   is gathered into are shown apart: they are the price of sharding. */
+static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
+    const dt_fsdp *f = (const dt_fsdp *)par;
+    /* ZeRO-1 and -2 here keep the shards the optimizer steps apart from the
+       whole copies: P/N (and for ZeRO-1 G/N) more than the paper, which steps
+       a slice of the copy in place */
+    static const char *formulas[3][3] = { { "P + P/N", "G + G/N", "O/N" }, { "P + P/N", "G/N", "O/N" }, { "P/N", "G/N", "O/N" } };
+    static const char *names[3] = { "optimizer (ZeRO-1)", "grads (ZeRO-2)", "full (ZeRO-3)" };
+    double P = 4.0 * f->model->numel, ddp[3] = { P, P, o->v ? 2 * P : P };
+    dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
+    const char *rows[3] = { "parameters", "gradients", "optimizer state" };
+    double buffers[3] = { ((f->gathered[0] ? 1.0 : 0.0) + (f->gathered[1] ? 1.0 : 0.0) + (f->gathered[2] ? 1.0 : 0.0)) *
+                          dt__fsdp_largest_params(f),
+                          ((f->gathered_grad ? 1.0 : 0.0) + (f->outer_grad ? 1.0 : 0.0)) * (double)f->largest, 0 };
+    double frozen = f->model->base ? 4.0 * (double)f->model->base->numel : 0;   /* LoRA's: in the parameters' arena */
+    buffers[0] += frozen;
+    printf("memory per rank, --shard %s%s, %d ranks (MB):\n", names[f->mode], f->offload ? " --cpu-offload" : "", f->world);
+    printf("  %-16s %8s %8s %8s   %s\n", "", "device", "host", "DDP", "formula");
+    for (int i = 0; i < 3; i++)
+        printf("  %-16s %8.2f %8.2f %8.2f   %s\n", rows[i], (dt_mem_now(arenas[i]) - buffers[i]) / 1e6,
+               dt_mem_host_now(arenas[i]) / 1e6, ddp[i] / 1e6, formulas[f->mode][i]);
+    if (frozen > 0)
+        printf("  %-16s %8.2f %8s %8.2f   %s\n", "frozen (LoRA)", frozen / 1e6, "", frozen / 1e6,
+               "F: whole on every rank and device, read only: no gradient, no state, never sent");
+    if (f->param_dtype != DT_F32)
+        printf("  (f32 shards and optimizer; parameters gathered in %s, 2 bytes each)\n", dt_dtype_name(f->param_dtype));
+    if (buffers[0] + buffers[1] - frozen > 0)
+        printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1] - frozen) / 1e6, "", "",
+               f->mode == DT_SHARD_FULL ? "2 units of parameters (one computes, the next arrives) + 1 of gradients"
+                                        : "1 unit of gradients (whole during its backward)");
+    if (f->model->outer_unit >= 0 && buffers[0] + buffers[1] - frozen > 0)
+        printf("  %-16s %8s %8s %8s   %s\n", "", "", "", "", "+ the outer unit's (embeddings, shared with the head), whole all step");
+    fflush(stdout);
+}
+
+/* The FSDP wrapper of a model, or NULL: for the checkpoints and reports that
+   need its shards. */
+static dt_fsdp *dt__fsdp_of(const dt_model *m) {
+    return m->parallel && m->parallel->step_done == dt__fsdp_step_done ? (dt_fsdp *)m->parallel : NULL;
+}
+
+void dt_fsdp_free(dt_fsdp *fsdp) {
+    if (!fsdp) return;
+    dt_model *m = fsdp->model;
+    dt_model_set_parallel(m, NULL);
+    for (int k = 0; k < fsdp->nunits; k++) {
+        dt__fsdp_unit *u = &fsdp->units[k];
+        if (u->gathering) dt__fsdp_gather_unit(fsdp, k, -1);      /* a prefetch nobody used: let it land */
+        if (fsdp->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt__fsdp_param_bytes(fsdp, u));
+        if (fsdp->mode == DT_SHARD_OPTIMIZER) dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt__fsdp_full_bytes(fsdp, u));
+        dt__fsdp_point(fsdp, u, 0, NULL);
+        dt__fsdp_point(fsdp, u, 1, NULL);
+    }
+    for (int b = 0; b < 3; b++) {
+        dt_free_on(m->device, DT_ARENA_PARAMS, fsdp->gathered[b], dt__fsdp_largest_params(fsdp));
+        dt_free_on(m->device, DT_ARENA_COMM, fsdp->staged[b], fsdp->largest_shard);
+        dt_free_on(m->device, DT_ARENA_COMM, fsdp->send16[b], fsdp->largest_shard / 2);
+    }
+    dt__comm_release(fsdp->comm);            /* after the last prefetch has landed */
+    dt_fsdp_set_reduce_dtype(fsdp, DT_F32);
+    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->accum, (size_t)fsdp->accum_numel * sizeof(float));
+    for (int i = 0; i < m->nparams; i++) m->params[i].dtype = DT_F32;
+    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->gathered_grad, fsdp->largest);
+    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->outer_grad, fsdp->largest);
+    dt_free_on(m->device, DT_ARENA_COMM, fsdp->scattered, fsdp->largest_shard);
+    size_t shard_bytes = (size_t)fsdp->shard_numel * sizeof(float);
+    if (fsdp->offload) { dt_free_host(DT_ARENA_PARAMS, fsdp->shard_params, shard_bytes); dt_free_host(DT_ARENA_GRADS, fsdp->shard_grads, shard_bytes); }
+    else { dt_free_on(m->device, DT_ARENA_PARAMS, fsdp->shard_params, shard_bytes); dt_free_on(m->device, DT_ARENA_GRADS, fsdp->shard_grads, shard_bytes); }
+    free(fsdp->units);
+    free(fsdp);
+}
