@@ -115,12 +115,15 @@
        24 command line  one table of flags for every stage, and the data they name
        25 run driver    the loop every stage shares: --init/--resume, batches, the
                         job's mean loss, JSON-lines logs, evaluation and checkpoints
-                        at each epoch's end, stopping every rank alike on a signal
+                        at each epoch's end, stopping every rank alike on a signal; what
+                        the machinery asks of a wrapper (dt_parallel_report)
        And the backend:
        26 CUDA          the GPU bodies of the ops, behind one table (dt_backend):
                         indexing, reductions and launch shape are all that differ.
-                        The one chapter earlier ones reach, and only through its
-                        tables (dt_backend, dt_comm_backend) and two entry points
+                        Earlier chapters reach it only through what the backend
+                        tables chapter declares: the tables (dt_backend,
+                        dt_comm_backend), dt_cuda_backend, dt_cuda_device_count
+                        and the dt_nccl_* calls a NCCL communicator is made of
 
    HOW THIS FILE IS MADE
        It is assembled from chapter files, src/NN-name.h in the project, by
@@ -128,9 +131,11 @@
        the committed dtrain.h is the assembly. A chapter holds its declarations
        and its implementation together (the CUDA chapter implements the tables
        16 declares); this file puts every chapter's declarations first, then every
-       implementation, then the CUDA backend, and a line [src/NN-name.h] in a
-       comment marks where each part begins (00 is this preface). Edit the
-       chapters; a copy of this file alone needs none of them.
+       implementation, then what the wrapper chapters (13-15) answer to the
+       machinery (their dt_parallel_report: checkpoints, memory tables, figures
+       for the log and the cost model), then the CUDA backend, and a line
+       [src/NN-name.h] in a comment marks where each part begins (00 is this
+       preface). Edit the chapters; a copy of this file alone needs none of them.
 
    A FAILURE NEVER CRASHES
        Bad flags exit with status 2, everything else that goes wrong (a missing
@@ -391,7 +396,6 @@ void dt_backward_from(dt_tensor *loss, const float *seed);
    nothing is looked up in global state. */
 typedef struct dt_parallel dt_parallel;
 struct dt_optimizer;
-struct dt_cost_input;
 struct dt_parallel {
     /* The wrapper's public functions, which the order mistakes name:
        "dt_fsdp_create", "dt_fsdp_sync_grads", "dt_fsdp_free". */
@@ -428,37 +432,20 @@ struct dt_parallel {
     /* Kept by the ops: 1 between dt_sp_split and dt_sp_gather, where each rank
        holds its share of the rows (and backward, walking back, sets it again). */
     int rows_split;
-    /* Checkpoints (the checkpoints chapter) see the model whole, through these three; NULL
-       state_open: the model's own buffers are the whole. state_open gives the
-       state `which` (0 the parameters, 1 and 2 the optimizer's moments) as one
-       host array in the order of `whole`'s parameters. To save (for_load 0)
-       it is a collective of the wrapper's ranks and may give NULL to a rank
-       that will not write; to load (for_load 1) the array is about to be
-       filled from a file, and state_close(written 1) gives each rank its part
-       of it. whole: the model's parameters in their whole shapes (NULL: the
-       model's own). memory_table: what each rank holds, printed at start-up. */
-    float *(*state_open)(dt_parallel *par, struct dt_optimizer *opt, int which, int for_load);
-    void (*state_close)(dt_parallel *par, struct dt_optimizer *opt, int which, float *host, int written);
+    /* A wrapper that cuts the model (tensor, pipeline parallelism): its
+       parameters in their whole shapes, a shell without buffers (NULL: the
+       model's own), which the flop count and checkpoints go by. */
     struct dt_model *whole;
-    void (*memory_table)(const dt_parallel *par, const struct dt_optimizer *opt);
     /* Pipeline parallelism (stage 07): the model's forward as the pipeline
        runs it -- this rank's blocks, the activations passed from stage to
        stage, the last stage's logits given to every rank -- for what calls
        dt_model_forward without gradients (evaluation, generation); NULL: the
-       model's own. log_fields: what the wrapper adds to a step's --log
-       record (",\"name\":value..."); NULL: nothing. */
+       model's own. */
     dt_tensor *(*forward)(dt_parallel *par, dt_tensor *inputs);
-    void (*log_fields)(const dt_parallel *par, FILE *log);
-    /* The cost model (the cost-model chapter) and the --bench line (the metrics chapter), for a
-       wrapper that splits the model over ranks: cost_input fills its part of
-       `in` from what the last step measured (in's compute_ms: this rank's
-       forward and backward of a micro-batch; optimizer_ms: this rank's step,
-       which it makes the whole model's; accum_steps set) and returns how
-       many ranks split or shard the model; bench_fields adds " key=value"
-       pairs.
-       NULL: the stage's data parallelism alone, which the run knows. */
-    int (*cost_input)(const dt_parallel *par, struct dt_cost_input *in);
-    void (*bench_fields)(const dt_parallel *par, FILE *out, int accum_steps);
+    /* What the machinery asks of a wrapper besides -- a checkpoint of the
+       whole model, what each rank holds, the figures of a step for the log,
+       --bench and the cost model -- is not here: it is the run driver's
+       dt_parallel_report, which each wrapper fills at its chapter's end. */
     /* Kept by the library: a backward ran since backward_done did, so the
        gradients are this rank's own, not yet the average the optimizer needs. */
     int grads_pending;
@@ -854,49 +841,6 @@ void dt_mesh_free(dt_mesh *mesh);                               /* frees its com
 
 /* [src/11-data-parallel.h] */
 /* ---- data parallelism: DataParallel ----------------------------------------- */
-
-/* What a step of each parallel scheme computes and communicates, as the
-   cost model (a chapter of the machinery) prices it: each wrapper fills its
-   part from what its last step measured (dt_parallel's cost_input). */
-typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3, DT_PAR_TP, DT_PAR_PP } dt_parallelism;
-typedef struct dt_cost_input {
-    dt_parallelism kind;
-    double compute_ms;         /* one rank's forward + backward for one micro-batch, on its own device */
-    double contention;         /* how much slower that compute runs when N ranks share the device(s): 1 on
-                                  GPUs of their own; on a CPU about N (the ranks share its cores) */
-    double backward_share;     /* the part of compute that is backward, which DDP's buckets hide behind (~2/3) */
-    double params;             /* parameter count */
-    double gather_bytes;       /* bytes per parameter gathered (FSDP: 4, or 2 in bf16/fp16) */
-    double reduce_bytes;       /* bytes per gradient reduced (4, or 2 with --reduce-dtype bf16) */
-    int accum_steps;           /* micro-batches per optimizer step */
-    int messages;              /* collectives per step on the critical path: DDP's buckets, FSDP's units */
-    double optimizer_ms;       /* the optimizer's step, on its own device: sharded (ZeRO), each rank does 1/N */
-    /* tensor parallelism: the share of compute (and optimizer) in the split
-       layers, which N ranks divide; the sums of activations or their
-       gradients per micro-batch (4 per transformer block: 2 forward, 2
-       backward), and the bytes of each (batch x tokens x width x 4) */
-    double tp_share, tp_sums, tp_bytes;
-    /* ... and, for a pipeline (DT_PAR_PP) whose stages split their layers
-       too (07's --tp), how many ranks each stage's layers are split over
-       (0 or 1: none); tp_sums then counts the whole model's sums per
-       micro-batch, and tp_bytes those of a micro-batch. Tensor parallelism
-       alone (DT_PAR_TP) has its T in dt_cost_predict's n. */
-    int tp_ranks;
-    /* ... and with more ranks than T (or P), the data-parallel groups of T
-       (pipelines of P): after backward each rank's gradients (tensor: params
-       x (tp_share / T + 1 - tp_share) x reduce_bytes; pipeline: its stage's)
-       are averaged over them, exposed (0 or 1: one group) */
-    int dp_groups;
-    /* pipeline parallelism: the micro-batches of a step; the largest
-       stage's share of the compute times P (1 when the stages are even: the
-       slowest stage sets the pipeline's pace); the bytes of one activation
-       sent on (micro-batch x tokens x width x 4), a gradient as many back */
-    int pp_micro_batches;
-    double pp_balance, pp_bytes;
-    int pp_zero1;               /* --shard optimizer: the D pipelines each step 1/D of the optimizer state */
-    double pp_measured_bubble;  /* ... and the share of the step this rank waited, as measured: printed beside the
-                                   formula's, not used by the prediction */
-} dt_cost_input;
 
 /* DataParallel (stage 02): one process drives N devices. Device 0 holds the
    model and the optimizer; every other device holds a replica, run by a thread
@@ -1653,6 +1597,50 @@ double dt_cost_all_gather_ms(const dt_link *link, int n, double bytes);      /* 
 /* How many buckets DDP makes of `params` f32 gradients (the first 1 MB, then bucket_mb). */
 int dt_cost_ddp_buckets(double params, double bucket_mb);
 
+/* What a step of each parallel scheme computes and communicates, as the
+   cost model prices it: the run fills it from what the last step measured,
+   and a wrapper that splits or shards the model its own part (its
+   dt_parallel_report's cost_input, the run-driver chapter). */
+typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3, DT_PAR_TP, DT_PAR_PP } dt_parallelism;
+typedef struct dt_cost_input {
+    dt_parallelism kind;
+    double compute_ms;         /* one rank's forward + backward for one micro-batch, on its own device */
+    double contention;         /* how much slower that compute runs when N ranks share the device(s): 1 on
+                                  GPUs of their own; on a CPU about N (the ranks share its cores) */
+    double backward_share;     /* the part of compute that is backward, which DDP's buckets hide behind (~2/3) */
+    double params;             /* parameter count */
+    double gather_bytes;       /* bytes per parameter gathered (FSDP: 4, or 2 in bf16/fp16) */
+    double reduce_bytes;       /* bytes per gradient reduced (4, or 2 with --reduce-dtype bf16) */
+    int accum_steps;           /* micro-batches per optimizer step */
+    int messages;              /* collectives per step on the critical path: DDP's buckets, FSDP's units */
+    double optimizer_ms;       /* the optimizer's step, on its own device: sharded (ZeRO), each rank does 1/N */
+    /* tensor parallelism: the share of compute (and optimizer) in the split
+       layers, which N ranks divide; the sums of activations or their
+       gradients per micro-batch (4 per transformer block: 2 forward, 2
+       backward), and the bytes of each (batch x tokens x width x 4) */
+    double tp_share, tp_sums, tp_bytes;
+    /* ... and, for a pipeline (DT_PAR_PP) whose stages split their layers
+       too (07's --tp), how many ranks each stage's layers are split over
+       (0 or 1: none); tp_sums then counts the whole model's sums per
+       micro-batch, and tp_bytes those of a micro-batch. Tensor parallelism
+       alone (DT_PAR_TP) has its T in dt_cost_predict's n. */
+    int tp_ranks;
+    /* ... and with more ranks than T (or P), the data-parallel groups of T
+       (pipelines of P): after backward each rank's gradients (tensor: params
+       x (tp_share / T + 1 - tp_share) x reduce_bytes; pipeline: its stage's)
+       are averaged over them, exposed (0 or 1: one group) */
+    int dp_groups;
+    /* pipeline parallelism: the micro-batches of a step; the largest
+       stage's share of the compute times P (1 when the stages are even: the
+       slowest stage sets the pipeline's pace); the bytes of one activation
+       sent on (micro-batch x tokens x width x 4), a gradient as many back */
+    int pp_micro_batches;
+    double pp_balance, pp_bytes;
+    int pp_zero1;               /* --shard optimizer: the D pipelines each step 1/D of the optimizer state */
+    double pp_measured_bubble;  /* ... and the share of the step this rank waited, as measured: printed beside the
+                                   formula's, not used by the prediction */
+} dt_cost_input;
+
 typedef struct dt_cost_prediction {
     int ranks;
     double compute_ms;         /* per optimizer step, on one rank: forward, backward and optimizer */
@@ -1783,6 +1771,53 @@ struct dt_run {
     int64_t bench_first;
     double bench_t0, bench_phase_ms[DT_PHASE_COUNT], bench_comm_ms, bench_hidden_ms;
 };
+
+/* What the machinery asks of a parallel wrapper, beside what training asks
+   of it (dt_parallel, the autograd chapter). A wrapper that cuts or shards
+   the model fills one at its chapter's end (the part "for the machinery",
+   which dtrain.h puts after the machinery's implementation) and the run
+   finds it by the wrapper's create_fn; a wrapper without one (DataParallel,
+   DDP) keeps the whole model on every rank, which is what the machinery
+   assumes of it. Any entry may be NULL: nothing to add.
+     state_open, state_close  a checkpoint sees the model whole: the state
+         `which` (0 the parameters, 1 and 2 the optimizer's moments) as one
+         host array in the order of the whole model's parameters. To save
+         (for_load 0) it is a collective of the wrapper's ranks and may give
+         NULL to a rank that will not write; to load (for_load 1) the array is
+         about to be filled from a file, and state_close(written 1) gives each
+         rank its part of it.
+     shards  a sharded checkpoint writes each rank's state as it is: fills
+         `view` and returns 1 (0: this wrapper's state is not flat shards).
+     memory_table  what each rank holds, printed at start-up.
+     label  what --bench's stage= adds ("/full+offload").
+     log_fields  what a step's --log record adds (",\"name\":value...").
+     cost_input  fills its part of `in` from what the last step measured
+         (in's compute_ms: this rank's forward and backward of a micro-batch;
+         optimizer_ms: this rank's step, which it makes the whole model's;
+         accum_steps set) and returns how many ranks split or shard the model.
+     bench_fields  the " key=value" pairs --bench adds (what the cost model
+         needs of it). */
+typedef struct dt_shard_view {
+    float *state[3];           /* this rank's shard of the parameters and of the two moments (NULL: none) */
+    int64_t numel;             /* elements in each */
+    dt_device where;           /* where they live (the host, offloaded) */
+    int rank, world;           /* which shard, of how many */
+    dt_comm *comm;             /* the ranks that hold the others */
+} dt_shard_view;
+typedef struct dt_parallel_report {
+    const char *create_fn;     /* whose: dt_parallel's create_fn ("dt_fsdp_create") */
+    float *(*state_open)(dt_parallel *par, dt_optimizer *opt, int which, int for_load);
+    void (*state_close)(dt_parallel *par, dt_optimizer *opt, int which, float *host, int written);
+    int (*shards)(dt_parallel *par, dt_optimizer *opt, dt_shard_view *view);
+    void (*memory_table)(const dt_parallel *par, const dt_optimizer *opt);
+    void (*label)(const dt_parallel *par, char *out, size_t n);
+    void (*log_fields)(const dt_parallel *par, FILE *log);
+    int (*cost_input)(const dt_parallel *par, dt_cost_input *in);
+    void (*bench_fields)(const dt_parallel *par, FILE *out, int accum_steps);
+} dt_parallel_report;
+/* The report of the wrapper `par` is (one of FSDP's, tensor and pipeline
+   parallelism's), or NULL: none, or par NULL. */
+const dt_parallel_report *dt_parallel_report_of(const dt_parallel *par);
 
 /* Set up a run: --init or --resume, the log and trace files, a header line. In
    a job of several ranks (dt_comm_init), the ranks first check that they agree
@@ -7405,20 +7440,8 @@ static void dt__fsdp_unit_end(dt_parallel *par, int unit) {
 static void dt__fsdp_backward_done(dt_parallel *par);
 static void dt__fsdp_step_done(dt_parallel *par);
 static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o);
-static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load);
-static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written);
-static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o);
 static void dt__fsdp_sum_over_ranks(dt_parallel *par, float *values, int n) {
     dt__comm_all_reduce_host(((dt_fsdp *)par)->comm, values, n, DT_SUM);
-}
-/* The cost model's view (the cost-model chapter): which ZeRO, and the optimizer step
-   of the whole model, N times the shard's this rank measured. */
-static int dt__fsdp_cost_input(const dt_parallel *par, dt_cost_input *in) {
-    const dt_fsdp *f = (const dt_fsdp *)par;
-    static const dt_parallelism zero[3] = { DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3 };   /* by dt_shard_mode */
-    in->kind = zero[f->mode];
-    in->optimizer_ms *= f->world;
-    return f->world;
 }
 
 dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload) {
@@ -7428,9 +7451,7 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
     f->par = (dt_parallel){ .create_fn = "dt_fsdp_create", .sync_fn = "dt_fsdp_sync_grads", .free_fn = "dt_fsdp_free",
                             .unit_begin = dt__fsdp_unit_begin, .unit_end = dt__fsdp_unit_end,
                             .backward_done = dt__fsdp_backward_done, .step_done = dt__fsdp_step_done,
-                            .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks,
-                            .state_open = dt__fsdp_state_open, .state_close = dt__fsdp_state_close,
-                            .memory_table = dt__fsdp_memory_table, .cost_input = dt__fsdp_cost_input };
+                            .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks };
     dt_model_set_parallel(model, &f->par);
     dt__comm_hold(comm, "dt_fsdp_free");
     f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
@@ -7564,84 +7585,6 @@ static void dt__fsdp_step_done(dt_parallel *par) {
     }
 }
 
-/* Checkpoints see a sharded model whole: every rank's shards gathered into one
-   host array in parameter order (a collective), or written back into them. */
-static float *dt__fsdp_state_gather(dt_fsdp *f, const float *shards) {
-    dt_device dev = f->model->device;
-    float *host = (float *)malloc((size_t)f->model->numel * sizeof(float) + 1);
-    if (!host) dt_fail("out of memory (gathering a sharded checkpoint)");
-    for (int k = 0; k < f->nunits; k++) {
-        dt__fsdp_unit *u = &f->units[k];
-        float *full = (float *)dt_alloc_on(dev, DT_ARENA_COMM, dt__fsdp_full_bytes(f, u));
-        dt_all_gather(f->comm, dt__fsdp_shard_on_device(f, shards, k), full, u->shard, DT_F32);
-        dt__download_from(dev, host + u->offset, full, (size_t)u->numel * sizeof(float));
-        dt_free_on(dev, DT_ARENA_COMM, full, dt__fsdp_full_bytes(f, u));
-    }
-    return host;
-}
-static void dt__fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards, int parameters) {
-    for (int k = 0; k < f->nunits; k++) {
-        dt__fsdp_unit *u = &f->units[k];
-        int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
-        dt__fsdp_put(f, shards + u->shard_offset, host + u->offset + lo, hi - lo);
-        if (parameters && u->full) dt__fsdp_fill_params(f, u, host + u->offset);
-    }
-}
-static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
-    dt_fsdp *f = (dt_fsdp *)par;
-    (void)for_load;                       /* every rank gets the whole, gathered, either way */
-    return dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
-}
-static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
-    dt_fsdp *f = (dt_fsdp *)par;
-    if (written) dt__fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
-    free(host);
-}
-
-/* What each rank holds, against what DDP would hold: the ZeRO paper's
-   formulas with P, G, O the bytes of parameters, gradients and optimizer state
-   (O = 2P for AdamW, P for SGD's momentum), N ranks. The buffers that a unit
-   is gathered into are shown apart: they are the price of sharding. */
-static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
-    const dt_fsdp *f = (const dt_fsdp *)par;
-    /* ZeRO-1 and -2 here keep the shards the optimizer steps apart from the
-       whole copies: P/N (and for ZeRO-1 G/N) more than the paper, which steps
-       a slice of the copy in place */
-    static const char *formulas[3][3] = { { "P + P/N", "G + G/N", "O/N" }, { "P + P/N", "G/N", "O/N" }, { "P/N", "G/N", "O/N" } };
-    static const char *names[3] = { "optimizer (ZeRO-1)", "grads (ZeRO-2)", "full (ZeRO-3)" };
-    double P = 4.0 * f->model->numel, ddp[3] = { P, P, o->v ? 2 * P : P };
-    dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
-    const char *rows[3] = { "parameters", "gradients", "optimizer state" };
-    double buffers[3] = { ((f->gathered[0] ? 1.0 : 0.0) + (f->gathered[1] ? 1.0 : 0.0) + (f->gathered[2] ? 1.0 : 0.0)) *
-                          dt__fsdp_largest_params(f),
-                          ((f->gathered_grad ? 1.0 : 0.0) + (f->outer_grad ? 1.0 : 0.0)) * (double)f->largest, 0 };
-    double frozen = f->model->base ? 4.0 * (double)f->model->base->numel : 0;   /* LoRA's: in the parameters' arena */
-    buffers[0] += frozen;
-    printf("memory per rank, --shard %s%s, %d ranks (MB):\n", names[f->mode], f->offload ? " --cpu-offload" : "", f->world);
-    printf("  %-16s %8s %8s %8s   %s\n", "", "device", "host", "DDP", "formula");
-    for (int i = 0; i < 3; i++)
-        printf("  %-16s %8.2f %8.2f %8.2f   %s\n", rows[i], (dt_mem_now(arenas[i]) - buffers[i]) / 1e6,
-               dt_mem_host_now(arenas[i]) / 1e6, ddp[i] / 1e6, formulas[f->mode][i]);
-    if (frozen > 0)
-        printf("  %-16s %8.2f %8s %8.2f   %s\n", "frozen (LoRA)", frozen / 1e6, "", frozen / 1e6,
-               "F: whole on every rank and device, read only: no gradient, no state, never sent");
-    if (f->param_dtype != DT_F32)
-        printf("  (f32 shards and optimizer; parameters gathered in %s, 2 bytes each)\n", dt_dtype_name(f->param_dtype));
-    if (buffers[0] + buffers[1] - frozen > 0)
-        printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1] - frozen) / 1e6, "", "",
-               f->mode == DT_SHARD_FULL ? "2 units of parameters (one computes, the next arrives) + 1 of gradients"
-                                        : "1 unit of gradients (whole during its backward)");
-    if (f->model->outer_unit >= 0 && buffers[0] + buffers[1] - frozen > 0)
-        printf("  %-16s %8s %8s %8s   %s\n", "", "", "", "", "+ the outer unit's (embeddings, shared with the head), whole all step");
-    fflush(stdout);
-}
-
-/* The FSDP wrapper of a model, or NULL: for the checkpoints and reports that
-   need its shards. */
-static dt_fsdp *dt__fsdp_of(const dt_model *m) {
-    return m->parallel && m->parallel->step_done == dt__fsdp_step_done ? (dt_fsdp *)m->parallel : NULL;
-}
-
 void dt_fsdp_free(dt_fsdp *fsdp) {
     if (!fsdp) return;
     dt_model *m = fsdp->model;
@@ -7672,6 +7615,7 @@ void dt_fsdp_free(dt_fsdp *fsdp) {
     free(fsdp->units);
     free(fsdp);
 }
+
 /* [src/14-tensor-parallel.h] */
 /* -- tensor parallelism (Megatron-LM, Shoeybi et al., 2019) --
    The model marks where each parameter may be cut (dt_split, the models chapter), and
@@ -7743,34 +7687,6 @@ static void dt__tp_step_done(dt_parallel *par) {
     t->sums = t->sum_bytes = 0;
     t->sum_ms = 0;
 }
-/* The share of the parameters the split layers hold: of the compute too,
-   near enough (each parameter multiplies once per token either way). */
-static double dt__tp_split_share(const dt_tp *t) {
-    double split = 0;
-    for (int i = 0; i < t->whole.nparams; i++)
-        if (t->model->splits[i].dim >= 0) split += (double)t->whole.params[i].numel;
-    return t->whole.numel > 0 ? split / (double)t->whole.numel : 0;
-}
-/* The cost model's view of the last step: the whole model's compute on one
-   rank, from this rank's share of it and its sums' time. */
-static int dt__tp_cost_input(const dt_parallel *par, dt_cost_input *in) {
-    const dt_tp *t = (const dt_tp *)par;
-    int K = in->accum_steps > 0 ? in->accum_steps : 1;
-    in->kind = DT_PAR_TP;
-    in->tp_share = dt__tp_split_share(t);
-    in->tp_sums = t->step_sums / K;
-    in->tp_bytes = t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0;
-    double kept = in->tp_share / t->size + (1 - in->tp_share);
-    in->compute_ms = fmax(0, in->compute_ms - t->step_sum_ms / K) / kept;
-    in->optimizer_ms *= t->model->numel > 0 ? (double)t->whole.numel / (double)t->model->numel : 1;   /* it stepped its pieces */
-    in->dp_groups = t->par.data_ranks;
-    return t->size;
-}
-static void dt__tp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
-    const dt_tp *t = (const dt_tp *)par;
-    fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", t->size, dt__tp_split_share(t), t->step_sums / accum_steps,
-            t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0.0);
-}
 static void dt__tp_sum_over_ranks(dt_parallel *par, float *values, int n) {
     dt__comm_all_reduce_host(((dt_tp *)par)->group, values, n, DT_SUM);
 }
@@ -7820,40 +7736,9 @@ static void dt__tp_piece(float *whole, float *piece, const int *whole_shape, int
             else memcpy(p, w, bytes);
         }
 }
-/* The state of a tensor-parallel model (parameters or a moment, `local` on
-   the device) in the whole model's layout, on the host of the group's first
-   rank, which writes it: one split tensor at a time, its pieces all-gathered
-   on the device and put where they sit in the whole. So no rank holds more
-   than the largest tensor beside its own pieces, and the writer the whole
-   state once. The other ranks of the group take part and get NULL. `m`
-   lays out `local`: the model, or (a pipeline's stages composed, the
-   pipeline-parallel chapter) every stage's pieces. */
-static float *dt__tp_state_gather(dt_tp *t, const dt_model *m, float *local) {
-    const dt_model *W = &t->whole;
-    float *whole = NULL;
-    if (t->rank == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
-        dt_fail("out of memory (gathering the tensor-parallel pieces for a checkpoint: %.1f MB)", W->numel * 4e-6);
-    for (int i = 0; i < m->nparams; i++) {
-        const dt_tensor *p = &m->params[i];
-        size_t bytes = (size_t)p->numel * sizeof(float);
-        if (m->splits[i].dim < 0) {
-            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
-            continue;
-        }
-        float *all = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes * (size_t)t->size);
-        dt_all_gather(t->group, local + m->offsets[i], all, p->numel, DT_F32);
-        if (whole) {
-            float *host = dt__host_view(m->device, all, p->numel * t->size);
-            for (int r = 0; r < t->size; r++)
-                dt__tp_piece(whole + W->offsets[i], host + (size_t)r * (size_t)p->numel, W->params[i].shape, p->ndim,
-                             m->splits[i], t->size, r, 1);
-            dt__host_view_close(m->device, host, all, p->numel * t->size, 0);
-        }
-        dt_free_on(m->device, DT_ARENA_COMM, all, bytes * (size_t)t->size);
-    }
-    return whole;
-}
-/* The other way: this rank's pieces of a whole state (host) into `local`, laid out by m. */
+/* This rank's pieces of a whole state (host) into `local`, laid out by m: how the
+   model is cut at the start, and a whole checkpoint loaded (dt__tp_state_gather,
+   at the chapter's end, goes the other way). */
 static void dt__tp_state_scatter(dt_tp *t, const dt_model *m, float *whole, float *local) {
     const dt_model *W = &t->whole;
     float *mine = (float *)malloc((size_t)m->numel * sizeof(float) + 1);
@@ -7866,29 +7751,6 @@ static void dt__tp_state_scatter(dt_tp *t, const dt_model *m, float *whole, floa
     dt_upload(local, mine, (size_t)m->numel * sizeof(float));
     free(mine);
 }
-/* The state a checkpoint saves (the checkpoints chapter): 0 the parameters, 1 and 2 the
-   optimizer's moments, each laid out as the model's flat buffer. */
-static float *dt__state_buffer(dt_model *m, dt_optimizer *o, int which) {
-    return which == 0 ? m->flat_data : which == 1 ? o->m : o->v;
-}
-/* The checkpoint's view (the checkpoints chapter). Saving: the groups hold the same
-   state, so the first group gathers it and its first rank, the job's rank 0,
-   writes. Loading: every rank reads the whole file and cuts its pieces. */
-static float *dt__tp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
-    dt_tp *t = (dt_tp *)par;
-    if (for_load) {
-        float *whole = (float *)calloc((size_t)t->whole.numel + 1, sizeof(float));
-        if (!whole) dt_fail("out of memory (reading a whole checkpoint to cut: %.1f MB)", t->whole.numel * 4e-6);
-        return whole;
-    }
-    return t->par.data_rank == 0 ? dt__tp_state_gather(t, t->model, dt__state_buffer(t->model, o, which)) : NULL;
-}
-static void dt__tp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
-    dt_tp *t = (dt_tp *)par;
-    if (written) dt__tp_state_scatter(t, t->model, host, dt__state_buffer(t->model, o, which));
-    free(host);
-}
-static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o);
 
 /* Cutting a model (tensor and pipeline parallelism): the whole model's
    layout kept in `whole`, a shell without buffers that checkpoints are laid
@@ -7978,10 +7840,7 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
                             .tp_sum = tp > 1 ? dt__tp_sum : NULL,     /* a group of one: the layers as in stage 01 */
                             .tp_max = tp > 1 ? dt__tp_max : NULL, .tp_all_gather = tp > 1 ? dt__sp_all_gather : NULL,
                             .sp_all_gather = tp > 1 && sequence_parallel ? dt__sp_all_gather : NULL,
-                            .sp_reduce_scatter = tp > 1 && sequence_parallel ? dt__sp_reduce_scatter : NULL,
-                            .state_open = dt__tp_state_open, .state_close = dt__tp_state_close,
-                            .memory_table = dt__tp_memory_table, .cost_input = dt__tp_cost_input,
-                            .bench_fields = dt__tp_bench_fields };
+                            .sp_reduce_scatter = tp > 1 && sequence_parallel ? dt__sp_reduce_scatter : NULL };
     dt_model_set_parallel(model, &t->par);
     dt__comm_hold(comm, "dt_tp_free");
     t->model = model;
@@ -8003,76 +7862,6 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
     dt__model_cut(model, &t->whole, dt__tp_cut_shape, dt__tp_scatter, t);
     if (t->par.data_ranks > 1) dt_broadcast(t->across, model->flat_data, model->numel, DT_F32, 0);   /* every group starts alike */
     return t;
-}
-
-/* A parameter's name with its block number as "*": what every block shares. */
-static void dt__block_pattern(const char *name, char *out, size_t n) {
-    size_t k = 0;
-    for (const char *c = name; *c && k + 1 < n; ) {
-        const char *e = c;
-        while (*e >= '0' && *e <= '9') e++;
-        if (e > c && (c == name || c[-1] == '.') && (*e == '.' || !*e)) { out[k++] = '*'; c = e; }
-        else out[k++] = *c++;
-    }
-    out[k] = 0;
-}
-static void dt__shape_string(const int *shape, int ndim, char *out, size_t n) {
-    size_t k = 0;
-    out[0] = 0;
-    for (int d = 0; d < ndim && k < n; d++) k += (size_t)snprintf(out + k, n - k, d ? "x%d" : "%d", shape[d]);
-}
-/* At start-up: each rank's bytes against the whole model's, and which
-   tensors are cut, whole and here (rows alike in every block printed once). */
-static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
-    const dt_tp *t = (const dt_tp *)par;
-    const dt_model *m = t->model, *W = &t->whole;
-    double split = 0, whole = 0, moments = o->v ? 2 : 1;
-    for (int i = 0; i < m->nparams; i++) {
-        if (m->splits[i].dim >= 0) split += 4.0 * W->params[i].numel;
-        else whole += 4.0 * W->params[i].numel;
-    }
-    printf("memory per rank, --tp %d: every block's layers split over %d ranks, %d data-parallel group%s (MB):\n", t->size,
-           t->size, t->par.data_ranks, t->par.data_ranks > 1 ? "s" : "");
-    printf("  %-16s %9s %9s   %s\n", "", "this rank", "whole", "formula (S: the split tensors, R: the rest)");
-    const char *rows[3] = { "parameters", "gradients", "optimizer state" };
-    dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
-    for (int r = 0; r < 3; r++)
-        printf("  %-16s %9.3f %9.3f   %s(S/%d + R)\n", rows[r], dt_mem_now(arenas[r]) / 1e6,
-               (r == 2 ? moments : 1) * (split + whole) / 1e6, r == 2 && moments == 2 ? "2 x " : "", t->size);
-    printf("  S = %.3f MB whole, %.3f here; R = %.3f MB (norms, biases after a sum, what does not divide) on every rank\n",
-           split / 1e6, split / t->size / 1e6, whole / 1e6);
-    char seen[64][96];
-    int nseen = 0;
-    int width = 30;                             /* the names' column: Llama's are long */
-    for (int i = 0; i < m->nparams; i++) {
-        char pattern[96];
-        dt__block_pattern(m->params[i].name, pattern, sizeof pattern);
-        if (m->splits[i].dim >= 0 && (int)strlen(pattern) > width) width = (int)strlen(pattern);
-    }
-    for (int i = 0; i < m->nparams; i++) {
-        if (m->splits[i].vocab && m->splits[i].dim < 0)
-            printf("    %-*s %12d rows stay whole: the vocabulary does not divide by %d\n", width, m->params[i].name,
-                   m->params[i].shape[0], t->size);
-        if (m->splits[i].dim < 0) continue;
-        char pattern[96], a[48], b[48];
-        int count = 0, dup = 0;
-        dt__block_pattern(m->params[i].name, pattern, sizeof pattern);
-        for (int k = 0; k < nseen; k++) dup |= !strcmp(seen[k], pattern);
-        if (dup) continue;
-        if (nseen < 64) dt__copy_str(seen[nseen++], sizeof seen[0], pattern);
-        for (int j = i; j < m->nparams; j++) {
-            char other[96];
-            dt__block_pattern(m->params[j].name, other, sizeof other);
-            count += !strcmp(other, pattern);
-        }
-        dt__shape_string(W->params[i].shape, W->params[i].ndim, a, sizeof a);
-        dt__shape_string(m->params[i].shape, m->params[i].ndim, b, sizeof b);
-        printf("    %-*s %12s -> %-12s%s", width, pattern, a, b, m->splits[i].parts > 1 ? " q, k and v each by heads"
-                                                                   : m->splits[i].vocab ? " the vocabulary, by tokens" : "");
-        if (count > 1) printf("%s x%d blocks", m->splits[i].parts > 1 ? "," : "", count);
-        printf("\n");
-    }
-    fflush(stdout);
 }
 
 void dt_tp_free(dt_tp *tp) {
@@ -8180,15 +7969,6 @@ static int dt__pp_holds(const dt_pp *p, int stage, int i) {
     if (sp->block < 0) return stage == 0;
     if (sp->block >= n) return last;
     return sp->block >= p->first_block[stage] && sp->block < p->first_block[stage + 1];
-}
-static double dt__pp_stage_params(const dt_pp *p, int stage) {
-    double held = 0;
-    for (int i = 0; i < p->model->nparams; i++) if (dt__pp_holds(p, stage, i)) held += (double)p->whole.params[i].numel;
-    return held;
-}
-static int dt__pp_owner(const dt_pp *p, int i) {     /* the first stage that holds parameter i */
-    for (int s = 0; s < p->stages; s++) if (dt__pp_holds(p, s, i)) return s;
-    return 0;
 }
 /* Stage s runs blocks [first[s], first[s + 1]): the cut whose largest stage
    holds the fewest parameters (the embedding's counted with the first stage,
@@ -8555,129 +8335,6 @@ static void dt__pp_tp_all_gather(dt_parallel *par, const float *mine, float *all
     inner->tp_all_gather(inner, mine, all, n);
 }
 
-/* Checkpoints are whole (the checkpoints chapter): to save, the first pipeline's stages
-   send what they hold to its first rank, one tensor at a time, and that
-   rank -- the job's rank 0 -- writes; to load, every rank reads the whole
-   and keeps its stage's. */
-static float *dt__pp_state_gather(dt_pp *p, float *local) {
-    dt_model *m = p->model;
-    const dt_model *W = &p->whole;
-    float *whole = NULL;
-    if (p->stage == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
-        dt_fail("out of memory (gathering the pipeline's stages for a checkpoint: %.1f MB)", W->numel * 4e-6);
-    for (int i = 0; i < m->nparams; i++) {
-        int owner = dt__pp_owner(p, i);
-        int64_t n = W->params[i].numel;
-        size_t bytes = (size_t)n * sizeof(float);
-        if (owner == 0) {
-            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
-        } else if (p->stage == owner) dt_send(p->pipe, local + m->offsets[i], n, DT_F32, 0);
-        else if (whole) {
-            float *buf = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes);
-            dt_recv(p->pipe, buf, n, DT_F32, owner);
-            dt__download_from(m->device, whole + W->offsets[i], buf, bytes);
-            dt_free_on(m->device, DT_ARENA_COMM, buf, bytes);
-        }
-    }
-    return whole;
-}
-/* ZeRO-1's optimizer state: every pipeline's slices of the stage, whole (a
-   collective of the pipelines), in the stage's buffer layout. */
-static float *dt__pp_zero1_gather(dt_pp *p, const float *slice) {
-    dt_model *m = p->model;
-    float *mine = p->zero_buf + p->zero_chunk * p->par.data_rank;
-    float *whole = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, (size_t)m->numel * sizeof(float) + 4);
-    dt__zero_on(m->device, mine, (size_t)p->zero_chunk * sizeof(float));
-    dt_convert(slice, DT_F32, mine, DT_F32, p->zero_hi - p->zero_lo);
-    dt_all_gather(p->across, mine, p->zero_buf, p->zero_chunk, DT_F32);
-    dt_convert(p->zero_buf, DT_F32, whole, DT_F32, m->numel);
-    return whole;
-}
-/* With --tp the stages' pieces, gathered at the first stage, are then
-   gathered over its tensor-parallel group (and, to load, cut the other way);
-   with --shard optimizer the moments are first made whole over the
-   pipelines (and, to load, each rank keeps its slice). */
-static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
-    dt_pp *p = (dt_pp *)par;
-    if (for_load) {
-        float *whole = (float *)calloc((size_t)par->whole->numel + 1, sizeof(float));
-        if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", par->whole->numel * 4e-6);
-        return whole;
-    }
-    float *state = dt__state_buffer(p->model, o, which), *gathered = NULL;
-    if (p->zero1 && which > 0) state = gathered = dt__pp_zero1_gather(p, state);   /* every pipeline takes part */
-    if (p->par.data_rank != 0) {
-        if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
-        return NULL;
-    }
-    float *staged = dt__pp_state_gather(p, state);
-    if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
-    if (!p->tp || p->stage != 0) return staged;
-    size_t bytes = (size_t)p->whole.numel * sizeof(float);
-    float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
-    dt__upload_to(p->model->device, pieces, staged, bytes);
-    free(staged);
-    float *whole = dt__tp_state_gather(p->tp, &p->whole, pieces);
-    dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
-    return whole;
-}
-static void dt__pp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
-    dt_pp *p = (dt_pp *)par;
-    float *local = dt__state_buffer(p->model, o, which), *slice = NULL;
-    size_t stage_bytes = (size_t)p->model->numel * sizeof(float) + 4;
-    if (written && p->zero1 && which > 0) {  /* the stage's whole state here first, then this rank's slice of it */
-        slice = local;
-        local = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, stage_bytes);
-    }
-    if (written && !p->tp) dt__pp_scatter(p, host, local);
-    else if (written) {
-        size_t bytes = (size_t)p->whole.numel * sizeof(float);
-        float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
-        dt__tp_state_scatter(p->tp, &p->whole, host, pieces);
-        float *view = dt__host_view(p->model->device, pieces, p->whole.numel);
-        dt__pp_scatter(p, view, local);
-        dt__host_view_close(p->model->device, view, pieces, p->whole.numel, 0);
-        dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
-    }
-    if (slice) {
-        dt_convert(local + p->zero_lo, DT_F32, slice, DT_F32, p->zero_hi - p->zero_lo);
-        dt_free_on(p->model->device, DT_ARENA_COMM, local, stage_bytes);
-    }
-    free(host);
-}
-
-/* At start-up: which blocks each stage runs, and what it holds. */
-static void dt__pp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
-    const dt_pp *p = (const dt_pp *)par;
-    const dt_model *m = p->model;
-    int n = dt_model_blocks(m);
-    printf("pipeline, --pp %d: %d stages, %d micro-batch%s per step, schedule %s (bubble (P - 1) / (M + P - 1) = %.0f%%); "
-           "%d data-parallel pipeline%s\n", p->stages, p->stages, p->micro_batches, p->micro_batches > 1 ? "es" : "",
-           dt__pp_schedules[p->schedule].name, 100.0 * (p->stages - 1) / (p->micro_batches + p->stages - 1),
-           p->par.data_ranks, p->par.data_ranks > 1 ? "s" : "");
-    int embedding = 0;                      /* the mlp has none: its first layer is a block */
-    for (int i = 0; i < m->nparams; i++) embedding |= m->splits[i].block < 0;
-    for (int s = 0; s < p->stages; s++) {
-        double held = dt__pp_stage_params(p, s);
-        int a = p->first_block[s], b = p->first_block[s + 1];
-        char blocks[48];
-        if (b - a > 1) snprintf(blocks, sizeof blocks, "blocks %d-%d", a, b - 1);
-        else snprintf(blocks, sizeof blocks, "block %d", a);
-        printf("  stage %d: %s%s%s  %.3f MB of parameters (%.3f MB with gradients and %s state)\n", s,
-               s == 0 && embedding ? "the embedding, " : "", blocks, s == p->stages - 1 ? ", the head" : "", 4e-6 * held,
-               4e-6 * held * (o->v ? 4 : 3), o->v ? "adamw's" : "sgd's");
-    }
-    if (p->tp)
-        printf("  each stage's blocks split over --tp %d ranks as in stage 06: the sizes above are one rank's pieces\n",
-               p->tp->size);
-    if (p->zero1)
-        printf("  --shard optimizer: the %d pipelines share out each stage's %s state (ZeRO-1): this rank keeps %.3f MB of "
-               "its stage's %.3f\n", p->par.data_ranks, o->v ? "adamw's" : "sgd's", 4e-6 * (double)o->numel * (o->v ? 2 : 1),
-               4e-6 * (double)m->numel * (o->v ? 2 : 1));
-    printf("  the whole model: %.3f MB of parameters, %d blocks\n", 4e-6 * (double)par->whole->numel, n);
-    fflush(stdout);
-}
-
 /* Evaluation and generation: the batch down the pipeline at once (no
    micro-batches: there is no backward to overlap), and the last stage's
    logits to every rank. */
@@ -8707,62 +8364,6 @@ static dt_tensor *dt__pp_forward(dt_parallel *par, dt_tensor *inputs) {
     }
     dt_broadcast(p->pipe, y->data, y->numel, t, p->stages - 1);
     return y;
-}
-
-/* The last step's figures: the pipeline's bubble, its stages' idle time
-   over their time in the pipeline (each stage waits its own share: the
-   first more, when the last, with the head, computes more); how uneven the
-   stages are, the busiest one's compute over the mean (1: even). */
-static double dt__pp_bubble(const dt_pp *p) { return p->pipe_step_ms > 0 ? p->pipe_idle_ms / p->pipe_step_ms : 0; }
-static double dt__pp_balance_of(const dt_pp *p) {
-    return p->pipe_busy_ms > 0 ? p->pipe_busiest_ms * p->stages / p->pipe_busy_ms : 1;
-}
-/* The cost model's view of it: the whole model's compute on one rank is
-   what the stages computed together -- with --tp, less the time their
-   layers' sums took, and times the T ranks that shared each stage's split
-   layers. */
-static int dt__pp_cost_input(const dt_parallel *par, dt_cost_input *in) {
-    const dt_pp *p = (const dt_pp *)par;
-    in->kind = DT_PAR_PP;
-    in->pp_micro_batches = p->micro_batches;
-    in->pp_balance = dt__pp_balance_of(p);
-    in->pp_bytes = p->act_bytes;
-    in->pp_measured_bubble = dt__pp_bubble(p);
-    in->compute_ms = p->pipe_busy_ms;
-    in->dp_groups = p->par.data_ranks;
-    in->pp_zero1 = p->zero1;
-    int64_t stepped = p->zero1 ? p->zero_hi - p->zero_lo : p->model->numel;    /* the optimizer's share of the whole model */
-    in->optimizer_ms *= stepped > 0 ? (double)par->whole->numel / (double)stepped : 1;
-    if (p->tp) {
-        in->tp_ranks = p->tp->size;
-        in->tp_share = dt__tp_split_share(p->tp);
-        in->tp_sums = p->pipe_tp_sums / p->micro_batches;
-        in->tp_bytes = p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0;
-        double kept = in->tp_share / p->tp->size + (1 - in->tp_share);
-        in->compute_ms = fmax(0, p->pipe_busy_ms - p->pipe_tp_sum_ms) / kept;
-    }
-    return p->stages;
-}
-static void dt__pp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
-    const dt_pp *p = (const dt_pp *)par;
-    (void)accum_steps;
-    fprintf(out, " pp=%d pp_micro_batches=%d pp_balance=%.4f pp_bytes=%.0f bubble=%.4f bubble_predicted=%.4f", p->stages,
-            p->micro_batches, dt__pp_balance_of(p), p->act_bytes, dt__pp_bubble(p),
-            (p->stages - 1.0) / (p->micro_batches + p->stages - 1.0));
-    if (p->tp)        /* the whole pipeline's layer sums per micro-batch, as the cost model counts them */
-        fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", p->tp->size, dt__tp_split_share(p->tp),
-                p->pipe_tp_sums / p->micro_batches, p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0.0);
-    fprintf(out, " dp=%d%s", p->par.data_ranks, p->zero1 ? " zero1=1" : "");
-}
-
-/* The step's pipeline figures, in its --log record. */
-static void dt__pp_log_fields(const dt_parallel *par, FILE *log) {
-    const dt_pp *p = (const dt_pp *)par;
-    double P = p->stages, M = p->micro_batches;
-    fprintf(log, ",\"pp_busy_ms\":%.3f,\"pp_idle_ms\":%.3f,\"pp_step_ms\":%.3f,\"bubble\":%.4f,\"bubble_predicted\":%.4f,"
-                 "\"pp_balance\":%.4f,\"pp_kept_bytes\":%.0f,\"pp_micro_bytes\":%.0f,\"pp_kept_micro_batches\":%d",
-            p->busy_ms, p->idle_ms, p->step_ms, dt__pp_bubble(p), (P - 1) / (M + P - 1), dt__pp_balance_of(p), p->kept_peak,
-            p->kept_micro, p->kept_micro_batches);
 }
 
 /* A one-way pair for each neighbour: `round` 0 pairs stages (0, 1), (2, 3)
@@ -8806,10 +8407,8 @@ dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_ba
     if (!p) dt_fail("out of memory (pipeline parallelism)");
     p->par = (dt_parallel){ .create_fn = "dt_pp_create", .sync_fn = "dt_pp_sync_grads", .free_fn = "dt_pp_free",
                             .backward_done = dt__pp_backward_done, .optimizer_view = dt__pp_optimizer_view,
-                            .sum_over_ranks = dt__pp_sum_over_ranks, .state_open = dt__pp_state_open,
-                            .state_close = dt__pp_state_close, .memory_table = dt__pp_memory_table,
-                            .forward = dt__pp_forward, .log_fields = dt__pp_log_fields, .cost_input = dt__pp_cost_input,
-                            .bench_fields = dt__pp_bench_fields, .step_done = dt__pp_step_done };
+                            .sum_over_ranks = dt__pp_sum_over_ranks, .forward = dt__pp_forward,
+                            .step_done = dt__pp_step_done };
     dt__comm_hold(comm, "dt_pp_free");
     p->model = model;
     p->comm = comm;
@@ -11311,14 +10910,14 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
    when it is closed. Gathers are collectives: every rank opens and closes
    alike. */
 static float *dt__state_open(dt_model *m, dt_optimizer *o, int which, int for_load) {
-    dt_parallel *par = m->parallel;
-    if (par && par->state_open) return par->state_open(par, o, which, for_load);
+    const dt_parallel_report *rep = dt_parallel_report_of(m->parallel);
+    if (rep && rep->state_open) return rep->state_open(m->parallel, o, which, for_load);
     return dt__host_view(m->device, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel);
 }
 static void dt__state_close(dt_model *m, dt_optimizer *o, int which, float *host, int written) {
     if (!host) return;
-    dt_parallel *par = m->parallel;
-    if (par && par->state_close) par->state_close(par, o, which, host, written);
+    const dt_parallel_report *rep = dt_parallel_report_of(m->parallel);
+    if (rep && rep->state_close) rep->state_close(m->parallel, o, which, host, written);
     else dt__host_view_close(m->device, host, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel, written);
 }
 /* The parameters the state arrays above are laid out by: the model's own, or,
@@ -11695,11 +11294,11 @@ static int dt__sharded_layout(dt_safetensors *index, const char *path, const dt_
     return world;
 }
 
-static int dt__sharded_layout_is(dt_safetensors *index, const char *path, const struct dt_fsdp *f) {
-    int64_t *unit_numel = (int64_t *)calloc((size_t)f->model->nunits + 1, sizeof(int64_t));
-    int world = dt__sharded_layout(index, path, f->model, unit_numel);
+static int dt__sharded_layout_is(dt_safetensors *index, const char *path, const dt_model *m, int world) {
+    int64_t *unit_numel = (int64_t *)calloc((size_t)m->nunits + 1, sizeof(int64_t));
+    int shards = dt__sharded_layout(index, path, m, unit_numel);
     free(unit_numel);
-    return world == f->world;
+    return shards == world;
 }
 
 /* Is rank r's shard file there, and as long as the index says? Every rank
@@ -12431,13 +12030,15 @@ static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *f
     }
 }
 
-/* FSDP: every rank writes its shard into the folder rank 0 made; then, once
-   all are on disk, rank 0 the index and config.json, and renames the folder. */
-static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
-    dt_fsdp *f = dt__fsdp_of(r->model);
+/* Sharded (FSDP): every rank writes its shard into the folder rank 0 made;
+   then, once all are on disk, rank 0 the index and config.json, and renames
+   the folder. The shards are the model's units, each cut into `world` equal
+   slices (the last padded), rank r keeping slice r of each, in unit order. */
+static void dt__checkpoint_save_sharded(dt_run *r, const char *path, const dt_shard_view *f) {
     dt_optimizer *o = r->opt;
-    dt_device where = f->offload ? DT_CPU : f->model->device;
-    float *own[3] = { f->shard_params, o->m, o->v }, *state[3] = { NULL, NULL, NULL };
+    const dt_model *m = r->model;
+    dt_device where = f->where;
+    float *const *own = f->state, *state[3] = { NULL, NULL, NULL };
     const char *names[3] = { "params", o->kind == DT_ADAMW ? "optimizer.exp_avg" : "optimizer.momentum_buffer",
                              "optimizer.exp_avg_sq" };
     dt_named_tensor t[3];
@@ -12447,8 +12048,8 @@ static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
     dt_barrier(f->comm);                     /* the folder is there before anyone writes into it */
     for (int k = 0; k < 3; k++) {
         if (!own[k]) continue;
-        state[k] = dt__host_view(where, own[k], f->shard_numel);
-        t[n].name = names[k]; t[n].data = state[k]; t[n].ndim = 1; t[n].shape[0] = f->shard_numel;
+        state[k] = dt__host_view(where, own[k], f->numel);
+        t[n].name = names[k]; t[n].data = state[k]; t[n].ndim = 1; t[n].shape[0] = f->numel;
         n++;
     }
     char file[4200];
@@ -12461,7 +12062,7 @@ static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
     dt_safetensors_write(file, t, n, (const char *const *)meta.kv, meta.n);
     dt__folder_wrote(&w, file);
     dt__meta_free(&meta);
-    for (int k = 0; k < 3; k++) if (state[k]) dt__host_view_close(where, state[k], own[k], f->shard_numel, 0);
+    for (int k = 0; k < 3; k++) if (state[k]) dt__host_view_close(where, state[k], own[k], f->numel, 0);
     dt_barrier(f->comm);                     /* every shard is on disk before the index names it */
     if (f->rank != 0) {
         dt_barrier(f->comm);                 /* until rank 0 has renamed the folder, a failure removes the shards */
@@ -12470,8 +12071,11 @@ static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
     }
     dt__checkpoint_meta(r, &meta, "sharded-checkpoint-2");
     dt__meta_add(&meta, "shards", "%d", f->world);
-    char *units = (char *)malloc((size_t)f->nunits * 24 + 1), *p = units;
-    for (int k = 0; k < f->nunits; k++) p += sprintf(p, k ? ",%lld" : "%lld", (long long)f->units[k].numel);
+    char *units = (char *)malloc((size_t)m->nunits * 24 + 1), *p = units;
+    for (int k = 0; k < m->nunits; k++) {
+        int64_t end = m->unit_first[k + 1] < m->nparams ? m->offsets[m->unit_first[k + 1]] : m->numel;
+        p += sprintf(p, k ? ",%lld" : "%lld", (long long)(end - m->offsets[m->unit_first[k]]));
+    }
     dt__meta_add(&meta, "unit_numel", "%s", units);
     free(units);
     for (int k = 0; k < f->world; k++) {
@@ -12494,7 +12098,9 @@ static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
 void dt_checkpoint_save(dt_run *run, const char *path) {
     dt_model *m = run->model;
     dt_optimizer *o = run->opt;
-    if (dt__fsdp_of(m)) { dt__checkpoint_save_sharded(run, path); return; }
+    const dt_parallel_report *rep = dt_parallel_report_of(m->parallel);
+    dt_shard_view shards;
+    if (rep && rep->shards && rep->shards(m->parallel, o, &shards)) { dt__checkpoint_save_sharded(run, path, &shards); return; }
     float *state[3] = { dt__state_open(m, o, 0, 0), dt__state_open(m, o, 1, 0), o->v ? dt__state_open(m, o, 2, 0) : NULL };
     if (state[0]) {                                   /* a wrapper that gathers gives the whole to one rank */
         dt__meta_list meta = { NULL, 0 };
@@ -12617,25 +12223,26 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     int64_t good_steps = fp16 ? (int64_t)dt__meta_whole(st, st->path, "loss_scale_good_steps", 0, (uint64_t)step) : 0;
     int64_t skipped = fp16 ? (int64_t)dt__meta_whole(st, st->path, "skipped_steps", 0, (uint64_t)step) : 0;
     int adamw = o->kind == DT_ADAMW;
-    dt_fsdp *f = dt__fsdp_of(m);
-    if (dt__is_sharded(st) && f && dt__sharded_layout_is(st, path, f)) {
+    const dt_parallel_report *rep = dt_parallel_report_of(m->parallel);
+    dt_shard_view shards, *f = rep && rep->shards && rep->shards(m->parallel, o, &shards) ? &shards : NULL;
+    if (dt__is_sharded(st) && f && dt__sharded_layout_is(st, path, m, f->world)) {
         /* the same shards: each rank reads its own file, and only that */
-        dt_device where = f->offload ? DT_CPU : m->device;
-        float *own[3] = { f->shard_params, o->m, o->v };
+        dt_device where = f->where;
+        float *const *own = f->state;
         char file[4096];
         for (int k = 0; k < f->world; k++) dt__shard_check(st, path, k, f->world, file, sizeof file);
         dt_safetensors *sh = dt__shard_open(st, path, f->rank, f->world);
         for (int k = 0; k < 3; k++) {
             if (!own[k]) continue;
-            float *host = dt__host_view(where, own[k], f->shard_numel);
-            dt__shard_get(sh, adamw, k, host, f->shard_numel);
+            float *host = dt__host_view(where, own[k], f->numel);
+            dt__shard_get(sh, adamw, k, host, f->numel);
             char what[96];
             snprintf(what, sizeof what, "rank %d's shard of the %s", f->rank, k ? dt__moment_name(adamw, k) : "weights");
-            dt__check_resumed(sh->path, what, k, adamw, host, f->shard_numel);
-            dt__host_view_close(where, host, own[k], f->shard_numel, 1);
+            dt__check_resumed(sh->path, what, k, adamw, host, f->numel);
+            dt__host_view_close(where, host, own[k], f->numel, 1);
         }
         dt_safetensors_close(sh);
-        dt__fsdp_step_done(&f->par);          /* ZeRO-1, -2: every rank's whole copy from the new shards */
+        if (m->parallel->step_done) m->parallel->step_done(m->parallel);   /* ZeRO-1, -2: every rank's whole copy from the new shards */
     } else {
         float *state[3] = { dt__state_open(m, o, 0, 1), dt__state_open(m, o, 1, 1), o->v ? dt__state_open(m, o, 2, 1) : NULL };
         dt_model *L = dt__state_layout(m);
@@ -13071,12 +12678,10 @@ static void dt__bench_report(dt_run *r) {
         else snprintf(where, sizeof where, "device=cuda gpu=%s tflops=%.2f mfu=unknown(use --peak-tflops)", gpu, gflops / 1e3);
     } else snprintf(where, sizeof where, "device=cpu threads=%d", dt_threads());
     const double *p = r->bench_phase_ms;
-    char stage[128];                     /* 04: which --shard, and whether offloaded */
-    const dt_fsdp *f = dt__fsdp_of(r->model);
-    if (f) {
-        static const char *modes[3] = { "optimizer", "grads", "full" };
-        snprintf(stage, sizeof stage, "%s/%s%s", cfg->stage, modes[f->mode], f->offload ? "+offload" : "");
-    } else snprintf(stage, sizeof stage, "%s", cfg->stage);
+    char stage[128];                     /* 04: which --shard, and whether offloaded (the wrapper's label) */
+    const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel);
+    snprintf(stage, sizeof stage, "%s", cfg->stage);
+    if (rep && rep->label) rep->label(r->model->parallel, stage + strlen(stage), sizeof stage - strlen(stage));
     if (cfg->dtype != DT_F32 || cfg->reduce_dtype != DT_F32 || cfg->accum_steps > 1)   /* 05: precision, micro-batches */
         snprintf(stage + strlen(stage), sizeof stage - strlen(stage), "/%s%s%s%s", dt_dtype_name((dt_dtype)cfg->dtype),
                  cfg->reduce_dtype != DT_F32 ? "+reduce-" : "", cfg->reduce_dtype != DT_F32 ? dt_dtype_name((dt_dtype)cfg->reduce_dtype) : "",
@@ -13093,8 +12698,7 @@ static void dt__bench_report(dt_run *r) {
            p[DT_PHASE_OPT] / steps, peak_mem / 1e6, peak_state / 1e6, peak_host / 1e6);
     if (language)                       /* gflops is then tokens/s x flops per token */
         printf(" tokens_per_s=%.1f flops_per_token=%.4g", tokens_per_s, dt_model_flops_per_token(whole));
-    const dt_parallel *par = r->model->parallel;
-    if (par && par->bench_fields) par->bench_fields(par, stdout, cfg->accum_steps);   /* what the cost model needs of it */
+    if (rep && rep->bench_fields) rep->bench_fields(r->model->parallel, stdout, cfg->accum_steps);   /* what the cost model needs of it */
     printf("\n");
     fflush(stdout);
 }
@@ -14206,6 +13810,15 @@ void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
    evaluate and save at each epoch's end, stop every rank alike on a signal,
    and finish with the summary. It calls every chapter above and none calls it. */
 
+/* The wrappers' reports, each defined at its chapter's end (after this). */
+extern const dt_parallel_report dt__fsdp_report, dt__tp_report, dt__pp_report;
+const dt_parallel_report *dt_parallel_report_of(const dt_parallel *par) {
+    static const dt_parallel_report *const reports[] = { &dt__fsdp_report, &dt__tp_report, &dt__pp_report };
+    for (size_t i = 0; par && i < sizeof reports / sizeof reports[0]; i++)
+        if (!strcmp(reports[i]->create_fn, par->create_fn)) return reports[i];
+    return NULL;
+}
+
 /* The stop signal this rank caught, if any. */
 static int dt__local_stop_signal(void) {
 #ifdef DT_TESTING
@@ -14471,7 +14084,8 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
                run->stop_step < run->total_steps ? " (stopping early, see --steps)" : "",
                opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)run->warmup, where, precision);
         if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, run->epoch + 1, (long long)run->step);
-        if (model->parallel && model->parallel->memory_table) model->parallel->memory_table(model->parallel, opt);
+        const dt_parallel_report *rep = dt_parallel_report_of(model->parallel);
+        if (rep && rep->memory_table) rep->memory_table(model->parallel, opt);
         fflush(stdout);
     }
     if (cfg->bench) run->stop_step = run->step + 2 + (cfg->steps > 0 ? cfg->steps : 3);   /* refined after a timed step */
@@ -14539,8 +14153,8 @@ static void dt__run_explain(dt_run *r) {
     in.accum_steps = c->accum_steps;
     in.optimizer_ms = r->phase_ms[DT_PHASE_OPT];      /* this rank's: a wrapper makes it the whole model's */
     double measured = in.compute_ms * c->accum_steps + in.optimizer_ms;     /* this rank's, as it ran */
-    const dt_parallel *par = r->model->parallel;       /* a wrapper that splits the model says how */
-    int layout = par && par->cost_input && (n = par->cost_input(par, &in)) && (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP);
+    const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel);   /* a wrapper that splits the model says how */
+    int layout = rep && rep->cost_input && (n = rep->cost_input(r->model->parallel, &in)) && (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP);
     in.params = (double)dt__state_layout(r->model)->numel;
     in.contention = 1;                /* the compute above was measured as this run shares its device(s) */
     in.backward_share = in.compute_ms > 0 ? r->phase_ms[DT_PHASE_BWD] / c->accum_steps / in.compute_ms : 0.66;
@@ -14672,7 +14286,8 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
         if (run->scaler.enabled)
             fprintf(run->log, ",\"loss_scale\":%g,\"skipped\":%d,\"skipped_steps\":%lld", run->scaler.scale,
                     run->scaler.last_skipped, (long long)run->scaler.skipped);
-        if (run->model->parallel && run->model->parallel->log_fields) run->model->parallel->log_fields(run->model->parallel, run->log);
+        const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel);
+        if (rep && rep->log_fields) rep->log_fields(run->model->parallel, run->log);
         if (dt__tokens_per_sample(run))
             fprintf(run->log, ",\"tokens_per_s\":%.1f", (double)batch_size * run->loader->world * dt__tokens_per_sample(run) * 1e3 / step_ms);
         fprintf(run->log, "}\n");
@@ -14735,8 +14350,8 @@ void dt_epoch_end(dt_run *run) {
     if (run->stopped_by && !run->cfg.save_dir && dt__ctx.rank == 0)
         dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt__signal_name(run->stopped_by),
                 (long long)run->steps_run);
-    const dt_parallel *par = run->model->parallel;
-    if (run->cfg.save_dir && (dt__ctx.rank == 0 || (par && par->state_open))) {   /* sharded or cut: every rank gathers */
+    const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel);
+    if (run->cfg.save_dir && (dt__ctx.rank == 0 || (rep && (rep->state_open || rep->shards)))) {   /* sharded or cut: every rank takes part */
         char path[4096], what[64];
         if (finished) snprintf(what, sizeof what, "epoch%d", run->epoch);
         else snprintf(what, sizeof what, "step%lld", (long long)run->step);
@@ -14833,6 +14448,491 @@ int dt_run_finish(dt_run *run) {
     return run->stopped_by == SIGINT ? 130 : 75;       /* 75, EX_TEMPFAIL: preempted, to be run again */
 }
 
+/* [src/13-fsdp.h] */
+/* ---- what the machinery asks of FSDP (the run driver's dt_parallel_report) ----
+   A checkpoint sees the sharded model whole, or writes each rank's shards as
+   they are; the memory table compares what a rank holds with DDP; the cost
+   model and --bench learn which ZeRO stage this is. */
+/* The cost model's view (the cost-model chapter): which ZeRO, and the optimizer step
+   of the whole model, N times the shard's this rank measured. */
+static int dt__fsdp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_fsdp *f = (const dt_fsdp *)par;
+    static const dt_parallelism zero[3] = { DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3 };   /* by dt_shard_mode */
+    in->kind = zero[f->mode];
+    in->optimizer_ms *= f->world;
+    return f->world;
+}
+
+/* Checkpoints see a sharded model whole: every rank's shards gathered into one
+   host array in parameter order (a collective), or written back into them. */
+static float *dt__fsdp_state_gather(dt_fsdp *f, const float *shards) {
+    dt_device dev = f->model->device;
+    float *host = (float *)malloc((size_t)f->model->numel * sizeof(float) + 1);
+    if (!host) dt_fail("out of memory (gathering a sharded checkpoint)");
+    for (int k = 0; k < f->nunits; k++) {
+        dt__fsdp_unit *u = &f->units[k];
+        float *full = (float *)dt_alloc_on(dev, DT_ARENA_COMM, dt__fsdp_full_bytes(f, u));
+        dt_all_gather(f->comm, dt__fsdp_shard_on_device(f, shards, k), full, u->shard, DT_F32);
+        dt__download_from(dev, host + u->offset, full, (size_t)u->numel * sizeof(float));
+        dt_free_on(dev, DT_ARENA_COMM, full, dt__fsdp_full_bytes(f, u));
+    }
+    return host;
+}
+
+static void dt__fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards, int parameters) {
+    for (int k = 0; k < f->nunits; k++) {
+        dt__fsdp_unit *u = &f->units[k];
+        int64_t lo = f->rank * u->shard, hi = lo + u->shard < u->numel ? lo + u->shard : u->numel;
+        dt__fsdp_put(f, shards + u->shard_offset, host + u->offset + lo, hi - lo);
+        if (parameters && u->full) dt__fsdp_fill_params(f, u, host + u->offset);
+    }
+}
+
+static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    (void)for_load;                       /* every rank gets the whole, gathered, either way */
+    return dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
+}
+
+static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    if (written) dt__fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
+    free(host);
+}
+
+/* What each rank holds, against what DDP would hold: the ZeRO paper's
+   formulas with P, G, O the bytes of parameters, gradients and optimizer state
+   (O = 2P for AdamW, P for SGD's momentum), N ranks. The buffers that a unit
+   is gathered into are shown apart: they are the price of sharding. */
+static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
+    const dt_fsdp *f = (const dt_fsdp *)par;
+    /* ZeRO-1 and -2 here keep the shards the optimizer steps apart from the
+       whole copies: P/N (and for ZeRO-1 G/N) more than the paper, which steps
+       a slice of the copy in place */
+    static const char *formulas[3][3] = { { "P + P/N", "G + G/N", "O/N" }, { "P + P/N", "G/N", "O/N" }, { "P/N", "G/N", "O/N" } };
+    static const char *names[3] = { "optimizer (ZeRO-1)", "grads (ZeRO-2)", "full (ZeRO-3)" };
+    double P = 4.0 * f->model->numel, ddp[3] = { P, P, o->v ? 2 * P : P };
+    dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
+    const char *rows[3] = { "parameters", "gradients", "optimizer state" };
+    double buffers[3] = { ((f->gathered[0] ? 1.0 : 0.0) + (f->gathered[1] ? 1.0 : 0.0) + (f->gathered[2] ? 1.0 : 0.0)) *
+                          dt__fsdp_largest_params(f),
+                          ((f->gathered_grad ? 1.0 : 0.0) + (f->outer_grad ? 1.0 : 0.0)) * (double)f->largest, 0 };
+    double frozen = f->model->base ? 4.0 * (double)f->model->base->numel : 0;   /* LoRA's: in the parameters' arena */
+    buffers[0] += frozen;
+    printf("memory per rank, --shard %s%s, %d ranks (MB):\n", names[f->mode], f->offload ? " --cpu-offload" : "", f->world);
+    printf("  %-16s %8s %8s %8s   %s\n", "", "device", "host", "DDP", "formula");
+    for (int i = 0; i < 3; i++)
+        printf("  %-16s %8.2f %8.2f %8.2f   %s\n", rows[i], (dt_mem_now(arenas[i]) - buffers[i]) / 1e6,
+               dt_mem_host_now(arenas[i]) / 1e6, ddp[i] / 1e6, formulas[f->mode][i]);
+    if (frozen > 0)
+        printf("  %-16s %8.2f %8s %8.2f   %s\n", "frozen (LoRA)", frozen / 1e6, "", frozen / 1e6,
+               "F: whole on every rank and device, read only: no gradient, no state, never sent");
+    if (f->param_dtype != DT_F32)
+        printf("  (f32 shards and optimizer; parameters gathered in %s, 2 bytes each)\n", dt_dtype_name(f->param_dtype));
+    if (buffers[0] + buffers[1] - frozen > 0)
+        printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1] - frozen) / 1e6, "", "",
+               f->mode == DT_SHARD_FULL ? "2 units of parameters (one computes, the next arrives) + 1 of gradients"
+                                        : "1 unit of gradients (whole during its backward)");
+    if (f->model->outer_unit >= 0 && buffers[0] + buffers[1] - frozen > 0)
+        printf("  %-16s %8s %8s %8s   %s\n", "", "", "", "", "+ the outer unit's (embeddings, shared with the head), whole all step");
+    fflush(stdout);
+}
+
+/* The shards as they are, for a sharded checkpoint: each rank writes its own. */
+static int dt__fsdp_shards(dt_parallel *par, dt_optimizer *o, dt_shard_view *view) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    *view = (dt_shard_view){ .state = { f->shard_params, o->m, o->v }, .numel = f->shard_numel,
+                             .where = f->offload ? DT_CPU : f->model->device, .rank = f->rank, .world = f->world, .comm = f->comm };
+    return 1;
+}
+/* --bench's stage=: which --shard, and whether offloaded. */
+static void dt__fsdp_label(const dt_parallel *par, char *out, size_t n) {
+    const dt_fsdp *f = (const dt_fsdp *)par;
+    static const char *modes[3] = { "optimizer", "grads", "full" };
+    snprintf(out, n, "/%s%s", modes[f->mode], f->offload ? "+offload" : "");
+}
+const dt_parallel_report dt__fsdp_report = {
+    .create_fn = "dt_fsdp_create", .state_open = dt__fsdp_state_open, .state_close = dt__fsdp_state_close,
+    .shards = dt__fsdp_shards, .memory_table = dt__fsdp_memory_table, .label = dt__fsdp_label, .cost_input = dt__fsdp_cost_input,
+};
+/* [src/14-tensor-parallel.h] */
+/* ---- what the machinery asks of tensor parallelism (the run driver's dt_parallel_report) ----
+   A checkpoint holds the model whole: each split parameter's pieces gathered
+   from the group (and cut again when one is loaded); the memory table shows
+   which parameters are split and how; the cost model and --bench learn the
+   share of the work that is split and the sums it cost. */
+/* The share of the parameters the split layers hold: of the compute too,
+   near enough (each parameter multiplies once per token either way). */
+static double dt__tp_split_share(const dt_tp *t) {
+    double split = 0;
+    for (int i = 0; i < t->whole.nparams; i++)
+        if (t->model->splits[i].dim >= 0) split += (double)t->whole.params[i].numel;
+    return t->whole.numel > 0 ? split / (double)t->whole.numel : 0;
+}
+
+/* The cost model's view of the last step: the whole model's compute on one
+   rank, from this rank's share of it and its sums' time. */
+static int dt__tp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_tp *t = (const dt_tp *)par;
+    int K = in->accum_steps > 0 ? in->accum_steps : 1;
+    in->kind = DT_PAR_TP;
+    in->tp_share = dt__tp_split_share(t);
+    in->tp_sums = t->step_sums / K;
+    in->tp_bytes = t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0;
+    double kept = in->tp_share / t->size + (1 - in->tp_share);
+    in->compute_ms = fmax(0, in->compute_ms - t->step_sum_ms / K) / kept;
+    in->optimizer_ms *= t->model->numel > 0 ? (double)t->whole.numel / (double)t->model->numel : 1;   /* it stepped its pieces */
+    in->dp_groups = t->par.data_ranks;
+    return t->size;
+}
+
+static void dt__tp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
+    const dt_tp *t = (const dt_tp *)par;
+    fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", t->size, dt__tp_split_share(t), t->step_sums / accum_steps,
+            t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0.0);
+}
+
+/* The state a checkpoint saves (the checkpoints chapter): 0 the parameters, 1 and 2 the
+   optimizer's moments, each laid out as the model's flat buffer. */
+static float *dt__state_buffer(dt_model *m, dt_optimizer *o, int which) {
+    return which == 0 ? m->flat_data : which == 1 ? o->m : o->v;
+}
+
+/* The state of a tensor-parallel model (parameters or a moment, `local` on
+   the device) in the whole model's layout, on the host of the group's first
+   rank, which writes it: one split tensor at a time, its pieces all-gathered
+   on the device and put where they sit in the whole. So no rank holds more
+   than the largest tensor beside its own pieces, and the writer the whole
+   state once. The other ranks of the group take part and get NULL. `m`
+   lays out `local`: the model, or (a pipeline's stages composed, the
+   pipeline-parallel chapter) every stage's pieces. */
+static float *dt__tp_state_gather(dt_tp *t, const dt_model *m, float *local) {
+    const dt_model *W = &t->whole;
+    float *whole = NULL;
+    if (t->rank == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
+        dt_fail("out of memory (gathering the tensor-parallel pieces for a checkpoint: %.1f MB)", W->numel * 4e-6);
+    for (int i = 0; i < m->nparams; i++) {
+        const dt_tensor *p = &m->params[i];
+        size_t bytes = (size_t)p->numel * sizeof(float);
+        if (m->splits[i].dim < 0) {
+            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
+            continue;
+        }
+        float *all = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes * (size_t)t->size);
+        dt_all_gather(t->group, local + m->offsets[i], all, p->numel, DT_F32);
+        if (whole) {
+            float *host = dt__host_view(m->device, all, p->numel * t->size);
+            for (int r = 0; r < t->size; r++)
+                dt__tp_piece(whole + W->offsets[i], host + (size_t)r * (size_t)p->numel, W->params[i].shape, p->ndim,
+                             m->splits[i], t->size, r, 1);
+            dt__host_view_close(m->device, host, all, p->numel * t->size, 0);
+        }
+        dt_free_on(m->device, DT_ARENA_COMM, all, bytes * (size_t)t->size);
+    }
+    return whole;
+}
+
+/* The checkpoint's view (the checkpoints chapter). Saving: the groups hold the same
+   state, so the first group gathers it and its first rank, the job's rank 0,
+   writes. Loading: every rank reads the whole file and cuts its pieces. */
+static float *dt__tp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
+    dt_tp *t = (dt_tp *)par;
+    if (for_load) {
+        float *whole = (float *)calloc((size_t)t->whole.numel + 1, sizeof(float));
+        if (!whole) dt_fail("out of memory (reading a whole checkpoint to cut: %.1f MB)", t->whole.numel * 4e-6);
+        return whole;
+    }
+    return t->par.data_rank == 0 ? dt__tp_state_gather(t, t->model, dt__state_buffer(t->model, o, which)) : NULL;
+}
+
+static void dt__tp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
+    dt_tp *t = (dt_tp *)par;
+    if (written) dt__tp_state_scatter(t, t->model, host, dt__state_buffer(t->model, o, which));
+    free(host);
+}
+
+/* A parameter's name with its block number as "*": what every block shares. */
+static void dt__block_pattern(const char *name, char *out, size_t n) {
+    size_t k = 0;
+    for (const char *c = name; *c && k + 1 < n; ) {
+        const char *e = c;
+        while (*e >= '0' && *e <= '9') e++;
+        if (e > c && (c == name || c[-1] == '.') && (*e == '.' || !*e)) { out[k++] = '*'; c = e; }
+        else out[k++] = *c++;
+    }
+    out[k] = 0;
+}
+
+static void dt__shape_string(const int *shape, int ndim, char *out, size_t n) {
+    size_t k = 0;
+    out[0] = 0;
+    for (int d = 0; d < ndim && k < n; d++) k += (size_t)snprintf(out + k, n - k, d ? "x%d" : "%d", shape[d]);
+}
+
+/* At start-up: each rank's bytes against the whole model's, and which
+   tensors are cut, whole and here (rows alike in every block printed once). */
+static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
+    const dt_tp *t = (const dt_tp *)par;
+    const dt_model *m = t->model, *W = &t->whole;
+    double split = 0, whole = 0, moments = o->v ? 2 : 1;
+    for (int i = 0; i < m->nparams; i++) {
+        if (m->splits[i].dim >= 0) split += 4.0 * W->params[i].numel;
+        else whole += 4.0 * W->params[i].numel;
+    }
+    printf("memory per rank, --tp %d: every block's layers split over %d ranks, %d data-parallel group%s (MB):\n", t->size,
+           t->size, t->par.data_ranks, t->par.data_ranks > 1 ? "s" : "");
+    printf("  %-16s %9s %9s   %s\n", "", "this rank", "whole", "formula (S: the split tensors, R: the rest)");
+    const char *rows[3] = { "parameters", "gradients", "optimizer state" };
+    dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
+    for (int r = 0; r < 3; r++)
+        printf("  %-16s %9.3f %9.3f   %s(S/%d + R)\n", rows[r], dt_mem_now(arenas[r]) / 1e6,
+               (r == 2 ? moments : 1) * (split + whole) / 1e6, r == 2 && moments == 2 ? "2 x " : "", t->size);
+    printf("  S = %.3f MB whole, %.3f here; R = %.3f MB (norms, biases after a sum, what does not divide) on every rank\n",
+           split / 1e6, split / t->size / 1e6, whole / 1e6);
+    char seen[64][96];
+    int nseen = 0;
+    int width = 30;                             /* the names' column: Llama's are long */
+    for (int i = 0; i < m->nparams; i++) {
+        char pattern[96];
+        dt__block_pattern(m->params[i].name, pattern, sizeof pattern);
+        if (m->splits[i].dim >= 0 && (int)strlen(pattern) > width) width = (int)strlen(pattern);
+    }
+    for (int i = 0; i < m->nparams; i++) {
+        if (m->splits[i].vocab && m->splits[i].dim < 0)
+            printf("    %-*s %12d rows stay whole: the vocabulary does not divide by %d\n", width, m->params[i].name,
+                   m->params[i].shape[0], t->size);
+        if (m->splits[i].dim < 0) continue;
+        char pattern[96], a[48], b[48];
+        int count = 0, dup = 0;
+        dt__block_pattern(m->params[i].name, pattern, sizeof pattern);
+        for (int k = 0; k < nseen; k++) dup |= !strcmp(seen[k], pattern);
+        if (dup) continue;
+        if (nseen < 64) dt__copy_str(seen[nseen++], sizeof seen[0], pattern);
+        for (int j = i; j < m->nparams; j++) {
+            char other[96];
+            dt__block_pattern(m->params[j].name, other, sizeof other);
+            count += !strcmp(other, pattern);
+        }
+        dt__shape_string(W->params[i].shape, W->params[i].ndim, a, sizeof a);
+        dt__shape_string(m->params[i].shape, m->params[i].ndim, b, sizeof b);
+        printf("    %-*s %12s -> %-12s%s", width, pattern, a, b, m->splits[i].parts > 1 ? " q, k and v each by heads"
+                                                                   : m->splits[i].vocab ? " the vocabulary, by tokens" : "");
+        if (count > 1) printf("%s x%d blocks", m->splits[i].parts > 1 ? "," : "", count);
+        printf("\n");
+    }
+    fflush(stdout);
+}
+
+const dt_parallel_report dt__tp_report = {
+    .create_fn = "dt_tp_create", .state_open = dt__tp_state_open, .state_close = dt__tp_state_close,
+    .memory_table = dt__tp_memory_table, .cost_input = dt__tp_cost_input, .bench_fields = dt__tp_bench_fields,
+};
+/* [src/15-pipeline-parallel.h] */
+/* ---- what the machinery asks of pipeline parallelism (the run driver's dt_parallel_report) ----
+   A checkpoint holds the model whole: the stages' parameters (and, with
+   --tp, their pieces) gathered to the job's rank 0; the memory table shows
+   each stage's share; the log, --bench and the cost model get the step's
+   bubble and balance, measured. */
+static double dt__pp_stage_params(const dt_pp *p, int stage) {
+    double held = 0;
+    for (int i = 0; i < p->model->nparams; i++) if (dt__pp_holds(p, stage, i)) held += (double)p->whole.params[i].numel;
+    return held;
+}
+
+static int dt__pp_owner(const dt_pp *p, int i) {     /* the first stage that holds parameter i */
+    for (int s = 0; s < p->stages; s++) if (dt__pp_holds(p, s, i)) return s;
+    return 0;
+}
+
+/* Checkpoints are whole (the checkpoints chapter): to save, the first pipeline's stages
+   send what they hold to its first rank, one tensor at a time, and that
+   rank -- the job's rank 0 -- writes; to load, every rank reads the whole
+   and keeps its stage's. */
+static float *dt__pp_state_gather(dt_pp *p, float *local) {
+    dt_model *m = p->model;
+    const dt_model *W = &p->whole;
+    float *whole = NULL;
+    if (p->stage == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
+        dt_fail("out of memory (gathering the pipeline's stages for a checkpoint: %.1f MB)", W->numel * 4e-6);
+    for (int i = 0; i < m->nparams; i++) {
+        int owner = dt__pp_owner(p, i);
+        int64_t n = W->params[i].numel;
+        size_t bytes = (size_t)n * sizeof(float);
+        if (owner == 0) {
+            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
+        } else if (p->stage == owner) dt_send(p->pipe, local + m->offsets[i], n, DT_F32, 0);
+        else if (whole) {
+            float *buf = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes);
+            dt_recv(p->pipe, buf, n, DT_F32, owner);
+            dt__download_from(m->device, whole + W->offsets[i], buf, bytes);
+            dt_free_on(m->device, DT_ARENA_COMM, buf, bytes);
+        }
+    }
+    return whole;
+}
+
+/* ZeRO-1's optimizer state: every pipeline's slices of the stage, whole (a
+   collective of the pipelines), in the stage's buffer layout. */
+static float *dt__pp_zero1_gather(dt_pp *p, const float *slice) {
+    dt_model *m = p->model;
+    float *mine = p->zero_buf + p->zero_chunk * p->par.data_rank;
+    float *whole = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, (size_t)m->numel * sizeof(float) + 4);
+    dt__zero_on(m->device, mine, (size_t)p->zero_chunk * sizeof(float));
+    dt_convert(slice, DT_F32, mine, DT_F32, p->zero_hi - p->zero_lo);
+    dt_all_gather(p->across, mine, p->zero_buf, p->zero_chunk, DT_F32);
+    dt_convert(p->zero_buf, DT_F32, whole, DT_F32, m->numel);
+    return whole;
+}
+
+/* With --tp the stages' pieces, gathered at the first stage, are then
+   gathered over its tensor-parallel group (and, to load, cut the other way);
+   with --shard optimizer the moments are first made whole over the
+   pipelines (and, to load, each rank keeps its slice). */
+static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
+    dt_pp *p = (dt_pp *)par;
+    if (for_load) {
+        float *whole = (float *)calloc((size_t)par->whole->numel + 1, sizeof(float));
+        if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", par->whole->numel * 4e-6);
+        return whole;
+    }
+    float *state = dt__state_buffer(p->model, o, which), *gathered = NULL;
+    if (p->zero1 && which > 0) state = gathered = dt__pp_zero1_gather(p, state);   /* every pipeline takes part */
+    if (p->par.data_rank != 0) {
+        if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
+        return NULL;
+    }
+    float *staged = dt__pp_state_gather(p, state);
+    if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
+    if (!p->tp || p->stage != 0) return staged;
+    size_t bytes = (size_t)p->whole.numel * sizeof(float);
+    float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+    dt__upload_to(p->model->device, pieces, staged, bytes);
+    free(staged);
+    float *whole = dt__tp_state_gather(p->tp, &p->whole, pieces);
+    dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
+    return whole;
+}
+
+static void dt__pp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
+    dt_pp *p = (dt_pp *)par;
+    float *local = dt__state_buffer(p->model, o, which), *slice = NULL;
+    size_t stage_bytes = (size_t)p->model->numel * sizeof(float) + 4;
+    if (written && p->zero1 && which > 0) {  /* the stage's whole state here first, then this rank's slice of it */
+        slice = local;
+        local = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, stage_bytes);
+    }
+    if (written && !p->tp) dt__pp_scatter(p, host, local);
+    else if (written) {
+        size_t bytes = (size_t)p->whole.numel * sizeof(float);
+        float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+        dt__tp_state_scatter(p->tp, &p->whole, host, pieces);
+        float *view = dt__host_view(p->model->device, pieces, p->whole.numel);
+        dt__pp_scatter(p, view, local);
+        dt__host_view_close(p->model->device, view, pieces, p->whole.numel, 0);
+        dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
+    }
+    if (slice) {
+        dt_convert(local + p->zero_lo, DT_F32, slice, DT_F32, p->zero_hi - p->zero_lo);
+        dt_free_on(p->model->device, DT_ARENA_COMM, local, stage_bytes);
+    }
+    free(host);
+}
+
+/* At start-up: which blocks each stage runs, and what it holds. */
+static void dt__pp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
+    const dt_pp *p = (const dt_pp *)par;
+    const dt_model *m = p->model;
+    int n = dt_model_blocks(m);
+    printf("pipeline, --pp %d: %d stages, %d micro-batch%s per step, schedule %s (bubble (P - 1) / (M + P - 1) = %.0f%%); "
+           "%d data-parallel pipeline%s\n", p->stages, p->stages, p->micro_batches, p->micro_batches > 1 ? "es" : "",
+           dt__pp_schedules[p->schedule].name, 100.0 * (p->stages - 1) / (p->micro_batches + p->stages - 1),
+           p->par.data_ranks, p->par.data_ranks > 1 ? "s" : "");
+    int embedding = 0;                      /* the mlp has none: its first layer is a block */
+    for (int i = 0; i < m->nparams; i++) embedding |= m->splits[i].block < 0;
+    for (int s = 0; s < p->stages; s++) {
+        double held = dt__pp_stage_params(p, s);
+        int a = p->first_block[s], b = p->first_block[s + 1];
+        char blocks[48];
+        if (b - a > 1) snprintf(blocks, sizeof blocks, "blocks %d-%d", a, b - 1);
+        else snprintf(blocks, sizeof blocks, "block %d", a);
+        printf("  stage %d: %s%s%s  %.3f MB of parameters (%.3f MB with gradients and %s state)\n", s,
+               s == 0 && embedding ? "the embedding, " : "", blocks, s == p->stages - 1 ? ", the head" : "", 4e-6 * held,
+               4e-6 * held * (o->v ? 4 : 3), o->v ? "adamw's" : "sgd's");
+    }
+    if (p->tp)
+        printf("  each stage's blocks split over --tp %d ranks as in stage 06: the sizes above are one rank's pieces\n",
+               p->tp->size);
+    if (p->zero1)
+        printf("  --shard optimizer: the %d pipelines share out each stage's %s state (ZeRO-1): this rank keeps %.3f MB of "
+               "its stage's %.3f\n", p->par.data_ranks, o->v ? "adamw's" : "sgd's", 4e-6 * (double)o->numel * (o->v ? 2 : 1),
+               4e-6 * (double)m->numel * (o->v ? 2 : 1));
+    printf("  the whole model: %.3f MB of parameters, %d blocks\n", 4e-6 * (double)par->whole->numel, n);
+    fflush(stdout);
+}
+
+/* The last step's figures: the pipeline's bubble, its stages' idle time
+   over their time in the pipeline (each stage waits its own share: the
+   first more, when the last, with the head, computes more); how uneven the
+   stages are, the busiest one's compute over the mean (1: even). */
+static double dt__pp_bubble(const dt_pp *p) { return p->pipe_step_ms > 0 ? p->pipe_idle_ms / p->pipe_step_ms : 0; }
+static double dt__pp_balance_of(const dt_pp *p) {
+    return p->pipe_busy_ms > 0 ? p->pipe_busiest_ms * p->stages / p->pipe_busy_ms : 1;
+}
+
+/* The cost model's view of it: the whole model's compute on one rank is
+   what the stages computed together -- with --tp, less the time their
+   layers' sums took, and times the T ranks that shared each stage's split
+   layers. */
+static int dt__pp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_pp *p = (const dt_pp *)par;
+    in->kind = DT_PAR_PP;
+    in->pp_micro_batches = p->micro_batches;
+    in->pp_balance = dt__pp_balance_of(p);
+    in->pp_bytes = p->act_bytes;
+    in->pp_measured_bubble = dt__pp_bubble(p);
+    in->compute_ms = p->pipe_busy_ms;
+    in->dp_groups = p->par.data_ranks;
+    in->pp_zero1 = p->zero1;
+    int64_t stepped = p->zero1 ? p->zero_hi - p->zero_lo : p->model->numel;    /* the optimizer's share of the whole model */
+    in->optimizer_ms *= stepped > 0 ? (double)par->whole->numel / (double)stepped : 1;
+    if (p->tp) {
+        in->tp_ranks = p->tp->size;
+        in->tp_share = dt__tp_split_share(p->tp);
+        in->tp_sums = p->pipe_tp_sums / p->micro_batches;
+        in->tp_bytes = p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0;
+        double kept = in->tp_share / p->tp->size + (1 - in->tp_share);
+        in->compute_ms = fmax(0, p->pipe_busy_ms - p->pipe_tp_sum_ms) / kept;
+    }
+    return p->stages;
+}
+
+static void dt__pp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
+    const dt_pp *p = (const dt_pp *)par;
+    (void)accum_steps;
+    fprintf(out, " pp=%d pp_micro_batches=%d pp_balance=%.4f pp_bytes=%.0f bubble=%.4f bubble_predicted=%.4f", p->stages,
+            p->micro_batches, dt__pp_balance_of(p), p->act_bytes, dt__pp_bubble(p),
+            (p->stages - 1.0) / (p->micro_batches + p->stages - 1.0));
+    if (p->tp)        /* the whole pipeline's layer sums per micro-batch, as the cost model counts them */
+        fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", p->tp->size, dt__tp_split_share(p->tp),
+                p->pipe_tp_sums / p->micro_batches, p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0.0);
+    fprintf(out, " dp=%d%s", p->par.data_ranks, p->zero1 ? " zero1=1" : "");
+}
+
+/* The step's pipeline figures, in its --log record. */
+static void dt__pp_log_fields(const dt_parallel *par, FILE *log) {
+    const dt_pp *p = (const dt_pp *)par;
+    double P = p->stages, M = p->micro_batches;
+    fprintf(log, ",\"pp_busy_ms\":%.3f,\"pp_idle_ms\":%.3f,\"pp_step_ms\":%.3f,\"bubble\":%.4f,\"bubble_predicted\":%.4f,"
+                 "\"pp_balance\":%.4f,\"pp_kept_bytes\":%.0f,\"pp_micro_bytes\":%.0f,\"pp_kept_micro_batches\":%d",
+            p->busy_ms, p->idle_ms, p->step_ms, dt__pp_bubble(p), (P - 1) / (M + P - 1), dt__pp_balance_of(p), p->kept_peak,
+            p->kept_micro, p->kept_micro_batches);
+}
+
+const dt_parallel_report dt__pp_report = {
+    .create_fn = "dt_pp_create", .state_open = dt__pp_state_open, .state_close = dt__pp_state_close,
+    .memory_table = dt__pp_memory_table, .log_fields = dt__pp_log_fields, .cost_input = dt__pp_cost_input,
+    .bench_fields = dt__pp_bench_fields,
+};
 #endif /* DTRAIN_IMPLEMENTATION */
 
 /* [src/26-cuda.h] */

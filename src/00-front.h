@@ -116,12 +116,15 @@
        24 command line  one table of flags for every stage, and the data they name
        25 run driver    the loop every stage shares: --init/--resume, batches, the
                         job's mean loss, JSON-lines logs, evaluation and checkpoints
-                        at each epoch's end, stopping every rank alike on a signal
+                        at each epoch's end, stopping every rank alike on a signal; what
+                        the machinery asks of a wrapper (dt_parallel_report)
        And the backend:
        26 CUDA          the GPU bodies of the ops, behind one table (dt_backend):
                         indexing, reductions and launch shape are all that differ.
-                        The one chapter earlier ones reach, and only through its
-                        tables (dt_backend, dt_comm_backend) and two entry points
+                        Earlier chapters reach it only through what the backend
+                        tables chapter declares: the tables (dt_backend,
+                        dt_comm_backend), dt_cuda_backend, dt_cuda_device_count
+                        and the dt_nccl_* calls a NCCL communicator is made of
 
    HOW THIS FILE IS MADE
        It is assembled from chapter files, src/NN-name.h in the project, by
@@ -129,9 +132,11 @@
        the committed dtrain.h is the assembly. A chapter holds its declarations
        and its implementation together (the CUDA chapter implements the tables
        16 declares); this file puts every chapter's declarations first, then every
-       implementation, then the CUDA backend, and a line [src/NN-name.h] in a
-       comment marks where each part begins (00 is this preface). Edit the
-       chapters; a copy of this file alone needs none of them.
+       implementation, then what the wrapper chapters (13-15) answer to the
+       machinery (their dt_parallel_report: checkpoints, memory tables, figures
+       for the log and the cost model), then the CUDA backend, and a line
+       [src/NN-name.h] in a comment marks where each part begins (00 is this
+       preface). Edit the chapters; a copy of this file alone needs none of them.
 
    A FAILURE NEVER CRASHES
        Bad flags exit with status 2, everything else that goes wrong (a missing

@@ -45,7 +45,6 @@ void dt_backward_from(dt_tensor *loss, const float *seed);
    nothing is looked up in global state. */
 typedef struct dt_parallel dt_parallel;
 struct dt_optimizer;
-struct dt_cost_input;
 struct dt_parallel {
     /* The wrapper's public functions, which the order mistakes name:
        "dt_fsdp_create", "dt_fsdp_sync_grads", "dt_fsdp_free". */
@@ -82,37 +81,20 @@ struct dt_parallel {
     /* Kept by the ops: 1 between dt_sp_split and dt_sp_gather, where each rank
        holds its share of the rows (and backward, walking back, sets it again). */
     int rows_split;
-    /* Checkpoints (the checkpoints chapter) see the model whole, through these three; NULL
-       state_open: the model's own buffers are the whole. state_open gives the
-       state `which` (0 the parameters, 1 and 2 the optimizer's moments) as one
-       host array in the order of `whole`'s parameters. To save (for_load 0)
-       it is a collective of the wrapper's ranks and may give NULL to a rank
-       that will not write; to load (for_load 1) the array is about to be
-       filled from a file, and state_close(written 1) gives each rank its part
-       of it. whole: the model's parameters in their whole shapes (NULL: the
-       model's own). memory_table: what each rank holds, printed at start-up. */
-    float *(*state_open)(dt_parallel *par, struct dt_optimizer *opt, int which, int for_load);
-    void (*state_close)(dt_parallel *par, struct dt_optimizer *opt, int which, float *host, int written);
+    /* A wrapper that cuts the model (tensor, pipeline parallelism): its
+       parameters in their whole shapes, a shell without buffers (NULL: the
+       model's own), which the flop count and checkpoints go by. */
     struct dt_model *whole;
-    void (*memory_table)(const dt_parallel *par, const struct dt_optimizer *opt);
     /* Pipeline parallelism (stage 07): the model's forward as the pipeline
        runs it -- this rank's blocks, the activations passed from stage to
        stage, the last stage's logits given to every rank -- for what calls
        dt_model_forward without gradients (evaluation, generation); NULL: the
-       model's own. log_fields: what the wrapper adds to a step's --log
-       record (",\"name\":value..."); NULL: nothing. */
+       model's own. */
     dt_tensor *(*forward)(dt_parallel *par, dt_tensor *inputs);
-    void (*log_fields)(const dt_parallel *par, FILE *log);
-    /* The cost model (the cost-model chapter) and the --bench line (the metrics chapter), for a
-       wrapper that splits the model over ranks: cost_input fills its part of
-       `in` from what the last step measured (in's compute_ms: this rank's
-       forward and backward of a micro-batch; optimizer_ms: this rank's step,
-       which it makes the whole model's; accum_steps set) and returns how
-       many ranks split or shard the model; bench_fields adds " key=value"
-       pairs.
-       NULL: the stage's data parallelism alone, which the run knows. */
-    int (*cost_input)(const dt_parallel *par, struct dt_cost_input *in);
-    void (*bench_fields)(const dt_parallel *par, FILE *out, int accum_steps);
+    /* What the machinery asks of a wrapper besides -- a checkpoint of the
+       whole model, what each rank holds, the figures of a step for the log,
+       --bench and the cost model -- is not here: it is the run driver's
+       dt_parallel_report, which each wrapper fills at its chapter's end. */
     /* Kept by the library: a backward ran since backward_done did, so the
        gradients are this rank's own, not yet the average the optimizer needs. */
     int grads_pending;

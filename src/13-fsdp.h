@@ -248,20 +248,8 @@ static void dt__fsdp_unit_end(dt_parallel *par, int unit) {
 static void dt__fsdp_backward_done(dt_parallel *par);
 static void dt__fsdp_step_done(dt_parallel *par);
 static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o);
-static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load);
-static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written);
-static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o);
 static void dt__fsdp_sum_over_ranks(dt_parallel *par, float *values, int n) {
     dt__comm_all_reduce_host(((dt_fsdp *)par)->comm, values, n, DT_SUM);
-}
-/* The cost model's view (the cost-model chapter): which ZeRO, and the optimizer step
-   of the whole model, N times the shard's this rank measured. */
-static int dt__fsdp_cost_input(const dt_parallel *par, dt_cost_input *in) {
-    const dt_fsdp *f = (const dt_fsdp *)par;
-    static const dt_parallelism zero[3] = { DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3 };   /* by dt_shard_mode */
-    in->kind = zero[f->mode];
-    in->optimizer_ms *= f->world;
-    return f->world;
 }
 
 dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload) {
@@ -271,9 +259,7 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
     f->par = (dt_parallel){ .create_fn = "dt_fsdp_create", .sync_fn = "dt_fsdp_sync_grads", .free_fn = "dt_fsdp_free",
                             .unit_begin = dt__fsdp_unit_begin, .unit_end = dt__fsdp_unit_end,
                             .backward_done = dt__fsdp_backward_done, .step_done = dt__fsdp_step_done,
-                            .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks,
-                            .state_open = dt__fsdp_state_open, .state_close = dt__fsdp_state_close,
-                            .memory_table = dt__fsdp_memory_table, .cost_input = dt__fsdp_cost_input };
+                            .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks };
     dt_model_set_parallel(model, &f->par);
     dt__comm_hold(comm, "dt_fsdp_free");
     f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
@@ -407,6 +393,52 @@ static void dt__fsdp_step_done(dt_parallel *par) {
     }
 }
 
+void dt_fsdp_free(dt_fsdp *fsdp) {
+    if (!fsdp) return;
+    dt_model *m = fsdp->model;
+    dt_model_set_parallel(m, NULL);
+    for (int k = 0; k < fsdp->nunits; k++) {
+        dt__fsdp_unit *u = &fsdp->units[k];
+        if (u->gathering) dt__fsdp_gather_unit(fsdp, k, -1);      /* a prefetch nobody used: let it land */
+        if (fsdp->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt__fsdp_param_bytes(fsdp, u));
+        if (fsdp->mode == DT_SHARD_OPTIMIZER) dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt__fsdp_full_bytes(fsdp, u));
+        dt__fsdp_point(fsdp, u, 0, NULL);
+        dt__fsdp_point(fsdp, u, 1, NULL);
+    }
+    for (int b = 0; b < 3; b++) {
+        dt_free_on(m->device, DT_ARENA_PARAMS, fsdp->gathered[b], dt__fsdp_largest_params(fsdp));
+        dt_free_on(m->device, DT_ARENA_COMM, fsdp->staged[b], fsdp->largest_shard);
+        dt_free_on(m->device, DT_ARENA_COMM, fsdp->send16[b], fsdp->largest_shard / 2);
+    }
+    dt__comm_release(fsdp->comm);            /* after the last prefetch has landed */
+    dt_fsdp_set_reduce_dtype(fsdp, DT_F32);
+    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->accum, (size_t)fsdp->accum_numel * sizeof(float));
+    for (int i = 0; i < m->nparams; i++) m->params[i].dtype = DT_F32;
+    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->gathered_grad, fsdp->largest);
+    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->outer_grad, fsdp->largest);
+    dt_free_on(m->device, DT_ARENA_COMM, fsdp->scattered, fsdp->largest_shard);
+    size_t shard_bytes = (size_t)fsdp->shard_numel * sizeof(float);
+    if (fsdp->offload) { dt_free_host(DT_ARENA_PARAMS, fsdp->shard_params, shard_bytes); dt_free_host(DT_ARENA_GRADS, fsdp->shard_grads, shard_bytes); }
+    else { dt_free_on(m->device, DT_ARENA_PARAMS, fsdp->shard_params, shard_bytes); dt_free_on(m->device, DT_ARENA_GRADS, fsdp->shard_grads, shard_bytes); }
+    free(fsdp->units);
+    free(fsdp);
+}
+
+//@ for the machinery
+/* ---- what the machinery asks of FSDP (the run driver's dt_parallel_report) ----
+   A checkpoint sees the sharded model whole, or writes each rank's shards as
+   they are; the memory table compares what a rank holds with DDP; the cost
+   model and --bench learn which ZeRO stage this is. */
+/* The cost model's view (the cost-model chapter): which ZeRO, and the optimizer step
+   of the whole model, N times the shard's this rank measured. */
+static int dt__fsdp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_fsdp *f = (const dt_fsdp *)par;
+    static const dt_parallelism zero[3] = { DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3 };   /* by dt_shard_mode */
+    in->kind = zero[f->mode];
+    in->optimizer_ms *= f->world;
+    return f->world;
+}
+
 /* Checkpoints see a sharded model whole: every rank's shards gathered into one
    host array in parameter order (a collective), or written back into them. */
 static float *dt__fsdp_state_gather(dt_fsdp *f, const float *shards) {
@@ -422,6 +454,7 @@ static float *dt__fsdp_state_gather(dt_fsdp *f, const float *shards) {
     }
     return host;
 }
+
 static void dt__fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards, int parameters) {
     for (int k = 0; k < f->nunits; k++) {
         dt__fsdp_unit *u = &f->units[k];
@@ -430,11 +463,13 @@ static void dt__fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards,
         if (parameters && u->full) dt__fsdp_fill_params(f, u, host + u->offset);
     }
 }
+
 static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
     dt_fsdp *f = (dt_fsdp *)par;
     (void)for_load;                       /* every rank gets the whole, gathered, either way */
     return dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
 }
+
 static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
     dt_fsdp *f = (dt_fsdp *)par;
     if (written) dt__fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
@@ -479,39 +514,20 @@ static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o)
     fflush(stdout);
 }
 
-/* The FSDP wrapper of a model, or NULL: for the checkpoints and reports that
-   need its shards. */
-static dt_fsdp *dt__fsdp_of(const dt_model *m) {
-    return m->parallel && m->parallel->step_done == dt__fsdp_step_done ? (dt_fsdp *)m->parallel : NULL;
+/* The shards as they are, for a sharded checkpoint: each rank writes its own. */
+static int dt__fsdp_shards(dt_parallel *par, dt_optimizer *o, dt_shard_view *view) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    *view = (dt_shard_view){ .state = { f->shard_params, o->m, o->v }, .numel = f->shard_numel,
+                             .where = f->offload ? DT_CPU : f->model->device, .rank = f->rank, .world = f->world, .comm = f->comm };
+    return 1;
 }
-
-void dt_fsdp_free(dt_fsdp *fsdp) {
-    if (!fsdp) return;
-    dt_model *m = fsdp->model;
-    dt_model_set_parallel(m, NULL);
-    for (int k = 0; k < fsdp->nunits; k++) {
-        dt__fsdp_unit *u = &fsdp->units[k];
-        if (u->gathering) dt__fsdp_gather_unit(fsdp, k, -1);      /* a prefetch nobody used: let it land */
-        if (fsdp->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt__fsdp_param_bytes(fsdp, u));
-        if (fsdp->mode == DT_SHARD_OPTIMIZER) dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt__fsdp_full_bytes(fsdp, u));
-        dt__fsdp_point(fsdp, u, 0, NULL);
-        dt__fsdp_point(fsdp, u, 1, NULL);
-    }
-    for (int b = 0; b < 3; b++) {
-        dt_free_on(m->device, DT_ARENA_PARAMS, fsdp->gathered[b], dt__fsdp_largest_params(fsdp));
-        dt_free_on(m->device, DT_ARENA_COMM, fsdp->staged[b], fsdp->largest_shard);
-        dt_free_on(m->device, DT_ARENA_COMM, fsdp->send16[b], fsdp->largest_shard / 2);
-    }
-    dt__comm_release(fsdp->comm);            /* after the last prefetch has landed */
-    dt_fsdp_set_reduce_dtype(fsdp, DT_F32);
-    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->accum, (size_t)fsdp->accum_numel * sizeof(float));
-    for (int i = 0; i < m->nparams; i++) m->params[i].dtype = DT_F32;
-    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->gathered_grad, fsdp->largest);
-    dt_free_on(m->device, DT_ARENA_GRADS, fsdp->outer_grad, fsdp->largest);
-    dt_free_on(m->device, DT_ARENA_COMM, fsdp->scattered, fsdp->largest_shard);
-    size_t shard_bytes = (size_t)fsdp->shard_numel * sizeof(float);
-    if (fsdp->offload) { dt_free_host(DT_ARENA_PARAMS, fsdp->shard_params, shard_bytes); dt_free_host(DT_ARENA_GRADS, fsdp->shard_grads, shard_bytes); }
-    else { dt_free_on(m->device, DT_ARENA_PARAMS, fsdp->shard_params, shard_bytes); dt_free_on(m->device, DT_ARENA_GRADS, fsdp->shard_grads, shard_bytes); }
-    free(fsdp->units);
-    free(fsdp);
+/* --bench's stage=: which --shard, and whether offloaded. */
+static void dt__fsdp_label(const dt_parallel *par, char *out, size_t n) {
+    const dt_fsdp *f = (const dt_fsdp *)par;
+    static const char *modes[3] = { "optimizer", "grads", "full" };
+    snprintf(out, n, "/%s%s", modes[f->mode], f->offload ? "+offload" : "");
 }
+const dt_parallel_report dt__fsdp_report = {
+    .create_fn = "dt_fsdp_create", .state_open = dt__fsdp_state_open, .state_close = dt__fsdp_state_close,
+    .shards = dt__fsdp_shards, .memory_table = dt__fsdp_memory_table, .label = dt__fsdp_label, .cost_input = dt__fsdp_cost_input,
+};

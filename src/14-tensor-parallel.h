@@ -108,34 +108,6 @@ static void dt__tp_step_done(dt_parallel *par) {
     t->sums = t->sum_bytes = 0;
     t->sum_ms = 0;
 }
-/* The share of the parameters the split layers hold: of the compute too,
-   near enough (each parameter multiplies once per token either way). */
-static double dt__tp_split_share(const dt_tp *t) {
-    double split = 0;
-    for (int i = 0; i < t->whole.nparams; i++)
-        if (t->model->splits[i].dim >= 0) split += (double)t->whole.params[i].numel;
-    return t->whole.numel > 0 ? split / (double)t->whole.numel : 0;
-}
-/* The cost model's view of the last step: the whole model's compute on one
-   rank, from this rank's share of it and its sums' time. */
-static int dt__tp_cost_input(const dt_parallel *par, dt_cost_input *in) {
-    const dt_tp *t = (const dt_tp *)par;
-    int K = in->accum_steps > 0 ? in->accum_steps : 1;
-    in->kind = DT_PAR_TP;
-    in->tp_share = dt__tp_split_share(t);
-    in->tp_sums = t->step_sums / K;
-    in->tp_bytes = t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0;
-    double kept = in->tp_share / t->size + (1 - in->tp_share);
-    in->compute_ms = fmax(0, in->compute_ms - t->step_sum_ms / K) / kept;
-    in->optimizer_ms *= t->model->numel > 0 ? (double)t->whole.numel / (double)t->model->numel : 1;   /* it stepped its pieces */
-    in->dp_groups = t->par.data_ranks;
-    return t->size;
-}
-static void dt__tp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
-    const dt_tp *t = (const dt_tp *)par;
-    fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", t->size, dt__tp_split_share(t), t->step_sums / accum_steps,
-            t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0.0);
-}
 static void dt__tp_sum_over_ranks(dt_parallel *par, float *values, int n) {
     dt__comm_all_reduce_host(((dt_tp *)par)->group, values, n, DT_SUM);
 }
@@ -185,40 +157,9 @@ static void dt__tp_piece(float *whole, float *piece, const int *whole_shape, int
             else memcpy(p, w, bytes);
         }
 }
-/* The state of a tensor-parallel model (parameters or a moment, `local` on
-   the device) in the whole model's layout, on the host of the group's first
-   rank, which writes it: one split tensor at a time, its pieces all-gathered
-   on the device and put where they sit in the whole. So no rank holds more
-   than the largest tensor beside its own pieces, and the writer the whole
-   state once. The other ranks of the group take part and get NULL. `m`
-   lays out `local`: the model, or (a pipeline's stages composed, the
-   pipeline-parallel chapter) every stage's pieces. */
-static float *dt__tp_state_gather(dt_tp *t, const dt_model *m, float *local) {
-    const dt_model *W = &t->whole;
-    float *whole = NULL;
-    if (t->rank == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
-        dt_fail("out of memory (gathering the tensor-parallel pieces for a checkpoint: %.1f MB)", W->numel * 4e-6);
-    for (int i = 0; i < m->nparams; i++) {
-        const dt_tensor *p = &m->params[i];
-        size_t bytes = (size_t)p->numel * sizeof(float);
-        if (m->splits[i].dim < 0) {
-            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
-            continue;
-        }
-        float *all = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes * (size_t)t->size);
-        dt_all_gather(t->group, local + m->offsets[i], all, p->numel, DT_F32);
-        if (whole) {
-            float *host = dt__host_view(m->device, all, p->numel * t->size);
-            for (int r = 0; r < t->size; r++)
-                dt__tp_piece(whole + W->offsets[i], host + (size_t)r * (size_t)p->numel, W->params[i].shape, p->ndim,
-                             m->splits[i], t->size, r, 1);
-            dt__host_view_close(m->device, host, all, p->numel * t->size, 0);
-        }
-        dt_free_on(m->device, DT_ARENA_COMM, all, bytes * (size_t)t->size);
-    }
-    return whole;
-}
-/* The other way: this rank's pieces of a whole state (host) into `local`, laid out by m. */
+/* This rank's pieces of a whole state (host) into `local`, laid out by m: how the
+   model is cut at the start, and a whole checkpoint loaded (dt__tp_state_gather,
+   at the chapter's end, goes the other way). */
 static void dt__tp_state_scatter(dt_tp *t, const dt_model *m, float *whole, float *local) {
     const dt_model *W = &t->whole;
     float *mine = (float *)malloc((size_t)m->numel * sizeof(float) + 1);
@@ -231,29 +172,6 @@ static void dt__tp_state_scatter(dt_tp *t, const dt_model *m, float *whole, floa
     dt_upload(local, mine, (size_t)m->numel * sizeof(float));
     free(mine);
 }
-/* The state a checkpoint saves (the checkpoints chapter): 0 the parameters, 1 and 2 the
-   optimizer's moments, each laid out as the model's flat buffer. */
-static float *dt__state_buffer(dt_model *m, dt_optimizer *o, int which) {
-    return which == 0 ? m->flat_data : which == 1 ? o->m : o->v;
-}
-/* The checkpoint's view (the checkpoints chapter). Saving: the groups hold the same
-   state, so the first group gathers it and its first rank, the job's rank 0,
-   writes. Loading: every rank reads the whole file and cuts its pieces. */
-static float *dt__tp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
-    dt_tp *t = (dt_tp *)par;
-    if (for_load) {
-        float *whole = (float *)calloc((size_t)t->whole.numel + 1, sizeof(float));
-        if (!whole) dt_fail("out of memory (reading a whole checkpoint to cut: %.1f MB)", t->whole.numel * 4e-6);
-        return whole;
-    }
-    return t->par.data_rank == 0 ? dt__tp_state_gather(t, t->model, dt__state_buffer(t->model, o, which)) : NULL;
-}
-static void dt__tp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
-    dt_tp *t = (dt_tp *)par;
-    if (written) dt__tp_state_scatter(t, t->model, host, dt__state_buffer(t->model, o, which));
-    free(host);
-}
-static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o);
 
 /* Cutting a model (tensor and pipeline parallelism): the whole model's
    layout kept in `whole`, a shell without buffers that checkpoints are laid
@@ -343,10 +261,7 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
                             .tp_sum = tp > 1 ? dt__tp_sum : NULL,     /* a group of one: the layers as in stage 01 */
                             .tp_max = tp > 1 ? dt__tp_max : NULL, .tp_all_gather = tp > 1 ? dt__sp_all_gather : NULL,
                             .sp_all_gather = tp > 1 && sequence_parallel ? dt__sp_all_gather : NULL,
-                            .sp_reduce_scatter = tp > 1 && sequence_parallel ? dt__sp_reduce_scatter : NULL,
-                            .state_open = dt__tp_state_open, .state_close = dt__tp_state_close,
-                            .memory_table = dt__tp_memory_table, .cost_input = dt__tp_cost_input,
-                            .bench_fields = dt__tp_bench_fields };
+                            .sp_reduce_scatter = tp > 1 && sequence_parallel ? dt__sp_reduce_scatter : NULL };
     dt_model_set_parallel(model, &t->par);
     dt__comm_hold(comm, "dt_tp_free");
     t->model = model;
@@ -370,6 +285,113 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
     return t;
 }
 
+void dt_tp_free(dt_tp *tp) {
+    if (!tp) return;
+    dt_model_set_parallel(tp->model, NULL);
+    tp->model->left_cut_by = "dt_tp_free";     /* the pieces stay: the model can only be freed now */
+    dt_mesh_free(tp->mesh);
+    dt__comm_release(tp->comm);
+    free(tp->whole.params);
+    free(tp->whole.offsets);
+    free(tp);
+}
+
+//@ for the machinery
+/* ---- what the machinery asks of tensor parallelism (the run driver's dt_parallel_report) ----
+   A checkpoint holds the model whole: each split parameter's pieces gathered
+   from the group (and cut again when one is loaded); the memory table shows
+   which parameters are split and how; the cost model and --bench learn the
+   share of the work that is split and the sums it cost. */
+/* The share of the parameters the split layers hold: of the compute too,
+   near enough (each parameter multiplies once per token either way). */
+static double dt__tp_split_share(const dt_tp *t) {
+    double split = 0;
+    for (int i = 0; i < t->whole.nparams; i++)
+        if (t->model->splits[i].dim >= 0) split += (double)t->whole.params[i].numel;
+    return t->whole.numel > 0 ? split / (double)t->whole.numel : 0;
+}
+
+/* The cost model's view of the last step: the whole model's compute on one
+   rank, from this rank's share of it and its sums' time. */
+static int dt__tp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_tp *t = (const dt_tp *)par;
+    int K = in->accum_steps > 0 ? in->accum_steps : 1;
+    in->kind = DT_PAR_TP;
+    in->tp_share = dt__tp_split_share(t);
+    in->tp_sums = t->step_sums / K;
+    in->tp_bytes = t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0;
+    double kept = in->tp_share / t->size + (1 - in->tp_share);
+    in->compute_ms = fmax(0, in->compute_ms - t->step_sum_ms / K) / kept;
+    in->optimizer_ms *= t->model->numel > 0 ? (double)t->whole.numel / (double)t->model->numel : 1;   /* it stepped its pieces */
+    in->dp_groups = t->par.data_ranks;
+    return t->size;
+}
+
+static void dt__tp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
+    const dt_tp *t = (const dt_tp *)par;
+    fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", t->size, dt__tp_split_share(t), t->step_sums / accum_steps,
+            t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0.0);
+}
+
+/* The state a checkpoint saves (the checkpoints chapter): 0 the parameters, 1 and 2 the
+   optimizer's moments, each laid out as the model's flat buffer. */
+static float *dt__state_buffer(dt_model *m, dt_optimizer *o, int which) {
+    return which == 0 ? m->flat_data : which == 1 ? o->m : o->v;
+}
+
+/* The state of a tensor-parallel model (parameters or a moment, `local` on
+   the device) in the whole model's layout, on the host of the group's first
+   rank, which writes it: one split tensor at a time, its pieces all-gathered
+   on the device and put where they sit in the whole. So no rank holds more
+   than the largest tensor beside its own pieces, and the writer the whole
+   state once. The other ranks of the group take part and get NULL. `m`
+   lays out `local`: the model, or (a pipeline's stages composed, the
+   pipeline-parallel chapter) every stage's pieces. */
+static float *dt__tp_state_gather(dt_tp *t, const dt_model *m, float *local) {
+    const dt_model *W = &t->whole;
+    float *whole = NULL;
+    if (t->rank == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
+        dt_fail("out of memory (gathering the tensor-parallel pieces for a checkpoint: %.1f MB)", W->numel * 4e-6);
+    for (int i = 0; i < m->nparams; i++) {
+        const dt_tensor *p = &m->params[i];
+        size_t bytes = (size_t)p->numel * sizeof(float);
+        if (m->splits[i].dim < 0) {
+            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
+            continue;
+        }
+        float *all = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes * (size_t)t->size);
+        dt_all_gather(t->group, local + m->offsets[i], all, p->numel, DT_F32);
+        if (whole) {
+            float *host = dt__host_view(m->device, all, p->numel * t->size);
+            for (int r = 0; r < t->size; r++)
+                dt__tp_piece(whole + W->offsets[i], host + (size_t)r * (size_t)p->numel, W->params[i].shape, p->ndim,
+                             m->splits[i], t->size, r, 1);
+            dt__host_view_close(m->device, host, all, p->numel * t->size, 0);
+        }
+        dt_free_on(m->device, DT_ARENA_COMM, all, bytes * (size_t)t->size);
+    }
+    return whole;
+}
+
+/* The checkpoint's view (the checkpoints chapter). Saving: the groups hold the same
+   state, so the first group gathers it and its first rank, the job's rank 0,
+   writes. Loading: every rank reads the whole file and cuts its pieces. */
+static float *dt__tp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
+    dt_tp *t = (dt_tp *)par;
+    if (for_load) {
+        float *whole = (float *)calloc((size_t)t->whole.numel + 1, sizeof(float));
+        if (!whole) dt_fail("out of memory (reading a whole checkpoint to cut: %.1f MB)", t->whole.numel * 4e-6);
+        return whole;
+    }
+    return t->par.data_rank == 0 ? dt__tp_state_gather(t, t->model, dt__state_buffer(t->model, o, which)) : NULL;
+}
+
+static void dt__tp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
+    dt_tp *t = (dt_tp *)par;
+    if (written) dt__tp_state_scatter(t, t->model, host, dt__state_buffer(t->model, o, which));
+    free(host);
+}
+
 /* A parameter's name with its block number as "*": what every block shares. */
 static void dt__block_pattern(const char *name, char *out, size_t n) {
     size_t k = 0;
@@ -381,11 +403,13 @@ static void dt__block_pattern(const char *name, char *out, size_t n) {
     }
     out[k] = 0;
 }
+
 static void dt__shape_string(const int *shape, int ndim, char *out, size_t n) {
     size_t k = 0;
     out[0] = 0;
     for (int d = 0; d < ndim && k < n; d++) k += (size_t)snprintf(out + k, n - k, d ? "x%d" : "%d", shape[d]);
 }
+
 /* At start-up: each rank's bytes against the whole model's, and which
    tensors are cut, whole and here (rows alike in every block printed once). */
 static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
@@ -440,14 +464,7 @@ static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
     fflush(stdout);
 }
 
-void dt_tp_free(dt_tp *tp) {
-    if (!tp) return;
-    dt_model_set_parallel(tp->model, NULL);
-    tp->model->left_cut_by = "dt_tp_free";     /* the pieces stay: the model can only be freed now */
-    dt_mesh_free(tp->mesh);
-    dt__comm_release(tp->comm);
-    free(tp->whole.params);
-    free(tp->whole.offsets);
-    free(tp);
-}
-
+const dt_parallel_report dt__tp_report = {
+    .create_fn = "dt_tp_create", .state_open = dt__tp_state_open, .state_close = dt__tp_state_close,
+    .memory_table = dt__tp_memory_table, .cost_input = dt__tp_cost_input, .bench_fields = dt__tp_bench_fields,
+};

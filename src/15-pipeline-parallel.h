@@ -129,15 +129,6 @@ static int dt__pp_holds(const dt_pp *p, int stage, int i) {
     if (sp->block >= n) return last;
     return sp->block >= p->first_block[stage] && sp->block < p->first_block[stage + 1];
 }
-static double dt__pp_stage_params(const dt_pp *p, int stage) {
-    double held = 0;
-    for (int i = 0; i < p->model->nparams; i++) if (dt__pp_holds(p, stage, i)) held += (double)p->whole.params[i].numel;
-    return held;
-}
-static int dt__pp_owner(const dt_pp *p, int i) {     /* the first stage that holds parameter i */
-    for (int s = 0; s < p->stages; s++) if (dt__pp_holds(p, s, i)) return s;
-    return 0;
-}
 /* Stage s runs blocks [first[s], first[s + 1]): the cut whose largest stage
    holds the fewest parameters (the embedding's counted with the first stage,
    the head's with the last), found by dynamic programming over the cuts. */
@@ -503,129 +494,6 @@ static void dt__pp_tp_all_gather(dt_parallel *par, const float *mine, float *all
     inner->tp_all_gather(inner, mine, all, n);
 }
 
-/* Checkpoints are whole (the checkpoints chapter): to save, the first pipeline's stages
-   send what they hold to its first rank, one tensor at a time, and that
-   rank -- the job's rank 0 -- writes; to load, every rank reads the whole
-   and keeps its stage's. */
-static float *dt__pp_state_gather(dt_pp *p, float *local) {
-    dt_model *m = p->model;
-    const dt_model *W = &p->whole;
-    float *whole = NULL;
-    if (p->stage == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
-        dt_fail("out of memory (gathering the pipeline's stages for a checkpoint: %.1f MB)", W->numel * 4e-6);
-    for (int i = 0; i < m->nparams; i++) {
-        int owner = dt__pp_owner(p, i);
-        int64_t n = W->params[i].numel;
-        size_t bytes = (size_t)n * sizeof(float);
-        if (owner == 0) {
-            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
-        } else if (p->stage == owner) dt_send(p->pipe, local + m->offsets[i], n, DT_F32, 0);
-        else if (whole) {
-            float *buf = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes);
-            dt_recv(p->pipe, buf, n, DT_F32, owner);
-            dt__download_from(m->device, whole + W->offsets[i], buf, bytes);
-            dt_free_on(m->device, DT_ARENA_COMM, buf, bytes);
-        }
-    }
-    return whole;
-}
-/* ZeRO-1's optimizer state: every pipeline's slices of the stage, whole (a
-   collective of the pipelines), in the stage's buffer layout. */
-static float *dt__pp_zero1_gather(dt_pp *p, const float *slice) {
-    dt_model *m = p->model;
-    float *mine = p->zero_buf + p->zero_chunk * p->par.data_rank;
-    float *whole = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, (size_t)m->numel * sizeof(float) + 4);
-    dt__zero_on(m->device, mine, (size_t)p->zero_chunk * sizeof(float));
-    dt_convert(slice, DT_F32, mine, DT_F32, p->zero_hi - p->zero_lo);
-    dt_all_gather(p->across, mine, p->zero_buf, p->zero_chunk, DT_F32);
-    dt_convert(p->zero_buf, DT_F32, whole, DT_F32, m->numel);
-    return whole;
-}
-/* With --tp the stages' pieces, gathered at the first stage, are then
-   gathered over its tensor-parallel group (and, to load, cut the other way);
-   with --shard optimizer the moments are first made whole over the
-   pipelines (and, to load, each rank keeps its slice). */
-static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
-    dt_pp *p = (dt_pp *)par;
-    if (for_load) {
-        float *whole = (float *)calloc((size_t)par->whole->numel + 1, sizeof(float));
-        if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", par->whole->numel * 4e-6);
-        return whole;
-    }
-    float *state = dt__state_buffer(p->model, o, which), *gathered = NULL;
-    if (p->zero1 && which > 0) state = gathered = dt__pp_zero1_gather(p, state);   /* every pipeline takes part */
-    if (p->par.data_rank != 0) {
-        if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
-        return NULL;
-    }
-    float *staged = dt__pp_state_gather(p, state);
-    if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
-    if (!p->tp || p->stage != 0) return staged;
-    size_t bytes = (size_t)p->whole.numel * sizeof(float);
-    float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
-    dt__upload_to(p->model->device, pieces, staged, bytes);
-    free(staged);
-    float *whole = dt__tp_state_gather(p->tp, &p->whole, pieces);
-    dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
-    return whole;
-}
-static void dt__pp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
-    dt_pp *p = (dt_pp *)par;
-    float *local = dt__state_buffer(p->model, o, which), *slice = NULL;
-    size_t stage_bytes = (size_t)p->model->numel * sizeof(float) + 4;
-    if (written && p->zero1 && which > 0) {  /* the stage's whole state here first, then this rank's slice of it */
-        slice = local;
-        local = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, stage_bytes);
-    }
-    if (written && !p->tp) dt__pp_scatter(p, host, local);
-    else if (written) {
-        size_t bytes = (size_t)p->whole.numel * sizeof(float);
-        float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
-        dt__tp_state_scatter(p->tp, &p->whole, host, pieces);
-        float *view = dt__host_view(p->model->device, pieces, p->whole.numel);
-        dt__pp_scatter(p, view, local);
-        dt__host_view_close(p->model->device, view, pieces, p->whole.numel, 0);
-        dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
-    }
-    if (slice) {
-        dt_convert(local + p->zero_lo, DT_F32, slice, DT_F32, p->zero_hi - p->zero_lo);
-        dt_free_on(p->model->device, DT_ARENA_COMM, local, stage_bytes);
-    }
-    free(host);
-}
-
-/* At start-up: which blocks each stage runs, and what it holds. */
-static void dt__pp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
-    const dt_pp *p = (const dt_pp *)par;
-    const dt_model *m = p->model;
-    int n = dt_model_blocks(m);
-    printf("pipeline, --pp %d: %d stages, %d micro-batch%s per step, schedule %s (bubble (P - 1) / (M + P - 1) = %.0f%%); "
-           "%d data-parallel pipeline%s\n", p->stages, p->stages, p->micro_batches, p->micro_batches > 1 ? "es" : "",
-           dt__pp_schedules[p->schedule].name, 100.0 * (p->stages - 1) / (p->micro_batches + p->stages - 1),
-           p->par.data_ranks, p->par.data_ranks > 1 ? "s" : "");
-    int embedding = 0;                      /* the mlp has none: its first layer is a block */
-    for (int i = 0; i < m->nparams; i++) embedding |= m->splits[i].block < 0;
-    for (int s = 0; s < p->stages; s++) {
-        double held = dt__pp_stage_params(p, s);
-        int a = p->first_block[s], b = p->first_block[s + 1];
-        char blocks[48];
-        if (b - a > 1) snprintf(blocks, sizeof blocks, "blocks %d-%d", a, b - 1);
-        else snprintf(blocks, sizeof blocks, "block %d", a);
-        printf("  stage %d: %s%s%s  %.3f MB of parameters (%.3f MB with gradients and %s state)\n", s,
-               s == 0 && embedding ? "the embedding, " : "", blocks, s == p->stages - 1 ? ", the head" : "", 4e-6 * held,
-               4e-6 * held * (o->v ? 4 : 3), o->v ? "adamw's" : "sgd's");
-    }
-    if (p->tp)
-        printf("  each stage's blocks split over --tp %d ranks as in stage 06: the sizes above are one rank's pieces\n",
-               p->tp->size);
-    if (p->zero1)
-        printf("  --shard optimizer: the %d pipelines share out each stage's %s state (ZeRO-1): this rank keeps %.3f MB of "
-               "its stage's %.3f\n", p->par.data_ranks, o->v ? "adamw's" : "sgd's", 4e-6 * (double)o->numel * (o->v ? 2 : 1),
-               4e-6 * (double)m->numel * (o->v ? 2 : 1));
-    printf("  the whole model: %.3f MB of parameters, %d blocks\n", 4e-6 * (double)par->whole->numel, n);
-    fflush(stdout);
-}
-
 /* Evaluation and generation: the batch down the pipeline at once (no
    micro-batches: there is no backward to overlap), and the last stage's
    logits to every rank. */
@@ -655,62 +523,6 @@ static dt_tensor *dt__pp_forward(dt_parallel *par, dt_tensor *inputs) {
     }
     dt_broadcast(p->pipe, y->data, y->numel, t, p->stages - 1);
     return y;
-}
-
-/* The last step's figures: the pipeline's bubble, its stages' idle time
-   over their time in the pipeline (each stage waits its own share: the
-   first more, when the last, with the head, computes more); how uneven the
-   stages are, the busiest one's compute over the mean (1: even). */
-static double dt__pp_bubble(const dt_pp *p) { return p->pipe_step_ms > 0 ? p->pipe_idle_ms / p->pipe_step_ms : 0; }
-static double dt__pp_balance_of(const dt_pp *p) {
-    return p->pipe_busy_ms > 0 ? p->pipe_busiest_ms * p->stages / p->pipe_busy_ms : 1;
-}
-/* The cost model's view of it: the whole model's compute on one rank is
-   what the stages computed together -- with --tp, less the time their
-   layers' sums took, and times the T ranks that shared each stage's split
-   layers. */
-static int dt__pp_cost_input(const dt_parallel *par, dt_cost_input *in) {
-    const dt_pp *p = (const dt_pp *)par;
-    in->kind = DT_PAR_PP;
-    in->pp_micro_batches = p->micro_batches;
-    in->pp_balance = dt__pp_balance_of(p);
-    in->pp_bytes = p->act_bytes;
-    in->pp_measured_bubble = dt__pp_bubble(p);
-    in->compute_ms = p->pipe_busy_ms;
-    in->dp_groups = p->par.data_ranks;
-    in->pp_zero1 = p->zero1;
-    int64_t stepped = p->zero1 ? p->zero_hi - p->zero_lo : p->model->numel;    /* the optimizer's share of the whole model */
-    in->optimizer_ms *= stepped > 0 ? (double)par->whole->numel / (double)stepped : 1;
-    if (p->tp) {
-        in->tp_ranks = p->tp->size;
-        in->tp_share = dt__tp_split_share(p->tp);
-        in->tp_sums = p->pipe_tp_sums / p->micro_batches;
-        in->tp_bytes = p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0;
-        double kept = in->tp_share / p->tp->size + (1 - in->tp_share);
-        in->compute_ms = fmax(0, p->pipe_busy_ms - p->pipe_tp_sum_ms) / kept;
-    }
-    return p->stages;
-}
-static void dt__pp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
-    const dt_pp *p = (const dt_pp *)par;
-    (void)accum_steps;
-    fprintf(out, " pp=%d pp_micro_batches=%d pp_balance=%.4f pp_bytes=%.0f bubble=%.4f bubble_predicted=%.4f", p->stages,
-            p->micro_batches, dt__pp_balance_of(p), p->act_bytes, dt__pp_bubble(p),
-            (p->stages - 1.0) / (p->micro_batches + p->stages - 1.0));
-    if (p->tp)        /* the whole pipeline's layer sums per micro-batch, as the cost model counts them */
-        fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", p->tp->size, dt__tp_split_share(p->tp),
-                p->pipe_tp_sums / p->micro_batches, p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0.0);
-    fprintf(out, " dp=%d%s", p->par.data_ranks, p->zero1 ? " zero1=1" : "");
-}
-
-/* The step's pipeline figures, in its --log record. */
-static void dt__pp_log_fields(const dt_parallel *par, FILE *log) {
-    const dt_pp *p = (const dt_pp *)par;
-    double P = p->stages, M = p->micro_batches;
-    fprintf(log, ",\"pp_busy_ms\":%.3f,\"pp_idle_ms\":%.3f,\"pp_step_ms\":%.3f,\"bubble\":%.4f,\"bubble_predicted\":%.4f,"
-                 "\"pp_balance\":%.4f,\"pp_kept_bytes\":%.0f,\"pp_micro_bytes\":%.0f,\"pp_kept_micro_batches\":%d",
-            p->busy_ms, p->idle_ms, p->step_ms, dt__pp_bubble(p), (P - 1) / (M + P - 1), dt__pp_balance_of(p), p->kept_peak,
-            p->kept_micro, p->kept_micro_batches);
 }
 
 /* A one-way pair for each neighbour: `round` 0 pairs stages (0, 1), (2, 3)
@@ -754,10 +566,8 @@ dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_ba
     if (!p) dt_fail("out of memory (pipeline parallelism)");
     p->par = (dt_parallel){ .create_fn = "dt_pp_create", .sync_fn = "dt_pp_sync_grads", .free_fn = "dt_pp_free",
                             .backward_done = dt__pp_backward_done, .optimizer_view = dt__pp_optimizer_view,
-                            .sum_over_ranks = dt__pp_sum_over_ranks, .state_open = dt__pp_state_open,
-                            .state_close = dt__pp_state_close, .memory_table = dt__pp_memory_table,
-                            .forward = dt__pp_forward, .log_fields = dt__pp_log_fields, .cost_input = dt__pp_cost_input,
-                            .bench_fields = dt__pp_bench_fields, .step_done = dt__pp_step_done };
+                            .sum_over_ranks = dt__pp_sum_over_ranks, .forward = dt__pp_forward,
+                            .step_done = dt__pp_step_done };
     dt__comm_hold(comm, "dt_pp_free");
     p->model = model;
     p->comm = comm;
@@ -836,3 +646,209 @@ void dt_pp_free(dt_pp *pp) {
     free(pp);
 }
 
+//@ for the machinery
+/* ---- what the machinery asks of pipeline parallelism (the run driver's dt_parallel_report) ----
+   A checkpoint holds the model whole: the stages' parameters (and, with
+   --tp, their pieces) gathered to the job's rank 0; the memory table shows
+   each stage's share; the log, --bench and the cost model get the step's
+   bubble and balance, measured. */
+static double dt__pp_stage_params(const dt_pp *p, int stage) {
+    double held = 0;
+    for (int i = 0; i < p->model->nparams; i++) if (dt__pp_holds(p, stage, i)) held += (double)p->whole.params[i].numel;
+    return held;
+}
+
+static int dt__pp_owner(const dt_pp *p, int i) {     /* the first stage that holds parameter i */
+    for (int s = 0; s < p->stages; s++) if (dt__pp_holds(p, s, i)) return s;
+    return 0;
+}
+
+/* Checkpoints are whole (the checkpoints chapter): to save, the first pipeline's stages
+   send what they hold to its first rank, one tensor at a time, and that
+   rank -- the job's rank 0 -- writes; to load, every rank reads the whole
+   and keeps its stage's. */
+static float *dt__pp_state_gather(dt_pp *p, float *local) {
+    dt_model *m = p->model;
+    const dt_model *W = &p->whole;
+    float *whole = NULL;
+    if (p->stage == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
+        dt_fail("out of memory (gathering the pipeline's stages for a checkpoint: %.1f MB)", W->numel * 4e-6);
+    for (int i = 0; i < m->nparams; i++) {
+        int owner = dt__pp_owner(p, i);
+        int64_t n = W->params[i].numel;
+        size_t bytes = (size_t)n * sizeof(float);
+        if (owner == 0) {
+            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
+        } else if (p->stage == owner) dt_send(p->pipe, local + m->offsets[i], n, DT_F32, 0);
+        else if (whole) {
+            float *buf = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes);
+            dt_recv(p->pipe, buf, n, DT_F32, owner);
+            dt__download_from(m->device, whole + W->offsets[i], buf, bytes);
+            dt_free_on(m->device, DT_ARENA_COMM, buf, bytes);
+        }
+    }
+    return whole;
+}
+
+/* ZeRO-1's optimizer state: every pipeline's slices of the stage, whole (a
+   collective of the pipelines), in the stage's buffer layout. */
+static float *dt__pp_zero1_gather(dt_pp *p, const float *slice) {
+    dt_model *m = p->model;
+    float *mine = p->zero_buf + p->zero_chunk * p->par.data_rank;
+    float *whole = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, (size_t)m->numel * sizeof(float) + 4);
+    dt__zero_on(m->device, mine, (size_t)p->zero_chunk * sizeof(float));
+    dt_convert(slice, DT_F32, mine, DT_F32, p->zero_hi - p->zero_lo);
+    dt_all_gather(p->across, mine, p->zero_buf, p->zero_chunk, DT_F32);
+    dt_convert(p->zero_buf, DT_F32, whole, DT_F32, m->numel);
+    return whole;
+}
+
+/* With --tp the stages' pieces, gathered at the first stage, are then
+   gathered over its tensor-parallel group (and, to load, cut the other way);
+   with --shard optimizer the moments are first made whole over the
+   pipelines (and, to load, each rank keeps its slice). */
+static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
+    dt_pp *p = (dt_pp *)par;
+    if (for_load) {
+        float *whole = (float *)calloc((size_t)par->whole->numel + 1, sizeof(float));
+        if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", par->whole->numel * 4e-6);
+        return whole;
+    }
+    float *state = dt__state_buffer(p->model, o, which), *gathered = NULL;
+    if (p->zero1 && which > 0) state = gathered = dt__pp_zero1_gather(p, state);   /* every pipeline takes part */
+    if (p->par.data_rank != 0) {
+        if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
+        return NULL;
+    }
+    float *staged = dt__pp_state_gather(p, state);
+    if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
+    if (!p->tp || p->stage != 0) return staged;
+    size_t bytes = (size_t)p->whole.numel * sizeof(float);
+    float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+    dt__upload_to(p->model->device, pieces, staged, bytes);
+    free(staged);
+    float *whole = dt__tp_state_gather(p->tp, &p->whole, pieces);
+    dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
+    return whole;
+}
+
+static void dt__pp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
+    dt_pp *p = (dt_pp *)par;
+    float *local = dt__state_buffer(p->model, o, which), *slice = NULL;
+    size_t stage_bytes = (size_t)p->model->numel * sizeof(float) + 4;
+    if (written && p->zero1 && which > 0) {  /* the stage's whole state here first, then this rank's slice of it */
+        slice = local;
+        local = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, stage_bytes);
+    }
+    if (written && !p->tp) dt__pp_scatter(p, host, local);
+    else if (written) {
+        size_t bytes = (size_t)p->whole.numel * sizeof(float);
+        float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+        dt__tp_state_scatter(p->tp, &p->whole, host, pieces);
+        float *view = dt__host_view(p->model->device, pieces, p->whole.numel);
+        dt__pp_scatter(p, view, local);
+        dt__host_view_close(p->model->device, view, pieces, p->whole.numel, 0);
+        dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
+    }
+    if (slice) {
+        dt_convert(local + p->zero_lo, DT_F32, slice, DT_F32, p->zero_hi - p->zero_lo);
+        dt_free_on(p->model->device, DT_ARENA_COMM, local, stage_bytes);
+    }
+    free(host);
+}
+
+/* At start-up: which blocks each stage runs, and what it holds. */
+static void dt__pp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
+    const dt_pp *p = (const dt_pp *)par;
+    const dt_model *m = p->model;
+    int n = dt_model_blocks(m);
+    printf("pipeline, --pp %d: %d stages, %d micro-batch%s per step, schedule %s (bubble (P - 1) / (M + P - 1) = %.0f%%); "
+           "%d data-parallel pipeline%s\n", p->stages, p->stages, p->micro_batches, p->micro_batches > 1 ? "es" : "",
+           dt__pp_schedules[p->schedule].name, 100.0 * (p->stages - 1) / (p->micro_batches + p->stages - 1),
+           p->par.data_ranks, p->par.data_ranks > 1 ? "s" : "");
+    int embedding = 0;                      /* the mlp has none: its first layer is a block */
+    for (int i = 0; i < m->nparams; i++) embedding |= m->splits[i].block < 0;
+    for (int s = 0; s < p->stages; s++) {
+        double held = dt__pp_stage_params(p, s);
+        int a = p->first_block[s], b = p->first_block[s + 1];
+        char blocks[48];
+        if (b - a > 1) snprintf(blocks, sizeof blocks, "blocks %d-%d", a, b - 1);
+        else snprintf(blocks, sizeof blocks, "block %d", a);
+        printf("  stage %d: %s%s%s  %.3f MB of parameters (%.3f MB with gradients and %s state)\n", s,
+               s == 0 && embedding ? "the embedding, " : "", blocks, s == p->stages - 1 ? ", the head" : "", 4e-6 * held,
+               4e-6 * held * (o->v ? 4 : 3), o->v ? "adamw's" : "sgd's");
+    }
+    if (p->tp)
+        printf("  each stage's blocks split over --tp %d ranks as in stage 06: the sizes above are one rank's pieces\n",
+               p->tp->size);
+    if (p->zero1)
+        printf("  --shard optimizer: the %d pipelines share out each stage's %s state (ZeRO-1): this rank keeps %.3f MB of "
+               "its stage's %.3f\n", p->par.data_ranks, o->v ? "adamw's" : "sgd's", 4e-6 * (double)o->numel * (o->v ? 2 : 1),
+               4e-6 * (double)m->numel * (o->v ? 2 : 1));
+    printf("  the whole model: %.3f MB of parameters, %d blocks\n", 4e-6 * (double)par->whole->numel, n);
+    fflush(stdout);
+}
+
+/* The last step's figures: the pipeline's bubble, its stages' idle time
+   over their time in the pipeline (each stage waits its own share: the
+   first more, when the last, with the head, computes more); how uneven the
+   stages are, the busiest one's compute over the mean (1: even). */
+static double dt__pp_bubble(const dt_pp *p) { return p->pipe_step_ms > 0 ? p->pipe_idle_ms / p->pipe_step_ms : 0; }
+static double dt__pp_balance_of(const dt_pp *p) {
+    return p->pipe_busy_ms > 0 ? p->pipe_busiest_ms * p->stages / p->pipe_busy_ms : 1;
+}
+
+/* The cost model's view of it: the whole model's compute on one rank is
+   what the stages computed together -- with --tp, less the time their
+   layers' sums took, and times the T ranks that shared each stage's split
+   layers. */
+static int dt__pp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_pp *p = (const dt_pp *)par;
+    in->kind = DT_PAR_PP;
+    in->pp_micro_batches = p->micro_batches;
+    in->pp_balance = dt__pp_balance_of(p);
+    in->pp_bytes = p->act_bytes;
+    in->pp_measured_bubble = dt__pp_bubble(p);
+    in->compute_ms = p->pipe_busy_ms;
+    in->dp_groups = p->par.data_ranks;
+    in->pp_zero1 = p->zero1;
+    int64_t stepped = p->zero1 ? p->zero_hi - p->zero_lo : p->model->numel;    /* the optimizer's share of the whole model */
+    in->optimizer_ms *= stepped > 0 ? (double)par->whole->numel / (double)stepped : 1;
+    if (p->tp) {
+        in->tp_ranks = p->tp->size;
+        in->tp_share = dt__tp_split_share(p->tp);
+        in->tp_sums = p->pipe_tp_sums / p->micro_batches;
+        in->tp_bytes = p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0;
+        double kept = in->tp_share / p->tp->size + (1 - in->tp_share);
+        in->compute_ms = fmax(0, p->pipe_busy_ms - p->pipe_tp_sum_ms) / kept;
+    }
+    return p->stages;
+}
+
+static void dt__pp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
+    const dt_pp *p = (const dt_pp *)par;
+    (void)accum_steps;
+    fprintf(out, " pp=%d pp_micro_batches=%d pp_balance=%.4f pp_bytes=%.0f bubble=%.4f bubble_predicted=%.4f", p->stages,
+            p->micro_batches, dt__pp_balance_of(p), p->act_bytes, dt__pp_bubble(p),
+            (p->stages - 1.0) / (p->micro_batches + p->stages - 1.0));
+    if (p->tp)        /* the whole pipeline's layer sums per micro-batch, as the cost model counts them */
+        fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", p->tp->size, dt__tp_split_share(p->tp),
+                p->pipe_tp_sums / p->micro_batches, p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0.0);
+    fprintf(out, " dp=%d%s", p->par.data_ranks, p->zero1 ? " zero1=1" : "");
+}
+
+/* The step's pipeline figures, in its --log record. */
+static void dt__pp_log_fields(const dt_parallel *par, FILE *log) {
+    const dt_pp *p = (const dt_pp *)par;
+    double P = p->stages, M = p->micro_batches;
+    fprintf(log, ",\"pp_busy_ms\":%.3f,\"pp_idle_ms\":%.3f,\"pp_step_ms\":%.3f,\"bubble\":%.4f,\"bubble_predicted\":%.4f,"
+                 "\"pp_balance\":%.4f,\"pp_kept_bytes\":%.0f,\"pp_micro_bytes\":%.0f,\"pp_kept_micro_batches\":%d",
+            p->busy_ms, p->idle_ms, p->step_ms, dt__pp_bubble(p), (P - 1) / (M + P - 1), dt__pp_balance_of(p), p->kept_peak,
+            p->kept_micro, p->kept_micro_batches);
+}
+
+const dt_parallel_report dt__pp_report = {
+    .create_fn = "dt_pp_create", .state_open = dt__pp_state_open, .state_close = dt__pp_state_close,
+    .memory_table = dt__pp_memory_table, .log_fields = dt__pp_log_fields, .cost_input = dt__pp_cost_input,
+    .bench_fields = dt__pp_bench_fields,
+};

@@ -376,14 +376,14 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
    when it is closed. Gathers are collectives: every rank opens and closes
    alike. */
 static float *dt__state_open(dt_model *m, dt_optimizer *o, int which, int for_load) {
-    dt_parallel *par = m->parallel;
-    if (par && par->state_open) return par->state_open(par, o, which, for_load);
+    const dt_parallel_report *rep = dt_parallel_report_of(m->parallel);
+    if (rep && rep->state_open) return rep->state_open(m->parallel, o, which, for_load);
     return dt__host_view(m->device, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel);
 }
 static void dt__state_close(dt_model *m, dt_optimizer *o, int which, float *host, int written) {
     if (!host) return;
-    dt_parallel *par = m->parallel;
-    if (par && par->state_close) par->state_close(par, o, which, host, written);
+    const dt_parallel_report *rep = dt_parallel_report_of(m->parallel);
+    if (rep && rep->state_close) rep->state_close(m->parallel, o, which, host, written);
     else dt__host_view_close(m->device, host, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel, written);
 }
 /* The parameters the state arrays above are laid out by: the model's own, or,
@@ -760,11 +760,11 @@ static int dt__sharded_layout(dt_safetensors *index, const char *path, const dt_
     return world;
 }
 
-static int dt__sharded_layout_is(dt_safetensors *index, const char *path, const struct dt_fsdp *f) {
-    int64_t *unit_numel = (int64_t *)calloc((size_t)f->model->nunits + 1, sizeof(int64_t));
-    int world = dt__sharded_layout(index, path, f->model, unit_numel);
+static int dt__sharded_layout_is(dt_safetensors *index, const char *path, const dt_model *m, int world) {
+    int64_t *unit_numel = (int64_t *)calloc((size_t)m->nunits + 1, sizeof(int64_t));
+    int shards = dt__sharded_layout(index, path, m, unit_numel);
     free(unit_numel);
-    return world == f->world;
+    return shards == world;
 }
 
 /* Is rank r's shard file there, and as long as the index says? Every rank

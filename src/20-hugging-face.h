@@ -686,13 +686,15 @@ static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *f
     }
 }
 
-/* FSDP: every rank writes its shard into the folder rank 0 made; then, once
-   all are on disk, rank 0 the index and config.json, and renames the folder. */
-static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
-    dt_fsdp *f = dt__fsdp_of(r->model);
+/* Sharded (FSDP): every rank writes its shard into the folder rank 0 made;
+   then, once all are on disk, rank 0 the index and config.json, and renames
+   the folder. The shards are the model's units, each cut into `world` equal
+   slices (the last padded), rank r keeping slice r of each, in unit order. */
+static void dt__checkpoint_save_sharded(dt_run *r, const char *path, const dt_shard_view *f) {
     dt_optimizer *o = r->opt;
-    dt_device where = f->offload ? DT_CPU : f->model->device;
-    float *own[3] = { f->shard_params, o->m, o->v }, *state[3] = { NULL, NULL, NULL };
+    const dt_model *m = r->model;
+    dt_device where = f->where;
+    float *const *own = f->state, *state[3] = { NULL, NULL, NULL };
     const char *names[3] = { "params", o->kind == DT_ADAMW ? "optimizer.exp_avg" : "optimizer.momentum_buffer",
                              "optimizer.exp_avg_sq" };
     dt_named_tensor t[3];
@@ -702,8 +704,8 @@ static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
     dt_barrier(f->comm);                     /* the folder is there before anyone writes into it */
     for (int k = 0; k < 3; k++) {
         if (!own[k]) continue;
-        state[k] = dt__host_view(where, own[k], f->shard_numel);
-        t[n].name = names[k]; t[n].data = state[k]; t[n].ndim = 1; t[n].shape[0] = f->shard_numel;
+        state[k] = dt__host_view(where, own[k], f->numel);
+        t[n].name = names[k]; t[n].data = state[k]; t[n].ndim = 1; t[n].shape[0] = f->numel;
         n++;
     }
     char file[4200];
@@ -716,7 +718,7 @@ static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
     dt_safetensors_write(file, t, n, (const char *const *)meta.kv, meta.n);
     dt__folder_wrote(&w, file);
     dt__meta_free(&meta);
-    for (int k = 0; k < 3; k++) if (state[k]) dt__host_view_close(where, state[k], own[k], f->shard_numel, 0);
+    for (int k = 0; k < 3; k++) if (state[k]) dt__host_view_close(where, state[k], own[k], f->numel, 0);
     dt_barrier(f->comm);                     /* every shard is on disk before the index names it */
     if (f->rank != 0) {
         dt_barrier(f->comm);                 /* until rank 0 has renamed the folder, a failure removes the shards */
@@ -725,8 +727,11 @@ static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
     }
     dt__checkpoint_meta(r, &meta, "sharded-checkpoint-2");
     dt__meta_add(&meta, "shards", "%d", f->world);
-    char *units = (char *)malloc((size_t)f->nunits * 24 + 1), *p = units;
-    for (int k = 0; k < f->nunits; k++) p += sprintf(p, k ? ",%lld" : "%lld", (long long)f->units[k].numel);
+    char *units = (char *)malloc((size_t)m->nunits * 24 + 1), *p = units;
+    for (int k = 0; k < m->nunits; k++) {
+        int64_t end = m->unit_first[k + 1] < m->nparams ? m->offsets[m->unit_first[k + 1]] : m->numel;
+        p += sprintf(p, k ? ",%lld" : "%lld", (long long)(end - m->offsets[m->unit_first[k]]));
+    }
     dt__meta_add(&meta, "unit_numel", "%s", units);
     free(units);
     for (int k = 0; k < f->world; k++) {
@@ -749,7 +754,9 @@ static void dt__checkpoint_save_sharded(dt_run *r, const char *path) {
 void dt_checkpoint_save(dt_run *run, const char *path) {
     dt_model *m = run->model;
     dt_optimizer *o = run->opt;
-    if (dt__fsdp_of(m)) { dt__checkpoint_save_sharded(run, path); return; }
+    const dt_parallel_report *rep = dt_parallel_report_of(m->parallel);
+    dt_shard_view shards;
+    if (rep && rep->shards && rep->shards(m->parallel, o, &shards)) { dt__checkpoint_save_sharded(run, path, &shards); return; }
     float *state[3] = { dt__state_open(m, o, 0, 0), dt__state_open(m, o, 1, 0), o->v ? dt__state_open(m, o, 2, 0) : NULL };
     if (state[0]) {                                   /* a wrapper that gathers gives the whole to one rank */
         dt__meta_list meta = { NULL, 0 };
@@ -872,25 +879,26 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     int64_t good_steps = fp16 ? (int64_t)dt__meta_whole(st, st->path, "loss_scale_good_steps", 0, (uint64_t)step) : 0;
     int64_t skipped = fp16 ? (int64_t)dt__meta_whole(st, st->path, "skipped_steps", 0, (uint64_t)step) : 0;
     int adamw = o->kind == DT_ADAMW;
-    dt_fsdp *f = dt__fsdp_of(m);
-    if (dt__is_sharded(st) && f && dt__sharded_layout_is(st, path, f)) {
+    const dt_parallel_report *rep = dt_parallel_report_of(m->parallel);
+    dt_shard_view shards, *f = rep && rep->shards && rep->shards(m->parallel, o, &shards) ? &shards : NULL;
+    if (dt__is_sharded(st) && f && dt__sharded_layout_is(st, path, m, f->world)) {
         /* the same shards: each rank reads its own file, and only that */
-        dt_device where = f->offload ? DT_CPU : m->device;
-        float *own[3] = { f->shard_params, o->m, o->v };
+        dt_device where = f->where;
+        float *const *own = f->state;
         char file[4096];
         for (int k = 0; k < f->world; k++) dt__shard_check(st, path, k, f->world, file, sizeof file);
         dt_safetensors *sh = dt__shard_open(st, path, f->rank, f->world);
         for (int k = 0; k < 3; k++) {
             if (!own[k]) continue;
-            float *host = dt__host_view(where, own[k], f->shard_numel);
-            dt__shard_get(sh, adamw, k, host, f->shard_numel);
+            float *host = dt__host_view(where, own[k], f->numel);
+            dt__shard_get(sh, adamw, k, host, f->numel);
             char what[96];
             snprintf(what, sizeof what, "rank %d's shard of the %s", f->rank, k ? dt__moment_name(adamw, k) : "weights");
-            dt__check_resumed(sh->path, what, k, adamw, host, f->shard_numel);
-            dt__host_view_close(where, host, own[k], f->shard_numel, 1);
+            dt__check_resumed(sh->path, what, k, adamw, host, f->numel);
+            dt__host_view_close(where, host, own[k], f->numel, 1);
         }
         dt_safetensors_close(sh);
-        dt__fsdp_step_done(&f->par);          /* ZeRO-1, -2: every rank's whole copy from the new shards */
+        if (m->parallel->step_done) m->parallel->step_done(m->parallel);   /* ZeRO-1, -2: every rank's whole copy from the new shards */
     } else {
         float *state[3] = { dt__state_open(m, o, 0, 1), dt__state_open(m, o, 1, 1), o->v ? dt__state_open(m, o, 2, 1) : NULL };
         dt_model *L = dt__state_layout(m);

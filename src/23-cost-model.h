@@ -23,6 +23,50 @@ double dt_cost_all_gather_ms(const dt_link *link, int n, double bytes);      /* 
 /* How many buckets DDP makes of `params` f32 gradients (the first 1 MB, then bucket_mb). */
 int dt_cost_ddp_buckets(double params, double bucket_mb);
 
+/* What a step of each parallel scheme computes and communicates, as the
+   cost model prices it: the run fills it from what the last step measured,
+   and a wrapper that splits or shards the model its own part (its
+   dt_parallel_report's cost_input, the run-driver chapter). */
+typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3, DT_PAR_TP, DT_PAR_PP } dt_parallelism;
+typedef struct dt_cost_input {
+    dt_parallelism kind;
+    double compute_ms;         /* one rank's forward + backward for one micro-batch, on its own device */
+    double contention;         /* how much slower that compute runs when N ranks share the device(s): 1 on
+                                  GPUs of their own; on a CPU about N (the ranks share its cores) */
+    double backward_share;     /* the part of compute that is backward, which DDP's buckets hide behind (~2/3) */
+    double params;             /* parameter count */
+    double gather_bytes;       /* bytes per parameter gathered (FSDP: 4, or 2 in bf16/fp16) */
+    double reduce_bytes;       /* bytes per gradient reduced (4, or 2 with --reduce-dtype bf16) */
+    int accum_steps;           /* micro-batches per optimizer step */
+    int messages;              /* collectives per step on the critical path: DDP's buckets, FSDP's units */
+    double optimizer_ms;       /* the optimizer's step, on its own device: sharded (ZeRO), each rank does 1/N */
+    /* tensor parallelism: the share of compute (and optimizer) in the split
+       layers, which N ranks divide; the sums of activations or their
+       gradients per micro-batch (4 per transformer block: 2 forward, 2
+       backward), and the bytes of each (batch x tokens x width x 4) */
+    double tp_share, tp_sums, tp_bytes;
+    /* ... and, for a pipeline (DT_PAR_PP) whose stages split their layers
+       too (07's --tp), how many ranks each stage's layers are split over
+       (0 or 1: none); tp_sums then counts the whole model's sums per
+       micro-batch, and tp_bytes those of a micro-batch. Tensor parallelism
+       alone (DT_PAR_TP) has its T in dt_cost_predict's n. */
+    int tp_ranks;
+    /* ... and with more ranks than T (or P), the data-parallel groups of T
+       (pipelines of P): after backward each rank's gradients (tensor: params
+       x (tp_share / T + 1 - tp_share) x reduce_bytes; pipeline: its stage's)
+       are averaged over them, exposed (0 or 1: one group) */
+    int dp_groups;
+    /* pipeline parallelism: the micro-batches of a step; the largest
+       stage's share of the compute times P (1 when the stages are even: the
+       slowest stage sets the pipeline's pace); the bytes of one activation
+       sent on (micro-batch x tokens x width x 4), a gradient as many back */
+    int pp_micro_batches;
+    double pp_balance, pp_bytes;
+    int pp_zero1;               /* --shard optimizer: the D pipelines each step 1/D of the optimizer state */
+    double pp_measured_bubble;  /* ... and the share of the step this rank waited, as measured: printed beside the
+                                   formula's, not used by the prediction */
+} dt_cost_input;
+
 typedef struct dt_cost_prediction {
     int ranks;
     double compute_ms;         /* per optimizer step, on one rank: forward, backward and optimizer */

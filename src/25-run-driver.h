@@ -36,6 +36,53 @@ struct dt_run {
     double bench_t0, bench_phase_ms[DT_PHASE_COUNT], bench_comm_ms, bench_hidden_ms;
 };
 
+/* What the machinery asks of a parallel wrapper, beside what training asks
+   of it (dt_parallel, the autograd chapter). A wrapper that cuts or shards
+   the model fills one at its chapter's end (the part "for the machinery",
+   which dtrain.h puts after the machinery's implementation) and the run
+   finds it by the wrapper's create_fn; a wrapper without one (DataParallel,
+   DDP) keeps the whole model on every rank, which is what the machinery
+   assumes of it. Any entry may be NULL: nothing to add.
+     state_open, state_close  a checkpoint sees the model whole: the state
+         `which` (0 the parameters, 1 and 2 the optimizer's moments) as one
+         host array in the order of the whole model's parameters. To save
+         (for_load 0) it is a collective of the wrapper's ranks and may give
+         NULL to a rank that will not write; to load (for_load 1) the array is
+         about to be filled from a file, and state_close(written 1) gives each
+         rank its part of it.
+     shards  a sharded checkpoint writes each rank's state as it is: fills
+         `view` and returns 1 (0: this wrapper's state is not flat shards).
+     memory_table  what each rank holds, printed at start-up.
+     label  what --bench's stage= adds ("/full+offload").
+     log_fields  what a step's --log record adds (",\"name\":value...").
+     cost_input  fills its part of `in` from what the last step measured
+         (in's compute_ms: this rank's forward and backward of a micro-batch;
+         optimizer_ms: this rank's step, which it makes the whole model's;
+         accum_steps set) and returns how many ranks split or shard the model.
+     bench_fields  the " key=value" pairs --bench adds (what the cost model
+         needs of it). */
+typedef struct dt_shard_view {
+    float *state[3];           /* this rank's shard of the parameters and of the two moments (NULL: none) */
+    int64_t numel;             /* elements in each */
+    dt_device where;           /* where they live (the host, offloaded) */
+    int rank, world;           /* which shard, of how many */
+    dt_comm *comm;             /* the ranks that hold the others */
+} dt_shard_view;
+typedef struct dt_parallel_report {
+    const char *create_fn;     /* whose: dt_parallel's create_fn ("dt_fsdp_create") */
+    float *(*state_open)(dt_parallel *par, dt_optimizer *opt, int which, int for_load);
+    void (*state_close)(dt_parallel *par, dt_optimizer *opt, int which, float *host, int written);
+    int (*shards)(dt_parallel *par, dt_optimizer *opt, dt_shard_view *view);
+    void (*memory_table)(const dt_parallel *par, const dt_optimizer *opt);
+    void (*label)(const dt_parallel *par, char *out, size_t n);
+    void (*log_fields)(const dt_parallel *par, FILE *log);
+    int (*cost_input)(const dt_parallel *par, dt_cost_input *in);
+    void (*bench_fields)(const dt_parallel *par, FILE *out, int accum_steps);
+} dt_parallel_report;
+/* The report of the wrapper `par` is (one of FSDP's, tensor and pipeline
+   parallelism's), or NULL: none, or par NULL. */
+const dt_parallel_report *dt_parallel_report_of(const dt_parallel *par);
+
 /* Set up a run: --init or --resume, the log and trace files, a header line. In
    a job of several ranks (dt_comm_init), the ranks first check that they agree
    on the flags that must match. */
@@ -75,6 +122,15 @@ int dt_run_finish(dt_run *run);
    fetch batches, end each step (the job's mean loss, progress, the log),
    evaluate and save at each epoch's end, stop every rank alike on a signal,
    and finish with the summary. It calls every chapter above and none calls it. */
+
+/* The wrappers' reports, each defined at its chapter's end (after this). */
+extern const dt_parallel_report dt__fsdp_report, dt__tp_report, dt__pp_report;
+const dt_parallel_report *dt_parallel_report_of(const dt_parallel *par) {
+    static const dt_parallel_report *const reports[] = { &dt__fsdp_report, &dt__tp_report, &dt__pp_report };
+    for (size_t i = 0; par && i < sizeof reports / sizeof reports[0]; i++)
+        if (!strcmp(reports[i]->create_fn, par->create_fn)) return reports[i];
+    return NULL;
+}
 
 /* The stop signal this rank caught, if any. */
 static int dt__local_stop_signal(void) {
@@ -341,7 +397,8 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
                run->stop_step < run->total_steps ? " (stopping early, see --steps)" : "",
                opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)run->warmup, where, precision);
         if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, run->epoch + 1, (long long)run->step);
-        if (model->parallel && model->parallel->memory_table) model->parallel->memory_table(model->parallel, opt);
+        const dt_parallel_report *rep = dt_parallel_report_of(model->parallel);
+        if (rep && rep->memory_table) rep->memory_table(model->parallel, opt);
         fflush(stdout);
     }
     if (cfg->bench) run->stop_step = run->step + 2 + (cfg->steps > 0 ? cfg->steps : 3);   /* refined after a timed step */
@@ -409,8 +466,8 @@ static void dt__run_explain(dt_run *r) {
     in.accum_steps = c->accum_steps;
     in.optimizer_ms = r->phase_ms[DT_PHASE_OPT];      /* this rank's: a wrapper makes it the whole model's */
     double measured = in.compute_ms * c->accum_steps + in.optimizer_ms;     /* this rank's, as it ran */
-    const dt_parallel *par = r->model->parallel;       /* a wrapper that splits the model says how */
-    int layout = par && par->cost_input && (n = par->cost_input(par, &in)) && (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP);
+    const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel);   /* a wrapper that splits the model says how */
+    int layout = rep && rep->cost_input && (n = rep->cost_input(r->model->parallel, &in)) && (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP);
     in.params = (double)dt__state_layout(r->model)->numel;
     in.contention = 1;                /* the compute above was measured as this run shares its device(s) */
     in.backward_share = in.compute_ms > 0 ? r->phase_ms[DT_PHASE_BWD] / c->accum_steps / in.compute_ms : 0.66;
@@ -542,7 +599,8 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
         if (run->scaler.enabled)
             fprintf(run->log, ",\"loss_scale\":%g,\"skipped\":%d,\"skipped_steps\":%lld", run->scaler.scale,
                     run->scaler.last_skipped, (long long)run->scaler.skipped);
-        if (run->model->parallel && run->model->parallel->log_fields) run->model->parallel->log_fields(run->model->parallel, run->log);
+        const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel);
+        if (rep && rep->log_fields) rep->log_fields(run->model->parallel, run->log);
         if (dt__tokens_per_sample(run))
             fprintf(run->log, ",\"tokens_per_s\":%.1f", (double)batch_size * run->loader->world * dt__tokens_per_sample(run) * 1e3 / step_ms);
         fprintf(run->log, "}\n");
@@ -605,8 +663,8 @@ void dt_epoch_end(dt_run *run) {
     if (run->stopped_by && !run->cfg.save_dir && dt__ctx.rank == 0)
         dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt__signal_name(run->stopped_by),
                 (long long)run->steps_run);
-    const dt_parallel *par = run->model->parallel;
-    if (run->cfg.save_dir && (dt__ctx.rank == 0 || (par && par->state_open))) {   /* sharded or cut: every rank gathers */
+    const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel);
+    if (run->cfg.save_dir && (dt__ctx.rank == 0 || (rep && (rep->state_open || rep->shards)))) {   /* sharded or cut: every rank takes part */
         char path[4096], what[64];
         if (finished) snprintf(what, sizeof what, "epoch%d", run->epoch);
         else snprintf(what, sizeof what, "step%lld", (long long)run->step);
