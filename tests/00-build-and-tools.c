@@ -211,7 +211,7 @@ TEST(the_lessons_compile_without_the_machinery, QUICK) {
                  "-DDTRAIN_IMPLEMENTATION -x c %s/lessons.h", copy, tmpdir, cc, tmpdir);
     CHECKF(st != 0 && strstr(out, "dt_parse_args"), "a lesson calling dt_parse_args compiled without the machinery (exit %d)\n%.2000s",
            st, out);
-    st = run_cmd(out, sizeof out, "cp %s/src/08-optimizer.h %s/src/ && mv %s/src/15-data.h %s/src/08-data.h && %s/tools/assemble",
+    st = run_cmd(out, sizeof out, "cp %s/src/08-optimizer.h %s/src/ && mv %s/src/17-data.h %s/src/08-data.h && %s/tools/assemble",
                  root, copy, copy, copy, copy);
     CHECKF(st == 2 && strstr(out, "is a lesson chapter after a machinery one"),
            "a machinery chapter among the lessons: exit %d\n%.2000s", st, out);
@@ -272,25 +272,51 @@ TEST(make_diff_names_the_header_lines_and_an_empty_filter_fails, FULL) {
 }
 
 /* Every test registers itself (tests/runner.h), in one suite, and the
-   runner lists them in the order the file defines them: a test function
-   written without TEST() would never run, and is named here. */
+   runner lists them in the order the files define them (tests/NN-name.c by
+   name, then by line): a file the build left out, or a test function
+   written without TEST(), would never run, and is named here. */
+static int by_name(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 TEST(the_registry_lists_every_test_in_file_order, QUICK) {
     char path[800], out[65536];
-    snprintf(path, sizeof path, "%s/tests/test_dtrain.c", repo_root());
-    char *src = read_text(path);
-    if (!src) SKIP("no tests/test_dtrain.c beside this build");
-    static char defined[T_MAX_TESTS][96];
+    static char *names[T_MAX_TESTS + 2];
+    int nf = 0;
+    snprintf(path, sizeof path, "%s/tests", repo_root());
+    DIR *d = opendir(path);
+    if (!d) SKIP("no tests/ beside this build");
+    for (struct dirent *e; (e = readdir(d)) && nf < T_MAX_TESTS;) {
+        const char *n = e->d_name;
+        size_t len = strlen(n);
+        if (len > 5 && isdigit((unsigned char)n[0]) && isdigit((unsigned char)n[1]) && n[2] == '-' && !strcmp(n + len - 2, ".c"))
+            names[nf++] = strdup(n);
+    }
+    closedir(d);
+    qsort(names, (size_t)nf, sizeof names[0], by_name);
+    names[nf++] = strdup("helpers.c");           /* they define no test, and sort after the chapters' files */
+    names[nf++] = strdup("main.c");
+    static char defined[T_MAX_TESTS][96], where[T_MAX_TESTS][64];
     int nd = 0;
-    for (const char *p = src; (p = strstr(p, "\nTEST(")) && nd < T_MAX_TESTS; p++) sscanf(p + 6, "%95[a-z0-9_]", defined[nd++]);
-    for (const char *p = src; (p = strstr(p, "\nstatic void test_")); p++)
-        CHECKF(0, "%.*s: a test function outside TEST(), which no suite runs", (int)strcspn(p + 1, "("), p + 1);
-    free(src);
+    for (int f = 0; f < nf; f++) {
+        snprintf(path, sizeof path, "%s/tests/%s", repo_root(), names[f]);
+        char *text = read_text(path), *src = text ? (char *)malloc(strlen(text) + 2) : NULL;
+        CHECKF(src != NULL, "cannot read %s", path);
+        if (src) sprintf(src, "\n%s", text);   /* a TEST( on the first line too */
+        for (const char *p = src; p && (p = strstr(p, "\nTEST(")) && nd < T_MAX_TESTS; p++) {
+            snprintf(where[nd], sizeof where[nd], "%s", names[f]);
+            sscanf(p + 6, "%95[a-z0-9_]", defined[nd++]);
+        }
+        for (const char *p = src; p && (p = strstr(p, "\nstatic void test_")); p++)
+            CHECKF(0, "tests/%s: %.*s: a test function outside TEST(), which no suite runs", names[f], (int)strcspn(p + 1, "("), p + 1);
+        free(text);
+        free(src);
+        free(names[f]);
+    }
     int st = run_cmd(out, sizeof out, "%s --list --suite all", self_bin);
     CHECKF(st == 0, "--list --suite all: exit %d\n%.2000s", st, out);
     int nl = 0;
     for (char *line = strtok(out, "\n"); line; line = strtok(NULL, "\n"), nl++)
         if (nl < nd && strcmp(line, defined[nl])) {
-            CHECKF(0, "the runner lists %s in place %d, but the file defines %s there", line, nl + 1, defined[nl]);
+            CHECKF(0, "the runner lists %s in place %d, but tests/%s defines %s there (is the file compiled?)", line, nl + 1,
+                   where[nl], defined[nl]);
             break;
         }
     CHECKF(nd == nl && nd > 100, "%d tests defined with TEST(), %d listed", nd, nl);
