@@ -41,8 +41,8 @@ static int write_fuzz_seeds(const char *dir) {
         "{\"model_type\": \"qwen2\", \"hidden_size\": 16, \"intermediate_size\": 24, \"num_hidden_layers\": 2, "
         "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"vocab_size\": 256, \"rope_parameters\": {\"rope_type\": "
         "\"default\", \"rope_theta\": 1000000.0}, \"tie_word_embeddings\": false, \"use_sliding_window\": false, \"sliding_window\": null}",
-        "{\"model_type\": \"gpt2\", \"vocab_size\": 256, \"n_embd\": 32, \"n_layer\": 2, \"n_head\": 2, \"n_positions\": 40, "
-        "\"n_inner\": null, \"layer_norm_epsilon\": 1e-05, \"activation_function\": \"gelu_new\"}",
+        ("{\"model_type\": \"gpt2\", \"vocab_size\": 256, \"n_embd\": 32, \"n_layer\": 2, \"n_head\": 2, \"n_positions\": 40, "
+         "\"n_inner\": null, \"layer_norm_epsilon\": 1e-05, \"activation_function\": \"gelu_new\"}"),   /* (): one string, says clang */
     };
     for (size_t k = 0; k < sizeof configs / sizeof configs[0]; k++) {
         char name[32];
