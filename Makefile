@@ -191,10 +191,31 @@ build/dtrain.o: dtrain.c dtrain.h
 $(PROGRAMS): %: build/obj/%.o build/dtrain.o $(CUDA_OBJ)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
 
-# The test suite reaches into the implementation (dt__ names, which are
-# static), so it compiles the header whole, as a program that copies it does.
-$(TEST_BIN): tests/test_dtrain.c tests/runner.h dtrain.h $(CUDA_OBJ)
-	$(CC) $(CFLAGS) -o $@ $< $(CUDA_OBJ) $(LDLIBS)
+# The test suite: a file per chapter of dtrain.h, tests/NN-name.c, every one
+# that is there (tests/helpers.h: how they make one program). Its tests reach
+# into the implementation (dt__ names, which are static), so they and the
+# header whole are one translation unit, as a program that copies the header
+# is: build/tests/suite.c includes tests/helpers.c, each tests/[0-9][0-9]-*.c
+# in the order of their names, then tests/main.c. It is written again only
+# when that list changes (a file added or removed), so that then, and only
+# then, the suite is compiled again. The runner, tests/runner.c, is compiled
+# on its own.
+TEST_FILES := $(sort $(wildcard tests/[0-9][0-9]-*.c))
+TEST_UNIT  := tests/helpers.c $(TEST_FILES) tests/main.c
+TEST_DEPS  := build/tests/suite.c $(TEST_UNIT) tests/helpers.h tests/runner.h dtrain.h
+build/tests/suite.c: FORCE
+	@mkdir -p $(dir $@)
+	@{ echo '/* written by make (the Makefile: TEST_UNIT): the test suite, one translation unit */'; \
+	   $(foreach f,$(TEST_UNIT),echo '#include "$(f)"';) } > $@.new
+	@if cmp -s $@.new $@; then rm -f $@.new; else mv -f $@.new $@; fi
+build/tests/suite.o: $(TEST_DEPS)
+	$(CC) $(CFLAGS) -iquote . -c -o $@ $<
+build/tests/runner.o: tests/runner.c tests/runner.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c -o $@ $<
+$(TEST_BIN): build/tests/suite.o build/tests/runner.o $(CUDA_OBJ)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
+FORCE:
 
 # The object is rebuilt when its flags change (another NCCL_HOME, NCCL=0, ...).
 CUDA_FLAGS := $(NVCC) $(NVCCFLAGS) $(NCCL_CFLAGS)
@@ -268,9 +289,14 @@ build/$(1)/dtrain.o: dtrain.c dtrain.h
 $(addprefix build/$(1)/,$(PROGRAMS)): build/$(1)/%: build/$(1)/obj/%.o build/$(1)/dtrain.o $(3)
 	@mkdir -p $$(dir $$@)
 	$(2) -o $$@ $$^ $(4)
-build/$(1)/test_dtrain: tests/test_dtrain.c tests/runner.h dtrain.h $(3)
+build/$(1)/tests/suite.o: $(TEST_DEPS)
 	@mkdir -p $$(dir $$@)
-	$(2) -o $$@ $$< $(3) $(4)
+	$(2) -iquote . -c -o $$@ $$<
+build/$(1)/tests/runner.o: tests/runner.c tests/runner.h
+	@mkdir -p $$(dir $$@)
+	$(2) -c -o $$@ $$<
+build/$(1)/test_dtrain: build/$(1)/tests/suite.o build/$(1)/tests/runner.o $(3)
+	$(2) -o $$@ $$^ $(4)
 endef
 SANITIZED = $(addprefix build/$(1)/,$(PROGRAMS) test_dtrain)
 
@@ -363,4 +389,4 @@ diff:
 clean:
 	rm -rf $(STAGE_BINS) $(TOOLS) $(TEST_BIN) build
 
-.PHONY: all run test test-all test-list test-asan test-msan msan-toolchain fuzz fuzz-toolchain test-builds bench diff clean print-nccl gpu-check
+.PHONY: FORCE all run test test-all test-list test-asan test-msan msan-toolchain fuzz fuzz-toolchain test-builds bench diff clean print-nccl gpu-check

@@ -1,0 +1,124 @@
+/* tests/13-fsdp.c -- tests of dtrain.h's chapter 13-fsdp: FSDP's shard
+   modes, memory and prefetch (stage 04). (tests/helpers.h: how the suite's
+   files make one program.) */
+#include "helpers.h"
+
+/* 04 with each --shard mode, and with --cpu-offload, against 03 at the same
+   N, 20 steps of a 2-block vit. With --clip 0 the results are bit for bit DDP's: the reduce-scatter
+   sums each element in rank order, as the all-reduce does, and the optimizer
+   does the same arithmetic on each element. With clipping the gradient norm is
+   summed per shard, then over ranks: a different order, so a tolerance of 2e-5
+   (measured: 3.5e-6). */
+TEST(fsdp_equals_ddp_in_every_shard_mode, QUICK) {
+    char out[16384], ref[600], dir[600], p[700], q[700];
+    const char *modes[4] = { "optimizer", "grads", "full", "full --cpu-offload" };
+    for (int clip = 0; clip < 2; clip++)
+        for (int n = 2; n <= 4; n += 2) {
+            snprintf(ref, sizeof ref, "%s/fsdp-ref-%d-%d", tmpdir, clip, n);
+            int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model vit --depth 2 --heads 2 --batch-size %d "
+                             "--nproc %d --clip %s --save-dir %s", stage_bin("03-ddp"), small_data(), 32 / n, n,
+                             clip ? "1" : "0", ref);
+            CHECKF(st == 0, "03 --nproc %d: exit %d\n%s", n, st, out);
+            snprintf(p, sizeof p, "%s/vit_data0-320_epoch2", ref);
+            for (int k = 0; k < 4; k++) {
+                snprintf(dir, sizeof dir, "%s/fsdp-%d-%d-%d", tmpdir, k, clip, n);
+                st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model vit --depth 2 --heads 2 --batch-size %d "
+                             "--nproc %d --clip %s --shard %s --save-dir %s", stage_bin("04-fsdp"), small_data(), 32 / n, n,
+                             clip ? "1" : "0", modes[k], dir);
+                CHECKF(st == 0, "04 --shard %s --nproc %d: exit %d\n%s", modes[k], n, st, out);
+                snprintf(q, sizeof q, "%s/full", dir);      /* 04 saves shards: put them together */
+                st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2 %s", build_path("tools/consolidate"), dir, q);
+                CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
+                if (!clip) CHECKF(files_equal_tensors(p, q), "--shard %s N=%d --clip 0: not bit for bit DDP's", modes[k], n);
+                else {
+                    double d = max_tensor_diff(p, q);
+                    CHECKF(d >= 0 && d <= 2e-5, "--shard %s N=%d: differs from DDP by %.3g", modes[k], n, d);
+                }
+            }
+        }
+}
+
+/* A number from the summary line of a --log file. */
+static double summary_value(const char *log, const char *key) {
+    size_t n = 0;
+    char *text = (char *)read_bytes(log, &n), pat[96];
+    double v = -1;
+    if (!text) return v;
+    text = (char *)realloc(text, n + 1);
+    text[n] = 0;
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *sum = strstr(text, "\"summary\":true"), *p = sum ? strstr(sum, pat) : NULL;
+    if (p) v = atof(p + strlen(pat));
+    free(text);
+    return v;
+}
+
+/* With --shard full, each rank's peak device bytes of parameters are exactly
+   its shards (1/N, plus padding) and two buffers the size of the largest unit
+   (the unit computing and the next, prefetched); of gradients, its shards and
+   one such buffer; the optimizer state stays within its shard. With
+   --cpu-offload the shards leave the device, which holds no optimizer state
+   at all; the host holds them. */
+TEST(fsdp_keeps_one_nth_plus_the_gathered_units_per_rank, QUICK) {
+    char out[16384], log[600];
+    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model *m = dt_model_create(&mc, 1);
+    for (int n = 2; n <= 4; n += 2) {
+        double shards = 0, largest = 0;
+        for (int u = 0; u < m->nunits; u++) {
+            int end = m->unit_first[u + 1];
+            int64_t numel = (end < m->nparams ? m->offsets[end] : m->numel) - m->offsets[m->unit_first[u]];
+            int64_t shard = (numel + n - 1) / n;
+            shards += 4.0 * shard;
+            largest = fmax(largest, 4.0 * shard * n);
+        }
+        for (int offload = 0; offload < 2; offload++) {
+            snprintf(log, sizeof log, "%s/mem-%d-%d.jsonl", tmpdir, n, offload);
+            int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model vit --depth 2 --heads 2 --batch-size 8 "
+                             "--nproc %d --shard full %s --log %s", stage_bin("04-fsdp"), small_data(), n,
+                             offload ? "--cpu-offload" : "", log);
+            CHECKF(st == 0, "exit %d\n%s", st, out);
+            double params = summary_value(log, "peak_params_bytes"), grads = summary_value(log, "peak_grads_bytes");
+            double optim = summary_value(log, "peak_optimizer_bytes"), host = summary_value(log, "peak_host_optimizer_bytes");
+            double ddp = 4.0 * m->numel;
+            double here = offload ? 0 : shards;
+            CHECKF(params == here + 2 * largest, "N=%d offload=%d: parameters peak %.0f bytes, expected %.0f: shards %.0f "
+                   "+ 2 gather buffers of %.0f (DDP holds %.0f)", n, offload, params, here + 2 * largest, here, largest, ddp);
+            CHECKF(grads == here + largest, "N=%d offload=%d: gradients peak %.0f, expected %.0f", n, offload, grads,
+                   here + largest);
+            if (offload) CHECKF(optim == 0 && host >= 2 * shards, "offload: optimizer %.0f bytes on the device, %.0f on the host",
+                                optim, host);
+            else CHECKF(optim > 0 && optim <= 2 * shards, "N=%d: optimizer peak %.0f, bound %.0f", n, optim, 2 * shards);
+        }
+    }
+    dt_model_free(m);
+}
+
+/* The prefetch, in one process with a world of 1: in a training step every
+   unit but the first is already on its way when forward reaches it, and
+   every unit but the last (kept gathered from its forward) when backward
+   does; evaluation prefetches as forward does. */
+TEST(fsdp_prefetches_the_next_unit, QUICK) {
+    dt_model_config mc = { DT_MODEL_VIT, 3, 8, 10, 16, 3, 2, 4, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model *m = dt_model_create(&mc, 3);
+    dt_comm_group *g = dt_comm_group_create(1, 30);
+    dt_comm *c = dt_comm_join(g, 0);
+    dt_fsdp *f = dt_fsdp_create(m, c, DT_SHARD_FULL, 0);
+    int shape[4] = { 2, 3, 8, 8 }, n = m->nunits;
+    int32_t labels[2] = { 1, 7 };
+    dt_tensor *x = dt_tensor_new(4, shape);
+    dt_tensor *loss = dt_cross_entropy(dt_model_forward(m, x), labels);
+    CHECKF(f->prefetched == n - 1, "forward: %lld of %d units were prefetched", (long long)f->prefetched, n - 1);
+    dt_backward(loss);
+    CHECKF(f->prefetched == 2 * (n - 1), "backward: %lld prefetched in all, expected %d", (long long)f->prefetched, 2 * (n - 1));
+    for (int k = 0; k < n; k++) CHECKF(!f->units[k].full && !f->units[k].gathering, "unit %d still gathered after backward", k);
+    dt_set_grad_enabled(0);
+    dt_model_forward(m, x);
+    dt_set_grad_enabled(1);
+    CHECKF(f->prefetched == 3 * (n - 1), "evaluation: %lld prefetched in all, expected %d", (long long)f->prefetched, 3 * (n - 1));
+    dt_step_arena_reset();
+    dt_fsdp_free(f);
+    dt_model_free(m);
+    dt_comm_free(c);
+    dt_comm_group_free(g);
+}
