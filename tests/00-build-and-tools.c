@@ -217,6 +217,92 @@ TEST(the_lessons_compile_without_the_machinery, QUICK) {
            "a machinery chapter among the lessons: exit %d\n%.2000s", st, out);
 }
 
+/* A parallel wrapper's insides (its struct, what its callbacks cast
+   dt_parallel * to) are its chapter's: the machinery asks through
+   dt_parallel_report, and no other chapter casts a wrapper or tests which
+   one a dt_parallel is (comparing a callback with a wrapper's function).
+   Found from the chapters: a wrapper is a struct whose first member is its
+   dt_parallel. A cast put into the checkpoints chapter makes it fail. */
+static int wrapper_leaks(const char *srcdir, char *report, size_t n) {
+    char names[16][64], owners[16][256], path[1200];
+    int nw = 0, leaks = 0;
+    report[0] = 0;
+    DIR *d = opendir(srcdir);
+    if (!d) return -1;
+    char files[64][256];
+    int nf = 0;
+    for (struct dirent *e; (e = readdir(d)) && nf < 64;)
+        if (strlen(e->d_name) > 3 && !strcmp(e->d_name + strlen(e->d_name) - 2, ".h")) snprintf(files[nf++], 256, "%.255s", e->d_name);
+    closedir(d);
+    for (int f = 0; f < nf; f++) {                      /* struct dt_X {  followed by  dt_parallel par; */
+        snprintf(path, sizeof path, "%.900s/%.255s", srcdir, files[f]);
+        char *text = read_text(path);
+        for (char *p = text; p && (p = strstr(p, "\nstruct dt_")) && nw < 16; p++) {
+            char name[64];
+            if (sscanf(p + 8, "%63[a-z_0-9] {", name) != 1) continue;
+            const char *body = strchr(p + 1, '{');
+            if (!body || strncmp(body + 1 + strspn(body + 1, " \n"), "dt_parallel par;", 16)) continue;
+            snprintf(names[nw], 64, "%.63s", name);
+            snprintf(owners[nw++], 256, "%.255s", files[f]);
+        }
+        free(text);
+    }
+    for (int f = 0; f < nf; f++) {
+        snprintf(path, sizeof path, "%.900s/%.255s", srcdir, files[f]);
+        char *text = read_text(path);
+        for (int w = 0; text && w < nw; w++) {
+            if (!strcmp(files[f], owners[w])) continue;
+            char cast[96], cast_const[96], identity[96];
+            snprintf(cast, sizeof cast, "(%.63s *)", names[w]);
+            snprintf(cast_const, sizeof cast_const, "(const %.63s *)", names[w]);
+            snprintf(identity, sizeof identity, "== dt__%.60s_", names[w] + 3);     /* a callback compared with the wrapper's */
+            const char *what[3] = { cast, cast_const, identity };
+            for (int k = 0; k < 3; k++)
+                if (strstr(text, what[k])) {
+                    leaks++;
+                    snprintf(report + strlen(report), n - strlen(report), "  %s has \"%s\" (%s is %s's)\n", files[f], what[k],
+                             names[w], owners[w]);
+                }
+        }
+        free(text);
+    }
+    return nw < 5 ? -nw - 1 : leaks;                     /* DataParallel, DDP, FSDP, tensor, pipeline parallelism */
+}
+TEST(no_chapter_casts_or_identifies_a_wrapper_but_its_own, QUICK) {
+    char src[900], report[4096], out[4096];
+    snprintf(src, sizeof src, "%s/src", repo_root());
+    int leaks = wrapper_leaks(src, report, sizeof report);
+    CHECKF(leaks == 0, "%d wrapper casts or identity tests outside the wrapper's chapter (or too few wrappers found: %d)\n%s",
+           leaks, leaks, report);
+    int st = run_cmd(out, sizeof out, "cp -r %s %s/src && printf 'static int dt__peek(dt_parallel *p) { return ((dt_fsdp *)p)->rank; }\n' "
+                     ">> %s/src/19-checkpoints.h", src, tmpdir, tmpdir);
+    CHECKF(st == 0, "copying the chapters: exit %d\n%s", st, out);
+    snprintf(src, sizeof src, "%s/src", tmpdir);
+    leaks = wrapper_leaks(src, report, sizeof report);
+    CHECKF(leaks == 1 && strstr(report, "19-checkpoints.h has \"(dt_fsdp *)\""),
+           "a cast of FSDP put into the checkpoints chapter was not found (%d)\n%s", leaks, report);
+}
+
+/* The README is a front page: every page of the project is one link away
+   from it, and every link of every page names a file (and a heading) that
+   exists (tools/check_links.py). A page left unlinked, and a link to a file
+   that is not there, make the check fail. */
+TEST(every_page_links_to_what_exists_and_is_one_link_from_the_readme, QUICK) {
+    char out[8192], root[4200], cwd[2048];
+    if (!getcwd(cwd, sizeof cwd)) SKIP("no working directory");
+    if (repo_root()[0] == '/') snprintf(root, sizeof root, "%.2047s", repo_root());
+    else snprintf(root, sizeof root, "%.2047s/%.2047s", cwd, repo_root());       /* the copy runs it from elsewhere */
+    if (run_cmd(out, sizeof out, "python3 -c 1") != 0) SKIP("no python3 to run tools/check_links.py");
+    int st = run_cmd(out, sizeof out, "test -d %s && cd %s && python3 tools/check_links.py --front README.md README.md docs/*.md "
+                     "0*/README.md", root, root);
+    CHECKF(st == 0, "the project's pages: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "mkdir -p %s/copy && cd %s && cp -r README.md docs 0*-* %s/copy/ && cd %s/copy && "
+                 "printf '# Lost\\n\\nSee [the guide](guide.md) and [a page](nowhere.md).\\n' > docs/lost.md && "
+                 "python3 %s/tools/check_links.py --front README.md README.md docs/*.md 0*/README.md", tmpdir, root, tmpdir, tmpdir, root);
+    CHECKF(st == 1 && strstr(out, "docs/lost.md: links to nowhere.md, which does not exist") &&
+           strstr(out, "docs/lost.md: not linked from README.md"), "a broken link and an unlinked page: exit %d\n%s", st, out);
+}
+
 /* make diff ends each diff with the chapter lines to read next: for 03 -> 04,
    dt_fsdp_create where a chapter of dtrain.h (src/) declares and defines it
    today (found here from the chapters themselves, so an edit that moves it
