@@ -48,8 +48,9 @@
        04 matmul        the matmul every linear layer goes through
        05 autograd      the ops: each appends its backward to a tape; dt_backward()
                         walks it in reverse. Activations live in a per-step arena.
-                        The callbacks a parallel wrapper implements (dt_parallel);
-                        linear, GELU, the norms, SwiGLU, the residual
+                        The callbacks a parallel wrapper implements (dt_parallel),
+                        and how wrappers stack; linear, GELU, the norms, SwiGLU,
+                        the residual
        06 attention     tensor parallelism's collectives as ops on the tape;
           and loss      attention, rotary embeddings, embeddings, the cross-entropy
        07 models        an MLP and a Vision Transformer with PyTorch/timm names, and two
@@ -76,11 +77,12 @@
                         gradient accumulation
        13 FSDP          Fully Sharded Data Parallel: each rank keeps 1/N of every
                         unit, gathered to compute, gradients reduce-scattered;
-                        ZeRO-1/2/3 side by side; CPU offload; no-sync
+                        ZeRO-1/2/3 side by side; CPU offload; no-sync; the
+                        data-parallel engine a stage applies last (DDP or FSDP)
        14 tensor        each rank computes 1/T of every block: Megatron-LM's
           parallel      column- and row-parallel layers, the vocabulary split with
-                        its cross-entropy, sequence parallelism, data parallel
-                        across the groups
+                        its cross-entropy, sequence parallelism; the engine
+                        around it over the groups: DDP, or FSDP (2-D)
        15 pipeline      each rank a stage of consecutive blocks, micro-batches in
           parallel      GPipe's or 1F1B's order, each with its arena; with tensor
                         parallelism inside the stages and data parallel pipelines:
@@ -393,13 +395,21 @@ void dt_backward_from(dt_tensor *loss, const float *seed);
    callback: nothing to do at that moment -- DDP has no units, DataParallel
    only sums gradients when backward is done. A wrapper attaches itself with dt_model_set_parallel
    (the models chapter): the model and each of its parameters then point to it, so
-   nothing is looked up in global state. */
+   nothing is looked up in global state.
+   Wrappers stack, as picotron's do: a data-parallel engine (DDP, FSDP) may
+   wrap a model that tensor parallelism has cut, averaging or sharding over
+   the data groups what the tensor groups split. The outer one names the
+   inner (`inner`) and becomes the model's; backward_done and step_done then
+   run for each wrapper of the stack, outer first, and the layers' sums
+   (tp_sum and the rest) are the inner's, found by dt_parallel_splitting. */
 typedef struct dt_parallel dt_parallel;
 struct dt_optimizer;
 struct dt_parallel {
     /* The wrapper's public functions, which the order mistakes name:
        "dt_fsdp_create", "dt_fsdp_sync_grads", "dt_fsdp_free". */
     const char *create_fn, *sync_fn, *free_fn;
+    /* The wrapper this one wraps (set before dt_model_set_parallel), or NULL. */
+    dt_parallel *inner;
     void (*unit_begin)(dt_parallel *par, int unit);
     void (*unit_end)(dt_parallel *par, int unit);
     void (*grad_ready)(dt_parallel *par, dt_tensor *param);
@@ -451,8 +461,12 @@ struct dt_parallel {
     int grads_pending;
 };
 /* backward_done, called by each wrapper's sync function (dt_ddp_sync_grads,
-   ...): fails unless a backward has run since the last one. */
+   ...), then each inner wrapper's: fails unless a backward has run since the
+   last one. */
 void dt_parallel_backward_done(dt_parallel *par);
+/* The wrapper of a stack that splits the layers (its tp_sum set), or NULL:
+   what dt_tp_copy and the other ops of tensor parallelism use. */
+dt_parallel *dt_parallel_splitting(dt_parallel *par);
 /* Floating-point operations counted by the matmuls since the last reset. */
 double dt_flops_counted(void);
 void dt_flops_reset(void);
@@ -626,10 +640,14 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed);
 /* Fails while a wrapper or an optimizer still holds the model: free those first. */
 void dt_model_free(dt_model *m);
 /* A parallel wrapper attaches itself (its create function calls this) and
-   detaches (NULL, from its free function). A wrapper comes before the
-   optimizer, which steps the parameters the wrapper gives it, and goes after
-   it: the other orders are errors that say what to call first. */
+   detaches (NULL, from its free function), before the optimizer (which steps
+   what the wrapper gives it) and after it: the other orders are errors that
+   say what to call first. A wrapper whose `inner` is the model's wraps it (a
+   stack); detached, it leaves the model to the inner one again. */
 void dt_model_set_parallel(dt_model *m, dt_parallel *par);
+/* The model in its whole shapes: what a wrapper that cut it (tensor, pipeline
+   parallelism; in a stack, the one inside) keeps as its `whole`; else m. */
+const dt_model *dt_model_whole(const dt_model *m);
 /* Activation recompute (--recompute) on or off: in training, each block keeps
    only its input and output, and its forward runs again when backward
    reaches it. The same bits, less memory, one more forward per step. */
@@ -876,7 +894,9 @@ void dt_dp_free(dt_dp *dp, int quiet);
    goes on. bucket_mb 0: one all-reduce of everything after backward, the
    no-overlap baseline (same bits: the sums run in rank order either way). */
 typedef struct dt_ddp dt_ddp;
-/* Broadcast rank 0's parameters (every replica starts equal) and plan the buckets. */
+/* Broadcast rank 0's parameters (every replica starts equal) and plan the
+   buckets. A model that tensor parallelism holds is wrapped with it (a
+   stack): comm is then the ranks that hold the same pieces. */
 dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb);
 /* After backward: start what has not started, wait for every bucket. Every
    rank then holds the average gradient. */
@@ -931,6 +951,18 @@ void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync);
 void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype);
 void dt_fsdp_free(dt_fsdp *fsdp);
 
+/* The data-parallel engine a stage applies last, over the ranks that hold
+   the same model or the same pieces of it (06: around tensor parallelism,
+   over dt_tp_data_group): DDP when nothing is sharded (DT_SHARD_NONE, with
+   bucket_mb), else FSDP in that mode, with cpu_offload. Create it before the
+   optimizer, sync after backward (it syncs the wrapper inside it too), free
+   it before what it wraps. */
+typedef struct dt_data_parallel dt_data_parallel;
+dt_data_parallel *dt_data_parallel_create(dt_model *model, dt_comm *comm, dt_shard_mode shard, int cpu_offload,
+                                          double bucket_mb);
+void dt_data_parallel_sync_grads(dt_data_parallel *dp);
+void dt_data_parallel_free(dt_data_parallel *dp);
+
 /* [src/14-tensor-parallel.h] */
 /* Tensor parallelism (stage 06), as Megatron-LM splits a transformer: every
    rank of a group of T keeps 1/T of each large weight and computes 1/T of
@@ -949,8 +981,10 @@ void dt_fsdp_free(dt_fsdp *fsdp);
    values and get the same gradients. The model says where each parameter may be cut (dt_split); this
    wrapper cuts. With a job larger than T, the ranks form a mesh of
    data-parallel x tensor-parallel groups ("dp" x "tp", tp varying fastest):
-   each group of T shares a batch, and the gradients are averaged over the
-   groups after backward. */
+   each group of T shares a batch, and a data-parallel engine wraps the cut
+   model over the "dp" groups (dt_tp_data_group): DDP averages each piece's
+   gradient over the groups, FSDP shards the pieces over them too (2-D
+   parallelism: each rank keeps 1/(T x D) of a split weight). */
 typedef struct dt_tp dt_tp;
 /* Keep this rank's piece of every split parameter (the weights drawn whole
    from the seed, as in stage 01, then cut). tp 0: the whole job is one group.
@@ -960,8 +994,14 @@ typedef struct dt_tp dt_tp;
    group after backward. */
 dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_parallel);
 /* After backward: the split layers need nothing (their sums ran on the tape);
-   with more than one group, every gradient is averaged over the groups. */
+   with --sequence-parallel the whole parameters read where the rows are
+   split are summed over the group. With more than one group the engine that
+   wraps it syncs (and this runs inside its sync); unwrapped, that is an
+   error that says so. */
 void dt_tp_sync_grads(dt_tp *tp);
+/* The ranks that hold the same pieces, one per group ("dp"): what a
+   data-parallel engine wrapping this one averages or shards over. */
+dt_comm *dt_tp_data_group(const dt_tp *tp);
 /* This rank's group among the data-parallel groups, and how many there are:
    the loader's rank and world (every rank of a group reads the same batch). */
 int dt_tp_data_rank(const dt_tp *tp);
@@ -1639,6 +1679,10 @@ typedef struct dt_cost_input {
     int pp_zero1;               /* --shard optimizer: the D pipelines each step 1/D of the optimizer state */
     double pp_measured_bubble;  /* ... and the share of the step this rank waited, as measured: printed beside the
                                    formula's, not used by the prediction */
+    /* tensor parallelism inside FSDP (06 --shard: 2-D): the ZeRO stage (1,
+       2, 3; 0: DDP) over the data-parallel groups. Each group steps 1/D of
+       the optimizer; ZeRO-3 gathers the parameters twice, 1.5x DDP's bytes */
+    int dp_shard;
 } dt_cost_input;
 
 typedef struct dt_cost_prediction {
@@ -1796,7 +1840,11 @@ struct dt_run {
          optimizer_ms: this rank's step, which it makes the whole model's;
          accum_steps set) and returns how many ranks split or shard the model.
      bench_fields  the " key=value" pairs --bench adds (what the cost model
-         needs of it). */
+         needs of it).
+     whole_from_local, local_from_whole  for the wrapper around this one
+         (FSDP around tensor parallelism): the whole state from this rank's
+         in this wrapper's layout (`local`, on the model's device; a
+         collective, NULL where the rank will not write), and back. */
 typedef struct dt_shard_view {
     float *state[3];           /* this rank's shard of the parameters and of the two moments (NULL: none) */
     int64_t numel;             /* elements in each */
@@ -1814,10 +1862,14 @@ typedef struct dt_parallel_report {
     void (*log_fields)(const dt_parallel *par, FILE *log);
     int (*cost_input)(const dt_parallel *par, dt_cost_input *in);
     void (*bench_fields)(const dt_parallel *par, FILE *out, int accum_steps);
+    float *(*whole_from_local)(dt_parallel *par, float *local);
+    void (*local_from_whole)(dt_parallel *par, float *whole, float *local);
 } dt_parallel_report;
-/* The report of the wrapper `par` is (one of FSDP's, tensor and pipeline
-   parallelism's), or NULL: none, or par NULL. */
-const dt_parallel_report *dt_parallel_report_of(const dt_parallel *par);
+/* The report that answers for a model's wrappers: the outermost of the stack
+   that has one (DDP has none: around tensor parallelism, the latter's
+   answers), and in *owner the wrapper it is of; NULL (and *owner NULL) when
+   none has one. */
+const dt_parallel_report *dt_parallel_report_of(dt_parallel *par, dt_parallel **owner);
 
 /* Set up a run: --init or --resume, the log and trace files, a header line. In
    a job of several ranks (dt_comm_init), the ranks first check that they agree
@@ -2967,13 +3019,19 @@ static void dt__backward_span(dt_tensor *out, int lo, int hi) {
     dt__tape_walk(lo, hi);
 }
 
+dt_parallel *dt_parallel_splitting(dt_parallel *par) {
+    while (par && !par->tp_sum) par = par->inner;
+    return par;
+}
 void dt_parallel_backward_done(dt_parallel *par) {
     if (!par->grads_pending)
         dt_fail("%s: no backward has run since the gradients were last synchronised; call it after dt_backward",
                 par->sync_fn);
-    if (par->backward_done) par->backward_done(par);
     par->grads_pending = 0;
-    par->rows_split = 0;          /* no rows-split region outlives its step */
+    for (dt_parallel *q = par; q; q = q->inner) {
+        if (q->backward_done) q->backward_done(q);
+        q->rows_split = 0;        /* no rows-split region outlives its step */
+    }
 }
 
 /* Round f32 values to a 16-bit type and widen them again, in one pass. */
@@ -3605,6 +3663,7 @@ static void dt__tp_copy_backward(dt__tape_entry *e) {
     dt__add_into_grad(x, mine);
 }
 dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x) {
+    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
     if (!par || !par->tp_sum) return x;
     dt_tensor *y;
     if (par->rows_split) {                                    /* the group's rows, gathered */
@@ -3643,6 +3702,7 @@ static void dt__tp_sum_backward(dt__tape_entry *e) {
     dt__add_into_grad(x, dy);
 }
 dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x) {
+    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
     if (!par || !par->tp_sum) return x;
     dt__backend_for(x);
     dt__scratch_reset();
@@ -3680,6 +3740,7 @@ static void dt__sp_split_backward(dt__tape_entry *e) {
     if (x->requires_grad) dt__add_into_grad(x, dt__tp_all_rows(par, dt__grad_in(e->out), e->out->numel, x->device));
 }
 dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x) {
+    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
     if (!par || !par->sp_all_gather) return x;
     int64_t rows = dt_tensor_rows(x), cols = dt_tensor_cols(x);
     if (rows % par->tp_size) {
@@ -3708,6 +3769,7 @@ static void dt__sp_gather_backward(dt__tape_entry *e) {
         dt__add_into_grad(x, dt__grad_in(e->out) + (size_t)par->tp_rank * (size_t)x->numel);
 }
 dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x) {
+    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
     if (!par || !par->sp_all_gather || !par->rows_split) return x;
     dt__backend_for(x);
     dt__scratch_reset();
@@ -4940,7 +5002,7 @@ static dt_tensor *dt__with_adapter(dt_model *m, dt_tensor *x, const dt_tensor *w
    wrapper splits layers). */
 typedef enum { DT__WHOLE, DT__COLUMN_PARALLEL, DT__ROW_PARALLEL } dt__cut;
 static dt__cut dt__tp_cut(const dt_model *m, const dt_tensor *w, int in_out) {
-    if (!m->parallel || !m->parallel->tp_sum || w < m->params || w >= m->params + m->nparams) return DT__WHOLE;
+    if (!dt_parallel_splitting(m->parallel) || w < m->params || w >= m->params + m->nparams) return DT__WHOLE;
     int dim = m->splits[w - m->params].dim;
     return dim < 0 ? DT__WHOLE : dim == (in_out ? 1 : 0) ? DT__COLUMN_PARALLEL : DT__ROW_PARALLEL;
 }
@@ -4966,7 +5028,7 @@ static dt_tensor *dt__lora_linear(dt_model *m, dt_tensor *x, dt_tensor *w, dt_te
    zeros: the same bits); the positions are added after, on every rank. */
 static dt_tensor *dt__vocab_embedding(dt_model *m, const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe) {
     if (dt__tp_cut(m, wte, 0) != DT__COLUMN_PARALLEL) return dt_token_embedding(tokens, wte, wpe);
-    dt_parallel *par = m->parallel;
+    dt_parallel *par = dt_parallel_splitting(m->parallel);
     int V = (int)dt_tensor_rows(wte), B = tokens->shape[0], T = (int)dt_tensor_cols(tokens);
     dt_tensor *x = dt_tp_sum(par, dt__token_embedding_rows(tokens, wte, NULL, par->tp_rank * V, V * par->tp_size));
     if (!wpe) return x;                                                   /* Llama: positions by rotation */
@@ -4980,7 +5042,7 @@ static dt_tensor *dt__vocab_embedding(dt_model *m, const dt_tensor *tokens, dt_t
    dt_logits_to_host work with the group on them. */
 static dt_tensor *dt__vocab_head(dt_model *m, dt_tensor *x, dt_tensor *wte) {
     dt_tensor *logits = dt__linear_cut(m, x, wte, NULL, 0);
-    if (dt__tp_cut(m, wte, 0) == DT__COLUMN_PARALLEL) logits->parallel = m->parallel;
+    if (dt__tp_cut(m, wte, 0) == DT__COLUMN_PARALLEL) logits->parallel = dt_parallel_splitting(m->parallel);
     return logits;
 }
 static dt_tensor *dt__lora_linear_in_out(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
@@ -5178,7 +5240,7 @@ static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens, const dt__sp
 /* The parameters of the whole model: a wrapper that cuts it (tensor, pipeline
    parallelism) keeps its whole shapes (m->numel counts what this rank holds). */
 static double dt__whole_params(const dt_model *m) {
-    const dt_model *w = m->parallel && m->parallel->whole ? m->parallel->whole : m;
+    const dt_model *w = dt_model_whole(m);
     double n = 0;
     for (int i = 0; i < w->nparams; i++) n += (double)w->params[i].numel;
     return n;
@@ -5535,6 +5597,10 @@ void dt_model_free(dt_model *m) {
     free(m);
 }
 
+const dt_model *dt_model_whole(const dt_model *m) {
+    for (const dt_parallel *q = m->parallel; q; q = q->inner) if (q->whole) return q->whole;
+    return m;
+}
 void dt_model_set_parallel(dt_model *m, dt_parallel *par) {
     if (par && m->left_cut_by)
         dt_fail("%s: %s has cut this model (each rank kept its pieces); create the model again for another wrapper",
@@ -5543,16 +5609,18 @@ void dt_model_set_parallel(dt_model *m, dt_parallel *par) {
     if (!now) return;
     if (par && (!par->create_fn || !par->sync_fn || !par->free_fn))
         dt_fail("dt_model_set_parallel: a dt_parallel must name its create, sync and free functions (for the errors)");
-    if (par && m->parallel)
-        dt_fail("%s: this model is already wrapped (%s); one wrapper per model, or call %s first", par->create_fn,
-                m->parallel->create_fn, m->parallel->free_fn);
+    if (par && m->parallel && par->inner != m->parallel)
+        dt_fail("%s: this model is already wrapped (%s); one wrapper per model (or one that wraps it), or call %s first",
+                par->create_fn, m->parallel->create_fn, m->parallel->free_fn);
+    if (par && par->inner && par->inner != m->parallel)
+        dt_fail("%s: the wrapper it wraps (%s) does not hold this model", par->create_fn, par->inner->create_fn);
     if (par && m->optimizers)
         dt_fail("%s: this model already has an optimizer; create the optimizer after %s, which decides what it steps",
                 par->create_fn, par->create_fn);
     if (!par && m->optimizers)
         dt_fail("%s: the optimizer still steps what this wrapper gave it; call dt_optimizer_free first", now->free_fn);
-    m->parallel = par;
-    for (int i = 0; i < m->nparams; i++) m->params[i].parallel = par;
+    m->parallel = par ? par : now->inner;                /* unwrapped: the one it wrapped holds the model again */
+    for (int i = 0; i < m->nparams; i++) m->params[i].parallel = m->parallel;
     dt__ctx.wrappers += par ? 1 : -1;
 }
 
@@ -5603,7 +5671,7 @@ dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs) {
     if (m->left_cut_by && !m->parallel)
         dt_fail("dt_model_forward: %s has run, and this rank holds only its pieces of the model's split layers; call %s "
                 "after the last forward", m->left_cut_by, m->left_cut_by);
-    if (m->parallel && m->parallel->forward) return m->parallel->forward(m->parallel, inputs);
+    for (dt_parallel *q = m->parallel; q; q = q->inner) if (q->forward) return q->forward(q, inputs);   /* a pipeline runs it */
     return dt_model_forward_blocks(m, inputs, NULL, 0, dt_model_blocks(m));
 }
 int dt_model_blocks(const dt_model *m) { return m->cfg.depth + dt__family(m->cfg.kind)->blocks_past_depth; }
@@ -5619,7 +5687,7 @@ dt_tensor *dt_model_forward_blocks(dt_model *m, dt_tensor *inputs, dt_tensor *x,
                                                            "the blocks before made: give it"
                                                          : "the first block starts from the embedding of the inputs: x must be NULL");
     const dt_model *w = m->base ? m->base : m;      /* the weights the blocks read must be here: only a */
-    for (int i = 0; i < (m->parallel && m->parallel->whole ? w->nparams : 0); i++) {   /* cut model lacks any */
+    for (int i = 0; i < (dt_model_whole(m) != m ? w->nparams : 0); i++) {   /* cut model lacks any */
         int b = w->splits[i].block;
         int read = (b >= first && b < end) || (b < 0 && first == 0) || (b >= n && end == n) || (w->splits[i].tied && (first == 0 || end == n));
         if (read && w->params[i].numel == 0)
@@ -5635,9 +5703,6 @@ dt_tensor *dt_model_forward_blocks(dt_model *m, dt_tensor *inputs, dt_tensor *x,
     dt__span span = { first, end, x };
     return dt__family(m->cfg.kind)->forward(m, inputs, &span);
 }
-
-
-
 /* [src/08-optimizer.h] */
 /* ==== optimizer ==============================================================
    The update rules are PyTorch's, element for element, so a step here matches a
@@ -5664,8 +5729,10 @@ dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float
     o->model = model;
     o->device = model->device;
     model->optimizers++;
-    if (model->parallel && model->parallel->optimizer_view) {
-        model->parallel->optimizer_view(model->parallel, o);
+    dt_parallel *view = model->parallel;              /* in a stack, the outermost wrapper that has a view */
+    while (view && !view->optimizer_view) view = view->inner;
+    if (view) {
+        view->optimizer_view(view, o);
         if (o->sharded_by && !o->sharded_by->sum_over_ranks)
             dt_fail("%s: its optimizer view shards the optimizer but gives no sum_over_ranks for the gradient norm",
                     o->sharded_by->create_fn);
@@ -5758,8 +5825,8 @@ void dt_optimizer_step(dt_optimizer *opt, float lr) {
         }
     }
     dt__zero_on(opt->device, g, (size_t)n * sizeof(float));
-    dt_parallel *par = opt->model->parallel;
-    if (par && par->step_done) par->step_done(par);
+    for (dt_parallel *par = opt->model->parallel; par; par = par->inner)   /* each wrapper of a stack, outer first */
+        if (par->step_done) par->step_done(par);
 }
 
 float dt_schedule_lr(float base_lr, int64_t step, int64_t warmup, int64_t total) {
@@ -6907,6 +6974,20 @@ static void dt__record_comm(const char *name, double t0, double t1, double hidde
 /* Pipeline parallelism's forwards, backwards and waits: a track of their own. */
 static void dt__record_event(const char *name, double t0, double t1) { dt__record_span(name, t0, t1, 1); }
 
+/* A data-parallel engine (DDP, FSDP) around another wrapper (a stack): what
+   it can wrap so far. Tensor parallelism, yes: the engine averages or
+   shards each piece over the ranks that hold the same piece. */
+static void dt__data_parallel_can_wrap(const dt_parallel *outer, int shards) {
+    const dt_parallel *in = outer->inner;
+    if (!in) return;
+    if (in->forward)
+        dt_fail("%s: %s runs the model's forward itself (pipeline parallelism); a data-parallel engine around it is not "
+                "built yet (07's pipelines average their gradients themselves)", outer->create_fn, in->create_fn);
+    if (shards && in->sp_all_gather)
+        dt_usage_error("--sequence-parallel with --shard: the norms' gradients are summed over the tensor group after "
+                       "backward, but a sharded engine has already reduce-scattered them by then; use one or the other");
+}
+
 /* A thread that ran ops gives back what its context holds before it ends. */
 static void dt__context_release(void) {
     dt_step_arena_reset();                  /* the tape emptied */
@@ -7196,7 +7277,9 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
         dt_fail("out of memory (DDP)");
     d->par = (dt_parallel){ .create_fn = "dt_ddp_create", .sync_fn = "dt_ddp_sync_grads", .free_fn = "dt_ddp_free",
                             .grad_ready = bucket_mb > 0 ? dt__ddp_grad_ready : NULL,
-                            .backward_done = dt__ddp_backward_done };
+                            .backward_done = dt__ddp_backward_done,
+                            .inner = model->parallel };          /* around tensor parallelism: its pieces */
+    dt__data_parallel_can_wrap(&d->par, 0);
     dt_model_set_parallel(model, &d->par);
     dt__comm_hold(comm, "dt_ddp_free");
     d->model = model;
@@ -7442,6 +7525,7 @@ static void dt__fsdp_step_done(dt_parallel *par);
 static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o);
 static void dt__fsdp_sum_over_ranks(dt_parallel *par, float *values, int n) {
     dt__comm_all_reduce_host(((dt_fsdp *)par)->comm, values, n, DT_SUM);
+    if (par->inner && par->inner->sum_over_ranks) par->inner->sum_over_ranks(par->inner, values, n);   /* the tensor group's parts */
 }
 
 dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload) {
@@ -7451,7 +7535,9 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
     f->par = (dt_parallel){ .create_fn = "dt_fsdp_create", .sync_fn = "dt_fsdp_sync_grads", .free_fn = "dt_fsdp_free",
                             .unit_begin = dt__fsdp_unit_begin, .unit_end = dt__fsdp_unit_end,
                             .backward_done = dt__fsdp_backward_done, .step_done = dt__fsdp_step_done,
-                            .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks };
+                            .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks,
+                            .inner = model->parallel };          /* around tensor parallelism: its pieces */
+    dt__data_parallel_can_wrap(&f->par, 1);
     dt_model_set_parallel(model, &f->par);
     dt__comm_hold(comm, "dt_fsdp_free");
     f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
@@ -7518,6 +7604,17 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
 static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
     dt_fsdp *f = (dt_fsdp *)par;
     dt_model *m = f->model;
+    /* Around tensor parallelism: which parameters another rank of the tensor
+       group also holds (the replicated ones), from the inner wrapper's view. */
+    int *copy = (int *)calloc((size_t)m->nparams + 1, sizeof(int));
+    if (!copy) dt_fail("out of memory (optimizer)");
+    if (par->inner && par->inner->optimizer_view) {
+        par->inner->optimizer_view(par->inner, o);
+        for (int i = 0; i < o->nslices && i < m->nparams; i++) copy[i] = o->slices[i].copy;
+        free(o->slices);
+        o->slices = NULL;
+        o->nslices = 0;
+    }
     o->params = f->shard_params; o->grads = f->shard_grads; o->numel = f->shard_numel;
     o->sharded_by = par;
     if (f->offload) { o->device = DT_CPU; o->offloaded = 1; }     /* the optimizer steps on the CPU */
@@ -7535,8 +7632,10 @@ static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
             s->offset = u->shard_offset + (a - lo);
             s->length = b - a;
             s->decay = m->params[i].ndim >= 2;
+            s->copy = copy[i];
         }
     }
+    free(copy);
 }
 
 void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync) {
@@ -7614,6 +7713,39 @@ void dt_fsdp_free(dt_fsdp *fsdp) {
     else { dt_free_on(m->device, DT_ARENA_PARAMS, fsdp->shard_params, shard_bytes); dt_free_on(m->device, DT_ARENA_GRADS, fsdp->shard_grads, shard_bytes); }
     free(fsdp->units);
     free(fsdp);
+}
+
+/* -- the data-parallel engine: DDP or FSDP, chosen once -- */
+struct dt_data_parallel {
+    dt_model *model;
+    dt_ddp *ddp;                /* one of the two */
+    dt_fsdp *fsdp;
+};
+dt_data_parallel *dt_data_parallel_create(dt_model *model, dt_comm *comm, dt_shard_mode shard, int cpu_offload,
+                                          double bucket_mb) {
+    if (cpu_offload && shard == DT_SHARD_NONE)
+        dt_usage_error("--cpu-offload keeps the shards in host memory: it needs --shard optimizer, grads or full");
+    if (model->optimizers)
+        dt_fail("dt_data_parallel_create: this model already has an optimizer; create the optimizer after "
+                "dt_data_parallel_create, which decides what it steps");
+    dt_data_parallel *dp = (dt_data_parallel *)calloc(1, sizeof *dp);
+    if (!dp) dt_fail("out of memory (data parallelism)");
+    dp->model = model;
+    if (shard != DT_SHARD_NONE) dp->fsdp = dt_fsdp_create(model, comm, shard, cpu_offload);
+    else dp->ddp = dt_ddp_create(model, comm, bucket_mb);          /* over one rank too: the same calls, in the same order */
+    dt_parallel *par = dp->fsdp ? &dp->fsdp->par : &dp->ddp->par;
+    par->sync_fn = "dt_data_parallel_sync_grads";                  /* what the order mistakes name */
+    par->free_fn = "dt_data_parallel_free";
+    return dp;
+}
+void dt_data_parallel_sync_grads(dt_data_parallel *dp) {
+    dt_parallel_backward_done(dp->fsdp ? &dp->fsdp->par : &dp->ddp->par);   /* this engine's, then what it wraps */
+}
+void dt_data_parallel_free(dt_data_parallel *dp) {
+    if (!dp) return;
+    dt_fsdp_free(dp->fsdp);
+    dt_ddp_free(dp->ddp);
+    free(dp);
 }
 
 /* [src/14-tensor-parallel.h] */
@@ -7699,7 +7831,9 @@ static void dt__tp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
     for (int i = 0; i < m->nparams; i++) o->slices[i].copy = t->rank > 0 && m->splits[i].dim < 0;
     o->sharded_by = par;
 }
-/* With several data-parallel groups, the average gradient over them. */
+/* --sequence-parallel: each rank's part of the whole parameters read where
+   the rows are split, summed over the group. (Averaging over the groups is
+   the data-parallel engine's, which runs first when it wraps this.) */
 static void dt__tp_backward_done(dt_parallel *par) {
     dt_tp *t = (dt_tp *)par;
     dt_model *m = t->model;
@@ -7710,13 +7844,15 @@ static void dt__tp_backward_done(dt_parallel *par) {
                 dt_all_reduce(t->group, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
         dt__record_comm("all_reduce tp grads", t0, dt_now_ms(), 0);
     }
-    if (t->par.data_ranks == 1) return;
-    double t0 = dt_now_ms();
-    dt_all_reduce(t->across, t->model->flat_grad, t->model->flat_grad, t->model->numel, DT_F32, DT_AVG);
-    dt__ctx.grad_collectives++;
-    dt__record_comm("all_reduce dp", t0, dt_now_ms(), 0);
 }
-void dt_tp_sync_grads(dt_tp *tp) { dt_parallel_backward_done(&tp->par); }
+void dt_tp_sync_grads(dt_tp *tp) {
+    if (tp->par.data_ranks > 1)
+        dt_fail("dt_tp_sync_grads: %d groups of %d ranks each hold the same pieces, and nothing averages their gradients; "
+                "wrap the model in a data-parallel engine over dt_tp_data_group (dt_data_parallel_create) and sync that",
+                tp->par.data_ranks, tp->size);
+    dt_parallel_backward_done(&tp->par);
+}
+dt_comm *dt_tp_data_group(const dt_tp *tp) { return tp->across; }
 int dt_tp_data_rank(const dt_tp *tp) { return tp->par.data_rank; }
 int dt_tp_data_ranks(const dt_tp *tp) { return tp->par.data_ranks; }
 
@@ -7866,6 +8002,8 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
 
 void dt_tp_free(dt_tp *tp) {
     if (!tp) return;
+    if (tp->model->parallel && tp->model->parallel != &tp->par)   /* (a pipeline has let go of the model already) */
+        dt_fail("dt_tp_free: a data-parallel engine still wraps the model it cut; call %s first", tp->model->parallel->free_fn);
     dt_model_set_parallel(tp->model, NULL);
     tp->model->left_cut_by = "dt_tp_free";     /* the pieces stay: the model can only be freed now */
     dt_mesh_free(tp->mesh);
@@ -10910,22 +11048,20 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
    when it is closed. Gathers are collectives: every rank opens and closes
    alike. */
 static float *dt__state_open(dt_model *m, dt_optimizer *o, int which, int for_load) {
-    const dt_parallel_report *rep = dt_parallel_report_of(m->parallel);
-    if (rep && rep->state_open) return rep->state_open(m->parallel, o, which, for_load);
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(m->parallel, &who);
+    if (rep && rep->state_open) return rep->state_open(who, o, which, for_load);
     return dt__host_view(m->device, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel);
 }
 static void dt__state_close(dt_model *m, dt_optimizer *o, int which, float *host, int written) {
     if (!host) return;
-    const dt_parallel_report *rep = dt_parallel_report_of(m->parallel);
-    if (rep && rep->state_close) rep->state_close(m->parallel, o, which, host, written);
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(m->parallel, &who);
+    if (rep && rep->state_close) rep->state_close(who, o, which, host, written);
     else dt__host_view_close(m->device, host, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel, written);
 }
 /* The parameters the state arrays above are laid out by: the model's own, or,
    cut by tensor parallelism, the whole model's (a checkpoint holds the whole,
    which any stage and any --tp reads). */
-static dt_model *dt__state_layout(dt_model *m) {
-    return m->parallel && m->parallel->whole ? m->parallel->whole : m;
-}
+static dt_model *dt__state_layout(dt_model *m) { return (dt_model *)dt_model_whole(m); }
 
 /* -- the names in a whole checkpoint --
    The weights under their own names in model.safetensors, the optimizer's
@@ -12098,9 +12234,9 @@ static void dt__checkpoint_save_sharded(dt_run *r, const char *path, const dt_sh
 void dt_checkpoint_save(dt_run *run, const char *path) {
     dt_model *m = run->model;
     dt_optimizer *o = run->opt;
-    const dt_parallel_report *rep = dt_parallel_report_of(m->parallel);
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(m->parallel, &who);
     dt_shard_view shards;
-    if (rep && rep->shards && rep->shards(m->parallel, o, &shards)) { dt__checkpoint_save_sharded(run, path, &shards); return; }
+    if (rep && rep->shards && rep->shards(who, o, &shards)) { dt__checkpoint_save_sharded(run, path, &shards); return; }
     float *state[3] = { dt__state_open(m, o, 0, 0), dt__state_open(m, o, 1, 0), o->v ? dt__state_open(m, o, 2, 0) : NULL };
     if (state[0]) {                                   /* a wrapper that gathers gives the whole to one rank */
         dt__meta_list meta = { NULL, 0 };
@@ -12223,8 +12359,8 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     int64_t good_steps = fp16 ? (int64_t)dt__meta_whole(st, st->path, "loss_scale_good_steps", 0, (uint64_t)step) : 0;
     int64_t skipped = fp16 ? (int64_t)dt__meta_whole(st, st->path, "skipped_steps", 0, (uint64_t)step) : 0;
     int adamw = o->kind == DT_ADAMW;
-    const dt_parallel_report *rep = dt_parallel_report_of(m->parallel);
-    dt_shard_view shards, *f = rep && rep->shards && rep->shards(m->parallel, o, &shards) ? &shards : NULL;
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(m->parallel, &who);
+    dt_shard_view shards, *f = rep && rep->shards && rep->shards(who, o, &shards) ? &shards : NULL;
     if (dt__is_sharded(st) && f && dt__sharded_layout_is(st, path, m, f->world)) {
         /* the same shards: each rank reads its own file, and only that */
         dt_device where = f->where;
@@ -12485,6 +12621,7 @@ static void dt__evaluate_share(dt_model *m, const dt_dataset *ds, int batch_size
 }
 void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss, double *acc) {
     const dt_parallel *par = m->parallel;
+    while (par && par->data_ranks == 0) par = par->inner;       /* in a stack, the wrapper that says how the data splits */
     if (par && par->data_ranks > 0) dt__evaluate_share(m, ds, batch_size, par->data_rank, par->data_ranks, loss, acc);
     else dt__evaluate_share(m, ds, batch_size, dt__ctx.job ? dt__ctx.rank : 0, dt__ctx.job ? dt__ctx.world_size : 1, loss, acc);
 }
@@ -12679,9 +12816,9 @@ static void dt__bench_report(dt_run *r) {
     } else snprintf(where, sizeof where, "device=cpu threads=%d", dt_threads());
     const double *p = r->bench_phase_ms;
     char stage[128];                     /* 04: which --shard, and whether offloaded (the wrapper's label) */
-    const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel);
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel, &who);
     snprintf(stage, sizeof stage, "%s", cfg->stage);
-    if (rep && rep->label) rep->label(r->model->parallel, stage + strlen(stage), sizeof stage - strlen(stage));
+    if (rep && rep->label) rep->label(who, stage + strlen(stage), sizeof stage - strlen(stage));
     if (cfg->dtype != DT_F32 || cfg->reduce_dtype != DT_F32 || cfg->accum_steps > 1)   /* 05: precision, micro-batches */
         snprintf(stage + strlen(stage), sizeof stage - strlen(stage), "/%s%s%s%s", dt_dtype_name((dt_dtype)cfg->dtype),
                  cfg->reduce_dtype != DT_F32 ? "+reduce-" : "", cfg->reduce_dtype != DT_F32 ? dt_dtype_name((dt_dtype)cfg->reduce_dtype) : "",
@@ -12698,7 +12835,7 @@ static void dt__bench_report(dt_run *r) {
            p[DT_PHASE_OPT] / steps, peak_mem / 1e6, peak_state / 1e6, peak_host / 1e6);
     if (language)                       /* gflops is then tokens/s x flops per token */
         printf(" tokens_per_s=%.1f flops_per_token=%.4g", tokens_per_s, dt_model_flops_per_token(whole));
-    if (rep && rep->bench_fields) rep->bench_fields(r->model->parallel, stdout, cfg->accum_steps);   /* what the cost model needs of it */
+    if (rep && rep->bench_fields) rep->bench_fields(who, stdout, cfg->accum_steps);   /* what the cost model needs of it */
     printf("\n");
     fflush(stdout);
 }
@@ -13080,10 +13217,11 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
         double kept = in->tp_share / n + (1 - in->tp_share);
         int D = in->dp_groups > 1 ? in->dp_groups : 1;
         double grads = in->params * kept * in->reduce_bytes;              /* this rank's, averaged over the groups */
-        p.compute_ms = K * c * kept + in->optimizer_ms * slow * kept;
-        p.comm_ms = K * in->tp_sums * dt_cost_all_reduce_ms(l, n, in->tp_bytes) + dt_cost_all_reduce_ms(l, D, grads);
+        double zero = in->dp_shard == 3 ? 1.5 : 1;                        /* sharded over the groups: ZeRO-3 gathers twice */
+        p.compute_ms = K * c * kept + in->optimizer_ms * slow * kept / (in->dp_shard ? D : 1);
+        p.comm_ms = K * in->tp_sums * dt_cost_all_reduce_ms(l, n, in->tp_bytes) + zero * dt_cost_all_reduce_ms(l, D, grads);
         p.exposed_ms = p.comm_ms;
-        p.bytes = K * in->tp_sums * 2 * share * in->tp_bytes + 2.0 * (D - 1) / D * grads;
+        p.bytes = K * in->tp_sums * 2 * share * in->tp_bytes + zero * 2.0 * (D - 1) / D * grads;
         p.step_ms = p.compute_ms + p.exposed_ms;
         p.speedup = p.step_ms > 0 ? D * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
         p.efficiency = p.speedup / (n * D);
@@ -13140,8 +13278,10 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
         fprintf(out, "  x %d ranks splitting each stage's layers (--tp %d): %.0f%% of the compute split, %.1f sums of %.0f KB "
                 "per micro-batch in all, none hidden\n", T, T, 100 * in->tp_share, in->tp_sums, in->tp_bytes / 1e3);
     if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP) && in->dp_groups > 1)
-        fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch\n", in->dp_groups,
-                in->kind == DT_PAR_TP ? "groups" : "pipelines", n * T, in->dp_groups * n * T);
+        fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch%s\n", in->dp_groups,
+                in->kind == DT_PAR_TP ? "groups" : "pipelines", n * T, in->dp_groups * n * T,
+                in->dp_shard == 3 ? "; the pieces sharded over them (ZeRO-3: the parameters gathered twice)"
+                : in->dp_shard ? "; the optimizer state (and with ZeRO-2 the gradients) sharded over them" : "");
     if (in->kind == DT_PAR_PP && n > 1)
         fprintf(out, "  %d micro-batches through %d stages: the bubble is (P - 1) / (M + P - 1) = %.0f%% of the step "
                 "(measured on this rank: %.0f%%)\n", in->pp_micro_batches > 0 ? in->pp_micro_batches : 1, n, 100 * p.bubble,
@@ -13304,10 +13444,11 @@ static const dt__flag dt__flags[] = {
       "                          give the 16-bit one)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL, DT_ABOVE(0) },
     { "--nproc", "234567", "N", "02: devices driven by this one process; 03-07: ranks started on this machine (default 1)", DT_ARG_INT,
       DT_CFG(nproc), NULL, DT_RANGE(1, DT_MAX_RANKS) },
-    { "--shard", "457", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default);\n"
+    { "--shard", "4567", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default);\n"
+      "                          06: FSDP over the data-parallel groups, around the split layers (default: none, DDP);\n"
       "                          07: optimizer only, over the data-parallel pipelines (default: none)",
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full", DT_NOT_A_NUMBER },
-    { "--cpu-offload", "45", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
+    { "--cpu-offload", "456", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
       DT_CFG(cpu_offload), NULL, DT_NOT_A_NUMBER },
     { "--recompute", "1234567", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
@@ -13345,7 +13486,7 @@ static const dt__flag dt__flags[] = {
     { "--schedule", "7", "gpipe|1f1b", "pipeline parallelism: every forward then every backward (gpipe), or each backward as\n"
       "                          soon as it can run (1f1b, the default: at most --pp micro-batches' activations kept)",
       DT_ARG_CHOICE, DT_CFG(schedule), "gpipe|1f1b", DT_NOT_A_NUMBER },
-    { "--bucket-mb", "3", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
+    { "--bucket-mb", "36", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL, DT_MIN(0) },
     { "--comm", "34567", "shm|nccl|mpi|auto", "the ranks' transport: shared memory (one machine), NCCL (GPUs), MPI (CPUs on\n"
       "                          several machines, under mpirun or srun --mpi=pmix); default auto: NCCL on GPUs, else shm,\n"
@@ -13659,7 +13800,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         c.batch_size *= c.accum_steps;
         c.accum_steps = 1;
     }
-    if (dt__stage_takes(stage, "--micro-batches") && !dt__given(given, "--shard")) c.shard = DT_SHARD_NONE;   /* DDP's */
+    if (dt__stage_takes(stage, "--tp") && !dt__given(given, "--shard")) c.shard = DT_SHARD_NONE;   /* 06, 07: DDP's */
     if (dt__stage_takes(stage, "--micro-batches") && c.dtype == DT_F16)
         dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which the pipeline does not carry from stage to "
                        "stage; use --dtype bf16, whose range is f32's");
@@ -13812,10 +13953,15 @@ void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
 
 /* The wrappers' reports, each defined at its chapter's end (after this). */
 extern const dt_parallel_report dt__fsdp_report, dt__tp_report, dt__pp_report;
-const dt_parallel_report *dt_parallel_report_of(const dt_parallel *par) {
+const dt_parallel_report *dt_parallel_report_of(dt_parallel *par, dt_parallel **owner) {
     static const dt_parallel_report *const reports[] = { &dt__fsdp_report, &dt__tp_report, &dt__pp_report };
-    for (size_t i = 0; par && i < sizeof reports / sizeof reports[0]; i++)
-        if (!strcmp(reports[i]->create_fn, par->create_fn)) return reports[i];
+    for (; par; par = par->inner)
+        for (size_t i = 0; i < sizeof reports / sizeof reports[0]; i++)
+            if (!strcmp(reports[i]->create_fn, par->create_fn)) {
+                *owner = par;
+                return reports[i];
+            }
+    *owner = NULL;
     return NULL;
 }
 
@@ -14084,8 +14230,8 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
                run->stop_step < run->total_steps ? " (stopping early, see --steps)" : "",
                opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)run->warmup, where, precision);
         if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, run->epoch + 1, (long long)run->step);
-        const dt_parallel_report *rep = dt_parallel_report_of(model->parallel);
-        if (rep && rep->memory_table) rep->memory_table(model->parallel, opt);
+        dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(model->parallel, &who);
+        if (rep && rep->memory_table) rep->memory_table(who, opt);
         fflush(stdout);
     }
     if (cfg->bench) run->stop_step = run->step + 2 + (cfg->steps > 0 ? cfg->steps : 3);   /* refined after a timed step */
@@ -14153,8 +14299,8 @@ static void dt__run_explain(dt_run *r) {
     in.accum_steps = c->accum_steps;
     in.optimizer_ms = r->phase_ms[DT_PHASE_OPT];      /* this rank's: a wrapper makes it the whole model's */
     double measured = in.compute_ms * c->accum_steps + in.optimizer_ms;     /* this rank's, as it ran */
-    const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel);   /* a wrapper that splits the model says how */
-    int layout = rep && rep->cost_input && (n = rep->cost_input(r->model->parallel, &in)) && (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP);
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel, &who);   /* a wrapper that splits the model says how */
+    int layout = rep && rep->cost_input && (n = rep->cost_input(who, &in)) && (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP);
     in.params = (double)dt__state_layout(r->model)->numel;
     in.contention = 1;                /* the compute above was measured as this run shares its device(s) */
     in.backward_share = in.compute_ms > 0 ? r->phase_ms[DT_PHASE_BWD] / c->accum_steps / in.compute_ms : 0.66;
@@ -14286,8 +14432,8 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
         if (run->scaler.enabled)
             fprintf(run->log, ",\"loss_scale\":%g,\"skipped\":%d,\"skipped_steps\":%lld", run->scaler.scale,
                     run->scaler.last_skipped, (long long)run->scaler.skipped);
-        const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel);
-        if (rep && rep->log_fields) rep->log_fields(run->model->parallel, run->log);
+        dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
+        if (rep && rep->log_fields) rep->log_fields(who, run->log);
         if (dt__tokens_per_sample(run))
             fprintf(run->log, ",\"tokens_per_s\":%.1f", (double)batch_size * run->loader->world * dt__tokens_per_sample(run) * 1e3 / step_ms);
         fprintf(run->log, "}\n");
@@ -14350,7 +14496,7 @@ void dt_epoch_end(dt_run *run) {
     if (run->stopped_by && !run->cfg.save_dir && dt__ctx.rank == 0)
         dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt__signal_name(run->stopped_by),
                 (long long)run->steps_run);
-    const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel);
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
     if (run->cfg.save_dir && (dt__ctx.rank == 0 || (rep && (rep->state_open || rep->shards)))) {   /* sharded or cut: every rank takes part */
         char path[4096], what[64];
         if (finished) snprintf(what, sizeof what, "epoch%d", run->epoch);
@@ -14457,6 +14603,14 @@ int dt_run_finish(dt_run *run) {
    of the whole model, N times the shard's this rank measured. */
 static int dt__fsdp_cost_input(const dt_parallel *par, dt_cost_input *in) {
     const dt_fsdp *f = (const dt_fsdp *)par;
+    dt_parallel *who;
+    const dt_parallel_report *inner = dt_parallel_report_of(par->inner, &who);
+    if (inner && inner->cost_input) {     /* around tensor parallelism: its pieces, sharded over the groups (2-D) */
+        in->optimizer_ms *= f->world;     /* the pieces' step, which the tensor-parallel view makes the whole model's */
+        int n = inner->cost_input(who, in);
+        in->dp_shard = f->mode + 1;
+        return n;
+    }
     static const dt_parallelism zero[3] = { DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3 };   /* by dt_shard_mode */
     in->kind = zero[f->mode];
     in->optimizer_ms *= f->world;
@@ -14488,15 +14642,52 @@ static void dt__fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards,
     }
 }
 
+/* Around tensor parallelism the shards make this rank's pieces, not the
+   whole: the inner wrapper's report turns those into the whole and back
+   (they pass through the device, where it keeps its pieces). */
+static float *dt__fsdp_to_whole(dt_fsdp *f, const dt_parallel_report *in, dt_parallel *who, float *pieces) {
+    dt_device dev = f->model->device;
+    size_t bytes = (size_t)f->model->numel * sizeof(float);
+    float *local = (float *)dt_alloc_on(dev, DT_ARENA_COMM, bytes);
+    dt__upload_to(dev, local, pieces, bytes);
+    free(pieces);
+    float *whole = in->whole_from_local(who, local);
+    dt_free_on(dev, DT_ARENA_COMM, local, bytes);
+    return whole;
+}
+static float *dt__fsdp_from_whole(dt_fsdp *f, const dt_parallel_report *in, dt_parallel *who, float *whole) {
+    dt_device dev = f->model->device;
+    size_t bytes = (size_t)f->model->numel * sizeof(float);
+    float *local = (float *)dt_alloc_on(dev, DT_ARENA_COMM, bytes), *pieces = (float *)malloc(bytes + 1);
+    if (!pieces) dt_fail("out of memory (a checkpoint's pieces)");
+    in->local_from_whole(who, whole, local);
+    dt__download_from(dev, pieces, local, bytes);
+    dt_free_on(dev, DT_ARENA_COMM, local, bytes);
+    return pieces;
+}
 static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
     dt_fsdp *f = (dt_fsdp *)par;
-    (void)for_load;                       /* every rank gets the whole, gathered, either way */
-    return dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
+    dt_parallel *who;
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    if (in && for_load) {                 /* the whole, which the file fills */
+        float *whole = (float *)calloc((size_t)dt_model_whole(f->model)->numel + 1, sizeof(float));
+        if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", dt_model_whole(f->model)->numel * 4e-6);
+        return whole;
+    }
+    /* every rank gets the whole of its shards, gathered (for a load, too: the file overwrites it) */
+    float *gathered = dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
+    return in ? dt__fsdp_to_whole(f, in, who, gathered) : gathered;
 }
 
 static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
     dt_fsdp *f = (dt_fsdp *)par;
-    if (written) dt__fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
+    dt_parallel *who;
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    if (written && in) {
+        float *pieces = dt__fsdp_from_whole(f, in, who, host);
+        dt__fsdp_state_scatter(f, pieces, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
+        free(pieces);
+    } else if (written) dt__fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
     free(host);
 }
 
@@ -14541,6 +14732,7 @@ static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o)
 /* The shards as they are, for a sharded checkpoint: each rank writes its own. */
 static int dt__fsdp_shards(dt_parallel *par, dt_optimizer *o, dt_shard_view *view) {
     dt_fsdp *f = (dt_fsdp *)par;
+    if (par->inner) return 0;             /* shards of pieces: saved whole, through the inner wrapper */
     *view = (dt_shard_view){ .state = { f->shard_params, o->m, o->v }, .numel = f->shard_numel,
                              .where = f->offload ? DT_CPU : f->model->device, .rank = f->rank, .world = f->world, .comm = f->comm };
     return 1;
@@ -14551,9 +14743,22 @@ static void dt__fsdp_label(const dt_parallel *par, char *out, size_t n) {
     static const char *modes[3] = { "optimizer", "grads", "full" };
     snprintf(out, n, "/%s%s", modes[f->mode], f->offload ? "+offload" : "");
 }
+/* Around tensor parallelism, what it reports too. */
+static void dt__fsdp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
+    dt_parallel *who;
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    if (in && in->bench_fields) in->bench_fields(who, out, accum_steps);
+}
+static void dt__fsdp_memory_tables(const dt_parallel *par, const dt_optimizer *o) {
+    dt__fsdp_memory_table(par, o);
+    dt_parallel *who;
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    if (in && in->memory_table) in->memory_table(who, o);
+}
 const dt_parallel_report dt__fsdp_report = {
     .create_fn = "dt_fsdp_create", .state_open = dt__fsdp_state_open, .state_close = dt__fsdp_state_close,
-    .shards = dt__fsdp_shards, .memory_table = dt__fsdp_memory_table, .label = dt__fsdp_label, .cost_input = dt__fsdp_cost_input,
+    .shards = dt__fsdp_shards, .memory_table = dt__fsdp_memory_tables, .label = dt__fsdp_label, .cost_input = dt__fsdp_cost_input,
+    .bench_fields = dt__fsdp_bench_fields,
 };
 /* [src/14-tensor-parallel.h] */
 /* ---- what the machinery asks of tensor parallelism (the run driver's dt_parallel_report) ----
@@ -14679,14 +14884,19 @@ static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
         if (m->splits[i].dim >= 0) split += 4.0 * W->params[i].numel;
         else whole += 4.0 * W->params[i].numel;
     }
+    /* wrapped by a data-parallel engine (2-D), this rank keeps what the
+       engine's table above says: the pieces here are what it shards */
+    int wrapped = t->model->parallel != &t->par;
     printf("memory per rank, --tp %d: every block's layers split over %d ranks, %d data-parallel group%s (MB):\n", t->size,
            t->size, t->par.data_ranks, t->par.data_ranks > 1 ? "s" : "");
-    printf("  %-16s %9s %9s   %s\n", "", "this rank", "whole", "formula (S: the split tensors, R: the rest)");
+    printf("  %-16s %9s %9s   %s\n", "", wrapped ? "pieces" : "this rank", "whole", "formula (S: the split tensors, R: the rest)");
     const char *rows[3] = { "parameters", "gradients", "optimizer state" };
     dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
     for (int r = 0; r < 3; r++)
-        printf("  %-16s %9.3f %9.3f   %s(S/%d + R)\n", rows[r], dt_mem_now(arenas[r]) / 1e6,
-               (r == 2 ? moments : 1) * (split + whole) / 1e6, r == 2 && moments == 2 ? "2 x " : "", t->size);
+        printf("  %-16s %9.3f %9.3f   %s(S/%d + R)%s\n", rows[r],
+               wrapped ? (r == 2 ? moments : 1) * (split / t->size + whole) / 1e6 : dt_mem_now(arenas[r]) / 1e6,
+               (r == 2 ? moments : 1) * (split + whole) / 1e6, r == 2 && moments == 2 ? "2 x " : "", t->size,
+               wrapped ? ", which the engine above shards or keeps" : "");
     printf("  S = %.3f MB whole, %.3f here; R = %.3f MB (norms, biases after a sum, what does not divide) on every rank\n",
            split / 1e6, split / t->size / 1e6, whole / 1e6);
     char seen[64][96];
@@ -14723,9 +14933,21 @@ static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
     fflush(stdout);
 }
 
+/* For a data-parallel engine around this one: the same, from and into a
+   state laid out as this rank's pieces. */
+static float *dt__tp_whole_from_local(dt_parallel *par, float *local) {
+    dt_tp *t = (dt_tp *)par;
+    return t->par.data_rank == 0 ? dt__tp_state_gather(t, t->model, local) : NULL;
+}
+static void dt__tp_local_from_whole(dt_parallel *par, float *whole, float *local) {
+    dt_tp *t = (dt_tp *)par;
+    dt__tp_state_scatter(t, t->model, whole, local);
+}
+
 const dt_parallel_report dt__tp_report = {
     .create_fn = "dt_tp_create", .state_open = dt__tp_state_open, .state_close = dt__tp_state_close,
     .memory_table = dt__tp_memory_table, .cost_input = dt__tp_cost_input, .bench_fields = dt__tp_bench_fields,
+    .whole_from_local = dt__tp_whole_from_local, .local_from_whole = dt__tp_local_from_whole,
 };
 /* [src/15-pipeline-parallel.h] */
 /* ---- what the machinery asks of pipeline parallelism (the run driver's dt_parallel_report) ----

@@ -7,7 +7,7 @@
    whose partial outputs are summed over the group -- two sums of the
    activations per block in forward, two of their gradients in backward, all
    on the tape. Every rank of a group reads the same batch; with --tp T below
-   the job's size, the groups are data parallel, their gradients averaged.
+   the job's size, the groups are data parallel: DDP, or FSDP with --shard (2-D).
    Builds on 03-ddp. */
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
@@ -21,6 +21,7 @@ int main(int argc, char **argv) {
     dt_model_config mc = dt_model_config_from(&cfg, train.channels, train.size, train.num_classes);
     dt_model *model = dt_model_create(&mc, cfg.seed);
     dt_tp *tp = dt_tp_create(model, comm, cfg.tp, cfg.sequence_parallel);  /* keep 1/T of every block's weights */
+    dt_data_parallel *dp = dt_data_parallel_create(model, dt_tp_data_group(tp), cfg.shard, cfg.cpu_offload, cfg.bucket_mb);
     dt_optimizer *opt = dt_optimizer_create(model, cfg.optimizer, cfg.weight_decay, cfg.momentum, cfg.clip);
     dt_loader loader = dt_loader_create(&train, cfg.batch_size, cfg.seed, /*shuffle*/ 1, cfg.augment,
                                         /*drop_last*/ 1, dt_tp_data_rank(tp), dt_tp_data_ranks(tp));  /* the group's share */
@@ -35,7 +36,7 @@ int main(int argc, char **argv) {
             dt_phase(&run, DT_PHASE_FWD);
             dt_backward(loss);                                /* and their conjugates, backward */
             dt_phase(&run, DT_PHASE_BWD);
-            dt_tp_sync_grads(tp);                             /* across the groups: the mean gradient */
+            dt_data_parallel_sync_grads(dp);                  /* across the groups: the mean gradient */
             dt_phase(&run, DT_PHASE_COMM);
             dt_optimizer_step(opt, dt_run_lr(&run));          /* each rank its pieces */
             dt_phase(&run, DT_PHASE_OPT);
@@ -47,6 +48,7 @@ int main(int argc, char **argv) {
     int status = dt_run_finish(&run);
     dt_loader_free(&loader);
     dt_optimizer_free(opt);
+    dt_data_parallel_free(dp);
     dt_tp_free(tp);
     dt_model_free(model);
     dt_dataset_free(&train);

@@ -8,10 +8,9 @@
    idle rest, the bubble, is (P - 1) / (M + P - 1) of a step. --schedule
    gpipe: every forward, then every backward; 1f1b: each backward as soon as
    it can run, so a stage keeps at most P micro-batches' activations, not M.
-   --tp T splits each stage's layers as 06 does; ranks left over are data
-   parallel: D x P x T ranks in all (--shard optimizer shares out the state
-   over D). --dtype bf16 as in 05; the micro-batches are the accumulation
-   (--accum-steps K: K times as many). Builds on 06-tensor-parallel. */
+   --tp T splits each stage's layers as 06 does; the ranks left over are data
+   parallel, D x P x T in all (--shard optimizer shares the state over D);
+   --dtype bf16 as in 05, --accum-steps K: K times the micro-batches. Builds on 06-tensor-parallel. */
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
 

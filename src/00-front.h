@@ -49,8 +49,9 @@
        04 matmul        the matmul every linear layer goes through
        05 autograd      the ops: each appends its backward to a tape; dt_backward()
                         walks it in reverse. Activations live in a per-step arena.
-                        The callbacks a parallel wrapper implements (dt_parallel);
-                        linear, GELU, the norms, SwiGLU, the residual
+                        The callbacks a parallel wrapper implements (dt_parallel),
+                        and how wrappers stack; linear, GELU, the norms, SwiGLU,
+                        the residual
        06 attention     tensor parallelism's collectives as ops on the tape;
           and loss      attention, rotary embeddings, embeddings, the cross-entropy
        07 models        an MLP and a Vision Transformer with PyTorch/timm names, and two
@@ -77,11 +78,12 @@
                         gradient accumulation
        13 FSDP          Fully Sharded Data Parallel: each rank keeps 1/N of every
                         unit, gathered to compute, gradients reduce-scattered;
-                        ZeRO-1/2/3 side by side; CPU offload; no-sync
+                        ZeRO-1/2/3 side by side; CPU offload; no-sync; the
+                        data-parallel engine a stage applies last (DDP or FSDP)
        14 tensor        each rank computes 1/T of every block: Megatron-LM's
           parallel      column- and row-parallel layers, the vocabulary split with
-                        its cross-entropy, sequence parallelism, data parallel
-                        across the groups
+                        its cross-entropy, sequence parallelism; the engine
+                        around it over the groups: DDP, or FSDP (2-D)
        15 pipeline      each rank a stage of consecutive blocks, micro-batches in
           parallel      GPipe's or 1F1B's order, each with its arena; with tensor
                         parallelism inside the stages and data parallel pipelines:

@@ -42,13 +42,21 @@ void dt_backward_from(dt_tensor *loss, const float *seed);
    callback: nothing to do at that moment -- DDP has no units, DataParallel
    only sums gradients when backward is done. A wrapper attaches itself with dt_model_set_parallel
    (the models chapter): the model and each of its parameters then point to it, so
-   nothing is looked up in global state. */
+   nothing is looked up in global state.
+   Wrappers stack, as picotron's do: a data-parallel engine (DDP, FSDP) may
+   wrap a model that tensor parallelism has cut, averaging or sharding over
+   the data groups what the tensor groups split. The outer one names the
+   inner (`inner`) and becomes the model's; backward_done and step_done then
+   run for each wrapper of the stack, outer first, and the layers' sums
+   (tp_sum and the rest) are the inner's, found by dt_parallel_splitting. */
 typedef struct dt_parallel dt_parallel;
 struct dt_optimizer;
 struct dt_parallel {
     /* The wrapper's public functions, which the order mistakes name:
        "dt_fsdp_create", "dt_fsdp_sync_grads", "dt_fsdp_free". */
     const char *create_fn, *sync_fn, *free_fn;
+    /* The wrapper this one wraps (set before dt_model_set_parallel), or NULL. */
+    dt_parallel *inner;
     void (*unit_begin)(dt_parallel *par, int unit);
     void (*unit_end)(dt_parallel *par, int unit);
     void (*grad_ready)(dt_parallel *par, dt_tensor *param);
@@ -100,8 +108,12 @@ struct dt_parallel {
     int grads_pending;
 };
 /* backward_done, called by each wrapper's sync function (dt_ddp_sync_grads,
-   ...): fails unless a backward has run since the last one. */
+   ...), then each inner wrapper's: fails unless a backward has run since the
+   last one. */
 void dt_parallel_backward_done(dt_parallel *par);
+/* The wrapper of a stack that splits the layers (its tp_sum set), or NULL:
+   what dt_tp_copy and the other ops of tensor parallelism use. */
+dt_parallel *dt_parallel_splitting(dt_parallel *par);
 /* Floating-point operations counted by the matmuls since the last reset. */
 double dt_flops_counted(void);
 void dt_flops_reset(void);
@@ -208,13 +220,19 @@ static void dt__backward_span(dt_tensor *out, int lo, int hi) {
     dt__tape_walk(lo, hi);
 }
 
+dt_parallel *dt_parallel_splitting(dt_parallel *par) {
+    while (par && !par->tp_sum) par = par->inner;
+    return par;
+}
 void dt_parallel_backward_done(dt_parallel *par) {
     if (!par->grads_pending)
         dt_fail("%s: no backward has run since the gradients were last synchronised; call it after dt_backward",
                 par->sync_fn);
-    if (par->backward_done) par->backward_done(par);
     par->grads_pending = 0;
-    par->rows_split = 0;          /* no rows-split region outlives its step */
+    for (dt_parallel *q = par; q; q = q->inner) {
+        if (q->backward_done) q->backward_done(q);
+        q->rows_split = 0;        /* no rows-split region outlives its step */
+    }
 }
 
 /* Round f32 values to a 16-bit type and widen them again, in one pass. */

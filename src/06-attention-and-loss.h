@@ -107,6 +107,7 @@ static void dt__tp_copy_backward(dt__tape_entry *e) {
     dt__add_into_grad(x, mine);
 }
 dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x) {
+    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
     if (!par || !par->tp_sum) return x;
     dt_tensor *y;
     if (par->rows_split) {                                    /* the group's rows, gathered */
@@ -145,6 +146,7 @@ static void dt__tp_sum_backward(dt__tape_entry *e) {
     dt__add_into_grad(x, dy);
 }
 dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x) {
+    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
     if (!par || !par->tp_sum) return x;
     dt__backend_for(x);
     dt__scratch_reset();
@@ -182,6 +184,7 @@ static void dt__sp_split_backward(dt__tape_entry *e) {
     if (x->requires_grad) dt__add_into_grad(x, dt__tp_all_rows(par, dt__grad_in(e->out), e->out->numel, x->device));
 }
 dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x) {
+    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
     if (!par || !par->sp_all_gather) return x;
     int64_t rows = dt_tensor_rows(x), cols = dt_tensor_cols(x);
     if (rows % par->tp_size) {
@@ -210,6 +213,7 @@ static void dt__sp_gather_backward(dt__tape_entry *e) {
         dt__add_into_grad(x, dt__grad_in(e->out) + (size_t)par->tp_rank * (size_t)x->numel);
 }
 dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x) {
+    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
     if (!par || !par->sp_all_gather || !par->rows_split) return x;
     dt__backend_for(x);
     dt__scratch_reset();

@@ -92,10 +92,14 @@ dt_model *dt_model_create(const dt_model_config *cfg, uint64_t seed);
 /* Fails while a wrapper or an optimizer still holds the model: free those first. */
 void dt_model_free(dt_model *m);
 /* A parallel wrapper attaches itself (its create function calls this) and
-   detaches (NULL, from its free function). A wrapper comes before the
-   optimizer, which steps the parameters the wrapper gives it, and goes after
-   it: the other orders are errors that say what to call first. */
+   detaches (NULL, from its free function), before the optimizer (which steps
+   what the wrapper gives it) and after it: the other orders are errors that
+   say what to call first. A wrapper whose `inner` is the model's wraps it (a
+   stack); detached, it leaves the model to the inner one again. */
 void dt_model_set_parallel(dt_model *m, dt_parallel *par);
+/* The model in its whole shapes: what a wrapper that cut it (tensor, pipeline
+   parallelism; in a stack, the one inside) keeps as its `whole`; else m. */
+const dt_model *dt_model_whole(const dt_model *m);
 /* Activation recompute (--recompute) on or off: in training, each block keeps
    only its input and output, and its forward runs again when backward
    reaches it. The same bits, less memory, one more forward per step. */
@@ -493,7 +497,7 @@ static dt_tensor *dt__with_adapter(dt_model *m, dt_tensor *x, const dt_tensor *w
    wrapper splits layers). */
 typedef enum { DT__WHOLE, DT__COLUMN_PARALLEL, DT__ROW_PARALLEL } dt__cut;
 static dt__cut dt__tp_cut(const dt_model *m, const dt_tensor *w, int in_out) {
-    if (!m->parallel || !m->parallel->tp_sum || w < m->params || w >= m->params + m->nparams) return DT__WHOLE;
+    if (!dt_parallel_splitting(m->parallel) || w < m->params || w >= m->params + m->nparams) return DT__WHOLE;
     int dim = m->splits[w - m->params].dim;
     return dim < 0 ? DT__WHOLE : dim == (in_out ? 1 : 0) ? DT__COLUMN_PARALLEL : DT__ROW_PARALLEL;
 }
@@ -519,7 +523,7 @@ static dt_tensor *dt__lora_linear(dt_model *m, dt_tensor *x, dt_tensor *w, dt_te
    zeros: the same bits); the positions are added after, on every rank. */
 static dt_tensor *dt__vocab_embedding(dt_model *m, const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe) {
     if (dt__tp_cut(m, wte, 0) != DT__COLUMN_PARALLEL) return dt_token_embedding(tokens, wte, wpe);
-    dt_parallel *par = m->parallel;
+    dt_parallel *par = dt_parallel_splitting(m->parallel);
     int V = (int)dt_tensor_rows(wte), B = tokens->shape[0], T = (int)dt_tensor_cols(tokens);
     dt_tensor *x = dt_tp_sum(par, dt__token_embedding_rows(tokens, wte, NULL, par->tp_rank * V, V * par->tp_size));
     if (!wpe) return x;                                                   /* Llama: positions by rotation */
@@ -533,7 +537,7 @@ static dt_tensor *dt__vocab_embedding(dt_model *m, const dt_tensor *tokens, dt_t
    dt_logits_to_host work with the group on them. */
 static dt_tensor *dt__vocab_head(dt_model *m, dt_tensor *x, dt_tensor *wte) {
     dt_tensor *logits = dt__linear_cut(m, x, wte, NULL, 0);
-    if (dt__tp_cut(m, wte, 0) == DT__COLUMN_PARALLEL) logits->parallel = m->parallel;
+    if (dt__tp_cut(m, wte, 0) == DT__COLUMN_PARALLEL) logits->parallel = dt_parallel_splitting(m->parallel);
     return logits;
 }
 static dt_tensor *dt__lora_linear_in_out(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
@@ -731,7 +735,7 @@ static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens, const dt__sp
 /* The parameters of the whole model: a wrapper that cuts it (tensor, pipeline
    parallelism) keeps its whole shapes (m->numel counts what this rank holds). */
 static double dt__whole_params(const dt_model *m) {
-    const dt_model *w = m->parallel && m->parallel->whole ? m->parallel->whole : m;
+    const dt_model *w = dt_model_whole(m);
     double n = 0;
     for (int i = 0; i < w->nparams; i++) n += (double)w->params[i].numel;
     return n;
@@ -1088,6 +1092,10 @@ void dt_model_free(dt_model *m) {
     free(m);
 }
 
+const dt_model *dt_model_whole(const dt_model *m) {
+    for (const dt_parallel *q = m->parallel; q; q = q->inner) if (q->whole) return q->whole;
+    return m;
+}
 void dt_model_set_parallel(dt_model *m, dt_parallel *par) {
     if (par && m->left_cut_by)
         dt_fail("%s: %s has cut this model (each rank kept its pieces); create the model again for another wrapper",
@@ -1096,16 +1104,18 @@ void dt_model_set_parallel(dt_model *m, dt_parallel *par) {
     if (!now) return;
     if (par && (!par->create_fn || !par->sync_fn || !par->free_fn))
         dt_fail("dt_model_set_parallel: a dt_parallel must name its create, sync and free functions (for the errors)");
-    if (par && m->parallel)
-        dt_fail("%s: this model is already wrapped (%s); one wrapper per model, or call %s first", par->create_fn,
-                m->parallel->create_fn, m->parallel->free_fn);
+    if (par && m->parallel && par->inner != m->parallel)
+        dt_fail("%s: this model is already wrapped (%s); one wrapper per model (or one that wraps it), or call %s first",
+                par->create_fn, m->parallel->create_fn, m->parallel->free_fn);
+    if (par && par->inner && par->inner != m->parallel)
+        dt_fail("%s: the wrapper it wraps (%s) does not hold this model", par->create_fn, par->inner->create_fn);
     if (par && m->optimizers)
         dt_fail("%s: this model already has an optimizer; create the optimizer after %s, which decides what it steps",
                 par->create_fn, par->create_fn);
     if (!par && m->optimizers)
         dt_fail("%s: the optimizer still steps what this wrapper gave it; call dt_optimizer_free first", now->free_fn);
-    m->parallel = par;
-    for (int i = 0; i < m->nparams; i++) m->params[i].parallel = par;
+    m->parallel = par ? par : now->inner;                /* unwrapped: the one it wrapped holds the model again */
+    for (int i = 0; i < m->nparams; i++) m->params[i].parallel = m->parallel;
     dt__ctx.wrappers += par ? 1 : -1;
 }
 
@@ -1156,7 +1166,7 @@ dt_tensor *dt_model_forward(dt_model *m, dt_tensor *inputs) {
     if (m->left_cut_by && !m->parallel)
         dt_fail("dt_model_forward: %s has run, and this rank holds only its pieces of the model's split layers; call %s "
                 "after the last forward", m->left_cut_by, m->left_cut_by);
-    if (m->parallel && m->parallel->forward) return m->parallel->forward(m->parallel, inputs);
+    for (dt_parallel *q = m->parallel; q; q = q->inner) if (q->forward) return q->forward(q, inputs);   /* a pipeline runs it */
     return dt_model_forward_blocks(m, inputs, NULL, 0, dt_model_blocks(m));
 }
 int dt_model_blocks(const dt_model *m) { return m->cfg.depth + dt__family(m->cfg.kind)->blocks_past_depth; }
@@ -1172,7 +1182,7 @@ dt_tensor *dt_model_forward_blocks(dt_model *m, dt_tensor *inputs, dt_tensor *x,
                                                            "the blocks before made: give it"
                                                          : "the first block starts from the embedding of the inputs: x must be NULL");
     const dt_model *w = m->base ? m->base : m;      /* the weights the blocks read must be here: only a */
-    for (int i = 0; i < (m->parallel && m->parallel->whole ? w->nparams : 0); i++) {   /* cut model lacks any */
+    for (int i = 0; i < (dt_model_whole(m) != m ? w->nparams : 0); i++) {   /* cut model lacks any */
         int b = w->splits[i].block;
         int read = (b >= first && b < end) || (b < 0 && first == 0) || (b >= n && end == n) || (w->splits[i].tied && (first == 0 || end == n));
         if (read && w->params[i].numel == 0)
@@ -1188,6 +1198,3 @@ dt_tensor *dt_model_forward_blocks(dt_model *m, dt_tensor *inputs, dt_tensor *x,
     dt__span span = { first, end, x };
     return dt__family(m->cfg.kind)->forward(m, inputs, &span);
 }
-
-
-

@@ -69,8 +69,10 @@ dt_optimizer *dt_optimizer_create(dt_model *model, dt_optimizer_kind kind, float
     o->model = model;
     o->device = model->device;
     model->optimizers++;
-    if (model->parallel && model->parallel->optimizer_view) {
-        model->parallel->optimizer_view(model->parallel, o);
+    dt_parallel *view = model->parallel;              /* in a stack, the outermost wrapper that has a view */
+    while (view && !view->optimizer_view) view = view->inner;
+    if (view) {
+        view->optimizer_view(view, o);
         if (o->sharded_by && !o->sharded_by->sum_over_ranks)
             dt_fail("%s: its optimizer view shards the optimizer but gives no sum_over_ranks for the gradient norm",
                     o->sharded_by->create_fn);
@@ -163,8 +165,8 @@ void dt_optimizer_step(dt_optimizer *opt, float lr) {
         }
     }
     dt__zero_on(opt->device, g, (size_t)n * sizeof(float));
-    dt_parallel *par = opt->model->parallel;
-    if (par && par->step_done) par->step_done(par);
+    for (dt_parallel *par = opt->model->parallel; par; par = par->inner)   /* each wrapper of a stack, outer first */
+        if (par->step_done) par->step_done(par);
 }
 
 float dt_schedule_lr(float base_lr, int64_t step, int64_t warmup, int64_t total) {

@@ -57,6 +57,20 @@ static void dt__record_comm(const char *name, double t0, double t1, double hidde
 /* Pipeline parallelism's forwards, backwards and waits: a track of their own. */
 static void dt__record_event(const char *name, double t0, double t1) { dt__record_span(name, t0, t1, 1); }
 
+/* A data-parallel engine (DDP, FSDP) around another wrapper (a stack): what
+   it can wrap so far. Tensor parallelism, yes: the engine averages or
+   shards each piece over the ranks that hold the same piece. */
+static void dt__data_parallel_can_wrap(const dt_parallel *outer, int shards) {
+    const dt_parallel *in = outer->inner;
+    if (!in) return;
+    if (in->forward)
+        dt_fail("%s: %s runs the model's forward itself (pipeline parallelism); a data-parallel engine around it is not "
+                "built yet (07's pipelines average their gradients themselves)", outer->create_fn, in->create_fn);
+    if (shards && in->sp_all_gather)
+        dt_usage_error("--sequence-parallel with --shard: the norms' gradients are summed over the tensor group after "
+                       "backward, but a sharded engine has already reduce-scattered them by then; use one or the other");
+}
+
 /* A thread that ran ops gives back what its context holds before it ends. */
 static void dt__context_release(void) {
     dt_step_arena_reset();                  /* the tape emptied */

@@ -9,7 +9,9 @@
    goes on. bucket_mb 0: one all-reduce of everything after backward, the
    no-overlap baseline (same bits: the sums run in rank order either way). */
 typedef struct dt_ddp dt_ddp;
-/* Broadcast rank 0's parameters (every replica starts equal) and plan the buckets. */
+/* Broadcast rank 0's parameters (every replica starts equal) and plan the
+   buckets. A model that tensor parallelism holds is wrapped with it (a
+   stack): comm is then the ranks that hold the same pieces. */
 dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb);
 /* After backward: start what has not started, wait for every bucket. Every
    rank then holds the average gradient. */
@@ -87,7 +89,9 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
         dt_fail("out of memory (DDP)");
     d->par = (dt_parallel){ .create_fn = "dt_ddp_create", .sync_fn = "dt_ddp_sync_grads", .free_fn = "dt_ddp_free",
                             .grad_ready = bucket_mb > 0 ? dt__ddp_grad_ready : NULL,
-                            .backward_done = dt__ddp_backward_done };
+                            .backward_done = dt__ddp_backward_done,
+                            .inner = model->parallel };          /* around tensor parallelism: its pieces */
+    dt__data_parallel_can_wrap(&d->par, 0);
     dt_model_set_parallel(model, &d->par);
     dt__comm_hold(comm, "dt_ddp_free");
     d->model = model;

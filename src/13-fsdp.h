@@ -41,6 +41,18 @@ void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync);
 void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype);
 void dt_fsdp_free(dt_fsdp *fsdp);
 
+/* The data-parallel engine a stage applies last, over the ranks that hold
+   the same model or the same pieces of it (06: around tensor parallelism,
+   over dt_tp_data_group): DDP when nothing is sharded (DT_SHARD_NONE, with
+   bucket_mb), else FSDP in that mode, with cpu_offload. Create it before the
+   optimizer, sync after backward (it syncs the wrapper inside it too), free
+   it before what it wraps. */
+typedef struct dt_data_parallel dt_data_parallel;
+dt_data_parallel *dt_data_parallel_create(dt_model *model, dt_comm *comm, dt_shard_mode shard, int cpu_offload,
+                                          double bucket_mb);
+void dt_data_parallel_sync_grads(dt_data_parallel *dp);
+void dt_data_parallel_free(dt_data_parallel *dp);
+
 //@ implementation
 
 /* -- Fully sharded data parallel -- */
@@ -250,6 +262,7 @@ static void dt__fsdp_step_done(dt_parallel *par);
 static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o);
 static void dt__fsdp_sum_over_ranks(dt_parallel *par, float *values, int n) {
     dt__comm_all_reduce_host(((dt_fsdp *)par)->comm, values, n, DT_SUM);
+    if (par->inner && par->inner->sum_over_ranks) par->inner->sum_over_ranks(par->inner, values, n);   /* the tensor group's parts */
 }
 
 dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload) {
@@ -259,7 +272,9 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
     f->par = (dt_parallel){ .create_fn = "dt_fsdp_create", .sync_fn = "dt_fsdp_sync_grads", .free_fn = "dt_fsdp_free",
                             .unit_begin = dt__fsdp_unit_begin, .unit_end = dt__fsdp_unit_end,
                             .backward_done = dt__fsdp_backward_done, .step_done = dt__fsdp_step_done,
-                            .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks };
+                            .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks,
+                            .inner = model->parallel };          /* around tensor parallelism: its pieces */
+    dt__data_parallel_can_wrap(&f->par, 1);
     dt_model_set_parallel(model, &f->par);
     dt__comm_hold(comm, "dt_fsdp_free");
     f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
@@ -326,6 +341,17 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
 static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
     dt_fsdp *f = (dt_fsdp *)par;
     dt_model *m = f->model;
+    /* Around tensor parallelism: which parameters another rank of the tensor
+       group also holds (the replicated ones), from the inner wrapper's view. */
+    int *copy = (int *)calloc((size_t)m->nparams + 1, sizeof(int));
+    if (!copy) dt_fail("out of memory (optimizer)");
+    if (par->inner && par->inner->optimizer_view) {
+        par->inner->optimizer_view(par->inner, o);
+        for (int i = 0; i < o->nslices && i < m->nparams; i++) copy[i] = o->slices[i].copy;
+        free(o->slices);
+        o->slices = NULL;
+        o->nslices = 0;
+    }
     o->params = f->shard_params; o->grads = f->shard_grads; o->numel = f->shard_numel;
     o->sharded_by = par;
     if (f->offload) { o->device = DT_CPU; o->offloaded = 1; }     /* the optimizer steps on the CPU */
@@ -343,8 +369,10 @@ static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
             s->offset = u->shard_offset + (a - lo);
             s->length = b - a;
             s->decay = m->params[i].ndim >= 2;
+            s->copy = copy[i];
         }
     }
+    free(copy);
 }
 
 void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync) {
@@ -424,6 +452,39 @@ void dt_fsdp_free(dt_fsdp *fsdp) {
     free(fsdp);
 }
 
+/* -- the data-parallel engine: DDP or FSDP, chosen once -- */
+struct dt_data_parallel {
+    dt_model *model;
+    dt_ddp *ddp;                /* one of the two */
+    dt_fsdp *fsdp;
+};
+dt_data_parallel *dt_data_parallel_create(dt_model *model, dt_comm *comm, dt_shard_mode shard, int cpu_offload,
+                                          double bucket_mb) {
+    if (cpu_offload && shard == DT_SHARD_NONE)
+        dt_usage_error("--cpu-offload keeps the shards in host memory: it needs --shard optimizer, grads or full");
+    if (model->optimizers)
+        dt_fail("dt_data_parallel_create: this model already has an optimizer; create the optimizer after "
+                "dt_data_parallel_create, which decides what it steps");
+    dt_data_parallel *dp = (dt_data_parallel *)calloc(1, sizeof *dp);
+    if (!dp) dt_fail("out of memory (data parallelism)");
+    dp->model = model;
+    if (shard != DT_SHARD_NONE) dp->fsdp = dt_fsdp_create(model, comm, shard, cpu_offload);
+    else dp->ddp = dt_ddp_create(model, comm, bucket_mb);          /* over one rank too: the same calls, in the same order */
+    dt_parallel *par = dp->fsdp ? &dp->fsdp->par : &dp->ddp->par;
+    par->sync_fn = "dt_data_parallel_sync_grads";                  /* what the order mistakes name */
+    par->free_fn = "dt_data_parallel_free";
+    return dp;
+}
+void dt_data_parallel_sync_grads(dt_data_parallel *dp) {
+    dt_parallel_backward_done(dp->fsdp ? &dp->fsdp->par : &dp->ddp->par);   /* this engine's, then what it wraps */
+}
+void dt_data_parallel_free(dt_data_parallel *dp) {
+    if (!dp) return;
+    dt_fsdp_free(dp->fsdp);
+    dt_ddp_free(dp->ddp);
+    free(dp);
+}
+
 //@ for the machinery
 /* ---- what the machinery asks of FSDP (the run driver's dt_parallel_report) ----
    A checkpoint sees the sharded model whole, or writes each rank's shards as
@@ -433,6 +494,14 @@ void dt_fsdp_free(dt_fsdp *fsdp) {
    of the whole model, N times the shard's this rank measured. */
 static int dt__fsdp_cost_input(const dt_parallel *par, dt_cost_input *in) {
     const dt_fsdp *f = (const dt_fsdp *)par;
+    dt_parallel *who;
+    const dt_parallel_report *inner = dt_parallel_report_of(par->inner, &who);
+    if (inner && inner->cost_input) {     /* around tensor parallelism: its pieces, sharded over the groups (2-D) */
+        in->optimizer_ms *= f->world;     /* the pieces' step, which the tensor-parallel view makes the whole model's */
+        int n = inner->cost_input(who, in);
+        in->dp_shard = f->mode + 1;
+        return n;
+    }
     static const dt_parallelism zero[3] = { DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3 };   /* by dt_shard_mode */
     in->kind = zero[f->mode];
     in->optimizer_ms *= f->world;
@@ -464,15 +533,52 @@ static void dt__fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards,
     }
 }
 
+/* Around tensor parallelism the shards make this rank's pieces, not the
+   whole: the inner wrapper's report turns those into the whole and back
+   (they pass through the device, where it keeps its pieces). */
+static float *dt__fsdp_to_whole(dt_fsdp *f, const dt_parallel_report *in, dt_parallel *who, float *pieces) {
+    dt_device dev = f->model->device;
+    size_t bytes = (size_t)f->model->numel * sizeof(float);
+    float *local = (float *)dt_alloc_on(dev, DT_ARENA_COMM, bytes);
+    dt__upload_to(dev, local, pieces, bytes);
+    free(pieces);
+    float *whole = in->whole_from_local(who, local);
+    dt_free_on(dev, DT_ARENA_COMM, local, bytes);
+    return whole;
+}
+static float *dt__fsdp_from_whole(dt_fsdp *f, const dt_parallel_report *in, dt_parallel *who, float *whole) {
+    dt_device dev = f->model->device;
+    size_t bytes = (size_t)f->model->numel * sizeof(float);
+    float *local = (float *)dt_alloc_on(dev, DT_ARENA_COMM, bytes), *pieces = (float *)malloc(bytes + 1);
+    if (!pieces) dt_fail("out of memory (a checkpoint's pieces)");
+    in->local_from_whole(who, whole, local);
+    dt__download_from(dev, pieces, local, bytes);
+    dt_free_on(dev, DT_ARENA_COMM, local, bytes);
+    return pieces;
+}
 static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
     dt_fsdp *f = (dt_fsdp *)par;
-    (void)for_load;                       /* every rank gets the whole, gathered, either way */
-    return dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
+    dt_parallel *who;
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    if (in && for_load) {                 /* the whole, which the file fills */
+        float *whole = (float *)calloc((size_t)dt_model_whole(f->model)->numel + 1, sizeof(float));
+        if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", dt_model_whole(f->model)->numel * 4e-6);
+        return whole;
+    }
+    /* every rank gets the whole of its shards, gathered (for a load, too: the file overwrites it) */
+    float *gathered = dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
+    return in ? dt__fsdp_to_whole(f, in, who, gathered) : gathered;
 }
 
 static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
     dt_fsdp *f = (dt_fsdp *)par;
-    if (written) dt__fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
+    dt_parallel *who;
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    if (written && in) {
+        float *pieces = dt__fsdp_from_whole(f, in, who, host);
+        dt__fsdp_state_scatter(f, pieces, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
+        free(pieces);
+    } else if (written) dt__fsdp_state_scatter(f, host, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
     free(host);
 }
 
@@ -517,6 +623,7 @@ static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o)
 /* The shards as they are, for a sharded checkpoint: each rank writes its own. */
 static int dt__fsdp_shards(dt_parallel *par, dt_optimizer *o, dt_shard_view *view) {
     dt_fsdp *f = (dt_fsdp *)par;
+    if (par->inner) return 0;             /* shards of pieces: saved whole, through the inner wrapper */
     *view = (dt_shard_view){ .state = { f->shard_params, o->m, o->v }, .numel = f->shard_numel,
                              .where = f->offload ? DT_CPU : f->model->device, .rank = f->rank, .world = f->world, .comm = f->comm };
     return 1;
@@ -527,7 +634,20 @@ static void dt__fsdp_label(const dt_parallel *par, char *out, size_t n) {
     static const char *modes[3] = { "optimizer", "grads", "full" };
     snprintf(out, n, "/%s%s", modes[f->mode], f->offload ? "+offload" : "");
 }
+/* Around tensor parallelism, what it reports too. */
+static void dt__fsdp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
+    dt_parallel *who;
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    if (in && in->bench_fields) in->bench_fields(who, out, accum_steps);
+}
+static void dt__fsdp_memory_tables(const dt_parallel *par, const dt_optimizer *o) {
+    dt__fsdp_memory_table(par, o);
+    dt_parallel *who;
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    if (in && in->memory_table) in->memory_table(who, o);
+}
 const dt_parallel_report dt__fsdp_report = {
     .create_fn = "dt_fsdp_create", .state_open = dt__fsdp_state_open, .state_close = dt__fsdp_state_close,
-    .shards = dt__fsdp_shards, .memory_table = dt__fsdp_memory_table, .label = dt__fsdp_label, .cost_input = dt__fsdp_cost_input,
+    .shards = dt__fsdp_shards, .memory_table = dt__fsdp_memory_tables, .label = dt__fsdp_label, .cost_input = dt__fsdp_cost_input,
+    .bench_fields = dt__fsdp_bench_fields,
 };

@@ -16,8 +16,10 @@
    values and get the same gradients. The model says where each parameter may be cut (dt_split); this
    wrapper cuts. With a job larger than T, the ranks form a mesh of
    data-parallel x tensor-parallel groups ("dp" x "tp", tp varying fastest):
-   each group of T shares a batch, and the gradients are averaged over the
-   groups after backward. */
+   each group of T shares a batch, and a data-parallel engine wraps the cut
+   model over the "dp" groups (dt_tp_data_group): DDP averages each piece's
+   gradient over the groups, FSDP shards the pieces over them too (2-D
+   parallelism: each rank keeps 1/(T x D) of a split weight). */
 typedef struct dt_tp dt_tp;
 /* Keep this rank's piece of every split parameter (the weights drawn whole
    from the seed, as in stage 01, then cut). tp 0: the whole job is one group.
@@ -27,8 +29,14 @@ typedef struct dt_tp dt_tp;
    group after backward. */
 dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_parallel);
 /* After backward: the split layers need nothing (their sums ran on the tape);
-   with more than one group, every gradient is averaged over the groups. */
+   with --sequence-parallel the whole parameters read where the rows are
+   split are summed over the group. With more than one group the engine that
+   wraps it syncs (and this runs inside its sync); unwrapped, that is an
+   error that says so. */
 void dt_tp_sync_grads(dt_tp *tp);
+/* The ranks that hold the same pieces, one per group ("dp"): what a
+   data-parallel engine wrapping this one averages or shards over. */
+dt_comm *dt_tp_data_group(const dt_tp *tp);
 /* This rank's group among the data-parallel groups, and how many there are:
    the loader's rank and world (every rank of a group reads the same batch). */
 int dt_tp_data_rank(const dt_tp *tp);
@@ -120,7 +128,9 @@ static void dt__tp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
     for (int i = 0; i < m->nparams; i++) o->slices[i].copy = t->rank > 0 && m->splits[i].dim < 0;
     o->sharded_by = par;
 }
-/* With several data-parallel groups, the average gradient over them. */
+/* --sequence-parallel: each rank's part of the whole parameters read where
+   the rows are split, summed over the group. (Averaging over the groups is
+   the data-parallel engine's, which runs first when it wraps this.) */
 static void dt__tp_backward_done(dt_parallel *par) {
     dt_tp *t = (dt_tp *)par;
     dt_model *m = t->model;
@@ -131,13 +141,15 @@ static void dt__tp_backward_done(dt_parallel *par) {
                 dt_all_reduce(t->group, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
         dt__record_comm("all_reduce tp grads", t0, dt_now_ms(), 0);
     }
-    if (t->par.data_ranks == 1) return;
-    double t0 = dt_now_ms();
-    dt_all_reduce(t->across, t->model->flat_grad, t->model->flat_grad, t->model->numel, DT_F32, DT_AVG);
-    dt__ctx.grad_collectives++;
-    dt__record_comm("all_reduce dp", t0, dt_now_ms(), 0);
 }
-void dt_tp_sync_grads(dt_tp *tp) { dt_parallel_backward_done(&tp->par); }
+void dt_tp_sync_grads(dt_tp *tp) {
+    if (tp->par.data_ranks > 1)
+        dt_fail("dt_tp_sync_grads: %d groups of %d ranks each hold the same pieces, and nothing averages their gradients; "
+                "wrap the model in a data-parallel engine over dt_tp_data_group (dt_data_parallel_create) and sync that",
+                tp->par.data_ranks, tp->size);
+    dt_parallel_backward_done(&tp->par);
+}
+dt_comm *dt_tp_data_group(const dt_tp *tp) { return tp->across; }
 int dt_tp_data_rank(const dt_tp *tp) { return tp->par.data_rank; }
 int dt_tp_data_ranks(const dt_tp *tp) { return tp->par.data_ranks; }
 
@@ -287,6 +299,8 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
 
 void dt_tp_free(dt_tp *tp) {
     if (!tp) return;
+    if (tp->model->parallel && tp->model->parallel != &tp->par)   /* (a pipeline has let go of the model already) */
+        dt_fail("dt_tp_free: a data-parallel engine still wraps the model it cut; call %s first", tp->model->parallel->free_fn);
     dt_model_set_parallel(tp->model, NULL);
     tp->model->left_cut_by = "dt_tp_free";     /* the pieces stay: the model can only be freed now */
     dt_mesh_free(tp->mesh);
@@ -420,14 +434,19 @@ static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
         if (m->splits[i].dim >= 0) split += 4.0 * W->params[i].numel;
         else whole += 4.0 * W->params[i].numel;
     }
+    /* wrapped by a data-parallel engine (2-D), this rank keeps what the
+       engine's table above says: the pieces here are what it shards */
+    int wrapped = t->model->parallel != &t->par;
     printf("memory per rank, --tp %d: every block's layers split over %d ranks, %d data-parallel group%s (MB):\n", t->size,
            t->size, t->par.data_ranks, t->par.data_ranks > 1 ? "s" : "");
-    printf("  %-16s %9s %9s   %s\n", "", "this rank", "whole", "formula (S: the split tensors, R: the rest)");
+    printf("  %-16s %9s %9s   %s\n", "", wrapped ? "pieces" : "this rank", "whole", "formula (S: the split tensors, R: the rest)");
     const char *rows[3] = { "parameters", "gradients", "optimizer state" };
     dt_arena arenas[3] = { DT_ARENA_PARAMS, DT_ARENA_GRADS, DT_ARENA_OPTIM };
     for (int r = 0; r < 3; r++)
-        printf("  %-16s %9.3f %9.3f   %s(S/%d + R)\n", rows[r], dt_mem_now(arenas[r]) / 1e6,
-               (r == 2 ? moments : 1) * (split + whole) / 1e6, r == 2 && moments == 2 ? "2 x " : "", t->size);
+        printf("  %-16s %9.3f %9.3f   %s(S/%d + R)%s\n", rows[r],
+               wrapped ? (r == 2 ? moments : 1) * (split / t->size + whole) / 1e6 : dt_mem_now(arenas[r]) / 1e6,
+               (r == 2 ? moments : 1) * (split + whole) / 1e6, r == 2 && moments == 2 ? "2 x " : "", t->size,
+               wrapped ? ", which the engine above shards or keeps" : "");
     printf("  S = %.3f MB whole, %.3f here; R = %.3f MB (norms, biases after a sum, what does not divide) on every rank\n",
            split / 1e6, split / t->size / 1e6, whole / 1e6);
     char seen[64][96];
@@ -464,7 +483,19 @@ static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
     fflush(stdout);
 }
 
+/* For a data-parallel engine around this one: the same, from and into a
+   state laid out as this rank's pieces. */
+static float *dt__tp_whole_from_local(dt_parallel *par, float *local) {
+    dt_tp *t = (dt_tp *)par;
+    return t->par.data_rank == 0 ? dt__tp_state_gather(t, t->model, local) : NULL;
+}
+static void dt__tp_local_from_whole(dt_parallel *par, float *whole, float *local) {
+    dt_tp *t = (dt_tp *)par;
+    dt__tp_state_scatter(t, t->model, whole, local);
+}
+
 const dt_parallel_report dt__tp_report = {
     .create_fn = "dt_tp_create", .state_open = dt__tp_state_open, .state_close = dt__tp_state_close,
     .memory_table = dt__tp_memory_table, .cost_input = dt__tp_cost_input, .bench_fields = dt__tp_bench_fields,
+    .whole_from_local = dt__tp_whole_from_local, .local_from_whole = dt__tp_local_from_whole,
 };

@@ -376,22 +376,20 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
    when it is closed. Gathers are collectives: every rank opens and closes
    alike. */
 static float *dt__state_open(dt_model *m, dt_optimizer *o, int which, int for_load) {
-    const dt_parallel_report *rep = dt_parallel_report_of(m->parallel);
-    if (rep && rep->state_open) return rep->state_open(m->parallel, o, which, for_load);
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(m->parallel, &who);
+    if (rep && rep->state_open) return rep->state_open(who, o, which, for_load);
     return dt__host_view(m->device, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel);
 }
 static void dt__state_close(dt_model *m, dt_optimizer *o, int which, float *host, int written) {
     if (!host) return;
-    const dt_parallel_report *rep = dt_parallel_report_of(m->parallel);
-    if (rep && rep->state_close) rep->state_close(m->parallel, o, which, host, written);
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(m->parallel, &who);
+    if (rep && rep->state_close) rep->state_close(who, o, which, host, written);
     else dt__host_view_close(m->device, host, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel, written);
 }
 /* The parameters the state arrays above are laid out by: the model's own, or,
    cut by tensor parallelism, the whole model's (a checkpoint holds the whole,
    which any stage and any --tp reads). */
-static dt_model *dt__state_layout(dt_model *m) {
-    return m->parallel && m->parallel->whole ? m->parallel->whole : m;
-}
+static dt_model *dt__state_layout(dt_model *m) { return (dt_model *)dt_model_whole(m); }
 
 /* -- the names in a whole checkpoint --
    The weights under their own names in model.safetensors, the optimizer's

@@ -754,9 +754,9 @@ static void dt__checkpoint_save_sharded(dt_run *r, const char *path, const dt_sh
 void dt_checkpoint_save(dt_run *run, const char *path) {
     dt_model *m = run->model;
     dt_optimizer *o = run->opt;
-    const dt_parallel_report *rep = dt_parallel_report_of(m->parallel);
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(m->parallel, &who);
     dt_shard_view shards;
-    if (rep && rep->shards && rep->shards(m->parallel, o, &shards)) { dt__checkpoint_save_sharded(run, path, &shards); return; }
+    if (rep && rep->shards && rep->shards(who, o, &shards)) { dt__checkpoint_save_sharded(run, path, &shards); return; }
     float *state[3] = { dt__state_open(m, o, 0, 0), dt__state_open(m, o, 1, 0), o->v ? dt__state_open(m, o, 2, 0) : NULL };
     if (state[0]) {                                   /* a wrapper that gathers gives the whole to one rank */
         dt__meta_list meta = { NULL, 0 };
@@ -879,8 +879,8 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     int64_t good_steps = fp16 ? (int64_t)dt__meta_whole(st, st->path, "loss_scale_good_steps", 0, (uint64_t)step) : 0;
     int64_t skipped = fp16 ? (int64_t)dt__meta_whole(st, st->path, "skipped_steps", 0, (uint64_t)step) : 0;
     int adamw = o->kind == DT_ADAMW;
-    const dt_parallel_report *rep = dt_parallel_report_of(m->parallel);
-    dt_shard_view shards, *f = rep && rep->shards && rep->shards(m->parallel, o, &shards) ? &shards : NULL;
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(m->parallel, &who);
+    dt_shard_view shards, *f = rep && rep->shards && rep->shards(who, o, &shards) ? &shards : NULL;
     if (dt__is_sharded(st) && f && dt__sharded_layout_is(st, path, m, f->world)) {
         /* the same shards: each rank reads its own file, and only that */
         dt_device where = f->where;

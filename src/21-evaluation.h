@@ -85,6 +85,7 @@ static void dt__evaluate_share(dt_model *m, const dt_dataset *ds, int batch_size
 }
 void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss, double *acc) {
     const dt_parallel *par = m->parallel;
+    while (par && par->data_ranks == 0) par = par->inner;       /* in a stack, the wrapper that says how the data splits */
     if (par && par->data_ranks > 0) dt__evaluate_share(m, ds, batch_size, par->data_rank, par->data_ranks, loss, acc);
     else dt__evaluate_share(m, ds, batch_size, dt__ctx.job ? dt__ctx.rank : 0, dt__ctx.job ? dt__ctx.world_size : 1, loss, acc);
 }

@@ -202,9 +202,9 @@ static void dt__bench_report(dt_run *r) {
     } else snprintf(where, sizeof where, "device=cpu threads=%d", dt_threads());
     const double *p = r->bench_phase_ms;
     char stage[128];                     /* 04: which --shard, and whether offloaded (the wrapper's label) */
-    const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel);
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel, &who);
     snprintf(stage, sizeof stage, "%s", cfg->stage);
-    if (rep && rep->label) rep->label(r->model->parallel, stage + strlen(stage), sizeof stage - strlen(stage));
+    if (rep && rep->label) rep->label(who, stage + strlen(stage), sizeof stage - strlen(stage));
     if (cfg->dtype != DT_F32 || cfg->reduce_dtype != DT_F32 || cfg->accum_steps > 1)   /* 05: precision, micro-batches */
         snprintf(stage + strlen(stage), sizeof stage - strlen(stage), "/%s%s%s%s", dt_dtype_name((dt_dtype)cfg->dtype),
                  cfg->reduce_dtype != DT_F32 ? "+reduce-" : "", cfg->reduce_dtype != DT_F32 ? dt_dtype_name((dt_dtype)cfg->reduce_dtype) : "",
@@ -221,7 +221,7 @@ static void dt__bench_report(dt_run *r) {
            p[DT_PHASE_OPT] / steps, peak_mem / 1e6, peak_state / 1e6, peak_host / 1e6);
     if (language)                       /* gflops is then tokens/s x flops per token */
         printf(" tokens_per_s=%.1f flops_per_token=%.4g", tokens_per_s, dt_model_flops_per_token(whole));
-    if (rep && rep->bench_fields) rep->bench_fields(r->model->parallel, stdout, cfg->accum_steps);   /* what the cost model needs of it */
+    if (rep && rep->bench_fields) rep->bench_fields(who, stdout, cfg->accum_steps);   /* what the cost model needs of it */
     printf("\n");
     fflush(stdout);
 }

@@ -65,6 +65,10 @@ typedef struct dt_cost_input {
     int pp_zero1;               /* --shard optimizer: the D pipelines each step 1/D of the optimizer state */
     double pp_measured_bubble;  /* ... and the share of the step this rank waited, as measured: printed beside the
                                    formula's, not used by the prediction */
+    /* tensor parallelism inside FSDP (06 --shard: 2-D): the ZeRO stage (1,
+       2, 3; 0: DDP) over the data-parallel groups. Each group steps 1/D of
+       the optimizer; ZeRO-3 gathers the parameters twice, 1.5x DDP's bytes */
+    int dp_shard;
 } dt_cost_input;
 
 typedef struct dt_cost_prediction {
@@ -170,10 +174,11 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
         double kept = in->tp_share / n + (1 - in->tp_share);
         int D = in->dp_groups > 1 ? in->dp_groups : 1;
         double grads = in->params * kept * in->reduce_bytes;              /* this rank's, averaged over the groups */
-        p.compute_ms = K * c * kept + in->optimizer_ms * slow * kept;
-        p.comm_ms = K * in->tp_sums * dt_cost_all_reduce_ms(l, n, in->tp_bytes) + dt_cost_all_reduce_ms(l, D, grads);
+        double zero = in->dp_shard == 3 ? 1.5 : 1;                        /* sharded over the groups: ZeRO-3 gathers twice */
+        p.compute_ms = K * c * kept + in->optimizer_ms * slow * kept / (in->dp_shard ? D : 1);
+        p.comm_ms = K * in->tp_sums * dt_cost_all_reduce_ms(l, n, in->tp_bytes) + zero * dt_cost_all_reduce_ms(l, D, grads);
         p.exposed_ms = p.comm_ms;
-        p.bytes = K * in->tp_sums * 2 * share * in->tp_bytes + 2.0 * (D - 1) / D * grads;
+        p.bytes = K * in->tp_sums * 2 * share * in->tp_bytes + zero * 2.0 * (D - 1) / D * grads;
         p.step_ms = p.compute_ms + p.exposed_ms;
         p.speedup = p.step_ms > 0 ? D * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
         p.efficiency = p.speedup / (n * D);
@@ -230,8 +235,10 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
         fprintf(out, "  x %d ranks splitting each stage's layers (--tp %d): %.0f%% of the compute split, %.1f sums of %.0f KB "
                 "per micro-batch in all, none hidden\n", T, T, 100 * in->tp_share, in->tp_sums, in->tp_bytes / 1e3);
     if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP) && in->dp_groups > 1)
-        fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch\n", in->dp_groups,
-                in->kind == DT_PAR_TP ? "groups" : "pipelines", n * T, in->dp_groups * n * T);
+        fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch%s\n", in->dp_groups,
+                in->kind == DT_PAR_TP ? "groups" : "pipelines", n * T, in->dp_groups * n * T,
+                in->dp_shard == 3 ? "; the pieces sharded over them (ZeRO-3: the parameters gathered twice)"
+                : in->dp_shard ? "; the optimizer state (and with ZeRO-2 the gradients) sharded over them" : "");
     if (in->kind == DT_PAR_PP && n > 1)
         fprintf(out, "  %d micro-batches through %d stages: the bubble is (P - 1) / (M + P - 1) = %.0f%% of the step "
                 "(measured on this rank: %.0f%%)\n", in->pp_micro_batches > 0 ? in->pp_micro_batches : 1, n, 100 * p.bubble,

@@ -60,7 +60,11 @@ struct dt_run {
          optimizer_ms: this rank's step, which it makes the whole model's;
          accum_steps set) and returns how many ranks split or shard the model.
      bench_fields  the " key=value" pairs --bench adds (what the cost model
-         needs of it). */
+         needs of it).
+     whole_from_local, local_from_whole  for the wrapper around this one
+         (FSDP around tensor parallelism): the whole state from this rank's
+         in this wrapper's layout (`local`, on the model's device; a
+         collective, NULL where the rank will not write), and back. */
 typedef struct dt_shard_view {
     float *state[3];           /* this rank's shard of the parameters and of the two moments (NULL: none) */
     int64_t numel;             /* elements in each */
@@ -78,10 +82,14 @@ typedef struct dt_parallel_report {
     void (*log_fields)(const dt_parallel *par, FILE *log);
     int (*cost_input)(const dt_parallel *par, dt_cost_input *in);
     void (*bench_fields)(const dt_parallel *par, FILE *out, int accum_steps);
+    float *(*whole_from_local)(dt_parallel *par, float *local);
+    void (*local_from_whole)(dt_parallel *par, float *whole, float *local);
 } dt_parallel_report;
-/* The report of the wrapper `par` is (one of FSDP's, tensor and pipeline
-   parallelism's), or NULL: none, or par NULL. */
-const dt_parallel_report *dt_parallel_report_of(const dt_parallel *par);
+/* The report that answers for a model's wrappers: the outermost of the stack
+   that has one (DDP has none: around tensor parallelism, the latter's
+   answers), and in *owner the wrapper it is of; NULL (and *owner NULL) when
+   none has one. */
+const dt_parallel_report *dt_parallel_report_of(dt_parallel *par, dt_parallel **owner);
 
 /* Set up a run: --init or --resume, the log and trace files, a header line. In
    a job of several ranks (dt_comm_init), the ranks first check that they agree
@@ -125,10 +133,15 @@ int dt_run_finish(dt_run *run);
 
 /* The wrappers' reports, each defined at its chapter's end (after this). */
 extern const dt_parallel_report dt__fsdp_report, dt__tp_report, dt__pp_report;
-const dt_parallel_report *dt_parallel_report_of(const dt_parallel *par) {
+const dt_parallel_report *dt_parallel_report_of(dt_parallel *par, dt_parallel **owner) {
     static const dt_parallel_report *const reports[] = { &dt__fsdp_report, &dt__tp_report, &dt__pp_report };
-    for (size_t i = 0; par && i < sizeof reports / sizeof reports[0]; i++)
-        if (!strcmp(reports[i]->create_fn, par->create_fn)) return reports[i];
+    for (; par; par = par->inner)
+        for (size_t i = 0; i < sizeof reports / sizeof reports[0]; i++)
+            if (!strcmp(reports[i]->create_fn, par->create_fn)) {
+                *owner = par;
+                return reports[i];
+            }
+    *owner = NULL;
     return NULL;
 }
 
@@ -397,8 +410,8 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
                run->stop_step < run->total_steps ? " (stopping early, see --steps)" : "",
                opt->kind == DT_ADAMW ? "adamw" : "sgd", cfg->lr, (long long)run->warmup, where, precision);
         if (cfg->resume) printf("resumed from %s at epoch %d, step %lld\n", cfg->resume, run->epoch + 1, (long long)run->step);
-        const dt_parallel_report *rep = dt_parallel_report_of(model->parallel);
-        if (rep && rep->memory_table) rep->memory_table(model->parallel, opt);
+        dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(model->parallel, &who);
+        if (rep && rep->memory_table) rep->memory_table(who, opt);
         fflush(stdout);
     }
     if (cfg->bench) run->stop_step = run->step + 2 + (cfg->steps > 0 ? cfg->steps : 3);   /* refined after a timed step */
@@ -466,8 +479,8 @@ static void dt__run_explain(dt_run *r) {
     in.accum_steps = c->accum_steps;
     in.optimizer_ms = r->phase_ms[DT_PHASE_OPT];      /* this rank's: a wrapper makes it the whole model's */
     double measured = in.compute_ms * c->accum_steps + in.optimizer_ms;     /* this rank's, as it ran */
-    const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel);   /* a wrapper that splits the model says how */
-    int layout = rep && rep->cost_input && (n = rep->cost_input(r->model->parallel, &in)) && (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP);
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel, &who);   /* a wrapper that splits the model says how */
+    int layout = rep && rep->cost_input && (n = rep->cost_input(who, &in)) && (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP);
     in.params = (double)dt__state_layout(r->model)->numel;
     in.contention = 1;                /* the compute above was measured as this run shares its device(s) */
     in.backward_share = in.compute_ms > 0 ? r->phase_ms[DT_PHASE_BWD] / c->accum_steps / in.compute_ms : 0.66;
@@ -599,8 +612,8 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
         if (run->scaler.enabled)
             fprintf(run->log, ",\"loss_scale\":%g,\"skipped\":%d,\"skipped_steps\":%lld", run->scaler.scale,
                     run->scaler.last_skipped, (long long)run->scaler.skipped);
-        const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel);
-        if (rep && rep->log_fields) rep->log_fields(run->model->parallel, run->log);
+        dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
+        if (rep && rep->log_fields) rep->log_fields(who, run->log);
         if (dt__tokens_per_sample(run))
             fprintf(run->log, ",\"tokens_per_s\":%.1f", (double)batch_size * run->loader->world * dt__tokens_per_sample(run) * 1e3 / step_ms);
         fprintf(run->log, "}\n");
@@ -663,7 +676,7 @@ void dt_epoch_end(dt_run *run) {
     if (run->stopped_by && !run->cfg.save_dir && dt__ctx.rank == 0)
         dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt__signal_name(run->stopped_by),
                 (long long)run->steps_run);
-    const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel);
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
     if (run->cfg.save_dir && (dt__ctx.rank == 0 || (rep && (rep->state_open || rep->shards)))) {   /* sharded or cut: every rank takes part */
         char path[4096], what[64];
         if (finished) snprintf(what, sizeof what, "epoch%d", run->epoch);

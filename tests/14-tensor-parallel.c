@@ -21,7 +21,9 @@ static double losses_differ_by(const char *a, const char *b, int expect) {
    only the order of the sums differs (each row-parallel layer adds T partial
    products). Losses within 1e-5, every weight and Adam moment within 2e-5,
    as for DDP. */
-static void tp_equivalence(const char *data, int samples, const char *flags, const char *model, const char *extra) {
+typedef struct { int nproc, tp, batch; const char *flags; } tp_layout;
+static void tp_layouts_equal_01(const char *data, int samples, const char *flags, const char *model, const char *extra,
+                                const tp_layout *layouts, int nlayouts) {
     char out[16384], ref[600], rlog[700], dir[600], log[700], p[700], q[700];
     snprintf(ref, sizeof ref, "%s/tp-%s-01%s", tmpdir, model, *extra ? "-x" : "");
     snprintf(rlog, sizeof rlog, "%s.jsonl", ref);
@@ -29,10 +31,7 @@ static void tp_equivalence(const char *data, int samples, const char *flags, con
                      flags, extra, ref, rlog);
     CHECKF(st == 0, "01: exit %d\n%s", st, out);
     snprintf(p, sizeof p, "%s/%s_data0-%d_epoch2", ref, model, samples);
-    static const struct { int nproc, tp, batch; const char *flags; } layouts[6] = {
-        { 2, 0, 32, "" }, { 4, 0, 32, "" }, { 4, 2, 16, "" },
-        { 2, 0, 32, "--sequence-parallel" }, { 4, 0, 32, "--sequence-parallel --recompute" }, { 4, 2, 16, "--sequence-parallel" } };
-    for (int k = 0; k < 6; k++) {
+    for (int k = 0; k < nlayouts; k++) {
         snprintf(dir, sizeof dir, "%s/tp-%s-%d%s", tmpdir, model, k, *extra ? "-x" : "");
         snprintf(log, sizeof log, "%s.jsonl", dir);
         st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s %s %s --batch-size %d --nproc %d --tp %d --save-dir %s --log %s",
@@ -51,6 +50,12 @@ static void tp_equivalence(const char *data, int samples, const char *flags, con
                extra, layouts[k].nproc, layouts[k].tp, layouts[k].flags, d);
     }
 }
+static void tp_equivalence(const char *data, int samples, const char *flags, const char *model, const char *extra) {
+    static const tp_layout layouts[6] = {
+        { 2, 0, 32, "" }, { 4, 0, 32, "" }, { 4, 2, 16, "" },
+        { 2, 0, 32, "--sequence-parallel" }, { 4, 0, 32, "--sequence-parallel --recompute" }, { 4, 2, 16, "--sequence-parallel" } };
+    tp_layouts_equal_01(data, samples, flags, model, extra, layouts, 6);
+}
 TEST(tensor_parallel_equals_one_device, QUICK) {
     tp_equivalence(small_data(), 320, "", "mlp", "");
     tp_equivalence(small_data(), 320, "--model vit --depth 2 --heads 4 --patch 4", "vit", "");
@@ -61,6 +66,91 @@ TEST(tensor_parallel_equals_one_device, QUICK) {
                    "llama", "");
     /* clipping on every step: the norm counts each replicated gradient once */
     tp_equivalence(small_data(), 320, "--model vit --depth 2 --heads 4 --patch 4", "vit", "--clip 0.01");
+}
+
+/* 2-D parallelism: FSDP around tensor parallelism. 4 ranks are 2 groups of
+   --tp 2; the data-parallel engine shards each rank's pieces over the 2
+   ranks that hold the same pieces (ZeRO-1, -2, -3, and -3 with the shards
+   in host memory), and 20 steps equal stage 01's at the same global batch:
+   the losses, the eval loss, and the weights and optimizer state of the
+   checkpoint, which the engine and tensor parallelism gather whole between
+   them. Clipping counts every gradient once (the shards over the groups,
+   the replicated parameters once in each group). */
+TEST(sharded_data_parallel_around_tensor_parallel_equals_one_device, QUICK) {
+    static const tp_layout layouts[4] = {
+        { 4, 2, 16, "--shard full" }, { 4, 2, 16, "--shard full --cpu-offload" }, { 4, 2, 16, "--shard optimizer" },
+        { 4, 2, 16, "--shard grads" } };
+    tp_layouts_equal_01(gpt_text(), 320, "--model gpt --dim 32 --depth 2 --heads 4 --seq-len 16", "gpt", "", layouts, 4);
+    tp_layouts_equal_01(gpt_text(), 320, "--model llama --dim 32 --depth 2 --heads 8 --kv-heads 4 --seq-len 16 --untied-head",
+                        "llama", "", layouts, 4);
+    tp_layouts_equal_01(gpt_text(), 320, "--model gpt --dim 32 --depth 2 --heads 4 --seq-len 16", "gpt", "--clip 0.01", layouts, 1);
+}
+
+/* What 2-D saves: each rank's optimizer state is its pieces' (1/T of the
+   split tensors, the rest whole), sharded over the D groups -- 1/(T x D) of
+   the split ones -- as measured (the summary's peak), and as the memory
+   table says (its optimizer row, and its formula O/N of the pieces). Bad
+   combinations are refused, naming the flags. */
+TEST(sharded_data_parallel_around_tensor_parallel_keeps_one_t_d_th, QUICK) {
+    char out[16384], log[3][600];
+    const char *flags = "--model gpt --dim 64 --depth 2 --heads 4 --seq-len 16 --epochs 1 --steps 2 --batch-size 8";
+    const char *layouts[3] = { "01-single-gpu", "06-tensor-parallel --nproc 2 --tp 2", "06-tensor-parallel --nproc 4 --tp 2 --shard full" };
+    double opt[3];
+    for (int k = 0; k < 3; k++) {
+        char stage[64];
+        const char *sp = strchr(layouts[k], ' ');
+        snprintf(stage, sizeof stage, "%.*s", (int)(sp ? (size_t)(sp - layouts[k]) : strlen(layouts[k])), layouts[k]);
+        snprintf(log[k], sizeof log[k], "%s/mem%d.jsonl", tmpdir, k);
+        int st = run_cmd(out, sizeof out, "%s --data %s %s %s --log %s", stage_bin(stage), gpt_text(), flags, sp ? sp + 1 : "", log[k]);
+        CHECKF(st == 0, "%s: exit %d\n%s", layouts[k], st, out);
+        opt[k] = summary_value(log[k], "peak_optimizer_bytes");
+        if (k == 2) {                        /* the table's optimizer row: this rank's, in MB */
+            const char *row = strstr(out, "  optimizer state  ");
+            double mb = -1;
+            CHECKF(row && sscanf(row + 19, "%lf", &mb) == 1 && fabs(mb - opt[k] / 1e6) <= 0.006,
+                   "the memory table's optimizer row says %.3f MB, the run measured %.3f MB\n%s", mb, opt[k] / 1e6, out);
+            CHECKF(strstr(out, "memory per rank, --shard full (ZeRO-3), 2 ranks") && strstr(out, "O/N"),
+                   "no FSDP table over the 2 groups:\n%s", out);
+        }
+    }
+    /* 01: 2 moments of the whole (8 bytes a parameter). --tp 2: of the pieces. Sharded over 2 groups: half of those,
+       but for each unit's padding to a multiple of 2 (at most a value per unit per rank) */
+    double pieces = opt[1], whole = opt[0];
+    CHECKF(pieces < 0.6 * whole && pieces > 0.5 * whole, "--tp 2 keeps %.0f bytes of optimizer state, 01 %.0f", pieces, whole);
+    CHECKF(fabs(opt[2] - pieces / 2) <= 8.0 * 8, "--tp 2 --shard full over 2 groups keeps %.0f bytes of optimizer state, "
+           "expected half of --tp 2's %.0f", opt[2], pieces);
+    int st = run_cmd(out, sizeof out, "%s --data %s %s --nproc 4 --tp 2 --shard full --sequence-parallel",
+                     stage_bin("06-tensor-parallel"), gpt_text(), flags);
+    expect_error(out, st, 2, "--sequence-parallel with --shard");
+    st = run_cmd(out, sizeof out, "%s --data %s %s --nproc 4 --tp 2 --cpu-offload", stage_bin("06-tensor-parallel"), gpt_text(), flags);
+    expect_error(out, st, 2, "--cpu-offload");
+}
+
+static void resumes_alike(const char *data, const char *first, const char *model, const char *const runs[3], const char *tag);
+/* A checkpoint of 2-D training is whole: it resumes bit for bit at the same
+   layout, at --tp 2 without sharding, and in stage 01; and a checkpoint of
+   --tp 2 resumes sharded over the groups. */
+TEST(sharded_data_parallel_around_tensor_parallel_checkpoints_are_whole, QUICK) {
+    char out[16384], a[600], b[600];
+    const char *flags = "--model gpt --dim 32 --depth 2 --heads 4 --seq-len 16 --batch-size 16";
+    snprintf(a, sizeof a, "%s/fsdptp-a", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --nproc 4 --tp 2 --shard full --save-dir %s",
+                     stage_bin("06-tensor-parallel"), gpt_text(), flags, a);
+    CHECKF(st == 0, "06 --shard full: exit %d\n%s", st, out);
+    static const char *const again[3] = {
+        "06-tensor-parallel --model gpt --dim 32 --depth 2 --heads 4 --seq-len 16 --batch-size 16 --nproc 4 --tp 2 --shard full",
+        "06-tensor-parallel --model gpt --dim 32 --depth 2 --heads 4 --seq-len 16 --batch-size 16 --nproc 4 --tp 2",
+        "01-single-gpu --model gpt --dim 32 --depth 2 --heads 4 --seq-len 16 --batch-size 32" };
+    resumes_alike(gpt_text(), a, "gpt", again, "fsdptp");
+    snprintf(b, sizeof b, "%s/fsdptp-c", tmpdir);
+    st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --nproc 4 --tp 2 --save-dir %s", stage_bin("06-tensor-parallel"),
+                 gpt_text(), flags, b);
+    CHECKF(st == 0, "06 --tp 2: exit %d\n%s", st, out);
+    static const char *const sharded[3] = {
+        "06-tensor-parallel --model gpt --dim 32 --depth 2 --heads 4 --seq-len 16 --batch-size 16 --nproc 4 --tp 2",
+        "06-tensor-parallel --model gpt --dim 32 --depth 2 --heads 4 --seq-len 16 --batch-size 16 --nproc 4 --tp 2 --shard full --cpu-offload",
+        "06-tensor-parallel --model gpt --dim 32 --depth 2 --heads 4 --seq-len 16 --batch-size 16 --nproc 4 --tp 2 --shard optimizer" };
+    resumes_alike(gpt_text(), b, "gpt", sharded, "tpfsdp");
 }
 
 /* Evaluation runs with the gradient off, and its batch need not split over

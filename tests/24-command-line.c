@@ -92,12 +92,14 @@ TEST(out_of_range_values_exit_2_naming_the_flag, QUICK) {
    an error naming the stages that have it, and --help lists a stage's own. */
 TEST(a_flag_of_another_stage_exits_2_naming_its_stages, QUICK) {
     static const struct { const char *stage, *args, *named; } bad[] = {
-        { "01-single-gpu", "--shard full", "--shard is a flag of 04-fsdp, 05-accum-mixed-precision and 07-pipeline-parallel, not 01-single-gpu" },
-        { "02-dp", "--cpu-offload", "--cpu-offload is a flag of 04-fsdp and 05-accum-mixed-precision, not 02-dp" },
-        { "03-ddp", "--shard grads", "--shard is a flag of 04-fsdp, 05-accum-mixed-precision and 07-pipeline-parallel, not 03-ddp" },
-        { "01-single-gpu", "--bucket-mb 25", "--bucket-mb is a flag of 03-ddp, not 01-single-gpu" },
-        { "04-fsdp", "--bucket-mb 0", "--bucket-mb is a flag of 03-ddp, not 04-fsdp" },
-        { "05-accum-mixed-precision", "--bucket-mb 1", "--bucket-mb is a flag of 03-ddp, not 05-accum-mixed-precision" },
+        { "01-single-gpu", "--shard full", "--shard is a flag of 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel and 07-pipeline-parallel, "
+          "not 01-single-gpu" },
+        { "02-dp", "--cpu-offload", "--cpu-offload is a flag of 04-fsdp, 05-accum-mixed-precision and 06-tensor-parallel, not 02-dp" },
+        { "03-ddp", "--shard grads", "--shard is a flag of 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel and 07-pipeline-parallel, "
+          "not 03-ddp" },
+        { "01-single-gpu", "--bucket-mb 25", "--bucket-mb is a flag of 03-ddp and 06-tensor-parallel, not 01-single-gpu" },
+        { "04-fsdp", "--bucket-mb 0", "--bucket-mb is a flag of 03-ddp and 06-tensor-parallel, not 04-fsdp" },
+        { "05-accum-mixed-precision", "--bucket-mb 1", "--bucket-mb is a flag of 03-ddp and 06-tensor-parallel, not 05-accum-mixed-precision" },
         { "01-single-gpu", "--nproc 1",
           "--nproc is a flag of 02-dp, 03-ddp, 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel and 07-pipeline-parallel, "
           "not 01-single-gpu" },
@@ -124,7 +126,8 @@ TEST(a_flag_of_another_stage_exits_2_naming_its_stages, QUICK) {
         { "03-ddp", "--nproc --timeout --bucket-mb --ranks-per-gpu", "--shard --cpu-offload --accum-steps --dtype" },
         { "04-fsdp", "--nproc --shard --cpu-offload --ranks-per-gpu", "--bucket-mb --accum-steps --dtype --reduce-dtype" },
         { "05-accum-mixed-precision", "--shard --cpu-offload --accum-steps --dtype --reduce-dtype", "--bucket-mb" },
-        { "06-tensor-parallel", "--nproc --timeout --tp --sequence-parallel --ranks-per-gpu", "--bucket-mb --shard --accum-steps --dtype" },
+        { "06-tensor-parallel", "--nproc --timeout --tp --sequence-parallel --ranks-per-gpu --bucket-mb --shard --cpu-offload",
+          "--accum-steps --dtype --micro-batches" },
         { "07-pipeline-parallel", "--nproc --timeout --pp --tp --micro-batches --schedule --shard --accum-steps --dtype",
           "--sequence-parallel --bucket-mb --cpu-offload --reduce-dtype" },
     };
