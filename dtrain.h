@@ -401,7 +401,10 @@ void dt_backward_from(dt_tensor *loss, const float *seed);
    the data groups what the tensor groups split. The outer one names the
    inner (`inner`) and becomes the model's; backward_done and step_done then
    run for each wrapper of the stack, outer first, and the layers' sums
-   (tp_sum and the rest) are the inner's, found by dt_parallel_splitting. */
+   (tp_sum and the rest) are the inner's, found by dt_parallel_splitting.
+   The moments inside a step (unit_begin, unit_end, grad_ready) go to the
+   outer one alone: the engine's, as only it gathers units and averages
+   gradients. */
 typedef struct dt_parallel dt_parallel;
 struct dt_optimizer;
 struct dt_parallel {
@@ -6975,17 +6978,33 @@ static void dt__record_comm(const char *name, double t0, double t1, double hidde
 static void dt__record_event(const char *name, double t0, double t1) { dt__record_span(name, t0, t1, 1); }
 
 /* A data-parallel engine (DDP, FSDP) around another wrapper (a stack): what
-   it can wrap so far. Tensor parallelism, yes: the engine averages or
-   shards each piece over the ranks that hold the same piece. */
-static void dt__data_parallel_can_wrap(const dt_parallel *outer, int shards) {
+   it can wrap so far. Tensor parallelism, yes (a wrapper that cut the
+   model: its `whole`), over the ranks that hold the same pieces: the engine
+   averages or shards each piece over them. */
+static void dt__data_parallel_can_wrap(const dt_parallel *outer, dt_comm *comm, int shards) {
     const dt_parallel *in = outer->inner;
     if (!in) return;
+    if (!in->whole)             /* DDP around DDP, FSDP around DDP, ...: a model has one data-parallel wrapper */
+        dt_fail("%s: this model is already wrapped (%s); one data-parallel wrapper per model, or call %s first",
+                outer->create_fn, in->create_fn, in->free_fn);
+    if (in->data_ranks > 0 && dt_comm_size(comm) != in->data_ranks)
+        dt_fail("%s: its communicator has %d ranks, but %d groups hold the same pieces: give it the ranks that hold this "
+                "rank's pieces (dt_tp_data_group)", outer->create_fn, dt_comm_size(comm), in->data_ranks);
     if (in->forward)
         dt_fail("%s: %s runs the model's forward itself (pipeline parallelism); a data-parallel engine around it is not "
                 "built yet (07's pipelines average their gradients themselves)", outer->create_fn, in->create_fn);
     if (shards && in->sp_all_gather)
         dt_usage_error("--sequence-parallel with --shard: the norms' gradients are summed over the tensor group after "
                        "backward, but a sharded engine has already reduce-scattered them by then; use one or the other");
+}
+
+/* A data-parallel wrapper lets go of its model; freed while another wraps it
+   in turn, that one would point at freed memory: an error naming it. */
+static void dt__data_parallel_unwrap(dt_model *m, dt_parallel *par) {
+    if (m->parallel && m->parallel != par)
+        dt_fail("%s: %s still wraps the model around it; call %s first", par->free_fn, m->parallel->create_fn,
+                m->parallel->free_fn);
+    dt_model_set_parallel(m, NULL);
 }
 
 /* A thread that ran ops gives back what its context holds before it ends. */
@@ -7279,7 +7298,7 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
                             .grad_ready = bucket_mb > 0 ? dt__ddp_grad_ready : NULL,
                             .backward_done = dt__ddp_backward_done,
                             .inner = model->parallel };          /* around tensor parallelism: its pieces */
-    dt__data_parallel_can_wrap(&d->par, 0);
+    dt__data_parallel_can_wrap(&d->par, comm, 0);
     dt_model_set_parallel(model, &d->par);
     dt__comm_hold(comm, "dt_ddp_free");
     d->model = model;
@@ -7305,12 +7324,19 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
     }
     return d;
 }
+/* The engine (dt_data_parallel_create) is what a stage calls: the order
+   mistakes name its functions. */
+static dt_parallel *dt__ddp_as_engine(dt_ddp *d, const char *sync_fn, const char *free_fn) {
+    d->par.sync_fn = sync_fn;
+    d->par.free_fn = free_fn;
+    return &d->par;
+}
 int dt_ddp_buckets(const dt_ddp *ddp) { return ddp->nbuckets; }
 void dt_ddp_set_sync(dt_ddp *ddp, int sync) { ddp->sync = sync; }
 
 void dt_ddp_free(dt_ddp *ddp) {
     if (!ddp) return;
-    dt_model_set_parallel(ddp->model, NULL);
+    dt__data_parallel_unwrap(ddp->model, &ddp->par);
     dt__comm_release(ddp->comm);
     free(ddp->buckets);
     free(ddp->bucket_of);
@@ -7537,7 +7563,7 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
                             .backward_done = dt__fsdp_backward_done, .step_done = dt__fsdp_step_done,
                             .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks,
                             .inner = model->parallel };          /* around tensor parallelism: its pieces */
-    dt__data_parallel_can_wrap(&f->par, 1);
+    dt__data_parallel_can_wrap(&f->par, comm, 1);
     dt_model_set_parallel(model, &f->par);
     dt__comm_hold(comm, "dt_fsdp_free");
     f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
@@ -7687,7 +7713,7 @@ static void dt__fsdp_step_done(dt_parallel *par) {
 void dt_fsdp_free(dt_fsdp *fsdp) {
     if (!fsdp) return;
     dt_model *m = fsdp->model;
-    dt_model_set_parallel(m, NULL);
+    dt__data_parallel_unwrap(m, &fsdp->par);
     for (int k = 0; k < fsdp->nunits; k++) {
         dt__fsdp_unit *u = &fsdp->units[k];
         if (u->gathering) dt__fsdp_gather_unit(fsdp, k, -1);      /* a prefetch nobody used: let it land */
@@ -7720,6 +7746,7 @@ struct dt_data_parallel {
     dt_model *model;
     dt_ddp *ddp;                /* one of the two */
     dt_fsdp *fsdp;
+    dt_parallel *par;           /* its dt_parallel */
 };
 dt_data_parallel *dt_data_parallel_create(dt_model *model, dt_comm *comm, dt_shard_mode shard, int cpu_offload,
                                           double bucket_mb) {
@@ -7733,13 +7760,15 @@ dt_data_parallel *dt_data_parallel_create(dt_model *model, dt_comm *comm, dt_sha
     dp->model = model;
     if (shard != DT_SHARD_NONE) dp->fsdp = dt_fsdp_create(model, comm, shard, cpu_offload);
     else dp->ddp = dt_ddp_create(model, comm, bucket_mb);          /* over one rank too: the same calls, in the same order */
-    dt_parallel *par = dp->fsdp ? &dp->fsdp->par : &dp->ddp->par;
-    par->sync_fn = "dt_data_parallel_sync_grads";                  /* what the order mistakes name */
-    par->free_fn = "dt_data_parallel_free";
+    if (dp->fsdp) {                                                 /* what the order mistakes name */
+        dp->fsdp->par.sync_fn = "dt_data_parallel_sync_grads";
+        dp->fsdp->par.free_fn = "dt_data_parallel_free";
+        dp->par = &dp->fsdp->par;
+    } else dp->par = dt__ddp_as_engine(dp->ddp, "dt_data_parallel_sync_grads", "dt_data_parallel_free");
     return dp;
 }
 void dt_data_parallel_sync_grads(dt_data_parallel *dp) {
-    dt_parallel_backward_done(dp->fsdp ? &dp->fsdp->par : &dp->ddp->par);   /* this engine's, then what it wraps */
+    dt_parallel_backward_done(dp->par);                             /* this engine's, then what it wraps */
 }
 void dt_data_parallel_free(dt_data_parallel *dp) {
     if (!dp) return;
@@ -7846,6 +7875,9 @@ static void dt__tp_backward_done(dt_parallel *par) {
     }
 }
 void dt_tp_sync_grads(dt_tp *tp) {
+    if (tp->model->parallel != &tp->par)
+        dt_fail("dt_tp_sync_grads: %s wraps this model; call %s, which syncs this one too", tp->model->parallel->create_fn,
+                tp->model->parallel->sync_fn);
     if (tp->par.data_ranks > 1)
         dt_fail("dt_tp_sync_grads: %d groups of %d ranks each hold the same pieces, and nothing averages their gradients; "
                 "wrap the model in a data-parallel engine over dt_tp_data_group (dt_data_parallel_create) and sync that",
@@ -12378,7 +12410,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
             dt__host_view_close(where, host, own[k], f->numel, 1);
         }
         dt_safetensors_close(sh);
-        if (m->parallel->step_done) m->parallel->step_done(m->parallel);   /* ZeRO-1, -2: every rank's whole copy from the new shards */
+        if (who->step_done) who->step_done(who);   /* ZeRO-1, -2: every rank's whole copy from the new shards */
     } else {
         float *state[3] = { dt__state_open(m, o, 0, 1), dt__state_open(m, o, 1, 1), o->v ? dt__state_open(m, o, 2, 1) : NULL };
         dt_model *L = dt__state_layout(m);

@@ -48,7 +48,10 @@ void dt_backward_from(dt_tensor *loss, const float *seed);
    the data groups what the tensor groups split. The outer one names the
    inner (`inner`) and becomes the model's; backward_done and step_done then
    run for each wrapper of the stack, outer first, and the layers' sums
-   (tp_sum and the rest) are the inner's, found by dt_parallel_splitting. */
+   (tp_sum and the rest) are the inner's, found by dt_parallel_splitting.
+   The moments inside a step (unit_begin, unit_end, grad_ready) go to the
+   outer one alone: the engine's, as only it gathers units and averages
+   gradients. */
 typedef struct dt_parallel dt_parallel;
 struct dt_optimizer;
 struct dt_parallel {

@@ -58,17 +58,33 @@ static void dt__record_comm(const char *name, double t0, double t1, double hidde
 static void dt__record_event(const char *name, double t0, double t1) { dt__record_span(name, t0, t1, 1); }
 
 /* A data-parallel engine (DDP, FSDP) around another wrapper (a stack): what
-   it can wrap so far. Tensor parallelism, yes: the engine averages or
-   shards each piece over the ranks that hold the same piece. */
-static void dt__data_parallel_can_wrap(const dt_parallel *outer, int shards) {
+   it can wrap so far. Tensor parallelism, yes (a wrapper that cut the
+   model: its `whole`), over the ranks that hold the same pieces: the engine
+   averages or shards each piece over them. */
+static void dt__data_parallel_can_wrap(const dt_parallel *outer, dt_comm *comm, int shards) {
     const dt_parallel *in = outer->inner;
     if (!in) return;
+    if (!in->whole)             /* DDP around DDP, FSDP around DDP, ...: a model has one data-parallel wrapper */
+        dt_fail("%s: this model is already wrapped (%s); one data-parallel wrapper per model, or call %s first",
+                outer->create_fn, in->create_fn, in->free_fn);
+    if (in->data_ranks > 0 && dt_comm_size(comm) != in->data_ranks)
+        dt_fail("%s: its communicator has %d ranks, but %d groups hold the same pieces: give it the ranks that hold this "
+                "rank's pieces (dt_tp_data_group)", outer->create_fn, dt_comm_size(comm), in->data_ranks);
     if (in->forward)
         dt_fail("%s: %s runs the model's forward itself (pipeline parallelism); a data-parallel engine around it is not "
                 "built yet (07's pipelines average their gradients themselves)", outer->create_fn, in->create_fn);
     if (shards && in->sp_all_gather)
         dt_usage_error("--sequence-parallel with --shard: the norms' gradients are summed over the tensor group after "
                        "backward, but a sharded engine has already reduce-scattered them by then; use one or the other");
+}
+
+/* A data-parallel wrapper lets go of its model; freed while another wraps it
+   in turn, that one would point at freed memory: an error naming it. */
+static void dt__data_parallel_unwrap(dt_model *m, dt_parallel *par) {
+    if (m->parallel && m->parallel != par)
+        dt_fail("%s: %s still wraps the model around it; call %s first", par->free_fn, m->parallel->create_fn,
+                m->parallel->free_fn);
+    dt_model_set_parallel(m, NULL);
 }
 
 /* A thread that ran ops gives back what its context holds before it ends. */

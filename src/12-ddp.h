@@ -91,7 +91,7 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
                             .grad_ready = bucket_mb > 0 ? dt__ddp_grad_ready : NULL,
                             .backward_done = dt__ddp_backward_done,
                             .inner = model->parallel };          /* around tensor parallelism: its pieces */
-    dt__data_parallel_can_wrap(&d->par, 0);
+    dt__data_parallel_can_wrap(&d->par, comm, 0);
     dt_model_set_parallel(model, &d->par);
     dt__comm_hold(comm, "dt_ddp_free");
     d->model = model;
@@ -117,12 +117,19 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
     }
     return d;
 }
+/* The engine (dt_data_parallel_create) is what a stage calls: the order
+   mistakes name its functions. */
+static dt_parallel *dt__ddp_as_engine(dt_ddp *d, const char *sync_fn, const char *free_fn) {
+    d->par.sync_fn = sync_fn;
+    d->par.free_fn = free_fn;
+    return &d->par;
+}
 int dt_ddp_buckets(const dt_ddp *ddp) { return ddp->nbuckets; }
 void dt_ddp_set_sync(dt_ddp *ddp, int sync) { ddp->sync = sync; }
 
 void dt_ddp_free(dt_ddp *ddp) {
     if (!ddp) return;
-    dt_model_set_parallel(ddp->model, NULL);
+    dt__data_parallel_unwrap(ddp->model, &ddp->par);
     dt__comm_release(ddp->comm);
     free(ddp->buckets);
     free(ddp->bucket_of);

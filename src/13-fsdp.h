@@ -274,7 +274,7 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
                             .backward_done = dt__fsdp_backward_done, .step_done = dt__fsdp_step_done,
                             .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks,
                             .inner = model->parallel };          /* around tensor parallelism: its pieces */
-    dt__data_parallel_can_wrap(&f->par, 1);
+    dt__data_parallel_can_wrap(&f->par, comm, 1);
     dt_model_set_parallel(model, &f->par);
     dt__comm_hold(comm, "dt_fsdp_free");
     f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
@@ -424,7 +424,7 @@ static void dt__fsdp_step_done(dt_parallel *par) {
 void dt_fsdp_free(dt_fsdp *fsdp) {
     if (!fsdp) return;
     dt_model *m = fsdp->model;
-    dt_model_set_parallel(m, NULL);
+    dt__data_parallel_unwrap(m, &fsdp->par);
     for (int k = 0; k < fsdp->nunits; k++) {
         dt__fsdp_unit *u = &fsdp->units[k];
         if (u->gathering) dt__fsdp_gather_unit(fsdp, k, -1);      /* a prefetch nobody used: let it land */
@@ -457,6 +457,7 @@ struct dt_data_parallel {
     dt_model *model;
     dt_ddp *ddp;                /* one of the two */
     dt_fsdp *fsdp;
+    dt_parallel *par;           /* its dt_parallel */
 };
 dt_data_parallel *dt_data_parallel_create(dt_model *model, dt_comm *comm, dt_shard_mode shard, int cpu_offload,
                                           double bucket_mb) {
@@ -470,13 +471,15 @@ dt_data_parallel *dt_data_parallel_create(dt_model *model, dt_comm *comm, dt_sha
     dp->model = model;
     if (shard != DT_SHARD_NONE) dp->fsdp = dt_fsdp_create(model, comm, shard, cpu_offload);
     else dp->ddp = dt_ddp_create(model, comm, bucket_mb);          /* over one rank too: the same calls, in the same order */
-    dt_parallel *par = dp->fsdp ? &dp->fsdp->par : &dp->ddp->par;
-    par->sync_fn = "dt_data_parallel_sync_grads";                  /* what the order mistakes name */
-    par->free_fn = "dt_data_parallel_free";
+    if (dp->fsdp) {                                                 /* what the order mistakes name */
+        dp->fsdp->par.sync_fn = "dt_data_parallel_sync_grads";
+        dp->fsdp->par.free_fn = "dt_data_parallel_free";
+        dp->par = &dp->fsdp->par;
+    } else dp->par = dt__ddp_as_engine(dp->ddp, "dt_data_parallel_sync_grads", "dt_data_parallel_free");
     return dp;
 }
 void dt_data_parallel_sync_grads(dt_data_parallel *dp) {
-    dt_parallel_backward_done(dp->fsdp ? &dp->fsdp->par : &dp->ddp->par);   /* this engine's, then what it wraps */
+    dt_parallel_backward_done(dp->par);                             /* this engine's, then what it wraps */
 }
 void dt_data_parallel_free(dt_data_parallel *dp) {
     if (!dp) return;

@@ -143,6 +143,9 @@ static void dt__tp_backward_done(dt_parallel *par) {
     }
 }
 void dt_tp_sync_grads(dt_tp *tp) {
+    if (tp->model->parallel != &tp->par)
+        dt_fail("dt_tp_sync_grads: %s wraps this model; call %s, which syncs this one too", tp->model->parallel->create_fn,
+                tp->model->parallel->sync_fn);
     if (tp->par.data_ranks > 1)
         dt_fail("dt_tp_sync_grads: %d groups of %d ranks each hold the same pieces, and nothing averages their gradients; "
                 "wrap the model in a data-parallel engine over dt_tp_data_group (dt_data_parallel_create) and sync that",

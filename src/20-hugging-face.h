@@ -898,7 +898,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
             dt__host_view_close(where, host, own[k], f->numel, 1);
         }
         dt_safetensors_close(sh);
-        if (m->parallel->step_done) m->parallel->step_done(m->parallel);   /* ZeRO-1, -2: every rank's whole copy from the new shards */
+        if (who->step_done) who->step_done(who);   /* ZeRO-1, -2: every rank's whole copy from the new shards */
     } else {
         float *state[3] = { dt__state_open(m, o, 0, 1), dt__state_open(m, o, 1, 1), o->v ? dt__state_open(m, o, 2, 1) : NULL };
         dt_model *L = dt__state_layout(m);

@@ -122,3 +122,39 @@ TEST(fsdp_prefetches_the_next_unit, QUICK) {
     dt_comm_free(c);
     dt_comm_group_free(g);
 }
+
+/* `test_dtrain --selftest-stack-misuse K`: wrappers stacked as they must not
+   be, on one rank. 0: FSDP around DDP (a model has one data-parallel
+   wrapper); 1: DDP twice; 2: the tensor-parallel wrapper freed while the
+   engine still wraps it; 3: the engine created after the optimizer. Each
+   must stop with an error that names what to do. */
+static int selftest_stack_misuse(int which) {
+    dt_model_config mc = tiny_gpt();
+    dt_model *m = dt_model_create(&mc, 1);
+    dt_comm *c = dt_comm_join(dt_comm_group_create(1, 10), 0);
+    if (which == 0) { dt_ddp_create(m, c, 0); dt_fsdp_create(m, c, DT_SHARD_FULL, 0); }
+    if (which == 1) { dt_ddp_create(m, c, 0); dt_ddp_create(m, c, 0); }
+    if (which == 2) {
+        dt_tp *tp = dt_tp_create(m, c, 1, 0);
+        dt_data_parallel_create(m, dt_tp_data_group(tp), DT_SHARD_NONE, 0, 0);
+        dt_tp_free(tp);
+    }
+    if (which == 3) {
+        dt_tp *tp = dt_tp_create(m, c, 1, 0);
+        dt_optimizer_create(m, DT_ADAMW, 0, 0, 0);
+        dt_data_parallel_create(m, dt_tp_data_group(tp), DT_SHARD_FULL, 0, 0);
+    }
+    printf("no error: the misuse went through\n");
+    return 0;
+}
+TEST(wrappers_stack_only_as_they_can, QUICK) {
+    static const char *names[4] = { "dt_fsdp_create: this model is already wrapped (dt_ddp_create); one data-parallel wrapper",
+                                    "dt_ddp_create: this model is already wrapped (dt_ddp_create); one data-parallel wrapper",
+                                    "dt_tp_free: a data-parallel engine still wraps the model it cut; call dt_data_parallel_free first",
+                                    "create the optimizer after dt_data_parallel_create" };
+    char out[4096];
+    for (int k = 0; k < 4; k++) {
+        int st = run_cmd(out, sizeof out, "%s --selftest-stack-misuse %d", self_bin, k);
+        CHECKF(st == 1 && strstr(out, names[k]), "misuse %d: exit %d, expected an error naming '%s'\n%s", k, st, names[k], out);
+    }
+}

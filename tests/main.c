@@ -114,5 +114,6 @@ int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--selftest-nproc-loopback")) return selftest_nproc_loopback();
     if (argc > 2 && !strcmp(argv[1], "--write-fuzz-seeds")) return write_fuzz_seeds(argv[2]);
     if (argc > 2 && !strcmp(argv[1], "--selftest-comm-misuse")) return selftest_comm_misuse(atoi(argv[2]));
+    if (argc > 2 && !strcmp(argv[1], "--selftest-stack-misuse")) return selftest_stack_misuse(atoi(argv[2]));
     return t_main(argc, argv, setup);
 }
