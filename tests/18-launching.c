@@ -14,8 +14,11 @@ TEST(ranks_launch_from_torchrun_variables_and_check_their_flags, QUICK) {
                      "RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=%d %s --check; a=$?; wait $p; exit $((a | $?))'",
                      port, bin, port, bin);
     CHECKF(st == 0 && count_lines_with(out, "match the serial reference") == 2, "env launch: exit %d\n%s", st, out);
+    /* Open MPI's variables, with the local size an mpirun on one host sets: without it --comm auto asks MPI for
+       the hosts, and Open MPI's singleton init, which starts a daemon, failed once under load in CI (2026-11-28) */
     port = free_port();
-    st = run_cmd(out, sizeof out, "sh -c 'OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2 MASTER_PORT=%d %s --agree b & p=$!; "
+    st = run_cmd(out, sizeof out, "sh -c 'export OMPI_COMM_WORLD_LOCAL_SIZE=2; "
+                 "OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2 MASTER_PORT=%d %s --agree b & p=$!; "
                  "OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=2 MASTER_PORT=%d %s --agree a; a=$?; wait $p; b=$?; "
                  "[ $a -ne 0 ] && [ $b -ne 0 ]'", port, bin, port, bin);
     CHECKF(st == 0 && count_lines_with(out, "disagree on --agree: rank 0 has 'a', rank 1 has 'b'") == 2,
