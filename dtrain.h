@@ -396,9 +396,10 @@ void dt_backward_from(dt_tensor *loss, const float *seed);
    only sums gradients when backward is done. A wrapper attaches itself with dt_model_set_parallel
    (the models chapter): the model and each of its parameters then point to it, so
    nothing is looked up in global state.
-   Wrappers stack, as picotron's do: a data-parallel engine (DDP, FSDP) may
-   wrap a model that tensor parallelism has cut, averaging or sharding over
-   the data groups what the tensor groups split. The outer one names the
+   Wrappers stack, as picotron's do: tensor parallelism cuts every layer,
+   pipeline parallelism cuts the blocks into stages around it, and a
+   data-parallel engine (DDP, FSDP) wraps the stack, averaging or sharding
+   over the data groups what the others split. The outer one names the
    inner (`inner`) and becomes the model's; backward_done and step_done then
    run for each wrapper of the stack, outer first, and the layers' sums
    (tp_sum and the rest) are the inner's, found by dt_parallel_splitting.
@@ -418,6 +419,18 @@ struct dt_parallel {
     void (*grad_ready)(dt_parallel *par, dt_tensor *param);
     void (*backward_done)(dt_parallel *par);
     void (*step_done)(dt_parallel *par);
+    /* Pipeline parallelism runs M backwards a step, and says before each
+       whether it is the step's last: an engine around it that averages
+       whole gradients (DDP) waits for that one (its no-sync). NULL: it
+       communicates after every backward (FSDP's ZeRO-2 and -3, which keep
+       gradients sharded by reducing each micro-batch's at once). */
+    void (*set_sync)(dt_parallel *par, int sync);
+    /* Gradients this rank holds in common with ranks outside the engine's
+       group -- a tied vocabulary, held by a pipeline's first and last
+       stage -- added up across them. The engine around it calls this once
+       a step, when those gradients are whole and final and before it
+       shards them (it may average first: the two commute). */
+    void (*sum_shared_grads)(dt_parallel *par);
     void (*optimizer_view)(dt_parallel *par, struct dt_optimizer *opt);
     /* A sharded optimizer's partial sums (its gradient norm's), added over
        the ranks that share the model: what clipping needs of the whole. */
@@ -439,6 +452,10 @@ struct dt_parallel {
     void (*sp_all_gather)(dt_parallel *par, const float *mine, float *all, int64_t n);
     void (*sp_reduce_scatter)(dt_parallel *par, const float *all, float *mine, int64_t n);
     int tp_rank, tp_size;
+    /* Kept by the same wrapper, for the cost model: the sums of this step's
+       training so far (an all-gather or a reduce-scatter counts half), their
+       bytes and their time. */
+    double tp_sums, tp_sum_bytes, tp_sum_ms;
     /* The share of the data this rank reads, data_rank of data_ranks (what
        dt_evaluate splits by): 0 ranks means the job's rank and size. */
     int data_rank, data_ranks;
@@ -1017,33 +1034,31 @@ void dt_tp_free(dt_tp *tp);
 /* Pipeline parallelism (stage 07): each rank of a pipeline of P keeps a run
    of consecutive blocks, its stage (balanced by parameters; the embedding
    with the first, the head with the last); a batch goes through in M
-   micro-batches, in the order the schedule gives each stage. tp > 1: each
-   stage is T ranks that split its blocks' layers as stage 06 does (tensor
-   parallelism inside the pipeline). The job's N ranks form N / (P T)
-   data-parallel pipelines; pp 0: as many stages as that leaves with one
-   pipeline. shard DT_SHARD_OPTIMIZER: the pipelines share out each stage's
-   optimizer state (ZeRO-1: gradients reduce-scattered over them, each
-   steps its slice, the parameters all-gathered); DT_SHARD_NONE: each keeps
-   it whole (gradients all-reduced). DT_SHARD_GRADS and _FULL are refused:
-   a pipeline's gradients stay whole until its last micro-batch, and its
-   stages run their parameters M times a step. */
+   micro-batches, in the order the schedule gives each stage. It cuts the
+   ranks of `comm` into pipelines of P stages (pp 0: one pipeline of them
+   all). Around tensor parallelism, comm is dt_tp_data_group: each stage is
+   then T ranks that split its blocks' layers as stage 06 does. With more
+   than one pipeline, a data-parallel engine wraps this one over
+   dt_pp_data_group, as in 06 -- DDP, which averages once a step, after the
+   last micro-batch; or FSDP, ZeRO-1 once a step, ZeRO-2 and -3 each
+   micro-batch's gradients as its backward ends (so they stay sharded). */
 typedef struct dt_pp dt_pp;
 typedef enum { DT_SCHEDULE_GPIPE = 0, DT_SCHEDULE_1F1B = 1 } dt_pp_schedule;
-dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_batches, dt_pp_schedule schedule,
-                    dt_shard_mode shard);
+dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int micro_batches, dt_pp_schedule schedule);
 /* A step's forward and backward: the batch cut into the micro-batches, each
    stage running its forwards and backwards in the schedule's order, sending
    activations on and gradients back. Returns the batch's mean loss, on every
    rank (the last stage computes it). Collective over the pipeline. */
 dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch);
-/* After it: the first and last stage add up the gradients of a tied
-   vocabulary (each holds it); with more than one pipeline, every gradient is
-   averaged over them -- or, with --shard optimizer, reduce-scattered: each
-   rank keeps the average of its slice for the optimizer, and the model's
-   gradient buffers are zeroed. */
+/* After it, unwrapped (one pipeline): the first and last stage add up the
+   gradients of a tied vocabulary (each holds it). Wrapped, the engine's
+   sync does, and this is an error naming it. */
 void dt_pp_sync_grads(dt_pp *pp);
-/* This rank's pipeline among the data-parallel pipelines, and how many: the
-   loader's rank and world (every stage of a pipeline reads the same batch). */
+/* The ranks that hold the same stage, one per pipeline ("dp"): what a
+   data-parallel engine wrapping this one averages or shards over; and this
+   rank's pipeline among them, and how many: the loader's rank and world
+   (every stage of a pipeline reads the same batch). */
+dt_comm *dt_pp_data_group(const dt_pp *pp);
 int dt_pp_data_rank(const dt_pp *pp);
 int dt_pp_data_ranks(const dt_pp *pp);
 /* The model stays cut (this rank's blocks), as after dt_tp_free. */
@@ -1679,12 +1694,13 @@ typedef struct dt_cost_input {
        sent on (micro-batch x tokens x width x 4), a gradient as many back */
     int pp_micro_batches;
     double pp_balance, pp_bytes;
-    int pp_zero1;               /* --shard optimizer: the D pipelines each step 1/D of the optimizer state */
     double pp_measured_bubble;  /* ... and the share of the step this rank waited, as measured: printed beside the
                                    formula's, not used by the prediction */
-    /* tensor parallelism inside FSDP (06 --shard: 2-D): the ZeRO stage (1,
-       2, 3; 0: DDP) over the data-parallel groups. Each group steps 1/D of
-       the optimizer; ZeRO-3 gathers the parameters twice, 1.5x DDP's bytes */
+    /* tensor or pipeline parallelism inside FSDP (06, 07 --shard): the ZeRO
+       stage (1, 2, 3; 0: DDP) over the data-parallel groups. Each group
+       steps 1/D of the optimizer; ZeRO-3 gathers the parameters twice, 1.5x
+       DDP's bytes; around a pipeline ZeRO-2 and -3 do so each micro-batch
+       (ZeRO-2: M reduce-scatters and one all-gather, (M + 1) / 2 DDP's) */
     int dp_shard;
 } dt_cost_input;
 
@@ -1845,9 +1861,10 @@ struct dt_run {
      bench_fields  the " key=value" pairs --bench adds (what the cost model
          needs of it).
      whole_from_local, local_from_whole  for the wrapper around this one
-         (FSDP around tensor parallelism): the whole state from this rank's
-         in this wrapper's layout (`local`, on the model's device; a
-         collective, NULL where the rank will not write), and back. */
+         (FSDP around tensor parallelism, a pipeline around it): the whole
+         state from this rank's (`local`, on the model's device, laid out
+         as `layout`: what this wrapper left of the model; a collective,
+         NULL where the rank will not write), and back. */
 typedef struct dt_shard_view {
     float *state[3];           /* this rank's shard of the parameters and of the two moments (NULL: none) */
     int64_t numel;             /* elements in each */
@@ -1865,8 +1882,8 @@ typedef struct dt_parallel_report {
     void (*log_fields)(const dt_parallel *par, FILE *log);
     int (*cost_input)(const dt_parallel *par, dt_cost_input *in);
     void (*bench_fields)(const dt_parallel *par, FILE *out, int accum_steps);
-    float *(*whole_from_local)(dt_parallel *par, float *local);
-    void (*local_from_whole)(dt_parallel *par, float *whole, float *local);
+    float *(*whole_from_local)(dt_parallel *par, const dt_model *layout, float *local);
+    void (*local_from_whole)(dt_parallel *par, const dt_model *layout, float *whole, float *local);
 } dt_parallel_report;
 /* The report that answers for a model's wrappers: the outermost of the stack
    that has one (DDP has none: around tensor parallelism, the latter's
@@ -6977,10 +6994,10 @@ static void dt__record_comm(const char *name, double t0, double t1, double hidde
 /* Pipeline parallelism's forwards, backwards and waits: a track of their own. */
 static void dt__record_event(const char *name, double t0, double t1) { dt__record_span(name, t0, t1, 1); }
 
-/* A data-parallel engine (DDP, FSDP) around another wrapper (a stack): what
-   it can wrap so far. Tensor parallelism, yes (a wrapper that cut the
-   model: its `whole`), over the ranks that hold the same pieces: the engine
-   averages or shards each piece over them. */
+/* A data-parallel engine (DDP, FSDP) around another wrapper (a stack): a
+   wrapper that cut the model (its `whole`: tensor parallelism, a pipeline's
+   stages), over the ranks that hold the same pieces -- the engine averages
+   or shards each piece over them. */
 static void dt__data_parallel_can_wrap(const dt_parallel *outer, dt_comm *comm, int shards) {
     const dt_parallel *in = outer->inner;
     if (!in) return;
@@ -6989,13 +7006,18 @@ static void dt__data_parallel_can_wrap(const dt_parallel *outer, dt_comm *comm, 
                 outer->create_fn, in->create_fn, in->free_fn);
     if (in->data_ranks > 0 && dt_comm_size(comm) != in->data_ranks)
         dt_fail("%s: its communicator has %d ranks, but %d groups hold the same pieces: give it the ranks that hold this "
-                "rank's pieces (dt_tp_data_group)", outer->create_fn, dt_comm_size(comm), in->data_ranks);
-    if (in->forward)
-        dt_fail("%s: %s runs the model's forward itself (pipeline parallelism); a data-parallel engine around it is not "
-                "built yet (07's pipelines average their gradients themselves)", outer->create_fn, in->create_fn);
-    if (shards && in->sp_all_gather)
-        dt_usage_error("--sequence-parallel with --shard: the norms' gradients are summed over the tensor group after "
-                       "backward, but a sharded engine has already reduce-scattered them by then; use one or the other");
+                "rank's pieces (dt_tp_data_group, dt_pp_data_group)", outer->create_fn, dt_comm_size(comm), in->data_ranks);
+    for (const dt_parallel *q = in; q && shards; q = q->inner)
+        if (q->sp_all_gather)
+            dt_usage_error("--sequence-parallel with --shard: the norms' gradients are summed over the tensor group after "
+                           "backward, but a sharded engine has already reduce-scattered them by then; use one or the other");
+}
+/* What the wrappers inside hold in common with ranks outside the engine's
+   group (a tied vocabulary at a pipeline's two ends): added up, once its
+   gradients are whole and final. */
+static void dt__data_parallel_sum_shared(dt_parallel *outer) {
+    for (dt_parallel *q = outer->inner; q; q = q->inner)
+        if (q->sum_shared_grads) q->sum_shared_grads(q);
 }
 
 /* A data-parallel wrapper lets go of its model; freed while another wraps it
@@ -7235,7 +7257,8 @@ void dt_dp_free(dt_dp *dp, int quiet) {
 typedef struct dt__ddp_bucket {
     int first, last;            /* parameters first..last: one run of the flat gradient */
     int64_t offset, count;
-    int pending;                /* gradients of this bucket not final yet in this backward */
+    int held;                   /* its parameters this rank holds (a pipeline stage holds only its own) */
+    int pending;                /* of those, the gradients not final yet in this backward */
     dt_comm_handle handle;
 } dt__ddp_bucket;
 
@@ -7255,6 +7278,7 @@ static void dt__ddp_launch(dt_ddp *d, int all) {
     while (d->launched < d->nbuckets && (all || d->buckets[d->launched].pending == 0)) {
         dt__ddp_bucket *b = &d->buckets[d->launched++];
         float *g = d->model->flat_grad + b->offset;
+        if (!b->count) continue;                      /* another stage's parameters: nothing here (nor on its peers) */
         b->handle = dt_all_reduce_async(d->comm, g, g, b->count, DT_F32, DT_AVG);
         dt__ctx.grad_collectives++;
     }
@@ -7278,14 +7302,17 @@ static void dt__ddp_backward_done(dt_parallel *par) {
         dt__ddp_bucket *b = &d->buckets[k];
         double t0, t1;
         char name[32];
+        b->pending = b->held;
+        if (!b->count) continue;
         dt_comm_wait(d->comm, b->handle);
         dt__comm_interval(d->comm, b->handle, &t0, &t1);
         snprintf(name, sizeof name, "all_reduce bucket %d", k);
         dt__record_comm(name, t0, t1, t0 < backward_end ? (t1 < backward_end ? t1 : backward_end) - t0 : 0);
-        b->pending = b->last - b->first + 1;
     }
     d->launched = 0;
+    dt__data_parallel_sum_shared(&d->par);            /* a tied vocabulary's two ends, averaged: added up */
 }
+static void dt__ddp_set_sync(dt_parallel *par, int sync) { ((dt_ddp *)par)->sync = sync; }
 void dt_ddp_sync_grads(dt_ddp *ddp) { dt_parallel_backward_done(&ddp->par); }
 
 dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
@@ -7296,7 +7323,7 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
         dt_fail("out of memory (DDP)");
     d->par = (dt_parallel){ .create_fn = "dt_ddp_create", .sync_fn = "dt_ddp_sync_grads", .free_fn = "dt_ddp_free",
                             .grad_ready = bucket_mb > 0 ? dt__ddp_grad_ready : NULL,
-                            .backward_done = dt__ddp_backward_done,
+                            .backward_done = dt__ddp_backward_done, .set_sync = dt__ddp_set_sync,
                             .inner = model->parallel };          /* around tensor parallelism: its pieces */
     dt__data_parallel_can_wrap(&d->par, comm, 0);
     dt_model_set_parallel(model, &d->par);
@@ -7317,7 +7344,8 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
             b->first = i;
             b->offset = model->params[i].data - model->flat_data;
             b->count = model->params[b->last].data + model->params[b->last].numel - model->params[i].data;
-            b->pending = b->last - b->first + 1;
+            for (int j = i; j <= b->last; j++) b->held += model->params[j].numel > 0;
+            b->pending = b->held;
             d->nbuckets++;
             bytes = 0;
         }
@@ -7451,7 +7479,8 @@ static void dt__fsdp_point(dt_fsdp *f, dt__fsdp_unit *u, int grads, void *buf) {
    in the same order, so the collectives pair up. */
 static void dt__fsdp_gather_start(dt_fsdp *f, int k) {
     dt__fsdp_unit *u = &f->units[k];
-    if (f->mode != DT_SHARD_FULL || u->full || u->gathering) return;        /* there already, or on its way */
+    if (f->mode != DT_SHARD_FULL || u->full || u->gathering || !u->numel) return;   /* there already, on its way, or */
+                                                                                    /* another pipeline stage's */
     int slot = dt__fsdp_slot(f, k);
     if (f->holder[slot] >= 0)
         dt_fail("internal: FSDP gathers unit %d while unit %d still holds its buffer", k, f->holder[slot]);
@@ -7486,6 +7515,7 @@ static void dt__fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only
 static void dt__fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
     dt__fsdp_unit *u = &f->units[k];
     dt_device dev = f->model->device;
+    if (!u->numel) return;                          /* another pipeline stage's: nothing here, nor on the peers */
     float *mine = f->scattered, *dst = f->shard_grads + u->shard_offset;
     double t0 = dt_now_ms();
     if (f->reduce_dtype == DT_F32) dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
@@ -7510,7 +7540,7 @@ static void dt__fsdp_before_unit_backward(dt__tape_entry *e) {
     dt_fsdp *f = (dt_fsdp *)e->saved;
     dt__fsdp_unit *u = &f->units[e->iarg[0]];
     dt__fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1);             /* gathered again; the one before on its way */
-    if (f->mode != DT_SHARD_OPTIMIZER) {
+    if (f->mode != DT_SHARD_OPTIMIZER && !u->full_grad) {           /* (the outer unit's stays all step) */
         if (f->accum) u->full_grad = f->accum + u->accum_offset;     /* adds to the micro-batches before */
         else {                                                       /* backward adds into it: zeroed */
             u->full_grad = e->iarg[0] == f->model->outer_unit ? f->outer_grad : f->gathered_grad;
@@ -7523,6 +7553,10 @@ static void dt__fsdp_after_unit_backward(dt__tape_entry *e) {
     dt_fsdp *f = (dt_fsdp *)e->saved;
     dt__fsdp_unit *u = &f->units[e->iarg[0]];
     if (f->mode == DT_SHARD_OPTIMIZER) return;                                  /* all at once, after backward */
+    if (e->iarg[0] == f->model->outer_unit) {   /* whole until the step's backward is done: a pipeline's */
+        dt__fsdp_release_unit(f, e->iarg[0]);   /* micro-batches add into it, and a tied vocabulary's */
+        return;                                 /* two ends are added up before it is sharded */
+    }
     if (f->sync) {                                                              /* no-sync: it stays in accum */
         dt__fsdp_reduce_scatter_unit(f, e->iarg[0]);
         if (f->accum) dt__zero_on(f->model->device, u->full_grad, dt__fsdp_full_bytes(f, u));
@@ -7685,13 +7719,21 @@ void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype) {
     fsdp->scattered16 = dt_alloc_on(dev, DT_ARENA_COMM, fsdp->largest_shard / 2);
 }
 
+/* After backward: ZeRO-1 reduce-scatters every unit now; ZeRO-2 and -3 the
+   outer unit (the others went during backward). First, what the wrappers
+   inside add up across their own groups (a tied vocabulary's two ends). */
 static void dt__fsdp_backward_done(dt_parallel *par) {
     dt_fsdp *f = (dt_fsdp *)par;
-    if (f->mode != DT_SHARD_OPTIMIZER || !f->sync) return;   /* reduce-scattered during backward, or accumulating */
+    if (!f->sync) return;                                    /* accumulating */
+    dt__data_parallel_sum_shared(par);
     for (int k = f->nunits - 1; k >= 0; k--) {
         dt__fsdp_unit *u = &f->units[k];
+        if (!u->numel || !u->full_grad || (f->mode != DT_SHARD_OPTIMIZER && k != f->model->outer_unit)) continue;
         dt__fsdp_reduce_scatter_unit(f, k);
         dt__zero_on(f->model->device, u->full_grad, dt__fsdp_full_bytes(f, u));
+        if (f->mode == DT_SHARD_OPTIMIZER) continue;         /* ZeRO-1 keeps its whole gradients */
+        u->full_grad = NULL;
+        dt__fsdp_point(f, u, 1, NULL);
     }
 }
 
@@ -7705,6 +7747,7 @@ static void dt__fsdp_step_done(dt_parallel *par) {
     for (int k = 0; k < f->nunits; k++) {
         dt__fsdp_unit *u = &f->units[k];
         double t0 = dt_now_ms();
+        if (!u->numel) continue;
         dt_all_gather(f->comm, dt__fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
         dt__record_comm("all_gather parameters", t0, dt_now_ms(), 0);
     }
@@ -7798,9 +7841,7 @@ struct dt_tp {
     int size, rank;             /* T, and this rank's piece */
     int sequence_parallel;
     /* (the group's share of the data is par's data_rank of data_ranks, where dt_evaluate reads it) */
-    double sums, sum_bytes;     /* the sums of this step so far (an all-gather or a reduce-scatter: half a sum) ... */
-    double step_sums, step_sum_bytes;    /* ... and of the last step: what the cost model counts */
-    double sum_ms, step_sum_ms;
+    double step_sums, step_sum_bytes, step_sum_ms;   /* the last step's sums (par's: this step's so far) */
     /* The model as it was before the cut: its parameters' whole shapes and
        offsets, no buffers. Checkpoints are laid out by it (the checkpoints chapter). */
     dt_model whole;
@@ -7812,9 +7853,9 @@ static void dt__tp_count(dt_tp *t, const char *what, double t0, double sums, dou
     double t1 = dt_now_ms();
     dt__record_comm(what, t0, t1, 0);
     if (!dt__ctx.grad_enabled) return;
-    t->sum_ms += t1 - t0;
-    t->sums += sums;
-    t->sum_bytes += bytes;
+    t->par.tp_sum_ms += t1 - t0;
+    t->par.tp_sums += sums;
+    t->par.tp_sum_bytes += bytes;
 }
 static void dt__tp_sum(dt_parallel *par, float *values, int64_t n) {
     dt_tp *t = (dt_tp *)par;
@@ -7842,11 +7883,10 @@ static void dt__sp_reduce_scatter(dt_parallel *par, const float *all, float *min
 }
 static void dt__tp_step_done(dt_parallel *par) {
     dt_tp *t = (dt_tp *)par;
-    t->step_sums = t->sums;
-    t->step_sum_bytes = t->sum_bytes;
-    t->step_sum_ms = t->sum_ms;
-    t->sums = t->sum_bytes = 0;
-    t->sum_ms = 0;
+    t->step_sums = t->par.tp_sums;
+    t->step_sum_bytes = t->par.tp_sum_bytes;
+    t->step_sum_ms = t->par.tp_sum_ms;
+    t->par.tp_sums = t->par.tp_sum_bytes = t->par.tp_sum_ms = 0;
 }
 static void dt__tp_sum_over_ranks(dt_parallel *par, float *values, int n) {
     dt__comm_all_reduce_host(((dt_tp *)par)->group, values, n, DT_SUM);
@@ -7996,7 +8036,7 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
                            sp.align > 1 ? "--heads (and llama's --kv-heads) must be a multiple of --tp"
                                         : "--dim and the MLP's width must be multiples of --tp");
     }
-    if (!cuts)
+    if (!cuts && tp > 1)
         dt_usage_error("--model %s: no layer of this model is split by tensor parallelism (the mlp needs --depth 2 or more)",
                        dt__model_kind_name(model->cfg.kind));
     dt_tp *t = (dt_tp *)calloc(1, sizeof *t);
@@ -8035,7 +8075,7 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
 void dt_tp_free(dt_tp *tp) {
     if (!tp) return;
     if (tp->model->parallel && tp->model->parallel != &tp->par)   /* (a pipeline has let go of the model already) */
-        dt_fail("dt_tp_free: a data-parallel engine still wraps the model it cut; call %s first", tp->model->parallel->free_fn);
+        dt_fail("dt_tp_free: another wrapper still wraps the model it cut; call %s first", tp->model->parallel->free_fn);
     dt_model_set_parallel(tp->model, NULL);
     tp->model->left_cut_by = "dt_tp_free";     /* the pieces stay: the model can only be freed now */
     dt_mesh_free(tp->mesh);
@@ -8098,12 +8138,11 @@ struct dt_pp {
     dt_mesh *mesh;
     dt_comm *pipe, *across;     /* the stages of one pipeline ("pp"), and the data-parallel pipelines ("dp") */
     dt_comm *ends;              /* the first and the last stage (a tied vocabulary), or NULL */
-    dt_tp *tp;                  /* with --tp: the tensor-parallel wrapper that split the blocks' layers, or NULL */
     dt_comm *to_next, *from_next, *to_prev, *from_prev;   /* one way each: activations on, gradients back */
     int stages, stage, micro_batches;
     dt_pp_schedule schedule;
     int *first_block;           /* stage s runs blocks [first_block[s], first_block[s + 1]) */
-    dt_model whole;             /* the model before the cut into stages (with --tp: its pieces of every stage) */
+    dt_model whole;             /* the model before the cut into stages (around --tp: its pieces of every stage) */
     /* Per micro-batch slot: an arena pair, taken by a forward, given back
        after its backward (slots: as many as were ever alive at once). */
     dt__step_arena (*arenas)[2];
@@ -8118,18 +8157,10 @@ struct dt_pp {
        busiest stage's (which sets the pace). */
     double busy_ms, idle_ms, step_ms;
     double pipe_busy_ms, pipe_idle_ms, pipe_step_ms, pipe_busiest_ms;
-    double pipe_tp_sums, pipe_tp_sum_ms, pipe_tp_sum_bytes;   /* with --tp: the stages' layer sums, their time and bytes */
+    double pipe_tp_sums, pipe_tp_sum_ms, pipe_tp_sum_bytes;   /* around --tp: the stages' layer sums, their time and bytes */
     double act_bytes;           /* one micro-batch's activation, sent on */
     double kept_peak, kept_micro;
     int kept_micro_batches;     /* the most micro-batches alive at once */
-    /* --shard optimizer (ZeRO-1 over the pipelines, D > 1): this rank steps
-       [zero_lo, zero_hi) of its stage's flat buffer, a chunk of
-       zero_chunk = ceil(numel / D); zero_grads, that slice of the average
-       gradient; zero_buf, the whole buffer padded to D chunks for the
-       collectives. */
-    int zero1;
-    int64_t zero_lo, zero_hi, zero_chunk;
-    float *zero_grads, *zero_buf;
 };
 
 static int dt__pp_holds(const dt_pp *p, int stage, int i) {
@@ -8322,6 +8353,8 @@ static void dt__pp_backward_one(dt_pp *pp, dt__pp_step *st, int i) {
         dt_upload(dt_grad(u->out), &seed, sizeof seed);
     } else
         dt__pp_take(pp, pp->from_next, 1, pp->inbox_g, &pp->recv_g, dt_grad(u->out), st->act_n, st->t, st->backwards + 1 < st->M);
+    for (dt_parallel *q = pp->model->parallel; q != &pp->par; q = q->inner)   /* an engine around: the last one syncs */
+        if (q->set_sync) q->set_sync(q, st->backwards == st->M - 1);
     double t0 = dt_now_ms();
     dt__backward_span(u->out, u->tape_lo, u->tape_hi);
     dt_comm_handle sent_back = pp->stage > 0 ? dt_send_async(pp->to_prev, dt_grad(u->in), st->act_n, st->t, 0) : 0;
@@ -8381,7 +8414,6 @@ dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch) {
     if (!last) pp->recv_g = dt_recv_async(pp->from_next, pp->inbox_g, st.act_n, st.t, 1);
     double t_start = dt_now_ms();
     pp->busy_ms = pp->idle_ms = 0;
-    if (pp->tp) pp->tp->sums = pp->tp->sum_ms = pp->tp->sum_bytes = 0;   /* an evaluation's since are not the step's */
     pp->kept_peak = pp->kept_micro = 0;
     pp->kept_micro_batches = 0;
     for (int k = 0; k < nactions; k++) {
@@ -8402,12 +8434,10 @@ dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch) {
     }
     pp->step_ms = t_end - t_start;
     /* the stages' times, and the sums their split layers waited for (the
-       tensor-parallel wrapper counts a step's; its count starts again here) */
+       tensor-parallel wrapper counts a step's, from its step's start) */
+    dt_parallel *split = dt_parallel_splitting(pp->par.inner);
     float sums[6] = { (float)pp->busy_ms, (float)pp->idle_ms, (float)pp->step_ms, 0, 0, 0 }, busiest = (float)pp->busy_ms;
-    if (pp->tp) {
-        sums[3] = (float)pp->tp->sums; sums[4] = (float)pp->tp->sum_ms; sums[5] = (float)pp->tp->sum_bytes;
-        pp->tp->sums = pp->tp->sum_ms = pp->tp->sum_bytes = 0;
-    }
+    if (split) { sums[3] = (float)split->tp_sums; sums[4] = (float)split->tp_sum_ms; sums[5] = (float)split->tp_sum_bytes; }
     dt__comm_all_reduce_host(pp->pipe, sums, 6, DT_SUM);
     dt__comm_all_reduce_host(pp->pipe, &busiest, 1, DT_MAX);
     pp->pipe_busy_ms = sums[0]; pp->pipe_idle_ms = sums[1]; pp->pipe_step_ms = sums[2]; pp->pipe_busiest_ms = busiest;
@@ -8420,89 +8450,48 @@ dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch) {
 
 /* The batch's loss is the last stage's; the gradients of a tied vocabulary
    are the first stage's (the embedding) plus the last's (the head). */
+static void dt__pp_sum_tied(dt_parallel *par) {
+    dt_pp *p = (dt_pp *)par;
+    dt_model *m = p->model;
+    if (!p->ends) return;
+    double t0 = dt_now_ms();
+    for (int i = 0; i < m->nparams; i++)
+        if (m->splits[i].tied) dt_all_reduce(p->ends, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
+    dt__record_comm("all_reduce tied", t0, dt_now_ms(), 0);
+}
+/* Unwrapped, there is one pipeline and nothing to average; wrapped, the
+   engine has summed the tied gradients (sum_shared_grads) when they were whole. */
 static void dt__pp_backward_done(dt_parallel *par) {
-    dt_pp *p = (dt_pp *)par;
-    dt_model *m = p->model;
-    if (p->ends) {
-        double t0 = dt_now_ms();
-        for (int i = 0; i < m->nparams; i++)
-            if (m->splits[i].tied) dt_all_reduce(p->ends, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
-        dt__record_comm("all_reduce tied", t0, dt_now_ms(), 0);
-    }
-    if (p->par.data_ranks == 1) return;
-    double t0 = dt_now_ms();
-    if (p->zero1) {                         /* each pipeline keeps its slice of the average */
-        size_t bytes = (size_t)m->numel * sizeof(float), padded = (size_t)(p->zero_chunk * p->par.data_ranks) * sizeof(float);
-        dt_convert(m->flat_grad, DT_F32, p->zero_buf, DT_F32, m->numel);
-        dt__zero_on(m->device, (char *)p->zero_buf + bytes, padded - bytes);
-        dt_reduce_scatter(p->across, p->zero_buf, p->zero_grads, p->zero_chunk, DT_F32, DT_AVG);
-        dt__zero_on(m->device, m->flat_grad, bytes);   /* the next step's backward adds into it */
-        dt__record_comm("reduce_scatter dp", t0, dt_now_ms(), 0);
-    } else {
-        dt_all_reduce(p->across, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_AVG);
-        dt__record_comm("all_reduce dp", t0, dt_now_ms(), 0);
-    }
-    dt__ctx.grad_collectives++;
+    if (((dt_pp *)par)->model->parallel == par) dt__pp_sum_tied(par);
 }
-/* ZeRO-1: after the optimizer stepped this rank's slice, every pipeline's
-   slices to every pipeline, so each holds its stage whole again. */
-static void dt__pp_step_done(dt_parallel *par) {
-    dt_pp *p = (dt_pp *)par;
-    if (!p->zero1) return;
-    dt_model *m = p->model;
-    double t0 = dt_now_ms();
-    float *mine = p->zero_buf + p->zero_chunk * p->par.data_rank;     /* sent from its place in the padded buffer */
-    dt_convert(m->flat_data + p->zero_lo, DT_F32, mine, DT_F32, p->zero_hi - p->zero_lo);
-    dt_all_gather(p->across, mine, p->zero_buf, p->zero_chunk, DT_F32);
-    dt_convert(p->zero_buf, DT_F32, m->flat_data, DT_F32, m->numel);
-    dt__record_comm("all_gather parameters", t0, dt_now_ms(), 0);
+void dt_pp_sync_grads(dt_pp *pp) {
+    if (pp->model->parallel != &pp->par)
+        dt_fail("dt_pp_sync_grads: %s wraps this model; call %s, which syncs this one too", pp->model->parallel->create_fn,
+                pp->model->parallel->sync_fn);
+    if (pp->par.data_ranks > 1)
+        dt_fail("dt_pp_sync_grads: %d pipelines each hold the same stages, and nothing averages their gradients; wrap the "
+                "model in a data-parallel engine over dt_pp_data_group (dt_data_parallel_create) and sync that",
+                pp->par.data_ranks);
+    dt_parallel_backward_done(&pp->par);
 }
-void dt_pp_sync_grads(dt_pp *pp) { dt_parallel_backward_done(&pp->par); }
+dt_comm *dt_pp_data_group(const dt_pp *pp) { return pp->across; }
 int dt_pp_data_rank(const dt_pp *pp) { return pp->par.data_rank; }
 int dt_pp_data_ranks(const dt_pp *pp) { return pp->par.data_ranks; }
 
 /* Each stage steps what it holds; the gradient norm adds up the stages'
-   parts, the tied vocabulary counted once (at the first stage). */
+   parts, the tied vocabulary counted once (at the first stage), and around
+   tensor parallelism a whole parameter once per group (the view inside). */
 static void dt__pp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
     dt_pp *p = (dt_pp *)par;
     dt_model *m = p->model;
-    dt__optimizer_view_all(o, m);
-    for (int i = 0; i < m->nparams; i++)      /* with --tp, a whole parameter is counted at the group's first rank too */
-        o->slices[i].copy = (p->stage > 0 && m->splits[i].tied) || (p->tp && p->tp->rank > 0 && m->splits[i].dim < 0);
+    if (par->inner && par->inner->optimizer_view) par->inner->optimizer_view(par->inner, o);   /* a slice per parameter */
+    else dt__optimizer_view_all(o, m);
+    for (int i = 0; i < m->nparams; i++) o->slices[i].copy |= p->stage > 0 && m->splits[i].tied;
     o->sharded_by = par;
-    if (!p->zero1) return;
-    /* ZeRO-1: only this rank's slice, each parameter's part of it a slice */
-    o->params = m->flat_data + p->zero_lo; o->grads = p->zero_grads; o->numel = p->zero_hi - p->zero_lo;
-    int n = 0;
-    for (int i = 0; i < m->nparams; i++) {
-        int64_t a = o->slices[i].offset, b = a + o->slices[i].length;
-        if (a < p->zero_lo) a = p->zero_lo;
-        if (b > p->zero_hi) b = p->zero_hi;
-        if (b <= a) continue;
-        o->slices[n] = o->slices[i];
-        o->slices[n].offset = a - p->zero_lo;
-        o->slices[n++].length = b - a;
-    }
-    o->nslices = n;
 }
 static void dt__pp_sum_over_ranks(dt_parallel *par, float *values, int n) {
-    dt_pp *p = (dt_pp *)par;
-    dt__comm_all_reduce_host(p->pipe, values, n, DT_SUM);
-    if (p->tp) dt__comm_all_reduce_host(p->tp->group, values, n, DT_SUM);
-    if (p->zero1) dt__comm_all_reduce_host(p->across, values, n, DT_SUM);   /* each pipeline holds a slice */
-}
-/* The layers' sums, passed on to the tensor-parallel wrapper inside. */
-static void dt__pp_tp_sum(dt_parallel *par, float *values, int64_t n) {
-    dt_parallel *inner = &((dt_pp *)par)->tp->par;
-    inner->tp_sum(inner, values, n);
-}
-static void dt__pp_tp_max(dt_parallel *par, float *values, int64_t n) {
-    dt_parallel *inner = &((dt_pp *)par)->tp->par;
-    inner->tp_max(inner, values, n);
-}
-static void dt__pp_tp_all_gather(dt_parallel *par, const float *mine, float *all, int64_t n) {
-    dt_parallel *inner = &((dt_pp *)par)->tp->par;
-    inner->tp_all_gather(inner, mine, all, n);
+    dt__comm_all_reduce_host(((dt_pp *)par)->pipe, values, n, DT_SUM);
+    if (par->inner && par->inner->sum_over_ranks) par->inner->sum_over_ranks(par->inner, values, n);   /* the tensor group's parts */
 }
 
 /* Evaluation and generation: the batch down the pipeline at once (no
@@ -8530,7 +8519,7 @@ static dt_tensor *dt__pp_forward(dt_parallel *par, dt_tensor *inputs) {
     if (!last) {
         int shape[2] = { inputs->shape[0] * (dt_model_is_language(m->cfg.kind) ? (int)dt_tensor_cols(inputs) : 1), (int)cols };
         y = dt__tensor_alloc(2, shape, t);
-        if ((int)cols != m->cfg.classes) y->parallel = par;   /* dt_logits_to_host gathers them over the group */
+        if ((int)cols != m->cfg.classes) y->parallel = dt_parallel_splitting(par);   /* dt_logits_to_host gathers them */
     }
     dt_broadcast(p->pipe, y->data, y->numel, t, p->stages - 1);
     return y;
@@ -8549,22 +8538,20 @@ static void dt__pp_pair(dt_pp *p, int round, dt_comm **with_next, dt_comm **with
     else *with_prev = c;
 }
 
-dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_batches, dt_pp_schedule schedule,
-                    dt_shard_mode shard) {
+dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int micro_batches, dt_pp_schedule schedule) {
     int world = dt_comm_size(comm);
     char v[64];
-    snprintf(v, sizeof v, "%d %d %d %d %d", pp, tp, micro_batches, (int)schedule, (int)shard);
-    dt_comm_check_agree(comm, "--pp --tp --micro-batches --schedule --shard", v);
-    if (shard != DT_SHARD_NONE && shard != DT_SHARD_OPTIMIZER)
-        dt_usage_error("--shard %s: a pipeline shares out only its optimizer state over the data-parallel pipelines (--shard "
-                       "optimizer, ZeRO-1): its micro-batches' gradients add up whole until the step's last backward, and each "
-                       "stage runs its parameters M times a step", shard == DT_SHARD_GRADS ? "grads" : "full");
-    if (tp <= 0) tp = 1;
-    if (world % tp) dt_usage_error("--tp %d does not divide the job's %d ranks", tp, world);
-    if (pp <= 0) pp = world / tp;
-    if ((world / tp) % pp)
+    snprintf(v, sizeof v, "%d %d %d", pp, micro_batches, (int)schedule);
+    dt_comm_check_agree(comm, "--pp --micro-batches --schedule", v);
+    if (model->parallel && (!model->parallel->whole || model->parallel->forward))   /* DDP, FSDP, a pipeline: outside it */
+        dt_fail("dt_pp_create: %s already wraps this model; a pipeline cuts the model first (or after tensor parallelism), "
+                "and a data-parallel engine wraps it after", model->parallel->create_fn);
+    const dt_parallel *split = dt_parallel_splitting(model->parallel);      /* comm: one rank of each tensor group */
+    const char *over = split ? " over --tp" : "";
+    if (pp <= 0) pp = world;
+    if (world % pp)
         dt_usage_error("--pp %d does not divide the job's %d ranks%s (the ranks form pipelines of --pp stages%s, data parallel "
-                       "across them)", pp, world, tp > 1 ? " over --tp" : "", tp > 1 ? " of --tp ranks each" : "");
+                       "across them)", pp, world * (split ? split->tp_size : 1), over, split ? " of --tp ranks each" : "");
     if (micro_batches < 1) dt_usage_error("--micro-batches %d: a step needs at least one", micro_batches);
     if ((int)schedule < 0 || (int)schedule >= (int)(sizeof dt__pp_schedules / sizeof dt__pp_schedules[0]))
         dt_fail("dt_pp_create: schedule %d is not one dtrain knows", (int)schedule);
@@ -8576,25 +8563,17 @@ dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_ba
     dt_pp *p = (dt_pp *)calloc(1, sizeof *p);
     if (!p) dt_fail("out of memory (pipeline parallelism)");
     p->par = (dt_parallel){ .create_fn = "dt_pp_create", .sync_fn = "dt_pp_sync_grads", .free_fn = "dt_pp_free",
-                            .backward_done = dt__pp_backward_done, .optimizer_view = dt__pp_optimizer_view,
-                            .sum_over_ranks = dt__pp_sum_over_ranks, .forward = dt__pp_forward,
-                            .step_done = dt__pp_step_done };
+                            .backward_done = dt__pp_backward_done, .sum_shared_grads = dt__pp_sum_tied,
+                            .optimizer_view = dt__pp_optimizer_view, .sum_over_ranks = dt__pp_sum_over_ranks,
+                            .forward = dt__pp_forward,
+                            .inner = model->parallel };       /* around tensor parallelism: its pieces, cut into stages */
+    dt_model_set_parallel(model, &p->par);
     dt__comm_hold(comm, "dt_pp_free");
     p->model = model;
     p->comm = comm;
-    int sizes[3] = { world / (pp * tp), pp, tp };
-    const char *names[3] = { "dp", "pp", "tp" };
-    p->mesh = dt_mesh_create(comm, 3, sizes, names);
-    if (tp > 1) {           /* every block's layers split over the "tp" group first, as stage 06 does */
-        p->tp = dt_tp_create(model, dt_mesh_comm(p->mesh, "tp"), tp, 0);
-        dt_model_set_parallel(model, NULL);   /* the pipeline wraps the model, and passes its layers' sums on */
-        p->par.tp_sum = dt__pp_tp_sum;
-        p->par.tp_max = dt__pp_tp_max;
-        p->par.tp_all_gather = dt__pp_tp_all_gather;
-        p->par.tp_rank = p->tp->rank;
-        p->par.tp_size = tp;
-    }
-    dt_model_set_parallel(model, &p->par);
+    int sizes[2] = { world / pp, pp };
+    const char *names[2] = { "dp", "pp" };
+    p->mesh = dt_mesh_create(comm, 2, sizes, names);
     p->pipe = dt_mesh_comm(p->mesh, "pp");
     p->across = dt_mesh_comm(p->mesh, "dp");
     p->stages = pp;
@@ -8602,12 +8581,12 @@ dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_ba
     p->micro_batches = micro_batches;
     p->schedule = schedule;
     p->par.data_rank = dt_mesh_coord(p->mesh, "dp");
-    p->par.data_ranks = world / (pp * tp);
+    p->par.data_ranks = world / pp;
     p->first_block = (int *)malloc(sizeof(int) * (size_t)(pp + 1));
     if (!p->first_block) dt_fail("out of memory (pipeline parallelism)");
     dt__pp_balance(model, pp, p->first_block);
     dt__model_cut(model, &p->whole, dt__pp_cut_shape, dt__pp_scatter, p);
-    p->par.whole = p->tp ? &p->tp->whole : &p->whole;      /* what checkpoints hold: the model whole */
+    p->par.whole = p->par.inner ? p->par.inner->whole : &p->whole;   /* what checkpoints hold: the model whole */
     for (int round = 0; round < 2 && pp > 1; round++) {      /* activations on, then gradients back */
         dt__pp_pair(p, round, &p->to_next, &p->from_prev);
         dt__pp_pair(p, round, &p->from_next, &p->to_prev);
@@ -8619,36 +8598,19 @@ dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_ba
         p->ends = dt_comm_split(p->pipe, end ? 0 : 1 + p->stage, p->stage);
         if (!end) { dt_comm_free(p->ends); p->ends = NULL; }
     }
-    if (p->par.data_ranks > 1) dt_broadcast(p->across, model->flat_data, model->numel, DT_F32, 0);   /* every pipeline starts alike */
-    p->zero1 = shard == DT_SHARD_OPTIMIZER && p->par.data_ranks > 1;   /* one pipeline: nothing to share out */
-    if (p->zero1) {
-        int D = p->par.data_ranks;
-        p->zero_chunk = (model->numel + D - 1) / D;
-        p->zero_lo = p->zero_chunk * p->par.data_rank;
-        if (p->zero_lo > model->numel) p->zero_lo = model->numel;
-        p->zero_hi = p->zero_lo + p->zero_chunk < model->numel ? p->zero_lo + p->zero_chunk : model->numel;
-        p->zero_grads = (float *)dt_alloc_on(model->device, DT_ARENA_GRADS, (size_t)p->zero_chunk * sizeof(float) + 4);
-        p->zero_buf = (float *)dt_alloc_on(model->device, DT_ARENA_COMM, (size_t)(p->zero_chunk * D) * sizeof(float) + 4);
-        dt__zero_on(model->device, p->zero_grads, (size_t)p->zero_chunk * sizeof(float));
-    }
     return p;
 }
 
 void dt_pp_free(dt_pp *pp) {
     if (!pp) return;
-    dt_model_set_parallel(pp->model, NULL);
+    dt__data_parallel_unwrap(pp->model, &pp->par);        /* the wrapper inside, if any, holds the model again */
     dt_comm *mine[5] = { pp->ends, pp->to_next, pp->from_next, pp->to_prev, pp->from_prev };
     for (int k = 0; k < 5; k++) if (mine[k]) dt_comm_free(mine[k]);
-    dt_tp_free(pp->tp);
-    pp->model->left_cut_by = "dt_pp_free";     /* each rank keeps its stage: the model can only be freed now */
+    if (!pp->par.inner) pp->model->left_cut_by = "dt_pp_free";   /* each rank keeps its stage: the model can only be freed now */
     for (int k = 0; k < pp->nslots; k++) dt__step_arena_free(pp->arenas[k]);
     free(pp->arenas);
     dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_x, pp->inbox_bytes);
     dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_g, pp->inbox_bytes);
-    if (pp->zero1) {
-        dt_free_on(pp->model->device, DT_ARENA_GRADS, pp->zero_grads, (size_t)pp->zero_chunk * sizeof(float) + 4);
-        dt_free_on(pp->model->device, DT_ARENA_COMM, pp->zero_buf, (size_t)(pp->zero_chunk * pp->par.data_ranks) * sizeof(float) + 4);
-    }
     dt_mesh_free(pp->mesh);
     dt__comm_release(pp->comm);
     free(pp->first_block);
@@ -13268,16 +13230,17 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
         double sums = T > 1 ? K * in->tp_sums * stage * dt_cost_all_reduce_ms(l, T, in->tp_bytes) : 0;   /* ... its sums */
         double hop = n > 1 ? lat + in->pp_bytes / (l->bandwidth_gbs * 1e9) * 1e3 : 0;
         double grads = in->params * stage * kept * in->reduce_bytes;
+        double zero = in->dp_shard == 3 ? 1.5 * M : in->dp_shard == 2 ? (M + 1) / 2.0 : 1;   /* times DDP's average */
         /* the turns of the bubble, with their sums, count with compute, as
            the turns of the fill and the drain always have */
-        p.compute_ms = (M + n - 1) * turn + (n - 1) * sums + in->optimizer_ms * slow * stage * kept / (in->pp_zero1 ? D : 1);
+        p.compute_ms = (M + n - 1) * turn + (n - 1) * sums + in->optimizer_ms * slow * stage * kept / (in->dp_shard ? D : 1);
         /* every message but those of the fill and the drain arrives while
            the stage computes (its receive is posted early); the layers'
            sums stand in each turn, where nothing hides them */
-        p.comm_ms = M * sums + 2 * M * hop + dt_cost_all_reduce_ms(l, D, grads);
-        p.exposed_ms = M * sums + 2 * (n - 1) * hop + dt_cost_all_reduce_ms(l, D, grads);
+        p.comm_ms = M * sums + 2 * M * hop + zero * dt_cost_all_reduce_ms(l, D, grads);
+        p.exposed_ms = M * sums + 2 * (n - 1) * hop + zero * dt_cost_all_reduce_ms(l, D, grads);
         p.bytes = (n > 1 ? 2 * M * in->pp_bytes * (n - 1) / n : 0) + 2.0 * (T - 1) / T * M * K * in->tp_sums * stage * in->tp_bytes +
-                  2.0 * (D - 1) / D * grads;
+                  zero * 2.0 * (D - 1) / D * grads;
         p.bubble = (double)(n - 1) / (M + n - 1);
         p.step_ms = p.compute_ms + p.exposed_ms;
         p.speedup = p.step_ms > 0 ? D * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
@@ -13477,10 +13440,10 @@ static const dt__flag dt__flags[] = {
     { "--nproc", "234567", "N", "02: devices driven by this one process; 03-07: ranks started on this machine (default 1)", DT_ARG_INT,
       DT_CFG(nproc), NULL, DT_RANGE(1, DT_MAX_RANKS) },
     { "--shard", "4567", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default);\n"
-      "                          06: FSDP over the data-parallel groups, around the split layers (default: none, DDP);\n"
-      "                          07: optimizer only, over the data-parallel pipelines (default: none)",
+      "                          06, 07: FSDP over the data-parallel groups, around the split layers or the pipelines\n"
+      "                          (default: none, DDP)",
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full", DT_NOT_A_NUMBER },
-    { "--cpu-offload", "456", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
+    { "--cpu-offload", "4567", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
       DT_CFG(cpu_offload), NULL, DT_NOT_A_NUMBER },
     { "--recompute", "1234567", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
@@ -13518,7 +13481,7 @@ static const dt__flag dt__flags[] = {
     { "--schedule", "7", "gpipe|1f1b", "pipeline parallelism: every forward then every backward (gpipe), or each backward as\n"
       "                          soon as it can run (1f1b, the default: at most --pp micro-batches' activations kept)",
       DT_ARG_CHOICE, DT_CFG(schedule), "gpipe|1f1b", DT_NOT_A_NUMBER },
-    { "--bucket-mb", "36", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
+    { "--bucket-mb", "367", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL, DT_MIN(0) },
     { "--comm", "34567", "shm|nccl|mpi|auto", "the ranks' transport: shared memory (one machine), NCCL (GPUs), MPI (CPUs on\n"
       "                          several machines, under mpirun or srun --mpi=pmix); default auto: NCCL on GPUs, else shm,\n"
@@ -13833,6 +13796,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         c.accum_steps = 1;
     }
     if (dt__stage_takes(stage, "--tp") && !dt__given(given, "--shard")) c.shard = DT_SHARD_NONE;   /* 06, 07: DDP's */
+    if (dt__stage_takes(stage, "--pp") && !dt__given(given, "--tp")) c.tp = 1;      /* 07: whole layers in each stage */
     if (dt__stage_takes(stage, "--micro-batches") && c.dtype == DT_F16)
         dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which the pipeline does not carry from stage to "
                        "stage; use --dtype bf16, whose range is f32's");
@@ -14657,6 +14621,7 @@ static float *dt__fsdp_state_gather(dt_fsdp *f, const float *shards) {
     if (!host) dt_fail("out of memory (gathering a sharded checkpoint)");
     for (int k = 0; k < f->nunits; k++) {
         dt__fsdp_unit *u = &f->units[k];
+        if (!u->numel) continue;
         float *full = (float *)dt_alloc_on(dev, DT_ARENA_COMM, dt__fsdp_full_bytes(f, u));
         dt_all_gather(f->comm, dt__fsdp_shard_on_device(f, shards, k), full, u->shard, DT_F32);
         dt__download_from(dev, host + u->offset, full, (size_t)u->numel * sizeof(float));
@@ -14683,7 +14648,7 @@ static float *dt__fsdp_to_whole(dt_fsdp *f, const dt_parallel_report *in, dt_par
     float *local = (float *)dt_alloc_on(dev, DT_ARENA_COMM, bytes);
     dt__upload_to(dev, local, pieces, bytes);
     free(pieces);
-    float *whole = in->whole_from_local(who, local);
+    float *whole = in->whole_from_local(who, f->model, local);
     dt_free_on(dev, DT_ARENA_COMM, local, bytes);
     return whole;
 }
@@ -14692,7 +14657,7 @@ static float *dt__fsdp_from_whole(dt_fsdp *f, const dt_parallel_report *in, dt_p
     size_t bytes = (size_t)f->model->numel * sizeof(float);
     float *local = (float *)dt_alloc_on(dev, DT_ARENA_COMM, bytes), *pieces = (float *)malloc(bytes + 1);
     if (!pieces) dt_fail("out of memory (a checkpoint's pieces)");
-    in->local_from_whole(who, whole, local);
+    in->local_from_whole(who, f->model, whole, local);
     dt__download_from(dev, pieces, local, bytes);
     dt_free_on(dev, DT_ARENA_COMM, local, bytes);
     return pieces;
@@ -14965,15 +14930,15 @@ static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
     fflush(stdout);
 }
 
-/* For a data-parallel engine around this one: the same, from and into a
-   state laid out as this rank's pieces. */
-static float *dt__tp_whole_from_local(dt_parallel *par, float *local) {
+/* For a wrapper around this one: the same, from and into a state laid out
+   as this rank's pieces (`layout`: the model, or a pipeline's stages
+   composed). */
+static float *dt__tp_whole_from_local(dt_parallel *par, const dt_model *layout, float *local) {
     dt_tp *t = (dt_tp *)par;
-    return t->par.data_rank == 0 ? dt__tp_state_gather(t, t->model, local) : NULL;
+    return t->par.data_rank == 0 ? dt__tp_state_gather(t, layout, local) : NULL;
 }
-static void dt__tp_local_from_whole(dt_parallel *par, float *whole, float *local) {
-    dt_tp *t = (dt_tp *)par;
-    dt__tp_state_scatter(t, t->model, whole, local);
+static void dt__tp_local_from_whole(dt_parallel *par, const dt_model *layout, float *whole, float *local) {
+    dt__tp_state_scatter((dt_tp *)par, layout, whole, local);
 }
 
 const dt_parallel_report dt__tp_report = {
@@ -15025,23 +14990,41 @@ static float *dt__pp_state_gather(dt_pp *p, float *local) {
     return whole;
 }
 
-/* ZeRO-1's optimizer state: every pipeline's slices of the stage, whole (a
-   collective of the pipelines), in the stage's buffer layout. */
-static float *dt__pp_zero1_gather(dt_pp *p, const float *slice) {
-    dt_model *m = p->model;
-    float *mine = p->zero_buf + p->zero_chunk * p->par.data_rank;
-    float *whole = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, (size_t)m->numel * sizeof(float) + 4);
-    dt__zero_on(m->device, mine, (size_t)p->zero_chunk * sizeof(float));
-    dt_convert(slice, DT_F32, mine, DT_F32, p->zero_hi - p->zero_lo);
-    dt_all_gather(p->across, mine, p->zero_buf, p->zero_chunk, DT_F32);
-    dt_convert(p->zero_buf, DT_F32, whole, DT_F32, m->numel);
+/* The whole state from this rank's stage (`local`, laid out as the cut
+   model): the stages' gathered at the first, and around tensor parallelism
+   their pieces then gathered over its group by the report inside (and, to
+   load, cut the other way). For an engine around this one too (FSDP). */
+static float *dt__pp_whole_from_local(dt_parallel *par, const dt_model *layout, float *local) {
+    dt_pp *p = (dt_pp *)par;
+    (void)layout;                           /* this stage's: the model as cut */
+    float *staged = dt__pp_state_gather(p, local);
+    dt_parallel *who;
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    if (!in || !in->whole_from_local || p->stage != 0) return staged;
+    size_t bytes = (size_t)p->whole.numel * sizeof(float);
+    float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+    dt__upload_to(p->model->device, pieces, staged, bytes);
+    free(staged);
+    float *whole = in->whole_from_local(who, &p->whole, pieces);
+    dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
     return whole;
 }
-
-/* With --tp the stages' pieces, gathered at the first stage, are then
-   gathered over its tensor-parallel group (and, to load, cut the other way);
-   with --shard optimizer the moments are first made whole over the
-   pipelines (and, to load, each rank keeps its slice). */
+static void dt__pp_local_from_whole(dt_parallel *par, const dt_model *layout, float *whole, float *local) {
+    dt_pp *p = (dt_pp *)par;
+    (void)layout;
+    dt_parallel *who;
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    if (!in || !in->local_from_whole) { dt__pp_scatter(p, whole, local); return; }
+    size_t bytes = (size_t)p->whole.numel * sizeof(float);
+    float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+    in->local_from_whole(who, &p->whole, whole, pieces);
+    float *view = dt__host_view(p->model->device, pieces, p->whole.numel);
+    dt__pp_scatter(p, view, local);
+    dt__host_view_close(p->model->device, view, pieces, p->whole.numel, 0);
+    dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
+}
+/* Saving, the first pipeline gathers (the others hold the same) and the
+   job's rank 0 writes; loading, every rank reads the whole and keeps its part. */
 static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
     dt_pp *p = (dt_pp *)par;
     if (for_load) {
@@ -15049,46 +15032,11 @@ static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, in
         if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", par->whole->numel * 4e-6);
         return whole;
     }
-    float *state = dt__state_buffer(p->model, o, which), *gathered = NULL;
-    if (p->zero1 && which > 0) state = gathered = dt__pp_zero1_gather(p, state);   /* every pipeline takes part */
-    if (p->par.data_rank != 0) {
-        if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
-        return NULL;
-    }
-    float *staged = dt__pp_state_gather(p, state);
-    if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
-    if (!p->tp || p->stage != 0) return staged;
-    size_t bytes = (size_t)p->whole.numel * sizeof(float);
-    float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
-    dt__upload_to(p->model->device, pieces, staged, bytes);
-    free(staged);
-    float *whole = dt__tp_state_gather(p->tp, &p->whole, pieces);
-    dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
-    return whole;
+    return p->par.data_rank == 0 ? dt__pp_whole_from_local(par, p->model, dt__state_buffer(p->model, o, which)) : NULL;
 }
-
 static void dt__pp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
     dt_pp *p = (dt_pp *)par;
-    float *local = dt__state_buffer(p->model, o, which), *slice = NULL;
-    size_t stage_bytes = (size_t)p->model->numel * sizeof(float) + 4;
-    if (written && p->zero1 && which > 0) {  /* the stage's whole state here first, then this rank's slice of it */
-        slice = local;
-        local = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, stage_bytes);
-    }
-    if (written && !p->tp) dt__pp_scatter(p, host, local);
-    else if (written) {
-        size_t bytes = (size_t)p->whole.numel * sizeof(float);
-        float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
-        dt__tp_state_scatter(p->tp, &p->whole, host, pieces);
-        float *view = dt__host_view(p->model->device, pieces, p->whole.numel);
-        dt__pp_scatter(p, view, local);
-        dt__host_view_close(p->model->device, view, pieces, p->whole.numel, 0);
-        dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
-    }
-    if (slice) {
-        dt_convert(local + p->zero_lo, DT_F32, slice, DT_F32, p->zero_hi - p->zero_lo);
-        dt_free_on(p->model->device, DT_ARENA_COMM, local, stage_bytes);
-    }
+    if (written) dt__pp_local_from_whole(par, p->model, host, dt__state_buffer(p->model, o, which));
     free(host);
 }
 
@@ -15113,13 +15061,12 @@ static void dt__pp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
                s == 0 && embedding ? "the embedding, " : "", blocks, s == p->stages - 1 ? ", the head" : "", 4e-6 * held,
                4e-6 * held * (o->v ? 4 : 3), o->v ? "adamw's" : "sgd's");
     }
-    if (p->tp)
+    const dt_parallel *split = dt_parallel_splitting(par->inner);
+    if (split)
         printf("  each stage's blocks split over --tp %d ranks as in stage 06: the sizes above are one rank's pieces\n",
-               p->tp->size);
-    if (p->zero1)
-        printf("  --shard optimizer: the %d pipelines share out each stage's %s state (ZeRO-1): this rank keeps %.3f MB of "
-               "its stage's %.3f\n", p->par.data_ranks, o->v ? "adamw's" : "sgd's", 4e-6 * (double)o->numel * (o->v ? 2 : 1),
-               4e-6 * (double)m->numel * (o->v ? 2 : 1));
+               split->tp_size);
+    if (m->parallel != par && p->par.data_ranks > 1)
+        printf("  the %d pipelines' copies of each stage: kept or sharded as the engine's table above says\n", p->par.data_ranks);
     printf("  the whole model: %.3f MB of parameters, %d blocks\n", 4e-6 * (double)par->whole->numel, n);
     fflush(stdout);
 }
@@ -15137,6 +15084,19 @@ static double dt__pp_balance_of(const dt_pp *p) {
    what the stages computed together -- with --tp, less the time their
    layers' sums took, and times the T ranks that shared each stage's split
    layers. */
+/* Around tensor parallelism: its group's size (0: none) and the share of the
+   parameters it splits, from the report inside. */
+static int dt__pp_tp_share(const dt_parallel *par, double *share) {
+    const dt_parallel *split = dt_parallel_splitting(par->inner);
+    dt_parallel *who;
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    dt_cost_input mine = { 0 };
+    *share = 0;
+    if (!split || !in || !in->cost_input) return 0;
+    in->cost_input(who, &mine);
+    *share = mine.tp_share;
+    return split->tp_size;
+}
 static int dt__pp_cost_input(const dt_parallel *par, dt_cost_input *in) {
     const dt_pp *p = (const dt_pp *)par;
     in->kind = DT_PAR_PP;
@@ -15146,15 +15106,16 @@ static int dt__pp_cost_input(const dt_parallel *par, dt_cost_input *in) {
     in->pp_measured_bubble = dt__pp_bubble(p);
     in->compute_ms = p->pipe_busy_ms;
     in->dp_groups = p->par.data_ranks;
-    in->pp_zero1 = p->zero1;
-    int64_t stepped = p->zero1 ? p->zero_hi - p->zero_lo : p->model->numel;    /* the optimizer's share of the whole model */
+    int64_t stepped = p->model->numel;      /* the optimizer's share of the whole model (an engine around: times its ranks) */
     in->optimizer_ms *= stepped > 0 ? (double)par->whole->numel / (double)stepped : 1;
-    if (p->tp) {
-        in->tp_ranks = p->tp->size;
-        in->tp_share = dt__tp_split_share(p->tp);
+    double share;
+    int T = dt__pp_tp_share(par, &share);
+    if (T) {
+        in->tp_ranks = T;
+        in->tp_share = share;
         in->tp_sums = p->pipe_tp_sums / p->micro_batches;
         in->tp_bytes = p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0;
-        double kept = in->tp_share / p->tp->size + (1 - in->tp_share);
+        double kept = share / T + (1 - share);
         in->compute_ms = fmax(0, p->pipe_busy_ms - p->pipe_tp_sum_ms) / kept;
     }
     return p->stages;
@@ -15166,10 +15127,12 @@ static void dt__pp_bench_fields(const dt_parallel *par, FILE *out, int accum_ste
     fprintf(out, " pp=%d pp_micro_batches=%d pp_balance=%.4f pp_bytes=%.0f bubble=%.4f bubble_predicted=%.4f", p->stages,
             p->micro_batches, dt__pp_balance_of(p), p->act_bytes, dt__pp_bubble(p),
             (p->stages - 1.0) / (p->micro_batches + p->stages - 1.0));
-    if (p->tp)        /* the whole pipeline's layer sums per micro-batch, as the cost model counts them */
-        fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", p->tp->size, dt__tp_split_share(p->tp),
-                p->pipe_tp_sums / p->micro_batches, p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0.0);
-    fprintf(out, " dp=%d%s", p->par.data_ranks, p->zero1 ? " zero1=1" : "");
+    double share;
+    int T = dt__pp_tp_share(par, &share);
+    if (T)            /* the whole pipeline's layer sums per micro-batch, as the cost model counts them */
+        fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", T, share, p->pipe_tp_sums / p->micro_batches,
+                p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0.0);
+    fprintf(out, " dp=%d", p->par.data_ranks);
 }
 
 /* The step's pipeline figures, in its --log record. */
@@ -15185,7 +15148,8 @@ static void dt__pp_log_fields(const dt_parallel *par, FILE *log) {
 const dt_parallel_report dt__pp_report = {
     .create_fn = "dt_pp_create", .state_open = dt__pp_state_open, .state_close = dt__pp_state_close,
     .memory_table = dt__pp_memory_table, .log_fields = dt__pp_log_fields, .cost_input = dt__pp_cost_input,
-    .bench_fields = dt__pp_bench_fields,
+    .bench_fields = dt__pp_bench_fields, .whole_from_local = dt__pp_whole_from_local,
+    .local_from_whole = dt__pp_local_from_whole,
 };
 #endif /* DTRAIN_IMPLEMENTATION */
 

@@ -8,9 +8,11 @@
    idle rest, the bubble, is (P - 1) / (M + P - 1) of a step. --schedule
    gpipe: every forward, then every backward; 1f1b: each backward as soon as
    it can run, so a stage keeps at most P micro-batches' activations, not M.
-   --tp T splits each stage's layers as 06 does; the ranks left over are data
-   parallel, D x P x T in all (--shard optimizer shares the state over D);
-   --dtype bf16 as in 05, --accum-steps K: K times the micro-batches. Builds on 06-tensor-parallel. */
+   The wrappers stack as in 06: tensor parallelism cuts each layer (--tp T),
+   the pipeline cuts the blocks into stages, and the data-parallel engine
+   averages -- or with --shard, shards -- what each rank then holds over the
+   pipelines left over: D x P x T ranks in all. --dtype bf16 as in 05,
+   --accum-steps K: K times the micro-batches. Builds on 06-tensor-parallel. */
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
 
@@ -23,7 +25,9 @@ int main(int argc, char **argv) {
     dt_load_data(&cfg, &train, &val);
     dt_model_config mc = dt_model_config_from(&cfg, train.channels, train.size, train.num_classes);
     dt_model *model = dt_model_create(&mc, cfg.seed);
-    dt_pp *pp = dt_pp_create(model, comm, cfg.pp, cfg.tp, cfg.micro_batches, cfg.schedule, cfg.shard);  /* my stage */
+    dt_tp *tp = dt_tp_create(model, comm, cfg.tp, cfg.sequence_parallel);  /* keep 1/T of every block's weights */
+    dt_pp *pp = dt_pp_create(model, dt_tp_data_group(tp), cfg.pp, cfg.micro_batches, cfg.schedule);  /* my stage */
+    dt_data_parallel *dp = dt_data_parallel_create(model, dt_pp_data_group(pp), cfg.shard, cfg.cpu_offload, cfg.bucket_mb);
     dt_optimizer *opt = dt_optimizer_create(model, cfg.optimizer, cfg.weight_decay, cfg.momentum, cfg.clip);
     dt_loader loader = dt_loader_create(&train, cfg.batch_size, cfg.seed, /*shuffle*/ 1, cfg.augment,
                                         /*drop_last*/ 1, dt_pp_data_rank(pp), dt_pp_data_ranks(pp));  /* the pipeline's share */
@@ -35,7 +39,7 @@ int main(int argc, char **argv) {
         while (dt_next_batch(&run, &batch)) {                 /* data: a shuffled, augmented batch */
             dt_tensor *loss = dt_pp_forward_backward(pp, &batch);   /* M micro-batches through the stages */
             dt_phase(&run, DT_PHASE_BWD);
-            dt_pp_sync_grads(pp);                             /* a tied vocabulary; across the pipelines */
+            dt_data_parallel_sync_grads(dp);                  /* across the pipelines; a tied vocabulary's ends */
             dt_phase(&run, DT_PHASE_COMM);
             dt_optimizer_step(opt, dt_run_lr(&run));          /* each rank its pieces */
             dt_phase(&run, DT_PHASE_OPT);
@@ -47,7 +51,9 @@ int main(int argc, char **argv) {
     int status = dt_run_finish(&run);
     dt_loader_free(&loader);
     dt_optimizer_free(opt);
+    dt_data_parallel_free(dp);
     dt_pp_free(pp);
+    dt_tp_free(tp);
     dt_model_free(model);
     dt_dataset_free(&train);
     dt_dataset_free(&val);

@@ -43,9 +43,10 @@ void dt_backward_from(dt_tensor *loss, const float *seed);
    only sums gradients when backward is done. A wrapper attaches itself with dt_model_set_parallel
    (the models chapter): the model and each of its parameters then point to it, so
    nothing is looked up in global state.
-   Wrappers stack, as picotron's do: a data-parallel engine (DDP, FSDP) may
-   wrap a model that tensor parallelism has cut, averaging or sharding over
-   the data groups what the tensor groups split. The outer one names the
+   Wrappers stack, as picotron's do: tensor parallelism cuts every layer,
+   pipeline parallelism cuts the blocks into stages around it, and a
+   data-parallel engine (DDP, FSDP) wraps the stack, averaging or sharding
+   over the data groups what the others split. The outer one names the
    inner (`inner`) and becomes the model's; backward_done and step_done then
    run for each wrapper of the stack, outer first, and the layers' sums
    (tp_sum and the rest) are the inner's, found by dt_parallel_splitting.
@@ -65,6 +66,18 @@ struct dt_parallel {
     void (*grad_ready)(dt_parallel *par, dt_tensor *param);
     void (*backward_done)(dt_parallel *par);
     void (*step_done)(dt_parallel *par);
+    /* Pipeline parallelism runs M backwards a step, and says before each
+       whether it is the step's last: an engine around it that averages
+       whole gradients (DDP) waits for that one (its no-sync). NULL: it
+       communicates after every backward (FSDP's ZeRO-2 and -3, which keep
+       gradients sharded by reducing each micro-batch's at once). */
+    void (*set_sync)(dt_parallel *par, int sync);
+    /* Gradients this rank holds in common with ranks outside the engine's
+       group -- a tied vocabulary, held by a pipeline's first and last
+       stage -- added up across them. The engine around it calls this once
+       a step, when those gradients are whole and final and before it
+       shards them (it may average first: the two commute). */
+    void (*sum_shared_grads)(dt_parallel *par);
     void (*optimizer_view)(dt_parallel *par, struct dt_optimizer *opt);
     /* A sharded optimizer's partial sums (its gradient norm's), added over
        the ranks that share the model: what clipping needs of the whole. */
@@ -86,6 +99,10 @@ struct dt_parallel {
     void (*sp_all_gather)(dt_parallel *par, const float *mine, float *all, int64_t n);
     void (*sp_reduce_scatter)(dt_parallel *par, const float *all, float *mine, int64_t n);
     int tp_rank, tp_size;
+    /* Kept by the same wrapper, for the cost model: the sums of this step's
+       training so far (an all-gather or a reduce-scatter counts half), their
+       bytes and their time. */
+    double tp_sums, tp_sum_bytes, tp_sum_ms;
     /* The share of the data this rank reads, data_rank of data_ranks (what
        dt_evaluate splits by): 0 ranks means the job's rank and size. */
     int data_rank, data_ranks;

@@ -57,10 +57,10 @@ static void dt__record_comm(const char *name, double t0, double t1, double hidde
 /* Pipeline parallelism's forwards, backwards and waits: a track of their own. */
 static void dt__record_event(const char *name, double t0, double t1) { dt__record_span(name, t0, t1, 1); }
 
-/* A data-parallel engine (DDP, FSDP) around another wrapper (a stack): what
-   it can wrap so far. Tensor parallelism, yes (a wrapper that cut the
-   model: its `whole`), over the ranks that hold the same pieces: the engine
-   averages or shards each piece over them. */
+/* A data-parallel engine (DDP, FSDP) around another wrapper (a stack): a
+   wrapper that cut the model (its `whole`: tensor parallelism, a pipeline's
+   stages), over the ranks that hold the same pieces -- the engine averages
+   or shards each piece over them. */
 static void dt__data_parallel_can_wrap(const dt_parallel *outer, dt_comm *comm, int shards) {
     const dt_parallel *in = outer->inner;
     if (!in) return;
@@ -69,13 +69,18 @@ static void dt__data_parallel_can_wrap(const dt_parallel *outer, dt_comm *comm, 
                 outer->create_fn, in->create_fn, in->free_fn);
     if (in->data_ranks > 0 && dt_comm_size(comm) != in->data_ranks)
         dt_fail("%s: its communicator has %d ranks, but %d groups hold the same pieces: give it the ranks that hold this "
-                "rank's pieces (dt_tp_data_group)", outer->create_fn, dt_comm_size(comm), in->data_ranks);
-    if (in->forward)
-        dt_fail("%s: %s runs the model's forward itself (pipeline parallelism); a data-parallel engine around it is not "
-                "built yet (07's pipelines average their gradients themselves)", outer->create_fn, in->create_fn);
-    if (shards && in->sp_all_gather)
-        dt_usage_error("--sequence-parallel with --shard: the norms' gradients are summed over the tensor group after "
-                       "backward, but a sharded engine has already reduce-scattered them by then; use one or the other");
+                "rank's pieces (dt_tp_data_group, dt_pp_data_group)", outer->create_fn, dt_comm_size(comm), in->data_ranks);
+    for (const dt_parallel *q = in; q && shards; q = q->inner)
+        if (q->sp_all_gather)
+            dt_usage_error("--sequence-parallel with --shard: the norms' gradients are summed over the tensor group after "
+                           "backward, but a sharded engine has already reduce-scattered them by then; use one or the other");
+}
+/* What the wrappers inside hold in common with ranks outside the engine's
+   group (a tied vocabulary at a pipeline's two ends): added up, once its
+   gradients are whole and final. */
+static void dt__data_parallel_sum_shared(dt_parallel *outer) {
+    for (dt_parallel *q = outer->inner; q; q = q->inner)
+        if (q->sum_shared_grads) q->sum_shared_grads(q);
 }
 
 /* A data-parallel wrapper lets go of its model; freed while another wraps it

@@ -28,7 +28,8 @@ void dt_ddp_free(dt_ddp *ddp);
 typedef struct dt__ddp_bucket {
     int first, last;            /* parameters first..last: one run of the flat gradient */
     int64_t offset, count;
-    int pending;                /* gradients of this bucket not final yet in this backward */
+    int held;                   /* its parameters this rank holds (a pipeline stage holds only its own) */
+    int pending;                /* of those, the gradients not final yet in this backward */
     dt_comm_handle handle;
 } dt__ddp_bucket;
 
@@ -48,6 +49,7 @@ static void dt__ddp_launch(dt_ddp *d, int all) {
     while (d->launched < d->nbuckets && (all || d->buckets[d->launched].pending == 0)) {
         dt__ddp_bucket *b = &d->buckets[d->launched++];
         float *g = d->model->flat_grad + b->offset;
+        if (!b->count) continue;                      /* another stage's parameters: nothing here (nor on its peers) */
         b->handle = dt_all_reduce_async(d->comm, g, g, b->count, DT_F32, DT_AVG);
         dt__ctx.grad_collectives++;
     }
@@ -71,14 +73,17 @@ static void dt__ddp_backward_done(dt_parallel *par) {
         dt__ddp_bucket *b = &d->buckets[k];
         double t0, t1;
         char name[32];
+        b->pending = b->held;
+        if (!b->count) continue;
         dt_comm_wait(d->comm, b->handle);
         dt__comm_interval(d->comm, b->handle, &t0, &t1);
         snprintf(name, sizeof name, "all_reduce bucket %d", k);
         dt__record_comm(name, t0, t1, t0 < backward_end ? (t1 < backward_end ? t1 : backward_end) - t0 : 0);
-        b->pending = b->last - b->first + 1;
     }
     d->launched = 0;
+    dt__data_parallel_sum_shared(&d->par);            /* a tied vocabulary's two ends, averaged: added up */
 }
+static void dt__ddp_set_sync(dt_parallel *par, int sync) { ((dt_ddp *)par)->sync = sync; }
 void dt_ddp_sync_grads(dt_ddp *ddp) { dt_parallel_backward_done(&ddp->par); }
 
 dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
@@ -89,7 +94,7 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
         dt_fail("out of memory (DDP)");
     d->par = (dt_parallel){ .create_fn = "dt_ddp_create", .sync_fn = "dt_ddp_sync_grads", .free_fn = "dt_ddp_free",
                             .grad_ready = bucket_mb > 0 ? dt__ddp_grad_ready : NULL,
-                            .backward_done = dt__ddp_backward_done,
+                            .backward_done = dt__ddp_backward_done, .set_sync = dt__ddp_set_sync,
                             .inner = model->parallel };          /* around tensor parallelism: its pieces */
     dt__data_parallel_can_wrap(&d->par, comm, 0);
     dt_model_set_parallel(model, &d->par);
@@ -110,7 +115,8 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
             b->first = i;
             b->offset = model->params[i].data - model->flat_data;
             b->count = model->params[b->last].data + model->params[b->last].numel - model->params[i].data;
-            b->pending = b->last - b->first + 1;
+            for (int j = i; j <= b->last; j++) b->held += model->params[j].numel > 0;
+            b->pending = b->held;
             d->nbuckets++;
             bytes = 0;
         }

@@ -162,7 +162,8 @@ static void dt__fsdp_point(dt_fsdp *f, dt__fsdp_unit *u, int grads, void *buf) {
    in the same order, so the collectives pair up. */
 static void dt__fsdp_gather_start(dt_fsdp *f, int k) {
     dt__fsdp_unit *u = &f->units[k];
-    if (f->mode != DT_SHARD_FULL || u->full || u->gathering) return;        /* there already, or on its way */
+    if (f->mode != DT_SHARD_FULL || u->full || u->gathering || !u->numel) return;   /* there already, on its way, or */
+                                                                                    /* another pipeline stage's */
     int slot = dt__fsdp_slot(f, k);
     if (f->holder[slot] >= 0)
         dt_fail("internal: FSDP gathers unit %d while unit %d still holds its buffer", k, f->holder[slot]);
@@ -197,6 +198,7 @@ static void dt__fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only
 static void dt__fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
     dt__fsdp_unit *u = &f->units[k];
     dt_device dev = f->model->device;
+    if (!u->numel) return;                          /* another pipeline stage's: nothing here, nor on the peers */
     float *mine = f->scattered, *dst = f->shard_grads + u->shard_offset;
     double t0 = dt_now_ms();
     if (f->reduce_dtype == DT_F32) dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
@@ -221,7 +223,7 @@ static void dt__fsdp_before_unit_backward(dt__tape_entry *e) {
     dt_fsdp *f = (dt_fsdp *)e->saved;
     dt__fsdp_unit *u = &f->units[e->iarg[0]];
     dt__fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1);             /* gathered again; the one before on its way */
-    if (f->mode != DT_SHARD_OPTIMIZER) {
+    if (f->mode != DT_SHARD_OPTIMIZER && !u->full_grad) {           /* (the outer unit's stays all step) */
         if (f->accum) u->full_grad = f->accum + u->accum_offset;     /* adds to the micro-batches before */
         else {                                                       /* backward adds into it: zeroed */
             u->full_grad = e->iarg[0] == f->model->outer_unit ? f->outer_grad : f->gathered_grad;
@@ -234,6 +236,10 @@ static void dt__fsdp_after_unit_backward(dt__tape_entry *e) {
     dt_fsdp *f = (dt_fsdp *)e->saved;
     dt__fsdp_unit *u = &f->units[e->iarg[0]];
     if (f->mode == DT_SHARD_OPTIMIZER) return;                                  /* all at once, after backward */
+    if (e->iarg[0] == f->model->outer_unit) {   /* whole until the step's backward is done: a pipeline's */
+        dt__fsdp_release_unit(f, e->iarg[0]);   /* micro-batches add into it, and a tied vocabulary's */
+        return;                                 /* two ends are added up before it is sharded */
+    }
     if (f->sync) {                                                              /* no-sync: it stays in accum */
         dt__fsdp_reduce_scatter_unit(f, e->iarg[0]);
         if (f->accum) dt__zero_on(f->model->device, u->full_grad, dt__fsdp_full_bytes(f, u));
@@ -396,13 +402,21 @@ void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype) {
     fsdp->scattered16 = dt_alloc_on(dev, DT_ARENA_COMM, fsdp->largest_shard / 2);
 }
 
+/* After backward: ZeRO-1 reduce-scatters every unit now; ZeRO-2 and -3 the
+   outer unit (the others went during backward). First, what the wrappers
+   inside add up across their own groups (a tied vocabulary's two ends). */
 static void dt__fsdp_backward_done(dt_parallel *par) {
     dt_fsdp *f = (dt_fsdp *)par;
-    if (f->mode != DT_SHARD_OPTIMIZER || !f->sync) return;   /* reduce-scattered during backward, or accumulating */
+    if (!f->sync) return;                                    /* accumulating */
+    dt__data_parallel_sum_shared(par);
     for (int k = f->nunits - 1; k >= 0; k--) {
         dt__fsdp_unit *u = &f->units[k];
+        if (!u->numel || !u->full_grad || (f->mode != DT_SHARD_OPTIMIZER && k != f->model->outer_unit)) continue;
         dt__fsdp_reduce_scatter_unit(f, k);
         dt__zero_on(f->model->device, u->full_grad, dt__fsdp_full_bytes(f, u));
+        if (f->mode == DT_SHARD_OPTIMIZER) continue;         /* ZeRO-1 keeps its whole gradients */
+        u->full_grad = NULL;
+        dt__fsdp_point(f, u, 1, NULL);
     }
 }
 
@@ -416,6 +430,7 @@ static void dt__fsdp_step_done(dt_parallel *par) {
     for (int k = 0; k < f->nunits; k++) {
         dt__fsdp_unit *u = &f->units[k];
         double t0 = dt_now_ms();
+        if (!u->numel) continue;
         dt_all_gather(f->comm, dt__fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
         dt__record_comm("all_gather parameters", t0, dt_now_ms(), 0);
     }
@@ -519,6 +534,7 @@ static float *dt__fsdp_state_gather(dt_fsdp *f, const float *shards) {
     if (!host) dt_fail("out of memory (gathering a sharded checkpoint)");
     for (int k = 0; k < f->nunits; k++) {
         dt__fsdp_unit *u = &f->units[k];
+        if (!u->numel) continue;
         float *full = (float *)dt_alloc_on(dev, DT_ARENA_COMM, dt__fsdp_full_bytes(f, u));
         dt_all_gather(f->comm, dt__fsdp_shard_on_device(f, shards, k), full, u->shard, DT_F32);
         dt__download_from(dev, host + u->offset, full, (size_t)u->numel * sizeof(float));
@@ -545,7 +561,7 @@ static float *dt__fsdp_to_whole(dt_fsdp *f, const dt_parallel_report *in, dt_par
     float *local = (float *)dt_alloc_on(dev, DT_ARENA_COMM, bytes);
     dt__upload_to(dev, local, pieces, bytes);
     free(pieces);
-    float *whole = in->whole_from_local(who, local);
+    float *whole = in->whole_from_local(who, f->model, local);
     dt_free_on(dev, DT_ARENA_COMM, local, bytes);
     return whole;
 }
@@ -554,7 +570,7 @@ static float *dt__fsdp_from_whole(dt_fsdp *f, const dt_parallel_report *in, dt_p
     size_t bytes = (size_t)f->model->numel * sizeof(float);
     float *local = (float *)dt_alloc_on(dev, DT_ARENA_COMM, bytes), *pieces = (float *)malloc(bytes + 1);
     if (!pieces) dt_fail("out of memory (a checkpoint's pieces)");
-    in->local_from_whole(who, whole, local);
+    in->local_from_whole(who, f->model, whole, local);
     dt__download_from(dev, pieces, local, bytes);
     dt_free_on(dev, DT_ARENA_COMM, local, bytes);
     return pieces;

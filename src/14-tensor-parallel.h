@@ -66,9 +66,7 @@ struct dt_tp {
     int size, rank;             /* T, and this rank's piece */
     int sequence_parallel;
     /* (the group's share of the data is par's data_rank of data_ranks, where dt_evaluate reads it) */
-    double sums, sum_bytes;     /* the sums of this step so far (an all-gather or a reduce-scatter: half a sum) ... */
-    double step_sums, step_sum_bytes;    /* ... and of the last step: what the cost model counts */
-    double sum_ms, step_sum_ms;
+    double step_sums, step_sum_bytes, step_sum_ms;   /* the last step's sums (par's: this step's so far) */
     /* The model as it was before the cut: its parameters' whole shapes and
        offsets, no buffers. Checkpoints are laid out by it (the checkpoints chapter). */
     dt_model whole;
@@ -80,9 +78,9 @@ static void dt__tp_count(dt_tp *t, const char *what, double t0, double sums, dou
     double t1 = dt_now_ms();
     dt__record_comm(what, t0, t1, 0);
     if (!dt__ctx.grad_enabled) return;
-    t->sum_ms += t1 - t0;
-    t->sums += sums;
-    t->sum_bytes += bytes;
+    t->par.tp_sum_ms += t1 - t0;
+    t->par.tp_sums += sums;
+    t->par.tp_sum_bytes += bytes;
 }
 static void dt__tp_sum(dt_parallel *par, float *values, int64_t n) {
     dt_tp *t = (dt_tp *)par;
@@ -110,11 +108,10 @@ static void dt__sp_reduce_scatter(dt_parallel *par, const float *all, float *min
 }
 static void dt__tp_step_done(dt_parallel *par) {
     dt_tp *t = (dt_tp *)par;
-    t->step_sums = t->sums;
-    t->step_sum_bytes = t->sum_bytes;
-    t->step_sum_ms = t->sum_ms;
-    t->sums = t->sum_bytes = 0;
-    t->sum_ms = 0;
+    t->step_sums = t->par.tp_sums;
+    t->step_sum_bytes = t->par.tp_sum_bytes;
+    t->step_sum_ms = t->par.tp_sum_ms;
+    t->par.tp_sums = t->par.tp_sum_bytes = t->par.tp_sum_ms = 0;
 }
 static void dt__tp_sum_over_ranks(dt_parallel *par, float *values, int n) {
     dt__comm_all_reduce_host(((dt_tp *)par)->group, values, n, DT_SUM);
@@ -264,7 +261,7 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
                            sp.align > 1 ? "--heads (and llama's --kv-heads) must be a multiple of --tp"
                                         : "--dim and the MLP's width must be multiples of --tp");
     }
-    if (!cuts)
+    if (!cuts && tp > 1)
         dt_usage_error("--model %s: no layer of this model is split by tensor parallelism (the mlp needs --depth 2 or more)",
                        dt__model_kind_name(model->cfg.kind));
     dt_tp *t = (dt_tp *)calloc(1, sizeof *t);
@@ -303,7 +300,7 @@ dt_tp *dt_tp_create(dt_model *model, dt_comm *comm, int tp, int sequence_paralle
 void dt_tp_free(dt_tp *tp) {
     if (!tp) return;
     if (tp->model->parallel && tp->model->parallel != &tp->par)   /* (a pipeline has let go of the model already) */
-        dt_fail("dt_tp_free: a data-parallel engine still wraps the model it cut; call %s first", tp->model->parallel->free_fn);
+        dt_fail("dt_tp_free: another wrapper still wraps the model it cut; call %s first", tp->model->parallel->free_fn);
     dt_model_set_parallel(tp->model, NULL);
     tp->model->left_cut_by = "dt_tp_free";     /* the pieces stay: the model can only be freed now */
     dt_mesh_free(tp->mesh);
@@ -486,15 +483,15 @@ static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
     fflush(stdout);
 }
 
-/* For a data-parallel engine around this one: the same, from and into a
-   state laid out as this rank's pieces. */
-static float *dt__tp_whole_from_local(dt_parallel *par, float *local) {
+/* For a wrapper around this one: the same, from and into a state laid out
+   as this rank's pieces (`layout`: the model, or a pipeline's stages
+   composed). */
+static float *dt__tp_whole_from_local(dt_parallel *par, const dt_model *layout, float *local) {
     dt_tp *t = (dt_tp *)par;
-    return t->par.data_rank == 0 ? dt__tp_state_gather(t, t->model, local) : NULL;
+    return t->par.data_rank == 0 ? dt__tp_state_gather(t, layout, local) : NULL;
 }
-static void dt__tp_local_from_whole(dt_parallel *par, float *whole, float *local) {
-    dt_tp *t = (dt_tp *)par;
-    dt__tp_state_scatter(t, t->model, whole, local);
+static void dt__tp_local_from_whole(dt_parallel *par, const dt_model *layout, float *whole, float *local) {
+    dt__tp_state_scatter((dt_tp *)par, layout, whole, local);
 }
 
 const dt_parallel_report dt__tp_report = {

@@ -2,33 +2,31 @@
 /* Pipeline parallelism (stage 07): each rank of a pipeline of P keeps a run
    of consecutive blocks, its stage (balanced by parameters; the embedding
    with the first, the head with the last); a batch goes through in M
-   micro-batches, in the order the schedule gives each stage. tp > 1: each
-   stage is T ranks that split its blocks' layers as stage 06 does (tensor
-   parallelism inside the pipeline). The job's N ranks form N / (P T)
-   data-parallel pipelines; pp 0: as many stages as that leaves with one
-   pipeline. shard DT_SHARD_OPTIMIZER: the pipelines share out each stage's
-   optimizer state (ZeRO-1: gradients reduce-scattered over them, each
-   steps its slice, the parameters all-gathered); DT_SHARD_NONE: each keeps
-   it whole (gradients all-reduced). DT_SHARD_GRADS and _FULL are refused:
-   a pipeline's gradients stay whole until its last micro-batch, and its
-   stages run their parameters M times a step. */
+   micro-batches, in the order the schedule gives each stage. It cuts the
+   ranks of `comm` into pipelines of P stages (pp 0: one pipeline of them
+   all). Around tensor parallelism, comm is dt_tp_data_group: each stage is
+   then T ranks that split its blocks' layers as stage 06 does. With more
+   than one pipeline, a data-parallel engine wraps this one over
+   dt_pp_data_group, as in 06 -- DDP, which averages once a step, after the
+   last micro-batch; or FSDP, ZeRO-1 once a step, ZeRO-2 and -3 each
+   micro-batch's gradients as its backward ends (so they stay sharded). */
 typedef struct dt_pp dt_pp;
 typedef enum { DT_SCHEDULE_GPIPE = 0, DT_SCHEDULE_1F1B = 1 } dt_pp_schedule;
-dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_batches, dt_pp_schedule schedule,
-                    dt_shard_mode shard);
+dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int micro_batches, dt_pp_schedule schedule);
 /* A step's forward and backward: the batch cut into the micro-batches, each
    stage running its forwards and backwards in the schedule's order, sending
    activations on and gradients back. Returns the batch's mean loss, on every
    rank (the last stage computes it). Collective over the pipeline. */
 dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch);
-/* After it: the first and last stage add up the gradients of a tied
-   vocabulary (each holds it); with more than one pipeline, every gradient is
-   averaged over them -- or, with --shard optimizer, reduce-scattered: each
-   rank keeps the average of its slice for the optimizer, and the model's
-   gradient buffers are zeroed. */
+/* After it, unwrapped (one pipeline): the first and last stage add up the
+   gradients of a tied vocabulary (each holds it). Wrapped, the engine's
+   sync does, and this is an error naming it. */
 void dt_pp_sync_grads(dt_pp *pp);
-/* This rank's pipeline among the data-parallel pipelines, and how many: the
-   loader's rank and world (every stage of a pipeline reads the same batch). */
+/* The ranks that hold the same stage, one per pipeline ("dp"): what a
+   data-parallel engine wrapping this one averages or shards over; and this
+   rank's pipeline among them, and how many: the loader's rank and world
+   (every stage of a pipeline reads the same batch). */
+dt_comm *dt_pp_data_group(const dt_pp *pp);
 int dt_pp_data_rank(const dt_pp *pp);
 int dt_pp_data_ranks(const dt_pp *pp);
 /* The model stays cut (this rank's blocks), as after dt_tp_free. */
@@ -87,12 +85,11 @@ struct dt_pp {
     dt_mesh *mesh;
     dt_comm *pipe, *across;     /* the stages of one pipeline ("pp"), and the data-parallel pipelines ("dp") */
     dt_comm *ends;              /* the first and the last stage (a tied vocabulary), or NULL */
-    dt_tp *tp;                  /* with --tp: the tensor-parallel wrapper that split the blocks' layers, or NULL */
     dt_comm *to_next, *from_next, *to_prev, *from_prev;   /* one way each: activations on, gradients back */
     int stages, stage, micro_batches;
     dt_pp_schedule schedule;
     int *first_block;           /* stage s runs blocks [first_block[s], first_block[s + 1]) */
-    dt_model whole;             /* the model before the cut into stages (with --tp: its pieces of every stage) */
+    dt_model whole;             /* the model before the cut into stages (around --tp: its pieces of every stage) */
     /* Per micro-batch slot: an arena pair, taken by a forward, given back
        after its backward (slots: as many as were ever alive at once). */
     dt__step_arena (*arenas)[2];
@@ -107,18 +104,10 @@ struct dt_pp {
        busiest stage's (which sets the pace). */
     double busy_ms, idle_ms, step_ms;
     double pipe_busy_ms, pipe_idle_ms, pipe_step_ms, pipe_busiest_ms;
-    double pipe_tp_sums, pipe_tp_sum_ms, pipe_tp_sum_bytes;   /* with --tp: the stages' layer sums, their time and bytes */
+    double pipe_tp_sums, pipe_tp_sum_ms, pipe_tp_sum_bytes;   /* around --tp: the stages' layer sums, their time and bytes */
     double act_bytes;           /* one micro-batch's activation, sent on */
     double kept_peak, kept_micro;
     int kept_micro_batches;     /* the most micro-batches alive at once */
-    /* --shard optimizer (ZeRO-1 over the pipelines, D > 1): this rank steps
-       [zero_lo, zero_hi) of its stage's flat buffer, a chunk of
-       zero_chunk = ceil(numel / D); zero_grads, that slice of the average
-       gradient; zero_buf, the whole buffer padded to D chunks for the
-       collectives. */
-    int zero1;
-    int64_t zero_lo, zero_hi, zero_chunk;
-    float *zero_grads, *zero_buf;
 };
 
 static int dt__pp_holds(const dt_pp *p, int stage, int i) {
@@ -311,6 +300,8 @@ static void dt__pp_backward_one(dt_pp *pp, dt__pp_step *st, int i) {
         dt_upload(dt_grad(u->out), &seed, sizeof seed);
     } else
         dt__pp_take(pp, pp->from_next, 1, pp->inbox_g, &pp->recv_g, dt_grad(u->out), st->act_n, st->t, st->backwards + 1 < st->M);
+    for (dt_parallel *q = pp->model->parallel; q != &pp->par; q = q->inner)   /* an engine around: the last one syncs */
+        if (q->set_sync) q->set_sync(q, st->backwards == st->M - 1);
     double t0 = dt_now_ms();
     dt__backward_span(u->out, u->tape_lo, u->tape_hi);
     dt_comm_handle sent_back = pp->stage > 0 ? dt_send_async(pp->to_prev, dt_grad(u->in), st->act_n, st->t, 0) : 0;
@@ -370,7 +361,6 @@ dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch) {
     if (!last) pp->recv_g = dt_recv_async(pp->from_next, pp->inbox_g, st.act_n, st.t, 1);
     double t_start = dt_now_ms();
     pp->busy_ms = pp->idle_ms = 0;
-    if (pp->tp) pp->tp->sums = pp->tp->sum_ms = pp->tp->sum_bytes = 0;   /* an evaluation's since are not the step's */
     pp->kept_peak = pp->kept_micro = 0;
     pp->kept_micro_batches = 0;
     for (int k = 0; k < nactions; k++) {
@@ -391,12 +381,10 @@ dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch) {
     }
     pp->step_ms = t_end - t_start;
     /* the stages' times, and the sums their split layers waited for (the
-       tensor-parallel wrapper counts a step's; its count starts again here) */
+       tensor-parallel wrapper counts a step's, from its step's start) */
+    dt_parallel *split = dt_parallel_splitting(pp->par.inner);
     float sums[6] = { (float)pp->busy_ms, (float)pp->idle_ms, (float)pp->step_ms, 0, 0, 0 }, busiest = (float)pp->busy_ms;
-    if (pp->tp) {
-        sums[3] = (float)pp->tp->sums; sums[4] = (float)pp->tp->sum_ms; sums[5] = (float)pp->tp->sum_bytes;
-        pp->tp->sums = pp->tp->sum_ms = pp->tp->sum_bytes = 0;
-    }
+    if (split) { sums[3] = (float)split->tp_sums; sums[4] = (float)split->tp_sum_ms; sums[5] = (float)split->tp_sum_bytes; }
     dt__comm_all_reduce_host(pp->pipe, sums, 6, DT_SUM);
     dt__comm_all_reduce_host(pp->pipe, &busiest, 1, DT_MAX);
     pp->pipe_busy_ms = sums[0]; pp->pipe_idle_ms = sums[1]; pp->pipe_step_ms = sums[2]; pp->pipe_busiest_ms = busiest;
@@ -409,89 +397,48 @@ dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch) {
 
 /* The batch's loss is the last stage's; the gradients of a tied vocabulary
    are the first stage's (the embedding) plus the last's (the head). */
+static void dt__pp_sum_tied(dt_parallel *par) {
+    dt_pp *p = (dt_pp *)par;
+    dt_model *m = p->model;
+    if (!p->ends) return;
+    double t0 = dt_now_ms();
+    for (int i = 0; i < m->nparams; i++)
+        if (m->splits[i].tied) dt_all_reduce(p->ends, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
+    dt__record_comm("all_reduce tied", t0, dt_now_ms(), 0);
+}
+/* Unwrapped, there is one pipeline and nothing to average; wrapped, the
+   engine has summed the tied gradients (sum_shared_grads) when they were whole. */
 static void dt__pp_backward_done(dt_parallel *par) {
-    dt_pp *p = (dt_pp *)par;
-    dt_model *m = p->model;
-    if (p->ends) {
-        double t0 = dt_now_ms();
-        for (int i = 0; i < m->nparams; i++)
-            if (m->splits[i].tied) dt_all_reduce(p->ends, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
-        dt__record_comm("all_reduce tied", t0, dt_now_ms(), 0);
-    }
-    if (p->par.data_ranks == 1) return;
-    double t0 = dt_now_ms();
-    if (p->zero1) {                         /* each pipeline keeps its slice of the average */
-        size_t bytes = (size_t)m->numel * sizeof(float), padded = (size_t)(p->zero_chunk * p->par.data_ranks) * sizeof(float);
-        dt_convert(m->flat_grad, DT_F32, p->zero_buf, DT_F32, m->numel);
-        dt__zero_on(m->device, (char *)p->zero_buf + bytes, padded - bytes);
-        dt_reduce_scatter(p->across, p->zero_buf, p->zero_grads, p->zero_chunk, DT_F32, DT_AVG);
-        dt__zero_on(m->device, m->flat_grad, bytes);   /* the next step's backward adds into it */
-        dt__record_comm("reduce_scatter dp", t0, dt_now_ms(), 0);
-    } else {
-        dt_all_reduce(p->across, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_AVG);
-        dt__record_comm("all_reduce dp", t0, dt_now_ms(), 0);
-    }
-    dt__ctx.grad_collectives++;
+    if (((dt_pp *)par)->model->parallel == par) dt__pp_sum_tied(par);
 }
-/* ZeRO-1: after the optimizer stepped this rank's slice, every pipeline's
-   slices to every pipeline, so each holds its stage whole again. */
-static void dt__pp_step_done(dt_parallel *par) {
-    dt_pp *p = (dt_pp *)par;
-    if (!p->zero1) return;
-    dt_model *m = p->model;
-    double t0 = dt_now_ms();
-    float *mine = p->zero_buf + p->zero_chunk * p->par.data_rank;     /* sent from its place in the padded buffer */
-    dt_convert(m->flat_data + p->zero_lo, DT_F32, mine, DT_F32, p->zero_hi - p->zero_lo);
-    dt_all_gather(p->across, mine, p->zero_buf, p->zero_chunk, DT_F32);
-    dt_convert(p->zero_buf, DT_F32, m->flat_data, DT_F32, m->numel);
-    dt__record_comm("all_gather parameters", t0, dt_now_ms(), 0);
+void dt_pp_sync_grads(dt_pp *pp) {
+    if (pp->model->parallel != &pp->par)
+        dt_fail("dt_pp_sync_grads: %s wraps this model; call %s, which syncs this one too", pp->model->parallel->create_fn,
+                pp->model->parallel->sync_fn);
+    if (pp->par.data_ranks > 1)
+        dt_fail("dt_pp_sync_grads: %d pipelines each hold the same stages, and nothing averages their gradients; wrap the "
+                "model in a data-parallel engine over dt_pp_data_group (dt_data_parallel_create) and sync that",
+                pp->par.data_ranks);
+    dt_parallel_backward_done(&pp->par);
 }
-void dt_pp_sync_grads(dt_pp *pp) { dt_parallel_backward_done(&pp->par); }
+dt_comm *dt_pp_data_group(const dt_pp *pp) { return pp->across; }
 int dt_pp_data_rank(const dt_pp *pp) { return pp->par.data_rank; }
 int dt_pp_data_ranks(const dt_pp *pp) { return pp->par.data_ranks; }
 
 /* Each stage steps what it holds; the gradient norm adds up the stages'
-   parts, the tied vocabulary counted once (at the first stage). */
+   parts, the tied vocabulary counted once (at the first stage), and around
+   tensor parallelism a whole parameter once per group (the view inside). */
 static void dt__pp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
     dt_pp *p = (dt_pp *)par;
     dt_model *m = p->model;
-    dt__optimizer_view_all(o, m);
-    for (int i = 0; i < m->nparams; i++)      /* with --tp, a whole parameter is counted at the group's first rank too */
-        o->slices[i].copy = (p->stage > 0 && m->splits[i].tied) || (p->tp && p->tp->rank > 0 && m->splits[i].dim < 0);
+    if (par->inner && par->inner->optimizer_view) par->inner->optimizer_view(par->inner, o);   /* a slice per parameter */
+    else dt__optimizer_view_all(o, m);
+    for (int i = 0; i < m->nparams; i++) o->slices[i].copy |= p->stage > 0 && m->splits[i].tied;
     o->sharded_by = par;
-    if (!p->zero1) return;
-    /* ZeRO-1: only this rank's slice, each parameter's part of it a slice */
-    o->params = m->flat_data + p->zero_lo; o->grads = p->zero_grads; o->numel = p->zero_hi - p->zero_lo;
-    int n = 0;
-    for (int i = 0; i < m->nparams; i++) {
-        int64_t a = o->slices[i].offset, b = a + o->slices[i].length;
-        if (a < p->zero_lo) a = p->zero_lo;
-        if (b > p->zero_hi) b = p->zero_hi;
-        if (b <= a) continue;
-        o->slices[n] = o->slices[i];
-        o->slices[n].offset = a - p->zero_lo;
-        o->slices[n++].length = b - a;
-    }
-    o->nslices = n;
 }
 static void dt__pp_sum_over_ranks(dt_parallel *par, float *values, int n) {
-    dt_pp *p = (dt_pp *)par;
-    dt__comm_all_reduce_host(p->pipe, values, n, DT_SUM);
-    if (p->tp) dt__comm_all_reduce_host(p->tp->group, values, n, DT_SUM);
-    if (p->zero1) dt__comm_all_reduce_host(p->across, values, n, DT_SUM);   /* each pipeline holds a slice */
-}
-/* The layers' sums, passed on to the tensor-parallel wrapper inside. */
-static void dt__pp_tp_sum(dt_parallel *par, float *values, int64_t n) {
-    dt_parallel *inner = &((dt_pp *)par)->tp->par;
-    inner->tp_sum(inner, values, n);
-}
-static void dt__pp_tp_max(dt_parallel *par, float *values, int64_t n) {
-    dt_parallel *inner = &((dt_pp *)par)->tp->par;
-    inner->tp_max(inner, values, n);
-}
-static void dt__pp_tp_all_gather(dt_parallel *par, const float *mine, float *all, int64_t n) {
-    dt_parallel *inner = &((dt_pp *)par)->tp->par;
-    inner->tp_all_gather(inner, mine, all, n);
+    dt__comm_all_reduce_host(((dt_pp *)par)->pipe, values, n, DT_SUM);
+    if (par->inner && par->inner->sum_over_ranks) par->inner->sum_over_ranks(par->inner, values, n);   /* the tensor group's parts */
 }
 
 /* Evaluation and generation: the batch down the pipeline at once (no
@@ -519,7 +466,7 @@ static dt_tensor *dt__pp_forward(dt_parallel *par, dt_tensor *inputs) {
     if (!last) {
         int shape[2] = { inputs->shape[0] * (dt_model_is_language(m->cfg.kind) ? (int)dt_tensor_cols(inputs) : 1), (int)cols };
         y = dt__tensor_alloc(2, shape, t);
-        if ((int)cols != m->cfg.classes) y->parallel = par;   /* dt_logits_to_host gathers them over the group */
+        if ((int)cols != m->cfg.classes) y->parallel = dt_parallel_splitting(par);   /* dt_logits_to_host gathers them */
     }
     dt_broadcast(p->pipe, y->data, y->numel, t, p->stages - 1);
     return y;
@@ -538,22 +485,20 @@ static void dt__pp_pair(dt_pp *p, int round, dt_comm **with_next, dt_comm **with
     else *with_prev = c;
 }
 
-dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_batches, dt_pp_schedule schedule,
-                    dt_shard_mode shard) {
+dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int micro_batches, dt_pp_schedule schedule) {
     int world = dt_comm_size(comm);
     char v[64];
-    snprintf(v, sizeof v, "%d %d %d %d %d", pp, tp, micro_batches, (int)schedule, (int)shard);
-    dt_comm_check_agree(comm, "--pp --tp --micro-batches --schedule --shard", v);
-    if (shard != DT_SHARD_NONE && shard != DT_SHARD_OPTIMIZER)
-        dt_usage_error("--shard %s: a pipeline shares out only its optimizer state over the data-parallel pipelines (--shard "
-                       "optimizer, ZeRO-1): its micro-batches' gradients add up whole until the step's last backward, and each "
-                       "stage runs its parameters M times a step", shard == DT_SHARD_GRADS ? "grads" : "full");
-    if (tp <= 0) tp = 1;
-    if (world % tp) dt_usage_error("--tp %d does not divide the job's %d ranks", tp, world);
-    if (pp <= 0) pp = world / tp;
-    if ((world / tp) % pp)
+    snprintf(v, sizeof v, "%d %d %d", pp, micro_batches, (int)schedule);
+    dt_comm_check_agree(comm, "--pp --micro-batches --schedule", v);
+    if (model->parallel && (!model->parallel->whole || model->parallel->forward))   /* DDP, FSDP, a pipeline: outside it */
+        dt_fail("dt_pp_create: %s already wraps this model; a pipeline cuts the model first (or after tensor parallelism), "
+                "and a data-parallel engine wraps it after", model->parallel->create_fn);
+    const dt_parallel *split = dt_parallel_splitting(model->parallel);      /* comm: one rank of each tensor group */
+    const char *over = split ? " over --tp" : "";
+    if (pp <= 0) pp = world;
+    if (world % pp)
         dt_usage_error("--pp %d does not divide the job's %d ranks%s (the ranks form pipelines of --pp stages%s, data parallel "
-                       "across them)", pp, world, tp > 1 ? " over --tp" : "", tp > 1 ? " of --tp ranks each" : "");
+                       "across them)", pp, world * (split ? split->tp_size : 1), over, split ? " of --tp ranks each" : "");
     if (micro_batches < 1) dt_usage_error("--micro-batches %d: a step needs at least one", micro_batches);
     if ((int)schedule < 0 || (int)schedule >= (int)(sizeof dt__pp_schedules / sizeof dt__pp_schedules[0]))
         dt_fail("dt_pp_create: schedule %d is not one dtrain knows", (int)schedule);
@@ -565,25 +510,17 @@ dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_ba
     dt_pp *p = (dt_pp *)calloc(1, sizeof *p);
     if (!p) dt_fail("out of memory (pipeline parallelism)");
     p->par = (dt_parallel){ .create_fn = "dt_pp_create", .sync_fn = "dt_pp_sync_grads", .free_fn = "dt_pp_free",
-                            .backward_done = dt__pp_backward_done, .optimizer_view = dt__pp_optimizer_view,
-                            .sum_over_ranks = dt__pp_sum_over_ranks, .forward = dt__pp_forward,
-                            .step_done = dt__pp_step_done };
+                            .backward_done = dt__pp_backward_done, .sum_shared_grads = dt__pp_sum_tied,
+                            .optimizer_view = dt__pp_optimizer_view, .sum_over_ranks = dt__pp_sum_over_ranks,
+                            .forward = dt__pp_forward,
+                            .inner = model->parallel };       /* around tensor parallelism: its pieces, cut into stages */
+    dt_model_set_parallel(model, &p->par);
     dt__comm_hold(comm, "dt_pp_free");
     p->model = model;
     p->comm = comm;
-    int sizes[3] = { world / (pp * tp), pp, tp };
-    const char *names[3] = { "dp", "pp", "tp" };
-    p->mesh = dt_mesh_create(comm, 3, sizes, names);
-    if (tp > 1) {           /* every block's layers split over the "tp" group first, as stage 06 does */
-        p->tp = dt_tp_create(model, dt_mesh_comm(p->mesh, "tp"), tp, 0);
-        dt_model_set_parallel(model, NULL);   /* the pipeline wraps the model, and passes its layers' sums on */
-        p->par.tp_sum = dt__pp_tp_sum;
-        p->par.tp_max = dt__pp_tp_max;
-        p->par.tp_all_gather = dt__pp_tp_all_gather;
-        p->par.tp_rank = p->tp->rank;
-        p->par.tp_size = tp;
-    }
-    dt_model_set_parallel(model, &p->par);
+    int sizes[2] = { world / pp, pp };
+    const char *names[2] = { "dp", "pp" };
+    p->mesh = dt_mesh_create(comm, 2, sizes, names);
     p->pipe = dt_mesh_comm(p->mesh, "pp");
     p->across = dt_mesh_comm(p->mesh, "dp");
     p->stages = pp;
@@ -591,12 +528,12 @@ dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_ba
     p->micro_batches = micro_batches;
     p->schedule = schedule;
     p->par.data_rank = dt_mesh_coord(p->mesh, "dp");
-    p->par.data_ranks = world / (pp * tp);
+    p->par.data_ranks = world / pp;
     p->first_block = (int *)malloc(sizeof(int) * (size_t)(pp + 1));
     if (!p->first_block) dt_fail("out of memory (pipeline parallelism)");
     dt__pp_balance(model, pp, p->first_block);
     dt__model_cut(model, &p->whole, dt__pp_cut_shape, dt__pp_scatter, p);
-    p->par.whole = p->tp ? &p->tp->whole : &p->whole;      /* what checkpoints hold: the model whole */
+    p->par.whole = p->par.inner ? p->par.inner->whole : &p->whole;   /* what checkpoints hold: the model whole */
     for (int round = 0; round < 2 && pp > 1; round++) {      /* activations on, then gradients back */
         dt__pp_pair(p, round, &p->to_next, &p->from_prev);
         dt__pp_pair(p, round, &p->from_next, &p->to_prev);
@@ -608,36 +545,19 @@ dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int tp, int micro_ba
         p->ends = dt_comm_split(p->pipe, end ? 0 : 1 + p->stage, p->stage);
         if (!end) { dt_comm_free(p->ends); p->ends = NULL; }
     }
-    if (p->par.data_ranks > 1) dt_broadcast(p->across, model->flat_data, model->numel, DT_F32, 0);   /* every pipeline starts alike */
-    p->zero1 = shard == DT_SHARD_OPTIMIZER && p->par.data_ranks > 1;   /* one pipeline: nothing to share out */
-    if (p->zero1) {
-        int D = p->par.data_ranks;
-        p->zero_chunk = (model->numel + D - 1) / D;
-        p->zero_lo = p->zero_chunk * p->par.data_rank;
-        if (p->zero_lo > model->numel) p->zero_lo = model->numel;
-        p->zero_hi = p->zero_lo + p->zero_chunk < model->numel ? p->zero_lo + p->zero_chunk : model->numel;
-        p->zero_grads = (float *)dt_alloc_on(model->device, DT_ARENA_GRADS, (size_t)p->zero_chunk * sizeof(float) + 4);
-        p->zero_buf = (float *)dt_alloc_on(model->device, DT_ARENA_COMM, (size_t)(p->zero_chunk * D) * sizeof(float) + 4);
-        dt__zero_on(model->device, p->zero_grads, (size_t)p->zero_chunk * sizeof(float));
-    }
     return p;
 }
 
 void dt_pp_free(dt_pp *pp) {
     if (!pp) return;
-    dt_model_set_parallel(pp->model, NULL);
+    dt__data_parallel_unwrap(pp->model, &pp->par);        /* the wrapper inside, if any, holds the model again */
     dt_comm *mine[5] = { pp->ends, pp->to_next, pp->from_next, pp->to_prev, pp->from_prev };
     for (int k = 0; k < 5; k++) if (mine[k]) dt_comm_free(mine[k]);
-    dt_tp_free(pp->tp);
-    pp->model->left_cut_by = "dt_pp_free";     /* each rank keeps its stage: the model can only be freed now */
+    if (!pp->par.inner) pp->model->left_cut_by = "dt_pp_free";   /* each rank keeps its stage: the model can only be freed now */
     for (int k = 0; k < pp->nslots; k++) dt__step_arena_free(pp->arenas[k]);
     free(pp->arenas);
     dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_x, pp->inbox_bytes);
     dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_g, pp->inbox_bytes);
-    if (pp->zero1) {
-        dt_free_on(pp->model->device, DT_ARENA_GRADS, pp->zero_grads, (size_t)pp->zero_chunk * sizeof(float) + 4);
-        dt_free_on(pp->model->device, DT_ARENA_COMM, pp->zero_buf, (size_t)(pp->zero_chunk * pp->par.data_ranks) * sizeof(float) + 4);
-    }
     dt_mesh_free(pp->mesh);
     dt__comm_release(pp->comm);
     free(pp->first_block);
@@ -690,23 +610,41 @@ static float *dt__pp_state_gather(dt_pp *p, float *local) {
     return whole;
 }
 
-/* ZeRO-1's optimizer state: every pipeline's slices of the stage, whole (a
-   collective of the pipelines), in the stage's buffer layout. */
-static float *dt__pp_zero1_gather(dt_pp *p, const float *slice) {
-    dt_model *m = p->model;
-    float *mine = p->zero_buf + p->zero_chunk * p->par.data_rank;
-    float *whole = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, (size_t)m->numel * sizeof(float) + 4);
-    dt__zero_on(m->device, mine, (size_t)p->zero_chunk * sizeof(float));
-    dt_convert(slice, DT_F32, mine, DT_F32, p->zero_hi - p->zero_lo);
-    dt_all_gather(p->across, mine, p->zero_buf, p->zero_chunk, DT_F32);
-    dt_convert(p->zero_buf, DT_F32, whole, DT_F32, m->numel);
+/* The whole state from this rank's stage (`local`, laid out as the cut
+   model): the stages' gathered at the first, and around tensor parallelism
+   their pieces then gathered over its group by the report inside (and, to
+   load, cut the other way). For an engine around this one too (FSDP). */
+static float *dt__pp_whole_from_local(dt_parallel *par, const dt_model *layout, float *local) {
+    dt_pp *p = (dt_pp *)par;
+    (void)layout;                           /* this stage's: the model as cut */
+    float *staged = dt__pp_state_gather(p, local);
+    dt_parallel *who;
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    if (!in || !in->whole_from_local || p->stage != 0) return staged;
+    size_t bytes = (size_t)p->whole.numel * sizeof(float);
+    float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+    dt__upload_to(p->model->device, pieces, staged, bytes);
+    free(staged);
+    float *whole = in->whole_from_local(who, &p->whole, pieces);
+    dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
     return whole;
 }
-
-/* With --tp the stages' pieces, gathered at the first stage, are then
-   gathered over its tensor-parallel group (and, to load, cut the other way);
-   with --shard optimizer the moments are first made whole over the
-   pipelines (and, to load, each rank keeps its slice). */
+static void dt__pp_local_from_whole(dt_parallel *par, const dt_model *layout, float *whole, float *local) {
+    dt_pp *p = (dt_pp *)par;
+    (void)layout;
+    dt_parallel *who;
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    if (!in || !in->local_from_whole) { dt__pp_scatter(p, whole, local); return; }
+    size_t bytes = (size_t)p->whole.numel * sizeof(float);
+    float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
+    in->local_from_whole(who, &p->whole, whole, pieces);
+    float *view = dt__host_view(p->model->device, pieces, p->whole.numel);
+    dt__pp_scatter(p, view, local);
+    dt__host_view_close(p->model->device, view, pieces, p->whole.numel, 0);
+    dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
+}
+/* Saving, the first pipeline gathers (the others hold the same) and the
+   job's rank 0 writes; loading, every rank reads the whole and keeps its part. */
 static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
     dt_pp *p = (dt_pp *)par;
     if (for_load) {
@@ -714,46 +652,11 @@ static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, in
         if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", par->whole->numel * 4e-6);
         return whole;
     }
-    float *state = dt__state_buffer(p->model, o, which), *gathered = NULL;
-    if (p->zero1 && which > 0) state = gathered = dt__pp_zero1_gather(p, state);   /* every pipeline takes part */
-    if (p->par.data_rank != 0) {
-        if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
-        return NULL;
-    }
-    float *staged = dt__pp_state_gather(p, state);
-    if (gathered) dt_free_on(p->model->device, DT_ARENA_COMM, gathered, (size_t)p->model->numel * sizeof(float) + 4);
-    if (!p->tp || p->stage != 0) return staged;
-    size_t bytes = (size_t)p->whole.numel * sizeof(float);
-    float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
-    dt__upload_to(p->model->device, pieces, staged, bytes);
-    free(staged);
-    float *whole = dt__tp_state_gather(p->tp, &p->whole, pieces);
-    dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
-    return whole;
+    return p->par.data_rank == 0 ? dt__pp_whole_from_local(par, p->model, dt__state_buffer(p->model, o, which)) : NULL;
 }
-
 static void dt__pp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
     dt_pp *p = (dt_pp *)par;
-    float *local = dt__state_buffer(p->model, o, which), *slice = NULL;
-    size_t stage_bytes = (size_t)p->model->numel * sizeof(float) + 4;
-    if (written && p->zero1 && which > 0) {  /* the stage's whole state here first, then this rank's slice of it */
-        slice = local;
-        local = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, stage_bytes);
-    }
-    if (written && !p->tp) dt__pp_scatter(p, host, local);
-    else if (written) {
-        size_t bytes = (size_t)p->whole.numel * sizeof(float);
-        float *pieces = (float *)dt_alloc_on(p->model->device, DT_ARENA_COMM, bytes);
-        dt__tp_state_scatter(p->tp, &p->whole, host, pieces);
-        float *view = dt__host_view(p->model->device, pieces, p->whole.numel);
-        dt__pp_scatter(p, view, local);
-        dt__host_view_close(p->model->device, view, pieces, p->whole.numel, 0);
-        dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
-    }
-    if (slice) {
-        dt_convert(local + p->zero_lo, DT_F32, slice, DT_F32, p->zero_hi - p->zero_lo);
-        dt_free_on(p->model->device, DT_ARENA_COMM, local, stage_bytes);
-    }
+    if (written) dt__pp_local_from_whole(par, p->model, host, dt__state_buffer(p->model, o, which));
     free(host);
 }
 
@@ -778,13 +681,12 @@ static void dt__pp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
                s == 0 && embedding ? "the embedding, " : "", blocks, s == p->stages - 1 ? ", the head" : "", 4e-6 * held,
                4e-6 * held * (o->v ? 4 : 3), o->v ? "adamw's" : "sgd's");
     }
-    if (p->tp)
+    const dt_parallel *split = dt_parallel_splitting(par->inner);
+    if (split)
         printf("  each stage's blocks split over --tp %d ranks as in stage 06: the sizes above are one rank's pieces\n",
-               p->tp->size);
-    if (p->zero1)
-        printf("  --shard optimizer: the %d pipelines share out each stage's %s state (ZeRO-1): this rank keeps %.3f MB of "
-               "its stage's %.3f\n", p->par.data_ranks, o->v ? "adamw's" : "sgd's", 4e-6 * (double)o->numel * (o->v ? 2 : 1),
-               4e-6 * (double)m->numel * (o->v ? 2 : 1));
+               split->tp_size);
+    if (m->parallel != par && p->par.data_ranks > 1)
+        printf("  the %d pipelines' copies of each stage: kept or sharded as the engine's table above says\n", p->par.data_ranks);
     printf("  the whole model: %.3f MB of parameters, %d blocks\n", 4e-6 * (double)par->whole->numel, n);
     fflush(stdout);
 }
@@ -802,6 +704,19 @@ static double dt__pp_balance_of(const dt_pp *p) {
    what the stages computed together -- with --tp, less the time their
    layers' sums took, and times the T ranks that shared each stage's split
    layers. */
+/* Around tensor parallelism: its group's size (0: none) and the share of the
+   parameters it splits, from the report inside. */
+static int dt__pp_tp_share(const dt_parallel *par, double *share) {
+    const dt_parallel *split = dt_parallel_splitting(par->inner);
+    dt_parallel *who;
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    dt_cost_input mine = { 0 };
+    *share = 0;
+    if (!split || !in || !in->cost_input) return 0;
+    in->cost_input(who, &mine);
+    *share = mine.tp_share;
+    return split->tp_size;
+}
 static int dt__pp_cost_input(const dt_parallel *par, dt_cost_input *in) {
     const dt_pp *p = (const dt_pp *)par;
     in->kind = DT_PAR_PP;
@@ -811,15 +726,16 @@ static int dt__pp_cost_input(const dt_parallel *par, dt_cost_input *in) {
     in->pp_measured_bubble = dt__pp_bubble(p);
     in->compute_ms = p->pipe_busy_ms;
     in->dp_groups = p->par.data_ranks;
-    in->pp_zero1 = p->zero1;
-    int64_t stepped = p->zero1 ? p->zero_hi - p->zero_lo : p->model->numel;    /* the optimizer's share of the whole model */
+    int64_t stepped = p->model->numel;      /* the optimizer's share of the whole model (an engine around: times its ranks) */
     in->optimizer_ms *= stepped > 0 ? (double)par->whole->numel / (double)stepped : 1;
-    if (p->tp) {
-        in->tp_ranks = p->tp->size;
-        in->tp_share = dt__tp_split_share(p->tp);
+    double share;
+    int T = dt__pp_tp_share(par, &share);
+    if (T) {
+        in->tp_ranks = T;
+        in->tp_share = share;
         in->tp_sums = p->pipe_tp_sums / p->micro_batches;
         in->tp_bytes = p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0;
-        double kept = in->tp_share / p->tp->size + (1 - in->tp_share);
+        double kept = share / T + (1 - share);
         in->compute_ms = fmax(0, p->pipe_busy_ms - p->pipe_tp_sum_ms) / kept;
     }
     return p->stages;
@@ -831,10 +747,12 @@ static void dt__pp_bench_fields(const dt_parallel *par, FILE *out, int accum_ste
     fprintf(out, " pp=%d pp_micro_batches=%d pp_balance=%.4f pp_bytes=%.0f bubble=%.4f bubble_predicted=%.4f", p->stages,
             p->micro_batches, dt__pp_balance_of(p), p->act_bytes, dt__pp_bubble(p),
             (p->stages - 1.0) / (p->micro_batches + p->stages - 1.0));
-    if (p->tp)        /* the whole pipeline's layer sums per micro-batch, as the cost model counts them */
-        fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", p->tp->size, dt__tp_split_share(p->tp),
-                p->pipe_tp_sums / p->micro_batches, p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0.0);
-    fprintf(out, " dp=%d%s", p->par.data_ranks, p->zero1 ? " zero1=1" : "");
+    double share;
+    int T = dt__pp_tp_share(par, &share);
+    if (T)            /* the whole pipeline's layer sums per micro-batch, as the cost model counts them */
+        fprintf(out, " tp=%d tp_share=%.4f tp_sums=%.1f tp_bytes=%.0f", T, share, p->pipe_tp_sums / p->micro_batches,
+                p->pipe_tp_sums > 0 ? p->pipe_tp_sum_bytes / p->pipe_tp_sums : 0.0);
+    fprintf(out, " dp=%d", p->par.data_ranks);
 }
 
 /* The step's pipeline figures, in its --log record. */
@@ -850,5 +768,6 @@ static void dt__pp_log_fields(const dt_parallel *par, FILE *log) {
 const dt_parallel_report dt__pp_report = {
     .create_fn = "dt_pp_create", .state_open = dt__pp_state_open, .state_close = dt__pp_state_close,
     .memory_table = dt__pp_memory_table, .log_fields = dt__pp_log_fields, .cost_input = dt__pp_cost_input,
-    .bench_fields = dt__pp_bench_fields,
+    .bench_fields = dt__pp_bench_fields, .whole_from_local = dt__pp_whole_from_local,
+    .local_from_whole = dt__pp_local_from_whole,
 };

@@ -62,12 +62,13 @@ typedef struct dt_cost_input {
        sent on (micro-batch x tokens x width x 4), a gradient as many back */
     int pp_micro_batches;
     double pp_balance, pp_bytes;
-    int pp_zero1;               /* --shard optimizer: the D pipelines each step 1/D of the optimizer state */
     double pp_measured_bubble;  /* ... and the share of the step this rank waited, as measured: printed beside the
                                    formula's, not used by the prediction */
-    /* tensor parallelism inside FSDP (06 --shard: 2-D): the ZeRO stage (1,
-       2, 3; 0: DDP) over the data-parallel groups. Each group steps 1/D of
-       the optimizer; ZeRO-3 gathers the parameters twice, 1.5x DDP's bytes */
+    /* tensor or pipeline parallelism inside FSDP (06, 07 --shard): the ZeRO
+       stage (1, 2, 3; 0: DDP) over the data-parallel groups. Each group
+       steps 1/D of the optimizer; ZeRO-3 gathers the parameters twice, 1.5x
+       DDP's bytes; around a pipeline ZeRO-2 and -3 do so each micro-batch
+       (ZeRO-2: M reduce-scatters and one all-gather, (M + 1) / 2 DDP's) */
     int dp_shard;
 } dt_cost_input;
 
@@ -193,16 +194,17 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
         double sums = T > 1 ? K * in->tp_sums * stage * dt_cost_all_reduce_ms(l, T, in->tp_bytes) : 0;   /* ... its sums */
         double hop = n > 1 ? lat + in->pp_bytes / (l->bandwidth_gbs * 1e9) * 1e3 : 0;
         double grads = in->params * stage * kept * in->reduce_bytes;
+        double zero = in->dp_shard == 3 ? 1.5 * M : in->dp_shard == 2 ? (M + 1) / 2.0 : 1;   /* times DDP's average */
         /* the turns of the bubble, with their sums, count with compute, as
            the turns of the fill and the drain always have */
-        p.compute_ms = (M + n - 1) * turn + (n - 1) * sums + in->optimizer_ms * slow * stage * kept / (in->pp_zero1 ? D : 1);
+        p.compute_ms = (M + n - 1) * turn + (n - 1) * sums + in->optimizer_ms * slow * stage * kept / (in->dp_shard ? D : 1);
         /* every message but those of the fill and the drain arrives while
            the stage computes (its receive is posted early); the layers'
            sums stand in each turn, where nothing hides them */
-        p.comm_ms = M * sums + 2 * M * hop + dt_cost_all_reduce_ms(l, D, grads);
-        p.exposed_ms = M * sums + 2 * (n - 1) * hop + dt_cost_all_reduce_ms(l, D, grads);
+        p.comm_ms = M * sums + 2 * M * hop + zero * dt_cost_all_reduce_ms(l, D, grads);
+        p.exposed_ms = M * sums + 2 * (n - 1) * hop + zero * dt_cost_all_reduce_ms(l, D, grads);
         p.bytes = (n > 1 ? 2 * M * in->pp_bytes * (n - 1) / n : 0) + 2.0 * (T - 1) / T * M * K * in->tp_sums * stage * in->tp_bytes +
-                  2.0 * (D - 1) / D * grads;
+                  zero * 2.0 * (D - 1) / D * grads;
         p.bubble = (double)(n - 1) / (M + n - 1);
         p.step_ms = p.compute_ms + p.exposed_ms;
         p.speedup = p.step_ms > 0 ? D * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;

@@ -186,10 +186,10 @@ static const dt__flag dt__flags[] = {
     { "--nproc", "234567", "N", "02: devices driven by this one process; 03-07: ranks started on this machine (default 1)", DT_ARG_INT,
       DT_CFG(nproc), NULL, DT_RANGE(1, DT_MAX_RANKS) },
     { "--shard", "4567", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default);\n"
-      "                          06: FSDP over the data-parallel groups, around the split layers (default: none, DDP);\n"
-      "                          07: optimizer only, over the data-parallel pipelines (default: none)",
+      "                          06, 07: FSDP over the data-parallel groups, around the split layers or the pipelines\n"
+      "                          (default: none, DDP)",
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full", DT_NOT_A_NUMBER },
-    { "--cpu-offload", "456", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
+    { "--cpu-offload", "4567", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
       DT_CFG(cpu_offload), NULL, DT_NOT_A_NUMBER },
     { "--recompute", "1234567", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
@@ -227,7 +227,7 @@ static const dt__flag dt__flags[] = {
     { "--schedule", "7", "gpipe|1f1b", "pipeline parallelism: every forward then every backward (gpipe), or each backward as\n"
       "                          soon as it can run (1f1b, the default: at most --pp micro-batches' activations kept)",
       DT_ARG_CHOICE, DT_CFG(schedule), "gpipe|1f1b", DT_NOT_A_NUMBER },
-    { "--bucket-mb", "36", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
+    { "--bucket-mb", "367", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL, DT_MIN(0) },
     { "--comm", "34567", "shm|nccl|mpi|auto", "the ranks' transport: shared memory (one machine), NCCL (GPUs), MPI (CPUs on\n"
       "                          several machines, under mpirun or srun --mpi=pmix); default auto: NCCL on GPUs, else shm,\n"
@@ -542,6 +542,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         c.accum_steps = 1;
     }
     if (dt__stage_takes(stage, "--tp") && !dt__given(given, "--shard")) c.shard = DT_SHARD_NONE;   /* 06, 07: DDP's */
+    if (dt__stage_takes(stage, "--pp") && !dt__given(given, "--tp")) c.tp = 1;      /* 07: whole layers in each stage */
     if (dt__stage_takes(stage, "--micro-batches") && c.dtype == DT_F16)
         dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which the pipeline does not carry from stage to "
                        "stage; use --dtype bf16, whose range is f32's");

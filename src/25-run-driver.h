@@ -62,9 +62,10 @@ struct dt_run {
      bench_fields  the " key=value" pairs --bench adds (what the cost model
          needs of it).
      whole_from_local, local_from_whole  for the wrapper around this one
-         (FSDP around tensor parallelism): the whole state from this rank's
-         in this wrapper's layout (`local`, on the model's device; a
-         collective, NULL where the rank will not write), and back. */
+         (FSDP around tensor parallelism, a pipeline around it): the whole
+         state from this rank's (`local`, on the model's device, laid out
+         as `layout`: what this wrapper left of the model; a collective,
+         NULL where the rank will not write), and back. */
 typedef struct dt_shard_view {
     float *state[3];           /* this rank's shard of the parameters and of the two moments (NULL: none) */
     int64_t numel;             /* elements in each */
@@ -82,8 +83,8 @@ typedef struct dt_parallel_report {
     void (*log_fields)(const dt_parallel *par, FILE *log);
     int (*cost_input)(const dt_parallel *par, dt_cost_input *in);
     void (*bench_fields)(const dt_parallel *par, FILE *out, int accum_steps);
-    float *(*whole_from_local)(dt_parallel *par, float *local);
-    void (*local_from_whole)(dt_parallel *par, float *whole, float *local);
+    float *(*whole_from_local)(dt_parallel *par, const dt_model *layout, float *local);
+    void (*local_from_whole)(dt_parallel *par, const dt_model *layout, float *whole, float *local);
 } dt_parallel_report;
 /* The report that answers for a model's wrappers: the outermost of the stack
    that has one (DDP has none: around tensor parallelism, the latter's

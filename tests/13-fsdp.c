@@ -150,7 +150,7 @@ static int selftest_stack_misuse(int which) {
 TEST(wrappers_stack_only_as_they_can, QUICK) {
     static const char *names[4] = { "dt_fsdp_create: this model is already wrapped (dt_ddp_create); one data-parallel wrapper",
                                     "dt_ddp_create: this model is already wrapped (dt_ddp_create); one data-parallel wrapper",
-                                    "dt_tp_free: a data-parallel engine still wraps the model it cut; call dt_data_parallel_free first",
+                                    "dt_tp_free: another wrapper still wraps the model it cut; call dt_data_parallel_free first",
                                     "create the optimizer after dt_data_parallel_create" };
     char out[4096];
     for (int k = 0; k < 4; k++) {

@@ -24,7 +24,7 @@ static void pp_equivalence_in(const char *data, int samples, const char *flags, 
     snprintf(p, sizeof p, "%s/%s_data0-%d_epoch2", ref, model, samples);
     for (int k = 0; k < nlayouts; k++) {
         snprintf(dir, sizeof dir, "%s/pp-%s-%d%s%s", tmpdir, model, k, strstr(layouts[k].flags, "--tp") ? "-tp" : "",
-                 strstr(layouts[k].flags, "--shard") ? "-zero1" : "");
+                 strstr(layouts[k].flags, "--shard") ? "-shard" : "");
         snprintf(log, sizeof log, "%s.jsonl", dir);
         st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s %s --batch-size %d --nproc %d --pp %d --save-dir %s --log %s",
                      stage_bin("07-pipeline-parallel"), data, flags, layouts[k].flags, layouts[k].batch, layouts[k].nproc,
@@ -235,49 +235,89 @@ TEST(pipeline_parallel_trains_in_bf16_and_accumulates_as_05_does, QUICK) {
            st, out);
 }
 
-/* --shard optimizer: the data-parallel pipelines share out each stage's
-   optimizer state (ZeRO-1: the gradients reduce-scattered over them, each
-   steps its slice, the parameters all-gathered). 2 x 1 x 2 and 2 x 2 x 2
-   equal stage 01 as the unsharded layouts do (its Adam moments, gathered
-   from the slices into the checkpoint, included); each rank keeps half of
-   its stage's state; a checkpoint resumes bit for bit sharded, and in 07
-   unsharded and 01 within 2e-5. ZeRO-2 and -3 are refused, saying why. */
-TEST(pipeline_parallel_shares_out_the_optimizer_state_over_the_pipelines, QUICK) {
-    static const pp_layout layouts[2] = { { 4, 2, 16, "--shard optimizer --micro-batches 2" },
-                                          { 8, 2, 16, "--tp 2 --shard optimizer --micro-batches 2 --schedule gpipe" } };
+/* 3-D with sharding: the data-parallel engine around a pipeline whose
+   stages split their layers (--pp 2 --tp 2 over 8 ranks: 2 pipelines). FSDP
+   shards each rank's pieces of its stage over the 2 ranks that hold the
+   same ones -- ZeRO-3, with the shards in host memory too -- and 20 steps
+   equal stage 01's at the same global batch, for the GPT (its tied
+   vocabulary split over T at both ends, added up before it is sharded) and
+   Llama: the losses, the eval loss, and the weights and Adam moments of the
+   checkpoint, which the engine, the pipeline and tensor parallelism gather
+   whole between them. */
+TEST(sharded_data_parallel_around_pipeline_and_tensor_parallel_equals_one_device, QUICK) {
+    static const pp_layout layouts[2] = { { 8, 2, 16, "--tp 2 --shard full --micro-batches 2" },
+                                          { 8, 2, 16, "--tp 2 --shard full --cpu-offload --micro-batches 2 --schedule gpipe" } };
     pp_equivalence_in(gpt_text(), 320, "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16", "gpt", layouts, 2, 2e-5);
-    pp_equivalence_in(small_data(), 320, "--model vit --depth 4 --heads 2 --patch 4", "vit", layouts, 1, 2e-5);
+    pp_equivalence_in(gpt_text(), 320, "--model llama --dim 32 --depth 4 --heads 8 --kv-heads 4 --seq-len 16", "llama", layouts, 2,
+                      2e-5);
+}
+/* ... and every other way the engine wraps a pipeline: ZeRO-1 and -2 (each
+   micro-batch's gradients reduce-scattered as its backward ends), a
+   pipeline without tensor parallelism, the untied Llama, the vit, with
+   clipping (the norm adds every shard and stage once). */
+TEST(sharded_data_parallel_around_pipeline_parallel_in_every_mode_equals_one_device, FULL) {
+    static const pp_layout layouts[5] = { { 4, 2, 16, "--shard optimizer --micro-batches 2" },
+                                          { 4, 2, 16, "--shard grads --micro-batches 4 --schedule gpipe" },
+                                          { 4, 2, 16, "--shard full --micro-batches 4" },
+                                          { 8, 2, 16, "--tp 2 --shard grads --micro-batches 2" },
+                                          { 8, 2, 16, "--tp 2 --shard optimizer --micro-batches 2 --schedule gpipe" } };
+    pp_equivalence_in(gpt_text(), 320, "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16", "gpt", layouts, 5, 2e-5);
+    pp_equivalence_in(gpt_text(), 320, "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --clip 0.01", "gpt", layouts + 2, 3,
+                      2e-5);
+    pp_equivalence_in(gpt_text(), 320, "--model llama --dim 32 --depth 4 --heads 8 --kv-heads 4 --seq-len 16 --untied-head",
+                      "llama", layouts, 5, 2e-5);
+    pp_equivalence_in(small_data(), 320, "--model vit --depth 4 --heads 2 --patch 4", "vit", layouts, 3, 1e-4);
+}
+
+/* What 3-D with sharding keeps: rank 0 holds its stage's pieces (the
+   pipeline's table: stage 0's, split over --tp 2), and the engine shards
+   them over the 2 pipelines -- its parameters, gradients and optimizer
+   state each half of the unsharded run's, as measured (the summary's
+   peaks) and as the FSDP table's rows say (which leave out the gather
+   buffers, the price of sharding). A checkpoint of 3-D resumes bit for bit
+   at the same layout, and unsharded and in stage 01 within 2e-5. */
+TEST(sharded_data_parallel_around_pipeline_parallel_keeps_one_p_t_d_th, QUICK) {
     char out[16384], log[2][600];
+    const char *flags = "--model gpt --dim 64 --depth 4 --heads 4 --seq-len 16 --epochs 1 --steps 2 --batch-size 8 --micro-batches 2";
+    const char *layouts[2] = { "--nproc 4 --pp 2 --tp 2", "--nproc 8 --pp 2 --tp 2 --shard full" };
+    double peak[2][3], row[3] = { -1, -1, -1 }, stage0 = -1;
+    static const char *const keys[3] = { "peak_params_bytes", "peak_grads_bytes", "peak_optimizer_bytes" };
+    static const char *const rows[3] = { "  parameters       ", "  gradients        ", "  optimizer state  " };
     for (int k = 0; k < 2; k++) {
-        snprintf(log[k], sizeof log[k], "%s/zero1-mem-%d.jsonl", tmpdir, k);
-        int st = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --epochs 1 --steps 2 "
-                         "--batch-size 16 --nproc 4 --pp 2 --micro-batches 2 %s --log %s", stage_bin("07-pipeline-parallel"), gpt_text(),
-                         k ? "--shard optimizer" : "", log[k]);
-        CHECKF(st == 0 && (!k || strstr(out, "--shard optimizer: the 2 pipelines share out each stage's adamw's state")),
-               "07 %s: exit %d\n%s", k ? "--shard optimizer" : "", st, out);
+        snprintf(log[k], sizeof log[k], "%s/pp-mem-%d.jsonl", tmpdir, k);
+        int st = run_cmd(out, sizeof out, "%s --data %s %s %s --log %s", stage_bin("07-pipeline-parallel"), gpt_text(), flags,
+                         layouts[k], log[k]);
+        CHECKF(st == 0, "07 %s: exit %d\n%s", layouts[k], st, out);
+        for (int r = 0; r < 3; r++) peak[k][r] = summary_value(log[k], keys[r]);
+        const char *s0 = strstr(out, "  stage 0: the embedding, blocks 0-1  ");
+        if (k == 0) CHECKF(s0 && sscanf(s0 + 38, "%lf", &stage0) == 1, "no stage 0 in the pipeline's table:\n%s", out);
+        for (int r = 0; r < 3 && k == 1; r++) {
+            const char *at = strstr(out, rows[r]);
+            CHECKF(at && sscanf(at + strlen(rows[r]), "%lf", &row[r]) == 1, "no %s row in the FSDP table:\n%s", rows[r], out);
+        }
+        CHECKF(k == 0 || strstr(out, "memory per rank, --shard full (ZeRO-3), 2 ranks"), "no FSDP table over the 2 pipelines:\n%s",
+               out);
     }
-    double whole = summary_value(log[0], "peak_optimizer_bytes"), shared = summary_value(log[1], "peak_optimizer_bytes");
-    CHECKF(whole > 0 && shared >= whole / 2 && shared <= whole / 2 + 16, "rank 0 keeps %.0f bytes of optimizer state sharded, "
-           "%.0f whole (expected half)", shared, whole);
+    if (t_failed) return;
+    CHECKF(fabs(peak[0][0] / 1e6 - stage0) <= 0.0005, "unsharded, rank 0 keeps %.0f bytes of parameters; its stage's pieces are "
+           "%.3f MB", peak[0][0], stage0);
+    for (int r = 0; r < 3; r++)         /* each unit padded to a multiple of 2: at most a value per unit per rank */
+        CHECKF(fabs(row[r] * 1e6 - peak[0][r] / 2) <= 0.006e6, "--shard full over 2 pipelines: the table's %s row says %.3f MB, "
+               "half the unsharded run's is %.3f", rows[r] + 2, row[r], peak[0][r] / 2e6);
+    CHECKF(fabs(peak[1][2] - peak[0][2] / 2) <= 8.0 * 2 * 6, "--shard full over 2 pipelines keeps %.0f bytes of optimizer state, "
+           "expected half of %.0f", peak[1][2], peak[0][2]);
     char a[600];
-    snprintf(a, sizeof a, "%s/zero1-ck", tmpdir);
+    snprintf(a, sizeof a, "%s/pp3d-ck", tmpdir);
     int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 "
-                     "--batch-size 16 --nproc 4 --pp 2 --micro-batches 2 --shard optimizer --save-dir %s",
+                     "--batch-size 16 --nproc 8 --pp 2 --tp 2 --micro-batches 2 --shard full --save-dir %s",
                      stage_bin("07-pipeline-parallel"), gpt_text(), a);
-    CHECKF(st == 0, "07 --shard optimizer: exit %d\n%s", st, out);
+    CHECKF(st == 0, "07 --shard full: exit %d\n%s", st, out);
     static const char *const again[3] = {
-        ("07-pipeline-parallel --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 16 --nproc 4 --pp 2 --micro-batches 2 "
-         "--shard optimizer"),
+        ("07-pipeline-parallel --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 16 --nproc 8 --pp 2 --tp 2 "
+         "--micro-batches 2 --shard full"),
         "07-pipeline-parallel --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 16 --nproc 4 --pp 2 --micro-batches 2",
         "01-single-gpu --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --batch-size 32" };
-    resumes_alike(gpt_text(), a, "gpt", again, "zero1");
-    static const char *const refused[2] = { "grads", "full" };
-    for (int k = 0; k < 2; k++) {
-        st = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --nproc 4 --pp 2 "
-                     "--shard %s", stage_bin("07-pipeline-parallel"), gpt_text(), refused[k]);
-        CHECKF(st == 2 && strstr(out, "--shard optimizer") && strstr(out, refused[k]), "07 --shard %s: exit %d\n%s", refused[k],
-               st, out);
-    }
+    resumes_alike(gpt_text(), a, "gpt", again, "pp3d");
 }
 
 /* A stage killed while it sends an activation: the stages waiting on it
@@ -328,14 +368,16 @@ static const order_mistake order_mistakes[] = {
     { "06-tensor-parallel", "dt_data_parallel_sync_grads(", "dt_optimizer_step(", "call dt_data_parallel_sync_grads first" },
     { "06-tensor-parallel", "dt_optimizer_free(", "dt_data_parallel_free(", "dt_data_parallel_free: the optimizer still steps" },
     { "06-tensor-parallel", "dt_data_parallel_free(", "dt_tp_free(",
-      "dt_tp_free: a data-parallel engine still wraps the model it cut; call dt_data_parallel_free first" },
+      "dt_tp_free: another wrapper still wraps the model it cut; call dt_data_parallel_free first" },
     { "06-tensor-parallel", "dt_tp_free(", "dt_model_free(", "call dt_tp_free first" },
     { "06-tensor-parallel", "dt_comm_free(", "dt_optimizer_free(", "dt_comm_free: a parallel wrapper still uses this communicator; call dt_tp_free first" },
-    { "07-pipeline-parallel", "dt_pp_create(", "dt_optimizer_create(", "create the optimizer after dt_pp_create" },
-    { "07-pipeline-parallel", "dt_pp_forward_backward(", "dt_pp_sync_grads(", "dt_pp_sync_grads: no backward has run" },
-    { "07-pipeline-parallel", "dt_pp_sync_grads(", "dt_optimizer_step(", "call dt_pp_sync_grads first" },
-    { "07-pipeline-parallel", "dt_optimizer_free(", "dt_pp_free(", "dt_pp_free: the optimizer still steps" },
-    { "07-pipeline-parallel", "dt_pp_free(", "dt_model_free(", "call dt_pp_free first" },
+    { "07-pipeline-parallel", "dt_data_parallel_create(", "dt_optimizer_create(", "create the optimizer after dt_data_parallel_create" },
+    { "07-pipeline-parallel", "dt_pp_forward_backward(", "dt_data_parallel_sync_grads(", "dt_data_parallel_sync_grads: no backward has run" },
+    { "07-pipeline-parallel", "dt_data_parallel_sync_grads(", "dt_optimizer_step(", "call dt_data_parallel_sync_grads first" },
+    { "07-pipeline-parallel", "dt_optimizer_free(", "dt_data_parallel_free(", "dt_data_parallel_free: the optimizer still steps" },
+    { "07-pipeline-parallel", "dt_data_parallel_free(", "dt_pp_free(", "call dt_data_parallel_free first" },
+    { "07-pipeline-parallel", "dt_pp_free(", "dt_tp_free(", "dt_tp_free: another wrapper still wraps the model it cut; call dt_pp_free first" },
+    { "07-pipeline-parallel", "dt_tp_free(", "dt_model_free(", "call dt_tp_free first" },
 };
 
 /* Copy src to dst with the line containing `move` taken out and put back just

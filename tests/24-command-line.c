@@ -94,12 +94,16 @@ TEST(a_flag_of_another_stage_exits_2_naming_its_stages, QUICK) {
     static const struct { const char *stage, *args, *named; } bad[] = {
         { "01-single-gpu", "--shard full", "--shard is a flag of 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel and 07-pipeline-parallel, "
           "not 01-single-gpu" },
-        { "02-dp", "--cpu-offload", "--cpu-offload is a flag of 04-fsdp, 05-accum-mixed-precision and 06-tensor-parallel, not 02-dp" },
+        { "02-dp", "--cpu-offload", "--cpu-offload is a flag of 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel and "
+          "07-pipeline-parallel, not 02-dp" },
         { "03-ddp", "--shard grads", "--shard is a flag of 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel and 07-pipeline-parallel, "
           "not 03-ddp" },
-        { "01-single-gpu", "--bucket-mb 25", "--bucket-mb is a flag of 03-ddp and 06-tensor-parallel, not 01-single-gpu" },
-        { "04-fsdp", "--bucket-mb 0", "--bucket-mb is a flag of 03-ddp and 06-tensor-parallel, not 04-fsdp" },
-        { "05-accum-mixed-precision", "--bucket-mb 1", "--bucket-mb is a flag of 03-ddp and 06-tensor-parallel, not 05-accum-mixed-precision" },
+        { "01-single-gpu", "--bucket-mb 25", "--bucket-mb is a flag of 03-ddp, 06-tensor-parallel and 07-pipeline-parallel, "
+          "not 01-single-gpu" },
+        { "04-fsdp", "--bucket-mb 0", "--bucket-mb is a flag of 03-ddp, 06-tensor-parallel and 07-pipeline-parallel, "
+          "not 04-fsdp" },
+        { "05-accum-mixed-precision", "--bucket-mb 1", "--bucket-mb is a flag of 03-ddp, 06-tensor-parallel and 07-pipeline-parallel, "
+          "not 05-accum-mixed-precision" },
         { "01-single-gpu", "--nproc 1",
           "--nproc is a flag of 02-dp, 03-ddp, 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel and 07-pipeline-parallel, "
           "not 01-single-gpu" },
@@ -128,8 +132,9 @@ TEST(a_flag_of_another_stage_exits_2_naming_its_stages, QUICK) {
         { "05-accum-mixed-precision", "--shard --cpu-offload --accum-steps --dtype --reduce-dtype", "--bucket-mb" },
         { "06-tensor-parallel", "--nproc --timeout --tp --sequence-parallel --ranks-per-gpu --bucket-mb --shard --cpu-offload",
           "--accum-steps --dtype --micro-batches" },
-        { "07-pipeline-parallel", "--nproc --timeout --pp --tp --micro-batches --schedule --shard --accum-steps --dtype",
-          "--sequence-parallel --bucket-mb --cpu-offload --reduce-dtype" },
+        { "07-pipeline-parallel",
+          "--nproc --timeout --pp --tp --micro-batches --schedule --shard --cpu-offload --bucket-mb --accum-steps --dtype",
+          "--sequence-parallel --reduce-dtype" },
     };
     for (size_t i = 0; i < sizeof help / sizeof help[0]; i++) {
         int st = run_cmd(out, sizeof out, "%s --help", stage_bin(help[i].stage));
