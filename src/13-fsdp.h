@@ -43,10 +43,11 @@ void dt_fsdp_free(dt_fsdp *fsdp);
 
 /* The data-parallel engine a stage applies last, over the ranks that hold
    the same model or the same pieces of it (06: around tensor parallelism,
-   over dt_tp_data_group): DDP when nothing is sharded (DT_SHARD_NONE, with
-   bucket_mb), else FSDP in that mode, with cpu_offload. Create it before the
-   optimizer, sync after backward (it syncs the wrapper inside it too), free
-   it before what it wraps. */
+   over dt_tp_data_group; 07: around a pipeline, over dt_pp_data_group): DDP
+   when nothing is sharded (DT_SHARD_NONE, with bucket_mb), else FSDP in that
+   mode, with cpu_offload. Create it before the optimizer, sync after
+   backward (it syncs the wrappers inside it too), free it before what it
+   wraps. */
 typedef struct dt_data_parallel dt_data_parallel;
 dt_data_parallel *dt_data_parallel_create(dt_model *model, dt_comm *comm, dt_shard_mode shard, int cpu_offload,
                                           double bucket_mb);

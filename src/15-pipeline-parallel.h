@@ -327,9 +327,9 @@ dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch) {
     int M = pp->micro_batches, B = batch->size, last = pp->stage == pp->stages - 1;
     if (B % M)
         dt_usage_error("--micro-batches %d does not divide --batch-size %d (each micro-batch takes an equal share)", M, B);
-    if (pp->par.grads_pending)
-        dt_fail("dt_pp_forward_backward: the gradients of the last step were not synchronised; call dt_pp_sync_grads "
-                "before the next step");
+    if (pp->model->parallel->grads_pending)         /* the outermost wrapper's: what syncs them */
+        dt_fail("dt_pp_forward_backward: the gradients of the last step were not synchronised; call %s before the next step",
+                pp->model->parallel->sync_fn);
     if (!dt__ctx.grad_enabled) dt_fail("dt_pp_forward_backward: gradients are off (dt_set_grad_enabled(0)); it trains a step");
     dt__pp_step st = { .batch = batch, .M = M, .b = B / M, .first = pp->first_block[pp->stage],
                        .end = pp->first_block[pp->stage + 1], .t = dt__ctx.compute_dtype,

@@ -283,6 +283,45 @@ TEST(no_chapter_casts_or_identifies_a_wrapper_but_its_own, QUICK) {
            "a cast of FSDP put into the checkpoints chapter was not found (%d)\n%s", leaks, report);
 }
 
+/* One gradient-averaging path and one optimizer-sharding path: of the
+   parallel chapters (11 to 16), only DDP's and FSDP's average (DT_AVG), and
+   only FSDP's gives the optimizer less than the model to step (sets
+   o->numel); tensor and pipeline parallelism leave both to the engine that
+   wraps them. An average put into the pipeline's chapter makes it fail. */
+static int averaging_leaks(const char *srcdir, char *report, size_t n) {
+    static const char *const chapters[6] = { "11-data-parallel.h", "12-ddp.h", "13-fsdp.h", "14-tensor-parallel.h",
+                                             "15-pipeline-parallel.h", "16-backend-tables.h" };
+    static const char *const owner[2] = { "12-ddp.h 13-fsdp.h", "13-fsdp.h" }, *const what[2] = { "DT_AVG", "o->numel =" };
+    int leaks = 0;
+    report[0] = 0;
+    for (int c = 0; c < 6; c++) {
+        char path[1200];
+        snprintf(path, sizeof path, "%.900s/%s", srcdir, chapters[c]);
+        char *text = read_text(path);
+        if (!text) return -1;
+        for (int k = 0; k < 2; k++)
+            if (!strstr(owner[k], chapters[c]) && strstr(text, what[k])) {
+                leaks++;
+                snprintf(report + strlen(report), n - strlen(report), "  %s has \"%s\" (only %s's)\n", chapters[c], what[k], owner[k]);
+            }
+        free(text);
+    }
+    return leaks;
+}
+TEST(gradients_are_averaged_and_sharded_in_one_place, QUICK) {
+    char src[900], report[2048], out[4096];
+    snprintf(src, sizeof src, "%s/src", repo_root());
+    int leaks = averaging_leaks(src, report, sizeof report);
+    CHECKF(leaks == 0, "%d averages or sharded optimizer views outside the data-parallel engine's chapters\n%s", leaks, report);
+    int st = run_cmd(out, sizeof out, "cp -r %s %s/src && printf 'static int dt__avg = DT_AVG;\n' >> %s/src/15-pipeline-parallel.h",
+                     src, tmpdir, tmpdir);
+    CHECKF(st == 0, "copying the chapters: exit %d\n%s", st, out);
+    snprintf(src, sizeof src, "%s/src", tmpdir);
+    leaks = averaging_leaks(src, report, sizeof report);
+    CHECKF(leaks == 1 && strstr(report, "15-pipeline-parallel.h has \"DT_AVG\""), "an average put into the pipeline's chapter "
+           "was not found (%d)\n%s", leaks, report);
+}
+
 /* The README is a front page: every page of the project is one link away
    from it, and every link of every page names a file (and a heading) that
    exists (tools/check_links.py). A page left unlinked, and a link to a file
