@@ -1845,11 +1845,11 @@ struct dt_run {
    assumes of it. Any entry may be NULL: nothing to add.
      state_open, state_close  a checkpoint sees the model whole: the state
          `which` (0 the parameters, 1 and 2 the optimizer's moments) as one
-         host array in the order of the whole model's parameters. To save
-         (for_load 0) it is a collective of the wrapper's ranks and may give
-         NULL to a rank that will not write; to load (for_load 1) the array is
-         about to be filled from a file, and state_close(written 1) gives each
-         rank its part of it.
+         host array in the order of the whole model's parameters: a
+         collective of the wrapper's ranks, which may give NULL to a rank
+         that will not write. To load, the array (the checkpoints chapter's,
+         when the model is cut) is filled from a file, and
+         state_close(written 1) gives each rank its part of it.
      shards  a sharded checkpoint writes each rank's state as it is: fills
          `view` and returns 1 (0: this wrapper's state is not flat shards).
      memory_table  what each rank holds, printed at start-up.
@@ -1861,11 +1861,14 @@ struct dt_run {
          accum_steps set) and returns how many ranks split or shard the model.
      bench_fields  the " key=value" pairs --bench adds (what the cost model
          needs of it).
-     whole_from_local, local_from_whole  for the wrapper around this one
-         (FSDP around tensor parallelism, a pipeline around it): the whole
-         state from this rank's (`local`, on the model's device, laid out
-         as `layout`: what this wrapper left of the model; a collective,
-         NULL where the rank will not write), and back. */
+     whole_from_local, local_from_whole  for a wrapper that cut the model
+         (without state_open: the checkpoints chapter calls them with the
+         model as the layout, on the first data-parallel copy) and for the
+         wrapper around it (FSDP around tensor parallelism, a pipeline
+         around it): the whole state from this rank's (`local`, on the
+         model's device, laid out as `layout`: what this wrapper left of
+         the model; a collective, NULL where the rank will not write), and
+         back. */
 typedef struct dt_shard_view {
     float *state[3];           /* this rank's shard of the parameters and of the two moments (NULL: none) */
     int64_t numel;             /* elements in each */
@@ -1875,7 +1878,7 @@ typedef struct dt_shard_view {
 } dt_shard_view;
 typedef struct dt_parallel_report {
     const char *create_fn;     /* whose: dt_parallel's create_fn ("dt_fsdp_create") */
-    float *(*state_open)(dt_parallel *par, dt_optimizer *opt, int which, int for_load);
+    float *(*state_open)(dt_parallel *par, dt_optimizer *opt, int which);
     void (*state_close)(dt_parallel *par, dt_optimizer *opt, int which, float *host, int written);
     int (*shards)(dt_parallel *par, dt_optimizer *opt, dt_shard_view *view);
     void (*memory_table)(const dt_parallel *par, const dt_optimizer *opt);
@@ -11037,21 +11040,38 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
 /* The whole training state as host arrays in parameter order (m->offsets):
    the parameters (which 0) or the optimizer's moments (1, 2). A view of the
    flat buffers, or what the model's wrapper gives (dt_parallel's
-   state_open): FSDP gathers every rank's shards for every rank; tensor
-   parallelism gathers for the rank that writes (NULL elsewhere) and, to load
-   (for_load 1), gives an array to fill, each rank cutting its pieces from it
-   when it is closed. Gathers are collectives: every rank opens and closes
-   alike. */
+   state_open): FSDP gathers every rank's shards for every rank; tensor and
+   pipeline parallelism gather for the rank that writes (NULL elsewhere). To
+   load (for_load 1) a model that a wrapper cut, every rank gets an array of
+   the whole to fill, and cuts its part from it when it is closed. Gathers
+   are collectives: every rank opens and closes alike. */
+/* The state a checkpoint saves: 0 the parameters, 1 and 2 the optimizer's
+   moments, each laid out as the model's flat buffer. */
+static float *dt__state_buffer(dt_model *m, dt_optimizer *o, int which) {
+    return which == 0 ? m->flat_data : which == 1 ? o->m : o->v;
+}
 static float *dt__state_open(dt_model *m, dt_optimizer *o, int which, int for_load) {
     dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(m->parallel, &who);
-    if (rep && rep->state_open) return rep->state_open(who, o, which, for_load);
-    return dt__host_view(m->device, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel);
+    const dt_model *whole = dt_model_whole(m);
+    if (for_load && whole != m) {
+        float *host = (float *)calloc((size_t)whole->numel + 1, sizeof(float));
+        if (!host) dt_fail("out of memory (reading a whole checkpoint to cut: %.1f MB)", whole->numel * 4e-6);
+        return host;
+    }
+    if (rep && rep->state_open) return rep->state_open(who, o, which);
+    /* a wrapper that cut the model: the whole from its pieces, written by the
+       first of the data-parallel copies (which hold the same) */
+    if (rep && rep->whole_from_local) return who->data_rank == 0 ? rep->whole_from_local(who, m, dt__state_buffer(m, o, which)) : NULL;
+    return dt__host_view(m->device, dt__state_buffer(m, o, which), m->numel);
 }
 static void dt__state_close(dt_model *m, dt_optimizer *o, int which, float *host, int written) {
     if (!host) return;
     dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(m->parallel, &who);
     if (rep && rep->state_close) rep->state_close(who, o, which, host, written);
-    else dt__host_view_close(m->device, host, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel, written);
+    else if (rep && rep->local_from_whole) {
+        if (written) rep->local_from_whole(who, m, host, dt__state_buffer(m, o, which));
+        free(host);
+    } else dt__host_view_close(m->device, host, dt__state_buffer(m, o, which), m->numel, written);
 }
 /* The parameters the state arrays above are laid out by: the model's own, or,
    cut by tensor parallelism, the whole model's (a checkpoint holds the whole,
@@ -13273,11 +13293,16 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
     if (T > 1)
         fprintf(out, "  x %d ranks splitting each stage's layers (--tp %d): %.0f%% of the compute split, %.1f sums of %.0f KB "
                 "per micro-batch in all, none hidden\n", T, T, 100 * in->tp_share, in->tp_sums, in->tp_bytes / 1e3);
+    static const char *const sharded[2][4] = {      /* by dt_cost_input's dp_shard, for groups and for pipelines */
+        { "", "; the optimizer state sharded over them", "; the optimizer state and the gradients sharded over them",
+          "; the pieces sharded over them (ZeRO-3: the parameters gathered twice)" },
+        { "", "; the optimizer state sharded over them", "; the optimizer state and the gradients sharded over them "
+          "(each micro-batch's reduce-scattered)", "; the pieces sharded over them (ZeRO-3: each micro-batch gathers the "
+          "parameters twice, reduce-scatters its gradients)" } };
     if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP) && in->dp_groups > 1)
         fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch%s\n", in->dp_groups,
                 in->kind == DT_PAR_TP ? "groups" : "pipelines", n * T, in->dp_groups * n * T,
-                in->dp_shard == 3 ? "; the pieces sharded over them (ZeRO-3: the parameters gathered twice)"
-                : in->dp_shard ? "; the optimizer state (and with ZeRO-2 the gradients) sharded over them" : "");
+                sharded[in->kind == DT_PAR_PP][in->dp_shard >= 0 && in->dp_shard <= 3 ? in->dp_shard : 0]);
     if (in->kind == DT_PAR_PP && n > 1)
         fprintf(out, "  %d micro-batches through %d stages: the bubble is (P - 1) / (M + P - 1) = %.0f%% of the step "
                 "(measured on this rank: %.0f%%)\n", in->pp_micro_batches > 0 ? in->pp_micro_batches : 1, n, 100 * p.bubble,
@@ -14494,7 +14519,8 @@ void dt_epoch_end(dt_run *run) {
         dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt__signal_name(run->stopped_by),
                 (long long)run->steps_run);
     dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
-    if (run->cfg.save_dir && (dt__ctx.rank == 0 || (rep && (rep->state_open || rep->shards)))) {   /* sharded or cut: every rank takes part */
+    if (run->cfg.save_dir && (dt__ctx.rank == 0 || (rep && (rep->state_open || rep->whole_from_local || rep->shards)))) {
+        /* sharded or cut: every rank takes part */
         char path[4096], what[64];
         if (finished) snprintf(what, sizeof what, "epoch%d", run->epoch);
         else snprintf(what, sizeof what, "step%lld", (long long)run->step);
@@ -14663,15 +14689,10 @@ static float *dt__fsdp_from_whole(dt_fsdp *f, const dt_parallel_report *in, dt_p
     dt_free_on(dev, DT_ARENA_COMM, local, bytes);
     return pieces;
 }
-static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
+static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which) {
     dt_fsdp *f = (dt_fsdp *)par;
     dt_parallel *who;
     const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
-    if (in && for_load) {                 /* the whole, which the file fills */
-        float *whole = (float *)calloc((size_t)dt_model_whole(f->model)->numel + 1, sizeof(float));
-        if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", dt_model_whole(f->model)->numel * 4e-6);
-        return whole;
-    }
     /* every rank gets the whole of its shards, gathered (for a load, too: the file overwrites it) */
     float *gathered = dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
     return in ? dt__fsdp_to_whole(f, in, who, gathered) : gathered;
@@ -14795,12 +14816,6 @@ static void dt__tp_bench_fields(const dt_parallel *par, FILE *out, int accum_ste
             t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0.0);
 }
 
-/* The state a checkpoint saves (the checkpoints chapter): 0 the parameters, 1 and 2 the
-   optimizer's moments, each laid out as the model's flat buffer. */
-static float *dt__state_buffer(dt_model *m, dt_optimizer *o, int which) {
-    return which == 0 ? m->flat_data : which == 1 ? o->m : o->v;
-}
-
 /* The state of a tensor-parallel model (parameters or a moment, `local` on
    the device) in the whole model's layout, on the host of the group's first
    rank, which writes it: one split tensor at a time, its pieces all-gathered
@@ -14835,24 +14850,6 @@ static float *dt__tp_state_gather(dt_tp *t, const dt_model *m, float *local) {
     return whole;
 }
 
-/* The checkpoint's view (the checkpoints chapter). Saving: the groups hold the same
-   state, so the first group gathers it and its first rank, the job's rank 0,
-   writes. Loading: every rank reads the whole file and cuts its pieces. */
-static float *dt__tp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
-    dt_tp *t = (dt_tp *)par;
-    if (for_load) {
-        float *whole = (float *)calloc((size_t)t->whole.numel + 1, sizeof(float));
-        if (!whole) dt_fail("out of memory (reading a whole checkpoint to cut: %.1f MB)", t->whole.numel * 4e-6);
-        return whole;
-    }
-    return t->par.data_rank == 0 ? dt__tp_state_gather(t, t->model, dt__state_buffer(t->model, o, which)) : NULL;
-}
-
-static void dt__tp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
-    dt_tp *t = (dt_tp *)par;
-    if (written) dt__tp_state_scatter(t, t->model, host, dt__state_buffer(t->model, o, which));
-    free(host);
-}
 
 /* A parameter's name with its block number as "*": what every block shares. */
 static void dt__block_pattern(const char *name, char *out, size_t n) {
@@ -14931,9 +14928,11 @@ static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
     fflush(stdout);
 }
 
-/* For a wrapper around this one: the same, from and into a state laid out
-   as this rank's pieces (`layout`: the model, or a pipeline's stages
-   composed). */
+/* A checkpoint's view (the checkpoints chapter, or a wrapper around this
+   one): the whole state from a state laid out as this rank's pieces
+   (`layout`: the model, or a pipeline's stages composed), gathered over the
+   group for its first rank -- the first group's only, as the groups hold
+   the same; and back, each rank cutting its pieces from the whole file. */
 static float *dt__tp_whole_from_local(dt_parallel *par, const dt_model *layout, float *local) {
     dt_tp *t = (dt_tp *)par;
     return t->par.data_rank == 0 ? dt__tp_state_gather(t, layout, local) : NULL;
@@ -14943,7 +14942,7 @@ static void dt__tp_local_from_whole(dt_parallel *par, const dt_model *layout, fl
 }
 
 const dt_parallel_report dt__tp_report = {
-    .create_fn = "dt_tp_create", .state_open = dt__tp_state_open, .state_close = dt__tp_state_close,
+    .create_fn = "dt_tp_create",
     .memory_table = dt__tp_memory_table, .cost_input = dt__tp_cost_input, .bench_fields = dt__tp_bench_fields,
     .whole_from_local = dt__tp_whole_from_local, .local_from_whole = dt__tp_local_from_whole,
 };
@@ -15024,23 +15023,6 @@ static void dt__pp_local_from_whole(dt_parallel *par, const dt_model *layout, fl
     dt__host_view_close(p->model->device, view, pieces, p->whole.numel, 0);
     dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
 }
-/* Saving, the first pipeline gathers (the others hold the same) and the
-   job's rank 0 writes; loading, every rank reads the whole and keeps its part. */
-static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
-    dt_pp *p = (dt_pp *)par;
-    if (for_load) {
-        float *whole = (float *)calloc((size_t)par->whole->numel + 1, sizeof(float));
-        if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", par->whole->numel * 4e-6);
-        return whole;
-    }
-    return p->par.data_rank == 0 ? dt__pp_whole_from_local(par, p->model, dt__state_buffer(p->model, o, which)) : NULL;
-}
-static void dt__pp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
-    dt_pp *p = (dt_pp *)par;
-    if (written) dt__pp_local_from_whole(par, p->model, host, dt__state_buffer(p->model, o, which));
-    free(host);
-}
-
 /* At start-up: which blocks each stage runs, and what it holds. */
 static void dt__pp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
     const dt_pp *p = (const dt_pp *)par;
@@ -15147,7 +15129,7 @@ static void dt__pp_log_fields(const dt_parallel *par, FILE *log) {
 }
 
 const dt_parallel_report dt__pp_report = {
-    .create_fn = "dt_pp_create", .state_open = dt__pp_state_open, .state_close = dt__pp_state_close,
+    .create_fn = "dt_pp_create",
     .memory_table = dt__pp_memory_table, .log_fields = dt__pp_log_fields, .cost_input = dt__pp_cost_input,
     .bench_fields = dt__pp_bench_fields, .whole_from_local = dt__pp_whole_from_local,
     .local_from_whole = dt__pp_local_from_whole,

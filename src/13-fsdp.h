@@ -576,15 +576,10 @@ static float *dt__fsdp_from_whole(dt_fsdp *f, const dt_parallel_report *in, dt_p
     dt_free_on(dev, DT_ARENA_COMM, local, bytes);
     return pieces;
 }
-static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
+static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which) {
     dt_fsdp *f = (dt_fsdp *)par;
     dt_parallel *who;
     const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
-    if (in && for_load) {                 /* the whole, which the file fills */
-        float *whole = (float *)calloc((size_t)dt_model_whole(f->model)->numel + 1, sizeof(float));
-        if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", dt_model_whole(f->model)->numel * 4e-6);
-        return whole;
-    }
     /* every rank gets the whole of its shards, gathered (for a load, too: the file overwrites it) */
     float *gathered = dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
     return in ? dt__fsdp_to_whole(f, in, who, gathered) : gathered;

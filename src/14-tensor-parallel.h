@@ -347,12 +347,6 @@ static void dt__tp_bench_fields(const dt_parallel *par, FILE *out, int accum_ste
             t->step_sums > 0 ? t->step_sum_bytes / t->step_sums : 0.0);
 }
 
-/* The state a checkpoint saves (the checkpoints chapter): 0 the parameters, 1 and 2 the
-   optimizer's moments, each laid out as the model's flat buffer. */
-static float *dt__state_buffer(dt_model *m, dt_optimizer *o, int which) {
-    return which == 0 ? m->flat_data : which == 1 ? o->m : o->v;
-}
-
 /* The state of a tensor-parallel model (parameters or a moment, `local` on
    the device) in the whole model's layout, on the host of the group's first
    rank, which writes it: one split tensor at a time, its pieces all-gathered
@@ -387,24 +381,6 @@ static float *dt__tp_state_gather(dt_tp *t, const dt_model *m, float *local) {
     return whole;
 }
 
-/* The checkpoint's view (the checkpoints chapter). Saving: the groups hold the same
-   state, so the first group gathers it and its first rank, the job's rank 0,
-   writes. Loading: every rank reads the whole file and cuts its pieces. */
-static float *dt__tp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
-    dt_tp *t = (dt_tp *)par;
-    if (for_load) {
-        float *whole = (float *)calloc((size_t)t->whole.numel + 1, sizeof(float));
-        if (!whole) dt_fail("out of memory (reading a whole checkpoint to cut: %.1f MB)", t->whole.numel * 4e-6);
-        return whole;
-    }
-    return t->par.data_rank == 0 ? dt__tp_state_gather(t, t->model, dt__state_buffer(t->model, o, which)) : NULL;
-}
-
-static void dt__tp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
-    dt_tp *t = (dt_tp *)par;
-    if (written) dt__tp_state_scatter(t, t->model, host, dt__state_buffer(t->model, o, which));
-    free(host);
-}
 
 /* A parameter's name with its block number as "*": what every block shares. */
 static void dt__block_pattern(const char *name, char *out, size_t n) {
@@ -483,9 +459,11 @@ static void dt__tp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
     fflush(stdout);
 }
 
-/* For a wrapper around this one: the same, from and into a state laid out
-   as this rank's pieces (`layout`: the model, or a pipeline's stages
-   composed). */
+/* A checkpoint's view (the checkpoints chapter, or a wrapper around this
+   one): the whole state from a state laid out as this rank's pieces
+   (`layout`: the model, or a pipeline's stages composed), gathered over the
+   group for its first rank -- the first group's only, as the groups hold
+   the same; and back, each rank cutting its pieces from the whole file. */
 static float *dt__tp_whole_from_local(dt_parallel *par, const dt_model *layout, float *local) {
     dt_tp *t = (dt_tp *)par;
     return t->par.data_rank == 0 ? dt__tp_state_gather(t, layout, local) : NULL;
@@ -495,7 +473,7 @@ static void dt__tp_local_from_whole(dt_parallel *par, const dt_model *layout, fl
 }
 
 const dt_parallel_report dt__tp_report = {
-    .create_fn = "dt_tp_create", .state_open = dt__tp_state_open, .state_close = dt__tp_state_close,
+    .create_fn = "dt_tp_create",
     .memory_table = dt__tp_memory_table, .cost_input = dt__tp_cost_input, .bench_fields = dt__tp_bench_fields,
     .whole_from_local = dt__tp_whole_from_local, .local_from_whole = dt__tp_local_from_whole,
 };

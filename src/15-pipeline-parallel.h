@@ -643,23 +643,6 @@ static void dt__pp_local_from_whole(dt_parallel *par, const dt_model *layout, fl
     dt__host_view_close(p->model->device, view, pieces, p->whole.numel, 0);
     dt_free_on(p->model->device, DT_ARENA_COMM, pieces, bytes);
 }
-/* Saving, the first pipeline gathers (the others hold the same) and the
-   job's rank 0 writes; loading, every rank reads the whole and keeps its part. */
-static float *dt__pp_state_open(dt_parallel *par, dt_optimizer *o, int which, int for_load) {
-    dt_pp *p = (dt_pp *)par;
-    if (for_load) {
-        float *whole = (float *)calloc((size_t)par->whole->numel + 1, sizeof(float));
-        if (!whole) dt_fail("out of memory (reading a whole checkpoint: %.1f MB)", par->whole->numel * 4e-6);
-        return whole;
-    }
-    return p->par.data_rank == 0 ? dt__pp_whole_from_local(par, p->model, dt__state_buffer(p->model, o, which)) : NULL;
-}
-static void dt__pp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
-    dt_pp *p = (dt_pp *)par;
-    if (written) dt__pp_local_from_whole(par, p->model, host, dt__state_buffer(p->model, o, which));
-    free(host);
-}
-
 /* At start-up: which blocks each stage runs, and what it holds. */
 static void dt__pp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
     const dt_pp *p = (const dt_pp *)par;
@@ -766,7 +749,7 @@ static void dt__pp_log_fields(const dt_parallel *par, FILE *log) {
 }
 
 const dt_parallel_report dt__pp_report = {
-    .create_fn = "dt_pp_create", .state_open = dt__pp_state_open, .state_close = dt__pp_state_close,
+    .create_fn = "dt_pp_create",
     .memory_table = dt__pp_memory_table, .log_fields = dt__pp_log_fields, .cost_input = dt__pp_cost_input,
     .bench_fields = dt__pp_bench_fields, .whole_from_local = dt__pp_whole_from_local,
     .local_from_whole = dt__pp_local_from_whole,

@@ -370,21 +370,38 @@ int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndi
 /* The whole training state as host arrays in parameter order (m->offsets):
    the parameters (which 0) or the optimizer's moments (1, 2). A view of the
    flat buffers, or what the model's wrapper gives (dt_parallel's
-   state_open): FSDP gathers every rank's shards for every rank; tensor
-   parallelism gathers for the rank that writes (NULL elsewhere) and, to load
-   (for_load 1), gives an array to fill, each rank cutting its pieces from it
-   when it is closed. Gathers are collectives: every rank opens and closes
-   alike. */
+   state_open): FSDP gathers every rank's shards for every rank; tensor and
+   pipeline parallelism gather for the rank that writes (NULL elsewhere). To
+   load (for_load 1) a model that a wrapper cut, every rank gets an array of
+   the whole to fill, and cuts its part from it when it is closed. Gathers
+   are collectives: every rank opens and closes alike. */
+/* The state a checkpoint saves: 0 the parameters, 1 and 2 the optimizer's
+   moments, each laid out as the model's flat buffer. */
+static float *dt__state_buffer(dt_model *m, dt_optimizer *o, int which) {
+    return which == 0 ? m->flat_data : which == 1 ? o->m : o->v;
+}
 static float *dt__state_open(dt_model *m, dt_optimizer *o, int which, int for_load) {
     dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(m->parallel, &who);
-    if (rep && rep->state_open) return rep->state_open(who, o, which, for_load);
-    return dt__host_view(m->device, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel);
+    const dt_model *whole = dt_model_whole(m);
+    if (for_load && whole != m) {
+        float *host = (float *)calloc((size_t)whole->numel + 1, sizeof(float));
+        if (!host) dt_fail("out of memory (reading a whole checkpoint to cut: %.1f MB)", whole->numel * 4e-6);
+        return host;
+    }
+    if (rep && rep->state_open) return rep->state_open(who, o, which);
+    /* a wrapper that cut the model: the whole from its pieces, written by the
+       first of the data-parallel copies (which hold the same) */
+    if (rep && rep->whole_from_local) return who->data_rank == 0 ? rep->whole_from_local(who, m, dt__state_buffer(m, o, which)) : NULL;
+    return dt__host_view(m->device, dt__state_buffer(m, o, which), m->numel);
 }
 static void dt__state_close(dt_model *m, dt_optimizer *o, int which, float *host, int written) {
     if (!host) return;
     dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(m->parallel, &who);
     if (rep && rep->state_close) rep->state_close(who, o, which, host, written);
-    else dt__host_view_close(m->device, host, which == 0 ? m->flat_data : which == 1 ? o->m : o->v, m->numel, written);
+    else if (rep && rep->local_from_whole) {
+        if (written) rep->local_from_whole(who, m, host, dt__state_buffer(m, o, which));
+        free(host);
+    } else dt__host_view_close(m->device, host, dt__state_buffer(m, o, which), m->numel, written);
 }
 /* The parameters the state arrays above are laid out by: the model's own, or,
    cut by tensor parallelism, the whole model's (a checkpoint holds the whole,

@@ -236,11 +236,16 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
     if (T > 1)
         fprintf(out, "  x %d ranks splitting each stage's layers (--tp %d): %.0f%% of the compute split, %.1f sums of %.0f KB "
                 "per micro-batch in all, none hidden\n", T, T, 100 * in->tp_share, in->tp_sums, in->tp_bytes / 1e3);
+    static const char *const sharded[2][4] = {      /* by dt_cost_input's dp_shard, for groups and for pipelines */
+        { "", "; the optimizer state sharded over them", "; the optimizer state and the gradients sharded over them",
+          "; the pieces sharded over them (ZeRO-3: the parameters gathered twice)" },
+        { "", "; the optimizer state sharded over them", "; the optimizer state and the gradients sharded over them "
+          "(each micro-batch's reduce-scattered)", "; the pieces sharded over them (ZeRO-3: each micro-batch gathers the "
+          "parameters twice, reduce-scatters its gradients)" } };
     if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP) && in->dp_groups > 1)
         fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch%s\n", in->dp_groups,
                 in->kind == DT_PAR_TP ? "groups" : "pipelines", n * T, in->dp_groups * n * T,
-                in->dp_shard == 3 ? "; the pieces sharded over them (ZeRO-3: the parameters gathered twice)"
-                : in->dp_shard ? "; the optimizer state (and with ZeRO-2 the gradients) sharded over them" : "");
+                sharded[in->kind == DT_PAR_PP][in->dp_shard >= 0 && in->dp_shard <= 3 ? in->dp_shard : 0]);
     if (in->kind == DT_PAR_PP && n > 1)
         fprintf(out, "  %d micro-batches through %d stages: the bubble is (P - 1) / (M + P - 1) = %.0f%% of the step "
                 "(measured on this rank: %.0f%%)\n", in->pp_micro_batches > 0 ? in->pp_micro_batches : 1, n, 100 * p.bubble,

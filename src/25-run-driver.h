@@ -45,11 +45,11 @@ struct dt_run {
    assumes of it. Any entry may be NULL: nothing to add.
      state_open, state_close  a checkpoint sees the model whole: the state
          `which` (0 the parameters, 1 and 2 the optimizer's moments) as one
-         host array in the order of the whole model's parameters. To save
-         (for_load 0) it is a collective of the wrapper's ranks and may give
-         NULL to a rank that will not write; to load (for_load 1) the array is
-         about to be filled from a file, and state_close(written 1) gives each
-         rank its part of it.
+         host array in the order of the whole model's parameters: a
+         collective of the wrapper's ranks, which may give NULL to a rank
+         that will not write. To load, the array (the checkpoints chapter's,
+         when the model is cut) is filled from a file, and
+         state_close(written 1) gives each rank its part of it.
      shards  a sharded checkpoint writes each rank's state as it is: fills
          `view` and returns 1 (0: this wrapper's state is not flat shards).
      memory_table  what each rank holds, printed at start-up.
@@ -61,11 +61,14 @@ struct dt_run {
          accum_steps set) and returns how many ranks split or shard the model.
      bench_fields  the " key=value" pairs --bench adds (what the cost model
          needs of it).
-     whole_from_local, local_from_whole  for the wrapper around this one
-         (FSDP around tensor parallelism, a pipeline around it): the whole
-         state from this rank's (`local`, on the model's device, laid out
-         as `layout`: what this wrapper left of the model; a collective,
-         NULL where the rank will not write), and back. */
+     whole_from_local, local_from_whole  for a wrapper that cut the model
+         (without state_open: the checkpoints chapter calls them with the
+         model as the layout, on the first data-parallel copy) and for the
+         wrapper around it (FSDP around tensor parallelism, a pipeline
+         around it): the whole state from this rank's (`local`, on the
+         model's device, laid out as `layout`: what this wrapper left of
+         the model; a collective, NULL where the rank will not write), and
+         back. */
 typedef struct dt_shard_view {
     float *state[3];           /* this rank's shard of the parameters and of the two moments (NULL: none) */
     int64_t numel;             /* elements in each */
@@ -75,7 +78,7 @@ typedef struct dt_shard_view {
 } dt_shard_view;
 typedef struct dt_parallel_report {
     const char *create_fn;     /* whose: dt_parallel's create_fn ("dt_fsdp_create") */
-    float *(*state_open)(dt_parallel *par, dt_optimizer *opt, int which, int for_load);
+    float *(*state_open)(dt_parallel *par, dt_optimizer *opt, int which);
     void (*state_close)(dt_parallel *par, dt_optimizer *opt, int which, float *host, int written);
     int (*shards)(dt_parallel *par, dt_optimizer *opt, dt_shard_view *view);
     void (*memory_table)(const dt_parallel *par, const dt_optimizer *opt);
@@ -678,7 +681,8 @@ void dt_epoch_end(dt_run *run) {
         dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt__signal_name(run->stopped_by),
                 (long long)run->steps_run);
     dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
-    if (run->cfg.save_dir && (dt__ctx.rank == 0 || (rep && (rep->state_open || rep->shards)))) {   /* sharded or cut: every rank takes part */
+    if (run->cfg.save_dir && (dt__ctx.rank == 0 || (rep && (rep->state_open || rep->whole_from_local || rep->shards)))) {
+        /* sharded or cut: every rank takes part */
         char path[4096], what[64];
         if (finished) snprintf(what, sizeof what, "epoch%d", run->epoch);
         else snprintf(what, sizeof what, "step%lld", (long long)run->step);

@@ -84,6 +84,17 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
     q = dt_cost_predict(&shared, &(dt_link){ "no latency", 0, 10 }, 1);
     CHECKF(CLOSE(whole_opt, 220, 1e-12) && CLOSE(q.compute_ms, 210, 1e-12), "ZeRO-1 over 2 pipelines: compute %.4f, unsharded %.4f",
            q.compute_ms, whole_opt);
+    /* ZeRO-2 and -3 around a pipeline reduce-scatter each of its M micro-batches' gradients ((M + 1) / 2 times DDP's
+       average, with the step's all-gather), ZeRO-3 also gathers twice a micro-batch (1.5 M times) */
+    double comm[4];
+    for (int z = 0; z < 4; z++) {
+        dt_cost_input m4 = shared;
+        m4.pp_micro_batches = 4;
+        m4.dp_shard = z;
+        comm[z] = dt_cost_predict(&m4, &(dt_link){ "no latency", 0, 10 }, 1).comm_ms;
+    }
+    CHECKF(comm[0] > 0 && CLOSE(comm[1], comm[0], 1e-12) && CLOSE(comm[2], 2.5 * comm[0], 1e-12) && CLOSE(comm[3], 6 * comm[0], 1e-12),
+           "ZeRO-0..3 around a pipeline of 4 micro-batches: communication %.4f %.4f %.4f %.4f", comm[0], comm[1], comm[2], comm[3]);
     /* a pipeline of one stage whose layers split over 2 ranks is tensor
        parallelism: the same step as the TP case above, at any M (each
        micro-batch's sums 1/M of the bytes) */
