@@ -905,8 +905,9 @@ void dt_dp_free(dt_dp *dp, int quiet);
 
 /* [src/12-ddp.h] */
 /* ---- DistributedDataParallel ------------------------------------------------ */
-/* DistributedDataParallel (stages 03-05): one process per device, each with a
-   whole replica and its own optimizer; only gradients travel. They travel in
+/* DistributedDataParallel (stage 03, and the engine of 06-07 without
+   --shard): one process per device, each with a whole replica and its own
+   optimizer; only gradients travel. They travel in
    buckets: runs of parameters taken in reverse order (the order backward
    finishes them), about bucket_mb each (the first one 1 MB, so communication
    starts early). A bucket's all-reduce (average) starts the moment its last
@@ -915,8 +916,8 @@ void dt_dp_free(dt_dp *dp, int quiet);
    no-overlap baseline (same bits: the sums run in rank order either way). */
 typedef struct dt_ddp dt_ddp;
 /* Broadcast rank 0's parameters (every replica starts equal) and plan the
-   buckets. A model that tensor parallelism holds is wrapped with it (a
-   stack): comm is then the ranks that hold the same pieces. */
+   buckets. A model that tensor or pipeline parallelism holds is wrapped
+   with it (a stack): comm is then the ranks that hold the same pieces. */
 dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb);
 /* After backward: start what has not started, wait for every bucket. Every
    rank then holds the average gradient. */
@@ -931,7 +932,8 @@ void dt_ddp_free(dt_ddp *ddp);
 /* [src/13-fsdp.h] */
 /* ---- fully sharded data parallel --------------------------------------------- */
 
-/* Fully sharded data parallel (stages 04-05): like DDP, but no rank keeps the
+/* Fully sharded data parallel (stages 04-05, and the engine of 06-07 with
+   --shard): like DDP, but no rank keeps the
    whole model. Each unit's parameters are one flat buffer padded to a multiple
    of N; rank r keeps elements [r, r + 1) * size/N of it -- its shard -- and the
    optimizer state of that shard only. The mode chooses what is sharded, as the
@@ -941,6 +943,8 @@ void dt_ddp_free(dt_ddp *ddp);
                          parameters are all-gathered
      DT_SHARD_GRADS      + gradients (ZeRO-2): each unit's gradients are
                          reduce-scattered as soon as its backward is done
+                         (the outer unit's after backward, with the rest of
+                         the step's sums)
      DT_SHARD_FULL       + parameters (ZeRO-3): a unit is all-gathered just
                          before its forward, freed after it, gathered again
                          just before its backward; the next unit's all-gather
@@ -948,7 +952,7 @@ void dt_ddp_free(dt_ddp *ddp);
                          last unit stays gathered from its forward into its
                          backward, which needs it first
    Checkpoints of a sharded model are sharded too (the checkpoints chapter). */
-typedef enum { DT_SHARD_NONE = -1, DT_SHARD_OPTIMIZER = 0, DT_SHARD_GRADS = 1, DT_SHARD_FULL = 2 } dt_shard_mode;   /* NONE: 07's default */
+typedef enum { DT_SHARD_NONE = -1, DT_SHARD_OPTIMIZER = 0, DT_SHARD_GRADS = 1, DT_SHARD_FULL = 2 } dt_shard_mode;   /* NONE: 06's and 07's default (DDP) */
 typedef struct dt_fsdp dt_fsdp;
 /* Broadcast rank 0's parameters, keep this rank's shards, free the rest. The
    optimizer, created after this, holds the shard's state only. cpu_offload:
@@ -956,8 +960,9 @@ typedef struct dt_fsdp dt_fsdp;
    on the CPU, and a unit's shard is copied to the device just before its
    all-gather (on a CPU-only run, between the device and host arenas). */
 dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload);
-/* After backward: DT_SHARD_OPTIMIZER reduce-scatters every gradient now (the
-   other modes did it unit by unit during backward). */
+/* After backward: DT_SHARD_OPTIMIZER reduce-scatters every gradient now; the
+   other modes did it unit by unit during backward, all but the outer unit's,
+   which they reduce-scatter now (after what the wrappers inside add up). */
 void dt_fsdp_sync_grads(dt_fsdp *fsdp);
 /* Gradient accumulation (stage 05), as dt_ddp_set_sync: with sync 0 no unit is
    reduce-scattered, and each unit's whole gradient adds up in a buffer of the
@@ -7394,6 +7399,7 @@ struct dt_fsdp {
     dt_comm *comm;
     dt_shard_mode mode;
     int offload;                /* shards and optimizer state in host memory */
+    int pipelined;              /* a pipeline inside runs M forwards and backwards a step */
     int rank, world, nunits;
     dt__fsdp_unit *units;
     float *shard_params, *shard_grads;   /* this rank's slice of every unit, one after another */
@@ -7579,9 +7585,11 @@ static void dt__fsdp_unit_end(dt_parallel *par, int unit) {
     dt_fsdp *f = (dt_fsdp *)par;
     int training = dt__ctx.grad_enabled;
     /* reshard after forward -- but the last unit is the first that backward
-       needs, so in training it stays gathered (one all-gather saved); so
+       needs, so in training it stays gathered (one all-gather saved), unless
+       a pipeline runs more forwards first (its buffer is a neighbour's); so
        does the outer unit, whose backward ends the step */
-    if (!(training && (unit == f->nunits - 1 || unit == f->model->outer_unit))) dt__fsdp_release_unit(f, unit);
+    int kept = unit == f->model->outer_unit || (unit == f->nunits - 1 && !f->pipelined);
+    if (!(training && kept)) dt__fsdp_release_unit(f, unit);
     if (training) dt__tape_mark(dt__fsdp_before_unit_backward, f, unit);
 }
 static void dt__fsdp_backward_done(dt_parallel *par);
@@ -7602,6 +7610,7 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
                             .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks,
                             .inner = model->parallel };          /* around tensor parallelism: its pieces */
     dt__data_parallel_can_wrap(&f->par, comm, 1);
+    for (dt_parallel *q = f->par.inner; q; q = q->inner) f->pipelined |= q->forward != NULL;
     dt_model_set_parallel(model, &f->par);
     dt__comm_hold(comm, "dt_fsdp_free");
     f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
@@ -7623,8 +7632,9 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
         if (dt__fsdp_full_bytes(f, u) > f->largest) f->largest = dt__fsdp_full_bytes(f, u);
     }
     f->largest_shard = f->largest / (size_t)f->world;
-    int outer = model->outer_unit, used[3] = { 0, 0, 0 };                   /* the slots some unit takes */
-    for (int k = 0; k < f->nunits; k++) used[dt__fsdp_slot(f, k)] = 1;
+    int outer = model->outer_unit >= 0 && f->units[model->outer_unit].numel ? model->outer_unit : -1;
+    int used[3] = { 0, 0, 0 };              /* the slots some unit here takes (a pipeline stage's units only) */
+    for (int k = 0; k < f->nunits; k++) used[dt__fsdp_slot(f, k)] |= f->units[k].numel > 0;
     f->holder[0] = f->holder[1] = f->holder[2] = -1;
     for (int b = 0; b < 3; b++) {
         if (!used[b]) continue;
@@ -7703,6 +7713,10 @@ static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o) {
 }
 
 void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync) {
+    int outer = fsdp->model->outer_unit;
+    if (!sync && !fsdp->accum && fsdp->mode != DT_SHARD_OPTIMIZER && outer >= 0 && fsdp->units[outer].full_grad)
+        dt_fail("dt_fsdp_set_sync: the last backward's gradients are not synchronised yet (its outer unit's is whole, "
+                "waiting); call %s first", fsdp->par.sync_fn);
     fsdp->sync = sync;
     if (!sync && !fsdp->accum && fsdp->mode != DT_SHARD_OPTIMIZER) {     /* ZeRO-1 keeps whole gradients anyway */
         fsdp->accum = (float *)dt_alloc_on(fsdp->model->device, DT_ARENA_GRADS, (size_t)fsdp->accum_numel * sizeof(float));
@@ -8550,6 +8564,10 @@ dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int micro_batches, d
     if (model->parallel && (!model->parallel->whole || model->parallel->forward))   /* DDP, FSDP, a pipeline: outside it */
         dt_fail("dt_pp_create: %s already wraps this model; a pipeline cuts the model first (or after tensor parallelism), "
                 "and a data-parallel engine wraps it after", model->parallel->create_fn);
+    if (model->parallel && model->parallel->data_ranks > 0 && world != model->parallel->data_ranks)
+        dt_fail("dt_pp_create: its communicator has %d ranks, but %d groups of %s hold the same pieces: give it the ranks "
+                "that hold this rank's pieces (dt_tp_data_group)", world, model->parallel->data_ranks,
+                model->parallel->create_fn);
     const dt_parallel *split = dt_parallel_splitting(model->parallel);      /* comm: one rank of each tensor group */
     const char *over = split ? " over --tp" : "";
     if (pp <= 0) pp = world;
@@ -8610,7 +8628,7 @@ void dt_pp_free(dt_pp *pp) {
     dt__data_parallel_unwrap(pp->model, &pp->par);        /* the wrapper inside, if any, holds the model again */
     dt_comm *mine[5] = { pp->ends, pp->to_next, pp->from_next, pp->to_prev, pp->from_prev };
     for (int k = 0; k < 5; k++) if (mine[k]) dt_comm_free(mine[k]);
-    if (!pp->par.inner) pp->model->left_cut_by = "dt_pp_free";   /* each rank keeps its stage: the model can only be freed now */
+    pp->model->left_cut_by = "dt_pp_free";   /* each rank keeps its stage: the model can only be freed now */
     for (int k = 0; k < pp->nslots; k++) dt__step_arena_free(pp->arenas[k]);
     free(pp->arenas);
     dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_x, pp->inbox_bytes);
@@ -14743,7 +14761,7 @@ static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o)
         printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1] - frozen) / 1e6, "", "",
                f->mode == DT_SHARD_FULL ? "2 units of parameters (one computes, the next arrives) + 1 of gradients"
                                         : "1 unit of gradients (whole during its backward)");
-    if (f->model->outer_unit >= 0 && buffers[0] + buffers[1] - frozen > 0)
+    if ((f->gathered[2] || f->outer_grad) && buffers[0] + buffers[1] - frozen > 0)
         printf("  %-16s %8s %8s %8s   %s\n", "", "", "", "", "+ the outer unit's (embeddings, shared with the head), whole all step");
     fflush(stdout);
 }
@@ -14762,11 +14780,16 @@ static void dt__fsdp_label(const dt_parallel *par, char *out, size_t n) {
     static const char *modes[3] = { "optimizer", "grads", "full" };
     snprintf(out, n, "/%s%s", modes[f->mode], f->offload ? "+offload" : "");
 }
-/* Around tensor parallelism, what it reports too. */
+/* Around tensor or pipeline parallelism, what it reports too. */
 static void dt__fsdp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
     dt_parallel *who;
     const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
     if (in && in->bench_fields) in->bench_fields(who, out, accum_steps);
+}
+static void dt__fsdp_log_fields(const dt_parallel *par, FILE *log) {
+    dt_parallel *who;
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    if (in && in->log_fields) in->log_fields(who, log);
 }
 static void dt__fsdp_memory_tables(const dt_parallel *par, const dt_optimizer *o) {
     dt__fsdp_memory_table(par, o);
@@ -14777,7 +14800,7 @@ static void dt__fsdp_memory_tables(const dt_parallel *par, const dt_optimizer *o
 const dt_parallel_report dt__fsdp_report = {
     .create_fn = "dt_fsdp_create", .state_open = dt__fsdp_state_open, .state_close = dt__fsdp_state_close,
     .shards = dt__fsdp_shards, .memory_table = dt__fsdp_memory_tables, .label = dt__fsdp_label, .cost_input = dt__fsdp_cost_input,
-    .bench_fields = dt__fsdp_bench_fields,
+    .bench_fields = dt__fsdp_bench_fields, .log_fields = dt__fsdp_log_fields,
 };
 /* [src/14-tensor-parallel.h] */
 /* ---- what the machinery asks of tensor parallelism (the run driver's dt_parallel_report) ----
@@ -14997,6 +15020,7 @@ static float *dt__pp_state_gather(dt_pp *p, float *local) {
 static float *dt__pp_whole_from_local(dt_parallel *par, const dt_model *layout, float *local) {
     dt_pp *p = (dt_pp *)par;
     (void)layout;                           /* this stage's: the model as cut */
+    if (p->par.data_rank != 0) return NULL; /* the pipelines hold the same: the first one writes */
     float *staged = dt__pp_state_gather(p, local);
     dt_parallel *who;
     const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
@@ -15048,8 +15072,11 @@ static void dt__pp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
     if (split)
         printf("  each stage's blocks split over --tp %d ranks as in stage 06: the sizes above are one rank's pieces\n",
                split->tp_size);
-    if (m->parallel != par && p->par.data_ranks > 1)
-        printf("  the %d pipelines' copies of each stage: kept or sharded as the engine's table above says\n", p->par.data_ranks);
+    dt_parallel *who;
+    if (m->parallel != par && p->par.data_ranks > 1)        /* DDP has no table; FSDP's is above */
+        printf("  the %d pipelines' copies of each stage: %s\n", p->par.data_ranks,
+               dt_parallel_report_of(m->parallel, &who) && who != par ? "sharded as FSDP's table above says"
+                                                                       : "each whole, their gradients averaged (DDP)");
     printf("  the whole model: %.3f MB of parameters, %d blocks\n", 4e-6 * (double)par->whole->numel, n);
     fflush(stdout);
 }

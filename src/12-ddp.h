@@ -1,7 +1,8 @@
 //@ lesson: DistributedDataParallel -- one process per device, gradients all-reduced in buckets while backward runs
 /* ---- DistributedDataParallel ------------------------------------------------ */
-/* DistributedDataParallel (stages 03-05): one process per device, each with a
-   whole replica and its own optimizer; only gradients travel. They travel in
+/* DistributedDataParallel (stage 03, and the engine of 06-07 without
+   --shard): one process per device, each with a whole replica and its own
+   optimizer; only gradients travel. They travel in
    buckets: runs of parameters taken in reverse order (the order backward
    finishes them), about bucket_mb each (the first one 1 MB, so communication
    starts early). A bucket's all-reduce (average) starts the moment its last
@@ -10,8 +11,8 @@
    no-overlap baseline (same bits: the sums run in rank order either way). */
 typedef struct dt_ddp dt_ddp;
 /* Broadcast rank 0's parameters (every replica starts equal) and plan the
-   buckets. A model that tensor parallelism holds is wrapped with it (a
-   stack): comm is then the ranks that hold the same pieces. */
+   buckets. A model that tensor or pipeline parallelism holds is wrapped
+   with it (a stack): comm is then the ranks that hold the same pieces. */
 dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb);
 /* After backward: start what has not started, wait for every bucket. Every
    rank then holds the average gradient. */

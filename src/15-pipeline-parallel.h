@@ -493,6 +493,10 @@ dt_pp *dt_pp_create(dt_model *model, dt_comm *comm, int pp, int micro_batches, d
     if (model->parallel && (!model->parallel->whole || model->parallel->forward))   /* DDP, FSDP, a pipeline: outside it */
         dt_fail("dt_pp_create: %s already wraps this model; a pipeline cuts the model first (or after tensor parallelism), "
                 "and a data-parallel engine wraps it after", model->parallel->create_fn);
+    if (model->parallel && model->parallel->data_ranks > 0 && world != model->parallel->data_ranks)
+        dt_fail("dt_pp_create: its communicator has %d ranks, but %d groups of %s hold the same pieces: give it the ranks "
+                "that hold this rank's pieces (dt_tp_data_group)", world, model->parallel->data_ranks,
+                model->parallel->create_fn);
     const dt_parallel *split = dt_parallel_splitting(model->parallel);      /* comm: one rank of each tensor group */
     const char *over = split ? " over --tp" : "";
     if (pp <= 0) pp = world;
@@ -553,7 +557,7 @@ void dt_pp_free(dt_pp *pp) {
     dt__data_parallel_unwrap(pp->model, &pp->par);        /* the wrapper inside, if any, holds the model again */
     dt_comm *mine[5] = { pp->ends, pp->to_next, pp->from_next, pp->to_prev, pp->from_prev };
     for (int k = 0; k < 5; k++) if (mine[k]) dt_comm_free(mine[k]);
-    if (!pp->par.inner) pp->model->left_cut_by = "dt_pp_free";   /* each rank keeps its stage: the model can only be freed now */
+    pp->model->left_cut_by = "dt_pp_free";   /* each rank keeps its stage: the model can only be freed now */
     for (int k = 0; k < pp->nslots; k++) dt__step_arena_free(pp->arenas[k]);
     free(pp->arenas);
     dt_free_on(pp->model->device, DT_ARENA_COMM, pp->inbox_x, pp->inbox_bytes);
@@ -617,6 +621,7 @@ static float *dt__pp_state_gather(dt_pp *p, float *local) {
 static float *dt__pp_whole_from_local(dt_parallel *par, const dt_model *layout, float *local) {
     dt_pp *p = (dt_pp *)par;
     (void)layout;                           /* this stage's: the model as cut */
+    if (p->par.data_rank != 0) return NULL; /* the pipelines hold the same: the first one writes */
     float *staged = dt__pp_state_gather(p, local);
     dt_parallel *who;
     const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
@@ -668,8 +673,11 @@ static void dt__pp_memory_table(const dt_parallel *par, const dt_optimizer *o) {
     if (split)
         printf("  each stage's blocks split over --tp %d ranks as in stage 06: the sizes above are one rank's pieces\n",
                split->tp_size);
-    if (m->parallel != par && p->par.data_ranks > 1)
-        printf("  the %d pipelines' copies of each stage: kept or sharded as the engine's table above says\n", p->par.data_ranks);
+    dt_parallel *who;
+    if (m->parallel != par && p->par.data_ranks > 1)        /* DDP has no table; FSDP's is above */
+        printf("  the %d pipelines' copies of each stage: %s\n", p->par.data_ranks,
+               dt_parallel_report_of(m->parallel, &who) && who != par ? "sharded as FSDP's table above says"
+                                                                       : "each whole, their gradients averaged (DDP)");
     printf("  the whole model: %.3f MB of parameters, %d blocks\n", 4e-6 * (double)par->whole->numel, n);
     fflush(stdout);
 }

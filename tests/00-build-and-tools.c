@@ -313,13 +313,15 @@ TEST(gradients_are_averaged_and_sharded_in_one_place, QUICK) {
     snprintf(src, sizeof src, "%s/src", repo_root());
     int leaks = averaging_leaks(src, report, sizeof report);
     CHECKF(leaks == 0, "%d averages or sharded optimizer views outside the data-parallel engine's chapters\n%s", leaks, report);
-    int st = run_cmd(out, sizeof out, "cp -r %s %s/src && printf 'static int dt__avg = DT_AVG;\n' >> %s/src/15-pipeline-parallel.h",
-                     src, tmpdir, tmpdir);
+    int st = run_cmd(out, sizeof out, "cp -r %s %s/src && printf 'static int dt__avg = DT_AVG;\n' >> %s/src/15-pipeline-parallel.h && "
+                     "printf 'static void dt__v(dt_optimizer *o) { o->numel = 1; }\n' >> %s/src/14-tensor-parallel.h",
+                     src, tmpdir, tmpdir, tmpdir);
     CHECKF(st == 0, "copying the chapters: exit %d\n%s", st, out);
     snprintf(src, sizeof src, "%s/src", tmpdir);
     leaks = averaging_leaks(src, report, sizeof report);
-    CHECKF(leaks == 1 && strstr(report, "15-pipeline-parallel.h has \"DT_AVG\""), "an average put into the pipeline's chapter "
-           "was not found (%d)\n%s", leaks, report);
+    CHECKF(leaks == 2 && strstr(report, "15-pipeline-parallel.h has \"DT_AVG\"") &&
+           strstr(report, "14-tensor-parallel.h has \"o->numel =\""), "an average put into the pipeline's chapter and a sharded "
+           "optimizer view into tensor parallelism's were not both found (%d)\n%s", leaks, report);
 }
 
 /* The README is a front page: every page of the project is one link away

@@ -126,8 +126,10 @@ TEST(fsdp_prefetches_the_next_unit, QUICK) {
 /* `test_dtrain --selftest-stack-misuse K`: wrappers stacked as they must not
    be, on one rank. 0: FSDP around DDP (a model has one data-parallel
    wrapper); 1: DDP twice; 2: the tensor-parallel wrapper freed while the
-   engine still wraps it; 3: the engine created after the optimizer. Each
-   must stop with an error that names what to do. */
+   engine still wraps it; 3: the engine created after the optimizer; 4: a
+   pipeline cut from a model DDP already wraps (it cuts first, the engine
+   wraps it after); 5: the pipeline's own sync called while the engine
+   wraps it. Each must stop with an error that names what to do. */
 static int selftest_stack_misuse(int which) {
     dt_model_config mc = tiny_gpt();
     dt_model *m = dt_model_create(&mc, 1);
@@ -144,16 +146,24 @@ static int selftest_stack_misuse(int which) {
         dt_optimizer_create(m, DT_ADAMW, 0, 0, 0);
         dt_data_parallel_create(m, dt_tp_data_group(tp), DT_SHARD_FULL, 0, 0);
     }
+    if (which == 4) { dt_ddp_create(m, c, 0); dt_pp_create(m, c, 1, 1, DT_SCHEDULE_1F1B); }
+    if (which == 5) {
+        dt_pp *pp = dt_pp_create(m, c, 1, 1, DT_SCHEDULE_1F1B);
+        dt_data_parallel_create(m, dt_pp_data_group(pp), DT_SHARD_NONE, 0, 0);
+        dt_pp_sync_grads(pp);
+    }
     printf("no error: the misuse went through\n");
     return 0;
 }
 TEST(wrappers_stack_only_as_they_can, QUICK) {
-    static const char *names[4] = { "dt_fsdp_create: this model is already wrapped (dt_ddp_create); one data-parallel wrapper",
+    static const char *names[6] = { "dt_fsdp_create: this model is already wrapped (dt_ddp_create); one data-parallel wrapper",
                                     "dt_ddp_create: this model is already wrapped (dt_ddp_create); one data-parallel wrapper",
                                     "dt_tp_free: another wrapper still wraps the model it cut; call dt_data_parallel_free first",
-                                    "create the optimizer after dt_data_parallel_create" };
+                                    "create the optimizer after dt_data_parallel_create",
+                                    "dt_pp_create: dt_ddp_create already wraps this model; a pipeline cuts the model first",
+                                    "dt_pp_sync_grads: dt_ddp_create wraps this model; call dt_data_parallel_sync_grads" };
     char out[4096];
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < 6; k++) {
         int st = run_cmd(out, sizeof out, "%s --selftest-stack-misuse %d", self_bin, k);
         CHECKF(st == 1 && strstr(out, names[k]), "misuse %d: exit %d, expected an error naming '%s'\n%s", k, st, names[k], out);
     }

@@ -256,17 +256,35 @@ TEST(sharded_data_parallel_around_pipeline_and_tensor_parallel_equals_one_device
    pipeline without tensor parallelism, the untied Llama, the vit, with
    clipping (the norm adds every shard and stage once). */
 TEST(sharded_data_parallel_around_pipeline_parallel_in_every_mode_equals_one_device, FULL) {
-    static const pp_layout layouts[5] = { { 4, 2, 16, "--shard optimizer --micro-batches 2" },
+    static const pp_layout layouts[7] = { { 4, 2, 16, "--shard optimizer --micro-batches 2" },
                                           { 4, 2, 16, "--shard grads --micro-batches 4 --schedule gpipe" },
                                           { 4, 2, 16, "--shard full --micro-batches 4" },
+                                          { 4, 2, 16, "--shard full --micro-batches 4 --schedule gpipe" },
+                                          { 4, 1, 8, "--shard full --micro-batches 2 --schedule gpipe" },
                                           { 8, 2, 16, "--tp 2 --shard grads --micro-batches 2" },
                                           { 8, 2, 16, "--tp 2 --shard optimizer --micro-batches 2 --schedule gpipe" } };
-    pp_equivalence_in(gpt_text(), 320, "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16", "gpt", layouts, 5, 2e-5);
+    pp_equivalence_in(gpt_text(), 320, "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16", "gpt", layouts, 7, 2e-5);
     pp_equivalence_in(gpt_text(), 320, "--model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --clip 0.01", "gpt", layouts + 2, 3,
                       2e-5);
     pp_equivalence_in(gpt_text(), 320, "--model llama --dim 32 --depth 4 --heads 8 --kv-heads 4 --seq-len 16 --untied-head",
-                      "llama", layouts, 5, 2e-5);
-    pp_equivalence_in(small_data(), 320, "--model vit --depth 4 --heads 2 --patch 4", "vit", layouts, 3, 1e-4);
+                      "llama", layouts, 7, 2e-5);
+    pp_equivalence_in(small_data(), 320, "--model vit --depth 4 --heads 2 --patch 4", "vit", layouts, 5, 1e-4);
+    /* bf16: the parameters gathered in bf16 around a pipeline, as the unsharded pipeline rounds them. The
+       micro-batches' gradients are reduce-scattered one by one instead of added first, and a sum in another
+       order can flip a bf16 rounding of an activation (1.5e-5 seen): within 1e-4, where fp32's are within 1e-5 */
+    char out[16384], log[2][600];
+    double loss[2][6];
+    for (int k = 0; k < 2; k++) {
+        snprintf(log[k], sizeof log[k], "%s/bf16-shard-%d.jsonl", tmpdir, k);
+        int st = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --epochs 1 --steps 6 "
+                         "--quiet --dtype bf16 --nproc 4 --pp 2 --batch-size 16 --micro-batches 2 %s --log %s",
+                         stage_bin("07-pipeline-parallel"), gpt_text(), k ? "--shard full" : "", log[k]);
+        CHECKF(st == 0 && log_series(log[k], "loss", loss[k], 6) == 6, "07 --dtype bf16 %s: exit %d\n%s", k ? "--shard full" : "",
+               st, out);
+    }
+    double d = 0;
+    for (int i = 0; i < 6 && !t_failed; i++) d = fmax(d, fabs(loss[1][i] - loss[0][i]));
+    CHECKF(d <= 1e-4, "07 --dtype bf16 --shard full: losses %.3g from the unsharded pipeline's", d);
 }
 
 /* What 3-D with sharding keeps: rank 0 holds its stage's pieces (the
@@ -280,7 +298,7 @@ TEST(sharded_data_parallel_around_pipeline_parallel_keeps_one_p_t_d_th, QUICK) {
     char out[16384], log[2][600];
     const char *flags = "--model gpt --dim 64 --depth 4 --heads 4 --seq-len 16 --epochs 1 --steps 2 --batch-size 8 --micro-batches 2";
     const char *layouts[2] = { "--nproc 4 --pp 2 --tp 2", "--nproc 8 --pp 2 --tp 2 --shard full" };
-    double peak[2][3], row[3] = { -1, -1, -1 }, stage0 = -1;
+    double peak[2][3], row[3] = { -1, -1, -1 }, stage0 = -1, buffers = -1;
     static const char *const keys[3] = { "peak_params_bytes", "peak_grads_bytes", "peak_optimizer_bytes" };
     static const char *const rows[3] = { "  parameters       ", "  gradients        ", "  optimizer state  " };
     for (int k = 0; k < 2; k++) {
@@ -297,6 +315,8 @@ TEST(sharded_data_parallel_around_pipeline_parallel_keeps_one_p_t_d_th, QUICK) {
         }
         CHECKF(k == 0 || strstr(out, "memory per rank, --shard full (ZeRO-3), 2 ranks"), "no FSDP table over the 2 pipelines:\n%s",
                out);
+        const char *gb = k == 1 ? strstr(out, "  gather buffers   ") : NULL;
+        CHECKF(k == 0 || (gb && sscanf(gb + 19, "%lf", &buffers) == 1), "no gather buffers row in the FSDP table:\n%s", out);
     }
     if (t_failed) return;
     CHECKF(fabs(peak[0][0] / 1e6 - stage0) <= 0.0005, "unsharded, rank 0 keeps %.0f bytes of parameters; its stage's pieces are "
@@ -306,6 +326,10 @@ TEST(sharded_data_parallel_around_pipeline_parallel_keeps_one_p_t_d_th, QUICK) {
                "half the unsharded run's is %.3f", rows[r] + 2, row[r], peak[0][r] / 2e6);
     CHECKF(fabs(peak[1][2] - peak[0][2] / 2) <= 8.0 * 2 * 6, "--shard full over 2 pipelines keeps %.0f bytes of optimizer state, "
            "expected half of %.0f", peak[1][2], peak[0][2]);
+    /* the measured peaks of the parameters and gradients: the shards (the rows) and the buffers the table shows apart */
+    CHECKF(fabs(peak[1][0] + peak[1][1] - (row[0] + row[1] + buffers) * 1e6) <= 0.015e6, "--shard full: %.0f bytes of parameters "
+           "and %.0f of gradients at their peaks; the table says %.2f + %.2f MB of shards and %.2f MB of gather buffers",
+           peak[1][0], peak[1][1], row[0], row[1], buffers);
     char a[600];
     snprintf(a, sizeof a, "%s/pp3d-ck", tmpdir);
     int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 "

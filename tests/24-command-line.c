@@ -34,6 +34,7 @@ TEST(bad_flags_exit_2_naming_the_flag, QUICK) {
         { "07-pipeline-parallel", "--nproc 4 --pp 3", "--pp 3 does not divide the job's 4 ranks" },
         { "07-pipeline-parallel", "--nproc 4 --tp 3", "--tp 3 does not divide the job's 4 ranks" },
         { "07-pipeline-parallel", "--nproc 4 --tp 2 --pp 4", "--pp 4 does not divide the job's 4 ranks over --tp" },
+        { "07-pipeline-parallel", "--nproc 2 --cpu-offload", "--cpu-offload keeps the shards in host memory: it needs --shard" },
         { "07-pipeline-parallel", "--nproc 4 --depth 2", "--pp 4: the model has 3 blocks (--depth), fewer than the stages" },
         { "07-pipeline-parallel", "--nproc 2 --batch-size 30 --micro-batches 4", "--micro-batches 4 does not divide --batch-size 30" },
         { "07-pipeline-parallel", "--schedule zigzag", "--schedule" },
