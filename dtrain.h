@@ -534,6 +534,24 @@ typedef struct dt_rope { float theta, factor, low_freq, high_freq; int original_
 dt_tensor *dt_rotary_qkv(dt_tensor *q, dt_tensor *k, dt_tensor *v, int B, int T, int H, int KV, dt_rope rope);
 /* qkv: [B*T, 3*D] laid out as timm's (q | k | v, the H heads side by side) -> [B*T, D] */
 dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal);
+/* How attention computes on the CPU. DT_ATTENTION_MATMUL (the default): each
+   head's T x T probabilities made by two matmuls and kept for backward.
+   DT_ATTENTION_ONLINE: never stored -- FlashAttention's online softmax (Dao
+   et al., 2022): a row's keys are visited in blocks, its running largest
+   score and sum rescaling what came before, and only the row's log-sum-exp
+   is kept; backward makes each probability again from it. T x T floats a
+   head become T (and the output, kept in f32); the same values within
+   rounding. The recurrence is per-element arithmetic that GPU kernels share
+   (dt_online_softmax_rescale: the GPU's row softmax runs it too); the GPU's
+   online attention kernel is not built yet, and asking for it there is an
+   error. (--attention) */
+typedef enum { DT_ATTENTION_MATMUL = 0, DT_ATTENTION_ONLINE = 1 } dt_attention_body;
+void dt_set_attention_body(dt_attention_body body);
+/* One row of the online softmax: m, the largest score seen so far. A block
+   of new scores whose largest is block_max moves m up to it; what the row
+   summed before (exp(s - m_old) each) is to be multiplied by the factor
+   returned, exp(m_old - m_new) (0 before any score). */
+DT_HD static inline float dt_online_softmax_rescale(float *m, float block_max);
 /* token ids [B, T] (whole numbers held as f32) -> [B*T, D]: row (b, t) is
    wte[token] + wpe[t], the token's embedding plus its position's (wpe NULL:
    no position embedding, as in Llama, whose attention rotates by position) */
@@ -1145,6 +1163,13 @@ DT_HD static inline float dt_gelu_tanh_derivative(float x) {
 /* sigmoid(x) = 1 / (1 + exp(-x)); exp(-x) saturates at exp(88), where
    sigmoid is 0 in float anyway */
 DT_HD static inline float dt_silu_value(float x) { return x * (1.0f / (1.0f + dt_exp_value(-x))); }
+/* The online softmax's step: m moves up to the block's largest score, and
+   what was summed on the old scale shrinks by exp(m_old - m_new). */
+DT_HD static inline float dt_online_softmax_rescale(float *m, float block_max) {
+    float old = *m, now = old > block_max ? old : block_max;
+    *m = now;
+    return old == -INFINITY ? 0.0f : dt_exp_value(old - now);
+}
 DT_HD static inline float dt_silu_derivative(float x) {
     float sg = 1.0f / (1.0f + dt_exp_value(-x));
     return sg * (1.0f + x * (1.0f - sg));
@@ -1777,6 +1802,7 @@ typedef struct dt_config {
     int micro_batches;           /* --micro-batches: the pipeline's micro-batches per step (default 1; times --accum-steps) */
     int schedule;                /* --schedule: a dt_pp_schedule (default 1f1b) */
     int recompute;               /* --recompute: each block's activations made again in backward */
+    int attention;               /* --attention: DT_ATTENTION_MATMUL or _ONLINE (the CPU's attention body) */
     int lora_rank;               /* --lora-rank: LoRA adapters of this rank on a frozen model (0: none) */
     float lora_alpha;            /* --lora-alpha: their scale is alpha / rank (default 8, PEFT's) */
     const char *lora_targets;    /* --lora-targets: the layers that get one (NULL: the model's default) */
@@ -2946,6 +2972,83 @@ void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha, const f
     dt__gemm_epilogue(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, NULL);
 }
 
+/* -- attention's per-head products (the attention chapter's tiled and online
+      bodies): small, read in place, one register-blocked loop for all of them -- */
+/* rows x vecs accumulators, vecs operands and a broadcast fit the registers:
+   6 x 4 + 4 + 1 of AVX-512's 32, 6 x 2 + 2 + 1 of the 16 of AVX2 or SSE
+   (3 x 4 there needed 17, and the spills cost nearly a third of attention's
+   time on an EPYC) */
+#define DT__ATT_ROWS 6
+#define DT__ATT_VECS (DT_VL == 16 ? 4 : 2)
+
+/* c[r][x] (+)= alpha * sum over k < kc of a[r * row_step + k * k_step] * b[k * b_step + x]
+   for r < rows and x < NV vectors: rows x NV accumulators in registers. Rows
+   from `rows` to DT__ATT_ROWS repeat the last row's reads (nothing past the
+   operands is touched) and are not stored. */
+DT__INLINE void dt__att_tile(int NV, int kc, const float *a, ptrdiff_t row_step, ptrdiff_t k_step, const float *b,
+                             ptrdiff_t b_step, float alpha, int add, float *c, ptrdiff_t ldc, int rows) {
+    const float *ar[DT__ATT_ROWS];
+    for (int r = 0; r < DT__ATT_ROWS; r++) ar[r] = a + (r < rows ? r : rows - 1) * row_step;
+#if defined(__GNUC__)
+    dt__vec acc[DT__ATT_ROWS][DT__ATT_VECS];   /* in registers: every index below is a constant */
+#pragma GCC unroll 8
+    for (int r = 0; r < DT__ATT_ROWS; r++)
+#pragma GCC unroll 4
+        for (int x = 0; x < NV; x++) acc[r][x] = (dt__vec){ 0 };
+    for (int k = 0; k < kc; k++) {
+        dt__vec bv[DT__ATT_VECS];
+#pragma GCC unroll 4
+        for (int x = 0; x < NV; x++) bv[x] = dt__vload(b + k * b_step + x * DT_VL);
+#pragma GCC unroll 8
+        for (int r = 0; r < DT__ATT_ROWS; r++) {
+            float s = ar[r][k * k_step];
+#pragma GCC unroll 4
+            for (int x = 0; x < NV; x++) acc[r][x] = DT__MADD(acc[r][x], s, bv[x]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < DT__ATT_ROWS; r++)
+#pragma GCC unroll 4
+        for (int x = 0; x < NV; x++) {
+            if (r >= rows) continue;
+            float *cp = c + r * ldc + x * DT_VL;
+            dt__vec o = alpha * acc[r][x];
+            if (add) o = dt__vload(cp) + o;
+            dt__vstore(cp, o);
+        }
+#else
+    for (int r = 0; r < rows; r++)
+        for (int x = 0; x < NV * DT_VL; x++) {
+            float s = 0;
+            for (int k = 0; k < kc; k++) s += ar[r][k * k_step] * b[k * b_step + x];
+            c[r * ldc + x] = add ? c[r * ldc + x] + alpha * s : alpha * s;
+        }
+#endif
+}
+/* The same over `vecs` vectors of columns, DT__ATT_VECS at a time. */
+static void dt__att_product(int vecs, int kc, const float *a, ptrdiff_t row_step, ptrdiff_t k_step, const float *b,
+                            ptrdiff_t b_step, float alpha, int add, float *c, ptrdiff_t ldc, int rows) {
+    for (int x0 = 0; x0 < vecs; x0 += DT__ATT_VECS) {
+        const float *bx = b + x0 * DT_VL;
+        float *cx = c + x0 * DT_VL;
+        switch (vecs - x0 < DT__ATT_VECS ? vecs - x0 : DT__ATT_VECS) {
+        case 1: dt__att_tile(1, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+#if DT__ATT_VECS == 4
+        case 2: dt__att_tile(2, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+        case 3: dt__att_tile(3, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+#endif
+        default: dt__att_tile(DT__ATT_VECS, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+        }
+    }
+}
+static int dt__att_padded(int T) { return (T + DT_VL - 1) / DT_VL * DT_VL; }
+/* dst[d][j] = src[j * ld + d] for d < hd, j < T, rows of Tp with zeros after T */
+static void dt__att_transpose(const float *src, ptrdiff_t ld, int T, int hd, float *dst, int Tp) {
+    for (int j = 0; j < T; j++)
+        for (int d = 0; d < hd; d++) dst[(size_t)d * Tp + j] = src[(size_t)j * ld + d];
+    for (int d = 0; d < hd; d++)
+        for (int j = T; j < Tp; j++) dst[(size_t)d * Tp + j] = 0.0f;
+}
 /* [src/05-autograd.h] */
 /* ==== autograd ===============================================================
    Reverse-mode differentiation with a tape. Each op computes its output at once
@@ -3887,6 +3990,12 @@ static void dt__softmax_row_backward(float *dr, const float *pr, int T, float sc
 
 /* Tests set this to run the straightforward body wherever the fast one would. */
 static int dt__attention_by_gemm;
+/* --attention: set once, before any thread computes (DataParallel's replicas read it too). */
+static dt_attention_body dt__attention_body;
+void dt_set_attention_body(dt_attention_body body) {
+    if (body != DT_ATTENTION_MATMUL && body != DT_ATTENTION_ONLINE) dt_fail("dt_set_attention_body: body %d is not one dtrain knows", (int)body);
+    dt__attention_body = body;
+}
 
 /* The straightforward body: per (sequence, head), two matmuls forward and four
    backward, each through dt_gemm. The fast body below gives the same bits;
@@ -3929,90 +4038,15 @@ static void dt__attention_backward_gemm(const float *qkvv, const float *P, const
    packing, edge tiles (65 columns fill three 32-wide strips), a call per
    product. Here each (sequence, head) runs in tiles of DT__ATT_ROWS query
    rows: the tile's scores are made, softmaxed and multiplied into V while
-   they are in the cache, with one register-blocked loop (dt__att_tile) for
-   all six products, whose operands are read in place but for K^T and V^T
-   (copied once per head, rows padded to whole vectors). Causal rows skip the
-   keys they cannot see. Each output is still one sum in the built-in
+   they are in the cache, with one register-blocked loop (dt__att_tile, in
+   the matmul chapter) for all six products, whose operands are read in
+   place but for K^T and V^T (copied once per head, rows padded to whole
+   vectors). Causal rows skip the keys they cannot see. Each output is still one sum in the built-in
    matmul's order (one slab of DT_KC while T and the head width are at most
    256), so the bits are the same as the body above's -- with the built-in
    matmul; a system BLAS sums in an order of its own. */
-/* rows x vecs accumulators, vecs operands and a broadcast fit the registers:
-   6 x 4 + 4 + 1 of AVX-512's 32, 6 x 2 + 2 + 1 of the 16 of AVX2 or SSE
-   (3 x 4 there needed 17, and the spills cost nearly a third of attention's
-   time on an EPYC) */
-#define DT__ATT_ROWS 6
-#define DT__ATT_VECS (DT_VL == 16 ? 4 : 2)
-
-/* c[r][x] (+)= alpha * sum over k < kc of a[r * row_step + k * k_step] * b[k * b_step + x]
-   for r < rows and x < NV vectors: rows x NV accumulators in registers. Rows
-   from `rows` to DT__ATT_ROWS repeat the last row's reads (nothing past the
-   operands is touched) and are not stored. */
-DT__INLINE void dt__att_tile(int NV, int kc, const float *a, ptrdiff_t row_step, ptrdiff_t k_step, const float *b,
-                             ptrdiff_t b_step, float alpha, int add, float *c, ptrdiff_t ldc, int rows) {
-    const float *ar[DT__ATT_ROWS];
-    for (int r = 0; r < DT__ATT_ROWS; r++) ar[r] = a + (r < rows ? r : rows - 1) * row_step;
-#if defined(__GNUC__)
-    dt__vec acc[DT__ATT_ROWS][DT__ATT_VECS];   /* in registers: every index below is a constant */
-#pragma GCC unroll 8
-    for (int r = 0; r < DT__ATT_ROWS; r++)
-#pragma GCC unroll 4
-        for (int x = 0; x < NV; x++) acc[r][x] = (dt__vec){ 0 };
-    for (int k = 0; k < kc; k++) {
-        dt__vec bv[DT__ATT_VECS];
-#pragma GCC unroll 4
-        for (int x = 0; x < NV; x++) bv[x] = dt__vload(b + k * b_step + x * DT_VL);
-#pragma GCC unroll 8
-        for (int r = 0; r < DT__ATT_ROWS; r++) {
-            float s = ar[r][k * k_step];
-#pragma GCC unroll 4
-            for (int x = 0; x < NV; x++) acc[r][x] = DT__MADD(acc[r][x], s, bv[x]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < DT__ATT_ROWS; r++)
-#pragma GCC unroll 4
-        for (int x = 0; x < NV; x++) {
-            if (r >= rows) continue;
-            float *cp = c + r * ldc + x * DT_VL;
-            dt__vec o = alpha * acc[r][x];
-            if (add) o = dt__vload(cp) + o;
-            dt__vstore(cp, o);
-        }
-#else
-    for (int r = 0; r < rows; r++)
-        for (int x = 0; x < NV * DT_VL; x++) {
-            float s = 0;
-            for (int k = 0; k < kc; k++) s += ar[r][k * k_step] * b[k * b_step + x];
-            c[r * ldc + x] = add ? c[r * ldc + x] + alpha * s : alpha * s;
-        }
-#endif
-}
-/* The same over `vecs` vectors of columns, DT__ATT_VECS at a time. */
-static void dt__att_product(int vecs, int kc, const float *a, ptrdiff_t row_step, ptrdiff_t k_step, const float *b,
-                            ptrdiff_t b_step, float alpha, int add, float *c, ptrdiff_t ldc, int rows) {
-    for (int x0 = 0; x0 < vecs; x0 += DT__ATT_VECS) {
-        const float *bx = b + x0 * DT_VL;
-        float *cx = c + x0 * DT_VL;
-        switch (vecs - x0 < DT__ATT_VECS ? vecs - x0 : DT__ATT_VECS) {
-        case 1: dt__att_tile(1, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
-#if DT__ATT_VECS == 4
-        case 2: dt__att_tile(2, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
-        case 3: dt__att_tile(3, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
-#endif
-        default: dt__att_tile(DT__ATT_VECS, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
-        }
-    }
-}
-static int dt__att_padded(int T) { return (T + DT_VL - 1) / DT_VL * DT_VL; }
 /* The tiled body reads a head's rows as whole vectors. */
 static int dt__attention_tiled(int head_width) { return head_width % DT_VL == 0 && !dt__attention_by_gemm; }
-/* dst[d][j] = src[j * ld + d] for d < hd, j < T, rows of Tp with zeros after T */
-static void dt__att_transpose(const float *src, ptrdiff_t ld, int T, int hd, float *dst, int Tp) {
-    for (int j = 0; j < T; j++)
-        for (int d = 0; d < hd; d++) dst[(size_t)d * Tp + j] = src[(size_t)j * ld + d];
-    for (int d = 0; d < hd; d++)
-        for (int j = T; j < Tp; j++) dst[(size_t)d * Tp + j] = 0.0f;
-}
 static void dt__attention_forward_tiles(const float *qkvv, float *outv, float *P, int B, int T, int H, int D,
                                         float scale, int causal) {
     int hd = D / H, Tp = dt__att_padded(T), R = DT__ATT_ROWS;
@@ -4073,10 +4107,153 @@ static void dt__attention_backward_tiles(const float *qkvv, const float *P, cons
     }
 }
 
+/* -- the online body: per (sequence, head) and query row, its keys in blocks
+      of DT__ONLINE_KEYS; the row's m, l and output accumulate as the
+      recurrence says, and the output is divided by l at the end. saved:
+      each row's log-sum-exp [B*H*T], then the output in f32 [B*T, D],
+      which backward needs for <dO, O> (the matmul body's <dP, P>). -- */
+#define DT__ONLINE_KEYS 64
+#define DT__ONLINE_ROWS DT__ATT_ROWS     /* query rows that share each key block's loads: a tile's */
+typedef float dt__online_block[DT__ONLINE_ROWS][DT__ONLINE_KEYS];
+/* The block's products, through the tiled body's register-blocked loop
+   (dt__att_product) when the head is a whole number of vectors wide, else
+   plain loops. Scores: s[r][j] = x_r . k_j * scale for `rows` rows (row r at
+   x + r * ld) and the keys j0 .. j0 + n, from K transposed (kt, rows of Tp). */
+static void dt__online_scores(const float *x, ptrdiff_t ld, int rows, const float *kt, int Tp, int j0, int n, int hd,
+                              float scale, dt__online_block s) {
+    if (hd % DT_VL == 0) {
+        dt__att_product((n + DT_VL - 1) / DT_VL, hd, x, ld, 1, kt + j0, Tp, scale, 0, &s[0][0], DT__ONLINE_KEYS, rows);
+        return;
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < n; j++) {
+            float dot = 0;
+            for (int d = 0; d < hd; d++) dot += x[(size_t)r * ld + d] * kt[(size_t)d * Tp + j0 + j];
+            s[r][j] = dot * scale;
+        }
+}
+/* c_r += sum_j a[r][j] y_j (row r of c at c + r * ldc, y_j at y + j * ldy): P V, dS K */
+static void dt__online_rows_times(const dt__online_block a, int rows, int n, const float *y, ptrdiff_t ldy, float *c,
+                                  ptrdiff_t ldc, int hd) {
+    if (hd % DT_VL == 0) { dt__att_product(hd / DT_VL, n, &a[0][0], DT__ONLINE_KEYS, 1, y, ldy, 1.0f, 1, c, ldc, rows); return; }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < n; j++)
+            for (int d = 0; d < hd; d++) c[(size_t)r * ldc + d] += a[r][j] * y[(size_t)j * ldy + d];
+}
+/* c_j += sum_r a[r][j] x_r for the block's keys j < n (x_r at x + r * ldx): dS^T Q, P^T dO */
+static void dt__online_keys_times(const dt__online_block a, int rows, int n, const float *x, ptrdiff_t ldx, float *c,
+                                  ptrdiff_t ldc, int hd) {
+    for (int j0 = 0; j0 < n && hd % DT_VL == 0; j0 += DT__ATT_ROWS)
+        dt__att_product(hd / DT_VL, rows, &a[0][j0], 1, DT__ONLINE_KEYS, x, ldx, 1.0f, 1, c + (size_t)j0 * ldc, ldc,
+                        n - j0 < DT__ATT_ROWS ? n - j0 : DT__ATT_ROWS);
+    if (hd % DT_VL == 0) return;
+    for (int j = 0; j < n; j++)
+        for (int r = 0; r < rows; r++)
+            for (int d = 0; d < hd; d++) c[(size_t)j * ldc + d] += a[r][j] * x[(size_t)r * ldx + d];
+}
+/* Row i of a causal head sees the keys up to itself: how many of the block at j0. */
+static int dt__online_valid(int causal, int i, int j0, int n) {
+    int v = causal ? i + 1 - j0 : n;
+    return v < 0 ? 0 : v < n ? v : n;
+}
+static void dt__attention_forward_online(const float *qkvv, float *outv, float *saved, int B, int T, int H, int D,
+                                         float scale, int causal) {
+    int hd = D / H, Tp = dt__att_padded(T);
+    float *lse = saved, *O = saved + (size_t)B * H * T;
+    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)hd * Tp * (size_t)dt_threads());
+    DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
+    for (int bh = 0; bh < B * H; bh++) {
+        int b = bh / H, h = bh % H;
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+        dt__online_block s;
+        float m[DT__ONLINE_ROWS], l[DT__ONLINE_ROWS];
+        float *kt = space + (size_t)hd * Tp * (size_t)dt__thread_num();
+        dt__att_transpose(k, 3 * D, T, hd, kt, Tp);
+        for (int i0 = 0; i0 < T; i0 += DT__ONLINE_ROWS) {
+            int rows = T - i0 < DT__ONLINE_ROWS ? T - i0 : DT__ONLINE_ROWS, keys = causal ? i0 + rows : T;
+            float *acc = O + ((size_t)b * T + i0) * D + h * hd;              /* row r at acc + r * D */
+            for (int r = 0; r < rows; r++) {
+                m[r] = -INFINITY; l[r] = 0;
+                for (int d = 0; d < hd; d++) acc[(size_t)r * D + d] = 0;
+            }
+            for (int j0 = 0; j0 < keys; j0 += DT__ONLINE_KEYS) {
+                int n = keys - j0 < DT__ONLINE_KEYS ? keys - j0 : DT__ONLINE_KEYS;
+                dt__online_scores(q + (size_t)i0 * 3 * D, 3 * D, rows, kt, Tp, j0, n, hd, scale, s);
+                for (int r = 0; r < rows; r++) {
+                    int valid = dt__online_valid(causal, i0 + r, j0, n);
+                    float block_max = -INFINITY, *ar = acc + (size_t)r * D;
+                    for (int j = 0; j < valid; j++) block_max = s[r][j] > block_max ? s[r][j] : block_max;
+                    if (valid > 0) {
+                        float c = dt_online_softmax_rescale(&m[r], block_max);   /* what came before, on the new scale */
+                        l[r] *= c;
+                        for (int d = 0; d < hd; d++) ar[d] *= c;
+                    }
+                    for (int j = 0; j < valid; j++) s[r][j] = dt_exp_value(s[r][j] - m[r]);   /* unnormalised */
+                    for (int j = valid; j < n; j++) s[r][j] = 0.0f;                           /* past the row */
+                    for (int j = 0; j < valid; j++) l[r] += s[r][j];
+                }
+                dt__online_rows_times(s, rows, n, v + (size_t)j0 * 3 * D, 3 * D, acc, D, hd);   /* acc += P V */
+            }
+            for (int r = 0; r < rows; r++) {
+                float *ar = acc + (size_t)r * D, *o = outv + ((size_t)b * T + i0 + r) * D + h * hd;
+                for (int d = 0; d < hd; d++) o[d] = ar[d] = ar[d] / l[r];
+                lse[(size_t)bh * T + i0 + r] = m[r] + logf(l[r]);   /* the row's log-sum-exp: p = exp(s - lse) */
+            }
+        }
+    }
+}
+/* Backward: each probability made again, p = exp(s - lse); dS = p (dP - <dO, O>)
+   scale as the softmax's backward, and dQ, dK, dV from it, a block of rows
+   and keys at a time (dP = dO . v_j from V transposed, as the scores from K's). */
+static void dt__attention_backward_online(const float *qkvv, const float *saved, const float *dout, float *dqkv, int add,
+                                          int B, int T, int H, int D, float scale, int causal) {
+    int hd = D / H, Tp = dt__att_padded(T);
+    const float *lse = saved, *O = saved + (size_t)B * H * T;
+    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)hd * Tp * (size_t)dt_threads());
+    DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
+    for (int bh = 0; bh < B * H; bh++) {
+        int b = bh / H, h = bh % H;
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+        float *dq = dqkv + (size_t)b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
+        dt__online_block p, ds;
+        float Di[DT__ONLINE_ROWS];
+        float *kt = space + 2 * (size_t)hd * Tp * (size_t)dt__thread_num(), *vt = kt + (size_t)hd * Tp;
+        dt__att_transpose(k, 3 * D, T, hd, kt, Tp);
+        dt__att_transpose(v, 3 * D, T, hd, vt, Tp);
+        for (int i = 0; i < T && !add; i++)               /* written first: this head's columns start at 0 */
+            for (int d = 0; d < hd; d++) dq[(size_t)i * 3 * D + d] = dk[(size_t)i * 3 * D + d] = dv[(size_t)i * 3 * D + d] = 0;
+        for (int i0 = 0; i0 < T; i0 += DT__ONLINE_ROWS) {
+            int rows = T - i0 < DT__ONLINE_ROWS ? T - i0 : DT__ONLINE_ROWS, keys = causal ? i0 + rows : T;
+            const float *qi = q + (size_t)i0 * 3 * D, *dOi = dout + ((size_t)b * T + i0) * D + h * hd;   /* row r: + r * ld */
+            for (int r = 0; r < rows; r++) {
+                const float *Or = O + ((size_t)b * T + i0 + r) * D + h * hd, *dOr = dOi + (size_t)r * D;
+                Di[r] = 0;
+                for (int d = 0; d < hd; d++) Di[r] += dOr[d] * Or[d];
+            }
+            for (int j0 = 0; j0 < keys; j0 += DT__ONLINE_KEYS) {
+                int n = keys - j0 < DT__ONLINE_KEYS ? keys - j0 : DT__ONLINE_KEYS;
+                dt__online_scores(qi, 3 * D, rows, kt, Tp, j0, n, hd, scale, p);
+                dt__online_scores(dOi, D, rows, vt, Tp, j0, n, hd, 1.0f, ds);         /* dP = dO . v_j */
+                for (int r = 0; r < rows; r++) {
+                    int valid = dt__online_valid(causal, i0 + r, j0, n);
+                    float L = lse[(size_t)bh * T + i0 + r];
+                    for (int j = 0; j < valid; j++) p[r][j] = dt_exp_value(p[r][j] - L);
+                    for (int j = valid; j < n; j++) p[r][j] = 0.0f;
+                    for (int j = 0; j < n; j++) ds[r][j] = p[r][j] * (ds[r][j] - Di[r]) * scale;
+                }
+                dt__online_rows_times(ds, rows, n, k + (size_t)j0 * 3 * D, 3 * D, dq + (size_t)i0 * 3 * D, 3 * D, hd);  /* dQ += dS K */
+                dt__online_keys_times(ds, rows, n, qi, 3 * D, dk + (size_t)j0 * 3 * D, 3 * D, hd);   /* dK += dS^T Q */
+                dt__online_keys_times(p, rows, n, dOi, D, dv + (size_t)j0 * 3 * D, 3 * D, hd);       /* dV += P^T dO */
+            }
+        }
+    }
+}
+
 static void dt__attention_backward(dt__tape_entry *e) {
     dt_tensor *qkv = e->in[0];
     if (!qkv->requires_grad) return;
-    int B = e->iarg[0], T = e->iarg[1], H = e->iarg[2], causal = e->iarg[3], D = (int)dt_tensor_cols(e->out);
+    int B = e->iarg[0], T = e->iarg[1], H = e->iarg[2], causal = e->iarg[3] & 1, online = e->iarg[3] >> 1;
+    int D = (int)dt_tensor_cols(e->out);
     float scale = e->farg[0];
     const float *P = (const float *)e->saved, *dout = dt__grad_in(e->out), *qkvv = dt__in(qkv);
     int first;
@@ -4086,7 +4263,9 @@ static void dt__attention_backward(dt__tape_entry *e) {
     if (gpu) {
         float *scratch = (float *)dt__scratch_on(qkv->device, sizeof(float) * (size_t)DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D));
         gpu->attention_backward(P, dout, dqkv, scratch, B, T, H, D, scale);
-    } else if (dt__attention_tiled(D / H))                           /* each element is one product's: */
+    } else if (online)
+        dt__attention_backward_online(qkvv, P, dout, dqkv, !first, B, T, H, D, scale, causal);
+    else if (dt__attention_tiled(D / H))                           /* each element is one product's: */
         dt__attention_backward_tiles(qkvv, P, dout, dqkv, !first, B, T, H, D, scale, causal);   /* written first */
     else
         dt__attention_backward_gemm(qkvv, P, dout, dqkv, first ? 0.0f : 1.0f, B, T, H, D, scale);
@@ -4100,21 +4279,28 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
     int hd = D / H;
     float scale = 1.0f / sqrtf((float)hd);
     const dt_backend *gpu = dt__backend_for(qkv);
+    int online = dt__attention_body == DT_ATTENTION_ONLINE;
+    if (gpu && online)
+        dt_usage_error("--attention online runs on the CPU only so far: the GPU's attention keeps its probabilities "
+                       "(leave --attention out with --device cuda)");
     dt__scratch_reset();
     dt_tensor *out = dt__tensor_out_2d(B * T, D);
-    /* the probabilities stay f32 (softmax in f32 under mixed precision too) */
+    /* the probabilities stay f32 (softmax in f32 under mixed precision too); the online body keeps a row's log-sum-exp */
     float *P = (float *)dt__step_data(sizeof(float) * (size_t)(gpu ? DT_ATTENTION_SAVED_FLOATS(B, T, H, D)
-                                                                   : (int64_t)B * H * T * T));
+                                                               : online ? (int64_t)B * H * T + (int64_t)B * T * D
+                                                                        : (int64_t)B * H * T * T));
     const float *qkvv = dt__in(qkv);
     float *outv = dt__out(out);
     if (gpu) gpu->attention_forward(qkvv, outv, P, B, T, H, D, scale, causal);
+    else if (online) dt__attention_forward_online(qkvv, outv, P, B, T, H, D, scale, causal);
     else if (dt__attention_tiled(hd)) dt__attention_forward_tiles(qkvv, outv, P, B, T, H, D, scale, causal);
     else dt__attention_forward_gemm(qkvv, outv, P, B, T, H, D, scale, causal);
     dt__out_done(out, outv);
     dt__ctx.flops += 4.0 * B * H * T * T * hd;
     if (dt__wants_grad(qkv, NULL, NULL)) {
         dt__tape_entry *e = dt__tape_push(dt__attention_backward, out, qkv, NULL, NULL);
-        e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = H; e->iarg[3] = causal; e->farg[0] = scale; e->saved = P;
+        e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = H; e->iarg[3] = (causal != 0) | online << 1; e->farg[0] = scale;
+        e->saved = P;
     }
     return out;
 }
@@ -13492,6 +13678,10 @@ static const dt__flag dt__flags[] = {
     { "--recompute", "1234567", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
       DT_NOT_A_NUMBER },
+    { "--attention", "1234567", "matmul|online", "attention on the CPU: keep each head's T x T probabilities (matmul, the default),\n"
+      "                          or FlashAttention's online softmax, which keeps T numbers a head and makes them again in\n"
+      "                          backward (online: the same values within rounding; CPU only so far)", DT_ARG_CHOICE,
+      DT_CFG(attention), "matmul|online", DT_NOT_A_NUMBER },
     { "--lora-rank", "1234567", "R", "LoRA: freeze the model, train adapters of rank R beside the --lora-targets layers (saved\n"
       "                          in PEFT's layout; tools/merge-lora folds them in)", DT_ARG_INT, DT_CFG(lora_rank), NULL, DT_MIN(1) },
     { "--lora-alpha", "1234567", "A", "LoRA: the adapters' output is scaled by A / R (default 8)", DT_ARG_FLOAT, DT_CFG(lora_alpha),
@@ -13845,6 +14035,9 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which the pipeline does not carry from stage to "
                        "stage; use --dtype bf16, whose range is f32's");
     if (c.end_idx >= 0 && c.end_idx <= c.start_idx) dt_usage_error("--end-idx must be greater than --start-idx");
+    if (c.attention == DT_ATTENTION_ONLINE && c.device == DT_CUDA)
+        dt_usage_error("--attention online runs on the CPU only so far (the GPU's online attention kernel is not built): "
+                       "leave it out with --device cuda");
     if (c.resume && c.init && strcmp(c.resume, "auto") && !c.lora_rank)   /* auto: --init when there is no checkpoint yet */
         dt_usage_error("--resume and --init exclude each other (resume restores the weights; with LoRA --init gives the frozen model)");
     if ((vit || gpt) && c.depth < 1)
@@ -14174,6 +14367,7 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
     memset(run, 0, sizeof *run);
     run->cfg = *cfg; run->model = model; run->opt = opt; run->loader = loader; run->val = val;
     dt_model_set_recompute(model, cfg->recompute);
+    dt_set_attention_body((dt_attention_body)cfg->attention);
     if (cfg->save_dir && !cfg->bench && dt__ctx.rank == 0) dt__save_dir_lock(cfg->save_dir);
     if (cfg->resume && !strcmp(cfg->resume, "auto")) {
         if (!cfg->save_dir) dt_usage_error("--resume auto resumes from the newest checkpoint in --save-dir: give --save-dir");
@@ -15626,12 +15820,19 @@ __global__ static void dt__k_softmax_rows(float *P, int64_t rows, int T, int cau
     DT_FOR_EACH_ROW(row, rows) {
         float *r = P + row * T;
         int valid = causal ? (int)(row % T) + 1 : T;   /* causal: query i sees keys 0..i */
-        float mx = -INFINITY, sum = 0;
-        for (int j = lane; j < valid; j += 32) mx = fmaxf(mx, r[j]);
-        mx = dt__warp_max(mx);
-        for (int j = lane; j < valid; j += 32) { float e = expf(r[j] - mx); r[j] = e; sum += e; }
-        sum = dt__warp_sum(sum);
-        for (int j = lane; j < T; j += 32) r[j] = j < valid ? r[j] / sum : 0.0f;
+        /* one pass for the row's largest score m and its sum l of exp(s - m) -- the online softmax, each lane over
+           its scores, then the lanes' (m, l) combined by the same recurrence -- and one pass to write */
+        float m = -INFINITY, l = 0;
+        for (int j = lane; j < valid; j += 32) {
+            l *= dt_online_softmax_rescale(&m, r[j]);
+            l += dt_exp_value(r[j] - m);
+        }
+        for (int o = 16; o > 0; o /= 2) {
+            float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
+            l *= dt_online_softmax_rescale(&m, m2);
+            l += m2 == -INFINITY ? 0.0f : l2 * dt_exp_value(m2 - m);
+        }
+        for (int j = lane; j < T; j += 32) r[j] = j < valid ? dt_exp_value(r[j] - m) / l : 0.0f;
     }
 }
 __global__ static void dt__k_softmax_backward_rows(const float *P, float *dP, int64_t rows, int T, float scale) {

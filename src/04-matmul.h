@@ -342,3 +342,80 @@ void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha, const f
     dt__gemm_epilogue(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, NULL);
 }
 
+/* -- attention's per-head products (the attention chapter's tiled and online
+      bodies): small, read in place, one register-blocked loop for all of them -- */
+/* rows x vecs accumulators, vecs operands and a broadcast fit the registers:
+   6 x 4 + 4 + 1 of AVX-512's 32, 6 x 2 + 2 + 1 of the 16 of AVX2 or SSE
+   (3 x 4 there needed 17, and the spills cost nearly a third of attention's
+   time on an EPYC) */
+#define DT__ATT_ROWS 6
+#define DT__ATT_VECS (DT_VL == 16 ? 4 : 2)
+
+/* c[r][x] (+)= alpha * sum over k < kc of a[r * row_step + k * k_step] * b[k * b_step + x]
+   for r < rows and x < NV vectors: rows x NV accumulators in registers. Rows
+   from `rows` to DT__ATT_ROWS repeat the last row's reads (nothing past the
+   operands is touched) and are not stored. */
+DT__INLINE void dt__att_tile(int NV, int kc, const float *a, ptrdiff_t row_step, ptrdiff_t k_step, const float *b,
+                             ptrdiff_t b_step, float alpha, int add, float *c, ptrdiff_t ldc, int rows) {
+    const float *ar[DT__ATT_ROWS];
+    for (int r = 0; r < DT__ATT_ROWS; r++) ar[r] = a + (r < rows ? r : rows - 1) * row_step;
+#if defined(__GNUC__)
+    dt__vec acc[DT__ATT_ROWS][DT__ATT_VECS];   /* in registers: every index below is a constant */
+#pragma GCC unroll 8
+    for (int r = 0; r < DT__ATT_ROWS; r++)
+#pragma GCC unroll 4
+        for (int x = 0; x < NV; x++) acc[r][x] = (dt__vec){ 0 };
+    for (int k = 0; k < kc; k++) {
+        dt__vec bv[DT__ATT_VECS];
+#pragma GCC unroll 4
+        for (int x = 0; x < NV; x++) bv[x] = dt__vload(b + k * b_step + x * DT_VL);
+#pragma GCC unroll 8
+        for (int r = 0; r < DT__ATT_ROWS; r++) {
+            float s = ar[r][k * k_step];
+#pragma GCC unroll 4
+            for (int x = 0; x < NV; x++) acc[r][x] = DT__MADD(acc[r][x], s, bv[x]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < DT__ATT_ROWS; r++)
+#pragma GCC unroll 4
+        for (int x = 0; x < NV; x++) {
+            if (r >= rows) continue;
+            float *cp = c + r * ldc + x * DT_VL;
+            dt__vec o = alpha * acc[r][x];
+            if (add) o = dt__vload(cp) + o;
+            dt__vstore(cp, o);
+        }
+#else
+    for (int r = 0; r < rows; r++)
+        for (int x = 0; x < NV * DT_VL; x++) {
+            float s = 0;
+            for (int k = 0; k < kc; k++) s += ar[r][k * k_step] * b[k * b_step + x];
+            c[r * ldc + x] = add ? c[r * ldc + x] + alpha * s : alpha * s;
+        }
+#endif
+}
+/* The same over `vecs` vectors of columns, DT__ATT_VECS at a time. */
+static void dt__att_product(int vecs, int kc, const float *a, ptrdiff_t row_step, ptrdiff_t k_step, const float *b,
+                            ptrdiff_t b_step, float alpha, int add, float *c, ptrdiff_t ldc, int rows) {
+    for (int x0 = 0; x0 < vecs; x0 += DT__ATT_VECS) {
+        const float *bx = b + x0 * DT_VL;
+        float *cx = c + x0 * DT_VL;
+        switch (vecs - x0 < DT__ATT_VECS ? vecs - x0 : DT__ATT_VECS) {
+        case 1: dt__att_tile(1, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+#if DT__ATT_VECS == 4
+        case 2: dt__att_tile(2, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+        case 3: dt__att_tile(3, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+#endif
+        default: dt__att_tile(DT__ATT_VECS, kc, a, row_step, k_step, bx, b_step, alpha, add, cx, ldc, rows); break;
+        }
+    }
+}
+static int dt__att_padded(int T) { return (T + DT_VL - 1) / DT_VL * DT_VL; }
+/* dst[d][j] = src[j * ld + d] for d < hd, j < T, rows of Tp with zeros after T */
+static void dt__att_transpose(const float *src, ptrdiff_t ld, int T, int hd, float *dst, int Tp) {
+    for (int j = 0; j < T; j++)
+        for (int d = 0; d < hd; d++) dst[(size_t)d * Tp + j] = src[(size_t)j * ld + d];
+    for (int d = 0; d < hd; d++)
+        for (int j = T; j < Tp; j++) dst[(size_t)d * Tp + j] = 0.0f;
+}

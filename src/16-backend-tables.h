@@ -73,6 +73,13 @@ DT_HD static inline float dt_gelu_tanh_derivative(float x) {
 /* sigmoid(x) = 1 / (1 + exp(-x)); exp(-x) saturates at exp(88), where
    sigmoid is 0 in float anyway */
 DT_HD static inline float dt_silu_value(float x) { return x * (1.0f / (1.0f + dt_exp_value(-x))); }
+/* The online softmax's step: m moves up to the block's largest score, and
+   what was summed on the old scale shrinks by exp(m_old - m_new). */
+DT_HD static inline float dt_online_softmax_rescale(float *m, float block_max) {
+    float old = *m, now = old > block_max ? old : block_max;
+    *m = now;
+    return old == -INFINITY ? 0.0f : dt_exp_value(old - now);
+}
 DT_HD static inline float dt_silu_derivative(float x) {
     float sg = 1.0f / (1.0f + dt_exp_value(-x));
     return sg * (1.0f + x * (1.0f - sg));

@@ -42,6 +42,7 @@ typedef struct dt_config {
     int micro_batches;           /* --micro-batches: the pipeline's micro-batches per step (default 1; times --accum-steps) */
     int schedule;                /* --schedule: a dt_pp_schedule (default 1f1b) */
     int recompute;               /* --recompute: each block's activations made again in backward */
+    int attention;               /* --attention: DT_ATTENTION_MATMUL or _ONLINE (the CPU's attention body) */
     int lora_rank;               /* --lora-rank: LoRA adapters of this rank on a frozen model (0: none) */
     float lora_alpha;            /* --lora-alpha: their scale is alpha / rank (default 8, PEFT's) */
     const char *lora_targets;    /* --lora-targets: the layers that get one (NULL: the model's default) */
@@ -194,6 +195,10 @@ static const dt__flag dt__flags[] = {
     { "--recompute", "1234567", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
       DT_NOT_A_NUMBER },
+    { "--attention", "1234567", "matmul|online", "attention on the CPU: keep each head's T x T probabilities (matmul, the default),\n"
+      "                          or FlashAttention's online softmax, which keeps T numbers a head and makes them again in\n"
+      "                          backward (online: the same values within rounding; CPU only so far)", DT_ARG_CHOICE,
+      DT_CFG(attention), "matmul|online", DT_NOT_A_NUMBER },
     { "--lora-rank", "1234567", "R", "LoRA: freeze the model, train adapters of rank R beside the --lora-targets layers (saved\n"
       "                          in PEFT's layout; tools/merge-lora folds them in)", DT_ARG_INT, DT_CFG(lora_rank), NULL, DT_MIN(1) },
     { "--lora-alpha", "1234567", "A", "LoRA: the adapters' output is scaled by A / R (default 8)", DT_ARG_FLOAT, DT_CFG(lora_alpha),
@@ -547,6 +552,9 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which the pipeline does not carry from stage to "
                        "stage; use --dtype bf16, whose range is f32's");
     if (c.end_idx >= 0 && c.end_idx <= c.start_idx) dt_usage_error("--end-idx must be greater than --start-idx");
+    if (c.attention == DT_ATTENTION_ONLINE && c.device == DT_CUDA)
+        dt_usage_error("--attention online runs on the CPU only so far (the GPU's online attention kernel is not built): "
+                       "leave it out with --device cuda");
     if (c.resume && c.init && strcmp(c.resume, "auto") && !c.lora_rank)   /* auto: --init when there is no checkpoint yet */
         dt_usage_error("--resume and --init exclude each other (resume restores the weights; with LoRA --init gives the frozen model)");
     if ((vit || gpt) && c.depth < 1)

@@ -318,6 +318,7 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
     memset(run, 0, sizeof *run);
     run->cfg = *cfg; run->model = model; run->opt = opt; run->loader = loader; run->val = val;
     dt_model_set_recompute(model, cfg->recompute);
+    dt_set_attention_body((dt_attention_body)cfg->attention);
     if (cfg->save_dir && !cfg->bench && dt__ctx.rank == 0) dt__save_dir_lock(cfg->save_dir);
     if (cfg->resume && !strcmp(cfg->resume, "auto")) {
         if (!cfg->save_dir) dt_usage_error("--resume auto resumes from the newest checkpoint in --save-dir: give --save-dir");

@@ -462,12 +462,19 @@ __global__ static void dt__k_softmax_rows(float *P, int64_t rows, int T, int cau
     DT_FOR_EACH_ROW(row, rows) {
         float *r = P + row * T;
         int valid = causal ? (int)(row % T) + 1 : T;   /* causal: query i sees keys 0..i */
-        float mx = -INFINITY, sum = 0;
-        for (int j = lane; j < valid; j += 32) mx = fmaxf(mx, r[j]);
-        mx = dt__warp_max(mx);
-        for (int j = lane; j < valid; j += 32) { float e = expf(r[j] - mx); r[j] = e; sum += e; }
-        sum = dt__warp_sum(sum);
-        for (int j = lane; j < T; j += 32) r[j] = j < valid ? r[j] / sum : 0.0f;
+        /* one pass for the row's largest score m and its sum l of exp(s - m) -- the online softmax, each lane over
+           its scores, then the lanes' (m, l) combined by the same recurrence -- and one pass to write */
+        float m = -INFINITY, l = 0;
+        for (int j = lane; j < valid; j += 32) {
+            l *= dt_online_softmax_rescale(&m, r[j]);
+            l += dt_exp_value(r[j] - m);
+        }
+        for (int o = 16; o > 0; o /= 2) {
+            float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
+            l *= dt_online_softmax_rescale(&m, m2);
+            l += m2 == -INFINITY ? 0.0f : l2 * dt_exp_value(m2 - m);
+        }
+        for (int j = lane; j < T; j += 32) r[j] = j < valid ? dt_exp_value(r[j] - m) / l : 0.0f;
     }
 }
 __global__ static void dt__k_softmax_backward_rows(const float *P, float *dP, int64_t rows, int T, float scale) {

@@ -166,3 +166,96 @@ TEST(tiled_attention_gives_the_bits_of_the_matmul_body, QUICK) {
                 leaf_free(qkv);
             }
 }
+
+/* The online body (--attention online: FlashAttention's online softmax, no
+   T x T matrix kept) against the matmul body: the outputs and the gradient
+   of qkv (written first, and added) within 1e-5 of the largest value, causal
+   and not, at 1 token, 5, 64 (one block of keys), 65 and 200 (blocks
+   rescaled), with scores spread wide (scale 8: exp would overflow without the
+   running max), and with heads 18 wide (its plain loops, where the tiles'
+   product needs whole vectors). And the recurrence alone: a row's m and l from blocks of
+   any size give the two-pass softmax's max and sum, scores from -1e4 to 80. */
+TEST(online_attention_gives_the_matmul_bodys_values, QUICK) {
+    static const int shapes[][4] = { { 2, 1, 1, 32 }, { 3, 5, 2, 64 }, { 2, 64, 4, 128 }, { 2, 65, 3, 192 }, { 1, 200, 2, 64 },
+                                     { 2, 70, 2, 36 } };   /* the last: heads 18 wide, not whole vectors */
+    dt__rng r = { 7 };
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int causal = 0; causal < 2; causal++)
+            for (int through = 0; through < 2; through++) {
+                int B = shapes[s][0], T = shapes[s][1], H = shapes[s][2], D = shapes[s][3];
+                size_t n_out = (size_t)B * T * D, n_in = (size_t)B * T * 3 * D;
+                dt_tensor *qkv = leaf2(B * T, 3 * D, &r, s == 4 ? 8 : 2);
+                float *seed = (float *)malloc(sizeof(float) * n_out), *out[2], *grad[2];
+                for (size_t i = 0; i < n_out; i++) seed[i] = (float)rnd(&r);
+                for (int online = 0; online < 2; online++) {
+                    dt_set_attention_body(online ? DT_ATTENTION_ONLINE : DT_ATTENTION_MATMUL);
+                    for (size_t i = 0; i < n_in; i++) qkv->grad[i] = 0.25f;
+                    dt_step_arena_reset();
+                    dt_tensor *in = through ? dt_add(qkv, dt_tensor_new(qkv->ndim, qkv->shape)) : qkv;
+                    dt_tensor *o = dt_attention(in, B, T, H, causal);
+                    out[online] = (float *)malloc(sizeof(float) * n_out);
+                    memcpy(out[online], o->data, sizeof(float) * n_out);
+                    dt_backward_from(o, seed);
+                    grad[online] = (float *)malloc(sizeof(float) * n_in);
+                    memcpy(grad[online], qkv->grad, sizeof(float) * n_in);
+                }
+                dt_set_attention_body(DT_ATTENTION_MATMUL);
+                double d_out = 0, d_grad = 0, m_out = 0, m_grad = 0;
+                for (size_t i = 0; i < n_out; i++) { d_out = fmax(d_out, fabs(out[0][i] - out[1][i])); m_out = fmax(m_out, fabs(out[0][i])); }
+                for (size_t i = 0; i < n_in; i++) { d_grad = fmax(d_grad, fabs(grad[0][i] - grad[1][i])); m_grad = fmax(m_grad, fabs(grad[0][i])); }
+                CHECKF(d_out <= 1e-5 * m_out, "attention B=%d T=%d H=%d D=%d causal=%d: the online forward is %.3g from the matmul "
+                       "body's (largest %.3g)", B, T, H, D, causal, d_out, m_out);
+                CHECKF(d_grad <= 1e-5 * m_grad, "attention B=%d T=%d H=%d D=%d causal=%d%s: the online backward is %.3g from the "
+                       "matmul body's (largest %.3g)", B, T, H, D, causal, through ? " (gradient written first)" : " (adding)", d_grad,
+                       m_grad);
+                free(seed); free(out[0]); free(out[1]); free(grad[0]); free(grad[1]);
+                leaf_free(qkv);
+            }
+    float row[300];
+    for (int k = 0; k < 300; k++) row[k] = k % 7 == 3 ? 80.0f - (float)k / 10 : (float)(-1e4 * rnd(&r) * rnd(&r));
+    for (int block = 1; block <= 300; block *= 4) {
+        float m = -INFINITY, l = 0, mx = -INFINITY;
+        double sum = 0;
+        for (int j0 = 0; j0 < 300; j0 += block) {
+            float bm = -INFINITY;
+            for (int j = j0; j < j0 + block && j < 300; j++) bm = fmaxf(bm, row[j]);
+            l *= dt_online_softmax_rescale(&m, bm);
+            for (int j = j0; j < j0 + block && j < 300; j++) l += dt_exp_value(row[j] - m);
+        }
+        for (int j = 0; j < 300; j++) mx = fmaxf(mx, row[j]);
+        for (int j = 0; j < 300; j++) sum += dt_exp_value(row[j] - mx);
+        CHECKF(m == mx && fabs(l - sum) <= 1e-6 * sum, "the online softmax in blocks of %d: max %g and sum %.9g, two passes %g and %.9g",
+               block, m, l, mx, sum);
+    }
+}
+
+static double losses_differ_by(const char *a, const char *b, int steps);   /* (tests/14-tensor-parallel.c) */
+/* --attention online in a stage: 20 steps of the GPT at context 128 (2
+   epochs of 10 batches of 4 of its 40 sequences) give the matmul body's
+   losses within 1e-5 and its weights and Adam moments within 2e-5, in less
+   activation memory -- at least the probabilities the matmul body keeps,
+   B x H x T x T floats for each of the 2 layers, less the T numbers a row
+   and the f32 output the online body keeps instead. On a GPU it is refused. */
+TEST(online_attention_trains_alike_in_less_memory, QUICK) {
+    char out[16384], dir[2][700], log[2][800], p[2][900];
+    const char *flags = "--model gpt --dim 32 --depth 2 --heads 4 --seq-len 128 --batch-size 4 --epochs 2 --log-every 1000 --quiet";
+    static const char *const body[2] = { "matmul", "online" };
+    for (int k = 0; k < 2; k++) {
+        snprintf(dir[k], sizeof dir[k], "%.600s/att-%s", tmpdir, body[k]);
+        snprintf(log[k], sizeof log[k], "%.700s.jsonl", dir[k]);
+        int st = run_cmd(out, sizeof out, "%s --data %s %s --attention %s --save-dir %s --log %s", train_cpu, gpt_text(), flags,
+                         body[k], dir[k], log[k]);
+        CHECKF(st == 0, "01 --attention %s: exit %d\n%s", body[k], st, out);
+        snprintf(p[k], sizeof p[k], "%.700s/gpt_data0-40_epoch2", dir[k]);
+    }
+    if (t_failed) return;
+    double dl = losses_differ_by(log[0], log[1], 20), dw = max_tensor_diff(p[0], p[1]);
+    CHECKF(dl <= 1e-5, "--attention online: losses %.3g from the matmul body's", dl);
+    CHECKF(dw >= 0 && dw <= 2e-5, "--attention online: weights or Adam moments %.3g from the matmul body's", dw);
+    double a0 = summary_value(log[0], "peak_activations_bytes"), a1 = summary_value(log[1], "peak_activations_bytes");
+    double kept = 2.0 * 4 * 4 * 128 * 128 * 4, instead = 2.0 * (4 * 4 * 128 + 4 * 128 * 32) * 4;
+    CHECKF(a0 > 0 && a0 - a1 >= kept - instead, "--attention online: peak activations %.0f bytes, the matmul body's %.0f (expected "
+           "%.0f less)", a1, a0, kept - instead);
+    int st = run_cmd(out, sizeof out, "%s --data %s %s --attention online --device cuda", train_cpu, gpt_text(), flags);
+    CHECKF(st == 2 && strstr(out, "--attention online runs on the CPU only"), "--attention online --device cuda: exit %d\n%s", st, out);
+}
