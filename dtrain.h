@@ -7735,6 +7735,7 @@ static void dt__fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
 static void dt__fsdp_before_unit_backward(dt__tape_entry *e) {
     dt_fsdp *f = (dt_fsdp *)e->saved;
     dt__fsdp_unit *u = &f->units[e->iarg[0]];
+    if (!u->numel) return;                          /* nothing of it here (frozen under LoRA, another stage's) */
     dt__fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1);             /* gathered again; the one before on its way */
     if (f->mode != DT_SHARD_OPTIMIZER && !u->full_grad) {           /* (the outer unit's stays all step) */
         if (f->accum) u->full_grad = f->accum + u->accum_offset;     /* adds to the micro-batches before */
@@ -7748,6 +7749,7 @@ static void dt__fsdp_before_unit_backward(dt__tape_entry *e) {
 static void dt__fsdp_after_unit_backward(dt__tape_entry *e) {
     dt_fsdp *f = (dt_fsdp *)e->saved;
     dt__fsdp_unit *u = &f->units[e->iarg[0]];
+    if (!u->numel) return;
     if (f->mode == DT_SHARD_OPTIMIZER) return;                                  /* all at once, after backward */
     if (e->iarg[0] == f->model->outer_unit) {   /* whole until the step's backward is done: a pipeline's */
         dt__fsdp_release_unit(f, e->iarg[0]);   /* micro-batches add into it, and a tied vocabulary's */
