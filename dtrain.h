@@ -542,9 +542,8 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal);
    is kept; backward makes each probability again from it. T x T floats a
    head become T (and the output, kept in f32); the same values within
    rounding. The recurrence is per-element arithmetic that GPU kernels share
-   (dt_online_softmax_rescale: the GPU's row softmax runs it too); the GPU's
-   online attention kernel is not built yet, and asking for it there is an
-   error. (--attention) */
+   (dt_online_softmax_rescale: the GPU's online attention kernels, its row
+   softmax and its classifier run it too). (--attention) */
 typedef enum { DT_ATTENTION_MATMUL = 0, DT_ATTENTION_ONLINE = 1 } dt_attention_body;
 void dt_set_attention_body(dt_attention_body body);
 /* One row of the online softmax: m, the largest score seen so far. A block
@@ -552,6 +551,10 @@ void dt_set_attention_body(dt_attention_body body);
    summed before (exp(s - m_old) each) is to be multiplied by the factor
    returned, exp(m_old - m_new) (0 before any score). */
 DT_HD static inline float dt_online_softmax_rescale(float *m, float block_max);
+/* The fused classifier's gradient of one logit x of a row whose largest
+   value is m and sum of exp(x - m) is l: (p - onehot) * scale, p its
+   softmax, exp(x - m - log l) (dt_cross_entropy's backward, on any device). */
+DT_HD static inline float dt_cross_entropy_grad(float x, float m, float log_l, float onehot, float scale);
 /* token ids [B, T] (whole numbers held as f32) -> [B*T, D]: row (b, t) is
    wte[token] + wpe[t], the token's embedding plus its position's (wpe NULL:
    no position embedding, as in Llama, whose attention rotates by position) */
@@ -1170,6 +1173,9 @@ DT_HD static inline float dt_online_softmax_rescale(float *m, float block_max) {
     *m = now;
     return old == -INFINITY ? 0.0f : dt_exp_value(old - now);
 }
+DT_HD static inline float dt_cross_entropy_grad(float x, float m, float log_l, float onehot, float scale) {
+    return (dt_exp_value(x - m - log_l) - onehot) * scale;
+}
 DT_HD static inline float dt_silu_derivative(float x) {
     float sg = 1.0f / (1.0f + dt_exp_value(-x));
     return sg * (1.0f + x * (1.0f - sg));
@@ -1307,6 +1313,13 @@ typedef struct dt_backend {
                               float scale, int causal);
     void (*attention_backward)(const float *saved, const float *dout, float *dqkv, float *scratch,
                                int B, int T, int H, int D, float scale);
+    /* --attention online: saved is [B*H, T] log-sum-exps, then the output [B*T, D]
+       (the CPU's layout); backward reads qkv again; scratch: B*H*T floats.
+       Heads of at most DT_ATTENTION_ONLINE_MAX_HEAD_DIM. */
+    void (*attention_forward_online)(const float *qkv, float *out, float *saved, int B, int T, int H, int D, float scale,
+                                     int causal);
+    void (*attention_backward_online)(const float *qkv, const float *saved, const float *dout, float *dqkv, float *scratch,
+                                      int B, int T, int H, int D, float scale, int causal);
     /* tokens: ids as f32. Backward: dwte, dwpe may be NULL; by_token lists the
        rows grouped by token: order[BT] (each group's rows ascending), then
        start[groups + 1] into it, then the token of each group, token[groups] */
@@ -1321,19 +1334,18 @@ typedef struct dt_backend {
     void (*vit_tokens_backward)(const float *dy, float *dpatches, float *dcls, float *dpos, int B, int P, int D);
     void (*select_token_forward)(const float *x, float *y, int B, int T, int index, int D);
     void (*select_token_backward)(const float *dy, float *dx, int B, int T, int index, int D);
-    /* rows whose label is DT_IGNORE_INDEX add nothing; the sum is divided by `divisor` */
-    void (*cross_entropy_forward)(const float *logits, const int32_t *labels, float *probs, float *loss,
+    /* The fused classifier. Forward: row_stats gets each row's largest value
+       m, then each row's log of l, its sum of exp(x - m); rows whose label is
+       DT_IGNORE_INDEX add nothing; the sum is divided by `divisor`. Backward:
+       dlogits += dt_cross_entropy_grad of each logit, in one pass. */
+    void (*cross_entropy_forward)(const float *logits, const int32_t *labels, float *row_stats, float *loss,
                                   int B, int C, double divisor);
-    void (*cross_entropy_backward)(const float *probs, const int32_t *labels, const float *dloss,
+    void (*cross_entropy_backward)(const float *logits, const float *row_stats, const int32_t *labels, const float *dloss,
                                    float *dlogits, int B, int C, float divisor);
-    /* The cross-entropy of a vocabulary split over ranks, in three passes
-       with the group's collectives between: each row's largest of its C
-       values; p = exp(x - mx[row]) and sum_label = (each row's sum of p, then
-       each row's x[label], 0 where the label is not among these columns);
-       p /= sum[row]. */
-    void (*rows_max)(const float *x, float *mx, int B, int C);
-    void (*rows_exp_sum)(const float *x, const int32_t *labels, const float *mx, float *p, float *sum_label, int B, int C);
-    void (*rows_divide)(float *p, const float *sum_label, int B, int C);
+    /* A vocabulary split over ranks: stats gets each row's m, then its l
+       (over these C columns), then its x[label] (0 where the label is not
+       among them); the group merges the rows' numbers between. */
+    void (*softmax_row_stats)(const float *x, const int32_t *labels, float *stats, int B, int C);
     void (*patchify)(const float *images, float *patches, int B, int C, int H, int W, int p);
     double (*sum_squares)(const float *x, int64_t n);                   /* waits for the result */
     void (*scale)(float *x, float c, int64_t n);
@@ -1350,6 +1362,8 @@ typedef struct dt_backend {
    needs room for dP, dO and dQ, dK, dV. */
 #define DT_ATTENTION_SAVED_FLOATS(B, T, H, D) ((int64_t)(B) * (H) * (T) * (T) + 4LL * (B) * (T) * (D))   /* P, Q, K, V, O */
 #define DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D) ((int64_t)(B) * (H) * (T) * (T) + 4LL * (B) * (T) * (D)) /* dP, dO, dQ, dK, dV */
+/* The online kernels' widest head: a lane holds 4 of its columns. */
+#define DT_ATTENTION_ONLINE_MAX_HEAD_DIM 128
 
 /* ---- the collective backend: what a transport must provide --------------------
    The collectives chapter owns the queue and the communication thread; a backend moves the
@@ -4261,8 +4275,10 @@ static void dt__attention_backward(dt__tape_entry *e) {
     const dt_backend *gpu = dt__backend_for(qkv);
     dt__ctx.flops += 8.0 * B * H * T * T * (D / H);
     if (gpu) {
-        float *scratch = (float *)dt__scratch_on(qkv->device, sizeof(float) * (size_t)DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D));
-        gpu->attention_backward(P, dout, dqkv, scratch, B, T, H, D, scale);
+        float *scratch = (float *)dt__scratch_on(qkv->device, sizeof(float) * (size_t)(online ? (int64_t)B * H * T
+                                                                                   : DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D)));
+        if (online) gpu->attention_backward_online(qkvv, P, dout, dqkv, scratch, B, T, H, D, scale, causal);
+        else gpu->attention_backward(P, dout, dqkv, scratch, B, T, H, D, scale);
     } else if (online)
         dt__attention_backward_online(qkvv, P, dout, dqkv, !first, B, T, H, D, scale, causal);
     else if (dt__attention_tiled(D / H))                           /* each element is one product's: */
@@ -4280,18 +4296,19 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
     float scale = 1.0f / sqrtf((float)hd);
     const dt_backend *gpu = dt__backend_for(qkv);
     int online = dt__attention_body == DT_ATTENTION_ONLINE;
-    if (gpu && online)
-        dt_usage_error("--attention online runs on the CPU only so far: the GPU's attention keeps its probabilities "
-                       "(leave --attention out with --device cuda)");
+    if (gpu && online && hd > DT_ATTENTION_ONLINE_MAX_HEAD_DIM)
+        dt_usage_error("--attention online: heads of %d columns; the GPU's online kernel takes at most %d (leave --attention out)",
+                       hd, DT_ATTENTION_ONLINE_MAX_HEAD_DIM);
     dt__scratch_reset();
     dt_tensor *out = dt__tensor_out_2d(B * T, D);
     /* the probabilities stay f32 (softmax in f32 under mixed precision too); the online body keeps a row's log-sum-exp */
-    float *P = (float *)dt__step_data(sizeof(float) * (size_t)(gpu ? DT_ATTENTION_SAVED_FLOATS(B, T, H, D)
-                                                               : online ? (int64_t)B * H * T + (int64_t)B * T * D
-                                                                        : (int64_t)B * H * T * T));
+    float *P = (float *)dt__step_data(sizeof(float) * (size_t)(online ? (int64_t)B * H * T + (int64_t)B * T * D
+                                                               : gpu ? DT_ATTENTION_SAVED_FLOATS(B, T, H, D)
+                                                                     : (int64_t)B * H * T * T));
     const float *qkvv = dt__in(qkv);
     float *outv = dt__out(out);
-    if (gpu) gpu->attention_forward(qkvv, outv, P, B, T, H, D, scale, causal);
+    if (gpu && online) gpu->attention_forward_online(qkvv, outv, P, B, T, H, D, scale, causal);
+    else if (gpu) gpu->attention_forward(qkvv, outv, P, B, T, H, D, scale, causal);
     else if (online) dt__attention_forward_online(qkvv, outv, P, B, T, H, D, scale, causal);
     else if (dt__attention_tiled(hd)) dt__attention_forward_tiles(qkvv, outv, P, B, T, H, D, scale, causal);
     else dt__attention_forward_gemm(qkvv, outv, P, B, T, H, D, scale, causal);
@@ -4635,11 +4652,16 @@ dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index) {
     return y;
 }
 
-/* -- softmax cross-entropy, fused: the gradient is simply (p - onehot) / N,
-      N the labels that count (or the divisor the run set), and nothing for
-      a row whose label is ignored. Labels arrive in host memory; the op
-      checks them there, then copies them to the device beside the
-      probabilities it saves. -- */
+/* -- softmax cross-entropy, fused (llm.c's fused classifier is the model):
+      forward reads the logits once for each row's largest value m and the
+      sum l of exp(x - m), and keeps those two numbers a row, not the
+      probabilities (at GPT-2's 50,257 words and 8,192 rows, 1.6 GB saved);
+      backward reads the logits again and writes the gradient (p - onehot) / N
+      in the pass that makes each probability again, p = exp(x - m - log l)
+      (dt_cross_entropy_grad, the GPU's arithmetic too). N is the labels that
+      count (or the divisor the run set); a row whose label is ignored gets
+      nothing. Labels arrive in host memory; the op checks them there, then
+      copies them to the device beside the rows' two numbers. -- */
 void dt_cross_entropy_set_divisor(const int32_t *labels, double divisor) {
     if (!(divisor > 0)) dt_fail("dt_cross_entropy_set_divisor: the divisor must be positive (it is %g)", divisor);
     dt__ctx.loss_divisor.step = dt__ctx.step_resets;
@@ -4649,26 +4671,24 @@ void dt_cross_entropy_set_divisor(const int32_t *labels, double divisor) {
 static void dt__cross_entropy_backward(dt__tape_entry *e) {
     dt_tensor *logits = e->in[0];
     if (!logits->requires_grad) return;
-    int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits);
-    const float *p = (const float *)e->saved;
-    const int32_t *labels = (const int32_t *)(p + (size_t)B * C);
-    float *dl = dt__grad_acc(logits);
+    int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits), first;
+    const float *m = (const float *)e->saved, *log_l = m + B, *x = dt__in(logits);
+    const int32_t *labels = (const int32_t *)(log_l + B);
     const dt_backend *gpu = dt__backend_for(logits);
-    if (gpu) gpu->cross_entropy_backward(p, labels, e->out->grad, dl, B, C, e->farg[0]);
+    float *dl = dt__grad_acc_first(logits, &first);
+    if (gpu) gpu->cross_entropy_backward(x, m, labels, e->out->grad, dl, B, C, e->farg[0]);
     else {
         float scale = e->out->grad[0] / e->farg[0];
         DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
         for (int i = 0; i < B; i++) {
-            if (labels[i] == DT_IGNORE_INDEX) continue;
             float *d = dl + (size_t)i * C;
-            const float *pi = p + (size_t)i * C;
-            if (labels[i] < 0 || labels[i] >= C) {       /* a split vocabulary: another rank's label */
-                for (int j = 0; j < C; j++) d[j] += pi[j] * scale;
-                continue;
-            }
-            float at_label = d[labels[i]] + (pi[labels[i]] - 1.0f) * scale;
-            for (int j = 0; j < C; j++) d[j] += pi[j] * scale;      /* no branch: it vectorises */
-            d[labels[i]] = at_label;
+            const float *r = x + (size_t)i * C;
+            int label = labels[i], mine = label >= 0 && label < C;    /* a split vocabulary: another rank's label is not */
+            if (label == DT_IGNORE_INDEX) { if (first) memset(d, 0, sizeof(float) * (size_t)C); continue; }
+            float at_label = mine ? (first ? 0.0f : d[label]) + dt_cross_entropy_grad(r[label], m[i], log_l[i], 1.0f, scale) : 0;
+            if (first) for (int j = 0; j < C; j++) d[j] = dt_cross_entropy_grad(r[j], m[i], log_l[i], 0.0f, scale);
+            else for (int j = 0; j < C; j++) d[j] += dt_cross_entropy_grad(r[j], m[i], log_l[i], 0.0f, scale);  /* it vectorises */
+            if (mine) d[label] = at_label;
         }
     }
     dt__grad_acc_done(logits, dl);
@@ -4678,12 +4698,17 @@ static void dt__cross_entropy_backward(dt__tape_entry *e) {
 static int dt__logits_split(const dt_tensor *logits) {
     return logits->parallel && !logits->is_param ? logits->parallel->tp_size : 1;
 }
-/* p[j] = exp(r[j] - mx) for a row of C, and their sum, in DT_LANES partial
-   sums of doubles (a vocabulary of 50,257 terms loses nothing). */
-static double dt__exp_row(const float *r, float *p, int C, float mx) {
+/* A row's largest value m, and its sum of exp(x - m) in DT_LANES partial sums
+   of doubles (a vocabulary of 50,257 terms loses nothing), the exponentials
+   made 256 at a time into a buffer so that they vectorise. */
+static double dt__row_softmax(const float *r, int C, float *m) {
     double lanes[DT_LANES] = { 0 }, sum = 0;
-    for (int j = 0; j < C; j++) p[j] = dt_exp_value(r[j] - mx);
-    DT__LANE_SUM(lanes, C, j, (double)p[j]);
+    float e[256], mx = *m = dt__row_max(r, C);
+    for (int j0 = 0; j0 < C; j0 += 256) {
+        int n = C - j0 < 256 ? C - j0 : 256;
+        for (int j = 0; j < n; j++) e[j] = dt_exp_value(r[j0 + j] - mx);
+        DT__LANE_SUM(lanes, n, j, (double)e[j]);
+    }
     for (int l = 0; l < DT_LANES; l++) sum += lanes[l];
     return sum;
 }
@@ -4701,6 +4726,16 @@ static double dt__loss_divisor(const int32_t *labels, int B, int C) {
         divisor = dt__ctx.loss_divisor.divisor;
     return divisor;
 }
+/* The step data the loss keeps: each row's m, then log l, then the labels. */
+static float *dt__cross_entropy_saved(int B) { return (float *)dt__step_data((sizeof(float) * 2 + sizeof(int32_t)) * (size_t)B); }
+static dt_tensor *dt__cross_entropy_done(dt_tensor *logits, float *saved, double divisor, dt_tensor *loss) {
+    if (dt__wants_grad(logits, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__cross_entropy_backward, loss, logits, NULL, NULL);
+        e->saved = saved;
+        e->farg[0] = (float)divisor;
+    }
+    return loss;
+}
 static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labels);
 dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
     if (dt__logits_split(logits) > 1) return dt__cross_entropy_split(logits, labels);
@@ -4708,104 +4743,93 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
     double divisor = dt__loss_divisor(labels, B, C);
     const dt_backend *gpu = dt__backend_for(logits);
     dt__scratch_reset();
-    float *p = (float *)dt__step_data(sizeof(float) * (size_t)B * C + sizeof(int32_t) * B);
-    int32_t *saved_labels = (int32_t *)(p + (size_t)B * C);
+    float *m = dt__cross_entropy_saved(B), *log_l = m + B;
+    int32_t *saved_labels = (int32_t *)(log_l + B);
     int s1[1] = { 1 };
     dt_tensor *loss = dt__tensor_alloc(1, s1, DT_F32);        /* the loss is f32, always */
     const float *lv = dt__in(logits);
     if (gpu) {
         gpu->upload(saved_labels, labels, sizeof(int32_t) * B);
-        gpu->cross_entropy_forward(lv, saved_labels, p, loss->data, B, C, divisor);
+        gpu->cross_entropy_forward(lv, saved_labels, m, loss->data, B, C, divisor);
     } else {
-        /* rows on every thread (dt__exp_row), the rows' losses added in row
-           order after */
+        /* rows on every thread, the rows' losses added in row order after */
         double *row_loss = (double *)dt__scratch_on(DT_CPU, sizeof(double) * (size_t)B), total = 0;
         DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
         for (int i = 0; i < B; i++) {
-            row_loss[i] = 0;
-            if (labels[i] == DT_IGNORE_INDEX) continue;      /* its probabilities are never read */
+            row_loss[i] = m[i] = log_l[i] = 0;
+            if (labels[i] == DT_IGNORE_INDEX) continue;      /* backward never reads its numbers */
             const float *r = lv + (size_t)i * C;
-            float *pr = p + (size_t)i * C, mx = dt__row_max(r, C);
-            double sum = dt__exp_row(r, pr, C, mx), inv = 1.0 / sum;
-            for (int j = 0; j < C; j++) pr[j] = (float)(pr[j] * inv);
-            row_loss[i] = -(r[labels[i]] - mx - log(sum));
+            double sum = dt__row_softmax(r, C, &m[i]);
+            log_l[i] = (float)log(sum);
+            row_loss[i] = -(r[labels[i]] - m[i] - log(sum));
         }
         for (int i = 0; i < B; i++) { total += row_loss[i]; saved_labels[i] = labels[i]; }
         loss->data[0] = (float)(total / divisor);
     }
-    if (dt__wants_grad(logits, NULL, NULL)) {
-        dt__tape_entry *e = dt__tape_push(dt__cross_entropy_backward, loss, logits, NULL, NULL);
-        e->saved = p;
-        e->farg[0] = (float)divisor;
-    }
-    return loss;
+    return dt__cross_entropy_done(logits, m, divisor, loss);
 }
 
 /* -- the cross-entropy of logits whose columns, the vocabulary, are split
-      over a tensor-parallel group (stage 06's GPT and Llama), so that the whole rows
-      never exist on one rank. Each rank takes its columns' largest value in
-      each row, and the group the largest of those (an all-reduce); each rank
-      its columns' exp(x - max) and their sum, and the label's logit where it
-      holds that column, and the group sums both. Every rank then has each
-      row's loss, log(sum) + max - x[label], and its columns of the softmax,
-      whose gradient is (p - onehot) / N as before: the backward above, with
-      the labels this rank does not hold out of its columns' range. -- */
+      over a tensor-parallel group (stage 06's GPT and Llama), so that the
+      whole rows never exist on one rank. Each rank takes each row's m and l
+      over its columns, and the label's logit where it holds that column; the
+      group takes the largest m (an all-reduce), each rank moves its l onto
+      that scale by the online softmax's step (as FlashAttention merges two
+      blocks of keys), and the group sums the l's and the label's logits.
+      Every rank then has each row's loss, log l + m - x[label], and the
+      two numbers the backward above needs, the labels this rank does not
+      hold out of its columns' range. -- */
 static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labels) {
     dt_parallel *par = logits->parallel;
     int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits), first = par->tp_rank * C;
     double divisor = dt__loss_divisor(labels, B, C * par->tp_size);
     const dt_backend *gpu = dt__backend_for(logits);
+    dt_device dev = logits->device;
     dt__scratch_reset();
-    float *p = (float *)dt__step_data(sizeof(float) * (size_t)B * C + sizeof(int32_t) * B);
-    int32_t *mine = (int32_t *)(p + (size_t)B * C);
+    float *saved = dt__cross_entropy_saved(B);
+    int32_t *mine = (int32_t *)(saved + 2 * (size_t)B);
     int32_t *host = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)B);
     for (int i = 0; i < B; i++)            /* this rank's columns: the label's, or -1 (another rank's) */
         host[i] = labels[i] == DT_IGNORE_INDEX ? DT_IGNORE_INDEX
                 : labels[i] >= first && labels[i] < first + C ? labels[i] - first : -1;
-    float *mx = (float *)dt__scratch_on(logits->device, sizeof(float) * (size_t)B);
-    float *sum_label = (float *)dt__scratch_on(logits->device, sizeof(float) * 2 * (size_t)B);
+    float *stats = (float *)dt__scratch_on(dev, sizeof(float) * 3 * (size_t)B);   /* m | l | x[label] */
     const float *lv = dt__in(logits);
     if (gpu) {
         gpu->upload(mine, host, sizeof(int32_t) * (size_t)B);
-        gpu->rows_max(lv, mx, B, C);
+        gpu->softmax_row_stats(lv, mine, stats, B, C);
     } else {
         memcpy(mine, host, sizeof(int32_t) * (size_t)B);
-        for (int i = 0; i < B; i++) mx[i] = dt__row_max(lv + (size_t)i * C, C);
-    }
-    par->tp_max(par, mx, B);
-    if (gpu) gpu->rows_exp_sum(lv, mine, mx, p, sum_label, B, C);
-    else {
         DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
         for (int i = 0; i < B; i++) {
             const float *r = lv + (size_t)i * C;
-            sum_label[i] = (float)dt__exp_row(r, p + (size_t)i * C, C, mx[i]);
-            sum_label[B + i] = mine[i] >= 0 ? r[mine[i]] : 0.0f;
+            stats[B + i] = (float)dt__row_softmax(r, C, &stats[i]);
+            stats[2 * B + i] = mine[i] >= 0 ? r[mine[i]] : 0.0f;
         }
     }
-    par->tp_sum(par, sum_label, 2 * (int64_t)B);
-    if (gpu) gpu->rows_divide(p, sum_label, B, C);
-    else
-        for (int i = 0; i < B; i++) {
-            double inv = 1.0 / sum_label[i];
-            for (int j = 0; j < C; j++) p[(size_t)i * C + j] = (float)(p[(size_t)i * C + j] * inv);
-        }
+    float *h = (float *)dt__step_alloc_uninit(sizeof(float) * 4 * (size_t)B), *top = h + 3 * (size_t)B;
+    dt__download_from(dev, h, stats, sizeof(float) * 3 * (size_t)B);
+    par->tp_max(par, stats, B);
+    dt__download_from(dev, top, stats, sizeof(float) * (size_t)B);
+    for (int i = 0; i < B; i++) {
+        float m = h[i];
+        h[B + i] *= dt_online_softmax_rescale(&m, top[i]);       /* this rank's l, on the group's scale */
+    }
+    dt__upload_to(dev, stats + B, h + B, sizeof(float) * 2 * (size_t)B);
+    par->tp_sum(par, stats + B, 2 * (int64_t)B);
+    dt__download_from(dev, h + B, stats + B, sizeof(float) * 2 * (size_t)B);
     /* each row's loss, added in row order on the host, as the whole-row op does */
-    float *m_host = (float *)dt__step_alloc_uninit(sizeof(float) * 3 * (size_t)B), *s_host = m_host + B;
-    dt__download_from(logits->device, m_host, mx, sizeof(float) * (size_t)B);
-    dt__download_from(logits->device, s_host, sum_label, sizeof(float) * 2 * (size_t)B);
     double total = 0;
-    for (int i = 0; i < B; i++)
-        if (labels[i] != DT_IGNORE_INDEX) total += log((double)s_host[i]) + m_host[i] - s_host[B + i];
+    for (int i = 0; i < B; i++) {
+        if (labels[i] != DT_IGNORE_INDEX) total += log((double)h[B + i]) + top[i] - h[2 * B + i];
+        h[i] = top[i];
+        h[B + i] = (float)log((double)h[B + i]);
+    }
+    dt__upload_to(dev, saved, h, sizeof(float) * 2 * (size_t)B);
     int s1[1] = { 1 };
     dt_tensor *loss = dt__tensor_alloc(1, s1, DT_F32);
     float value = (float)(total / divisor);
-    dt__upload_to(logits->device, loss->data, &value, sizeof value);
-    if (dt__wants_grad(logits, NULL, NULL)) {
-        dt__tape_entry *e = dt__tape_push(dt__cross_entropy_backward, loss, logits, NULL, NULL);
-        e->saved = p;
-        e->farg[0] = (float)divisor;
-    }
-    return loss;
+    dt__upload_to(dev, loss->data, &value, sizeof value);
+    return dt__cross_entropy_done(logits, saved, divisor, loss);
 }
 
 /* Rows first .. first + rows - 1 of the logits on the host, each the whole
@@ -13680,9 +13704,9 @@ static const dt__flag dt__flags[] = {
     { "--recompute", "1234567", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
       DT_NOT_A_NUMBER },
-    { "--attention", "1234567", "matmul|online", "attention on the CPU: keep each head's T x T probabilities (matmul, the default),\n"
-      "                          or FlashAttention's online softmax, which keeps T numbers a head and makes them again in\n"
-      "                          backward (online: the same values within rounding; CPU only so far)", DT_ARG_CHOICE,
+    { "--attention", "1234567", "matmul|online", "attention: keep each head's T x T probabilities (matmul, the default), or\n"
+      "                          FlashAttention's online softmax, which keeps T numbers a head and makes them again in\n"
+      "                          backward (online: the same values within rounding; heads of at most 128 on a GPU)", DT_ARG_CHOICE,
       DT_CFG(attention), "matmul|online", DT_NOT_A_NUMBER },
     { "--lora-rank", "1234567", "R", "LoRA: freeze the model, train adapters of rank R beside the --lora-targets layers (saved\n"
       "                          in PEFT's layout; tools/merge-lora folds them in)", DT_ARG_INT, DT_CFG(lora_rank), NULL, DT_MIN(1) },
@@ -14037,9 +14061,10 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which the pipeline does not carry from stage to "
                        "stage; use --dtype bf16, whose range is f32's");
     if (c.end_idx >= 0 && c.end_idx <= c.start_idx) dt_usage_error("--end-idx must be greater than --start-idx");
-    if (c.attention == DT_ATTENTION_ONLINE && c.device == DT_CUDA)
-        dt_usage_error("--attention online runs on the CPU only so far (the GPU's online attention kernel is not built): "
-                       "leave it out with --device cuda");
+    if (c.attention == DT_ATTENTION_ONLINE && c.device == DT_CUDA && (vit || gpt) && c.heads > 0 &&
+        c.dim / c.heads > DT_ATTENTION_ONLINE_MAX_HEAD_DIM)
+        dt_usage_error("--attention online --device cuda: heads of --dim %d / --heads %d = %d columns; the GPU's online kernel "
+                       "takes at most %d", c.dim, c.heads, c.dim / c.heads, DT_ATTENTION_ONLINE_MAX_HEAD_DIM);
     if (c.resume && c.init && strcmp(c.resume, "auto") && !c.lora_rank)   /* auto: --init when there is no checkpoint yet */
         dt_usage_error("--resume and --init exclude each other (resume restores the weights; with LoRA --init gives the frozen model)");
     if ((vit || gpt) && c.depth < 1)
@@ -15817,23 +15842,30 @@ __global__ static void dt__k_merge_heads(const float *heads, float *rows, int B,
         rows[i] = accumulate ? rows[i] + v : v;
     }
 }
+/* A row's online softmax by one warp: its largest value m and the sum l of
+   exp(x - m) over r[0..n), in one pass -- each lane its own (m, l) over its
+   columns, then the lanes' pairs merged by the same recurrence. Every lane
+   ends with the row's pair. */
+__device__ static void dt__warp_online_softmax(const float *r, int n, float *m_out, float *l_out) {
+    float m = -INFINITY, l = 0;
+    for (int j = threadIdx.x % 32; j < n; j += 32) {
+        l *= dt_online_softmax_rescale(&m, r[j]);
+        l += dt_exp_value(r[j] - m);
+    }
+    for (int o = 16; o > 0; o /= 2) {
+        float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
+        l *= dt_online_softmax_rescale(&m, m2);
+        l += m2 == -INFINITY ? 0.0f : l2 * dt_exp_value(m2 - m);
+    }
+    *m_out = m;
+    *l_out = l;
+}
 __global__ static void dt__k_softmax_rows(float *P, int64_t rows, int T, int causal) {
     int lane = threadIdx.x % 32;
     DT_FOR_EACH_ROW(row, rows) {
-        float *r = P + row * T;
+        float *r = P + row * T, m, l;
         int valid = causal ? (int)(row % T) + 1 : T;   /* causal: query i sees keys 0..i */
-        /* one pass for the row's largest score m and its sum l of exp(s - m) -- the online softmax, each lane over
-           its scores, then the lanes' (m, l) combined by the same recurrence -- and one pass to write */
-        float m = -INFINITY, l = 0;
-        for (int j = lane; j < valid; j += 32) {
-            l *= dt_online_softmax_rescale(&m, r[j]);
-            l += dt_exp_value(r[j] - m);
-        }
-        for (int o = 16; o > 0; o /= 2) {
-            float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
-            l *= dt_online_softmax_rescale(&m, m2);
-            l += m2 == -INFINITY ? 0.0f : l2 * dt_exp_value(m2 - m);
-        }
+        dt__warp_online_softmax(r, valid, &m, &l);     /* one pass for m and l, one to write */
         for (int j = lane; j < T; j += 32) r[j] = j < valid ? dt_exp_value(r[j] - m) / l : 0.0f;
     }
 }
@@ -15872,6 +15904,200 @@ static void dt__cuda_attention_backward(const float *saved, const float *dout, f
     dt__cuda_gemm_batched(0, 0, T, hd, T, 1.0f, dP, T, tt, k, hd, th, 0.0f, dq, hd, th, BH);   /* dQ = dS K */
     dt__cuda_gemm_batched(1, 0, T, hd, T, 1.0f, dP, T, tt, q, hd, th, 0.0f, dk, hd, th, BH);   /* dK = dS^T Q */
     DT_LAUNCH(dt__k_merge_heads, dt_blocks_for(3 * btd), DT_THREADS, dq, dqkv, B, T, H, hd, 3, 1);
+}
+
+/* ---- attention without its T x T matrix (--attention online): FlashAttention's
+        algorithm (Dao et al., 2022), the online softmax of
+        dt_online_softmax_rescale, in f32 on the CUDA cores. A block stages a
+        tile of DT__FA_TILE rows of keys and values (in backward, also of
+        queries and output gradients) in shared memory; each of its warps
+        carries DT__FA_ROWS rows of the other side through the tiles, a lane
+        to each staged row for the scores and a lane to each 32nd column for
+        the products. Backward makes the scores twice, once by query rows (dQ)
+        and once by key rows (dK, dV), so that every sum has one owner and a
+        fixed order: the same bits every run, which atomic adds would not give.
+        Saved: each row's log-sum-exp [B*H, T] and the output [B*T, D], as on
+        the CPU. Not tuned (no tensor cores yet): the memory is the lesson. ---- */
+#define DT__FA_TILE 32                        /* one lane per staged row */
+#define DT__FA_WARPS 8
+#define DT__FA_ROWS 4                         /* rows a warp carries */
+#define DT__FA_BLOCK_ROWS (DT__FA_WARPS * DT__FA_ROWS)
+#define DT__FA_COLS (DT_ATTENTION_ONLINE_MAX_HEAD_DIM / 32)   /* columns a lane holds */
+typedef float dt__fa_tile[DT__FA_TILE][DT_ATTENTION_ONLINE_MAX_HEAD_DIM + 1];   /* + 1: lanes read rows in distinct banks */
+
+/* rows j0 .. j0 + DT__FA_TILE - 1 of a head's column block (row stride ld) into a tile, zeros past T */
+__device__ static void dt__fa_stage(const float *src, int64_t ld, int j0, int T, int hd, dt__fa_tile tile) {
+    for (int e = threadIdx.x; e < DT__FA_TILE * hd; e += blockDim.x) {
+        int k = e / hd, d = e % hd;
+        tile[k][d] = j0 + k < T ? src[(int64_t)(j0 + k) * ld + d] : 0.0f;
+    }
+}
+__device__ static float dt__fa_dot(const float *row, const float *staged, int hd) {
+    float s = 0;
+    for (int d = 0; d < hd; d++) s += row[d] * staged[d];
+    return s;
+}
+/* The block's rows and a warp's: row r of warp w is the block's r * warps + w
+   (interleaved, so that a causal block's warps see alike many keys). */
+__device__ static int dt__fa_row(int first, int r) { return first + r * DT__FA_WARPS + (int)threadIdx.x / 32; }
+
+__global__ static void dt__k_attention_online_forward(const float *qkv, float *out, float *lse, float *O, int B, int T,
+                                                     int H, int D, float scale, int causal) {
+    __shared__ dt__fa_tile ks, vs;
+    int hd = D / H, lane = threadIdx.x % 32, tiles = (T + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
+    int bh = blockIdx.x / tiles, b = bh / H, h = bh % H, i0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
+    const float *q = qkv + (int64_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;   /* row t: + t * 3D */
+    float m[DT__FA_ROWS], l[DT__FA_ROWS], acc[DT__FA_ROWS][DT__FA_COLS];
+    for (int r = 0; r < DT__FA_ROWS; r++) {
+        m[r] = -INFINITY; l[r] = 0;
+        for (int c = 0; c < DT__FA_COLS; c++) acc[r][c] = 0;
+    }
+    int keys = causal ? min(T, i0 + DT__FA_BLOCK_ROWS) : T;
+    for (int j0 = 0; j0 < keys; j0 += DT__FA_TILE) {
+        __syncthreads();                                  /* every warp done with the last tile */
+        dt__fa_stage(k, 3 * D, j0, T, hd, ks);
+        dt__fa_stage(v, 3 * D, j0, T, hd, vs);
+        __syncthreads();
+        for (int r = 0; r < DT__FA_ROWS; r++) {
+            int i = dt__fa_row(i0, r), j = j0 + lane, ok = j < T && (!causal || j <= i);
+            if (i >= T || (causal && j0 > i)) continue;     /* the whole warp alike */
+            float s = ok ? scale * dt__fa_dot(q + (int64_t)i * 3 * D, ks[lane], hd) : -INFINITY;
+            float c = dt_online_softmax_rescale(&m[r], dt__warp_max(s));   /* what came before, on the new scale */
+            float p = ok ? dt_exp_value(s - m[r]) : 0.0f;
+            l[r] = l[r] * c + dt__warp_sum(p);
+            for (int t = 0; t < DT__FA_COLS; t++) acc[r][t] *= c;
+            for (int kk = 0; kk < DT__FA_TILE; kk++) {
+                float pk = __shfl_sync(0xffffffffu, p, kk);
+                for (int t = 0; t < DT__FA_COLS; t++)
+                    if (lane + 32 * t < hd) acc[r][t] += pk * vs[kk][lane + 32 * t];
+            }
+        }
+    }
+    for (int r = 0; r < DT__FA_ROWS; r++) {
+        int i = dt__fa_row(i0, r);
+        if (i >= T) continue;
+        int64_t at = ((int64_t)b * T + i) * D + h * hd;
+        for (int t = 0; t < DT__FA_COLS; t++)
+            if (lane + 32 * t < hd) out[at + lane + 32 * t] = O[at + lane + 32 * t] = acc[r][t] / l[r];
+        if (lane == 0) lse[(int64_t)bh * T + i] = m[r] + logf(l[r]);
+    }
+}
+/* Each row's dO . O, the softmax backward's subtrahend: [B*H, T], a warp a row. */
+__global__ static void dt__k_attention_online_row_dots(const float *dout, const float *O, float *dots, int B, int T, int H,
+                                                      int D) {
+    int hd = D / H;
+    DT_FOR_EACH_ROW(row, (int64_t)B * H * T) {
+        int64_t bh = row / T, at = ((bh / H) * T + row % T) * D + (bh % H) * hd;
+        float s = 0;
+        for (int d = threadIdx.x % 32; d < hd; d += 32) s += dout[at + d] * O[at + d];
+        s = dt__warp_sum(s);
+        if (threadIdx.x % 32 == 0) dots[row] = s;
+    }
+}
+/* dQ: a warp's query rows against tiles of keys and values. dS = p (dP - dO.O) scale. */
+__global__ static void dt__k_attention_online_dq(const float *qkv, const float *lse, const float *dots, const float *dout,
+                                                float *dqkv, int B, int T, int H, int D, float scale, int causal) {
+    __shared__ dt__fa_tile ks, vs;
+    int hd = D / H, lane = threadIdx.x % 32, tiles = (T + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
+    int bh = blockIdx.x / tiles, b = bh / H, h = bh % H, i0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
+    const float *q = qkv + (int64_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+    const float *dO = dout + (int64_t)b * T * D + h * hd;                               /* row t: + t * D */
+    float dq[DT__FA_ROWS][DT__FA_COLS] = { { 0 } };
+    int keys = causal ? min(T, i0 + DT__FA_BLOCK_ROWS) : T;
+    for (int j0 = 0; j0 < keys; j0 += DT__FA_TILE) {
+        __syncthreads();
+        dt__fa_stage(k, 3 * D, j0, T, hd, ks);
+        dt__fa_stage(v, 3 * D, j0, T, hd, vs);
+        __syncthreads();
+        for (int r = 0; r < DT__FA_ROWS; r++) {
+            int i = dt__fa_row(i0, r), j = j0 + lane, ok = j < T && (!causal || j <= i);
+            if (i >= T || (causal && j0 > i)) continue;
+            float p = ok ? dt_exp_value(scale * dt__fa_dot(q + (int64_t)i * 3 * D, ks[lane], hd) - lse[(int64_t)bh * T + i]) : 0.0f;
+            float dp = ok ? dt__fa_dot(dO + (int64_t)i * D, vs[lane], hd) : 0.0f;
+            float ds = p * (dp - dots[(int64_t)bh * T + i]) * scale;
+            for (int kk = 0; kk < DT__FA_TILE; kk++) {
+                float dsk = __shfl_sync(0xffffffffu, ds, kk);
+                for (int t = 0; t < DT__FA_COLS; t++)
+                    if (lane + 32 * t < hd) dq[r][t] += dsk * ks[kk][lane + 32 * t];
+            }
+        }
+    }
+    for (int r = 0; r < DT__FA_ROWS; r++) {
+        int i = dt__fa_row(i0, r);
+        if (i >= T) continue;
+        float *to = dqkv + ((int64_t)b * T + i) * 3 * D + h * hd;
+        for (int t = 0; t < DT__FA_COLS; t++)
+            if (lane + 32 * t < hd) to[lane + 32 * t] += dq[r][t];
+    }
+}
+/* dK and dV: a warp's key rows against tiles of queries and output gradients
+   (with their rows' log-sum-exps and dO . O). */
+__global__ static void dt__k_attention_online_dkv(const float *qkv, const float *lse, const float *dots, const float *dout,
+                                                 float *dqkv, int B, int T, int H, int D, float scale, int causal) {
+    __shared__ dt__fa_tile qs, dos;
+    __shared__ float lse_s[DT__FA_TILE], dots_s[DT__FA_TILE];
+    int hd = D / H, lane = threadIdx.x % 32, tiles = (T + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
+    int bh = blockIdx.x / tiles, b = bh / H, h = bh % H, j0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
+    const float *q = qkv + (int64_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+    const float *dO = dout + (int64_t)b * T * D + h * hd;
+    float dk[DT__FA_ROWS][DT__FA_COLS] = { { 0 } }, dv[DT__FA_ROWS][DT__FA_COLS] = { { 0 } };
+    for (int i0 = causal ? j0 / DT__FA_TILE * DT__FA_TILE : 0; i0 < T; i0 += DT__FA_TILE) {   /* causal: queries from the keys on */
+        __syncthreads();
+        dt__fa_stage(q, 3 * D, i0, T, hd, qs);
+        dt__fa_stage(dO, D, i0, T, hd, dos);
+        if ((int)threadIdx.x < DT__FA_TILE) {
+            int i = i0 + threadIdx.x;
+            lse_s[threadIdx.x] = i < T ? lse[(int64_t)bh * T + i] : 0.0f;
+            dots_s[threadIdx.x] = i < T ? dots[(int64_t)bh * T + i] : 0.0f;
+        }
+        __syncthreads();
+        for (int r = 0; r < DT__FA_ROWS; r++) {
+            int j = dt__fa_row(j0, r), i = i0 + lane, ok = i < T && (!causal || i >= j);
+            if (j >= T || (causal && i0 + DT__FA_TILE - 1 < j)) continue;
+            float p = ok ? dt_exp_value(scale * dt__fa_dot(qs[lane], k + (int64_t)j * 3 * D, hd) - lse_s[lane]) : 0.0f;
+            float dp = ok ? dt__fa_dot(dos[lane], v + (int64_t)j * 3 * D, hd) : 0.0f;
+            float ds = p * (dp - dots_s[lane]) * scale;
+            for (int kk = 0; kk < DT__FA_TILE; kk++) {
+                float pk = __shfl_sync(0xffffffffu, p, kk), dsk = __shfl_sync(0xffffffffu, ds, kk);
+                for (int t = 0; t < DT__FA_COLS; t++)
+                    if (lane + 32 * t < hd) {
+                        dv[r][t] += pk * dos[kk][lane + 32 * t];
+                        dk[r][t] += dsk * qs[kk][lane + 32 * t];
+                    }
+            }
+        }
+    }
+    for (int r = 0; r < DT__FA_ROWS; r++) {
+        int j = dt__fa_row(j0, r);
+        if (j >= T) continue;
+        float *to = dqkv + ((int64_t)b * T + j) * 3 * D + h * hd;
+        for (int t = 0; t < DT__FA_COLS; t++)
+            if (lane + 32 * t < hd) {
+                to[D + lane + 32 * t] += dk[r][t];
+                to[2 * D + lane + 32 * t] += dv[r][t];
+            }
+    }
+}
+static unsigned dt__fa_blocks(int B, int T, int H) {
+    int64_t n = (int64_t)B * H * ((T + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS);
+    if (n > 2147483647) dt_fail("--attention online: %lld blocks of attention exceed the GPU's grid", (long long)n);
+    return (unsigned)n;
+}
+static void dt__cuda_attention_forward_online(const float *qkv, float *out, float *saved, int B, int T, int H, int D,
+                                             float scale, int causal) {
+    float *lse = saved, *O = saved + (int64_t)B * H * T;
+    DT_LAUNCH(dt__k_attention_online_forward, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, qkv, out, lse, O, B, T, H, D, scale,
+              causal);
+}
+static void dt__cuda_attention_backward_online(const float *qkv, const float *saved, const float *dout, float *dqkv,
+                                              float *scratch, int B, int T, int H, int D, float scale, int causal) {
+    const float *lse = saved, *O = saved + (int64_t)B * H * T;
+    DT_LAUNCH(dt__k_attention_online_row_dots, dt__blocks_for_warps((int64_t)B * H * T), DT_THREADS, dout, O, scratch, B, T,
+              H, D);
+    DT_LAUNCH(dt__k_attention_online_dq, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, qkv, lse, scratch, dout, dqkv, B, T, H,
+              D, scale, causal);
+    DT_LAUNCH(dt__k_attention_online_dkv, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, qkv, lse, scratch, dout, dqkv, B, T,
+              H, D, scale, causal);
 }
 
 /* ---- the ViT's token assembly, the class-token pick, patchify ---- */
@@ -15970,23 +16196,28 @@ static void dt__cuda_patchify(const float *img, float *out, int B, int C, int H,
               W, p);
 }
 
-/* ---- cross-entropy: one warp per row, as many blocks as the rows need;
-        each row's loss goes to a buffer, and one block then adds the rows in
-        a fixed order (thread t takes rows t, t + 256, ..., then a fixed tree),
-        so the mean is the same every run. ---- */
-__global__ static void dt__k_cross_entropy_rows(const float *logits, const int32_t *labels, float *probs, double *row_loss,
-                                               int B, int C) {
+/* ---- the fused classifier: one warp per row, as many blocks as the rows
+        need, each row's m and l by the online softmax (one pass over the
+        logits, dt__warp_online_softmax); each row's loss goes to a buffer,
+        and one block then adds the rows in a fixed order (thread t takes
+        rows t, t + 256, ..., then a fixed tree), so the mean is the same
+        every run. Backward makes each probability again as it writes. ---- */
+__global__ static void dt__k_cross_entropy_rows(const float *logits, const int32_t *labels, float *row_stats,
+                                               double *row_loss, int B, int C) {
     int lane = threadIdx.x % 32;
     DT_FOR_EACH_ROW(i, B) {
-        if (labels[i] == DT_IGNORE_INDEX) { if (lane == 0) row_loss[i] = 0; continue; }
+        if (labels[i] == DT_IGNORE_INDEX) {
+            if (lane == 0) row_loss[i] = row_stats[i] = row_stats[B + i] = 0;
+            continue;
+        }
         const float *r = logits + i * C;
-        float *pr = probs + i * C, mx = -INFINITY, sum = 0;
-        for (int j = lane; j < C; j += 32) mx = fmaxf(mx, r[j]);
-        mx = dt__warp_max(mx);
-        for (int j = lane; j < C; j += 32) { pr[j] = expf(r[j] - mx); sum += pr[j]; }
-        sum = dt__warp_sum(sum);
-        for (int j = lane; j < C; j += 32) pr[j] /= sum;
-        if (lane == 0) row_loss[i] = -((double)r[labels[i]] - mx - log((double)sum));
+        float m, l;
+        dt__warp_online_softmax(r, C, &m, &l);
+        if (lane == 0) {
+            row_stats[i] = m;
+            row_stats[B + i] = logf(l);
+            row_loss[i] = -((double)r[labels[i]] - m - log((double)l));
+        }
     }
 }
 __global__ static void dt__k_mean_of_rows(const double *row_loss, int B, double divisor, float *loss) {
@@ -16001,63 +16232,44 @@ __global__ static void dt__k_mean_of_rows(const double *row_loss, int B, double 
     }
     if (threadIdx.x == 0) loss[0] = (float)(sh[0] / divisor);
 }
-static void dt__cuda_cross_entropy_forward(const float *logits, const int32_t *labels, float *probs, float *loss, int B,
-                                          int C, double divisor) {
+static void dt__cuda_cross_entropy_forward(const float *logits, const int32_t *labels, float *row_stats, float *loss,
+                                          int B, int C, double divisor) {
     double *row_loss = (double *)dt__cuda_grow(&dt__cuda.row_loss, &dt__cuda.row_loss_bytes, sizeof(double) * (size_t)B);
-    DT_LAUNCH(dt__k_cross_entropy_rows, dt__blocks_for_warps(B), DT_THREADS, logits, labels, probs, row_loss, B, C);
+    DT_LAUNCH(dt__k_cross_entropy_rows, dt__blocks_for_warps(B), DT_THREADS, logits, labels, row_stats, row_loss, B, C);
     DT_LAUNCH(dt__k_mean_of_rows, 1, DT_THREADS, row_loss, B, divisor, loss);
 }
-__global__ static void dt__k_cross_entropy_backward(const float *p, const int32_t *labels, const float *dloss,
-                                                   float *dl, int B, int C, float divisor) {
+__global__ static void dt__k_cross_entropy_backward(const float *x, const float *row_stats, const int32_t *labels,
+                                                   const float *dloss, float *dl, int B, int C, float divisor) {
     float scale = dloss[0] / divisor;
     DT_FOR_EACH(i, (int64_t)B * C) {
         int64_t row = i / C;
         int j = (int)(i % C);
-        if (labels[row] != DT_IGNORE_INDEX) dl[i] += (p[i] - (j == labels[row] ? 1.0f : 0.0f)) * scale;
+        if (labels[row] != DT_IGNORE_INDEX)
+            dl[i] += dt_cross_entropy_grad(x[i], row_stats[row], row_stats[B + row], j == labels[row] ? 1.0f : 0.0f, scale);
     }
 }
-static void dt__cuda_cross_entropy_backward(const float *p, const int32_t *labels, const float *dloss, float *dl, int B,
-                                           int C, float divisor) {
-    DT_LAUNCH(dt__k_cross_entropy_backward, dt_blocks_for((int64_t)B * C), DT_THREADS, p, labels, dloss, dl, B, C,
-              divisor);
+static void dt__cuda_cross_entropy_backward(const float *logits, const float *row_stats, const int32_t *labels,
+                                           const float *dloss, float *dlogits, int B, int C, float divisor) {
+    DT_LAUNCH(dt__k_cross_entropy_backward, dt_blocks_for((int64_t)B * C), DT_THREADS, logits, row_stats, labels, dloss,
+              dlogits, B, C, divisor);
 }
 
-/* The cross-entropy of a split vocabulary: one warp per row, as above. */
-__global__ static void dt__k_rows_max(const float *x, float *mx, int B, int C) {
-    int lane = threadIdx.x % 32;
+/* The cross-entropy of a split vocabulary: each row's m, l and x[label] over
+   this rank's columns, one warp per row, as above. */
+__global__ static void dt__k_softmax_row_stats(const float *x, const int32_t *labels, float *stats, int B, int C) {
     DT_FOR_EACH_ROW(i, B) {
-        float m = -INFINITY;
-        for (int j = lane; j < C; j += 32) m = fmaxf(m, x[(int64_t)i * C + j]);
-        m = dt__warp_max(m);
-        if (lane == 0) mx[i] = m;
-    }
-}
-__global__ static void dt__k_rows_exp_sum(const float *x, const int32_t *labels, const float *mx, float *p, float *sum_label,
-                                         int B, int C) {
-    int lane = threadIdx.x % 32;
-    DT_FOR_EACH_ROW(i, B) {
-        const float *r = x + (int64_t)i * C;
-        float *pr = p + (int64_t)i * C, sum = 0;
-        for (int j = lane; j < C; j += 32) { pr[j] = expf(r[j] - mx[i]); sum += pr[j]; }
-        sum = dt__warp_sum(sum);
-        if (lane == 0) {
-            sum_label[i] = sum;
-            sum_label[B + i] = labels[i] >= 0 && labels[i] < C ? r[labels[i]] : 0.0f;
+        const float *r = x + i * C;
+        float m, l;
+        dt__warp_online_softmax(r, C, &m, &l);
+        if (threadIdx.x % 32 == 0) {
+            stats[i] = m;
+            stats[B + i] = l;
+            stats[2 * B + i] = labels[i] >= 0 && labels[i] < C ? r[labels[i]] : 0.0f;
         }
     }
 }
-__global__ static void dt__k_rows_divide(float *p, const float *sum_label, int B, int C) {
-    DT_FOR_EACH(i, (int64_t)B * C) p[i] /= sum_label[i / C];
-}
-static void dt__cuda_rows_max(const float *x, float *mx, int B, int C) {
-    DT_LAUNCH(dt__k_rows_max, dt__blocks_for_warps(B), DT_THREADS, x, mx, B, C);
-}
-static void dt__cuda_rows_exp_sum(const float *x, const int32_t *labels, const float *mx, float *p, float *sum_label, int B,
-                                  int C) {
-    DT_LAUNCH(dt__k_rows_exp_sum, dt__blocks_for_warps(B), DT_THREADS, x, labels, mx, p, sum_label, B, C);
-}
-static void dt__cuda_rows_divide(float *p, const float *sum_label, int B, int C) {
-    DT_LAUNCH(dt__k_rows_divide, dt_blocks_for((int64_t)B * C), DT_THREADS, p, sum_label, B, C);
+static void dt__cuda_softmax_row_stats(const float *x, const int32_t *labels, float *stats, int B, int C) {
+    DT_LAUNCH(dt__k_softmax_row_stats, dt__blocks_for_warps(B), DT_THREADS, x, labels, stats, B, C);
 }
 
 /* ---- the optimizer: a fixed-shape reduction for the gradient norm, then the
@@ -16157,12 +16369,14 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     t->rotary_qkv_forward = dt__cuda_rotary_qkv_forward; t->rotary_qkv_backward = dt__cuda_rotary_qkv_backward;
     t->add = dt__cuda_add; t->accumulate = dt__cuda_accumulate;
     t->attention_forward = dt__cuda_attention_forward; t->attention_backward = dt__cuda_attention_backward;
+    t->attention_forward_online = dt__cuda_attention_forward_online;
+    t->attention_backward_online = dt__cuda_attention_backward_online;
     t->vit_tokens_forward = dt__cuda_vit_tokens_forward; t->vit_tokens_backward = dt__cuda_vit_tokens_backward;
     t->token_embedding_forward = dt__cuda_token_embedding_forward;
     t->token_embedding_backward = dt__cuda_token_embedding_backward;
     t->select_token_forward = dt__cuda_select_token_forward; t->select_token_backward = dt__cuda_select_token_backward;
     t->cross_entropy_forward = dt__cuda_cross_entropy_forward; t->cross_entropy_backward = dt__cuda_cross_entropy_backward;
-    t->rows_max = dt__cuda_rows_max; t->rows_exp_sum = dt__cuda_rows_exp_sum; t->rows_divide = dt__cuda_rows_divide;
+    t->softmax_row_stats = dt__cuda_softmax_row_stats;
     t->patchify = dt__cuda_patchify; t->sum_squares = dt__cuda_sum_squares; t->scale = dt__cuda_scale;
     t->adamw = dt__cuda_adamw; t->sgd = dt__cuda_sgd; t->convert = dt__cuda_convert; t->owns = dt__cuda_owns;
     return t;

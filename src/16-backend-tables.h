@@ -80,6 +80,9 @@ DT_HD static inline float dt_online_softmax_rescale(float *m, float block_max) {
     *m = now;
     return old == -INFINITY ? 0.0f : dt_exp_value(old - now);
 }
+DT_HD static inline float dt_cross_entropy_grad(float x, float m, float log_l, float onehot, float scale) {
+    return (dt_exp_value(x - m - log_l) - onehot) * scale;
+}
 DT_HD static inline float dt_silu_derivative(float x) {
     float sg = 1.0f / (1.0f + dt_exp_value(-x));
     return sg * (1.0f + x * (1.0f - sg));
@@ -217,6 +220,13 @@ typedef struct dt_backend {
                               float scale, int causal);
     void (*attention_backward)(const float *saved, const float *dout, float *dqkv, float *scratch,
                                int B, int T, int H, int D, float scale);
+    /* --attention online: saved is [B*H, T] log-sum-exps, then the output [B*T, D]
+       (the CPU's layout); backward reads qkv again; scratch: B*H*T floats.
+       Heads of at most DT_ATTENTION_ONLINE_MAX_HEAD_DIM. */
+    void (*attention_forward_online)(const float *qkv, float *out, float *saved, int B, int T, int H, int D, float scale,
+                                     int causal);
+    void (*attention_backward_online)(const float *qkv, const float *saved, const float *dout, float *dqkv, float *scratch,
+                                      int B, int T, int H, int D, float scale, int causal);
     /* tokens: ids as f32. Backward: dwte, dwpe may be NULL; by_token lists the
        rows grouped by token: order[BT] (each group's rows ascending), then
        start[groups + 1] into it, then the token of each group, token[groups] */
@@ -231,19 +241,18 @@ typedef struct dt_backend {
     void (*vit_tokens_backward)(const float *dy, float *dpatches, float *dcls, float *dpos, int B, int P, int D);
     void (*select_token_forward)(const float *x, float *y, int B, int T, int index, int D);
     void (*select_token_backward)(const float *dy, float *dx, int B, int T, int index, int D);
-    /* rows whose label is DT_IGNORE_INDEX add nothing; the sum is divided by `divisor` */
-    void (*cross_entropy_forward)(const float *logits, const int32_t *labels, float *probs, float *loss,
+    /* The fused classifier. Forward: row_stats gets each row's largest value
+       m, then each row's log of l, its sum of exp(x - m); rows whose label is
+       DT_IGNORE_INDEX add nothing; the sum is divided by `divisor`. Backward:
+       dlogits += dt_cross_entropy_grad of each logit, in one pass. */
+    void (*cross_entropy_forward)(const float *logits, const int32_t *labels, float *row_stats, float *loss,
                                   int B, int C, double divisor);
-    void (*cross_entropy_backward)(const float *probs, const int32_t *labels, const float *dloss,
+    void (*cross_entropy_backward)(const float *logits, const float *row_stats, const int32_t *labels, const float *dloss,
                                    float *dlogits, int B, int C, float divisor);
-    /* The cross-entropy of a vocabulary split over ranks, in three passes
-       with the group's collectives between: each row's largest of its C
-       values; p = exp(x - mx[row]) and sum_label = (each row's sum of p, then
-       each row's x[label], 0 where the label is not among these columns);
-       p /= sum[row]. */
-    void (*rows_max)(const float *x, float *mx, int B, int C);
-    void (*rows_exp_sum)(const float *x, const int32_t *labels, const float *mx, float *p, float *sum_label, int B, int C);
-    void (*rows_divide)(float *p, const float *sum_label, int B, int C);
+    /* A vocabulary split over ranks: stats gets each row's m, then its l
+       (over these C columns), then its x[label] (0 where the label is not
+       among them); the group merges the rows' numbers between. */
+    void (*softmax_row_stats)(const float *x, const int32_t *labels, float *stats, int B, int C);
     void (*patchify)(const float *images, float *patches, int B, int C, int H, int W, int p);
     double (*sum_squares)(const float *x, int64_t n);                   /* waits for the result */
     void (*scale)(float *x, float c, int64_t n);
@@ -260,6 +269,8 @@ typedef struct dt_backend {
    needs room for dP, dO and dQ, dK, dV. */
 #define DT_ATTENTION_SAVED_FLOATS(B, T, H, D) ((int64_t)(B) * (H) * (T) * (T) + 4LL * (B) * (T) * (D))   /* P, Q, K, V, O */
 #define DT_ATTENTION_SCRATCH_FLOATS(B, T, H, D) ((int64_t)(B) * (H) * (T) * (T) + 4LL * (B) * (T) * (D)) /* dP, dO, dQ, dK, dV */
+/* The online kernels' widest head: a lane holds 4 of its columns. */
+#define DT_ATTENTION_ONLINE_MAX_HEAD_DIM 128
 
 /* ---- the collective backend: what a transport must provide --------------------
    The collectives chapter owns the queue and the communication thread; a backend moves the

@@ -195,9 +195,9 @@ static const dt__flag dt__flags[] = {
     { "--recompute", "1234567", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
       DT_NOT_A_NUMBER },
-    { "--attention", "1234567", "matmul|online", "attention on the CPU: keep each head's T x T probabilities (matmul, the default),\n"
-      "                          or FlashAttention's online softmax, which keeps T numbers a head and makes them again in\n"
-      "                          backward (online: the same values within rounding; CPU only so far)", DT_ARG_CHOICE,
+    { "--attention", "1234567", "matmul|online", "attention: keep each head's T x T probabilities (matmul, the default), or\n"
+      "                          FlashAttention's online softmax, which keeps T numbers a head and makes them again in\n"
+      "                          backward (online: the same values within rounding; heads of at most 128 on a GPU)", DT_ARG_CHOICE,
       DT_CFG(attention), "matmul|online", DT_NOT_A_NUMBER },
     { "--lora-rank", "1234567", "R", "LoRA: freeze the model, train adapters of rank R beside the --lora-targets layers (saved\n"
       "                          in PEFT's layout; tools/merge-lora folds them in)", DT_ARG_INT, DT_CFG(lora_rank), NULL, DT_MIN(1) },
@@ -552,9 +552,10 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which the pipeline does not carry from stage to "
                        "stage; use --dtype bf16, whose range is f32's");
     if (c.end_idx >= 0 && c.end_idx <= c.start_idx) dt_usage_error("--end-idx must be greater than --start-idx");
-    if (c.attention == DT_ATTENTION_ONLINE && c.device == DT_CUDA)
-        dt_usage_error("--attention online runs on the CPU only so far (the GPU's online attention kernel is not built): "
-                       "leave it out with --device cuda");
+    if (c.attention == DT_ATTENTION_ONLINE && c.device == DT_CUDA && (vit || gpt) && c.heads > 0 &&
+        c.dim / c.heads > DT_ATTENTION_ONLINE_MAX_HEAD_DIM)
+        dt_usage_error("--attention online --device cuda: heads of --dim %d / --heads %d = %d columns; the GPU's online kernel "
+                       "takes at most %d", c.dim, c.heads, c.dim / c.heads, DT_ATTENTION_ONLINE_MAX_HEAD_DIM);
     if (c.resume && c.init && strcmp(c.resume, "auto") && !c.lora_rank)   /* auto: --init when there is no checkpoint yet */
         dt_usage_error("--resume and --init exclude each other (resume restores the weights; with LoRA --init gives the frozen model)");
     if ((vit || gpt) && c.depth < 1)

@@ -457,23 +457,30 @@ __global__ static void dt__k_merge_heads(const float *heads, float *rows, int B,
         rows[i] = accumulate ? rows[i] + v : v;
     }
 }
+/* A row's online softmax by one warp: its largest value m and the sum l of
+   exp(x - m) over r[0..n), in one pass -- each lane its own (m, l) over its
+   columns, then the lanes' pairs merged by the same recurrence. Every lane
+   ends with the row's pair. */
+__device__ static void dt__warp_online_softmax(const float *r, int n, float *m_out, float *l_out) {
+    float m = -INFINITY, l = 0;
+    for (int j = threadIdx.x % 32; j < n; j += 32) {
+        l *= dt_online_softmax_rescale(&m, r[j]);
+        l += dt_exp_value(r[j] - m);
+    }
+    for (int o = 16; o > 0; o /= 2) {
+        float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
+        l *= dt_online_softmax_rescale(&m, m2);
+        l += m2 == -INFINITY ? 0.0f : l2 * dt_exp_value(m2 - m);
+    }
+    *m_out = m;
+    *l_out = l;
+}
 __global__ static void dt__k_softmax_rows(float *P, int64_t rows, int T, int causal) {
     int lane = threadIdx.x % 32;
     DT_FOR_EACH_ROW(row, rows) {
-        float *r = P + row * T;
+        float *r = P + row * T, m, l;
         int valid = causal ? (int)(row % T) + 1 : T;   /* causal: query i sees keys 0..i */
-        /* one pass for the row's largest score m and its sum l of exp(s - m) -- the online softmax, each lane over
-           its scores, then the lanes' (m, l) combined by the same recurrence -- and one pass to write */
-        float m = -INFINITY, l = 0;
-        for (int j = lane; j < valid; j += 32) {
-            l *= dt_online_softmax_rescale(&m, r[j]);
-            l += dt_exp_value(r[j] - m);
-        }
-        for (int o = 16; o > 0; o /= 2) {
-            float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
-            l *= dt_online_softmax_rescale(&m, m2);
-            l += m2 == -INFINITY ? 0.0f : l2 * dt_exp_value(m2 - m);
-        }
+        dt__warp_online_softmax(r, valid, &m, &l);     /* one pass for m and l, one to write */
         for (int j = lane; j < T; j += 32) r[j] = j < valid ? dt_exp_value(r[j] - m) / l : 0.0f;
     }
 }
@@ -512,6 +519,200 @@ static void dt__cuda_attention_backward(const float *saved, const float *dout, f
     dt__cuda_gemm_batched(0, 0, T, hd, T, 1.0f, dP, T, tt, k, hd, th, 0.0f, dq, hd, th, BH);   /* dQ = dS K */
     dt__cuda_gemm_batched(1, 0, T, hd, T, 1.0f, dP, T, tt, q, hd, th, 0.0f, dk, hd, th, BH);   /* dK = dS^T Q */
     DT_LAUNCH(dt__k_merge_heads, dt_blocks_for(3 * btd), DT_THREADS, dq, dqkv, B, T, H, hd, 3, 1);
+}
+
+/* ---- attention without its T x T matrix (--attention online): FlashAttention's
+        algorithm (Dao et al., 2022), the online softmax of
+        dt_online_softmax_rescale, in f32 on the CUDA cores. A block stages a
+        tile of DT__FA_TILE rows of keys and values (in backward, also of
+        queries and output gradients) in shared memory; each of its warps
+        carries DT__FA_ROWS rows of the other side through the tiles, a lane
+        to each staged row for the scores and a lane to each 32nd column for
+        the products. Backward makes the scores twice, once by query rows (dQ)
+        and once by key rows (dK, dV), so that every sum has one owner and a
+        fixed order: the same bits every run, which atomic adds would not give.
+        Saved: each row's log-sum-exp [B*H, T] and the output [B*T, D], as on
+        the CPU. Not tuned (no tensor cores yet): the memory is the lesson. ---- */
+#define DT__FA_TILE 32                        /* one lane per staged row */
+#define DT__FA_WARPS 8
+#define DT__FA_ROWS 4                         /* rows a warp carries */
+#define DT__FA_BLOCK_ROWS (DT__FA_WARPS * DT__FA_ROWS)
+#define DT__FA_COLS (DT_ATTENTION_ONLINE_MAX_HEAD_DIM / 32)   /* columns a lane holds */
+typedef float dt__fa_tile[DT__FA_TILE][DT_ATTENTION_ONLINE_MAX_HEAD_DIM + 1];   /* + 1: lanes read rows in distinct banks */
+
+/* rows j0 .. j0 + DT__FA_TILE - 1 of a head's column block (row stride ld) into a tile, zeros past T */
+__device__ static void dt__fa_stage(const float *src, int64_t ld, int j0, int T, int hd, dt__fa_tile tile) {
+    for (int e = threadIdx.x; e < DT__FA_TILE * hd; e += blockDim.x) {
+        int k = e / hd, d = e % hd;
+        tile[k][d] = j0 + k < T ? src[(int64_t)(j0 + k) * ld + d] : 0.0f;
+    }
+}
+__device__ static float dt__fa_dot(const float *row, const float *staged, int hd) {
+    float s = 0;
+    for (int d = 0; d < hd; d++) s += row[d] * staged[d];
+    return s;
+}
+/* The block's rows and a warp's: row r of warp w is the block's r * warps + w
+   (interleaved, so that a causal block's warps see alike many keys). */
+__device__ static int dt__fa_row(int first, int r) { return first + r * DT__FA_WARPS + (int)threadIdx.x / 32; }
+
+__global__ static void dt__k_attention_online_forward(const float *qkv, float *out, float *lse, float *O, int B, int T,
+                                                     int H, int D, float scale, int causal) {
+    __shared__ dt__fa_tile ks, vs;
+    int hd = D / H, lane = threadIdx.x % 32, tiles = (T + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
+    int bh = blockIdx.x / tiles, b = bh / H, h = bh % H, i0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
+    const float *q = qkv + (int64_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;   /* row t: + t * 3D */
+    float m[DT__FA_ROWS], l[DT__FA_ROWS], acc[DT__FA_ROWS][DT__FA_COLS];
+    for (int r = 0; r < DT__FA_ROWS; r++) {
+        m[r] = -INFINITY; l[r] = 0;
+        for (int c = 0; c < DT__FA_COLS; c++) acc[r][c] = 0;
+    }
+    int keys = causal ? min(T, i0 + DT__FA_BLOCK_ROWS) : T;
+    for (int j0 = 0; j0 < keys; j0 += DT__FA_TILE) {
+        __syncthreads();                                  /* every warp done with the last tile */
+        dt__fa_stage(k, 3 * D, j0, T, hd, ks);
+        dt__fa_stage(v, 3 * D, j0, T, hd, vs);
+        __syncthreads();
+        for (int r = 0; r < DT__FA_ROWS; r++) {
+            int i = dt__fa_row(i0, r), j = j0 + lane, ok = j < T && (!causal || j <= i);
+            if (i >= T || (causal && j0 > i)) continue;     /* the whole warp alike */
+            float s = ok ? scale * dt__fa_dot(q + (int64_t)i * 3 * D, ks[lane], hd) : -INFINITY;
+            float c = dt_online_softmax_rescale(&m[r], dt__warp_max(s));   /* what came before, on the new scale */
+            float p = ok ? dt_exp_value(s - m[r]) : 0.0f;
+            l[r] = l[r] * c + dt__warp_sum(p);
+            for (int t = 0; t < DT__FA_COLS; t++) acc[r][t] *= c;
+            for (int kk = 0; kk < DT__FA_TILE; kk++) {
+                float pk = __shfl_sync(0xffffffffu, p, kk);
+                for (int t = 0; t < DT__FA_COLS; t++)
+                    if (lane + 32 * t < hd) acc[r][t] += pk * vs[kk][lane + 32 * t];
+            }
+        }
+    }
+    for (int r = 0; r < DT__FA_ROWS; r++) {
+        int i = dt__fa_row(i0, r);
+        if (i >= T) continue;
+        int64_t at = ((int64_t)b * T + i) * D + h * hd;
+        for (int t = 0; t < DT__FA_COLS; t++)
+            if (lane + 32 * t < hd) out[at + lane + 32 * t] = O[at + lane + 32 * t] = acc[r][t] / l[r];
+        if (lane == 0) lse[(int64_t)bh * T + i] = m[r] + logf(l[r]);
+    }
+}
+/* Each row's dO . O, the softmax backward's subtrahend: [B*H, T], a warp a row. */
+__global__ static void dt__k_attention_online_row_dots(const float *dout, const float *O, float *dots, int B, int T, int H,
+                                                      int D) {
+    int hd = D / H;
+    DT_FOR_EACH_ROW(row, (int64_t)B * H * T) {
+        int64_t bh = row / T, at = ((bh / H) * T + row % T) * D + (bh % H) * hd;
+        float s = 0;
+        for (int d = threadIdx.x % 32; d < hd; d += 32) s += dout[at + d] * O[at + d];
+        s = dt__warp_sum(s);
+        if (threadIdx.x % 32 == 0) dots[row] = s;
+    }
+}
+/* dQ: a warp's query rows against tiles of keys and values. dS = p (dP - dO.O) scale. */
+__global__ static void dt__k_attention_online_dq(const float *qkv, const float *lse, const float *dots, const float *dout,
+                                                float *dqkv, int B, int T, int H, int D, float scale, int causal) {
+    __shared__ dt__fa_tile ks, vs;
+    int hd = D / H, lane = threadIdx.x % 32, tiles = (T + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
+    int bh = blockIdx.x / tiles, b = bh / H, h = bh % H, i0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
+    const float *q = qkv + (int64_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+    const float *dO = dout + (int64_t)b * T * D + h * hd;                               /* row t: + t * D */
+    float dq[DT__FA_ROWS][DT__FA_COLS] = { { 0 } };
+    int keys = causal ? min(T, i0 + DT__FA_BLOCK_ROWS) : T;
+    for (int j0 = 0; j0 < keys; j0 += DT__FA_TILE) {
+        __syncthreads();
+        dt__fa_stage(k, 3 * D, j0, T, hd, ks);
+        dt__fa_stage(v, 3 * D, j0, T, hd, vs);
+        __syncthreads();
+        for (int r = 0; r < DT__FA_ROWS; r++) {
+            int i = dt__fa_row(i0, r), j = j0 + lane, ok = j < T && (!causal || j <= i);
+            if (i >= T || (causal && j0 > i)) continue;
+            float p = ok ? dt_exp_value(scale * dt__fa_dot(q + (int64_t)i * 3 * D, ks[lane], hd) - lse[(int64_t)bh * T + i]) : 0.0f;
+            float dp = ok ? dt__fa_dot(dO + (int64_t)i * D, vs[lane], hd) : 0.0f;
+            float ds = p * (dp - dots[(int64_t)bh * T + i]) * scale;
+            for (int kk = 0; kk < DT__FA_TILE; kk++) {
+                float dsk = __shfl_sync(0xffffffffu, ds, kk);
+                for (int t = 0; t < DT__FA_COLS; t++)
+                    if (lane + 32 * t < hd) dq[r][t] += dsk * ks[kk][lane + 32 * t];
+            }
+        }
+    }
+    for (int r = 0; r < DT__FA_ROWS; r++) {
+        int i = dt__fa_row(i0, r);
+        if (i >= T) continue;
+        float *to = dqkv + ((int64_t)b * T + i) * 3 * D + h * hd;
+        for (int t = 0; t < DT__FA_COLS; t++)
+            if (lane + 32 * t < hd) to[lane + 32 * t] += dq[r][t];
+    }
+}
+/* dK and dV: a warp's key rows against tiles of queries and output gradients
+   (with their rows' log-sum-exps and dO . O). */
+__global__ static void dt__k_attention_online_dkv(const float *qkv, const float *lse, const float *dots, const float *dout,
+                                                 float *dqkv, int B, int T, int H, int D, float scale, int causal) {
+    __shared__ dt__fa_tile qs, dos;
+    __shared__ float lse_s[DT__FA_TILE], dots_s[DT__FA_TILE];
+    int hd = D / H, lane = threadIdx.x % 32, tiles = (T + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
+    int bh = blockIdx.x / tiles, b = bh / H, h = bh % H, j0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
+    const float *q = qkv + (int64_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
+    const float *dO = dout + (int64_t)b * T * D + h * hd;
+    float dk[DT__FA_ROWS][DT__FA_COLS] = { { 0 } }, dv[DT__FA_ROWS][DT__FA_COLS] = { { 0 } };
+    for (int i0 = causal ? j0 / DT__FA_TILE * DT__FA_TILE : 0; i0 < T; i0 += DT__FA_TILE) {   /* causal: queries from the keys on */
+        __syncthreads();
+        dt__fa_stage(q, 3 * D, i0, T, hd, qs);
+        dt__fa_stage(dO, D, i0, T, hd, dos);
+        if ((int)threadIdx.x < DT__FA_TILE) {
+            int i = i0 + threadIdx.x;
+            lse_s[threadIdx.x] = i < T ? lse[(int64_t)bh * T + i] : 0.0f;
+            dots_s[threadIdx.x] = i < T ? dots[(int64_t)bh * T + i] : 0.0f;
+        }
+        __syncthreads();
+        for (int r = 0; r < DT__FA_ROWS; r++) {
+            int j = dt__fa_row(j0, r), i = i0 + lane, ok = i < T && (!causal || i >= j);
+            if (j >= T || (causal && i0 + DT__FA_TILE - 1 < j)) continue;
+            float p = ok ? dt_exp_value(scale * dt__fa_dot(qs[lane], k + (int64_t)j * 3 * D, hd) - lse_s[lane]) : 0.0f;
+            float dp = ok ? dt__fa_dot(dos[lane], v + (int64_t)j * 3 * D, hd) : 0.0f;
+            float ds = p * (dp - dots_s[lane]) * scale;
+            for (int kk = 0; kk < DT__FA_TILE; kk++) {
+                float pk = __shfl_sync(0xffffffffu, p, kk), dsk = __shfl_sync(0xffffffffu, ds, kk);
+                for (int t = 0; t < DT__FA_COLS; t++)
+                    if (lane + 32 * t < hd) {
+                        dv[r][t] += pk * dos[kk][lane + 32 * t];
+                        dk[r][t] += dsk * qs[kk][lane + 32 * t];
+                    }
+            }
+        }
+    }
+    for (int r = 0; r < DT__FA_ROWS; r++) {
+        int j = dt__fa_row(j0, r);
+        if (j >= T) continue;
+        float *to = dqkv + ((int64_t)b * T + j) * 3 * D + h * hd;
+        for (int t = 0; t < DT__FA_COLS; t++)
+            if (lane + 32 * t < hd) {
+                to[D + lane + 32 * t] += dk[r][t];
+                to[2 * D + lane + 32 * t] += dv[r][t];
+            }
+    }
+}
+static unsigned dt__fa_blocks(int B, int T, int H) {
+    int64_t n = (int64_t)B * H * ((T + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS);
+    if (n > 2147483647) dt_fail("--attention online: %lld blocks of attention exceed the GPU's grid", (long long)n);
+    return (unsigned)n;
+}
+static void dt__cuda_attention_forward_online(const float *qkv, float *out, float *saved, int B, int T, int H, int D,
+                                             float scale, int causal) {
+    float *lse = saved, *O = saved + (int64_t)B * H * T;
+    DT_LAUNCH(dt__k_attention_online_forward, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, qkv, out, lse, O, B, T, H, D, scale,
+              causal);
+}
+static void dt__cuda_attention_backward_online(const float *qkv, const float *saved, const float *dout, float *dqkv,
+                                              float *scratch, int B, int T, int H, int D, float scale, int causal) {
+    const float *lse = saved, *O = saved + (int64_t)B * H * T;
+    DT_LAUNCH(dt__k_attention_online_row_dots, dt__blocks_for_warps((int64_t)B * H * T), DT_THREADS, dout, O, scratch, B, T,
+              H, D);
+    DT_LAUNCH(dt__k_attention_online_dq, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, qkv, lse, scratch, dout, dqkv, B, T, H,
+              D, scale, causal);
+    DT_LAUNCH(dt__k_attention_online_dkv, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, qkv, lse, scratch, dout, dqkv, B, T,
+              H, D, scale, causal);
 }
 
 /* ---- the ViT's token assembly, the class-token pick, patchify ---- */
@@ -610,23 +811,28 @@ static void dt__cuda_patchify(const float *img, float *out, int B, int C, int H,
               W, p);
 }
 
-/* ---- cross-entropy: one warp per row, as many blocks as the rows need;
-        each row's loss goes to a buffer, and one block then adds the rows in
-        a fixed order (thread t takes rows t, t + 256, ..., then a fixed tree),
-        so the mean is the same every run. ---- */
-__global__ static void dt__k_cross_entropy_rows(const float *logits, const int32_t *labels, float *probs, double *row_loss,
-                                               int B, int C) {
+/* ---- the fused classifier: one warp per row, as many blocks as the rows
+        need, each row's m and l by the online softmax (one pass over the
+        logits, dt__warp_online_softmax); each row's loss goes to a buffer,
+        and one block then adds the rows in a fixed order (thread t takes
+        rows t, t + 256, ..., then a fixed tree), so the mean is the same
+        every run. Backward makes each probability again as it writes. ---- */
+__global__ static void dt__k_cross_entropy_rows(const float *logits, const int32_t *labels, float *row_stats,
+                                               double *row_loss, int B, int C) {
     int lane = threadIdx.x % 32;
     DT_FOR_EACH_ROW(i, B) {
-        if (labels[i] == DT_IGNORE_INDEX) { if (lane == 0) row_loss[i] = 0; continue; }
+        if (labels[i] == DT_IGNORE_INDEX) {
+            if (lane == 0) row_loss[i] = row_stats[i] = row_stats[B + i] = 0;
+            continue;
+        }
         const float *r = logits + i * C;
-        float *pr = probs + i * C, mx = -INFINITY, sum = 0;
-        for (int j = lane; j < C; j += 32) mx = fmaxf(mx, r[j]);
-        mx = dt__warp_max(mx);
-        for (int j = lane; j < C; j += 32) { pr[j] = expf(r[j] - mx); sum += pr[j]; }
-        sum = dt__warp_sum(sum);
-        for (int j = lane; j < C; j += 32) pr[j] /= sum;
-        if (lane == 0) row_loss[i] = -((double)r[labels[i]] - mx - log((double)sum));
+        float m, l;
+        dt__warp_online_softmax(r, C, &m, &l);
+        if (lane == 0) {
+            row_stats[i] = m;
+            row_stats[B + i] = logf(l);
+            row_loss[i] = -((double)r[labels[i]] - m - log((double)l));
+        }
     }
 }
 __global__ static void dt__k_mean_of_rows(const double *row_loss, int B, double divisor, float *loss) {
@@ -641,63 +847,44 @@ __global__ static void dt__k_mean_of_rows(const double *row_loss, int B, double 
     }
     if (threadIdx.x == 0) loss[0] = (float)(sh[0] / divisor);
 }
-static void dt__cuda_cross_entropy_forward(const float *logits, const int32_t *labels, float *probs, float *loss, int B,
-                                          int C, double divisor) {
+static void dt__cuda_cross_entropy_forward(const float *logits, const int32_t *labels, float *row_stats, float *loss,
+                                          int B, int C, double divisor) {
     double *row_loss = (double *)dt__cuda_grow(&dt__cuda.row_loss, &dt__cuda.row_loss_bytes, sizeof(double) * (size_t)B);
-    DT_LAUNCH(dt__k_cross_entropy_rows, dt__blocks_for_warps(B), DT_THREADS, logits, labels, probs, row_loss, B, C);
+    DT_LAUNCH(dt__k_cross_entropy_rows, dt__blocks_for_warps(B), DT_THREADS, logits, labels, row_stats, row_loss, B, C);
     DT_LAUNCH(dt__k_mean_of_rows, 1, DT_THREADS, row_loss, B, divisor, loss);
 }
-__global__ static void dt__k_cross_entropy_backward(const float *p, const int32_t *labels, const float *dloss,
-                                                   float *dl, int B, int C, float divisor) {
+__global__ static void dt__k_cross_entropy_backward(const float *x, const float *row_stats, const int32_t *labels,
+                                                   const float *dloss, float *dl, int B, int C, float divisor) {
     float scale = dloss[0] / divisor;
     DT_FOR_EACH(i, (int64_t)B * C) {
         int64_t row = i / C;
         int j = (int)(i % C);
-        if (labels[row] != DT_IGNORE_INDEX) dl[i] += (p[i] - (j == labels[row] ? 1.0f : 0.0f)) * scale;
+        if (labels[row] != DT_IGNORE_INDEX)
+            dl[i] += dt_cross_entropy_grad(x[i], row_stats[row], row_stats[B + row], j == labels[row] ? 1.0f : 0.0f, scale);
     }
 }
-static void dt__cuda_cross_entropy_backward(const float *p, const int32_t *labels, const float *dloss, float *dl, int B,
-                                           int C, float divisor) {
-    DT_LAUNCH(dt__k_cross_entropy_backward, dt_blocks_for((int64_t)B * C), DT_THREADS, p, labels, dloss, dl, B, C,
-              divisor);
+static void dt__cuda_cross_entropy_backward(const float *logits, const float *row_stats, const int32_t *labels,
+                                           const float *dloss, float *dlogits, int B, int C, float divisor) {
+    DT_LAUNCH(dt__k_cross_entropy_backward, dt_blocks_for((int64_t)B * C), DT_THREADS, logits, row_stats, labels, dloss,
+              dlogits, B, C, divisor);
 }
 
-/* The cross-entropy of a split vocabulary: one warp per row, as above. */
-__global__ static void dt__k_rows_max(const float *x, float *mx, int B, int C) {
-    int lane = threadIdx.x % 32;
+/* The cross-entropy of a split vocabulary: each row's m, l and x[label] over
+   this rank's columns, one warp per row, as above. */
+__global__ static void dt__k_softmax_row_stats(const float *x, const int32_t *labels, float *stats, int B, int C) {
     DT_FOR_EACH_ROW(i, B) {
-        float m = -INFINITY;
-        for (int j = lane; j < C; j += 32) m = fmaxf(m, x[(int64_t)i * C + j]);
-        m = dt__warp_max(m);
-        if (lane == 0) mx[i] = m;
-    }
-}
-__global__ static void dt__k_rows_exp_sum(const float *x, const int32_t *labels, const float *mx, float *p, float *sum_label,
-                                         int B, int C) {
-    int lane = threadIdx.x % 32;
-    DT_FOR_EACH_ROW(i, B) {
-        const float *r = x + (int64_t)i * C;
-        float *pr = p + (int64_t)i * C, sum = 0;
-        for (int j = lane; j < C; j += 32) { pr[j] = expf(r[j] - mx[i]); sum += pr[j]; }
-        sum = dt__warp_sum(sum);
-        if (lane == 0) {
-            sum_label[i] = sum;
-            sum_label[B + i] = labels[i] >= 0 && labels[i] < C ? r[labels[i]] : 0.0f;
+        const float *r = x + i * C;
+        float m, l;
+        dt__warp_online_softmax(r, C, &m, &l);
+        if (threadIdx.x % 32 == 0) {
+            stats[i] = m;
+            stats[B + i] = l;
+            stats[2 * B + i] = labels[i] >= 0 && labels[i] < C ? r[labels[i]] : 0.0f;
         }
     }
 }
-__global__ static void dt__k_rows_divide(float *p, const float *sum_label, int B, int C) {
-    DT_FOR_EACH(i, (int64_t)B * C) p[i] /= sum_label[i / C];
-}
-static void dt__cuda_rows_max(const float *x, float *mx, int B, int C) {
-    DT_LAUNCH(dt__k_rows_max, dt__blocks_for_warps(B), DT_THREADS, x, mx, B, C);
-}
-static void dt__cuda_rows_exp_sum(const float *x, const int32_t *labels, const float *mx, float *p, float *sum_label, int B,
-                                  int C) {
-    DT_LAUNCH(dt__k_rows_exp_sum, dt__blocks_for_warps(B), DT_THREADS, x, labels, mx, p, sum_label, B, C);
-}
-static void dt__cuda_rows_divide(float *p, const float *sum_label, int B, int C) {
-    DT_LAUNCH(dt__k_rows_divide, dt_blocks_for((int64_t)B * C), DT_THREADS, p, sum_label, B, C);
+static void dt__cuda_softmax_row_stats(const float *x, const int32_t *labels, float *stats, int B, int C) {
+    DT_LAUNCH(dt__k_softmax_row_stats, dt__blocks_for_warps(B), DT_THREADS, x, labels, stats, B, C);
 }
 
 /* ---- the optimizer: a fixed-shape reduction for the gradient norm, then the
@@ -797,12 +984,14 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     t->rotary_qkv_forward = dt__cuda_rotary_qkv_forward; t->rotary_qkv_backward = dt__cuda_rotary_qkv_backward;
     t->add = dt__cuda_add; t->accumulate = dt__cuda_accumulate;
     t->attention_forward = dt__cuda_attention_forward; t->attention_backward = dt__cuda_attention_backward;
+    t->attention_forward_online = dt__cuda_attention_forward_online;
+    t->attention_backward_online = dt__cuda_attention_backward_online;
     t->vit_tokens_forward = dt__cuda_vit_tokens_forward; t->vit_tokens_backward = dt__cuda_vit_tokens_backward;
     t->token_embedding_forward = dt__cuda_token_embedding_forward;
     t->token_embedding_backward = dt__cuda_token_embedding_backward;
     t->select_token_forward = dt__cuda_select_token_forward; t->select_token_backward = dt__cuda_select_token_backward;
     t->cross_entropy_forward = dt__cuda_cross_entropy_forward; t->cross_entropy_backward = dt__cuda_cross_entropy_backward;
-    t->rows_max = dt__cuda_rows_max; t->rows_exp_sum = dt__cuda_rows_exp_sum; t->rows_divide = dt__cuda_rows_divide;
+    t->softmax_row_stats = dt__cuda_softmax_row_stats;
     t->patchify = dt__cuda_patchify; t->sum_squares = dt__cuda_sum_squares; t->scale = dt__cuda_scale;
     t->adamw = dt__cuda_adamw; t->sgd = dt__cuda_sgd; t->convert = dt__cuda_convert; t->owns = dt__cuda_owns;
     return t;
