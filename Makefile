@@ -26,8 +26,9 @@
 #                     (the target: at most 40 between neighbours); after each diff, the
 #                     functions and types of dtrain.h its added lines use, with the
 #                     chapter lines (src/) that declare and define them (tools/read_next.awk)
-#   make gpu-check    on a machine with an NVIDIA GPU: every GPU path checked and
-#                     measured in one go, a report in GPU_CHECK_OUT (default
+#   make gpu-check    on a machine with an NVIDIA GPU: tier 1, what a GPU window must
+#                     learn first, in at most 6 minutes on one H100 (GPU_CHECK_TIER=2:
+#                     the rest, about 20), a report in GPU_CHECK_OUT (default
 #                     gpu-check/); without a GPU it says so and exits 0
 #   make print-nccl   which NCCL the build found (or why none)
 #
@@ -234,8 +235,10 @@ print-nccl:
 	   echo "NCCL_LIBS=$(NCCL_LIBS)"; \
 	   echo "NCCL_VERSION=$$(awk '/^#define NCCL_(MAJOR|MINOR|PATCH) /{v=v (v?".":"") $$3} END{print v}' $(NCCL_DIR)/include/nccl.h)"; fi
 
-gpu-check: all $(TEST_PROGRAMS)
-	GPU_CHECK_OUT="$(or $(GPU_CHECK_OUT),gpu-check)" tools/gpu_check.sh
+# Each tier builds what it runs (tier 1 only that, with every core).
+gpu-check:
+	GPU_CHECK_OUT="$(or $(GPU_CHECK_OUT),gpu-check)" GPU_CHECK_TIER="$(or $(GPU_CHECK_TIER),1)" tools/gpu_check.sh
+test-programs: $(TEST_PROGRAMS)
 
 run: 01-single-gpu/train
 	./01-single-gpu/train
@@ -389,4 +392,4 @@ diff:
 clean:
 	rm -rf $(STAGE_BINS) $(TOOLS) $(TEST_BIN) build
 
-.PHONY: FORCE all run test test-all test-list test-asan test-msan msan-toolchain fuzz fuzz-toolchain test-builds bench diff clean print-nccl gpu-check
+.PHONY: FORCE all run test test-all test-list test-asan test-msan msan-toolchain fuzz fuzz-toolchain test-builds bench diff clean print-nccl gpu-check test-programs
