@@ -832,7 +832,7 @@ typedef int64_t dt_comm_handle;                 /* what an asynchronous call ret
 /* Every call a communicator queues, the same for every backend (the cuda chapter's
    NCCL code switches on it too). */
 typedef enum { DT_COLL_ALL_REDUCE, DT_COLL_REDUCE_SCATTER, DT_COLL_ALL_GATHER, DT_COLL_BROADCAST, DT_COLL_REDUCE,
-               DT_COLL_BARRIER, DT_COLL_SEND, DT_COLL_RECV } dt_coll;
+               DT_COLL_BARRIER, DT_COLL_SEND, DT_COLL_RECV, DT_COLL_RING_SHIFT } dt_coll;
 
 /* Threads of one process (stage 02 on the CPU): one group, then one join per thread. */
 dt_comm_group *dt_comm_group_create(int world, double timeout_s);
@@ -880,6 +880,12 @@ dt_comm_handle dt_send_async(dt_comm *c, const void *buf, int64_t count, dt_dtyp
 dt_comm_handle dt_recv_async(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer);
 void dt_send(dt_comm *c, const void *buf, int64_t count, dt_dtype dtype, int peer);
 void dt_recv(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer);
+/* A ring shift, collective: every rank sends `send` to the next rank, (rank + 1)
+   % size, and receives the previous rank's into `recv`, all at the same time --
+   one step of a ring (context parallelism passes keys and values around one).
+   Every rank gives the same count and dtype; send and recv must not overlap. */
+dt_comm_handle dt_ring_shift_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype);
+void dt_ring_shift(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype);
 
 /* Groups: collective over comm; the ranks that pass the same color (>= 0) form a
    new communicator, ranked by (key, rank in comm). It has its own queue and, on
@@ -1384,6 +1390,7 @@ typedef struct dt_comm_op {
     dt_dtype dtype;
     dt_reduce_op op;
     int root;                                                  /* the root; for send and recv the peer */
+    int from;                                                  /* a ring shift's: root, the next rank; from, the one before */
 } dt_comm_op;
 typedef struct dt_comm_backend {
     const char *name;
@@ -6199,7 +6206,7 @@ static size_t dt__shm_header_bytes(int world) {
 static size_t dt__shm_bytes(int world) { return dt__shm_header_bytes(world) + (size_t)(world + 1) * DT_SLOT_BYTES; }
 
 static const char *dt__coll_names[] = { "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier",
-                                       "send", "recv" };
+                                       "send", "recv", "ring_shift" };
 
 struct dt_comm_group { dt__shm_header *hdr; int world; double timeout_s; int members; /* joined, not yet freed */ };
 
@@ -6226,7 +6233,7 @@ struct dt_comm {
     dt_nccl *nccl;                          /* NCCL's state (the cuda chapter) */
 #ifdef DT_HAVE_MPI
     MPI_Comm mpi;                           /* MPI's: the communicator, the call in flight, a buffer it needs */
-    MPI_Request mpi_request;
+    MPI_Request mpi_request, mpi_request_recv;   /* the second: a ring shift's receive */
     float *mpi_temp, *mpi_result;
 #endif
     void *private_hdr;                      /* a header of our own (MPI: no memory is shared), freed with it */
@@ -6434,6 +6441,15 @@ static void dt__shm_run(dt_comm *c, const dt_comm_op *o) {
     case DT_COLL_BARRIER: dt__shm_barrier(c, what); break;
     case DT_COLL_SEND: dt__shm_send(c, o); break;
     case DT_COLL_RECV: dt__shm_recv(c, o); break;
+    case DT_COLL_RING_SHIFT:              /* each rank's piece into its slot; the previous rank's slot out */
+        for (int64_t off = 0; off < o->count; off += per_slot) {
+            int64_t n = o->count - off < per_slot ? o->count - off : per_slot;
+            memcpy(mine, send + off * es, (size_t)n * es);
+            dt__shm_barrier(c, what);
+            memcpy(recv + off * es, c->slots + (size_t)o->from * DT_SLOT_BYTES, (size_t)n * es);
+            dt__shm_barrier(c, what);
+        }
+        break;
     case DT_COLL_ALL_REDUCE:
     case DT_COLL_REDUCE:
         for (int64_t off = 0; off < o->count; off += per_slot) {
@@ -6654,6 +6670,10 @@ static void dt__mpi_start(dt_comm *c, int64_t h, const dt_comm_op *o) {
        memory's does; the tag carries the dtype, for the check in finish. */
     case DT_COLL_SEND: err = MPI_Issend(o->send, n, type, o->root, (int)o->dtype, c->mpi, &c->mpi_request); break;
     case DT_COLL_RECV: err = MPI_Irecv(recv, n, type, o->root, MPI_ANY_TAG, c->mpi, &c->mpi_request); break;
+    case DT_COLL_RING_SHIFT:              /* both at once (MPI_Isendrecv is MPI 4's), told apart by their tag */
+        err = MPI_Irecv(recv, n, type, o->from, DT_COLL_RING_SHIFT, c->mpi, &c->mpi_request_recv);
+        if (err == MPI_SUCCESS) err = MPI_Isend(o->send, n, type, o->root, DT_COLL_RING_SHIFT, c->mpi, &c->mpi_request);
+        break;
     }
     dt__mpi_check(err, what);
     DT_TEST_DIE_IN(c, o);
@@ -6666,6 +6686,7 @@ static void dt__mpi_finish(dt_comm *c, int64_t h) {
     double t0 = dt_now_ms();
     for (long spins = 0;; spins++) {
         int done = 0, err = MPI_Test(&c->mpi_request, &done, &status), type = 0;
+        if (err == MPI_SUCCESS && done && o->kind == DT_COLL_RING_SHIFT) err = MPI_Test(&c->mpi_request_recv, &done, &status);
         MPI_Error_class(err, &type);
         if (o->kind == DT_COLL_RECV && type == MPI_ERR_TRUNCATE)
             dt_fail("rank %d sent more than the %lld elements of %s rank %d receives: a send and its recv must agree on count and "
@@ -6778,31 +6799,39 @@ void dt_comm_wait(dt_comm *c, dt_comm_handle h) {
 }
 
 dt_comm_handle dt_all_reduce_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
-    dt_comm_op o = { DT_COLL_ALL_REDUCE, send, recv, count, dtype, op, 0 };
+    dt_comm_op o = { DT_COLL_ALL_REDUCE, send, recv, count, dtype, op, 0, 0 };
     return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_reduce_scatter_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
-    dt_comm_op o = { DT_COLL_REDUCE_SCATTER, send, recv, count, dtype, op, 0 };
+    dt_comm_op o = { DT_COLL_REDUCE_SCATTER, send, recv, count, dtype, op, 0, 0 };
     return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_all_gather_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype) {
-    dt_comm_op o = { DT_COLL_ALL_GATHER, send, recv, count, dtype, DT_SUM, 0 };
+    dt_comm_op o = { DT_COLL_ALL_GATHER, send, recv, count, dtype, DT_SUM, 0, 0 };
     return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_broadcast_async(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int root) {
-    dt_comm_op o = { DT_COLL_BROADCAST, buf, buf, count, dtype, DT_SUM, root };
+    dt_comm_op o = { DT_COLL_BROADCAST, buf, buf, count, dtype, DT_SUM, root, 0 };
     return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_reduce_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op, int root) {
-    dt_comm_op o = { DT_COLL_REDUCE, send, recv, count, dtype, op, root };
+    dt_comm_op o = { DT_COLL_REDUCE, send, recv, count, dtype, op, root, 0 };
     return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_send_async(dt_comm *c, const void *buf, int64_t count, dt_dtype dtype, int peer) {
-    dt_comm_op o = { DT_COLL_SEND, buf, NULL, count, dtype, DT_SUM, peer };
+    dt_comm_op o = { DT_COLL_SEND, buf, NULL, count, dtype, DT_SUM, peer, 0 };
     return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_recv_async(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer) {
-    dt_comm_op o = { DT_COLL_RECV, NULL, buf, count, dtype, DT_SUM, peer };
+    dt_comm_op o = { DT_COLL_RECV, NULL, buf, count, dtype, DT_SUM, peer, 0 };
+    return dt__comm_submit(c, o);
+}
+dt_comm_handle dt_ring_shift_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype) {
+    size_t bytes = count > 0 ? (size_t)count * dt_dtype_size(dtype) : 0;
+    if (bytes && (const char *)send < (const char *)recv + bytes && (const char *)recv < (const char *)send + bytes)
+        dt_fail("ring_shift: send and recv overlap; the sent buffer must stay whole while the received one arrives");
+    dt_comm_op o = { DT_COLL_RING_SHIFT, send, recv, count, dtype, DT_SUM, (c->rank + 1) % c->world,
+                     (c->rank + c->world - 1) % c->world };
     return dt__comm_submit(c, o);
 }
 void dt_all_reduce(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
@@ -6826,11 +6855,14 @@ void dt_send(dt_comm *c, const void *buf, int64_t count, dt_dtype dtype, int pee
 void dt_recv(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer) {
     dt_comm_wait(c, dt_recv_async(c, buf, count, dtype, peer));
 }
+void dt_ring_shift(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype) {
+    dt_comm_wait(c, dt_ring_shift_async(c, send, recv, count, dtype));
+}
 /* A barrier holds the host, on a GPU too (whose dt_comm_wait would only hold
    the GPU): what follows it -- reading a file another rank wrote -- happens on
    the host. Its finishing means every rank has reached it. */
 void dt_barrier(dt_comm *c) {
-    dt_comm_op o = { DT_COLL_BARRIER, NULL, NULL, 0, DT_F32, DT_SUM, 0 };
+    dt_comm_op o = { DT_COLL_BARRIER, NULL, NULL, 0, DT_F32, DT_SUM, 0, 0 };
     dt_comm_handle h = dt__comm_submit(c, o);
     pthread_mutex_lock(&c->mu);
     dt__host_wait(c, h);
@@ -16475,6 +16507,12 @@ extern "C" void dt_nccl_issue(dt_nccl *s, int slot, const dt_comm_op *o) {
     case DT_COLL_BARRIER: DT_NCCL_CHECK(ncclAllReduce(s->one, s->one, 1, ncclFloat32, ncclSum, comm, st)); break;
     case DT_COLL_SEND: DT_NCCL_CHECK(ncclSend(send, n, t, o->root, comm, st)); break;
     case DT_COLL_RECV: DT_NCCL_CHECK(ncclRecv(recv, n, t, o->root, comm, st)); break;
+    case DT_COLL_RING_SHIFT:                 /* grouped: every rank's send and receive at once */
+        DT_NCCL_CHECK(ncclGroupStart());
+        DT_NCCL_CHECK(ncclSend(send, n, t, o->root, comm, st));
+        DT_NCCL_CHECK(ncclRecv(recv, n, t, o->from, comm, st));
+        DT_NCCL_CHECK(ncclGroupEnd());
+        break;
     }
 }
 extern "C" void dt_nccl_mark_done(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaEventRecord(s->done[slot], s->stream)); }

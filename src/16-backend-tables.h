@@ -291,6 +291,7 @@ typedef struct dt_comm_op {
     dt_dtype dtype;
     dt_reduce_op op;
     int root;                                                  /* the root; for send and recv the peer */
+    int from;                                                  /* a ring shift's: root, the next rank; from, the one before */
 } dt_comm_op;
 typedef struct dt_comm_backend {
     const char *name;

@@ -1090,6 +1090,12 @@ extern "C" void dt_nccl_issue(dt_nccl *s, int slot, const dt_comm_op *o) {
     case DT_COLL_BARRIER: DT_NCCL_CHECK(ncclAllReduce(s->one, s->one, 1, ncclFloat32, ncclSum, comm, st)); break;
     case DT_COLL_SEND: DT_NCCL_CHECK(ncclSend(send, n, t, o->root, comm, st)); break;
     case DT_COLL_RECV: DT_NCCL_CHECK(ncclRecv(recv, n, t, o->root, comm, st)); break;
+    case DT_COLL_RING_SHIFT:                 /* grouped: every rank's send and receive at once */
+        DT_NCCL_CHECK(ncclGroupStart());
+        DT_NCCL_CHECK(ncclSend(send, n, t, o->root, comm, st));
+        DT_NCCL_CHECK(ncclRecv(recv, n, t, o->from, comm, st));
+        DT_NCCL_CHECK(ncclGroupEnd());
+        break;
     }
 }
 extern "C" void dt_nccl_mark_done(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaEventRecord(s->done[slot], s->stream)); }

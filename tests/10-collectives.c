@@ -70,6 +70,10 @@ static int selftest_comm_misuse(int which) {
         dt_comm_free(dt_mesh_comm(m, "tp"));
     }
     if (which == 7) dt_comm_group_free(group);             /* while c, its member, is open */
+    if (which == 8) {                     /* a ring shift whose buffers overlap */
+        float two[3] = { 0 };
+        dt_ring_shift(c, two, two + 1, 2, DT_F32);
+    }
     if (which == 5) {
         dt_comm_group *g = dt_comm_group_create(2, 10);
         pthread_t th[2];
@@ -89,6 +93,7 @@ TEST(mesh_split_and_message_mistakes_are_clear_errors, QUICK) {
         "rank 0 sends 3 elements of fp32, but rank 1 receives 4 of fp32: a send and its recv must agree",
         "dt_comm_free: this communicator belongs to a mesh (dt_mesh_comm); dt_mesh_free frees it",
         "dt_comm_group_free: 1 rank(s) that joined it are still open; call dt_comm_free on each first",
+        "ring_shift: send and recv overlap; the sent buffer must stay whole while the received one arrives",
     };
     char out[4096];
     for (int i = 0; i < (int)(sizeof want / sizeof want[0]); i++) {

@@ -7,7 +7,7 @@
    their environment variables) or threads of this process (--threads N).
      --comm    the transport of a job of processes (default auto: shared memory on
                one machine; MPI, under mpirun or srun --mpi=pmix, across machines)
-     --check   every collective and send/recv (a ring), f32/bf16/f16, lengths 0, 1,
+     --check   every collective, send/recv (a ring) and the ring shift, f32/bf16/f16, lengths 0, 1,
                7 and 1,000,003: each rank's result must equal a serial reference
                bit for bit -- except sums over MPI with more than two ranks, which
                MPI adds in an order of its own: within a rounding per addition
@@ -134,6 +134,12 @@ static int check(dt_comm *c, const int *ids, const char *label) {
                 if (memcmp(recv, want, bytes)) { bad++; printf("rank %d: send/recv %s n=%lld differs\n", me, dtype_names[t], (long long)n); }
                 cases++;
             }
+            fill(send, n, dt, ids[me], salt);               /* a ring shift: the previous rank's, all at once */
+            memset(recv, 0x55, bytes);
+            dt_ring_shift(c, send, recv, n, dt);
+            fill(want, n, dt, ids[(me + W - 1) % W], salt);
+            if (memcmp(recv, want, bytes)) { bad++; printf("rank %d: ring_shift %s n=%lld differs\n", me, dtype_names[t], (long long)n); }
+            cases++;
             dt_barrier(c);
             cases += 3;
             free(send); free(recv); free(want);
