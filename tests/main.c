@@ -115,5 +115,10 @@ int main(int argc, char **argv) {
     if (argc > 2 && !strcmp(argv[1], "--write-fuzz-seeds")) return write_fuzz_seeds(argv[2]);
     if (argc > 2 && !strcmp(argv[1], "--selftest-comm-misuse")) return selftest_comm_misuse(atoi(argv[2]));
     if (argc > 2 && !strcmp(argv[1], "--selftest-stack-misuse")) return selftest_stack_misuse(atoi(argv[2]));
+    if (argc > 1 && !strcmp(argv[1], "--selftest-cp-layout")) {    /* a sequence that does not cut into 2C chunks */
+        int32_t pos[8];
+        dt_cp_positions(DT_CP_ZIGZAG, 30, 4, 0, pos);
+        return 0;
+    }
     return t_main(argc, argv, setup);
 }

@@ -1,4 +1,4 @@
-/* tests/19-checkpoints.c -- tests of dtrain.h's chapter 19-checkpoints:
+/* tests/20-checkpoints.c -- tests of dtrain.h's chapter 20-checkpoints:
    safetensors, exact resume, sharded checkpoints, refused when broken.
    (tests/helpers.h: how the suite's files make one program.) */
 #include "helpers.h"

@@ -1,4 +1,4 @@
-/* tests/26-cuda.c -- tests of dtrain.h's chapter 26-cuda: the GPU against
+/* tests/27-cuda.c -- tests of dtrain.h's chapter 27-cuda: the GPU against
    the CPU (skipped where no GPU is visible). (tests/helpers.h: how the
    suite's files make one program.) */
 #include "helpers.h"

@@ -1,4 +1,4 @@
-/* tests/23-cost-model.c -- tests of dtrain.h's chapter 23-cost-model:
+/* tests/24-cost-model.c -- tests of dtrain.h's chapter 24-cost-model:
    hand-computed cases. (tests/helpers.h: how the suite's files make one
    program.) */
 #include "helpers.h"

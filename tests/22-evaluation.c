@@ -1,4 +1,4 @@
-/* tests/21-evaluation.c -- tests of dtrain.h's chapter 21-evaluation:
+/* tests/22-evaluation.c -- tests of dtrain.h's chapter 22-evaluation:
    evaluation and generation. (tests/helpers.h: how the suite's files make
    one program.) */
 #include "helpers.h"

@@ -1,4 +1,4 @@
-/* tests/25-run-driver.c -- tests of dtrain.h's chapter 25-run-driver: a full
+/* tests/26-run-driver.c -- tests of dtrain.h's chapter 26-run-driver: a full
    disk, preemption, the final loss. (tests/helpers.h: how the suite's files
    make one program.) */
 #include "helpers.h"

@@ -1,4 +1,4 @@
-/* tests/24-command-line.c -- tests of dtrain.h's chapter 24-command-line:
+/* tests/25-command-line.c -- tests of dtrain.h's chapter 25-command-line:
    each mistake a one-line error naming the flag. (tests/helpers.h: how the
    suite's files make one program.) */
 #include "helpers.h"
