@@ -546,6 +546,15 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal);
    softmax and its classifier run it too). (--attention) */
 typedef enum { DT_ATTENTION_MATMUL = 0, DT_ATTENTION_ONLINE = 1 } dt_attention_body;
 void dt_set_attention_body(dt_attention_body body);
+/* Context parallelism (stage 08): this thread holds T tokens of each
+   sequence, at `positions` (ascending) of the whole, and attention's keys go
+   around `ring` (dt_ring_attention, the context-parallel chapter). The ops
+   that depend on where a token sits read it: learned position embeddings
+   (dt_token_embedding: wpe's rows at the positions), rotary angles
+   (dt_rotary_qkv) and dt_attention. Set by the context-parallel wrapper
+   for this thread; NULL (the default): every sequence is whole here. */
+typedef struct dt_sequence_split { struct dt_comm *ring; const int32_t *positions; int T; } dt_sequence_split;
+void dt_set_sequence_split(const dt_sequence_split *split);
 /* One row of the online softmax: m, the largest score seen so far. A block
    of new scores whose largest is block_max moves m up to it; what the row
    summed before (exp(s - m_old) each) is to be multiplied by the factor
@@ -1111,6 +1120,11 @@ void dt_pp_free(dt_pp *pp);
    the rows of whole-sequence attention, within rounding. Backward sends the
    keys and values around again, each block's gradients travelling with it
    until they reach the rank that owns it.
+
+   The ops that depend on where a token sits -- learned position embeddings,
+   rotary angles, attention -- read a thread's sequence split
+   (dt_set_sequence_split, the attention chapter): its tokens' positions and
+   the ring. So a model runs unchanged on a rank's share of each sequence.
 
    A causal model's late tokens attend to more keys than its early ones, so
    cutting a sequence into C contiguous pieces gives the last rank about
@@ -4053,6 +4067,13 @@ void dt_set_attention_body(dt_attention_body body) {
     if (body != DT_ATTENTION_MATMUL && body != DT_ATTENTION_ONLINE) dt_fail("dt_set_attention_body: body %d is not one dtrain knows", (int)body);
     dt__attention_body = body;
 }
+static DT_THREAD_LOCAL dt_sequence_split dt__seq_split;        /* ring NULL: whole sequences */
+void dt_set_sequence_split(const dt_sequence_split *split) {
+    dt_sequence_split none = { NULL, NULL, 0 };
+    if (split && (!split->ring || !split->positions || split->T < 1))
+        dt_fail("dt_set_sequence_split: a split needs its ring, its positions and its tokens a sequence (T %d)", split->T);
+    dt__seq_split = split ? *split : none;
+}
 
 /* The straightforward body: per (sequence, head), two matmuls forward and four
    backward, each through dt_gemm. The fast body below gives the same bits;
@@ -4335,6 +4356,10 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
     if (dt_tensor_cols(qkv) != 3 * D || D % H != 0 || dt_tensor_rows(qkv) != (int64_t)B * T)
         dt_fail("attention: qkv is [%lld, %lld], expected [%d, 3*D] with D divisible by %d heads",
                 (long long)dt_tensor_rows(qkv), (long long)dt_tensor_cols(qkv), B * T, H);
+    if (dt__seq_split.ring) {                      /* this rank's tokens: the keys go around the ring */
+        if (T != dt__seq_split.T) dt_fail("attention of %d tokens a sequence, where this rank holds %d of each", T, dt__seq_split.T);
+        return dt_ring_attention(qkv, B, T, H, causal, dt__seq_split.positions, dt__seq_split.ring);
+    }
     int hd = D / H;
     float scale = 1.0f / sqrtf((float)hd);
     const dt_backend *gpu = dt__backend_for(qkv);
@@ -4382,7 +4407,8 @@ static int dt__rope_same(dt_rope a, dt_rope b) {
            a.original_context == b.original_context;
 }
 static float *dt__rope_table(int T, int hd, dt_rope rope, dt_device device) {
-    if (dt__ctx.rope.cs && dt__ctx.rope.made_at == dt__ctx.arena_rewinds && dt__ctx.rope.T == T && dt__ctx.rope.hd == hd &&
+    const int32_t *at = dt__seq_split.positions;       /* a rank's share of the sequence: its tokens' angles, not kept */
+    if (!at && dt__ctx.rope.cs && dt__ctx.rope.made_at == dt__ctx.arena_rewinds && dt__ctx.rope.T == T && dt__ctx.rope.hd == hd &&
         dt__rope_same(dt__ctx.rope.rope, rope) && dt__ctx.rope.device == device)
         return dt__ctx.rope.cs;
     int half = hd / 2;
@@ -4402,7 +4428,7 @@ static float *dt__rope_table(int T, int hd, dt_rope rope, dt_device device) {
     }
     for (int t = 0; t < T; t++)
         for (int j = 0; j < half; j++) {
-            float angle = (float)t * inv[j];
+            float angle = (float)(at ? at[t] : t) * inv[j];
             host[(size_t)t * hd + 2 * j] = (float)cos((double)angle);
             host[(size_t)t * hd + 2 * j + 1] = (float)sin((double)angle);
         }
@@ -4411,6 +4437,7 @@ static float *dt__rope_table(int T, int hd, dt_rope rope, dt_device device) {
         cs = (float *)dt__step_alloc_on(device, bytes);
         dt__upload_to(device, cs, host, bytes);
     }
+    if (at) return cs;
     dt__ctx.rope.made_at = dt__ctx.arena_rewinds; dt__ctx.rope.T = T; dt__ctx.rope.hd = hd; dt__ctx.rope.rope = rope;
     dt__ctx.rope.device = device; dt__ctx.rope.cs = cs;
     return cs;
@@ -4613,6 +4640,13 @@ static dt_tensor *dt__token_embedding_rows(const dt_tensor *tokens, dt_tensor *w
     return y;
 }
 dt_tensor *dt_token_embedding(const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe) {
+    if (wpe && dt__seq_split.positions) {          /* a rank's share of each sequence: wpe's rows at its positions */
+        int B = tokens->shape[0], T = (int)dt_tensor_cols(tokens), shape[2] = { B, T };
+        float *at = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)B * T);
+        for (int r = 0; r < B * T; r++) at[r] = (float)dt__seq_split.positions[r % T];
+        return dt_add(dt__token_embedding_rows(tokens, wte, NULL, 0, (int)dt_tensor_rows(wte)),
+                      dt__token_embedding_rows(dt_tensor_from_host(2, shape, at), wpe, NULL, 0, (int)dt_tensor_rows(wpe)));
+    }
     return dt__token_embedding_rows(tokens, wte, wpe, 0, (int)dt_tensor_rows(wte));
 }
 
@@ -4779,6 +4813,7 @@ static dt_tensor *dt__cross_entropy_done(dt_tensor *logits, float *saved, double
     }
     return loss;
 }
+/* The tensor-parallel chapter's: logits whose vocabulary is split over its group. */
 static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labels);
 dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
     if (dt__logits_split(logits) > 1) return dt__cross_entropy_split(logits, labels);
@@ -4810,69 +4845,6 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
         loss->data[0] = (float)(total / divisor);
     }
     return dt__cross_entropy_done(logits, m, divisor, loss);
-}
-
-/* -- the cross-entropy of logits whose columns, the vocabulary, are split
-      over a tensor-parallel group (stage 06's GPT and Llama), so that the
-      whole rows never exist on one rank. Each rank takes each row's m and l
-      over its columns, and the label's logit where it holds that column; the
-      group takes the largest m (an all-reduce), each rank moves its l onto
-      that scale by the online softmax's step (as FlashAttention merges two
-      blocks of keys), and the group sums the l's and the label's logits.
-      Every rank then has each row's loss, log l + m - x[label], and the
-      two numbers the backward above needs, the labels this rank does not
-      hold out of its columns' range. -- */
-static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labels) {
-    dt_parallel *par = logits->parallel;
-    int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits), first = par->tp_rank * C;
-    double divisor = dt__loss_divisor(labels, B, C * par->tp_size);
-    const dt_backend *gpu = dt__backend_for(logits);
-    dt_device dev = logits->device;
-    dt__scratch_reset();
-    float *saved = dt__cross_entropy_saved(B);
-    int32_t *mine = (int32_t *)(saved + 2 * (size_t)B);
-    int32_t *host = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)B);
-    for (int i = 0; i < B; i++)            /* this rank's columns: the label's, or -1 (another rank's) */
-        host[i] = labels[i] == DT_IGNORE_INDEX ? DT_IGNORE_INDEX
-                : labels[i] >= first && labels[i] < first + C ? labels[i] - first : -1;
-    float *stats = (float *)dt__scratch_on(dev, sizeof(float) * 3 * (size_t)B);   /* m | l | x[label] */
-    const float *lv = dt__in(logits);
-    if (gpu) {
-        gpu->upload(mine, host, sizeof(int32_t) * (size_t)B);
-        gpu->softmax_row_stats(lv, mine, stats, B, C);
-    } else {
-        memcpy(mine, host, sizeof(int32_t) * (size_t)B);
-        DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
-        for (int i = 0; i < B; i++) {
-            const float *r = lv + (size_t)i * C;
-            stats[B + i] = (float)dt__row_softmax(r, C, &stats[i]);
-            stats[2 * B + i] = mine[i] >= 0 ? r[mine[i]] : 0.0f;
-        }
-    }
-    float *h = (float *)dt__step_alloc_uninit(sizeof(float) * 4 * (size_t)B), *top = h + 3 * (size_t)B;
-    dt__download_from(dev, h, stats, sizeof(float) * 3 * (size_t)B);
-    par->tp_max(par, stats, B);
-    dt__download_from(dev, top, stats, sizeof(float) * (size_t)B);
-    for (int i = 0; i < B; i++) {
-        float m = h[i];
-        h[B + i] *= dt_online_softmax_rescale(&m, top[i]);       /* this rank's l, on the group's scale */
-    }
-    dt__upload_to(dev, stats + B, h + B, sizeof(float) * 2 * (size_t)B);
-    par->tp_sum(par, stats + B, 2 * (int64_t)B);
-    dt__download_from(dev, h + B, stats + B, sizeof(float) * 2 * (size_t)B);
-    /* each row's loss, added in row order on the host, as the whole-row op does */
-    double total = 0;
-    for (int i = 0; i < B; i++) {
-        if (labels[i] != DT_IGNORE_INDEX) total += log((double)h[B + i]) + top[i] - h[2 * B + i];
-        h[i] = top[i];
-        h[B + i] = (float)log((double)h[B + i]);
-    }
-    dt__upload_to(dev, saved, h, sizeof(float) * 2 * (size_t)B);
-    int s1[1] = { 1 };
-    dt_tensor *loss = dt__tensor_alloc(1, s1, DT_F32);
-    float value = (float)(total / divisor);
-    dt__upload_to(dev, loss->data, &value, sizeof value);
-    return dt__cross_entropy_done(logits, saved, divisor, loss);
 }
 
 /* Rows first .. first + rows - 1 of the logits on the host, each the whole
@@ -8381,6 +8353,69 @@ void dt_tp_free(dt_tp *tp) {
     free(tp->whole.params);
     free(tp->whole.offsets);
     free(tp);
+}
+
+/* -- the cross-entropy of logits whose columns, the vocabulary, are split
+      over a tensor-parallel group (stage 06's GPT and Llama), so that the
+      whole rows never exist on one rank. Each rank takes each row's m and l
+      over its columns, and the label's logit where it holds that column; the
+      group takes the largest m (an all-reduce), each rank moves its l onto
+      that scale by the online softmax's step (as FlashAttention merges two
+      blocks of keys), and the group sums the l's and the label's logits.
+      Every rank then has each row's loss, log l + m - x[label], and the
+      two numbers the backward above needs, the labels this rank does not
+      hold out of its columns' range. -- */
+static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labels) {
+    dt_parallel *par = logits->parallel;
+    int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits), first = par->tp_rank * C;
+    double divisor = dt__loss_divisor(labels, B, C * par->tp_size);
+    const dt_backend *gpu = dt__backend_for(logits);
+    dt_device dev = logits->device;
+    dt__scratch_reset();
+    float *saved = dt__cross_entropy_saved(B);
+    int32_t *mine = (int32_t *)(saved + 2 * (size_t)B);
+    int32_t *host = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)B);
+    for (int i = 0; i < B; i++)            /* this rank's columns: the label's, or -1 (another rank's) */
+        host[i] = labels[i] == DT_IGNORE_INDEX ? DT_IGNORE_INDEX
+                : labels[i] >= first && labels[i] < first + C ? labels[i] - first : -1;
+    float *stats = (float *)dt__scratch_on(dev, sizeof(float) * 3 * (size_t)B);   /* m | l | x[label] */
+    const float *lv = dt__in(logits);
+    if (gpu) {
+        gpu->upload(mine, host, sizeof(int32_t) * (size_t)B);
+        gpu->softmax_row_stats(lv, mine, stats, B, C);
+    } else {
+        memcpy(mine, host, sizeof(int32_t) * (size_t)B);
+        DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
+        for (int i = 0; i < B; i++) {
+            const float *r = lv + (size_t)i * C;
+            stats[B + i] = (float)dt__row_softmax(r, C, &stats[i]);
+            stats[2 * B + i] = mine[i] >= 0 ? r[mine[i]] : 0.0f;
+        }
+    }
+    float *h = (float *)dt__step_alloc_uninit(sizeof(float) * 4 * (size_t)B), *top = h + 3 * (size_t)B;
+    dt__download_from(dev, h, stats, sizeof(float) * 3 * (size_t)B);
+    par->tp_max(par, stats, B);
+    dt__download_from(dev, top, stats, sizeof(float) * (size_t)B);
+    for (int i = 0; i < B; i++) {
+        float m = h[i];
+        h[B + i] *= dt_online_softmax_rescale(&m, top[i]);       /* this rank's l, on the group's scale */
+    }
+    dt__upload_to(dev, stats + B, h + B, sizeof(float) * 2 * (size_t)B);
+    par->tp_sum(par, stats + B, 2 * (int64_t)B);
+    dt__download_from(dev, h + B, stats + B, sizeof(float) * 2 * (size_t)B);
+    /* each row's loss, added in row order on the host, as the whole-row op does */
+    double total = 0;
+    for (int i = 0; i < B; i++) {
+        if (labels[i] != DT_IGNORE_INDEX) total += log((double)h[B + i]) + top[i] - h[2 * B + i];
+        h[i] = top[i];
+        h[B + i] = (float)log((double)h[B + i]);
+    }
+    dt__upload_to(dev, saved, h, sizeof(float) * 2 * (size_t)B);
+    int s1[1] = { 1 };
+    dt_tensor *loss = dt__tensor_alloc(1, s1, DT_F32);
+    float value = (float)(total / divisor);
+    dt__upload_to(dev, loss->data, &value, sizeof value);
+    return dt__cross_entropy_done(logits, saved, divisor, loss);
 }
 
 /* [src/15-pipeline-parallel.h] */

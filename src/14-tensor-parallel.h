@@ -310,6 +310,69 @@ void dt_tp_free(dt_tp *tp) {
     free(tp);
 }
 
+/* -- the cross-entropy of logits whose columns, the vocabulary, are split
+      over a tensor-parallel group (stage 06's GPT and Llama), so that the
+      whole rows never exist on one rank. Each rank takes each row's m and l
+      over its columns, and the label's logit where it holds that column; the
+      group takes the largest m (an all-reduce), each rank moves its l onto
+      that scale by the online softmax's step (as FlashAttention merges two
+      blocks of keys), and the group sums the l's and the label's logits.
+      Every rank then has each row's loss, log l + m - x[label], and the
+      two numbers the backward above needs, the labels this rank does not
+      hold out of its columns' range. -- */
+static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labels) {
+    dt_parallel *par = logits->parallel;
+    int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits), first = par->tp_rank * C;
+    double divisor = dt__loss_divisor(labels, B, C * par->tp_size);
+    const dt_backend *gpu = dt__backend_for(logits);
+    dt_device dev = logits->device;
+    dt__scratch_reset();
+    float *saved = dt__cross_entropy_saved(B);
+    int32_t *mine = (int32_t *)(saved + 2 * (size_t)B);
+    int32_t *host = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)B);
+    for (int i = 0; i < B; i++)            /* this rank's columns: the label's, or -1 (another rank's) */
+        host[i] = labels[i] == DT_IGNORE_INDEX ? DT_IGNORE_INDEX
+                : labels[i] >= first && labels[i] < first + C ? labels[i] - first : -1;
+    float *stats = (float *)dt__scratch_on(dev, sizeof(float) * 3 * (size_t)B);   /* m | l | x[label] */
+    const float *lv = dt__in(logits);
+    if (gpu) {
+        gpu->upload(mine, host, sizeof(int32_t) * (size_t)B);
+        gpu->softmax_row_stats(lv, mine, stats, B, C);
+    } else {
+        memcpy(mine, host, sizeof(int32_t) * (size_t)B);
+        DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
+        for (int i = 0; i < B; i++) {
+            const float *r = lv + (size_t)i * C;
+            stats[B + i] = (float)dt__row_softmax(r, C, &stats[i]);
+            stats[2 * B + i] = mine[i] >= 0 ? r[mine[i]] : 0.0f;
+        }
+    }
+    float *h = (float *)dt__step_alloc_uninit(sizeof(float) * 4 * (size_t)B), *top = h + 3 * (size_t)B;
+    dt__download_from(dev, h, stats, sizeof(float) * 3 * (size_t)B);
+    par->tp_max(par, stats, B);
+    dt__download_from(dev, top, stats, sizeof(float) * (size_t)B);
+    for (int i = 0; i < B; i++) {
+        float m = h[i];
+        h[B + i] *= dt_online_softmax_rescale(&m, top[i]);       /* this rank's l, on the group's scale */
+    }
+    dt__upload_to(dev, stats + B, h + B, sizeof(float) * 2 * (size_t)B);
+    par->tp_sum(par, stats + B, 2 * (int64_t)B);
+    dt__download_from(dev, h + B, stats + B, sizeof(float) * 2 * (size_t)B);
+    /* each row's loss, added in row order on the host, as the whole-row op does */
+    double total = 0;
+    for (int i = 0; i < B; i++) {
+        if (labels[i] != DT_IGNORE_INDEX) total += log((double)h[B + i]) + top[i] - h[2 * B + i];
+        h[i] = top[i];
+        h[B + i] = (float)log((double)h[B + i]);
+    }
+    dt__upload_to(dev, saved, h, sizeof(float) * 2 * (size_t)B);
+    int s1[1] = { 1 };
+    dt_tensor *loss = dt__tensor_alloc(1, s1, DT_F32);
+    float value = (float)(total / divisor);
+    dt__upload_to(dev, loss->data, &value, sizeof value);
+    return dt__cross_entropy_done(logits, saved, divisor, loss);
+}
+
 //@ for the machinery
 /* ---- what the machinery asks of tensor parallelism (the run driver's dt_parallel_report) ----
    A checkpoint holds the model whole: each split parameter's pieces gathered

@@ -13,6 +13,11 @@
    keys and values around again, each block's gradients travelling with it
    until they reach the rank that owns it.
 
+   The ops that depend on where a token sits -- learned position embeddings,
+   rotary angles, attention -- read a thread's sequence split
+   (dt_set_sequence_split, the attention chapter): its tokens' positions and
+   the ring. So a model runs unchanged on a rank's share of each sequence.
+
    A causal model's late tokens attend to more keys than its early ones, so
    cutting a sequence into C contiguous pieces gives the last rank about
    2C - 1 times the first's work. The zig-zag layout cuts it into 2C chunks and

@@ -130,3 +130,95 @@ TEST(zig_zag_gives_every_rank_the_same_attention_work_and_contiguous_does_not, Q
     CHECKF(st == 1 && strstr(outs, "a sequence of 30 tokens does not cut into 8 equal chunks (4 ranks, zig-zag layout)"),
            "T = 30 over 4 ranks, zig-zag: exit %d\n%s", st, outs);
 }
+
+/* The GPT and Llama (grouped-query attention, rotary angles) run on a rank's
+   tokens of each sequence with the sequence split set (dt_set_sequence_split):
+   over 2 and 4 ranks, zig-zag and contiguous, each rank's logits are the whole
+   model's rows for its tokens, and the mean of the ranks' gradients (each of
+   the mean loss over its own tokens) is the whole model's gradient, within
+   1e-5 of the largest. */
+typedef struct {
+    dt_comm_group *group;
+    int rank, C, B, T;
+    dt_cp_layout layout;
+    const dt_model_config *mc;
+    const float *tokens;
+    const int32_t *labels;
+    float *logits, *grad;                 /* the whole batch's rows; rank 0: the ranks' mean gradient */
+} cp_model_rank;
+static void *cp_model_rank_main(void *arg) {
+    cp_model_rank *a = (cp_model_rank *)arg;
+    dt_comm *c = dt_comm_join(a->group, a->rank);
+    dt_model *m = dt_model_create(a->mc, 5);
+    int T = a->T / a->C, V = a->mc->classes, pos[64], shape[2] = { a->B, T };
+    dt_cp_positions(a->layout, a->T, a->C, a->rank, pos);
+    dt_sequence_split split = { c, pos, T };
+    dt_set_sequence_split(&split);
+    float tokens[256];
+    int32_t labels[256];
+    for (int b = 0; b < a->B; b++)
+        for (int i = 0; i < T; i++) {
+            tokens[b * T + i] = a->tokens[b * a->T + pos[i]];
+            labels[b * T + i] = a->labels[b * a->T + pos[i]];
+        }
+    dt_step_arena_reset();
+    dt_tensor *logits = dt_model_forward(m, dt_tensor_from_host(2, shape, tokens));
+    dt_backward(dt_cross_entropy(logits, labels));
+    for (int b = 0; b < a->B; b++)
+        for (int i = 0; i < T; i++)
+            memcpy(a->logits + ((size_t)b * a->T + pos[i]) * V, logits->data + ((size_t)b * T + i) * V, sizeof(float) * V);
+    dt_all_reduce(c, m->flat_grad, m->flat_grad, m->numel, DT_F32, DT_AVG);
+    if (a->rank == 0) memcpy(a->grad, m->flat_grad, sizeof(float) * (size_t)m->numel);
+    dt_set_sequence_split(NULL);
+    dt_step_arena_reset();
+    dt_model_free(m);
+    dt_comm_free(c);
+    dt__context_release();
+    return NULL;
+}
+TEST(a_gpt_and_a_llama_on_each_ranks_tokens_equal_the_whole_model, QUICK) {
+    enum { B = 2, T = 32, V = 11 };
+    dt_model_config models[2] = {
+        { DT_MODEL_GPT, 0, 0, V, 16, 2, 2, 0, 48, T, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" },
+        { DT_MODEL_LLAMA, 0, 0, V, 16, 2, 4, 0, 24, T, 2, 0, 0, 10000.0f, 1e-5f, 0, 0, 0, 0, 0, 0, "" },
+    };
+    dt__rng r = { 18 };
+    float tokens[B * T], want_logits[B * T * V], logits[B * T * V];
+    int32_t labels[B * T];
+    for (int i = 0; i < B * T; i++) { tokens[i] = (float)(dt__rng_u64(&r) % V); labels[i] = (int32_t)(dt__rng_u64(&r) % V); }
+    for (int k = 0; k < 2; k++) {
+        dt_model *whole = dt_model_create(&models[k], 5);
+        int shape[2] = { B, T };
+        dt_step_arena_reset();
+        dt_tensor *lg = dt_model_forward(whole, dt_tensor_from_host(2, shape, tokens));
+        dt_backward(dt_cross_entropy(lg, labels));
+        memcpy(want_logits, lg->data, sizeof want_logits);
+        int64_t n = whole->numel;
+        float *want_grad = (float *)malloc(sizeof(float) * (size_t)n), *grad = (float *)malloc(sizeof(float) * (size_t)n);
+        memcpy(want_grad, whole->flat_grad, sizeof(float) * (size_t)n);
+        double top_l = 0, top_g = 0;
+        for (int i = 0; i < B * T * V; i++) top_l = fmax(top_l, fabs(want_logits[i]));
+        for (int64_t i = 0; i < n; i++) top_g = fmax(top_g, fabs(want_grad[i]));
+        for (int C = 2; C <= 4; C += 2)
+            for (int layout = 0; layout < 2; layout++) {
+                dt_comm_group *g = dt_comm_group_create(C, 30);
+                cp_model_rank a[4];
+                pthread_t th[4];
+                for (int q = 0; q < C; q++) {
+                    a[q] = (cp_model_rank){ g, q, C, B, T, (dt_cp_layout)layout, &models[k], tokens, labels, logits, grad };
+                    pthread_create(&th[q], NULL, cp_model_rank_main, &a[q]);
+                }
+                for (int q = 0; q < C; q++) pthread_join(th[q], NULL);
+                dt_comm_group_free(g);
+                double dl = 0, dg = 0;
+                for (int i = 0; i < B * T * V; i++) dl = fmax(dl, fabs(logits[i] - want_logits[i]));
+                for (int64_t i = 0; i < n; i++) dg = fmax(dg, fabs(grad[i] - want_grad[i]));
+                CHECKF(dl <= 1e-5 * top_l && dg <= 1e-5 * top_g, "%s over %d ranks, %s: logits %.3g and gradients %.3g from the "
+                       "whole model's (largest %.3g, %.3g)", k ? "llama" : "gpt", C, layout ? "contiguous" : "zig-zag", dl, dg,
+                       top_l, top_g);
+            }
+        free(want_grad); free(grad);
+        dt_step_arena_reset();
+        dt_model_free(whole);
+    }
+}
