@@ -459,6 +459,12 @@ struct dt_parallel {
     /* The share of the data this rank reads, data_rank of data_ranks (what
        dt_evaluate splits by): 0 ranks means the job's rank and size. */
     int data_rank, data_ranks;
+    /* The ranks whose gradients of the same parameters a data-parallel engine
+       around must average: 0, the data_ranks groups (each holds other
+       pieces: tensor and pipeline parallelism); context parallelism, every
+       rank of the job (each holds the whole model and a part of every
+       gradient, its tokens'; only the groups read other batches). */
+    int grad_ranks;
     /* Kept by the ops: 1 between dt_sp_split and dt_sp_gather, where each rank
        holds its share of the rows (and backward, walking back, sets it again). */
     int rows_split;
@@ -1146,6 +1152,29 @@ dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, co
 /* Query-key score products the ring attention made on this thread so far,
    forward and backward: a rank's attention work, counted, not timed. */
 int64_t dt_ring_attention_scores(void);
+
+/* The wrapper (stage 08): a job of N ranks is N/C data-parallel groups of C
+   ranks ("dp" x "cp", cp varying fastest); the ranks of a group read the same
+   batch and each keeps its tokens of every sequence (dt_cp_split_batch).
+   cp 0: the whole job is one group. A language model (gpt, llama) whose
+   context cuts into the layout's chunks; on the CPU. It cuts no weight: every
+   rank holds the whole model and, after backward, a part of every gradient
+   (its tokens'), so a data-parallel engine must wrap it over every rank of the
+   job (dt_cp_data_group) -- the mean of the ranks' gradients is the
+   gradient of the mean loss over all the tokens of all the groups' batches.
+   Evaluation splits its sequences around the ring too. */
+typedef struct dt_cp dt_cp;
+dt_cp *dt_cp_create(dt_model *model, dt_comm *comm, int cp, dt_cp_layout layout);
+/* Keep this rank's tokens of the batch's sequences: inputs [B, T] become
+   [B, T/C], the labels likewise (in the step arena). */
+void dt_cp_split_batch(dt_cp *cp, dt_batch *batch);
+/* Every rank of the job: what the data-parallel engine around averages over. */
+dt_comm *dt_cp_data_group(const dt_cp *cp);
+/* This rank's group among the data-parallel groups, and how many there are:
+   the loader's rank and world (every rank of a group reads the same batch). */
+int dt_cp_data_rank(const dt_cp *cp);
+int dt_cp_data_ranks(const dt_cp *cp);
+void dt_cp_free(dt_cp *cp);
 
 /* [src/17-backend-tables.h] */
 /* ---- per-element arithmetic (declared above; defined here because every file
@@ -1872,6 +1901,8 @@ typedef struct dt_config {
     int pp;                      /* --pp: ranks per pipeline, each a stage of consecutive blocks (0: every rank) */
     int micro_batches;           /* --micro-batches: the pipeline's micro-batches per step (default 1; times --accum-steps) */
     int schedule;                /* --schedule: a dt_pp_schedule (default 1f1b) */
+    int cp;                      /* --cp: ranks per context-parallel group (0: every rank of the job) */
+    int cp_layout;               /* --cp-layout: a dt_cp_layout (default zig-zag) */
     int recompute;               /* --recompute: each block's activations made again in backward */
     int attention;               /* --attention: DT_ATTENTION_MATMUL or _ONLINE (the CPU's attention body) */
     int lora_rank;               /* --lora-rank: LoRA adapters of this rank on a frozen model (0: none) */
@@ -7260,12 +7291,14 @@ static void dt__record_event(const char *name, double t0, double t1) { dt__recor
 static void dt__data_parallel_can_wrap(const dt_parallel *outer, dt_comm *comm, int shards) {
     const dt_parallel *in = outer->inner;
     if (!in) return;
-    if (!in->whole)             /* DDP around DDP, FSDP around DDP, ...: a model has one data-parallel wrapper */
+    if (!in->whole && !in->grad_ranks)   /* DDP around DDP, FSDP around DDP, ...: a model has one data-parallel wrapper */
         dt_fail("%s: this model is already wrapped (%s); one data-parallel wrapper per model, or call %s first",
                 outer->create_fn, in->create_fn, in->free_fn);
-    if (in->data_ranks > 0 && dt_comm_size(comm) != in->data_ranks)
-        dt_fail("%s: its communicator has %d ranks, but %d groups hold the same pieces: give it the ranks that hold this "
-                "rank's pieces (dt_tp_data_group, dt_pp_data_group)", outer->create_fn, dt_comm_size(comm), in->data_ranks);
+    int want = in->grad_ranks > 0 ? in->grad_ranks : in->data_ranks;
+    if (want > 0 && dt_comm_size(comm) != want)
+        dt_fail("%s: its communicator has %d ranks, but %d ranks hold parts of the same gradients: give it the ranks that "
+                "hold this rank's pieces (dt_tp_data_group, dt_pp_data_group, dt_cp_data_group)", outer->create_fn,
+                dt_comm_size(comm), want);
     for (const dt_parallel *q = in; q && shards; q = q->inner)
         if (q->sp_all_gather)
             dt_usage_error("--sequence-parallel with --shard: the norms' gradients are summed over the tensor group after "
@@ -8998,9 +9031,10 @@ static int dt__ring_visible(const float *kpos, int T, float p, int causal) {
     }
     return causal ? lo : T;
 }
-static float dt__ring_dot(const float *a, const float *b, int n) {
-    float s = 0;
-    for (int c = 0; c < n; c++) s += a[c] * b[c];
+static float dt__ring_dot(const float *a, const float *b, int n) {     /* in DT_LANES partial sums: it vectorises */
+    float lanes[DT_LANES] = { 0 }, s = 0;
+    DT__LANE_SUM(lanes, n, c, a[c] * b[c]);
+    for (int l = 0; l < DT_LANES; l++) s += lanes[l];
     return s;
 }
 /* This rank's queries against the block it holds: each row's (m, l) and
@@ -9145,6 +9179,130 @@ dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, co
     dt__ctx.flops += 4.0 * B * H * T * (double)T * C * (D / H);         /* as dt_attention counts the whole square */
     if (dt__wants_grad(qkv, NULL, NULL)) dt__tape_push(dt__ring_attention_backward, out, qkv, NULL, NULL)->saved = r;
     return out;
+}
+
+/* -- the wrapper -- */
+struct dt_cp {
+    dt_parallel par;            /* first: the model's dt_parallel * is this dt_cp */
+    dt_model *model;
+    dt_comm *comm;
+    dt_mesh *mesh;
+    dt_comm *ring;              /* the group's ranks ("cp"), around which attention goes */
+    int size, rank, T;          /* C, this rank's place, the tokens of a sequence it keeps */
+    dt_cp_layout layout;
+    int32_t *positions;         /* of those tokens, in the whole sequence */
+};
+/* This rank's tokens of each sequence of `inputs` [B, T] (in the step arena). */
+static dt_tensor *dt__cp_tokens(const dt_cp *cp, const dt_tensor *inputs) {
+    int B = inputs->shape[0], T = (int)dt_tensor_cols(inputs), t = cp->T, shape[2] = { B, t };
+    float *all = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)B * T);
+    float *mine = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)B * t);
+    dt_tensor_to_host(inputs, all);
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < t; i++) mine[b * t + i] = all[b * T + cp->positions[i]];
+    return dt_tensor_from_host(2, shape, mine);
+}
+/* Training: a rank's tokens (dt_cp_split_batch's), attention around the
+   ring. Evaluation (no gradients, whole sequences): each rank its tokens
+   around the ring too, then the group's logits all-gathered into the whole
+   sequences' rows, so that every rank scores every token, in 1/C of the
+   activations. Generation's shorter windows run whole on every rank. */
+static dt_tensor *dt__cp_forward(dt_parallel *par, dt_tensor *inputs) {
+    dt_cp *cp = (dt_cp *)par;
+    int n = dt_model_blocks(cp->model), B = inputs->shape[0], T = (int)dt_tensor_cols(inputs), C = cp->size, t = cp->T;
+    if (dt__ctx.grad_enabled) {
+        if (T != t)
+            dt_fail("dt_model_forward under context parallelism: sequences of %d tokens, where this rank keeps %d of each "
+                    "(give it dt_cp_split_batch's inputs)", T, t);
+        return dt_model_forward_blocks(cp->model, inputs, NULL, 0, n);
+    }
+    if (T != t * C) {
+        dt_set_sequence_split(NULL);
+        dt_tensor *y = dt_model_forward_blocks(cp->model, inputs, NULL, 0, n);
+        dt_sequence_split split = { cp->ring, cp->positions, t };
+        dt_set_sequence_split(&split);
+        return y;
+    }
+    dt_tensor *mine = dt_model_forward_blocks(cp->model, dt__cp_tokens(cp, inputs), NULL, 0, n);
+    int64_t V = dt_tensor_cols(mine), each = (int64_t)B * t * V;
+    float *all = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)(each * C));
+    int32_t *at = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)t);
+    dt_all_gather(cp->ring, mine->data, all, each, DT_F32);
+    dt_tensor *y = dt_tensor_2d(B * T, (int)V);
+    for (int q = 0; q < C; q++) {
+        dt_cp_positions(cp->layout, T, C, q, at);
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < t; i++)
+                memcpy(y->data + ((size_t)b * T + at[i]) * V, all + q * each + ((size_t)b * t + i) * V, sizeof(float) * (size_t)V);
+    }
+    return y;
+}
+dt_cp *dt_cp_create(dt_model *model, dt_comm *comm, int cp, dt_cp_layout layout) {
+    int world = dt_comm_size(comm), T = model->cfg.seq_len;
+    char v[64];
+    snprintf(v, sizeof v, "%d %d", cp, (int)layout);
+    dt_comm_check_agree(comm, "--cp --cp-layout", v);
+    if (cp <= 0) cp = world;
+    if (world % cp)
+        dt_usage_error("--cp %d does not divide the job's %d ranks (the ranks form groups of --cp, data parallel across them)",
+                       cp, world);
+    if (!dt_model_is_language(model->cfg.kind))
+        dt_usage_error("--model %s: context parallelism splits sequences of tokens; it takes --model gpt or llama",
+                       dt__model_kind_name(model->cfg.kind));
+    if (model->device != DT_CPU) dt_usage_error("--cp runs on the CPU only so far (the ring attention has no GPU kernel yet)");
+    int chunks = layout == DT_CP_ZIGZAG ? 2 * cp : cp;
+    if (T % chunks)
+        dt_usage_error("--cp %d --cp-layout %s: --seq-len %d must be a multiple of %d (%s)", cp,
+                       layout == DT_CP_ZIGZAG ? "zigzag" : "contiguous", T, chunks,
+                       layout == DT_CP_ZIGZAG ? "2 x --cp chunks, two to a rank" : "a chunk to each rank");
+    if (model->parallel) dt_fail("dt_cp_create: this model is already wrapped (%s); context parallelism goes first",
+                                 model->parallel->create_fn);
+    dt_cp *c = (dt_cp *)calloc(1, sizeof *c);
+    if (!c || !(c->positions = (int32_t *)malloc(sizeof(int32_t) * (size_t)(T / cp)))) dt_fail("out of memory (context parallelism)");
+    c->par = (dt_parallel){ .create_fn = "dt_cp_create", .sync_fn = "dt_data_parallel_sync_grads", .free_fn = "dt_cp_free",
+                            .forward = dt__cp_forward, .grad_ranks = world };
+    dt__comm_hold(comm, "dt_cp_free");
+    c->model = model;
+    c->comm = comm;
+    int sizes[2] = { world / cp, cp };
+    const char *names[2] = { "dp", "cp" };
+    c->mesh = dt_mesh_create(comm, 2, sizes, names);
+    c->ring = dt_mesh_comm(c->mesh, "cp");
+    c->size = cp;
+    c->rank = dt_mesh_coord(c->mesh, "cp");
+    c->T = T / cp;
+    c->layout = layout;
+    c->par.data_rank = dt_mesh_coord(c->mesh, "dp");
+    c->par.data_ranks = world / cp;
+    dt_cp_positions(layout, T, cp, c->rank, c->positions);
+    dt_model_set_parallel(model, &c->par);
+    dt_sequence_split split = { c->ring, c->positions, c->T };
+    dt_set_sequence_split(&split);
+    return c;
+}
+void dt_cp_split_batch(dt_cp *cp, dt_batch *batch) {
+    int B = batch->inputs->shape[0], T = (int)dt_tensor_cols(batch->inputs), t = cp->T;
+    if (T != t * cp->size)
+        dt_fail("dt_cp_split_batch: sequences of %d tokens, where the model's context is %d (split once)", T, t * cp->size);
+    int32_t *labels = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)B * t);
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < t; i++) labels[b * t + i] = batch->labels[b * T + cp->positions[i]];
+    batch->inputs = dt__cp_tokens(cp, batch->inputs);
+    batch->labels = labels;
+}
+dt_comm *dt_cp_data_group(const dt_cp *cp) { return cp->comm; }
+int dt_cp_data_rank(const dt_cp *cp) { return cp->par.data_rank; }
+int dt_cp_data_ranks(const dt_cp *cp) { return cp->par.data_ranks; }
+void dt_cp_free(dt_cp *cp) {
+    if (!cp) return;
+    if (cp->model->parallel && cp->model->parallel != &cp->par)
+        dt_fail("dt_cp_free: another wrapper still wraps the model; call %s first", cp->model->parallel->free_fn);
+    dt_set_sequence_split(NULL);
+    dt_model_set_parallel(cp->model, NULL);
+    dt_mesh_free(cp->mesh);
+    dt__comm_release(cp->comm);
+    free(cp->positions);
+    free(cp);
 }
 /* [src/17-backend-tables.h] */
 /* Without CUDA there is no NCCL: the CUDA chapter defines these when there is. */
@@ -13894,7 +14052,7 @@ typedef struct dt__flag {
 /* The stages, numbered as in the stages column. A program of another name (a
    tool, a test) takes every flag. */
 static const char *const dt__stage_names[] = { "01-single-gpu", "02-dp", "03-ddp", "04-fsdp", "05-accum-mixed-precision",
-                                                "06-tensor-parallel", "07-pipeline-parallel" };
+                                                "06-tensor-parallel", "07-pipeline-parallel", "08-context-parallel" };
 static char dt__stage_digit(const char *stage) {
     for (int i = 0; i < (int)(sizeof dt__stage_names / sizeof dt__stage_names[0]); i++)
         if (!strcmp(stage, dt__stage_names[i])) return (char)('1' + i);
@@ -13907,92 +14065,92 @@ static char dt__stage_digit(const char *stage) {
 #define DT_RANGE(lo, hi) lo, hi, 0
 #define DT_NOT_A_NUMBER 0, 0, 0
 static const dt__flag dt__flags[] = {
-    { "--data", "1234567", "DIR", "image folder (DIR/train/<class>/*, DIR/val/<class>/*) or CIFAR-10 binary folder; gpt: a .txt\n"
+    { "--data", "12345678", "DIR", "image folder (DIR/train/<class>/*, DIR/val/<class>/*) or CIFAR-10 binary folder; gpt: a .txt\n"
       "                          file or a folder of them, read as bytes (default: the synthetic set in data/synthetic,\n"
       "                          gpt: the text data/synthetic.txt, made on first use)", DT_ARG_STR, DT_CFG(data), NULL, DT_NOT_A_NUMBER },
-    { "--tokens", "1234567", "FILE", "gpt, llama: train on token ids instead of bytes: a NumPy .npy array (uint16, uint32,\n"
+    { "--tokens", "12345678", "FILE", "gpt, llama: train on token ids instead of bytes: a NumPy .npy array (uint16, uint32,\n"
       "                          int32 or int64), or raw little-endian uint16", DT_ARG_STR,
       DT_CFG(tokens), NULL, DT_NOT_A_NUMBER },
-    { "--image-size", "1234567", "N", "images are resized to N x N (default 32)", DT_ARG_INT, DT_CFG(image_size), NULL, DT_RANGE(1, 4096) },
-    { "--model", "1234567", "mlp|vit|gpt|llama", "the model (default mlp); gpt, llama: causal language models on text\n"
+    { "--image-size", "12345678", "N", "images are resized to N x N (default 32)", DT_ARG_INT, DT_CFG(image_size), NULL, DT_RANGE(1, 4096) },
+    { "--model", "12345678", "mlp|vit|gpt|llama", "the model (default mlp); gpt, llama: causal language models on text\n"
       "                          (GPT-2's layout, and Llama's: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)",
       DT_ARG_CHOICE, DT_CFG(model), "mlp|vit|gpt|llama", DT_NOT_A_NUMBER },
-    { "--dim", "1234567", "N", "mlp: hidden width (1024); vit: embedding width (192); gpt, llama: (128)", DT_ARG_INT, DT_CFG(dim), NULL, DT_MIN(1) },
-    { "--depth", "1234567", "N", "mlp: hidden layers (2); vit: transformer blocks (6); gpt, llama: (4)", DT_ARG_INT, DT_CFG(depth), NULL, DT_MIN(0) },
-    { "--heads", "1234567", "N", "vit: attention heads (3); gpt, llama: (4)", DT_ARG_INT, DT_CFG(heads), NULL, DT_MIN(1) },
-    { "--patch", "1234567", "N", "vit: patch size (4)", DT_ARG_INT, DT_CFG(patch), NULL, DT_MIN(1) },
-    { "--seq-len", "1234567", "N", "gpt, llama: tokens per sequence, the context (default 64)", DT_ARG_INT, DT_CFG(seq_len), NULL, DT_RANGE(1, 65536) },
-    { "--vocab", "1234567", "N", "gpt, llama: vocabulary (default: 256 for bytes, the largest id + 1 for --tokens)", DT_ARG_INT,
+    { "--dim", "12345678", "N", "mlp: hidden width (1024); vit: embedding width (192); gpt, llama: (128)", DT_ARG_INT, DT_CFG(dim), NULL, DT_MIN(1) },
+    { "--depth", "12345678", "N", "mlp: hidden layers (2); vit: transformer blocks (6); gpt, llama: (4)", DT_ARG_INT, DT_CFG(depth), NULL, DT_MIN(0) },
+    { "--heads", "12345678", "N", "vit: attention heads (3); gpt, llama: (4)", DT_ARG_INT, DT_CFG(heads), NULL, DT_MIN(1) },
+    { "--patch", "12345678", "N", "vit: patch size (4)", DT_ARG_INT, DT_CFG(patch), NULL, DT_MIN(1) },
+    { "--seq-len", "12345678", "N", "gpt, llama: tokens per sequence, the context (default 64)", DT_ARG_INT, DT_CFG(seq_len), NULL, DT_RANGE(1, 65536) },
+    { "--vocab", "12345678", "N", "gpt, llama: vocabulary (default: 256 for bytes, the largest id + 1 for --tokens)", DT_ARG_INT,
       DT_CFG(vocab), NULL, DT_RANGE(1, 16777216) },             /* ids are held as floats: exact to 2^24 */
-    { "--sample", "1234567", "N", "gpt, llama: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT,
+    { "--sample", "12345678", "N", "gpt, llama: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT,
       DT_CFG(sample), NULL, DT_MIN(0) },
-    { "--kv-heads", "1234567", "N", "llama: key/value heads, each serving --heads / N query heads (default: half the heads\n"
+    { "--kv-heads", "12345678", "N", "llama: key/value heads, each serving --heads / N query heads (default: half the heads\n"
       "                          when their number is even, else all of them)", DT_ARG_INT, DT_CFG(kv_heads), NULL, DT_MIN(1) },
-    { "--ffn-dim", "1234567", "N", "llama: the SwiGLU MLP's width (default 8/3 x --dim, rounded up to a multiple of 32)",
+    { "--ffn-dim", "12345678", "N", "llama: the SwiGLU MLP's width (default 8/3 x --dim, rounded up to a multiple of 32)",
       DT_ARG_INT, DT_CFG(ffn_dim), NULL, DT_MIN(1) },
-    { "--rope-theta", "1234567", "X", "llama: the rotary embeddings' base (default 10000)", DT_ARG_FLOAT, DT_CFG(rope_theta), NULL,
+    { "--rope-theta", "12345678", "X", "llama: the rotary embeddings' base (default 10000)", DT_ARG_FLOAT, DT_CFG(rope_theta), NULL,
       DT_ABOVE(1) },
-    { "--norm-eps", "1234567", "X", "llama: RMSNorm's epsilon (default 1e-5)", DT_ARG_FLOAT, DT_CFG(norm_eps), NULL, DT_ABOVE(0) },
-    { "--rope-factor", "1234567", "X", "llama: Llama 3's rescaled rotary frequencies (rope_type llama3, with the three below;\n"
+    { "--norm-eps", "12345678", "X", "llama: RMSNorm's epsilon (default 1e-5)", DT_ARG_FLOAT, DT_CFG(norm_eps), NULL, DT_ABOVE(0) },
+    { "--rope-factor", "12345678", "X", "llama: Llama 3's rescaled rotary frequencies (rope_type llama3, with the three below;\n"
       "                          default: none, or --init DIR's config.json): slow ones divided by X", DT_ARG_FLOAT,
       DT_CFG(rope_factor), NULL, DT_ABOVE(0) },
-    { "--rope-low-freq", "1234567", "X", "llama 3: wavelengths over ORIGINAL / X are divided by --rope-factor", DT_ARG_FLOAT,
+    { "--rope-low-freq", "12345678", "X", "llama 3: wavelengths over ORIGINAL / X are divided by --rope-factor", DT_ARG_FLOAT,
       DT_CFG(rope_low_freq), NULL, DT_ABOVE(0) },
-    { "--rope-high-freq", "1234567", "X", "llama 3: wavelengths under ORIGINAL / X are kept (between: blended)", DT_ARG_FLOAT,
+    { "--rope-high-freq", "12345678", "X", "llama 3: wavelengths under ORIGINAL / X are kept (between: blended)", DT_ARG_FLOAT,
       DT_CFG(rope_high_freq), NULL, DT_ABOVE(0) },
-    { "--rope-original-context", "1234567", "ORIGINAL", "llama 3: the context the frequencies were made for", DT_ARG_INT,
+    { "--rope-original-context", "12345678", "ORIGINAL", "llama 3: the context the frequencies were made for", DT_ARG_INT,
       DT_CFG(rope_original_context), NULL, DT_MIN(1) },
-    { "--untied-head", "1234567", NULL, "llama: an lm_head.weight of its own (default: the head is the token embedding)",
+    { "--untied-head", "12345678", NULL, "llama: an lm_head.weight of its own (default: the head is the token embedding)",
       DT_ARG_SWITCH, DT_CFG(untied_head), NULL, DT_NOT_A_NUMBER },
-    { "--qkv-bias", "1234567", NULL, "llama: biases on the q, k and v projections, as Qwen2 has", DT_ARG_SWITCH, DT_CFG(qkv_bias),
+    { "--qkv-bias", "12345678", NULL, "llama: biases on the q, k and v projections, as Qwen2 has", DT_ARG_SWITCH, DT_CFG(qkv_bias),
       NULL, DT_NOT_A_NUMBER },
-    { "--batch-size", "1234567", "N", "images (gpt, llama: sequences) per step (default 128; gpt, llama 32)", DT_ARG_INT, DT_CFG(batch_size), NULL, DT_MIN(1) },
-    { "--epochs", "1234567", "N", "passes over the training set (default 10; gpt, llama 2)", DT_ARG_INT, DT_CFG(epochs), NULL, DT_MIN(1) },
-    { "--steps", "1234567", "N", "stop after N steps in all (default: run every epoch)", DT_ARG_I64, DT_CFG(steps), NULL, DT_MIN(0) },
-    { "--lr", "1234567", "X", "peak learning rate (default 1e-3; gpt, llama 3e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL, DT_ABOVE(0) },
-    { "--optimizer", "1234567", "adamw|sgd", "the optimizer (default adamw)", DT_ARG_CHOICE, DT_CFG(optimizer), "adamw|sgd", DT_NOT_A_NUMBER },
-    { "--weight-decay", "1234567", "X", "decoupled weight decay of 2-D weights (default 0.05)", DT_ARG_FLOAT, DT_CFG(weight_decay),
+    { "--batch-size", "12345678", "N", "images (gpt, llama: sequences) per step (default 128; gpt, llama 32)", DT_ARG_INT, DT_CFG(batch_size), NULL, DT_MIN(1) },
+    { "--epochs", "12345678", "N", "passes over the training set (default 10; gpt, llama 2)", DT_ARG_INT, DT_CFG(epochs), NULL, DT_MIN(1) },
+    { "--steps", "12345678", "N", "stop after N steps in all (default: run every epoch)", DT_ARG_I64, DT_CFG(steps), NULL, DT_MIN(0) },
+    { "--lr", "12345678", "X", "peak learning rate (default 1e-3; gpt, llama 3e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL, DT_ABOVE(0) },
+    { "--optimizer", "12345678", "adamw|sgd", "the optimizer (default adamw)", DT_ARG_CHOICE, DT_CFG(optimizer), "adamw|sgd", DT_NOT_A_NUMBER },
+    { "--weight-decay", "12345678", "X", "decoupled weight decay of 2-D weights (default 0.05)", DT_ARG_FLOAT, DT_CFG(weight_decay),
       NULL, DT_MIN(0) },
-    { "--momentum", "1234567", "X", "sgd momentum (default 0.9)", DT_ARG_FLOAT, DT_CFG(momentum), NULL, 0, 1, DT_HI_OPEN },
-    { "--clip", "1234567", "X", "clip the gradient norm to X, 0 for none (default 1.0)", DT_ARG_FLOAT, DT_CFG(clip), NULL, DT_MIN(0) },
-    { "--warmup", "1234567", "N", "linear warmup steps before the cosine decay (default 5% of the steps)", DT_ARG_I64, DT_CFG(warmup),
+    { "--momentum", "12345678", "X", "sgd momentum (default 0.9)", DT_ARG_FLOAT, DT_CFG(momentum), NULL, 0, 1, DT_HI_OPEN },
+    { "--clip", "12345678", "X", "clip the gradient norm to X, 0 for none (default 1.0)", DT_ARG_FLOAT, DT_CFG(clip), NULL, DT_MIN(0) },
+    { "--warmup", "12345678", "N", "linear warmup steps before the cosine decay (default 5% of the steps)", DT_ARG_I64, DT_CFG(warmup),
       NULL, DT_MIN(0) },
-    { "--augment", "1234567", "0|1", "random crop + horizontal flip (default 1)", DT_ARG_INT, DT_CFG(augment), NULL, DT_RANGE(0, 1) },
-    { "--seed", "1234567", "N", "seed for initialisation, shuffling and augmentation (default 1)", DT_ARG_I64, DT_CFG(seed), NULL, DT_MIN(0) },
-    { "--device", "1234567", "cpu|cuda|auto", "where to train (default auto: cuda when a GPU is visible)", DT_ARG_CHOICE, DT_CFG(device),
+    { "--augment", "12345678", "0|1", "random crop + horizontal flip (default 1)", DT_ARG_INT, DT_CFG(augment), NULL, DT_RANGE(0, 1) },
+    { "--seed", "12345678", "N", "seed for initialisation, shuffling and augmentation (default 1)", DT_ARG_I64, DT_CFG(seed), NULL, DT_MIN(0) },
+    { "--device", "12345678", "cpu|cuda|auto", "where to train (default auto: cuda when a GPU is visible)", DT_ARG_CHOICE, DT_CFG(device),
       "cpu|cuda|auto", DT_NOT_A_NUMBER },
-    { "--log", "1234567", "FILE", "write one JSON object per step, evaluation and summary", DT_ARG_STR, DT_CFG(log_path), NULL, DT_NOT_A_NUMBER },
-    { "--tensorboard", "1234567", "DIR", "write the loss, learning rate, speed, memory and evaluation as TensorBoard event files in\n"
+    { "--log", "12345678", "FILE", "write one JSON object per step, evaluation and summary", DT_ARG_STR, DT_CFG(log_path), NULL, DT_NOT_A_NUMBER },
+    { "--tensorboard", "12345678", "DIR", "write the loss, learning rate, speed, memory and evaluation as TensorBoard event files in\n"
       "                          DIR (tensorboard --logdir DIR shows them; a resumed run adds a file)", DT_ARG_STR, DT_CFG(tensorboard),
       NULL, DT_NOT_A_NUMBER },
-    { "--mlflow", "1234567", "DIR", "record the run in MLflow's file store in DIR, experiment \"dtrain\": flags as params, the\n"
+    { "--mlflow", "12345678", "DIR", "record the run in MLflow's file store in DIR, experiment \"dtrain\": flags as params, the\n"
       "                          figures of --log as metrics (MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri DIR;\n"
       "                          a resumed run continues its MLflow run)", DT_ARG_STR, DT_CFG(mlflow), NULL, DT_NOT_A_NUMBER },
-    { "--trace", "1234567", "FILE", "write a Chrome/Perfetto trace of the step phases", DT_ARG_STR, DT_CFG(trace_path), NULL, DT_NOT_A_NUMBER },
-    { "--save-dir", "1234567", "DIR", "write a checkpoint at the end of every epoch", DT_ARG_STR, DT_CFG(save_dir), NULL, DT_NOT_A_NUMBER },
-    { "--resume", "1234567", "DIR|auto", "continue exactly where a checkpoint (a folder) stopped; auto: the newest in --save-dir (none: start\n"
+    { "--trace", "12345678", "FILE", "write a Chrome/Perfetto trace of the step phases", DT_ARG_STR, DT_CFG(trace_path), NULL, DT_NOT_A_NUMBER },
+    { "--save-dir", "12345678", "DIR", "write a checkpoint at the end of every epoch", DT_ARG_STR, DT_CFG(save_dir), NULL, DT_NOT_A_NUMBER },
+    { "--resume", "12345678", "DIR|auto", "continue exactly where a checkpoint (a folder) stopped; auto: the newest in --save-dir (none: start\n"
       "                          fresh), what a requeued job runs after preemption", DT_ARG_STR, DT_CFG(resume), NULL, DT_NOT_A_NUMBER },
-    { "--init", "1234567", "FILE|DIR", "start from these weights (safetensors, PyTorch/timm/Hugging Face names), a dtrain\n"
+    { "--init", "12345678", "FILE|DIR", "start from these weights (safetensors, PyTorch/timm/Hugging Face names), a dtrain\n"
       "                          checkpoint, or a Hugging Face model folder (config.json gives the model and its shape)", DT_ARG_STR, DT_CFG(init),
       NULL, DT_NOT_A_NUMBER },
-    { "--eval-every", "1234567", "N", "evaluate every N steps as well as after each epoch (default 0: epochs only)", DT_ARG_INT,
+    { "--eval-every", "12345678", "N", "evaluate every N steps as well as after each epoch (default 0: epochs only)", DT_ARG_INT,
       DT_CFG(eval_every), NULL, DT_MIN(0) },
-    { "--log-every", "1234567", "N", "print a progress line every N steps (default: about every 3 s, and each epoch's last step)",
+    { "--log-every", "12345678", "N", "print a progress line every N steps (default: about every 3 s, and each epoch's last step)",
       DT_ARG_INT, DT_CFG(log_every), NULL, DT_MIN(1) },
-    { "--start-idx", "1234567", "N", "train on images [N, end) of the training set (default 0)", DT_ARG_I64, DT_CFG(start_idx), NULL, DT_MIN(0) },
-    { "--end-idx", "1234567", "N", "... up to image N (default: all)", DT_ARG_I64, DT_CFG(end_idx), NULL, DT_MIN(1) },
-    { "--bench", "1234567", NULL, "time this stage's training steps on random in-memory data, print one line, exit", DT_ARG_SWITCH,
+    { "--start-idx", "12345678", "N", "train on images [N, end) of the training set (default 0)", DT_ARG_I64, DT_CFG(start_idx), NULL, DT_MIN(0) },
+    { "--end-idx", "12345678", "N", "... up to image N (default: all)", DT_ARG_I64, DT_CFG(end_idx), NULL, DT_MIN(1) },
+    { "--bench", "12345678", NULL, "time this stage's training steps on random in-memory data, print one line, exit", DT_ARG_SWITCH,
       DT_CFG(bench), NULL, DT_NOT_A_NUMBER },
-    { "--quiet", "1234567", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL, DT_NOT_A_NUMBER },
-    { "--peak-tflops", "1234567", "X", "--bench on a GPU: its peak for MFU (default: the fp32 peak, looked up by name; 05 with --dtype:\n"
+    { "--quiet", "12345678", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL, DT_NOT_A_NUMBER },
+    { "--peak-tflops", "12345678", "X", "--bench on a GPU: its peak for MFU (default: the fp32 peak, looked up by name; 05 with --dtype:\n"
       "                          give the 16-bit one)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL, DT_ABOVE(0) },
-    { "--nproc", "234567", "N", "02: devices driven by this one process; 03-07: ranks started on this machine (default 1)", DT_ARG_INT,
+    { "--nproc", "2345678", "N", "02: devices driven by this one process; 03-08: ranks started on this machine (default 1)", DT_ARG_INT,
       DT_CFG(nproc), NULL, DT_RANGE(1, DT_MAX_RANKS) },
-    { "--shard", "4567", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default);\n"
+    { "--shard", "45678", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default);\n"
       "                          06, 07: FSDP over the data-parallel groups, around the split layers or the pipelines\n"
       "                          (default: none, DDP)",
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full", DT_NOT_A_NUMBER },
-    { "--cpu-offload", "4567", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
+    { "--cpu-offload", "45678", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
       DT_CFG(cpu_offload), NULL, DT_NOT_A_NUMBER },
     { "--recompute", "1234567", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
@@ -14001,11 +14159,11 @@ static const dt__flag dt__flags[] = {
       "                          FlashAttention's online softmax, which keeps T numbers a head and makes them again in\n"
       "                          backward (online: the same values within rounding; heads of at most 128 on a GPU)", DT_ARG_CHOICE,
       DT_CFG(attention), "matmul|online", DT_NOT_A_NUMBER },
-    { "--lora-rank", "1234567", "R", "LoRA: freeze the model, train adapters of rank R beside the --lora-targets layers (saved\n"
+    { "--lora-rank", "12345678", "R", "LoRA: freeze the model, train adapters of rank R beside the --lora-targets layers (saved\n"
       "                          in PEFT's layout; tools/merge-lora folds them in)", DT_ARG_INT, DT_CFG(lora_rank), NULL, DT_MIN(1) },
-    { "--lora-alpha", "1234567", "A", "LoRA: the adapters' output is scaled by A / R (default 8)", DT_ARG_FLOAT, DT_CFG(lora_alpha),
+    { "--lora-alpha", "12345678", "A", "LoRA: the adapters' output is scaled by A / R (default 8)", DT_ARG_FLOAT, DT_CFG(lora_alpha),
       NULL, DT_ABOVE(0) },
-    { "--lora-targets", "1234567", "NAMES", "LoRA: comma-separated layer names (default: gpt c_attn; llama q_proj,v_proj; vit qkv;\n"
+    { "--lora-targets", "12345678", "NAMES", "LoRA: comma-separated layer names (default: gpt c_attn; llama q_proj,v_proj; vit qkv;\n"
       "                          mlp every layer; vit also proj, fc1, fc2, head; llama k_proj, o_proj, gate_proj, ...)",
       DT_ARG_STR, DT_CFG(lora_targets), NULL, DT_NOT_A_NUMBER },
     { "--accum-steps", "57", "N", "micro-batches of --batch-size per optimizer step; gradients add up locally (default 1;\n"
@@ -14034,15 +14192,21 @@ static const dt__flag dt__flags[] = {
     { "--schedule", "7", "gpipe|1f1b", "pipeline parallelism: every forward then every backward (gpipe), or each backward as\n"
       "                          soon as it can run (1f1b, the default: at most --pp micro-batches' activations kept)",
       DT_ARG_CHOICE, DT_CFG(schedule), "gpipe|1f1b", DT_NOT_A_NUMBER },
-    { "--bucket-mb", "367", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
+    { "--cp", "8", "C", "context parallelism: ranks per group, each keeping 1/C of every sequence's tokens (default 0: the\n"
+      "                          whole job; a job of N ranks is N/C data-parallel groups of C)", DT_ARG_INT, DT_CFG(cp), NULL,
+      DT_MIN(0) },
+    { "--cp-layout", "8", "zigzag|contiguous", "context parallelism: which tokens a rank keeps -- chunks r and 2C-1-r of 2C\n"
+      "                          (zigzag, the default: the same causal work on every rank) or chunk r of C (contiguous)",
+      DT_ARG_CHOICE, DT_CFG(cp_layout), "zigzag|contiguous", DT_NOT_A_NUMBER },
+    { "--bucket-mb", "3678", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL, DT_MIN(0) },
-    { "--comm", "34567", "shm|nccl|mpi|auto", "the ranks' transport: shared memory (one machine), NCCL (GPUs), MPI (CPUs on\n"
+    { "--comm", "345678", "shm|nccl|mpi|auto", "the ranks' transport: shared memory (one machine), NCCL (GPUs), MPI (CPUs on\n"
       "                          several machines, under mpirun or srun --mpi=pmix); default auto: NCCL on GPUs, else shm,\n"
       "                          or MPI when an MPI launcher started ranks on several machines", DT_ARG_CHOICE, DT_CFG(comm),
       "shm|nccl|mpi|auto", DT_NOT_A_NUMBER },
-    { "--timeout", "234567", "S", "stop when a rank (02: a device) has not answered for S seconds (default 60)", DT_ARG_FLOAT,
+    { "--timeout", "2345678", "S", "stop when a rank (02: a device) has not answered for S seconds (default 60)", DT_ARG_FLOAT,
       DT_CFG(timeout), NULL, DT_ABOVE(0) },
-    { "--ranks-per-gpu", "34567", "N", "let N ranks share one GPU (default 1: a GPU per rank; NCCL 2.30+ does it best)", DT_ARG_INT,
+    { "--ranks-per-gpu", "345678", "N", "let N ranks share one GPU (default 1: a GPU per rank; NCCL 2.30+ does it best)", DT_ARG_INT,
       DT_CFG(ranks_per_gpu), NULL, DT_MIN(1) },
 };
 #undef DT_CFG
@@ -14348,7 +14512,8 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         c.batch_size *= c.accum_steps;
         c.accum_steps = 1;
     }
-    if (dt__stage_takes(stage, "--tp") && !dt__given(given, "--shard")) c.shard = DT_SHARD_NONE;   /* 06, 07: DDP's */
+    if ((dt__stage_takes(stage, "--tp") || dt__stage_takes(stage, "--cp")) && !dt__given(given, "--shard"))
+        c.shard = DT_SHARD_NONE;                                            /* 06-08: DDP's */
     if (dt__stage_takes(stage, "--pp") && !dt__given(given, "--tp")) c.tp = 1;      /* 07: whole layers in each stage */
     if (dt__stage_takes(stage, "--micro-batches") && c.dtype == DT_F16)
         dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which the pipeline does not carry from stage to "
@@ -15283,7 +15448,8 @@ static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o)
 /* The shards as they are, for a sharded checkpoint: each rank writes its own. */
 static int dt__fsdp_shards(dt_parallel *par, dt_optimizer *o, dt_shard_view *view) {
     dt_fsdp *f = (dt_fsdp *)par;
-    if (par->inner) return 0;             /* shards of pieces: saved whole, through the inner wrapper */
+    dt_parallel *who;                     /* shards of pieces (an inner wrapper that cut the model): saved whole, */
+    if (dt_parallel_report_of(par->inner, &who)) return 0;        /* through that wrapper */
     *view = (dt_shard_view){ .state = { f->shard_params, o->m, o->v }, .numel = f->shard_numel,
                              .where = f->offload ? DT_CPU : f->model->device, .rank = f->rank, .world = f->world, .comm = f->comm };
     return 1;

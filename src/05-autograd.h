@@ -106,6 +106,12 @@ struct dt_parallel {
     /* The share of the data this rank reads, data_rank of data_ranks (what
        dt_evaluate splits by): 0 ranks means the job's rank and size. */
     int data_rank, data_ranks;
+    /* The ranks whose gradients of the same parameters a data-parallel engine
+       around must average: 0, the data_ranks groups (each holds other
+       pieces: tensor and pipeline parallelism); context parallelism, every
+       rank of the job (each holds the whole model and a part of every
+       gradient, its tokens'; only the groups read other batches). */
+    int grad_ranks;
     /* Kept by the ops: 1 between dt_sp_split and dt_sp_gather, where each rank
        holds its share of the rows (and backward, walking back, sets it again). */
     int rows_split;

@@ -64,12 +64,14 @@ static void dt__record_event(const char *name, double t0, double t1) { dt__recor
 static void dt__data_parallel_can_wrap(const dt_parallel *outer, dt_comm *comm, int shards) {
     const dt_parallel *in = outer->inner;
     if (!in) return;
-    if (!in->whole)             /* DDP around DDP, FSDP around DDP, ...: a model has one data-parallel wrapper */
+    if (!in->whole && !in->grad_ranks)   /* DDP around DDP, FSDP around DDP, ...: a model has one data-parallel wrapper */
         dt_fail("%s: this model is already wrapped (%s); one data-parallel wrapper per model, or call %s first",
                 outer->create_fn, in->create_fn, in->free_fn);
-    if (in->data_ranks > 0 && dt_comm_size(comm) != in->data_ranks)
-        dt_fail("%s: its communicator has %d ranks, but %d groups hold the same pieces: give it the ranks that hold this "
-                "rank's pieces (dt_tp_data_group, dt_pp_data_group)", outer->create_fn, dt_comm_size(comm), in->data_ranks);
+    int want = in->grad_ranks > 0 ? in->grad_ranks : in->data_ranks;
+    if (want > 0 && dt_comm_size(comm) != want)
+        dt_fail("%s: its communicator has %d ranks, but %d ranks hold parts of the same gradients: give it the ranks that "
+                "hold this rank's pieces (dt_tp_data_group, dt_pp_data_group, dt_cp_data_group)", outer->create_fn,
+                dt_comm_size(comm), want);
     for (const dt_parallel *q = in; q && shards; q = q->inner)
         if (q->sp_all_gather)
             dt_usage_error("--sequence-parallel with --shard: the norms' gradients are summed over the tensor group after "

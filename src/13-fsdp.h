@@ -653,7 +653,8 @@ static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o)
 /* The shards as they are, for a sharded checkpoint: each rank writes its own. */
 static int dt__fsdp_shards(dt_parallel *par, dt_optimizer *o, dt_shard_view *view) {
     dt_fsdp *f = (dt_fsdp *)par;
-    if (par->inner) return 0;             /* shards of pieces: saved whole, through the inner wrapper */
+    dt_parallel *who;                     /* shards of pieces (an inner wrapper that cut the model): saved whole, */
+    if (dt_parallel_report_of(par->inner, &who)) return 0;        /* through that wrapper */
     *view = (dt_shard_view){ .state = { f->shard_params, o->m, o->v }, .numel = f->shard_numel,
                              .where = f->offload ? DT_CPU : f->model->device, .rank = f->rank, .world = f->world, .comm = f->comm };
     return 1;

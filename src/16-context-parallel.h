@@ -39,6 +39,29 @@ dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, co
    forward and backward: a rank's attention work, counted, not timed. */
 int64_t dt_ring_attention_scores(void);
 
+/* The wrapper (stage 08): a job of N ranks is N/C data-parallel groups of C
+   ranks ("dp" x "cp", cp varying fastest); the ranks of a group read the same
+   batch and each keeps its tokens of every sequence (dt_cp_split_batch).
+   cp 0: the whole job is one group. A language model (gpt, llama) whose
+   context cuts into the layout's chunks; on the CPU. It cuts no weight: every
+   rank holds the whole model and, after backward, a part of every gradient
+   (its tokens'), so a data-parallel engine must wrap it over every rank of the
+   job (dt_cp_data_group) -- the mean of the ranks' gradients is the
+   gradient of the mean loss over all the tokens of all the groups' batches.
+   Evaluation splits its sequences around the ring too. */
+typedef struct dt_cp dt_cp;
+dt_cp *dt_cp_create(dt_model *model, dt_comm *comm, int cp, dt_cp_layout layout);
+/* Keep this rank's tokens of the batch's sequences: inputs [B, T] become
+   [B, T/C], the labels likewise (in the step arena). */
+void dt_cp_split_batch(dt_cp *cp, dt_batch *batch);
+/* Every rank of the job: what the data-parallel engine around averages over. */
+dt_comm *dt_cp_data_group(const dt_cp *cp);
+/* This rank's group among the data-parallel groups, and how many there are:
+   the loader's rank and world (every rank of a group reads the same batch). */
+int dt_cp_data_rank(const dt_cp *cp);
+int dt_cp_data_ranks(const dt_cp *cp);
+void dt_cp_free(dt_cp *cp);
+
 //@ implementation
 void dt_cp_positions(dt_cp_layout layout, int T, int C, int rank, int32_t *positions) {
     if (C < 1 || rank < 0 || rank >= C) dt_fail("dt_cp_positions: rank %d of %d", rank, C);
@@ -81,9 +104,10 @@ static int dt__ring_visible(const float *kpos, int T, float p, int causal) {
     }
     return causal ? lo : T;
 }
-static float dt__ring_dot(const float *a, const float *b, int n) {
-    float s = 0;
-    for (int c = 0; c < n; c++) s += a[c] * b[c];
+static float dt__ring_dot(const float *a, const float *b, int n) {     /* in DT_LANES partial sums: it vectorises */
+    float lanes[DT_LANES] = { 0 }, s = 0;
+    DT__LANE_SUM(lanes, n, c, a[c] * b[c]);
+    for (int l = 0; l < DT_LANES; l++) s += lanes[l];
     return s;
 }
 /* This rank's queries against the block it holds: each row's (m, l) and
@@ -228,4 +252,128 @@ dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, co
     dt__ctx.flops += 4.0 * B * H * T * (double)T * C * (D / H);         /* as dt_attention counts the whole square */
     if (dt__wants_grad(qkv, NULL, NULL)) dt__tape_push(dt__ring_attention_backward, out, qkv, NULL, NULL)->saved = r;
     return out;
+}
+
+/* -- the wrapper -- */
+struct dt_cp {
+    dt_parallel par;            /* first: the model's dt_parallel * is this dt_cp */
+    dt_model *model;
+    dt_comm *comm;
+    dt_mesh *mesh;
+    dt_comm *ring;              /* the group's ranks ("cp"), around which attention goes */
+    int size, rank, T;          /* C, this rank's place, the tokens of a sequence it keeps */
+    dt_cp_layout layout;
+    int32_t *positions;         /* of those tokens, in the whole sequence */
+};
+/* This rank's tokens of each sequence of `inputs` [B, T] (in the step arena). */
+static dt_tensor *dt__cp_tokens(const dt_cp *cp, const dt_tensor *inputs) {
+    int B = inputs->shape[0], T = (int)dt_tensor_cols(inputs), t = cp->T, shape[2] = { B, t };
+    float *all = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)B * T);
+    float *mine = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)B * t);
+    dt_tensor_to_host(inputs, all);
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < t; i++) mine[b * t + i] = all[b * T + cp->positions[i]];
+    return dt_tensor_from_host(2, shape, mine);
+}
+/* Training: a rank's tokens (dt_cp_split_batch's), attention around the
+   ring. Evaluation (no gradients, whole sequences): each rank its tokens
+   around the ring too, then the group's logits all-gathered into the whole
+   sequences' rows, so that every rank scores every token, in 1/C of the
+   activations. Generation's shorter windows run whole on every rank. */
+static dt_tensor *dt__cp_forward(dt_parallel *par, dt_tensor *inputs) {
+    dt_cp *cp = (dt_cp *)par;
+    int n = dt_model_blocks(cp->model), B = inputs->shape[0], T = (int)dt_tensor_cols(inputs), C = cp->size, t = cp->T;
+    if (dt__ctx.grad_enabled) {
+        if (T != t)
+            dt_fail("dt_model_forward under context parallelism: sequences of %d tokens, where this rank keeps %d of each "
+                    "(give it dt_cp_split_batch's inputs)", T, t);
+        return dt_model_forward_blocks(cp->model, inputs, NULL, 0, n);
+    }
+    if (T != t * C) {
+        dt_set_sequence_split(NULL);
+        dt_tensor *y = dt_model_forward_blocks(cp->model, inputs, NULL, 0, n);
+        dt_sequence_split split = { cp->ring, cp->positions, t };
+        dt_set_sequence_split(&split);
+        return y;
+    }
+    dt_tensor *mine = dt_model_forward_blocks(cp->model, dt__cp_tokens(cp, inputs), NULL, 0, n);
+    int64_t V = dt_tensor_cols(mine), each = (int64_t)B * t * V;
+    float *all = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)(each * C));
+    int32_t *at = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)t);
+    dt_all_gather(cp->ring, mine->data, all, each, DT_F32);
+    dt_tensor *y = dt_tensor_2d(B * T, (int)V);
+    for (int q = 0; q < C; q++) {
+        dt_cp_positions(cp->layout, T, C, q, at);
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < t; i++)
+                memcpy(y->data + ((size_t)b * T + at[i]) * V, all + q * each + ((size_t)b * t + i) * V, sizeof(float) * (size_t)V);
+    }
+    return y;
+}
+dt_cp *dt_cp_create(dt_model *model, dt_comm *comm, int cp, dt_cp_layout layout) {
+    int world = dt_comm_size(comm), T = model->cfg.seq_len;
+    char v[64];
+    snprintf(v, sizeof v, "%d %d", cp, (int)layout);
+    dt_comm_check_agree(comm, "--cp --cp-layout", v);
+    if (cp <= 0) cp = world;
+    if (world % cp)
+        dt_usage_error("--cp %d does not divide the job's %d ranks (the ranks form groups of --cp, data parallel across them)",
+                       cp, world);
+    if (!dt_model_is_language(model->cfg.kind))
+        dt_usage_error("--model %s: context parallelism splits sequences of tokens; it takes --model gpt or llama",
+                       dt__model_kind_name(model->cfg.kind));
+    if (model->device != DT_CPU) dt_usage_error("--cp runs on the CPU only so far (the ring attention has no GPU kernel yet)");
+    int chunks = layout == DT_CP_ZIGZAG ? 2 * cp : cp;
+    if (T % chunks)
+        dt_usage_error("--cp %d --cp-layout %s: --seq-len %d must be a multiple of %d (%s)", cp,
+                       layout == DT_CP_ZIGZAG ? "zigzag" : "contiguous", T, chunks,
+                       layout == DT_CP_ZIGZAG ? "2 x --cp chunks, two to a rank" : "a chunk to each rank");
+    if (model->parallel) dt_fail("dt_cp_create: this model is already wrapped (%s); context parallelism goes first",
+                                 model->parallel->create_fn);
+    dt_cp *c = (dt_cp *)calloc(1, sizeof *c);
+    if (!c || !(c->positions = (int32_t *)malloc(sizeof(int32_t) * (size_t)(T / cp)))) dt_fail("out of memory (context parallelism)");
+    c->par = (dt_parallel){ .create_fn = "dt_cp_create", .sync_fn = "dt_data_parallel_sync_grads", .free_fn = "dt_cp_free",
+                            .forward = dt__cp_forward, .grad_ranks = world };
+    dt__comm_hold(comm, "dt_cp_free");
+    c->model = model;
+    c->comm = comm;
+    int sizes[2] = { world / cp, cp };
+    const char *names[2] = { "dp", "cp" };
+    c->mesh = dt_mesh_create(comm, 2, sizes, names);
+    c->ring = dt_mesh_comm(c->mesh, "cp");
+    c->size = cp;
+    c->rank = dt_mesh_coord(c->mesh, "cp");
+    c->T = T / cp;
+    c->layout = layout;
+    c->par.data_rank = dt_mesh_coord(c->mesh, "dp");
+    c->par.data_ranks = world / cp;
+    dt_cp_positions(layout, T, cp, c->rank, c->positions);
+    dt_model_set_parallel(model, &c->par);
+    dt_sequence_split split = { c->ring, c->positions, c->T };
+    dt_set_sequence_split(&split);
+    return c;
+}
+void dt_cp_split_batch(dt_cp *cp, dt_batch *batch) {
+    int B = batch->inputs->shape[0], T = (int)dt_tensor_cols(batch->inputs), t = cp->T;
+    if (T != t * cp->size)
+        dt_fail("dt_cp_split_batch: sequences of %d tokens, where the model's context is %d (split once)", T, t * cp->size);
+    int32_t *labels = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)B * t);
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < t; i++) labels[b * t + i] = batch->labels[b * T + cp->positions[i]];
+    batch->inputs = dt__cp_tokens(cp, batch->inputs);
+    batch->labels = labels;
+}
+dt_comm *dt_cp_data_group(const dt_cp *cp) { return cp->comm; }
+int dt_cp_data_rank(const dt_cp *cp) { return cp->par.data_rank; }
+int dt_cp_data_ranks(const dt_cp *cp) { return cp->par.data_ranks; }
+void dt_cp_free(dt_cp *cp) {
+    if (!cp) return;
+    if (cp->model->parallel && cp->model->parallel != &cp->par)
+        dt_fail("dt_cp_free: another wrapper still wraps the model; call %s first", cp->model->parallel->free_fn);
+    dt_set_sequence_split(NULL);
+    dt_model_set_parallel(cp->model, NULL);
+    dt_mesh_free(cp->mesh);
+    dt__comm_release(cp->comm);
+    free(cp->positions);
+    free(cp);
 }

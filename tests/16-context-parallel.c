@@ -222,3 +222,109 @@ TEST(a_gpt_and_a_llama_on_each_ranks_tokens_equal_the_whole_model, QUICK) {
         dt_model_free(whole);
     }
 }
+
+/* ---- stage 08 ---- */
+typedef struct { int nproc, cp, batch; const char *flags; } cp_layout_run;
+/* 08 in each layout against 01 at the same global batch (32), 20 steps (2
+   epochs of 320 sequences): losses and the eval loss within 1e-5, every
+   weight and Adam moment within 2e-5. */
+static void cp_equals_01(const char *flags, const char *model, const cp_layout_run *runs, int n) {
+    char out[16384], ref[600], rlog[700], dir[600], log[700], p[700], q[800];
+    snprintf(ref, sizeof ref, "%s/cp-%s-01", tmpdir, model);
+    snprintf(rlog, sizeof rlog, "%s.jsonl", ref);
+    int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size 32 --save-dir %s --log %s", train_cpu, gpt_text(),
+                     flags, ref, rlog);
+    CHECKF(st == 0, "01: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/%s_data0-320_epoch2", ref, model);
+    for (int k = 0; k < n; k++) {
+        snprintf(dir, sizeof dir, "%s/cp-%s-%d", tmpdir, model, k);
+        snprintf(log, sizeof log, "%s.jsonl", dir);
+        st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s %s --batch-size %d --nproc %d --cp %d --save-dir %s --log %s",
+                     stage_bin("08-context-parallel"), gpt_text(), flags, runs[k].flags, runs[k].batch, runs[k].nproc, runs[k].cp,
+                     dir, log);
+        CHECKF(st == 0, "08 --nproc %d --cp %d %s: exit %d\n%s", runs[k].nproc, runs[k].cp, runs[k].flags, st, out);
+        double dl = losses_differ_by(rlog, log, 20);
+        CHECKF(dl <= 1e-5, "%s 08 --nproc %d --cp %d %s: losses differ from 01's by %.3g", model, runs[k].nproc, runs[k].cp,
+               runs[k].flags, dl);
+        double e1 = summary_value(rlog, "eval_loss"), e8 = summary_value(log, "eval_loss");
+        CHECKF(e1 > 0 && fabs(e1 - e8) <= 1e-5, "%s 08 --nproc %d --cp %d %s: eval loss %.6f, 01's %.6f", model, runs[k].nproc,
+               runs[k].cp, runs[k].flags, e8, e1);
+        snprintf(q, sizeof q, "%s/%s_data0-320_epoch2", dir, model);
+        if (strstr(runs[k].flags, "--shard")) {      /* FSDP saved its shards: put them together first */
+            char whole[720];
+            snprintf(whole, sizeof whole, "%.700s.whole", q);
+            st = run_cmd(out, sizeof out, "%s %s %s", build_path("tools/consolidate"), q, whole);
+            CHECKF(st == 0, "consolidate %s: exit %d\n%s", q, st, out);
+            snprintf(q, sizeof q, "%s", whole);
+        }
+        double d = max_tensor_diff(p, q);
+        CHECKF(d >= 0 && d <= 2e-5, "%s 08 --nproc %d --cp %d %s: weights or Adam moments differ from 01's by %.3g", model,
+               runs[k].nproc, runs[k].cp, runs[k].flags, d);
+    }
+}
+#define CP_GPT "--model gpt --dim 32 --depth 2 --heads 4 --seq-len 16"
+#define CP_LLAMA "--model llama --dim 32 --depth 2 --heads 8 --kv-heads 4 --seq-len 16"
+/* 2 ranks of one group, zig-zag; 4 ranks as 2 groups of 2 under FSDP: the
+   GPT and Llama (grouped-query attention, rotary angles at the tokens' true
+   places) equal one device. */
+TEST(context_parallel_equals_one_device, QUICK) {
+    static const cp_layout_run runs[2] = { { 2, 2, 32, "" }, { 4, 2, 16, "--shard full" } };
+    cp_equals_01(CP_GPT, "gpt", runs, 2);
+    cp_equals_01(CP_LLAMA, "llama", runs, 2);
+}
+/* ... and in the other layouts: contiguous, 4 ranks in one group, DDP
+   around 2 groups of 2. */
+TEST(context_parallel_in_every_layout_equals_one_device, FULL) {
+    static const cp_layout_run runs[4] = { { 2, 2, 32, "--cp-layout contiguous" }, { 4, 4, 32, "" },
+                                           { 4, 4, 32, "--cp-layout contiguous" }, { 4, 2, 16, "" } };
+    cp_equals_01(CP_GPT, "gpt", runs, 4);
+    cp_equals_01(CP_LLAMA, "llama", runs, 4);
+}
+
+/* What it is for: each rank keeps its share of the activations. The GPT at
+   context 512: a rank's peak activation bytes at most 0.6x stage 01's with
+   2 ranks and 0.35x with 4 (training and evaluation alike, as both go
+   around the ring). */
+TEST(context_parallel_keeps_a_share_of_the_activations, QUICK) {
+    char out[16384], log[3][600];
+    const char *flags = "--model gpt --dim 64 --depth 2 --heads 4 --seq-len 512 --batch-size 2 --epochs 1 --steps 2 --quiet";
+    static const int cp[3] = { 1, 2, 4 };
+    double bytes[3];
+    for (int k = 0; k < 3; k++) {
+        snprintf(log[k], sizeof log[k], "%s/cp-mem%d.jsonl", tmpdir, k);
+        int st = k == 0 ? run_cmd(out, sizeof out, "%s --data %s %s --log %s", train_cpu, gpt_text(), flags, log[k])
+                        : run_cmd(out, sizeof out, "%s --data %s %s --nproc %d --cp %d --log %s", stage_bin("08-context-parallel"),
+                                  gpt_text(), flags, cp[k], cp[k], log[k]);
+        CHECKF(st == 0, "--cp %d: exit %d\n%s", cp[k], st, out);
+        bytes[k] = summary_value(log[k], "peak_activations_bytes");
+    }
+    CHECKF(bytes[0] > 0 && bytes[1] <= 0.6 * bytes[0] && bytes[2] <= 0.35 * bytes[0],
+           "peak activations per rank: 01 %.0f, --cp 2 %.0f (%.2fx), --cp 4 %.0f (%.2fx)", bytes[0], bytes[1], bytes[1] / bytes[0],
+           bytes[2], bytes[2] / bytes[0]);
+}
+
+/* A checkpoint of 08 is whole: it resumes bit for bit in 08, in 08 over
+   another layout, and in stage 01. Bad flags are refused, naming them. */
+TEST(context_parallel_checkpoints_are_whole_and_bad_flags_are_refused, QUICK) {
+    char out[16384], a[600];
+    snprintf(a, sizeof a, "%s/cpck-a", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " " CP_GPT " --batch-size 32 --nproc 2 --cp 2 --save-dir %s",
+                     stage_bin("08-context-parallel"), gpt_text(), a);
+    CHECKF(st == 0, "08: exit %d\n%s", st, out);
+    static const char *const again[3] = { "08-context-parallel " CP_GPT " --batch-size 32 --nproc 2 --cp 2",
+                                          "08-context-parallel " CP_GPT " --batch-size 16 --nproc 4 --cp 2",
+                                          "01-single-gpu " CP_GPT " --batch-size 32" };
+    resumes_alike(gpt_text(), a, "gpt", again, "cpck");
+    static const struct { const char *flags, *want; } bad[4] = {
+        { CP_GPT " --nproc 4 --cp 3", "--cp 3 does not divide the job's 4 ranks" },
+        { "--model gpt --dim 32 --depth 2 --heads 4 --seq-len 20 --nproc 4 --cp 4",
+          "--cp 4 --cp-layout zigzag: --seq-len 20 must be a multiple of 8" },
+        { "--model mlp --nproc 2", "--model mlp: context parallelism splits sequences of tokens" },
+        { CP_GPT " --nproc 2 --tp 2", "--tp" },
+    };
+    for (int k = 0; k < 4; k++) {
+        st = run_cmd(out, sizeof out, "%s %s %s " PAR_FLAGS " %s --steps 1", stage_bin("08-context-parallel"), k == 2 ? "" : "--data",
+                     k == 2 ? "" : gpt_text(), bad[k].flags);        /* the mlp on the synthetic images */
+        CHECKF(st == 2 && strstr(out, bad[k].want), "08 %s: exit %d, expected \"%s\"\n%s", bad[k].flags, st, bad[k].want, out);
+    }
+}
