@@ -110,68 +110,94 @@ static float dt__ring_dot(const float *a, const float *b, int n) {     /* in DT_
     for (int l = 0; l < DT_LANES; l++) s += lanes[l];
     return s;
 }
-/* This rank's queries against the block it holds: each row's (m, l) and
-   unnormalised output acc move on by the online softmax. */
+/* This rank's queries against the block it holds, through the online body's
+   tiles (the attention chapter's dt__online_scores and friends: a block of
+   query rows against DT__ONLINE_KEYS keys at a time, the register-blocked
+   products): each row's (m, l) and unnormalised output acc move on by the
+   online softmax. A row sees the held keys at its place and before (both
+   ascend), so a tile of keys none of its rows sees is skipped. */
 static void dt__ring_attend(const dt__ring *r, const float *qkvv, const float *blk, float *m, float *l, float *acc,
                             float *space) {
-    int B = r->B, T = r->T, H = r->H, D = r->D, hd = D / H;
+    int B = r->B, T = r->T, H = r->H, D = r->D, hd = D / H, Tp = dt__att_padded(T);
     const float *kpos = blk, *K = blk + T, *V = K + (size_t)B * T * D;
     int64_t work = 0;
     DT_OMP("omp parallel for schedule(static) reduction(+:work) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
-        int b = bh / H, h = bh % H;
-        float *s = space + (size_t)T * (size_t)dt__thread_num();
-        for (int i = 0; i < T; i++) {
-            int n = dt__ring_visible(kpos, T, r->qpos[i], r->causal);
-            if (n == 0) continue;
-            const float *q = qkvv + ((size_t)b * T + i) * 3 * D + h * hd;
-            float top = -INFINITY, *a = acc + ((size_t)b * T + i) * D + h * hd;
-            for (int j = 0; j < n; j++) {
-                s[j] = dt__ring_dot(q, K + ((size_t)b * T + j) * D + h * hd, hd) * r->scale;
-                top = s[j] > top ? s[j] : top;
+        int b = bh / H, h = bh % H, vis[DT__ONLINE_ROWS];
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *v = V + (size_t)b * T * D + h * hd;   /* row i: + i * ld */
+        float *kt = space + (size_t)hd * Tp * (size_t)dt__thread_num();
+        dt__online_block s;
+        dt__att_transpose(K + (size_t)b * T * D + h * hd, D, T, hd, kt, Tp);
+        for (int i0 = 0; i0 < T; i0 += DT__ONLINE_ROWS) {
+            int rows = T - i0 < DT__ONLINE_ROWS ? T - i0 : DT__ONLINE_ROWS, keys = 0;
+            for (int k = 0; k < rows; k++) {
+                vis[k] = dt__ring_visible(kpos, T, r->qpos[i0 + k], r->causal);
+                keys = vis[k] > keys ? vis[k] : keys;
             }
-            size_t row = (size_t)bh * T + i;
-            float c = dt_online_softmax_rescale(&m[row], top);     /* what came before, on the new scale */
-            l[row] *= c;
-            for (int d = 0; d < hd; d++) a[d] *= c;
-            for (int j = 0; j < n; j++) {
-                float p = dt_exp_value(s[j] - m[row]);
-                const float *v = V + ((size_t)b * T + j) * D + h * hd;
-                l[row] += p;
-                for (int d = 0; d < hd; d++) a[d] += p * v[d];
+            for (int j0 = 0; j0 < keys; j0 += DT__ONLINE_KEYS) {
+                int n = keys - j0 < DT__ONLINE_KEYS ? keys - j0 : DT__ONLINE_KEYS;
+                dt__online_scores(q + (size_t)i0 * 3 * D, 3 * D, rows, kt, Tp, j0, n, hd, r->scale, s);
+                for (int k = 0; k < rows; k++) {
+                    int valid = vis[k] - j0 < 0 ? 0 : vis[k] - j0 < n ? vis[k] - j0 : n;
+                    size_t row = (size_t)bh * T + i0 + k;
+                    float top = -INFINITY, *a = acc + ((size_t)b * T + i0 + k) * D + h * hd;
+                    for (int j = 0; j < valid; j++) top = s[k][j] > top ? s[k][j] : top;
+                    if (valid > 0) {
+                        float c = dt_online_softmax_rescale(&m[row], top);     /* what came before, on the new scale */
+                        l[row] *= c;
+                        for (int d = 0; d < hd; d++) a[d] *= c;
+                    }
+                    for (int j = 0; j < valid; j++) { s[k][j] = dt_exp_value(s[k][j] - m[row]); l[row] += s[k][j]; }
+                    for (int j = valid; j < n; j++) s[k][j] = 0.0f;                 /* keys after the row */
+                    work += valid;
+                }
+                dt__online_rows_times(s, rows, n, v + (size_t)j0 * D, D, acc + ((size_t)b * T + i0) * D + h * hd, D, hd);
             }
-            work += n;
         }
     }
     dt__ring_scores += work;
 }
-/* Backward against the block held: p made again from each row's log-sum-exp;
-   dQ into this rank's rows, dK and dV into the block's, which travel with it. */
+/* Backward against the block held: p made again from each row's
+   log-sum-exp, dS = p (dP - dO . O) scale; dQ into this rank's rows, dK and
+   dV into the block's, which travel with it -- the same tiles. */
 static void dt__ring_attend_backward(const dt__ring *r, const float *qkvv, const float *dout, const float *rowdot,
-                                     float *blk, float *dqkv) {
-    int B = r->B, T = r->T, H = r->H, D = r->D, hd = D / H;
+                                     float *blk, float *dqkv, float *space) {
+    int B = r->B, T = r->T, H = r->H, D = r->D, hd = D / H, Tp = dt__att_padded(T);
     int64_t BTD = (int64_t)B * T * D, work = 0;
     const float *kpos = blk, *K = blk + T, *V = K + BTD;
     float *dK = blk + T + 2 * BTD, *dV = dK + BTD;
     DT_OMP("omp parallel for schedule(static) reduction(+:work) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {                 /* a head's columns: no two threads write the same */
-        int b = bh / H, h = bh % H;
-        for (int i = 0; i < T; i++) {
-            int n = dt__ring_visible(kpos, T, r->qpos[i], r->causal);
-            size_t row = (size_t)bh * T + i, at = ((size_t)b * T + i) * D + h * hd;
-            const float *q = qkvv + ((size_t)b * T + i) * 3 * D + h * hd, *dO = dout + at;
-            float *dq = dqkv + ((size_t)b * T + i) * 3 * D + h * hd;
-            for (int j = 0; j < n; j++) {
-                size_t kj = ((size_t)b * T + j) * D + h * hd;
-                float p = dt_exp_value(dt__ring_dot(q, K + kj, hd) * r->scale - r->lse[row]);
-                float ds = p * (dt__ring_dot(dO, V + kj, hd) - rowdot[row]) * r->scale;
-                for (int d = 0; d < hd; d++) {
-                    dq[d] += ds * K[kj + d];
-                    dK[kj + d] += ds * q[d];
-                    dV[kj + d] += p * dO[d];
-                }
+        int b = bh / H, h = bh % H, vis[DT__ONLINE_ROWS];
+        size_t at = (size_t)b * T * D + h * hd;          /* this head's rows in [B*T, D] arrays (+ i * D) */
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *dO = dout + at;
+        float *dq = dqkv + (size_t)b * T * 3 * D + h * hd, *kt = space + 2 * (size_t)hd * Tp * (size_t)dt__thread_num();
+        float *vt = kt + (size_t)hd * Tp;
+        dt__online_block p, ds;
+        dt__att_transpose(K + at, D, T, hd, kt, Tp);
+        dt__att_transpose(V + at, D, T, hd, vt, Tp);
+        for (int i0 = 0; i0 < T; i0 += DT__ONLINE_ROWS) {
+            int rows = T - i0 < DT__ONLINE_ROWS ? T - i0 : DT__ONLINE_ROWS, keys = 0;
+            for (int k = 0; k < rows; k++) {
+                vis[k] = dt__ring_visible(kpos, T, r->qpos[i0 + k], r->causal);
+                keys = vis[k] > keys ? vis[k] : keys;
             }
-            work += n;
+            for (int j0 = 0; j0 < keys; j0 += DT__ONLINE_KEYS) {
+                int n = keys - j0 < DT__ONLINE_KEYS ? keys - j0 : DT__ONLINE_KEYS;
+                dt__online_scores(q + (size_t)i0 * 3 * D, 3 * D, rows, kt, Tp, j0, n, hd, r->scale, p);
+                dt__online_scores(dO + (size_t)i0 * D, D, rows, vt, Tp, j0, n, hd, 1.0f, ds);      /* dP = dO . v_j */
+                for (int k = 0; k < rows; k++) {
+                    int valid = vis[k] - j0 < 0 ? 0 : vis[k] - j0 < n ? vis[k] - j0 : n;
+                    size_t row = (size_t)bh * T + i0 + k;
+                    for (int j = 0; j < valid; j++) p[k][j] = dt_exp_value(p[k][j] - r->lse[row]);
+                    for (int j = valid; j < n; j++) p[k][j] = 0.0f;
+                    for (int j = 0; j < n; j++) ds[k][j] = p[k][j] * (ds[k][j] - rowdot[row]) * r->scale;
+                    work += valid;
+                }
+                dt__online_rows_times(ds, rows, n, K + at + (size_t)j0 * D, D, dq + (size_t)i0 * 3 * D, 3 * D, hd);  /* dQ += dS K */
+                dt__online_keys_times(ds, rows, n, q + (size_t)i0 * 3 * D, 3 * D, dK + at + (size_t)j0 * D, D, hd);  /* dK += dS^T Q */
+                dt__online_keys_times(p, rows, n, dO + (size_t)i0 * D, D, dV + at + (size_t)j0 * D, D, hd);        /* dV += P^T dO */
+            }
         }
     }
     dt__ring_scores += work;
@@ -187,6 +213,7 @@ static void dt__ring_attention_backward(dt__tape_entry *e) {
     float *dqkv = dt__grad_acc_first(qkv, &first);
     if (first) memset(dqkv, 0, sizeof(float) * (size_t)qkv->numel);
     float *rowdot = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)B * H * T);
+    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)hd * dt__att_padded(T) * (size_t)dt_threads());
     float *blk[2] = { (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)nblk) };
     blk[1] = blk[0] + nblk;
     for (int bh = 0; bh < B * H; bh++)                  /* dO . O, the softmax backward's subtrahend */
@@ -200,7 +227,7 @@ static void dt__ring_attention_backward(dt__tape_entry *e) {
        owner. The gradients are written while the block is held, so here the
        shift waits for the step (forward overlaps them). */
     for (int s = 0; s < C; s++) {
-        dt__ring_attend_backward(r, qkvv, dout, rowdot, blk[s & 1], dqkv);
+        dt__ring_attend_backward(r, qkvv, dout, rowdot, blk[s & 1], dqkv, space);
         if (s < C - 1) dt_ring_shift(r->comm, blk[s & 1], blk[(s + 1) & 1], nblk, DT_F32);
         else if (C > 1) dt_ring_shift(r->comm, blk[s & 1] + T + 2 * BTD, blk[(s + 1) & 1] + T + 2 * BTD, 2 * BTD, DT_F32);
     }
@@ -230,7 +257,7 @@ dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, co
     for (int i = 0; i < T; i++) r->qpos[i] = (float)positions[i];
     const float *qkvv = dt__in(qkv);
     float *m = (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)rows), *l = m + rows;
-    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)T * (size_t)dt_threads());
+    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)(D / H) * dt__att_padded(T) * (size_t)dt_threads());
     float *blk[2] = { (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)nblk) };
     blk[1] = blk[0] + nblk;
     for (int64_t i = 0; i < rows; i++) { m[i] = -INFINITY; l[i] = 0; }
