@@ -568,8 +568,9 @@ void dt_set_sequence_split(const dt_sequence_split *split);
 DT_HD static inline float dt_online_softmax_rescale(float *m, float block_max);
 /* The fused classifier's gradient of one logit x of a row whose largest
    value is m and sum of exp(x - m) is l: (p - onehot) * scale, p its
-   softmax, exp(x - m - log l) (dt_cross_entropy's backward, on any device). */
-DT_HD static inline float dt_cross_entropy_grad(float x, float m, float log_l, float onehot, float scale);
+   softmax, exp(x - m) / l, rounded once (dt_cross_entropy's backward, on
+   any device; inv_l = 1 / l in double). */
+DT_HD static inline float dt_cross_entropy_grad(float x, float m, double inv_l, float onehot, float scale);
 /* token ids [B, T] (whole numbers held as f32) -> [B*T, D]: row (b, t) is
    wte[token] + wpe[t], the token's embedding plus its position's (wpe NULL:
    no position embedding, as in Llama, whose attention rotates by position) */
@@ -1258,8 +1259,8 @@ DT_HD static inline float dt_online_softmax_rescale(float *m, float block_max) {
     *m = now;
     return old == -INFINITY ? 0.0f : dt_exp_value(old - now);
 }
-DT_HD static inline float dt_cross_entropy_grad(float x, float m, float log_l, float onehot, float scale) {
-    return (dt_exp_value(x - m - log_l) - onehot) * scale;
+DT_HD static inline float dt_cross_entropy_grad(float x, float m, double inv_l, float onehot, float scale) {
+    return ((float)((double)dt_exp_value(x - m) * inv_l) - onehot) * scale;
 }
 DT_HD static inline float dt_silu_derivative(float x) {
     float sg = 1.0f / (1.0f + dt_exp_value(-x));
@@ -1419,14 +1420,14 @@ typedef struct dt_backend {
     void (*vit_tokens_backward)(const float *dy, float *dpatches, float *dcls, float *dpos, int B, int P, int D);
     void (*select_token_forward)(const float *x, float *y, int B, int T, int index, int D);
     void (*select_token_backward)(const float *dy, float *dx, int B, int T, int index, int D);
-    /* The fused classifier. Forward: row_stats gets each row's largest value
-       m, then each row's log of l, its sum of exp(x - m); rows whose label is
-       DT_IGNORE_INDEX add nothing; the sum is divided by `divisor`. Backward:
-       dlogits += dt_cross_entropy_grad of each logit, in one pass. */
-    void (*cross_entropy_forward)(const float *logits, const int32_t *labels, float *row_stats, float *loss,
+    /* The fused classifier. Forward: each row's largest value m, and 1 / l,
+       l its sum of exp(x - m); rows whose label is DT_IGNORE_INDEX add
+       nothing; the sum is divided by `divisor`. Backward: dlogits +=
+       dt_cross_entropy_grad of each logit, in one pass. */
+    void (*cross_entropy_forward)(const float *logits, const int32_t *labels, double *inv_l, float *m, float *loss,
                                   int B, int C, double divisor);
-    void (*cross_entropy_backward)(const float *logits, const float *row_stats, const int32_t *labels, const float *dloss,
-                                   float *dlogits, int B, int C, float divisor);
+    void (*cross_entropy_backward)(const float *logits, const double *inv_l, const float *m, const int32_t *labels,
+                                   const float *dloss, float *dlogits, int B, int C, float divisor);
     /* A vocabulary split over ranks: stats gets each row's m, then its l
        (over these C columns), then its x[label] (0 where the label is not
        among them); the group merges the rows' numbers between. */
@@ -4765,7 +4766,7 @@ dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index) {
       sum l of exp(x - m), and keeps those two numbers a row, not the
       probabilities (at GPT-2's 50,257 words and 8,192 rows, 1.6 GB saved);
       backward reads the logits again and writes the gradient (p - onehot) / N
-      in the pass that makes each probability again, p = exp(x - m - log l)
+      in the pass that makes each probability again, p = exp(x - m) / l
       (dt_cross_entropy_grad, the GPU's arithmetic too). N is the labels that
       count (or the divisor the run set); a row whose label is ignored gets
       nothing. Labels arrive in host memory; the op checks them there, then
@@ -4776,15 +4777,26 @@ void dt_cross_entropy_set_divisor(const int32_t *labels, double divisor) {
     dt__ctx.loss_divisor.labels = labels;
     dt__ctx.loss_divisor.divisor = divisor;
 }
+/* What the loss keeps for backward, in the step data: each row's 1 / l
+   (double: p = exp(x - m) / l then rounds once, as the division would), each
+   row's m, then the labels. */
+typedef struct { double *inv_l; float *m; int32_t *labels; } dt__xent_rows;
+static dt__xent_rows dt__xent_rows_at(void *saved, int B) {
+    dt__xent_rows k = { (double *)saved, (float *)((double *)saved + B), NULL };
+    k.labels = (int32_t *)(k.m + B);
+    return k;
+}
 static void dt__cross_entropy_backward(dt__tape_entry *e) {
     dt_tensor *logits = e->in[0];
     if (!logits->requires_grad) return;
     int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits), first;
-    const float *m = (const float *)e->saved, *log_l = m + B, *x = dt__in(logits);
-    const int32_t *labels = (const int32_t *)(log_l + B);
+    dt__xent_rows k = dt__xent_rows_at(e->saved, B);
+    const double *inv_l = k.inv_l;
+    const float *m = k.m, *x = dt__in(logits);
+    const int32_t *labels = k.labels;
     const dt_backend *gpu = dt__backend_for(logits);
     float *dl = dt__grad_acc_first(logits, &first);
-    if (gpu) gpu->cross_entropy_backward(x, m, labels, e->out->grad, dl, B, C, e->farg[0]);
+    if (gpu) gpu->cross_entropy_backward(x, inv_l, m, labels, e->out->grad, dl, B, C, e->farg[0]);
     else {
         float scale = e->out->grad[0] / e->farg[0];
         DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
@@ -4793,9 +4805,9 @@ static void dt__cross_entropy_backward(dt__tape_entry *e) {
             const float *r = x + (size_t)i * C;
             int label = labels[i], mine = label >= 0 && label < C;    /* a split vocabulary: another rank's label is not */
             if (label == DT_IGNORE_INDEX) { if (first) memset(d, 0, sizeof(float) * (size_t)C); continue; }
-            float at_label = mine ? (first ? 0.0f : d[label]) + dt_cross_entropy_grad(r[label], m[i], log_l[i], 1.0f, scale) : 0;
-            if (first) for (int j = 0; j < C; j++) d[j] = dt_cross_entropy_grad(r[j], m[i], log_l[i], 0.0f, scale);
-            else for (int j = 0; j < C; j++) d[j] += dt_cross_entropy_grad(r[j], m[i], log_l[i], 0.0f, scale);  /* it vectorises */
+            float at_label = mine ? (first ? 0.0f : d[label]) + dt_cross_entropy_grad(r[label], m[i], inv_l[i], 1.0f, scale) : 0;
+            if (first) for (int j = 0; j < C; j++) d[j] = dt_cross_entropy_grad(r[j], m[i], inv_l[i], 0.0f, scale);
+            else for (int j = 0; j < C; j++) d[j] += dt_cross_entropy_grad(r[j], m[i], inv_l[i], 0.0f, scale);  /* it vectorises */
             if (mine) d[label] = at_label;
         }
     }
@@ -4834,9 +4846,8 @@ static double dt__loss_divisor(const int32_t *labels, int B, int C) {
         divisor = dt__ctx.loss_divisor.divisor;
     return divisor;
 }
-/* The step data the loss keeps: each row's m, then log l, then the labels. */
-static float *dt__cross_entropy_saved(int B) { return (float *)dt__step_data((sizeof(float) * 2 + sizeof(int32_t)) * (size_t)B); }
-static dt_tensor *dt__cross_entropy_done(dt_tensor *logits, float *saved, double divisor, dt_tensor *loss) {
+static void *dt__cross_entropy_saved(int B) { return dt__step_data((sizeof(double) + sizeof(float) + sizeof(int32_t)) * (size_t)B); }
+static dt_tensor *dt__cross_entropy_done(dt_tensor *logits, void *saved, double divisor, dt_tensor *loss) {
     if (dt__wants_grad(logits, NULL, NULL)) {
         dt__tape_entry *e = dt__tape_push(dt__cross_entropy_backward, loss, logits, NULL, NULL);
         e->saved = saved;
@@ -4852,30 +4863,33 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
     double divisor = dt__loss_divisor(labels, B, C);
     const dt_backend *gpu = dt__backend_for(logits);
     dt__scratch_reset();
-    float *m = dt__cross_entropy_saved(B), *log_l = m + B;
-    int32_t *saved_labels = (int32_t *)(log_l + B);
+    void *saved = dt__cross_entropy_saved(B);
+    dt__xent_rows k = dt__xent_rows_at(saved, B);
+    double *inv_l = k.inv_l;
+    float *m = k.m;
+    int32_t *saved_labels = k.labels;
     int s1[1] = { 1 };
     dt_tensor *loss = dt__tensor_alloc(1, s1, DT_F32);        /* the loss is f32, always */
     const float *lv = dt__in(logits);
     if (gpu) {
         gpu->upload(saved_labels, labels, sizeof(int32_t) * B);
-        gpu->cross_entropy_forward(lv, saved_labels, m, loss->data, B, C, divisor);
+        gpu->cross_entropy_forward(lv, saved_labels, inv_l, m, loss->data, B, C, divisor);
     } else {
         /* rows on every thread, the rows' losses added in row order after */
         double *row_loss = (double *)dt__scratch_on(DT_CPU, sizeof(double) * (size_t)B), total = 0;
         DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
         for (int i = 0; i < B; i++) {
-            row_loss[i] = m[i] = log_l[i] = 0;
+            row_loss[i] = inv_l[i] = m[i] = 0;
             if (labels[i] == DT_IGNORE_INDEX) continue;      /* backward never reads its numbers */
             const float *r = lv + (size_t)i * C;
             double sum = dt__row_softmax(r, C, &m[i]);
-            log_l[i] = (float)log(sum);
+            inv_l[i] = 1.0 / sum;
             row_loss[i] = -(r[labels[i]] - m[i] - log(sum));
         }
         for (int i = 0; i < B; i++) { total += row_loss[i]; saved_labels[i] = labels[i]; }
         loss->data[0] = (float)(total / divisor);
     }
-    return dt__cross_entropy_done(logits, m, divisor, loss);
+    return dt__cross_entropy_done(logits, saved, divisor, loss);
 }
 
 /* Rows first .. first + rows - 1 of the logits on the host, each the whole
@@ -8396,8 +8410,8 @@ void dt_tp_free(dt_tp *tp) {
       that scale by the online softmax's step (as FlashAttention merges two
       blocks of keys), and the group sums the l's and the label's logits.
       Every rank then has each row's loss, log l + m - x[label], and the
-      two numbers the backward above needs, the labels this rank does not
-      hold out of its columns' range. -- */
+      two numbers the backward above needs (m and 1 / l), the labels this
+      rank does not hold out of its columns' range. -- */
 static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labels) {
     dt_parallel *par = logits->parallel;
     int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits), first = par->tp_rank * C;
@@ -8405,8 +8419,9 @@ static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labe
     const dt_backend *gpu = dt__backend_for(logits);
     dt_device dev = logits->device;
     dt__scratch_reset();
-    float *saved = dt__cross_entropy_saved(B);
-    int32_t *mine = (int32_t *)(saved + 2 * (size_t)B);
+    void *saved = dt__cross_entropy_saved(B);
+    dt__xent_rows k = dt__xent_rows_at(saved, B);
+    int32_t *mine = k.labels;
     int32_t *host = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)B);
     for (int i = 0; i < B; i++)            /* this rank's columns: the label's, or -1 (another rank's) */
         host[i] = labels[i] == DT_IGNORE_INDEX ? DT_IGNORE_INDEX
@@ -8437,13 +8452,13 @@ static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labe
     par->tp_sum(par, stats + B, 2 * (int64_t)B);
     dt__download_from(dev, h + B, stats + B, sizeof(float) * 2 * (size_t)B);
     /* each row's loss, added in row order on the host, as the whole-row op does */
-    double total = 0;
+    double total = 0, *inv = (double *)dt__step_alloc_uninit(sizeof(double) * (size_t)B);
     for (int i = 0; i < B; i++) {
         if (labels[i] != DT_IGNORE_INDEX) total += log((double)h[B + i]) + top[i] - h[2 * B + i];
-        h[i] = top[i];
-        h[B + i] = (float)log((double)h[B + i]);
+        inv[i] = 1.0 / (double)h[B + i];
     }
-    dt__upload_to(dev, saved, h, sizeof(float) * 2 * (size_t)B);
+    dt__upload_to(dev, k.inv_l, inv, sizeof(double) * (size_t)B);
+    dt__upload_to(dev, k.m, top, sizeof(float) * (size_t)B);
     int s1[1] = { 1 };
     dt_tensor *loss = dt__tensor_alloc(1, s1, DT_F32);
     float value = (float)(total / divisor);
@@ -14196,7 +14211,7 @@ static const dt__flag dt__flags[] = {
     { "--accum-steps", "57", "N", "micro-batches of --batch-size per optimizer step; gradients add up locally (default 1;\n"
       "                          07: a pipeline's micro-batches are its accumulation: K x --micro-batches of a K x\n"
       "                          --batch-size step)", DT_ARG_INT, DT_CFG(accum_steps), NULL, DT_MIN(1) },
-    { "--dtype", "57", "fp32|bf16|fp16", "activations and matmuls in this type, f32 master weights (default fp32; 07: the\n"
+    { "--dtype", "578", "fp32|bf16|fp16", "activations and matmuls in this type, f32 master weights (default fp32; 07: the\n"
       "                          activations and gradients stages send too, and no fp16)",
       DT_ARG_CHOICE, DT_CFG(dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
     { "--reduce-dtype", "5", "fp32|bf16|fp16", "the type gradients are reduce-scattered in (default fp32)",
@@ -14542,6 +14557,9 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if ((dt__stage_takes(stage, "--tp") || dt__stage_takes(stage, "--cp")) && !dt__given(given, "--shard"))
         c.shard = DT_SHARD_NONE;                                            /* 06-08: DDP's */
     if (dt__stage_takes(stage, "--pp") && !dt__given(given, "--tp")) c.tp = 1;      /* 07: whole layers in each stage */
+    if (dt__stage_takes(stage, "--cp") && c.dtype == DT_F16)
+        dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which 08 does not do; use --dtype bf16, whose "
+                       "range is f32's");
     if (dt__stage_takes(stage, "--micro-batches") && c.dtype == DT_F16)
         dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which the pipeline does not carry from stage to "
                        "stage; use --dtype bf16, whose range is f32's");
@@ -16688,20 +16706,20 @@ static void dt__cuda_patchify(const float *img, float *out, int B, int C, int H,
         and one block then adds the rows in a fixed order (thread t takes
         rows t, t + 256, ..., then a fixed tree), so the mean is the same
         every run. Backward makes each probability again as it writes. ---- */
-__global__ static void dt__k_cross_entropy_rows(const float *logits, const int32_t *labels, float *row_stats,
+__global__ static void dt__k_cross_entropy_rows(const float *logits, const int32_t *labels, double *inv_l, float *row_m,
                                                double *row_loss, int B, int C) {
     int lane = threadIdx.x % 32;
     DT_FOR_EACH_ROW(i, B) {
         if (labels[i] == DT_IGNORE_INDEX) {
-            if (lane == 0) row_loss[i] = row_stats[i] = row_stats[B + i] = 0;
+            if (lane == 0) row_loss[i] = inv_l[i] = row_m[i] = 0;
             continue;
         }
         const float *r = logits + i * C;
         float m, l;
         dt__warp_online_softmax(r, C, &m, &l);
         if (lane == 0) {
-            row_stats[i] = m;
-            row_stats[B + i] = logf(l);
+            row_m[i] = m;
+            inv_l[i] = 1.0 / (double)l;
             row_loss[i] = -((double)r[labels[i]] - m - log((double)l));
         }
     }
@@ -16718,25 +16736,25 @@ __global__ static void dt__k_mean_of_rows(const double *row_loss, int B, double 
     }
     if (threadIdx.x == 0) loss[0] = (float)(sh[0] / divisor);
 }
-static void dt__cuda_cross_entropy_forward(const float *logits, const int32_t *labels, float *row_stats, float *loss,
+static void dt__cuda_cross_entropy_forward(const float *logits, const int32_t *labels, double *inv_l, float *m, float *loss,
                                           int B, int C, double divisor) {
     double *row_loss = (double *)dt__cuda_grow(&dt__cuda.row_loss, &dt__cuda.row_loss_bytes, sizeof(double) * (size_t)B);
-    DT_LAUNCH(dt__k_cross_entropy_rows, dt__blocks_for_warps(B), DT_THREADS, logits, labels, row_stats, row_loss, B, C);
+    DT_LAUNCH(dt__k_cross_entropy_rows, dt__blocks_for_warps(B), DT_THREADS, logits, labels, inv_l, m, row_loss, B, C);
     DT_LAUNCH(dt__k_mean_of_rows, 1, DT_THREADS, row_loss, B, divisor, loss);
 }
-__global__ static void dt__k_cross_entropy_backward(const float *x, const float *row_stats, const int32_t *labels,
+__global__ static void dt__k_cross_entropy_backward(const float *x, const double *inv_l, const float *m, const int32_t *labels,
                                                    const float *dloss, float *dl, int B, int C, float divisor) {
     float scale = dloss[0] / divisor;
     DT_FOR_EACH(i, (int64_t)B * C) {
         int64_t row = i / C;
         int j = (int)(i % C);
         if (labels[row] != DT_IGNORE_INDEX)
-            dl[i] += dt_cross_entropy_grad(x[i], row_stats[row], row_stats[B + row], j == labels[row] ? 1.0f : 0.0f, scale);
+            dl[i] += dt_cross_entropy_grad(x[i], m[row], inv_l[row], j == labels[row] ? 1.0f : 0.0f, scale);
     }
 }
-static void dt__cuda_cross_entropy_backward(const float *logits, const float *row_stats, const int32_t *labels,
+static void dt__cuda_cross_entropy_backward(const float *logits, const double *inv_l, const float *m, const int32_t *labels,
                                            const float *dloss, float *dlogits, int B, int C, float divisor) {
-    DT_LAUNCH(dt__k_cross_entropy_backward, dt_blocks_for((int64_t)B * C), DT_THREADS, logits, row_stats, labels, dloss,
+    DT_LAUNCH(dt__k_cross_entropy_backward, dt_blocks_for((int64_t)B * C), DT_THREADS, logits, inv_l, m, labels, dloss,
               dlogits, B, C, divisor);
 }
 

@@ -17,6 +17,7 @@
 int main(int argc, char **argv) {
     dt_config cfg = dt_parse_args(argc, argv, "08-context-parallel");  /* --nproc N: N ranks start here */
     dt_comm *comm = dt_comm_init(cfg.comm, cfg.timeout);  /* meet */
+    dt_set_compute_dtype((dt_dtype)cfg.dtype);               /* activations and matmuls in --dtype (fp32, bf16) */
 
     dt_dataset train, val;
     dt_load_data(&cfg, &train, &val);

@@ -69,8 +69,9 @@ void dt_set_sequence_split(const dt_sequence_split *split);
 DT_HD static inline float dt_online_softmax_rescale(float *m, float block_max);
 /* The fused classifier's gradient of one logit x of a row whose largest
    value is m and sum of exp(x - m) is l: (p - onehot) * scale, p its
-   softmax, exp(x - m - log l) (dt_cross_entropy's backward, on any device). */
-DT_HD static inline float dt_cross_entropy_grad(float x, float m, float log_l, float onehot, float scale);
+   softmax, exp(x - m) / l, rounded once (dt_cross_entropy's backward, on
+   any device; inv_l = 1 / l in double). */
+DT_HD static inline float dt_cross_entropy_grad(float x, float m, double inv_l, float onehot, float scale);
 /* token ids [B, T] (whole numbers held as f32) -> [B*T, D]: row (b, t) is
    wte[token] + wpe[t], the token's embedding plus its position's (wpe NULL:
    no position embedding, as in Llama, whose attention rotates by position) */
@@ -1005,7 +1006,7 @@ dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index) {
       sum l of exp(x - m), and keeps those two numbers a row, not the
       probabilities (at GPT-2's 50,257 words and 8,192 rows, 1.6 GB saved);
       backward reads the logits again and writes the gradient (p - onehot) / N
-      in the pass that makes each probability again, p = exp(x - m - log l)
+      in the pass that makes each probability again, p = exp(x - m) / l
       (dt_cross_entropy_grad, the GPU's arithmetic too). N is the labels that
       count (or the divisor the run set); a row whose label is ignored gets
       nothing. Labels arrive in host memory; the op checks them there, then
@@ -1016,15 +1017,26 @@ void dt_cross_entropy_set_divisor(const int32_t *labels, double divisor) {
     dt__ctx.loss_divisor.labels = labels;
     dt__ctx.loss_divisor.divisor = divisor;
 }
+/* What the loss keeps for backward, in the step data: each row's 1 / l
+   (double: p = exp(x - m) / l then rounds once, as the division would), each
+   row's m, then the labels. */
+typedef struct { double *inv_l; float *m; int32_t *labels; } dt__xent_rows;
+static dt__xent_rows dt__xent_rows_at(void *saved, int B) {
+    dt__xent_rows k = { (double *)saved, (float *)((double *)saved + B), NULL };
+    k.labels = (int32_t *)(k.m + B);
+    return k;
+}
 static void dt__cross_entropy_backward(dt__tape_entry *e) {
     dt_tensor *logits = e->in[0];
     if (!logits->requires_grad) return;
     int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits), first;
-    const float *m = (const float *)e->saved, *log_l = m + B, *x = dt__in(logits);
-    const int32_t *labels = (const int32_t *)(log_l + B);
+    dt__xent_rows k = dt__xent_rows_at(e->saved, B);
+    const double *inv_l = k.inv_l;
+    const float *m = k.m, *x = dt__in(logits);
+    const int32_t *labels = k.labels;
     const dt_backend *gpu = dt__backend_for(logits);
     float *dl = dt__grad_acc_first(logits, &first);
-    if (gpu) gpu->cross_entropy_backward(x, m, labels, e->out->grad, dl, B, C, e->farg[0]);
+    if (gpu) gpu->cross_entropy_backward(x, inv_l, m, labels, e->out->grad, dl, B, C, e->farg[0]);
     else {
         float scale = e->out->grad[0] / e->farg[0];
         DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
@@ -1033,9 +1045,9 @@ static void dt__cross_entropy_backward(dt__tape_entry *e) {
             const float *r = x + (size_t)i * C;
             int label = labels[i], mine = label >= 0 && label < C;    /* a split vocabulary: another rank's label is not */
             if (label == DT_IGNORE_INDEX) { if (first) memset(d, 0, sizeof(float) * (size_t)C); continue; }
-            float at_label = mine ? (first ? 0.0f : d[label]) + dt_cross_entropy_grad(r[label], m[i], log_l[i], 1.0f, scale) : 0;
-            if (first) for (int j = 0; j < C; j++) d[j] = dt_cross_entropy_grad(r[j], m[i], log_l[i], 0.0f, scale);
-            else for (int j = 0; j < C; j++) d[j] += dt_cross_entropy_grad(r[j], m[i], log_l[i], 0.0f, scale);  /* it vectorises */
+            float at_label = mine ? (first ? 0.0f : d[label]) + dt_cross_entropy_grad(r[label], m[i], inv_l[i], 1.0f, scale) : 0;
+            if (first) for (int j = 0; j < C; j++) d[j] = dt_cross_entropy_grad(r[j], m[i], inv_l[i], 0.0f, scale);
+            else for (int j = 0; j < C; j++) d[j] += dt_cross_entropy_grad(r[j], m[i], inv_l[i], 0.0f, scale);  /* it vectorises */
             if (mine) d[label] = at_label;
         }
     }
@@ -1074,9 +1086,8 @@ static double dt__loss_divisor(const int32_t *labels, int B, int C) {
         divisor = dt__ctx.loss_divisor.divisor;
     return divisor;
 }
-/* The step data the loss keeps: each row's m, then log l, then the labels. */
-static float *dt__cross_entropy_saved(int B) { return (float *)dt__step_data((sizeof(float) * 2 + sizeof(int32_t)) * (size_t)B); }
-static dt_tensor *dt__cross_entropy_done(dt_tensor *logits, float *saved, double divisor, dt_tensor *loss) {
+static void *dt__cross_entropy_saved(int B) { return dt__step_data((sizeof(double) + sizeof(float) + sizeof(int32_t)) * (size_t)B); }
+static dt_tensor *dt__cross_entropy_done(dt_tensor *logits, void *saved, double divisor, dt_tensor *loss) {
     if (dt__wants_grad(logits, NULL, NULL)) {
         dt__tape_entry *e = dt__tape_push(dt__cross_entropy_backward, loss, logits, NULL, NULL);
         e->saved = saved;
@@ -1092,30 +1103,33 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
     double divisor = dt__loss_divisor(labels, B, C);
     const dt_backend *gpu = dt__backend_for(logits);
     dt__scratch_reset();
-    float *m = dt__cross_entropy_saved(B), *log_l = m + B;
-    int32_t *saved_labels = (int32_t *)(log_l + B);
+    void *saved = dt__cross_entropy_saved(B);
+    dt__xent_rows k = dt__xent_rows_at(saved, B);
+    double *inv_l = k.inv_l;
+    float *m = k.m;
+    int32_t *saved_labels = k.labels;
     int s1[1] = { 1 };
     dt_tensor *loss = dt__tensor_alloc(1, s1, DT_F32);        /* the loss is f32, always */
     const float *lv = dt__in(logits);
     if (gpu) {
         gpu->upload(saved_labels, labels, sizeof(int32_t) * B);
-        gpu->cross_entropy_forward(lv, saved_labels, m, loss->data, B, C, divisor);
+        gpu->cross_entropy_forward(lv, saved_labels, inv_l, m, loss->data, B, C, divisor);
     } else {
         /* rows on every thread, the rows' losses added in row order after */
         double *row_loss = (double *)dt__scratch_on(DT_CPU, sizeof(double) * (size_t)B), total = 0;
         DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
         for (int i = 0; i < B; i++) {
-            row_loss[i] = m[i] = log_l[i] = 0;
+            row_loss[i] = inv_l[i] = m[i] = 0;
             if (labels[i] == DT_IGNORE_INDEX) continue;      /* backward never reads its numbers */
             const float *r = lv + (size_t)i * C;
             double sum = dt__row_softmax(r, C, &m[i]);
-            log_l[i] = (float)log(sum);
+            inv_l[i] = 1.0 / sum;
             row_loss[i] = -(r[labels[i]] - m[i] - log(sum));
         }
         for (int i = 0; i < B; i++) { total += row_loss[i]; saved_labels[i] = labels[i]; }
         loss->data[0] = (float)(total / divisor);
     }
-    return dt__cross_entropy_done(logits, m, divisor, loss);
+    return dt__cross_entropy_done(logits, saved, divisor, loss);
 }
 
 /* Rows first .. first + rows - 1 of the logits on the host, each the whole

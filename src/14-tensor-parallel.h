@@ -318,8 +318,8 @@ void dt_tp_free(dt_tp *tp) {
       that scale by the online softmax's step (as FlashAttention merges two
       blocks of keys), and the group sums the l's and the label's logits.
       Every rank then has each row's loss, log l + m - x[label], and the
-      two numbers the backward above needs, the labels this rank does not
-      hold out of its columns' range. -- */
+      two numbers the backward above needs (m and 1 / l), the labels this
+      rank does not hold out of its columns' range. -- */
 static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labels) {
     dt_parallel *par = logits->parallel;
     int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits), first = par->tp_rank * C;
@@ -327,8 +327,9 @@ static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labe
     const dt_backend *gpu = dt__backend_for(logits);
     dt_device dev = logits->device;
     dt__scratch_reset();
-    float *saved = dt__cross_entropy_saved(B);
-    int32_t *mine = (int32_t *)(saved + 2 * (size_t)B);
+    void *saved = dt__cross_entropy_saved(B);
+    dt__xent_rows k = dt__xent_rows_at(saved, B);
+    int32_t *mine = k.labels;
     int32_t *host = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)B);
     for (int i = 0; i < B; i++)            /* this rank's columns: the label's, or -1 (another rank's) */
         host[i] = labels[i] == DT_IGNORE_INDEX ? DT_IGNORE_INDEX
@@ -359,13 +360,13 @@ static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labe
     par->tp_sum(par, stats + B, 2 * (int64_t)B);
     dt__download_from(dev, h + B, stats + B, sizeof(float) * 2 * (size_t)B);
     /* each row's loss, added in row order on the host, as the whole-row op does */
-    double total = 0;
+    double total = 0, *inv = (double *)dt__step_alloc_uninit(sizeof(double) * (size_t)B);
     for (int i = 0; i < B; i++) {
         if (labels[i] != DT_IGNORE_INDEX) total += log((double)h[B + i]) + top[i] - h[2 * B + i];
-        h[i] = top[i];
-        h[B + i] = (float)log((double)h[B + i]);
+        inv[i] = 1.0 / (double)h[B + i];
     }
-    dt__upload_to(dev, saved, h, sizeof(float) * 2 * (size_t)B);
+    dt__upload_to(dev, k.inv_l, inv, sizeof(double) * (size_t)B);
+    dt__upload_to(dev, k.m, top, sizeof(float) * (size_t)B);
     int s1[1] = { 1 };
     dt_tensor *loss = dt__tensor_alloc(1, s1, DT_F32);
     float value = (float)(total / divisor);

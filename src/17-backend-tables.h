@@ -80,8 +80,8 @@ DT_HD static inline float dt_online_softmax_rescale(float *m, float block_max) {
     *m = now;
     return old == -INFINITY ? 0.0f : dt_exp_value(old - now);
 }
-DT_HD static inline float dt_cross_entropy_grad(float x, float m, float log_l, float onehot, float scale) {
-    return (dt_exp_value(x - m - log_l) - onehot) * scale;
+DT_HD static inline float dt_cross_entropy_grad(float x, float m, double inv_l, float onehot, float scale) {
+    return ((float)((double)dt_exp_value(x - m) * inv_l) - onehot) * scale;
 }
 DT_HD static inline float dt_silu_derivative(float x) {
     float sg = 1.0f / (1.0f + dt_exp_value(-x));
@@ -241,14 +241,14 @@ typedef struct dt_backend {
     void (*vit_tokens_backward)(const float *dy, float *dpatches, float *dcls, float *dpos, int B, int P, int D);
     void (*select_token_forward)(const float *x, float *y, int B, int T, int index, int D);
     void (*select_token_backward)(const float *dy, float *dx, int B, int T, int index, int D);
-    /* The fused classifier. Forward: row_stats gets each row's largest value
-       m, then each row's log of l, its sum of exp(x - m); rows whose label is
-       DT_IGNORE_INDEX add nothing; the sum is divided by `divisor`. Backward:
-       dlogits += dt_cross_entropy_grad of each logit, in one pass. */
-    void (*cross_entropy_forward)(const float *logits, const int32_t *labels, float *row_stats, float *loss,
+    /* The fused classifier. Forward: each row's largest value m, and 1 / l,
+       l its sum of exp(x - m); rows whose label is DT_IGNORE_INDEX add
+       nothing; the sum is divided by `divisor`. Backward: dlogits +=
+       dt_cross_entropy_grad of each logit, in one pass. */
+    void (*cross_entropy_forward)(const float *logits, const int32_t *labels, double *inv_l, float *m, float *loss,
                                   int B, int C, double divisor);
-    void (*cross_entropy_backward)(const float *logits, const float *row_stats, const int32_t *labels, const float *dloss,
-                                   float *dlogits, int B, int C, float divisor);
+    void (*cross_entropy_backward)(const float *logits, const double *inv_l, const float *m, const int32_t *labels,
+                                   const float *dloss, float *dlogits, int B, int C, float divisor);
     /* A vocabulary split over ranks: stats gets each row's m, then its l
        (over these C columns), then its x[label] (0 where the label is not
        among them); the group merges the rows' numbers between. */

@@ -211,7 +211,7 @@ static const dt__flag dt__flags[] = {
     { "--accum-steps", "57", "N", "micro-batches of --batch-size per optimizer step; gradients add up locally (default 1;\n"
       "                          07: a pipeline's micro-batches are its accumulation: K x --micro-batches of a K x\n"
       "                          --batch-size step)", DT_ARG_INT, DT_CFG(accum_steps), NULL, DT_MIN(1) },
-    { "--dtype", "57", "fp32|bf16|fp16", "activations and matmuls in this type, f32 master weights (default fp32; 07: the\n"
+    { "--dtype", "578", "fp32|bf16|fp16", "activations and matmuls in this type, f32 master weights (default fp32; 07: the\n"
       "                          activations and gradients stages send too, and no fp16)",
       DT_ARG_CHOICE, DT_CFG(dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
     { "--reduce-dtype", "5", "fp32|bf16|fp16", "the type gradients are reduce-scattered in (default fp32)",
@@ -557,6 +557,9 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if ((dt__stage_takes(stage, "--tp") || dt__stage_takes(stage, "--cp")) && !dt__given(given, "--shard"))
         c.shard = DT_SHARD_NONE;                                            /* 06-08: DDP's */
     if (dt__stage_takes(stage, "--pp") && !dt__given(given, "--tp")) c.tp = 1;      /* 07: whole layers in each stage */
+    if (dt__stage_takes(stage, "--cp") && c.dtype == DT_F16)
+        dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which 08 does not do; use --dtype bf16, whose "
+                       "range is f32's");
     if (dt__stage_takes(stage, "--micro-batches") && c.dtype == DT_F16)
         dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which the pipeline does not carry from stage to "
                        "stage; use --dtype bf16, whose range is f32's");

@@ -817,20 +817,20 @@ static void dt__cuda_patchify(const float *img, float *out, int B, int C, int H,
         and one block then adds the rows in a fixed order (thread t takes
         rows t, t + 256, ..., then a fixed tree), so the mean is the same
         every run. Backward makes each probability again as it writes. ---- */
-__global__ static void dt__k_cross_entropy_rows(const float *logits, const int32_t *labels, float *row_stats,
+__global__ static void dt__k_cross_entropy_rows(const float *logits, const int32_t *labels, double *inv_l, float *row_m,
                                                double *row_loss, int B, int C) {
     int lane = threadIdx.x % 32;
     DT_FOR_EACH_ROW(i, B) {
         if (labels[i] == DT_IGNORE_INDEX) {
-            if (lane == 0) row_loss[i] = row_stats[i] = row_stats[B + i] = 0;
+            if (lane == 0) row_loss[i] = inv_l[i] = row_m[i] = 0;
             continue;
         }
         const float *r = logits + i * C;
         float m, l;
         dt__warp_online_softmax(r, C, &m, &l);
         if (lane == 0) {
-            row_stats[i] = m;
-            row_stats[B + i] = logf(l);
+            row_m[i] = m;
+            inv_l[i] = 1.0 / (double)l;
             row_loss[i] = -((double)r[labels[i]] - m - log((double)l));
         }
     }
@@ -847,25 +847,25 @@ __global__ static void dt__k_mean_of_rows(const double *row_loss, int B, double 
     }
     if (threadIdx.x == 0) loss[0] = (float)(sh[0] / divisor);
 }
-static void dt__cuda_cross_entropy_forward(const float *logits, const int32_t *labels, float *row_stats, float *loss,
+static void dt__cuda_cross_entropy_forward(const float *logits, const int32_t *labels, double *inv_l, float *m, float *loss,
                                           int B, int C, double divisor) {
     double *row_loss = (double *)dt__cuda_grow(&dt__cuda.row_loss, &dt__cuda.row_loss_bytes, sizeof(double) * (size_t)B);
-    DT_LAUNCH(dt__k_cross_entropy_rows, dt__blocks_for_warps(B), DT_THREADS, logits, labels, row_stats, row_loss, B, C);
+    DT_LAUNCH(dt__k_cross_entropy_rows, dt__blocks_for_warps(B), DT_THREADS, logits, labels, inv_l, m, row_loss, B, C);
     DT_LAUNCH(dt__k_mean_of_rows, 1, DT_THREADS, row_loss, B, divisor, loss);
 }
-__global__ static void dt__k_cross_entropy_backward(const float *x, const float *row_stats, const int32_t *labels,
+__global__ static void dt__k_cross_entropy_backward(const float *x, const double *inv_l, const float *m, const int32_t *labels,
                                                    const float *dloss, float *dl, int B, int C, float divisor) {
     float scale = dloss[0] / divisor;
     DT_FOR_EACH(i, (int64_t)B * C) {
         int64_t row = i / C;
         int j = (int)(i % C);
         if (labels[row] != DT_IGNORE_INDEX)
-            dl[i] += dt_cross_entropy_grad(x[i], row_stats[row], row_stats[B + row], j == labels[row] ? 1.0f : 0.0f, scale);
+            dl[i] += dt_cross_entropy_grad(x[i], m[row], inv_l[row], j == labels[row] ? 1.0f : 0.0f, scale);
     }
 }
-static void dt__cuda_cross_entropy_backward(const float *logits, const float *row_stats, const int32_t *labels,
+static void dt__cuda_cross_entropy_backward(const float *logits, const double *inv_l, const float *m, const int32_t *labels,
                                            const float *dloss, float *dlogits, int B, int C, float divisor) {
-    DT_LAUNCH(dt__k_cross_entropy_backward, dt_blocks_for((int64_t)B * C), DT_THREADS, logits, row_stats, labels, dloss,
+    DT_LAUNCH(dt__k_cross_entropy_backward, dt_blocks_for((int64_t)B * C), DT_THREADS, logits, inv_l, m, labels, dloss,
               dlogits, B, C, divisor);
 }
 

@@ -16,7 +16,7 @@ TEST(bad_flags_exit_2_naming_the_flag, QUICK) {
         { "01-single-gpu", "--model vit --dim 100 --heads 3", "--heads" },
         { "01-single-gpu", "--nproc 2", "--nproc is a flag of 02-dp" },
         { "03-ddp", "--bucket-mb -1", "--bucket-mb" },
-        { "01-single-gpu", "--dtype bf16", "05-accum-mixed-precision and 07-pipeline-parallel, not 01" },
+        { "01-single-gpu", "--dtype bf16", "05-accum-mixed-precision, 07-pipeline-parallel and 08-context-parallel, not 01" },
         { "04-fsdp", "--accum-steps 4", "05-accum-mixed-precision and 07-pipeline-parallel, not 04" },
         { "05-accum-mixed-precision", "--accum-steps 0", "--accum-steps" },
         { "05-accum-mixed-precision", "--dtype fp8", "--dtype" },
@@ -112,7 +112,7 @@ TEST(a_flag_of_another_stage_exits_2_naming_its_stages, QUICK) {
           "--timeout is a flag of 02-dp, 03-ddp, 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel, 07-pipeline-parallel and "
           "08-context-parallel" },
         { "04-fsdp", "--accum-steps 1", "--accum-steps is a flag of 05-accum-mixed-precision and 07-pipeline-parallel, not 04-fsdp" },
-        { "03-ddp", "--dtype fp32", "--dtype is a flag of 05-accum-mixed-precision and 07-pipeline-parallel, not 03-ddp" },
+        { "03-ddp", "--dtype fp32", "--dtype is a flag of 05-accum-mixed-precision, 07-pipeline-parallel and 08-context-parallel, not 03-ddp" },
         { "02-dp", "--reduce-dtype fp32", "--reduce-dtype is a flag of 05-accum-mixed-precision, not 02-dp" },
         { "02-dp", "--ranks-per-gpu 1",
           "--ranks-per-gpu is a flag of 03-ddp, 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel, 07-pipeline-parallel and "
