@@ -45,19 +45,22 @@ copy_sources() {
 # Every stage's --bench with every model: a few steps, a small batch, the
 # parallel stages with two ranks, stage 05 with bf16 and accumulation, stage
 # 07 as two pipelines of two stages in bf16 with the optimizer state shared
-# out (a stage refuses the flags of others, so each gets its own).
+# out, stage 08 (context parallelism: language models only) as one group of two
+# (a stage refuses the flags of others, so each gets its own).
 stage_benches() {
-  local s m extra out
+  local s m extra out models
   for s in 0*/; do
     s=${s%/}
+    models="mlp vit gpt"
     case $s in
       01-*) extra="" ;;
       05-*) extra="--nproc 2 --timeout 120 --dtype bf16 --accum-steps 2" ;;
       06-*) extra="--nproc 2 --timeout 120 --heads 4" ;;   # the vit's default 3 heads do not split over 2
       07-*) extra="--nproc 4 --pp 2 --timeout 120 --micro-batches 2 --dtype bf16 --shard optimizer" ;;   # 2 x 1 x 2
+      08-*) extra="--nproc 2 --timeout 120"; models="gpt llama" ;;
       *) extra="--nproc 2 --timeout 120" ;;
     esac
-    for m in mlp vit gpt; do
+    for m in $models; do
       if ! out=$("./$s/train" --bench --device cpu --model "$m" --batch-size 8 --steps 2 $extra 2>&1); then
         printf '%s\n' "$out" | tail -5
         echo "FAILED: $s/train --bench --model $m $extra"
