@@ -497,9 +497,6 @@ dt_parallel *dt_parallel_splitting(dt_parallel *par);
 double dt_flops_counted(void);
 void dt_flops_reset(void);
 
-/* [src/06-attention-and-loss.h] */
-/* ---- autograd: attention, embeddings, the loss; tensor parallelism's f and g ---- */
-
 /* Tensor parallelism's two conjugate ops (Megatron-LM's f and g), which put
    its communication on the tape so that backward needs no special case. A
    column-parallel layer (each rank computes its share of the outputs) reads
@@ -524,6 +521,10 @@ dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x);
    and no gradient is wanted (generation), and with gradients that is an error. */
 dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x);
 dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x);
+
+/* [src/06-attention-and-loss.h] */
+/* ---- autograd: attention, embeddings, the loss ---- */
+
 /* x [rows, cols] + bias [cols] on every row: a row-parallel layer's bias, added
    once, after the sum. */
 dt_tensor *dt_add_bias(dt_tensor *x, dt_tensor *bias);
@@ -3864,7 +3865,6 @@ dt_tensor *dt_scale(dt_tensor *x, float factor) {
     return y;
 }
 
-/* [src/06-attention-and-loss.h] */
 /* -- tensor parallelism's f and g (the tensor-parallel chapter cuts the layers); their
       gradients are added in as the residual's are (dt__add_into_grad). -- */
 /* The rows of x [N, C] as f32 on the device: x's own values (06 has no
@@ -4017,7 +4017,7 @@ dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x) {
     if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__sp_gather_backward, y, x, NULL, NULL)->saved = par;
     return y;
 }
-
+/* [src/06-attention-and-loss.h] */
 /* -- a bias on every row: y = x + b; dx = dy, db = the sum of dy over rows
       in row order, as linear's backward sums it (so the same bits) -- */
 static void dt__add_bias_backward(dt__tape_entry *e) {
@@ -4219,9 +4219,7 @@ static void dt__attention_backward_tiles(const float *qkvv, const float *P, cons
 
 /* -- the online body: per (sequence, head) and query row, its keys in blocks
       of DT__ONLINE_KEYS; the row's m, l and output accumulate as the
-      recurrence says, and the output is divided by l at the end. saved:
-      each row's log-sum-exp [B*H*T], then the output in f32 [B*T, D],
-      which backward needs for <dO, O> (the matmul body's <dP, P>). -- */
+      recurrence says, and the output is divided by l at the end. -- */
 #define DT__ONLINE_KEYS 64
 #define DT__ONLINE_ROWS DT__ATT_ROWS     /* query rows that share each key block's loads: a tile's */
 typedef float dt__online_block[DT__ONLINE_ROWS][DT__ONLINE_KEYS];
@@ -4261,60 +4259,135 @@ static void dt__online_keys_times(const dt__online_block a, int rows, int n, con
         for (int r = 0; r < rows; r++)
             for (int d = 0; d < hd; d++) c[(size_t)j * ldc + d] += a[r][j] * x[(size_t)r * ldx + d];
 }
-/* Row i of a causal head sees the keys up to itself: how many of the block at j0. */
-static int dt__online_valid(int causal, int i, int j0, int n) {
-    int v = causal ? i + 1 - j0 : n;
-    return v < 0 ? 0 : v < n ? v : n;
+/* One head of one sequence, the unit every online body works on: Tq query
+   rows (row i at q + i * ldq) against Tk keys (K transposed in kt, rows of
+   Tp; V transposed in vt; key j's rows of K and V at k, v + j * ldkv). The
+   tokens' positions ascend (qpos, kpos; NULL: 0, 1, 2, ...), and a causal
+   row sees the keys at its position and before. On one device the queries
+   and keys are the same tokens; under context parallelism the keys are the
+   block the ring brought (dt_ring_attention): the same loops. */
+typedef struct dt__online_head {
+    const float *q, *kt, *vt, *k, *v, *qpos, *kpos;
+    ptrdiff_t ldq, ldkv;
+    int Tq, Tk, Tp, hd, causal;
+    float scale;
+} dt__online_head;
+static int dt__online_visible(const dt__online_head *a, int i) {
+    if (!a->causal) return a->Tk;
+    float p = a->qpos ? a->qpos[i] : (float)i;
+    int lo = 0, hi = a->Tk;
+    if (!a->kpos) return p + 1 < 0 ? 0 : p + 1 < hi ? (int)p + 1 : hi;
+    while (lo < hi) {                                    /* the keys at p and before */
+        int mid = (lo + hi) / 2;
+        if (a->kpos[mid] <= p) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
 }
+/* Each row's largest score m, sum l and unnormalised output acc (row i at
+   acc + i * ldacc) move on by the keys it sees, a tile of rows against
+   DT__ONLINE_KEYS keys at a time; a tile of keys none of its rows sees is
+   skipped. Returns the score products made (the work, counted). */
+static int64_t dt__online_forward(const dt__online_head *a, float *m, float *l, float *acc, ptrdiff_t ldacc) {
+    int64_t work = 0;
+    int hd = a->hd, vis[DT__ONLINE_ROWS];
+    dt__online_block s;
+    for (int i0 = 0; i0 < a->Tq; i0 += DT__ONLINE_ROWS) {
+        int rows = a->Tq - i0 < DT__ONLINE_ROWS ? a->Tq - i0 : DT__ONLINE_ROWS, keys = 0;
+        for (int r = 0; r < rows; r++) keys = (vis[r] = dt__online_visible(a, i0 + r)) > keys ? vis[r] : keys;
+        for (int j0 = 0; j0 < keys; j0 += DT__ONLINE_KEYS) {
+            int n = keys - j0 < DT__ONLINE_KEYS ? keys - j0 : DT__ONLINE_KEYS;
+            dt__online_scores(a->q + (size_t)i0 * a->ldq, a->ldq, rows, a->kt, a->Tp, j0, n, hd, a->scale, s);
+            for (int r = 0; r < rows; r++) {
+                int i = i0 + r, valid = vis[r] - j0 < 0 ? 0 : vis[r] - j0 < n ? vis[r] - j0 : n;
+                float block_max = -INFINITY, *ar = acc + (size_t)i * ldacc;
+                for (int j = 0; j < valid; j++) block_max = s[r][j] > block_max ? s[r][j] : block_max;
+                if (valid > 0) {
+                    float c = dt_online_softmax_rescale(&m[i], block_max);   /* what came before, on the new scale */
+                    l[i] *= c;
+                    for (int d = 0; d < hd; d++) ar[d] *= c;
+                }
+                for (int j = 0; j < valid; j++) s[r][j] = dt_exp_value(s[r][j] - m[i]);   /* unnormalised */
+                for (int j = valid; j < n; j++) s[r][j] = 0.0f;                           /* past the row */
+                for (int j = 0; j < valid; j++) l[i] += s[r][j];
+                work += valid;
+            }
+            dt__online_rows_times(s, rows, n, a->v + (size_t)j0 * a->ldkv, a->ldkv, acc + (size_t)i0 * ldacc, ldacc, hd);  /* acc += P V */
+        }
+    }
+    return work;
+}
+/* When every key has been seen: the output (acc / l, into acc and out, row i
+   at + i * ld) and m becomes the row's log-sum-exp, all backward keeps. */
+static void dt__online_finish(int Tq, int hd, float *m, const float *l, float *acc, ptrdiff_t ldacc, float *out, ptrdiff_t ldout) {
+    for (int i = 0; i < Tq; i++) {
+        float *ai = acc + (size_t)i * ldacc, *o = out + (size_t)i * ldout;
+        for (int d = 0; d < hd; d++) o[d] = ai[d] = ai[d] / l[i];
+        m[i] += logf(l[i]);                                   /* p = exp(s - lse) */
+    }
+}
+/* Backward against the keys: each probability made again, p = exp(s - lse);
+   dS = p (dP - <dO, O>) scale as the softmax's backward (dP = dO . v_j, from
+   V transposed as the scores from K's), and dQ += dS K (row i at dq + i *
+   ldq), dK += dS^T Q, dV += P^T dO (key j at dk, dv + j * ldkv); dO and O
+   row i at + i * ldo. Returns the score products made. */
+static int64_t dt__online_backward(const dt__online_head *a, const float *dO, const float *O, ptrdiff_t ldo, const float *lse,
+                                   float *dq, float *dk, float *dv) {
+    int64_t work = 0;
+    int hd = a->hd, vis[DT__ONLINE_ROWS];
+    dt__online_block p, ds;
+    float Di[DT__ONLINE_ROWS];
+    for (int i0 = 0; i0 < a->Tq; i0 += DT__ONLINE_ROWS) {
+        int rows = a->Tq - i0 < DT__ONLINE_ROWS ? a->Tq - i0 : DT__ONLINE_ROWS, keys = 0;
+        const float *qi = a->q + (size_t)i0 * a->ldq, *dOi = dO + (size_t)i0 * ldo;   /* row r: + r * ld */
+        for (int r = 0; r < rows; r++) {
+            const float *Or = O + (size_t)(i0 + r) * ldo, *dOr = dOi + (size_t)r * ldo;
+            keys = (vis[r] = dt__online_visible(a, i0 + r)) > keys ? vis[r] : keys;
+            Di[r] = 0;
+            for (int d = 0; d < hd; d++) Di[r] += dOr[d] * Or[d];
+        }
+        for (int j0 = 0; j0 < keys; j0 += DT__ONLINE_KEYS) {
+            int n = keys - j0 < DT__ONLINE_KEYS ? keys - j0 : DT__ONLINE_KEYS;
+            dt__online_scores(qi, a->ldq, rows, a->kt, a->Tp, j0, n, hd, a->scale, p);
+            dt__online_scores(dOi, ldo, rows, a->vt, a->Tp, j0, n, hd, 1.0f, ds);          /* dP = dO . v_j */
+            for (int r = 0; r < rows; r++) {
+                int valid = vis[r] - j0 < 0 ? 0 : vis[r] - j0 < n ? vis[r] - j0 : n;
+                float L = lse[i0 + r];
+                for (int j = 0; j < valid; j++) p[r][j] = dt_exp_value(p[r][j] - L);
+                for (int j = valid; j < n; j++) p[r][j] = 0.0f;
+                for (int j = 0; j < n; j++) ds[r][j] = p[r][j] * (ds[r][j] - Di[r]) * a->scale;
+                work += valid;
+            }
+            dt__online_rows_times(ds, rows, n, a->k + (size_t)j0 * a->ldkv, a->ldkv, dq + (size_t)i0 * a->ldq, a->ldq, hd);
+            dt__online_keys_times(ds, rows, n, qi, a->ldq, dk + (size_t)j0 * a->ldkv, a->ldkv, hd);
+            dt__online_keys_times(p, rows, n, dOi, ldo, dv + (size_t)j0 * a->ldkv, a->ldkv, hd);
+        }
+    }
+    return work;
+}
+/* saved: each row's log-sum-exp [B*H*T], then the output in f32 [B*T, D],
+   which backward needs for <dO, O> (the matmul body's <dP, P>). */
 static void dt__attention_forward_online(const float *qkvv, float *outv, float *saved, int B, int T, int H, int D,
                                          float scale, int causal) {
     int hd = D / H, Tp = dt__att_padded(T);
     float *lse = saved, *O = saved + (size_t)B * H * T;
-    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)hd * Tp * (size_t)dt_threads());
+    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)(hd * Tp + T) * (size_t)dt_threads());
     DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
-        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
-        dt__online_block s;
-        float m[DT__ONLINE_ROWS], l[DT__ONLINE_ROWS];
-        float *kt = space + (size_t)hd * Tp * (size_t)dt__thread_num();
-        dt__att_transpose(k, 3 * D, T, hd, kt, Tp);
-        for (int i0 = 0; i0 < T; i0 += DT__ONLINE_ROWS) {
-            int rows = T - i0 < DT__ONLINE_ROWS ? T - i0 : DT__ONLINE_ROWS, keys = causal ? i0 + rows : T;
-            float *acc = O + ((size_t)b * T + i0) * D + h * hd;              /* row r at acc + r * D */
-            for (int r = 0; r < rows; r++) {
-                m[r] = -INFINITY; l[r] = 0;
-                for (int d = 0; d < hd; d++) acc[(size_t)r * D + d] = 0;
-            }
-            for (int j0 = 0; j0 < keys; j0 += DT__ONLINE_KEYS) {
-                int n = keys - j0 < DT__ONLINE_KEYS ? keys - j0 : DT__ONLINE_KEYS;
-                dt__online_scores(q + (size_t)i0 * 3 * D, 3 * D, rows, kt, Tp, j0, n, hd, scale, s);
-                for (int r = 0; r < rows; r++) {
-                    int valid = dt__online_valid(causal, i0 + r, j0, n);
-                    float block_max = -INFINITY, *ar = acc + (size_t)r * D;
-                    for (int j = 0; j < valid; j++) block_max = s[r][j] > block_max ? s[r][j] : block_max;
-                    if (valid > 0) {
-                        float c = dt_online_softmax_rescale(&m[r], block_max);   /* what came before, on the new scale */
-                        l[r] *= c;
-                        for (int d = 0; d < hd; d++) ar[d] *= c;
-                    }
-                    for (int j = 0; j < valid; j++) s[r][j] = dt_exp_value(s[r][j] - m[r]);   /* unnormalised */
-                    for (int j = valid; j < n; j++) s[r][j] = 0.0f;                           /* past the row */
-                    for (int j = 0; j < valid; j++) l[r] += s[r][j];
-                }
-                dt__online_rows_times(s, rows, n, v + (size_t)j0 * 3 * D, 3 * D, acc, D, hd);   /* acc += P V */
-            }
-            for (int r = 0; r < rows; r++) {
-                float *ar = acc + (size_t)r * D, *o = outv + ((size_t)b * T + i0 + r) * D + h * hd;
-                for (int d = 0; d < hd; d++) o[d] = ar[d] = ar[d] / l[r];
-                lse[(size_t)bh * T + i0 + r] = m[r] + logf(l[r]);   /* the row's log-sum-exp: p = exp(s - lse) */
-            }
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd;
+        float *kt = space + (size_t)(hd * Tp + T) * (size_t)dt__thread_num(), *l = kt + (size_t)hd * Tp;
+        float *m = lse + (size_t)bh * T, *acc = O + (size_t)b * T * D + h * hd;   /* row i: + i * D */
+        dt__online_head a = { q, kt, NULL, NULL, q + 2 * D, NULL, NULL, 3 * D, 3 * D, T, T, Tp, hd, causal, scale };
+        dt__att_transpose(q + D, 3 * D, T, hd, kt, Tp);
+        for (int i = 0; i < T; i++) {
+            m[i] = -INFINITY; l[i] = 0;
+            for (int d = 0; d < hd; d++) acc[(size_t)i * D + d] = 0;
         }
+        dt__online_forward(&a, m, l, acc, D);
+        dt__online_finish(T, hd, m, l, acc, D, outv + (size_t)b * T * D + h * hd, D);
     }
 }
-/* Backward: each probability made again, p = exp(s - lse); dS = p (dP - <dO, O>)
-   scale as the softmax's backward, and dQ, dK, dV from it, a block of rows
-   and keys at a time (dP = dO . v_j from V transposed, as the scores from K's). */
 static void dt__attention_backward_online(const float *qkvv, const float *saved, const float *dout, float *dqkv, int add,
                                           int B, int T, int H, int D, float scale, int causal) {
     int hd = D / H, Tp = dt__att_padded(T);
@@ -4323,42 +4396,17 @@ static void dt__attention_backward_online(const float *qkvv, const float *saved,
     DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
-        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
-        float *dq = dqkv + (size_t)b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
-        dt__online_block p, ds;
-        float Di[DT__ONLINE_ROWS];
-        float *kt = space + 2 * (size_t)hd * Tp * (size_t)dt__thread_num(), *vt = kt + (size_t)hd * Tp;
-        dt__att_transpose(k, 3 * D, T, hd, kt, Tp);
-        dt__att_transpose(v, 3 * D, T, hd, vt, Tp);
+        size_t at = (size_t)b * T * D + h * hd;                /* this head's rows of [B*T, D] (+ i * D) */
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd;
+        float *dq = dqkv + (size_t)b * T * 3 * D + h * hd, *kt = space + 2 * (size_t)hd * Tp * (size_t)dt__thread_num();
+        dt__online_head a = { q, kt, kt + (size_t)hd * Tp, q + D, q + 2 * D, NULL, NULL, 3 * D, 3 * D, T, T, Tp, hd, causal, scale };
+        dt__att_transpose(q + D, 3 * D, T, hd, kt, Tp);
+        dt__att_transpose(q + 2 * D, 3 * D, T, hd, kt + (size_t)hd * Tp, Tp);
         for (int i = 0; i < T && !add; i++)               /* written first: this head's columns start at 0 */
-            for (int d = 0; d < hd; d++) dq[(size_t)i * 3 * D + d] = dk[(size_t)i * 3 * D + d] = dv[(size_t)i * 3 * D + d] = 0;
-        for (int i0 = 0; i0 < T; i0 += DT__ONLINE_ROWS) {
-            int rows = T - i0 < DT__ONLINE_ROWS ? T - i0 : DT__ONLINE_ROWS, keys = causal ? i0 + rows : T;
-            const float *qi = q + (size_t)i0 * 3 * D, *dOi = dout + ((size_t)b * T + i0) * D + h * hd;   /* row r: + r * ld */
-            for (int r = 0; r < rows; r++) {
-                const float *Or = O + ((size_t)b * T + i0 + r) * D + h * hd, *dOr = dOi + (size_t)r * D;
-                Di[r] = 0;
-                for (int d = 0; d < hd; d++) Di[r] += dOr[d] * Or[d];
-            }
-            for (int j0 = 0; j0 < keys; j0 += DT__ONLINE_KEYS) {
-                int n = keys - j0 < DT__ONLINE_KEYS ? keys - j0 : DT__ONLINE_KEYS;
-                dt__online_scores(qi, 3 * D, rows, kt, Tp, j0, n, hd, scale, p);
-                dt__online_scores(dOi, D, rows, vt, Tp, j0, n, hd, 1.0f, ds);         /* dP = dO . v_j */
-                for (int r = 0; r < rows; r++) {
-                    int valid = dt__online_valid(causal, i0 + r, j0, n);
-                    float L = lse[(size_t)bh * T + i0 + r];
-                    for (int j = 0; j < valid; j++) p[r][j] = dt_exp_value(p[r][j] - L);
-                    for (int j = valid; j < n; j++) p[r][j] = 0.0f;
-                    for (int j = 0; j < n; j++) ds[r][j] = p[r][j] * (ds[r][j] - Di[r]) * scale;
-                }
-                dt__online_rows_times(ds, rows, n, k + (size_t)j0 * 3 * D, 3 * D, dq + (size_t)i0 * 3 * D, 3 * D, hd);  /* dQ += dS K */
-                dt__online_keys_times(ds, rows, n, qi, 3 * D, dk + (size_t)j0 * 3 * D, 3 * D, hd);   /* dK += dS^T Q */
-                dt__online_keys_times(p, rows, n, dOi, D, dv + (size_t)j0 * 3 * D, 3 * D, hd);       /* dV += P^T dO */
-            }
-        }
+            for (int d = 0; d < hd; d++) dq[(size_t)i * 3 * D + d] = dq[(size_t)i * 3 * D + D + d] = dq[(size_t)i * 3 * D + 2 * D + d] = 0;
+        dt__online_backward(&a, dout + at, O + at, D, lse + (size_t)bh * T, dq, dq + D, dq + 2 * D);
     }
 }
-
 static void dt__attention_backward(dt__tape_entry *e) {
     dt_tensor *qkv = e->in[0];
     if (!qkv->requires_grad) return;
@@ -9036,111 +9084,46 @@ static void dt__ring_pack(const dt__ring *r, const float *qkvv, float *blk) {
         memcpy(V + i * D, qkvv + i * 3 * D + 2 * D, sizeof(float) * (size_t)D);
     }
 }
-/* How many of a block's keys (positions ascending) a query at position p sees. */
-static int dt__ring_visible(const float *kpos, int T, float p, int causal) {
-    int lo = 0, hi = T;
-    while (causal && lo < hi) {
-        int mid = (lo + hi) / 2;
-        if (kpos[mid] <= p) lo = mid + 1;
-        else hi = mid;
-    }
-    return causal ? lo : T;
-}
-static float dt__ring_dot(const float *a, const float *b, int n) {     /* in DT_LANES partial sums: it vectorises */
-    float lanes[DT_LANES] = { 0 }, s = 0;
-    DT__LANE_SUM(lanes, n, c, a[c] * b[c]);
-    for (int l = 0; l < DT_LANES; l++) s += lanes[l];
-    return s;
-}
-/* This rank's queries against the block it holds, through the online body's
-   tiles (the attention chapter's dt__online_scores and friends: a block of
-   query rows against DT__ONLINE_KEYS keys at a time, the register-blocked
-   products): each row's (m, l) and unnormalised output acc move on by the
-   online softmax. A row sees the held keys at its place and before (both
-   ascend), so a tile of keys none of its rows sees is skipped. */
+/* This rank's queries against the block it holds: the online body's
+   (dt__online_forward, the attention chapter's) with the tokens' true
+   positions, each row's (m, l) and unnormalised output carried from block to
+   block -- the same loops as one device's, the ring only brings the keys. */
 static void dt__ring_attend(const dt__ring *r, const float *qkvv, const float *blk, float *m, float *l, float *acc,
                             float *space) {
     int B = r->B, T = r->T, H = r->H, D = r->D, hd = D / H, Tp = dt__att_padded(T);
-    const float *kpos = blk, *K = blk + T, *V = K + (size_t)B * T * D;
+    const float *K = blk + T, *V = K + (size_t)B * T * D;
     int64_t work = 0;
     DT_OMP("omp parallel for schedule(static) reduction(+:work) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
-        int b = bh / H, h = bh % H, vis[DT__ONLINE_ROWS];
-        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *v = V + (size_t)b * T * D + h * hd;   /* row i: + i * ld */
+        int b = bh / H, h = bh % H;
+        size_t at = (size_t)b * T * D + h * hd;          /* this head's rows in [B*T, D] arrays (+ i * D) */
         float *kt = space + (size_t)hd * Tp * (size_t)dt__thread_num();
-        dt__online_block s;
-        dt__att_transpose(K + (size_t)b * T * D + h * hd, D, T, hd, kt, Tp);
-        for (int i0 = 0; i0 < T; i0 += DT__ONLINE_ROWS) {
-            int rows = T - i0 < DT__ONLINE_ROWS ? T - i0 : DT__ONLINE_ROWS, keys = 0;
-            for (int k = 0; k < rows; k++) {
-                vis[k] = dt__ring_visible(kpos, T, r->qpos[i0 + k], r->causal);
-                keys = vis[k] > keys ? vis[k] : keys;
-            }
-            for (int j0 = 0; j0 < keys; j0 += DT__ONLINE_KEYS) {
-                int n = keys - j0 < DT__ONLINE_KEYS ? keys - j0 : DT__ONLINE_KEYS;
-                dt__online_scores(q + (size_t)i0 * 3 * D, 3 * D, rows, kt, Tp, j0, n, hd, r->scale, s);
-                for (int k = 0; k < rows; k++) {
-                    int valid = vis[k] - j0 < 0 ? 0 : vis[k] - j0 < n ? vis[k] - j0 : n;
-                    size_t row = (size_t)bh * T + i0 + k;
-                    float top = -INFINITY, *a = acc + ((size_t)b * T + i0 + k) * D + h * hd;
-                    for (int j = 0; j < valid; j++) top = s[k][j] > top ? s[k][j] : top;
-                    if (valid > 0) {
-                        float c = dt_online_softmax_rescale(&m[row], top);     /* what came before, on the new scale */
-                        l[row] *= c;
-                        for (int d = 0; d < hd; d++) a[d] *= c;
-                    }
-                    for (int j = 0; j < valid; j++) { s[k][j] = dt_exp_value(s[k][j] - m[row]); l[row] += s[k][j]; }
-                    for (int j = valid; j < n; j++) s[k][j] = 0.0f;                 /* keys after the row */
-                    work += valid;
-                }
-                dt__online_rows_times(s, rows, n, v + (size_t)j0 * D, D, acc + ((size_t)b * T + i0) * D + h * hd, D, hd);
-            }
-        }
+        dt__online_head a = { qkvv + (size_t)b * T * 3 * D + h * hd, kt, NULL, NULL, V + at, r->qpos, blk, 3 * D, D,
+                              T, T, Tp, hd, r->causal, r->scale };
+        dt__att_transpose(K + at, D, T, hd, kt, Tp);
+        work += dt__online_forward(&a, m + (size_t)bh * T, l + (size_t)bh * T, acc + at, D);
     }
     dt__ring_scores += work;
 }
-/* Backward against the block held: p made again from each row's
-   log-sum-exp, dS = p (dP - dO . O) scale; dQ into this rank's rows, dK and
-   dV into the block's, which travel with it -- the same tiles. */
-static void dt__ring_attend_backward(const dt__ring *r, const float *qkvv, const float *dout, const float *rowdot,
-                                     float *blk, float *dqkv, float *space) {
+/* Backward against the block held (dt__online_backward): dQ into this
+   rank's rows, dK and dV into the block's, which travel with it. */
+static void dt__ring_attend_backward(const dt__ring *r, const float *qkvv, const float *dout, float *blk, float *dqkv,
+                                     float *space) {
     int B = r->B, T = r->T, H = r->H, D = r->D, hd = D / H, Tp = dt__att_padded(T);
     int64_t BTD = (int64_t)B * T * D, work = 0;
-    const float *kpos = blk, *K = blk + T, *V = K + BTD;
+    const float *K = blk + T, *V = K + BTD;
     float *dK = blk + T + 2 * BTD, *dV = dK + BTD;
     DT_OMP("omp parallel for schedule(static) reduction(+:work) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {                 /* a head's columns: no two threads write the same */
-        int b = bh / H, h = bh % H, vis[DT__ONLINE_ROWS];
-        size_t at = (size_t)b * T * D + h * hd;          /* this head's rows in [B*T, D] arrays (+ i * D) */
-        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *dO = dout + at;
-        float *dq = dqkv + (size_t)b * T * 3 * D + h * hd, *kt = space + 2 * (size_t)hd * Tp * (size_t)dt__thread_num();
-        float *vt = kt + (size_t)hd * Tp;
-        dt__online_block p, ds;
+        int b = bh / H, h = bh % H;
+        size_t at = (size_t)b * T * D + h * hd;
+        float *kt = space + 2 * (size_t)hd * Tp * (size_t)dt__thread_num();
+        dt__online_head a = { qkvv + (size_t)b * T * 3 * D + h * hd, kt, kt + (size_t)hd * Tp, K + at, V + at, r->qpos, blk,
+                              3 * D, D, T, T, Tp, hd, r->causal, r->scale };
         dt__att_transpose(K + at, D, T, hd, kt, Tp);
-        dt__att_transpose(V + at, D, T, hd, vt, Tp);
-        for (int i0 = 0; i0 < T; i0 += DT__ONLINE_ROWS) {
-            int rows = T - i0 < DT__ONLINE_ROWS ? T - i0 : DT__ONLINE_ROWS, keys = 0;
-            for (int k = 0; k < rows; k++) {
-                vis[k] = dt__ring_visible(kpos, T, r->qpos[i0 + k], r->causal);
-                keys = vis[k] > keys ? vis[k] : keys;
-            }
-            for (int j0 = 0; j0 < keys; j0 += DT__ONLINE_KEYS) {
-                int n = keys - j0 < DT__ONLINE_KEYS ? keys - j0 : DT__ONLINE_KEYS;
-                dt__online_scores(q + (size_t)i0 * 3 * D, 3 * D, rows, kt, Tp, j0, n, hd, r->scale, p);
-                dt__online_scores(dO + (size_t)i0 * D, D, rows, vt, Tp, j0, n, hd, 1.0f, ds);      /* dP = dO . v_j */
-                for (int k = 0; k < rows; k++) {
-                    int valid = vis[k] - j0 < 0 ? 0 : vis[k] - j0 < n ? vis[k] - j0 : n;
-                    size_t row = (size_t)bh * T + i0 + k;
-                    for (int j = 0; j < valid; j++) p[k][j] = dt_exp_value(p[k][j] - r->lse[row]);
-                    for (int j = valid; j < n; j++) p[k][j] = 0.0f;
-                    for (int j = 0; j < n; j++) ds[k][j] = p[k][j] * (ds[k][j] - rowdot[row]) * r->scale;
-                    work += valid;
-                }
-                dt__online_rows_times(ds, rows, n, K + at + (size_t)j0 * D, D, dq + (size_t)i0 * 3 * D, 3 * D, hd);  /* dQ += dS K */
-                dt__online_keys_times(ds, rows, n, q + (size_t)i0 * 3 * D, 3 * D, dK + at + (size_t)j0 * D, D, hd);  /* dK += dS^T Q */
-                dt__online_keys_times(p, rows, n, dO + (size_t)i0 * D, D, dV + at + (size_t)j0 * D, D, hd);        /* dV += P^T dO */
-            }
-        }
+        dt__att_transpose(V + at, D, T, hd, kt + (size_t)hd * Tp, Tp);
+        work += dt__online_backward(&a, dout + at, r->O + at, D, r->lse + (size_t)bh * T,
+                                    dqkv + (size_t)b * T * 3 * D + h * hd, dK + at, dV + at);
     }
     dt__ring_scores += work;
 }
@@ -9154,22 +9137,16 @@ static void dt__ring_attention_backward(dt__tape_entry *e) {
     const float *qkvv = dt__in(qkv), *dout = dt__grad_in(e->out);
     float *dqkv = dt__grad_acc_first(qkv, &first);
     if (first) memset(dqkv, 0, sizeof(float) * (size_t)qkv->numel);
-    float *rowdot = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)B * H * T);
     float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)hd * dt__att_padded(T) * (size_t)dt_threads());
     float *blk[2] = { (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)nblk) };
     blk[1] = blk[0] + nblk;
-    for (int bh = 0; bh < B * H; bh++)                  /* dO . O, the softmax backward's subtrahend */
-        for (int i = 0; i < T; i++) {
-            size_t at = ((size_t)(bh / H) * T + i) * D + (bh % H) * hd;
-            rowdot[(size_t)bh * T + i] = dt__ring_dot(dout + at, r->O + at, hd);
-        }
     dt__ring_pack(r, qkvv, blk[0]);
     memset(blk[0] + T + 2 * BTD, 0, sizeof(float) * 2 * (size_t)BTD);
     /* C steps around, then one more shift: a block's gradients home to its
        owner. The gradients are written while the block is held, so here the
        shift waits for the step (forward overlaps them). */
     for (int s = 0; s < C; s++) {
-        dt__ring_attend_backward(r, qkvv, dout, rowdot, blk[s & 1], dqkv, space);
+        dt__ring_attend_backward(r, qkvv, dout, blk[s & 1], dqkv, space);
         if (s < C - 1) dt_ring_shift(r->comm, blk[s & 1], blk[(s + 1) & 1], nblk, DT_F32);
         else if (C > 1) dt_ring_shift(r->comm, blk[s & 1] + T + 2 * BTD, blk[(s + 1) & 1] + T + 2 * BTD, 2 * BTD, DT_F32);
     }
@@ -9198,7 +9175,7 @@ dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, co
     r->O = r->lse + rows;
     for (int i = 0; i < T; i++) r->qpos[i] = (float)positions[i];
     const float *qkvv = dt__in(qkv);
-    float *m = (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)rows), *l = m + rows;
+    float *m = r->lse, *l = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)rows);   /* m becomes the lse */
     float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)(D / H) * dt__att_padded(T) * (size_t)dt_threads());
     float *blk[2] = { (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)nblk) };
     blk[1] = blk[0] + nblk;
@@ -9212,11 +9189,10 @@ dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, co
     }
     dt_tensor *out = dt__tensor_out_2d(B * T, D);
     float *outv = dt__out(out);
-    for (int64_t i = 0; i < BTD; i++) {
-        int64_t row = (i / D / T * H + i % D / (D / H)) * T + i / D % T;      /* (b, h, t) of element (b, t, d) */
-        outv[i] = r->O[i] = r->O[i] / l[row];
+    for (int bh = 0; bh < B * H; bh++) {
+        size_t at = (size_t)(bh / H) * T * D + (size_t)(bh % H) * (D / H);
+        dt__online_finish(T, D / H, m + (size_t)bh * T, l + (size_t)bh * T, r->O + at, D, outv + at, D);
     }
-    for (int64_t i = 0; i < rows; i++) r->lse[i] = m[i] + logf(l[i]);
     dt__out_done(out, outv);
     dt__ctx.flops += 4.0 * B * H * T * (double)T * C * (D / H);         /* as dt_attention counts the whole square */
     if (dt__wants_grad(qkv, NULL, NULL)) dt__tape_push(dt__ring_attention_backward, out, qkv, NULL, NULL)->saved = r;
@@ -14212,7 +14188,7 @@ static const dt__flag dt__flags[] = {
       "                          07: a pipeline's micro-batches are its accumulation: K x --micro-batches of a K x\n"
       "                          --batch-size step)", DT_ARG_INT, DT_CFG(accum_steps), NULL, DT_MIN(1) },
     { "--dtype", "578", "fp32|bf16|fp16", "activations and matmuls in this type, f32 master weights (default fp32; 07: the\n"
-      "                          activations and gradients stages send too, and no fp16)",
+      "                          activations and gradients stages send too, and no fp16; 08: bf16 or fp32)",
       DT_ARG_CHOICE, DT_CFG(dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
     { "--reduce-dtype", "5", "fp32|bf16|fp16", "the type gradients are reduce-scattered in (default fp32)",
       DT_ARG_CHOICE, DT_CFG(reduce_dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },

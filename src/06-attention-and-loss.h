@@ -1,30 +1,6 @@
-//@ lesson: the rest of the layers' ops -- tensor parallelism's f and g, attention, rotary embeddings, embeddings, the cross-entropy
-/* ---- autograd: attention, embeddings, the loss; tensor parallelism's f and g ---- */
+//@ lesson: the rest of the layers' ops -- attention (three bodies: matmuls, tiles, the online softmax), rotary embeddings, embeddings, the cross-entropy
+/* ---- autograd: attention, embeddings, the loss ---- */
 
-/* Tensor parallelism's two conjugate ops (Megatron-LM's f and g), which put
-   its communication on the tape so that backward needs no special case. A
-   column-parallel layer (each rank computes its share of the outputs) reads
-   dt_tp_copy(x): the input itself, but in backward each rank holds only its
-   share's part of x's gradient, so they are summed over the group. A
-   row-parallel layer (each rank multiplies its share of the inputs) gives
-   partial outputs: dt_tp_sum adds them up over the group, and in backward
-   every rank needs the whole gradient, which it has. Without a wrapper that
-   gives tp_sum, both return x. */
-dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x);
-dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x);
-/* Sequence parallelism (Korthikanti et al., 2022): between the split layers,
-   where the norms and residual adds work row by row, each rank of the group
-   keeps 1/T of the rows (tokens) instead of all of them. dt_sp_split enters
-   that region (this rank's rows; backward all-gathers their gradients),
-   dt_sp_gather leaves it (every row again; backward keeps this rank's). In
-   between, dt_tp_copy becomes an all-gather of the rows (backward: a
-   reduce-scatter) and dt_tp_sum a reduce-scatter (backward: an all-gather):
-   the same bytes as the all-reduces they replace, as each all-reduce is a
-   reduce-scatter then an all-gather. Without a wrapper that gives
-   sp_all_gather, both return x; so they do when the rows do not split evenly
-   and no gradient is wanted (generation), and with gradients that is an error. */
-dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x);
-dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x);
 /* x [rows, cols] + bias [cols] on every row: a row-parallel layer's bias, added
    once, after the sum. */
 dt_tensor *dt_add_bias(dt_tensor *x, dt_tensor *bias);
@@ -105,159 +81,6 @@ void dt_cross_entropy_set_divisor(const int32_t *labels, double divisor);
 dt_tensor *dt_patchify(const dt_tensor *images, int patch);
 
 //@ implementation
-/* -- tensor parallelism's f and g (the tensor-parallel chapter cuts the layers); their
-      gradients are added in as the residual's are (dt__add_into_grad). -- */
-/* The rows of x [N, C] as f32 on the device: x's own values (06 has no
-   16-bit activations). */
-static float *dt__tp_rows_f32(const dt_tensor *x) { return (float *)dt__in(x); }
-/* All of the group's rows, rank after rank: an all-gather of `mine` (n values). */
-static float *dt__tp_all_rows(dt_parallel *par, const float *mine, int64_t n, dt_device device) {
-    float *all = (float *)dt__scratch_on(device, (size_t)n * (size_t)par->tp_size * sizeof(float));
-    par->sp_all_gather(par, mine, all, n);
-    return all;
-}
-
-/* A column-parallel layer's input (Megatron-LM's f): the input itself, whose
-   gradient is each rank's part, summed over the group. Between dt_sp_split
-   and dt_sp_gather (iarg[0] 1) it is every rank's rows gathered, and the
-   gradient is reduce-scattered: each rank keeps its rows' sum. */
-static void dt__tp_copy_backward(dt__tape_entry *e) {
-    dt_tensor *x = e->in[0];
-    if (!x->requires_grad) return;
-    dt_parallel *par = (dt_parallel *)e->saved;
-    int64_t n = e->out->numel;
-    float *sum = (float *)dt__scratch_on(x->device, (size_t)n * sizeof(float));
-    dt_convert(dt__grad_in(e->out), DT_F32, sum, DT_F32, n);
-    if (!e->iarg[0]) {
-        par->tp_sum(par, sum, n);
-        dt__add_into_grad(x, sum);
-        return;
-    }
-    float *mine = (float *)dt__scratch_on(x->device, (size_t)x->numel * sizeof(float));
-    par->sp_reduce_scatter(par, sum, mine, x->numel);
-    dt__add_into_grad(x, mine);
-}
-dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x) {
-    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
-    if (!par || !par->tp_sum) return x;
-    dt_tensor *y;
-    if (par->rows_split) {                                    /* the group's rows, gathered */
-        dt__backend_for(x);
-        dt__scratch_reset();
-        int shape[4] = { (int)dt_tensor_rows(x) * par->tp_size, (int)dt_tensor_cols(x), 0, 0 };
-        y = dt__tensor_out(2, shape);
-        float *yv = dt__out(y);
-        par->sp_all_gather(par, dt__tp_rows_f32(x), yv, x->numel);
-        dt__out_done(y, yv);
-    } else {
-        y = (dt_tensor *)dt_step_alloc(sizeof *y);            /* the same values: a view with a gradient of its own */
-        *y = *x;
-        y->name = NULL;
-        y->grad = NULL;
-        y->requires_grad = 0;
-        y->is_param = 0;
-        y->parallel = NULL;
-    }
-    if (dt__wants_grad(x, NULL, NULL)) {
-        dt__tape_entry *e = dt__tape_push(dt__tp_copy_backward, y, x, NULL, NULL);
-        e->saved = par;
-        e->iarg[0] = par->rows_split;
-    }
-    return y;
-}
-/* A row-parallel layer's output (Megatron-LM's g): every rank's partial
-   output, added up; the gradient passes as it is. Between dt_sp_split and
-   dt_sp_gather the sum is reduce-scattered (each rank keeps its rows of it),
-   and the gradient all-gathered. */
-static void dt__tp_sum_backward(dt__tape_entry *e) {
-    dt_tensor *x = e->in[0];
-    if (!x->requires_grad) return;
-    const float *dy = dt__grad_in(e->out);
-    if (e->iarg[0]) dy = dt__tp_all_rows((dt_parallel *)e->saved, dy, e->out->numel, x->device);
-    dt__add_into_grad(x, dy);
-}
-dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x) {
-    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
-    if (!par || !par->tp_sum) return x;
-    dt__backend_for(x);
-    dt__scratch_reset();
-    dt_tensor *y;
-    if (par->rows_split) {                                    /* each rank its rows of the sum */
-        int64_t rows = dt_tensor_rows(x);
-        if (rows % par->tp_size) dt_fail("internal: %lld rows do not split over %d ranks", (long long)rows, par->tp_size);
-        int shape[4] = { (int)(rows / par->tp_size), (int)dt_tensor_cols(x), 0, 0 };
-        y = dt__tensor_out(2, shape);
-        float *yv = dt__out(y);
-        par->sp_reduce_scatter(par, dt__tp_rows_f32(x), yv, y->numel);
-        dt__out_done(y, yv);
-    } else {
-        y = dt__tensor_out(x->ndim, x->shape);
-        float *yv = dt__out(y);
-        dt_convert(dt__in(x), DT_F32, yv, DT_F32, x->numel);
-        par->tp_sum(par, yv, x->numel);
-        dt__out_done(y, yv);
-    }
-    if (dt__wants_grad(x, NULL, NULL)) {
-        dt__tape_entry *e = dt__tape_push(dt__tp_sum_backward, y, x, NULL, NULL);
-        e->saved = par;
-        e->iarg[0] = par->rows_split;
-    }
-    return y;
-}
-
-/* -- entering and leaving the rows-split region (sequence parallelism). Each
-      backward also sets rows_split back to what it was there, so a block
-      that --recompute runs again in backward sees the rows as its forward did. -- */
-static void dt__sp_split_backward(dt__tape_entry *e) {
-    dt_parallel *par = (dt_parallel *)e->saved;
-    par->rows_split = 0;
-    dt_tensor *x = e->in[0];
-    if (x->requires_grad) dt__add_into_grad(x, dt__tp_all_rows(par, dt__grad_in(e->out), e->out->numel, x->device));
-}
-dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x) {
-    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
-    if (!par || !par->sp_all_gather) return x;
-    int64_t rows = dt_tensor_rows(x), cols = dt_tensor_cols(x);
-    if (rows % par->tp_size) {
-        if (!dt__ctx.grad_enabled) {                          /* evaluation's last batch, generation: whole rows */
-            par->rows_split = 0;     /* whatever a backward that had no split entry to walk back left (the mlp's) */
-            return x;
-        }
-        dt_fail("--sequence-parallel: a batch of %lld rows (sequences x tokens) does not split evenly over the %d ranks of a "
-                "tensor-parallel group; choose --batch-size so that it does", (long long)rows, par->tp_size);
-    }
-    int64_t mine = rows / par->tp_size;
-    int shape[4] = { (int)mine, (int)cols, 0, 0 };
-    dt__backend_for(x);
-    dt_tensor *y = dt__tensor_out(2, shape);
-    size_t es = dt_dtype_size(x->dtype);
-    dt_convert((const char *)x->data + (size_t)(par->tp_rank * mine * cols) * es, x->dtype, y->data, y->dtype, y->numel);
-    par->rows_split = 1;
-    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__sp_split_backward, y, x, NULL, NULL)->saved = par;
-    return y;
-}
-static void dt__sp_gather_backward(dt__tape_entry *e) {
-    dt_parallel *par = (dt_parallel *)e->saved;
-    par->rows_split = 1;
-    dt_tensor *x = e->in[0];
-    if (x->requires_grad)                      /* every rank holds the whole, equal gradient: its rows of it */
-        dt__add_into_grad(x, dt__grad_in(e->out) + (size_t)par->tp_rank * (size_t)x->numel);
-}
-dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x) {
-    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
-    if (!par || !par->sp_all_gather || !par->rows_split) return x;
-    dt__backend_for(x);
-    dt__scratch_reset();
-    int shape[4] = { (int)dt_tensor_rows(x) * par->tp_size, (int)dt_tensor_cols(x), 0, 0 };
-    dt_tensor *y = dt__tensor_out(2, shape);
-    float *yv = dt__out(y);
-    par->sp_all_gather(par, dt__tp_rows_f32(x), yv, x->numel);
-    dt__out_done(y, yv);
-    par->rows_split = 0;
-    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__sp_gather_backward, y, x, NULL, NULL)->saved = par;
-    return y;
-}
-
 /* -- a bias on every row: y = x + b; dx = dy, db = the sum of dy over rows
       in row order, as linear's backward sums it (so the same bits) -- */
 static void dt__add_bias_backward(dt__tape_entry *e) {
@@ -459,9 +282,7 @@ static void dt__attention_backward_tiles(const float *qkvv, const float *P, cons
 
 /* -- the online body: per (sequence, head) and query row, its keys in blocks
       of DT__ONLINE_KEYS; the row's m, l and output accumulate as the
-      recurrence says, and the output is divided by l at the end. saved:
-      each row's log-sum-exp [B*H*T], then the output in f32 [B*T, D],
-      which backward needs for <dO, O> (the matmul body's <dP, P>). -- */
+      recurrence says, and the output is divided by l at the end. -- */
 #define DT__ONLINE_KEYS 64
 #define DT__ONLINE_ROWS DT__ATT_ROWS     /* query rows that share each key block's loads: a tile's */
 typedef float dt__online_block[DT__ONLINE_ROWS][DT__ONLINE_KEYS];
@@ -501,60 +322,135 @@ static void dt__online_keys_times(const dt__online_block a, int rows, int n, con
         for (int r = 0; r < rows; r++)
             for (int d = 0; d < hd; d++) c[(size_t)j * ldc + d] += a[r][j] * x[(size_t)r * ldx + d];
 }
-/* Row i of a causal head sees the keys up to itself: how many of the block at j0. */
-static int dt__online_valid(int causal, int i, int j0, int n) {
-    int v = causal ? i + 1 - j0 : n;
-    return v < 0 ? 0 : v < n ? v : n;
+/* One head of one sequence, the unit every online body works on: Tq query
+   rows (row i at q + i * ldq) against Tk keys (K transposed in kt, rows of
+   Tp; V transposed in vt; key j's rows of K and V at k, v + j * ldkv). The
+   tokens' positions ascend (qpos, kpos; NULL: 0, 1, 2, ...), and a causal
+   row sees the keys at its position and before. On one device the queries
+   and keys are the same tokens; under context parallelism the keys are the
+   block the ring brought (dt_ring_attention): the same loops. */
+typedef struct dt__online_head {
+    const float *q, *kt, *vt, *k, *v, *qpos, *kpos;
+    ptrdiff_t ldq, ldkv;
+    int Tq, Tk, Tp, hd, causal;
+    float scale;
+} dt__online_head;
+static int dt__online_visible(const dt__online_head *a, int i) {
+    if (!a->causal) return a->Tk;
+    float p = a->qpos ? a->qpos[i] : (float)i;
+    int lo = 0, hi = a->Tk;
+    if (!a->kpos) return p + 1 < 0 ? 0 : p + 1 < hi ? (int)p + 1 : hi;
+    while (lo < hi) {                                    /* the keys at p and before */
+        int mid = (lo + hi) / 2;
+        if (a->kpos[mid] <= p) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
 }
+/* Each row's largest score m, sum l and unnormalised output acc (row i at
+   acc + i * ldacc) move on by the keys it sees, a tile of rows against
+   DT__ONLINE_KEYS keys at a time; a tile of keys none of its rows sees is
+   skipped. Returns the score products made (the work, counted). */
+static int64_t dt__online_forward(const dt__online_head *a, float *m, float *l, float *acc, ptrdiff_t ldacc) {
+    int64_t work = 0;
+    int hd = a->hd, vis[DT__ONLINE_ROWS];
+    dt__online_block s;
+    for (int i0 = 0; i0 < a->Tq; i0 += DT__ONLINE_ROWS) {
+        int rows = a->Tq - i0 < DT__ONLINE_ROWS ? a->Tq - i0 : DT__ONLINE_ROWS, keys = 0;
+        for (int r = 0; r < rows; r++) keys = (vis[r] = dt__online_visible(a, i0 + r)) > keys ? vis[r] : keys;
+        for (int j0 = 0; j0 < keys; j0 += DT__ONLINE_KEYS) {
+            int n = keys - j0 < DT__ONLINE_KEYS ? keys - j0 : DT__ONLINE_KEYS;
+            dt__online_scores(a->q + (size_t)i0 * a->ldq, a->ldq, rows, a->kt, a->Tp, j0, n, hd, a->scale, s);
+            for (int r = 0; r < rows; r++) {
+                int i = i0 + r, valid = vis[r] - j0 < 0 ? 0 : vis[r] - j0 < n ? vis[r] - j0 : n;
+                float block_max = -INFINITY, *ar = acc + (size_t)i * ldacc;
+                for (int j = 0; j < valid; j++) block_max = s[r][j] > block_max ? s[r][j] : block_max;
+                if (valid > 0) {
+                    float c = dt_online_softmax_rescale(&m[i], block_max);   /* what came before, on the new scale */
+                    l[i] *= c;
+                    for (int d = 0; d < hd; d++) ar[d] *= c;
+                }
+                for (int j = 0; j < valid; j++) s[r][j] = dt_exp_value(s[r][j] - m[i]);   /* unnormalised */
+                for (int j = valid; j < n; j++) s[r][j] = 0.0f;                           /* past the row */
+                for (int j = 0; j < valid; j++) l[i] += s[r][j];
+                work += valid;
+            }
+            dt__online_rows_times(s, rows, n, a->v + (size_t)j0 * a->ldkv, a->ldkv, acc + (size_t)i0 * ldacc, ldacc, hd);  /* acc += P V */
+        }
+    }
+    return work;
+}
+/* When every key has been seen: the output (acc / l, into acc and out, row i
+   at + i * ld) and m becomes the row's log-sum-exp, all backward keeps. */
+static void dt__online_finish(int Tq, int hd, float *m, const float *l, float *acc, ptrdiff_t ldacc, float *out, ptrdiff_t ldout) {
+    for (int i = 0; i < Tq; i++) {
+        float *ai = acc + (size_t)i * ldacc, *o = out + (size_t)i * ldout;
+        for (int d = 0; d < hd; d++) o[d] = ai[d] = ai[d] / l[i];
+        m[i] += logf(l[i]);                                   /* p = exp(s - lse) */
+    }
+}
+/* Backward against the keys: each probability made again, p = exp(s - lse);
+   dS = p (dP - <dO, O>) scale as the softmax's backward (dP = dO . v_j, from
+   V transposed as the scores from K's), and dQ += dS K (row i at dq + i *
+   ldq), dK += dS^T Q, dV += P^T dO (key j at dk, dv + j * ldkv); dO and O
+   row i at + i * ldo. Returns the score products made. */
+static int64_t dt__online_backward(const dt__online_head *a, const float *dO, const float *O, ptrdiff_t ldo, const float *lse,
+                                   float *dq, float *dk, float *dv) {
+    int64_t work = 0;
+    int hd = a->hd, vis[DT__ONLINE_ROWS];
+    dt__online_block p, ds;
+    float Di[DT__ONLINE_ROWS];
+    for (int i0 = 0; i0 < a->Tq; i0 += DT__ONLINE_ROWS) {
+        int rows = a->Tq - i0 < DT__ONLINE_ROWS ? a->Tq - i0 : DT__ONLINE_ROWS, keys = 0;
+        const float *qi = a->q + (size_t)i0 * a->ldq, *dOi = dO + (size_t)i0 * ldo;   /* row r: + r * ld */
+        for (int r = 0; r < rows; r++) {
+            const float *Or = O + (size_t)(i0 + r) * ldo, *dOr = dOi + (size_t)r * ldo;
+            keys = (vis[r] = dt__online_visible(a, i0 + r)) > keys ? vis[r] : keys;
+            Di[r] = 0;
+            for (int d = 0; d < hd; d++) Di[r] += dOr[d] * Or[d];
+        }
+        for (int j0 = 0; j0 < keys; j0 += DT__ONLINE_KEYS) {
+            int n = keys - j0 < DT__ONLINE_KEYS ? keys - j0 : DT__ONLINE_KEYS;
+            dt__online_scores(qi, a->ldq, rows, a->kt, a->Tp, j0, n, hd, a->scale, p);
+            dt__online_scores(dOi, ldo, rows, a->vt, a->Tp, j0, n, hd, 1.0f, ds);          /* dP = dO . v_j */
+            for (int r = 0; r < rows; r++) {
+                int valid = vis[r] - j0 < 0 ? 0 : vis[r] - j0 < n ? vis[r] - j0 : n;
+                float L = lse[i0 + r];
+                for (int j = 0; j < valid; j++) p[r][j] = dt_exp_value(p[r][j] - L);
+                for (int j = valid; j < n; j++) p[r][j] = 0.0f;
+                for (int j = 0; j < n; j++) ds[r][j] = p[r][j] * (ds[r][j] - Di[r]) * a->scale;
+                work += valid;
+            }
+            dt__online_rows_times(ds, rows, n, a->k + (size_t)j0 * a->ldkv, a->ldkv, dq + (size_t)i0 * a->ldq, a->ldq, hd);
+            dt__online_keys_times(ds, rows, n, qi, a->ldq, dk + (size_t)j0 * a->ldkv, a->ldkv, hd);
+            dt__online_keys_times(p, rows, n, dOi, ldo, dv + (size_t)j0 * a->ldkv, a->ldkv, hd);
+        }
+    }
+    return work;
+}
+/* saved: each row's log-sum-exp [B*H*T], then the output in f32 [B*T, D],
+   which backward needs for <dO, O> (the matmul body's <dP, P>). */
 static void dt__attention_forward_online(const float *qkvv, float *outv, float *saved, int B, int T, int H, int D,
                                          float scale, int causal) {
     int hd = D / H, Tp = dt__att_padded(T);
     float *lse = saved, *O = saved + (size_t)B * H * T;
-    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)hd * Tp * (size_t)dt_threads());
+    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)(hd * Tp + T) * (size_t)dt_threads());
     DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
-        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
-        dt__online_block s;
-        float m[DT__ONLINE_ROWS], l[DT__ONLINE_ROWS];
-        float *kt = space + (size_t)hd * Tp * (size_t)dt__thread_num();
-        dt__att_transpose(k, 3 * D, T, hd, kt, Tp);
-        for (int i0 = 0; i0 < T; i0 += DT__ONLINE_ROWS) {
-            int rows = T - i0 < DT__ONLINE_ROWS ? T - i0 : DT__ONLINE_ROWS, keys = causal ? i0 + rows : T;
-            float *acc = O + ((size_t)b * T + i0) * D + h * hd;              /* row r at acc + r * D */
-            for (int r = 0; r < rows; r++) {
-                m[r] = -INFINITY; l[r] = 0;
-                for (int d = 0; d < hd; d++) acc[(size_t)r * D + d] = 0;
-            }
-            for (int j0 = 0; j0 < keys; j0 += DT__ONLINE_KEYS) {
-                int n = keys - j0 < DT__ONLINE_KEYS ? keys - j0 : DT__ONLINE_KEYS;
-                dt__online_scores(q + (size_t)i0 * 3 * D, 3 * D, rows, kt, Tp, j0, n, hd, scale, s);
-                for (int r = 0; r < rows; r++) {
-                    int valid = dt__online_valid(causal, i0 + r, j0, n);
-                    float block_max = -INFINITY, *ar = acc + (size_t)r * D;
-                    for (int j = 0; j < valid; j++) block_max = s[r][j] > block_max ? s[r][j] : block_max;
-                    if (valid > 0) {
-                        float c = dt_online_softmax_rescale(&m[r], block_max);   /* what came before, on the new scale */
-                        l[r] *= c;
-                        for (int d = 0; d < hd; d++) ar[d] *= c;
-                    }
-                    for (int j = 0; j < valid; j++) s[r][j] = dt_exp_value(s[r][j] - m[r]);   /* unnormalised */
-                    for (int j = valid; j < n; j++) s[r][j] = 0.0f;                           /* past the row */
-                    for (int j = 0; j < valid; j++) l[r] += s[r][j];
-                }
-                dt__online_rows_times(s, rows, n, v + (size_t)j0 * 3 * D, 3 * D, acc, D, hd);   /* acc += P V */
-            }
-            for (int r = 0; r < rows; r++) {
-                float *ar = acc + (size_t)r * D, *o = outv + ((size_t)b * T + i0 + r) * D + h * hd;
-                for (int d = 0; d < hd; d++) o[d] = ar[d] = ar[d] / l[r];
-                lse[(size_t)bh * T + i0 + r] = m[r] + logf(l[r]);   /* the row's log-sum-exp: p = exp(s - lse) */
-            }
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd;
+        float *kt = space + (size_t)(hd * Tp + T) * (size_t)dt__thread_num(), *l = kt + (size_t)hd * Tp;
+        float *m = lse + (size_t)bh * T, *acc = O + (size_t)b * T * D + h * hd;   /* row i: + i * D */
+        dt__online_head a = { q, kt, NULL, NULL, q + 2 * D, NULL, NULL, 3 * D, 3 * D, T, T, Tp, hd, causal, scale };
+        dt__att_transpose(q + D, 3 * D, T, hd, kt, Tp);
+        for (int i = 0; i < T; i++) {
+            m[i] = -INFINITY; l[i] = 0;
+            for (int d = 0; d < hd; d++) acc[(size_t)i * D + d] = 0;
         }
+        dt__online_forward(&a, m, l, acc, D);
+        dt__online_finish(T, hd, m, l, acc, D, outv + (size_t)b * T * D + h * hd, D);
     }
 }
-/* Backward: each probability made again, p = exp(s - lse); dS = p (dP - <dO, O>)
-   scale as the softmax's backward, and dQ, dK, dV from it, a block of rows
-   and keys at a time (dP = dO . v_j from V transposed, as the scores from K's). */
 static void dt__attention_backward_online(const float *qkvv, const float *saved, const float *dout, float *dqkv, int add,
                                           int B, int T, int H, int D, float scale, int causal) {
     int hd = D / H, Tp = dt__att_padded(T);
@@ -563,42 +459,17 @@ static void dt__attention_backward_online(const float *qkvv, const float *saved,
     DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
-        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
-        float *dq = dqkv + (size_t)b * T * 3 * D + h * hd, *dk = dq + D, *dv = dq + 2 * D;
-        dt__online_block p, ds;
-        float Di[DT__ONLINE_ROWS];
-        float *kt = space + 2 * (size_t)hd * Tp * (size_t)dt__thread_num(), *vt = kt + (size_t)hd * Tp;
-        dt__att_transpose(k, 3 * D, T, hd, kt, Tp);
-        dt__att_transpose(v, 3 * D, T, hd, vt, Tp);
+        size_t at = (size_t)b * T * D + h * hd;                /* this head's rows of [B*T, D] (+ i * D) */
+        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd;
+        float *dq = dqkv + (size_t)b * T * 3 * D + h * hd, *kt = space + 2 * (size_t)hd * Tp * (size_t)dt__thread_num();
+        dt__online_head a = { q, kt, kt + (size_t)hd * Tp, q + D, q + 2 * D, NULL, NULL, 3 * D, 3 * D, T, T, Tp, hd, causal, scale };
+        dt__att_transpose(q + D, 3 * D, T, hd, kt, Tp);
+        dt__att_transpose(q + 2 * D, 3 * D, T, hd, kt + (size_t)hd * Tp, Tp);
         for (int i = 0; i < T && !add; i++)               /* written first: this head's columns start at 0 */
-            for (int d = 0; d < hd; d++) dq[(size_t)i * 3 * D + d] = dk[(size_t)i * 3 * D + d] = dv[(size_t)i * 3 * D + d] = 0;
-        for (int i0 = 0; i0 < T; i0 += DT__ONLINE_ROWS) {
-            int rows = T - i0 < DT__ONLINE_ROWS ? T - i0 : DT__ONLINE_ROWS, keys = causal ? i0 + rows : T;
-            const float *qi = q + (size_t)i0 * 3 * D, *dOi = dout + ((size_t)b * T + i0) * D + h * hd;   /* row r: + r * ld */
-            for (int r = 0; r < rows; r++) {
-                const float *Or = O + ((size_t)b * T + i0 + r) * D + h * hd, *dOr = dOi + (size_t)r * D;
-                Di[r] = 0;
-                for (int d = 0; d < hd; d++) Di[r] += dOr[d] * Or[d];
-            }
-            for (int j0 = 0; j0 < keys; j0 += DT__ONLINE_KEYS) {
-                int n = keys - j0 < DT__ONLINE_KEYS ? keys - j0 : DT__ONLINE_KEYS;
-                dt__online_scores(qi, 3 * D, rows, kt, Tp, j0, n, hd, scale, p);
-                dt__online_scores(dOi, D, rows, vt, Tp, j0, n, hd, 1.0f, ds);         /* dP = dO . v_j */
-                for (int r = 0; r < rows; r++) {
-                    int valid = dt__online_valid(causal, i0 + r, j0, n);
-                    float L = lse[(size_t)bh * T + i0 + r];
-                    for (int j = 0; j < valid; j++) p[r][j] = dt_exp_value(p[r][j] - L);
-                    for (int j = valid; j < n; j++) p[r][j] = 0.0f;
-                    for (int j = 0; j < n; j++) ds[r][j] = p[r][j] * (ds[r][j] - Di[r]) * scale;
-                }
-                dt__online_rows_times(ds, rows, n, k + (size_t)j0 * 3 * D, 3 * D, dq + (size_t)i0 * 3 * D, 3 * D, hd);  /* dQ += dS K */
-                dt__online_keys_times(ds, rows, n, qi, 3 * D, dk + (size_t)j0 * 3 * D, 3 * D, hd);   /* dK += dS^T Q */
-                dt__online_keys_times(p, rows, n, dOi, D, dv + (size_t)j0 * 3 * D, 3 * D, hd);       /* dV += P^T dO */
-            }
-        }
+            for (int d = 0; d < hd; d++) dq[(size_t)i * 3 * D + d] = dq[(size_t)i * 3 * D + D + d] = dq[(size_t)i * 3 * D + 2 * D + d] = 0;
+        dt__online_backward(&a, dout + at, O + at, D, lse + (size_t)bh * T, dq, dq + D, dq + 2 * D);
     }
 }
-
 static void dt__attention_backward(dt__tape_entry *e) {
     dt_tensor *qkv = e->in[0];
     if (!qkv->requires_grad) return;

@@ -94,111 +94,46 @@ static void dt__ring_pack(const dt__ring *r, const float *qkvv, float *blk) {
         memcpy(V + i * D, qkvv + i * 3 * D + 2 * D, sizeof(float) * (size_t)D);
     }
 }
-/* How many of a block's keys (positions ascending) a query at position p sees. */
-static int dt__ring_visible(const float *kpos, int T, float p, int causal) {
-    int lo = 0, hi = T;
-    while (causal && lo < hi) {
-        int mid = (lo + hi) / 2;
-        if (kpos[mid] <= p) lo = mid + 1;
-        else hi = mid;
-    }
-    return causal ? lo : T;
-}
-static float dt__ring_dot(const float *a, const float *b, int n) {     /* in DT_LANES partial sums: it vectorises */
-    float lanes[DT_LANES] = { 0 }, s = 0;
-    DT__LANE_SUM(lanes, n, c, a[c] * b[c]);
-    for (int l = 0; l < DT_LANES; l++) s += lanes[l];
-    return s;
-}
-/* This rank's queries against the block it holds, through the online body's
-   tiles (the attention chapter's dt__online_scores and friends: a block of
-   query rows against DT__ONLINE_KEYS keys at a time, the register-blocked
-   products): each row's (m, l) and unnormalised output acc move on by the
-   online softmax. A row sees the held keys at its place and before (both
-   ascend), so a tile of keys none of its rows sees is skipped. */
+/* This rank's queries against the block it holds: the online body's
+   (dt__online_forward, the attention chapter's) with the tokens' true
+   positions, each row's (m, l) and unnormalised output carried from block to
+   block -- the same loops as one device's, the ring only brings the keys. */
 static void dt__ring_attend(const dt__ring *r, const float *qkvv, const float *blk, float *m, float *l, float *acc,
                             float *space) {
     int B = r->B, T = r->T, H = r->H, D = r->D, hd = D / H, Tp = dt__att_padded(T);
-    const float *kpos = blk, *K = blk + T, *V = K + (size_t)B * T * D;
+    const float *K = blk + T, *V = K + (size_t)B * T * D;
     int64_t work = 0;
     DT_OMP("omp parallel for schedule(static) reduction(+:work) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
-        int b = bh / H, h = bh % H, vis[DT__ONLINE_ROWS];
-        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *v = V + (size_t)b * T * D + h * hd;   /* row i: + i * ld */
+        int b = bh / H, h = bh % H;
+        size_t at = (size_t)b * T * D + h * hd;          /* this head's rows in [B*T, D] arrays (+ i * D) */
         float *kt = space + (size_t)hd * Tp * (size_t)dt__thread_num();
-        dt__online_block s;
-        dt__att_transpose(K + (size_t)b * T * D + h * hd, D, T, hd, kt, Tp);
-        for (int i0 = 0; i0 < T; i0 += DT__ONLINE_ROWS) {
-            int rows = T - i0 < DT__ONLINE_ROWS ? T - i0 : DT__ONLINE_ROWS, keys = 0;
-            for (int k = 0; k < rows; k++) {
-                vis[k] = dt__ring_visible(kpos, T, r->qpos[i0 + k], r->causal);
-                keys = vis[k] > keys ? vis[k] : keys;
-            }
-            for (int j0 = 0; j0 < keys; j0 += DT__ONLINE_KEYS) {
-                int n = keys - j0 < DT__ONLINE_KEYS ? keys - j0 : DT__ONLINE_KEYS;
-                dt__online_scores(q + (size_t)i0 * 3 * D, 3 * D, rows, kt, Tp, j0, n, hd, r->scale, s);
-                for (int k = 0; k < rows; k++) {
-                    int valid = vis[k] - j0 < 0 ? 0 : vis[k] - j0 < n ? vis[k] - j0 : n;
-                    size_t row = (size_t)bh * T + i0 + k;
-                    float top = -INFINITY, *a = acc + ((size_t)b * T + i0 + k) * D + h * hd;
-                    for (int j = 0; j < valid; j++) top = s[k][j] > top ? s[k][j] : top;
-                    if (valid > 0) {
-                        float c = dt_online_softmax_rescale(&m[row], top);     /* what came before, on the new scale */
-                        l[row] *= c;
-                        for (int d = 0; d < hd; d++) a[d] *= c;
-                    }
-                    for (int j = 0; j < valid; j++) { s[k][j] = dt_exp_value(s[k][j] - m[row]); l[row] += s[k][j]; }
-                    for (int j = valid; j < n; j++) s[k][j] = 0.0f;                 /* keys after the row */
-                    work += valid;
-                }
-                dt__online_rows_times(s, rows, n, v + (size_t)j0 * D, D, acc + ((size_t)b * T + i0) * D + h * hd, D, hd);
-            }
-        }
+        dt__online_head a = { qkvv + (size_t)b * T * 3 * D + h * hd, kt, NULL, NULL, V + at, r->qpos, blk, 3 * D, D,
+                              T, T, Tp, hd, r->causal, r->scale };
+        dt__att_transpose(K + at, D, T, hd, kt, Tp);
+        work += dt__online_forward(&a, m + (size_t)bh * T, l + (size_t)bh * T, acc + at, D);
     }
     dt__ring_scores += work;
 }
-/* Backward against the block held: p made again from each row's
-   log-sum-exp, dS = p (dP - dO . O) scale; dQ into this rank's rows, dK and
-   dV into the block's, which travel with it -- the same tiles. */
-static void dt__ring_attend_backward(const dt__ring *r, const float *qkvv, const float *dout, const float *rowdot,
-                                     float *blk, float *dqkv, float *space) {
+/* Backward against the block held (dt__online_backward): dQ into this
+   rank's rows, dK and dV into the block's, which travel with it. */
+static void dt__ring_attend_backward(const dt__ring *r, const float *qkvv, const float *dout, float *blk, float *dqkv,
+                                     float *space) {
     int B = r->B, T = r->T, H = r->H, D = r->D, hd = D / H, Tp = dt__att_padded(T);
     int64_t BTD = (int64_t)B * T * D, work = 0;
-    const float *kpos = blk, *K = blk + T, *V = K + BTD;
+    const float *K = blk + T, *V = K + BTD;
     float *dK = blk + T + 2 * BTD, *dV = dK + BTD;
     DT_OMP("omp parallel for schedule(static) reduction(+:work) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {                 /* a head's columns: no two threads write the same */
-        int b = bh / H, h = bh % H, vis[DT__ONLINE_ROWS];
-        size_t at = (size_t)b * T * D + h * hd;          /* this head's rows in [B*T, D] arrays (+ i * D) */
-        const float *q = qkvv + (size_t)b * T * 3 * D + h * hd, *dO = dout + at;
-        float *dq = dqkv + (size_t)b * T * 3 * D + h * hd, *kt = space + 2 * (size_t)hd * Tp * (size_t)dt__thread_num();
-        float *vt = kt + (size_t)hd * Tp;
-        dt__online_block p, ds;
+        int b = bh / H, h = bh % H;
+        size_t at = (size_t)b * T * D + h * hd;
+        float *kt = space + 2 * (size_t)hd * Tp * (size_t)dt__thread_num();
+        dt__online_head a = { qkvv + (size_t)b * T * 3 * D + h * hd, kt, kt + (size_t)hd * Tp, K + at, V + at, r->qpos, blk,
+                              3 * D, D, T, T, Tp, hd, r->causal, r->scale };
         dt__att_transpose(K + at, D, T, hd, kt, Tp);
-        dt__att_transpose(V + at, D, T, hd, vt, Tp);
-        for (int i0 = 0; i0 < T; i0 += DT__ONLINE_ROWS) {
-            int rows = T - i0 < DT__ONLINE_ROWS ? T - i0 : DT__ONLINE_ROWS, keys = 0;
-            for (int k = 0; k < rows; k++) {
-                vis[k] = dt__ring_visible(kpos, T, r->qpos[i0 + k], r->causal);
-                keys = vis[k] > keys ? vis[k] : keys;
-            }
-            for (int j0 = 0; j0 < keys; j0 += DT__ONLINE_KEYS) {
-                int n = keys - j0 < DT__ONLINE_KEYS ? keys - j0 : DT__ONLINE_KEYS;
-                dt__online_scores(q + (size_t)i0 * 3 * D, 3 * D, rows, kt, Tp, j0, n, hd, r->scale, p);
-                dt__online_scores(dO + (size_t)i0 * D, D, rows, vt, Tp, j0, n, hd, 1.0f, ds);      /* dP = dO . v_j */
-                for (int k = 0; k < rows; k++) {
-                    int valid = vis[k] - j0 < 0 ? 0 : vis[k] - j0 < n ? vis[k] - j0 : n;
-                    size_t row = (size_t)bh * T + i0 + k;
-                    for (int j = 0; j < valid; j++) p[k][j] = dt_exp_value(p[k][j] - r->lse[row]);
-                    for (int j = valid; j < n; j++) p[k][j] = 0.0f;
-                    for (int j = 0; j < n; j++) ds[k][j] = p[k][j] * (ds[k][j] - rowdot[row]) * r->scale;
-                    work += valid;
-                }
-                dt__online_rows_times(ds, rows, n, K + at + (size_t)j0 * D, D, dq + (size_t)i0 * 3 * D, 3 * D, hd);  /* dQ += dS K */
-                dt__online_keys_times(ds, rows, n, q + (size_t)i0 * 3 * D, 3 * D, dK + at + (size_t)j0 * D, D, hd);  /* dK += dS^T Q */
-                dt__online_keys_times(p, rows, n, dO + (size_t)i0 * D, D, dV + at + (size_t)j0 * D, D, hd);        /* dV += P^T dO */
-            }
-        }
+        dt__att_transpose(V + at, D, T, hd, kt + (size_t)hd * Tp, Tp);
+        work += dt__online_backward(&a, dout + at, r->O + at, D, r->lse + (size_t)bh * T,
+                                    dqkv + (size_t)b * T * 3 * D + h * hd, dK + at, dV + at);
     }
     dt__ring_scores += work;
 }
@@ -212,22 +147,16 @@ static void dt__ring_attention_backward(dt__tape_entry *e) {
     const float *qkvv = dt__in(qkv), *dout = dt__grad_in(e->out);
     float *dqkv = dt__grad_acc_first(qkv, &first);
     if (first) memset(dqkv, 0, sizeof(float) * (size_t)qkv->numel);
-    float *rowdot = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)B * H * T);
     float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)hd * dt__att_padded(T) * (size_t)dt_threads());
     float *blk[2] = { (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)nblk) };
     blk[1] = blk[0] + nblk;
-    for (int bh = 0; bh < B * H; bh++)                  /* dO . O, the softmax backward's subtrahend */
-        for (int i = 0; i < T; i++) {
-            size_t at = ((size_t)(bh / H) * T + i) * D + (bh % H) * hd;
-            rowdot[(size_t)bh * T + i] = dt__ring_dot(dout + at, r->O + at, hd);
-        }
     dt__ring_pack(r, qkvv, blk[0]);
     memset(blk[0] + T + 2 * BTD, 0, sizeof(float) * 2 * (size_t)BTD);
     /* C steps around, then one more shift: a block's gradients home to its
        owner. The gradients are written while the block is held, so here the
        shift waits for the step (forward overlaps them). */
     for (int s = 0; s < C; s++) {
-        dt__ring_attend_backward(r, qkvv, dout, rowdot, blk[s & 1], dqkv, space);
+        dt__ring_attend_backward(r, qkvv, dout, blk[s & 1], dqkv, space);
         if (s < C - 1) dt_ring_shift(r->comm, blk[s & 1], blk[(s + 1) & 1], nblk, DT_F32);
         else if (C > 1) dt_ring_shift(r->comm, blk[s & 1] + T + 2 * BTD, blk[(s + 1) & 1] + T + 2 * BTD, 2 * BTD, DT_F32);
     }
@@ -256,7 +185,7 @@ dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, co
     r->O = r->lse + rows;
     for (int i = 0; i < T; i++) r->qpos[i] = (float)positions[i];
     const float *qkvv = dt__in(qkv);
-    float *m = (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)rows), *l = m + rows;
+    float *m = r->lse, *l = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)rows);   /* m becomes the lse */
     float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)(D / H) * dt__att_padded(T) * (size_t)dt_threads());
     float *blk[2] = { (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)nblk) };
     blk[1] = blk[0] + nblk;
@@ -270,11 +199,10 @@ dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, co
     }
     dt_tensor *out = dt__tensor_out_2d(B * T, D);
     float *outv = dt__out(out);
-    for (int64_t i = 0; i < BTD; i++) {
-        int64_t row = (i / D / T * H + i % D / (D / H)) * T + i / D % T;      /* (b, h, t) of element (b, t, d) */
-        outv[i] = r->O[i] = r->O[i] / l[row];
+    for (int bh = 0; bh < B * H; bh++) {
+        size_t at = (size_t)(bh / H) * T * D + (size_t)(bh % H) * (D / H);
+        dt__online_finish(T, D / H, m + (size_t)bh * T, l + (size_t)bh * T, r->O + at, D, outv + at, D);
     }
-    for (int64_t i = 0; i < rows; i++) r->lse[i] = m[i] + logf(l[i]);
     dt__out_done(out, outv);
     dt__ctx.flops += 4.0 * B * H * T * (double)T * C * (D / H);         /* as dt_attention counts the whole square */
     if (dt__wants_grad(qkv, NULL, NULL)) dt__tape_push(dt__ring_attention_backward, out, qkv, NULL, NULL)->saved = r;

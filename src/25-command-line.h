@@ -212,7 +212,7 @@ static const dt__flag dt__flags[] = {
       "                          07: a pipeline's micro-batches are its accumulation: K x --micro-batches of a K x\n"
       "                          --batch-size step)", DT_ARG_INT, DT_CFG(accum_steps), NULL, DT_MIN(1) },
     { "--dtype", "578", "fp32|bf16|fp16", "activations and matmuls in this type, f32 master weights (default fp32; 07: the\n"
-      "                          activations and gradients stages send too, and no fp16)",
+      "                          activations and gradients stages send too, and no fp16; 08: bf16 or fp32)",
       DT_ARG_CHOICE, DT_CFG(dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
     { "--reduce-dtype", "5", "fp32|bf16|fp16", "the type gradients are reduce-scattered in (default fp32)",
       DT_ARG_CHOICE, DT_CFG(reduce_dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
