@@ -16,8 +16,8 @@
 #   make test-builds  make CUDA=0 at -O0, -O2 and -O3 (LEVELS=...), each in build/cpu-O*/:
 #                     the build without a warning and the quick suite at each; at -O2
 #                     every stage's --bench, make bench --quick --only mlp
-#   make bench        the scaling study (tools/bench): mlp and vit-tiny in every stage at
-#                     1, 2 and 4 ranks -- speedup and efficiency measured and predicted by
+#   make bench        the scaling study (tools/bench): mlp and vit-tiny in stages 01-07,
+#                     gpt at context 512 in 01, 03 and 08, at 1, 2 and 4 ranks -- speedup and efficiency measured and predicted by
 #                     the cost model, compute and communication time, memory -- written to
 #                     bench/results.csv, bench/scaling.svg, bench/memory.svg; on a GPU
 #                     first vit-tiny and vit-base against PyTorch; BENCH_FLAGS=--quick
@@ -351,7 +351,8 @@ test-builds:
 TORCH_PY = $(shell for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2>/dev/null && echo $$p && break; done)
 
 # The scaling study (tools/bench.c): each stage's own --bench at 1, 2 and 4
-# ranks (devices in 02) on mlp and vit-tiny, speedup and efficiency against the
+# ranks (devices in 02) on mlp and vit-tiny (and 08 on gpt-512, a context of 512
+# tokens, beside 01 and 03), speedup and efficiency against the
 # same stage at 1 rank next to the cost model's prediction, with the link
 # measured by tools/collectives; bench/results.csv, bench/scaling.svg and
 # bench/memory.svg. On a CPU the ranks share the cores one rank already uses,

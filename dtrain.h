@@ -1792,7 +1792,8 @@ int dt_cost_ddp_buckets(double params, double bucket_mb);
    cost model prices it: the run fills it from what the last step measured,
    and a wrapper that splits or shards the model its own part (its
    dt_parallel_report's cost_input, the run-driver chapter). */
-typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3, DT_PAR_TP, DT_PAR_PP } dt_parallelism;
+typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3, DT_PAR_TP, DT_PAR_PP,
+               DT_PAR_CP } dt_parallelism;
 typedef struct dt_cost_input {
     dt_parallelism kind;
     double compute_ms;         /* one rank's forward + backward for one micro-batch, on its own device */
@@ -1835,6 +1836,20 @@ typedef struct dt_cost_input {
        DDP's bytes; around a pipeline ZeRO-2 and -3 do so each micro-batch
        (ZeRO-2: M reduce-scatters and one all-gather, (M + 1) / 2 DDP's) */
     int dp_shard;
+    /* context parallelism (DT_PAR_CP; n: the C ranks that split each
+       sequence, compute_ms one rank's of the whole sequences): attention's
+       share of that compute (the rest is per token: it divides by C); the
+       keys and values of one layer, the whole micro-batch's (micro-batch x
+       T x 2 x width x 4: a rank's block is 1/C of it); the layers the ring
+       goes around; 1 when a causal model is cut into contiguous pieces, so
+       that the last rank's attention is about (2C - 1) / C the mean's (0:
+       zig-zag, or no mask: every rank the same). Forward sends the block on
+       C - 1 times, each behind a block's attention; backward C - 1 times
+       with its gradients (twice the bytes) and once more with the gradients
+       alone, waited for. The gradients are averaged over every rank of the
+       job (dp_groups x C): DDP's behind backward, or sharded (dp_shard). */
+    double cp_attention_share, cp_kv_bytes;
+    int cp_layers, cp_contiguous;
 } dt_cost_input;
 
 typedef struct dt_cost_prediction {
@@ -1854,7 +1869,9 @@ typedef struct dt_cost_prediction {
    reduce-scatters the gradients: 1.5x DDP's bytes. Tensor parallelism
    divides the split layers' compute by N and all-reduces activations inside
    forward and backward, where nothing hides them; its N ranks share one
-   batch, so its speedup is against one rank with that batch, not N times it. */
+   batch, so its speedup is against one rank with that batch, not N times it.
+   Context parallelism divides the work by N too, the busiest rank's
+   attention setting the pace, and passes key/value blocks around a ring. */
 dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, int n);
 /* Print the prediction, the compute-to-communication ratio, and what bigger
    batches, accumulation, bf16 communication or fewer ranks would change. */
@@ -9066,6 +9083,10 @@ void dt_cp_positions(dt_cp_layout layout, int T, int C, int rank, int32_t *posit
 
 static DT_THREAD_LOCAL int64_t dt__ring_scores;
 int64_t dt_ring_attention_scores(void) { return dt__ring_scores; }
+/* Training's time waiting for the ring on this thread, since the wrapper's
+   last step (its step_done takes it): what the cost model takes out of the
+   measured compute. */
+static DT_THREAD_LOCAL double dt__ring_wait_ms;
 
 /* What travels the ring: a rank's block, its T positions (as floats: exact
    below 2^24) then its keys and values, [B*T, D] each; in backward, their
@@ -9147,8 +9168,10 @@ static void dt__ring_attention_backward(dt__tape_entry *e) {
        shift waits for the step (forward overlaps them). */
     for (int s = 0; s < C; s++) {
         dt__ring_attend_backward(r, qkvv, dout, blk[s & 1], dqkv, space);
+        double t0 = dt_now_ms();
         if (s < C - 1) dt_ring_shift(r->comm, blk[s & 1], blk[(s + 1) & 1], nblk, DT_F32);
         else if (C > 1) dt_ring_shift(r->comm, blk[s & 1] + T + 2 * BTD, blk[(s + 1) & 1] + T + 2 * BTD, 2 * BTD, DT_F32);
+        dt__ring_wait_ms += dt_now_ms() - t0;
     }
     const float *dK = blk[C > 1 ? C & 1 : 0] + T + 2 * BTD, *dV = dK + BTD;
     for (int64_t i = 0; i < (int64_t)B * T; i++)
@@ -9185,7 +9208,9 @@ dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, co
     for (int s = 0; s < C; s++) {                         /* the next block travels while this one is used */
         dt_comm_handle next = s < C - 1 ? dt_ring_shift_async(ring, blk[s & 1], blk[(s + 1) & 1], nblk, DT_F32) : 0;
         dt__ring_attend(r, qkvv, blk[s & 1], m, l, r->O, space);
+        double t0 = dt_now_ms();
         if (next) dt_comm_wait(ring, next);
+        if (dt__ctx.grad_enabled) dt__ring_wait_ms += dt_now_ms() - t0;
     }
     dt_tensor *out = dt__tensor_out_2d(B * T, D);
     float *outv = dt__out(out);
@@ -9207,6 +9232,8 @@ struct dt_cp {
     dt_mesh *mesh;
     dt_comm *ring;              /* the group's ranks ("cp"), around which attention goes */
     int size, rank, T;          /* C, this rank's place, the tokens of a sequence it keeps */
+    int B;                      /* sequences in the last batch it split */
+    double ring_ms, step_ring_ms;   /* waiting for the ring: this step's so far, the last step's */
     dt_cp_layout layout;
     int32_t *positions;         /* of those tokens, in the whole sequence */
 };
@@ -9255,6 +9282,11 @@ static dt_tensor *dt__cp_forward(dt_parallel *par, dt_tensor *inputs) {
     }
     return y;
 }
+static void dt__cp_step_done(dt_parallel *par) {
+    dt_cp *cp = (dt_cp *)par;
+    cp->step_ring_ms = dt__ring_wait_ms;
+    dt__ring_wait_ms = 0;
+}
 dt_cp *dt_cp_create(dt_model *model, dt_comm *comm, int cp, dt_cp_layout layout) {
     int world = dt_comm_size(comm), T = model->cfg.seq_len;
     char v[64];
@@ -9278,7 +9310,7 @@ dt_cp *dt_cp_create(dt_model *model, dt_comm *comm, int cp, dt_cp_layout layout)
     dt_cp *c = (dt_cp *)calloc(1, sizeof *c);
     if (!c || !(c->positions = (int32_t *)malloc(sizeof(int32_t) * (size_t)(T / cp)))) dt_fail("out of memory (context parallelism)");
     c->par = (dt_parallel){ .create_fn = "dt_cp_create", .sync_fn = "dt_data_parallel_sync_grads", .free_fn = "dt_cp_free",
-                            .forward = dt__cp_forward, .grad_ranks = world };
+                            .forward = dt__cp_forward, .step_done = dt__cp_step_done, .grad_ranks = world };
     dt__comm_hold(comm, "dt_cp_free");
     c->model = model;
     c->comm = comm;
@@ -9306,6 +9338,7 @@ void dt_cp_split_batch(dt_cp *cp, dt_batch *batch) {
     for (int b = 0; b < B; b++)
         for (int i = 0; i < t; i++) labels[b * t + i] = batch->labels[b * T + cp->positions[i]];
     batch->inputs = dt__cp_tokens(cp, batch->inputs);
+    cp->B = B;
     batch->labels = labels;
 }
 dt_comm *dt_cp_data_group(const dt_cp *cp) { return cp->comm; }
@@ -9322,6 +9355,7 @@ void dt_cp_free(dt_cp *cp) {
     free(cp->positions);
     free(cp);
 }
+
 /* [src/17-backend-tables.h] */
 /* Without CUDA there is no NCCL: the CUDA chapter defines these when there is. */
 #ifndef DT_HAVE_CUDA
@@ -13901,7 +13935,7 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
     int K = in->accum_steps > 0 ? in->accum_steps : 1, msgs = in->messages > 0 ? in->messages : 1;
     /* every rank of the job shares the device(s), not only the n of one
        group or pipeline: a layout of one stage or one group still has D x T */
-    int groups = (in->kind == DT_PAR_TP || in->kind == DT_PAR_PP) && in->dp_groups > 1 ? in->dp_groups : 1;
+    int groups = (in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP) && in->dp_groups > 1 ? in->dp_groups : 1;
     int everyone = n * groups * (in->kind == DT_PAR_PP && in->tp_ranks > 1 ? in->tp_ranks : 1);
     double slow = everyone > 1 && in->contention > 0 ? in->contention : 1.0;
     double c = in->compute_ms * slow;                                      /* one micro-batch */
@@ -13910,7 +13944,7 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
     double share = n > 1 ? (double)(n - 1) / n : 0;
     p.ranks = n;
     p.compute_ms = K * c + in->optimizer_ms * slow / (sharded ? n : 1);
-    if (n > 1 || in->kind == DT_PAR_TP || in->kind == DT_PAR_PP) switch (in->kind) {   /* --tp 1, --pp 1: groups */
+    if (n > 1 || in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP) switch (in->kind) {   /* --tp 1: groups */
     case DT_PAR_NONE: break;
     case DT_PAR_DDP:            /* one all-reduce per bucket, once per step, behind the last backward */
         p.comm_ms = dt_cost_all_reduce_ms(l, n, G) + (msgs - 1) * 2.0 * (n - 1) * lat;
@@ -13967,6 +14001,25 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
         p.efficiency = p.speedup / (n * T * D);
         return p;
     }
+    case DT_PAR_CP: {           /* 1/n of every sequence's tokens a rank; the keys and values go around a ring */
+        int D = in->dp_groups > 1 ? in->dp_groups : 1, L = in->cp_layers > 0 ? in->cp_layers : 1;
+        double a = in->cp_attention_share, bal = in->cp_contiguous ? (2.0 * n - 1) / n : 1;
+        double busiest = c * ((1 - a) + a * bal) / n;                       /* the slowest rank's micro-batch */
+        double kv = in->cp_kv_bytes / n, per_ms = l->bandwidth_gbs * 1e6;  /* a block; bytes a millisecond */
+        double hop = lat + kv / per_ms, back = n > 1 ? (n - 1) * (lat + 2 * kv / per_ms) + lat + kv / per_ms : 0;
+        double block = c * a * (1 - in->backward_share) / ((double)L * n * n);   /* one block's forward attention */
+        double grads = in->params * in->reduce_bytes, zero = in->dp_shard == 3 ? 1.5 : 1;
+        double sync = zero * dt_cost_all_reduce_ms(l, n * D, grads);
+        p.compute_ms = K * busiest + in->optimizer_ms * slow / (in->dp_shard ? n * D : 1);
+        p.comm_ms = K * L * ((n - 1) * hop + back) + sync;
+        p.exposed_ms = K * L * ((n - 1) * fmax(0, hop - block) + back) +
+                       (in->dp_shard ? sync : fmax(0, sync - in->backward_share * busiest));
+        p.bytes = (n > 1 ? K * L * kv * (3.0 * (n - 1) + 1) : 0) + zero * 2.0 * (n * D - 1) / (n * D) * grads;
+        p.step_ms = p.compute_ms + p.exposed_ms;
+        p.speedup = p.step_ms > 0 ? D * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
+        p.efficiency = p.speedup / (n * D);
+        return p;
+    }
     case DT_PAR_ZERO3: {        /* every micro-batch gathers twice, prefetched behind compute; one reduce-scatter */
         double gathers = 2 * (dt_cost_all_gather_ms(l, n, W) + (msgs - 1) * (n - 1) * lat);
         double scatter = dt_cost_all_gather_ms(l, n, G) + (msgs - 1) * (n - 1) * lat;
@@ -13984,7 +14037,7 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
 
 void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n) {
     static const char *kinds[] = { "one rank", "DataParallel", "DDP", "FSDP ZeRO-1", "FSDP ZeRO-2", "FSDP ZeRO-3",
-                                   "tensor parallel", "pipeline parallel" };
+                                   "tensor parallel", "pipeline parallel", "context parallel" };
     dt_cost_prediction p = dt_cost_predict(in, l, n);
     int T = in->kind == DT_PAR_PP && in->tp_ranks > 1 ? in->tp_ranks : 1;     /* a pipeline's stages split too */
     fprintf(out, "cost model: %s on %d %s%s over %s (%.0f GB/s, %.0f us), %.2fM parameters\n", kinds[in->kind], n,
@@ -13998,9 +14051,15 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
         { "", "; the optimizer state sharded over them", "; the optimizer state and the gradients sharded over them "
           "(each micro-batch's reduce-scattered)", "; the pieces sharded over them (ZeRO-3: each micro-batch gathers the "
           "parameters twice, reduce-scatters its gradients)" } };
-    if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP) && in->dp_groups > 1)
+    if (in->kind == DT_PAR_CP)
+        fprintf(out, "  each sequence split over the %d ranks (%s): attention is %.0f%% of the compute, the busiest rank's "
+                "%.2fx the mean's;\n  in each of %d layers the ring passes %.0f KB blocks on, %d forward (each behind "
+                "attention) and %d back with their gradients\n", n, in->cp_contiguous ? "contiguous" : "every rank the same work",
+                100 * in->cp_attention_share, in->cp_contiguous ? (2.0 * n - 1) / n : 1.0, in->cp_layers,
+                in->cp_kv_bytes / n / 1e3, n - 1, n > 1 ? n : 0);
+    if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP) && in->dp_groups > 1)
         fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch%s\n", in->dp_groups,
-                in->kind == DT_PAR_TP ? "groups" : "pipelines", n * T, in->dp_groups * n * T,
+                in->kind != DT_PAR_PP ? "groups" : "pipelines", n * T, in->dp_groups * n * T,
                 sharded[in->kind == DT_PAR_PP][in->dp_shard >= 0 && in->dp_shard <= 3 ? in->dp_shard : 0]);
     if (in->kind == DT_PAR_PP && n > 1)
         fprintf(out, "  %d micro-batches through %d stages: the bubble is (P - 1) / (M + P - 1) = %.0f%% of the step "
@@ -14016,6 +14075,7 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
     dt_cost_input big = *in, acc = *in, half = *in;
     big.compute_ms *= 2;
     big.tp_bytes *= 2;                   /* tensor parallelism sums activations: they double too */
+    big.cp_kv_bytes *= 2;                /* ... and context parallelism's ring blocks */
     acc.accum_steps = (in->accum_steps > 0 ? in->accum_steps : 1) * 4;
     half.reduce_bytes = half.gather_bytes = 2;
     half.tp_bytes /= 2;
@@ -14029,6 +14089,13 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
         more.tp_bytes /= 4;
         fprintf(out, "    4x --micro-batches:              %.0f%% (the bubble shrinks; each micro-batch is smaller)\n",
                 100 * dt_cost_predict(&more, l, n).efficiency);
+    } else if (in->kind == DT_PAR_CP) {
+        dt_cost_input even = *in;
+        even.cp_contiguous = 0;
+        fprintf(out, "    twice the batch per group:       %.0f%% (compute and the ring's blocks both double)\n", 100 * pb.efficiency);
+        if (in->cp_contiguous)
+            fprintf(out, "    --cp-layout zigzag:              %.0f%% (every rank the same attention work)\n",
+                    100 * dt_cost_predict(&even, l, n).efficiency);
     } else if (in->kind == DT_PAR_TP) {
         fprintf(out, "    twice the batch per group:       %.0f%% (compute and the activations summed both double)\n",
                 100 * pb.efficiency);
@@ -14038,11 +14105,12 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
         fprintf(out, "    twice the batch per rank:        %.0f%% (compute doubles, communication does not)\n", 100 * pb.efficiency);
         fprintf(out, "    4x --accum-steps:                %.0f%% (gradients travel once per 4 micro-batches)\n", 100 * pa.efficiency);
     }
-    if (in->kind != DT_PAR_TP && in->kind != DT_PAR_PP && (in->reduce_bytes > 2 || (in->kind == DT_PAR_ZERO3 && in->gather_bytes > 2)))
+    if (in->kind != DT_PAR_TP && in->kind != DT_PAR_PP && in->kind != DT_PAR_CP && (in->reduce_bytes > 2 || (in->kind == DT_PAR_ZERO3 && in->gather_bytes > 2)))
         fprintf(out, "    bf16 communication:              %.0f%% (half the bytes)\n", 100 * ph.efficiency);
     char fewer[64];
-    if (in->kind == DT_PAR_TP || in->kind == DT_PAR_PP)
-        snprintf(fewer, sizeof fewer, "--%s %d instead of %d:", in->kind == DT_PAR_TP ? "tp" : "pp", pf.ranks, n);
+    if (in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP)
+        snprintf(fewer, sizeof fewer, "--%s %d instead of %d:", in->kind == DT_PAR_TP ? "tp" : in->kind == DT_PAR_PP ? "pp" : "cp",
+                 pf.ranks, n);
     else snprintf(fewer, sizeof fewer, "%d rank%s instead of %d:", pf.ranks, pf.ranks > 1 ? "s" : "", n);
     fprintf(out, "    %-33s%.0f%% (%.2fx speedup)\n", fewer, 100 * pf.efficiency, pf.speedup);
 }
@@ -14192,7 +14260,7 @@ static const dt__flag dt__flags[] = {
       DT_ARG_CHOICE, DT_CFG(dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
     { "--reduce-dtype", "5", "fp32|bf16|fp16", "the type gradients are reduce-scattered in (default fp32)",
       DT_ARG_CHOICE, DT_CFG(reduce_dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
-    { "--explain", "1234567", NULL, "after 3 steps, print the cost model's prediction for this run: speedup, compute : "
+    { "--explain", "12345678", NULL, "after 3 steps, print the cost model's prediction for this run: speedup, compute : "
       "communication,\n                          and what would change it", DT_ARG_SWITCH, DT_CFG(explain), NULL, DT_NOT_A_NUMBER },
     { "--link", "1234567", "shm|pcie|nvlink|infiniband", "--explain: the link between ranks (default: shm on a CPU, nvlink on GPUs)",
       DT_ARG_CHOICE, DT_CFG(link), "shm|pcie|nvlink|infiniband", DT_NOT_A_NUMBER },
@@ -14691,9 +14759,9 @@ void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
    and finish with the summary. It calls every chapter above and none calls it. */
 
 /* The wrappers' reports, each defined at its chapter's end (after this). */
-extern const dt_parallel_report dt__fsdp_report, dt__tp_report, dt__pp_report;
+extern const dt_parallel_report dt__fsdp_report, dt__tp_report, dt__pp_report, dt__cp_report;
 const dt_parallel_report *dt_parallel_report_of(dt_parallel *par, dt_parallel **owner) {
-    static const dt_parallel_report *const reports[] = { &dt__fsdp_report, &dt__tp_report, &dt__pp_report };
+    static const dt_parallel_report *const reports[] = { &dt__fsdp_report, &dt__tp_report, &dt__pp_report, &dt__cp_report };
     for (; par; par = par->inner)
         for (size_t i = 0; i < sizeof reports / sizeof reports[0]; i++)
             if (!strcmp(reports[i]->create_fn, par->create_fn)) {
@@ -15040,7 +15108,8 @@ static void dt__run_explain(dt_run *r) {
     in.optimizer_ms = r->phase_ms[DT_PHASE_OPT];      /* this rank's: a wrapper makes it the whole model's */
     double measured = in.compute_ms * c->accum_steps + in.optimizer_ms;     /* this rank's, as it ran */
     dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel, &who);   /* a wrapper that splits the model says how */
-    int layout = rep && rep->cost_input && (n = rep->cost_input(who, &in)) && (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP);
+    int layout = rep && rep->cost_input && (n = rep->cost_input(who, &in)) &&
+                 (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP || in.kind == DT_PAR_CP);
     in.params = (double)dt__state_layout(r->model)->numel;
     in.contention = 1;                /* the compute above was measured as this run shares its device(s) */
     in.backward_share = in.compute_ms > 0 ? r->phase_ms[DT_PHASE_BWD] / c->accum_steps / in.compute_ms : 0.66;
@@ -15054,8 +15123,8 @@ static void dt__run_explain(dt_run *r) {
     dt_cost_explain(stdout, &in, &link, layout || n > 1 ? n : 2);
     printf("  predicted speedup at");
     for (int k = 2; k <= 8; k *= 2)
-        printf(" %s%d%s: %.2fx%s", in.kind == DT_PAR_TP ? "--tp " : in.kind == DT_PAR_PP ? "--pp " : "", k,
-               in.kind == DT_PAR_TP || in.kind == DT_PAR_PP ? "" : " ranks",
+        printf(" %s%d%s: %.2fx%s", layout ? in.kind == DT_PAR_TP ? "--tp " : in.kind == DT_PAR_PP ? "--pp " : "--cp " : "", k,
+               layout ? "" : " ranks",
                dt_cost_predict(&in, &link, k).speedup, k < 8 ? "," : "\n");
     if (r->model->device == DT_CPU)
         printf("  (on a CPU the ranks share its cores: each rank's compute above already carries that; the speedups\n"
@@ -15386,7 +15455,13 @@ static void dt__fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards,
 
 /* Around tensor parallelism the shards make this rank's pieces, not the
    whole: the inner wrapper's report turns those into the whole and back
-   (they pass through the device, where it keeps its pieces). */
+   (they pass through the device, where it keeps its pieces). That report,
+   when the inner wrapper cut the model (tensor, pipeline parallelism); NULL
+   when it keeps the model whole (context parallelism) or there is none. */
+static const dt_parallel_report *dt__fsdp_inner_cut(const dt_parallel *par, dt_parallel **who) {
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, who);
+    return in && in->whole_from_local ? in : NULL;
+}
 static float *dt__fsdp_to_whole(dt_fsdp *f, const dt_parallel_report *in, dt_parallel *who, float *pieces) {
     dt_device dev = f->model->device;
     size_t bytes = (size_t)f->model->numel * sizeof(float);
@@ -15410,7 +15485,7 @@ static float *dt__fsdp_from_whole(dt_fsdp *f, const dt_parallel_report *in, dt_p
 static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which) {
     dt_fsdp *f = (dt_fsdp *)par;
     dt_parallel *who;
-    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    const dt_parallel_report *in = dt__fsdp_inner_cut(par, &who);
     /* every rank gets the whole of its shards, gathered (for a load, too: the file overwrites it) */
     float *gathered = dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
     return in ? dt__fsdp_to_whole(f, in, who, gathered) : gathered;
@@ -15419,7 +15494,7 @@ static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which) 
 static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
     dt_fsdp *f = (dt_fsdp *)par;
     dt_parallel *who;
-    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    const dt_parallel_report *in = dt__fsdp_inner_cut(par, &who);
     if (written && in) {
         float *pieces = dt__fsdp_from_whole(f, in, who, host);
         dt__fsdp_state_scatter(f, pieces, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
@@ -15470,7 +15545,7 @@ static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o)
 static int dt__fsdp_shards(dt_parallel *par, dt_optimizer *o, dt_shard_view *view) {
     dt_fsdp *f = (dt_fsdp *)par;
     dt_parallel *who;                     /* shards of pieces (an inner wrapper that cut the model): saved whole, */
-    if (dt_parallel_report_of(par->inner, &who)) return 0;        /* through that wrapper */
+    if (dt__fsdp_inner_cut(par, &who)) return 0;                  /* through that wrapper */
     *view = (dt_shard_view){ .state = { f->shard_params, o->m, o->v }, .numel = f->shard_numel,
                              .where = f->offload ? DT_CPU : f->model->device, .rank = f->rank, .world = f->world, .comm = f->comm };
     return 1;
@@ -15861,6 +15936,57 @@ const dt_parallel_report dt__pp_report = {
     .memory_table = dt__pp_memory_table, .log_fields = dt__pp_log_fields, .cost_input = dt__pp_cost_input,
     .bench_fields = dt__pp_bench_fields, .whole_from_local = dt__pp_whole_from_local,
     .local_from_whole = dt__pp_local_from_whole,
+};
+/* [src/16-context-parallel.h] */
+/* ---- what the machinery asks of context parallelism (the run driver's
+   dt_parallel_report) ----
+   Every rank holds the whole model, so checkpoints and the memory table
+   need nothing of it; the cost model and --bench learn its ring. */
+/* A causal model's attention work of rank q, in query-key pairs: each of
+   its tokens sees the keys at its position and before. */
+static double dt__cp_attention_pairs(const dt_cp *cp, int q) {
+    int32_t *at = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)cp->T);
+    double pairs = 0;
+    dt_cp_positions(cp->layout, cp->T * cp->size, cp->size, q, at);
+    for (int i = 0; i < cp->T; i++) pairs += at[i] + 1.0;
+    return pairs;
+}
+/* What the cost model needs of the ring, from the model's shape: attention's
+   share of the compute, the keys and values a layer sends, the layers. */
+static void dt__cp_ring_shape(const dt_cp *cp, dt_cost_input *in) {
+    const dt_model *m = cp->model;
+    int T = cp->T * cp->size;
+    double square = 12.0 * m->cfg.depth * m->cfg.dim * T;    /* dt_model_flops_per_token's attention: the whole square */
+    double attention = square * (T + 1.0) / (2.0 * T);       /* the causal half a token sees, on average */
+    in->cp_attention_share = attention / (dt_model_flops_per_token(m) - square + attention);
+    in->cp_kv_bytes = (double)cp->B * T * 2 * m->cfg.dim * 4;
+    in->cp_layers = m->cfg.depth;
+    in->cp_contiguous = cp->layout == DT_CP_CONTIGUOUS && cp->size > 1;
+}
+/* The cost model's view of the last step: the whole sequences' compute on
+   one rank, from this rank's share of it (its tokens' per-token work, its
+   attention pairs' share of attention) and the time it waited for the ring. */
+static int dt__cp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_cp *cp = (const dt_cp *)par;
+    int K = in->accum_steps > 0 ? in->accum_steps : 1, C = cp->size, T = cp->T * C;
+    double mean = (double)T * (T + 1.0) / 2 / C, mine = dt__cp_attention_pairs(cp, cp->rank);
+    in->kind = DT_PAR_CP;
+    dt__cp_ring_shape(cp, in);
+    double a = in->cp_attention_share, share = ((1 - a) + a * mine / mean) / C;   /* this rank's part of the work */
+    in->compute_ms = fmax(0, in->compute_ms - cp->step_ring_ms / K) / share;
+    in->dp_groups = cp->par.data_ranks;
+    return C;
+}
+static void dt__cp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
+    const dt_cp *cp = (const dt_cp *)par;
+    dt_cost_input in = { 0 };
+    dt__cp_ring_shape(cp, &in);
+    fprintf(out, " cp=%d cp_layout=%s cp_ring_ms=%.3f cp_attention_share=%.4f cp_kv_bytes=%.0f cp_layers=%d cp_contiguous=%d",
+            cp->size, cp->layout == DT_CP_ZIGZAG ? "zigzag" : "contiguous", cp->step_ring_ms / accum_steps,
+            in.cp_attention_share, in.cp_kv_bytes, in.cp_layers, in.cp_contiguous);
+}
+const dt_parallel_report dt__cp_report = {
+    .create_fn = "dt_cp_create", .cost_input = dt__cp_cost_input, .bench_fields = dt__cp_bench_fields,
 };
 #endif /* DTRAIN_IMPLEMENTATION */
 

@@ -570,7 +570,13 @@ static void dt__fsdp_state_scatter(dt_fsdp *f, const float *host, float *shards,
 
 /* Around tensor parallelism the shards make this rank's pieces, not the
    whole: the inner wrapper's report turns those into the whole and back
-   (they pass through the device, where it keeps its pieces). */
+   (they pass through the device, where it keeps its pieces). That report,
+   when the inner wrapper cut the model (tensor, pipeline parallelism); NULL
+   when it keeps the model whole (context parallelism) or there is none. */
+static const dt_parallel_report *dt__fsdp_inner_cut(const dt_parallel *par, dt_parallel **who) {
+    const dt_parallel_report *in = dt_parallel_report_of(par->inner, who);
+    return in && in->whole_from_local ? in : NULL;
+}
 static float *dt__fsdp_to_whole(dt_fsdp *f, const dt_parallel_report *in, dt_parallel *who, float *pieces) {
     dt_device dev = f->model->device;
     size_t bytes = (size_t)f->model->numel * sizeof(float);
@@ -594,7 +600,7 @@ static float *dt__fsdp_from_whole(dt_fsdp *f, const dt_parallel_report *in, dt_p
 static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which) {
     dt_fsdp *f = (dt_fsdp *)par;
     dt_parallel *who;
-    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    const dt_parallel_report *in = dt__fsdp_inner_cut(par, &who);
     /* every rank gets the whole of its shards, gathered (for a load, too: the file overwrites it) */
     float *gathered = dt__fsdp_state_gather(f, which == 0 ? f->shard_params : which == 1 ? o->m : o->v);
     return in ? dt__fsdp_to_whole(f, in, who, gathered) : gathered;
@@ -603,7 +609,7 @@ static float *dt__fsdp_state_open(dt_parallel *par, dt_optimizer *o, int which) 
 static void dt__fsdp_state_close(dt_parallel *par, dt_optimizer *o, int which, float *host, int written) {
     dt_fsdp *f = (dt_fsdp *)par;
     dt_parallel *who;
-    const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
+    const dt_parallel_report *in = dt__fsdp_inner_cut(par, &who);
     if (written && in) {
         float *pieces = dt__fsdp_from_whole(f, in, who, host);
         dt__fsdp_state_scatter(f, pieces, which == 0 ? f->shard_params : which == 1 ? o->m : o->v, which == 0);
@@ -654,7 +660,7 @@ static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o)
 static int dt__fsdp_shards(dt_parallel *par, dt_optimizer *o, dt_shard_view *view) {
     dt_fsdp *f = (dt_fsdp *)par;
     dt_parallel *who;                     /* shards of pieces (an inner wrapper that cut the model): saved whole, */
-    if (dt_parallel_report_of(par->inner, &who)) return 0;        /* through that wrapper */
+    if (dt__fsdp_inner_cut(par, &who)) return 0;                  /* through that wrapper */
     *view = (dt_shard_view){ .state = { f->shard_params, o->m, o->v }, .numel = f->shard_numel,
                              .where = f->offload ? DT_CPU : f->model->device, .rank = f->rank, .world = f->world, .comm = f->comm };
     return 1;

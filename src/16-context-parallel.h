@@ -76,6 +76,10 @@ void dt_cp_positions(dt_cp_layout layout, int T, int C, int rank, int32_t *posit
 
 static DT_THREAD_LOCAL int64_t dt__ring_scores;
 int64_t dt_ring_attention_scores(void) { return dt__ring_scores; }
+/* Training's time waiting for the ring on this thread, since the wrapper's
+   last step (its step_done takes it): what the cost model takes out of the
+   measured compute. */
+static DT_THREAD_LOCAL double dt__ring_wait_ms;
 
 /* What travels the ring: a rank's block, its T positions (as floats: exact
    below 2^24) then its keys and values, [B*T, D] each; in backward, their
@@ -157,8 +161,10 @@ static void dt__ring_attention_backward(dt__tape_entry *e) {
        shift waits for the step (forward overlaps them). */
     for (int s = 0; s < C; s++) {
         dt__ring_attend_backward(r, qkvv, dout, blk[s & 1], dqkv, space);
+        double t0 = dt_now_ms();
         if (s < C - 1) dt_ring_shift(r->comm, blk[s & 1], blk[(s + 1) & 1], nblk, DT_F32);
         else if (C > 1) dt_ring_shift(r->comm, blk[s & 1] + T + 2 * BTD, blk[(s + 1) & 1] + T + 2 * BTD, 2 * BTD, DT_F32);
+        dt__ring_wait_ms += dt_now_ms() - t0;
     }
     const float *dK = blk[C > 1 ? C & 1 : 0] + T + 2 * BTD, *dV = dK + BTD;
     for (int64_t i = 0; i < (int64_t)B * T; i++)
@@ -195,7 +201,9 @@ dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, co
     for (int s = 0; s < C; s++) {                         /* the next block travels while this one is used */
         dt_comm_handle next = s < C - 1 ? dt_ring_shift_async(ring, blk[s & 1], blk[(s + 1) & 1], nblk, DT_F32) : 0;
         dt__ring_attend(r, qkvv, blk[s & 1], m, l, r->O, space);
+        double t0 = dt_now_ms();
         if (next) dt_comm_wait(ring, next);
+        if (dt__ctx.grad_enabled) dt__ring_wait_ms += dt_now_ms() - t0;
     }
     dt_tensor *out = dt__tensor_out_2d(B * T, D);
     float *outv = dt__out(out);
@@ -217,6 +225,8 @@ struct dt_cp {
     dt_mesh *mesh;
     dt_comm *ring;              /* the group's ranks ("cp"), around which attention goes */
     int size, rank, T;          /* C, this rank's place, the tokens of a sequence it keeps */
+    int B;                      /* sequences in the last batch it split */
+    double ring_ms, step_ring_ms;   /* waiting for the ring: this step's so far, the last step's */
     dt_cp_layout layout;
     int32_t *positions;         /* of those tokens, in the whole sequence */
 };
@@ -265,6 +275,11 @@ static dt_tensor *dt__cp_forward(dt_parallel *par, dt_tensor *inputs) {
     }
     return y;
 }
+static void dt__cp_step_done(dt_parallel *par) {
+    dt_cp *cp = (dt_cp *)par;
+    cp->step_ring_ms = dt__ring_wait_ms;
+    dt__ring_wait_ms = 0;
+}
 dt_cp *dt_cp_create(dt_model *model, dt_comm *comm, int cp, dt_cp_layout layout) {
     int world = dt_comm_size(comm), T = model->cfg.seq_len;
     char v[64];
@@ -288,7 +303,7 @@ dt_cp *dt_cp_create(dt_model *model, dt_comm *comm, int cp, dt_cp_layout layout)
     dt_cp *c = (dt_cp *)calloc(1, sizeof *c);
     if (!c || !(c->positions = (int32_t *)malloc(sizeof(int32_t) * (size_t)(T / cp)))) dt_fail("out of memory (context parallelism)");
     c->par = (dt_parallel){ .create_fn = "dt_cp_create", .sync_fn = "dt_data_parallel_sync_grads", .free_fn = "dt_cp_free",
-                            .forward = dt__cp_forward, .grad_ranks = world };
+                            .forward = dt__cp_forward, .step_done = dt__cp_step_done, .grad_ranks = world };
     dt__comm_hold(comm, "dt_cp_free");
     c->model = model;
     c->comm = comm;
@@ -316,6 +331,7 @@ void dt_cp_split_batch(dt_cp *cp, dt_batch *batch) {
     for (int b = 0; b < B; b++)
         for (int i = 0; i < t; i++) labels[b * t + i] = batch->labels[b * T + cp->positions[i]];
     batch->inputs = dt__cp_tokens(cp, batch->inputs);
+    cp->B = B;
     batch->labels = labels;
 }
 dt_comm *dt_cp_data_group(const dt_cp *cp) { return cp->comm; }
@@ -332,3 +348,55 @@ void dt_cp_free(dt_cp *cp) {
     free(cp->positions);
     free(cp);
 }
+
+//@ for the machinery
+/* ---- what the machinery asks of context parallelism (the run driver's
+   dt_parallel_report) ----
+   Every rank holds the whole model, so checkpoints and the memory table
+   need nothing of it; the cost model and --bench learn its ring. */
+/* A causal model's attention work of rank q, in query-key pairs: each of
+   its tokens sees the keys at its position and before. */
+static double dt__cp_attention_pairs(const dt_cp *cp, int q) {
+    int32_t *at = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)cp->T);
+    double pairs = 0;
+    dt_cp_positions(cp->layout, cp->T * cp->size, cp->size, q, at);
+    for (int i = 0; i < cp->T; i++) pairs += at[i] + 1.0;
+    return pairs;
+}
+/* What the cost model needs of the ring, from the model's shape: attention's
+   share of the compute, the keys and values a layer sends, the layers. */
+static void dt__cp_ring_shape(const dt_cp *cp, dt_cost_input *in) {
+    const dt_model *m = cp->model;
+    int T = cp->T * cp->size;
+    double square = 12.0 * m->cfg.depth * m->cfg.dim * T;    /* dt_model_flops_per_token's attention: the whole square */
+    double attention = square * (T + 1.0) / (2.0 * T);       /* the causal half a token sees, on average */
+    in->cp_attention_share = attention / (dt_model_flops_per_token(m) - square + attention);
+    in->cp_kv_bytes = (double)cp->B * T * 2 * m->cfg.dim * 4;
+    in->cp_layers = m->cfg.depth;
+    in->cp_contiguous = cp->layout == DT_CP_CONTIGUOUS && cp->size > 1;
+}
+/* The cost model's view of the last step: the whole sequences' compute on
+   one rank, from this rank's share of it (its tokens' per-token work, its
+   attention pairs' share of attention) and the time it waited for the ring. */
+static int dt__cp_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_cp *cp = (const dt_cp *)par;
+    int K = in->accum_steps > 0 ? in->accum_steps : 1, C = cp->size, T = cp->T * C;
+    double mean = (double)T * (T + 1.0) / 2 / C, mine = dt__cp_attention_pairs(cp, cp->rank);
+    in->kind = DT_PAR_CP;
+    dt__cp_ring_shape(cp, in);
+    double a = in->cp_attention_share, share = ((1 - a) + a * mine / mean) / C;   /* this rank's part of the work */
+    in->compute_ms = fmax(0, in->compute_ms - cp->step_ring_ms / K) / share;
+    in->dp_groups = cp->par.data_ranks;
+    return C;
+}
+static void dt__cp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
+    const dt_cp *cp = (const dt_cp *)par;
+    dt_cost_input in = { 0 };
+    dt__cp_ring_shape(cp, &in);
+    fprintf(out, " cp=%d cp_layout=%s cp_ring_ms=%.3f cp_attention_share=%.4f cp_kv_bytes=%.0f cp_layers=%d cp_contiguous=%d",
+            cp->size, cp->layout == DT_CP_ZIGZAG ? "zigzag" : "contiguous", cp->step_ring_ms / accum_steps,
+            in.cp_attention_share, in.cp_kv_bytes, in.cp_layers, in.cp_contiguous);
+}
+const dt_parallel_report dt__cp_report = {
+    .create_fn = "dt_cp_create", .cost_input = dt__cp_cost_input, .bench_fields = dt__cp_bench_fields,
+};

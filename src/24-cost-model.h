@@ -27,7 +27,8 @@ int dt_cost_ddp_buckets(double params, double bucket_mb);
    cost model prices it: the run fills it from what the last step measured,
    and a wrapper that splits or shards the model its own part (its
    dt_parallel_report's cost_input, the run-driver chapter). */
-typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3, DT_PAR_TP, DT_PAR_PP } dt_parallelism;
+typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3, DT_PAR_TP, DT_PAR_PP,
+               DT_PAR_CP } dt_parallelism;
 typedef struct dt_cost_input {
     dt_parallelism kind;
     double compute_ms;         /* one rank's forward + backward for one micro-batch, on its own device */
@@ -70,6 +71,20 @@ typedef struct dt_cost_input {
        DDP's bytes; around a pipeline ZeRO-2 and -3 do so each micro-batch
        (ZeRO-2: M reduce-scatters and one all-gather, (M + 1) / 2 DDP's) */
     int dp_shard;
+    /* context parallelism (DT_PAR_CP; n: the C ranks that split each
+       sequence, compute_ms one rank's of the whole sequences): attention's
+       share of that compute (the rest is per token: it divides by C); the
+       keys and values of one layer, the whole micro-batch's (micro-batch x
+       T x 2 x width x 4: a rank's block is 1/C of it); the layers the ring
+       goes around; 1 when a causal model is cut into contiguous pieces, so
+       that the last rank's attention is about (2C - 1) / C the mean's (0:
+       zig-zag, or no mask: every rank the same). Forward sends the block on
+       C - 1 times, each behind a block's attention; backward C - 1 times
+       with its gradients (twice the bytes) and once more with the gradients
+       alone, waited for. The gradients are averaged over every rank of the
+       job (dp_groups x C): DDP's behind backward, or sharded (dp_shard). */
+    double cp_attention_share, cp_kv_bytes;
+    int cp_layers, cp_contiguous;
 } dt_cost_input;
 
 typedef struct dt_cost_prediction {
@@ -89,7 +104,9 @@ typedef struct dt_cost_prediction {
    reduce-scatters the gradients: 1.5x DDP's bytes. Tensor parallelism
    divides the split layers' compute by N and all-reduces activations inside
    forward and backward, where nothing hides them; its N ranks share one
-   batch, so its speedup is against one rank with that batch, not N times it. */
+   batch, so its speedup is against one rank with that batch, not N times it.
+   Context parallelism divides the work by N too, the busiest rank's
+   attention setting the pace, and passes key/value blocks around a ring. */
 dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, int n);
 /* Print the prediction, the compute-to-communication ratio, and what bigger
    batches, accumulation, bf16 communication or fewer ranks would change. */
@@ -145,7 +162,7 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
     int K = in->accum_steps > 0 ? in->accum_steps : 1, msgs = in->messages > 0 ? in->messages : 1;
     /* every rank of the job shares the device(s), not only the n of one
        group or pipeline: a layout of one stage or one group still has D x T */
-    int groups = (in->kind == DT_PAR_TP || in->kind == DT_PAR_PP) && in->dp_groups > 1 ? in->dp_groups : 1;
+    int groups = (in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP) && in->dp_groups > 1 ? in->dp_groups : 1;
     int everyone = n * groups * (in->kind == DT_PAR_PP && in->tp_ranks > 1 ? in->tp_ranks : 1);
     double slow = everyone > 1 && in->contention > 0 ? in->contention : 1.0;
     double c = in->compute_ms * slow;                                      /* one micro-batch */
@@ -154,7 +171,7 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
     double share = n > 1 ? (double)(n - 1) / n : 0;
     p.ranks = n;
     p.compute_ms = K * c + in->optimizer_ms * slow / (sharded ? n : 1);
-    if (n > 1 || in->kind == DT_PAR_TP || in->kind == DT_PAR_PP) switch (in->kind) {   /* --tp 1, --pp 1: groups */
+    if (n > 1 || in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP) switch (in->kind) {   /* --tp 1: groups */
     case DT_PAR_NONE: break;
     case DT_PAR_DDP:            /* one all-reduce per bucket, once per step, behind the last backward */
         p.comm_ms = dt_cost_all_reduce_ms(l, n, G) + (msgs - 1) * 2.0 * (n - 1) * lat;
@@ -211,6 +228,25 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
         p.efficiency = p.speedup / (n * T * D);
         return p;
     }
+    case DT_PAR_CP: {           /* 1/n of every sequence's tokens a rank; the keys and values go around a ring */
+        int D = in->dp_groups > 1 ? in->dp_groups : 1, L = in->cp_layers > 0 ? in->cp_layers : 1;
+        double a = in->cp_attention_share, bal = in->cp_contiguous ? (2.0 * n - 1) / n : 1;
+        double busiest = c * ((1 - a) + a * bal) / n;                       /* the slowest rank's micro-batch */
+        double kv = in->cp_kv_bytes / n, per_ms = l->bandwidth_gbs * 1e6;  /* a block; bytes a millisecond */
+        double hop = lat + kv / per_ms, back = n > 1 ? (n - 1) * (lat + 2 * kv / per_ms) + lat + kv / per_ms : 0;
+        double block = c * a * (1 - in->backward_share) / ((double)L * n * n);   /* one block's forward attention */
+        double grads = in->params * in->reduce_bytes, zero = in->dp_shard == 3 ? 1.5 : 1;
+        double sync = zero * dt_cost_all_reduce_ms(l, n * D, grads);
+        p.compute_ms = K * busiest + in->optimizer_ms * slow / (in->dp_shard ? n * D : 1);
+        p.comm_ms = K * L * ((n - 1) * hop + back) + sync;
+        p.exposed_ms = K * L * ((n - 1) * fmax(0, hop - block) + back) +
+                       (in->dp_shard ? sync : fmax(0, sync - in->backward_share * busiest));
+        p.bytes = (n > 1 ? K * L * kv * (3.0 * (n - 1) + 1) : 0) + zero * 2.0 * (n * D - 1) / (n * D) * grads;
+        p.step_ms = p.compute_ms + p.exposed_ms;
+        p.speedup = p.step_ms > 0 ? D * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
+        p.efficiency = p.speedup / (n * D);
+        return p;
+    }
     case DT_PAR_ZERO3: {        /* every micro-batch gathers twice, prefetched behind compute; one reduce-scatter */
         double gathers = 2 * (dt_cost_all_gather_ms(l, n, W) + (msgs - 1) * (n - 1) * lat);
         double scatter = dt_cost_all_gather_ms(l, n, G) + (msgs - 1) * (n - 1) * lat;
@@ -228,7 +264,7 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
 
 void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n) {
     static const char *kinds[] = { "one rank", "DataParallel", "DDP", "FSDP ZeRO-1", "FSDP ZeRO-2", "FSDP ZeRO-3",
-                                   "tensor parallel", "pipeline parallel" };
+                                   "tensor parallel", "pipeline parallel", "context parallel" };
     dt_cost_prediction p = dt_cost_predict(in, l, n);
     int T = in->kind == DT_PAR_PP && in->tp_ranks > 1 ? in->tp_ranks : 1;     /* a pipeline's stages split too */
     fprintf(out, "cost model: %s on %d %s%s over %s (%.0f GB/s, %.0f us), %.2fM parameters\n", kinds[in->kind], n,
@@ -242,9 +278,15 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
         { "", "; the optimizer state sharded over them", "; the optimizer state and the gradients sharded over them "
           "(each micro-batch's reduce-scattered)", "; the pieces sharded over them (ZeRO-3: each micro-batch gathers the "
           "parameters twice, reduce-scatters its gradients)" } };
-    if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP) && in->dp_groups > 1)
+    if (in->kind == DT_PAR_CP)
+        fprintf(out, "  each sequence split over the %d ranks (%s): attention is %.0f%% of the compute, the busiest rank's "
+                "%.2fx the mean's;\n  in each of %d layers the ring passes %.0f KB blocks on, %d forward (each behind "
+                "attention) and %d back with their gradients\n", n, in->cp_contiguous ? "contiguous" : "every rank the same work",
+                100 * in->cp_attention_share, in->cp_contiguous ? (2.0 * n - 1) / n : 1.0, in->cp_layers,
+                in->cp_kv_bytes / n / 1e3, n - 1, n > 1 ? n : 0);
+    if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP) && in->dp_groups > 1)
         fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch%s\n", in->dp_groups,
-                in->kind == DT_PAR_TP ? "groups" : "pipelines", n * T, in->dp_groups * n * T,
+                in->kind != DT_PAR_PP ? "groups" : "pipelines", n * T, in->dp_groups * n * T,
                 sharded[in->kind == DT_PAR_PP][in->dp_shard >= 0 && in->dp_shard <= 3 ? in->dp_shard : 0]);
     if (in->kind == DT_PAR_PP && n > 1)
         fprintf(out, "  %d micro-batches through %d stages: the bubble is (P - 1) / (M + P - 1) = %.0f%% of the step "
@@ -260,6 +302,7 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
     dt_cost_input big = *in, acc = *in, half = *in;
     big.compute_ms *= 2;
     big.tp_bytes *= 2;                   /* tensor parallelism sums activations: they double too */
+    big.cp_kv_bytes *= 2;                /* ... and context parallelism's ring blocks */
     acc.accum_steps = (in->accum_steps > 0 ? in->accum_steps : 1) * 4;
     half.reduce_bytes = half.gather_bytes = 2;
     half.tp_bytes /= 2;
@@ -273,6 +316,13 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
         more.tp_bytes /= 4;
         fprintf(out, "    4x --micro-batches:              %.0f%% (the bubble shrinks; each micro-batch is smaller)\n",
                 100 * dt_cost_predict(&more, l, n).efficiency);
+    } else if (in->kind == DT_PAR_CP) {
+        dt_cost_input even = *in;
+        even.cp_contiguous = 0;
+        fprintf(out, "    twice the batch per group:       %.0f%% (compute and the ring's blocks both double)\n", 100 * pb.efficiency);
+        if (in->cp_contiguous)
+            fprintf(out, "    --cp-layout zigzag:              %.0f%% (every rank the same attention work)\n",
+                    100 * dt_cost_predict(&even, l, n).efficiency);
     } else if (in->kind == DT_PAR_TP) {
         fprintf(out, "    twice the batch per group:       %.0f%% (compute and the activations summed both double)\n",
                 100 * pb.efficiency);
@@ -282,11 +332,12 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
         fprintf(out, "    twice the batch per rank:        %.0f%% (compute doubles, communication does not)\n", 100 * pb.efficiency);
         fprintf(out, "    4x --accum-steps:                %.0f%% (gradients travel once per 4 micro-batches)\n", 100 * pa.efficiency);
     }
-    if (in->kind != DT_PAR_TP && in->kind != DT_PAR_PP && (in->reduce_bytes > 2 || (in->kind == DT_PAR_ZERO3 && in->gather_bytes > 2)))
+    if (in->kind != DT_PAR_TP && in->kind != DT_PAR_PP && in->kind != DT_PAR_CP && (in->reduce_bytes > 2 || (in->kind == DT_PAR_ZERO3 && in->gather_bytes > 2)))
         fprintf(out, "    bf16 communication:              %.0f%% (half the bytes)\n", 100 * ph.efficiency);
     char fewer[64];
-    if (in->kind == DT_PAR_TP || in->kind == DT_PAR_PP)
-        snprintf(fewer, sizeof fewer, "--%s %d instead of %d:", in->kind == DT_PAR_TP ? "tp" : "pp", pf.ranks, n);
+    if (in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP)
+        snprintf(fewer, sizeof fewer, "--%s %d instead of %d:", in->kind == DT_PAR_TP ? "tp" : in->kind == DT_PAR_PP ? "pp" : "cp",
+                 pf.ranks, n);
     else snprintf(fewer, sizeof fewer, "%d rank%s instead of %d:", pf.ranks, pf.ranks > 1 ? "s" : "", n);
     fprintf(out, "    %-33s%.0f%% (%.2fx speedup)\n", fewer, 100 * pf.efficiency, pf.speedup);
 }

@@ -136,9 +136,9 @@ int dt_run_finish(dt_run *run);
    and finish with the summary. It calls every chapter above and none calls it. */
 
 /* The wrappers' reports, each defined at its chapter's end (after this). */
-extern const dt_parallel_report dt__fsdp_report, dt__tp_report, dt__pp_report;
+extern const dt_parallel_report dt__fsdp_report, dt__tp_report, dt__pp_report, dt__cp_report;
 const dt_parallel_report *dt_parallel_report_of(dt_parallel *par, dt_parallel **owner) {
-    static const dt_parallel_report *const reports[] = { &dt__fsdp_report, &dt__tp_report, &dt__pp_report };
+    static const dt_parallel_report *const reports[] = { &dt__fsdp_report, &dt__tp_report, &dt__pp_report, &dt__cp_report };
     for (; par; par = par->inner)
         for (size_t i = 0; i < sizeof reports / sizeof reports[0]; i++)
             if (!strcmp(reports[i]->create_fn, par->create_fn)) {
@@ -485,7 +485,8 @@ static void dt__run_explain(dt_run *r) {
     in.optimizer_ms = r->phase_ms[DT_PHASE_OPT];      /* this rank's: a wrapper makes it the whole model's */
     double measured = in.compute_ms * c->accum_steps + in.optimizer_ms;     /* this rank's, as it ran */
     dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel, &who);   /* a wrapper that splits the model says how */
-    int layout = rep && rep->cost_input && (n = rep->cost_input(who, &in)) && (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP);
+    int layout = rep && rep->cost_input && (n = rep->cost_input(who, &in)) &&
+                 (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP || in.kind == DT_PAR_CP);
     in.params = (double)dt__state_layout(r->model)->numel;
     in.contention = 1;                /* the compute above was measured as this run shares its device(s) */
     in.backward_share = in.compute_ms > 0 ? r->phase_ms[DT_PHASE_BWD] / c->accum_steps / in.compute_ms : 0.66;
@@ -499,8 +500,8 @@ static void dt__run_explain(dt_run *r) {
     dt_cost_explain(stdout, &in, &link, layout || n > 1 ? n : 2);
     printf("  predicted speedup at");
     for (int k = 2; k <= 8; k *= 2)
-        printf(" %s%d%s: %.2fx%s", in.kind == DT_PAR_TP ? "--tp " : in.kind == DT_PAR_PP ? "--pp " : "", k,
-               in.kind == DT_PAR_TP || in.kind == DT_PAR_PP ? "" : " ranks",
+        printf(" %s%d%s: %.2fx%s", layout ? in.kind == DT_PAR_TP ? "--tp " : in.kind == DT_PAR_PP ? "--pp " : "--cp " : "", k,
+               layout ? "" : " ranks",
                dt_cost_predict(&in, &link, k).speedup, k < 8 ? "," : "\n");
     if (r->model->device == DT_CPU)
         printf("  (on a CPU the ranks share its cores: each rank's compute above already carries that; the speedups\n"

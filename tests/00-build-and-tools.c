@@ -183,6 +183,27 @@ TEST(the_header_is_its_chapters_assembled, QUICK) {
    side of CUDA. A lesson that calls into the machinery -- here the optimizer
    calling dt_parse_args -- fails that, naming the call; and a machinery
    chapter numbered among the lessons is refused by the assembly. */
+/* What make builds stays out of git: a program committed once is stale after
+   the next change, and every clone carries it (.gitignore names each
+   stage's train, the ones to come too). */
+TEST(no_built_program_is_committed, QUICK) {
+    static char out[1 << 16];
+    const char *root = repo_root();
+    if (run_cmd(out, sizeof out, "git -C %s ls-files", root) != 0) SKIP("%s is not a git checkout", root);
+    int files = 0;
+    for (char *name = strtok(out, "\n"); name; name = strtok(NULL, "\n")) {
+        char path[1200], magic[4] = { 0 };
+        snprintf(path, sizeof path, "%s/%s", root, name);
+        FILE *f = fopen(path, "rb");
+        size_t got = f ? fread(magic, 1, sizeof magic, f) : 0;
+        if (f) fclose(f);
+        files++;
+        CHECKF(!(got == 4 && !memcmp(magic, "\x7f" "ELF", 4)), "%s is a built program, committed: git rm --cached it, and "
+               "let .gitignore name it", name);
+    }
+    CHECKF(files > 50, "git ls-files listed only %d files in %s", files, root);
+}
+
 TEST(the_lessons_compile_without_the_machinery, QUICK) {
     static char out[16384];
     const char *root = repo_root();

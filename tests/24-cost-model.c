@@ -16,7 +16,7 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
        8 sums of 1.25e7 bytes (1.25 ms each at N=2): 100 x (0.8/2 + 0.2) = 60
        ms of compute and 10 of sums, none hidden: 100 / 70 over one rank with
        the same batch (not twice it) */
-    dt_cost_input tp = { DT_PAR_TP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0.8, 8, 1.25e7, 0, 0, 0, 0, 0, 0, 0 };
+    dt_cost_input tp = { DT_PAR_TP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0.8, 8, 1.25e7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     dt_cost_prediction q = dt_cost_predict(&tp, &(dt_link){ "no latency", 0, 10 }, 2);
     CHECKF(CLOSE(q.compute_ms, 60, 1e-12) && CLOSE(q.comm_ms, 10, 1e-12) && CLOSE(q.exposed_ms, 10, 1e-12) &&
            CLOSE(q.speedup, 100.0 / 70, 1e-12) && CLOSE(q.bytes, 8 * 1.25e7, 1e-12),
@@ -46,7 +46,7 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
        hop at 10 GB/s, 16 of them a step, of which those of the fill and the
        drain (2 x 3) are not hidden: 34.375 + 0.6 ms, a bubble of 3/11; each
        rank sends 16e6 bytes but an end stage half of that: 12e6 on average */
-    dt_cost_input pp = { DT_PAR_PP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 8, 1, 1e6, 0, 0 };
+    dt_cost_input pp = { DT_PAR_PP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 8, 1, 1e6, 0, 0, 0, 0, 0, 0 };
     q = dt_cost_predict(&pp, &(dt_link){ "no latency", 0, 10 }, 4);
     CHECKF(CLOSE(q.compute_ms, 34.375, 1e-12) && CLOSE(q.comm_ms, 1.6, 1e-12) && CLOSE(q.exposed_ms, 0.6, 1e-12) &&
            CLOSE(q.bubble, 3.0 / 11, 1e-12) && CLOSE(q.speedup, 100 / 34.975, 1e-12) && CLOSE(q.bytes, 12e6, 1e-12),
@@ -70,9 +70,42 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
            CLOSE(q.bytes, 12e6 + 2e7 + 6e5, 1e-12),
            "PP x TP x DP: compute %.4f, comm %.4f, exposed %.4f, speedup %.4f, efficiency %.4f, bytes %.6g", q.compute_ms,
            q.comm_ms, q.exposed_ms, q.speedup, q.efficiency, q.bytes);
+    /* context parallelism, 100 ms of compute of the whole sequences, half of
+       it attention, over 2 ranks (zig-zag: the same work each): 50 ms a
+       rank. 2 layers, keys and values of 2e6 bytes (a rank's block 1e6, 0.1
+       ms at 10 GB/s): forward passes it on once behind a block's attention
+       (100 x 0.5 x 0.5 forward / (2 layers x 2 x 2 blocks) = 3.125 ms:
+       hidden), backward once with its gradients (0.2 ms) and once more with
+       the gradients alone (0.1), waited for: 0.6 ms exposed of 0.8; the
+       gradients' all-reduce (4e6 bytes, 0.4 ms) behind backward; each rank
+       sends 2 x (1 + 2 + 1) x 1e6 + 4e6 bytes. Against one rank with the
+       same batch: 100 / 50.6 */
+    dt_cost_input cp = { .kind = DT_PAR_CP, .compute_ms = 100, .contention = 1, .backward_share = 0.5, .params = 1e6,
+                         .gather_bytes = 4, .reduce_bytes = 4, .accum_steps = 1, .cp_attention_share = 0.5, .cp_kv_bytes = 2e6,
+                         .cp_layers = 2 };
+    q = dt_cost_predict(&cp, &(dt_link){ "no latency", 0, 10 }, 2);
+    CHECKF(CLOSE(q.compute_ms, 50, 1e-12) && CLOSE(q.comm_ms, 1.2, 1e-12) && CLOSE(q.exposed_ms, 0.6, 1e-12) &&
+           CLOSE(q.speedup, 100 / 50.6, 1e-12) && CLOSE(q.bytes, 12e6, 1e-12),
+           "CP: compute %.4f, comm %.4f, exposed %.4f, speedup %.4f, bytes %.6g", q.compute_ms, q.comm_ms, q.exposed_ms,
+           q.speedup, q.bytes);
+    /* contiguous pieces of a causal model: the last rank's attention is 1.5x
+       the mean's, 100 x (0.5 + 0.5 x 1.5) / 2 = 62.5 ms */
+    cp.cp_contiguous = 1;
+    q = dt_cost_predict(&cp, &(dt_link){ "no latency", 0, 10 }, 2);
+    CHECKF(CLOSE(q.compute_ms, 62.5, 1e-12) && CLOSE(q.step_ms, 63.1, 1e-12), "CP contiguous: compute %.4f, step %.4f",
+           q.compute_ms, q.step_ms);
+    /* zig-zag again, in 2 groups: the gradients averaged over all 4 ranks
+       (2 x 3/4 x 4e6 bytes, 0.6 ms, behind backward), twice the samples */
+    cp.cp_contiguous = 0;
+    cp.dp_groups = 2;
+    q = dt_cost_predict(&cp, &(dt_link){ "no latency", 0, 10 }, 2);
+    CHECKF(CLOSE(q.comm_ms, 1.4, 1e-12) && CLOSE(q.exposed_ms, 0.6, 1e-12) && CLOSE(q.speedup, 200 / 50.6, 1e-12) &&
+           CLOSE(q.efficiency, 50 / 50.6, 1e-12) && CLOSE(q.bytes, 14e6, 1e-12),
+           "CP x 2 groups: comm %.4f, exposed %.4f, speedup %.4f, efficiency %.4f, bytes %.6g", q.comm_ms, q.exposed_ms,
+           q.speedup, q.efficiency, q.bytes);
     /* 2 pipelines of one stage on a device they share (contention 2): both
        ranks' compute is slowed, though each pipeline has one rank */
-    dt_cost_input shared = { DT_PAR_PP, 100, 2, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 2, 1, 1, 0, 0, 0 };
+    dt_cost_input shared = { DT_PAR_PP, 100, 2, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0 };
     q = dt_cost_predict(&shared, &(dt_link){ "no latency", 0, 10 }, 1);
     CHECKF(CLOSE(q.compute_ms, 200, 1e-12) && CLOSE(q.comm_ms, 0.4, 1e-12), "2 x 1 x 1 sharing a device: compute %.4f, comm %.4f",
            q.compute_ms, q.comm_ms);
@@ -113,7 +146,7 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
        nothing hidden: 125 ms a step, 80% efficiency; hidden behind half of
        compute (50 ms): 100% */
     dt_link fast = { "no latency", 0, 10 };
-    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     dt_cost_prediction p = dt_cost_predict(&in, &fast, 2);
     CHECKF(CLOSE(p.comm_ms, 25, 1e-12) && CLOSE(p.step_ms, 125, 1e-12) && CLOSE(p.efficiency, 0.8, 1e-12),
            "DDP: comm %.4f, step %.4f, efficiency %.4f", p.comm_ms, p.step_ms, p.efficiency);
@@ -170,4 +203,14 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
            sums >= 8 && strstr(out, "4 micro-batches through 2 stages: the bubble is (P - 1) / (M + P - 1) = 20%") &&
            strstr(out, "predicted speedup at --pp 2"), "07 --tp 2 --pp 2 --explain: exit %d (split %.1f%%, %.1f sums)\n%s", st,
            share, sums, out);
+    /* ... and of context parallelism: its ring, attention's share, the layout's lever */
+    st = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 32 --depth 2 --heads 4 --seq-len 64 --batch-size 4 --steps 4 "
+                 "--epochs 1 --nproc 2 --cp 2 --cp-layout contiguous --explain", stage_bin("08-context-parallel"), gpt_text());
+    const char *att = strstr(out, "(contiguous): attention is ");
+    double attention = 0;
+    if (att) sscanf(att + strlen("(contiguous): attention is "), "%lf", &attention);
+    CHECKF(st == 0 && strstr(out, "cost model: context parallel on 2 ranks") && att && attention > 5 && attention < 95 &&
+           strstr(out, "the busiest rank's 1.50x the mean's") && strstr(out, "blocks on, 1 forward (each behind attention) and 2 back") &&
+           strstr(out, "--cp-layout zigzag:") && strstr(out, "predicted speedup at --cp 2"),
+           "08 --cp 2 --explain: exit %d (attention %.1f%%)\n%s", st, attention, out);
 }

@@ -35,12 +35,14 @@ static void out_path(char *path, size_t n, const char *dir, const char *file) {
 }
 
 /* units: what FSDP gathers one at a time; heads: what tensor parallelism splits attention by (0: none);
-   blocks: what pipeline parallelism splits into stages */
-typedef struct { const char *name, *flags; int units, heads, blocks; } workload;
+   blocks: what pipeline parallelism splits into stages; language: a long-context language model, which
+   context parallelism (08) is for -- it runs 01, 03 and 08 alone (the others have their workloads) */
+typedef struct { const char *name, *flags; int units, heads, blocks, language; } workload;
 static const workload workloads[] = {
-    { "mlp", "--model mlp", 3, 0, 3 },
-    { "vit-tiny", "--model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64", 8, 3, 6 },
-    { "vit-base", "--model vit --image-size 224 --dim 768 --depth 12 --heads 12 --patch 16 --batch-size 64", 14, 12, 12 },  /* GPUs only */
+    { "mlp", "--model mlp", 3, 0, 3, 0 },
+    { "vit-tiny", "--model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64", 8, 3, 6, 0 },
+    { "gpt-512", "--model gpt --dim 64 --depth 2 --heads 4 --seq-len 512 --batch-size 4", 4, 4, 2, 1 },
+    { "vit-base", "--model vit --image-size 224 --dim 768 --depth 12 --heads 12 --patch 16 --batch-size 64", 14, 12, 12, 0 },  /* GPUs only */
 };
 /* label, binary, flags, the parallelism the cost model sees, 16-bit gathers */
 typedef struct { const char *label, *bin, *flags; dt_parallelism kind; int half; } stage;
@@ -56,15 +58,23 @@ static const stage stages[] = {
     { "05/bf16", "05-accum-mixed-precision/train", "--dtype bf16", DT_PAR_ZERO3, 1 },
     { "06-tensor-parallel", "06-tensor-parallel/train", "", DT_PAR_TP, 0 },
     { "07-pipeline-parallel", "07-pipeline-parallel/train", "--micro-batches 8", DT_PAR_PP, 0 },
+    { "08-context-parallel", "08-context-parallel/train", "", DT_PAR_CP, 0 },
 };
+/* Whether a stage runs on a workload: 08 splits sequences of tokens; a
+   language workload is there for 08, against 01 and 03 (DDP, which 08 builds on). */
+static int stage_runs(int s, const workload *w) {
+    if (stages[s].kind == DT_PAR_CP) return w->language;
+    return !w->language || stages[s].kind == DT_PAR_NONE || stages[s].kind == DT_PAR_DDP;
+}
 enum { NSTAGES = sizeof stages / sizeof stages[0] };
-static int NWORK = 2;                    /* vit-base joins when there is a GPU */
+static int NWORK = 3;                    /* vit-base joins when there is a GPU */
 
 typedef struct {
     int ok, stage, work, ranks, threads, oversubscribed, one_thread;
     char device[16], dtype[8];
     double samples, gflops, step_ms, fwd, bwd, opt, comm, hidden, peak, state, host, params;
     double tp_share, tp_sums, tp_bytes;
+    double cp_attention_share, cp_kv_bytes, cp_layers, cp_contiguous;
     double pp_micro_batches, pp_balance, pp_bytes, bubble, bubble_predicted;
     double speedup, efficiency, predicted, predicted_eff;
 } row;
@@ -139,7 +149,7 @@ static double contention(const char *device, int ranks, int cores, int gpus, dou
 }
 
 static const char *colors[] = { "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf", "#bcbd22",
-                                "#393b79" };
+                                "#393b79", "#637939" };
 _Static_assert(sizeof colors / sizeof colors[0] >= NSTAGES, "a colour for each stage");
 
 /* scaling.svg: speedup against ranks, a panel per workload; measured solid,
@@ -361,9 +371,9 @@ static void draw_layouts(const char *path, const char *work, int N, layout_row *
         fprintf(f, "<text x='%.1f' y='%d' text-anchor='middle'>%d x %d x %d</text>\n", x + 30, T + PH + 16, r->D, r->T, r->P);
         if (!r->ok) { fprintf(f, "<text x='%.1f' y='%d' text-anchor='middle'>failed</text>\n", x + 30, T + PH - 6); continue; }
         fprintf(f, "<rect x='%.1f' y='%.1f' width='28' height='%.1f' fill='%s'/>", x, Y(r->speedup), PH * r->speedup / ymax,
-                colors[i % 11]);
+                colors[i % (int)(sizeof colors / sizeof colors[0])]);
         fprintf(f, "<rect x='%.1f' y='%.1f' width='28' height='%.1f' fill='none' stroke='%s' stroke-width='2'/>\n", x + 31,
-                Y(r->predicted), PH * r->predicted / ymax, colors[i % 11]);
+                Y(r->predicted), PH * r->predicted / ymax, colors[i % (int)(sizeof colors / sizeof colors[0])]);
     }
     fprintf(f, "<text x='%d' y='%d' text-anchor='middle'>data x tensor x pipeline (D x T x P), %d micro-batches</text>\n",
             L + PW / 2, T + PH + 36, LAYOUT_MICRO);
@@ -561,7 +571,7 @@ int main(int argc, char **argv) {
     gpus = dt_cuda_device_count(why, sizeof why);      /* the stages pick a GPU when there is one */
 #endif
     if (gpus > 0) {
-        NWORK = 3;
+        NWORK = 4;
         while (max_ranks > gpus) max_ranks /= 2;  /* NCCL takes one rank per GPU */
         printf("%d GPU%s: ranks up to %d, and vit-base too\n", gpus, gpus > 1 ? "s" : "", max_ranks);
     }
@@ -603,6 +613,7 @@ int main(int argc, char **argv) {
         for (int s = 0; s < NSTAGES; s++)
             for (int n = 1; n <= (s == 0 ? 2 : max_ranks); n *= 2) {
                 if (only && s > 0 && !strstr(stages[s].label, only) && !strstr(workloads[w].name, only)) { total--; continue; }
+                if (!stage_runs(s, &workloads[w])) { total--; continue; }
                 if (gpus > 0 && s == 1 && n > 1) {   /* 02 drives one GPU per process in this version */
                     total--;
                     continue;
@@ -643,6 +654,8 @@ int main(int argc, char **argv) {
                 r->peak = field(line, "peak_mem_mb"); r->state = field(line, "peak_state_mb"); r->host = field(line, "peak_host_mb");
                 r->params = field(line, "params");
                 r->tp_share = field(line, "tp_share"); r->tp_sums = field(line, "tp_sums"); r->tp_bytes = field(line, "tp_bytes");
+                r->cp_attention_share = field(line, "cp_attention_share"); r->cp_kv_bytes = field(line, "cp_kv_bytes");
+                r->cp_layers = field(line, "cp_layers"); r->cp_contiguous = field(line, "cp_contiguous");
                 r->pp_micro_batches = field(line, "pp_micro_batches"); r->pp_balance = field(line, "pp_balance");
                 r->pp_bytes = field(line, "pp_bytes"); r->bubble = field(line, "bubble");
                 r->bubble_predicted = field(line, "bubble_predicted");
@@ -679,6 +692,8 @@ int main(int argc, char **argv) {
             in.messages = sg->kind == DT_PAR_DDP ? dt_cost_ddp_buckets(r->params, 25) : workloads[w].units;
             in.tp_share = r->tp_share; in.tp_sums = r->tp_sums; in.tp_bytes = r->tp_bytes;   /* 06 says, in its bench line */
             in.pp_micro_batches = (int)r->pp_micro_batches; in.pp_balance = r->pp_balance; in.pp_bytes = r->pp_bytes;   /* 07 */
+            in.cp_attention_share = r->cp_attention_share; in.cp_kv_bytes = r->cp_kv_bytes;                         /* 08 */
+            in.cp_layers = (int)r->cp_layers; in.cp_contiguous = (int)r->cp_contiguous;
             in.contention = contention(r->device, r->ranks, cores, gpus, c_one, c_all);
             dt_cost_prediction p = dt_cost_predict(&in, &links[r->ranks], r->ranks);
             r->predicted = p.speedup;
