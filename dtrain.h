@@ -1149,7 +1149,8 @@ void dt_cp_positions(dt_cp_layout layout, int T, int C, int rank, int32_t *posit
    at the places `positions` (T of them, ascending, the same for every
    sequence; a causal query sees the keys at its place and before). Out:
    [B*T, D], the rows of whole-sequence attention for this rank's tokens. A
-   collective of the ring, forward and backward; CPU only so far. */
+   collective of the ring, forward and backward; on the CPU or a GPU (whose
+   kernels, heads of at most DT_ATTENTION_ONLINE_MAX_HEAD_DIM, have not run yet). */
 dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, const int32_t *positions, dt_comm *ring);
 /* Query-key score products the ring attention made on this thread so far,
    forward and backward: a rank's attention work, counted, not timed. */
@@ -1159,7 +1160,7 @@ int64_t dt_ring_attention_scores(void);
    ranks ("dp" x "cp", cp varying fastest); the ranks of a group read the same
    batch and each keeps its tokens of every sequence (dt_cp_split_batch).
    cp 0: the whole job is one group. A language model (gpt, llama) whose
-   context cuts into the layout's chunks; on the CPU. It cuts no weight: every
+   context cuts into the layout's chunks. It cuts no weight: every
    rank holds the whole model and, after backward, a part of every gradient
    (its tokens'), so a data-parallel engine must wrap it over every rank of the
    job (dt_cp_data_group) -- the mean of the ranks' gradients is the
@@ -1407,6 +1408,21 @@ typedef struct dt_backend {
                                      int causal);
     void (*attention_backward_online)(const float *qkv, const float *saved, const float *dout, float *dqkv, float *scratch,
                                       int B, int T, int H, int D, float scale, int causal);
+    /* Context parallelism's ring, a block at a time (dt_ring_attention): blk
+       holds the block's T positions (f32), its K and V [B*T, D], and in
+       backward their gradients after them; qpos: this rank's T positions.
+       Forward carries each row's m (in lse), l and unnormalised output (in
+       O) from block to block -- first: from nothing; out non-NULL: the last
+       block, which finishes them (O, out the output, lse the log-sum-exp).
+       Backward adds dQ into dqkv and dK, dV into the block's gradients;
+       dots: B*H*T floats of scratch. The same heads as --attention online's. */
+    void (*ring_attention_step)(const float *qkv, const float *blk, const float *qpos, float *lse, float *l, float *O,
+                                float *out, int first, int B, int T, int H, int D, float scale, int causal);
+    void (*ring_attention_backward_step)(const float *qkv, float *blk, const float *qpos, const float *lse, const float *O,
+                                         const float *dout, float *dots, float *dqkv, int B, int T, int H, int D, float scale,
+                                         int causal);
+    /* rows x cols floats from src (row stride ld_src) into dst (ld_dst): copied, or added (add 1) */
+    void (*copy_columns)(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols, int add);
     /* tokens: ids as f32. Backward: dwte, dwpe may be NULL; by_token lists the
        rows grouped by token: order[BT] (each group's rows ascending), then
        start[groups + 1] into it, then the token of each group, token[groups] */
@@ -9090,95 +9106,120 @@ static DT_THREAD_LOCAL double dt__ring_wait_ms;
 
 /* What travels the ring: a rank's block, its T positions (as floats: exact
    below 2^24) then its keys and values, [B*T, D] each; in backward, their
-   gradients after them. */
+   gradients after them. All of it on the device that holds qkv. */
 typedef struct dt__ring {
     dt_comm *comm;
     int B, T, H, D, causal;
-    float scale, *qpos, *lse, *O;        /* this rank's positions, each row's log-sum-exp [B*H*T], output [B*T, D] */
+    float scale, *qpos, *lse, *O;   /* on the device: this rank's positions, each row's log-sum-exp [B*H*T], output [B*T, D] */
 } dt__ring;
-static void dt__ring_pack(const dt__ring *r, const float *qkvv, float *blk) {
-    int64_t BT = (int64_t)r->B * r->T, D = r->D;
-    float *K = blk + r->T, *V = K + BT * D;
-    memcpy(blk, r->qpos, sizeof(float) * (size_t)r->T);
-    for (int64_t i = 0; i < BT; i++) {
-        memcpy(K + i * D, qkvv + i * 3 * D + D, sizeof(float) * (size_t)D);
-        memcpy(V + i * D, qkvv + i * 3 * D + 2 * D, sizeof(float) * (size_t)D);
-    }
-}
-/* This rank's queries against the block it holds: the online body's
-   (dt__online_forward, the attention chapter's) with the tokens' true
-   positions, each row's (m, l) and unnormalised output carried from block to
-   block -- the same loops as one device's, the ring only brings the keys. */
-static void dt__ring_attend(const dt__ring *r, const float *qkvv, const float *blk, float *m, float *l, float *acc,
-                            float *space) {
-    int B = r->B, T = r->T, H = r->H, D = r->D, hd = D / H, Tp = dt__att_padded(T);
-    const float *K = blk + T, *V = K + (size_t)B * T * D;
-    int64_t work = 0;
+
+/* The CPU's bodies of the backend table's ring entries (ring_attention_step,
+   ring_attention_backward_step, copy_columns: the backend-tables chapter
+   says what each does), with the same parameters. A step is this rank's
+   queries against the block it holds, through the online body
+   (dt__online_forward, the attention chapter's) at the tokens' true
+   positions, each row's (m, l) and output carried from block to block: the
+   same loops as one device's; the ring only brings the keys. */
+static void dt__ring_attention_step(const float *qkv, const float *blk, const float *qpos, float *lse, float *l, float *O,
+                                    float *out, int first, int B, int T, int H, int D, float scale, int causal) {
+    int hd = D / H, Tp = dt__att_padded(T);
+    int64_t rows = (int64_t)B * H * T, BTD = (int64_t)B * T * D, work = 0;
+    const float *K = blk + T, *V = K + BTD;
+    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)hd * Tp * (size_t)dt_threads());
+    for (int64_t i = 0; i < rows && first; i++) { lse[i] = -INFINITY; l[i] = 0; }   /* lse holds m until the last block */
+    if (first) memset(O, 0, sizeof(float) * (size_t)BTD);
     DT_OMP("omp parallel for schedule(static) reduction(+:work) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
         size_t at = (size_t)b * T * D + h * hd;          /* this head's rows in [B*T, D] arrays (+ i * D) */
         float *kt = space + (size_t)hd * Tp * (size_t)dt__thread_num();
-        dt__online_head a = { qkvv + (size_t)b * T * 3 * D + h * hd, kt, NULL, NULL, V + at, r->qpos, blk, 3 * D, D,
-                              T, T, Tp, hd, r->causal, r->scale };
+        dt__online_head a = { qkv + (size_t)b * T * 3 * D + h * hd, kt, NULL, NULL, V + at, qpos, blk, 3 * D, D,
+                              T, T, Tp, hd, causal, scale };
         dt__att_transpose(K + at, D, T, hd, kt, Tp);
-        work += dt__online_forward(&a, m + (size_t)bh * T, l + (size_t)bh * T, acc + at, D);
+        work += dt__online_forward(&a, lse + (size_t)bh * T, l + (size_t)bh * T, O + at, D);
+        if (out) dt__online_finish(T, hd, lse + (size_t)bh * T, l + (size_t)bh * T, O + at, D, out + at, D);
     }
     dt__ring_scores += work;
 }
 /* Backward against the block held (dt__online_backward): dQ into this
    rank's rows, dK and dV into the block's, which travel with it. */
-static void dt__ring_attend_backward(const dt__ring *r, const float *qkvv, const float *dout, float *blk, float *dqkv,
-                                     float *space) {
-    int B = r->B, T = r->T, H = r->H, D = r->D, hd = D / H, Tp = dt__att_padded(T);
+static void dt__ring_attention_backward_step(const float *qkv, float *blk, const float *qpos, const float *lse, const float *O,
+                                             const float *dout, float *dots, float *dqkv, int B, int T, int H, int D,
+                                             float scale, int causal) {
+    int hd = D / H, Tp = dt__att_padded(T);
     int64_t BTD = (int64_t)B * T * D, work = 0;
     const float *K = blk + T, *V = K + BTD;
     float *dK = blk + T + 2 * BTD, *dV = dK + BTD;
+    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)hd * Tp * (size_t)dt_threads());
+    (void)dots;                                          /* the GPU's scratch: here each tile of rows makes its own */
     DT_OMP("omp parallel for schedule(static) reduction(+:work) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {                 /* a head's columns: no two threads write the same */
         int b = bh / H, h = bh % H;
         size_t at = (size_t)b * T * D + h * hd;
         float *kt = space + 2 * (size_t)hd * Tp * (size_t)dt__thread_num();
-        dt__online_head a = { qkvv + (size_t)b * T * 3 * D + h * hd, kt, kt + (size_t)hd * Tp, K + at, V + at, r->qpos, blk,
-                              3 * D, D, T, T, Tp, hd, r->causal, r->scale };
+        dt__online_head a = { qkv + (size_t)b * T * 3 * D + h * hd, kt, kt + (size_t)hd * Tp, K + at, V + at, qpos, blk,
+                              3 * D, D, T, T, Tp, hd, causal, scale };
         dt__att_transpose(K + at, D, T, hd, kt, Tp);
         dt__att_transpose(V + at, D, T, hd, kt + (size_t)hd * Tp, Tp);
-        work += dt__online_backward(&a, dout + at, r->O + at, D, r->lse + (size_t)bh * T,
-                                    dqkv + (size_t)b * T * 3 * D + h * hd, dK + at, dV + at);
+        work += dt__online_backward(&a, dout + at, O + at, D, lse + (size_t)bh * T, dqkv + (size_t)b * T * 3 * D + h * hd,
+                                    dK + at, dV + at);
     }
     dt__ring_scores += work;
+}
+static void dt__copy_columns(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols, int add) {
+    for (int64_t i = 0; i < rows; i++)
+        if (!add) memcpy(dst + i * ld_dst, src + i * ld_src, sizeof(float) * (size_t)cols);
+        else for (int c = 0; c < cols; c++) dst[i * ld_dst + c] += src[i * ld_src + c];
+}
+/* The ring's bodies on the device of its tensors: the GPU's table's, or the CPU's above. */
+typedef struct dt__ring_bodies {
+    void (*step)(const float *qkv, const float *blk, const float *qpos, float *lse, float *l, float *O, float *out, int first,
+                 int B, int T, int H, int D, float scale, int causal);
+    void (*backward_step)(const float *qkv, float *blk, const float *qpos, const float *lse, const float *O, const float *dout,
+                          float *dots, float *dqkv, int B, int T, int H, int D, float scale, int causal);
+    void (*copy_columns)(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols, int add);
+} dt__ring_bodies;
+static dt__ring_bodies dt__ring_bodies_on(dt_device device) {
+    const dt_backend *gpu = dt__backend_of(device);
+    if (gpu) return (dt__ring_bodies){ gpu->ring_attention_step, gpu->ring_attention_backward_step, gpu->copy_columns };
+    return (dt__ring_bodies){ dt__ring_attention_step, dt__ring_attention_backward_step, dt__copy_columns };
+}
+/* A rank's block: its positions, then its keys and values out of qkv. */
+static void dt__ring_pack(const dt__ring *r, const dt__ring_bodies *f, const float *qkvv, float *blk) {
+    int64_t BT = (int64_t)r->B * r->T, D = r->D;
+    f->copy_columns(blk, r->T, r->qpos, r->T, 1, r->T, 0);
+    f->copy_columns(blk + r->T, D, qkvv + D, 3 * D, BT, r->D, 0);
+    f->copy_columns(blk + r->T + BT * D, D, qkvv + 2 * D, 3 * D, BT, r->D, 0);
 }
 
 static void dt__ring_attention_backward(dt__tape_entry *e) {
     dt_tensor *qkv = e->in[0];
     if (!qkv->requires_grad) return;
     const dt__ring *r = (const dt__ring *)e->saved;
-    int B = r->B, T = r->T, H = r->H, D = r->D, hd = D / H, C = dt_comm_size(r->comm), first;
+    int B = r->B, T = r->T, H = r->H, D = r->D, C = dt_comm_size(r->comm), first;
     int64_t BTD = (int64_t)B * T * D, nblk = T + 4 * BTD;
+    dt__ring_bodies f = dt__ring_bodies_on(qkv->device);
     const float *qkvv = dt__in(qkv), *dout = dt__grad_in(e->out);
     float *dqkv = dt__grad_acc_first(qkv, &first);
-    if (first) memset(dqkv, 0, sizeof(float) * (size_t)qkv->numel);
-    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)hd * dt__att_padded(T) * (size_t)dt_threads());
-    float *blk[2] = { (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)nblk) };
+    if (first) dt__zero_on(qkv->device, dqkv, sizeof(float) * (size_t)qkv->numel);
+    float *dots = (float *)dt__scratch_on(qkv->device, sizeof(float) * (size_t)B * H * T);
+    float *blk[2] = { (float *)dt__scratch_on(qkv->device, sizeof(float) * 2 * (size_t)nblk) };
     blk[1] = blk[0] + nblk;
-    dt__ring_pack(r, qkvv, blk[0]);
-    memset(blk[0] + T + 2 * BTD, 0, sizeof(float) * 2 * (size_t)BTD);
+    dt__ring_pack(r, &f, qkvv, blk[0]);
+    dt__zero_on(qkv->device, blk[0] + T + 2 * BTD, sizeof(float) * 2 * (size_t)BTD);
     /* C steps around, then one more shift: a block's gradients home to its
        owner. The gradients are written while the block is held, so here the
        shift waits for the step (forward overlaps them). */
     for (int s = 0; s < C; s++) {
-        dt__ring_attend_backward(r, qkvv, dout, blk[s & 1], dqkv, space);
+        f.backward_step(qkvv, blk[s & 1], r->qpos, r->lse, r->O, dout, dots, dqkv, B, T, H, D, r->scale, r->causal);
         double t0 = dt_now_ms();
         if (s < C - 1) dt_ring_shift(r->comm, blk[s & 1], blk[(s + 1) & 1], nblk, DT_F32);
         else if (C > 1) dt_ring_shift(r->comm, blk[s & 1] + T + 2 * BTD, blk[(s + 1) & 1] + T + 2 * BTD, 2 * BTD, DT_F32);
         dt__ring_wait_ms += dt_now_ms() - t0;
     }
     const float *dK = blk[C > 1 ? C & 1 : 0] + T + 2 * BTD, *dV = dK + BTD;
-    for (int64_t i = 0; i < (int64_t)B * T; i++)
-        for (int d = 0; d < D; d++) {
-            dqkv[i * 3 * D + D + d] += dK[i * D + d];
-            dqkv[i * 3 * D + 2 * D + d] += dV[i * D + d];
-        }
+    f.copy_columns(dqkv + D, 3 * D, dK, D, (int64_t)B * T, D, 1);
+    f.copy_columns(dqkv + 2 * D, 3 * D, dV, D, (int64_t)B * T, D, 1);
     dt__grad_acc_done(qkv, dqkv);
 }
 
@@ -9187,36 +9228,36 @@ dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, co
     if (dt_tensor_cols(qkv) != 3 * D || D % H != 0 || dt_tensor_rows(qkv) != (int64_t)B * T)
         dt_fail("ring attention: qkv is [%lld, %lld], expected [%d, 3*D] with D divisible by %d heads",
                 (long long)dt_tensor_rows(qkv), (long long)dt_tensor_cols(qkv), B * T, H);
-    if (dt__backend_for(qkv)) dt_fail("context parallelism's ring attention runs on the CPU only so far");
+    if (dt__backend_for(qkv) && D / H > DT_ATTENTION_ONLINE_MAX_HEAD_DIM)
+        dt_fail("ring attention on the GPU: heads of %d columns; its kernel takes at most %d", D / H,
+                DT_ATTENTION_ONLINE_MAX_HEAD_DIM);
     for (int i = 1; i < T; i++)
         if (positions[i] <= positions[i - 1]) dt_fail("ring attention: positions must ascend (%d after %d)", positions[i], positions[i - 1]);
     int64_t BTD = (int64_t)B * T * D, nblk = T + 2 * BTD, rows = (int64_t)B * H * T;
+    dt_device dev = qkv->device;
+    dt__ring_bodies f = dt__ring_bodies_on(dev);
     dt__scratch_reset();
-    dt__ring *r = (dt__ring *)dt__step_alloc_uninit(sizeof(dt__ring) + sizeof(float) * (size_t)(T + rows + BTD));
-    *r = (dt__ring){ ring, B, T, H, D, causal != 0, 1.0f / sqrtf((float)(D / H)), (float *)(r + 1), NULL, NULL };
+    dt__ring *r = (dt__ring *)dt__step_alloc_uninit(sizeof(dt__ring) + sizeof(float) * (size_t)T);
+    float *host = (float *)(r + 1);                       /* the positions, as they travel */
+    *r = (dt__ring){ ring, B, T, H, D, causal != 0, 1.0f / sqrtf((float)(D / H)), NULL, NULL, NULL };
+    r->qpos = (float *)dt__step_alloc_on(dev, sizeof(float) * (size_t)(T + rows + BTD));
     r->lse = r->qpos + T;
     r->O = r->lse + rows;
-    for (int i = 0; i < T; i++) r->qpos[i] = (float)positions[i];
+    for (int i = 0; i < T; i++) host[i] = (float)positions[i];
+    dt__upload_to(dev, r->qpos, host, sizeof(float) * (size_t)T);
     const float *qkvv = dt__in(qkv);
-    float *m = r->lse, *l = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)rows);   /* m becomes the lse */
-    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)(D / H) * dt__att_padded(T) * (size_t)dt_threads());
-    float *blk[2] = { (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)nblk) };
+    float *l = (float *)dt__scratch_on(dev, sizeof(float) * (size_t)rows);
+    float *blk[2] = { (float *)dt__scratch_on(dev, sizeof(float) * 2 * (size_t)nblk) };
     blk[1] = blk[0] + nblk;
-    for (int64_t i = 0; i < rows; i++) { m[i] = -INFINITY; l[i] = 0; }
-    memset(r->O, 0, sizeof(float) * (size_t)BTD);
-    dt__ring_pack(r, qkvv, blk[0]);
+    dt_tensor *out = dt__tensor_out_2d(B * T, D);
+    float *outv = dt__out(out);
+    dt__ring_pack(r, &f, qkvv, blk[0]);
     for (int s = 0; s < C; s++) {                         /* the next block travels while this one is used */
         dt_comm_handle next = s < C - 1 ? dt_ring_shift_async(ring, blk[s & 1], blk[(s + 1) & 1], nblk, DT_F32) : 0;
-        dt__ring_attend(r, qkvv, blk[s & 1], m, l, r->O, space);
+        f.step(qkvv, blk[s & 1], r->qpos, r->lse, l, r->O, s == C - 1 ? outv : NULL, s == 0, B, T, H, D, r->scale, r->causal);
         double t0 = dt_now_ms();
         if (next) dt_comm_wait(ring, next);
         if (dt__ctx.grad_enabled) dt__ring_wait_ms += dt_now_ms() - t0;
-    }
-    dt_tensor *out = dt__tensor_out_2d(B * T, D);
-    float *outv = dt__out(out);
-    for (int bh = 0; bh < B * H; bh++) {
-        size_t at = (size_t)(bh / H) * T * D + (size_t)(bh % H) * (D / H);
-        dt__online_finish(T, D / H, m + (size_t)bh * T, l + (size_t)bh * T, r->O + at, D, outv + at, D);
     }
     dt__out_done(out, outv);
     dt__ctx.flops += 4.0 * B * H * T * (double)T * C * (D / H);         /* as dt_attention counts the whole square */
@@ -9270,15 +9311,18 @@ static dt_tensor *dt__cp_forward(dt_parallel *par, dt_tensor *inputs) {
     }
     dt_tensor *mine = dt_model_forward_blocks(cp->model, dt__cp_tokens(cp, inputs), NULL, 0, n);
     int64_t V = dt_tensor_cols(mine), each = (int64_t)B * t * V;
-    float *all = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)(each * C));
+    float *all = (float *)dt__step_alloc_on(mine->device, sizeof(float) * (size_t)(each * C));
     int32_t *at = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)t);
+    dt__ring_bodies f = dt__ring_bodies_on(mine->device);
     dt_all_gather(cp->ring, mine->data, all, each, DT_F32);
     dt_tensor *y = dt_tensor_2d(B * T, (int)V);
-    for (int q = 0; q < C; q++) {
+    for (int q = 0; q < C; q++) {             /* rank q's rows, a run of consecutive positions at a time */
         dt_cp_positions(cp->layout, T, C, q, at);
         for (int b = 0; b < B; b++)
-            for (int i = 0; i < t; i++)
-                memcpy(y->data + ((size_t)b * T + at[i]) * V, all + q * each + ((size_t)b * t + i) * V, sizeof(float) * (size_t)V);
+            for (int i = 0, run; i < t; i += run) {
+                for (run = 1; i + run < t && at[i + run] == at[i] + run; run++) {}
+                f.copy_columns(y->data + ((size_t)b * T + at[i]) * V, V, all + q * each + ((size_t)b * t + i) * V, V, run, (int)V, 0);
+            }
     }
     return y;
 }
@@ -9299,7 +9343,9 @@ dt_cp *dt_cp_create(dt_model *model, dt_comm *comm, int cp, dt_cp_layout layout)
     if (!dt_model_is_language(model->cfg.kind))
         dt_usage_error("--model %s: context parallelism splits sequences of tokens; it takes --model gpt or llama",
                        dt__model_kind_name(model->cfg.kind));
-    if (model->device != DT_CPU) dt_usage_error("--cp runs on the CPU only so far (the ring attention has no GPU kernel yet)");
+    if (model->device != DT_CPU && model->cfg.dim / model->cfg.heads > DT_ATTENTION_ONLINE_MAX_HEAD_DIM)
+        dt_usage_error("--cp on a GPU: heads of %d columns (--dim %d / --heads %d); the ring's kernel takes at most %d",
+                       model->cfg.dim / model->cfg.heads, model->cfg.dim, model->cfg.heads, DT_ATTENTION_ONLINE_MAX_HEAD_DIM);
     int chunks = layout == DT_CP_ZIGZAG ? 2 * cp : cp;
     if (T % chunks)
         dt_usage_error("--cp %d --cp-layout %s: --seq-len %d must be a multiple of %d (%s)", cp,
@@ -16547,27 +16593,68 @@ __device__ static float dt__fa_dot(const float *row, const float *staged, int hd
    (interleaved, so that a causal block's warps see alike many keys). */
 __device__ static int dt__fa_row(int first, int r) { return first + r * DT__FA_WARPS + (int)threadIdx.x / 32; }
 
-__global__ static void dt__k_attention_online_forward(const float *qkv, float *out, float *lse, float *O, int B, int T,
-                                                     int H, int D, float scale, int causal) {
+/* The heads one launch covers -- the CPU's dt__online_head, B x H of them:
+   query rows of qkv [B*Tq, 3*D]; keys and values at k and v (row t of
+   sequence b at + (b * Tk + t) * ldkv, head h's columns at + h * hd), their
+   positions ascending (qpos, kpos on the device; NULL: 0, 1, 2, ...). On
+   one device k and v are qkv's own columns; under context parallelism
+   they are the block the ring brought, at the tokens' true positions. */
+typedef struct dt__fa_heads {
+    const float *qkv, *k, *v, *qpos, *kpos;
+    int64_t ldkv;
+    int B, Tq, Tk, H, D, causal;
+    float scale;
+} dt__fa_heads;
+__device__ static float dt__fa_qpos(const dt__fa_heads &a, int i) { return a.qpos ? a.qpos[i] : (float)i; }
+__device__ static float dt__fa_kpos(const dt__fa_heads &a, int j) { return a.kpos ? a.kpos[j] : (float)j; }
+/* Whether query i sees key j. */
+__device__ static int dt__fa_sees(const dt__fa_heads &a, int i, int j) {
+    return i < a.Tq && j < a.Tk && (!a.causal || dt__fa_kpos(a, j) <= dt__fa_qpos(a, i));
+}
+/* How many keys sit at position p or before; the first query at p or after. */
+__device__ static int dt__fa_keys_upto(const dt__fa_heads &a, float p) {
+    int lo = 0, hi = a.Tk;
+    while (lo < hi) { int mid = (lo + hi) / 2; if (dt__fa_kpos(a, mid) <= p) lo = mid + 1; else hi = mid; }
+    return lo;
+}
+__device__ static int dt__fa_first_query(const dt__fa_heads &a, float p) {
+    int lo = 0, hi = a.Tq;
+    while (lo < hi) { int mid = (lo + hi) / 2; if (dt__fa_qpos(a, mid) < p) lo = mid + 1; else hi = mid; }
+    return lo;
+}
+
+/* A block of query rows against the keys: each row's m, l and output move on
+   by the online softmax. carry: start from the rows' m, l and unnormalised
+   output in m_g [B*H, Tq], l_g, acc_g [B*Tq, D] (else from nothing); out
+   non-NULL: finish -- out and O the output, lse the log-sum-exp (which may
+   be m_g, acc_g: each element is its own thread's) -- else keep m, l, acc
+   in m_g, l_g, acc_g for the next block. */
+__global__ static void dt__k_attention_online_forward(dt__fa_heads a, int carry, float *m_g, float *l_g, float *acc_g,
+                                                     float *out, float *lse, float *O) {
     __shared__ dt__fa_tile ks, vs;
-    int hd = D / H, lane = threadIdx.x % 32, tiles = (T + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
-    int bh = blockIdx.x / tiles, b = bh / H, h = bh % H, i0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
-    const float *q = qkv + (int64_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;   /* row t: + t * 3D */
+    int D = a.D, Tq = a.Tq, hd = D / a.H, lane = threadIdx.x % 32, tiles = (Tq + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
+    int bh = blockIdx.x / tiles, b = bh / a.H, h = bh % a.H, i0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
+    const float *q = a.qkv + (int64_t)b * Tq * 3 * D + h * hd;                          /* row t: + t * 3D */
+    const float *k = a.k + (int64_t)b * a.Tk * a.ldkv + h * hd, *v = a.v + (int64_t)b * a.Tk * a.ldkv + h * hd;
     float m[DT__FA_ROWS], l[DT__FA_ROWS], acc[DT__FA_ROWS][DT__FA_COLS];
     for (int r = 0; r < DT__FA_ROWS; r++) {
-        m[r] = -INFINITY; l[r] = 0;
-        for (int c = 0; c < DT__FA_COLS; c++) acc[r][c] = 0;
+        int i = dt__fa_row(i0, r);
+        int64_t row = (int64_t)bh * Tq + i, at = ((int64_t)b * Tq + i) * D + h * hd;
+        m[r] = carry && i < Tq ? m_g[row] : -INFINITY;
+        l[r] = carry && i < Tq ? l_g[row] : 0;
+        for (int c = 0; c < DT__FA_COLS; c++) acc[r][c] = carry && i < Tq && lane + 32 * c < hd ? acc_g[at + lane + 32 * c] : 0;
     }
-    int keys = causal ? min(T, i0 + DT__FA_BLOCK_ROWS) : T;
+    int last = min(Tq, i0 + DT__FA_BLOCK_ROWS) - 1;                   /* the block's latest query: none sees further */
+    int keys = a.causal ? dt__fa_keys_upto(a, dt__fa_qpos(a, last)) : a.Tk;
     for (int j0 = 0; j0 < keys; j0 += DT__FA_TILE) {
         __syncthreads();                                  /* every warp done with the last tile */
-        dt__fa_stage(k, 3 * D, j0, T, hd, ks);
-        dt__fa_stage(v, 3 * D, j0, T, hd, vs);
+        dt__fa_stage(k, a.ldkv, j0, a.Tk, hd, ks);
+        dt__fa_stage(v, a.ldkv, j0, a.Tk, hd, vs);
         __syncthreads();
         for (int r = 0; r < DT__FA_ROWS; r++) {
-            int i = dt__fa_row(i0, r), j = j0 + lane, ok = j < T && (!causal || j <= i);
-            if (i >= T || (causal && j0 > i)) continue;     /* the whole warp alike */
-            float s = ok ? scale * dt__fa_dot(q + (int64_t)i * 3 * D, ks[lane], hd) : -INFINITY;
+            int i = dt__fa_row(i0, r), j = j0 + lane, ok = dt__fa_sees(a, i, j);
+            if (!dt__fa_sees(a, i, j0)) continue;          /* the whole warp alike: a tile past the row */
+            float s = ok ? a.scale * dt__fa_dot(q + (int64_t)i * 3 * D, ks[lane], hd) : -INFINITY;
             float c = dt_online_softmax_rescale(&m[r], dt__warp_max(s));   /* what came before, on the new scale */
             float p = ok ? dt_exp_value(s - m[r]) : 0.0f;
             l[r] = l[r] * c + dt__warp_sum(p);
@@ -16581,11 +16668,17 @@ __global__ static void dt__k_attention_online_forward(const float *qkv, float *o
     }
     for (int r = 0; r < DT__FA_ROWS; r++) {
         int i = dt__fa_row(i0, r);
-        if (i >= T) continue;
-        int64_t at = ((int64_t)b * T + i) * D + h * hd;
+        if (i >= Tq) continue;
+        int64_t row = (int64_t)bh * Tq + i, at = ((int64_t)b * Tq + i) * D + h * hd;
+        if (!out) {                                        /* more blocks to come */
+            if (lane == 0) { m_g[row] = m[r]; l_g[row] = l[r]; }
+            for (int t = 0; t < DT__FA_COLS; t++)
+                if (lane + 32 * t < hd) acc_g[at + lane + 32 * t] = acc[r][t];
+            continue;
+        }
         for (int t = 0; t < DT__FA_COLS; t++)
             if (lane + 32 * t < hd) out[at + lane + 32 * t] = O[at + lane + 32 * t] = acc[r][t] / l[r];
-        if (lane == 0) lse[(int64_t)bh * T + i] = m[r] + logf(l[r]);
+        if (lane == 0) lse[row] = m[r] + logf(l[r]);
     }
 }
 /* Each row's dO . O, the softmax backward's subtrahend: [B*H, T], a warp a row. */
@@ -16600,27 +16693,30 @@ __global__ static void dt__k_attention_online_row_dots(const float *dout, const 
         if (threadIdx.x % 32 == 0) dots[row] = s;
     }
 }
-/* dQ: a warp's query rows against tiles of keys and values. dS = p (dP - dO.O) scale. */
-__global__ static void dt__k_attention_online_dq(const float *qkv, const float *lse, const float *dots, const float *dout,
-                                                float *dqkv, int B, int T, int H, int D, float scale, int causal) {
+/* dQ (added into dqkv's q columns): a warp's query rows against tiles of keys
+   and values. dS = p (dP - dO.O) scale. */
+__global__ static void dt__k_attention_online_dq(dt__fa_heads a, const float *lse, const float *dots, const float *dout,
+                                                float *dqkv) {
     __shared__ dt__fa_tile ks, vs;
-    int hd = D / H, lane = threadIdx.x % 32, tiles = (T + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
-    int bh = blockIdx.x / tiles, b = bh / H, h = bh % H, i0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
-    const float *q = qkv + (int64_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
-    const float *dO = dout + (int64_t)b * T * D + h * hd;                               /* row t: + t * D */
+    int D = a.D, Tq = a.Tq, hd = D / a.H, lane = threadIdx.x % 32, tiles = (Tq + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
+    int bh = blockIdx.x / tiles, b = bh / a.H, h = bh % a.H, i0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
+    const float *q = a.qkv + (int64_t)b * Tq * 3 * D + h * hd;
+    const float *k = a.k + (int64_t)b * a.Tk * a.ldkv + h * hd, *v = a.v + (int64_t)b * a.Tk * a.ldkv + h * hd;
+    const float *dO = dout + (int64_t)b * Tq * D + h * hd;                              /* row t: + t * D */
     float dq[DT__FA_ROWS][DT__FA_COLS] = { { 0 } };
-    int keys = causal ? min(T, i0 + DT__FA_BLOCK_ROWS) : T;
+    int last = min(Tq, i0 + DT__FA_BLOCK_ROWS) - 1;
+    int keys = a.causal ? dt__fa_keys_upto(a, dt__fa_qpos(a, last)) : a.Tk;
     for (int j0 = 0; j0 < keys; j0 += DT__FA_TILE) {
         __syncthreads();
-        dt__fa_stage(k, 3 * D, j0, T, hd, ks);
-        dt__fa_stage(v, 3 * D, j0, T, hd, vs);
+        dt__fa_stage(k, a.ldkv, j0, a.Tk, hd, ks);
+        dt__fa_stage(v, a.ldkv, j0, a.Tk, hd, vs);
         __syncthreads();
         for (int r = 0; r < DT__FA_ROWS; r++) {
-            int i = dt__fa_row(i0, r), j = j0 + lane, ok = j < T && (!causal || j <= i);
-            if (i >= T || (causal && j0 > i)) continue;
-            float p = ok ? dt_exp_value(scale * dt__fa_dot(q + (int64_t)i * 3 * D, ks[lane], hd) - lse[(int64_t)bh * T + i]) : 0.0f;
+            int i = dt__fa_row(i0, r), j = j0 + lane, ok = dt__fa_sees(a, i, j);
+            if (!dt__fa_sees(a, i, j0)) continue;
+            float p = ok ? dt_exp_value(a.scale * dt__fa_dot(q + (int64_t)i * 3 * D, ks[lane], hd) - lse[(int64_t)bh * Tq + i]) : 0.0f;
             float dp = ok ? dt__fa_dot(dO + (int64_t)i * D, vs[lane], hd) : 0.0f;
-            float ds = p * (dp - dots[(int64_t)bh * T + i]) * scale;
+            float ds = p * (dp - dots[(int64_t)bh * Tq + i]) * a.scale;
             for (int kk = 0; kk < DT__FA_TILE; kk++) {
                 float dsk = __shfl_sync(0xffffffffu, ds, kk);
                 for (int t = 0; t < DT__FA_COLS; t++)
@@ -16630,57 +16726,60 @@ __global__ static void dt__k_attention_online_dq(const float *qkv, const float *
     }
     for (int r = 0; r < DT__FA_ROWS; r++) {
         int i = dt__fa_row(i0, r);
-        if (i >= T) continue;
-        float *to = dqkv + ((int64_t)b * T + i) * 3 * D + h * hd;
+        if (i >= Tq) continue;
+        float *to = dqkv + ((int64_t)b * Tq + i) * 3 * D + h * hd;
         for (int t = 0; t < DT__FA_COLS; t++)
             if (lane + 32 * t < hd) to[lane + 32 * t] += dq[r][t];
     }
 }
-/* dK and dV: a warp's key rows against tiles of queries and output gradients
-   (with their rows' log-sum-exps and dO . O). */
-__global__ static void dt__k_attention_online_dkv(const float *qkv, const float *lse, const float *dots, const float *dout,
-                                                 float *dqkv, int B, int T, int H, int D, float scale, int causal) {
+/* dK and dV (added into dk, dv: key j of sequence b at + (b * Tk + j) * ldkv):
+   a warp's key rows against tiles of queries and output gradients (with
+   their rows' log-sum-exps and dO . O). */
+__global__ static void dt__k_attention_online_dkv(dt__fa_heads a, const float *lse, const float *dots, const float *dout,
+                                                 float *dk, float *dv, int64_t ldkv) {
     __shared__ dt__fa_tile qs, dos;
     __shared__ float lse_s[DT__FA_TILE], dots_s[DT__FA_TILE];
-    int hd = D / H, lane = threadIdx.x % 32, tiles = (T + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
-    int bh = blockIdx.x / tiles, b = bh / H, h = bh % H, j0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
-    const float *q = qkv + (int64_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
-    const float *dO = dout + (int64_t)b * T * D + h * hd;
-    float dk[DT__FA_ROWS][DT__FA_COLS] = { { 0 } }, dv[DT__FA_ROWS][DT__FA_COLS] = { { 0 } };
-    for (int i0 = causal ? j0 / DT__FA_TILE * DT__FA_TILE : 0; i0 < T; i0 += DT__FA_TILE) {   /* causal: queries from the keys on */
+    int D = a.D, Tq = a.Tq, hd = D / a.H, lane = threadIdx.x % 32, tiles = (a.Tk + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
+    int bh = blockIdx.x / tiles, b = bh / a.H, h = bh % a.H, j0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
+    const float *q = a.qkv + (int64_t)b * Tq * 3 * D + h * hd;
+    const float *k = a.k + (int64_t)b * a.Tk * a.ldkv + h * hd, *v = a.v + (int64_t)b * a.Tk * a.ldkv + h * hd;
+    const float *dO = dout + (int64_t)b * Tq * D + h * hd;
+    float gk[DT__FA_ROWS][DT__FA_COLS] = { { 0 } }, gv[DT__FA_ROWS][DT__FA_COLS] = { { 0 } };
+    int first = a.causal ? dt__fa_first_query(a, dt__fa_kpos(a, j0)) / DT__FA_TILE * DT__FA_TILE : 0;   /* none before sees j0 */
+    for (int i0 = first; i0 < Tq; i0 += DT__FA_TILE) {
         __syncthreads();
-        dt__fa_stage(q, 3 * D, i0, T, hd, qs);
-        dt__fa_stage(dO, D, i0, T, hd, dos);
+        dt__fa_stage(q, 3 * D, i0, Tq, hd, qs);
+        dt__fa_stage(dO, D, i0, Tq, hd, dos);
         if ((int)threadIdx.x < DT__FA_TILE) {
             int i = i0 + threadIdx.x;
-            lse_s[threadIdx.x] = i < T ? lse[(int64_t)bh * T + i] : 0.0f;
-            dots_s[threadIdx.x] = i < T ? dots[(int64_t)bh * T + i] : 0.0f;
+            lse_s[threadIdx.x] = i < Tq ? lse[(int64_t)bh * Tq + i] : 0.0f;
+            dots_s[threadIdx.x] = i < Tq ? dots[(int64_t)bh * Tq + i] : 0.0f;
         }
         __syncthreads();
         for (int r = 0; r < DT__FA_ROWS; r++) {
-            int j = dt__fa_row(j0, r), i = i0 + lane, ok = i < T && (!causal || i >= j);
-            if (j >= T || (causal && i0 + DT__FA_TILE - 1 < j)) continue;
-            float p = ok ? dt_exp_value(scale * dt__fa_dot(qs[lane], k + (int64_t)j * 3 * D, hd) - lse_s[lane]) : 0.0f;
-            float dp = ok ? dt__fa_dot(dos[lane], v + (int64_t)j * 3 * D, hd) : 0.0f;
-            float ds = p * (dp - dots_s[lane]) * scale;
+            int j = dt__fa_row(j0, r), i = i0 + lane, ok = dt__fa_sees(a, i, j);
+            if (j >= a.Tk || !dt__fa_sees(a, min(Tq, i0 + DT__FA_TILE) - 1, j)) continue;   /* the tile's last query sees none */
+            float p = ok ? dt_exp_value(a.scale * dt__fa_dot(qs[lane], k + (int64_t)j * a.ldkv, hd) - lse_s[lane]) : 0.0f;
+            float dp = ok ? dt__fa_dot(dos[lane], v + (int64_t)j * a.ldkv, hd) : 0.0f;
+            float ds = p * (dp - dots_s[lane]) * a.scale;
             for (int kk = 0; kk < DT__FA_TILE; kk++) {
                 float pk = __shfl_sync(0xffffffffu, p, kk), dsk = __shfl_sync(0xffffffffu, ds, kk);
                 for (int t = 0; t < DT__FA_COLS; t++)
                     if (lane + 32 * t < hd) {
-                        dv[r][t] += pk * dos[kk][lane + 32 * t];
-                        dk[r][t] += dsk * qs[kk][lane + 32 * t];
+                        gv[r][t] += pk * dos[kk][lane + 32 * t];
+                        gk[r][t] += dsk * qs[kk][lane + 32 * t];
                     }
             }
         }
     }
     for (int r = 0; r < DT__FA_ROWS; r++) {
         int j = dt__fa_row(j0, r);
-        if (j >= T) continue;
-        float *to = dqkv + ((int64_t)b * T + j) * 3 * D + h * hd;
+        if (j >= a.Tk) continue;
+        int64_t at = ((int64_t)b * a.Tk + j) * ldkv + h * hd;
         for (int t = 0; t < DT__FA_COLS; t++)
             if (lane + 32 * t < hd) {
-                to[D + lane + 32 * t] += dk[r][t];
-                to[2 * D + lane + 32 * t] += dv[r][t];
+                dk[at + lane + 32 * t] += gk[r][t];
+                dv[at + lane + 32 * t] += gv[r][t];
             }
     }
 }
@@ -16689,21 +16788,52 @@ static unsigned dt__fa_blocks(int B, int T, int H) {
     if (n > 2147483647) dt_fail("--attention online: %lld blocks of attention exceed the GPU's grid", (long long)n);
     return (unsigned)n;
 }
+/* Backward of the heads against their keys: the rows' dO . O, then dQ by query rows and dK, dV by key rows. */
+static void dt__fa_backward(const dt__fa_heads *a, const float *lse, const float *O, const float *dout, float *dots, float *dqkv,
+                            float *dk, float *dv, int64_t ld_dkv) {
+    DT_LAUNCH(dt__k_attention_online_row_dots, dt__blocks_for_warps((int64_t)a->B * a->H * a->Tq), DT_THREADS, dout, O, dots, a->B,
+              a->Tq, a->H, a->D);
+    DT_LAUNCH(dt__k_attention_online_dq, dt__fa_blocks(a->B, a->Tq, a->H), 32 * DT__FA_WARPS, *a, lse, dots, dout, dqkv);
+    DT_LAUNCH(dt__k_attention_online_dkv, dt__fa_blocks(a->B, a->Tk, a->H), 32 * DT__FA_WARPS, *a, lse, dots, dout, dk, dv, ld_dkv);
+}
 static void dt__cuda_attention_forward_online(const float *qkv, float *out, float *saved, int B, int T, int H, int D,
                                              float scale, int causal) {
     float *lse = saved, *O = saved + (int64_t)B * H * T;
-    DT_LAUNCH(dt__k_attention_online_forward, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, qkv, out, lse, O, B, T, H, D, scale,
-              causal);
+    dt__fa_heads a = { qkv, qkv + D, qkv + 2 * D, NULL, NULL, 3 * D, B, T, T, H, D, causal, scale };
+    DT_LAUNCH(dt__k_attention_online_forward, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, a, 0, (float *)NULL, (float *)NULL,
+              (float *)NULL, out, lse, O);
 }
 static void dt__cuda_attention_backward_online(const float *qkv, const float *saved, const float *dout, float *dqkv,
                                               float *scratch, int B, int T, int H, int D, float scale, int causal) {
-    const float *lse = saved, *O = saved + (int64_t)B * H * T;
-    DT_LAUNCH(dt__k_attention_online_row_dots, dt__blocks_for_warps((int64_t)B * H * T), DT_THREADS, dout, O, scratch, B, T,
-              H, D);
-    DT_LAUNCH(dt__k_attention_online_dq, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, qkv, lse, scratch, dout, dqkv, B, T, H,
-              D, scale, causal);
-    DT_LAUNCH(dt__k_attention_online_dkv, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, qkv, lse, scratch, dout, dqkv, B, T,
-              H, D, scale, causal);
+    dt__fa_heads a = { qkv, qkv + D, qkv + 2 * D, NULL, NULL, 3 * D, B, T, T, H, D, causal, scale };
+    dt__fa_backward(&a, saved, saved + (int64_t)B * H * T, dout, scratch, dqkv, dqkv + D, dqkv + 2 * D, 3 * D);
+}
+/* Context parallelism's ring (the context-parallel chapter): this rank's
+   queries against the block held (its positions, then K and V [B*T, D]),
+   the rows' m (in lse), l and output (in O) carried from block to block;
+   the last block finishes them into out. Backward: dQ into dqkv, dK and
+   dV into the block's gradients that follow V. */
+static void dt__cuda_ring_attention_step(const float *qkv, const float *blk, const float *qpos, float *lse, float *l, float *O,
+                                         float *out, int first, int B, int T, int H, int D, float scale, int causal) {
+    int64_t BTD = (int64_t)B * T * D;
+    dt__fa_heads a = { qkv, blk + T, blk + T + BTD, qpos, blk, D, B, T, T, H, D, causal, scale };
+    DT_LAUNCH(dt__k_attention_online_forward, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, a, !first, lse, l, O, out, lse, O);
+}
+static void dt__cuda_ring_attention_backward_step(const float *qkv, float *blk, const float *qpos, const float *lse,
+                                                  const float *O, const float *dout, float *dots, float *dqkv, int B, int T,
+                                                  int H, int D, float scale, int causal) {
+    int64_t BTD = (int64_t)B * T * D;
+    dt__fa_heads a = { qkv, blk + T, blk + T + BTD, qpos, blk, D, B, T, T, H, D, causal, scale };
+    dt__fa_backward(&a, lse, O, dout, dots, dqkv, blk + T + 2 * BTD, blk + T + 3 * BTD, D);
+}
+/* rows x cols floats from src (row stride ld_src) to dst (ld_dst), or added into it */
+__global__ static void dt__k_add_columns(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols) {
+    DT_FOR_EACH(e, rows * cols) dst[e / cols * ld_dst + e % cols] += src[e / cols * ld_src + e % cols];
+}
+static void dt__cuda_copy_columns(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols, int add) {
+    if (add) { DT_LAUNCH(dt__k_add_columns, dt_blocks_for(rows * cols), DT_THREADS, dst, ld_dst, src, ld_src, rows, cols); return; }
+    DT_CUDA_CHECK(cudaMemcpy2DAsync(dst, (size_t)ld_dst * sizeof(float), src, (size_t)ld_src * sizeof(float),
+                                    (size_t)cols * sizeof(float), (size_t)rows, cudaMemcpyDeviceToDevice, dt__cuda.stream));
 }
 
 /* ---- the ViT's token assembly, the class-token pick, patchify ---- */
@@ -16930,7 +17060,7 @@ __global__ static void dt__k_convert(const void *src, int from, void *dst, int t
 static void dt__cuda_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
     DT_LAUNCH(dt__k_convert, dt_blocks_for(n), DT_THREADS, src, (int)from, dst, (int)to, n);
 }
-
+/* [src/28-cuda-start-up-and-nccl.h] */
 /* ---- start-up ---- */
 extern "C" int dt_cuda_device_count(char *why, size_t n) {
     int count = 0;
@@ -16976,6 +17106,9 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     t->add = dt__cuda_add; t->accumulate = dt__cuda_accumulate;
     t->attention_forward = dt__cuda_attention_forward; t->attention_backward = dt__cuda_attention_backward;
     t->attention_forward_online = dt__cuda_attention_forward_online;
+    t->ring_attention_step = dt__cuda_ring_attention_step;
+    t->ring_attention_backward_step = dt__cuda_ring_attention_backward_step;
+    t->copy_columns = dt__cuda_copy_columns;
     t->attention_backward_online = dt__cuda_attention_backward_online;
     t->vit_tokens_forward = dt__cuda_vit_tokens_forward; t->vit_tokens_backward = dt__cuda_vit_tokens_backward;
     t->token_embedding_forward = dt__cuda_token_embedding_forward;

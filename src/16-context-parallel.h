@@ -33,7 +33,8 @@ void dt_cp_positions(dt_cp_layout layout, int T, int C, int rank, int32_t *posit
    at the places `positions` (T of them, ascending, the same for every
    sequence; a causal query sees the keys at its place and before). Out:
    [B*T, D], the rows of whole-sequence attention for this rank's tokens. A
-   collective of the ring, forward and backward; CPU only so far. */
+   collective of the ring, forward and backward; on the CPU or a GPU (whose
+   kernels, heads of at most DT_ATTENTION_ONLINE_MAX_HEAD_DIM, have not run yet). */
 dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, const int32_t *positions, dt_comm *ring);
 /* Query-key score products the ring attention made on this thread so far,
    forward and backward: a rank's attention work, counted, not timed. */
@@ -43,7 +44,7 @@ int64_t dt_ring_attention_scores(void);
    ranks ("dp" x "cp", cp varying fastest); the ranks of a group read the same
    batch and each keeps its tokens of every sequence (dt_cp_split_batch).
    cp 0: the whole job is one group. A language model (gpt, llama) whose
-   context cuts into the layout's chunks; on the CPU. It cuts no weight: every
+   context cuts into the layout's chunks. It cuts no weight: every
    rank holds the whole model and, after backward, a part of every gradient
    (its tokens'), so a data-parallel engine must wrap it over every rank of the
    job (dt_cp_data_group) -- the mean of the ranks' gradients is the
@@ -83,95 +84,120 @@ static DT_THREAD_LOCAL double dt__ring_wait_ms;
 
 /* What travels the ring: a rank's block, its T positions (as floats: exact
    below 2^24) then its keys and values, [B*T, D] each; in backward, their
-   gradients after them. */
+   gradients after them. All of it on the device that holds qkv. */
 typedef struct dt__ring {
     dt_comm *comm;
     int B, T, H, D, causal;
-    float scale, *qpos, *lse, *O;        /* this rank's positions, each row's log-sum-exp [B*H*T], output [B*T, D] */
+    float scale, *qpos, *lse, *O;   /* on the device: this rank's positions, each row's log-sum-exp [B*H*T], output [B*T, D] */
 } dt__ring;
-static void dt__ring_pack(const dt__ring *r, const float *qkvv, float *blk) {
-    int64_t BT = (int64_t)r->B * r->T, D = r->D;
-    float *K = blk + r->T, *V = K + BT * D;
-    memcpy(blk, r->qpos, sizeof(float) * (size_t)r->T);
-    for (int64_t i = 0; i < BT; i++) {
-        memcpy(K + i * D, qkvv + i * 3 * D + D, sizeof(float) * (size_t)D);
-        memcpy(V + i * D, qkvv + i * 3 * D + 2 * D, sizeof(float) * (size_t)D);
-    }
-}
-/* This rank's queries against the block it holds: the online body's
-   (dt__online_forward, the attention chapter's) with the tokens' true
-   positions, each row's (m, l) and unnormalised output carried from block to
-   block -- the same loops as one device's, the ring only brings the keys. */
-static void dt__ring_attend(const dt__ring *r, const float *qkvv, const float *blk, float *m, float *l, float *acc,
-                            float *space) {
-    int B = r->B, T = r->T, H = r->H, D = r->D, hd = D / H, Tp = dt__att_padded(T);
-    const float *K = blk + T, *V = K + (size_t)B * T * D;
-    int64_t work = 0;
+
+/* The CPU's bodies of the backend table's ring entries (ring_attention_step,
+   ring_attention_backward_step, copy_columns: the backend-tables chapter
+   says what each does), with the same parameters. A step is this rank's
+   queries against the block it holds, through the online body
+   (dt__online_forward, the attention chapter's) at the tokens' true
+   positions, each row's (m, l) and output carried from block to block: the
+   same loops as one device's; the ring only brings the keys. */
+static void dt__ring_attention_step(const float *qkv, const float *blk, const float *qpos, float *lse, float *l, float *O,
+                                    float *out, int first, int B, int T, int H, int D, float scale, int causal) {
+    int hd = D / H, Tp = dt__att_padded(T);
+    int64_t rows = (int64_t)B * H * T, BTD = (int64_t)B * T * D, work = 0;
+    const float *K = blk + T, *V = K + BTD;
+    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)hd * Tp * (size_t)dt_threads());
+    for (int64_t i = 0; i < rows && first; i++) { lse[i] = -INFINITY; l[i] = 0; }   /* lse holds m until the last block */
+    if (first) memset(O, 0, sizeof(float) * (size_t)BTD);
     DT_OMP("omp parallel for schedule(static) reduction(+:work) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
         size_t at = (size_t)b * T * D + h * hd;          /* this head's rows in [B*T, D] arrays (+ i * D) */
         float *kt = space + (size_t)hd * Tp * (size_t)dt__thread_num();
-        dt__online_head a = { qkvv + (size_t)b * T * 3 * D + h * hd, kt, NULL, NULL, V + at, r->qpos, blk, 3 * D, D,
-                              T, T, Tp, hd, r->causal, r->scale };
+        dt__online_head a = { qkv + (size_t)b * T * 3 * D + h * hd, kt, NULL, NULL, V + at, qpos, blk, 3 * D, D,
+                              T, T, Tp, hd, causal, scale };
         dt__att_transpose(K + at, D, T, hd, kt, Tp);
-        work += dt__online_forward(&a, m + (size_t)bh * T, l + (size_t)bh * T, acc + at, D);
+        work += dt__online_forward(&a, lse + (size_t)bh * T, l + (size_t)bh * T, O + at, D);
+        if (out) dt__online_finish(T, hd, lse + (size_t)bh * T, l + (size_t)bh * T, O + at, D, out + at, D);
     }
     dt__ring_scores += work;
 }
 /* Backward against the block held (dt__online_backward): dQ into this
    rank's rows, dK and dV into the block's, which travel with it. */
-static void dt__ring_attend_backward(const dt__ring *r, const float *qkvv, const float *dout, float *blk, float *dqkv,
-                                     float *space) {
-    int B = r->B, T = r->T, H = r->H, D = r->D, hd = D / H, Tp = dt__att_padded(T);
+static void dt__ring_attention_backward_step(const float *qkv, float *blk, const float *qpos, const float *lse, const float *O,
+                                             const float *dout, float *dots, float *dqkv, int B, int T, int H, int D,
+                                             float scale, int causal) {
+    int hd = D / H, Tp = dt__att_padded(T);
     int64_t BTD = (int64_t)B * T * D, work = 0;
     const float *K = blk + T, *V = K + BTD;
     float *dK = blk + T + 2 * BTD, *dV = dK + BTD;
+    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)hd * Tp * (size_t)dt_threads());
+    (void)dots;                                          /* the GPU's scratch: here each tile of rows makes its own */
     DT_OMP("omp parallel for schedule(static) reduction(+:work) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {                 /* a head's columns: no two threads write the same */
         int b = bh / H, h = bh % H;
         size_t at = (size_t)b * T * D + h * hd;
         float *kt = space + 2 * (size_t)hd * Tp * (size_t)dt__thread_num();
-        dt__online_head a = { qkvv + (size_t)b * T * 3 * D + h * hd, kt, kt + (size_t)hd * Tp, K + at, V + at, r->qpos, blk,
-                              3 * D, D, T, T, Tp, hd, r->causal, r->scale };
+        dt__online_head a = { qkv + (size_t)b * T * 3 * D + h * hd, kt, kt + (size_t)hd * Tp, K + at, V + at, qpos, blk,
+                              3 * D, D, T, T, Tp, hd, causal, scale };
         dt__att_transpose(K + at, D, T, hd, kt, Tp);
         dt__att_transpose(V + at, D, T, hd, kt + (size_t)hd * Tp, Tp);
-        work += dt__online_backward(&a, dout + at, r->O + at, D, r->lse + (size_t)bh * T,
-                                    dqkv + (size_t)b * T * 3 * D + h * hd, dK + at, dV + at);
+        work += dt__online_backward(&a, dout + at, O + at, D, lse + (size_t)bh * T, dqkv + (size_t)b * T * 3 * D + h * hd,
+                                    dK + at, dV + at);
     }
     dt__ring_scores += work;
+}
+static void dt__copy_columns(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols, int add) {
+    for (int64_t i = 0; i < rows; i++)
+        if (!add) memcpy(dst + i * ld_dst, src + i * ld_src, sizeof(float) * (size_t)cols);
+        else for (int c = 0; c < cols; c++) dst[i * ld_dst + c] += src[i * ld_src + c];
+}
+/* The ring's bodies on the device of its tensors: the GPU's table's, or the CPU's above. */
+typedef struct dt__ring_bodies {
+    void (*step)(const float *qkv, const float *blk, const float *qpos, float *lse, float *l, float *O, float *out, int first,
+                 int B, int T, int H, int D, float scale, int causal);
+    void (*backward_step)(const float *qkv, float *blk, const float *qpos, const float *lse, const float *O, const float *dout,
+                          float *dots, float *dqkv, int B, int T, int H, int D, float scale, int causal);
+    void (*copy_columns)(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols, int add);
+} dt__ring_bodies;
+static dt__ring_bodies dt__ring_bodies_on(dt_device device) {
+    const dt_backend *gpu = dt__backend_of(device);
+    if (gpu) return (dt__ring_bodies){ gpu->ring_attention_step, gpu->ring_attention_backward_step, gpu->copy_columns };
+    return (dt__ring_bodies){ dt__ring_attention_step, dt__ring_attention_backward_step, dt__copy_columns };
+}
+/* A rank's block: its positions, then its keys and values out of qkv. */
+static void dt__ring_pack(const dt__ring *r, const dt__ring_bodies *f, const float *qkvv, float *blk) {
+    int64_t BT = (int64_t)r->B * r->T, D = r->D;
+    f->copy_columns(blk, r->T, r->qpos, r->T, 1, r->T, 0);
+    f->copy_columns(blk + r->T, D, qkvv + D, 3 * D, BT, r->D, 0);
+    f->copy_columns(blk + r->T + BT * D, D, qkvv + 2 * D, 3 * D, BT, r->D, 0);
 }
 
 static void dt__ring_attention_backward(dt__tape_entry *e) {
     dt_tensor *qkv = e->in[0];
     if (!qkv->requires_grad) return;
     const dt__ring *r = (const dt__ring *)e->saved;
-    int B = r->B, T = r->T, H = r->H, D = r->D, hd = D / H, C = dt_comm_size(r->comm), first;
+    int B = r->B, T = r->T, H = r->H, D = r->D, C = dt_comm_size(r->comm), first;
     int64_t BTD = (int64_t)B * T * D, nblk = T + 4 * BTD;
+    dt__ring_bodies f = dt__ring_bodies_on(qkv->device);
     const float *qkvv = dt__in(qkv), *dout = dt__grad_in(e->out);
     float *dqkv = dt__grad_acc_first(qkv, &first);
-    if (first) memset(dqkv, 0, sizeof(float) * (size_t)qkv->numel);
-    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)hd * dt__att_padded(T) * (size_t)dt_threads());
-    float *blk[2] = { (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)nblk) };
+    if (first) dt__zero_on(qkv->device, dqkv, sizeof(float) * (size_t)qkv->numel);
+    float *dots = (float *)dt__scratch_on(qkv->device, sizeof(float) * (size_t)B * H * T);
+    float *blk[2] = { (float *)dt__scratch_on(qkv->device, sizeof(float) * 2 * (size_t)nblk) };
     blk[1] = blk[0] + nblk;
-    dt__ring_pack(r, qkvv, blk[0]);
-    memset(blk[0] + T + 2 * BTD, 0, sizeof(float) * 2 * (size_t)BTD);
+    dt__ring_pack(r, &f, qkvv, blk[0]);
+    dt__zero_on(qkv->device, blk[0] + T + 2 * BTD, sizeof(float) * 2 * (size_t)BTD);
     /* C steps around, then one more shift: a block's gradients home to its
        owner. The gradients are written while the block is held, so here the
        shift waits for the step (forward overlaps them). */
     for (int s = 0; s < C; s++) {
-        dt__ring_attend_backward(r, qkvv, dout, blk[s & 1], dqkv, space);
+        f.backward_step(qkvv, blk[s & 1], r->qpos, r->lse, r->O, dout, dots, dqkv, B, T, H, D, r->scale, r->causal);
         double t0 = dt_now_ms();
         if (s < C - 1) dt_ring_shift(r->comm, blk[s & 1], blk[(s + 1) & 1], nblk, DT_F32);
         else if (C > 1) dt_ring_shift(r->comm, blk[s & 1] + T + 2 * BTD, blk[(s + 1) & 1] + T + 2 * BTD, 2 * BTD, DT_F32);
         dt__ring_wait_ms += dt_now_ms() - t0;
     }
     const float *dK = blk[C > 1 ? C & 1 : 0] + T + 2 * BTD, *dV = dK + BTD;
-    for (int64_t i = 0; i < (int64_t)B * T; i++)
-        for (int d = 0; d < D; d++) {
-            dqkv[i * 3 * D + D + d] += dK[i * D + d];
-            dqkv[i * 3 * D + 2 * D + d] += dV[i * D + d];
-        }
+    f.copy_columns(dqkv + D, 3 * D, dK, D, (int64_t)B * T, D, 1);
+    f.copy_columns(dqkv + 2 * D, 3 * D, dV, D, (int64_t)B * T, D, 1);
     dt__grad_acc_done(qkv, dqkv);
 }
 
@@ -180,36 +206,36 @@ dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, co
     if (dt_tensor_cols(qkv) != 3 * D || D % H != 0 || dt_tensor_rows(qkv) != (int64_t)B * T)
         dt_fail("ring attention: qkv is [%lld, %lld], expected [%d, 3*D] with D divisible by %d heads",
                 (long long)dt_tensor_rows(qkv), (long long)dt_tensor_cols(qkv), B * T, H);
-    if (dt__backend_for(qkv)) dt_fail("context parallelism's ring attention runs on the CPU only so far");
+    if (dt__backend_for(qkv) && D / H > DT_ATTENTION_ONLINE_MAX_HEAD_DIM)
+        dt_fail("ring attention on the GPU: heads of %d columns; its kernel takes at most %d", D / H,
+                DT_ATTENTION_ONLINE_MAX_HEAD_DIM);
     for (int i = 1; i < T; i++)
         if (positions[i] <= positions[i - 1]) dt_fail("ring attention: positions must ascend (%d after %d)", positions[i], positions[i - 1]);
     int64_t BTD = (int64_t)B * T * D, nblk = T + 2 * BTD, rows = (int64_t)B * H * T;
+    dt_device dev = qkv->device;
+    dt__ring_bodies f = dt__ring_bodies_on(dev);
     dt__scratch_reset();
-    dt__ring *r = (dt__ring *)dt__step_alloc_uninit(sizeof(dt__ring) + sizeof(float) * (size_t)(T + rows + BTD));
-    *r = (dt__ring){ ring, B, T, H, D, causal != 0, 1.0f / sqrtf((float)(D / H)), (float *)(r + 1), NULL, NULL };
+    dt__ring *r = (dt__ring *)dt__step_alloc_uninit(sizeof(dt__ring) + sizeof(float) * (size_t)T);
+    float *host = (float *)(r + 1);                       /* the positions, as they travel */
+    *r = (dt__ring){ ring, B, T, H, D, causal != 0, 1.0f / sqrtf((float)(D / H)), NULL, NULL, NULL };
+    r->qpos = (float *)dt__step_alloc_on(dev, sizeof(float) * (size_t)(T + rows + BTD));
     r->lse = r->qpos + T;
     r->O = r->lse + rows;
-    for (int i = 0; i < T; i++) r->qpos[i] = (float)positions[i];
+    for (int i = 0; i < T; i++) host[i] = (float)positions[i];
+    dt__upload_to(dev, r->qpos, host, sizeof(float) * (size_t)T);
     const float *qkvv = dt__in(qkv);
-    float *m = r->lse, *l = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)rows);   /* m becomes the lse */
-    float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)(D / H) * dt__att_padded(T) * (size_t)dt_threads());
-    float *blk[2] = { (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)nblk) };
+    float *l = (float *)dt__scratch_on(dev, sizeof(float) * (size_t)rows);
+    float *blk[2] = { (float *)dt__scratch_on(dev, sizeof(float) * 2 * (size_t)nblk) };
     blk[1] = blk[0] + nblk;
-    for (int64_t i = 0; i < rows; i++) { m[i] = -INFINITY; l[i] = 0; }
-    memset(r->O, 0, sizeof(float) * (size_t)BTD);
-    dt__ring_pack(r, qkvv, blk[0]);
+    dt_tensor *out = dt__tensor_out_2d(B * T, D);
+    float *outv = dt__out(out);
+    dt__ring_pack(r, &f, qkvv, blk[0]);
     for (int s = 0; s < C; s++) {                         /* the next block travels while this one is used */
         dt_comm_handle next = s < C - 1 ? dt_ring_shift_async(ring, blk[s & 1], blk[(s + 1) & 1], nblk, DT_F32) : 0;
-        dt__ring_attend(r, qkvv, blk[s & 1], m, l, r->O, space);
+        f.step(qkvv, blk[s & 1], r->qpos, r->lse, l, r->O, s == C - 1 ? outv : NULL, s == 0, B, T, H, D, r->scale, r->causal);
         double t0 = dt_now_ms();
         if (next) dt_comm_wait(ring, next);
         if (dt__ctx.grad_enabled) dt__ring_wait_ms += dt_now_ms() - t0;
-    }
-    dt_tensor *out = dt__tensor_out_2d(B * T, D);
-    float *outv = dt__out(out);
-    for (int bh = 0; bh < B * H; bh++) {
-        size_t at = (size_t)(bh / H) * T * D + (size_t)(bh % H) * (D / H);
-        dt__online_finish(T, D / H, m + (size_t)bh * T, l + (size_t)bh * T, r->O + at, D, outv + at, D);
     }
     dt__out_done(out, outv);
     dt__ctx.flops += 4.0 * B * H * T * (double)T * C * (D / H);         /* as dt_attention counts the whole square */
@@ -263,15 +289,18 @@ static dt_tensor *dt__cp_forward(dt_parallel *par, dt_tensor *inputs) {
     }
     dt_tensor *mine = dt_model_forward_blocks(cp->model, dt__cp_tokens(cp, inputs), NULL, 0, n);
     int64_t V = dt_tensor_cols(mine), each = (int64_t)B * t * V;
-    float *all = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)(each * C));
+    float *all = (float *)dt__step_alloc_on(mine->device, sizeof(float) * (size_t)(each * C));
     int32_t *at = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)t);
+    dt__ring_bodies f = dt__ring_bodies_on(mine->device);
     dt_all_gather(cp->ring, mine->data, all, each, DT_F32);
     dt_tensor *y = dt_tensor_2d(B * T, (int)V);
-    for (int q = 0; q < C; q++) {
+    for (int q = 0; q < C; q++) {             /* rank q's rows, a run of consecutive positions at a time */
         dt_cp_positions(cp->layout, T, C, q, at);
         for (int b = 0; b < B; b++)
-            for (int i = 0; i < t; i++)
-                memcpy(y->data + ((size_t)b * T + at[i]) * V, all + q * each + ((size_t)b * t + i) * V, sizeof(float) * (size_t)V);
+            for (int i = 0, run; i < t; i += run) {
+                for (run = 1; i + run < t && at[i + run] == at[i] + run; run++) {}
+                f.copy_columns(y->data + ((size_t)b * T + at[i]) * V, V, all + q * each + ((size_t)b * t + i) * V, V, run, (int)V, 0);
+            }
     }
     return y;
 }
@@ -292,7 +321,9 @@ dt_cp *dt_cp_create(dt_model *model, dt_comm *comm, int cp, dt_cp_layout layout)
     if (!dt_model_is_language(model->cfg.kind))
         dt_usage_error("--model %s: context parallelism splits sequences of tokens; it takes --model gpt or llama",
                        dt__model_kind_name(model->cfg.kind));
-    if (model->device != DT_CPU) dt_usage_error("--cp runs on the CPU only so far (the ring attention has no GPU kernel yet)");
+    if (model->device != DT_CPU && model->cfg.dim / model->cfg.heads > DT_ATTENTION_ONLINE_MAX_HEAD_DIM)
+        dt_usage_error("--cp on a GPU: heads of %d columns (--dim %d / --heads %d); the ring's kernel takes at most %d",
+                       model->cfg.dim / model->cfg.heads, model->cfg.dim, model->cfg.heads, DT_ATTENTION_ONLINE_MAX_HEAD_DIM);
     int chunks = layout == DT_CP_ZIGZAG ? 2 * cp : cp;
     if (T % chunks)
         dt_usage_error("--cp %d --cp-layout %s: --seq-len %d must be a multiple of %d (%s)", cp,

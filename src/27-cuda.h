@@ -556,27 +556,68 @@ __device__ static float dt__fa_dot(const float *row, const float *staged, int hd
    (interleaved, so that a causal block's warps see alike many keys). */
 __device__ static int dt__fa_row(int first, int r) { return first + r * DT__FA_WARPS + (int)threadIdx.x / 32; }
 
-__global__ static void dt__k_attention_online_forward(const float *qkv, float *out, float *lse, float *O, int B, int T,
-                                                     int H, int D, float scale, int causal) {
+/* The heads one launch covers -- the CPU's dt__online_head, B x H of them:
+   query rows of qkv [B*Tq, 3*D]; keys and values at k and v (row t of
+   sequence b at + (b * Tk + t) * ldkv, head h's columns at + h * hd), their
+   positions ascending (qpos, kpos on the device; NULL: 0, 1, 2, ...). On
+   one device k and v are qkv's own columns; under context parallelism
+   they are the block the ring brought, at the tokens' true positions. */
+typedef struct dt__fa_heads {
+    const float *qkv, *k, *v, *qpos, *kpos;
+    int64_t ldkv;
+    int B, Tq, Tk, H, D, causal;
+    float scale;
+} dt__fa_heads;
+__device__ static float dt__fa_qpos(const dt__fa_heads &a, int i) { return a.qpos ? a.qpos[i] : (float)i; }
+__device__ static float dt__fa_kpos(const dt__fa_heads &a, int j) { return a.kpos ? a.kpos[j] : (float)j; }
+/* Whether query i sees key j. */
+__device__ static int dt__fa_sees(const dt__fa_heads &a, int i, int j) {
+    return i < a.Tq && j < a.Tk && (!a.causal || dt__fa_kpos(a, j) <= dt__fa_qpos(a, i));
+}
+/* How many keys sit at position p or before; the first query at p or after. */
+__device__ static int dt__fa_keys_upto(const dt__fa_heads &a, float p) {
+    int lo = 0, hi = a.Tk;
+    while (lo < hi) { int mid = (lo + hi) / 2; if (dt__fa_kpos(a, mid) <= p) lo = mid + 1; else hi = mid; }
+    return lo;
+}
+__device__ static int dt__fa_first_query(const dt__fa_heads &a, float p) {
+    int lo = 0, hi = a.Tq;
+    while (lo < hi) { int mid = (lo + hi) / 2; if (dt__fa_qpos(a, mid) < p) lo = mid + 1; else hi = mid; }
+    return lo;
+}
+
+/* A block of query rows against the keys: each row's m, l and output move on
+   by the online softmax. carry: start from the rows' m, l and unnormalised
+   output in m_g [B*H, Tq], l_g, acc_g [B*Tq, D] (else from nothing); out
+   non-NULL: finish -- out and O the output, lse the log-sum-exp (which may
+   be m_g, acc_g: each element is its own thread's) -- else keep m, l, acc
+   in m_g, l_g, acc_g for the next block. */
+__global__ static void dt__k_attention_online_forward(dt__fa_heads a, int carry, float *m_g, float *l_g, float *acc_g,
+                                                     float *out, float *lse, float *O) {
     __shared__ dt__fa_tile ks, vs;
-    int hd = D / H, lane = threadIdx.x % 32, tiles = (T + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
-    int bh = blockIdx.x / tiles, b = bh / H, h = bh % H, i0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
-    const float *q = qkv + (int64_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;   /* row t: + t * 3D */
+    int D = a.D, Tq = a.Tq, hd = D / a.H, lane = threadIdx.x % 32, tiles = (Tq + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
+    int bh = blockIdx.x / tiles, b = bh / a.H, h = bh % a.H, i0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
+    const float *q = a.qkv + (int64_t)b * Tq * 3 * D + h * hd;                          /* row t: + t * 3D */
+    const float *k = a.k + (int64_t)b * a.Tk * a.ldkv + h * hd, *v = a.v + (int64_t)b * a.Tk * a.ldkv + h * hd;
     float m[DT__FA_ROWS], l[DT__FA_ROWS], acc[DT__FA_ROWS][DT__FA_COLS];
     for (int r = 0; r < DT__FA_ROWS; r++) {
-        m[r] = -INFINITY; l[r] = 0;
-        for (int c = 0; c < DT__FA_COLS; c++) acc[r][c] = 0;
+        int i = dt__fa_row(i0, r);
+        int64_t row = (int64_t)bh * Tq + i, at = ((int64_t)b * Tq + i) * D + h * hd;
+        m[r] = carry && i < Tq ? m_g[row] : -INFINITY;
+        l[r] = carry && i < Tq ? l_g[row] : 0;
+        for (int c = 0; c < DT__FA_COLS; c++) acc[r][c] = carry && i < Tq && lane + 32 * c < hd ? acc_g[at + lane + 32 * c] : 0;
     }
-    int keys = causal ? min(T, i0 + DT__FA_BLOCK_ROWS) : T;
+    int last = min(Tq, i0 + DT__FA_BLOCK_ROWS) - 1;                   /* the block's latest query: none sees further */
+    int keys = a.causal ? dt__fa_keys_upto(a, dt__fa_qpos(a, last)) : a.Tk;
     for (int j0 = 0; j0 < keys; j0 += DT__FA_TILE) {
         __syncthreads();                                  /* every warp done with the last tile */
-        dt__fa_stage(k, 3 * D, j0, T, hd, ks);
-        dt__fa_stage(v, 3 * D, j0, T, hd, vs);
+        dt__fa_stage(k, a.ldkv, j0, a.Tk, hd, ks);
+        dt__fa_stage(v, a.ldkv, j0, a.Tk, hd, vs);
         __syncthreads();
         for (int r = 0; r < DT__FA_ROWS; r++) {
-            int i = dt__fa_row(i0, r), j = j0 + lane, ok = j < T && (!causal || j <= i);
-            if (i >= T || (causal && j0 > i)) continue;     /* the whole warp alike */
-            float s = ok ? scale * dt__fa_dot(q + (int64_t)i * 3 * D, ks[lane], hd) : -INFINITY;
+            int i = dt__fa_row(i0, r), j = j0 + lane, ok = dt__fa_sees(a, i, j);
+            if (!dt__fa_sees(a, i, j0)) continue;          /* the whole warp alike: a tile past the row */
+            float s = ok ? a.scale * dt__fa_dot(q + (int64_t)i * 3 * D, ks[lane], hd) : -INFINITY;
             float c = dt_online_softmax_rescale(&m[r], dt__warp_max(s));   /* what came before, on the new scale */
             float p = ok ? dt_exp_value(s - m[r]) : 0.0f;
             l[r] = l[r] * c + dt__warp_sum(p);
@@ -590,11 +631,17 @@ __global__ static void dt__k_attention_online_forward(const float *qkv, float *o
     }
     for (int r = 0; r < DT__FA_ROWS; r++) {
         int i = dt__fa_row(i0, r);
-        if (i >= T) continue;
-        int64_t at = ((int64_t)b * T + i) * D + h * hd;
+        if (i >= Tq) continue;
+        int64_t row = (int64_t)bh * Tq + i, at = ((int64_t)b * Tq + i) * D + h * hd;
+        if (!out) {                                        /* more blocks to come */
+            if (lane == 0) { m_g[row] = m[r]; l_g[row] = l[r]; }
+            for (int t = 0; t < DT__FA_COLS; t++)
+                if (lane + 32 * t < hd) acc_g[at + lane + 32 * t] = acc[r][t];
+            continue;
+        }
         for (int t = 0; t < DT__FA_COLS; t++)
             if (lane + 32 * t < hd) out[at + lane + 32 * t] = O[at + lane + 32 * t] = acc[r][t] / l[r];
-        if (lane == 0) lse[(int64_t)bh * T + i] = m[r] + logf(l[r]);
+        if (lane == 0) lse[row] = m[r] + logf(l[r]);
     }
 }
 /* Each row's dO . O, the softmax backward's subtrahend: [B*H, T], a warp a row. */
@@ -609,27 +656,30 @@ __global__ static void dt__k_attention_online_row_dots(const float *dout, const 
         if (threadIdx.x % 32 == 0) dots[row] = s;
     }
 }
-/* dQ: a warp's query rows against tiles of keys and values. dS = p (dP - dO.O) scale. */
-__global__ static void dt__k_attention_online_dq(const float *qkv, const float *lse, const float *dots, const float *dout,
-                                                float *dqkv, int B, int T, int H, int D, float scale, int causal) {
+/* dQ (added into dqkv's q columns): a warp's query rows against tiles of keys
+   and values. dS = p (dP - dO.O) scale. */
+__global__ static void dt__k_attention_online_dq(dt__fa_heads a, const float *lse, const float *dots, const float *dout,
+                                                float *dqkv) {
     __shared__ dt__fa_tile ks, vs;
-    int hd = D / H, lane = threadIdx.x % 32, tiles = (T + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
-    int bh = blockIdx.x / tiles, b = bh / H, h = bh % H, i0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
-    const float *q = qkv + (int64_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
-    const float *dO = dout + (int64_t)b * T * D + h * hd;                               /* row t: + t * D */
+    int D = a.D, Tq = a.Tq, hd = D / a.H, lane = threadIdx.x % 32, tiles = (Tq + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
+    int bh = blockIdx.x / tiles, b = bh / a.H, h = bh % a.H, i0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
+    const float *q = a.qkv + (int64_t)b * Tq * 3 * D + h * hd;
+    const float *k = a.k + (int64_t)b * a.Tk * a.ldkv + h * hd, *v = a.v + (int64_t)b * a.Tk * a.ldkv + h * hd;
+    const float *dO = dout + (int64_t)b * Tq * D + h * hd;                              /* row t: + t * D */
     float dq[DT__FA_ROWS][DT__FA_COLS] = { { 0 } };
-    int keys = causal ? min(T, i0 + DT__FA_BLOCK_ROWS) : T;
+    int last = min(Tq, i0 + DT__FA_BLOCK_ROWS) - 1;
+    int keys = a.causal ? dt__fa_keys_upto(a, dt__fa_qpos(a, last)) : a.Tk;
     for (int j0 = 0; j0 < keys; j0 += DT__FA_TILE) {
         __syncthreads();
-        dt__fa_stage(k, 3 * D, j0, T, hd, ks);
-        dt__fa_stage(v, 3 * D, j0, T, hd, vs);
+        dt__fa_stage(k, a.ldkv, j0, a.Tk, hd, ks);
+        dt__fa_stage(v, a.ldkv, j0, a.Tk, hd, vs);
         __syncthreads();
         for (int r = 0; r < DT__FA_ROWS; r++) {
-            int i = dt__fa_row(i0, r), j = j0 + lane, ok = j < T && (!causal || j <= i);
-            if (i >= T || (causal && j0 > i)) continue;
-            float p = ok ? dt_exp_value(scale * dt__fa_dot(q + (int64_t)i * 3 * D, ks[lane], hd) - lse[(int64_t)bh * T + i]) : 0.0f;
+            int i = dt__fa_row(i0, r), j = j0 + lane, ok = dt__fa_sees(a, i, j);
+            if (!dt__fa_sees(a, i, j0)) continue;
+            float p = ok ? dt_exp_value(a.scale * dt__fa_dot(q + (int64_t)i * 3 * D, ks[lane], hd) - lse[(int64_t)bh * Tq + i]) : 0.0f;
             float dp = ok ? dt__fa_dot(dO + (int64_t)i * D, vs[lane], hd) : 0.0f;
-            float ds = p * (dp - dots[(int64_t)bh * T + i]) * scale;
+            float ds = p * (dp - dots[(int64_t)bh * Tq + i]) * a.scale;
             for (int kk = 0; kk < DT__FA_TILE; kk++) {
                 float dsk = __shfl_sync(0xffffffffu, ds, kk);
                 for (int t = 0; t < DT__FA_COLS; t++)
@@ -639,57 +689,60 @@ __global__ static void dt__k_attention_online_dq(const float *qkv, const float *
     }
     for (int r = 0; r < DT__FA_ROWS; r++) {
         int i = dt__fa_row(i0, r);
-        if (i >= T) continue;
-        float *to = dqkv + ((int64_t)b * T + i) * 3 * D + h * hd;
+        if (i >= Tq) continue;
+        float *to = dqkv + ((int64_t)b * Tq + i) * 3 * D + h * hd;
         for (int t = 0; t < DT__FA_COLS; t++)
             if (lane + 32 * t < hd) to[lane + 32 * t] += dq[r][t];
     }
 }
-/* dK and dV: a warp's key rows against tiles of queries and output gradients
-   (with their rows' log-sum-exps and dO . O). */
-__global__ static void dt__k_attention_online_dkv(const float *qkv, const float *lse, const float *dots, const float *dout,
-                                                 float *dqkv, int B, int T, int H, int D, float scale, int causal) {
+/* dK and dV (added into dk, dv: key j of sequence b at + (b * Tk + j) * ldkv):
+   a warp's key rows against tiles of queries and output gradients (with
+   their rows' log-sum-exps and dO . O). */
+__global__ static void dt__k_attention_online_dkv(dt__fa_heads a, const float *lse, const float *dots, const float *dout,
+                                                 float *dk, float *dv, int64_t ldkv) {
     __shared__ dt__fa_tile qs, dos;
     __shared__ float lse_s[DT__FA_TILE], dots_s[DT__FA_TILE];
-    int hd = D / H, lane = threadIdx.x % 32, tiles = (T + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
-    int bh = blockIdx.x / tiles, b = bh / H, h = bh % H, j0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
-    const float *q = qkv + (int64_t)b * T * 3 * D + h * hd, *k = q + D, *v = q + 2 * D;
-    const float *dO = dout + (int64_t)b * T * D + h * hd;
-    float dk[DT__FA_ROWS][DT__FA_COLS] = { { 0 } }, dv[DT__FA_ROWS][DT__FA_COLS] = { { 0 } };
-    for (int i0 = causal ? j0 / DT__FA_TILE * DT__FA_TILE : 0; i0 < T; i0 += DT__FA_TILE) {   /* causal: queries from the keys on */
+    int D = a.D, Tq = a.Tq, hd = D / a.H, lane = threadIdx.x % 32, tiles = (a.Tk + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS;
+    int bh = blockIdx.x / tiles, b = bh / a.H, h = bh % a.H, j0 = (blockIdx.x % tiles) * DT__FA_BLOCK_ROWS;
+    const float *q = a.qkv + (int64_t)b * Tq * 3 * D + h * hd;
+    const float *k = a.k + (int64_t)b * a.Tk * a.ldkv + h * hd, *v = a.v + (int64_t)b * a.Tk * a.ldkv + h * hd;
+    const float *dO = dout + (int64_t)b * Tq * D + h * hd;
+    float gk[DT__FA_ROWS][DT__FA_COLS] = { { 0 } }, gv[DT__FA_ROWS][DT__FA_COLS] = { { 0 } };
+    int first = a.causal ? dt__fa_first_query(a, dt__fa_kpos(a, j0)) / DT__FA_TILE * DT__FA_TILE : 0;   /* none before sees j0 */
+    for (int i0 = first; i0 < Tq; i0 += DT__FA_TILE) {
         __syncthreads();
-        dt__fa_stage(q, 3 * D, i0, T, hd, qs);
-        dt__fa_stage(dO, D, i0, T, hd, dos);
+        dt__fa_stage(q, 3 * D, i0, Tq, hd, qs);
+        dt__fa_stage(dO, D, i0, Tq, hd, dos);
         if ((int)threadIdx.x < DT__FA_TILE) {
             int i = i0 + threadIdx.x;
-            lse_s[threadIdx.x] = i < T ? lse[(int64_t)bh * T + i] : 0.0f;
-            dots_s[threadIdx.x] = i < T ? dots[(int64_t)bh * T + i] : 0.0f;
+            lse_s[threadIdx.x] = i < Tq ? lse[(int64_t)bh * Tq + i] : 0.0f;
+            dots_s[threadIdx.x] = i < Tq ? dots[(int64_t)bh * Tq + i] : 0.0f;
         }
         __syncthreads();
         for (int r = 0; r < DT__FA_ROWS; r++) {
-            int j = dt__fa_row(j0, r), i = i0 + lane, ok = i < T && (!causal || i >= j);
-            if (j >= T || (causal && i0 + DT__FA_TILE - 1 < j)) continue;
-            float p = ok ? dt_exp_value(scale * dt__fa_dot(qs[lane], k + (int64_t)j * 3 * D, hd) - lse_s[lane]) : 0.0f;
-            float dp = ok ? dt__fa_dot(dos[lane], v + (int64_t)j * 3 * D, hd) : 0.0f;
-            float ds = p * (dp - dots_s[lane]) * scale;
+            int j = dt__fa_row(j0, r), i = i0 + lane, ok = dt__fa_sees(a, i, j);
+            if (j >= a.Tk || !dt__fa_sees(a, min(Tq, i0 + DT__FA_TILE) - 1, j)) continue;   /* the tile's last query sees none */
+            float p = ok ? dt_exp_value(a.scale * dt__fa_dot(qs[lane], k + (int64_t)j * a.ldkv, hd) - lse_s[lane]) : 0.0f;
+            float dp = ok ? dt__fa_dot(dos[lane], v + (int64_t)j * a.ldkv, hd) : 0.0f;
+            float ds = p * (dp - dots_s[lane]) * a.scale;
             for (int kk = 0; kk < DT__FA_TILE; kk++) {
                 float pk = __shfl_sync(0xffffffffu, p, kk), dsk = __shfl_sync(0xffffffffu, ds, kk);
                 for (int t = 0; t < DT__FA_COLS; t++)
                     if (lane + 32 * t < hd) {
-                        dv[r][t] += pk * dos[kk][lane + 32 * t];
-                        dk[r][t] += dsk * qs[kk][lane + 32 * t];
+                        gv[r][t] += pk * dos[kk][lane + 32 * t];
+                        gk[r][t] += dsk * qs[kk][lane + 32 * t];
                     }
             }
         }
     }
     for (int r = 0; r < DT__FA_ROWS; r++) {
         int j = dt__fa_row(j0, r);
-        if (j >= T) continue;
-        float *to = dqkv + ((int64_t)b * T + j) * 3 * D + h * hd;
+        if (j >= a.Tk) continue;
+        int64_t at = ((int64_t)b * a.Tk + j) * ldkv + h * hd;
         for (int t = 0; t < DT__FA_COLS; t++)
             if (lane + 32 * t < hd) {
-                to[D + lane + 32 * t] += dk[r][t];
-                to[2 * D + lane + 32 * t] += dv[r][t];
+                dk[at + lane + 32 * t] += gk[r][t];
+                dv[at + lane + 32 * t] += gv[r][t];
             }
     }
 }
@@ -698,21 +751,52 @@ static unsigned dt__fa_blocks(int B, int T, int H) {
     if (n > 2147483647) dt_fail("--attention online: %lld blocks of attention exceed the GPU's grid", (long long)n);
     return (unsigned)n;
 }
+/* Backward of the heads against their keys: the rows' dO . O, then dQ by query rows and dK, dV by key rows. */
+static void dt__fa_backward(const dt__fa_heads *a, const float *lse, const float *O, const float *dout, float *dots, float *dqkv,
+                            float *dk, float *dv, int64_t ld_dkv) {
+    DT_LAUNCH(dt__k_attention_online_row_dots, dt__blocks_for_warps((int64_t)a->B * a->H * a->Tq), DT_THREADS, dout, O, dots, a->B,
+              a->Tq, a->H, a->D);
+    DT_LAUNCH(dt__k_attention_online_dq, dt__fa_blocks(a->B, a->Tq, a->H), 32 * DT__FA_WARPS, *a, lse, dots, dout, dqkv);
+    DT_LAUNCH(dt__k_attention_online_dkv, dt__fa_blocks(a->B, a->Tk, a->H), 32 * DT__FA_WARPS, *a, lse, dots, dout, dk, dv, ld_dkv);
+}
 static void dt__cuda_attention_forward_online(const float *qkv, float *out, float *saved, int B, int T, int H, int D,
                                              float scale, int causal) {
     float *lse = saved, *O = saved + (int64_t)B * H * T;
-    DT_LAUNCH(dt__k_attention_online_forward, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, qkv, out, lse, O, B, T, H, D, scale,
-              causal);
+    dt__fa_heads a = { qkv, qkv + D, qkv + 2 * D, NULL, NULL, 3 * D, B, T, T, H, D, causal, scale };
+    DT_LAUNCH(dt__k_attention_online_forward, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, a, 0, (float *)NULL, (float *)NULL,
+              (float *)NULL, out, lse, O);
 }
 static void dt__cuda_attention_backward_online(const float *qkv, const float *saved, const float *dout, float *dqkv,
                                               float *scratch, int B, int T, int H, int D, float scale, int causal) {
-    const float *lse = saved, *O = saved + (int64_t)B * H * T;
-    DT_LAUNCH(dt__k_attention_online_row_dots, dt__blocks_for_warps((int64_t)B * H * T), DT_THREADS, dout, O, scratch, B, T,
-              H, D);
-    DT_LAUNCH(dt__k_attention_online_dq, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, qkv, lse, scratch, dout, dqkv, B, T, H,
-              D, scale, causal);
-    DT_LAUNCH(dt__k_attention_online_dkv, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, qkv, lse, scratch, dout, dqkv, B, T,
-              H, D, scale, causal);
+    dt__fa_heads a = { qkv, qkv + D, qkv + 2 * D, NULL, NULL, 3 * D, B, T, T, H, D, causal, scale };
+    dt__fa_backward(&a, saved, saved + (int64_t)B * H * T, dout, scratch, dqkv, dqkv + D, dqkv + 2 * D, 3 * D);
+}
+/* Context parallelism's ring (the context-parallel chapter): this rank's
+   queries against the block held (its positions, then K and V [B*T, D]),
+   the rows' m (in lse), l and output (in O) carried from block to block;
+   the last block finishes them into out. Backward: dQ into dqkv, dK and
+   dV into the block's gradients that follow V. */
+static void dt__cuda_ring_attention_step(const float *qkv, const float *blk, const float *qpos, float *lse, float *l, float *O,
+                                         float *out, int first, int B, int T, int H, int D, float scale, int causal) {
+    int64_t BTD = (int64_t)B * T * D;
+    dt__fa_heads a = { qkv, blk + T, blk + T + BTD, qpos, blk, D, B, T, T, H, D, causal, scale };
+    DT_LAUNCH(dt__k_attention_online_forward, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, a, !first, lse, l, O, out, lse, O);
+}
+static void dt__cuda_ring_attention_backward_step(const float *qkv, float *blk, const float *qpos, const float *lse,
+                                                  const float *O, const float *dout, float *dots, float *dqkv, int B, int T,
+                                                  int H, int D, float scale, int causal) {
+    int64_t BTD = (int64_t)B * T * D;
+    dt__fa_heads a = { qkv, blk + T, blk + T + BTD, qpos, blk, D, B, T, T, H, D, causal, scale };
+    dt__fa_backward(&a, lse, O, dout, dots, dqkv, blk + T + 2 * BTD, blk + T + 3 * BTD, D);
+}
+/* rows x cols floats from src (row stride ld_src) to dst (ld_dst), or added into it */
+__global__ static void dt__k_add_columns(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols) {
+    DT_FOR_EACH(e, rows * cols) dst[e / cols * ld_dst + e % cols] += src[e / cols * ld_src + e % cols];
+}
+static void dt__cuda_copy_columns(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols, int add) {
+    if (add) { DT_LAUNCH(dt__k_add_columns, dt_blocks_for(rows * cols), DT_THREADS, dst, ld_dst, src, ld_src, rows, cols); return; }
+    DT_CUDA_CHECK(cudaMemcpy2DAsync(dst, (size_t)ld_dst * sizeof(float), src, (size_t)ld_src * sizeof(float),
+                                    (size_t)cols * sizeof(float), (size_t)rows, cudaMemcpyDeviceToDevice, dt__cuda.stream));
 }
 
 /* ---- the ViT's token assembly, the class-token pick, patchify ---- */
@@ -939,210 +1023,3 @@ __global__ static void dt__k_convert(const void *src, int from, void *dst, int t
 static void dt__cuda_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
     DT_LAUNCH(dt__k_convert, dt_blocks_for(n), DT_THREADS, src, (int)from, dst, (int)to, n);
 }
-
-/* ---- start-up ---- */
-extern "C" int dt_cuda_device_count(char *why, size_t n) {
-    int count = 0;
-    cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess) {
-        int driver = 0, runtime = 0;
-        cudaGetLastError();
-        cudaDriverGetVersion(&driver);
-        cudaRuntimeGetVersion(&runtime);
-        if (driver == 0) snprintf(why, n, "no NVIDIA driver is installed");
-        else snprintf(why, n, "%s (the driver supports CUDA %d.%d, this build needs %d.%d)", cudaGetErrorString(err),
-                      driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);
-        return 0;
-    }
-    if (count == 0) snprintf(why, n, "no GPU is visible");
-    return count;
-}
-
-extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n) {
-    int count = dt_cuda_device_count(why, n);
-    if (count == 0) return NULL;
-    if (dt__cuda.stream) return &dt__cuda.table;
-    dt__cuda.index = local_rank % count;          /* one GPU per rank on this machine */
-    DT_CUDA_CHECK(cudaSetDevice(dt__cuda.index));
-    DT_CUDA_CHECK(cudaStreamCreateWithFlags(&dt__cuda.stream, cudaStreamNonBlocking));
-    dt__cublas_open();
-    DT_CUBLAS_CHECK(dt__cublas.create(&dt__cuda.blas));
-    DT_CUBLAS_CHECK(dt__cublas.set_stream(dt__cuda.blas, dt__cuda.stream));
-    DT_CUBLAS_CHECK(dt__cublas.set_math_mode(dt__cuda.blas, CUBLAS_DEFAULT_MATH));   /* fp32, no TF32 */
-    dt__cuda.partials = (double *)dt__cuda_alloc((DT_SUMSQ_BLOCKS + 1) * sizeof(double));
-    cudaDeviceProp prop;
-    DT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dt__cuda.index));
-    dt_backend *t = &dt__cuda.table;
-    snprintf(t->name, sizeof t->name, "%s", prop.name);
-    t->alloc = dt__cuda_alloc; t->release = dt__cuda_release; t->zero = dt__cuda_zero;
-    t->upload = dt__cuda_upload; t->download = dt__cuda_download; t->synchronize = dt__cuda_synchronize;
-    t->gemm = dt__cuda_gemm; t->gemm_half = dt__cuda_gemm_half; t->add_bias = dt__cuda_add_bias; t->sum_rows = dt__cuda_sum_rows;
-    t->gelu_forward = dt__cuda_gelu_forward; t->gelu_backward = dt__cuda_gelu_backward;
-    t->layernorm_forward = dt__cuda_layernorm_forward; t->layernorm_backward = dt__cuda_layernorm_backward;
-    t->rmsnorm_forward = dt__cuda_rmsnorm_forward; t->rmsnorm_backward = dt__cuda_rmsnorm_backward;
-    t->swiglu_forward = dt__cuda_swiglu_forward; t->swiglu_backward = dt__cuda_swiglu_backward;
-    t->rotary_qkv_forward = dt__cuda_rotary_qkv_forward; t->rotary_qkv_backward = dt__cuda_rotary_qkv_backward;
-    t->add = dt__cuda_add; t->accumulate = dt__cuda_accumulate;
-    t->attention_forward = dt__cuda_attention_forward; t->attention_backward = dt__cuda_attention_backward;
-    t->attention_forward_online = dt__cuda_attention_forward_online;
-    t->attention_backward_online = dt__cuda_attention_backward_online;
-    t->vit_tokens_forward = dt__cuda_vit_tokens_forward; t->vit_tokens_backward = dt__cuda_vit_tokens_backward;
-    t->token_embedding_forward = dt__cuda_token_embedding_forward;
-    t->token_embedding_backward = dt__cuda_token_embedding_backward;
-    t->select_token_forward = dt__cuda_select_token_forward; t->select_token_backward = dt__cuda_select_token_backward;
-    t->cross_entropy_forward = dt__cuda_cross_entropy_forward; t->cross_entropy_backward = dt__cuda_cross_entropy_backward;
-    t->softmax_row_stats = dt__cuda_softmax_row_stats;
-    t->patchify = dt__cuda_patchify; t->sum_squares = dt__cuda_sum_squares; t->scale = dt__cuda_scale;
-    t->adamw = dt__cuda_adamw; t->sgd = dt__cuda_sgd; t->convert = dt__cuda_convert; t->owns = dt__cuda_owns;
-    return t;
-}
-/* ---- NCCL: the collectives chapter's operations on GPU buffers (the contract
-        is in the backend-tables chapter). The communicator is non-blocking, so no
-        call can hang the thread that makes it: the collectives chapter's watchdog polls
-        dt_nccl_progress, and aborts when a rank dies or --timeout passes. Each
-        collective has two events: `inputs`, recorded on the compute stream
-        when it is queued (its input is the output of the kernels before it),
-        and `done`, recorded on NCCL's stream after it; the compute stream
-        waits for `done` -- for that collective only, so the next one (FSDP's
-        prefetch) still overlaps the compute. ---- */
-#ifdef DT_HAVE_NCCL
-#include <nccl.h>
-struct dt_nccl {
-    ncclComm_t comm;
-    cudaStream_t stream;
-    cudaEvent_t inputs[DT_COMM_QUEUE], done[DT_COMM_QUEUE];
-    float *one;                          /* a 1-element buffer: a barrier is an all-reduce of it */
-};
-static void dt__nccl_check(ncclResult_t r, const char *call, const char *file, int line) {
-    if (r != ncclSuccess && r != ncclInProgress) dt_fail("%s failed at %s:%d: %s", call, file, line, ncclGetErrorString(r));
-}
-#define DT_NCCL_CHECK(call) dt__nccl_check((call), #call, __FILE__, __LINE__)
-
-extern "C" int dt_nccl_available(char *why, size_t n) { (void)why; (void)n; return 1; }
-extern "C" int dt_nccl_version(void) {
-    int v = 0;
-    return ncclGetVersion(&v) == ncclSuccess ? v : 0;
-}
-extern "C" int dt_nccl_unique_id(unsigned char *out, size_t n) {
-    ncclUniqueId id;
-    if (n < sizeof id) return 0;
-    DT_NCCL_CHECK(ncclGetUniqueId(&id));
-    memcpy(out, &id, sizeof id);
-    return 1;
-}
-/* A communicator's stream, events and barrier word; its ncclComm_t comes next. */
-static dt_nccl *dt__nccl_new(void) {
-    if (!dt__cuda.stream) dt_fail("internal error: NCCL started before the GPU was chosen (dt_set_device)");
-    dt_nccl *s = (dt_nccl *)calloc(1, sizeof *s);
-    if (!s) dt_fail("out of memory (NCCL)");
-    DT_CUDA_CHECK(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
-    for (int k = 0; k < DT_COMM_QUEUE; k++) {
-        DT_CUDA_CHECK(cudaEventCreateWithFlags(&s->inputs[k], cudaEventDisableTiming));
-        DT_CUDA_CHECK(cudaEventCreateWithFlags(&s->done[k], cudaEventDisableTiming));
-    }
-    s->one = (float *)dt__cuda_alloc(sizeof(float));
-    DT_CUDA_CHECK(cudaMemsetAsync(s->one, 0, sizeof(float), dt__cuda.stream));
-    DT_CUDA_CHECK(cudaStreamSynchronize(dt__cuda.stream));
-    return s;
-}
-extern "C" dt_nccl *dt_nccl_create(const unsigned char *id_bytes, int rank, int world) {
-    dt_nccl *s = dt__nccl_new();
-    ncclUniqueId id;
-    memcpy(&id, id_bytes, sizeof id);
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;                 /* every call returns at once; the collectives chapter polls */
-    DT_NCCL_CHECK(ncclCommInitRankConfig(&s->comm, world, id, rank, &config));
-    return s;
-}
-extern "C" dt_nccl *dt_nccl_split(dt_nccl *parent, int color, int key) {
-    dt_nccl *s = dt__nccl_new();
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    DT_CUDA_CHECK(cudaSetDevice(dt__cuda.index));
-    DT_NCCL_CHECK(ncclCommSplit(parent->comm, color, key, &s->comm, &config));
-    return s;
-}
-extern "C" int dt_nccl_progress(dt_nccl *s, char *why, size_t n) {
-    ncclResult_t state = ncclSuccess, r = ncclCommGetAsyncError(s->comm, &state);
-    if (r != ncclSuccess) state = r;
-    if (state == ncclSuccess) return 1;
-    if (state == ncclInProgress) return 0;
-    snprintf(why, n, "%s (%s)", ncclGetErrorString(state), ncclGetLastError(s->comm));
-    return -1;
-}
-extern "C" void dt_nccl_mark_inputs(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaEventRecord(s->inputs[slot], dt__cuda.stream)); }
-extern "C" void dt_nccl_issue(dt_nccl *s, int slot, const dt_comm_op *o) {
-    ncclDataType_t t = o->dtype == DT_F32 ? ncclFloat32 : o->dtype == DT_BF16 ? ncclBfloat16 : ncclFloat16;
-    ncclRedOp_t red = o->op == DT_AVG ? ncclAvg : o->op == DT_MAX ? ncclMax : ncclSum;
-    size_t n = (size_t)o->count;
-    const void *send = o->send;
-    void *recv = o->recv;
-    ncclComm_t comm = s->comm;
-    cudaStream_t st = s->stream;
-    DT_CUDA_CHECK(cudaSetDevice(dt__cuda.index));           /* the current GPU is per thread */
-    DT_CUDA_CHECK(cudaStreamWaitEvent(st, s->inputs[slot], 0));
-    switch (o->kind) {
-    case DT_COLL_ALL_REDUCE: DT_NCCL_CHECK(ncclAllReduce(send, recv, n, t, red, comm, st)); break;
-    case DT_COLL_REDUCE_SCATTER: DT_NCCL_CHECK(ncclReduceScatter(send, recv, n, t, red, comm, st)); break;
-    case DT_COLL_ALL_GATHER: DT_NCCL_CHECK(ncclAllGather(send, recv, n, t, comm, st)); break;
-    case DT_COLL_BROADCAST: DT_NCCL_CHECK(ncclBroadcast(send, recv, n, t, o->root, comm, st)); break;
-    case DT_COLL_REDUCE: DT_NCCL_CHECK(ncclReduce(send, recv, n, t, red, o->root, comm, st)); break;
-    case DT_COLL_BARRIER: DT_NCCL_CHECK(ncclAllReduce(s->one, s->one, 1, ncclFloat32, ncclSum, comm, st)); break;
-    case DT_COLL_SEND: DT_NCCL_CHECK(ncclSend(send, n, t, o->root, comm, st)); break;
-    case DT_COLL_RECV: DT_NCCL_CHECK(ncclRecv(recv, n, t, o->root, comm, st)); break;
-    case DT_COLL_RING_SHIFT:                 /* grouped: every rank's send and receive at once */
-        DT_NCCL_CHECK(ncclGroupStart());
-        DT_NCCL_CHECK(ncclSend(send, n, t, o->root, comm, st));
-        DT_NCCL_CHECK(ncclRecv(recv, n, t, o->from, comm, st));
-        DT_NCCL_CHECK(ncclGroupEnd());
-        break;
-    }
-}
-extern "C" void dt_nccl_mark_done(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaEventRecord(s->done[slot], s->stream)); }
-extern "C" int dt_nccl_finished(dt_nccl *s, int slot) {
-    cudaError_t q = cudaEventQuery(s->done[slot]);
-    if (q == cudaErrorNotReady) { cudaGetLastError(); return 0; }     /* not an error: leave none behind */
-    DT_CUDA_CHECK(q);
-    return 1;
-}
-extern "C" void dt_nccl_stream_wait(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaStreamWaitEvent(dt__cuda.stream, s->done[slot], 0)); }
-extern "C" void dt_nccl_abort(dt_nccl *s) { ncclCommAbort(s->comm); s->comm = NULL; }
-extern "C" void dt_nccl_finalize(dt_nccl *s) { if (s->comm) DT_NCCL_CHECK(ncclCommFinalize(s->comm)); }
-extern "C" void dt_nccl_free(dt_nccl *s) {
-    if (s->comm) DT_NCCL_CHECK(ncclCommDestroy(s->comm));
-    for (int k = 0; k < DT_COMM_QUEUE; k++) {
-        DT_CUDA_CHECK(cudaEventDestroy(s->inputs[k]));
-        DT_CUDA_CHECK(cudaEventDestroy(s->done[k]));
-    }
-    DT_CUDA_CHECK(cudaStreamDestroy(s->stream));
-    dt__cuda_release(s->one);
-    free(s);
-}
-#else
-/* A CUDA build without NCCL: one GPU per job works; a job of several ranks
-   on GPUs is refused at start (dt_parse_args asks dt_nccl_available). */
-extern "C" int dt_nccl_available(char *why, size_t n) {
-    snprintf(why, n, "this build has no NCCL: install it (Debian: libnccl-dev; or pip install nvidia-nccl-cu13, "
-             "found by the Makefile; or NCCL_HOME=DIR), then make clean all");
-    return 0;
-}
-extern "C" int dt_nccl_version(void) { return 0; }
-static void dt__no_nccl(void) { dt_fail("internal error: NCCL used in a build without it"); }
-extern "C" int dt_nccl_unique_id(unsigned char *out, size_t n) { (void)out; (void)n; dt__no_nccl(); return 0; }
-extern "C" dt_nccl *dt_nccl_create(const unsigned char *id_bytes, int rank, int world) {
-    (void)id_bytes; (void)rank; (void)world; dt__no_nccl(); return NULL;
-}
-extern "C" int dt_nccl_progress(dt_nccl *s, char *why, size_t n) { (void)s; (void)why; (void)n; dt__no_nccl(); return -1; }
-extern "C" void dt_nccl_mark_inputs(dt_nccl *s, int slot) { (void)s; (void)slot; dt__no_nccl(); }
-extern "C" dt_nccl *dt_nccl_split(dt_nccl *parent, int color, int key) {
-    (void)parent; (void)color; (void)key; dt__no_nccl(); return NULL;
-}
-extern "C" void dt_nccl_issue(dt_nccl *s, int slot, const dt_comm_op *o) { (void)s; (void)slot; (void)o; dt__no_nccl(); }
-extern "C" void dt_nccl_mark_done(dt_nccl *s, int slot) { (void)s; (void)slot; dt__no_nccl(); }
-extern "C" int dt_nccl_finished(dt_nccl *s, int slot) { (void)s; (void)slot; dt__no_nccl(); return 0; }
-extern "C" void dt_nccl_stream_wait(dt_nccl *s, int slot) { (void)s; (void)slot; dt__no_nccl(); }
-extern "C" void dt_nccl_abort(dt_nccl *s) { (void)s; }
-extern "C" void dt_nccl_finalize(dt_nccl *s) { (void)s; }
-extern "C" void dt_nccl_free(dt_nccl *s) { (void)s; }
-#endif
-#endif /* DTRAIN_CUDA_IMPLEMENTATION */

@@ -625,6 +625,37 @@ TEST(gpu_online_attention_trains_like_the_matmul_body, QUICK) {
     CHECKF(a1 > 0 && a1 < a0, "--attention online on the GPU: peak activations %.0f bytes, the matmul body's %.0f", a1, a0);
 }
 
+/* Context parallelism on the GPU (08 --cp 2, two ranks sharing it over
+   NCCL): the ring's kernels -- the online attention's, with the tokens'
+   positions and each row's state carried from block to block -- give 01's
+   losses within 1e-4 for gpt and llama in both layouts, and the evaluation
+   (around the ring, then the logits gathered) 01's eval loss. */
+TEST(gpu_context_parallel_equals_stage_01, QUICK) {
+    NEED_NCCL();
+    char out[32768], ref[600], log[600];
+    static const struct { const char *model, *flags; } models[2] = {
+        { "gpt", "--model gpt --dim 32 --depth 2 --heads 4 --seq-len 16" },
+        { "llama", "--model llama --dim 32 --depth 2 --heads 8 --kv-heads 4 --seq-len 16" } };
+    static const char *const layouts[2] = { "zigzag", "contiguous" };
+    for (int k = 0; k < 2; k++) {
+        snprintf(ref, sizeof ref, "%s/gpu-cp-%s-01.jsonl", tmpdir, models[k].model);
+        int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size 16 --log %s", stage_cuda("01-single-gpu"),
+                         gpt_text(), models[k].flags, ref);
+        CHECKF(st == 0, "01 %s on the GPU: exit %d\n%s", models[k].model, st, out);
+        for (int y = 0; y < 2; y++) {
+            snprintf(log, sizeof log, "%s/gpu-cp-%s-%s.jsonl", tmpdir, models[k].model, layouts[y]);
+            st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size 16 --nproc 2 --ranks-per-gpu 2 --cp 2 "
+                         "--cp-layout %s --timeout 60 --log %s", stage_cuda("08-context-parallel"), gpt_text(), models[k].flags,
+                         layouts[y], log);
+            CHECKF(st == 0, "08 %s --cp-layout %s on the GPU: exit %d\n%s", models[k].model, layouts[y], st, out);
+            int n = 0;
+            double gap = worst_loss_gap(ref, log, &n), e1 = summary_value(ref, "eval_loss"), e8 = summary_value(log, "eval_loss");
+            CHECKF(n > 0 && gap <= 1e-4 && e1 > 0 && fabs(e1 - e8) <= 1e-4, "08 %s --cp-layout %s on the GPU: %d losses, worst gap "
+                   "from 01 %.3g; eval loss %.6f, 01's %.6f (tolerance 1e-4)", models[k].model, layouts[y], n, gap, e8, e1);
+        }
+    }
+}
+
 TEST(gpu_a_killed_rank_stops_the_nccl_job_naming_it, QUICK) {
     NEED_NCCL();
     char out[16384];

@@ -16,8 +16,9 @@
 #              attention trained 20 steps
 #   gpt2       GPT-2 124M in bf16 (stage 05, context 1024, batch 8): tokens/s, MFU,
 #              memory; with --attention online; then PyTorch eager on the same step
-#   nccl       stages 06 and 07 over NCCL, two and four ranks sharing the GPU, each
-#              against stage 01 on the GPU at the same global batch
+#   nccl       stages 06, 07 and 08 over NCCL, two and four ranks sharing the GPU, each
+#              against stage 01 on the GPU at the same global batch (08: the ring's
+#              kernels, zig-zag and contiguous)
 #
 # GPU_CHECK_TIER=2 runs the rest (tools/gpu_check_tier2.sh: 200-step curves, repeat
 # and resume, every two-rank mode, the sanitizers, the PyTorch bench with
@@ -111,7 +112,7 @@ say "plan (budget on one H100, seconds):$(for p in "${PLAN[@]}"; do printf ' %s 
 
 # ---- build: only what this tier runs --------------------------------------------
 STAGES=(01-single-gpu/train 03-ddp/train 04-fsdp/train 05-accum-mixed-precision/train 06-tensor-parallel/train
-        07-pipeline-parallel/train)
+        07-pipeline-parallel/train 08-context-parallel/train)
 STOP=""
 if begin build; then
     run make 240 make -j"$CORES" "${STAGES[@]}" tests/test_dtrain build/test/01-single-gpu/train tools/consolidate
@@ -225,7 +226,11 @@ if begin nccl; then
         --dtype bf16 "${P[@]}" --log "$R/pp2-bf16.jsonl"
     run pp2-dp2-full 60 ./07-pipeline-parallel/train --device "$DEV" --nproc 4 "${RPG4[@]}" --pp 2 --shard full "${G4[@]}" \
         --batch-size 16 --micro-batches 2 "${P[@]}" --log "$R/pp2-dp2-full.jsonl"
-    for f in tp2 tp2-sp tp2-dp2-full; do compare "$f" g01-b32 1e-4; done
+    for l in zigzag contiguous; do
+        run "cp2-$l" 45 ./08-context-parallel/train --device "$DEV" --nproc 2 "${RPG2[@]}" --cp 2 --cp-layout "$l" "${G[@]}" \
+            --batch-size 32 "${P[@]}" --log "$R/cp2-$l.jsonl"
+    done
+    for f in tp2 tp2-sp tp2-dp2-full cp2-zigzag cp2-contiguous; do compare "$f" g01-b32 1e-4; done
     for f in pp2-gpipe pp2-1f1b pp2-dp2-full; do compare "$f" g01-d4 1e-4; done
     compare pp2-bf16 g01-d4 0.05
     end "two and four ranks on one GPU against 01 at the same global batch: fp32 within 1e-4, bf16 within 0.05"
