@@ -1126,8 +1126,8 @@ void dt_pp_free(dt_pp *pp);
    -- what FlashAttention does between blocks of keys on one device
    (dt_online_softmax_rescale), done here between ranks. The result is exact:
    the rows of whole-sequence attention, within rounding. Backward sends the
-   keys and values around again, each block's gradients travelling with it
-   until they reach the rank that owns it.
+   keys and values around again, each block's gradient sum travelling one
+   step behind it until it reaches the rank that owns it.
 
    The ops that depend on where a token sits -- learned position embeddings,
    rotary angles, attention -- read a thread's sequence split
@@ -1153,7 +1153,8 @@ void dt_cp_positions(dt_cp_layout layout, int T, int C, int rank, int32_t *posit
    kernels, heads of at most DT_ATTENTION_ONLINE_MAX_HEAD_DIM, have not run yet). */
 dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, const int32_t *positions, dt_comm *ring);
 /* Query-key score products the ring attention made on this thread so far,
-   forward and backward: a rank's attention work, counted, not timed. */
+   forward and backward: a rank's attention work, counted, not timed (by the
+   CPU's bodies: the GPU's kernels do not count). */
 int64_t dt_ring_attention_scores(void);
 
 /* The wrapper (stage 08): a job of N ranks is N/C data-parallel groups of C
@@ -1409,18 +1410,18 @@ typedef struct dt_backend {
     void (*attention_backward_online)(const float *qkv, const float *saved, const float *dout, float *dqkv, float *scratch,
                                       int B, int T, int H, int D, float scale, int causal);
     /* Context parallelism's ring, a block at a time (dt_ring_attention): blk
-       holds the block's T positions (f32), its K and V [B*T, D], and in
-       backward their gradients after them; qpos: this rank's T positions.
-       Forward carries each row's m (in lse), l and unnormalised output (in
-       O) from block to block -- first: from nothing; out non-NULL: the last
-       block, which finishes them (O, out the output, lse the log-sum-exp).
-       Backward adds dQ into dqkv and dK, dV into the block's gradients;
-       dots: B*H*T floats of scratch. The same heads as --attention online's. */
+       holds the block's T positions (f32), then its K and V [B*T, D]; qpos:
+       this rank's T positions. Forward carries each row's m (in lse), l and
+       unnormalised output (in O) from block to block -- first: from nothing;
+       out non-NULL: the last block, which finishes them (O, out the output,
+       lse the log-sum-exp). Backward adds dQ into dqkv and the block's dK,
+       dV into dkv (dK [B*T, D], then dV); dots: B*H*T floats of scratch.
+       The same heads as --attention online's. */
     void (*ring_attention_step)(const float *qkv, const float *blk, const float *qpos, float *lse, float *l, float *O,
                                 float *out, int first, int B, int T, int H, int D, float scale, int causal);
-    void (*ring_attention_backward_step)(const float *qkv, float *blk, const float *qpos, const float *lse, const float *O,
-                                         const float *dout, float *dots, float *dqkv, int B, int T, int H, int D, float scale,
-                                         int causal);
+    void (*ring_attention_backward_step)(const float *qkv, const float *blk, const float *qpos, const float *lse, const float *O,
+                                         const float *dout, float *dots, float *dqkv, float *dkv, int B, int T, int H, int D,
+                                         float scale, int causal);
     /* rows x cols floats from src (row stride ld_src) into dst (ld_dst): copied, or added (add 1) */
     void (*copy_columns)(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols, int add);
     /* tokens: ids as f32. Backward: dwte, dwpe may be NULL; by_token lists the
@@ -1860,10 +1861,12 @@ typedef struct dt_cost_input {
        goes around; 1 when a causal model is cut into contiguous pieces, so
        that the last rank's attention is about (2C - 1) / C the mean's (0:
        zig-zag, or no mask: every rank the same). Forward sends the block on
-       C - 1 times, each behind a block's attention; backward C - 1 times
-       with its gradients (twice the bytes) and once more with the gradients
-       alone, waited for. The gradients are averaged over every rank of the
-       job (dp_groups x C): DDP's behind backward, or sharded (dp_shard). */
+       C - 1 times, each behind a block's attention; backward sends it on
+       C - 1 times again and each block's gradient sum C times (as many
+       bytes), two transfers behind each block's backward and the last,
+       which brings each sum home, waited for. The gradients are averaged
+       over every rank of the job (dp_groups x C): DDP's behind backward, or
+       sharded (dp_shard). */
     double cp_attention_share, cp_kv_bytes;
     int cp_layers, cp_contiguous;
 } dt_cost_input;
@@ -9101,7 +9104,8 @@ static DT_THREAD_LOCAL int64_t dt__ring_scores;
 int64_t dt_ring_attention_scores(void) { return dt__ring_scores; }
 /* Training's time waiting for the ring on this thread, since the wrapper's
    last step (its step_done takes it): what the cost model takes out of the
-   measured compute. */
+   measured compute. On a GPU a wait only queues the wait on the device's
+   stream, so this is the host's part alone (about 0). */
 static DT_THREAD_LOCAL double dt__ring_wait_ms;
 
 /* What travels the ring: a rank's block, its T positions (as floats: exact
@@ -9142,14 +9146,14 @@ static void dt__ring_attention_step(const float *qkv, const float *blk, const fl
     dt__ring_scores += work;
 }
 /* Backward against the block held (dt__online_backward): dQ into this
-   rank's rows, dK and dV into the block's, which travel with it. */
-static void dt__ring_attention_backward_step(const float *qkv, float *blk, const float *qpos, const float *lse, const float *O,
-                                             const float *dout, float *dots, float *dqkv, int B, int T, int H, int D,
-                                             float scale, int causal) {
+   rank's rows, dK and dV into dkv, this rank's share of the block's. */
+static void dt__ring_attention_backward_step(const float *qkv, const float *blk, const float *qpos, const float *lse,
+                                             const float *O, const float *dout, float *dots, float *dqkv, float *dkv, int B, int T,
+                                             int H, int D, float scale, int causal) {
     int hd = D / H, Tp = dt__att_padded(T);
     int64_t BTD = (int64_t)B * T * D, work = 0;
     const float *K = blk + T, *V = K + BTD;
-    float *dK = blk + T + 2 * BTD, *dV = dK + BTD;
+    float *dK = dkv, *dV = dkv + BTD;
     float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)hd * Tp * (size_t)dt_threads());
     (void)dots;                                          /* the GPU's scratch: here each tile of rows makes its own */
     DT_OMP("omp parallel for schedule(static) reduction(+:work) if(B * H > 1)")
@@ -9175,8 +9179,9 @@ static void dt__copy_columns(float *dst, int64_t ld_dst, const float *src, int64
 typedef struct dt__ring_bodies {
     void (*step)(const float *qkv, const float *blk, const float *qpos, float *lse, float *l, float *O, float *out, int first,
                  int B, int T, int H, int D, float scale, int causal);
-    void (*backward_step)(const float *qkv, float *blk, const float *qpos, const float *lse, const float *O, const float *dout,
-                          float *dots, float *dqkv, int B, int T, int H, int D, float scale, int causal);
+    void (*backward_step)(const float *qkv, const float *blk, const float *qpos, const float *lse, const float *O,
+                          const float *dout, float *dots, float *dqkv, float *dkv, int B, int T, int H, int D, float scale,
+                          int causal);
     void (*copy_columns)(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols, int add);
 } dt__ring_bodies;
 static dt__ring_bodies dt__ring_bodies_on(dt_device device) {
@@ -9192,32 +9197,49 @@ static void dt__ring_pack(const dt__ring *r, const dt__ring_bodies *f, const flo
     f->copy_columns(blk + r->T + BT * D, D, qkvv + 2 * D, 3 * D, BT, r->D, 0);
 }
 
+/* Backward goes around the ring again, and each block's dK and dV are summed
+   over the ranks its queries sit on. The keys and values travel as in
+   forward, sent on while the block is used; each block's gradients travel
+   one step behind it: a rank adds its share into the sum that comes from
+   the rank before (which made it while this rank computed) and sends it on,
+   so that transfer too overlaps the next step's compute. After C steps the
+   sum of each block reaches the rank that owns it. */
 static void dt__ring_attention_backward(dt__tape_entry *e) {
     dt_tensor *qkv = e->in[0];
     if (!qkv->requires_grad) return;
     const dt__ring *r = (const dt__ring *)e->saved;
     int B = r->B, T = r->T, H = r->H, D = r->D, C = dt_comm_size(r->comm), first;
-    int64_t BTD = (int64_t)B * T * D, nblk = T + 4 * BTD;
+    int64_t BTD = (int64_t)B * T * D, nkv = T + 2 * BTD;
     dt__ring_bodies f = dt__ring_bodies_on(qkv->device);
     const float *qkvv = dt__in(qkv), *dout = dt__grad_in(e->out);
     float *dqkv = dt__grad_acc_first(qkv, &first);
     if (first) dt__zero_on(qkv->device, dqkv, sizeof(float) * (size_t)qkv->numel);
     float *dots = (float *)dt__scratch_on(qkv->device, sizeof(float) * (size_t)B * H * T);
-    float *blk[2] = { (float *)dt__scratch_on(qkv->device, sizeof(float) * 2 * (size_t)nblk) };
-    blk[1] = blk[0] + nblk;
-    dt__ring_pack(r, &f, qkvv, blk[0]);
-    dt__zero_on(qkv->device, blk[0] + T + 2 * BTD, sizeof(float) * 2 * (size_t)BTD);
-    /* C steps around, then one more shift: a block's gradients home to its
-       owner. The gradients are written while the block is held, so here the
-       shift waits for the step (forward overlaps them). */
-    for (int s = 0; s < C; s++) {
-        f.backward_step(qkvv, blk[s & 1], r->qpos, r->lse, r->O, dout, dots, dqkv, B, T, H, D, r->scale, r->causal);
+    float *kv[2] = { (float *)dt__scratch_on(qkv->device, sizeof(float) * 2 * (size_t)nkv) };
+    float *g[2] = { (float *)dt__scratch_on(qkv->device, sizeof(float) * 6 * (size_t)BTD) };   /* two sums, a share */
+    float *share = g[0] + 4 * BTD;
+    kv[1] = kv[0] + nkv;
+    g[1] = g[0] + 2 * BTD;
+    dt__ring_pack(r, &f, qkvv, kv[0]);
+    dt_comm_handle next = 0, sum = 0;
+    for (int s = 0; s < C; s++) {                         /* holding the block of the rank s before this one */
+        if (s < C - 1) next = dt_ring_shift_async(r->comm, kv[s & 1], kv[(s + 1) & 1], nkv, DT_F32);
+        float *mine = s == 0 ? g[0] : share;              /* the owner's share starts the block's sum */
+        dt__zero_on(qkv->device, mine, sizeof(float) * 2 * (size_t)BTD);
+        f.backward_step(qkvv, kv[s & 1], r->qpos, r->lse, r->O, dout, dots, dqkv, mine, B, T, H, D, r->scale, r->causal);
         double t0 = dt_now_ms();
-        if (s < C - 1) dt_ring_shift(r->comm, blk[s & 1], blk[(s + 1) & 1], nblk, DT_F32);
-        else if (C > 1) dt_ring_shift(r->comm, blk[s & 1] + T + 2 * BTD, blk[(s + 1) & 1] + T + 2 * BTD, 2 * BTD, DT_F32);
+        if (s > 0) {                                      /* the sum so far, from the rank before, plus this rank's share */
+            dt_comm_wait(r->comm, sum);
+            f.copy_columns(g[s & 1], D, share, D, 2 * (int64_t)B * T, D, 1);
+        }
+        if (C > 1) sum = dt_ring_shift_async(r->comm, g[s & 1], g[(s + 1) & 1], 2 * BTD, DT_F32);   /* the last: home */
+        if (s < C - 1) dt_comm_wait(r->comm, next);
         dt__ring_wait_ms += dt_now_ms() - t0;
     }
-    const float *dK = blk[C > 1 ? C & 1 : 0] + T + 2 * BTD, *dV = dK + BTD;
+    double t0 = dt_now_ms();
+    if (C > 1) dt_comm_wait(r->comm, sum);
+    dt__ring_wait_ms += dt_now_ms() - t0;
+    const float *dK = g[C > 1 ? C & 1 : 0], *dV = dK + BTD;
     f.copy_columns(dqkv + D, 3 * D, dK, D, (int64_t)B * T, D, 1);
     f.copy_columns(dqkv + 2 * D, 3 * D, dV, D, (int64_t)B * T, D, 1);
     dt__grad_acc_done(qkv, dqkv);
@@ -9314,7 +9336,7 @@ static dt_tensor *dt__cp_forward(dt_parallel *par, dt_tensor *inputs) {
     float *all = (float *)dt__step_alloc_on(mine->device, sizeof(float) * (size_t)(each * C));
     int32_t *at = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)t);
     dt__ring_bodies f = dt__ring_bodies_on(mine->device);
-    dt_all_gather(cp->ring, mine->data, all, each, DT_F32);
+    dt_all_gather(cp->ring, dt__in(mine), all, each, DT_F32);     /* as f32: under --dtype bf16 the head's are bf16 */
     dt_tensor *y = dt_tensor_2d(B * T, (int)V);
     for (int q = 0; q < C; q++) {             /* rank q's rows, a run of consecutive positions at a time */
         dt_cp_positions(cp->layout, T, C, q, at);
@@ -14052,14 +14074,15 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
         double a = in->cp_attention_share, bal = in->cp_contiguous ? (2.0 * n - 1) / n : 1;
         double busiest = c * ((1 - a) + a * bal) / n;                       /* the slowest rank's micro-batch */
         double kv = in->cp_kv_bytes / n, per_ms = l->bandwidth_gbs * 1e6;  /* a block; bytes a millisecond */
-        double hop = lat + kv / per_ms, back = n > 1 ? (n - 1) * (lat + 2 * kv / per_ms) + lat + kv / per_ms : 0;
-        double block = c * a * (1 - in->backward_share) / ((double)L * n * n);   /* one block's forward attention */
+        double hop = lat + kv / per_ms;
+        double block = c * a / ((double)L * n * n);      /* one block's attention, forward and backward */
+        double fwd = (n - 1) * fmax(0, hop - block * (1 - in->backward_share));
+        double bwd = n > 1 ? (n - 1) * fmax(0, 2 * hop - block * in->backward_share) + hop : 0;   /* + the sums home */
         double grads = in->params * in->reduce_bytes, zero = in->dp_shard == 3 ? 1.5 : 1;
         double sync = zero * dt_cost_all_reduce_ms(l, n * D, grads);
         p.compute_ms = K * busiest + in->optimizer_ms * slow / (in->dp_shard ? n * D : 1);
-        p.comm_ms = K * L * ((n - 1) * hop + back) + sync;
-        p.exposed_ms = K * L * ((n - 1) * fmax(0, hop - block) + back) +
-                       (in->dp_shard ? sync : fmax(0, sync - in->backward_share * busiest));
+        p.comm_ms = K * L * (n > 1 ? (3.0 * n - 2) * hop : 0) + sync;
+        p.exposed_ms = K * L * (fwd + bwd) + (in->dp_shard ? sync : fmax(0, sync - in->backward_share * busiest));
         p.bytes = (n > 1 ? K * L * kv * (3.0 * (n - 1) + 1) : 0) + zero * 2.0 * (n * D - 1) / (n * D) * grads;
         p.step_ms = p.compute_ms + p.exposed_ms;
         p.speedup = p.step_ms > 0 ? D * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
@@ -14099,10 +14122,10 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
           "parameters twice, reduce-scatters its gradients)" } };
     if (in->kind == DT_PAR_CP)
         fprintf(out, "  each sequence split over the %d ranks (%s): attention is %.0f%% of the compute, the busiest rank's "
-                "%.2fx the mean's;\n  in each of %d layers the ring passes %.0f KB blocks on, %d forward (each behind "
-                "attention) and %d back with their gradients\n", n, in->cp_contiguous ? "contiguous" : "every rank the same work",
+                "%.2fx the mean's;\n  in each of %d layers the ring passes %.0f KB blocks on %d times forward and %d "
+                "back, their gradients' sums %d times (all but the last behind attention)\n", n, in->cp_contiguous ? "contiguous" : "every rank the same work",
                 100 * in->cp_attention_share, in->cp_contiguous ? (2.0 * n - 1) / n : 1.0, in->cp_layers,
-                in->cp_kv_bytes / n / 1e3, n - 1, n > 1 ? n : 0);
+                in->cp_kv_bytes / n / 1e3, n - 1, n - 1, n > 1 ? n : 0);
     if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP) && in->dp_groups > 1)
         fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch%s\n", in->dp_groups,
                 in->kind != DT_PAR_PP ? "groups" : "pipelines", n * T, in->dp_groups * n * T,
@@ -16607,9 +16630,10 @@ typedef struct dt__fa_heads {
 } dt__fa_heads;
 __device__ static float dt__fa_qpos(const dt__fa_heads &a, int i) { return a.qpos ? a.qpos[i] : (float)i; }
 __device__ static float dt__fa_kpos(const dt__fa_heads &a, int j) { return a.kpos ? a.kpos[j] : (float)j; }
-/* Whether query i sees key j. */
+/* Whether query i sees key j (positions compared as whole numbers when they are the indices). */
 __device__ static int dt__fa_sees(const dt__fa_heads &a, int i, int j) {
-    return i < a.Tq && j < a.Tk && (!a.causal || dt__fa_kpos(a, j) <= dt__fa_qpos(a, i));
+    if (i >= a.Tq || j >= a.Tk || !a.causal) return i < a.Tq && j < a.Tk;
+    return !a.qpos && !a.kpos ? j <= i : dt__fa_kpos(a, j) <= dt__fa_qpos(a, i);
 }
 /* How many keys sit at position p or before; the first query at p or after. */
 __device__ static int dt__fa_keys_upto(const dt__fa_heads &a, float p) {
@@ -16627,8 +16651,9 @@ __device__ static int dt__fa_first_query(const dt__fa_heads &a, float p) {
    by the online softmax. carry: start from the rows' m, l and unnormalised
    output in m_g [B*H, Tq], l_g, acc_g [B*Tq, D] (else from nothing); out
    non-NULL: finish -- out and O the output, lse the log-sum-exp (which may
-   be m_g, acc_g: each element is its own thread's) -- else keep m, l, acc
-   in m_g, l_g, acc_g for the next block. */
+   be m_g, acc_g) -- else keep m, l, acc
+   in m_g, l_g, acc_g for the next block. A row is one warp's: its lanes read
+   m_g[row] and l_g[row] at the start, lane 0 writes them at the end. */
 __global__ static void dt__k_attention_online_forward(dt__fa_heads a, int carry, float *m_g, float *l_g, float *acc_g,
                                                      float *out, float *lse, float *O) {
     __shared__ dt__fa_tile ks, vs;
@@ -16785,7 +16810,7 @@ __global__ static void dt__k_attention_online_dkv(dt__fa_heads a, const float *l
 }
 static unsigned dt__fa_blocks(int B, int T, int H) {
     int64_t n = (int64_t)B * H * ((T + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS);
-    if (n > 2147483647) dt_fail("--attention online: %lld blocks of attention exceed the GPU's grid", (long long)n);
+    if (n > 2147483647) dt_fail("online attention: %lld blocks of attention exceed the GPU's grid", (long long)n);
     return (unsigned)n;
 }
 /* Backward of the heads against their keys: the rows' dO . O, then dQ by query rows and dK, dV by key rows. */
@@ -16812,19 +16837,19 @@ static void dt__cuda_attention_backward_online(const float *qkv, const float *sa
    queries against the block held (its positions, then K and V [B*T, D]),
    the rows' m (in lse), l and output (in O) carried from block to block;
    the last block finishes them into out. Backward: dQ into dqkv, dK and
-   dV into the block's gradients that follow V. */
+   dV into dkv (dK [B*T, D], then dV). */
 static void dt__cuda_ring_attention_step(const float *qkv, const float *blk, const float *qpos, float *lse, float *l, float *O,
                                          float *out, int first, int B, int T, int H, int D, float scale, int causal) {
     int64_t BTD = (int64_t)B * T * D;
     dt__fa_heads a = { qkv, blk + T, blk + T + BTD, qpos, blk, D, B, T, T, H, D, causal, scale };
     DT_LAUNCH(dt__k_attention_online_forward, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, a, !first, lse, l, O, out, lse, O);
 }
-static void dt__cuda_ring_attention_backward_step(const float *qkv, float *blk, const float *qpos, const float *lse,
-                                                  const float *O, const float *dout, float *dots, float *dqkv, int B, int T,
-                                                  int H, int D, float scale, int causal) {
+static void dt__cuda_ring_attention_backward_step(const float *qkv, const float *blk, const float *qpos, const float *lse,
+                                                  const float *O, const float *dout, float *dots, float *dqkv, float *dkv, int B,
+                                                  int T, int H, int D, float scale, int causal) {
     int64_t BTD = (int64_t)B * T * D;
     dt__fa_heads a = { qkv, blk + T, blk + T + BTD, qpos, blk, D, B, T, T, H, D, causal, scale };
-    dt__fa_backward(&a, lse, O, dout, dots, dqkv, blk + T + 2 * BTD, blk + T + 3 * BTD, D);
+    dt__fa_backward(&a, lse, O, dout, dots, dqkv, dkv, dkv + BTD, D);
 }
 /* rows x cols floats from src (row stride ld_src) to dst (ld_dst), or added into it */
 __global__ static void dt__k_add_columns(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols) {

@@ -10,8 +10,8 @@
    -- what FlashAttention does between blocks of keys on one device
    (dt_online_softmax_rescale), done here between ranks. The result is exact:
    the rows of whole-sequence attention, within rounding. Backward sends the
-   keys and values around again, each block's gradients travelling with it
-   until they reach the rank that owns it.
+   keys and values around again, each block's gradient sum travelling one
+   step behind it until it reaches the rank that owns it.
 
    The ops that depend on where a token sits -- learned position embeddings,
    rotary angles, attention -- read a thread's sequence split
@@ -37,7 +37,8 @@ void dt_cp_positions(dt_cp_layout layout, int T, int C, int rank, int32_t *posit
    kernels, heads of at most DT_ATTENTION_ONLINE_MAX_HEAD_DIM, have not run yet). */
 dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, const int32_t *positions, dt_comm *ring);
 /* Query-key score products the ring attention made on this thread so far,
-   forward and backward: a rank's attention work, counted, not timed. */
+   forward and backward: a rank's attention work, counted, not timed (by the
+   CPU's bodies: the GPU's kernels do not count). */
 int64_t dt_ring_attention_scores(void);
 
 /* The wrapper (stage 08): a job of N ranks is N/C data-parallel groups of C
@@ -79,7 +80,8 @@ static DT_THREAD_LOCAL int64_t dt__ring_scores;
 int64_t dt_ring_attention_scores(void) { return dt__ring_scores; }
 /* Training's time waiting for the ring on this thread, since the wrapper's
    last step (its step_done takes it): what the cost model takes out of the
-   measured compute. */
+   measured compute. On a GPU a wait only queues the wait on the device's
+   stream, so this is the host's part alone (about 0). */
 static DT_THREAD_LOCAL double dt__ring_wait_ms;
 
 /* What travels the ring: a rank's block, its T positions (as floats: exact
@@ -120,14 +122,14 @@ static void dt__ring_attention_step(const float *qkv, const float *blk, const fl
     dt__ring_scores += work;
 }
 /* Backward against the block held (dt__online_backward): dQ into this
-   rank's rows, dK and dV into the block's, which travel with it. */
-static void dt__ring_attention_backward_step(const float *qkv, float *blk, const float *qpos, const float *lse, const float *O,
-                                             const float *dout, float *dots, float *dqkv, int B, int T, int H, int D,
-                                             float scale, int causal) {
+   rank's rows, dK and dV into dkv, this rank's share of the block's. */
+static void dt__ring_attention_backward_step(const float *qkv, const float *blk, const float *qpos, const float *lse,
+                                             const float *O, const float *dout, float *dots, float *dqkv, float *dkv, int B, int T,
+                                             int H, int D, float scale, int causal) {
     int hd = D / H, Tp = dt__att_padded(T);
     int64_t BTD = (int64_t)B * T * D, work = 0;
     const float *K = blk + T, *V = K + BTD;
-    float *dK = blk + T + 2 * BTD, *dV = dK + BTD;
+    float *dK = dkv, *dV = dkv + BTD;
     float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)hd * Tp * (size_t)dt_threads());
     (void)dots;                                          /* the GPU's scratch: here each tile of rows makes its own */
     DT_OMP("omp parallel for schedule(static) reduction(+:work) if(B * H > 1)")
@@ -153,8 +155,9 @@ static void dt__copy_columns(float *dst, int64_t ld_dst, const float *src, int64
 typedef struct dt__ring_bodies {
     void (*step)(const float *qkv, const float *blk, const float *qpos, float *lse, float *l, float *O, float *out, int first,
                  int B, int T, int H, int D, float scale, int causal);
-    void (*backward_step)(const float *qkv, float *blk, const float *qpos, const float *lse, const float *O, const float *dout,
-                          float *dots, float *dqkv, int B, int T, int H, int D, float scale, int causal);
+    void (*backward_step)(const float *qkv, const float *blk, const float *qpos, const float *lse, const float *O,
+                          const float *dout, float *dots, float *dqkv, float *dkv, int B, int T, int H, int D, float scale,
+                          int causal);
     void (*copy_columns)(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols, int add);
 } dt__ring_bodies;
 static dt__ring_bodies dt__ring_bodies_on(dt_device device) {
@@ -170,32 +173,49 @@ static void dt__ring_pack(const dt__ring *r, const dt__ring_bodies *f, const flo
     f->copy_columns(blk + r->T + BT * D, D, qkvv + 2 * D, 3 * D, BT, r->D, 0);
 }
 
+/* Backward goes around the ring again, and each block's dK and dV are summed
+   over the ranks its queries sit on. The keys and values travel as in
+   forward, sent on while the block is used; each block's gradients travel
+   one step behind it: a rank adds its share into the sum that comes from
+   the rank before (which made it while this rank computed) and sends it on,
+   so that transfer too overlaps the next step's compute. After C steps the
+   sum of each block reaches the rank that owns it. */
 static void dt__ring_attention_backward(dt__tape_entry *e) {
     dt_tensor *qkv = e->in[0];
     if (!qkv->requires_grad) return;
     const dt__ring *r = (const dt__ring *)e->saved;
     int B = r->B, T = r->T, H = r->H, D = r->D, C = dt_comm_size(r->comm), first;
-    int64_t BTD = (int64_t)B * T * D, nblk = T + 4 * BTD;
+    int64_t BTD = (int64_t)B * T * D, nkv = T + 2 * BTD;
     dt__ring_bodies f = dt__ring_bodies_on(qkv->device);
     const float *qkvv = dt__in(qkv), *dout = dt__grad_in(e->out);
     float *dqkv = dt__grad_acc_first(qkv, &first);
     if (first) dt__zero_on(qkv->device, dqkv, sizeof(float) * (size_t)qkv->numel);
     float *dots = (float *)dt__scratch_on(qkv->device, sizeof(float) * (size_t)B * H * T);
-    float *blk[2] = { (float *)dt__scratch_on(qkv->device, sizeof(float) * 2 * (size_t)nblk) };
-    blk[1] = blk[0] + nblk;
-    dt__ring_pack(r, &f, qkvv, blk[0]);
-    dt__zero_on(qkv->device, blk[0] + T + 2 * BTD, sizeof(float) * 2 * (size_t)BTD);
-    /* C steps around, then one more shift: a block's gradients home to its
-       owner. The gradients are written while the block is held, so here the
-       shift waits for the step (forward overlaps them). */
-    for (int s = 0; s < C; s++) {
-        f.backward_step(qkvv, blk[s & 1], r->qpos, r->lse, r->O, dout, dots, dqkv, B, T, H, D, r->scale, r->causal);
+    float *kv[2] = { (float *)dt__scratch_on(qkv->device, sizeof(float) * 2 * (size_t)nkv) };
+    float *g[2] = { (float *)dt__scratch_on(qkv->device, sizeof(float) * 6 * (size_t)BTD) };   /* two sums, a share */
+    float *share = g[0] + 4 * BTD;
+    kv[1] = kv[0] + nkv;
+    g[1] = g[0] + 2 * BTD;
+    dt__ring_pack(r, &f, qkvv, kv[0]);
+    dt_comm_handle next = 0, sum = 0;
+    for (int s = 0; s < C; s++) {                         /* holding the block of the rank s before this one */
+        if (s < C - 1) next = dt_ring_shift_async(r->comm, kv[s & 1], kv[(s + 1) & 1], nkv, DT_F32);
+        float *mine = s == 0 ? g[0] : share;              /* the owner's share starts the block's sum */
+        dt__zero_on(qkv->device, mine, sizeof(float) * 2 * (size_t)BTD);
+        f.backward_step(qkvv, kv[s & 1], r->qpos, r->lse, r->O, dout, dots, dqkv, mine, B, T, H, D, r->scale, r->causal);
         double t0 = dt_now_ms();
-        if (s < C - 1) dt_ring_shift(r->comm, blk[s & 1], blk[(s + 1) & 1], nblk, DT_F32);
-        else if (C > 1) dt_ring_shift(r->comm, blk[s & 1] + T + 2 * BTD, blk[(s + 1) & 1] + T + 2 * BTD, 2 * BTD, DT_F32);
+        if (s > 0) {                                      /* the sum so far, from the rank before, plus this rank's share */
+            dt_comm_wait(r->comm, sum);
+            f.copy_columns(g[s & 1], D, share, D, 2 * (int64_t)B * T, D, 1);
+        }
+        if (C > 1) sum = dt_ring_shift_async(r->comm, g[s & 1], g[(s + 1) & 1], 2 * BTD, DT_F32);   /* the last: home */
+        if (s < C - 1) dt_comm_wait(r->comm, next);
         dt__ring_wait_ms += dt_now_ms() - t0;
     }
-    const float *dK = blk[C > 1 ? C & 1 : 0] + T + 2 * BTD, *dV = dK + BTD;
+    double t0 = dt_now_ms();
+    if (C > 1) dt_comm_wait(r->comm, sum);
+    dt__ring_wait_ms += dt_now_ms() - t0;
+    const float *dK = g[C > 1 ? C & 1 : 0], *dV = dK + BTD;
     f.copy_columns(dqkv + D, 3 * D, dK, D, (int64_t)B * T, D, 1);
     f.copy_columns(dqkv + 2 * D, 3 * D, dV, D, (int64_t)B * T, D, 1);
     dt__grad_acc_done(qkv, dqkv);
@@ -292,7 +312,7 @@ static dt_tensor *dt__cp_forward(dt_parallel *par, dt_tensor *inputs) {
     float *all = (float *)dt__step_alloc_on(mine->device, sizeof(float) * (size_t)(each * C));
     int32_t *at = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)t);
     dt__ring_bodies f = dt__ring_bodies_on(mine->device);
-    dt_all_gather(cp->ring, mine->data, all, each, DT_F32);
+    dt_all_gather(cp->ring, dt__in(mine), all, each, DT_F32);     /* as f32: under --dtype bf16 the head's are bf16 */
     dt_tensor *y = dt_tensor_2d(B * T, (int)V);
     for (int q = 0; q < C; q++) {             /* rank q's rows, a run of consecutive positions at a time */
         dt_cp_positions(cp->layout, T, C, q, at);

@@ -228,18 +228,18 @@ typedef struct dt_backend {
     void (*attention_backward_online)(const float *qkv, const float *saved, const float *dout, float *dqkv, float *scratch,
                                       int B, int T, int H, int D, float scale, int causal);
     /* Context parallelism's ring, a block at a time (dt_ring_attention): blk
-       holds the block's T positions (f32), its K and V [B*T, D], and in
-       backward their gradients after them; qpos: this rank's T positions.
-       Forward carries each row's m (in lse), l and unnormalised output (in
-       O) from block to block -- first: from nothing; out non-NULL: the last
-       block, which finishes them (O, out the output, lse the log-sum-exp).
-       Backward adds dQ into dqkv and dK, dV into the block's gradients;
-       dots: B*H*T floats of scratch. The same heads as --attention online's. */
+       holds the block's T positions (f32), then its K and V [B*T, D]; qpos:
+       this rank's T positions. Forward carries each row's m (in lse), l and
+       unnormalised output (in O) from block to block -- first: from nothing;
+       out non-NULL: the last block, which finishes them (O, out the output,
+       lse the log-sum-exp). Backward adds dQ into dqkv and the block's dK,
+       dV into dkv (dK [B*T, D], then dV); dots: B*H*T floats of scratch.
+       The same heads as --attention online's. */
     void (*ring_attention_step)(const float *qkv, const float *blk, const float *qpos, float *lse, float *l, float *O,
                                 float *out, int first, int B, int T, int H, int D, float scale, int causal);
-    void (*ring_attention_backward_step)(const float *qkv, float *blk, const float *qpos, const float *lse, const float *O,
-                                         const float *dout, float *dots, float *dqkv, int B, int T, int H, int D, float scale,
-                                         int causal);
+    void (*ring_attention_backward_step)(const float *qkv, const float *blk, const float *qpos, const float *lse, const float *O,
+                                         const float *dout, float *dots, float *dqkv, float *dkv, int B, int T, int H, int D,
+                                         float scale, int causal);
     /* rows x cols floats from src (row stride ld_src) into dst (ld_dst): copied, or added (add 1) */
     void (*copy_columns)(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols, int add);
     /* tokens: ids as f32. Backward: dwte, dwpe may be NULL; by_token lists the

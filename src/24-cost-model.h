@@ -79,10 +79,12 @@ typedef struct dt_cost_input {
        goes around; 1 when a causal model is cut into contiguous pieces, so
        that the last rank's attention is about (2C - 1) / C the mean's (0:
        zig-zag, or no mask: every rank the same). Forward sends the block on
-       C - 1 times, each behind a block's attention; backward C - 1 times
-       with its gradients (twice the bytes) and once more with the gradients
-       alone, waited for. The gradients are averaged over every rank of the
-       job (dp_groups x C): DDP's behind backward, or sharded (dp_shard). */
+       C - 1 times, each behind a block's attention; backward sends it on
+       C - 1 times again and each block's gradient sum C times (as many
+       bytes), two transfers behind each block's backward and the last,
+       which brings each sum home, waited for. The gradients are averaged
+       over every rank of the job (dp_groups x C): DDP's behind backward, or
+       sharded (dp_shard). */
     double cp_attention_share, cp_kv_bytes;
     int cp_layers, cp_contiguous;
 } dt_cost_input;
@@ -233,14 +235,15 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
         double a = in->cp_attention_share, bal = in->cp_contiguous ? (2.0 * n - 1) / n : 1;
         double busiest = c * ((1 - a) + a * bal) / n;                       /* the slowest rank's micro-batch */
         double kv = in->cp_kv_bytes / n, per_ms = l->bandwidth_gbs * 1e6;  /* a block; bytes a millisecond */
-        double hop = lat + kv / per_ms, back = n > 1 ? (n - 1) * (lat + 2 * kv / per_ms) + lat + kv / per_ms : 0;
-        double block = c * a * (1 - in->backward_share) / ((double)L * n * n);   /* one block's forward attention */
+        double hop = lat + kv / per_ms;
+        double block = c * a / ((double)L * n * n);      /* one block's attention, forward and backward */
+        double fwd = (n - 1) * fmax(0, hop - block * (1 - in->backward_share));
+        double bwd = n > 1 ? (n - 1) * fmax(0, 2 * hop - block * in->backward_share) + hop : 0;   /* + the sums home */
         double grads = in->params * in->reduce_bytes, zero = in->dp_shard == 3 ? 1.5 : 1;
         double sync = zero * dt_cost_all_reduce_ms(l, n * D, grads);
         p.compute_ms = K * busiest + in->optimizer_ms * slow / (in->dp_shard ? n * D : 1);
-        p.comm_ms = K * L * ((n - 1) * hop + back) + sync;
-        p.exposed_ms = K * L * ((n - 1) * fmax(0, hop - block) + back) +
-                       (in->dp_shard ? sync : fmax(0, sync - in->backward_share * busiest));
+        p.comm_ms = K * L * (n > 1 ? (3.0 * n - 2) * hop : 0) + sync;
+        p.exposed_ms = K * L * (fwd + bwd) + (in->dp_shard ? sync : fmax(0, sync - in->backward_share * busiest));
         p.bytes = (n > 1 ? K * L * kv * (3.0 * (n - 1) + 1) : 0) + zero * 2.0 * (n * D - 1) / (n * D) * grads;
         p.step_ms = p.compute_ms + p.exposed_ms;
         p.speedup = p.step_ms > 0 ? D * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
@@ -280,10 +283,10 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
           "parameters twice, reduce-scatters its gradients)" } };
     if (in->kind == DT_PAR_CP)
         fprintf(out, "  each sequence split over the %d ranks (%s): attention is %.0f%% of the compute, the busiest rank's "
-                "%.2fx the mean's;\n  in each of %d layers the ring passes %.0f KB blocks on, %d forward (each behind "
-                "attention) and %d back with their gradients\n", n, in->cp_contiguous ? "contiguous" : "every rank the same work",
+                "%.2fx the mean's;\n  in each of %d layers the ring passes %.0f KB blocks on %d times forward and %d "
+                "back, their gradients' sums %d times (all but the last behind attention)\n", n, in->cp_contiguous ? "contiguous" : "every rank the same work",
                 100 * in->cp_attention_share, in->cp_contiguous ? (2.0 * n - 1) / n : 1.0, in->cp_layers,
-                in->cp_kv_bytes / n / 1e3, n - 1, n > 1 ? n : 0);
+                in->cp_kv_bytes / n / 1e3, n - 1, n - 1, n > 1 ? n : 0);
     if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP) && in->dp_groups > 1)
         fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch%s\n", in->dp_groups,
                 in->kind != DT_PAR_PP ? "groups" : "pipelines", n * T, in->dp_groups * n * T,

@@ -570,9 +570,10 @@ typedef struct dt__fa_heads {
 } dt__fa_heads;
 __device__ static float dt__fa_qpos(const dt__fa_heads &a, int i) { return a.qpos ? a.qpos[i] : (float)i; }
 __device__ static float dt__fa_kpos(const dt__fa_heads &a, int j) { return a.kpos ? a.kpos[j] : (float)j; }
-/* Whether query i sees key j. */
+/* Whether query i sees key j (positions compared as whole numbers when they are the indices). */
 __device__ static int dt__fa_sees(const dt__fa_heads &a, int i, int j) {
-    return i < a.Tq && j < a.Tk && (!a.causal || dt__fa_kpos(a, j) <= dt__fa_qpos(a, i));
+    if (i >= a.Tq || j >= a.Tk || !a.causal) return i < a.Tq && j < a.Tk;
+    return !a.qpos && !a.kpos ? j <= i : dt__fa_kpos(a, j) <= dt__fa_qpos(a, i);
 }
 /* How many keys sit at position p or before; the first query at p or after. */
 __device__ static int dt__fa_keys_upto(const dt__fa_heads &a, float p) {
@@ -590,8 +591,9 @@ __device__ static int dt__fa_first_query(const dt__fa_heads &a, float p) {
    by the online softmax. carry: start from the rows' m, l and unnormalised
    output in m_g [B*H, Tq], l_g, acc_g [B*Tq, D] (else from nothing); out
    non-NULL: finish -- out and O the output, lse the log-sum-exp (which may
-   be m_g, acc_g: each element is its own thread's) -- else keep m, l, acc
-   in m_g, l_g, acc_g for the next block. */
+   be m_g, acc_g) -- else keep m, l, acc
+   in m_g, l_g, acc_g for the next block. A row is one warp's: its lanes read
+   m_g[row] and l_g[row] at the start, lane 0 writes them at the end. */
 __global__ static void dt__k_attention_online_forward(dt__fa_heads a, int carry, float *m_g, float *l_g, float *acc_g,
                                                      float *out, float *lse, float *O) {
     __shared__ dt__fa_tile ks, vs;
@@ -748,7 +750,7 @@ __global__ static void dt__k_attention_online_dkv(dt__fa_heads a, const float *l
 }
 static unsigned dt__fa_blocks(int B, int T, int H) {
     int64_t n = (int64_t)B * H * ((T + DT__FA_BLOCK_ROWS - 1) / DT__FA_BLOCK_ROWS);
-    if (n > 2147483647) dt_fail("--attention online: %lld blocks of attention exceed the GPU's grid", (long long)n);
+    if (n > 2147483647) dt_fail("online attention: %lld blocks of attention exceed the GPU's grid", (long long)n);
     return (unsigned)n;
 }
 /* Backward of the heads against their keys: the rows' dO . O, then dQ by query rows and dK, dV by key rows. */
@@ -775,19 +777,19 @@ static void dt__cuda_attention_backward_online(const float *qkv, const float *sa
    queries against the block held (its positions, then K and V [B*T, D]),
    the rows' m (in lse), l and output (in O) carried from block to block;
    the last block finishes them into out. Backward: dQ into dqkv, dK and
-   dV into the block's gradients that follow V. */
+   dV into dkv (dK [B*T, D], then dV). */
 static void dt__cuda_ring_attention_step(const float *qkv, const float *blk, const float *qpos, float *lse, float *l, float *O,
                                          float *out, int first, int B, int T, int H, int D, float scale, int causal) {
     int64_t BTD = (int64_t)B * T * D;
     dt__fa_heads a = { qkv, blk + T, blk + T + BTD, qpos, blk, D, B, T, T, H, D, causal, scale };
     DT_LAUNCH(dt__k_attention_online_forward, dt__fa_blocks(B, T, H), 32 * DT__FA_WARPS, a, !first, lse, l, O, out, lse, O);
 }
-static void dt__cuda_ring_attention_backward_step(const float *qkv, float *blk, const float *qpos, const float *lse,
-                                                  const float *O, const float *dout, float *dots, float *dqkv, int B, int T,
-                                                  int H, int D, float scale, int causal) {
+static void dt__cuda_ring_attention_backward_step(const float *qkv, const float *blk, const float *qpos, const float *lse,
+                                                  const float *O, const float *dout, float *dots, float *dqkv, float *dkv, int B,
+                                                  int T, int H, int D, float scale, int causal) {
     int64_t BTD = (int64_t)B * T * D;
     dt__fa_heads a = { qkv, blk + T, blk + T + BTD, qpos, blk, D, B, T, T, H, D, causal, scale };
-    dt__fa_backward(&a, lse, O, dout, dots, dqkv, blk + T + 2 * BTD, blk + T + 3 * BTD, D);
+    dt__fa_backward(&a, lse, O, dout, dots, dqkv, dkv, dkv + BTD, D);
 }
 /* rows x cols floats from src (row stride ld_src) to dst (ld_dst), or added into it */
 __global__ static void dt__k_add_columns(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols) {

@@ -355,6 +355,9 @@ TEST(context_parallel_trains_in_bf16, QUICK) {
     }
     CHECKF(d <= 5e-3, "08 --dtype bf16: losses %.3g from 05's in bf16", d);
     CHECKF(from_fp32 > 0, "08 --dtype bf16 gave the fp32 curve bit for bit: bf16 did not run");
+    /* the evaluation goes around the ring and gathers the logits, bf16 ones too */
+    double e5 = summary_value(log[0], "eval_loss"), e8 = summary_value(log[1], "eval_loss");
+    CHECKF(e5 > 0 && isfinite(e8) && fabs(e8 - e5) <= 5e-3, "08 --dtype bf16: eval loss %.6f, 05's in bf16 %.6f", e8, e5);
     int st = run_cmd(out, sizeof out, "%s --data %s " CP_GPT " --nproc 2 --cp 2 --dtype fp16 --steps 1", stage_bin("08-context-parallel"),
                      gpt_text());
     CHECKF(st == 2 && strstr(out, "--dtype fp16: fp16 needs its loss scaled (stage 05), which 08 does not do"),
