@@ -194,7 +194,7 @@ static const dt__flag dt__flags[] = {
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full", DT_NOT_A_NUMBER },
     { "--cpu-offload", "45678", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
       DT_CFG(cpu_offload), NULL, DT_NOT_A_NUMBER },
-    { "--recompute", "1234567", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
+    { "--recompute", "12345678", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
       DT_NOT_A_NUMBER },
     { "--attention", "1234567", "matmul|online", "attention: keep each head's T x T probabilities (matmul, the default), or\n"

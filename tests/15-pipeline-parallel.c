@@ -625,7 +625,8 @@ static void recompute_gives_the_same_bits(const char *bin, const recompute_case 
 #define RC_GPT "--model gpt --depth 3 --heads 2 --seq-len 16"
 #define RC_LLAMA "--model llama --depth 3 --heads 4 --kv-heads 2 --seq-len 16"
 /* Every stage: DDP's buckets (which still overlap backward), FSDP's units
-   gathered again for the recompute, bf16 and accumulation. */
+   gathered again for the recompute, bf16 and accumulation, and 08's ring,
+   which goes around again for the recompute. */
 TEST(recompute_repeats_the_bits_of_every_stage_in_less_memory, QUICK) {
     static const recompute_case cases[] = {
         { "01-single-gpu", "", RC_VIT, 1 }, { "01-single-gpu", "", RC_GPT, 1 },
@@ -633,6 +634,9 @@ TEST(recompute_repeats_the_bits_of_every_stage_in_less_memory, QUICK) {
         { "02-dp", "--nproc 2", RC_LLAMA, 1 }, { "03-ddp", "--nproc 2 --bucket-mb 0.01", RC_GPT, 1 },
         { "04-fsdp", "--nproc 2 --shard full", RC_LLAMA, 1 }, { "04-fsdp", "--nproc 2 --shard grads --cpu-offload", RC_VIT, 1 },
         { "05-accum-mixed-precision", "--nproc 2 --dtype bf16 --accum-steps 2", RC_LLAMA, 1 },
+        { "08-context-parallel", "--nproc 2 --cp 2", "--model gpt --depth 3 --heads 2 --seq-len 64", 0 },
+        { "08-context-parallel", "--nproc 4 --cp 2 --cp-layout contiguous --shard full",
+          "--model llama --depth 3 --heads 4 --kv-heads 2 --seq-len 64", 1 },
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         char tag[16];

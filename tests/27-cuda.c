@@ -588,13 +588,14 @@ TEST(gpu_gpt_with_its_tied_head_trains_and_samples_like_the_cpu, FULL) {
     CHECKF(eval < base - 0.3, "the GPU's GPT did not learn: eval loss %.3f, unigram baseline %.3f", eval, base);
 }
 /* --recompute on the GPU: the same bits as without it in 01 and, two ranks
-   sharing the GPU over NCCL, in 04 and 05 (bf16). */
+   sharing the GPU over NCCL, in 04, 05 (bf16) and 08 (the ring's kernels). */
 TEST(gpu_recompute_repeats_the_bits_of_01_04_and_05, QUICK) {
     NEED_NCCL();
     static const recompute_case cases[] = {
         { "01-single-gpu", "", RC_GPT, 1 }, { "01-single-gpu", "", RC_LLAMA " --qkv-bias", 1 },
         { "04-fsdp", "--nproc 2 --ranks-per-gpu 2 --shard full", RC_LLAMA, 1 },
         { "05-accum-mixed-precision", "--nproc 2 --ranks-per-gpu 2 --dtype bf16 --accum-steps 2", RC_VIT, 1 },
+        { "08-context-parallel", "--nproc 2 --ranks-per-gpu 2 --cp 2", RC_GPT, 1 },
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         char tag[16];
