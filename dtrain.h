@@ -9405,6 +9405,10 @@ void dt_cp_split_batch(dt_cp *cp, dt_batch *batch) {
     int32_t *labels = (int32_t *)dt__step_alloc_uninit(sizeof(int32_t) * (size_t)B * t);
     for (int b = 0; b < B; b++)
         for (int i = 0; i < t; i++) labels[b * t + i] = batch->labels[b * T + cp->positions[i]];
+    /* masked data: the run's divisor (its targets per data-parallel group)
+       spread over the group's C ranks, whose mean the engine takes too */
+    if (dt__ctx.loss_divisor.labels == batch->labels && dt__ctx.loss_divisor.step == dt__ctx.step_resets)
+        dt_cross_entropy_set_divisor(labels, dt__ctx.loss_divisor.divisor / cp->size);
     batch->inputs = dt__cp_tokens(cp, batch->inputs);
     cp->B = B;
     batch->labels = labels;

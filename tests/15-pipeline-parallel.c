@@ -570,6 +570,19 @@ TEST(masked_instruction_data_trains_alike_in_every_stage, QUICK) {
     snprintf(q, sizeof q, "%s/llama_data0-320_epoch2", pdir);
     d = max_tensor_diff(p, q);
     CHECKF(d >= 0 && d <= 2e-5, "07, 2 stages x 4 micro-batches: weights differ from 01 by %.3g", d);
+    /* 08: each of a group's C ranks divides its tokens' losses by the group's count / C */
+    snprintf(pdir, sizeof pdir, "%s/masked-08", tmpdir);
+    snprintf(plog, sizeof plog, "%s.jsonl", pdir);
+    st = run_cmd(out, sizeof out, "%s --tokens %s " PAR_FLAGS " %s --nproc 4 --cp 2 --batch-size 16 --save-dir %s --log %s",
+                 stage_bin("08-context-parallel"), instruction_data(), flags, pdir, plog);
+    CHECKF(st == 0, "08: exit %d\n%s", st, out);
+    m = read_losses(plog, got, 64);
+    worst = n == 20 && m == 20 ? 0 : 1e9;
+    for (int i = 0; i < n && i < m; i++) worst = fmax(worst, fabs(got[i] - ref[i]));
+    CHECKF(worst <= 1e-5, "08, 2 groups of 2 ranks: %d logged losses, worst difference from 01 %.3g", m, worst);
+    snprintf(q, sizeof q, "%s/llama_data0-320_epoch2", pdir);
+    d = max_tensor_diff(p, q);
+    CHECKF(d >= 0 && d <= 2e-5, "08, 2 groups of 2 ranks: weights differ from 01 by %.3g", d);
     /* stopped in mid-epoch and resumed, 03 counts the rest of the epoch's targets as the straight run did */
     char a[600], b[600];
     snprintf(a, sizeof a, "%s/masked-straight", tmpdir);
