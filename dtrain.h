@@ -9107,10 +9107,16 @@ int64_t dt_ring_attention_scores(void) { return dt__ring_scores; }
    measured compute. On a GPU a wait only queues the wait on the device's
    stream, so this is the host's part alone (about 0). */
 static DT_THREAD_LOCAL double dt__ring_wait_ms;
+static void dt__ring_wait(dt_comm *ring, dt_comm_handle h) {
+    double t0 = dt_now_ms();
+    dt_comm_wait(ring, h);
+    if (dt__ctx.grad_enabled) dt__ring_wait_ms += dt_now_ms() - t0;      /* training's: evaluation goes around too */
+}
 
 /* What travels the ring: a rank's block, its T positions (as floats: exact
-   below 2^24) then its keys and values, [B*T, D] each; in backward, their
-   gradients after them. All of it on the device that holds qkv. */
+   below 2^24) then its keys and values, [B*T, D] each (in backward, each
+   block's gradient sum too, apart, a step behind it). All of it on the
+   device that holds qkv. */
 typedef struct dt__ring {
     dt_comm *comm;
     int B, T, H, D, causal;
@@ -9227,18 +9233,15 @@ static void dt__ring_attention_backward(dt__tape_entry *e) {
         float *mine = s == 0 ? g[0] : share;              /* the owner's share starts the block's sum */
         dt__zero_on(qkv->device, mine, sizeof(float) * 2 * (size_t)BTD);
         f.backward_step(qkvv, kv[s & 1], r->qpos, r->lse, r->O, dout, dots, dqkv, mine, B, T, H, D, r->scale, r->causal);
-        double t0 = dt_now_ms();
         if (s > 0) {                                      /* the sum so far, from the rank before, plus this rank's share */
-            dt_comm_wait(r->comm, sum);
+            dt__ring_wait(r->comm, sum);
             f.copy_columns(g[s & 1], D, share, D, 2 * (int64_t)B * T, D, 1);
         }
         if (C > 1) sum = dt_ring_shift_async(r->comm, g[s & 1], g[(s + 1) & 1], 2 * BTD, DT_F32);   /* the last: home */
-        if (s < C - 1) dt_comm_wait(r->comm, next);
-        dt__ring_wait_ms += dt_now_ms() - t0;
+        if (s < C - 1) dt__ring_wait(r->comm, next);
     }
-    double t0 = dt_now_ms();
-    if (C > 1) dt_comm_wait(r->comm, sum);
-    dt__ring_wait_ms += dt_now_ms() - t0;
+    if (C > 1) dt__ring_wait(r->comm, sum);
+    dt__ctx.flops += 8.0 * B * H * T * (double)T * C * (D / H);         /* as dt_attention's backward counts */
     const float *dK = g[C > 1 ? C & 1 : 0], *dV = dK + BTD;
     f.copy_columns(dqkv + D, 3 * D, dK, D, (int64_t)B * T, D, 1);
     f.copy_columns(dqkv + 2 * D, 3 * D, dV, D, (int64_t)B * T, D, 1);
@@ -9277,9 +9280,7 @@ dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, co
     for (int s = 0; s < C; s++) {                         /* the next block travels while this one is used */
         dt_comm_handle next = s < C - 1 ? dt_ring_shift_async(ring, blk[s & 1], blk[(s + 1) & 1], nblk, DT_F32) : 0;
         f.step(qkvv, blk[s & 1], r->qpos, r->lse, l, r->O, s == C - 1 ? outv : NULL, s == 0, B, T, H, D, r->scale, r->causal);
-        double t0 = dt_now_ms();
-        if (next) dt_comm_wait(ring, next);
-        if (dt__ctx.grad_enabled) dt__ring_wait_ms += dt_now_ms() - t0;
+        if (next) dt__ring_wait(ring, next);
     }
     dt__out_done(out, outv);
     dt__ctx.flops += 4.0 * B * H * T * (double)T * C * (D / H);         /* as dt_attention counts the whole square */
@@ -14126,10 +14127,10 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
           "parameters twice, reduce-scatters its gradients)" } };
     if (in->kind == DT_PAR_CP)
         fprintf(out, "  each sequence split over the %d ranks (%s): attention is %.0f%% of the compute, the busiest rank's "
-                "%.2fx the mean's;\n  in each of %d layers the ring passes %.0f KB blocks on %d times forward and %d "
-                "back, their gradients' sums %d times (all but the last behind attention)\n", n, in->cp_contiguous ? "contiguous" : "every rank the same work",
+                "%.2fx the mean's;\n  in each of %d layers the ring sends %.0f KB blocks %d time%s forward and %d back, and "
+                "their gradient sums %d time%s (all but the last behind attention)\n", n, in->cp_contiguous ? "contiguous" : "every rank the same work",
                 100 * in->cp_attention_share, in->cp_contiguous ? (2.0 * n - 1) / n : 1.0, in->cp_layers,
-                in->cp_kv_bytes / n / 1e3, n - 1, n - 1, n > 1 ? n : 0);
+                in->cp_kv_bytes / n / 1e3, n - 1, n == 2 ? "" : "s", n - 1, n > 1 ? n : 0, n == 1 ? "" : "s");
     if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP) && in->dp_groups > 1)
         fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch%s\n", in->dp_groups,
                 in->kind != DT_PAR_PP ? "groups" : "pipelines", n * T, in->dp_groups * n * T,

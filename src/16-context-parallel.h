@@ -83,10 +83,16 @@ int64_t dt_ring_attention_scores(void) { return dt__ring_scores; }
    measured compute. On a GPU a wait only queues the wait on the device's
    stream, so this is the host's part alone (about 0). */
 static DT_THREAD_LOCAL double dt__ring_wait_ms;
+static void dt__ring_wait(dt_comm *ring, dt_comm_handle h) {
+    double t0 = dt_now_ms();
+    dt_comm_wait(ring, h);
+    if (dt__ctx.grad_enabled) dt__ring_wait_ms += dt_now_ms() - t0;      /* training's: evaluation goes around too */
+}
 
 /* What travels the ring: a rank's block, its T positions (as floats: exact
-   below 2^24) then its keys and values, [B*T, D] each; in backward, their
-   gradients after them. All of it on the device that holds qkv. */
+   below 2^24) then its keys and values, [B*T, D] each (in backward, each
+   block's gradient sum too, apart, a step behind it). All of it on the
+   device that holds qkv. */
 typedef struct dt__ring {
     dt_comm *comm;
     int B, T, H, D, causal;
@@ -203,18 +209,15 @@ static void dt__ring_attention_backward(dt__tape_entry *e) {
         float *mine = s == 0 ? g[0] : share;              /* the owner's share starts the block's sum */
         dt__zero_on(qkv->device, mine, sizeof(float) * 2 * (size_t)BTD);
         f.backward_step(qkvv, kv[s & 1], r->qpos, r->lse, r->O, dout, dots, dqkv, mine, B, T, H, D, r->scale, r->causal);
-        double t0 = dt_now_ms();
         if (s > 0) {                                      /* the sum so far, from the rank before, plus this rank's share */
-            dt_comm_wait(r->comm, sum);
+            dt__ring_wait(r->comm, sum);
             f.copy_columns(g[s & 1], D, share, D, 2 * (int64_t)B * T, D, 1);
         }
         if (C > 1) sum = dt_ring_shift_async(r->comm, g[s & 1], g[(s + 1) & 1], 2 * BTD, DT_F32);   /* the last: home */
-        if (s < C - 1) dt_comm_wait(r->comm, next);
-        dt__ring_wait_ms += dt_now_ms() - t0;
+        if (s < C - 1) dt__ring_wait(r->comm, next);
     }
-    double t0 = dt_now_ms();
-    if (C > 1) dt_comm_wait(r->comm, sum);
-    dt__ring_wait_ms += dt_now_ms() - t0;
+    if (C > 1) dt__ring_wait(r->comm, sum);
+    dt__ctx.flops += 8.0 * B * H * T * (double)T * C * (D / H);         /* as dt_attention's backward counts */
     const float *dK = g[C > 1 ? C & 1 : 0], *dV = dK + BTD;
     f.copy_columns(dqkv + D, 3 * D, dK, D, (int64_t)B * T, D, 1);
     f.copy_columns(dqkv + 2 * D, 3 * D, dV, D, (int64_t)B * T, D, 1);
@@ -253,9 +256,7 @@ dt_tensor *dt_ring_attention(dt_tensor *qkv, int B, int T, int H, int causal, co
     for (int s = 0; s < C; s++) {                         /* the next block travels while this one is used */
         dt_comm_handle next = s < C - 1 ? dt_ring_shift_async(ring, blk[s & 1], blk[(s + 1) & 1], nblk, DT_F32) : 0;
         f.step(qkvv, blk[s & 1], r->qpos, r->lse, l, r->O, s == C - 1 ? outv : NULL, s == 0, B, T, H, D, r->scale, r->causal);
-        double t0 = dt_now_ms();
-        if (next) dt_comm_wait(ring, next);
-        if (dt__ctx.grad_enabled) dt__ring_wait_ms += dt_now_ms() - t0;
+        if (next) dt__ring_wait(ring, next);
     }
     dt__out_done(out, outv);
     dt__ctx.flops += 4.0 * B * H * T * (double)T * C * (D / H);         /* as dt_attention counts the whole square */

@@ -283,10 +283,10 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
           "parameters twice, reduce-scatters its gradients)" } };
     if (in->kind == DT_PAR_CP)
         fprintf(out, "  each sequence split over the %d ranks (%s): attention is %.0f%% of the compute, the busiest rank's "
-                "%.2fx the mean's;\n  in each of %d layers the ring passes %.0f KB blocks on %d times forward and %d "
-                "back, their gradients' sums %d times (all but the last behind attention)\n", n, in->cp_contiguous ? "contiguous" : "every rank the same work",
+                "%.2fx the mean's;\n  in each of %d layers the ring sends %.0f KB blocks %d time%s forward and %d back, and "
+                "their gradient sums %d time%s (all but the last behind attention)\n", n, in->cp_contiguous ? "contiguous" : "every rank the same work",
                 100 * in->cp_attention_share, in->cp_contiguous ? (2.0 * n - 1) / n : 1.0, in->cp_layers,
-                in->cp_kv_bytes / n / 1e3, n - 1, n - 1, n > 1 ? n : 0);
+                in->cp_kv_bytes / n / 1e3, n - 1, n == 2 ? "" : "s", n - 1, n > 1 ? n : 0, n == 1 ? "" : "s");
     if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP) && in->dp_groups > 1)
         fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch%s\n", in->dp_groups,
                 in->kind != DT_PAR_PP ? "groups" : "pipelines", n * T, in->dp_groups * n * T,

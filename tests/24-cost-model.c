@@ -210,7 +210,7 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
     double attention = 0;
     if (att) sscanf(att + strlen("(contiguous): attention is "), "%lf", &attention);
     CHECKF(st == 0 && strstr(out, "cost model: context parallel on 2 ranks") && att && attention > 5 && attention < 95 &&
-           strstr(out, "the busiest rank's 1.50x the mean's") && strstr(out, "blocks on 1 times forward and 1 back, their gradients' sums 2 times") &&
+           strstr(out, "the busiest rank's 1.50x the mean's") && strstr(out, "blocks 1 time forward and 1 back, and their gradient sums 2 times") &&
            strstr(out, "--cp-layout zigzag:") && strstr(out, "predicted speedup at --cp 2"),
            "08 --cp 2 --explain: exit %d (attention %.1f%%)\n%s", st, attention, out);
 }
