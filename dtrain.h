@@ -50,90 +50,100 @@
                         walks it in reverse. Activations live in a per-step arena.
                         The callbacks a parallel wrapper implements (dt_parallel),
                         and how wrappers stack; linear, GELU, the norms, SwiGLU,
-                        the residual
-       06 attention     tensor parallelism's collectives as ops on the tape;
-          and loss      attention, rotary embeddings, embeddings, the cross-entropy
-       07 models        an MLP and a Vision Transformer with PyTorch/timm names, and two
+                        the residual; tensor parallelism's f and g, sequence
+                        parallelism's split and gather
+       06 attention     attention in three bodies (two matmuls; tiles; the online
+          and loss      softmax, whose loop context parallelism's ring runs too),
+                        rotary embeddings, embeddings, the cross-entropy
+       07 mixture of    a router sends each token to k of E expert MLPs: top k,
+          experts       capacity and dropped tokens, the balancing loss; the
+                        route, dispatch and combine as ops on the tape
+       08 models        an MLP and a Vision Transformer with PyTorch/timm names, and two
                         causal language models with Hugging Face's names: GPT-2, and
                         Llama (RMSNorm, rotary embeddings, grouped-query attention,
-                        SwiGLU; Qwen2's q/k/v biases), one table row per family;
-                        activation recompute, block by block; LoRA; where tensor
-                        parallelism may cut each parameter and which block reads
-                        it (dt_split); any run of blocks on its own, for a
-                        pipeline stage (dt_model_forward_blocks)
-       08 optimizer     AdamW, SGD with momentum, gradient clipping, warmup + cosine
-       09 mixed         bf16/fp16 activations and matmul operands, f32 master
+                        SwiGLU; Qwen2's q/k/v biases; Mixtral's experts), one table
+                        row per family; activation recompute, block by block; LoRA;
+                        where tensor parallelism may cut each parameter and which
+                        block reads it (dt_split); any run of blocks on its own, for
+                        a pipeline stage (dt_model_forward_blocks)
+       09 optimizer     AdamW, SGD with momentum, gradient clipping, warmup + cosine
+       10 mixed         bf16/fp16 activations and matmul operands, f32 master
           precision     weights and sums, dynamic loss scaling for fp16
-       10 collectives   all-reduce, reduce-scatter, all-gather, broadcast, send and
+       11 collectives   all-reduce, reduce-scatter, all-gather, broadcast, send and
                         recv over shared memory (threads or processes, sums in
                         rank order), NCCL or MPI (CPU ranks on several
                         machines), behind one table (dt_comm_backend); groups
                         (dt_comm_split) and a mesh of named dimensions
-       11 data          DataParallel: one process, N devices, device 0 in charge
+       12 data          DataParallel: one process, N devices, device 0 in charge
           parallel      (scatter, gather, reduce; its bottleneck); what every
                         data-parallel wrapper records of its communication
-       12 DDP           DistributedDataParallel: a replica per process, gradients
+       13 DDP           DistributedDataParallel: a replica per process, gradients
                         averaged in buckets while backward runs; no-sync for
                         gradient accumulation
-       13 FSDP          Fully Sharded Data Parallel: each rank keeps 1/N of every
+       14 FSDP          Fully Sharded Data Parallel: each rank keeps 1/N of every
                         unit, gathered to compute, gradients reduce-scattered;
                         ZeRO-1/2/3 side by side; CPU offload; no-sync; the
                         data-parallel engine a stage applies last (DDP or FSDP)
-       14 tensor        each rank computes 1/T of every block: Megatron-LM's
+       15 tensor        each rank computes 1/T of every block: Megatron-LM's
           parallel      column- and row-parallel layers, the vocabulary split with
                         its cross-entropy, sequence parallelism; the engine
                         around it over the groups: DDP, or FSDP (2-D)
-       15 pipeline      each rank a stage of consecutive blocks, micro-batches in
+       16 pipeline      each rank a stage of consecutive blocks, micro-batches in
           parallel      GPipe's or 1F1B's order, each with its arena; with tensor
                         parallelism inside the stages and data parallel pipelines:
-                        all three on a mesh. Each wrapper (11-15) is one
+                        all three on a mesh
+       17 context       each rank a share of every sequence's tokens: ring
+          parallel      attention, the zig-zag layout. Each wrapper (12-17) is one
                         dt_parallel; calls in the wrong order are errors that say
                         what to call first
-       16 backend       the per-element arithmetic (DT_HD) that the CPU loops and
+       18 backend       the per-element arithmetic (DT_HD) that the CPU loops and
           tables        the GPU kernels share, and what a device (dt_backend) and a
                         transport (dt_comm_backend) must provide
        Then the machinery that runs a training, which no lesson calls (the
        lessons compile without it: tools/assemble --lessons):
-       17 data          image folders, CIFAR-10 binaries, text (bytes or token ids),
+       19 data          image folders, CIFAR-10 binaries, text (bytes or token ids),
                         instruction examples whose prompts the loss ignores,
                         shuffling, rank sharding, augmentation, and synthetic
                         images and text made on first use
-       18 launching     --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous
+       20 launching     --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous
                         that turns strangers away, a job that stops, naming the
                         rank, when one rank dies, and signals (SIGTERM: preempted)
                         that stop every rank after the same step, saved
-       19 checkpoints   safetensors files written atomically; exact resume; sharded
+       21 checkpoints   safetensors files written atomically; exact resume; sharded
                         (a file per rank and an index), consolidated, resharded
-       20 hugging face  Hugging Face and PEFT model folders (--init), and a
-                        training run's checkpoint: weights, optimizer, the run
-       21 evaluation    validation loss and accuracy over every rank's share, and
+       22 hugging face  Hugging Face and PEFT model folders (--init; config.json in
+                        each library's words), and a training run's checkpoint:
+                        weights, optimizer, the run
+       23 evaluation    validation loss and accuracy over every rank's share, and
                         text generated by a language model
-       22 metrics       time charged to phases, Chrome traces, progress lines with
+       24 metrics       time charged to phases, Chrome traces, progress lines with
                         an ETA, TensorBoard and MLflow, and the one-line benchmark
                         report (--bench)
-       23 cost model    predicts how a stage scales, and why (--explain): the
+       25 cost model    predicts how a stage scales, and why (--explain): the
                         communication each wrapper sends and hides, a pipeline's
                         bubble
-       24 command line  one table of flags for every stage, and the data they name
-       25 run driver    the loop every stage shares: --init/--resume, batches, the
+       26 command line  one table of flags for every stage, and the data they name
+       27 run driver    the loop every stage shares: --init/--resume, batches, the
                         job's mean loss, JSON-lines logs, evaluation and checkpoints
                         at each epoch's end, stopping every rank alike on a signal; what
                         the machinery asks of a wrapper (dt_parallel_report)
        And the backend:
-       26 CUDA          the GPU bodies of the ops, behind one table (dt_backend):
+       28 CUDA          the GPU bodies of the ops, behind one table (dt_backend):
                         indexing, reductions and launch shape are all that differ.
                         Earlier chapters reach it only through what the backend
                         tables chapter declares: the tables (dt_backend,
                         dt_comm_backend), dt_cuda_backend, dt_cuda_device_count
                         and the dt_nccl_* calls a NCCL communicator is made of
+       29 CUDA start-up and NCCL: finding the GPU, filling the table, and the
+                        collectives on GPU buffers
 
    HOW THIS FILE IS MADE
        It is assembled from chapter files, src/NN-name.h in the project, by
        tools/assemble: make runs it when a chapter changes, and CI checks that
        the committed dtrain.h is the assembly. A chapter holds its declarations
-       and its implementation together (the CUDA chapter implements the tables
-       16 declares); this file puts every chapter's declarations first, then every
-       implementation, then what the wrapper chapters (13-15) answer to the
+       and its implementation together (the CUDA chapters implement the tables
+       18 declares); this file puts every chapter's declarations first, then every
+       implementation, then what the wrapper chapters (12-17) answer to the
        machinery (their dt_parallel_report: checkpoints, memory tables, figures
        for the log and the cost model), then the CUDA backend, and a line
        [src/NN-name.h] in a comment marks where each part begins (00 is this
@@ -604,7 +614,106 @@ void dt_cross_entropy_set_divisor(const int32_t *labels, double divisor);
    order, so a conv with kernel = stride = p is a linear layer on these rows. */
 dt_tensor *dt_patchify(const dt_tensor *images, int patch);
 
-/* [src/07-models.h] */
+/* [src/07-mixture-of-experts.h] */
+/* ---- mixture of experts ---------------------------------------------------------
+   A mixture-of-experts (MoE) layer stands where a block's MLP stood: E MLPs,
+   the experts, and a router, a linear layer that gives each token a score per
+   expert. Each token goes to the k experts its softmax ranks highest, and
+   leaves as their outputs weighted by those k probabilities renormalised to
+   sum to 1 (Mixtral's rule: with k = 1 the weight is 1 and only the balancing
+   loss below moves the router). A token costs k MLPs while the model holds
+   E: parameters grow without the work per token growing -- conditional
+   computation (Shazeer et al., 2017; GShard, 2020; Switch Transformer, 2021).
+
+   Two more things make it train:
+   - Balance. A router left alone favours a few experts, which then learn
+     faster and are favoured more. The balancing loss (Switch Transformer's,
+     as Hugging Face's Mixtral computes it) adds, per layer,
+         E x sum over e of f_e x P_e,
+     f_e the share of the tokens whose k choices hold e and P_e the mean
+     probability of e: k when both are even, more when not. The model adds
+     coefficient x its mean over the MoE layers to the loss (--moe-aux-loss).
+     f_e is a count and has no gradient; P_e's reaches the router. The term
+     is added in backward only (the gate weights' op puts its gradient on
+     the router's logits), so no training loop changes for it.
+   - Capacity. Each expert takes at most ceil(c x k x N / E) of a batch's N
+     tokens' choices (--moe-capacity c; 0, the default: all of them). The
+     choices over it are dropped, lowest router probability first, ties by
+     the token's place in the batch: a dropped choice adds nothing, and a
+     token all of whose choices drop leaves the layer as zeros (the residual
+     carries it on). Fixed sizes are what expert parallelism's buffers want
+     (stage 09); the cost is the dropped tokens, which the log counts.
+
+   The layer is ops on the tape, each simple: the router (dt_linear); the
+   route, decided on the host from its logits (which token goes where: no
+   gradient); the gate weights (logits -> each kept choice's weight); the
+   dispatch (the tokens' rows copied into expert order, a token once per
+   kept choice); each expert on its run of those rows; and the combine
+   (each token's rows, weighted, summed back into place). Expert
+   parallelism (stage 09) adds an all-to-all on either side of the experts
+   and changes nothing else. */
+
+/* A route: what the router decided for a batch's N tokens, in host memory
+   (the step arena). The kept (token, choice) pairs are the slots, numbered
+   in expert order and, within an expert, in token order. */
+typedef struct dt_moe_plan {
+    int N, E, k;
+    int S;                        /* slots kept */
+    int capacity;                 /* slots an expert may hold; 0: no limit */
+    float *probs;                 /* [N, E]: the softmax of each token's scores */
+    int *choice;                  /* [N, k]: each token's experts, most probable first (ties: lower index) */
+    int *slot_of_choice;          /* [N, k]: the slot each choice went to, -1 when dropped */
+    int *expert_first;            /* [E + 1]: expert e holds slots expert_first[e] .. expert_first[e + 1] - 1 */
+    int *slot_token;              /* [S]: the token in each slot */
+    int *slot_pick;               /* [S]: which of that token's k choices it is */
+    int *routed;                  /* [E]: the choices each expert was given, before any dropped */
+    int dropped;                  /* choices over capacity */
+    float balance;                /* this layer's E x sum f_e P_e (above) */
+    const int *slot_token_dev, *slot_of_choice_dev;   /* the same two, where the rows are (a GPU's copies) */
+} dt_moe_plan;
+
+/* What the MoE layers of a model saw since the last read (the run driver
+   reads it for the log): the choices each expert was given, those dropped,
+   and the layers' balancing terms. Evaluation and --recompute's second
+   forward add nothing. */
+typedef struct dt_moe_stats {
+    int experts;
+    int64_t *routed;              /* [experts] */
+    int64_t choices, dropped;
+    double balance_sum;
+    int64_t layers;               /* forwards of an MoE layer counted */
+} dt_moe_stats;
+
+/* The route of logits [N, E] (the router's scores) with k choices a token
+   and capacity factor `capacity` (0: no limit). Adds to stats (may be NULL). */
+dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe_stats *stats);
+/* Each slot's weight [S]: its token's chosen probabilities renormalised over
+   its k choices. Backward passes their gradient to the logits and adds the
+   balancing term's, `balance_coef` x d(balance)/d(logits), scaled as the loss. */
+dt_tensor *dt_moe_gate_weights(dt_tensor *logits, const dt_moe_plan *plan, float balance_coef);
+/* x [N, D] -> [S, D]: slot s holds its token's row (the dispatch). */
+dt_tensor *dt_moe_dispatch(dt_tensor *x, const dt_moe_plan *plan);
+/* ys [S, D], weights [S] -> [N, D]: each token's slots' rows, weighted, summed
+   in its choices' order (the combine). */
+dt_tensor *dt_moe_combine(dt_tensor *ys, dt_tensor *weights, const dt_moe_plan *plan);
+/* Rows first .. first + count - 1 of x [N, D], a copy; and rows of several
+   tensors one after another: an expert's run of slots, and the runs again. */
+dt_tensor *dt_rows(dt_tensor *x, int first, int count);
+dt_tensor *dt_cat_rows(dt_tensor *const *parts, int n);
+/* The whole layer: router [E, D] (no bias), and `expert`, which runs
+   expert e's MLP on its rows (ctx: the model's). */
+typedef dt_tensor *(*dt_moe_expert_fn)(void *ctx, int expert, dt_tensor *rows);
+typedef struct dt_moe_layer {
+    dt_tensor *router;
+    int k;
+    float capacity, balance_coef;
+    dt_moe_expert_fn expert;
+    void *ctx;
+    dt_moe_stats *stats;
+} dt_moe_layer;
+dt_tensor *dt_moe_forward(const dt_moe_layer *layer, dt_tensor *x);
+
+/* [src/08-models.h] */
 /* ---- models --------------------------------------------------------------------- */
 
 typedef enum { DT_MODEL_MLP = 0, DT_MODEL_VIT = 1, DT_MODEL_GPT = 2, DT_MODEL_LLAMA = 3 } dt_model_kind;
@@ -629,6 +738,12 @@ typedef struct dt_model_config {
     int lora_rank;
     float lora_alpha;
     char lora_targets[256];                      /* module names, comma-separated: "q_proj,v_proj" */
+    /* gpt, llama: a mixture of experts (the MoE chapter) in place of the MLP of
+       every moe_every-th block (llama: every block, Mixtral's names): moe_experts
+       of them (0: none), moe_top_k a token, the capacity factor (0: no limit) and
+       the balancing loss's coefficient (0: none). */
+    int moe_experts, moe_top_k, moe_every;
+    float moe_capacity, moe_aux_loss;
 } dt_model_config;
 
 /* Where tensor parallelism (stage 06) may cut a parameter: the model says,
@@ -690,6 +805,7 @@ typedef struct dt_model {
     int *lora_of;
     float lora_scale;          /* alpha / rank */
     uint64_t base_seed;        /* the seed base's weights were drawn from (they stay, without --init) */
+    dt_moe_stats moe;          /* what its MoE layers routed since the run driver last read it */
 } dt_model;
 
 /* Build a model with freshly initialised weights (seeded, so runs repeat) on
@@ -741,7 +857,7 @@ typedef struct dt_batch {
     int size;                  /* B */
 } dt_batch;
 
-/* [src/08-optimizer.h] */
+/* [src/09-optimizer.h] */
 /* ---- optimizer ----------------------------------------------------------------- */
 
 typedef enum { DT_ADAMW = 0, DT_SGD = 1 } dt_optimizer_kind;
@@ -786,7 +902,7 @@ DT_HD static inline void dt_adamw_update(float *p, float *m, float *v, float g, 
 DT_HD static inline void dt_sgd_update(float *p, float *buf, float g, float lr, float momentum,
                                        float wd);
 
-/* [src/09-mixed-precision.h] */
+/* [src/10-mixed-precision.h] */
 /* ---- mixed precision ------------------------------------------------------------ */
 
 /* The dtype activations are stored in and matmuls read (default DT_F32). With
@@ -822,7 +938,7 @@ void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *scaler, int accum
    skipped -- every rank decides alike, as the check is summed over them. */
 int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt);
 
-/* [src/10-collectives.h] */
+/* [src/11-collectives.h] */
 /* ---- collectives ---------------------------------------------------------------- */
 
 /* A communicator joins the ranks of one job. Backends: shared memory for host
@@ -921,7 +1037,7 @@ dt_comm *dt_mesh_comm(const dt_mesh *mesh, const char *name);   /* the group alo
 int dt_mesh_coord(const dt_mesh *mesh, const char *name);       /* this rank's place along it */
 void dt_mesh_free(dt_mesh *mesh);                               /* frees its communicators */
 
-/* [src/11-data-parallel.h] */
+/* [src/12-data-parallel.h] */
 /* ---- data parallelism: DataParallel ----------------------------------------- */
 
 /* DataParallel (stage 02): one process drives N devices. Device 0 holds the
@@ -947,7 +1063,7 @@ int dt_dp_devices(const dt_dp *dp);
 /* Stop the replicas; prints each device's peak memory unless quiet. */
 void dt_dp_free(dt_dp *dp, int quiet);
 
-/* [src/12-ddp.h] */
+/* [src/13-ddp.h] */
 /* ---- DistributedDataParallel ------------------------------------------------ */
 /* DistributedDataParallel (stage 03, and the engine of 06-07 without
    --shard): one process per device, each with a whole replica and its own
@@ -973,7 +1089,7 @@ int dt_ddp_buckets(const dt_ddp *ddp);
 void dt_ddp_set_sync(dt_ddp *ddp, int sync);
 void dt_ddp_free(dt_ddp *ddp);
 
-/* [src/13-fsdp.h] */
+/* [src/14-fsdp.h] */
 /* ---- fully sharded data parallel --------------------------------------------- */
 
 /* Fully sharded data parallel (stages 04-05, and the engine of 06-07 with
@@ -1033,7 +1149,7 @@ dt_data_parallel *dt_data_parallel_create(dt_model *model, dt_comm *comm, dt_sha
 void dt_data_parallel_sync_grads(dt_data_parallel *dp);
 void dt_data_parallel_free(dt_data_parallel *dp);
 
-/* [src/14-tensor-parallel.h] */
+/* [src/15-tensor-parallel.h] */
 /* Tensor parallelism (stage 06), as Megatron-LM splits a transformer: every
    rank of a group of T keeps 1/T of each large weight and computes 1/T of
    each layer. In a block, the first MLP layer is column-parallel (each rank
@@ -1080,7 +1196,7 @@ int dt_tp_data_ranks(const dt_tp *tp);
    a forward is an error that says so. */
 void dt_tp_free(dt_tp *tp);
 
-/* [src/15-pipeline-parallel.h] */
+/* [src/16-pipeline-parallel.h] */
 /* Pipeline parallelism (stage 07): each rank of a pipeline of P keeps a run
    of consecutive blocks, its stage (balanced by parameters; the embedding
    with the first, the head with the last); a batch goes through in M
@@ -1114,7 +1230,7 @@ int dt_pp_data_ranks(const dt_pp *pp);
 /* The model stays cut (this rank's blocks), as after dt_tp_free. */
 void dt_pp_free(dt_pp *pp);
 
-/* [src/16-context-parallel.h] */
+/* [src/17-context-parallel.h] */
 /* Context parallelism (stage 08) splits every sequence along its length: each
    of C ranks holds T/C of its tokens. Everything in a transformer but
    attention works on each token alone, so it runs on a rank's tokens as it
@@ -1180,7 +1296,7 @@ int dt_cp_data_rank(const dt_cp *cp);
 int dt_cp_data_ranks(const dt_cp *cp);
 void dt_cp_free(dt_cp *cp);
 
-/* [src/17-backend-tables.h] */
+/* [src/18-backend-tables.h] */
 /* ---- per-element arithmetic (declared above; defined here because every file
         that includes the header, and nvcc, needs the bodies) ------------------ */
 #include <math.h>
@@ -1270,6 +1386,20 @@ DT_HD static inline float dt_silu_derivative(float x) {
     return sg * (1.0f + x * (1.0f - sg));
 }
 
+/* Mixture of experts (its chapter): element d of token n's row, its slots'
+   rows summed in its choices' order (slot -1: a dropped choice), weighted
+   by w (NULL: 1); and a dot product, in index order. */
+DT_HD static inline float dt_moe_token_sum(const float *src, const float *w, const int *slots, int k, int64_t D, int64_t d) {
+    float acc = 0.0f;
+    for (int j = 0; j < k; j++)
+        if (slots[j] >= 0) acc += (w ? w[slots[j]] : 1.0f) * src[(int64_t)slots[j] * D + d];
+    return acc;
+}
+DT_HD static inline float dt_moe_row_dot(const float *a, const float *b, int64_t D) {
+    float acc = 0.0f;
+    for (int64_t d = 0; d < D; d++) acc += a[d] * b[d];
+    return acc;
+}
 DT_HD static inline uint32_t dt_float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 DT_HD static inline float dt_bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
@@ -1422,6 +1552,11 @@ typedef struct dt_backend {
     void (*ring_attention_backward_step)(const float *qkv, const float *blk, const float *qpos, const float *lse, const float *O,
                                          const float *dout, float *dots, float *dqkv, float *dkv, int B, int T, int H, int D,
                                          float scale, int causal);
+    /* Mixture of experts: rows to slots, dst[s] (+)= w[s] src[slot_token[s]] (w NULL: 1); to tokens,
+       dst[n] (+)= dt_moe_token_sum over its k choices' slots; dw[s] += dy[slot_token[s]] . ys[s] */
+    void (*moe_to_slots)(const float *src, const float *w, const int *slot_token, float *dst, int S, int D, int add);
+    void (*moe_to_tokens)(const float *src, const float *w, const int *slot_of_choice, float *dst, int N, int k, int D, int add);
+    void (*moe_slot_dots)(const float *dy, const float *ys, const int *slot_token, float *dw, int S, int D);
     /* rows x cols floats from src (row stride ld_src) into dst (ld_dst): copied, or added (add 1) */
     void (*copy_columns)(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols, int add);
     /* tokens: ids as f32. Backward: dwte, dwpe may be NULL; by_token lists the
@@ -1547,7 +1682,7 @@ void dt_nccl_abort(dt_nccl *s);                       /* only from the thread th
 void dt_nccl_finalize(dt_nccl *s);
 void dt_nccl_free(dt_nccl *s);
 
-/* [src/18-data.h] */
+/* [src/19-data.h] */
 /* ---- data ---------------------------------------------------------------------- */
 
 typedef struct dt_dataset {
@@ -1633,7 +1768,7 @@ int64_t dt_loader_counted_targets(const dt_loader *l, int batches);
    with stb, PPM without): coloured shapes on noisy backgrounds. */
 void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint64_t seed);
 
-/* [src/19-launching.h] */
+/* [src/20-launching.h] */
 /* ---- launching ranks --------------------------------------------------------- */
 
 /* --nproc N: fork N copies of this program on this machine, before any device or
@@ -1665,7 +1800,7 @@ int dt_local_ranks_from_env(void);
    says why, naming both counts) unless ranks_per_gpu lets that many share one. */
 int dt_gpu_for_rank(int local_rank, int local_ranks, int gpus, int ranks_per_gpu, char *why, size_t n);
 
-/* [src/20-checkpoints.h] */
+/* [src/21-checkpoints.h] */
 /* ---- checkpoints (safetensors) ------------------------------------------------ */
 
 /* A safetensors file: 8-byte little-endian header length, a JSON header naming
@@ -1684,7 +1819,7 @@ void dt_safetensors_close(dt_safetensors *st);
 int dt_safetensors_get(dt_safetensors *st, const char *name, float *dst, int ndim, const int *shape);
 const char *dt_safetensors_meta(dt_safetensors *st, const char *key); /* NULL when absent */
 
-/* [src/21-hugging-face.h] */
+/* [src/22-hugging-face.h] */
 /* ---- Hugging Face folders, LoRA, and a training run's checkpoint ---------------- */
 
 /* Load a model's weights by name (--init), from any safetensors file, a
@@ -1712,7 +1847,7 @@ typedef struct dt_run dt_run;
 void dt_checkpoint_save(dt_run *run, const char *path);
 void dt_checkpoint_load(dt_run *r, const char *path);
 
-/* [src/22-evaluation.h] */
+/* [src/23-evaluation.h] */
 /* ---- evaluation --------------------------------------------------------- */
 
 /* Mean loss and accuracy of the model over a data set, without gradients. In a
@@ -1727,7 +1862,7 @@ void dt_evaluate(dt_model *m, const dt_dataset *ds, int batch_size, double *loss
 void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, float temperature, uint64_t seed,
                  int32_t *out);
 
-/* [src/23-metrics.h] */
+/* [src/24-metrics.h] */
 /* ---- metrics and traces ------------------------------------------------- */
 
 /* The phases of a training step, timed and traced. */
@@ -1780,7 +1915,7 @@ const char *dt_mlflow_path(const dt_mlflow *ml);
 const char *dt_mlflow_run_id(const dt_mlflow *ml);
 int dt_mlflow_run_id_valid(const char *id);     /* 32 lowercase hex digits */
 
-/* [src/24-cost-model.h] */
+/* [src/25-cost-model.h] */
 /* ---- the cost model ----------------------------------------------------- */
 
 /* The cost model: does it scale, and why not? A step of N ranks costs its
@@ -1896,7 +2031,7 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
    batches, accumulation, bf16 communication or fewer ranks would change. */
 void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n);
 
-/* [src/25-command-line.h] */
+/* [src/26-command-line.h] */
 /* ---- the command line --------------------------------------------------- */
 
 typedef struct dt_config {
@@ -1914,6 +2049,8 @@ typedef struct dt_config {
     float rope_factor, rope_low_freq, rope_high_freq;   /* llama: Llama 3's rescaling, from --init DIR's config.json */
     int rope_original_context;
     int sample;                  /* --sample N: gpt prints N generated tokens at each evaluation */
+    int moe_experts, moe_top_k, moe_every;   /* gpt, llama: a mixture of experts (0: none), k a token, every N-th block */
+    float moe_capacity, moe_aux_loss;        /* its capacity factor (0: no limit), its balancing loss's coefficient */
     int batch_size, epochs;
     int64_t steps;               /* stop after this many steps (0: run every epoch) */
     float lr, weight_decay, momentum, clip;
@@ -1969,7 +2106,7 @@ dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int ima
    seconds, or --steps) and dt_run_finish prints one "bench:" line. */
 void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val);
 
-/* [src/26-run-driver.h] */
+/* [src/27-run-driver.h] */
 /* ---- the run driver ----------------------------------------------------- */
 
 /* A training run: the position (epoch, step), the schedule, the logs. */
@@ -2220,9 +2357,13 @@ typedef struct dt__context {
     struct { uint64_t made_at; int T, hd; dt_rope rope; dt_device device; float *cs; } rope;   /* made_at: arena_rewinds */
     /* dt_cross_entropy_set_divisor's labels and divisor, for one step */
     struct { uint64_t step; const int32_t *labels; double divisor; } loss_divisor;
+    /* The gradient the last dt_backward_from gave its scalar loss (1, or fp16's scale / K): what a
+       term added to the loss in backward alone is scaled by (the experts' balancing loss) */
+    float loss_seed;
+    int recomputing;                   /* a block's forward runs again in backward (--recompute) */
 } dt__context;
 
-static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1 };
+static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1, .loss_seed = 1.0f };
 
 /* [src/01-errors.h] */
 /* ==== errors =================================================================
@@ -3274,6 +3415,7 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
     if (!loss->requires_grad) dt_fail("the loss does not depend on any parameter (were gradients disabled?)");
     dt__ctx.backward_generation++;
     dt__backend_for(loss);
+    dt__ctx.loss_seed = loss->numel == 1 ? seed[0] : 1.0f;
     dt_upload(dt_grad(loss), seed, sizeof(float) * (size_t)loss->numel);
     dt__tape_walk(0, dt__ctx.tape_len);
     dt__ctx.tape_len = 0;
@@ -5023,7 +5165,326 @@ dt_tensor *dt_patchify(const dt_tensor *images, int patch) {
     return y;
 }
 
-/* [src/07-models.h] */
+/* [src/07-mixture-of-experts.h] */
+/* -- the route: softmax, top k, capacity. The host decides: N x E numbers,
+      and what is decided is indices, which nothing differentiates. -- */
+static float *dt__host_f32(const dt_tensor *t) {
+    float *h = (float *)dt_step_alloc(sizeof(float) * (size_t)t->numel);
+    dt_download(h, dt__in(t), sizeof(float) * (size_t)t->numel);
+    return h;
+}
+/* Drop order: the lower probability first, then the later token. */
+typedef struct { float p; int token, j; } dt__moe_candidate;
+static int dt__moe_keep_first(const void *a, const void *b) {
+    const dt__moe_candidate *x = (const dt__moe_candidate *)a, *y = (const dt__moe_candidate *)b;
+    if (x->p != y->p) return x->p > y->p ? -1 : 1;
+    return x->token - y->token;
+}
+static const int *dt__ints_on_device(const int *host, int n) {
+    if (dt__ctx.device == DT_CPU) return host;
+    int *d = (int *)dt__step_data(sizeof(int) * (size_t)(n > 0 ? n : 1));
+    dt_upload(d, host, sizeof(int) * (size_t)n);
+    return d;
+}
+
+dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe_stats *stats) {
+    int N = (int)dt_tensor_rows(logits), E = (int)dt_tensor_cols(logits);
+    if (k < 1 || k > E) dt_fail("dt_moe_route: --moe-top-k %d must be between 1 and the %d experts", k, E);
+    if (!(capacity >= 0)) dt_fail("dt_moe_route: --moe-capacity %g must be 0 (no limit) or more", (double)capacity);
+    dt__scratch_reset();
+    dt_moe_plan *p = (dt_moe_plan *)dt_step_alloc(sizeof *p);
+    p->N = N; p->E = E; p->k = k;
+    p->probs = dt__host_f32(logits);
+    for (int n = 0; n < N; n++) {                          /* softmax, in place */
+        float *row = p->probs + (size_t)n * E, m = row[0], sum = 0;
+        for (int e = 1; e < E; e++) m = row[e] > m ? row[e] : m;
+        for (int e = 0; e < E; e++) sum += row[e] = dt_exp_value(row[e] - m);
+        for (int e = 0; e < E; e++) row[e] /= sum;
+    }
+    size_t nk = (size_t)N * k;
+    p->choice = (int *)dt_step_alloc(sizeof(int) * nk);
+    p->slot_of_choice = (int *)dt_step_alloc(sizeof(int) * nk);
+    p->expert_first = (int *)dt_step_alloc(sizeof(int) * (size_t)(E + 1));
+    p->routed = (int *)dt_step_alloc(sizeof(int) * (size_t)E);
+    for (int n = 0; n < N; n++) {                          /* top k: k passes, each the best not taken */
+        const float *row = p->probs + (size_t)n * E;
+        int *c = p->choice + (size_t)n * k;
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int i = 0; i < j; i++) taken |= c[i] == e;
+                if (!taken && (best < 0 || row[e] > row[best])) best = e;
+            }
+            c[j] = best;
+            p->routed[best]++;
+        }
+    }
+    /* capacity: over it, an expert keeps its most probable choices */
+    p->capacity = capacity > 0 ? (int)ceil((double)capacity * k * N / E) : 0;
+    dt__moe_candidate *cand = (dt__moe_candidate *)dt_step_alloc(sizeof *cand * (nk ? nk : 1));
+    for (size_t i = 0; i < nk; i++) p->slot_of_choice[i] = -1;
+    for (int e = 0; e < E; e++) {
+        int n_cand = 0;
+        for (int n = 0; n < N; n++)
+            for (int j = 0; j < k; j++)
+                if (p->choice[(size_t)n * k + j] == e) cand[n_cand++] = (dt__moe_candidate){ p->probs[(size_t)n * E + e], n, j };
+        if (p->capacity && n_cand > p->capacity) {
+            qsort(cand, (size_t)n_cand, sizeof *cand, dt__moe_keep_first);
+            p->dropped += n_cand - p->capacity;
+            n_cand = p->capacity;
+        }
+        for (int i = 0; i < n_cand; i++) p->slot_of_choice[(size_t)cand[i].token * k + cand[i].j] = 0;   /* kept */
+    }
+    /* number the kept choices: by expert, then token */
+    p->slot_token = (int *)dt_step_alloc(sizeof(int) * (nk ? nk : 1));
+    p->slot_pick = (int *)dt_step_alloc(sizeof(int) * (nk ? nk : 1));
+    for (int e = 0; e < E; e++) {
+        p->expert_first[e] = p->S;
+        for (int n = 0; n < N; n++)
+            for (int j = 0; j < k; j++) {
+                size_t i = (size_t)n * k + j;
+                if (p->choice[i] != e || p->slot_of_choice[i] < 0) continue;
+                p->slot_of_choice[i] = p->S;
+                p->slot_token[p->S] = n;
+                p->slot_pick[p->S++] = j;
+            }
+    }
+    p->expert_first[E] = p->S;
+    double balance = 0;                                    /* E x sum f_e P_e */
+    for (int e = 0; e < E; e++) {
+        double P = 0;
+        for (int n = 0; n < N; n++) P += p->probs[(size_t)n * E + e];
+        balance += ((double)p->routed[e] / N) * (P / N);
+    }
+    p->balance = (float)(E * balance);
+    p->slot_token_dev = dt__ints_on_device(p->slot_token, p->S);
+    p->slot_of_choice_dev = dt__ints_on_device(p->slot_of_choice, (int)nk);
+    if (stats && dt__ctx.grad_enabled && !dt__ctx.recomputing) {
+        if (stats->experts != E) dt_fail("dt_moe_route: stats kept for %d experts, the router has %d", stats->experts, E);
+        for (int e = 0; e < E; e++) stats->routed[e] += p->routed[e];
+        stats->choices += (int64_t)nk;
+        stats->dropped += p->dropped;
+        stats->balance_sum += p->balance;
+        stats->layers++;
+    }
+    return p;
+}
+
+/* -- the gate weights. w_j = p_j / Z over a token's k choices, Z = their sum;
+      dL/dp_i = (g_i - sum_j g_j w_j) / Z for a chosen i (g: the weights'
+      gradients, 0 for a dropped choice), and the balancing term adds
+      coef x E x f_e / N to every dL/dp_e; then softmax's backward,
+      dL/dx_i = p_i (dL/dp_i - sum_e p_e dL/dp_e). On the host, as the route. -- */
+static void dt__moe_gate_backward(dt__tape_entry *e) {
+    dt_tensor *logits = e->in[0], *w = e->out;
+    const dt_moe_plan *p = (const dt_moe_plan *)e->saved;
+    float coef = e->farg[0] * dt__ctx.loss_seed;
+    int N = p->N, E = p->E, k = p->k;
+    if (!logits->requires_grad) return;
+    float *g = (float *)dt_step_alloc(sizeof(float) * (size_t)(p->S > 0 ? p->S : 1));
+    if (p->S) dt_download(g, dt__grad_in(w), sizeof(float) * (size_t)p->S);
+    float *dx = (float *)dt_step_alloc(sizeof(float) * (size_t)N * E), *dp = (float *)dt_step_alloc(sizeof(float) * (size_t)E);
+    for (int n = 0; n < N; n++) {
+        const float *prob = p->probs + (size_t)n * E;
+        const int *c = p->choice + (size_t)n * k, *slot = p->slot_of_choice + (size_t)n * k;
+        float Z = 0, gw = 0, pdp = 0;
+        for (int j = 0; j < k; j++) Z += prob[c[j]];
+        for (int j = 0; j < k; j++) gw += (slot[j] >= 0 ? g[slot[j]] : 0.0f) * (prob[c[j]] / Z);
+        for (int i = 0; i < E; i++) dp[i] = coef * E * ((float)p->routed[i] / N) / N;
+        for (int j = 0; j < k; j++) dp[c[j]] += ((slot[j] >= 0 ? g[slot[j]] : 0.0f) - gw) / Z;
+        for (int i = 0; i < E; i++) pdp += prob[i] * dp[i];
+        for (int i = 0; i < E; i++) dx[(size_t)n * E + i] = prob[i] * (dp[i] - pdp);
+    }
+    float *dev = (float *)dt__scratch_on(logits->device, sizeof(float) * (size_t)N * E);
+    dt_upload(dev, dx, sizeof(float) * (size_t)N * E);
+    dt__add_into_grad(logits, dev);
+}
+dt_tensor *dt_moe_gate_weights(dt_tensor *logits, const dt_moe_plan *plan, float balance_coef) {
+    dt__backend_for(logits);
+    dt__scratch_reset();
+    int k = plan->k, S = plan->S;
+    dt_tensor *w = dt__tensor_out(1, &S);
+    float *h = (float *)dt_step_alloc(sizeof(float) * (size_t)(S > 0 ? S : 1));
+    for (int s = 0; s < S; s++) {
+        int n = plan->slot_token[s];
+        const float *prob = plan->probs + (size_t)n * plan->E;
+        const int *c = plan->choice + (size_t)n * k;
+        float Z = 0;
+        for (int j = 0; j < k; j++) Z += prob[c[j]];
+        h[s] = prob[c[plan->slot_pick[s]]] / Z;
+    }
+    float *wv = dt__out(w);
+    if (S) dt_upload(wv, h, sizeof(float) * (size_t)S);
+    dt__out_done(w, wv);
+    if (dt__wants_grad(logits, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__moe_gate_backward, w, logits, NULL, NULL);
+        e->saved = (void *)plan;
+        e->farg[0] = balance_coef;
+    }
+    return w;
+}
+
+/* -- dispatch and combine: rows between tokens and slots. A token's rows are
+      summed over its choices in their order, on either device the same
+      (dt_moe_token_sum), so every run gives the same bits. -- */
+static void dt__moe_to_slots(const dt_tensor *like, const float *src, const float *w, const int *slot_token, float *dst, int S,
+                             int D, int add) {
+    const dt_backend *gpu = dt__backend_of(like->device);
+    if (gpu) { gpu->moe_to_slots(src, w, slot_token, dst, S, D, add); return; }
+    for (int s = 0; s < S; s++)
+        for (int d = 0; d < D; d++) {
+            float v = (w ? w[s] : 1.0f) * src[(size_t)slot_token[s] * D + d];
+            dst[(size_t)s * D + d] = add ? dst[(size_t)s * D + d] + v : v;
+        }
+}
+static void dt__moe_to_tokens(const dt_tensor *like, const float *src, const float *w, const int *slot_of_choice, float *dst,
+                              int N, int k, int D, int add) {
+    const dt_backend *gpu = dt__backend_of(like->device);
+    if (gpu) { gpu->moe_to_tokens(src, w, slot_of_choice, dst, N, k, D, add); return; }
+    for (int n = 0; n < N; n++)
+        for (int d = 0; d < D; d++) {
+            float v = dt_moe_token_sum(src, w, slot_of_choice + (size_t)n * k, k, D, d);
+            dst[(size_t)n * D + d] = add ? dst[(size_t)n * D + d] + v : v;
+        }
+}
+
+static void dt__moe_dispatch_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0], *xs = e->out;
+    const dt_moe_plan *p = (const dt_moe_plan *)e->saved;
+    if (!x->requires_grad) return;
+    float *dx = dt__grad_acc(x);
+    dt__moe_to_tokens(x, dt__grad_in(xs), NULL, p->slot_of_choice_dev, dx, p->N, p->k, (int)dt_tensor_cols(x), 1);
+    dt__grad_acc_done(x, dx);
+}
+dt_tensor *dt_moe_dispatch(dt_tensor *x, const dt_moe_plan *plan) {
+    int D = (int)dt_tensor_cols(x);
+    if (dt_tensor_rows(x) != plan->N) dt_fail("dt_moe_dispatch: %lld rows, the route has %d tokens", (long long)dt_tensor_rows(x), plan->N);
+    dt__backend_for(x);
+    dt__scratch_reset();
+    dt_tensor *xs = dt__tensor_out_2d(plan->S, D);
+    float *v = dt__out(xs);
+    dt__moe_to_slots(x, dt__in(x), NULL, plan->slot_token_dev, v, plan->S, D, 0);
+    dt__out_done(xs, v);
+    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__moe_dispatch_backward, xs, x, NULL, NULL)->saved = (void *)plan;
+    return xs;
+}
+
+/* y_n = sum_j w_s ys_s (s: its j-th choice's slot); dys_s = w_s dy_n,
+   dw_s = dy_n . ys_s */
+static void dt__moe_combine_backward(dt__tape_entry *e) {
+    dt_tensor *ys = e->in[0], *w = e->in[1], *y = e->out;
+    const dt_moe_plan *p = (const dt_moe_plan *)e->saved;
+    int S = p->S, D = (int)dt_tensor_cols(y);
+    const float *dy = dt__grad_in(y), *wv = dt__in(w), *yv = dt__in(ys);
+    if (ys->requires_grad) {
+        float *dys = dt__grad_acc(ys);
+        dt__moe_to_slots(ys, dy, wv, p->slot_token_dev, dys, S, D, 1);
+        dt__grad_acc_done(ys, dys);
+    }
+    if (w->requires_grad) {
+        float *dw = dt__grad_acc(w);
+        const dt_backend *gpu = dt__backend_of(y->device);
+        if (gpu) gpu->moe_slot_dots(dy, yv, p->slot_token_dev, dw, S, D);
+        else
+            for (int s = 0; s < S; s++) dw[s] += dt_moe_row_dot(dy + (size_t)p->slot_token[s] * D, yv + (size_t)s * D, D);
+        dt__grad_acc_done(w, dw);
+    }
+}
+dt_tensor *dt_moe_combine(dt_tensor *ys, dt_tensor *weights, const dt_moe_plan *plan) {
+    int D = (int)dt_tensor_cols(ys);
+    if (dt_tensor_rows(ys) != plan->S || weights->numel != plan->S)
+        dt_fail("dt_moe_combine: %lld rows and %lld weights for the route's %d slots", (long long)dt_tensor_rows(ys),
+                (long long)weights->numel, plan->S);
+    dt__backend_for(ys);
+    dt__scratch_reset();
+    dt_tensor *y = dt__tensor_out_2d(plan->N, D);
+    float *v = dt__out(y);
+    dt__moe_to_tokens(ys, dt__in(ys), dt__in(weights), plan->slot_of_choice_dev, v, plan->N, plan->k, D, 0);
+    dt__out_done(y, v);
+    if (dt__wants_grad(ys, weights, NULL)) dt__tape_push(dt__moe_combine_backward, y, ys, weights, NULL)->saved = (void *)plan;
+    return y;
+}
+
+/* -- rows: copies of runs of rows, and their gradients added back -- */
+static void dt__add_rows(const dt_tensor *like, float *dst, const float *src, int64_t rows, int D) {
+    const dt_backend *gpu = dt__backend_of(like->device);
+    if (gpu) { gpu->copy_columns(dst, D, src, D, rows, D, 1); return; }
+    for (int64_t i = 0; i < rows * D; i++) dst[i] += src[i];
+}
+static void dt__rows_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0], *y = e->out;
+    if (!x->requires_grad) return;
+    int D = (int)dt_tensor_cols(x);
+    float *dx = dt__grad_acc(x);
+    dt__add_rows(x, dx + (size_t)e->iarg[0] * D, dt__grad_in(y), dt_tensor_rows(y), D);
+    dt__grad_acc_done(x, dx);
+}
+dt_tensor *dt_rows(dt_tensor *x, int first, int count) {
+    int D = (int)dt_tensor_cols(x), shape[2] = { count, D };
+    if (first < 0 || count < 0 || first + (int64_t)count > dt_tensor_rows(x))
+        dt_fail("dt_rows: rows %d .. %d of %lld", first, first + count - 1, (long long)dt_tensor_rows(x));
+    dt__backend_for(x);
+    dt_tensor *y = dt__tensor_alloc(2, shape, x->dtype);
+    size_t z = dt_dtype_size(x->dtype);
+    if (count) dt_convert((const char *)x->data + (size_t)first * D * z, x->dtype, y->data, x->dtype, (int64_t)count * D);
+    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__rows_backward, y, x, NULL, NULL)->iarg[0] = first;
+    return y;
+}
+static void dt__cat_rows_backward(dt__tape_entry *e) {
+    dt_tensor *const *parts = (dt_tensor *const *)e->saved, *y = e->out;
+    int D = (int)dt_tensor_cols(y);
+    const float *dy = dt__grad_in(y);
+    for (int i = 0; i < e->iarg[0]; dy += (size_t)parts[i]->numel, i++) {
+        if (!parts[i]->requires_grad) continue;
+        float *dx = dt__grad_acc(parts[i]);
+        dt__add_rows(y, dx, dy, dt_tensor_rows(parts[i]), D);
+        dt__grad_acc_done(parts[i], dx);
+    }
+}
+dt_tensor *dt_cat_rows(dt_tensor *const *parts, int n) {
+    if (n < 1) dt_fail("dt_cat_rows: no tensors to join");
+    int D = (int)dt_tensor_cols(parts[0]), rows = 0, grad = 0;
+    for (int i = 0; i < n; i++) {
+        if (dt_tensor_cols(parts[i]) != D || parts[i]->dtype != parts[0]->dtype)
+            dt_fail("dt_cat_rows: part %d is [%lld, %lld], part 0 has %d columns (the same dtype too)", i,
+                    (long long)dt_tensor_rows(parts[i]), (long long)dt_tensor_cols(parts[i]), D);
+        rows += (int)dt_tensor_rows(parts[i]);
+        grad |= dt__wants_grad(parts[i], NULL, NULL);
+        dt__backend_for(parts[i]);
+    }
+    int shape[2] = { rows, D };
+    dt_tensor *y = dt__tensor_alloc(2, shape, parts[0]->dtype);
+    size_t z = dt_dtype_size(y->dtype), at = 0;
+    for (int i = 0; i < n; at += (size_t)parts[i]->numel * z, i++)
+        if (parts[i]->numel) dt_convert(parts[i]->data, y->dtype, (char *)y->data + at, y->dtype, parts[i]->numel);
+    if (grad) {
+        dt_tensor **keep = (dt_tensor **)dt_step_alloc(sizeof *keep * (size_t)n);
+        memcpy(keep, parts, sizeof *keep * (size_t)n);
+        dt__tape_entry *e = dt__tape_push(dt__cat_rows_backward, y, NULL, NULL, NULL);
+        e->saved = keep;
+        e->iarg[0] = n;
+    }
+    return y;
+}
+
+/* -- the layer: route, weigh, dispatch, each expert on its rows, combine. An
+      expert given no token is not run (nor its parameters' gradients touched). -- */
+dt_tensor *dt_moe_forward(const dt_moe_layer *L, dt_tensor *x) {
+    int E = (int)dt_tensor_rows(L->router);
+    dt_tensor *logits = dt_linear(x, L->router, NULL);
+    dt_moe_plan *plan = dt_moe_route(logits, L->k, L->capacity, L->stats);
+    dt_tensor *w = dt_moe_gate_weights(logits, plan, L->balance_coef);
+    dt_tensor *xs = dt_moe_dispatch(x, plan);
+    dt_tensor **outs = (dt_tensor **)dt_step_alloc(sizeof *outs * (size_t)E);
+    int ran = 0;
+    for (int e = 0; e < E; e++) {
+        int first = plan->expert_first[e], count = plan->expert_first[e + 1] - first;
+        if (count) outs[ran++] = L->expert(L->ctx, e, dt_rows(xs, first, count));
+    }
+    return dt_moe_combine(ran ? dt_cat_rows(outs, ran) : xs, w, plan);   /* no slot: xs is [0, D] */
+}
+/* [src/08-models.h] */
 /* ==== layers and models ======================================================
    A model is a list of named parameters in forward order plus a forward
    function. All parameters sit in one flat buffer (and their gradients in
@@ -5144,6 +5605,38 @@ static void dt__add_layernorm(dt__model_builder *mb, const char *prefix, int dim
 static void dt__check_heads(const dt_model_config *cfg) {
     if (cfg->heads < 1 || cfg->dim % cfg->heads) dt_fail("--dim %d is not divisible by --heads %d", cfg->dim, cfg->heads);
 }
+static void dt__add_projection(dt__model_builder *mb, const char *prefix, int in, int out, int bias) {
+    char name[160];
+    dt__path(name, sizeof name, "%s.weight", prefix);
+    dt__add_param(mb, name, DT_INIT_NORMAL, 0.02f, 2, out, in, 0, 0);
+    dt__path(name, sizeof name, "%s.bias", prefix);
+    if (bias) dt__add_param(mb, name, DT_INIT_ZERO, 0, 1, out, 0, 0, 0);
+}
+/* A mixture of experts in block l's place of the MLP: the router, then each
+   expert's layers, whole under tensor parallelism. GPT-2 has no MoE of its
+   own: h.L.mlp.gate, h.L.mlp.experts.E.c_fc and .c_proj; llama's are Mixtral's
+   (block_sparse_moe: gate, experts.E.w1, w2, w3). */
+static int dt__moe_block(const dt_model_config *c, int l) { return c->moe_experts > 0 && (l + 1) % (c->moe_every > 1 ? c->moe_every : 1) == 0; }
+static void dt__add_experts(dt__model_builder *mb, const dt_model_config *c, int l, float proj) {
+    int llama = c->kind == DT_MODEL_LLAMA, F = c->mlp_hidden, D = c->dim;
+    const char *at = llama ? "model.layers.%d.block_sparse_moe" : "h.%d.mlp";
+    char prefix[96], name[160];
+    if (c->moe_top_k < 1 || c->moe_top_k > c->moe_experts || !(c->moe_capacity >= 0) || !(c->moe_aux_loss >= 0))
+        dt_fail("the experts: top-k %d of %d, capacity %g, balancing loss %g (k from 1 to the experts, the rest 0 or more)",
+                c->moe_top_k, c->moe_experts, (double)c->moe_capacity, (double)c->moe_aux_loss);
+    snprintf(prefix, sizeof prefix, at, l);
+    snprintf(name, sizeof name, "%s.gate.weight", prefix);
+    dt__add_param(mb, name, DT_INIT_NORMAL, 0.02f, 2, c->moe_experts, D, 0, 0);
+    for (int e = 0; e < c->moe_experts; e++) {
+        const char *w[3] = { "w1", "w2", "w3" }, *g[2] = { "c_fc", "c_proj" };
+        for (int i = 0; i < (llama ? 3 : 2); i++) {
+            snprintf(name, sizeof name, "%s.experts.%d.%s", prefix, e, llama ? w[i] : g[i]);
+            int in = i == 1 ? F : D, out = i == 1 ? D : F;
+            if (llama) dt__add_projection(mb, name, in, out, 0);
+            else dt__add_conv1d(mb, name, in, out, i ? proj : 0.02f);
+        }
+    }
+}
 static void dt__gpt_build(dt__model_builder *mb, const dt_model_config *cfg) {
     int D = cfg->dim;
     dt__check_heads(cfg);
@@ -5165,6 +5658,7 @@ static void dt__gpt_build(dt__model_builder *mb, const dt_model_config *cfg) {
         snprintf(name, sizeof name, "h.%d.attn.c_proj", l); dt__add_conv1d(mb, name, D, D, proj);
         dt__split_row(mb, 1, D / cfg->heads);
         snprintf(name, sizeof name, "h.%d.ln_2", l); dt__add_layernorm(mb, name, D);
+        if (dt__moe_block(cfg, l)) { dt__add_experts(mb, cfg, l, proj); continue; }
         snprintf(name, sizeof name, "h.%d.mlp.c_fc", l); dt__add_conv1d(mb, name, D, cfg->mlp_hidden, 0.02f);
         dt__split_column(mb, 1, 1, 1);
         snprintf(name, sizeof name, "h.%d.mlp.c_proj", l); dt__add_conv1d(mb, name, cfg->mlp_hidden, D, proj);
@@ -5224,13 +5718,6 @@ static void dt__vit_build(dt__model_builder *mb, const dt_model_config *cfg) {
 
 /* A linear layer without bias, as every Llama projection is (Qwen2's q, k, v
    have one): nn.Linear's [out, in] weight. */
-static void dt__add_projection(dt__model_builder *mb, const char *prefix, int in, int out, int bias) {
-    char name[160];
-    dt__path(name, sizeof name, "%s.weight", prefix);
-    dt__add_param(mb, name, DT_INIT_NORMAL, 0.02f, 2, out, in, 0, 0);
-    dt__path(name, sizeof name, "%s.bias", prefix);
-    if (bias) dt__add_param(mb, name, DT_INIT_ZERO, 0, 1, out, 0, 0, 0);
-}
 /* The same marks for a projection just added, with or without its bias:
    column-parallel (its outputs, in `align`-wide pieces: a head's width) or
    row-parallel (its inputs; it has no bias). */
@@ -5283,6 +5770,7 @@ static void dt__llama_build(dt__model_builder *mb, const dt_model_config *cfg) {
         dt__split_projection(mb, 0, 0, hd);
         snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
         dt__add_param(mb, name, DT_INIT_ONE, 0, 1, D, 0, 0, 0);
+        if (dt__moe_block(cfg, l)) { dt__add_experts(mb, cfg, l, 0.02f); continue; }
         snprintf(name, sizeof name, "model.layers.%d.mlp.gate_proj", l); dt__add_projection(mb, name, D, cfg->mlp_hidden, 0);
         dt__split_projection(mb, 0, 1, 1);
         snprintf(name, sizeof name, "model.layers.%d.mlp.up_proj", l); dt__add_projection(mb, name, D, cfg->mlp_hidden, 0);
@@ -5342,7 +5830,9 @@ static void dt__recompute_backward(dt__tape_entry *e) {
     if (x->requires_grad) dt_grad(x);       /* before the mark: x's gradient outlives the block's */
     dt__step_mark k = dt__step_mark_now();
     int first = dt__ctx.tape_len;           /* e points into the tape, which grows: not used below */
+    dt__ctx.recomputing = 1;
     dt_tensor *again = call.fn(call.m, call.params, x, call.B, call.T);
+    dt__ctx.recomputing = 0;
     again->grad = y->grad;                  /* the gradient that reached the block's output */
     dt__tape_walk(first, dt__ctx.tape_len);
     dt__ctx.tape_len = first;
@@ -5451,10 +5941,27 @@ static int dt__heads_here(const dt_model *m, const dt_tensor *qkv) {
       pipeline stage's share (dt_model_forward_blocks), from x when it does
       not begin with the embedding, to x when it does not end with the head -- */
 typedef struct dt__span { int first, end; dt_tensor *x; } dt__span;
-static dt_tensor *dt__span_blocks(dt_model *m, const dt__span *s, int first_unit, dt__block_fn fn, dt_tensor *x, int B,
-                                  int T) {
-    for (int l = s->first; l < s->end; l++) x = dt__block(m, first_unit + l, fn, dt__unit_weights(m, first_unit + l), x, B, T);
+static dt_tensor *dt__span_blocks(dt_model *m, const dt__span *s, int first_unit, dt__block_fn fn, dt__block_fn moe_fn,
+                                  dt_tensor *x, int B, int T) {
+    for (int l = s->first; l < s->end; l++)
+        x = dt__block(m, first_unit + l, dt__moe_block(&m->cfg, l) ? moe_fn : fn, dt__unit_weights(m, first_unit + l), x, B, T);
     return x;
+}
+/* A mixture of experts on h (the MoE chapter), its router at P, each expert
+   `per_expert` tensors after, run by mlp; the balancing loss shared out over the MoE layers. */
+typedef struct { dt_model *m; dt_tensor *first; int per_expert; dt_tensor *(*mlp)(void *m, dt_tensor *P, dt_tensor *h); } dt__experts;
+static dt_tensor *dt__run_expert(void *ctx, int e, dt_tensor *rows) {
+    const dt__experts *x = (const dt__experts *)ctx;
+    return x->mlp(x->m, x->first + (size_t)e * x->per_expert, rows);
+}
+static dt_tensor *dt__moe(dt_model *m, dt_tensor *P, dt_tensor *h, int per_expert,
+                          dt_tensor *(*mlp)(void *m, dt_tensor *P, dt_tensor *h)) {
+    const dt_model_config *c = &m->cfg;
+    int layers = 0;
+    for (int l = 0; l < c->depth; l++) layers += dt__moe_block(c, l);
+    dt__experts experts = { m, &P[1], per_expert, mlp };
+    dt_moe_layer L = { &P[0], c->moe_top_k, c->moe_capacity, c->moe_aux_loss / layers, dt__run_expert, &experts, &m->moe };
+    return dt_moe_forward(&L, h);
 }
 
 /* The MLP: linear layers with GELU between them; a block is one layer and
@@ -5506,7 +6013,7 @@ static dt_tensor *dt__vit_forward(dt_model *m, dt_tensor *images, const dt__span
         x = dt_sp_split(m->parallel, dt_vit_tokens(x, cls, pos, B));  /* --sequence-parallel: this rank's rows */
         dt__unit_boundary(m, 0, 0);
     }
-    x = dt__span_blocks(m, s, 1, dt__vit_block, x, B, T);
+    x = dt__span_blocks(m, s, 1, dt__vit_block, NULL, x, B, T);
     if (s->end < c->depth) return x;
     x = dt_sp_gather(m->parallel, x);
     dt__unit_boundary(m, 1 + c->depth, 1);
@@ -5528,14 +6035,23 @@ static void dt__check_context(const char *family, int T, int context) {
 }
 
 /* A GPT-2 block: causal self-attention and an MLP, pre-LN, GPT-2's layout. */
-static dt_tensor *dt__gpt_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
+static dt_tensor *dt__gpt_attention(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
     dt_tensor *n1w = &P[0], *n1b = &P[1], *aw = &P[2], *ab = &P[3], *pw = &P[4], *pb = &P[5];
-    dt_tensor *n2w = &P[6], *n2b = &P[7], *fw = &P[8], *fb = &P[9], *mw = &P[10], *mb = &P[11];
     dt_tensor *h = dt__lora_linear_in_out(m, dt_layernorm(x, n1w, n1b, 1e-5f), aw, ab);
     h = dt__lora_linear_in_out(m, dt_attention(h, B, T, dt__heads_here(m, h), /*causal*/ 1), pw, pb);
-    x = dt_add(x, h);
-    h = dt__lora_linear_in_out_gelu_tanh(m, dt_layernorm(x, n2w, n2b, 1e-5f), fw, fb);
-    return dt_add(x, dt__lora_linear_in_out(m, h, mw, mb));
+    return dt_add(x, h);
+}
+static dt_tensor *dt__gpt_mlp(void *model, dt_tensor *P, dt_tensor *h) {   /* c_fc, c_proj: an MLP, or an expert */
+    dt_model *m = (dt_model *)model;
+    return dt__lora_linear_in_out(m, dt__lora_linear_in_out_gelu_tanh(m, h, &P[0], &P[1]), &P[2], &P[3]);
+}
+static dt_tensor *dt__gpt_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
+    x = dt__gpt_attention(m, P, x, B, T);
+    return dt_add(x, dt__gpt_mlp(m, &P[8], dt_layernorm(x, &P[6], &P[7], 1e-5f)));
+}
+static dt_tensor *dt__gpt_moe_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
+    x = dt__gpt_attention(m, P, x, B, T);
+    return dt_add(x, dt__moe(m, &P[8], dt_layernorm(x, &P[6], &P[7], 1e-5f), 4, dt__gpt_mlp));
 }
 
 /* GPT-2: pre-LN blocks of causal self-attention and an MLP; the head is the
@@ -5551,7 +6067,7 @@ static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens, const dt__span
         dt__unit_boundary(m, 0, 1);                                     /* the outer unit, until the head */
         x = dt_sp_split(m->parallel, dt__vocab_embedding(m, tokens, wte, wpe));   /* --sequence-parallel */
     }
-    x = dt__span_blocks(m, s, 1, dt__gpt_block, x, B, T);
+    x = dt__span_blocks(m, s, 1, dt__gpt_block, dt__gpt_moe_block, x, B, T);
     if (s->end < c->depth) {                                            /* a pipeline stage before the head's */
         if (s->first == 0) dt__unit_boundary(m, 0, 0);
         return x;
@@ -5564,15 +6080,23 @@ static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens, const dt__span
 #undef DT_NEXT
 }
 
-/* A Llama decoder layer (Qwen2's with biases on q, k and v). */
-static dt_tensor *dt__llama_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
+/* A Llama decoder layer (Qwen2's with biases on q, k and v; Mixtral's with experts). */
+static dt_tensor *dt__llama_mlp(void *model, dt_tensor *P, dt_tensor *h) {   /* gate, up, down: down(silu(gate h) * up h) */
+    dt_model *m = (dt_model *)model;
+    return dt__lora_linear(m, dt_swiglu(dt__lora_linear(m, h, &P[0], NULL), dt__lora_linear(m, h, &P[1], NULL)), &P[2], NULL);
+}
+static dt_tensor *dt__mixtral_expert(void *model, dt_tensor *P, dt_tensor *h) {   /* w1, w2, w3: w2(silu(w1 h) * w3 h) */
+    dt_model *m = (dt_model *)model;
+    return dt__lora_linear(m, dt_swiglu(dt__lora_linear(m, h, &P[0], NULL), dt__lora_linear(m, h, &P[2], NULL)), &P[1], NULL);
+}
+static dt_tensor *dt__llama_layer(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T, int moe) {
     const dt_model_config *c = &m->cfg;
     dt_rope rope = { c->rope_theta, c->rope_factor, c->rope_low_freq, c->rope_high_freq, c->rope_original_context };
     int pi = 0;
 #define DT_NEXT (&P[pi++])
 #define DT_BIAS (c->qkv_bias ? DT_NEXT : NULL)
     dt_tensor *n1 = DT_NEXT, *qw = DT_NEXT, *qb = DT_BIAS, *kw = DT_NEXT, *kb = DT_BIAS, *vw = DT_NEXT, *vb = DT_BIAS;
-    dt_tensor *ow = DT_NEXT, *n2 = DT_NEXT, *gw = DT_NEXT, *uw = DT_NEXT, *dw = DT_NEXT;
+    dt_tensor *ow = DT_NEXT, *n2 = DT_NEXT, *mlp = DT_NEXT;
 #undef DT_BIAS
 #undef DT_NEXT
     dt_tensor *h = dt_rmsnorm(x, n1, c->norm_eps);
@@ -5581,8 +6105,10 @@ static dt_tensor *dt__llama_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B
     dt_tensor *qkv = dt_rotary_qkv(q, k, v, B, T, H, KV, rope);
     x = dt_add(x, dt__lora_linear(m, dt_attention(qkv, B, T, H, /*causal*/ 1), ow, NULL));
     h = dt_rmsnorm(x, n2, c->norm_eps);
-    return dt_add(x, dt__lora_linear(m, dt_swiglu(dt__lora_linear(m, h, gw, NULL), dt__lora_linear(m, h, uw, NULL)), dw, NULL));
+    return dt_add(x, moe ? dt__moe(m, mlp, h, 3, dt__mixtral_expert) : dt__llama_mlp(m, mlp, h));
 }
+static dt_tensor *dt__llama_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { return dt__llama_layer(m, P, x, B, T, 0); }
+static dt_tensor *dt__llama_moe_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { return dt__llama_layer(m, P, x, B, T, 1); }
 
 /* Llama: what changed since GPT-2, block by block. RMSNorm instead of
    LayerNorm; no position table, q and k rotated by position instead; fewer
@@ -5600,7 +6126,7 @@ static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens, const dt__sp
         x = dt_sp_split(m->parallel, dt__vocab_embedding(m, tokens, embed, NULL));   /* --sequence-parallel */
         if (!tied) dt__unit_boundary(m, 0, 0);
     }
-    x = dt__span_blocks(m, s, 1, dt__llama_block, x, B, T);
+    x = dt__span_blocks(m, s, 1, dt__llama_block, dt__llama_moe_block, x, B, T);
     if (s->end < c->depth) {
         if (s->first == 0 && tied) dt__unit_boundary(m, 0, 0);
         return x;
@@ -5654,77 +6180,11 @@ static void dt__llama_describe(const dt_model *m, char *out, size_t n) {
              (double)c->rope_theta, scaling, (double)c->norm_eps, c->untied_head ? " untied-head" : "",
              c->qkv_bias ? " qkv-bias" : "", dt__whole_params(m) / 1e6);
 }
-/* The config.json beside a checkpoint's weights: the model's shape in the words
-   of the library that has the same model -- transformers for gpt (GPT2LMHeadModel)
-   and llama (LlamaForCausalLM, or Qwen2ForCausalLM when q, k and v have biases,
-   the one difference between the two), timm for vit (what timm writes when it
-   pushes a model to the Hub). A plain MLP has no such library: its file names
-   the layers for whoever rebuilds it (tests/hf_load_check.py does). */
-static void dt__mlp_config_json(FILE *f, const dt_model_config *c) {
-    fprintf(f, "{\n  \"dtrain_model\": \"mlp\",\n  \"layers\": \"fc1 .. fc%d, nn.Linear each, exact GELU between; the image "
-            "flattened (channels, rows, columns) first\",\n  \"in_features\": %d,\n  \"hidden_size\": %d,\n"
-            "  \"num_hidden_layers\": %d,\n  \"num_classes\": %d\n}\n", c->depth + 1,
-            c->channels * c->image_size * c->image_size, c->dim, c->depth, c->classes);
-}
-static void dt__vit_config_json(FILE *f, const dt_model_config *c) {
-    /* timm's registered names fix nothing here: model_args overrides every shape.
-       timm's MLP is int(dim * mlp_ratio) wide: a ratio that rounds below is nudged. */
-    double ratio = (double)c->mlp_hidden / c->dim;
-    if ((int)(c->dim * ratio) != c->mlp_hidden) ratio = (c->mlp_hidden + 0.5) / c->dim;
-    fprintf(f, "{\n  \"architecture\": \"vit_base_patch16_224\",\n  \"num_classes\": %d,\n  \"num_features\": %d,\n"
-            "  \"global_pool\": \"token\",\n  \"model_args\": {\"img_size\": %d, \"patch_size\": %d, \"in_chans\": %d, "
-            "\"embed_dim\": %d, \"depth\": %d, \"num_heads\": %d, \"mlp_ratio\": %.17g, \"num_classes\": %d},\n"
-            "  \"pretrained_cfg\": {\"input_size\": [%d, %d, %d], \"num_classes\": %d}\n}\n", c->classes, c->dim,
-            c->image_size, c->patch, c->channels, c->dim, c->depth, c->heads, ratio, c->classes,
-            c->channels, c->image_size, c->image_size, c->classes);
-}
-static void dt__gpt_config_json(FILE *f, const dt_model_config *c) {
-    fprintf(f, "{\n  \"model_type\": \"gpt2\",\n  \"architectures\": [\"GPT2LMHeadModel\"],\n  \"vocab_size\": %d,\n"
-            "  \"n_positions\": %d,\n  \"n_embd\": %d,\n  \"n_layer\": %d,\n  \"n_head\": %d,\n  \"n_inner\": %d,\n"
-            "  \"activation_function\": \"gelu_new\",\n  \"layer_norm_epsilon\": 1e-05,\n  \"tie_word_embeddings\": true,\n"
-            "  \"resid_pdrop\": 0.0,\n  \"embd_pdrop\": 0.0,\n  \"attn_pdrop\": 0.0,\n  \"torch_dtype\": \"float32\"\n}\n",
-            c->classes, c->seq_len, c->dim, c->depth, c->heads, c->mlp_hidden);
-}
-/* A float as JSON that reads back as a float (transformers checks the type): 8 is written 8.0. */
-static const char *dt__json_float(char *out, size_t n, float v) {
-    snprintf(out, n, "%.9g", (double)v);
-    if (!strpbrk(out, ".eEn")) snprintf(out + strlen(out), n - strlen(out), ".0");
-    return out;
-}
-static void dt__llama_config_json(FILE *f, const dt_model_config *c) {
-    char scaling[256] = "null", a[32], b[32], d[32];
-    if (c->rope_factor > 0)
-        snprintf(scaling, sizeof scaling, "{\"rope_type\": \"llama3\", \"factor\": %s, \"low_freq_factor\": %s, "
-                 "\"high_freq_factor\": %s, \"original_max_position_embeddings\": %d}", dt__json_float(a, sizeof a, c->rope_factor),
-                 dt__json_float(b, sizeof b, c->rope_low_freq), dt__json_float(d, sizeof d, c->rope_high_freq),
-                 c->rope_original_context);
-    const char *type = c->qkv_bias ? "qwen2" : "llama", *arch = c->qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM";
-    fprintf(f, "{\n  \"model_type\": \"%s\",\n  \"architectures\": [\"%s\"],\n  \"vocab_size\": %d,\n  \"hidden_size\": %d,\n"
-            "  \"intermediate_size\": %d,\n  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n"
-            "  \"num_key_value_heads\": %d,\n  \"head_dim\": %d,\n  \"max_position_embeddings\": %d,\n  \"rope_theta\": %.9g,\n"
-            "  \"rope_scaling\": %s,\n  \"rms_norm_eps\": %.9g,\n  \"hidden_act\": \"silu\",\n  \"tie_word_embeddings\": %s,\n"
-            "%s  \"attention_dropout\": 0.0,\n  \"torch_dtype\": \"float32\"\n}\n", type, arch, c->classes, c->dim, c->mlp_hidden,
-            c->depth, c->heads, c->kv_heads, c->dim / c->heads, c->seq_len, (double)c->rope_theta, scaling, (double)c->norm_eps,
-            c->untied_head ? "false" : "true",
-            c->qkv_bias ? "  \"use_sliding_window\": false,\n" : "  \"attention_bias\": false,\n  \"mlp_bias\": false,\n");
-}
-
 /* The parameters a language model looks up rather than multiplies: GPT-2's
    position table, Llama's embedding when its head is a matrix of its own. */
 static int64_t dt__no_params(const dt_model *m) { (void)m; return 0; }
 static int64_t dt__gpt_lookups(const dt_model *m) { return (int64_t)m->cfg.seq_len * m->cfg.dim; }
 static int64_t dt__llama_lookups(const dt_model *m) { return m->cfg.untied_head ? (int64_t)m->cfg.classes * m->cfg.dim : 0; }
-
-/* A checkpoint's "model_config": the shape's numbers, comma-separated, in this
-   order; a family writes the first `numbers` of them. */
-typedef struct dt__config_number { const char *name; size_t offset; int is_float; } dt__config_number;
-#define DT__CN(field, f) { #field, offsetof(dt_model_config, field), f }
-static const dt__config_number dt__config_numbers[] = {
-    DT__CN(channels, 0), DT__CN(image_size, 0), DT__CN(classes, 0), DT__CN(dim, 0), DT__CN(depth, 0), DT__CN(heads, 0),
-    DT__CN(patch, 0), DT__CN(mlp_hidden, 0), DT__CN(seq_len, 0), DT__CN(kv_heads, 0), DT__CN(untied_head, 0),
-    DT__CN(qkv_bias, 0), DT__CN(rope_theta, 1), DT__CN(norm_eps, 1), DT__CN(rope_factor, 1), DT__CN(rope_low_freq, 1),
-    DT__CN(rope_high_freq, 1), DT__CN(rope_original_context, 0) };
-#undef DT__CN
 
 /* The rows a block passes the next, per sample: the mlp's one, the ViT's
    patches and class token, a language model's tokens. */
@@ -5737,29 +6197,26 @@ static int dt__token_rows(const dt_model *m, const dt_tensor *inputs) { (void)m;
 
 typedef struct dt__model_family dt__model_family;
 static const dt__model_family *dt__family(dt_model_kind kind);
-/* The names of a family's numbers, comma-separated: "channels,image_size,...". */
-static void dt__config_names(dt_model_kind kind, char *out, size_t n);
 
 struct dt__model_family {
     const char *name;                  /* --model NAME, and a checkpoint's "model" */
     int language;                      /* token ids in, next-token logits out */
-    int numbers;                       /* how many of dt__config_numbers describe its shape */
+    int numbers;                       /* how many of a checkpoint's shape numbers describe it (the Hugging Face chapter) */
     void (*build)(dt__model_builder *mb, const dt_model_config *cfg);
     int blocks_past_depth;             /* its blocks are --depth plus this many (the mlp's output layer: 1) */
     dt_tensor *(*forward)(dt_model *m, dt_tensor *inputs, const dt__span *span);
     int (*rows_per_sample)(const dt_model *m, const dt_tensor *inputs);   /* of what one block passes the next */
     void (*describe)(const dt_model *m, char *out, size_t n);
     int64_t (*lookups)(const dt_model *m);   /* parameters that never multiply */
-    void (*config_json)(FILE *f, const dt_model_config *c);   /* a checkpoint's config.json */
     const char *lora_targets;          /* LoRA's default targets (PEFT's, where it has them); NULL: every linear layer */
     const char *hf_prefix;             /* what Hugging Face's module names have before dtrain's */
 };
 /* in dt_model_kind's order */
 static const dt__model_family dt__model_families[] = {
-    { "mlp", 0, 8, dt__mlp_build, 1, dt__mlp_forward, dt__one_row, dt__mlp_describe, dt__no_params, dt__mlp_config_json, NULL, "" },
-    { "vit", 0, 8, dt__vit_build, 0, dt__vit_forward, dt__vit_rows, dt__vit_describe, dt__no_params, dt__vit_config_json, "qkv", "" },
-    { "gpt", 1, 9, dt__gpt_build, 0, dt__gpt_forward, dt__token_rows, dt__gpt_describe, dt__gpt_lookups, dt__gpt_config_json, "c_attn", "transformer." },
-    { "llama", 1, 18, dt__llama_build, 0, dt__llama_forward, dt__token_rows, dt__llama_describe, dt__llama_lookups, dt__llama_config_json,
+    { "mlp", 0, 8, dt__mlp_build, 1, dt__mlp_forward, dt__one_row, dt__mlp_describe, dt__no_params, NULL, "" },
+    { "vit", 0, 8, dt__vit_build, 0, dt__vit_forward, dt__vit_rows, dt__vit_describe, dt__no_params, "qkv", "" },
+    { "gpt", 1, 9, dt__gpt_build, 0, dt__gpt_forward, dt__token_rows, dt__gpt_describe, dt__gpt_lookups, "c_attn", "transformer." },
+    { "llama", 1, 18, dt__llama_build, 0, dt__llama_forward, dt__token_rows, dt__llama_describe, dt__llama_lookups,
       "q_proj,v_proj", "" },
 };
 #define DT__NFAMILIES ((int)(sizeof dt__model_families / sizeof dt__model_families[0]))
@@ -5768,15 +6225,6 @@ static const dt__model_family *dt__family(dt_model_kind kind) {
     return &dt__model_families[kind];
 }
 int dt_model_is_language(dt_model_kind kind) { return dt__family(kind)->language; }
-static void dt__config_names(dt_model_kind kind, char *out, size_t n) {
-    size_t used = 0;
-    out[0] = 0;
-    for (int k = 0; k < dt__family(kind)->numbers && used < n; k++) {
-        int w = snprintf(out + used, n - used, "%s%s", k ? "," : "", dt__config_numbers[k].name);
-        used += w > 0 ? (size_t)w : 0;
-    }
-}
-
 /* The flat buffers of the parameters the builder listed, and their first values. */
 static void dt__model_allocate(dt_model *m, dt__model_builder *mb, uint64_t seed, int frozen) {
     m->unit_first[m->nunits] = m->nparams;
@@ -5950,6 +6398,12 @@ static dt_model *dt__model_create(const dt_model_config *cfg, uint64_t seed, int
         seed ^= 0x4C6F5241ull;               /* the adapters' own draws ("LoRA") */
     } else
         fam->build(&mb, cfg);
+    if (cfg->moe_experts > 0) {
+        if (!fam->language) dt_fail("%s: experts replace a language model's MLP (gpt, llama)", fam->name);
+        m->moe.experts = cfg->moe_experts;
+        m->moe.routed = (int64_t *)calloc((size_t)cfg->moe_experts, sizeof(int64_t));
+        if (!m->moe.routed) dt_fail("out of memory (model)");
+    }
     /* which block reads each parameter (pipeline parallelism): its unit's,
        the first unit being the embedding when there are more units than
        blocks (all but the mlp) */
@@ -5975,6 +6429,7 @@ void dt_model_free(dt_model *m) {
     dt_free_on(m->device, DT_ARENA_PARAMS, m->flat_data, (size_t)m->numel * sizeof(float));
     dt_free_on(m->device, DT_ARENA_GRADS, m->flat_grad, (size_t)m->numel * sizeof(float));
     free(m->lora_of);
+    free(m->moe.routed);
     free(m->base_source);
     dt_model_free(m->base);
     free(m);
@@ -6018,30 +6473,26 @@ void dt_model_zero_grad(dt_model *m) { dt__zero_on(m->device, m->flat_grad, (siz
 void dt_model_describe(const dt_model *m, char *out, size_t n) {
     dt__family(m->cfg.kind)->describe(m->base ? m->base : m, out, n);
     size_t used = strlen(out);
+    const dt_model_config *c = &m->cfg;
+    if (c->moe_experts && used < n)
+        used += (size_t)snprintf(out + used, n - used, " + %d experts, top-%d, every %d block(s), capacity %g", c->moe_experts,
+                                 c->moe_top_k, c->moe_every, (double)c->moe_capacity);
     if (m->base && used < n)
         snprintf(out + used, n - used, " + LoRA rank=%d alpha=%g on %s (%lld trainable)", m->cfg.lora_rank,
                  (double)m->cfg.lora_alpha, m->cfg.lora_targets, (long long)m->numel);
 }
 
-/* How checkpoints name a model and its shape (their "model" and "model_config"). */
+/* How checkpoints name a model (their "model"). */
 static const char *dt__model_kind_name(dt_model_kind k) { return dt__family(k)->name; }
-static void dt__model_config_string(const dt_model_config *mc, char *out, size_t n) {
-    size_t used = 0;
-    out[0] = 0;
-    for (int k = 0; k < dt__family(mc->kind)->numbers && used < n; k++) {
-        const char *field = (const char *)mc + dt__config_numbers[k].offset;
-        int w = dt__config_numbers[k].is_float ? snprintf(out + used, n - used, "%s%.9g", k ? "," : "", (double)*(const float *)field)
-                                               : snprintf(out + used, n - used, "%s%d", k ? "," : "", *(const int *)field);
-        used += w > 0 ? (size_t)w : 0;
-    }
-}
 
 double dt_model_flops_per_token(const dt_model *m) {
     const dt_model_config *c = &m->cfg;
     const dt__model_family *fam = dt__family(c->kind);
     if (!fam->language) return 0;
     const dt_model *w = m->base ? m->base : m;
-    double multiplying = (double)w->numel - (double)fam->lookups(m);
+    double multiplying = (double)w->numel - (double)fam->lookups(m), experts = 0;
+    for (int i = 0; i < (c->moe_experts ? w->nparams : 0); i++) experts += strstr(w->params[i].name, ".experts.") ? (double)w->params[i].numel : 0;
+    multiplying -= experts * (c->moe_experts - c->moe_top_k) / (c->moe_experts ? c->moe_experts : 1);   /* k of E work */
     /* a frozen weight costs its forward and the input's gradient, 4 per
        parameter, not the weight's gradient; LoRA's adapters cost 6 */
     return (m->base ? 4.0 * multiplying + 6.0 * (double)m->numel : 6.0 * multiplying) + 12.0 * c->depth * c->dim * c->seq_len;
@@ -6086,7 +6537,7 @@ dt_tensor *dt_model_forward_blocks(dt_model *m, dt_tensor *inputs, dt_tensor *x,
     dt__span span = { first, end, x };
     return dt__family(m->cfg.kind)->forward(m, inputs, &span);
 }
-/* [src/08-optimizer.h] */
+/* [src/09-optimizer.h] */
 /* ==== optimizer ==============================================================
    The update rules are PyTorch's, element for element, so a step here matches a
    step there. Biases and norm weights (1-D parameters) get no weight decay. */
@@ -6221,7 +6672,7 @@ float dt_schedule_lr(float base_lr, int64_t step, int64_t warmup, int64_t total)
     return (float)(base_lr * 0.5 * (1.0 + cos(3.14159265358979323846 * progress)));
 }
 
-/* [src/09-mixed-precision.h] */
+/* [src/10-mixed-precision.h] */
 /* ==== mixed precision =======================================================
    Half the bytes: activations, the matmuls' operands and what the collectives
    carry in 16 bits, while everything that adds up many small numbers stays in
@@ -6279,7 +6730,7 @@ int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt) {
     return 1;
 }
 
-/* [src/10-collectives.h] */
+/* [src/11-collectives.h] */
 /* ==== collectives ===========================================================
    Data parallel training needs a handful of collective operations: every rank
    contributes a buffer and gets back the sum (all-reduce), its share of the sum
@@ -7349,7 +7800,7 @@ void dt_mesh_free(dt_mesh *mesh) {
     free(mesh);
 }
 
-/* [src/11-data-parallel.h] */
+/* [src/12-data-parallel.h] */
 /* ==== parallel wrappers =====================================================
    Data parallel training in three shapes. DataParallel (stage 02): one
    process, N devices, device 0 in charge -- replicate, scatter, forward,
@@ -7642,7 +8093,7 @@ void dt_dp_free(dt_dp *dp, int quiet) {
     }
     free(dp);
 }
-/* [src/12-ddp.h] */
+/* [src/13-ddp.h] */
 /* -- DistributedDataParallel -- */
 typedef struct dt__ddp_bucket {
     int first, last;            /* parameters first..last: one run of the flat gradient */
@@ -7760,7 +8211,7 @@ void dt_ddp_free(dt_ddp *ddp) {
     free(ddp->bucket_of);
     free(ddp);
 }
-/* [src/13-fsdp.h] */
+/* [src/14-fsdp.h] */
 
 /* -- Fully sharded data parallel -- */
 typedef struct dt__fsdp_unit {
@@ -8221,7 +8672,7 @@ void dt_data_parallel_free(dt_data_parallel *dp) {
     free(dp);
 }
 
-/* [src/14-tensor-parallel.h] */
+/* [src/15-tensor-parallel.h] */
 /* -- tensor parallelism (Megatron-LM, Shoeybi et al., 2019) --
    The model marks where each parameter may be cut (dt_split, the models chapter), and
    its layers call dt_tp_copy and dt_tp_sum (the autograd chapter) wherever a layer is
@@ -8550,7 +9001,7 @@ static dt_tensor *dt__cross_entropy_split(dt_tensor *logits, const int32_t *labe
     return dt__cross_entropy_done(logits, saved, divisor, loss);
 }
 
-/* [src/15-pipeline-parallel.h] */
+/* [src/16-pipeline-parallel.h] */
 /* -- pipeline parallelism (GPipe: Huang et al., 2019; 1F1B: PipeDream-Flush,
       Narayanan et al., 2021) --
    The blocks are cut into P runs, one per rank of a pipeline: its stage. A
@@ -9088,7 +9539,7 @@ void dt_pp_free(dt_pp *pp) {
     free(pp);
 }
 
-/* [src/16-context-parallel.h] */
+/* [src/17-context-parallel.h] */
 void dt_cp_positions(dt_cp_layout layout, int T, int C, int rank, int32_t *positions) {
     if (C < 1 || rank < 0 || rank >= C) dt_fail("dt_cp_positions: rank %d of %d", rank, C);
     int chunks = layout == DT_CP_ZIGZAG ? 2 * C : C, n = T / chunks, k = 0;
@@ -9429,7 +9880,7 @@ void dt_cp_free(dt_cp *cp) {
     free(cp);
 }
 
-/* [src/17-backend-tables.h] */
+/* [src/18-backend-tables.h] */
 /* Without CUDA there is no NCCL: the CUDA chapter defines these when there is. */
 #ifndef DT_HAVE_CUDA
 int dt_nccl_available(char *why, size_t n) {
@@ -9438,7 +9889,7 @@ int dt_nccl_available(char *why, size_t n) {
 }
 int dt_nccl_version(void) { return 0; }
 #endif
-/* [src/18-data.h] */
+/* [src/19-data.h] */
 /* ==== data ===================================================================
    Images are decoded once, resized, and kept in memory as bytes (a 50,000-image
    32x32 set is 150 MB). Each epoch the sampler deals out a fresh permutation,
@@ -10522,7 +10973,7 @@ void dt_synthetic_write(const char *dir, int n_train, int n_val, int size, uint6
     if (rename(tmp, dir) != 0) dt_fail("cannot rename '%s' to '%s': %s", tmp, dir, strerror(errno));
 }
 
-/* [src/19-launching.h] */
+/* [src/20-launching.h] */
 /* ==== launching ranks and the rendezvous ====================================
    A job is N copies of one program. Something starts them -- `--nproc N` here,
    or torchrun, srun, mpirun -- and tells each its rank through environment
@@ -11493,7 +11944,7 @@ dt_comm *dt_comm_init(dt_comm_kind kind, double timeout_s) {
     return c;
 }
 
-/* [src/20-checkpoints.h] */
+/* [src/21-checkpoints.h] */
 /* ==== checkpoints ===========================================================
    Tensors go to disk as safetensors files: an 8-byte little-endian header
    length, a JSON header {"name": {"dtype", "shape", "data_offsets"},
@@ -12121,8 +12572,9 @@ static void dt__folder_commit(dt__folder *w) {
     dt__folder_remove(old);
 }
 
-/* config.json, in the words of the library that has the same model (the models chapter). */
+/* config.json, in the words of the library that has the same model (the Hugging Face chapter). */
 static void dt__adapter_config_json(FILE *f, const dt_model *m);
+static void dt__config_json(FILE *f, const dt_model_config *c);   /* the Hugging Face chapter's */
 /* config.json, or a LoRA model's adapter_config.json */
 static void dt__folder_write_config(dt__folder *w, const dt_model *m) {
     char file[4200];
@@ -12131,7 +12583,7 @@ static void dt__folder_write_config(dt__folder *w, const dt_model *m) {
     if (!f) dt_fail("cannot write '%s': %s", file, strerror(errno));
     dt__folder_wrote(w, file);
     if (m->base) dt__adapter_config_json(f, m);
-    else dt__family(m->cfg.kind)->config_json(f, &m->cfg);
+    else dt__config_json(f, &m->cfg);
     int ok = !ferror(f) && fflush(f) == 0 && fsync(fileno(f)) == 0, e = errno;
     if (fclose(f) != 0 && ok) { ok = 0; e = errno; }
     if (!ok) dt_fail("could not write '%s': %s", file, strerror(e ? e : EIO));
@@ -12327,7 +12779,7 @@ static void dt__sharded_assemble(dt_safetensors *index, const char *path, const 
     free(unit_numel);
 }
 
-/* [src/21-hugging-face.h] */
+/* [src/22-hugging-face.h] */
 /* ---- Hugging Face model folders (--init DIR): config.json gives the shape,
         the weights sit in model.safetensors or in the files that
         model.safetensors.index.json's weight_map names. ---- */
@@ -12360,6 +12812,7 @@ typedef struct dt__hf_config {
     /* -1: not in the file */
     double dim, depth, heads, kv_heads, ffn_dim, vocab, max_positions, head_dim, rope_theta, norm_eps, tie, qkv_bias;
     double mlp_bias, sliding_window, use_sliding_window, partial_rotary;
+    double experts, experts_per_token, sparse_step, router_aux, router_logits, router_jitter, capacity;   /* Mixtral's, and dtrain's gpt */
     double rope_factor, rope_low_freq, rope_high_freq, rope_original_context;   /* rope_type llama3; 0: not given */
     int has_rope_scaling;
 } dt__hf_config;
@@ -12415,7 +12868,11 @@ static void dt__hf_config_read(const char *dir, dt__hf_config *hc) {
         { "tie_word_embeddings", offsetof(dt__hf_config, tie) }, { "attention_bias", offsetof(dt__hf_config, qkv_bias) },
         { "mlp_bias", offsetof(dt__hf_config, mlp_bias) }, { "sliding_window", offsetof(dt__hf_config, sliding_window) },
         { "use_sliding_window", offsetof(dt__hf_config, use_sliding_window) },
-        { "partial_rotary_factor", offsetof(dt__hf_config, partial_rotary) } };
+        { "partial_rotary_factor", offsetof(dt__hf_config, partial_rotary) },
+        { "num_local_experts", offsetof(dt__hf_config, experts) }, { "num_experts_per_tok", offsetof(dt__hf_config, experts_per_token) },
+        { "decoder_sparse_step", offsetof(dt__hf_config, sparse_step) }, { "router_aux_loss_coef", offsetof(dt__hf_config, router_aux) },
+        { "output_router_logits", offsetof(dt__hf_config, router_logits) },
+        { "router_jitter_noise", offsetof(dt__hf_config, router_jitter) }, { "moe_capacity_factor", offsetof(dt__hf_config, capacity) } };
     memset(hc, 0, sizeof *hc);
     for (int f = 0; f < (int)(sizeof fields / sizeof fields[0]); f++) *(double *)((char *)hc + fields[f].offset) = -1;
     snprintf(hc->path, sizeof hc->path, "%s/config.json", dir);
@@ -12571,6 +13028,83 @@ static int dt__folder_is_hf(const char *dir) {
     dt_safetensors_close(st);
     return hf;
 }
+
+/* The config.json beside a checkpoint's weights: the model's shape in the words
+   of the library that has the same model -- transformers for gpt (GPT2LMHeadModel)
+   and llama (LlamaForCausalLM, or Qwen2ForCausalLM when q, k and v have biases,
+   the one difference between the two), timm for vit (what timm writes when it
+   pushes a model to the Hub). A plain MLP has no such library: its file names
+   the layers for whoever rebuilds it (tests/hf_load_check.py does). */
+static void dt__mlp_config_json(FILE *f, const dt_model_config *c) {
+    fprintf(f, "{\n  \"dtrain_model\": \"mlp\",\n  \"layers\": \"fc1 .. fc%d, nn.Linear each, exact GELU between; the image "
+            "flattened (channels, rows, columns) first\",\n  \"in_features\": %d,\n  \"hidden_size\": %d,\n"
+            "  \"num_hidden_layers\": %d,\n  \"num_classes\": %d\n}\n", c->depth + 1,
+            c->channels * c->image_size * c->image_size, c->dim, c->depth, c->classes);
+}
+static void dt__vit_config_json(FILE *f, const dt_model_config *c) {
+    /* timm's registered names fix nothing here: model_args overrides every shape.
+       timm's MLP is int(dim * mlp_ratio) wide: a ratio that rounds below is nudged. */
+    double ratio = (double)c->mlp_hidden / c->dim;
+    if ((int)(c->dim * ratio) != c->mlp_hidden) ratio = (c->mlp_hidden + 0.5) / c->dim;
+    fprintf(f, "{\n  \"architecture\": \"vit_base_patch16_224\",\n  \"num_classes\": %d,\n  \"num_features\": %d,\n"
+            "  \"global_pool\": \"token\",\n  \"model_args\": {\"img_size\": %d, \"patch_size\": %d, \"in_chans\": %d, "
+            "\"embed_dim\": %d, \"depth\": %d, \"num_heads\": %d, \"mlp_ratio\": %.17g, \"num_classes\": %d},\n"
+            "  \"pretrained_cfg\": {\"input_size\": [%d, %d, %d], \"num_classes\": %d}\n}\n", c->classes, c->dim,
+            c->image_size, c->patch, c->channels, c->dim, c->depth, c->heads, ratio, c->classes,
+            c->channels, c->image_size, c->image_size, c->classes);
+}
+/* A float as JSON that reads back as a float (transformers checks the type): 8 is written 8.0. */
+static const char *dt__json_float(char *out, size_t n, float v) {
+    snprintf(out, n, "%.9g", (double)v);
+    if (!strpbrk(out, ".eEn")) snprintf(out + strlen(out), n - strlen(out), ".0");
+    return out;
+}
+/* A config.json's "{" and the experts' keys: Mixtral's names (Qwen2-MoE's decoder_sparse_step for a
+   gpt's every N-th block); the capacity factor is dtrain's (Mixtral drops nothing: transformers reads past it). */
+static void dt__config_open(FILE *f, const dt_model_config *c) {
+    char coef[32], cap[32];
+    if (fprintf(f, "{\n") && !c->moe_experts) return;
+    fprintf(f, "  \"num_local_experts\": %d,\n  \"num_experts_per_tok\": %d,\n  \"router_aux_loss_coef\": %s,\n"
+            "  \"output_router_logits\": %s,\n  \"router_jitter_noise\": 0.0,\n", c->moe_experts, c->moe_top_k,
+            dt__json_float(coef, sizeof coef, c->moe_aux_loss), c->moe_aux_loss > 0 ? "true" : "false");
+    if (c->kind == DT_MODEL_GPT) fprintf(f, "  \"decoder_sparse_step\": %d,\n", c->moe_every);
+    if (c->moe_capacity > 0) fprintf(f, "  \"moe_capacity_factor\": %s,\n", dt__json_float(cap, sizeof cap, c->moe_capacity));
+}
+/* GPT-2 with experts has no transformers class: its own model_type, which
+   from_pretrained refuses by name rather than load without its experts. */
+static void dt__gpt_config_json(FILE *f, const dt_model_config *c) {
+    dt__config_open(f, c);
+    fprintf(f, "  \"model_type\": \"%s\",\n  \"architectures\": [\"%s\"],\n  \"vocab_size\": %d,\n"
+            "  \"n_positions\": %d,\n  \"n_embd\": %d,\n  \"n_layer\": %d,\n  \"n_head\": %d,\n  \"n_inner\": %d,\n"
+            "  \"activation_function\": \"gelu_new\",\n  \"layer_norm_epsilon\": 1e-05,\n  \"tie_word_embeddings\": true,\n"
+            "  \"resid_pdrop\": 0.0,\n  \"embd_pdrop\": 0.0,\n  \"attn_pdrop\": 0.0,\n  \"torch_dtype\": \"float32\"\n}\n",
+            c->moe_experts ? "dtrain_gpt2_moe" : "gpt2", c->moe_experts ? "dtrain's GPT-2 with experts" : "GPT2LMHeadModel",
+            c->classes, c->seq_len, c->dim, c->depth, c->heads, c->mlp_hidden);
+}
+static void dt__llama_config_json(FILE *f, const dt_model_config *c) {
+    char scaling[256] = "null", a[32], b[32], d[32];
+    if (c->rope_factor > 0)
+        snprintf(scaling, sizeof scaling, "{\"rope_type\": \"llama3\", \"factor\": %s, \"low_freq_factor\": %s, "
+                 "\"high_freq_factor\": %s, \"original_max_position_embeddings\": %d}", dt__json_float(a, sizeof a, c->rope_factor),
+                 dt__json_float(b, sizeof b, c->rope_low_freq), dt__json_float(d, sizeof d, c->rope_high_freq),
+                 c->rope_original_context);
+    const char *type = c->moe_experts ? "mixtral" : c->qkv_bias ? "qwen2" : "llama";
+    const char *arch = c->moe_experts ? "MixtralForCausalLM" : c->qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM";
+    dt__config_open(f, c);
+    fprintf(f, "  \"model_type\": \"%s\",\n  \"architectures\": [\"%s\"],\n  \"vocab_size\": %d,\n  \"hidden_size\": %d,\n"
+            "  \"intermediate_size\": %d,\n  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n"
+            "  \"num_key_value_heads\": %d,\n  \"head_dim\": %d,\n  \"max_position_embeddings\": %d,\n  \"rope_theta\": %.9g,\n"
+            "  \"rope_scaling\": %s,\n  \"rms_norm_eps\": %.9g,\n  \"hidden_act\": \"silu\",\n  \"tie_word_embeddings\": %s,\n"
+            "%s  \"attention_dropout\": 0.0,\n  \"torch_dtype\": \"float32\"\n}\n", type, arch, c->classes, c->dim, c->mlp_hidden,
+            c->depth, c->heads, c->kv_heads, c->dim / c->heads, c->seq_len, (double)c->rope_theta, scaling, (double)c->norm_eps,
+            c->untied_head ? "false" : "true",
+            c->moe_experts ? "  \"sliding_window\": null,\n" : c->qkv_bias ? "  \"use_sliding_window\": false,\n"
+                                                                     : "  \"attention_bias\": false,\n  \"mlp_bias\": false,\n");
+}
+
+static void (*const dt__config_jsons[])(FILE *f, const dt_model_config *c) = {     /* in dt_model_kind's order */
+    dt__mlp_config_json, dt__vit_config_json, dt__gpt_config_json, dt__llama_config_json };
+static void dt__config_json(FILE *f, const dt_model_config *c) { dt__config_jsons[c->kind](f, c); }
 
 /* -- LoRA's folder (PEFT's layout). -- */
 static int dt__folder_is_adapter(const char *dir) {
@@ -12802,6 +13336,49 @@ static void dt__load_weights(dt_model *model, const char *path) {
     dt_safetensors_close(st);
 }
 
+/* A checkpoint's "model_config": the shape's numbers, comma-separated, in this
+   order; a family writes the first `numbers` of them (its row of the models
+   chapter's table), and a model with experts the last four after them. */
+typedef struct dt__config_number { const char *name; size_t offset; int is_float; } dt__config_number;
+#define DT__CN(field, f) { #field, offsetof(dt_model_config, field), f }
+static const dt__config_number dt__config_numbers[] = {
+    DT__CN(channels, 0), DT__CN(image_size, 0), DT__CN(classes, 0), DT__CN(dim, 0), DT__CN(depth, 0), DT__CN(heads, 0),
+    DT__CN(patch, 0), DT__CN(mlp_hidden, 0), DT__CN(seq_len, 0), DT__CN(kv_heads, 0), DT__CN(untied_head, 0),
+    DT__CN(qkv_bias, 0), DT__CN(rope_theta, 1), DT__CN(norm_eps, 1), DT__CN(rope_factor, 1), DT__CN(rope_low_freq, 1),
+    DT__CN(rope_high_freq, 1), DT__CN(rope_original_context, 0),
+    DT__CN(moe_experts, 0), DT__CN(moe_top_k, 0), DT__CN(moe_every, 0), DT__CN(moe_capacity, 1) };
+#undef DT__CN
+
+#define DT__MOE_NUMBERS 4
+/* Number k of a model's shape: the family's first ones, then the experts'. */
+static const dt__config_number *dt__config_number_at(dt_model_kind kind, int k) {
+    int own = dt__family(kind)->numbers, all = (int)(sizeof dt__config_numbers / sizeof dt__config_numbers[0]);
+    return &dt__config_numbers[k < own ? k : all - DT__MOE_NUMBERS + (k - own)];
+}
+static int dt__config_count(const dt_model_config *mc) { return dt__family(mc->kind)->numbers + (mc->moe_experts ? DT__MOE_NUMBERS : 0); }
+/* The names of a shape's numbers, comma-separated: "channels,image_size,...". */
+static void dt__config_names(const dt_model_config *mc, char *out, size_t n) {
+    size_t used = 0;
+    out[0] = 0;
+    for (int k = 0; k < dt__config_count(mc) && used < n; k++) {
+        int w = snprintf(out + used, n - used, "%s%s", k ? "," : "", dt__config_number_at(mc->kind, k)->name);
+        used += w > 0 ? (size_t)w : 0;
+    }
+}
+
+/* A model's shape as a checkpoint's "model_config". */
+static void dt__model_config_string(const dt_model_config *mc, char *out, size_t n) {
+    size_t used = 0;
+    out[0] = 0;
+    for (int k = 0; k < dt__config_count(mc) && used < n; k++) {
+        const dt__config_number *c = dt__config_number_at(mc->kind, k);
+        const char *field = (const char *)mc + c->offset;
+        int w = c->is_float ? snprintf(out + used, n - used, "%s%.9g", k ? "," : "", (double)*(const float *)field)
+                                               : snprintf(out + used, n - used, "%s%d", k ? "," : "", *(const int *)field);
+        used += w > 0 ? (size_t)w : 0;
+    }
+}
+
 static int dt__model_config_parse(dt_safetensors *st, const char *path, dt_model_config *mc) {
     const char *kind = dt_safetensors_meta(st, "model"), *shape = dt_safetensors_meta(st, "model_config");
     memset(mc, 0, sizeof *mc);
@@ -12811,17 +13388,21 @@ static int dt__model_config_parse(dt_safetensors *st, const char *path, dt_model
         if (!strcmp(kind, dt__model_families[f].name)) found = f;
     if (found < 0) return 0;
     mc->kind = (dt_model_kind)found;
-    int want = dt__model_families[found].numbers, got = 0, ok = 1;
+    int commas = 0, got = 0, ok = 1;
+    for (const char *p = shape; *p; p++) commas += *p == ',';
+    mc->moe_experts = commas + 1 == dt__model_families[found].numbers + DT__MOE_NUMBERS;   /* the experts' four, after */
+    int want = dt__config_count(mc);
     char names[400];
-    dt__config_names(mc->kind, names, sizeof names);
+    dt__config_names(mc, names, sizeof names);
     for (const char *p = shape; ok && *p; got++) {
         char *end = NULL;
         errno = 0;
         double v = strtod(p, &end);
         ok = end != p && !errno && isfinite(v) && v >= 0 && got < want && (*end == ',' || !*end);
         if (!ok) break;
-        char *field = (char *)mc + dt__config_numbers[got].offset;
-        if (dt__config_numbers[got].is_float) ok = v <= FLT_MAX, *(float *)field = (float)v;
+        const dt__config_number *c = dt__config_number_at(mc->kind, got);
+        char *field = (char *)mc + c->offset;
+        if (c->is_float) ok = v <= FLT_MAX, *(float *)field = (float)v;
         else if (v == floor(v) && v <= INT_MAX) *(int *)field = (int)v;
         else ok = 0;
         p = *end ? end + 1 : end;
@@ -13097,7 +13678,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     dt_model_describe(m, desc, sizeof desc);
     dt_model_config theirs;
     if (strcmp(kind, dt__model_kind_name(mc->kind)) || strcmp(shape, want)) {
-        if (dt__model_config_parse(st, st->path, &theirs)) dt__config_names(theirs.kind, names, sizeof names);  /* its own kind's */
+        if (dt__model_config_parse(st, st->path, &theirs)) dt__config_names(&theirs, names, sizeof names);  /* its own kind's */
         else dt__copy_str(names, sizeof names, "a model dtrain does not know");
         dt_fail("'%s' holds a %s model (%s = %s) but this run builds %s (%s)", path, kind, names, shape, desc, want);
     }
@@ -13370,7 +13951,7 @@ static const char *dt__newest_checkpoint(const char *dir, char *out, size_t n) {
     return out[0] ? out : NULL;
 }
 
-/* [src/22-evaluation.h] */
+/* [src/23-evaluation.h] */
 /* ==== evaluation ============================================================
    The validation set is measured without the tape: no gradients, no
    activations kept. Every rank evaluates its share and the sums meet in one
@@ -13486,7 +14067,7 @@ void dt_generate(dt_model *m, const int32_t *prompt, int n_prompt, int n_new, fl
     free(seq); free(window); free(logits);
 }
 
-/* [src/23-metrics.h] */
+/* [src/24-metrics.h] */
 /* ==== metrics, traces and the benchmark line ================================
    Time is charged to phases (data, forward, backward, waiting for
    communication, optimizer), drawn in a Chrome trace, turned into a progress
@@ -13958,11 +14539,11 @@ int dt_mlflow_close(dt_mlflow *ml, dt_mlflow_status status) {
 const char *dt_mlflow_path(const dt_mlflow *ml) { return ml->run_dir; }
 const char *dt_mlflow_run_id(const dt_mlflow *ml) { return ml->run_id; }
 
-/* [src/24-cost-model.h] */
+/* [src/25-cost-model.h] */
 /* ==== the cost model ========================================================
    Why a stage scales as it does. It is deliberately small -- a link of two
    numbers, ring collectives, and what each wrapper sends and can hide -- so
-   that a student can check it by hand (tests/24-cost-model.c does) and see
+   that a student can check it by hand (tests/25-cost-model.c does) and see
    which lever moves the answer. --explain prints it for a run. */
 
 /* Rough figures, to be replaced by measured ones (tools/collectives --bench
@@ -14189,7 +14770,7 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
     fprintf(out, "    %-33s%.0f%% (%.2fx speedup)\n", fewer, 100 * pf.efficiency, pf.speedup);
 }
 
-/* [src/25-command-line.h] */
+/* [src/26-command-line.h] */
 /* ==== the command line ======================================================
    Every stage takes the same flags (and those of its own lesson: one table,
    dt__flags, says which stage takes which), so that runs of different stages
@@ -14244,6 +14825,17 @@ static const dt__flag dt__flags[] = {
       DT_CFG(vocab), NULL, DT_RANGE(1, 16777216) },             /* ids are held as floats: exact to 2^24 */
     { "--sample", "12345678", "N", "gpt, llama: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT,
       DT_CFG(sample), NULL, DT_MIN(0) },
+    { "--moe-experts", "12345", "E", "gpt, llama: a mixture of E expert MLPs in place of the MLP, each token sent to\n"
+      "                          --moe-top-k of them (default 0: none; llama: Mixtral's layout)", DT_ARG_INT, DT_CFG(moe_experts),
+      NULL, DT_RANGE(0, 4096) },
+    { "--moe-top-k", "12345", "K", "the experts each token goes to (default 2, or 1 with one expert)", DT_ARG_INT, DT_CFG(moe_top_k),
+      NULL, DT_MIN(1) },
+    { "--moe-every", "12345", "N", "gpt: experts in every N-th block only, the others dense (default 1: every block)", DT_ARG_INT,
+      DT_CFG(moe_every), NULL, DT_MIN(1) },
+    { "--moe-capacity", "1", "C", "each expert takes at most C x K x tokens / E of a batch's choices, the rest dropped\n"
+      "                          (default 0: no limit)", DT_ARG_FLOAT, DT_CFG(moe_capacity), NULL, DT_MIN(0) },
+    { "--moe-aux-loss", "1", "X", "the load-balancing loss's coefficient (Switch Transformer's; default 0: none)", DT_ARG_FLOAT,
+      DT_CFG(moe_aux_loss), NULL, DT_MIN(0) },
     { "--kv-heads", "12345678", "N", "llama: key/value heads, each serving --heads / N query heads (default: half the heads\n"
       "                          when their number is even, else all of them)", DT_ARG_INT, DT_CFG(kv_heads), NULL, DT_MIN(1) },
     { "--ffn-dim", "12345678", "N", "llama: the SwiGLU MLP's width (default 8/3 x --dim, rounded up to a multiple of 32)",
@@ -14449,10 +15041,12 @@ static void dt__hf_take(const dt__hf_config *hc, const char *key, double from_co
     else *i_value = (int)from_config;
 }
 /* The model: before the defaults that depend on it. */
+static int dt__hf_is(const dt__hf_config *hc, const char *type) { return !strcmp(hc->model_type, type); }
+static int dt__hf_gpt2(const dt__hf_config *hc) { return dt__hf_is(hc, "gpt2") || dt__hf_is(hc, "dtrain_gpt2_moe"); }
 static void dt__apply_hf_model(dt_config *c, const dt__hf_config *hc, const unsigned char *given) {
-    int llama = !strcmp(hc->model_type, "llama"), qwen2 = !strcmp(hc->model_type, "qwen2"), gpt2 = !strcmp(hc->model_type, "gpt2");
+    int llama = dt__hf_is(hc, "llama") || dt__hf_is(hc, "mixtral"), qwen2 = dt__hf_is(hc, "qwen2"), gpt2 = dt__hf_gpt2(hc);
     if (!llama && !qwen2 && !gpt2)
-        dt_usage_error("%s: model_type \"%s\" is not one dtrain trains (llama, qwen2, gpt2)", hc->path, hc->model_type);
+        dt_usage_error("%s: model_type \"%s\" is not one dtrain trains (llama, qwen2, mixtral, gpt2)", hc->path, hc->model_type);
     dt_model_kind kind = gpt2 ? DT_MODEL_GPT : DT_MODEL_LLAMA;
     if (dt__given(given, "--model") && c->model != kind)
         dt_usage_error("--model %s contradicts \"model_type\": \"%s\" in %s", dt__family((dt_model_kind)c->model)->name,
@@ -14460,8 +15054,26 @@ static void dt__apply_hf_model(dt_config *c, const dt__hf_config *hc, const unsi
     c->model = kind;
 }
 /* The shape: over the defaults. */
+/* The experts (Mixtral's keys; a gpt's from dtrain): over the flags' defaults. */
+static void dt__apply_hf_experts(dt_config *c, dt__hf_config hc, const unsigned char *given) {
+    int mixtral = dt__hf_is(&hc, "mixtral");
+    if (!mixtral && !dt__hf_is(&hc, "dtrain_gpt2_moe")) return;
+    if (hc.experts < 1) dt_usage_error("%s: a model_type \"%s\" needs num_local_experts (1 or more)", hc.path, hc.model_type);
+    if (hc.router_jitter > 0) dt_usage_error("%s: router_jitter_noise %g; dtrain's router adds no noise", hc.path, hc.router_jitter);
+    if (hc.experts_per_token == -1) hc.experts_per_token = 2;                       /* Hugging Face's defaults */
+    if (hc.sparse_step == -1) hc.sparse_step = 1;
+    double coef = hc.router_logits > 0 && hc.router_aux != -1 ? hc.router_aux : 0, capacity = hc.capacity;
+    dt__hf_take(&hc, "num_local_experts", hc.experts, "--moe-experts", dt__given(given, "--moe-experts"), NULL, &c->moe_experts);
+    dt__hf_take(&hc, "num_experts_per_tok", hc.experts_per_token, "--moe-top-k", dt__given(given, "--moe-top-k"), NULL,
+                &c->moe_top_k);
+    if (!mixtral)
+        dt__hf_take(&hc, "decoder_sparse_step", hc.sparse_step, "--moe-every", dt__given(given, "--moe-every"), NULL, &c->moe_every);
+    if (!dt__given(given, "--moe-aux-loss")) c->moe_aux_loss = (float)coef;         /* a coefficient for training: a flag may change it */
+    if (capacity > 0)
+        dt__hf_take(&hc, "moe_capacity_factor", capacity, "--moe-capacity", dt__given(given, "--moe-capacity"), &c->moe_capacity, NULL);
+}
 static void dt__apply_hf_shape(dt_config *c, dt__hf_config hc, const unsigned char *given) {
-    int llama = !strcmp(hc.model_type, "llama"), qwen2 = !strcmp(hc.model_type, "qwen2"), gpt2 = !strcmp(hc.model_type, "gpt2");
+    int llama = dt__hf_is(&hc, "llama") || dt__hf_is(&hc, "mixtral"), qwen2 = dt__hf_is(&hc, "qwen2"), gpt2 = dt__hf_gpt2(&hc);
     const char *missing = hc.dim == -1 ? "hidden_size" : hc.depth == -1 ? "num_hidden_layers" : hc.heads == -1 ? "num_attention_heads"
                         : hc.vocab == -1 ? "vocab_size" : !gpt2 && hc.ffn_dim == -1 ? "intermediate_size" : NULL;
     if (missing) dt_usage_error("%s has no \"%s\"", hc.path, missing);
@@ -14507,16 +15119,17 @@ static void dt__apply_hf_shape(dt_config *c, dt__hf_config hc, const unsigned ch
     if (hc.partial_rotary != -1 && hc.partial_rotary != 1)
         dt_usage_error("%s: partial_rotary_factor %g; dtrain rotates whole heads", hc.path, hc.partial_rotary);
     if (hc.mlp_bias > 0) dt_usage_error("%s: mlp_bias true (biases on gate, up and down) is not supported", hc.path);
-    if (hc.use_sliding_window > 0 && hc.sliding_window != -1 && hc.sliding_window < c->seq_len)
+    if ((hc.use_sliding_window > 0 || dt__hf_is(&hc, "mixtral")) && hc.sliding_window != -1 && hc.sliding_window < c->seq_len)
         dt_usage_error("%s: sliding-window attention of %g tokens, shorter than --seq-len %d: dtrain attends to the whole "
                        "context", hc.path, hc.sliding_window, c->seq_len);
     if (hc.hidden_act[0] && strcmp(hc.hidden_act, "silu"))
         dt_usage_error("%s: hidden_act \"%s\"; dtrain's SwiGLU uses silu", hc.path, hc.hidden_act);
     if (llama && hc.qkv_bias > 0)
         dt_usage_error("%s: attention_bias true (biases on o_proj too) is not supported; Qwen2's q/k/v biases are", hc.path);
-    /* Hugging Face's defaults where the file says nothing */
+    /* Hugging Face's defaults where the file says nothing (Mixtral's own base and epsilon) */
     if (hc.kv_heads == -1) hc.kv_heads = hc.heads;
-    if (hc.rope_theta == -1) hc.rope_theta = 10000;
+    if (hc.rope_theta == -1) hc.rope_theta = dt__hf_is(&hc, "mixtral") ? 1e6 : 10000;
+    if (hc.norm_eps == -1 && dt__hf_is(&hc, "mixtral")) hc.norm_eps = 1e-5;
     if (hc.tie == -1) hc.tie = 0;
     if (hc.norm_eps == -1) hc.norm_eps = 1e-6;
     hc.qkv_bias = qwen2;
@@ -14640,6 +15253,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if (!dt__given(given, "--heads")) c.heads = gpt ? 4 : 3;
     if (!dt__given(given, "--patch")) c.patch = 4;
     if (hf) dt__apply_hf_shape(&c, hc, given);              /* and its shape */
+    if (hf) dt__apply_hf_experts(&c, hc, given);            /* and its experts */
     /* values in range that make no sense together */
     if (!gpt && (dt__given(given, "--seq-len") || dt__given(given, "--vocab") || c.tokens || dt__given(given, "--sample")))
         dt_usage_error("--seq-len, --vocab, --tokens and --sample are for the language models (--model gpt or llama)");
@@ -14657,6 +15271,21 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if (llama && c.dim % c.heads == 0 && (c.dim / c.heads) % 2)
         dt_usage_error("--dim %d / --heads %d = %d: llama's head width must be even (rotary embeddings turn pairs)", c.dim,
                        c.heads, c.dim / c.heads);
+    if (!c.moe_experts && (c.moe_top_k || c.moe_every || c.moe_capacity > 0 || c.moe_aux_loss > 0))
+        dt_usage_error("--moe-top-k, --moe-every, --moe-capacity and --moe-aux-loss go with --moe-experts");
+    if (c.moe_experts && !gpt) dt_usage_error("--moe-experts: the experts replace a language model's MLP (--model gpt or llama)");
+    if (c.moe_experts && !c.moe_top_k) c.moe_top_k = c.moe_experts > 1 ? 2 : 1;
+    if (c.moe_top_k > c.moe_experts && c.moe_experts)
+        dt_usage_error("--moe-top-k %d: a token cannot go to more than the %d experts (--moe-experts)", c.moe_top_k, c.moe_experts);
+    if (llama && c.moe_every > 1)
+        dt_usage_error("--moe-every %d: llama's experts are Mixtral's, in every block (--moe-every is for gpt)", c.moe_every);
+    if (c.moe_experts && c.qkv_bias)
+        dt_usage_error("--moe-experts with --qkv-bias: Mixtral's layout has no q/k/v biases (and Qwen2-MoE's shared experts are not built)");
+    if (c.moe_experts && !c.moe_every) c.moe_every = 1;
+    if ((c.moe_aux_loss > 0 && !dt__stage_takes(stage, "--moe-aux-loss")) || (c.moe_capacity > 0 && !dt__stage_takes(stage, "--moe-capacity")))
+        dt_usage_error("%s: the balancing loss and the capacity are taken over the whole batch, which %s does not see on one rank "
+                       "(--init's config.json asks for %s; train it in 01)", stage, stage, c.moe_aux_loss > 0 ?
+                       "output_router_logits with router_aux_loss_coef" : "moe_capacity_factor");
     if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
     /* A pipeline (a stage that takes --micro-batches) already adds up its
        micro-batches' gradients before the optimizer steps: accumulating K
@@ -14746,6 +15375,8 @@ dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int ima
         m.rope_factor = cfg->rope_factor; m.rope_low_freq = cfg->rope_low_freq; m.rope_high_freq = cfg->rope_high_freq;
         m.rope_original_context = cfg->rope_original_context;
     }
+    m.moe_experts = cfg->moe_experts; m.moe_top_k = cfg->moe_top_k; m.moe_every = cfg->moe_every;
+    m.moe_capacity = cfg->moe_capacity; m.moe_aux_loss = cfg->moe_aux_loss;
     m.lora_rank = cfg->lora_rank;
     m.lora_alpha = cfg->lora_alpha;
     if (cfg->lora_targets) dt__copy_str(m.lora_targets, sizeof m.lora_targets, cfg->lora_targets);
@@ -14825,7 +15456,7 @@ void dt_load_data(const dt_config *cfg, dt_dataset *train, dt_dataset *val) {
     if (!cfg->quiet && dt__ctx.rank == 0) { printf("loaded %s in %.1f s\n", dir, (dt_now_ms() - t0) / 1e3); fflush(stdout); }
 }
 
-/* [src/26-run-driver.h] */
+/* [src/27-run-driver.h] */
 /* ==== the run driver ========================================================
    The loop every stage shares around its lesson: start (--init, --resume),
    fetch batches, end each step (the job's mean loss, progress, the log),
@@ -15317,6 +15948,13 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
                     run->scaler.last_skipped, (long long)run->scaler.skipped);
         dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
         if (rep && rep->log_fields) rep->log_fields(who, run->log);
+        const dt_moe_stats *moe = &run->model->moe;
+        if (moe->experts && moe->layers) {       /* this rank's MoE layers, this step */
+            fprintf(run->log, ",\"moe_balance\":%.6g,\"moe_dropped\":%lld,\"moe_choices\":%lld,\"moe_routed\":[",
+                    moe->balance_sum / (double)moe->layers, (long long)moe->dropped, (long long)moe->choices);
+            for (int e = 0; e < moe->experts; e++) fprintf(run->log, "%s%lld", e ? "," : "", (long long)moe->routed[e]);
+            fprintf(run->log, "]");
+        }
         if (dt__tokens_per_sample(run))
             fprintf(run->log, ",\"tokens_per_s\":%.1f", (double)batch_size * run->loader->world * dt__tokens_per_sample(run) * 1e3 / step_ms);
         fprintf(run->log, "}\n");
@@ -15328,8 +15966,10 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
             { "train/loss", "loss", run->last_loss }, { "train/lr", "lr", lr },
             { "train/grad_norm", "grad_norm", run->opt->last_grad_norm },
             { tokens ? "speed/tokens_per_s" : "speed/samples_per_s", tokens ? "tokens_per_s" : "samples_per_s", tokens ? rate * tokens : rate },
-            { "speed/step_ms", "step_ms", step_ms }, { "memory/mb", "memory_mb", dt_mem_total_now() / 1e6 } };
-        for (size_t i = 0; i < sizeof figures / sizeof figures[0]; i++) {
+            { "speed/step_ms", "step_ms", step_ms }, { "memory/mb", "memory_mb", dt_mem_total_now() / 1e6 },
+            { "moe/balance", "moe_balance", run->model->moe.layers ? run->model->moe.balance_sum / (double)run->model->moe.layers : 0 },
+            { "moe/dropped", "moe_dropped", (double)run->model->moe.dropped } };
+        for (size_t i = 0; i < sizeof figures / sizeof figures[0] - (run->model->moe.layers ? 0 : 2); i++) {
             dt__tensorboard_scalar(run, figures[i].tb, figures[i].value);
             dt__mlflow_metric(run, figures[i].mlflow, figures[i].value);
         }
@@ -15354,16 +15994,26 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
         double rate = run->step_ms_avg > 0 ? batch_size * run->loader->world * 1e3 / run->step_ms_avg : 0;
         dt__format_duration((run->stop_step - run->step) * run->step_ms_avg / 1e3, eta, sizeof eta);
         run->line_ms = now;
-        char scale[64] = "";
+        char scale[128] = "";
         if (run->scaler.enabled)
             snprintf(scale, sizeof scale, "  scale %g (%lld skipped)", run->scaler.scale, (long long)run->scaler.skipped);
         int tok = dt__tokens_per_sample(run);
+        const dt_moe_stats *moe = &run->model->moe;
+        if (moe->layers)                /* the last step's: how even the experts' loads are, what was dropped */
+            snprintf(scale + strlen(scale), sizeof scale - strlen(scale), "  balance %.3f dropped %.1f%%",
+                     moe->balance_sum / (double)moe->layers, 100.0 * (double)moe->dropped / (double)(moe->choices ? moe->choices : 1));
         printf("step %6lld/%lld  epoch %d/%d  loss %.4f  lr %.2e  %.0f %s/s  eta %s%s\n", (long long)run->step,
                (long long)run->stop_step, run->epoch + 1, run->cfg.epochs, run->loss_sum / run->loss_count, lr,
                tok ? rate * tok : rate, tok ? "tokens" : "samples", eta, scale);
         fflush(stdout);
         run->loss_sum = 0;
         run->loss_count = 0;
+    }
+    dt_moe_stats *moe = &run->model->moe;           /* counted afresh each step */
+    if (moe->experts) {
+        memset(moe->routed, 0, sizeof *moe->routed * (size_t)moe->experts);
+        moe->choices = moe->dropped = moe->layers = 0;
+        moe->balance_sum = 0;
     }
     if (run->cfg.explain && run->steps_run == 3 && dt__ctx.rank == 0) dt__run_explain(run);
     if (stop) { run->stopped_by = stop; run->stop = 1; }
@@ -15478,7 +16128,7 @@ int dt_run_finish(dt_run *run) {
     return run->stopped_by == SIGINT ? 130 : 75;       /* 75, EX_TEMPFAIL: preempted, to be run again */
 }
 
-/* [src/13-fsdp.h] */
+/* [src/14-fsdp.h] */
 /* ---- what the machinery asks of FSDP (the run driver's dt_parallel_report) ----
    A checkpoint sees the sharded model whole, or writes each rank's shards as
    they are; the memory table compares what a rank holds with DDP; the cost
@@ -15652,7 +16302,7 @@ const dt_parallel_report dt__fsdp_report = {
     .shards = dt__fsdp_shards, .memory_table = dt__fsdp_memory_tables, .label = dt__fsdp_label, .cost_input = dt__fsdp_cost_input,
     .bench_fields = dt__fsdp_bench_fields, .log_fields = dt__fsdp_log_fields,
 };
-/* [src/14-tensor-parallel.h] */
+/* [src/15-tensor-parallel.h] */
 /* ---- what the machinery asks of tensor parallelism (the run driver's dt_parallel_report) ----
    A checkpoint holds the model whole: each split parameter's pieces gathered
    from the group (and cut again when one is loaded); the memory table shows
@@ -15819,7 +16469,7 @@ const dt_parallel_report dt__tp_report = {
     .memory_table = dt__tp_memory_table, .cost_input = dt__tp_cost_input, .bench_fields = dt__tp_bench_fields,
     .whole_from_local = dt__tp_whole_from_local, .local_from_whole = dt__tp_local_from_whole,
 };
-/* [src/15-pipeline-parallel.h] */
+/* [src/16-pipeline-parallel.h] */
 /* ---- what the machinery asks of pipeline parallelism (the run driver's dt_parallel_report) ----
    A checkpoint holds the model whole: the stages' parameters (and, with
    --tp, their pieces) gathered to the job's rank 0; the memory table shows
@@ -16011,7 +16661,7 @@ const dt_parallel_report dt__pp_report = {
     .bench_fields = dt__pp_bench_fields, .whole_from_local = dt__pp_whole_from_local,
     .local_from_whole = dt__pp_local_from_whole,
 };
-/* [src/16-context-parallel.h] */
+/* [src/17-context-parallel.h] */
 /* ---- what the machinery asks of context parallelism (the run driver's
    dt_parallel_report) ----
    Every rank holds the whole model, so checkpoints and the memory table
@@ -16064,7 +16714,7 @@ const dt_parallel_report dt__cp_report = {
 };
 #endif /* DTRAIN_IMPLEMENTATION */
 
-/* [src/27-cuda.h] */
+/* [src/28-cuda.h] */
 /* ================================================================================
    THE CUDA BACKEND
    Compiled by nvcc from this same file:
@@ -16947,6 +17597,34 @@ static void dt__cuda_select_token_forward(const float *x, float *y, int B, int T
 static void dt__cuda_select_token_backward(const float *dy, float *dx, int B, int T, int idx, int D) {
     DT_LAUNCH(dt__k_select_token, dt_blocks_for((int64_t)B * D), DT_THREADS, dy, dx, B, T, idx, D, 1);
 }
+/* Mixture of experts: a thread per element of a slot's or a token's row; a
+   token's sum is dt_moe_token_sum, the CPU's, and a slot's dot one thread's. */
+__global__ static void dt__k_moe_to_slots(const float *src, const float *w, const int *tok, float *dst, int S, int D, int add) {
+    DT_FOR_EACH(i, (int64_t)S * D) {
+        int64_t s = i / D;
+        float v = (w ? w[s] : 1.0f) * src[(int64_t)tok[s] * D + i % D];
+        dst[i] = add ? dst[i] + v : v;
+    }
+}
+__global__ static void dt__k_moe_to_tokens(const float *src, const float *w, const int *slots, float *dst, int N, int k, int D,
+                                           int add) {
+    DT_FOR_EACH(i, (int64_t)N * D) {
+        float v = dt_moe_token_sum(src, w, slots + (i / D) * k, k, D, i % D);
+        dst[i] = add ? dst[i] + v : v;
+    }
+}
+__global__ static void dt__k_moe_slot_dots(const float *dy, const float *ys, const int *tok, float *dw, int S, int D) {
+    DT_FOR_EACH(s, (int64_t)S) dw[s] += dt_moe_row_dot(dy + (int64_t)tok[s] * D, ys + s * D, D);
+}
+static void dt__cuda_moe_to_slots(const float *src, const float *w, const int *tok, float *dst, int S, int D, int add) {
+    if (S) DT_LAUNCH(dt__k_moe_to_slots, dt_blocks_for((int64_t)S * D), DT_THREADS, src, w, tok, dst, S, D, add);
+}
+static void dt__cuda_moe_to_tokens(const float *src, const float *w, const int *slots, float *dst, int N, int k, int D, int add) {
+    if (N) DT_LAUNCH(dt__k_moe_to_tokens, dt_blocks_for((int64_t)N * D), DT_THREADS, src, w, slots, dst, N, k, D, add);
+}
+static void dt__cuda_moe_slot_dots(const float *dy, const float *ys, const int *tok, float *dw, int S, int D) {
+    if (S) DT_LAUNCH(dt__k_moe_slot_dots, dt_blocks_for(S), DT_THREADS, dy, ys, tok, dw, S, D);
+}
 __global__ static void dt__k_patchify(const float *img, float *out, int B, int C, int H, int W, int p) {
     int ph = H / p, pw = W / p, row_len = C * p * p;
     DT_FOR_EACH(i, (int64_t)B * ph * pw * row_len) {
@@ -17090,7 +17768,7 @@ __global__ static void dt__k_convert(const void *src, int from, void *dst, int t
 static void dt__cuda_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
     DT_LAUNCH(dt__k_convert, dt_blocks_for(n), DT_THREADS, src, (int)from, dst, (int)to, n);
 }
-/* [src/28-cuda-start-up-and-nccl.h] */
+/* [src/29-cuda-start-up-and-nccl.h] */
 /* ---- start-up ---- */
 extern "C" int dt_cuda_device_count(char *why, size_t n) {
     int count = 0;
@@ -17143,6 +17821,7 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     t->vit_tokens_forward = dt__cuda_vit_tokens_forward; t->vit_tokens_backward = dt__cuda_vit_tokens_backward;
     t->token_embedding_forward = dt__cuda_token_embedding_forward;
     t->token_embedding_backward = dt__cuda_token_embedding_backward;
+    t->moe_to_slots = dt__cuda_moe_to_slots; t->moe_to_tokens = dt__cuda_moe_to_tokens; t->moe_slot_dots = dt__cuda_moe_slot_dots;
     t->select_token_forward = dt__cuda_select_token_forward; t->select_token_backward = dt__cuda_select_token_backward;
     t->cross_entropy_forward = dt__cuda_cross_entropy_forward; t->cross_entropy_backward = dt__cuda_cross_entropy_backward;
     t->softmax_row_stats = dt__cuda_softmax_row_stats;

@@ -51,90 +51,100 @@
                         walks it in reverse. Activations live in a per-step arena.
                         The callbacks a parallel wrapper implements (dt_parallel),
                         and how wrappers stack; linear, GELU, the norms, SwiGLU,
-                        the residual
-       06 attention     tensor parallelism's collectives as ops on the tape;
-          and loss      attention, rotary embeddings, embeddings, the cross-entropy
-       07 models        an MLP and a Vision Transformer with PyTorch/timm names, and two
+                        the residual; tensor parallelism's f and g, sequence
+                        parallelism's split and gather
+       06 attention     attention in three bodies (two matmuls; tiles; the online
+          and loss      softmax, whose loop context parallelism's ring runs too),
+                        rotary embeddings, embeddings, the cross-entropy
+       07 mixture of    a router sends each token to k of E expert MLPs: top k,
+          experts       capacity and dropped tokens, the balancing loss; the
+                        route, dispatch and combine as ops on the tape
+       08 models        an MLP and a Vision Transformer with PyTorch/timm names, and two
                         causal language models with Hugging Face's names: GPT-2, and
                         Llama (RMSNorm, rotary embeddings, grouped-query attention,
-                        SwiGLU; Qwen2's q/k/v biases), one table row per family;
-                        activation recompute, block by block; LoRA; where tensor
-                        parallelism may cut each parameter and which block reads
-                        it (dt_split); any run of blocks on its own, for a
-                        pipeline stage (dt_model_forward_blocks)
-       08 optimizer     AdamW, SGD with momentum, gradient clipping, warmup + cosine
-       09 mixed         bf16/fp16 activations and matmul operands, f32 master
+                        SwiGLU; Qwen2's q/k/v biases; Mixtral's experts), one table
+                        row per family; activation recompute, block by block; LoRA;
+                        where tensor parallelism may cut each parameter and which
+                        block reads it (dt_split); any run of blocks on its own, for
+                        a pipeline stage (dt_model_forward_blocks)
+       09 optimizer     AdamW, SGD with momentum, gradient clipping, warmup + cosine
+       10 mixed         bf16/fp16 activations and matmul operands, f32 master
           precision     weights and sums, dynamic loss scaling for fp16
-       10 collectives   all-reduce, reduce-scatter, all-gather, broadcast, send and
+       11 collectives   all-reduce, reduce-scatter, all-gather, broadcast, send and
                         recv over shared memory (threads or processes, sums in
                         rank order), NCCL or MPI (CPU ranks on several
                         machines), behind one table (dt_comm_backend); groups
                         (dt_comm_split) and a mesh of named dimensions
-       11 data          DataParallel: one process, N devices, device 0 in charge
+       12 data          DataParallel: one process, N devices, device 0 in charge
           parallel      (scatter, gather, reduce; its bottleneck); what every
                         data-parallel wrapper records of its communication
-       12 DDP           DistributedDataParallel: a replica per process, gradients
+       13 DDP           DistributedDataParallel: a replica per process, gradients
                         averaged in buckets while backward runs; no-sync for
                         gradient accumulation
-       13 FSDP          Fully Sharded Data Parallel: each rank keeps 1/N of every
+       14 FSDP          Fully Sharded Data Parallel: each rank keeps 1/N of every
                         unit, gathered to compute, gradients reduce-scattered;
                         ZeRO-1/2/3 side by side; CPU offload; no-sync; the
                         data-parallel engine a stage applies last (DDP or FSDP)
-       14 tensor        each rank computes 1/T of every block: Megatron-LM's
+       15 tensor        each rank computes 1/T of every block: Megatron-LM's
           parallel      column- and row-parallel layers, the vocabulary split with
                         its cross-entropy, sequence parallelism; the engine
                         around it over the groups: DDP, or FSDP (2-D)
-       15 pipeline      each rank a stage of consecutive blocks, micro-batches in
+       16 pipeline      each rank a stage of consecutive blocks, micro-batches in
           parallel      GPipe's or 1F1B's order, each with its arena; with tensor
                         parallelism inside the stages and data parallel pipelines:
-                        all three on a mesh. Each wrapper (11-15) is one
+                        all three on a mesh
+       17 context       each rank a share of every sequence's tokens: ring
+          parallel      attention, the zig-zag layout. Each wrapper (12-17) is one
                         dt_parallel; calls in the wrong order are errors that say
                         what to call first
-       16 backend       the per-element arithmetic (DT_HD) that the CPU loops and
+       18 backend       the per-element arithmetic (DT_HD) that the CPU loops and
           tables        the GPU kernels share, and what a device (dt_backend) and a
                         transport (dt_comm_backend) must provide
        Then the machinery that runs a training, which no lesson calls (the
        lessons compile without it: tools/assemble --lessons):
-       17 data          image folders, CIFAR-10 binaries, text (bytes or token ids),
+       19 data          image folders, CIFAR-10 binaries, text (bytes or token ids),
                         instruction examples whose prompts the loss ignores,
                         shuffling, rank sharding, augmentation, and synthetic
                         images and text made on first use
-       18 launching     --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous
+       20 launching     --nproc, torchrun/SLURM/Open MPI variables, a TCP rendezvous
                         that turns strangers away, a job that stops, naming the
                         rank, when one rank dies, and signals (SIGTERM: preempted)
                         that stop every rank after the same step, saved
-       19 checkpoints   safetensors files written atomically; exact resume; sharded
+       21 checkpoints   safetensors files written atomically; exact resume; sharded
                         (a file per rank and an index), consolidated, resharded
-       20 hugging face  Hugging Face and PEFT model folders (--init), and a
-                        training run's checkpoint: weights, optimizer, the run
-       21 evaluation    validation loss and accuracy over every rank's share, and
+       22 hugging face  Hugging Face and PEFT model folders (--init; config.json in
+                        each library's words), and a training run's checkpoint:
+                        weights, optimizer, the run
+       23 evaluation    validation loss and accuracy over every rank's share, and
                         text generated by a language model
-       22 metrics       time charged to phases, Chrome traces, progress lines with
+       24 metrics       time charged to phases, Chrome traces, progress lines with
                         an ETA, TensorBoard and MLflow, and the one-line benchmark
                         report (--bench)
-       23 cost model    predicts how a stage scales, and why (--explain): the
+       25 cost model    predicts how a stage scales, and why (--explain): the
                         communication each wrapper sends and hides, a pipeline's
                         bubble
-       24 command line  one table of flags for every stage, and the data they name
-       25 run driver    the loop every stage shares: --init/--resume, batches, the
+       26 command line  one table of flags for every stage, and the data they name
+       27 run driver    the loop every stage shares: --init/--resume, batches, the
                         job's mean loss, JSON-lines logs, evaluation and checkpoints
                         at each epoch's end, stopping every rank alike on a signal; what
                         the machinery asks of a wrapper (dt_parallel_report)
        And the backend:
-       26 CUDA          the GPU bodies of the ops, behind one table (dt_backend):
+       28 CUDA          the GPU bodies of the ops, behind one table (dt_backend):
                         indexing, reductions and launch shape are all that differ.
                         Earlier chapters reach it only through what the backend
                         tables chapter declares: the tables (dt_backend,
                         dt_comm_backend), dt_cuda_backend, dt_cuda_device_count
                         and the dt_nccl_* calls a NCCL communicator is made of
+       29 CUDA start-up and NCCL: finding the GPU, filling the table, and the
+                        collectives on GPU buffers
 
    HOW THIS FILE IS MADE
        It is assembled from chapter files, src/NN-name.h in the project, by
        tools/assemble: make runs it when a chapter changes, and CI checks that
        the committed dtrain.h is the assembly. A chapter holds its declarations
-       and its implementation together (the CUDA chapter implements the tables
-       16 declares); this file puts every chapter's declarations first, then every
-       implementation, then what the wrapper chapters (13-15) answer to the
+       and its implementation together (the CUDA chapters implement the tables
+       18 declares); this file puts every chapter's declarations first, then every
+       implementation, then what the wrapper chapters (12-17) answer to the
        machinery (their dt_parallel_report: checkpoints, memory tables, figures
        for the log and the cost model), then the CUDA backend, and a line
        [src/NN-name.h] in a comment marks where each part begins (00 is this
@@ -311,7 +321,11 @@ typedef struct dt__context {
     struct { uint64_t made_at; int T, hd; dt_rope rope; dt_device device; float *cs; } rope;   /* made_at: arena_rewinds */
     /* dt_cross_entropy_set_divisor's labels and divisor, for one step */
     struct { uint64_t step; const int32_t *labels; double divisor; } loss_divisor;
+    /* The gradient the last dt_backward_from gave its scalar loss (1, or fp16's scale / K): what a
+       term added to the loss in backward alone is scaled by (the experts' balancing loss) */
+    float loss_seed;
+    int recomputing;                   /* a block's forward runs again in backward (--recompute) */
 } dt__context;
 
-static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1 };
+static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1, .loss_seed = 1.0f };
 

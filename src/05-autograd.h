@@ -254,6 +254,7 @@ void dt_backward_from(dt_tensor *loss, const float *seed) {
     if (!loss->requires_grad) dt_fail("the loss does not depend on any parameter (were gradients disabled?)");
     dt__ctx.backward_generation++;
     dt__backend_for(loss);
+    dt__ctx.loss_seed = loss->numel == 1 ? seed[0] : 1.0f;
     dt_upload(dt_grad(loss), seed, sizeof(float) * (size_t)loss->numel);
     dt__tape_walk(0, dt__ctx.tape_len);
     dt__ctx.tape_len = 0;

@@ -190,7 +190,7 @@ static dt_model *hook_model;
 static void record_hook(dt_parallel *par, dt_tensor *p) { (void)par; hook_order[hook_count++] = (int)(p - hook_model->params); }
 
 TEST(grad_ready_hook_fires_once_per_parameter_in_reverse, QUICK) {
-    dt_model_config c = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model_config c = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 2);
     hook_model = m;
     hook_count = 0;

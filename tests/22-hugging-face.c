@@ -1,4 +1,4 @@
-/* tests/21-hugging-face.c -- tests of dtrain.h's chapter 21-hugging-face:
+/* tests/22-hugging-face.c -- tests of dtrain.h's chapter 22-hugging-face:
    GPT-2, Llama and Qwen2 folders with --init; checkpoints and LoRA adapters
    read by transformers, timm, PyTorch and PEFT. (tests/helpers.h: how the
    suite's files make one program.) */
@@ -183,7 +183,7 @@ TEST(hugging_face_llama_and_qwen2_folders_load_with_init_and_give_the_expected_f
         /* 2: Llama 3's rescaled frequencies, heads of 8 so that a pair falls in each band (kept, blended, stretched) */
         int qwen = variant == 1, llama3 = variant == 2, H = llama3 ? 2 : 4, KV = llama3 ? 1 : 2;
         dt_model_config c = { DT_MODEL_LLAMA, 0, 0, 256, 16, 2, H, 0, 24, T, KV, qwen, qwen, qwen ? 1000000.0f : 10000.0f, 1e-6f,
-                              llama3 ? 8.0f : 0, llama3 ? 1.0f : 0, llama3 ? 4.0f : 0, llama3 ? 64 : 0, 0, 0, "" };
+                              llama3 ? 8.0f : 0, llama3 ? 1.0f : 0, llama3 ? 4.0f : 0, llama3 ? 64 : 0, 0, 0, "", 0, 0, 0, 0, 0 };
         dt_model *m = dt_model_create(&c, 17 + variant);
         dt__rng r = { 99 };
         for (int i = 0; i < m->nparams; i++)
@@ -363,7 +363,7 @@ static const char *test_python(void) {
 /* A checkpoint folder of each model opens in the tools its users have --
    transformers' from_pretrained on the folder as it is (gpt; llama tied with
    grouped-query attention; Qwen2's layout: untied, q/k/v biases, another rope
-   base), timm and a strict load_state_dict (vit, mlp) -- and computes the
+   base; Mixtral's experts), timm and a strict load_state_dict (vit, mlp) -- and computes the
    logits dtrain computes from those weights. Stage 04's sharded checkpoint
    does after tools/consolidate. */
 TEST(checkpoints_open_in_transformers_timm_and_pytorch, FULL) {
@@ -390,6 +390,8 @@ TEST(checkpoints_open_in_transformers_timm_and_pytorch, FULL) {
         { "llama-fsdp", "04-fsdp", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16 --batch-size 2 --nproc 2",
           1, 1, 0 },
         { "llama3", "01-single-gpu", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16 --batch-size 4", 1, 0, 1 },
+        { "mixtral", "01-single-gpu", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16 --batch-size 4 "
+          "--moe-experts 4 --moe-top-k 2", 1, 0, 0 },
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         snprintf(dir, sizeof dir, "%s/topython-%s", tmpdir, cases[c].name);
@@ -420,7 +422,7 @@ TEST(checkpoints_open_in_transformers_timm_and_pytorch, FULL) {
             snprintf(in, sizeof in, "%s/config.json", ck);
             FILE *f = fopen(in, "w");
             CHECK(f != NULL);
-            if (f) { dt__family(mc.kind)->config_json(f, &mc); fclose(f); }
+            if (f) { dt__config_json(f, &mc); fclose(f); }
         }
         dt_model *m = dt_model_create(&mc, 1);
         dt_model_load_weights(m, ck);
@@ -467,6 +469,33 @@ TEST(checkpoints_open_in_transformers_timm_and_pytorch, FULL) {
         free(y);
         dt_model_free(m);
     }
+}
+
+/* A tiny Mixtral made by transformers (tests/hf_make_mixtral.py: its own
+   initialisation, weights and router scaled up so that every path and every
+   choice of experts matters) trains with `--init DIR` alone, and its first
+   loss is the one transformers computes on the same batch. */
+TEST(a_mixtral_made_by_transformers_loads_with_init_and_gives_its_first_loss, FULL) {
+    enum { T = 16, B = 10 };
+    char text[600], dir[600], log[800], out[16384], maker[800];
+    unsigned char bytes[178];                    /* the first 161 bytes are training: 10 sequences of 16, one batch */
+    for (int i = 0; i < 178; i++) bytes[i] = (unsigned char)("The miller ran to the bridge at noon. "[i % 38]);
+    snprintf(text, sizeof text, "%s/mixtral.txt", tmpdir);
+    write_bytes(text, bytes, sizeof bytes);
+    snprintf(dir, sizeof dir, "%s/mixtral", tmpdir);
+    snprintf(maker, sizeof maker, "%s/tests/hf_make_mixtral.py", repo_root());
+    int st = run_cmd(out, sizeof out, "%s %s %s %s %d %d", test_python(), maker, dir, text, T, B);
+    if (st == 77) SKIP("%.200s", out);
+    CHECKF(st == 0, "%s: exit %d\n%s", maker, st, out);
+    if (st) return;
+    double want = atof(out), got[4];
+    snprintf(log, sizeof log, "%s/mixtral.jsonl", tmpdir);
+    st = run_cmd(out, sizeof out, "%s --data %s --seq-len %d --batch-size %d --steps 1 --init %s --log %s", train_cpu, text, T, B,
+                 dir, log);
+    CHECKF(st == 0 && strstr(out, "4 experts, top-2"), "--init %s: exit %d\n%s", dir, st, out);
+    int k = read_losses(log, got, 4);
+    CHECKF(k == 1 && fabs(got[0] - want) < 1e-5, "first loss %.7f (%d logged); transformers gives %.7f", got[0], k, want);
+    CHECKF(fabs(want - 5.545177) > 0.1, "transformers' loss %.4f is a uniform guess's (ln 256): the test would show nothing", want);
 }
 
 /* LoRA adapters open in PEFT: a plain run's checkpoint is the frozen model,

@@ -1,5 +1,5 @@
-/* tests/15-pipeline-parallel.c -- tests of dtrain.h's chapter
-   15-pipeline-parallel: stage 07, and what every stage must do alike: order
+/* tests/16-pipeline-parallel.c -- tests of dtrain.h's chapter
+   16-pipeline-parallel: stage 07, and what every stage must do alike: order
    mistakes, language models, recompute. (tests/helpers.h: how the suite's
    files make one program.) */
 #include "helpers.h"
@@ -127,7 +127,7 @@ TEST(pipeline_parallel_keeps_p_micro_batches_under_1f1b, QUICK) {
     st = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 32 --depth 4 --heads 4 --seq-len 16 --epochs 1 --steps 2 "
                  "--batch-size 8 --nproc 2 --log %s", stage_bin("07-pipeline-parallel"), gpt_text(), log);
     CHECKF(st == 0, "gpt: exit %d\n%s", st, out);
-    dt_model_config gc = { DT_MODEL_GPT, 0, 0, 256, 32, 4, 4, 0, 128, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model_config gc = { DT_MODEL_GPT, 0, 0, 256, 32, 4, 4, 0, 128, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&gc, 1);
     double first = 0;                       /* stage 0 of 2: wte, wpe and blocks 0-1 (the head is at the other end) */
     for (int i = 0; i < m->nparams; i++)

@@ -1,5 +1,5 @@
-/* tests/09-mixed-precision.c -- tests of dtrain.h's chapter
-   09-mixed-precision: gradient accumulation, bf16 and fp16 (stage 05).
+/* tests/10-mixed-precision.c -- tests of dtrain.h's chapter
+   10-mixed-precision: gradient accumulation, bf16 and fp16 (stage 05).
    (tests/helpers.h: how the suite's files make one program.) */
 #include "helpers.h"
 
@@ -16,7 +16,7 @@ typedef struct {
     int64_t collectives[10];
     float *params;                 /* rank 0's final parameters */
 } accum_rank;
-static dt_model_config accum_model(void) { dt_model_config mc = { DT_MODEL_MLP, 3, 8, 10, 32, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" }; return mc; }
+static dt_model_config accum_model(void) { dt_model_config mc = { DT_MODEL_MLP, 3, 8, 10, 32, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 }; return mc; }
 static void accum_batch(int64_t first, int B, dt_tensor **x, int32_t *labels) {
     int shape[4] = { B, 3, 8, 8 };
     float *img = (float *)malloc(sizeof(float) * (size_t)B * 192);
@@ -285,7 +285,7 @@ TEST(mixed_precision_is_the_same_on_any_thread_count, QUICK) {
             omp_set_num_threads(th ? 2 : 1);
 #endif
             dt_set_compute_dtype(t ? DT_F16 : DT_BF16);
-            dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+            dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
             dt_model *m = dt_model_create(&mc, 3);
             dt_step_arena_reset();
             int32_t labels[128];                     /* big enough for the conversions to go parallel */

@@ -1,5 +1,5 @@
-/* tests/16-context-parallel.c -- tests of dtrain.h's chapter
-   16-context-parallel: ring attention against whole-sequence attention, and
+/* tests/17-context-parallel.c -- tests of dtrain.h's chapter
+   17-context-parallel: ring attention against whole-sequence attention, and
    the work each rank does in the zig-zag and contiguous layouts. (tests/helpers.h:
    how the suite's files make one program.) */
 #include "helpers.h"
@@ -179,8 +179,8 @@ static void *cp_model_rank_main(void *arg) {
 TEST(a_gpt_and_a_llama_on_each_ranks_tokens_equal_the_whole_model, QUICK) {
     enum { B = 2, T = 32, V = 11 };
     dt_model_config models[2] = {
-        { DT_MODEL_GPT, 0, 0, V, 16, 2, 2, 0, 48, T, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" },
-        { DT_MODEL_LLAMA, 0, 0, V, 16, 2, 4, 0, 24, T, 2, 0, 0, 10000.0f, 1e-5f, 0, 0, 0, 0, 0, 0, "" },
+        { DT_MODEL_GPT, 0, 0, V, 16, 2, 2, 0, 48, T, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 },
+        { DT_MODEL_LLAMA, 0, 0, V, 16, 2, 4, 0, 24, T, 2, 0, 0, 10000.0f, 1e-5f, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 },
     };
     dt__rng r = { 18 };
     float tokens[B * T], want_logits[B * T * V], logits[B * T * V];

@@ -23,6 +23,12 @@ typedef struct dt_model_config {
     int lora_rank;
     float lora_alpha;
     char lora_targets[256];                      /* module names, comma-separated: "q_proj,v_proj" */
+    /* gpt, llama: a mixture of experts (the MoE chapter) in place of the MLP of
+       every moe_every-th block (llama: every block, Mixtral's names): moe_experts
+       of them (0: none), moe_top_k a token, the capacity factor (0: no limit) and
+       the balancing loss's coefficient (0: none). */
+    int moe_experts, moe_top_k, moe_every;
+    float moe_capacity, moe_aux_loss;
 } dt_model_config;
 
 /* Where tensor parallelism (stage 06) may cut a parameter: the model says,
@@ -84,6 +90,7 @@ typedef struct dt_model {
     int *lora_of;
     float lora_scale;          /* alpha / rank */
     uint64_t base_seed;        /* the seed base's weights were drawn from (they stay, without --init) */
+    dt_moe_stats moe;          /* what its MoE layers routed since the run driver last read it */
 } dt_model;
 
 /* Build a model with freshly initialised weights (seeded, so runs repeat) on
@@ -256,6 +263,38 @@ static void dt__add_layernorm(dt__model_builder *mb, const char *prefix, int dim
 static void dt__check_heads(const dt_model_config *cfg) {
     if (cfg->heads < 1 || cfg->dim % cfg->heads) dt_fail("--dim %d is not divisible by --heads %d", cfg->dim, cfg->heads);
 }
+static void dt__add_projection(dt__model_builder *mb, const char *prefix, int in, int out, int bias) {
+    char name[160];
+    dt__path(name, sizeof name, "%s.weight", prefix);
+    dt__add_param(mb, name, DT_INIT_NORMAL, 0.02f, 2, out, in, 0, 0);
+    dt__path(name, sizeof name, "%s.bias", prefix);
+    if (bias) dt__add_param(mb, name, DT_INIT_ZERO, 0, 1, out, 0, 0, 0);
+}
+/* A mixture of experts in block l's place of the MLP: the router, then each
+   expert's layers, whole under tensor parallelism. GPT-2 has no MoE of its
+   own: h.L.mlp.gate, h.L.mlp.experts.E.c_fc and .c_proj; llama's are Mixtral's
+   (block_sparse_moe: gate, experts.E.w1, w2, w3). */
+static int dt__moe_block(const dt_model_config *c, int l) { return c->moe_experts > 0 && (l + 1) % (c->moe_every > 1 ? c->moe_every : 1) == 0; }
+static void dt__add_experts(dt__model_builder *mb, const dt_model_config *c, int l, float proj) {
+    int llama = c->kind == DT_MODEL_LLAMA, F = c->mlp_hidden, D = c->dim;
+    const char *at = llama ? "model.layers.%d.block_sparse_moe" : "h.%d.mlp";
+    char prefix[96], name[160];
+    if (c->moe_top_k < 1 || c->moe_top_k > c->moe_experts || !(c->moe_capacity >= 0) || !(c->moe_aux_loss >= 0))
+        dt_fail("the experts: top-k %d of %d, capacity %g, balancing loss %g (k from 1 to the experts, the rest 0 or more)",
+                c->moe_top_k, c->moe_experts, (double)c->moe_capacity, (double)c->moe_aux_loss);
+    snprintf(prefix, sizeof prefix, at, l);
+    snprintf(name, sizeof name, "%s.gate.weight", prefix);
+    dt__add_param(mb, name, DT_INIT_NORMAL, 0.02f, 2, c->moe_experts, D, 0, 0);
+    for (int e = 0; e < c->moe_experts; e++) {
+        const char *w[3] = { "w1", "w2", "w3" }, *g[2] = { "c_fc", "c_proj" };
+        for (int i = 0; i < (llama ? 3 : 2); i++) {
+            snprintf(name, sizeof name, "%s.experts.%d.%s", prefix, e, llama ? w[i] : g[i]);
+            int in = i == 1 ? F : D, out = i == 1 ? D : F;
+            if (llama) dt__add_projection(mb, name, in, out, 0);
+            else dt__add_conv1d(mb, name, in, out, i ? proj : 0.02f);
+        }
+    }
+}
 static void dt__gpt_build(dt__model_builder *mb, const dt_model_config *cfg) {
     int D = cfg->dim;
     dt__check_heads(cfg);
@@ -277,6 +316,7 @@ static void dt__gpt_build(dt__model_builder *mb, const dt_model_config *cfg) {
         snprintf(name, sizeof name, "h.%d.attn.c_proj", l); dt__add_conv1d(mb, name, D, D, proj);
         dt__split_row(mb, 1, D / cfg->heads);
         snprintf(name, sizeof name, "h.%d.ln_2", l); dt__add_layernorm(mb, name, D);
+        if (dt__moe_block(cfg, l)) { dt__add_experts(mb, cfg, l, proj); continue; }
         snprintf(name, sizeof name, "h.%d.mlp.c_fc", l); dt__add_conv1d(mb, name, D, cfg->mlp_hidden, 0.02f);
         dt__split_column(mb, 1, 1, 1);
         snprintf(name, sizeof name, "h.%d.mlp.c_proj", l); dt__add_conv1d(mb, name, cfg->mlp_hidden, D, proj);
@@ -336,13 +376,6 @@ static void dt__vit_build(dt__model_builder *mb, const dt_model_config *cfg) {
 
 /* A linear layer without bias, as every Llama projection is (Qwen2's q, k, v
    have one): nn.Linear's [out, in] weight. */
-static void dt__add_projection(dt__model_builder *mb, const char *prefix, int in, int out, int bias) {
-    char name[160];
-    dt__path(name, sizeof name, "%s.weight", prefix);
-    dt__add_param(mb, name, DT_INIT_NORMAL, 0.02f, 2, out, in, 0, 0);
-    dt__path(name, sizeof name, "%s.bias", prefix);
-    if (bias) dt__add_param(mb, name, DT_INIT_ZERO, 0, 1, out, 0, 0, 0);
-}
 /* The same marks for a projection just added, with or without its bias:
    column-parallel (its outputs, in `align`-wide pieces: a head's width) or
    row-parallel (its inputs; it has no bias). */
@@ -395,6 +428,7 @@ static void dt__llama_build(dt__model_builder *mb, const dt_model_config *cfg) {
         dt__split_projection(mb, 0, 0, hd);
         snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
         dt__add_param(mb, name, DT_INIT_ONE, 0, 1, D, 0, 0, 0);
+        if (dt__moe_block(cfg, l)) { dt__add_experts(mb, cfg, l, 0.02f); continue; }
         snprintf(name, sizeof name, "model.layers.%d.mlp.gate_proj", l); dt__add_projection(mb, name, D, cfg->mlp_hidden, 0);
         dt__split_projection(mb, 0, 1, 1);
         snprintf(name, sizeof name, "model.layers.%d.mlp.up_proj", l); dt__add_projection(mb, name, D, cfg->mlp_hidden, 0);
@@ -454,7 +488,9 @@ static void dt__recompute_backward(dt__tape_entry *e) {
     if (x->requires_grad) dt_grad(x);       /* before the mark: x's gradient outlives the block's */
     dt__step_mark k = dt__step_mark_now();
     int first = dt__ctx.tape_len;           /* e points into the tape, which grows: not used below */
+    dt__ctx.recomputing = 1;
     dt_tensor *again = call.fn(call.m, call.params, x, call.B, call.T);
+    dt__ctx.recomputing = 0;
     again->grad = y->grad;                  /* the gradient that reached the block's output */
     dt__tape_walk(first, dt__ctx.tape_len);
     dt__ctx.tape_len = first;
@@ -563,10 +599,27 @@ static int dt__heads_here(const dt_model *m, const dt_tensor *qkv) {
       pipeline stage's share (dt_model_forward_blocks), from x when it does
       not begin with the embedding, to x when it does not end with the head -- */
 typedef struct dt__span { int first, end; dt_tensor *x; } dt__span;
-static dt_tensor *dt__span_blocks(dt_model *m, const dt__span *s, int first_unit, dt__block_fn fn, dt_tensor *x, int B,
-                                  int T) {
-    for (int l = s->first; l < s->end; l++) x = dt__block(m, first_unit + l, fn, dt__unit_weights(m, first_unit + l), x, B, T);
+static dt_tensor *dt__span_blocks(dt_model *m, const dt__span *s, int first_unit, dt__block_fn fn, dt__block_fn moe_fn,
+                                  dt_tensor *x, int B, int T) {
+    for (int l = s->first; l < s->end; l++)
+        x = dt__block(m, first_unit + l, dt__moe_block(&m->cfg, l) ? moe_fn : fn, dt__unit_weights(m, first_unit + l), x, B, T);
     return x;
+}
+/* A mixture of experts on h (the MoE chapter), its router at P, each expert
+   `per_expert` tensors after, run by mlp; the balancing loss shared out over the MoE layers. */
+typedef struct { dt_model *m; dt_tensor *first; int per_expert; dt_tensor *(*mlp)(void *m, dt_tensor *P, dt_tensor *h); } dt__experts;
+static dt_tensor *dt__run_expert(void *ctx, int e, dt_tensor *rows) {
+    const dt__experts *x = (const dt__experts *)ctx;
+    return x->mlp(x->m, x->first + (size_t)e * x->per_expert, rows);
+}
+static dt_tensor *dt__moe(dt_model *m, dt_tensor *P, dt_tensor *h, int per_expert,
+                          dt_tensor *(*mlp)(void *m, dt_tensor *P, dt_tensor *h)) {
+    const dt_model_config *c = &m->cfg;
+    int layers = 0;
+    for (int l = 0; l < c->depth; l++) layers += dt__moe_block(c, l);
+    dt__experts experts = { m, &P[1], per_expert, mlp };
+    dt_moe_layer L = { &P[0], c->moe_top_k, c->moe_capacity, c->moe_aux_loss / layers, dt__run_expert, &experts, &m->moe };
+    return dt_moe_forward(&L, h);
 }
 
 /* The MLP: linear layers with GELU between them; a block is one layer and
@@ -618,7 +671,7 @@ static dt_tensor *dt__vit_forward(dt_model *m, dt_tensor *images, const dt__span
         x = dt_sp_split(m->parallel, dt_vit_tokens(x, cls, pos, B));  /* --sequence-parallel: this rank's rows */
         dt__unit_boundary(m, 0, 0);
     }
-    x = dt__span_blocks(m, s, 1, dt__vit_block, x, B, T);
+    x = dt__span_blocks(m, s, 1, dt__vit_block, NULL, x, B, T);
     if (s->end < c->depth) return x;
     x = dt_sp_gather(m->parallel, x);
     dt__unit_boundary(m, 1 + c->depth, 1);
@@ -640,14 +693,23 @@ static void dt__check_context(const char *family, int T, int context) {
 }
 
 /* A GPT-2 block: causal self-attention and an MLP, pre-LN, GPT-2's layout. */
-static dt_tensor *dt__gpt_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
+static dt_tensor *dt__gpt_attention(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
     dt_tensor *n1w = &P[0], *n1b = &P[1], *aw = &P[2], *ab = &P[3], *pw = &P[4], *pb = &P[5];
-    dt_tensor *n2w = &P[6], *n2b = &P[7], *fw = &P[8], *fb = &P[9], *mw = &P[10], *mb = &P[11];
     dt_tensor *h = dt__lora_linear_in_out(m, dt_layernorm(x, n1w, n1b, 1e-5f), aw, ab);
     h = dt__lora_linear_in_out(m, dt_attention(h, B, T, dt__heads_here(m, h), /*causal*/ 1), pw, pb);
-    x = dt_add(x, h);
-    h = dt__lora_linear_in_out_gelu_tanh(m, dt_layernorm(x, n2w, n2b, 1e-5f), fw, fb);
-    return dt_add(x, dt__lora_linear_in_out(m, h, mw, mb));
+    return dt_add(x, h);
+}
+static dt_tensor *dt__gpt_mlp(void *model, dt_tensor *P, dt_tensor *h) {   /* c_fc, c_proj: an MLP, or an expert */
+    dt_model *m = (dt_model *)model;
+    return dt__lora_linear_in_out(m, dt__lora_linear_in_out_gelu_tanh(m, h, &P[0], &P[1]), &P[2], &P[3]);
+}
+static dt_tensor *dt__gpt_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
+    x = dt__gpt_attention(m, P, x, B, T);
+    return dt_add(x, dt__gpt_mlp(m, &P[8], dt_layernorm(x, &P[6], &P[7], 1e-5f)));
+}
+static dt_tensor *dt__gpt_moe_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
+    x = dt__gpt_attention(m, P, x, B, T);
+    return dt_add(x, dt__moe(m, &P[8], dt_layernorm(x, &P[6], &P[7], 1e-5f), 4, dt__gpt_mlp));
 }
 
 /* GPT-2: pre-LN blocks of causal self-attention and an MLP; the head is the
@@ -663,7 +725,7 @@ static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens, const dt__span
         dt__unit_boundary(m, 0, 1);                                     /* the outer unit, until the head */
         x = dt_sp_split(m->parallel, dt__vocab_embedding(m, tokens, wte, wpe));   /* --sequence-parallel */
     }
-    x = dt__span_blocks(m, s, 1, dt__gpt_block, x, B, T);
+    x = dt__span_blocks(m, s, 1, dt__gpt_block, dt__gpt_moe_block, x, B, T);
     if (s->end < c->depth) {                                            /* a pipeline stage before the head's */
         if (s->first == 0) dt__unit_boundary(m, 0, 0);
         return x;
@@ -676,15 +738,23 @@ static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens, const dt__span
 #undef DT_NEXT
 }
 
-/* A Llama decoder layer (Qwen2's with biases on q, k and v). */
-static dt_tensor *dt__llama_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
+/* A Llama decoder layer (Qwen2's with biases on q, k and v; Mixtral's with experts). */
+static dt_tensor *dt__llama_mlp(void *model, dt_tensor *P, dt_tensor *h) {   /* gate, up, down: down(silu(gate h) * up h) */
+    dt_model *m = (dt_model *)model;
+    return dt__lora_linear(m, dt_swiglu(dt__lora_linear(m, h, &P[0], NULL), dt__lora_linear(m, h, &P[1], NULL)), &P[2], NULL);
+}
+static dt_tensor *dt__mixtral_expert(void *model, dt_tensor *P, dt_tensor *h) {   /* w1, w2, w3: w2(silu(w1 h) * w3 h) */
+    dt_model *m = (dt_model *)model;
+    return dt__lora_linear(m, dt_swiglu(dt__lora_linear(m, h, &P[0], NULL), dt__lora_linear(m, h, &P[2], NULL)), &P[1], NULL);
+}
+static dt_tensor *dt__llama_layer(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T, int moe) {
     const dt_model_config *c = &m->cfg;
     dt_rope rope = { c->rope_theta, c->rope_factor, c->rope_low_freq, c->rope_high_freq, c->rope_original_context };
     int pi = 0;
 #define DT_NEXT (&P[pi++])
 #define DT_BIAS (c->qkv_bias ? DT_NEXT : NULL)
     dt_tensor *n1 = DT_NEXT, *qw = DT_NEXT, *qb = DT_BIAS, *kw = DT_NEXT, *kb = DT_BIAS, *vw = DT_NEXT, *vb = DT_BIAS;
-    dt_tensor *ow = DT_NEXT, *n2 = DT_NEXT, *gw = DT_NEXT, *uw = DT_NEXT, *dw = DT_NEXT;
+    dt_tensor *ow = DT_NEXT, *n2 = DT_NEXT, *mlp = DT_NEXT;
 #undef DT_BIAS
 #undef DT_NEXT
     dt_tensor *h = dt_rmsnorm(x, n1, c->norm_eps);
@@ -693,8 +763,10 @@ static dt_tensor *dt__llama_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B
     dt_tensor *qkv = dt_rotary_qkv(q, k, v, B, T, H, KV, rope);
     x = dt_add(x, dt__lora_linear(m, dt_attention(qkv, B, T, H, /*causal*/ 1), ow, NULL));
     h = dt_rmsnorm(x, n2, c->norm_eps);
-    return dt_add(x, dt__lora_linear(m, dt_swiglu(dt__lora_linear(m, h, gw, NULL), dt__lora_linear(m, h, uw, NULL)), dw, NULL));
+    return dt_add(x, moe ? dt__moe(m, mlp, h, 3, dt__mixtral_expert) : dt__llama_mlp(m, mlp, h));
 }
+static dt_tensor *dt__llama_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { return dt__llama_layer(m, P, x, B, T, 0); }
+static dt_tensor *dt__llama_moe_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { return dt__llama_layer(m, P, x, B, T, 1); }
 
 /* Llama: what changed since GPT-2, block by block. RMSNorm instead of
    LayerNorm; no position table, q and k rotated by position instead; fewer
@@ -712,7 +784,7 @@ static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens, const dt__sp
         x = dt_sp_split(m->parallel, dt__vocab_embedding(m, tokens, embed, NULL));   /* --sequence-parallel */
         if (!tied) dt__unit_boundary(m, 0, 0);
     }
-    x = dt__span_blocks(m, s, 1, dt__llama_block, x, B, T);
+    x = dt__span_blocks(m, s, 1, dt__llama_block, dt__llama_moe_block, x, B, T);
     if (s->end < c->depth) {
         if (s->first == 0 && tied) dt__unit_boundary(m, 0, 0);
         return x;
@@ -766,77 +838,11 @@ static void dt__llama_describe(const dt_model *m, char *out, size_t n) {
              (double)c->rope_theta, scaling, (double)c->norm_eps, c->untied_head ? " untied-head" : "",
              c->qkv_bias ? " qkv-bias" : "", dt__whole_params(m) / 1e6);
 }
-/* The config.json beside a checkpoint's weights: the model's shape in the words
-   of the library that has the same model -- transformers for gpt (GPT2LMHeadModel)
-   and llama (LlamaForCausalLM, or Qwen2ForCausalLM when q, k and v have biases,
-   the one difference between the two), timm for vit (what timm writes when it
-   pushes a model to the Hub). A plain MLP has no such library: its file names
-   the layers for whoever rebuilds it (tests/hf_load_check.py does). */
-static void dt__mlp_config_json(FILE *f, const dt_model_config *c) {
-    fprintf(f, "{\n  \"dtrain_model\": \"mlp\",\n  \"layers\": \"fc1 .. fc%d, nn.Linear each, exact GELU between; the image "
-            "flattened (channels, rows, columns) first\",\n  \"in_features\": %d,\n  \"hidden_size\": %d,\n"
-            "  \"num_hidden_layers\": %d,\n  \"num_classes\": %d\n}\n", c->depth + 1,
-            c->channels * c->image_size * c->image_size, c->dim, c->depth, c->classes);
-}
-static void dt__vit_config_json(FILE *f, const dt_model_config *c) {
-    /* timm's registered names fix nothing here: model_args overrides every shape.
-       timm's MLP is int(dim * mlp_ratio) wide: a ratio that rounds below is nudged. */
-    double ratio = (double)c->mlp_hidden / c->dim;
-    if ((int)(c->dim * ratio) != c->mlp_hidden) ratio = (c->mlp_hidden + 0.5) / c->dim;
-    fprintf(f, "{\n  \"architecture\": \"vit_base_patch16_224\",\n  \"num_classes\": %d,\n  \"num_features\": %d,\n"
-            "  \"global_pool\": \"token\",\n  \"model_args\": {\"img_size\": %d, \"patch_size\": %d, \"in_chans\": %d, "
-            "\"embed_dim\": %d, \"depth\": %d, \"num_heads\": %d, \"mlp_ratio\": %.17g, \"num_classes\": %d},\n"
-            "  \"pretrained_cfg\": {\"input_size\": [%d, %d, %d], \"num_classes\": %d}\n}\n", c->classes, c->dim,
-            c->image_size, c->patch, c->channels, c->dim, c->depth, c->heads, ratio, c->classes,
-            c->channels, c->image_size, c->image_size, c->classes);
-}
-static void dt__gpt_config_json(FILE *f, const dt_model_config *c) {
-    fprintf(f, "{\n  \"model_type\": \"gpt2\",\n  \"architectures\": [\"GPT2LMHeadModel\"],\n  \"vocab_size\": %d,\n"
-            "  \"n_positions\": %d,\n  \"n_embd\": %d,\n  \"n_layer\": %d,\n  \"n_head\": %d,\n  \"n_inner\": %d,\n"
-            "  \"activation_function\": \"gelu_new\",\n  \"layer_norm_epsilon\": 1e-05,\n  \"tie_word_embeddings\": true,\n"
-            "  \"resid_pdrop\": 0.0,\n  \"embd_pdrop\": 0.0,\n  \"attn_pdrop\": 0.0,\n  \"torch_dtype\": \"float32\"\n}\n",
-            c->classes, c->seq_len, c->dim, c->depth, c->heads, c->mlp_hidden);
-}
-/* A float as JSON that reads back as a float (transformers checks the type): 8 is written 8.0. */
-static const char *dt__json_float(char *out, size_t n, float v) {
-    snprintf(out, n, "%.9g", (double)v);
-    if (!strpbrk(out, ".eEn")) snprintf(out + strlen(out), n - strlen(out), ".0");
-    return out;
-}
-static void dt__llama_config_json(FILE *f, const dt_model_config *c) {
-    char scaling[256] = "null", a[32], b[32], d[32];
-    if (c->rope_factor > 0)
-        snprintf(scaling, sizeof scaling, "{\"rope_type\": \"llama3\", \"factor\": %s, \"low_freq_factor\": %s, "
-                 "\"high_freq_factor\": %s, \"original_max_position_embeddings\": %d}", dt__json_float(a, sizeof a, c->rope_factor),
-                 dt__json_float(b, sizeof b, c->rope_low_freq), dt__json_float(d, sizeof d, c->rope_high_freq),
-                 c->rope_original_context);
-    const char *type = c->qkv_bias ? "qwen2" : "llama", *arch = c->qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM";
-    fprintf(f, "{\n  \"model_type\": \"%s\",\n  \"architectures\": [\"%s\"],\n  \"vocab_size\": %d,\n  \"hidden_size\": %d,\n"
-            "  \"intermediate_size\": %d,\n  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n"
-            "  \"num_key_value_heads\": %d,\n  \"head_dim\": %d,\n  \"max_position_embeddings\": %d,\n  \"rope_theta\": %.9g,\n"
-            "  \"rope_scaling\": %s,\n  \"rms_norm_eps\": %.9g,\n  \"hidden_act\": \"silu\",\n  \"tie_word_embeddings\": %s,\n"
-            "%s  \"attention_dropout\": 0.0,\n  \"torch_dtype\": \"float32\"\n}\n", type, arch, c->classes, c->dim, c->mlp_hidden,
-            c->depth, c->heads, c->kv_heads, c->dim / c->heads, c->seq_len, (double)c->rope_theta, scaling, (double)c->norm_eps,
-            c->untied_head ? "false" : "true",
-            c->qkv_bias ? "  \"use_sliding_window\": false,\n" : "  \"attention_bias\": false,\n  \"mlp_bias\": false,\n");
-}
-
 /* The parameters a language model looks up rather than multiplies: GPT-2's
    position table, Llama's embedding when its head is a matrix of its own. */
 static int64_t dt__no_params(const dt_model *m) { (void)m; return 0; }
 static int64_t dt__gpt_lookups(const dt_model *m) { return (int64_t)m->cfg.seq_len * m->cfg.dim; }
 static int64_t dt__llama_lookups(const dt_model *m) { return m->cfg.untied_head ? (int64_t)m->cfg.classes * m->cfg.dim : 0; }
-
-/* A checkpoint's "model_config": the shape's numbers, comma-separated, in this
-   order; a family writes the first `numbers` of them. */
-typedef struct dt__config_number { const char *name; size_t offset; int is_float; } dt__config_number;
-#define DT__CN(field, f) { #field, offsetof(dt_model_config, field), f }
-static const dt__config_number dt__config_numbers[] = {
-    DT__CN(channels, 0), DT__CN(image_size, 0), DT__CN(classes, 0), DT__CN(dim, 0), DT__CN(depth, 0), DT__CN(heads, 0),
-    DT__CN(patch, 0), DT__CN(mlp_hidden, 0), DT__CN(seq_len, 0), DT__CN(kv_heads, 0), DT__CN(untied_head, 0),
-    DT__CN(qkv_bias, 0), DT__CN(rope_theta, 1), DT__CN(norm_eps, 1), DT__CN(rope_factor, 1), DT__CN(rope_low_freq, 1),
-    DT__CN(rope_high_freq, 1), DT__CN(rope_original_context, 0) };
-#undef DT__CN
 
 /* The rows a block passes the next, per sample: the mlp's one, the ViT's
    patches and class token, a language model's tokens. */
@@ -849,29 +855,26 @@ static int dt__token_rows(const dt_model *m, const dt_tensor *inputs) { (void)m;
 
 typedef struct dt__model_family dt__model_family;
 static const dt__model_family *dt__family(dt_model_kind kind);
-/* The names of a family's numbers, comma-separated: "channels,image_size,...". */
-static void dt__config_names(dt_model_kind kind, char *out, size_t n);
 
 struct dt__model_family {
     const char *name;                  /* --model NAME, and a checkpoint's "model" */
     int language;                      /* token ids in, next-token logits out */
-    int numbers;                       /* how many of dt__config_numbers describe its shape */
+    int numbers;                       /* how many of a checkpoint's shape numbers describe it (the Hugging Face chapter) */
     void (*build)(dt__model_builder *mb, const dt_model_config *cfg);
     int blocks_past_depth;             /* its blocks are --depth plus this many (the mlp's output layer: 1) */
     dt_tensor *(*forward)(dt_model *m, dt_tensor *inputs, const dt__span *span);
     int (*rows_per_sample)(const dt_model *m, const dt_tensor *inputs);   /* of what one block passes the next */
     void (*describe)(const dt_model *m, char *out, size_t n);
     int64_t (*lookups)(const dt_model *m);   /* parameters that never multiply */
-    void (*config_json)(FILE *f, const dt_model_config *c);   /* a checkpoint's config.json */
     const char *lora_targets;          /* LoRA's default targets (PEFT's, where it has them); NULL: every linear layer */
     const char *hf_prefix;             /* what Hugging Face's module names have before dtrain's */
 };
 /* in dt_model_kind's order */
 static const dt__model_family dt__model_families[] = {
-    { "mlp", 0, 8, dt__mlp_build, 1, dt__mlp_forward, dt__one_row, dt__mlp_describe, dt__no_params, dt__mlp_config_json, NULL, "" },
-    { "vit", 0, 8, dt__vit_build, 0, dt__vit_forward, dt__vit_rows, dt__vit_describe, dt__no_params, dt__vit_config_json, "qkv", "" },
-    { "gpt", 1, 9, dt__gpt_build, 0, dt__gpt_forward, dt__token_rows, dt__gpt_describe, dt__gpt_lookups, dt__gpt_config_json, "c_attn", "transformer." },
-    { "llama", 1, 18, dt__llama_build, 0, dt__llama_forward, dt__token_rows, dt__llama_describe, dt__llama_lookups, dt__llama_config_json,
+    { "mlp", 0, 8, dt__mlp_build, 1, dt__mlp_forward, dt__one_row, dt__mlp_describe, dt__no_params, NULL, "" },
+    { "vit", 0, 8, dt__vit_build, 0, dt__vit_forward, dt__vit_rows, dt__vit_describe, dt__no_params, "qkv", "" },
+    { "gpt", 1, 9, dt__gpt_build, 0, dt__gpt_forward, dt__token_rows, dt__gpt_describe, dt__gpt_lookups, "c_attn", "transformer." },
+    { "llama", 1, 18, dt__llama_build, 0, dt__llama_forward, dt__token_rows, dt__llama_describe, dt__llama_lookups,
       "q_proj,v_proj", "" },
 };
 #define DT__NFAMILIES ((int)(sizeof dt__model_families / sizeof dt__model_families[0]))
@@ -880,15 +883,6 @@ static const dt__model_family *dt__family(dt_model_kind kind) {
     return &dt__model_families[kind];
 }
 int dt_model_is_language(dt_model_kind kind) { return dt__family(kind)->language; }
-static void dt__config_names(dt_model_kind kind, char *out, size_t n) {
-    size_t used = 0;
-    out[0] = 0;
-    for (int k = 0; k < dt__family(kind)->numbers && used < n; k++) {
-        int w = snprintf(out + used, n - used, "%s%s", k ? "," : "", dt__config_numbers[k].name);
-        used += w > 0 ? (size_t)w : 0;
-    }
-}
-
 /* The flat buffers of the parameters the builder listed, and their first values. */
 static void dt__model_allocate(dt_model *m, dt__model_builder *mb, uint64_t seed, int frozen) {
     m->unit_first[m->nunits] = m->nparams;
@@ -1062,6 +1056,12 @@ static dt_model *dt__model_create(const dt_model_config *cfg, uint64_t seed, int
         seed ^= 0x4C6F5241ull;               /* the adapters' own draws ("LoRA") */
     } else
         fam->build(&mb, cfg);
+    if (cfg->moe_experts > 0) {
+        if (!fam->language) dt_fail("%s: experts replace a language model's MLP (gpt, llama)", fam->name);
+        m->moe.experts = cfg->moe_experts;
+        m->moe.routed = (int64_t *)calloc((size_t)cfg->moe_experts, sizeof(int64_t));
+        if (!m->moe.routed) dt_fail("out of memory (model)");
+    }
     /* which block reads each parameter (pipeline parallelism): its unit's,
        the first unit being the embedding when there are more units than
        blocks (all but the mlp) */
@@ -1087,6 +1087,7 @@ void dt_model_free(dt_model *m) {
     dt_free_on(m->device, DT_ARENA_PARAMS, m->flat_data, (size_t)m->numel * sizeof(float));
     dt_free_on(m->device, DT_ARENA_GRADS, m->flat_grad, (size_t)m->numel * sizeof(float));
     free(m->lora_of);
+    free(m->moe.routed);
     free(m->base_source);
     dt_model_free(m->base);
     free(m);
@@ -1130,30 +1131,26 @@ void dt_model_zero_grad(dt_model *m) { dt__zero_on(m->device, m->flat_grad, (siz
 void dt_model_describe(const dt_model *m, char *out, size_t n) {
     dt__family(m->cfg.kind)->describe(m->base ? m->base : m, out, n);
     size_t used = strlen(out);
+    const dt_model_config *c = &m->cfg;
+    if (c->moe_experts && used < n)
+        used += (size_t)snprintf(out + used, n - used, " + %d experts, top-%d, every %d block(s), capacity %g", c->moe_experts,
+                                 c->moe_top_k, c->moe_every, (double)c->moe_capacity);
     if (m->base && used < n)
         snprintf(out + used, n - used, " + LoRA rank=%d alpha=%g on %s (%lld trainable)", m->cfg.lora_rank,
                  (double)m->cfg.lora_alpha, m->cfg.lora_targets, (long long)m->numel);
 }
 
-/* How checkpoints name a model and its shape (their "model" and "model_config"). */
+/* How checkpoints name a model (their "model"). */
 static const char *dt__model_kind_name(dt_model_kind k) { return dt__family(k)->name; }
-static void dt__model_config_string(const dt_model_config *mc, char *out, size_t n) {
-    size_t used = 0;
-    out[0] = 0;
-    for (int k = 0; k < dt__family(mc->kind)->numbers && used < n; k++) {
-        const char *field = (const char *)mc + dt__config_numbers[k].offset;
-        int w = dt__config_numbers[k].is_float ? snprintf(out + used, n - used, "%s%.9g", k ? "," : "", (double)*(const float *)field)
-                                               : snprintf(out + used, n - used, "%s%d", k ? "," : "", *(const int *)field);
-        used += w > 0 ? (size_t)w : 0;
-    }
-}
 
 double dt_model_flops_per_token(const dt_model *m) {
     const dt_model_config *c = &m->cfg;
     const dt__model_family *fam = dt__family(c->kind);
     if (!fam->language) return 0;
     const dt_model *w = m->base ? m->base : m;
-    double multiplying = (double)w->numel - (double)fam->lookups(m);
+    double multiplying = (double)w->numel - (double)fam->lookups(m), experts = 0;
+    for (int i = 0; i < (c->moe_experts ? w->nparams : 0); i++) experts += strstr(w->params[i].name, ".experts.") ? (double)w->params[i].numel : 0;
+    multiplying -= experts * (c->moe_experts - c->moe_top_k) / (c->moe_experts ? c->moe_experts : 1);   /* k of E work */
     /* a frozen weight costs its forward and the input's gradient, 4 per
        parameter, not the weight's gradient; LoRA's adapters cost 6 */
     return (m->base ? 4.0 * multiplying + 6.0 * (double)m->numel : 6.0 * multiplying) + 12.0 * c->depth * c->dim * c->seq_len;

@@ -1,4 +1,4 @@
-/* tests/13-fsdp.c -- tests of dtrain.h's chapter 13-fsdp: FSDP's shard
+/* tests/14-fsdp.c -- tests of dtrain.h's chapter 14-fsdp: FSDP's shard
    modes, memory and prefetch (stage 04). (tests/helpers.h: how the suite's
    files make one program.) */
 #include "helpers.h"
@@ -61,7 +61,7 @@ static double summary_value(const char *log, const char *key) {
    at all; the host holds them. */
 TEST(fsdp_keeps_one_nth_plus_the_gathered_units_per_rank, QUICK) {
     char out[16384], log[600];
-    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&mc, 1);
     for (int n = 2; n <= 4; n += 2) {
         double shards = 0, largest = 0;
@@ -99,7 +99,7 @@ TEST(fsdp_keeps_one_nth_plus_the_gathered_units_per_rank, QUICK) {
    every unit but the last (kept gathered from its forward) when backward
    does; evaluation prefetches as forward does. */
 TEST(fsdp_prefetches_the_next_unit, QUICK) {
-    dt_model_config mc = { DT_MODEL_VIT, 3, 8, 10, 16, 3, 2, 4, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model_config mc = { DT_MODEL_VIT, 3, 8, 10, 16, 3, 2, 4, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&mc, 3);
     dt_comm_group *g = dt_comm_group_create(1, 30);
     dt_comm *c = dt_comm_join(g, 0);

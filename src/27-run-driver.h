@@ -620,6 +620,13 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
                     run->scaler.last_skipped, (long long)run->scaler.skipped);
         dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
         if (rep && rep->log_fields) rep->log_fields(who, run->log);
+        const dt_moe_stats *moe = &run->model->moe;
+        if (moe->experts && moe->layers) {       /* this rank's MoE layers, this step */
+            fprintf(run->log, ",\"moe_balance\":%.6g,\"moe_dropped\":%lld,\"moe_choices\":%lld,\"moe_routed\":[",
+                    moe->balance_sum / (double)moe->layers, (long long)moe->dropped, (long long)moe->choices);
+            for (int e = 0; e < moe->experts; e++) fprintf(run->log, "%s%lld", e ? "," : "", (long long)moe->routed[e]);
+            fprintf(run->log, "]");
+        }
         if (dt__tokens_per_sample(run))
             fprintf(run->log, ",\"tokens_per_s\":%.1f", (double)batch_size * run->loader->world * dt__tokens_per_sample(run) * 1e3 / step_ms);
         fprintf(run->log, "}\n");
@@ -631,8 +638,10 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
             { "train/loss", "loss", run->last_loss }, { "train/lr", "lr", lr },
             { "train/grad_norm", "grad_norm", run->opt->last_grad_norm },
             { tokens ? "speed/tokens_per_s" : "speed/samples_per_s", tokens ? "tokens_per_s" : "samples_per_s", tokens ? rate * tokens : rate },
-            { "speed/step_ms", "step_ms", step_ms }, { "memory/mb", "memory_mb", dt_mem_total_now() / 1e6 } };
-        for (size_t i = 0; i < sizeof figures / sizeof figures[0]; i++) {
+            { "speed/step_ms", "step_ms", step_ms }, { "memory/mb", "memory_mb", dt_mem_total_now() / 1e6 },
+            { "moe/balance", "moe_balance", run->model->moe.layers ? run->model->moe.balance_sum / (double)run->model->moe.layers : 0 },
+            { "moe/dropped", "moe_dropped", (double)run->model->moe.dropped } };
+        for (size_t i = 0; i < sizeof figures / sizeof figures[0] - (run->model->moe.layers ? 0 : 2); i++) {
             dt__tensorboard_scalar(run, figures[i].tb, figures[i].value);
             dt__mlflow_metric(run, figures[i].mlflow, figures[i].value);
         }
@@ -657,16 +666,26 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
         double rate = run->step_ms_avg > 0 ? batch_size * run->loader->world * 1e3 / run->step_ms_avg : 0;
         dt__format_duration((run->stop_step - run->step) * run->step_ms_avg / 1e3, eta, sizeof eta);
         run->line_ms = now;
-        char scale[64] = "";
+        char scale[128] = "";
         if (run->scaler.enabled)
             snprintf(scale, sizeof scale, "  scale %g (%lld skipped)", run->scaler.scale, (long long)run->scaler.skipped);
         int tok = dt__tokens_per_sample(run);
+        const dt_moe_stats *moe = &run->model->moe;
+        if (moe->layers)                /* the last step's: how even the experts' loads are, what was dropped */
+            snprintf(scale + strlen(scale), sizeof scale - strlen(scale), "  balance %.3f dropped %.1f%%",
+                     moe->balance_sum / (double)moe->layers, 100.0 * (double)moe->dropped / (double)(moe->choices ? moe->choices : 1));
         printf("step %6lld/%lld  epoch %d/%d  loss %.4f  lr %.2e  %.0f %s/s  eta %s%s\n", (long long)run->step,
                (long long)run->stop_step, run->epoch + 1, run->cfg.epochs, run->loss_sum / run->loss_count, lr,
                tok ? rate * tok : rate, tok ? "tokens" : "samples", eta, scale);
         fflush(stdout);
         run->loss_sum = 0;
         run->loss_count = 0;
+    }
+    dt_moe_stats *moe = &run->model->moe;           /* counted afresh each step */
+    if (moe->experts) {
+        memset(moe->routed, 0, sizeof *moe->routed * (size_t)moe->experts);
+        moe->choices = moe->dropped = moe->layers = 0;
+        moe->balance_sum = 0;
     }
     if (run->cfg.explain && run->steps_run == 3 && dt__ctx.rank == 0) dt__run_explain(run);
     if (stop) { run->stopped_by = stop; run->stop = 1; }

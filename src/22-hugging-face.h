@@ -59,6 +59,7 @@ typedef struct dt__hf_config {
     /* -1: not in the file */
     double dim, depth, heads, kv_heads, ffn_dim, vocab, max_positions, head_dim, rope_theta, norm_eps, tie, qkv_bias;
     double mlp_bias, sliding_window, use_sliding_window, partial_rotary;
+    double experts, experts_per_token, sparse_step, router_aux, router_logits, router_jitter, capacity;   /* Mixtral's, and dtrain's gpt */
     double rope_factor, rope_low_freq, rope_high_freq, rope_original_context;   /* rope_type llama3; 0: not given */
     int has_rope_scaling;
 } dt__hf_config;
@@ -114,7 +115,11 @@ static void dt__hf_config_read(const char *dir, dt__hf_config *hc) {
         { "tie_word_embeddings", offsetof(dt__hf_config, tie) }, { "attention_bias", offsetof(dt__hf_config, qkv_bias) },
         { "mlp_bias", offsetof(dt__hf_config, mlp_bias) }, { "sliding_window", offsetof(dt__hf_config, sliding_window) },
         { "use_sliding_window", offsetof(dt__hf_config, use_sliding_window) },
-        { "partial_rotary_factor", offsetof(dt__hf_config, partial_rotary) } };
+        { "partial_rotary_factor", offsetof(dt__hf_config, partial_rotary) },
+        { "num_local_experts", offsetof(dt__hf_config, experts) }, { "num_experts_per_tok", offsetof(dt__hf_config, experts_per_token) },
+        { "decoder_sparse_step", offsetof(dt__hf_config, sparse_step) }, { "router_aux_loss_coef", offsetof(dt__hf_config, router_aux) },
+        { "output_router_logits", offsetof(dt__hf_config, router_logits) },
+        { "router_jitter_noise", offsetof(dt__hf_config, router_jitter) }, { "moe_capacity_factor", offsetof(dt__hf_config, capacity) } };
     memset(hc, 0, sizeof *hc);
     for (int f = 0; f < (int)(sizeof fields / sizeof fields[0]); f++) *(double *)((char *)hc + fields[f].offset) = -1;
     snprintf(hc->path, sizeof hc->path, "%s/config.json", dir);
@@ -270,6 +275,83 @@ static int dt__folder_is_hf(const char *dir) {
     dt_safetensors_close(st);
     return hf;
 }
+
+/* The config.json beside a checkpoint's weights: the model's shape in the words
+   of the library that has the same model -- transformers for gpt (GPT2LMHeadModel)
+   and llama (LlamaForCausalLM, or Qwen2ForCausalLM when q, k and v have biases,
+   the one difference between the two), timm for vit (what timm writes when it
+   pushes a model to the Hub). A plain MLP has no such library: its file names
+   the layers for whoever rebuilds it (tests/hf_load_check.py does). */
+static void dt__mlp_config_json(FILE *f, const dt_model_config *c) {
+    fprintf(f, "{\n  \"dtrain_model\": \"mlp\",\n  \"layers\": \"fc1 .. fc%d, nn.Linear each, exact GELU between; the image "
+            "flattened (channels, rows, columns) first\",\n  \"in_features\": %d,\n  \"hidden_size\": %d,\n"
+            "  \"num_hidden_layers\": %d,\n  \"num_classes\": %d\n}\n", c->depth + 1,
+            c->channels * c->image_size * c->image_size, c->dim, c->depth, c->classes);
+}
+static void dt__vit_config_json(FILE *f, const dt_model_config *c) {
+    /* timm's registered names fix nothing here: model_args overrides every shape.
+       timm's MLP is int(dim * mlp_ratio) wide: a ratio that rounds below is nudged. */
+    double ratio = (double)c->mlp_hidden / c->dim;
+    if ((int)(c->dim * ratio) != c->mlp_hidden) ratio = (c->mlp_hidden + 0.5) / c->dim;
+    fprintf(f, "{\n  \"architecture\": \"vit_base_patch16_224\",\n  \"num_classes\": %d,\n  \"num_features\": %d,\n"
+            "  \"global_pool\": \"token\",\n  \"model_args\": {\"img_size\": %d, \"patch_size\": %d, \"in_chans\": %d, "
+            "\"embed_dim\": %d, \"depth\": %d, \"num_heads\": %d, \"mlp_ratio\": %.17g, \"num_classes\": %d},\n"
+            "  \"pretrained_cfg\": {\"input_size\": [%d, %d, %d], \"num_classes\": %d}\n}\n", c->classes, c->dim,
+            c->image_size, c->patch, c->channels, c->dim, c->depth, c->heads, ratio, c->classes,
+            c->channels, c->image_size, c->image_size, c->classes);
+}
+/* A float as JSON that reads back as a float (transformers checks the type): 8 is written 8.0. */
+static const char *dt__json_float(char *out, size_t n, float v) {
+    snprintf(out, n, "%.9g", (double)v);
+    if (!strpbrk(out, ".eEn")) snprintf(out + strlen(out), n - strlen(out), ".0");
+    return out;
+}
+/* A config.json's "{" and the experts' keys: Mixtral's names (Qwen2-MoE's decoder_sparse_step for a
+   gpt's every N-th block); the capacity factor is dtrain's (Mixtral drops nothing: transformers reads past it). */
+static void dt__config_open(FILE *f, const dt_model_config *c) {
+    char coef[32], cap[32];
+    if (fprintf(f, "{\n") && !c->moe_experts) return;
+    fprintf(f, "  \"num_local_experts\": %d,\n  \"num_experts_per_tok\": %d,\n  \"router_aux_loss_coef\": %s,\n"
+            "  \"output_router_logits\": %s,\n  \"router_jitter_noise\": 0.0,\n", c->moe_experts, c->moe_top_k,
+            dt__json_float(coef, sizeof coef, c->moe_aux_loss), c->moe_aux_loss > 0 ? "true" : "false");
+    if (c->kind == DT_MODEL_GPT) fprintf(f, "  \"decoder_sparse_step\": %d,\n", c->moe_every);
+    if (c->moe_capacity > 0) fprintf(f, "  \"moe_capacity_factor\": %s,\n", dt__json_float(cap, sizeof cap, c->moe_capacity));
+}
+/* GPT-2 with experts has no transformers class: its own model_type, which
+   from_pretrained refuses by name rather than load without its experts. */
+static void dt__gpt_config_json(FILE *f, const dt_model_config *c) {
+    dt__config_open(f, c);
+    fprintf(f, "  \"model_type\": \"%s\",\n  \"architectures\": [\"%s\"],\n  \"vocab_size\": %d,\n"
+            "  \"n_positions\": %d,\n  \"n_embd\": %d,\n  \"n_layer\": %d,\n  \"n_head\": %d,\n  \"n_inner\": %d,\n"
+            "  \"activation_function\": \"gelu_new\",\n  \"layer_norm_epsilon\": 1e-05,\n  \"tie_word_embeddings\": true,\n"
+            "  \"resid_pdrop\": 0.0,\n  \"embd_pdrop\": 0.0,\n  \"attn_pdrop\": 0.0,\n  \"torch_dtype\": \"float32\"\n}\n",
+            c->moe_experts ? "dtrain_gpt2_moe" : "gpt2", c->moe_experts ? "dtrain's GPT-2 with experts" : "GPT2LMHeadModel",
+            c->classes, c->seq_len, c->dim, c->depth, c->heads, c->mlp_hidden);
+}
+static void dt__llama_config_json(FILE *f, const dt_model_config *c) {
+    char scaling[256] = "null", a[32], b[32], d[32];
+    if (c->rope_factor > 0)
+        snprintf(scaling, sizeof scaling, "{\"rope_type\": \"llama3\", \"factor\": %s, \"low_freq_factor\": %s, "
+                 "\"high_freq_factor\": %s, \"original_max_position_embeddings\": %d}", dt__json_float(a, sizeof a, c->rope_factor),
+                 dt__json_float(b, sizeof b, c->rope_low_freq), dt__json_float(d, sizeof d, c->rope_high_freq),
+                 c->rope_original_context);
+    const char *type = c->moe_experts ? "mixtral" : c->qkv_bias ? "qwen2" : "llama";
+    const char *arch = c->moe_experts ? "MixtralForCausalLM" : c->qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM";
+    dt__config_open(f, c);
+    fprintf(f, "  \"model_type\": \"%s\",\n  \"architectures\": [\"%s\"],\n  \"vocab_size\": %d,\n  \"hidden_size\": %d,\n"
+            "  \"intermediate_size\": %d,\n  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n"
+            "  \"num_key_value_heads\": %d,\n  \"head_dim\": %d,\n  \"max_position_embeddings\": %d,\n  \"rope_theta\": %.9g,\n"
+            "  \"rope_scaling\": %s,\n  \"rms_norm_eps\": %.9g,\n  \"hidden_act\": \"silu\",\n  \"tie_word_embeddings\": %s,\n"
+            "%s  \"attention_dropout\": 0.0,\n  \"torch_dtype\": \"float32\"\n}\n", type, arch, c->classes, c->dim, c->mlp_hidden,
+            c->depth, c->heads, c->kv_heads, c->dim / c->heads, c->seq_len, (double)c->rope_theta, scaling, (double)c->norm_eps,
+            c->untied_head ? "false" : "true",
+            c->moe_experts ? "  \"sliding_window\": null,\n" : c->qkv_bias ? "  \"use_sliding_window\": false,\n"
+                                                                     : "  \"attention_bias\": false,\n  \"mlp_bias\": false,\n");
+}
+
+static void (*const dt__config_jsons[])(FILE *f, const dt_model_config *c) = {     /* in dt_model_kind's order */
+    dt__mlp_config_json, dt__vit_config_json, dt__gpt_config_json, dt__llama_config_json };
+static void dt__config_json(FILE *f, const dt_model_config *c) { dt__config_jsons[c->kind](f, c); }
 
 /* -- LoRA's folder (PEFT's layout). -- */
 static int dt__folder_is_adapter(const char *dir) {
@@ -501,6 +583,49 @@ static void dt__load_weights(dt_model *model, const char *path) {
     dt_safetensors_close(st);
 }
 
+/* A checkpoint's "model_config": the shape's numbers, comma-separated, in this
+   order; a family writes the first `numbers` of them (its row of the models
+   chapter's table), and a model with experts the last four after them. */
+typedef struct dt__config_number { const char *name; size_t offset; int is_float; } dt__config_number;
+#define DT__CN(field, f) { #field, offsetof(dt_model_config, field), f }
+static const dt__config_number dt__config_numbers[] = {
+    DT__CN(channels, 0), DT__CN(image_size, 0), DT__CN(classes, 0), DT__CN(dim, 0), DT__CN(depth, 0), DT__CN(heads, 0),
+    DT__CN(patch, 0), DT__CN(mlp_hidden, 0), DT__CN(seq_len, 0), DT__CN(kv_heads, 0), DT__CN(untied_head, 0),
+    DT__CN(qkv_bias, 0), DT__CN(rope_theta, 1), DT__CN(norm_eps, 1), DT__CN(rope_factor, 1), DT__CN(rope_low_freq, 1),
+    DT__CN(rope_high_freq, 1), DT__CN(rope_original_context, 0),
+    DT__CN(moe_experts, 0), DT__CN(moe_top_k, 0), DT__CN(moe_every, 0), DT__CN(moe_capacity, 1) };
+#undef DT__CN
+
+#define DT__MOE_NUMBERS 4
+/* Number k of a model's shape: the family's first ones, then the experts'. */
+static const dt__config_number *dt__config_number_at(dt_model_kind kind, int k) {
+    int own = dt__family(kind)->numbers, all = (int)(sizeof dt__config_numbers / sizeof dt__config_numbers[0]);
+    return &dt__config_numbers[k < own ? k : all - DT__MOE_NUMBERS + (k - own)];
+}
+static int dt__config_count(const dt_model_config *mc) { return dt__family(mc->kind)->numbers + (mc->moe_experts ? DT__MOE_NUMBERS : 0); }
+/* The names of a shape's numbers, comma-separated: "channels,image_size,...". */
+static void dt__config_names(const dt_model_config *mc, char *out, size_t n) {
+    size_t used = 0;
+    out[0] = 0;
+    for (int k = 0; k < dt__config_count(mc) && used < n; k++) {
+        int w = snprintf(out + used, n - used, "%s%s", k ? "," : "", dt__config_number_at(mc->kind, k)->name);
+        used += w > 0 ? (size_t)w : 0;
+    }
+}
+
+/* A model's shape as a checkpoint's "model_config". */
+static void dt__model_config_string(const dt_model_config *mc, char *out, size_t n) {
+    size_t used = 0;
+    out[0] = 0;
+    for (int k = 0; k < dt__config_count(mc) && used < n; k++) {
+        const dt__config_number *c = dt__config_number_at(mc->kind, k);
+        const char *field = (const char *)mc + c->offset;
+        int w = c->is_float ? snprintf(out + used, n - used, "%s%.9g", k ? "," : "", (double)*(const float *)field)
+                                               : snprintf(out + used, n - used, "%s%d", k ? "," : "", *(const int *)field);
+        used += w > 0 ? (size_t)w : 0;
+    }
+}
+
 static int dt__model_config_parse(dt_safetensors *st, const char *path, dt_model_config *mc) {
     const char *kind = dt_safetensors_meta(st, "model"), *shape = dt_safetensors_meta(st, "model_config");
     memset(mc, 0, sizeof *mc);
@@ -510,17 +635,21 @@ static int dt__model_config_parse(dt_safetensors *st, const char *path, dt_model
         if (!strcmp(kind, dt__model_families[f].name)) found = f;
     if (found < 0) return 0;
     mc->kind = (dt_model_kind)found;
-    int want = dt__model_families[found].numbers, got = 0, ok = 1;
+    int commas = 0, got = 0, ok = 1;
+    for (const char *p = shape; *p; p++) commas += *p == ',';
+    mc->moe_experts = commas + 1 == dt__model_families[found].numbers + DT__MOE_NUMBERS;   /* the experts' four, after */
+    int want = dt__config_count(mc);
     char names[400];
-    dt__config_names(mc->kind, names, sizeof names);
+    dt__config_names(mc, names, sizeof names);
     for (const char *p = shape; ok && *p; got++) {
         char *end = NULL;
         errno = 0;
         double v = strtod(p, &end);
         ok = end != p && !errno && isfinite(v) && v >= 0 && got < want && (*end == ',' || !*end);
         if (!ok) break;
-        char *field = (char *)mc + dt__config_numbers[got].offset;
-        if (dt__config_numbers[got].is_float) ok = v <= FLT_MAX, *(float *)field = (float)v;
+        const dt__config_number *c = dt__config_number_at(mc->kind, got);
+        char *field = (char *)mc + c->offset;
+        if (c->is_float) ok = v <= FLT_MAX, *(float *)field = (float)v;
         else if (v == floor(v) && v <= INT_MAX) *(int *)field = (int)v;
         else ok = 0;
         p = *end ? end + 1 : end;
@@ -796,7 +925,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     dt_model_describe(m, desc, sizeof desc);
     dt_model_config theirs;
     if (strcmp(kind, dt__model_kind_name(mc->kind)) || strcmp(shape, want)) {
-        if (dt__model_config_parse(st, st->path, &theirs)) dt__config_names(theirs.kind, names, sizeof names);  /* its own kind's */
+        if (dt__model_config_parse(st, st->path, &theirs)) dt__config_names(&theirs, names, sizeof names);  /* its own kind's */
         else dt__copy_str(names, sizeof names, "a model dtrain does not know");
         dt_fail("'%s' holds a %s model (%s = %s) but this run builds %s (%s)", path, kind, names, shape, desc, want);
     }

@@ -1,5 +1,5 @@
-/* tests/14-tensor-parallel.c -- tests of dtrain.h's chapter
-   14-tensor-parallel: stage 06. (tests/helpers.h: how the suite's files make
+/* tests/15-tensor-parallel.c -- tests of dtrain.h's chapter
+   15-tensor-parallel: stage 06. (tests/helpers.h: how the suite's files make
    one program.) */
 #include "helpers.h"
 
@@ -208,7 +208,7 @@ TEST(tensor_parallel_evaluates_and_samples_on_every_rank, QUICK) {
    and the table at start-up says which tensors are cut, whole and here. */
 TEST(tensor_parallel_keeps_one_tth_of_the_split_layers, QUICK) {
     char out[16384], log[600];
-    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 4, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 4, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&mc, 1);
     for (int n = 2; n <= 4; n += 2) {
         double split = 0, whole = 0;
@@ -245,7 +245,7 @@ TEST(tensor_parallel_keeps_one_tth_of_the_split_layers, QUICK) {
     /* The GPT's vocabulary is split too: wte (its embedding and its tied
        head) in halves; a vocabulary that does not divide stays whole, and the
        table says so. */
-    dt_model_config gc = { DT_MODEL_GPT, 0, 0, 256, 32, 2, 4, 0, 128, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model_config gc = { DT_MODEL_GPT, 0, 0, 256, 32, 2, 4, 0, 128, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     m = dt_model_create(&gc, 1);
     double split = 0, whole = 0;
     for (int i = 0; i < m->nparams; i++) {

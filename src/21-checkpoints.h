@@ -645,8 +645,9 @@ static void dt__folder_commit(dt__folder *w) {
     dt__folder_remove(old);
 }
 
-/* config.json, in the words of the library that has the same model (the models chapter). */
+/* config.json, in the words of the library that has the same model (the Hugging Face chapter). */
 static void dt__adapter_config_json(FILE *f, const dt_model *m);
+static void dt__config_json(FILE *f, const dt_model_config *c);   /* the Hugging Face chapter's */
 /* config.json, or a LoRA model's adapter_config.json */
 static void dt__folder_write_config(dt__folder *w, const dt_model *m) {
     char file[4200];
@@ -655,7 +656,7 @@ static void dt__folder_write_config(dt__folder *w, const dt_model *m) {
     if (!f) dt_fail("cannot write '%s': %s", file, strerror(errno));
     dt__folder_wrote(w, file);
     if (m->base) dt__adapter_config_json(f, m);
-    else dt__family(m->cfg.kind)->config_json(f, &m->cfg);
+    else dt__config_json(f, &m->cfg);
     int ok = !ferror(f) && fflush(f) == 0 && fsync(fileno(f)) == 0, e = errno;
     if (fclose(f) != 0 && ok) { ok = 0; e = errno; }
     if (!ok) dt_fail("could not write '%s': %s", file, strerror(e ? e : EIO));

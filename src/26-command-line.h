@@ -16,6 +16,8 @@ typedef struct dt_config {
     float rope_factor, rope_low_freq, rope_high_freq;   /* llama: Llama 3's rescaling, from --init DIR's config.json */
     int rope_original_context;
     int sample;                  /* --sample N: gpt prints N generated tokens at each evaluation */
+    int moe_experts, moe_top_k, moe_every;   /* gpt, llama: a mixture of experts (0: none), k a token, every N-th block */
+    float moe_capacity, moe_aux_loss;        /* its capacity factor (0: no limit), its balancing loss's coefficient */
     int batch_size, epochs;
     int64_t steps;               /* stop after this many steps (0: run every epoch) */
     float lr, weight_decay, momentum, clip;
@@ -126,6 +128,17 @@ static const dt__flag dt__flags[] = {
       DT_CFG(vocab), NULL, DT_RANGE(1, 16777216) },             /* ids are held as floats: exact to 2^24 */
     { "--sample", "12345678", "N", "gpt, llama: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT,
       DT_CFG(sample), NULL, DT_MIN(0) },
+    { "--moe-experts", "12345", "E", "gpt, llama: a mixture of E expert MLPs in place of the MLP, each token sent to\n"
+      "                          --moe-top-k of them (default 0: none; llama: Mixtral's layout)", DT_ARG_INT, DT_CFG(moe_experts),
+      NULL, DT_RANGE(0, 4096) },
+    { "--moe-top-k", "12345", "K", "the experts each token goes to (default 2, or 1 with one expert)", DT_ARG_INT, DT_CFG(moe_top_k),
+      NULL, DT_MIN(1) },
+    { "--moe-every", "12345", "N", "gpt: experts in every N-th block only, the others dense (default 1: every block)", DT_ARG_INT,
+      DT_CFG(moe_every), NULL, DT_MIN(1) },
+    { "--moe-capacity", "1", "C", "each expert takes at most C x K x tokens / E of a batch's choices, the rest dropped\n"
+      "                          (default 0: no limit)", DT_ARG_FLOAT, DT_CFG(moe_capacity), NULL, DT_MIN(0) },
+    { "--moe-aux-loss", "1", "X", "the load-balancing loss's coefficient (Switch Transformer's; default 0: none)", DT_ARG_FLOAT,
+      DT_CFG(moe_aux_loss), NULL, DT_MIN(0) },
     { "--kv-heads", "12345678", "N", "llama: key/value heads, each serving --heads / N query heads (default: half the heads\n"
       "                          when their number is even, else all of them)", DT_ARG_INT, DT_CFG(kv_heads), NULL, DT_MIN(1) },
     { "--ffn-dim", "12345678", "N", "llama: the SwiGLU MLP's width (default 8/3 x --dim, rounded up to a multiple of 32)",
@@ -331,10 +344,12 @@ static void dt__hf_take(const dt__hf_config *hc, const char *key, double from_co
     else *i_value = (int)from_config;
 }
 /* The model: before the defaults that depend on it. */
+static int dt__hf_is(const dt__hf_config *hc, const char *type) { return !strcmp(hc->model_type, type); }
+static int dt__hf_gpt2(const dt__hf_config *hc) { return dt__hf_is(hc, "gpt2") || dt__hf_is(hc, "dtrain_gpt2_moe"); }
 static void dt__apply_hf_model(dt_config *c, const dt__hf_config *hc, const unsigned char *given) {
-    int llama = !strcmp(hc->model_type, "llama"), qwen2 = !strcmp(hc->model_type, "qwen2"), gpt2 = !strcmp(hc->model_type, "gpt2");
+    int llama = dt__hf_is(hc, "llama") || dt__hf_is(hc, "mixtral"), qwen2 = dt__hf_is(hc, "qwen2"), gpt2 = dt__hf_gpt2(hc);
     if (!llama && !qwen2 && !gpt2)
-        dt_usage_error("%s: model_type \"%s\" is not one dtrain trains (llama, qwen2, gpt2)", hc->path, hc->model_type);
+        dt_usage_error("%s: model_type \"%s\" is not one dtrain trains (llama, qwen2, mixtral, gpt2)", hc->path, hc->model_type);
     dt_model_kind kind = gpt2 ? DT_MODEL_GPT : DT_MODEL_LLAMA;
     if (dt__given(given, "--model") && c->model != kind)
         dt_usage_error("--model %s contradicts \"model_type\": \"%s\" in %s", dt__family((dt_model_kind)c->model)->name,
@@ -342,8 +357,26 @@ static void dt__apply_hf_model(dt_config *c, const dt__hf_config *hc, const unsi
     c->model = kind;
 }
 /* The shape: over the defaults. */
+/* The experts (Mixtral's keys; a gpt's from dtrain): over the flags' defaults. */
+static void dt__apply_hf_experts(dt_config *c, dt__hf_config hc, const unsigned char *given) {
+    int mixtral = dt__hf_is(&hc, "mixtral");
+    if (!mixtral && !dt__hf_is(&hc, "dtrain_gpt2_moe")) return;
+    if (hc.experts < 1) dt_usage_error("%s: a model_type \"%s\" needs num_local_experts (1 or more)", hc.path, hc.model_type);
+    if (hc.router_jitter > 0) dt_usage_error("%s: router_jitter_noise %g; dtrain's router adds no noise", hc.path, hc.router_jitter);
+    if (hc.experts_per_token == -1) hc.experts_per_token = 2;                       /* Hugging Face's defaults */
+    if (hc.sparse_step == -1) hc.sparse_step = 1;
+    double coef = hc.router_logits > 0 && hc.router_aux != -1 ? hc.router_aux : 0, capacity = hc.capacity;
+    dt__hf_take(&hc, "num_local_experts", hc.experts, "--moe-experts", dt__given(given, "--moe-experts"), NULL, &c->moe_experts);
+    dt__hf_take(&hc, "num_experts_per_tok", hc.experts_per_token, "--moe-top-k", dt__given(given, "--moe-top-k"), NULL,
+                &c->moe_top_k);
+    if (!mixtral)
+        dt__hf_take(&hc, "decoder_sparse_step", hc.sparse_step, "--moe-every", dt__given(given, "--moe-every"), NULL, &c->moe_every);
+    if (!dt__given(given, "--moe-aux-loss")) c->moe_aux_loss = (float)coef;         /* a coefficient for training: a flag may change it */
+    if (capacity > 0)
+        dt__hf_take(&hc, "moe_capacity_factor", capacity, "--moe-capacity", dt__given(given, "--moe-capacity"), &c->moe_capacity, NULL);
+}
 static void dt__apply_hf_shape(dt_config *c, dt__hf_config hc, const unsigned char *given) {
-    int llama = !strcmp(hc.model_type, "llama"), qwen2 = !strcmp(hc.model_type, "qwen2"), gpt2 = !strcmp(hc.model_type, "gpt2");
+    int llama = dt__hf_is(&hc, "llama") || dt__hf_is(&hc, "mixtral"), qwen2 = dt__hf_is(&hc, "qwen2"), gpt2 = dt__hf_gpt2(&hc);
     const char *missing = hc.dim == -1 ? "hidden_size" : hc.depth == -1 ? "num_hidden_layers" : hc.heads == -1 ? "num_attention_heads"
                         : hc.vocab == -1 ? "vocab_size" : !gpt2 && hc.ffn_dim == -1 ? "intermediate_size" : NULL;
     if (missing) dt_usage_error("%s has no \"%s\"", hc.path, missing);
@@ -389,16 +422,17 @@ static void dt__apply_hf_shape(dt_config *c, dt__hf_config hc, const unsigned ch
     if (hc.partial_rotary != -1 && hc.partial_rotary != 1)
         dt_usage_error("%s: partial_rotary_factor %g; dtrain rotates whole heads", hc.path, hc.partial_rotary);
     if (hc.mlp_bias > 0) dt_usage_error("%s: mlp_bias true (biases on gate, up and down) is not supported", hc.path);
-    if (hc.use_sliding_window > 0 && hc.sliding_window != -1 && hc.sliding_window < c->seq_len)
+    if ((hc.use_sliding_window > 0 || dt__hf_is(&hc, "mixtral")) && hc.sliding_window != -1 && hc.sliding_window < c->seq_len)
         dt_usage_error("%s: sliding-window attention of %g tokens, shorter than --seq-len %d: dtrain attends to the whole "
                        "context", hc.path, hc.sliding_window, c->seq_len);
     if (hc.hidden_act[0] && strcmp(hc.hidden_act, "silu"))
         dt_usage_error("%s: hidden_act \"%s\"; dtrain's SwiGLU uses silu", hc.path, hc.hidden_act);
     if (llama && hc.qkv_bias > 0)
         dt_usage_error("%s: attention_bias true (biases on o_proj too) is not supported; Qwen2's q/k/v biases are", hc.path);
-    /* Hugging Face's defaults where the file says nothing */
+    /* Hugging Face's defaults where the file says nothing (Mixtral's own base and epsilon) */
     if (hc.kv_heads == -1) hc.kv_heads = hc.heads;
-    if (hc.rope_theta == -1) hc.rope_theta = 10000;
+    if (hc.rope_theta == -1) hc.rope_theta = dt__hf_is(&hc, "mixtral") ? 1e6 : 10000;
+    if (hc.norm_eps == -1 && dt__hf_is(&hc, "mixtral")) hc.norm_eps = 1e-5;
     if (hc.tie == -1) hc.tie = 0;
     if (hc.norm_eps == -1) hc.norm_eps = 1e-6;
     hc.qkv_bias = qwen2;
@@ -522,6 +556,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if (!dt__given(given, "--heads")) c.heads = gpt ? 4 : 3;
     if (!dt__given(given, "--patch")) c.patch = 4;
     if (hf) dt__apply_hf_shape(&c, hc, given);              /* and its shape */
+    if (hf) dt__apply_hf_experts(&c, hc, given);            /* and its experts */
     /* values in range that make no sense together */
     if (!gpt && (dt__given(given, "--seq-len") || dt__given(given, "--vocab") || c.tokens || dt__given(given, "--sample")))
         dt_usage_error("--seq-len, --vocab, --tokens and --sample are for the language models (--model gpt or llama)");
@@ -539,6 +574,21 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if (llama && c.dim % c.heads == 0 && (c.dim / c.heads) % 2)
         dt_usage_error("--dim %d / --heads %d = %d: llama's head width must be even (rotary embeddings turn pairs)", c.dim,
                        c.heads, c.dim / c.heads);
+    if (!c.moe_experts && (c.moe_top_k || c.moe_every || c.moe_capacity > 0 || c.moe_aux_loss > 0))
+        dt_usage_error("--moe-top-k, --moe-every, --moe-capacity and --moe-aux-loss go with --moe-experts");
+    if (c.moe_experts && !gpt) dt_usage_error("--moe-experts: the experts replace a language model's MLP (--model gpt or llama)");
+    if (c.moe_experts && !c.moe_top_k) c.moe_top_k = c.moe_experts > 1 ? 2 : 1;
+    if (c.moe_top_k > c.moe_experts && c.moe_experts)
+        dt_usage_error("--moe-top-k %d: a token cannot go to more than the %d experts (--moe-experts)", c.moe_top_k, c.moe_experts);
+    if (llama && c.moe_every > 1)
+        dt_usage_error("--moe-every %d: llama's experts are Mixtral's, in every block (--moe-every is for gpt)", c.moe_every);
+    if (c.moe_experts && c.qkv_bias)
+        dt_usage_error("--moe-experts with --qkv-bias: Mixtral's layout has no q/k/v biases (and Qwen2-MoE's shared experts are not built)");
+    if (c.moe_experts && !c.moe_every) c.moe_every = 1;
+    if ((c.moe_aux_loss > 0 && !dt__stage_takes(stage, "--moe-aux-loss")) || (c.moe_capacity > 0 && !dt__stage_takes(stage, "--moe-capacity")))
+        dt_usage_error("%s: the balancing loss and the capacity are taken over the whole batch, which %s does not see on one rank "
+                       "(--init's config.json asks for %s; train it in 01)", stage, stage, c.moe_aux_loss > 0 ?
+                       "output_router_logits with router_aux_loss_coef" : "moe_capacity_factor");
     if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
     /* A pipeline (a stage that takes --micro-batches) already adds up its
        micro-batches' gradients before the optimizer steps: accumulating K
@@ -628,6 +678,8 @@ dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int ima
         m.rope_factor = cfg->rope_factor; m.rope_low_freq = cfg->rope_low_freq; m.rope_high_freq = cfg->rope_high_freq;
         m.rope_original_context = cfg->rope_original_context;
     }
+    m.moe_experts = cfg->moe_experts; m.moe_top_k = cfg->moe_top_k; m.moe_every = cfg->moe_every;
+    m.moe_capacity = cfg->moe_capacity; m.moe_aux_loss = cfg->moe_aux_loss;
     m.lora_rank = cfg->lora_rank;
     m.lora_alpha = cfg->lora_alpha;
     if (cfg->lora_targets) dt__copy_str(m.lora_targets, sizeof m.lora_targets, cfg->lora_targets);

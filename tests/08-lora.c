@@ -1,4 +1,4 @@
-/* tests/07-lora.c -- tests of dtrain.h's chapter 07-models: LoRA's adapters.
+/* tests/08-lora.c -- tests of dtrain.h's chapter 08-models: LoRA's adapters.
    (tests/helpers.h: how the suite's files make one program.) */
 #include "helpers.h"
 
@@ -28,8 +28,8 @@ static dt_tensor *f_lora(dt_tensor **l, void *c) { (void)l; lora_ctx *x = (lora_
    adapters' gradients match finite differences; training changes the
    adapters and nothing else, and only they have gradients and optimizer state. */
 TEST(lora_starts_at_the_frozen_model_and_trains_only_its_adapters, QUICK) {
-    dt_model_config mlp = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
-    dt_model_config vit = { DT_MODEL_VIT, 3, 8, 4, 16, 2, 2, 4, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model_config mlp = { DT_MODEL_MLP, 3, 4, 3, 8, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
+    dt_model_config vit = { DT_MODEL_VIT, 3, 8, 4, 16, 2, 2, 4, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     struct { dt_model_config c; const char *targets; int pairs; } cases[] = {
         { mlp, "", 3 },                                   /* the default: every layer */
         { vit, "qkv,fc1,head", 5 },                       /* fc1: GELU's fused form comes apart */

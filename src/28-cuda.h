@@ -882,6 +882,34 @@ static void dt__cuda_select_token_forward(const float *x, float *y, int B, int T
 static void dt__cuda_select_token_backward(const float *dy, float *dx, int B, int T, int idx, int D) {
     DT_LAUNCH(dt__k_select_token, dt_blocks_for((int64_t)B * D), DT_THREADS, dy, dx, B, T, idx, D, 1);
 }
+/* Mixture of experts: a thread per element of a slot's or a token's row; a
+   token's sum is dt_moe_token_sum, the CPU's, and a slot's dot one thread's. */
+__global__ static void dt__k_moe_to_slots(const float *src, const float *w, const int *tok, float *dst, int S, int D, int add) {
+    DT_FOR_EACH(i, (int64_t)S * D) {
+        int64_t s = i / D;
+        float v = (w ? w[s] : 1.0f) * src[(int64_t)tok[s] * D + i % D];
+        dst[i] = add ? dst[i] + v : v;
+    }
+}
+__global__ static void dt__k_moe_to_tokens(const float *src, const float *w, const int *slots, float *dst, int N, int k, int D,
+                                           int add) {
+    DT_FOR_EACH(i, (int64_t)N * D) {
+        float v = dt_moe_token_sum(src, w, slots + (i / D) * k, k, D, i % D);
+        dst[i] = add ? dst[i] + v : v;
+    }
+}
+__global__ static void dt__k_moe_slot_dots(const float *dy, const float *ys, const int *tok, float *dw, int S, int D) {
+    DT_FOR_EACH(s, (int64_t)S) dw[s] += dt_moe_row_dot(dy + (int64_t)tok[s] * D, ys + s * D, D);
+}
+static void dt__cuda_moe_to_slots(const float *src, const float *w, const int *tok, float *dst, int S, int D, int add) {
+    if (S) DT_LAUNCH(dt__k_moe_to_slots, dt_blocks_for((int64_t)S * D), DT_THREADS, src, w, tok, dst, S, D, add);
+}
+static void dt__cuda_moe_to_tokens(const float *src, const float *w, const int *slots, float *dst, int N, int k, int D, int add) {
+    if (N) DT_LAUNCH(dt__k_moe_to_tokens, dt_blocks_for((int64_t)N * D), DT_THREADS, src, w, slots, dst, N, k, D, add);
+}
+static void dt__cuda_moe_slot_dots(const float *dy, const float *ys, const int *tok, float *dw, int S, int D) {
+    if (S) DT_LAUNCH(dt__k_moe_slot_dots, dt_blocks_for(S), DT_THREADS, dy, ys, tok, dw, S, D);
+}
 __global__ static void dt__k_patchify(const float *img, float *out, int B, int C, int H, int W, int p) {
     int ph = H / p, pw = W / p, row_len = C * p * p;
     DT_FOR_EACH(i, (int64_t)B * ph * pw * row_len) {

@@ -1,4 +1,4 @@
-/* tests/10-collectives.c -- tests of dtrain.h's chapter 10-collectives:
+/* tests/11-collectives.c -- tests of dtrain.h's chapter 11-collectives:
    every op, dtype and group against a serial reference; a dead rank; the
    test hooks. (tests/helpers.h: how the suite's files make one program.) */
 #include "helpers.h"

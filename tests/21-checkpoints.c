@@ -1,4 +1,4 @@
-/* tests/20-checkpoints.c -- tests of dtrain.h's chapter 20-checkpoints:
+/* tests/21-checkpoints.c -- tests of dtrain.h's chapter 21-checkpoints:
    safetensors, exact resume, sharded checkpoints, refused when broken.
    (tests/helpers.h: how the suite's files make one program.) */
 #include "helpers.h"
@@ -104,7 +104,7 @@ TEST(safetensors_files_that_lie_are_refused_naming_the_tensor, QUICK) {
 
 TEST(safetensors_weights_load_and_write_back, QUICK) {
     char path[600], out[600];
-    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };     /* depth 0: fc1 [2, 3] only */
+    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };     /* depth 0: fc1 [2, 3] only */
     float w[6] = { 0.5f, -1.0f, 2.0f, 0.25f, -0.125f, 3.0f };
     for (int v = 0; v < 2; v++) {
         snprintf(path, sizeof path, "%s/hand%d.safetensors", tmpdir, v);
@@ -240,7 +240,7 @@ TEST(init_starts_from_given_weights, QUICK) {
     CHECKF(st == 0, "exit %d:\n%s", st, out);
     char ck[700];
     snprintf(ck, sizeof ck, "%s/mlp_data0-2_epoch1", dir);
-    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model_config c = { DT_MODEL_MLP, 3, 1, 2, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 1);
     dt_model_load_weights(m, ck);
     CHECK(fabs(m->params[0].data[2] - 2.0f) < 1e-5 && fabs(m->params[1].data[1] + 2.5f) < 1e-5);

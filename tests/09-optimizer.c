@@ -1,4 +1,4 @@
-/* tests/08-optimizer.c -- tests of dtrain.h's chapter 08-optimizer:
+/* tests/09-optimizer.c -- tests of dtrain.h's chapter 09-optimizer:
    closed-form steps, clipping, the schedule. (tests/helpers.h: how the
    suite's files make one program.) */
 #include "helpers.h"
@@ -6,7 +6,7 @@
 /* ---- optimizer against closed-form steps --------------------------------- */
 
 TEST(adamw_and_sgd_match_hand_computed_steps, QUICK) {
-    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };   /* fc1: weight [1,1], bias [1] */
+    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };   /* fc1: weight [1,1], bias [1] */
     for (int kind = 0; kind < 2; kind++) {
         dt_model *m = dt_model_create(&c, 1);
         dt_optimizer *o = dt_optimizer_create(m, kind == 0 ? DT_ADAMW : DT_SGD, 0.1f, 0.9f, 0.0f);
@@ -40,7 +40,7 @@ TEST(adamw_and_sgd_match_hand_computed_steps, QUICK) {
 }
 
 TEST(gradient_clipping_scales_to_the_max_norm, QUICK) {
-    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model_config c = { DT_MODEL_MLP, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 1);
     dt_optimizer *o = dt_optimizer_create(m, DT_SGD, 0.0f, 0.0f, 1.0f);
     m->params[0].data[0] = 0; m->params[1].data[0] = 0;

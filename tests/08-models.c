@@ -1,4 +1,4 @@
-/* tests/07-models.c -- tests of dtrain.h's chapter 07-models: gradients,
+/* tests/08-models.c -- tests of dtrain.h's chapter 08-models: gradients,
    names and shapes of the MLP, ViT, GPT-2 and Llama. (tests/helpers.h: how
    the suite's files make one program.) */
 #include "helpers.h"
@@ -17,7 +17,7 @@ static dt_tensor *f_model(dt_tensor **l, void *c) {
     return dt_cross_entropy(dt_model_forward(mc->m, img), mc->labels);
 }
 static void model_fd(dt_model_kind kind) {
-    dt_model_config c = { kind, 3, 8, 5, kind == DT_MODEL_MLP ? 16 : 12, 2, 2, 4, 24, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model_config c = { kind, 3, 8, 5, kind == DT_MODEL_MLP ? 16 : 12, 2, 2, 4, 24, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 9);
     dt__rng r = { 6 };
     int B = 3;
@@ -67,7 +67,7 @@ TEST(a_model_larger_than_memory_is_refused_with_its_size, QUICK) {
 }
 
 TEST(vit_parameter_names_and_shapes_follow_timm, QUICK) {
-    dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 1);
     struct { const char *name; int ndim, s[4]; } want[] = {
         { "cls_token", 3, { 1, 1, 192 } }, { "pos_embed", 3, { 1, 65, 192 } },
@@ -94,7 +94,7 @@ TEST(vit_parameter_names_and_shapes_follow_timm, QUICK) {
 }
 
 static dt_model_config tiny_gpt(void) {                /* vocab 11, dim 12, depth 2, heads 2, mlp 48, context 6 */
-    dt_model_config c = { DT_MODEL_GPT, 0, 0, 11, 12, 2, 2, 0, 48, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model_config c = { DT_MODEL_GPT, 0, 0, 11, 12, 2, 2, 0, 48, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     return c;
 }
 typedef struct { dt_model *m; const float *ids; int B, T; const int32_t *labels; } gpt_ctx;
@@ -275,7 +275,7 @@ TEST(llama_ops_match_finite_differences_and_their_definitions, FULL) {
 
 /* vocab 11, dim 16, depth 2, 4 query heads of 4 in 2 key/value groups, SwiGLU 24 wide, context 6 */
 static dt_model_config tiny_llama(int untied_head, int qkv_bias) {
-    dt_model_config c = { DT_MODEL_LLAMA, 0, 0, 11, 16, 2, 4, 0, 24, 6, 2, untied_head, qkv_bias, 10000.0f, 1e-5f, 0, 0, 0, 0, 0, 0, "" };
+    dt_model_config c = { DT_MODEL_LLAMA, 0, 0, 11, 16, 2, 4, 0, 24, 6, 2, untied_head, qkv_bias, 10000.0f, 1e-5f, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     return c;
 }
 

@@ -1,4 +1,4 @@
-/* tests/22-evaluation.c -- tests of dtrain.h's chapter 22-evaluation:
+/* tests/23-evaluation.c -- tests of dtrain.h's chapter 23-evaluation:
    evaluation and generation. (tests/helpers.h: how the suite's files make
    one program.) */
 #include "helpers.h"

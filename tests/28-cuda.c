@@ -1,4 +1,4 @@
-/* tests/27-cuda.c -- tests of dtrain.h's chapter 27-cuda: the GPU against
+/* tests/28-cuda.c -- tests of dtrain.h's chapter 28-cuda: the GPU against
    the CPU (skipped where no GPU is visible). (tests/helpers.h: how the
    suite's files make one program.) */
 #include "helpers.h"
@@ -184,6 +184,12 @@ TEST(gpu_ops_forward_and_backward_match_the_cpu_within_1e5, QUICK) {
     dt_tensor *te = leaf2(50, 40, &r, 1), *tp = leaf2(40, 40, &r, 1);
     dt_tensor *L7[2] = { te, tp };
     gpu_matches_cpu("token embedding", f_embed_big, L7, 2, NULL, 1e-6);
+    /* the experts: the route and gate weights on the host, dispatch and combine in the GPU's kernels */
+    dt_tensor *mx = leaf2(45, 33, &r, 1), *mr = leaf2(2, 33, &r, 1), *m0 = leaf2(33, 33, &r, 0.3), *m1 = leaf2(33, 33, &r, 0.3);
+    dt_tensor *LM[4] = { mx, mr, m0, m1 };
+    moe_case moe_cases[2] = { { 2, 0, 0.1f }, { 1, 0.75f, 0.1f } };
+    for (int c = 0; c < 2; c++) gpu_matches_cpu(c ? "experts, top 1, dropping" : "experts, top 2", f_moe_layer, LM, 4, &moe_cases[c], 1e-5);
+    leaf_free(mx); leaf_free(mr); leaf_free(m0); leaf_free(m1);
     /* more rows than one capped grid of warps covers (8 x 65535 x 8): none skipped */
     dt_tensor *tall = leaf2(4194304 + 77, 4, &r, 1), *tw = leaf2(1, 4, &r, 1), *tb = leaf2(1, 4, &r, 1);
     dt_tensor *L8[3] = { tall, tw, tb };
@@ -291,7 +297,7 @@ static float *random_images(int B, int32_t *labels, uint64_t seed) {
 }
 TEST(gpu_fp32_step_loss_grads_and_params_match_the_cpu, QUICK) {
     NEED_GPU();
-    dt_model_config cfgs[2] = { { DT_MODEL_MLP, 3, 16, 10, 96, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" }, { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" } };
+    dt_model_config cfgs[2] = { { DT_MODEL_MLP, 3, 16, 10, 96, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 }, { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 } };
     int B = 24;
     int32_t labels[24];
     float *pixels = random_images(B, labels, 23);
@@ -345,7 +351,7 @@ static float *cpu_adamw_step_from(dt_model_config *c, const float *grads) {
    fed the GPU's own gradients. */
 TEST(gpu_bf16_and_fp16_step_loss_grads_and_params_match_the_cpu, QUICK) {
     NEED_GPU();
-    dt_model_config cfg = { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "" };
+    dt_model_config cfg = { DT_MODEL_VIT, 3, 16, 10, 48, 2, 3, 4, 192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     int B = 24;
     int32_t labels[24];
     float *pixels = random_images(B, labels, 29);

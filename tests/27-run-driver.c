@@ -1,4 +1,4 @@
-/* tests/26-run-driver.c -- tests of dtrain.h's chapter 26-run-driver: a full
+/* tests/27-run-driver.c -- tests of dtrain.h's chapter 27-run-driver: a full
    disk, preemption, the final loss. (tests/helpers.h: how the suite's files
    make one program.) */
 #include "helpers.h"

@@ -1,4 +1,4 @@
-//@ backend: CUDA, start-up and NCCL -- the table every kernel of 27 fills, and the collectives on GPU buffers
+//@ backend: CUDA, start-up and NCCL -- the table every kernel of 28 fills, and the collectives on GPU buffers
 //@ cuda
 /* ---- start-up ---- */
 extern "C" int dt_cuda_device_count(char *why, size_t n) {
@@ -52,6 +52,7 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     t->vit_tokens_forward = dt__cuda_vit_tokens_forward; t->vit_tokens_backward = dt__cuda_vit_tokens_backward;
     t->token_embedding_forward = dt__cuda_token_embedding_forward;
     t->token_embedding_backward = dt__cuda_token_embedding_backward;
+    t->moe_to_slots = dt__cuda_moe_to_slots; t->moe_to_tokens = dt__cuda_moe_to_tokens; t->moe_slot_dots = dt__cuda_moe_slot_dots;
     t->select_token_forward = dt__cuda_select_token_forward; t->select_token_backward = dt__cuda_select_token_backward;
     t->cross_entropy_forward = dt__cuda_cross_entropy_forward; t->cross_entropy_backward = dt__cuda_cross_entropy_backward;
     t->softmax_row_stats = dt__cuda_softmax_row_stats;

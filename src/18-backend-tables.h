@@ -88,6 +88,20 @@ DT_HD static inline float dt_silu_derivative(float x) {
     return sg * (1.0f + x * (1.0f - sg));
 }
 
+/* Mixture of experts (its chapter): element d of token n's row, its slots'
+   rows summed in its choices' order (slot -1: a dropped choice), weighted
+   by w (NULL: 1); and a dot product, in index order. */
+DT_HD static inline float dt_moe_token_sum(const float *src, const float *w, const int *slots, int k, int64_t D, int64_t d) {
+    float acc = 0.0f;
+    for (int j = 0; j < k; j++)
+        if (slots[j] >= 0) acc += (w ? w[slots[j]] : 1.0f) * src[(int64_t)slots[j] * D + d];
+    return acc;
+}
+DT_HD static inline float dt_moe_row_dot(const float *a, const float *b, int64_t D) {
+    float acc = 0.0f;
+    for (int64_t d = 0; d < D; d++) acc += a[d] * b[d];
+    return acc;
+}
 DT_HD static inline uint32_t dt_float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 DT_HD static inline float dt_bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
@@ -240,6 +254,11 @@ typedef struct dt_backend {
     void (*ring_attention_backward_step)(const float *qkv, const float *blk, const float *qpos, const float *lse, const float *O,
                                          const float *dout, float *dots, float *dqkv, float *dkv, int B, int T, int H, int D,
                                          float scale, int causal);
+    /* Mixture of experts: rows to slots, dst[s] (+)= w[s] src[slot_token[s]] (w NULL: 1); to tokens,
+       dst[n] (+)= dt_moe_token_sum over its k choices' slots; dw[s] += dy[slot_token[s]] . ys[s] */
+    void (*moe_to_slots)(const float *src, const float *w, const int *slot_token, float *dst, int S, int D, int add);
+    void (*moe_to_tokens)(const float *src, const float *w, const int *slot_of_choice, float *dst, int N, int k, int D, int add);
+    void (*moe_slot_dots)(const float *dy, const float *ys, const int *slot_token, float *dw, int S, int D);
     /* rows x cols floats from src (row stride ld_src) into dst (ld_dst): copied, or added (add 1) */
     void (*copy_columns)(float *dst, int64_t ld_dst, const float *src, int64_t ld_src, int64_t rows, int cols, int add);
     /* tokens: ids as f32. Backward: dwte, dwpe may be NULL; by_token lists the
