@@ -106,6 +106,12 @@ struct dt_parallel {
     /* The share of the data this rank reads, data_rank of data_ranks (what
        dt_evaluate splits by): 0 ranks means the job's rank and size. */
     int data_rank, data_ranks;
+    /* A data-parallel engine's ranks, whose batches make the step's whole
+       batch: this rank's place among them (rank of ranks), and, when all is
+       not NULL, each one's n f32 host values, rank after rank. A mixture of
+       experts routes the whole batch so (the MoE chapter). NULL: this rank's
+       batch is the whole. */
+    void (*data_all_gather)(dt_parallel *par, const float *mine, float *all, int64_t n, int *rank, int *ranks);
     /* The ranks whose gradients of the same parameters a data-parallel engine
        around must average: 0, the data_ranks groups (each holds other
        pieces: tensor and pipeline parallelism); context parallelism, every

@@ -42,6 +42,7 @@
    in expert order and, within an expert, in token order. */
 typedef struct dt_moe_plan {
     int N, E, k;
+    int N_all;                    /* the whole batch's tokens (N, or every data-parallel rank's) */
     int S;                        /* slots kept */
     int capacity;                 /* slots an expert may hold; 0: no limit */
     float *probs;                 /* [N, E]: the softmax of each token's scores */
@@ -50,9 +51,9 @@ typedef struct dt_moe_plan {
     int *expert_first;            /* [E + 1]: expert e holds slots expert_first[e] .. expert_first[e + 1] - 1 */
     int *slot_token;              /* [S]: the token in each slot */
     int *slot_pick;               /* [S]: which of that token's k choices it is */
-    int *routed;                  /* [E]: the choices each expert was given, before any dropped */
-    int dropped;                  /* choices over capacity */
-    float balance;                /* this layer's E x sum f_e P_e (above) */
+    int *routed;                  /* [E]: the choices each expert was given in the whole batch, before any dropped */
+    int dropped;                  /* this rank's choices over capacity */
+    float balance;                /* this layer's E x sum f_e P_e (above), over the whole batch */
     const int *slot_token_dev, *slot_of_choice_dev;   /* the same two, where the rows are (a GPU's copies) */
 } dt_moe_plan;
 
@@ -69,8 +70,11 @@ typedef struct dt_moe_stats {
 } dt_moe_stats;
 
 /* The route of logits [N, E] (the router's scores) with k choices a token
-   and capacity factor `capacity` (0: no limit). Adds to stats (may be NULL). */
-dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe_stats *stats);
+   and capacity factor `capacity` (0: no limit). Adds to stats (may be NULL).
+   batch: the data-parallel wrapper whose ranks' batches make the step's
+   batch (its data_all_gather), or NULL: capacity and balance are then taken
+   over the whole batch, as one device with all of it takes them. */
+dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe_stats *stats, dt_parallel *batch);
 /* Each slot's weight [S]: its token's chosen probabilities renormalised over
    its k choices. Backward passes their gradient to the logits and adds the
    balancing term's, `balance_coef` x d(balance)/d(logits), scaled as the loss. */
@@ -94,6 +98,7 @@ typedef struct dt_moe_layer {
     dt_moe_expert_fn expert;
     void *ctx;
     dt_moe_stats *stats;
+    dt_parallel *batch;           /* see dt_moe_route (NULL: this rank's batch is the whole) */
 } dt_moe_layer;
 dt_tensor *dt_moe_forward(const dt_moe_layer *layer, dt_tensor *x);
 
@@ -119,7 +124,7 @@ static const int *dt__ints_on_device(const int *host, int n) {
     return d;
 }
 
-dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe_stats *stats) {
+dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe_stats *stats, dt_parallel *batch) {
     int N = (int)dt_tensor_rows(logits), E = (int)dt_tensor_cols(logits);
     if (k < 1 || k > E) dt_fail("dt_moe_route: --moe-top-k %d must be between 1 and the %d experts", k, E);
     if (!(capacity >= 0)) dt_fail("dt_moe_route: --moe-capacity %g must be 0 (no limit) or more", (double)capacity);
@@ -133,14 +138,26 @@ dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe
         for (int e = 0; e < E; e++) sum += row[e] = dt_exp_value(row[e] - m);
         for (int e = 0; e < E; e++) row[e] /= sum;
     }
-    size_t nk = (size_t)N * k;
-    p->choice = (int *)dt_step_alloc(sizeof(int) * nk);
-    p->slot_of_choice = (int *)dt_step_alloc(sizeof(int) * nk);
-    p->expert_first = (int *)dt_step_alloc(sizeof(int) * (size_t)(E + 1));
+    /* The whole batch's probabilities: this rank's, or every rank's of a
+       data-parallel engine, rank after rank (as stage 01's batch holds them).
+       Every rank then decides for the whole batch alike, and keeps its own. */
+    const float *all = p->probs;
+    int first = 0, rank = 0, ranks = 1;
+    if (batch && batch->data_all_gather) batch->data_all_gather(batch, NULL, NULL, 0, &rank, &ranks);
+    if (ranks > 1) {
+        float *gathered = (float *)dt_step_alloc(sizeof(float) * (size_t)N * E * (size_t)ranks);
+        batch->data_all_gather(batch, p->probs, gathered, (int64_t)N * E, &rank, &ranks);
+        all = gathered;
+        first = rank * N;
+    }
+    int NA = N * ranks;
+    p->N_all = NA;
+    size_t nk = (size_t)NA * k;
+    int *choice = (int *)dt_step_alloc(sizeof(int) * nk), *kept = (int *)dt_step_alloc(sizeof(int) * nk);
     p->routed = (int *)dt_step_alloc(sizeof(int) * (size_t)E);
-    for (int n = 0; n < N; n++) {                          /* top k: k passes, each the best not taken */
-        const float *row = p->probs + (size_t)n * E;
-        int *c = p->choice + (size_t)n * k;
+    for (int n = 0; n < NA; n++) {                         /* top k: k passes, each the best not taken */
+        const float *row = all + (size_t)n * E;
+        int *c = choice + (size_t)n * k;
         for (int j = 0; j < k; j++) {
             int best = -1;
             for (int e = 0; e < E; e++) {
@@ -153,49 +170,54 @@ dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe
         }
     }
     /* capacity: over it, an expert keeps its most probable choices */
-    p->capacity = capacity > 0 ? (int)ceil((double)capacity * k * N / E) : 0;
+    p->capacity = capacity > 0 ? (int)ceil((double)capacity * k * NA / E) : 0;
     dt__moe_candidate *cand = (dt__moe_candidate *)dt_step_alloc(sizeof *cand * (nk ? nk : 1));
-    for (size_t i = 0; i < nk; i++) p->slot_of_choice[i] = -1;
+    int dropped_here = 0;
     for (int e = 0; e < E; e++) {
         int n_cand = 0;
-        for (int n = 0; n < N; n++)
+        for (int n = 0; n < NA; n++)
             for (int j = 0; j < k; j++)
-                if (p->choice[(size_t)n * k + j] == e) cand[n_cand++] = (dt__moe_candidate){ p->probs[(size_t)n * E + e], n, j };
+                if (choice[(size_t)n * k + j] == e) cand[n_cand++] = (dt__moe_candidate){ all[(size_t)n * E + e], n, j };
         if (p->capacity && n_cand > p->capacity) {
             qsort(cand, (size_t)n_cand, sizeof *cand, dt__moe_keep_first);
-            p->dropped += n_cand - p->capacity;
+            for (int i = p->capacity; i < n_cand; i++) dropped_here += cand[i].token >= first && cand[i].token < first + N;
             n_cand = p->capacity;
         }
-        for (int i = 0; i < n_cand; i++) p->slot_of_choice[(size_t)cand[i].token * k + cand[i].j] = 0;   /* kept */
+        for (int i = 0; i < n_cand; i++) kept[(size_t)cand[i].token * k + cand[i].j] = 1;
     }
-    /* number the kept choices: by expert, then token */
-    p->slot_token = (int *)dt_step_alloc(sizeof(int) * (nk ? nk : 1));
-    p->slot_pick = (int *)dt_step_alloc(sizeof(int) * (nk ? nk : 1));
+    p->dropped = dropped_here;
+    double balance = 0;                                    /* E x sum f_e P_e, over the whole batch */
+    for (int e = 0; e < E; e++) {
+        double P = 0;
+        for (int n = 0; n < NA; n++) P += all[(size_t)n * E + e];
+        balance += ((double)p->routed[e] / NA) * (P / NA);
+    }
+    p->balance = (float)(E * balance);
+    /* this rank's tokens: their choices, and their kept ones numbered by expert, then token */
+    p->choice = choice + (size_t)first * k;
+    p->slot_of_choice = (int *)dt_step_alloc(sizeof(int) * (size_t)N * k);
+    p->expert_first = (int *)dt_step_alloc(sizeof(int) * (size_t)(E + 1));
+    p->slot_token = (int *)dt_step_alloc(sizeof(int) * ((size_t)N * k + 1));
+    p->slot_pick = (int *)dt_step_alloc(sizeof(int) * ((size_t)N * k + 1));
+    for (size_t i = 0; i < (size_t)N * k; i++) p->slot_of_choice[i] = -1;
     for (int e = 0; e < E; e++) {
         p->expert_first[e] = p->S;
         for (int n = 0; n < N; n++)
             for (int j = 0; j < k; j++) {
                 size_t i = (size_t)n * k + j;
-                if (p->choice[i] != e || p->slot_of_choice[i] < 0) continue;
+                if (p->choice[i] != e || !kept[(size_t)first * k + i]) continue;
                 p->slot_of_choice[i] = p->S;
                 p->slot_token[p->S] = n;
                 p->slot_pick[p->S++] = j;
             }
     }
     p->expert_first[E] = p->S;
-    double balance = 0;                                    /* E x sum f_e P_e */
-    for (int e = 0; e < E; e++) {
-        double P = 0;
-        for (int n = 0; n < N; n++) P += p->probs[(size_t)n * E + e];
-        balance += ((double)p->routed[e] / N) * (P / N);
-    }
-    p->balance = (float)(E * balance);
     p->slot_token_dev = dt__ints_on_device(p->slot_token, p->S);
-    p->slot_of_choice_dev = dt__ints_on_device(p->slot_of_choice, (int)nk);
+    p->slot_of_choice_dev = dt__ints_on_device(p->slot_of_choice, N * k);
     if (stats && dt__ctx.grad_enabled && !dt__ctx.recomputing) {
         if (stats->experts != E) dt_fail("dt_moe_route: stats kept for %d experts, the router has %d", stats->experts, E);
-        for (int e = 0; e < E; e++) stats->routed[e] += p->routed[e];
-        stats->choices += (int64_t)nk;
+        for (size_t i = 0; i < (size_t)N * k; i++) stats->routed[p->choice[i]]++;    /* this rank's tokens' */
+        stats->choices += (int64_t)N * k;
         stats->dropped += p->dropped;
         stats->balance_sum += p->balance;
         stats->layers++;
@@ -223,7 +245,7 @@ static void dt__moe_gate_backward(dt__tape_entry *e) {
         float Z = 0, gw = 0, pdp = 0;
         for (int j = 0; j < k; j++) Z += prob[c[j]];
         for (int j = 0; j < k; j++) gw += (slot[j] >= 0 ? g[slot[j]] : 0.0f) * (prob[c[j]] / Z);
-        for (int i = 0; i < E; i++) dp[i] = coef * E * ((float)p->routed[i] / N) / N;
+        for (int i = 0; i < E; i++) dp[i] = coef * E * ((float)p->routed[i] / p->N_all) / N;   /* the engine averages: / N, not N_all */
         for (int j = 0; j < k; j++) dp[c[j]] += ((slot[j] >= 0 ? g[slot[j]] : 0.0f) - gw) / Z;
         for (int i = 0; i < E; i++) pdp += prob[i] * dp[i];
         for (int i = 0; i < E; i++) dx[(size_t)n * E + i] = prob[i] * (dp[i] - pdp);
@@ -405,7 +427,7 @@ dt_tensor *dt_cat_rows(dt_tensor *const *parts, int n) {
 dt_tensor *dt_moe_forward(const dt_moe_layer *L, dt_tensor *x) {
     int E = (int)dt_tensor_rows(L->router);
     dt_tensor *logits = dt_linear(x, L->router, NULL);
-    dt_moe_plan *plan = dt_moe_route(logits, L->k, L->capacity, L->stats);
+    dt_moe_plan *plan = dt_moe_route(logits, L->k, L->capacity, L->stats, L->batch);
     dt_tensor *w = dt_moe_gate_weights(logits, plan, L->balance_coef);
     dt_tensor *xs = dt_moe_dispatch(x, plan);
     dt_tensor **outs = (dt_tensor **)dt_step_alloc(sizeof *outs * (size_t)E);

@@ -618,7 +618,8 @@ static dt_tensor *dt__moe(dt_model *m, dt_tensor *P, dt_tensor *h, int per_exper
     int layers = 0;
     for (int l = 0; l < c->depth; l++) layers += dt__moe_block(c, l);
     dt__experts experts = { m, &P[1], per_expert, mlp };
-    dt_moe_layer L = { &P[0], c->moe_top_k, c->moe_capacity, c->moe_aux_loss / layers, dt__run_expert, &experts, &m->moe };
+    dt_moe_layer L = { &P[0], c->moe_top_k, c->moe_capacity, c->moe_aux_loss / layers, dt__run_expert, &experts, &m->moe,
+                       m->parallel };
     return dt_moe_forward(&L, h);
 }
 

@@ -1,4 +1,4 @@
-//@ lesson: collectives -- all-reduce, reduce-scatter, all-gather, broadcast, send and recv behind one table; groups; the mesh
+//@ lesson: collectives -- all-reduce, reduce-scatter, all-gather, broadcast, send and recv, ring shift and all-to-all, behind one table
 /* ---- collectives ---------------------------------------------------------------- */
 
 /* A communicator joins the ranks of one job. Backends: shared memory for host
@@ -25,7 +25,7 @@ typedef int64_t dt_comm_handle;                 /* what an asynchronous call ret
 /* Every call a communicator queues, the same for every backend (the cuda chapter's
    NCCL code switches on it too). */
 typedef enum { DT_COLL_ALL_REDUCE, DT_COLL_REDUCE_SCATTER, DT_COLL_ALL_GATHER, DT_COLL_BROADCAST, DT_COLL_REDUCE,
-               DT_COLL_BARRIER, DT_COLL_SEND, DT_COLL_RECV, DT_COLL_RING_SHIFT } dt_coll;
+               DT_COLL_BARRIER, DT_COLL_SEND, DT_COLL_RECV, DT_COLL_RING_SHIFT, DT_COLL_ALL_TO_ALL } dt_coll;
 
 /* Threads of one process (stage 02 on the CPU): one group, then one join per thread. */
 dt_comm_group *dt_comm_group_create(int world, double timeout_s);
@@ -79,23 +79,16 @@ void dt_recv(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer);
    Every rank gives the same count and dtype; send and recv must not overlap. */
 dt_comm_handle dt_ring_shift_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype);
 void dt_ring_shift(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype);
+/* All-to-all with uneven counts, collective: send holds send_counts[0]
+   elements for rank 0, then send_counts[1] for rank 1, ...; recv gets rank
+   0's piece for this rank, then rank 1's, ... (recv_counts[p] from rank p).
+   What p sends r must be what r expects of p (shared memory checks it).
+   Mixture of experts sends each token to its experts' ranks so (stage 09). */
+dt_comm_handle dt_all_to_all_async(dt_comm *c, const void *send, const int64_t *send_counts, void *recv,
+                                   const int64_t *recv_counts, dt_dtype dtype);
+void dt_all_to_all(dt_comm *c, const void *send, const int64_t *send_counts, void *recv, const int64_t *recv_counts,
+                   dt_dtype dtype);
 
-/* Groups: collective over comm; the ranks that pass the same color (>= 0) form a
-   new communicator, ranked by (key, rank in comm). It has its own queue and, on
-   the CPU, its own shared memory, so groups run side by side; a rank that dies
-   still stops the whole job. Free it with dt_comm_free before comm. */
-dt_comm *dt_comm_split(dt_comm *comm, int color, int key);
-
-/* A mesh: the ranks of comm as a grid of named dimensions, the last varying
-   fastest (a 2 x 2 "dp" x "tp" mesh: ranks 0, 1 are one tensor-parallel pair,
-   ranks 0, 2 one data-parallel pair). Each dimension gets a communicator of the
-   ranks that differ only along it. The sizes must multiply to comm's size. */
-typedef struct dt_mesh dt_mesh;
-#define DT_MESH_MAX_DIMS 4
-dt_mesh *dt_mesh_create(dt_comm *comm, int ndims, const int *sizes, const char *const *names);
-dt_comm *dt_mesh_comm(const dt_mesh *mesh, const char *name);   /* the group along `name` */
-int dt_mesh_coord(const dt_mesh *mesh, const char *name);       /* this rank's place along it */
-void dt_mesh_free(dt_mesh *mesh);                               /* frees its communicators */
 
 //@ implementation
 /* ==== collectives ===========================================================
@@ -110,11 +103,11 @@ void dt_mesh_free(dt_mesh *mesh);                               /* frees its com
    makes runs repeat bit for bit: float addition is not associative, and a
    timing-dependent order would give different bits every run.
 
-   Tensor and pipeline parallelism (stage 06 and after) need two more things.
-   Groups: a communicator of some of the ranks (dt_comm_split), with shared
-   memory and a communication thread of its own, so that the pairs of a mesh
-   all-reduce side by side. And messages between two ranks (dt_send, dt_recv),
-   which pass through the sender's slot a piece at a time.
+   Tensor, pipeline and context parallelism (stage 06 and after) need messages
+   between two ranks (dt_send, dt_recv, a ring shift), which pass through the
+   sender's slot a piece at a time, and expert parallelism an all-to-all,
+   pieces of uneven sizes from every rank to every rank. They run within
+   groups of the ranks: the next chapter.
 
    Barriers are where a dead rank would make the others wait forever, so every
    wait looks, now and then, at the other ranks: one that failed (it wrote its
@@ -161,7 +154,7 @@ static size_t dt__shm_header_bytes(int world) {
 static size_t dt__shm_bytes(int world) { return dt__shm_header_bytes(world) + (size_t)(world + 1) * DT_SLOT_BYTES; }
 
 static const char *dt__coll_names[] = { "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier",
-                                       "send", "recv", "ring_shift" };
+                                       "send", "recv", "ring_shift", "all_to_all" };
 
 struct dt_comm_group { dt__shm_header *hdr; int world; double timeout_s; int members; /* joined, not yet freed */ };
 
@@ -189,6 +182,7 @@ struct dt_comm {
 #ifdef DT_HAVE_MPI
     MPI_Comm mpi;                           /* MPI's: the communicator, the call in flight, a buffer it needs */
     MPI_Request mpi_request, mpi_request_recv;   /* the second: a ring shift's receive */
+    int *mpi_counts;                        /* an all-to-all's counts and displacements, as MPI's ints */
     float *mpi_temp, *mpi_result;
 #endif
     void *private_hdr;                      /* a header of our own (MPI: no memory is shared), freed with it */
@@ -381,6 +375,52 @@ static void dt__sum_slots(const dt_comm *c, int64_t slot_off, int64_t lo, int64_
     }
 }
 
+/* All-to-all: in step s each rank sends its piece for rank + s and receives
+   rank - s's, a slot's worth at a time through its own slot; chunk k of a
+   send waits only for chunk k - 1 to be taken, so every rank moves on. */
+static void dt__shm_all_to_all(dt_comm *c, const dt_comm_op *o) {
+    size_t es = dt_dtype_size(o->dtype);
+    int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), W = c->world, me = c->rank, send_at[DT_MAX_RANKS], recv_at[DT_MAX_RANKS];
+    char *mine = c->slots + (size_t)me * DT_SLOT_BYTES, what[80];
+    for (int64_t r = 0, a = 0, b = 0; r < W; a += o->counts[r], b += o->counts[W + r], r++) { send_at[r] = a; recv_at[r] = b; }
+    memcpy((char *)o->recv + recv_at[me] * es, (const char *)o->send + send_at[me] * es, (size_t)o->counts[me] * es);
+    double t0 = 0;
+    for (int64_t s = 1; s < W; s++) {
+        int64_t to = (me + s) % W, from = (me - s + W) % W, ns = o->counts[to], nr = o->counts[W + from];
+        dt__shm_pair *out = dt__shm_pair_of(c, (int)me, (int)to), *in = dt__shm_pair_of(c, (int)from, (int)me);
+        dt__shm_pair *before = dt__shm_pair_of(c, (int)me, (int)((me + s - 1) % W));
+        snprintf(what, sizeof what, "all_to_all (rank %d's piece for rank %d)", c->job_rank[from], c->job_rank[me]);
+        if (s > 1) dt__shm_wait_for(c, &before->taken, before->sent, (int)((me + s - 1) % W), what, &t0);   /* my slot is free */
+        out->count = ns;
+        out->dtype = (int32_t)o->dtype;
+        uint64_t sent0 = out->sent, taken0 = in->taken;     /* each counter has one writer: read, not raced */
+        int64_t chunks = ns ? (ns + per_slot - 1) / per_slot : 1, rchunks = nr ? (nr + per_slot - 1) / per_slot : 1;
+        for (int64_t k = 0; k < (chunks > rchunks ? chunks : rchunks); k++) {      /* an empty piece: one empty chunk */
+            if (k < chunks) {
+                if (k) dt__shm_wait_for(c, &out->taken, sent0 + (uint64_t)k, (int)to, what, &t0);
+                int64_t n = ns - k * per_slot < per_slot ? ns - k * per_slot : per_slot;
+                if (n > 0) memcpy(mine, (const char *)o->send + (send_at[to] + k * per_slot) * (int64_t)es, (size_t)n * es);
+                __atomic_store_n(&out->sent, sent0 + (uint64_t)k + 1, __ATOMIC_RELEASE);
+            }
+            if (k < rchunks) {
+                dt__shm_wait_for(c, &in->sent, taken0 + (uint64_t)k + 1, (int)from, what, &t0);
+                if (k == 0 && (in->count != nr || in->dtype != (int32_t)o->dtype))
+                    dt_fail("all_to_all: rank %d sends rank %d %lld elements of %s, which expects %lld of %s", c->job_rank[from],
+                            c->job_rank[me], (long long)in->count, dt_dtype_name((dt_dtype)in->dtype), (long long)nr,
+                            dt_dtype_name(o->dtype));
+                int64_t n = nr - k * per_slot < per_slot ? nr - k * per_slot : per_slot;
+                const char *theirs = c->slots + (size_t)from * DT_SLOT_BYTES;
+                if (n > 0) memcpy((char *)o->recv + (recv_at[from] + k * per_slot) * (int64_t)es, theirs, (size_t)n * es);
+                __atomic_store_n(&in->taken, taken0 + (uint64_t)k + 1, __ATOMIC_RELEASE);
+            }
+        }
+    }
+    if (W > 1) {                          /* the last piece taken: the slot is free for the next call */
+        dt__shm_pair *last = dt__shm_pair_of(c, (int)me, (int)((me + W - 1) % W));
+        dt__shm_wait_for(c, &last->taken, last->sent, (int)((me + W - 1) % W), "all_to_all", &t0);
+    }
+}
+
 static void dt__shm_run(dt_comm *c, const dt_comm_op *o) {
     size_t es = dt_dtype_size(o->dtype);
     int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), W = c->world, me = c->rank;
@@ -388,11 +428,13 @@ static void dt__shm_run(dt_comm *c, const dt_comm_op *o) {
     const char *send = (const char *)o->send;
     char *recv = (char *)o->recv;
     const char *what = dt__coll_names[o->kind];
+    if (o->kind == DT_COLL_ALL_TO_ALL) { dt__shm_all_to_all(c, o); return; }
     if (W == 1) {                         /* alone: every collective is a copy (or nothing); no peer to send to */
         if (o->kind != DT_COLL_BARRIER && recv != send) memmove(recv, send, (size_t)o->count * es);
         return;
     }
     switch (o->kind) {
+    case DT_COLL_ALL_TO_ALL: break;       /* above */
     case DT_COLL_BARRIER: dt__shm_barrier(c, what); break;
     case DT_COLL_SEND: dt__shm_send(c, o); break;
     case DT_COLL_RECV: dt__shm_recv(c, o); break;
@@ -621,6 +663,20 @@ static void dt__mpi_start(dt_comm *c, int64_t h, const dt_comm_op *o) {
         break;
     }
     case DT_COLL_BROADCAST: err = MPI_Ibcast(recv, n, type, o->root, c->mpi, &c->mpi_request); break;
+    case DT_COLL_ALL_TO_ALL: {        /* counts, then displacements: sent, then received */
+        int W = c->world, *k = c->mpi_counts = (int *)malloc(sizeof(int) * 4 * (size_t)W);
+        if (!k) dt_fail("out of memory (MPI all_to_all)");
+        for (int side = 0, r; side < 2; side++)
+            for (r = 0; r < W; r++) {
+                int64_t at = r ? (int64_t)k[(2 * side + 1) * W + r - 1] + o->counts[side * W + r - 1] : 0;
+                if (o->counts[side * W + r] > INT_MAX || at > INT_MAX)
+                    dt_fail("all_to_all of %lld elements over MPI: at most %d in one call (MPI counts are int)", (long long)at, INT_MAX);
+                k[2 * side * W + r] = (int)o->counts[side * W + r];
+                k[(2 * side + 1) * W + r] = (int)at;
+            }
+        err = MPI_Ialltoallv(o->send, k, k + W, type, recv, k + 2 * W, k + 3 * W, type, c->mpi, &c->mpi_request);
+        break;
+    }
     /* A synchronous send finishes when its peer has received it, as shared
        memory's does; the tag carries the dtype, for the check in finish. */
     case DT_COLL_SEND: err = MPI_Issend(o->send, n, type, o->root, (int)o->dtype, c->mpi, &c->mpi_request); break;
@@ -668,7 +724,9 @@ static void dt__mpi_finish(dt_comm *c, int64_t h) {
     else if (divisor != 1.0f)
         for (int64_t i = 0; i < o->count; i++) ((float *)o->recv)[i] /= divisor;
     free(c->mpi_temp);
+    free(c->mpi_counts);
     c->mpi_temp = NULL;
+    c->mpi_counts = NULL;
     c->mpi_result = NULL;
 }
 /* The parent's thread is idle (dt_comm_split waited for it). */
@@ -706,6 +764,7 @@ static void *dt__comm_worker(void *arg) {
         pthread_cond_broadcast(&c->done);
         pthread_mutex_unlock(&c->mu);
         c->backend->finish(c, h);
+        free(o.counts);
         pthread_mutex_lock(&c->mu);
         c->finished_ms[slot] = dt_now_ms();
         c->completed = h;
@@ -754,31 +813,31 @@ void dt_comm_wait(dt_comm *c, dt_comm_handle h) {
 }
 
 dt_comm_handle dt_all_reduce_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
-    dt_comm_op o = { DT_COLL_ALL_REDUCE, send, recv, count, dtype, op, 0, 0 };
+    dt_comm_op o = { DT_COLL_ALL_REDUCE, send, recv, count, dtype, op, 0, 0, NULL };
     return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_reduce_scatter_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
-    dt_comm_op o = { DT_COLL_REDUCE_SCATTER, send, recv, count, dtype, op, 0, 0 };
+    dt_comm_op o = { DT_COLL_REDUCE_SCATTER, send, recv, count, dtype, op, 0, 0, NULL };
     return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_all_gather_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype) {
-    dt_comm_op o = { DT_COLL_ALL_GATHER, send, recv, count, dtype, DT_SUM, 0, 0 };
+    dt_comm_op o = { DT_COLL_ALL_GATHER, send, recv, count, dtype, DT_SUM, 0, 0, NULL };
     return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_broadcast_async(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int root) {
-    dt_comm_op o = { DT_COLL_BROADCAST, buf, buf, count, dtype, DT_SUM, root, 0 };
+    dt_comm_op o = { DT_COLL_BROADCAST, buf, buf, count, dtype, DT_SUM, root, 0, NULL };
     return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_reduce_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op, int root) {
-    dt_comm_op o = { DT_COLL_REDUCE, send, recv, count, dtype, op, root, 0 };
+    dt_comm_op o = { DT_COLL_REDUCE, send, recv, count, dtype, op, root, 0, NULL };
     return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_send_async(dt_comm *c, const void *buf, int64_t count, dt_dtype dtype, int peer) {
-    dt_comm_op o = { DT_COLL_SEND, buf, NULL, count, dtype, DT_SUM, peer, 0 };
+    dt_comm_op o = { DT_COLL_SEND, buf, NULL, count, dtype, DT_SUM, peer, 0, NULL };
     return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_recv_async(dt_comm *c, void *buf, int64_t count, dt_dtype dtype, int peer) {
-    dt_comm_op o = { DT_COLL_RECV, NULL, buf, count, dtype, DT_SUM, peer, 0 };
+    dt_comm_op o = { DT_COLL_RECV, NULL, buf, count, dtype, DT_SUM, peer, 0, NULL };
     return dt__comm_submit(c, o);
 }
 dt_comm_handle dt_ring_shift_async(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype) {
@@ -786,8 +845,30 @@ dt_comm_handle dt_ring_shift_async(dt_comm *c, const void *send, void *recv, int
     if (bytes && (const char *)send < (const char *)recv + bytes && (const char *)recv < (const char *)send + bytes)
         dt_fail("ring_shift: send and recv overlap; the sent buffer must stay whole while the received one arrives");
     dt_comm_op o = { DT_COLL_RING_SHIFT, send, recv, count, dtype, DT_SUM, (c->rank + 1) % c->world,
-                     (c->rank + c->world - 1) % c->world };
+                     (c->rank + c->world - 1) % c->world, NULL };
     return dt__comm_submit(c, o);
+}
+dt_comm_handle dt_all_to_all_async(dt_comm *c, const void *send, const int64_t *send_counts, void *recv,
+                                   const int64_t *recv_counts, dt_dtype dtype) {
+    int64_t W = c->world, sent = 0, got = 0, *counts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * W));
+    if (!counts) dt_fail("out of memory (all_to_all)");
+    for (int64_t r = 0; r < W; r++) {
+        if (send_counts[r] < 0 || recv_counts[r] < 0 || send_counts[r] > INT64_MAX / 8 - sent || recv_counts[r] > INT64_MAX / 8 - got)
+            dt_fail("all_to_all: %lld elements for rank %d and %lld from it", (long long)send_counts[r], (int)r,
+                    (long long)recv_counts[r]);
+        counts[r] = send_counts[r]; counts[W + r] = recv_counts[r];
+        sent += send_counts[r]; got += recv_counts[r];
+    }
+    size_t es = dt_dtype_size(dtype);
+    if (sent && got && (const char *)send < (const char *)recv + (size_t)got * es && (const char *)recv < (const char *)send + (size_t)sent * es)
+        dt_fail("all_to_all: send and recv overlap; the pieces sent must stay whole while others arrive");
+    dt_comm_op o = { DT_COLL_ALL_TO_ALL, send, recv, sent, dtype, DT_SUM, 0, 0, counts };
+    dt__comm_check_buffer(c, &o, recv);
+    return dt__comm_submit(c, o);
+}
+void dt_all_to_all(dt_comm *c, const void *send, const int64_t *send_counts, void *recv, const int64_t *recv_counts,
+                   dt_dtype dtype) {
+    dt_comm_wait(c, dt_all_to_all_async(c, send, send_counts, recv, recv_counts, dtype));
 }
 void dt_all_reduce(dt_comm *c, const void *send, void *recv, int64_t count, dt_dtype dtype, dt_reduce_op op) {
     dt_comm_wait(c, dt_all_reduce_async(c, send, recv, count, dtype, op));
@@ -817,7 +898,7 @@ void dt_ring_shift(dt_comm *c, const void *send, void *recv, int64_t count, dt_d
    the GPU): what follows it -- reading a file another rank wrote -- happens on
    the host. Its finishing means every rank has reached it. */
 void dt_barrier(dt_comm *c) {
-    dt_comm_op o = { DT_COLL_BARRIER, NULL, NULL, 0, DT_F32, DT_SUM, 0, 0 };
+    dt_comm_op o = { DT_COLL_BARRIER, NULL, NULL, 0, DT_F32, DT_SUM, 0, 0, NULL };
     dt_comm_handle h = dt__comm_submit(c, o);
     pthread_mutex_lock(&c->mu);
     dt__host_wait(c, h);
@@ -1002,71 +1083,6 @@ void dt_comm_group_free(dt_comm_group *group) {
     free(group);
 }
 
-/* Groups: what each rank tells the others when a communicator splits. The
-   first rank of each group makes its shared memory; the name follows from the
-   maker's pid and serial, so one exchange is enough. */
-typedef struct { int32_t color, key, pid, serial; } dt__split_entry;
-/* Every rank's entry, through memory of the kind the transport takes, given
-   back at once: not the step arena, which a thread rank that splits and then
-   ends would leave behind. */
-static void dt__split_gather(dt_comm *comm, const dt__split_entry *mine, dt__split_entry *all) {
-    dt_device memory = comm->backend->memory;
-    size_t one = sizeof *mine, bytes = one * (size_t)(comm->world + 1);
-    char *buf = (char *)dt_alloc_on(memory, DT_ARENA_COMM, bytes);
-    dt__upload_to(memory, buf, mine, one);
-    dt_all_gather(comm, buf, buf + one, (int64_t)(one / 4), DT_F32);      /* bytes travel as they are */
-    dt__download_from(memory, all, buf + one, bytes - one);
-    dt_free_on(memory, DT_ARENA_COMM, buf, bytes);
-}
-static int dt__split_before(const dt__split_entry *all, int a, int b) {
-    return all[a].key != all[b].key ? all[a].key < all[b].key : a < b;
-}
-dt_comm *dt_comm_split(dt_comm *comm, int color, int key) {
-    if (color < 0) dt_fail("dt_comm_split: color %d; a color is a number >= 0 naming the group to join", color);
-    dt__split_entry mine = { color, key, (int32_t)getpid(), __atomic_fetch_add(&dt__shm_serial, 1, __ATOMIC_RELAXED) };
-    dt__split_entry *all = (dt__split_entry *)calloc((size_t)comm->world, sizeof *all);
-    if (!all) dt_fail("out of memory (dt_comm_split)");
-    dt__split_gather(comm, &mine, all);
-    int members[DT_MAX_RANKS], n = 0, rank = 0;
-    for (int r = 0; r < comm->world; r++) {           /* insertion sort by (key, rank) */
-        if (all[r].color != color) continue;
-        int i = n++;
-        for (; i > 0 && dt__split_before(all, r, members[i - 1]); i--) members[i] = members[i - 1];
-        members[i] = r;
-    }
-    dt_comm *child = dt__comm_new(0, n, comm->timeout_s);
-    for (int i = 0; i < n; i++) {
-        if (members[i] == comm->rank) rank = i;
-        child->job_rank[i] = comm->job_rank[members[i]];
-    }
-    child->rank = rank; child->backend = comm->backend; child->top = comm->top; child->parent = comm;
-    if (!comm->backend->shares_memory) {     /* ranks that share no memory make groups that share none */
-        free(all);
-        comm->backend->split(comm, child, color, key);
-        comm->children++;
-        dt__comm_start(child, dt__private_header(child));
-        return child;
-    }
-    char name[96];
-    dt__path(name, sizeof name, "/dtrain-%d-%d-%d", (int)getuid(), all[members[0]].pid, all[members[0]].serial);
-    child->map_bytes = dt__shm_bytes(n);
-    int cleanup = -1;
-    if (rank == 0) {
-        child->hdr = dt__shm_map(name, child->map_bytes, 1, &cleanup);
-        child->hdr->magic = DT_SHM_MAGIC;
-        child->hdr->world = n;
-    }
-    dt_barrier(comm);                        /* every group's memory is made: open it */
-    if (rank != 0) child->hdr = dt__shm_map(name, child->map_bytes, 0, NULL);
-    dt_barrier(comm);                        /* every rank has mapped it: its name can go */
-    if (rank == 0) { shm_unlink(name); dt__cleanup_done(cleanup); }
-    free(all);
-    comm->backend->split(comm, child, color, key);
-    comm->children++;
-    dt__comm_start(child, child->hdr);
-    return child;
-}
-
 /* A parallel wrapper holds its communicator until it is freed, so that
    freeing the communicator first is an error naming the wrapper's free. */
 static void dt__comm_hold(dt_comm *c, const char *free_fn) { c->users++; c->user_free_fn = free_fn; }
@@ -1099,71 +1115,3 @@ void dt_comm_free(dt_comm *c) {
     free(c);
     if (joined) __atomic_sub_fetch(&joined->members, 1, __ATOMIC_ACQ_REL);   /* last: the group may go now */
 }
-
-
-/* ---- a mesh: ranks as a grid of named dimensions ---- */
-struct dt_mesh {
-    int ndims, size[DT_MESH_MAX_DIMS], coord[DT_MESH_MAX_DIMS];
-    char name[DT_MESH_MAX_DIMS][16];
-    dt_comm *comm[DT_MESH_MAX_DIMS];
-};
-/* "dp=2 x tp=2", for messages. */
-static void dt__mesh_describe(const dt_mesh *m, char *out, size_t n) {
-    out[0] = 0;
-    for (int d = 0; d < m->ndims; d++)
-        snprintf(out + strlen(out), n - strlen(out), "%s%s=%d", d ? " x " : "", m->name[d], m->size[d]);
-}
-dt_mesh *dt_mesh_create(dt_comm *comm, int ndims, const int *sizes, const char *const *names) {
-    if (ndims < 1 || ndims > DT_MESH_MAX_DIMS) dt_fail("dt_mesh_create: %d dimensions (1 to %d)", ndims, DT_MESH_MAX_DIMS);
-    dt_mesh *m = (dt_mesh *)calloc(1, sizeof *m);
-    if (!m) dt_fail("out of memory (mesh)");
-    int64_t ranks = 1;
-    for (int d = 0; d < ndims; d++) {
-        if (sizes[d] < 1 || !names[d] || !names[d][0] || strlen(names[d]) >= sizeof m->name[d])
-            dt_fail("dt_mesh_create: dimension %d has size %d and name '%s'; it needs a size >= 1 and a name of 1 to %zu "
-                    "characters", d, sizes[d], names[d] ? names[d] : "(null)", sizeof m->name[d] - 1);
-        for (int e = 0; e < d; e++)
-            if (!strcmp(m->name[e], names[d])) dt_fail("dt_mesh_create: two dimensions are named '%s'", names[d]);
-        dt__copy_str(m->name[d], sizeof m->name[d], names[d]);
-        m->size[d] = sizes[d];
-        m->ndims = d + 1;
-        ranks *= sizes[d];
-        if (ranks > DT_MAX_RANKS) break;
-    }
-    char shape[128];
-    dt__mesh_describe(m, shape, sizeof shape);
-    if (ranks != comm->world)
-        dt_fail("dt_mesh_create: a %s mesh has %lld%s ranks, but the communicator has %d: the sizes must multiply to "
-                "its size", shape, (long long)ranks, ranks > DT_MAX_RANKS ? " or more" : "", comm->world);
-    int stride[DT_MESH_MAX_DIMS];
-    for (int d = ndims - 1; d >= 0; d--) {
-        stride[d] = d == ndims - 1 ? 1 : stride[d + 1] * m->size[d + 1];
-        m->coord[d] = comm->rank / stride[d] % m->size[d];
-    }
-    /* Along d, the ranks that share every other coordinate: the same rank
-       once its own coordinate is set to 0. The same order on every rank, as
-       each split is collective. */
-    for (int d = 0; d < ndims; d++) {
-        m->comm[d] = dt_comm_split(comm, comm->rank - m->coord[d] * stride[d], m->coord[d]);
-        m->comm[d]->in_mesh = 1;
-    }
-    return m;
-}
-static int dt__mesh_dim(const dt_mesh *m, const char *name) {
-    for (int d = 0; d < m->ndims; d++)
-        if (!strcmp(m->name[d], name)) return d;
-    char shape[128];
-    dt__mesh_describe(m, shape, sizeof shape);
-    dt_fail("dt_mesh: no dimension named '%s' in this %s mesh", name, shape);
-}
-dt_comm *dt_mesh_comm(const dt_mesh *mesh, const char *name) { return mesh->comm[dt__mesh_dim(mesh, name)]; }
-int dt_mesh_coord(const dt_mesh *mesh, const char *name) { return mesh->coord[dt__mesh_dim(mesh, name)]; }
-void dt_mesh_free(dt_mesh *mesh) {
-    if (!mesh) return;
-    for (int d = mesh->ndims - 1; d >= 0; d--) {
-        mesh->comm[d]->in_mesh = 0;
-        dt_comm_free(mesh->comm[d]);
-    }
-    free(mesh);
-}
-

@@ -233,7 +233,7 @@ TEST(online_attention_gives_the_matmul_bodys_values, QUICK) {
     }
 }
 
-static double losses_differ_by(const char *a, const char *b, int steps);   /* (tests/15-tensor-parallel.c) */
+static double losses_differ_by(const char *a, const char *b, int steps);   /* (tests/16-tensor-parallel.c) */
 /* --attention online in a stage: 20 steps of the GPT at context 128 (2
    epochs of 10 batches of 4 of its 40 sequences) give the matmul body's
    losses within 1e-5 and its weights and Adam moments within 2e-5, in less

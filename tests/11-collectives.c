@@ -54,6 +54,14 @@ static void *mismatched_message_thread(void *arg) {
     else dt_recv(c, buf, 4, DT_F32, 0);
     return NULL;
 }
+static void *mismatched_all_to_all_thread(void *arg) {    /* rank 0 sends rank 1 two, rank 1 expects three */
+    misuse_arg *a = (misuse_arg *)arg;
+    dt_comm *c = dt_comm_join(a->group, a->rank);
+    float send[8] = { 0 }, recv[8];
+    int64_t sc[2] = { 1, a->rank ? 1 : 2 }, rc[2] = { a->rank ? 3 : 1, 1 };
+    dt_all_to_all(c, send, sc, recv, rc, DT_F32);
+    return NULL;
+}
 static int selftest_comm_misuse(int which) {
     static const int sizes[2] = { 1, 1 }, too_many[2] = { 3, 2 };
     static const char *names[2] = { "dp", "tp" };
@@ -74,11 +82,17 @@ static int selftest_comm_misuse(int which) {
         float two[3] = { 0 };
         dt_ring_shift(c, two, two + 1, 2, DT_F32);
     }
-    if (which == 5) {
+    if (which == 9) {                     /* an all-to-all whose buffers overlap */
+        float both[4] = { 0 };
+        int64_t one[1] = { 2 };
+        dt_all_to_all(c, both, one, both + 1, one, DT_F32);
+    }
+    if (which == 5 || which == 10) {
         dt_comm_group *g = dt_comm_group_create(2, 10);
         pthread_t th[2];
         misuse_arg args[2] = { { g, 0 }, { g, 1 } };
-        for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, mismatched_message_thread, &args[r]);
+        for (int r = 0; r < 2; r++)
+            pthread_create(&th[r], NULL, which == 5 ? mismatched_message_thread : mismatched_all_to_all_thread, &args[r]);
         for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
     }
     return 0;
@@ -94,6 +108,8 @@ TEST(mesh_split_and_message_mistakes_are_clear_errors, QUICK) {
         "dt_comm_free: this communicator belongs to a mesh (dt_mesh_comm); dt_mesh_free frees it",
         "dt_comm_group_free: 1 rank(s) that joined it are still open; call dt_comm_free on each first",
         "ring_shift: send and recv overlap; the sent buffer must stay whole while the received one arrives",
+        "all_to_all: send and recv overlap; the pieces sent must stay whole while others arrive",
+        "all_to_all: rank 0 sends rank 1 2 elements of fp32, which expects 3 of fp32",
     };
     char out[4096];
     for (int i = 0; i < (int)(sizeof want / sizeof want[0]); i++) {

@@ -129,20 +129,20 @@ static int log_series(const char *log, const char *key, double *out, int max);
 /* tests/08-models.c: small GPT and Llama configurations */
 static dt_model_config tiny_gpt(void);
 static dt_model_config tiny_llama(int untied_head, int qkv_bias);
-/* tests/12-data-parallel.c: a log's losses, checkpoints' largest difference,
+/* tests/13-data-parallel.c: a log's losses, checkpoints' largest difference,
    and DP, DDP and FSDP against one device with N times the batch */
 static int read_losses(const char *path, double *loss, int max);
 static double file_max_tensor_diff(const char *a, const char *b);
 static double max_tensor_diff(const char *a, const char *b);
 static void equivalence(const char *data, int samples, const char *model_flags, const char *model);
-/* tests/14-fsdp.c: a value of a log's summary line */
+/* tests/15-fsdp.c: a value of a log's summary line */
 static double summary_value(const char *log, const char *key);
-/* tests/19-data.c: a small generated text; instruction data (JSON lines) */
+/* tests/20-data.c: a small generated text; instruction data (JSON lines) */
 static const char *gpt_text(void);
 static const char *instruction_data(void);
-/* tests/21-checkpoints.c: a checkpoint 3 steps into a run */
+/* tests/22-checkpoints.c: a checkpoint 3 steps into a run */
 static const char *short_checkpoint(void);
-/* tests/28-cuda.c: is a GPU visible (NEED, above) */
+/* tests/29-cuda.c: is a GPU visible (NEED, above) */
 static int machine_has_gpu(void);
 
 #endif

@@ -90,6 +90,8 @@ static void ring(dt_comm *c, const void *send, void *recv, int64_t n, dt_dtype d
     dt_comm_wait(c, s);
 }
 
+/* What rank s sends rank d in the all-to-all check: n down to n / 4, and nothing for a third of the pairs. */
+static int64_t a2a_count(int s, int d, int64_t n) { return (s + d) % 3 == 2 ? 0 : n - ((s * 3 + d * 5) % 4) * (n / 4); }
 static int check(dt_comm *c, const int *ids, const char *label) {
     int me = dt_comm_rank(c), W = dt_comm_size(c), bad = 0, cases = 0;
     for (int t = 0; t < 3; t++)
@@ -139,6 +141,16 @@ static int check(dt_comm *c, const int *ids, const char *label) {
             dt_ring_shift(c, send, recv, n, dt);
             fill(want, n, dt, ids[(me + W - 1) % W], salt);
             if (memcmp(recv, want, bytes)) { bad++; printf("rank %d: ring_shift %s n=%lld differs\n", me, dtype_names[t], (long long)n); }
+            cases++;
+            /* all-to-all, uneven: rank s gives rank d a piece of its own length (some empty), made of (s, d) */
+            int64_t sc[64], rc[64], at = 0;
+            for (int d = 0; d < W; d++) sc[d] = a2a_count(me, d, n), rc[d] = a2a_count(d, me, n);
+            for (int d = 0; d < W; at += sc[d], d++) fill(send + (size_t)at * es, sc[d], dt, ids[me] * 64 + d, salt);
+            memset(recv, 0x55, (size_t)W * bytes);
+            dt_all_to_all(c, send, sc, recv, rc, dt);
+            at = 0;
+            for (int r = 0; r < W; at += rc[r], r++) fill(want + (size_t)at * es, rc[r], dt, ids[r] * 64 + me, salt);
+            if (memcmp(recv, want, (size_t)at * es)) { bad++; printf("rank %d: all_to_all %s n=%lld differs\n", me, dtype_names[t], (long long)n); }
             cases++;
             dt_barrier(c);
             cases += 3;

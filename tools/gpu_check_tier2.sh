@@ -151,7 +151,7 @@ trap on_interrupt INT TERM
 less() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a + 0 < b + 0) }'; }
 
 # ---- helpers: loss curves from --log files (JSON lines) ---------------------------
-# A training line has "step": and "loss": (tests/12-data-parallel.c's read_losses reads
+# A training line has "step": and "loss": (tests/13-data-parallel.c's read_losses reads
 # the same; eval lines carry "eval_loss", and the summary line is left out).
 
 losses() {              # FILE -> one loss per line, as written (for bit-for-bit compares)

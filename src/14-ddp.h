@@ -85,6 +85,11 @@ static void dt__ddp_backward_done(dt_parallel *par) {
     dt__data_parallel_sum_shared(&d->par);            /* a tied vocabulary's two ends, averaged: added up */
 }
 static void dt__ddp_set_sync(dt_parallel *par, int sync) { ((dt_ddp *)par)->sync = sync; }
+static void dt__ddp_data_all_gather(dt_parallel *par, const float *mine, float *all, int64_t n, int *rank, int *ranks) {
+    dt_ddp *d = (dt_ddp *)par;
+    *rank = dt_comm_rank(d->comm); *ranks = dt_comm_size(d->comm);
+    if (all) dt__comm_all_gather_host(d->comm, mine, all, sizeof(float) * (size_t)n);
+}
 void dt_ddp_sync_grads(dt_ddp *ddp) { dt_parallel_backward_done(&ddp->par); }
 
 dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
@@ -96,6 +101,7 @@ dt_ddp *dt_ddp_create(dt_model *model, dt_comm *comm, double bucket_mb) {
     d->par = (dt_parallel){ .create_fn = "dt_ddp_create", .sync_fn = "dt_ddp_sync_grads", .free_fn = "dt_ddp_free",
                             .grad_ready = bucket_mb > 0 ? dt__ddp_grad_ready : NULL,
                             .backward_done = dt__ddp_backward_done, .set_sync = dt__ddp_set_sync,
+                            .data_all_gather = dt__ddp_data_all_gather,
                             .inner = model->parallel };          /* around tensor parallelism: its pieces */
     dt__data_parallel_can_wrap(&d->par, comm, 0);
     dt_model_set_parallel(model, &d->par);

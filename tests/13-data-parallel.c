@@ -1,4 +1,4 @@
-/* tests/12-data-parallel.c -- tests of dtrain.h's chapter 12-data-parallel:
+/* tests/13-data-parallel.c -- tests of dtrain.h's chapter 13-data-parallel:
    DataParallel (stage 02) and DDP equal one device with N times the batch.
    (tests/helpers.h: how the suite's files make one program.) */
 #include "helpers.h"
@@ -110,46 +110,56 @@ TEST(dp_and_ddp_runs_repeat_bit_for_bit, QUICK) {
    expert a rank's tokens never reach gets a zero gradient there, averaged
    with the others'), so 10 steps of each over 2 ranks with half the batch
    (05: a quarter, twice) give 01's losses within 1e-5 and its weights and
-   moments within 2e-5. --recompute changes no bit; a run resumes exactly. */
+   moments within 2e-5; --recompute changes no bit. With a capacity that
+   drops choices and the balancing loss, 03, 04 and 05 route the whole batch
+   as 01 does (every rank sees every rank's router probabilities): the same
+   choices drop, and the same loss is added. */
 TEST(models_with_experts_in_02_to_05_equal_one_device, QUICK) {
     char out[16384], ref[600], dir[600], log[700], ref_log[700], p[800], q[800];
     double want[16], got[16];
-    const char *model = "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --moe-experts 4 --moe-top-k 2 "
-                        "--log-every 1000 --quiet --steps 10 --lr 1e-2";
-    snprintf(ref, sizeof ref, "%s/moe-01", tmpdir);
-    snprintf(ref_log, sizeof ref_log, "%s.jsonl", ref);
-    int st = run_cmd(out, sizeof out, "%s --data %s %s --batch-size 8 --save-dir %s --log %s", train_cpu, gpt_text(), model, ref,
-                     ref_log);
-    CHECKF(st == 0, "01: exit %d\n%s", st, out);
-    int n = read_losses(ref_log, want, 16);
-    CHECKF(n == 10 && want[9] < want[0] - 0.5, "01 logged %d losses, from %.4f to %.4f", n, want[0], n ? want[n - 1] : 0);
-    st = run_cmd(out, sizeof out, "sh -c 'ls -d %s/*_step10'", ref);
-    out[strcspn(out, "\n")] = 0;
-    dt__copy_str(p, sizeof p, out);
-    static const struct { const char *stage, *flags; } runs[] = {
-        { "02-dp", "--nproc 2 --batch-size 4" }, { "03-ddp", "--nproc 2 --batch-size 4 --bucket-mb 0.01" },
-        { "04-fsdp", "--nproc 2 --batch-size 4" }, { "05-accum-mixed-precision", "--nproc 2 --batch-size 2 --accum-steps 2" },
-        { "01-single-gpu", "--batch-size 8 --recompute" } };
-    for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
-        snprintf(dir, sizeof dir, "%s/moe-%s%s", tmpdir, runs[r].stage, strstr(runs[r].flags, "recompute") ? "-recompute" : "");
-        snprintf(log, sizeof log, "%s.jsonl", dir);
-        st = run_cmd(out, sizeof out, "%s --data %s %s %s --save-dir %s --log %s", stage_bin(runs[r].stage), gpt_text(), model,
-                     runs[r].flags, dir, log);
-        CHECKF(st == 0, "%s %s: exit %d\n%s", runs[r].stage, runs[r].flags, st, out);
-        int k = read_losses(log, got, 16);
-        double worst = k == n ? 0 : 1e9;
-        for (int i = 0; i < k && i < n; i++) worst = fmax(worst, fabs(got[i] - want[i]));
-        CHECKF(worst <= 1e-5, "%s %s: %d losses, %.3g from 01's", runs[r].stage, runs[r].flags, k, worst);
-        st = run_cmd(out, sizeof out, "sh -c 'ls -d %s/*_step10'", dir);
+    static const struct { const char *stage, *flags; int whole_batch; } runs[] = {
+        { "02-dp", "--nproc 2 --batch-size 4", 0 }, { "03-ddp", "--nproc 2 --batch-size 4 --bucket-mb 0.01", 1 },
+        { "04-fsdp", "--nproc 2 --batch-size 4", 1 }, { "05-accum-mixed-precision", "--nproc 2 --batch-size 2 --accum-steps 2", 0 },
+        { "05-accum-mixed-precision", "--nproc 2 --batch-size 4", 1 }, { "01-single-gpu", "--batch-size 8 --recompute", 1 } };
+    for (int balanced = 0; balanced < 2; balanced++) {
+        char model[400];
+        snprintf(model, sizeof model, "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --moe-experts 4 --moe-top-k 2 "
+                 "--log-every 1000 --quiet --steps 10 --lr 1e-2%s", balanced ? " --moe-capacity 0.8 --moe-aux-loss 0.05" : "");
+        snprintf(ref, sizeof ref, "%s/moe%d-01", tmpdir, balanced);
+        snprintf(ref_log, sizeof ref_log, "%s.jsonl", ref);
+        int st = run_cmd(out, sizeof out, "%s --data %s %s --batch-size 8 --save-dir %s --log %s", train_cpu, gpt_text(), model,
+                         ref, ref_log);
+        CHECKF(st == 0, "01: exit %d\n%s", st, out);
+        int n = read_losses(ref_log, want, 16);
+        CHECKF(n == 10 && want[9] < want[0] - 0.5, "01 logged %d losses, from %.4f to %.4f", n, want[0], n ? want[n - 1] : 0);
+        if (balanced)
+            CHECKF(log_lines_with_value(ref_log, "moe_dropped", 0) < 10, "--moe-capacity 0.8 dropped nothing in 10 steps");
+        st = run_cmd(out, sizeof out, "sh -c 'ls -d %s/*_step10'", ref);
         out[strcspn(out, "\n")] = 0;
-        if (!strcmp(runs[r].stage, "04-fsdp") || !strcmp(runs[r].stage, "05-accum-mixed-precision")) {   /* sharded: made whole */
-            snprintf(q, sizeof q, "%s/whole", dir);
-            char cmd_out[4096];
-            st = run_cmd(cmd_out, sizeof cmd_out, "%s %s %s", build_path("tools/consolidate"), out, q);
-            CHECKF(st == 0, "%s: consolidate: exit %d\n%s", runs[r].stage, st, cmd_out);
-        } else dt__copy_str(q, sizeof q, out);
-        double d = max_tensor_diff(p, q);
-        CHECKF(d >= 0 && d <= (strstr(runs[r].flags, "recompute") ? 0 : 2e-5), "%s %s: weights or moments %.3g from 01's",
-               runs[r].stage, runs[r].flags, d);
+        dt__copy_str(p, sizeof p, out);
+        for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
+            if (balanced && !runs[r].whole_batch) continue;
+            snprintf(dir, sizeof dir, "%s/moe%d-%s-%d", tmpdir, balanced, runs[r].stage, (int)r);
+            snprintf(log, sizeof log, "%s.jsonl", dir);
+            st = run_cmd(out, sizeof out, "%s --data %s %s %s --save-dir %s --log %s", stage_bin(runs[r].stage), gpt_text(), model,
+                         runs[r].flags, dir, log);
+            CHECKF(st == 0, "%s %s: exit %d\n%s", runs[r].stage, runs[r].flags, st, out);
+            int k = read_losses(log, got, 16);
+            double worst = k == n ? 0 : 1e9;
+            for (int i = 0; i < k && i < n; i++) worst = fmax(worst, fabs(got[i] - want[i]));
+            CHECKF(worst <= 1e-5, "%s %s%s: %d losses, %.3g from 01's", runs[r].stage, runs[r].flags,
+                   balanced ? " (capacity, balancing loss)" : "", k, worst);
+            st = run_cmd(out, sizeof out, "sh -c 'ls -d %s/*_step10'", dir);
+            out[strcspn(out, "\n")] = 0;
+            if (!strcmp(runs[r].stage, "04-fsdp") || !strcmp(runs[r].stage, "05-accum-mixed-precision")) {   /* sharded: made whole */
+                snprintf(q, sizeof q, "%s/whole", dir);
+                char cmd_out[4096];
+                st = run_cmd(cmd_out, sizeof cmd_out, "%s %s %s", build_path("tools/consolidate"), out, q);
+                CHECKF(st == 0, "%s: consolidate: exit %d\n%s", runs[r].stage, st, cmd_out);
+            } else dt__copy_str(q, sizeof q, out);
+            double d = max_tensor_diff(p, q);
+            CHECKF(d >= 0 && d <= (strstr(runs[r].flags, "recompute") ? 0 : 2e-5), "%s %s%s: weights or moments %.3g from 01's",
+                   runs[r].stage, runs[r].flags, balanced ? " (capacity, balancing loss)" : "", d);
+        }
     }
 }

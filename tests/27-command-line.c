@@ -1,4 +1,4 @@
-/* tests/26-command-line.c -- tests of dtrain.h's chapter 26-command-line:
+/* tests/27-command-line.c -- tests of dtrain.h's chapter 27-command-line:
    each mistake a one-line error naming the flag. (tests/helpers.h: how the
    suite's files make one program.) */
 #include "helpers.h"

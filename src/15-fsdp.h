@@ -276,6 +276,11 @@ static void dt__fsdp_unit_end(dt_parallel *par, int unit) {
 static void dt__fsdp_backward_done(dt_parallel *par);
 static void dt__fsdp_step_done(dt_parallel *par);
 static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o);
+static void dt__fsdp_data_all_gather(dt_parallel *par, const float *mine, float *all, int64_t n, int *rank, int *ranks) {
+    dt_fsdp *f = (dt_fsdp *)par;
+    *rank = dt_comm_rank(f->comm); *ranks = dt_comm_size(f->comm);
+    if (all) dt__comm_all_gather_host(f->comm, mine, all, sizeof(float) * (size_t)n);
+}
 static void dt__fsdp_sum_over_ranks(dt_parallel *par, float *values, int n) {
     dt__comm_all_reduce_host(((dt_fsdp *)par)->comm, values, n, DT_SUM);
     if (par->inner && par->inner->sum_over_ranks) par->inner->sum_over_ranks(par->inner, values, n);   /* the tensor group's parts */
@@ -289,6 +294,7 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
                             .unit_begin = dt__fsdp_unit_begin, .unit_end = dt__fsdp_unit_end,
                             .backward_done = dt__fsdp_backward_done, .step_done = dt__fsdp_step_done,
                             .optimizer_view = dt__fsdp_optimizer_view, .sum_over_ranks = dt__fsdp_sum_over_ranks,
+                            .data_all_gather = dt__fsdp_data_all_gather,
                             .inner = model->parallel };          /* around tensor parallelism: its pieces */
     dt__data_parallel_can_wrap(&f->par, comm, 1);
     for (dt_parallel *q = f->par.inner; q; q = q->inner) f->pipelined |= q->forward != NULL;

@@ -135,9 +135,9 @@ static const dt__flag dt__flags[] = {
       NULL, DT_MIN(1) },
     { "--moe-every", "12345", "N", "gpt: experts in every N-th block only, the others dense (default 1: every block)", DT_ARG_INT,
       DT_CFG(moe_every), NULL, DT_MIN(1) },
-    { "--moe-capacity", "1", "C", "each expert takes at most C x K x tokens / E of a batch's choices, the rest dropped\n"
+    { "--moe-capacity", "1345", "C", "each expert takes at most C x K x tokens / E of a batch's choices, the rest dropped\n"
       "                          (default 0: no limit)", DT_ARG_FLOAT, DT_CFG(moe_capacity), NULL, DT_MIN(0) },
-    { "--moe-aux-loss", "1", "X", "the load-balancing loss's coefficient (Switch Transformer's; default 0: none)", DT_ARG_FLOAT,
+    { "--moe-aux-loss", "1345", "X", "the load-balancing loss's coefficient (Switch Transformer's; default 0: none)", DT_ARG_FLOAT,
       DT_CFG(moe_aux_loss), NULL, DT_MIN(0) },
     { "--kv-heads", "12345678", "N", "llama: key/value heads, each serving --heads / N query heads (default: half the heads\n"
       "                          when their number is even, else all of them)", DT_ARG_INT, DT_CFG(kv_heads), NULL, DT_MIN(1) },
@@ -585,10 +585,13 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if (c.moe_experts && c.qkv_bias)
         dt_usage_error("--moe-experts with --qkv-bias: Mixtral's layout has no q/k/v biases (and Qwen2-MoE's shared experts are not built)");
     if (c.moe_experts && !c.moe_every) c.moe_every = 1;
-    if ((c.moe_aux_loss > 0 && !dt__stage_takes(stage, "--moe-aux-loss")) || (c.moe_capacity > 0 && !dt__stage_takes(stage, "--moe-capacity")))
-        dt_usage_error("%s: the balancing loss and the capacity are taken over the whole batch, which %s does not see on one rank "
-                       "(--init's config.json asks for %s; train it in 01)", stage, stage, c.moe_aux_loss > 0 ?
-                       "output_router_logits with router_aux_loss_coef" : "moe_capacity_factor");
+    /* The balancing loss and the capacity are taken over the step's whole batch: 02's replicas
+       run one after another, and a micro-batch of --accum-steps is not the whole. */
+    if ((c.moe_aux_loss > 0 || c.moe_capacity > 0) && (!dt__stage_takes(stage, "--moe-aux-loss") || c.accum_steps > 1))
+        dt_usage_error("%s%s: --moe-capacity and --moe-aux-loss%s are taken over the step's whole batch, which %s does not see "
+                       "at once (01, 03, 04 and 05 without accumulation do)", stage, c.accum_steps > 1 ? " --accum-steps" : "",
+                       dt__given(given, "--moe-aux-loss") || dt__given(given, "--moe-capacity") ? "" : " (from --init's config.json)",
+                       c.accum_steps > 1 ? "a micro-batch" : "this stage");
     if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
     /* A pipeline (a stage that takes --micro-batches) already adds up its
        micro-batches' gradients before the optimizer steps: accumulating K

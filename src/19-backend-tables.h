@@ -326,6 +326,8 @@ typedef struct dt_comm_op {
     dt_reduce_op op;
     int root;                                                  /* the root; for send and recv the peer */
     int from;                                                  /* a ring shift's: root, the next rank; from, the one before */
+    int64_t *counts;                                           /* an all-to-all's: what goes to each rank, then what comes from
+                                                                  each (2 x size, freed when it is done) */
 } dt_comm_op;
 typedef struct dt_comm_backend {
     const char *name;

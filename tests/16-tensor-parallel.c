@@ -1,5 +1,5 @@
-/* tests/15-tensor-parallel.c -- tests of dtrain.h's chapter
-   15-tensor-parallel: stage 06. (tests/helpers.h: how the suite's files make
+/* tests/16-tensor-parallel.c -- tests of dtrain.h's chapter
+   16-tensor-parallel: stage 06. (tests/helpers.h: how the suite's files make
    one program.) */
 #include "helpers.h"
 

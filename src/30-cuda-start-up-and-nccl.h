@@ -1,4 +1,4 @@
-//@ backend: CUDA, start-up and NCCL -- the table every kernel of 28 fills, and the collectives on GPU buffers
+//@ backend: CUDA, start-up and NCCL -- the table every kernel of 29 fills, and the collectives on GPU buffers
 //@ cuda
 /* ---- start-up ---- */
 extern "C" int dt_cuda_device_count(char *why, size_t n) {
@@ -160,6 +160,18 @@ extern "C" void dt_nccl_issue(dt_nccl *s, int slot, const dt_comm_op *o) {
         DT_NCCL_CHECK(ncclRecv(recv, n, t, o->from, comm, st));
         DT_NCCL_CHECK(ncclGroupEnd());
         break;
+    case DT_COLL_ALL_TO_ALL: {               /* grouped: a send and a receive per rank, this one's too */
+        int W = 0;
+        size_t es = o->dtype == DT_F32 ? 4 : 2, sent = 0, got = 0;
+        DT_NCCL_CHECK(ncclCommCount(comm, &W));
+        DT_NCCL_CHECK(ncclGroupStart());
+        for (int r = 0; r < W; sent += (size_t)o->counts[r], got += (size_t)o->counts[W + r], r++) {
+            if (o->counts[r]) DT_NCCL_CHECK(ncclSend((const char *)send + sent * es, (size_t)o->counts[r], t, r, comm, st));
+            if (o->counts[W + r]) DT_NCCL_CHECK(ncclRecv((char *)recv + got * es, (size_t)o->counts[W + r], t, r, comm, st));
+        }
+        DT_NCCL_CHECK(ncclGroupEnd());
+        break;
+    }
     }
 }
 extern "C" void dt_nccl_mark_done(dt_nccl *s, int slot) { DT_CUDA_CHECK(cudaEventRecord(s->done[slot], s->stream)); }

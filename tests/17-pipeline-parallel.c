@@ -1,5 +1,5 @@
-/* tests/16-pipeline-parallel.c -- tests of dtrain.h's chapter
-   16-pipeline-parallel: stage 07, and what every stage must do alike: order
+/* tests/17-pipeline-parallel.c -- tests of dtrain.h's chapter
+   17-pipeline-parallel: stage 07, and what every stage must do alike: order
    mistakes, language models, recompute. (tests/helpers.h: how the suite's
    files make one program.) */
 #include "helpers.h"

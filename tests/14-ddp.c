@@ -1,4 +1,4 @@
-/* tests/13-ddp.c -- tests of dtrain.h's chapter 13-ddp: DDP's buckets (stage
+/* tests/14-ddp.c -- tests of dtrain.h's chapter 14-ddp: DDP's buckets (stage
    03). (tests/helpers.h: how the suite's files make one program.) */
 #include "helpers.h"
 

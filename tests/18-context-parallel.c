@@ -1,5 +1,5 @@
-/* tests/17-context-parallel.c -- tests of dtrain.h's chapter
-   17-context-parallel: ring attention against whole-sequence attention, and
+/* tests/18-context-parallel.c -- tests of dtrain.h's chapter
+   18-context-parallel: ring attention against whole-sequence attention, and
    the work each rank does in the zig-zag and contiguous layouts. (tests/helpers.h:
    how the suite's files make one program.) */
 #include "helpers.h"

@@ -1,4 +1,4 @@
-/* tests/14-fsdp.c -- tests of dtrain.h's chapter 14-fsdp: FSDP's shard
+/* tests/15-fsdp.c -- tests of dtrain.h's chapter 15-fsdp: FSDP's shard
    modes, memory and prefetch (stage 04). (tests/helpers.h: how the suite's
    files make one program.) */
 #include "helpers.h"
