@@ -640,7 +640,9 @@ dt_tensor *dt_patchify(const dt_tensor *images, int patch);
          E x sum over e of f_e x P_e,
      f_e the share of the tokens whose k choices hold e and P_e the mean
      probability of e: k when both are even, more when not. The model adds
-     coefficient x its mean over the MoE layers to the loss (--moe-aux-loss).
+     coefficient x its mean over the MoE layers to the loss (--moe-aux-loss;
+     transformers takes f and P over every layer's tokens at once instead,
+     the same with one MoE layer).
      f_e is a count and has no gradient; P_e's reaches the router. The term
      is added in backward only (the gate weights' op puts its gradient on
      the router's logits), so no training loop changes for it.
@@ -693,12 +695,14 @@ typedef struct dt_moe_stats {
     int64_t layers;               /* forwards of an MoE layer counted */
 } dt_moe_stats;
 
-/* The route of logits [N, E] (the router's scores) with k choices a token
-   and capacity factor `capacity` (0: no limit). Adds to stats (may be NULL).
-   batch: the data-parallel wrapper whose ranks' batches make the step's
-   batch (its data_all_gather), or NULL: capacity and balance are then taken
-   over the whole batch, as one device with all of it takes them. */
-dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe_stats *stats, dt_parallel *batch);
+/* The route of logits [N, E] (the router's scores; rows_per_sample rows a
+   sample) with k choices a token and capacity factor `capacity` (0: no
+   limit). Adds to stats (may be NULL). batch: the data-parallel wrapper whose
+   ranks' batches make the step's batch (its data_all_gather), or NULL:
+   capacity and balance are then taken over the whole batch, as one device
+   with all of it takes them. */
+dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, int rows_per_sample, dt_moe_stats *stats,
+                          dt_parallel *batch);
 /* Each slot's weight [S]: its token's chosen probabilities renormalised over
    its k choices. Backward passes their gradient to the logits and adds the
    balancing term's, `balance_coef` x d(balance)/d(logits), scaled as the loss. */
@@ -717,12 +721,13 @@ dt_tensor *dt_cat_rows(dt_tensor *const *parts, int n);
 typedef dt_tensor *(*dt_moe_expert_fn)(void *ctx, int expert, dt_tensor *rows);
 typedef struct dt_moe_layer {
     dt_tensor *router;
-    int k;
+    int k, rows_per_sample;
     float capacity, balance_coef;
     dt_moe_expert_fn expert;
     void *ctx;
     dt_moe_stats *stats;
-    dt_parallel *batch;           /* see dt_moe_route (NULL: this rank's batch is the whole) */
+    dt_parallel *batch;           /* see dt_moe_route (NULL: this rank's batch is the whole); asked only when capacity
+                                     or the balancing loss needs the whole batch */
 } dt_moe_layer;
 dt_tensor *dt_moe_forward(const dt_moe_layer *layer, dt_tensor *x);
 
@@ -5209,11 +5214,11 @@ static float *dt__host_f32(const dt_tensor *t) {
     return h;
 }
 /* Drop order: the lower probability first, then the later token. */
-typedef struct { float p; int token, j; } dt__moe_candidate;
+typedef struct { float p; int place, token, j; } dt__moe_candidate;
 static int dt__moe_keep_first(const void *a, const void *b) {
     const dt__moe_candidate *x = (const dt__moe_candidate *)a, *y = (const dt__moe_candidate *)b;
     if (x->p != y->p) return x->p > y->p ? -1 : 1;
-    return x->token - y->token;
+    return x->place - y->place;
 }
 static const int *dt__ints_on_device(const int *host, int n) {
     if (dt__ctx.device == DT_CPU) return host;
@@ -5222,7 +5227,8 @@ static const int *dt__ints_on_device(const int *host, int n) {
     return d;
 }
 
-dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe_stats *stats, dt_parallel *batch) {
+dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, int rows_per_sample, dt_moe_stats *stats,
+                          dt_parallel *batch) {
     int N = (int)dt_tensor_rows(logits), E = (int)dt_tensor_cols(logits);
     if (k < 1 || k > E) dt_fail("dt_moe_route: --moe-top-k %d must be between 1 and the %d experts", k, E);
     if (!(capacity >= 0)) dt_fail("dt_moe_route: --moe-capacity %g must be 0 (no limit) or more", (double)capacity);
@@ -5237,8 +5243,8 @@ dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe
         for (int e = 0; e < E; e++) row[e] /= sum;
     }
     /* The whole batch's probabilities: this rank's, or every rank's of a
-       data-parallel engine, rank after rank (as stage 01's batch holds them).
-       Every rank then decides for the whole batch alike, and keeps its own. */
+       data-parallel engine, rank after rank. Every rank then decides for the
+       whole batch alike, and keeps its own. */
     const float *all = p->probs;
     int first = 0, rank = 0, ranks = 1;
     if (batch && batch->data_all_gather) batch->data_all_gather(batch, NULL, NULL, 0, &rank, &ranks);
@@ -5248,8 +5254,16 @@ dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe
         all = gathered;
         first = rank * N;
     }
-    int NA = N * ranks;
+    int NA = N * ranks, T = rows_per_sample > 0 && N % rows_per_sample == 0 ? rows_per_sample : N;
     p->N_all = NA;
+    /* Each token's place in stage 01's batch, which breaks the capacity's
+       ties: the loader deals a step's samples to the ranks in turn, so rank
+       r's sample j is the batch's sample j x ranks + r. */
+    int *place = (int *)dt_step_alloc(sizeof(int) * (size_t)NA);
+    for (int g = 0; g < NA; g++) {
+        int r = g / N, n = g % N;
+        place[g] = ((n / T) * ranks + r) * T + n % T;
+    }
     size_t nk = (size_t)NA * k;
     int *choice = (int *)dt_step_alloc(sizeof(int) * nk), *kept = (int *)dt_step_alloc(sizeof(int) * nk);
     p->routed = (int *)dt_step_alloc(sizeof(int) * (size_t)E);
@@ -5268,14 +5282,15 @@ dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe
         }
     }
     /* capacity: over it, an expert keeps its most probable choices */
-    p->capacity = capacity > 0 ? (int)ceil((double)capacity * k * NA / E) : 0;
+    double cap = ceil((double)capacity * k * NA / E);    /* as large as every choice: no limit */
+    p->capacity = capacity > 0 && cap < (double)nk ? (int)cap : 0;
     dt__moe_candidate *cand = (dt__moe_candidate *)dt_step_alloc(sizeof *cand * (nk ? nk : 1));
     int dropped_here = 0;
     for (int e = 0; e < E; e++) {
         int n_cand = 0;
         for (int n = 0; n < NA; n++)
             for (int j = 0; j < k; j++)
-                if (choice[(size_t)n * k + j] == e) cand[n_cand++] = (dt__moe_candidate){ all[(size_t)n * E + e], n, j };
+                if (choice[(size_t)n * k + j] == e) cand[n_cand++] = (dt__moe_candidate){ all[(size_t)n * E + e], place[n], n, j };
         if (p->capacity && n_cand > p->capacity) {
             qsort(cand, (size_t)n_cand, sizeof *cand, dt__moe_keep_first);
             for (int i = p->capacity; i < n_cand; i++) dropped_here += cand[i].token >= first && cand[i].token < first + N;
@@ -5525,7 +5540,8 @@ dt_tensor *dt_cat_rows(dt_tensor *const *parts, int n) {
 dt_tensor *dt_moe_forward(const dt_moe_layer *L, dt_tensor *x) {
     int E = (int)dt_tensor_rows(L->router);
     dt_tensor *logits = dt_linear(x, L->router, NULL);
-    dt_moe_plan *plan = dt_moe_route(logits, L->k, L->capacity, L->stats, L->batch);
+    int whole = L->capacity > 0 || L->balance_coef > 0;     /* per token otherwise: no collective */
+    dt_moe_plan *plan = dt_moe_route(logits, L->k, L->capacity, L->rows_per_sample, L->stats, whole ? L->batch : NULL);
     dt_tensor *w = dt_moe_gate_weights(logits, plan, L->balance_coef);
     dt_tensor *xs = dt_moe_dispatch(x, plan);
     dt_tensor **outs = (dt_tensor **)dt_step_alloc(sizeof *outs * (size_t)E);
@@ -6006,13 +6022,13 @@ static dt_tensor *dt__run_expert(void *ctx, int e, dt_tensor *rows) {
     const dt__experts *x = (const dt__experts *)ctx;
     return x->mlp(x->m, x->first + (size_t)e * x->per_expert, rows);
 }
-static dt_tensor *dt__moe(dt_model *m, dt_tensor *P, dt_tensor *h, int per_expert,
+static dt_tensor *dt__moe(dt_model *m, dt_tensor *P, dt_tensor *h, int T, int per_expert,
                           dt_tensor *(*mlp)(void *m, dt_tensor *P, dt_tensor *h)) {
     const dt_model_config *c = &m->cfg;
     int layers = 0;
     for (int l = 0; l < c->depth; l++) layers += dt__moe_block(c, l);
     dt__experts experts = { m, &P[1], per_expert, mlp };
-    dt_moe_layer L = { &P[0], c->moe_top_k, c->moe_capacity, c->moe_aux_loss / layers, dt__run_expert, &experts, &m->moe,
+    dt_moe_layer L = { &P[0], c->moe_top_k, T, c->moe_capacity, c->moe_aux_loss / layers, dt__run_expert, &experts, &m->moe,
                        m->parallel };
     return dt_moe_forward(&L, h);
 }
@@ -6104,7 +6120,7 @@ static dt_tensor *dt__gpt_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, 
 }
 static dt_tensor *dt__gpt_moe_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
     x = dt__gpt_attention(m, P, x, B, T);
-    return dt_add(x, dt__moe(m, &P[8], dt_layernorm(x, &P[6], &P[7], 1e-5f), 4, dt__gpt_mlp));
+    return dt_add(x, dt__moe(m, &P[8], dt_layernorm(x, &P[6], &P[7], 1e-5f), T, 4, dt__gpt_mlp));
 }
 
 /* GPT-2: pre-LN blocks of causal self-attention and an MLP; the head is the
@@ -6158,7 +6174,7 @@ static dt_tensor *dt__llama_layer(dt_model *m, dt_tensor *P, dt_tensor *x, int B
     dt_tensor *qkv = dt_rotary_qkv(q, k, v, B, T, H, KV, rope);
     x = dt_add(x, dt__lora_linear(m, dt_attention(qkv, B, T, H, /*causal*/ 1), ow, NULL));
     h = dt_rmsnorm(x, n2, c->norm_eps);
-    return dt_add(x, moe ? dt__moe(m, mlp, h, 3, dt__mixtral_expert) : dt__llama_mlp(m, mlp, h));
+    return dt_add(x, moe ? dt__moe(m, mlp, h, T, 3, dt__mixtral_expert) : dt__llama_mlp(m, mlp, h));
 }
 static dt_tensor *dt__llama_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { return dt__llama_layer(m, P, x, B, T, 0); }
 static dt_tensor *dt__llama_moe_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { return dt__llama_layer(m, P, x, B, T, 1); }
@@ -7363,7 +7379,8 @@ static void dt__mpi_start(dt_comm *c, int64_t h, const dt_comm_op *o) {
             for (r = 0; r < W; r++) {
                 int64_t at = r ? (int64_t)k[(2 * side + 1) * W + r - 1] + o->counts[side * W + r - 1] : 0;
                 if (o->counts[side * W + r] > INT_MAX || at > INT_MAX)
-                    dt_fail("all_to_all of %lld elements over MPI: at most %d in one call (MPI counts are int)", (long long)at, INT_MAX);
+                    dt_fail("all_to_all over MPI: %lld elements %s rank %d, %lld before them: at most %d (MPI counts are int)",
+                            (long long)o->counts[side * W + r], side ? "from" : "for", r, (long long)at, INT_MAX);
                 k[2 * side * W + r] = (int)o->counts[side * W + r];
                 k[(2 * side + 1) * W + r] = (int)at;
             }
@@ -7549,6 +7566,9 @@ dt_comm_handle dt_all_to_all_async(dt_comm *c, const void *send, const int64_t *
         if (send_counts[r] < 0 || recv_counts[r] < 0 || send_counts[r] > INT64_MAX / 8 - sent || recv_counts[r] > INT64_MAX / 8 - got)
             dt_fail("all_to_all: %lld elements for rank %d and %lld from it", (long long)send_counts[r], (int)r,
                     (long long)recv_counts[r]);
+        if (r == c->rank && send_counts[r] != recv_counts[r])
+            dt_fail("all_to_all: rank %d sends itself %lld elements but expects %lld of itself", c->job_rank[c->rank],
+                    (long long)send_counts[r], (long long)recv_counts[r]);
         counts[r] = send_counts[r]; counts[W + r] = recv_counts[r];
         sent += send_counts[r]; got += recv_counts[r];
     }
@@ -14984,9 +15004,9 @@ static const dt__flag dt__flags[] = {
       NULL, DT_MIN(1) },
     { "--moe-every", "12345", "N", "gpt: experts in every N-th block only, the others dense (default 1: every block)", DT_ARG_INT,
       DT_CFG(moe_every), NULL, DT_MIN(1) },
-    { "--moe-capacity", "1345", "C", "each expert takes at most C x K x tokens / E of a batch's choices, the rest dropped\n"
+    { "--moe-capacity", "12345", "C", "each expert takes at most C x K x tokens / E of a batch's choices, the rest dropped\n"
       "                          (default 0: no limit)", DT_ARG_FLOAT, DT_CFG(moe_capacity), NULL, DT_MIN(0) },
-    { "--moe-aux-loss", "1345", "X", "the load-balancing loss's coefficient (Switch Transformer's; default 0: none)", DT_ARG_FLOAT,
+    { "--moe-aux-loss", "12345", "X", "the load-balancing loss's coefficient (Switch Transformer's; default 0: none)", DT_ARG_FLOAT,
       DT_CFG(moe_aux_loss), NULL, DT_MIN(0) },
     { "--kv-heads", "12345678", "N", "llama: key/value heads, each serving --heads / N query heads (default: half the heads\n"
       "                          when their number is even, else all of them)", DT_ARG_INT, DT_CFG(kv_heads), NULL, DT_MIN(1) },
@@ -15210,7 +15230,8 @@ static void dt__apply_hf_model(dt_config *c, const dt__hf_config *hc, const unsi
 static void dt__apply_hf_experts(dt_config *c, dt__hf_config hc, const unsigned char *given) {
     int mixtral = dt__hf_is(&hc, "mixtral");
     if (!mixtral && !dt__hf_is(&hc, "dtrain_gpt2_moe")) return;
-    if (hc.experts < 1) dt_usage_error("%s: a model_type \"%s\" needs num_local_experts (1 or more)", hc.path, hc.model_type);
+    if (!(hc.experts >= 1 && hc.experts <= 4096))
+        dt_usage_error("%s: a model_type \"%s\" needs num_local_experts from 1 to 4096 (it has %g)", hc.path, hc.model_type, hc.experts);
     if (hc.router_jitter > 0) dt_usage_error("%s: router_jitter_noise %g; dtrain's router adds no noise", hc.path, hc.router_jitter);
     if (hc.experts_per_token == -1) hc.experts_per_token = 2;                       /* Hugging Face's defaults */
     if (hc.sparse_step == -1) hc.sparse_step = 1;
@@ -15221,8 +15242,7 @@ static void dt__apply_hf_experts(dt_config *c, dt__hf_config hc, const unsigned 
     if (!mixtral)
         dt__hf_take(&hc, "decoder_sparse_step", hc.sparse_step, "--moe-every", dt__given(given, "--moe-every"), NULL, &c->moe_every);
     if (!dt__given(given, "--moe-aux-loss")) c->moe_aux_loss = (float)coef;         /* a coefficient for training: a flag may change it */
-    if (capacity > 0)
-        dt__hf_take(&hc, "moe_capacity_factor", capacity, "--moe-capacity", dt__given(given, "--moe-capacity"), &c->moe_capacity, NULL);
+    if (capacity > 0 && !dt__given(given, "--moe-capacity")) c->moe_capacity = (float)capacity;   /* the flag may change it */
 }
 static void dt__apply_hf_shape(dt_config *c, dt__hf_config hc, const unsigned char *given) {
     int llama = dt__hf_is(&hc, "llama") || dt__hf_is(&hc, "mixtral"), qwen2 = dt__hf_is(&hc, "qwen2"), gpt2 = dt__hf_gpt2(&hc);
@@ -15436,11 +15456,19 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if (c.moe_experts && !c.moe_every) c.moe_every = 1;
     /* The balancing loss and the capacity are taken over the step's whole batch: 02's replicas
        run one after another, and a micro-batch of --accum-steps is not the whole. */
-    if ((c.moe_aux_loss > 0 || c.moe_capacity > 0) && (!dt__stage_takes(stage, "--moe-aux-loss") || c.accum_steps > 1))
+    int whole_batch = c.moe_aux_loss > 0 || c.moe_capacity > 0, one_device = !dt__stage_takes(stage, "--nproc");
+    if (whole_batch && (!strcmp(stage, "02-dp") || c.accum_steps > 1))
         dt_usage_error("%s%s: --moe-capacity and --moe-aux-loss%s are taken over the step's whole batch, which %s does not see "
-                       "at once (01, 03, 04 and 05 without accumulation do)", stage, c.accum_steps > 1 ? " --accum-steps" : "",
+                       "at once (01, 03, 04 and 05 without accumulation do; give them 0 to train without)", stage,
+                       c.accum_steps > 1 ? " --accum-steps" : "",
                        dt__given(given, "--moe-aux-loss") || dt__given(given, "--moe-capacity") ? "" : " (from --init's config.json)",
                        c.accum_steps > 1 ? "a micro-batch" : "this stage");
+    /* DDP starts a bucket's all-reduce when its gradients are ready, and the
+       ranks' tokens skip different experts: a route gathered again in
+       backward (--recompute) could meet the buckets in another order on each rank. */
+    if (whole_batch && !one_device && c.recompute && c.bucket_mb > 0 && !dt__stage_takes(stage, "--shard"))
+        dt_usage_error("%s --recompute with --moe-capacity or --moe-aux-loss: the recomputed route gathers every rank's "
+                       "probabilities again in backward, beside DDP's bucket all-reduces (--bucket-mb 0, or 04, allows it)", stage);
     if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
     /* A pipeline (a stage that takes --micro-batches) already adds up its
        micro-batches' gradients before the optimizer steps: accumulating K

@@ -16,7 +16,9 @@
          E x sum over e of f_e x P_e,
      f_e the share of the tokens whose k choices hold e and P_e the mean
      probability of e: k when both are even, more when not. The model adds
-     coefficient x its mean over the MoE layers to the loss (--moe-aux-loss).
+     coefficient x its mean over the MoE layers to the loss (--moe-aux-loss;
+     transformers takes f and P over every layer's tokens at once instead,
+     the same with one MoE layer).
      f_e is a count and has no gradient; P_e's reaches the router. The term
      is added in backward only (the gate weights' op puts its gradient on
      the router's logits), so no training loop changes for it.
@@ -69,12 +71,14 @@ typedef struct dt_moe_stats {
     int64_t layers;               /* forwards of an MoE layer counted */
 } dt_moe_stats;
 
-/* The route of logits [N, E] (the router's scores) with k choices a token
-   and capacity factor `capacity` (0: no limit). Adds to stats (may be NULL).
-   batch: the data-parallel wrapper whose ranks' batches make the step's
-   batch (its data_all_gather), or NULL: capacity and balance are then taken
-   over the whole batch, as one device with all of it takes them. */
-dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe_stats *stats, dt_parallel *batch);
+/* The route of logits [N, E] (the router's scores; rows_per_sample rows a
+   sample) with k choices a token and capacity factor `capacity` (0: no
+   limit). Adds to stats (may be NULL). batch: the data-parallel wrapper whose
+   ranks' batches make the step's batch (its data_all_gather), or NULL:
+   capacity and balance are then taken over the whole batch, as one device
+   with all of it takes them. */
+dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, int rows_per_sample, dt_moe_stats *stats,
+                          dt_parallel *batch);
 /* Each slot's weight [S]: its token's chosen probabilities renormalised over
    its k choices. Backward passes their gradient to the logits and adds the
    balancing term's, `balance_coef` x d(balance)/d(logits), scaled as the loss. */
@@ -93,12 +97,13 @@ dt_tensor *dt_cat_rows(dt_tensor *const *parts, int n);
 typedef dt_tensor *(*dt_moe_expert_fn)(void *ctx, int expert, dt_tensor *rows);
 typedef struct dt_moe_layer {
     dt_tensor *router;
-    int k;
+    int k, rows_per_sample;
     float capacity, balance_coef;
     dt_moe_expert_fn expert;
     void *ctx;
     dt_moe_stats *stats;
-    dt_parallel *batch;           /* see dt_moe_route (NULL: this rank's batch is the whole) */
+    dt_parallel *batch;           /* see dt_moe_route (NULL: this rank's batch is the whole); asked only when capacity
+                                     or the balancing loss needs the whole batch */
 } dt_moe_layer;
 dt_tensor *dt_moe_forward(const dt_moe_layer *layer, dt_tensor *x);
 
@@ -111,11 +116,11 @@ static float *dt__host_f32(const dt_tensor *t) {
     return h;
 }
 /* Drop order: the lower probability first, then the later token. */
-typedef struct { float p; int token, j; } dt__moe_candidate;
+typedef struct { float p; int place, token, j; } dt__moe_candidate;
 static int dt__moe_keep_first(const void *a, const void *b) {
     const dt__moe_candidate *x = (const dt__moe_candidate *)a, *y = (const dt__moe_candidate *)b;
     if (x->p != y->p) return x->p > y->p ? -1 : 1;
-    return x->token - y->token;
+    return x->place - y->place;
 }
 static const int *dt__ints_on_device(const int *host, int n) {
     if (dt__ctx.device == DT_CPU) return host;
@@ -124,7 +129,8 @@ static const int *dt__ints_on_device(const int *host, int n) {
     return d;
 }
 
-dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe_stats *stats, dt_parallel *batch) {
+dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, int rows_per_sample, dt_moe_stats *stats,
+                          dt_parallel *batch) {
     int N = (int)dt_tensor_rows(logits), E = (int)dt_tensor_cols(logits);
     if (k < 1 || k > E) dt_fail("dt_moe_route: --moe-top-k %d must be between 1 and the %d experts", k, E);
     if (!(capacity >= 0)) dt_fail("dt_moe_route: --moe-capacity %g must be 0 (no limit) or more", (double)capacity);
@@ -139,8 +145,8 @@ dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe
         for (int e = 0; e < E; e++) row[e] /= sum;
     }
     /* The whole batch's probabilities: this rank's, or every rank's of a
-       data-parallel engine, rank after rank (as stage 01's batch holds them).
-       Every rank then decides for the whole batch alike, and keeps its own. */
+       data-parallel engine, rank after rank. Every rank then decides for the
+       whole batch alike, and keeps its own. */
     const float *all = p->probs;
     int first = 0, rank = 0, ranks = 1;
     if (batch && batch->data_all_gather) batch->data_all_gather(batch, NULL, NULL, 0, &rank, &ranks);
@@ -150,8 +156,16 @@ dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe
         all = gathered;
         first = rank * N;
     }
-    int NA = N * ranks;
+    int NA = N * ranks, T = rows_per_sample > 0 && N % rows_per_sample == 0 ? rows_per_sample : N;
     p->N_all = NA;
+    /* Each token's place in stage 01's batch, which breaks the capacity's
+       ties: the loader deals a step's samples to the ranks in turn, so rank
+       r's sample j is the batch's sample j x ranks + r. */
+    int *place = (int *)dt_step_alloc(sizeof(int) * (size_t)NA);
+    for (int g = 0; g < NA; g++) {
+        int r = g / N, n = g % N;
+        place[g] = ((n / T) * ranks + r) * T + n % T;
+    }
     size_t nk = (size_t)NA * k;
     int *choice = (int *)dt_step_alloc(sizeof(int) * nk), *kept = (int *)dt_step_alloc(sizeof(int) * nk);
     p->routed = (int *)dt_step_alloc(sizeof(int) * (size_t)E);
@@ -170,14 +184,15 @@ dt_moe_plan *dt_moe_route(const dt_tensor *logits, int k, float capacity, dt_moe
         }
     }
     /* capacity: over it, an expert keeps its most probable choices */
-    p->capacity = capacity > 0 ? (int)ceil((double)capacity * k * NA / E) : 0;
+    double cap = ceil((double)capacity * k * NA / E);    /* as large as every choice: no limit */
+    p->capacity = capacity > 0 && cap < (double)nk ? (int)cap : 0;
     dt__moe_candidate *cand = (dt__moe_candidate *)dt_step_alloc(sizeof *cand * (nk ? nk : 1));
     int dropped_here = 0;
     for (int e = 0; e < E; e++) {
         int n_cand = 0;
         for (int n = 0; n < NA; n++)
             for (int j = 0; j < k; j++)
-                if (choice[(size_t)n * k + j] == e) cand[n_cand++] = (dt__moe_candidate){ all[(size_t)n * E + e], n, j };
+                if (choice[(size_t)n * k + j] == e) cand[n_cand++] = (dt__moe_candidate){ all[(size_t)n * E + e], place[n], n, j };
         if (p->capacity && n_cand > p->capacity) {
             qsort(cand, (size_t)n_cand, sizeof *cand, dt__moe_keep_first);
             for (int i = p->capacity; i < n_cand; i++) dropped_here += cand[i].token >= first && cand[i].token < first + N;
@@ -427,7 +442,8 @@ dt_tensor *dt_cat_rows(dt_tensor *const *parts, int n) {
 dt_tensor *dt_moe_forward(const dt_moe_layer *L, dt_tensor *x) {
     int E = (int)dt_tensor_rows(L->router);
     dt_tensor *logits = dt_linear(x, L->router, NULL);
-    dt_moe_plan *plan = dt_moe_route(logits, L->k, L->capacity, L->stats, L->batch);
+    int whole = L->capacity > 0 || L->balance_coef > 0;     /* per token otherwise: no collective */
+    dt_moe_plan *plan = dt_moe_route(logits, L->k, L->capacity, L->rows_per_sample, L->stats, whole ? L->batch : NULL);
     dt_tensor *w = dt_moe_gate_weights(logits, plan, L->balance_coef);
     dt_tensor *xs = dt_moe_dispatch(x, plan);
     dt_tensor **outs = (dt_tensor **)dt_step_alloc(sizeof *outs * (size_t)E);

@@ -612,13 +612,13 @@ static dt_tensor *dt__run_expert(void *ctx, int e, dt_tensor *rows) {
     const dt__experts *x = (const dt__experts *)ctx;
     return x->mlp(x->m, x->first + (size_t)e * x->per_expert, rows);
 }
-static dt_tensor *dt__moe(dt_model *m, dt_tensor *P, dt_tensor *h, int per_expert,
+static dt_tensor *dt__moe(dt_model *m, dt_tensor *P, dt_tensor *h, int T, int per_expert,
                           dt_tensor *(*mlp)(void *m, dt_tensor *P, dt_tensor *h)) {
     const dt_model_config *c = &m->cfg;
     int layers = 0;
     for (int l = 0; l < c->depth; l++) layers += dt__moe_block(c, l);
     dt__experts experts = { m, &P[1], per_expert, mlp };
-    dt_moe_layer L = { &P[0], c->moe_top_k, c->moe_capacity, c->moe_aux_loss / layers, dt__run_expert, &experts, &m->moe,
+    dt_moe_layer L = { &P[0], c->moe_top_k, T, c->moe_capacity, c->moe_aux_loss / layers, dt__run_expert, &experts, &m->moe,
                        m->parallel };
     return dt_moe_forward(&L, h);
 }
@@ -710,7 +710,7 @@ static dt_tensor *dt__gpt_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, 
 }
 static dt_tensor *dt__gpt_moe_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
     x = dt__gpt_attention(m, P, x, B, T);
-    return dt_add(x, dt__moe(m, &P[8], dt_layernorm(x, &P[6], &P[7], 1e-5f), 4, dt__gpt_mlp));
+    return dt_add(x, dt__moe(m, &P[8], dt_layernorm(x, &P[6], &P[7], 1e-5f), T, 4, dt__gpt_mlp));
 }
 
 /* GPT-2: pre-LN blocks of causal self-attention and an MLP; the head is the
@@ -764,7 +764,7 @@ static dt_tensor *dt__llama_layer(dt_model *m, dt_tensor *P, dt_tensor *x, int B
     dt_tensor *qkv = dt_rotary_qkv(q, k, v, B, T, H, KV, rope);
     x = dt_add(x, dt__lora_linear(m, dt_attention(qkv, B, T, H, /*causal*/ 1), ow, NULL));
     h = dt_rmsnorm(x, n2, c->norm_eps);
-    return dt_add(x, moe ? dt__moe(m, mlp, h, 3, dt__mixtral_expert) : dt__llama_mlp(m, mlp, h));
+    return dt_add(x, moe ? dt__moe(m, mlp, h, T, 3, dt__mixtral_expert) : dt__llama_mlp(m, mlp, h));
 }
 static dt_tensor *dt__llama_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { return dt__llama_layer(m, P, x, B, T, 0); }
 static dt_tensor *dt__llama_moe_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { return dt__llama_layer(m, P, x, B, T, 1); }

@@ -670,7 +670,8 @@ static void dt__mpi_start(dt_comm *c, int64_t h, const dt_comm_op *o) {
             for (r = 0; r < W; r++) {
                 int64_t at = r ? (int64_t)k[(2 * side + 1) * W + r - 1] + o->counts[side * W + r - 1] : 0;
                 if (o->counts[side * W + r] > INT_MAX || at > INT_MAX)
-                    dt_fail("all_to_all of %lld elements over MPI: at most %d in one call (MPI counts are int)", (long long)at, INT_MAX);
+                    dt_fail("all_to_all over MPI: %lld elements %s rank %d, %lld before them: at most %d (MPI counts are int)",
+                            (long long)o->counts[side * W + r], side ? "from" : "for", r, (long long)at, INT_MAX);
                 k[2 * side * W + r] = (int)o->counts[side * W + r];
                 k[(2 * side + 1) * W + r] = (int)at;
             }
@@ -856,6 +857,9 @@ dt_comm_handle dt_all_to_all_async(dt_comm *c, const void *send, const int64_t *
         if (send_counts[r] < 0 || recv_counts[r] < 0 || send_counts[r] > INT64_MAX / 8 - sent || recv_counts[r] > INT64_MAX / 8 - got)
             dt_fail("all_to_all: %lld elements for rank %d and %lld from it", (long long)send_counts[r], (int)r,
                     (long long)recv_counts[r]);
+        if (r == c->rank && send_counts[r] != recv_counts[r])
+            dt_fail("all_to_all: rank %d sends itself %lld elements but expects %lld of itself", c->job_rank[c->rank],
+                    (long long)send_counts[r], (long long)recv_counts[r]);
         counts[r] = send_counts[r]; counts[W + r] = recv_counts[r];
         sent += send_counts[r]; got += recv_counts[r];
     }

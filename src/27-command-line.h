@@ -135,9 +135,9 @@ static const dt__flag dt__flags[] = {
       NULL, DT_MIN(1) },
     { "--moe-every", "12345", "N", "gpt: experts in every N-th block only, the others dense (default 1: every block)", DT_ARG_INT,
       DT_CFG(moe_every), NULL, DT_MIN(1) },
-    { "--moe-capacity", "1345", "C", "each expert takes at most C x K x tokens / E of a batch's choices, the rest dropped\n"
+    { "--moe-capacity", "12345", "C", "each expert takes at most C x K x tokens / E of a batch's choices, the rest dropped\n"
       "                          (default 0: no limit)", DT_ARG_FLOAT, DT_CFG(moe_capacity), NULL, DT_MIN(0) },
-    { "--moe-aux-loss", "1345", "X", "the load-balancing loss's coefficient (Switch Transformer's; default 0: none)", DT_ARG_FLOAT,
+    { "--moe-aux-loss", "12345", "X", "the load-balancing loss's coefficient (Switch Transformer's; default 0: none)", DT_ARG_FLOAT,
       DT_CFG(moe_aux_loss), NULL, DT_MIN(0) },
     { "--kv-heads", "12345678", "N", "llama: key/value heads, each serving --heads / N query heads (default: half the heads\n"
       "                          when their number is even, else all of them)", DT_ARG_INT, DT_CFG(kv_heads), NULL, DT_MIN(1) },
@@ -361,7 +361,8 @@ static void dt__apply_hf_model(dt_config *c, const dt__hf_config *hc, const unsi
 static void dt__apply_hf_experts(dt_config *c, dt__hf_config hc, const unsigned char *given) {
     int mixtral = dt__hf_is(&hc, "mixtral");
     if (!mixtral && !dt__hf_is(&hc, "dtrain_gpt2_moe")) return;
-    if (hc.experts < 1) dt_usage_error("%s: a model_type \"%s\" needs num_local_experts (1 or more)", hc.path, hc.model_type);
+    if (!(hc.experts >= 1 && hc.experts <= 4096))
+        dt_usage_error("%s: a model_type \"%s\" needs num_local_experts from 1 to 4096 (it has %g)", hc.path, hc.model_type, hc.experts);
     if (hc.router_jitter > 0) dt_usage_error("%s: router_jitter_noise %g; dtrain's router adds no noise", hc.path, hc.router_jitter);
     if (hc.experts_per_token == -1) hc.experts_per_token = 2;                       /* Hugging Face's defaults */
     if (hc.sparse_step == -1) hc.sparse_step = 1;
@@ -372,8 +373,7 @@ static void dt__apply_hf_experts(dt_config *c, dt__hf_config hc, const unsigned 
     if (!mixtral)
         dt__hf_take(&hc, "decoder_sparse_step", hc.sparse_step, "--moe-every", dt__given(given, "--moe-every"), NULL, &c->moe_every);
     if (!dt__given(given, "--moe-aux-loss")) c->moe_aux_loss = (float)coef;         /* a coefficient for training: a flag may change it */
-    if (capacity > 0)
-        dt__hf_take(&hc, "moe_capacity_factor", capacity, "--moe-capacity", dt__given(given, "--moe-capacity"), &c->moe_capacity, NULL);
+    if (capacity > 0 && !dt__given(given, "--moe-capacity")) c->moe_capacity = (float)capacity;   /* the flag may change it */
 }
 static void dt__apply_hf_shape(dt_config *c, dt__hf_config hc, const unsigned char *given) {
     int llama = dt__hf_is(&hc, "llama") || dt__hf_is(&hc, "mixtral"), qwen2 = dt__hf_is(&hc, "qwen2"), gpt2 = dt__hf_gpt2(&hc);
@@ -587,11 +587,19 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if (c.moe_experts && !c.moe_every) c.moe_every = 1;
     /* The balancing loss and the capacity are taken over the step's whole batch: 02's replicas
        run one after another, and a micro-batch of --accum-steps is not the whole. */
-    if ((c.moe_aux_loss > 0 || c.moe_capacity > 0) && (!dt__stage_takes(stage, "--moe-aux-loss") || c.accum_steps > 1))
+    int whole_batch = c.moe_aux_loss > 0 || c.moe_capacity > 0, one_device = !dt__stage_takes(stage, "--nproc");
+    if (whole_batch && (!strcmp(stage, "02-dp") || c.accum_steps > 1))
         dt_usage_error("%s%s: --moe-capacity and --moe-aux-loss%s are taken over the step's whole batch, which %s does not see "
-                       "at once (01, 03, 04 and 05 without accumulation do)", stage, c.accum_steps > 1 ? " --accum-steps" : "",
+                       "at once (01, 03, 04 and 05 without accumulation do; give them 0 to train without)", stage,
+                       c.accum_steps > 1 ? " --accum-steps" : "",
                        dt__given(given, "--moe-aux-loss") || dt__given(given, "--moe-capacity") ? "" : " (from --init's config.json)",
                        c.accum_steps > 1 ? "a micro-batch" : "this stage");
+    /* DDP starts a bucket's all-reduce when its gradients are ready, and the
+       ranks' tokens skip different experts: a route gathered again in
+       backward (--recompute) could meet the buckets in another order on each rank. */
+    if (whole_batch && !one_device && c.recompute && c.bucket_mb > 0 && !dt__stage_takes(stage, "--shard"))
+        dt_usage_error("%s --recompute with --moe-capacity or --moe-aux-loss: the recomputed route gathers every rank's "
+                       "probabilities again in backward, beside DDP's bucket all-reduces (--bucket-mb 0, or 04, allows it)", stage);
     if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
     /* A pipeline (a stage that takes --micro-batches) already adds up its
        micro-batches' gradients before the optimizer steps: accumulating K

@@ -16,7 +16,7 @@ TEST(moe_route_keeps_the_most_probable_and_numbers_slots_by_expert, QUICK) {
     dt_step_arena_reset();
     dt_tensor *logits = dt_tensor_from_host(2, s, &scores[0][0]);
     dt_moe_stats st = { 3, (int64_t[3]){ 0 }, 0, 0, 0, 0 };
-    dt_moe_plan *p = dt_moe_route(logits, 1, 1.0f, &st, NULL);
+    dt_moe_plan *p = dt_moe_route(logits, 1, 1.0f, 6, &st, NULL);
     CHECKF(p->capacity == 2 && p->dropped == 2 && p->S == 4, "capacity %d, dropped %d, slots %d", p->capacity, p->dropped, p->S);
     CHECK(p->routed[0] == 4 && p->routed[1] == 1 && p->routed[2] == 1);
     /* kept: tokens 0 and 1 at expert 0, then 3 at 1, 4 at 2 -- expert order, then token order */
@@ -35,9 +35,34 @@ TEST(moe_route_keeps_the_most_probable_and_numbers_slots_by_expert, QUICK) {
     CHECKF(CLOSE(p->balance, want, 1e-6), "balance %.7g, by hand %.7g", (double)p->balance, want);
     CHECK(st.layers == 1 && st.dropped == 2 && st.choices == 6 && st.routed[0] == 4);
     /* top 2, no limit: every token's two best, most probable first, lower index on a tie */
-    p = dt_moe_route(logits, 2, 0, NULL, NULL);
+    p = dt_moe_route(logits, 2, 0, 6, NULL, NULL);
     CHECKF(p->S == 12 && p->dropped == 0 && p->choice[0] == 0 && p->choice[1] == 1 && p->choice[6] == 1 && p->choice[7] == 0,
            "slots %d, token 0 chose %d then %d, token 3 %d then %d", p->S, p->choice[0], p->choice[1], p->choice[6], p->choice[7]);
+    dt_step_arena_reset();
+}
+
+/* Ranks of a data-parallel engine route the whole batch as one device with
+   all of it: here rank 1 of 2, each with 2 sequences of 2 tokens, every token
+   scoring the experts alike, so the capacity's cut (3 of the batch's 8
+   choices) falls among ties, broken by the place in stage 01's batch. The
+   loader deals samples in turn (rank r's sample j is the batch's j x 2 + r),
+   so the batch's first three tokens are rank 0's sample 0 and rank 1's
+   first token: this rank keeps that one alone. */
+static void fake_gather(dt_parallel *par, const float *mine, float *all, int64_t n, int *rank, int *ranks) {
+    (void)par;
+    *rank = 1; *ranks = 2;
+    if (all) { memcpy(all, mine, sizeof(float) * (size_t)n); memcpy(all + n, mine, sizeof(float) * (size_t)n); }
+}
+TEST(moe_route_of_a_data_parallel_rank_cuts_ties_by_the_place_in_the_whole_batch, QUICK) {
+    float scores[4][2] = { { 1, 0 }, { 1, 0 }, { 1, 0 }, { 1, 0 } };
+    int s[2] = { 4, 2 };
+    dt_parallel batch = { .data_all_gather = fake_gather };
+    dt_step_arena_reset();
+    dt_moe_plan *p = dt_moe_route(dt_tensor_from_host(2, s, &scores[0][0]), 1, 0.75f, 2, NULL, &batch);
+    CHECKF(p->N_all == 8 && p->capacity == 3 && p->S == 1 && p->slot_token[0] == 0 && p->dropped == 3,
+           "the whole batch %d tokens, capacity %d; this rank keeps %d (the first: token %d), drops %d", p->N_all, p->capacity,
+           p->S, p->S ? p->slot_token[0] : -1, p->dropped);
+    CHECK(p->routed[0] == 8 && p->routed[1] == 0);
     dt_step_arena_reset();
 }
 
@@ -46,12 +71,12 @@ static dt_tensor *one_linear_expert(void *ctx, int e, dt_tensor *rows) { return 
 typedef struct { int k; float capacity, coef; } moe_case;
 static dt_tensor *f_moe_layer(dt_tensor **l, void *c) {
     const moe_case *mc = (const moe_case *)c;
-    dt_moe_layer L = { l[1], mc->k, mc->capacity, mc->coef, one_linear_expert, l, NULL, NULL };
+    dt_moe_layer L = { l[1], mc->k, 1, mc->capacity, mc->coef, one_linear_expert, l, NULL, NULL };
     return dt_moe_forward(&L, l[0]);
 }
 static dt_tensor *f_gate_weights(dt_tensor **l, void *c) {
     const moe_case *mc = (const moe_case *)c;
-    return dt_moe_gate_weights(l[0], dt_moe_route(l[0], mc->k, mc->capacity, NULL, NULL), 0);
+    return dt_moe_gate_weights(l[0], dt_moe_route(l[0], mc->k, mc->capacity, 1, NULL, NULL), 0);
 }
 static dt_tensor *f_rows_cat(dt_tensor **l, void *c) {
     (void)c;
@@ -86,7 +111,7 @@ TEST(moe_balancing_gradient_matches_finite_differences, QUICK) {
     for (int k = 1; k <= 2; k++) {
         memset(logits->grad, 0, sizeof(float) * 32);
         dt_step_arena_reset();
-        dt_moe_plan *p = dt_moe_route(logits, k, 0, NULL, NULL);
+        dt_moe_plan *p = dt_moe_route(logits, k, 0, 8, NULL, NULL);
         dt_tensor *w = dt_moe_gate_weights(logits, p, 0.5f);
         float zeros[64] = { 0 };
         dt_backward_from(w, zeros);
@@ -97,7 +122,7 @@ TEST(moe_balancing_gradient_matches_finite_differences, QUICK) {
             for (int side = 0; side < 2; side++) {
                 logits->data[i] = keep + (side ? -1e-2f : 1e-2f);   /* the term is a float: a wide step */
                 dt_step_arena_reset();
-                b[side] = dt_moe_route(logits, k, 0, NULL, NULL)->balance;
+                b[side] = dt_moe_route(logits, k, 0, 8, NULL, NULL)->balance;
             }
             logits->data[i] = keep;
             double num = 0.5 * (b[0] - b[1]) / 2e-2, err = fabs(num - logits->grad[i]) / (1e-2 + fabs(num));
@@ -160,6 +185,7 @@ TEST(moe_flags_are_checked_and_checkpoints_resume_exactly, QUICK) {
         { "01-single-gpu", "--model llama --moe-experts 2 --qkv-bias", "--qkv-bias" },
         { "01-single-gpu", "--model gpt --moe-experts 2 --moe-capacity -1", "--moe-capacity" },
         { "02-dp", "--model gpt --moe-experts 2 --moe-aux-loss 0.01", "--moe-aux-loss" },
+        { "03-ddp", "--model gpt --moe-experts 2 --moe-capacity 1 --recompute", "--recompute" },
         { "05-accum-mixed-precision", "--model gpt --moe-experts 2 --moe-capacity 1 --accum-steps 2", "--accum-steps" },
         { "06-tensor-parallel", "--model gpt --moe-experts 2", "--moe-experts" } };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {

@@ -87,6 +87,11 @@ static int selftest_comm_misuse(int which) {
         int64_t one[1] = { 2 };
         dt_all_to_all(c, both, one, both + 1, one, DT_F32);
     }
+    if (which == 11) {                    /* a piece for itself of another size than it expects of itself */
+        float send[2] = { 0 }, recv[2];
+        int64_t two[1] = { 2 }, one[1] = { 1 };
+        dt_all_to_all(c, send, two, recv, one, DT_F32);
+    }
     if (which == 5 || which == 10) {
         dt_comm_group *g = dt_comm_group_create(2, 10);
         pthread_t th[2];
@@ -110,6 +115,7 @@ TEST(mesh_split_and_message_mistakes_are_clear_errors, QUICK) {
         "ring_shift: send and recv overlap; the sent buffer must stay whole while the received one arrives",
         "all_to_all: send and recv overlap; the pieces sent must stay whole while others arrive",
         "all_to_all: rank 0 sends rank 1 2 elements of fp32, which expects 3 of fp32",
+        "all_to_all: rank 0 sends itself 2 elements but expects 1 of itself",
     };
     char out[4096];
     for (int i = 0; i < (int)(sizeof want / sizeof want[0]); i++) {
