@@ -55,6 +55,8 @@ void dt_backward_from(dt_tensor *loss, const float *seed);
    gradients. */
 typedef struct dt_parallel dt_parallel;
 struct dt_optimizer;
+struct dt_moe_layer;
+struct dt_moe_plan;
 struct dt_parallel {
     /* The wrapper's public functions, which the order mistakes name:
        "dt_fsdp_create", "dt_fsdp_sync_grads", "dt_fsdp_free". */
@@ -74,10 +76,13 @@ struct dt_parallel {
     void (*set_sync)(dt_parallel *par, int sync);
     /* Gradients this rank holds in common with ranks outside the engine's
        group -- a tied vocabulary, held by a pipeline's first and last
-       stage -- added up across them. The engine around it calls this once
-       a step, when those gradients are whole and final and before it
-       shards them (it may average first: the two commute). */
-    void (*sum_shared_grads)(dt_parallel *par);
+       stage; what expert parallelism's ranks share besides their experts --
+       made whole across them, for parameters first .. end - 1. The engine
+       around it calls this when those gradients are whole and final and
+       before it shards them (it may average first: the two commute): DDP
+       once a step for all of them, FSDP for each unit before its
+       reduce-scatter. */
+    void (*sum_shared_grads)(dt_parallel *par, int first, int end);
     void (*optimizer_view)(dt_parallel *par, struct dt_optimizer *opt);
     /* A sharded optimizer's partial sums (its gradient norm's), added over
        the ranks that share the model: what clipping needs of the whole. */
@@ -112,6 +117,12 @@ struct dt_parallel {
        experts routes the whole batch so (the MoE chapter). NULL: this rank's
        batch is the whole. */
     void (*data_all_gather)(dt_parallel *par, const float *mine, float *all, int64_t n, int *rank, int *ranks);
+    /* Expert parallelism (stage 09): run a mixture's experts on the slots the
+       layer dispatched to them (dt_moe_forward, the MoE chapter), the experts
+       being spread over ranks; the result in the slots' order. NULL: every
+       expert is on this rank. */
+    struct dt_tensor *(*moe_experts)(dt_parallel *par, const struct dt_moe_layer *layer, struct dt_tensor *slots,
+                                     const struct dt_moe_plan *plan);
     /* The ranks whose gradients of the same parameters a data-parallel engine
        around must average: 0, the data_ranks groups (each holds other
        pieces: tensor and pipeline parallelism); context parallelism, every

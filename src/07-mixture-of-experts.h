@@ -102,8 +102,11 @@ typedef struct dt_moe_layer {
     dt_moe_expert_fn expert;
     void *ctx;
     dt_moe_stats *stats;
-    dt_parallel *batch;           /* see dt_moe_route (NULL: this rank's batch is the whole); asked only when capacity
-                                     or the balancing loss needs the whole batch */
+    /* The model's wrappers (a stack), or NULL: the data-parallel one gives the
+       whole batch (dt_moe_route's `batch`; asked only when capacity or the
+       balancing loss needs it), one that spreads the experts over ranks runs
+       them (its moe_experts: expert parallelism). */
+    dt_parallel *wrappers;
 } dt_moe_layer;
 dt_tensor *dt_moe_forward(const dt_moe_layer *layer, dt_tensor *x);
 
@@ -443,9 +446,12 @@ dt_tensor *dt_moe_forward(const dt_moe_layer *L, dt_tensor *x) {
     int E = (int)dt_tensor_rows(L->router);
     dt_tensor *logits = dt_linear(x, L->router, NULL);
     int whole = L->capacity > 0 || L->balance_coef > 0;     /* per token otherwise: no collective */
-    dt_moe_plan *plan = dt_moe_route(logits, L->k, L->capacity, L->rows_per_sample, L->stats, whole ? L->batch : NULL);
+    dt_moe_plan *plan = dt_moe_route(logits, L->k, L->capacity, L->rows_per_sample, L->stats, whole ? L->wrappers : NULL);
     dt_tensor *w = dt_moe_gate_weights(logits, plan, L->balance_coef);
     dt_tensor *xs = dt_moe_dispatch(x, plan);
+    dt_parallel *spread = L->wrappers;                     /* expert parallelism: the experts on other ranks too */
+    while (spread && !spread->moe_experts) spread = spread->inner;
+    if (spread) return dt_moe_combine(spread->moe_experts(spread, L, xs, plan), w, plan);
     dt_tensor **outs = (dt_tensor **)dt_step_alloc(sizeof *outs * (size_t)E);
     int ran = 0;
     for (int e = 0; e < E; e++) {

@@ -53,6 +53,7 @@ typedef struct dt_split {
        embedding and by the head (a tied vocabulary), so the first and the
        last stage each hold it, and add up its two gradients. */
     int block, head, tied;
+    int expert;    /* 1 + the mixture's expert it is part of (0: none): expert parallelism keeps E/P of them a rank */
 } dt_split;
 
 typedef struct dt_model {
@@ -285,7 +286,7 @@ static void dt__add_experts(dt__model_builder *mb, const dt_model_config *c, int
     snprintf(prefix, sizeof prefix, at, l);
     snprintf(name, sizeof name, "%s.gate.weight", prefix);
     dt__add_param(mb, name, DT_INIT_NORMAL, 0.02f, 2, c->moe_experts, D, 0, 0);
-    for (int e = 0; e < c->moe_experts; e++) {
+    for (int e = 0, first = mb->m->nparams; e < c->moe_experts; e++, first = mb->m->nparams) {
         const char *w[3] = { "w1", "w2", "w3" }, *g[2] = { "c_fc", "c_proj" };
         for (int i = 0; i < (llama ? 3 : 2); i++) {
             snprintf(name, sizeof name, "%s.experts.%d.%s", prefix, e, llama ? w[i] : g[i]);
@@ -293,6 +294,7 @@ static void dt__add_experts(dt__model_builder *mb, const dt_model_config *c, int
             if (llama) dt__add_projection(mb, name, in, out, 0);
             else dt__add_conv1d(mb, name, in, out, i ? proj : 0.02f);
         }
+        for (int j = first; j < mb->m->nparams; j++) mb->m->splits[j].expert = e + 1;
     }
 }
 static void dt__gpt_build(dt__model_builder *mb, const dt_model_config *cfg) {
@@ -1183,7 +1185,7 @@ dt_tensor *dt_model_forward_blocks(dt_model *m, dt_tensor *inputs, dt_tensor *x,
     for (int i = 0; i < (dt_model_whole(m) != m ? w->nparams : 0); i++) {   /* cut model lacks any */
         int b = w->splits[i].block;
         int read = (b >= first && b < end) || (b < 0 && first == 0) || (b >= n && end == n) || (w->splits[i].tied && (first == 0 || end == n));
-        if (read && w->params[i].numel == 0)
+        if (read && w->params[i].numel == 0 && !w->splits[i].expert)   /* (expert parallelism's are elsewhere) */
             dt_fail("dt_model_forward_blocks: blocks [%d, %d) read %s, which this rank does not hold (a pipeline stage keeps "
                     "only its own blocks' parameters)", first, end, w->params[i].name);
     }

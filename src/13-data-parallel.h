@@ -80,9 +80,9 @@ static void dt__data_parallel_can_wrap(const dt_parallel *outer, dt_comm *comm, 
 /* What the wrappers inside hold in common with ranks outside the engine's
    group (a tied vocabulary at a pipeline's two ends): added up, once its
    gradients are whole and final. */
-static void dt__data_parallel_sum_shared(dt_parallel *outer) {
+static void dt__data_parallel_sum_shared(dt_parallel *outer, int first, int end) {
     for (dt_parallel *q = outer->inner; q; q = q->inner)
-        if (q->sum_shared_grads) q->sum_shared_grads(q);
+        if (q->sum_shared_grads) q->sum_shared_grads(q, first, end);
 }
 
 /* A data-parallel wrapper lets go of its model; freed while another wraps it

@@ -82,11 +82,12 @@ static void dt__ddp_backward_done(dt_parallel *par) {
         dt__record_comm(name, t0, t1, t0 < backward_end ? (t1 < backward_end ? t1 : backward_end) - t0 : 0);
     }
     d->launched = 0;
-    dt__data_parallel_sum_shared(&d->par);            /* a tied vocabulary's two ends, averaged: added up */
+    dt__data_parallel_sum_shared(&d->par, 0, d->model->nparams);   /* a tied vocabulary's two ends, averaged: added up */
 }
 static void dt__ddp_set_sync(dt_parallel *par, int sync) { ((dt_ddp *)par)->sync = sync; }
 static void dt__ddp_data_all_gather(dt_parallel *par, const float *mine, float *all, int64_t n, int *rank, int *ranks) {
     dt_ddp *d = (dt_ddp *)par;
+    if (par->inner && par->inner->data_all_gather) { par->inner->data_all_gather(par->inner, mine, all, n, rank, ranks); return; }
     *rank = dt_comm_rank(d->comm); *ranks = dt_comm_size(d->comm);
     if (all) dt__comm_all_gather_host(d->comm, mine, all, sizeof(float) * (size_t)n);
 }

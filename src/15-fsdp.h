@@ -205,6 +205,8 @@ static void dt__fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
     dt__fsdp_unit *u = &f->units[k];
     dt_device dev = f->model->device;
     if (!u->numel) return;                          /* another pipeline stage's: nothing here, nor on the peers */
+    dt__data_parallel_sum_shared(&f->par, u->first, u->end);   /* first, what the wrappers inside add up across their
+                                                                 groups (a tied vocabulary's two ends) */
     float *mine = f->scattered, *dst = f->shard_grads + u->shard_offset;
     double t0 = dt_now_ms();
     if (f->reduce_dtype == DT_F32) dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
@@ -278,6 +280,7 @@ static void dt__fsdp_step_done(dt_parallel *par);
 static void dt__fsdp_optimizer_view(dt_parallel *par, dt_optimizer *o);
 static void dt__fsdp_data_all_gather(dt_parallel *par, const float *mine, float *all, int64_t n, int *rank, int *ranks) {
     dt_fsdp *f = (dt_fsdp *)par;
+    if (par->inner && par->inner->data_all_gather) { par->inner->data_all_gather(par->inner, mine, all, n, rank, ranks); return; }
     *rank = dt_comm_rank(f->comm); *ranks = dt_comm_size(f->comm);
     if (all) dt__comm_all_gather_host(f->comm, mine, all, sizeof(float) * (size_t)n);
 }
@@ -425,12 +428,10 @@ void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype) {
 }
 
 /* After backward: ZeRO-1 reduce-scatters every unit now; ZeRO-2 and -3 the
-   outer unit (the others went during backward). First, what the wrappers
-   inside add up across their own groups (a tied vocabulary's two ends). */
+   outer unit (the others went during backward). */
 static void dt__fsdp_backward_done(dt_parallel *par) {
     dt_fsdp *f = (dt_fsdp *)par;
     if (!f->sync) return;                                    /* accumulating */
-    dt__data_parallel_sum_shared(par);
     for (int k = f->nunits - 1; k >= 0; k--) {
         dt__fsdp_unit *u = &f->units[k];
         if (!u->numel || !u->full_grad || (f->mode != DT_SHARD_OPTIMIZER && k != f->model->outer_unit)) continue;

@@ -397,19 +397,23 @@ dt_tensor *dt_pp_forward_backward(dt_pp *pp, const dt_batch *batch) {
 
 /* The batch's loss is the last stage's; the gradients of a tied vocabulary
    are the first stage's (the embedding) plus the last's (the head). */
-static void dt__pp_sum_tied(dt_parallel *par) {
+static void dt__pp_sum_tied(dt_parallel *par, int first, int end) {
     dt_pp *p = (dt_pp *)par;
     dt_model *m = p->model;
     if (!p->ends) return;
     double t0 = dt_now_ms();
-    for (int i = 0; i < m->nparams; i++)
-        if (m->splits[i].tied) dt_all_reduce(p->ends, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
-    dt__record_comm("all_reduce tied", t0, dt_now_ms(), 0);
+    int summed = 0;
+    for (int i = first; i < end; i++)
+        if (m->splits[i].tied) {
+            dt_all_reduce(p->ends, m->params[i].grad, m->params[i].grad, m->params[i].numel, DT_F32, DT_SUM);
+            summed = 1;
+        }
+    if (summed) dt__record_comm("all_reduce tied", t0, dt_now_ms(), 0);
 }
 /* Unwrapped, there is one pipeline and nothing to average; wrapped, the
    engine has summed the tied gradients (sum_shared_grads) when they were whole. */
 static void dt__pp_backward_done(dt_parallel *par) {
-    if (((dt_pp *)par)->model->parallel == par) dt__pp_sum_tied(par);
+    if (((dt_pp *)par)->model->parallel == par) dt__pp_sum_tied(par, 0, ((dt_pp *)par)->model->nparams);
 }
 void dt_pp_sync_grads(dt_pp *pp) {
     if (pp->model->parallel != &pp->par)

@@ -235,7 +235,7 @@ TEST(the_lessons_compile_without_the_machinery, QUICK) {
                  "-DDTRAIN_IMPLEMENTATION -x c %s/lessons.h", copy, tmpdir, cc, tmpdir);
     CHECKF(st != 0 && strstr(out, "dt_parse_args"), "a lesson calling dt_parse_args compiled without the machinery (exit %d)\n%.2000s",
            st, out);
-    st = run_cmd(out, sizeof out, "cp %s/src/09-optimizer.h %s/src/ && mv %s/src/20-data.h %s/src/08-data.h && %s/tools/assemble",
+    st = run_cmd(out, sizeof out, "cp %s/src/09-optimizer.h %s/src/ && mv %s/src/21-data.h %s/src/08-data.h && %s/tools/assemble",
                  root, copy, copy, copy, copy);
     CHECKF(st == 2 && strstr(out, "is a lesson chapter after a machinery one"),
            "a machinery chapter among the lessons: exit %d\n%.2000s", st, out);
@@ -299,22 +299,22 @@ TEST(no_chapter_casts_or_identifies_a_wrapper_but_its_own, QUICK) {
     CHECKF(leaks == 0, "%d wrapper casts or identity tests outside the wrapper's chapter (or too few wrappers found: %d)\n%s",
            leaks, leaks, report);
     int st = run_cmd(out, sizeof out, "cp -r %s %s/src && printf 'static int dt__peek(dt_parallel *p) { return ((dt_fsdp *)p)->rank; }\n' "
-                     ">> %s/src/22-checkpoints.h", src, tmpdir, tmpdir);
+                     ">> %s/src/23-checkpoints.h", src, tmpdir, tmpdir);
     CHECKF(st == 0, "copying the chapters: exit %d\n%s", st, out);
     snprintf(src, sizeof src, "%s/src", tmpdir);
     leaks = wrapper_leaks(src, report, sizeof report);
-    CHECKF(leaks == 1 && strstr(report, "22-checkpoints.h has \"(dt_fsdp *)\""),
+    CHECKF(leaks == 1 && strstr(report, "23-checkpoints.h has \"(dt_fsdp *)\""),
            "a cast of FSDP put into the checkpoints chapter was not found (%d)\n%s", leaks, report);
 }
 
 /* One gradient-averaging path and one optimizer-sharding path: of the
-   parallel chapters (13 to 18, and the backend tables), only DDP's and
+   parallel chapters (13 to 19, and the backend tables), only DDP's and
    FSDP's average (DT_AVG), and only FSDP's gives the optimizer less than the
    model to step (sets o->numel); tensor, pipeline and context parallelism
    leave both to the engine that wraps them. An average put into the pipeline's chapter makes it fail. */
 static int averaging_leaks(const char *srcdir, char *report, size_t n) {
     static const char *const chapters[7] = { "13-data-parallel.h", "14-ddp.h", "15-fsdp.h", "16-tensor-parallel.h",
-                                             "17-pipeline-parallel.h", "18-context-parallel.h", "19-backend-tables.h" };
+                                             "17-pipeline-parallel.h", "18-context-parallel.h", "20-backend-tables.h" };
     static const char *const owner[2] = { "14-ddp.h 15-fsdp.h", "15-fsdp.h" }, *const what[2] = { "DT_AVG", "o->numel =" };
     int leaks = 0;
     report[0] = 0;

@@ -364,7 +364,7 @@ TEST(context_parallel_trains_in_bf16, QUICK) {
     CHECKF(e5 > 0 && isfinite(e8) && fabs(e8 - e5) <= 5e-3, "08 --dtype bf16: eval loss %.6f, 05's in bf16 %.6f", e8, e5);
     int st = run_cmd(out, sizeof out, "%s --data %s " CP_GPT " --nproc 2 --cp 2 --dtype fp16 --steps 1", stage_bin("08-context-parallel"),
                      gpt_text());
-    CHECKF(st == 2 && strstr(out, "--dtype fp16: fp16 needs its loss scaled (stage 05), which 08 does not do"),
+    CHECKF(st == 2 && strstr(out, "--dtype fp16: fp16 needs its loss scaled (stage 05), which 08-context-parallel does not do"),
            "08 --dtype fp16: exit %d\n%s", st, out);
     /* llama (grouped-query attention) over 4 ranks, contiguous, against 05 in bf16 */
     static const char *const llama[2] = { "05-accum-mixed-precision --dtype bf16",

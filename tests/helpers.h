@@ -137,12 +137,12 @@ static double max_tensor_diff(const char *a, const char *b);
 static void equivalence(const char *data, int samples, const char *model_flags, const char *model);
 /* tests/15-fsdp.c: a value of a log's summary line */
 static double summary_value(const char *log, const char *key);
-/* tests/20-data.c: a small generated text; instruction data (JSON lines) */
+/* tests/21-data.c: a small generated text; instruction data (JSON lines) */
 static const char *gpt_text(void);
 static const char *instruction_data(void);
-/* tests/22-checkpoints.c: a checkpoint 3 steps into a run */
+/* tests/23-checkpoints.c: a checkpoint 3 steps into a run */
 static const char *short_checkpoint(void);
-/* tests/29-cuda.c: is a GPU visible (NEED, above) */
+/* tests/30-cuda.c: is a GPU visible (NEED, above) */
 static int machine_has_gpu(void);
 
 #endif

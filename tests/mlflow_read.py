@@ -1,6 +1,6 @@
 """Print what MLflow's own tracking client reads from a file store that
 dtrain wrote (--mlflow DIR), for the suite to compare with dtrain's --log
-(tests/25-metrics.c): per run of the "dtrain" experiment, a line
+(tests/26-metrics.c): per run of the "dtrain" experiment, a line
 "run ID NAME STATUS", its params "param KEY VALUE", tags "tag KEY VALUE" and
 every point of every metric "metric KEY STEP VALUE". usage: mlflow_read.py DIR"""
 import os

@@ -1,7 +1,7 @@
 """Print every scalar of a TensorBoard log folder, as TensorBoard's own
 reader sees it (each folder that holds event files is a run): one line
 "run tag step value" each. The suite compares them with dtrain's --log
-(tests/25-metrics.c). usage: tb_read.py DIR"""
+(tests/26-metrics.c). usage: tb_read.py DIR"""
 import sys
 
 from tensorboard.backend.event_processing import event_accumulator, event_multiplexer

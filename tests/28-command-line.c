@@ -1,4 +1,4 @@
-/* tests/27-command-line.c -- tests of dtrain.h's chapter 27-command-line:
+/* tests/28-command-line.c -- tests of dtrain.h's chapter 28-command-line:
    each mistake a one-line error naming the flag. (tests/helpers.h: how the
    suite's files make one program.) */
 #include "helpers.h"
@@ -16,7 +16,7 @@ TEST(bad_flags_exit_2_naming_the_flag, QUICK) {
         { "01-single-gpu", "--model vit --dim 100 --heads 3", "--heads" },
         { "01-single-gpu", "--nproc 2", "--nproc is a flag of 02-dp" },
         { "03-ddp", "--bucket-mb -1", "--bucket-mb" },
-        { "01-single-gpu", "--dtype bf16", "05-accum-mixed-precision, 07-pipeline-parallel and 08-context-parallel, not 01" },
+        { "01-single-gpu", "--dtype bf16", "05-accum-mixed-precision, 07-pipeline-parallel, 08-context-parallel and 09-expert-parallel, not 01" },
         { "04-fsdp", "--accum-steps 4", "05-accum-mixed-precision and 07-pipeline-parallel, not 04" },
         { "05-accum-mixed-precision", "--accum-steps 0", "--accum-steps" },
         { "05-accum-mixed-precision", "--dtype fp8", "--dtype" },
@@ -93,30 +93,30 @@ TEST(out_of_range_values_exit_2_naming_the_flag, QUICK) {
    an error naming the stages that have it, and --help lists a stage's own. */
 TEST(a_flag_of_another_stage_exits_2_naming_its_stages, QUICK) {
     static const struct { const char *stage, *args, *named; } bad[] = {
-        { "01-single-gpu", "--shard full", "--shard is a flag of 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel, 07-pipeline-parallel and 08-context-parallel, "
+        { "01-single-gpu", "--shard full", "--shard is a flag of 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel, 07-pipeline-parallel, 08-context-parallel and 09-expert-parallel, "
           "not 01-single-gpu" },
         { "02-dp", "--cpu-offload", "--cpu-offload is a flag of 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel, "
-          "07-pipeline-parallel and 08-context-parallel, not 02-dp" },
-        { "03-ddp", "--shard grads", "--shard is a flag of 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel, 07-pipeline-parallel and 08-context-parallel, "
+          "07-pipeline-parallel, 08-context-parallel and 09-expert-parallel, not 02-dp" },
+        { "03-ddp", "--shard grads", "--shard is a flag of 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel, 07-pipeline-parallel, 08-context-parallel and 09-expert-parallel, "
           "not 03-ddp" },
-        { "01-single-gpu", "--bucket-mb 25", "--bucket-mb is a flag of 03-ddp, 06-tensor-parallel, 07-pipeline-parallel and 08-context-parallel, "
+        { "01-single-gpu", "--bucket-mb 25", "--bucket-mb is a flag of 03-ddp, 06-tensor-parallel, 07-pipeline-parallel, 08-context-parallel and 09-expert-parallel, "
           "not 01-single-gpu" },
-        { "04-fsdp", "--bucket-mb 0", "--bucket-mb is a flag of 03-ddp, 06-tensor-parallel, 07-pipeline-parallel and 08-context-parallel, "
+        { "04-fsdp", "--bucket-mb 0", "--bucket-mb is a flag of 03-ddp, 06-tensor-parallel, 07-pipeline-parallel, 08-context-parallel and 09-expert-parallel, "
           "not 04-fsdp" },
-        { "05-accum-mixed-precision", "--bucket-mb 1", "--bucket-mb is a flag of 03-ddp, 06-tensor-parallel, 07-pipeline-parallel and 08-context-parallel, "
+        { "05-accum-mixed-precision", "--bucket-mb 1", "--bucket-mb is a flag of 03-ddp, 06-tensor-parallel, 07-pipeline-parallel, 08-context-parallel and 09-expert-parallel, "
           "not 05-accum-mixed-precision" },
         { "01-single-gpu", "--nproc 1",
-          "--nproc is a flag of 02-dp, 03-ddp, 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel, 07-pipeline-parallel and 08-context-parallel, "
+          "--nproc is a flag of 02-dp, 03-ddp, 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel, 07-pipeline-parallel, 08-context-parallel and 09-expert-parallel, "
           "not 01-single-gpu" },
         { "01-single-gpu", "--timeout 10",
-          "--timeout is a flag of 02-dp, 03-ddp, 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel, 07-pipeline-parallel and "
-          "08-context-parallel" },
+          "--timeout is a flag of 02-dp, 03-ddp, 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel, 07-pipeline-parallel, "
+          "08-context-parallel and 09-expert-parallel" },
         { "04-fsdp", "--accum-steps 1", "--accum-steps is a flag of 05-accum-mixed-precision and 07-pipeline-parallel, not 04-fsdp" },
-        { "03-ddp", "--dtype fp32", "--dtype is a flag of 05-accum-mixed-precision, 07-pipeline-parallel and 08-context-parallel, not 03-ddp" },
+        { "03-ddp", "--dtype fp32", "--dtype is a flag of 05-accum-mixed-precision, 07-pipeline-parallel, 08-context-parallel and 09-expert-parallel, not 03-ddp" },
         { "02-dp", "--reduce-dtype fp32", "--reduce-dtype is a flag of 05-accum-mixed-precision, not 02-dp" },
         { "02-dp", "--ranks-per-gpu 1",
-          "--ranks-per-gpu is a flag of 03-ddp, 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel, 07-pipeline-parallel and "
-          "08-context-parallel, not 02-dp" },
+          "--ranks-per-gpu is a flag of 03-ddp, 04-fsdp, 05-accum-mixed-precision, 06-tensor-parallel, 07-pipeline-parallel, "
+          "08-context-parallel and 09-expert-parallel, not 02-dp" },
         { "06-tensor-parallel", "--micro-batches 2", "--micro-batches is a flag of 07-pipeline-parallel, not 06-tensor-parallel" },
     };
     char out[16384];

@@ -1,4 +1,4 @@
-/* tests/28-run-driver.c -- tests of dtrain.h's chapter 28-run-driver: a full
+/* tests/29-run-driver.c -- tests of dtrain.h's chapter 29-run-driver: a full
    disk, preemption, the final loss. (tests/helpers.h: how the suite's files
    make one program.) */
 #include "helpers.h"

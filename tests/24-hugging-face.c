@@ -1,4 +1,4 @@
-/* tests/23-hugging-face.c -- tests of dtrain.h's chapter 23-hugging-face:
+/* tests/24-hugging-face.c -- tests of dtrain.h's chapter 24-hugging-face:
    GPT-2, Llama and Qwen2 folders with --init; checkpoints and LoRA adapters
    read by transformers, timm, PyTorch and PEFT. (tests/helpers.h: how the
    suite's files make one program.) */

@@ -45,6 +45,7 @@ typedef struct dt_config {
     int schedule;                /* --schedule: a dt_pp_schedule (default 1f1b) */
     int cp;                      /* --cp: ranks per context-parallel group (0: every rank of the job) */
     int cp_layout;               /* --cp-layout: a dt_cp_layout (default zig-zag) */
+    int ep;                      /* --ep: ranks per expert-parallel group (0: every rank of the job) */
     int recompute;               /* --recompute: each block's activations made again in backward */
     int attention;               /* --attention: DT_ATTENTION_MATMUL or _ONLINE (the CPU's attention body) */
     int lora_rank;               /* --lora-rank: LoRA adapters of this rank on a frozen model (0: none) */
@@ -96,7 +97,8 @@ typedef struct dt__flag {
 /* The stages, numbered as in the stages column. A program of another name (a
    tool, a test) takes every flag. */
 static const char *const dt__stage_names[] = { "01-single-gpu", "02-dp", "03-ddp", "04-fsdp", "05-accum-mixed-precision",
-                                                "06-tensor-parallel", "07-pipeline-parallel", "08-context-parallel" };
+                                                "06-tensor-parallel", "07-pipeline-parallel", "08-context-parallel",
+                                                "09-expert-parallel" };
 static char dt__stage_digit(const char *stage) {
     for (int i = 0; i < (int)(sizeof dt__stage_names / sizeof dt__stage_names[0]); i++)
         if (!strcmp(stage, dt__stage_names[i])) return (char)('1' + i);
@@ -109,127 +111,127 @@ static char dt__stage_digit(const char *stage) {
 #define DT_RANGE(lo, hi) lo, hi, 0
 #define DT_NOT_A_NUMBER 0, 0, 0
 static const dt__flag dt__flags[] = {
-    { "--data", "12345678", "DIR", "image folder (DIR/train/<class>/*, DIR/val/<class>/*) or CIFAR-10 binary folder; gpt: a .txt\n"
+    { "--data", "123456789", "DIR", "image folder (DIR/train/<class>/*, DIR/val/<class>/*) or CIFAR-10 binary folder; gpt: a .txt\n"
       "                          file or a folder of them, read as bytes (default: the synthetic set in data/synthetic,\n"
       "                          gpt: the text data/synthetic.txt, made on first use)", DT_ARG_STR, DT_CFG(data), NULL, DT_NOT_A_NUMBER },
-    { "--tokens", "12345678", "FILE", "gpt, llama: train on token ids instead of bytes: a NumPy .npy array (uint16, uint32,\n"
+    { "--tokens", "123456789", "FILE", "gpt, llama: train on token ids instead of bytes: a NumPy .npy array (uint16, uint32,\n"
       "                          int32 or int64), or raw little-endian uint16", DT_ARG_STR,
       DT_CFG(tokens), NULL, DT_NOT_A_NUMBER },
-    { "--image-size", "12345678", "N", "images are resized to N x N (default 32)", DT_ARG_INT, DT_CFG(image_size), NULL, DT_RANGE(1, 4096) },
-    { "--model", "12345678", "mlp|vit|gpt|llama", "the model (default mlp); gpt, llama: causal language models on text\n"
+    { "--image-size", "123456789", "N", "images are resized to N x N (default 32)", DT_ARG_INT, DT_CFG(image_size), NULL, DT_RANGE(1, 4096) },
+    { "--model", "123456789", "mlp|vit|gpt|llama", "the model (default mlp); gpt, llama: causal language models on text\n"
       "                          (GPT-2's layout, and Llama's: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)",
       DT_ARG_CHOICE, DT_CFG(model), "mlp|vit|gpt|llama", DT_NOT_A_NUMBER },
-    { "--dim", "12345678", "N", "mlp: hidden width (1024); vit: embedding width (192); gpt, llama: (128)", DT_ARG_INT, DT_CFG(dim), NULL, DT_MIN(1) },
-    { "--depth", "12345678", "N", "mlp: hidden layers (2); vit: transformer blocks (6); gpt, llama: (4)", DT_ARG_INT, DT_CFG(depth), NULL, DT_MIN(0) },
-    { "--heads", "12345678", "N", "vit: attention heads (3); gpt, llama: (4)", DT_ARG_INT, DT_CFG(heads), NULL, DT_MIN(1) },
-    { "--patch", "12345678", "N", "vit: patch size (4)", DT_ARG_INT, DT_CFG(patch), NULL, DT_MIN(1) },
-    { "--seq-len", "12345678", "N", "gpt, llama: tokens per sequence, the context (default 64)", DT_ARG_INT, DT_CFG(seq_len), NULL, DT_RANGE(1, 65536) },
-    { "--vocab", "12345678", "N", "gpt, llama: vocabulary (default: 256 for bytes, the largest id + 1 for --tokens)", DT_ARG_INT,
+    { "--dim", "123456789", "N", "mlp: hidden width (1024); vit: embedding width (192); gpt, llama: (128)", DT_ARG_INT, DT_CFG(dim), NULL, DT_MIN(1) },
+    { "--depth", "123456789", "N", "mlp: hidden layers (2); vit: transformer blocks (6); gpt, llama: (4)", DT_ARG_INT, DT_CFG(depth), NULL, DT_MIN(0) },
+    { "--heads", "123456789", "N", "vit: attention heads (3); gpt, llama: (4)", DT_ARG_INT, DT_CFG(heads), NULL, DT_MIN(1) },
+    { "--patch", "123456789", "N", "vit: patch size (4)", DT_ARG_INT, DT_CFG(patch), NULL, DT_MIN(1) },
+    { "--seq-len", "123456789", "N", "gpt, llama: tokens per sequence, the context (default 64)", DT_ARG_INT, DT_CFG(seq_len), NULL, DT_RANGE(1, 65536) },
+    { "--vocab", "123456789", "N", "gpt, llama: vocabulary (default: 256 for bytes, the largest id + 1 for --tokens)", DT_ARG_INT,
       DT_CFG(vocab), NULL, DT_RANGE(1, 16777216) },             /* ids are held as floats: exact to 2^24 */
-    { "--sample", "12345678", "N", "gpt, llama: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT,
+    { "--sample", "123456789", "N", "gpt, llama: print N generated tokens (bytes) after each evaluation (default 0)", DT_ARG_INT,
       DT_CFG(sample), NULL, DT_MIN(0) },
-    { "--moe-experts", "12345", "E", "gpt, llama: a mixture of E expert MLPs in place of the MLP, each token sent to\n"
+    { "--moe-experts", "123459", "E", "gpt, llama: a mixture of E expert MLPs in place of the MLP, each token sent to\n"
       "                          --moe-top-k of them (default 0: none; llama: Mixtral's layout)", DT_ARG_INT, DT_CFG(moe_experts),
       NULL, DT_RANGE(0, 4096) },
-    { "--moe-top-k", "12345", "K", "the experts each token goes to (default 2, or 1 with one expert)", DT_ARG_INT, DT_CFG(moe_top_k),
+    { "--moe-top-k", "123459", "K", "the experts each token goes to (default 2, or 1 with one expert)", DT_ARG_INT, DT_CFG(moe_top_k),
       NULL, DT_MIN(1) },
-    { "--moe-every", "12345", "N", "gpt: experts in every N-th block only, the others dense (default 1: every block)", DT_ARG_INT,
+    { "--moe-every", "123459", "N", "gpt: experts in every N-th block only, the others dense (default 1: every block)", DT_ARG_INT,
       DT_CFG(moe_every), NULL, DT_MIN(1) },
-    { "--moe-capacity", "12345", "C", "each expert takes at most C x K x tokens / E of a batch's choices, the rest dropped\n"
+    { "--moe-capacity", "123459", "C", "each expert takes at most C x K x tokens / E of a batch's choices, the rest dropped\n"
       "                          (default 0: no limit)", DT_ARG_FLOAT, DT_CFG(moe_capacity), NULL, DT_MIN(0) },
-    { "--moe-aux-loss", "12345", "X", "the load-balancing loss's coefficient (Switch Transformer's; default 0: none)", DT_ARG_FLOAT,
+    { "--moe-aux-loss", "123459", "X", "the load-balancing loss's coefficient (Switch Transformer's; default 0: none)", DT_ARG_FLOAT,
       DT_CFG(moe_aux_loss), NULL, DT_MIN(0) },
-    { "--kv-heads", "12345678", "N", "llama: key/value heads, each serving --heads / N query heads (default: half the heads\n"
+    { "--kv-heads", "123456789", "N", "llama: key/value heads, each serving --heads / N query heads (default: half the heads\n"
       "                          when their number is even, else all of them)", DT_ARG_INT, DT_CFG(kv_heads), NULL, DT_MIN(1) },
-    { "--ffn-dim", "12345678", "N", "llama: the SwiGLU MLP's width (default 8/3 x --dim, rounded up to a multiple of 32)",
+    { "--ffn-dim", "123456789", "N", "llama: the SwiGLU MLP's width (default 8/3 x --dim, rounded up to a multiple of 32)",
       DT_ARG_INT, DT_CFG(ffn_dim), NULL, DT_MIN(1) },
-    { "--rope-theta", "12345678", "X", "llama: the rotary embeddings' base (default 10000)", DT_ARG_FLOAT, DT_CFG(rope_theta), NULL,
+    { "--rope-theta", "123456789", "X", "llama: the rotary embeddings' base (default 10000)", DT_ARG_FLOAT, DT_CFG(rope_theta), NULL,
       DT_ABOVE(1) },
-    { "--norm-eps", "12345678", "X", "llama: RMSNorm's epsilon (default 1e-5)", DT_ARG_FLOAT, DT_CFG(norm_eps), NULL, DT_ABOVE(0) },
-    { "--rope-factor", "12345678", "X", "llama: Llama 3's rescaled rotary frequencies (rope_type llama3, with the three below;\n"
+    { "--norm-eps", "123456789", "X", "llama: RMSNorm's epsilon (default 1e-5)", DT_ARG_FLOAT, DT_CFG(norm_eps), NULL, DT_ABOVE(0) },
+    { "--rope-factor", "123456789", "X", "llama: Llama 3's rescaled rotary frequencies (rope_type llama3, with the three below;\n"
       "                          default: none, or --init DIR's config.json): slow ones divided by X", DT_ARG_FLOAT,
       DT_CFG(rope_factor), NULL, DT_ABOVE(0) },
-    { "--rope-low-freq", "12345678", "X", "llama 3: wavelengths over ORIGINAL / X are divided by --rope-factor", DT_ARG_FLOAT,
+    { "--rope-low-freq", "123456789", "X", "llama 3: wavelengths over ORIGINAL / X are divided by --rope-factor", DT_ARG_FLOAT,
       DT_CFG(rope_low_freq), NULL, DT_ABOVE(0) },
-    { "--rope-high-freq", "12345678", "X", "llama 3: wavelengths under ORIGINAL / X are kept (between: blended)", DT_ARG_FLOAT,
+    { "--rope-high-freq", "123456789", "X", "llama 3: wavelengths under ORIGINAL / X are kept (between: blended)", DT_ARG_FLOAT,
       DT_CFG(rope_high_freq), NULL, DT_ABOVE(0) },
-    { "--rope-original-context", "12345678", "ORIGINAL", "llama 3: the context the frequencies were made for", DT_ARG_INT,
+    { "--rope-original-context", "123456789", "ORIGINAL", "llama 3: the context the frequencies were made for", DT_ARG_INT,
       DT_CFG(rope_original_context), NULL, DT_MIN(1) },
-    { "--untied-head", "12345678", NULL, "llama: an lm_head.weight of its own (default: the head is the token embedding)",
+    { "--untied-head", "123456789", NULL, "llama: an lm_head.weight of its own (default: the head is the token embedding)",
       DT_ARG_SWITCH, DT_CFG(untied_head), NULL, DT_NOT_A_NUMBER },
-    { "--qkv-bias", "12345678", NULL, "llama: biases on the q, k and v projections, as Qwen2 has", DT_ARG_SWITCH, DT_CFG(qkv_bias),
+    { "--qkv-bias", "123456789", NULL, "llama: biases on the q, k and v projections, as Qwen2 has", DT_ARG_SWITCH, DT_CFG(qkv_bias),
       NULL, DT_NOT_A_NUMBER },
-    { "--batch-size", "12345678", "N", "images (gpt, llama: sequences) per step (default 128; gpt, llama 32)", DT_ARG_INT, DT_CFG(batch_size), NULL, DT_MIN(1) },
-    { "--epochs", "12345678", "N", "passes over the training set (default 10; gpt, llama 2)", DT_ARG_INT, DT_CFG(epochs), NULL, DT_MIN(1) },
-    { "--steps", "12345678", "N", "stop after N steps in all (default: run every epoch)", DT_ARG_I64, DT_CFG(steps), NULL, DT_MIN(0) },
-    { "--lr", "12345678", "X", "peak learning rate (default 1e-3; gpt, llama 3e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL, DT_ABOVE(0) },
-    { "--optimizer", "12345678", "adamw|sgd", "the optimizer (default adamw)", DT_ARG_CHOICE, DT_CFG(optimizer), "adamw|sgd", DT_NOT_A_NUMBER },
-    { "--weight-decay", "12345678", "X", "decoupled weight decay of 2-D weights (default 0.05)", DT_ARG_FLOAT, DT_CFG(weight_decay),
+    { "--batch-size", "123456789", "N", "images (gpt, llama: sequences) per step (default 128; gpt, llama 32)", DT_ARG_INT, DT_CFG(batch_size), NULL, DT_MIN(1) },
+    { "--epochs", "123456789", "N", "passes over the training set (default 10; gpt, llama 2)", DT_ARG_INT, DT_CFG(epochs), NULL, DT_MIN(1) },
+    { "--steps", "123456789", "N", "stop after N steps in all (default: run every epoch)", DT_ARG_I64, DT_CFG(steps), NULL, DT_MIN(0) },
+    { "--lr", "123456789", "X", "peak learning rate (default 1e-3; gpt, llama 3e-3)", DT_ARG_FLOAT, DT_CFG(lr), NULL, DT_ABOVE(0) },
+    { "--optimizer", "123456789", "adamw|sgd", "the optimizer (default adamw)", DT_ARG_CHOICE, DT_CFG(optimizer), "adamw|sgd", DT_NOT_A_NUMBER },
+    { "--weight-decay", "123456789", "X", "decoupled weight decay of 2-D weights (default 0.05)", DT_ARG_FLOAT, DT_CFG(weight_decay),
       NULL, DT_MIN(0) },
-    { "--momentum", "12345678", "X", "sgd momentum (default 0.9)", DT_ARG_FLOAT, DT_CFG(momentum), NULL, 0, 1, DT_HI_OPEN },
-    { "--clip", "12345678", "X", "clip the gradient norm to X, 0 for none (default 1.0)", DT_ARG_FLOAT, DT_CFG(clip), NULL, DT_MIN(0) },
-    { "--warmup", "12345678", "N", "linear warmup steps before the cosine decay (default 5% of the steps)", DT_ARG_I64, DT_CFG(warmup),
+    { "--momentum", "123456789", "X", "sgd momentum (default 0.9)", DT_ARG_FLOAT, DT_CFG(momentum), NULL, 0, 1, DT_HI_OPEN },
+    { "--clip", "123456789", "X", "clip the gradient norm to X, 0 for none (default 1.0)", DT_ARG_FLOAT, DT_CFG(clip), NULL, DT_MIN(0) },
+    { "--warmup", "123456789", "N", "linear warmup steps before the cosine decay (default 5% of the steps)", DT_ARG_I64, DT_CFG(warmup),
       NULL, DT_MIN(0) },
-    { "--augment", "12345678", "0|1", "random crop + horizontal flip (default 1)", DT_ARG_INT, DT_CFG(augment), NULL, DT_RANGE(0, 1) },
-    { "--seed", "12345678", "N", "seed for initialisation, shuffling and augmentation (default 1)", DT_ARG_I64, DT_CFG(seed), NULL, DT_MIN(0) },
-    { "--device", "12345678", "cpu|cuda|auto", "where to train (default auto: cuda when a GPU is visible)", DT_ARG_CHOICE, DT_CFG(device),
+    { "--augment", "123456789", "0|1", "random crop + horizontal flip (default 1)", DT_ARG_INT, DT_CFG(augment), NULL, DT_RANGE(0, 1) },
+    { "--seed", "123456789", "N", "seed for initialisation, shuffling and augmentation (default 1)", DT_ARG_I64, DT_CFG(seed), NULL, DT_MIN(0) },
+    { "--device", "123456789", "cpu|cuda|auto", "where to train (default auto: cuda when a GPU is visible)", DT_ARG_CHOICE, DT_CFG(device),
       "cpu|cuda|auto", DT_NOT_A_NUMBER },
-    { "--log", "12345678", "FILE", "write one JSON object per step, evaluation and summary", DT_ARG_STR, DT_CFG(log_path), NULL, DT_NOT_A_NUMBER },
-    { "--tensorboard", "12345678", "DIR", "write the loss, learning rate, speed, memory and evaluation as TensorBoard event files in\n"
+    { "--log", "123456789", "FILE", "write one JSON object per step, evaluation and summary", DT_ARG_STR, DT_CFG(log_path), NULL, DT_NOT_A_NUMBER },
+    { "--tensorboard", "123456789", "DIR", "write the loss, learning rate, speed, memory and evaluation as TensorBoard event files in\n"
       "                          DIR (tensorboard --logdir DIR shows them; a resumed run adds a file)", DT_ARG_STR, DT_CFG(tensorboard),
       NULL, DT_NOT_A_NUMBER },
-    { "--mlflow", "12345678", "DIR", "record the run in MLflow's file store in DIR, experiment \"dtrain\": flags as params, the\n"
+    { "--mlflow", "123456789", "DIR", "record the run in MLflow's file store in DIR, experiment \"dtrain\": flags as params, the\n"
       "                          figures of --log as metrics (MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri DIR;\n"
       "                          a resumed run continues its MLflow run)", DT_ARG_STR, DT_CFG(mlflow), NULL, DT_NOT_A_NUMBER },
-    { "--trace", "12345678", "FILE", "write a Chrome/Perfetto trace of the step phases", DT_ARG_STR, DT_CFG(trace_path), NULL, DT_NOT_A_NUMBER },
-    { "--save-dir", "12345678", "DIR", "write a checkpoint at the end of every epoch", DT_ARG_STR, DT_CFG(save_dir), NULL, DT_NOT_A_NUMBER },
-    { "--resume", "12345678", "DIR|auto", "continue exactly where a checkpoint (a folder) stopped; auto: the newest in --save-dir (none: start\n"
+    { "--trace", "123456789", "FILE", "write a Chrome/Perfetto trace of the step phases", DT_ARG_STR, DT_CFG(trace_path), NULL, DT_NOT_A_NUMBER },
+    { "--save-dir", "123456789", "DIR", "write a checkpoint at the end of every epoch", DT_ARG_STR, DT_CFG(save_dir), NULL, DT_NOT_A_NUMBER },
+    { "--resume", "123456789", "DIR|auto", "continue exactly where a checkpoint (a folder) stopped; auto: the newest in --save-dir (none: start\n"
       "                          fresh), what a requeued job runs after preemption", DT_ARG_STR, DT_CFG(resume), NULL, DT_NOT_A_NUMBER },
-    { "--init", "12345678", "FILE|DIR", "start from these weights (safetensors, PyTorch/timm/Hugging Face names), a dtrain\n"
+    { "--init", "123456789", "FILE|DIR", "start from these weights (safetensors, PyTorch/timm/Hugging Face names), a dtrain\n"
       "                          checkpoint, or a Hugging Face model folder (config.json gives the model and its shape)", DT_ARG_STR, DT_CFG(init),
       NULL, DT_NOT_A_NUMBER },
-    { "--eval-every", "12345678", "N", "evaluate every N steps as well as after each epoch (default 0: epochs only)", DT_ARG_INT,
+    { "--eval-every", "123456789", "N", "evaluate every N steps as well as after each epoch (default 0: epochs only)", DT_ARG_INT,
       DT_CFG(eval_every), NULL, DT_MIN(0) },
-    { "--log-every", "12345678", "N", "print a progress line every N steps (default: about every 3 s, and each epoch's last step)",
+    { "--log-every", "123456789", "N", "print a progress line every N steps (default: about every 3 s, and each epoch's last step)",
       DT_ARG_INT, DT_CFG(log_every), NULL, DT_MIN(1) },
-    { "--start-idx", "12345678", "N", "train on images [N, end) of the training set (default 0)", DT_ARG_I64, DT_CFG(start_idx), NULL, DT_MIN(0) },
-    { "--end-idx", "12345678", "N", "... up to image N (default: all)", DT_ARG_I64, DT_CFG(end_idx), NULL, DT_MIN(1) },
-    { "--bench", "12345678", NULL, "time this stage's training steps on random in-memory data, print one line, exit", DT_ARG_SWITCH,
+    { "--start-idx", "123456789", "N", "train on images [N, end) of the training set (default 0)", DT_ARG_I64, DT_CFG(start_idx), NULL, DT_MIN(0) },
+    { "--end-idx", "123456789", "N", "... up to image N (default: all)", DT_ARG_I64, DT_CFG(end_idx), NULL, DT_MIN(1) },
+    { "--bench", "123456789", NULL, "time this stage's training steps on random in-memory data, print one line, exit", DT_ARG_SWITCH,
       DT_CFG(bench), NULL, DT_NOT_A_NUMBER },
-    { "--quiet", "12345678", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL, DT_NOT_A_NUMBER },
-    { "--peak-tflops", "12345678", "X", "--bench on a GPU: its peak for MFU (default: the fp32 peak, looked up by name; 05 with --dtype:\n"
+    { "--quiet", "123456789", NULL, "print only errors and the summary", DT_ARG_SWITCH, DT_CFG(quiet), NULL, DT_NOT_A_NUMBER },
+    { "--peak-tflops", "123456789", "X", "--bench on a GPU: its peak for MFU (default: the fp32 peak, looked up by name; 05 with --dtype:\n"
       "                          give the 16-bit one)", DT_ARG_FLOAT, DT_CFG(peak_tflops), NULL, DT_ABOVE(0) },
-    { "--nproc", "2345678", "N", "02: devices driven by this one process; 03-08: ranks started on this machine (default 1)", DT_ARG_INT,
+    { "--nproc", "23456789", "N", "02: devices driven by this one process; 03-09: ranks started on this machine (default 1)", DT_ARG_INT,
       DT_CFG(nproc), NULL, DT_RANGE(1, DT_MAX_RANKS) },
-    { "--shard", "45678", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default);\n"
+    { "--shard", "456789", "optimizer|grads|full", "FSDP: shard optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3, default);\n"
       "                          06, 07: FSDP over the data-parallel groups, around the split layers or the pipelines\n"
       "                          (default: none, DDP)",
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full", DT_NOT_A_NUMBER },
-    { "--cpu-offload", "45678", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
+    { "--cpu-offload", "456789", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
       DT_CFG(cpu_offload), NULL, DT_NOT_A_NUMBER },
-    { "--recompute", "12345678", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
+    { "--recompute", "123456789", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
       DT_NOT_A_NUMBER },
     { "--attention", "1234567", "matmul|online", "attention: keep each head's T x T probabilities (matmul, the default), or\n"
       "                          FlashAttention's online softmax, which keeps T numbers a head and makes them again in\n"
       "                          backward (online: the same values within rounding; heads of at most 128 on a GPU)", DT_ARG_CHOICE,
       DT_CFG(attention), "matmul|online", DT_NOT_A_NUMBER },
-    { "--lora-rank", "12345678", "R", "LoRA: freeze the model, train adapters of rank R beside the --lora-targets layers (saved\n"
+    { "--lora-rank", "123456789", "R", "LoRA: freeze the model, train adapters of rank R beside the --lora-targets layers (saved\n"
       "                          in PEFT's layout; tools/merge-lora folds them in)", DT_ARG_INT, DT_CFG(lora_rank), NULL, DT_MIN(1) },
-    { "--lora-alpha", "12345678", "A", "LoRA: the adapters' output is scaled by A / R (default 8)", DT_ARG_FLOAT, DT_CFG(lora_alpha),
+    { "--lora-alpha", "123456789", "A", "LoRA: the adapters' output is scaled by A / R (default 8)", DT_ARG_FLOAT, DT_CFG(lora_alpha),
       NULL, DT_ABOVE(0) },
-    { "--lora-targets", "12345678", "NAMES", "LoRA: comma-separated layer names (default: gpt c_attn; llama q_proj,v_proj; vit qkv;\n"
+    { "--lora-targets", "123456789", "NAMES", "LoRA: comma-separated layer names (default: gpt c_attn; llama q_proj,v_proj; vit qkv;\n"
       "                          mlp every layer; vit also proj, fc1, fc2, head; llama k_proj, o_proj, gate_proj, ...)",
       DT_ARG_STR, DT_CFG(lora_targets), NULL, DT_NOT_A_NUMBER },
     { "--accum-steps", "57", "N", "micro-batches of --batch-size per optimizer step; gradients add up locally (default 1;\n"
       "                          07: a pipeline's micro-batches are its accumulation: K x --micro-batches of a K x\n"
       "                          --batch-size step)", DT_ARG_INT, DT_CFG(accum_steps), NULL, DT_MIN(1) },
-    { "--dtype", "578", "fp32|bf16|fp16", "activations and matmuls in this type, f32 master weights (default fp32; 07: the\n"
-      "                          activations and gradients stages send too, and no fp16; 08: bf16 or fp32)",
+    { "--dtype", "5789", "fp32|bf16|fp16", "activations and matmuls in this type, f32 master weights (default fp32; 07: the\n"
+      "                          activations and gradients stages send too, and no fp16; 08, 09: bf16 or fp32)",
       DT_ARG_CHOICE, DT_CFG(dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
     { "--reduce-dtype", "5", "fp32|bf16|fp16", "the type gradients are reduce-scattered in (default fp32)",
       DT_ARG_CHOICE, DT_CFG(reduce_dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
-    { "--explain", "12345678", NULL, "after 3 steps, print the cost model's prediction for this run: speedup, compute : "
+    { "--explain", "123456789", NULL, "after 3 steps, print the cost model's prediction for this run: speedup, compute : "
       "communication,\n                          and what would change it", DT_ARG_SWITCH, DT_CFG(explain), NULL, DT_NOT_A_NUMBER },
     { "--link", "1234567", "shm|pcie|nvlink|infiniband", "--explain: the link between ranks (default: shm on a CPU, nvlink on GPUs)",
       DT_ARG_CHOICE, DT_CFG(link), "shm|pcie|nvlink|infiniband", DT_NOT_A_NUMBER },
@@ -253,15 +255,18 @@ static const dt__flag dt__flags[] = {
     { "--cp-layout", "8", "zigzag|contiguous", "context parallelism: which tokens a rank keeps -- chunks r and 2C-1-r of 2C\n"
       "                          (zigzag, the default: the same causal work on every rank) or chunk r of C (contiguous)",
       DT_ARG_CHOICE, DT_CFG(cp_layout), "zigzag|contiguous", DT_NOT_A_NUMBER },
-    { "--bucket-mb", "3678", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
+    { "--ep", "9", "P", "expert parallelism: ranks per group, each keeping E/P of every MoE layer's experts (default 0:\n"
+      "                          the whole job; a job of N ranks is N/P data-parallel groups of P)", DT_ARG_INT, DT_CFG(ep), NULL,
+      DT_MIN(0) },
+    { "--bucket-mb", "36789", "X", "DDP: all-reduce gradients in buckets of X MB during backward; 0: all at once after it (default 25)",
       DT_ARG_FLOAT, DT_CFG(bucket_mb), NULL, DT_MIN(0) },
-    { "--comm", "345678", "shm|nccl|mpi|auto", "the ranks' transport: shared memory (one machine), NCCL (GPUs), MPI (CPUs on\n"
+    { "--comm", "3456789", "shm|nccl|mpi|auto", "the ranks' transport: shared memory (one machine), NCCL (GPUs), MPI (CPUs on\n"
       "                          several machines, under mpirun or srun --mpi=pmix); default auto: NCCL on GPUs, else shm,\n"
       "                          or MPI when an MPI launcher started ranks on several machines", DT_ARG_CHOICE, DT_CFG(comm),
       "shm|nccl|mpi|auto", DT_NOT_A_NUMBER },
-    { "--timeout", "2345678", "S", "stop when a rank (02: a device) has not answered for S seconds (default 60)", DT_ARG_FLOAT,
+    { "--timeout", "23456789", "S", "stop when a rank (02: a device) has not answered for S seconds (default 60)", DT_ARG_FLOAT,
       DT_CFG(timeout), NULL, DT_ABOVE(0) },
-    { "--ranks-per-gpu", "345678", "N", "let N ranks share one GPU (default 1: a GPU per rank; NCCL 2.30+ does it best)", DT_ARG_INT,
+    { "--ranks-per-gpu", "3456789", "N", "let N ranks share one GPU (default 1: a GPU per rank; NCCL 2.30+ does it best)", DT_ARG_INT,
       DT_CFG(ranks_per_gpu), NULL, DT_MIN(1) },
 };
 #undef DT_CFG
@@ -615,12 +620,13 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         c.batch_size *= c.accum_steps;
         c.accum_steps = 1;
     }
-    if ((dt__stage_takes(stage, "--tp") || dt__stage_takes(stage, "--cp")) && !dt__given(given, "--shard"))
-        c.shard = DT_SHARD_NONE;                                            /* 06-08: DDP's */
+    if ((dt__stage_takes(stage, "--tp") || dt__stage_takes(stage, "--cp") || dt__stage_takes(stage, "--ep")) &&
+        !dt__given(given, "--shard"))
+        c.shard = DT_SHARD_NONE;                                            /* 06-09: DDP's */
     if (dt__stage_takes(stage, "--pp") && !dt__given(given, "--tp")) c.tp = 1;      /* 07: whole layers in each stage */
-    if (dt__stage_takes(stage, "--cp") && c.dtype == DT_F16)
-        dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which 08 does not do; use --dtype bf16, whose "
-                       "range is f32's");
+    if ((dt__stage_takes(stage, "--cp") || dt__stage_takes(stage, "--ep")) && c.dtype == DT_F16)
+        dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which %s does not do; use --dtype bf16, whose "
+                       "range is f32's", stage);
     if (dt__stage_takes(stage, "--micro-batches") && c.dtype == DT_F16)
         dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which the pipeline does not carry from stage to "
                        "stage; use --dtype bf16, whose range is f32's");

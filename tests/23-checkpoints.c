@@ -1,4 +1,4 @@
-/* tests/22-checkpoints.c -- tests of dtrain.h's chapter 22-checkpoints:
+/* tests/23-checkpoints.c -- tests of dtrain.h's chapter 23-checkpoints:
    safetensors, exact resume, sharded checkpoints, refused when broken.
    (tests/helpers.h: how the suite's files make one program.) */
 #include "helpers.h"

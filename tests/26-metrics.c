@@ -1,4 +1,4 @@
-/* tests/25-metrics.c -- tests of dtrain.h's chapter 25-metrics: logs,
+/* tests/26-metrics.c -- tests of dtrain.h's chapter 26-metrics: logs,
    traces, progress, TensorBoard, MLflow, the bench line, the plots.
    (tests/helpers.h: how the suite's files make one program.) */
 #include "helpers.h"

@@ -1,4 +1,4 @@
-/* tests/24-evaluation.c -- tests of dtrain.h's chapter 24-evaluation:
+/* tests/25-evaluation.c -- tests of dtrain.h's chapter 25-evaluation:
    evaluation and generation. (tests/helpers.h: how the suite's files make
    one program.) */
 #include "helpers.h"

@@ -1,4 +1,4 @@
-/* tests/29-cuda.c -- tests of dtrain.h's chapter 29-cuda: the GPU against
+/* tests/30-cuda.c -- tests of dtrain.h's chapter 30-cuda: the GPU against
    the CPU (skipped where no GPU is visible). (tests/helpers.h: how the
    suite's files make one program.) */
 #include "helpers.h"

@@ -1,4 +1,4 @@
-/* tests/21-launching.c -- tests of dtrain.h's chapter 21-launching: --nproc,
+/* tests/22-launching.c -- tests of dtrain.h's chapter 22-launching: --nproc,
    torchrun, mpirun, signals, strangers at the rendezvous, nothing left
    behind. (tests/helpers.h: how the suite's files make one program.) */
 #include "helpers.h"

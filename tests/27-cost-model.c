@@ -1,4 +1,4 @@
-/* tests/26-cost-model.c -- tests of dtrain.h's chapter 26-cost-model:
+/* tests/27-cost-model.c -- tests of dtrain.h's chapter 27-cost-model:
    hand-computed cases. (tests/helpers.h: how the suite's files make one
    program.) */
 #include "helpers.h"

@@ -118,7 +118,7 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
 /* ==== the cost model ========================================================
    Why a stage scales as it does. It is deliberately small -- a link of two
    numbers, ring collectives, and what each wrapper sends and can hide -- so
-   that a student can check it by hand (tests/26-cost-model.c does) and see
+   that a student can check it by hand (tests/27-cost-model.c does) and see
    which lever moves the answer. --explain prints it for a run. */
 
 /* Rough figures, to be replaced by measured ones (tools/collectives --bench

@@ -1,4 +1,4 @@
-/* tests/20-data.c -- tests of dtrain.h's chapter 20-data: images, CIFAR-10,
+/* tests/21-data.c -- tests of dtrain.h's chapter 21-data: images, CIFAR-10,
    text, instruction data, bad data. (tests/helpers.h: how the suite's files
    make one program.) */
 #include "helpers.h"

@@ -136,9 +136,10 @@ int dt_run_finish(dt_run *run);
    and finish with the summary. It calls every chapter above and none calls it. */
 
 /* The wrappers' reports, each defined at its chapter's end (after this). */
-extern const dt_parallel_report dt__fsdp_report, dt__tp_report, dt__pp_report, dt__cp_report;
+extern const dt_parallel_report dt__fsdp_report, dt__tp_report, dt__pp_report, dt__cp_report, dt__ep_report;
 const dt_parallel_report *dt_parallel_report_of(dt_parallel *par, dt_parallel **owner) {
-    static const dt_parallel_report *const reports[] = { &dt__fsdp_report, &dt__tp_report, &dt__pp_report, &dt__cp_report };
+    static const dt_parallel_report *const reports[] = { &dt__fsdp_report, &dt__tp_report, &dt__pp_report, &dt__cp_report,
+                                                                  &dt__ep_report };
     for (; par; par = par->inner)
         for (size_t i = 0; i < sizeof reports / sizeof reports[0]; i++)
             if (!strcmp(reports[i]->create_fn, par->create_fn)) {
@@ -580,6 +581,20 @@ static void dt__run_eval(dt_run *r) {
     if (sample) { dt__run_sample(r); dt_phase(r, DT_PHASE_EVAL); }
 }
 
+/* A mixture's figures of the step, each rank's counted over its own tokens:
+   the whole job's (the choices each expert was given, those dropped), and
+   the mean of the balancing terms, as stage 01 counts its one batch. */
+static void dt__job_moe_stats(dt_moe_stats *moe) {
+    if (!moe->experts || !dt__ctx.job || dt__ctx.world_size == 1) return;
+    int E = moe->experts;
+    float *v = (float *)dt_step_alloc(sizeof(float) * (size_t)(E + 4));
+    for (int e = 0; e < E; e++) v[e] = (float)moe->routed[e];     /* counts below 2^24 a step: exact as floats */
+    v[E] = (float)moe->choices; v[E + 1] = (float)moe->dropped; v[E + 2] = (float)moe->balance_sum; v[E + 3] = (float)moe->layers;
+    dt__job_sum(v, E + 4);
+    for (int e = 0; e < E; e++) moe->routed[e] = (int64_t)v[e];
+    moe->choices = (int64_t)v[E]; moe->dropped = (int64_t)v[E + 1];
+    moe->balance_sum = v[E + 2] / dt__ctx.world_size; moe->layers = (int64_t)(v[E + 3] / dt__ctx.world_size);
+}
 int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     if (run->micro > 0) {            /* the mean of the step's micro-batches */
         float mean = (float)((run->micro_loss + dt_tensor_item(loss)) / (run->micro + 1));
@@ -589,6 +604,7 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     run->micro_loss = 0;
     /* the loss of the whole job's batch: the mean of the ranks' means */
     int stop = dt__job_mean_loss(loss, run->cfg.bench || run->step + 1 >= run->stop_step ? 0 : dt__local_stop_signal());
+    dt__job_moe_stats(&run->model->moe);
     double now = dt_now_ms(), step_ms = now - run->step_start_ms;
     float lr = dt_run_lr(run);
     batch_size *= run->cfg.accum_steps;                     /* the samples of one step, per rank */
@@ -621,7 +637,7 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
         dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
         if (rep && rep->log_fields) rep->log_fields(who, run->log);
         const dt_moe_stats *moe = &run->model->moe;
-        if (moe->experts && moe->layers) {       /* this rank's MoE layers, this step */
+        if (moe->experts && moe->layers) {       /* the MoE layers, this step, every rank's tokens */
             fprintf(run->log, ",\"moe_balance\":%.6g,\"moe_dropped\":%lld,\"moe_choices\":%lld,\"moe_routed\":[",
                     moe->balance_sum / (double)moe->layers, (long long)moe->dropped, (long long)moe->choices);
             for (int e = 0; e < moe->experts; e++) fprintf(run->log, "%s%lld", e ? "," : "", (long long)moe->routed[e]);
