@@ -2052,7 +2052,7 @@ int dt_cost_ddp_buckets(double params, double bucket_mb);
    and a wrapper that splits or shards the model its own part (its
    dt_parallel_report's cost_input, the run-driver chapter). */
 typedef enum { DT_PAR_NONE = 0, DT_PAR_DP, DT_PAR_DDP, DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3, DT_PAR_TP, DT_PAR_PP,
-               DT_PAR_CP } dt_parallelism;
+               DT_PAR_CP, DT_PAR_EP } dt_parallelism;
 typedef struct dt_cost_input {
     dt_parallelism kind;
     double compute_ms;         /* one rank's forward + backward for one micro-batch, on its own device */
@@ -2111,6 +2111,16 @@ typedef struct dt_cost_input {
        sharded (dp_shard). */
     double cp_attention_share, cp_kv_bytes;
     int cp_layers, cp_contiguous;
+    /* expert parallelism (DT_PAR_EP; n: the P ranks that split the
+       experts, each reading its own batch): the share of the parameters in
+       the experts (each rank keeps 1/P of them), the all-to-alls of a
+       micro-batch (four an MoE layer: dispatch and combine, forward and
+       backward), and the bytes a rank sends to the others in each. They
+       stand where the layer waits for them: nothing hides them. Then the
+       experts' gradients are averaged over the dp_groups (DDP's, behind
+       backward, or sharded), the rest over every rank: the groups' average,
+       then the group's, after backward. */
+    double ep_expert_share, ep_exchanges, ep_bytes;
 } dt_cost_input;
 
 typedef struct dt_cost_prediction {
@@ -2132,7 +2142,10 @@ typedef struct dt_cost_prediction {
    forward and backward, where nothing hides them; its N ranks share one
    batch, so its speedup is against one rank with that batch, not N times it.
    Context parallelism divides the work by N too, the busiest rank's
-   attention setting the pace, and passes key/value blocks around a ring. */
+   attention setting the pace, and passes key/value blocks around a ring.
+   Expert parallelism divides nothing but the experts' memory: each rank
+   computes its own batch, its tokens' expert rows on other ranks, and waits
+   for four all-to-alls an MoE layer. */
 dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, int n);
 /* Print the prediction, the compute-to-communication ratio, and what bigger
    batches, accumulation, bf16 communication or fewer ranks would change. */
@@ -15107,7 +15120,8 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
     int K = in->accum_steps > 0 ? in->accum_steps : 1, msgs = in->messages > 0 ? in->messages : 1;
     /* every rank of the job shares the device(s), not only the n of one
        group or pipeline: a layout of one stage or one group still has D x T */
-    int groups = (in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP) && in->dp_groups > 1 ? in->dp_groups : 1;
+    int groups = (in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP || in->kind == DT_PAR_EP) && in->dp_groups > 1
+                 ? in->dp_groups : 1;
     int everyone = n * groups * (in->kind == DT_PAR_PP && in->tp_ranks > 1 ? in->tp_ranks : 1);
     double slow = everyone > 1 && in->contention > 0 ? in->contention : 1.0;
     double c = in->compute_ms * slow;                                      /* one micro-batch */
@@ -15116,7 +15130,8 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
     double share = n > 1 ? (double)(n - 1) / n : 0;
     p.ranks = n;
     p.compute_ms = K * c + in->optimizer_ms * slow / (sharded ? n : 1);
-    if (n > 1 || in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP) switch (in->kind) {   /* --tp 1: groups */
+    if (n > 1 || in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP || in->kind == DT_PAR_EP)
+        switch (in->kind) {   /* --tp 1: groups */
     case DT_PAR_NONE: break;
     case DT_PAR_DDP:            /* one all-reduce per bucket, once per step, behind the last backward */
         p.comm_ms = dt_cost_all_reduce_ms(l, n, G) + (msgs - 1) * 2.0 * (n - 1) * lat;
@@ -15193,6 +15208,23 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
         p.efficiency = p.speedup / (n * D);
         return p;
     }
+    case DT_PAR_EP: {           /* each rank its batch; the slots to their experts' ranks and back, waited for */
+        int D = in->dp_groups > 1 ? in->dp_groups : 1;
+        double a2a = in->ep_exchanges * (n > 1 ? (n - 1) * lat + in->ep_bytes / (l->bandwidth_gbs * 1e9) * 1e3 : 0);
+        double experts = in->params * in->ep_expert_share, shared = in->params - experts, kept = experts / n + shared;
+        double zero = in->dp_shard == 3 ? 1.5 : 1;
+        double sync_dp = zero * dt_cost_all_reduce_ms(l, D, kept * in->reduce_bytes);    /* over the groups */
+        double sync_ep = dt_cost_all_reduce_ms(l, n, shared * in->reduce_bytes);        /* the rest, over the group */
+        p.compute_ms = K * c + in->optimizer_ms * slow * (in->params > 0 ? kept / in->params : 1) / (in->dp_shard ? D : 1);
+        p.comm_ms = K * a2a + sync_dp + sync_ep;
+        p.exposed_ms = K * a2a + (in->dp_shard ? sync_dp : fmax(0, sync_dp - in->backward_share * c)) + sync_ep;
+        p.bytes = K * in->ep_exchanges * in->ep_bytes + zero * 2.0 * (D - 1) / D * kept * in->reduce_bytes +
+                  2.0 * share * shared * in->reduce_bytes;
+        p.step_ms = p.compute_ms + p.exposed_ms;
+        p.speedup = p.step_ms > 0 ? n * D * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
+        p.efficiency = p.speedup / (n * D);
+        return p;
+    }
     case DT_PAR_ZERO3: {        /* every micro-batch gathers twice, prefetched behind compute; one reduce-scatter */
         double gathers = 2 * (dt_cost_all_gather_ms(l, n, W) + (msgs - 1) * (n - 1) * lat);
         double scatter = dt_cost_all_gather_ms(l, n, G) + (msgs - 1) * (n - 1) * lat;
@@ -15210,7 +15242,7 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
 
 void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n) {
     static const char *kinds[] = { "one rank", "DataParallel", "DDP", "FSDP ZeRO-1", "FSDP ZeRO-2", "FSDP ZeRO-3",
-                                   "tensor parallel", "pipeline parallel", "context parallel" };
+                                   "tensor parallel", "pipeline parallel", "context parallel", "expert parallel" };
     dt_cost_prediction p = dt_cost_predict(in, l, n);
     int T = in->kind == DT_PAR_PP && in->tp_ranks > 1 ? in->tp_ranks : 1;     /* a pipeline's stages split too */
     fprintf(out, "cost model: %s on %d %s%s over %s (%.0f GB/s, %.0f us), %.2fM parameters\n", kinds[in->kind], n,
@@ -15230,7 +15262,11 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
                 "their gradient sums %d time%s (all but the last behind attention)\n", n, in->cp_contiguous ? "contiguous" : "every rank the same work",
                 100 * in->cp_attention_share, in->cp_contiguous ? (2.0 * n - 1) / n : 1.0, in->cp_layers,
                 in->cp_kv_bytes / n / 1e3, n - 1, n == 2 ? "" : "s", n - 1, n > 1 ? n : 0, n == 1 ? "" : "s");
-    if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP) && in->dp_groups > 1)
+    if (in->kind == DT_PAR_EP)
+        fprintf(out, "  each rank keeps 1/%d of the experts (%.0f%% of the parameters) and reads its own batch; per "
+                "micro-batch %.0f all-to-alls,\n  each sending %.1f KB to the other ranks, none hidden\n", n,
+                100 * in->ep_expert_share, in->ep_exchanges, in->ep_bytes / 1e3);
+    if ((in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP || in->kind == DT_PAR_EP) && in->dp_groups > 1)
         fprintf(out, "  x %d data-parallel %s of %d ranks: %d ranks in all, each its own batch%s\n", in->dp_groups,
                 in->kind != DT_PAR_PP ? "groups" : "pipelines", n * T, in->dp_groups * n * T,
                 sharded[in->kind == DT_PAR_PP][in->dp_shard >= 0 && in->dp_shard <= 3 ? in->dp_shard : 0]);
@@ -15249,9 +15285,11 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
     big.compute_ms *= 2;
     big.tp_bytes *= 2;                   /* tensor parallelism sums activations: they double too */
     big.cp_kv_bytes *= 2;                /* ... and context parallelism's ring blocks */
+    big.ep_bytes *= 2;                   /* ... and the rows expert parallelism sends */
     acc.accum_steps = (in->accum_steps > 0 ? in->accum_steps : 1) * 4;
     half.reduce_bytes = half.gather_bytes = 2;
     half.tp_bytes /= 2;
+    half.ep_bytes = in->gather_bytes > 2 ? in->ep_bytes / 2 : in->ep_bytes;
     dt_cost_prediction pb = dt_cost_predict(&big, l, n), pa = dt_cost_predict(&acc, l, n), ph = dt_cost_predict(&half, l, n);
     dt_cost_prediction pf = dt_cost_predict(in, l, n / 2 > 1 ? n / 2 : 1);
     fprintf(out, "  what would change it (efficiency now %.0f%%):\n", 100 * p.efficiency);
@@ -15269,6 +15307,10 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
         if (in->cp_contiguous)
             fprintf(out, "    --cp-layout zigzag:              %.0f%% (every rank the same attention work)\n",
                     100 * dt_cost_predict(&even, l, n).efficiency);
+    } else if (in->kind == DT_PAR_EP) {
+        fprintf(out, "    twice the batch per rank:        %.0f%% (compute and the rows sent both double)\n", 100 * pb.efficiency);
+        if (in->gather_bytes > 2)
+            fprintf(out, "    --dtype bf16:                    %.0f%% (half the bytes of every all-to-all)\n", 100 * ph.efficiency);
     } else if (in->kind == DT_PAR_TP) {
         fprintf(out, "    twice the batch per group:       %.0f%% (compute and the activations summed both double)\n",
                 100 * pb.efficiency);
@@ -15278,12 +15320,12 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
         fprintf(out, "    twice the batch per rank:        %.0f%% (compute doubles, communication does not)\n", 100 * pb.efficiency);
         fprintf(out, "    4x --accum-steps:                %.0f%% (gradients travel once per 4 micro-batches)\n", 100 * pa.efficiency);
     }
-    if (in->kind != DT_PAR_TP && in->kind != DT_PAR_PP && in->kind != DT_PAR_CP && (in->reduce_bytes > 2 || (in->kind == DT_PAR_ZERO3 && in->gather_bytes > 2)))
+    if (in->kind != DT_PAR_TP && in->kind != DT_PAR_PP && in->kind != DT_PAR_CP && in->kind != DT_PAR_EP && (in->reduce_bytes > 2 || (in->kind == DT_PAR_ZERO3 && in->gather_bytes > 2)))
         fprintf(out, "    bf16 communication:              %.0f%% (half the bytes)\n", 100 * ph.efficiency);
     char fewer[64];
-    if (in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP)
-        snprintf(fewer, sizeof fewer, "--%s %d instead of %d:", in->kind == DT_PAR_TP ? "tp" : in->kind == DT_PAR_PP ? "pp" : "cp",
-                 pf.ranks, n);
+    if (in->kind == DT_PAR_TP || in->kind == DT_PAR_PP || in->kind == DT_PAR_CP || in->kind == DT_PAR_EP)
+        snprintf(fewer, sizeof fewer, "--%s %d instead of %d:", in->kind == DT_PAR_TP ? "tp" : in->kind == DT_PAR_PP ? "pp"
+                 : in->kind == DT_PAR_CP ? "cp" : "ep", pf.ranks, n);
     else snprintf(fewer, sizeof fewer, "%d rank%s instead of %d:", pf.ranks, pf.ranks > 1 ? "s" : "", n);
     fprintf(out, "    %-33s%.0f%% (%.2fx speedup)\n", fewer, 100 * pf.efficiency, pf.speedup);
 }
@@ -16349,7 +16391,7 @@ static void dt__run_explain(dt_run *r) {
     double measured = in.compute_ms * c->accum_steps + in.optimizer_ms;     /* this rank's, as it ran */
     dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel, &who);   /* a wrapper that splits the model says how */
     int layout = rep && rep->cost_input && (n = rep->cost_input(who, &in)) &&
-                 (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP || in.kind == DT_PAR_CP);
+                 (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP || in.kind == DT_PAR_CP || in.kind == DT_PAR_EP);
     in.params = (double)dt__state_layout(r->model)->numel;
     in.contention = 1;                /* the compute above was measured as this run shares its device(s) */
     in.backward_share = in.compute_ms > 0 ? r->phase_ms[DT_PHASE_BWD] / c->accum_steps / in.compute_ms : 0.66;
@@ -16363,7 +16405,8 @@ static void dt__run_explain(dt_run *r) {
     dt_cost_explain(stdout, &in, &link, layout || n > 1 ? n : 2);
     printf("  predicted speedup at");
     for (int k = 2; k <= 8; k *= 2)
-        printf(" %s%d%s: %.2fx%s", layout ? in.kind == DT_PAR_TP ? "--tp " : in.kind == DT_PAR_PP ? "--pp " : "--cp " : "", k,
+        printf(" %s%d%s: %.2fx%s", layout ? in.kind == DT_PAR_TP ? "--tp " : in.kind == DT_PAR_PP ? "--pp " : in.kind == DT_PAR_CP ? "--cp "
+               : "--ep " : "", k,
                layout ? "" : " ranks",
                dt_cost_predict(&in, &link, k).speedup, k < 8 ? "," : "\n");
     if (r->model->device == DT_CPU)
@@ -17319,6 +17362,27 @@ static void dt__ep_memory_table(const dt_parallel *par, const dt_optimizer *o) {
     fflush(stdout);
 }
 
+/* The experts' share of the whole model's parameters. */
+static double dt__ep_expert_share(const dt_ep *p) {
+    double experts = 0;
+    for (int i = 0; i < p->whole.nparams; i++) experts += p->model->splits[i].expert ? (double)p->whole.params[i].numel : 0;
+    return p->whole.numel > 0 ? experts / (double)p->whole.numel : 0;
+}
+/* The cost model's view of the last step: the all-to-alls apart from the
+   compute, the optimizer as one rank stepping the whole model would. */
+static int dt__ep_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_ep *p = (const dt_ep *)par;
+    int K = in->accum_steps > 0 ? in->accum_steps : 1;
+    in->kind = DT_PAR_EP;
+    in->ep_expert_share = dt__ep_expert_share(p);
+    in->ep_exchanges = p->step_exchanges / K;
+    in->ep_bytes = p->step_exchanges > 0 ? p->step_exchange_bytes / p->step_exchanges : 0;
+    in->compute_ms = fmax(0, in->compute_ms - p->step_exchange_ms / K);
+    in->optimizer_ms *= p->model->numel > 0 ? (double)p->whole.numel / (double)p->model->numel : 1;
+    in->dp_groups = p->par.grad_ranks;
+    return p->size;
+}
+
 /* The step's all-to-alls, in its --log record. */
 static void dt__ep_log_fields(const dt_parallel *par, FILE *log) {
     const dt_ep *p = (const dt_ep *)par;
@@ -17327,13 +17391,15 @@ static void dt__ep_log_fields(const dt_parallel *par, FILE *log) {
 }
 static void dt__ep_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
     const dt_ep *p = (const dt_ep *)par;
-    fprintf(out, " ep=%d ep_all_to_alls=%.1f ep_bytes=%.0f", p->size, p->step_exchanges / accum_steps,
-            p->step_exchanges > 0 ? p->step_exchange_bytes / p->step_exchanges : 0.0);
+    fprintf(out, " ep=%d ep_share=%.4f ep_all_to_alls=%.1f ep_bytes=%.0f dp=%d", p->size, dt__ep_expert_share(p),
+            p->step_exchanges / accum_steps, p->step_exchanges > 0 ? p->step_exchange_bytes / p->step_exchanges : 0.0,
+            p->par.grad_ranks);
 }
 
 const dt_parallel_report dt__ep_report = {
     .create_fn = "dt_ep_create",
     .memory_table = dt__ep_memory_table, .log_fields = dt__ep_log_fields, .bench_fields = dt__ep_bench_fields,
+    .cost_input = dt__ep_cost_input,
     .whole_from_local = dt__ep_whole_from_local, .local_from_whole = dt__ep_local_from_whole,
 };
 #endif /* DTRAIN_IMPLEMENTATION */

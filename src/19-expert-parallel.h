@@ -371,6 +371,27 @@ static void dt__ep_memory_table(const dt_parallel *par, const dt_optimizer *o) {
     fflush(stdout);
 }
 
+/* The experts' share of the whole model's parameters. */
+static double dt__ep_expert_share(const dt_ep *p) {
+    double experts = 0;
+    for (int i = 0; i < p->whole.nparams; i++) experts += p->model->splits[i].expert ? (double)p->whole.params[i].numel : 0;
+    return p->whole.numel > 0 ? experts / (double)p->whole.numel : 0;
+}
+/* The cost model's view of the last step: the all-to-alls apart from the
+   compute, the optimizer as one rank stepping the whole model would. */
+static int dt__ep_cost_input(const dt_parallel *par, dt_cost_input *in) {
+    const dt_ep *p = (const dt_ep *)par;
+    int K = in->accum_steps > 0 ? in->accum_steps : 1;
+    in->kind = DT_PAR_EP;
+    in->ep_expert_share = dt__ep_expert_share(p);
+    in->ep_exchanges = p->step_exchanges / K;
+    in->ep_bytes = p->step_exchanges > 0 ? p->step_exchange_bytes / p->step_exchanges : 0;
+    in->compute_ms = fmax(0, in->compute_ms - p->step_exchange_ms / K);
+    in->optimizer_ms *= p->model->numel > 0 ? (double)p->whole.numel / (double)p->model->numel : 1;
+    in->dp_groups = p->par.grad_ranks;
+    return p->size;
+}
+
 /* The step's all-to-alls, in its --log record. */
 static void dt__ep_log_fields(const dt_parallel *par, FILE *log) {
     const dt_ep *p = (const dt_ep *)par;
@@ -379,12 +400,14 @@ static void dt__ep_log_fields(const dt_parallel *par, FILE *log) {
 }
 static void dt__ep_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
     const dt_ep *p = (const dt_ep *)par;
-    fprintf(out, " ep=%d ep_all_to_alls=%.1f ep_bytes=%.0f", p->size, p->step_exchanges / accum_steps,
-            p->step_exchanges > 0 ? p->step_exchange_bytes / p->step_exchanges : 0.0);
+    fprintf(out, " ep=%d ep_share=%.4f ep_all_to_alls=%.1f ep_bytes=%.0f dp=%d", p->size, dt__ep_expert_share(p),
+            p->step_exchanges / accum_steps, p->step_exchanges > 0 ? p->step_exchange_bytes / p->step_exchanges : 0.0,
+            p->par.grad_ranks);
 }
 
 const dt_parallel_report dt__ep_report = {
     .create_fn = "dt_ep_create",
     .memory_table = dt__ep_memory_table, .log_fields = dt__ep_log_fields, .bench_fields = dt__ep_bench_fields,
+    .cost_input = dt__ep_cost_input,
     .whole_from_local = dt__ep_whole_from_local, .local_from_whole = dt__ep_local_from_whole,
 };

@@ -487,7 +487,7 @@ static void dt__run_explain(dt_run *r) {
     double measured = in.compute_ms * c->accum_steps + in.optimizer_ms;     /* this rank's, as it ran */
     dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel, &who);   /* a wrapper that splits the model says how */
     int layout = rep && rep->cost_input && (n = rep->cost_input(who, &in)) &&
-                 (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP || in.kind == DT_PAR_CP);
+                 (in.kind == DT_PAR_TP || in.kind == DT_PAR_PP || in.kind == DT_PAR_CP || in.kind == DT_PAR_EP);
     in.params = (double)dt__state_layout(r->model)->numel;
     in.contention = 1;                /* the compute above was measured as this run shares its device(s) */
     in.backward_share = in.compute_ms > 0 ? r->phase_ms[DT_PHASE_BWD] / c->accum_steps / in.compute_ms : 0.66;
@@ -501,7 +501,8 @@ static void dt__run_explain(dt_run *r) {
     dt_cost_explain(stdout, &in, &link, layout || n > 1 ? n : 2);
     printf("  predicted speedup at");
     for (int k = 2; k <= 8; k *= 2)
-        printf(" %s%d%s: %.2fx%s", layout ? in.kind == DT_PAR_TP ? "--tp " : in.kind == DT_PAR_PP ? "--pp " : "--cp " : "", k,
+        printf(" %s%d%s: %.2fx%s", layout ? in.kind == DT_PAR_TP ? "--tp " : in.kind == DT_PAR_PP ? "--pp " : in.kind == DT_PAR_CP ? "--cp "
+               : "--ep " : "", k,
                layout ? "" : " ranks",
                dt_cost_predict(&in, &link, k).speedup, k < 8 ? "," : "\n");
     if (r->model->device == DT_CPU)

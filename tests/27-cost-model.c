@@ -16,7 +16,7 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
        8 sums of 1.25e7 bytes (1.25 ms each at N=2): 100 x (0.8/2 + 0.2) = 60
        ms of compute and 10 of sums, none hidden: 100 / 70 over one rank with
        the same batch (not twice it) */
-    dt_cost_input tp = { DT_PAR_TP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0.8, 8, 1.25e7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_cost_input tp = { DT_PAR_TP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0.8, 8, 1.25e7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     dt_cost_prediction q = dt_cost_predict(&tp, &(dt_link){ "no latency", 0, 10 }, 2);
     CHECKF(CLOSE(q.compute_ms, 60, 1e-12) && CLOSE(q.comm_ms, 10, 1e-12) && CLOSE(q.exposed_ms, 10, 1e-12) &&
            CLOSE(q.speedup, 100.0 / 70, 1e-12) && CLOSE(q.bytes, 8 * 1.25e7, 1e-12),
@@ -46,7 +46,7 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
        hop at 10 GB/s, 16 of them a step, of which those of the fill and the
        drain (2 x 3) are not hidden: 34.375 + 0.6 ms, a bubble of 3/11; each
        rank sends 16e6 bytes but an end stage half of that: 12e6 on average */
-    dt_cost_input pp = { DT_PAR_PP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 8, 1, 1e6, 0, 0, 0, 0, 0, 0 };
+    dt_cost_input pp = { DT_PAR_PP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 8, 1, 1e6, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     q = dt_cost_predict(&pp, &(dt_link){ "no latency", 0, 10 }, 4);
     CHECKF(CLOSE(q.compute_ms, 34.375, 1e-12) && CLOSE(q.comm_ms, 1.6, 1e-12) && CLOSE(q.exposed_ms, 0.6, 1e-12) &&
            CLOSE(q.bubble, 3.0 / 11, 1e-12) && CLOSE(q.speedup, 100 / 34.975, 1e-12) && CLOSE(q.bytes, 12e6, 1e-12),
@@ -103,9 +103,30 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
            CLOSE(q.efficiency, 50 / 50.2, 1e-12) && CLOSE(q.bytes, 14e6, 1e-12),
            "CP x 2 groups: comm %.4f, exposed %.4f, speedup %.4f, efficiency %.4f, bytes %.6g", q.comm_ms, q.exposed_ms,
            q.speedup, q.efficiency, q.bytes);
+    /* Expert parallelism over 2 ranks, each its own batch (100 ms, as one
+       rank): 8 all-to-alls of 1e6 bytes each (0.1 ms at 10 GB/s), waited
+       for; 80% of 1e6 parameters are experts, so the rest (8e5 bytes of
+       gradients) is all-reduced over the pair after backward, 0.08 ms, also
+       waited for. Against one rank with the same batch per rank: 200 / 100.88. */
+    dt_cost_input ep = { .kind = DT_PAR_EP, .compute_ms = 100, .contention = 1, .backward_share = 0.5, .params = 1e6,
+                         .gather_bytes = 4, .reduce_bytes = 4, .accum_steps = 1, .ep_expert_share = 0.8, .ep_exchanges = 8,
+                         .ep_bytes = 1e6 };
+    q = dt_cost_predict(&ep, &(dt_link){ "no latency", 0, 10 }, 2);
+    CHECKF(CLOSE(q.compute_ms, 100, 1e-12) && CLOSE(q.comm_ms, 0.88, 1e-12) && CLOSE(q.exposed_ms, 0.88, 1e-12) &&
+           CLOSE(q.speedup, 200 / 100.88, 1e-12) && CLOSE(q.bytes, 8.8e6, 1e-12),
+           "EP: compute %.4f, comm %.4f, exposed %.4f, speedup %.4f, bytes %.6g", q.compute_ms, q.comm_ms, q.exposed_ms,
+           q.speedup, q.bytes);
+    /* ... in 2 groups: what a rank holds (half the experts and the rest,
+       2.4e6 bytes of gradients) averaged over the groups behind backward
+       (0.24 ms, hidden), twice the samples */
+    ep.dp_groups = 2;
+    q = dt_cost_predict(&ep, &(dt_link){ "no latency", 0, 10 }, 2);
+    CHECKF(CLOSE(q.comm_ms, 1.12, 1e-12) && CLOSE(q.exposed_ms, 0.88, 1e-12) && CLOSE(q.speedup, 400 / 100.88, 1e-12) &&
+           CLOSE(q.bytes, 11.2e6, 1e-12), "EP x 2 groups: comm %.4f, exposed %.4f, speedup %.4f, bytes %.6g", q.comm_ms,
+           q.exposed_ms, q.speedup, q.bytes);
     /* 2 pipelines of one stage on a device they share (contention 2): both
        ranks' compute is slowed, though each pipeline has one rank */
-    dt_cost_input shared = { DT_PAR_PP, 100, 2, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0 };
+    dt_cost_input shared = { DT_PAR_PP, 100, 2, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     q = dt_cost_predict(&shared, &(dt_link){ "no latency", 0, 10 }, 1);
     CHECKF(CLOSE(q.compute_ms, 200, 1e-12) && CLOSE(q.comm_ms, 0.4, 1e-12), "2 x 1 x 1 sharing a device: compute %.4f, comm %.4f",
            q.compute_ms, q.comm_ms);
@@ -146,7 +167,7 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
        nothing hidden: 125 ms a step, 80% efficiency; hidden behind half of
        compute (50 ms): 100% */
     dt_link fast = { "no latency", 0, 10 };
-    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
     dt_cost_prediction p = dt_cost_predict(&in, &fast, 2);
     CHECKF(CLOSE(p.comm_ms, 25, 1e-12) && CLOSE(p.step_ms, 125, 1e-12) && CLOSE(p.efficiency, 0.8, 1e-12),
            "DDP: comm %.4f, step %.4f, efficiency %.4f", p.comm_ms, p.step_ms, p.efficiency);
@@ -213,4 +234,13 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
            strstr(out, "the busiest rank's 1.50x the mean's") && strstr(out, "blocks 1 time forward and 1 back, and their gradient sums 2 times") &&
            strstr(out, "--cp-layout zigzag:") && strstr(out, "predicted speedup at --cp 2"),
            "08 --cp 2 --explain: exit %d (attention %.1f%%)\n%s", st, attention, out);
+    /* ... and of expert parallelism: the experts' share, four all-to-alls per MoE layer (2 layers here) */
+    st = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 32 --depth 2 --heads 4 --seq-len 16 --batch-size 4 --steps 4 "
+                 "--epochs 1 --moe-experts 4 --moe-top-k 2 --nproc 2 --ep 2 --explain", stage_bin("09-expert-parallel"), gpt_text());
+    const char *xs = strstr(out, "each rank keeps 1/2 of the experts (");
+    double experts = 0;
+    if (xs) sscanf(xs + strlen("each rank keeps 1/2 of the experts ("), "%lf", &experts);
+    CHECKF(st == 0 && strstr(out, "cost model: expert parallel on 2 ranks") && xs && experts > 50 && experts < 100 &&
+           strstr(out, "per micro-batch 8 all-to-alls") && strstr(out, "--ep 1 instead of 2:") &&
+           strstr(out, "predicted speedup at --ep 2"), "09 --ep 2 --explain: exit %d (experts %.1f%%)\n%s", st, experts, out);
 }

@@ -663,6 +663,35 @@ TEST(gpu_context_parallel_equals_stage_01, QUICK) {
     }
 }
 
+/* Expert parallelism on the GPU (09 --ep 2, two ranks sharing it over
+   NCCL): the all-to-alls (NCCL's grouped sends and receives), the MoE
+   kernels and the experts' gradients give 01's losses within 1e-4 for gpt
+   (top-2, with a capacity that drops and the balancing loss) and llama
+   (top-1, 2 groups of 2 under FSDP: 4 ranks on the one GPU). */
+TEST(gpu_expert_parallel_equals_stage_01, QUICK) {
+    NEED_NCCL();
+    char out[32768], ref[600], log[600];
+    static const struct { const char *model, *flags, *par; } runs[2] = {
+        { "gpt", "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --moe-experts 4 --moe-top-k 2 --moe-capacity 1 "
+                 "--moe-aux-loss 0.01", "--nproc 2 --ranks-per-gpu 2 --ep 2 --batch-size 8" },
+        { "llama", "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16 --moe-experts 4 --moe-top-k 1",
+          "--nproc 4 --ranks-per-gpu 4 --ep 2 --shard full --batch-size 4" } };
+    for (int k = 0; k < 2; k++) {
+        snprintf(ref, sizeof ref, "%s/gpu-ep-%s-01.jsonl", tmpdir, runs[k].model);
+        int st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s --batch-size 16 --log %s", stage_cuda("01-single-gpu"),
+                         gpt_text(), runs[k].flags, ref);
+        CHECKF(st == 0, "01 %s on the GPU: exit %d\n%s", runs[k].model, st, out);
+        snprintf(log, sizeof log, "%s/gpu-ep-%s-09.jsonl", tmpdir, runs[k].model);
+        st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " %s %s --timeout 60 --log %s", stage_cuda("09-expert-parallel"),
+                     gpt_text(), runs[k].flags, runs[k].par, log);
+        CHECKF(st == 0, "09 %s %s on the GPU: exit %d\n%s", runs[k].model, runs[k].par, st, out);
+        int n = 0;
+        double gap = worst_loss_gap(ref, log, &n);
+        CHECKF(n > 0 && gap <= 1e-4, "09 %s %s on the GPU: %d losses, worst gap from 01 %.3g (tolerance 1e-4)", runs[k].model,
+               runs[k].par, n, gap);
+    }
+}
+
 TEST(gpu_a_killed_rank_stops_the_nccl_job_naming_it, QUICK) {
     NEED_NCCL();
     char out[16384];

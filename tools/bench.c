@@ -36,12 +36,14 @@ static void out_path(char *path, size_t n, const char *dir, const char *file) {
 
 /* units: what FSDP gathers one at a time; heads: what tensor parallelism splits attention by (0: none);
    blocks: what pipeline parallelism splits into stages; language: a long-context language model, which
-   context parallelism (08) is for -- it runs 01, 03 and 08 alone (the others have their workloads) */
+   context parallelism (08) is for, or (2) a mixture of experts, which expert parallelism (09) is for --
+   each runs 01, 03 and its stage alone (the others have their workloads) */
 typedef struct { const char *name, *flags; int units, heads, blocks, language; } workload;
 static const workload workloads[] = {
     { "mlp", "--model mlp", 3, 0, 3, 0 },
     { "vit-tiny", "--model vit --dim 192 --depth 6 --heads 3 --patch 4 --batch-size 64", 8, 3, 6, 0 },
     { "gpt-512", "--model gpt --dim 64 --depth 2 --heads 4 --seq-len 512 --batch-size 4", 4, 4, 2, 1 },
+    { "gpt-moe", "--model gpt --dim 128 --depth 2 --heads 4 --seq-len 64 --batch-size 8 --moe-experts 8 --moe-top-k 2", 4, 4, 2, 2 },
     { "vit-base", "--model vit --image-size 224 --dim 768 --depth 12 --heads 12 --patch 16 --batch-size 64", 14, 12, 12, 0 },  /* GPUs only */
 };
 /* label, binary, flags, the parallelism the cost model sees, 16-bit gathers */
@@ -59,15 +61,18 @@ static const stage stages[] = {
     { "06-tensor-parallel", "06-tensor-parallel/train", "", DT_PAR_TP, 0 },
     { "07-pipeline-parallel", "07-pipeline-parallel/train", "--micro-batches 8", DT_PAR_PP, 0 },
     { "08-context-parallel", "08-context-parallel/train", "", DT_PAR_CP, 0 },
+    { "09-expert-parallel", "09-expert-parallel/train", "", DT_PAR_EP, 0 },
 };
-/* Whether a stage runs on a workload: 08 splits sequences of tokens; a
-   language workload is there for 08, against 01 and 03 (DDP, which 08 builds on). */
+/* Whether a stage runs on a workload: 08 splits sequences of tokens, 09 a
+   mixture's experts; their workloads are there for them, against 01 and 03
+   (DDP, which both build on). */
 static int stage_runs(int s, const workload *w) {
-    if (stages[s].kind == DT_PAR_CP) return w->language;
+    if (stages[s].kind == DT_PAR_CP) return w->language == 1;
+    if (stages[s].kind == DT_PAR_EP) return w->language == 2;
     return !w->language || stages[s].kind == DT_PAR_NONE || stages[s].kind == DT_PAR_DDP;
 }
 enum { NSTAGES = sizeof stages / sizeof stages[0] };
-static int NWORK = 3;                    /* vit-base joins when there is a GPU */
+static int NWORK = 4;                    /* vit-base joins when there is a GPU */
 
 typedef struct {
     int ok, stage, work, ranks, threads, oversubscribed, one_thread;
@@ -75,6 +80,7 @@ typedef struct {
     double samples, gflops, step_ms, fwd, bwd, opt, comm, hidden, peak, state, host, params;
     double tp_share, tp_sums, tp_bytes;
     double cp_attention_share, cp_kv_bytes, cp_layers, cp_contiguous;
+    double ep_share, ep_all_to_alls, ep_bytes;
     double pp_micro_batches, pp_balance, pp_bytes, bubble, bubble_predicted;
     double speedup, efficiency, predicted, predicted_eff;
 } row;
@@ -149,7 +155,7 @@ static double contention(const char *device, int ranks, int cores, int gpus, dou
 }
 
 static const char *colors[] = { "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf", "#bcbd22",
-                                "#393b79", "#637939" };
+                                "#393b79", "#637939", "#843c39" };
 _Static_assert(sizeof colors / sizeof colors[0] >= NSTAGES, "a colour for each stage");
 
 /* scaling.svg: speedup against ranks, a panel per workload; measured solid,
@@ -571,7 +577,7 @@ int main(int argc, char **argv) {
     gpus = dt_cuda_device_count(why, sizeof why);      /* the stages pick a GPU when there is one */
 #endif
     if (gpus > 0) {
-        NWORK = 4;
+        NWORK = 5;
         while (max_ranks > gpus) max_ranks /= 2;  /* NCCL takes one rank per GPU */
         printf("%d GPU%s: ranks up to %d, and vit-base too\n", gpus, gpus > 1 ? "s" : "", max_ranks);
     }
@@ -656,6 +662,8 @@ int main(int argc, char **argv) {
                 r->tp_share = field(line, "tp_share"); r->tp_sums = field(line, "tp_sums"); r->tp_bytes = field(line, "tp_bytes");
                 r->cp_attention_share = field(line, "cp_attention_share"); r->cp_kv_bytes = field(line, "cp_kv_bytes");
                 r->cp_layers = field(line, "cp_layers"); r->cp_contiguous = field(line, "cp_contiguous");
+                r->ep_share = field(line, "ep_share"); r->ep_all_to_alls = field(line, "ep_all_to_alls");
+                r->ep_bytes = field(line, "ep_bytes");
                 r->pp_micro_batches = field(line, "pp_micro_batches"); r->pp_balance = field(line, "pp_balance");
                 r->pp_bytes = field(line, "pp_bytes"); r->bubble = field(line, "bubble");
                 r->bubble_predicted = field(line, "bubble_predicted");
@@ -694,6 +702,7 @@ int main(int argc, char **argv) {
             in.pp_micro_batches = (int)r->pp_micro_batches; in.pp_balance = r->pp_balance; in.pp_bytes = r->pp_bytes;   /* 07 */
             in.cp_attention_share = r->cp_attention_share; in.cp_kv_bytes = r->cp_kv_bytes;                         /* 08 */
             in.cp_layers = (int)r->cp_layers; in.cp_contiguous = (int)r->cp_contiguous;
+            in.ep_expert_share = r->ep_share; in.ep_exchanges = r->ep_all_to_alls; in.ep_bytes = r->ep_bytes;   /* 09 */
             in.contention = contention(r->device, r->ranks, cores, gpus, c_one, c_all);
             dt_cost_prediction p = dt_cost_predict(&in, &links[r->ranks], r->ranks);
             r->predicted = p.speedup;

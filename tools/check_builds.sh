@@ -45,8 +45,9 @@ copy_sources() {
 # Every stage's --bench with every model: a few steps, a small batch, the
 # parallel stages with two ranks, stage 05 with bf16 and accumulation, stage
 # 07 as two pipelines of two stages in bf16 with the optimizer state shared
-# out, stage 08 (context parallelism: language models only) as one group of two
-# (a stage refuses the flags of others, so each gets its own).
+# out, stage 08 (context parallelism: language models only) as one group of two,
+# stage 09 (expert parallelism) on language models with experts (a stage
+# refuses the flags of others, so each gets its own).
 stage_benches() {
   local s m extra out models
   for s in 0*/; do
@@ -58,6 +59,7 @@ stage_benches() {
       06-*) extra="--nproc 2 --timeout 120 --heads 4" ;;   # the vit's default 3 heads do not split over 2
       07-*) extra="--nproc 4 --pp 2 --timeout 120 --micro-batches 2 --dtype bf16 --shard optimizer" ;;   # 2 x 1 x 2
       08-*) extra="--nproc 2 --timeout 120"; models="gpt llama" ;;
+      09-*) extra="--nproc 2 --timeout 120 --moe-experts 4 --moe-top-k 2"; models="gpt llama" ;;   # a mixture to spread
       *) extra="--nproc 2 --timeout 120" ;;
     esac
     for m in $models; do

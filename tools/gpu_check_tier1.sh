@@ -112,7 +112,7 @@ say "plan (budget on one H100, seconds):$(for p in "${PLAN[@]}"; do printf ' %s 
 
 # ---- build: only what this tier runs --------------------------------------------
 STAGES=(01-single-gpu/train 03-ddp/train 04-fsdp/train 05-accum-mixed-precision/train 06-tensor-parallel/train
-        07-pipeline-parallel/train 08-context-parallel/train)
+        07-pipeline-parallel/train 08-context-parallel/train 09-expert-parallel/train)
 STOP=""
 if begin build; then
     run make 240 make -j"$CORES" "${STAGES[@]}" tests/test_dtrain build/test/01-single-gpu/train tools/consolidate
@@ -120,7 +120,7 @@ if begin build; then
         CUR_FAILS=$((CUR_FAILS + 1)); STOP="the build has no CUDA (nvcc not found, or CUDA=0)"
     fi
     [ "$CUR_FAILS" = 0 ] || STOP=${STOP:-the build failed}
-    end "${STOP:-6 stages, the tests, tools/consolidate with $CORES jobs}"
+    end "${STOP:-8 stages, the tests, tools/consolidate with $CORES jobs}"
 fi
 if [ -n "$STOP" ]; then
     for p in "${PLAN[@]:1}"; do N_NOTRUN=$((N_NOTRUN + 1)); say "NOT RUN ${p% *} ($STOP)"; done
@@ -230,7 +230,12 @@ if begin nccl; then
         run "cp2-$l" 45 ./08-context-parallel/train --device "$DEV" --nproc 2 "${RPG2[@]}" --cp 2 --cp-layout "$l" "${G[@]}" \
             --batch-size 32 "${P[@]}" --log "$R/cp2-$l.jsonl"
     done
+    MOE=(--moe-experts 4 --moe-top-k 2 --moe-capacity 1 --moe-aux-loss 0.01)
+    tr1 g01-moe ./01-single-gpu/train --device "$DEV" "${G[@]}" "${MOE[@]}" --batch-size 32
+    run ep2 45 ./09-expert-parallel/train --device "$DEV" --nproc 2 "${RPG2[@]}" --ep 2 "${G[@]}" "${MOE[@]}" --batch-size 16 \
+        "${P[@]}" --log "$R/ep2.jsonl"
     for f in tp2 tp2-sp tp2-dp2-full cp2-zigzag cp2-contiguous; do compare "$f" g01-b32 1e-4; done
+    compare ep2 g01-moe 1e-4
     for f in pp2-gpipe pp2-1f1b pp2-dp2-full; do compare "$f" g01-d4 1e-4; done
     compare pp2-bf16 g01-d4 0.05
     end "two and four ranks on one GPU against 01 at the same global batch: fp32 within 1e-4, bf16 within 0.05"
