@@ -15468,7 +15468,7 @@ static const dt__flag dt__flags[] = {
     { "--recompute", "123456789", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
       DT_NOT_A_NUMBER },
-    { "--attention", "1234567", "matmul|online", "attention: keep each head's T x T probabilities (matmul, the default), or\n"
+    { "--attention", "12345679", "matmul|online", "attention: keep each head's T x T probabilities (matmul, the default), or\n"
       "                          FlashAttention's online softmax, which keeps T numbers a head and makes them again in\n"
       "                          backward (online: the same values within rounding; heads of at most 128 on a GPU)", DT_ARG_CHOICE,
       DT_CFG(attention), "matmul|online", DT_NOT_A_NUMBER },
@@ -15489,7 +15489,7 @@ static const dt__flag dt__flags[] = {
       DT_ARG_CHOICE, DT_CFG(reduce_dtype), "fp32|bf16|fp16", DT_NOT_A_NUMBER },
     { "--explain", "123456789", NULL, "after 3 steps, print the cost model's prediction for this run: speedup, compute : "
       "communication,\n                          and what would change it", DT_ARG_SWITCH, DT_CFG(explain), NULL, DT_NOT_A_NUMBER },
-    { "--link", "1234567", "shm|pcie|nvlink|infiniband", "--explain: the link between ranks (default: shm on a CPU, nvlink on GPUs)",
+    { "--link", "123456789", "shm|pcie|nvlink|infiniband", "--explain: the link between ranks (default: shm on a CPU, nvlink on GPUs)",
       DT_ARG_CHOICE, DT_CFG(link), "shm|pcie|nvlink|infiniband", DT_NOT_A_NUMBER },
     { "--tp", "67", "T", "tensor parallelism: ranks per group that split every block's layers (06: default 0, the whole\n"
       "                          job, a job of N ranks is N/T data-parallel groups of T; 07: default 1, each stage's blocks\n"
