@@ -1387,8 +1387,9 @@ typedef struct dt_ep dt_ep;
    group. E must divide by it. */
 dt_ep *dt_ep_create(dt_model *model, dt_comm *comm, int ep);
 /* After backward, unwrapped (a job that is one group): the shared
-   parameters' gradients averaged over the group. Wrapped, the engine's sync
-   does it; with more than one group unwrapped, an error that says so. */
+   parameters' gradients averaged over the group, the experts' divided by P.
+   Wrapped, the engine's sync does it; with more than one group unwrapped,
+   an error that says so. */
 void dt_ep_sync_grads(dt_ep *ep);
 /* The ranks that hold the same experts, one per group ("dp"): what the
    data-parallel engine around this one averages or shards over. */
@@ -2115,7 +2116,7 @@ typedef struct dt_cost_input {
        experts, each reading its own batch): the share of the parameters in
        the experts (each rank keeps 1/P of them), the all-to-alls of a
        micro-batch (four an MoE layer: dispatch and combine, forward and
-       backward), and the bytes a rank sends to the others in each. They
+       backward; six with --recompute, whose forward runs again), and the bytes a rank sends to the others in each. They
        stand where the layer waits for them: nothing hides them. Then the
        experts' gradients are averaged over the dp_groups (DDP's, behind
        backward, or sharded), the rest over every rank: the groups' average,
@@ -2737,6 +2738,7 @@ static const dt_backend *dt__backend_of(dt_device d) {
 /* Zero memory on a device; a GPU does it in its queue. */
 static void dt__zero_on(dt_device d, void *p, size_t bytes) {
     const dt_backend *gpu = dt__backend_of(d);
+    if (!bytes) return;                 /* (an empty tensor may have no memory at all) */
     if (gpu) gpu->zero(p, bytes);
     else memset(p, 0, bytes);
 }
@@ -2992,7 +2994,11 @@ dt_tensor *dt_tensor_from_host(int ndim, const int *shape, const float *host) {
     return t;
 }
 int64_t dt_tensor_rows(const dt_tensor *t) { return t->shape[0]; }
-int64_t dt_tensor_cols(const dt_tensor *t) { return t->numel / t->shape[0]; }
+int64_t dt_tensor_cols(const dt_tensor *t) {          /* a product, not numel / rows: a tensor may have no rows */
+    int64_t cols = 1;
+    for (int d = 1; d < t->ndim; d++) cols *= t->shape[d];
+    return cols;
+}
 /* A parameter's gradient is f32 whatever its data holds: the optimizer and the
    collectives read it. An activation's has the activation's dtype. */
 static dt_dtype dt__grad_dtype(const dt_tensor *t) { return t->is_param ? DT_F32 : t->dtype; }
@@ -7177,7 +7183,8 @@ static void dt__shm_all_to_all(dt_comm *c, const dt_comm_op *o) {
     int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), W = c->world, me = c->rank, send_at[DT_MAX_RANKS], recv_at[DT_MAX_RANKS];
     char *mine = c->slots + (size_t)me * DT_SLOT_BYTES, what[80];
     for (int64_t r = 0, a = 0, b = 0; r < W; a += o->counts[r], b += o->counts[W + r], r++) { send_at[r] = a; recv_at[r] = b; }
-    memcpy((char *)o->recv + recv_at[me] * es, (const char *)o->send + send_at[me] * es, (size_t)o->counts[me] * es);
+    if (o->counts[me])             /* (an empty piece may have no memory at all) */
+        memcpy((char *)o->recv + recv_at[me] * es, (const char *)o->send + send_at[me] * es, (size_t)o->counts[me] * es);
     double t0 = 0;
     for (int64_t s = 1; s < W; s++) {
         int64_t to = (me + s) % W, from = (me - s + W) % W, ns = o->counts[to], nr = o->counts[W + from];
@@ -10178,13 +10185,7 @@ static void dt__all_to_all_rows_backward(dt__tape_entry *e) {
     int D = x->shape[1];
     double t0 = dt_now_ms();
     float *back = (float *)dt__step_data(sizeof(float) * (size_t)(x->numel > 0 ? x->numel : 1));
-    const float *dy = y->grad ? dt__grad_in(y) : NULL;
-    if (!dy) {                                     /* no gradient reached these rows: zeros travel (the peers wait) */
-        float *zeros = (float *)dt__step_data(sizeof(float) * (size_t)(y->numel > 0 ? y->numel : 1));
-        dt__zero_on(y->device, zeros, sizeof(float) * (size_t)y->numel);
-        dy = zeros;
-    }
-    dt_all_to_all(s->group, dy, s->recv, back, s->send, DT_F32);    /* the same pieces, the other way */
+    dt_all_to_all(s->group, dt__grad_in(y), s->recv, back, s->send, DT_F32);    /* the same pieces, the other way */
     dt__a2a_count(s->count, &(dt__a2a_rows){ s->group, s->recv, s->send, NULL }, DT_F32, t0);
     if (!x->requires_grad) return;
     float *dx = dt__grad_acc(x);
@@ -10217,7 +10218,11 @@ static dt_tensor *dt__all_to_all_rows(dt_comm *group, dt_tensor *x, const int *s
     dt_all_to_all(group, x->data, s->send, y->data, s->recv, x->dtype);
     dt__a2a_count(count, s, x->dtype, t0);
     s->count = count;
-    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__all_to_all_rows_backward, y, x, NULL, NULL)->saved = s;
+    if (dt__wants_grad(x, NULL, NULL)) {
+        dt__tape_push(dt__all_to_all_rows_backward, y, x, NULL, NULL)->saved = s;
+        dt_grad(y);          /* zeros from the start: backward walks past an entry whose output has no gradient, and every
+                                rank of the group must meet this one, whether its rows were used or not */
+    }
     return y;
 }
 dt_tensor *dt_all_to_all_rows(dt_comm *group, dt_tensor *x, const int *send_rows, const int *recv_rows) {
@@ -10260,7 +10265,10 @@ static dt_tensor *dt__ep_moe_experts(dt_parallel *par, const dt_moe_layer *L, dt
             if (count) parts[n++] = dt_rows(got, at[q * per + i], count);
             rows += count;
         }
-        outs[i] = rows ? L->expert(L->ctx, p->rank * per + i, n == 1 ? parts[0] : dt_cat_rows(parts, n)) : NULL;
+        /* An expert no row came for runs on none: every rank's tape then reads
+           the same parameters in the same places, so the engine's buckets
+           start at the same moments of backward on every rank. */
+        outs[i] = L->expert(L->ctx, p->rank * per + i, !rows ? dt_rows(got, 0, 0) : n == 1 ? parts[0] : dt_cat_rows(parts, n));
         if (dt__ctx.grad_enabled && !dt__ctx.recomputing) p->rows_in += rows;
     }
     for (int q = 0; q < P; q++)
@@ -10301,7 +10309,7 @@ static void dt__ep_sum_shared(dt_parallel *par, int first, int end) {
 }
 static void dt__ep_backward_done(dt_parallel *par) {
     dt_ep *p = (dt_ep *)par;
-    if (p->model->parallel == par) dt__ep_sum_shared(par, 0, p->model->nparams);   /* wrapped: the engine called it */
+    if (p->model->parallel == par) dt__ep_sum_shared(par, 0, p->model->nparams);   /* unwrapped (wrapped, the engine calls it) */
 }
 void dt_ep_sync_grads(dt_ep *ep) {
     if (ep->model->parallel != &ep->par)
@@ -16491,14 +16499,23 @@ static void dt__run_eval(dt_run *r) {
    the mean of the balancing terms, as stage 01 counts its one batch. */
 static void dt__job_moe_stats(dt_moe_stats *moe) {
     if (!moe->experts || !dt__ctx.job || dt__ctx.world_size == 1) return;
-    int E = moe->experts;
-    float *v = (float *)dt_step_alloc(sizeof(float) * (size_t)(E + 4));
-    for (int e = 0; e < E; e++) v[e] = (float)moe->routed[e];     /* counts below 2^24 a step: exact as floats */
-    v[E] = (float)moe->choices; v[E + 1] = (float)moe->dropped; v[E + 2] = (float)moe->balance_sum; v[E + 3] = (float)moe->layers;
-    dt__job_sum(v, E + 4);
-    for (int e = 0; e < E; e++) moe->routed[e] = (int64_t)v[e];
-    moe->choices = (int64_t)v[E]; moe->dropped = (int64_t)v[E + 1];
-    moe->balance_sum = v[E + 2] / dt__ctx.world_size; moe->layers = (int64_t)(v[E + 3] / dt__ctx.world_size);
+    int E = moe->experts, W = dt__ctx.world_size, n = E + 3;
+    int64_t *mine = (int64_t *)dt_step_alloc(sizeof(int64_t) * (size_t)n), *all = (int64_t *)dt_step_alloc(sizeof(int64_t) * (size_t)n * W);
+    memcpy(mine, moe->routed, sizeof(int64_t) * (size_t)E);        /* every rank's counts, added here: exact at any size */
+    mine[E] = moe->choices; mine[E + 1] = moe->dropped;
+    memcpy(&mine[E + 2], &moe->balance_sum, sizeof(double));
+    dt__comm_all_gather_host(dt__ctx.job, mine, all, sizeof(int64_t) * (size_t)n);
+    memset(moe->routed, 0, sizeof(int64_t) * (size_t)E);
+    moe->choices = moe->dropped = 0;
+    moe->balance_sum = 0;
+    for (int r = 0; r < W; r++) {
+        const int64_t *v = all + (size_t)r * n;
+        for (int e = 0; e < E; e++) moe->routed[e] += v[e];
+        moe->choices += v[E]; moe->dropped += v[E + 1];
+        double b;
+        memcpy(&b, &v[E + 2], sizeof b);
+        moe->balance_sum += b / W;                  /* the mean of the ranks' (each the same when taken over the batch) */
+    }
 }
 int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     if (run->micro > 0) {            /* the mean of the step's micro-batches */

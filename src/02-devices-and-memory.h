@@ -155,6 +155,7 @@ static const dt_backend *dt__backend_of(dt_device d) {
 /* Zero memory on a device; a GPU does it in its queue. */
 static void dt__zero_on(dt_device d, void *p, size_t bytes) {
     const dt_backend *gpu = dt__backend_of(d);
+    if (!bytes) return;                 /* (an empty tensor may have no memory at all) */
     if (gpu) gpu->zero(p, bytes);
     else memset(p, 0, bytes);
 }

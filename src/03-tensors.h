@@ -78,7 +78,11 @@ dt_tensor *dt_tensor_from_host(int ndim, const int *shape, const float *host) {
     return t;
 }
 int64_t dt_tensor_rows(const dt_tensor *t) { return t->shape[0]; }
-int64_t dt_tensor_cols(const dt_tensor *t) { return t->numel / t->shape[0]; }
+int64_t dt_tensor_cols(const dt_tensor *t) {          /* a product, not numel / rows: a tensor may have no rows */
+    int64_t cols = 1;
+    for (int d = 1; d < t->ndim; d++) cols *= t->shape[d];
+    return cols;
+}
 /* A parameter's gradient is f32 whatever its data holds: the optimizer and the
    collectives read it. An activation's has the activation's dtype. */
 static dt_dtype dt__grad_dtype(const dt_tensor *t) { return t->is_param ? DT_F32 : t->dtype; }

@@ -383,7 +383,8 @@ static void dt__shm_all_to_all(dt_comm *c, const dt_comm_op *o) {
     int64_t per_slot = (int64_t)(DT_SLOT_BYTES / es), W = c->world, me = c->rank, send_at[DT_MAX_RANKS], recv_at[DT_MAX_RANKS];
     char *mine = c->slots + (size_t)me * DT_SLOT_BYTES, what[80];
     for (int64_t r = 0, a = 0, b = 0; r < W; a += o->counts[r], b += o->counts[W + r], r++) { send_at[r] = a; recv_at[r] = b; }
-    memcpy((char *)o->recv + recv_at[me] * es, (const char *)o->send + send_at[me] * es, (size_t)o->counts[me] * es);
+    if (o->counts[me])             /* (an empty piece may have no memory at all) */
+        memcpy((char *)o->recv + recv_at[me] * es, (const char *)o->send + send_at[me] * es, (size_t)o->counts[me] * es);
     double t0 = 0;
     for (int64_t s = 1; s < W; s++) {
         int64_t to = (me + s) % W, from = (me - s + W) % W, ns = o->counts[to], nr = o->counts[W + from];

@@ -32,8 +32,9 @@ typedef struct dt_ep dt_ep;
    group. E must divide by it. */
 dt_ep *dt_ep_create(dt_model *model, dt_comm *comm, int ep);
 /* After backward, unwrapped (a job that is one group): the shared
-   parameters' gradients averaged over the group. Wrapped, the engine's sync
-   does it; with more than one group unwrapped, an error that says so. */
+   parameters' gradients averaged over the group, the experts' divided by P.
+   Wrapped, the engine's sync does it; with more than one group unwrapped,
+   an error that says so. */
 void dt_ep_sync_grads(dt_ep *ep);
 /* The ranks that hold the same experts, one per group ("dp"): what the
    data-parallel engine around this one averages or shards over. */
@@ -81,13 +82,7 @@ static void dt__all_to_all_rows_backward(dt__tape_entry *e) {
     int D = x->shape[1];
     double t0 = dt_now_ms();
     float *back = (float *)dt__step_data(sizeof(float) * (size_t)(x->numel > 0 ? x->numel : 1));
-    const float *dy = y->grad ? dt__grad_in(y) : NULL;
-    if (!dy) {                                     /* no gradient reached these rows: zeros travel (the peers wait) */
-        float *zeros = (float *)dt__step_data(sizeof(float) * (size_t)(y->numel > 0 ? y->numel : 1));
-        dt__zero_on(y->device, zeros, sizeof(float) * (size_t)y->numel);
-        dy = zeros;
-    }
-    dt_all_to_all(s->group, dy, s->recv, back, s->send, DT_F32);    /* the same pieces, the other way */
+    dt_all_to_all(s->group, dt__grad_in(y), s->recv, back, s->send, DT_F32);    /* the same pieces, the other way */
     dt__a2a_count(s->count, &(dt__a2a_rows){ s->group, s->recv, s->send, NULL }, DT_F32, t0);
     if (!x->requires_grad) return;
     float *dx = dt__grad_acc(x);
@@ -120,7 +115,11 @@ static dt_tensor *dt__all_to_all_rows(dt_comm *group, dt_tensor *x, const int *s
     dt_all_to_all(group, x->data, s->send, y->data, s->recv, x->dtype);
     dt__a2a_count(count, s, x->dtype, t0);
     s->count = count;
-    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__all_to_all_rows_backward, y, x, NULL, NULL)->saved = s;
+    if (dt__wants_grad(x, NULL, NULL)) {
+        dt__tape_push(dt__all_to_all_rows_backward, y, x, NULL, NULL)->saved = s;
+        dt_grad(y);          /* zeros from the start: backward walks past an entry whose output has no gradient, and every
+                                rank of the group must meet this one, whether its rows were used or not */
+    }
     return y;
 }
 dt_tensor *dt_all_to_all_rows(dt_comm *group, dt_tensor *x, const int *send_rows, const int *recv_rows) {
@@ -163,7 +162,10 @@ static dt_tensor *dt__ep_moe_experts(dt_parallel *par, const dt_moe_layer *L, dt
             if (count) parts[n++] = dt_rows(got, at[q * per + i], count);
             rows += count;
         }
-        outs[i] = rows ? L->expert(L->ctx, p->rank * per + i, n == 1 ? parts[0] : dt_cat_rows(parts, n)) : NULL;
+        /* An expert no row came for runs on none: every rank's tape then reads
+           the same parameters in the same places, so the engine's buckets
+           start at the same moments of backward on every rank. */
+        outs[i] = L->expert(L->ctx, p->rank * per + i, !rows ? dt_rows(got, 0, 0) : n == 1 ? parts[0] : dt_cat_rows(parts, n));
         if (dt__ctx.grad_enabled && !dt__ctx.recomputing) p->rows_in += rows;
     }
     for (int q = 0; q < P; q++)
@@ -204,7 +206,7 @@ static void dt__ep_sum_shared(dt_parallel *par, int first, int end) {
 }
 static void dt__ep_backward_done(dt_parallel *par) {
     dt_ep *p = (dt_ep *)par;
-    if (p->model->parallel == par) dt__ep_sum_shared(par, 0, p->model->nparams);   /* wrapped: the engine called it */
+    if (p->model->parallel == par) dt__ep_sum_shared(par, 0, p->model->nparams);   /* unwrapped (wrapped, the engine calls it) */
 }
 void dt_ep_sync_grads(dt_ep *ep) {
     if (ep->model->parallel != &ep->par)

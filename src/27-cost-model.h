@@ -91,7 +91,7 @@ typedef struct dt_cost_input {
        experts, each reading its own batch): the share of the parameters in
        the experts (each rank keeps 1/P of them), the all-to-alls of a
        micro-batch (four an MoE layer: dispatch and combine, forward and
-       backward), and the bytes a rank sends to the others in each. They
+       backward; six with --recompute, whose forward runs again), and the bytes a rank sends to the others in each. They
        stand where the layer waits for them: nothing hides them. Then the
        experts' gradients are averaged over the dp_groups (DDP's, behind
        backward, or sharded), the rest over every rank: the groups' average,

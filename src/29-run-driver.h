@@ -587,14 +587,23 @@ static void dt__run_eval(dt_run *r) {
    the mean of the balancing terms, as stage 01 counts its one batch. */
 static void dt__job_moe_stats(dt_moe_stats *moe) {
     if (!moe->experts || !dt__ctx.job || dt__ctx.world_size == 1) return;
-    int E = moe->experts;
-    float *v = (float *)dt_step_alloc(sizeof(float) * (size_t)(E + 4));
-    for (int e = 0; e < E; e++) v[e] = (float)moe->routed[e];     /* counts below 2^24 a step: exact as floats */
-    v[E] = (float)moe->choices; v[E + 1] = (float)moe->dropped; v[E + 2] = (float)moe->balance_sum; v[E + 3] = (float)moe->layers;
-    dt__job_sum(v, E + 4);
-    for (int e = 0; e < E; e++) moe->routed[e] = (int64_t)v[e];
-    moe->choices = (int64_t)v[E]; moe->dropped = (int64_t)v[E + 1];
-    moe->balance_sum = v[E + 2] / dt__ctx.world_size; moe->layers = (int64_t)(v[E + 3] / dt__ctx.world_size);
+    int E = moe->experts, W = dt__ctx.world_size, n = E + 3;
+    int64_t *mine = (int64_t *)dt_step_alloc(sizeof(int64_t) * (size_t)n), *all = (int64_t *)dt_step_alloc(sizeof(int64_t) * (size_t)n * W);
+    memcpy(mine, moe->routed, sizeof(int64_t) * (size_t)E);        /* every rank's counts, added here: exact at any size */
+    mine[E] = moe->choices; mine[E + 1] = moe->dropped;
+    memcpy(&mine[E + 2], &moe->balance_sum, sizeof(double));
+    dt__comm_all_gather_host(dt__ctx.job, mine, all, sizeof(int64_t) * (size_t)n);
+    memset(moe->routed, 0, sizeof(int64_t) * (size_t)E);
+    moe->choices = moe->dropped = 0;
+    moe->balance_sum = 0;
+    for (int r = 0; r < W; r++) {
+        const int64_t *v = all + (size_t)r * n;
+        for (int e = 0; e < E; e++) moe->routed[e] += v[e];
+        moe->choices += v[E]; moe->dropped += v[E + 1];
+        double b;
+        memcpy(&b, &v[E + 2], sizeof b);
+        moe->balance_sum += b / W;                  /* the mean of the ranks' (each the same when taken over the batch) */
+    }
 }
 int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     if (run->micro > 0) {            /* the mean of the step's micro-batches */

@@ -126,11 +126,17 @@ static void ep_equals_01(const char *flags, const char *tag, const ep_run *runs,
 }
 #define EP_GPT "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --moe-experts 4 --moe-top-k 2"
 #define EP_LLAMA "--model llama --dim 32 --depth 2 --heads 4 --kv-heads 2 --seq-len 16 --moe-experts 8 --moe-top-k 1"
-/* The cases: P = 2 (E = 4, top-2) and P = 4 (E = 8, top-1), dropless. */
+/* P = 2 and 4 with E = 4, top-2 (gpt) and E = 8, top-1 (llama), dropless;
+   llama's P = 2 as 2 groups of 2, the experts averaged over the groups
+   only. And a capacity so small that most choices drop, and whole ranks
+   are left with no slot or no row for an expert: the same. */
 TEST(expert_parallel_equals_one_device, QUICK) {
-    static const ep_run gpt[1] = { { 2, 2, 16, "" } }, llama[1] = { { 4, 4, 8, "" } };
-    ep_equals_01(EP_GPT, "gpt", gpt, 1);
-    ep_equals_01(EP_LLAMA, "llama", llama, 1);
+    static const ep_run gpt[2] = { { 2, 2, 16, "" }, { 4, 4, 8, "" } }, llama[2] = { { 4, 4, 8, "" }, { 4, 2, 8, "" } };
+    ep_equals_01(EP_GPT, "gpt", gpt, 2);
+    ep_equals_01(EP_LLAMA, "llama", llama, 2);
+    static const ep_run starved[1] = { { 4, 2, 8, "" } };
+    ep_equals_01("--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --moe-experts 8 --moe-top-k 1 --moe-capacity 0.01",
+                 "gpt-starved", starved, 1);
 }
 /* A capacity that drops choices and the balancing loss (taken over the
    whole job's batch, ties by place in 01's batch): the same choices drop.
@@ -183,7 +189,7 @@ TEST(expert_parallel_keeps_its_experts_and_saves_the_whole_model, QUICK) {
         { "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --moe-experts 6 --moe-top-k 2 --nproc 4 --ep 4",
           "--moe-experts 6 does not divide by --ep 4" },
         { "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --moe-experts 4 --moe-top-k 5 --nproc 2",
-          "--moe-top-k 5" },
+          "--moe-top-k 5: a token cannot go to more than the 4 experts" },
         { "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --nproc 2", "this model has no experts to spread" },
         { EP_GPT " --nproc 2 --dtype fp16", "--dtype fp16: fp16 needs its loss scaled (stage 05), which 09-expert-parallel" },
     };

@@ -154,8 +154,8 @@ static int same_two_rank_weights(const char *a, const char *b) {
    4 ranks too within each pair, while the 4-rank sums are within MPI's
    roundings: it adds in an order of its own. Stages 03, 04 (full, and
    --shard grads), 05 (bf16, 2 micro-batches; fp16 with fp16 gradients, which
-   MPI sums in f32 as shared memory does), 06 (--tp 2) and 07 (--pp 2) save,
-   after two epochs over MPI, the weights
+   MPI sums in f32 as shared memory does), 06 (--tp 2), 07 (--pp 2) and 09
+   (--ep 2, its all-to-alls) save, after two epochs over MPI, the weights
    of the same run over shared memory, bit for bit. A rank killed mid-job ends
    it through mpirun, named, well within --timeout. Misuse is refused: --comm
    mpi with --nproc, --comm nccl on the CPU, --comm mpi in a build without MPI. */
@@ -201,6 +201,19 @@ TEST(collectives_and_stages_over_mpi_equal_shared_memory, FULL) {
         snprintf(q, sizeof q, "%s/mlp_data0-320_epoch2", dir);
         CHECKF(st == 0 && same_two_rank_weights(p, q), "%s %s: MPI and shared memory give different weights", runs[k][0], runs[k][1]);
     }
+    /* 09: the experts' rows by MPI_Ialltoallv, uneven pieces (and empty ones, with the capacity) */
+    const char *moe = "--model gpt --dim 32 --depth 2 --heads 2 --seq-len 16 --moe-experts 4 --moe-top-k 2 --moe-capacity 0.5";
+    snprintf(ref, sizeof ref, "%s/mpi-ref-ep", tmpdir);
+    snprintf(dir, sizeof dir, "%s/mpi-ep", tmpdir);
+    st = run_cmd(out, sizeof out, "%s --data %s " PAR_FLAGS " --batch-size 16 %s --nproc 2 --save-dir %s", stage_bin("09-expert-parallel"),
+                 gpt_text(), moe, ref);
+    CHECKF(st == 0, "09 --nproc 2: exit %d\n%s", st, out);
+    st = run_cmd(out, sizeof out, "%s 2 %s --comm mpi --data %s " PAR_FLAGS " --batch-size 16 %s --save-dir %s", mpirun,
+                 stage_bin("09-expert-parallel"), gpt_text(), moe, dir);
+    CHECKF(st == 0, "09 over MPI: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/gpt_data0-320_epoch2", ref);
+    snprintf(q, sizeof q, "%s/gpt_data0-320_epoch2", dir);
+    CHECKF(st == 0 && same_two_rank_weights(p, q), "09 --ep 2: MPI and shared memory give different weights");
     /* a rank killed in its first all-reduce: mpirun ends the job, naming it, long before --timeout */
     double t0 = dt_now_ms();
     st = run_cmd(out, sizeof out, "%s 2 -x DT_TEST_DIE_RANK=1 %s --comm mpi --data %s " PAR_FLAGS " --batch-size 16 --timeout 60", mpirun,
