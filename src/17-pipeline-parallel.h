@@ -591,31 +591,40 @@ static int dt__pp_owner(const dt_pp *p, int i) {     /* the first stage that hol
     return 0;
 }
 
-/* Checkpoints are whole (the checkpoints chapter): to save, the first pipeline's stages
-   send what they hold to its first rank, one tensor at a time, and that
-   rank -- the job's rank 0 -- writes; to load, every rank reads the whole
-   and keeps its stage's. */
-static float *dt__pp_state_gather(dt_pp *p, float *local) {
-    dt_model *m = p->model;
-    const dt_model *W = &p->whole;
+/* A model cut so that each parameter is whole on one rank of `group` (its
+   owner: a pipeline's stages, expert parallelism's experts): the whole
+   state (`whole` lays it out) at the group's first rank, which writes it,
+   from each rank's `local` (laid out as the cut model m) -- each owner sends
+   its parameters there, one tensor at a time. The other ranks get NULL. */
+static float *dt__state_from_owners(dt_comm *group, const dt_model *m, const dt_model *whole_layout, float *local,
+                                    int (*owner_of)(const void *wrapper, int i), const void *wrapper, const char *what) {
+    const dt_model *W = whole_layout;
+    int me = dt_comm_rank(group);
     float *whole = NULL;
-    if (p->stage == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
-        dt_fail("out of memory (gathering the pipeline's stages for a checkpoint: %.1f MB)", W->numel * 4e-6);
+    if (me == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
+        dt_fail("out of memory (gathering %s for a checkpoint: %.1f MB)", what, W->numel * 4e-6);
     for (int i = 0; i < m->nparams; i++) {
-        int owner = dt__pp_owner(p, i);
+        int owner = owner_of(wrapper, i);
         int64_t n = W->params[i].numel;
         size_t bytes = (size_t)n * sizeof(float);
         if (owner == 0) {
             if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
-        } else if (p->stage == owner) dt_send(p->pipe, local + m->offsets[i], n, DT_F32, 0);
+        } else if (me == owner) dt_send(group, local + m->offsets[i], n, DT_F32, 0);
         else if (whole) {
             float *buf = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes);
-            dt_recv(p->pipe, buf, n, DT_F32, owner);
+            dt_recv(group, buf, n, DT_F32, owner);
             dt__download_from(m->device, whole + W->offsets[i], buf, bytes);
             dt_free_on(m->device, DT_ARENA_COMM, buf, bytes);
         }
     }
     return whole;
+}
+/* Checkpoints are whole (the checkpoints chapter): to save, the first pipeline's stages
+   send what they hold to its first rank, and that rank -- the job's rank 0
+   -- writes; to load, every rank reads the whole and keeps its stage's. */
+static int dt__pp_owner_of(const void *wrapper, int i) { return dt__pp_owner((const dt_pp *)wrapper, i); }
+static float *dt__pp_state_gather(dt_pp *p, float *local) {
+    return dt__state_from_owners(p->pipe, p->model, &p->whole, local, dt__pp_owner_of, p, "the pipeline's stages");
 }
 
 /* The whole state from this rank's stage (`local`, laid out as the cut

@@ -322,30 +322,16 @@ void dt_ep_free(dt_ep *ep) {
    holds it to the first rank of the first group, which writes; to load,
    every rank keeps its experts of the whole. The memory table shows what a
    rank keeps; the log, --bench and the cost model get the all-to-alls. */
+static int dt__ep_owner_of(const void *wrapper, int i) {        /* the rank of the group that holds parameter i */
+    const dt_ep *p = (const dt_ep *)wrapper;
+    int e = p->model->splits[i].expert - 1;
+    return e < 0 ? 0 : e / p->per_rank;
+}
 static float *dt__ep_whole_from_local(dt_parallel *par, const dt_model *layout, float *local) {
     dt_ep *p = (dt_ep *)par;
-    dt_model *m = p->model;
-    const dt_model *W = &p->whole;
     (void)layout;                                  /* the model as cut */
     if (dt_mesh_coord(p->mesh, "dp") != 0) return NULL;   /* the groups hold the same: the first one writes */
-    float *whole = NULL;
-    if (p->rank == 0 && !(whole = (float *)malloc((size_t)W->numel * sizeof(float) + 1)))
-        dt_fail("out of memory (gathering the experts for a checkpoint: %.1f MB)", W->numel * 4e-6);
-    for (int i = 0; i < m->nparams; i++) {
-        int e = m->splits[i].expert - 1, owner = e < 0 ? 0 : e / p->per_rank;
-        int64_t n = W->params[i].numel;
-        size_t bytes = (size_t)n * sizeof(float);
-        if (owner == 0) {
-            if (whole) dt__download_from(m->device, whole + W->offsets[i], local + m->offsets[i], bytes);
-        } else if (p->rank == owner) dt_send(p->group, local + m->offsets[i], n, DT_F32, 0);
-        else if (whole) {
-            float *buf = (float *)dt_alloc_on(m->device, DT_ARENA_COMM, bytes);
-            dt_recv(p->group, buf, n, DT_F32, owner);
-            dt__download_from(m->device, whole + W->offsets[i], buf, bytes);
-            dt_free_on(m->device, DT_ARENA_COMM, buf, bytes);
-        }
-    }
-    return whole;
+    return dt__state_from_owners(p->group, p->model, &p->whole, local, dt__ep_owner_of, p, "the experts");
 }
 static void dt__ep_local_from_whole(dt_parallel *par, const dt_model *layout, float *whole, float *local) {
     (void)layout;
