@@ -7007,9 +7007,9 @@ static dt_comm *dt__active_comm;             /* for dt_fail: tell the other rank
              __atomic_sub_fetch(&dt__test_die_in_send, 1, __ATOMIC_RELAXED) == 0) raise(SIGKILL); } while (0)
 static int dt__test_die_in_send;             /* DT_TEST_DIE_SEND: this rank's sends on any communicator, counted */
 /* DT_TEST_BARRIER_LATE="r ms look_ms": rank r of the job reaches each barrier
-   (dt_barrier) ms late, and a rank waiting in one sleeps look_ms before its
-   first look at whether its peer is alive -- so a peer can arrive, pass the
-   job's last barrier and exit between the waiter's two looks. */
+   (dt_barrier) ms late, and a rank waiting in one sleeps look_ms between its
+   first look at whether its peer is alive and its look at the counter -- so
+   a peer can arrive, pass the job's last barrier and exit between the two. */
 static void dt__test_barrier_late(const dt_comm *c, const char *what, int arriving) {
     const char *v = getenv("DT_TEST_BARRIER_LATE");
     int r = -1, ms = 0, look_ms = 0;
@@ -7053,17 +7053,19 @@ static void dt__comm_abort_others(dt_comm *c) { if (c) dt__comm_abort_others_bec
 static void dt__comm_on_fail(void) { dt__comm_abort_others(dt__active_comm); }
 
 /* Why the job cannot go on, if it cannot: a rank failed (it wrote its rank
-   into the shared header), a peer's process is gone, or we have waited past
-   --timeout for rank j (j < 0: for any peer). Fills `why` and returns 1; the
-   shared-memory barrier and the NCCL watchdog both ask this. */
-static int dt__job_trouble(dt_comm *c, int j, double waited_ms, const char *what, char *why, size_t n) {
+   into the shared header), a peer's process is gone (looked at only when
+   look_at_peers: the barrier looks itself, before its counter), or we have
+   waited past --timeout for rank j (j < 0: for any peer). Fills `why` and
+   returns 1; the shared-memory barrier and the NCCL watchdog both ask this. */
+static int dt__job_trouble_seen(dt_comm *c, int j, int look_at_peers, double waited_ms, const char *what, char *why,
+                                size_t n) {
     int failed = __atomic_load_n(&c->top->hdr->abort_rank, __ATOMIC_ACQUIRE);
     if (failed) {
         dt__active_comm = NULL;              /* it told us; no need to tell it back */
         snprintf(why, n, "rank %d failed or died (see above), so %s cannot finish; stopping", failed - 1, what);
         return 1;
     }
-    for (int r = j < 0 ? 0 : j; r < (j < 0 ? c->world : j + 1); r++) {
+    for (int r = j < 0 ? 0 : j; look_at_peers && r < (j < 0 ? c->world : j + 1); r++) {
         int pid = __atomic_load_n(&c->hdr->pid[r], __ATOMIC_ACQUIRE);
         if (r != c->rank && dt__process_gone(pid)) {
             dt__comm_abort_others_because(c, r);
@@ -7078,9 +7080,8 @@ static int dt__job_trouble(dt_comm *c, int j, double waited_ms, const char *what
     else snprintf(why, n, "%s has not finished after %.0f s (--timeout): a rank hangs or died; stopping", what, c->timeout_s);
     return 1;
 }
-static void dt__check_peer(dt_comm *c, int j, double waited_ms, const char *what) {
-    char why[320];
-    if (dt__job_trouble(c, j, waited_ms, what, why, sizeof why)) dt_fail("%s", why);
+static int dt__job_trouble(dt_comm *c, int j, double waited_ms, const char *what, char *why, size_t n) {
+    return dt__job_trouble_seen(c, j, 1, waited_ms, what, why, n);
 }
 
 /* Wait until rank j has moved `*counter` to `target`. Spin a little, then
@@ -7093,14 +7094,17 @@ static void dt__shm_wait_for(dt_comm *c, const uint64_t *counter, uint64_t targe
         struct timespec ts = { 0, 20000 };
         nanosleep(&ts, NULL);
         if (spins % 256 == 0) {
-            if (*t0 == 0) { *t0 = dt_now_ms(); DT_TEST_BARRIER_LATE(c, what, 0); }
+            int first_look = *t0 == 0;
+            if (first_look) *t0 = dt_now_ms();
             /* A peer may arrive and then end (its last barrier passed, it
-               exits) between our look at the counter and our look at it:
-               gone, with the counter reached, it is done, not dead. */
-            if (dt__process_gone(__atomic_load_n(&c->hdr->pid[j], __ATOMIC_ACQUIRE)) &&
-                __atomic_load_n(counter, __ATOMIC_ACQUIRE) >= target)
-                break;
-            dt__check_peer(c, j, dt_now_ms() - *t0, what);
+               exits) at any moment, so look at the process first and the
+               counter second: gone before a counter still short, it is dead;
+               alive then, only a failure it reported or --timeout stops us. */
+            int gone = dt__process_gone(__atomic_load_n(&c->hdr->pid[j], __ATOMIC_ACQUIRE));
+            if (first_look) DT_TEST_BARRIER_LATE(c, what, 0);
+            if (__atomic_load_n(counter, __ATOMIC_ACQUIRE) >= target) break;
+            char why[320];
+            if (dt__job_trouble_seen(c, j, gone, dt_now_ms() - *t0, what, why, sizeof why)) dt_fail("%s", why);
         }
     }
 }

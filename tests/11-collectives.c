@@ -159,10 +159,11 @@ TEST(a_killed_rank_stops_the_others_with_its_name, QUICK | ALONE) {
 /* A rank that passes the job's last barrier and exits at once is done, not
    dead: the others, still looking at the barrier, must not take it for a
    rank that died in it. The hook DT_TEST_BARRIER_LATE="0 150 600" has rank 0
-   reach each barrier 150 ms late while the others wait 600 ms before their
-   first look at whether it lives -- so rank 0 arrives, ends and exits in
-   between, after the sharded save's last barrier. (CI once failed this way
-   at -O2: "rank 0 died during barrier" at the end of a 04 --shard full run.) */
+   reach each barrier 150 ms late while the others wait 600 ms between their
+   first look at whether it lives and their look at the barrier's counter --
+   so rank 0 arrives, ends and exits in between, after the sharded save's last
+   barrier. (CI failed this way twice: "rank 0 died during barrier" at the end
+   of a 04 --shard full run at -O2, and of 04 --shard grads under MSan.) */
 TEST(a_rank_that_ends_after_the_last_barrier_is_not_taken_for_dead, QUICK) {
     char out[16384], dir[700];
     snprintf(dir, sizeof dir, "%s/saves", tmpdir);
