@@ -975,6 +975,29 @@ void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *scaler, int accum
    skipped -- every rank decides alike, as the check is summed over them. */
 int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt);
 
+/* Block quantization, for communication (ZeRO++, the FSDP chapter): n f32
+   values as `bits`-bit integers (8, or 4: two to a byte), each block of
+   `block` values (even, 8 to 65536) sharing one f32 scale, absmax / qmax
+   (qmax 127, or 7). A value comes back as round(x / scale) * scale: within
+   half a step, absmax / (2 qmax) of its block, of itself (plus f32 rounding,
+   a few ulps of absmax); a block of zeros comes back as zeros. A block that
+   holds a NaN or an inf is refused: its scale is NaN, so all of it comes
+   back NaN, never as numbers (the loss scaler then skips the step, or the
+   run stops on a non-finite loss); dt_quantize returns how many blocks were
+   refused (on a GPU, -1: counting would wait for the device).
+   The buffer: the blocks' scales, then the codes, dt_quantized_bytes long (a
+   multiple of 4, so it travels as f32 words). It lives where the current
+   device's memory is. */
+#define DT_QUANT_MAX(bits) ((1 << ((bits) - 1)) - 1)
+int64_t dt_quantized_bytes(int64_t n, int bits, int block);
+int64_t dt_quantize(const float *x, int64_t n, int bits, int block, void *q);
+/* Into `out` as `out_dtype` (add: added to it, f32 only). */
+void dt_dequantize(const void *q, int64_t n, int bits, int block, void *out, dt_dtype out_dtype, int add);
+/* The arithmetic, one block and one value at a time, shared with the GPU. */
+DT_HD static inline float dt_quant_block_scale(const float *x, int64_t n, int bits);
+DT_HD static inline void dt_quant_block(const float *x, int64_t first, int64_t n, int bits, float scale, uint8_t *codes);
+DT_HD static inline float dt_dequant_value(const uint8_t *codes, int64_t i, int bits, float scale);
+
 /* [src/11-collectives.h] */
 /* ---- collectives ---------------------------------------------------------------- */
 
@@ -1082,6 +1105,12 @@ void dt_all_to_all(dt_comm *c, const void *send, const int64_t *send_counts, voi
    the CPU, its own shared memory, so groups run side by side; a rank that dies
    still stops the whole job. Free it with dt_comm_free before comm. */
 dt_comm *dt_comm_split(dt_comm *comm, int color, int key);
+
+/* Which machine rank `rank` of comm runs on: 0, 1, ... numbered by their
+   first job rank, as the launcher placed the ranks (ranks on one machine share
+   its memory; the run driver sees it at the rendezvous). Hierarchical
+   collectives (ZeRO++, the FSDP chapter) talk within a machine first. */
+int dt_comm_machine(const dt_comm *comm, int rank);
 
 /* A mesh: the ranks of comm as a grid of named dimensions, the last varying
    fastest (a 2 x 2 "dp" x "tp" mesh: ranks 0, 1 are one tensor-parallel pair,
@@ -1191,6 +1220,27 @@ void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync);
    MixedPrecision(reduce_dtype=...). Parameters are gathered in the compute
    dtype that was set when dt_fsdp_create ran (the mixed-precision chapter). */
 void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype);
+/* ZeRO++ (Wang et al. 2023): across machines a sharded step is limited by the
+   network, which every weight crosses twice (forward and backward gathers)
+   and every gradient once. Three levers cut those bytes:
+     quantize_weights 8   qwZ: a unit's shards travel as int8, one scale per
+                          block of quant_block values, dequantized on arrival
+     hierarchical 1       hpZ: each machine keeps a second copy of every unit,
+                          cut over its own ranks (1/L each, L ranks a machine)
+                          from the forward gather, so the backward gather
+                          never leaves the machine
+     quantize_grads 8, 4  qgZ: gradients quantized, exchanged within the
+                          machine (all-to-all), summed, quantized again,
+                          exchanged across machines, summed: each rank gets
+                          its shard of the mean, and only 1/L of them crosses
+   Machines are the launcher's (dt_comm_machine), or every ranks_per_machine
+   consecutive ranks (a lesson on one machine). Weight levers need
+   DT_SHARD_FULL (the gathers they change); the gradient lever any mode. Set
+   before the first forward; all zero changes nothing. Checkpoints stay f32. */
+typedef struct dt_zeropp {
+    int quantize_weights, quantize_grads, hierarchical, quant_block, ranks_per_machine;
+} dt_zeropp;
+void dt_fsdp_set_zeropp(dt_fsdp *fsdp, dt_zeropp zeropp);
 void dt_fsdp_free(dt_fsdp *fsdp);
 
 /* The data-parallel engine a stage applies last, over the ranks that hold
@@ -1553,6 +1603,40 @@ DT_HD static inline float dt_f16_to_f32(uint16_t h) {
     return dt_bits_float(bits);
 }
 
+/* Block quantization (the mixed-precision chapter): one division and one
+   rounding per value, no sum, so the CPU and the GPU agree bit for bit. */
+DT_HD static inline float dt_quant_block_scale(const float *x, int64_t n, int bits) {
+    float absmax = 0.0f;
+    int finite = 1;
+    for (int64_t i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        finite &= a <= 3.40282347e38f;                   /* false for inf and for NaN */
+        absmax = a > absmax ? a : absmax;
+    }
+    return finite ? absmax / (float)DT_QUANT_MAX(bits) : NAN;
+}
+DT_HD static inline int dt__quant_code(float x, float scale, int bits) {
+    if (!(scale > 0.0f)) return 0;                       /* a block of zeros, or a refused one */
+    float v = rintf(x / scale);                          /* to nearest, ties to even */
+    float m = (float)DT_QUANT_MAX(bits);
+    return (int)(v > m ? m : v < -m ? -m : v);
+}
+/* Values first .. first + n - 1 of x as codes (first is even: a 4-bit pair never straddles two blocks). */
+DT_HD static inline void dt_quant_block(const float *x, int64_t first, int64_t n, int bits, float scale, uint8_t *codes) {
+    if (bits == 8) {
+        for (int64_t i = first; i < first + n; i++) codes[i] = (uint8_t)(int8_t)dt__quant_code(x[i], scale, bits);
+        return;
+    }
+    for (int64_t i = first; i < first + n; i += 2) {     /* low nibble: the even value; two's complement */
+        int lo = dt__quant_code(x[i], scale, bits), hi = i + 1 < first + n ? dt__quant_code(x[i + 1], scale, bits) : 0;
+        codes[i / 2] = (uint8_t)((lo & 0xF) | ((hi & 0xF) << 4));
+    }
+}
+DT_HD static inline float dt_dequant_value(const uint8_t *codes, int64_t i, int bits, float scale) {
+    int q = bits == 8 ? (int)(int8_t)codes[i] : ((((codes[i / 2] >> ((i & 1) * 4)) & 0xF) ^ 8) - 8);
+    return (float)q * scale;                             /* a NaN scale: NaN */
+}
+
 /* GPU launch shape, here so that a CPU test can check it: a grid is capped
    (DT_MAX_BLOCKS blocks of DT_THREADS), so every kernel loops -- thread i
    takes items i, i + stride, ...; a warp-per-row kernel takes rows w, w +
@@ -1698,6 +1782,9 @@ typedef struct dt_backend {
                   float beta2, float eps, float wd, float bias_correction1, float bias_correction2);
     void (*sgd)(float *p, float *buf, const float *g, int64_t n, float lr, float momentum, float wd);
     void (*convert)(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n);
+    /* block quantization, as dt_quantize and dt_dequantize (no count of refused blocks) */
+    void (*quantize)(const float *x, int64_t n, int bits, int block, void *q);
+    void (*dequantize)(const void *q, int64_t n, int bits, int block, void *out, dt_dtype out_dtype, int add);
     int (*owns)(const void *p);                      /* 1 when p is memory of this device */
 } dt_backend;
 
@@ -2192,6 +2279,12 @@ typedef struct dt_config {
     float bucket_mb;             /* --bucket-mb: DDP's gradient buckets (0: one all-reduce after backward) */
     int shard;                   /* --shard: what FSDP shards (a dt_shard_mode; default full; 07: none) */
     int cpu_offload;             /* --cpu-offload: FSDP's shards and optimizer in host memory */
+    int quantize_weights;        /* --quantize-weights: 0 none, 1 int8 (ZeRO++'s qwZ) */
+    int quantize_grads;          /* --quantize-grads: 0 none, 1 int8, 2 int4 (qgZ) */
+    int hierarchical;            /* --hierarchical: a second copy of the weights per machine (hpZ) */
+    int quant_block;             /* --quant-block: values per scale (default 256) */
+    int ranks_per_machine;       /* --ranks-per-machine: 0, the launcher's machines; N, every N ranks one */
+    dt_zeropp zeropp;            /* the five above, as dt_fsdp_set_zeropp takes them */
     int tp;                      /* --tp: ranks per tensor-parallel group (0: every rank of the job) */
     int sequence_parallel;       /* --sequence-parallel: the rows between the split layers split too */
     int pp;                      /* --pp: ranks per pipeline, each a stage of consecutive blocks (0: every rank) */
@@ -6890,6 +6983,52 @@ int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt) {
     return 1;
 }
 
+
+/* -- block quantization: the CPU's loops (the GPU's kernels call the same
+      per-block and per-value functions) -- */
+static void dt__quant_check(int64_t n, int bits, int block) {
+    if ((bits != 8 && bits != 4) || block < 8 || block > 65536 || block % 2 || n < 0)
+        dt_fail("dt_quantize: %d bits in blocks of %d values (n %lld): bits must be 8 or 4, a block even, 8 to 65536", bits,
+                block, (long long)n);
+}
+int64_t dt_quantized_bytes(int64_t n, int bits, int block) {
+    dt__quant_check(n, bits, block);
+    int64_t blocks = (n + block - 1) / block, codes = bits == 8 ? n : (n + 1) / 2;
+    return (4 * blocks + codes + 3) / 4 * 4;
+}
+int64_t dt_quantize(const float *x, int64_t n, int bits, int block, void *q) {
+    int64_t blocks = (n + block - 1) / block, refused = 0;
+    dt__quant_check(n, bits, block);
+    float *scales = (float *)q;
+    uint8_t *codes = (uint8_t *)(scales + blocks);
+    const dt_backend *gpu = dt__backend_of(dt__ctx.device);
+    if (gpu) { gpu->quantize(x, n, bits, block, q); return -1; }
+    DT_OMP("omp parallel for schedule(static) reduction(+:refused) if(blocks > 64)")
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t first = b * block, len = n - first < block ? n - first : block;
+        scales[b] = dt_quant_block_scale(x + first, len, bits);
+        refused += scales[b] != scales[b];
+        dt_quant_block(x, first, len, bits, scales[b], codes);
+    }
+    int64_t used = 4 * blocks + (bits == 8 ? n : (n + 1) / 2);            /* the tail's padding: zeros, not garbage */
+    memset((char *)q + used, 0, (size_t)(dt_quantized_bytes(n, bits, block) - used));
+    return refused;
+}
+void dt_dequantize(const void *q, int64_t n, int bits, int block, void *out, dt_dtype out_dtype, int add) {
+    dt__quant_check(n, bits, block);
+    if (add && out_dtype != DT_F32) dt_fail("dt_dequantize: adds into f32 only, not %s", dt_dtype_name(out_dtype));
+    int64_t blocks = (n + block - 1) / block;
+    const float *scales = (const float *)q;
+    const uint8_t *codes = (const uint8_t *)(scales + blocks);
+    const dt_backend *gpu = dt__backend_of(dt__ctx.device);
+    if (gpu) { gpu->dequantize(q, n, bits, block, out, out_dtype, add); return; }
+    DT_OMP("omp parallel for schedule(static) if(n > 65536)")
+    for (int64_t i = 0; i < n; i++) {
+        float v = dt_dequant_value(codes, i, bits, scales[i / block]);
+        if (add) ((float *)out)[i] += v;
+        else dt_store_f32(out, i, out_dtype, v);
+    }
+}
 /* [src/11-collectives.h] */
 /* ==== collectives ===========================================================
    Data parallel training needs a handful of collective operations: every rank
@@ -6970,6 +7109,7 @@ struct dt_comm {
     const char *user_free_fn;               /* and what frees the last of them */
     int in_mesh;                            /* a mesh's: dt_mesh_free frees it */
     int job_rank[DT_MAX_RANKS];             /* rank in top of each of our ranks */
+    int machine[DT_MAX_RANKS];              /* top's: the machine of each job rank (0, 1, ... by first rank) */
 #ifdef DT_TESTING
     int die_in_all_reduce;                  /* test hook, see dt__comm_start: die in this all-reduce (from 1) */
 #endif
@@ -7944,6 +8084,10 @@ static void dt__split_gather(dt_comm *comm, const dt__split_entry *mine, dt__spl
 static int dt__split_before(const dt__split_entry *all, int a, int b) {
     return all[a].key != all[b].key ? all[a].key < all[b].key : a < b;
 }
+int dt_comm_machine(const dt_comm *comm, int rank) {
+    if (rank < 0 || rank >= comm->world) dt_fail("dt_comm_machine: rank %d of a communicator of %d", rank, comm->world);
+    return comm->top->machine[comm->job_rank[rank]];
+}
 dt_comm *dt_comm_split(dt_comm *comm, int color, int key) {
     if (color < 0) dt_fail("dt_comm_split: color %d; a color is a number >= 0 naming the group to join", color);
     dt__split_entry mine = { color, key, (int32_t)getpid(), __atomic_fetch_add(&dt__shm_serial, 1, __ATOMIC_RELAXED) };
@@ -8486,7 +8630,11 @@ typedef struct dt__fsdp_unit {
     void *full;                 /* [shard * world] gathered parameters, in the compute dtype */
     float *full_grad;           /* [shard * world] their gradients, f32 */
     dt_comm_handle gathering;   /* an all-gather in flight (a prefetch), or 0 */
+    dt_comm *gathered_over;     /* its communicator */
+    int gather_how;             /* ZeRO++: DT__GATHER_PLAIN, _QUANTIZED or _SECONDARY */
+    int64_t second_offset;      /* hpZ: where its 1/L sits in `second`, in elements */
 } dt__fsdp_unit;
+enum { DT__GATHER_PLAIN, DT__GATHER_QUANTIZED, DT__GATHER_SECONDARY };
 
 struct dt_fsdp {
     dt_parallel par;            /* first: the model's dt_parallel * is this dt_fsdp */
@@ -8522,6 +8670,23 @@ struct dt_fsdp {
     int sync;
     float *accum;
     int64_t accum_numel;
+    /* ZeRO++ (dt_fsdp_set_zeropp). The ranks as a grid of H machines x L
+       ranks: `local` the L on this machine, `cross` the H at this place on
+       every machine; owner[h * L + l] is the rank at place l of machine h. */
+    dt_zeropp zpp;
+    int zpp_set, forwards;
+    dt_comm *local, *cross;
+    int L, H, place, machine, ring_crossings;
+    int owner[DT_MAX_RANKS], machine_of[DT_MAX_RANKS];
+    void *second;                        /* hpZ: this rank's 1/L of every unit, as the forward gathered it */
+    int64_t second_numel;
+    void *qsend[3], *qcross[3], *qall[3];   /* qwZ, per slot: my shard, the H of my place, all W (quantized) */
+    void *gq_send, *gq_recv;             /* qgZ: W quantized chunks out and in */
+    float *gpart;                        /* qgZ: H partial sums of this place's chunks */
+    size_t qw_bytes, qg_bytes;           /* the largest shard quantized, by each lever */
+    /* bytes a step moves, the whole job's (a collective's every link), within
+       machines and across them; the last finished step's in step_* */
+    double bytes_within, bytes_across, step_bytes_within, step_bytes_across;
 };
 
 static size_t dt__fsdp_full_bytes(const dt_fsdp *f, const dt__fsdp_unit *u) { return (size_t)(u->shard * f->world) * sizeof(float); }
@@ -8578,11 +8743,105 @@ static void dt__fsdp_point(dt_fsdp *f, dt__fsdp_unit *u, int grads, void *buf) {
     }
 }
 
+/* -- ZeRO++: the quantized and hierarchical ways a unit travels -- */
+/* What a collective moves, counted as a ring moves it (each of a group's n
+   links carries (n - 1) / n of the whole), for the whole job: `groups` groups
+   of n ranks, `crossing` of each group's links between machines. */
+static void dt__fsdp_count(dt_fsdp *f, double whole_bytes, int n, int groups, int crossing) {
+    if (!dt__ctx.grad_enabled || n < 2) return;             /* (evaluation's gathers are not a step's) */
+    double per_link = whole_bytes * (n - 1) / n;
+    f->bytes_across += per_link * crossing * groups;
+    f->bytes_within += per_link * (n - crossing) * groups;
+}
+static void dt__fsdp_count_flat(dt_fsdp *f, double whole_bytes) { dt__fsdp_count(f, whole_bytes, f->world, 1, f->ring_crossings); }
+
+static size_t dt__zpp_qbytes(const dt_fsdp *f, int64_t n, int bits) { return (size_t)dt_quantized_bytes(n, bits, f->zpp.quant_block); }
+/* qwZ, started: this rank's shard quantized, gathered from the H ranks at
+   this place on every machine (the only bytes that cross). */
+static dt_comm_handle dt__zpp_gather_start(dt_fsdp *f, int k, const float *shard) {
+    dt__fsdp_unit *u = &f->units[k];
+    int slot = dt__fsdp_slot(f, k);
+    size_t qb = dt__zpp_qbytes(f, u->shard, f->zpp.quantize_weights);
+    dt_quantize(shard, u->shard, f->zpp.quantize_weights, f->zpp.quant_block, f->qsend[slot]);
+    dt__fsdp_count(f, (double)qb * f->H, f->H, f->L, f->H > 1 ? f->H : 0);
+    u->gathered_over = f->cross;
+    return dt_all_gather_async(f->cross, f->qsend[slot], f->qcross[slot], (int64_t)(qb / 4), DT_F32);
+}
+/* qwZ, finished: the H pieces gathered over the machine too, each piece
+   dequantized into its owner's place in the unit. */
+static void dt__zpp_gather_finish(dt_fsdp *f, int k) {
+    dt__fsdp_unit *u = &f->units[k];
+    int slot = dt__fsdp_slot(f, k);
+    size_t qb = dt__zpp_qbytes(f, u->shard, f->zpp.quantize_weights), es = dt_dtype_size(f->param_dtype);
+    dt_all_gather(f->local, f->qcross[slot], f->qall[slot], (int64_t)(qb * f->H / 4), DT_F32);
+    dt__fsdp_count(f, (double)qb * f->H * f->L, f->L, f->H, 0);
+    for (int l = 0; l < f->L; l++)
+        for (int h = 0; h < f->H; h++)
+            dt_dequantize((char *)f->qall[slot] + (size_t)(l * f->H + h) * qb, u->shard, f->zpp.quantize_weights,
+                          f->zpp.quant_block, (char *)u->full + (size_t)(f->owner[h * f->L + l] * u->shard) * es,
+                          f->param_dtype, 0);
+}
+/* hpZ: the machine's place-th 1/L of a unit just gathered in forward, kept
+   for its backward gather (a copy: the same values, from nearer). */
+static void dt__zpp_keep_second(dt_fsdp *f, dt__fsdp_unit *u) {
+    int64_t piece = u->shard * f->H;
+    size_t es = dt_dtype_size(f->param_dtype);
+    dt_convert((char *)u->full + (size_t)(f->place * piece) * es, f->param_dtype, (char *)f->second + (size_t)u->second_offset * es,
+               f->param_dtype, piece);
+}
+static dt_comm_handle dt__zpp_gather_second(dt_fsdp *f, dt__fsdp_unit *u) {
+    int64_t piece = u->shard * f->H;
+    size_t es = dt_dtype_size(f->param_dtype);
+    dt__fsdp_count(f, (double)piece * f->L * es, f->L, f->H, 0);
+    u->gathered_over = f->local;
+    return dt_all_gather_async(f->local, (char *)f->second + (size_t)u->second_offset * es, u->full, piece, f->param_dtype);
+}
+/* qgZ: this rank's shard of the unit's mean gradient, into `mine`. Chunk c
+   of the unit is rank c's shard. The chunks of the ranks at place l on every
+   machine go, quantized, to this machine's place-l rank, which sums what the
+   L ranks sent (in place order: the same bits every run), quantizes the H
+   sums again and sends each to its owner across the machines; the owner sums
+   the H and divides by the world. One rank a machine, or one machine: that
+   level is a plain copy, not quantized. */
+static void dt__zpp_reduce_scatter(dt_fsdp *f, dt__fsdp_unit *u, float *mine) {
+    int bits = f->zpp.quantize_grads, block = f->zpp.quant_block, L = f->L, H = f->H;
+    int64_t n = u->shard;
+    size_t qb = dt__zpp_qbytes(f, n, bits), fb = (size_t)n * sizeof(float);
+    int64_t counts[2 * DT_MAX_RANKS];
+    dt_device dev = f->model->device;
+    dt__zero_on(dev, f->gpart, fb * (size_t)H);
+    if (L > 1) {
+        for (int l = 0; l < L; l++)
+            for (int h = 0; h < H; h++)
+                dt_quantize(u->full_grad + (int64_t)f->owner[h * L + l] * n, n, bits, block, (char *)f->gq_send + (size_t)(l * H + h) * qb);
+        for (int r = 0; r < 2 * L; r++) counts[r] = (int64_t)(qb * H / 4);
+        dt_all_to_all(f->local, f->gq_send, counts, f->gq_recv, counts + L, DT_F32);
+        dt__fsdp_count(f, (double)qb * H * L, L, H, 0);
+        for (int l = 0; l < L; l++)                   /* what each rank of the machine sent, in place order */
+            for (int h = 0; h < H; h++)
+                dt_dequantize((char *)f->gq_recv + (size_t)(l * H + h) * qb, n, bits, block, f->gpart + (int64_t)h * n, DT_F32, 1);
+    } else
+        for (int h = 0; h < H; h++) dt_convert(u->full_grad + (int64_t)f->owner[h] * n, DT_F32, f->gpart + (int64_t)h * n, DT_F32, n);
+    if (H > 1) {
+        for (int h = 0; h < H; h++) dt_quantize(f->gpart + (int64_t)h * n, n, bits, block, (char *)f->gq_send + (size_t)h * qb);
+        for (int r = 0; r < 2 * H; r++) counts[r] = (int64_t)(qb / 4);
+        dt_all_to_all(f->cross, f->gq_send, counts, f->gq_recv, counts + H, DT_F32);
+        dt__fsdp_count(f, (double)qb * H, H, L, H);
+        dt__zero_on(dev, mine, fb);
+        for (int h = 0; h < H; h++) dt_dequantize((char *)f->gq_recv + (size_t)h * qb, n, bits, block, mine, DT_F32, 1);
+    } else dt_convert(f->gpart, DT_F32, mine, DT_F32, n);
+    const dt_backend *gpu = dt__backend_of(dev);
+    if (gpu) gpu->scale(mine, 1.0f / (float)f->world, n);
+    else
+        for (int64_t i = 0; i < n; i++) mine[i] /= (float)f->world;
+}
+
 /* All-gather: every rank's shard of the unit, side by side, is the unit. It is
    started ahead of need -- the next unit's while this one computes -- and
    finished when the unit is about to run. Every rank starts and finishes them
    in the same order, so the collectives pair up. */
-static void dt__fsdp_gather_start(dt_fsdp *f, int k) {
+/* backward: for a backward, which hpZ serves from the machine's second copy. */
+static void dt__fsdp_gather_start(dt_fsdp *f, int k, int backward) {
     dt__fsdp_unit *u = &f->units[k];
     if (f->mode != DT_SHARD_FULL || u->full || u->gathering || !u->numel) return;   /* there already, on its way, or */
                                                                                     /* another pipeline stage's */
@@ -8591,21 +8850,36 @@ static void dt__fsdp_gather_start(dt_fsdp *f, int k) {
         dt_fail("internal: FSDP gathers unit %d while unit %d still holds its buffer", k, f->holder[slot]);
     f->holder[slot] = k;
     u->full = f->gathered[slot];
-    u->gathering = dt_all_gather_async(f->comm, dt__fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
+    if (backward && f->second) {
+        u->gather_how = DT__GATHER_SECONDARY;
+        u->gathering = dt__zpp_gather_second(f, u);
+    } else if (f->zpp.quantize_weights) {
+        u->gather_how = DT__GATHER_QUANTIZED;
+        u->gathering = dt__zpp_gather_start(f, k, dt__fsdp_shard_on_device(f, f->shard_params, k));
+    } else {
+        u->gather_how = DT__GATHER_PLAIN;
+        dt__fsdp_count_flat(f, (double)dt__fsdp_param_bytes(f, u));
+        u->gathered_over = f->comm;
+        u->gathering = dt_all_gather_async(f->comm, dt__fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
+    }
 }
-static void dt__fsdp_gather_unit(dt_fsdp *f, int k, int next) {
+static void dt__fsdp_gather_unit(dt_fsdp *f, int k, int next, int backward) {
     dt__fsdp_unit *u = &f->units[k];
     if (f->mode != DT_SHARD_FULL) return;
     double wait_from = dt_now_ms(), t0, t1;
     f->prefetched += u->gathering != 0;
-    dt__fsdp_gather_start(f, k);
-    if (next >= 0 && next < f->nunits) dt__fsdp_gather_start(f, next);      /* prefetch */
+    dt__fsdp_gather_start(f, k, backward);
+    if (next >= 0 && next < f->nunits) dt__fsdp_gather_start(f, next, backward);      /* prefetch */
     if (!u->gathering) return;
-    dt_comm_wait(f->comm, u->gathering);
-    dt__comm_interval(f->comm, u->gathering, &t0, &t1);
+    dt_comm_wait(u->gathered_over, u->gathering);
+    dt__comm_interval(u->gathered_over, u->gathering, &t0, &t1);
     double hidden = (t1 < wait_from ? t1 : wait_from) - t0;
-    dt__record_comm("all_gather unit", t0, t1, hidden > 0 ? hidden : 0);
     u->gathering = 0;
+    if (u->gather_how == DT__GATHER_QUANTIZED) dt__zpp_gather_finish(f, k);
+    if (u->gather_how != DT__GATHER_SECONDARY && f->second) dt__zpp_keep_second(f, u);
+    dt__record_comm(u->gather_how == DT__GATHER_PLAIN ? "all_gather unit" : u->gather_how == DT__GATHER_QUANTIZED
+                    ? "all_gather unit (int8, across machines)" : "all_gather unit (second copy, in the machine)",
+                    t0, u->gather_how == DT__GATHER_QUANTIZED ? dt_now_ms() : t1, hidden > 0 ? hidden : 0);
     dt__fsdp_point(f, u, 0, u->full);
 }
 static void dt__fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only our slice */
@@ -8625,14 +8899,19 @@ static void dt__fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
                                                                  groups (a tied vocabulary's two ends) */
     float *mine = f->scattered, *dst = f->shard_grads + u->shard_offset;
     double t0 = dt_now_ms();
-    if (f->reduce_dtype == DT_F32) dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
-    else {                                          /* 16-bit copies travel */
+    if (f->zpp.quantize_grads) dt__zpp_reduce_scatter(f, u, mine);
+    else if (f->reduce_dtype == DT_F32) {
+        dt__fsdp_count_flat(f, (double)dt__fsdp_full_bytes(f, u));
+        dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
+    } else {                                        /* 16-bit copies travel */
+        dt__fsdp_count_flat(f, (double)dt__fsdp_full_bytes(f, u) / 2);
         dt_convert(u->full_grad, DT_F32, f->grad16, f->reduce_dtype, u->shard * f->world);
         dt_reduce_scatter(f->comm, f->grad16, f->scattered16, u->shard, f->reduce_dtype, DT_AVG);
         dt_convert(f->scattered16, f->reduce_dtype, mine, DT_F32, u->shard);
     }
     dt__ctx.grad_collectives++;
-    dt__record_comm("reduce_scatter unit", t0, dt_now_ms(), 0);
+    dt__record_comm(f->zpp.quantize_grads ? "reduce_scatter unit (quantized, by machine)" : "reduce_scatter unit", t0,
+                    dt_now_ms(), 0);
     const dt_backend *gpu = f->offload ? NULL : dt__backend_of(dev);
     if (gpu) gpu->accumulate(dst, mine, u->shard);
     else {                                          /* offloaded: to the host, added there */
@@ -8647,7 +8926,7 @@ static void dt__fsdp_before_unit_backward(dt__tape_entry *e) {
     dt_fsdp *f = (dt_fsdp *)e->saved;
     dt__fsdp_unit *u = &f->units[e->iarg[0]];
     if (!u->numel) return;                          /* nothing of it here (frozen under LoRA, another stage's) */
-    dt__fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1);             /* gathered again; the one before on its way */
+    dt__fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1, 1);          /* gathered again; the one before on its way */
     if (f->mode != DT_SHARD_OPTIMIZER && !u->full_grad) {           /* (the outer unit's stays all step) */
         if (f->accum) u->full_grad = f->accum + u->accum_offset;     /* adds to the micro-batches before */
         else {                                                       /* backward adds into it: zeroed */
@@ -8677,7 +8956,8 @@ static void dt__fsdp_after_unit_backward(dt__tape_entry *e) {
 
 static void dt__fsdp_unit_begin(dt_parallel *par, int unit) {
     dt_fsdp *f = (dt_fsdp *)par;
-    dt__fsdp_gather_unit(f, unit, unit + 1);                               /* and the next one on its way */
+    dt__fsdp_gather_unit(f, unit, unit + 1, 0);                            /* and the next one on its way */
+    f->forwards++;
     if (dt__ctx.grad_enabled) dt__tape_mark(dt__fsdp_after_unit_backward, f, unit);
 }
 static void dt__fsdp_unit_end(dt_parallel *par, int unit) {
@@ -8705,6 +8985,26 @@ static void dt__fsdp_sum_over_ranks(dt_parallel *par, float *values, int n) {
     if (par->inner && par->inner->sum_over_ranks) par->inner->sum_over_ranks(par->inner, values, n);   /* the tensor group's parts */
 }
 
+/* Which machine each rank is on -- the launcher's, or every ranks_per_machine
+   ranks -- numbered in the order of their first rank; how many of a ring's
+   links (rank r to r + 1) cross between machines; and the grid of H machines
+   x L places, which the hierarchical levers need to be whole. */
+static void dt__fsdp_find_machines(dt_fsdp *f, int ranks_per_machine) {
+    int first[DT_MAX_RANKS] = { 0 }, count[DT_MAX_RANKS] = { 0 }, place[DT_MAX_RANKS] = { 0 }, machines = 0;
+    for (int r = 0; r < f->world; r++) {
+        int id = ranks_per_machine > 0 ? r / ranks_per_machine : dt_comm_machine(f->comm, r), m = 0;
+        while (m < machines && first[m] != id) m++;
+        if (m == machines) { first[machines] = id; count[machines++] = 0; }
+        f->machine_of[r] = m;
+        place[r] = count[m]++;
+    }
+    f->ring_crossings = 0;
+    for (int r = 0; r < f->world; r++) f->ring_crossings += f->world > 1 && f->machine_of[r] != f->machine_of[(r + 1) % f->world];
+    f->H = machines; f->L = count[0]; f->machine = f->machine_of[f->rank]; f->place = place[f->rank];
+    for (int m = 1; m < machines; m++) if (count[m] != f->L) f->L = 0;      /* uneven: no grid */
+    for (int r = 0; f->L && r < f->world; r++) f->owner[f->machine_of[r] * f->L + place[r]] = r;
+}
+
 dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload) {
     dt_fsdp *f = (dt_fsdp *)calloc(1, sizeof *f);
     if (!f || !(f->units = (dt__fsdp_unit *)calloc((size_t)model->nunits, sizeof(dt__fsdp_unit))))
@@ -8722,6 +9022,7 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
     f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
     f->param_dtype = dt__ctx.compute_dtype; f->reduce_dtype = DT_F32; f->sync = 1;
     f->rank = dt_comm_rank(comm); f->world = dt_comm_size(comm); f->nunits = model->nunits;
+    dt__fsdp_find_machines(f, 0);
     dt_device dev = model->device;
     dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);     /* every rank starts from rank 0's */
     for (int k = 0; k < f->nunits; k++) {
@@ -8834,6 +9135,9 @@ void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync) {
 }
 void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype) {
     dt_device dev = fsdp->model->device;
+    if (fsdp->zpp.quantize_grads && dtype != DT_F32)
+        dt_usage_error("--reduce-dtype %s with --quantize-grads: the gradients travel quantized, so no reduce dtype applies; "
+                       "drop one", dt_dtype_name(dtype));
     dt_free_on(dev, DT_ARENA_COMM, fsdp->grad16, fsdp->largest / 2);
     dt_free_on(dev, DT_ARENA_COMM, fsdp->scattered16, fsdp->largest_shard / 2);
     fsdp->grad16 = fsdp->scattered16 = NULL;
@@ -8841,6 +9145,78 @@ void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype) {
     if (dtype == DT_F32) return;
     fsdp->grad16 = dt_alloc_on(dev, DT_ARENA_COMM, fsdp->largest / 2);
     fsdp->scattered16 = dt_alloc_on(dev, DT_ARENA_COMM, fsdp->largest_shard / 2);
+}
+
+void dt_fsdp_set_zeropp(dt_fsdp *fsdp, dt_zeropp zeropp) {
+    dt_fsdp *f = fsdp;
+    dt_zeropp z = zeropp;
+    static const char *modes[3] = { "optimizer", "grads", "full" };
+    if (!z.quantize_weights && !z.quantize_grads && !z.hierarchical) return;      /* plain ZeRO */
+    if (f->zpp_set || f->forwards)
+        dt_fail("dt_fsdp_set_zeropp: %s; set ZeRO++ once, before the first forward (it makes its groups and buffers then)",
+                f->zpp_set ? "called twice" : "called after a forward");
+    if (z.quant_block == 0) z.quant_block = 256;
+    if ((z.quantize_weights || z.hierarchical) && f->mode != DT_SHARD_FULL)
+        dt_usage_error("--quantize-weights and --hierarchical change how ZeRO-3 gathers the parameters of each unit; with "
+                       "--shard %s nothing is gathered per unit: use --shard full", modes[f->mode]);
+    if (z.quantize_weights && z.quantize_weights != 8)
+        dt_usage_error("--quantize-weights: int8 (the weights' codes have 8 bits), not %d bits", z.quantize_weights);
+    if (z.quantize_grads && z.quantize_grads != 8 && z.quantize_grads != 4)
+        dt_usage_error("--quantize-grads: int8 or int4, not %d bits", z.quantize_grads);
+    if (z.quant_block < 8 || z.quant_block > 65536 || z.quant_block % 2)
+        dt_usage_error("--quant-block %d: the values that share a scale, an even number from 8 to 65536", z.quant_block);
+    if (z.quantize_grads && f->reduce_dtype != DT_F32)
+        dt_usage_error("--quantize-grads with --reduce-dtype %s: the gradients travel quantized, so no reduce dtype applies; "
+                       "drop one", dt_dtype_name(f->reduce_dtype));
+    if (z.ranks_per_machine < 0 || (z.ranks_per_machine > 0 && f->world % z.ranks_per_machine))
+        dt_usage_error("--ranks-per-machine %d: it must divide the %d ranks that shard the model", z.ranks_per_machine, f->world);
+    dt__fsdp_find_machines(f, z.ranks_per_machine);
+    if (!f->L)
+        dt_fail("ZeRO++: the %d ranks sit on %d machines unevenly; its hierarchical collectives pair the ranks at the same "
+                "place on every machine, so every machine needs as many (start the same number of ranks on each)", f->world, f->H);
+    f->zpp = z;
+    f->zpp_set = 1;
+    f->local = dt_comm_split(f->comm, f->machine, f->place);
+    f->cross = dt_comm_split(f->comm, f->place, f->machine);
+    dt_device dev = f->model->device;
+    size_t es = dt_dtype_size(f->param_dtype);
+    int64_t largest = (int64_t)(f->largest_shard / sizeof(float));
+    int used[3] = { 0, 0, 0 };
+    for (int k = 0; k < f->nunits; k++) {
+        dt__fsdp_unit *u = &f->units[k];
+        used[dt__fsdp_slot(f, k)] |= u->numel > 0;
+        u->second_offset = f->second_numel;
+        if (z.hierarchical && u->numel) f->second_numel += u->shard * f->H;
+    }
+    if (z.hierarchical) f->second = dt_alloc_on(dev, DT_ARENA_PARAMS, (size_t)f->second_numel * es);
+    if (z.quantize_weights) f->qw_bytes = dt__zpp_qbytes(f, largest, z.quantize_weights);
+    for (int b = 0; b < 3 && z.quantize_weights; b++) {
+        if (!used[b]) continue;
+        f->qsend[b] = dt_alloc_on(dev, DT_ARENA_COMM, f->qw_bytes);
+        f->qcross[b] = dt_alloc_on(dev, DT_ARENA_COMM, f->qw_bytes * (size_t)f->H);
+        f->qall[b] = dt_alloc_on(dev, DT_ARENA_COMM, f->qw_bytes * (size_t)f->world);
+    }
+    if (z.quantize_grads) {
+        f->qg_bytes = dt__zpp_qbytes(f, largest, z.quantize_grads);
+        f->gq_send = dt_alloc_on(dev, DT_ARENA_COMM, f->qg_bytes * (size_t)f->world);
+        f->gq_recv = dt_alloc_on(dev, DT_ARENA_COMM, f->qg_bytes * (size_t)f->world);
+        f->gpart = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard * (size_t)f->H);
+    }
+}
+static void dt__zpp_free(dt_fsdp *f) {
+    if (!f->zpp_set) return;
+    dt_device dev = f->model->device;
+    dt_free_on(dev, DT_ARENA_PARAMS, f->second, (size_t)f->second_numel * dt_dtype_size(f->param_dtype));
+    for (int b = 0; b < 3; b++) {
+        dt_free_on(dev, DT_ARENA_COMM, f->qsend[b], f->qw_bytes);
+        dt_free_on(dev, DT_ARENA_COMM, f->qcross[b], f->qw_bytes * (size_t)f->H);
+        dt_free_on(dev, DT_ARENA_COMM, f->qall[b], f->qw_bytes * (size_t)f->world);
+    }
+    dt_free_on(dev, DT_ARENA_COMM, f->gq_send, f->qg_bytes * (size_t)f->world);
+    dt_free_on(dev, DT_ARENA_COMM, f->gq_recv, f->qg_bytes * (size_t)f->world);
+    dt_free_on(dev, DT_ARENA_COMM, f->gpart, f->largest_shard * (size_t)f->H);
+    dt_comm_free(f->cross);
+    dt_comm_free(f->local);
 }
 
 /* After backward: ZeRO-1 reduce-scatters every unit now; ZeRO-2 and -3 the
@@ -8865,14 +9241,16 @@ void dt_fsdp_sync_grads(dt_fsdp *fsdp) { dt_parallel_backward_done(&fsdp->par); 
    parameters (DT_SHARD_FULL gathers each unit when it is next used). */
 static void dt__fsdp_step_done(dt_parallel *par) {
     dt_fsdp *f = (dt_fsdp *)par;
-    if (f->mode == DT_SHARD_FULL) return;              /* gathered when next needed */
-    for (int k = 0; k < f->nunits; k++) {
+    for (int k = 0; f->mode != DT_SHARD_FULL && k < f->nunits; k++) {   /* ZeRO-3: gathered when next needed */
         dt__fsdp_unit *u = &f->units[k];
         double t0 = dt_now_ms();
         if (!u->numel) continue;
+        dt__fsdp_count_flat(f, (double)dt__fsdp_param_bytes(f, u));
         dt_all_gather(f->comm, dt__fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
         dt__record_comm("all_gather parameters", t0, dt_now_ms(), 0);
     }
+    f->step_bytes_within = f->bytes_within; f->step_bytes_across = f->bytes_across;
+    f->bytes_within = f->bytes_across = 0;
 }
 
 void dt_fsdp_free(dt_fsdp *fsdp) {
@@ -8881,7 +9259,8 @@ void dt_fsdp_free(dt_fsdp *fsdp) {
     dt__data_parallel_unwrap(m, &fsdp->par);
     for (int k = 0; k < fsdp->nunits; k++) {
         dt__fsdp_unit *u = &fsdp->units[k];
-        if (u->gathering) dt__fsdp_gather_unit(fsdp, k, -1);      /* a prefetch nobody used: let it land */
+        if (u->gathering) dt__fsdp_gather_unit(fsdp, k, -1, u->gather_how == DT__GATHER_SECONDARY);   /* a prefetch nobody */
+                                                                                                        /* used: let it land */
         if (fsdp->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt__fsdp_param_bytes(fsdp, u));
         if (fsdp->mode == DT_SHARD_OPTIMIZER) dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt__fsdp_full_bytes(fsdp, u));
         dt__fsdp_point(fsdp, u, 0, NULL);
@@ -8892,7 +9271,8 @@ void dt_fsdp_free(dt_fsdp *fsdp) {
         dt_free_on(m->device, DT_ARENA_COMM, fsdp->staged[b], fsdp->largest_shard);
         dt_free_on(m->device, DT_ARENA_COMM, fsdp->send16[b], fsdp->largest_shard / 2);
     }
-    dt__comm_release(fsdp->comm);            /* after the last prefetch has landed */
+    dt__zpp_free(fsdp);                      /* after the last prefetch has landed */
+    dt__comm_release(fsdp->comm);
     dt_fsdp_set_reduce_dtype(fsdp, DT_F32);
     dt_free_on(m->device, DT_ARENA_GRADS, fsdp->accum, (size_t)fsdp->accum_numel * sizeof(float));
     for (int i = 0; i < m->nparams; i++) m->params[i].dtype = DT_F32;
@@ -12285,6 +12665,18 @@ static dt_comm *dt__comm_init_mpi(int rank, int world, double timeout_s) {
                 "with mpirun or srun --mpi=pmix (not --nproc or torchrun)", mpi_rank, mpi_world, rank, world);
     dt_comm *c = dt__comm_new(rank, world, timeout_s);
     c->backend = &dt__comm_mpi_backend;
+    /* which ranks share a machine (its kernel and /dev/shm): numbered by their first rank */
+    dt__host me, *all = (dt__host *)calloc((size_t)world, sizeof *all);
+    if (!all) dt_fail("out of memory (--comm mpi)");
+    dt__host_of_this_rank(&me);
+    dt__mpi_check(MPI_Allgather(&me, (int)sizeof me, MPI_BYTE, all, (int)sizeof me, MPI_BYTE, MPI_COMM_WORLD),
+                  "the look at each rank's machine");
+    for (int r = 0, machines = 0; r < world; r++) {
+        int q = 0;
+        while (q < r && strcmp(all[q].memory, all[r].memory) != 0) q++;
+        c->machine[r] = q < r ? c->machine[q] : machines++;
+    }
+    free(all);
     dt__mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &c->mpi), "MPI_Comm_dup");
     MPI_Comm_set_errhandler(c->mpi, MPI_ERRORS_RETURN);
     dt__comm_start(c, dt__private_header(c));
@@ -15477,6 +15869,19 @@ static const dt__flag dt__flags[] = {
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full", DT_NOT_A_NUMBER },
     { "--cpu-offload", "456789", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
       DT_CFG(cpu_offload), NULL, DT_NOT_A_NUMBER },
+    { "--quantize-weights", "45", "none|int8", "ZeRO++ qwZ (with --shard full): gather each unit's weights as int8, a scale per\n"
+      "                          --quant-block values (default none)", DT_ARG_CHOICE, DT_CFG(quantize_weights), "none|int8",
+      DT_NOT_A_NUMBER },
+    { "--quantize-grads", "45", "none|int8|int4", "ZeRO++ qgZ: reduce-scatter gradients quantized, within each machine first, then\n"
+      "                          across (default none)", DT_ARG_CHOICE, DT_CFG(quantize_grads), "none|int8|int4", DT_NOT_A_NUMBER },
+    { "--hierarchical", "45", NULL, "ZeRO++ hpZ (with --shard full): each machine keeps a second copy of the weights, cut over\n"
+      "                          its ranks, so backward's gathers stay inside it", DT_ARG_SWITCH, DT_CFG(hierarchical), NULL,
+      DT_NOT_A_NUMBER },
+    { "--quant-block", "45", "N", "ZeRO++: values that share one scale (default 256; even, 8 to 65536)", DT_ARG_INT,
+      DT_CFG(quant_block), NULL, DT_RANGE(8, 65536) },
+    { "--ranks-per-machine", "45", "N", "ZeRO++: take every N consecutive ranks as one machine (default: the machines the\n"
+      "                          launcher put them on; N shows the hierarchy on one)", DT_ARG_INT, DT_CFG(ranks_per_machine), NULL,
+      DT_RANGE(1, DT_MAX_RANKS) },
     { "--recompute", "123456789", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
       DT_NOT_A_NUMBER },
@@ -15726,7 +16131,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     memset(&c, 0, sizeof c);
     memset(given, 0, sizeof given);
     c.stage = stage;
-    c.nproc = 1; c.timeout = 60; c.ranks_per_gpu = 1; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1;
+    c.nproc = 1; c.timeout = 60; c.ranks_per_gpu = 1; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1; c.quant_block = 256;
     c.micro_batches = 1; c.schedule = DT_SCHEDULE_1F1B;
     c.image_size = 32; c.model = DT_MODEL_MLP; c.vocab = -1; c.seq_len = 64;
     c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
@@ -15874,6 +16279,18 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         dt_usage_error("%s --recompute with --moe-capacity or --moe-aux-loss: the recomputed route gathers every rank's "
                        "probabilities again in backward, beside DDP's bucket all-reduces (--bucket-mb 0, or 04, allows it)", stage);
     if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
+    int zpp = c.quantize_weights || c.quantize_grads || c.hierarchical;
+    if (!zpp && (dt__given(given, "--quant-block") || dt__given(given, "--ranks-per-machine")))
+        dt_usage_error("--quant-block and --ranks-per-machine go with ZeRO++'s --quantize-weights, --quantize-grads or "
+                       "--hierarchical");
+    if (c.quantize_grads && c.reduce_dtype != DT_F32)
+        dt_usage_error("--quantize-grads with --reduce-dtype: the gradients travel quantized, so no reduce dtype applies; drop one");
+    if ((c.quantize_weights || c.hierarchical) && c.shard != DT_SHARD_FULL)
+        dt_usage_error("--quantize-weights and --hierarchical change how ZeRO-3 gathers each unit's parameters: they need "
+                       "--shard full");
+    if (c.quant_block % 2) dt_usage_error("--quant-block %d: an even number (two int4 codes share a byte)", c.quant_block);
+    c.zeropp = (dt_zeropp){ c.quantize_weights ? 8 : 0, c.quantize_grads == 1 ? 8 : c.quantize_grads == 2 ? 4 : 0,
+                            c.hierarchical, c.quant_block, c.ranks_per_machine };
     /* A pipeline (a stage that takes --micro-batches) already adds up its
        micro-batches' gradients before the optimizer steps: accumulating K
        steps is K times the micro-batches of a K times larger batch, in one
@@ -18474,6 +18891,36 @@ __global__ static void dt__k_convert(const void *src, int from, void *dst, int t
 static void dt__cuda_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
     DT_LAUNCH(dt__k_convert, dt_blocks_for(n), DT_THREADS, src, (int)from, dst, (int)to, n);
 }
+/* Block quantization: a thread per block finds its scale and writes its
+   codes, a thread per value reads them back -- the CPU's functions. */
+__global__ static void dt__k_quantize(const float *x, int64_t n, int bits, int block, float *scales, uint8_t *codes) {
+    DT_FOR_EACH(b, (n + block - 1) / block) {
+        int64_t first = b * block, len = n - first < block ? n - first : block;
+        scales[b] = dt_quant_block_scale(x + first, len, bits);
+        dt_quant_block(x, first, len, bits, scales[b], codes);
+    }
+}
+static void dt__cuda_quantize(const float *x, int64_t n, int bits, int block, void *q) {
+    int64_t blocks = (n + block - 1) / block, used = 4 * blocks + (bits == 8 ? n : (n + 1) / 2);
+    float *scales = (float *)q;
+    dt__cuda_zero((char *)q + used, (size_t)(dt_quantized_bytes(n, bits, block) - used));
+    DT_LAUNCH(dt__k_quantize, dt_blocks_for(blocks), DT_THREADS, x, n, bits, block, scales, (uint8_t *)(scales + blocks));
+}
+__global__ static void dt__k_dequantize(const float *scales, const uint8_t *codes, int64_t n, int bits, int block, void *out,
+                                        int out_dtype, int add) {
+    DT_FOR_EACH(i, n) {
+        float v = dt_dequant_value(codes, i, bits, scales[i / block]);
+        if (add) ((float *)out)[i] += v;
+        else if (out_dtype == DT_F32) ((float *)out)[i] = v;
+        else ((uint16_t *)out)[i] = out_dtype == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
+    }
+}
+static void dt__cuda_dequantize(const void *q, int64_t n, int bits, int block, void *out, dt_dtype out_dtype, int add) {
+    int64_t blocks = (n + block - 1) / block;
+    const float *scales = (const float *)q;
+    DT_LAUNCH(dt__k_dequantize, dt_blocks_for(n), DT_THREADS, scales, (const uint8_t *)(scales + blocks), n, bits, block, out,
+              (int)out_dtype, add);
+}
 /* [src/31-cuda-start-up-and-nccl.h] */
 /* ---- start-up ---- */
 extern "C" int dt_cuda_device_count(char *why, size_t n) {
@@ -18533,6 +18980,7 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     t->softmax_row_stats = dt__cuda_softmax_row_stats;
     t->patchify = dt__cuda_patchify; t->sum_squares = dt__cuda_sum_squares; t->scale = dt__cuda_scale;
     t->adamw = dt__cuda_adamw; t->sgd = dt__cuda_sgd; t->convert = dt__cuda_convert; t->owns = dt__cuda_owns;
+    t->quantize = dt__cuda_quantize; t->dequantize = dt__cuda_dequantize;
     return t;
 }
 /* ---- NCCL: the collectives chapter's operations on GPU buffers (the contract

@@ -34,6 +34,29 @@ void dt_backward_scaled(dt_tensor *loss, const dt_loss_scaler *scaler, int accum
    skipped -- every rank decides alike, as the check is summed over them. */
 int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt);
 
+/* Block quantization, for communication (ZeRO++, the FSDP chapter): n f32
+   values as `bits`-bit integers (8, or 4: two to a byte), each block of
+   `block` values (even, 8 to 65536) sharing one f32 scale, absmax / qmax
+   (qmax 127, or 7). A value comes back as round(x / scale) * scale: within
+   half a step, absmax / (2 qmax) of its block, of itself (plus f32 rounding,
+   a few ulps of absmax); a block of zeros comes back as zeros. A block that
+   holds a NaN or an inf is refused: its scale is NaN, so all of it comes
+   back NaN, never as numbers (the loss scaler then skips the step, or the
+   run stops on a non-finite loss); dt_quantize returns how many blocks were
+   refused (on a GPU, -1: counting would wait for the device).
+   The buffer: the blocks' scales, then the codes, dt_quantized_bytes long (a
+   multiple of 4, so it travels as f32 words). It lives where the current
+   device's memory is. */
+#define DT_QUANT_MAX(bits) ((1 << ((bits) - 1)) - 1)
+int64_t dt_quantized_bytes(int64_t n, int bits, int block);
+int64_t dt_quantize(const float *x, int64_t n, int bits, int block, void *q);
+/* Into `out` as `out_dtype` (add: added to it, f32 only). */
+void dt_dequantize(const void *q, int64_t n, int bits, int block, void *out, dt_dtype out_dtype, int add);
+/* The arithmetic, one block and one value at a time, shared with the GPU. */
+DT_HD static inline float dt_quant_block_scale(const float *x, int64_t n, int bits);
+DT_HD static inline void dt_quant_block(const float *x, int64_t first, int64_t n, int bits, float scale, uint8_t *codes);
+DT_HD static inline float dt_dequant_value(const uint8_t *codes, int64_t i, int bits, float scale);
+
 //@ implementation
 /* ==== mixed precision =======================================================
    Half the bytes: activations, the matmuls' operands and what the collectives
@@ -92,3 +115,49 @@ int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt) {
     return 1;
 }
 
+
+/* -- block quantization: the CPU's loops (the GPU's kernels call the same
+      per-block and per-value functions) -- */
+static void dt__quant_check(int64_t n, int bits, int block) {
+    if ((bits != 8 && bits != 4) || block < 8 || block > 65536 || block % 2 || n < 0)
+        dt_fail("dt_quantize: %d bits in blocks of %d values (n %lld): bits must be 8 or 4, a block even, 8 to 65536", bits,
+                block, (long long)n);
+}
+int64_t dt_quantized_bytes(int64_t n, int bits, int block) {
+    dt__quant_check(n, bits, block);
+    int64_t blocks = (n + block - 1) / block, codes = bits == 8 ? n : (n + 1) / 2;
+    return (4 * blocks + codes + 3) / 4 * 4;
+}
+int64_t dt_quantize(const float *x, int64_t n, int bits, int block, void *q) {
+    int64_t blocks = (n + block - 1) / block, refused = 0;
+    dt__quant_check(n, bits, block);
+    float *scales = (float *)q;
+    uint8_t *codes = (uint8_t *)(scales + blocks);
+    const dt_backend *gpu = dt__backend_of(dt__ctx.device);
+    if (gpu) { gpu->quantize(x, n, bits, block, q); return -1; }
+    DT_OMP("omp parallel for schedule(static) reduction(+:refused) if(blocks > 64)")
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t first = b * block, len = n - first < block ? n - first : block;
+        scales[b] = dt_quant_block_scale(x + first, len, bits);
+        refused += scales[b] != scales[b];
+        dt_quant_block(x, first, len, bits, scales[b], codes);
+    }
+    int64_t used = 4 * blocks + (bits == 8 ? n : (n + 1) / 2);            /* the tail's padding: zeros, not garbage */
+    memset((char *)q + used, 0, (size_t)(dt_quantized_bytes(n, bits, block) - used));
+    return refused;
+}
+void dt_dequantize(const void *q, int64_t n, int bits, int block, void *out, dt_dtype out_dtype, int add) {
+    dt__quant_check(n, bits, block);
+    if (add && out_dtype != DT_F32) dt_fail("dt_dequantize: adds into f32 only, not %s", dt_dtype_name(out_dtype));
+    int64_t blocks = (n + block - 1) / block;
+    const float *scales = (const float *)q;
+    const uint8_t *codes = (const uint8_t *)(scales + blocks);
+    const dt_backend *gpu = dt__backend_of(dt__ctx.device);
+    if (gpu) { gpu->dequantize(q, n, bits, block, out, out_dtype, add); return; }
+    DT_OMP("omp parallel for schedule(static) if(n > 65536)")
+    for (int64_t i = 0; i < n; i++) {
+        float v = dt_dequant_value(codes, i, bits, scales[i / block]);
+        if (add) ((float *)out)[i] += v;
+        else dt_store_f32(out, i, out_dtype, v);
+    }
+}

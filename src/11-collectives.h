@@ -170,6 +170,7 @@ struct dt_comm {
     const char *user_free_fn;               /* and what frees the last of them */
     int in_mesh;                            /* a mesh's: dt_mesh_free frees it */
     int job_rank[DT_MAX_RANKS];             /* rank in top of each of our ranks */
+    int machine[DT_MAX_RANKS];              /* top's: the machine of each job rank (0, 1, ... by first rank) */
 #ifdef DT_TESTING
     int die_in_all_reduce;                  /* test hook, see dt__comm_start: die in this all-reduce (from 1) */
 #endif

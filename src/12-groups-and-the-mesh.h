@@ -14,6 +14,12 @@
    still stops the whole job. Free it with dt_comm_free before comm. */
 dt_comm *dt_comm_split(dt_comm *comm, int color, int key);
 
+/* Which machine rank `rank` of comm runs on: 0, 1, ... numbered by their
+   first job rank, as the launcher placed the ranks (ranks on one machine share
+   its memory; the run driver sees it at the rendezvous). Hierarchical
+   collectives (ZeRO++, the FSDP chapter) talk within a machine first. */
+int dt_comm_machine(const dt_comm *comm, int rank);
+
 /* A mesh: the ranks of comm as a grid of named dimensions, the last varying
    fastest (a 2 x 2 "dp" x "tp" mesh: ranks 0, 1 are one tensor-parallel pair,
    ranks 0, 2 one data-parallel pair). Each dimension gets a communicator of the
@@ -44,6 +50,10 @@ static void dt__split_gather(dt_comm *comm, const dt__split_entry *mine, dt__spl
 }
 static int dt__split_before(const dt__split_entry *all, int a, int b) {
     return all[a].key != all[b].key ? all[a].key < all[b].key : a < b;
+}
+int dt_comm_machine(const dt_comm *comm, int rank) {
+    if (rank < 0 || rank >= comm->world) dt_fail("dt_comm_machine: rank %d of a communicator of %d", rank, comm->world);
+    return comm->top->machine[comm->job_rank[rank]];
 }
 dt_comm *dt_comm_split(dt_comm *comm, int color, int key) {
     if (color < 0) dt_fail("dt_comm_split: color %d; a color is a number >= 0 naming the group to join", color);

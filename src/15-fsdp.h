@@ -43,6 +43,27 @@ void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync);
    MixedPrecision(reduce_dtype=...). Parameters are gathered in the compute
    dtype that was set when dt_fsdp_create ran (the mixed-precision chapter). */
 void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype);
+/* ZeRO++ (Wang et al. 2023): across machines a sharded step is limited by the
+   network, which every weight crosses twice (forward and backward gathers)
+   and every gradient once. Three levers cut those bytes:
+     quantize_weights 8   qwZ: a unit's shards travel as int8, one scale per
+                          block of quant_block values, dequantized on arrival
+     hierarchical 1       hpZ: each machine keeps a second copy of every unit,
+                          cut over its own ranks (1/L each, L ranks a machine)
+                          from the forward gather, so the backward gather
+                          never leaves the machine
+     quantize_grads 8, 4  qgZ: gradients quantized, exchanged within the
+                          machine (all-to-all), summed, quantized again,
+                          exchanged across machines, summed: each rank gets
+                          its shard of the mean, and only 1/L of them crosses
+   Machines are the launcher's (dt_comm_machine), or every ranks_per_machine
+   consecutive ranks (a lesson on one machine). Weight levers need
+   DT_SHARD_FULL (the gathers they change); the gradient lever any mode. Set
+   before the first forward; all zero changes nothing. Checkpoints stay f32. */
+typedef struct dt_zeropp {
+    int quantize_weights, quantize_grads, hierarchical, quant_block, ranks_per_machine;
+} dt_zeropp;
+void dt_fsdp_set_zeropp(dt_fsdp *fsdp, dt_zeropp zeropp);
 void dt_fsdp_free(dt_fsdp *fsdp);
 
 /* The data-parallel engine a stage applies last, over the ranks that hold
@@ -70,7 +91,11 @@ typedef struct dt__fsdp_unit {
     void *full;                 /* [shard * world] gathered parameters, in the compute dtype */
     float *full_grad;           /* [shard * world] their gradients, f32 */
     dt_comm_handle gathering;   /* an all-gather in flight (a prefetch), or 0 */
+    dt_comm *gathered_over;     /* its communicator */
+    int gather_how;             /* ZeRO++: DT__GATHER_PLAIN, _QUANTIZED or _SECONDARY */
+    int64_t second_offset;      /* hpZ: where its 1/L sits in `second`, in elements */
 } dt__fsdp_unit;
+enum { DT__GATHER_PLAIN, DT__GATHER_QUANTIZED, DT__GATHER_SECONDARY };
 
 struct dt_fsdp {
     dt_parallel par;            /* first: the model's dt_parallel * is this dt_fsdp */
@@ -106,6 +131,23 @@ struct dt_fsdp {
     int sync;
     float *accum;
     int64_t accum_numel;
+    /* ZeRO++ (dt_fsdp_set_zeropp). The ranks as a grid of H machines x L
+       ranks: `local` the L on this machine, `cross` the H at this place on
+       every machine; owner[h * L + l] is the rank at place l of machine h. */
+    dt_zeropp zpp;
+    int zpp_set, forwards;
+    dt_comm *local, *cross;
+    int L, H, place, machine, ring_crossings;
+    int owner[DT_MAX_RANKS], machine_of[DT_MAX_RANKS];
+    void *second;                        /* hpZ: this rank's 1/L of every unit, as the forward gathered it */
+    int64_t second_numel;
+    void *qsend[3], *qcross[3], *qall[3];   /* qwZ, per slot: my shard, the H of my place, all W (quantized) */
+    void *gq_send, *gq_recv;             /* qgZ: W quantized chunks out and in */
+    float *gpart;                        /* qgZ: H partial sums of this place's chunks */
+    size_t qw_bytes, qg_bytes;           /* the largest shard quantized, by each lever */
+    /* bytes a step moves, the whole job's (a collective's every link), within
+       machines and across them; the last finished step's in step_* */
+    double bytes_within, bytes_across, step_bytes_within, step_bytes_across;
 };
 
 static size_t dt__fsdp_full_bytes(const dt_fsdp *f, const dt__fsdp_unit *u) { return (size_t)(u->shard * f->world) * sizeof(float); }
@@ -162,11 +204,105 @@ static void dt__fsdp_point(dt_fsdp *f, dt__fsdp_unit *u, int grads, void *buf) {
     }
 }
 
+/* -- ZeRO++: the quantized and hierarchical ways a unit travels -- */
+/* What a collective moves, counted as a ring moves it (each of a group's n
+   links carries (n - 1) / n of the whole), for the whole job: `groups` groups
+   of n ranks, `crossing` of each group's links between machines. */
+static void dt__fsdp_count(dt_fsdp *f, double whole_bytes, int n, int groups, int crossing) {
+    if (!dt__ctx.grad_enabled || n < 2) return;             /* (evaluation's gathers are not a step's) */
+    double per_link = whole_bytes * (n - 1) / n;
+    f->bytes_across += per_link * crossing * groups;
+    f->bytes_within += per_link * (n - crossing) * groups;
+}
+static void dt__fsdp_count_flat(dt_fsdp *f, double whole_bytes) { dt__fsdp_count(f, whole_bytes, f->world, 1, f->ring_crossings); }
+
+static size_t dt__zpp_qbytes(const dt_fsdp *f, int64_t n, int bits) { return (size_t)dt_quantized_bytes(n, bits, f->zpp.quant_block); }
+/* qwZ, started: this rank's shard quantized, gathered from the H ranks at
+   this place on every machine (the only bytes that cross). */
+static dt_comm_handle dt__zpp_gather_start(dt_fsdp *f, int k, const float *shard) {
+    dt__fsdp_unit *u = &f->units[k];
+    int slot = dt__fsdp_slot(f, k);
+    size_t qb = dt__zpp_qbytes(f, u->shard, f->zpp.quantize_weights);
+    dt_quantize(shard, u->shard, f->zpp.quantize_weights, f->zpp.quant_block, f->qsend[slot]);
+    dt__fsdp_count(f, (double)qb * f->H, f->H, f->L, f->H > 1 ? f->H : 0);
+    u->gathered_over = f->cross;
+    return dt_all_gather_async(f->cross, f->qsend[slot], f->qcross[slot], (int64_t)(qb / 4), DT_F32);
+}
+/* qwZ, finished: the H pieces gathered over the machine too, each piece
+   dequantized into its owner's place in the unit. */
+static void dt__zpp_gather_finish(dt_fsdp *f, int k) {
+    dt__fsdp_unit *u = &f->units[k];
+    int slot = dt__fsdp_slot(f, k);
+    size_t qb = dt__zpp_qbytes(f, u->shard, f->zpp.quantize_weights), es = dt_dtype_size(f->param_dtype);
+    dt_all_gather(f->local, f->qcross[slot], f->qall[slot], (int64_t)(qb * f->H / 4), DT_F32);
+    dt__fsdp_count(f, (double)qb * f->H * f->L, f->L, f->H, 0);
+    for (int l = 0; l < f->L; l++)
+        for (int h = 0; h < f->H; h++)
+            dt_dequantize((char *)f->qall[slot] + (size_t)(l * f->H + h) * qb, u->shard, f->zpp.quantize_weights,
+                          f->zpp.quant_block, (char *)u->full + (size_t)(f->owner[h * f->L + l] * u->shard) * es,
+                          f->param_dtype, 0);
+}
+/* hpZ: the machine's place-th 1/L of a unit just gathered in forward, kept
+   for its backward gather (a copy: the same values, from nearer). */
+static void dt__zpp_keep_second(dt_fsdp *f, dt__fsdp_unit *u) {
+    int64_t piece = u->shard * f->H;
+    size_t es = dt_dtype_size(f->param_dtype);
+    dt_convert((char *)u->full + (size_t)(f->place * piece) * es, f->param_dtype, (char *)f->second + (size_t)u->second_offset * es,
+               f->param_dtype, piece);
+}
+static dt_comm_handle dt__zpp_gather_second(dt_fsdp *f, dt__fsdp_unit *u) {
+    int64_t piece = u->shard * f->H;
+    size_t es = dt_dtype_size(f->param_dtype);
+    dt__fsdp_count(f, (double)piece * f->L * es, f->L, f->H, 0);
+    u->gathered_over = f->local;
+    return dt_all_gather_async(f->local, (char *)f->second + (size_t)u->second_offset * es, u->full, piece, f->param_dtype);
+}
+/* qgZ: this rank's shard of the unit's mean gradient, into `mine`. Chunk c
+   of the unit is rank c's shard. The chunks of the ranks at place l on every
+   machine go, quantized, to this machine's place-l rank, which sums what the
+   L ranks sent (in place order: the same bits every run), quantizes the H
+   sums again and sends each to its owner across the machines; the owner sums
+   the H and divides by the world. One rank a machine, or one machine: that
+   level is a plain copy, not quantized. */
+static void dt__zpp_reduce_scatter(dt_fsdp *f, dt__fsdp_unit *u, float *mine) {
+    int bits = f->zpp.quantize_grads, block = f->zpp.quant_block, L = f->L, H = f->H;
+    int64_t n = u->shard;
+    size_t qb = dt__zpp_qbytes(f, n, bits), fb = (size_t)n * sizeof(float);
+    int64_t counts[2 * DT_MAX_RANKS];
+    dt_device dev = f->model->device;
+    dt__zero_on(dev, f->gpart, fb * (size_t)H);
+    if (L > 1) {
+        for (int l = 0; l < L; l++)
+            for (int h = 0; h < H; h++)
+                dt_quantize(u->full_grad + (int64_t)f->owner[h * L + l] * n, n, bits, block, (char *)f->gq_send + (size_t)(l * H + h) * qb);
+        for (int r = 0; r < 2 * L; r++) counts[r] = (int64_t)(qb * H / 4);
+        dt_all_to_all(f->local, f->gq_send, counts, f->gq_recv, counts + L, DT_F32);
+        dt__fsdp_count(f, (double)qb * H * L, L, H, 0);
+        for (int l = 0; l < L; l++)                   /* what each rank of the machine sent, in place order */
+            for (int h = 0; h < H; h++)
+                dt_dequantize((char *)f->gq_recv + (size_t)(l * H + h) * qb, n, bits, block, f->gpart + (int64_t)h * n, DT_F32, 1);
+    } else
+        for (int h = 0; h < H; h++) dt_convert(u->full_grad + (int64_t)f->owner[h] * n, DT_F32, f->gpart + (int64_t)h * n, DT_F32, n);
+    if (H > 1) {
+        for (int h = 0; h < H; h++) dt_quantize(f->gpart + (int64_t)h * n, n, bits, block, (char *)f->gq_send + (size_t)h * qb);
+        for (int r = 0; r < 2 * H; r++) counts[r] = (int64_t)(qb / 4);
+        dt_all_to_all(f->cross, f->gq_send, counts, f->gq_recv, counts + H, DT_F32);
+        dt__fsdp_count(f, (double)qb * H, H, L, H);
+        dt__zero_on(dev, mine, fb);
+        for (int h = 0; h < H; h++) dt_dequantize((char *)f->gq_recv + (size_t)h * qb, n, bits, block, mine, DT_F32, 1);
+    } else dt_convert(f->gpart, DT_F32, mine, DT_F32, n);
+    const dt_backend *gpu = dt__backend_of(dev);
+    if (gpu) gpu->scale(mine, 1.0f / (float)f->world, n);
+    else
+        for (int64_t i = 0; i < n; i++) mine[i] /= (float)f->world;
+}
+
 /* All-gather: every rank's shard of the unit, side by side, is the unit. It is
    started ahead of need -- the next unit's while this one computes -- and
    finished when the unit is about to run. Every rank starts and finishes them
    in the same order, so the collectives pair up. */
-static void dt__fsdp_gather_start(dt_fsdp *f, int k) {
+/* backward: for a backward, which hpZ serves from the machine's second copy. */
+static void dt__fsdp_gather_start(dt_fsdp *f, int k, int backward) {
     dt__fsdp_unit *u = &f->units[k];
     if (f->mode != DT_SHARD_FULL || u->full || u->gathering || !u->numel) return;   /* there already, on its way, or */
                                                                                     /* another pipeline stage's */
@@ -175,21 +311,36 @@ static void dt__fsdp_gather_start(dt_fsdp *f, int k) {
         dt_fail("internal: FSDP gathers unit %d while unit %d still holds its buffer", k, f->holder[slot]);
     f->holder[slot] = k;
     u->full = f->gathered[slot];
-    u->gathering = dt_all_gather_async(f->comm, dt__fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
+    if (backward && f->second) {
+        u->gather_how = DT__GATHER_SECONDARY;
+        u->gathering = dt__zpp_gather_second(f, u);
+    } else if (f->zpp.quantize_weights) {
+        u->gather_how = DT__GATHER_QUANTIZED;
+        u->gathering = dt__zpp_gather_start(f, k, dt__fsdp_shard_on_device(f, f->shard_params, k));
+    } else {
+        u->gather_how = DT__GATHER_PLAIN;
+        dt__fsdp_count_flat(f, (double)dt__fsdp_param_bytes(f, u));
+        u->gathered_over = f->comm;
+        u->gathering = dt_all_gather_async(f->comm, dt__fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
+    }
 }
-static void dt__fsdp_gather_unit(dt_fsdp *f, int k, int next) {
+static void dt__fsdp_gather_unit(dt_fsdp *f, int k, int next, int backward) {
     dt__fsdp_unit *u = &f->units[k];
     if (f->mode != DT_SHARD_FULL) return;
     double wait_from = dt_now_ms(), t0, t1;
     f->prefetched += u->gathering != 0;
-    dt__fsdp_gather_start(f, k);
-    if (next >= 0 && next < f->nunits) dt__fsdp_gather_start(f, next);      /* prefetch */
+    dt__fsdp_gather_start(f, k, backward);
+    if (next >= 0 && next < f->nunits) dt__fsdp_gather_start(f, next, backward);      /* prefetch */
     if (!u->gathering) return;
-    dt_comm_wait(f->comm, u->gathering);
-    dt__comm_interval(f->comm, u->gathering, &t0, &t1);
+    dt_comm_wait(u->gathered_over, u->gathering);
+    dt__comm_interval(u->gathered_over, u->gathering, &t0, &t1);
     double hidden = (t1 < wait_from ? t1 : wait_from) - t0;
-    dt__record_comm("all_gather unit", t0, t1, hidden > 0 ? hidden : 0);
     u->gathering = 0;
+    if (u->gather_how == DT__GATHER_QUANTIZED) dt__zpp_gather_finish(f, k);
+    if (u->gather_how != DT__GATHER_SECONDARY && f->second) dt__zpp_keep_second(f, u);
+    dt__record_comm(u->gather_how == DT__GATHER_PLAIN ? "all_gather unit" : u->gather_how == DT__GATHER_QUANTIZED
+                    ? "all_gather unit (int8, across machines)" : "all_gather unit (second copy, in the machine)",
+                    t0, u->gather_how == DT__GATHER_QUANTIZED ? dt_now_ms() : t1, hidden > 0 ? hidden : 0);
     dt__fsdp_point(f, u, 0, u->full);
 }
 static void dt__fsdp_release_unit(dt_fsdp *f, int k) {     /* reshard: keep only our slice */
@@ -209,14 +360,19 @@ static void dt__fsdp_reduce_scatter_unit(dt_fsdp *f, int k) {
                                                                  groups (a tied vocabulary's two ends) */
     float *mine = f->scattered, *dst = f->shard_grads + u->shard_offset;
     double t0 = dt_now_ms();
-    if (f->reduce_dtype == DT_F32) dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
-    else {                                          /* 16-bit copies travel */
+    if (f->zpp.quantize_grads) dt__zpp_reduce_scatter(f, u, mine);
+    else if (f->reduce_dtype == DT_F32) {
+        dt__fsdp_count_flat(f, (double)dt__fsdp_full_bytes(f, u));
+        dt_reduce_scatter(f->comm, u->full_grad, mine, u->shard, DT_F32, DT_AVG);
+    } else {                                        /* 16-bit copies travel */
+        dt__fsdp_count_flat(f, (double)dt__fsdp_full_bytes(f, u) / 2);
         dt_convert(u->full_grad, DT_F32, f->grad16, f->reduce_dtype, u->shard * f->world);
         dt_reduce_scatter(f->comm, f->grad16, f->scattered16, u->shard, f->reduce_dtype, DT_AVG);
         dt_convert(f->scattered16, f->reduce_dtype, mine, DT_F32, u->shard);
     }
     dt__ctx.grad_collectives++;
-    dt__record_comm("reduce_scatter unit", t0, dt_now_ms(), 0);
+    dt__record_comm(f->zpp.quantize_grads ? "reduce_scatter unit (quantized, by machine)" : "reduce_scatter unit", t0,
+                    dt_now_ms(), 0);
     const dt_backend *gpu = f->offload ? NULL : dt__backend_of(dev);
     if (gpu) gpu->accumulate(dst, mine, u->shard);
     else {                                          /* offloaded: to the host, added there */
@@ -231,7 +387,7 @@ static void dt__fsdp_before_unit_backward(dt__tape_entry *e) {
     dt_fsdp *f = (dt_fsdp *)e->saved;
     dt__fsdp_unit *u = &f->units[e->iarg[0]];
     if (!u->numel) return;                          /* nothing of it here (frozen under LoRA, another stage's) */
-    dt__fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1);             /* gathered again; the one before on its way */
+    dt__fsdp_gather_unit(f, e->iarg[0], e->iarg[0] - 1, 1);          /* gathered again; the one before on its way */
     if (f->mode != DT_SHARD_OPTIMIZER && !u->full_grad) {           /* (the outer unit's stays all step) */
         if (f->accum) u->full_grad = f->accum + u->accum_offset;     /* adds to the micro-batches before */
         else {                                                       /* backward adds into it: zeroed */
@@ -261,7 +417,8 @@ static void dt__fsdp_after_unit_backward(dt__tape_entry *e) {
 
 static void dt__fsdp_unit_begin(dt_parallel *par, int unit) {
     dt_fsdp *f = (dt_fsdp *)par;
-    dt__fsdp_gather_unit(f, unit, unit + 1);                               /* and the next one on its way */
+    dt__fsdp_gather_unit(f, unit, unit + 1, 0);                            /* and the next one on its way */
+    f->forwards++;
     if (dt__ctx.grad_enabled) dt__tape_mark(dt__fsdp_after_unit_backward, f, unit);
 }
 static void dt__fsdp_unit_end(dt_parallel *par, int unit) {
@@ -289,6 +446,26 @@ static void dt__fsdp_sum_over_ranks(dt_parallel *par, float *values, int n) {
     if (par->inner && par->inner->sum_over_ranks) par->inner->sum_over_ranks(par->inner, values, n);   /* the tensor group's parts */
 }
 
+/* Which machine each rank is on -- the launcher's, or every ranks_per_machine
+   ranks -- numbered in the order of their first rank; how many of a ring's
+   links (rank r to r + 1) cross between machines; and the grid of H machines
+   x L places, which the hierarchical levers need to be whole. */
+static void dt__fsdp_find_machines(dt_fsdp *f, int ranks_per_machine) {
+    int first[DT_MAX_RANKS] = { 0 }, count[DT_MAX_RANKS] = { 0 }, place[DT_MAX_RANKS] = { 0 }, machines = 0;
+    for (int r = 0; r < f->world; r++) {
+        int id = ranks_per_machine > 0 ? r / ranks_per_machine : dt_comm_machine(f->comm, r), m = 0;
+        while (m < machines && first[m] != id) m++;
+        if (m == machines) { first[machines] = id; count[machines++] = 0; }
+        f->machine_of[r] = m;
+        place[r] = count[m]++;
+    }
+    f->ring_crossings = 0;
+    for (int r = 0; r < f->world; r++) f->ring_crossings += f->world > 1 && f->machine_of[r] != f->machine_of[(r + 1) % f->world];
+    f->H = machines; f->L = count[0]; f->machine = f->machine_of[f->rank]; f->place = place[f->rank];
+    for (int m = 1; m < machines; m++) if (count[m] != f->L) f->L = 0;      /* uneven: no grid */
+    for (int r = 0; f->L && r < f->world; r++) f->owner[f->machine_of[r] * f->L + place[r]] = r;
+}
+
 dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int cpu_offload) {
     dt_fsdp *f = (dt_fsdp *)calloc(1, sizeof *f);
     if (!f || !(f->units = (dt__fsdp_unit *)calloc((size_t)model->nunits, sizeof(dt__fsdp_unit))))
@@ -306,6 +483,7 @@ dt_fsdp *dt_fsdp_create(dt_model *model, dt_comm *comm, dt_shard_mode mode, int 
     f->model = model; f->comm = comm; f->mode = mode; f->offload = cpu_offload;
     f->param_dtype = dt__ctx.compute_dtype; f->reduce_dtype = DT_F32; f->sync = 1;
     f->rank = dt_comm_rank(comm); f->world = dt_comm_size(comm); f->nunits = model->nunits;
+    dt__fsdp_find_machines(f, 0);
     dt_device dev = model->device;
     dt_broadcast(comm, model->flat_data, model->numel, DT_F32, 0);     /* every rank starts from rank 0's */
     for (int k = 0; k < f->nunits; k++) {
@@ -418,6 +596,9 @@ void dt_fsdp_set_sync(dt_fsdp *fsdp, int sync) {
 }
 void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype) {
     dt_device dev = fsdp->model->device;
+    if (fsdp->zpp.quantize_grads && dtype != DT_F32)
+        dt_usage_error("--reduce-dtype %s with --quantize-grads: the gradients travel quantized, so no reduce dtype applies; "
+                       "drop one", dt_dtype_name(dtype));
     dt_free_on(dev, DT_ARENA_COMM, fsdp->grad16, fsdp->largest / 2);
     dt_free_on(dev, DT_ARENA_COMM, fsdp->scattered16, fsdp->largest_shard / 2);
     fsdp->grad16 = fsdp->scattered16 = NULL;
@@ -425,6 +606,78 @@ void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype) {
     if (dtype == DT_F32) return;
     fsdp->grad16 = dt_alloc_on(dev, DT_ARENA_COMM, fsdp->largest / 2);
     fsdp->scattered16 = dt_alloc_on(dev, DT_ARENA_COMM, fsdp->largest_shard / 2);
+}
+
+void dt_fsdp_set_zeropp(dt_fsdp *fsdp, dt_zeropp zeropp) {
+    dt_fsdp *f = fsdp;
+    dt_zeropp z = zeropp;
+    static const char *modes[3] = { "optimizer", "grads", "full" };
+    if (!z.quantize_weights && !z.quantize_grads && !z.hierarchical) return;      /* plain ZeRO */
+    if (f->zpp_set || f->forwards)
+        dt_fail("dt_fsdp_set_zeropp: %s; set ZeRO++ once, before the first forward (it makes its groups and buffers then)",
+                f->zpp_set ? "called twice" : "called after a forward");
+    if (z.quant_block == 0) z.quant_block = 256;
+    if ((z.quantize_weights || z.hierarchical) && f->mode != DT_SHARD_FULL)
+        dt_usage_error("--quantize-weights and --hierarchical change how ZeRO-3 gathers the parameters of each unit; with "
+                       "--shard %s nothing is gathered per unit: use --shard full", modes[f->mode]);
+    if (z.quantize_weights && z.quantize_weights != 8)
+        dt_usage_error("--quantize-weights: int8 (the weights' codes have 8 bits), not %d bits", z.quantize_weights);
+    if (z.quantize_grads && z.quantize_grads != 8 && z.quantize_grads != 4)
+        dt_usage_error("--quantize-grads: int8 or int4, not %d bits", z.quantize_grads);
+    if (z.quant_block < 8 || z.quant_block > 65536 || z.quant_block % 2)
+        dt_usage_error("--quant-block %d: the values that share a scale, an even number from 8 to 65536", z.quant_block);
+    if (z.quantize_grads && f->reduce_dtype != DT_F32)
+        dt_usage_error("--quantize-grads with --reduce-dtype %s: the gradients travel quantized, so no reduce dtype applies; "
+                       "drop one", dt_dtype_name(f->reduce_dtype));
+    if (z.ranks_per_machine < 0 || (z.ranks_per_machine > 0 && f->world % z.ranks_per_machine))
+        dt_usage_error("--ranks-per-machine %d: it must divide the %d ranks that shard the model", z.ranks_per_machine, f->world);
+    dt__fsdp_find_machines(f, z.ranks_per_machine);
+    if (!f->L)
+        dt_fail("ZeRO++: the %d ranks sit on %d machines unevenly; its hierarchical collectives pair the ranks at the same "
+                "place on every machine, so every machine needs as many (start the same number of ranks on each)", f->world, f->H);
+    f->zpp = z;
+    f->zpp_set = 1;
+    f->local = dt_comm_split(f->comm, f->machine, f->place);
+    f->cross = dt_comm_split(f->comm, f->place, f->machine);
+    dt_device dev = f->model->device;
+    size_t es = dt_dtype_size(f->param_dtype);
+    int64_t largest = (int64_t)(f->largest_shard / sizeof(float));
+    int used[3] = { 0, 0, 0 };
+    for (int k = 0; k < f->nunits; k++) {
+        dt__fsdp_unit *u = &f->units[k];
+        used[dt__fsdp_slot(f, k)] |= u->numel > 0;
+        u->second_offset = f->second_numel;
+        if (z.hierarchical && u->numel) f->second_numel += u->shard * f->H;
+    }
+    if (z.hierarchical) f->second = dt_alloc_on(dev, DT_ARENA_PARAMS, (size_t)f->second_numel * es);
+    if (z.quantize_weights) f->qw_bytes = dt__zpp_qbytes(f, largest, z.quantize_weights);
+    for (int b = 0; b < 3 && z.quantize_weights; b++) {
+        if (!used[b]) continue;
+        f->qsend[b] = dt_alloc_on(dev, DT_ARENA_COMM, f->qw_bytes);
+        f->qcross[b] = dt_alloc_on(dev, DT_ARENA_COMM, f->qw_bytes * (size_t)f->H);
+        f->qall[b] = dt_alloc_on(dev, DT_ARENA_COMM, f->qw_bytes * (size_t)f->world);
+    }
+    if (z.quantize_grads) {
+        f->qg_bytes = dt__zpp_qbytes(f, largest, z.quantize_grads);
+        f->gq_send = dt_alloc_on(dev, DT_ARENA_COMM, f->qg_bytes * (size_t)f->world);
+        f->gq_recv = dt_alloc_on(dev, DT_ARENA_COMM, f->qg_bytes * (size_t)f->world);
+        f->gpart = (float *)dt_alloc_on(dev, DT_ARENA_COMM, f->largest_shard * (size_t)f->H);
+    }
+}
+static void dt__zpp_free(dt_fsdp *f) {
+    if (!f->zpp_set) return;
+    dt_device dev = f->model->device;
+    dt_free_on(dev, DT_ARENA_PARAMS, f->second, (size_t)f->second_numel * dt_dtype_size(f->param_dtype));
+    for (int b = 0; b < 3; b++) {
+        dt_free_on(dev, DT_ARENA_COMM, f->qsend[b], f->qw_bytes);
+        dt_free_on(dev, DT_ARENA_COMM, f->qcross[b], f->qw_bytes * (size_t)f->H);
+        dt_free_on(dev, DT_ARENA_COMM, f->qall[b], f->qw_bytes * (size_t)f->world);
+    }
+    dt_free_on(dev, DT_ARENA_COMM, f->gq_send, f->qg_bytes * (size_t)f->world);
+    dt_free_on(dev, DT_ARENA_COMM, f->gq_recv, f->qg_bytes * (size_t)f->world);
+    dt_free_on(dev, DT_ARENA_COMM, f->gpart, f->largest_shard * (size_t)f->H);
+    dt_comm_free(f->cross);
+    dt_comm_free(f->local);
 }
 
 /* After backward: ZeRO-1 reduce-scatters every unit now; ZeRO-2 and -3 the
@@ -449,14 +702,16 @@ void dt_fsdp_sync_grads(dt_fsdp *fsdp) { dt_parallel_backward_done(&fsdp->par); 
    parameters (DT_SHARD_FULL gathers each unit when it is next used). */
 static void dt__fsdp_step_done(dt_parallel *par) {
     dt_fsdp *f = (dt_fsdp *)par;
-    if (f->mode == DT_SHARD_FULL) return;              /* gathered when next needed */
-    for (int k = 0; k < f->nunits; k++) {
+    for (int k = 0; f->mode != DT_SHARD_FULL && k < f->nunits; k++) {   /* ZeRO-3: gathered when next needed */
         dt__fsdp_unit *u = &f->units[k];
         double t0 = dt_now_ms();
         if (!u->numel) continue;
+        dt__fsdp_count_flat(f, (double)dt__fsdp_param_bytes(f, u));
         dt_all_gather(f->comm, dt__fsdp_send_buffer(f, k), u->full, u->shard, f->param_dtype);
         dt__record_comm("all_gather parameters", t0, dt_now_ms(), 0);
     }
+    f->step_bytes_within = f->bytes_within; f->step_bytes_across = f->bytes_across;
+    f->bytes_within = f->bytes_across = 0;
 }
 
 void dt_fsdp_free(dt_fsdp *fsdp) {
@@ -465,7 +720,8 @@ void dt_fsdp_free(dt_fsdp *fsdp) {
     dt__data_parallel_unwrap(m, &fsdp->par);
     for (int k = 0; k < fsdp->nunits; k++) {
         dt__fsdp_unit *u = &fsdp->units[k];
-        if (u->gathering) dt__fsdp_gather_unit(fsdp, k, -1);      /* a prefetch nobody used: let it land */
+        if (u->gathering) dt__fsdp_gather_unit(fsdp, k, -1, u->gather_how == DT__GATHER_SECONDARY);   /* a prefetch nobody */
+                                                                                                        /* used: let it land */
         if (fsdp->mode != DT_SHARD_FULL) dt_free_on(m->device, DT_ARENA_PARAMS, u->full, dt__fsdp_param_bytes(fsdp, u));
         if (fsdp->mode == DT_SHARD_OPTIMIZER) dt_free_on(m->device, DT_ARENA_GRADS, u->full_grad, dt__fsdp_full_bytes(fsdp, u));
         dt__fsdp_point(fsdp, u, 0, NULL);
@@ -476,7 +732,8 @@ void dt_fsdp_free(dt_fsdp *fsdp) {
         dt_free_on(m->device, DT_ARENA_COMM, fsdp->staged[b], fsdp->largest_shard);
         dt_free_on(m->device, DT_ARENA_COMM, fsdp->send16[b], fsdp->largest_shard / 2);
     }
-    dt__comm_release(fsdp->comm);            /* after the last prefetch has landed */
+    dt__zpp_free(fsdp);                      /* after the last prefetch has landed */
+    dt__comm_release(fsdp->comm);
     dt_fsdp_set_reduce_dtype(fsdp, DT_F32);
     dt_free_on(m->device, DT_ARENA_GRADS, fsdp->accum, (size_t)fsdp->accum_numel * sizeof(float));
     for (int i = 0; i < m->nparams; i++) m->params[i].dtype = DT_F32;

@@ -149,6 +149,40 @@ DT_HD static inline float dt_f16_to_f32(uint16_t h) {
     return dt_bits_float(bits);
 }
 
+/* Block quantization (the mixed-precision chapter): one division and one
+   rounding per value, no sum, so the CPU and the GPU agree bit for bit. */
+DT_HD static inline float dt_quant_block_scale(const float *x, int64_t n, int bits) {
+    float absmax = 0.0f;
+    int finite = 1;
+    for (int64_t i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        finite &= a <= 3.40282347e38f;                   /* false for inf and for NaN */
+        absmax = a > absmax ? a : absmax;
+    }
+    return finite ? absmax / (float)DT_QUANT_MAX(bits) : NAN;
+}
+DT_HD static inline int dt__quant_code(float x, float scale, int bits) {
+    if (!(scale > 0.0f)) return 0;                       /* a block of zeros, or a refused one */
+    float v = rintf(x / scale);                          /* to nearest, ties to even */
+    float m = (float)DT_QUANT_MAX(bits);
+    return (int)(v > m ? m : v < -m ? -m : v);
+}
+/* Values first .. first + n - 1 of x as codes (first is even: a 4-bit pair never straddles two blocks). */
+DT_HD static inline void dt_quant_block(const float *x, int64_t first, int64_t n, int bits, float scale, uint8_t *codes) {
+    if (bits == 8) {
+        for (int64_t i = first; i < first + n; i++) codes[i] = (uint8_t)(int8_t)dt__quant_code(x[i], scale, bits);
+        return;
+    }
+    for (int64_t i = first; i < first + n; i += 2) {     /* low nibble: the even value; two's complement */
+        int lo = dt__quant_code(x[i], scale, bits), hi = i + 1 < first + n ? dt__quant_code(x[i + 1], scale, bits) : 0;
+        codes[i / 2] = (uint8_t)((lo & 0xF) | ((hi & 0xF) << 4));
+    }
+}
+DT_HD static inline float dt_dequant_value(const uint8_t *codes, int64_t i, int bits, float scale) {
+    int q = bits == 8 ? (int)(int8_t)codes[i] : ((((codes[i / 2] >> ((i & 1) * 4)) & 0xF) ^ 8) - 8);
+    return (float)q * scale;                             /* a NaN scale: NaN */
+}
+
 /* GPU launch shape, here so that a CPU test can check it: a grid is capped
    (DT_MAX_BLOCKS blocks of DT_THREADS), so every kernel loops -- thread i
    takes items i, i + stride, ...; a warp-per-row kernel takes rows w, w +
@@ -294,6 +328,9 @@ typedef struct dt_backend {
                   float beta2, float eps, float wd, float bias_correction1, float bias_correction2);
     void (*sgd)(float *p, float *buf, const float *g, int64_t n, float lr, float momentum, float wd);
     void (*convert)(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n);
+    /* block quantization, as dt_quantize and dt_dequantize (no count of refused blocks) */
+    void (*quantize)(const float *x, int64_t n, int bits, int block, void *q);
+    void (*dequantize)(const void *q, int64_t n, int bits, int block, void *out, dt_dtype out_dtype, int add);
     int (*owns)(const void *p);                      /* 1 when p is memory of this device */
 } dt_backend;
 

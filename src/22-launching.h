@@ -799,6 +799,18 @@ static dt_comm *dt__comm_init_mpi(int rank, int world, double timeout_s) {
                 "with mpirun or srun --mpi=pmix (not --nproc or torchrun)", mpi_rank, mpi_world, rank, world);
     dt_comm *c = dt__comm_new(rank, world, timeout_s);
     c->backend = &dt__comm_mpi_backend;
+    /* which ranks share a machine (its kernel and /dev/shm): numbered by their first rank */
+    dt__host me, *all = (dt__host *)calloc((size_t)world, sizeof *all);
+    if (!all) dt_fail("out of memory (--comm mpi)");
+    dt__host_of_this_rank(&me);
+    dt__mpi_check(MPI_Allgather(&me, (int)sizeof me, MPI_BYTE, all, (int)sizeof me, MPI_BYTE, MPI_COMM_WORLD),
+                  "the look at each rank's machine");
+    for (int r = 0, machines = 0; r < world; r++) {
+        int q = 0;
+        while (q < r && strcmp(all[q].memory, all[r].memory) != 0) q++;
+        c->machine[r] = q < r ? c->machine[q] : machines++;
+    }
+    free(all);
     dt__mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &c->mpi), "MPI_Comm_dup");
     MPI_Comm_set_errhandler(c->mpi, MPI_ERRORS_RETURN);
     dt__comm_start(c, dt__private_header(c));

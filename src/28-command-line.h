@@ -38,6 +38,12 @@ typedef struct dt_config {
     float bucket_mb;             /* --bucket-mb: DDP's gradient buckets (0: one all-reduce after backward) */
     int shard;                   /* --shard: what FSDP shards (a dt_shard_mode; default full; 07: none) */
     int cpu_offload;             /* --cpu-offload: FSDP's shards and optimizer in host memory */
+    int quantize_weights;        /* --quantize-weights: 0 none, 1 int8 (ZeRO++'s qwZ) */
+    int quantize_grads;          /* --quantize-grads: 0 none, 1 int8, 2 int4 (qgZ) */
+    int hierarchical;            /* --hierarchical: a second copy of the weights per machine (hpZ) */
+    int quant_block;             /* --quant-block: values per scale (default 256) */
+    int ranks_per_machine;       /* --ranks-per-machine: 0, the launcher's machines; N, every N ranks one */
+    dt_zeropp zeropp;            /* the five above, as dt_fsdp_set_zeropp takes them */
     int tp;                      /* --tp: ranks per tensor-parallel group (0: every rank of the job) */
     int sequence_parallel;       /* --sequence-parallel: the rows between the split layers split too */
     int pp;                      /* --pp: ranks per pipeline, each a stage of consecutive blocks (0: every rank) */
@@ -209,6 +215,19 @@ static const dt__flag dt__flags[] = {
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full", DT_NOT_A_NUMBER },
     { "--cpu-offload", "456789", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
       DT_CFG(cpu_offload), NULL, DT_NOT_A_NUMBER },
+    { "--quantize-weights", "45", "none|int8", "ZeRO++ qwZ (with --shard full): gather each unit's weights as int8, a scale per\n"
+      "                          --quant-block values (default none)", DT_ARG_CHOICE, DT_CFG(quantize_weights), "none|int8",
+      DT_NOT_A_NUMBER },
+    { "--quantize-grads", "45", "none|int8|int4", "ZeRO++ qgZ: reduce-scatter gradients quantized, within each machine first, then\n"
+      "                          across (default none)", DT_ARG_CHOICE, DT_CFG(quantize_grads), "none|int8|int4", DT_NOT_A_NUMBER },
+    { "--hierarchical", "45", NULL, "ZeRO++ hpZ (with --shard full): each machine keeps a second copy of the weights, cut over\n"
+      "                          its ranks, so backward's gathers stay inside it", DT_ARG_SWITCH, DT_CFG(hierarchical), NULL,
+      DT_NOT_A_NUMBER },
+    { "--quant-block", "45", "N", "ZeRO++: values that share one scale (default 256; even, 8 to 65536)", DT_ARG_INT,
+      DT_CFG(quant_block), NULL, DT_RANGE(8, 65536) },
+    { "--ranks-per-machine", "45", "N", "ZeRO++: take every N consecutive ranks as one machine (default: the machines the\n"
+      "                          launcher put them on; N shows the hierarchy on one)", DT_ARG_INT, DT_CFG(ranks_per_machine), NULL,
+      DT_RANGE(1, DT_MAX_RANKS) },
     { "--recompute", "123456789", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
       DT_NOT_A_NUMBER },
@@ -458,7 +477,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     memset(&c, 0, sizeof c);
     memset(given, 0, sizeof given);
     c.stage = stage;
-    c.nproc = 1; c.timeout = 60; c.ranks_per_gpu = 1; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1;
+    c.nproc = 1; c.timeout = 60; c.ranks_per_gpu = 1; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1; c.quant_block = 256;
     c.micro_batches = 1; c.schedule = DT_SCHEDULE_1F1B;
     c.image_size = 32; c.model = DT_MODEL_MLP; c.vocab = -1; c.seq_len = 64;
     c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
@@ -606,6 +625,18 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         dt_usage_error("%s --recompute with --moe-capacity or --moe-aux-loss: the recomputed route gathers every rank's "
                        "probabilities again in backward, beside DDP's bucket all-reduces (--bucket-mb 0, or 04, allows it)", stage);
     if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
+    int zpp = c.quantize_weights || c.quantize_grads || c.hierarchical;
+    if (!zpp && (dt__given(given, "--quant-block") || dt__given(given, "--ranks-per-machine")))
+        dt_usage_error("--quant-block and --ranks-per-machine go with ZeRO++'s --quantize-weights, --quantize-grads or "
+                       "--hierarchical");
+    if (c.quantize_grads && c.reduce_dtype != DT_F32)
+        dt_usage_error("--quantize-grads with --reduce-dtype: the gradients travel quantized, so no reduce dtype applies; drop one");
+    if ((c.quantize_weights || c.hierarchical) && c.shard != DT_SHARD_FULL)
+        dt_usage_error("--quantize-weights and --hierarchical change how ZeRO-3 gathers each unit's parameters: they need "
+                       "--shard full");
+    if (c.quant_block % 2) dt_usage_error("--quant-block %d: an even number (two int4 codes share a byte)", c.quant_block);
+    c.zeropp = (dt_zeropp){ c.quantize_weights ? 8 : 0, c.quantize_grads == 1 ? 8 : c.quantize_grads == 2 ? 4 : 0,
+                            c.hierarchical, c.quant_block, c.ranks_per_machine };
     /* A pipeline (a stage that takes --micro-batches) already adds up its
        micro-batches' gradients before the optimizer steps: accumulating K
        steps is K times the micro-batches of a K times larger batch, in one

@@ -1053,3 +1053,33 @@ __global__ static void dt__k_convert(const void *src, int from, void *dst, int t
 static void dt__cuda_convert(const void *src, dt_dtype from, void *dst, dt_dtype to, int64_t n) {
     DT_LAUNCH(dt__k_convert, dt_blocks_for(n), DT_THREADS, src, (int)from, dst, (int)to, n);
 }
+/* Block quantization: a thread per block finds its scale and writes its
+   codes, a thread per value reads them back -- the CPU's functions. */
+__global__ static void dt__k_quantize(const float *x, int64_t n, int bits, int block, float *scales, uint8_t *codes) {
+    DT_FOR_EACH(b, (n + block - 1) / block) {
+        int64_t first = b * block, len = n - first < block ? n - first : block;
+        scales[b] = dt_quant_block_scale(x + first, len, bits);
+        dt_quant_block(x, first, len, bits, scales[b], codes);
+    }
+}
+static void dt__cuda_quantize(const float *x, int64_t n, int bits, int block, void *q) {
+    int64_t blocks = (n + block - 1) / block, used = 4 * blocks + (bits == 8 ? n : (n + 1) / 2);
+    float *scales = (float *)q;
+    dt__cuda_zero((char *)q + used, (size_t)(dt_quantized_bytes(n, bits, block) - used));
+    DT_LAUNCH(dt__k_quantize, dt_blocks_for(blocks), DT_THREADS, x, n, bits, block, scales, (uint8_t *)(scales + blocks));
+}
+__global__ static void dt__k_dequantize(const float *scales, const uint8_t *codes, int64_t n, int bits, int block, void *out,
+                                        int out_dtype, int add) {
+    DT_FOR_EACH(i, n) {
+        float v = dt_dequant_value(codes, i, bits, scales[i / block]);
+        if (add) ((float *)out)[i] += v;
+        else if (out_dtype == DT_F32) ((float *)out)[i] = v;
+        else ((uint16_t *)out)[i] = out_dtype == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
+    }
+}
+static void dt__cuda_dequantize(const void *q, int64_t n, int bits, int block, void *out, dt_dtype out_dtype, int add) {
+    int64_t blocks = (n + block - 1) / block;
+    const float *scales = (const float *)q;
+    DT_LAUNCH(dt__k_dequantize, dt_blocks_for(n), DT_THREADS, scales, (const uint8_t *)(scales + blocks), n, bits, block, out,
+              (int)out_dtype, add);
+}

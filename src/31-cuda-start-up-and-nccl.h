@@ -58,6 +58,7 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     t->softmax_row_stats = dt__cuda_softmax_row_stats;
     t->patchify = dt__cuda_patchify; t->sum_squares = dt__cuda_sum_squares; t->scale = dt__cuda_scale;
     t->adamw = dt__cuda_adamw; t->sgd = dt__cuda_sgd; t->convert = dt__cuda_convert; t->owns = dt__cuda_owns;
+    t->quantize = dt__cuda_quantize; t->dequantize = dt__cuda_dequantize;
     return t;
 }
 /* ---- NCCL: the collectives chapter's operations on GPU buffers (the contract

@@ -168,3 +168,108 @@ TEST(wrappers_stack_only_as_they_can, QUICK) {
         CHECKF(st == 1 && strstr(out, names[k]), "misuse %d: exit %d, expected an error naming '%s'\n%s", k, st, names[k], out);
     }
 }
+
+/* ---- ZeRO++ (dt_fsdp_set_zeropp): quantized and hierarchical communication ---- */
+
+/* The round trip through dt_quantize and dt_dequantize, int8 and int4, on
+   random values, on blocks with one outlier, of zeros, of tiny values, and
+   with a NaN and an inf: every value within half a step of its block
+   (absmax / (2 qmax), plus 4 ulps of absmax for the division and the
+   product); zeros exactly; a block with a NaN or an inf refused -- counted,
+   and all of it NaN -- while its neighbours stay exact to the bound. */
+TEST(zeropp_quantization_round_trip_is_within_half_a_step, QUICK) {
+    const int64_t n = 3001;                             /* odd: a last block short, a last int4 byte half used */
+    float *x = (float *)malloc(n * sizeof(float)), *y = (float *)malloc(n * sizeof(float));
+    dt__rng r = { 42 };
+    const int blocks_of[3] = { 8, 64, 256 };
+    for (int bits = 8; bits >= 4; bits -= 4)
+        for (int b = 0; b < 3; b++) {
+            int block = blocks_of[b];
+            for (int64_t i = 0; i < n; i++) x[i] = (float)((2 * dt__rng_uniform(&r) - 1) * 3);
+            for (int64_t i = block; i < 2 * block; i++) x[i] = 0;                      /* a block of zeros */
+            x[2 * block + 3] = 1e6f;                                                    /* an outlier */
+            for (int64_t i = 3 * block; i < 4 * block && i < n; i++) x[i] = (float)(1e-30 * (i % 7 - 3));   /* tiny */
+            x[5 * block + 1] = NAN;
+            x[6 * block + 2] = INFINITY;
+            int64_t bytes = dt_quantized_bytes(n, bits, block), nb = (n + block - 1) / block;
+            CHECKF(bytes == (4 * nb + (bits == 8 ? n : (n + 1) / 2) + 3) / 4 * 4 && bytes % 4 == 0,
+                   "%d bits, blocks of %d: %lld bytes", bits, block, (long long)bytes);
+            unsigned char *q = (unsigned char *)malloc((size_t)bytes), *q2 = (unsigned char *)malloc((size_t)bytes);
+            memset(q, 0xA5, (size_t)bytes);
+            int64_t refused = dt_quantize(x, n, bits, block, q);
+            CHECKF(refused == 2, "%d bits, blocks of %d: %lld blocks refused, expected 2 (a NaN, an inf)", bits, block,
+                   (long long)refused);
+            dt_quantize(x, n, bits, block, q2);
+            CHECKF(memcmp(q, q2, (size_t)bytes) == 0, "%d bits: the same values quantized twice differ", bits);
+            dt_dequantize(q, n, bits, block, y, DT_F32, 0);
+            int bad = 0;
+            for (int64_t k = 0; k < nb; k++) {
+                int64_t lo = k * block, hi = lo + block < n ? lo + block : n;
+                double absmax = 0;
+                int finite = 1;
+                for (int64_t i = lo; i < hi; i++) { finite &= isfinite(x[i]); absmax = fmax(absmax, fabs(x[i])); }
+                for (int64_t i = lo; i < hi && bad < 5; i++) {
+                    if (!finite) { if (!isnan(y[i])) { bad++; CHECKF(0, "%d bits: value %lld of a refused block came back %g", bits, (long long)i, y[i]); } continue; }
+                    double bound = absmax / (2.0 * DT_QUANT_MAX(bits)) + 4 * absmax * FLT_EPSILON;
+                    if (fabs((double)y[i] - x[i]) > bound || (x[i] == 0 && absmax == 0 && y[i] != 0)) {
+                        bad++;
+                        CHECKF(0, "%d bits, blocks of %d: value %lld is %.9g, came back %.9g (bound %.3g)", bits, block, (long long)i,
+                               x[i], y[i], bound);
+                    }
+                }
+            }
+            for (int64_t i = 0; i < n; i++) y[i] = 1;              /* adding: f32 only, onto what is there */
+            dt_dequantize(q, n, bits, block, y, DT_F32, 1);
+            CHECKF(fabs(y[0] - 1 - x[0]) <= 3.0 / DT_QUANT_MAX(bits), "%d bits: add: %g + 1 came back %g", bits, x[0], y[0]);
+            free(q); free(q2);
+        }
+    free(x); free(y);
+}
+
+/* hpZ alone changes where backward's weights come from -- the machine's own
+   second copy -- not what they are: 04 with --hierarchical, 4 ranks as 2
+   machines of 2 (and as 4 machines of 1), saves the weights of --shard full,
+   bit for bit. */
+TEST(zeropp_hierarchical_alone_equals_shard_full_bit_for_bit, QUICK) {
+    char out[16384], ref[600], dir[600], p[700], q[700];
+    const char *flags = PAR_FLAGS " --model vit --depth 2 --heads 2 --batch-size 8 --nproc 4 --shard full";
+    snprintf(ref, sizeof ref, "%s/hpz-ref", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s %s --save-dir %s", stage_bin("04-fsdp"), small_data(), flags, ref);
+    CHECKF(st == 0, "04 --shard full: exit %d\n%s", st, out);
+    snprintf(p, sizeof p, "%s/whole", ref);          /* 04 saves shards: put them together */
+    st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2 %s", build_path("tools/consolidate"), ref, p);
+    CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
+    for (int per = 1; per <= 2; per++) {
+        snprintf(dir, sizeof dir, "%s/hpz-%d", tmpdir, per);
+        st = run_cmd(out, sizeof out, "%s --data %s %s --hierarchical --ranks-per-machine %d --save-dir %s", stage_bin("04-fsdp"),
+                     small_data(), flags, per, dir);
+        CHECKF(st == 0, "04 --hierarchical --ranks-per-machine %d: exit %d\n%s", per, st, out);
+        snprintf(q, sizeof q, "%s/whole", dir);
+        st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2 %s", build_path("tools/consolidate"), dir, q);
+        CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
+        CHECKF(files_equal_tensors(p, q), "--hierarchical --ranks-per-machine %d: not bit for bit --shard full's weights", per);
+    }
+}
+
+/* Combinations that cannot work are refused before training, naming the flags. */
+TEST(zeropp_bad_combinations_are_refused, QUICK) {
+    char out[8192];
+    static const struct { const char *stage, *flags, *names; } bad[] = {
+        { "04-fsdp", "--shard grads --quantize-weights int8", "need --shard full" },
+        { "04-fsdp", "--shard optimizer --hierarchical", "need --shard full" },
+        { "05-accum-mixed-precision", "--quantize-grads int4 --reduce-dtype bf16", "--reduce-dtype" },
+        { "04-fsdp", "--quantize-grads int8 --quant-block 9", "--quant-block 9: an even number" },
+        { "04-fsdp", "--quant-block 64", "go with ZeRO++" },
+        { "04-fsdp", "--ranks-per-machine 2", "go with ZeRO++" },
+        { "04-fsdp", "--quantize-weights int4", "--quantize-weights must be one of" },
+        { "03-ddp", "--quantize-grads int8", "--quantize-grads" },
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " %s", stage_bin(bad[i].stage), small_data(), bad[i].flags);
+        expect_error_in(bad[i].flags, out, st, 2, bad[i].names);
+    }
+    /* known only once the ranks have met: the machines' grid */
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --nproc 4 --quantize-grads int8 --ranks-per-machine 3",
+                     stage_bin("04-fsdp"), small_data());
+    expect_error_in("--ranks-per-machine 3 of 4 ranks", out, st, 2, "--ranks-per-machine 3: it must divide");
+}
