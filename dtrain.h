@@ -2125,7 +2125,7 @@ typedef struct dt_link {
     double bandwidth_gbs;      /* bus bandwidth, GB/s, as nccl-tests reports it */
 } dt_link;
 /* "shm" (shared memory on this machine, as tools/collectives measured it),
-   "pcie", "nvlink", "infiniband": rough figures of common links (see the
+   "pcie", "nvlink", "infiniband", "ethernet": rough figures of common links (see the
    definitions). Returns 0 for an unknown name. */
 int dt_link_preset(const char *name, dt_link *out);
 /* Milliseconds of one ring collective over n ranks, of a buffer of `bytes`
@@ -2209,6 +2209,20 @@ typedef struct dt_cost_input {
        backward, or sharded), the rest over every rank: the groups' average,
        then the group's, after backward. */
     double ep_expert_share, ep_exchanges, ep_bytes;
+    /* machines (FSDP): the ranks as machines of machine_ranks each (0, or
+       n: one machine), joined by `across` (a slower link; empty: `l`). A
+       ring over all n ranks crosses between machines once per machine, and
+       waits on that link. ZeRO++ (ZeRO-3): qw_bits 8, the forward's
+       gathers in int8 codes plus a 4-byte scale per quant_block values,
+       gathered across machines at each place, then within each; with
+       hierarchical the backward's from the machine's second copy, never
+       across; qg_bits 8 or 4, the gradients quantized, exchanged within
+       the machine, then the sums quantized again and exchanged across.
+       backward_gather_share: the share of the parameters ZeRO-3 gathers
+       again in backward (not the last unit, nor the outer one: kept). */
+    int machine_ranks, qw_bits, qg_bits, hierarchical, quant_block;
+    double backward_gather_share;
+    dt_link across;
 } dt_cost_input;
 
 typedef struct dt_cost_prediction {
@@ -2219,6 +2233,7 @@ typedef struct dt_cost_prediction {
     double step_ms, speedup, efficiency;   /* speedup: samples/s against one rank with the same batch */
     double bytes;              /* bytes each rank sends per step */
     double bubble;             /* pipeline parallelism: the share of the step a stage waits, (P - 1) / (M + P - 1) */
+    double bytes_within, bytes_across;   /* FSDP: bytes a step moves, the whole job's, within machines and across them */
 } dt_cost_prediction;
 /* Predict a step of `ranks` ranks: DDP all-reduces the gradients once per
    step behind backward; DP (02) also broadcasts the parameters, hiding
@@ -2302,6 +2317,7 @@ typedef struct dt_config {
     int dtype, reduce_dtype;     /* --dtype, --reduce-dtype: a dt_dtype each (05) */
     int explain;                 /* --explain: the cost model's prediction for this run, after 3 steps */
     int link;                    /* --link: the link the prediction assumes (-1: shm on a CPU, nvlink on GPUs) */
+    int link_across;             /* --link-across: the link between machines (-1: infiniband) */
     float timeout;               /* --timeout: seconds before a missing rank stops the job */
     dt_comm_kind comm;           /* --comm: the collectives' transport (auto: NCCL on GPUs, else decided at dt_comm_init) */
     int ranks_per_gpu;           /* --ranks-per-gpu: how many ranks may share one GPU (default 1) */
@@ -2384,6 +2400,8 @@ struct dt_run {
          accum_steps set) and returns how many ranks split or shard the model.
      bench_fields  the " key=value" pairs --bench adds (what the cost model
          needs of it).
+     bytes_moved  the bytes the last step's collectives moved, the whole
+         job's, within machines and across them (--log, --trace, --bench).
      whole_from_local, local_from_whole  for a wrapper that cut the model
          (without state_open: the checkpoints chapter calls them with the
          model as the layout, on the first data-parallel copy) and for the
@@ -2409,6 +2427,7 @@ typedef struct dt_parallel_report {
     void (*log_fields)(const dt_parallel *par, FILE *log);
     int (*cost_input)(const dt_parallel *par, dt_cost_input *in);
     void (*bench_fields)(const dt_parallel *par, FILE *out, int accum_steps);
+    void (*bytes_moved)(const dt_parallel *par, double *within, double *across);
     float *(*whole_from_local)(dt_parallel *par, const dt_model *layout, float *local);
     void (*local_from_whole)(dt_parallel *par, const dt_model *layout, float *whole, float *local);
 } dt_parallel_report;
@@ -15025,6 +15044,14 @@ static void dt__trace_event(dt_run *r, const char *name, int track, double t0, d
     dt__file_check(r->trace, "--trace", r->trace_path);
 }
 
+/* A counter (Perfetto draws it as a graph over the steps): two named values at t. */
+static void dt__trace_counter(dt_run *r, const char *name, double t, const char *a, double va, const char *b, double vb) {
+    if (!r->trace) return;
+    fprintf(r->trace, ",{\"name\":\"%s\",\"ph\":\"C\",\"pid\":%d,\"ts\":%.1f,\"args\":{\"%s\":%.0f,\"%s\":%.0f}}\n", name,
+            dt__ctx.rank, (t - r->start_ms) * 1e3, a, va, b, vb);
+    dt__file_check(r->trace, "--trace", r->trace_path);
+}
+
 static void dt__trace_open(dt_run *r, const char *path) {
     char *mine = r->trace_path;
     size_t size = sizeof r->trace_path;
@@ -15486,10 +15513,11 @@ const char *dt_mlflow_run_id(const dt_mlflow *ml) { return ml->run_id; }
    - shm: this project's shared-memory ring on a 2-core machine (2 ranks, 2026-11-21);
    - pcie: GPUs talking through PCIe 4.0 x16 and the host, no NVLink;
    - nvlink: 8 H100 SXM GPUs on NVLink 4 and NVSwitch, as nccl-tests all-reduce reaches;
-   - infiniband: one HDR 200 Gb/s NIC per GPU, between machines. */
+   - infiniband: one HDR 200 Gb/s NIC per GPU, between machines;
+   - ethernet: 10 Gb/s between machines, TCP. */
 int dt_link_preset(const char *name, dt_link *out) {
     static const struct { const char *name; double us, gbs; } presets[] = {
-        { "shm", 15, 5 }, { "pcie", 10, 16 }, { "nvlink", 10, 400 }, { "infiniband", 8, 24 } };
+        { "shm", 15, 5 }, { "pcie", 10, 16 }, { "nvlink", 10, 400 }, { "infiniband", 8, 24 }, { "ethernet", 30, 1.25 } };
     size_t len = strlen(name);
     memset(out, 0, sizeof *out);         /* an unknown name leaves an empty link, not the caller's garbage */
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++)
@@ -15516,6 +15544,34 @@ double dt_cost_all_gather_ms(const dt_link *link, int n, double bytes) {
 int dt_cost_ddp_buckets(double params, double bucket_mb) {
     if (bucket_mb <= 0) return 1;
     return 1 + (int)ceil(fmax(0, 4 * params - 1048576) / (bucket_mb * 1048576.0));
+}
+
+/* FSDP's bytes between machines, the whole job's: each collective priced
+   on its groups' rings, as the FSDP chapter counts the calls it makes. A
+   ring of n over all the ranks (contiguous machines) crosses H times. */
+static void dt__cost_ring(double whole, int n, int groups, int crossing, double *within, double *across) {
+    if (n < 2) return;
+    *across += whole * (n - 1) / n * crossing * groups;
+    *within += whole * (n - 1) / n * (n - crossing) * groups;
+}
+static void dt__cost_machines(const dt_cost_input *in, int n, int K, dt_cost_prediction *p) {
+    int L = in->machine_ranks > 0 && in->machine_ranks < n && n % in->machine_ranks == 0 ? in->machine_ranks : n, H = n / L;
+    int crossing = H > 1 ? H : 0, B = in->quant_block > 0 ? in->quant_block : 256;
+    double P = in->params, g = in->gather_bytes, r = in->reduce_bytes, *w = &p->bytes_within, *a = &p->bytes_across;
+    double qw = in->qw_bits ? in->qw_bits / 8.0 + 4.0 / B : 0, qg = in->qg_bits ? in->qg_bits / 8.0 + 4.0 / B : 0;
+    for (int pass = 0; in->kind == DT_PAR_ZERO3 && pass < 2; pass++) {     /* forward's gathers, then backward's */
+        double share = K * (pass ? in->backward_gather_share : 1);
+        if (pass && in->hierarchical) dt__cost_ring(share * P * g, L, H, 0, w, a);        /* the machine's second copy */
+        else if (qw) {                                                                   /* across at each place, then within */
+            dt__cost_ring(share * P * qw / L, H, L, crossing, w, a);
+            dt__cost_ring(share * P * qw, L, H, 0, w, a);
+        } else dt__cost_ring(share * P * g, n, 1, crossing, w, a);
+    }
+    if (in->kind != DT_PAR_ZERO3) dt__cost_ring(P * g, n, 1, crossing, w, a);              /* ZeRO-1, -2: the new parameters */
+    if (qg) {                                                   /* within (an all-to-all: (L - 1) of L pieces), then across */
+        dt__cost_ring(P * qg, L, H, 0, w, a);
+        dt__cost_ring(P * qg / L, H, L, crossing, w, a);
+    } else dt__cost_ring(P * r, n, 1, crossing, w, a);
 }
 
 dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, int n) {
@@ -15638,6 +15694,17 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
         break;
     }
     }
+    if (sharded) {
+        dt__cost_machines(in, n, K, &p);
+        /* on several machines the bytes across wait on the slower link: each rank's share of them, beside the rest */
+        int L = in->machine_ranks > 0 && in->machine_ranks < n ? in->machine_ranks : n;
+        if (L < n && in->across.bandwidth_gbs > 0 && l->bandwidth_gbs > 0) {
+            double t = (p.bytes_across / n / in->across.bandwidth_gbs + p.bytes_within / n / l->bandwidth_gbs) / 1e6;
+            p.exposed_ms += fmax(0, t - p.comm_ms);
+            p.comm_ms = fmax(p.comm_ms, t);
+            p.bytes = (p.bytes_within + p.bytes_across) / n;
+        }
+    }
     p.step_ms = p.compute_ms + p.exposed_ms;
     p.speedup = p.step_ms > 0 ? n * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
     p.efficiency = p.speedup / n;
@@ -15678,6 +15745,17 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
         fprintf(out, "  %d micro-batches through %d stages: the bubble is (P - 1) / (M + P - 1) = %.0f%% of the step "
                 "(measured on this rank: %.0f%%)\n", in->pp_micro_batches > 0 ? in->pp_micro_batches : 1, n, 100 * p.bubble,
                 100 * in->pp_measured_bubble);
+    int L = in->machine_ranks > 0 && in->machine_ranks < n ? in->machine_ranks : n;
+    if (p.bytes_within + p.bytes_across > 0 && (L < n || in->qw_bits || in->qg_bits || in->hierarchical)) {
+        char zpp[96] = "";
+        if (in->qw_bits || in->qg_bits || in->hierarchical)
+            snprintf(zpp, sizeof zpp, "; ZeRO++:%s%s%s%s%s", in->qw_bits ? " weights int8" : "", in->qg_bits ? " gradients int" : "",
+                     in->qg_bits == 8 ? "8" : in->qg_bits == 4 ? "4" : "", in->hierarchical ? " hierarchical" : "",
+                     in->qw_bits || in->qg_bits ? " (quantized)" : "");
+        fprintf(out, "  %d machine%s of %d ranks%s%s%s: a step moves %.3f MB across machines and %.3f MB within them (the "
+                "whole job's)\n", n / L, n / L == 1 ? "" : "s", L, zpp, in->across.name[0] && L < n ? ", across them " : "",
+                in->across.name[0] && L < n ? in->across.name : "", p.bytes_across / 1e6, p.bytes_within / 1e6);
+    }
     fprintf(out, "  compute %.2f ms a step per rank; communication %.2f ms (%.1f MB sent per rank), %.2f ms of it not "
             "hidden\n", p.compute_ms, p.comm_ms, p.bytes / 1e6, p.exposed_ms);
     if (p.comm_ms > 0) fprintf(out, "  compute : communication = %.1f : 1", p.compute_ms / p.comm_ms);
@@ -15908,6 +15986,9 @@ static const dt__flag dt__flags[] = {
       "communication,\n                          and what would change it", DT_ARG_SWITCH, DT_CFG(explain), NULL, DT_NOT_A_NUMBER },
     { "--link", "123456789", "shm|pcie|nvlink|infiniband", "--explain: the link between ranks (default: shm on a CPU, nvlink on GPUs)",
       DT_ARG_CHOICE, DT_CFG(link), "shm|pcie|nvlink|infiniband", DT_NOT_A_NUMBER },
+    { "--link-across", "45", "infiniband|ethernet|pcie|nvlink|shm", "--explain: the link between machines (default infiniband;\n"
+      "                          the machines: --ranks-per-machine, or as the launcher placed the ranks)", DT_ARG_CHOICE,
+      DT_CFG(link_across), "infiniband|ethernet|pcie|nvlink|shm", DT_NOT_A_NUMBER },
     { "--tp", "67", "T", "tensor parallelism: ranks per group that split every block's layers (06: default 0, the whole\n"
       "                          job, a job of N ranks is N/T data-parallel groups of T; 07: default 1, each stage's blocks\n"
       "                          split over T ranks)", DT_ARG_INT, DT_CFG(tp), NULL, DT_MIN(0) },
@@ -16131,7 +16212,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     memset(&c, 0, sizeof c);
     memset(given, 0, sizeof given);
     c.stage = stage;
-    c.nproc = 1; c.timeout = 60; c.ranks_per_gpu = 1; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1; c.quant_block = 256;
+    c.nproc = 1; c.timeout = 60; c.ranks_per_gpu = 1; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1; c.link_across = -1; c.quant_block = 256;
     c.micro_batches = 1; c.schedule = DT_SCHEDULE_1F1B;
     c.image_size = 32; c.model = DT_MODEL_MLP; c.vocab = -1; c.seq_len = 64;
     c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;
@@ -16827,6 +16908,8 @@ static void dt__run_explain(dt_run *r) {
     in.gather_bytes = (double)dt_dtype_size((dt_dtype)c->dtype);
     in.reduce_bytes = (double)dt_dtype_size((dt_dtype)c->reduce_dtype);
     in.messages = in.kind == DT_PAR_DDP ? dt_cost_ddp_buckets(in.params, c->bucket_mb) : r->model->nunits;
+    static const char *across[] = { "infiniband", "ethernet", "pcie", "nvlink", "shm" };     /* --link-across's order */
+    dt_link_preset(across[c->link_across >= 0 ? c->link_across : 0], &in.across);
     printf("--explain, measured on step %lld: compute %.1f ms, communication %.1f ms (%.1f hidden)\n",
            (long long)r->step, measured, dt__ctx.comm_ms, dt__ctx.comm_hidden_ms);
     if (alone) printf("(stage 01 trains alone: here is what DDP, stage 03, would do with it)\n");
@@ -16965,6 +17048,12 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     for (int k = 0; k < dt__ctx.ncomm_events; k++)
         dt__trace_event(run, dt__ctx.comm_events[k].name, dt__ctx.comm_events[k].pipeline ? DT_TRACK_PIPELINE : DT_TRACK_COMM,
                         dt__ctx.comm_events[k].t0, dt__ctx.comm_events[k].t1);
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
+    double within = 0, across = 0;
+    if (rep && rep->bytes_moved) {
+        rep->bytes_moved(who, &within, &across);
+        dt__trace_counter(run, "bytes a step (the job's)", run->step_start_ms, "in machines", within, "across machines", across);
+    }
     if (run->log) {
         fprintf(run->log, "{\"step\":%lld,\"epoch\":%d,\"loss\":%.8g,\"lr\":%.6g,\"samples_per_s\":%.1f,\"step_ms\":%.3f,"
                         "\"data_ms\":%.3f,\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"comm_ms\":%.3f,\"comm_hidden_ms\":%.3f,"
@@ -16977,8 +17066,9 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
         if (run->scaler.enabled)
             fprintf(run->log, ",\"loss_scale\":%g,\"skipped\":%d,\"skipped_steps\":%lld", run->scaler.scale,
                     run->scaler.last_skipped, (long long)run->scaler.skipped);
-        dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
         if (rep && rep->log_fields) rep->log_fields(who, run->log);
+        if (rep && rep->bytes_moved)
+            fprintf(run->log, ",\"bytes_in_machines\":%.0f,\"bytes_across_machines\":%.0f", within, across);
         const dt_moe_stats *moe = &run->model->moe;
         if (moe->experts && moe->layers) {       /* the MoE layers, this step, every rank's tokens */
             fprintf(run->log, ",\"moe_balance\":%.6g,\"moe_dropped\":%lld,\"moe_choices\":%lld,\"moe_routed\":[",
@@ -17178,6 +17268,15 @@ static int dt__fsdp_cost_input(const dt_parallel *par, dt_cost_input *in) {
     }
     static const dt_parallelism zero[3] = { DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3 };   /* by dt_shard_mode */
     in->kind = zero[f->mode];
+    in->machine_ranks = f->L;                       /* the machines, and what ZeRO++ does on them */
+    in->qw_bits = f->zpp.quantize_weights; in->qg_bits = f->zpp.quantize_grads;
+    in->hierarchical = f->zpp.hierarchical; in->quant_block = f->zpp.quant_block;
+    double again = 0, all = 0;                      /* backward gathers all but the last unit and the outer one again */
+    for (int k = 0; k < f->nunits; k++) {
+        all += (double)f->units[k].numel;
+        if (k != f->model->outer_unit && (k != f->nunits - 1 || f->pipelined)) again += (double)f->units[k].numel;
+    }
+    in->backward_gather_share = all > 0 ? again / all : 1;
     in->optimizer_ms *= f->world;
     return f->world;
 }
@@ -17309,10 +17408,20 @@ static int dt__fsdp_shards(dt_parallel *par, dt_optimizer *o, dt_shard_view *vie
 static void dt__fsdp_label(const dt_parallel *par, char *out, size_t n) {
     const dt_fsdp *f = (const dt_fsdp *)par;
     static const char *modes[3] = { "optimizer", "grads", "full" };
-    snprintf(out, n, "/%s%s", modes[f->mode], f->offload ? "+offload" : "");
+    char qw[16] = "", qg[16] = "";
+    if (f->zpp.quantize_weights) snprintf(qw, sizeof qw, "+qw%d", f->zpp.quantize_weights);
+    if (f->zpp.quantize_grads) snprintf(qg, sizeof qg, "+qg%d", f->zpp.quantize_grads);
+    snprintf(out, n, "/%s%s%s%s%s", modes[f->mode], f->offload ? "+offload" : "", qw, qg, f->zpp.hierarchical ? "+hp" : "");
+}
+static void dt__fsdp_bytes_moved(const dt_parallel *par, double *within, double *across) {
+    const dt_fsdp *f = (const dt_fsdp *)par;
+    *within = f->step_bytes_within;
+    *across = f->step_bytes_across;
 }
 /* Around tensor or pipeline parallelism, what it reports too. */
 static void dt__fsdp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
+    const dt_fsdp *f = (const dt_fsdp *)par;
+    fprintf(out, " machines=%d bytes_in_machines=%.0f bytes_across_machines=%.0f", f->H, f->step_bytes_within, f->step_bytes_across);
     dt_parallel *who;
     const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
     if (in && in->bench_fields) in->bench_fields(who, out, accum_steps);
@@ -17331,7 +17440,7 @@ static void dt__fsdp_memory_tables(const dt_parallel *par, const dt_optimizer *o
 const dt_parallel_report dt__fsdp_report = {
     .create_fn = "dt_fsdp_create", .state_open = dt__fsdp_state_open, .state_close = dt__fsdp_state_close,
     .shards = dt__fsdp_shards, .memory_table = dt__fsdp_memory_tables, .label = dt__fsdp_label, .cost_input = dt__fsdp_cost_input,
-    .bench_fields = dt__fsdp_bench_fields, .log_fields = dt__fsdp_log_fields,
+    .bench_fields = dt__fsdp_bench_fields, .log_fields = dt__fsdp_log_fields, .bytes_moved = dt__fsdp_bytes_moved,
 };
 /* [src/16-tensor-parallel.h] */
 /* ---- what the machinery asks of tensor parallelism (the run driver's dt_parallel_report) ----

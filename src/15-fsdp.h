@@ -802,6 +802,15 @@ static int dt__fsdp_cost_input(const dt_parallel *par, dt_cost_input *in) {
     }
     static const dt_parallelism zero[3] = { DT_PAR_ZERO1, DT_PAR_ZERO2, DT_PAR_ZERO3 };   /* by dt_shard_mode */
     in->kind = zero[f->mode];
+    in->machine_ranks = f->L;                       /* the machines, and what ZeRO++ does on them */
+    in->qw_bits = f->zpp.quantize_weights; in->qg_bits = f->zpp.quantize_grads;
+    in->hierarchical = f->zpp.hierarchical; in->quant_block = f->zpp.quant_block;
+    double again = 0, all = 0;                      /* backward gathers all but the last unit and the outer one again */
+    for (int k = 0; k < f->nunits; k++) {
+        all += (double)f->units[k].numel;
+        if (k != f->model->outer_unit && (k != f->nunits - 1 || f->pipelined)) again += (double)f->units[k].numel;
+    }
+    in->backward_gather_share = all > 0 ? again / all : 1;
     in->optimizer_ms *= f->world;
     return f->world;
 }
@@ -933,10 +942,20 @@ static int dt__fsdp_shards(dt_parallel *par, dt_optimizer *o, dt_shard_view *vie
 static void dt__fsdp_label(const dt_parallel *par, char *out, size_t n) {
     const dt_fsdp *f = (const dt_fsdp *)par;
     static const char *modes[3] = { "optimizer", "grads", "full" };
-    snprintf(out, n, "/%s%s", modes[f->mode], f->offload ? "+offload" : "");
+    char qw[16] = "", qg[16] = "";
+    if (f->zpp.quantize_weights) snprintf(qw, sizeof qw, "+qw%d", f->zpp.quantize_weights);
+    if (f->zpp.quantize_grads) snprintf(qg, sizeof qg, "+qg%d", f->zpp.quantize_grads);
+    snprintf(out, n, "/%s%s%s%s%s", modes[f->mode], f->offload ? "+offload" : "", qw, qg, f->zpp.hierarchical ? "+hp" : "");
+}
+static void dt__fsdp_bytes_moved(const dt_parallel *par, double *within, double *across) {
+    const dt_fsdp *f = (const dt_fsdp *)par;
+    *within = f->step_bytes_within;
+    *across = f->step_bytes_across;
 }
 /* Around tensor or pipeline parallelism, what it reports too. */
 static void dt__fsdp_bench_fields(const dt_parallel *par, FILE *out, int accum_steps) {
+    const dt_fsdp *f = (const dt_fsdp *)par;
+    fprintf(out, " machines=%d bytes_in_machines=%.0f bytes_across_machines=%.0f", f->H, f->step_bytes_within, f->step_bytes_across);
     dt_parallel *who;
     const dt_parallel_report *in = dt_parallel_report_of(par->inner, &who);
     if (in && in->bench_fields) in->bench_fields(who, out, accum_steps);
@@ -955,5 +974,5 @@ static void dt__fsdp_memory_tables(const dt_parallel *par, const dt_optimizer *o
 const dt_parallel_report dt__fsdp_report = {
     .create_fn = "dt_fsdp_create", .state_open = dt__fsdp_state_open, .state_close = dt__fsdp_state_close,
     .shards = dt__fsdp_shards, .memory_table = dt__fsdp_memory_tables, .label = dt__fsdp_label, .cost_input = dt__fsdp_cost_input,
-    .bench_fields = dt__fsdp_bench_fields, .log_fields = dt__fsdp_log_fields,
+    .bench_fields = dt__fsdp_bench_fields, .log_fields = dt__fsdp_log_fields, .bytes_moved = dt__fsdp_bytes_moved,
 };

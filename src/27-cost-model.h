@@ -13,7 +13,7 @@ typedef struct dt_link {
     double bandwidth_gbs;      /* bus bandwidth, GB/s, as nccl-tests reports it */
 } dt_link;
 /* "shm" (shared memory on this machine, as tools/collectives measured it),
-   "pcie", "nvlink", "infiniband": rough figures of common links (see the
+   "pcie", "nvlink", "infiniband", "ethernet": rough figures of common links (see the
    definitions). Returns 0 for an unknown name. */
 int dt_link_preset(const char *name, dt_link *out);
 /* Milliseconds of one ring collective over n ranks, of a buffer of `bytes`
@@ -97,6 +97,20 @@ typedef struct dt_cost_input {
        backward, or sharded), the rest over every rank: the groups' average,
        then the group's, after backward. */
     double ep_expert_share, ep_exchanges, ep_bytes;
+    /* machines (FSDP): the ranks as machines of machine_ranks each (0, or
+       n: one machine), joined by `across` (a slower link; empty: `l`). A
+       ring over all n ranks crosses between machines once per machine, and
+       waits on that link. ZeRO++ (ZeRO-3): qw_bits 8, the forward's
+       gathers in int8 codes plus a 4-byte scale per quant_block values,
+       gathered across machines at each place, then within each; with
+       hierarchical the backward's from the machine's second copy, never
+       across; qg_bits 8 or 4, the gradients quantized, exchanged within
+       the machine, then the sums quantized again and exchanged across.
+       backward_gather_share: the share of the parameters ZeRO-3 gathers
+       again in backward (not the last unit, nor the outer one: kept). */
+    int machine_ranks, qw_bits, qg_bits, hierarchical, quant_block;
+    double backward_gather_share;
+    dt_link across;
 } dt_cost_input;
 
 typedef struct dt_cost_prediction {
@@ -107,6 +121,7 @@ typedef struct dt_cost_prediction {
     double step_ms, speedup, efficiency;   /* speedup: samples/s against one rank with the same batch */
     double bytes;              /* bytes each rank sends per step */
     double bubble;             /* pipeline parallelism: the share of the step a stage waits, (P - 1) / (M + P - 1) */
+    double bytes_within, bytes_across;   /* FSDP: bytes a step moves, the whole job's, within machines and across them */
 } dt_cost_prediction;
 /* Predict a step of `ranks` ranks: DDP all-reduces the gradients once per
    step behind backward; DP (02) also broadcasts the parameters, hiding
@@ -139,10 +154,11 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
    - shm: this project's shared-memory ring on a 2-core machine (2 ranks, 2026-11-21);
    - pcie: GPUs talking through PCIe 4.0 x16 and the host, no NVLink;
    - nvlink: 8 H100 SXM GPUs on NVLink 4 and NVSwitch, as nccl-tests all-reduce reaches;
-   - infiniband: one HDR 200 Gb/s NIC per GPU, between machines. */
+   - infiniband: one HDR 200 Gb/s NIC per GPU, between machines;
+   - ethernet: 10 Gb/s between machines, TCP. */
 int dt_link_preset(const char *name, dt_link *out) {
     static const struct { const char *name; double us, gbs; } presets[] = {
-        { "shm", 15, 5 }, { "pcie", 10, 16 }, { "nvlink", 10, 400 }, { "infiniband", 8, 24 } };
+        { "shm", 15, 5 }, { "pcie", 10, 16 }, { "nvlink", 10, 400 }, { "infiniband", 8, 24 }, { "ethernet", 30, 1.25 } };
     size_t len = strlen(name);
     memset(out, 0, sizeof *out);         /* an unknown name leaves an empty link, not the caller's garbage */
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++)
@@ -169,6 +185,34 @@ double dt_cost_all_gather_ms(const dt_link *link, int n, double bytes) {
 int dt_cost_ddp_buckets(double params, double bucket_mb) {
     if (bucket_mb <= 0) return 1;
     return 1 + (int)ceil(fmax(0, 4 * params - 1048576) / (bucket_mb * 1048576.0));
+}
+
+/* FSDP's bytes between machines, the whole job's: each collective priced
+   on its groups' rings, as the FSDP chapter counts the calls it makes. A
+   ring of n over all the ranks (contiguous machines) crosses H times. */
+static void dt__cost_ring(double whole, int n, int groups, int crossing, double *within, double *across) {
+    if (n < 2) return;
+    *across += whole * (n - 1) / n * crossing * groups;
+    *within += whole * (n - 1) / n * (n - crossing) * groups;
+}
+static void dt__cost_machines(const dt_cost_input *in, int n, int K, dt_cost_prediction *p) {
+    int L = in->machine_ranks > 0 && in->machine_ranks < n && n % in->machine_ranks == 0 ? in->machine_ranks : n, H = n / L;
+    int crossing = H > 1 ? H : 0, B = in->quant_block > 0 ? in->quant_block : 256;
+    double P = in->params, g = in->gather_bytes, r = in->reduce_bytes, *w = &p->bytes_within, *a = &p->bytes_across;
+    double qw = in->qw_bits ? in->qw_bits / 8.0 + 4.0 / B : 0, qg = in->qg_bits ? in->qg_bits / 8.0 + 4.0 / B : 0;
+    for (int pass = 0; in->kind == DT_PAR_ZERO3 && pass < 2; pass++) {     /* forward's gathers, then backward's */
+        double share = K * (pass ? in->backward_gather_share : 1);
+        if (pass && in->hierarchical) dt__cost_ring(share * P * g, L, H, 0, w, a);        /* the machine's second copy */
+        else if (qw) {                                                                   /* across at each place, then within */
+            dt__cost_ring(share * P * qw / L, H, L, crossing, w, a);
+            dt__cost_ring(share * P * qw, L, H, 0, w, a);
+        } else dt__cost_ring(share * P * g, n, 1, crossing, w, a);
+    }
+    if (in->kind != DT_PAR_ZERO3) dt__cost_ring(P * g, n, 1, crossing, w, a);              /* ZeRO-1, -2: the new parameters */
+    if (qg) {                                                   /* within (an all-to-all: (L - 1) of L pieces), then across */
+        dt__cost_ring(P * qg, L, H, 0, w, a);
+        dt__cost_ring(P * qg / L, H, L, crossing, w, a);
+    } else dt__cost_ring(P * r, n, 1, crossing, w, a);
 }
 
 dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, int n) {
@@ -291,6 +335,17 @@ dt_cost_prediction dt_cost_predict(const dt_cost_input *in, const dt_link *l, in
         break;
     }
     }
+    if (sharded) {
+        dt__cost_machines(in, n, K, &p);
+        /* on several machines the bytes across wait on the slower link: each rank's share of them, beside the rest */
+        int L = in->machine_ranks > 0 && in->machine_ranks < n ? in->machine_ranks : n;
+        if (L < n && in->across.bandwidth_gbs > 0 && l->bandwidth_gbs > 0) {
+            double t = (p.bytes_across / n / in->across.bandwidth_gbs + p.bytes_within / n / l->bandwidth_gbs) / 1e6;
+            p.exposed_ms += fmax(0, t - p.comm_ms);
+            p.comm_ms = fmax(p.comm_ms, t);
+            p.bytes = (p.bytes_within + p.bytes_across) / n;
+        }
+    }
     p.step_ms = p.compute_ms + p.exposed_ms;
     p.speedup = p.step_ms > 0 ? n * (K * in->compute_ms + in->optimizer_ms) / p.step_ms : 0;
     p.efficiency = p.speedup / n;
@@ -331,6 +386,17 @@ void dt_cost_explain(FILE *out, const dt_cost_input *in, const dt_link *l, int n
         fprintf(out, "  %d micro-batches through %d stages: the bubble is (P - 1) / (M + P - 1) = %.0f%% of the step "
                 "(measured on this rank: %.0f%%)\n", in->pp_micro_batches > 0 ? in->pp_micro_batches : 1, n, 100 * p.bubble,
                 100 * in->pp_measured_bubble);
+    int L = in->machine_ranks > 0 && in->machine_ranks < n ? in->machine_ranks : n;
+    if (p.bytes_within + p.bytes_across > 0 && (L < n || in->qw_bits || in->qg_bits || in->hierarchical)) {
+        char zpp[96] = "";
+        if (in->qw_bits || in->qg_bits || in->hierarchical)
+            snprintf(zpp, sizeof zpp, "; ZeRO++:%s%s%s%s%s", in->qw_bits ? " weights int8" : "", in->qg_bits ? " gradients int" : "",
+                     in->qg_bits == 8 ? "8" : in->qg_bits == 4 ? "4" : "", in->hierarchical ? " hierarchical" : "",
+                     in->qw_bits || in->qg_bits ? " (quantized)" : "");
+        fprintf(out, "  %d machine%s of %d ranks%s%s%s: a step moves %.3f MB across machines and %.3f MB within them (the "
+                "whole job's)\n", n / L, n / L == 1 ? "" : "s", L, zpp, in->across.name[0] && L < n ? ", across them " : "",
+                in->across.name[0] && L < n ? in->across.name : "", p.bytes_across / 1e6, p.bytes_within / 1e6);
+    }
     fprintf(out, "  compute %.2f ms a step per rank; communication %.2f ms (%.1f MB sent per rank), %.2f ms of it not "
             "hidden\n", p.compute_ms, p.comm_ms, p.bytes / 1e6, p.exposed_ms);
     if (p.comm_ms > 0) fprintf(out, "  compute : communication = %.1f : 1", p.compute_ms / p.comm_ms);

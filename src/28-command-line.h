@@ -61,6 +61,7 @@ typedef struct dt_config {
     int dtype, reduce_dtype;     /* --dtype, --reduce-dtype: a dt_dtype each (05) */
     int explain;                 /* --explain: the cost model's prediction for this run, after 3 steps */
     int link;                    /* --link: the link the prediction assumes (-1: shm on a CPU, nvlink on GPUs) */
+    int link_across;             /* --link-across: the link between machines (-1: infiniband) */
     float timeout;               /* --timeout: seconds before a missing rank stops the job */
     dt_comm_kind comm;           /* --comm: the collectives' transport (auto: NCCL on GPUs, else decided at dt_comm_init) */
     int ranks_per_gpu;           /* --ranks-per-gpu: how many ranks may share one GPU (default 1) */
@@ -254,6 +255,9 @@ static const dt__flag dt__flags[] = {
       "communication,\n                          and what would change it", DT_ARG_SWITCH, DT_CFG(explain), NULL, DT_NOT_A_NUMBER },
     { "--link", "123456789", "shm|pcie|nvlink|infiniband", "--explain: the link between ranks (default: shm on a CPU, nvlink on GPUs)",
       DT_ARG_CHOICE, DT_CFG(link), "shm|pcie|nvlink|infiniband", DT_NOT_A_NUMBER },
+    { "--link-across", "45", "infiniband|ethernet|pcie|nvlink|shm", "--explain: the link between machines (default infiniband;\n"
+      "                          the machines: --ranks-per-machine, or as the launcher placed the ranks)", DT_ARG_CHOICE,
+      DT_CFG(link_across), "infiniband|ethernet|pcie|nvlink|shm", DT_NOT_A_NUMBER },
     { "--tp", "67", "T", "tensor parallelism: ranks per group that split every block's layers (06: default 0, the whole\n"
       "                          job, a job of N ranks is N/T data-parallel groups of T; 07: default 1, each stage's blocks\n"
       "                          split over T ranks)", DT_ARG_INT, DT_CFG(tp), NULL, DT_MIN(0) },
@@ -477,7 +481,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     memset(&c, 0, sizeof c);
     memset(given, 0, sizeof given);
     c.stage = stage;
-    c.nproc = 1; c.timeout = 60; c.ranks_per_gpu = 1; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1; c.quant_block = 256;
+    c.nproc = 1; c.timeout = 60; c.ranks_per_gpu = 1; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1; c.link_across = -1; c.quant_block = 256;
     c.micro_batches = 1; c.schedule = DT_SCHEDULE_1F1B;
     c.image_size = 32; c.model = DT_MODEL_MLP; c.vocab = -1; c.seq_len = 64;
     c.weight_decay = 0.05f; c.momentum = 0.9f; c.clip = 1.0f;

@@ -61,6 +61,8 @@ struct dt_run {
          accum_steps set) and returns how many ranks split or shard the model.
      bench_fields  the " key=value" pairs --bench adds (what the cost model
          needs of it).
+     bytes_moved  the bytes the last step's collectives moved, the whole
+         job's, within machines and across them (--log, --trace, --bench).
      whole_from_local, local_from_whole  for a wrapper that cut the model
          (without state_open: the checkpoints chapter calls them with the
          model as the layout, on the first data-parallel copy) and for the
@@ -86,6 +88,7 @@ typedef struct dt_parallel_report {
     void (*log_fields)(const dt_parallel *par, FILE *log);
     int (*cost_input)(const dt_parallel *par, dt_cost_input *in);
     void (*bench_fields)(const dt_parallel *par, FILE *out, int accum_steps);
+    void (*bytes_moved)(const dt_parallel *par, double *within, double *across);
     float *(*whole_from_local)(dt_parallel *par, const dt_model *layout, float *local);
     void (*local_from_whole)(dt_parallel *par, const dt_model *layout, float *whole, float *local);
 } dt_parallel_report;
@@ -494,6 +497,8 @@ static void dt__run_explain(dt_run *r) {
     in.gather_bytes = (double)dt_dtype_size((dt_dtype)c->dtype);
     in.reduce_bytes = (double)dt_dtype_size((dt_dtype)c->reduce_dtype);
     in.messages = in.kind == DT_PAR_DDP ? dt_cost_ddp_buckets(in.params, c->bucket_mb) : r->model->nunits;
+    static const char *across[] = { "infiniband", "ethernet", "pcie", "nvlink", "shm" };     /* --link-across's order */
+    dt_link_preset(across[c->link_across >= 0 ? c->link_across : 0], &in.across);
     printf("--explain, measured on step %lld: compute %.1f ms, communication %.1f ms (%.1f hidden)\n",
            (long long)r->step, measured, dt__ctx.comm_ms, dt__ctx.comm_hidden_ms);
     if (alone) printf("(stage 01 trains alone: here is what DDP, stage 03, would do with it)\n");
@@ -632,6 +637,12 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     for (int k = 0; k < dt__ctx.ncomm_events; k++)
         dt__trace_event(run, dt__ctx.comm_events[k].name, dt__ctx.comm_events[k].pipeline ? DT_TRACK_PIPELINE : DT_TRACK_COMM,
                         dt__ctx.comm_events[k].t0, dt__ctx.comm_events[k].t1);
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
+    double within = 0, across = 0;
+    if (rep && rep->bytes_moved) {
+        rep->bytes_moved(who, &within, &across);
+        dt__trace_counter(run, "bytes a step (the job's)", run->step_start_ms, "in machines", within, "across machines", across);
+    }
     if (run->log) {
         fprintf(run->log, "{\"step\":%lld,\"epoch\":%d,\"loss\":%.8g,\"lr\":%.6g,\"samples_per_s\":%.1f,\"step_ms\":%.3f,"
                         "\"data_ms\":%.3f,\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"comm_ms\":%.3f,\"comm_hidden_ms\":%.3f,"
@@ -644,8 +655,9 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
         if (run->scaler.enabled)
             fprintf(run->log, ",\"loss_scale\":%g,\"skipped\":%d,\"skipped_steps\":%lld", run->scaler.scale,
                     run->scaler.last_skipped, (long long)run->scaler.skipped);
-        dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
         if (rep && rep->log_fields) rep->log_fields(who, run->log);
+        if (rep && rep->bytes_moved)
+            fprintf(run->log, ",\"bytes_in_machines\":%.0f,\"bytes_across_machines\":%.0f", within, across);
         const dt_moe_stats *moe = &run->model->moe;
         if (moe->experts && moe->layers) {       /* the MoE layers, this step, every rank's tokens */
             fprintf(run->log, ",\"moe_balance\":%.6g,\"moe_dropped\":%lld,\"moe_choices\":%lld,\"moe_routed\":[",

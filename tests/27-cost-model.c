@@ -16,7 +16,7 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
        8 sums of 1.25e7 bytes (1.25 ms each at N=2): 100 x (0.8/2 + 0.2) = 60
        ms of compute and 10 of sums, none hidden: 100 / 70 over one rank with
        the same batch (not twice it) */
-    dt_cost_input tp = { DT_PAR_TP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0.8, 8, 1.25e7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_cost_input tp = { DT_PAR_TP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0.8, 8, 1.25e7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, { "", 0, 0 } };
     dt_cost_prediction q = dt_cost_predict(&tp, &(dt_link){ "no latency", 0, 10 }, 2);
     CHECKF(CLOSE(q.compute_ms, 60, 1e-12) && CLOSE(q.comm_ms, 10, 1e-12) && CLOSE(q.exposed_ms, 10, 1e-12) &&
            CLOSE(q.speedup, 100.0 / 70, 1e-12) && CLOSE(q.bytes, 8 * 1.25e7, 1e-12),
@@ -46,7 +46,7 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
        hop at 10 GB/s, 16 of them a step, of which those of the fill and the
        drain (2 x 3) are not hidden: 34.375 + 0.6 ms, a bubble of 3/11; each
        rank sends 16e6 bytes but an end stage half of that: 12e6 on average */
-    dt_cost_input pp = { DT_PAR_PP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 8, 1, 1e6, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_cost_input pp = { DT_PAR_PP, 100, 1, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 8, 1, 1e6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, { "", 0, 0 } };
     q = dt_cost_predict(&pp, &(dt_link){ "no latency", 0, 10 }, 4);
     CHECKF(CLOSE(q.compute_ms, 34.375, 1e-12) && CLOSE(q.comm_ms, 1.6, 1e-12) && CLOSE(q.exposed_ms, 0.6, 1e-12) &&
            CLOSE(q.bubble, 3.0 / 11, 1e-12) && CLOSE(q.speedup, 100 / 34.975, 1e-12) && CLOSE(q.bytes, 12e6, 1e-12),
@@ -126,7 +126,7 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
            q.exposed_ms, q.speedup, q.bytes);
     /* 2 pipelines of one stage on a device they share (contention 2): both
        ranks' compute is slowed, though each pipeline has one rank */
-    dt_cost_input shared = { DT_PAR_PP, 100, 2, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_cost_input shared = { DT_PAR_PP, 100, 2, 0, 1e6, 4, 4, 1, 1, 0, 0, 0, 0, 0, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, { "", 0, 0 } };
     q = dt_cost_predict(&shared, &(dt_link){ "no latency", 0, 10 }, 1);
     CHECKF(CLOSE(q.compute_ms, 200, 1e-12) && CLOSE(q.comm_ms, 0.4, 1e-12), "2 x 1 x 1 sharing a device: compute %.4f, comm %.4f",
            q.compute_ms, q.comm_ms);
@@ -167,7 +167,7 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
        nothing hidden: 125 ms a step, 80% efficiency; hidden behind half of
        compute (50 ms): 100% */
     dt_link fast = { "no latency", 0, 10 };
-    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 };
+    dt_cost_input in = { DT_PAR_DDP, 100, 1, 0, 6.25e7, 4, 4, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, { "", 0, 0 } };
     dt_cost_prediction p = dt_cost_predict(&in, &fast, 2);
     CHECKF(CLOSE(p.comm_ms, 25, 1e-12) && CLOSE(p.step_ms, 125, 1e-12) && CLOSE(p.efficiency, 0.8, 1e-12),
            "DDP: comm %.4f, step %.4f, efficiency %.4f", p.comm_ms, p.step_ms, p.efficiency);
