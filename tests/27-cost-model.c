@@ -192,6 +192,24 @@ TEST(cost_model_matches_hand_computed_cases, QUICK) {
                "N=%d: FSDP %.4g bytes, %.4f ms; DDP %.4g bytes, %.4f ms", n, f.bytes, f.comm_ms, d.bytes, d.comm_ms);
         CHECKF(CLOSE(o.bytes, d.bytes, 1e-12), "N=%d: ZeRO-1 %.4g bytes, DDP %.4g", n, o.bytes, d.bytes);
     }
+    /* ZeRO-3 on 2 machines of 2 ranks, 1e6 f32 parameters: each of the
+       three collectives (two gathers, one reduce-scatter; 4e6 bytes) runs on
+       a ring of 4 whose links carry 3/4 of it, 2 of them between the
+       machines: 1.5 x 4e6 across and as much within, three times. ZeRO++
+       with int8 weights (1 + 4/256 bytes a parameter), int4 gradients (0.5
+       + 4/256) and the second copy: the forward's gather sends each rank's
+       1/4 once to the other machine (1.015625e6 across) and the machine's
+       halves within (2.03125e6); backward's within (8e6); the gradients'
+       sums within (1.03125e6), then half of them across (0.515625e6). */
+    dt_cost_input zm = z3;
+    zm.params = 1e6; zm.machine_ranks = 2; zm.backward_gather_share = 1;
+    p = dt_cost_predict(&zm, &fast, 4);
+    CHECKF(CLOSE(p.bytes_across, 18e6, 1e-12) && CLOSE(p.bytes_within, 18e6, 1e-12), "ZeRO-3 on 2 machines: %.6g across, %.6g within",
+           p.bytes_across, p.bytes_within);
+    zm.qw_bits = 8; zm.qg_bits = 4; zm.hierarchical = 1; zm.quant_block = 256;
+    p = dt_cost_predict(&zm, &fast, 4);
+    CHECKF(CLOSE(p.bytes_across, 1.53125e6, 1e-12) && CLOSE(p.bytes_within, 11.0625e6, 1e-12),
+           "ZeRO++ on 2 machines: %.6g across, %.6g within", p.bytes_across, p.bytes_within);
     /* ZeRO-1 with a 20 ms optimizer: each of 2 ranks steps half (10 ms); a
        reduce-scatter and an all-gather of 2.5e8 bytes, 12.5 ms each: 2 x 120 / 135 */
     z1.optimizer_ms = 20;
