@@ -17375,7 +17375,8 @@ static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o)
                           dt__fsdp_largest_params(f),
                           ((f->gathered_grad ? 1.0 : 0.0) + (f->outer_grad ? 1.0 : 0.0)) * (double)f->largest, 0 };
     double frozen = f->model->base ? 4.0 * (double)f->model->base->numel : 0;   /* LoRA's: in the parameters' arena */
-    buffers[0] += frozen;
+    double second = (double)f->second_numel * (double)dt_dtype_size(f->param_dtype);   /* hpZ's, shown apart */
+    buffers[0] += frozen + second;
     printf("memory per rank, --shard %s%s, %d ranks (MB):\n", names[f->mode], f->offload ? " --cpu-offload" : "", f->world);
     printf("  %-16s %8s %8s %8s   %s\n", "", "device", "host", "DDP", "formula");
     for (int i = 0; i < 3; i++)
@@ -17384,13 +17385,16 @@ static void dt__fsdp_memory_table(const dt_parallel *par, const dt_optimizer *o)
     if (frozen > 0)
         printf("  %-16s %8.2f %8s %8.2f   %s\n", "frozen (LoRA)", frozen / 1e6, "", frozen / 1e6,
                "F: whole on every rank and device, read only: no gradient, no state, never sent");
+    if (second > 0)
+        printf("  %-16s %8.2f %8s %8s   %s\n", "second copy", second / 1e6, "", "",
+               "P/L (hpZ: this rank's 1/L of every unit, L ranks a machine, for backward's gathers)");
     if (f->param_dtype != DT_F32)
         printf("  (f32 shards and optimizer; parameters gathered in %s, 2 bytes each)\n", dt_dtype_name(f->param_dtype));
-    if (buffers[0] + buffers[1] - frozen > 0)
-        printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1] - frozen) / 1e6, "", "",
+    if (buffers[0] + buffers[1] - frozen - second > 0)
+        printf("  %-16s %8.2f %8s %8s   %s\n", "gather buffers", (buffers[0] + buffers[1] - frozen - second) / 1e6, "", "",
                f->mode == DT_SHARD_FULL ? "2 units of parameters (one computes, the next arrives) + 1 of gradients"
                                         : "1 unit of gradients (whole during its backward)");
-    if ((f->gathered[2] || f->outer_grad) && buffers[0] + buffers[1] - frozen > 0)
+    if ((f->gathered[2] || f->outer_grad) && buffers[0] + buffers[1] - frozen - second > 0)
         printf("  %-16s %8s %8s %8s   %s\n", "", "", "", "", "+ the outer unit's (embeddings, shared with the head), whole all step");
     fflush(stdout);
 }

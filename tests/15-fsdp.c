@@ -229,21 +229,36 @@ TEST(zeropp_quantization_round_trip_is_within_half_a_step, QUICK) {
 /* hpZ alone changes where backward's weights come from -- the machine's own
    second copy -- not what they are: 04 with --hierarchical, 4 ranks as 2
    machines of 2 (and as 4 machines of 1), saves the weights of --shard full,
-   bit for bit. */
+   bit for bit. The copy costs each rank 1/L of every unit (L ranks a
+   machine): exactly that much more parameter memory at its peak. */
 TEST(zeropp_hierarchical_alone_equals_shard_full_bit_for_bit, QUICK) {
-    char out[16384], ref[600], dir[600], p[700], q[700];
+    char out[16384], ref[600], dir[600], p[700], q[700], log[700];
     const char *flags = PAR_FLAGS " --model vit --depth 2 --heads 2 --batch-size 8 --nproc 4 --shard full";
+    dt_model_config mc = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
+    dt_model *m = dt_model_create(&mc, 1);
+    int64_t shards = 0;                          /* elements of one rank's shards, every unit */
+    for (int u = 0; u < m->nunits; u++) {
+        int end = m->unit_first[u + 1];
+        shards += ((end < m->nparams ? m->offsets[end] : m->numel) - m->offsets[m->unit_first[u]] + 3) / 4;
+    }
+    dt_model_free(m);
     snprintf(ref, sizeof ref, "%s/hpz-ref", tmpdir);
-    int st = run_cmd(out, sizeof out, "%s --data %s %s --save-dir %s", stage_bin("04-fsdp"), small_data(), flags, ref);
+    snprintf(log, sizeof log, "%s/hpz-ref.jsonl", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s %s --save-dir %s --log %s", stage_bin("04-fsdp"), small_data(), flags, ref, log);
+    double plain = summary_value(log, "peak_params_bytes");
     CHECKF(st == 0, "04 --shard full: exit %d\n%s", st, out);
     snprintf(p, sizeof p, "%s/whole", ref);          /* 04 saves shards: put them together */
     st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2 %s", build_path("tools/consolidate"), ref, p);
     CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
     for (int per = 1; per <= 2; per++) {
         snprintf(dir, sizeof dir, "%s/hpz-%d", tmpdir, per);
-        st = run_cmd(out, sizeof out, "%s --data %s %s --hierarchical --ranks-per-machine %d --save-dir %s", stage_bin("04-fsdp"),
-                     small_data(), flags, per, dir);
+        snprintf(log, sizeof log, "%s/hpz-%d.jsonl", tmpdir, per);
+        st = run_cmd(out, sizeof out, "%s --data %s %s --hierarchical --ranks-per-machine %d --save-dir %s --log %s",
+                     stage_bin("04-fsdp"), small_data(), flags, per, dir, log);
         CHECKF(st == 0, "04 --hierarchical --ranks-per-machine %d: exit %d\n%s", per, st, out);
+        double more = summary_value(log, "peak_params_bytes") - plain, want = 4.0 * (double)shards * (4 / per);
+        CHECKF(more == want, "--ranks-per-machine %d: %.0f more bytes of parameters at the peak, expected the second copy's %.0f",
+               per, more, want);
         snprintf(q, sizeof q, "%s/whole", dir);
         st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2 %s", build_path("tools/consolidate"), dir, q);
         CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
