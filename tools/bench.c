@@ -56,6 +56,8 @@ static const stage stages[] = {
     { "04-fsdp/grads", "04-fsdp/train", "--shard grads", DT_PAR_ZERO2, 0 },
     { "04-fsdp/full", "04-fsdp/train", "--shard full", DT_PAR_ZERO3, 0 },
     { "04-fsdp/full+offload", "04-fsdp/train", "--shard full --cpu-offload", DT_PAR_ZERO3, 0 },
+    { "04-fsdp/full+zero++", "04-fsdp/train", "--shard full --quantize-weights int8 --quantize-grads int4 --hierarchical",
+      DT_PAR_ZERO3, 0 },
     { "05/fp32", "05-accum-mixed-precision/train", "--dtype fp32", DT_PAR_ZERO3, 0 },
     { "05/bf16", "05-accum-mixed-precision/train", "--dtype bf16", DT_PAR_ZERO3, 1 },
     { "06-tensor-parallel", "06-tensor-parallel/train", "", DT_PAR_TP, 0 },
@@ -155,7 +157,7 @@ static double contention(const char *device, int ranks, int cores, int gpus, dou
 }
 
 static const char *colors[] = { "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf", "#bcbd22",
-                                "#393b79", "#637939", "#843c39" };
+                                "#393b79", "#637939", "#843c39", "#7b4173" };
 _Static_assert(sizeof colors / sizeof colors[0] >= NSTAGES, "a colour for each stage");
 
 /* scaling.svg: speedup against ranks, a panel per workload; measured solid,
