@@ -1234,9 +1234,10 @@ void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype);
                           exchanged across machines, summed: each rank gets
                           its shard of the mean, and only 1/L of them crosses
    Machines are the launcher's (dt_comm_machine), or every ranks_per_machine
-   consecutive ranks (a lesson on one machine). Weight levers need
-   DT_SHARD_FULL (the gathers they change); the gradient lever any mode. Set
-   before the first forward; all zero changes nothing. Checkpoints stay f32. */
+   consecutive ranks (a lesson on one machine; alone, it changes only how
+   the bytes are counted). Weight levers need DT_SHARD_FULL (the gathers
+   they change); the gradient lever any mode. Set before the first forward;
+   all zero changes nothing. Checkpoints stay f32. */
 typedef struct dt_zeropp {
     int quantize_weights, quantize_grads, hierarchical, quant_block, ranks_per_machine;
 } dt_zeropp;
@@ -1617,7 +1618,9 @@ DT_HD static inline float dt_quant_block_scale(const float *x, int64_t n, int bi
 }
 DT_HD static inline int dt__quant_code(float x, float scale, int bits) {
     if (!(scale > 0.0f)) return 0;                       /* a block of zeros, or a refused one */
-    float v = rintf(x / scale);                          /* to nearest, ties to even */
+    /* to nearest, ties to even, as rintf, without a call: |x / scale| <= qmax,
+       far below 2^22, where adding 1.5 x 2^23 leaves no bits below the point */
+    float v = (x / scale + 12582912.0f) - 12582912.0f;
     float m = (float)DT_QUANT_MAX(bits);
     return (int)(v > m ? m : v < -m ? -m : v);
 }
@@ -7042,10 +7045,12 @@ void dt_dequantize(const void *q, int64_t n, int bits, int block, void *out, dt_
     const dt_backend *gpu = dt__backend_of(dt__ctx.device);
     if (gpu) { gpu->dequantize(q, n, bits, block, out, out_dtype, add); return; }
     DT_OMP("omp parallel for schedule(static) if(n > 65536)")
-    for (int64_t i = 0; i < n; i++) {
-        float v = dt_dequant_value(codes, i, bits, scales[i / block]);
-        if (add) ((float *)out)[i] += v;
-        else dt_store_f32(out, i, out_dtype, v);
+    for (int64_t b = 0; b < blocks; b++) {            /* a block at a time: one scale, one kind of store */
+        int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
+        float *f = (float *)out;
+        if (add) for (int64_t i = lo; i < hi; i++) f[i] += dt_dequant_value(codes, i, bits, scales[b]);
+        else if (out_dtype == DT_F32) for (int64_t i = lo; i < hi; i++) f[i] = dt_dequant_value(codes, i, bits, scales[b]);
+        else for (int64_t i = lo; i < hi; i++) dt_store_f32(out, i, out_dtype, dt_dequant_value(codes, i, bits, scales[b]));
     }
 }
 /* [src/11-collectives.h] */
@@ -9170,7 +9175,12 @@ void dt_fsdp_set_zeropp(dt_fsdp *fsdp, dt_zeropp zeropp) {
     dt_fsdp *f = fsdp;
     dt_zeropp z = zeropp;
     static const char *modes[3] = { "optimizer", "grads", "full" };
-    if (!z.quantize_weights && !z.quantize_grads && !z.hierarchical) return;      /* plain ZeRO */
+    if (z.ranks_per_machine < 0 || (z.ranks_per_machine > 0 && f->world % z.ranks_per_machine))
+        dt_usage_error("--ranks-per-machine %d: it must divide the %d ranks that shard the model", z.ranks_per_machine, f->world);
+    if (!z.quantize_weights && !z.quantize_grads && !z.hierarchical) {         /* plain ZeRO, perhaps on pretended machines */
+        if (z.ranks_per_machine) dt__fsdp_find_machines(f, z.ranks_per_machine);
+        return;
+    }
     if (f->zpp_set || f->forwards)
         dt_fail("dt_fsdp_set_zeropp: %s; set ZeRO++ once, before the first forward (it makes its groups and buffers then)",
                 f->zpp_set ? "called twice" : "called after a forward");
@@ -9187,8 +9197,6 @@ void dt_fsdp_set_zeropp(dt_fsdp *fsdp, dt_zeropp zeropp) {
     if (z.quantize_grads && f->reduce_dtype != DT_F32)
         dt_usage_error("--quantize-grads with --reduce-dtype %s: the gradients travel quantized, so no reduce dtype applies; "
                        "drop one", dt_dtype_name(f->reduce_dtype));
-    if (z.ranks_per_machine < 0 || (z.ranks_per_machine > 0 && f->world % z.ranks_per_machine))
-        dt_usage_error("--ranks-per-machine %d: it must divide the %d ranks that shard the model", z.ranks_per_machine, f->world);
     dt__fsdp_find_machines(f, z.ranks_per_machine);
     if (!f->L)
         dt_fail("ZeRO++: the %d ranks sit on %d machines unevenly; its hierarchical collectives pair the ranks at the same "
@@ -15957,8 +15965,8 @@ static const dt__flag dt__flags[] = {
       DT_NOT_A_NUMBER },
     { "--quant-block", "45", "N", "ZeRO++: values that share one scale (default 256; even, 8 to 65536)", DT_ARG_INT,
       DT_CFG(quant_block), NULL, DT_RANGE(8, 65536) },
-    { "--ranks-per-machine", "45", "N", "ZeRO++: take every N consecutive ranks as one machine (default: the machines the\n"
-      "                          launcher put them on; N shows the hierarchy on one)", DT_ARG_INT, DT_CFG(ranks_per_machine), NULL,
+    { "--ranks-per-machine", "45", "N", "take every N consecutive ranks as one machine, for ZeRO++ and for the bytes counted\n"
+      "                          across machines (default: the machines the launcher put them on; N shows them on one)", DT_ARG_INT, DT_CFG(ranks_per_machine), NULL,
       DT_RANGE(1, DT_MAX_RANKS) },
     { "--recompute", "123456789", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
@@ -16361,9 +16369,8 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
                        "probabilities again in backward, beside DDP's bucket all-reduces (--bucket-mb 0, or 04, allows it)", stage);
     if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
     int zpp = c.quantize_weights || c.quantize_grads || c.hierarchical;
-    if (!zpp && (dt__given(given, "--quant-block") || dt__given(given, "--ranks-per-machine")))
-        dt_usage_error("--quant-block and --ranks-per-machine go with ZeRO++'s --quantize-weights, --quantize-grads or "
-                       "--hierarchical");
+    if (!zpp && dt__given(given, "--quant-block"))
+        dt_usage_error("--quant-block goes with ZeRO++'s --quantize-weights or --quantize-grads");
     if (c.quantize_grads && c.reduce_dtype != DT_F32)
         dt_usage_error("--quantize-grads with --reduce-dtype: the gradients travel quantized, so no reduce dtype applies; drop one");
     if ((c.quantize_weights || c.hierarchical) && c.shard != DT_SHARD_FULL)

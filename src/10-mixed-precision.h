@@ -155,9 +155,11 @@ void dt_dequantize(const void *q, int64_t n, int bits, int block, void *out, dt_
     const dt_backend *gpu = dt__backend_of(dt__ctx.device);
     if (gpu) { gpu->dequantize(q, n, bits, block, out, out_dtype, add); return; }
     DT_OMP("omp parallel for schedule(static) if(n > 65536)")
-    for (int64_t i = 0; i < n; i++) {
-        float v = dt_dequant_value(codes, i, bits, scales[i / block]);
-        if (add) ((float *)out)[i] += v;
-        else dt_store_f32(out, i, out_dtype, v);
+    for (int64_t b = 0; b < blocks; b++) {            /* a block at a time: one scale, one kind of store */
+        int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
+        float *f = (float *)out;
+        if (add) for (int64_t i = lo; i < hi; i++) f[i] += dt_dequant_value(codes, i, bits, scales[b]);
+        else if (out_dtype == DT_F32) for (int64_t i = lo; i < hi; i++) f[i] = dt_dequant_value(codes, i, bits, scales[b]);
+        else for (int64_t i = lo; i < hi; i++) dt_store_f32(out, i, out_dtype, dt_dequant_value(codes, i, bits, scales[b]));
     }
 }

@@ -57,9 +57,10 @@ void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype);
                           exchanged across machines, summed: each rank gets
                           its shard of the mean, and only 1/L of them crosses
    Machines are the launcher's (dt_comm_machine), or every ranks_per_machine
-   consecutive ranks (a lesson on one machine). Weight levers need
-   DT_SHARD_FULL (the gathers they change); the gradient lever any mode. Set
-   before the first forward; all zero changes nothing. Checkpoints stay f32. */
+   consecutive ranks (a lesson on one machine; alone, it changes only how
+   the bytes are counted). Weight levers need DT_SHARD_FULL (the gathers
+   they change); the gradient lever any mode. Set before the first forward;
+   all zero changes nothing. Checkpoints stay f32. */
 typedef struct dt_zeropp {
     int quantize_weights, quantize_grads, hierarchical, quant_block, ranks_per_machine;
 } dt_zeropp;
@@ -612,7 +613,12 @@ void dt_fsdp_set_zeropp(dt_fsdp *fsdp, dt_zeropp zeropp) {
     dt_fsdp *f = fsdp;
     dt_zeropp z = zeropp;
     static const char *modes[3] = { "optimizer", "grads", "full" };
-    if (!z.quantize_weights && !z.quantize_grads && !z.hierarchical) return;      /* plain ZeRO */
+    if (z.ranks_per_machine < 0 || (z.ranks_per_machine > 0 && f->world % z.ranks_per_machine))
+        dt_usage_error("--ranks-per-machine %d: it must divide the %d ranks that shard the model", z.ranks_per_machine, f->world);
+    if (!z.quantize_weights && !z.quantize_grads && !z.hierarchical) {         /* plain ZeRO, perhaps on pretended machines */
+        if (z.ranks_per_machine) dt__fsdp_find_machines(f, z.ranks_per_machine);
+        return;
+    }
     if (f->zpp_set || f->forwards)
         dt_fail("dt_fsdp_set_zeropp: %s; set ZeRO++ once, before the first forward (it makes its groups and buffers then)",
                 f->zpp_set ? "called twice" : "called after a forward");
@@ -629,8 +635,6 @@ void dt_fsdp_set_zeropp(dt_fsdp *fsdp, dt_zeropp zeropp) {
     if (z.quantize_grads && f->reduce_dtype != DT_F32)
         dt_usage_error("--quantize-grads with --reduce-dtype %s: the gradients travel quantized, so no reduce dtype applies; "
                        "drop one", dt_dtype_name(f->reduce_dtype));
-    if (z.ranks_per_machine < 0 || (z.ranks_per_machine > 0 && f->world % z.ranks_per_machine))
-        dt_usage_error("--ranks-per-machine %d: it must divide the %d ranks that shard the model", z.ranks_per_machine, f->world);
     dt__fsdp_find_machines(f, z.ranks_per_machine);
     if (!f->L)
         dt_fail("ZeRO++: the %d ranks sit on %d machines unevenly; its hierarchical collectives pair the ranks at the same "

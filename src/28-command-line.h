@@ -226,8 +226,8 @@ static const dt__flag dt__flags[] = {
       DT_NOT_A_NUMBER },
     { "--quant-block", "45", "N", "ZeRO++: values that share one scale (default 256; even, 8 to 65536)", DT_ARG_INT,
       DT_CFG(quant_block), NULL, DT_RANGE(8, 65536) },
-    { "--ranks-per-machine", "45", "N", "ZeRO++: take every N consecutive ranks as one machine (default: the machines the\n"
-      "                          launcher put them on; N shows the hierarchy on one)", DT_ARG_INT, DT_CFG(ranks_per_machine), NULL,
+    { "--ranks-per-machine", "45", "N", "take every N consecutive ranks as one machine, for ZeRO++ and for the bytes counted\n"
+      "                          across machines (default: the machines the launcher put them on; N shows them on one)", DT_ARG_INT, DT_CFG(ranks_per_machine), NULL,
       DT_RANGE(1, DT_MAX_RANKS) },
     { "--recompute", "123456789", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
@@ -630,9 +630,8 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
                        "probabilities again in backward, beside DDP's bucket all-reduces (--bucket-mb 0, or 04, allows it)", stage);
     if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
     int zpp = c.quantize_weights || c.quantize_grads || c.hierarchical;
-    if (!zpp && (dt__given(given, "--quant-block") || dt__given(given, "--ranks-per-machine")))
-        dt_usage_error("--quant-block and --ranks-per-machine go with ZeRO++'s --quantize-weights, --quantize-grads or "
-                       "--hierarchical");
+    if (!zpp && dt__given(given, "--quant-block"))
+        dt_usage_error("--quant-block goes with ZeRO++'s --quantize-weights or --quantize-grads");
     if (c.quantize_grads && c.reduce_dtype != DT_F32)
         dt_usage_error("--quantize-grads with --reduce-dtype: the gradients travel quantized, so no reduce dtype applies; drop one");
     if ((c.quantize_weights || c.hierarchical) && c.shard != DT_SHARD_FULL)

@@ -274,8 +274,8 @@ TEST(zeropp_bad_combinations_are_refused, QUICK) {
         { "04-fsdp", "--shard optimizer --hierarchical", "need --shard full" },
         { "05-accum-mixed-precision", "--quantize-grads int4 --reduce-dtype bf16", "--reduce-dtype" },
         { "04-fsdp", "--quantize-grads int8 --quant-block 9", "--quant-block 9: an even number" },
-        { "04-fsdp", "--quant-block 64", "go with ZeRO++" },
-        { "04-fsdp", "--ranks-per-machine 2", "go with ZeRO++" },
+        { "04-fsdp", "--quant-block 64", "goes with ZeRO++" },
+        { "04-fsdp", "--quant-block 64 --ranks-per-machine 2", "goes with ZeRO++" },
         { "04-fsdp", "--quantize-weights int4", "--quantize-weights must be one of" },
         { "03-ddp", "--quantize-grads int8", "--quantize-grads" },
     };
