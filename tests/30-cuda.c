@@ -264,6 +264,51 @@ TEST(gpu_casts_adamw_and_sgd_are_bitwise_the_cpu, QUICK) {
     free(src); free(back); free(cpu_h); free(gpu_h);
 }
 
+/* ZeRO++'s block quantization is the same DT_HD functions on both sides:
+   int8 and int4 codes and scales, and the values dequantized from them (f32,
+   bf16, and added), the same bits on the GPU as on the CPU -- a NaN and an
+   outlier among them. */
+TEST(gpu_quantization_is_bitwise_the_cpu, QUICK) {
+    NEED_GPU();
+    enum { N = 5001, BLOCK = 256 };
+    float *x = (float *)malloc(sizeof(float) * N), *cpu_y = (float *)malloc(sizeof(float) * N), *gpu_y = (float *)malloc(sizeof(float) * N);
+    dt__rng r = { 9 };
+    for (int i = 0; i < N; i++) x[i] = (float)(rnd(&r) * 4);
+    x[300] = 1e5f; x[700] = NAN; for (int i = 1024; i < 1280; i++) x[i] = 0;
+    for (int bits = 8; bits >= 4; bits -= 4) {
+        size_t qb = (size_t)dt_quantized_bytes(N, bits, BLOCK);
+        unsigned char *cpu_q = (unsigned char *)malloc(qb), *gpu_q = (unsigned char *)malloc(qb);
+        dt_set_device(DT_CPU, 0);
+        dt_quantize(x, N, bits, BLOCK, cpu_q);
+        dt_set_device(DT_CUDA, 0);
+        float *dx = (float *)dt_alloc_on(DT_CUDA, DT_ARENA_COMM, sizeof(float) * N), *dy = (float *)dt_alloc_on(DT_CUDA, DT_ARENA_COMM, sizeof(float) * N);
+        void *dq = dt_alloc_on(DT_CUDA, DT_ARENA_COMM, qb);
+        dt_upload(dx, x, sizeof(float) * N);
+        dt_quantize(dx, N, bits, BLOCK, dq);
+        dt_download(gpu_q, dq, qb);
+        CHECKF(memcmp(cpu_q, gpu_q, qb) == 0, "int%d: codes or scales differ between CPU and GPU", bits);
+        for (int add = 0; add < 2; add++)
+            for (int to = 0; to < (add ? 1 : 2); to++) {
+                size_t bytes = to ? 2 * N : sizeof(float) * N;
+                dt_set_device(DT_CPU, 0);
+                memcpy(cpu_y, x, sizeof(float) * N);
+                dt_dequantize(cpu_q, N, bits, BLOCK, cpu_y, to ? DT_BF16 : DT_F32, add);
+                dt_set_device(DT_CUDA, 0);
+                dt_upload(dy, x, sizeof(float) * N);
+                dt_dequantize(dq, N, bits, BLOCK, dy, to ? DT_BF16 : DT_F32, add);
+                dt_download(gpu_y, dy, bytes);
+                CHECKF(memcmp(cpu_y, gpu_y, bytes) == 0, "int%d dequantized into %s%s: differs between CPU and GPU", bits,
+                       to ? "bf16" : "f32", add ? ", added" : "");
+            }
+        dt_free_on(DT_CUDA, DT_ARENA_COMM, dx, sizeof(float) * N);
+        dt_free_on(DT_CUDA, DT_ARENA_COMM, dy, sizeof(float) * N);
+        dt_free_on(DT_CUDA, DT_ARENA_COMM, dq, qb);
+        free(cpu_q); free(gpu_q);
+    }
+    dt_set_device(DT_CPU, 0);
+    free(x); free(cpu_y); free(gpu_y);
+}
+
 /* One full training step of a model on each device from the same seed. */
 typedef struct { float loss; float *grads, *params; int64_t n; } step_result;
 static step_result one_step(dt_device dev, dt_model_config *c, dt_optimizer_kind kind, const float *pixels,

@@ -176,14 +176,14 @@ fi
 
 # ---- the kernels that have never run, against the CPU ------------------------------
 if begin kernels; then
-    for t in gpu_ops gpu_casts gpu_fp32_step gpu_bf16_and_fp16_step gpu_online_attention; do
+    for t in gpu_ops gpu_casts gpu_quantization gpu_fp32_step gpu_bf16_and_fp16_step gpu_online_attention; do
         run "$t" 120 ./tests/test_dtrain build/test/01-single-gpu/train "$t"
         if [ "$DRY" = 0 ] && grep -q '^SKIP' "$OUT/logs/kernels-$t.log"; then
             CUR_FAILS=$((CUR_FAILS + 1)); say "  $t: skipped where a GPU is visible"
         fi
         grep -E '^(PASS|FAIL|SKIP) ' "$OUT/logs/kernels-$t.log" | cut -c1-140 | sed 's/^/  /' | tee -a "$REPORT"
     done
-    end "gpu_ops (online attention, the fused classifier, Llama's kernels), casts, one step, online attention"
+    end "gpu_ops (online attention, the fused classifier, Llama's kernels), casts, ZeRO++'s quantization, one step, online attention"
 fi
 
 # ---- GPT-2 124M: dtrain against PyTorch eager on the same step ---------------------
@@ -236,9 +236,16 @@ if begin nccl; then
         "${P[@]}" --log "$R/ep2.jsonl"
     for f in tp2 tp2-sp tp2-dp2-full cp2-zigzag cp2-contiguous; do compare "$f" g01-b32 1e-4; done
     compare ep2 g01-moe 1e-4
+    ZPP=(--quantize-weights int8 --quantize-grads int4 --hierarchical --ranks-per-machine 1)
+    run zpp2-hp 45 ./04-fsdp/train --device "$DEV" --nproc 2 "${RPG2[@]}" --hierarchical --ranks-per-machine 1 "${G[@]}" \
+        --batch-size 16 "${P[@]}" --log "$R/zpp2-hp.jsonl"
+    run zpp2-all 45 ./04-fsdp/train --device "$DEV" --nproc 2 "${RPG2[@]}" "${ZPP[@]}" "${G[@]}" --batch-size 16 "${P[@]}" \
+        --log "$R/zpp2-all.jsonl"
+    compare zpp2-hp g01-b32 1e-4
+    compare zpp2-all g01-b32 0.05
     for f in pp2-gpipe pp2-1f1b pp2-dp2-full; do compare "$f" g01-d4 1e-4; done
     compare pp2-bf16 g01-d4 0.05
-    end "two and four ranks on one GPU against 01 at the same global batch: fp32 within 1e-4, bf16 within 0.05"
+    end "two and four ranks on one GPU against 01 at the same global batch: fp32 within 1e-4, bf16 and ZeRO++'s quantized within 0.05"
 fi
 
 tar czf "$OUT/logs.tgz" -C "$OUT" logs runs 2>/dev/null
