@@ -78,6 +78,8 @@ typedef struct dt_data_parallel dt_data_parallel;
 dt_data_parallel *dt_data_parallel_create(dt_model *model, dt_comm *comm, dt_shard_mode shard, int cpu_offload,
                                           double bucket_mb);
 void dt_data_parallel_sync_grads(dt_data_parallel *dp);
+/* ZeRO++ (dt_fsdp_set_zeropp) when it shards; DDP refuses any lever. */
+void dt_data_parallel_set_zeropp(dt_data_parallel *dp, dt_zeropp zeropp);
 void dt_data_parallel_free(dt_data_parallel *dp);
 
 //@ implementation
@@ -779,6 +781,12 @@ dt_data_parallel *dt_data_parallel_create(dt_model *model, dt_comm *comm, dt_sha
 }
 void dt_data_parallel_sync_grads(dt_data_parallel *dp) {
     dt_parallel_backward_done(dp->par);                             /* this engine's, then what it wraps */
+}
+void dt_data_parallel_set_zeropp(dt_data_parallel *dp, dt_zeropp zeropp) {
+    if (dp->fsdp) { dt_fsdp_set_zeropp(dp->fsdp, zeropp); return; }
+    if (zeropp.quantize_weights || zeropp.quantize_grads || zeropp.hierarchical || zeropp.ranks_per_machine)
+        dt_usage_error("ZeRO++ (--quantize-weights, --quantize-grads, --hierarchical, --ranks-per-machine) changes how a "
+                       "sharded engine's collectives travel; DDP shards nothing: add --shard full");
 }
 void dt_data_parallel_free(dt_data_parallel *dp) {
     if (!dp) return;

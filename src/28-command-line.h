@@ -216,17 +216,17 @@ static const dt__flag dt__flags[] = {
       DT_ARG_CHOICE, DT_CFG(shard), "optimizer|grads|full", DT_NOT_A_NUMBER },
     { "--cpu-offload", "456789", NULL, "FSDP: keep shards and optimizer state in host memory, step on the CPU", DT_ARG_SWITCH,
       DT_CFG(cpu_offload), NULL, DT_NOT_A_NUMBER },
-    { "--quantize-weights", "45", "none|int8", "ZeRO++ qwZ (with --shard full): gather each unit's weights as int8, a scale per\n"
+    { "--quantize-weights", "456789", "none|int8", "ZeRO++ qwZ (with --shard full): gather each unit's weights as int8, a scale per\n"
       "                          --quant-block values (default none)", DT_ARG_CHOICE, DT_CFG(quantize_weights), "none|int8",
       DT_NOT_A_NUMBER },
-    { "--quantize-grads", "45", "none|int8|int4", "ZeRO++ qgZ: reduce-scatter gradients quantized, within each machine first, then\n"
+    { "--quantize-grads", "456789", "none|int8|int4", "ZeRO++ qgZ: reduce-scatter gradients quantized, within each machine first, then\n"
       "                          across (default none)", DT_ARG_CHOICE, DT_CFG(quantize_grads), "none|int8|int4", DT_NOT_A_NUMBER },
-    { "--hierarchical", "45", NULL, "ZeRO++ hpZ (with --shard full): each machine keeps a second copy of the weights, cut over\n"
+    { "--hierarchical", "456789", NULL, "ZeRO++ hpZ (with --shard full): each machine keeps a second copy of the weights, cut over\n"
       "                          its ranks, so backward's gathers stay inside it", DT_ARG_SWITCH, DT_CFG(hierarchical), NULL,
       DT_NOT_A_NUMBER },
-    { "--quant-block", "45", "N", "ZeRO++: values that share one scale (default 256; even, 8 to 65536)", DT_ARG_INT,
+    { "--quant-block", "456789", "N", "ZeRO++: values that share one scale (default 256; even, 8 to 65536)", DT_ARG_INT,
       DT_CFG(quant_block), NULL, DT_RANGE(8, 65536) },
-    { "--ranks-per-machine", "45", "N", "take every N consecutive ranks as one machine, for ZeRO++ and for the bytes counted\n"
+    { "--ranks-per-machine", "456789", "N", "take every N consecutive ranks as one machine, for ZeRO++ and for the bytes counted\n"
       "                          across machines (default: the machines the launcher put them on; N shows them on one)", DT_ARG_INT, DT_CFG(ranks_per_machine), NULL,
       DT_RANGE(1, DT_MAX_RANKS) },
     { "--recompute", "123456789", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
@@ -255,7 +255,7 @@ static const dt__flag dt__flags[] = {
       "communication,\n                          and what would change it", DT_ARG_SWITCH, DT_CFG(explain), NULL, DT_NOT_A_NUMBER },
     { "--link", "123456789", "shm|pcie|nvlink|infiniband", "--explain: the link between ranks (default: shm on a CPU, nvlink on GPUs)",
       DT_ARG_CHOICE, DT_CFG(link), "shm|pcie|nvlink|infiniband", DT_NOT_A_NUMBER },
-    { "--link-across", "45", "infiniband|ethernet|pcie|nvlink|shm", "--explain: the link between machines (default infiniband;\n"
+    { "--link-across", "456789", "infiniband|ethernet|pcie|nvlink|shm", "--explain: the link between machines (default infiniband;\n"
       "                          the machines: --ranks-per-machine, or as the launcher placed the ranks)", DT_ARG_CHOICE,
       DT_CFG(link_across), "infiniband|ethernet|pcie|nvlink|shm", DT_NOT_A_NUMBER },
     { "--tp", "67", "T", "tensor parallelism: ranks per group that split every block's layers (06: default 0, the whole\n"
@@ -629,17 +629,6 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
         dt_usage_error("%s --recompute with --moe-capacity or --moe-aux-loss: the recomputed route gathers every rank's "
                        "probabilities again in backward, beside DDP's bucket all-reduces (--bucket-mb 0, or 04, allows it)", stage);
     if (c.tokens && c.data) dt_usage_error("--data and --tokens exclude each other (text as bytes, or token ids)");
-    int zpp = c.quantize_weights || c.quantize_grads || c.hierarchical;
-    if (!zpp && dt__given(given, "--quant-block"))
-        dt_usage_error("--quant-block goes with ZeRO++'s --quantize-weights or --quantize-grads");
-    if (c.quantize_grads && c.reduce_dtype != DT_F32)
-        dt_usage_error("--quantize-grads with --reduce-dtype: the gradients travel quantized, so no reduce dtype applies; drop one");
-    if ((c.quantize_weights || c.hierarchical) && c.shard != DT_SHARD_FULL)
-        dt_usage_error("--quantize-weights and --hierarchical change how ZeRO-3 gathers each unit's parameters: they need "
-                       "--shard full");
-    if (c.quant_block % 2) dt_usage_error("--quant-block %d: an even number (two int4 codes share a byte)", c.quant_block);
-    c.zeropp = (dt_zeropp){ c.quantize_weights ? 8 : 0, c.quantize_grads == 1 ? 8 : c.quantize_grads == 2 ? 4 : 0,
-                            c.hierarchical, c.quant_block, c.ranks_per_machine };
     /* A pipeline (a stage that takes --micro-batches) already adds up its
        micro-batches' gradients before the optimizer steps: accumulating K
        steps is K times the micro-batches of a K times larger batch, in one
@@ -657,6 +646,20 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     if ((dt__stage_takes(stage, "--tp") || dt__stage_takes(stage, "--cp") || dt__stage_takes(stage, "--ep")) &&
         !dt__given(given, "--shard"))
         c.shard = DT_SHARD_NONE;                                            /* 06-09: DDP's */
+    int zpp = c.quantize_weights || c.quantize_grads || c.hierarchical;
+    if (!zpp && dt__given(given, "--quant-block"))
+        dt_usage_error("--quant-block goes with ZeRO++'s --quantize-weights or --quantize-grads");
+    if (c.quantize_grads && c.reduce_dtype != DT_F32)
+        dt_usage_error("--quantize-grads with --reduce-dtype: the gradients travel quantized, so no reduce dtype applies; drop one");
+    if (zpp && c.shard == DT_SHARD_NONE)
+        dt_usage_error("--quantize-weights, --quantize-grads and --hierarchical change how a sharded engine's collectives "
+                       "travel; %s shards nothing by default: add --shard full", stage);
+    if ((c.quantize_weights || c.hierarchical) && c.shard != DT_SHARD_FULL)
+        dt_usage_error("--quantize-weights and --hierarchical change how ZeRO-3 gathers each unit's parameters: they need "
+                       "--shard full");
+    if (c.quant_block % 2) dt_usage_error("--quant-block %d: an even number (two int4 codes share a byte)", c.quant_block);
+    c.zeropp = (dt_zeropp){ c.quantize_weights ? 8 : 0, c.quantize_grads == 1 ? 8 : c.quantize_grads == 2 ? 4 : 0,
+                            c.hierarchical, c.quant_block, c.ranks_per_machine };
     if (dt__stage_takes(stage, "--pp") && !dt__given(given, "--tp")) c.tp = 1;      /* 07: whole layers in each stage */
     if ((dt__stage_takes(stage, "--cp") || dt__stage_takes(stage, "--ep")) && c.dtype == DT_F16)
         dt_usage_error("--dtype fp16: fp16 needs its loss scaled (stage 05), which %s does not do; use --dtype bf16, whose "

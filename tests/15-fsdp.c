@@ -356,3 +356,40 @@ TEST(zeropp_checkpoints_stay_f32_and_resume_exactly, FULL) {
                (long long)sz.st_size);
     }
 }
+
+/* The data-parallel engine takes the same levers where it shards: stage 06
+   (FSDP around the tensor-parallel pairs) and 07 (around pipelines of two
+   stages, whose units of the other stage are empty here) with
+   --hierarchical save --shard full's weights bit for bit, the data-parallel
+   group of 2 taken as 2 machines; with DDP any lever is refused. */
+TEST(zeropp_hierarchical_in_the_engine_of_06_and_07_equals_shard_full, FULL) {
+    char out[16384], ref[600], dir[600];
+    static const struct { const char *stage, *flags; } runs[2] = {
+        { "06-tensor-parallel", "--model gpt --dim 32 --depth 2 --heads 2 --tp 2" },
+        { "07-pipeline-parallel", "--model gpt --dim 32 --depth 2 --heads 2 --pp 2 --micro-batches 2" } };
+    for (int k = 0; k < 2; k++) {
+        snprintf(ref, sizeof ref, "%s/engine-ref-%d", tmpdir, k);
+        snprintf(dir, sizeof dir, "%s/engine-hpz-%d", tmpdir, k);
+        int st = run_cmd(out, sizeof out, "%s --data %s %s --nproc 4 --shard full --batch-size 4 --epochs 1 --quiet --save-dir %s",
+                         stage_bin(runs[k].stage), gpt_text(), runs[k].flags, ref);
+        CHECKF(st == 0, "%s --shard full: exit %d\n%s", runs[k].stage, st, out);
+        st = run_cmd(out, sizeof out, "%s --data %s %s --nproc 4 --shard full --batch-size 4 --epochs 1 --quiet --hierarchical "
+                     "--ranks-per-machine 1 --save-dir %s", stage_bin(runs[k].stage), gpt_text(), runs[k].flags, dir);
+        CHECKF(st == 0, "%s --hierarchical: exit %d\n%s", runs[k].stage, st, out);
+        char p[800], q[800], names[2][64];
+        DIR *d = opendir(ref);
+        struct dirent *e;
+        int found = 0;
+        while (d && (e = readdir(d)) && found < 1)
+            if (e->d_name[0] != '.') snprintf(names[found++], sizeof names[0], "%.63s", e->d_name);
+        if (d) closedir(d);
+        CHECKF(found == 1, "%s: no checkpoint in %s", runs[k].stage, ref);
+        if (found != 1) continue;
+        snprintf(p, sizeof p, "%s/%s", ref, names[0]);
+        snprintf(q, sizeof q, "%s/%s", dir, names[0]);
+        CHECKF(files_equal_tensors(p, q), "%s --hierarchical: not bit for bit --shard full's weights", runs[k].stage);
+    }
+    int st = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 32 --depth 2 --heads 2 --quantize-grads int8 --nproc 2",
+                     stage_bin("06-tensor-parallel"), gpt_text());
+    expect_error(out, st, 2, "add --shard full");
+}
