@@ -292,11 +292,22 @@ TEST(zeropp_bad_combinations_are_refused, QUICK) {
 /* qwZ and qgZ lose a little precision, not training: 200 steps of a gpt and
    of a vit, 4 ranks as 2 machines of 2, with int8 weights, int4 gradients
    and all three levers each keep every 20-step mean of the loss within 5%
-   of fp32 ZeRO-3's (measured: at most 2.4%, gpt with all three). */
+   of fp32 ZeRO-3's (measured: at most 2.5%, gpt with all three). Numerics,
+   not memory: under MemorySanitizer its 16 runs take 7 minutes, so it is
+   skipped there, where the quick ZeRO++ tests run the same code. */
+#if defined(__has_feature)
+#if __has_feature(memory_sanitizer)
+#define T_UNDER_MSAN 1
+#endif
+#endif
 TEST(zeropp_trains_within_five_percent_of_fp32_zero3, FULL) {
-    char out[16384], log[600];
-    static const char *models[2] = { "--model gpt --dim 32 --depth 2 --batch-size 8 --epochs 1",
-                                     "--model vit --image-size 16 --dim 32 --depth 2 --heads 2 --batch-size 8 --epochs 100" };
+#ifdef T_UNDER_MSAN
+    SKIP("16 runs of 200 steps take 7 minutes under MemorySanitizer; the quick ZeRO++ tests run the same code under it");
+#endif
+    char out[16384], log[600], vit[700];
+    snprintf(vit, sizeof vit, "--data %s --model vit --image-size 16 --dim 32 --depth 2 --heads 2 --batch-size 8 --epochs 20",
+             small_data());
+    const char *models[2] = { "--model gpt --dim 32 --depth 2 --batch-size 8 --epochs 1", vit };
     static const char *levers[4] = { "", "--quantize-weights int8", "--quantize-grads int4",
                                      "--quantize-weights int8 --quantize-grads int4 --hierarchical" };
     for (int m = 0; m < 2; m++) {
@@ -317,7 +328,7 @@ TEST(zeropp_trains_within_five_percent_of_fp32_zero3, FULL) {
         for (int k = 1; k < 4; k++) {
             double worst = 0;
             for (int w = 0; w < 10; w++) worst = fmax(worst, fabs(means[k][w] - means[0][w]) / means[0][w]);
-            printf("    %.3s %-58s 20-step means at most %.2f%% from fp32's\n", models[m] + 8, levers[k], 100 * worst);
+            printf("    %s %-58s 20-step means at most %.2f%% from fp32's\n", m ? "vit" : "gpt", levers[k], 100 * worst);
             CHECKF(worst <= 0.05, "%s %s: a 20-step mean %.2f%% from fp32 ZeRO-3's", models[m], levers[k], 100 * worst);
         }
     }
