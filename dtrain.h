@@ -980,7 +980,8 @@ int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt);
    `block` values (even, 8 to 65536) sharing one f32 scale, absmax / qmax
    (qmax 127, or 7). A value comes back as round(x / scale) * scale: within
    half a step, absmax / (2 qmax) of its block, of itself (plus f32 rounding,
-   a few ulps of absmax); a block of zeros comes back as zeros. A block that
+   a few ulps of absmax); a block of zeros comes back as zeros, and so does
+   one whose absmax is under qmax x 2^-126 (the step would be subnormal). A block that
    holds a NaN or an inf is refused: its scale is NaN, so all of it comes
    back NaN, never as numbers (the loss scaler then skips the step, or the
    run stops on a non-finite loss); dt_quantize returns how many blocks were
@@ -1234,7 +1235,7 @@ void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype);
                           exchanged across machines, summed: each rank gets
                           its shard of the mean, and only 1/L of them crosses
    Machines are the launcher's (dt_comm_machine), or every ranks_per_machine
-   consecutive ranks (a lesson on one machine; alone, it changes only how
+   consecutive ranks of comm (a lesson on one machine; alone, it changes only how
    the bytes are counted). Weight levers need DT_SHARD_FULL (the gathers
    they change); the gradient lever any mode. Set before the first forward;
    all zero changes nothing. Checkpoints stay f32. */
@@ -1616,7 +1617,9 @@ DT_HD static inline float dt_quant_block_scale(const float *x, int64_t n, int bi
         finite &= a <= 3.40282347e38f;                   /* false for inf and for NaN */
         absmax = a > absmax ? a : absmax;
     }
-    return finite ? absmax / (float)DT_QUANT_MAX(bits) : NAN;
+    /* a block whose step would be subnormal (absmax under qmax x 2^-126,
+       1.5e-36 for int8) is flushed to zeros, as the arithmetic elsewhere flushes */
+    return !finite ? NAN : absmax < (float)DT_QUANT_MAX(bits) * 1.17549435e-38f ? 0.0f : absmax / (float)DT_QUANT_MAX(bits);
 }
 DT_HD static inline int dt__quant_code(float x, float scale, int bits) {
     if (!(scale > 0.0f)) return 0;                       /* a block of zeros, or a refused one */
@@ -1639,8 +1642,8 @@ DT_HD static inline void dt_quant_block(const float *x, int64_t first, int64_t n
 }
 DT_HD static inline float dt_dequant_value(const uint8_t *codes, int64_t i, int bits, float scale) {
     int q = bits == 8 ? (int)(int8_t)codes[i] : ((((codes[i / 2] >> ((i & 1) * 4)) & 0xF) ^ 8) - 8);
-    return (float)q * scale;                             /* a NaN scale: NaN */
-}
+    return scale == scale ? (float)q * scale : NAN;      /* a refused block: the constant NaN (a GPU's arithmetic */
+}                                                        /* would give another NaN's bits than the CPU's) */
 
 /* GPU launch shape, here so that a CPU test can check it: a grid is capped
    (DT_MAX_BLOCKS blocks of DT_THREADS), so every kernel loops -- thread i
@@ -7021,8 +7024,8 @@ int64_t dt_quantized_bytes(int64_t n, int bits, int block) {
     return (4 * blocks + codes + 3) / 4 * 4;
 }
 int64_t dt_quantize(const float *x, int64_t n, int bits, int block, void *q) {
+    dt__quant_check(n, bits, block);                    /* before any division by block */
     int64_t blocks = (n + block - 1) / block, refused = 0;
-    dt__quant_check(n, bits, block);
     float *scales = (float *)q;
     uint8_t *codes = (uint8_t *)(scales + blocks);
     const dt_backend *gpu = dt__backend_of(dt__ctx.device);
@@ -7050,7 +7053,8 @@ void dt_dequantize(const void *q, int64_t n, int bits, int block, void *out, dt_
     for (int64_t b = 0; b < blocks; b++) {            /* a block at a time: one scale, one kind of store */
         int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
         float *f = (float *)out;
-        if (add) for (int64_t i = lo; i < hi; i++) f[i] += dt_dequant_value(codes, i, bits, scales[b]);
+        if (add && scales[b] != scales[b]) for (int64_t i = lo; i < hi; i++) f[i] = NAN;    /* refused: NaN, whatever was there */
+        else if (add) for (int64_t i = lo; i < hi; i++) f[i] += dt_dequant_value(codes, i, bits, scales[b]);
         else if (out_dtype == DT_F32) for (int64_t i = lo; i < hi; i++) f[i] = dt_dequant_value(codes, i, bits, scales[b]);
         else for (int64_t i = lo; i < hi; i++) dt_store_f32(out, i, out_dtype, dt_dequant_value(codes, i, bits, scales[b]));
     }
@@ -7223,8 +7227,7 @@ static void dt__comm_on_fail(void) { dt__comm_abort_others(dt__active_comm); }
    look_at_peers: the barrier looks itself, before its counter), or we have
    waited past --timeout for rank j (j < 0: for any peer). Fills `why` and
    returns 1; the shared-memory barrier and the NCCL watchdog both ask this. */
-static int dt__job_trouble_seen(dt_comm *c, int j, int look_at_peers, double waited_ms, const char *what, char *why,
-                                size_t n) {
+static int dt__job_trouble(dt_comm *c, int j, int look_at_peers, double waited_ms, const char *what, char *why, size_t n) {
     int failed = __atomic_load_n(&c->top->hdr->abort_rank, __ATOMIC_ACQUIRE);
     if (failed) {
         dt__active_comm = NULL;              /* it told us; no need to tell it back */
@@ -7245,9 +7248,6 @@ static int dt__job_trouble_seen(dt_comm *c, int j, int look_at_peers, double wai
                  what, c->timeout_s);
     else snprintf(why, n, "%s has not finished after %.0f s (--timeout): a rank hangs or died; stopping", what, c->timeout_s);
     return 1;
-}
-static int dt__job_trouble(dt_comm *c, int j, double waited_ms, const char *what, char *why, size_t n) {
-    return dt__job_trouble_seen(c, j, 1, waited_ms, what, why, n);
 }
 
 /* Wait until rank j has moved `*counter` to `target`. Spin a little, then
@@ -7270,7 +7270,7 @@ static void dt__shm_wait_for(dt_comm *c, const uint64_t *counter, uint64_t targe
             if (first_look) DT_TEST_BARRIER_LATE(c, what, 0);
             if (__atomic_load_n(counter, __ATOMIC_ACQUIRE) >= target) break;
             char why[320];
-            if (dt__job_trouble_seen(c, j, gone, dt_now_ms() - *t0, what, why, sizeof why)) dt_fail("%s", why);
+            if (dt__job_trouble(c, j, gone, dt_now_ms() - *t0, what, why, sizeof why)) dt_fail("%s", why);
         }
     }
 }
@@ -7498,7 +7498,7 @@ static void dt__nccl_watch(dt_comm *c, int slot, const char *what) {
             dt_fail("NCCL failed during %s: %s (a rank may have died); communicator aborted", what, why);
         }
         if (spins < 200) continue;
-        if (spins % 64 == 0 && dt__job_trouble(c, -1, dt_now_ms() - t0, what, why, sizeof why)) {
+        if (spins % 64 == 0 && dt__job_trouble(c, -1, 1, dt_now_ms() - t0, what, why, sizeof why)) {
             dt_nccl_abort(c->nccl);
             dt_fail("%s (NCCL communicator aborted)", why);
         }
@@ -7677,7 +7677,7 @@ static void dt__mpi_finish(dt_comm *c, int64_t h) {
         dt__mpi_check(err, what);
         if (done) break;
         if (spins < 200) continue;
-        if (spins % 64 == 0 && dt__job_trouble(c, -1, dt_now_ms() - t0, what, why, sizeof why)) dt_fail("%s (over MPI)", why);
+        if (spins % 64 == 0 && dt__job_trouble(c, -1, 1, dt_now_ms() - t0, what, why, sizeof why)) dt_fail("%s (over MPI)", why);
         struct timespec ts = { 0, 20000 };
         nanosleep(&ts, NULL);
     }
@@ -9177,15 +9177,15 @@ void dt_fsdp_set_zeropp(dt_fsdp *fsdp, dt_zeropp zeropp) {
     dt_fsdp *f = fsdp;
     dt_zeropp z = zeropp;
     static const char *modes[3] = { "optimizer", "grads", "full" };
+    if (f->zpp_set || f->forwards)
+        dt_fail("dt_fsdp_set_zeropp: %s; set ZeRO++ once, before the first forward (it makes its groups and buffers then)",
+                f->zpp_set ? "called twice" : "called after a forward");
     if (z.ranks_per_machine < 0 || (z.ranks_per_machine > 0 && f->world % z.ranks_per_machine))
         dt_usage_error("--ranks-per-machine %d: it must divide the %d ranks that shard the model", z.ranks_per_machine, f->world);
     if (!z.quantize_weights && !z.quantize_grads && !z.hierarchical) {         /* plain ZeRO, perhaps on pretended machines */
         if (z.ranks_per_machine) dt__fsdp_find_machines(f, z.ranks_per_machine);
         return;
     }
-    if (f->zpp_set || f->forwards)
-        dt_fail("dt_fsdp_set_zeropp: %s; set ZeRO++ once, before the first forward (it makes its groups and buffers then)",
-                f->zpp_set ? "called twice" : "called after a forward");
     if (z.quant_block == 0) z.quant_block = 256;
     if ((z.quantize_weights || z.hierarchical) && f->mode != DT_SHARD_FULL)
         dt_usage_error("--quantize-weights and --hierarchical change how ZeRO-3 gathers the parameters of each unit; with "
@@ -15973,8 +15973,9 @@ static const dt__flag dt__flags[] = {
       DT_NOT_A_NUMBER },
     { "--quant-block", "456789", "N", "ZeRO++: values that share one scale (default 256; even, 8 to 65536)", DT_ARG_INT,
       DT_CFG(quant_block), NULL, DT_RANGE(8, 65536) },
-    { "--ranks-per-machine", "456789", "N", "take every N consecutive ranks as one machine, for ZeRO++ and for the bytes counted\n"
-      "                          across machines (default: the machines the launcher put them on; N shows them on one)", DT_ARG_INT, DT_CFG(ranks_per_machine), NULL,
+    { "--ranks-per-machine", "456789", "N", "take every N consecutive ranks of the data-parallel group (04, 05: the job) as one\n"
+      "                          machine, for ZeRO++ and the bytes counted across machines (default: the machines the\n"
+      "                          launcher put them on; N shows them on one)", DT_ARG_INT, DT_CFG(ranks_per_machine), NULL,
       DT_RANGE(1, DT_MAX_RANKS) },
     { "--recompute", "123456789", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,
@@ -19041,7 +19042,7 @@ __global__ static void dt__k_dequantize(const float *scales, const uint8_t *code
                                         int out_dtype, int add) {
     DT_FOR_EACH(i, n) {
         float v = dt_dequant_value(codes, i, bits, scales[i / block]);
-        if (add) ((float *)out)[i] += v;
+        if (add) ((float *)out)[i] = v != v ? v : ((float *)out)[i] + v;     /* refused: the CPU's NaN, not the sum's */
         else if (out_dtype == DT_F32) ((float *)out)[i] = v;
         else ((uint16_t *)out)[i] = out_dtype == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
     }

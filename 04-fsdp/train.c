@@ -20,8 +20,8 @@ int main(int argc, char **argv) {
     dt_model_config mc = dt_model_config_from(&cfg, train.channels, train.size, train.num_classes);
     dt_model *model = dt_model_create(&mc, cfg.seed);
     dt_fsdp *fsdp = dt_fsdp_create(model, comm, cfg.shard, cfg.cpu_offload);  /* keep 1/N of every unit */
-    dt_fsdp_set_zeropp(fsdp, cfg.zeropp);                 /* ZeRO++: fewer bytes between machines */
     dt_optimizer *opt = dt_optimizer_create(model, cfg.optimizer, cfg.weight_decay, cfg.momentum, cfg.clip);
+    dt_fsdp_set_zeropp(fsdp, cfg.zeropp);                 /* ZeRO++: fewer bytes between machines */
     dt_loader loader = dt_loader_create(&train, cfg.batch_size, cfg.seed, /*shuffle*/ 1, cfg.augment,
                                         /*drop_last*/ 1, cfg.rank, cfg.world_size);  /* this rank's share */
     dt_run run;

@@ -22,8 +22,8 @@ int main(int argc, char **argv) {
     dt_model *model = dt_model_create(&mc, cfg.seed);
     dt_tp *tp = dt_tp_create(model, comm, cfg.tp, cfg.sequence_parallel);  /* keep 1/T of every block's weights */
     dt_data_parallel *dp = dt_data_parallel_create(model, dt_tp_data_group(tp), cfg.shard, cfg.cpu_offload, cfg.bucket_mb);
-    dt_data_parallel_set_zeropp(dp, cfg.zeropp);          /* with --shard: ZeRO++'s levers, if any */
     dt_optimizer *opt = dt_optimizer_create(model, cfg.optimizer, cfg.weight_decay, cfg.momentum, cfg.clip);
+    dt_data_parallel_set_zeropp(dp, cfg.zeropp);          /* with --shard: ZeRO++'s levers, if any */
     dt_loader loader = dt_loader_create(&train, cfg.batch_size, cfg.seed, /*shuffle*/ 1, cfg.augment,
                                         /*drop_last*/ 1, dt_tp_data_rank(tp), dt_tp_data_ranks(tp));  /* the group's share */
     dt_run run;

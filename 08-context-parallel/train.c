@@ -25,8 +25,8 @@ int main(int argc, char **argv) {
     dt_model *model = dt_model_create(&mc, cfg.seed);
     dt_cp *cp = dt_cp_create(model, comm, cfg.cp, (dt_cp_layout)cfg.cp_layout);  /* attention around a ring of C ranks */
     dt_data_parallel *dp = dt_data_parallel_create(model, dt_cp_data_group(cp), cfg.shard, cfg.cpu_offload, cfg.bucket_mb);
-    dt_data_parallel_set_zeropp(dp, cfg.zeropp);          /* with --shard: ZeRO++'s levers, if any */
     dt_optimizer *opt = dt_optimizer_create(model, cfg.optimizer, cfg.weight_decay, cfg.momentum, cfg.clip);
+    dt_data_parallel_set_zeropp(dp, cfg.zeropp);          /* with --shard: ZeRO++'s levers, if any */
     dt_loader loader = dt_loader_create(&train, cfg.batch_size, cfg.seed, /*shuffle*/ 1, cfg.augment,
                                         /*drop_last*/ 1, dt_cp_data_rank(cp), dt_cp_data_ranks(cp));  /* the group's share */
     dt_run run;

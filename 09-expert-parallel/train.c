@@ -24,8 +24,8 @@ int main(int argc, char **argv) {
     dt_model *model = dt_model_create(&mc, cfg.seed);
     dt_ep *ep = dt_ep_create(model, comm, cfg.ep);           /* keep E/P of every layer's experts */
     dt_data_parallel *dp = dt_data_parallel_create(model, dt_ep_data_group(ep), cfg.shard, cfg.cpu_offload, cfg.bucket_mb);
-    dt_data_parallel_set_zeropp(dp, cfg.zeropp);          /* with --shard: ZeRO++'s levers, if any */
     dt_optimizer *opt = dt_optimizer_create(model, cfg.optimizer, cfg.weight_decay, cfg.momentum, cfg.clip);
+    dt_data_parallel_set_zeropp(dp, cfg.zeropp);          /* with --shard: ZeRO++'s levers, if any */
     dt_loader loader = dt_loader_create(&train, cfg.batch_size, cfg.seed, /*shuffle*/ 1, cfg.augment,
                                         /*drop_last*/ 1, cfg.rank, cfg.world_size);  /* this rank's share */
     dt_run run;

@@ -39,7 +39,8 @@ int dt_loss_scaler_unscale(dt_loss_scaler *scaler, dt_optimizer *opt);
    `block` values (even, 8 to 65536) sharing one f32 scale, absmax / qmax
    (qmax 127, or 7). A value comes back as round(x / scale) * scale: within
    half a step, absmax / (2 qmax) of its block, of itself (plus f32 rounding,
-   a few ulps of absmax); a block of zeros comes back as zeros. A block that
+   a few ulps of absmax); a block of zeros comes back as zeros, and so does
+   one whose absmax is under qmax x 2^-126 (the step would be subnormal). A block that
    holds a NaN or an inf is refused: its scale is NaN, so all of it comes
    back NaN, never as numbers (the loss scaler then skips the step, or the
    run stops on a non-finite loss); dt_quantize returns how many blocks were
@@ -129,8 +130,8 @@ int64_t dt_quantized_bytes(int64_t n, int bits, int block) {
     return (4 * blocks + codes + 3) / 4 * 4;
 }
 int64_t dt_quantize(const float *x, int64_t n, int bits, int block, void *q) {
+    dt__quant_check(n, bits, block);                    /* before any division by block */
     int64_t blocks = (n + block - 1) / block, refused = 0;
-    dt__quant_check(n, bits, block);
     float *scales = (float *)q;
     uint8_t *codes = (uint8_t *)(scales + blocks);
     const dt_backend *gpu = dt__backend_of(dt__ctx.device);
@@ -158,7 +159,8 @@ void dt_dequantize(const void *q, int64_t n, int bits, int block, void *out, dt_
     for (int64_t b = 0; b < blocks; b++) {            /* a block at a time: one scale, one kind of store */
         int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
         float *f = (float *)out;
-        if (add) for (int64_t i = lo; i < hi; i++) f[i] += dt_dequant_value(codes, i, bits, scales[b]);
+        if (add && scales[b] != scales[b]) for (int64_t i = lo; i < hi; i++) f[i] = NAN;    /* refused: NaN, whatever was there */
+        else if (add) for (int64_t i = lo; i < hi; i++) f[i] += dt_dequant_value(codes, i, bits, scales[b]);
         else if (out_dtype == DT_F32) for (int64_t i = lo; i < hi; i++) f[i] = dt_dequant_value(codes, i, bits, scales[b]);
         else for (int64_t i = lo; i < hi; i++) dt_store_f32(out, i, out_dtype, dt_dequant_value(codes, i, bits, scales[b]));
     }

@@ -258,8 +258,7 @@ static void dt__comm_on_fail(void) { dt__comm_abort_others(dt__active_comm); }
    look_at_peers: the barrier looks itself, before its counter), or we have
    waited past --timeout for rank j (j < 0: for any peer). Fills `why` and
    returns 1; the shared-memory barrier and the NCCL watchdog both ask this. */
-static int dt__job_trouble_seen(dt_comm *c, int j, int look_at_peers, double waited_ms, const char *what, char *why,
-                                size_t n) {
+static int dt__job_trouble(dt_comm *c, int j, int look_at_peers, double waited_ms, const char *what, char *why, size_t n) {
     int failed = __atomic_load_n(&c->top->hdr->abort_rank, __ATOMIC_ACQUIRE);
     if (failed) {
         dt__active_comm = NULL;              /* it told us; no need to tell it back */
@@ -280,9 +279,6 @@ static int dt__job_trouble_seen(dt_comm *c, int j, int look_at_peers, double wai
                  what, c->timeout_s);
     else snprintf(why, n, "%s has not finished after %.0f s (--timeout): a rank hangs or died; stopping", what, c->timeout_s);
     return 1;
-}
-static int dt__job_trouble(dt_comm *c, int j, double waited_ms, const char *what, char *why, size_t n) {
-    return dt__job_trouble_seen(c, j, 1, waited_ms, what, why, n);
 }
 
 /* Wait until rank j has moved `*counter` to `target`. Spin a little, then
@@ -305,7 +301,7 @@ static void dt__shm_wait_for(dt_comm *c, const uint64_t *counter, uint64_t targe
             if (first_look) DT_TEST_BARRIER_LATE(c, what, 0);
             if (__atomic_load_n(counter, __ATOMIC_ACQUIRE) >= target) break;
             char why[320];
-            if (dt__job_trouble_seen(c, j, gone, dt_now_ms() - *t0, what, why, sizeof why)) dt_fail("%s", why);
+            if (dt__job_trouble(c, j, gone, dt_now_ms() - *t0, what, why, sizeof why)) dt_fail("%s", why);
         }
     }
 }
@@ -533,7 +529,7 @@ static void dt__nccl_watch(dt_comm *c, int slot, const char *what) {
             dt_fail("NCCL failed during %s: %s (a rank may have died); communicator aborted", what, why);
         }
         if (spins < 200) continue;
-        if (spins % 64 == 0 && dt__job_trouble(c, -1, dt_now_ms() - t0, what, why, sizeof why)) {
+        if (spins % 64 == 0 && dt__job_trouble(c, -1, 1, dt_now_ms() - t0, what, why, sizeof why)) {
             dt_nccl_abort(c->nccl);
             dt_fail("%s (NCCL communicator aborted)", why);
         }
@@ -712,7 +708,7 @@ static void dt__mpi_finish(dt_comm *c, int64_t h) {
         dt__mpi_check(err, what);
         if (done) break;
         if (spins < 200) continue;
-        if (spins % 64 == 0 && dt__job_trouble(c, -1, dt_now_ms() - t0, what, why, sizeof why)) dt_fail("%s (over MPI)", why);
+        if (spins % 64 == 0 && dt__job_trouble(c, -1, 1, dt_now_ms() - t0, what, why, sizeof why)) dt_fail("%s (over MPI)", why);
         struct timespec ts = { 0, 20000 };
         nanosleep(&ts, NULL);
     }

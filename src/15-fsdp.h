@@ -57,7 +57,7 @@ void dt_fsdp_set_reduce_dtype(dt_fsdp *fsdp, dt_dtype dtype);
                           exchanged across machines, summed: each rank gets
                           its shard of the mean, and only 1/L of them crosses
    Machines are the launcher's (dt_comm_machine), or every ranks_per_machine
-   consecutive ranks (a lesson on one machine; alone, it changes only how
+   consecutive ranks of comm (a lesson on one machine; alone, it changes only how
    the bytes are counted). Weight levers need DT_SHARD_FULL (the gathers
    they change); the gradient lever any mode. Set before the first forward;
    all zero changes nothing. Checkpoints stay f32. */
@@ -615,15 +615,15 @@ void dt_fsdp_set_zeropp(dt_fsdp *fsdp, dt_zeropp zeropp) {
     dt_fsdp *f = fsdp;
     dt_zeropp z = zeropp;
     static const char *modes[3] = { "optimizer", "grads", "full" };
+    if (f->zpp_set || f->forwards)
+        dt_fail("dt_fsdp_set_zeropp: %s; set ZeRO++ once, before the first forward (it makes its groups and buffers then)",
+                f->zpp_set ? "called twice" : "called after a forward");
     if (z.ranks_per_machine < 0 || (z.ranks_per_machine > 0 && f->world % z.ranks_per_machine))
         dt_usage_error("--ranks-per-machine %d: it must divide the %d ranks that shard the model", z.ranks_per_machine, f->world);
     if (!z.quantize_weights && !z.quantize_grads && !z.hierarchical) {         /* plain ZeRO, perhaps on pretended machines */
         if (z.ranks_per_machine) dt__fsdp_find_machines(f, z.ranks_per_machine);
         return;
     }
-    if (f->zpp_set || f->forwards)
-        dt_fail("dt_fsdp_set_zeropp: %s; set ZeRO++ once, before the first forward (it makes its groups and buffers then)",
-                f->zpp_set ? "called twice" : "called after a forward");
     if (z.quant_block == 0) z.quant_block = 256;
     if ((z.quantize_weights || z.hierarchical) && f->mode != DT_SHARD_FULL)
         dt_usage_error("--quantize-weights and --hierarchical change how ZeRO-3 gathers the parameters of each unit; with "

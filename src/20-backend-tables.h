@@ -159,7 +159,9 @@ DT_HD static inline float dt_quant_block_scale(const float *x, int64_t n, int bi
         finite &= a <= 3.40282347e38f;                   /* false for inf and for NaN */
         absmax = a > absmax ? a : absmax;
     }
-    return finite ? absmax / (float)DT_QUANT_MAX(bits) : NAN;
+    /* a block whose step would be subnormal (absmax under qmax x 2^-126,
+       1.5e-36 for int8) is flushed to zeros, as the arithmetic elsewhere flushes */
+    return !finite ? NAN : absmax < (float)DT_QUANT_MAX(bits) * 1.17549435e-38f ? 0.0f : absmax / (float)DT_QUANT_MAX(bits);
 }
 DT_HD static inline int dt__quant_code(float x, float scale, int bits) {
     if (!(scale > 0.0f)) return 0;                       /* a block of zeros, or a refused one */
@@ -182,8 +184,8 @@ DT_HD static inline void dt_quant_block(const float *x, int64_t first, int64_t n
 }
 DT_HD static inline float dt_dequant_value(const uint8_t *codes, int64_t i, int bits, float scale) {
     int q = bits == 8 ? (int)(int8_t)codes[i] : ((((codes[i / 2] >> ((i & 1) * 4)) & 0xF) ^ 8) - 8);
-    return (float)q * scale;                             /* a NaN scale: NaN */
-}
+    return scale == scale ? (float)q * scale : NAN;      /* a refused block: the constant NaN (a GPU's arithmetic */
+}                                                        /* would give another NaN's bits than the CPU's) */
 
 /* GPU launch shape, here so that a CPU test can check it: a grid is capped
    (DT_MAX_BLOCKS blocks of DT_THREADS), so every kernel loops -- thread i

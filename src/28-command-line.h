@@ -226,8 +226,9 @@ static const dt__flag dt__flags[] = {
       DT_NOT_A_NUMBER },
     { "--quant-block", "456789", "N", "ZeRO++: values that share one scale (default 256; even, 8 to 65536)", DT_ARG_INT,
       DT_CFG(quant_block), NULL, DT_RANGE(8, 65536) },
-    { "--ranks-per-machine", "456789", "N", "take every N consecutive ranks as one machine, for ZeRO++ and for the bytes counted\n"
-      "                          across machines (default: the machines the launcher put them on; N shows them on one)", DT_ARG_INT, DT_CFG(ranks_per_machine), NULL,
+    { "--ranks-per-machine", "456789", "N", "take every N consecutive ranks of the data-parallel group (04, 05: the job) as one\n"
+      "                          machine, for ZeRO++ and the bytes counted across machines (default: the machines the\n"
+      "                          launcher put them on; N shows them on one)", DT_ARG_INT, DT_CFG(ranks_per_machine), NULL,
       DT_RANGE(1, DT_MAX_RANKS) },
     { "--recompute", "123456789", NULL, "activation checkpointing: keep each block's input and output only, run its forward again in\n"
       "                          backward (the same bits; less memory, one more forward per step)", DT_ARG_SWITCH, DT_CFG(recompute), NULL,

@@ -1072,7 +1072,7 @@ __global__ static void dt__k_dequantize(const float *scales, const uint8_t *code
                                         int out_dtype, int add) {
     DT_FOR_EACH(i, n) {
         float v = dt_dequant_value(codes, i, bits, scales[i / block]);
-        if (add) ((float *)out)[i] += v;
+        if (add) ((float *)out)[i] = v != v ? v : ((float *)out)[i] + v;     /* refused: the CPU's NaN, not the sum's */
         else if (out_dtype == DT_F32) ((float *)out)[i] = v;
         else ((uint16_t *)out)[i] = out_dtype == DT_BF16 ? dt_f32_to_bf16(v) : dt_f32_to_f16(v);
     }

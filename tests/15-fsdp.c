@@ -172,10 +172,11 @@ TEST(wrappers_stack_only_as_they_can, QUICK) {
 /* ---- ZeRO++ (dt_fsdp_set_zeropp): quantized and hierarchical communication ---- */
 
 /* The round trip through dt_quantize and dt_dequantize, int8 and int4, on
-   random values, on blocks with one outlier, of zeros, of tiny values, and
-   with a NaN and an inf: every value within half a step of its block
-   (absmax / (2 qmax), plus 4 ulps of absmax for the division and the
-   product); zeros exactly; a block with a NaN or an inf refused -- counted,
+   random values, on blocks with one outlier, of zeros, of tiny values, of
+   subnormals, and with a NaN and an inf: every value within half a step of
+   its block (absmax / (2 qmax), plus 4 ulps of absmax for the division and
+   the product); zeros, and a block whose step would be subnormal, as zeros
+   exactly; a block with a NaN or an inf refused -- counted,
    and all of it NaN -- while its neighbours stay exact to the bound. */
 TEST(zeropp_quantization_round_trip_is_within_half_a_step, QUICK) {
     const int64_t n = 3001;                             /* odd: a last block short, a last int4 byte half used */
@@ -189,6 +190,7 @@ TEST(zeropp_quantization_round_trip_is_within_half_a_step, QUICK) {
             for (int64_t i = block; i < 2 * block; i++) x[i] = 0;                      /* a block of zeros */
             x[2 * block + 3] = 1e6f;                                                    /* an outlier */
             for (int64_t i = 3 * block; i < 4 * block && i < n; i++) x[i] = (float)(1e-30 * (i % 7 - 3));   /* tiny */
+            for (int64_t i = 7 * block; i < 8 * block && i < n; i++) x[i] = (float)(1e-43 * (i % 5 - 2));   /* subnormal */
             x[5 * block + 1] = NAN;
             x[6 * block + 2] = INFINITY;
             int64_t bytes = dt_quantized_bytes(n, bits, block), nb = (n + block - 1) / block;
@@ -211,7 +213,8 @@ TEST(zeropp_quantization_round_trip_is_within_half_a_step, QUICK) {
                 for (int64_t i = lo; i < hi && bad < 5; i++) {
                     if (!finite) { if (!isnan(y[i])) { bad++; CHECKF(0, "%d bits: value %lld of a refused block came back %g", bits, (long long)i, y[i]); } continue; }
                     double bound = absmax / (2.0 * DT_QUANT_MAX(bits)) + 4 * absmax * FLT_EPSILON;
-                    if (fabs((double)y[i] - x[i]) > bound || (x[i] == 0 && absmax == 0 && y[i] != 0)) {
+                    int flushed = absmax < DT_QUANT_MAX(bits) * (double)FLT_MIN;    /* its step would be subnormal: zeros */
+                    if (flushed ? y[i] != 0 : fabs((double)y[i] - x[i]) > bound) {
                         bad++;
                         CHECKF(0, "%d bits, blocks of %d: value %lld is %.9g, came back %.9g (bound %.3g)", bits, block, (long long)i,
                                x[i], y[i], bound);
@@ -244,8 +247,10 @@ TEST(zeropp_hierarchical_alone_equals_shard_full_bit_for_bit, QUICK) {
     dt_model_free(m);
     snprintf(ref, sizeof ref, "%s/hpz-ref", tmpdir);
     snprintf(log, sizeof log, "%s/hpz-ref.jsonl", tmpdir);
-    int st = run_cmd(out, sizeof out, "%s --data %s %s --save-dir %s --log %s", stage_bin("04-fsdp"), small_data(), flags, ref, log);
-    double plain = summary_value(log, "peak_params_bytes");
+    int st = run_cmd(out, sizeof out, "%s --data %s %s --ranks-per-machine 2 --save-dir %s --log %s", stage_bin("04-fsdp"),
+                     small_data(), flags, ref, log);
+    double plain = summary_value(log, "peak_params_bytes"), plain_across[64];
+    int nplain = log_series(log, "bytes_across_machines", plain_across, 64);
     CHECKF(st == 0, "04 --shard full: exit %d\n%s", st, out);
     snprintf(p, sizeof p, "%s/whole", ref);          /* 04 saves shards: put them together */
     st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2 %s", build_path("tools/consolidate"), ref, p);
@@ -259,6 +264,12 @@ TEST(zeropp_hierarchical_alone_equals_shard_full_bit_for_bit, QUICK) {
         double more = summary_value(log, "peak_params_bytes") - plain, want = 4.0 * (double)shards * (4 / per);
         CHECKF(more == want, "--ranks-per-machine %d: %.0f more bytes of parameters at the peak, expected the second copy's %.0f",
                per, more, want);
+        double across[64];                       /* as 2 machines, backward's gathers stay in them: fewer bytes cross */
+        int n = log_series(log, "bytes_across_machines", across, 64);
+        if (per == 2)
+            CHECKF(n > 0 && n == nplain && across[n - 1] > 0 && across[n - 1] < plain_across[n - 1],
+                   "--hierarchical as 2 machines: %.0f bytes across a step, plain ZeRO-3 %.0f: backward's gathers left the machine",
+                   n > 0 ? across[n - 1] : -1.0, nplain > 0 ? plain_across[nplain - 1] : -1.0);
         snprintf(q, sizeof q, "%s/whole", dir);
         st = run_cmd(out, sizeof out, "%s %s/vit_data0-320_epoch2 %s", build_path("tools/consolidate"), dir, q);
         CHECKF(st == 0, "consolidate: exit %d\n%s", st, out);
@@ -372,21 +383,26 @@ TEST(zeropp_checkpoints_stay_f32_and_resume_exactly, FULL) {
    (FSDP around the tensor-parallel pairs) and 07 (around pipelines of two
    stages, whose units of the other stage are empty here) with
    --hierarchical save --shard full's weights bit for bit, the data-parallel
-   group of 2 taken as 2 machines; with DDP any lever is refused. */
+   group of 2 taken as 2 machines of 1 and as 1 machine of 2 (the second copy
+   then half of each unit, gathered within); with DDP any lever is refused. */
 TEST(zeropp_hierarchical_in_the_engine_of_06_and_07_equals_shard_full, FULL) {
     char out[16384], ref[600], dir[600];
     static const struct { const char *stage, *flags; } runs[2] = {
         { "06-tensor-parallel", "--model gpt --dim 32 --depth 2 --heads 2 --tp 2" },
         { "07-pipeline-parallel", "--model gpt --dim 32 --depth 2 --heads 2 --pp 2 --micro-batches 2" } };
-    for (int k = 0; k < 2; k++) {
-        snprintf(ref, sizeof ref, "%s/engine-ref-%d", tmpdir, k);
+    for (int k = 0; k < 4; k++) {               /* each stage as 2 machines of 1, and as 1 machine of 2 */
+        int per = 1 + k % 2;
+        int w = k / 2, st = 0;
+        snprintf(ref, sizeof ref, "%s/engine-ref-%d", tmpdir, w);
         snprintf(dir, sizeof dir, "%s/engine-hpz-%d", tmpdir, k);
-        int st = run_cmd(out, sizeof out, "%s --data %s %s --nproc 4 --shard full --batch-size 4 --epochs 1 --quiet --save-dir %s",
-                         stage_bin(runs[k].stage), gpt_text(), runs[k].flags, ref);
-        CHECKF(st == 0, "%s --shard full: exit %d\n%s", runs[k].stage, st, out);
+        if (per == 1) {                          /* the reference, once a stage */
+            st = run_cmd(out, sizeof out, "%s --data %s %s --nproc 4 --shard full --batch-size 4 --epochs 1 --quiet --save-dir %s",
+                         stage_bin(runs[w].stage), gpt_text(), runs[w].flags, ref);
+            CHECKF(st == 0, "%s --shard full: exit %d\n%s", runs[w].stage, st, out);
+        }
         st = run_cmd(out, sizeof out, "%s --data %s %s --nproc 4 --shard full --batch-size 4 --epochs 1 --quiet --hierarchical "
-                     "--ranks-per-machine 1 --save-dir %s", stage_bin(runs[k].stage), gpt_text(), runs[k].flags, dir);
-        CHECKF(st == 0, "%s --hierarchical: exit %d\n%s", runs[k].stage, st, out);
+                     "--ranks-per-machine %d --save-dir %s", stage_bin(runs[w].stage), gpt_text(), runs[w].flags, per, dir);
+        CHECKF(st == 0, "%s --hierarchical: exit %d\n%s", runs[w].stage, st, out);
         char p[800], q[800], names[2][64];
         DIR *d = opendir(ref);
         struct dirent *e;
@@ -394,11 +410,11 @@ TEST(zeropp_hierarchical_in_the_engine_of_06_and_07_equals_shard_full, FULL) {
         while (d && (e = readdir(d)) && found < 1)
             if (e->d_name[0] != '.') snprintf(names[found++], sizeof names[0], "%.63s", e->d_name);
         if (d) closedir(d);
-        CHECKF(found == 1, "%s: no checkpoint in %s", runs[k].stage, ref);
+        CHECKF(found == 1, "%s: no checkpoint in %s", runs[w].stage, ref);
         if (found != 1) continue;
         snprintf(p, sizeof p, "%s/%s", ref, names[0]);
         snprintf(q, sizeof q, "%s/%s", dir, names[0]);
-        CHECKF(files_equal_tensors(p, q), "%s --hierarchical: not bit for bit --shard full's weights", runs[k].stage);
+        CHECKF(files_equal_tensors(p, q), "%s --hierarchical --ranks-per-machine %d: not bit for bit --shard full's weights", runs[w].stage, per);
     }
     int st = run_cmd(out, sizeof out, "%s --data %s --model gpt --dim 32 --depth 2 --heads 2 --quantize-grads int8 --nproc 2",
                      stage_bin("06-tensor-parallel"), gpt_text());
