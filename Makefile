@@ -39,7 +39,8 @@
 # a system BLAS is found), STB=0 (no stb_image: PPM/PGM only), OPENMP=0,
 # CUDA=0 (CPU only even when nvcc is found), NVCC, CUDA_ARCH, NCCL_HOME=DIR
 # (NCCL's include/ and lib/ there), NCCL=0 (no NCCL: one GPU per job), MPI=0
-# (no --comm mpi even when mpicc is found), MPICC.
+# (no --comm mpi even when mpicc is found), MPICC, CURL=0 (no libcurl: --mlflow
+# takes a folder only).
 
 CC       ?= cc
 OPT      ?= -O3 -march=native
@@ -84,6 +85,16 @@ ifneq ($(STB),0)
     CFLAGS += -DDT_HAVE_STB
     LDLIBS += -lstb
     HAVE_STB := 1
+  endif
+endif
+
+# libcurl for --mlflow http://HOST:PORT (MLflow's tracking server), through
+# pkg-config (Debian: libcurl4-openssl-dev); without it --mlflow takes a folder
+# only. CURL=0 leaves it out.
+ifneq ($(CURL),0)
+  ifeq ($(shell pkg-config --exists libcurl 2>/dev/null && echo 1),1)
+    CFLAGS += -DDT_HAVE_CURL $(shell pkg-config --cflags libcurl)
+    LDLIBS += $(shell pkg-config --libs libcurl)
   endif
 endif
 

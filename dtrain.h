@@ -2099,23 +2099,35 @@ const char *dt_tensorboard_path(const dt_tensorboard *tb);
 uint32_t dt_crc32c(const void *data, size_t n);
 uint32_t dt_crc32c_masked(const void *data, size_t n);
 
-/* MLflow's file store (--mlflow DIR; `mlflow ui --backend-store-uri DIR`):
-   DIR/<experiment id>/meta.yaml names the experiment; each run is a folder
-   DIR/<experiment id>/<run id>/ of meta.yaml (name, times, status), params/
-   and tags/ (a file per key holding its value) and metrics/ (a file per key,
-   a line "<ms since 1970> <value> <step>" per point). dt_mlflow_open finds
-   the experiment by name or makes it, and starts a run -- or, given the id
-   of an earlier one, continues it. Each call returns 0 when a write failed
-   (errno says why); dt_mlflow_path names the run's folder. */
+/* MLflow: a run with its params, tags and metrics, in one of two stores
+   behind one interface. `where` is a folder -- MLflow's file store
+   (`MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri DIR`; MLflow 3
+   keeps it in maintenance mode) -- or http://HOST:PORT (https:// where
+   libcurl has TLS): a tracking server (`mlflow server`), written live through
+   MLflow's REST API. dt_mlflow_open finds the experiment by name or makes
+   it, and starts a run -- or, given the id of an earlier one, continues it;
+   NULL when it cannot (dt_mlflow_error says why, errno too).
+   The file store: DIR/<experiment id>/meta.yaml names the experiment; each
+   run is a folder DIR/<experiment id>/<run id>/ of meta.yaml (name, times,
+   status), params/ and tags/ (a file per key holding its value) and metrics/
+   (a file per key, a line "<ms since 1970> <value> <step>" per point); a
+   call returns 0 when a write failed (errno says why).
+   The server: the calls only queue (a bounded queue, sent by a thread of
+   its own), so they never wait on the network and always return 1; a
+   server that stops answering is a warning, and what could not be sent is
+   said when the run closes. dt_mlflow_path names the run's folder, or its
+   page in the server's UI. */
 typedef struct dt_mlflow dt_mlflow;
 typedef enum { DT_MLFLOW_RUNNING = 1, DT_MLFLOW_FINISHED = 3, DT_MLFLOW_FAILED = 4, DT_MLFLOW_KILLED = 5 } dt_mlflow_status;
-dt_mlflow *dt_mlflow_open(const char *dir, const char *experiment, const char *run_name, const char *run_id);
+dt_mlflow *dt_mlflow_open(const char *where, const char *experiment, const char *run_name, const char *run_id);
 int dt_mlflow_param(dt_mlflow *ml, const char *key, const char *value);
 int dt_mlflow_tag(dt_mlflow *ml, const char *key, const char *value);
 int dt_mlflow_metric(dt_mlflow *ml, const char *key, double value, int64_t step, int64_t timestamp_ms);
 int dt_mlflow_close(dt_mlflow *ml, dt_mlflow_status status);
 const char *dt_mlflow_path(const dt_mlflow *ml);
 const char *dt_mlflow_run_id(const dt_mlflow *ml);
+const char *dt_mlflow_error(void);              /* why the last dt_mlflow_open failed */
+int dt_mlflow_is_server(const char *where);    /* http:// or https:// */
 int dt_mlflow_run_id_valid(const char *id);     /* 32 lowercase hex digits */
 
 /* [src/27-cost-model.h] */
@@ -2291,7 +2303,7 @@ typedef struct dt_config {
     dt_device device;
     const char *log_path, *trace_path, *save_dir, *resume, *init;
     const char *tensorboard;     /* --tensorboard DIR: TensorBoard event files of the scalars */
-    const char *mlflow;          /* --mlflow DIR: the run in MLflow's file store */
+    const char *mlflow;          /* --mlflow DIR|URL: the run in MLflow's file store, or on its tracking server */
     int eval_every, augment;
     int log_every;               /* a progress line every N steps (0: about every 3 s, and at each epoch's end) */
     int64_t start_idx, end_idx;  /* end -1: the whole set */
@@ -2527,6 +2539,9 @@ int dt_run_finish(dt_run *run);
 #endif
 #ifdef DT_HAVE_MPI
 #include <mpi.h>
+#endif
+#ifdef DT_HAVE_CURL
+#include <curl/curl.h>
 #endif
 
 /* One context per rank: memory counters, the tape, the step arena. A rank is
@@ -15358,10 +15373,24 @@ const char *dt_tensorboard_path(const dt_tensorboard *tb) { return tb->path; }
    Plain files, so C writes them as MLflow's FileStore would: the YAML is
    flat (key: value), ids are digits (experiments) and 32 hex digits (runs),
    times are milliseconds since 1970. */
+/* What each store does with a run's records (the file store's just below,
+   the tracking server's after it); close also frees. */
+typedef struct {
+    int (*param)(dt_mlflow *ml, const char *key, const char *value);
+    int (*tag)(dt_mlflow *ml, const char *key, const char *value);
+    int (*metric)(dt_mlflow *ml, const char *key, double value, int64_t step, int64_t timestamp_ms);
+    int (*close)(dt_mlflow *ml, dt_mlflow_status status);
+} dt__mlflow_store;
+typedef struct dt__mlflow_server dt__mlflow_server;
 struct dt_mlflow {
+    const dt__mlflow_store *store;
     char exp_dir[4096], run_dir[4096], run_id[40], exp_id[24], name[256];
     int64_t start_ms;
+    dt__mlflow_server *server;          /* the tracking server's connection and queue; NULL: the file store */
 };
+static char dt__mlflow_why[600];        /* dt_mlflow_error's */
+const char *dt_mlflow_error(void) { return dt__mlflow_why; }
+int dt_mlflow_is_server(const char *where) { return !strncmp(where, "http://", 7) || !strncmp(where, "https://", 8); }
 static int64_t dt__unix_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -15434,12 +15463,14 @@ static int dt__mlflow_experiment(const char *dir, const char *id, const char *na
 }
 static int dt__all_digits(const char *s) { return *s && strspn(s, "0123456789") == strlen(s); }
 int dt_mlflow_run_id_valid(const char *id) { return id && strlen(id) == 32 && strspn(id, "0123456789abcdef") == 32; }
-dt_mlflow *dt_mlflow_open(const char *dir, const char *experiment, const char *run_name, const char *run_id) {
+static const dt__mlflow_store dt__mlflow_files;
+static dt_mlflow *dt__mlflow_files_open(const char *dir, const char *experiment, const char *run_name, const char *run_id) {
     char abs[4096], cwd[4096] = "", path[4200], value[256];
     if (!dt__mkdirs(dir) || (dir[0] != '/' && !getcwd(cwd, sizeof cwd))) return NULL;
     dt__path(abs, sizeof abs, "%s%s%s", cwd, cwd[0] ? "/" : "", dir);    /* MLflow's URIs are absolute */
     dt_mlflow *ml = (dt_mlflow *)calloc(1, sizeof *ml);
     if (!ml) return NULL;
+    ml->store = &dt__mlflow_files;
     dt__copy_str(ml->name, sizeof ml->name, run_name);
     dt__path(path, sizeof path, "%s/0/meta.yaml", abs);        /* MLflow's Default experiment, as it makes it */
     if (access(path, F_OK) != 0 && !dt__mlflow_experiment(abs, "0", "Default")) { free(ml); return NULL; }
@@ -15500,20 +15531,512 @@ static int dt__mlflow_key_file(dt_mlflow *ml, const char *part, const char *key,
     dt__path(path, sizeof path, "%s/%s/%s", ml->run_dir, part, key);
     return dt__write_small(path, mode, text);
 }
-int dt_mlflow_param(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_key_file(ml, "params", key, "w", value); }
-int dt_mlflow_tag(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_key_file(ml, "tags", key, "w", value); }
-int dt_mlflow_metric(dt_mlflow *ml, const char *key, double value, int64_t step, int64_t timestamp_ms) {
+static int dt__mlflow_file_param(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_key_file(ml, "params", key, "w", value); }
+static int dt__mlflow_file_tag(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_key_file(ml, "tags", key, "w", value); }
+static int dt__mlflow_file_metric(dt_mlflow *ml, const char *key, double value, int64_t step, int64_t timestamp_ms) {
     char line[128];
     snprintf(line, sizeof line, "%lld %.9g %lld\n", (long long)timestamp_ms, value, (long long)step);
     return dt__mlflow_key_file(ml, "metrics", key, "a", line);
 }
-int dt_mlflow_close(dt_mlflow *ml, dt_mlflow_status status) {
-    if (!ml) return 1;
+static int dt__mlflow_file_close(dt_mlflow *ml, dt_mlflow_status status) {
     int ok = dt__mlflow_meta(ml, status, dt__unix_ms()), err = errno;
     free(ml);
     errno = err;
     return ok;
 }
+static const dt__mlflow_store dt__mlflow_files = { dt__mlflow_file_param, dt__mlflow_file_tag, dt__mlflow_file_metric,
+                                                   dt__mlflow_file_close };
+
+/* ---- MLflow's tracking server (--mlflow http://HOST:PORT) --------------------
+   The same run through MLflow's REST API (/api/2.0/mlflow/...), with libcurl.
+   The experiment and the run are found or made before training starts, when
+   an unreachable server can still be a clear error. From then on the
+   training thread only puts records on a bounded queue, and a thread of the
+   run's own sends them, a batch a second (runs/log-batch: at most 1000
+   records, 100 of them params and 100 tags), so a slow server or a gone one
+   never holds up a step: when the queue is full, a record is dropped and
+   counted. A batch the server did not take is not sent again (it may have
+   taken part of it: a point twice is worse than a point missing); the first
+   is a warning, and the count is said when the run closes. */
+#ifdef DT_HAVE_CURL
+enum { DT__MLFLOW_QUEUE = 1 << 16, DT__MLFLOW_BATCH = 1000 };
+typedef struct {
+    char kind;                  /* 'p' param, 't' tag, 'm' metric point, 'e' the run's end */
+    char *key, *text;           /* text: a param's or tag's value */
+    double value;
+    int64_t step, ms;           /* ms: when (a point), or the end's time */
+} dt__mlflow_record;
+struct dt__mlflow_server {
+    char api[4200];             /* http://HOST:PORT/api/2.0/mlflow/ */
+    CURL *http;                 /* the opening thread's until the sender starts, then the sender's */
+    struct curl_slist *headers;
+    char curl_error[CURL_ERROR_SIZE];
+    pthread_t sender;
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+    dt__mlflow_record *queue;   /* a ring */
+    int64_t head, count;
+    int closing, failing;       /* failing: the last batch was not taken */
+    double give_up_ms;          /* closing: what is not sent by then is not sent */
+    int64_t queued, lost, dropped;   /* records: all, those the server did not take, those the full queue dropped */
+    char last_error[600];       /* the sender's (the opening thread's before it starts) */
+    char **known;               /* a continued run's params, "key=value": MLflow refuses to change one */
+    int nknown;
+};
+
+/* A growing text: a request's JSON, or an answer. */
+typedef struct { char *p; size_t n, cap; int failed; } dt__text;
+static void dt__text_add(dt__text *t, const char *s, size_t n) {
+    if (t->failed) return;
+    if (t->n + n + 1 > t->cap) {
+        size_t cap = t->cap ? t->cap : 1024;
+        while (t->n + n + 1 > cap) cap *= 2;
+        char *p = (char *)realloc(t->p, cap);
+        if (!p) { t->failed = 1; return; }
+        t->p = p;
+        t->cap = cap;
+    }
+    memcpy(t->p + t->n, s, n);
+    t->n += n;
+    t->p[t->n] = 0;
+}
+static void dt__text_printf(dt__text *t, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+static void dt__text_printf(dt__text *t, const char *fmt, ...) {
+    char small[256];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(small, sizeof small, fmt, ap);
+    va_end(ap);
+    if (n >= 0 && (size_t)n < sizeof small) dt__text_add(t, small, (size_t)n);
+    else t->failed = 1;                     /* only numbers and short words go through here */
+}
+/* A string in JSON's quotes: a quote, a backslash and control characters escaped. */
+static void dt__text_json(dt__text *t, const char *s) {
+    dt__text_add(t, "\"", 1);
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') { char e[2] = { '\\', (char)c }; dt__text_add(t, e, 2); }
+        else if (c < 0x20) dt__text_printf(t, "\\u%04x", c);
+        else dt__text_add(t, (const char *)&c, 1);
+    }
+    dt__text_add(t, "\"", 1);
+}
+static size_t dt__http_take(char *data, size_t size, size_t count, void *to) {
+    dt__text *t = (dt__text *)to;
+    if (t->n + size * count > ((size_t)16 << 20)) return 0;       /* no answer of MLflow's is this long */
+    dt__text_add(t, data, size * count);
+    return t->failed ? 0 : size * count;
+}
+
+/* The JSON value at a path of keys ("run.info.run_id"), j left at it; 0 when absent. */
+static int dt__json_enter(dt__json *j, const char *path) {
+    while (*path) {
+        size_t len = strcspn(path, ".");
+        if (!dt__json_eat(j, '{')) return 0;
+        int found = 0;
+        while (j->ok && !found && dt__json_peek(j) == '"') {
+            char *key = dt__json_str(j);
+            dt__json_eat(j, ':');
+            found = key && strlen(key) == len && !strncmp(key, path, len);
+            free(key);
+            if (!found) {
+                dt__json_skip(j, 0);
+                if (dt__json_peek(j) == ',') j->pos++;
+            }
+        }
+        if (!found || !j->ok) return 0;
+        path += len + (path[len] == '.');
+    }
+    return 1;
+}
+/* The string at `path` in an answer, into out; 0 when it is not there. */
+static int dt__json_string_at(const dt__text *answer, const char *path, char *out, size_t n) {
+    dt__json j = { answer->p ? answer->p : "", 0, answer->n, 1 };
+    if (!dt__json_enter(&j, path) || dt__json_peek(&j) != '"') return 0;
+    char *v = dt__json_str(&j);
+    if (!v) return 0;
+    dt__copy_str(out, n, v);
+    free(v);
+    return 1;
+}
+
+/* One call of the REST API: GET `what` when body is NULL, else POST body as
+   JSON. The HTTP status (0: no answer, and why in s->last_error; an
+   answer of 400 or more: MLflow's error code and message there). */
+static long dt__mlflow_call(dt__mlflow_server *s, const char *what, const dt__text *body, dt__text *answer) {
+    char url[4600];
+    snprintf(url, sizeof url, "%s%s", s->api, what);
+    answer->n = 0;
+    answer->failed = 0;
+    if (answer->p) answer->p[0] = 0;
+    CURL *h = s->http;
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    if (body) {
+        curl_easy_setopt(h, CURLOPT_POSTFIELDS, body->p);
+        curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE, (long)body->n);
+    } else curl_easy_setopt(h, CURLOPT_HTTPGET, 1L);
+    curl_easy_setopt(h, CURLOPT_WRITEDATA, answer);
+    s->curl_error[0] = 0;
+    CURLcode rc = curl_easy_perform(h);
+    long status = 0;
+    if (rc != CURLE_OK) {
+        snprintf(s->last_error, sizeof s->last_error, "%s", s->curl_error[0] ? s->curl_error : curl_easy_strerror(rc));
+        return 0;
+    }
+    curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
+    if (status >= 400) {
+        char code[64] = "", message[400] = "";
+        dt__json_string_at(answer, "error_code", code, sizeof code);
+        dt__json_string_at(answer, "message", message, sizeof message);
+        snprintf(s->last_error, sizeof s->last_error, "HTTP %ld%s%s%s%s", status, code[0] ? " " : "", code,
+                 message[0] ? ": " : "", message);
+    }
+    return status;
+}
+static int dt__mlflow_answer_is(const dt__text *answer, const char *code) {
+    char got[64];
+    return dt__json_string_at(answer, "error_code", got, sizeof got) && !strcmp(got, code);
+}
+
+/* One batch: params, tags and points as one runs/log-batch, or the run's
+   end as runs/update. 1 when the server took it. */
+static int dt__mlflow_send(dt_mlflow *ml, const dt__mlflow_record *batch, int n, dt__text *body, dt__text *answer) {
+    static const char *const status_names[6] = { "", "RUNNING", "SCHEDULED", "FINISHED", "FAILED", "KILLED" };
+    body->n = 0;
+    body->failed = 0;
+    if (batch[0].kind == 'e') {
+        dt__text_printf(body, "{\"run_id\":\"%s\",\"status\":\"%s\",\"end_time\":%lld}", ml->run_id,
+                        status_names[batch[0].step], (long long)batch[0].ms);
+        return !body->failed && dt__mlflow_call(ml->server, "runs/update", body, answer) == 200;
+    }
+    static const char kinds[3] = { 'm', 'p', 't' };
+    static const char *const names[3] = { "metrics", "params", "tags" };
+    dt__text_printf(body, "{\"run_id\":\"%s\"", ml->run_id);
+    for (int k = 0; k < 3; k++) {
+        int first = 1;
+        for (int i = 0; i < n; i++) {
+            const dt__mlflow_record *r = &batch[i];
+            if (r->kind != kinds[k]) continue;
+            dt__text_printf(body, first ? ",\"%s\":[{\"key\":" : ",{\"key\":", names[k]);
+            first = 0;
+            dt__text_json(body, r->key);
+            if (r->kind != 'm') {
+                dt__text_add(body, ",\"value\":", 9);
+                dt__text_json(body, r->text);
+            } else if (isfinite(r->value)) dt__text_printf(body, ",\"value\":%.17g", r->value);
+            else dt__text_printf(body, ",\"value\":\"%s\"", isnan(r->value) ? "NaN" : r->value > 0 ? "Infinity" : "-Infinity");
+            if (r->kind == 'm') dt__text_printf(body, ",\"timestamp\":%lld,\"step\":%lld", (long long)r->ms, (long long)r->step);
+            dt__text_add(body, "}", 1);
+        }
+        if (!first) dt__text_add(body, "]", 1);
+    }
+    dt__text_add(body, "}", 1);
+    if (body->failed) { snprintf(ml->server->last_error, sizeof ml->server->last_error, "out of memory"); return 0; }
+    return dt__mlflow_call(ml->server, "runs/log-batch", body, answer) == 200;
+}
+
+/* The sender: waits up to a second for records to gather, takes a batch
+   off the queue, sends it with the queue unlocked, and goes on until the
+   run closes and the queue is empty (or the time to close is up). */
+static void *dt__mlflow_sender(void *arg) {
+    dt_mlflow *ml = (dt_mlflow *)arg;
+    dt__mlflow_server *s = ml->server;
+    dt__mlflow_record *batch = (dt__mlflow_record *)malloc(sizeof *batch * DT__MLFLOW_BATCH);
+    dt__text body = { 0 }, answer = { 0 };
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        if (s->count < DT__MLFLOW_BATCH / 2 && !s->closing) {
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_sec += 1;
+            pthread_cond_timedwait(&s->wake, &s->mu, &until);
+        }
+        if (s->count == 0) {
+            if (s->closing) break;
+            continue;
+        }
+        int n = 0, params = 0, tags = 0;
+        while (s->count > 0 && n < DT__MLFLOW_BATCH && batch) {
+            dt__mlflow_record *r = &s->queue[s->head % DT__MLFLOW_QUEUE];
+            if ((r->kind == 'e' && n > 0) || (r->kind == 'p' && params == 100) || (r->kind == 't' && tags == 100)) break;
+            params += r->kind == 'p';
+            tags += r->kind == 't';
+            batch[n++] = *r;
+            s->head++;
+            s->count--;
+            if (r->kind == 'e') break;           /* the end goes alone, after everything queued before it */
+        }
+        int late = s->closing && dt_now_ms() > s->give_up_ms;
+        pthread_mutex_unlock(&s->mu);
+        int ok = batch && !late && dt__mlflow_send(ml, batch, n, &body, &answer);
+        if (!batch || late) snprintf(s->last_error, sizeof s->last_error, "%s", late ? "the time to close the run was up" : "out of memory");
+        pthread_mutex_lock(&s->mu);
+        if (!ok) {
+            if (!batch) { s->lost += s->count; s->count = 0; }
+            s->lost += n;
+            if (!s->failing && !late)
+                dt_warn("--mlflow: the server at %.*s did not take %d records (%s): training goes on, and what cannot be "
+                        "sent is counted", (int)(strlen(s->api) - strlen("/api/2.0/mlflow/")), s->api, n, s->last_error);
+            s->failing = 1;
+        } else if (s->failing) {
+            dt_warn("--mlflow: the server answers again (%lld records were lost so far)", (long long)s->lost);
+            s->failing = 0;
+        }
+        for (int i = 0; i < n; i++) { free(batch[i].key); free(batch[i].text); }
+    }
+    pthread_mutex_unlock(&s->mu);
+    free(batch);
+    free(body.p);
+    free(answer.p);
+    return NULL;
+}
+
+/* A record onto the queue; dropped (and counted) when the queue is full. */
+static int dt__mlflow_queue(dt_mlflow *ml, char kind, const char *key, const char *text, double value, int64_t step, int64_t ms) {
+    dt__mlflow_server *s = ml->server;
+    pthread_mutex_lock(&s->mu);
+    s->queued++;
+    dt__mlflow_record r = { kind, key ? strdup(key) : NULL, text ? strdup(text) : NULL, value, step, ms };
+    /* the end always has a place: the others leave the ring's last one free */
+    if (s->count >= DT__MLFLOW_QUEUE - (kind != 'e') || (key && !r.key) || (text && !r.text)) {
+        s->dropped++;
+        free(r.key);
+        free(r.text);
+    } else {
+        s->queue[(s->head + s->count) % DT__MLFLOW_QUEUE] = r;
+        s->count++;
+        if (s->count >= DT__MLFLOW_BATCH / 2 || kind == 'e') pthread_cond_signal(&s->wake);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return 1;
+}
+static int dt__mlflow_server_param(dt_mlflow *ml, const char *key, const char *value) {
+    dt__mlflow_server *s = ml->server;
+    size_t k = strlen(key);
+    for (int i = 0; i < s->nknown; i++)         /* a continued run: the value it has stays */
+        if (!strncmp(s->known[i], key, k) && s->known[i][k] == '=') {
+            if (strcmp(s->known[i] + k + 1, value))
+                dt_warn("--mlflow: the run continued has %s = %s; this part's %s is not recorded (MLflow's params do not change)",
+                        key, s->known[i] + k + 1, value);
+            return 1;
+        }
+    return dt__mlflow_queue(ml, 'p', key, value, 0, 0, 0);
+}
+static int dt__mlflow_server_tag(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_queue(ml, 't', key, value, 0, 0, 0); }
+static int dt__mlflow_server_metric(dt_mlflow *ml, const char *key, double value, int64_t step, int64_t timestamp_ms) {
+    return dt__mlflow_queue(ml, 'm', key, NULL, value, step, timestamp_ms);
+}
+static void dt__mlflow_server_free(dt_mlflow *ml) {
+    dt__mlflow_server *s = ml->server;
+    if (s->http) curl_easy_cleanup(s->http);
+    curl_slist_free_all(s->headers);
+    for (int i = 0; i < s->nknown; i++) free(s->known[i]);
+    free(s->known);
+    free(s->queue);
+    free(s);
+    free(ml);
+}
+/* The end: queued after everything else, then up to 30 s for the sender
+   to finish; what was lost is said. */
+static int dt__mlflow_server_close(dt_mlflow *ml, dt_mlflow_status status) {
+    dt__mlflow_server *s = ml->server;
+    dt__mlflow_queue(ml, 'e', NULL, NULL, 0, status, dt__unix_ms());
+    pthread_mutex_lock(&s->mu);
+    s->closing = 1;
+    s->give_up_ms = dt_now_ms() + 30e3;
+    pthread_cond_signal(&s->wake);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->sender, NULL);
+    if (s->lost || s->dropped) {
+        char why[800] = "";
+        if (s->dropped) snprintf(why, sizeof why, "%lld dropped while the queue of %d was full%s", (long long)s->dropped,
+                                 DT__MLFLOW_QUEUE, s->lost ? "; " : "");
+        if (s->lost) snprintf(why + strlen(why), sizeof why - strlen(why), "the server's last answer: %s", s->last_error);
+        dt_warn("--mlflow: %lld of the run's %lld records (params, tags, metric points, its end) could not be sent to %s (%s)",
+                (long long)(s->lost + s->dropped), (long long)s->queued, ml->run_dir, why);
+    }
+    dt__mlflow_server_free(ml);
+    return 1;
+}
+static const dt__mlflow_store dt__mlflow_server_store = { dt__mlflow_server_param, dt__mlflow_server_tag,
+                                                          dt__mlflow_server_metric, dt__mlflow_server_close };
+
+/* The experiment of this name, made when there is none (by whoever comes first). */
+static int dt__mlflow_server_experiment(dt_mlflow *ml, const char *experiment, dt__text *body, dt__text *answer) {
+    dt__mlflow_server *s = ml->server;
+    char *name = curl_easy_escape(s->http, experiment, 0), what[1200];
+    snprintf(what, sizeof what, "experiments/get-by-name?experiment_name=%s", name ? name : "");
+    curl_free(name);
+    for (int tries = 0; tries < 2; tries++) {
+        long status = dt__mlflow_call(s, what, NULL, answer);
+        if (status == 200) return dt__json_string_at(answer, "experiment.experiment_id", ml->exp_id, sizeof ml->exp_id);
+        if (!status || !dt__mlflow_answer_is(answer, "RESOURCE_DOES_NOT_EXIST")) return 0;
+        body->n = 0;
+        dt__text_add(body, "{\"name\":", 8);
+        dt__text_json(body, experiment);
+        dt__text_add(body, "}", 1);
+        status = dt__mlflow_call(s, "experiments/create", body, answer);
+        if (status == 200) return dt__json_string_at(answer, "experiment_id", ml->exp_id, sizeof ml->exp_id);
+        if (!status || !dt__mlflow_answer_is(answer, "RESOURCE_ALREADY_EXISTS")) return 0;   /* made meanwhile: look again */
+    }
+    return 0;
+}
+/* A continued run: its name, start and params as the server has them; it is RUNNING again. */
+static int dt__mlflow_server_continue(dt_mlflow *ml, const char *run_id, dt__text *body, dt__text *answer) {
+    dt__mlflow_server *s = ml->server;
+    char what[200], start[32] = "";
+    snprintf(what, sizeof what, "runs/get?run_id=%s", run_id);
+    long status = dt__mlflow_call(s, what, NULL, answer);
+    if (status != 200) {
+        errno = status && dt__mlflow_answer_is(answer, "RESOURCE_DOES_NOT_EXIST") ? ENOENT : EIO;
+        return 0;
+    }
+    dt__copy_str(ml->run_id, sizeof ml->run_id, run_id);
+    dt__json_string_at(answer, "run.info.run_name", ml->name, sizeof ml->name);
+    dt__json_string_at(answer, "run.info.experiment_id", ml->exp_id, sizeof ml->exp_id);
+    dt__json j = { answer->p, 0, answer->n, 1 };
+    if (dt__json_enter(&j, "run.info.start_time")) { int64_t t = dt__json_int(&j); if (j.ok) snprintf(start, sizeof start, "%lld", (long long)t); }
+    ml->start_ms = start[0] ? strtoll(start, NULL, 10) : dt__unix_ms();
+    dt__json p = { answer->p, 0, answer->n, 1 };
+    if (dt__json_enter(&p, "run.data.params") && dt__json_eat(&p, '[')) {
+        while (p.ok && dt__json_peek(&p) == '{') {
+            char key[256] = "", value[1024] = "";
+            p.pos++;
+            while (p.ok && dt__json_peek(&p) == '"') {
+                char *name = dt__json_str(&p), *v = NULL;
+                dt__json_eat(&p, ':');
+                if (dt__json_peek(&p) == '"') v = dt__json_str(&p);
+                else dt__json_skip(&p, 0);
+                if (name && v && !strcmp(name, "key")) dt__copy_str(key, sizeof key, v);
+                if (name && v && !strcmp(name, "value")) dt__copy_str(value, sizeof value, v);
+                free(name);
+                free(v);
+                if (dt__json_peek(&p) == ',') p.pos++;
+            }
+            dt__json_eat(&p, '}');
+            char **more = (char **)realloc(s->known, sizeof *more * (size_t)(s->nknown + 1)), kv[1400];
+            if (!more) break;
+            s->known = more;
+            snprintf(kv, sizeof kv, "%s=%s", key, value);
+            if ((s->known[s->nknown] = strdup(kv))) s->nknown++;
+            if (dt__json_peek(&p) == ',') p.pos++;
+        }
+    }
+    body->n = 0;
+    dt__text_printf(body, "{\"run_id\":\"%s\",\"status\":\"RUNNING\"}", run_id);
+    return dt__mlflow_call(s, "runs/update", body, answer) == 200;
+}
+static void dt__curl_start(void) { curl_global_init(CURL_GLOBAL_DEFAULT); }
+static dt_mlflow *dt__mlflow_server_open(const char *url, const char *experiment, const char *run_name, const char *run_id) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, dt__curl_start);
+    size_t len = strlen(url);
+    while (len > 0 && url[len - 1] == '/') len--;          /* http://host:5000/ is http://host:5000 */
+    if (!strncmp(url, "https://", 8) && !(curl_version_info(CURLVERSION_NOW)->features & CURL_VERSION_SSL)) {
+        snprintf(dt__mlflow_why, sizeof dt__mlflow_why, "this libcurl (%s) has no TLS for https://", curl_version());
+        errno = ENOTSUP;
+        return NULL;
+    }
+    dt_mlflow *ml = (dt_mlflow *)calloc(1, sizeof *ml);
+    dt__mlflow_server *s = (dt__mlflow_server *)calloc(1, sizeof *s);
+    dt__mlflow_record *queue = (dt__mlflow_record *)calloc(DT__MLFLOW_QUEUE, sizeof *queue);
+    if (!ml || !s || !queue || len > 4000 || !(s->http = curl_easy_init())) {
+        free(ml); free(queue);
+        if (s && s->http) curl_easy_cleanup(s->http);
+        free(s);
+        errno = len > 4000 ? ENAMETOOLONG : ENOMEM;
+        return NULL;
+    }
+    ml->store = &dt__mlflow_server_store;
+    ml->server = s;
+    s->queue = queue;
+    snprintf(s->api, sizeof s->api, "%.*s/api/2.0/mlflow/", (int)len, url);
+    dt__copy_str(ml->name, sizeof ml->name, run_name);
+    /* MLflow's own settings for a server behind a login (its client reads the same) */
+    const char *token = getenv("MLFLOW_TRACKING_TOKEN"), *user = getenv("MLFLOW_TRACKING_USERNAME"),
+               *password = getenv("MLFLOW_TRACKING_PASSWORD"), *insecure = getenv("MLFLOW_TRACKING_INSECURE_TLS");
+    char bearer[2200];
+    s->headers = curl_slist_append(NULL, "Content-Type: application/json");
+    if (token && *token) {
+        snprintf(bearer, sizeof bearer, "Authorization: Bearer %.2000s", token);
+        s->headers = curl_slist_append(s->headers, bearer);
+    }
+    CURL *h = s->http;
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, s->headers);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, dt__http_take);
+    curl_easy_setopt(h, CURLOPT_ERRORBUFFER, s->curl_error);
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);               /* two threads, and the run's own signal handlers */
+    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, 5000L);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 15000L);
+    curl_easy_setopt(h, CURLOPT_USERAGENT, "dtrain");
+    if (user && *user) { curl_easy_setopt(h, CURLOPT_USERNAME, user); curl_easy_setopt(h, CURLOPT_PASSWORD, password ? password : ""); }
+    if (insecure && (!strcmp(insecure, "true") || !strcmp(insecure, "1"))) curl_easy_setopt(h, CURLOPT_SSL_VERIFYPEER, 0L);
+    dt__text body = { 0 }, answer = { 0 };
+    int ok = s->headers && dt__mlflow_server_experiment(ml, experiment, &body, &answer);
+    errno = EIO;
+    if (ok && run_id && *run_id) {
+        if (!dt_mlflow_run_id_valid(run_id)) { errno = EINVAL; ok = 0; }
+        else ok = dt__mlflow_server_continue(ml, run_id, &body, &answer);
+    } else if (ok) {
+        const char *who = getenv("USER");
+        ml->start_ms = dt__unix_ms();
+        body.n = 0;
+        dt__text_add(&body, "{\"experiment_id\":", 17);
+        dt__text_json(&body, ml->exp_id);
+        dt__text_add(&body, ",\"run_name\":", 12);
+        dt__text_json(&body, run_name);
+        dt__text_printf(&body, ",\"start_time\":%lld,\"tags\":[{\"key\":\"mlflow.user\",\"value\":", (long long)ml->start_ms);
+        dt__text_json(&body, who && *who ? who : "dtrain");
+        dt__text_add(&body, "}]}", 3);
+        errno = EIO;
+        ok = !body.failed && dt__mlflow_call(s, "runs/create", &body, &answer) == 200 &&
+             dt__json_string_at(&answer, "run.info.run_id", ml->run_id, sizeof ml->run_id) && dt_mlflow_run_id_valid(ml->run_id);
+        if (!ok && !s->last_error[0]) snprintf(s->last_error, sizeof s->last_error, "the server's answer to runs/create has no run id");
+    }
+    int err = errno;
+    free(body.p);
+    free(answer.p);
+    if (ok) {
+        snprintf(ml->run_dir, sizeof ml->run_dir, "%.*s/#/experiments/%s/runs/%s", (int)len, url, ml->exp_id, ml->run_id);
+        pthread_mutex_init(&s->mu, NULL);
+        pthread_cond_init(&s->wake, NULL);
+        if (pthread_create(&s->sender, NULL, dt__mlflow_sender, ml) == 0) return ml;
+        err = errno;
+        snprintf(s->last_error, sizeof s->last_error, "cannot start the thread that sends: %s", strerror(err));
+    }
+    if (s->last_error[0]) dt__copy_str(dt__mlflow_why, sizeof dt__mlflow_why, s->last_error);
+    dt__mlflow_server_free(ml);
+    errno = err ? err : EIO;
+    return NULL;
+}
+#else
+/* Built without libcurl: a tracking server's address is refused, saying what the build needs. */
+static dt_mlflow *dt__mlflow_server_open(const char *url, const char *experiment, const char *run_name, const char *run_id) {
+    (void)experiment; (void)run_name; (void)run_id;
+    snprintf(dt__mlflow_why, sizeof dt__mlflow_why, "this dtrain was built without libcurl, which a tracking server's address "
+             "(%.200s) needs: install it (Debian: libcurl4-openssl-dev) and build again, or give --mlflow a folder", url);
+    errno = ENOTSUP;
+    return NULL;
+}
+#endif
+
+dt_mlflow *dt_mlflow_open(const char *where, const char *experiment, const char *run_name, const char *run_id) {
+    dt__mlflow_why[0] = 0;
+    dt_mlflow *ml = dt_mlflow_is_server(where) ? dt__mlflow_server_open(where, experiment, run_name, run_id)
+                                               : dt__mlflow_files_open(where, experiment, run_name, run_id);
+    if (!ml && !dt__mlflow_why[0]) dt__copy_str(dt__mlflow_why, sizeof dt__mlflow_why, strerror(errno));
+    return ml;
+}
+int dt_mlflow_param(dt_mlflow *ml, const char *key, const char *value) { return ml->store->param(ml, key, value); }
+int dt_mlflow_tag(dt_mlflow *ml, const char *key, const char *value) { return ml->store->tag(ml, key, value); }
+int dt_mlflow_metric(dt_mlflow *ml, const char *key, double value, int64_t step, int64_t timestamp_ms) {
+    return ml->store->metric(ml, key, value, step, timestamp_ms);
+}
+int dt_mlflow_close(dt_mlflow *ml, dt_mlflow_status status) { return ml ? ml->store->close(ml, status) : 1; }
 const char *dt_mlflow_path(const dt_mlflow *ml) { return ml->run_dir; }
 const char *dt_mlflow_run_id(const dt_mlflow *ml) { return ml->run_id; }
 
@@ -15934,9 +16457,11 @@ static const dt__flag dt__flags[] = {
     { "--tensorboard", "123456789", "DIR", "write the loss, learning rate, speed, memory and evaluation as TensorBoard event files in\n"
       "                          DIR (tensorboard --logdir DIR shows them; a resumed run adds a file)", DT_ARG_STR, DT_CFG(tensorboard),
       NULL, DT_NOT_A_NUMBER },
-    { "--mlflow", "123456789", "DIR", "record the run in MLflow's file store in DIR, experiment \"dtrain\": flags as params, the\n"
-      "                          figures of --log as metrics (MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri DIR;\n"
-      "                          a resumed run continues its MLflow run)", DT_ARG_STR, DT_CFG(mlflow), NULL, DT_NOT_A_NUMBER },
+    { "--mlflow", "123456789", "DIR|URL", "record the run in MLflow, experiment \"dtrain\": flags as params, the figures of --log\n"
+      "                          as metrics. URL http://HOST:PORT (https:// too): a tracking server, live, from a thread of its\n"
+      "                          own (`mlflow server`; a server that goes away is a warning, never a stop). DIR: MLflow's\n"
+      "                          file store (MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri DIR). A resumed run\n"
+      "                          continues its MLflow run", DT_ARG_STR, DT_CFG(mlflow), NULL, DT_NOT_A_NUMBER },
     { "--trace", "123456789", "FILE", "write a Chrome/Perfetto trace of the step phases", DT_ARG_STR, DT_CFG(trace_path), NULL, DT_NOT_A_NUMBER },
     { "--save-dir", "123456789", "DIR", "write a checkpoint at the end of every epoch", DT_ARG_STR, DT_CFG(save_dir), NULL, DT_NOT_A_NUMBER },
     { "--resume", "123456789", "DIR|auto", "continue exactly where a checkpoint (a folder) stopped; auto: the newest in --save-dir (none: start\n"
@@ -16631,9 +17156,6 @@ static void dt__tensorboard_scalar(dt_run *r, const char *tag, double value) {
         dt__write_failed("--tensorboard", dt_tensorboard_path(r->tb), errno);
 }
 
-/* --mlflow: the run in the file store (rank 0), its flags as params and
-   what it is as tags; resumed from a checkpoint of an MLflow run, that run
-   goes on (its metrics continue at the next step). */
 /* --tensorboard: a folder of this run's own in DIR (TensorBoard takes each
    folder for a run, and would join two runs' files in one into a single
    zig-zag curve), named by stage, model and start time; resumed, the
@@ -16658,6 +17180,9 @@ static void dt__tensorboard_start(dt_run *r) {
     if (resumed && !dt_tensorboard_restart(r->tb, r->step + 1, (double)ts.tv_sec + ts.tv_nsec * 1e-9))
         dt__write_failed("--tensorboard", dt_tensorboard_path(r->tb), errno);
 }
+/* --mlflow: the run in the file store or on a tracking server (rank 0), its
+   flags as params and what it is as tags; resumed from a checkpoint of an
+   MLflow run, that run goes on (its metrics continue at the next step). */
 static dt_mlflow *dt__mlflow_running;
 static void dt__mlflow_failed(void) { dt_mlflow_close(dt__mlflow_running, DT_MLFLOW_FAILED); }
 static void dt__mlflow_start(dt_run *r) {
@@ -16665,11 +17190,15 @@ static void dt__mlflow_start(dt_run *r) {
     char name[256], v[64];
     const char *kind = dt__model_kind_name(r->model->cfg.kind);
     snprintf(name, sizeof name, "%s %s", c->stage, kind);
-    if (r->mlflow_run_id[0] && !(r->mlflow = dt_mlflow_open(c->mlflow, "dtrain", name, r->mlflow_run_id)))
-        dt_warn("--mlflow: the checkpoint's run %s is not in %s (%s): this is a new run", r->mlflow_run_id, c->mlflow,
-                strerror(errno));
+    int server = dt_mlflow_is_server(c->mlflow);
+    if (r->mlflow_run_id[0] && !(r->mlflow = dt_mlflow_open(c->mlflow, "dtrain", name, r->mlflow_run_id))) {
+        if (errno != ENOENT) dt_fail("cannot %s --mlflow '%s' to continue run %s: %s", server ? "reach" : "write", c->mlflow,
+                                     r->mlflow_run_id, dt_mlflow_error());
+        dt_warn("--mlflow: the checkpoint's run %s is not in %s: this is a new run", r->mlflow_run_id, c->mlflow);
+    }
     if (!r->mlflow && !(r->mlflow = dt_mlflow_open(c->mlflow, "dtrain", name, NULL)))
-        dt_fail("cannot write --mlflow '%s': %s", c->mlflow, strerror(errno));
+        dt_fail("cannot %s --mlflow '%s': %s", server ? "reach" : "write", c->mlflow, dt_mlflow_error());
+    if (!c->quiet) printf("mlflow: run %s, %s\n", dt_mlflow_run_id(r->mlflow), dt_mlflow_path(r->mlflow));
     dt__copy_str(r->mlflow_run_id, sizeof r->mlflow_run_id, dt_mlflow_run_id(r->mlflow));   /* the checkpoints carry it */
     dt__mlflow_running = r->mlflow;
     dt__on_fail_tracking = dt__mlflow_failed;         /* a run that fails is marked so, not left RUNNING */
@@ -17041,6 +17570,13 @@ static void dt__job_moe_stats(dt_moe_stats *moe) {
     }
 }
 int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
+#ifdef DT_TESTING
+    if (getenv("DT_TEST_STEP_SLEEP_MS")) {     /* slow steps, for the tests that act while a run goes on */
+        long ms = atol(getenv("DT_TEST_STEP_SLEEP_MS"));
+        struct timespec ts = { ms / 1000, ms % 1000 * 1000000L };
+        nanosleep(&ts, NULL);
+    }
+#endif
     if (run->micro > 0) {            /* the mean of the step's micro-batches */
         float mean = (float)((run->micro_loss + dt_tensor_item(loss)) / (run->micro + 1));
         dt_upload(loss->data, &mean, sizeof mean);

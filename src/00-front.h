@@ -256,6 +256,9 @@ extern "C" {
 #ifdef DT_HAVE_MPI
 #include <mpi.h>
 #endif
+#ifdef DT_HAVE_CURL
+#include <curl/curl.h>
+#endif
 
 /* One context per rank: memory counters, the tape, the step arena. A rank is
    usually a process; in stage 02 every device is a thread of one process, so

@@ -27,7 +27,7 @@ typedef struct dt_config {
     dt_device device;
     const char *log_path, *trace_path, *save_dir, *resume, *init;
     const char *tensorboard;     /* --tensorboard DIR: TensorBoard event files of the scalars */
-    const char *mlflow;          /* --mlflow DIR: the run in MLflow's file store */
+    const char *mlflow;          /* --mlflow DIR|URL: the run in MLflow's file store, or on its tracking server */
     int eval_every, augment;
     int log_every;               /* a progress line every N steps (0: about every 3 s, and at each epoch's end) */
     int64_t start_idx, end_idx;  /* end -1: the whole set */
@@ -187,9 +187,11 @@ static const dt__flag dt__flags[] = {
     { "--tensorboard", "123456789", "DIR", "write the loss, learning rate, speed, memory and evaluation as TensorBoard event files in\n"
       "                          DIR (tensorboard --logdir DIR shows them; a resumed run adds a file)", DT_ARG_STR, DT_CFG(tensorboard),
       NULL, DT_NOT_A_NUMBER },
-    { "--mlflow", "123456789", "DIR", "record the run in MLflow's file store in DIR, experiment \"dtrain\": flags as params, the\n"
-      "                          figures of --log as metrics (MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri DIR;\n"
-      "                          a resumed run continues its MLflow run)", DT_ARG_STR, DT_CFG(mlflow), NULL, DT_NOT_A_NUMBER },
+    { "--mlflow", "123456789", "DIR|URL", "record the run in MLflow, experiment \"dtrain\": flags as params, the figures of --log\n"
+      "                          as metrics. URL http://HOST:PORT (https:// too): a tracking server, live, from a thread of its\n"
+      "                          own (`mlflow server`; a server that goes away is a warning, never a stop). DIR: MLflow's\n"
+      "                          file store (MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri DIR). A resumed run\n"
+      "                          continues its MLflow run", DT_ARG_STR, DT_CFG(mlflow), NULL, DT_NOT_A_NUMBER },
     { "--trace", "123456789", "FILE", "write a Chrome/Perfetto trace of the step phases", DT_ARG_STR, DT_CFG(trace_path), NULL, DT_NOT_A_NUMBER },
     { "--save-dir", "123456789", "DIR", "write a checkpoint at the end of every epoch", DT_ARG_STR, DT_CFG(save_dir), NULL, DT_NOT_A_NUMBER },
     { "--resume", "123456789", "DIR|auto", "continue exactly where a checkpoint (a folder) stopped; auto: the newest in --save-dir (none: start\n"

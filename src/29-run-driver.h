@@ -201,9 +201,6 @@ static void dt__tensorboard_scalar(dt_run *r, const char *tag, double value) {
         dt__write_failed("--tensorboard", dt_tensorboard_path(r->tb), errno);
 }
 
-/* --mlflow: the run in the file store (rank 0), its flags as params and
-   what it is as tags; resumed from a checkpoint of an MLflow run, that run
-   goes on (its metrics continue at the next step). */
 /* --tensorboard: a folder of this run's own in DIR (TensorBoard takes each
    folder for a run, and would join two runs' files in one into a single
    zig-zag curve), named by stage, model and start time; resumed, the
@@ -228,6 +225,9 @@ static void dt__tensorboard_start(dt_run *r) {
     if (resumed && !dt_tensorboard_restart(r->tb, r->step + 1, (double)ts.tv_sec + ts.tv_nsec * 1e-9))
         dt__write_failed("--tensorboard", dt_tensorboard_path(r->tb), errno);
 }
+/* --mlflow: the run in the file store or on a tracking server (rank 0), its
+   flags as params and what it is as tags; resumed from a checkpoint of an
+   MLflow run, that run goes on (its metrics continue at the next step). */
 static dt_mlflow *dt__mlflow_running;
 static void dt__mlflow_failed(void) { dt_mlflow_close(dt__mlflow_running, DT_MLFLOW_FAILED); }
 static void dt__mlflow_start(dt_run *r) {
@@ -235,11 +235,15 @@ static void dt__mlflow_start(dt_run *r) {
     char name[256], v[64];
     const char *kind = dt__model_kind_name(r->model->cfg.kind);
     snprintf(name, sizeof name, "%s %s", c->stage, kind);
-    if (r->mlflow_run_id[0] && !(r->mlflow = dt_mlflow_open(c->mlflow, "dtrain", name, r->mlflow_run_id)))
-        dt_warn("--mlflow: the checkpoint's run %s is not in %s (%s): this is a new run", r->mlflow_run_id, c->mlflow,
-                strerror(errno));
+    int server = dt_mlflow_is_server(c->mlflow);
+    if (r->mlflow_run_id[0] && !(r->mlflow = dt_mlflow_open(c->mlflow, "dtrain", name, r->mlflow_run_id))) {
+        if (errno != ENOENT) dt_fail("cannot %s --mlflow '%s' to continue run %s: %s", server ? "reach" : "write", c->mlflow,
+                                     r->mlflow_run_id, dt_mlflow_error());
+        dt_warn("--mlflow: the checkpoint's run %s is not in %s: this is a new run", r->mlflow_run_id, c->mlflow);
+    }
     if (!r->mlflow && !(r->mlflow = dt_mlflow_open(c->mlflow, "dtrain", name, NULL)))
-        dt_fail("cannot write --mlflow '%s': %s", c->mlflow, strerror(errno));
+        dt_fail("cannot %s --mlflow '%s': %s", server ? "reach" : "write", c->mlflow, dt_mlflow_error());
+    if (!c->quiet) printf("mlflow: run %s, %s\n", dt_mlflow_run_id(r->mlflow), dt_mlflow_path(r->mlflow));
     dt__copy_str(r->mlflow_run_id, sizeof r->mlflow_run_id, dt_mlflow_run_id(r->mlflow));   /* the checkpoints carry it */
     dt__mlflow_running = r->mlflow;
     dt__on_fail_tracking = dt__mlflow_failed;         /* a run that fails is marked so, not left RUNNING */
@@ -611,6 +615,13 @@ static void dt__job_moe_stats(dt_moe_stats *moe) {
     }
 }
 int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
+#ifdef DT_TESTING
+    if (getenv("DT_TEST_STEP_SLEEP_MS")) {     /* slow steps, for the tests that act while a run goes on */
+        long ms = atol(getenv("DT_TEST_STEP_SLEEP_MS"));
+        struct timespec ts = { ms / 1000, ms % 1000 * 1000000L };
+        nanosleep(&ts, NULL);
+    }
+#endif
     if (run->micro > 0) {            /* the mean of the step's micro-batches */
         float mean = (float)((run->micro_loss + dt_tensor_item(loss)) / (run->micro + 1));
         dt_upload(loss->data, &mean, sizeof mean);

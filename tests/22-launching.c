@@ -223,6 +223,7 @@ TEST(collectives_and_stages_over_mpi_equal_shared_memory, FULL) {
 #endif
 }
 
+#ifdef DT_HAVE_MPI             /* the two-host helpers: only the tests that use MPI need them */
 /* Two hosts, as far as the network and the ranks can tell: two network
    namespaces joined by a veth pair (10.77.x.1 and .2), mpirun in the first,
    its agent (in place of ssh) starting the ranks of the second in the other,
@@ -280,6 +281,7 @@ static double two_hosts_bytes(char ns[2][32]) {
     if (!p || sscanf(p + 5, "%lld %*d %*d %*d %*d %*d %*d %*d %lld", &rx, &tx) != 2) return -1;
     return (double)rx + (double)tx;
 }
+#endif
 
 /* Stage 03 with --comm auto (which must see two hosts and take MPI: shared
    memory would be refused at the rendezvous) and stage 04 with --comm mpi,

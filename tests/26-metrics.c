@@ -363,6 +363,169 @@ TEST(mlflow_reads_the_runs_dtrain_wrote, FULL) {
            seen[0], seen[1], named[0], named[1], text);
 }
 
+/* --mlflow http://HOST:PORT with no server there (or a build without
+   libcurl) is an error naming the flag and the address, before training. */
+TEST(mlflow_server_that_cannot_be_reached_is_an_error_before_training, QUICK) {
+    char out[16384], url[64];
+    int port = free_port();
+    snprintf(url, sizeof url, "http://127.0.0.1:%d", port);
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 2 --mlflow %s", train_cpu, small_data(), url);
+#ifdef DT_HAVE_CURL
+    CHECKF(st == 1 && strstr(out, "cannot reach --mlflow") && strstr(out, url) && !strstr(out, "done:"),
+           "--mlflow %s (nothing listening): exit %d\n%s", url, st, out);
+#else
+    CHECKF(st == 1 && strstr(out, "--mlflow") && strstr(out, "libcurl") && !strstr(out, "done:"),
+           "--mlflow %s in a build without libcurl: exit %d\n%s", url, st, out);
+#endif
+}
+
+/* The (step, value) pairs of a key in --log's lines (not the summary). */
+static int log_points(const char *log, const char *key, int64_t *steps, double *values, int max) {
+    size_t n = 0;
+    char *text = (char *)read_bytes(log, &n), pat[64];
+    if (!text) return -1;
+    text = (char *)realloc(text, n + 1);
+    text[n] = 0;
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    int count = 0;
+    for (char *line = strtok(text, "\n"); line && count < max; line = strtok(NULL, "\n")) {
+        char *p = strstr(line, pat), *s = strstr(line, "\"step\":");
+        if (p && s && !strstr(line, "\"summary\"")) {
+            steps[count] = atoll(s + 7);
+            values[count++] = atof(p + strlen(pat));
+        }
+    }
+    free(text);
+    return count;
+}
+
+/* A real `mlflow server` (SQLite behind it; .ci/run installs MLflow in
+   build/trackvenv) on a free port, its pid; 0 when it did not come up. */
+static int mlflow_server_start(const char *py, const char *dir, int port, char *why, size_t n) {
+    char out[4096], cwd[1024] = "", mlflow[2000] = "mlflow";
+    if (strchr(py, '/')) {                      /* the command beside that python (a venv's) */
+        if (py[0] != '/' && !getcwd(cwd, sizeof cwd)) cwd[0] = 0;
+        snprintf(mlflow, sizeof mlflow, "%s%s%.900s", cwd, cwd[0] ? "/" : "", py);
+        strcpy(strrchr(mlflow, '/') + 1, "mlflow");
+    }
+    if (run_cmd(out, sizeof out, "mkdir -p %s && cd %s && { %s server --backend-store-uri sqlite:///%s/mlflow.db --default-artifact-root "
+                "%s/artifacts --host 127.0.0.1 --port %d --workers 1 > %s/server.log 2>&1 & echo $!; }", dir, dir, mlflow, dir, dir,
+                port, dir) != 0)
+        return snprintf(why, n, "could not start %.300s server: %.1000s", mlflow, out), 0;
+    int pid = atoi(out);
+    for (int i = 0; i < 1200; i++) {           /* up to 60 s: it makes its database first */
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = { 0 };
+        a.sin_family = AF_INET;
+        a.sin_port = htons((uint16_t)port);
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        int up = fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) == 0;
+        if (fd >= 0) close(fd);
+        if (up) return pid;
+        if (kill(pid, 0) != 0) break;
+        struct timespec ts = { 0, 50000000L };
+        nanosleep(&ts, NULL);
+    }
+    char log[1000];
+    snprintf(log, sizeof log, "%s/server.log", dir);
+    char *text = read_text(log);
+    snprintf(why, n, "%.300s server did not come up on port %d: %.1000s", mlflow, port, text ? text : "(no log)");
+    free(text);
+    kill(pid, SIGTERM);
+    return 0;
+}
+
+/* --mlflow http://127.0.0.1:PORT against a real `mlflow server`: MLflow's own
+   client reads back one run -- the first 4 steps, then the same run resumed
+   from its checkpoint to step 6 (RUNNING again, then FINISHED) -- with its
+   params, and every point of every figure --log has, step by step, within
+   --log's printed digits. Then the server is stopped while a run goes on:
+   a warning, the training finishes (exit 0, every step in --log), and what
+   could not be sent is counted at the end. */
+TEST(mlflow_server_takes_the_run_live_through_its_rest_api, FULL) {
+#ifndef DT_HAVE_CURL
+    SKIP("a build without libcurl: --mlflow takes a folder only");
+#else
+    char out[16384], dir[600], why[4096], url[64], log[700], ck[700];
+    const char *py = tracking_python();
+    if (run_cmd(out, sizeof out, "%s -c 'import mlflow, flask, sqlalchemy'", py) != 0)
+        SKIP("%.90s cannot import the whole of mlflow (a server needs flask and sqlalchemy); bash .ci/run puts it in build/trackvenv", py);
+    snprintf(dir, sizeof dir, "%s/mlflow-server", tmpdir);
+    int port = free_port(), pid = mlflow_server_start(py, dir, port, why, sizeof why);
+    CHECKF(pid > 0, "%s", why);
+    if (!pid) return;
+    snprintf(url, sizeof url, "http://127.0.0.1:%d", port);
+    snprintf(log, sizeof log, "%s/run.jsonl", dir);
+    snprintf(ck, sizeof ck, "%s/ck", dir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 4 --mlflow %s/ --log %s --save-dir %s", train_cpu,
+                     small_data(), url, log, ck);
+    CHECKF(st == 0 && !strstr(out, "warning"), "--mlflow %s: exit %d\n%s", url, st, out);
+    st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 6 --mlflow %s --log %s --resume %s/mlp_data0-320_step4",
+                 train_cpu, small_data(), url, log, ck);
+    /* the resumed part's --steps differs, and MLflow's params do not change: said, not an error */
+    CHECKF(st == 0 && strstr(out, "warning: --mlflow: the run continued has steps = 4"), "--mlflow %s --resume: exit %d\n%s", url, st, out);
+    static char text[262144];
+    st = run_cmd(text, sizeof text, "%s %s/tests/mlflow_read.py %s", py, repo_root(), url);
+    CHECKF(st == 0, "tests/mlflow_read.py %s: exit %d\n%s", url, st, text);
+    int runs = 0, params = 0, finished = 0;
+    static const char *const want[][2] = { { "model", "mlp" }, { "batch_size", "32" }, { "steps", "4" }, { "world_size", "1" },
+                                           { "lr", "0.001" }, { "optimizer", "adamw" }, { "seed", "1" } };
+    enum { MAX = 4096 };
+    static char keys[MAX][64];
+    static int64_t steps[MAX];
+    static double values[MAX];
+    int points = 0;
+    for (char *line = strtok(st == 0 ? text : NULL, "\n"); line; line = strtok(NULL, "\n")) {
+        char a[128], b[128], c[128];
+        if (sscanf(line, "run %127s %127s %127s", a, b, c) == 3) { runs++; finished += !strcmp(c, "FINISHED"); }
+        else if (sscanf(line, "param %127s %127s", a, b) == 2) {
+            for (size_t k = 0; k < sizeof want / sizeof want[0]; k++)
+                if (!strcmp(a, want[k][0])) { CHECKF(!strcmp(b, want[k][1]), "param %s is %s, expected %s", a, b, want[k][1]); params++; }
+        } else if (points < MAX && sscanf(line, "metric %63s %lld %lf", keys[points], (long long *)&steps[points], &values[points]) == 3)
+            points++;
+    }
+    CHECKF(runs == 1 && finished == 1, "%d runs (%d FINISHED): the run and its resumed part are one run, finished", runs, finished);
+    CHECKF(params == (int)(sizeof want / sizeof want[0]), "%d of the %d params looked for", params, (int)(sizeof want / sizeof want[0]));
+    /* each figure of --log, as MLflow names it and with the digits --log prints */
+    static const struct { const char *log, *mlflow; double scale, rel, abs; } figures[] = {
+        { "loss", "loss", 1, 1e-7, 0 }, { "lr", "lr", 1, 1e-5, 0 }, { "grad_norm", "grad_norm", 1, 1e-4, 0 },
+        { "step_ms", "step_ms", 1, 0, 6e-4 }, { "samples_per_s", "samples_per_s", 1, 0, 0.06 },
+        { "mem_bytes", "memory_mb", 1e-6, 1e-9, 0 }, { "eval_loss", "eval_loss", 1, 0, 6e-7 }, { "eval_acc", "eval_accuracy", 1, 0, 6e-7 } };
+    int64_t ls[64];
+    double lv[64];
+    for (size_t f = 0; f < sizeof figures / sizeof figures[0]; f++) {
+        int n = log_points(log, figures[f].log, ls, lv, 64), theirs = 0, matched = 0;
+        for (int i = 0; i < points; i++) theirs += !strcmp(keys[i], figures[f].mlflow);
+        for (int k = 0; k < n; k++)
+            for (int i = 0; i < points; i++)
+                if (!strcmp(keys[i], figures[f].mlflow) && steps[i] == ls[k]) {
+                    double v = lv[k] * figures[f].scale;
+                    CHECKF(fabs(values[i] - v) <= figures[f].rel * fabs(v) + figures[f].abs, "%s at step %lld: MLflow %.17g, --log %.17g",
+                           figures[f].mlflow, (long long)ls[k], values[i], v);
+                    matched++;
+                    break;
+                }
+        int expect = !strncmp(figures[f].log, "eval", 4) ? 2 : 6;
+        CHECKF(n == expect && matched == n && theirs == n, "%s: --log has %d points (%d expected), MLflow %d, %d of them at --log's steps",
+               figures[f].mlflow, n, expect, theirs, matched);
+    }
+    /* the server goes away 2.5 s into a run of 40 steps of 100 ms: some of the run was sent, the rest is counted */
+    snprintf(log, sizeof log, "%s/gone.jsonl", dir);
+    double t0 = dt_now_ms();
+    st = run_cmd(out, sizeof out, "sh -c '(sleep 2.5; kill %d) & DT_TEST_STEP_SLEEP_MS=100 %s --data %s " SMALL_FLAGS
+                 " --epochs 4 --mlflow %s --log %s'", pid, train_cpu, small_data(), url, log);
+    double took_ms = dt_now_ms() - t0, loss[50];
+    const char *count = strstr(out, "warning: --mlflow: ");
+    long long lost = 0, all = 0;
+    while (count && sscanf(count, "warning: --mlflow: %lld of the run's %lld records", &lost, &all) != 2) count = strstr(count + 1, "warning: --mlflow: ");
+    CHECKF(st == 0 && strstr(out, "warning: --mlflow: the server at") && lost > 0 && lost < all &&
+           log_series(log, "loss", loss, 50) == 40 && strstr(out, "done: 40 steps"),
+           "the server stopped mid-run: exit %d after %.1f s, %lld of %lld records lost, %d steps in --log\n%s", st, took_ms / 1e3,
+           lost, all, log_series(log, "loss", loss, 50), out);
+    kill(pid, SIGKILL);
+#endif
+}
+
 /* tools/trace-summary on the two traces of a 2-rank stage 03 run: rank 0's
    communication and the part of it hidden under compute, as it works them
    out from the trace (the all-reduces' overlap with forward, backward and

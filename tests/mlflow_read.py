@@ -1,8 +1,10 @@
 """Print what MLflow's own tracking client reads from a file store that
-dtrain wrote (--mlflow DIR), for the suite to compare with dtrain's --log
+dtrain wrote (--mlflow DIR), or from a tracking server it logged to (--mlflow
+http://HOST:PORT), for the suite to compare with dtrain's --log
 (tests/26-metrics.c): per run of the "dtrain" experiment, a line
 "run ID NAME STATUS", its params "param KEY VALUE", tags "tag KEY VALUE" and
-every point of every metric "metric KEY STEP VALUE". usage: mlflow_read.py DIR"""
+every point of every metric "metric KEY STEP VALUE".
+usage: mlflow_read.py DIR|URL"""
 import os
 import sys
 
@@ -12,7 +14,9 @@ from mlflow.tracking import MlflowClient
 
 
 def main():
-    client = MlflowClient(tracking_uri="file://" + os.path.abspath(sys.argv[1]))
+    where = sys.argv[1]
+    server = where.startswith("http://") or where.startswith("https://")
+    client = MlflowClient(tracking_uri=where if server else "file://" + os.path.abspath(where))
     experiment = client.get_experiment_by_name("dtrain")
     for run in client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"]):
         print("run", run.info.run_id, run.info.run_name.replace(" ", "_"), run.info.status)
