@@ -2305,6 +2305,7 @@ typedef struct dt_config {
     const char *tensorboard;     /* --tensorboard DIR: TensorBoard event files of the scalars */
     const char *mlflow;          /* --mlflow DIR|URL: the run in MLflow's file store, or on its tracking server */
     int eval_every, augment;
+    int early_stop, save_best;   /* --early-stop N (0: off), --save-best */
     int log_every;               /* a progress line every N steps (0: about every 3 s, and at each epoch's end) */
     int64_t start_idx, end_idx;  /* end -1: the whole set */
     int bench;
@@ -2374,6 +2375,11 @@ struct dt_run {
     int has_loss;
     int64_t loss_count, steps_run;
     double eval_loss, eval_acc;
+    int has_best;              /* an evaluation so far: the lowest loss, its step, the evaluations since (--early-stop, --save-best) */
+    double best_eval_loss;
+    int64_t best_step;
+    int evals_since_best;
+    int early_stopped;         /* --early-stop ended the run */
     double unigram_loss;       /* gpt: the validation loss of a model that ignores context */
     int micro;                 /* micro-batches of this step done so far (--accum-steps) */
     double micro_loss;         /* and the sum of their losses */
@@ -14537,6 +14543,11 @@ static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *f
     dt__meta_add(l, "batch_size", "%d", r->cfg.batch_size);
     dt__meta_add(l, "accum_steps", "%d", r->cfg.accum_steps);
     if (r->has_loss) dt__meta_add(l, "loss", "%.17g", r->last_loss);   /* the last step's: the run's final loss */
+    if (r->has_best) {                 /* --early-stop and --save-best go on from here */
+        dt__meta_add(l, "best_eval_loss", "%.17g", r->best_eval_loss);
+        dt__meta_add(l, "best_step", "%lld", (long long)r->best_step);
+        dt__meta_add(l, "evals_since_best", "%d", r->evals_since_best);
+    }
     if (r->mlflow_run_id[0]) dt__meta_add(l, "mlflow_run_id", "%s", r->mlflow_run_id);
     if (r->tensorboard_run[0]) dt__meta_add(l, "tensorboard_run", "%s", r->tensorboard_run);
     if (r->model->base) {
@@ -14736,6 +14747,13 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     if (tb_run && (!*tb_run || strchr(tb_run, '/') || strstr(tb_run, "..") || strlen(tb_run) >= sizeof r->tensorboard_run))
         dt_fail("'%s': metadata 'tensorboard_run' is '%.60s', not the name of a run's folder", st->path, tb_run);
     dt__copy_str(r->tensorboard_run, sizeof r->tensorboard_run, tb_run ? tb_run : "");
+    const char *best = dt_safetensors_meta(st, "best_eval_loss");    /* the best evaluation so far, when there was one */
+    char *best_end = NULL;
+    double best_loss = best ? strtod(best, &best_end) : 0;
+    if (best && (best_end == best || *best_end || !isfinite(best_loss)))
+        dt_fail("'%s': metadata 'best_eval_loss' is '%.40s', not a finite number", st->path, best);
+    int64_t best_step = best ? (int64_t)dt__meta_whole(st, st->path, "best_step", 0, (uint64_t)step) : 0;
+    int evals_since_best = best ? (int)dt__meta_whole(st, st->path, "evals_since_best", 0, INT_MAX) : 0;
     const char *loss = dt_safetensors_meta(st, "loss");          /* the last step's; older checkpoints have none */
     char *loss_end = NULL;
     double last_loss = loss ? strtod(loss, &loss_end) : 0;
@@ -14804,6 +14822,10 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     r->step = step;
     r->has_loss = loss != NULL;
     r->last_loss = last_loss;
+    r->has_best = best != NULL;
+    r->best_eval_loss = best_loss;
+    r->best_step = best_step;
+    r->evals_since_best = evals_since_best;
     r->epoch = epoch;
     r->batch_in_epoch = batch_in_epoch;
     r->cfg.seed = seed;
@@ -16471,6 +16493,11 @@ static const dt__flag dt__flags[] = {
       NULL, DT_NOT_A_NUMBER },
     { "--eval-every", "123456789", "N", "evaluate every N steps as well as after each epoch (default 0: epochs only)", DT_ARG_INT,
       DT_CFG(eval_every), NULL, DT_MIN(0) },
+    { "--early-stop", "123456789", "N", "stop when the evaluation loss has not improved for N evaluations in a row (default 0: never;\n"
+      "                          a resumed run keeps the count)", DT_ARG_INT, DT_CFG(early_stop), NULL, DT_MIN(0) },
+    { "--save-best", "123456789", NULL, "keep the checkpoint of the best evaluation so far beside the others, as --save-dir's\n"
+      "                          <model>_data<A>-<B>_best (replaced when an evaluation beats it)", DT_ARG_SWITCH, DT_CFG(save_best), NULL,
+      DT_NOT_A_NUMBER },
     { "--log-every", "123456789", "N", "print a progress line every N steps (default: about every 3 s, and each epoch's last step)",
       DT_ARG_INT, DT_CFG(log_every), NULL, DT_MIN(1) },
     { "--start-idx", "123456789", "N", "train on images [N, end) of the training set (default 0)", DT_ARG_I64, DT_CFG(start_idx), NULL, DT_MIN(0) },
@@ -17313,6 +17340,11 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
         dt_comm_check_agree(dt__ctx.job, "--accum-steps --dtype --reduce-dtype", v);
         dt_comm_check_agree(dt__ctx.job, "--resume", cfg->resume ? cfg->resume : "(none)");
     }
+    if ((cfg->early_stop || cfg->save_best) && !cfg->bench) {
+        if (!run->val || run->val->n == 0)
+            dt_usage_error("--early-stop and --save-best go by the evaluation loss, and this data has no validation set");
+        if (cfg->save_best && !cfg->save_dir) dt_usage_error("--save-best keeps a checkpoint in --save-dir: give --save-dir");
+    }
     run->scaler = dt_loss_scaler_create((dt_dtype)cfg->dtype);
     if (loader->ds->tokens && run->val && run->val->tokens) run->unigram_loss = dt_unigram_loss(loader->ds, run->val);
     run->batches_per_epoch = dt_loader_batches_per_epoch(loader) / cfg->accum_steps;   /* optimizer steps */
@@ -17507,6 +17539,41 @@ static void dt__run_sample(dt_run *r) {
     free(out);
 }
 
+/* A checkpoint of the run as it is, into `what` (epoch2, step40, best) in
+   --save-dir. Sharded or cut, every rank takes part. A checkpoint at an
+   epoch's last step is the next epoch's start, as dt_epoch_end counts it. */
+static void dt__run_save(dt_run *r, const char *what) {
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel, &who);
+    if (!(dt__ctx.rank == 0 || (rep && (rep->state_open || rep->whole_from_local || rep->shards)))) return;
+    int epoch = r->epoch;
+    int64_t batch_in_epoch = r->batch_in_epoch;
+    if (r->batch_in_epoch >= r->batches_per_epoch) { r->epoch++; r->batch_in_epoch = 0; }
+    char path[4096];
+    dt__describe_position(r, path, sizeof path, what);
+    r->mark_ms = dt_now_ms();
+    dt_checkpoint_save(r, path);
+    dt_phase(r, DT_PHASE_CKPT);
+    r->epoch = epoch;
+    r->batch_in_epoch = batch_in_epoch;
+    if (!r->cfg.quiet && dt__ctx.rank == 0) { printf("saved %s\n", path); fflush(stdout); }
+}
+
+/* After each evaluation: the best so far (kept as a checkpoint with
+   --save-best), and --early-stop's count of evaluations that did not beat
+   it. The loss is the job's, so every rank decides alike. */
+static void dt__run_track_best(dt_run *r) {
+    if (!r->has_best || r->eval_loss < r->best_eval_loss) {
+        r->has_best = 1;
+        r->best_eval_loss = r->eval_loss;
+        r->best_step = r->step;
+        r->evals_since_best = 0;
+        if (r->cfg.save_best) dt__run_save(r, "best");
+        return;
+    }
+    r->evals_since_best++;
+    if (r->cfg.early_stop > 0 && r->evals_since_best >= r->cfg.early_stop) r->stop = r->early_stopped = 1;   /* said by dt_run_finish */
+}
+
 static void dt__run_eval(dt_run *r) {
     int sample = r->cfg.sample > 0 && dt_model_is_language(r->model->cfg.kind);
     double t0 = dt_now_ms();
@@ -17544,6 +17611,7 @@ static void dt__run_eval(dt_run *r) {
         fflush(stdout);
     }
     if (sample) { dt__run_sample(r); dt_phase(r, DT_PHASE_EVAL); }
+    if (r->steps_run > 0) dt__run_track_best(r);          /* not a finished run's look at itself */
 }
 
 /* A mixture's figures of the step, each rank's counted over its own tokens:
@@ -17705,17 +17773,11 @@ void dt_epoch_end(dt_run *run) {
     if (run->stopped_by && !run->cfg.save_dir && dt__ctx.rank == 0)
         dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt__signal_name(run->stopped_by),
                 (long long)run->steps_run);
-    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
-    if (run->cfg.save_dir && (dt__ctx.rank == 0 || (rep && (rep->state_open || rep->whole_from_local || rep->shards)))) {
-        /* sharded or cut: every rank takes part */
-        char path[4096], what[64];
+    if (run->cfg.save_dir) {
+        char what[64];
         if (finished) snprintf(what, sizeof what, "epoch%d", run->epoch);
         else snprintf(what, sizeof what, "step%lld", (long long)run->step);
-        dt__describe_position(run, path, sizeof path, what);
-        run->mark_ms = dt_now_ms();
-        dt_checkpoint_save(run, path);
-        dt_phase(run, DT_PHASE_CKPT);
-        if (!run->cfg.quiet && dt__ctx.rank == 0) { printf("saved %s\n", path); fflush(stdout); }
+        dt__run_save(run, what);
     }
 }
 
@@ -17735,6 +17797,9 @@ int dt_run_finish(dt_run *run) {
         char fl[32];
         if (isfinite(final_loss)) snprintf(fl, sizeof fl, "%.4f", final_loss);
         else snprintf(fl, sizeof fl, "n/a");
+        if (run->early_stopped)
+            printf("early stop at step %lld: the evaluation loss has not improved for %d evaluations (the best, %.4f, at step %lld)\n",
+                   (long long)run->step, run->evals_since_best, run->best_eval_loss, (long long)run->best_step);
         printf("done: %lld steps, %.0f %s/s, final loss %s, eval loss %.4f, eval accuracy %.2f%%, %.1f s\n",
                (long long)run->step, tok ? rate * tok : rate, tok ? "tokens" : "samples", fl, run->eval_loss,
                100 * run->eval_acc, (dt_now_ms() - run->start_ms) / 1e3);
@@ -17770,6 +17835,8 @@ int dt_run_finish(dt_run *run) {
         for (int a = 0; a < DT_ARENA_COUNT; a++) fprintf(run->log, ",\"peak_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a));
         for (int a = 0; a < DT_ARENA_COUNT; a++)
             fprintf(run->log, ",\"peak_host_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_host_peak((dt_arena)a));
+        if (run->has_best) fprintf(run->log, ",\"best_eval_loss\":%.6f,\"best_step\":%lld", run->best_eval_loss, (long long)run->best_step);
+        if (run->early_stopped) fprintf(run->log, ",\"early_stopped\":true");
         if (run->stopped_by) fprintf(run->log, ",\"stopped_by\":\"%s\"", run->stopped_by == SIGINT ? "SIGINT" : run->stopped_by == SIGTERM ? "SIGTERM" : "SIGUSR1");
         fprintf(run->log, "}\n");
         FILE *log = run->log;

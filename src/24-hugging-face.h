@@ -799,6 +799,11 @@ static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *f
     dt__meta_add(l, "batch_size", "%d", r->cfg.batch_size);
     dt__meta_add(l, "accum_steps", "%d", r->cfg.accum_steps);
     if (r->has_loss) dt__meta_add(l, "loss", "%.17g", r->last_loss);   /* the last step's: the run's final loss */
+    if (r->has_best) {                 /* --early-stop and --save-best go on from here */
+        dt__meta_add(l, "best_eval_loss", "%.17g", r->best_eval_loss);
+        dt__meta_add(l, "best_step", "%lld", (long long)r->best_step);
+        dt__meta_add(l, "evals_since_best", "%d", r->evals_since_best);
+    }
     if (r->mlflow_run_id[0]) dt__meta_add(l, "mlflow_run_id", "%s", r->mlflow_run_id);
     if (r->tensorboard_run[0]) dt__meta_add(l, "tensorboard_run", "%s", r->tensorboard_run);
     if (r->model->base) {
@@ -998,6 +1003,13 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     if (tb_run && (!*tb_run || strchr(tb_run, '/') || strstr(tb_run, "..") || strlen(tb_run) >= sizeof r->tensorboard_run))
         dt_fail("'%s': metadata 'tensorboard_run' is '%.60s', not the name of a run's folder", st->path, tb_run);
     dt__copy_str(r->tensorboard_run, sizeof r->tensorboard_run, tb_run ? tb_run : "");
+    const char *best = dt_safetensors_meta(st, "best_eval_loss");    /* the best evaluation so far, when there was one */
+    char *best_end = NULL;
+    double best_loss = best ? strtod(best, &best_end) : 0;
+    if (best && (best_end == best || *best_end || !isfinite(best_loss)))
+        dt_fail("'%s': metadata 'best_eval_loss' is '%.40s', not a finite number", st->path, best);
+    int64_t best_step = best ? (int64_t)dt__meta_whole(st, st->path, "best_step", 0, (uint64_t)step) : 0;
+    int evals_since_best = best ? (int)dt__meta_whole(st, st->path, "evals_since_best", 0, INT_MAX) : 0;
     const char *loss = dt_safetensors_meta(st, "loss");          /* the last step's; older checkpoints have none */
     char *loss_end = NULL;
     double last_loss = loss ? strtod(loss, &loss_end) : 0;
@@ -1066,6 +1078,10 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     r->step = step;
     r->has_loss = loss != NULL;
     r->last_loss = last_loss;
+    r->has_best = best != NULL;
+    r->best_eval_loss = best_loss;
+    r->best_step = best_step;
+    r->evals_since_best = evals_since_best;
     r->epoch = epoch;
     r->batch_in_epoch = batch_in_epoch;
     r->cfg.seed = seed;

@@ -29,6 +29,7 @@ typedef struct dt_config {
     const char *tensorboard;     /* --tensorboard DIR: TensorBoard event files of the scalars */
     const char *mlflow;          /* --mlflow DIR|URL: the run in MLflow's file store, or on its tracking server */
     int eval_every, augment;
+    int early_stop, save_best;   /* --early-stop N (0: off), --save-best */
     int log_every;               /* a progress line every N steps (0: about every 3 s, and at each epoch's end) */
     int64_t start_idx, end_idx;  /* end -1: the whole set */
     int bench;
@@ -201,6 +202,11 @@ static const dt__flag dt__flags[] = {
       NULL, DT_NOT_A_NUMBER },
     { "--eval-every", "123456789", "N", "evaluate every N steps as well as after each epoch (default 0: epochs only)", DT_ARG_INT,
       DT_CFG(eval_every), NULL, DT_MIN(0) },
+    { "--early-stop", "123456789", "N", "stop when the evaluation loss has not improved for N evaluations in a row (default 0: never;\n"
+      "                          a resumed run keeps the count)", DT_ARG_INT, DT_CFG(early_stop), NULL, DT_MIN(0) },
+    { "--save-best", "123456789", NULL, "keep the checkpoint of the best evaluation so far beside the others, as --save-dir's\n"
+      "                          <model>_data<A>-<B>_best (replaced when an evaluation beats it)", DT_ARG_SWITCH, DT_CFG(save_best), NULL,
+      DT_NOT_A_NUMBER },
     { "--log-every", "123456789", "N", "print a progress line every N steps (default: about every 3 s, and each epoch's last step)",
       DT_ARG_INT, DT_CFG(log_every), NULL, DT_MIN(1) },
     { "--start-idx", "123456789", "N", "train on images [N, end) of the training set (default 0)", DT_ARG_I64, DT_CFG(start_idx), NULL, DT_MIN(0) },

@@ -15,6 +15,11 @@ struct dt_run {
     int has_loss;
     int64_t loss_count, steps_run;
     double eval_loss, eval_acc;
+    int has_best;              /* an evaluation so far: the lowest loss, its step, the evaluations since (--early-stop, --save-best) */
+    double best_eval_loss;
+    int64_t best_step;
+    int evals_since_best;
+    int early_stopped;         /* --early-stop ended the run */
     double unigram_loss;       /* gpt: the validation loss of a model that ignores context */
     int micro;                 /* micro-batches of this step done so far (--accum-steps) */
     double micro_loss;         /* and the sum of their losses */
@@ -358,6 +363,11 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
         dt_comm_check_agree(dt__ctx.job, "--accum-steps --dtype --reduce-dtype", v);
         dt_comm_check_agree(dt__ctx.job, "--resume", cfg->resume ? cfg->resume : "(none)");
     }
+    if ((cfg->early_stop || cfg->save_best) && !cfg->bench) {
+        if (!run->val || run->val->n == 0)
+            dt_usage_error("--early-stop and --save-best go by the evaluation loss, and this data has no validation set");
+        if (cfg->save_best && !cfg->save_dir) dt_usage_error("--save-best keeps a checkpoint in --save-dir: give --save-dir");
+    }
     run->scaler = dt_loss_scaler_create((dt_dtype)cfg->dtype);
     if (loader->ds->tokens && run->val && run->val->tokens) run->unigram_loss = dt_unigram_loss(loader->ds, run->val);
     run->batches_per_epoch = dt_loader_batches_per_epoch(loader) / cfg->accum_steps;   /* optimizer steps */
@@ -552,6 +562,41 @@ static void dt__run_sample(dt_run *r) {
     free(out);
 }
 
+/* A checkpoint of the run as it is, into `what` (epoch2, step40, best) in
+   --save-dir. Sharded or cut, every rank takes part. A checkpoint at an
+   epoch's last step is the next epoch's start, as dt_epoch_end counts it. */
+static void dt__run_save(dt_run *r, const char *what) {
+    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(r->model->parallel, &who);
+    if (!(dt__ctx.rank == 0 || (rep && (rep->state_open || rep->whole_from_local || rep->shards)))) return;
+    int epoch = r->epoch;
+    int64_t batch_in_epoch = r->batch_in_epoch;
+    if (r->batch_in_epoch >= r->batches_per_epoch) { r->epoch++; r->batch_in_epoch = 0; }
+    char path[4096];
+    dt__describe_position(r, path, sizeof path, what);
+    r->mark_ms = dt_now_ms();
+    dt_checkpoint_save(r, path);
+    dt_phase(r, DT_PHASE_CKPT);
+    r->epoch = epoch;
+    r->batch_in_epoch = batch_in_epoch;
+    if (!r->cfg.quiet && dt__ctx.rank == 0) { printf("saved %s\n", path); fflush(stdout); }
+}
+
+/* After each evaluation: the best so far (kept as a checkpoint with
+   --save-best), and --early-stop's count of evaluations that did not beat
+   it. The loss is the job's, so every rank decides alike. */
+static void dt__run_track_best(dt_run *r) {
+    if (!r->has_best || r->eval_loss < r->best_eval_loss) {
+        r->has_best = 1;
+        r->best_eval_loss = r->eval_loss;
+        r->best_step = r->step;
+        r->evals_since_best = 0;
+        if (r->cfg.save_best) dt__run_save(r, "best");
+        return;
+    }
+    r->evals_since_best++;
+    if (r->cfg.early_stop > 0 && r->evals_since_best >= r->cfg.early_stop) r->stop = r->early_stopped = 1;   /* said by dt_run_finish */
+}
+
 static void dt__run_eval(dt_run *r) {
     int sample = r->cfg.sample > 0 && dt_model_is_language(r->model->cfg.kind);
     double t0 = dt_now_ms();
@@ -589,6 +634,7 @@ static void dt__run_eval(dt_run *r) {
         fflush(stdout);
     }
     if (sample) { dt__run_sample(r); dt_phase(r, DT_PHASE_EVAL); }
+    if (r->steps_run > 0) dt__run_track_best(r);          /* not a finished run's look at itself */
 }
 
 /* A mixture's figures of the step, each rank's counted over its own tokens:
@@ -750,17 +796,11 @@ void dt_epoch_end(dt_run *run) {
     if (run->stopped_by && !run->cfg.save_dir && dt__ctx.rank == 0)
         dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt__signal_name(run->stopped_by),
                 (long long)run->steps_run);
-    dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
-    if (run->cfg.save_dir && (dt__ctx.rank == 0 || (rep && (rep->state_open || rep->whole_from_local || rep->shards)))) {
-        /* sharded or cut: every rank takes part */
-        char path[4096], what[64];
+    if (run->cfg.save_dir) {
+        char what[64];
         if (finished) snprintf(what, sizeof what, "epoch%d", run->epoch);
         else snprintf(what, sizeof what, "step%lld", (long long)run->step);
-        dt__describe_position(run, path, sizeof path, what);
-        run->mark_ms = dt_now_ms();
-        dt_checkpoint_save(run, path);
-        dt_phase(run, DT_PHASE_CKPT);
-        if (!run->cfg.quiet && dt__ctx.rank == 0) { printf("saved %s\n", path); fflush(stdout); }
+        dt__run_save(run, what);
     }
 }
 
@@ -780,6 +820,9 @@ int dt_run_finish(dt_run *run) {
         char fl[32];
         if (isfinite(final_loss)) snprintf(fl, sizeof fl, "%.4f", final_loss);
         else snprintf(fl, sizeof fl, "n/a");
+        if (run->early_stopped)
+            printf("early stop at step %lld: the evaluation loss has not improved for %d evaluations (the best, %.4f, at step %lld)\n",
+                   (long long)run->step, run->evals_since_best, run->best_eval_loss, (long long)run->best_step);
         printf("done: %lld steps, %.0f %s/s, final loss %s, eval loss %.4f, eval accuracy %.2f%%, %.1f s\n",
                (long long)run->step, tok ? rate * tok : rate, tok ? "tokens" : "samples", fl, run->eval_loss,
                100 * run->eval_acc, (dt_now_ms() - run->start_ms) / 1e3);
@@ -815,6 +858,8 @@ int dt_run_finish(dt_run *run) {
         for (int a = 0; a < DT_ARENA_COUNT; a++) fprintf(run->log, ",\"peak_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_peak((dt_arena)a));
         for (int a = 0; a < DT_ARENA_COUNT; a++)
             fprintf(run->log, ",\"peak_host_%s_bytes\":%zu", dt_arena_name((dt_arena)a), dt_mem_host_peak((dt_arena)a));
+        if (run->has_best) fprintf(run->log, ",\"best_eval_loss\":%.6f,\"best_step\":%lld", run->best_eval_loss, (long long)run->best_step);
+        if (run->early_stopped) fprintf(run->log, ",\"early_stopped\":true");
         if (run->stopped_by) fprintf(run->log, ",\"stopped_by\":\"%s\"", run->stopped_by == SIGINT ? "SIGINT" : run->stopped_by == SIGTERM ? "SIGTERM" : "SIGUSR1");
         fprintf(run->log, "}\n");
         FILE *log = run->log;

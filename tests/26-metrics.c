@@ -379,26 +379,6 @@ TEST(mlflow_server_that_cannot_be_reached_is_an_error_before_training, QUICK) {
 #endif
 }
 
-/* The (step, value) pairs of a key in --log's lines (not the summary). */
-static int log_points(const char *log, const char *key, int64_t *steps, double *values, int max) {
-    size_t n = 0;
-    char *text = (char *)read_bytes(log, &n), pat[64];
-    if (!text) return -1;
-    text = (char *)realloc(text, n + 1);
-    text[n] = 0;
-    snprintf(pat, sizeof pat, "\"%s\":", key);
-    int count = 0;
-    for (char *line = strtok(text, "\n"); line && count < max; line = strtok(NULL, "\n")) {
-        char *p = strstr(line, pat), *s = strstr(line, "\"step\":");
-        if (p && s && !strstr(line, "\"summary\"")) {
-            steps[count] = atoll(s + 7);
-            values[count++] = atof(p + strlen(pat));
-        }
-    }
-    free(text);
-    return count;
-}
-
 /* A real `mlflow server` (SQLite behind it; .ci/run installs MLflow in
    build/trackvenv) on a free port, its pid; 0 when it did not come up. */
 static int mlflow_server_start(const char *py, const char *dir, int port, char *why, size_t n) {

@@ -136,3 +136,57 @@ TEST(the_final_loss_is_the_last_steps_whether_or_not_the_run_was_stopped, QUICK)
                again ? " twice" : "", kb);
     }
 }
+
+/* --early-stop 3 --save-best: the run stops at the third evaluation in a row
+   that did not beat the best (worked out here from --log's evaluations),
+   the summary says so, and the best checkpoint, evaluated, gives the best
+   loss --log has. Stopped between (--steps, just after an evaluation that
+   did not improve) and resumed (--resume auto), the run keeps the best and
+   the count, and stops at the same step with the same losses. --save-best
+   with nowhere to save is a usage error naming --save-dir. */
+TEST(early_stop_and_save_best_follow_the_evaluations_and_resume_keeps_them, QUICK) {
+    char out[16384], dir[600], log[700], flags[800];
+    snprintf(dir, sizeof dir, "%s/es-a", tmpdir);
+    snprintf(log, sizeof log, "%s/es-a.jsonl", tmpdir);
+    snprintf(flags, sizeof flags, SMALL_FLAGS " --epochs 30 --lr 0.03 --eval-every 2 --early-stop 3 --data %s", small_data());
+    int st = run_cmd(out, sizeof out, "%s %s --save-best --save-dir %s --log %s", train_cpu, flags, dir, log);
+    CHECKF(st == 0, "--early-stop 3 --save-best: exit %d\n%s", st, out);
+    int64_t steps[200];
+    double loss[200], best = 0;
+    int n = log_points(log, "eval_loss", steps, loss, 200), since = 0, between = -1;
+    int64_t stop = -1, best_step = -1;
+    for (int i = 0; i < n && stop < 0; i++) {
+        if (best_step < 0 || loss[i] < best) { best = loss[i]; best_step = steps[i]; since = 0; }
+        else if (++since == 3) stop = steps[i];
+        else if (between < 0 && since == 1) between = i;   /* a place to stop and resume: one evaluation without improving */
+    }
+    char done[64], said[160];
+    snprintf(done, sizeof done, "done: %lld steps", (long long)stop);
+    snprintf(said, sizeof said, "early stop at step %lld: the evaluation loss has not improved for 3 evaluations (the best, %.4f, at step %lld)",
+             (long long)stop, best, (long long)best_step);
+    CHECKF(stop > 0 && stop < 300 && strstr(out, done) && strstr(out, said) && between >= 0,
+           "--log's %d evaluations say stop at step %lld (best %.6f at %lld); the run:\n%s", n, (long long)stop, best, (long long)best_step, out);
+    /* the best checkpoint, evaluated (resumed with no step left to take), scores the best loss */
+    char best_log[700];
+    snprintf(best_log, sizeof best_log, "%s/es-best.jsonl", tmpdir);
+    st = run_cmd(out, sizeof out, "%s %s --resume %s/mlp_data0-320_best --steps %lld --log %s", train_cpu, flags, dir, (long long)best_step,
+                 best_log);
+    int64_t bs[4];
+    double bl[4];
+    CHECKF(st == 0 && log_points(best_log, "eval_loss", bs, bl, 4) == 1 && bs[0] == best_step && fabs(bl[0] - best) < 5e-7,
+           "the best checkpoint (step %lld, eval loss %.6f in --log): exit %d\n%s", (long long)best_step, best, st, out);
+    /* stopped just after an evaluation that did not improve, then resumed: the same stop */
+    snprintf(dir, sizeof dir, "%s/es-b", tmpdir);
+    st = run_cmd(out, sizeof out, "%s %s --save-dir %s --steps %lld", train_cpu, flags, dir, (long long)steps[between]);
+    CHECKF(st == 0, "--steps %lld: exit %d\n%s", (long long)steps[between], st, out);
+    char whole[64], resumed[64], resumed_log[700];
+    snprintf(resumed_log, sizeof resumed_log, "%s/es-b.jsonl", tmpdir);
+    st = run_cmd(out, sizeof out, "%s %s --save-dir %s --resume auto --log %s", train_cpu, flags, dir, resumed_log);
+    summary_final_loss(log, whole, sizeof whole);
+    summary_final_loss(resumed_log, resumed, sizeof resumed);
+    CHECKF(st == 0 && strstr(out, done) && strstr(out, said) && whole[0] && !strcmp(whole, resumed),
+           "resumed at step %lld: it should stop as the whole run did (final loss %s, resumed %s)\n%s", (long long)steps[between],
+           whole, resumed, out);
+    st = run_cmd(out, sizeof out, "%s %s --save-best", train_cpu, flags);
+    CHECKF(st == 2 && strstr(out, "--save-best") && strstr(out, "--save-dir"), "--save-best without --save-dir: exit %d\n%s", st, out);
+}

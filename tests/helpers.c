@@ -298,6 +298,26 @@ static int log_lines_with_value(const char *log, const char *key, long long valu
     return c;
 }
 
+/* The (step, value) pairs of a key in --log's lines (not the summary). */
+static int log_points(const char *log, const char *key, int64_t *steps, double *values, int max) {
+    size_t n = 0;
+    char *text = (char *)read_bytes(log, &n), pat[64];
+    if (!text) return -1;
+    text = (char *)realloc(text, n + 1);
+    text[n] = 0;
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    int count = 0;
+    for (char *line = strtok(text, "\n"); line && count < max; line = strtok(NULL, "\n")) {
+        char *p = strstr(line, pat), *s = strstr(line, "\"step\":");
+        if (p && s && !strstr(line, "\"summary\"")) {
+            steps[count] = atoll(s + 7);
+            values[count++] = atof(p + strlen(pat));
+        }
+    }
+    free(text);
+    return count;
+}
+
 /* The "key" values of a log's training lines, in order. */
 static int log_series(const char *log, const char *key, double *out, int max) {
     size_t n = 0;
