@@ -287,6 +287,21 @@ size_t dt_mem_host_peak(dt_arena arena);
 void dt_mem_reset_peaks(void);
 const char *dt_arena_name(dt_arena arena);
 
+/* The hardware's own figures, beside the arenas' counts: the process's
+   resident memory and CPU time (from the system), and on a GPU what the
+   device says -- its memory given out (cudaMemGetInfo: this process's
+   allocations and CUDA context, and any other process's), and NVML's
+   utilisation and temperature (libnvidia-ml, which ships with the driver, is
+   loaded at run time; without it those two are -1). The run driver puts them
+   in --log, TensorBoard and MLflow at each progress line. */
+typedef struct {
+    double rss_bytes, cpu_seconds;             /* -1: the system did not say */
+    int gpu;                                   /* 1: the figures below are of this rank's GPU */
+    double gpu_reserved_bytes, gpu_total_bytes;
+    double gpu_util_percent, gpu_temp_c;       /* -1: NVML is not there, or did not say */
+} dt_hardware;
+void dt_hardware_read(dt_device device, dt_hardware *out);
+
 /* The per-step arena holds activations and their gradients. It is a bump
    allocator: one pointer moves forward, and dt_step_arena_reset() moves it back
    at the start of each step. After the first step it never calls malloc again. */
@@ -1699,6 +1714,7 @@ typedef struct dt_backend {
     void (*upload)(void *dst, const void *host_src, size_t bytes);
     void (*download)(void *host_dst, const void *src, size_t bytes);
     void (*synchronize)(void);
+    void (*hardware)(dt_hardware *out);              /* fills the gpu_ figures (dt_hardware_read) */
     void (*gemm)(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                  const float *B, int ldb, float beta, float *C, int ldc);
     /* mixed precision: A and B in 16 bits (`dtype`), C in f32, products summed in f32 */
@@ -2874,6 +2890,19 @@ static const dt_backend *dt__backend_of(dt_device d) {
     if (d == DT_CPU) return NULL;
     if (!dt__ctx.gpu) dt_fail("GPU memory or kernels used before dt_set_device(DT_CUDA, ...)");
     return dt__ctx.gpu;
+}
+
+void dt_hardware_read(dt_device device, dt_hardware *out) {
+    memset(out, 0, sizeof *out);
+    out->rss_bytes = out->cpu_seconds = -1;
+    long pages = 0, resident = 0;
+    FILE *f = fopen("/proc/self/statm", "r");               /* Linux: sizes in pages, the second one resident */
+    if (f && fscanf(f, "%ld %ld", &pages, &resident) == 2 && resident >= 0) out->rss_bytes = (double)resident * (double)sysconf(_SC_PAGESIZE);
+    if (f) fclose(f);
+    struct timespec cpu;
+    if (clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &cpu) == 0) out->cpu_seconds = (double)cpu.tv_sec + cpu.tv_nsec * 1e-9;
+    const dt_backend *gpu = dt__backend_of(device);
+    if (gpu && gpu->hardware) gpu->hardware(out);
 }
 
 /* Zero memory on a device; a GPU does it in its queue. */
@@ -13770,6 +13799,119 @@ static void dt__sharded_assemble(dt_safetensors *index, const char *path, const 
     free(unit_numel);
 }
 
+/* --resume auto: the checkpoint of the most steps in --save-dir, or NULL to
+   start fresh -- what a requeued job runs, unchanged, after preemption. Every
+   folder there should be whole: a checkpoint is renamed into place once
+   written (NAME.tmp, being written, is passed over; NAME.old, being replaced,
+   counts only when a save was cut off before NAME took its place). One that
+   is not -- a file cut short or damaged since, a shard missing -- is passed
+   over for the newest whole one, saying so: its files' headers and sizes are
+   read, not their data. Ties go to the later name, so every rank picks the
+   same folder. A one-file checkpoint of an earlier dtrain that would have been
+   the newest is an error, not a silent fresh start. */
+typedef struct { long long step; char path[4096]; } dt__candidate;
+static int dt__candidate_newer(const void *a, const void *b) {
+    const dt__candidate *x = (const dt__candidate *)a, *y = (const dt__candidate *)b;
+    return x->step != y->step ? (x->step > y->step ? -1 : 1) : -strcmp(x->path, y->path);
+}
+/* Are the files of checkpoint folder `path` whole, as far as their headers and sizes tell? */
+static int dt__checkpoint_whole(const char *path, dt_safetensors *meta, char *why, size_t n) {
+    char file[4200];
+    if (dt_safetensors_meta(meta, "shards")) {
+        const char *shards = dt_safetensors_meta(meta, "shards");
+        int world = atoi(shards);
+        if (world < 1 || world > DT_MAX_RANKS) { snprintf(why, n, "its index says %.20s shards", shards); return 0; }
+        for (int r = 0; r < world; r++) {
+            char key[32];
+            struct stat s;
+            dt__shard_path(file, sizeof file, path, r, world);
+            snprintf(key, sizeof key, "shard.%d.bytes", r);
+            const char *bytes = dt_safetensors_meta(meta, key);
+            if (stat(file, &s) != 0) { snprintf(why, n, "shard %d of %d is missing", r, world); return 0; }
+            if (!bytes || strtoull(bytes, NULL, 10) != (unsigned long long)s.st_size) {
+                snprintf(why, n, "shard %d of %d has %lld bytes, the index recorded %.20s", r, world, (long long)s.st_size,
+                         bytes ? bytes : "none");
+                return 0;
+            }
+        }
+        return 1;
+    }
+    dt__path(file, sizeof file, "%s/optimizer.safetensors", path);
+    dt_safetensors *st = dt__safetensors_read_header_or_why(file, why, n);
+    dt_safetensors_close(st);
+    return st != NULL;
+}
+static const char *dt__newest_checkpoint(const char *dir, char *out, size_t n) {
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    long long best = -1, best_old_format = -1;
+    char old_format[4096] = "", why[600];
+    dt__candidate *c = NULL;
+    int nc = 0, cap = 0, unreadable = 0, talk = dt__ctx.rank == 0;
+    out[0] = 0;
+    while (d && (e = readdir(d))) {
+        size_t len = strlen(e->d_name);
+        char path[4096], file[4200];
+        struct stat s;
+        if (e->d_name[0] == '.' || (len > 4 && !strcmp(e->d_name + len - 4, ".tmp"))) continue;
+        dt__path(path, sizeof path, "%s/%s", dir, e->d_name);
+        if (len > 4 && !strcmp(e->d_name + len - 4, ".old")) {
+            dt__path(file, sizeof file, "%.*s", (int)strlen(path) - 4, path);
+            if (access(file, F_OK) == 0) continue;            /* replaced, and its successor is there */
+        }
+        if (stat(path, &s) == 0 && S_ISREG(s.st_mode) && len > 12 && !strcmp(e->d_name + len - 12, ".safetensors")) {
+            dt_safetensors *st = dt__safetensors_read_header_or_why(path, why, sizeof why);
+            const char *format = dt_safetensors_meta(st, "format"), *step = dt_safetensors_meta(st, "step");
+            if (format && !strncmp(format, "dtrain-", 7) && strstr(format, "checkpoint") && step && atoll(step) > best_old_format) {
+                best_old_format = atoll(step);
+                dt__copy_str(old_format, sizeof old_format, path);
+            }
+            dt_safetensors_close(st);
+            continue;
+        }
+        if (stat(path, &s) != 0 || !S_ISDIR(s.st_mode)) continue;
+        if (!dt__checkpoint_file(path, "shards.safetensors", file, sizeof file) && !dt__checkpoint_weights(path, file, sizeof file))
+            continue;
+        dt_safetensors *st = dt__safetensors_read_header_or_why(file, why, sizeof why);
+        if (!st) {
+            if (talk) dt_warn("--resume auto: passing over '%s', which cannot be read: %s", path, why);
+            unreadable++;
+            continue;
+        }
+        const char *format = dt_safetensors_meta(st, "dtrain_format"), *step = dt_safetensors_meta(st, "step");
+        if (format && strstr(format, "checkpoint") && step) {
+            if (nc == cap && !(c = (dt__candidate *)realloc(c, sizeof *c * (size_t)(cap = cap ? 2 * cap : 16))))
+                dt_fail("out of memory (--resume auto)");
+            c[nc].step = atoll(step);
+            dt__copy_str(c[nc++].path, sizeof c->path, path);
+        }
+        dt_safetensors_close(st);
+    }
+    if (d) closedir(d);
+    if (nc > 1) qsort(c, (size_t)nc, sizeof *c, dt__candidate_newer);
+    for (int k = 0; k < nc && !out[0]; k++) {
+        char file[4200];
+        if (!dt__checkpoint_file(c[k].path, "shards.safetensors", file, sizeof file)) dt__checkpoint_weights(c[k].path, file, sizeof file);
+        dt_safetensors *meta = dt__safetensors_read_header(file);
+        if (dt__checkpoint_whole(c[k].path, meta, why, sizeof why)) {
+            best = c[k].step;
+            dt__copy_str(out, n, c[k].path);
+            if (talk && (k > 0 || unreadable))       /* something newer was passed over: say what is taken instead */
+                printf("--resume auto: resuming '%s' (step %lld), the newest whole checkpoint in '%s'\n", out, best, dir);
+        } else if (talk)
+            dt_warn("--resume auto: passing over '%s' (step %lld), which is not whole: %s", c[k].path, c[k].step, why);
+        dt_safetensors_close(meta);
+    }
+    free(c);
+    if ((nc > 0 || unreadable > 0) && !out[0])        /* not a fresh start: that would train over them */
+        dt_fail("--resume auto: no checkpoint in '%s' is whole (see above): resume one by name with --resume, or move "
+                "them out of --save-dir to start afresh", dir);
+    if (best_old_format >= 0 && best_old_format >= best)
+        dt_fail("--resume auto: '%s' (step %lld) is a one-file checkpoint of an earlier dtrain, newer than any checkpoint "
+                "folder in '%s': resume it with that dtrain, or move it out of --save-dir", old_format, best_old_format, dir);
+    return out[0] ? out : NULL;
+}
+
 /* [src/24-hugging-face.h] */
 /* ---- Hugging Face model folders (--init DIR): config.json gives the shape,
         the weights sit in model.safetensors or in the files that
@@ -14844,120 +14986,6 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
                path, world, batch, accum, now, r->cfg.batch_size, K);
     dt_safetensors_close(st);
 }
-
-/* --resume auto: the checkpoint of the most steps in --save-dir, or NULL to
-   start fresh -- what a requeued job runs, unchanged, after preemption. Every
-   folder there should be whole: a checkpoint is renamed into place once
-   written (NAME.tmp, being written, is passed over; NAME.old, being replaced,
-   counts only when a save was cut off before NAME took its place). One that
-   is not -- a file cut short or damaged since, a shard missing -- is passed
-   over for the newest whole one, saying so: its files' headers and sizes are
-   read, not their data. Ties go to the later name, so every rank picks the
-   same folder. A one-file checkpoint of an earlier dtrain that would have been
-   the newest is an error, not a silent fresh start. */
-typedef struct { long long step; char path[4096]; } dt__candidate;
-static int dt__candidate_newer(const void *a, const void *b) {
-    const dt__candidate *x = (const dt__candidate *)a, *y = (const dt__candidate *)b;
-    return x->step != y->step ? (x->step > y->step ? -1 : 1) : -strcmp(x->path, y->path);
-}
-/* Are the files of checkpoint folder `path` whole, as far as their headers and sizes tell? */
-static int dt__checkpoint_whole(const char *path, dt_safetensors *meta, char *why, size_t n) {
-    char file[4200];
-    if (dt_safetensors_meta(meta, "shards")) {
-        const char *shards = dt_safetensors_meta(meta, "shards");
-        int world = atoi(shards);
-        if (world < 1 || world > DT_MAX_RANKS) { snprintf(why, n, "its index says %.20s shards", shards); return 0; }
-        for (int r = 0; r < world; r++) {
-            char key[32];
-            struct stat s;
-            dt__shard_path(file, sizeof file, path, r, world);
-            snprintf(key, sizeof key, "shard.%d.bytes", r);
-            const char *bytes = dt_safetensors_meta(meta, key);
-            if (stat(file, &s) != 0) { snprintf(why, n, "shard %d of %d is missing", r, world); return 0; }
-            if (!bytes || strtoull(bytes, NULL, 10) != (unsigned long long)s.st_size) {
-                snprintf(why, n, "shard %d of %d has %lld bytes, the index recorded %.20s", r, world, (long long)s.st_size,
-                         bytes ? bytes : "none");
-                return 0;
-            }
-        }
-        return 1;
-    }
-    dt__path(file, sizeof file, "%s/optimizer.safetensors", path);
-    dt_safetensors *st = dt__safetensors_read_header_or_why(file, why, n);
-    dt_safetensors_close(st);
-    return st != NULL;
-}
-static const char *dt__newest_checkpoint(const char *dir, char *out, size_t n) {
-    DIR *d = opendir(dir);
-    struct dirent *e;
-    long long best = -1, best_old_format = -1;
-    char old_format[4096] = "", why[600];
-    dt__candidate *c = NULL;
-    int nc = 0, cap = 0, unreadable = 0, talk = dt__ctx.rank == 0;
-    out[0] = 0;
-    while (d && (e = readdir(d))) {
-        size_t len = strlen(e->d_name);
-        char path[4096], file[4200];
-        struct stat s;
-        if (e->d_name[0] == '.' || (len > 4 && !strcmp(e->d_name + len - 4, ".tmp"))) continue;
-        dt__path(path, sizeof path, "%s/%s", dir, e->d_name);
-        if (len > 4 && !strcmp(e->d_name + len - 4, ".old")) {
-            dt__path(file, sizeof file, "%.*s", (int)strlen(path) - 4, path);
-            if (access(file, F_OK) == 0) continue;            /* replaced, and its successor is there */
-        }
-        if (stat(path, &s) == 0 && S_ISREG(s.st_mode) && len > 12 && !strcmp(e->d_name + len - 12, ".safetensors")) {
-            dt_safetensors *st = dt__safetensors_read_header_or_why(path, why, sizeof why);
-            const char *format = dt_safetensors_meta(st, "format"), *step = dt_safetensors_meta(st, "step");
-            if (format && !strncmp(format, "dtrain-", 7) && strstr(format, "checkpoint") && step && atoll(step) > best_old_format) {
-                best_old_format = atoll(step);
-                dt__copy_str(old_format, sizeof old_format, path);
-            }
-            dt_safetensors_close(st);
-            continue;
-        }
-        if (stat(path, &s) != 0 || !S_ISDIR(s.st_mode)) continue;
-        if (!dt__checkpoint_file(path, "shards.safetensors", file, sizeof file) && !dt__checkpoint_weights(path, file, sizeof file))
-            continue;
-        dt_safetensors *st = dt__safetensors_read_header_or_why(file, why, sizeof why);
-        if (!st) {
-            if (talk) dt_warn("--resume auto: passing over '%s', which cannot be read: %s", path, why);
-            unreadable++;
-            continue;
-        }
-        const char *format = dt_safetensors_meta(st, "dtrain_format"), *step = dt_safetensors_meta(st, "step");
-        if (format && strstr(format, "checkpoint") && step) {
-            if (nc == cap && !(c = (dt__candidate *)realloc(c, sizeof *c * (size_t)(cap = cap ? 2 * cap : 16))))
-                dt_fail("out of memory (--resume auto)");
-            c[nc].step = atoll(step);
-            dt__copy_str(c[nc++].path, sizeof c->path, path);
-        }
-        dt_safetensors_close(st);
-    }
-    if (d) closedir(d);
-    if (nc > 1) qsort(c, (size_t)nc, sizeof *c, dt__candidate_newer);
-    for (int k = 0; k < nc && !out[0]; k++) {
-        char file[4200];
-        if (!dt__checkpoint_file(c[k].path, "shards.safetensors", file, sizeof file)) dt__checkpoint_weights(c[k].path, file, sizeof file);
-        dt_safetensors *meta = dt__safetensors_read_header(file);
-        if (dt__checkpoint_whole(c[k].path, meta, why, sizeof why)) {
-            best = c[k].step;
-            dt__copy_str(out, n, c[k].path);
-            if (talk && (k > 0 || unreadable))       /* something newer was passed over: say what is taken instead */
-                printf("--resume auto: resuming '%s' (step %lld), the newest whole checkpoint in '%s'\n", out, best, dir);
-        } else if (talk)
-            dt_warn("--resume auto: passing over '%s' (step %lld), which is not whole: %s", c[k].path, c[k].step, why);
-        dt_safetensors_close(meta);
-    }
-    free(c);
-    if ((nc > 0 || unreadable > 0) && !out[0])        /* not a fresh start: that would train over them */
-        dt_fail("--resume auto: no checkpoint in '%s' is whole (see above): resume one by name with --resume, or move "
-                "them out of --save-dir to start afresh", dir);
-    if (best_old_format >= 0 && best_old_format >= best)
-        dt_fail("--resume auto: '%s' (step %lld) is a one-file checkpoint of an earlier dtrain, newer than any checkpoint "
-                "folder in '%s': resume it with that dtrain, or move it out of --save-dir", old_format, best_old_format, dir);
-    return out[0] ? out : NULL;
-}
-
 /* [src/25-evaluation.h] */
 /* ==== evaluation ============================================================
    The validation set is measured without the tape: no gradients, no
@@ -15551,6 +15579,13 @@ static int dt__mlflow_key_file(dt_mlflow *ml, const char *part, const char *key,
     char path[4400];
     if (!*key || strstr(key, "..") || key[0] == '/') { errno = EINVAL; return 0; }   /* a key is a file name (a/b: a folder) */
     dt__path(path, sizeof path, "%s/%s/%s", ml->run_dir, part, key);
+    char *slash = strrchr(path, '/');
+    if (strchr(key, '/')) {                                    /* system/rss_mb: metrics/system/, as MLflow makes it */
+        *slash = 0;
+        int made = dt__mkdirs(path);
+        *slash = '/';
+        if (!made) return 0;
+    }
     return dt__write_small(path, mode, text);
 }
 static int dt__mlflow_file_param(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_key_file(ml, "params", key, "w", value); }
@@ -17671,6 +17706,12 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     for (int k = 0; k < dt__ctx.ncomm_events; k++)
         dt__trace_event(run, dt__ctx.comm_events[k].name, dt__ctx.comm_events[k].pipeline ? DT_TRACK_PIPELINE : DT_TRACK_COMM,
                         dt__ctx.comm_events[k].t0, dt__ctx.comm_events[k].t1);
+    /* A progress line is due (by time, --log-every, or an epoch's end): printed unless --quiet, and the
+       hardware's own figures go into --log, TensorBoard and MLflow with it (rank 0's). */
+    int last_of_epoch = run->batch_in_epoch == run->batches_per_epoch || run->step == run->stop_step;
+    int line_due = dt__ctx.rank == 0 && dt__progress_due(run->step, run->cfg.log_every, last_of_epoch, now, run->line_ms);
+    dt_hardware hw;
+    if (line_due) dt_hardware_read(run->model->device, &hw);
     dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
     double within = 0, across = 0;
     if (rep && rep->bytes_moved) {
@@ -17701,6 +17742,13 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
         }
         if (dt__tokens_per_sample(run))
             fprintf(run->log, ",\"tokens_per_s\":%.1f", (double)batch_size * run->loader->world * dt__tokens_per_sample(run) * 1e3 / step_ms);
+        if (line_due) {
+            if (hw.rss_bytes >= 0) fprintf(run->log, ",\"rss_bytes\":%.0f", hw.rss_bytes);
+            if (hw.cpu_seconds >= 0) fprintf(run->log, ",\"cpu_s\":%.3f", hw.cpu_seconds);
+            if (hw.gpu) fprintf(run->log, ",\"gpu_mem_in_use_bytes\":%zu,\"gpu_mem_reserved_bytes\":%.0f", dt_mem_total_now(), hw.gpu_reserved_bytes);
+            if (hw.gpu && hw.gpu_util_percent >= 0) fprintf(run->log, ",\"gpu_util_percent\":%.0f", hw.gpu_util_percent);
+            if (hw.gpu && hw.gpu_temp_c >= 0) fprintf(run->log, ",\"gpu_temp_c\":%.0f", hw.gpu_temp_c);
+        }
         fprintf(run->log, "}\n");
         dt__file_check(run->log, "--log", run->cfg.log_path);
     }
@@ -17717,6 +17765,19 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
             dt__tensorboard_scalar(run, figures[i].tb, figures[i].value);
             dt__mlflow_metric(run, figures[i].mlflow, figures[i].value);
         }
+        /* the hardware's, under one name in both (MLflow shows system/ in its "System metrics" tab) */
+        const struct { const char *name; double value; int shown; } system[] = {
+            { "system/rss_mb", hw.rss_bytes / 1e6, line_due && hw.rss_bytes >= 0 },
+            { "system/cpu_s", hw.cpu_seconds, line_due && hw.cpu_seconds >= 0 },
+            { "system/gpu_memory_in_use_mb", dt_mem_total_now() / 1e6, line_due && hw.gpu },
+            { "system/gpu_memory_reserved_mb", hw.gpu_reserved_bytes / 1e6, line_due && hw.gpu },
+            { "system/gpu_utilization_percent", hw.gpu_util_percent, line_due && hw.gpu && hw.gpu_util_percent >= 0 },
+            { "system/gpu_temperature_c", hw.gpu_temp_c, line_due && hw.gpu && hw.gpu_temp_c >= 0 } };
+        for (size_t i = 0; i < sizeof system / sizeof system[0]; i++)
+            if (system[i].shown) {
+                dt__tensorboard_scalar(run, system[i].name, system[i].value);
+                dt__mlflow_metric(run, system[i].name, system[i].value);
+            }
     }
     if (run->cfg.bench && run->step > run->bench_first) {
         for (int i = 0; i < DT_PHASE_COUNT; i++) run->bench_phase_ms[i] += run->phase_ms[i];
@@ -17732,12 +17793,11 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
         }
     }
     run->step_ms_avg = dt__eta_update(run->step_ms_avg, step_ms, run->steps_run);
-    int last_of_epoch = run->batch_in_epoch == run->batches_per_epoch || run->step == run->stop_step;
-    if (!run->cfg.quiet && dt__ctx.rank == 0 && dt__progress_due(run->step, run->cfg.log_every, last_of_epoch, now, run->line_ms)) {
+    if (line_due) run->line_ms = now;
+    if (line_due && !run->cfg.quiet) {
         char eta[32];
         double rate = run->step_ms_avg > 0 ? batch_size * run->loader->world * 1e3 / run->step_ms_avg : 0;
         dt__format_duration((run->stop_step - run->step) * run->step_ms_avg / 1e3, eta, sizeof eta);
-        run->line_ms = now;
         char scale[128] = "";
         if (run->scaler.enabled)
             snprintf(scale, sizeof scale, "  scale %g (%lld skipped)", run->scaler.scale, (long long)run->scaler.skipped);
@@ -18640,6 +18700,31 @@ static void dt__cublas_open(void) {                 /* once, whichever thread co
     pthread_once(&once, dt__cublas_load);
 }
 
+/* NVML (libnvidia-ml, the driver's), for the figures a GPU gives of itself:
+   loaded at run time, so a build needs nothing of it and a machine without
+   it still trains (the figures are -1). Its types, as nvml.h declares them
+   (the toolkit does not always ship that header): a status (0: success), an
+   opaque device, utilisation as two percentages; sensor 0 is the GPU's. */
+typedef int dt__nvml_status;
+typedef struct dt__nvml_device_s *dt__nvml_device;
+typedef struct { unsigned int gpu, memory; } dt__nvml_utilization;
+static struct {
+    dt__nvml_status (*init)(void);
+    dt__nvml_status (*by_pci_bus)(const char *bus_id, dt__nvml_device *device);
+    dt__nvml_status (*utilization)(dt__nvml_device device, dt__nvml_utilization *u);
+    dt__nvml_status (*temperature)(dt__nvml_device device, int sensor, unsigned int *celsius);
+    int ready;
+} dt__nvml;
+static void dt__nvml_load(void) {
+    void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return;                                            /* no NVML: the figures it gives are -1 */
+    dt__nvml.init = (decltype(dt__nvml.init))dlsym(lib, "nvmlInit_v2");
+    dt__nvml.by_pci_bus = (decltype(dt__nvml.by_pci_bus))dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2");
+    dt__nvml.utilization = (decltype(dt__nvml.utilization))dlsym(lib, "nvmlDeviceGetUtilizationRates");
+    dt__nvml.temperature = (decltype(dt__nvml.temperature))dlsym(lib, "nvmlDeviceGetTemperature");
+    dt__nvml.ready = dt__nvml.init && dt__nvml.by_pci_bus && dt__nvml.utilization && dt__nvml.temperature && dt__nvml.init() == 0;
+}
+
 static struct {
     int index;
     cudaStream_t stream;                 /* every kernel, copy and matmul, in order */
@@ -18687,6 +18772,29 @@ __device__ static inline float dt__warp_sum(float v) {
 __device__ static inline float dt__warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
+}
+
+/* The GPU's own figures (dt_hardware_read): its memory given out, and NVML's
+   utilisation and temperature of the device this rank uses (found by its PCI
+   address: NVML numbers devices its own way, CUDA_VISIBLE_DEVICES aside). */
+static void dt__cuda_hardware(dt_hardware *out) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, dt__nvml_load);
+    size_t free_b = 0, total_b = 0;
+    out->gpu = 1;
+    out->gpu_util_percent = out->gpu_temp_c = -1;
+    if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) {
+        out->gpu_reserved_bytes = (double)(total_b - free_b);
+        out->gpu_total_bytes = (double)total_b;
+    } else cudaGetLastError();
+    char bus[32];
+    dt__nvml_device device;
+    dt__nvml_utilization u;
+    unsigned int celsius;
+    if (!dt__nvml.ready || cudaDeviceGetPCIBusId(bus, sizeof bus, dt__cuda.index) != cudaSuccess || dt__nvml.by_pci_bus(bus, &device) != 0)
+        return;
+    if (dt__nvml.utilization(device, &u) == 0) out->gpu_util_percent = u.gpu;
+    if (dt__nvml.temperature(device, 0, &celsius) == 0) out->gpu_temp_c = celsius;
 }
 
 /* ---- memory and copies ---- */
@@ -19693,6 +19801,7 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     snprintf(t->name, sizeof t->name, "%s", prop.name);
     t->alloc = dt__cuda_alloc; t->release = dt__cuda_release; t->zero = dt__cuda_zero;
     t->upload = dt__cuda_upload; t->download = dt__cuda_download; t->synchronize = dt__cuda_synchronize;
+    t->hardware = dt__cuda_hardware;
     t->gemm = dt__cuda_gemm; t->gemm_half = dt__cuda_gemm_half; t->add_bias = dt__cuda_add_bias; t->sum_rows = dt__cuda_sum_rows;
     t->gelu_forward = dt__cuda_gelu_forward; t->gelu_backward = dt__cuda_gelu_backward;
     t->layernorm_forward = dt__cuda_layernorm_forward; t->layernorm_backward = dt__cuda_layernorm_backward;

@@ -51,6 +51,21 @@ size_t dt_mem_host_peak(dt_arena arena);
 void dt_mem_reset_peaks(void);
 const char *dt_arena_name(dt_arena arena);
 
+/* The hardware's own figures, beside the arenas' counts: the process's
+   resident memory and CPU time (from the system), and on a GPU what the
+   device says -- its memory given out (cudaMemGetInfo: this process's
+   allocations and CUDA context, and any other process's), and NVML's
+   utilisation and temperature (libnvidia-ml, which ships with the driver, is
+   loaded at run time; without it those two are -1). The run driver puts them
+   in --log, TensorBoard and MLflow at each progress line. */
+typedef struct {
+    double rss_bytes, cpu_seconds;             /* -1: the system did not say */
+    int gpu;                                   /* 1: the figures below are of this rank's GPU */
+    double gpu_reserved_bytes, gpu_total_bytes;
+    double gpu_util_percent, gpu_temp_c;       /* -1: NVML is not there, or did not say */
+} dt_hardware;
+void dt_hardware_read(dt_device device, dt_hardware *out);
+
 /* The per-step arena holds activations and their gradients. It is a bump
    allocator: one pointer moves forward, and dt_step_arena_reset() moves it back
    at the start of each step. After the first step it never calls malloc again. */
@@ -150,6 +165,19 @@ static const dt_backend *dt__backend_of(dt_device d) {
     if (d == DT_CPU) return NULL;
     if (!dt__ctx.gpu) dt_fail("GPU memory or kernels used before dt_set_device(DT_CUDA, ...)");
     return dt__ctx.gpu;
+}
+
+void dt_hardware_read(dt_device device, dt_hardware *out) {
+    memset(out, 0, sizeof *out);
+    out->rss_bytes = out->cpu_seconds = -1;
+    long pages = 0, resident = 0;
+    FILE *f = fopen("/proc/self/statm", "r");               /* Linux: sizes in pages, the second one resident */
+    if (f && fscanf(f, "%ld %ld", &pages, &resident) == 2 && resident >= 0) out->rss_bytes = (double)resident * (double)sysconf(_SC_PAGESIZE);
+    if (f) fclose(f);
+    struct timespec cpu;
+    if (clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &cpu) == 0) out->cpu_seconds = (double)cpu.tv_sec + cpu.tv_nsec * 1e-9;
+    const dt_backend *gpu = dt__backend_of(device);
+    if (gpu && gpu->hardware) gpu->hardware(out);
 }
 
 /* Zero memory on a device; a GPU does it in its queue. */

@@ -241,6 +241,7 @@ typedef struct dt_backend {
     void (*upload)(void *dst, const void *host_src, size_t bytes);
     void (*download)(void *host_dst, const void *src, size_t bytes);
     void (*synchronize)(void);
+    void (*hardware)(dt_hardware *out);              /* fills the gpu_ figures (dt_hardware_read) */
     void (*gemm)(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                  const float *B, int ldb, float beta, float *C, int ldc);
     /* mixed precision: A and B in 16 bits (`dtype`), C in f32, products summed in f32 */

@@ -1,4 +1,4 @@
-//@ machinery: checkpoints -- safetensors files, checkpoint folders written atomically, sharded checkpoints
+//@ machinery: checkpoints -- safetensors files, checkpoint folders written atomically, sharded checkpoints, --resume auto's newest
 /* ---- checkpoints (safetensors) ------------------------------------------------ */
 
 /* A safetensors file: 8-byte little-endian header length, a JSON header naming
@@ -850,5 +850,118 @@ static void dt__sharded_assemble(dt_safetensors *index, const char *path, const 
     }
     free(buf);
     free(unit_numel);
+}
+
+/* --resume auto: the checkpoint of the most steps in --save-dir, or NULL to
+   start fresh -- what a requeued job runs, unchanged, after preemption. Every
+   folder there should be whole: a checkpoint is renamed into place once
+   written (NAME.tmp, being written, is passed over; NAME.old, being replaced,
+   counts only when a save was cut off before NAME took its place). One that
+   is not -- a file cut short or damaged since, a shard missing -- is passed
+   over for the newest whole one, saying so: its files' headers and sizes are
+   read, not their data. Ties go to the later name, so every rank picks the
+   same folder. A one-file checkpoint of an earlier dtrain that would have been
+   the newest is an error, not a silent fresh start. */
+typedef struct { long long step; char path[4096]; } dt__candidate;
+static int dt__candidate_newer(const void *a, const void *b) {
+    const dt__candidate *x = (const dt__candidate *)a, *y = (const dt__candidate *)b;
+    return x->step != y->step ? (x->step > y->step ? -1 : 1) : -strcmp(x->path, y->path);
+}
+/* Are the files of checkpoint folder `path` whole, as far as their headers and sizes tell? */
+static int dt__checkpoint_whole(const char *path, dt_safetensors *meta, char *why, size_t n) {
+    char file[4200];
+    if (dt_safetensors_meta(meta, "shards")) {
+        const char *shards = dt_safetensors_meta(meta, "shards");
+        int world = atoi(shards);
+        if (world < 1 || world > DT_MAX_RANKS) { snprintf(why, n, "its index says %.20s shards", shards); return 0; }
+        for (int r = 0; r < world; r++) {
+            char key[32];
+            struct stat s;
+            dt__shard_path(file, sizeof file, path, r, world);
+            snprintf(key, sizeof key, "shard.%d.bytes", r);
+            const char *bytes = dt_safetensors_meta(meta, key);
+            if (stat(file, &s) != 0) { snprintf(why, n, "shard %d of %d is missing", r, world); return 0; }
+            if (!bytes || strtoull(bytes, NULL, 10) != (unsigned long long)s.st_size) {
+                snprintf(why, n, "shard %d of %d has %lld bytes, the index recorded %.20s", r, world, (long long)s.st_size,
+                         bytes ? bytes : "none");
+                return 0;
+            }
+        }
+        return 1;
+    }
+    dt__path(file, sizeof file, "%s/optimizer.safetensors", path);
+    dt_safetensors *st = dt__safetensors_read_header_or_why(file, why, n);
+    dt_safetensors_close(st);
+    return st != NULL;
+}
+static const char *dt__newest_checkpoint(const char *dir, char *out, size_t n) {
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    long long best = -1, best_old_format = -1;
+    char old_format[4096] = "", why[600];
+    dt__candidate *c = NULL;
+    int nc = 0, cap = 0, unreadable = 0, talk = dt__ctx.rank == 0;
+    out[0] = 0;
+    while (d && (e = readdir(d))) {
+        size_t len = strlen(e->d_name);
+        char path[4096], file[4200];
+        struct stat s;
+        if (e->d_name[0] == '.' || (len > 4 && !strcmp(e->d_name + len - 4, ".tmp"))) continue;
+        dt__path(path, sizeof path, "%s/%s", dir, e->d_name);
+        if (len > 4 && !strcmp(e->d_name + len - 4, ".old")) {
+            dt__path(file, sizeof file, "%.*s", (int)strlen(path) - 4, path);
+            if (access(file, F_OK) == 0) continue;            /* replaced, and its successor is there */
+        }
+        if (stat(path, &s) == 0 && S_ISREG(s.st_mode) && len > 12 && !strcmp(e->d_name + len - 12, ".safetensors")) {
+            dt_safetensors *st = dt__safetensors_read_header_or_why(path, why, sizeof why);
+            const char *format = dt_safetensors_meta(st, "format"), *step = dt_safetensors_meta(st, "step");
+            if (format && !strncmp(format, "dtrain-", 7) && strstr(format, "checkpoint") && step && atoll(step) > best_old_format) {
+                best_old_format = atoll(step);
+                dt__copy_str(old_format, sizeof old_format, path);
+            }
+            dt_safetensors_close(st);
+            continue;
+        }
+        if (stat(path, &s) != 0 || !S_ISDIR(s.st_mode)) continue;
+        if (!dt__checkpoint_file(path, "shards.safetensors", file, sizeof file) && !dt__checkpoint_weights(path, file, sizeof file))
+            continue;
+        dt_safetensors *st = dt__safetensors_read_header_or_why(file, why, sizeof why);
+        if (!st) {
+            if (talk) dt_warn("--resume auto: passing over '%s', which cannot be read: %s", path, why);
+            unreadable++;
+            continue;
+        }
+        const char *format = dt_safetensors_meta(st, "dtrain_format"), *step = dt_safetensors_meta(st, "step");
+        if (format && strstr(format, "checkpoint") && step) {
+            if (nc == cap && !(c = (dt__candidate *)realloc(c, sizeof *c * (size_t)(cap = cap ? 2 * cap : 16))))
+                dt_fail("out of memory (--resume auto)");
+            c[nc].step = atoll(step);
+            dt__copy_str(c[nc++].path, sizeof c->path, path);
+        }
+        dt_safetensors_close(st);
+    }
+    if (d) closedir(d);
+    if (nc > 1) qsort(c, (size_t)nc, sizeof *c, dt__candidate_newer);
+    for (int k = 0; k < nc && !out[0]; k++) {
+        char file[4200];
+        if (!dt__checkpoint_file(c[k].path, "shards.safetensors", file, sizeof file)) dt__checkpoint_weights(c[k].path, file, sizeof file);
+        dt_safetensors *meta = dt__safetensors_read_header(file);
+        if (dt__checkpoint_whole(c[k].path, meta, why, sizeof why)) {
+            best = c[k].step;
+            dt__copy_str(out, n, c[k].path);
+            if (talk && (k > 0 || unreadable))       /* something newer was passed over: say what is taken instead */
+                printf("--resume auto: resuming '%s' (step %lld), the newest whole checkpoint in '%s'\n", out, best, dir);
+        } else if (talk)
+            dt_warn("--resume auto: passing over '%s' (step %lld), which is not whole: %s", c[k].path, c[k].step, why);
+        dt_safetensors_close(meta);
+    }
+    free(c);
+    if ((nc > 0 || unreadable > 0) && !out[0])        /* not a fresh start: that would train over them */
+        dt_fail("--resume auto: no checkpoint in '%s' is whole (see above): resume one by name with --resume, or move "
+                "them out of --save-dir to start afresh", dir);
+    if (best_old_format >= 0 && best_old_format >= best)
+        dt_fail("--resume auto: '%s' (step %lld) is a one-file checkpoint of an earlier dtrain, newer than any checkpoint "
+                "folder in '%s': resume it with that dtrain, or move it out of --save-dir", old_format, best_old_format, dir);
+    return out[0] ? out : NULL;
 }
 

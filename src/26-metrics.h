@@ -540,6 +540,13 @@ static int dt__mlflow_key_file(dt_mlflow *ml, const char *part, const char *key,
     char path[4400];
     if (!*key || strstr(key, "..") || key[0] == '/') { errno = EINVAL; return 0; }   /* a key is a file name (a/b: a folder) */
     dt__path(path, sizeof path, "%s/%s/%s", ml->run_dir, part, key);
+    char *slash = strrchr(path, '/');
+    if (strchr(key, '/')) {                                    /* system/rss_mb: metrics/system/, as MLflow makes it */
+        *slash = 0;
+        int made = dt__mkdirs(path);
+        *slash = '/';
+        if (!made) return 0;
+    }
     return dt__write_small(path, mode, text);
 }
 static int dt__mlflow_file_param(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_key_file(ml, "params", key, "w", value); }

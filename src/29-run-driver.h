@@ -694,6 +694,12 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     for (int k = 0; k < dt__ctx.ncomm_events; k++)
         dt__trace_event(run, dt__ctx.comm_events[k].name, dt__ctx.comm_events[k].pipeline ? DT_TRACK_PIPELINE : DT_TRACK_COMM,
                         dt__ctx.comm_events[k].t0, dt__ctx.comm_events[k].t1);
+    /* A progress line is due (by time, --log-every, or an epoch's end): printed unless --quiet, and the
+       hardware's own figures go into --log, TensorBoard and MLflow with it (rank 0's). */
+    int last_of_epoch = run->batch_in_epoch == run->batches_per_epoch || run->step == run->stop_step;
+    int line_due = dt__ctx.rank == 0 && dt__progress_due(run->step, run->cfg.log_every, last_of_epoch, now, run->line_ms);
+    dt_hardware hw;
+    if (line_due) dt_hardware_read(run->model->device, &hw);
     dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
     double within = 0, across = 0;
     if (rep && rep->bytes_moved) {
@@ -724,6 +730,13 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
         }
         if (dt__tokens_per_sample(run))
             fprintf(run->log, ",\"tokens_per_s\":%.1f", (double)batch_size * run->loader->world * dt__tokens_per_sample(run) * 1e3 / step_ms);
+        if (line_due) {
+            if (hw.rss_bytes >= 0) fprintf(run->log, ",\"rss_bytes\":%.0f", hw.rss_bytes);
+            if (hw.cpu_seconds >= 0) fprintf(run->log, ",\"cpu_s\":%.3f", hw.cpu_seconds);
+            if (hw.gpu) fprintf(run->log, ",\"gpu_mem_in_use_bytes\":%zu,\"gpu_mem_reserved_bytes\":%.0f", dt_mem_total_now(), hw.gpu_reserved_bytes);
+            if (hw.gpu && hw.gpu_util_percent >= 0) fprintf(run->log, ",\"gpu_util_percent\":%.0f", hw.gpu_util_percent);
+            if (hw.gpu && hw.gpu_temp_c >= 0) fprintf(run->log, ",\"gpu_temp_c\":%.0f", hw.gpu_temp_c);
+        }
         fprintf(run->log, "}\n");
         dt__file_check(run->log, "--log", run->cfg.log_path);
     }
@@ -740,6 +753,19 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
             dt__tensorboard_scalar(run, figures[i].tb, figures[i].value);
             dt__mlflow_metric(run, figures[i].mlflow, figures[i].value);
         }
+        /* the hardware's, under one name in both (MLflow shows system/ in its "System metrics" tab) */
+        const struct { const char *name; double value; int shown; } system[] = {
+            { "system/rss_mb", hw.rss_bytes / 1e6, line_due && hw.rss_bytes >= 0 },
+            { "system/cpu_s", hw.cpu_seconds, line_due && hw.cpu_seconds >= 0 },
+            { "system/gpu_memory_in_use_mb", dt_mem_total_now() / 1e6, line_due && hw.gpu },
+            { "system/gpu_memory_reserved_mb", hw.gpu_reserved_bytes / 1e6, line_due && hw.gpu },
+            { "system/gpu_utilization_percent", hw.gpu_util_percent, line_due && hw.gpu && hw.gpu_util_percent >= 0 },
+            { "system/gpu_temperature_c", hw.gpu_temp_c, line_due && hw.gpu && hw.gpu_temp_c >= 0 } };
+        for (size_t i = 0; i < sizeof system / sizeof system[0]; i++)
+            if (system[i].shown) {
+                dt__tensorboard_scalar(run, system[i].name, system[i].value);
+                dt__mlflow_metric(run, system[i].name, system[i].value);
+            }
     }
     if (run->cfg.bench && run->step > run->bench_first) {
         for (int i = 0; i < DT_PHASE_COUNT; i++) run->bench_phase_ms[i] += run->phase_ms[i];
@@ -755,12 +781,11 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
         }
     }
     run->step_ms_avg = dt__eta_update(run->step_ms_avg, step_ms, run->steps_run);
-    int last_of_epoch = run->batch_in_epoch == run->batches_per_epoch || run->step == run->stop_step;
-    if (!run->cfg.quiet && dt__ctx.rank == 0 && dt__progress_due(run->step, run->cfg.log_every, last_of_epoch, now, run->line_ms)) {
+    if (line_due) run->line_ms = now;
+    if (line_due && !run->cfg.quiet) {
         char eta[32];
         double rate = run->step_ms_avg > 0 ? batch_size * run->loader->world * 1e3 / run->step_ms_avg : 0;
         dt__format_duration((run->stop_step - run->step) * run->step_ms_avg / 1e3, eta, sizeof eta);
-        run->line_ms = now;
         char scale[128] = "";
         if (run->scaler.enabled)
             snprintf(scale, sizeof scale, "  scale %g (%lld skipped)", run->scaler.scale, (long long)run->scaler.skipped);

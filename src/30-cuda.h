@@ -67,6 +67,31 @@ static void dt__cublas_open(void) {                 /* once, whichever thread co
     pthread_once(&once, dt__cublas_load);
 }
 
+/* NVML (libnvidia-ml, the driver's), for the figures a GPU gives of itself:
+   loaded at run time, so a build needs nothing of it and a machine without
+   it still trains (the figures are -1). Its types, as nvml.h declares them
+   (the toolkit does not always ship that header): a status (0: success), an
+   opaque device, utilisation as two percentages; sensor 0 is the GPU's. */
+typedef int dt__nvml_status;
+typedef struct dt__nvml_device_s *dt__nvml_device;
+typedef struct { unsigned int gpu, memory; } dt__nvml_utilization;
+static struct {
+    dt__nvml_status (*init)(void);
+    dt__nvml_status (*by_pci_bus)(const char *bus_id, dt__nvml_device *device);
+    dt__nvml_status (*utilization)(dt__nvml_device device, dt__nvml_utilization *u);
+    dt__nvml_status (*temperature)(dt__nvml_device device, int sensor, unsigned int *celsius);
+    int ready;
+} dt__nvml;
+static void dt__nvml_load(void) {
+    void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return;                                            /* no NVML: the figures it gives are -1 */
+    dt__nvml.init = (decltype(dt__nvml.init))dlsym(lib, "nvmlInit_v2");
+    dt__nvml.by_pci_bus = (decltype(dt__nvml.by_pci_bus))dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2");
+    dt__nvml.utilization = (decltype(dt__nvml.utilization))dlsym(lib, "nvmlDeviceGetUtilizationRates");
+    dt__nvml.temperature = (decltype(dt__nvml.temperature))dlsym(lib, "nvmlDeviceGetTemperature");
+    dt__nvml.ready = dt__nvml.init && dt__nvml.by_pci_bus && dt__nvml.utilization && dt__nvml.temperature && dt__nvml.init() == 0;
+}
+
 static struct {
     int index;
     cudaStream_t stream;                 /* every kernel, copy and matmul, in order */
@@ -114,6 +139,29 @@ __device__ static inline float dt__warp_sum(float v) {
 __device__ static inline float dt__warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
+}
+
+/* The GPU's own figures (dt_hardware_read): its memory given out, and NVML's
+   utilisation and temperature of the device this rank uses (found by its PCI
+   address: NVML numbers devices its own way, CUDA_VISIBLE_DEVICES aside). */
+static void dt__cuda_hardware(dt_hardware *out) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, dt__nvml_load);
+    size_t free_b = 0, total_b = 0;
+    out->gpu = 1;
+    out->gpu_util_percent = out->gpu_temp_c = -1;
+    if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) {
+        out->gpu_reserved_bytes = (double)(total_b - free_b);
+        out->gpu_total_bytes = (double)total_b;
+    } else cudaGetLastError();
+    char bus[32];
+    dt__nvml_device device;
+    dt__nvml_utilization u;
+    unsigned int celsius;
+    if (!dt__nvml.ready || cudaDeviceGetPCIBusId(bus, sizeof bus, dt__cuda.index) != cudaSuccess || dt__nvml.by_pci_bus(bus, &device) != 0)
+        return;
+    if (dt__nvml.utilization(device, &u) == 0) out->gpu_util_percent = u.gpu;
+    if (dt__nvml.temperature(device, 0, &celsius) == 0) out->gpu_temp_c = celsius;
 }
 
 /* ---- memory and copies ---- */

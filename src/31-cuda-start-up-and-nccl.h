@@ -36,6 +36,7 @@ extern "C" const dt_backend *dt_cuda_backend(int local_rank, char *why, size_t n
     snprintf(t->name, sizeof t->name, "%s", prop.name);
     t->alloc = dt__cuda_alloc; t->release = dt__cuda_release; t->zero = dt__cuda_zero;
     t->upload = dt__cuda_upload; t->download = dt__cuda_download; t->synchronize = dt__cuda_synchronize;
+    t->hardware = dt__cuda_hardware;
     t->gemm = dt__cuda_gemm; t->gemm_half = dt__cuda_gemm_half; t->add_bias = dt__cuda_add_bias; t->sum_rows = dt__cuda_sum_rows;
     t->gelu_forward = dt__cuda_gelu_forward; t->gelu_backward = dt__cuda_gelu_backward;
     t->layernorm_forward = dt__cuda_layernorm_forward; t->layernorm_backward = dt__cuda_layernorm_backward;

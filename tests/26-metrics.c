@@ -363,6 +363,47 @@ TEST(mlflow_reads_the_runs_dtrain_wrote, FULL) {
            seen[0], seen[1], named[0], named[1], text);
 }
 
+/* The hardware's own figures at each progress line (--log-every 2: steps 1,
+   2, 4 and 6), in --log and as MLflow's system/ metrics (the file store
+   keeps a key with a slash in a folder, as MLflow does): the process's
+   resident memory (more than a megabyte, less than a terabyte) and its CPU
+   time (growing); none at the steps between. */
+TEST(hardware_figures_come_with_each_progress_line, QUICK) {
+    char out[16384], log[600], dir[600], p[1600];
+    snprintf(log, sizeof log, "%s/hw.jsonl", tmpdir);
+    snprintf(dir, sizeof dir, "%s/hw-mlruns", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 6 --log-every 2 --log %s --mlflow %s", train_cpu,
+                     small_data(), log, dir);
+    CHECKF(st == 0, "exit %d\n%s", st, out);
+    int64_t steps[16], cs[16];
+    double rss[16], cpu[16];
+    int n = log_points(log, "rss_bytes", steps, rss, 16), m = log_points(log, "cpu_s", cs, cpu, 16);
+    CHECKF(n == 4 && m == 4 && steps[0] == 1 && steps[1] == 2 && steps[2] == 4 && steps[3] == 6 && cs[3] == 6,
+           "rss_bytes at %d steps, cpu_s at %d (steps 1, 2, 4, 6 expected)", n, m);
+    for (int i = 0; i < n && i < m; i++)
+        CHECKF(rss[i] > 1e6 && rss[i] < 1e12 && cpu[i] > 0 && (i == 0 || cpu[i] >= cpu[i - 1]), "step %lld: rss %.0f bytes, cpu %.3f s",
+               (long long)steps[i], rss[i], cpu[i]);
+    /* the same in MLflow, in megabytes */
+    char exp[700], run[800] = "";
+    snprintf(exp, sizeof exp, "%s/1", dir);
+    DIR *d = opendir(exp);
+    for (struct dirent *e; d && (e = readdir(d));)
+        if (strlen(e->d_name) == 32) snprintf(run, sizeof run, "%s/%s", exp, e->d_name);
+    if (d) closedir(d);
+    snprintf(p, sizeof p, "%s/metrics/system/rss_mb", run);
+    FILE *f = fopen(p, "r");
+    long long ms, step;
+    double v;
+    int k = 0;
+    while (f && k < n && fscanf(f, "%lld %lf %lld", &ms, &v, &step) == 3) {
+        CHECKF(step == steps[k] && fabs(v - rss[k] / 1e6) <= 1e-6 * v, "%s line %d: %.9g MB at step %lld, --log %.0f bytes at %lld", p, k + 1,
+               v, step, rss[k], (long long)steps[k]);
+        k++;
+    }
+    if (f) fclose(f);
+    CHECKF(k == n, "%s: %d points, --log has %d", p, k, n);
+}
+
 /* --mlflow http://HOST:PORT with no server there (or a build without
    libcurl) is an error naming the flag and the address, before training. */
 TEST(mlflow_server_that_cannot_be_reached_is_an_error_before_training, QUICK) {
@@ -470,7 +511,8 @@ TEST(mlflow_server_takes_the_run_live_through_its_rest_api, FULL) {
     static const struct { const char *log, *mlflow; double scale, rel, abs; } figures[] = {
         { "loss", "loss", 1, 1e-7, 0 }, { "lr", "lr", 1, 1e-5, 0 }, { "grad_norm", "grad_norm", 1, 1e-4, 0 },
         { "step_ms", "step_ms", 1, 0, 6e-4 }, { "samples_per_s", "samples_per_s", 1, 0, 0.06 },
-        { "mem_bytes", "memory_mb", 1e-6, 1e-9, 0 }, { "eval_loss", "eval_loss", 1, 0, 6e-7 }, { "eval_acc", "eval_accuracy", 1, 0, 6e-7 } };
+        { "mem_bytes", "memory_mb", 1e-6, 1e-9, 0 }, { "eval_loss", "eval_loss", 1, 0, 6e-7 }, { "eval_acc", "eval_accuracy", 1, 0, 6e-7 },
+        { "rss_bytes", "system/rss_mb", 1e-6, 1e-9, 0 }, { "cpu_s", "system/cpu_s", 1, 0, 6e-4 } };
     int64_t ls[64];
     double lv[64];
     for (size_t f = 0; f < sizeof figures / sizeof figures[0]; f++) {
@@ -485,7 +527,8 @@ TEST(mlflow_server_takes_the_run_live_through_its_rest_api, FULL) {
                     matched++;
                     break;
                 }
-        int expect = !strncmp(figures[f].log, "eval", 4) ? 2 : 6;
+        /* evaluations: at steps 4 and 6; the hardware's: at each progress line (--log-every 1000: the first step's) */
+        int expect = !strncmp(figures[f].log, "eval", 4) ? 2 : !strncmp(figures[f].mlflow, "system/", 7) ? 1 : 6;
         CHECKF(n == expect && matched == n && theirs == n, "%s: --log has %d points (%d expected), MLflow %d, %d of them at --log's steps",
                figures[f].mlflow, n, expect, theirs, matched);
     }

@@ -614,6 +614,28 @@ TEST(gpu_checkpoints_resume_bit_for_bit, QUICK) {
         CHECKF(files_equal_tensors(p, q), "resumed from %s: weights or optimizer state differ from the straight run", from[k]);
     }
 }
+/* The GPU's own figures at each progress line: the memory the device has
+   given out (at least what the tensors hold, at most the device), NVML's
+   utilisation (0-100 %) and temperature (a GPU that runs is above 0 C and
+   below 120 C). NVML ships with the driver, so a machine with a GPU has it. */
+TEST(gpu_hardware_figures_come_with_each_progress_line, QUICK) {
+    NEED_GPU();
+    char out[16384], log[600];
+    snprintf(log, sizeof log, "%s/gpu-hw.jsonl", tmpdir);
+    int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 3 --log-every 1 --log %s", stage_cuda("01-single-gpu"),
+                     small_data(), log);
+    CHECKF(st == 0, "exit %d\n%s", st, out);
+    int64_t s[4][8];
+    double v[4][8];
+    static const char *const keys[4] = { "gpu_mem_in_use_bytes", "gpu_mem_reserved_bytes", "gpu_util_percent", "gpu_temp_c" };
+    int n[4];
+    for (int k = 0; k < 4; k++) n[k] = log_points(log, keys[k], s[k], v[k], 8);
+    CHECKF(n[0] == 3 && n[1] == 3 && n[2] == 3 && n[3] == 3, "%d, %d, %d, %d of 3 steps have %s, %s, %s, %s", n[0], n[1], n[2], n[3],
+           keys[0], keys[1], keys[2], keys[3]);
+    for (int i = 0; i < 3 && n[0] == 3 && n[1] == 3 && n[2] == 3 && n[3] == 3; i++)
+        CHECKF(v[0][i] > 0 && v[1][i] >= v[0][i] && v[2][i] >= 0 && v[2][i] <= 100 && v[3][i] > 0 && v[3][i] < 120,
+               "step %d: in use %.0f, reserved %.0f bytes, utilisation %.0f %%, %.0f C", i + 1, v[0][i], v[1][i], v[2][i], v[3][i]);
+}
 /* The GPT end to end on the GPU: embeddings, causal attention, the tied head
    (whose gradient comes from two places), generation; its curve tracks the CPU's.
    150 steps, as the CPU's test_gpt_beats_the_unigram_baseline_on_text: at 40

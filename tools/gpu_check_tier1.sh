@@ -176,14 +176,14 @@ fi
 
 # ---- the kernels that have never run, against the CPU ------------------------------
 if begin kernels; then
-    for t in gpu_ops gpu_casts gpu_quantization gpu_fp32_step gpu_bf16_and_fp16_step gpu_online_attention; do
+    for t in gpu_ops gpu_casts gpu_quantization gpu_fp32_step gpu_bf16_and_fp16_step gpu_online_attention gpu_hardware_figures; do
         run "$t" 120 ./tests/test_dtrain build/test/01-single-gpu/train "$t"
         if [ "$DRY" = 0 ] && grep -q '^SKIP' "$OUT/logs/kernels-$t.log"; then
             CUR_FAILS=$((CUR_FAILS + 1)); say "  $t: skipped where a GPU is visible"
         fi
         grep -E '^(PASS|FAIL|SKIP) ' "$OUT/logs/kernels-$t.log" | cut -c1-140 | sed 's/^/  /' | tee -a "$REPORT"
     done
-    end "gpu_ops (online attention, the fused classifier, Llama's kernels), casts, ZeRO++'s quantization, one step, online attention"
+    end "gpu_ops (online attention, the fused classifier, Llama's kernels), casts, ZeRO++'s quantization, one step, online attention, the GPU's own figures (NVML)"
 fi
 
 # ---- GPT-2 124M: dtrain against PyTorch eager on the same step ---------------------

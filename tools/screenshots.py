@@ -1,9 +1,13 @@
 """The README's pictures of TensorBoard and MLflow showing dtrain's runs.
 
 usage: python tools/screenshots.py TRACK OUT_DIR
+       python tools/screenshots.py --live OUT_DIR
   TRACK: the folder tools/stage_curves.sh filled (TRACK=DIR), holding
          mlruns/ (--mlflow) and tensorboard/ (--tensorboard) of three stages
   writes OUT_DIR/tensorboard.png and OUT_DIR/mlflow.png
+  --live: starts `mlflow server` (SQLite, in a temporary folder), trains stage
+         01's small GPT with --mlflow http://127.0.0.1:PORT, and saves the run's
+         page while it trains: OUT_DIR/mlflow-live.png
 
 It starts `tensorboard --logdir TRACK/tensorboard` and `mlflow ui
 --backend-store-uri TRACK/mlruns` on free local ports, opens each in a
@@ -94,9 +98,79 @@ def serve(command, url, name, servers, logs):
     fail(f"{name} {how}: {' '.join(command)}\n  " + "\n  ".join(tail))
 
 
+def live(out):
+    """The MLflow UI of a tracking server while a run goes on: the run's page
+    once its charts have a few dozen steps, the run still RUNNING."""
+    chromium = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not chromium:
+        fail("no Chromium (apt-get install chromium, or CHROMIUM=PATH)")
+    train = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "01-single-gpu", "train")
+    if not os.access(train, os.X_OK):
+        fail(f"no {train}: run make first")
+    os.makedirs(out, exist_ok=True)
+    (port,) = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    servers, logs = [], []
+    with tempfile.TemporaryDirectory() as work:
+        try:
+            serve([program("mlflow"), "server", "--backend-store-uri", f"sqlite:///{work}/mlflow.db", "--default-artifact-root",
+                   f"{work}/artifacts", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"], url + "/health",
+                  "mlflow server", servers, logs)
+            log = open(os.path.join(work, "train.out"), "w+")
+            run = subprocess.Popen([train, "--model", "gpt", "--steps", "600", "--eval-every", "100", "--log-every", "50",
+                                    "--mlflow", url], stdout=log, stderr=subprocess.STDOUT, cwd=work, start_new_session=True)
+            servers.append(run)
+            page_url = None
+            for _ in range(120):                      # the run prints its page once the server made it
+                log.seek(0)
+                for line in log.read().splitlines():
+                    if line.startswith("mlflow: run "):
+                        page_url = line.split(", ", 1)[1]
+                if page_url or run.poll() is not None:
+                    break
+                time.sleep(0.5)
+            if not page_url:
+                log.seek(0)
+                fail("the run did not print its MLflow page:\n  " + "\n  ".join(log.read().splitlines()[-5:]))
+            client = MlflowClient(tracking_uri=url)
+            run_id = page_url.rsplit("/", 1)[1]
+            for _ in range(240):                      # a few dozen steps on the charts
+                if len(client.get_metric_history(run_id, "loss")) >= 60 or run.poll() is not None:
+                    break
+                time.sleep(0.5)
+            with sync_playwright() as p:
+                browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+                page = browser.new_page(viewport={"width": 1600, "height": 1000})
+                page.goto(page_url + "/model-metrics")
+                page.wait_for_selector("text=loss", timeout=60000)
+                page.wait_for_timeout(5000)
+                close = page.locator("button[aria-label='Close']").filter(visible=True)   # the assistant's side panel
+                if close.count():
+                    close.first.click()
+                    page.wait_for_timeout(1500)
+                status = client.get_run(run_id).info.status
+                page.screenshot(path=os.path.join(out, "mlflow-live.png"))
+                browser.close()
+            if status != "RUNNING":
+                fail(f"the run was {status} when the picture was taken, not RUNNING: try again on a less busy machine")
+        except PlaywrightError as e:
+            fail(f"the browser: {str(e).splitlines()[0]}")
+        finally:
+            for server in servers:
+                for sig in (signal.SIGTERM, signal.SIGKILL):
+                    try:
+                        os.killpg(server.pid, sig)
+                        server.wait(timeout=10)
+                    except (ProcessLookupError, subprocess.TimeoutExpired):
+                        pass
+    print(f"wrote {os.path.join(out, 'mlflow-live.png')} (run {run_id}, {status} when taken)")
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--live":
+        return live(sys.argv[2])
     if len(sys.argv) != 3:
-        fail("usage: python tools/screenshots.py TRACK OUT_DIR")
+        fail("usage: python tools/screenshots.py TRACK OUT_DIR, or --live OUT_DIR")
     track, out = sys.argv[1], sys.argv[2]
     for sub in ("mlruns", "tensorboard"):
         if not os.path.isdir(os.path.join(track, sub)):
