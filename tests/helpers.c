@@ -318,19 +318,10 @@ static int log_points(const char *log, const char *key, int64_t *steps, double *
     return count;
 }
 
-/* The "key" values of a log's training lines, in order. */
+/* The "key" values of a log's lines (not the summary), in order. */
 static int log_series(const char *log, const char *key, double *out, int max) {
-    size_t n = 0;
-    char *text = (char *)read_bytes(log, &n), pat[64];
-    if (!text) return -1;
-    text = (char *)realloc(text, n + 1);
-    text[n] = 0;
-    snprintf(pat, sizeof pat, "\"%s\":", key);
-    int count = 0;
-    for (char *line = strtok(text, "\n"); line && count < max; line = strtok(NULL, "\n")) {
-        char *p = strstr(line, pat);
-        if (p && !strstr(line, "\"summary\"")) out[count++] = atof(p + strlen(pat));
-    }
-    free(text);
-    return count;
+    int64_t *steps = (int64_t *)malloc(sizeof *steps * (size_t)(max > 0 ? max : 1));
+    int n = steps ? log_points(log, key, steps, out, max) : -1;
+    free(steps);
+    return n;
 }

@@ -59,6 +59,17 @@ def free_ports(n):
     return ports
 
 
+def stop(servers):
+    """Each server (or run) asked to stop, then whatever of its group is left."""
+    for server in servers:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(server.pid, sig)
+                server.wait(timeout=10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+
+
 def color_runs(store):
     """MLflow colours a run by a hash of its id, which can give two runs one
     grey; pick each its own, as the UI's colour picker does (the run tag
@@ -156,13 +167,7 @@ def live(out):
         except PlaywrightError as e:
             fail(f"the browser: {str(e).splitlines()[0]}")
         finally:
-            for server in servers:
-                for sig in (signal.SIGTERM, signal.SIGKILL):
-                    try:
-                        os.killpg(server.pid, sig)
-                        server.wait(timeout=10)
-                    except (ProcessLookupError, subprocess.TimeoutExpired):
-                        pass
+            stop(servers)
     print(f"wrote {os.path.join(out, 'mlflow-live.png')} (run {run_id}, {status} when taken)")
 
 
@@ -214,13 +219,7 @@ def main():
     except PlaywrightError as e:
         fail(f"the browser: {str(e).splitlines()[0]}")
     finally:
-        for server in servers:                 # asked to stop, then whatever of the group is left
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(server.pid, sig)
-                    server.wait(timeout=10)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    pass
+        stop(servers)
     print(f"wrote {os.path.join(out, 'tensorboard.png')} and {os.path.join(out, 'mlflow.png')}")
 
 
