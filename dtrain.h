@@ -2396,6 +2396,8 @@ struct dt_run {
     int64_t best_step;
     int evals_since_best;
     int early_stopped;         /* --early-stop ended the run */
+    int eval_pending;          /* a signal stopped the run where an evaluation was due: the resumed run makes it first */
+    int evals_run;             /* evaluations made by this process */
     double unigram_loss;       /* gpt: the validation loss of a model that ignores context */
     int micro;                 /* micro-batches of this step done so far (--accum-steps) */
     double micro_loss;         /* and the sum of their losses */
@@ -2721,11 +2723,10 @@ void dt_fail(const char *fmt, ...) {
     va_list ap; va_start(ap, fmt); dt__vmessage("error", fmt, ap); va_end(ap);
     DT__FUZZ_REFUSED();
     dt__cleanup_run_in(0);
-    void (*track)(void) = dt__on_fail_tracking;
-    dt__on_fail_tracking = NULL;             /* once: its own writes may fail */
-    if (track) track();
     void (*tell)(void) = __atomic_load_n(&dt__on_fail, __ATOMIC_ACQUIRE);
-    if (tell) tell();            /* the other ranks must not wait for us */
+    if (tell) tell();            /* the other ranks must not wait for us (the tracking below may take seconds) */
+    void (*track)(void) = __atomic_exchange_n(&dt__on_fail_tracking, NULL, __ATOMIC_ACQ_REL);
+    if (track) track();          /* once, by whichever thread fails first: its own writes may fail */
     exit(1);
 }
 void dt_usage_error(const char *fmt, ...) {
@@ -13104,11 +13105,13 @@ static int dt__st_by_offset(const void *a, const void *b) {
    a folder of checkpoints and passes a damaged one by. */
 #define DT__ST_REFUSE(...)                                          \
     do {                                                            \
-        if (!why) dt_fail(__VA_ARGS__);                             \
-        snprintf(why, why_n, __VA_ARGS__);                          \
+        char refused[8192];  /* said after what was read is freed */  \
+        snprintf(refused, sizeof refused, __VA_ARGS__);             \
         if (st) dt_safetensors_close(st);                           \
         else free(buf);                                             \
         free(by);                                                   \
+        if (!why) dt_fail("%s", refused);                           \
+        dt__copy_str(why, why_n, refused);                          \
         return NULL;                                                \
     } while (0)
 static dt_safetensors *dt__safetensors_parse(const char *path, unsigned char *buf, size_t have, size_t len, char *why,
@@ -14690,6 +14693,7 @@ static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *f
         dt__meta_add(l, "best_step", "%lld", (long long)r->best_step);
         dt__meta_add(l, "evals_since_best", "%d", r->evals_since_best);
     }
+    if (r->eval_pending) dt__meta_add(l, "eval_pending", "1");     /* stopped where an evaluation was due */
     if (r->mlflow_run_id[0]) dt__meta_add(l, "mlflow_run_id", "%s", r->mlflow_run_id);
     if (r->tensorboard_run[0]) dt__meta_add(l, "tensorboard_run", "%s", r->tensorboard_run);
     if (r->model->base) {
@@ -14896,6 +14900,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
         dt_fail("'%s': metadata 'best_eval_loss' is '%.40s', not a finite number", st->path, best);
     int64_t best_step = best ? (int64_t)dt__meta_whole(st, st->path, "best_step", 0, (uint64_t)step) : 0;
     int evals_since_best = best ? (int)dt__meta_whole(st, st->path, "evals_since_best", 0, INT_MAX) : 0;
+    int eval_pending = dt_safetensors_meta(st, "eval_pending") ? (int)dt__meta_whole(st, st->path, "eval_pending", 0, 1) : 0;
     const char *loss = dt_safetensors_meta(st, "loss");          /* the last step's; older checkpoints have none */
     char *loss_end = NULL;
     double last_loss = loss ? strtod(loss, &loss_end) : 0;
@@ -14968,6 +14973,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     r->best_eval_loss = best_loss;
     r->best_step = best_step;
     r->evals_since_best = evals_since_best;
+    r->eval_pending = eval_pending;
     r->epoch = epoch;
     r->batch_in_epoch = batch_in_epoch;
     r->cfg.seed = seed;
@@ -15513,7 +15519,35 @@ static int dt__mlflow_experiment(const char *dir, const char *id, const char *na
 }
 static int dt__all_digits(const char *s) { return *s && strspn(s, "0123456789") == strlen(s); }
 int dt_mlflow_run_id_valid(const char *id) { return id && strlen(id) == 32 && strspn(id, "0123456789abcdef") == 32; }
-static const dt__mlflow_store dt__mlflow_files;
+static int dt__mlflow_key_file(dt_mlflow *ml, const char *part, const char *key, const char *mode, const char *text) {
+    char path[4400];
+    if (!*key || strstr(key, "..") || key[0] == '/') { errno = EINVAL; return 0; }   /* a key is a file name (a/b: a folder) */
+    dt__path(path, sizeof path, "%s/%s/%s", ml->run_dir, part, key);
+    char *slash = strrchr(path, '/');
+    if (strchr(key, '/')) {                                    /* system/rss_mb: metrics/system/, as MLflow makes it */
+        *slash = 0;
+        int made = dt__mkdirs(path);
+        *slash = '/';
+        if (!made) return 0;
+    }
+    return dt__write_small(path, mode, text);
+}
+static int dt__mlflow_file_param(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_key_file(ml, "params", key, "w", value); }
+static int dt__mlflow_file_tag(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_key_file(ml, "tags", key, "w", value); }
+static int dt__mlflow_file_metric(dt_mlflow *ml, const char *key, double value, int64_t step, int64_t timestamp_ms) {
+    char line[128];
+    snprintf(line, sizeof line, "%lld %.9g %lld\n", (long long)timestamp_ms, value, (long long)step);
+    return dt__mlflow_key_file(ml, "metrics", key, "a", line);
+}
+static int dt__mlflow_file_close(dt_mlflow *ml, dt_mlflow_status status) {
+    int ok = dt__mlflow_meta(ml, status, dt__unix_ms()), err = errno;
+    free(ml);
+    errno = err;
+    return ok;
+}
+static const dt__mlflow_store dt__mlflow_files = { dt__mlflow_file_param, dt__mlflow_file_tag, dt__mlflow_file_metric,
+                                                   dt__mlflow_file_close };
+
 static dt_mlflow *dt__mlflow_files_open(const char *dir, const char *experiment, const char *run_name, const char *run_id) {
     char abs[4096], cwd[4096] = "", path[4200], value[256];
     if (!dt__mkdirs(dir) || (dir[0] != '/' && !getcwd(cwd, sizeof cwd))) return NULL;
@@ -15575,34 +15609,6 @@ static dt_mlflow *dt__mlflow_files_open(const char *dir, const char *experiment,
     }
     return ml;
 }
-static int dt__mlflow_key_file(dt_mlflow *ml, const char *part, const char *key, const char *mode, const char *text) {
-    char path[4400];
-    if (!*key || strstr(key, "..") || key[0] == '/') { errno = EINVAL; return 0; }   /* a key is a file name (a/b: a folder) */
-    dt__path(path, sizeof path, "%s/%s/%s", ml->run_dir, part, key);
-    char *slash = strrchr(path, '/');
-    if (strchr(key, '/')) {                                    /* system/rss_mb: metrics/system/, as MLflow makes it */
-        *slash = 0;
-        int made = dt__mkdirs(path);
-        *slash = '/';
-        if (!made) return 0;
-    }
-    return dt__write_small(path, mode, text);
-}
-static int dt__mlflow_file_param(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_key_file(ml, "params", key, "w", value); }
-static int dt__mlflow_file_tag(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_key_file(ml, "tags", key, "w", value); }
-static int dt__mlflow_file_metric(dt_mlflow *ml, const char *key, double value, int64_t step, int64_t timestamp_ms) {
-    char line[128];
-    snprintf(line, sizeof line, "%lld %.9g %lld\n", (long long)timestamp_ms, value, (long long)step);
-    return dt__mlflow_key_file(ml, "metrics", key, "a", line);
-}
-static int dt__mlflow_file_close(dt_mlflow *ml, dt_mlflow_status status) {
-    int ok = dt__mlflow_meta(ml, status, dt__unix_ms()), err = errno;
-    free(ml);
-    errno = err;
-    return ok;
-}
-static const dt__mlflow_store dt__mlflow_files = { dt__mlflow_file_param, dt__mlflow_file_tag, dt__mlflow_file_metric,
-                                                   dt__mlflow_file_close };
 
 /* ---- MLflow's tracking server (--mlflow http://HOST:PORT) --------------------
    The same run through MLflow's REST API (/api/2.0/mlflow/...), with libcurl.
@@ -15632,6 +15638,7 @@ struct dt__mlflow_server {
     pthread_mutex_t mu;
     pthread_cond_t wake;
     dt__mlflow_record *queue;   /* a ring */
+    dt__mlflow_record *batch;   /* the sender's: what it takes off the ring to send */
     int64_t head, count;
     int closing, failing;       /* failing: the last batch was not taken */
     double give_up_ms;          /* closing: what is not sent by then is not sent */
@@ -15802,7 +15809,7 @@ static int dt__mlflow_send(dt_mlflow *ml, const dt__mlflow_record *batch, int n,
 static void *dt__mlflow_sender(void *arg) {
     dt_mlflow *ml = (dt_mlflow *)arg;
     dt__mlflow_server *s = ml->server;
-    dt__mlflow_record *batch = (dt__mlflow_record *)malloc(sizeof *batch * DT__MLFLOW_BATCH);
+    dt__mlflow_record *batch = s->batch;
     dt__text body = { 0 }, answer = { 0 };
     pthread_mutex_lock(&s->mu);
     for (;;) {
@@ -15817,7 +15824,7 @@ static void *dt__mlflow_sender(void *arg) {
             continue;
         }
         int n = 0, params = 0, tags = 0;
-        while (s->count > 0 && n < DT__MLFLOW_BATCH && batch) {
+        while (s->count > 0 && n < DT__MLFLOW_BATCH) {
             dt__mlflow_record *r = &s->queue[s->head % DT__MLFLOW_QUEUE];
             if ((r->kind == 'e' && n > 0) || (r->kind == 'p' && params == 100) || (r->kind == 't' && tags == 100)) break;
             params += r->kind == 'p';
@@ -15827,26 +15834,31 @@ static void *dt__mlflow_sender(void *arg) {
             s->count--;
             if (r->kind == 'e') break;           /* the end goes alone, after everything queued before it */
         }
-        int late = s->closing && dt_now_ms() > s->give_up_ms;
+        /* past the time to close, what is left is dropped -- but the run's end is still sent */
+        int late = s->closing && dt_now_ms() > s->give_up_ms && batch[0].kind != 'e';
         pthread_mutex_unlock(&s->mu);
-        int ok = batch && !late && dt__mlflow_send(ml, batch, n, &body, &answer);
-        if (!batch || late) snprintf(s->last_error, sizeof s->last_error, "%s", late ? "the time to close the run was up" : "out of memory");
+        int ok = !late && dt__mlflow_send(ml, batch, n, &body, &answer);
+        if (late) snprintf(s->last_error, sizeof s->last_error, "the time to close the run was up");
+        char said[900] = "";
         pthread_mutex_lock(&s->mu);
         if (!ok) {
-            if (!batch) { s->lost += s->count; s->count = 0; }
             s->lost += n;
             if (!s->failing && !late)
-                dt_warn("--mlflow: the server at %.*s did not take %d records (%s): training goes on, and what cannot be "
-                        "sent is counted", (int)(strlen(s->api) - strlen("/api/2.0/mlflow/")), s->api, n, s->last_error);
+                snprintf(said, sizeof said, "--mlflow: the server at %.*s did not take %d records (%s): training goes on, and what "
+                         "cannot be sent is counted", (int)(strlen(s->api) - strlen("/api/2.0/mlflow/")), s->api, n, s->last_error);
             s->failing = 1;
         } else if (s->failing) {
-            dt_warn("--mlflow: the server answers again (%lld records were lost so far)", (long long)s->lost);
+            snprintf(said, sizeof said, "--mlflow: the server answers again (%lld records were lost so far)", (long long)s->lost);
             s->failing = 0;
         }
         for (int i = 0; i < n; i++) { free(batch[i].key); free(batch[i].text); }
+        if (said[0]) {                /* said with the queue unlocked: a blocked terminal must not hold up a step */
+            pthread_mutex_unlock(&s->mu);
+            dt_warn("%s", said);
+            pthread_mutex_lock(&s->mu);
+        }
     }
     pthread_mutex_unlock(&s->mu);
-    free(batch);
     free(body.p);
     free(answer.p);
     return NULL;
@@ -15894,17 +15906,19 @@ static void dt__mlflow_server_free(dt_mlflow *ml) {
     for (int i = 0; i < s->nknown; i++) free(s->known[i]);
     free(s->known);
     free(s->queue);
+    free(s->batch);
     free(s);
     free(ml);
 }
-/* The end: queued after everything else, then up to 30 s for the sender
-   to finish; what was lost is said. */
+/* The end: queued after everything else; the sender has 20 s to send
+   what is queued (then it drops the rest and sends the end alone: one
+   request, at most 15 s more); what was lost is said. */
 static int dt__mlflow_server_close(dt_mlflow *ml, dt_mlflow_status status) {
     dt__mlflow_server *s = ml->server;
     dt__mlflow_queue(ml, 'e', NULL, NULL, 0, status, dt__unix_ms());
     pthread_mutex_lock(&s->mu);
     s->closing = 1;
-    s->give_up_ms = dt_now_ms() + 30e3;
+    s->give_up_ms = dt_now_ms() + 20e3;
     pthread_cond_signal(&s->wake);
     pthread_mutex_unlock(&s->mu);
     pthread_join(s->sender, NULL);
@@ -15985,7 +15999,9 @@ static int dt__mlflow_server_continue(dt_mlflow *ml, const char *run_id, dt__tex
     }
     body->n = 0;
     dt__text_printf(body, "{\"run_id\":\"%s\",\"status\":\"RUNNING\"}", run_id);
-    return dt__mlflow_call(s, "runs/update", body, answer) == 200;
+    if (dt__mlflow_call(s, "runs/update", body, answer) == 200) return 1;
+    errno = EIO;                        /* the run is there: not a new one, whatever curl left in errno */
+    return 0;
 }
 static void dt__curl_start(void) { curl_global_init(CURL_GLOBAL_DEFAULT); }
 static dt_mlflow *dt__mlflow_server_open(const char *url, const char *experiment, const char *run_name, const char *run_id) {
@@ -16000,9 +16016,10 @@ static dt_mlflow *dt__mlflow_server_open(const char *url, const char *experiment
     }
     dt_mlflow *ml = (dt_mlflow *)calloc(1, sizeof *ml);
     dt__mlflow_server *s = (dt__mlflow_server *)calloc(1, sizeof *s);
-    dt__mlflow_record *queue = (dt__mlflow_record *)calloc(DT__MLFLOW_QUEUE, sizeof *queue);
-    if (!ml || !s || !queue || len > 4000 || !(s->http = curl_easy_init())) {
-        free(ml); free(queue);
+    dt__mlflow_record *queue = (dt__mlflow_record *)calloc(DT__MLFLOW_QUEUE, sizeof *queue),
+                      *batch = (dt__mlflow_record *)calloc(DT__MLFLOW_BATCH, sizeof *batch);
+    if (!ml || !s || !queue || !batch || len > 4000 || !(s->http = curl_easy_init())) {
+        free(ml); free(queue); free(batch);
         if (s && s->http) curl_easy_cleanup(s->http);
         free(s);
         errno = len > 4000 ? ENAMETOOLONG : ENOMEM;
@@ -16011,6 +16028,7 @@ static dt_mlflow *dt__mlflow_server_open(const char *url, const char *experiment
     ml->store = &dt__mlflow_server_store;
     ml->server = s;
     s->queue = queue;
+    s->batch = batch;
     snprintf(s->api, sizeof s->api, "%.*s/api/2.0/mlflow/", (int)len, url);
     dt__copy_str(ml->name, sizeof ml->name, run_name);
     /* MLflow's own settings for a server behind a login (its client reads the same) */
@@ -16031,7 +16049,10 @@ static dt_mlflow *dt__mlflow_server_open(const char *url, const char *experiment
     curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 15000L);
     curl_easy_setopt(h, CURLOPT_USERAGENT, "dtrain");
     if (user && *user) { curl_easy_setopt(h, CURLOPT_USERNAME, user); curl_easy_setopt(h, CURLOPT_PASSWORD, password ? password : ""); }
-    if (insecure && (!strcmp(insecure, "true") || !strcmp(insecure, "1"))) curl_easy_setopt(h, CURLOPT_SSL_VERIFYPEER, 0L);
+    if (insecure && (!strcmp(insecure, "true") || !strcmp(insecure, "1"))) {
+        curl_easy_setopt(h, CURLOPT_SSL_VERIFYPEER, 0L);
+        curl_easy_setopt(h, CURLOPT_SSL_VERIFYHOST, 0L);
+    }
     dt__text body = { 0 }, answer = { 0 };
     int ok = s->headers && dt__mlflow_server_experiment(ml, experiment, &body, &answer);
     errno = EIO;
@@ -16061,8 +16082,9 @@ static dt_mlflow *dt__mlflow_server_open(const char *url, const char *experiment
         snprintf(ml->run_dir, sizeof ml->run_dir, "%.*s/#/experiments/%s/runs/%s", (int)len, url, ml->exp_id, ml->run_id);
         pthread_mutex_init(&s->mu, NULL);
         pthread_cond_init(&s->wake, NULL);
-        if (pthread_create(&s->sender, NULL, dt__mlflow_sender, ml) == 0) return ml;
-        err = errno;
+        int started = pthread_create(&s->sender, NULL, dt__mlflow_sender, ml);
+        if (started == 0) return ml;
+        err = started;                  /* pthread_create says why by its result, not errno */
         snprintf(s->last_error, sizeof s->last_error, "cannot start the thread that sends: %s", strerror(err));
     }
     if (s->last_error[0]) dt__copy_str(dt__mlflow_why, sizeof dt__mlflow_why, s->last_error);
@@ -17263,7 +17285,7 @@ static void dt__mlflow_start(dt_run *r) {
     if (!c->quiet) printf("mlflow: run %s, %s\n", dt_mlflow_run_id(r->mlflow), dt_mlflow_path(r->mlflow));
     dt__copy_str(r->mlflow_run_id, sizeof r->mlflow_run_id, dt_mlflow_run_id(r->mlflow));   /* the checkpoints carry it */
     dt__mlflow_running = r->mlflow;
-    dt__on_fail_tracking = dt__mlflow_failed;         /* a run that fails is marked so, not left RUNNING */
+    __atomic_store_n(&dt__on_fail_tracking, dt__mlflow_failed, __ATOMIC_RELEASE);   /* a run that fails is marked so, not left RUNNING */
     const dt_model_config *mc = &r->model->cfg;
     struct { const char *key; const char *fmt; double value; } params[] = {
         { "dim", "%.0f", mc->dim }, { "depth", "%.0f", mc->depth }, { "heads", "%.0f", mc->heads },
@@ -17394,6 +17416,8 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
     run->warmup = cfg->warmup >= 0 ? cfg->warmup : run->total_steps / 20;
     if (cfg->init) dt_model_load_weights(model, cfg->init);
     if (cfg->resume) dt_checkpoint_load(run, cfg->resume);
+    if (cfg->early_stop > 0 && run->has_best && run->evals_since_best >= cfg->early_stop && run->step < run->stop_step)
+        run->stop = run->early_stopped = 1;            /* an early-stopped run resumed: it has ended */
     dt_mem_reset_peaks();                  /* from here on, the peaks are those of training */
     if (cfg->save_dir) {
         struct stat st;
@@ -17454,7 +17478,12 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
     if (run->step >= run->stop_step) run->stop = 1;
 }
 
+static void dt__run_eval(dt_run *r, int scheduled);       /* below, with the evaluation's reports */
 int dt_next_epoch(dt_run *run) {
+    if (run->eval_pending) {            /* the evaluation a signal put off, before training goes on */
+        run->eval_pending = 0;
+        dt__run_eval(run, 1);
+    }
     if (run->stop || run->epoch >= run->cfg.epochs) return 0;
     dt_loader_start_epoch(run->loader, run->epoch, run->batch_in_epoch * run->cfg.accum_steps);
     return 1;
@@ -17593,11 +17622,14 @@ static void dt__run_save(dt_run *r, const char *what) {
     if (!r->cfg.quiet && dt__ctx.rank == 0) { printf("saved %s\n", path); fflush(stdout); }
 }
 
-/* After each evaluation: the best so far (kept as a checkpoint with
-   --save-best), and --early-stop's count of evaluations that did not beat
-   it. The loss is the job's, so every rank decides alike. */
+/* After each scheduled evaluation (every --eval-every steps, each epoch's
+   end): the best so far (kept as a checkpoint with --save-best), and
+   --early-stop's count of evaluations that did not beat it; a loss that is
+   not a number never does. Only scheduled ones count, so that a run stopped
+   anywhere and resumed counts what the run straight through counts. The
+   loss is the job's, so every rank decides alike. */
 static void dt__run_track_best(dt_run *r) {
-    if (!r->has_best || r->eval_loss < r->best_eval_loss) {
+    if (isfinite(r->eval_loss) && (!r->has_best || r->eval_loss < r->best_eval_loss)) {
         r->has_best = 1;
         r->best_eval_loss = r->eval_loss;
         r->best_step = r->step;
@@ -17606,10 +17638,13 @@ static void dt__run_track_best(dt_run *r) {
         return;
     }
     r->evals_since_best++;
-    if (r->cfg.early_stop > 0 && r->evals_since_best >= r->cfg.early_stop) r->stop = r->early_stopped = 1;   /* said by dt_run_finish */
+    if (r->cfg.early_stop > 0 && r->evals_since_best >= r->cfg.early_stop && r->step < r->stop_step)
+        r->stop = r->early_stopped = 1;       /* said by dt_run_finish */
 }
 
-static void dt__run_eval(dt_run *r) {
+/* Evaluate; `scheduled`: one the run straight through makes too (not one
+   only --steps asked for mid-epoch, nor a finished run's look at itself). */
+static void dt__run_eval(dt_run *r, int scheduled) {
     int sample = r->cfg.sample > 0 && dt_model_is_language(r->model->cfg.kind);
     double t0 = dt_now_ms();
     r->mark_ms = t0;
@@ -17646,7 +17681,8 @@ static void dt__run_eval(dt_run *r) {
         fflush(stdout);
     }
     if (sample) { dt__run_sample(r); dt_phase(r, DT_PHASE_EVAL); }
-    if (r->steps_run > 0) dt__run_track_best(r);          /* not a finished run's look at itself */
+    r->evals_run++;
+    if (scheduled) dt__run_track_best(r);
 }
 
 /* A mixture's figures of the step, each rank's counted over its own tokens:
@@ -17711,6 +17747,7 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     int last_of_epoch = run->batch_in_epoch == run->batches_per_epoch || run->step == run->stop_step;
     int line_due = dt__ctx.rank == 0 && dt__progress_due(run->step, run->cfg.log_every, last_of_epoch, now, run->line_ms);
     dt_hardware hw;
+    memset(&hw, 0, sizeof hw);
     if (line_due) dt_hardware_read(run->model->device, &hw);
     dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
     double within = 0, across = 0;
@@ -17821,7 +17858,10 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     }
     if (run->cfg.explain && run->steps_run == 3 && dt__ctx.rank == 0) dt__run_explain(run);
     if (stop) { run->stopped_by = stop; run->stop = 1; }
-    if (run->cfg.eval_every > 0 && run->step % run->cfg.eval_every == 0 && !run->stopped_by) dt__run_eval(run);
+    if (run->cfg.eval_every > 0 && run->step % run->cfg.eval_every == 0) {
+        if (!run->stopped_by) dt__run_eval(run, 1);
+        else run->eval_pending = 1;         /* stopping now: the checkpoint says so, and the resumed run evaluates first */
+    }
     if (run->step >= run->stop_step) run->stop = 1;
     return run->stop;
 }
@@ -17829,7 +17869,10 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
 void dt_epoch_end(dt_run *run) {
     int finished = run->batch_in_epoch >= run->batches_per_epoch;
     if (finished) { run->epoch++; run->batch_in_epoch = 0; }
-    if (!run->stopped_by && !(run->cfg.eval_every > 0 && run->step % run->cfg.eval_every == 0)) dt__run_eval(run);
+    if (!(run->cfg.eval_every > 0 && run->step % run->cfg.eval_every == 0)) {
+        if (!run->stopped_by) dt__run_eval(run, finished);    /* --steps mid-epoch: reported, not counted */
+        else if (finished) run->eval_pending = 1;
+    }
     if (run->stopped_by && !run->cfg.save_dir && dt__ctx.rank == 0)
         dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt__signal_name(run->stopped_by),
                 (long long)run->steps_run);
@@ -17843,9 +17886,9 @@ void dt_epoch_end(dt_run *run) {
 
 int dt_run_finish(dt_run *run) {
     if (run->cfg.bench) dt__bench_report(run);
-    else if (run->steps_run == 0 && run->val) {        /* --resume of a finished run: evaluate it */
+    else if (run->steps_run == 0 && run->val && !run->evals_run) {        /* --resume of a finished run: evaluate it */
         if (!run->cfg.quiet && dt__ctx.rank == 0) printf("nothing left to train (epoch %d of %d): evaluating\n", run->epoch, run->cfg.epochs);
-        dt__run_eval(run);
+        dt__run_eval(run, 0);
     }
     double rate = run->train_ms > 0 ? run->samples / (run->train_ms / 1e3) : 0;
     /* The final loss is the last step's (the job's mean over its ranks): it depends on the steps alone, so a run
@@ -17911,10 +17954,12 @@ int dt_run_finish(dt_run *run) {
     if (run->mlflow) {                      /* stopped by a signal: KILLED, as MLflow marks an interrupted run */
         dt_mlflow *ml = run->mlflow;
         run->mlflow = NULL;
-        dt__on_fail_tracking = NULL;
-        dt__mlflow_running = NULL;
-        if (!dt_mlflow_close(ml, run->stopped_by ? DT_MLFLOW_KILLED : DT_MLFLOW_FINISHED))
-            dt__write_failed("--mlflow", run->cfg.mlflow, errno);
+        /* taken back from the failure path first: a thread that fails meanwhile (stage 02's) closes it otherwise */
+        if (__atomic_exchange_n(&dt__on_fail_tracking, (void (*)(void))NULL, __ATOMIC_ACQ_REL)) {
+            dt__mlflow_running = NULL;
+            if (!dt_mlflow_close(ml, run->stopped_by ? DT_MLFLOW_KILLED : DT_MLFLOW_FINISHED))
+                dt__write_failed("--mlflow", run->cfg.mlflow, errno);
+        }
     }
     if (run->trace) {
         FILE *trace = run->trace;

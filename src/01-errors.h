@@ -98,11 +98,10 @@ void dt_fail(const char *fmt, ...) {
     va_list ap; va_start(ap, fmt); dt__vmessage("error", fmt, ap); va_end(ap);
     DT__FUZZ_REFUSED();
     dt__cleanup_run_in(0);
-    void (*track)(void) = dt__on_fail_tracking;
-    dt__on_fail_tracking = NULL;             /* once: its own writes may fail */
-    if (track) track();
     void (*tell)(void) = __atomic_load_n(&dt__on_fail, __ATOMIC_ACQUIRE);
-    if (tell) tell();            /* the other ranks must not wait for us */
+    if (tell) tell();            /* the other ranks must not wait for us (the tracking below may take seconds) */
+    void (*track)(void) = __atomic_exchange_n(&dt__on_fail_tracking, NULL, __ATOMIC_ACQ_REL);
+    if (track) track();          /* once, by whichever thread fails first: its own writes may fail */
     exit(1);
 }
 void dt_usage_error(const char *fmt, ...) {

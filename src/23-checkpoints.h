@@ -157,11 +157,13 @@ static int dt__st_by_offset(const void *a, const void *b) {
    a folder of checkpoints and passes a damaged one by. */
 #define DT__ST_REFUSE(...)                                          \
     do {                                                            \
-        if (!why) dt_fail(__VA_ARGS__);                             \
-        snprintf(why, why_n, __VA_ARGS__);                          \
+        char refused[8192];  /* said after what was read is freed */  \
+        snprintf(refused, sizeof refused, __VA_ARGS__);             \
         if (st) dt_safetensors_close(st);                           \
         else free(buf);                                             \
         free(by);                                                   \
+        if (!why) dt_fail("%s", refused);                           \
+        dt__copy_str(why, why_n, refused);                          \
         return NULL;                                                \
     } while (0)
 static dt_safetensors *dt__safetensors_parse(const char *path, unsigned char *buf, size_t have, size_t len, char *why,

@@ -804,6 +804,7 @@ static void dt__checkpoint_meta(const dt_run *r, dt__meta_list *l, const char *f
         dt__meta_add(l, "best_step", "%lld", (long long)r->best_step);
         dt__meta_add(l, "evals_since_best", "%d", r->evals_since_best);
     }
+    if (r->eval_pending) dt__meta_add(l, "eval_pending", "1");     /* stopped where an evaluation was due */
     if (r->mlflow_run_id[0]) dt__meta_add(l, "mlflow_run_id", "%s", r->mlflow_run_id);
     if (r->tensorboard_run[0]) dt__meta_add(l, "tensorboard_run", "%s", r->tensorboard_run);
     if (r->model->base) {
@@ -1010,6 +1011,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
         dt_fail("'%s': metadata 'best_eval_loss' is '%.40s', not a finite number", st->path, best);
     int64_t best_step = best ? (int64_t)dt__meta_whole(st, st->path, "best_step", 0, (uint64_t)step) : 0;
     int evals_since_best = best ? (int)dt__meta_whole(st, st->path, "evals_since_best", 0, INT_MAX) : 0;
+    int eval_pending = dt_safetensors_meta(st, "eval_pending") ? (int)dt__meta_whole(st, st->path, "eval_pending", 0, 1) : 0;
     const char *loss = dt_safetensors_meta(st, "loss");          /* the last step's; older checkpoints have none */
     char *loss_end = NULL;
     double last_loss = loss ? strtod(loss, &loss_end) : 0;
@@ -1082,6 +1084,7 @@ void dt_checkpoint_load(dt_run *r, const char *path) {
     r->best_eval_loss = best_loss;
     r->best_step = best_step;
     r->evals_since_best = evals_since_best;
+    r->eval_pending = eval_pending;
     r->epoch = epoch;
     r->batch_in_epoch = batch_in_epoch;
     r->cfg.seed = seed;

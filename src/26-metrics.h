@@ -474,7 +474,35 @@ static int dt__mlflow_experiment(const char *dir, const char *id, const char *na
 }
 static int dt__all_digits(const char *s) { return *s && strspn(s, "0123456789") == strlen(s); }
 int dt_mlflow_run_id_valid(const char *id) { return id && strlen(id) == 32 && strspn(id, "0123456789abcdef") == 32; }
-static const dt__mlflow_store dt__mlflow_files;
+static int dt__mlflow_key_file(dt_mlflow *ml, const char *part, const char *key, const char *mode, const char *text) {
+    char path[4400];
+    if (!*key || strstr(key, "..") || key[0] == '/') { errno = EINVAL; return 0; }   /* a key is a file name (a/b: a folder) */
+    dt__path(path, sizeof path, "%s/%s/%s", ml->run_dir, part, key);
+    char *slash = strrchr(path, '/');
+    if (strchr(key, '/')) {                                    /* system/rss_mb: metrics/system/, as MLflow makes it */
+        *slash = 0;
+        int made = dt__mkdirs(path);
+        *slash = '/';
+        if (!made) return 0;
+    }
+    return dt__write_small(path, mode, text);
+}
+static int dt__mlflow_file_param(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_key_file(ml, "params", key, "w", value); }
+static int dt__mlflow_file_tag(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_key_file(ml, "tags", key, "w", value); }
+static int dt__mlflow_file_metric(dt_mlflow *ml, const char *key, double value, int64_t step, int64_t timestamp_ms) {
+    char line[128];
+    snprintf(line, sizeof line, "%lld %.9g %lld\n", (long long)timestamp_ms, value, (long long)step);
+    return dt__mlflow_key_file(ml, "metrics", key, "a", line);
+}
+static int dt__mlflow_file_close(dt_mlflow *ml, dt_mlflow_status status) {
+    int ok = dt__mlflow_meta(ml, status, dt__unix_ms()), err = errno;
+    free(ml);
+    errno = err;
+    return ok;
+}
+static const dt__mlflow_store dt__mlflow_files = { dt__mlflow_file_param, dt__mlflow_file_tag, dt__mlflow_file_metric,
+                                                   dt__mlflow_file_close };
+
 static dt_mlflow *dt__mlflow_files_open(const char *dir, const char *experiment, const char *run_name, const char *run_id) {
     char abs[4096], cwd[4096] = "", path[4200], value[256];
     if (!dt__mkdirs(dir) || (dir[0] != '/' && !getcwd(cwd, sizeof cwd))) return NULL;
@@ -536,34 +564,6 @@ static dt_mlflow *dt__mlflow_files_open(const char *dir, const char *experiment,
     }
     return ml;
 }
-static int dt__mlflow_key_file(dt_mlflow *ml, const char *part, const char *key, const char *mode, const char *text) {
-    char path[4400];
-    if (!*key || strstr(key, "..") || key[0] == '/') { errno = EINVAL; return 0; }   /* a key is a file name (a/b: a folder) */
-    dt__path(path, sizeof path, "%s/%s/%s", ml->run_dir, part, key);
-    char *slash = strrchr(path, '/');
-    if (strchr(key, '/')) {                                    /* system/rss_mb: metrics/system/, as MLflow makes it */
-        *slash = 0;
-        int made = dt__mkdirs(path);
-        *slash = '/';
-        if (!made) return 0;
-    }
-    return dt__write_small(path, mode, text);
-}
-static int dt__mlflow_file_param(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_key_file(ml, "params", key, "w", value); }
-static int dt__mlflow_file_tag(dt_mlflow *ml, const char *key, const char *value) { return dt__mlflow_key_file(ml, "tags", key, "w", value); }
-static int dt__mlflow_file_metric(dt_mlflow *ml, const char *key, double value, int64_t step, int64_t timestamp_ms) {
-    char line[128];
-    snprintf(line, sizeof line, "%lld %.9g %lld\n", (long long)timestamp_ms, value, (long long)step);
-    return dt__mlflow_key_file(ml, "metrics", key, "a", line);
-}
-static int dt__mlflow_file_close(dt_mlflow *ml, dt_mlflow_status status) {
-    int ok = dt__mlflow_meta(ml, status, dt__unix_ms()), err = errno;
-    free(ml);
-    errno = err;
-    return ok;
-}
-static const dt__mlflow_store dt__mlflow_files = { dt__mlflow_file_param, dt__mlflow_file_tag, dt__mlflow_file_metric,
-                                                   dt__mlflow_file_close };
 
 /* ---- MLflow's tracking server (--mlflow http://HOST:PORT) --------------------
    The same run through MLflow's REST API (/api/2.0/mlflow/...), with libcurl.
@@ -593,6 +593,7 @@ struct dt__mlflow_server {
     pthread_mutex_t mu;
     pthread_cond_t wake;
     dt__mlflow_record *queue;   /* a ring */
+    dt__mlflow_record *batch;   /* the sender's: what it takes off the ring to send */
     int64_t head, count;
     int closing, failing;       /* failing: the last batch was not taken */
     double give_up_ms;          /* closing: what is not sent by then is not sent */
@@ -763,7 +764,7 @@ static int dt__mlflow_send(dt_mlflow *ml, const dt__mlflow_record *batch, int n,
 static void *dt__mlflow_sender(void *arg) {
     dt_mlflow *ml = (dt_mlflow *)arg;
     dt__mlflow_server *s = ml->server;
-    dt__mlflow_record *batch = (dt__mlflow_record *)malloc(sizeof *batch * DT__MLFLOW_BATCH);
+    dt__mlflow_record *batch = s->batch;
     dt__text body = { 0 }, answer = { 0 };
     pthread_mutex_lock(&s->mu);
     for (;;) {
@@ -778,7 +779,7 @@ static void *dt__mlflow_sender(void *arg) {
             continue;
         }
         int n = 0, params = 0, tags = 0;
-        while (s->count > 0 && n < DT__MLFLOW_BATCH && batch) {
+        while (s->count > 0 && n < DT__MLFLOW_BATCH) {
             dt__mlflow_record *r = &s->queue[s->head % DT__MLFLOW_QUEUE];
             if ((r->kind == 'e' && n > 0) || (r->kind == 'p' && params == 100) || (r->kind == 't' && tags == 100)) break;
             params += r->kind == 'p';
@@ -788,26 +789,31 @@ static void *dt__mlflow_sender(void *arg) {
             s->count--;
             if (r->kind == 'e') break;           /* the end goes alone, after everything queued before it */
         }
-        int late = s->closing && dt_now_ms() > s->give_up_ms;
+        /* past the time to close, what is left is dropped -- but the run's end is still sent */
+        int late = s->closing && dt_now_ms() > s->give_up_ms && batch[0].kind != 'e';
         pthread_mutex_unlock(&s->mu);
-        int ok = batch && !late && dt__mlflow_send(ml, batch, n, &body, &answer);
-        if (!batch || late) snprintf(s->last_error, sizeof s->last_error, "%s", late ? "the time to close the run was up" : "out of memory");
+        int ok = !late && dt__mlflow_send(ml, batch, n, &body, &answer);
+        if (late) snprintf(s->last_error, sizeof s->last_error, "the time to close the run was up");
+        char said[900] = "";
         pthread_mutex_lock(&s->mu);
         if (!ok) {
-            if (!batch) { s->lost += s->count; s->count = 0; }
             s->lost += n;
             if (!s->failing && !late)
-                dt_warn("--mlflow: the server at %.*s did not take %d records (%s): training goes on, and what cannot be "
-                        "sent is counted", (int)(strlen(s->api) - strlen("/api/2.0/mlflow/")), s->api, n, s->last_error);
+                snprintf(said, sizeof said, "--mlflow: the server at %.*s did not take %d records (%s): training goes on, and what "
+                         "cannot be sent is counted", (int)(strlen(s->api) - strlen("/api/2.0/mlflow/")), s->api, n, s->last_error);
             s->failing = 1;
         } else if (s->failing) {
-            dt_warn("--mlflow: the server answers again (%lld records were lost so far)", (long long)s->lost);
+            snprintf(said, sizeof said, "--mlflow: the server answers again (%lld records were lost so far)", (long long)s->lost);
             s->failing = 0;
         }
         for (int i = 0; i < n; i++) { free(batch[i].key); free(batch[i].text); }
+        if (said[0]) {                /* said with the queue unlocked: a blocked terminal must not hold up a step */
+            pthread_mutex_unlock(&s->mu);
+            dt_warn("%s", said);
+            pthread_mutex_lock(&s->mu);
+        }
     }
     pthread_mutex_unlock(&s->mu);
-    free(batch);
     free(body.p);
     free(answer.p);
     return NULL;
@@ -855,17 +861,19 @@ static void dt__mlflow_server_free(dt_mlflow *ml) {
     for (int i = 0; i < s->nknown; i++) free(s->known[i]);
     free(s->known);
     free(s->queue);
+    free(s->batch);
     free(s);
     free(ml);
 }
-/* The end: queued after everything else, then up to 30 s for the sender
-   to finish; what was lost is said. */
+/* The end: queued after everything else; the sender has 20 s to send
+   what is queued (then it drops the rest and sends the end alone: one
+   request, at most 15 s more); what was lost is said. */
 static int dt__mlflow_server_close(dt_mlflow *ml, dt_mlflow_status status) {
     dt__mlflow_server *s = ml->server;
     dt__mlflow_queue(ml, 'e', NULL, NULL, 0, status, dt__unix_ms());
     pthread_mutex_lock(&s->mu);
     s->closing = 1;
-    s->give_up_ms = dt_now_ms() + 30e3;
+    s->give_up_ms = dt_now_ms() + 20e3;
     pthread_cond_signal(&s->wake);
     pthread_mutex_unlock(&s->mu);
     pthread_join(s->sender, NULL);
@@ -946,7 +954,9 @@ static int dt__mlflow_server_continue(dt_mlflow *ml, const char *run_id, dt__tex
     }
     body->n = 0;
     dt__text_printf(body, "{\"run_id\":\"%s\",\"status\":\"RUNNING\"}", run_id);
-    return dt__mlflow_call(s, "runs/update", body, answer) == 200;
+    if (dt__mlflow_call(s, "runs/update", body, answer) == 200) return 1;
+    errno = EIO;                        /* the run is there: not a new one, whatever curl left in errno */
+    return 0;
 }
 static void dt__curl_start(void) { curl_global_init(CURL_GLOBAL_DEFAULT); }
 static dt_mlflow *dt__mlflow_server_open(const char *url, const char *experiment, const char *run_name, const char *run_id) {
@@ -961,9 +971,10 @@ static dt_mlflow *dt__mlflow_server_open(const char *url, const char *experiment
     }
     dt_mlflow *ml = (dt_mlflow *)calloc(1, sizeof *ml);
     dt__mlflow_server *s = (dt__mlflow_server *)calloc(1, sizeof *s);
-    dt__mlflow_record *queue = (dt__mlflow_record *)calloc(DT__MLFLOW_QUEUE, sizeof *queue);
-    if (!ml || !s || !queue || len > 4000 || !(s->http = curl_easy_init())) {
-        free(ml); free(queue);
+    dt__mlflow_record *queue = (dt__mlflow_record *)calloc(DT__MLFLOW_QUEUE, sizeof *queue),
+                      *batch = (dt__mlflow_record *)calloc(DT__MLFLOW_BATCH, sizeof *batch);
+    if (!ml || !s || !queue || !batch || len > 4000 || !(s->http = curl_easy_init())) {
+        free(ml); free(queue); free(batch);
         if (s && s->http) curl_easy_cleanup(s->http);
         free(s);
         errno = len > 4000 ? ENAMETOOLONG : ENOMEM;
@@ -972,6 +983,7 @@ static dt_mlflow *dt__mlflow_server_open(const char *url, const char *experiment
     ml->store = &dt__mlflow_server_store;
     ml->server = s;
     s->queue = queue;
+    s->batch = batch;
     snprintf(s->api, sizeof s->api, "%.*s/api/2.0/mlflow/", (int)len, url);
     dt__copy_str(ml->name, sizeof ml->name, run_name);
     /* MLflow's own settings for a server behind a login (its client reads the same) */
@@ -992,7 +1004,10 @@ static dt_mlflow *dt__mlflow_server_open(const char *url, const char *experiment
     curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 15000L);
     curl_easy_setopt(h, CURLOPT_USERAGENT, "dtrain");
     if (user && *user) { curl_easy_setopt(h, CURLOPT_USERNAME, user); curl_easy_setopt(h, CURLOPT_PASSWORD, password ? password : ""); }
-    if (insecure && (!strcmp(insecure, "true") || !strcmp(insecure, "1"))) curl_easy_setopt(h, CURLOPT_SSL_VERIFYPEER, 0L);
+    if (insecure && (!strcmp(insecure, "true") || !strcmp(insecure, "1"))) {
+        curl_easy_setopt(h, CURLOPT_SSL_VERIFYPEER, 0L);
+        curl_easy_setopt(h, CURLOPT_SSL_VERIFYHOST, 0L);
+    }
     dt__text body = { 0 }, answer = { 0 };
     int ok = s->headers && dt__mlflow_server_experiment(ml, experiment, &body, &answer);
     errno = EIO;
@@ -1022,8 +1037,9 @@ static dt_mlflow *dt__mlflow_server_open(const char *url, const char *experiment
         snprintf(ml->run_dir, sizeof ml->run_dir, "%.*s/#/experiments/%s/runs/%s", (int)len, url, ml->exp_id, ml->run_id);
         pthread_mutex_init(&s->mu, NULL);
         pthread_cond_init(&s->wake, NULL);
-        if (pthread_create(&s->sender, NULL, dt__mlflow_sender, ml) == 0) return ml;
-        err = errno;
+        int started = pthread_create(&s->sender, NULL, dt__mlflow_sender, ml);
+        if (started == 0) return ml;
+        err = started;                  /* pthread_create says why by its result, not errno */
         snprintf(s->last_error, sizeof s->last_error, "cannot start the thread that sends: %s", strerror(err));
     }
     if (s->last_error[0]) dt__copy_str(dt__mlflow_why, sizeof dt__mlflow_why, s->last_error);

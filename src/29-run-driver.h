@@ -20,6 +20,8 @@ struct dt_run {
     int64_t best_step;
     int evals_since_best;
     int early_stopped;         /* --early-stop ended the run */
+    int eval_pending;          /* a signal stopped the run where an evaluation was due: the resumed run makes it first */
+    int evals_run;             /* evaluations made by this process */
     double unigram_loss;       /* gpt: the validation loss of a model that ignores context */
     int micro;                 /* micro-batches of this step done so far (--accum-steps) */
     double micro_loss;         /* and the sum of their losses */
@@ -251,7 +253,7 @@ static void dt__mlflow_start(dt_run *r) {
     if (!c->quiet) printf("mlflow: run %s, %s\n", dt_mlflow_run_id(r->mlflow), dt_mlflow_path(r->mlflow));
     dt__copy_str(r->mlflow_run_id, sizeof r->mlflow_run_id, dt_mlflow_run_id(r->mlflow));   /* the checkpoints carry it */
     dt__mlflow_running = r->mlflow;
-    dt__on_fail_tracking = dt__mlflow_failed;         /* a run that fails is marked so, not left RUNNING */
+    __atomic_store_n(&dt__on_fail_tracking, dt__mlflow_failed, __ATOMIC_RELEASE);   /* a run that fails is marked so, not left RUNNING */
     const dt_model_config *mc = &r->model->cfg;
     struct { const char *key; const char *fmt; double value; } params[] = {
         { "dim", "%.0f", mc->dim }, { "depth", "%.0f", mc->depth }, { "heads", "%.0f", mc->heads },
@@ -382,6 +384,8 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
     run->warmup = cfg->warmup >= 0 ? cfg->warmup : run->total_steps / 20;
     if (cfg->init) dt_model_load_weights(model, cfg->init);
     if (cfg->resume) dt_checkpoint_load(run, cfg->resume);
+    if (cfg->early_stop > 0 && run->has_best && run->evals_since_best >= cfg->early_stop && run->step < run->stop_step)
+        run->stop = run->early_stopped = 1;            /* an early-stopped run resumed: it has ended */
     dt_mem_reset_peaks();                  /* from here on, the peaks are those of training */
     if (cfg->save_dir) {
         struct stat st;
@@ -442,7 +446,12 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
     if (run->step >= run->stop_step) run->stop = 1;
 }
 
+static void dt__run_eval(dt_run *r, int scheduled);       /* below, with the evaluation's reports */
 int dt_next_epoch(dt_run *run) {
+    if (run->eval_pending) {            /* the evaluation a signal put off, before training goes on */
+        run->eval_pending = 0;
+        dt__run_eval(run, 1);
+    }
     if (run->stop || run->epoch >= run->cfg.epochs) return 0;
     dt_loader_start_epoch(run->loader, run->epoch, run->batch_in_epoch * run->cfg.accum_steps);
     return 1;
@@ -581,11 +590,14 @@ static void dt__run_save(dt_run *r, const char *what) {
     if (!r->cfg.quiet && dt__ctx.rank == 0) { printf("saved %s\n", path); fflush(stdout); }
 }
 
-/* After each evaluation: the best so far (kept as a checkpoint with
-   --save-best), and --early-stop's count of evaluations that did not beat
-   it. The loss is the job's, so every rank decides alike. */
+/* After each scheduled evaluation (every --eval-every steps, each epoch's
+   end): the best so far (kept as a checkpoint with --save-best), and
+   --early-stop's count of evaluations that did not beat it; a loss that is
+   not a number never does. Only scheduled ones count, so that a run stopped
+   anywhere and resumed counts what the run straight through counts. The
+   loss is the job's, so every rank decides alike. */
 static void dt__run_track_best(dt_run *r) {
-    if (!r->has_best || r->eval_loss < r->best_eval_loss) {
+    if (isfinite(r->eval_loss) && (!r->has_best || r->eval_loss < r->best_eval_loss)) {
         r->has_best = 1;
         r->best_eval_loss = r->eval_loss;
         r->best_step = r->step;
@@ -594,10 +606,13 @@ static void dt__run_track_best(dt_run *r) {
         return;
     }
     r->evals_since_best++;
-    if (r->cfg.early_stop > 0 && r->evals_since_best >= r->cfg.early_stop) r->stop = r->early_stopped = 1;   /* said by dt_run_finish */
+    if (r->cfg.early_stop > 0 && r->evals_since_best >= r->cfg.early_stop && r->step < r->stop_step)
+        r->stop = r->early_stopped = 1;       /* said by dt_run_finish */
 }
 
-static void dt__run_eval(dt_run *r) {
+/* Evaluate; `scheduled`: one the run straight through makes too (not one
+   only --steps asked for mid-epoch, nor a finished run's look at itself). */
+static void dt__run_eval(dt_run *r, int scheduled) {
     int sample = r->cfg.sample > 0 && dt_model_is_language(r->model->cfg.kind);
     double t0 = dt_now_ms();
     r->mark_ms = t0;
@@ -634,7 +649,8 @@ static void dt__run_eval(dt_run *r) {
         fflush(stdout);
     }
     if (sample) { dt__run_sample(r); dt_phase(r, DT_PHASE_EVAL); }
-    if (r->steps_run > 0) dt__run_track_best(r);          /* not a finished run's look at itself */
+    r->evals_run++;
+    if (scheduled) dt__run_track_best(r);
 }
 
 /* A mixture's figures of the step, each rank's counted over its own tokens:
@@ -699,6 +715,7 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     int last_of_epoch = run->batch_in_epoch == run->batches_per_epoch || run->step == run->stop_step;
     int line_due = dt__ctx.rank == 0 && dt__progress_due(run->step, run->cfg.log_every, last_of_epoch, now, run->line_ms);
     dt_hardware hw;
+    memset(&hw, 0, sizeof hw);
     if (line_due) dt_hardware_read(run->model->device, &hw);
     dt_parallel *who; const dt_parallel_report *rep = dt_parallel_report_of(run->model->parallel, &who);
     double within = 0, across = 0;
@@ -809,7 +826,10 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
     }
     if (run->cfg.explain && run->steps_run == 3 && dt__ctx.rank == 0) dt__run_explain(run);
     if (stop) { run->stopped_by = stop; run->stop = 1; }
-    if (run->cfg.eval_every > 0 && run->step % run->cfg.eval_every == 0 && !run->stopped_by) dt__run_eval(run);
+    if (run->cfg.eval_every > 0 && run->step % run->cfg.eval_every == 0) {
+        if (!run->stopped_by) dt__run_eval(run, 1);
+        else run->eval_pending = 1;         /* stopping now: the checkpoint says so, and the resumed run evaluates first */
+    }
     if (run->step >= run->stop_step) run->stop = 1;
     return run->stop;
 }
@@ -817,7 +837,10 @@ int dt_step_end(dt_run *run, dt_tensor *loss, int batch_size) {
 void dt_epoch_end(dt_run *run) {
     int finished = run->batch_in_epoch >= run->batches_per_epoch;
     if (finished) { run->epoch++; run->batch_in_epoch = 0; }
-    if (!run->stopped_by && !(run->cfg.eval_every > 0 && run->step % run->cfg.eval_every == 0)) dt__run_eval(run);
+    if (!(run->cfg.eval_every > 0 && run->step % run->cfg.eval_every == 0)) {
+        if (!run->stopped_by) dt__run_eval(run, finished);    /* --steps mid-epoch: reported, not counted */
+        else if (finished) run->eval_pending = 1;
+    }
     if (run->stopped_by && !run->cfg.save_dir && dt__ctx.rank == 0)
         dt_warn("stopped by %s with no --save-dir: the %lld steps trained are not saved", dt__signal_name(run->stopped_by),
                 (long long)run->steps_run);
@@ -831,9 +854,9 @@ void dt_epoch_end(dt_run *run) {
 
 int dt_run_finish(dt_run *run) {
     if (run->cfg.bench) dt__bench_report(run);
-    else if (run->steps_run == 0 && run->val) {        /* --resume of a finished run: evaluate it */
+    else if (run->steps_run == 0 && run->val && !run->evals_run) {        /* --resume of a finished run: evaluate it */
         if (!run->cfg.quiet && dt__ctx.rank == 0) printf("nothing left to train (epoch %d of %d): evaluating\n", run->epoch, run->cfg.epochs);
-        dt__run_eval(run);
+        dt__run_eval(run, 0);
     }
     double rate = run->train_ms > 0 ? run->samples / (run->train_ms / 1e3) : 0;
     /* The final loss is the last step's (the job's mean over its ranks): it depends on the steps alone, so a run
@@ -899,10 +922,12 @@ int dt_run_finish(dt_run *run) {
     if (run->mlflow) {                      /* stopped by a signal: KILLED, as MLflow marks an interrupted run */
         dt_mlflow *ml = run->mlflow;
         run->mlflow = NULL;
-        dt__on_fail_tracking = NULL;
-        dt__mlflow_running = NULL;
-        if (!dt_mlflow_close(ml, run->stopped_by ? DT_MLFLOW_KILLED : DT_MLFLOW_FINISHED))
-            dt__write_failed("--mlflow", run->cfg.mlflow, errno);
+        /* taken back from the failure path first: a thread that fails meanwhile (stage 02's) closes it otherwise */
+        if (__atomic_exchange_n(&dt__on_fail_tracking, (void (*)(void))NULL, __ATOMIC_ACQ_REL)) {
+            dt__mlflow_running = NULL;
+            if (!dt_mlflow_close(ml, run->stopped_by ? DT_MLFLOW_KILLED : DT_MLFLOW_FINISHED))
+                dt__write_failed("--mlflow", run->cfg.mlflow, errno);
+        }
     }
     if (run->trace) {
         FILE *trace = run->trace;

@@ -140,10 +140,13 @@ TEST(the_final_loss_is_the_last_steps_whether_or_not_the_run_was_stopped, QUICK)
 /* --early-stop 3 --save-best: the run stops at the third evaluation in a row
    that did not beat the best (worked out here from --log's evaluations),
    the summary says so, and the best checkpoint, evaluated, gives the best
-   loss --log has. Stopped between (--steps, just after an evaluation that
-   did not improve) and resumed (--resume auto), the run keeps the best and
-   the count, and stops at the same step with the same losses. --save-best
-   with nowhere to save is a usage error naming --save-dir. */
+   loss --log has. Resumed, the early-stopped run has ended: no step more.
+   Stopped between and resumed (--resume auto), the run keeps the best and
+   the count, and stops at the same step with the same final loss: stopped by
+   --steps off the evaluations' grid (its own last evaluation is reported, not
+   counted), and by SIGTERM at a step whose evaluation was due (the resumed
+   run makes it first). --save-best with nowhere to save is a usage error
+   naming --save-dir. */
 TEST(early_stop_and_save_best_follow_the_evaluations_and_resume_keeps_them, QUICK) {
     char out[16384], dir[600], log[700], flags[800];
     snprintf(dir, sizeof dir, "%s/es-a", tmpdir);
@@ -175,18 +178,28 @@ TEST(early_stop_and_save_best_follow_the_evaluations_and_resume_keeps_them, QUIC
     double bl[4];
     CHECKF(st == 0 && log_points(best_log, "eval_loss", bs, bl, 4) == 1 && bs[0] == best_step && fabs(bl[0] - best) < 5e-7,
            "the best checkpoint (step %lld, eval loss %.6f in --log): exit %d\n%s", (long long)best_step, best, st, out);
-    /* stopped just after an evaluation that did not improve, then resumed: the same stop */
-    snprintf(dir, sizeof dir, "%s/es-b", tmpdir);
-    st = run_cmd(out, sizeof out, "%s %s --save-dir %s --steps %lld", train_cpu, flags, dir, (long long)steps[between]);
-    CHECKF(st == 0, "--steps %lld: exit %d\n%s", (long long)steps[between], st, out);
-    char whole[64], resumed[64], resumed_log[700];
-    snprintf(resumed_log, sizeof resumed_log, "%s/es-b.jsonl", tmpdir);
-    st = run_cmd(out, sizeof out, "%s %s --save-dir %s --resume auto --log %s", train_cpu, flags, dir, resumed_log);
+    /* the early-stopped run, resumed, has ended */
+    st = run_cmd(out, sizeof out, "%s %s --save-dir %s --resume auto", train_cpu, flags, dir);
+    CHECKF(st == 0 && strstr(out, done) && strstr(out, said), "the early-stopped run resumed: exit %d, it should take no step\n%s", st, out);
+    /* stopped between, two ways, then resumed: the same stop, the same final loss */
+    char whole[64];
     summary_final_loss(log, whole, sizeof whole);
-    summary_final_loss(resumed_log, resumed, sizeof resumed);
-    CHECKF(st == 0 && strstr(out, done) && strstr(out, said) && whole[0] && !strcmp(whole, resumed),
-           "resumed at step %lld: it should stop as the whole run did (final loss %s, resumed %s)\n%s", (long long)steps[between],
-           whole, resumed, out);
+    for (int how = 0; how < 2; how++) {
+        char resumed[64], resumed_log[700], first[200];
+        snprintf(dir, sizeof dir, "%s/es-b%d", tmpdir, how);
+        snprintf(resumed_log, sizeof resumed_log, "%s/es-b%d.jsonl", tmpdir, how);
+        if (how == 0) snprintf(first, sizeof first, "--steps %lld", (long long)steps[between] + 1);   /* odd: off the grid of 2 */
+        else first[0] = 0;
+        st = run_cmd(out, sizeof out, "%s%lld %s %s --save-dir %s %s", how ? "env DT_TEST_STOP_AT_STEP=" : "env X=",
+                     (long long)steps[between], train_cpu, flags, dir, first);
+        CHECKF(how ? st == 75 : st == 0, "stopped at step %lld (%s): exit %d\n%s", (long long)steps[between] + !how,
+               how ? "SIGTERM" : "--steps", st, out);
+        st = run_cmd(out, sizeof out, "%s %s --save-dir %s --resume auto --log %s", train_cpu, flags, dir, resumed_log);
+        summary_final_loss(resumed_log, resumed, sizeof resumed);
+        CHECKF(st == 0 && strstr(out, done) && strstr(out, said) && whole[0] && !strcmp(whole, resumed),
+               "stopped at step %lld by %s and resumed: it should stop as the whole run did (final loss %s, resumed %s)\n%s",
+               (long long)steps[between] + !how, how ? "SIGTERM" : "--steps", whole, resumed, out);
+    }
     st = run_cmd(out, sizeof out, "%s %s --save-best", train_cpu, flags);
     CHECKF(st == 2 && strstr(out, "--save-best") && strstr(out, "--save-dir"), "--save-best without --save-dir: exit %d\n%s", st, out);
 }
