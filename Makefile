@@ -14,7 +14,8 @@
 #   make fuzz         every loader under libFuzzer (clang, ASan, UBSan), FUZZ_SECONDS
 #                     each (default 60): runs, coverage, and what was found
 #   make test-builds  make CUDA=0 at -O0, -O2 and -O3 (LEVELS=...), each in build/cpu-O*/:
-#                     the build without a warning and the quick suite at each; at -O2
+#                     the build without a warning at each, the quick suite at -O0 and -O2
+#                     (SUITE_LEVELS=...; make test runs it at -O3); at -O2
 #                     every stage's --bench, make bench --quick --only mlp
 #   make bench        the scaling study (tools/bench): mlp and vit-tiny in stages 01-07,
 #                     gpt at context 512 in 01, 03 and 08, at 1, 2 and 4 ranks -- speedup and efficiency measured and predicted by

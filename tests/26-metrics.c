@@ -369,7 +369,7 @@ TEST(mlflow_reads_the_runs_dtrain_wrote, FULL) {
    resident memory (more than a megabyte, less than a terabyte) and its CPU
    time (growing); none at the steps between. */
 TEST(hardware_figures_come_with_each_progress_line, QUICK) {
-    char out[16384], log[600], dir[600], p[1600];
+    char out[16384], log[600], dir[600], p[1000];
     snprintf(log, sizeof log, "%s/hw.jsonl", tmpdir);
     snprintf(dir, sizeof dir, "%s/hw-mlruns", tmpdir);
     int st = run_cmd(out, sizeof out, "%s --data %s " SMALL_FLAGS " --epochs 1 --steps 6 --log-every 2 --log %s --mlflow %s", train_cpu,
@@ -384,7 +384,7 @@ TEST(hardware_figures_come_with_each_progress_line, QUICK) {
         CHECKF(rss[i] > 1e6 && rss[i] < 1e12 && cpu[i] > 0 && (i == 0 || cpu[i] >= cpu[i - 1]), "step %lld: rss %.0f bytes, cpu %.3f s",
                (long long)steps[i], rss[i], cpu[i]);
     /* the same in MLflow, in megabytes */
-    char exp[700], run[800] = "";
+    char exp[700], run[960] = "";
     snprintf(exp, sizeof exp, "%s/1", dir);
     DIR *d = opendir(exp);
     for (struct dirent *e; d && (e = readdir(d));)
