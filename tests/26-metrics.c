@@ -461,7 +461,7 @@ static int mlflow_server_start(const char *py, const char *dir, int port, char *
 /* --mlflow http://127.0.0.1:PORT against a real `mlflow server`: MLflow's own
    client reads back one run -- the first 4 steps, then the same run resumed
    from its checkpoint to step 6 (RUNNING again, then FINISHED) -- with its
-   params, and every point of every figure --log has, step by step, within
+   params and tags, and every point of every figure --log has, step by step, within
    --log's printed digits. Then the server is stopped while a run goes on:
    a warning, the training finishes (exit 0, every step in --log), and what
    could not be sent is counted at the end. */
@@ -490,7 +490,7 @@ TEST(mlflow_server_takes_the_run_live_through_its_rest_api, FULL) {
     static char text[262144];
     st = run_cmd(text, sizeof text, "%s %s/tests/mlflow_read.py %s", py, repo_root(), url);
     CHECKF(st == 0, "tests/mlflow_read.py %s: exit %d\n%s", url, st, text);
-    int runs = 0, params = 0, finished = 0;
+    int runs = 0, params = 0, finished = 0, tags = 0;
     static const char *const want[][2] = { { "model", "mlp" }, { "batch_size", "32" }, { "steps", "4" }, { "world_size", "1" },
                                            { "lr", "0.001" }, { "optimizer", "adamw" }, { "seed", "1" } };
     enum { MAX = 4096 };
@@ -502,6 +502,9 @@ TEST(mlflow_server_takes_the_run_live_through_its_rest_api, FULL) {
     for (char *line = strtok(st == 0 ? text : NULL, "\n"); line; line = strtok(NULL, "\n")) {
         char a[128], b[128], c[128];
         if (sscanf(line, "run %127s %127s %127s", a, b, c) == 3) { runs++; finished += !strcmp(c, "FINISHED"); }
+        else if (sscanf(line, "tag %127s %127s", a, b) == 2)
+            tags += (!strcmp(a, "stage") && !strcmp(b, "01-single-gpu")) + (!strcmp(a, "mlflow.runName") && !strcmp(b, "01-single-gpu_mlp")) +
+                    (!strcmp(a, "device") && !strcmp(b, "cpu"));
         else if (sscanf(line, "param %127s %127s", a, b) == 2) {
             for (size_t k = 0; k < sizeof want / sizeof want[0]; k++)
                 if (!strcmp(a, want[k][0])) { CHECKF(!strcmp(b, want[k][1]), "param %s is %s, expected %s", a, b, want[k][1]); params++; }
@@ -510,6 +513,7 @@ TEST(mlflow_server_takes_the_run_live_through_its_rest_api, FULL) {
     }
     CHECKF(runs == 1 && finished == 1, "%d runs (%d FINISHED): the run and its resumed part are one run, finished", runs, finished);
     CHECKF(params == (int)(sizeof want / sizeof want[0]), "%d of the %d params looked for", params, (int)(sizeof want / sizeof want[0]));
+    CHECKF(tags == 3, "%d of the tags stage, mlflow.runName and device with their values", tags);
     /* each figure of --log, as MLflow names it and with the digits --log prints */
     static const struct { const char *log, *mlflow; double scale, rel, abs; } figures[] = {
         { "loss", "loss", 1, 1e-7, 0 }, { "lr", "lr", 1, 1e-5, 0 }, { "grad_norm", "grad_norm", 1, 1e-4, 0 },
@@ -535,11 +539,13 @@ TEST(mlflow_server_takes_the_run_live_through_its_rest_api, FULL) {
         CHECKF(n == expect && matched == n && theirs == n, "%s: --log has %d points (%d expected), MLflow %d, %d of them at --log's steps",
                figures[f].mlflow, n, expect, theirs, matched);
     }
-    /* the server goes away 2.5 s into a run of 40 steps of 100 ms: some of the run was sent, the rest is counted */
+    /* the server goes away after 20 of 40 steps of 100 ms (2 s: the sender has sent a batch a second), however
+       long the run took to start: some of the run was sent, the rest is counted */
     snprintf(log, sizeof log, "%s/gone.jsonl", dir);
     double t0 = dt_now_ms();
-    st = run_cmd(out, sizeof out, "sh -c '(sleep 2.5; kill %d) & DT_TEST_STEP_SLEEP_MS=100 %s --data %s " SMALL_FLAGS
-                 " --epochs 4 --mlflow %s --log %s'", pid, train_cpu, small_data(), url, log);
+    st = run_cmd(out, sizeof out, "sh -c '(i=0; while [ $(cat %s 2>/dev/null | grep -c lr) -lt 20 ] && [ $i -lt 600 ]; do sleep 0.1; "
+                 "i=$((i+1)); done; kill %d) & DT_TEST_STEP_SLEEP_MS=100 %s --data %s " SMALL_FLAGS " --epochs 4 --mlflow %s --log %s'",
+                 log, pid, train_cpu, small_data(), url, log);
     double took_ms = dt_now_ms() - t0, loss[50];
     const char *count = strstr(out, "warning: --mlflow: ");
     long long lost = 0, all = 0;
