@@ -59,6 +59,27 @@ def free_ports(n):
     return ports
 
 
+def find_chromium():
+    found = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not found:
+        fail("no Chromium (apt-get install chromium, or CHROMIUM=PATH)")
+    return found
+
+
+def mlflow_page(browser, url, ready, settle_ms):
+    """An MLflow page once `ready` shows and the charts had settle_ms to draw,
+    the assistant's side panel closed."""
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    page.goto(url)
+    page.wait_for_selector(ready, timeout=60000)
+    page.wait_for_timeout(settle_ms)
+    close = page.locator("button[aria-label='Close']").filter(visible=True)
+    if close.count():
+        close.first.click()
+        page.wait_for_timeout(1500)
+    return page
+
+
 def stop(servers):
     """Each server (or run) asked to stop, then whatever of its group is left."""
     for server in servers:
@@ -112,9 +133,7 @@ def serve(command, url, name, servers, logs):
 def live(out):
     """The MLflow UI of a tracking server while a run goes on: the run's page
     once its charts have a few dozen steps, the run still RUNNING."""
-    chromium = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    if not chromium:
-        fail("no Chromium (apt-get install chromium, or CHROMIUM=PATH)")
+    chromium = find_chromium()
     train = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "01-single-gpu", "train")
     if not os.access(train, os.X_OK):
         fail(f"no {train}: run make first")
@@ -151,14 +170,7 @@ def live(out):
                 time.sleep(0.5)
             with sync_playwright() as p:
                 browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-                page = browser.new_page(viewport={"width": 1600, "height": 1000})
-                page.goto(page_url + "/model-metrics")
-                page.wait_for_selector("text=loss", timeout=60000)
-                page.wait_for_timeout(5000)
-                close = page.locator("button[aria-label='Close']").filter(visible=True)   # the assistant's side panel
-                if close.count():
-                    close.first.click()
-                    page.wait_for_timeout(1500)
+                page = mlflow_page(browser, page_url + "/model-metrics", "text=loss", 5000)
                 status = client.get_run(run_id).info.status
                 page.screenshot(path=os.path.join(out, "mlflow-live.png"))
                 browser.close()
@@ -180,9 +192,7 @@ def main():
     for sub in ("mlruns", "tensorboard"):
         if not os.path.isdir(os.path.join(track, sub)):
             fail(f"no {os.path.join(track, sub)}: run TRACK={track} tools/stage_curves.sh first")
-    chromium = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    if not chromium:
-        fail("no Chromium (apt-get install chromium, or CHROMIUM=PATH)")
+    chromium = find_chromium()
     os.makedirs(out, exist_ok=True)
     experiment = color_runs(os.path.join(track, "mlruns"))
     tb_port, ml_port = free_ports(2)
@@ -206,14 +216,8 @@ def main():
             page.screenshot(path=os.path.join(out, "tensorboard.png"))
             # MLflow: the experiment's runs in the chart view: every metric, the runs
             # overlaid (MLflow 3 opens an experiment on its traces otherwise)
-            page = browser.new_page(viewport={"width": 1600, "height": 1000})
-            page.goto(f"http://127.0.0.1:{ml_port}/#/experiments/{experiment}/runs?compareRunsMode=CHART")
-            page.wait_for_selector("text=Model metrics", timeout=60000)
-            page.wait_for_timeout(4000)
-            close = page.locator("button[aria-label='Close']").filter(visible=True)   # the assistant's side panel
-            if close.count():
-                close.first.click()
-                page.wait_for_timeout(1500)
+            page = mlflow_page(browser, f"http://127.0.0.1:{ml_port}/#/experiments/{experiment}/runs?compareRunsMode=CHART",
+                               "text=Model metrics", 4000)
             page.screenshot(path=os.path.join(out, "mlflow.png"))
             browser.close()
     except PlaywrightError as e:
