@@ -373,7 +373,10 @@ TORCH_PY = $(shell for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2
 # runs tools/bench_gpu.sh (dtrain against PyTorch, DDP's overhead, stage 05's
 # dtypes on vit-base); then tools/bench_cpu.sh, stage 01 against PyTorch on
 # the CPU (when it is installed) at 1 and 2 threads, medians of 3 alternating
-# runs (BENCH_CPU=0 skips it; REPEATS, THREADS, BIG=0 are its knobs). At 4
+# runs (BENCH_CPU=0 skips it; REPEATS, THREADS, BIG=0 are its knobs), and
+# tools/bench_qwen2.sh: a fine-tuning step of Qwen2-0.5B's shape against PyTorch +
+# transformers (build/pyvenv's) on the same weights, tokens/s and peak RSS at two
+# threads (BENCH_QWEN2=0 skips it: about 12 minutes and 14 GB of memory). At 4
 # ranks tools/bench ends with the layouts study: gpt-char on every D x T x P
 # of 4 ranks in stage 07, against 01 and the cost model (bench/layouts.csv,
 # bench/layouts.svg; tools/bench --layouts N alone for another size).
@@ -385,6 +388,7 @@ bench: $(STAGE_BINS) tools/collectives tools/bench
 	@if [ "$(BENCH_CPU)" != 0 ]; then \
 	   [ -z "$$OPENBLAS_CORETYPE" ] || echo "(OPENBLAS_CORETYPE=$$OPENBLAS_CORETYPE limits PyTorch's OpenBLAS to that core type)"; \
 	   tools/bench_cpu.sh 01-single-gpu/train "$(TORCH_PY)"; fi
+	@if [ "$(BENCH_QWEN2)" != 0 ]; then tools/bench_qwen2.sh 01-single-gpu/train build/pyvenv/bin/python; fi
 
 # Each stage against the stage it builds on: the one before it, unless its
 # file says "Builds on NN-name." (06 builds on 03: it drops 04-05's sharding,

@@ -2535,6 +2535,7 @@ int dt_run_finish(dt_run *run);
 #include <ctype.h>
 #include <time.h>
 #include <dirent.h>
+#include <sys/resource.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -3676,6 +3677,33 @@ static void dt__tape_mark(dt__backward_fn fn, void *user, int arg) {
     e->saved = user;
     e->iarg[0] = arg;
 }
+
+/* A region of the tape whose backward gives back what it allocated: a
+   model's block (the models chapter). Without --recompute a block's
+   activations stay until the step's end -- the peak is where backward
+   begins, when all of them are there -- but what its backward makes, the
+   gradient of each of its activations, is needed only until backward leaves
+   the block, except the gradient of what entered it, which the block before
+   reads next. Two tape marks stand around the region: the one walked first
+   (its end) makes that gradient and notes the arena's place; the one walked
+   last (its start) goes back there. Only one block's gradients are then in
+   memory, not every block's (Qwen2-0.5B's shape at 9 x 128 tokens: the
+   peak of activations 7.97 -> 5.13 GB). Nothing made inside may be read
+   after backward but the input's gradient. */
+typedef struct { dt_tensor *x; dt__step_mark mark; } dt__grad_region;
+static void dt__grad_region_enter(dt__tape_entry *e) {
+    dt__grad_region *g = (dt__grad_region *)e->saved;
+    if (g->x->requires_grad) dt_grad(g->x);   /* before the mark: x's gradient outlives the region's */
+    g->mark = dt__step_mark_now();
+}
+static void dt__grad_region_leave(dt__tape_entry *e) { dt__step_back_to(&((dt__grad_region *)e->saved)->mark); }
+static dt__grad_region *dt__grad_region_begin(dt_tensor *x) {
+    dt__grad_region *g = (dt__grad_region *)dt_step_alloc(sizeof *g);
+    g->x = x;
+    dt__tape_mark(dt__grad_region_leave, g, 0);
+    return g;
+}
+static void dt__grad_region_end(dt__grad_region *g) { dt__tape_mark(dt__grad_region_enter, g, 0); }
 
 /* Backward from a scalar loss, seeded with d(loss)/d(loss) = seed: 1, or a
    loss scale (the mixed-precision chapter). */
@@ -6125,18 +6153,16 @@ static void dt__unit_boundary(dt_model *m, int unit, int begin) {
     if (par && !begin && par->unit_end) par->unit_end(par, unit);
 }
 
-/* -- activation recompute (--recompute). Most of a step's memory is the
-      activations each block keeps for its backward, and backward needs a
-      block's only when it reaches that block. So a block keeps what enters
-      and what leaves it: its forward runs as always, then everything it made
-      but its output goes back to the step arena, and one tape entry stands
-      for its entries. When backward reaches that entry, the block's forward
-      runs again from the same input -- the same ops in the same order, so
-      the same bits -- its new entries are walked, and their memory goes back
-      too. The price is one more forward of each block per step; what is
-      saved is every block's activations but one block's at a time. Under
-      FSDP the unit's marks stand on either side of that entry, so the unit
-      is gathered again before its forward runs again. -- */
+/* -- activation recompute (--recompute). Most of a step's memory is the activations each block
+      keeps for its backward, and backward needs a block's only when it reaches that block. So a
+      block keeps what enters and what leaves it: its forward runs as always, then everything it
+      made but its output goes back to the step arena, and one tape entry stands for its entries.
+      When backward reaches that entry, the block's forward runs again from the same input -- the
+      same ops in the same order, so the same bits -- its new entries are walked, and their memory
+      goes back too. The price is one more forward of each block per step; what is saved is every
+      block's activations but one block's at a time. Under FSDP the unit's marks stand around that
+      entry: the unit is gathered again before its forward runs again. Without --recompute a block
+      is a region of the tape (the autograd chapter): its gradients go back after its backward. -- */
 typedef dt_tensor *(*dt__block_fn)(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T);   /* P: its first parameter */
 typedef struct { dt_model *m; dt__block_fn fn; dt_tensor *params; int B, T; } dt__block_call;
 
@@ -6172,9 +6198,11 @@ static void dt__recompute_backward(dt__tape_entry *e) {
 static dt_tensor *dt__block(dt_model *m, int unit, dt__block_fn fn, dt_tensor *params, dt_tensor *x, int B, int T) {
     dt__unit_boundary(m, unit, 1);
     int recompute = m->recompute && dt__ctx.grad_enabled;
+    dt__grad_region *grads = dt__ctx.grad_enabled && !recompute ? dt__grad_region_begin(x) : NULL;
     dt__step_mark k = dt__step_mark_now();
     int first = dt__ctx.tape_len;
     dt_tensor *y = fn(m, params, x, B, T);
+    if (grads) dt__grad_region_end(grads);      /* its gradients go back when its backward is done */
     if (recompute) {
         dt__ctx.tape_len = first;           /* its entries go, one stands for them */
         y = dt__keep_only(&k, y);
@@ -15284,6 +15312,10 @@ static void dt__bench_report(dt_run *r) {
            steps * (double)per_rank * devices * replicas * 1e3 / ms, gflops, p[DT_PHASE_DATA] / steps, p[DT_PHASE_FWD] / steps,
            p[DT_PHASE_BWD] / steps, r->bench_comm_ms / steps, r->bench_hidden_ms / steps, p[DT_PHASE_COMM] / steps,
            p[DT_PHASE_OPT] / steps, peak_mem / 1e6, peak_state / 1e6, peak_host / 1e6);
+    /* The process's peak resident memory, all of it (the arenas' counts above
+       are tensors only): what decides whether a model fits on a machine. */
+    struct rusage usage;
+    if (getrusage(RUSAGE_SELF, &usage) == 0) printf(" peak_rss_mb=%.1f", usage.ru_maxrss * 1024.0 / 1e6);
     if (language)                       /* gflops is then tokens/s x flops per token */
         printf(" tokens_per_s=%.1f flops_per_token=%.4g", tokens_per_s, dt_model_flops_per_token(whole));
     if (rep && rep->bench_fields) rep->bench_fields(who, stdout, cfg->accum_steps);   /* what the cost model needs of it */

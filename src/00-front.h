@@ -227,6 +227,7 @@ extern "C" {
 #include <ctype.h>
 #include <time.h>
 #include <dirent.h>
+#include <sys/resource.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/types.h>

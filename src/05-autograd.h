@@ -235,6 +235,33 @@ static void dt__tape_mark(dt__backward_fn fn, void *user, int arg) {
     e->iarg[0] = arg;
 }
 
+/* A region of the tape whose backward gives back what it allocated: a
+   model's block (the models chapter). Without --recompute a block's
+   activations stay until the step's end -- the peak is where backward
+   begins, when all of them are there -- but what its backward makes, the
+   gradient of each of its activations, is needed only until backward leaves
+   the block, except the gradient of what entered it, which the block before
+   reads next. Two tape marks stand around the region: the one walked first
+   (its end) makes that gradient and notes the arena's place; the one walked
+   last (its start) goes back there. Only one block's gradients are then in
+   memory, not every block's (Qwen2-0.5B's shape at 9 x 128 tokens: the
+   peak of activations 7.97 -> 5.13 GB). Nothing made inside may be read
+   after backward but the input's gradient. */
+typedef struct { dt_tensor *x; dt__step_mark mark; } dt__grad_region;
+static void dt__grad_region_enter(dt__tape_entry *e) {
+    dt__grad_region *g = (dt__grad_region *)e->saved;
+    if (g->x->requires_grad) dt_grad(g->x);   /* before the mark: x's gradient outlives the region's */
+    g->mark = dt__step_mark_now();
+}
+static void dt__grad_region_leave(dt__tape_entry *e) { dt__step_back_to(&((dt__grad_region *)e->saved)->mark); }
+static dt__grad_region *dt__grad_region_begin(dt_tensor *x) {
+    dt__grad_region *g = (dt__grad_region *)dt_step_alloc(sizeof *g);
+    g->x = x;
+    dt__tape_mark(dt__grad_region_leave, g, 0);
+    return g;
+}
+static void dt__grad_region_end(dt__grad_region *g) { dt__tape_mark(dt__grad_region_enter, g, 0); }
+
 /* Backward from a scalar loss, seeded with d(loss)/d(loss) = seed: 1, or a
    loss scale (the mixed-precision chapter). */
 static void dt__backward_seeded(dt_tensor *loss, float seed) {

@@ -455,18 +455,16 @@ static void dt__unit_boundary(dt_model *m, int unit, int begin) {
     if (par && !begin && par->unit_end) par->unit_end(par, unit);
 }
 
-/* -- activation recompute (--recompute). Most of a step's memory is the
-      activations each block keeps for its backward, and backward needs a
-      block's only when it reaches that block. So a block keeps what enters
-      and what leaves it: its forward runs as always, then everything it made
-      but its output goes back to the step arena, and one tape entry stands
-      for its entries. When backward reaches that entry, the block's forward
-      runs again from the same input -- the same ops in the same order, so
-      the same bits -- its new entries are walked, and their memory goes back
-      too. The price is one more forward of each block per step; what is
-      saved is every block's activations but one block's at a time. Under
-      FSDP the unit's marks stand on either side of that entry, so the unit
-      is gathered again before its forward runs again. -- */
+/* -- activation recompute (--recompute). Most of a step's memory is the activations each block
+      keeps for its backward, and backward needs a block's only when it reaches that block. So a
+      block keeps what enters and what leaves it: its forward runs as always, then everything it
+      made but its output goes back to the step arena, and one tape entry stands for its entries.
+      When backward reaches that entry, the block's forward runs again from the same input -- the
+      same ops in the same order, so the same bits -- its new entries are walked, and their memory
+      goes back too. The price is one more forward of each block per step; what is saved is every
+      block's activations but one block's at a time. Under FSDP the unit's marks stand around that
+      entry: the unit is gathered again before its forward runs again. Without --recompute a block
+      is a region of the tape (the autograd chapter): its gradients go back after its backward. -- */
 typedef dt_tensor *(*dt__block_fn)(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T);   /* P: its first parameter */
 typedef struct { dt_model *m; dt__block_fn fn; dt_tensor *params; int B, T; } dt__block_call;
 
@@ -502,9 +500,11 @@ static void dt__recompute_backward(dt__tape_entry *e) {
 static dt_tensor *dt__block(dt_model *m, int unit, dt__block_fn fn, dt_tensor *params, dt_tensor *x, int B, int T) {
     dt__unit_boundary(m, unit, 1);
     int recompute = m->recompute && dt__ctx.grad_enabled;
+    dt__grad_region *grads = dt__ctx.grad_enabled && !recompute ? dt__grad_region_begin(x) : NULL;
     dt__step_mark k = dt__step_mark_now();
     int first = dt__ctx.tape_len;
     dt_tensor *y = fn(m, params, x, B, T);
+    if (grads) dt__grad_region_end(grads);      /* its gradients go back when its backward is done */
     if (recompute) {
         dt__ctx.tape_len = first;           /* its entries go, one stands for them */
         y = dt__keep_only(&k, y);

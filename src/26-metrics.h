@@ -239,6 +239,10 @@ static void dt__bench_report(dt_run *r) {
            steps * (double)per_rank * devices * replicas * 1e3 / ms, gflops, p[DT_PHASE_DATA] / steps, p[DT_PHASE_FWD] / steps,
            p[DT_PHASE_BWD] / steps, r->bench_comm_ms / steps, r->bench_hidden_ms / steps, p[DT_PHASE_COMM] / steps,
            p[DT_PHASE_OPT] / steps, peak_mem / 1e6, peak_state / 1e6, peak_host / 1e6);
+    /* The process's peak resident memory, all of it (the arenas' counts above
+       are tensors only): what decides whether a model fits on a machine. */
+    struct rusage usage;
+    if (getrusage(RUSAGE_SELF, &usage) == 0) printf(" peak_rss_mb=%.1f", usage.ru_maxrss * 1024.0 / 1e6);
     if (language)                       /* gflops is then tokens/s x flops per token */
         printf(" tokens_per_s=%.1f flops_per_token=%.4g", tokens_per_s, dt_model_flops_per_token(whole));
     if (rep && rep->bench_fields) rep->bench_fields(who, stdout, cfg->accum_steps);   /* what the cost model needs of it */

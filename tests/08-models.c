@@ -66,6 +66,41 @@ TEST(a_model_larger_than_memory_is_refused_with_its_size, QUICK) {
     CHECKF(st == 0, "a small mlp: exit %d\n%s", st, out);
 }
 
+/* Without --recompute, backward gives a block's gradients back when it
+   leaves the block (the autograd chapter's tape regions): what backward adds
+   to the forward's activations is one block's gradients at a time, and the
+   gradient of each block's input (one B x T x dim buffer a block), where
+   every block's gradients stayed to the step's end before. */
+TEST(backward_holds_one_blocks_gradients_at_a_time, QUICK) {
+    enum { B = 2, T = 32, V = 11 };
+    float tokens[B * T];
+    int32_t labels[B * T];
+    dt__rng r = { 8 };
+    for (int i = 0; i < B * T; i++) { tokens[i] = (float)(dt__rng_u64(&r) % V); labels[i] = (int32_t)(dt__rng_u64(&r) % V); }
+    double extra[2], forward[2];
+    for (int k = 0; k < 2; k++) {
+        int depth = k ? 8 : 2, shape[2] = { B, T };
+        dt_model_config c = { DT_MODEL_LLAMA, 0, 0, V, 64, depth, 4, 0, 96, T, 2, 0, 0, 10000.0f, 1e-5f, 0, 0, 0, 0, 0, 0, "",
+                              0, 0, 0, 0, 0 };
+        dt_model *m = dt_model_create(&c, 5);
+        for (int step = 0; step < 2; step++) {         /* the second: the arena is one block, as in training */
+            dt_step_arena_reset();
+            dt_tensor *loss = dt_cross_entropy(dt_model_forward(m, dt_tensor_from_host(2, shape, tokens)), labels);
+            forward[k] = (double)dt__ctx.step[DT_CPU].high;
+            dt_backward(loss);
+            extra[k] = (double)dt__ctx.step[DT_CPU].peak - forward[k];
+        }
+        dt_step_arena_reset();
+        dt_model_free(m);
+    }
+    double block = (forward[1] - forward[0]) / 6, input_grad = (double)B * T * 64 * sizeof(float);
+    printf("    forward %.0f and %.0f KB (depth 2, 8); backward's extra %.0f and %.0f KB; a block's activations %.0f KB\n",
+           forward[0] / 1e3, forward[1] / 1e3, extra[0] / 1e3, extra[1] / 1e3, block / 1e3);
+    CHECKF(block > 0 && extra[1] - extra[0] <= 6 * (input_grad + 64),
+           "backward's memory beyond the forward's grew with the depth by more than the blocks' input gradients: %.0f KB at "
+           "depth 2, %.0f KB at depth 8 (a block's activations: %.0f KB)", extra[0] / 1e3, extra[1] / 1e3, block / 1e3);
+}
+
 TEST(vit_parameter_names_and_shapes_follow_timm, QUICK) {
     dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 1);

@@ -96,8 +96,8 @@ for level in $levels; do
   if [ "$level" = "$bench_level" ]; then
     if ! (cd "$dir" && stage_benches); then failed+=("$level: a stage's --bench"); fi
     lap "every stage's --bench"
-    # TORCH_PY= BENCH_CPU=0: the build is checked here, not compared with PyTorch (make bench does that)
-    if ! make -C "$dir" -s CUDA=0 OPT="$level" TORCH_PY= BENCH_CPU=0 bench BENCH_FLAGS="$bench_flags" >"$dir/bench.log" 2>&1; then
+    # TORCH_PY= BENCH_CPU=0 BENCH_QWEN2=0: the build is checked here, not compared with PyTorch (make bench does that)
+    if ! make -C "$dir" -s CUDA=0 OPT="$level" TORCH_PY= BENCH_CPU=0 BENCH_QWEN2=0 bench BENCH_FLAGS="$bench_flags" >"$dir/bench.log" 2>&1; then
       tail -20 "$dir/bench.log"; failed+=("$level: make bench")
     else echo "make bench $bench_flags: $(grep -c '' "$dir/bench/results.csv") lines in $dir/bench/results.csv"; fi
     lap "make bench"

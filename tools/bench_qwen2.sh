@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# `make bench`'s Qwen2-0.5B row: a fine-tuning step of Qwen2-0.5B's shape (494M parameters, vocabulary 151,936,
+# tied head; steps of 9 sequences of 128 tokens, fp32 with AdamW) in dtrain's stage 01 and in PyTorch +
+# transformers, on the same weights (random, written once as a bf16 Hugging Face folder, as Qwen2-0.5B ships),
+# at two threads: tokens/s and the process's peak resident memory (ru_maxrss). Runs alternate (dtrain,
+# PyTorch, dtrain, ...), REPEATS of each (default 3), medians with [lowest-highest]. A step takes 10-20 s
+# on two cores and each run loads the model and warms up first: about 2 minutes a pair of runs.
+#
+# usage: tools/bench_qwen2.sh [stage-01 binary] [python with torch and transformers]
+#   REPEATS=N  THREADS=2  STEPS=2 (timed steps a run)  DIR=folder for the weights (default: a temporary one)
+set -uo pipefail
+bin=${1:-01-single-gpu/train}
+py=${2:-build/pyvenv/bin/python}
+repeats=${REPEATS:-3}
+threads=${THREADS:-2}
+steps=${STEPS:-2}
+here=$(cd "$(dirname "$0")" && pwd)
+if ! "$py" -c 'import torch, transformers' 2>/dev/null; then
+  echo "bench_qwen2.sh: $py has no torch and transformers (make test-all's build/pyvenv has them): dtrain alone"
+  py=""
+fi
+dir=${DIR:-}
+if [ -z "$dir" ]; then dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT; fi
+out="$dir/results.txt"
+: >"$out"
+if [ ! -f "$dir/model/config.json" ]; then
+  if [ -n "$py" ]; then
+    "$py" "$here/bench_qwen2.py" make "$dir/model" || { echo "bench_qwen2.sh: could not write the weights" >&2; exit 1; }
+  fi
+fi
+# dtrain: the folder's weights when there is one, else the same shape from its own flags
+if [ -f "$dir/model/config.json" ]; then dflags=(--init "$dir/model")
+else dflags=(--model llama --dim 896 --depth 24 --heads 14 --kv-heads 2 --ffn-dim 4864 --vocab 151936 --qkv-bias
+             --rope-theta 1000000 --norm-eps 1e-6); fi
+field() { tr ' ' '\n' <<<"$1" | sed -n "s/^$2=//p"; }
+status=0
+for r in $(seq 1 "$repeats"); do
+  echo "== round $r of $repeats (Qwen2-0.5B's shape, $threads threads)"
+  line=$(OMP_NUM_THREADS=$threads "$bin" --bench --device cpu "${dflags[@]}" --seq-len 128 --batch-size 9 --steps "$steps" 2>&1 | grep -m1 '^bench:')
+  if [ -z "$line" ]; then echo "bench_qwen2.sh: $bin --bench printed no bench line" >&2; status=1
+  else echo "dtrain $(field "$line" tokens_per_s) $(field "$line" peak_rss_mb)" | tee -a "$out"; fi
+  [ -n "$py" ] || continue
+  line=$(OMP_NUM_THREADS=$threads "$py" "$here/bench_qwen2.py" torch "$dir/model" --steps "$steps" 2>&1 | grep -m1 '^torch-bench:')
+  if [ -z "$line" ]; then echo "bench_qwen2.sh: bench_qwen2.py printed no torch-bench line" >&2; status=1
+  else echo "torch $(field "$line" tokens_per_s) $(field "$line" peak_rss_mb)" | tee -a "$out"; fi
+done
+awk '
+  { n[$1]++; t[$1, n[$1]] = $2; m[$1, n[$1]] = $3 }
+  function med(who, arr,   k, i, j, x, a) {
+    k = n[who]; if (!k) return ""
+    for (i = 1; i <= k; i++) a[i] = (arr == "t") ? t[who, i] : m[who, i]
+    for (i = 1; i <= k; i++) for (j = i + 1; j <= k; j++) if (a[j] < a[i]) { x = a[i]; a[i] = a[j]; a[j] = x }
+    lo = a[1]; hi = a[k]
+    return k % 2 ? a[(k + 1) / 2] : (a[k / 2] + a[k / 2 + 1]) / 2
+  }
+  END {
+    printf "\nQwen2-0.5B shape, 9 x 128 tokens, fp32 + AdamW: median of the runs [lowest-highest]\n"
+    printf "%-8s %26s %30s\n", "", "tokens/s", "peak RSS, MB"
+    for (w = 1; w <= 2; w++) {
+      who = w == 1 ? "dtrain" : "torch"
+      if (!n[who]) continue
+      a = med(who, "t"); ta = sprintf("%.1f [%.1f-%.1f]", a, lo, hi); tok[who] = a
+      b = med(who, "m"); mb = sprintf("%.0f [%.0f-%.0f]", b, lo, hi); rss[who] = b
+      printf "%-8s %26s %30s\n", who == "torch" ? "PyTorch" : who, ta, mb
+    }
+    if (tok["torch"] > 0 && rss["torch"] > 0)
+      printf "dtrain / PyTorch: %.2fx the tokens/s, %.2fx the peak RSS\n", tok["dtrain"] / tok["torch"], rss["dtrain"] / rss["torch"]
+  }' "$out" || status=1
+exit $status
