@@ -5338,6 +5338,65 @@ static dt__xent_rows dt__xent_rows_at(void *saved, int B) {
     k.labels = (int32_t *)(k.m + B);
     return k;
 }
+/* Rows [0, B) of the logits' gradient on the CPU, written (first) or added. */
+static void dt__xent_rows_grad(const float *x, const double *inv_l, const float *m, const int32_t *labels, float *dl, int B,
+                               int C, float scale, int first) {
+    DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
+    for (int i = 0; i < B; i++) {
+        float *d = dl + (size_t)i * C;
+        const float *r = x + (size_t)i * C;
+        int label = labels[i], mine = label >= 0 && label < C;    /* a split vocabulary: another rank's label is not */
+        if (label == DT_IGNORE_INDEX) { if (first) memset(d, 0, sizeof(float) * (size_t)C); continue; }
+        float at_label = mine ? (first ? 0.0f : d[label]) + dt_cross_entropy_grad(r[label], m[i], inv_l[i], 1.0f, scale) : 0;
+        if (first) for (int j = 0; j < C; j++) d[j] = dt_cross_entropy_grad(r[j], m[i], inv_l[i], 0.0f, scale);
+        else for (int j = 0; j < C; j++) d[j] += dt_cross_entropy_grad(r[j], m[i], inv_l[i], 0.0f, scale);  /* it vectorises */
+        if (mine) d[label] = at_label;
+    }
+}
+/* The loss's backward through the head: when the logits are a linear layer's
+   output (the vocabulary head, without a bias) that only the loss reads, on
+   the CPU in f32, their gradient is made a block of rows at a time and each
+   block goes through the head's two matmuls at once -- dx = dlogits W, dW +=
+   dlogits^T x -- so the whole vocabulary's gradient is never in memory
+   (Qwen2's 151,936 words at 9 x 128 tokens: 700 MB, against 155 MB for a
+   block of 256 rows). The logits then get no gradient, and the walk skips the
+   head's own entry. A block is a whole number of the built-in matmul's
+   DT_KC-row slabs, so dW's sums are those of one matmul over every row and
+   the bits those of the two entries apart (a test holds them to it).
+   dt__xent_apart (tests) keeps them apart. */
+static int dt__xent_apart;
+static dt__tape_entry *dt__xent_head(const dt__tape_entry *e, const dt_tensor *logits) {
+    if (dt__xent_apart || logits->grad || logits->dtype != DT_F32 || dt__mixed() || dt__backend_of(logits->device)) return NULL;
+    dt__tape_entry *head = NULL;
+    for (int i = 0; i < dt__ctx.tape_len; i++) {      /* a few hundred entries, once a step */
+        dt__tape_entry *t = &dt__ctx.tape[i];
+        if (t == e) continue;
+        for (int j = 0; j < 4; j++)
+            if (t->in[j] == logits) return NULL;
+        if (t->out == logits) head = t->backward == dt__linear_backward && !t->in[2] ? t : NULL;
+    }
+    return head;
+}
+static void dt__xent_through_head(const dt__tape_entry *head, const float *x, const double *inv_l, const float *m,
+                                  const int32_t *labels, int B, int C, float scale) {
+    dt_tensor *h = head->in[0], *w = head->in[1];
+    int in_out = head->iarg[0], in = (int)dt_tensor_cols(h), first = 0;
+    int rows = DT_KC * (int)fmax(1.0, 64e6 / ((double)DT_KC * C * sizeof(float)));   /* about 64 MB, whole slabs */
+    if (rows > B) rows = B;
+    float *d = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)rows * C);
+    float *dh = h->requires_grad ? dt__grad_acc_first(h, &first) : NULL, *dw = w->requires_grad ? dt__grad_acc(w) : NULL;
+    const float *hv = dt__in(h), *wv = dt__in(w);
+    for (int r0 = 0; r0 < B; r0 += rows) {
+        int n = B - r0 < rows ? B - r0 : rows;
+        dt__xent_rows_grad(x + (size_t)r0 * C, inv_l + r0, m + r0, labels + r0, d, n, C, scale, 1);
+        if (dh) dt_gemm(0, in_out, n, in, C, 1.0f, d, C, wv, in_out ? C : in, first ? 0.0f : 1.0f, dh + (size_t)r0 * in, in);
+        if (dw && in_out) dt_gemm(1, 0, in, C, n, 1.0f, hv + (size_t)r0 * in, in, d, C, 1.0f, dw, C);
+        else if (dw) dt_gemm(1, 0, C, in, n, 1.0f, d, C, hv + (size_t)r0 * in, in, 1.0f, dw, in);
+    }
+    if (dh) dt__grad_acc_done(h, dh);
+    if (dw) dt__grad_acc_done(w, dw);
+    dt__ctx.flops += 2.0 * B * in * C * ((dh != NULL) + (dw != NULL));
+}
 static void dt__cross_entropy_backward(dt__tape_entry *e) {
     dt_tensor *logits = e->in[0];
     if (!logits->requires_grad) return;
@@ -5347,22 +5406,11 @@ static void dt__cross_entropy_backward(dt__tape_entry *e) {
     const float *m = k.m, *x = dt__in(logits);
     const int32_t *labels = k.labels;
     const dt_backend *gpu = dt__backend_for(logits);
+    const dt__tape_entry *head = dt__xent_head(e, logits);
+    if (head) { dt__xent_through_head(head, x, inv_l, m, labels, B, C, e->out->grad[0] / e->farg[0]); return; }
     float *dl = dt__grad_acc_first(logits, &first);
     if (gpu) gpu->cross_entropy_backward(x, inv_l, m, labels, e->out->grad, dl, B, C, e->farg[0]);
-    else {
-        float scale = e->out->grad[0] / e->farg[0];
-        DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
-        for (int i = 0; i < B; i++) {
-            float *d = dl + (size_t)i * C;
-            const float *r = x + (size_t)i * C;
-            int label = labels[i], mine = label >= 0 && label < C;    /* a split vocabulary: another rank's label is not */
-            if (label == DT_IGNORE_INDEX) { if (first) memset(d, 0, sizeof(float) * (size_t)C); continue; }
-            float at_label = mine ? (first ? 0.0f : d[label]) + dt_cross_entropy_grad(r[label], m[i], inv_l[i], 1.0f, scale) : 0;
-            if (first) for (int j = 0; j < C; j++) d[j] = dt_cross_entropy_grad(r[j], m[i], inv_l[i], 0.0f, scale);
-            else for (int j = 0; j < C; j++) d[j] += dt_cross_entropy_grad(r[j], m[i], inv_l[i], 0.0f, scale);  /* it vectorises */
-            if (mine) d[label] = at_label;
-        }
-    }
+    else dt__xent_rows_grad(x, inv_l, m, labels, dl, B, C, e->out->grad[0] / e->farg[0], first);
     dt__grad_acc_done(logits, dl);
 }
 /* Logits whose columns tensor parallelism split (dt__vocab_head marks them

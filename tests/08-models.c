@@ -101,6 +101,51 @@ TEST(backward_holds_one_blocks_gradients_at_a_time, QUICK) {
            "depth 2, %.0f KB at depth 8 (a block's activations: %.0f KB)", extra[0] / 1e3, extra[1] / 1e3, block / 1e3);
 }
 
+/* The loss's backward through the head (the attention-and-loss chapter):
+   the logits' gradient made a block of rows at a time and passed through
+   the head's matmuls at once, never whole, gives every gradient bit for bit
+   as the two entries apart do -- tied (llama's default, GPT-2's) and untied
+   heads, rows that are not a whole block, a label ignored. */
+TEST(the_loss_through_the_head_gives_the_gradients_of_the_two_apart, QUICK) {
+    enum { B = 3, T = 200, V = 300 };                  /* 600 rows: two blocks of 256 and a part */
+    float tokens[B * T];
+    int32_t labels[B * T];
+    dt__rng r = { 9 };
+    for (int i = 0; i < B * T; i++) { tokens[i] = (float)(dt__rng_u64(&r) % V); labels[i] = (int32_t)(dt__rng_u64(&r) % V); }
+    labels[7] = DT_IGNORE_INDEX;
+    for (int k = 0; k < 3; k++) {
+        dt_model_config c = { k == 2 ? DT_MODEL_GPT : DT_MODEL_LLAMA, 0, 0, V, 32, 2, 4, 0, 48, T, 2, 0, 0, 10000.0f, 1e-5f,
+                              0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
+        c.untied_head = k == 1;
+        if (k == 2) c.kv_heads = 0;                    /* GPT-2: every head its own keys */
+        dt_model *m = dt_model_create(&c, 4);
+        float *grad[2];
+        for (int apart = 0; apart < 2; apart++) {
+            int shape[2] = { B, T };
+            dt__xent_apart = apart;
+            dt_step_arena_reset();
+            dt_tensor *logits = dt_model_forward(m, dt_tensor_from_host(2, shape, tokens));
+            dt_backward(dt_cross_entropy(logits, labels));
+            CHECKF((logits->grad == NULL) == !apart, "model %d: the logits %s a gradient", k, apart ? "have no" : "have");
+            grad[apart] = (float *)malloc(sizeof(float) * (size_t)m->numel);
+            memcpy(grad[apart], m->flat_grad, sizeof(float) * (size_t)m->numel);
+            memset(m->flat_grad, 0, sizeof(float) * (size_t)m->numel);
+        }
+        dt__xent_apart = 0;
+        int64_t differ = 0;
+        for (int64_t i = 0; i < m->numel; i++) differ += memcmp(&grad[0][i], &grad[1][i], sizeof(float)) != 0;
+#ifdef DT_HAVE_CBLAS
+        (void)differ;                                  /* a system BLAS sums in its own slabs */
+#else
+        CHECKF(differ == 0, "model %d (%s head): %lld of %lld gradients differ from the two entries apart", k,
+               k == 1 ? "untied" : "tied", (long long)differ, (long long)m->numel);
+#endif
+        free(grad[0]); free(grad[1]);
+        dt_step_arena_reset();
+        dt_model_free(m);
+    }
+}
+
 TEST(vit_parameter_names_and_shapes_follow_timm, QUICK) {
     dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 1);
