@@ -1,6 +1,6 @@
 /* tools/roofline -- how fast can this machine multiply, and how close does dtrain come?
 
-   usage: tools/roofline [--threads N] [--quick] [--only WORD] [--reps N]
+   usage: tools/roofline [--threads N] [--quick] [--only WORDS] [--reps N]
 
    Prints key=value lines (one measurement a line) that a shell script reads:
      fma_peak  the core's limit: a loop of independent fused multiply-adds of
@@ -20,7 +20,8 @@
    COOPERLAKE, HASWELL) to measure it at its best.
      --threads N  OpenMP threads for dtrain and OpenBLAS (default 1)
      --quick      the peak and 1024^3 only
-     --only WORD  the shapes whose name holds WORD (e.g. vit, dw, qwen)
+     --only WORDS the shapes whose name holds one of the comma-separated WORDS
+                  (e.g. vit, dw, gpt2-124m-ctx256-b4/fc1/fwd; 1024: the square)
      --reps N     timed calls per shape (default: as many as fit in about 0.3 s,
                   at least 3; a call of over a second is timed once after its
                   warm-up: Qwen's head is 0.3 TFLOP a matmul)
@@ -135,6 +136,18 @@ static const layer layers[] = {
     { "qwen2-0.5b-9x128", "head", 1152, 896, 151936 },
 };
 
+/* Does `name` hold one of the comma-separated words of `only` (NULL: all)? */
+static int wanted(const char *name, const char *only) {
+    if (!only) return 1;
+    for (const char *w = only; *w;) {
+        size_t n = strcspn(w, ",");
+        for (const char *p = name; n && *p; p++)
+            if (!strncmp(p, w, n)) return 1;
+        w += n + (w[n] == ',');
+    }
+    return 0;
+}
+
 static float *random_matrix(size_t n, uint64_t seed) {
     float *p = (float *)malloc(n * sizeof(float) + 64);
     if (!p) dt_fail("roofline: out of memory (%zu floats)", n);
@@ -185,7 +198,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: %s [--threads N] [--quick] [--only WORD] [--reps N]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--threads N] [--quick] [--only WORDS] [--reps N]\n", argv[0]);
             return strcmp(argv[i], "--help") && strcmp(argv[i], "-h") ? 2 : 0;
         }
     }
@@ -218,7 +231,7 @@ int main(int argc, char **argv) {
     } else printf("openblas library=none (neither libopenblas.so.0 nor a libblas.so.3 with cblas_sgemm): dtrain alone\n");
     fflush(stdout);
 
-    if (!only || strstr("square-1024", only)) time_shape("square-1024", 0, 0, 1024, 1024, 1024, reps);
+    if (wanted("square-1024", only)) time_shape("square-1024", 0, 0, 1024, 1024, 1024, reps);
     if (quick) return 0;
     for (size_t i = 0; i < sizeof layers / sizeof layers[0]; i++) {
         const layer *l = &layers[i];
@@ -226,7 +239,7 @@ int main(int argc, char **argv) {
         for (int k = 0; k < 3; k++) {
             char name[96];
             snprintf(name, sizeof name, "%s/%s/%s/%dx%d->%d", l->workload, l->layer, kinds[k], l->rows, l->in, l->out);
-            if (only && !strstr(name, only)) continue;
+            if (!wanted(name, only)) continue;
             if (k == 0) time_shape(name, 0, 1, l->rows, l->out, l->in, reps);
             else if (k == 1) time_shape(name, 0, 0, l->rows, l->in, l->out, reps);
             else time_shape(name, 1, 0, l->out, l->in, l->rows, reps);
