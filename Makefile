@@ -164,7 +164,8 @@ endif
 
 STAGES   := $(sort $(dir $(wildcard 0*/train.c)))
 STAGE_BINS := $(addsuffix train,$(STAGES))
-TOOLS    := tools/gen_synthetic tools/collectives tools/consolidate tools/merge-lora tools/bench tools/trace-summary tools/plot
+TOOLS    := tools/gen_synthetic tools/collectives tools/consolidate tools/merge-lora tools/bench tools/trace-summary tools/plot \
+            tools/roofline
 PROGRAMS := $(STAGE_BINS) $(TOOLS)
 TEST_BIN := tests/test_dtrain
 
@@ -203,6 +204,8 @@ build/dtrain.o: dtrain.c dtrain.h
 	$(CC) $(CFLAGS) -c -o $@ dtrain.c
 $(PROGRAMS): %: build/obj/%.o build/dtrain.o $(CUDA_OBJ)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
+# tools/roofline opens OpenBLAS at run time (dlopen: libdl before glibc 2.34)
+%roofline: LDLIBS += -ldl
 
 # The test suite: a file per chapter of dtrain.h, tests/NN-name.c, every one
 # that is there (tests/helpers.h: how they make one program). Its tests reach
@@ -380,7 +383,7 @@ TORCH_PY = $(shell for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2
 # ranks tools/bench ends with the layouts study: gpt-char on every D x T x P
 # of 4 ranks in stage 07, against 01 and the cost model (bench/layouts.csv,
 # bench/layouts.svg; tools/bench --layouts N alone for another size).
-bench: $(STAGE_BINS) tools/collectives tools/bench
+bench: $(STAGE_BINS) tools/collectives tools/bench tools/roofline
 	@if [ -n "$(CUDA_OBJ)" ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then \
 	  tools/bench_gpu.sh 01-single-gpu/train "$(TORCH_PY)" 03-ddp/train 05-accum-mixed-precision/train; \
 	else echo "(no GPU here, or a build without CUDA: CPU benchmarks only)"; fi

@@ -18,7 +18,10 @@ static void naive_gemm(int ta, int tb, int M, int N, int K, float alpha, const f
 
 TEST(gemm_matches_reference, QUICK) {
     int sizes[][3] = { { 1, 1, 1 }, { 7, 5, 3 }, { 37, 129, 300 }, { 130, 70, 513 }, { 3, 200, 17 }, { 64, 64, 0 },
-                      { 21, 1100, 40 } };   /* the last: B in two panels */
+                      { 21, 1100, 40 },     /* B in two panels */
+                      /* whole tiles of 14 rows (AVX-512's MR) and one row past them; 229 = 16 x 14 + 5
+                         rows in three blocks of rows, two slabs; one row across two panels */
+                      { 14, 32, 256 }, { 15, 33, 257 }, { 229, 65, 300 }, { 1, 1100, 300 } };
     float alphas[] = { 1.0f, 0.5f }, betas[] = { 0.0f, 1.0f, 0.3f };
     dt__rng r = { 1 };
     for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)

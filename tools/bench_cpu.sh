@@ -7,8 +7,13 @@
 # tools/bench_torch.py). Then GPT-2 small's shape at context 256, once per
 # thread count (a step takes seconds).
 #
+# First tools/roofline --quick (when it is built): the core's FMA peak and
+# OpenBLAS's 1024^3 matmul at one thread, the limits each workload's step
+# GFLOP/s (the bench line's gflops=) is then given as a fraction of.
+#
 # usage: tools/bench_cpu.sh [stage-01 binary] [python with torch, or ""]
 #   REPEATS=N  THREADS="1 2"  SECONDS_PER_RUN=3  BIG=0 (skip GPT-2's shape)
+#   ROOFLINE=path (default tools/roofline; "" skips it)
 set -uo pipefail
 bin=${1:-01-single-gpu/train}
 py=${2:-}
@@ -28,13 +33,15 @@ declare -A flags=(
 )
 # one run: WORKLOAD THREADS -> "dtrain|torch WORKLOAD THREADS RATE" lines in $out
 run_dtrain() {
-  local line rate fpt
+  local line rate fpt stepgf
   # shellcheck disable=SC2086  # the flags are words
   line=$(OMP_NUM_THREADS=$2 "$bin" --bench --device cpu ${flags[$1]} 2>&1 | grep -m1 '^bench:')
   rate=$(tr ' ' '\n' <<<"$line" | sed -n 's/^tokens_per_s=//p')
   [ -n "$rate" ] || rate=$(tr ' ' '\n' <<<"$line" | sed -n 's/^samples_per_s=//p')
   if [ -z "$rate" ]; then echo "bench_cpu.sh: $bin --bench ${flags[$1]} at $2 threads printed no bench line" >&2; return 1; fi
   echo "dtrain $1 $2 $rate" | tee -a "$out"
+  stepgf=$(tr ' ' '\n' <<<"$line" | sed -n 's/^gflops=//p')   # the step's GFLOP/s, for the fractions of the peak
+  [ -z "$stepgf" ] || echo "gflops $1 $2 $stepgf" >>"$out"
   # the GPTs' FLOP per token, as dtrain counts them: both sides run the same model
   fpt=$(tr ' ' '\n' <<<"$line" | sed -n 's/^flops_per_token=//p')
   [ -z "$fpt" ] || echo "flops $1 $2 $fpt" >>"$out"
@@ -93,6 +100,21 @@ if [ -n "$py" ]; then
   fi
 fi
 
+# The machine's own limits, at one thread: the core's FMA peak and OpenBLAS's
+# cblas_sgemm on 1024^3 (with the core type PyTorch runs with, when one was picked)
+roofline=${ROOFLINE-tools/roofline}
+peak=""; blas=""
+if [ -n "$roofline" ] && [ -x "$roofline" ]; then
+  rl=$(env ${torch_coretype:+OPENBLAS_CORETYPE=$torch_coretype} OMP_NUM_THREADS=1 "$roofline" --quick 2>&1)
+  peak=$(sed -n 's/^fma_peak .*gflops=\([0-9.]*\).*/\1/p' <<<"$rl")
+  blas=$(sed -n 's/^gemm shape=square-1024 .*openblas_gflops=\([0-9.]*\).*/\1/p' <<<"$rl")
+  echo "Roofline at one thread ($roofline --quick): the core's FMA peak ${peak:-?} GFLOP/s; OpenBLAS's 1024^3 matmul ${blas:-not found} GFLOP/s" \
+       "(dtrain's dt_gemm: $(sed -n 's/^gemm shape=square-1024 .*dtrain_gflops=\([0-9.]*\).*/\1/p' <<<"$rl") GFLOP/s)"
+  echo "roofline $peak ${blas:-0}" >>"$out"
+elif [ -n "$roofline" ]; then
+  echo "($roofline is not built: make tools/roofline; no fractions of the peak below)"
+fi
+
 status=0
 for r in $(seq 1 "$repeats"); do
   echo "== round $r of $repeats"
@@ -108,6 +130,8 @@ fi
 
 awk -v repeats="$repeats" '
   $1 == "flops" { fpt[$2] = $4; next }
+  $1 == "roofline" { peak = $2; blas = $3; next }
+  $1 == "gflops" { key = $2 " " $3; ng[key]++; g[key, ng[key]] = $4; next }
   { key = $2 " " $3; n[$1, key]++; v[$1, key, n[$1, key]] = $4; if (!(key in seen)) { seen[key] = 1; order[++k] = key } }
   function med(who, key,   m, i, j, t, a) {
     lo[who] = hi[who] = ""
@@ -134,5 +158,17 @@ awk -v repeats="$repeats" '
                         (t > 0) ? sprintf("%.1f GFLOP/s", t * fpt[kt[1]] / 1e9) : "-")
     }
     if (gf != "") printf "\nThe same medians as GFLOP/s (tokens/s x the FLOP per token dtrain counts, %.3g; the same model on both sides):\n%s", fpt["gpt2-124m-ctx256"], gf
+    if (peak > 0) {
+      printf "\ndtrain'"'"'s step against the machine'"'"'s limits: the step'"'"'s GFLOP/s (the bench line'"'"'s gflops=, median) as a fraction of\n"
+      printf "the core'"'"'s FMA peak (%.1f GFLOP/s a core) and of OpenBLAS'"'"'s 1024^3 matmul (%s GFLOP/s a core), both times the threads\n", peak, (blas > 0 ? sprintf("%.1f", blas) : "none")
+      printf "%-18s %7s %12s %10s %12s\n", "workload", "threads", "GFLOP/s", "of peak", "of OpenBLAS"
+      for (i = 1; i <= k; i++) {
+        key = order[i]; split(key, kt, " "); m = ng[key]; if (!m) continue
+        for (a = 1; a <= m; a++) s[a] = g[key, a]
+        for (a = 1; a <= m; a++) for (b = a + 1; b <= m; b++) if (s[b] < s[a]) { t = s[a]; s[a] = s[b]; s[b] = t }
+        x = m % 2 ? s[(m + 1) / 2] : (s[m / 2] + s[m / 2 + 1]) / 2
+        printf "%-18s %7s %12.1f %9.0f%% %11s\n", kt[1], kt[2], x, 100 * x / (peak * kt[2]), (blas > 0 ? sprintf("%.0f%%", 100 * x / (blas * kt[2])) : "-")
+      }
+    }
   }' "$out" || status=1
 exit $status
