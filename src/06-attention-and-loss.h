@@ -918,12 +918,14 @@ static void dt__xent_rows_grad(const float *x, const double *inv_l, const float 
    block goes through the head's two matmuls at once -- dx = dlogits W, dW +=
    dlogits^T x -- so the whole vocabulary's gradient is never in memory
    (Qwen2's 151,936 words at 9 x 128 tokens: 700 MB, against 155 MB for a
-   block of 256 rows). The logits then get no gradient, and the walk skips the
-   head's own entry. A block is a whole number of the built-in matmul's
-   DT_KC-row slabs, so dW's sums are those of one matmul over every row and
-   the bits those of the two entries apart (a test holds them to it).
-   dt__xent_apart (tests) keeps them apart. */
+   block of 256 rows). The loss's entry hands that work to the head's entry,
+   which runs where the head's backward would: after the marks around the
+   head (FSDP gathers the unit and its gradient buffer there). A block is a
+   whole number of the built-in matmul's DT_KC-row slabs, so dW's sums are
+   those of one matmul over every row and the bits those of the two entries
+   apart (a test holds them to it). dt__xent_apart (tests) keeps them apart. */
 static int dt__xent_apart;
+typedef struct { const float *x; const double *inv_l; const float *m; const int32_t *labels; int B, C; float scale; } dt__xent_job;
 static dt__tape_entry *dt__xent_head(const dt__tape_entry *e, const dt_tensor *logits) {
     if (dt__xent_apart || logits->grad || logits->dtype != DT_F32 || dt__mixed() || dt__backend_of(logits->device)) return NULL;
     dt__tape_entry *head = NULL;
@@ -936,8 +938,12 @@ static dt__tape_entry *dt__xent_head(const dt__tape_entry *e, const dt_tensor *l
     }
     return head;
 }
-static void dt__xent_through_head(const dt__tape_entry *head, const float *x, const double *inv_l, const float *m,
-                                  const int32_t *labels, int B, int C, float scale) {
+static void dt__xent_through_head(dt__tape_entry *head) {
+    const dt__xent_job *job = (const dt__xent_job *)head->saved;
+    const float *x = job->x, *m = job->m;
+    const double *inv_l = job->inv_l;
+    const int32_t *labels = job->labels;
+    int B = job->B, C = job->C;
     dt_tensor *h = head->in[0], *w = head->in[1];
     int in_out = head->iarg[0], in = (int)dt_tensor_cols(h), first = 0;
     int rows = DT_KC * (int)fmax(1.0, 64e6 / ((double)DT_KC * C * sizeof(float)));   /* about 64 MB, whole slabs */
@@ -947,7 +953,7 @@ static void dt__xent_through_head(const dt__tape_entry *head, const float *x, co
     const float *hv = dt__in(h), *wv = dt__in(w);
     for (int r0 = 0; r0 < B; r0 += rows) {
         int n = B - r0 < rows ? B - r0 : rows;
-        dt__xent_rows_grad(x + (size_t)r0 * C, inv_l + r0, m + r0, labels + r0, d, n, C, scale, 1);
+        dt__xent_rows_grad(x + (size_t)r0 * C, inv_l + r0, m + r0, labels + r0, d, n, C, job->scale, 1);
         if (dh) dt_gemm(0, in_out, n, in, C, 1.0f, d, C, wv, in_out ? C : in, first ? 0.0f : 1.0f, dh + (size_t)r0 * in, in);
         if (dw && in_out) dt_gemm(1, 0, in, C, n, 1.0f, hv + (size_t)r0 * in, in, d, C, 1.0f, dw, C);
         else if (dw) dt_gemm(1, 0, C, in, n, 1.0f, d, C, hv + (size_t)r0 * in, in, 1.0f, dw, in);
@@ -965,8 +971,15 @@ static void dt__cross_entropy_backward(dt__tape_entry *e) {
     const float *m = k.m, *x = dt__in(logits);
     const int32_t *labels = k.labels;
     const dt_backend *gpu = dt__backend_for(logits);
-    const dt__tape_entry *head = dt__xent_head(e, logits);
-    if (head) { dt__xent_through_head(head, x, inv_l, m, labels, B, C, e->out->grad[0] / e->farg[0]); return; }
+    dt__tape_entry *head = dt__xent_head(e, logits);
+    if (head) {                          /* the head's entry does it; no output gradient: the walk runs it anyway */
+        dt__xent_job *job = (dt__xent_job *)dt__step_alloc_uninit(sizeof *job);
+        *job = (dt__xent_job){ x, inv_l, m, labels, B, C, e->out->grad[0] / e->farg[0] };
+        head->backward = dt__xent_through_head;
+        head->saved = job;
+        head->out = NULL;
+        return;
+    }
     float *dl = dt__grad_acc_first(logits, &first);
     if (gpu) gpu->cross_entropy_backward(x, inv_l, m, labels, e->out->grad, dl, B, C, e->farg[0]);
     else dt__xent_rows_grad(x, inv_l, m, labels, dl, B, C, e->out->grad[0] / e->farg[0], first);

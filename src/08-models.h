@@ -570,9 +570,8 @@ static dt_tensor *dt__vocab_embedding(dt_model *m, const dt_tensor *tokens, dt_t
     int shape[2] = { B, T };
     return dt_add(x, dt_token_embedding(dt_tensor_from_host(2, shape, at), wpe, NULL));
 }
-/* ... and its head, a column-parallel layer: each rank gives its columns of
-   the logits, marked (their `parallel`) so that dt_cross_entropy and
-   dt_logits_to_host work with the group on them. */
+/* ... and its head, a column-parallel layer: each rank gives its columns of the logits, marked (their
+   `parallel`) so that dt_cross_entropy and dt_logits_to_host work with the group on them. */
 static dt_tensor *dt__vocab_head(dt_model *m, dt_tensor *x, dt_tensor *wte) {
     dt_tensor *logits = dt__linear_cut(m, x, wte, NULL, 0);
     if (dt__tp_cut(m, wte, 0) == DT__COLUMN_PARALLEL) logits->parallel = dt_parallel_splitting(m->parallel);
@@ -741,15 +740,16 @@ static dt_tensor *dt__gpt_forward(dt_model *m, dt_tensor *tokens, const dt__span
 #undef DT_NEXT
 }
 
-/* A Llama decoder layer (Qwen2's with biases on q, k and v; Mixtral's with experts). */
-static dt_tensor *dt__llama_mlp(void *model, dt_tensor *P, dt_tensor *h) {   /* gate, up, down: down(silu(gate h) * up h) */
-    dt_model *m = (dt_model *)model;
-    return dt__lora_linear(m, dt_swiglu(dt__lora_linear(m, h, &P[0], NULL), dt__lora_linear(m, h, &P[1], NULL)), &P[2], NULL);
+/* A Llama decoder layer (Qwen2's with biases on q, k and v; Mixtral's with experts). Its MLP,
+   down(silu(gate h) * up h), keeps no copy of the activation (dt_swiglu_linear) unless an adapter's term comes between. */
+static dt_tensor *dt__swiglu_mlp(dt_model *m, dt_tensor *h, dt_tensor *gate, dt_tensor *up, dt_tensor *down) {
+    dt_tensor *g = dt__lora_linear(m, h, gate, NULL), *u = dt__lora_linear(m, h, up, NULL);
+    if (dt__adapter_of(m, down) >= 0 || dt__tp_cut(m, down, 0) == DT__COLUMN_PARALLEL) return dt__lora_linear(m, dt_swiglu(g, u), down, NULL);
+    dt_tensor *y = dt_swiglu_linear(g, u, down);
+    return dt__tp_cut(m, down, 0) == DT__ROW_PARALLEL ? dt_tp_sum(m->parallel, y) : y;    /* a row-parallel layer's partial sums */
 }
-static dt_tensor *dt__mixtral_expert(void *model, dt_tensor *P, dt_tensor *h) {   /* w1, w2, w3: w2(silu(w1 h) * w3 h) */
-    dt_model *m = (dt_model *)model;
-    return dt__lora_linear(m, dt_swiglu(dt__lora_linear(m, h, &P[0], NULL), dt__lora_linear(m, h, &P[2], NULL)), &P[1], NULL);
-}
+static dt_tensor *dt__llama_mlp(void *model, dt_tensor *P, dt_tensor *h) { return dt__swiglu_mlp((dt_model *)model, h, &P[0], &P[1], &P[2]); }
+static dt_tensor *dt__mixtral_expert(void *model, dt_tensor *P, dt_tensor *h) { return dt__swiglu_mlp((dt_model *)model, h, &P[0], &P[2], &P[1]); }
 static dt_tensor *dt__llama_layer(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T, int moe) {
     const dt_model_config *c = &m->cfg;
     dt_rope rope = { c->rope_theta, c->rope_factor, c->rope_low_freq, c->rope_high_freq, c->rope_original_context };

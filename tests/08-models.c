@@ -146,6 +146,45 @@ TEST(the_loss_through_the_head_gives_the_gradients_of_the_two_apart, QUICK) {
     }
 }
 
+/* dt_swiglu_linear (Llama's MLP, Mixtral's experts) makes silu(gate) * up
+   again in backward instead of keeping it: the loss and every gradient bit
+   for bit as dt_swiglu and dt_linear apart give them. */
+TEST(swiglu_and_down_in_one_op_give_the_bits_of_the_two_apart, QUICK) {
+    enum { B = 2, T = 24, V = 40 };
+    float tokens[B * T];
+    int32_t labels[B * T];
+    dt__rng r = { 10 };
+    for (int i = 0; i < B * T; i++) { tokens[i] = (float)(dt__rng_u64(&r) % V); labels[i] = (int32_t)(dt__rng_u64(&r) % V); }
+    for (int k = 0; k < 2; k++) {
+        dt_model_config c = { DT_MODEL_LLAMA, 0, 0, V, 32, 2, 4, 0, 72, T, 2, 0, 0, 10000.0f, 1e-5f, 0, 0, 0, 0, 0, 0, "",
+                              0, 0, 0, 0, 0 };
+        if (k) { c.moe_experts = 4; c.moe_top_k = 2; c.moe_every = 1; }      /* Mixtral's experts */
+        dt_model *m = dt_model_create(&c, 6);
+        float *grad[2], loss[2];
+        for (int apart = 0; apart < 2; apart++) {
+            int shape[2] = { B, T };
+            dt__swiglu_apart = apart;
+            dt_step_arena_reset();
+            dt_tensor *l = dt_cross_entropy(dt_model_forward(m, dt_tensor_from_host(2, shape, tokens)), labels);
+            dt_backward(l);
+            loss[apart] = dt_tensor_item(l);
+            grad[apart] = (float *)malloc(sizeof(float) * (size_t)m->numel);
+            memcpy(grad[apart], m->flat_grad, sizeof(float) * (size_t)m->numel);
+            memset(m->flat_grad, 0, sizeof(float) * (size_t)m->numel);
+        }
+        dt__swiglu_apart = 0;
+        int64_t differ = 0;
+        for (int64_t i = 0; i < m->numel; i++) differ += memcmp(&grad[0][i], &grad[1][i], sizeof(float)) != 0;
+        CHECKF(memcmp(&loss[0], &loss[1], sizeof(float)) == 0, "%s: loss %.9g in one op, %.9g apart", k ? "mixtral" : "llama",
+               loss[0], loss[1]);
+        CHECKF(differ == 0, "%s: %lld of %lld gradients differ from the two ops apart", k ? "mixtral" : "llama", (long long)differ,
+               (long long)m->numel);
+        free(grad[0]); free(grad[1]);
+        dt_step_arena_reset();
+        dt_model_free(m);
+    }
+}
+
 TEST(vit_parameter_names_and_shapes_follow_timm, QUICK) {
     dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 1);
