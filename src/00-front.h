@@ -228,6 +228,9 @@ extern "C" {
 #include <time.h>
 #include <dirent.h>
 #include <sys/resource.h>
+#ifdef __GLIBC__
+#include <malloc.h>                       /* malloc_trim */
+#endif
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/types.h>
