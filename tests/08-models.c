@@ -101,6 +101,28 @@ TEST(backward_holds_one_blocks_gradients_at_a_time, QUICK) {
            "depth 2, %.0f KB at depth 8 (a block's activations: %.0f KB)", extra[0] / 1e3, extra[1] / 1e3, block / 1e3);
 }
 
+/* One forward and backward of a language model on B x T tokens: a copy of
+   every gradient (the model's own are zeroed after), the loss, the logits. */
+static float *one_step_grads(dt_model *m, const float *tokens, const int32_t *labels, int B, int T, float *loss,
+                             dt_tensor **logits) {
+    int shape[2] = { B, T };
+    dt_step_arena_reset();
+    dt_tensor *lg = dt_model_forward(m, dt_tensor_from_host(2, shape, tokens)), *l = dt_cross_entropy(lg, labels);
+    dt_backward(l);
+    *loss = dt_tensor_item(l);
+    if (logits) *logits = lg;
+    float *grad = (float *)malloc(sizeof(float) * (size_t)m->numel);
+    memcpy(grad, m->flat_grad, sizeof(float) * (size_t)m->numel);
+    memset(m->flat_grad, 0, sizeof(float) * (size_t)m->numel);
+    return grad;
+}
+/* How many of n floats differ in their bits. */
+static int64_t bits_differ(const float *a, const float *b, int64_t n) {
+    int64_t differ = 0;
+    for (int64_t i = 0; i < n; i++) differ += memcmp(&a[i], &b[i], sizeof(float)) != 0;
+    return differ;
+}
+
 /* The loss's backward through the head (the attention-and-loss chapter):
    the logits' gradient made a block of rows at a time and passed through
    the head's matmuls at once, never whole, gives every gradient bit for bit
@@ -119,21 +141,15 @@ TEST(the_loss_through_the_head_gives_the_gradients_of_the_two_apart, QUICK) {
         c.untied_head = k == 1;
         if (k == 2) c.kv_heads = 0;                    /* GPT-2: every head its own keys */
         dt_model *m = dt_model_create(&c, 4);
-        float *grad[2];
+        float *grad[2], loss;
         for (int apart = 0; apart < 2; apart++) {
-            int shape[2] = { B, T };
+            dt_tensor *logits;
             dt__xent_apart = apart;
-            dt_step_arena_reset();
-            dt_tensor *logits = dt_model_forward(m, dt_tensor_from_host(2, shape, tokens));
-            dt_backward(dt_cross_entropy(logits, labels));
+            grad[apart] = one_step_grads(m, tokens, labels, B, T, &loss, &logits);
             CHECKF((logits->grad == NULL) == !apart, "model %d: the logits %s a gradient", k, apart ? "have no" : "have");
-            grad[apart] = (float *)malloc(sizeof(float) * (size_t)m->numel);
-            memcpy(grad[apart], m->flat_grad, sizeof(float) * (size_t)m->numel);
-            memset(m->flat_grad, 0, sizeof(float) * (size_t)m->numel);
         }
         dt__xent_apart = 0;
-        int64_t differ = 0;
-        for (int64_t i = 0; i < m->numel; i++) differ += memcmp(&grad[0][i], &grad[1][i], sizeof(float)) != 0;
+        int64_t differ = bits_differ(grad[0], grad[1], m->numel);
 #ifdef DT_HAVE_CBLAS
         (void)differ;                                  /* a system BLAS sums in its own slabs */
 #else
@@ -162,19 +178,11 @@ TEST(swiglu_and_down_in_one_op_give_the_bits_of_the_two_apart, QUICK) {
         dt_model *m = dt_model_create(&c, 6);
         float *grad[2], loss[2];
         for (int apart = 0; apart < 2; apart++) {
-            int shape[2] = { B, T };
             dt__swiglu_apart = apart;
-            dt_step_arena_reset();
-            dt_tensor *l = dt_cross_entropy(dt_model_forward(m, dt_tensor_from_host(2, shape, tokens)), labels);
-            dt_backward(l);
-            loss[apart] = dt_tensor_item(l);
-            grad[apart] = (float *)malloc(sizeof(float) * (size_t)m->numel);
-            memcpy(grad[apart], m->flat_grad, sizeof(float) * (size_t)m->numel);
-            memset(m->flat_grad, 0, sizeof(float) * (size_t)m->numel);
+            grad[apart] = one_step_grads(m, tokens, labels, B, T, &loss[apart], NULL);
         }
         dt__swiglu_apart = 0;
-        int64_t differ = 0;
-        for (int64_t i = 0; i < m->numel; i++) differ += memcmp(&grad[0][i], &grad[1][i], sizeof(float)) != 0;
+        int64_t differ = bits_differ(grad[0], grad[1], m->numel);
         CHECKF(memcmp(&loss[0], &loss[1], sizeof(float)) == 0, "%s: loss %.9g in one op, %.9g apart", k ? "mixtral" : "llama",
                loss[0], loss[1]);
         CHECKF(differ == 0, "%s: %lld of %lld gradients differ from the two ops apart", k ? "mixtral" : "llama", (long long)differ,
