@@ -2539,8 +2539,19 @@ int dt_run_finish(dt_run *run);
 #include <time.h>
 #include <dirent.h>
 #include <sys/resource.h>
-#ifdef __GLIBC__
-#include <malloc.h>                       /* malloc_trim */
+/* malloc_trim (the step arena): glibc's heap, not a sanitizer's allocator, which keeps freed memory
+   itself (and under MemorySanitizer glibc's trim broke a thread's exit) */
+#if defined(__GLIBC__) && !defined(__SANITIZE_ADDRESS__)
+#if defined(__has_feature)
+#if !__has_feature(address_sanitizer) && !__has_feature(memory_sanitizer)
+#define DT__TRIM_HEAP 1
+#endif
+#else
+#define DT__TRIM_HEAP 1
+#endif
+#endif
+#ifdef DT__TRIM_HEAP
+#include <malloc.h>
 #endif
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -3048,7 +3059,7 @@ static void dt__arena_rewind(dt__step_arena *a, dt_device d) {
            the size from which it maps one to the largest block freed so far (up to 32 MB): the spills
            after the first ones sat in the heap, freed but resident. Qwen2-0.5B's shape at 9 x 128
            tokens kept 2.4 GB so (14.2 GB resident against 11.8 GB counted). Trimming hands them back. */
-#ifdef __GLIBC__
+#ifdef DT__TRIM_HEAP
         if (d == DT_CPU && a->nspill > 0) malloc_trim(0);
 #endif
         a->nspill = 0;

@@ -228,8 +228,19 @@ extern "C" {
 #include <time.h>
 #include <dirent.h>
 #include <sys/resource.h>
-#ifdef __GLIBC__
-#include <malloc.h>                       /* malloc_trim */
+/* malloc_trim (the step arena): glibc's heap, not a sanitizer's allocator, which keeps freed memory
+   itself (and under MemorySanitizer glibc's trim broke a thread's exit) */
+#if defined(__GLIBC__) && !defined(__SANITIZE_ADDRESS__)
+#if defined(__has_feature)
+#if !__has_feature(address_sanitizer) && !__has_feature(memory_sanitizer)
+#define DT__TRIM_HEAP 1
+#endif
+#else
+#define DT__TRIM_HEAP 1
+#endif
+#endif
+#ifdef DT__TRIM_HEAP
+#include <malloc.h>
 #endif
 #include <sys/file.h>
 #include <sys/stat.h>

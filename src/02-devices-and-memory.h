@@ -315,7 +315,7 @@ static void dt__arena_rewind(dt__step_arena *a, dt_device d) {
            the size from which it maps one to the largest block freed so far (up to 32 MB): the spills
            after the first ones sat in the heap, freed but resident. Qwen2-0.5B's shape at 9 x 128
            tokens kept 2.4 GB so (14.2 GB resident against 11.8 GB counted). Trimming hands them back. */
-#ifdef __GLIBC__
+#ifdef DT__TRIM_HEAP
         if (d == DT_CPU && a->nspill > 0) malloc_trim(0);
 #endif
         a->nspill = 0;
