@@ -639,6 +639,18 @@ dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index);
    take a label per row: the next token. Logits whose vocabulary tensor
    parallelism split (stage 06) are scored with the group: a collective. */
 dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels);
+/* A language model's vocabulary head, logits = x w^T, that waits to be read
+   when dt_set_lazy_logits(1) is on (the run driver turns it on for its
+   training steps): dt_cross_entropy then makes them a block of rows at a
+   time, keeping two numbers a row, and backward makes each block again, so
+   the [rows, vocabulary] matrix is never whole (Qwen2's 151,936 words at 9 x
+   128 tokens: 700 MB) for a third matmul of the head. Any other reader (an
+   op, dt_tensor_to_host, dt_logits_to_host) makes them whole first; until
+   then `data` is NULL. Read after the optimizer has moved w, they are an
+   error. Off, without gradients, on a GPU, under mixed precision or in a
+   model with a parallel wrapper: dt_linear(x, w, NULL). */
+dt_tensor *dt_vocab_head(dt_tensor *x, dt_tensor *w);
+void dt_set_lazy_logits(int on);
 /* A model's logits on the host, rows x the whole vocabulary (the columns of
    a vocabulary split by tensor parallelism gathered first: a collective). */
 void dt_logits_to_host(const dt_tensor *logits, float *host);
@@ -2660,6 +2672,10 @@ typedef struct dt__context {
        term added to the loss in backward alone is scaled by (the experts' balancing loss) */
     float loss_seed;
     int recomputing;                   /* a block's forward runs again in backward (--recompute) */
+    /* Logits that wait to be read (dt_vocab_head, dt_set_lazy_logits): the one that waits now, made
+       from x w^T in step `step`; stale once the optimizer has moved w. */
+    int lazy_logits;
+    struct { dt_tensor *logits, *x, *w; uint64_t step; int stale; } lazy;
 } dt__context;
 
 static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1, .loss_seed = 1.0f };
@@ -3065,7 +3081,9 @@ static void dt__arena_rewind(dt__step_arena *a, dt_device d) {
         a->nspill = 0;
         if (need > a->cap) {
             dt_free_on(d, DT_ARENA_ACTS, a->base, a->cap);
-            a->cap = need + need / 8;
+            /* exactly the first time (the block is zeroed, so resident: Qwen2-0.5B's 1/8 was 434 MB); a
+               step that outgrew it since was no one-off, and the block takes an eighth more. */
+            a->cap = need + (a->cap ? need / 8 : 0);
             a->base = (char *)dt_alloc_on(d, DT_ARENA_ACTS, a->cap);
         }
     }
@@ -3243,7 +3261,11 @@ static void dt__download_as_f32(dt_device d, float *host, const void *src, dt_dt
     dt__half_to_f32_cpu(h, host, dtype, n);
     free(h);
 }
-void dt_tensor_to_host(const dt_tensor *t, float *host) { dt__download_as_f32(t->device, host, t->data, t->dtype, t->numel); }
+static void dt__lazy_make(const dt_tensor *t);     /* logits that wait (the loss's chapter) are made when read */
+void dt_tensor_to_host(const dt_tensor *t, float *host) {
+    dt__lazy_make(t);
+    dt__download_as_f32(t->device, host, t->data, t->dtype, t->numel);
+}
 void dt_tensor_grad_to_host(const dt_tensor *t, float *host) {
     if (!t->grad) { memset(host, 0, (size_t)t->numel * sizeof(float)); return; }
     dt__download_as_f32(t->device, host, t->grad, dt__grad_dtype(t), t->numel);
@@ -3899,6 +3921,7 @@ static float *dt__scratch_f32(const void *src, dt_dtype from, int64_t n) {
     return f;
 }
 static const float *dt__in(const dt_tensor *t) {
+    if (!t->data) dt__lazy_make(t);
     if (t->dtype == DT_F32 && !dt__mixed()) return t->data;
     return dt__scratch_f32(t->data, t->dtype, t->numel);
 }
@@ -5429,6 +5452,49 @@ dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index) {
     return y;
 }
 
+/* -- logits that wait (dt_vocab_head): the header and the head's tape entry
+      now, the matmul when something reads them; the loss reads them in
+      blocks (below) and never makes them whole. -- */
+void dt_set_lazy_logits(int on) { dt__ctx.lazy_logits = on; }
+static int dt__lazy_waiting(const dt_tensor *t) {
+    return t && t == dt__ctx.lazy.logits && dt__ctx.lazy.step == dt__ctx.step_resets && !t->data;   /* a past step's is gone */
+}
+/* Rows [r0, r0 + n) of x w^T into y (n rows of C): the linear layer's own matmul, on fewer rows. */
+static void dt__lazy_rows(const dt_tensor *x, const dt_tensor *w, int r0, int n, float *y) {
+    int in = (int)dt_tensor_cols(x), C = (int)dt_tensor_rows(w);
+    dt_gemm(0, 1, n, C, in, 1.0f, x->data + (size_t)r0 * in, in, w->data, in, 0.0f, y, C);
+    dt__ctx.flops += 2.0 * n * in * C;
+}
+static void dt__lazy_make(const dt_tensor *t) {
+    if (!dt__lazy_waiting(t)) return;
+    if (dt__ctx.lazy.stale)
+        dt_fail("the logits of a vocabulary head that waited to be read (dt_set_lazy_logits) were read after the "
+                "optimizer had moved its weights: read them before dt_optimizer_step, or call dt_set_lazy_logits(0)");
+    dt_tensor *y = dt__ctx.lazy.logits;
+    y->data = (float *)dt__step_data((size_t)y->numel * sizeof(float));
+    dt__lazy_rows(dt__ctx.lazy.x, dt__ctx.lazy.w, 0, y->shape[0], y->data);
+    dt__ctx.lazy.logits = NULL;
+}
+dt_tensor *dt_vocab_head(dt_tensor *x, dt_tensor *w) {
+    if (!dt__ctx.lazy_logits || !dt__wants_grad(x, w, NULL) || w->parallel || dt__mixed() || x->dtype != DT_F32 ||
+        w->dtype != DT_F32 || x->ndim != 2 || dt__backend_of(x->device) || dt__backend_of(w->device) ||
+        dt_tensor_cols(w) != dt_tensor_cols(x))
+        return dt_linear(x, w, NULL);              /* it makes them now (and says what is wrong with the shapes) */
+    dt__lazy_make(dt__ctx.lazy.logits);            /* one waits at a time */
+    dt_tensor *y = (dt_tensor *)dt_step_alloc(sizeof *y);
+    y->ndim = 2;
+    y->shape[0] = x->shape[0];
+    y->shape[1] = w->shape[0];
+    y->numel = dt__size_mul(y->shape[0], y->shape[1], "the logits");
+    y->dtype = DT_F32;
+    y->device = DT_CPU;
+    dt__tape_push(dt__linear_backward, y, x, w, NULL);          /* in, out: iarg[0] = 0 */
+    dt__ctx.lazy.logits = y; dt__ctx.lazy.x = x; dt__ctx.lazy.w = w;
+    dt__ctx.lazy.step = dt__ctx.step_resets;
+    dt__ctx.lazy.stale = 0;
+    return y;
+}
+
 /* -- softmax cross-entropy, fused (llm.c's fused classifier is the model):
       forward reads the logits once for each row's largest value m and the
       sum l of exp(x - m), and keeps those two numbers a row, not the
@@ -5482,6 +5548,13 @@ static void dt__xent_rows_grad(const float *x, const double *inv_l, const float 
    those of one matmul over every row and the bits those of the two entries
    apart (a test holds them to it). dt__xent_apart (tests) keeps them apart. */
 static int dt__xent_apart;
+/* Rows a block: about dt__xent_block_bytes (tests make it small), whole slabs. */
+static double dt__xent_block_bytes = 64e6;
+static int dt__xent_block_rows(int B, int C) {
+    int rows = DT_KC * (int)fmax(1.0, dt__xent_block_bytes / ((double)DT_KC * C * sizeof(float)));
+    return rows > B ? B : rows;
+}
+/* x: the logits, or NULL when they waited (dt_vocab_head): each block is made again from the head's input. */
 typedef struct { const float *x; const double *inv_l; const float *m; const int32_t *labels; int B, C; float scale; } dt__xent_job;
 static dt__tape_entry *dt__xent_head(const dt__tape_entry *e, const dt_tensor *logits) {
     if (dt__xent_apart || logits->grad || logits->dtype != DT_F32 || dt__mixed() || dt__backend_of(logits->device)) return NULL;
@@ -5502,19 +5575,20 @@ static void dt__xent_through_head(dt__tape_entry *head) {
     const int32_t *labels = job->labels;
     int B = job->B, C = job->C;
     dt_tensor *h = head->in[0], *w = head->in[1];
-    int in_out = head->iarg[0], in = (int)dt_tensor_cols(h), first = 0;
-    int rows = DT_KC * (int)fmax(1.0, 64e6 / ((double)DT_KC * C * sizeof(float)));   /* about 64 MB, whole slabs */
-    if (rows > B) rows = B;
-    float *d = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)rows * C);
+    int in_out = head->iarg[0], in = (int)dt_tensor_cols(h), first = 0, rows = dt__xent_block_rows(B, C);
     float *dh = h->requires_grad ? dt__grad_acc_first(h, &first) : NULL, *dw = w->requires_grad ? dt__grad_acc(w) : NULL;
     const float *hv = dt__in(h), *wv = dt__in(w);
+    dt__step_mark before = dt__step_mark_now();   /* the block goes back after: the blocks below reuse it */
+    float *d = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)rows * C);
     for (int r0 = 0; r0 < B; r0 += rows) {
         int n = B - r0 < rows ? B - r0 : rows;
-        dt__xent_rows_grad(x + (size_t)r0 * C, inv_l + r0, m + r0, labels + r0, d, n, C, job->scale, 1);
+        if (!x) dt__lazy_rows(h, w, r0, n, d);    /* the logits that waited, made again, then their gradient in place */
+        dt__xent_rows_grad(x ? x + (size_t)r0 * C : d, inv_l + r0, m + r0, labels + r0, d, n, C, job->scale, 1);
         if (dh) dt_gemm(0, in_out, n, in, C, 1.0f, d, C, wv, in_out ? C : in, first ? 0.0f : 1.0f, dh + (size_t)r0 * in, in);
         if (dw && in_out) dt_gemm(1, 0, in, C, n, 1.0f, hv + (size_t)r0 * in, in, d, C, 1.0f, dw, C);
         else if (dw) dt_gemm(1, 0, C, in, n, 1.0f, d, C, hv + (size_t)r0 * in, in, 1.0f, dw, in);
     }
+    dt__step_back_to(&before);
     if (dh) dt__grad_acc_done(h, dh);
     if (dw) dt__grad_acc_done(w, dw);
     dt__ctx.flops += 2.0 * B * in * C * ((dh != NULL) + (dw != NULL));
@@ -5525,10 +5599,11 @@ static void dt__cross_entropy_backward(dt__tape_entry *e) {
     int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits), first;
     dt__xent_rows k = dt__xent_rows_at(e->saved, B);
     const double *inv_l = k.inv_l;
-    const float *m = k.m, *x = dt__in(logits);
+    const float *m = k.m, *x;
     const int32_t *labels = k.labels;
     const dt_backend *gpu = dt__backend_for(logits);
     dt__tape_entry *head = dt__xent_head(e, logits);
+    x = head && dt__lazy_waiting(logits) ? NULL : dt__in(logits);
     if (head) {                          /* the head's entry does it; no output gradient: the walk runs it anyway */
         dt__xent_job *job = (dt__xent_job *)dt__step_alloc_uninit(sizeof *job);
         *job = (dt__xent_job){ x, inv_l, m, labels, B, C, e->out->grad[0] / e->farg[0] };
@@ -5575,6 +5650,19 @@ static double dt__loss_divisor(const int32_t *labels, int B, int C) {
         divisor = dt__ctx.loss_divisor.divisor;
     return divisor;
 }
+/* Rows [0, B) of the logits lv: each row's m and 1 / l, and its loss (0 where the label is ignored). */
+static void dt__xent_rows_forward(const float *lv, const int32_t *labels, double *inv_l, float *m, double *row_loss, int B,
+                                  int C) {
+    DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
+    for (int i = 0; i < B; i++) {
+        row_loss[i] = inv_l[i] = m[i] = 0;
+        if (labels[i] == DT_IGNORE_INDEX) continue;      /* backward never reads its numbers */
+        const float *r = lv + (size_t)i * C;
+        double sum = dt__row_softmax(r, C, &m[i]);
+        inv_l[i] = 1.0 / sum;
+        row_loss[i] = -(r[labels[i]] - m[i] - log(sum));
+    }
+}
 static void *dt__cross_entropy_saved(int B) { return dt__step_data((sizeof(double) + sizeof(float) + sizeof(int32_t)) * (size_t)B); }
 static dt_tensor *dt__cross_entropy_done(dt_tensor *logits, void *saved, double divisor, dt_tensor *loss) {
     if (dt__wants_grad(logits, NULL, NULL)) {
@@ -5599,22 +5687,23 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
     int32_t *saved_labels = k.labels;
     int s1[1] = { 1 };
     dt_tensor *loss = dt__tensor_alloc(1, s1, DT_F32);        /* the loss is f32, always */
-    const float *lv = dt__in(logits);
     if (gpu) {
         gpu->upload(saved_labels, labels, sizeof(int32_t) * B);
-        gpu->cross_entropy_forward(lv, saved_labels, inv_l, m, loss->data, B, C, divisor);
+        gpu->cross_entropy_forward(dt__in(logits), saved_labels, inv_l, m, loss->data, B, C, divisor);
     } else {
         /* rows on every thread, the rows' losses added in row order after */
         double *row_loss = (double *)dt__scratch_on(DT_CPU, sizeof(double) * (size_t)B), total = 0;
-        DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
-        for (int i = 0; i < B; i++) {
-            row_loss[i] = inv_l[i] = m[i] = 0;
-            if (labels[i] == DT_IGNORE_INDEX) continue;      /* backward never reads its numbers */
-            const float *r = lv + (size_t)i * C;
-            double sum = dt__row_softmax(r, C, &m[i]);
-            inv_l[i] = 1.0 / sum;
-            row_loss[i] = -(r[labels[i]] - m[i] - log(sum));
-        }
+        if (dt__lazy_waiting(logits)) {          /* a block of rows at a time, never the whole matrix */
+            int rows = dt__xent_block_rows(B, C);
+            dt__step_mark before = dt__step_mark_now();
+            float *block = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)rows * C);
+            for (int r0 = 0; r0 < B; r0 += rows) {
+                int n = B - r0 < rows ? B - r0 : rows;
+                dt__lazy_rows(dt__ctx.lazy.x, dt__ctx.lazy.w, r0, n, block);
+                dt__xent_rows_forward(block, labels + r0, inv_l + r0, m + r0, row_loss + r0, n, C);
+            }
+            dt__step_back_to(&before);
+        } else dt__xent_rows_forward(dt__in(logits), labels, inv_l, m, row_loss, B, C);
         for (int i = 0; i < B; i++) { total += row_loss[i]; saved_labels[i] = labels[i]; }
         loss->data[0] = (float)(total / divisor);
     }
@@ -6331,18 +6420,16 @@ static void dt__unit_boundary(dt_model *m, int unit, int begin) {
 }
 
 /* -- activation recompute (--recompute). Most of a step's memory is the activations each block
-      keeps for its backward, and backward needs a block's only when it reaches that block. So a
-      block keeps what enters and what leaves it: its forward runs as always, then everything it
-      made but its output goes back to the step arena, and one tape entry stands for its entries.
-      When backward reaches that entry, the block's forward runs again from the same input -- the
-      same ops in the same order, so the same bits -- its new entries are walked, and their memory
-      goes back too. The price is one more forward of each block per step; what is saved is every
-      block's activations but one block's at a time. Under FSDP the unit's marks stand around that
-      entry: the unit is gathered again before its forward runs again. Without --recompute a block
-      is a region of the tape (the autograd chapter): its gradients go back after its backward. -- */
+      keeps for its backward, which needs a block's only when it reaches that block. So a block
+      keeps what enters and leaves it: its forward runs as always, then all it made but its output
+      goes back to the step arena, and one tape entry stands for its entries. Backward reaches it,
+      and the block's forward runs again from the same input -- the same ops in the same order, so
+      the same bits -- its new entries are walked, and their memory goes back too. The price: one
+      more forward of each block a step. Under FSDP the unit's marks stand around that entry (it is
+      gathered again). Without it a block is a region of the tape (the autograd chapter): its
+      gradients go back after its backward; without gradients only its output stays at all. -- */
 typedef dt_tensor *(*dt__block_fn)(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T);   /* P: its first parameter */
 typedef struct { dt_model *m; dt__block_fn fn; dt_tensor *params; int B, T; } dt__block_call;
-
 void dt_model_set_recompute(dt_model *m, int on) { m->recompute = on != 0; }
 
 /* y's values, moved to the step arena's mark k: all else after k is given back. */
@@ -6380,6 +6467,7 @@ static dt_tensor *dt__block(dt_model *m, int unit, dt__block_fn fn, dt_tensor *p
     int first = dt__ctx.tape_len;
     dt_tensor *y = fn(m, params, x, B, T);
     if (grads) dt__grad_region_end(grads);      /* its gradients go back when its backward is done */
+    if (!dt__ctx.grad_enabled) y = dt__keep_only(&k, y);   /* evaluation: one block's activations at a time */
     if (recompute) {
         dt__ctx.tape_len = first;           /* its entries go, one stands for them */
         y = dt__keep_only(&k, y);
@@ -6448,7 +6536,7 @@ static dt_tensor *dt__vocab_embedding(dt_model *m, const dt_tensor *tokens, dt_t
 /* ... and its head, a column-parallel layer: each rank gives its columns of the logits, marked (their
    `parallel`) so that dt_cross_entropy and dt_logits_to_host work with the group on them. */
 static dt_tensor *dt__vocab_head(dt_model *m, dt_tensor *x, dt_tensor *wte) {
-    dt_tensor *logits = dt__linear_cut(m, x, wte, NULL, 0);
+    dt_tensor *logits = m->parallel ? dt__linear_cut(m, x, wte, NULL, 0) : dt_vocab_head(x, wte);   /* no wrapper: may wait */
     if (dt__tp_cut(m, wte, 0) == DT__COLUMN_PARALLEL) logits->parallel = dt_parallel_splitting(m->parallel);
     return logits;
 }
@@ -6676,7 +6764,8 @@ static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens, const dt__sp
         dt__unit_boundary(m, 1 + c->depth, 1);
         dt_tensor *nw = dt__unit_weights(m, 1 + c->depth), *head = nw + 1;
         x = dt_rmsnorm(x, nw, eps);
-        x = dt__tp_cut(m, head, 0) == DT__COLUMN_PARALLEL ? dt__vocab_head(m, x, head) : dt__lora_linear(m, x, head, NULL);
+        x = dt__adapter_of(m, head) < 0 && dt__tp_cut(m, head, 0) != DT__ROW_PARALLEL ? dt__vocab_head(m, x, head)
+                                                                                     : dt__lora_linear(m, x, head, NULL);
         dt__unit_boundary(m, 1 + c->depth, 0);
     }
     return x;
@@ -7168,6 +7257,7 @@ void dt_optimizer_step(dt_optimizer *opt, float lr) {
     float *g = opt->grads;
     const dt_backend *gpu = dt__backend_of(opt->device);
     opt->last_grad_norm = (float)sqrt(dt__optimizer_grad_sum_squares(opt));
+    dt__ctx.lazy.stale = 1;              /* logits that still wait would be made from the moved weights */
     if (opt->clip_norm > 0 && opt->last_grad_norm > opt->clip_norm) {   /* torch.nn.utils.clip_grad_norm_ */
         float c = opt->clip_norm / (opt->last_grad_norm + 1e-6f);
         if (gpu) gpu->scale(g, c, n);
@@ -17575,6 +17665,7 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
     run->cfg = *cfg; run->model = model; run->opt = opt; run->loader = loader; run->val = val;
     dt_model_set_recompute(model, cfg->recompute);
     dt_set_attention_body((dt_attention_body)cfg->attention);
+    dt_set_lazy_logits(1);          /* a step's logits go to the loss alone: it reads them a block at a time */
     if (cfg->save_dir && !cfg->bench && dt__ctx.rank == 0) dt__save_dir_lock(cfg->save_dir);
     if (cfg->resume && !strcmp(cfg->resume, "auto")) {
         if (!cfg->save_dir) dt_usage_error("--resume auto resumes from the newest checkpoint in --save-dir: give --save-dir");

@@ -349,6 +349,10 @@ typedef struct dt__context {
        term added to the loss in backward alone is scaled by (the experts' balancing loss) */
     float loss_seed;
     int recomputing;                   /* a block's forward runs again in backward (--recompute) */
+    /* Logits that wait to be read (dt_vocab_head, dt_set_lazy_logits): the one that waits now, made
+       from x w^T in step `step`; stale once the optimizer has moved w. */
+    int lazy_logits;
+    struct { dt_tensor *logits, *x, *w; uint64_t step; int stale; } lazy;
 } dt__context;
 
 static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1, .loss_seed = 1.0f };

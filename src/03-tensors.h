@@ -131,7 +131,11 @@ static void dt__download_as_f32(dt_device d, float *host, const void *src, dt_dt
     dt__half_to_f32_cpu(h, host, dtype, n);
     free(h);
 }
-void dt_tensor_to_host(const dt_tensor *t, float *host) { dt__download_as_f32(t->device, host, t->data, t->dtype, t->numel); }
+static void dt__lazy_make(const dt_tensor *t);     /* logits that wait (the loss's chapter) are made when read */
+void dt_tensor_to_host(const dt_tensor *t, float *host) {
+    dt__lazy_make(t);
+    dt__download_as_f32(t->device, host, t->data, t->dtype, t->numel);
+}
 void dt_tensor_grad_to_host(const dt_tensor *t, float *host) {
     if (!t->grad) { memset(host, 0, (size_t)t->numel * sizeof(float)); return; }
     dt__download_as_f32(t->device, host, t->grad, dt__grad_dtype(t), t->numel);

@@ -405,6 +405,7 @@ static float *dt__scratch_f32(const void *src, dt_dtype from, int64_t n) {
     return f;
 }
 static const float *dt__in(const dt_tensor *t) {
+    if (!t->data) dt__lazy_make(t);
     if (t->dtype == DT_F32 && !dt__mixed()) return t->data;
     return dt__scratch_f32(t->data, t->dtype, t->numel);
 }

@@ -64,6 +64,18 @@ dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index);
    take a label per row: the next token. Logits whose vocabulary tensor
    parallelism split (stage 06) are scored with the group: a collective. */
 dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels);
+/* A language model's vocabulary head, logits = x w^T, that waits to be read
+   when dt_set_lazy_logits(1) is on (the run driver turns it on for its
+   training steps): dt_cross_entropy then makes them a block of rows at a
+   time, keeping two numbers a row, and backward makes each block again, so
+   the [rows, vocabulary] matrix is never whole (Qwen2's 151,936 words at 9 x
+   128 tokens: 700 MB) for a third matmul of the head. Any other reader (an
+   op, dt_tensor_to_host, dt_logits_to_host) makes them whole first; until
+   then `data` is NULL. Read after the optimizer has moved w, they are an
+   error. Off, without gradients, on a GPU, under mixed precision or in a
+   model with a parallel wrapper: dt_linear(x, w, NULL). */
+dt_tensor *dt_vocab_head(dt_tensor *x, dt_tensor *w);
+void dt_set_lazy_logits(int on);
 /* A model's logits on the host, rows x the whole vocabulary (the columns of
    a vocabulary split by tensor parallelism gathered first: a collective). */
 void dt_logits_to_host(const dt_tensor *logits, float *host);
@@ -872,6 +884,49 @@ dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index) {
     return y;
 }
 
+/* -- logits that wait (dt_vocab_head): the header and the head's tape entry
+      now, the matmul when something reads them; the loss reads them in
+      blocks (below) and never makes them whole. -- */
+void dt_set_lazy_logits(int on) { dt__ctx.lazy_logits = on; }
+static int dt__lazy_waiting(const dt_tensor *t) {
+    return t && t == dt__ctx.lazy.logits && dt__ctx.lazy.step == dt__ctx.step_resets && !t->data;   /* a past step's is gone */
+}
+/* Rows [r0, r0 + n) of x w^T into y (n rows of C): the linear layer's own matmul, on fewer rows. */
+static void dt__lazy_rows(const dt_tensor *x, const dt_tensor *w, int r0, int n, float *y) {
+    int in = (int)dt_tensor_cols(x), C = (int)dt_tensor_rows(w);
+    dt_gemm(0, 1, n, C, in, 1.0f, x->data + (size_t)r0 * in, in, w->data, in, 0.0f, y, C);
+    dt__ctx.flops += 2.0 * n * in * C;
+}
+static void dt__lazy_make(const dt_tensor *t) {
+    if (!dt__lazy_waiting(t)) return;
+    if (dt__ctx.lazy.stale)
+        dt_fail("the logits of a vocabulary head that waited to be read (dt_set_lazy_logits) were read after the "
+                "optimizer had moved its weights: read them before dt_optimizer_step, or call dt_set_lazy_logits(0)");
+    dt_tensor *y = dt__ctx.lazy.logits;
+    y->data = (float *)dt__step_data((size_t)y->numel * sizeof(float));
+    dt__lazy_rows(dt__ctx.lazy.x, dt__ctx.lazy.w, 0, y->shape[0], y->data);
+    dt__ctx.lazy.logits = NULL;
+}
+dt_tensor *dt_vocab_head(dt_tensor *x, dt_tensor *w) {
+    if (!dt__ctx.lazy_logits || !dt__wants_grad(x, w, NULL) || w->parallel || dt__mixed() || x->dtype != DT_F32 ||
+        w->dtype != DT_F32 || x->ndim != 2 || dt__backend_of(x->device) || dt__backend_of(w->device) ||
+        dt_tensor_cols(w) != dt_tensor_cols(x))
+        return dt_linear(x, w, NULL);              /* it makes them now (and says what is wrong with the shapes) */
+    dt__lazy_make(dt__ctx.lazy.logits);            /* one waits at a time */
+    dt_tensor *y = (dt_tensor *)dt_step_alloc(sizeof *y);
+    y->ndim = 2;
+    y->shape[0] = x->shape[0];
+    y->shape[1] = w->shape[0];
+    y->numel = dt__size_mul(y->shape[0], y->shape[1], "the logits");
+    y->dtype = DT_F32;
+    y->device = DT_CPU;
+    dt__tape_push(dt__linear_backward, y, x, w, NULL);          /* in, out: iarg[0] = 0 */
+    dt__ctx.lazy.logits = y; dt__ctx.lazy.x = x; dt__ctx.lazy.w = w;
+    dt__ctx.lazy.step = dt__ctx.step_resets;
+    dt__ctx.lazy.stale = 0;
+    return y;
+}
+
 /* -- softmax cross-entropy, fused (llm.c's fused classifier is the model):
       forward reads the logits once for each row's largest value m and the
       sum l of exp(x - m), and keeps those two numbers a row, not the
@@ -925,6 +980,13 @@ static void dt__xent_rows_grad(const float *x, const double *inv_l, const float 
    those of one matmul over every row and the bits those of the two entries
    apart (a test holds them to it). dt__xent_apart (tests) keeps them apart. */
 static int dt__xent_apart;
+/* Rows a block: about dt__xent_block_bytes (tests make it small), whole slabs. */
+static double dt__xent_block_bytes = 64e6;
+static int dt__xent_block_rows(int B, int C) {
+    int rows = DT_KC * (int)fmax(1.0, dt__xent_block_bytes / ((double)DT_KC * C * sizeof(float)));
+    return rows > B ? B : rows;
+}
+/* x: the logits, or NULL when they waited (dt_vocab_head): each block is made again from the head's input. */
 typedef struct { const float *x; const double *inv_l; const float *m; const int32_t *labels; int B, C; float scale; } dt__xent_job;
 static dt__tape_entry *dt__xent_head(const dt__tape_entry *e, const dt_tensor *logits) {
     if (dt__xent_apart || logits->grad || logits->dtype != DT_F32 || dt__mixed() || dt__backend_of(logits->device)) return NULL;
@@ -945,19 +1007,20 @@ static void dt__xent_through_head(dt__tape_entry *head) {
     const int32_t *labels = job->labels;
     int B = job->B, C = job->C;
     dt_tensor *h = head->in[0], *w = head->in[1];
-    int in_out = head->iarg[0], in = (int)dt_tensor_cols(h), first = 0;
-    int rows = DT_KC * (int)fmax(1.0, 64e6 / ((double)DT_KC * C * sizeof(float)));   /* about 64 MB, whole slabs */
-    if (rows > B) rows = B;
-    float *d = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)rows * C);
+    int in_out = head->iarg[0], in = (int)dt_tensor_cols(h), first = 0, rows = dt__xent_block_rows(B, C);
     float *dh = h->requires_grad ? dt__grad_acc_first(h, &first) : NULL, *dw = w->requires_grad ? dt__grad_acc(w) : NULL;
     const float *hv = dt__in(h), *wv = dt__in(w);
+    dt__step_mark before = dt__step_mark_now();   /* the block goes back after: the blocks below reuse it */
+    float *d = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)rows * C);
     for (int r0 = 0; r0 < B; r0 += rows) {
         int n = B - r0 < rows ? B - r0 : rows;
-        dt__xent_rows_grad(x + (size_t)r0 * C, inv_l + r0, m + r0, labels + r0, d, n, C, job->scale, 1);
+        if (!x) dt__lazy_rows(h, w, r0, n, d);    /* the logits that waited, made again, then their gradient in place */
+        dt__xent_rows_grad(x ? x + (size_t)r0 * C : d, inv_l + r0, m + r0, labels + r0, d, n, C, job->scale, 1);
         if (dh) dt_gemm(0, in_out, n, in, C, 1.0f, d, C, wv, in_out ? C : in, first ? 0.0f : 1.0f, dh + (size_t)r0 * in, in);
         if (dw && in_out) dt_gemm(1, 0, in, C, n, 1.0f, hv + (size_t)r0 * in, in, d, C, 1.0f, dw, C);
         else if (dw) dt_gemm(1, 0, C, in, n, 1.0f, d, C, hv + (size_t)r0 * in, in, 1.0f, dw, in);
     }
+    dt__step_back_to(&before);
     if (dh) dt__grad_acc_done(h, dh);
     if (dw) dt__grad_acc_done(w, dw);
     dt__ctx.flops += 2.0 * B * in * C * ((dh != NULL) + (dw != NULL));
@@ -968,10 +1031,11 @@ static void dt__cross_entropy_backward(dt__tape_entry *e) {
     int B = (int)dt_tensor_rows(logits), C = (int)dt_tensor_cols(logits), first;
     dt__xent_rows k = dt__xent_rows_at(e->saved, B);
     const double *inv_l = k.inv_l;
-    const float *m = k.m, *x = dt__in(logits);
+    const float *m = k.m, *x;
     const int32_t *labels = k.labels;
     const dt_backend *gpu = dt__backend_for(logits);
     dt__tape_entry *head = dt__xent_head(e, logits);
+    x = head && dt__lazy_waiting(logits) ? NULL : dt__in(logits);
     if (head) {                          /* the head's entry does it; no output gradient: the walk runs it anyway */
         dt__xent_job *job = (dt__xent_job *)dt__step_alloc_uninit(sizeof *job);
         *job = (dt__xent_job){ x, inv_l, m, labels, B, C, e->out->grad[0] / e->farg[0] };
@@ -1018,6 +1082,19 @@ static double dt__loss_divisor(const int32_t *labels, int B, int C) {
         divisor = dt__ctx.loss_divisor.divisor;
     return divisor;
 }
+/* Rows [0, B) of the logits lv: each row's m and 1 / l, and its loss (0 where the label is ignored). */
+static void dt__xent_rows_forward(const float *lv, const int32_t *labels, double *inv_l, float *m, double *row_loss, int B,
+                                  int C) {
+    DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
+    for (int i = 0; i < B; i++) {
+        row_loss[i] = inv_l[i] = m[i] = 0;
+        if (labels[i] == DT_IGNORE_INDEX) continue;      /* backward never reads its numbers */
+        const float *r = lv + (size_t)i * C;
+        double sum = dt__row_softmax(r, C, &m[i]);
+        inv_l[i] = 1.0 / sum;
+        row_loss[i] = -(r[labels[i]] - m[i] - log(sum));
+    }
+}
 static void *dt__cross_entropy_saved(int B) { return dt__step_data((sizeof(double) + sizeof(float) + sizeof(int32_t)) * (size_t)B); }
 static dt_tensor *dt__cross_entropy_done(dt_tensor *logits, void *saved, double divisor, dt_tensor *loss) {
     if (dt__wants_grad(logits, NULL, NULL)) {
@@ -1042,22 +1119,23 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels) {
     int32_t *saved_labels = k.labels;
     int s1[1] = { 1 };
     dt_tensor *loss = dt__tensor_alloc(1, s1, DT_F32);        /* the loss is f32, always */
-    const float *lv = dt__in(logits);
     if (gpu) {
         gpu->upload(saved_labels, labels, sizeof(int32_t) * B);
-        gpu->cross_entropy_forward(lv, saved_labels, inv_l, m, loss->data, B, C, divisor);
+        gpu->cross_entropy_forward(dt__in(logits), saved_labels, inv_l, m, loss->data, B, C, divisor);
     } else {
         /* rows on every thread, the rows' losses added in row order after */
         double *row_loss = (double *)dt__scratch_on(DT_CPU, sizeof(double) * (size_t)B), total = 0;
-        DT_OMP("omp parallel for schedule(static) if((double)B * C > 65536.0)")
-        for (int i = 0; i < B; i++) {
-            row_loss[i] = inv_l[i] = m[i] = 0;
-            if (labels[i] == DT_IGNORE_INDEX) continue;      /* backward never reads its numbers */
-            const float *r = lv + (size_t)i * C;
-            double sum = dt__row_softmax(r, C, &m[i]);
-            inv_l[i] = 1.0 / sum;
-            row_loss[i] = -(r[labels[i]] - m[i] - log(sum));
-        }
+        if (dt__lazy_waiting(logits)) {          /* a block of rows at a time, never the whole matrix */
+            int rows = dt__xent_block_rows(B, C);
+            dt__step_mark before = dt__step_mark_now();
+            float *block = (float *)dt__step_alloc_uninit(sizeof(float) * (size_t)rows * C);
+            for (int r0 = 0; r0 < B; r0 += rows) {
+                int n = B - r0 < rows ? B - r0 : rows;
+                dt__lazy_rows(dt__ctx.lazy.x, dt__ctx.lazy.w, r0, n, block);
+                dt__xent_rows_forward(block, labels + r0, inv_l + r0, m + r0, row_loss + r0, n, C);
+            }
+            dt__step_back_to(&before);
+        } else dt__xent_rows_forward(dt__in(logits), labels, inv_l, m, row_loss, B, C);
         for (int i = 0; i < B; i++) { total += row_loss[i]; saved_labels[i] = labels[i]; }
         loss->data[0] = (float)(total / divisor);
     }

@@ -456,18 +456,16 @@ static void dt__unit_boundary(dt_model *m, int unit, int begin) {
 }
 
 /* -- activation recompute (--recompute). Most of a step's memory is the activations each block
-      keeps for its backward, and backward needs a block's only when it reaches that block. So a
-      block keeps what enters and what leaves it: its forward runs as always, then everything it
-      made but its output goes back to the step arena, and one tape entry stands for its entries.
-      When backward reaches that entry, the block's forward runs again from the same input -- the
-      same ops in the same order, so the same bits -- its new entries are walked, and their memory
-      goes back too. The price is one more forward of each block per step; what is saved is every
-      block's activations but one block's at a time. Under FSDP the unit's marks stand around that
-      entry: the unit is gathered again before its forward runs again. Without --recompute a block
-      is a region of the tape (the autograd chapter): its gradients go back after its backward. -- */
+      keeps for its backward, which needs a block's only when it reaches that block. So a block
+      keeps what enters and leaves it: its forward runs as always, then all it made but its output
+      goes back to the step arena, and one tape entry stands for its entries. Backward reaches it,
+      and the block's forward runs again from the same input -- the same ops in the same order, so
+      the same bits -- its new entries are walked, and their memory goes back too. The price: one
+      more forward of each block a step. Under FSDP the unit's marks stand around that entry (it is
+      gathered again). Without it a block is a region of the tape (the autograd chapter): its
+      gradients go back after its backward; without gradients only its output stays at all. -- */
 typedef dt_tensor *(*dt__block_fn)(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T);   /* P: its first parameter */
 typedef struct { dt_model *m; dt__block_fn fn; dt_tensor *params; int B, T; } dt__block_call;
-
 void dt_model_set_recompute(dt_model *m, int on) { m->recompute = on != 0; }
 
 /* y's values, moved to the step arena's mark k: all else after k is given back. */
@@ -505,6 +503,7 @@ static dt_tensor *dt__block(dt_model *m, int unit, dt__block_fn fn, dt_tensor *p
     int first = dt__ctx.tape_len;
     dt_tensor *y = fn(m, params, x, B, T);
     if (grads) dt__grad_region_end(grads);      /* its gradients go back when its backward is done */
+    if (!dt__ctx.grad_enabled) y = dt__keep_only(&k, y);   /* evaluation: one block's activations at a time */
     if (recompute) {
         dt__ctx.tape_len = first;           /* its entries go, one stands for them */
         y = dt__keep_only(&k, y);
@@ -573,7 +572,7 @@ static dt_tensor *dt__vocab_embedding(dt_model *m, const dt_tensor *tokens, dt_t
 /* ... and its head, a column-parallel layer: each rank gives its columns of the logits, marked (their
    `parallel`) so that dt_cross_entropy and dt_logits_to_host work with the group on them. */
 static dt_tensor *dt__vocab_head(dt_model *m, dt_tensor *x, dt_tensor *wte) {
-    dt_tensor *logits = dt__linear_cut(m, x, wte, NULL, 0);
+    dt_tensor *logits = m->parallel ? dt__linear_cut(m, x, wte, NULL, 0) : dt_vocab_head(x, wte);   /* no wrapper: may wait */
     if (dt__tp_cut(m, wte, 0) == DT__COLUMN_PARALLEL) logits->parallel = dt_parallel_splitting(m->parallel);
     return logits;
 }
@@ -801,7 +800,8 @@ static dt_tensor *dt__llama_forward(dt_model *m, dt_tensor *tokens, const dt__sp
         dt__unit_boundary(m, 1 + c->depth, 1);
         dt_tensor *nw = dt__unit_weights(m, 1 + c->depth), *head = nw + 1;
         x = dt_rmsnorm(x, nw, eps);
-        x = dt__tp_cut(m, head, 0) == DT__COLUMN_PARALLEL ? dt__vocab_head(m, x, head) : dt__lora_linear(m, x, head, NULL);
+        x = dt__adapter_of(m, head) < 0 && dt__tp_cut(m, head, 0) != DT__ROW_PARALLEL ? dt__vocab_head(m, x, head)
+                                                                                     : dt__lora_linear(m, x, head, NULL);
         dt__unit_boundary(m, 1 + c->depth, 0);
     }
     return x;

@@ -138,6 +138,7 @@ void dt_optimizer_step(dt_optimizer *opt, float lr) {
     float *g = opt->grads;
     const dt_backend *gpu = dt__backend_of(opt->device);
     opt->last_grad_norm = (float)sqrt(dt__optimizer_grad_sum_squares(opt));
+    dt__ctx.lazy.stale = 1;              /* logits that still wait would be made from the moved weights */
     if (opt->clip_norm > 0 && opt->last_grad_norm > opt->clip_norm) {   /* torch.nn.utils.clip_grad_norm_ */
         float c = opt->clip_norm / (opt->last_grad_norm + 1e-6f);
         if (gpu) gpu->scale(g, c, n);

@@ -127,9 +127,13 @@ static int64_t bits_differ(const float *a, const float *b, int64_t n) {
    the logits' gradient made a block of rows at a time and passed through
    the head's matmuls at once, never whole, gives every gradient bit for bit
    as the two entries apart do -- tied (llama's default, GPT-2's) and untied
-   heads, rows that are not a whole block, a label ignored. */
+   heads, rows that are not a whole block, a label ignored. So do logits that
+   waited (dt_set_lazy_logits): the loss makes them a block at a time, and
+   backward again; they are never whole until read, and then the same bits. */
 TEST(the_loss_through_the_head_gives_the_gradients_of_the_two_apart, QUICK) {
     enum { B = 3, T = 200, V = 300 };                  /* 600 rows: two blocks of 256 and a part */
+    static float want[B * T * V], got[B * T * V];
+    dt__xent_block_bytes = 256.0 * V * sizeof(float);
     float tokens[B * T];
     int32_t labels[B * T];
     dt__rng r = { 9 };
@@ -141,25 +145,67 @@ TEST(the_loss_through_the_head_gives_the_gradients_of_the_two_apart, QUICK) {
         c.untied_head = k == 1;
         if (k == 2) c.kv_heads = 0;                    /* GPT-2: every head its own keys */
         dt_model *m = dt_model_create(&c, 4);
-        float *grad[2], loss;
-        for (int apart = 0; apart < 2; apart++) {
+        float *grad[3], loss[3];
+        size_t peak[3];
+        for (int way = 0; way < 3; way++) {            /* through the head; apart; logits that waited */
             dt_tensor *logits;
-            dt__xent_apart = apart;
-            grad[apart] = one_step_grads(m, tokens, labels, B, T, &loss, &logits);
-            CHECKF((logits->grad == NULL) == !apart, "model %d: the logits %s a gradient", k, apart ? "have no" : "have");
+            dt__xent_apart = way == 1;
+            dt_set_lazy_logits(way == 2);
+            grad[way] = one_step_grads(m, tokens, labels, B, T, &loss[way], &logits);
+            peak[way] = dt__ctx.step[DT_CPU].peak;
+            CHECKF((logits->grad == NULL) == (way != 1), "model %d, way %d: the logits %s a gradient", k, way,
+                   way == 1 ? "have no" : "have");
+            if (way == 2) CHECKF(logits->data == NULL, "model %d: the logits that waited were made whole", k);
+            dt_tensor_to_host(logits, way == 1 ? want : got);     /* those that waited: made now */
         }
         dt__xent_apart = 0;
-        int64_t differ = bits_differ(grad[0], grad[1], m->numel);
+        dt_set_lazy_logits(0);
+        for (int way = 0; way < 3; way += 2) {
+            int64_t differ = bits_differ(grad[way], grad[1], m->numel);
 #ifdef DT_HAVE_CBLAS
-        (void)differ;                                  /* a system BLAS sums in its own slabs */
+            (void)differ;                              /* a system BLAS sums in its own slabs */
 #else
-        CHECKF(differ == 0, "model %d (%s head): %lld of %lld gradients differ from the two entries apart", k,
-               k == 1 ? "untied" : "tied", (long long)differ, (long long)m->numel);
+            CHECKF(differ == 0, "model %d (%s head)%s: %lld of %lld gradients differ from the two entries apart", k,
+                   k == 1 ? "untied" : "tied", way ? ", logits that waited" : "", (long long)differ, (long long)m->numel);
+            CHECKF(memcmp(&loss[way], &loss[1], sizeof(float)) == 0, "model %d, way %d: loss %.9g, apart %.9g", k, way,
+                   loss[way], loss[1]);
 #endif
-        free(grad[0]); free(grad[1]);
+        }
+        CHECKF(bits_differ(got, want, B * T * V) == 0, "model %d: the logits that waited, made when read, differ", k);
+        CHECKF(peak[0] >= peak[2] + sizeof want * 9 / 10, "model %d: the step's memory with logits that waited, %zu bytes, "
+               "against %zu with them whole (%zu bytes of logits)", k, peak[2], peak[0], sizeof want);
+        free(grad[0]); free(grad[1]); free(grad[2]);
         dt_step_arena_reset();
         dt_model_free(m);
     }
+    dt__xent_block_bytes = 64e6;
+}
+
+/* Logits that waited, read after the optimizer moved the head: an error that
+   says so, not values of other weights. */
+TEST(logits_that_waited_are_an_error_once_the_optimizer_moved_their_weights, QUICK) {
+    float tokens[8] = { 1, 2, 3, 4, 5, 6, 7, 0 }, host[8 * 16];
+    int32_t labels[8] = { 2, 3, 4, 5, 6, 7, 0, 1 };
+    dt_model_config c = { DT_MODEL_LLAMA, 0, 0, 16, 32, 1, 4, 0, 48, 8, 2, 0, 0, 10000.0f, 1e-5f,
+                          0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
+    fflush(stdout);
+    pid_t pid = fork();                  /* a dt_fail: let it end a child, not the suite */
+    if (pid == 0) {
+        dt_model *m = dt_model_create(&c, 4);
+        dt_optimizer *o = dt_optimizer_create(m, DT_ADAMW, 0.0f, 0.0f, 0.0f);
+        int shape[2] = { 1, 8 };
+        dt_set_lazy_logits(1);
+        dt_tensor *lg = dt_model_forward(m, dt_tensor_from_host(2, shape, tokens));
+        dt_backward(dt_cross_entropy(lg, labels));
+        dt_optimizer_step(o, 1e-3f);
+        if (lg->data) _exit(3);          /* it never waited */
+        dt_tensor_to_host(lg, host);     /* must stop here */
+        _exit(0);
+    }
+    int st = 0;
+    waitpid(pid, &st, 0);
+    CHECKF(WIFEXITED(st) && WEXITSTATUS(st) == 1, "logits that waited, read after the optimizer step: status %d "
+           "(want an error, exit 1)", st);
 }
 
 /* dt_swiglu_linear (Llama's MLP, Mixtral's experts) makes silu(gate) * up

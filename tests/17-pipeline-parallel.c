@@ -631,8 +631,8 @@ static void recompute_gives_the_same_bits(const char *bin, const recompute_case 
                c->model, act[1], act[0]);
 }
 #define RC_VIT "--model vit --depth 3 --heads 2 --patch 4"
-#define RC_GPT "--model gpt --depth 4 --heads 2 --seq-len 16"
-#define RC_LLAMA "--model llama --depth 4 --heads 4 --kv-heads 2 --seq-len 16"
+#define RC_GPT "--model gpt --depth 4 --heads 2 --seq-len 32"
+#define RC_LLAMA "--model llama --depth 4 --heads 4 --kv-heads 2 --seq-len 32"
 /* Every stage: DDP's buckets (which still overlap backward), FSDP's units
    gathered again for the recompute, bf16 and accumulation, and 08's ring,
    which goes around again for the recompute. */
