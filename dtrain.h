@@ -400,6 +400,13 @@ dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *weight, dt_tensor *bias, float 
 /* Llama's norm: x / sqrt(mean(x^2) + eps) * weight, no mean taken out, no bias */
 dt_tensor *dt_rmsnorm(dt_tensor *x, dt_tensor *weight, float eps);
 dt_tensor *dt_add(dt_tensor *a, dt_tensor *b);
+/* x + branch, written over branch: a residual connection, whose branch (a
+   block's attention or MLP) nothing reads again. The add's backward reads no
+   values; when the op that made the branch reads none either (a linear
+   layer, the fused SwiGLU, an add), the sum takes the branch's memory, else
+   it is a new tensor as dt_add makes. A transformer block so keeps two of its
+   [tokens, width] tensors fewer (Qwen2-0.5B's shape: 198 MB); the same bits. */
+dt_tensor *dt_residual_add(dt_tensor *x, dt_tensor *branch);
 dt_tensor *dt_scale(dt_tensor *x, float factor);                         /* factor x */
 /* Llama's MLP activation: silu(gate) * up, element by element (SwiGLU) */
 dt_tensor *dt_swiglu(dt_tensor *gate, dt_tensor *up);
@@ -4446,12 +4453,31 @@ static void dt__add_backward(dt__tape_entry *e) {
     for (int k = 0; k < 2; k++)
         if (e->in[k]->requires_grad) dt__add_into_grad(e->in[k], dy);
 }
-dt_tensor *dt_add(dt_tensor *a, dt_tensor *b) {
+static dt_tensor *dt__add_over(dt_tensor *a, dt_tensor *b, int over_b);
+dt_tensor *dt_add(dt_tensor *a, dt_tensor *b) { return dt__add_over(a, b, 0); }
+static int dt__residual_apart;                  /* tests: always a new tensor */
+dt_tensor *dt_residual_add(dt_tensor *x, dt_tensor *branch) {
+    int over = !dt__residual_apart && !branch->is_param && branch->dtype == dt__ctx.compute_dtype && branch->ndim == x->ndim &&
+               !memcmp(branch->shape, x->shape, sizeof(int) * (size_t)x->ndim);
+    if (over && dt__ctx.grad_enabled && branch->requires_grad) {      /* the op that made it, at the tape's end */
+        const dt__tape_entry *e = dt__ctx.tape_len ? &dt__ctx.tape[dt__ctx.tape_len - 1] : NULL;
+        dt__backward_fn made = e && e->out == branch ? e->backward : NULL;
+        over = made == dt__linear_backward || made == dt__swiglu_linear_backward || made == dt__add_backward;
+    }
+    return dt__add_over(x, branch, over);
+}
+/* over_b: the sum is written over b, whose values no one reads again */
+static dt_tensor *dt__add_over(dt_tensor *a, dt_tensor *b, int over_b) {
     if (a->numel != b->numel) dt_fail("add: %lld and %lld elements", (long long)a->numel, (long long)b->numel);
     const dt_backend *gpu = dt__backend_for(a);
     dt__backend_for(b);
     dt__scratch_reset();
-    dt_tensor *y = dt__tensor_out(a->ndim, a->shape);
+    dt_tensor *y;
+    if (over_b) {
+        y = (dt_tensor *)dt_step_alloc(sizeof *y);
+        *y = *b;
+        y->grad = NULL; y->requires_grad = 0; y->name = NULL; y->parallel = NULL;
+    } else y = dt__tensor_out(a->ndim, a->shape);
     const float *av = dt__in(a), *bv = dt__in(b);
     float *yv = dt__out(y);
     int64_t n = a->numel;
@@ -6617,9 +6643,9 @@ static dt_tensor *dt__vit_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, 
     dt_tensor *n2w = &P[6], *n2b = &P[7], *f1w = &P[8], *f1b = &P[9], *f2w = &P[10], *f2b = &P[11];
     dt_tensor *h = dt__lora_linear(m, dt_layernorm(x, n1w, n1b, 1e-6f), qkvw, qkvb);
     h = dt__lora_linear(m, dt_attention(h, B, T, dt__heads_here(m, h), 0), pjw, pjb);
-    x = dt_add(x, h);                                              /* pre-LN residual */
+    x = dt_residual_add(x, h);                                     /* pre-LN residual */
     h = dt__lora_linear_gelu(m, dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b);
-    return dt_add(x, dt__lora_linear(m, h, f2w, f2b));
+    return dt_residual_add(x, dt__lora_linear(m, h, f2w, f2b));
 }
 
 /* The ViT: patches as tokens, pre-LN blocks, the class token's logits. */
@@ -6662,7 +6688,7 @@ static dt_tensor *dt__gpt_attention(dt_model *m, dt_tensor *P, dt_tensor *x, int
     dt_tensor *n1w = &P[0], *n1b = &P[1], *aw = &P[2], *ab = &P[3], *pw = &P[4], *pb = &P[5];
     dt_tensor *h = dt__lora_linear_in_out(m, dt_layernorm(x, n1w, n1b, 1e-5f), aw, ab);
     h = dt__lora_linear_in_out(m, dt_attention(h, B, T, dt__heads_here(m, h), /*causal*/ 1), pw, pb);
-    return dt_add(x, h);
+    return dt_residual_add(x, h);
 }
 static dt_tensor *dt__gpt_mlp(void *model, dt_tensor *P, dt_tensor *h) {   /* c_fc, c_proj: an MLP, or an expert */
     dt_model *m = (dt_model *)model;
@@ -6670,11 +6696,11 @@ static dt_tensor *dt__gpt_mlp(void *model, dt_tensor *P, dt_tensor *h) {   /* c_
 }
 static dt_tensor *dt__gpt_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
     x = dt__gpt_attention(m, P, x, B, T);
-    return dt_add(x, dt__gpt_mlp(m, &P[8], dt_layernorm(x, &P[6], &P[7], 1e-5f)));
+    return dt_residual_add(x, dt__gpt_mlp(m, &P[8], dt_layernorm(x, &P[6], &P[7], 1e-5f)));
 }
 static dt_tensor *dt__gpt_moe_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
     x = dt__gpt_attention(m, P, x, B, T);
-    return dt_add(x, dt__moe(m, &P[8], dt_layernorm(x, &P[6], &P[7], 1e-5f), T, 4, dt__gpt_mlp));
+    return dt_residual_add(x, dt__moe(m, &P[8], dt_layernorm(x, &P[6], &P[7], 1e-5f), T, 4, dt__gpt_mlp));
 }
 
 /* GPT-2: pre-LN blocks of causal self-attention and an MLP; the head is the
@@ -6727,9 +6753,9 @@ static dt_tensor *dt__llama_layer(dt_model *m, dt_tensor *P, dt_tensor *x, int B
     dt_tensor *q = dt__lora_linear(m, h, qw, qb), *k = dt__lora_linear(m, h, kw, kb), *v = dt__lora_linear(m, h, vw, vb);
     int hd = c->dim / c->heads, H = (int)(dt_tensor_cols(q) / hd), KV = (int)(dt_tensor_cols(k) / hd);   /* this rank's heads */
     dt_tensor *qkv = dt_rotary_qkv(q, k, v, B, T, H, KV, rope);
-    x = dt_add(x, dt__lora_linear(m, dt_attention(qkv, B, T, H, /*causal*/ 1), ow, NULL));
+    x = dt_residual_add(x, dt__lora_linear(m, dt_attention(qkv, B, T, H, /*causal*/ 1), ow, NULL));
     h = dt_rmsnorm(x, n2, c->norm_eps);
-    return dt_add(x, moe ? dt__moe(m, mlp, h, T, 3, dt__mixtral_expert) : dt__llama_mlp(m, mlp, h));
+    return dt_residual_add(x, moe ? dt__moe(m, mlp, h, T, 3, dt__mixtral_expert) : dt__llama_mlp(m, mlp, h));
 }
 static dt_tensor *dt__llama_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { return dt__llama_layer(m, P, x, B, T, 0); }
 static dt_tensor *dt__llama_moe_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { return dt__llama_layer(m, P, x, B, T, 1); }

@@ -653,9 +653,9 @@ static dt_tensor *dt__vit_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, 
     dt_tensor *n2w = &P[6], *n2b = &P[7], *f1w = &P[8], *f1b = &P[9], *f2w = &P[10], *f2b = &P[11];
     dt_tensor *h = dt__lora_linear(m, dt_layernorm(x, n1w, n1b, 1e-6f), qkvw, qkvb);
     h = dt__lora_linear(m, dt_attention(h, B, T, dt__heads_here(m, h), 0), pjw, pjb);
-    x = dt_add(x, h);                                              /* pre-LN residual */
+    x = dt_residual_add(x, h);                                     /* pre-LN residual */
     h = dt__lora_linear_gelu(m, dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b);
-    return dt_add(x, dt__lora_linear(m, h, f2w, f2b));
+    return dt_residual_add(x, dt__lora_linear(m, h, f2w, f2b));
 }
 
 /* The ViT: patches as tokens, pre-LN blocks, the class token's logits. */
@@ -698,7 +698,7 @@ static dt_tensor *dt__gpt_attention(dt_model *m, dt_tensor *P, dt_tensor *x, int
     dt_tensor *n1w = &P[0], *n1b = &P[1], *aw = &P[2], *ab = &P[3], *pw = &P[4], *pb = &P[5];
     dt_tensor *h = dt__lora_linear_in_out(m, dt_layernorm(x, n1w, n1b, 1e-5f), aw, ab);
     h = dt__lora_linear_in_out(m, dt_attention(h, B, T, dt__heads_here(m, h), /*causal*/ 1), pw, pb);
-    return dt_add(x, h);
+    return dt_residual_add(x, h);
 }
 static dt_tensor *dt__gpt_mlp(void *model, dt_tensor *P, dt_tensor *h) {   /* c_fc, c_proj: an MLP, or an expert */
     dt_model *m = (dt_model *)model;
@@ -706,11 +706,11 @@ static dt_tensor *dt__gpt_mlp(void *model, dt_tensor *P, dt_tensor *h) {   /* c_
 }
 static dt_tensor *dt__gpt_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
     x = dt__gpt_attention(m, P, x, B, T);
-    return dt_add(x, dt__gpt_mlp(m, &P[8], dt_layernorm(x, &P[6], &P[7], 1e-5f)));
+    return dt_residual_add(x, dt__gpt_mlp(m, &P[8], dt_layernorm(x, &P[6], &P[7], 1e-5f)));
 }
 static dt_tensor *dt__gpt_moe_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
     x = dt__gpt_attention(m, P, x, B, T);
-    return dt_add(x, dt__moe(m, &P[8], dt_layernorm(x, &P[6], &P[7], 1e-5f), T, 4, dt__gpt_mlp));
+    return dt_residual_add(x, dt__moe(m, &P[8], dt_layernorm(x, &P[6], &P[7], 1e-5f), T, 4, dt__gpt_mlp));
 }
 
 /* GPT-2: pre-LN blocks of causal self-attention and an MLP; the head is the
@@ -763,9 +763,9 @@ static dt_tensor *dt__llama_layer(dt_model *m, dt_tensor *P, dt_tensor *x, int B
     dt_tensor *q = dt__lora_linear(m, h, qw, qb), *k = dt__lora_linear(m, h, kw, kb), *v = dt__lora_linear(m, h, vw, vb);
     int hd = c->dim / c->heads, H = (int)(dt_tensor_cols(q) / hd), KV = (int)(dt_tensor_cols(k) / hd);   /* this rank's heads */
     dt_tensor *qkv = dt_rotary_qkv(q, k, v, B, T, H, KV, rope);
-    x = dt_add(x, dt__lora_linear(m, dt_attention(qkv, B, T, H, /*causal*/ 1), ow, NULL));
+    x = dt_residual_add(x, dt__lora_linear(m, dt_attention(qkv, B, T, H, /*causal*/ 1), ow, NULL));
     h = dt_rmsnorm(x, n2, c->norm_eps);
-    return dt_add(x, moe ? dt__moe(m, mlp, h, T, 3, dt__mixtral_expert) : dt__llama_mlp(m, mlp, h));
+    return dt_residual_add(x, moe ? dt__moe(m, mlp, h, T, 3, dt__mixtral_expert) : dt__llama_mlp(m, mlp, h));
 }
 static dt_tensor *dt__llama_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { return dt__llama_layer(m, P, x, B, T, 0); }
 static dt_tensor *dt__llama_moe_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { return dt__llama_layer(m, P, x, B, T, 1); }

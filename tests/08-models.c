@@ -239,6 +239,53 @@ TEST(swiglu_and_down_in_one_op_give_the_bits_of_the_two_apart, QUICK) {
     }
 }
 
+/* dt_residual_add writes a block's residual sum over its branch (the
+   projection's output) when no backward reads it: the loss and every
+   gradient bit for bit as with a new tensor, in two [tokens, width] tensors
+   a block fewer; a branch from an op not known to leave its output unread
+   gets a new tensor. */
+TEST(the_residual_sum_over_its_branch_gives_the_same_bits_in_less_memory, QUICK) {
+    enum { B = 2, T = 24, V = 40, D = 32, DEPTH = 3 };
+    float tokens[B * T];
+    int32_t labels[B * T];
+    dt__rng r = { 11 };
+    for (int i = 0; i < B * T; i++) { tokens[i] = (float)(dt__rng_u64(&r) % V); labels[i] = (int32_t)(dt__rng_u64(&r) % V); }
+    for (int k = 0; k < 2; k++) {
+        dt_model_config c = { k ? DT_MODEL_GPT : DT_MODEL_LLAMA, 0, 0, V, D, DEPTH, 4, k ? 0 : 2, 72, T, 2, 0, 0, 10000.0f,
+                              1e-5f, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
+        dt_model *m = dt_model_create(&c, 7);
+        float *grad[2], loss[2];
+        size_t peak[2];
+        for (int apart = 0; apart < 2; apart++) {
+            dt__residual_apart = apart;
+            grad[apart] = one_step_grads(m, tokens, labels, B, T, &loss[apart], NULL);
+            peak[apart] = dt__ctx.step[DT_CPU].peak;
+        }
+        dt__residual_apart = 0;
+        CHECKF(memcmp(&loss[0], &loss[1], sizeof(float)) == 0, "%s: loss %.9g over the branch, %.9g apart", k ? "gpt" : "llama",
+               loss[0], loss[1]);
+        CHECKF(bits_differ(grad[0], grad[1], m->numel) == 0, "%s: gradients differ with the sum over the branch", k ? "gpt" : "llama");
+        size_t two = 2 * DEPTH * (size_t)B * T * D * sizeof(float);
+        CHECKF(peak[1] >= peak[0] + two, "%s: the step's memory %zu bytes over the branch, %zu apart (want %zu fewer)",
+               k ? "gpt" : "llama", peak[0], peak[1], two);
+        free(grad[0]); free(grad[1]);
+        dt_step_arena_reset();
+        dt_model_free(m);
+    }
+    /* the branch's maker decides */
+    int xshape[2] = { 4, D }, wshape[2] = { D, D };
+    float xs[4 * D], ws[D * D];
+    for (int i = 0; i < 4 * D; i++) xs[i] = (float)i / 7;
+    for (int i = 0; i < D * D; i++) ws[i] = (float)(i % 13) / 11;
+    dt_tensor *x = dt_tensor_from_host(2, xshape, xs), *w = dt_tensor_from_host(2, wshape, ws);
+    x->requires_grad = 1;
+    dt_tensor *lin = dt_linear(x, w, NULL), *y = dt_residual_add(x, lin);
+    CHECKF(y->data == lin->data, "a linear layer's output: the sum did not take its memory");
+    dt_tensor *g = dt_gelu(x), *y2 = dt_residual_add(x, g);
+    CHECKF(y2->data != g->data, "GELU's output (not a maker known to leave it unread) was written over");
+    dt_step_arena_reset();
+}
+
 TEST(vit_parameter_names_and_shapes_follow_timm, QUICK) {
     dt_model_config c = { DT_MODEL_VIT, 3, 32, 10, 192, 6, 3, 4, 768, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     dt_model *m = dt_model_create(&c, 1);
