@@ -351,9 +351,9 @@ typedef struct dt__context {
     int recomputing;                   /* a block's forward runs again in backward (--recompute) */
     /* Logits that wait to be read (dt_vocab_head, dt_set_lazy_logits): the one that waits now, made
        from x w^T in step `step`; stale once the optimizer has moved w. */
-    int lazy_logits;
+    int64_t lazy_from;                 /* logits of at least this many bytes wait; < 0: none */
     struct { dt_tensor *logits, *x, *w; uint64_t step; int stale; } lazy;
 } dt__context;
 
-static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1, .loss_seed = 1.0f };
+static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1, .loss_seed = 1.0f, .lazy_from = -1 };
 

@@ -65,17 +65,20 @@ dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index);
    parallelism split (stage 06) are scored with the group: a collective. */
 dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels);
 /* A language model's vocabulary head, logits = x w^T, that waits to be read
-   when dt_set_lazy_logits(1) is on (the run driver turns it on for its
-   training steps): dt_cross_entropy then makes them a block of rows at a
-   time, keeping two numbers a row, and backward makes each block again, so
-   the [rows, vocabulary] matrix is never whole (Qwen2's 151,936 words at 9 x
-   128 tokens: 700 MB) for a third matmul of the head. Any other reader (an
-   op, dt_tensor_to_host, dt_logits_to_host) makes them whole first; until
-   then `data` is NULL. Read after the optimizer has moved w, they are an
-   error. Off, without gradients, on a GPU, under mixed precision or in a
-   model with a parallel wrapper: dt_linear(x, w, NULL). */
+   when its logits would take at least the bytes dt_set_lazy_logits gave (the
+   run driver gives DT_LAZY_LOGITS_BYTES; negative, the default: never):
+   dt_cross_entropy then makes them a block of rows at a time, keeping two
+   numbers a row, and backward makes each block again, so the [rows,
+   vocabulary] matrix is never whole (Qwen2's 151,936 words at 9 x 128
+   tokens: 700 MB) for a third matmul of the head (GPT-2 124M's step at 1,024
+   tokens: 14% slower to save its 206 MB, hence the threshold). Any other
+   reader (an op, dt_tensor_to_host, dt_logits_to_host) makes them whole
+   first; until then `data` is NULL. Read after the optimizer has moved w,
+   they are an error. Below the threshold, without gradients, on a GPU, under
+   mixed precision or in a model with a parallel wrapper: dt_linear(x, w, NULL). */
 dt_tensor *dt_vocab_head(dt_tensor *x, dt_tensor *w);
-void dt_set_lazy_logits(int on);
+void dt_set_lazy_logits(int64_t from_bytes);
+#define DT_LAZY_LOGITS_BYTES ((int64_t)512 << 20)
 /* A model's logits on the host, rows x the whole vocabulary (the columns of
    a vocabulary split by tensor parallelism gathered first: a collective). */
 void dt_logits_to_host(const dt_tensor *logits, float *host);
@@ -887,7 +890,7 @@ dt_tensor *dt_select_token(dt_tensor *x, int B, int T, int index) {
 /* -- logits that wait (dt_vocab_head): the header and the head's tape entry
       now, the matmul when something reads them; the loss reads them in
       blocks (below) and never makes them whole. -- */
-void dt_set_lazy_logits(int on) { dt__ctx.lazy_logits = on; }
+void dt_set_lazy_logits(int64_t from_bytes) { dt__ctx.lazy_from = from_bytes; }
 static int dt__lazy_waiting(const dt_tensor *t) {
     return t && t == dt__ctx.lazy.logits && dt__ctx.lazy.step == dt__ctx.step_resets && !t->data;   /* a past step's is gone */
 }
@@ -901,14 +904,15 @@ static void dt__lazy_make(const dt_tensor *t) {
     if (!dt__lazy_waiting(t)) return;
     if (dt__ctx.lazy.stale)
         dt_fail("the logits of a vocabulary head that waited to be read (dt_set_lazy_logits) were read after the "
-                "optimizer had moved its weights: read them before dt_optimizer_step, or call dt_set_lazy_logits(0)");
+                "optimizer had moved its weights: read them before dt_optimizer_step, or call dt_set_lazy_logits(-1)");
     dt_tensor *y = dt__ctx.lazy.logits;
     y->data = (float *)dt__step_data((size_t)y->numel * sizeof(float));
     dt__lazy_rows(dt__ctx.lazy.x, dt__ctx.lazy.w, 0, y->shape[0], y->data);
     dt__ctx.lazy.logits = NULL;
 }
 dt_tensor *dt_vocab_head(dt_tensor *x, dt_tensor *w) {
-    if (!dt__ctx.lazy_logits || !dt__wants_grad(x, w, NULL) || w->parallel || dt__mixed() || x->dtype != DT_F32 ||
+    if (dt__ctx.lazy_from < 0 || (double)dt_tensor_rows(x) * dt_tensor_rows(w) * sizeof(float) < (double)dt__ctx.lazy_from ||
+        !dt__wants_grad(x, w, NULL) || w->parallel || dt__mixed() || x->dtype != DT_F32 ||
         w->dtype != DT_F32 || x->ndim != 2 || dt__backend_of(x->device) || dt__backend_of(w->device) ||
         dt_tensor_cols(w) != dt_tensor_cols(x))
         return dt_linear(x, w, NULL);              /* it makes them now (and says what is wrong with the shapes) */

@@ -334,7 +334,7 @@ void dt_run_start(dt_run *run, const dt_config *cfg, dt_model *model, dt_optimiz
     run->cfg = *cfg; run->model = model; run->opt = opt; run->loader = loader; run->val = val;
     dt_model_set_recompute(model, cfg->recompute);
     dt_set_attention_body((dt_attention_body)cfg->attention);
-    dt_set_lazy_logits(1);          /* a step's logits go to the loss alone: it reads them a block at a time */
+    dt_set_lazy_logits(DT_LAZY_LOGITS_BYTES);   /* a step's logits go to the loss alone, a block at a time */
     if (cfg->save_dir && !cfg->bench && dt__ctx.rank == 0) dt__save_dir_lock(cfg->save_dir);
     if (cfg->resume && !strcmp(cfg->resume, "auto")) {
         if (!cfg->save_dir) dt_usage_error("--resume auto resumes from the newest checkpoint in --save-dir: give --save-dir");

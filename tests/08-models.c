@@ -150,7 +150,7 @@ TEST(the_loss_through_the_head_gives_the_gradients_of_the_two_apart, QUICK) {
         for (int way = 0; way < 3; way++) {            /* through the head; apart; logits that waited */
             dt_tensor *logits;
             dt__xent_apart = way == 1;
-            dt_set_lazy_logits(way == 2);
+            dt_set_lazy_logits(way == 2 ? 0 : -1);
             grad[way] = one_step_grads(m, tokens, labels, B, T, &loss[way], &logits);
             peak[way] = dt__ctx.step[DT_CPU].peak;
             CHECKF((logits->grad == NULL) == (way != 1), "model %d, way %d: the logits %s a gradient", k, way,
@@ -159,7 +159,7 @@ TEST(the_loss_through_the_head_gives_the_gradients_of_the_two_apart, QUICK) {
             dt_tensor_to_host(logits, way == 1 ? want : got);     /* those that waited: made now */
         }
         dt__xent_apart = 0;
-        dt_set_lazy_logits(0);
+        dt_set_lazy_logits(-1);
         for (int way = 0; way < 3; way += 2) {
             int64_t differ = bits_differ(grad[way], grad[1], m->numel);
 #ifdef DT_HAVE_CBLAS
@@ -194,7 +194,7 @@ TEST(logits_that_waited_are_an_error_once_the_optimizer_moved_their_weights, QUI
         dt_model *m = dt_model_create(&c, 4);
         dt_optimizer *o = dt_optimizer_create(m, DT_ADAMW, 0.0f, 0.0f, 0.0f);
         int shape[2] = { 1, 8 };
-        dt_set_lazy_logits(1);
+        dt_set_lazy_logits(0);
         dt_tensor *lg = dt_model_forward(m, dt_tensor_from_host(2, shape, tokens));
         dt_backward(dt_cross_entropy(lg, labels));
         dt_optimizer_step(o, 1e-3f);
