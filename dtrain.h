@@ -654,8 +654,9 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels);
    vocabulary] matrix is never whole (Qwen2's 151,936 words at 9 x 128
    tokens: 700 MB) for a third matmul of the head (GPT-2 124M's step at 1,024
    tokens: 14% slower to save its 206 MB, hence the threshold). Any other
-   reader (an op, dt_tensor_to_host, dt_logits_to_host) makes them whole
-   first; until then `data` is NULL. Read after the optimizer has moved w,
+   reader (an op, dt_tensor_to_host, dt_tensor_item, dt_logits_to_host)
+   makes them whole first; until then `data` is NULL, so code of one's own
+   reads them through those, not through `data`. Read after the optimizer has moved w,
    they are an error. Below the threshold, without gradients, on a GPU, under
    mixed precision or in a model with a parallel wrapper: dt_linear(x, w, NULL). */
 dt_tensor *dt_vocab_head(dt_tensor *x, dt_tensor *w);
@@ -3282,6 +3283,7 @@ void dt_tensor_grad_to_host(const dt_tensor *t, float *host) {
 }
 float dt_tensor_item(const dt_tensor *t) {
     float v;
+    dt__lazy_make(t);
     dt__download_as_f32(t->device, &v, t->data, t->dtype, 1);
     return v;
 }
@@ -5633,7 +5635,7 @@ static void dt__cross_entropy_backward(dt__tape_entry *e) {
     const int32_t *labels = k.labels;
     const dt_backend *gpu = dt__backend_for(logits);
     dt__tape_entry *head = dt__xent_head(e, logits);
-    x = head && dt__lazy_waiting(logits) ? NULL : dt__in(logits);
+    x = head && dt__lazy_waiting(logits) && !dt__ctx.lazy.stale ? NULL : dt__in(logits);   /* stale: dt__in says why */
     if (head) {                          /* the head's entry does it; no output gradient: the walk runs it anyway */
         dt__xent_job *job = (dt__xent_job *)dt__step_alloc_uninit(sizeof *job);
         *job = (dt__xent_job){ x, inv_l, m, labels, B, C, e->out->grad[0] / e->farg[0] };
@@ -6076,6 +6078,7 @@ dt_tensor *dt_rows(dt_tensor *x, int first, int count) {
     dt__backend_for(x);
     dt_tensor *y = dt__tensor_alloc(2, shape, x->dtype);
     size_t z = dt_dtype_size(x->dtype);
+    dt__lazy_make(x);                    /* logits that waited: whole now */
     if (count) dt_convert((const char *)x->data + (size_t)first * D * z, x->dtype, y->data, x->dtype, (int64_t)count * D);
     if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__rows_backward, y, x, NULL, NULL)->iarg[0] = first;
     return y;
@@ -6105,8 +6108,10 @@ dt_tensor *dt_cat_rows(dt_tensor *const *parts, int n) {
     int shape[2] = { rows, D };
     dt_tensor *y = dt__tensor_alloc(2, shape, parts[0]->dtype);
     size_t z = dt_dtype_size(y->dtype), at = 0;
-    for (int i = 0; i < n; at += (size_t)parts[i]->numel * z, i++)
+    for (int i = 0; i < n; at += (size_t)parts[i]->numel * z, i++) {
+        dt__lazy_make(parts[i]);         /* logits that waited: whole now */
         if (parts[i]->numel) dt_convert(parts[i]->data, y->dtype, (char *)y->data + at, y->dtype, parts[i]->numel);
+    }
     if (grad) {
         dt_tensor **keep = (dt_tensor **)dt_step_alloc(sizeof *keep * (size_t)n);
         memcpy(keep, parts, sizeof *keep * (size_t)n);
@@ -18215,6 +18220,7 @@ void dt_epoch_end(dt_run *run) {
 }
 
 int dt_run_finish(dt_run *run) {
+    dt_set_lazy_logits(-1);                 /* what the program does after the run reads its logits whole */
     if (run->cfg.bench) dt__bench_report(run);
     else if (run->steps_run == 0 && run->val && !run->evals_run) {        /* --resume of a finished run: evaluate it */
         if (!run->cfg.quiet && dt__ctx.rank == 0) printf("nothing left to train (epoch %d of %d): evaluating\n", run->epoch, run->cfg.epochs);

@@ -142,6 +142,7 @@ void dt_tensor_grad_to_host(const dt_tensor *t, float *host) {
 }
 float dt_tensor_item(const dt_tensor *t) {
     float v;
+    dt__lazy_make(t);
     dt__download_as_f32(t->device, &v, t->data, t->dtype, 1);
     return v;
 }

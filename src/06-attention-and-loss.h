@@ -72,8 +72,9 @@ dt_tensor *dt_cross_entropy(dt_tensor *logits, const int32_t *labels);
    vocabulary] matrix is never whole (Qwen2's 151,936 words at 9 x 128
    tokens: 700 MB) for a third matmul of the head (GPT-2 124M's step at 1,024
    tokens: 14% slower to save its 206 MB, hence the threshold). Any other
-   reader (an op, dt_tensor_to_host, dt_logits_to_host) makes them whole
-   first; until then `data` is NULL. Read after the optimizer has moved w,
+   reader (an op, dt_tensor_to_host, dt_tensor_item, dt_logits_to_host)
+   makes them whole first; until then `data` is NULL, so code of one's own
+   reads them through those, not through `data`. Read after the optimizer has moved w,
    they are an error. Below the threshold, without gradients, on a GPU, under
    mixed precision or in a model with a parallel wrapper: dt_linear(x, w, NULL). */
 dt_tensor *dt_vocab_head(dt_tensor *x, dt_tensor *w);
@@ -1039,7 +1040,7 @@ static void dt__cross_entropy_backward(dt__tape_entry *e) {
     const int32_t *labels = k.labels;
     const dt_backend *gpu = dt__backend_for(logits);
     dt__tape_entry *head = dt__xent_head(e, logits);
-    x = head && dt__lazy_waiting(logits) ? NULL : dt__in(logits);
+    x = head && dt__lazy_waiting(logits) && !dt__ctx.lazy.stale ? NULL : dt__in(logits);   /* stale: dt__in says why */
     if (head) {                          /* the head's entry does it; no output gradient: the walk runs it anyway */
         dt__xent_job *job = (dt__xent_job *)dt__step_alloc_uninit(sizeof *job);
         *job = (dt__xent_job){ x, inv_l, m, labels, B, C, e->out->grad[0] / e->farg[0] };

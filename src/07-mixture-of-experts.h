@@ -399,6 +399,7 @@ dt_tensor *dt_rows(dt_tensor *x, int first, int count) {
     dt__backend_for(x);
     dt_tensor *y = dt__tensor_alloc(2, shape, x->dtype);
     size_t z = dt_dtype_size(x->dtype);
+    dt__lazy_make(x);                    /* logits that waited: whole now */
     if (count) dt_convert((const char *)x->data + (size_t)first * D * z, x->dtype, y->data, x->dtype, (int64_t)count * D);
     if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__rows_backward, y, x, NULL, NULL)->iarg[0] = first;
     return y;
@@ -428,8 +429,10 @@ dt_tensor *dt_cat_rows(dt_tensor *const *parts, int n) {
     int shape[2] = { rows, D };
     dt_tensor *y = dt__tensor_alloc(2, shape, parts[0]->dtype);
     size_t z = dt_dtype_size(y->dtype), at = 0;
-    for (int i = 0; i < n; at += (size_t)parts[i]->numel * z, i++)
+    for (int i = 0; i < n; at += (size_t)parts[i]->numel * z, i++) {
+        dt__lazy_make(parts[i]);         /* logits that waited: whole now */
         if (parts[i]->numel) dt_convert(parts[i]->data, y->dtype, (char *)y->data + at, y->dtype, parts[i]->numel);
+    }
     if (grad) {
         dt_tensor **keep = (dt_tensor **)dt_step_alloc(sizeof *keep * (size_t)n);
         memcpy(keep, parts, sizeof *keep * (size_t)n);

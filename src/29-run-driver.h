@@ -854,6 +854,7 @@ void dt_epoch_end(dt_run *run) {
 }
 
 int dt_run_finish(dt_run *run) {
+    dt_set_lazy_logits(-1);                 /* what the program does after the run reads its logits whole */
     if (run->cfg.bench) dt__bench_report(run);
     else if (run->steps_run == 0 && run->val && !run->evals_run) {        /* --resume of a finished run: evaluate it */
         if (!run->cfg.quiet && dt__ctx.rank == 0) printf("nothing left to train (epoch %d of %d): evaluating\n", run->epoch, run->cfg.epochs);

@@ -181,31 +181,34 @@ TEST(the_loss_through_the_head_gives_the_gradients_of_the_two_apart, QUICK) {
     dt__xent_block_bytes = 64e6;
 }
 
-/* Logits that waited, read after the optimizer moved the head: an error that
-   says so, not values of other weights. */
+/* Logits that waited, read (or made again by backward) after the optimizer
+   moved the head: an error that says so, not values of other weights. */
 TEST(logits_that_waited_are_an_error_once_the_optimizer_moved_their_weights, QUICK) {
     float tokens[8] = { 1, 2, 3, 4, 5, 6, 7, 0 }, host[8 * 16];
     int32_t labels[8] = { 2, 3, 4, 5, 6, 7, 0, 1 };
     dt_model_config c = { DT_MODEL_LLAMA, 0, 0, 16, 32, 1, 4, 0, 48, 8, 2, 0, 0, 10000.0f, 1e-5f,
                           0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
-    fflush(stdout);
-    pid_t pid = fork();                  /* a dt_fail: let it end a child, not the suite */
-    if (pid == 0) {
-        dt_model *m = dt_model_create(&c, 4);
-        dt_optimizer *o = dt_optimizer_create(m, DT_ADAMW, 0.0f, 0.0f, 0.0f);
-        int shape[2] = { 1, 8 };
-        dt_set_lazy_logits(0);
-        dt_tensor *lg = dt_model_forward(m, dt_tensor_from_host(2, shape, tokens));
-        dt_backward(dt_cross_entropy(lg, labels));
-        dt_optimizer_step(o, 1e-3f);
-        if (lg->data) _exit(3);          /* it never waited */
-        dt_tensor_to_host(lg, host);     /* must stop here */
-        _exit(0);
+    for (int late_backward = 0; late_backward < 2; late_backward++) {
+        fflush(stdout);
+        pid_t pid = fork();              /* a dt_fail: let it end a child, not the suite */
+        if (pid == 0) {
+            dt_model *m = dt_model_create(&c, 4);
+            dt_optimizer *o = dt_optimizer_create(m, DT_ADAMW, 0.0f, 0.0f, 0.0f);
+            int shape[2] = { 1, 8 };
+            dt_set_lazy_logits(0);
+            dt_tensor *lg = dt_model_forward(m, dt_tensor_from_host(2, shape, tokens)), *l = dt_cross_entropy(lg, labels);
+            if (!late_backward) dt_backward(l);
+            dt_optimizer_step(o, 1e-3f);
+            if (lg->data) _exit(3);      /* it never waited */
+            if (late_backward) dt_backward(l);     /* must stop here */
+            else dt_tensor_to_host(lg, host);      /* or here */
+            _exit(0);
+        }
+        int st = 0;
+        waitpid(pid, &st, 0);
+        CHECKF(WIFEXITED(st) && WEXITSTATUS(st) == 1, "logits that waited, %s after the optimizer step: status %d "
+               "(want an error, exit 1)", late_backward ? "made again by backward" : "read", st);
     }
-    int st = 0;
-    waitpid(pid, &st, 0);
-    CHECKF(WIFEXITED(st) && WEXITSTATUS(st) == 1, "logits that waited, read after the optimizer step: status %d "
-           "(want an error, exit 1)", st);
 }
 
 /* dt_swiglu_linear (Llama's MLP, Mixtral's experts) makes silu(gate) * up
