@@ -29,11 +29,13 @@
                           mpi): compile with $(mpicc --showme:compile), link
                           with $(mpicc --showme:link), start with mpirun or srun.
        Build with OpenMP (-fopenmp) to use every core; OMP_NUM_THREADS picks how many.
-       For speed, as the Makefile does: -O3 -march=native -fno-math-errno
-       -fno-trapping-math. The last two change no result; without the last,
-       gcc on a processor with AVX2 and no AVX-512 (most laptops) leaves exp,
-       erf, tanh and the GELUs scalar (it will not turn a float choice,
-       x < a ? a : x, into a vector blend).
+       For speed, as the Makefile does: -O3 -march=native
+       -mprefer-vector-width=512 -fno-math-errno -fno-trapping-math. None
+       changes a result. Without the last, gcc on a processor with AVX2 and no
+       AVX-512 (most laptops) leaves exp, erf, tanh and the GELUs scalar (it
+       will not turn a float choice, x < a ? a : x, into a vector blend);
+       without the second, on one with AVX-512 it makes the element-wise loops
+       half as wide as its vectors.
 
    WHAT IT TEACHES, CHAPTER BY CHAPTER
        The chapters are the files src/NN-name.h this header is assembled from
@@ -3393,14 +3395,34 @@ DT__INLINE void dt__vstore(float *p, dt__vec v) { *(dt__vec_at *)p = v; }
    every row, then, where `gelu` is set, write GELU of the result into a
    second matrix laid out as C. The built-in routine does both on each tile
    while it is in registers or the L1 cache, which saves the passes over the
-   output that separate ops would make. */
-typedef struct dt__epilogue { const float *bias; float *gelu; int tanh_form; } dt__epilogue;
+   output that separate ops would make. In backward, where `gelu_grad` is
+   set (the pre-activation x of the GELU whose output's gradient C is), C
+   becomes that gradient times GELU'(x): the gradient of x, in C's place.
+   And where `a_sums` (`b_sums`) is set, the sums over k of op(A)'s rows
+   (op(B)'s columns) are added to it, k by k in order, while the routine
+   packs them: a bias's gradient, the sum of dy over the rows, from the
+   weight gradient's own pass over dy. */
+typedef struct dt__epilogue {
+    const float *bias;
+    float *gelu;
+    int tanh_form;
+    const float *gelu_grad;
+    float *a_sums, *b_sums;
+} dt__epilogue;
 static void dt__gelu_rows(const float *restrict x, float *restrict y, ptrdiff_t ld, int rows, int cols, int tanh_form) {
     for (int i = 0; i < rows; i++) {                 /* a loop per form: each vectorises */
         const float *xr = x + i * ld;
         float *yr = y + i * ld;
         if (tanh_form) for (int j = 0; j < cols; j++) yr[j] = dt_gelu_tanh_value(xr[j]);
         else for (int j = 0; j < cols; j++) yr[j] = dt_gelu_value(xr[j]);
+    }
+}
+static void dt__gelu_grad_rows(float *restrict c, const float *restrict x, ptrdiff_t ld, int rows, int cols, int tanh_form) {
+    for (int i = 0; i < rows; i++) {                 /* the bits of GELU's own backward: dy * GELU'(x) */
+        float *cr = c + i * ld;
+        const float *xr = x + i * ld;
+        if (tanh_form) for (int j = 0; j < cols; j++) cr[j] = cr[j] * dt_gelu_tanh_derivative(xr[j]);
+        else for (int j = 0; j < cols; j++) cr[j] = cr[j] * dt_gelu_derivative(xr[j]);
     }
 }
 
@@ -3493,9 +3515,10 @@ static void dt__pack_a(const float *A, int lda, int i0, int rows, int k0, int kc
    a row of A at a time: each row's mc floats are read in one go, where strip
    by strip they would be read in MR-float pieces, a cache line fetched for
    each k and each strip. */
-static void dt__pack_a_block_trans(const float *A, int lda, int i0, int mc, int k0, int kc, float *block) {
+static void dt__pack_a_block_trans(const float *A, int lda, int i0, int mc, int k0, int kc, float *block, float *sums) {
     for (int k = 0; k < kc; k++) {
         const float *src = A + (size_t)(k0 + k) * lda + i0;
+        if (sums) for (int i = 0; i < mc; i++) sums[i] += src[i];
         for (int is = 0; is < mc; is += DT_MR) {
             float *d = block + (size_t)is * kc + (size_t)k * DT_MR;
             if (mc - is >= DT_MR) { memcpy(d, src + is, DT_MR * sizeof(float)); continue; }
@@ -3505,7 +3528,7 @@ static void dt__pack_a_block_trans(const float *A, int lda, int i0, int mc, int 
 }
 /* Copy op(B)[k0:k0+kc, j0:j0+cols] into one NR-column strip, k-major,
    zero-padded. A transposed B (the weight in x W^T) is read a row at a time. */
-static void dt__pack_b(int trans, const float *B, int ldb, int k0, int kc, int j0, int cols, float *dst) {
+static void dt__pack_b(int trans, const float *B, int ldb, int k0, int kc, int j0, int cols, float *dst, float *sums) {
     if (trans) {
         /* k outer: each k's NR floats are written together, where column
            after column wrote one float into each of kc lines of the strip,
@@ -3521,6 +3544,7 @@ static void dt__pack_b(int trans, const float *B, int ldb, int k0, int kc, int j
     for (int k = 0; k < kc; k++) {
         const float *src = B + (size_t)(k0 + k) * ldb + j0;
         float *d = dst + (size_t)k * DT_NR;
+        if (sums) for (int j = 0; j < cols; j++) sums[j] += src[j];
         if (cols == DT_NR) { memcpy(d, src, DT_NR * sizeof(float)); continue; }
         for (int j = 0; j < cols; j++) d[j] = src[j];
         for (int j = cols; j < DT_NR; j++) d[j] = 0;
@@ -3560,11 +3584,13 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
     float *space = dt__pack_space((size_t)DT_KC * DT_NC + (size_t)threads * DT_MC * DT_KC);
     float *panel = space;                              /* B's panel: shared by the threads */
     int blocks_m = dt__gemm_blocks(M, threads), strips_m = (M + DT_MR - 1) / DT_MR;
+    float *a_sums = ep && ta ? ep->a_sums : NULL, *b_sums = ep && !tb ? ep->b_sums : NULL;   /* summed as packed */
     for (int k0 = 0; k0 < K; k0 += DT_KC) {
         int kc = K - k0 < DT_KC ? K - k0 : DT_KC;
         float b_eff = k0 == 0 ? beta : 1.0f;            /* later slabs add to the first */
         const float *bias_now = ep && k0 + kc == K ? ep->bias : NULL;   /* the epilogue: on the last slab */
         float *gelu_now = ep && k0 + kc == K ? ep->gelu : NULL;
+        const float *gelu_grad_now = ep && k0 + kc == K ? ep->gelu_grad : NULL;
         for (int j0 = 0; j0 < N; j0 += DT_NC) {
             int nc = N - j0 < DT_NC ? N - j0 : DT_NC, strips = (nc + DT_NR - 1) / DT_NR;
             DT_OMP("omp parallel num_threads(threads) if(blocks_m > 1 && (double)M * nc * kc > 65536.0)")
@@ -3572,7 +3598,8 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
                 DT_OMP("omp for schedule(static)")
                 for (int s = 0; s < strips; s++) {
                     int cols = nc - s * DT_NR < DT_NR ? nc - s * DT_NR : DT_NR;
-                    dt__pack_b(tb, B, ldb, k0, kc, j0 + s * DT_NR, cols, panel + (size_t)s * DT_NR * kc);
+                    dt__pack_b(tb, B, ldb, k0, kc, j0 + s * DT_NR, cols, panel + (size_t)s * DT_NR * kc,
+                               b_sums ? b_sums + j0 + s * DT_NR : NULL);
                 }
                 float *block = space + (size_t)DT_KC * DT_NC + (size_t)dt__thread_num() * DT_MC * DT_KC;
                 DT_OMP("omp for schedule(static)")
@@ -3581,7 +3608,7 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
                     int i1 = (int)((int64_t)(bm + 1) * strips_m / blocks_m) * DT_MR, mc = (i1 < M ? i1 : M) - i0;
                     if (mc <= 0) continue;                     /* fewer strips than blocks */
                     int in_place = ta ? 0 : mc / DT_MR * DT_MR;  /* A's rows read where they lie */
-                    if (ta) dt__pack_a_block_trans(A, lda, i0, mc, k0, kc, block);
+                    if (ta) dt__pack_a_block_trans(A, lda, i0, mc, k0, kc, block, a_sums && j0 == 0 ? a_sums + i0 : NULL);
                     else
                         for (int is = in_place; is < mc; is += DT_MR)
                             dt__pack_a(A, lda, i0 + is, mc - is < DT_MR ? mc - is : DT_MR, k0, kc, block + (size_t)is * kc);
@@ -3600,6 +3627,8 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
                                            bias_now ? bias_now + j0 + js : NULL);
                         if (gelu_now)
                             dt__gelu_rows(c, gelu_now + (size_t)(i0 + is) * ldc + j0 + js, ldc, rows, cols, ep->tanh_form);
+                        if (gelu_grad_now)
+                            dt__gelu_grad_rows(c, gelu_grad_now + (size_t)(i0 + is) * ldc + j0 + js, ldc, rows, cols, ep->tanh_form);
                     }
                 }
             }
@@ -3610,15 +3639,16 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
 
 /* dt_gemm and then the epilogue (NULL: none). With a system BLAS, or with
    nothing to multiply, the epilogue is a loop afterwards. */
+/* op(A)'s row sums over k (or op(B)'s column sums: A = B^T), added k by k
+   in order: the packing's sums, where the routine does not pack them. */
+static void dt__add_k_sums(int trans, int M, int K, const float *A, int lda, float *sums) {
+    for (int k = 0; k < K; k++)
+        for (int i = 0; i < M; i++) sums[i] += trans ? A[(size_t)k * lda + i] : A[(size_t)i * lda + k];
+}
 static void dt__gemm_epilogue(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
                               const float *B, int ldb, float beta, float *C, int ldc, const dt__epilogue *ep) {
     if (M <= 0 || N <= 0) return;
-#ifndef DT_HAVE_CBLAS
-    if (K > 0) {
-        dt__gemm_builtin(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, ep);
-        return;
-    }
-#endif
+    int tiles = 0;                       /* the built-in routine ran: the epilogue is done, and the sums it packs */
     if (K <= 0)                          /* nothing to multiply: C = beta * C */
         for (int i = 0; i < M; i++)
             for (int j = 0; j < N; j++) C[(size_t)i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[(size_t)i * ldc + j];
@@ -3626,13 +3656,22 @@ static void dt__gemm_epilogue(int trans_a, int trans_b, int M, int N, int K, flo
     else
         cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
                     M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+#else
+    else {
+        dt__gemm_builtin(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, ep);
+        tiles = 1;
+    }
 #endif
     if (!ep) return;
+    if (ep->a_sums && !(tiles && trans_a)) dt__add_k_sums(trans_a, M, K, A, lda, ep->a_sums);
+    if (ep->b_sums && !(tiles && !trans_b)) dt__add_k_sums(!trans_b, N, K, B, ldb, ep->b_sums);
+    if (tiles) return;
     DT_OMP("omp parallel for if((double)M * N > 32768.0)")
     for (int i = 0; i < M; i++) {
         float *c = C + (size_t)i * ldc;
         if (ep->bias) for (int j = 0; j < N; j++) c[j] += ep->bias[j];
         if (ep->gelu) dt__gelu_rows(c, ep->gelu + (size_t)i * ldc, ldc, 1, N, ep->tanh_form);
+        if (ep->gelu_grad) dt__gelu_grad_rows(c, ep->gelu_grad + (size_t)i * ldc, ldc, 1, N, ep->tanh_form);
     }
 }
 void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
@@ -4014,6 +4053,7 @@ static const void *dt__operand_half(dt__operand o) {
    The epilogue (linear's forward; NULL elsewhere; ldc = N) is the CPU
    matmul's own, and kernels after the matmul on a GPU. */
 static void dt__gpu_epilogue(const dt_backend *gpu, float *C, int M, int N, const dt__epilogue *ep) {
+    if (ep && (ep->gelu_grad || ep->a_sums || ep->b_sums)) dt_fail("internal error: a CPU matmul's epilogue on a GPU");
     if (ep && ep->bias) gpu->add_bias(C, ep->bias, M, N);
     if (ep && ep->gelu) gpu->gelu_forward(C, ep->gelu, (int64_t)M * N, ep->tanh_form);
 }
@@ -4035,6 +4075,23 @@ static void dt__matmul_op(const dt_backend *gpu, int ta, int tb, int M, int N, i
 /* -- linear: y = x W^T + b. The three matmuls of every layer's training step.
       GPT-2 stores its weights the other way round, [in, out] (in_out, in
       iarg[0]): the same matmuls with the weight's transposes flipped. -- */
+/* The MLP's second layer reads GELU's output x and nothing else does: its
+   input gradient times GELU'(pre) is pre's gradient, made as the matmul
+   stores each tile (dt__epilogue). x's gradient, [tokens, 4 x width], is
+   never made nor read back, and the walk passes GELU's entry over (its
+   output has no gradient). The same bits: the same product, rounded to a
+   float, times the same derivative. Only where nothing else can have read
+   x: GELU's entry just before, neither gradient begun, f32, on the CPU. */
+static int dt__gelu_apart;                     /* tests: GELU's backward on its own */
+static void dt__gelu_backward(dt__tape_entry *e);
+static dt__tape_entry *dt__gelu_behind(dt__tape_entry *e, const dt_tensor *x) {
+    if (dt__gelu_apart || e == dt__ctx.tape || e[-1].backward != dt__gelu_backward || e[-1].out != x) return NULL;
+    dt_tensor *pre = e[-1].in[0];
+    if (x->grad || x->is_param || !pre->requires_grad || pre->grad || pre->is_param || dt__backend_of(x->device) ||
+        dt__grad_dtype(x) != DT_F32 || dt__grad_dtype(pre) != DT_F32 || dt__mixed())
+        return NULL;
+    return &e[-1];
+}
 static void dt__linear_backward(dt__tape_entry *e) {
     dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
     int in_out = e->iarg[0];
@@ -4042,20 +4099,25 @@ static void dt__linear_backward(dt__tape_entry *e) {
     const dt_backend *gpu = dt__backend_for(y);
     if (x->requires_grad) {              /* dx = dy W (in_out: dy W^T) */
         int first;
-        float *dx = dt__grad_acc_first(x, &first);
-        dt__matmul_op(gpu, 0, in_out, N, in, out, dt__op_grad(y), dt__op_data(w), first ? 0.0f : 1.0f, dx, in, NULL);
-        dt__grad_acc_done(x, dx);
+        dt__tape_entry *gelu = dt__gelu_behind(e, x);
+        dt_tensor *to = gelu ? gelu->in[0] : x;                 /* x = GELU(pre): pre's gradient at once */
+        dt__epilogue ep = { .tanh_form = gelu ? gelu->iarg[0] : 0, .gelu_grad = gelu ? dt__in(to) : NULL };
+        float *dx = dt__grad_acc_first(to, &first);
+        dt__matmul_op(gpu, 0, in_out, N, in, out, dt__op_grad(y), dt__op_data(w), first ? 0.0f : 1.0f, dx, in, gelu ? &ep : NULL);
+        dt__grad_acc_done(to, dx);
         dt__ctx.flops += 2.0 * N * in * out;
     }
-    if (w->requires_grad) {              /* dW = dy^T x (in_out: x^T dy) */
+    float *db = b && b->requires_grad ? dt__grad_acc(b) : NULL;   /* db = sum of dy over rows, in row order */
+    int db_packed = db && w->requires_grad && !gpu;
+    if (w->requires_grad) {              /* dW = dy^T x (in_out: x^T dy); on the CPU db too, as dy is packed */
         float *dw = dt__grad_acc(w);
-        if (in_out) dt__matmul_op(gpu, 1, 0, in, out, N, dt__op_data(x), dt__op_grad(y), 1.0f, dw, out, NULL);
-        else dt__matmul_op(gpu, 1, 0, out, in, N, dt__op_grad(y), dt__op_data(x), 1.0f, dw, in, NULL);
+        dt__epilogue sums = { .a_sums = in_out ? NULL : db, .b_sums = in_out ? db : NULL };
+        if (in_out) dt__matmul_op(gpu, 1, 0, in, out, N, dt__op_data(x), dt__op_grad(y), 1.0f, dw, out, db_packed ? &sums : NULL);
+        else dt__matmul_op(gpu, 1, 0, out, in, N, dt__op_grad(y), dt__op_data(x), 1.0f, dw, in, db_packed ? &sums : NULL);
         dt__grad_acc_done(w, dw);
         dt__ctx.flops += 2.0 * N * in * out;
     }
-    if (b && b->requires_grad) {         /* db = sum of dy over rows, in row order */
-        float *db = dt__grad_acc(b);
+    if (db && !db_packed) {
         const float *dyf = dt__grad_in(y);
         if (gpu) gpu->sum_rows(dyf, db, N, out);
         else {                           /* each thread a band of columns: every sum keeps its order */
@@ -4067,8 +4129,8 @@ static void dt__linear_backward(dt__tape_entry *e) {
                     for (int j = j0; j < j1; j++) db[j] += dyf[(size_t)i * out + j];
             }
         }
-        dt__grad_acc_done(b, db);
     }
+    if (db) dt__grad_acc_done(b, db);
 }
 /* act: where linear + GELU (below) wants GELU of y, computed as y is stored */
 static dt_tensor *dt__linear_layout(dt_tensor *x, dt_tensor *w, dt_tensor *b, int in_out, dt_tensor *act, int tanh_form) {
@@ -4082,7 +4144,7 @@ static dt_tensor *dt__linear_layout(dt_tensor *x, dt_tensor *w, dt_tensor *b, in
     dt_tensor *y = dt__tensor_out_2d(N, out);
     float *yv = dt__out(y);
     float *actv = act ? dt__out(act) : NULL;
-    dt__epilogue ep = { b ? dt__in(b) : NULL, actv, tanh_form };
+    dt__epilogue ep = { .bias = b ? dt__in(b) : NULL, .gelu = actv, .tanh_form = tanh_form };
     dt__matmul_op(gpu, 0, !in_out, N, out, in, dt__op_data(x), dt__op_data(w), 0.0f, yv, out, b || act ? &ep : NULL);
     dt__ctx.flops += 2.0 * N * in * out;
     dt__out_done(y, yv);
@@ -4194,15 +4256,20 @@ static float dt__lanes_total(const float *acc) {
    Columns are dealt to threads; each sums its rows in order. */
 static void dt__norm_weight_grads(const float *xv, const float *dy, const float *stats, int N, int D, float *dw, float *db) {
     double *sum = (double *)dt_step_alloc(sizeof(double) * 2 * (size_t)D);
-    DT_OMP("omp parallel for schedule(static) if((int64_t)N * D > 65536)")
-    for (int j0 = 0; j0 < D; j0 += 16) {
-        int j1 = j0 + 16 < D ? j0 + 16 : D;
+    /* Row after row, each thread its band of columns: the sums stay in the L1
+       cache and x and dy stream through once. (A band of 16 columns down all
+       the rows first read one cache line in each 768-byte row: 5x slower.) */
+    DT_OMP("omp parallel if((int64_t)N * D > 65536)")
+    {
+        int t = dt__thread_num(), nt = dt__team_size();
+        int j0 = (int)((int64_t)D * t / nt), w = (int)((int64_t)D * (t + 1) / nt) - j0;
+        double *s = sum + j0, *u = sum + D + j0;
         for (int i = 0; i < N; i++) {
-            const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
+            const float *xr = xv + (size_t)i * D + j0, *dyr = dy + (size_t)i * D + j0;
             float mean = stats[i], rstd = stats[N + i];
-            for (int j = j0; j < j1; j++) {
-                sum[j] += (double)dyr[j] * ((xr[j] - mean) * rstd);
-                sum[D + j] += dyr[j];
+            for (int j = 0; j < w; j++) {
+                s[j] += (double)dyr[j] * ((xr[j] - mean) * rstd);
+                u[j] += dyr[j];
             }
         }
     }

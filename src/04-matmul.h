@@ -125,14 +125,34 @@ DT__INLINE void dt__vstore(float *p, dt__vec v) { *(dt__vec_at *)p = v; }
    every row, then, where `gelu` is set, write GELU of the result into a
    second matrix laid out as C. The built-in routine does both on each tile
    while it is in registers or the L1 cache, which saves the passes over the
-   output that separate ops would make. */
-typedef struct dt__epilogue { const float *bias; float *gelu; int tanh_form; } dt__epilogue;
+   output that separate ops would make. In backward, where `gelu_grad` is
+   set (the pre-activation x of the GELU whose output's gradient C is), C
+   becomes that gradient times GELU'(x): the gradient of x, in C's place.
+   And where `a_sums` (`b_sums`) is set, the sums over k of op(A)'s rows
+   (op(B)'s columns) are added to it, k by k in order, while the routine
+   packs them: a bias's gradient, the sum of dy over the rows, from the
+   weight gradient's own pass over dy. */
+typedef struct dt__epilogue {
+    const float *bias;
+    float *gelu;
+    int tanh_form;
+    const float *gelu_grad;
+    float *a_sums, *b_sums;
+} dt__epilogue;
 static void dt__gelu_rows(const float *restrict x, float *restrict y, ptrdiff_t ld, int rows, int cols, int tanh_form) {
     for (int i = 0; i < rows; i++) {                 /* a loop per form: each vectorises */
         const float *xr = x + i * ld;
         float *yr = y + i * ld;
         if (tanh_form) for (int j = 0; j < cols; j++) yr[j] = dt_gelu_tanh_value(xr[j]);
         else for (int j = 0; j < cols; j++) yr[j] = dt_gelu_value(xr[j]);
+    }
+}
+static void dt__gelu_grad_rows(float *restrict c, const float *restrict x, ptrdiff_t ld, int rows, int cols, int tanh_form) {
+    for (int i = 0; i < rows; i++) {                 /* the bits of GELU's own backward: dy * GELU'(x) */
+        float *cr = c + i * ld;
+        const float *xr = x + i * ld;
+        if (tanh_form) for (int j = 0; j < cols; j++) cr[j] = cr[j] * dt_gelu_tanh_derivative(xr[j]);
+        else for (int j = 0; j < cols; j++) cr[j] = cr[j] * dt_gelu_derivative(xr[j]);
     }
 }
 
@@ -225,9 +245,10 @@ static void dt__pack_a(const float *A, int lda, int i0, int rows, int k0, int kc
    a row of A at a time: each row's mc floats are read in one go, where strip
    by strip they would be read in MR-float pieces, a cache line fetched for
    each k and each strip. */
-static void dt__pack_a_block_trans(const float *A, int lda, int i0, int mc, int k0, int kc, float *block) {
+static void dt__pack_a_block_trans(const float *A, int lda, int i0, int mc, int k0, int kc, float *block, float *sums) {
     for (int k = 0; k < kc; k++) {
         const float *src = A + (size_t)(k0 + k) * lda + i0;
+        if (sums) for (int i = 0; i < mc; i++) sums[i] += src[i];
         for (int is = 0; is < mc; is += DT_MR) {
             float *d = block + (size_t)is * kc + (size_t)k * DT_MR;
             if (mc - is >= DT_MR) { memcpy(d, src + is, DT_MR * sizeof(float)); continue; }
@@ -237,7 +258,7 @@ static void dt__pack_a_block_trans(const float *A, int lda, int i0, int mc, int 
 }
 /* Copy op(B)[k0:k0+kc, j0:j0+cols] into one NR-column strip, k-major,
    zero-padded. A transposed B (the weight in x W^T) is read a row at a time. */
-static void dt__pack_b(int trans, const float *B, int ldb, int k0, int kc, int j0, int cols, float *dst) {
+static void dt__pack_b(int trans, const float *B, int ldb, int k0, int kc, int j0, int cols, float *dst, float *sums) {
     if (trans) {
         /* k outer: each k's NR floats are written together, where column
            after column wrote one float into each of kc lines of the strip,
@@ -253,6 +274,7 @@ static void dt__pack_b(int trans, const float *B, int ldb, int k0, int kc, int j
     for (int k = 0; k < kc; k++) {
         const float *src = B + (size_t)(k0 + k) * ldb + j0;
         float *d = dst + (size_t)k * DT_NR;
+        if (sums) for (int j = 0; j < cols; j++) sums[j] += src[j];
         if (cols == DT_NR) { memcpy(d, src, DT_NR * sizeof(float)); continue; }
         for (int j = 0; j < cols; j++) d[j] = src[j];
         for (int j = cols; j < DT_NR; j++) d[j] = 0;
@@ -292,11 +314,13 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
     float *space = dt__pack_space((size_t)DT_KC * DT_NC + (size_t)threads * DT_MC * DT_KC);
     float *panel = space;                              /* B's panel: shared by the threads */
     int blocks_m = dt__gemm_blocks(M, threads), strips_m = (M + DT_MR - 1) / DT_MR;
+    float *a_sums = ep && ta ? ep->a_sums : NULL, *b_sums = ep && !tb ? ep->b_sums : NULL;   /* summed as packed */
     for (int k0 = 0; k0 < K; k0 += DT_KC) {
         int kc = K - k0 < DT_KC ? K - k0 : DT_KC;
         float b_eff = k0 == 0 ? beta : 1.0f;            /* later slabs add to the first */
         const float *bias_now = ep && k0 + kc == K ? ep->bias : NULL;   /* the epilogue: on the last slab */
         float *gelu_now = ep && k0 + kc == K ? ep->gelu : NULL;
+        const float *gelu_grad_now = ep && k0 + kc == K ? ep->gelu_grad : NULL;
         for (int j0 = 0; j0 < N; j0 += DT_NC) {
             int nc = N - j0 < DT_NC ? N - j0 : DT_NC, strips = (nc + DT_NR - 1) / DT_NR;
             DT_OMP("omp parallel num_threads(threads) if(blocks_m > 1 && (double)M * nc * kc > 65536.0)")
@@ -304,7 +328,8 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
                 DT_OMP("omp for schedule(static)")
                 for (int s = 0; s < strips; s++) {
                     int cols = nc - s * DT_NR < DT_NR ? nc - s * DT_NR : DT_NR;
-                    dt__pack_b(tb, B, ldb, k0, kc, j0 + s * DT_NR, cols, panel + (size_t)s * DT_NR * kc);
+                    dt__pack_b(tb, B, ldb, k0, kc, j0 + s * DT_NR, cols, panel + (size_t)s * DT_NR * kc,
+                               b_sums ? b_sums + j0 + s * DT_NR : NULL);
                 }
                 float *block = space + (size_t)DT_KC * DT_NC + (size_t)dt__thread_num() * DT_MC * DT_KC;
                 DT_OMP("omp for schedule(static)")
@@ -313,7 +338,7 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
                     int i1 = (int)((int64_t)(bm + 1) * strips_m / blocks_m) * DT_MR, mc = (i1 < M ? i1 : M) - i0;
                     if (mc <= 0) continue;                     /* fewer strips than blocks */
                     int in_place = ta ? 0 : mc / DT_MR * DT_MR;  /* A's rows read where they lie */
-                    if (ta) dt__pack_a_block_trans(A, lda, i0, mc, k0, kc, block);
+                    if (ta) dt__pack_a_block_trans(A, lda, i0, mc, k0, kc, block, a_sums && j0 == 0 ? a_sums + i0 : NULL);
                     else
                         for (int is = in_place; is < mc; is += DT_MR)
                             dt__pack_a(A, lda, i0 + is, mc - is < DT_MR ? mc - is : DT_MR, k0, kc, block + (size_t)is * kc);
@@ -332,6 +357,8 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
                                            bias_now ? bias_now + j0 + js : NULL);
                         if (gelu_now)
                             dt__gelu_rows(c, gelu_now + (size_t)(i0 + is) * ldc + j0 + js, ldc, rows, cols, ep->tanh_form);
+                        if (gelu_grad_now)
+                            dt__gelu_grad_rows(c, gelu_grad_now + (size_t)(i0 + is) * ldc + j0 + js, ldc, rows, cols, ep->tanh_form);
                     }
                 }
             }
@@ -342,15 +369,16 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
 
 /* dt_gemm and then the epilogue (NULL: none). With a system BLAS, or with
    nothing to multiply, the epilogue is a loop afterwards. */
+/* op(A)'s row sums over k (or op(B)'s column sums: A = B^T), added k by k
+   in order: the packing's sums, where the routine does not pack them. */
+static void dt__add_k_sums(int trans, int M, int K, const float *A, int lda, float *sums) {
+    for (int k = 0; k < K; k++)
+        for (int i = 0; i < M; i++) sums[i] += trans ? A[(size_t)k * lda + i] : A[(size_t)i * lda + k];
+}
 static void dt__gemm_epilogue(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
                               const float *B, int ldb, float beta, float *C, int ldc, const dt__epilogue *ep) {
     if (M <= 0 || N <= 0) return;
-#ifndef DT_HAVE_CBLAS
-    if (K > 0) {
-        dt__gemm_builtin(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, ep);
-        return;
-    }
-#endif
+    int tiles = 0;                       /* the built-in routine ran: the epilogue is done, and the sums it packs */
     if (K <= 0)                          /* nothing to multiply: C = beta * C */
         for (int i = 0; i < M; i++)
             for (int j = 0; j < N; j++) C[(size_t)i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[(size_t)i * ldc + j];
@@ -358,13 +386,22 @@ static void dt__gemm_epilogue(int trans_a, int trans_b, int M, int N, int K, flo
     else
         cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
                     M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+#else
+    else {
+        dt__gemm_builtin(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, ep);
+        tiles = 1;
+    }
 #endif
     if (!ep) return;
+    if (ep->a_sums && !(tiles && trans_a)) dt__add_k_sums(trans_a, M, K, A, lda, ep->a_sums);
+    if (ep->b_sums && !(tiles && !trans_b)) dt__add_k_sums(!trans_b, N, K, B, ldb, ep->b_sums);
+    if (tiles) return;
     DT_OMP("omp parallel for if((double)M * N > 32768.0)")
     for (int i = 0; i < M; i++) {
         float *c = C + (size_t)i * ldc;
         if (ep->bias) for (int j = 0; j < N; j++) c[j] += ep->bias[j];
         if (ep->gelu) dt__gelu_rows(c, ep->gelu + (size_t)i * ldc, ldc, 1, N, ep->tanh_form);
+        if (ep->gelu_grad) dt__gelu_grad_rows(c, ep->gelu_grad + (size_t)i * ldc, ldc, 1, N, ep->tanh_form);
     }
 }
 void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,

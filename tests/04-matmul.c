@@ -131,6 +131,97 @@ TEST(linear_bias_and_gelu_in_the_matmul_give_the_separate_ops_bits, QUICK) {
     }
 }
 
+/* The sums the routine adds as it packs (a bias's gradient from the weight
+   gradient's matmul): op(A)'s row sums and op(B)'s column sums over k, the
+   bits of a loop that adds them k by k in order onto what was there, for
+   both transposes of each (packed, or summed apart), over three slabs of K,
+   two panels of columns (N 1030: the row sums once, not per panel) and 1, 2
+   and 3 threads; C unchanged by them. */
+TEST(gemm_sums_of_its_operands_as_it_packs_them, QUICK) {
+    int M = 203, N = 1030, K = 700;
+    dt__rng r = { 4 };
+    float *A = (float *)malloc(sizeof(float) * M * K), *B = (float *)malloc(sizeof(float) * K * N);
+    float *C = (float *)malloc(sizeof(float) * M * N), *C0 = (float *)malloc(sizeof(float) * M * N);
+    float *sa = (float *)malloc(sizeof(float) * M), *sb = (float *)malloc(sizeof(float) * N);
+    float *want_a = (float *)malloc(sizeof(float) * M), *want_b = (float *)malloc(sizeof(float) * N);
+    for (int i = 0; i < M * K; i++) A[i] = (float)rnd(&r);
+    for (int i = 0; i < K * N; i++) B[i] = (float)rnd(&r);
+#ifdef _OPENMP
+    int keep = omp_get_max_threads();
+#endif
+    for (int tab = 0; tab < 4; tab++) {
+        int ta = tab / 2, tb = tab % 2, lda = ta ? M : K, ldb = tb ? K : N;
+        for (int i = 0; i < M; i++) {
+            want_a[i] = sa[i] = (float)i / 3;                       /* added onto what is there */
+            for (int k = 0; k < K; k++) want_a[i] += ta ? A[(size_t)k * lda + i] : A[(size_t)i * lda + k];
+        }
+        for (int j = 0; j < N; j++) {
+            want_b[j] = sb[j] = -(float)j / 5;
+            for (int k = 0; k < K; k++) want_b[j] += tb ? B[(size_t)j * ldb + k] : B[(size_t)k * ldb + j];
+        }
+        dt_gemm(ta, tb, M, N, K, 1, A, lda, B, ldb, 0, C0, N);
+        for (int t = 1; t <= 3; t++) {
+#ifdef _OPENMP
+            omp_set_num_threads(t);
+#endif
+            for (int i = 0; i < M; i++) sa[i] = (float)i / 3;
+            for (int j = 0; j < N; j++) sb[j] = -(float)j / 5;
+            dt__epilogue ep = { .a_sums = sa, .b_sums = sb };
+            dt__gemm_epilogue(ta, tb, M, N, K, 1, A, lda, B, ldb, 0, C, N, &ep);
+            CHECKF(memcmp(sa, want_a, sizeof(float) * M) == 0, "ta=%d, %d threads: op(A)'s row sums differ", ta, t);
+            CHECKF(memcmp(sb, want_b, sizeof(float) * N) == 0, "tb=%d, %d threads: op(B)'s column sums differ", tb, t);
+            CHECKF(memcmp(C, C0, sizeof(float) * M * N) == 0, "ta=%d tb=%d, %d threads: C changed by the sums", ta, tb, t);
+        }
+    }
+#ifdef _OPENMP
+    omp_set_num_threads(keep);
+#endif
+    free(A); free(B); free(C); free(C0); free(sa); free(sb); free(want_a); free(want_b);
+}
+
+/* The MLP's second layer makes the gradient of GELU's input as it stores its
+   input gradient (dt__gelu_behind): the bits of GELU's backward on its own,
+   over three slabs of K (fc2's 700 outputs) and edge tiles, both forms; the
+   activation's gradient is never made; and where another layer reads GELU's
+   output too, the separate backward runs. */
+TEST(gelu_backward_in_the_next_layers_matmul_gives_its_own_bits, QUICK) {
+    int M = 37, D = 50, H = 130, O = 700;
+    dt__rng r = { 5 };
+    for (int form = 0; form < 3; form++) {            /* erf; tanh with in_out weights; erf with a second reader */
+        int in_out = form == 1;
+        dt_tensor *x = leaf2(M, D, &r, 1), *w1 = in_out ? leaf2(D, H, &r, 0.3) : leaf2(H, D, &r, 0.3), *b1 = leaf2(1, H, &r, 1);
+        dt_tensor *w2 = in_out ? leaf2(H, O, &r, 0.1) : leaf2(O, H, &r, 0.1), *w3 = leaf2(O, H, &r, 0.1);
+        dt_tensor *L[5] = { x, w1, b1, w2, w3 };
+        float *grads[2][5], *seed = (float *)malloc(sizeof(float) * M * O);
+        dt__rng rs = { 9 };
+        for (int i = 0; i < M * O; i++) seed[i] = (float)rnd(&rs);
+        for (int apart = 0; apart < 2; apart++) {
+            for (int k = 0; k < 5; k++) memset(L[k]->grad, 0, sizeof(float) * (size_t)L[k]->numel);
+            dt__gelu_apart = apart;
+            dt_step_arena_reset();
+            dt_tensor *g = in_out ? dt_linear_in_out_gelu_tanh(x, w1, b1) : dt_linear_gelu(x, w1, b1);
+            dt_tensor *y = in_out ? dt_linear_in_out(g, w2, NULL) : dt_linear(g, w2, NULL);
+            if (form == 2) y = dt_add(y, dt_linear(g, w3, NULL));
+            dt_backward_from(y, seed);
+            CHECKF((g->grad == NULL) == (!apart && form != 2), "form %d, %s: GELU's output %s a gradient", form,
+                   apart ? "apart" : "folded", g->grad ? "has" : "has no");
+            for (int k = 0; k < 5; k++) {
+                grads[apart][k] = (float *)malloc(sizeof(float) * (size_t)L[k]->numel);
+                memcpy(grads[apart][k], L[k]->grad, sizeof(float) * (size_t)L[k]->numel);
+            }
+        }
+        dt__gelu_apart = 0;
+        for (int k = 0; k < 5; k++) {
+            CHECKF(memcmp(grads[0][k], grads[1][k], sizeof(float) * (size_t)L[k]->numel) == 0,
+                   "form %d: the gradient of input %d differs with GELU's backward in the matmul", form, k);
+            free(grads[0][k]); free(grads[1][k]);
+            leaf_free(L[k]);
+        }
+        free(seed);
+    }
+    dt_step_arena_reset();
+}
+
 TEST(half_conversions_round_to_nearest_even, QUICK) {
     CHECK(dt_f32_to_bf16(1.0f) == 0x3F80);
     CHECK(dt_f32_to_bf16(dt_bits_float(0x3F808000u)) == 0x3F80);   /* tie, even below */
