@@ -697,8 +697,8 @@ static float dt__lanes_total(const float *acc) {
 static void dt__norm_weight_grads(const float *xv, const float *dy, const float *stats, int N, int D, float *dw, float *db) {
     double *sum = (double *)dt_step_alloc(sizeof(double) * 2 * (size_t)D);
     /* Row after row, each thread its band of columns: the sums stay in the L1
-       cache and x and dy stream through once. (A band of 16 columns down all
-       the rows first read one cache line in each 768-byte row: 5x slower.) */
+       cache and x and dy stream through once. (Bands of 16 columns down all
+       the rows, one cache line of each row at a time: 3.5x as long.) */
     DT_OMP("omp parallel if((int64_t)N * D > 65536)")
     {
         int t = dt__thread_num(), nt = dt__team_size();
