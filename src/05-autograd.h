@@ -557,18 +557,9 @@ static void dt__linear_backward(dt__tape_entry *e) {
         dt__grad_acc_done(w, dw);
         dt__ctx.flops += 2.0 * N * in * out;
     }
-    if (db && !db_packed) {
-        const float *dyf = dt__grad_in(y);
-        if (gpu) gpu->sum_rows(dyf, db, N, out);
-        else {                           /* each thread a band of columns: every sum keeps its order */
-            DT_OMP("omp parallel if((double)N * out > 65536.0)")
-            {
-                int t = dt__thread_num(), nt = dt__team_size();
-                int j0 = (int)((int64_t)out * t / nt), j1 = (int)((int64_t)out * (t + 1) / nt);
-                for (int i = 0; i < N; i++)
-                    for (int j = j0; j < j1; j++) db[j] += dyf[(size_t)i * out + j];
-            }
-        }
+    if (db && !db_packed) {              /* on a GPU, or beside a frozen weight: the sums alone */
+        if (gpu) gpu->sum_rows(dt__grad_in(y), db, N, out);
+        else dt__add_k_sums(1, out, N, dt__grad_in(y), out, db);
     }
     if (db) dt__grad_acc_done(b, db);
 }
@@ -960,10 +951,18 @@ static void dt__add_into_grad(dt_tensor *t, const float *v) {
     }
     dt__grad_acc_done(t, g);
 }
+/* A sum written over its branch (dt_residual_add) hands its gradient to the
+   branch instead of copying it, when the branch's is not begun: no op after
+   the sum read the branch (its values are gone), and no one reads the sum's
+   gradient once this entry is done. A [tokens, width] tensor less a block. */
 static void dt__add_backward(dt__tape_entry *e) {
-    const float *dy = dt__grad_in(e->out);
-    for (int k = 0; k < 2; k++)
-        if (e->in[k]->requires_grad) dt__add_into_grad(e->in[k], dy);
+    dt_tensor *y = e->out, *b = e->in[1];
+    const float *dy = dt__grad_in(y);
+    if (e->in[0]->requires_grad) dt__add_into_grad(e->in[0], dy);
+    if (b->requires_grad && b->data && b->data == y->data && dy == y->grad && !b->grad && !b->is_param &&
+        dt__grad_dtype(b) == DT_F32 && !dt__backend_of(b->device))
+        b->grad = y->grad;
+    else if (b->requires_grad) dt__add_into_grad(b, dy);
 }
 static dt_tensor *dt__add_over(dt_tensor *a, dt_tensor *b, int over_b);
 dt_tensor *dt_add(dt_tensor *a, dt_tensor *b) { return dt__add_over(a, b, 0); }

@@ -286,6 +286,17 @@ TEST(the_residual_sum_over_its_branch_gives_the_same_bits_in_less_memory, QUICK)
     CHECKF(y->data == lin->data, "a linear layer's output: the sum did not take its memory");
     dt_tensor *g = dt_gelu(x), *y2 = dt_residual_add(x, g);
     CHECKF(y2->data != g->data, "GELU's output (not a maker known to leave it unread) was written over");
+    /* backward: the sum over the branch hands the branch its gradient; the other is a copy */
+    dt_tensor *sum = dt_add(y, y2);
+    float seed[4 * D], want[4 * D];
+    for (int i = 0; i < 4 * D; i++) seed[i] = (float)(i % 5) - 2;
+    dt_backward_from(sum, seed);
+    CHECKF(lin->grad != NULL && lin->grad == y->grad, "the branch's gradient is not the sum's, handed over");
+    CHECKF(g->grad != NULL && g->grad != y2->grad, "GELU's output shares the sum's gradient");
+    dt_tensor_grad_to_host(lin, want);
+    CHECKF(memcmp(want, seed, sizeof want) == 0, "the branch's gradient is not the sum's");
+    dt_tensor_grad_to_host(g, want);
+    CHECKF(memcmp(want, seed, sizeof want) == 0, "GELU's output's gradient is not the sum's");
     dt_step_arena_reset();
 }
 
