@@ -49,8 +49,9 @@ CC       ?= cc
 # (GELU and its derivative, the norms, softmax, AdamW) then ran at half the
 # width the matmul uses. Same bits (no loop here sums in an order the width
 # changes); vit-tiny's step 4-5% faster at one thread on a Xeon with
-# AVX-512. Without AVX-512 it changes nothing.
-OPT      ?= -O3 -march=native -mprefer-vector-width=512
+# AVX-512. Without AVX-512 it changes nothing; a compiler that does not know
+# it (gcc off x86) is not given it (VECTOR_WIDTH, below).
+OPT      ?= -O3 -march=native $(VECTOR_WIDTH)
 WARN     := -Wall -Wextra
 CFLAGS   ?= $(OPT)
 # -fno-math-errno: dtrain never reads errno after a math call, and with it set
@@ -65,6 +66,7 @@ LDLIBS   := -lm
 SHELL    := /bin/bash
 
 probe = $(shell printf 'int main(void){return 0;}\n' | $(CC) $(1) -x c - -o /dev/null $(2) >/dev/null 2>&1 && echo 1)
+VECTOR_WIDTH := $(if $(call probe,-mprefer-vector-width=512,),-mprefer-vector-width=512)
 
 ifneq ($(OPENMP),0)
   ifeq ($(call probe,-fopenmp,),1)

@@ -3642,12 +3642,21 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
 /* op(A)'s row sums over k (or op(B)'s column sums: A = B^T), added k by k
    in order: the packing's sums, where the routine does not pack them. */
 static void dt__add_k_sums(int trans, int M, int K, const float *A, int lda, float *sums) {
-    for (int k = 0; k < K; k++)
-        for (int i = 0; i < M; i++) sums[i] += trans ? A[(size_t)k * lda + i] : A[(size_t)i * lda + k];
+    DT_OMP("omp parallel if((double)M * K > 65536.0)")
+    {                                    /* each thread a band of the sums: every sum keeps its order */
+        int t = dt__thread_num(), nt = dt__team_size();
+        int i0 = (int)((int64_t)M * t / nt), i1 = (int)((int64_t)M * (t + 1) / nt);
+        for (int k = 0; k < K; k++)
+            for (int i = i0; i < i1; i++) sums[i] += trans ? A[(size_t)k * lda + i] : A[(size_t)i * lda + k];
+    }
 }
 static void dt__gemm_epilogue(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
                               const float *B, int ldb, float beta, float *C, int ldc, const dt__epilogue *ep) {
-    if (M <= 0 || N <= 0) return;
+    if (M <= 0 || N <= 0) {              /* nothing to multiply or store; the sums still */
+        if (ep && ep->a_sums) dt__add_k_sums(trans_a, M, K, A, lda, ep->a_sums);
+        if (ep && ep->b_sums) dt__add_k_sums(!trans_b, N, K, B, ldb, ep->b_sums);
+        return;
+    }
     int tiles = 0;                       /* the built-in routine ran: the epilogue is done, and the sums it packs */
     if (K <= 0)                          /* nothing to multiply: C = beta * C */
         for (int i = 0; i < M; i++)

@@ -181,37 +181,45 @@ TEST(gemm_sums_of_its_operands_as_it_packs_them, QUICK) {
 
 /* The MLP's second layer makes the gradient of GELU's input as it stores its
    input gradient (dt__gelu_behind): the bits of GELU's backward on its own,
-   over three slabs of K (fc2's 700 outputs) and edge tiles, both forms; the
-   activation's gradient is never made; and where another layer reads GELU's
-   output too, the separate backward runs. */
+   over three slabs of K (fc2's 700 outputs), two panels of columns and edge
+   tiles, both forms, fc2's bias summed as dy is packed, at 1 and 2 threads;
+   the activation's gradient is never made; and where another layer reads
+   GELU's output too, the separate backward runs. */
 TEST(gelu_backward_in_the_next_layers_matmul_gives_its_own_bits, QUICK) {
-    int M = 37, D = 50, H = 130, O = 700;
+    int M = 37, D = 50, H = 1030, O = 700;             /* H: two panels of columns (DT_NC 1024) */
     dt__rng r = { 5 };
-    for (int form = 0; form < 3; form++) {            /* erf; tanh with in_out weights; erf with a second reader */
+    for (int form = 0; form < 4; form++) {            /* erf; tanh with in_out weights; erf with a second reader; erf at 2 threads */
         int in_out = form == 1;
+#ifdef _OPENMP
+        int keep = omp_get_max_threads();
+        omp_set_num_threads(form == 3 ? 2 : 1);
+#endif
         dt_tensor *x = leaf2(M, D, &r, 1), *w1 = in_out ? leaf2(D, H, &r, 0.3) : leaf2(H, D, &r, 0.3), *b1 = leaf2(1, H, &r, 1);
-        dt_tensor *w2 = in_out ? leaf2(H, O, &r, 0.1) : leaf2(O, H, &r, 0.1), *w3 = leaf2(O, H, &r, 0.1);
-        dt_tensor *L[5] = { x, w1, b1, w2, w3 };
-        float *grads[2][5], *seed = (float *)malloc(sizeof(float) * M * O);
+        dt_tensor *w2 = in_out ? leaf2(H, O, &r, 0.1) : leaf2(O, H, &r, 0.1), *w3 = leaf2(O, H, &r, 0.1), *b2 = leaf2(1, O, &r, 1);
+        dt_tensor *L[6] = { x, w1, b1, w2, w3, b2 };
+        float *grads[2][6], *seed = (float *)malloc(sizeof(float) * M * O);
         dt__rng rs = { 9 };
         for (int i = 0; i < M * O; i++) seed[i] = (float)rnd(&rs);
         for (int apart = 0; apart < 2; apart++) {
-            for (int k = 0; k < 5; k++) memset(L[k]->grad, 0, sizeof(float) * (size_t)L[k]->numel);
+            for (int k = 0; k < 6; k++) memset(L[k]->grad, 0, sizeof(float) * (size_t)L[k]->numel);
             dt__gelu_apart = apart;
             dt_step_arena_reset();
             dt_tensor *g = in_out ? dt_linear_in_out_gelu_tanh(x, w1, b1) : dt_linear_gelu(x, w1, b1);
-            dt_tensor *y = in_out ? dt_linear_in_out(g, w2, NULL) : dt_linear(g, w2, NULL);
+            dt_tensor *y = in_out ? dt_linear_in_out(g, w2, b2) : dt_linear(g, w2, b2);
             if (form == 2) y = dt_add(y, dt_linear(g, w3, NULL));
             dt_backward_from(y, seed);
             CHECKF((g->grad == NULL) == (!apart && form != 2), "form %d, %s: GELU's output %s a gradient", form,
                    apart ? "apart" : "folded", g->grad ? "has" : "has no");
-            for (int k = 0; k < 5; k++) {
+            for (int k = 0; k < 6; k++) {
                 grads[apart][k] = (float *)malloc(sizeof(float) * (size_t)L[k]->numel);
                 memcpy(grads[apart][k], L[k]->grad, sizeof(float) * (size_t)L[k]->numel);
             }
         }
         dt__gelu_apart = 0;
-        for (int k = 0; k < 5; k++) {
+#ifdef _OPENMP
+        omp_set_num_threads(keep);
+#endif
+        for (int k = 0; k < 6; k++) {
             CHECKF(memcmp(grads[0][k], grads[1][k], sizeof(float) * (size_t)L[k]->numel) == 0,
                    "form %d: the gradient of input %d differs with GELU's backward in the matmul", form, k);
             free(grads[0][k]); free(grads[1][k]);
