@@ -4528,9 +4528,9 @@ static void dt__add_backward(dt__tape_entry *e) {
     dt_tensor *y = e->out, *b = e->in[1];
     const float *dy = dt__grad_in(y);
     if (e->in[0]->requires_grad) dt__add_into_grad(e->in[0], dy);
-    if (b->requires_grad && b->data && b->data == y->data && dy == y->grad && !b->grad && !b->is_param &&
-        dt__grad_dtype(b) == DT_F32 && !dt__backend_of(b->device))
-        b->grad = y->grad;
+    if (b->requires_grad && b->data && b->data == y->data && !b->grad && !b->is_param &&
+        dt__grad_dtype(b) == dt__grad_dtype(y) && !dt__backend_of(b->device))
+        b->grad = y->grad;                                   /* in its dtype, f32 or 16-bit */
     else if (b->requires_grad) dt__add_into_grad(b, dy);
 }
 static dt_tensor *dt__add_over(dt_tensor *a, dt_tensor *b, int over_b);
