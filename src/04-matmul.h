@@ -367,8 +367,6 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
 }
 #endif /* !DT_HAVE_CBLAS */
 
-/* dt_gemm and then the epilogue (NULL: none). With a system BLAS, or with
-   nothing to multiply, the epilogue is a loop afterwards. */
 /* op(A)'s row sums over k (or op(B)'s column sums: A = B^T), added k by k
    in order: the packing's sums, where the routine does not pack them. */
 static void dt__add_k_sums(int trans, int M, int K, const float *A, int lda, float *sums) {
@@ -380,6 +378,8 @@ static void dt__add_k_sums(int trans, int M, int K, const float *A, int lda, flo
             for (int i = i0; i < i1; i++) sums[i] += trans ? A[(size_t)k * lda + i] : A[(size_t)i * lda + k];
     }
 }
+/* dt_gemm and then the epilogue (NULL: none). With a system BLAS, or with
+   nothing to multiply, the epilogue is a loop afterwards. */
 static void dt__gemm_epilogue(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
                               const float *B, int ldb, float beta, float *C, int ldc, const dt__epilogue *ep) {
     if (M <= 0 || N <= 0) {              /* nothing to multiply or store; the sums still */
