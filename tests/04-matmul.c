@@ -21,7 +21,10 @@ TEST(gemm_matches_reference, QUICK) {
                       { 21, 1100, 40 },     /* B in two panels */
                       /* whole tiles of 14 rows (AVX-512's MR) and one row past them; 229 = 16 x 14 + 5
                          rows in three blocks of rows, two slabs; one row across two panels */
-                      { 14, 32, 256 }, { 15, 33, 257 }, { 229, 65, 300 }, { 1, 1100, 300 } };
+                      { 14, 32, 256 }, { 15, 33, 257 }, { 229, 65, 300 }, { 1, 1100, 300 },
+                      /* A in place sums K <= 768 in one slab, B's panel then narrower (352 columns at
+                         K = 700), and past 768 in slabs of 256 as a transposed A always does */
+                      { 20, 400, 700 }, { 17, 40, 800 } };
     float alphas[] = { 1.0f, 0.5f }, betas[] = { 0.0f, 1.0f, 0.3f };
     dt__rng r = { 1 };
     for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
@@ -85,13 +88,14 @@ TEST(gemm_same_result_for_any_thread_count, QUICK) {
 
 /* A linear layer's bias, and the MLP's GELU, are applied by the matmul as it
    stores each tile (dt__epilogue): the bits must be those of the matmul
-   followed by the separate loops -- the bias after the last slab of K (700
-   here: three slabs), GELU of exactly what was stored -- and the fused op's
+   followed by the separate loops -- the bias after the last slab of K (700:
+   one slab; 900: four), GELU of exactly what was stored -- and the fused op's
    tape must give the separate ops' gradients. */
 TEST(linear_bias_and_gelu_in_the_matmul_give_the_separate_ops_bits, QUICK) {
-    int M = 67, N = 1030, K = 700;        /* edge tiles in rows and columns; two panels of columns (DT_NC 1024) */
+    int M = 67, N = 1030;                 /* edge tiles in rows and columns; two or three panels of columns */
     dt__rng r = { 3 };
     for (int in_out = 0; in_out < 2; in_out++) {
+        int K = in_out ? 900 : 700;
         dt_tensor *x = leaf2(M, K, &r, 1), *w = in_out ? leaf2(K, N, &r, 0.1) : leaf2(N, K, &r, 0.1), *b = leaf2(1, N, &r, 1);
         float *want = (float *)malloc(sizeof(float) * M * N), *act = (float *)malloc(sizeof(float) * M * N);
         dt_gemm(0, !in_out, M, N, K, 1.0f, x->data, K, w->data, in_out ? N : K, 0.0f, want, N);
@@ -186,7 +190,7 @@ TEST(gemm_sums_of_its_operands_as_it_packs_them, QUICK) {
    the activation's gradient is never made; and where another layer reads
    GELU's output too, the separate backward runs. */
 TEST(gelu_backward_in_the_next_layers_matmul_gives_its_own_bits, QUICK) {
-    int M = 37, D = 50, H = 1030, O = 700;             /* H: two panels of columns (DT_NC 1024) */
+    int M = 37, D = 50, H = 1030, O = 700;             /* H: two panels of columns or more */
     dt__rng r = { 5 };
     for (int form = 0; form < 4; form++) {            /* erf; tanh with in_out weights; erf with a second reader; erf at 2 threads */
         int in_out = form == 1;
