@@ -362,6 +362,13 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
                         int rows = mc - is < DT_MR ? mc - is : DT_MR, js = s * DT_NR, cols = nc - js < DT_NR ? nc - js : DT_NR;
                         const float *b = panel + (size_t)s * DT_NR * kc;
                         float *c = C + (size_t)(i0 + is) * ldc + j0 + js;
+                        if (gelu_grad_now)         /* x, read after the sum: asked for now, as C is */
+                            for (int i = 0; i < rows; i++) {
+                                const float *x = gelu_grad_now + (size_t)(i0 + is + i) * ldc + j0 + js;
+                                __builtin_prefetch(x);
+                                __builtin_prefetch(x + DT_VL);
+                                __builtin_prefetch(x + cols - 1);
+                            }
                         if (is < in_place)
                             dt__gemm_micro(kc, A + (size_t)(i0 + is) * lda + k0, lda, 1, b, alpha, b_eff, c, ldc, rows, cols,
                                            bias_now ? bias_now + j0 + js : NULL);
