@@ -111,8 +111,10 @@ typedef float dt__vec __attribute__((vector_size(DT_VL * 4), aligned(4)));
 typedef float dt__vec_at __attribute__((vector_size(DT_VL * 4), aligned(4), may_alias));
 DT__INLINE dt__vec dt__vload(const float *p) { return *(const dt__vec_at *)p; }
 DT__INLINE void dt__vstore(float *p, dt__vec v) { *(dt__vec_at *)p = v; }
+#define DT__PREFETCH(p) __builtin_prefetch(p)     /* a line to be read soon: asked for now */
 #else
 #define DT__INLINE static inline
+#define DT__PREFETCH(p) ((void)(p))
 #endif
 /* c + s * b in one rounding (a fused multiply-add) where the processor has it:
    one instruction instead of two, so the kernel does twice the arithmetic per
@@ -239,6 +241,11 @@ DT__INLINE void dt__gemm_micro(int kc, const float *restrict a, ptrdiff_t row_st
     }
 }
 
+/* The packings below read a short piece of each of kc rows a pitch apart
+   (a row of dY or X is 3 KB in vit-tiny): too far apart for the hardware to
+   guess the next, so each asks for the row DT_PACK_AHEAD further on (vit-
+   tiny's weight gradients: about 1% of its step). */
+#define DT_PACK_AHEAD 8
 /* Copy A[i0:i0+rows, k0:k0+kc] (the last rows of a block, fewer than MR) into
    one MR-row strip, k-major, zero-padded (what dt__gemm_micro reads with
    row_step 1, k_step MR). */
@@ -256,6 +263,8 @@ static void dt__pack_a(const float *A, int lda, int i0, int rows, int k0, int kc
 static void dt__pack_a_block_trans(const float *A, int lda, int i0, int mc, int k0, int kc, float *block, float *sums) {
     for (int k = 0; k < kc; k++) {
         const float *src = A + (size_t)(k0 + k) * lda + i0;
+        if (k + DT_PACK_AHEAD < kc)
+            for (int i = 0; i < mc; i += 16) DT__PREFETCH(src + DT_PACK_AHEAD * (size_t)lda + i);
         if (sums) for (int i = 0; i < mc; i++) sums[i] += src[i];
         for (int is = 0; is < mc; is += DT_MR) {
             float *d = block + (size_t)is * kc + (size_t)k * DT_MR;
@@ -282,6 +291,10 @@ static void dt__pack_b(int trans, const float *B, int ldb, int k0, int kc, int j
     for (int k = 0; k < kc; k++) {
         const float *src = B + (size_t)(k0 + k) * ldb + j0;
         float *d = dst + (size_t)k * DT_NR;
+        if (k + DT_PACK_AHEAD < kc) {
+            DT__PREFETCH(src + DT_PACK_AHEAD * (size_t)ldb);
+            DT__PREFETCH(src + DT_PACK_AHEAD * (size_t)ldb + cols - 1);
+        }
         if (sums) for (int j = 0; j < cols; j++) sums[j] += src[j];
         if (cols == DT_NR) { memcpy(d, src, DT_NR * sizeof(float)); continue; }
         for (int j = 0; j < cols; j++) d[j] = src[j];
@@ -365,9 +378,9 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
                         if (gelu_grad_now)         /* x, read after the sum: asked for now, as C is */
                             for (int i = 0; i < rows; i++) {
                                 const float *x = gelu_grad_now + (size_t)(i0 + is + i) * ldc + j0 + js;
-                                __builtin_prefetch(x);
-                                __builtin_prefetch(x + DT_VL);
-                                __builtin_prefetch(x + cols - 1);
+                                DT__PREFETCH(x);
+                                DT__PREFETCH(x + DT_VL);
+                                DT__PREFETCH(x + cols - 1);
                             }
                         if (is < in_place)
                             dt__gemm_micro(kc, A + (size_t)(i0 + is) * lda + k0, lda, 1, b, alpha, b_eff, c, ldc, rows, cols,
