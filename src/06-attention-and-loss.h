@@ -250,6 +250,7 @@ static void dt__attention_forward_tiles(const float *qkvv, float *outv, float *P
         dt__att_transpose(k, 3 * D, T, hd, kt, Tp);
         for (int i0 = 0; i0 < T; i0 += R) {
             int rows = T - i0 < R ? T - i0 : R, keys = causal && i0 + rows < T ? i0 + rows : T;
+            dt__att_prefetch_head(qkvv, 3 * D, 3, D, bh + 1, B * H, H, T, hd, i0 / R, (T + R - 1) / R);   /* q, k, v */
             dt__att_product((keys + DT_VL - 1) / DT_VL, hd, q + (size_t)i0 * 3 * D, 3 * D, 1, kt, Tp, scale, 0,
                             tile, Tp, rows);                                      /* S = Q K^T / sqrt(d) */
             for (int r = 0; r < rows; r++) {
@@ -275,6 +276,9 @@ static void dt__attention_backward_tiles(const float *qkvv, const float *P, cons
         dt__att_transpose(v, 3 * D, T, hd, vt, Tp);
         for (int i0 = 0; i0 < T; i0 += R) {           /* by query rows: dS, then dQ */
             int rows = T - i0 < R ? T - i0 : R, keys = causal && i0 + rows < T ? i0 + rows : T;
+            dt__att_prefetch_head(qkvv, 3 * D, 3, D, bh + 1, B * H, H, T, hd, i0 / R, (T + R - 1) / R);   /* q, k, v */
+            dt__att_prefetch_head(dqkv, 3 * D, 3, D, bh + 1, B * H, H, T, hd, i0 / R, (T + R - 1) / R);   /* their grads */
+            dt__att_prefetch_head(dout, D, 1, 0, bh + 1, B * H, H, T, hd, i0 / R, (T + R - 1) / R);       /* dO */
             float *dsi = ds + (size_t)i0 * Tp;
             dt__att_product((keys + DT_VL - 1) / DT_VL, hd, dO + (size_t)i0 * D, D, 1, vt, Tp, 1.0f, 0, dsi, Tp,
                             rows);                                                /* dP = dO V^T */
