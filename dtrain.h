@@ -394,8 +394,7 @@ dt_tensor *dt_linear(dt_tensor *x, dt_tensor *weight, dt_tensor *bias); /* x W^T
 dt_tensor *dt_linear_in_out(dt_tensor *x, dt_tensor *weight, dt_tensor *bias);
 dt_tensor *dt_gelu(dt_tensor *x);
 dt_tensor *dt_gelu_tanh(dt_tensor *x);                                    /* GPT-2's GELU */
-/* dt_gelu(dt_linear(...)) and dt_gelu_tanh(dt_linear_in_out(...)) in one
-   pass (the same results and tape) */
+/* dt_gelu(dt_linear(...)), dt_gelu_tanh(dt_linear_in_out(...)) in one pass (the same results and tape) */
 dt_tensor *dt_linear_gelu(dt_tensor *x, dt_tensor *weight, dt_tensor *bias);
 dt_tensor *dt_linear_in_out_gelu_tanh(dt_tensor *x, dt_tensor *weight, dt_tensor *bias);
 dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *weight, dt_tensor *bias, float eps);
@@ -3410,7 +3409,9 @@ DT__INLINE void dt__vstore(float *p, dt__vec v) { *(dt__vec_at *)p = v; }
    output that separate ops would make. In backward, where `gelu_grad` is
    set (the pre-activation x of the GELU whose output's gradient C is), C
    becomes that gradient times GELU'(x): the gradient of x, in C's place.
-   And where `a_sums` (`b_sums`) is set, the sums over k of op(A)'s rows
+   `slope` trades the erf of backward for a store: forward then writes GELU'
+   of C over C (its only reader is GELU's backward), and backward reads
+   gelu_grad as GELU'(x) itself; each product has the same bits. And where `a_sums` (`b_sums`) is set, the sums over k of op(A)'s rows
    (op(B)'s columns) are added to it, k by k in order, while the routine
    packs them: a bias's gradient, the sum of dy over the rows, from the
    weight gradient's own pass over dy. */
@@ -3419,21 +3420,26 @@ typedef struct dt__epilogue {
     float *gelu;
     int tanh_form;
     const float *gelu_grad;
+    int slope;
     float *a_sums, *b_sums;
 } dt__epilogue;
-static void dt__gelu_rows(const float *restrict x, float *restrict y, ptrdiff_t ld, int rows, int cols, int tanh_form) {
+static void dt__gelu_rows(float *restrict x, float *restrict y, ptrdiff_t ld, int rows, int cols, int tanh_form, int slope) {
     for (int i = 0; i < rows; i++) {                 /* a loop per form: each vectorises */
-        const float *xr = x + i * ld;
-        float *yr = y + i * ld;
-        if (tanh_form) for (int j = 0; j < cols; j++) yr[j] = dt_gelu_tanh_value(xr[j]);
+        float *xr = x + i * ld, *yr = y + i * ld;
+        if (slope && tanh_form)                      /* value and slope share their tanh or erf */
+            for (int j = 0; j < cols; j++) { float v = xr[j]; yr[j] = dt_gelu_tanh_value(v); xr[j] = dt_gelu_tanh_derivative(v); }
+        else if (slope)
+            for (int j = 0; j < cols; j++) { float v = xr[j]; yr[j] = dt_gelu_value(v); xr[j] = dt_gelu_derivative(v); }
+        else if (tanh_form) for (int j = 0; j < cols; j++) yr[j] = dt_gelu_tanh_value(xr[j]);
         else for (int j = 0; j < cols; j++) yr[j] = dt_gelu_value(xr[j]);
     }
 }
-static void dt__gelu_grad_rows(float *restrict c, const float *restrict x, ptrdiff_t ld, int rows, int cols, int tanh_form) {
+static void dt__gelu_grad_rows(float *restrict c, const float *restrict x, ptrdiff_t ld, int rows, int cols, int tanh_form, int slope) {
     for (int i = 0; i < rows; i++) {                 /* the bits of GELU's own backward: dy * GELU'(x) */
         float *cr = c + i * ld;
         const float *xr = x + i * ld;
-        if (tanh_form) for (int j = 0; j < cols; j++) cr[j] = cr[j] * dt_gelu_tanh_derivative(xr[j]);
+        if (slope) for (int j = 0; j < cols; j++) cr[j] = cr[j] * xr[j];
+        else if (tanh_form) for (int j = 0; j < cols; j++) cr[j] = cr[j] * dt_gelu_tanh_derivative(xr[j]);
         else for (int j = 0; j < cols; j++) cr[j] = cr[j] * dt_gelu_derivative(xr[j]);
     }
 }
@@ -3661,9 +3667,10 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
                             dt__gemm_micro(kc, block + (size_t)is * kc, 1, DT_MR, b, alpha, b_eff, c, ldc, rows, cols,
                                            bias_now ? bias_now + j0 + js : NULL);
                         if (gelu_now)
-                            dt__gelu_rows(c, gelu_now + (size_t)(i0 + is) * ldc + j0 + js, ldc, rows, cols, ep->tanh_form);
+                            dt__gelu_rows(c, gelu_now + (size_t)(i0 + is) * ldc + j0 + js, ldc, rows, cols, ep->tanh_form, ep->slope);
                         if (gelu_grad_now)
-                            dt__gelu_grad_rows(c, gelu_grad_now + (size_t)(i0 + is) * ldc + j0 + js, ldc, rows, cols, ep->tanh_form);
+                            dt__gelu_grad_rows(c, gelu_grad_now + (size_t)(i0 + is) * ldc + j0 + js, ldc, rows, cols, ep->tanh_form,
+                                               ep->slope);
                     }
                 }
             }
@@ -3714,8 +3721,8 @@ static void dt__gemm_epilogue(int trans_a, int trans_b, int M, int N, int K, flo
     for (int i = 0; i < M; i++) {
         float *c = C + (size_t)i * ldc;
         if (ep->bias) for (int j = 0; j < N; j++) c[j] += ep->bias[j];
-        if (ep->gelu) dt__gelu_rows(c, ep->gelu + (size_t)i * ldc, ldc, 1, N, ep->tanh_form);
-        if (ep->gelu_grad) dt__gelu_grad_rows(c, ep->gelu_grad + (size_t)i * ldc, ldc, 1, N, ep->tanh_form);
+        if (ep->gelu) dt__gelu_rows(c, ep->gelu + (size_t)i * ldc, ldc, 1, N, ep->tanh_form, ep->slope);
+        if (ep->gelu_grad) dt__gelu_grad_rows(c, ep->gelu_grad + (size_t)i * ldc, ldc, 1, N, ep->tanh_form, ep->slope);
     }
 }
 void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
@@ -4133,13 +4140,11 @@ static void dt__matmul_op(const dt_backend *gpu, int ta, int tb, int M, int N, i
 /* -- linear: y = x W^T + b. The three matmuls of every layer's training step.
       GPT-2 stores its weights the other way round, [in, out] (in_out, in
       iarg[0]): the same matmuls with the weight's transposes flipped. -- */
-/* The MLP's second layer reads GELU's output x and nothing else does: its
-   input gradient times GELU'(pre) is pre's gradient, made as the matmul
-   stores each tile (dt__epilogue). x's gradient, [tokens, 4 x width], is
-   never made nor read back, and the walk passes GELU's entry over (its
-   output has no gradient). The same bits: the same product, rounded to a
-   float, times the same derivative. Only where nothing else can have read
-   x: GELU's entry just before, neither gradient begun, f32, on the CPU. */
+/* The MLP's second layer reads GELU's output x and nothing else does: its input gradient times
+   GELU'(pre) is pre's gradient, made as the matmul stores each tile (dt__epilogue). x's gradient,
+   [tokens, 4 x width], is never made nor read back, and the walk passes GELU's entry over (its output
+   has no gradient). The same bits: the same product, rounded to a float, times the same derivative.
+   Only where nothing else can have read x: GELU's entry just before, neither gradient begun, f32, CPU. */
 static int dt__gelu_apart;                     /* tests: GELU's backward on its own */
 static void dt__gelu_backward(dt__tape_entry *e);
 static dt__tape_entry *dt__gelu_behind(dt__tape_entry *e, const dt_tensor *x) {
@@ -4159,7 +4164,7 @@ static void dt__linear_backward(dt__tape_entry *e) {
         int first;
         dt__tape_entry *gelu = dt__gelu_behind(e, x);
         dt_tensor *to = gelu ? gelu->in[0] : x;                 /* x = GELU(pre): pre's gradient at once */
-        dt__epilogue ep = { .tanh_form = gelu ? gelu->iarg[0] : 0, .gelu_grad = gelu ? dt__in(to) : NULL };
+        dt__epilogue ep = { .tanh_form = gelu ? gelu->iarg[0] : 0, .gelu_grad = gelu ? dt__in(to) : NULL, .slope = gelu ? gelu->iarg[1] : 0 };
         float *dx = dt__grad_acc_first(to, &first);
         dt__matmul_op(gpu, 0, in_out, N, in, out, dt__op_grad(y), dt__op_data(w), first ? 0.0f : 1.0f, dx, in, gelu ? &ep : NULL);
         dt__grad_acc_done(to, dx);
@@ -4193,7 +4198,7 @@ static dt_tensor *dt__linear_layout(dt_tensor *x, dt_tensor *w, dt_tensor *b, in
     dt_tensor *y = dt__tensor_out_2d(N, out);
     float *yv = dt__out(y);
     float *actv = act ? dt__out(act) : NULL;
-    dt__epilogue ep = { .bias = b ? dt__in(b) : NULL, .gelu = actv, .tanh_form = tanh_form };
+    dt__epilogue ep = { .bias = b ? dt__in(b) : NULL, .gelu = actv, .tanh_form = tanh_form, .slope = act && !gpu };
     dt__matmul_op(gpu, 0, !in_out, N, out, in, dt__op_data(x), dt__op_data(w), 0.0f, yv, out, b || act ? &ep : NULL);
     dt__ctx.flops += 2.0 * N * in * out;
     dt__out_done(y, yv);
@@ -4216,9 +4221,10 @@ static void dt__gelu_backward(dt__tape_entry *e) {
     int tanh_form = e->iarg[0];
     const dt_backend *gpu = dt__backend_for(x);
     if (gpu) gpu->gelu_backward(xv, dy, dx, n, tanh_form);
-    else {
-        /* one loop per form, and per write or add: a choice inside would keep
-           the compiler from vectorising */
+    else if (e->iarg[1]) {                          /* x holds GELU'(x) (linear + GELU's forward) */
+        DT_OMP("omp parallel for if(n > 65536)")
+        for (int64_t i = 0; i < n; i++) dx[i] = first ? dy[i] * xv[i] : dx[i] + dy[i] * xv[i];
+    } else {                  /* one loop per form, and per write or add: a choice inside would keep gcc from vectorising */
         if (tanh_form && first) {
             DT_OMP("omp parallel for if(n > 65536)")
             for (int64_t i = 0; i < n; i++) dx[i] = dy[i] * dt_gelu_tanh_derivative(xv[i]);
@@ -4269,7 +4275,10 @@ static dt_tensor *dt__linear_gelu(dt_tensor *x, dt_tensor *w, dt_tensor *b, int 
     if (dt__mixed()) return dt__gelu_form(dt__linear_layout(x, w, b, in_out, NULL, 0), tanh_form);
     dt_tensor *act = dt__tensor_out_2d((int)dt_tensor_rows(x), (int)(in_out ? dt_tensor_cols(w) : dt_tensor_rows(w)));
     dt_tensor *y = dt__linear_layout(x, w, b, in_out, act, tanh_form);
-    if (dt__wants_grad(y, NULL, NULL)) dt__tape_push(dt__gelu_backward, act, y, NULL, NULL)->iarg[0] = tanh_form;
+    if (dt__wants_grad(y, NULL, NULL)) {        /* on the CPU y holds GELU'(y): dt__epilogue's slope */
+        dt__tape_entry *e = dt__tape_push(dt__gelu_backward, act, y, NULL, NULL);
+        e->iarg[0] = tanh_form, e->iarg[1] = !dt__backend_for(x);
+    }
     return act;
 }
 dt_tensor *dt_linear_gelu(dt_tensor *x, dt_tensor *weight, dt_tensor *bias) { return dt__linear_gelu(x, weight, bias, 0, 0); }

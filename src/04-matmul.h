@@ -140,7 +140,9 @@ DT__INLINE void dt__vstore(float *p, dt__vec v) { *(dt__vec_at *)p = v; }
    output that separate ops would make. In backward, where `gelu_grad` is
    set (the pre-activation x of the GELU whose output's gradient C is), C
    becomes that gradient times GELU'(x): the gradient of x, in C's place.
-   And where `a_sums` (`b_sums`) is set, the sums over k of op(A)'s rows
+   `slope` trades the erf of backward for a store: forward then writes GELU'
+   of C over C (its only reader is GELU's backward), and backward reads
+   gelu_grad as GELU'(x) itself; each product has the same bits. And where `a_sums` (`b_sums`) is set, the sums over k of op(A)'s rows
    (op(B)'s columns) are added to it, k by k in order, while the routine
    packs them: a bias's gradient, the sum of dy over the rows, from the
    weight gradient's own pass over dy. */
@@ -149,21 +151,26 @@ typedef struct dt__epilogue {
     float *gelu;
     int tanh_form;
     const float *gelu_grad;
+    int slope;
     float *a_sums, *b_sums;
 } dt__epilogue;
-static void dt__gelu_rows(const float *restrict x, float *restrict y, ptrdiff_t ld, int rows, int cols, int tanh_form) {
+static void dt__gelu_rows(float *restrict x, float *restrict y, ptrdiff_t ld, int rows, int cols, int tanh_form, int slope) {
     for (int i = 0; i < rows; i++) {                 /* a loop per form: each vectorises */
-        const float *xr = x + i * ld;
-        float *yr = y + i * ld;
-        if (tanh_form) for (int j = 0; j < cols; j++) yr[j] = dt_gelu_tanh_value(xr[j]);
+        float *xr = x + i * ld, *yr = y + i * ld;
+        if (slope && tanh_form)                      /* value and slope share their tanh or erf */
+            for (int j = 0; j < cols; j++) { float v = xr[j]; yr[j] = dt_gelu_tanh_value(v); xr[j] = dt_gelu_tanh_derivative(v); }
+        else if (slope)
+            for (int j = 0; j < cols; j++) { float v = xr[j]; yr[j] = dt_gelu_value(v); xr[j] = dt_gelu_derivative(v); }
+        else if (tanh_form) for (int j = 0; j < cols; j++) yr[j] = dt_gelu_tanh_value(xr[j]);
         else for (int j = 0; j < cols; j++) yr[j] = dt_gelu_value(xr[j]);
     }
 }
-static void dt__gelu_grad_rows(float *restrict c, const float *restrict x, ptrdiff_t ld, int rows, int cols, int tanh_form) {
+static void dt__gelu_grad_rows(float *restrict c, const float *restrict x, ptrdiff_t ld, int rows, int cols, int tanh_form, int slope) {
     for (int i = 0; i < rows; i++) {                 /* the bits of GELU's own backward: dy * GELU'(x) */
         float *cr = c + i * ld;
         const float *xr = x + i * ld;
-        if (tanh_form) for (int j = 0; j < cols; j++) cr[j] = cr[j] * dt_gelu_tanh_derivative(xr[j]);
+        if (slope) for (int j = 0; j < cols; j++) cr[j] = cr[j] * xr[j];
+        else if (tanh_form) for (int j = 0; j < cols; j++) cr[j] = cr[j] * dt_gelu_tanh_derivative(xr[j]);
         else for (int j = 0; j < cols; j++) cr[j] = cr[j] * dt_gelu_derivative(xr[j]);
     }
 }
@@ -391,9 +398,10 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
                             dt__gemm_micro(kc, block + (size_t)is * kc, 1, DT_MR, b, alpha, b_eff, c, ldc, rows, cols,
                                            bias_now ? bias_now + j0 + js : NULL);
                         if (gelu_now)
-                            dt__gelu_rows(c, gelu_now + (size_t)(i0 + is) * ldc + j0 + js, ldc, rows, cols, ep->tanh_form);
+                            dt__gelu_rows(c, gelu_now + (size_t)(i0 + is) * ldc + j0 + js, ldc, rows, cols, ep->tanh_form, ep->slope);
                         if (gelu_grad_now)
-                            dt__gelu_grad_rows(c, gelu_grad_now + (size_t)(i0 + is) * ldc + j0 + js, ldc, rows, cols, ep->tanh_form);
+                            dt__gelu_grad_rows(c, gelu_grad_now + (size_t)(i0 + is) * ldc + j0 + js, ldc, rows, cols, ep->tanh_form,
+                                               ep->slope);
                     }
                 }
             }
@@ -444,8 +452,8 @@ static void dt__gemm_epilogue(int trans_a, int trans_b, int M, int N, int K, flo
     for (int i = 0; i < M; i++) {
         float *c = C + (size_t)i * ldc;
         if (ep->bias) for (int j = 0; j < N; j++) c[j] += ep->bias[j];
-        if (ep->gelu) dt__gelu_rows(c, ep->gelu + (size_t)i * ldc, ldc, 1, N, ep->tanh_form);
-        if (ep->gelu_grad) dt__gelu_grad_rows(c, ep->gelu_grad + (size_t)i * ldc, ldc, 1, N, ep->tanh_form);
+        if (ep->gelu) dt__gelu_rows(c, ep->gelu + (size_t)i * ldc, ldc, 1, N, ep->tanh_form, ep->slope);
+        if (ep->gelu_grad) dt__gelu_grad_rows(c, ep->gelu_grad + (size_t)i * ldc, ldc, 1, N, ep->tanh_form, ep->slope);
     }
 }
 void dt_gemm(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
