@@ -54,14 +54,14 @@ DT_HD static inline float dt_f16_to_f32(uint16_t h);
    broadcast A value: 14 rows at a time instead of 8 do 75% more arithmetic
    per B vector loaded. AVX2 has 16 registers: 6 x 2 + 2 + 1 of them.
    DT_ROWS_OUTER: which of a tile's operands stays in the L1 cache while a
-   block of C is made. With NR = 32 floats a strip of B is 32 KB (KC x NR),
+   block of C is made. With NR = 32 floats a strip of B is 32 KB (KC 256 x NR),
    two thirds of a 48 KB L1 cache, and the 14 rows of A streamed past it
    pushed it out: on AVX-512 a block runs A's strip (14 KB) against every
    strip of B in turn. With the prefetch of C below, GPT-2's first MLP
    layer (1,024 x 3,072 x 768) went from 120 to 137 GFLOP/s at one thread
    and its head (N = 50,257) from 103 to 145. With AVX2 a strip of B is
    16 KB and stays, and B outer is as fast. Either way each C element's sum
-   is the same. */
+   is the same. (In one slab of 768 neither strip stays: see DT_KC_WHOLE.) */
 #if defined(__GNUC__) && defined(__AVX512F__)
 #define DT_VL 16
 #define DT_MR 14
@@ -81,8 +81,9 @@ DT_HD static inline float dt_f16_to_f32(uint16_t h);
 #define DT_NC 1024
 /* A slab of K is summed into C, stored, and read back for the next: with A
    read in place (not transposed) and K at most DT_KC_WHOLE, the whole of K
-   is one slab, C is stored once, and B's panel narrows to keep its KC x NC
-   floats (1 MiB, half an L2 cache). vit-tiny's K = 768 products went from
+   is one slab, C is stored once, and B's panel is as wide as KC x NC floats
+   stay 1 MiB (half an L2 cache; narrower past KC 256, wider below). Neither a
+   strip of A nor of B then stays in the L1 cache, but vit-tiny's K = 768 products went from
    ~120 to ~135 GFLOP/s inside its step, GPT-2's x W^T from 130-135 to 140-143
    alone. A transposed A (dW = dY^T X: K is the tokens) keeps DT_KC slabs,
    which the loss's blocks of rows and attention's tiles are cut to match. */
@@ -273,7 +274,7 @@ static void dt__pack_a_block_trans(const float *A, int lda, int i0, int mc, int 
     for (int k = 0; k < kc; k++) {
         const float *src = A + (size_t)(k0 + k) * lda + i0;
         if (k + DT_PACK_AHEAD < kc)
-            for (int i = 0; i < mc; i += 16) DT__PREFETCH(src + DT_PACK_AHEAD * (size_t)lda + i);
+            for (int i = 0; i < mc + 15; i += 16) DT__PREFETCH(src + DT_PACK_AHEAD * (size_t)lda + (i < mc ? i : mc - 1));
         if (sums) for (int i = 0; i < mc; i++) sums[i] += src[i];
         for (int is = 0; is < mc; is += DT_MR) {
             float *d = block + (size_t)is * kc + (size_t)k * DT_MR;
@@ -301,8 +302,8 @@ static void dt__pack_b(int trans, const float *B, int ldb, int k0, int kc, int j
         const float *src = B + (size_t)(k0 + k) * ldb + j0;
         float *d = dst + (size_t)k * DT_NR;
         if (k + DT_PACK_AHEAD < kc) {
-            DT__PREFETCH(src + DT_PACK_AHEAD * (size_t)ldb);
-            DT__PREFETCH(src + DT_PACK_AHEAD * (size_t)ldb + cols - 1);
+            for (int j = 0; j < cols + DT_VL - 1; j += DT_VL)   /* 32 floats may touch three lines */
+                DT__PREFETCH(src + DT_PACK_AHEAD * (size_t)ldb + (j < cols ? j : cols - 1));
         }
         if (sums) for (int j = 0; j < cols; j++) sums[j] += src[j];
         if (cols == DT_NR) { memcpy(d, src, DT_NR * sizeof(float)); continue; }
@@ -387,9 +388,7 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
                         if (gelu_grad_now)         /* x, read after the sum: asked for now, as C is */
                             for (int i = 0; i < rows; i++) {
                                 const float *x = gelu_grad_now + (size_t)(i0 + is + i) * ldc + j0 + js;
-                                DT__PREFETCH(x);
-                                DT__PREFETCH(x + DT_VL);
-                                DT__PREFETCH(x + cols - 1);
+                                for (int j = 0; j < cols + DT_VL - 1; j += DT_VL) DT__PREFETCH(x + (j < cols ? j : cols - 1));
                             }
                         if (is < in_place)
                             dt__gemm_micro(kc, A + (size_t)(i0 + is) * lda + k0, lda, 1, b, alpha, b_eff, c, ldc, rows, cols,

@@ -8,7 +8,7 @@ dt_tensor *dt_linear(dt_tensor *x, dt_tensor *weight, dt_tensor *bias); /* x W^T
 dt_tensor *dt_linear_in_out(dt_tensor *x, dt_tensor *weight, dt_tensor *bias);
 dt_tensor *dt_gelu(dt_tensor *x);
 dt_tensor *dt_gelu_tanh(dt_tensor *x);                                    /* GPT-2's GELU */
-/* dt_gelu(dt_linear(...)), dt_gelu_tanh(dt_linear_in_out(...)) in one pass (the same results and tape) */
+/* dt_gelu(dt_linear(...)), dt_gelu_tanh(dt_linear_in_out(...)) in one pass (the same results) */
 dt_tensor *dt_linear_gelu(dt_tensor *x, dt_tensor *weight, dt_tensor *bias);
 dt_tensor *dt_linear_in_out_gelu_tanh(dt_tensor *x, dt_tensor *weight, dt_tensor *bias);
 dt_tensor *dt_layernorm(dt_tensor *x, dt_tensor *weight, dt_tensor *bias, float eps);
@@ -641,8 +641,8 @@ dt_tensor *dt_gelu_tanh(dt_tensor *x) { return dt__gelu_form(x, 1); }
 
 /* -- linear, then GELU: the first layer of a transformer's MLP. On the tape
       they are the two ops above, so the backward is theirs, but the forward
-      is one pass: the matmul writes y and GELU(y) from each tile while it is
-      hot (see dt__epilogue), which saves two passes over a B*T x 4D matrix.
+      is one pass: the matmul writes GELU(y), and GELU'(y) where y was (on the
+      CPU; a GPU keeps y), from each tile while it is hot (see dt__epilogue).
       Under mixed precision y is rounded to 16 bits before GELU reads it, so
       there the two ops simply run one after the other. -- */
 static dt_tensor *dt__linear_gelu(dt_tensor *x, dt_tensor *w, dt_tensor *b, int in_out, int tanh_form) {

@@ -18,13 +18,14 @@ static void naive_gemm(int ta, int tb, int M, int N, int K, float alpha, const f
 
 TEST(gemm_matches_reference, QUICK) {
     int sizes[][3] = { { 1, 1, 1 }, { 7, 5, 3 }, { 37, 129, 300 }, { 130, 70, 513 }, { 3, 200, 17 }, { 64, 64, 0 },
-                      { 21, 1100, 40 },     /* B in two panels */
+                      { 21, 1100, 40 },     /* B in two panels (transposed A; A in place: one, 6,528 wide) */
                       /* whole tiles of 14 rows (AVX-512's MR) and one row past them; 229 = 16 x 14 + 5
                          rows in three blocks of rows, two slabs; one row across two panels */
                       { 14, 32, 256 }, { 15, 33, 257 }, { 229, 65, 300 }, { 1, 1100, 300 },
-                      /* A in place sums K <= 768 in one slab, B's panel then narrower (352 columns at
-                         K = 700), and past 768 in slabs of 256 as a transposed A always does */
-                      { 20, 400, 700 }, { 17, 40, 800 } };
+                      /* A in place sums K <= 768 in one slab, B's panel then 1 MiB (352 columns at
+                         K = 700 with AVX-512), and past 768 in slabs of 256 as a transposed A does (the
+                         slabs above are a transposed A's) */
+                      { 20, 400, 700 }, { 17, 40, 768 }, { 17, 40, 769 }, { 17, 40, 800 } };
     float alphas[] = { 1.0f, 0.5f }, betas[] = { 0.0f, 1.0f, 0.3f };
     dt__rng r = { 1 };
     for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
@@ -138,7 +139,7 @@ TEST(linear_bias_and_gelu_in_the_matmul_give_the_separate_ops_bits, QUICK) {
 /* The sums the routine adds as it packs (a bias's gradient from the weight
    gradient's matmul): op(A)'s row sums and op(B)'s column sums over k, the
    bits of a loop that adds them k by k in order onto what was there, for
-   both transposes of each (packed, or summed apart), over three slabs of K,
+   both transposes of each (packed, or summed apart), over three slabs of K (a transposed A's),
    two panels of columns (N 1030: the row sums once, not per panel) and 1, 2
    and 3 threads; C unchanged by them. */
 TEST(gemm_sums_of_its_operands_as_it_packs_them, QUICK) {
@@ -185,15 +186,18 @@ TEST(gemm_sums_of_its_operands_as_it_packs_them, QUICK) {
 
 /* The MLP's second layer makes the gradient of GELU's input as it stores its
    input gradient (dt__gelu_behind): the bits of GELU's backward on its own,
-   over three slabs of K (fc2's 700 outputs), two panels of columns and edge
-   tiles, both forms, fc2's bias summed as dy is packed, at 1 and 2 threads;
-   the activation's gradient is never made; and where another layer reads
-   GELU's output too, the separate backward runs. */
+   in one slab of K (fc2's 700 outputs) and in four (900), two panels of
+   columns or more and edge tiles, both forms, fc2's bias summed as dy is
+   packed, at 1 and 2 threads, with the slope the fused forward stored and
+   with GELU' made in the fold (an unfused forward); the activation's gradient
+   is never made; and where another layer reads GELU's output too, the
+   separate backward runs. */
 TEST(gelu_backward_in_the_next_layers_matmul_gives_its_own_bits, QUICK) {
-    int M = 37, D = 50, H = 1030, O = 700;             /* H: two panels of columns or more */
+    int M = 37, D = 50, H = 1030;                     /* H: two panels of columns or more */
     dt__rng r = { 5 };
-    for (int form = 0; form < 4; form++) {            /* erf; tanh with in_out weights; erf with a second reader; erf at 2 threads */
-        int in_out = form == 1;
+    for (int form = 0; form < 5; form++) {            /* erf; tanh with in_out weights; erf with a second reader; erf at 2
+                                                         threads; erf after an unfused forward (no stored slope) */
+        int in_out = form == 1, O = form % 2 ? 900 : 700;
 #ifdef _OPENMP
         int keep = omp_get_max_threads();
         omp_set_num_threads(form == 3 ? 2 : 1);
@@ -208,7 +212,8 @@ TEST(gelu_backward_in_the_next_layers_matmul_gives_its_own_bits, QUICK) {
             for (int k = 0; k < 6; k++) memset(L[k]->grad, 0, sizeof(float) * (size_t)L[k]->numel);
             dt__gelu_apart = apart;
             dt_step_arena_reset();
-            dt_tensor *g = in_out ? dt_linear_in_out_gelu_tanh(x, w1, b1) : dt_linear_gelu(x, w1, b1);
+            dt_tensor *g = in_out ? dt_linear_in_out_gelu_tanh(x, w1, b1) : form == 4 ? dt_gelu(dt_linear(x, w1, b1))
+                                                                               : dt_linear_gelu(x, w1, b1);
             dt_tensor *y = in_out ? dt_linear_in_out(g, w2, b2) : dt_linear(g, w2, b2);
             if (form == 2) y = dt_add(y, dt_linear(g, w3, NULL));
             dt_backward_from(y, seed);
