@@ -3352,9 +3352,9 @@ static const dt_backend *dt__backend_for(const dt_tensor *t) {
    read in place (not transposed) and K at most DT_KC_WHOLE, the whole of K
    is one slab, C is stored once, and B's panel is as wide as KC x NC floats
    stay 1 MiB (half an L2 cache; narrower past KC 256, wider below). Neither a
-   strip of A nor of B then stays in the L1 cache, but vit-tiny's K = 768 products went from
-   ~120 to ~135 GFLOP/s inside its step, GPT-2's x W^T from 130-135 to 140-143
-   alone. A transposed A (dW = dY^T X: K is the tokens) keeps DT_KC slabs,
+   strip of A nor of B then stays in the L1 cache, but vit-tiny's K = 768
+   products went from ~120 to ~135 GFLOP/s inside its step, GPT-2's x W^T
+   from 130-135 to 140-143 alone. A transposed A (dW = dY^T X: K is the tokens) keeps DT_KC slabs,
    which the loss's blocks of rows and attention's tiles are cut to match. */
 #define DT_KC_WHOLE 768
 /* Packing space, one buffer per calling thread, kept between calls (and freed
@@ -3412,7 +3412,8 @@ DT__INLINE void dt__vstore(float *p, dt__vec v) { *(dt__vec_at *)p = v; }
    becomes that gradient times GELU'(x): the gradient of x, in C's place.
    `slope` trades the erf of backward for a store: forward then writes GELU'
    of C over C (its only reader is GELU's backward), and backward reads
-   gelu_grad as GELU'(x) itself; each product has the same bits. And where `a_sums` (`b_sums`) is set, the sums over k of op(A)'s rows
+   gelu_grad as GELU'(x) itself; each product has the same bits. And where
+   `a_sums` (`b_sums`) is set, the sums over k of op(A)'s rows
    (op(B)'s columns) are added to it, k by k in order, while the routine
    packs them: a bias's gradient, the sum of dy over the rows, from the
    weight gradient's own pass over dy. */
