@@ -7,9 +7,10 @@
 # tools/bench_torch.py). Then GPT-2 small's shape at context 256, once per
 # thread count (a step takes seconds).
 #
-# First tools/roofline --quick (when it is built): the core's FMA peak and
-# OpenBLAS's 1024^3 matmul at one thread, the limits each workload's step
-# GFLOP/s (the bench line's gflops=) is then given as a fraction of.
+# Before each round, tools/roofline --quick (when it is built): the core's FMA
+# peak and OpenBLAS's 1024^3 matmul at one thread, the limits (their medians)
+# each workload's step GFLOP/s (the bench line's gflops=) is given as a
+# fraction of.
 #
 # usage: tools/bench_cpu.sh [stage-01 binary] [python with torch, or ""]
 #   REPEATS=N  THREADS="1 2"  SECONDS_PER_RUN=3  BIG=0 (skip GPT-2's shape)
@@ -101,38 +102,51 @@ if [ -n "$py" ]; then
 fi
 
 # The machine's own limits, at one thread: the core's FMA peak and OpenBLAS's
-# cblas_sgemm on 1024^3 (with the core type PyTorch runs with, when one was picked)
+# cblas_sgemm on 1024^3 (with the core type PyTorch runs with, when one was
+# picked). Measured at the start of every round, between the workloads' runs,
+# and the median taken as the workloads' are: this machine's speed drifts by
+# 10-20% over minutes (a virtual machine's neighbours, its clock), so one
+# measurement at the start could set every fraction below too high or too low.
 roofline=${ROOFLINE-tools/roofline}
-peak=""; blas=""
-if [ -n "$roofline" ] && [ -x "$roofline" ]; then
+run_roofline() {
+  local rl peak blas
+  [ -n "$roofline" ] && [ -x "$roofline" ] || return 0
   rl=$(env ${torch_coretype:+OPENBLAS_CORETYPE=$torch_coretype} OMP_NUM_THREADS=1 "$roofline" --quick 2>&1)
   peak=$(sed -n 's/^fma_peak .*gflops=\([0-9.]*\).*/\1/p' <<<"$rl")
   blas=$(sed -n 's/^gemm shape=square-1024 .*openblas_gflops=\([0-9.]*\).*/\1/p' <<<"$rl")
   echo "Roofline at one thread ($roofline --quick): the core's FMA peak ${peak:-?} GFLOP/s; OpenBLAS's 1024^3 matmul ${blas:-not found} GFLOP/s" \
        "(dtrain's dt_gemm: $(sed -n 's/^gemm shape=square-1024 .*dtrain_gflops=\([0-9.]*\).*/\1/p' <<<"$rl") GFLOP/s)"
-  echo "roofline $peak ${blas:-0}" >>"$out"
-elif [ -n "$roofline" ]; then
+  [ -z "$peak" ] || echo "roofline $peak ${blas:-0}" >>"$out"
+}
+if [ -n "$roofline" ] && [ ! -x "$roofline" ]; then
   echo "($roofline is not built: make tools/roofline; no fractions of the peak below)"
 fi
 
 status=0
 for r in $(seq 1 "$repeats"); do
   echo "== round $r of $repeats"
+  run_roofline
   for w in mlp vit-tiny gpt-char; do
     for t in $threads; do run_dtrain "$w" "$t" || status=1; run_torch "$w" "$t" || status=1; done
   done
 done
 if [ "$big" = 1 ]; then
   echo "== GPT-2 124M's shape at context 256, batch 4 (one run each)"
+  run_roofline
   for t in $threads; do run_dtrain gpt2-124m-ctx256 "$t" || status=1; run_torch gpt2-124m-ctx256 "$t" || status=1; done
 fi
 [ -n "$py" ] || echo "(PyTorch not installed: dtrain alone; Debian: apt-get install python3-torch)"
 
 awk -v repeats="$repeats" '
   $1 == "flops" { fpt[$2] = $4; next }
-  $1 == "roofline" { peak = $2; blas = $3; next }
+  $1 == "roofline" { nr++; pk[nr] = $2; bl[nr] = $3; next }
   $1 == "gflops" { key = $2 " " $3; ng[key]++; g[key, ng[key]] = $4; next }
   { key = $2 " " $3; n[$1, key]++; v[$1, key, n[$1, key]] = $4; if (!(key in seen)) { seen[key] = 1; order[++k] = key } }
+  function median(a, m,   i, j, t) {    # of a[1..m]; leaves them in sorted[1..m]
+    for (i = 1; i <= m; i++) sorted[i] = a[i]
+    for (i = 1; i <= m; i++) for (j = i + 1; j <= m; j++) if (sorted[j] < sorted[i]) { t = sorted[i]; sorted[i] = sorted[j]; sorted[j] = t }
+    return m < 1 ? 0 : m % 2 ? sorted[(m + 1) / 2] : (sorted[m / 2] + sorted[m / 2 + 1]) / 2
+  }
   function med(who, key,   m, i, j, t, a) {
     lo[who] = hi[who] = ""
     m = n[who, key]; if (!m) return ""
@@ -158,9 +172,12 @@ awk -v repeats="$repeats" '
                         (t > 0) ? sprintf("%.1f GFLOP/s", t * fpt[kt[1]] / 1e9) : "-")
     }
     if (gf != "") printf "\nThe same medians as GFLOP/s (tokens/s x the FLOP per token dtrain counts, %.3g; the same model on both sides):\n%s", fpt["gpt2-124m-ctx256"], gf
+    peak = median(pk, nr); peak_lo = sorted[1]; peak_hi = sorted[nr]
+    blas = median(bl, nr); blas_lo = sorted[1]; blas_hi = sorted[nr]
     if (peak > 0) {
       printf "\ndtrain'"'"'s step against the machine'"'"'s limits: the step'"'"'s GFLOP/s (the bench line'"'"'s gflops=, median) as a fraction of\n"
-      printf "the core'"'"'s FMA peak (%.1f GFLOP/s a core) and of OpenBLAS'"'"'s 1024^3 matmul (%s GFLOP/s a core), both times the threads\n", peak, (blas > 0 ? sprintf("%.1f", blas) : "none")
+      printf "the core'"'"'s FMA peak (%.1f [%.1f-%.1f] GFLOP/s a core) and of OpenBLAS'"'"'s 1024^3 matmul (%s GFLOP/s a core), both times the\n", peak, peak_lo, peak_hi, (blas > 0 ? sprintf("%.1f [%.1f-%.1f]", blas, blas_lo, blas_hi) : "none")
+      printf "threads; each limit the median of its %d measurements, one before each round and before GPT-2'"'"'s runs\n", nr
       printf "%-18s %7s %12s %10s %12s\n", "workload", "threads", "GFLOP/s", "of peak", "of OpenBLAS"
       for (i = 1; i <= k; i++) {
         key = order[i]; split(key, kt, " "); m = ng[key]; if (!m) continue
