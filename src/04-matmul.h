@@ -134,6 +134,24 @@ DT__INLINE void dt__vstore(float *p, dt__vec v) { *(dt__vec_at *)p = v; }
 #define DT__MADD(c, s, b) ((c) + (s) * (b))
 #endif
 
+/* Sums in lanes: LayerNorm's rows and the softmax's, summed as DT_LANES
+   interleaved partial sums and those added in a fixed order, which vectorise
+   where one running sum could not (the autograd chapter's LayerNorm says why). */
+#define DT_LANES 16
+/* sum of f(j) for j < D as DT_LANES partial sums; `acc` must start at zero */
+#define DT__LANE_SUM(acc, D, j, expr)                                          \
+    do {                                                                       \
+        int j##_0 = 0;                                                         \
+        for (; j##_0 + DT_LANES <= (D); j##_0 += DT_LANES)                     \
+            for (int l_ = 0; l_ < DT_LANES; l_++) { int j = j##_0 + l_; acc[l_] += (expr); } \
+        for (int j = j##_0; j < (D); j++) acc[j % DT_LANES] += (expr);         \
+    } while (0)
+static float dt__lanes_total(const float *acc) {
+    float s = 0;
+    for (int l = 0; l < DT_LANES; l++) s += acc[l];
+    return s;
+}
+
 /* What a linear layer's matmul does to C as it stores it: add a bias to
    every row, then, where `gelu` is set, write GELU of the result into a
    second matrix laid out as C. The built-in routine does both on each tile

@@ -666,37 +666,29 @@ dt_tensor *dt_linear_in_out_gelu_tanh(dt_tensor *x, dt_tensor *weight, dt_tensor
       reorder, so it could not use vector instructions, and the row loops are
       most of LayerNorm's time. Sums in float: rows of up to a few thousand
       values lose nothing a test sees; the weight's gradient, summed over
-      millions of rows, stays in double below. -- */
-#define DT_LANES 16
-/* sum of f(j) for j < D as DT_LANES partial sums; `acc` must start at zero */
-#define DT__LANE_SUM(acc, D, j, expr)                                          \
-    do {                                                                       \
-        int j##_0 = 0;                                                         \
-        for (; j##_0 + DT_LANES <= (D); j##_0 += DT_LANES)                     \
-            for (int l_ = 0; l_ < DT_LANES; l_++) { int j = j##_0 + l_; acc[l_] += (expr); } \
-        for (int j = j##_0; j < (D); j++) acc[j % DT_LANES] += (expr);         \
-    } while (0)
-static float dt__lanes_total(const float *acc) {
-    float s = 0;
-    for (int l = 0; l < DT_LANES; l++) s += acc[l];
-    return s;
-}
-/* A norm's weight and bias gradients: dw += sum over rows of dy * x-hat, db +=
-   sum of dy (stats: the rows' means, then their 1/std; RMSNorm's means are 0).
-   A sum over every row, in double: in float, 4 million rows lost 8e-5 of it
-   (the first GPU run, 2026-11-24, whose blocked sums were the closer ones).
-   Columns are dealt to threads; each sums its rows in order. */
-static void dt__norm_weight_grads(const float *xv, const float *dy, const float *stats, int N, int D, float *dw, float *db) {
-    double *sum = (double *)dt_step_alloc(sizeof(double) * 2 * (size_t)D);
+      millions of rows, stays in double below. (DT__LANE_SUM: the matmul
+      chapter, beside the vector type.) -- */
+/* A norm's weight and bias gradients: sum[j] += the sum over rows i0..i1 of dy *
+   x-hat, sum[D + j] += of dy (stats: the rows' means, then their 1/std;
+   RMSNorm's means are 0). In double: in float, 4 million rows lost 8e-5 of a
+   sum (the first GPU run, 2026-11-24). Columns are dealt to threads; each sums
+   its rows in order, so a sum's bits do not depend on the threads or on where
+   the caller cut the rows. The caller cuts them into chunks (dt__norm_chunk)
+   whose x and dy fill 1 MB: it makes a chunk's dx, then these sums, which then
+   read x and dy from the L2 cache, where a pass of their own read them from
+   memory a second time (vit-tiny's step: 1% of it). */
+static int dt__norm_chunk(int D) { return (int)((1 << 20) / (8 * (int64_t)D)) + 1; }
+static void dt__norm_weight_sums(const float *xv, const float *dy, const float *stats, int N, int i0, int i1, int D,
+                                 double *sum) {
     /* Row after row, each thread its band of columns: the sums stay in the L1
        cache and x and dy stream through once. (Bands of 16 columns down all
        the rows, one cache line of each row at a time: 3.5x as long.) */
-    DT_OMP("omp parallel if((int64_t)N * D > 65536)")
+    DT_OMP("omp parallel if((int64_t)(i1 - i0) * D > 65536)")
     {
         int t = dt__thread_num(), nt = dt__team_size();
         int j0 = (int)((int64_t)D * t / nt), w = (int)((int64_t)D * (t + 1) / nt) - j0;
         double *s = sum + j0, *u = sum + D + j0;
-        for (int i = 0; i < N; i++) {
+        for (int i = i0; i < i1; i++) {
             const float *xr = xv + (size_t)i * D + j0, *dyr = dy + (size_t)i * D + j0;
             float mean = stats[i], rstd = stats[N + i];
             for (int j = 0; j < w; j++) {
@@ -705,8 +697,6 @@ static void dt__norm_weight_grads(const float *xv, const float *dy, const float 
             }
         }
     }
-    if (dw) for (int j = 0; j < D; j++) dw[j] += (float)sum[j];
-    if (db) for (int j = 0; j < D; j++) db[j] += (float)sum[D + j];
 }
 static void dt__layernorm_backward(dt__tape_entry *e) {
     dt_tensor *x = e->in[0], *w = e->in[1], *b = e->in[2], *y = e->out;
@@ -718,9 +708,11 @@ static void dt__layernorm_backward(dt__tape_entry *e) {
     float *dw = w && w->requires_grad ? dt__grad_acc(w) : NULL, *db = b && b->requires_grad ? dt__grad_acc(b) : NULL;
     const dt_backend *gpu = dt__backend_for(x);
     if (gpu) gpu->layernorm_backward(xv, wv, dy, stats, dx, dw, db, N, D);
-    if (!gpu && dx) {
-        DT_OMP("omp parallel for if(N * D > 32768)")
-        for (int i = 0; i < N; i++) {
+    double *sum = !gpu && (dw || db) ? (double *)dt_step_alloc(sizeof(double) * 2 * (size_t)D) : NULL;
+    for (int i0 = 0, chunk = dt__norm_chunk(D), i1; !gpu && i0 < N; i0 = i1) {
+        i1 = N - i0 < chunk ? N : i0 + chunk;
+        DT_OMP("omp parallel for if((int64_t)(i1 - i0) * D > 32768)")
+        for (int i = i0; i < (dx ? i1 : i0); i++) {                 /* no dx: straight to the sums */
             const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
             float mean = stats[i], rstd = stats[N + i];
             float acc_g[DT_LANES] = { 0 }, acc_gx[DT_LANES] = { 0 };  /* g = dy * w, the gradient of x-hat */
@@ -739,8 +731,12 @@ static void dt__layernorm_backward(dt__tape_entry *e) {
                 dxr[j] = first ? d : dxr[j] + d;
             }
         }
+        if (sum) dt__norm_weight_sums(xv, dy, stats, N, i0, i1, D, sum);
     }
-    if (!gpu && (dw || db)) dt__norm_weight_grads(xv, dy, stats, N, D, dw, db);
+    for (int j = 0; sum && j < D; j++) {
+        if (dw) dw[j] += (float)sum[j];
+        if (db) db[j] += (float)sum[D + j];
+    }
     if (dx) dt__grad_acc_done(x, dx);
     if (dw) dt__grad_acc_done(w, dw);
     if (db) dt__grad_acc_done(b, db);
@@ -789,18 +785,21 @@ static void dt__rmsnorm_backward(dt__tape_entry *e) {
     float *dx = x->requires_grad ? dt__grad_acc(x) : NULL, *dw = w->requires_grad ? dt__grad_acc(w) : NULL;
     const dt_backend *gpu = dt__backend_for(x);
     if (gpu) gpu->rmsnorm_backward(xv, wv, dy, stats, dx, dw, N, D);
-    if (!gpu && dx) {
+    double *sum = !gpu && dw ? (double *)dt_step_alloc(sizeof(double) * 2 * (size_t)D) : NULL;
+    for (int i0 = 0, chunk = dt__norm_chunk(D), i1; !gpu && i0 < N; i0 = i1) {   /* in chunks, as LayerNorm */
+        i1 = N - i0 < chunk ? N : i0 + chunk;
         /* dx = rstd (g - x-hat mean(g x-hat)), g = dy w */
-        DT_OMP("omp parallel for if(N * D > 32768)")
-        for (int i = 0; i < N; i++) {
+        DT_OMP("omp parallel for if((int64_t)(i1 - i0) * D > 32768)")
+        for (int i = i0; i < (dx ? i1 : i0); i++) {
             const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
             float rstd = stats[N + i], acc_gx[DT_LANES] = { 0 };
             DT__LANE_SUM(acc_gx, D, j, dyr[j] * wv[j] * (xr[j] * rstd));
             float mgx = dt__lanes_total(acc_gx) / D, *dxr = dx + (size_t)i * D;
             for (int j = 0; j < D; j++) dxr[j] += rstd * (dyr[j] * wv[j] - (xr[j] * rstd) * mgx);
         }
+        if (sum) dt__norm_weight_sums(xv, dy, stats, N, i0, i1, D, sum);
     }
-    if (!gpu && dw) dt__norm_weight_grads(xv, dy, stats, N, D, dw, NULL);
+    for (int j = 0; sum && j < D; j++) dw[j] += (float)sum[j];
     if (dx) dt__grad_acc_done(x, dx);
     if (dw) dt__grad_acc_done(w, dw);
 }
