@@ -33,6 +33,10 @@ if [ -f "$dir/model/config.json" ]; then dflags=(--init "$dir/model")
 else dflags=(--model llama --dim 896 --depth 24 --heads 14 --kv-heads 2 --ffn-dim 4864 --vocab 151936 --qkv-bias
              --rope-theta 1000000 --norm-eps 1e-6); fi
 field() { tr ' ' '\n' <<<"$1" | sed -n "s/^$2=//p"; }
+# PyTorch at its best: OpenBLAS's fastest core type here (tools/openblas_coretype.sh says why)
+. "$here/openblas_coretype.sh"
+torch_coretype=""
+[ -z "$py" ] || pick_torch_coretype "$py"
 status=0
 for r in $(seq 1 "$repeats"); do
   echo "== round $r of $repeats (Qwen2-0.5B's shape, $threads threads)"
@@ -40,7 +44,7 @@ for r in $(seq 1 "$repeats"); do
   if [ -z "$line" ]; then echo "bench_qwen2.sh: $bin --bench printed no bench line" >&2; status=1
   else echo "dtrain $(field "$line" tokens_per_s) $(field "$line" peak_rss_mb)" | tee -a "$out"; fi
   [ -n "$py" ] || continue
-  line=$(OMP_NUM_THREADS=$threads "$py" "$here/bench_qwen2.py" torch "$dir/model" --steps "$steps" 2>&1 | grep -m1 '^torch-bench:')
+  line=$(env ${torch_coretype:+OPENBLAS_CORETYPE=$torch_coretype} OMP_NUM_THREADS=$threads "$py" "$here/bench_qwen2.py" torch "$dir/model" --steps "$steps" 2>&1 | grep -m1 '^torch-bench:')
   if [ -z "$line" ]; then echo "bench_qwen2.sh: bench_qwen2.py printed no torch-bench line" >&2; status=1
   else echo "torch $(field "$line" tokens_per_s) $(field "$line" peak_rss_mb)" | tee -a "$out"; fi
 done
