@@ -32,7 +32,8 @@
        For speed, as the Makefile does: -O3 -march=native
        -mprefer-vector-width=512 -fno-math-errno -fno-trapping-math. Only
        -march=native changes results, in their last bits: on a processor with
-       fused multiply-adds the matmul, exp, erf and tanh use them (DT__FMA).
+       fused multiply-adds the matmul, exp, erf and tanh use them (DT__MADD,
+       DT__FMA).
        Without -fno-trapping-math, gcc on a processor with AVX2 and no AVX-512
        (most laptops) leaves exp, erf, tanh and the GELUs scalar (it will not
        turn a float choice, x < a ? a : x, into a vector blend); without
@@ -1508,11 +1509,11 @@ dt_tensor *dt_all_to_all_rows(dt_comm *group, dt_tensor *x, const int *send_rows
 
 /* a * b + c in one rounding where the processor fuses it (a GPU, x86 with
    FMA, 64-bit ARM): a polynomial's steps then take one instruction each, not
-   two, and GELU's forward with its slope ran 28% faster on AVX-512 (the
-   project builds with -ffp-contract=off and nvcc --fmad=false, so nothing
-   else is fused behind the code's back). Elsewhere, two roundings: fmaf in
-   software would be slower than all of it. A CPU with FMA and a GPU give
-   the same bits. */
+   two, and GELU's forward with its slope took 28% less time on AVX-512. gcc
+   under -std=c11 and nvcc with --fmad=false fuse nothing on their own, so
+   this is where the fusing is. Elsewhere, two roundings: fmaf in software
+   would be slower than all of it. A CPU build with FMA and a GPU give the
+   same bits. */
 #if defined(__CUDA_ARCH__) || defined(__FMA__) || defined(__ARM_FEATURE_FMA)
 #define DT__FMA(a, b, c) fmaf((a), (b), (c))
 #else
@@ -4343,7 +4344,7 @@ dt_tensor *dt_linear_in_out_gelu_tanh(dt_tensor *x, dt_tensor *weight, dt_tensor
    whose x and dy fill 1 MB: it makes a chunk's dx, then these sums, which then
    read x and dy from the L2 cache, where a pass of their own read them from
    memory a second time (vit-tiny's step: 1% of it). */
-static int dt__norm_chunk(int D) { return (int)((1 << 20) / (8 * (int64_t)D)) + 1; }
+static int dt__norm_chunk(int D) { return (int)((1 << 20) / (8 * (int64_t)(D > 0 ? D : 1))) + 1; }
 static void dt__norm_weight_sums(const float *xv, const float *dy, const float *stats, int N, int i0, int i1, int D,
                                  double *sum) {
     /* Row after row, each thread its band of columns: the sums stay in the L1
@@ -4377,7 +4378,7 @@ static void dt__layernorm_backward(dt__tape_entry *e) {
     double *sum = !gpu && (dw || db) ? (double *)dt_step_alloc(sizeof(double) * 2 * (size_t)D) : NULL;
     for (int i0 = 0, chunk = dt__norm_chunk(D), i1; !gpu && i0 < N; i0 = i1) {
         i1 = N - i0 < chunk ? N : i0 + chunk;
-        DT_OMP("omp parallel for if((int64_t)(i1 - i0) * D > 32768)")
+        DT_OMP("omp parallel for if(dx && (int64_t)(i1 - i0) * D > 32768)")
         for (int i = i0; i < (dx ? i1 : i0); i++) {                 /* no dx: straight to the sums */
             const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
             float mean = stats[i], rstd = stats[N + i];
@@ -4455,7 +4456,7 @@ static void dt__rmsnorm_backward(dt__tape_entry *e) {
     for (int i0 = 0, chunk = dt__norm_chunk(D), i1; !gpu && i0 < N; i0 = i1) {   /* in chunks, as LayerNorm */
         i1 = N - i0 < chunk ? N : i0 + chunk;
         /* dx = rstd (g - x-hat mean(g x-hat)), g = dy w */
-        DT_OMP("omp parallel for if((int64_t)(i1 - i0) * D > 32768)")
+        DT_OMP("omp parallel for if(dx && (int64_t)(i1 - i0) * D > 32768)")
         for (int i = i0; i < (dx ? i1 : i0); i++) {
             const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
             float rstd = stats[N + i], acc_gx[DT_LANES] = { 0 };
@@ -4925,8 +4926,8 @@ static void dt__softmax_row(float *r, int valid, int T) {
     float acc[DT_LANES] = { 0 }, mx = dt__row_max(r, valid);
     for (int j = 0; j < valid; j++) r[j] = dt_exp_value(r[j] - mx);
     DT__LANE_SUM(acc, valid, j, r[j]);
-    float inv = 1.0f / dt__lanes_total(acc);     /* one division a row, not one a key */
-    for (int j = 0; j < valid; j++) r[j] *= inv;
+    float sum = dt__lanes_total(acc);
+    for (int j = 0; j < valid; j++) r[j] /= sum;
     for (int j = valid; j < T; j++) r[j] = 0.0f;
 }
 /* Back through a softmax row: ds = p (dp - <dp, p>) scale. */

@@ -677,7 +677,7 @@ dt_tensor *dt_linear_in_out_gelu_tanh(dt_tensor *x, dt_tensor *weight, dt_tensor
    whose x and dy fill 1 MB: it makes a chunk's dx, then these sums, which then
    read x and dy from the L2 cache, where a pass of their own read them from
    memory a second time (vit-tiny's step: 1% of it). */
-static int dt__norm_chunk(int D) { return (int)((1 << 20) / (8 * (int64_t)D)) + 1; }
+static int dt__norm_chunk(int D) { return (int)((1 << 20) / (8 * (int64_t)(D > 0 ? D : 1))) + 1; }
 static void dt__norm_weight_sums(const float *xv, const float *dy, const float *stats, int N, int i0, int i1, int D,
                                  double *sum) {
     /* Row after row, each thread its band of columns: the sums stay in the L1
@@ -711,7 +711,7 @@ static void dt__layernorm_backward(dt__tape_entry *e) {
     double *sum = !gpu && (dw || db) ? (double *)dt_step_alloc(sizeof(double) * 2 * (size_t)D) : NULL;
     for (int i0 = 0, chunk = dt__norm_chunk(D), i1; !gpu && i0 < N; i0 = i1) {
         i1 = N - i0 < chunk ? N : i0 + chunk;
-        DT_OMP("omp parallel for if((int64_t)(i1 - i0) * D > 32768)")
+        DT_OMP("omp parallel for if(dx && (int64_t)(i1 - i0) * D > 32768)")
         for (int i = i0; i < (dx ? i1 : i0); i++) {                 /* no dx: straight to the sums */
             const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
             float mean = stats[i], rstd = stats[N + i];
@@ -789,7 +789,7 @@ static void dt__rmsnorm_backward(dt__tape_entry *e) {
     for (int i0 = 0, chunk = dt__norm_chunk(D), i1; !gpu && i0 < N; i0 = i1) {   /* in chunks, as LayerNorm */
         i1 = N - i0 < chunk ? N : i0 + chunk;
         /* dx = rstd (g - x-hat mean(g x-hat)), g = dy w */
-        DT_OMP("omp parallel for if((int64_t)(i1 - i0) * D > 32768)")
+        DT_OMP("omp parallel for if(dx && (int64_t)(i1 - i0) * D > 32768)")
         for (int i = i0; i < (dx ? i1 : i0); i++) {
             const float *xr = xv + (size_t)i * D, *dyr = dy + (size_t)i * D;
             float rstd = stats[N + i], acc_gx[DT_LANES] = { 0 };

@@ -158,8 +158,8 @@ static void dt__softmax_row(float *r, int valid, int T) {
     float acc[DT_LANES] = { 0 }, mx = dt__row_max(r, valid);
     for (int j = 0; j < valid; j++) r[j] = dt_exp_value(r[j] - mx);
     DT__LANE_SUM(acc, valid, j, r[j]);
-    float inv = 1.0f / dt__lanes_total(acc);     /* one division a row, not one a key */
-    for (int j = 0; j < valid; j++) r[j] *= inv;
+    float sum = dt__lanes_total(acc);
+    for (int j = 0; j < valid; j++) r[j] /= sum;
     for (int j = valid; j < T; j++) r[j] = 0.0f;
 }
 /* Back through a softmax row: ds = p (dp - <dp, p>) scale. */

@@ -23,7 +23,7 @@ threads=${THREADS:-"1 2"}
 secs=${SECONDS_PER_RUN:-3}
 big=${BIG:-1}
 out=$(mktemp)
-torch_coretype=""   # the OpenBLAS core type PyTorch runs with (below); dtrain's runs never see it
+torch_coretype=""   # the OpenBLAS core type picked for PyTorch's runs (below); dtrain's runs are not given it
 trap 'rm -f "$out"' EXIT
 
 declare -A flags=(
