@@ -34,11 +34,10 @@
        -mprefer-vector-width=512 -fno-math-errno -fno-trapping-math. Only
        -march=native changes results, in their last bits: on a processor with
        fused multiply-adds the matmul, exp, erf and tanh use them (DT__MADD,
-       DT__FMA).
-       Without -fno-trapping-math, gcc on a processor with AVX2 and no AVX-512
-       (most laptops) leaves exp, erf, tanh and the GELUs scalar (it will not
-       turn a float choice, x < a ? a : x, into a vector blend); without
-       -mprefer-vector-width=512, on one with AVX-512 it makes the
+       DT__FMA). Without -fno-trapping-math, gcc on a processor with AVX2 and
+       no AVX-512 (most laptops) leaves exp, erf, tanh and the GELUs scalar (it
+       will not turn a float choice, x < a ? a : x, into a vector blend);
+       without -mprefer-vector-width=512, on one with AVX-512 it makes the
        element-wise loops half as wide as its vectors.
 
    WHAT IT TEACHES, CHAPTER BY CHAPTER
