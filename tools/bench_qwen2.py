@@ -4,6 +4,12 @@
   bench_qwen2.py make DIR     write a Hugging Face folder of that shape (494M parameters,
                               vocabulary 151,936, tied head) with random weights, in bf16
                               as Qwen2-0.5B ships: the weights both sides load
+  bench_qwen2.py tokens DIR   write DIR/tokens.npy: 1,400 random token ids (uint32), of which
+                              dtrain's stage 01 trains on the first 1,260 (the last 10% is
+                              validation): 9 sequences of 128, one step's batch
+  bench_qwen2.py loss DIR     transformers' loss on those 9 sequences with DIR/model's weights
+                              in fp32: dtrain's first loss on the same file must equal it; print
+                              one `torch-loss:` line
   bench_qwen2.py torch DIR    fine-tune it in fp32 with AdamW on random token ids, steps of
                               --batch sequences of --seq-len tokens, after --warmup steps;
                               print one `torch-bench:` line (tokens_per_s, step_ms and the
@@ -39,6 +45,29 @@ def make(folder):
     print(f"bench_qwen2.py: wrote {folder} ({n / 1e6:.1f}M parameters, bf16)")
 
 
+SEQUENCES, SEQ_LEN, TOKENS = 9, 128, 1400
+
+
+def tokens(folder):
+    import numpy as np
+    ids = torch.randint(0, qwen2_config().vocab_size, (TOKENS,), generator=torch.Generator().manual_seed(2))
+    np.save(os.path.join(folder, "tokens.npy"), ids.numpy().astype(np.uint32))
+    print(f"bench_qwen2.py: wrote {folder}/tokens.npy ({TOKENS} token ids)")
+
+
+def first_loss(folder):
+    import numpy as np
+    from transformers import Qwen2ForCausalLM
+    ids = torch.from_numpy(np.load(os.path.join(folder, "tokens.npy")).astype(np.int64))
+    # stage 01's sequence i: tokens i*128 .. i*128+128 in, each one's next out; transformers shifts the labels
+    batch = torch.stack([ids[i * SEQ_LEN:(i + 1) * SEQ_LEN + 1] for i in range(SEQUENCES)])
+    model = Qwen2ForCausalLM.from_pretrained(os.path.join(folder, "model"), torch_dtype=torch.float32)
+    model.config.use_cache = False
+    with torch.no_grad():
+        loss = model(input_ids=batch, labels=batch).loss
+    print(f"torch-loss: first_loss={loss.item():.7f} sequences={SEQUENCES} seq_len={SEQ_LEN}")
+
+
 def bench_torch(folder, batch, seq_len, steps, warmup):
     from transformers import Qwen2ForCausalLM
     threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
@@ -72,7 +101,7 @@ def bench_torch(folder, batch, seq_len, steps, warmup):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["make", "torch"])
+    ap.add_argument("what", choices=["make", "tokens", "loss", "torch"])
     ap.add_argument("folder")
     ap.add_argument("--batch", type=int, default=9)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -81,6 +110,10 @@ def main():
     a = ap.parse_args()
     if a.what == "make":
         make(a.folder)
+    elif a.what == "tokens":
+        tokens(a.folder)
+    elif a.what == "loss":
+        first_loss(a.folder)
     else:
         if not os.path.isfile(os.path.join(a.folder, "config.json")):
             sys.exit(f"bench_qwen2.py: {a.folder}: no config.json (make it first: bench_qwen2.py make {a.folder})")

@@ -4,7 +4,9 @@
 # transformers, on the same weights (random, written once as a bf16 Hugging Face folder, as Qwen2-0.5B ships),
 # at two threads: tokens/s and the process's peak resident memory (ru_maxrss). Runs alternate (dtrain,
 # PyTorch, dtrain, ...), REPEATS of each (default 3), medians with [lowest-highest]. A step takes 10-20 s
-# on two cores and each run loads the model and warms up first: about 2 minutes a pair of runs.
+# on two cores and each run loads the model and warms up first: about 2 minutes a pair of runs. Before them,
+# with PyTorch at hand, the first loss on the same 9 sequences (DIR/tokens.npy) and weights: dtrain's and
+# transformers' more than 1e-5 apart fail the bench (about a minute more).
 #
 # usage: tools/bench_qwen2.sh [stage-01 binary] [python with torch and transformers]
 #   REPEATS=N  THREADS=2  STEPS=2 (timed steps a run)  DIR=folder for the weights (default: a temporary one)
@@ -38,6 +40,24 @@ field() { tr ' ' '\n' <<<"$1" | sed -n "s/^$2=//p"; }
 torch_coretype=""
 [ -z "$py" ] || pick_torch_coretype "$py"
 status=0
+# The first loss, before the speed: dtrain's first step on DIR/tokens.npy against transformers' loss on the
+# same 9 sequences and weights; more than 1e-5 apart fails the bench (the issue's bound)
+if [ -n "$py" ] && [ -f "$dir/model/config.json" ]; then
+  [ -f "$dir/tokens.npy" ] || "$py" "$here/bench_qwen2.py" tokens "$dir" || status=1
+  rm -f "$dir/loss.jsonl"
+  OMP_NUM_THREADS=$threads "$bin" --device cpu --init "$dir/model" --tokens "$dir/tokens.npy" --seq-len 128 \
+    --batch-size 9 --steps 1 --log "$dir/loss.jsonl" --quiet >"$dir/loss.out" 2>&1 || { cat "$dir/loss.out" >&2; status=1; }
+  dloss=$(sed -n 's/^{"step":1,[^}]*"loss":\([-0-9.e+]*\).*/\1/p' "$dir/loss.jsonl" 2>/dev/null | head -1)
+  tloss=$(env ${torch_coretype:+OPENBLAS_CORETYPE=$torch_coretype} OMP_NUM_THREADS=$threads "$py" "$here/bench_qwen2.py" loss "$dir" 2>&1 |
+          sed -n 's/^torch-loss: first_loss=\([^ ]*\).*/\1/p')
+  if [ -z "$dloss" ]; then echo "bench_qwen2.sh: dtrain logged no first loss" >&2; cat "$dir/loss.out" >&2; status=1
+  elif [ -z "$tloss" ]; then echo "bench_qwen2.sh: bench_qwen2.py printed no torch-loss line" >&2; status=1
+  elif awk -v a="$dloss" -v b="$tloss" 'BEGIN { d = a - b; if (d < 0) d = -d; printf "first loss on the same 9 sequences and weights: dtrain %s, transformers %s, %.1e apart", a, b, d; exit !(d <= 1e-5) }'; then
+    echo " (within 1e-5)"
+  else
+    echo " -- MORE than 1e-5" >&2; status=1
+  fi
+fi
 for r in $(seq 1 "$repeats"); do
   echo "== round $r of $repeats (Qwen2-0.5B's shape, $threads threads)"
   line=$(OMP_NUM_THREADS=$threads "$bin" --bench --device cpu "${dflags[@]}" --seq-len 128 --batch-size 9 --steps "$steps" 2>&1 | grep -m1 '^bench:')
