@@ -114,9 +114,9 @@ DT__INLINE dt__vec dt__vload(const float *p) { return *(const dt__vec_at *)p; }
 DT__INLINE void dt__vstore(float *p, dt__vec v) { *(dt__vec_at *)p = v; }
 #define DT__PREFETCH(p) __builtin_prefetch(p)     /* a line to be read soon: asked for now */
 /* ... into the L2 cache, not the L1. As an instruction the compiler must
-   keep: gcc 12 deleted every __builtin_prefetch(p, 0, 2) of attention's
-   (its dead-code pass took the loops of them for empty), and the binary had
-   none, where a loop of prefetches alone in a small file keeps them. */
+   keep: gcc 12's dead-code pass (cddce) deleted every
+   __builtin_prefetch(p, 0, 2) of attention's, and the binary had none,
+   where the same loop in a small file keeps them. */
 #if defined(__x86_64__) || defined(__i386__)
 #define DT__PREFETCH_L2(p) __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)(p)))
 #else
