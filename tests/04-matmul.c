@@ -361,3 +361,27 @@ TEST(exp_tanh_and_erf_match_libm_over_a_dense_grid, QUICK) {
     CHECK(isnan(dt_exp_value(NAN)) && isnan(dt_tanh_value(NAN)) && isnan(dt_erf_value(NAN)));
     CHECK(dt_exp_value(INFINITY) > 1e38f && dt_exp_value(-INFINITY) == 0.0f && dt_tanh_value(-INFINITY) == -1.0f);
 }
+/* tools/roofline, where make bench's limits come from: a shape's rate kept up
+   over all its calls (*_mean_gflops) is at most its best call's rate, the
+   number of calls is the one asked for, and a flag's value that is not a
+   number it takes is an error naming the flag (not 0 calls, not a default). */
+TEST(roofline_reports_its_kept_up_rate_and_refuses_bad_numbers, QUICK) {
+    char out[8192];
+    int st = run_cmd(out, sizeof out, "%s --quick --reps 3", build_path("tools/roofline"));
+    CHECKF(st == 0, "tools/roofline --quick --reps 3: exit %d\n%s", st, out);
+    const char *g = strstr(out, "gemm shape=square-1024 ");
+    CHECKF(g && strstr(g, " reps=3 "), "no 1024^3 line of 3 calls:\n%s", out);
+    const char *b = g ? strstr(g, " dtrain_gflops=") : NULL, *m = g ? strstr(g, " dtrain_mean_gflops=") : NULL;
+    double best = b ? atof(b + 15) : 0, mean = m ? atof(m + 20) : 0;
+    CHECKF(best > 0 && mean > 0 && mean <= best + 0.1, "best call %.1f GFLOP/s, kept up %.1f:\n%s", best, mean, out);
+    const char *bl = g ? strstr(g, " openblas_gflops=") : NULL, *ml = g ? strstr(g, " openblas_mean_gflops=") : NULL;
+    if (bl)                                  /* where OpenBLAS was found, its side too */
+        CHECKF(ml && atof(ml + 22) > 0 && atof(ml + 22) <= atof(bl + 17) + 0.1, "OpenBLAS's rates:\n%s", out);
+    static const char *bad[][2] = { { "--seconds", "x" }, { "--seconds", "0" }, { "--reps", "0" }, { "--reps", "2.5" },
+                                    { "--threads", "-1" }, { "--threads", "" } };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        st = run_cmd(out, sizeof out, "%s --quick %s '%s'", build_path("tools/roofline"), bad[i][0], bad[i][1]);
+        CHECKF(st == 2 && strstr(out, bad[i][0]) && !strstr(out, "gemm shape="), "%s '%s': exit %d\n%s", bad[i][0], bad[i][1], st,
+               out);
+    }
+}

@@ -10,7 +10,13 @@
 # Before each round, tools/roofline --quick (when it is built): the core's FMA
 # peak and OpenBLAS's 1024^3 matmul at one thread, the limits (their medians)
 # each workload's step GFLOP/s (the bench line's gflops=) is given as a
-# fraction of.
+# fraction of. And right before and right after each of dtrain's runs,
+# OpenBLAS's 1024^3 again for about a second: each run's GFLOP/s against the
+# mean of the two, both as the best call and as the rate kept up over all the
+# calls (a step's own rate is the second kind), the median of those ratios.
+# On a virtual machine whose speed swings by a third from one second to the
+# next, a limit measured minutes away, or the best of many calls against a
+# step's average, says more about the machine than about the code.
 #
 # usage: tools/bench_cpu.sh [stage-01 binary] [python with torch, or ""]
 #   REPEATS=N  THREADS="1 2"  SECONDS_PER_RUN=3  BIG=0 (skip GPT-2's shape)
@@ -34,7 +40,8 @@ declare -A flags=(
 )
 # one run: WORKLOAD THREADS -> "dtrain|torch WORKLOAD THREADS RATE" lines in $out
 run_dtrain() {
-  local line rate fpt stepgf
+  local line rate fpt stepgf before after
+  before=$(blas_now)
   # shellcheck disable=SC2086  # the flags are words
   line=$(OMP_NUM_THREADS=$2 "$bin" --bench --device cpu ${flags[$1]} 2>&1 | grep -m1 '^bench:')
   rate=$(tr ' ' '\n' <<<"$line" | sed -n 's/^tokens_per_s=//p')
@@ -43,6 +50,7 @@ run_dtrain() {
   echo "dtrain $1 $2 $rate" | tee -a "$out"
   stepgf=$(tr ' ' '\n' <<<"$line" | sed -n 's/^gflops=//p')   # the step's GFLOP/s, for the fractions of the peak
   [ -z "$stepgf" ] || echo "gflops $1 $2 $stepgf" >>"$out"
+  [ -z "$stepgf" ] || [ -z "$before" ] || { after=$(blas_now); [ -z "$after" ] || echo "pair $1 $2 $stepgf $before $after" >>"$out"; }
   # the GPTs' FLOP per token, as dtrain counts them: both sides run the same model
   fpt=$(tr ' ' '\n' <<<"$line" | sed -n 's/^flops_per_token=//p')
   [ -z "$fpt" ] || echo "flops $1 $2 $fpt" >>"$out"
@@ -78,6 +86,12 @@ run_roofline() {
        "(dtrain's dt_gemm: $(sed -n 's/^gemm shape=square-1024 .*dtrain_gflops=\([0-9.]*\).*/\1/p' <<<"$rl") GFLOP/s)"
   [ -z "$peak" ] || echo "roofline $peak ${blas:-0}" >>"$out"
 }
+# OpenBLAS's 1024^3 now, about a second of calls: "BEST MEAN" GFLOP/s, or nothing
+blas_now() {
+  [ -n "$roofline" ] && [ -x "$roofline" ] || return 0
+  env ${torch_coretype:+OPENBLAS_CORETYPE=$torch_coretype} OMP_NUM_THREADS=1 "$roofline" --quick --seconds 1 2>/dev/null |
+    sed -n 's/^gemm shape=square-1024 .*openblas_gflops=\([0-9.]*\).*openblas_mean_gflops=\([0-9.]*\).*/\1 \2/p'
+}
 if [ -n "$roofline" ] && [ ! -x "$roofline" ]; then
   echo "($roofline is not built: make tools/roofline; no fractions of the peak below)"
 fi
@@ -101,6 +115,10 @@ awk -v repeats="$repeats" '
   $1 == "flops" { fpt[$2] = $4; next }
   $1 == "roofline" { nr++; pk[nr] = $2; bl[nr] = $3; next }
   $1 == "gflops" { key = $2 " " $3; ng[key]++; g[key, ng[key]] = $4; next }
+  $1 == "pair" {                        # the run against OpenBLAS just before and after it: best, kept-up
+    key = $2 " " $3; np[key]++
+    pb[key, np[key]] = $4 / ($3 * ($5 + $7) / 2); pm[key, np[key]] = $4 / ($3 * ($6 + $8) / 2); next
+  }
   { key = $2 " " $3; n[$1, key]++; v[$1, key, n[$1, key]] = $4; if (!(key in seen)) { seen[key] = 1; order[++k] = key } }
   function median(a, m,   i, j, t) {    # of a[1..m]; leaves them in sorted[1..m]
     for (i = 1; i <= m; i++) sorted[i] = a[i]
@@ -145,6 +163,24 @@ awk -v repeats="$repeats" '
         for (a = 1; a <= m; a++) for (b = a + 1; b <= m; b++) if (s[b] < s[a]) { t = s[a]; s[a] = s[b]; s[b] = t }
         x = m % 2 ? s[(m + 1) / 2] : (s[m / 2] + s[m / 2 + 1]) / 2
         printf "%-18s %7s %12.1f %9.0f%% %11s\n", kt[1], kt[2], x, 100 * x / (peak * kt[2]), (blas > 0 ? sprintf("%.0f%%", 100 * x / (blas * kt[2])) : "-")
+      }
+    }
+    paired = 0
+    for (i = 1; i <= k; i++) if (np[order[i]]) paired = 1
+    if (paired) {
+      printf "\nEach of dtrain'"'"'s runs against OpenBLAS'"'"'s 1024^3 measured right before and right after it (about a second\n"
+      printf "of calls each time, times the threads): the step'"'"'s GFLOP/s over the mean of the two, as the best call and as\n"
+      printf "the rate kept up over all the calls (a step'"'"'s rate is of that kind); median of the runs [lowest-highest]\n"
+      printf "%-18s %7s %22s %22s\n", "workload", "threads", "of its best call", "of its kept-up rate"
+      for (i = 1; i <= k; i++) {
+        key = order[i]; split(key, kt, " "); m = np[key]; if (!m) continue
+        for (a = 1; a <= m; a++) q[a] = pb[key, a]
+        xb = median(q, m); lb = sorted[1]; hb = sorted[m]
+        for (a = 1; a <= m; a++) q[a] = pm[key, a]
+        xm = median(q, m); lm = sorted[1]; hm = sorted[m]
+        printf "%-18s %7s %22s %22s\n", kt[1], kt[2], sprintf("%.0f%% [%.0f-%.0f]", 100 * xb, 100 * lb, 100 * hb),
+               sprintf("%.0f%% [%.0f-%.0f]", 100 * xm, 100 * lm, 100 * hm)
+        delete q
       }
     }
   }' "$out" || status=1

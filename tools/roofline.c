@@ -1,6 +1,6 @@
 /* tools/roofline -- how fast can this machine multiply, and how close does dtrain come?
 
-   usage: tools/roofline [--threads N] [--quick] [--only WORDS] [--reps N]
+   usage: tools/roofline [--threads N] [--quick] [--only WORDS] [--reps N] [--seconds S]
 
    Prints key=value lines (one measurement a line) that a shell script reads:
      fma_peak  the core's limit: a loop of independent fused multiply-adds of
@@ -8,7 +8,10 @@
                and FMA, scalar otherwise), enough of them to hide their latency
      gemm      C = A B on one shape: dtrain's dt_gemm and OpenBLAS's
                cblas_sgemm side by side (GFLOP/s, best of several calls that
-               alternate between the two), first 1024^3, then the three
+               alternate between the two; *_mean_gflops: all those calls'
+               FLOP over all their time, the rate they kept up, which a
+               training step's own rate compares with on a machine whose
+               speed swings from call to call), first 1024^3, then the three
                matmuls of each linear layer y = x W^T of three workloads:
                  fwd  y = x W^T       ta=0 tb=1  M=rows N=out K=in
                  dx   dY W            ta=0 tb=0  M=rows N=in  K=out
@@ -25,6 +28,8 @@
      --reps N     timed calls per shape (default: as many as fit in about 0.3 s,
                   at least 3; a call of over a second is timed once after its
                   warm-up: Qwen's head is 0.3 TFLOP a matmul)
+     --seconds S  the time the calls of a shape should fill, each side (default
+                  0.3; at most 50 calls unless --reps says)
    A whole run takes about a minute at one thread on a core with AVX-512. */
 #define DTRAIN_IMPLEMENTATION
 #include "../dtrain.h"
@@ -169,36 +174,54 @@ static double seconds_of(int blas, int ta, int tb, int M, int N, int K, const fl
 
 /* One shape: a warm-up call of each, then calls that alternate between
    dtrain and OpenBLAS (the load other programs put on the machine then
-   falls on both), the best of each. */
-static void time_shape(const char *name, int ta, int tb, int M, int N, int K, int reps_wanted) {
+   falls on both), the best of each and the rate over all of them. */
+static void time_shape(const char *name, int ta, int tb, int M, int N, int K, int reps_wanted, double window) {
     int lda = ta ? M : K, ldb = tb ? K : N, ldc = N;
     float *A = random_matrix((size_t)(ta ? K : M) * lda, 1), *B = random_matrix((size_t)(tb ? N : K) * ldb, 2);
     float *C = random_matrix((size_t)M * ldc, 3);
-    double flops = 2.0 * M * N * K, best[2] = { 1e30, 1e30 };
+    double flops = 2.0 * M * N * K, best[2] = { 1e30, 1e30 }, total[2] = { 0, 0 };
     double first = seconds_of(0, ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
     if (blas_sgemm) first = fmax(first, seconds_of(1, ta, tb, M, N, K, A, lda, B, ldb, C, ldc));
-    int reps = reps_wanted > 0 ? reps_wanted : first > 1.0 ? 1 : (int)fmin(50, fmax(3, 0.3 / first));
+    int reps = reps_wanted > 0 ? reps_wanted : first > 1.0 ? 1 : (int)fmin(50, fmax(3, window / first));
     for (int r = 0; r < reps; r++)
-        for (int blas = 0; blas <= (blas_sgemm != NULL); blas++)
-            best[blas] = fmin(best[blas], seconds_of(blas, ta, tb, M, N, K, A, lda, B, ldb, C, ldc));
+        for (int blas = 0; blas <= (blas_sgemm != NULL); blas++) {
+            double t = seconds_of(blas, ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
+            best[blas] = fmin(best[blas], t);
+            total[blas] += t;
+        }
     printf("gemm shape=%s ta=%d tb=%d M=%d N=%d K=%d reps=%d dtrain_gflops=%.1f", name, ta, tb, M, N, K, reps,
            flops / best[0] / 1e9);
     if (blas_sgemm) printf(" openblas_gflops=%.1f ratio=%.2f", flops / best[1] / 1e9, best[1] / best[0]);
+    printf(" dtrain_mean_gflops=%.1f", flops * reps / total[0] / 1e9);
+    if (blas_sgemm) printf(" openblas_mean_gflops=%.1f", flops * reps / total[1] / 1e9);
     printf("\n");
     fflush(stdout);
     free(A); free(B); free(C);
 }
 
+/* a flag's number, or a clear error: "--reps x" is not 0 reps */
+static double number_flag(const char *flag, const char *text, double lo, double hi, int whole) {
+    char *end;
+    double v = strtod(text, &end);
+    if (end == text || *end || !(v >= lo && v <= hi) || (whole && v != floor(v))) {
+        fprintf(stderr, "roofline: %s %s: not a %s from %g to %g\n", flag, text, whole ? "whole number" : "number", lo, hi);
+        exit(2);
+    }
+    return v;
+}
+
 int main(int argc, char **argv) {
     int threads = 1, quick = 0, reps = 0;
+    double window = 0.3;
     const char *only = NULL;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
+        if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = (int)number_flag("--threads", argv[++i], 1, 1024, 1);
         else if (!strcmp(argv[i], "--quick")) quick = 1;
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
-        else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = (int)number_flag("--reps", argv[++i], 1, 1e6, 1);
+        else if (!strcmp(argv[i], "--seconds") && i + 1 < argc) window = number_flag("--seconds", argv[++i], 0.001, 600, 0);
         else {
-            fprintf(stderr, "usage: %s [--threads N] [--quick] [--only WORDS] [--reps N]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--threads N] [--quick] [--only WORDS] [--reps N] [--seconds S]\n", argv[0]);
             return strcmp(argv[i], "--help") && strcmp(argv[i], "-h") ? 2 : 0;
         }
     }
@@ -231,7 +254,7 @@ int main(int argc, char **argv) {
     } else printf("openblas library=none (neither libopenblas.so.0 nor a libblas.so.3 with cblas_sgemm): dtrain alone\n");
     fflush(stdout);
 
-    if (wanted("square-1024", only)) time_shape("square-1024", 0, 0, 1024, 1024, 1024, reps);
+    if (wanted("square-1024", only)) time_shape("square-1024", 0, 0, 1024, 1024, 1024, reps, window);
     if (quick) return 0;
     for (size_t i = 0; i < sizeof layers / sizeof layers[0]; i++) {
         const layer *l = &layers[i];
@@ -240,9 +263,9 @@ int main(int argc, char **argv) {
             char name[96];
             snprintf(name, sizeof name, "%s/%s/%s/%dx%d->%d", l->workload, l->layer, kinds[k], l->rows, l->in, l->out);
             if (!wanted(name, only)) continue;
-            if (k == 0) time_shape(name, 0, 1, l->rows, l->out, l->in, reps);
-            else if (k == 1) time_shape(name, 0, 0, l->rows, l->in, l->out, reps);
-            else time_shape(name, 1, 0, l->out, l->in, l->rows, reps);
+            if (k == 0) time_shape(name, 0, 1, l->rows, l->out, l->in, reps, window);
+            else if (k == 1) time_shape(name, 0, 0, l->rows, l->in, l->out, reps, window);
+            else time_shape(name, 1, 0, l->out, l->in, l->rows, reps, window);
         }
     }
     return 0;
