@@ -76,6 +76,7 @@ run_torch() {
 # 10-20% over minutes (a virtual machine's neighbours, its clock), so one
 # measurement at the start could set every fraction below too high or too low.
 roofline=${ROOFLINE-tools/roofline}
+if [ -z "$py" ] && [ -n "$roofline" ] && [ -x "$roofline" ]; then pick_roofline_coretype "$roofline"; fi
 run_roofline() {
   local rl peak blas
   [ -n "$roofline" ] && [ -x "$roofline" ] || return 0

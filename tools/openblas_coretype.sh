@@ -23,6 +23,32 @@ for _ in range(5):
     best = min(best, time.perf_counter() - t)
 print(round(10 * 2 * 512**3 / best / 1e9, 1))' 2>/dev/null
 }
+# the core types this processor's flags allow, "" (OpenBLAS's own choice) first, in candidates[]
+coretype_candidates() {
+  candidates=("")
+  grep -qw avx2 /proc/cpuinfo 2>/dev/null && candidates+=(HASWELL)
+  grep -qw avx512f /proc/cpuinfo 2>/dev/null && candidates+=(SKYLAKEX)
+  grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null && candidates+=(COOPERLAKE)
+}
+# pick_roofline_coretype ROOFLINE: with no PyTorch to pick by, the same choice
+# made on tools/roofline's own 1024^3 OpenBLAS matmul, so that the fractions of
+# OpenBLAS's rate are of its best kernels, not of the generic ones it falls
+# back to on a model it does not know. Sets torch_coretype, as above.
+pick_roofline_coretype() {
+  local rl=$1 g c gf=0 best=""
+  torch_coretype=""
+  [ -z "${OPENBLAS_CORETYPE:-}" ] || return 0
+  coretype_candidates
+  for c in "${candidates[@]}"; do
+    g=$(env ${c:+OPENBLAS_CORETYPE=$c} OMP_NUM_THREADS=1 "$rl" --quick --reps 3 2>/dev/null |
+        sed -n 's/^gemm shape=square-1024 .*openblas_gflops=\([0-9.]*\).*/\1/p')
+    [ -n "$g" ] || return 0                      # no OpenBLAS: nothing to pick
+    echo "  OpenBLAS core type ${c:-(its own choice)}: $g GFLOP/s on 1024^3 (tools/roofline)"
+    if awk -v g="$g" -v b="$gf" 'BEGIN { exit !(g > b) }'; then gf=$g; best=$c; fi
+  done
+  torch_coretype=$best
+  echo "tools/roofline measures OpenBLAS with ${best:+OPENBLAS_CORETYPE=}${best:-its own core type} (the fastest)"
+}
 # pick_torch_coretype PY: sets torch_coretype ("" for OpenBLAS's own choice, or
 # when OPENBLAS_CORETYPE is set, which every run then inherits) and says what it
 # picked; the benches run PyTorch with ${torch_coretype:+OPENBLAS_CORETYPE=...}.
@@ -32,10 +58,7 @@ pick_torch_coretype() {
   if [ -n "${OPENBLAS_CORETYPE:-}" ]; then
     gf=$(matmul_gflops "$py" "$OPENBLAS_CORETYPE"); pick="OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE (set by you)"
   else
-    candidates=("")
-    grep -qw avx2 /proc/cpuinfo 2>/dev/null && candidates+=(HASWELL)
-    grep -qw avx512f /proc/cpuinfo 2>/dev/null && candidates+=(SKYLAKEX)
-    grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null && candidates+=(COOPERLAKE)
+    coretype_candidates
     gf=0; best=""
     for c in "${candidates[@]}"; do
       g=$(matmul_gflops "$py" "$c")
