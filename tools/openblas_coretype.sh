@@ -35,7 +35,7 @@ coretype_candidates() {
 # OpenBLAS's rate are of its best kernels, not of the generic ones it falls
 # back to on a model it does not know. Sets torch_coretype, as above.
 pick_roofline_coretype() {
-  local rl=$1 g c gf=0 best=""
+  local rl=$1 g c gf=0 best="" candidates
   torch_coretype=""
   [ -z "${OPENBLAS_CORETYPE:-}" ] || return 0
   coretype_candidates
