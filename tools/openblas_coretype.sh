@@ -42,12 +42,12 @@ pick_roofline_coretype() {
   for c in "${candidates[@]}"; do
     g=$(env ${c:+OPENBLAS_CORETYPE=$c} OMP_NUM_THREADS=1 "$rl" --quick --reps 3 2>/dev/null |
         sed -n 's/^gemm shape=square-1024 .*openblas_gflops=\([0-9.]*\).*/\1/p')
-    [ -n "$g" ] || return 0                      # no OpenBLAS: nothing to pick
+    [ -n "$g" ] || continue                      # no OpenBLAS, or not with this core type
     echo "  OpenBLAS core type ${c:-(its own choice)}: $g GFLOP/s on 1024^3 (tools/roofline)"
     if awk -v g="$g" -v b="$gf" 'BEGIN { exit !(g > b) }'; then gf=$g; best=$c; fi
   done
   torch_coretype=$best
-  echo "tools/roofline measures OpenBLAS with ${best:+OPENBLAS_CORETYPE=}${best:-its own core type} (the fastest)"
+  [ "$gf" = 0 ] || echo "tools/roofline measures OpenBLAS with ${best:+OPENBLAS_CORETYPE=}${best:-its own core type} (the fastest)"
 }
 # pick_torch_coretype PY: sets torch_coretype ("" for OpenBLAS's own choice, or
 # when OPENBLAS_CORETYPE is set, which every run then inherits) and says what it
