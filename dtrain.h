@@ -2416,6 +2416,9 @@ typedef struct dt_config {
 dt_config dt_parse_args(int argc, char **argv, const char *stage);
 /* The model config the flags describe, for images of this shape. */
 dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int image_size, int classes);
+/* A tool's numeric flag: TEXT as a number from LO to HI (a whole one when
+   WHOLE), or a usage error naming FLAG -- "--reps x" is not 0 calls. */
+double dt_flag_number(const char *flag, const char *text, double lo, double hi, int whole);
 
 /* Load --data (or make the synthetic set), applying --image-size and the slice.
    With --bench: random images in memory instead, enough for a few batches; the
@@ -3871,7 +3874,6 @@ static int dt__att_padded(int T) { return (T + DT_VL - 1) / DT_VL * DT_VL; }
    where square blocks of DT_VL x DT_VL turned in registers (loads and stores
    whole vectors) take 0.12 (a harness, best of 20). A copy: the same bits. */
 #if defined(__GNUC__) && defined(__AVX512F__) && DT_VL == 16
-#include <immintrin.h>
 DT__INLINE void dt__transpose_block(const float *src, ptrdiff_t ld, float *dst, ptrdiff_t ldd) {
     __m512 r[16], t[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * ld);
@@ -17282,6 +17284,16 @@ static void dt__flag_check_range(const dt__flag *f, double v, const char *val) {
     else if (isfinite(f->hi))
         snprintf(range + n, sizeof range - (size_t)n, " and %s %.10g", f->open & DT_HI_OPEN ? "less than" : "at most", f->hi);
     dt_usage_error("%s must be %s, got %s", f->name, range, val);
+}
+
+double dt_flag_number(const char *flag, const char *text, double lo, double hi, int whole) {
+    char *end = NULL;
+    errno = 0;
+    double v = text ? strtod(text, &end) : NAN;
+    if (!text || end == text || *end || errno || !(v >= lo && v <= hi) || (whole && v != floor(v)))
+        dt_usage_error("%s must be a %s from %.10g to %.10g, got '%s'", flag, whole ? "whole number" : "number", lo, hi,
+                       text ? text : "(nothing)");
+    return v;
 }
 
 /* Was this flag on the command line? (What a flag not given means is decided

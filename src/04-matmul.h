@@ -580,7 +580,6 @@ static int dt__att_padded(int T) { return (T + DT_VL - 1) / DT_VL * DT_VL; }
    where square blocks of DT_VL x DT_VL turned in registers (loads and stores
    whole vectors) take 0.12 (a harness, best of 20). A copy: the same bits. */
 #if defined(__GNUC__) && defined(__AVX512F__) && DT_VL == 16
-#include <immintrin.h>
 DT__INLINE void dt__transpose_block(const float *src, ptrdiff_t ld, float *dst, ptrdiff_t ldd) {
     __m512 r[16], t[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * ld);

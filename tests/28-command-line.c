@@ -54,6 +54,26 @@ TEST(bad_flags_exit_2_naming_the_flag, QUICK) {
     CHECK(st == 0 && strstr(out, "--batch-size") && strstr(out, "--resume"));
 }
 
+/* The tools' numbers go through dt_flag_number too: a value that is not one,
+   or is out of range, exits 2 naming the flag, where atoi read "--nproc x"
+   as 0 ranks and "--repeats 2x" as 2. Each would start real work if taken. */
+TEST(tools_refuse_numbers_that_are_not_numbers, QUICK) {
+    CHECK(dt_flag_number("--x", "3", 1, 5, 1) == 3.0 && dt_flag_number("--x", "0.25", 0, 1, 0) == 0.25);
+    static const struct { const char *tool, *args, *named; } bad[] = {
+        { "tools/collectives", "--nproc x --check", "--nproc" }, { "tools/collectives", "--threads 2.5 --check", "--threads" },
+        { "tools/collectives", "--threads 2 --timeout 0 --check", "--timeout" },
+        { "tools/collectives", "--threads 2 --timeout 1e999 --check", "--timeout" },
+        { "tools/bench", "--layouts 4 --repeats 2x --out /nonexistent/b", "--repeats" },
+        { "tools/bench", "--max-ranks '' --out /nonexistent/b", "--max-ranks" },
+        { "tools/gen_synthetic", "/nonexistent/s 10 10 32x", "size" },
+    };
+    char out[8192];
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int st = run_cmd(out, sizeof out, "%s %s", build_path(bad[i].tool), bad[i].args);
+        expect_error(out, st, 2, bad[i].named);
+    }
+}
+
 /* Every number a flag takes has a range, and a value outside it exits 2 naming
    the flag. -1 used to mean "not given" for some of them, so --batch-size -1 or
    --warmup -1 trained with the default in silence. Each run would start on

@@ -547,18 +547,17 @@ int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--out") && i + 1 < argc) outdir = argv[++i];
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
-        else if (!strcmp(argv[i], "--max-ranks") && i + 1 < argc) max_ranks = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--max-ranks") && i + 1 < argc) max_ranks = (int)dt_flag_number("--max-ranks", argv[++i], 1, 4, 1);
         else if (!strcmp(argv[i], "--quick")) quick = 1;
         else if (!strcmp(argv[i], "--predict")) { predict_vit_base(); return 0; }
         else if (!strcmp(argv[i], "--redraw") && i + 1 < argc) redraw_dir = argv[++i];
         else if (!strcmp(argv[i], "--layouts") && i + 1 < argc) {
-            layouts_n = atoi(argv[++i]);
-            if (layouts_n < 2 || layouts_n > 16 || (layouts_n & (layouts_n - 1)))
+            layouts_n = (int)dt_flag_number("--layouts", argv[++i], 2, 16, 1);
+            if (layouts_n & (layouts_n - 1))
                 dt_usage_error("--layouts must be 2, 4, 8 or 16 ranks, got '%s'", argv[i]);
         }
         else if (!strcmp(argv[i], "--repeats") && i + 1 < argc) {
-            repeats = atoi(argv[++i]);
-            if (repeats < 1 || repeats > LAYOUT_REPEATS) dt_usage_error("--repeats must be 1 to %d, got '%s'", LAYOUT_REPEATS, argv[i]);
+            repeats = (int)dt_flag_number("--repeats", argv[++i], 1, LAYOUT_REPEATS, 1);
         }
         else if (!strcmp(argv[i], "--link") && i + 1 < argc) {
             link_name = argv[++i];

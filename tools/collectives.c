@@ -234,9 +234,9 @@ int main(int argc, char **argv) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--check")) do_check = 1;
         else if (!strcmp(a, "--bench")) do_bench = 1;
-        else if (!strcmp(a, "--nproc") && v) { nproc = atoi(v); i++; }
-        else if (!strcmp(a, "--threads") && v) { threads = atoi(v); i++; }
-        else if (!strcmp(a, "--timeout") && v) { timeout = atof(v); i++; }
+        else if (!strcmp(a, "--nproc") && v) { nproc = (int)dt_flag_number("--nproc", v, 1, 1024, 1); i++; }
+        else if (!strcmp(a, "--threads") && v) { threads = (int)dt_flag_number("--threads", v, 0, 1024, 1); i++; }
+        else if (!strcmp(a, "--timeout") && v) { timeout = dt_flag_number("--timeout", v, 0.001, 86400, 0); i++; }
         else if (!strcmp(a, "--agree") && v) { agree = v; i++; }
         else if (!strcmp(a, "--comm") && v) {
             if (strcmp(v, "shm") && strcmp(v, "mpi") && strcmp(v, "auto"))
@@ -248,7 +248,6 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--mesh") && v && sscanf(v, "%dx%d", &mesh[0], &mesh[1]) == 2 && mesh[0] > 0 && mesh[1] > 0) i++;
         else dt_usage_error("unknown flag or missing value: %s (see the top of tools/collectives.c)", a);
     }
-    if (nproc < 1 || threads < 0 || !(timeout > 0)) dt_usage_error("--nproc, --threads and --timeout take positive numbers");
     if (mesh[0]) lengths[3] = 600001;
     if (threads > 0 && comm_given) dt_usage_error("--comm with --threads: thread ranks always meet in this process's memory");
 #ifndef DT_HAVE_MPI

@@ -7,22 +7,15 @@
 #include <stdlib.h>
 #include <sys/stat.h>
 
-static int number(const char *s, const char *what) {
-    char *end = NULL;
-    long v = strtol(s, &end, 10);
-    if (!*s || *end || v < 1 || v > 100000000) dt_usage_error("%s must be a positive whole number, got '%s'", what, s);
-    return (int)v;
-}
-
 int main(int argc, char **argv) {
     if (argc < 2 || argc > 6 || !strcmp(argv[1], "--help")) {
         fprintf(stderr, "usage: %s DIR [train-images=10000] [val-images=2000] [size=32] [seed=20261121]\n", argv[0]);
         return argc < 2 || argc > 6 ? 2 : 0;
     }
-    int n_train = argc > 2 ? number(argv[2], "train-images") : 10000;
-    int n_val = argc > 3 ? number(argv[3], "val-images") : 2000;
-    int size = argc > 4 ? number(argv[4], "size") : 32;
-    int seed = argc > 5 ? number(argv[5], "seed") : 20261121;
+    int n_train = argc > 2 ? (int)dt_flag_number("train-images", argv[2], 1, 100000000, 1) : 10000;
+    int n_val = argc > 3 ? (int)dt_flag_number("val-images", argv[3], 1, 100000000, 1) : 2000;
+    int size = argc > 4 ? (int)dt_flag_number("size", argv[4], 1, 100000000, 1) : 32;
+    int seed = argc > 5 ? (int)dt_flag_number("seed", argv[5], 1, 100000000, 1) : 20261121;
     struct stat st;
     if (stat(argv[1], &st) == 0) dt_fail("'%s' exists already; give a new folder", argv[1]);
     dt_synthetic_write(argv[1], n_train, n_val, size, (uint64_t)seed);

@@ -199,27 +199,16 @@ static void time_shape(const char *name, int ta, int tb, int M, int N, int K, in
     free(A); free(B); free(C);
 }
 
-/* a flag's number, or a clear error: "--reps x" is not 0 reps */
-static double number_flag(const char *flag, const char *text, double lo, double hi, int whole) {
-    char *end;
-    double v = strtod(text, &end);
-    if (end == text || *end || !(v >= lo && v <= hi) || (whole && v != floor(v))) {
-        fprintf(stderr, "roofline: %s %s: not a %s from %g to %g\n", flag, text, whole ? "whole number" : "number", lo, hi);
-        exit(2);
-    }
-    return v;
-}
-
 int main(int argc, char **argv) {
     int threads = 1, quick = 0, reps = 0;
     double window = 0.3;
     const char *only = NULL;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = (int)number_flag("--threads", argv[++i], 1, 1024, 1);
+        if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = (int)dt_flag_number("--threads", argv[++i], 1, 1024, 1);
         else if (!strcmp(argv[i], "--quick")) quick = 1;
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
-        else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = (int)number_flag("--reps", argv[++i], 1, 1e6, 1);
-        else if (!strcmp(argv[i], "--seconds") && i + 1 < argc) window = number_flag("--seconds", argv[++i], 0.001, 600, 0);
+        else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = (int)dt_flag_number("--reps", argv[++i], 1, 1e6, 1);
+        else if (!strcmp(argv[i], "--seconds") && i + 1 < argc) window = dt_flag_number("--seconds", argv[++i], 0.001, 600, 0);
         else {
             fprintf(stderr, "usage: %s [--threads N] [--quick] [--only WORDS] [--reps N] [--seconds S]\n", argv[0]);
             return strcmp(argv[i], "--help") && strcmp(argv[i], "-h") ? 2 : 0;
