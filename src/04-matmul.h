@@ -203,6 +203,64 @@ static void dt__gelu_grad_rows(float *restrict c, const float *restrict x, ptrdi
     }
 }
 
+/* dst[j * ldd + i] = src[i * ld + j] for a DT_VL x DT_VL square: whole
+   vectors loaded, turned in registers and stored, where element by element
+   every store (or every load) goes to another line. Attention's K and V
+   transposes, and the packing of a transposed B, use it. */
+#if defined(__GNUC__) && defined(__AVX512F__) && DT_VL == 16
+DT__INLINE void dt__transpose_block(const float *src, ptrdiff_t ld, float *dst, ptrdiff_t ldd) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * ld);
+    for (int i = 0; i < 16; i += 2) {          /* pairs of rows interleaved by element */
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {          /* ... by pairs of elements: four rows' columns in each 128-bit lane */
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {              /* then the 128-bit lanes, twice */
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+        r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * ldd, r[i]);   /* r[i]: column i */
+}
+#define DT__TRANSPOSE_BLOCKS 1
+#elif defined(__GNUC__) && defined(__AVX__) && DT_VL == 8
+#include <immintrin.h>
+DT__INLINE void dt__transpose_block(const float *src, ptrdiff_t ld, float *dst, ptrdiff_t ldd) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * ld);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {              /* the low 128-bit lanes are columns 0-3, the high 4-7 */
+        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+#define DT__TRANSPOSE_BLOCKS 1
+#else
+#define DT__TRANSPOSE_BLOCKS 0
+#endif
+
 /* With a system BLAS (DT_HAVE_CBLAS) none of the routine below is compiled. */
 #ifndef DT_HAVE_CBLAS
 
@@ -311,13 +369,22 @@ static void dt__pack_a_block_trans(const float *A, int lda, int i0, int mc, int 
     }
 }
 /* Copy op(B)[k0:k0+kc, j0:j0+cols] into one NR-column strip, k-major,
-   zero-padded. A transposed B (the weight in x W^T) is read a row at a time. */
+   zero-padded. A transposed B (the weight in x W^T) is NR of W's rows: turned
+   in DT_VL x DT_VL squares, each source line read once and whole. Read k by k
+   (NR floats from NR rows), its lines had to stay in the L1 cache for their
+   16 k, and rows 2 KB apart or a multiple of it (GPT-2's fc2, 3072 floats
+   wide) fall into one or two of the cache's 64 sets, which hold 8 or 12
+   lines each: every k fetched them again. */
 static void dt__pack_b(int trans, const float *B, int ldb, int k0, int kc, int j0, int cols, float *dst, float *sums) {
     if (trans) {
-        /* k outer: each k's NR floats are written together, where column
-           after column wrote one float into each of kc lines of the strip,
-           and the NR source lines stay in the L1 cache for their 16 k */
-        for (int k = 0; k < kc; k++) {
+        int k = 0;
+#if DT__TRANSPOSE_BLOCKS
+        if (cols == DT_NR)
+            for (; k + DT_VL <= kc; k += DT_VL)
+                for (int jb = 0; jb < DT_NR; jb += DT_VL)
+                    dt__transpose_block(B + (size_t)(j0 + jb) * ldb + k0 + k, ldb, dst + (size_t)k * DT_NR + jb, DT_NR);
+#endif
+        for (; k < kc; k++) {                       /* the rest, k by k */
             const float *src = B + (size_t)j0 * ldb + k0 + k;
             float *d = dst + (size_t)k * DT_NR;
             for (int j = 0; j < cols; j++) d[j] = src[(size_t)j * ldb];
@@ -378,6 +445,13 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
     float *panel = space;                              /* B's panel: shared by the threads */
     int blocks_m = dt__gemm_blocks(M, threads), strips_m = (M + DT_MR - 1) / DT_MR;
     float *a_sums = ep && ta ? ep->a_sums : NULL, *b_sums = ep && !tb ? ep->b_sums : NULL;   /* summed as packed */
+    /* A's rows are read in place (no packing) unless they are 2 KB apart or
+       a multiple of it: an L1 cache has 64 sets of 8 or 12 lines, and such
+       rows fall into one or two sets, so the MR rows' lines evict each other
+       every k. Packed, 1024^3 ran at 100 GFLOP/s where in place it ran at 77,
+       and GPT-2's fc2 forward (x 3072 floats wide) at 92 where at 74 (AMD
+       EPYC with AVX-512, one thread). */
+    int aliased = lda % 512 == 0;
     for (int k0 = 0; k0 < K; k0 += KC) {
         int kc = K - k0 < KC ? K - k0 : KC;
         float b_eff = k0 == 0 ? beta : 1.0f;            /* later slabs add to the first */
@@ -400,7 +474,7 @@ static void dt__gemm_builtin(int ta, int tb, int M, int N, int K, float alpha, c
                     int i0 = (int)((int64_t)bm * strips_m / blocks_m) * DT_MR;
                     int i1 = (int)((int64_t)(bm + 1) * strips_m / blocks_m) * DT_MR, mc = (i1 < M ? i1 : M) - i0;
                     if (mc <= 0) continue;                     /* fewer strips than blocks */
-                    int in_place = ta ? 0 : mc / DT_MR * DT_MR;  /* A's rows read where they lie */
+                    int in_place = ta || aliased ? 0 : mc / DT_MR * DT_MR;  /* A's rows read where they lie */
                     if (ta) dt__pack_a_block_trans(A, lda, i0, mc, k0, kc, block, a_sums && j0 == 0 ? a_sums + i0 : NULL);
                     else
                         for (int is = in_place; is < mc; is += DT_MR)
@@ -577,61 +651,8 @@ static int dt__att_padded(int T) { return (T + DT_VL - 1) / DT_VL * DT_VL; }
 /* dst[d][j] = src[j * ld + d] for d < hd, j < T, rows of Tp with zeros after T.
    Element by element, every store of a head's 65 x 64 went to another row of
    dst: 0.36 ms a layer of vit-tiny's 192 heads with the head in the cache,
-   where square blocks of DT_VL x DT_VL turned in registers (loads and stores
-   whole vectors) take 0.12 (a harness, best of 20). A copy: the same bits. */
-#if defined(__GNUC__) && defined(__AVX512F__) && DT_VL == 16
-DT__INLINE void dt__transpose_block(const float *src, ptrdiff_t ld, float *dst, ptrdiff_t ldd) {
-    __m512 r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * ld);
-    for (int i = 0; i < 16; i += 2) {          /* pairs of rows interleaved by element */
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {          /* ... by pairs of elements: four rows' columns in each 128-bit lane */
-        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {              /* then the 128-bit lanes, twice */
-        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-        r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
-        r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
-    }
-    for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * ldd, r[i]);   /* r[i]: column i */
-}
-#define DT__TRANSPOSE_BLOCKS 1
-#elif defined(__GNUC__) && defined(__AVX__) && DT_VL == 8
-#include <immintrin.h>
-DT__INLINE void dt__transpose_block(const float *src, ptrdiff_t ld, float *dst, ptrdiff_t ldd) {
-    __m256 r[8], t[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * ld);
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {              /* the low 128-bit lanes are columns 0-3, the high 4-7 */
-        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-    }
-}
-#define DT__TRANSPOSE_BLOCKS 1
-#else
-#define DT__TRANSPOSE_BLOCKS 0
-#endif
+   where square blocks turned in registers (dt__transpose_block) take 0.12 (a
+   harness, best of 20). A copy: the same bits. */
 static void dt__att_transpose(const float *src, ptrdiff_t ld, int T, int hd, float *dst, int Tp) {
     int j0 = 0;
 #if DT__TRANSPOSE_BLOCKS

@@ -61,6 +61,39 @@ TEST(gemm_matches_reference, QUICK) {
                 }
 }
 
+/* Rows 4 KB apart (a pitch of 1024 floats) are packed rather than read in
+   place (they would evict each other in the L1 cache), and a transposed B is
+   packed in squares turned in registers: copies, so the product's bits are
+   those of the same matrices laid out densely. K = 300 and 37 columns of B
+   leave a part of a square and of a strip to the element-by-element rest. */
+TEST(gemm_gives_the_same_bits_at_a_pitch_the_cache_aliases, QUICK) {
+    int M = 45, N = 70, K = 300, wide = 1024;
+    dt__rng r = { 3 };
+    float *A = (float *)malloc(sizeof(float) * M * wide), *B = (float *)malloc(sizeof(float) * (K > N ? K : N) * wide);
+    float *Ad = (float *)malloc(sizeof(float) * M * K), *Bd = (float *)malloc(sizeof(float) * K * N);
+    float *C1 = (float *)malloc(sizeof(float) * M * N), *C2 = (float *)malloc(sizeof(float) * M * N);
+    double *ref = (double *)malloc(sizeof(double) * M * N);
+    for (int i = 0; i < M * wide; i++) A[i] = (float)rnd(&r);
+    for (int i = 0; i < (K > N ? K : N) * wide; i++) B[i] = (float)rnd(&r);
+    for (int tb = 0; tb < 2; tb++)
+        for (int n = 37; n <= N; n += N - 37) {
+            for (int i = 0; i < M; i++) memcpy(Ad + (size_t)i * K, A + (size_t)i * wide, sizeof(float) * K);
+            int brows = tb ? n : K, bcols = tb ? K : n;
+            for (int i = 0; i < brows; i++) memcpy(Bd + (size_t)i * bcols, B + (size_t)i * wide, sizeof(float) * bcols);
+            dt_gemm(0, tb, M, n, K, 1, A, wide, B, wide, 0, C1, n);
+            dt_gemm(0, tb, M, n, K, 1, Ad, K, Bd, bcols, 0, C2, n);
+            naive_gemm(0, tb, M, n, K, 1, Ad, K, Bd, bcols, 0, NULL, n, ref);
+            double worst = 0;
+            for (int i = 0; i < M * n; i++) {
+                double e = fabs(C1[i] - ref[i]) / (1 + fabs(ref[i]));
+                if (!(e <= worst)) worst = e;
+            }
+            CHECKF(worst < 1e-4, "tb=%d N=%d at a pitch of %d: error %g", tb, n, wide, worst);
+            CHECKF(memcmp(C1, C2, sizeof(float) * M * n) == 0, "tb=%d N=%d: a pitch of %d and a dense layout differ", tb, n, wide);
+        }
+    free(A); free(B); free(Ad); free(Bd); free(C1); free(C2); free(ref);
+}
+
 TEST(gemm_same_result_for_any_thread_count, QUICK) {
 #ifndef _OPENMP
     SKIP("built without OpenMP");
