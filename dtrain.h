@@ -1133,6 +1133,9 @@ dt_comm_handle dt_all_to_all_async(dt_comm *c, const void *send, const int64_t *
                                    const int64_t *recv_counts, dt_dtype dtype);
 void dt_all_to_all(dt_comm *c, const void *send, const int64_t *send_counts, void *recv, const int64_t *recv_counts,
                    dt_dtype dtype);
+/* The most ranks a group may have (a job on shared memory, or one group of a
+   mesh): the per-rank tables are this long. */
+#define DT_MAX_RANKS 64
 
 
 /* [src/12-groups-and-the-mesh.h] */
@@ -2417,7 +2420,8 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage);
 /* The model config the flags describe, for images of this shape. */
 dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int image_size, int classes);
 /* A tool's numeric flag: TEXT as a number from LO to HI (a whole one when
-   WHOLE), or a usage error naming FLAG -- "--reps x" is not 0 calls. */
+   WHOLE), or a usage error naming FLAG -- "--reps x" is not 0 calls. Read
+   by strtod, so 1e3 and 32.0 are whole numbers too. */
 double dt_flag_number(const char *flag, const char *text, double lo, double hi, int whole);
 
 /* Load --data (or make the synthetic set), applying --image-size and the slice.
@@ -7755,7 +7759,6 @@ void dt_dequantize(const void *q, int64_t n, int bits, int block, void *out, dt_
 #include <sys/prctl.h>
 #endif
 
-#define DT_MAX_RANKS 64
 #define DT_SLOT_BYTES ((size_t)2 << 20)     /* each rank's staging slot: collectives go in 2 MiB pieces */
 
 /* Point-to-point from rank s to rank d: the sender publishes pieces (`sent`),

@@ -88,6 +88,9 @@ dt_comm_handle dt_all_to_all_async(dt_comm *c, const void *send, const int64_t *
                                    const int64_t *recv_counts, dt_dtype dtype);
 void dt_all_to_all(dt_comm *c, const void *send, const int64_t *send_counts, void *recv, const int64_t *recv_counts,
                    dt_dtype dtype);
+/* The most ranks a group may have (a job on shared memory, or one group of a
+   mesh): the per-rank tables are this long. */
+#define DT_MAX_RANKS 64
 
 
 //@ implementation
@@ -129,7 +132,6 @@ void dt_all_to_all(dt_comm *c, const void *send, const int64_t *send_counts, voi
 #include <sys/prctl.h>
 #endif
 
-#define DT_MAX_RANKS 64
 #define DT_SLOT_BYTES ((size_t)2 << 20)     /* each rank's staging slot: collectives go in 2 MiB pieces */
 
 /* Point-to-point from rank s to rank d: the sender publishes pieces (`sent`),

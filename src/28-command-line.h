@@ -76,7 +76,8 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage);
 /* The model config the flags describe, for images of this shape. */
 dt_model_config dt_model_config_from(const dt_config *cfg, int channels, int image_size, int classes);
 /* A tool's numeric flag: TEXT as a number from LO to HI (a whole one when
-   WHOLE), or a usage error naming FLAG -- "--reps x" is not 0 calls. */
+   WHOLE), or a usage error naming FLAG -- "--reps x" is not 0 calls. Read
+   by strtod, so 1e3 and 32.0 are whole numbers too. */
 double dt_flag_number(const char *flag, const char *text, double lo, double hi, int whole);
 
 /* Load --data (or make the synthetic set), applying --image-size and the slice.

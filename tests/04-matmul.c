@@ -62,10 +62,11 @@ TEST(gemm_matches_reference, QUICK) {
 }
 
 /* Rows 4 KB apart (a pitch of 1024 floats) are packed rather than read in
-   place (they would evict each other in the L1 cache), and a transposed B is
-   packed in squares turned in registers: copies, so the product's bits are
-   those of the same matrices laid out densely. K = 300 and 37 columns of B
-   leave a part of a square and of a strip to the element-by-element rest. */
+   place (they would evict each other in the L1 cache): a copy, so the
+   product's bits are those of the same A laid out densely and read in place.
+   A transposed B is packed in squares turned in registers at either pitch;
+   the reference checks those. K = 300 and 37 columns of B leave a part of a
+   square and of a strip to the element-by-element rest. */
 TEST(gemm_gives_the_same_bits_at_a_pitch_the_cache_aliases, QUICK) {
     int M = 45, N = 70, K = 300, wide = 1024;
     dt__rng r = { 3 };

@@ -60,7 +60,7 @@ TEST(bad_flags_exit_2_naming_the_flag, QUICK) {
 TEST(tools_refuse_numbers_that_are_not_numbers, QUICK) {
     CHECK(dt_flag_number("--x", "3", 1, 5, 1) == 3.0 && dt_flag_number("--x", "0.25", 0, 1, 0) == 0.25);
     static const struct { const char *tool, *args, *named; } bad[] = {
-        { "tools/collectives", "--nproc x --check", "--nproc" }, { "tools/collectives", "--threads 2.5 --check", "--threads" },
+        { "tools/collectives", "--nproc x --check", "--nproc" }, { "tools/collectives", "--threads 2.5 --check", "--threads" }, { "tools/collectives", "--threads 65 --check", "--threads" },
         { "tools/collectives", "--threads 2 --timeout 0 --check", "--timeout" },
         { "tools/collectives", "--threads 2 --timeout 1e999 --check", "--timeout" },
         { "tools/bench", "--layouts 4 --repeats 2x --out /nonexistent/b", "--repeats" },

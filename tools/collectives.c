@@ -234,8 +234,8 @@ int main(int argc, char **argv) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--check")) do_check = 1;
         else if (!strcmp(a, "--bench")) do_bench = 1;
-        else if (!strcmp(a, "--nproc") && v) { nproc = (int)dt_flag_number("--nproc", v, 1, 1024, 1); i++; }
-        else if (!strcmp(a, "--threads") && v) { threads = (int)dt_flag_number("--threads", v, 0, 1024, 1); i++; }
+        else if (!strcmp(a, "--nproc") && v) { nproc = (int)dt_flag_number("--nproc", v, 1, DT_MAX_RANKS, 1); i++; }
+        else if (!strcmp(a, "--threads") && v) { threads = (int)dt_flag_number("--threads", v, 0, DT_MAX_RANKS, 1); i++; }
         else if (!strcmp(a, "--timeout") && v) { timeout = dt_flag_number("--timeout", v, 0.001, 86400, 0); i++; }
         else if (!strcmp(a, "--agree") && v) { agree = v; i++; }
         else if (!strcmp(a, "--comm") && v) {
