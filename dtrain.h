@@ -225,7 +225,7 @@ void dt_fail(const char *fmt, ...)
     __attribute__((format(printf, 1, 2), noreturn))
 #endif
     ;
-/* A command-line mistake: the error, a short usage line, exit status 2. */
+/* A command-line mistake: the error, a short usage line (a stage's), exit status 2. */
 void dt_usage_error(const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 1, 2), noreturn))
@@ -2804,10 +2804,14 @@ void dt_fail(const char *fmt, ...) {
     if (track) track();          /* once, by whichever thread fails first: its own writes may fail */
     exit(1);
 }
+/* The program the usage line names: a stage's, as it was run (dt_parse_args
+   sets it). A tool's own flags are not a stage's, so a tool's error ends at
+   the message; the usage is the tool's own (the top of its file). */
+static const char *dt__usage_program;
 void dt_usage_error(const char *fmt, ...) {
     va_list ap; va_start(ap, fmt); dt__vmessage("error", fmt, ap); va_end(ap);
     DT__FUZZ_REFUSED();
-    fprintf(stderr, "usage: train [--flag value ...]; run with --help for the flags\n");
+    if (dt__usage_program) fprintf(stderr, "usage: %s [--flag value ...]; run with --help for the flags\n", dt__usage_program);
     exit(2);
 }
 /* Paths and parameter names are built with this: one that does not fit is an
@@ -17461,6 +17465,7 @@ dt_config dt_parse_args(int argc, char **argv, const char *stage) {
     memset(&c, 0, sizeof c);
     memset(given, 0, sizeof given);
     c.stage = stage;
+    dt__usage_program = argc > 0 && argv[0] ? argv[0] : stage;
     c.nproc = 1; c.timeout = 60; c.ranks_per_gpu = 1; c.bucket_mb = 25; c.shard = 2; c.accum_steps = 1; c.link = -1; c.link_across = -1; c.quant_block = 256;
     c.micro_batches = 1; c.schedule = DT_SCHEDULE_1F1B;
     c.image_size = 32; c.model = DT_MODEL_MLP; c.vocab = -1; c.seq_len = 64;

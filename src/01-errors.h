@@ -8,7 +8,7 @@ void dt_fail(const char *fmt, ...)
     __attribute__((format(printf, 1, 2), noreturn))
 #endif
     ;
-/* A command-line mistake: the error, a short usage line, exit status 2. */
+/* A command-line mistake: the error, a short usage line (a stage's), exit status 2. */
 void dt_usage_error(const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 1, 2), noreturn))
@@ -104,10 +104,14 @@ void dt_fail(const char *fmt, ...) {
     if (track) track();          /* once, by whichever thread fails first: its own writes may fail */
     exit(1);
 }
+/* The program the usage line names: a stage's, as it was run (dt_parse_args
+   sets it). A tool's own flags are not a stage's, so a tool's error ends at
+   the message; the usage is the tool's own (the top of its file). */
+static const char *dt__usage_program;
 void dt_usage_error(const char *fmt, ...) {
     va_list ap; va_start(ap, fmt); dt__vmessage("error", fmt, ap); va_end(ap);
     DT__FUZZ_REFUSED();
-    fprintf(stderr, "usage: train [--flag value ...]; run with --help for the flags\n");
+    if (dt__usage_program) fprintf(stderr, "usage: %s [--flag value ...]; run with --help for the flags\n", dt__usage_program);
     exit(2);
 }
 /* Paths and parameter names are built with this: one that does not fit is an

