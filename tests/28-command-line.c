@@ -171,6 +171,10 @@ TEST(a_flag_of_another_stage_exits_2_naming_its_stages, QUICK) {
     for (size_t i = 0; i < sizeof help / sizeof help[0]; i++) {
         int st = run_cmd(out, sizeof out, "%s --help", stage_bin(help[i].stage));
         CHECKF(st == 0, "%s --help: exit %d\n%s", help[i].stage, st, out);
+        char usage[200];           /* the program as it was run, not "train" */
+        snprintf(usage, sizeof usage, "/%s/train [flags]\n", help[i].stage);
+        CHECKF(strstr(out, "\nusage: ") && strstr(out, usage), "%s --help: no usage line naming %s/train\n%.500s", help[i].stage,
+               help[i].stage, out);
         for (int want = 1; want >= 0; want--) {
             char list[256], line[64];
             dt__copy_str(list, sizeof list, want ? help[i].has : help[i].lacks);
