@@ -321,7 +321,7 @@ static int dt__stage_takes(const char *stage, const char *name) {
 }
 
 static void dt__print_help(const char *stage) {
-    printf("%s: train a model with dtrain\n\nusage: %s [flags]\n\n", stage, dt__usage_program ? dt__usage_program : "train");
+    printf("%s: train a model with dtrain\n\nusage: %s [flags]\n\n", stage, dt__usage_program);   /* dt_parse_args set it */
     for (int i = 0; i < DT_NFLAGS; i++) {
         char left[64];
         if (!dt__flag_of_stage(&dt__flags[i], dt__stage_digit(stage))) continue;
