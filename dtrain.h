@@ -558,31 +558,6 @@ dt_parallel *dt_parallel_splitting(dt_parallel *par);
 double dt_flops_counted(void);
 void dt_flops_reset(void);
 
-/* Tensor parallelism's two conjugate ops (Megatron-LM's f and g), which put
-   its communication on the tape so that backward needs no special case. A
-   column-parallel layer (each rank computes its share of the outputs) reads
-   dt_tp_copy(x): the input itself, but in backward each rank holds only its
-   share's part of x's gradient, so they are summed over the group. A
-   row-parallel layer (each rank multiplies its share of the inputs) gives
-   partial outputs: dt_tp_sum adds them up over the group, and in backward
-   every rank needs the whole gradient, which it has. Without a wrapper that
-   gives tp_sum, both return x. */
-dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x);
-dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x);
-/* Sequence parallelism (Korthikanti et al., 2022): between the split layers,
-   where the norms and residual adds work row by row, each rank of the group
-   keeps 1/T of the rows (tokens) instead of all of them. dt_sp_split enters
-   that region (this rank's rows; backward all-gathers their gradients),
-   dt_sp_gather leaves it (every row again; backward keeps this rank's). In
-   between, dt_tp_copy becomes an all-gather of the rows (backward: a
-   reduce-scatter) and dt_tp_sum a reduce-scatter (backward: an all-gather):
-   the same bytes as the all-reduces they replace, as each all-reduce is a
-   reduce-scatter then an all-gather. Without a wrapper that gives
-   sp_all_gather, both return x; so they do when the rows do not split evenly
-   and no gradient is wanted (generation), and with gradients that is an error. */
-dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x);
-dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x);
-
 /* [src/06-attention-and-loss.h] */
 /* ---- autograd: attention, embeddings, the loss ---- */
 
@@ -608,8 +583,8 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal);
    et al., 2022): a row's keys are visited in blocks, its running largest
    score and sum rescaling what came before, and only the row's log-sum-exp
    is kept; backward makes each probability again from it. T x T floats a
-   head become T (and the output, kept in f32); the same values within
-   rounding. The recurrence is per-element arithmetic that GPU kernels share
+   head become T (a GPU and mixed precision keep the output in f32 too); the
+   same values within rounding. The recurrence is per-element arithmetic that GPU kernels share
    (dt_online_softmax_rescale: the GPU's online attention kernels, its row
    softmax and its classifier run it too). (--attention) */
 typedef enum { DT_ATTENTION_MATMUL = 0, DT_ATTENTION_ONLINE = 1 } dt_attention_body;
@@ -1329,6 +1304,30 @@ void dt_data_parallel_free(dt_data_parallel *dp);
    model over the "dp" groups (dt_tp_data_group): DDP averages each piece's
    gradient over the groups, FSDP shards the pieces over them too (2-D
    parallelism: each rank keeps 1/(T x D) of a split weight). */
+/* Tensor parallelism's two conjugate ops (Megatron-LM's f and g), which put
+   its communication on the tape so that backward needs no special case. A
+   column-parallel layer (each rank computes its share of the outputs) reads
+   dt_tp_copy(x): the input itself, but in backward each rank holds only its
+   share's part of x's gradient, so they are summed over the group. A
+   row-parallel layer (each rank multiplies its share of the inputs) gives
+   partial outputs: dt_tp_sum adds them up over the group, and in backward
+   every rank needs the whole gradient, which it has. Without a wrapper that
+   gives tp_sum, both return x. */
+dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x);
+dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x);
+/* Sequence parallelism (Korthikanti et al., 2022): between the split layers,
+   where the norms and residual adds work row by row, each rank of the group
+   keeps 1/T of the rows (tokens) instead of all of them. dt_sp_split enters
+   that region (this rank's rows; backward all-gathers their gradients),
+   dt_sp_gather leaves it (every row again; backward keeps this rank's). In
+   between, dt_tp_copy becomes an all-gather of the rows (backward: a
+   reduce-scatter) and dt_tp_sum a reduce-scatter (backward: an all-gather):
+   the same bytes as the all-reduces they replace, as each all-reduce is a
+   reduce-scatter then an all-gather. Without a wrapper that gives
+   sp_all_gather, both return x; so they do when the rows do not split evenly
+   and no gradient is wanted (generation), and with gradients that is an error. */
+dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x);
+dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x);
 typedef struct dt_tp dt_tp;
 /* Keep this rank's piece of every split parameter (the weights drawn whole
    from the seed, as in stage 01, then cut). tp 0: the whole job is one group.
@@ -2671,6 +2670,10 @@ typedef struct dt__step_arena {
     int nspill, spill_cap;
 } dt__step_arena;
 
+/* The two buffers blocks' input gradients take turns in (dt__grad_region, the
+   autograd chapter), made in backward number `generation`. */
+typedef struct { void *buf[2]; size_t bytes; dt_device device; int generation, turn; } dt__block_grads;
+
 typedef struct dt__context {
     int rank, world_size;
     dt_device device;
@@ -2717,6 +2720,7 @@ typedef struct dt__context {
        from x w^T in step `step`; stale once the optimizer has moved w. */
     int64_t lazy_from;                 /* logits of at least this many bytes wait; < 0: none */
     struct { dt_tensor *logits, *x, *w; uint64_t step; int stale; } lazy;
+    dt__block_grads block_grads;
 } dt__context;
 
 static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1, .loss_seed = 1.0f, .lazy_from = -1 };
@@ -4028,12 +4032,29 @@ static void dt__tape_mark(dt__backward_fn fn, void *user, int arg) {
    (its end) makes that gradient and notes the arena's place; the one walked
    last (its start) goes back there. Only one block's gradients are then in
    memory, not every block's (Qwen2-0.5B's shape at 9 x 128 tokens: the
-   peak of activations 7.97 -> 5.13 GB). Nothing made inside may be read
-   after backward but the input's gradient. */
+   peak of activations 7.97 -> 5.13 GB). And the input's gradient is read by
+   the block before and by nothing once that block's backward is done: the
+   blocks' input gradients take turns in two buffers, made at the first
+   region of a backward, not one a block piling up to the step's end (the same
+   shape: 98 MB). Nothing made inside may be read after backward, and a
+   block's input gradient only until the backward of the block two before it
+   begins. */
 typedef struct { dt_tensor *x; dt__step_mark mark; } dt__grad_region;
 static void dt__grad_region_enter(dt__tape_entry *e) {
     dt__grad_region *g = (dt__grad_region *)e->saved;
-    if (g->x->requires_grad) dt_grad(g->x);   /* before the mark: x's gradient outlives the region's */
+    dt_tensor *x = g->x;
+    if (x->requires_grad && !x->grad) {        /* before the mark: x's gradient outlives the region's */
+        size_t bytes = (size_t)x->numel * dt_dtype_size(dt__grad_dtype(x));
+        dt__block_grads *turns = &dt__ctx.block_grads;
+        if (turns->generation != dt__ctx.backward_generation || turns->device != x->device || turns->bytes < bytes) {
+            turns->buf[0] = dt__step_alloc_on(x->device, bytes);   /* the first region of this backward */
+            turns->buf[1] = dt__step_alloc_on(x->device, bytes);
+            turns->bytes = bytes; turns->device = x->device; turns->generation = dt__ctx.backward_generation; turns->turn = 0;
+        }
+        x->grad = (float *)turns->buf[turns->turn];
+        turns->turn ^= 1;
+        dt__zero_on(x->device, x->grad, bytes);
+    }
     g->mark = dt__step_mark_now();
 }
 static void dt__grad_region_leave(dt__tape_entry *e) { dt__step_back_to(&((dt__grad_region *)e->saved)->mark); }
@@ -4818,159 +4839,6 @@ dt_tensor *dt_scale(dt_tensor *x, float factor) {
     if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__scale_backward, y, x, NULL, NULL)->farg[0] = factor;
     return y;
 }
-
-/* -- tensor parallelism's f and g (the tensor-parallel chapter cuts the layers); their
-      gradients are added in as the residual's are (dt__add_into_grad). -- */
-/* The rows of x [N, C] as f32 on the device: x's own values (06 has no
-   16-bit activations). */
-static float *dt__tp_rows_f32(const dt_tensor *x) { return (float *)dt__in(x); }
-/* All of the group's rows, rank after rank: an all-gather of `mine` (n values). */
-static float *dt__tp_all_rows(dt_parallel *par, const float *mine, int64_t n, dt_device device) {
-    float *all = (float *)dt__scratch_on(device, (size_t)n * (size_t)par->tp_size * sizeof(float));
-    par->sp_all_gather(par, mine, all, n);
-    return all;
-}
-
-/* A column-parallel layer's input (Megatron-LM's f): the input itself, whose
-   gradient is each rank's part, summed over the group. Between dt_sp_split
-   and dt_sp_gather (iarg[0] 1) it is every rank's rows gathered, and the
-   gradient is reduce-scattered: each rank keeps its rows' sum. */
-static void dt__tp_copy_backward(dt__tape_entry *e) {
-    dt_tensor *x = e->in[0];
-    if (!x->requires_grad) return;
-    dt_parallel *par = (dt_parallel *)e->saved;
-    int64_t n = e->out->numel;
-    float *sum = (float *)dt__scratch_on(x->device, (size_t)n * sizeof(float));
-    dt_convert(dt__grad_in(e->out), DT_F32, sum, DT_F32, n);
-    if (!e->iarg[0]) {
-        par->tp_sum(par, sum, n);
-        dt__add_into_grad(x, sum);
-        return;
-    }
-    float *mine = (float *)dt__scratch_on(x->device, (size_t)x->numel * sizeof(float));
-    par->sp_reduce_scatter(par, sum, mine, x->numel);
-    dt__add_into_grad(x, mine);
-}
-dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x) {
-    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
-    if (!par || !par->tp_sum) return x;
-    dt_tensor *y;
-    if (par->rows_split) {                                    /* the group's rows, gathered */
-        dt__backend_for(x);
-        dt__scratch_reset();
-        int shape[4] = { (int)dt_tensor_rows(x) * par->tp_size, (int)dt_tensor_cols(x), 0, 0 };
-        y = dt__tensor_out(2, shape);
-        float *yv = dt__out(y);
-        par->sp_all_gather(par, dt__tp_rows_f32(x), yv, x->numel);
-        dt__out_done(y, yv);
-    } else {
-        y = (dt_tensor *)dt_step_alloc(sizeof *y);            /* the same values: a view with a gradient of its own */
-        *y = *x;
-        y->name = NULL;
-        y->grad = NULL;
-        y->requires_grad = 0;
-        y->is_param = 0;
-        y->parallel = NULL;
-    }
-    if (dt__wants_grad(x, NULL, NULL)) {
-        dt__tape_entry *e = dt__tape_push(dt__tp_copy_backward, y, x, NULL, NULL);
-        e->saved = par;
-        e->iarg[0] = par->rows_split;
-    }
-    return y;
-}
-/* A row-parallel layer's output (Megatron-LM's g): every rank's partial
-   output, added up; the gradient passes as it is. Between dt_sp_split and
-   dt_sp_gather the sum is reduce-scattered (each rank keeps its rows of it),
-   and the gradient all-gathered. */
-static void dt__tp_sum_backward(dt__tape_entry *e) {
-    dt_tensor *x = e->in[0];
-    if (!x->requires_grad) return;
-    const float *dy = dt__grad_in(e->out);
-    if (e->iarg[0]) dy = dt__tp_all_rows((dt_parallel *)e->saved, dy, e->out->numel, x->device);
-    dt__add_into_grad(x, dy);
-}
-dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x) {
-    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
-    if (!par || !par->tp_sum) return x;
-    dt__backend_for(x);
-    dt__scratch_reset();
-    dt_tensor *y;
-    if (par->rows_split) {                                    /* each rank its rows of the sum */
-        int64_t rows = dt_tensor_rows(x);
-        if (rows % par->tp_size) dt_fail("internal: %lld rows do not split over %d ranks", (long long)rows, par->tp_size);
-        int shape[4] = { (int)(rows / par->tp_size), (int)dt_tensor_cols(x), 0, 0 };
-        y = dt__tensor_out(2, shape);
-        float *yv = dt__out(y);
-        par->sp_reduce_scatter(par, dt__tp_rows_f32(x), yv, y->numel);
-        dt__out_done(y, yv);
-    } else {
-        y = dt__tensor_out(x->ndim, x->shape);
-        float *yv = dt__out(y);
-        dt_convert(dt__in(x), DT_F32, yv, DT_F32, x->numel);
-        par->tp_sum(par, yv, x->numel);
-        dt__out_done(y, yv);
-    }
-    if (dt__wants_grad(x, NULL, NULL)) {
-        dt__tape_entry *e = dt__tape_push(dt__tp_sum_backward, y, x, NULL, NULL);
-        e->saved = par;
-        e->iarg[0] = par->rows_split;
-    }
-    return y;
-}
-
-/* -- entering and leaving the rows-split region (sequence parallelism). Each
-      backward also sets rows_split back to what it was there, so a block
-      that --recompute runs again in backward sees the rows as its forward did. -- */
-static void dt__sp_split_backward(dt__tape_entry *e) {
-    dt_parallel *par = (dt_parallel *)e->saved;
-    par->rows_split = 0;
-    dt_tensor *x = e->in[0];
-    if (x->requires_grad) dt__add_into_grad(x, dt__tp_all_rows(par, dt__grad_in(e->out), e->out->numel, x->device));
-}
-dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x) {
-    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
-    if (!par || !par->sp_all_gather) return x;
-    int64_t rows = dt_tensor_rows(x), cols = dt_tensor_cols(x);
-    if (rows % par->tp_size) {
-        if (!dt__ctx.grad_enabled) {                          /* evaluation's last batch, generation: whole rows */
-            par->rows_split = 0;     /* whatever a backward that had no split entry to walk back left (the mlp's) */
-            return x;
-        }
-        dt_fail("--sequence-parallel: a batch of %lld rows (sequences x tokens) does not split evenly over the %d ranks of a "
-                "tensor-parallel group; choose --batch-size so that it does", (long long)rows, par->tp_size);
-    }
-    int64_t mine = rows / par->tp_size;
-    int shape[4] = { (int)mine, (int)cols, 0, 0 };
-    dt__backend_for(x);
-    dt_tensor *y = dt__tensor_out(2, shape);
-    size_t es = dt_dtype_size(x->dtype);
-    dt_convert((const char *)x->data + (size_t)(par->tp_rank * mine * cols) * es, x->dtype, y->data, y->dtype, y->numel);
-    par->rows_split = 1;
-    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__sp_split_backward, y, x, NULL, NULL)->saved = par;
-    return y;
-}
-static void dt__sp_gather_backward(dt__tape_entry *e) {
-    dt_parallel *par = (dt_parallel *)e->saved;
-    par->rows_split = 1;
-    dt_tensor *x = e->in[0];
-    if (x->requires_grad)                      /* every rank holds the whole, equal gradient: its rows of it */
-        dt__add_into_grad(x, dt__grad_in(e->out) + (size_t)par->tp_rank * (size_t)x->numel);
-}
-dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x) {
-    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
-    if (!par || !par->sp_all_gather || !par->rows_split) return x;
-    dt__backend_for(x);
-    dt__scratch_reset();
-    int shape[4] = { (int)dt_tensor_rows(x) * par->tp_size, (int)dt_tensor_cols(x), 0, 0 };
-    dt_tensor *y = dt__tensor_out(2, shape);
-    float *yv = dt__out(y);
-    par->sp_all_gather(par, dt__tp_rows_f32(x), yv, x->numel);
-    dt__out_done(y, yv);
-    par->rows_split = 0;
-    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__sp_gather_backward, y, x, NULL, NULL)->saved = par;
-    return y;
-}
 /* [src/06-attention-and-loss.h] */
 /* -- a bias on every row: y = x + b; dx = dy, db = the sum of dy over rows
       in row order, as linear's backward sums it (so the same bits) -- */
@@ -5323,12 +5191,11 @@ static int64_t dt__online_backward(const dt__online_head *a, const float *dO, co
     }
     return work;
 }
-/* saved: each row's log-sum-exp [B*H*T], then the output in f32 [B*T, D],
-   which backward needs for <dO, O> (the matmul body's <dP, P>). */
-static void dt__attention_forward_online(const float *qkvv, float *outv, float *saved, int B, int T, int H, int D,
+/* lse: each row's log-sum-exp [B*H*T]; O: the output in f32 [B*T, D] for backward's <dO, O> (the matmul
+   body's <dP, P>), which an f32 output is itself (O == outv: kept once, not twice). */
+static void dt__attention_forward_online(const float *qkvv, float *outv, float *lse, float *O, int B, int T, int H, int D,
                                          float scale, int causal) {
     int hd = D / H, Tp = dt__att_padded(T);
-    float *lse = saved, *O = saved + (size_t)B * H * T;
     float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)(hd * Tp + T) * (size_t)dt_threads());
     DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
@@ -5346,10 +5213,9 @@ static void dt__attention_forward_online(const float *qkvv, float *outv, float *
         dt__online_finish(T, hd, m, l, acc, D, outv + (size_t)b * T * D + h * hd, D);
     }
 }
-static void dt__attention_backward_online(const float *qkvv, const float *saved, const float *dout, float *dqkv, int add,
-                                          int B, int T, int H, int D, float scale, int causal) {
+static void dt__attention_backward_online(const float *qkvv, const float *lse, const float *O, const float *dout, float *dqkv,
+                                          int add, int B, int T, int H, int D, float scale, int causal) {
     int hd = D / H, Tp = dt__att_padded(T);
-    const float *lse = saved, *O = saved + (size_t)B * H * T;
     float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)hd * Tp * (size_t)dt_threads());
     DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
@@ -5368,7 +5234,7 @@ static void dt__attention_backward_online(const float *qkvv, const float *saved,
 static void dt__attention_backward(dt__tape_entry *e) {
     dt_tensor *qkv = e->in[0];
     if (!qkv->requires_grad) return;
-    int B = e->iarg[0], T = e->iarg[1], H = e->iarg[2], causal = e->iarg[3] & 1, online = e->iarg[3] >> 1;
+    int B = e->iarg[0], T = e->iarg[1], H = e->iarg[2], causal = e->iarg[3] & 1, online = e->iarg[3] >> 1 & 1, o_is_out = e->iarg[3] >> 2;
     int D = (int)dt_tensor_cols(e->out);
     float scale = e->farg[0];
     const float *P = (const float *)e->saved, *dout = dt__grad_in(e->out), *qkvv = dt__in(qkv);
@@ -5382,7 +5248,8 @@ static void dt__attention_backward(dt__tape_entry *e) {
         if (online) gpu->attention_backward_online(qkvv, P, dout, dqkv, scratch, B, T, H, D, scale, causal);
         else gpu->attention_backward(P, dout, dqkv, scratch, B, T, H, D, scale);
     } else if (online)
-        dt__attention_backward_online(qkvv, P, dout, dqkv, !first, B, T, H, D, scale, causal);
+        dt__attention_backward_online(qkvv, P, o_is_out ? e->out->data : P + (size_t)B * H * T, dout, dqkv, !first, B, T, H, D,
+                                      scale, causal);
     else if (dt__attention_tiled(D / H))                           /* each element is one product's: */
         dt__attention_backward_tiles(qkvv, P, dout, dqkv, !first, B, T, H, D, scale, causal);   /* written first */
     else
@@ -5407,22 +5274,23 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
                        hd, DT_ATTENTION_ONLINE_MAX_HEAD_DIM);
     dt__scratch_reset();
     dt_tensor *out = dt__tensor_out_2d(B * T, D);
-    /* the probabilities stay f32 (softmax in f32 under mixed precision too); the online body keeps a row's log-sum-exp */
-    float *P = (float *)dt__step_data(sizeof(float) * (size_t)(online ? (int64_t)B * H * T + (int64_t)B * T * D
-                                                               : gpu ? DT_ATTENTION_SAVED_FLOATS(B, T, H, D)
-                                                                     : (int64_t)B * H * T * T));
     const float *qkvv = dt__in(qkv);
     float *outv = dt__out(out);
+    /* f32 probabilities (mixed precision too); online: a row's log-sum-exp, and O unless the output is it (Qwen2: 98 MB) */
+    int o_is_out = online && !gpu && outv == out->data;
+    float *P = (float *)dt__step_data(sizeof(float) * (size_t)(online ? (int64_t)B * H * T + (o_is_out ? 0 : (int64_t)B * T * D)
+                                                               : gpu ? DT_ATTENTION_SAVED_FLOATS(B, T, H, D)
+                                                                     : (int64_t)B * H * T * T));
     if (gpu && online) gpu->attention_forward_online(qkvv, outv, P, B, T, H, D, scale, causal);
     else if (gpu) gpu->attention_forward(qkvv, outv, P, B, T, H, D, scale, causal);
-    else if (online) dt__attention_forward_online(qkvv, outv, P, B, T, H, D, scale, causal);
+    else if (online) dt__attention_forward_online(qkvv, outv, P, o_is_out ? outv : P + (size_t)B * H * T, B, T, H, D, scale, causal);
     else if (dt__attention_tiled(hd)) dt__attention_forward_tiles(qkvv, outv, P, B, T, H, D, scale, causal);
     else dt__attention_forward_gemm(qkvv, outv, P, B, T, H, D, scale, causal);
     dt__out_done(out, outv);
     dt__ctx.flops += 4.0 * B * H * T * T * hd;
     if (dt__wants_grad(qkv, NULL, NULL)) {
         dt__tape_entry *e = dt__tape_push(dt__attention_backward, out, qkv, NULL, NULL);
-        e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = H; e->iarg[3] = (causal != 0) | online << 1; e->farg[0] = scale;
+        e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = H; e->iarg[3] = (causal != 0) | online << 1 | o_is_out << 2; e->farg[0] = scale;
         e->saved = P;
     }
     return out;
@@ -10022,9 +9890,163 @@ void dt_data_parallel_free(dt_data_parallel *dp) {
 }
 
 /* [src/16-tensor-parallel.h] */
+/* -- tensor parallelism's f and g, ops on the tape like any other (the wrapper
+      after them cuts the layers); their gradients are added in as the
+      residual's are (dt__add_into_grad). -- */
+/* The rows of x [N, C] as f32 on the device: x's own values (06 has no
+   16-bit activations). */
+static float *dt__tp_rows_f32(const dt_tensor *x) { return (float *)dt__in(x); }
+/* All of the group's rows, rank after rank: an all-gather of `mine` (n values). */
+static float *dt__tp_all_rows(dt_parallel *par, const float *mine, int64_t n, dt_device device) {
+    float *all = (float *)dt__scratch_on(device, (size_t)n * (size_t)par->tp_size * sizeof(float));
+    par->sp_all_gather(par, mine, all, n);
+    return all;
+}
+
+/* A column-parallel layer's input (Megatron-LM's f): the input itself, whose
+   gradient is each rank's part, summed over the group. Between dt_sp_split
+   and dt_sp_gather (iarg[0] 1) it is every rank's rows gathered, and the
+   gradient is reduce-scattered: each rank keeps its rows' sum. */
+static void dt__tp_copy_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0];
+    if (!x->requires_grad) return;
+    dt_parallel *par = (dt_parallel *)e->saved;
+    int64_t n = e->out->numel;
+    float *sum = (float *)dt__scratch_on(x->device, (size_t)n * sizeof(float));
+    dt_convert(dt__grad_in(e->out), DT_F32, sum, DT_F32, n);
+    if (!e->iarg[0]) {
+        par->tp_sum(par, sum, n);
+        dt__add_into_grad(x, sum);
+        return;
+    }
+    float *mine = (float *)dt__scratch_on(x->device, (size_t)x->numel * sizeof(float));
+    par->sp_reduce_scatter(par, sum, mine, x->numel);
+    dt__add_into_grad(x, mine);
+}
+dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x) {
+    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
+    if (!par || !par->tp_sum) return x;
+    dt_tensor *y;
+    if (par->rows_split) {                                    /* the group's rows, gathered */
+        dt__backend_for(x);
+        dt__scratch_reset();
+        int shape[4] = { (int)dt_tensor_rows(x) * par->tp_size, (int)dt_tensor_cols(x), 0, 0 };
+        y = dt__tensor_out(2, shape);
+        float *yv = dt__out(y);
+        par->sp_all_gather(par, dt__tp_rows_f32(x), yv, x->numel);
+        dt__out_done(y, yv);
+    } else {
+        y = (dt_tensor *)dt_step_alloc(sizeof *y);            /* the same values: a view with a gradient of its own */
+        *y = *x;
+        y->name = NULL;
+        y->grad = NULL;
+        y->requires_grad = 0;
+        y->is_param = 0;
+        y->parallel = NULL;
+    }
+    if (dt__wants_grad(x, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__tp_copy_backward, y, x, NULL, NULL);
+        e->saved = par;
+        e->iarg[0] = par->rows_split;
+    }
+    return y;
+}
+/* A row-parallel layer's output (Megatron-LM's g): every rank's partial
+   output, added up; the gradient passes as it is. Between dt_sp_split and
+   dt_sp_gather the sum is reduce-scattered (each rank keeps its rows of it),
+   and the gradient all-gathered. */
+static void dt__tp_sum_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0];
+    if (!x->requires_grad) return;
+    const float *dy = dt__grad_in(e->out);
+    if (e->iarg[0]) dy = dt__tp_all_rows((dt_parallel *)e->saved, dy, e->out->numel, x->device);
+    dt__add_into_grad(x, dy);
+}
+dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x) {
+    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
+    if (!par || !par->tp_sum) return x;
+    dt__backend_for(x);
+    dt__scratch_reset();
+    dt_tensor *y;
+    if (par->rows_split) {                                    /* each rank its rows of the sum */
+        int64_t rows = dt_tensor_rows(x);
+        if (rows % par->tp_size) dt_fail("internal: %lld rows do not split over %d ranks", (long long)rows, par->tp_size);
+        int shape[4] = { (int)(rows / par->tp_size), (int)dt_tensor_cols(x), 0, 0 };
+        y = dt__tensor_out(2, shape);
+        float *yv = dt__out(y);
+        par->sp_reduce_scatter(par, dt__tp_rows_f32(x), yv, y->numel);
+        dt__out_done(y, yv);
+    } else {
+        y = dt__tensor_out(x->ndim, x->shape);
+        float *yv = dt__out(y);
+        dt_convert(dt__in(x), DT_F32, yv, DT_F32, x->numel);
+        par->tp_sum(par, yv, x->numel);
+        dt__out_done(y, yv);
+    }
+    if (dt__wants_grad(x, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__tp_sum_backward, y, x, NULL, NULL);
+        e->saved = par;
+        e->iarg[0] = par->rows_split;
+    }
+    return y;
+}
+
+/* -- entering and leaving the rows-split region (sequence parallelism). Each
+      backward also sets rows_split back to what it was there, so a block
+      that --recompute runs again in backward sees the rows as its forward did. -- */
+static void dt__sp_split_backward(dt__tape_entry *e) {
+    dt_parallel *par = (dt_parallel *)e->saved;
+    par->rows_split = 0;
+    dt_tensor *x = e->in[0];
+    if (x->requires_grad) dt__add_into_grad(x, dt__tp_all_rows(par, dt__grad_in(e->out), e->out->numel, x->device));
+}
+dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x) {
+    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
+    if (!par || !par->sp_all_gather) return x;
+    int64_t rows = dt_tensor_rows(x), cols = dt_tensor_cols(x);
+    if (rows % par->tp_size) {
+        if (!dt__ctx.grad_enabled) {                          /* evaluation's last batch, generation: whole rows */
+            par->rows_split = 0;     /* whatever a backward that had no split entry to walk back left (the mlp's) */
+            return x;
+        }
+        dt_fail("--sequence-parallel: a batch of %lld rows (sequences x tokens) does not split evenly over the %d ranks of a "
+                "tensor-parallel group; choose --batch-size so that it does", (long long)rows, par->tp_size);
+    }
+    int64_t mine = rows / par->tp_size;
+    int shape[4] = { (int)mine, (int)cols, 0, 0 };
+    dt__backend_for(x);
+    dt_tensor *y = dt__tensor_out(2, shape);
+    size_t es = dt_dtype_size(x->dtype);
+    dt_convert((const char *)x->data + (size_t)(par->tp_rank * mine * cols) * es, x->dtype, y->data, y->dtype, y->numel);
+    par->rows_split = 1;
+    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__sp_split_backward, y, x, NULL, NULL)->saved = par;
+    return y;
+}
+static void dt__sp_gather_backward(dt__tape_entry *e) {
+    dt_parallel *par = (dt_parallel *)e->saved;
+    par->rows_split = 1;
+    dt_tensor *x = e->in[0];
+    if (x->requires_grad)                      /* every rank holds the whole, equal gradient: its rows of it */
+        dt__add_into_grad(x, dt__grad_in(e->out) + (size_t)par->tp_rank * (size_t)x->numel);
+}
+dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x) {
+    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
+    if (!par || !par->sp_all_gather || !par->rows_split) return x;
+    dt__backend_for(x);
+    dt__scratch_reset();
+    int shape[4] = { (int)dt_tensor_rows(x) * par->tp_size, (int)dt_tensor_cols(x), 0, 0 };
+    dt_tensor *y = dt__tensor_out(2, shape);
+    float *yv = dt__out(y);
+    par->sp_all_gather(par, dt__tp_rows_f32(x), yv, x->numel);
+    dt__out_done(y, yv);
+    par->rows_split = 0;
+    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__sp_gather_backward, y, x, NULL, NULL)->saved = par;
+    return y;
+}
+
 /* -- tensor parallelism (Megatron-LM, Shoeybi et al., 2019) --
    The model marks where each parameter may be cut (dt_split, the models chapter), and
-   its layers call dt_tp_copy and dt_tp_sum (the autograd chapter) wherever a layer is
+   its layers call dt_tp_copy and dt_tp_sum (above) wherever a layer is
    cut; this wrapper cuts the parameters and gives the sum. Every rank draws
    the whole model from the seed, as stage 01 does, and keeps its piece: the
    r-th of T along the cut dimension, of each of its `parts` groups (rank r

@@ -311,6 +311,10 @@ typedef struct dt__step_arena {
     int nspill, spill_cap;
 } dt__step_arena;
 
+/* The two buffers blocks' input gradients take turns in (dt__grad_region, the
+   autograd chapter), made in backward number `generation`. */
+typedef struct { void *buf[2]; size_t bytes; dt_device device; int generation, turn; } dt__block_grads;
+
 typedef struct dt__context {
     int rank, world_size;
     dt_device device;
@@ -357,6 +361,7 @@ typedef struct dt__context {
        from x w^T in step `step`; stale once the optimizer has moved w. */
     int64_t lazy_from;                 /* logits of at least this many bytes wait; < 0: none */
     struct { dt_tensor *logits, *x, *w; uint64_t step; int stale; } lazy;
+    dt__block_grads block_grads;
 } dt__context;
 
 static DT_THREAD_LOCAL dt__context dt__ctx = { .world_size = 1, .grad_enabled = 1, .loss_seed = 1.0f, .lazy_from = -1 };

@@ -23,8 +23,8 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal);
    et al., 2022): a row's keys are visited in blocks, its running largest
    score and sum rescaling what came before, and only the row's log-sum-exp
    is kept; backward makes each probability again from it. T x T floats a
-   head become T (and the output, kept in f32); the same values within
-   rounding. The recurrence is per-element arithmetic that GPU kernels share
+   head become T (a GPU and mixed precision keep the output in f32 too); the
+   same values within rounding. The recurrence is per-element arithmetic that GPU kernels share
    (dt_online_softmax_rescale: the GPU's online attention kernels, its row
    softmax and its classifier run it too). (--attention) */
 typedef enum { DT_ATTENTION_MATMUL = 0, DT_ATTENTION_ONLINE = 1 } dt_attention_body;
@@ -448,12 +448,11 @@ static int64_t dt__online_backward(const dt__online_head *a, const float *dO, co
     }
     return work;
 }
-/* saved: each row's log-sum-exp [B*H*T], then the output in f32 [B*T, D],
-   which backward needs for <dO, O> (the matmul body's <dP, P>). */
-static void dt__attention_forward_online(const float *qkvv, float *outv, float *saved, int B, int T, int H, int D,
+/* lse: each row's log-sum-exp [B*H*T]; O: the output in f32 [B*T, D] for backward's <dO, O> (the matmul
+   body's <dP, P>), which an f32 output is itself (O == outv: kept once, not twice). */
+static void dt__attention_forward_online(const float *qkvv, float *outv, float *lse, float *O, int B, int T, int H, int D,
                                          float scale, int causal) {
     int hd = D / H, Tp = dt__att_padded(T);
-    float *lse = saved, *O = saved + (size_t)B * H * T;
     float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * (size_t)(hd * Tp + T) * (size_t)dt_threads());
     DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
@@ -471,10 +470,9 @@ static void dt__attention_forward_online(const float *qkvv, float *outv, float *
         dt__online_finish(T, hd, m, l, acc, D, outv + (size_t)b * T * D + h * hd, D);
     }
 }
-static void dt__attention_backward_online(const float *qkvv, const float *saved, const float *dout, float *dqkv, int add,
-                                          int B, int T, int H, int D, float scale, int causal) {
+static void dt__attention_backward_online(const float *qkvv, const float *lse, const float *O, const float *dout, float *dqkv,
+                                          int add, int B, int T, int H, int D, float scale, int causal) {
     int hd = D / H, Tp = dt__att_padded(T);
-    const float *lse = saved, *O = saved + (size_t)B * H * T;
     float *space = (float *)dt__scratch_on(DT_CPU, sizeof(float) * 2 * (size_t)hd * Tp * (size_t)dt_threads());
     DT_OMP("omp parallel for schedule(static) if(B * H > 1)")
     for (int bh = 0; bh < B * H; bh++) {
@@ -493,7 +491,7 @@ static void dt__attention_backward_online(const float *qkvv, const float *saved,
 static void dt__attention_backward(dt__tape_entry *e) {
     dt_tensor *qkv = e->in[0];
     if (!qkv->requires_grad) return;
-    int B = e->iarg[0], T = e->iarg[1], H = e->iarg[2], causal = e->iarg[3] & 1, online = e->iarg[3] >> 1;
+    int B = e->iarg[0], T = e->iarg[1], H = e->iarg[2], causal = e->iarg[3] & 1, online = e->iarg[3] >> 1 & 1, o_is_out = e->iarg[3] >> 2;
     int D = (int)dt_tensor_cols(e->out);
     float scale = e->farg[0];
     const float *P = (const float *)e->saved, *dout = dt__grad_in(e->out), *qkvv = dt__in(qkv);
@@ -507,7 +505,8 @@ static void dt__attention_backward(dt__tape_entry *e) {
         if (online) gpu->attention_backward_online(qkvv, P, dout, dqkv, scratch, B, T, H, D, scale, causal);
         else gpu->attention_backward(P, dout, dqkv, scratch, B, T, H, D, scale);
     } else if (online)
-        dt__attention_backward_online(qkvv, P, dout, dqkv, !first, B, T, H, D, scale, causal);
+        dt__attention_backward_online(qkvv, P, o_is_out ? e->out->data : P + (size_t)B * H * T, dout, dqkv, !first, B, T, H, D,
+                                      scale, causal);
     else if (dt__attention_tiled(D / H))                           /* each element is one product's: */
         dt__attention_backward_tiles(qkvv, P, dout, dqkv, !first, B, T, H, D, scale, causal);   /* written first */
     else
@@ -532,22 +531,23 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal) {
                        hd, DT_ATTENTION_ONLINE_MAX_HEAD_DIM);
     dt__scratch_reset();
     dt_tensor *out = dt__tensor_out_2d(B * T, D);
-    /* the probabilities stay f32 (softmax in f32 under mixed precision too); the online body keeps a row's log-sum-exp */
-    float *P = (float *)dt__step_data(sizeof(float) * (size_t)(online ? (int64_t)B * H * T + (int64_t)B * T * D
-                                                               : gpu ? DT_ATTENTION_SAVED_FLOATS(B, T, H, D)
-                                                                     : (int64_t)B * H * T * T));
     const float *qkvv = dt__in(qkv);
     float *outv = dt__out(out);
+    /* f32 probabilities (mixed precision too); online: a row's log-sum-exp, and O unless the output is it (Qwen2: 98 MB) */
+    int o_is_out = online && !gpu && outv == out->data;
+    float *P = (float *)dt__step_data(sizeof(float) * (size_t)(online ? (int64_t)B * H * T + (o_is_out ? 0 : (int64_t)B * T * D)
+                                                               : gpu ? DT_ATTENTION_SAVED_FLOATS(B, T, H, D)
+                                                                     : (int64_t)B * H * T * T));
     if (gpu && online) gpu->attention_forward_online(qkvv, outv, P, B, T, H, D, scale, causal);
     else if (gpu) gpu->attention_forward(qkvv, outv, P, B, T, H, D, scale, causal);
-    else if (online) dt__attention_forward_online(qkvv, outv, P, B, T, H, D, scale, causal);
+    else if (online) dt__attention_forward_online(qkvv, outv, P, o_is_out ? outv : P + (size_t)B * H * T, B, T, H, D, scale, causal);
     else if (dt__attention_tiled(hd)) dt__attention_forward_tiles(qkvv, outv, P, B, T, H, D, scale, causal);
     else dt__attention_forward_gemm(qkvv, outv, P, B, T, H, D, scale, causal);
     dt__out_done(out, outv);
     dt__ctx.flops += 4.0 * B * H * T * T * hd;
     if (dt__wants_grad(qkv, NULL, NULL)) {
         dt__tape_entry *e = dt__tape_push(dt__attention_backward, out, qkv, NULL, NULL);
-        e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = H; e->iarg[3] = (causal != 0) | online << 1; e->farg[0] = scale;
+        e->iarg[0] = B; e->iarg[1] = T; e->iarg[2] = H; e->iarg[3] = (causal != 0) | online << 1 | o_is_out << 2; e->farg[0] = scale;
         e->saved = P;
     }
     return out;

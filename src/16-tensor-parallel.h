@@ -1,4 +1,4 @@
-//@ lesson: tensor parallelism -- Megatron-LM's column- and row-parallel layers, the split vocabulary, sequence parallelism
+//@ lesson: tensor parallelism -- its ops on the tape (f and g, sequence parallelism's split and gather); Megatron-LM's column- and row-parallel layers, the split vocabulary
 /* Tensor parallelism (stage 06), as Megatron-LM splits a transformer: every
    rank of a group of T keeps 1/T of each large weight and computes 1/T of
    each layer. In a block, the first MLP layer is column-parallel (each rank
@@ -20,6 +20,30 @@
    model over the "dp" groups (dt_tp_data_group): DDP averages each piece's
    gradient over the groups, FSDP shards the pieces over them too (2-D
    parallelism: each rank keeps 1/(T x D) of a split weight). */
+/* Tensor parallelism's two conjugate ops (Megatron-LM's f and g), which put
+   its communication on the tape so that backward needs no special case. A
+   column-parallel layer (each rank computes its share of the outputs) reads
+   dt_tp_copy(x): the input itself, but in backward each rank holds only its
+   share's part of x's gradient, so they are summed over the group. A
+   row-parallel layer (each rank multiplies its share of the inputs) gives
+   partial outputs: dt_tp_sum adds them up over the group, and in backward
+   every rank needs the whole gradient, which it has. Without a wrapper that
+   gives tp_sum, both return x. */
+dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x);
+dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x);
+/* Sequence parallelism (Korthikanti et al., 2022): between the split layers,
+   where the norms and residual adds work row by row, each rank of the group
+   keeps 1/T of the rows (tokens) instead of all of them. dt_sp_split enters
+   that region (this rank's rows; backward all-gathers their gradients),
+   dt_sp_gather leaves it (every row again; backward keeps this rank's). In
+   between, dt_tp_copy becomes an all-gather of the rows (backward: a
+   reduce-scatter) and dt_tp_sum a reduce-scatter (backward: an all-gather):
+   the same bytes as the all-reduces they replace, as each all-reduce is a
+   reduce-scatter then an all-gather. Without a wrapper that gives
+   sp_all_gather, both return x; so they do when the rows do not split evenly
+   and no gradient is wanted (generation), and with gradients that is an error. */
+dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x);
+dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x);
 typedef struct dt_tp dt_tp;
 /* Keep this rank's piece of every split parameter (the weights drawn whole
    from the seed, as in stage 01, then cut). tp 0: the whole job is one group.
@@ -46,9 +70,163 @@ int dt_tp_data_ranks(const dt_tp *tp);
 void dt_tp_free(dt_tp *tp);
 
 //@ implementation
+/* -- tensor parallelism's f and g, ops on the tape like any other (the wrapper
+      after them cuts the layers); their gradients are added in as the
+      residual's are (dt__add_into_grad). -- */
+/* The rows of x [N, C] as f32 on the device: x's own values (06 has no
+   16-bit activations). */
+static float *dt__tp_rows_f32(const dt_tensor *x) { return (float *)dt__in(x); }
+/* All of the group's rows, rank after rank: an all-gather of `mine` (n values). */
+static float *dt__tp_all_rows(dt_parallel *par, const float *mine, int64_t n, dt_device device) {
+    float *all = (float *)dt__scratch_on(device, (size_t)n * (size_t)par->tp_size * sizeof(float));
+    par->sp_all_gather(par, mine, all, n);
+    return all;
+}
+
+/* A column-parallel layer's input (Megatron-LM's f): the input itself, whose
+   gradient is each rank's part, summed over the group. Between dt_sp_split
+   and dt_sp_gather (iarg[0] 1) it is every rank's rows gathered, and the
+   gradient is reduce-scattered: each rank keeps its rows' sum. */
+static void dt__tp_copy_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0];
+    if (!x->requires_grad) return;
+    dt_parallel *par = (dt_parallel *)e->saved;
+    int64_t n = e->out->numel;
+    float *sum = (float *)dt__scratch_on(x->device, (size_t)n * sizeof(float));
+    dt_convert(dt__grad_in(e->out), DT_F32, sum, DT_F32, n);
+    if (!e->iarg[0]) {
+        par->tp_sum(par, sum, n);
+        dt__add_into_grad(x, sum);
+        return;
+    }
+    float *mine = (float *)dt__scratch_on(x->device, (size_t)x->numel * sizeof(float));
+    par->sp_reduce_scatter(par, sum, mine, x->numel);
+    dt__add_into_grad(x, mine);
+}
+dt_tensor *dt_tp_copy(dt_parallel *par, dt_tensor *x) {
+    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
+    if (!par || !par->tp_sum) return x;
+    dt_tensor *y;
+    if (par->rows_split) {                                    /* the group's rows, gathered */
+        dt__backend_for(x);
+        dt__scratch_reset();
+        int shape[4] = { (int)dt_tensor_rows(x) * par->tp_size, (int)dt_tensor_cols(x), 0, 0 };
+        y = dt__tensor_out(2, shape);
+        float *yv = dt__out(y);
+        par->sp_all_gather(par, dt__tp_rows_f32(x), yv, x->numel);
+        dt__out_done(y, yv);
+    } else {
+        y = (dt_tensor *)dt_step_alloc(sizeof *y);            /* the same values: a view with a gradient of its own */
+        *y = *x;
+        y->name = NULL;
+        y->grad = NULL;
+        y->requires_grad = 0;
+        y->is_param = 0;
+        y->parallel = NULL;
+    }
+    if (dt__wants_grad(x, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__tp_copy_backward, y, x, NULL, NULL);
+        e->saved = par;
+        e->iarg[0] = par->rows_split;
+    }
+    return y;
+}
+/* A row-parallel layer's output (Megatron-LM's g): every rank's partial
+   output, added up; the gradient passes as it is. Between dt_sp_split and
+   dt_sp_gather the sum is reduce-scattered (each rank keeps its rows of it),
+   and the gradient all-gathered. */
+static void dt__tp_sum_backward(dt__tape_entry *e) {
+    dt_tensor *x = e->in[0];
+    if (!x->requires_grad) return;
+    const float *dy = dt__grad_in(e->out);
+    if (e->iarg[0]) dy = dt__tp_all_rows((dt_parallel *)e->saved, dy, e->out->numel, x->device);
+    dt__add_into_grad(x, dy);
+}
+dt_tensor *dt_tp_sum(dt_parallel *par, dt_tensor *x) {
+    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
+    if (!par || !par->tp_sum) return x;
+    dt__backend_for(x);
+    dt__scratch_reset();
+    dt_tensor *y;
+    if (par->rows_split) {                                    /* each rank its rows of the sum */
+        int64_t rows = dt_tensor_rows(x);
+        if (rows % par->tp_size) dt_fail("internal: %lld rows do not split over %d ranks", (long long)rows, par->tp_size);
+        int shape[4] = { (int)(rows / par->tp_size), (int)dt_tensor_cols(x), 0, 0 };
+        y = dt__tensor_out(2, shape);
+        float *yv = dt__out(y);
+        par->sp_reduce_scatter(par, dt__tp_rows_f32(x), yv, y->numel);
+        dt__out_done(y, yv);
+    } else {
+        y = dt__tensor_out(x->ndim, x->shape);
+        float *yv = dt__out(y);
+        dt_convert(dt__in(x), DT_F32, yv, DT_F32, x->numel);
+        par->tp_sum(par, yv, x->numel);
+        dt__out_done(y, yv);
+    }
+    if (dt__wants_grad(x, NULL, NULL)) {
+        dt__tape_entry *e = dt__tape_push(dt__tp_sum_backward, y, x, NULL, NULL);
+        e->saved = par;
+        e->iarg[0] = par->rows_split;
+    }
+    return y;
+}
+
+/* -- entering and leaving the rows-split region (sequence parallelism). Each
+      backward also sets rows_split back to what it was there, so a block
+      that --recompute runs again in backward sees the rows as its forward did. -- */
+static void dt__sp_split_backward(dt__tape_entry *e) {
+    dt_parallel *par = (dt_parallel *)e->saved;
+    par->rows_split = 0;
+    dt_tensor *x = e->in[0];
+    if (x->requires_grad) dt__add_into_grad(x, dt__tp_all_rows(par, dt__grad_in(e->out), e->out->numel, x->device));
+}
+dt_tensor *dt_sp_split(dt_parallel *par, dt_tensor *x) {
+    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
+    if (!par || !par->sp_all_gather) return x;
+    int64_t rows = dt_tensor_rows(x), cols = dt_tensor_cols(x);
+    if (rows % par->tp_size) {
+        if (!dt__ctx.grad_enabled) {                          /* evaluation's last batch, generation: whole rows */
+            par->rows_split = 0;     /* whatever a backward that had no split entry to walk back left (the mlp's) */
+            return x;
+        }
+        dt_fail("--sequence-parallel: a batch of %lld rows (sequences x tokens) does not split evenly over the %d ranks of a "
+                "tensor-parallel group; choose --batch-size so that it does", (long long)rows, par->tp_size);
+    }
+    int64_t mine = rows / par->tp_size;
+    int shape[4] = { (int)mine, (int)cols, 0, 0 };
+    dt__backend_for(x);
+    dt_tensor *y = dt__tensor_out(2, shape);
+    size_t es = dt_dtype_size(x->dtype);
+    dt_convert((const char *)x->data + (size_t)(par->tp_rank * mine * cols) * es, x->dtype, y->data, y->dtype, y->numel);
+    par->rows_split = 1;
+    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__sp_split_backward, y, x, NULL, NULL)->saved = par;
+    return y;
+}
+static void dt__sp_gather_backward(dt__tape_entry *e) {
+    dt_parallel *par = (dt_parallel *)e->saved;
+    par->rows_split = 1;
+    dt_tensor *x = e->in[0];
+    if (x->requires_grad)                      /* every rank holds the whole, equal gradient: its rows of it */
+        dt__add_into_grad(x, dt__grad_in(e->out) + (size_t)par->tp_rank * (size_t)x->numel);
+}
+dt_tensor *dt_sp_gather(dt_parallel *par, dt_tensor *x) {
+    par = dt_parallel_splitting(par);                        /* the stack's tensor-parallel wrapper */
+    if (!par || !par->sp_all_gather || !par->rows_split) return x;
+    dt__backend_for(x);
+    dt__scratch_reset();
+    int shape[4] = { (int)dt_tensor_rows(x) * par->tp_size, (int)dt_tensor_cols(x), 0, 0 };
+    dt_tensor *y = dt__tensor_out(2, shape);
+    float *yv = dt__out(y);
+    par->sp_all_gather(par, dt__tp_rows_f32(x), yv, x->numel);
+    dt__out_done(y, yv);
+    par->rows_split = 0;
+    if (dt__wants_grad(x, NULL, NULL)) dt__tape_push(dt__sp_gather_backward, y, x, NULL, NULL)->saved = par;
+    return y;
+}
+
 /* -- tensor parallelism (Megatron-LM, Shoeybi et al., 2019) --
    The model marks where each parameter may be cut (dt_split, the models chapter), and
-   its layers call dt_tp_copy and dt_tp_sum (the autograd chapter) wherever a layer is
+   its layers call dt_tp_copy and dt_tp_sum (above) wherever a layer is
    cut; this wrapper cuts the parameters and gives the sum. Every rank draws
    the whole model from the seed, as stage 01 does, and keeps its piece: the
    r-th of T along the cut dimension, of each of its `parts` groups (rank r

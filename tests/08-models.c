@@ -69,8 +69,9 @@ TEST(a_model_larger_than_memory_is_refused_with_its_size, QUICK) {
 /* Without --recompute, backward gives a block's gradients back when it
    leaves the block (the autograd chapter's tape regions): what backward adds
    to the forward's activations is one block's gradients at a time, and the
-   gradient of each block's input (one B x T x dim buffer a block), where
-   every block's gradients stayed to the step's end before. */
+   gradients of the blocks' inputs, which take turns in two B x T x dim
+   buffers: the same at depth 8 as at depth 2. Before, every block's
+   gradients stayed to the step's end, and then every block's input's. */
 TEST(backward_holds_one_blocks_gradients_at_a_time, QUICK) {
     enum { B = 2, T = 32, V = 11 };
     float tokens[B * T];
@@ -96,9 +97,9 @@ TEST(backward_holds_one_blocks_gradients_at_a_time, QUICK) {
     double block = (forward[1] - forward[0]) / 6, input_grad = (double)B * T * 64 * sizeof(float);
     printf("    forward %.0f and %.0f KB (depth 2, 8); backward's extra %.0f and %.0f KB; a block's activations %.0f KB\n",
            forward[0] / 1e3, forward[1] / 1e3, extra[0] / 1e3, extra[1] / 1e3, block / 1e3);
-    CHECKF(block > 0 && extra[1] - extra[0] <= 6 * (input_grad + 64),
-           "backward's memory beyond the forward's grew with the depth by more than the blocks' input gradients: %.0f KB at "
-           "depth 2, %.0f KB at depth 8 (a block's activations: %.0f KB)", extra[0] / 1e3, extra[1] / 1e3, block / 1e3);
+    CHECKF(block > 0 && extra[1] - extra[0] < input_grad / 2,
+           "backward's memory beyond the forward's grew with the depth: %.0f KB at depth 2, %.0f KB at depth 8 (a block's "
+           "activations: %.0f KB, its input's gradient %.0f KB)", extra[0] / 1e3, extra[1] / 1e3, block / 1e3, input_grad / 1e3);
 }
 
 /* One forward and backward of a language model on B x T tokens: a copy of
