@@ -6,16 +6,20 @@
 # PyTorch, dtrain, ...), REPEATS of each (default 3), medians with [lowest-highest]. A step takes 10-20 s
 # on two cores and each run loads the model and warms up first: about 2 minutes a pair of runs. Before them,
 # with PyTorch at hand, the first loss on the same 9 sequences (DIR/tokens.npy) and weights: dtrain's and
-# transformers' more than 1e-5 apart fail the bench (about a minute more).
+# transformers' more than 1e-5 apart fail the bench (about a minute more). dtrain runs with
+# `--attention online`, what a fine-tuning short of memory would choose: no B x heads x T x T
+# probabilities kept (8.3 MB a layer here) and, at 128 tokens, as fast as the default body (docs/cpu-speed.md).
 #
 # usage: tools/bench_qwen2.sh [stage-01 binary] [python with torch and transformers]
 #   REPEATS=N  THREADS=2  STEPS=2 (timed steps a run)  DIR=folder for the weights (default: a temporary one)
+#   ATTENTION=online (dtrain's --attention; matmul: the default body)
 set -uo pipefail
 bin=${1:-01-single-gpu/train}
 py=${2:-build/pyvenv/bin/python}
 repeats=${REPEATS:-3}
 threads=${THREADS:-2}
 steps=${STEPS:-2}
+attention=${ATTENTION:-online}
 here=$(cd "$(dirname "$0")" && pwd)
 if ! "$py" -c 'import torch, transformers' 2>/dev/null; then
   echo "bench_qwen2.sh: $py has no torch and transformers (make test-all's build/pyvenv has them): dtrain alone"
@@ -45,7 +49,7 @@ status=0
 if [ -n "$py" ] && [ -f "$dir/model/config.json" ]; then
   [ -f "$dir/tokens.npy" ] || "$py" "$here/bench_qwen2.py" tokens "$dir" || status=1
   rm -f "$dir/loss.jsonl"
-  OMP_NUM_THREADS=$threads "$bin" --device cpu --init "$dir/model" --tokens "$dir/tokens.npy" --seq-len 128 \
+  OMP_NUM_THREADS=$threads "$bin" --device cpu --init "$dir/model" --attention "$attention" --tokens "$dir/tokens.npy" --seq-len 128 \
     --batch-size 9 --steps 1 --log "$dir/loss.jsonl" --quiet >"$dir/loss.out" 2>&1 || { cat "$dir/loss.out" >&2; status=1; }
   dloss=$(sed -n 's/^{"step":1,[^}]*"loss":\([-0-9.e+]*\).*/\1/p' "$dir/loss.jsonl" 2>/dev/null | head -1)
   tloss=$(env ${torch_coretype:+OPENBLAS_CORETYPE=$torch_coretype} OMP_NUM_THREADS=$threads "$py" "$here/bench_qwen2.py" loss "$dir" 2>&1 |
@@ -59,8 +63,8 @@ if [ -n "$py" ] && [ -f "$dir/model/config.json" ]; then
   fi
 fi
 for r in $(seq 1 "$repeats"); do
-  echo "== round $r of $repeats (Qwen2-0.5B's shape, $threads threads)"
-  line=$(OMP_NUM_THREADS=$threads "$bin" --bench --device cpu "${dflags[@]}" --seq-len 128 --batch-size 9 --steps "$steps" 2>&1 | grep -m1 '^bench:')
+  echo "== round $r of $repeats (Qwen2-0.5B's shape, $threads threads, dtrain with --attention $attention)"
+  line=$(OMP_NUM_THREADS=$threads "$bin" --bench --device cpu "${dflags[@]}" --attention "$attention" --seq-len 128 --batch-size 9 --steps "$steps" 2>&1 | grep -m1 '^bench:')
   if [ -z "$line" ]; then echo "bench_qwen2.sh: $bin --bench printed no bench line" >&2; status=1
   else echo "dtrain $(field "$line" tokens_per_s) $(field "$line" peak_rss_mb)" | tee -a "$out"; fi
   [ -n "$py" ] || continue
