@@ -262,7 +262,6 @@ print-nccl:
 # Each tier builds what it runs (tier 1 only that, with every core).
 gpu-check:
 	GPU_CHECK_OUT="$(or $(GPU_CHECK_OUT),gpu-check)" GPU_CHECK_TIER="$(or $(GPU_CHECK_TIER),1)" tools/gpu_check.sh
-test-programs: $(TEST_PROGRAMS)
 
 run: 01-single-gpu/train
 	./01-single-gpu/train
@@ -290,6 +289,9 @@ build/test/dtrain.o: dtrain.c dtrain.h
 $(TEST_PROGRAMS): build/test/%: build/obj/%.o build/test/dtrain.o $(CUDA_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
+# After TEST_PROGRAMS is set: a rule's prerequisites are expanded where make reads it, and above
+# this line the list was empty, so `make test-programs` built nothing at all
+test-programs: $(TEST_PROGRAMS)
 TESTING = @echo "testing with: $(CC) $(CFLAGS)$(if $(CUDA_OBJ), + $(CUDA_OBJ) from $(NVCC)); the stages and tools under test with -DDT_TESTING"
 test: all $(TEST_PROGRAMS)
 	$(TESTING)

@@ -582,11 +582,11 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal);
    DT_ATTENTION_ONLINE: never stored -- FlashAttention's online softmax (Dao
    et al., 2022): a row's keys are visited in blocks, its running largest
    score and sum rescaling what came before, and only the row's log-sum-exp
-   is kept; backward makes each probability again from it. T x T floats a
-   head become T (a GPU and mixed precision keep the output in f32 too); the
-   same values within rounding. The recurrence is per-element arithmetic that GPU kernels share
-   (dt_online_softmax_rescale: the GPU's online attention kernels, its row
-   softmax and its classifier run it too). (--attention) */
+   is kept; backward makes each probability again from it, and reads the
+   output (so nothing may write over it before; a GPU and mixed precision keep
+   it in f32 too). T x T floats a head become T; the same values within
+   rounding. The recurrence is per-element arithmetic that GPU kernels share
+   (dt_online_softmax_rescale: its row softmax and classifier too). (--attention) */
 typedef enum { DT_ATTENTION_MATMUL = 0, DT_ATTENTION_ONLINE = 1 } dt_attention_body;
 void dt_set_attention_body(dt_attention_body body);
 /* Context parallelism (stage 08): this thread holds T tokens of each
@@ -4034,16 +4034,18 @@ static void dt__tape_mark(dt__backward_fn fn, void *user, int arg) {
    memory, not every block's (Qwen2-0.5B's shape at 9 x 128 tokens: the
    peak of activations 7.97 -> 5.13 GB). And the input's gradient is read by
    the block before and by nothing once that block's backward is done: the
-   blocks' input gradients take turns in two buffers, made at the first
-   region of a backward, not one a block piling up to the step's end (the same
-   shape: 98 MB). Nothing made inside may be read after backward, and a
-   block's input gradient only until the backward of the block two before it
-   begins. */
-typedef struct { dt_tensor *x; dt__step_mark mark; } dt__grad_region;
+   input gradients of blocks after the first of a run take turns in two
+   buffers, made at the first region of a backward, not one a block piling up
+   to the step's end (the same shape: 98 MB). Nothing made inside may be read
+   after backward, and such a block's input gradient only until the backward
+   of the block two before it begins; the first block's input (the caller's:
+   an embedding's output, a pipeline stage's input) keeps its own. */
+typedef struct { dt_tensor *x; dt__step_mark mark; int turns; } dt__grad_region;
 static void dt__grad_region_enter(dt__tape_entry *e) {
     dt__grad_region *g = (dt__grad_region *)e->saved;
     dt_tensor *x = g->x;
-    if (x->requires_grad && !x->grad) {        /* before the mark: x's gradient outlives the region's */
+    if (x->requires_grad && !x->grad && !g->turns) dt_grad(x);   /* before the mark: x's gradient outlives the region's */
+    else if (x->requires_grad && !x->grad) {
         size_t bytes = (size_t)x->numel * dt_dtype_size(dt__grad_dtype(x));
         dt__block_grads *turns = &dt__ctx.block_grads;
         if (turns->generation != dt__ctx.backward_generation || turns->device != x->device || turns->bytes < bytes) {
@@ -4058,9 +4060,9 @@ static void dt__grad_region_enter(dt__tape_entry *e) {
     g->mark = dt__step_mark_now();
 }
 static void dt__grad_region_leave(dt__tape_entry *e) { dt__step_back_to(&((dt__grad_region *)e->saved)->mark); }
-static dt__grad_region *dt__grad_region_begin(dt_tensor *x) {
+static dt__grad_region *dt__grad_region_begin(dt_tensor *x, int turns) {
     dt__grad_region *g = (dt__grad_region *)dt_step_alloc(sizeof *g);
-    g->x = x;
+    g->x = x; g->turns = turns;
     dt__tape_mark(dt__grad_region_leave, g, 0);
     return g;
 }
@@ -4730,7 +4732,7 @@ dt_tensor *dt_swiglu_linear(dt_tensor *gate, dt_tensor *up, dt_tensor *weight) {
 }
 
 /* -- residual addition: each input's gradient is the output's, added in
-      (the first time, copied); tensor parallelism's ops below add the same way -- */
+      (the first time, copied); tensor parallelism's ops (its chapter) add the same way -- */
 static void dt__add_into_grad(dt_tensor *t, const float *v) {
     int first;
     float *g = dt__grad_acc_first(t, &first);
@@ -6645,11 +6647,11 @@ static void dt__recompute_backward(dt__tape_entry *e) {
     dt__ctx.tape_len = first;
     dt__step_back_to(&k);
 }
-/* One block's forward, between its unit's boundaries (FSDP gathers there). */
-static dt_tensor *dt__block(dt_model *m, int unit, dt__block_fn fn, dt_tensor *params, dt_tensor *x, int B, int T) {
+/* One block's forward, between its unit's boundaries (FSDP gathers there); x_of_block: x is the block before's output. */
+static dt_tensor *dt__block(dt_model *m, int unit, dt__block_fn fn, dt_tensor *params, dt_tensor *x, int B, int T, int x_of_block) {
     dt__unit_boundary(m, unit, 1);
     int recompute = m->recompute && dt__ctx.grad_enabled;
-    dt__grad_region *grads = dt__ctx.grad_enabled && !recompute ? dt__grad_region_begin(x) : NULL;
+    dt__grad_region *grads = dt__ctx.grad_enabled && !recompute ? dt__grad_region_begin(x, x_of_block) : NULL;
     dt__step_mark k = dt__step_mark_now();
     int first = dt__ctx.tape_len;
     dt_tensor *y = fn(m, params, x, B, T);
@@ -6753,7 +6755,7 @@ typedef struct dt__span { int first, end; dt_tensor *x; } dt__span;
 static dt_tensor *dt__span_blocks(dt_model *m, const dt__span *s, int first_unit, dt__block_fn fn, dt__block_fn moe_fn,
                                   dt_tensor *x, int B, int T) {
     for (int l = s->first; l < s->end; l++)
-        x = dt__block(m, first_unit + l, dt__moe_block(&m->cfg, l) ? moe_fn : fn, dt__unit_weights(m, first_unit + l), x, B, T);
+        x = dt__block(m, first_unit + l, dt__moe_block(&m->cfg, l) ? moe_fn : fn, dt__unit_weights(m, first_unit + l), x, B, T, l > s->first);
     return x;
 }
 /* A mixture of experts on h (the MoE chapter), its router at P, each expert
@@ -6794,7 +6796,7 @@ static dt_tensor *dt__mlp_forward(dt_model *m, dt_tensor *images, const dt__span
         x = dt_sp_split(m->parallel, x);                               /* --sequence-parallel: this rank's images */
     }
     for (int l = s->first; l < s->end; l++)
-        x = dt__block(m, l, l < c->depth ? dt__mlp_hidden_block : dt__mlp_last_block, dt__unit_weights(m, l), x, B, 0);
+        x = dt__block(m, l, l < c->depth ? dt__mlp_hidden_block : dt__mlp_last_block, dt__unit_weights(m, l), x, B, 0, l > s->first);
     return s->end == c->depth + 1 ? dt_sp_gather(m->parallel, x) : x;
 }
 

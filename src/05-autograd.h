@@ -231,16 +231,18 @@ static void dt__tape_mark(dt__backward_fn fn, void *user, int arg) {
    memory, not every block's (Qwen2-0.5B's shape at 9 x 128 tokens: the
    peak of activations 7.97 -> 5.13 GB). And the input's gradient is read by
    the block before and by nothing once that block's backward is done: the
-   blocks' input gradients take turns in two buffers, made at the first
-   region of a backward, not one a block piling up to the step's end (the same
-   shape: 98 MB). Nothing made inside may be read after backward, and a
-   block's input gradient only until the backward of the block two before it
-   begins. */
-typedef struct { dt_tensor *x; dt__step_mark mark; } dt__grad_region;
+   input gradients of blocks after the first of a run take turns in two
+   buffers, made at the first region of a backward, not one a block piling up
+   to the step's end (the same shape: 98 MB). Nothing made inside may be read
+   after backward, and such a block's input gradient only until the backward
+   of the block two before it begins; the first block's input (the caller's:
+   an embedding's output, a pipeline stage's input) keeps its own. */
+typedef struct { dt_tensor *x; dt__step_mark mark; int turns; } dt__grad_region;
 static void dt__grad_region_enter(dt__tape_entry *e) {
     dt__grad_region *g = (dt__grad_region *)e->saved;
     dt_tensor *x = g->x;
-    if (x->requires_grad && !x->grad) {        /* before the mark: x's gradient outlives the region's */
+    if (x->requires_grad && !x->grad && !g->turns) dt_grad(x);   /* before the mark: x's gradient outlives the region's */
+    else if (x->requires_grad && !x->grad) {
         size_t bytes = (size_t)x->numel * dt_dtype_size(dt__grad_dtype(x));
         dt__block_grads *turns = &dt__ctx.block_grads;
         if (turns->generation != dt__ctx.backward_generation || turns->device != x->device || turns->bytes < bytes) {
@@ -255,9 +257,9 @@ static void dt__grad_region_enter(dt__tape_entry *e) {
     g->mark = dt__step_mark_now();
 }
 static void dt__grad_region_leave(dt__tape_entry *e) { dt__step_back_to(&((dt__grad_region *)e->saved)->mark); }
-static dt__grad_region *dt__grad_region_begin(dt_tensor *x) {
+static dt__grad_region *dt__grad_region_begin(dt_tensor *x, int turns) {
     dt__grad_region *g = (dt__grad_region *)dt_step_alloc(sizeof *g);
-    g->x = x;
+    g->x = x; g->turns = turns;
     dt__tape_mark(dt__grad_region_leave, g, 0);
     return g;
 }
@@ -927,7 +929,7 @@ dt_tensor *dt_swiglu_linear(dt_tensor *gate, dt_tensor *up, dt_tensor *weight) {
 }
 
 /* -- residual addition: each input's gradient is the output's, added in
-      (the first time, copied); tensor parallelism's ops below add the same way -- */
+      (the first time, copied); tensor parallelism's ops (its chapter) add the same way -- */
 static void dt__add_into_grad(dt_tensor *t, const float *v) {
     int first;
     float *g = dt__grad_acc_first(t, &first);

@@ -22,11 +22,11 @@ dt_tensor *dt_attention(dt_tensor *qkv, int B, int T, int H, int causal);
    DT_ATTENTION_ONLINE: never stored -- FlashAttention's online softmax (Dao
    et al., 2022): a row's keys are visited in blocks, its running largest
    score and sum rescaling what came before, and only the row's log-sum-exp
-   is kept; backward makes each probability again from it. T x T floats a
-   head become T (a GPU and mixed precision keep the output in f32 too); the
-   same values within rounding. The recurrence is per-element arithmetic that GPU kernels share
-   (dt_online_softmax_rescale: the GPU's online attention kernels, its row
-   softmax and its classifier run it too). (--attention) */
+   is kept; backward makes each probability again from it, and reads the
+   output (so nothing may write over it before; a GPU and mixed precision keep
+   it in f32 too). T x T floats a head become T; the same values within
+   rounding. The recurrence is per-element arithmetic that GPU kernels share
+   (dt_online_softmax_rescale: its row softmax and classifier too). (--attention) */
 typedef enum { DT_ATTENTION_MATMUL = 0, DT_ATTENTION_ONLINE = 1 } dt_attention_body;
 void dt_set_attention_body(dt_attention_body body);
 /* Context parallelism (stage 08): this thread holds T tokens of each

@@ -494,11 +494,11 @@ static void dt__recompute_backward(dt__tape_entry *e) {
     dt__ctx.tape_len = first;
     dt__step_back_to(&k);
 }
-/* One block's forward, between its unit's boundaries (FSDP gathers there). */
-static dt_tensor *dt__block(dt_model *m, int unit, dt__block_fn fn, dt_tensor *params, dt_tensor *x, int B, int T) {
+/* One block's forward, between its unit's boundaries (FSDP gathers there); x_of_block: x is the block before's output. */
+static dt_tensor *dt__block(dt_model *m, int unit, dt__block_fn fn, dt_tensor *params, dt_tensor *x, int B, int T, int x_of_block) {
     dt__unit_boundary(m, unit, 1);
     int recompute = m->recompute && dt__ctx.grad_enabled;
-    dt__grad_region *grads = dt__ctx.grad_enabled && !recompute ? dt__grad_region_begin(x) : NULL;
+    dt__grad_region *grads = dt__ctx.grad_enabled && !recompute ? dt__grad_region_begin(x, x_of_block) : NULL;
     dt__step_mark k = dt__step_mark_now();
     int first = dt__ctx.tape_len;
     dt_tensor *y = fn(m, params, x, B, T);
@@ -602,7 +602,7 @@ typedef struct dt__span { int first, end; dt_tensor *x; } dt__span;
 static dt_tensor *dt__span_blocks(dt_model *m, const dt__span *s, int first_unit, dt__block_fn fn, dt__block_fn moe_fn,
                                   dt_tensor *x, int B, int T) {
     for (int l = s->first; l < s->end; l++)
-        x = dt__block(m, first_unit + l, dt__moe_block(&m->cfg, l) ? moe_fn : fn, dt__unit_weights(m, first_unit + l), x, B, T);
+        x = dt__block(m, first_unit + l, dt__moe_block(&m->cfg, l) ? moe_fn : fn, dt__unit_weights(m, first_unit + l), x, B, T, l > s->first);
     return x;
 }
 /* A mixture of experts on h (the MoE chapter), its router at P, each expert
@@ -643,7 +643,7 @@ static dt_tensor *dt__mlp_forward(dt_model *m, dt_tensor *images, const dt__span
         x = dt_sp_split(m->parallel, x);                               /* --sequence-parallel: this rank's images */
     }
     for (int l = s->first; l < s->end; l++)
-        x = dt__block(m, l, l < c->depth ? dt__mlp_hidden_block : dt__mlp_last_block, dt__unit_weights(m, l), x, B, 0);
+        x = dt__block(m, l, l < c->depth ? dt__mlp_hidden_block : dt__mlp_last_block, dt__unit_weights(m, l), x, B, 0, l > s->first);
     return s->end == c->depth + 1 ? dt_sp_gather(m->parallel, x) : x;
 }
 

@@ -425,6 +425,17 @@ TEST(make_diff_names_the_header_lines_and_an_empty_filter_fails, FULL) {
     CHECKF(strstr(out, "01-single-gpu/train 'some_part'"), "make test T=some_part does not hand the filter on:\n%.2000s", out);
 }
 
+/* `make test-programs` (what tools/gpu_check_tier2.sh builds with) builds the
+   stages with the test hooks again when the header changed: its rule once
+   came before the list it names was set, and built nothing at all. */
+TEST(make_test_programs_builds_what_the_header_changed, QUICK) {
+    char out[65536];
+    int st = run_cmd(out, sizeof out, "env -u MAKEFLAGS -u MAKELEVEL make -n -W dtrain.h -C %s test-programs", repo_root());
+    CHECKF(st == 0 && strstr(out, "-DDT_TESTING -c -o build/test/dtrain.o") && strstr(out, "-o build/test/01-single-gpu/train ") &&
+           strstr(out, "-o build/test/07-pipeline-parallel/train "),
+           "make -n -W dtrain.h test-programs (exit %d) would not build build/test/dtrain.o and the stages:\n%.2000s", st, out);
+}
+
 /* Every test registers itself (tests/runner.h), in one suite, and the
    runner lists them in the order the files define them (tests/NN-name.c by
    name, then by line): a file the build left out, or a test function
