@@ -3265,9 +3265,10 @@ int64_t dt_tensor_cols(const dt_tensor *t) {          /* a product, not numel / 
 /* A parameter's gradient is f32 whatever its data holds: the optimizer and the
    collectives read it. An activation's has the activation's dtype. */
 static dt_dtype dt__grad_dtype(const dt_tensor *t) { return t->is_param ? DT_F32 : t->dtype; }
+static size_t dt__grad_bytes(const dt_tensor *t) { return (size_t)t->numel * dt_dtype_size(dt__grad_dtype(t)); }
 float *dt_grad(dt_tensor *t) {
     if (!t->grad) {                                /* a gradient lives beside its tensor */
-        size_t bytes = (size_t)t->numel * dt_dtype_size(dt__grad_dtype(t));
+        size_t bytes = dt__grad_bytes(t);
         t->grad = (float *)dt__step_alloc_on(t->device, bytes);
         dt__zero_on(t->device, t->grad, bytes);
     }
@@ -4044,9 +4045,10 @@ typedef struct { dt_tensor *x; dt__step_mark mark; int turns; } dt__grad_region;
 static void dt__grad_region_enter(dt__tape_entry *e) {
     dt__grad_region *g = (dt__grad_region *)e->saved;
     dt_tensor *x = g->x;
-    if (x->requires_grad && !x->grad && !g->turns) dt_grad(x);   /* before the mark: x's gradient outlives the region's */
-    else if (x->requires_grad && !x->grad) {
-        size_t bytes = (size_t)x->numel * dt_dtype_size(dt__grad_dtype(x));
+    if (!x->requires_grad || x->grad) {
+    } else if (!g->turns) dt_grad(x);          /* before the mark: x's gradient outlives the region's */
+    else {
+        size_t bytes = dt__grad_bytes(x);
         dt__block_grads *turns = &dt__ctx.block_grads;
         if (turns->generation != dt__ctx.backward_generation || turns->device != x->device || turns->bytes < bytes) {
             turns->buf[0] = dt__step_alloc_on(x->device, bytes);   /* the first region of this backward */
@@ -4257,7 +4259,7 @@ static void dt__grad_acc_done(dt_tensor *t, float *f) {
 static float *dt__grad_acc_first(dt_tensor *t, int *first) {
     *first = !t->grad && !t->is_param && !dt__backend_of(t->device);
     if (!*first) return dt__grad_acc(t);
-    t->grad = (float *)dt__step_alloc_on(t->device, (size_t)t->numel * dt_dtype_size(dt__grad_dtype(t)));
+    t->grad = (float *)dt__step_alloc_on(t->device, dt__grad_bytes(t));
     float *f = dt__grad_dtype(t) == DT_F32 ? t->grad
                                             : (float *)dt__scratch_on(t->device, (size_t)t->numel * sizeof(float));
 #ifdef DT_TESTING

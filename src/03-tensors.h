@@ -86,9 +86,10 @@ int64_t dt_tensor_cols(const dt_tensor *t) {          /* a product, not numel / 
 /* A parameter's gradient is f32 whatever its data holds: the optimizer and the
    collectives read it. An activation's has the activation's dtype. */
 static dt_dtype dt__grad_dtype(const dt_tensor *t) { return t->is_param ? DT_F32 : t->dtype; }
+static size_t dt__grad_bytes(const dt_tensor *t) { return (size_t)t->numel * dt_dtype_size(dt__grad_dtype(t)); }
 float *dt_grad(dt_tensor *t) {
     if (!t->grad) {                                /* a gradient lives beside its tensor */
-        size_t bytes = (size_t)t->numel * dt_dtype_size(dt__grad_dtype(t));
+        size_t bytes = dt__grad_bytes(t);
         t->grad = (float *)dt__step_alloc_on(t->device, bytes);
         dt__zero_on(t->device, t->grad, bytes);
     }

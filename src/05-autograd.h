@@ -241,9 +241,10 @@ typedef struct { dt_tensor *x; dt__step_mark mark; int turns; } dt__grad_region;
 static void dt__grad_region_enter(dt__tape_entry *e) {
     dt__grad_region *g = (dt__grad_region *)e->saved;
     dt_tensor *x = g->x;
-    if (x->requires_grad && !x->grad && !g->turns) dt_grad(x);   /* before the mark: x's gradient outlives the region's */
-    else if (x->requires_grad && !x->grad) {
-        size_t bytes = (size_t)x->numel * dt_dtype_size(dt__grad_dtype(x));
+    if (!x->requires_grad || x->grad) {
+    } else if (!g->turns) dt_grad(x);          /* before the mark: x's gradient outlives the region's */
+    else {
+        size_t bytes = dt__grad_bytes(x);
         dt__block_grads *turns = &dt__ctx.block_grads;
         if (turns->generation != dt__ctx.backward_generation || turns->device != x->device || turns->bytes < bytes) {
             turns->buf[0] = dt__step_alloc_on(x->device, bytes);   /* the first region of this backward */
@@ -454,7 +455,7 @@ static void dt__grad_acc_done(dt_tensor *t, float *f) {
 static float *dt__grad_acc_first(dt_tensor *t, int *first) {
     *first = !t->grad && !t->is_param && !dt__backend_of(t->device);
     if (!*first) return dt__grad_acc(t);
-    t->grad = (float *)dt__step_alloc_on(t->device, (size_t)t->numel * dt_dtype_size(dt__grad_dtype(t)));
+    t->grad = (float *)dt__step_alloc_on(t->device, dt__grad_bytes(t));
     float *f = dt__grad_dtype(t) == DT_F32 ? t->grad
                                             : (float *)dt__scratch_on(t->device, (size_t)t->numel * sizeof(float));
 #ifdef DT_TESTING
