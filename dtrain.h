@@ -801,27 +801,23 @@ typedef struct dt_model_config {
     float moe_capacity, moe_aux_loss;
 } dt_model_config;
 
-/* Where tensor parallelism (stage 06) may cut a parameter: the model says,
-   the wrapper cuts (the tensor-parallel chapter). dim -1: whole on every rank (norms,
-   position embeddings, the ViT's head, a row-parallel layer's bias). Otherwise dimension
-   dim is cut into equal pieces, one per rank, in `parts` groups that are
-   cut alike (the q, k and v of a fused projection: each rank takes its heads
-   of all three), each piece a whole number of `align` (a head's width:
-   attention is split by heads). A weight cut along its outputs is a
-   column-parallel layer, along its inputs a row-parallel one. */
+/* Where tensor parallelism (stage 06) may cut a parameter: the model says, the wrapper cuts (the
+   tensor-parallel chapter). dim -1: whole on every rank (norms, position embeddings, the ViT's head, a
+   row-parallel layer's bias). Otherwise dimension dim is cut into equal pieces, one per rank, in `parts`
+   groups that are cut alike (the q, k and v of a fused projection: each rank takes its heads of all three),
+   each piece a whole number of `align` (a head's width: attention is split by heads). A weight cut along
+   its outputs is a column-parallel layer, along its inputs a row-parallel one. */
 typedef struct dt_split {
     int dim, parts, align;
     int rows;      /* read between dt_sp_split and dt_sp_gather: under --sequence-parallel each rank's
                       gradient of a whole parameter is then its rows' part, summed over the group */
     int vocab;     /* the vocabulary's rows (an embedding, a head): cut only when they divide by T
                       (GPT-2's 50,257 do not), whole otherwise */
-    /* Pipeline parallelism (stage 07) gives each rank a run of blocks, so it
-       asks which block reads the parameter: -1 the embedding (the first
-       stage), dt_model_blocks the head (the last); dt_model_create sets it
-       from the parameter's unit. head: read by the head though it sits in
-       the embedding's unit (the GPT's final norm). tied: read by the
-       embedding and by the head (a tied vocabulary), so the first and the
-       last stage each hold it, and add up its two gradients. */
+    /* Pipeline parallelism (stage 07) gives each rank a run of blocks, so it asks which block reads the
+       parameter: -1 the embedding (the first stage), dt_model_blocks the head (the last); dt_model_create
+       sets it from the parameter's unit. head: read by the head though it sits in the embedding's unit (the
+       GPT's final norm). tied: read by the embedding and by the head (a tied vocabulary), so the first and
+       the last stage each hold it, and add up its two gradients. */
     int block, head, tied;
     int expert;    /* 1 + the mixture's expert it is part of (0: none): expert parallelism keeps E/P of them a rank */
 } dt_split;
@@ -6675,8 +6671,8 @@ static dt_tensor *dt__unit_weights(dt_model *m, int unit) {
     dt_model *w = m->base ? m->base : m;
     return &w->params[w->unit_first[unit]];
 }
-/* A linear layer's output y = x W^T + b, plus LoRA's (alpha/r) (x A^T) B^T
-   when W has an adapter. The sum is PEFT's order: the base's output first. */
+/* A linear layer's output y = x W^T + b, plus LoRA's (alpha/r) (x A^T) B^T when W has an adapter.
+   The sum is PEFT's order: the base's output first. */
 static int dt__adapter_of(const dt_model *m, const dt_tensor *w) { return m->base ? m->lora_of[w - m->base->params] : -1; }
 static dt_tensor *dt__with_adapter(dt_model *m, dt_tensor *x, const dt_tensor *w, dt_tensor *y) {
     int a = dt__adapter_of(m, w);
@@ -6684,9 +6680,8 @@ static dt_tensor *dt__with_adapter(dt_model *m, dt_tensor *x, const dt_tensor *w
     dt_tensor *low = dt_linear(x, &m->params[a], NULL);
     return dt_add(y, dt_scale(dt_linear(low, &m->params[a + 1], NULL), m->lora_scale));
 }
-/* Did tensor parallelism (the tensor-parallel chapter) cut w? Along its outputs: a
-   column-parallel layer; along its inputs: a row-parallel one; or not (or no
-   wrapper splits layers). */
+/* Did tensor parallelism (the tensor-parallel chapter) cut w? Along its outputs: a column-parallel
+   layer; along its inputs: a row-parallel one; or not (or no wrapper splits layers). */
 typedef enum { DT__WHOLE, DT__COLUMN_PARALLEL, DT__ROW_PARALLEL } dt__cut;
 static dt__cut dt__tp_cut(const dt_model *m, const dt_tensor *w, int in_out) {
     if (!dt_parallel_splitting(m->parallel) || w < m->params || w >= m->params + m->nparams) return DT__WHOLE;
@@ -6697,8 +6692,7 @@ static dt__cut dt__tp_cut(const dt_model *m, const dt_tensor *w, int in_out) {
 static dt_tensor *dt__tp_input(dt_model *m, dt_tensor *x, const dt_tensor *w, int in_out) {
     return dt__tp_cut(m, w, in_out) == DT__COLUMN_PARALLEL ? dt_tp_copy(m->parallel, x) : x;
 }
-/* A linear layer, whole or cut: a row-parallel one sums its partial outputs
-   over the group, then adds its bias once. */
+/* A linear layer, whole or cut: a row-parallel one sums its partial outputs over the group, then adds its bias once. */
 static dt_tensor *dt__linear_cut(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b, int in_out) {
     x = dt__tp_input(m, x, w, in_out);
     if (dt__tp_cut(m, w, in_out) != DT__ROW_PARALLEL) return in_out ? dt_linear_in_out(x, w, b) : dt_linear(x, w, b);
@@ -6709,10 +6703,9 @@ static dt_tensor *dt__linear_cut(dt_model *m, dt_tensor *x, dt_tensor *w, dt_ten
 static dt_tensor *dt__lora_linear(dt_model *m, dt_tensor *x, dt_tensor *w, dt_tensor *b) {
     return dt__with_adapter(m, x, w, dt__linear_cut(m, x, w, b, 0));
 }
-/* A language model's vocabulary (the GPT's wte, Llama's embed_tokens: the
-   token embedding, and the head), cut over the group by its rows. Each rank looks up the tokens it holds, zeros
-   for the others, and the group sums the rows (the one rank's row plus
-   zeros: the same bits); the positions are added after, on every rank. */
+/* A language model's vocabulary (the GPT's wte, Llama's embed_tokens: the token embedding, and the head), cut
+   over the group by its rows. Each rank looks up the tokens it holds, zeros for the others, and the group sums
+   the rows (the one rank's row plus zeros: the same bits); the positions are added after, on every rank. */
 static dt_tensor *dt__vocab_embedding(dt_model *m, const dt_tensor *tokens, dt_tensor *wte, dt_tensor *wpe) {
     if (dt__tp_cut(m, wte, 0) != DT__COLUMN_PARALLEL) return dt_token_embedding(tokens, wte, wpe);
     dt_parallel *par = dt_parallel_splitting(m->parallel);
@@ -6744,15 +6737,13 @@ static dt_tensor *dt__lora_linear_in_out_gelu_tanh(dt_model *m, dt_tensor *x, dt
         return dt_gelu_tanh(dt__lora_linear_in_out(m, x, w, b));
     return dt_linear_in_out_gelu_tanh(dt__tp_input(m, x, w, 1), w, b);
 }
-/* The attention heads on this rank: all of them, or tensor parallelism's share
-   (qkv holds 3 x heads x head width columns). */
+/* The attention heads on this rank: all of them, or tensor parallelism's share (qkv: 3 x heads x head width columns). */
 static int dt__heads_here(const dt_model *m, const dt_tensor *qkv) {
     return (int)((int64_t)m->cfg.heads * dt_tensor_cols(qkv) / (3 * (int64_t)m->cfg.dim));
 }
 
-/* -- the blocks a forward runs: all of them (dt_model_forward), or a
-      pipeline stage's share (dt_model_forward_blocks), from x when it does
-      not begin with the embedding, to x when it does not end with the head -- */
+/* -- the blocks a forward runs: all of them (dt_model_forward), or a pipeline stage's share
+      (dt_model_forward_blocks), from x when it does not begin with the embedding, to x when it does not end with the head -- */
 typedef struct dt__span { int first, end; dt_tensor *x; } dt__span;
 static dt_tensor *dt__span_blocks(dt_model *m, const dt__span *s, int first_unit, dt__block_fn fn, dt__block_fn moe_fn,
                                   dt_tensor *x, int B, int T) {
@@ -6802,16 +6793,22 @@ static dt_tensor *dt__mlp_forward(dt_model *m, dt_tensor *images, const dt__span
     return s->end == c->depth + 1 ? dt_sp_gather(m->parallel, x) : x;
 }
 
-/* A ViT block: pre-LN attention and MLP, each added to the residual stream. */
-static dt_tensor *dt__vit_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) {
+/* A ViT block: pre-LN attention and MLP, each added to the residual stream. The head reads the class token alone, so
+   after the last block's attention (every token's keys and values feed it) that row alone goes on (class_token_only). */
+static dt_tensor *dt__vit_block_rows(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T, int class_token_only) {
     dt_tensor *n1w = &P[0], *n1b = &P[1], *qkvw = &P[2], *qkvb = &P[3], *pjw = &P[4], *pjb = &P[5];
     dt_tensor *n2w = &P[6], *n2b = &P[7], *f1w = &P[8], *f1b = &P[9], *f2w = &P[10], *f2b = &P[11];
     dt_tensor *h = dt__lora_linear(m, dt_layernorm(x, n1w, n1b, 1e-6f), qkvw, qkvb);
-    h = dt__lora_linear(m, dt_attention(h, B, T, dt__heads_here(m, h), 0), pjw, pjb);
-    x = dt_residual_add(x, h);                                     /* pre-LN residual */
+    h = dt_attention(h, B, T, dt__heads_here(m, h), 0);
+    if (class_token_only) {   /* x: all B sequences, or --sequence-parallel's B / tp whole ones */
+        h = dt_select_token(h, B, T, 0); x = dt_select_token(x, (int)(dt_tensor_rows(x) / T), T, 0);
+    }
+    x = dt_residual_add(x, dt__lora_linear(m, h, pjw, pjb));       /* pre-LN residual */
     h = dt__lora_linear_gelu(m, dt_layernorm(x, n2w, n2b, 1e-6f), f1w, f1b);
     return dt_residual_add(x, dt__lora_linear(m, h, f2w, f2b));
 }
+static dt_tensor *dt__vit_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { return dt__vit_block_rows(m, P, x, B, T, 0); }
+static dt_tensor *dt__vit_last_block(dt_model *m, dt_tensor *P, dt_tensor *x, int B, int T) { return dt__vit_block_rows(m, P, x, B, T, 1); }
 
 /* The ViT: patches as tokens, pre-LN blocks, the class token's logits. */
 static dt_tensor *dt__vit_forward(dt_model *m, dt_tensor *images, const dt__span *s) {
@@ -6827,16 +6824,19 @@ static dt_tensor *dt__vit_forward(dt_model *m, dt_tensor *images, const dt__span
         x = dt_sp_split(m->parallel, dt_vit_tokens(x, cls, pos, B));  /* --sequence-parallel: this rank's rows */
         dt__unit_boundary(m, 0, 0);
     }
-    x = dt__span_blocks(m, s, 1, dt__vit_block, NULL, x, B, T);
+    dt_parallel *sp = dt_parallel_splitting(m->parallel);   /* the class token alone where each rank's sequences are whole */
+    int cls_only = s->end == c->depth && s->first < s->end && !dt__seq_split.ring && !(sp && sp->rows_split && B % sp->tp_size);
+    dt__span body = { s->first, s->end - cls_only, x };
+    x = dt__span_blocks(m, &body, 1, dt__vit_block, NULL, x, B, T);
+    if (cls_only) x = dt__block(m, c->depth, dt__vit_last_block, dt__unit_weights(m, c->depth), x, B, T, body.end > s->first);
     if (s->end < c->depth) return x;
     x = dt_sp_gather(m->parallel, x);
     dt__unit_boundary(m, 1 + c->depth, 1);
     P = dt__unit_weights(m, 1 + c->depth);
     pi = 0;
     dt_tensor *nw = DT_NEXT, *nb = DT_NEXT, *hw = DT_NEXT, *hb = DT_NEXT;
-    /* timm normalises every token, then pools the class token; normalising only
-       the class token gives the same logits for less work. */
-    x = dt_layernorm(dt_select_token(x, B, T, 0), nw, nb, 1e-6f);
+    /* timm normalises every token, then pools the class token: the same logits */
+    x = dt_layernorm(cls_only ? x : dt_select_token(x, B, T, 0), nw, nb, 1e-6f);
     x = dt__lora_linear(m, x, hw, hb);
     dt__unit_boundary(m, 1 + c->depth, 0);
     return x;

@@ -328,6 +328,53 @@ TEST(vit_parameter_names_and_shapes_follow_timm, QUICK) {
     dt_model_free(m);
 }
 
+/* The head reads the class token alone, so the last block carries that row
+   alone past its attention: the logits and every gradient are those of the
+   whole last block (timm's, built here from the same block function), and
+   the step does less work -- the last projection and MLP on B rows, not
+   B x T: at least 6 (B (T - 1)) (D^2 + 2 D H) FLOP fewer. */
+TEST(vit_last_block_carries_the_class_token_alone, QUICK) {
+    dt_model_config c = { DT_MODEL_VIT, 3, 16, 10, 32, 2, 2, 4, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
+    dt_model *m = dt_model_create(&c, 3);
+    dt__rng r = { 8 };
+    int B = 4, T = 17, shape[4] = { B, 3, 16, 16 };
+    int32_t labels[4] = { 3, 0, 9, 5 };
+    float *images = (float *)malloc(sizeof(float) * (size_t)B * 3 * 16 * 16), *grad[2], loss[2];
+    double flops[2], worst = 0;
+    for (int i = 0; i < B * 3 * 16 * 16; i++) images[i] = 2.0f * dt__rng_uniform(&r) - 1.0f;
+    for (int whole = 0; whole < 2; whole++) {
+        dt_step_arena_reset();
+        double before = dt__ctx.flops;
+        dt_tensor *img = dt_tensor_from_host(4, shape, images), *logits;
+        if (!whole) logits = dt_model_forward(m, img);
+        else {                                               /* every block on every token, as timm runs it */
+            dt_tensor *E = dt__unit_weights(m, 0), *H = dt__unit_weights(m, 1 + c.depth);
+            dt_tensor *x = dt_vit_tokens(dt_linear(dt_patchify(img, c.patch), &E[2], &E[3]), &E[0], &E[1], B);
+            for (int l = 0; l < c.depth; l++) x = dt__vit_block(m, dt__unit_weights(m, 1 + l), x, B, T);
+            logits = dt_linear(dt_layernorm(dt_select_token(x, B, T, 0), &H[0], &H[1], 1e-6f), &H[2], &H[3]);
+        }
+        dt_tensor *l = dt_cross_entropy(logits, labels);
+        dt_backward(l);
+        flops[whole] = dt__ctx.flops - before;
+        loss[whole] = dt_tensor_item(l);
+        grad[whole] = (float *)malloc(sizeof(float) * (size_t)m->numel);
+        memcpy(grad[whole], m->flat_grad, sizeof(float) * (size_t)m->numel);
+        dt_model_zero_grad(m);
+    }
+    for (int64_t i = 0; i < m->numel; i++) {
+        double d = fabs((double)grad[0][i] - grad[1][i]) / (1e-3 + fabs((double)grad[1][i]));
+        worst = d > worst ? d : worst;
+    }
+    double saved = 6.0 * B * (T - 1) * ((double)c.dim * c.dim + 2.0 * c.dim * c.mlp_hidden);
+    printf("    loss %.7f against %.7f, gradients within %.2g; %.3g FLOP against %.3g\n", loss[0], loss[1], worst, flops[0], flops[1]);
+    CHECKF(fabsf(loss[0] - loss[1]) <= 1e-6f * fabsf(loss[1]) && worst <= 1e-4,
+           "the class token alone: loss %.7f against the whole block's %.7f, gradients %.3g apart", loss[0], loss[1], worst);
+    CHECKF(flops[1] - flops[0] >= saved, "the last block on the class token alone saves %.3g FLOP of %.3g; at least %.3g expected",
+           flops[1] - flops[0], flops[1], saved);
+    free(grad[0]); free(grad[1]); free(images);
+    dt_model_free(m);
+}
+
 static dt_model_config tiny_gpt(void) {                /* vocab 11, dim 12, depth 2, heads 2, mlp 48, context 6 */
     dt_model_config c = { DT_MODEL_GPT, 0, 0, 11, 12, 2, 2, 0, 48, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, "", 0, 0, 0, 0, 0 };
     return c;
