@@ -397,7 +397,7 @@ TORCH_PY = $(shell for p in python3 /usr/bin/python3; do $$p -c 'import torch' 2
 # runs tools/bench_gpu.sh (dtrain against PyTorch, DDP's overhead, stage 05's
 # dtypes on vit-base); then tools/bench_cpu.sh, stage 01 against PyTorch on
 # the CPU (when it is installed) at 1 and 2 threads, medians of 3 alternating
-# runs (BENCH_CPU=0 skips it; REPEATS, THREADS, BIG=0 are its knobs), and
+# runs (BENCH_CPU=0 skips it; REPEATS, THREADS, BIG=0, BIG_REPEATS are its knobs), and
 # tools/bench_qwen2.sh: a fine-tuning step of Qwen2-0.5B's shape against PyTorch +
 # transformers (build/pyvenv's) on the same weights, tokens/s and peak RSS at two
 # threads (BENCH_QWEN2=0 skips it: about 12 minutes and 14 GB of memory). At 4

@@ -4,8 +4,10 @@
 # Runs alternate (dtrain, PyTorch, dtrain, ...) and each cell is the median of
 # REPEATS runs (default 3) with their spread: this machine is noisy, and a
 # single run is not a figure. PyTorch runs with OMP_WAIT_POLICY=PASSIVE (see
-# tools/bench_torch.py). Then GPT-2 small's shape at context 256, once per
-# thread count (a step takes seconds).
+# tools/bench_torch.py). Then GPT-2 small's shape at context 256, BIG_REPEATS
+# alternating runs per thread count (default REPEATS; a step takes seconds,
+# and one run of each was not a figure either: PyTorch's ran at 96.7 and at
+# 111-114 tokens/s on the same machine on two days).
 #
 # Before each round, tools/roofline --quick (when it is built): the core's FMA
 # peak and OpenBLAS's 1024^3 matmul at one thread, the limits (their medians)
@@ -19,7 +21,7 @@
 # step's average, says more about the machine than about the code.
 #
 # usage: tools/bench_cpu.sh [stage-01 binary] [python with torch, or ""]
-#   REPEATS=N  THREADS="1 2"  SECONDS_PER_RUN=3  BIG=0 (skip GPT-2's shape)
+#   REPEATS=N  THREADS="1 2"  SECONDS_PER_RUN=3  BIG=0 (skip GPT-2's shape)  BIG_REPEATS=N
 #   ROOFLINE=path (default tools/roofline; "" skips it)
 set -uo pipefail
 bin=${1:-01-single-gpu/train}
@@ -28,6 +30,7 @@ repeats=${REPEATS:-3}
 threads=${THREADS:-"1 2"}
 secs=${SECONDS_PER_RUN:-3}
 big=${BIG:-1}
+big_repeats=${BIG_REPEATS:-$repeats}
 out=$(mktemp)
 torch_coretype=""   # the OpenBLAS core type picked for PyTorch's runs (below); dtrain's runs are not given it
 trap 'rm -f "$out"' EXIT
@@ -106,13 +109,15 @@ for r in $(seq 1 "$repeats"); do
   done
 done
 if [ "$big" = 1 ]; then
-  echo "== GPT-2 124M's shape at context 256, batch 4 (one run each)"
-  run_roofline
-  for t in $threads; do run_dtrain gpt2-124m-ctx256 "$t" || status=1; run_torch gpt2-124m-ctx256 "$t" || status=1; done
+  for r in $(seq 1 "$big_repeats"); do
+    echo "== GPT-2 124M's shape at context 256, batch 4: round $r of $big_repeats"
+    run_roofline
+    for t in $threads; do run_dtrain gpt2-124m-ctx256 "$t" || status=1; run_torch gpt2-124m-ctx256 "$t" || status=1; done
+  done
 fi
 [ -n "$py" ] || echo "(PyTorch not installed: dtrain alone; Debian: apt-get install python3-torch)"
 
-awk -v repeats="$repeats" '
+awk -v repeats="$repeats" -v big_repeats="$big_repeats" '
   $1 == "flops" { fpt[$2] = $4; next }
   $1 == "roofline" { nr++; pk[nr] = $2; bl[nr] = $3; next }
   $1 == "gflops" { key = $2 " " $3; ng[key]++; g[key, ng[key]] = $4; next }
@@ -135,7 +140,7 @@ awk -v repeats="$repeats" '
     return m % 2 ? a[(m + 1) / 2] : (a[m / 2] + a[m / 2 + 1]) / 2
   }
   END {
-    printf "\nA full fp32 training step with AdamW, median of %d alternating runs [lowest-highest]; rate = samples/s (tokens/s for gpt)\n", repeats
+    printf "\nA full fp32 training step with AdamW, median of %d alternating runs (GPT-2'"'"'s shape: %d) [lowest-highest]; rate = samples/s\n(tokens/s for gpt)\n", repeats, big_repeats
     printf "%-18s %7s %26s %26s %8s\n", "workload", "threads", "dtrain", "PyTorch", "ratio"
     for (i = 1; i <= k; i++) {
       key = order[i]; split(key, kt, " ")
@@ -156,7 +161,7 @@ awk -v repeats="$repeats" '
     if (peak > 0) {
       printf "\ndtrain'"'"'s step against the machine'"'"'s limits: the step'"'"'s GFLOP/s (the bench line'"'"'s gflops=, median) as a fraction of\n"
       printf "the core'"'"'s FMA peak (%.1f [%.1f-%.1f] GFLOP/s a core) and of OpenBLAS'"'"'s 1024^3 matmul (%s GFLOP/s a core), both times the\n", peak, peak_lo, peak_hi, (blas > 0 ? sprintf("%.1f [%.1f-%.1f]", blas, blas_lo, blas_hi) : "none")
-      printf "threads; each limit the median of its %d measurements, one before each round and before GPT-2'"'"'s runs\n", nr
+      printf "threads; each limit the median of its %d measurements, one before each round and each of GPT-2'"'"'s\n", nr
       printf "%-18s %7s %12s %10s %12s\n", "workload", "threads", "GFLOP/s", "of peak", "of OpenBLAS"
       for (i = 1; i <= k; i++) {
         key = order[i]; split(key, kt, " "); m = ng[key]; if (!m) continue
