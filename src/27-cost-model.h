@@ -44,7 +44,8 @@ typedef struct dt_cost_input {
     /* tensor parallelism: the share of compute (and optimizer) in the split
        layers, which N ranks divide; the sums of activations or their
        gradients per micro-batch (4 per transformer block: 2 forward, 2
-       backward), and the bytes of each (batch x tokens x width x 4) */
+       backward), and their mean bytes as measured (mostly batch x tokens x
+       width x 4; the ViT's last block sums only the class tokens' rows) */
     double tp_share, tp_sums, tp_bytes;
     /* ... and, for a pipeline (DT_PAR_PP) whose stages split their layers
        too (07's --tp), how many ranks each stage's layers are split over

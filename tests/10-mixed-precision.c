@@ -137,7 +137,7 @@ TEST(accumulation_equals_a_k_times_larger_batch, QUICK) {
 
 TEST(bf16_and_fp16_track_the_fp32_loss_curve, FULL) {
     static const char *types[3] = { "fp32", "bf16", "fp16" };
-    char out[16384], log[3][600];
+    char out[16384], log[3][600], log4[3][600];
     double loss[3][200], acc[3], acts[3];
     for (int t = 0; t < 3; t++) {
         snprintf(log[t], sizeof log[t], "%s/mp-%s.jsonl", tmpdir, types[t]);
@@ -147,7 +147,6 @@ TEST(bf16_and_fp16_track_the_fp32_loss_curve, FULL) {
         CHECKF(st == 0, "05 --dtype %s: exit %d\n%s", types[t], st, out);
         CHECKF(log_series(log[t], "loss", loss[t], 200) == 200, "--dtype %s: not 200 steps logged", types[t]);
         acc[t] = summary_value(log[t], "eval_acc");
-        acts[t] = summary_value(log[t], "peak_activations_bytes");
     }
     if (t_failed) return;
     CHECKF(acc[0] > 0.35, "fp32 learned too little in 200 steps to compare with (eval accuracy %.3f)", acc[0]);
@@ -173,7 +172,18 @@ TEST(bf16_and_fp16_track_the_fp32_loss_curve, FULL) {
         double se = sqrt(2 * acc[0] * (1 - acc[0]) / 1000);
         CHECKF(fabs(acc[t] - acc[0]) <= 3 * se, "--dtype %s: eval accuracy %.3f, fp32 %.3f (%.1f points allowed)", types[t],
                acc[t], acc[0], 300 * se);
-        CHECKF(acts[t] > 0 && acts[t] < 0.8 * acts[0], "--dtype %s: activations peak at %.0f bytes, fp32 at %.0f",
+    }
+    /* Half the bytes for most activations: measured at depth 4, where the blocks' share is most of the peak (at
+       depth 2 the ViT's last block, which carries the class token alone past attention, is small, and what stays
+       f32 weighs more: 0.85 of fp32's; at depth 4, 0.70) */
+    for (int t = 0; t < 3; t++) {
+        snprintf(log4[t], sizeof log4[t], "%s/mp-depth4-%s.jsonl", tmpdir, types[t]);
+        int st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --model vit --dim 64 --depth 4 --heads 2 "
+                         "--batch-size 32 --epochs 1 --steps 3 --log-every 1000 --quiet --dtype %s --log %s",
+                         stage_bin("05-accum-mixed-precision"), mp_data(), types[t], log4[t]);
+        CHECKF(st == 0, "05 --depth 4 --dtype %s: exit %d\n%s", types[t], st, out);
+        acts[t] = summary_value(log4[t], "peak_activations_bytes");
+        CHECKF(!t || (acts[t] > 0 && acts[t] < 0.8 * acts[0]), "--dtype %s: activations peak at %.0f bytes, fp32 at %.0f",
                types[t], acts[t], acts[0]);
     }
     /* fp16's log: a step is skipped exactly when the scale halves, and only then */

@@ -68,6 +68,29 @@ TEST(tensor_parallel_equals_one_device, QUICK) {
     tp_equivalence(small_data(), 320, "--model vit --depth 2 --heads 4 --patch 4", "vit", "--clip 0.01");
 }
 
+/* The ViT's last block carries the class token alone (the models chapter)
+   only where each rank's rows are whole sequences. Under --sequence-parallel
+   with a batch that does not divide over the group -- 6 sequences of 10
+   tokens over 4 ranks, 15 rows each -- it runs on every token, as timm's
+   does, and trains as stage 01 does (20 steps; losses within 1e-5, weights
+   and Adam moments within 2e-5). */
+TEST(vit_sequence_parallel_with_sequences_cut_equals_one_device, QUICK) {
+    char out[16384], dir[600], log[2][700], ck[2][700];
+    const char *flags = "--model vit --image-size 24 --patch 8 --dim 32 --depth 2 --heads 4 --batch-size 6 --end-idx 60 "
+                        "--epochs 2 --log-every 1000 --quiet";
+    for (int k = 0; k < 2; k++) {
+        snprintf(dir, sizeof dir, "%s/vit-sequences-cut-%d", tmpdir, k);
+        snprintf(log[k], sizeof log[k], "%s.jsonl", dir);
+        int st = run_cmd(out, sizeof out, "%s --data %s %s %s --save-dir %s --log %s", k ? stage_bin("06-tensor-parallel") : train_cpu,
+                         small_data(), flags, k ? "--nproc 4 --sequence-parallel" : "", dir, log[k]);
+        CHECKF(st == 0, "%s: exit %d\n%s", k ? "06 --nproc 4 --sequence-parallel" : "01", st, out);
+        snprintf(ck[k], sizeof ck[k], "%s/vit_data0-60_epoch2", dir);
+    }
+    double dl = losses_differ_by(log[0], log[1], 20), dw = max_tensor_diff(ck[0], ck[1]);
+    CHECKF(dl <= 1e-5 && dw >= 0 && dw <= 2e-5, "06 --sequence-parallel, 6 sequences of 10 tokens over 4 ranks: losses differ from "
+           "01's by %.3g, weights or optimizer state by %.3g", dl, dw);
+}
+
 /* 2-D parallelism: FSDP around tensor parallelism. 4 ranks are 2 groups of
    --tp 2; the data-parallel engine shards each rank's pieces over the 2
    ranks that hold the same pieces (ZeRO-1, -2, -3, and -3 with the shards
