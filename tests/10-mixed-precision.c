@@ -135,15 +135,19 @@ TEST(accumulation_equals_a_k_times_larger_batch, QUICK) {
     }
 }
 
+/* Stage 05 on a small ViT (dim 64, 2 heads, batch 32) of `depth` blocks in `dtype`, logged to log; how long: `length` */
+static int mp_vit_run(char *out, size_t n, int depth, const char *dtype, const char *length, const char *log) {
+    return run_cmd(out, n, "%s --data %s --image-size 16 --model vit --dim 64 --depth %d --heads 2 --batch-size 32 %s "
+                   "--log-every 1000 --quiet --dtype %s --log %s", stage_bin("05-accum-mixed-precision"), mp_data(), depth, length,
+                   dtype, log);
+}
 TEST(bf16_and_fp16_track_the_fp32_loss_curve, FULL) {
     static const char *types[3] = { "fp32", "bf16", "fp16" };
     char out[16384], log[3][600], log4[3][600];
     double loss[3][200], acc[3], acts[3];
     for (int t = 0; t < 3; t++) {
         snprintf(log[t], sizeof log[t], "%s/mp-%s.jsonl", tmpdir, types[t]);
-        int st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --model vit --dim 64 --depth 2 --heads 2 "
-                         "--batch-size 32 --epochs 2 --log-every 1000 --quiet --dtype %s --log %s",
-                         stage_bin("05-accum-mixed-precision"), mp_data(), types[t], log[t]);
+        int st = mp_vit_run(out, sizeof out, 2, types[t], "--epochs 2", log[t]);
         CHECKF(st == 0, "05 --dtype %s: exit %d\n%s", types[t], st, out);
         CHECKF(log_series(log[t], "loss", loss[t], 200) == 200, "--dtype %s: not 200 steps logged", types[t]);
         acc[t] = summary_value(log[t], "eval_acc");
@@ -178,9 +182,7 @@ TEST(bf16_and_fp16_track_the_fp32_loss_curve, FULL) {
        f32 weighs more: 0.85 of fp32's; at depth 4, 0.70) */
     for (int t = 0; t < 3; t++) {
         snprintf(log4[t], sizeof log4[t], "%s/mp-depth4-%s.jsonl", tmpdir, types[t]);
-        int st = run_cmd(out, sizeof out, "%s --data %s --image-size 16 --model vit --dim 64 --depth 4 --heads 2 "
-                         "--batch-size 32 --epochs 1 --steps 3 --log-every 1000 --quiet --dtype %s --log %s",
-                         stage_bin("05-accum-mixed-precision"), mp_data(), types[t], log4[t]);
+        int st = mp_vit_run(out, sizeof out, 4, types[t], "--epochs 1 --steps 3", log4[t]);
         CHECKF(st == 0, "05 --depth 4 --dtype %s: exit %d\n%s", types[t], st, out);
         acts[t] = summary_value(log4[t], "peak_activations_bytes");
         CHECKF(!t || (acts[t] > 0 && acts[t] < 0.8 * acts[0]), "--dtype %s: activations peak at %.0f bytes, fp32 at %.0f",

@@ -140,7 +140,8 @@ awk -v repeats="$repeats" -v big_repeats="$big_repeats" '
     return m % 2 ? a[(m + 1) / 2] : (a[m / 2] + a[m / 2 + 1]) / 2
   }
   END {
-    printf "\nA full fp32 training step with AdamW, median of %d alternating runs (GPT-2'"'"'s shape: %d) [lowest-highest]; rate = samples/s\n(tokens/s for gpt)\n", repeats, big_repeats
+    runs = repeats > 0 ? sprintf("%d alternating runs (GPT-2'"'"'s shape: %d)", repeats, big_repeats) : sprintf("%d alternating runs", big_repeats)
+    printf "\nA full fp32 training step with AdamW, median of %s [lowest-highest]; rate = samples/s\n(tokens/s for gpt)\n", runs
     printf "%-18s %7s %26s %26s %8s\n", "workload", "threads", "dtrain", "PyTorch", "ratio"
     for (i = 1; i <= k; i++) {
       key = order[i]; split(key, kt, " ")
